@@ -1,0 +1,515 @@
+"""The runtime controller (paper IV-D, design notes): executes a plan and rebalances it online.
+
+One :class:`Controller` object sits between a plan and the two workers of the device: the compute
+thread (one layer step at a time) and the link (fetches KV chunks). The workers ask it what to do
+next and tell it what happened; the simulator and the real edge engine drive it through the same
+calls:
+
+* queries: :meth:`Controller.next_step` (compute thread is free: which step now? ``None`` = wait for
+  the next event), :meth:`Controller.next_fetch` (the link can take a request: which chunk, at which
+  level? ``None`` = nothing to fetch now), :meth:`Controller.take_cancellations` (in-flight fetches to
+  abort);
+* events: :meth:`Controller.rate_sample` (bytes received over some seconds), :meth:`chunk_received`
+  (a transfer completed, decoding starts), :meth:`chunk_arrived` (decoded: the KV is in place),
+  :meth:`step_done` (a layer step finished, with its measured time).
+
+Every method takes ``now`` in seconds on the caller's clock (monotonic; the origin is :meth:`start`).
+
+Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
+
+* Estimates: link throughput over a sliding window of rate samples; compute speed as the mean ratio
+  measured/predicted over the last steps.
+* Remaining work: ``link_rem`` = bytes still to fetch / throughput; ``comp_rem`` = predicted seconds
+  of queued steps x the compute ratio.
+* **Link behind** (``link_rem > comp_rem + margin``): a step all of whose chunks are still planned for
+  streaming, and whose inputs are available or already on the compute path, moves to the compute
+  queue (after its dependencies); its queued fetches are dropped and an in-flight one is cancelled if
+  finishing the transfer would take more than twice as long as computing the step. Candidates are taken from the TAIL of the link queue (what the link
+  would reach last); inputs "on the compute path" let it reach compute-ready chunks of later stages
+  (the paper's "advance to the next stage").
+* **Compute behind** (``comp_rem > link_rem + margin``): the link never waits for a stage boundary
+  (the plan's later chunks are fetched as soon as the link is free: the paper's speculative
+  prefetch), and when the link's remaining work is smaller than compute's, steps migrate from the
+  TAIL of the compute order to streaming: the last queued step that nothing queued depends on
+  (with the layer below it when it is the cheap last-layer projection), if that shortens
+  ``max(comp_rem, link_rem)``.
+* **Dependency prefetch**: when one of the first queued steps waits for a chunk still in the link
+  queue, that chunk is fetched next.
+* Just in time: work moves to a path only when that path's remaining work is under
+  ``horizon_s`` (two stages by default), as in the paper (the GPU is given link work when it would
+  otherwise idle, the link is given compute work when its queue would run dry). A deep but
+  transient fade then does not commit the compute thread to work it cannot finish before the link
+  recovers.
+* A cap of ``max_migrations_per_stage`` migrations per stage (stage clock: the plan's ``Delta_t``)
+  and a hysteresis margin prevent oscillation.
+* Optional CacheGen-style level adaptation: each fetched chunk gets the best allowed level whose
+  expected completion, with the rest at the cheapest level, meets ``slo_s``.
+
+``ControllerConfig.static()`` follows the plan exactly (strict order on both paths, no adaptation):
+the reference executor for "the same plan without a controller".
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from sparkv.layout import KVChunkId, StepId
+from sparkv.scheduler.graph import DepState
+from sparkv.scheduler.instance import Instance
+from sparkv.scheduler.plan import Plan
+
+
+class Fetch(NamedTuple):
+    """A request for the link: chunk ``cid`` at codec level ``level``."""
+
+    cid: KVChunkId
+    level: str
+
+
+@dataclass
+class Migration:
+    """One decision of the controller, for the timeline and logs."""
+
+    time_s: float
+    direction: str  # "to_compute" | "to_stream"
+    steps: list[StepId]
+    cancelled: list[KVChunkId]
+    link_remaining_s: float
+    compute_remaining_s: float
+
+    def to_dict(self) -> dict:
+        return {"time_s": self.time_s, "direction": self.direction,
+                "steps": [list(s) for s in self.steps],
+                "cancelled": [list(c) for c in self.cancelled],
+                "link_remaining_s": self.link_remaining_s,
+                "compute_remaining_s": self.compute_remaining_s}
+
+
+@dataclass
+class ControllerConfig:
+    """Knobs of the runtime controller (see the module docstring)."""
+
+    adapt: bool = True
+    work_conserving: bool = True       # run the first *ready* queued step, not only the head
+    migrate_to_compute: bool = True    # link behind
+    migrate_to_stream: bool = True     # compute behind
+    prefetch: bool = True
+    cancel_inflight: bool = True
+    adapt_levels: bool = False         # CacheGen-style SLO level choice per fetch
+    slo_s: float = 2.0
+    max_migrations_per_stage: int = 8
+    stage_s: float | None = None       # None: plan.stage_budget_s, else estimated TTFT / 10
+    horizon_s: float | None = None     # migrate to a path only when its work left is below this
+                                       # (None: 2 stages)
+    window_s: float = 0.5              # link throughput window
+    compute_window: int = 8            # steps in the compute-speed window
+    margin_frac: float = 0.05
+    margin_s: float = 0.02
+    tail_window: int = 16              # tail candidates examined per compute->stream migration
+    prefetch_lookahead: int = 2        # queued steps whose missing chunks are fetched first
+
+    @classmethod
+    def static(cls) -> "ControllerConfig":
+        """Follow the plan exactly: strict order on both paths, no adaptation."""
+        return cls(adapt=False, work_conserving=False, migrate_to_compute=False,
+                   migrate_to_stream=False, prefetch=False, cancel_inflight=False)
+
+    @classmethod
+    def cachegen(cls, slo_s: float = 2.0) -> "ControllerConfig":
+        """Stream-only CacheGen behaviour: no migrations, per-chunk level from throughput + SLO."""
+        return cls(adapt=True, migrate_to_compute=False, migrate_to_stream=False, prefetch=False,
+                   cancel_inflight=False, adapt_levels=True, slo_s=slo_s)
+
+
+@dataclass
+class _Inflight:
+    li: int
+    nbytes: int
+    received: float = 0.0
+    requested_s: float = 0.0
+
+
+class Controller:
+    """Executes ``plan`` on ``inst`` and adapts it at run time (module docstring)."""
+
+    def __init__(self, plan: Plan, inst: Instance, config: ControllerConfig | None = None):
+        self.plan, self.inst = plan, inst
+        self.cfg = config if config is not None else ControllerConfig()
+        n_s, n_c = inst.num_steps, inst.num_chunks
+        self._L, self._G = inst.L, inst.G
+        self._t_comp = inst.step_t_comp.tolist()
+        self._bytes = inst.chunk_bytes
+        self._cheap = inst.cheapest_level.tolist()
+        self._level_names = [lv.name for lv in inst.levels]
+        self._li: list[int] = list(self._cheap)
+        for cid, name in plan.levels.items():
+            self._li[inst.chunk_index(cid)] = inst.level_index(name)
+        self.cq: list[int] = [inst.step_index(s) for s in plan.compute_order]
+        self.lq: list[int] = [inst.chunk_index(c) for c in plan.stream_order]
+        self.on_compute = [False] * n_s      # queued, running or done on the compute path
+        for s in self.cq:
+            self.on_compute[s] = True
+        self.on_link = [False] * n_c         # queued, in flight, received or arrived by the link
+        for c in self.lq:
+            self.on_link[c] = True
+        self.dep = DepState.for_instance(inst)
+        self.running: int | None = None
+        self.running_since = 0.0
+        self.inflight: dict[int, _Inflight] = {}
+        self.received: set[int] = set()
+        self._cq_pred = float(sum(self._t_comp[s] for s in self.cq))
+        self._lq_bytes = float(sum(int(self._bytes[c, self._li[c]]) for c in self.lq))
+        self._lq_min_bytes = float(sum(int(self._bytes[c, self._cheap[c]]) for c in self.lq))
+        self._bw: deque[tuple[float, float, float]] = deque()
+        self._ratios: deque[float] = deque(maxlen=max(1, self.cfg.compute_window))
+        self._cancel: list[KVChunkId] = []
+        self.migrations: list[Migration] = []
+        self.t0 = 0.0
+        self._stage = -1
+        self._stage_count = 0
+        self._next_scan_s = -math.inf
+        self._available = 0
+        stage = self.cfg.stage_s or plan.stage_budget_s
+        if not stage:
+            est = plan.estimated_ttft_s or (inst.step_t_comp.sum() + inst.min_stream_time.sum()) / 2
+            stage = max(est / 10.0, 0.05)
+        self.stage_s = float(stage)
+        self.horizon_s = float(self.cfg.horizon_s if self.cfg.horizon_s is not None
+                               else 2.0 * self.stage_s)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, now: float) -> None:
+        """Call once when loading begins."""
+        self.t0 = now
+
+    @property
+    def done(self) -> bool:
+        """Every KV chunk is in place."""
+        return self._available == self.inst.num_chunks
+
+    # ------------------------------------------------------------------ queries
+    def next_step(self, now: float) -> StepId | None:
+        """The compute thread is free: the step to run now, or ``None`` (wait for an event)."""
+        if self.running is not None or not self.cq:
+            return None
+        self._rebalance(now)
+        dep = self.dep
+        pick = -1
+        if self.cfg.work_conserving:
+            for i, s in enumerate(self.cq):
+                if dep.ready(s):
+                    pick = i
+                    break
+        elif dep.ready(self.cq[0]):
+            pick = 0
+        if pick < 0:
+            return None
+        s = self.cq.pop(pick)
+        self._cq_pred -= self._t_comp[s]
+        self.running, self.running_since = s, now
+        return self.inst.step_id(s)
+
+    def next_fetch(self, now: float) -> Fetch | None:
+        """The link can take a request: the chunk (and level) to fetch now, or ``None``."""
+        self._rebalance(now)
+        while self.lq:
+            i = self._prefetch_index() if (self.cfg.adapt and self.cfg.prefetch) else 0
+            c = self.lq.pop(i)
+            li = self._li[c]
+            self._lq_bytes -= int(self._bytes[c, li])
+            self._lq_min_bytes -= int(self._bytes[c, self._cheap[c]])
+            if self.dep.chunk_avail[c]:
+                self.on_link[c] = False
+                continue  # became available meanwhile (computed)
+            if self.cfg.adapt_levels:
+                li = self._slo_level(c, now)
+                self._li[c] = li
+            self.inflight[c] = _Inflight(li, int(self._bytes[c, li]), 0.0, now)
+            return Fetch(self.inst.chunk_id(c), self._level_names[li])
+        return None
+
+    @property
+    def has_cancellations(self) -> bool:
+        return bool(self._cancel)
+
+    def take_cancellations(self) -> list[KVChunkId]:
+        """In-flight fetches the link should abort (their steps moved to the compute path)."""
+        out, self._cancel = self._cancel, []
+        return out
+
+    # ------------------------------------------------------------------ events
+    def rate_sample(self, now: float, nbytes: float, seconds: float,
+                    cid: KVChunkId | None = None) -> None:
+        """``nbytes`` were received over the last ``seconds`` (optionally: for chunk ``cid``)."""
+        if seconds > 0:
+            self._bw.append((now, float(nbytes), float(seconds)))
+        if cid is not None:
+            f = self.inflight.get(self.inst.chunk_index(cid))
+            if f is not None:
+                f.received += nbytes
+        self._rebalance(now)
+
+    def chunk_received(self, cid: KVChunkId, now: float) -> None:
+        """The transfer of ``cid`` completed; it is being decoded."""
+        c = self.inst.chunk_index(cid)
+        self.inflight.pop(c, None)
+        self.received.add(c)
+        self._rebalance(now)
+
+    def chunk_arrived(self, cid: KVChunkId, now: float) -> None:
+        """``cid`` is decoded and in place (available to attention)."""
+        c = self.inst.chunk_index(cid)
+        self.received.discard(c)
+        self.inflight.pop(c, None)
+        if not self.dep.chunk_avail[c]:
+            self._available += 1
+            self.dep.add_chunk(c)
+        self._rebalance(now)
+
+    def step_done(self, step: StepId, now: float, seconds: float) -> None:
+        """Layer step ``step`` finished after ``seconds``; its KV chunks are in place."""
+        s = self.inst.step_index(step)
+        if self.running == s:
+            self.running = None
+        pred = self._t_comp[s]
+        if pred > 0 and seconds > 0:
+            self._ratios.append(seconds / pred)
+        before = sum(self.dep.chunk_avail[s * self._G + g] for g in range(self._G))
+        self.dep.mark_computed(s)
+        self._available += self._G - before
+        self._rebalance(now)
+
+    # ------------------------------------------------------------------ estimates
+    def bandwidth_estimate(self, now: float) -> float:
+        """Link throughput (bytes/s) over the sliding window; the plan's estimate before samples."""
+        while len(self._bw) > 1 and self._bw[0][0] < now - self.cfg.window_s:
+            self._bw.popleft()
+        if not self._bw:
+            return self.inst.bandwidth_Bps
+        b = sum(x[1] for x in self._bw)
+        s = sum(x[2] for x in self._bw)
+        return max(b / s, 1.0) if s > 0 else self.inst.bandwidth_Bps
+
+    def compute_ratio(self) -> float:
+        """Measured / predicted step time over the window (1.0 before any step)."""
+        return sum(self._ratios) / len(self._ratios) if self._ratios else 1.0
+
+    def remaining(self, now: float) -> tuple[float, float]:
+        """``(compute_remaining_s, link_remaining_s)`` from the current estimates."""
+        r = self.compute_ratio()
+        comp = r * self._cq_pred
+        if self.running is not None:
+            comp += max(0.0, r * self._t_comp[self.running] - (now - self.running_since))
+        pending = self._lq_bytes + sum(max(0.0, f.nbytes - f.received)
+                                       for f in self.inflight.values())
+        return comp, pending / self.bandwidth_estimate(now)
+
+    # ------------------------------------------------------------------ adaptation
+    def _rebalance(self, now: float) -> None:
+        cfg = self.cfg
+        if not cfg.adapt or not (cfg.migrate_to_compute or cfg.migrate_to_stream):
+            return
+        stage = int(math.floor((now - self.t0) / self.stage_s)) if self.stage_s > 0 else 0
+        if stage != self._stage:
+            self._stage, self._stage_count = stage, 0
+        if now < self._next_scan_s:
+            return
+        while self._stage_count < cfg.max_migrations_per_stage:
+            comp, link = self.remaining(now)
+            margin = cfg.margin_s + cfg.margin_frac * max(comp, link)
+            # just in time: a path takes over work only when its own queue is about to run dry
+            # (remaining work under the horizon), so a transient slump does not overcommit it
+            if link > comp + margin and cfg.migrate_to_compute and comp <= self.horizon_s:
+                moved = self._to_compute(now, comp, link)
+            elif comp > link + margin and cfg.migrate_to_stream and link <= self.horizon_s:
+                moved = self._to_stream(now, comp, link)
+            else:
+                return
+            if not moved:
+                # nothing worth moving now: look again a little later (keeps events cheap)
+                self._next_scan_s = now + min(0.05, self.stage_s / 4)
+                return
+            self._stage_count += 1
+
+    def _sched_frontier(self) -> list[int]:
+        """Per layer: first token chunk whose KV is neither available nor on the compute path."""
+        L, n_t, dep = self._L, self.inst.n_t, self.dep
+        out = []
+        for l in range(L):  # noqa: E741
+            t = dep.frontier[l]
+            while t < n_t and (self.on_compute[t * L + l] or dep.kv_complete(t * L + l)):
+                t += 1
+            out.append(t)
+        return out
+
+    def _to_compute(self, now: float, comp: float, link: float) -> bool:
+        """Link behind: move a compute-ready planned-stream step to the compute queue.
+
+        Candidates are scanned from the TAIL of the link queue (the chunks the link would reach
+        last, symmetric to migrating from the tail of the compute order), then the in-flight
+        fetches (cancelled if finishing them is much slower than computing); the first whose move shortens
+        ``max(comp_rem, link_rem)`` is taken.
+        """
+        L, G = self._L, self._G
+        bw = self.bandwidth_estimate(now)
+        ratio = self.compute_ratio()
+        frontier = self._sched_frontier()
+        queued = set(self.lq)
+        best = -1
+        best_cancel: list[int] = []
+        seen: set[int] = set()
+        for c in list(reversed(self.lq)) + list(self.inflight):
+            s = c // G
+            if s in seen:
+                continue
+            seen.add(s)
+            if self.on_compute[s]:
+                continue
+            t, l = divmod(s, L)
+            if l > 0 and not self.on_compute[s - 1]:
+                continue
+            if l < L - 1 and frontier[l] < t:
+                continue
+            saved_bytes = 0.0
+            cancel: list[int] = []
+            ok = True
+            for g in range(G):
+                cc = s * G + g
+                if cc in queued:
+                    saved_bytes += int(self._bytes[cc, self._li[cc]])
+                elif cc in self.inflight and self.cfg.cancel_inflight:
+                    f = self.inflight[cc]
+                    left = f.nbytes - f.received
+                    # cancel only if computing it is clearly faster than finishing the transfer
+                    if left / bw < 2 * ratio * self._t_comp[s] + self.cfg.margin_s:
+                        ok = False
+                        break
+                    saved_bytes += left
+                    cancel.append(cc)
+                else:
+                    ok = False  # already received / arrived / not on the link
+                    break
+            if not ok:
+                continue
+            saved = saved_bytes / bw
+            added = ratio * self._t_comp[s]
+            if max(comp + added, link - saved) >= max(comp, link) - 1e-9:
+                continue
+            best, best_cancel = s, cancel
+            break
+        if best < 0:
+            return False
+        s = best
+        for g in range(G):
+            cc = s * G + g
+            if cc in queued:
+                self.lq.remove(cc)
+                self._lq_bytes -= int(self._bytes[cc, self._li[cc]])
+                self._lq_min_bytes -= int(self._bytes[cc, self._cheap[cc]])
+            self.on_link[cc] = False
+        for cc in best_cancel:
+            self.inflight.pop(cc, None)
+            self._cancel.append(self.inst.chunk_id(cc))
+        # insert after the last of its dependencies that is still queued
+        t, l = divmod(s, L)
+        deps = {s - 1} if l > 0 else set()
+        if l < L - 1:
+            deps.update(tp * L + l for tp in range(t))
+        pos = 0
+        for i, q in enumerate(self.cq):
+            if q in deps:
+                pos = i + 1
+        self.cq.insert(pos, s)
+        self.on_compute[s] = True
+        self._cq_pred += self._t_comp[s]
+        self.migrations.append(Migration(now, "to_compute", [self.inst.step_id(s)],
+                                         [self.inst.chunk_id(c) for c in best_cancel], link, comp))
+        return True
+
+    def _to_stream(self, now: float, comp: float, link: float) -> bool:
+        """Compute behind: stream the tail of the compute order instead of computing it."""
+        L, G = self._L, self._G
+        bw = self.bandwidth_estimate(now)
+        ratio = self.compute_ratio()
+        examined = 0
+        in_cq = set(self.cq)
+        for idx in range(len(self.cq) - 1, -1, -1):
+            if examined >= self.cfg.tail_window:
+                break
+            s = self.cq[idx]
+            t, l = divmod(s, L)
+            if l < L - 1 and self.on_compute[s + 1]:
+                continue  # something on the compute path needs Y[l, t]
+            examined += 1
+            units = [[s]]
+            if l == L - 1 and (s - 1) in in_cq and l > 0:
+                units.append([s, s - 1])
+            best_unit, best_new = None, max(comp, link) - 1e-9
+            for unit in units:
+                removed = ratio * sum(self._t_comp[u] for u in unit)
+                added = sum(int(self._bytes[u * G + g, self._cheap[u * G + g]])
+                            for u in unit for g in range(G)) / bw
+                new = max(comp - removed, link + added)
+                if new < best_new:
+                    best_unit, best_new = unit, new
+            if best_unit is None:
+                continue
+            for u in best_unit:
+                self.cq.remove(u)
+                self.on_compute[u] = False
+                self._cq_pred -= self._t_comp[u]
+                for g in range(G):
+                    cc = u * G + g
+                    self._li[cc] = self._cheap[cc]
+                    self.lq.append(cc)
+                    self.on_link[cc] = True
+                    b = int(self._bytes[cc, self._cheap[cc]])
+                    self._lq_bytes += b
+                    self._lq_min_bytes += b
+            self.migrations.append(Migration(now, "to_stream",
+                                             [self.inst.step_id(u) for u in best_unit], [],
+                                             link, comp))
+            return True
+        return False
+
+    def _prefetch_index(self) -> int:
+        """Index in the link queue of a chunk the first queued steps wait for (else 0)."""
+        if not self.cq:
+            return 0
+        L, G, dep = self._L, self._G, self.dep
+        want: list[int] = []
+        for s in self.cq[: self.cfg.prefetch_lookahead]:
+            t, l = divmod(s, L)
+            if l == L - 1:
+                continue
+            for tp in range(dep.frontier[l], t):
+                for g in range(G):
+                    c = (tp * L + l) * G + g
+                    if not dep.chunk_avail[c] and self.on_link[c] and c not in self.inflight \
+                            and c not in self.received:
+                        want.append(c)
+            if want:
+                break
+        if not want:
+            return 0
+        wanted = set(want)
+        for i, c in enumerate(self.lq):
+            if c in wanted:
+                return i
+        return 0
+
+    def _slo_level(self, c: int, now: float) -> int:
+        """CacheGen: the best allowed level whose completion (rest at cheapest) meets the SLO."""
+        bw = self.bandwidth_estimate(now)
+        elapsed = now - self.t0
+        rest = self._lq_min_bytes / bw
+        allowed = self.inst.allowed_mask[c]
+        order = sorted((i for i in range(len(self._level_names)) if allowed[i]),
+                       key=lambda i: -self.inst.levels[i].rank)
+        for li in order:
+            if elapsed + int(self._bytes[c, li]) / bw + rest <= self.cfg.slo_s:
+                return li
+        return self._cheap[c]

@@ -1,0 +1,182 @@
+"""The exact MILP of paper IV-B (eqs. 1-5) with the corrected token dependency, solved by CBC.
+
+Stages ``k = 0..K-1``. Binary ``xc[s, k]``: layer step ``s`` computed in stage ``k``; binary
+``xs[c, k]``: chunk ``c`` streamed in stage ``k``. Continuous ``D_k``: the stage's duration.
+
+* objective (1): ``min sum_k D_k`` with ``D_k >= sum_c t_stream(c) xs[c, k]`` and
+  ``D_k >= sum_s t_comp(s) xc[s, k]`` (plus the constant question prefill);
+* coverage (2): every chunk exactly once: ``sum_k xs[c, k] + sum_k xc[step(c), k] = 1``;
+* readiness (3)-(5), corrected:
+
+  - layer: ``xc[(t,l), k] <= sum_{k' <= k} xc[(t,l-1), k']`` (``l > 0``): the hidden state comes only
+    from a computed step; a stage's computation runs serially, so the same stage is fine;
+  - token, for ``l < L-1``: ``xc[(t,l), k] <= A[(t',l,g), k]`` for **every** ``t' < t`` and ``g``,
+    ``A = sum_{k' <= k} xc[(t',l), k'] + sum_{k' < k} xs[(t',l,g), k']``: a chunk streamed in stage
+    ``k`` is only known to be there from stage ``k+1`` (the paper's ``r_tok`` checks only ``t-1`` and
+    counts same-stage streams). The "every ``t'``" is linear in the number of token chunks through
+    prefix variables ``P[t,l,k] <= P[t-1,l,k]``, ``P[t,l,k] <= A[(t,l,g),k]``,
+    ``xc[(t,l),k] <= P[t-1,l,k]``.
+
+``t_stream(c)`` is at the cheapest allowed level (the TTFT-optimal level; quality upgrades are the
+greedy's separate, TTFT-neutral pass). The plan computes stage by stage (within a stage, token
+chunk then layer, a valid order) and streams stage by stage, the chunks computed steps need first.
+Reported in ``plan.info``: CBC's status, objective, best bound and relative gap (from CBC's log), the
+solve time, the model size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+
+import numpy as np
+
+from sparkv.scheduler.instance import Instance
+from sparkv.scheduler.plan import Plan
+from sparkv.scheduler.planners.base import Planner, PlannerError, make_plan, \
+    stream_order_for_compute
+from sparkv.scheduler.simulator import estimate_ttft
+
+
+class Milp(Planner):
+    """The exact stage MILP (module docstring), for small instances: an oracle, not for the device.
+
+    Args:
+        stages: ``K``, the number of decision stages.
+        time_limit_s: CBC's wall-clock limit; at the limit the best solution found is returned and
+            ``info["status"]`` says so, with the gap.
+        gap_rel: relative gap at which CBC may stop (0: prove optimality).
+        threads: CBC threads.
+        warm_start: ``"none"`` or ``"stream"`` (start from "stream everything in stage 0", which
+            guarantees a solution at the time limit).
+    """
+
+    name = "milp"
+
+    def __init__(self, stages: int = 3, time_limit_s: float = 120.0, gap_rel: float = 0.0,
+                 threads: int = 1, warm_start: str = "stream"):
+        if stages < 1:
+            raise ValueError("stages must be >= 1")
+        self.stages = stages
+        self.time_limit_s = time_limit_s
+        self.gap_rel = gap_rel
+        self.threads = threads
+        self.warm_start = warm_start
+
+    def _plan(self, inst: Instance) -> Plan:
+        import pulp
+
+        L, G, n_t, K = inst.L, inst.G, inst.n_t, self.stages
+        n_s, n_c = inst.num_steps, inst.num_chunks
+        tc = inst.step_t_comp
+        ts = inst.min_stream_time
+        prob = pulp.LpProblem("sparkv_schedule", pulp.LpMinimize)
+        xc = {(s, k): pulp.LpVariable(f"xc_{s}_{k}", cat="Binary") for s in range(n_s)
+              for k in range(K)}
+        xs = {(c, k): pulp.LpVariable(f"xs_{c}_{k}", cat="Binary") for c in range(n_c)
+              for k in range(K)}
+        D = [pulp.LpVariable(f"D_{k}", lowBound=0) for k in range(K)]
+        prob += pulp.lpSum(D)
+        for k in range(K):
+            prob += D[k] >= pulp.lpSum(float(ts[c]) * xs[c, k] for c in range(n_c)), f"stream_{k}"
+            prob += D[k] >= pulp.lpSum(float(tc[s]) * xc[s, k] for s in range(n_s)), f"comp_{k}"
+        for c in range(n_c):
+            s = c // G
+            prob += (pulp.lpSum(xs[c, k] for k in range(K))
+                     + pulp.lpSum(xc[s, k] for k in range(K)) == 1), f"cover_{c}"
+        for s in range(n_s):
+            t, l = divmod(s, L)
+            if l > 0:
+                for k in range(K):
+                    prob += xc[s, k] <= pulp.lpSum(xc[s - 1, kk] for kk in range(k + 1)), \
+                        f"layer_{s}_{k}"
+        # token dependency over every earlier token chunk, through prefix variables
+        for l in range(L - 1):  # noqa: E741
+            for k in range(K):
+                prev = None
+                for t in range(n_t - 1):  # P for t = n_t-1 is never used
+                    s = t * L + l
+                    p = pulp.LpVariable(f"P_{t}_{l}_{k}", lowBound=0, upBound=1)
+                    comp_by_k = pulp.lpSum(xc[s, kk] for kk in range(k + 1))
+                    for g in range(G):
+                        c = s * G + g
+                        prob += p <= comp_by_k + pulp.lpSum(xs[c, kk] for kk in range(k)), \
+                            f"avail_{t}_{l}_{g}_{k}"
+                    if prev is not None:
+                        prob += p <= prev, f"prefix_{t}_{l}_{k}"
+                    prob += xc[(t + 1) * L + l, k] <= p, f"token_{t + 1}_{l}_{k}"
+                    prev = p
+        if self.warm_start == "stream":
+            for (c, k), v in xs.items():
+                v.setInitialValue(1 if k == 0 else 0)
+            for v in xc.values():
+                v.setInitialValue(0)
+            D[0].setInitialValue(float(ts.sum()))
+            for k in range(1, K):
+                D[k].setInitialValue(0.0)
+        n_vars = len(prob.variables())
+        n_cons = len(prob.constraints)
+        with tempfile.TemporaryDirectory() as tmp:
+            log_path = os.path.join(tmp, "cbc.log")
+            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=self.time_limit_s,
+                                       gapRel=self.gap_rel, threads=self.threads,
+                                       warmStart=self.warm_start != "none", logPath=log_path)
+            t0 = time.perf_counter()
+            prob.solve(solver)
+            solve_time = time.perf_counter() - t0
+            log = open(log_path).read() if os.path.exists(log_path) else ""
+        status = pulp.LpStatus[prob.status]
+        sol_status = pulp.LpSolution.get(prob.sol_status, str(prob.sol_status))
+        if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            raise PlannerError(f"MILP found no solution within {self.time_limit_s} s "
+                               f"(status {status}: {sol_status})")
+        objective = float(pulp.value(prob.objective))
+        bound, gap = _parse_cbc_log(log, objective)
+        optimal = prob.sol_status == pulp.LpSolutionOptimal and "Stopped" not in log
+        if optimal:
+            bound, gap = objective, 0.0 if self.gap_rel == 0 else gap
+        stage_c = np.full(n_s, -1)
+        stage_s = np.full(n_c, -1)
+        for (s, k), v in xc.items():
+            if (v.value() or 0) > 0.5:
+                stage_c[s] = k
+        for (c, k), v in xs.items():
+            if (v.value() or 0) > 0.5:
+                stage_s[c] = k
+        compute = sorted((s for s in range(n_s) if stage_c[s] >= 0),
+                         key=lambda s: (stage_c[s], s // L, s % L))
+        # a chunk is streamed iff its step is not computed (coverage), whatever rounding says
+        computed = set(compute)
+        stream_ids = [c for c in range(n_c) if (c // G) not in computed]
+        stream = sorted(stream_ids, key=lambda c: (max(stage_s[c], 0), c))
+        stream = stream_order_for_compute(inst, compute, stream)
+        plan = make_plan(inst, compute, stream, info={
+            "status": "optimal" if optimal else ("time_limit" if "Stopped" in log else status),
+            "solution": sol_status,
+            "objective_s": objective + inst.t_suffix_s,
+            "bound_s": None if bound is None else bound + inst.t_suffix_s,
+            "gap": gap,
+            "solve_time_s": solve_time,
+            "stages": K,
+            "variables": n_vars,
+            "constraints": n_cons,
+        })
+        plan.estimated_ttft_s = estimate_ttft(plan, inst)
+        return plan
+
+
+def _parse_cbc_log(log: str, objective: float) -> tuple[float | None, float | None]:
+    """Best bound and relative gap from CBC's final report (``None`` if it does not say)."""
+    bound = None
+    m = re.search(r"Lower bound:\s*([-\d.eE+]+)", log)
+    if m:
+        bound = float(m.group(1))
+    m = re.search(r"Gap:\s*([-\d.eE+]+)", log)
+    if m:
+        return bound, float(m.group(1))
+    if bound is not None and objective > 0 and math.isfinite(bound):
+        return bound, max(0.0, (objective - bound) / objective)
+    return bound, None

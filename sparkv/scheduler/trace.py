@@ -1,0 +1,255 @@
+"""Bandwidth traces: piecewise-constant link throughput over time, from CSV files or constants.
+
+CSV format (docs/scheduler.md): a header ``time_s,mbps`` with an optional third column ``rtt_ms``;
+one row per change point, ``time_s`` strictly increasing from 0. Row ``i``'s rate (Mbit/s,
+1 Mbit = 10^6 bits) holds on ``[time_s[i], time_s[i+1])``; the last row holds for as long as the gap
+before it, which closes one period. Past the end the trace repeats (``loop=True``, the default) or
+keeps its last rate (``loop=False``). A rate of 0 is an outage.
+
+Sample traces ship in ``sparkv/data/`` (see :data:`SAMPLE_TRACES`); :func:`make_sample_trace`
+regenerates them deterministically.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from sparkv.errors import SparkvError
+from sparkv.scheduler.instance import MBPS
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+#: name -> file in sparkv/data
+SAMPLE_TRACES = {
+    "wifi": "trace_wifi.csv",
+    "lte": "trace_lte.csv",
+    "deep-fade": "trace_deep_fade.csv",
+}
+
+
+class TraceError(SparkvError):
+    """A trace file is malformed."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Piecewise-constant throughput. ``times_s[0] == 0``; ``mbps[i]`` holds from ``times_s[i]``."""
+
+    times_s: tuple[float, ...]
+    mbps: tuple[float, ...]
+    rtt_ms: tuple[float, ...] | None = None
+    period_s: float = math.inf
+    loop: bool = True
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.times_s or len(self.times_s) != len(self.mbps):
+            raise TraceError("a trace needs as many times as rates, at least one")
+        if self.times_s[0] != 0:
+            raise TraceError(f"a trace starts at time 0, got {self.times_s[0]}")
+        if any(b <= a for a, b in zip(self.times_s, self.times_s[1:])):
+            raise TraceError("trace times must be strictly increasing")
+        if any(not (m >= 0 and math.isfinite(m)) for m in self.mbps):
+            raise TraceError("trace rates must be finite and >= 0 Mbit/s")
+        if max(self.mbps) <= 0:
+            raise TraceError("a trace with no positive rate never delivers a byte")
+        if self.rtt_ms is not None and len(self.rtt_ms) != len(self.mbps):
+            raise TraceError("rtt_ms must have one value per row")
+        if self.period_s <= self.times_s[-1]:
+            raise TraceError("the period must end after the last change point")
+
+    # --- construction -----------------------------------------------------------------------
+    @classmethod
+    def constant(cls, mbps: float, rtt_ms: float | None = None) -> "Trace":
+        return cls((0.0,), (float(mbps),), None if rtt_ms is None else (float(rtt_ms),),
+                   math.inf, False, f"const-{mbps:g}mbps")
+
+    @classmethod
+    def from_rows(cls, times_s: Sequence[float], mbps: Sequence[float],
+                  rtt_ms: Sequence[float] | None = None, *, loop: bool = True,
+                  name: str = "") -> "Trace":
+        times = tuple(float(t) for t in times_s)
+        if len(times) >= 2:
+            period = times[-1] + (times[-1] - times[-2])
+        else:
+            period = math.inf
+        return cls(times, tuple(float(m) for m in mbps),
+                   None if rtt_ms is None else tuple(float(r) for r in rtt_ms),
+                   period, loop and math.isfinite(period), name)
+
+    @classmethod
+    def from_csv(cls, path: str | Path, *, loop: bool = True) -> "Trace":
+        text = Path(path).read_text()
+        return cls.parse(text, loop=loop, name=Path(path).stem)
+
+    @classmethod
+    def parse(cls, text: str, *, loop: bool = True, name: str = "") -> "Trace":
+        reader = csv.reader(io.StringIO(text))
+        rows = [r for r in reader if r and not r[0].lstrip().startswith("#")]
+        if not rows:
+            raise TraceError(f"trace {name!r} is empty")
+        header = [h.strip() for h in rows[0]]
+        if header[:2] != ["time_s", "mbps"] or len(header) > 3 or (
+                len(header) == 3 and header[2] != "rtt_ms"):
+            raise TraceError(f"trace {name!r}: header must be 'time_s,mbps[,rtt_ms]', got {header}")
+        times, rates, rtts = [], [], []
+        for n, row in enumerate(rows[1:], start=2):
+            if len(row) != len(header):
+                raise TraceError(f"trace {name!r} row {n}: expected {len(header)} fields")
+            try:
+                times.append(float(row[0]))
+                rates.append(float(row[1]))
+                if len(header) == 3:
+                    rtts.append(float(row[2]))
+            except ValueError as exc:
+                raise TraceError(f"trace {name!r} row {n}: {exc}") from None
+        return cls.from_rows(times, rates, rtts if len(header) == 3 else None, loop=loop, name=name)
+
+    @classmethod
+    def sample(cls, name: str, *, loop: bool = True) -> "Trace":
+        """One of the traces shipped in ``sparkv/data`` (:data:`SAMPLE_TRACES`)."""
+        if name not in SAMPLE_TRACES:
+            raise TraceError(f"unknown sample trace {name!r}; known: {sorted(SAMPLE_TRACES)}")
+        text = (DATA_DIR / SAMPLE_TRACES[name]).read_text()
+        return cls.parse(text, loop=loop, name=name)
+
+    def to_csv(self) -> str:
+        out = io.StringIO()
+        if self.rtt_ms is None:
+            out.write("time_s,mbps\n")
+            for t, m in zip(self.times_s, self.mbps):
+                out.write(f"{t:.3f},{m:.3f}\n")
+        else:
+            out.write("time_s,mbps,rtt_ms\n")
+            for t, m, r in zip(self.times_s, self.mbps, self.rtt_ms):
+                out.write(f"{t:.3f},{m:.3f},{r:.1f}\n")
+        return out.getvalue()
+
+    # --- queries ----------------------------------------------------------------------------
+    def _locate(self, t: float) -> tuple[int, float, float]:
+        """(segment index, segment start, segment end) in absolute time for time ``t``."""
+        if t < 0:
+            t = 0.0
+        base = 0.0
+        if self.loop and math.isfinite(self.period_s) and t >= self.period_s:
+            k = math.floor(t / self.period_s)
+            base = k * self.period_s
+            t -= base
+        i = bisect.bisect_right(self.times_s, t) - 1
+        if i + 1 < len(self.times_s):
+            end = self.times_s[i + 1]
+        else:
+            end = self.period_s if self.loop else math.inf
+        return i, base + self.times_s[i], base + end
+
+    def rate_Bps(self, t: float) -> float:  # noqa: N802
+        """Throughput at time ``t`` in bytes/s."""
+        return self.mbps[self._locate(t)[0]] * MBPS
+
+    def rtt_s(self, t: float, default: float) -> float:
+        if self.rtt_ms is None:
+            return default
+        return self.rtt_ms[self._locate(t)[0]] / 1e3
+
+    def transfer_end(self, start: float, nbytes: float) -> float:
+        """When ``nbytes`` that start draining at ``start`` have all arrived."""
+        if nbytes <= 0:
+            return start
+        t = start
+        remaining = float(nbytes)
+        for _ in range(10_000_000):
+            i, _, end = self._locate(t)
+            rate = self.mbps[i] * MBPS
+            if rate > 0:
+                if end == math.inf or remaining <= rate * (end - t):
+                    return t + remaining / rate
+                remaining -= rate * (end - t)
+            elif end == math.inf:
+                raise TraceError("the trace ends in an outage: the transfer never completes")
+            t = end
+        raise TraceError("transfer did not complete within the trace")  # pragma: no cover
+
+    def bytes_between(self, t0: float, t1: float) -> float:
+        """Bytes the link can deliver between ``t0`` and ``t1``."""
+        total, t = 0.0, t0
+        while t < t1:
+            i, _, end = self._locate(t)
+            seg_end = min(end, t1)
+            total += self.mbps[i] * MBPS * (seg_end - t)
+            t = seg_end
+        return total
+
+    def mean_mbps(self, horizon_s: float | None = None) -> float:
+        h = horizon_s or (self.period_s if math.isfinite(self.period_s) else 1.0)
+        return self.bytes_between(0.0, h) / h / MBPS
+
+
+# ------------------------------------------------------------------------------------------------
+# Sample traces
+# ------------------------------------------------------------------------------------------------
+def make_sample_trace(kind: str, seed: int = 0, duration_s: float = 120.0) -> Trace:
+    """Deterministic synthetic traces, the source of the CSVs in ``sparkv/data``.
+
+    * ``wifi``: 100 ms steps, log-AR(1) around 200 Mbit/s (sd ~30%), short dips to ~20% on ~2% of
+      steps (interference); RTT 4-15 ms.
+    * ``lte``: 200 ms steps, log-AR(1) around 25 Mbit/s between ~3 and ~80, slower swings; RTT
+      35-90 ms.
+    * ``deep-fade``: 80 Mbit/s (+-5%) with a fade to 1 Mbit/s from 1.0 s to 9.0 s, then 80 again;
+      RTT 20 ms, 300 ms during the fade.
+    """
+    rng = np.random.default_rng(seed)
+    if kind == "wifi":
+        dt, mean, sd, rho = 0.1, 200.0, 0.3, 0.9
+    elif kind == "lte":
+        dt, mean, sd, rho = 0.2, 25.0, 0.55, 0.95
+    elif kind == "deep-fade":
+        times = np.arange(0.0, duration_s, 0.1)
+        mbps = 80.0 * (1 + 0.05 * rng.uniform(-1, 1, len(times)))
+        fade = (times >= 1.0 - 1e-9) & (times < 9.0 - 1e-9)
+        mbps[fade] = 1.0
+        rtt = np.where(fade, 300.0, 20.0)
+        return Trace.from_rows(np.round(times, 3), np.round(mbps, 3), rtt, name=kind)
+    else:
+        raise TraceError(f"unknown sample trace kind {kind!r}")
+    n = int(round(duration_s / dt))
+    x = np.empty(n)
+    x[0] = 0.0
+    eps = rng.normal(0.0, sd * math.sqrt(1 - rho * rho), n)
+    for i in range(1, n):
+        x[i] = rho * x[i - 1] + eps[i]
+    mbps = mean * np.exp(x - sd * sd / 2)
+    if kind == "wifi":
+        dips = rng.uniform(size=n) < 0.02
+        mbps[dips] *= 0.2
+        rtt = rng.uniform(4.0, 15.0, n)
+        mbps = np.clip(mbps, 5.0, 900.0)
+    else:
+        rtt = rng.uniform(35.0, 90.0, n)
+        mbps = np.clip(mbps, 3.0, 80.0)
+    times = np.round(np.arange(n) * dt, 3)
+    return Trace.from_rows(times, np.round(mbps, 3), np.round(rtt, 1), name=kind)
+
+
+def write_sample_traces(directory: str | Path) -> list[Path]:
+    """Writes every sample trace as CSV into ``directory`` (used to produce sparkv/data)."""
+    out = []
+    for kind, fname in SAMPLE_TRACES.items():
+        path = Path(directory) / fname
+        path.write_text(make_sample_trace(kind).to_csv())
+        out.append(path)
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    for p in write_sample_traces(sys.argv[1] if len(sys.argv) > 1 else "sparkv/data"):
+        print(p)

@@ -167,6 +167,7 @@ class Controller:
         self._ratios: deque[float] = deque(maxlen=max(1, self.cfg.compute_window))
         self._cancel: list[KVChunkId] = []
         self.migrations: list[Migration] = []
+        self.revision = 0   # bumped whenever the controller changes the plan (for its drivers)
         self.t0 = 0.0
         self._stage = -1
         self._stage_count = 0
@@ -425,6 +426,7 @@ class Controller:
         self.cq.insert(pos, s)
         self.on_compute[s] = True
         self._cq_pred += self._t_comp[s]
+        self.revision += 1
         self.migrations.append(Migration(now, "to_compute", [self.inst.step_id(s)],
                                          [self.inst.chunk_id(c) for c in best_cancel], link, comp))
         return True
@@ -469,6 +471,7 @@ class Controller:
                     b = int(self._bytes[cc, self._cheap[cc]])
                     self._lq_bytes += b
                     self._lq_min_bytes += b
+            self.revision += 1
             self.migrations.append(Migration(now, "to_stream",
                                              [self.inst.step_id(u) for u in best_unit], [],
                                              link, comp))

@@ -5,7 +5,8 @@ The device model (docs/scheduler.md, "Simulator"):
 * **link**: one serial transfer at a time; a transfer's bytes drain at the trace's rate. A request
   made while the link was idle waits one RTT before its first byte; a request made back-to-back
   (the previous transfer just finished) is pipelined (no extra RTT). Rate samples go to the
-  controller every ``sample_interval_s`` while bytes flow and at the end of each transfer.
+  controller every ``sample_interval_s`` while bytes flow (at most 200 per transfer) and at the end
+  of each transfer.
 * **decoder**: a received chunk is decoded (``t_proc`` of its level) by one decode worker, in
   arrival order, overlapping the next transfer; then the chunk is available.
 * **compute thread**: one layer step at a time, ``t_comp x noise``; a step starts only when its
@@ -123,6 +124,8 @@ class Timeline:
         return d
 
 
+_MAX_SAMPLES = 200  # rate samples per transfer at most (long transfers sample more coarsely)
+
 # event kinds, in the order simultaneous events are processed
 _RECV_DONE, _DECODE_DONE, _STEP_DONE, _TICK = 0, 1, 2, 3
 
@@ -186,24 +189,25 @@ def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
             avail_at[c] = now
             n_avail += 1
 
-    def start_decode(now: float) -> None:
+    def start_decode(now: float) -> bool:
         nonlocal decoding, decode_busy_s
         if decoding or not decode_q:
-            return
+            return False
         c, li, rec = decode_q.pop(0)
         d = float(inst.t_proc[c, li])
         decoding = True
         decode_busy_s += d
         push(now + d, _DECODE_DONE, c)
         rec.decoded_s = now + d
+        return True
 
-    def start_compute(now: float) -> None:
+    def start_compute(now: float) -> bool:
         nonlocal running, compute_busy_s
         if running is not None or finished:
-            return
+            return False
         step = ctl.next_step(now)
         if step is None:
-            return
+            return False
         s = inst.step_index(step)
         if not dep.ready(s):
             missing = dep.missing_for(s) if not dep.computed[s] else ["it is already computed"]
@@ -214,14 +218,15 @@ def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
         compute_busy_s += dur
         steps[step] = (now, now + dur)
         push(now + dur, _STEP_DONE, s)
+        return True
 
-    def start_link(now: float) -> None:
+    def start_link(now: float) -> bool:
         nonlocal link_busy, cur, link_first, link_wait_s
         if link_busy or finished:
-            return
+            return False
         f = ctl.next_fetch(now)
         if f is None:
-            return
+            return False
         c = inst.chunk_index(f.cid)
         li = inst.level_index(f.level)
         nbytes = int(inst.chunk_bytes[c, li])
@@ -238,10 +243,12 @@ def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
         link_busy = True
         push(end, _RECV_DONE, tid)
         if math.isfinite(sample_interval_s) and sample_interval_s > 0:
+            step = max(sample_interval_s, (end - start) / _MAX_SAMPLES)
             k = 1
-            while start + k * sample_interval_s < end:
-                push(start + k * sample_interval_s, _TICK, tid)
+            while start + k * step < end:
+                push(start + k * step, _TICK, tid)
                 k += 1
+        return True
 
     def process_cancellations(now: float) -> None:
         nonlocal link_busy, cur, link_free_since, link_busy_s, bytes_wasted
@@ -257,12 +264,15 @@ def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
                 link_free_since = now
 
     def pump(now: float) -> None:
-        for _ in range(4):
+        # a query can change the controller's mind about the other path (a migration inside
+        # next_fetch can give the idle compute thread work): repeat until nothing more starts
+        for _ in range(1000):
+            rev = ctl.revision
             process_cancellations(now)
-            start_compute(now)
-            start_link(now)
-            start_decode(now)
-            if not ctl.has_cancellations:
+            started = start_compute(now)
+            started = start_link(now) or started
+            started = start_decode(now) or started
+            if not started and not ctl.has_cancellations and ctl.revision == rev:
                 break
 
     def check_done(now: float) -> None:

@@ -148,6 +148,9 @@ class Trace:
             end = self.times_s[i + 1]
         else:
             end = self.period_s if self.loop else math.inf
+        if base + end <= base + t + 1e-12 and math.isfinite(end):
+            # rounding put us at the very end of a segment: step into the next one
+            return self._locate(base + end + 1e-9)
         return i, base + self.times_s[i], base + end
 
     def rate_Bps(self, t: float) -> float:  # noqa: N802
@@ -165,7 +168,12 @@ class Trace:
             return start
         t = start
         remaining = float(nbytes)
-        for _ in range(10_000_000):
+        per = self._period_bytes()
+        if per is not None and remaining > 2 * per:
+            k = math.floor(remaining / per) - 1   # whole periods deliver exactly per bytes each
+            t += k * self.period_s
+            remaining -= k * per
+        for _ in range(4 * len(self.times_s) + 8):
             i, _, end = self._locate(t)
             rate = self.mbps[i] * MBPS
             if rate > 0:
@@ -175,17 +183,29 @@ class Trace:
             elif end == math.inf:
                 raise TraceError("the trace ends in an outage: the transfer never completes")
             t = end
-        raise TraceError("transfer did not complete within the trace")  # pragma: no cover
+        raise TraceError("transfer did not complete")  # pragma: no cover - unreachable
 
     def bytes_between(self, t0: float, t1: float) -> float:
         """Bytes the link can deliver between ``t0`` and ``t1``."""
         total, t = 0.0, t0
+        per = self._period_bytes()
+        if per is not None and t1 - t0 > 2 * self.period_s:
+            k = math.floor((t1 - t0) / self.period_s) - 1
+            total += k * per
+            t += k * self.period_s
         while t < t1:
             i, _, end = self._locate(t)
             seg_end = min(end, t1)
             total += self.mbps[i] * MBPS * (seg_end - t)
             t = seg_end
         return total
+
+    def _period_bytes(self) -> float | None:
+        """Bytes one whole period delivers (``None`` if the trace does not loop)."""
+        if not (self.loop and math.isfinite(self.period_s)):
+            return None
+        times = list(self.times_s) + [self.period_s]
+        return sum(m * MBPS * (b - a) for m, a, b in zip(self.mbps, times, times[1:]))
 
     def mean_mbps(self, horizon_s: float | None = None) -> float:
         h = horizon_s or (self.period_s if math.isfinite(self.period_s) else 1.0)

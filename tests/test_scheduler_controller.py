@@ -1,0 +1,140 @@
+"""The runtime controller: its event interface, and that it helps when reality leaves the plan."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from sparkv.layout import KVChunkId, StepId
+from sparkv.scheduler import (ComputeNoise, Controller, ControllerConfig, Greedy, StreamOnly,
+                              StrongHybrid, Trace, simulate, synthetic_instance)
+from sparkv.scheduler.instance import MBPS
+
+
+@pytest.fixture(scope="module")
+def inst8k():
+    return synthetic_instance(8 * 1024, bandwidth_mbps=80, seed=0)
+
+
+@pytest.mark.parametrize("planner", [Greedy(), StrongHybrid()], ids=["greedy", "hybrid"])
+def test_controller_lowers_ttft_under_a_deep_bandwidth_drop(inst8k, planner):
+    plan = planner.plan(inst8k)
+    fade = Trace.sample("deep-fade")          # 80 Mbit/s, 1 Mbit/s from 1 s to 9 s
+    static = simulate(plan, inst8k, fade)
+    adaptive = simulate(plan, inst8k, fade, controller=ControllerConfig())
+    assert adaptive.ttft_s < 0.95 * static.ttft_s, (static.ttft_s, adaptive.ttft_s)
+    directions = Counter(m.direction for m in adaptive.migrations)
+    assert directions["to_compute"] > 0
+    assert adaptive.computed_steps > static.computed_steps
+
+
+def test_controller_lowers_ttft_when_the_link_dies_for_long(inst8k):
+    plan = Greedy().plan(inst8k)
+    drop = Trace.from_rows([0.0, 0.5, 30.0], [80.0, 0.3, 80.0], loop=False)
+    static = simulate(plan, inst8k, drop)
+    adaptive = simulate(plan, inst8k, drop, controller=ControllerConfig())
+    assert adaptive.ttft_s < 0.8 * static.ttft_s
+    assert adaptive.bytes_wasted > 0                    # a stuck transfer was cancelled
+    assert any(m.cancelled for m in adaptive.migrations)
+
+
+def test_compute_contention_moves_the_tail_of_the_compute_order_to_the_link():
+    inst = synthetic_instance(8 * 1024, bandwidth_mbps=25, seed=1)
+    plan = Greedy().plan(inst)
+    slow = ComputeNoise(slowdowns=((0.0, 1e9, 3.0),))     # another app takes the CPU
+    static = simulate(plan, inst, noise=slow)
+    adaptive = simulate(plan, inst, noise=slow, controller=ControllerConfig())
+    assert adaptive.ttft_s < 0.9 * static.ttft_s
+    first = next(m for m in adaptive.migrations if m.direction == "to_stream")
+    # it comes from the tail: nothing after it in the plan's compute order depends on it
+    moved = first.steps[0]
+    pos = plan.compute_order.index(moved)
+    assert StepId(moved.t, moved.l + 1) not in plan.compute_order[:pos]
+    assert pos >= len(plan.compute_order) - 40
+
+
+def test_no_adaptation_when_the_plan_holds(inst8k):
+    plan = Greedy().plan(inst8k)
+    static = simulate(plan, inst8k)
+    adaptive = simulate(plan, inst8k, controller=ControllerConfig())
+    assert adaptive.ttft_s <= static.ttft_s * 1.02
+    assert len(adaptive.migrations) <= 10
+
+
+def test_migration_cap_per_stage(inst8k):
+    plan = Greedy().plan(inst8k)
+    cfg = ControllerConfig(max_migrations_per_stage=1, stage_s=0.5)
+    tl = simulate(plan, inst8k, Trace.sample("deep-fade"), controller=cfg)
+    per_stage = Counter(math.floor(m.time_s / 0.5) for m in tl.migrations)
+    assert tl.migrations and max(per_stage.values()) == 1
+
+
+def test_static_executor_follows_the_plan_exactly(inst8k):
+    plan = Greedy().plan(inst8k)
+    tl = simulate(plan, inst8k, Trace.sample("wifi"))
+    assert [r.cid for r in tl.transfers] == plan.stream_order
+    assert sorted(tl.steps, key=lambda s: tl.steps[s][0]) == plan.compute_order
+    assert all(r.level == plan.levels[r.cid] for r in tl.transfers)
+
+
+def test_cachegen_controller_lowers_levels_when_the_link_slows():
+    inst = synthetic_instance(2 * 1024, bandwidth_mbps=400, seed=0)
+    plan = StreamOnly(slo_s=2.0).plan(inst)
+    assert Counter(plan.levels.values())["q5"] < len(plan.stream_order)   # some better levels
+    slump = Trace.from_rows([0.0, 0.2], [400.0, 40.0], loop=False)
+    static = simulate(plan, inst, slump)
+    adaptive = simulate(plan, inst, slump, controller=ControllerConfig.cachegen(2.0))
+    assert adaptive.ttft_s < static.ttft_s
+    late = [r.level for r in adaptive.transfers if r.requested_s > 1.0]
+    assert late and set(late) == {"q5"}                 # fell back to the cheapest allowed level
+    assert not adaptive.migrations and not adaptive.steps  # stream only: never computes
+
+
+def test_driving_the_controller_by_hand_like_the_engine():
+    """The engine's loop in miniature: ask, do, report. Both queues drain, deps hold."""
+    inst = synthetic_instance(3 * 1024, num_layers=4, bandwidth_mbps=20, seed=0)
+    plan = Greedy().plan(inst)
+    ctl = Controller(plan, inst, ControllerConfig())
+    ctl.start(0.0)
+    now, done_steps, arrived = 0.0, [], []
+    for _ in range(10_000):
+        if ctl.done:
+            break
+        step = ctl.next_step(now)
+        if step is not None:
+            now += inst.comp_time(step)
+            ctl.step_done(step, now, inst.comp_time(step))
+            done_steps.append(step)
+        fetch = ctl.next_fetch(now)
+        if fetch is not None:
+            nbytes = inst.bytes_of(fetch.cid, fetch.level)
+            now += nbytes / inst.bandwidth_Bps
+            ctl.rate_sample(now, nbytes, nbytes / inst.bandwidth_Bps, fetch.cid)
+            ctl.chunk_received(fetch.cid, now)
+            ctl.chunk_arrived(fetch.cid, now)
+            arrived.append(fetch.cid)
+        for cid in ctl.take_cancellations():
+            pass  # nothing in flight across iterations in this serial loop
+    assert ctl.done
+    covered = {KVChunkId(s.t, s.l, g) for s in done_steps for g in range(inst.G)} | set(arrived)
+    assert len(covered) == inst.num_chunks
+    comp, link = ctl.remaining(now)
+    assert comp == pytest.approx(0, abs=1e-9) and link == pytest.approx(0, abs=1e-9)
+
+
+def test_estimates_follow_the_samples():
+    inst = synthetic_instance(2 * 1024, bandwidth_mbps=50)
+    ctl = Controller(Greedy().plan(inst), inst, ControllerConfig(window_s=0.5))
+    assert ctl.bandwidth_estimate(0.0) == inst.bandwidth_Bps
+    for i in range(10):
+        ctl.rate_sample(0.1 * (i + 1), 1e5, 0.1)          # 1 MB/s
+    assert ctl.bandwidth_estimate(1.0) == pytest.approx(1e6)
+    ctl.rate_sample(2.0, 5e3, 0.1)                         # the window keeps only recent samples
+    assert ctl.bandwidth_estimate(2.0) == pytest.approx(5e4)
+    assert ctl.compute_ratio() == 1.0
+    step = StepId(0, 0)
+    ctl.step_done(step, 1.0, 2 * inst.comp_time(step))
+    assert ctl.compute_ratio() == pytest.approx(2.0)
+    assert MBPS == 125000

@@ -1,0 +1,157 @@
+"""The discrete-event simulator against hand-computed timelines, and the bandwidth traces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sparkv.layout import KVChunkId, StepId
+from sparkv.scheduler import (ComputeNoise, Plan, SimulationError, Trace, TraceError,
+                              estimate_ttft, make_sample_trace, simulate)
+from sparkv.scheduler.instance import MBPS
+from sparkv.scheduler.testing import tiny_instance
+
+C, S = KVChunkId, StepId
+
+
+def plan(compute, stream, level="q5"):
+    stream = [C(*c) for c in stream]
+    return Plan([S(*s) for s in compute], stream, {c: level for c in stream})
+
+
+def test_local_only_is_the_sum_of_steps_plus_the_suffix():
+    inst = tiny_instance([[1, 2], [3, 4]], suffix=0.5)
+    p = plan([(0, 0), (0, 1), (1, 0), (1, 1)], [])
+    tl = simulate(p, inst)
+    assert tl.ttft_s == pytest.approx(10.5)
+    assert tl.steps[S(1, 0)] == pytest.approx((3.0, 6.0))
+    assert tl.compute_busy_s == pytest.approx(10.0) and tl.link_busy_s == 0
+
+
+def test_stream_only_pays_one_rtt_and_overlaps_decode_with_the_next_transfer():
+    # 4 chunks of 1000 B at 1000 B/s, RTT 0.1 s, decode 0.2 s each, suffix 0.5 s
+    inst = tiny_instance([[1, 1], [1, 1]], rtt=0.1, t_proc=0.2, suffix=0.5)
+    p = plan([], [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)])
+    tl = simulate(p, inst)
+    # transfers end at 1.1, 2.1, 3.1, 4.1; the last decode ends at 4.3
+    assert [r.end_s for r in tl.transfers] == pytest.approx([1.1, 2.1, 3.1, 4.1])
+    assert tl.transfers[-1].decoded_s == pytest.approx(4.3)
+    assert tl.ready_s == pytest.approx(4.3)
+    assert tl.ttft_s == pytest.approx(4.8)
+    assert tl.link_wait_s == pytest.approx(0.1) and tl.link_busy_s == pytest.approx(4.0)
+    assert tl.bytes_streamed == 4000
+
+
+def test_compute_waits_for_a_streamed_chunk_it_attends_over():
+    # layers 0, 1 attend; layer 2 is the projection. Chunk 1's layer 1 needs streamed KV(0, 1).
+    inst = tiny_instance([[1, 1, 0.1], [2, 2, 0.1]], nbytes=3000, rtt=0.5, t_proc=0.25,
+                         suffix=0.5)
+    p = plan([(0, 0), (1, 0), (1, 1), (1, 2)], [(0, 1, 0), (0, 2, 0)])
+    tl = simulate(p, inst)
+    # link: (0,1) 0.5 -> 3.5, decoded 3.75; (0,2) 3.5 -> 6.5, decoded 6.75
+    # compute: (0,0) 0-1; (1,0) 1-3; (1,1) waits for KV(0,1): 3.75-5.75; (1,2) 5.75-5.85
+    assert tl.steps[S(1, 1)] == pytest.approx((3.75, 5.75))
+    assert tl.steps[S(1, 2)] == pytest.approx((5.75, 5.85))
+    assert tl.ready_s == pytest.approx(6.75)
+    assert tl.ttft_s == pytest.approx(7.25)
+
+
+def test_attention_waits_for_every_earlier_token_chunk_not_only_the_previous():
+    # KV(1, 0) arrives at 1 s but KV(0, 0) only at 2 s: step (2, 0) may start at 2 s, not 1 s
+    inst = tiny_instance([[1, 0.1], [1, 0.1], [1.5, 0.1]], suffix=0.25)
+    p = plan([(2, 0), (2, 1)], [(1, 0, 0), (0, 0, 0), (0, 1, 0), (1, 1, 0)])
+    tl = simulate(p, inst)
+    assert tl.steps[S(2, 0)] == pytest.approx((2.0, 3.5))
+    assert tl.steps[S(2, 1)] == pytest.approx((3.5, 3.6))
+    assert tl.ready_s == pytest.approx(4.0)
+    assert tl.ttft_s == pytest.approx(4.25)
+
+
+def test_the_suffix_waits_for_the_compute_thread():
+    inst = tiny_instance([[5, 0.5]], suffix=1.0)
+    p = plan([(0, 0), (0, 1)], [])
+    assert simulate(p, inst).ttft_s == pytest.approx(6.5)
+
+
+def test_trace_drop_slows_the_transfer():
+    # 1000 B/s for 1 s, 500 B/s for 1 s, then 1000 B/s: 2000 B take 2.5 s
+    trace = Trace.from_rows([0, 1, 2], [1000 / MBPS, 500 / MBPS, 1000 / MBPS], loop=False)
+    assert trace.transfer_end(0.0, 2000) == pytest.approx(2.5)
+    inst = tiny_instance([[1]], nbytes=2000, t_proc=0.1, suffix=0.5)
+    tl = simulate(plan([], [(0, 0, 0)]), inst, trace)
+    assert tl.ttft_s == pytest.approx(3.1)
+
+
+def test_rtt_column_of_the_trace_is_used():
+    trace = Trace.from_rows([0, 10], [1000 / MBPS, 1000 / MBPS], rtt_ms=[300, 300])
+    inst = tiny_instance([[1]], rtt=0.01)
+    tl = simulate(plan([], [(0, 0, 0)]), inst, trace)
+    assert tl.transfers[0].start_s == pytest.approx(0.3)
+    assert tl.ttft_s == pytest.approx(1.3)
+
+
+def test_compute_noise_slowdown_window():
+    inst = tiny_instance([[1, 1]], suffix=1.0)
+    p = plan([(0, 0), (0, 1)], [])
+    noise = ComputeNoise(slowdowns=((0.5, 100.0, 2.0),))
+    # (0,0) starts at 0 (outside the window): 1 s; (0,1) at 1 s: 2 s; suffix at 3 s: 2 s
+    assert simulate(p, inst, noise=noise).ttft_s == pytest.approx(5.0)
+    noisy = simulate(p, inst, noise=ComputeNoise(sigma=0.3, seed=1)).ttft_s
+    assert noisy != pytest.approx(3.0) and noisy > 0
+
+
+def test_estimate_matches_the_event_simulation_exactly():
+    inst = tiny_instance([[1, 1, 0.1], [2, 2, 0.1]], nbytes=3000, rtt=0.5, t_proc=0.25,
+                         suffix=0.5)
+    p = plan([(0, 0), (1, 0), (1, 1), (1, 2)], [(0, 1, 0), (0, 2, 0)])
+    assert estimate_ttft(p, inst) == pytest.approx(simulate(p, inst).ttft_s, abs=1e-12)
+
+
+def test_an_unexecutable_plan_is_reported_not_hung():
+    inst = tiny_instance([[1, 1], [1, 1]])
+    # (1, 0) needs KV(0, 0), which nobody provides
+    p = plan([(1, 0), (1, 1)], [(0, 1, 0)])
+    with pytest.raises(SimulationError, match=r"deadlock.*step\(t=1, l=0\) waits for "
+                                              r"chunk\(t=0, l=0, g=0\)"):
+        simulate(p, inst)
+    with pytest.raises(SimulationError):
+        estimate_ttft(p, inst)
+
+
+# --------------------------------------------------------------------------- traces
+def test_trace_csv_roundtrip_and_loop():
+    tr = Trace.parse("time_s,mbps,rtt_ms\n0,8,10\n1,16,20\n", name="x")
+    assert tr.period_s == 2.0 and tr.loop
+    assert tr.rate_Bps(0.5) == 1e6 and tr.rate_Bps(1.5) == 2e6
+    assert tr.rate_Bps(2.5) == 1e6          # second period
+    assert tr.rtt_s(1.2, 0.0) == pytest.approx(0.02)
+    assert Trace.parse(tr.to_csv()).mbps == tr.mbps
+    held = Trace.parse("time_s,mbps\n0,8\n1,16\n", loop=False)
+    assert held.rate_Bps(50) == 2e6
+
+
+def test_trace_outage_and_errors():
+    tr = Trace.from_rows([0, 1, 2], [8e-3, 0.0, 8e-3], loop=False)  # 1000 B/s, outage, 1000 B/s
+    assert tr.transfer_end(0.5, 1000) == pytest.approx(2.5)
+    assert tr.bytes_between(0, 3) == pytest.approx(2000)
+    with pytest.raises(TraceError, match="header"):
+        Trace.parse("t,rate\n0,1\n")
+    with pytest.raises(TraceError, match="increasing"):
+        Trace.parse("time_s,mbps\n0,1\n0,2\n")
+    with pytest.raises(TraceError, match="starts at time 0"):
+        Trace.parse("time_s,mbps\n1,1\n")
+    with pytest.raises(TraceError, match="no positive rate"):
+        Trace.parse("time_s,mbps\n0,0\n")
+    with pytest.raises(TraceError, match="never completes"):
+        Trace.from_rows([0, 1], [8, 0], loop=False).transfer_end(0, 1e9)
+
+
+@pytest.mark.parametrize("name", ["wifi", "lte", "deep-fade"])
+def test_sample_traces_ship_and_match_their_generator(name):
+    tr = Trace.sample(name)
+    assert tr.times_s[0] == 0 and len(tr.times_s) > 100
+    assert tr.mbps == make_sample_trace(name).mbps
+    if name == "deep-fade":
+        assert tr.rate_Bps(5.0) == 1.0 * MBPS and tr.rate_Bps(0.5) > 70 * MBPS
+    assert math.isfinite(tr.mean_mbps())

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -359,23 +359,31 @@ def estimate_ttft(plan: Plan, inst: Instance) -> float:
     token chunks); raises :class:`SimulationError` if a step waits for an input no path provides.
     """
     L, G = inst.L, inst.G
+    names = {lv.name: i for i, lv in enumerate(inst.levels)}
+    compute = [s[0] * L + s[1] for s in plan.compute_order]
+    stream = [(c[0] * L + c[1]) * G + c[2] for c in plan.stream_order]
+    levels = [names[plan.levels[c]] for c in plan.stream_order]
+    return ttft_of(inst, compute, stream, levels)
+
+
+def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
+            levels: Sequence[int]) -> float:
+    """:func:`estimate_ttft` on dense ids: step ids in compute order, chunk ids in stream order and
+    the level index of each streamed chunk (parallel to ``stream``)."""
+    L, G = inst.L, inst.G
     rate = (inst.bandwidth_Bps / MBPS) * MBPS  # the same float the trace yields
     nbytes, tproc, tcomp = inst.chunk_bytes, inst.t_proc, inst.step_t_comp
     avail = [math.inf] * inst.num_chunks
-    names = {lv.name: i for i, lv in enumerate(inst.levels)}
     t = inst.rtt_s
     dec = 0.0
-    for cid in plan.stream_order:
-        c = (cid[0] * L + cid[1]) * G + cid[2]
-        li = names[plan.levels[cid]]
+    for c, li in zip(stream, levels):
         t = t + int(nbytes[c, li]) / rate
         dec = (t if t > dec else dec) + float(tproc[c, li])
         avail[c] = dec
     comp_end = 0.0
     step_end = [math.inf] * inst.num_steps
-    for step in plan.compute_order:
-        tt, l = step[0], step[1]
-        s = tt * L + l
+    for s in compute:
+        tt, l = divmod(s, L)
         r = comp_end
         if l > 0:
             r = max(r, step_end[s - 1])

@@ -52,7 +52,7 @@ from sparkv.scheduler.graph import DepState
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.planners.base import Planner, make_plan, stream_order_for_compute
-from sparkv.scheduler.simulator import estimate_ttft
+from sparkv.scheduler.simulator import estimate_ttft, ttft_of
 
 
 class Greedy(Planner):
@@ -64,7 +64,8 @@ class Greedy(Planner):
                  stage_counts: Sequence[int] = (8, 16, 32, 64), w_compute: float = 1.0,
                  w_stream: float = 1.0, w_potential: float = 1.0, w_tail: float = 16.0,
                  compute_share: float = 1.0, stream_share: float = 1.0,
-                 joint_bitrate: bool = True, quality_slack: float = 0.0):
+                 joint_bitrate: bool = True, quality_slack: float = 0.0, polish: bool = True,
+                 max_polish_moves: int = 16):
         self.stage_budget_s = stage_budget_s
         self.stage_counts = tuple(stage_counts)
         self.w_compute = w_compute
@@ -75,6 +76,8 @@ class Greedy(Planner):
         self.stream_share = stream_share
         self.joint_bitrate = joint_bitrate
         self.quality_slack = quality_slack
+        self.polish = polish
+        self.max_polish_moves = max_polish_moves
 
     @classmethod
     def privacy(cls, strength: float = 2.0, **kw: object) -> "Greedy":
@@ -107,17 +110,104 @@ class Greedy(Planner):
             s_tot = float(cost.sum())
             balanced = c_tot * s_tot / (c_tot + s_tot)
             deltas = [balanced / k for k in self.stage_counts]
-        best: Plan | None = None
+        best, best_ttft = None, math.inf
         for delta in deltas:
             compute, stream, stages = self._run(inst, delta, cost, tail)
             stream = stream_order_for_compute(inst, compute, stream)
-            plan = make_plan(inst, compute, stream, level_idx, stage_budget_s=delta,
-                             info={"stages": stages})
-            plan.estimated_ttft_s = estimate_ttft(plan, inst)
-            if best is None or plan.estimated_ttft_s < best.estimated_ttft_s - 1e-12:
-                best = plan
+            ttft = ttft_of(inst, compute, stream, [int(level_idx[c]) for c in stream])
+            if ttft < best_ttft - 1e-12:
+                best, best_ttft = (compute, stream, stages, delta), ttft
         assert best is not None
-        return best
+        compute, stream, stages, delta = best
+        moves = 0
+        if self.polish:
+            compute, stream, best_ttft, moves = self._polish(inst, compute, stream, level_idx,
+                                                             best_ttft)
+        plan = make_plan(inst, compute, stream, level_idx, stage_budget_s=delta,
+                         info={"stages": stages, "polish_moves": moves})
+        plan.estimated_ttft_s = best_ttft
+        return plan
+
+    # ------------------------------------------------------------------ polish
+    def _polish(self, inst: Instance, compute: list[int], stream: list[int],
+                level_idx: np.ndarray, ttft: float) -> tuple[list[int], list[int], float, int]:
+        """Local search at the meeting point of the two paths, judged by the estimator.
+
+        The stage loop balances the paths only to within about one step (the last stage's
+        granularity). Moves, the best improving one first, until none improves:
+        the last step of the compute order that nothing computed needs (with the layer below it
+        when it is the last-layer projection) goes to the link; or the next layer of a partly
+        computed token chunk (or the first untouched token chunk's layer 0) goes to compute, after
+        its inputs and before the computed steps that attend over it. Both keep the plan valid: a
+        removed step is a top (its ``Y`` is not used), an added step's inputs are computed earlier
+        or streamed.
+        """
+        L, G, n_t = inst.L, inst.G, inst.n_t
+        lv = [int(x) for x in level_idx]
+        moves = 0
+        for _ in range(self.max_polish_moves):
+            comp_set = set(compute)
+            cands: list[tuple[list[int], list[int]]] = []   # (steps out of compute, steps in)
+            found = 0
+            for s in reversed(compute):
+                t, l = divmod(s, L)  # noqa: E741
+                if l < L - 1 and (s + 1) in comp_set:
+                    continue
+                cands.append(([s], []))
+                if l == L - 1 and l > 0 and (s - 1) in comp_set:
+                    cands.append(([s, s - 1], []))
+                found += 1
+                if found >= 2:
+                    break
+            height = [0] * n_t
+            for s in comp_set:
+                t, l = divmod(s, L)  # noqa: E741
+                height[t] = max(height[t], l + 1)
+            first_empty = True
+            for t in range(n_t):
+                h = height[t]
+                if h >= L:
+                    continue
+                if h == 0:
+                    if not first_empty:
+                        continue
+                    first_empty = False
+                cands.append(([], [t * L + h]))
+            best = None
+            pos = {s: i for i, s in enumerate(compute)}
+            for out, into in cands:
+                out_set = set(out)
+                c2 = [s for s in compute if s not in out_set]
+                if into:
+                    # after its inputs, before the computed steps that attend over its KV
+                    s_in = into[0]
+                    t, l = divmod(s_in, L)  # noqa: E741
+                    after = pos.get(s_in - 1, -1) if l > 0 else -1
+                    before = len(compute)
+                    if l < L - 1:
+                        for tp in range(n_t):
+                            p_ = pos.get(tp * L + l)
+                            if p_ is None:
+                                continue
+                            if tp < t:
+                                after = max(after, p_)
+                            elif tp > t:
+                                before = min(before, p_)
+                    if after >= before:
+                        continue
+                    c2 = compute[:before] + [s_in] + compute[before:]
+                into_chunks = {s * G + g for s in into for g in range(G)}
+                s2 = [c for c in stream if c not in into_chunks]
+                s2 += [s * G + g for s in reversed(out) for g in range(G)]
+                s2 = stream_order_for_compute(inst, c2, s2)
+                v = ttft_of(inst, c2, s2, [lv[c] for c in s2])
+                if v < ttft - 1e-9 and (best is None or v < best[0]):
+                    best = (v, c2, s2)
+            if best is None:
+                break
+            ttft, compute, stream = best
+            moves += 1
+        return compute, stream, ttft, moves
 
     # ------------------------------------------------------------------ priorities
     def _wc(self, s: int, dep: DepState, covered: list[bool], inv: list[float]) -> float:

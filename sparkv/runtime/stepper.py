@@ -1,0 +1,219 @@
+"""Exact layer-step execution (../shared/notes/sparkv-design.md, layers 0-based).
+
+Step ``(t, l)`` takes ``Y[l-1, t]`` (the embeddings when ``l == 0``) and ``KV(t' < t, l, *)`` and
+produces ``KV(t, l, *)`` and, when ``l < L-1``, ``Y[l, t]``. The last layer's step is projection-only:
+its hidden output is never consumed by the context, so it runs the input norm and the K/V
+projections (plus RoPE) and nothing else. Every chunk gets its absolute positions, so any order of
+steps that respects the dependencies gives the model's own prefill; KV of any chunk may instead be
+injected from outside (streamed) with :meth:`LayerStepper.inject`.
+
+Usage::
+
+    stepper = LayerStepper(lm, token_ids, chunk_tokens=1024, backend=get_backend("block_sparse"))
+    for step in order:                  # any valid order
+        stepper.run_step(step)
+    cache = stepper.kv.layer_kv()       # per layer (K, V), [1, kv_heads, N, head_dim]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from sparkv.errors import SparkvError
+from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
+from sparkv.runtime.attention import AttentionBackend, AttentionStats, DenseAttention
+from sparkv.runtime.kvcache import KVBuffers
+from sparkv.runtime.model import LoadedModel
+
+
+class MissingDependencyError(SparkvError):
+    """A layer step was asked to run before its inputs were available."""
+
+
+@dataclass
+class StepResult:
+    step: StepId
+    seconds: float
+    stats: AttentionStats | None  # None for projection-only steps
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the Llama family applies it; ``x [B, H, n, D]``, ``cos/sin [B, n, D]``."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class LayerStepper:
+    """Runs one context's layer steps in any dependency-respecting order.
+
+    Args:
+        lm: the loaded model.
+        token_ids: the context's token ids (N of them).
+        chunk_tokens: T, tokens per token chunk.
+        backend: attention backend for the context's steps (dense by default).
+        heads_per_group: KV heads per chunk group (0: all heads in one group).
+        kv: optional preallocated buffers (e.g. already holding streamed chunks).
+    """
+
+    def __init__(self, lm: LoadedModel, token_ids: Sequence[int],
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 backend: AttentionBackend | None = None, heads_per_group: int = 0,
+                 kv: KVBuffers | None = None) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("the context has no tokens")
+        if lm.max_positions and len(token_ids) > lm.max_positions:
+            raise ValueError(f"context of {len(token_ids)} tokens exceeds the model's "
+                             f"{lm.max_positions} positions")
+        self.lm = lm
+        self.geometry = ChunkGeometry.from_config(lm.config, len(token_ids), chunk_tokens,
+                                                  heads_per_group)
+        self.backend = backend or DenseAttention()
+        self.token_ids = torch.tensor(list(token_ids), dtype=torch.long,
+                                      device=lm.device).unsqueeze(0)
+        self.kv = kv or KVBuffers(self.geometry, lm.dtype, lm.device)
+        if self.kv.geometry != self.geometry:
+            raise ValueError("the KV buffers were made for another geometry")
+        self._hidden: dict[StepId, torch.Tensor] = {}  # Y[l, t] awaiting step (t, l+1)
+        self._done: set[StepId] = set()
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        attn0 = lm.decoder.layers[0].self_attn
+        self.scale = float(getattr(attn0, "scaling", self.geometry.head_dim ** -0.5))
+        self.num_q_heads = int(lm.config.num_attention_heads)
+
+    # ---- outside data --------------------------------------------------------------------------
+    def inject(self, cid: KVChunkId, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Places a chunk's K/V (``[Hg, n_t, D]``) obtained elsewhere (streamed, decoded)."""
+        self.kv.put(cid, k.to(self.kv.k[0].dtype), v.to(self.kv.k[0].dtype), source="injected")
+
+    # ---- dependencies --------------------------------------------------------------------------
+    def missing_dependencies(self, step: StepId) -> list[str]:
+        """Human-readable list of what ``step`` still needs (empty when it can run)."""
+        g = self.geometry
+        if not (0 <= step.t < g.num_token_chunks and 0 <= step.l < g.num_layers):
+            return [f"{step} is outside the context ({g.num_token_chunks} token chunks x "
+                    f"{g.num_layers} layers)"]
+        need: list[str] = []
+        if step in self._done:
+            need.append(f"{step} already ran")
+        if step.l > 0 and StepId(step.t, step.l - 1) not in self._hidden:
+            need.append(f"Y[l={step.l - 1}, t={step.t}] from step(t={step.t}, l={step.l - 1})")
+        if step.l < g.num_layers - 1:
+            prior = [KVChunkId(t, step.l, gg) for t in range(step.t) for gg in range(g.num_groups)]
+            need.extend(str(c) for c in self.kv.missing(prior))
+        return need
+
+    def ready(self, step: StepId) -> bool:
+        return not self.missing_dependencies(step)
+
+    @property
+    def done(self) -> frozenset[StepId]:
+        return frozenset(self._done)
+
+    # ---- execution -----------------------------------------------------------------------------
+    def _rope_for(self, t: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if t not in self._rope:
+            t0, t1 = self.geometry.token_range(t)
+            pos = torch.arange(t0, t1, device=ref.device).unsqueeze(0)
+            cos, sin = self.lm.decoder.rotary_emb(ref, pos)
+            self._rope[t] = (cos.to(ref.dtype), sin.to(ref.dtype))
+        return self._rope[t]
+
+    def _input(self, step: StepId) -> torch.Tensor:
+        if step.l == 0:
+            t0, t1 = self.geometry.token_range(step.t)
+            return self.lm.decoder.embed_tokens(self.token_ids[:, t0:t1])
+        return self._hidden.pop(StepId(step.t, step.l - 1))
+
+    def _project(self, layer, h: torch.Tensor, t: int, with_q: bool):
+        attn = layer.self_attn
+        b, n, _ = h.shape
+        d = self.geometry.head_dim
+        k = attn.k_proj(h).view(b, n, -1, d)
+        v = attn.v_proj(h).view(b, n, -1, d).transpose(1, 2)
+        if getattr(attn, "k_norm", None) is not None:  # Qwen3
+            k = attn.k_norm(k)
+        k = k.transpose(1, 2)
+        cos, sin = self._rope_for(t, h)
+        k = apply_rope(k, cos, sin)
+        if not with_q:
+            return None, k, v
+        q = attn.q_proj(h).view(b, n, -1, d)
+        if getattr(attn, "q_norm", None) is not None:
+            q = attn.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        return q, k, v
+
+    @torch.inference_mode()
+    def run_step(self, step: StepId) -> StepResult:
+        """Runs one layer step; raises :class:`MissingDependencyError` naming what is missing."""
+        step = StepId(*step)
+        missing = self.missing_dependencies(step)
+        if missing:
+            raise MissingDependencyError(f"{step} cannot run: missing {', '.join(missing[:5])}"
+                                         + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                            else ""))
+        start = time.perf_counter()
+        g = self.geometry
+        layer = self.lm.decoder.layers[step.l]
+        x = self._input(step)
+        h = layer.input_layernorm(x)
+        last = step.l == g.num_layers - 1
+        q, k, v = self._project(layer, h, step.t, with_q=not last)
+        self.kv.put_step_output(step.t, step.l, k, v)
+        stats = None
+        if not last:
+            t0, t1 = g.token_range(step.t)
+            # prior chunks from the buffers (streamed or computed), own chunk from this projection
+            k_all = self.kv.k[step.l][:, :, :t1]
+            v_all = self.kv.v[step.l][:, :, :t1]
+            own_in_buffer = all(self.kv.source(c) == "computed"
+                                for c in g.chunks_of_step(step))
+            if not own_in_buffer:  # an injected chunk sits there: attend over our own projection
+                k_all = torch.cat([k_all[:, :, :t0], k], dim=2)
+                v_all = torch.cat([v_all[:, :, :t0], v], dim=2)
+            out, stats = self.backend.attend(q, k_all, v_all, t0, self.scale)
+            b, _, n, d = out.shape
+            attn_out = layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+            x = x + attn_out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            self._hidden[step] = x
+        self._done.add(step)
+        return StepResult(step, time.perf_counter() - start, stats)
+
+    def run(self, order: Iterable[StepId]) -> list[StepResult]:
+        return [self.run_step(s) for s in order]
+
+    def steps_needed(self) -> list[StepId]:
+        """Steps still needed so that every chunk is available: for each token chunk, layers up to
+        the deepest layer with a missing chunk (earlier layers feed it their hidden states)."""
+        g = self.geometry
+        needed = []
+        for t in range(g.num_token_chunks):
+            deepest = -1
+            for l in range(g.num_layers):  # noqa: E741
+                if self.kv.missing(g.chunks_of_step(StepId(t, l))):
+                    deepest = l
+            needed.extend(StepId(t, l) for l in range(deepest + 1)
+                          if StepId(t, l) not in self._done)
+        return needed
+
+    def complete(self) -> list[StepResult]:
+        """Runs, in token-major order, every step still needed to fill the cache."""
+        return self.run(self.steps_needed())
+
+
+def prefill_layer_kv(lm: LoadedModel, token_ids: Sequence[int],
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                     backend: AttentionBackend | None = None):
+    """Chunked local prefill of a whole context; returns per-layer ``(K, V)`` and step results."""
+    stepper = LayerStepper(lm, token_ids, chunk_tokens, backend)
+    results = stepper.complete()
+    return stepper.kv.layer_kv(), results

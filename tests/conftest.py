@@ -1,0 +1,34 @@
+"""Shared fixtures: the real SmolLM2 (loaded once per session) and a tiny random GQA Llama."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# SPARKV_TEST_THREADS=1 avoids OpenMP spin-waits when the machine is shared with other jobs
+torch.set_num_threads(int(os.environ.get("SPARKV_TEST_THREADS", min(2, os.cpu_count() or 1))))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from sparkv.runtime import load_model
+
+    return load_model(progress=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A 3-layer random Llama with GQA (4 query heads, 2 KV heads), fp32, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparkv.runtime import LoadedModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      max_position_embeddings=2048, rope_theta=10000.0, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    return LoadedModel.from_model(model, None, "tiny-llama")

@@ -1,0 +1,35 @@
+"""``sparkv bench NAME``: benchmarks that print a table and write JSON under ``bench/results/``.
+
+Each benchmark is a module exposing ``register(subparsers)`` (like the top-level commands). The JSON
+contract shared by every benchmark is documented in docs/benchmarks.md and written by
+:func:`sparkv.bench.common.write_result`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# One line per benchmark module.
+BENCH_MODULES: list[str] = [
+    "sparkv.bench.prefill",
+    "sparkv.bench.codec",
+    "sparkv.bench.scheduler",
+    "sparkv.bench.predictor",
+    "sparkv.bench.server",
+    "sparkv.bench.ttft",
+]
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    parser = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)")
+    bench_sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
+    for name in BENCH_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and name.startswith(exc.name):
+                continue  # not written yet
+            raise
+        module.register(bench_sub)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])

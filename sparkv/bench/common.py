@@ -1,0 +1,85 @@
+"""Helpers every benchmark uses: the result JSON envelope, a plain-text table, the machine facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+RESULTS_DIR_ENV = "SPARKV_BENCH_DIR"
+
+
+def results_dir() -> Path:
+    """``$SPARKV_BENCH_DIR`` or ``bench/results`` under the current directory."""
+    path = Path(os.environ.get(RESULTS_DIR_ENV, "bench/results"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def write_result(name: str, payload: dict[str, Any], config: dict[str, Any] | None = None,
+                 path: str | os.PathLike[str] | None = None) -> Path:
+    """Writes ``{"benchmark", "created_unix", "machine", "config", "results"...}`` as JSON.
+
+    The file is ``bench/results/<name>.json`` unless ``path`` is given. Written atomically.
+    """
+    doc = {
+        "benchmark": name,
+        "created_unix": time.time(),
+        "machine": machine_info(),
+        "config": config or {},
+        **payload,
+    }
+    out = Path(path) if path else results_dir() / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "_asdict"):
+        return obj._asdict()
+    if hasattr(obj, "__dict__"):
+        return vars(obj)
+    return str(obj)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain, aligned text table (floats to 4 significant digits)."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    text_rows = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text_rows)) if text_rows else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths))
+    sep = "  ".join("-" * w for w in widths)
+    body = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in text_rows]
+    return "\n".join([line, sep, *body])

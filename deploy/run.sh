@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The README's two commands go through here: `demo` (the main job) and `test` (the test suite).
+# Both set the machine up first (deploy/setup.sh, idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash deploy/setup.sh
+case "${1:-}" in
+  demo) shift; exec .venv/bin/sparkv demo "$@" ;;
+  test) shift; exec .venv/bin/python -m pytest -q "$@" ;;
+  *) echo "usage: bash deploy/run.sh demo|test [ARGS...]" >&2; exit 2 ;;
+esac

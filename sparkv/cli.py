@@ -18,6 +18,9 @@ from sparkv.errors import SparkvError
 # Subcommand modules, in the order `sparkv --help` lists them. Add one line per new module.
 COMMAND_MODULES: list[str] = [
     "sparkv.runtime.commands",
+    "sparkv.server.commands",
+    "sparkv.edge.commands",
+    "sparkv.predictor.commands",
     "sparkv.bench",
 ]
 

@@ -25,9 +25,13 @@ forfeits computing every layer above it (a streamed chunk carries no hidden stat
 cost grows with ``t``: without this term the link takes cheap-to-compute chunks the compute path
 needed (measured in docs/scheduler.md).
 
-Knobs: ``compute_share`` > 1 prefers local compute (privacy: less context leaves the cloud
-... or rather, less is fetched), ``stream_share`` > 1 prefers streaming (energy: the radio is cheaper
-than the accelerator); see :meth:`Greedy.privacy` / :meth:`Greedy.energy`.
+Knobs: ``compute_share`` > 1 prefers local compute (privacy: less of the context is fetched from
+the cloud), ``stream_share`` > 1 prefers streaming (energy: the radio costs less than the
+processor); see :meth:`Greedy.privacy` / :meth:`Greedy.energy`.
+
+After the stage loop, a local search (``polish``) moves single steps across the meeting point of the
+two paths while the estimated TTFT improves: the stage loop balances the paths only to within about
+one step.
 
 Stage budget: ``stage_budget_s`` fixed, or ``None``: try ``Delta_t = T0 / K`` for each ``K`` in
 ``stage_counts`` (``T0`` = the perfectly balanced time) and keep the plan with the best estimated TTFT

@@ -31,6 +31,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 
 import numpy as np
 
@@ -74,11 +75,13 @@ class Milp(Planner):
         tc = inst.step_t_comp
         ts = inst.min_stream_time
         prob = pulp.LpProblem("sparkv_schedule", pulp.LpMinimize)
-        xc = {(s, k): pulp.LpVariable(f"xc_{s}_{k}", cat="Binary") for s in range(n_s)
-              for k in range(K)}
-        xs = {(c, k): pulp.LpVariable(f"xs_{c}_{k}", cat="Binary") for c in range(n_c)
-              for k in range(K)}
-        D = [pulp.LpVariable(f"D_{k}", lowBound=0) for k in range(K)]
+        if hasattr(prob, "add_variable"):     # PuLP >= 3.3
+            var = prob.add_variable
+        else:                                 # pragma: no cover - older PuLP
+            var = pulp.LpVariable
+        xc = {(s, k): var(f"xc_{s}_{k}", cat="Binary") for s in range(n_s) for k in range(K)}
+        xs = {(c, k): var(f"xs_{c}_{k}", cat="Binary") for c in range(n_c) for k in range(K)}
+        D = [var(f"D_{k}", lowBound=0) for k in range(K)]
         prob += pulp.lpSum(D)
         for k in range(K):
             prob += D[k] >= pulp.lpSum(float(ts[c]) * xs[c, k] for c in range(n_c)), f"stream_{k}"
@@ -99,7 +102,7 @@ class Milp(Planner):
                 prev = None
                 for t in range(n_t - 1):  # P for t = n_t-1 is never used
                     s = t * L + l
-                    p = pulp.LpVariable(f"P_{t}_{l}_{k}", lowBound=0, upBound=1)
+                    p = var(f"P_{t}_{l}_{k}", lowBound=0, upBound=1)
                     comp_by_k = pulp.lpSum(xc[s, kk] for kk in range(k + 1))
                     for g in range(G):
                         c = s * G + g
@@ -117,9 +120,12 @@ class Milp(Planner):
             D[0].setInitialValue(float(ts.sum()))
             for k in range(1, K):
                 D[k].setInitialValue(0.0)
-        n_vars = len(prob.variables())
-        n_cons = len(prob.constraints)
-        with tempfile.TemporaryDirectory() as tmp:
+        n_vars = prob.numVariables()
+        n_cons = prob.numConstraints()
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            # PuLP 3.3 deprecates PULP_CBC_CMD (the bundled CBC) in favour of a separately
+            # installed one; the bundled binary is what pyproject's "pulp" provides
+            warnings.simplefilter("ignore", DeprecationWarning)
             log_path = os.path.join(tmp, "cbc.log")
             solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=self.time_limit_s,
                                        gapRel=self.gap_rel, threads=self.threads,
@@ -169,14 +175,14 @@ class Milp(Planner):
 
 
 def _parse_cbc_log(log: str, objective: float) -> tuple[float | None, float | None]:
-    """Best bound and relative gap from CBC's final report (``None`` if it does not say)."""
+    """Best bound and relative gap ``(objective - bound) / objective`` from CBC's final report
+    (``None`` if it does not say). Both exclude the question prefill."""
     bound = None
     m = re.search(r"Lower bound:\s*([-\d.eE+]+)", log)
     if m:
         bound = float(m.group(1))
-    m = re.search(r"Gap:\s*([-\d.eE+]+)", log)
-    if m:
-        return bound, float(m.group(1))
     if bound is not None and objective > 0 and math.isfinite(bound):
+        # CBC prints the gap rounded to two decimals: recompute it
         return bound, max(0.0, (objective - bound) / objective)
-    return bound, None
+    m = re.search(r"Gap:\s*([-\d.eE+]+)", log)
+    return bound, (float(m.group(1)) if m else None)

@@ -87,7 +87,7 @@ class Instance:
     bandwidth_Bps: float
     rtt_s: float = 0.0
     t_suffix_s: float = 0.0
-    quality_floor: str | None = DEFAULT_QUALITY_FLOOR
+    quality_floor: str | None = None
     name: str = ""
     decode_overlaps: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
@@ -135,7 +135,7 @@ class Instance:
         t_comp: Mapping[StepId, float], bandwidth_Bps: float, *,
         t_proc: float | Mapping[KVChunkId, Mapping[str, float]] = 0.0, rtt_s: float = 0.0,
         t_suffix_s: float = 0.0, levels: Sequence[Level] = DEFAULT_LEVELS,
-        quality_floor: str | None = DEFAULT_QUALITY_FLOOR, name: str = "",
+        quality_floor: str | None = None, name: str = "",
         decode_overlaps: bool = True,
     ) -> "Instance":
         """Builds an instance from per-chunk / per-step mappings (e.g. a manifest + a predictor).

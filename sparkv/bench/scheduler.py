@@ -225,10 +225,19 @@ def _targets(table2: list[dict], sweep: list[dict]) -> dict[str, Any]:
         sp = largest["milp"]["speedup"]
         out["greedy_speedup_at_largest_solved"] = {
             "tokens": largest["tokens"], "value": sp, "target": ">= 10", "met": sp >= 10}
-        worst = max(r["milp"]["greedy_over_milp"] for r in solved)
+        pairs = {f"table2 {r['tokens']} tokens": r["milp"]["greedy_over_milp"] for r in solved}
+        for e in sweep:
+            m, g = e["planners"].get("milp", {}), e["planners"].get("greedy", {})
+            if m.get("status") == "optimal" and "ttft_s" in g:
+                pairs[f"sweep {e['tokens']} tokens {e['mbps']:g} Mbit/s"] = g["ttft_s"] / m["ttft_s"]
+        worst = max(pairs.values())
         out["greedy_ttft_over_milp_max"] = {
-            "value": worst, "target": "<= 1.05", "met": worst <= 1.05,
-            "per_size": {r["tokens"]: r["milp"]["greedy_over_milp"] for r in solved}}
+            "value": worst, "target": "<= 1.05", "met": worst <= 1.05, "per_instance": pairs}
+        k1 = largest.get("milp_k1", {})
+        if "plan_time_s" in k1:
+            out["greedy_speedup_vs_single_stage_milp"] = {
+                "tokens": largest["tokens"], "value": k1["plan_time_s"] /
+                largest["greedy"]["plan_time_s"], "target": "(information)", "met": None}
     else:
         out["greedy_speedup_at_largest_solved"] = {"value": None, "met": False,
                                                    "note": "the MILP solved no size"}
@@ -288,7 +297,9 @@ def _print_tables(table2: list[dict], sweep: list[dict], traces: list[dict],
 
     print("\nTargets")
     rows = [[k, fmt(v.get("value"), ".3f") if v.get("value") is not None else "-",
-             v.get("target", ""), "yes" if v.get("met") else "NO"] for k, v in targets.items()]
+             v.get("target", ""),
+             "-" if v.get("target") == "(information)" else "yes" if v.get("met") else "NO"]
+            for k, v in targets.items()]
     print(format_table(["target", "measured", "wanted", "met"], rows))
 
 

@@ -113,12 +113,12 @@ def test_half_precision_chunks_within_bound(dtype):
 
 
 @pytest.mark.parametrize("axis", [quant.AXIS_TOKEN, quant.AXIS_CHANNEL])
-@pytest.mark.parametrize("predictor", ["none", "delta"])
+@pytest.mark.parametrize("predictor", ["none", "channel"])
 def test_axes_and_predictors_roundtrip_within_bound(axis, predictor):
     c = chunk(n=40)
     frame = encode(c, "q3", k_axis=axis, v_axis=axis, predictor=predictor)
     hdr = peek_header(frame)
-    assert hdr.k.axis == axis and hdr.k.predictor == (1 if predictor == "delta" else 0)
+    assert hdr.k.axis == axis and hdr.k.predictor == (1 if predictor == "channel" else 0)
     out = decode(frame)
     for which, x, y in (("K", c.k, out.k), ("V", c.v, out.v)):
         assert torch.all((y.double() - x.double()).abs() <= error_bound(frame, which,

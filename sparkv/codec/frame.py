@@ -48,7 +48,7 @@ CODING_PLAIN = 0
 CODING_HUFFMAN = 1
 CODING_CONSTANT = 2
 PRED_NONE = 0
-PRED_DELTA = 1
+PRED_CHANNEL = 1
 
 _FIXED = struct.Struct("<4sBBBBIIIHHIIHHHH")
 _DESC = struct.Struct("<BBBBBBBBHH")
@@ -71,12 +71,14 @@ class TensorHeader:
         axis: ``quant.AXIS_TOKEN`` / ``quant.AXIS_CHANNEL`` (0: lossless).
         param_dtype: ``quant.PARAM_FP16`` / ``quant.PARAM_FP32`` (0: none).
         coding: ``CODING_PLAIN`` (lossless values), ``CODING_HUFFMAN`` or ``CODING_CONSTANT``.
-        predictor: ``PRED_NONE`` or ``PRED_DELTA`` (values coded as differences along tokens).
+        predictor: ``PRED_NONE`` or ``PRED_CHANNEL`` (per-column prediction along the tokens,
+            see :mod:`sparkv.codec.quant`).
         values_per_symbol: b-bit values packed in one coded byte symbol.
         const_symbol: the symbol of a constant tensor (``CODING_CONSTANT``).
         exact_tokens: the first tokens of the chunk stored losslessly (attention sinks).
         num_streams: Huffman sub-streams.
         mins, steps: quantization parameters (float32 copies), ``[H, N - E]`` or ``[H, D]``.
+        alpha, center: ``uint8 [H, D]`` channel-predictor parameters (``PRED_CHANNEL`` only).
         code_lengths: ``uint8 [2**(bits*values_per_symbol)]`` (Huffman only).
         stream_bytes: ``int64 [num_streams]`` byte length of each sub-stream.
         payload_offset: where this tensor's section starts in the payload.
@@ -94,6 +96,8 @@ class TensorHeader:
     num_streams: int
     mins: np.ndarray | None
     steps: np.ndarray | None
+    alpha: np.ndarray | None
+    center: np.ndarray | None
     code_lengths: np.ndarray | None
     stream_bytes: np.ndarray | None
     payload_offset: int
@@ -215,8 +219,8 @@ def _parse_tensor(r: _Reader, desc: tuple[int, ...], which: str, level: Level, l
         if (bits, axis, pdtype, coding, pred, per, const, exact, nstreams) != (0,) * 9:
             raise CodecError(f"{which}: a raw frame's descriptor must be all zero")
         nbytes = _pad8(h * n * d * itemsize)
-        return TensorHeader(0, 0, 0, CODING_PLAIN, 0, 0, 0, 0, 0, None, None, None, None,
-                            payload_offset, nbytes)
+        return TensorHeader(0, 0, 0, CODING_PLAIN, 0, 0, 0, 0, 0, None, None, None, None, None,
+                            None, payload_offset, nbytes)
     want = level.bits(layer, num_layers)[0 if which == "K" else 1]
     if bits != want:
         raise CodecError(f"{which}: {bits} bits, but level {level.name} gives layer {layer} of "
@@ -227,7 +231,7 @@ def _parse_tensor(r: _Reader, desc: tuple[int, ...], which: str, level: Level, l
         raise CodecError(f"{which}: unknown parameter dtype {pdtype}")
     if coding not in (CODING_HUFFMAN, CODING_CONSTANT):
         raise CodecError(f"{which}: unknown coding {coding}")
-    if pred not in (PRED_NONE, PRED_DELTA):
+    if pred not in (PRED_NONE, PRED_CHANNEL):
         raise CodecError(f"{which}: unknown predictor {pred}")
     if per != quant.values_per_symbol(bits):
         raise CodecError(f"{which}: {per} values per symbol is wrong for {bits} bits")
@@ -238,10 +242,10 @@ def _parse_tensor(r: _Reader, desc: tuple[int, ...], which: str, level: Level, l
     exact_bytes = _pad8(h * exact * d * itemsize)
     mins = steps = lengths = stream_bytes = None
     if nq == 0:
-        if coding != CODING_CONSTANT or const or nstreams:
+        if coding != CODING_CONSTANT or const or nstreams or pred:
             raise CodecError(f"{which}: no quantized tokens, but coded data is declared")
         return TensorHeader(bits, axis, pdtype, coding, pred, per, 0, exact, 0, None, None, None,
-                            None, payload_offset, exact_bytes)
+                            None, None, None, payload_offset, exact_bytes)
     groups = h * (n - exact) if axis == quant.AXIS_TOKEN else h * d
     pdt = quant.PARAM_DTYPES[pdtype]
     raw_mins = r.take(groups * pdt.itemsize, f"{which} minimums")
@@ -249,8 +253,15 @@ def _parse_tensor(r: _Reader, desc: tuple[int, ...], which: str, level: Level, l
     gshape = (h, n - exact) if axis == quant.AXIS_TOKEN else (h, d)
     mins = np.frombuffer(raw_mins, dtype=pdt).astype(np.float32).reshape(gshape)
     steps = np.frombuffer(raw_steps, dtype=pdt).astype(np.float32).reshape(gshape)
-    if not (np.isfinite(mins).all() and np.isfinite(steps).all()) or (steps < 0).any():
+    if not quant.params_valid(mins.reshape(-1), steps.reshape(-1)):
         raise CodecError(f"{which}: quantization parameters are not finite and non-negative")
+    alpha = center = None
+    if pred == PRED_CHANNEL:
+        alpha = np.frombuffer(r.take(h * d, f"{which} predictor weights"), dtype=np.uint8)
+        center = np.frombuffer(r.take(h * d, f"{which} predictor centres"), dtype=np.uint8)
+        if alpha.max() > 4 or center.max() >= (1 << bits):
+            raise CodecError(f"{which}: predictor parameters out of range")
+        alpha, center = alpha.reshape(h, d), center.reshape(h, d)
     num_syms = -(-nq // per)
     streams_total = 0
     if coding == CODING_CONSTANT:
@@ -269,16 +280,13 @@ def _parse_tensor(r: _Reader, desc: tuple[int, ...], which: str, level: Level, l
             raise CodecError(f"{which}: {why}")
         stream_bytes = np.frombuffer(r.take(4 * nstreams, f"{which} stream lengths"),
                                      dtype="<u4").astype(np.int64)
-        bounds = huffman.stream_bounds(num_syms, nstreams)
-        per_stream = np.diff(bounds)
         # Each symbol takes 1 .. MAX_CODE_LEN bits: a cheap bound before decoding anything.
-        lo = 4 * -(-per_stream // 32)
-        hi = 4 * -(-per_stream * huffman.MAX_CODE_LEN // 32)
-        if (stream_bytes % 4).any() or (stream_bytes < lo).any() or (stream_bytes > hi).any():
+        if not huffman.streams_fit(stream_bytes, num_syms):
             raise CodecError(f"{which}: stream lengths do not fit the symbol counts")
         streams_total = int(stream_bytes.sum())
     return TensorHeader(bits, axis, pdtype, coding, pred, per, const, exact, nstreams, mins,
-                        steps, lengths, stream_bytes, payload_offset, exact_bytes + streams_total)
+                        steps, alpha, center, lengths, stream_bytes, payload_offset,
+                        exact_bytes + streams_total)
 
 
 def _parse(mv: memoryview) -> FrameHeader:
@@ -382,38 +390,32 @@ def _decode_symbols(mv: memoryview, hdr: FrameHeader, parallel: bool
     if not words.flags.aligned or words.dtype != np.dtype("=u4"):
         words = words.astype(np.uint32)  # numba wants aligned, native-order words
     words.setflags(write=False)  # one numba specialisation whether the frame is bytes or not
-    w_start, w_end, o_start, o_end, tables, lengths, counts = [], [], [], [], [], [], []
+    total_streams = sum(tensors[i].num_streams for i in coded)
+    bounds = np.empty((4, total_streams), dtype=np.int64)  # word start/end, symbol start/end
+    tables = np.empty((len(coded), 1 << huffman.TABLE_BITS), dtype=np.uint32)
+    lengths = np.zeros((len(coded), 256), dtype=np.uint8)
+    spans = []
     sym_base = 0
-    spans = {}
-    for i in coded:
+    first = 0
+    for j, i in enumerate(coded):
         th = tensors[i]
         _, nsym = _num_symbols(hdr, th)
         exact_bytes = _pad8(hdr.num_heads * th.exact_tokens * hdr.head_dim
                             * _itemsize(hdr.dtype))
-        wb = (th.payload_offset + exact_bytes) // 4 + np.concatenate(
-            [[0], np.cumsum(th.stream_bytes // 4)])
-        ob = sym_base + huffman.stream_bounds(nsym, th.num_streams)
-        w_start.append(wb[:-1])
-        w_end.append(wb[1:])
-        o_start.append(ob[:-1])
-        o_end.append(ob[1:])
-        spans[i] = (sym_base, sym_base + nsym)
+        huffman.stream_layout(th.stream_bytes, (th.payload_offset + exact_bytes) // 4, sym_base,
+                              nsym, bounds, first)
+        spans.append((i, sym_base, sym_base + nsym))
         sym_base += nsym
-        lens = np.zeros(256, dtype=np.uint8)
-        lens[:th.code_lengths.size] = th.code_lengths
-        lengths.append(lens)
-        tables.append(huffman.build_decode_table(lens))
-        counts.append(th.num_streams)
+        first += th.num_streams
+        lengths[j, :th.code_lengths.size] = th.code_lengths
+        huffman.build_decode_table(lengths[j], tables[j])
     symbols = np.empty(sym_base, dtype=np.uint8)
     errors = huffman.decode_streams(
-        words, np.concatenate(w_start).astype(np.int64), np.concatenate(w_end).astype(np.int64),
-        np.stack(tables), np.stack(lengths), symbols,
-        np.concatenate(o_start).astype(np.int64), np.concatenate(o_end).astype(np.int64),
-        huffman.plan_groups(counts), parallel)
+        words, bounds[0], bounds[1], tables, lengths, symbols, bounds[2], bounds[3],
+        huffman.plan_groups(tuple(tensors[i].num_streams for i in coded)), parallel)
     if errors.any():
         raise CodecError(f"{int(errors.sum())} Huffman stream(s) do not decode to their length")
-    for i in coded:
-        a, b = spans[i]
+    for i, a, b in spans:
         out[i] = symbols[a:b]
     return out
 
@@ -450,11 +452,8 @@ def _write_tensor(mv: memoryview, hdr: FrameHeader, th: TensorHeader,
         exact = _raw_values(mv, hdr, th.payload_offset, h * e * d).reshape(h, e, d)
         target[:, :e, :] = exact.to(torch.float32).numpy()
     if symbols is not None:
-        nq, _ = _num_symbols(hdr, th)
-        values = quant.unpack(symbols, th.bits, nq)
-        if th.predictor == PRED_DELTA:
-            quant.undo_delta(values, (h, n - e, d), th.bits)
-        quant.dequantize(values, th.mins, th.steps, th.axis, target[:, e:, :])
+        quant.reconstruct(symbols, th.bits, th.mins, th.steps, th.axis, target[:, e:, :],
+                          th.alpha, th.center)
     if not direct:
         out.copy_(torch.from_numpy(target))
 
@@ -519,7 +518,6 @@ class _EncodedTensor:
     desc: bytes
     sections: bytes
     payload: bytes
-    coded_bits: int = 0  # Huffman payload bits (without padding)
 
 
 def _encode_raw(t: torch.Tensor) -> _EncodedTensor:
@@ -542,25 +540,30 @@ def _encode_quant(t: torch.Tensor, bits: int, axis: int, exact: int, predictor: 
         mins, steps, pdtype = quant.quant_params(x, bits, axis)
     except ValueError as exc:
         raise CodecError(f"{which}: {exc}") from None
-    q = quant.quantize(x, mins, steps, bits, axis).reshape(-1)
-    candidates = [PRED_NONE]
-    if predictor in ("auto", "delta") and n - exact > 1:
-        candidates = [PRED_DELTA] if predictor == "delta" else [PRED_NONE, PRED_DELTA]
+    q = quant.quantize(x, mins, steps, bits, axis)
+    params = mins.tobytes() + steps.tobytes()  # already little-endian fp16 / fp32
+    candidates = {"none": [PRED_NONE], "channel": [PRED_CHANNEL],
+                  "auto": [PRED_NONE, PRED_CHANNEL]}[predictor]
     best = None
     for pred in candidates:
-        values = quant.apply_delta(q, (h, n - exact, d), bits) if pred == PRED_DELTA else q
-        syms = quant.pack(values, bits)
+        pred_params = b""
+        values = q
+        if pred == PRED_CHANNEL:
+            alpha, center = quant.choose_prediction(q, bits)
+            values = quant.apply_prediction(q, bits, alpha, center)
+            pred_params = alpha.tobytes() + center.tobytes()
+        syms = quant.pack(values.reshape(-1), bits)
         hist = np.bincount(syms, minlength=256)
-        used = np.flatnonzero(hist)
-        if used.size == 1:
-            cand = (0, pred, syms, hist, None)
+        if np.count_nonzero(hist) == 1:
+            lengths, cost = None, 0
         else:
             lengths = huffman.code_lengths(hist)
-            cand = (int(np.dot(hist, lengths.astype(np.int64))), pred, syms, hist, lengths)
-        if best is None or cand[0] < best[0]:
-            best = cand
-    coded_bits, pred, syms, hist, lengths = best
-    params = mins.tobytes() + steps.tobytes()  # already little-endian fp16 / fp32
+            cost = int(np.dot(hist, lengths.astype(np.int64)))
+        cost += 8 * len(pred_params)
+        if best is None or cost < best[0]:
+            best = (cost, pred, pred_params, syms, hist, lengths)
+    _, pred, pred_params, syms, hist, lengths = best
+    params += pred_params
     if lengths is None:
         desc = _DESC.pack(bits, axis, pdtype, CODING_CONSTANT, pred, per, int(np.flatnonzero(
             hist)[0]), 0, exact, 0)
@@ -571,8 +574,7 @@ def _encode_quant(t: torch.Tensor, bits: int, axis: int, exact: int, predictor: 
     sections = (params + lengths[:alphabet].tobytes()
                 + (4 * words_per_stream).astype("<u4").tobytes())
     desc = _DESC.pack(bits, axis, pdtype, CODING_HUFFMAN, pred, per, 0, 0, exact, nstreams)
-    return _EncodedTensor(desc, sections, exact_payload + words.astype("<u4").tobytes(),
-                          coded_bits)
+    return _EncodedTensor(desc, sections, exact_payload + words.astype("<u4").tobytes())
 
 
 def _check_chunk(chunk: Any) -> None:
@@ -615,15 +617,15 @@ def encode(chunk: KVChunk, level: str | Level = DEFAULT_LEVEL, *, streams: int |
         streams: Huffman sub-streams per tensor (default: :func:`default_streams`).
         sink_tokens: the context's first tokens kept exact in quantized levels.
         k_axis, v_axis: quantization scale axis (``quant.AXIS_CHANNEL`` or ``AXIS_TOKEN``).
-        predictor: ``"auto"`` (the smaller of plain and token-delta coding), ``"none"``,
-            ``"delta"``.
+        predictor: ``"auto"`` (the smaller of plain and channel-predicted coding), ``"none"``,
+            ``"channel"``.
 
     Raises:
         CodecError: bad chunk, unknown level, or non-finite values at a quantized level.
     """
     _check_chunk(chunk)
     lvl = get_level(level)
-    if predictor not in ("auto", "none", "delta"):
+    if predictor not in ("auto", "none", "channel"):
         raise CodecError(f"unknown predictor {predictor!r}")
     if k_axis not in quant.AXIS_NAMES or v_axis not in quant.AXIS_NAMES:
         raise CodecError("unknown quantization axis")
@@ -651,3 +653,34 @@ def encode(chunk: KVChunk, level: str | Level = DEFAULT_LEVEL, *, streams: int |
     header = fixed + parts[0].desc + parts[1].desc + sections
     body = header + bytes(header_len - len(header)) + payload
     return body + struct.pack("<Q", xxhash.xxh64_intdigest(body))
+
+
+# ------------------------------------------------------------------------------------------------
+# Introspection (benchmarks, tests)
+# ------------------------------------------------------------------------------------------------
+def coded_symbols(data: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The byte symbols a frame Huffman-codes for K and for V (after packing and prediction;
+    ``None`` for lossless tensors)."""
+    mv = _as_bytes_view(data)
+    hdr = _check_frame(mv)
+    syms = _decode_symbols(mv, hdr, False)
+    return syms[0], syms[1]
+
+
+def quantized_values(data: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The b-bit quantization values of K and of V (``uint8``, flat C order of
+    ``[H, N - exact_tokens, D]``; ``None`` for lossless tensors): what entropy is measured on."""
+    mv = _as_bytes_view(data)
+    hdr = _check_frame(mv)
+    syms = _decode_symbols(mv, hdr, False)
+    out: list[np.ndarray | None] = [None, None]
+    for i, th in enumerate((hdr.k, hdr.v)):
+        if syms[i] is None:
+            continue
+        nq, _ = _num_symbols(hdr, th)
+        values = quant.unpack(syms[i], th.bits, nq).copy()
+        if th.predictor == PRED_CHANNEL:
+            quant.undo_prediction(values.reshape(hdr.num_heads, hdr.num_tokens - th.exact_tokens,
+                                                 hdr.head_dim), th.bits, th.alpha, th.center)
+        out[i] = values
+    return out[0], out[1]

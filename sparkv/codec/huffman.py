@@ -23,6 +23,7 @@ because every lookup emits at least one symbol. Code lengths from the wire must 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -91,6 +92,34 @@ def code_lengths(counts: np.ndarray, max_len: int = MAX_CODE_LEN) -> np.ndarray:
     return lengths
 
 
+_LENGTH_PROBLEMS = {
+    1: "a code length exceeds the maximum",
+    2: "a Huffman table needs at least two symbols",
+    3: "code lengths do not form a complete prefix code",
+    4: "code-length table is empty",
+}
+
+
+@nb.njit(nogil=True, cache=True, boundscheck=False)
+def _lengths_status(lengths, max_len):  # pragma: no cover - numba
+    if lengths.size == 0:
+        return 4
+    used = 0
+    kraft = 0
+    for s in range(lengths.size):
+        ln = np.int64(lengths[s])
+        if ln > max_len:
+            return 1
+        if ln > 0:
+            used += 1
+            kraft += np.int64(1) << (max_len - ln)
+    if used < 2:
+        return 2
+    if kraft != (np.int64(1) << max_len):
+        return 3
+    return 0
+
+
 def check_lengths(lengths: np.ndarray, max_len: int = MAX_CODE_LEN) -> str | None:
     """Why ``lengths`` is not a complete prefix code of at most ``max_len`` bits, or ``None``.
 
@@ -98,17 +127,11 @@ def check_lengths(lengths: np.ndarray, max_len: int = MAX_CODE_LEN) -> str | Non
     ``max_len``-bit window starts with a valid code.
     """
     lengths = np.asarray(lengths)
-    if lengths.ndim != 1 or lengths.size == 0:
-        return "code-length table is empty"
-    if int(lengths.max()) > max_len:
-        return f"a code length exceeds {max_len} bits"
-    used = lengths[lengths > 0].astype(np.int64)
-    if used.size < 2:
-        return "a Huffman table needs at least two symbols"
-    kraft = int(np.sum(np.left_shift(np.int64(1), max_len - used)))
-    if kraft != (1 << max_len):
-        return "code lengths do not form a complete prefix code"
-    return None
+    if lengths.ndim != 1:
+        return "code-length table must be one-dimensional"
+    status = _lengths_status(np.ascontiguousarray(lengths, dtype=np.uint8), max_len) if (
+        lengths.size == 0 or int(lengths.max()) <= 255) else 1
+    return _LENGTH_PROBLEMS.get(status)
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
@@ -116,19 +139,20 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
 
     Symbols sorted by ``(length, symbol)`` receive consecutive code values; the code value is
     shifted left by one for each increase of length (as in DEFLATE, RFC 1951 section 3.2.2).
+    Computed as prefix sums: the code of the i-th sorted symbol is
+    ``sum(2**(M - len_j) for j < i) >> (M - len_i)`` with ``M`` the longest length.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     codes = np.zeros(lengths.size, dtype=np.uint32)
     used = np.flatnonzero(lengths > 0)
+    if used.size == 0:
+        return codes
     order = used[np.lexsort((used, lengths[used]))]
-    code = 0
-    prev = 0
-    for s in order.tolist():
-        ln = int(lengths[s])
-        code <<= ln - prev
-        prev = ln
-        codes[s] = code
-        code += 1
+    lens = lengths[order]
+    top = int(lens[-1])
+    weights = np.left_shift(np.int64(1), top - lens)
+    prefix = np.concatenate([[0], np.cumsum(weights)[:-1]])
+    codes[order] = (prefix >> (top - lens)).astype(np.uint32)
     return codes
 
 
@@ -204,25 +228,36 @@ def encode_streams(syms: np.ndarray, lengths: np.ndarray, num_streams: int
 # Decoding
 # ------------------------------------------------------------------------------------------------
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _build_table(lengths, codes):  # pragma: no cover - numba
-    """The multi-symbol decode table for a complete code (``check_lengths`` passed).
+def _fill_table(lengths, table):  # pragma: no cover - numba
+    """Writes the multi-symbol decode table of a complete code (``check_lengths`` passed).
 
     Entry for a ``TABLE_BITS``-bit window: bits 0-7 first symbol, 8-15 second, 16-23 third,
-    24-27 total code bits of the decoded symbols, 28-29 how many symbols (1..3).
+    24-27 total code bits of the decoded symbols, 28-29 how many symbols (1..3). Canonical codes
+    are assigned as in DEFLATE (count per length, first code per length, then symbol order).
     """
     size = 1 << TABLE_BITS
     mask = size - 1
+    bl_count = np.zeros(TABLE_BITS + 1, dtype=np.int64)
+    for s in range(lengths.size):
+        bl_count[lengths[s]] += 1
+    bl_count[0] = 0
+    next_code = np.zeros(TABLE_BITS + 2, dtype=np.int64)
+    code = 0
+    for ln in range(1, TABLE_BITS + 1):
+        code = (code + bl_count[ln - 1]) << 1
+        next_code[ln] = code
     first_sym = np.zeros(size, dtype=np.uint32)
     first_len = np.zeros(size, dtype=np.uint32)
     for s in range(lengths.size):
-        ln = lengths[s]
+        ln = np.int64(lengths[s])
         if ln == 0:
             continue
-        base = np.int64(codes[s]) << (TABLE_BITS - ln)
-        for j in range(1 << (TABLE_BITS - ln)):
+        c = next_code[ln]
+        next_code[ln] += 1
+        base = c << (TABLE_BITS - ln)
+        for j in range(np.int64(1) << (TABLE_BITS - ln)):
             first_sym[base + j] = s
             first_len[base + j] = ln
-    table = np.empty(size, dtype=np.uint32)
     for idx in range(size):
         entry = first_sym[idx]
         total = first_len[idx]
@@ -240,13 +275,30 @@ def _build_table(lengths, codes):  # pragma: no cover - numba
                 total += l3
                 count = 3
         table[idx] = entry | (total << 24) | (np.uint32(count) << 28)
+
+
+def build_decode_table(lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``uint32 [2**TABLE_BITS]`` decode table for validated code lengths (``uint8 [A]``),
+    written into ``out`` when given."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint8)
+    table = np.empty(1 << TABLE_BITS, dtype=np.uint32) if out is None else out
+    _fill_table(lengths, table)
     return table
 
 
-def build_decode_table(lengths: np.ndarray) -> np.ndarray:
-    """``uint32 [2**TABLE_BITS]`` decode table for validated code lengths (``uint8 [A]``)."""
-    lengths = np.ascontiguousarray(lengths, dtype=np.uint8)
-    return _build_table(lengths, canonical_codes(lengths))
+@nb.njit(nogil=True, cache=True, boundscheck=False)
+def streams_fit(stream_bytes, num_symbols):  # pragma: no cover - numba
+    """Stream byte lengths are whole words and between 1 and ``MAX_CODE_LEN`` bits per symbol
+    of the streams' symbol counts (:func:`stream_bounds`)."""
+    num_streams = stream_bytes.size
+    for s in range(num_streams):
+        count = ((s + 1) * num_symbols) // num_streams - (s * num_symbols) // num_streams
+        nbytes = np.int64(stream_bytes[s])
+        lo = 4 * ((count + 31) // 32)
+        hi = 4 * ((count * MAX_CODE_LEN + 31) // 32)
+        if nbytes % 4 != 0 or nbytes < lo or nbytes > hi:
+            return False
+    return True
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False, inline="always")
@@ -414,8 +466,25 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def plan_groups(num_streams: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Groups of at most 4 consecutive streams per table: ``(first, count, table_index)``."""
+@nb.njit(nogil=True, cache=True, boundscheck=False)
+def stream_layout(stream_bytes, first_word, first_symbol, num_symbols, bounds, col):  # pragma: no cover
+    """Fills columns ``col ..`` of ``bounds`` (``int64 [4, S_total]``: word start, word end,
+    symbol start, symbol end) for the streams of one tensor laid out back to back from word
+    ``first_word``, its symbols from ``first_symbol``."""
+    num_streams = stream_bytes.size
+    w = first_word
+    for s in range(num_streams):
+        bounds[0, col + s] = w
+        w += stream_bytes[s] // 4
+        bounds[1, col + s] = w
+        bounds[2, col + s] = first_symbol + (s * num_symbols) // num_streams
+        bounds[3, col + s] = first_symbol + ((s + 1) * num_symbols) // num_streams
+
+
+@functools.lru_cache(maxsize=256)
+def plan_groups(num_streams: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Groups of at most 4 consecutive streams per table: ``(first, count, table_index)``
+    (cached: treat the arrays as read-only)."""
     first, count, table = [], [], []
     base = 0
     for t, s in enumerate(num_streams):
@@ -485,7 +554,7 @@ def decode_symbols(words: np.ndarray, words_per_stream: np.ndarray, lengths: np.
     out = np.empty(n, dtype=np.uint8)
     errors = decode_streams(np.ascontiguousarray(words, dtype=np.uint32), wb[:-1], wb[1:],
                             build_decode_table(lengths)[None, :], lengths[None, :], out,
-                            ob[:-1], ob[1:], plan_groups([num_streams]), parallel)
+                            ob[:-1], ob[1:], plan_groups((num_streams,)), parallel)
     if errors.any():
         raise ValueError(f"{int(errors.sum())} malformed stream(s)")
     return out

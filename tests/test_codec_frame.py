@@ -308,3 +308,30 @@ def test_estimate_bytes_is_sane():
         est = get_level(level).estimate_bytes(3, 1024, 64, 8, L)
         assert est < prev
         prev = est
+
+
+# ---- prediction ------------------------------------------------------------------------------
+def test_auto_predictor_never_worse_and_used_on_correlated_data():
+    g = torch.Generator().manual_seed(7)
+    walk = torch.cumsum(torch.randn(2, 256, 16, generator=g) * 0.1, dim=1)  # token-correlated
+    c = KVChunk(KVChunkId(1, 6, 0), 256, walk, torch.randn(2, 256, 16, generator=g), L)
+    sizes = {p: len(encode(c, "q5", predictor=p)) for p in ("auto", "none", "channel")}
+    assert sizes["auto"] <= min(sizes["none"], sizes["channel"]) + 16
+    hdr = peek_header(encode(c, "q5"))
+    assert hdr.k.predictor == 1  # the random walk is predictable
+    assert sizes["channel"] < sizes["none"]
+
+
+@pytest.mark.parametrize("predictor", ["none", "channel"])
+def test_quantized_values_are_the_quantizer_output(predictor):
+    from sparkv.codec.frame import quantized_values
+
+    c = chunk(n=64, layer=2)
+    frame = encode(c, "q4", predictor=predictor)
+    hdr = peek_header(frame)
+    kq, vq = quantized_values(frame)
+    for x, q, bits in ((c.k, kq, hdr.k_bits), (c.v, vq, hdr.v_bits)):
+        x = np.ascontiguousarray(x.numpy())
+        mins, steps, _ = quant.quant_params(x, bits, quant.AXIS_CHANNEL)
+        np.testing.assert_array_equal(q, quant.quantize(x, mins, steps, bits,
+                                                        quant.AXIS_CHANNEL).reshape(-1))

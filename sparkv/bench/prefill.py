@@ -26,6 +26,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--estimator", default=None, choices=["qpool", "meansim"])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's; 1 is fairer on a shared machine)")
     p.add_argument("--json", action="store_true", help="write bench/results/prefill.json")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/prefill.json)")
     p.set_defaults(func=run)
@@ -39,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
                                 first_token_kl, greedy_agreement, greedy_generate, load_model,
                                 sample_context_ids)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     question = lm.encode_text(QUESTION)
     sizes = [int(s) for s in args.sizes.split(",") if s]

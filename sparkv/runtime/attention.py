@@ -161,6 +161,8 @@ class SparsityConfig:
             self-similar": their pooled estimate is unreliable, so they are always computed.
         attention_sink: always keep key block 0.
         min_keys: query blocks with at most this many visible keys are computed densely.
+        dense_below: calls whose queries see at most this many keys run dense SDPA outright (the
+            prediction and the gathers cost more than they save on short prefixes).
         q_sub: (qpool) query tokens per pooled sub-block.
         k_sub: (qpool) key tokens per pooled sub-block.
         group_blocks: query blocks executed together in one batched SDPA call.
@@ -176,6 +178,7 @@ class SparsityConfig:
     sim_threshold: float = 0.6
     attention_sink: bool = True
     min_keys: int = 4 * K_BLOCK
+    dense_below: int = 1024
     q_sub: int = 32
     k_sub: int = 8
     group_blocks: int = 4
@@ -311,6 +314,13 @@ class BlockSparseAttention:
           contiguous key window.
         """
         _check_shapes(q, k, v, q_offset)
+        if mask is None and not self.config.force_dense \
+                and q_offset + q.shape[2] <= self.config.dense_below:
+            out = _sdpa_causal(q, k, v, q_offset, scale)
+            blocks = causal_block_count(q.shape[2], k.shape[2], q_offset, self.q_block,
+                                        self.k_block)
+            return out, AttentionStats(self.name, torch.full((q.shape[1],), blocks * q.shape[0]),
+                                       blocks)
         if mask is None:
             mask = self.predict_mask(q, k, q_offset, scale)
         b, hq, nq, d = q.shape

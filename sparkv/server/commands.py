@@ -1,0 +1,261 @@
+"""CLI commands of the server: ``sparkv serve``, ``sparkv encode`` and ``sparkv apikey``.
+
+Every ``serve`` option also reads an environment variable (:data:`SERVE_ENV`), which is how
+docker-compose.yml configures the container; the command line wins over the environment, which
+wins over the config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from sparkv.server.errors import ConfigError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+SERVE_ENV: dict[str, str] = {
+    "--host": "SPARKV_HOST",
+    "--port": "SPARKV_PORT",
+    "--store": "SPARKV_STORE",
+    "--config": "SPARKV_CONFIG",
+    "--ssl-certfile": "SPARKV_SSL_CERTFILE",
+    "--ssl-keyfile": "SPARKV_SSL_KEYFILE",
+    "--ssl-keyfile-password": "SPARKV_SSL_KEYFILE_PASSWORD",
+    "--ssl-ca-certs": "SPARKV_SSL_CA_CERTS",
+    "--torch-threads": "SPARKV_TORCH_THREADS",
+    "--log-level": "SPARKV_LOG_LEVEL",
+}
+"""``serve`` option -> the environment variable that sets its default."""
+
+
+def _env(option: str, default: Any = None) -> Any:
+    return os.environ.get(SERVE_ENV[option], default)
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    s = sub.add_parser("serve", help="run the REST server (uvicorn)",
+                       description="Run the sparkv REST server. Each option's default comes from "
+                                   "the environment variable in brackets.")
+    s.add_argument("--host", default=_env("--host", "127.0.0.1"), help="[SPARKV_HOST] bind "
+                   "address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=int(_env("--port", 8080)),
+                   help="[SPARKV_PORT] (default 8080)")
+    s.add_argument("--store", default=_env("--store"),
+                   help="[SPARKV_STORE] file:///path or redis://host:port/db (default: the "
+                        "config file's, else file://./sparkv-store)")
+    s.add_argument("--config", default=_env("--config"), help="[SPARKV_CONFIG] YAML config file "
+                   "(tenants, models, limits; see deploy/server-config.example.yaml)")
+    s.add_argument("--ssl-certfile", default=_env("--ssl-certfile"),
+                   help="[SPARKV_SSL_CERTFILE] PEM certificate: serve HTTPS")
+    s.add_argument("--ssl-keyfile", default=_env("--ssl-keyfile"),
+                   help="[SPARKV_SSL_KEYFILE] PEM private key of the certificate")
+    s.add_argument("--ssl-keyfile-password", default=_env("--ssl-keyfile-password"),
+                   help="[SPARKV_SSL_KEYFILE_PASSWORD] password of the key file")
+    s.add_argument("--ssl-ca-certs", default=_env("--ssl-ca-certs"),
+                   help="[SPARKV_SSL_CA_CERTS] CA bundle to verify client certificates")
+    s.add_argument("--torch-threads", type=int, default=_int_or_none(_env("--torch-threads")),
+                   help="[SPARKV_TORCH_THREADS] PyTorch threads for prefill (default: config, "
+                        "else all cores)")
+    s.add_argument("--log-level", default=_env("--log-level", "info"),
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="[SPARKV_LOG_LEVEL]")
+    s.add_argument("--access-log", action="store_true", help="log every request")
+    s.add_argument("--allow-anonymous", action="store_true",
+                   help="accept requests without an API key as tenant 'anonymous'")
+    s.set_defaults(func=serve)
+
+    e = sub.add_parser("encode", help="pre-encode a context offline into a store",
+                       description="Encode a text file's context into a store with the server's "
+                                   "own encoder (same ids, same manifest).")
+    e.add_argument("file", help="text file (or, with --token-ids, a JSON list of token ids); "
+                               "'-' reads stdin")
+    e.add_argument("--store", default=os.environ.get("SPARKV_STORE"),
+                   help="store URL (default: $SPARKV_STORE, the config's, else "
+                        "file://./sparkv-store)")
+    e.add_argument("--config", default=os.environ.get("SPARKV_CONFIG"),
+                   help="server config file (models, defaults)")
+    e.add_argument("--tenant", default=None,
+                   help="tenant that owns the context (default: the config's only tenant, "
+                        "else 'anonymous')")
+    e.add_argument("--model", default=None, help="model name from the config (default: its "
+                   "default model)")
+    e.add_argument("--levels", default=None, help="comma-separated levels (default: config)")
+    e.add_argument("--chunk-tokens", type=int, default=None, help="T (default: config)")
+    e.add_argument("--heads-per-group", type=int, default=0)
+    e.add_argument("--token-ids", action="store_true", help="FILE holds a JSON list of token ids")
+    e.add_argument("--encrypt", action="store_true",
+                   help="encrypt frames; prints the key once (it is stored nowhere)")
+    e.add_argument("--torch-threads", type=int, default=None)
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
+    e.set_defaults(func=encode)
+
+    k = sub.add_parser("apikey", help="make a new API key and its hash for the config file")
+    k.add_argument("--tenant", default="my-tenant")
+    k.set_defaults(func=apikey)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value in (None, "") else int(value)
+
+
+def _settings(config: str | None, store: str | None, **extra: Any) -> Any:
+    from sparkv.server.config import load_settings
+
+    return load_settings(config, store=store, **extra)
+
+
+# ------------------------------------------------------------------------------------------------
+def serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
+                         log_level=args.log_level,
+                         allow_anonymous=True if args.allow_anonymous else None)
+    if not settings.tenants and not settings.allow_anonymous:
+        if args.host not in LOOPBACK:
+            raise ConfigError("no tenants are configured: add API key hashes to the config file "
+                              "(`sparkv apikey` makes one) or pass --allow-anonymous")
+        settings.allow_anonymous = True
+        print("sparkv serve: no tenants configured; accepting requests without a key as tenant "
+              "'anonymous' (loopback only)", file=sys.stderr)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    import torch
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sparkv.server.app import create_app
+
+    app = create_app(settings)
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"sparkv serve: {scheme}://{args.host}:{args.port} store={app.state.sparkv.store.url} "
+          f"tenants={len(settings.tenants)} models={','.join(settings.models)}", file=sys.stderr,
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level,
+                access_log=args.access_log, ssl_certfile=args.ssl_certfile,
+                ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
+                ssl_ca_certs=args.ssl_ca_certs, timeout_keep_alive=30, server_header=False)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+def encode(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from sparkv.server.config import ANONYMOUS_TENANT
+    from sparkv.server.crypto import FrameCipher, key_to_text, new_key
+    from sparkv.server.encoder import (ContextSpec, canonical_levels, derive_context_id,
+                                       encode_context)
+    from sparkv.server.errors import ApiError
+    from sparkv.server.models import ModelRegistry
+    from sparkv.server.stores import open_store
+
+    settings = _settings(args.config, args.store, torch_threads=args.torch_threads)
+    if args.torch_threads or settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads or settings.torch_threads)
+    tenant = args.tenant or (next(iter(settings.tenants)) if len(settings.tenants) == 1
+                             else ANONYMOUS_TENANT)
+    text = sys.stdin.read() if args.file == "-" else _read_text(args.file)
+    registry = ModelRegistry(settings.models, settings.max_context_tokens)
+    try:
+        entry = registry.get(args.model or settings.default_model)
+        if args.token_ids:
+            try:
+                ids = [int(x) for x in json.loads(text)]
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"{args.file}: not a JSON list of token ids ({exc})") from None
+            bad = [x for x in ids if not 0 <= x < entry.vocab_size]
+            if bad:
+                raise ConfigError(f"token id {bad[0]} is outside [0, {entry.vocab_size})")
+        else:
+            if entry.lm.tokenizer is None:
+                raise ConfigError(f"model {entry.name!r} has no tokenizer: use --token-ids")
+            ids = entry.lm.encode_text(text)
+    except ApiError as exc:
+        raise ConfigError(exc.message) from None
+    if not ids:
+        raise ConfigError(f"{args.file} holds no tokens")
+    if len(ids) > entry.max_tokens:
+        raise ConfigError(f"{len(ids)} tokens; {entry.name!r} accepts at most {entry.max_tokens}")
+    try:
+        levels = canonical_levels(args.levels.split(",") if args.levels
+                                  else settings.default_levels)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    spec = ContextSpec(tenant, entry.name, tuple(ids), args.chunk_tokens or
+                       settings.default_chunk_tokens, levels, args.heads_per_group, args.encrypt)
+    cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
+    store = open_store(settings.store)
+    result: dict[str, Any] = {"context_id": cid, "tenant": tenant, "store": store.url,
+                              "num_tokens": len(ids), "levels": list(levels)}
+    if store.get_manifest(tenant, cid) is not None:
+        result["status"] = "exists"
+        _report(args, result, f"context {cid} is already in {store.url} (nothing to do)")
+        return 0
+    key = new_key() if args.encrypt else None
+    cipher = FrameCipher(key, cid) if key else None
+    bar = tqdm(total=None, unit="frame", desc="prefill", file=sys.stderr)
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.set_description(phase)
+        bar.n = done
+        bar.refresh()
+
+    try:
+        manifest, stats = encode_context(entry, spec, cid, store, cipher=cipher,
+                                         progress=progress, reuse_stored=not args.encrypt)
+        store.put_manifest(tenant, cid, manifest)
+    except BaseException:
+        bar.close()
+        if store.get_manifest(tenant, cid) is None:
+            store.delete(tenant, cid)  # no half-encoded leftovers
+        raise
+    bar.close()
+    result.update(status="encoded", frames=stats.frames_encoded + stats.frames_reused,
+                  prefill_s=round(stats.prefill_s, 3), codec_s=round(stats.codec_s, 3),
+                  store_s=round(stats.store_s, 3), total_s=round(stats.total_s, 3),
+                  manifest_bytes=len(manifest))
+    if key:
+        result["encryption_key"] = key_to_text(key)
+    msg = (f"context {cid}: {len(ids)} tokens, {result['frames']} frames at "
+           f"{','.join(levels)} in {stats.total_s:.1f} s -> {store.url} (tenant {tenant})")
+    if key:
+        msg += f"\nencryption key (shown once, stored nowhere): {result['encryption_key']}"
+    _report(args, result, msg)
+    return 0
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any], message: str) -> None:
+    print(json.dumps(result, indent=2) if args.json else message)
+
+
+def apikey(args: argparse.Namespace) -> int:
+    from sparkv.server.config import TENANT_NAME, hash_api_key, new_api_key
+
+    if not TENANT_NAME.match(args.tenant):
+        raise ConfigError(f"tenant name must match {TENANT_NAME.pattern}")
+    key = new_api_key()
+    print(f"API key (give it to the client; it is not stored): {key}")
+    print("config file lines:")
+    print(f"tenants:\n  {args.tenant}:\n    keys:\n      - {hash_api_key(key)}")
+    return 0

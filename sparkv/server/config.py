@@ -1,0 +1,157 @@
+"""Server settings: a YAML (or JSON) config file, overridden by environment and command line.
+
+The file format is documented in docs/server.md and deploy/server-config.example.yaml. Unknown keys
+are errors (a typo must not silently disable a limit). API keys appear only as hashes
+(``sha256:<hex>``); :func:`hash_api_key` computes them and ``sparkv apikey`` prints a new key with
+its line for the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sparkv.server.errors import ConfigError
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
+ANONYMOUS_TENANT = "anonymous"
+DEFAULT_STORE = "file://./sparkv-store"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def hash_api_key(key: str) -> str:
+    """The form an API key is stored in: ``sha256:<hex of SHA-256(key as UTF-8)>``.
+
+    Keys are random 256-bit tokens (see :func:`new_api_key`), so a fast hash is enough: there is
+    nothing to brute-force that a slow hash would protect.
+    """
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def new_api_key() -> str:
+    """A fresh API key: ``skv_`` and 43 URL-safe characters (256 random bits)."""
+    return "skv_" + secrets.token_urlsafe(32)
+
+
+class TenantConfig(BaseModel):
+    """One tenant: the hashes of its API keys."""
+
+    model_config = ConfigDict(extra="forbid")
+    keys: list[str] = Field(default_factory=list)
+
+    @field_validator("keys")
+    @classmethod
+    def _hashes_only(cls, keys: list[str]) -> list[str]:
+        for k in keys:
+            if not KEY_HASH.match(k):
+                raise ValueError("keys must be hashes 'sha256:<64 hex digits>' (run `sparkv apikey`"
+                                 " to make a key and its hash); plain keys are never stored")
+        return keys
+
+
+class Settings(BaseModel):
+    """Everything the server needs. Field docs are the config file's reference (docs/server.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: str = DEFAULT_STORE
+    """Chunk store URL: ``file:///path`` or ``redis://host:port/db``."""
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    allow_anonymous: bool = False
+    """Requests without a key act as tenant ``anonymous`` (only for loopback demos)."""
+    models: dict[str, str | None] = Field(default_factory=lambda: {DEFAULT_MODEL_NAME: None})
+    """Model name -> local checkpoint path (``null``: the bundled SmolLM2)."""
+    default_model: str = DEFAULT_MODEL_NAME
+    default_levels: list[str] = Field(default_factory=lambda: ["q8", "q6", "q5", "q4", "q3"])
+    default_chunk_tokens: int = Field(256, ge=16, le=65536)
+    max_context_tokens: int = Field(32768, ge=1)
+    """Upper bound on a context's tokens (the model's own maximum applies as well)."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_stream_items: int = Field(1 << 16, ge=1)
+    max_queued_jobs: int = Field(64, ge=1)
+    encode_workers: int = Field(1, ge=1, le=16)
+    torch_threads: int = Field(0, ge=0)
+    """Threads PyTorch uses for prefill (0: its default, every core)."""
+    encode_pause_s: float = Field(0.0, ge=0.0, le=10.0)
+    """Sleep after each encoded frame, leaving CPU to serving (and making crash tests slow enough)."""
+    resume_jobs: bool = True
+    max_job_attempts: int = Field(3, ge=1)
+    job_retention_s: float = Field(7 * 24 * 3600.0, ge=0.0)
+    preload_models: bool = False
+    manifest_cache_s: float = Field(5.0, ge=0.0)
+    """How long a parsed manifest is reused before the store is read again."""
+    stream_batch_bytes: int = Field(1 << 20, ge=4096)
+    """The stream endpoint reads and writes frames in batches of about this many bytes."""
+    log_level: str = "info"
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, tenants: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        seen: dict[str, str] = {}
+        for name, cfg in tenants.items():
+            if not TENANT_NAME.match(name):
+                raise ValueError(f"tenant name {name!r} must match {TENANT_NAME.pattern}")
+            for h in cfg.keys:
+                if h in seen:
+                    raise ValueError(f"the same key hash is listed for tenants {seen[h]!r} and "
+                                     f"{name!r}")
+                seen[h] = name
+        return tenants
+
+    @field_validator("default_levels")
+    @classmethod
+    def _levels(cls, levels: list[str]) -> list[str]:
+        from sparkv.codec import LEVELS
+
+        bad = [x for x in levels if x not in LEVELS]
+        if bad or not levels:
+            raise ValueError(f"unknown levels {bad}; known: {', '.join(LEVELS)}")
+        return levels
+
+    def check(self) -> "Settings":
+        """Cross-field checks (raises :class:`ConfigError`)."""
+        if self.default_model not in self.models:
+            raise ConfigError(f"default_model {self.default_model!r} is not among models "
+                              f"({', '.join(self.models) or 'none'})")
+        if not self.models:
+            raise ConfigError("no models configured")
+        return self
+
+    def key_index(self) -> dict[str, str]:
+        """``{key hash: tenant}``."""
+        return {h: name for name, cfg in self.tenants.items() for h in cfg.keys}
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Reads a config file (YAML or JSON; ``None``: defaults) and applies ``overrides`` (keys whose
+    value is ``None`` are ignored). Raises :class:`ConfigError` with the offending field."""
+    data: dict[str, Any] = {}
+    if path:
+        import yaml
+
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read the config file {p}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return Settings(**data).check()
+    except ValidationError as exc:
+        where = f" in {path}" if path else ""
+        msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid server configuration{where}: {msgs}") from None

@@ -1,0 +1,351 @@
+"""Pre-encoding a context: prefill, cut into chunks, encode every chunk at every level, store,
+then publish the manifest. The server's background jobs and ``sparkv encode`` both run
+:func:`encode_context`; only the progress reporting differs.
+
+Context ids are derived from the content: SHA-256 over the tenant, the model's fingerprint, the
+tokenizer's identity, the token ids, the chunk geometry parameters, the levels, the codec's frame
+version and whether frames are encrypted (first 32 hex digits). The same request twice names the
+same context, so it is encoded once.
+
+The manifest (docs/rest-api.md, "Manifest") lists every chunk with, per level, the stored size,
+an ``xxh3_128`` checksum of the stored bytes (the chunk's ETag), the bits per value, the empirical
+entropy of the quantized values and the quantization parameters of K and of V.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from sparkv.layout import ChunkGeometry, KVChunkId
+from sparkv.server.crypto import AAD_FORMAT, ALGORITHM, NONCE_BYTES, TAG_BYTES, FrameCipher
+from sparkv.server.stores.base import ChunkKey, ChunkStore
+
+MANIFEST_FORMAT = "sparkv-manifest/1"
+ID_VERSION = 1
+
+ProgressFn = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``: phase is ``prefill``, ``encoding`` or ``publishing``."""
+
+
+class JobCancelled(Exception):
+    """The job was cancelled (its context deleted) while it ran."""
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """What to encode. ``levels`` in canonical order (see :func:`canonical_levels`)."""
+
+    tenant: str
+    model: str
+    token_ids: tuple[int, ...]
+    chunk_tokens: int
+    levels: tuple[str, ...]
+    heads_per_group: int = 0
+    encrypted: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_record(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["token_ids"] = list(self.token_ids)
+        d["levels"] = list(self.levels)
+        return d
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> "ContextSpec":
+        return cls(d["tenant"], d["model"], tuple(int(x) for x in d["token_ids"]),
+                   int(d["chunk_tokens"]), tuple(d["levels"]), int(d.get("heads_per_group", 0)),
+                   bool(d.get("encrypted", False)))
+
+
+def canonical_levels(levels: Sequence[str]) -> tuple[str, ...]:
+    """Unique levels in the codec's order (best quality first). Raises ``ValueError``."""
+    from sparkv.codec import LEVEL_ORDER
+
+    bad = [x for x in levels if x not in LEVEL_ORDER]
+    if bad or not levels:
+        raise ValueError(f"unknown levels {bad}; known: {', '.join(LEVEL_ORDER)}")
+    return tuple(x for x in LEVEL_ORDER if x in set(levels))
+
+
+def tokens_digest(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
+
+
+def derive_context_id(spec: ContextSpec, model_fingerprint: str, tokenizer_id: str) -> str:
+    """The content-derived id (32 lowercase hex digits). See the module docstring."""
+    from sparkv.codec.frame import VERSION as FRAME_VERSION
+
+    doc = {
+        "id_version": ID_VERSION,
+        "tenant": spec.tenant,
+        "model": model_fingerprint,
+        "tokenizer": tokenizer_id,
+        "tokens": tokens_digest(spec.token_ids),
+        "num_tokens": spec.num_tokens,
+        "chunk_tokens": spec.chunk_tokens,
+        "heads_per_group": spec.heads_per_group,
+        "levels": list(spec.levels),
+        "frame_version": FRAME_VERSION,
+        "encrypted": spec.encrypted,
+    }
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def checksum(data: bytes) -> str:
+    """``xxh3_128:<hex>`` of stored bytes: the manifest's checksum and the chunk's ETag."""
+    return "xxh3_128:" + xxhash.xxh3_128_hexdigest(data)
+
+
+def etag_of(checksum_text: str) -> str:
+    """The strong ETag for a checksum: its hex digest in double quotes."""
+    return '"' + checksum_text.split(":", 1)[-1] + '"'
+
+
+# ------------------------------------------------------------------------------------------------
+# Describing a frame
+# ------------------------------------------------------------------------------------------------
+def _entropy_bits(q: np.ndarray) -> float:
+    if q.size == 0:
+        return 0.0
+    hist = np.bincount(q.reshape(-1))
+    p = hist[hist > 0] / q.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def _const_name(prefix: str, value: int) -> str:
+    """The lowercase name of a codec constant (``PRED_CHANNEL`` -> ``channel``)."""
+    from sparkv.codec import frame as frame_mod
+
+    for name in dir(frame_mod):
+        if name.startswith(prefix) and getattr(frame_mod, name) == value:
+            return name[len(prefix):].lower()
+    return str(value)
+
+
+def _tensor_info(th: Any, x: Any) -> tuple[dict[str, Any], float | None, int]:
+    """Manifest entry of one tensor, its quantized-value entropy (bits/value) and value count."""
+    from sparkv.codec import quant
+
+    if th.lossless:
+        return {"bits": 0, "coding": "plain"}, None, 0
+    info: dict[str, Any] = {
+        "bits": th.bits,
+        "axis": quant.AXIS_NAMES.get(th.axis, str(th.axis)),
+        "param_dtype": "fp16" if th.param_dtype == quant.PARAM_FP16 else "fp32",
+        "coding": _const_name("CODING_", th.coding),
+        "predictor": _const_name("PRED_", th.predictor),
+        "streams": th.num_streams,
+        "exact_tokens": th.exact_tokens,
+    }
+    mins, steps = getattr(th, "mins", None), getattr(th, "steps", None)
+    if mins is None or steps is None:  # every token exact: nothing quantized
+        return info, None, 0
+    info["min"] = float(mins.min())
+    info["step_min"] = float(steps.min())
+    info["step_max"] = float(steps.max())
+    info["step_mean"] = float(steps.mean())
+    # Recover the quantized values from the decoded ones (x = min + q * step, see
+    # sparkv.codec.quant) to measure their order-0 entropy.
+    xe = x[:, th.exact_tokens:, :].float().numpy()
+    if th.axis == quant.AXIS_CHANNEL:
+        m, s = mins[:, None, :], steps[:, None, :]
+    else:
+        m, s = mins[:, :, None], steps[:, :, None]
+    safe = np.where(s > 0, s, 1.0)
+    q = np.where(s > 0, np.rint((xe - m) / safe), 0.0)
+    q = np.clip(q, 0, (1 << th.bits) - 1).astype(np.int64)
+    ent = _entropy_bits(q)
+    info["entropy_bits_per_value"] = round(ent, 4)
+    return info, ent, q.size
+
+
+def describe_frame(frame: bytes) -> dict[str, Any]:
+    """Size, bits per value, entropy and quantization parameters of one (plaintext) frame.
+
+    Decodes it (so every stored frame is known to decode) and recovers the quantized symbols from
+    the dequantized values to measure their order-0 entropy.
+    """
+    from sparkv.codec import decode, peek_header
+
+    hdr = peek_header(frame)
+    chunk = decode(frame)
+    k_info, k_ent, k_n = _tensor_info(hdr.k, chunk.k)
+    v_info, v_ent, v_n = _tensor_info(hdr.v, chunk.v)
+    entropy = None
+    if k_n + v_n:
+        entropy = round(((k_ent or 0.0) * k_n + (v_ent or 0.0) * v_n) / (k_n + v_n), 4)
+    return {
+        "frame_bytes": len(frame),
+        "bits_per_value": round(8 * len(frame) / hdr.num_values, 4),
+        "entropy_bits_per_value": entropy,
+        "dtype": str(hdr.dtype).replace("torch.", ""),
+        "k": k_info,
+        "v": v_info,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Encoding a context
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class EncodeStats:
+    """Where an encode spent its time (seconds) and what it did."""
+
+    prefill_s: float = 0.0
+    codec_s: float = 0.0
+    store_s: float = 0.0
+    total_s: float = 0.0
+    frames_encoded: int = 0
+    frames_reused: int = 0
+    frames_by_level: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _manifest(spec: ContextSpec, context_id: str, entry: Any, geometry: ChunkGeometry,
+              chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    totals = {lv: sum(c["levels"][lv]["bytes"] for c in chunks) for lv in spec.levels}
+    encryption = None
+    if spec.encrypted:
+        encryption = {"algorithm": ALGORITHM, "nonce_bytes": NONCE_BYTES, "tag_bytes": TAG_BYTES,
+                      "layout": "nonce | ciphertext | tag", "aad": AAD_FORMAT}
+    from sparkv.codec.frame import VERSION as FRAME_VERSION
+
+    return {
+        "format": MANIFEST_FORMAT,
+        "context_id": context_id,
+        "created_unix": time.time(),
+        "model": {"name": spec.model, "fingerprint": entry.fingerprint,
+                  "tokenizer": entry.tokenizer_id, "dtype": str(entry.lm.dtype).replace(
+                      "torch.", "")},
+        "num_tokens": spec.num_tokens,
+        "tokens_sha256": tokens_digest(spec.token_ids),
+        "geometry": {**geometry.to_dict(), "num_token_chunks": geometry.num_token_chunks,
+                     "num_groups": geometry.num_groups, "num_chunks": geometry.num_chunks},
+        "levels": list(spec.levels),
+        "frame_version": FRAME_VERSION,
+        "encryption": encryption,
+        "total_bytes": totals,
+        "chunks": chunks,
+    }
+
+
+def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkStore, *,
+                   cipher: FrameCipher | None = None, progress: ProgressFn | None = None,
+                   should_stop: Callable[[], bool] | None = None, pause_s: float = 0.0,
+                   reuse_stored: bool = True) -> tuple[bytes, EncodeStats]:
+    """Encodes every chunk of a context at every level into ``store`` and returns the manifest.
+
+    The caller publishes the manifest (``store.put_manifest``) after this returns, so a crash or a
+    cancellation before then leaves no visible context.
+
+    Args:
+        entry: the :class:`~sparkv.server.models.ModelEntry` of ``spec.model``.
+        cipher: encrypt frames (the manifest then describes the plaintext frames, sizes and
+            checksums of the stored ciphertext).
+        progress: called as frames complete.
+        should_stop: polled between frames; when it returns true, :class:`JobCancelled` is raised.
+        pause_s: sleep after each frame (gives CPU back to serving).
+        reuse_stored: frames already in the store (a resumed job) are read and described instead
+            of encoded again (never with ``cipher``: their key is gone).
+
+    Returns:
+        ``(manifest JSON bytes, stats)``.
+    """
+    import torch
+
+    from sparkv.codec import CodecError, KVChunk, encode
+    from sparkv.runtime import reference_prefill, split_chunks
+
+    t_start = time.perf_counter()
+    stats = EncodeStats()
+    lm = entry.lm
+    geometry = ChunkGeometry.from_config(lm.config, spec.num_tokens, spec.chunk_tokens,
+                                         spec.heads_per_group)
+    total = geometry.num_chunks * len(spec.levels)
+    report = progress or (lambda phase, done, tot: None)
+    stop = should_stop or (lambda: False)
+    existing = store.list_chunks(spec.tenant, context_id) if reuse_stored and not cipher else set()
+    keys = [(cid, lv) for cid in geometry.chunk_ids() for lv in spec.levels]
+    needed = [ChunkKey(*cid, lv) not in existing for cid, lv in keys]
+
+    pieces: dict[KVChunkId, tuple[torch.Tensor, torch.Tensor]] = {}
+    report("prefill", 0, total)
+    if any(needed):
+        t0 = time.perf_counter()
+        layer_kv = reference_prefill(lm, list(spec.token_ids))
+        pieces = split_chunks(layer_kv, geometry)
+        stats.prefill_s = time.perf_counter() - t0
+    if stop():
+        raise JobCancelled()
+
+    entries: dict[KVChunkId, dict[str, Any]] = {}
+    done = 0
+    report("encoding", done, total)
+    for (cid, lv), need in zip(keys, needed):
+        key = ChunkKey(cid.t, cid.l, cid.g, lv)
+        frame = stored = None
+        if not need:
+            t0 = time.perf_counter()
+            stored = store.get_chunk(spec.tenant, context_id, key)
+            stats.store_s += time.perf_counter() - t0
+            if stored is not None:
+                try:
+                    info = describe_frame(stored)
+                    stats.frames_reused += 1
+                except CodecError:  # damaged leftover: encode it again
+                    stored = None
+        if stored is None:
+            if not pieces:  # a reused frame turned out damaged: prefill after all
+                t0 = time.perf_counter()
+                pieces = split_chunks(reference_prefill(lm, list(spec.token_ids)), geometry)
+                stats.prefill_s += time.perf_counter() - t0
+            k, v = pieces[cid]
+            t0 = time.perf_counter()
+            frame = encode(KVChunk(cid, geometry.token_range(cid.t)[0], k.contiguous(),
+                                   v.contiguous(), geometry.num_layers), lv)
+            info = describe_frame(frame)
+            stored = cipher.seal(frame, cid.t, cid.l, cid.g, lv) if cipher else frame
+            stats.codec_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            store.put_chunk(spec.tenant, context_id, key, stored)
+            stats.store_s += time.perf_counter() - t0
+            stats.frames_encoded += 1
+            stats.frames_by_level[lv] = stats.frames_by_level.get(lv, 0) + 1
+        info = {"bytes": len(stored), "checksum": checksum(stored), **info}
+        chunk_entry = entries.get(cid)
+        if chunk_entry is None:
+            start, end = geometry.token_range(cid.t)
+            chunk_entry = entries[cid] = {"t": cid.t, "l": cid.l, "g": cid.g, "token_start": start,
+                                          "num_tokens": end - start, "levels": {}}
+        chunk_entry["levels"][lv] = info
+        done += 1
+        report("encoding", done, total)
+        if pause_s:
+            time.sleep(pause_s)
+        if stop():
+            raise JobCancelled()
+
+    report("publishing", done, total)
+    manifest = _manifest(spec, context_id, entry, geometry, list(entries.values()))
+    stats.total_s = time.perf_counter() - t_start
+    data = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+    return data, stats
+
+
+def manifest_value_count(manifest: dict[str, Any]) -> int:
+    """Scalars in K and V of the whole context (for bits-per-value summaries)."""
+    g = manifest["geometry"]
+    return 2 * g["num_layers"] * g["num_kv_heads"] * g["head_dim"] * manifest["num_tokens"]

@@ -1,0 +1,99 @@
+"""The models a server (or the offline encoder) may encode with, loaded lazily and kept.
+
+Configured as ``models: {name: path-or-null}`` (``null``: the bundled SmolLM2). A context records the
+model's fingerprint and its tokenizer's identity, so ids never collide across models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from sparkv.server.errors import ApiError
+
+
+@dataclass
+class ModelEntry:
+    """A loaded model and what the server needs to know about it.
+
+    Attributes:
+        name: the configured name (what clients send).
+        lm: the :class:`~sparkv.runtime.LoadedModel`.
+        tokenizer_id: a short hash of the tokenizer's vocabulary (``"none"`` without one).
+        vocab_size: token ids must be below it.
+        max_tokens: the longest context accepted (model positions and the server's limit).
+    """
+
+    name: str
+    lm: Any
+    tokenizer_id: str
+    vocab_size: int
+    max_tokens: int
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.lm.fingerprint)
+
+    @classmethod
+    def from_loaded(cls, name: str, lm: Any, max_context_tokens: int) -> "ModelEntry":
+        tok = lm.tokenizer
+        if tok is None:
+            tok_id = "none"
+        else:
+            vocab = sorted(tok.get_vocab().items())
+            tok_id = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+        positions = lm.max_positions or max_context_tokens
+        return cls(name, lm, tok_id, int(lm.config.vocab_size), min(positions, max_context_tokens))
+
+
+class ModelRegistry:
+    """Configured models by name; ``get`` loads on first use (thread-safe, once per name)."""
+
+    def __init__(self, models: dict[str, str | None], max_context_tokens: int) -> None:
+        self._paths = dict(models)
+        self._max = max_context_tokens
+        self._loaded: dict[str, ModelEntry] = {}
+        self._locks = {name: threading.Lock() for name in models}
+
+    def names(self) -> list[str]:
+        return list(self._paths)
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self._loaded
+
+    def add(self, entry: ModelEntry) -> None:
+        """Registers an already loaded model (tests, the offline encoder)."""
+        self._paths.setdefault(entry.name, None)
+        self._locks.setdefault(entry.name, threading.Lock())
+        self._loaded[entry.name] = entry
+
+    def get(self, name: str) -> ModelEntry:
+        """The loaded model called ``name``.
+
+        Raises:
+            ApiError: 400 ``unknown_model`` for a name not configured; 503 ``model_unavailable``
+                when a configured model fails to load (the message says why).
+        """
+        if name not in self._paths:
+            raise ApiError(400, "unknown_model",
+                           f"unknown model {name!r}; this server has: {', '.join(self._paths)}",
+                           models=list(self._paths))
+        entry = self._loaded.get(name)
+        if entry is not None:
+            return entry
+        with self._locks[name]:
+            entry = self._loaded.get(name)
+            if entry is None:
+                from sparkv.runtime import ModelError, load_model
+
+                try:
+                    lm = load_model(self._paths[name], progress=True)
+                except ModelError as exc:
+                    raise ApiError(503, "model_unavailable",
+                                   f"model {name!r} cannot be loaded: {exc}") from exc
+                entry = ModelEntry.from_loaded(name, lm, self._max)
+                self._loaded[name] = entry
+        return entry

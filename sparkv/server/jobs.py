@@ -287,6 +287,7 @@ class JobManager:
                 should_stop=job.cancel.is_set, pause_s=self.settings.encode_pause_s,
                 reuse_stored=bool(rec.get("resumed")))
             rec["timings"] = {"prefill_s": stats.prefill_s, "codec_s": stats.codec_s,
+                              "describe_s": stats.describe_s, "encrypt_s": stats.encrypt_s,
                               "store_s": stats.store_s, "encode_total_s": stats.total_s,
                               "frames_encoded": stats.frames_encoded,
                               "frames_reused": stats.frames_reused}
@@ -300,6 +301,8 @@ class JobManager:
                 m.encode_frames.labels(lv).inc(n)
             m.encode_phase_seconds.labels("prefill").inc(stats.prefill_s)
             m.encode_phase_seconds.labels("codec").inc(stats.codec_s)
+            m.encode_phase_seconds.labels("describe").inc(stats.describe_s)
+            m.encode_phase_seconds.labels("encrypt").inc(stats.encrypt_s)
             m.encode_phase_seconds.labels("store").inc(stats.store_s)
             rec["done"] = rec["total"]
             self._finish(job, "done", None)

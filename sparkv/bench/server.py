@@ -1,0 +1,372 @@
+"""``sparkv bench server``: chunk serving throughput and latency on loopback, and encode speed.
+
+One ``sparkv serve`` process (file store in a temp dir) encodes a SmolLM2 context through its own
+REST API (``POST /v1/contexts``), then a load generator in a separate process (aiohttp, keep-alive,
+one connection per client) pulls chunks for a fixed time with 1, 8 and 32 concurrent clients in two
+ways: single ``GET /v1/contexts/{id}/chunks/{t}/{l}/{g}`` requests, and ``POST .../stream``
+requests of ``--stream-frames`` frames each. Every response is checked (status, byte count; for
+streams every length prefix against the manifest's sizes, in order); any mismatch is an error.
+
+Reported per (mode, level, clients): Gbit/s of frame bytes, requests/s, latency p50/p99 per
+request (a GET, or a whole stream) and time to the first byte, errors, and the CPU seconds the
+server and the load generator used. Encode: tokens/s of the whole job and frames/s of the codec
+alone. Everything stays on 127.0.0.1. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sparkv.bench.common import format_table, write_result
+
+TARGET_GBIT_S = 1.0
+TARGET_CLIENTS = 32
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("server", help="REST serving throughput/latency on loopback, encode speed")
+    p.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2)")
+    p.add_argument("--tokens", type=int, default=2048, help="context tokens")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--levels", default="q5,raw", help="levels to encode and serve")
+    p.add_argument("--clients", default="1,8,32", help="concurrent clients")
+    p.add_argument("--modes", default="get,stream")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per configuration")
+    p.add_argument("--stream-frames", type=int, default=60, help="frames per stream request")
+    p.add_argument("--torch-threads", type=int, default=0, help="server's PyTorch threads "
+                   "(0: all cores)")
+    p.add_argument("--json", action="store_true", help="write bench/results/server.json")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/server.json)")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------------------------------------
+# the driver
+# ------------------------------------------------------------------------------------------------
+def _context_ids(model: str | None, n: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from sparkv.runtime import sample_text
+    from sparkv.runtime.model import default_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(model or default_checkpoint())
+    base = tok.encode(sample_text(), add_special_tokens=False)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids.extend(base)
+    return ids[:n]
+
+
+def _cpu_seconds(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def _wait_job(client: Any, job_id: str, timeout: float = 900.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["state"] not in ("queued", "running"):
+            return job
+        time.sleep(0.1)
+    raise TimeoutError(f"encode job {job_id} did not finish in {timeout} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from sparkv.server.testing import ServerProcess, write_config
+
+    levels = [x for x in args.levels.split(",") if x]
+    clients = [int(x) for x in args.clients.split(",") if x]
+    modes = [x for x in args.modes.split(",") if x]
+    with tempfile.TemporaryDirectory(prefix="sparkv-bench-server-") as tmp:
+        tmpd = Path(tmp)
+        keys = write_config(tmpd / "server.yaml", ["bench"], models={"bench": args.model},
+                            default_model="bench", max_context_tokens=max(args.tokens, 8192),
+                            max_body_bytes=16 * 1024 * 1024)
+        threads = args.torch_threads or (os.cpu_count() or 1)
+        print(f"bench server: starting the server (torch threads {threads}) ...", flush=True)
+        server = ServerProcess(tmpd / "server.yaml", f"file://{tmpd}/store",
+                               log_path=tmpd / "server.log", torch_threads=threads).start(300)
+        try:
+            headers = {"Authorization": f"Bearer {keys['bench']}"}
+            with httpx.Client(base_url=server.url, headers=headers, timeout=600) as c:
+                encode = _encode(c, args, levels)
+                manifest = c.get(f"/v1/contexts/{encode['context_id']}").json()
+            rows = []
+            for level in levels:
+                for mode in modes:
+                    for n in clients:
+                        cfg = {"url": server.url, "key": keys["bench"], "mode": mode,
+                               "level": level, "clients": n, "duration": args.duration,
+                               "stream_frames": args.stream_frames,
+                               "context_id": encode["context_id"],
+                               "items": [[ch["t"], ch["l"], ch["g"], ch["levels"][level]["bytes"]]
+                                         for ch in manifest["chunks"]]}
+                        cpu0 = _cpu_seconds(server.proc.pid)
+                        res = _loadgen(cfg)
+                        res["server_cpu_s"] = _cpu_seconds(server.proc.pid) - cpu0
+                        rows.append(res)
+                        print(f"  {mode:6s} {level:4s} clients={n:3d}: {res['gbit_s']:.3f} Gbit/s, "
+                              f"p50 {res['latency_p50_ms']:.2f} ms, p99 "
+                              f"{res['latency_p99_ms']:.2f} ms, errors {res['errors']}",
+                              flush=True)
+            server_log = server.log()
+        finally:
+            server.stop()
+    _print(encode, rows)
+    stream32 = [r for r in rows if r["mode"] == "stream" and r["clients"] == TARGET_CLIENTS]
+    best = max((r["gbit_s"] for r in stream32), default=0.0)
+    targets = {
+        "stream_gbit_s_at_32_clients": {"target": f">= {TARGET_GBIT_S}", "measured": best,
+                                        "errors": sum(r["errors"] for r in stream32),
+                                        "met": bool(stream32) and best >= TARGET_GBIT_S
+                                        and all(r["errors"] == 0 for r in stream32)},
+    }
+    print(f"\ntarget: >= {TARGET_GBIT_S} Gbit/s through the stream endpoint at "
+          f"{TARGET_CLIENTS} clients with no errors: best {best:.3f} Gbit/s -> "
+          f"{'met' if targets['stream_gbit_s_at_32_clients']['met'] else 'NOT met'}")
+    if "Traceback" in server_log:
+        print("warning: the server logged a traceback:\n" + server_log[-2000:], file=sys.stderr)
+    if args.json or args.out:
+        config = {k: v for k, v in vars(args).items() if k != "func"}
+        path = write_result("server", {"encode": encode, "results": rows, "targets": targets},
+                            config, args.out)
+        print(f"wrote {path}")
+    return 0
+
+
+def _encode(c: Any, args: argparse.Namespace, levels: list[str]) -> dict[str, Any]:
+    """Warm the codec up on a small context, then time a full encode job."""
+    ids = _context_ids(args.model, args.tokens)
+    warm = c.post("/v1/contexts", json={"token_ids": ids[:args.chunk_tokens],
+                                        "chunk_tokens": args.chunk_tokens, "levels": levels})
+    warm.raise_for_status()
+    if warm.json()["job_id"]:
+        _wait_job(c, warm.json()["job_id"])
+    print(f"bench server: encoding {len(ids)} tokens at {','.join(levels)} ...", flush=True)
+    t0 = time.perf_counter()
+    r = c.post("/v1/contexts", json={"token_ids": ids, "chunk_tokens": args.chunk_tokens,
+                                     "levels": levels})
+    r.raise_for_status()
+    out = r.json()
+    job = _wait_job(c, out["job_id"]) if out["status"] != "done" else None
+    wall = time.perf_counter() - t0
+    if job is not None and job["state"] != "done":
+        raise RuntimeError(f"encode job failed: {job['error']}")
+    tm = job["timings"] if job else {}
+    frames = tm.get("frames_encoded", 0)
+    m = c.get(f"/v1/contexts/{out['context_id']}").json()
+    return {
+        "context_id": out["context_id"], "tokens": len(ids), "chunk_tokens": args.chunk_tokens,
+        "levels": levels, "chunks": out["num_chunks"], "frames": frames,
+        "wall_s": wall, "prefill_s": tm.get("prefill_s"), "codec_s": tm.get("codec_s"),
+        "describe_s": tm.get("describe_s"), "store_s": tm.get("store_s"),
+        "job_s": tm.get("encode_total_s"),
+        "tokens_per_s": len(ids) / wall,
+        "prefill_tokens_per_s": len(ids) / tm["prefill_s"] if tm.get("prefill_s") else None,
+        "codec_chunks_per_s": frames / tm["codec_s"] if tm.get("codec_s") else None,
+        "bytes_per_level": m["total_bytes"],
+    }
+
+
+def _print(encode: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    print("\nencode (one job through the REST API):")
+    print(format_table(
+        ["tokens", "T", "frames", "wall_s", "prefill_s", "codec_s", "describe_s", "store_s",
+         "tokens/s", "codec frames/s"],
+        [[encode["tokens"], encode["chunk_tokens"], encode["frames"], encode["wall_s"],
+          encode["prefill_s"] or 0.0, encode["codec_s"] or 0.0, encode["describe_s"] or 0.0,
+          encode["store_s"] or 0.0, encode["tokens_per_s"], encode["codec_chunks_per_s"] or 0.0]]))
+    print("\nserving on loopback (one server process):")
+    print(format_table(
+        ["mode", "level", "clients", "Gbit/s", "req/s", "frames/s", "p50_ms", "p99_ms",
+         "ttfb_p50_ms", "errors", "server_cpu_s", "client_cpu_s"],
+        [[r["mode"], r["level"], r["clients"], r["gbit_s"], r["requests_per_s"],
+          r["frames_per_s"], r["latency_p50_ms"], r["latency_p99_ms"], r["ttfb_p50_ms"],
+          r["errors"], r["server_cpu_s"], r["client_cpu_s"]] for r in rows]))
+
+
+# ------------------------------------------------------------------------------------------------
+# the load generator (a separate process: python -c "...; _loadgen_main()")
+# ------------------------------------------------------------------------------------------------
+def _loadgen(cfg: dict[str, Any]) -> dict[str, Any]:
+    code = "from sparkv.bench.server import _loadgen_main; _loadgen_main()"
+    p = subprocess.run([sys.executable, "-c", code], input=json.dumps(cfg), text=True,
+                       capture_output=True, timeout=cfg["duration"] + 300)
+    if p.returncode != 0:
+        raise RuntimeError(f"load generator failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout)
+
+
+def _loadgen_main() -> None:
+    import asyncio
+
+    cfg = json.loads(sys.stdin.read())
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    print(json.dumps(asyncio.run(_load(cfg))))
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    return xs[i]
+
+
+class _FrameChecker:
+    """Walks a stream body chunk by chunk, checking every length prefix against the sizes the
+    manifest promises, in the requested order."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.i = 0
+        self.remaining = 0  # bytes left in the current frame
+        self.prefix = b""
+        self.ok = True
+
+    def feed(self, data: bytes) -> None:
+        pos, n = 0, len(data)
+        while pos < n and self.ok:
+            if self.remaining:
+                take = min(self.remaining, n - pos)
+                self.remaining -= take
+                pos += take
+                continue
+            need = 4 - len(self.prefix)
+            self.prefix += data[pos:pos + need]
+            pos += min(need, n - pos)
+            if len(self.prefix) == 4:
+                size = int.from_bytes(self.prefix, "little")
+                self.prefix = b""
+                if self.i >= len(self.sizes) or size != self.sizes[self.i]:
+                    self.ok = False
+                    return
+                self.i += 1
+                self.remaining = size
+
+    def done(self) -> bool:
+        return self.ok and self.i == len(self.sizes) and not self.remaining and not self.prefix
+
+
+async def _load(cfg: dict[str, Any]) -> dict[str, Any]:
+    import resource
+
+    import aiohttp
+
+    url, cid, level = cfg["url"], cfg["context_id"], cfg["level"]
+    items = cfg["items"]
+    headers = {"Authorization": f"Bearer {cfg['key']}"}
+    lat: list[float] = []
+    ttfb: list[float] = []
+    totals = {"bytes": 0, "frames": 0, "errors": 0, "requests": 0}
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(url, headers=headers, connector=connector,
+                                     timeout=timeout, auto_decompress=False) as session:
+        # one connection per client, opened before the clock starts
+        await asyncio_gather(*[session.get("/healthz") for _ in range(cfg["clients"])])
+        start = time.perf_counter()
+        deadline = start + cfg["duration"]
+
+        async def get_worker(w: int) -> None:
+            i = w * 7919
+            while time.perf_counter() < deadline:
+                t, layer, g, size = items[i % len(items)]
+                i += 1
+                t0 = time.perf_counter()
+                try:
+                    async with session.get(f"/v1/contexts/{cid}/chunks/{t}/{layer}/{g}",
+                                           params={"level": level}) as r:
+                        data = await r.read()
+                        ok = r.status == 200 and len(data) == size
+                except aiohttp.ClientError:
+                    ok, data = False, b""
+                lat.append(time.perf_counter() - t0)
+                totals["requests"] += 1
+                totals["bytes"] += len(data)
+                if ok:
+                    totals["frames"] += 1
+                else:
+                    totals["errors"] += 1
+
+        async def stream_worker(w: int) -> None:
+            k = cfg["stream_frames"]
+            i = (w * 37) % len(items)
+            while time.perf_counter() < deadline:
+                batch = [items[(i + j) % len(items)] for j in range(k)]
+                i = (i + k) % len(items)
+                body = {"level": level, "chunks": [{"t": t, "l": layer, "g": g}
+                                                   for t, layer, g, _ in batch]}
+                checker = _FrameChecker([b[3] for b in batch])
+                t0 = time.perf_counter()
+                first = None
+                n = 0
+                try:
+                    async with session.post(f"/v1/contexts/{cid}/stream", json=body) as r:
+                        ok = r.status == 200
+                        async for chunk in r.content.iter_any():
+                            if first is None:
+                                first = time.perf_counter() - t0
+                            n += len(chunk)
+                            checker.feed(chunk)
+                        ok = ok and checker.done()
+                except aiohttp.ClientError:
+                    ok = False
+                lat.append(time.perf_counter() - t0)
+                ttfb.append(first if first is not None else 0.0)
+                totals["requests"] += 1
+                totals["bytes"] += n
+                if ok:
+                    totals["frames"] += checker.i
+                else:
+                    totals["errors"] += 1
+
+        worker = get_worker if cfg["mode"] == "get" else stream_worker
+        await asyncio_gather(*[worker(w) for w in range(cfg["clients"])])
+        elapsed = time.perf_counter() - start
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    client_cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    return {
+        "mode": cfg["mode"], "level": level, "clients": cfg["clients"],
+        "seconds": elapsed, "requests": totals["requests"], "errors": totals["errors"],
+        "bytes": totals["bytes"], "frames": totals["frames"],
+        "gbit_s": totals["bytes"] * 8 / elapsed / 1e9,
+        "mbyte_s": totals["bytes"] / elapsed / 1e6,
+        "requests_per_s": totals["requests"] / elapsed,
+        "frames_per_s": totals["frames"] / elapsed,
+        "latency_p50_ms": _percentile(lat, 50) * 1e3,
+        "latency_p99_ms": _percentile(lat, 99) * 1e3,
+        "ttfb_p50_ms": _percentile(ttfb, 50) * 1e3 if ttfb else None,
+        "stream_frames": cfg["stream_frames"] if cfg["mode"] == "stream" else 1,
+        "client_cpu_s": client_cpu,
+    }
+
+
+async def asyncio_gather(*aws: Any) -> list[Any]:
+    import asyncio
+
+    results = await asyncio.gather(*aws)
+    for r in results:  # release pooled connections of the warm-up requests
+        release = getattr(r, "release", None)
+        if release is not None:
+            release()
+    return results

@@ -1,0 +1,206 @@
+"""Unit tests of the server's pieces that need no running server: HTTP conditionals and ranges,
+configuration, content-derived ids, frame encryption, frame descriptions, the bench's stream
+checker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparkv.codec import KVChunk, decode, encode, peek_header
+from sparkv.layout import KVChunkId
+from sparkv.server.config import hash_api_key, load_settings, new_api_key
+from sparkv.server.crypto import (DecryptionError, FrameCipher, key_from_text, key_to_text,
+                                  new_key)
+from sparkv.server.encoder import (ContextSpec, canonical_levels, checksum, derive_context_id,
+                                   describe_frame, etag_of)
+from sparkv.server.errors import ApiError, ConfigError
+from sparkv.server.http import if_range_allows, none_match, parse_range
+
+
+# --- HTTP ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("header,expected", [
+    (None, None), ("", None), ("bytes=0-9", (0, 10)), ("bytes=5-", (5, 100)),
+    ("bytes=-10", (90, 100)), ("bytes=-1000", (0, 100)), ("bytes=90-200", (90, 100)),
+    ("bytes=0-0", (0, 1)), ("bytes=99-99", (99, 100)), (" bytes = 1-2", (1, 3)),
+    ("bytes=0-1,4-5", None), ("lines=0-1", None), ("bytes=5-2", None), ("bytes=a-b", None),
+    ("bytes=", None), ("bytes=5", None), ("bytes=-", None), ("bytes=--1", None),
+    ("bytes=1.5-2", None),
+])
+def test_parse_range(header, expected):
+    assert parse_range(header, 100) == expected
+
+
+@pytest.mark.parametrize("header", ["bytes=100-", "bytes=100-200", "bytes=-0"])
+def test_unsatisfiable_range(header):
+    with pytest.raises(ApiError) as e:
+        parse_range(header, 100)
+    assert e.value.status == 416 and e.value.headers["Content-Range"] == "bytes */100"
+
+
+def test_etag_matching():
+    tag = '"abc"'
+    assert none_match('"abc"', tag) and none_match('W/"abc"', tag) and none_match("*", tag)
+    assert none_match('"x", "abc"', tag) and not none_match('"x"', tag) and not none_match(None, tag)
+    assert if_range_allows(None, tag) and if_range_allows('"abc"', tag)
+    assert not if_range_allows('W/"abc"', tag) and not if_range_allows("Tue, 1 Jan 2030", tag)
+    assert etag_of(checksum(b"hello")) == '"' + checksum(b"hello").split(":")[1] + '"'
+
+
+# --- configuration -------------------------------------------------------------------------------
+def test_config_rejects_plain_keys_unknown_fields_and_bad_names(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tenants:\n  a:\n    keys: [skv_plain_key]\n")
+    with pytest.raises(ConfigError, match="hashes"):
+        load_settings(cfg)
+    cfg.write_text("tenantz: {}\n")
+    with pytest.raises(ConfigError, match="tenantz"):
+        load_settings(cfg)
+    h = hash_api_key(new_api_key())
+    cfg.write_text(f"tenants:\n  a:\n    keys: ['{h}']\n  b:\n    keys: ['{h}']\n")
+    with pytest.raises(ConfigError, match="same key"):
+        load_settings(cfg)
+    cfg.write_text(f"tenants:\n  '../x':\n    keys: ['{h}']\n")
+    with pytest.raises(ConfigError, match="tenant name"):
+        load_settings(cfg)
+    cfg.write_text("default_levels: [q9]\n")
+    with pytest.raises(ConfigError, match="q9"):
+        load_settings(cfg)
+    cfg.write_text("default_model: other\n")
+    with pytest.raises(ConfigError, match="default_model"):
+        load_settings(cfg)
+    cfg.write_text(": not yaml :\n  - [")
+    with pytest.raises(ConfigError, match="YAML"):
+        load_settings(cfg)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.yaml")
+
+
+def test_config_overrides_and_key_index(tmp_path):
+    key = new_api_key()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"store: file:///a\ntenants:\n  t1:\n    keys: ['{hash_api_key(key)}']\n")
+    s = load_settings(cfg, store="redis://h:1/0", log_level=None)
+    assert s.store == "redis://h:1/0" and s.log_level == "info"
+    assert s.key_index() == {hash_api_key(key): "t1"}
+    assert key.startswith("skv_") and len(key) > 40 and new_api_key() != key
+
+
+# --- context ids ---------------------------------------------------------------------------------
+def spec(**kw):
+    base = dict(tenant="a", model="m", token_ids=(1, 2, 3), chunk_tokens=64,
+                levels=("q8", "q5"), heads_per_group=0, encrypted=False)
+    base.update(kw)
+    return ContextSpec(**base)
+
+
+def test_context_id_is_content_derived():
+    cid = derive_context_id(spec(), "fp", "tok")
+    assert len(cid) == 32 and int(cid, 16) >= 0
+    assert derive_context_id(spec(), "fp", "tok") == cid
+    for changed in (dict(tenant="b"), dict(token_ids=(1, 2, 4)), dict(token_ids=(1, 2)),
+                    dict(chunk_tokens=32), dict(levels=("q8",)), dict(heads_per_group=1),
+                    dict(encrypted=True)):
+        assert derive_context_id(spec(**changed), "fp", "tok") != cid, changed
+    assert derive_context_id(spec(), "fp2", "tok") != cid
+    assert derive_context_id(spec(), "fp", "tok2") != cid
+    assert ContextSpec.from_record(spec().to_record()) == spec()
+
+
+def test_canonical_levels():
+    assert canonical_levels(["q5", "raw", "q5", "q8"]) == ("raw", "q8", "q5")
+    with pytest.raises(ValueError):
+        canonical_levels(["q5", "nope"])
+    with pytest.raises(ValueError):
+        canonical_levels([])
+
+
+# --- encryption ----------------------------------------------------------------------------------
+def test_frame_cipher_roundtrip_and_binding():
+    key = new_key()
+    assert key_from_text(key_to_text(key)) == key and "=" not in key_to_text(key)
+    c = FrameCipher(key, "ab" * 16)
+    sealed = c.seal(b"frame bytes", 1, 2, 0, "q5")
+    assert len(sealed) == len(b"frame bytes") + 28 and b"frame bytes" not in sealed
+    assert c.open(sealed, 1, 2, 0, "q5") == b"frame bytes"
+    assert c.seal(b"frame bytes", 1, 2, 0, "q5") != sealed  # fresh nonce
+    for args in ((1, 2, 0, "q8"), (2, 2, 0, "q5"), (1, 2, 1, "q5")):
+        with pytest.raises(DecryptionError):
+            c.open(sealed, *args)
+    with pytest.raises(DecryptionError):
+        FrameCipher(key, "cd" * 16).open(sealed, 1, 2, 0, "q5")
+    with pytest.raises(DecryptionError):
+        FrameCipher(new_key(), "ab" * 16).open(sealed, 1, 2, 0, "q5")
+    tampered = bytearray(sealed)
+    tampered[20] ^= 1
+    with pytest.raises(DecryptionError):
+        c.open(bytes(tampered), 1, 2, 0, "q5")
+    with pytest.raises(DecryptionError):
+        c.open(b"short", 1, 2, 0, "q5")
+
+
+# --- frame descriptions --------------------------------------------------------------------------
+def _entropy(q: np.ndarray) -> float:
+    p = np.bincount(q.reshape(-1)) / q.size
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
+@pytest.mark.parametrize("level", ["q8", "q5", "q3"])
+def test_describe_frame_recovers_the_quantized_symbols(level):
+    from sparkv.codec import quant
+
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(2, 40, 16, generator=g)
+    v = torch.randn(2, 40, 16, generator=g) * 0.1
+    frame = encode(KVChunk(KVChunkId(1, 3, 0), 40, k, v, 8), level)
+    d = describe_frame(frame)
+    hdr = peek_header(frame)
+    assert d["frame_bytes"] == len(frame)
+    assert d["bits_per_value"] == pytest.approx(8 * len(frame) / hdr.num_values, abs=1e-3)
+    for which, x, th in (("k", k, hdr.k), ("v", v, hdr.v)):
+        info = d[which]
+        assert info["bits"] == th.bits and info["exact_tokens"] == th.exact_tokens == 0
+        # the entropy of the symbols the codec itself would produce from the original values
+        xe = x.numpy()
+        dec = decode(frame)
+        xd = (dec.k if which == "k" else dec.v).numpy()
+        m = th.mins[:, None, :] if th.axis == quant.AXIS_CHANNEL else th.mins[:, :, None]
+        s = th.steps[:, None, :] if th.axis == quant.AXIS_CHANNEL else th.steps[:, :, None]
+        q = np.rint((xd - m) / np.where(s > 0, s, 1)).astype(np.int64)
+        assert np.all((q >= 0) & (q < 2 ** th.bits))
+        # reconstruction from q is the decoded tensor (so q are the codec's symbols)
+        assert np.allclose(m + q * s, xd, atol=1e-6)
+        assert np.all(np.abs(xd - xe) <= s / 2 + 1e-5)  # and within half a step of the input
+        assert info["entropy_bits_per_value"] == pytest.approx(_entropy(q), abs=1e-3)
+    assert 0 < d["entropy_bits_per_value"] <= max(d["k"]["bits"], d["v"]["bits"])
+
+
+def test_describe_raw_frame():
+    k = torch.randn(1, 4, 8)
+    frame = encode(KVChunk(KVChunkId(0, 0, 0), 0, k, k.clone(), 2), "raw")
+    d = describe_frame(frame)
+    assert d["entropy_bits_per_value"] is None and d["k"] == {"bits": 0, "coding": "plain"}
+    assert d["dtype"] == "float32"
+
+
+# --- the benchmark's stream checker --------------------------------------------------------------
+def test_bench_frame_checker_across_chunk_boundaries():
+    import struct
+
+    from sparkv.bench.server import _FrameChecker
+
+    sizes = [5, 1, 300, 7]
+    body = b"".join(struct.pack("<I", n) + bytes([i]) * n for i, n in enumerate(sizes))
+    for split in (1, 2, 3, 7, 64, len(body)):
+        c = _FrameChecker(sizes)
+        for i in range(0, len(body), split):
+            c.feed(body[i:i + split])
+        assert c.done(), split
+    c = _FrameChecker([5, 2, 300, 7])  # a size out of order is caught
+    c.feed(body)
+    assert not c.done()
+    c = _FrameChecker(sizes)
+    c.feed(body[:-1])  # truncated
+    assert not c.done()

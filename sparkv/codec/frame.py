@@ -11,6 +11,8 @@ against :data:`MAX_TENSOR_VALUES` before anything is allocated.
 from __future__ import annotations
 
 import struct
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,7 @@ CODING_CONSTANT = 2
 PRED_NONE = 0
 PRED_CHANNEL = 1
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
 _FIXED = struct.Struct("<4sBBBBIIIHHIIHHHH")
 _DESC = struct.Struct("<BBBBBBBBHH")
 assert _FIXED.size == FIXED_LEN and _DESC.size == DESC_LEN
@@ -421,9 +424,15 @@ def _decode_symbols(mv: memoryview, hdr: FrameHeader, parallel: bool
 
 
 def _raw_values(mv: memoryview, hdr: FrameHeader, offset: int, count: int) -> torch.Tensor:
-    """``count`` lossless values of the chunk's dtype at payload ``offset`` (a fresh tensor)."""
+    """``count`` lossless values of the chunk's dtype at payload ``offset``: a read-only view of
+    the frame on little-endian hosts (callers only copy from it), a fresh tensor otherwise."""
+    start = hdr.header_len + offset
+    if _LITTLE_ENDIAN:
+        with warnings.catch_warnings():  # torch warns that the frame's buffer is read-only
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(mv, dtype=hdr.dtype, count=count, offset=start)
     _, storage = DTYPE_CODES[CODE_OF_DTYPE[hdr.dtype]]
-    arr = np.frombuffer(mv, dtype=storage, count=count, offset=hdr.header_len + offset)
+    arr = np.frombuffer(mv, dtype=storage, count=count, offset=start)
     if hdr.dtype == torch.bfloat16:
         return torch.from_numpy(arr.astype(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr.astype(arr.dtype.newbyteorder("=")))

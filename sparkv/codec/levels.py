@@ -23,22 +23,23 @@ from sparkv.codec.errors import CodecError
 
 MAX_BITS = 8
 
-# Coded bits per value after Huffman coding, as a function of the bit width, measured on
-# SmolLM2-135M K/V of a 4K-token natural-text context in 1024-token chunks (per-channel scales;
-# `sparkv bench codec`, docs/codec.md). Used only for estimates: a frame's real size is known
-# once it is encoded. The two columns are K and V.
+# Bytes per value (x8) of one coded tensor - Huffman streams, parameters, predictor, code table,
+# descriptor, exact sink tokens - by bit width, measured on SmolLM2-135M K/V of a 4K-token
+# natural-text context in 1024-token chunks of 3 heads x 64 channels (per-channel scales, predictor
+# chosen per tensor; see docs/codec.md).
+# Used only for estimates: a frame's real size is known once it is encoded. Columns: K, V.
 CODED_BITS_PER_VALUE: dict[int, tuple[float, float]] = {
-    2: (1.45, 1.30),
-    3: (2.40, 2.22),
-    4: (3.45, 3.28),
-    5: (4.47, 4.34),
-    6: (5.49, 5.37),
-    7: (6.49, 6.37),
-    8: (7.49, 7.37),
+    2: (1.389, 1.285),
+    3: (2.191, 2.207),
+    4: (3.188, 3.201),
+    5: (4.218, 4.232),
+    6: (5.235, 5.248),
+    7: (6.247, 6.260),
+    8: (7.261, 7.272),
 }
 
-FRAME_OVERHEAD_BYTES = 64 + 8
-"""Fixed header and two tensor descriptors (64) and the checksum (8): bytes in every frame."""
+FRAME_OVERHEAD_BYTES = 40 + 8
+"""Fixed header (40) and checksum (8); each tensor adds its 12-byte descriptor and sections."""
 
 
 @dataclass(frozen=True)
@@ -90,17 +91,14 @@ class Level:
         """Expected frame size in bytes of one chunk ``[num_heads, num_tokens, head_dim]``.
 
         Exact for ``raw`` (``dtype_bytes`` per value); for quantized levels an estimate from
-        :data:`CODED_BITS_PER_VALUE` plus the per-channel parameters and code tables.
+        :data:`CODED_BITS_PER_VALUE` (which includes parameters and tables).
         """
         n = num_heads * num_tokens * head_dim
         if self.lossless:
-            return FRAME_OVERHEAD_BYTES + 2 * _pad8(n * dtype_bytes)
+            return FRAME_OVERHEAD_BYTES + 2 * (12 + _pad8(n * dtype_bytes))
         total = FRAME_OVERHEAD_BYTES
         for which, bits in enumerate(self.bits(layer, num_layers)):
-            per_value = CODED_BITS_PER_VALUE[bits][which]
-            params = 2 * 2 * num_heads * head_dim  # fp16 min and step per (head, channel)
-            table = 1 << (bits * (8 // bits if bits <= 4 else 1))
-            total += params + table + 4 * 4 + _pad8(math.ceil(n * per_value / 8))
+            total += math.ceil(n * CODED_BITS_PER_VALUE[bits][which] / 8)
         return int(total)
 
 

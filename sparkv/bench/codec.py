@@ -393,12 +393,15 @@ def _print(rows: list[dict[str, Any]], axis_rows: list[dict[str, Any]],
         v = r.get(key)
         return "-" if v is None else v
 
-    print("\nsize and error")
+    print("\nsize and error (entropy: of the quantized values, bits/value; huff/Hc: Huffman bits "
+          "over the entropy of the symbols it codes; vs dahuff: our code over dahuffman's)")
     print(format_table(
-        ["level", "nominal b", "bits/val", "entropy", "size/H-1", "x fp16", "relL2 K", "relL2 V"],
+        ["level", "nominal b", "bits/val", "entropy", "size/H-1", "huff/Hc-1", "vs dahuff",
+         "x fp16", "relL2 K", "relL2 V"],
         [[r["level"], r["nominal_bits"], r["bits_per_value"], g(r, "entropy_bits_per_value"),
-          g(r, "size_over_entropy"), r["ratio_vs_fp16"], r["rel_l2_k"], r["rel_l2_v"]]
-         for r in rows]))
+          g(r, "size_over_entropy"), g(r, "huffman_over_coded_entropy"),
+          (r.get("dahuffman") or {}).get("ours_over_dahuffman", "-"), r["ratio_vs_fp16"],
+          r["rel_l2_k"], r["rel_l2_v"]] for r in rows]))
     print("\nspeed, M values/s (wall | cpu of the decoding thread)")
     print(format_table(
         ["level", "enc", "dec 1T", "dec 1T cpu", "dec all", "huff cpu", "dahuff", "speedup"],

@@ -139,6 +139,21 @@ def test_kill_mid_encode_then_restart(tmp_path):
             else:
                 assert c.get(other["manifest_url"]).status_code == 404
                 assert store.list_chunks("alice", other["context_id"]) == set()
+            # a graceful stop (SIGTERM) mid-encode leaves the job queued for the next start
+            last = c.post("/v1/contexts", json={"text": TEXT + " last"}).json()
+            while _job(c, last["job_id"])["progress"]["done"] < 2:
+                time.sleep(0.02)
+        server.stop()
+        assert "Application shutdown complete" in server.log()  # graceful, not killed
+        import json
+        rec = json.loads(store.get_job("alice", last["job_id"]))
+        assert rec["state"] == "queued" and rec["phase"] == "interrupted"
+        assert store.get_manifest("alice", last["context_id"]) is None
+        server = ServerProcess(tmp_path / "s.yaml", store_url,
+                               log_path=tmp_path / "log3").start()
+        with httpx.Client(base_url=server.url, headers=headers, timeout=30) as c:
+            job = _wait(c, last["job_id"])
+            assert job["state"] == "done" and job["resumed"] and job["timings"]["frames_reused"]
         _assert_store_consistent(store_url, "alice")
     finally:
         server.stop()

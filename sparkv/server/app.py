@@ -310,7 +310,7 @@ def create_app(settings: Settings, store: ChunkStore | None = None,
             for name in registry.names():
                 await to_thread.run_sync(registry.get, name)
         yield
-        jobs.shutdown(wait=False)
+        await to_thread.run_sync(jobs.shutdown, True)
         store.close()
 
     app = FastAPI(

@@ -27,6 +27,7 @@ SERVE_ENV: dict[str, str] = {
     "--ssl-keyfile": "SPARKV_SSL_KEYFILE",
     "--ssl-keyfile-password": "SPARKV_SSL_KEYFILE_PASSWORD",
     "--ssl-ca-certs": "SPARKV_SSL_CA_CERTS",
+    "--ssl-require-client-cert": "SPARKV_SSL_REQUIRE_CLIENT_CERT",
     "--torch-threads": "SPARKV_TORCH_THREADS",
     "--log-level": "SPARKV_LOG_LEVEL",
 }
@@ -57,7 +58,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
     s.add_argument("--ssl-keyfile-password", default=_env("--ssl-keyfile-password"),
                    help="[SPARKV_SSL_KEYFILE_PASSWORD] password of the key file")
     s.add_argument("--ssl-ca-certs", default=_env("--ssl-ca-certs"),
-                   help="[SPARKV_SSL_CA_CERTS] CA bundle to verify client certificates")
+                   help="[SPARKV_SSL_CA_CERTS] CA bundle that client certificates must chain to")
+    s.add_argument("--ssl-require-client-cert", action="store_true",
+                   default=_env("--ssl-require-client-cert", "") in ("1", "true", "yes"),
+                   help="[SPARKV_SSL_REQUIRE_CLIENT_CERT=1] mutual TLS: refuse clients without "
+                        "a certificate from --ssl-ca-certs")
     s.add_argument("--torch-threads", type=int, default=_int_or_none(_env("--torch-threads")),
                    help="[SPARKV_TORCH_THREADS] PyTorch threads for prefill (default: config, "
                         "else all cores)")
@@ -127,6 +132,10 @@ def serve(args: argparse.Namespace) -> int:
               "'anonymous' (loopback only)", file=sys.stderr)
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    if args.ssl_require_client_cert and not (args.ssl_certfile and args.ssl_ca_certs):
+        raise ConfigError("--ssl-require-client-cert needs --ssl-certfile, --ssl-keyfile and "
+                          "--ssl-ca-certs")
+    import ssl
     import torch
 
     if settings.torch_threads:
@@ -143,7 +152,9 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level,
                 access_log=args.access_log, ssl_certfile=args.ssl_certfile,
                 ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
-                ssl_ca_certs=args.ssl_ca_certs, timeout_keep_alive=30, server_header=False)
+                ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
+                timeout_keep_alive=30, server_header=False)
     return 0
 
 

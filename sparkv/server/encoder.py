@@ -246,6 +246,26 @@ def _manifest(spec: ContextSpec, context_id: str, entry: Any, geometry: ChunkGeo
     }
 
 
+def prefill_kv(lm: Any, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:
+    """The model's own full prefill, per layer ``(K, V)`` ``[1, kv_heads, N, head_dim]``.
+
+    The same forward as :func:`sparkv.runtime.reference_prefill` (and bit-identical K/V, tested),
+    but asking for the last position's logits only: a ``[N, vocab]`` logits tensor would cost
+    1.6 GB at 8K tokens for nothing.
+    """
+    import torch
+
+    from sparkv.runtime import from_dynamic_cache, reference_prefill
+
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
+    try:
+        with torch.inference_mode():
+            out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    except TypeError:  # a transformers without logits_to_keep
+        return reference_prefill(lm, token_ids)
+    return [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(out.past_key_values)]
+
+
 def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkStore, *,
                    cipher: FrameCipher | None = None, progress: ProgressFn | None = None,
                    should_stop: Callable[[], bool] | None = None, pause_s: float = 0.0,
@@ -271,7 +291,7 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     import torch
 
     from sparkv.codec import CodecError, KVChunk, encode
-    from sparkv.runtime import reference_prefill, split_chunks
+    from sparkv.runtime import split_chunks
 
     t_start = time.perf_counter()
     stats = EncodeStats()
@@ -289,7 +309,7 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     report("prefill", 0, total)
     if any(needed):
         t0 = time.perf_counter()
-        layer_kv = reference_prefill(lm, list(spec.token_ids))
+        layer_kv = prefill_kv(lm, spec.token_ids)
         pieces = split_chunks(layer_kv, geometry)
         stats.prefill_s = time.perf_counter() - t0
     if stop():
@@ -316,7 +336,7 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
         if stored is None:
             if not pieces:  # a reused frame turned out damaged: prefill after all
                 t0 = time.perf_counter()
-                pieces = split_chunks(reference_prefill(lm, list(spec.token_ids)), geometry)
+                pieces = split_chunks(prefill_kv(lm, spec.token_ids), geometry)
                 stats.prefill_s += time.perf_counter() - t0
             k, v = pieces[cid]
             t0 = time.perf_counter()

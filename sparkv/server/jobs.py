@@ -41,7 +41,7 @@ log = logging.getLogger("sparkv.server.jobs")
 ACTIVE_STATES = ("queued", "running")
 FINAL_STATES = ("done", "failed", "cancelled")
 PERSIST_EVERY_S = 2.0
-KEY_LOST = ("the server stopped while this job ran; the context's encryption key was held only in "
+KEY_LOST = ("the server stopped before this job finished; the context's encryption key was held only in "
             "the server's memory (it is never stored), so the job cannot resume: create the "
             "context again to get a new key")
 
@@ -98,6 +98,7 @@ class JobManager:
         self._active: dict[tuple[str, str], _Job] = {}
         self._latest: dict[tuple[str, str], tuple[float, str]] = {}
         self._closed = False
+        self._stopping = threading.Event()
 
     # --- persistence --------------------------------------------------------------------------
     def _persist(self, job: _Job) -> None:
@@ -167,9 +168,17 @@ class JobManager:
                          int(rec.get("attempts", 0)) + 1)
                 self._pool.submit(self._run, job)
 
-    def shutdown(self, wait: bool = False) -> None:
+    def shutdown(self, wait: bool = False, timeout: float = 5.0) -> None:
+        """Stops taking jobs and interrupts running ones at their next frame. Interrupted and
+        queued jobs stay ``queued`` in the store, so the next start resumes them (encrypted ones
+        fail: their key goes with this process)."""
         self._closed = True
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+        self._stopping.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if wait:
+            deadline = time.monotonic() + timeout
+            while self.active_count() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     # --- queries ------------------------------------------------------------------------------
     def active_count(self) -> int:
@@ -272,7 +281,7 @@ class JobManager:
         spec = job.spec
         t0 = time.perf_counter()
         try:
-            if job.cancel.is_set():
+            if job.cancel.is_set() or self._stopping.is_set():
                 raise JobCancelled()
             rec.update(state="running", phase="loading_model", started_unix=time.time(),
                        attempts=int(rec.get("attempts", 0)) + 1)
@@ -284,7 +293,8 @@ class JobManager:
             manifest, stats = encode_context(
                 entry, spec, cid, self.store, cipher=cipher,
                 progress=lambda phase, d, t: self._progress(job, phase, d, t),
-                should_stop=job.cancel.is_set, pause_s=self.settings.encode_pause_s,
+                should_stop=lambda: job.cancel.is_set() or self._stopping.is_set(),
+                pause_s=self.settings.encode_pause_s,
                 reuse_stored=bool(rec.get("resumed")))
             rec["timings"] = {"prefill_s": stats.prefill_s, "codec_s": stats.codec_s,
                               "describe_s": stats.describe_s, "encrypt_s": stats.encrypt_s,
@@ -307,8 +317,16 @@ class JobManager:
             rec["done"] = rec["total"]
             self._finish(job, "done", None)
         except JobCancelled:
-            self._cleanup(tenant, cid)
-            self._finish(job, "cancelled", "the context was deleted while it was being encoded")
+            if job.cancel.is_set():
+                self._cleanup(tenant, cid)
+                self._finish(job, "cancelled", "the context was deleted while it was being "
+                                               "encoded")
+            elif spec.encrypted:  # shutting down: the key cannot outlive this process
+                self._cleanup(tenant, cid)
+                self._finish(job, "failed", KEY_LOST)
+            else:  # shutting down: leave it queued; the next start resumes it
+                rec.update(state="queued", phase="interrupted")
+                self._persist(job)
         except ApiError as exc:
             self._cleanup(tenant, cid)
             self._finish(job, "failed", exc.message)

@@ -77,7 +77,9 @@ class LatencyModel(StepCostModel):
         log_target: learn ``log(ms)`` instead of ``ms``.
         test_fraction: share of samples held out by :meth:`fit`.
         solver, alpha, learning_rate_init, max_iter, batch_size: passed to ``MLPRegressor``
-            (loss: squared error).
+            (loss: squared error). ``alpha`` (L2 penalty) 0.1 was chosen by 5-fold cross-validation
+            on the training portions of two real profiles (a busy and a quiet machine) among
+            1e-4, 1e-2, 0.1 and 1: the default 1e-4 fits the noise of ``U``.
         random_state: seeds the split and the MLP.
     """
 
@@ -85,7 +87,7 @@ class LatencyModel(StepCostModel):
 
     def __init__(self, hidden_layers: Sequence[int] = (48, 24),
                  features: Sequence[str] = DEFAULT_FEATURES, log_target: bool = True,
-                 test_fraction: float = 0.2, solver: str = "adam", alpha: float = 1e-4,
+                 test_fraction: float = 0.2, solver: str = "adam", alpha: float = 0.1,
                  learning_rate_init: float = 1e-3, max_iter: int = 3000,
                  batch_size: int | str = "auto", random_state: int = 0) -> None:
         self.hidden_layers = tuple(int(h) for h in hidden_layers)
@@ -277,7 +279,7 @@ class LatencyModel(StepCostModel):
         hp = d.get("hyperparameters", {})
         m = cls(hidden_layers=hp.get("hidden_layers", (48, 24)), features=d["features"],
                 log_target=d["log_target"], test_fraction=hp.get("test_fraction", 0.2),
-                solver=hp.get("solver", "adam"), alpha=hp.get("alpha", 1e-4),
+                solver=hp.get("solver", "adam"), alpha=hp.get("alpha", 0.1),
                 learning_rate_init=hp.get("learning_rate_init", 1e-3),
                 max_iter=hp.get("max_iter", 3000), random_state=hp.get("random_state", 0))
         m.x_mean = np.array(d["x_mean"], dtype=np.float64)

@@ -3,7 +3,8 @@
 Protocol (docs/predictor.md):
 
 * For every induced load level (:class:`~sparkv.predictor.load.LoadGenerator`, in CPU cores' worth
-  of busy background processes), the burners start, run ``ramp_seconds``, and every combination of
+  of busy background processes), the burners start, run ``ramp_seconds`` (1.5 s, longer than the
+  1 s ``U`` window), and every combination of
   chunk size ``T`` x backend (dense, and block-sparse at each cdf threshold) x repeat is run in a
   shuffled order; then the burners stop (always: ``finally``, plus a hard lifetime bound).
 * A combination is one :class:`~sparkv.runtime.LayerStepper` over a natural-text context of
@@ -119,7 +120,8 @@ class ProfileConfig:
         projection_repeats: projection-only timings per chunk size and load level.
         threads: torch intra-op threads during profiling (1 avoids OpenMP spin-waits on a
             shared machine; the latency model is valid for this thread count only).
-        ramp_seconds: wait after starting the burners.
+        ramp_seconds: wait after starting the burners (longer than the ``U`` window, so the
+            first steps' ``U`` reads the new load only).
         max_load_seconds: hard lifetime bound of each load phase's burners.
         time_budget_s: if set, each load phase stops starting new combinations after its share
             (``time_budget_s / len(loads)``); the combinations are shuffled, so the ones left out
@@ -136,7 +138,7 @@ class ProfileConfig:
     repeats: int = 1
     projection_repeats: int = 8
     threads: int = 1
-    ramp_seconds: float = 0.5
+    ramp_seconds: float = 1.5
     max_load_seconds: float = 600.0
     time_budget_s: float | None = None
     seed: int = 0
@@ -250,8 +252,7 @@ class Profiler:
                 rng.shuffle(combos)
                 with LoadGenerator(load, cfg.max_load_seconds):
                     phase_start = time.perf_counter()
-                    if load > 0:
-                        time.sleep(cfg.ramp_seconds)
+                    time.sleep(cfg.ramp_seconds)  # also lets the previous level's load fade
                     for T, backend, cdf, rep in combos:
                         if phase_budget and time.perf_counter() - phase_start > phase_budget:
                             self.skipped.append({"load": load, "chunk_tokens": T,

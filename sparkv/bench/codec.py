@@ -316,7 +316,8 @@ def run(args: argparse.Namespace) -> int:
             row["huffman_decode_mvps"] = n_values / h_wall / 1e6
             row["huffman_decode_mvps_cpu"] = n_values / h_cpu / 1e6
             row["dahuffman"] = _dahuffman_vs_ours(frames, args.dahuffman_symbols, args.repeats)
-            row["speedup_vs_dahuffman"] = row["dahuffman"].get("speedup")
+            row["speedup_vs_dahuffman"] = min(row["dahuffman"].get("speedup", 0.0),
+                                              row["dahuffman"].get("speedup_cpu", 0.0))
             row["channel_predictor_share"] = float(np.mean(
                 [th.predictor == 1 for f in frames for th in (peek_header(f).k, peek_header(f).v)
                  if th.bits]))
@@ -366,10 +367,14 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "mvps_cpu": worst_dec["decode_mvps_cpu"],
             "met_cpu": worst_dec["decode_mvps_cpu"] >= TARGETS["decode_mvps_one_core"],
             "met_wall": worst_dec["decode_mvps"] >= TARGETS["decode_mvps_one_core"]}
-        worst_sp = min(quant, key=lambda r: r["speedup_vs_dahuffman"] or 0)
+        def speedup(r: dict[str, Any]) -> float:  # the less flattering of wall and CPU time
+            d = r.get("dahuffman") or {}
+            return min(d.get("speedup", 0.0), d.get("speedup_cpu", 0.0))
+
+        worst_sp = min(quant, key=speedup)
         out["speedup_vs_dahuffman_worst_level"] = {
-            "level": worst_sp["level"], "speedup": worst_sp["speedup_vs_dahuffman"],
-            "met": (worst_sp["speedup_vs_dahuffman"] or 0) >= TARGETS["speedup_vs_dahuffman"]}
+            "level": worst_sp["level"], "speedup": speedup(worst_sp),
+            "met": speedup(worst_sp) >= TARGETS["speedup_vs_dahuffman"]}
         worst_ent = max(quant, key=lambda r: r["size_over_entropy"])
         out["size_over_entropy_worst_level"] = {
             "level": worst_ent["level"], "value": worst_ent["size_over_entropy"],

@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from sparkv import __version__
 from sparkv.codec import DEFAULT_LEVEL
 from sparkv.layout import ChunkGeometry
 from sparkv.server import schemas
@@ -41,6 +40,23 @@ from sparkv.server.models import ModelRegistry
 from sparkv.server.stores import ChunkKey, ChunkStore, open_store
 
 log = logging.getLogger("sparkv.server")
+
+
+def _version() -> str:
+    try:
+        from sparkv import __version__
+
+        return __version__
+    except ImportError:  # a stale editable install can expose sparkv as a namespace package
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("sparkv")
+        except PackageNotFoundError:
+            return "unknown"
+
+
+__version__ = _version()
 
 FRAME_MEDIA_TYPE = "application/vnd.sparkv.frame"
 STREAM_MEDIA_TYPE = "application/vnd.sparkv.frames"

@@ -221,9 +221,9 @@ def encode(args: argparse.Namespace) -> int:
     def progress(phase: str, done: int, total: int) -> None:
         if bar.total != total:
             bar.total = total
-        bar.set_description(phase)
-        bar.n = done
-        bar.refresh()
+        if bar.desc != phase:
+            bar.set_description(phase, refresh=False)
+        bar.update(done - bar.n)  # tqdm rate-limits the redraws
 
     try:
         manifest, stats = encode_context(entry, spec, cid, store, cipher=cipher,

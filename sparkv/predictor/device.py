@@ -277,6 +277,10 @@ class UtilisationWindow:
         while len(self._marks) > 2 and now - self._marks[1][0] >= self.window_s:
             self._marks.pop(0)  # keep one mark at or before the window's start
 
+    def reset(self) -> None:
+        """Forgets the history (after an idle pause: an idle window reads other work as load)."""
+        self._marks.clear()
+
     def read(self) -> float:
         """``U`` over the window ending now (a short probe on CPUs when nothing was ticked)."""
         if not self._marks:

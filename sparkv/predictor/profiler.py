@@ -253,6 +253,7 @@ class Profiler:
                 with LoadGenerator(load, cfg.max_load_seconds):
                     phase_start = time.perf_counter()
                     time.sleep(cfg.ramp_seconds)  # also lets the previous level's load fade
+                    self.window.reset()  # the sleep is no window to read U over: probe instead
                     for T, backend, cdf, rep in combos:
                         if phase_budget and time.perf_counter() - phase_start > phase_budget:
                             self.skipped.append({"load": load, "chunk_tokens": T,

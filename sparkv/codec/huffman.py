@@ -353,19 +353,21 @@ def _lane_ok(i, n, wstart, wend):  # pragma: no cover - numba
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _decode_group(words, ws, we, table, lengths, out, os, oe, first, count, errors):  # pragma: no cover
+def _decode_group(words, w_start, w_end, table, lengths, out, o_start, o_end, first, count,
+                  errors):  # pragma: no cover - numba
     """Decodes streams ``first .. first+count-1`` (``count <= 4``) with one table.
 
-    Stream ``s`` reads ``words[ws[s]:we[s]]`` and writes ``out[os[s]:oe[s]]``. Four
-    streams run in lockstep: the four table loads of a round are issued before any of their
+    Stream ``s`` reads ``words[w_start[s]:w_end[s]]`` and writes ``out[o_start[s]:o_end[s]]``.
+    Four streams run in lockstep: the four table loads of a round are issued before any of their
     results is used, so their latencies overlap. (Written out by hand: numba keeps the four
     states in registers only when nothing is factored into helpers.)
     """
     if count == 4:
-        ws0, ws1, ws2, ws3 = ws[first], ws[first + 1], ws[first + 2], ws[first + 3]
-        we0, we1, we2, we3 = we[first], we[first + 1], we[first + 2], we[first + 3]
-        o0, o1, o2, o3 = os[first], os[first + 1], os[first + 2], os[first + 3]
-        e0, e1, e2, e3 = oe[first], oe[first + 1], oe[first + 2], oe[first + 3]
+        ws0, ws1 = w_start[first], w_start[first + 1]
+        ws2, ws3 = w_start[first + 2], w_start[first + 3]
+        we0, we1, we2, we3 = w_end[first], w_end[first + 1], w_end[first + 2], w_end[first + 3]
+        o0, o1, o2, o3 = o_start[first], o_start[first + 1], o_start[first + 2], o_start[first + 3]
+        e0, e1, e2, e3 = o_end[first], o_end[first + 1], o_end[first + 2], o_end[first + 3]
         b0, n0, i0 = _lane_init(words, ws0, we0)
         b1, n1, i1 = _lane_init(words, ws1, we1)
         b2, n2, i2 = _lane_init(words, ws2, we2)
@@ -439,18 +441,18 @@ def _decode_group(words, ws, we, table, lengths, out, os, oe, first, count, erro
         errors[first + 3] = not _lane_ok(i3, n3, ws3, we3)
     else:
         for s in range(first, first + count):
-            buf, n, i = _lane_init(words, ws[s], we[s])
-            i, n = _lane_run(words, i, we[s], buf, n, table, lengths, out, os[s], oe[s])
-            errors[s] = not _lane_ok(i, n, ws[s], we[s])
+            buf, n, i = _lane_init(words, w_start[s], w_end[s])
+            i, n = _lane_run(words, i, w_end[s], buf, n, table, lengths, out, o_start[s], o_end[s])
+            errors[s] = not _lane_ok(i, n, w_start[s], w_end[s])
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _decode_serial(words, ws, we, tables, lengths, out, os, oe, g_first, g_count, g_table,
-                   errors):  # pragma: no cover - numba
+def _decode_serial(words, w_start, w_end, tables, lengths, out, o_start, o_end, g_first, g_count,
+                   g_table, errors):  # pragma: no cover - numba
     for g in range(g_first.size):
         t = g_table[g]
-        _decode_group(words, ws, we, tables[t], lengths[t], out, os, oe, g_first[g], g_count[g],
-                      errors)
+        _decode_group(words, w_start, w_end, tables[t], lengths[t], out, o_start, o_end,
+                      g_first[g], g_count[g], errors)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -467,7 +469,8 @@ _POOL_LOCK = threading.Lock()
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def stream_layout(stream_bytes, first_word, first_symbol, num_symbols, bounds, col):  # pragma: no cover
+def stream_layout(stream_bytes, first_word, first_symbol, num_symbols, bounds,
+                  col):  # pragma: no cover - numba
     """Fills columns ``col ..`` of ``bounds`` (``int64 [4, S_total]``: word start, word end,
     symbol start, symbol end) for the streams of one tensor laid out back to back from word
     ``first_word``, its symbols from ``first_symbol``."""

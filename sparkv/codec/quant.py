@@ -16,9 +16,10 @@ Prediction (lossless, on the symbols): with the *channel predictor* each ``(head
 column of symbols along the tokens is coded as residuals ``r[n] = (q[n] - p[n]) mod 2**b`` with
 ``p[0] = c`` and ``p[n] = (a * q[n-1] + (4 - a) * c + 2) >> 2`` for ``n >= 1``: ``c`` is the
 column's centre (its rounded mean symbol) and ``a / 4`` in ``{0, 1/4, 1/2, 3/4, 1}`` its
-correlation with the previous token, both chosen by the encoder per column (:func:`choose_prediction`)
-and stored in the frame. ``a = 0`` only centres the column (the columns' histograms line up, which
-alone lowers the pooled entropy); ``a = 4`` is a plain delta from the previous token.
+correlation with the previous token, both chosen by the encoder per column
+(:func:`choose_prediction`) and stored in the frame. ``a = 0`` only centres the column (the
+columns' histograms line up, which alone lowers the pooled entropy); ``a = 4`` is a plain delta
+from the previous token.
 
 Packing: for ``b <= 4`` several values share one byte symbol before entropy coding, so that the
 Huffman code works on a larger alphabet (less integer-length waste): ``p = 8 // b`` values per
@@ -160,7 +161,8 @@ def dequantize(q: np.ndarray, mins: np.ndarray, steps: np.ndarray, axis: int, ou
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _reconstruct(syms, bits, per, predict, alpha, center, mins, steps, per_token, out):  # pragma: no cover
+def _reconstruct(syms, bits, per, predict, alpha, center, mins, steps, per_token,
+                 out):  # pragma: no cover - numba
     """Unpacks, undoes the channel prediction and dequantizes, one ``[D]`` row at a time.
 
     ``syms``: packed symbols of the flat values in C order of ``out``'s shape ``[H, M, D]``.

@@ -113,6 +113,20 @@ def test_cpu_utilisation_in_range():
     assert 0.0 <= mon.sample() <= 1.0
 
 
+def test_utilisation_window_keeps_one_mark_before_the_window():
+    from sparkv.predictor.device import UtilisationWindow
+
+    window = UtilisationWindow(CpuUtilisation(), window_s=0.05)
+    assert 0.0 <= window.read() <= 1.0  # nothing ticked yet: a probe
+    for _ in range(5):
+        window.tick()
+        time.sleep(0.03)
+    assert 2 <= len(window._marks) <= 3
+    assert 0.0 <= window.read() <= 1.0
+    window.reset()
+    assert not window._marks
+
+
 def test_fingerprint():
     fp = device_fingerprint("cpu", threads=1)
     assert set(fp) == {"cpu", "cores", "torch", "threads", "cuda"}

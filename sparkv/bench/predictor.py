@@ -10,7 +10,10 @@
    reader: a Roofline scaled by the MAPE-optimal constant fitted on the training steps (how much
    of the gap is a constant efficiency factor), and the MLP's error had it known the load during
    each step (how much of its error is load changing faster than it can be measured).
-5. Times one prediction: the MLP fast path for one chunk, the ``step_seconds`` API, and the
+5. Checks the profiler's shortcut (only layers 0-1 are profiled): every non-final layer of another
+   context, dense and block-sparse, predicted by the same model (skipped with ``--quick``,
+   ``--samples`` or ``--no-deep-check``).
+6. Times one prediction: the MLP fast path for one chunk, the ``step_seconds`` API, and the
    whole ``t_comp`` matrix of a 8192-token context divided by its steps; the Roofline likewise.
 
 Writes ``bench/results/predictor.json``, ``predictor.png`` (predicted vs measured) and the raw
@@ -36,13 +39,15 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--quick", action="store_true", help="small profile (under 2 minutes)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--budget", type=float, default=None,
-                   help="profiling time budget in seconds (default 480, quick 60)")
+                   help="profiling time budget in seconds (default 420, quick 60)")
     p.add_argument("--samples", default=None,
                    help="train and evaluate on an existing samples file instead of profiling")
     p.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
     p.add_argument("--seed", type=int, default=0, help="split and MLP seed")
     p.add_argument("--json", action="store_true", help="write bench/results/predictor.json")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/predictor.json)")
+    p.add_argument("--no-deep-check", action="store_true",
+                   help="skip the all-layers validation (on by default unless --quick/--samples)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -56,10 +61,59 @@ def _profile(args: argparse.Namespace):
     cfg.threads = args.threads
     cfg.seed = args.seed
     cfg.time_budget_s = args.budget if args.budget is not None else (60.0 if args.quick
-                                                                     else 480.0)
+                                                                     else 420.0)
     profiler = Profiler(lm, cfg, progress=not args.no_progress)
     samples = profiler.run()
-    return samples, profiler.metadata()
+    return lm, samples, profiler.metadata()
+
+
+def _deep_layer_check(lm, model, roof, threads: int, progress: bool) -> dict[str, Any]:
+    """Every non-final layer of one 2048-token context (another part of the sample text than the
+    profile's), T = 512, dense and block-sparse (cdf 0.9), no induced load: does a model trained
+    on layers 0-1 predict layers 2..L-2 as well? (The profiler's "a few layers" assumption.)"""
+    import torch
+    from tqdm import tqdm
+
+    from sparkv.layout import StepId
+    from sparkv.predictor import StepFeatures, detect_monitor, mape
+    from sparkv.predictor.device import UtilisationWindow
+    from sparkv.runtime import (BlockSparseAttention, DenseAttention, LayerStepper,
+                                SparsityConfig, sample_context_ids)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    window = UtilisationWindow(detect_monitor(str(lm.device)))
+    ids = sample_context_ids(lm, 3048)[1000:3048]
+    layers = int(lm.config.num_hidden_layers) - 1
+    rows: list[tuple[float, ...]] = []
+    bar = tqdm(total=2 * 4 * layers, desc="all-layers check", unit="step", disable=not progress)
+    try:
+        for backend, sparse in ((DenseAttention(), 0.0),
+                                (BlockSparseAttention(SparsityConfig(cdf_threshold=0.9)), 1.0)):
+            stepper = LayerStepper(lm, ids, 512, backend)
+            for t in range(stepper.geometry.num_token_chunks):
+                start, end = stepper.geometry.token_range(t)
+                for layer in range(layers):
+                    u = window.read()
+                    window.tick()
+                    t0 = time.perf_counter()
+                    res = stepper.run_step(StepId(t, layer))
+                    ms = (time.perf_counter() - t0) * 1e3
+                    rows.append((layer, end - start, end,
+                                 float(res.stats.active_blocks.float().mean()), u, sparse, ms))
+                    bar.update(1)
+    finally:
+        bar.close()
+        torch.set_num_threads(old)
+    a = np.array(rows, dtype=np.float64)
+    f = StepFeatures(a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5], 0.0, 0)
+    y, p_mlp, p_roof = a[:, 6], model.predict_ms(f), roof.predict_ms(f)
+    out: dict[str, Any] = {}
+    for name, sel in (("layers_0_1", a[:, 0] < 2), ("layers_2_up", a[:, 0] >= 2)):
+        out[name] = {"n": int(sel.sum()), "mlp_mape": mape(p_mlp[sel], y[sel]),
+                     "roofline_mape": mape(p_roof[sel], y[sel]),
+                     "active_blocks_range": [float(a[sel, 3].min()), float(a[sel, 3].max())]}
+    return out
 
 
 def _time_per_call(fn, calls: int) -> float:
@@ -101,10 +155,11 @@ def run(args: argparse.Namespace) -> int:
                                   mape, save_samples)
 
     wall0 = time.perf_counter()
+    lm = None
     if args.samples:
         samples, meta = load_samples(args.samples)
     else:
-        samples, meta = _profile(args)
+        lm, samples, meta = _profile(args)
     profile_s = time.perf_counter() - wall0
     arch = ModelArch.from_dict(meta["arch"])
     threads = int((meta.get("config") or {}).get("threads", args.threads))
@@ -148,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
             groups.append({"by": label, "value": value, "n": r["n"], "mlp_mape": r["mlp_mape"],
                            "roofline_mape": r["roofline_mape"], "ratio": r["ratio"]})
     times = _prediction_times(model, roof, arch)
+    deep = None
+    if lm is not None and not args.quick and not args.no_deep_check:
+        deep = _deep_layer_check(lm, model, roof, threads, not args.no_progress)
 
     ms_all = np.array([s.ms for s in samples if s.kind == "attention"])
     summary = {
@@ -173,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "skipped_combinations": len(meta.get("skipped", [])),
         "utilisation_range": [float(min(s.utilisation for s in samples)),
                               float(max(s.utilisation for s in samples))],
+        "all_layers_check": deep,
     }
 
     print(format_table(["steps", "n", "MLP MAPE %", "Roofline MAPE %", "ratio"],
@@ -192,6 +251,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"peaks: {roof.peak_flops / 1e9:.1f} GFLOP/s, {roof.peak_bandwidth / 1e9:.1f} GB/s "
           f"({threads} thread(s)); MLP fit {model.info['fit_seconds']:.1f} s, "
           f"{model.info['iterations']} iterations")
+    if deep:
+        print(format_table(["all-layers check (no load)", "n", "s range", "MLP MAPE %",
+                            "Roofline MAPE %"],
+                           [[k, v["n"], "%g-%g" % tuple(v["active_blocks_range"]), v["mlp_mape"],
+                             v["roofline_mape"]] for k, v in deep.items()]))
     print(format_table(["prediction", "ms"], [[k, v] for k, v in times.items()
                                               if k.endswith("_ms")]))
     target_ok = summary["meets_ratio_target"] and summary["meets_time_target"]
@@ -248,6 +312,13 @@ def _plot(att: dict[str, Any], scaled_mape: float, path) -> None:
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ticks = [v for v in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000) if lo <= v <= hi]
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+        axis.set_ticks(ticks)
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title(f"Held-out SmolLM2 layer steps ({att['n']}), this CPU")

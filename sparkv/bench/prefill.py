@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if args.estimator:
         cfg.estimator = args.estimator
     backends = {"dense": DenseAttention(), "block_sparse": BlockSparseAttention(cfg)}
+    for backend in backends.values():  # warm-up: first calls pay one-off allocation costs
+        LayerStepper(lm, sample_context_ids(lm, 2 * args.chunk_tokens), args.chunk_tokens,
+                     backend).complete()
     rows: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     bar = tqdm(total=len(sizes) * len(backends), desc="prefill bench", unit="run")

@@ -63,3 +63,22 @@ def test_geometry():
         ChunkGeometry(10, 16, 1, 3, 1, heads_per_group=2)
     with pytest.raises(IndexError, match="token chunk 3"):
         g.check(KVChunkId(3, 0, 0))
+
+
+def test_demo_answers_with_a_ttft_table(smollm2, capsys):
+    rc = main(["demo", "--tokens", "300", "--chunk-tokens", "128", "--new-tokens", "12"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    answers = [line.split("] ", 1)[1] for line in out.splitlines()
+               if line.startswith("[local (")]
+    assert len(answers) == 2 and all(a.strip() for a in answers)
+    assert "TTFT_s" in out and "local (block-sparse)" in out
+
+
+def test_prompt_parts_chatml(smollm2):
+    from sparkv.runtime.generate import prompt_parts
+
+    ctx, q = prompt_parts(smollm2, [42, 43], "Why?")
+    assert smollm2.decode_tokens(ctx[-2:]) == smollm2.decode_tokens([42, 43])
+    text = smollm2.tokenizer.decode(q)
+    assert text.endswith("<|im_start|>assistant\n") and "Why?" in text

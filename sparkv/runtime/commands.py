@@ -13,8 +13,7 @@ import time
 
 from sparkv.bench.common import format_table
 
-DEMO_QUESTION = ("\n\nQuestion: What does this text say about warranty? Answer in one sentence."
-                 "\nAnswer:")
+DEMO_QUESTION = "What does this text say about warranty? Answer in one sentence."
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -52,12 +51,12 @@ def _model(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from sparkv.runtime import (BlockSparseAttention, DenseAttention, LayerStepper,
                                 greedy_generate, load_model, sample_context_ids)
+    from sparkv.runtime.generate import prompt_parts
 
     print("sparkv demo: loading the model ...", flush=True)
     lm = load_model(args.model)
-    ids = sample_context_ids(lm, args.tokens)
-    question = lm.encode_text(args.question)
-    print(f"context: {len(ids)} tokens of the bundled sample text; question: "
+    ids, question = prompt_parts(lm, sample_context_ids(lm, args.tokens), args.question)
+    print(f"context: {len(ids)} tokens (the bundled sample text); question: "
           f"{args.question.strip()!r}\n", flush=True)
     rows = []
     answers = {}

@@ -146,3 +146,23 @@ def greedy_agreement(ref: Sequence[int], other: Sequence[int]) -> float:
             break
         n += 1
     return n / len(ref)
+
+
+CHAT_SYSTEM = "You are a helpful assistant. Answer questions about the user's document."
+
+
+def prompt_parts(lm: LoadedModel, document_ids: Sequence[int], question: str
+                 ) -> tuple[list[int], list[int]]:
+    """Splits a question-about-a-document prompt into the reusable context and the suffix.
+
+    For ChatML models (SmolLM2, Qwen) the context is the system turn plus the start of the user turn
+    holding the document, and the suffix closes the user turn with the question and opens the
+    assistant's; other models get ``document + "\\n\\nQuestion: ...\\nAnswer:"``.
+    """
+    tok = lm.tokenizer
+    chatml = tok is not None and "<|im_start|>" in tok.get_vocab()
+    if chatml:
+        head = lm.encode_text(f"<|im_start|>system\n{CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n")
+        tail = lm.encode_text(f"\n\n{question.strip()}<|im_end|>\n<|im_start|>assistant\n")
+        return head + list(document_ids), tail
+    return list(document_ids), lm.encode_text(f"\n\nQuestion: {question.strip()}\nAnswer:")

@@ -120,10 +120,6 @@ def check_supported(config: Any) -> None:
             f"model_type {mt!r} is not supported: sparkv runs decoder-only models of the "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} families layer by layer. Pass --model PATH to a "
             "local Hugging Face checkpoint of one of those, or omit it for the bundled SmolLM2.")
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and mt == "mistral":
-        # exact only while contexts stay within the window; checked again per context length
-        pass
 
 
 def _fingerprint(config: Any, name: str) -> str:

@@ -129,13 +129,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
         self._close_log()
 
     def _close_log(self) -> None:
@@ -148,6 +142,18 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def terminate(proc: "subprocess.Popen[bytes] | None", grace_s: float = 10.0) -> None:
+    """SIGTERM a running process, then SIGKILL it if it has not exited after ``grace_s``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(grace_s)
 
 
 def redis_server_available() -> bool:
@@ -189,13 +195,7 @@ class RedisProcess:
         raise TimeoutError("redis-server did not start")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
 
 
 _TINY: dict[str, Path] = {}

@@ -9,6 +9,7 @@ threads, so the event loop only moves bytes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import struct
@@ -31,11 +32,11 @@ from sparkv.server import schemas
 from sparkv.server.config import Settings
 from sparkv.server.encoder import ContextSpec, canonical_levels, derive_context_id, etag_of
 from sparkv.server.errors import ApiError, StoreError
-from sparkv.server.http import if_range_allows, none_match, parse_range
+from sparkv.server.http import if_range_allows, none_match, not_modified_etag, parse_range
 from sparkv.server.jobs import JobManager, SubmitResult, public_view
 from sparkv.server.metrics import ServerMetrics
 from sparkv.server.middleware import (TENANT_SCOPE_KEY, AuthMiddleware, BodyLimitMiddleware,
-                                      MetricsMiddleware, error_body)
+                                      GZipMiddleware, MetricsMiddleware, error_body)
 from sparkv.server.models import ModelRegistry
 from sparkv.server.stores import ChunkKey, ChunkStore, open_store
 
@@ -60,6 +61,7 @@ __version__ = _version()
 
 FRAME_MEDIA_TYPE = "application/vnd.sparkv.frame"
 STREAM_MEDIA_TYPE = "application/vnd.sparkv.frames"
+TOKENS_MEDIA_TYPE = "application/octet-stream"
 IMMUTABLE = "max-age=31536000, immutable"
 LENGTH_PREFIX = struct.Struct("<I")
 MANIFEST_CACHE_ENTRIES = 256
@@ -76,6 +78,7 @@ CREATED_LINKS = {  # OpenAPI links: what a client (or a stateful fuzzer) does ne
     "GetFirstChunk": {"operationId": "get_chunk",
                       "parameters": {"context_id": _CID, "t": 0, "l": 0, "g": 0}},
     "StreamChunks": {"operationId": "stream_chunks", "parameters": {"context_id": _CID}},
+    "GetTokens": {"operationId": "get_tokens", "parameters": {"context_id": _CID}},
     "DeleteContext": {"operationId": "delete_context", "parameters": {"context_id": _CID}},
 }
 
@@ -93,6 +96,9 @@ class ParsedManifest:
     levels: tuple[str, ...]
     encrypted: bool
     index: dict[tuple[int, int, int, str], tuple[int, str]]
+    num_tokens: int = 0
+    tokens_sha256: str = ""
+    """SHA-256 (hex) of the token ids as little-endian ``u32`` values: the tokens' ETag."""
 
     @classmethod
     def parse(cls, raw: bytes) -> "ParsedManifest":
@@ -105,7 +111,8 @@ class ParsedManifest:
                 index[(c["t"], c["l"], c["g"], lv)] = (int(e["bytes"]), etag_of(e["checksum"]))
         geo = doc["geometry"]
         return cls(raw, etag_of(checksum(raw)), ChunkGeometry.from_dict(geo),
-                   tuple(doc["levels"]), bool(doc.get("encryption")), index)
+                   tuple(doc["levels"]), bool(doc.get("encryption")), index,
+                   int(doc["num_tokens"]), str(doc.get("tokens_sha256") or ""))
 
     def cache_control(self) -> str:
         # Ciphertext may sit in shared caches; plaintext only in the client's own.
@@ -442,9 +449,47 @@ def create_app(settings: Settings, store: ChunkStore | None = None,
                            if_none_match: Annotated[str | None, Header()] = None) -> Response:
         parsed = await require_manifest(state, tenant, context_id)
         headers = {"ETag": parsed.etag, "Cache-Control": "private, no-cache"}
-        if none_match(if_none_match, parsed.etag):
-            return Response(status_code=304, headers=headers)
+        if state.settings.gzip_min_bytes > 0:
+            headers["Vary"] = "Accept-Encoding"
+        # The ETag is strong (the manifest's bytes); GZipMiddleware weakens it on a compressed
+        # 200, and a 304 echoes the form the client holds.
+        tag = not_modified_etag(if_none_match, parsed.etag)
+        if tag is not None:
+            return Response(status_code=304, headers={**headers, "ETag": tag})
         return Response(parsed.raw, media_type="application/json", headers=headers)
+
+    @app.get("/v1/contexts/{context_id}/tokens", tags=["contexts"], response_class=Response,
+             responses={**ERROR_RESPONSES,
+                        200: {"content": {TOKENS_MEDIA_TYPE: {"schema": {
+                            "type": "string", "format": "binary"}}},
+                              "description": "the token ids, little-endian u32 each"},
+                        304: {"description": "not modified"},
+                        404: {"model": schemas.ErrorResponse}})
+    async def get_tokens(context_id: ContextIdPath, state: StateDep, tenant: TenantDep,
+                         if_none_match: Annotated[str | None, Header()] = None) -> Response:
+        parsed = await require_manifest(state, tenant, context_id)
+        found = await to_thread.run_sync(_read_tokens, state.store, tenant, context_id)
+        if found is None:
+            state.forget(tenant, context_id)
+            await require_manifest(state, tenant, context_id)  # 404 if it was deleted meanwhile
+            raise ApiError(404, "tokens_not_available",
+                           f"context {context_id} was encoded before the server kept token ids; "
+                           "send the request that created it (POST /v1/contexts) again: nothing "
+                           "is encoded again, only its token ids are stored")
+        data, digest = found
+        if (parsed.tokens_sha256 and digest != parsed.tokens_sha256) or \
+                len(data) != 4 * parsed.num_tokens:
+            log.error("the stored token ids of context %s do not match its manifest (sha256 "
+                      "%s, %d bytes; the manifest says %s, %d tokens)", context_id, digest,
+                      len(data), parsed.tokens_sha256, parsed.num_tokens)
+            raise ApiError(500, "tokens_corrupt", f"the stored token ids of context {context_id} "
+                           "do not match its manifest's tokens_sha256")
+        headers = {"ETag": f'"{digest}"', "Cache-Control": "private, " + IMMUTABLE,
+                   "X-Sparkv-Tokens-Sha256": digest, "X-Sparkv-Num-Tokens": str(len(data) // 4)}
+        if none_match(if_none_match, headers["ETag"]):
+            state.metrics.not_modified.inc()
+            return Response(status_code=304, headers=headers)
+        return Response(data, media_type=TOKENS_MEDIA_TYPE, headers=headers)
 
     @app.delete("/v1/contexts/{context_id}", status_code=204, tags=["contexts"],
                 response_class=Response,
@@ -533,11 +578,14 @@ def create_app(settings: Settings, store: ChunkStore | None = None,
 
 
 def _install(app: FastAPI, settings: Settings, metrics: ServerMetrics) -> None:
-    """Adds the middleware, outermost first: metrics, body limit, authentication."""
+    """Adds the middleware, outermost first: metrics (which counts the bytes sent, compressed),
+    gzip (JSON only), body limit, authentication."""
     index = settings.key_index()
     app.add_middleware(AuthMiddleware, key_index=lambda: index,  # type: ignore[arg-type]
                        allow_anonymous=lambda: settings.allow_anonymous, metrics=metrics)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(GZipMiddleware,  # type: ignore[arg-type]
+                       minimum_size=settings.gzip_min_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # type: ignore[arg-type]
 
 
@@ -564,6 +612,12 @@ def _add_security_schemes(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _read_tokens(store: ChunkStore, tenant: str, context_id: str) -> tuple[bytes, str] | None:
+    """The stored token ids and their SHA-256 (hex), or ``None`` (runs in the thread pool)."""
+    data = store.get_tokens(tenant, context_id)
+    return None if data is None else (data, hashlib.sha256(data).hexdigest())
 
 
 def _submit(state: ServerState, tenant: str, body: schemas.CreateContext

@@ -164,8 +164,8 @@ def encode(args: argparse.Namespace) -> int:
 
     from sparkv.server.config import ANONYMOUS_TENANT
     from sparkv.server.crypto import FrameCipher, key_to_text, new_key
-    from sparkv.server.encoder import (ContextSpec, canonical_levels, derive_context_id,
-                                       encode_context)
+    from sparkv.server.encoder import (ContextSpec, backfill_tokens, canonical_levels,
+                                       derive_context_id, encode_context)
     from sparkv.server.errors import ApiError
     from sparkv.server.models import ModelRegistry
     from sparkv.server.stores import open_store
@@ -211,8 +211,11 @@ def encode(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"context_id": cid, "tenant": tenant, "store": store.url,
                               "num_tokens": len(ids), "levels": list(levels)}
     if store.get_manifest(tenant, cid) is not None:
-        result["status"] = "exists"
-        _report(args, result, f"context {cid} is already in {store.url} (nothing to do)")
+        # encoded before token ids were kept: add them (GET .../tokens serves them)
+        added = backfill_tokens(store, spec, cid)
+        result.update(status="exists", tokens_added=added)
+        _report(args, result, f"context {cid} is already in {store.url} ("
+                f"{'its token ids were added' if added else 'nothing to do'})")
         return 0
     key = new_key() if args.encrypt else None
     cipher = FrameCipher(key, cid) if key else None

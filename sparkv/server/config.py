@@ -89,6 +89,9 @@ class Settings(BaseModel):
     """How long a parsed manifest is reused before the store is read again."""
     stream_batch_bytes: int = Field(1 << 20, ge=4096)
     """The stream endpoint reads and writes frames in batches of about this many bytes."""
+    gzip_min_bytes: int = Field(1024, ge=0)
+    """JSON responses of at least this many bytes are gzip-compressed for clients that accept it
+    (0: never compress). Frames, streams and token ids are never compressed."""
     log_level: str = "info"
 
     @field_validator("tenants")

@@ -77,8 +77,14 @@ def canonical_levels(levels: Sequence[str]) -> tuple[str, ...]:
     return tuple(x for x in LEVEL_ORDER if x in set(levels))
 
 
+def tokens_bytes(token_ids: Sequence[int]) -> bytes:
+    """The token ids as stored and served (``GET .../tokens``): little-endian ``u32`` each."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
 def tokens_digest(token_ids: Sequence[int]) -> str:
-    return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
+    """The manifest's ``tokens_sha256``: SHA-256 of :func:`tokens_bytes` (hex)."""
+    return hashlib.sha256(tokens_bytes(token_ids)).hexdigest()
 
 
 def derive_context_id(spec: ContextSpec, model_fingerprint: str, tokenizer_id: str) -> str:
@@ -270,7 +276,8 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
                    cipher: FrameCipher | None = None, progress: ProgressFn | None = None,
                    should_stop: Callable[[], bool] | None = None, pause_s: float = 0.0,
                    reuse_stored: bool = True) -> tuple[bytes, EncodeStats]:
-    """Encodes every chunk of a context at every level into ``store`` and returns the manifest.
+    """Encodes every chunk of a context at every level into ``store``, stores its token ids
+    (``store.put_tokens``, after the last frame) and returns the manifest.
 
     The caller publishes the manifest (``store.put_manifest``) after this returns, so a crash or a
     cancellation before then leaves no visible context.
@@ -369,10 +376,26 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
             raise JobCancelled()
 
     report("publishing", done, total)
+    t0 = time.perf_counter()
+    store.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
+    stats.store_s += time.perf_counter() - t0
     manifest = _manifest(spec, context_id, entry, geometry, list(entries.values()))
     stats.total_s = time.perf_counter() - t_start
     data = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
     return data, stats
+
+
+def backfill_tokens(store: ChunkStore, spec: ContextSpec, context_id: str) -> bool:
+    """Stores the token ids of a published context encoded before they were stored.
+
+    The context id is derived from the token ids (see :func:`derive_context_id`), so a request
+    that names an existing context carries exactly its tokens. Returns ``True`` when they were
+    missing and are now stored.
+    """
+    if store.has_tokens(spec.tenant, context_id):
+        return False
+    store.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
+    return True
 
 
 def manifest_value_count(manifest: dict[str, Any]) -> int:

@@ -20,6 +20,24 @@ def none_match(if_none_match: str | None, etag: str) -> bool:
     return False
 
 
+def not_modified_etag(if_none_match: str | None, etag: str) -> str | None:
+    """The ETag a 304 should carry when ``If-None-Match`` matches ``etag``, else ``None``.
+
+    The client's own form of the tag is echoed: a ``W/`` tag came from a gzip-compressed 200
+    (:class:`~sparkv.server.middleware.GZipMiddleware` weakens the tag of what it compresses), so
+    the 304 confirms that weak tag; ``*`` or the strong tag get the strong tag.
+    """
+    if not if_none_match:
+        return None
+    plain = etag.removeprefix("W/")
+    for tag in _tags(if_none_match):
+        if tag == "*":
+            return etag
+        if tag.removeprefix("W/") == plain:
+            return tag
+    return None
+
+
 def if_range_allows(if_range: str | None, etag: str) -> bool:
     """``If-Range``: the range applies only if the validator is this strong ETag (a date or a
     weak tag never matches: the ETag is the only validator these responses carry)."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from sparkv.server.config import Settings
 from sparkv.server.crypto import FrameCipher, new_key
-from sparkv.server.encoder import ContextSpec, JobCancelled, encode_context
+from sparkv.server.encoder import ContextSpec, JobCancelled, backfill_tokens, encode_context
 from sparkv.server.errors import ApiError, StoreError
 from sparkv.server.metrics import ServerMetrics
 from sparkv.server.models import ModelRegistry
@@ -227,6 +227,7 @@ class JobManager:
                                    "a moment", headers={"Retry-After": "1"})
                 return SubmitResult(job.record["state"], dict(job.record), False)
             if self.store.get_manifest(tenant, context_id) is not None:
+                backfill_tokens(self.store, spec, context_id)
                 latest = self._latest.get((tenant, context_id))
                 rec = self._load(tenant, latest[1]) if latest else None
                 return SubmitResult("done", rec, False)

@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: metrics, the request body limit and API-key authentication.
+"""Pure ASGI middleware: metrics, gzip for JSON, the request body limit and API-key
+authentication.
 
 Pure ASGI (no ``BaseHTTPMiddleware``) so that streamed responses pass through untouched and the
 per-request cost stays a few microseconds.
@@ -6,11 +7,15 @@ per-request cost stays a few microseconds.
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
+from collections import OrderedDict
 from typing import Any, Callable
 
+from anyio import to_thread
 from fastapi.exceptions import HTTPException
+from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sparkv.server.config import ANONYMOUS_TENANT, hash_api_key
@@ -72,6 +77,154 @@ class MetricsMiddleware:
             m.requests.labels(scope["method"], label, str(status)).inc()
             m.latency.labels(scope["method"], label).observe(time.perf_counter() - start)
             m.response_bytes.labels(label).inc(nbytes)
+
+
+GZIP_LEVEL = 6
+GZIP_THREAD_BYTES = 64 * 1024
+"""Bodies at least this large are compressed in a worker thread, off the event loop."""
+GZIP_CACHE_ENTRIES = 16
+"""Compressed bodies kept per (path, strong ETag): a manifest is compressed once, not per GET."""
+GZIP_MEDIA_TYPES = ("application/json",)
+"""What :class:`GZipMiddleware` compresses (also ``*+json``); nothing else, frames above all."""
+
+
+def accepts_gzip(accept_encoding: str | None) -> bool:
+    """Whether an ``Accept-Encoding`` header allows gzip (RFC 9110 12.5.3).
+
+    ``gzip`` (or ``x-gzip``) with a non-zero ``q`` allows it, ``gzip;q=0`` refuses it, and ``*``
+    stands for every coding the header does not name. No header: no compression.
+    """
+    if not accept_encoding:
+        return False
+    star: bool | None = None
+    for item in accept_encoding.split(","):
+        coding, *params = (part.strip() for part in item.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0  # a malformed weight counts as a refusal
+        coding = coding.lower()
+        if coding in ("gzip", "x-gzip"):
+            return q > 0
+        if coding == "*":
+            star = q > 0
+    return bool(star)
+
+
+def _compressible(start: Message) -> bool:
+    """A response start whose body :class:`GZipMiddleware` may compress: JSON, not already
+    encoded, and a status with a whole body (no 204, 206 or 304)."""
+    if start["status"] in (204, 206, 304) or start["status"] < 200:
+        return False
+    headers = MutableHeaders(raw=list(start["headers"]))
+    if "content-encoding" in headers:
+        return False
+    media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return media in GZIP_MEDIA_TYPES or media.endswith("+json")
+
+
+def _add_vary(headers: MutableHeaders, value: str) -> None:
+    present = [v.strip().lower() for line in headers.getlist("vary") for v in line.split(",")
+               if v.strip()]
+    if value.lower() not in present and "*" not in present:
+        headers.add_vary_header(value)
+
+
+class GZipMiddleware:
+    """Gzip-compresses JSON responses of at least ``minimum_size`` bytes for clients whose
+    ``Accept-Encoding`` allows it.
+
+    Only ``application/json`` (and ``*+json``) bodies sent in one message are candidates, which is
+    how every JSON response of the app is sent; everything else (frames, the frame stream with its
+    exact ``Content-Length``, token ids, ``/metrics``) passes through untouched, message by
+    message, so streaming is unaffected. A candidate gets ``Vary: Accept-Encoding`` whether or not
+    this client accepts gzip (caches must key on it). A compressed response gets
+    ``Content-Encoding: gzip``, its new ``Content-Length``, and its ``ETag`` weakened
+    (``"x"`` -> ``W/"x"``): a strong tag names one exact byte sequence, and the compressed body is
+    another one. ``If-None-Match`` compares weakly, so either form of the tag still gets a 304.
+    Compression is deterministic (``mtime`` 0) and runs in a worker thread for large bodies
+    (a manifest of an 8K-token context is megabytes: tens of milliseconds); the compressed bodies
+    of the last few responses with a strong ETag (the manifests) are kept, keyed by path and ETag
+    (a content hash), so revisiting one costs nothing.
+    """
+
+    def __init__(self, app: ASGIApp, minimum_size: int = 1024, level: int = GZIP_LEVEL,
+                 cache_entries: int = GZIP_CACHE_ENTRIES) -> None:
+        self.app = app
+        self.minimum_size = minimum_size
+        self.level = level
+        self.cache_entries = cache_entries
+        self._cache: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
+
+    def _gzip(self, body: bytes) -> bytes:
+        return gzip.compress(body, compresslevel=self.level, mtime=0)
+
+    async def _compress(self, body: bytes, key: tuple[str, str] | None) -> bytes:
+        """``body`` gzip-compressed; ``key`` (path, strong ETag) names these exact bytes (a strong
+        ETag means byte-for-byte identical), so a cached result is reused."""
+        if key is not None:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == len(body):
+                self._cache.move_to_end(key)
+                return hit[1]
+        if len(body) >= GZIP_THREAD_BYTES:
+            out = await to_thread.run_sync(self._gzip, body)
+        else:
+            out = self._gzip(body)
+        if key is not None and self.cache_entries > 0:
+            self._cache[key] = (len(body), out)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+        return out
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.minimum_size <= 0:
+            await self.app(scope, receive, send)
+            return
+        accepts = accepts_gzip(_header(scope, b"accept-encoding"))
+        held: Message | None = None
+        passthrough = False
+
+        async def gzip_send(message: Message) -> None:
+            nonlocal held, passthrough
+            if passthrough:
+                await send(message)
+                return
+            if message["type"] == "http.response.start":
+                if _compressible(message):
+                    held = message  # decided with the first body message
+                else:
+                    passthrough = True
+                    await send(message)
+                return
+            if message["type"] != "http.response.body" or held is None:
+                await send(message)  # pragma: no cover - nothing else comes before the body
+                return
+            start, held, passthrough = held, None, True
+            body = message.get("body", b"")
+            if message.get("more_body", False) or len(body) < self.minimum_size:
+                await send(start)  # streamed or small: as it is
+                await send(message)
+                return
+            headers = MutableHeaders(raw=list(start["headers"]))
+            _add_vary(headers, "Accept-Encoding")
+            if accepts:
+                etag = headers.get("etag")
+                key = (scope["path"], etag) if etag and not etag.startswith("W/") else None
+                body = await self._compress(body, key)
+                headers["content-encoding"] = "gzip"
+                headers["content-length"] = str(len(body))
+                if key is not None:
+                    headers["etag"] = "W/" + key[1]
+            await send({**start, "headers": headers.raw})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        await self.app(scope, receive, gzip_send)
 
 
 class BodyTooLarge(HTTPException):

@@ -1,12 +1,17 @@
-"""The chunk store interface: encoded frames, manifests and job records, per tenant.
+"""The chunk store interface: encoded frames, token ids, manifests and job records, per tenant.
 
-A store holds, for each tenant and context id, one frame per ``(t, l, g, level)`` and one manifest.
-The contract (tested against every implementation by tests/test_server_store.py):
+A store holds, for each tenant and context id, one frame per ``(t, l, g, level)``, the context's
+token ids (one blob, little-endian ``u32`` each) and one manifest. The contract (tested against
+every implementation by tests/test_server_store.py, and for token ids tests/test_server_tokens.py):
 
 * ``put_chunk`` is atomic: a reader sees the whole frame or nothing, never a prefix.
-* ``put_manifest`` is called last, after every chunk of the context is durable; a context is
-  *visible* (listed, servable) only once its manifest exists, so a half-encoded context never is.
-* ``delete`` hides the context first (the manifest goes before the chunks), then removes the rest.
+* ``put_manifest`` is called last, after every chunk and the token ids of the context are
+  durable; a context is *visible* (listed, servable) only once its manifest exists, so a
+  half-encoded context never is.
+* The token ids are kept beside the chunks, never among them: ``list_chunks`` does not see them
+  (so resuming a job or checking a manifest against its chunks is unaffected).
+* ``delete`` hides the context first (the manifest goes before the chunks), then removes the rest,
+  token ids included.
 * Tenants are separate namespaces: nothing of tenant A is reachable through tenant B's name.
 * Values are opaque bytes; the store neither parses nor checks them.
 
@@ -88,11 +93,26 @@ class ChunkStore(ABC):
     def list_chunks(self, tenant: str, context_id: str) -> set[ChunkKey]:
         """Every stored frame of a context, with or without a manifest."""
 
+    # --- token ids ----------------------------------------------------------------------------
+    @abstractmethod
+    def put_tokens(self, tenant: str, context_id: str, data: bytes) -> None:
+        """Stores the context's token ids (little-endian ``u32`` each) atomically, replacing
+        them. Call it before ``put_manifest``: implementations make them durable before it."""
+
+    @abstractmethod
+    def get_tokens(self, tenant: str, context_id: str) -> bytes | None:
+        """The token ids as stored, or ``None`` (a context encoded before they were stored, or
+        no such context: the caller checks the manifest)."""
+
+    def has_tokens(self, tenant: str, context_id: str) -> bool:
+        """Whether the context's token ids are stored (without reading them where possible)."""
+        return self.get_tokens(tenant, context_id) is not None
+
     # --- manifests ----------------------------------------------------------------------------
     @abstractmethod
     def put_manifest(self, tenant: str, context_id: str, data: bytes) -> None:
-        """Makes the context visible. Call it last: every chunk it names must already be stored;
-        implementations make the chunks durable before the manifest."""
+        """Makes the context visible. Call it last: every chunk it names (and the token ids) must
+        already be stored; implementations make them durable before the manifest."""
 
     @abstractmethod
     def get_manifest(self, tenant: str, context_id: str) -> bytes | None:
@@ -104,7 +124,8 @@ class ChunkStore(ABC):
 
     @abstractmethod
     def delete(self, tenant: str, context_id: str) -> bool:
-        """Removes the manifest first, then every chunk. ``True`` if anything existed."""
+        """Removes the manifest first, then every chunk and the token ids. ``True`` if anything
+        existed."""
 
     # --- jobs ---------------------------------------------------------------------------------
     @abstractmethod

@@ -3,11 +3,14 @@
 Layout under the root::
 
     tenants/<tenant>/contexts/<context_id>/chunks/<t>.<l>.<g>.<level>   one frame per file
+    tenants/<tenant>/contexts/<context_id>/tokens.u32                    token ids (u32 LE)
     tenants/<tenant>/contexts/<context_id>/manifest.json                 written last
     tenants/<tenant>/jobs/<job_id>.json                                  job records
 
 Every write goes to a temporary file in the target directory (``.tmp-*``), is flushed and
-``fsync``-ed, then renamed over the target (``os.replace``, atomic on POSIX). ``put_manifest``
+``fsync``-ed, then renamed over the target (``os.replace``, atomic on POSIX). The token ids sit
+beside ``chunks/`` (never inside it, so ``list_chunks`` does not see them); ``put_tokens`` syncs
+the context directory after its rename, so they are durable before the manifest. ``put_manifest``
 first syncs the chunk directory (so the renames of every chunk are durable), then writes the
 manifest the same way and syncs the context directory. A crash at any point leaves either no
 manifest (the context is invisible; a resumed job or a delete cleans the chunks up) or a manifest
@@ -29,6 +32,7 @@ from sparkv.server.errors import StoreError
 from sparkv.server.stores.base import ChunkKey, ChunkStore, check_names
 
 MANIFEST = "manifest.json"
+TOKENS = "tokens.u32"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -151,6 +155,25 @@ class FileStore(ChunkStore):
             except ValueError:
                 continue
         return out
+
+    # --- token ids ----------------------------------------------------------------------------
+    def put_tokens(self, tenant: str, context_id: str, data: bytes) -> None:
+        check_names(tenant, context_id)
+        cdir = self._context_dir(tenant, context_id)
+        try:
+            atomic_write(cdir / TOKENS, data, self.fsync)
+            if self.fsync:
+                _fsync_dir(cdir)  # the rename is durable before the manifest is written
+        except OSError as exc:
+            raise StoreError(f"cannot write the token ids of {context_id}: {exc}") from exc
+
+    def get_tokens(self, tenant: str, context_id: str) -> bytes | None:
+        check_names(tenant, context_id)
+        return _read(self._context_dir(tenant, context_id) / TOKENS)
+
+    def has_tokens(self, tenant: str, context_id: str) -> bool:
+        check_names(tenant, context_id)
+        return (self._context_dir(tenant, context_id) / TOKENS).is_file()
 
     # --- manifests ----------------------------------------------------------------------------
     def put_manifest(self, tenant: str, context_id: str, data: bytes) -> None:

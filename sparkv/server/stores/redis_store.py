@@ -4,16 +4,18 @@ Keys (``P`` is the prefix, ``sparkv`` unless the URL says ``?prefix=...``)::
 
     P:t:<tenant>:c:<context_id>:k:<t>.<l>.<g>.<level>   a frame (string)
     P:t:<tenant>:c:<context_id>:idx                       set of the context's frame names
+    P:t:<tenant>:c:<context_id>:tok                       token ids (string, u32 LE each)
     P:t:<tenant>:c:<context_id>:m                         the manifest (string), written last
     P:t:<tenant>:ctx                                      set of visible context ids
     P:t:<tenant>:j:<job_id>                               a job record
     P:jobs                                                set of "<tenant>/<job_id>"
 
 A Redis ``SET`` is atomic, so a frame is seen whole or not at all; a frame and its index entry are
-written in one ``MULTI`` transaction. The manifest is written after every chunk (the encoder's
-order); durability across a Redis restart is Redis's own (use ``appendonly yes``, as
-docker-compose.yml does). ``delete`` removes the manifest and the visibility entry in one
-transaction, then the frames.
+written in one ``MULTI`` transaction. The token ids are one string outside the frame index (so
+``list_chunks`` does not see them). The manifest is written after every chunk and the token ids
+(the encoder's order); durability across a Redis restart is Redis's own (use ``appendonly yes``,
+as docker-compose.yml does). ``delete`` removes the manifest, the visibility entry and the token
+ids in one transaction, then the frames.
 """
 
 from __future__ import annotations
@@ -116,6 +118,22 @@ class RedisStore(ChunkStore):
                 continue
         return out
 
+    # --- token ids ----------------------------------------------------------------------------
+    def put_tokens(self, tenant: str, context_id: str, data: bytes) -> None:
+        check_names(tenant, context_id)
+        self._call("write the token ids", self.client.set,
+                   f"{self._ctx(tenant, context_id)}:tok", bytes(data))
+
+    def get_tokens(self, tenant: str, context_id: str) -> bytes | None:
+        check_names(tenant, context_id)
+        return self._call("read the token ids", self.client.get,
+                          f"{self._ctx(tenant, context_id)}:tok")
+
+    def has_tokens(self, tenant: str, context_id: str) -> bool:
+        check_names(tenant, context_id)
+        return bool(self._call("look up the token ids", self.client.exists,
+                               f"{self._ctx(tenant, context_id)}:tok"))
+
     # --- manifests ----------------------------------------------------------------------------
     def put_manifest(self, tenant: str, context_id: str, data: bytes) -> None:
         check_names(tenant, context_id)
@@ -145,7 +163,8 @@ class RedisStore(ChunkStore):
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(f"{base}:m")
             pipe.srem(f"{self.prefix}:t:{tenant}:ctx", context_id)
-            removed, _ = pipe.execute()
+            pipe.delete(f"{base}:tok")
+            removed, _, removed_tokens = pipe.execute()
             names = [n.decode() for n in self.client.smembers(f"{base}:idx")]
             for i in range(0, len(names), _DELETE_BATCH):
                 batch = names[i:i + _DELETE_BATCH]
@@ -154,7 +173,7 @@ class RedisStore(ChunkStore):
                 pipe.srem(f"{base}:idx", *batch)
                 pipe.execute()
             self.client.delete(f"{base}:idx")
-            return bool(removed or names)
+            return bool(removed or removed_tokens or names)
 
         return self._call(f"delete {context_id}", run)
 

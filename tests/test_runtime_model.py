@@ -65,16 +65,6 @@ def test_geometry():
         g.check(KVChunkId(3, 0, 0))
 
 
-def test_demo_answers_with_a_ttft_table(smollm2, capsys):
-    rc = main(["demo", "--tokens", "300", "--chunk-tokens", "128", "--new-tokens", "12"])
-    out = capsys.readouterr().out
-    assert rc == 0
-    answers = [line.split("] ", 1)[1] for line in out.splitlines()
-               if line.startswith("[local (")]
-    assert len(answers) == 2 and all(a.strip() for a in answers)
-    assert "TTFT_s" in out and "local (block-sparse)" in out
-
-
 def test_prompt_parts_chatml(smollm2):
     from sparkv.runtime.generate import prompt_parts
 

@@ -36,6 +36,7 @@ class GenerationResult:
     first_token_s: float
     total_s: float
     text: str = field(default="")
+    prefill_s: float = 0.0  # the question's forward pass (part of first_token_s)
 
 
 @torch.inference_mode()
@@ -60,7 +61,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV, context_len: int | Sequence[in
     ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
     pos = torch.arange(n, n + ids.shape[1], device=device)
     out = lm.model(input_ids=ids, past_key_values=cache, position_ids=pos.unsqueeze(0),
-                   cache_position=pos, use_cache=True)
+                   cache_position=pos, use_cache=True, logits_to_keep=1)
+    prefill_s = time.perf_counter() - start
     logits = out.logits[0, -1].float()
     token = int(torch.argmax(logits))
     first_s = time.perf_counter() - start
@@ -76,7 +78,7 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV, context_len: int | Sequence[in
         tokens.append(token)
         cur += 1
     text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""
-    return GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text)
+    return GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text, prefill_s)
 
 
 def _eos_ids(lm: LoadedModel) -> set[int]:

@@ -217,7 +217,7 @@ def chat_context(lm: Any, document_ids: Sequence[int]) -> list[int]:
 
 def ask(client: EdgeClient, context_id: str, question: str, *, strategy: str = "sparkv",
         level: str = "auto", quality_floor: str | None = DEFAULT_FLOOR,
-        backend: str = "auto", max_new_tokens: int = 32, bandwidth_mbps: float | None = None,
+        backend: Any = "auto", max_new_tokens: int = 32, bandwidth_mbps: float | None = None,
         use_cache: bool = True, chat: bool = True, engine_config: EngineConfig | None = None,
         controller: ControllerConfig | None = None, stop_at_eos: bool = True,
         token_ids: Sequence[int] | None = None) -> AskResult:
@@ -226,7 +226,8 @@ def ask(client: EdgeClient, context_id: str, question: str, *, strategy: str = "
     Args:
         level: ``auto`` (the planner picks per chunk among the encoded levels at or above
             ``quality_floor``) or one level name (every streamed chunk at that level).
-        backend: attention backend of the local steps (``auto``: block-sparse on the CPU).
+        backend: attention backend of the local steps, a name (``auto``: block-sparse on the
+            CPU) or an :class:`~sparkv.runtime.attention.AttentionBackend`.
         bandwidth_mbps: the link estimate to plan with; default: the client's last measured
             throughput, else the manifest download's rate, else 50 Mbit/s. The controller
             corrects it from measured rates either way.
@@ -242,7 +243,7 @@ def ask(client: EdgeClient, context_id: str, question: str, *, strategy: str = "
         raise AskError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     lm = client.lm
     suffix = question_suffix(lm, question, chat)
-    attn = get_backend(backend)
+    attn = get_backend(backend) if isinstance(backend, str) else backend
     t_start = time.perf_counter()
     fallback: dict[str, Any] = {}
 
@@ -281,7 +282,8 @@ def ask(client: EdgeClient, context_id: str, question: str, *, strategy: str = "
     cost = device_cost_model(lm)
     sparse = attn.name != "dense"
     t_comp = cost.t_comp(geometry, sparse=sparse, utilisation=0.0) * client.compute_scale
-    t_suffix = _suffix_estimate(t_comp, geometry, len(suffix))
+    t_suffix = (client.question_prefill_s if client.question_prefill_s is not None
+                else _suffix_estimate(t_comp, geometry, len(suffix)))
     effective = strategy if (manifest is not None and not fallback) else "local"
     if manifest is None:
         inst = _local_instance(geometry, t_comp, t_suffix)
@@ -312,6 +314,7 @@ def ask(client: EdgeClient, context_id: str, question: str, *, strategy: str = "
     gen = greedy_generate(lm, stepper.kv.layer_kv(), len(tokens), suffix, max_new_tokens,
                           stop_at_eos=stop_at_eos)
     ttft = (time.perf_counter() - t_start) - (gen.total_s - gen.first_token_s)
+    client.question_prefill_s = gen.first_token_s
     fallback.update(load.fallback)
     levels_used: dict[str, int] = {}
     for x in load.transfers:

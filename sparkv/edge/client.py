@@ -100,6 +100,8 @@ class EdgeClient:
         self.rtt_estimate_s: float = 0.0
         #: measured / predicted compute time of layer steps on this device (learned per run)
         self.compute_scale: float = 1.0
+        #: the last question prefill + first token (seconds): the next plan's suffix estimate
+        self.question_prefill_s: float | None = None
         #: context id -> encryption key (base64url), for encrypted contexts
         self.encryption_keys: dict[str, str] = {}
 

@@ -29,7 +29,7 @@ def _shaper(args: argparse.Namespace) -> Any:
     from sparkv.scheduler.trace import Trace
 
     if args.trace:
-        if args.trace in ("wifi", "lte", "deep_fade"):
+        if args.trace in ("wifi", "lte", "deep-fade"):
             trace = Trace.sample(args.trace)
         else:
             trace = Trace.from_csv(args.trace)

@@ -81,6 +81,22 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV, context_len: int | Sequence[in
     return GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text, prefill_s)
 
 
+
+@torch.inference_mode()
+def teacher_forced_agreement(lm: LoadedModel, kv: LayerKV, context_len: int,
+                             question_ids: Sequence[int], ref: Sequence[int]) -> float:
+    """Share of the reference continuation ``ref`` whose tokens are the argmax given the
+    reference prefix over this cache (no divergence cascade, unlike :func:`greedy_agreement`)."""
+    if len(ref) < 2:
+        return 1.0
+    ids = list(question_ids) + list(ref[:-1])
+    pos = torch.arange(context_len, context_len + len(ids), device=lm.device)
+    out = lm.model(input_ids=torch.tensor([ids], device=lm.device),
+                   past_key_values=to_dynamic_cache(kv), position_ids=pos[None],
+                   cache_position=pos, use_cache=True)
+    pred = out.logits[0, len(question_ids) - 1:].argmax(-1).tolist()
+    return sum(int(a == b) for a, b in zip(pred, ref)) / len(ref)
+
 def _eos_ids(lm: LoadedModel) -> set[int]:
     eos = getattr(lm.model.generation_config, "eos_token_id", None)
     if eos is None:

@@ -227,6 +227,7 @@ class FrameStream(StreamingResponse):
         self.context_id = context_id
         self.plan = plan
         self.completed = False
+        self._first: list[bytes | None] | None = None
         total = sum(LENGTH_PREFIX.size + size for _, size in plan)
         headers = {**headers, "Content-Length": str(total)}
         super().__init__(self._body(), media_type=STREAM_MEDIA_TYPE, headers=headers)
@@ -243,15 +244,26 @@ class FrameStream(StreamingResponse):
             size += item[1]
         return out
 
-    async def _body(self) -> AsyncIterator[bytes]:
-        store, tenant, cid = self.state.store, self.tenant, self.context_id
-        metrics = self.state.metrics
+    def _read(self, batch: list[tuple[ChunkKey, int]]) -> list[bytes | None]:
+        return self.state.store.get_chunks(self.tenant, self.context_id, [k for k, _ in batch])
 
-        def read(batch: list[tuple[ChunkKey, int]]) -> list[bytes | None]:
-            return store.get_chunks(tenant, cid, [k for k, _ in batch])
+    async def prefetch(self) -> None:
+        """Reads the first batch before the response starts, so that a store outage answers
+        503 ``store_unavailable`` (a retryable status) instead of a cut stream."""
+        self._first = await to_thread.run_sync(self._read, self._batches()[0])
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        cid = self.context_id
+        metrics = self.state.metrics
+        read = self._read
 
         batches = self._batches()
-        pending = asyncio.ensure_future(to_thread.run_sync(read, batches[0]))
+        if self._first is not None:
+            pending: asyncio.Future[list[bytes | None]] = asyncio.get_running_loop().create_future()
+            pending.set_result(self._first)
+            self._first = None
+        else:
+            pending = asyncio.ensure_future(to_thread.run_sync(read, batches[0]))
         try:
             for i, batch in enumerate(batches):
                 frames = await pending
@@ -570,7 +582,9 @@ def create_app(settings: Settings, store: ChunkStore | None = None,
         headers = {"Cache-Control": "no-store", "X-Sparkv-Frames": str(len(plan))}
         if parsed.encrypted:
             headers["X-Sparkv-Encrypted"] = "1"
-        return FrameStream(state, tenant, context_id, plan, headers)
+        stream = FrameStream(state, tenant, context_id, plan, headers)
+        await stream.prefetch()
+        return stream
 
     _add_security_schemes(app)
     _install(app, settings, metrics)

@@ -1,0 +1,341 @@
+"""``sparkv bench ttft``: end-to-end TTFT of every strategy, real server, real model, emulated link.
+
+For each context size a real ``sparkv serve`` process on loopback encodes the bundled sample text;
+then, for each link (constant rates and fluctuating traces) and each strategy, the edge client
+answers the same question ``--runs`` times through :class:`~sparkv.edge.shaper.LinkShaper` (a
+token bucket following the link, restarted at t=0 for every request). Everything on the TTFT path
+is measured: manifest download, planning, streaming + decoding + local compute (overlapped),
+question prefill and the first token. ``local`` does not touch the network, so it is measured once
+per size and reused for every link.
+
+With ``--netns`` (root only) the constant-rate points are also run over a real shaped path: the
+server in a network namespace behind a veth pair, ``tc`` shaping it (docs/netns.md).
+
+Per point: median, min and max TTFT over the runs; greedy agreement over the first 32 tokens and
+first-token KL against the dense full-prefill reference; the simulator's prediction for the plan
+that ran (same controller, same link); an energy estimate (below). Targets (the issue): at the
+crossover bandwidth (where local and stream-only are closest) sparkv <= 0.75x the better of the two
+and <= 0.8x Strong Hybrid; nowhere worse than 1.05x the best baseline.
+
+Energy (an ESTIMATE from a documented power model, not a measurement):
+``E = P_compute * compute_busy + P_decode * decode_busy + P_radio * link_active + P_idle * TTFT``
+with configurable watts (defaults: a phone-class SoC, 3.0 W compute, 1.5 W decode, 1.2 W radio,
+0.3 W idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sparkv.bench.common import format_table, results_dir, write_result
+
+STRATEGY_ORDER = ("local", "stream", "hybrid", "sparkv")
+QUESTION = "What does this text say about warranty? Answer in one sentence."
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("ttft", help="end-to-end TTFT of every strategy over emulated links")
+    p.add_argument("--model", default=None)
+    p.add_argument("--tokens", default="2048,4096,8192", help="context sizes")
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
+    p.add_argument("--mbps", default="5,20,50,100,500", help="constant links (Mbit/s)")
+    p.add_argument("--trace", action="append", default=None,
+                   help="trace CSV or bundled name (repeatable; default: wifi, lte, deep_fade)")
+    p.add_argument("--rtt-ms", type=float, default=20.0)
+    p.add_argument("--strategies", default=",".join(STRATEGY_ORDER))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--netns", action="store_true",
+                   help="also run constant links over a real netns/veth/tc path (root)")
+    p.add_argument("--watts-compute", type=float, default=3.0)
+    p.add_argument("--watts-decode", type=float, default=1.5)
+    p.add_argument("--watts-radio", type=float, default=1.2)
+    p.add_argument("--watts-idle", type=float, default=0.3)
+    p.add_argument("--json", action="store_true", help="write bench/results/ttft.json + plots")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run)
+
+
+def _csv(text: str, cast: Any = float) -> list[Any]:
+    return [cast(x) for x in text.split(",") if x.strip()]
+
+
+def _links(args: argparse.Namespace) -> list[tuple[Any, Any]]:
+    """``(label, Trace)`` for every link: numbers for constant links, names for traces."""
+    from sparkv.scheduler.trace import Trace
+
+    out: list[tuple[Any, Any]] = [(m, Trace.constant(m)) for m in _csv(args.mbps)]
+    for t in (args.trace or ["wifi", "lte", "deep-fade"]):
+        if t in ("wifi", "lte", "deep-fade"):
+            out.append((t, Trace.sample(t)))
+        else:
+            out.append((Path(t).stem, Trace.from_csv(t)))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from sparkv.edge.ask import chat_context, question_suffix
+    from sparkv.edge.client import EdgeClient
+    from sparkv.edge.shaper import LinkShaper
+    from sparkv.runtime import load_model, sample_context_ids
+    from sparkv.runtime.generate import first_token_kl, greedy_agreement, reference_generate
+    from sparkv.runtime.generate import reference_prefill, greedy_generate
+    from sparkv.server.testing import ServerProcess
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = _csv(args.tokens, int)
+    strategies = [s for s in _csv(args.strategies, str)]
+    links = _links(args)
+    lm = load_model(args.model)
+    runs_raw: list[dict[str, Any]] = []
+    timelines: dict[str, Any] = {}
+    n_total = len(sizes) * (args.runs * (1 + len(links) * (len(strategies) - 1)))
+    done = 0
+    t_bench = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="sparkv-bench-ttft-") as tmp:
+        server = ServerProcess(None, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
+                               torch_threads=max(1, torch.get_num_threads()))
+        with server:
+            for n in sizes:
+                context = chat_context(lm, sample_context_ids(lm, n - 40))
+                client = EdgeClient(server.url, model=lm)
+                t0 = time.perf_counter()
+                cid = client.create_context(token_ids=context, chunk_tokens=args.chunk_tokens,
+                                            levels=_csv(args.levels, str))
+                print(f"[{n} tokens] context {cid[:8]} encoded in {time.perf_counter() - t0:.1f} s",
+                      flush=True)
+                suffix = question_suffix(lm, QUESTION)
+                ref_kv = reference_prefill(lm, context)
+                ref = greedy_generate(lm, ref_kv, len(context), suffix, args.new_tokens,
+                                      stop_at_eos=False)
+                del ref_kv
+                # warm-up: calibrates the client's compute scale, loads kernels and caches
+                client.shaper = LinkShaper.unlimited()
+                client.ask(cid, QUESTION, strategy="local", max_new_tokens=2, use_cache=False)
+                for link_label, trace in [(None, None)] + links:
+                    for strat in strategies:
+                        if (strat == "local") != (link_label is None):
+                            continue
+                        for r in range(args.runs):
+                            client.shaper = (LinkShaper(trace, rtt_s=args.rtt_ms / 1e3)
+                                             if trace is not None else LinkShaper.unlimited())
+                            client.bandwidth_estimate_Bps = None   # every run probes afresh
+                            res = client.ask(cid, QUESTION, strategy=strat, use_cache=False,
+                                             max_new_tokens=args.new_tokens, stop_at_eos=False)
+                            row = _row(args, n, link_label, strat, r, res, ref, trace)
+                            row["agreement"] = greedy_agreement(ref.tokens, res.tokens)
+                            row["first_token_kl"] = first_token_kl(ref.first_logits,
+                                                                   res.first_logits)
+                            runs_raw.append(row)
+                            done += 1
+                            key = f"{n}/{link_label}/{strat}"
+                            if r == 0:
+                                timelines[key] = _timeline(res)
+                            print(f"  [{done}/{n_total} {time.perf_counter() - t_bench:6.0f}s] "
+                                  f"{n} tok  {str(link_label or 'any'):>9}  {strat:>6}  run {r}: "
+                                  f"TTFT {row['ttft_s']:6.2f} s (sim {row['sim_ttft_s']:6.2f})  "
+                                  f"agree {row['agreement']:.2f}  MB {row['mb']:.1f}  "
+                                  f"{row['streamed']}/{row['computed']}"
+                                  + (f"  FALLBACK {row['fallback']}" if row["fallback"] else ""),
+                                  flush=True)
+                client.close()
+    points = _aggregate(runs_raw, links)
+    targets = _targets(points, sizes, links)
+    _print(points, targets)
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["torch_threads"] = torch.get_num_threads()
+    config["question"] = QUESTION
+    config["energy_model"] = ("E = P_compute*compute_busy + P_decode*decode_busy + "
+                              "P_radio*link_active + P_idle*TTFT (an estimate)")
+    if args.json:
+        out = Path(args.out) if args.out else results_dir() / "ttft.json"
+        write_result("ttft", {"points": points, "targets": targets, "runs": runs_raw,
+                              "timelines": timelines}, config, out)
+        _plots(points, timelines, targets, out.with_suffix(""))
+        print(f"wrote {out}")
+    return 0
+
+
+def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: Any, ref: Any,
+         trace: Any) -> dict[str, Any]:
+    from sparkv.edge.ask import STRATEGIES
+    from sparkv.scheduler.simulator import simulate
+    from sparkv.scheduler.trace import Trace
+
+    bd = res.breakdown
+    sim_ttft = float("nan")
+    if res.plan is not None and res.instance is not None:
+        ctl = STRATEGIES[strat][1]()
+        sim_trace = trace if trace is not None else Trace.constant(1e4)
+        sim = simulate(res.plan, res.instance.replace(rtt_s=args.rtt_ms / 1e3), sim_trace,
+                       controller=ctl)
+        sim_ttft = bd.manifest_s + bd.planning_s + sim.ttft_s
+    energy = (args.watts_compute * bd.local_compute_s + args.watts_decode * bd.decoding_s
+              + args.watts_radio * bd.streaming_s + args.watts_idle * bd.ttft_s)
+    return {"tokens": n, "link": link if link is not None else "any", "strategy": strat, "run": r,
+            "ttft_s": bd.ttft_s, "sim_ttft_s": sim_ttft, "manifest_s": bd.manifest_s,
+            "planning_s": bd.planning_s, "loading_s": bd.loading_s,
+            "link_s": bd.streaming_s, "compute_s": bd.local_compute_s,
+            "decode_s": bd.decoding_s, "question_s": bd.question_prefill_s,
+            "mb": bd.bytes_streamed / 1e6, "wasted_mb": bd.bytes_wasted / 1e6,
+            "streamed": bd.chunks_streamed, "computed": bd.chunks_computed,
+            "migrations": bd.migrations, "levels": bd.levels, "fallback": bd.fallback,
+            "energy_j_estimate": energy}
+
+
+def _timeline(res: Any) -> dict[str, Any]:
+    load = res.load
+    return {"offset_s": res.breakdown.manifest_s + res.breakdown.planning_s,
+            "ttft_s": res.breakdown.ttft_s, **(load.timeline() if load is not None else {})}
+
+
+def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
+    """Medians per (tokens, link, strategy); ``local`` (link-independent) copied to every link."""
+    groups: dict[tuple[int, Any, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["tokens"], r["link"], r["strategy"]), []).append(r)
+    points = []
+    sizes = sorted({r["tokens"] for r in runs})
+    for n in sizes:
+        for label, _ in links:
+            for strat in STRATEGY_ORDER:
+                rs = groups.get((n, label, strat)) or (groups.get((n, "any", strat))
+                                                        if strat == "local" else None)
+                if not rs:
+                    continue
+                tt = [x["ttft_s"] for x in rs]
+                sims = [x["sim_ttft_s"] for x in rs if x["sim_ttft_s"] == x["sim_ttft_s"]]
+                points.append({
+                    "tokens": n, "link": label, "strategy": strat, "runs": len(rs),
+                    "ttft_median_s": statistics.median(tt), "ttft_min_s": min(tt),
+                    "ttft_max_s": max(tt),
+                    "sim_ttft_median_s": statistics.median(sims) if sims else None,
+                    "sim_error": (statistics.median(tt) / statistics.median(sims) - 1.0
+                                  if sims else None),
+                    "agreement_median": statistics.median(x["agreement"] for x in rs),
+                    "first_token_kl_median": statistics.median(x["first_token_kl"] for x in rs),
+                    "mb_median": statistics.median(x["mb"] for x in rs),
+                    "migrations_median": statistics.median(x["migrations"] for x in rs),
+                    "energy_j_estimate_median": statistics.median(x["energy_j_estimate"]
+                                                                  for x in rs),
+                    "fallbacks": sum(1 for x in rs if x["fallback"]),
+                })
+    return points
+
+
+def _targets(points: list[dict[str, Any]], sizes: list[int],
+             links: list[tuple[Any, Any]]) -> dict[str, Any]:
+    by = {(p["tokens"], p["link"], p["strategy"]): p["ttft_median_s"] for p in points}
+    out: dict[str, Any] = {"per_size": []}
+    worst = 0.0
+    for n in sizes:
+        numeric = [lab for lab, _ in links if isinstance(lab, (int, float))]
+        best_gap, cross = None, None
+        for lab in numeric:
+            a, b = by.get((n, lab, "local")), by.get((n, lab, "stream"))
+            if a and b:
+                gap = abs(a / b - 1.0) if a >= b else abs(b / a - 1.0)
+                if best_gap is None or gap < best_gap:
+                    best_gap, cross = gap, lab
+        entry: dict[str, Any] = {"tokens": n, "crossover_mbps": cross}
+        if cross is not None and (n, cross, "sparkv") in by:
+            sp = by[(n, cross, "sparkv")]
+            entry["sparkv_vs_better_of_local_stream"] = sp / min(by[(n, cross, "local")],
+                                                                 by[(n, cross, "stream")])
+            if (n, cross, "hybrid") in by:
+                entry["sparkv_vs_hybrid"] = sp / by[(n, cross, "hybrid")]
+        ratios = {}
+        for lab, _ in links:
+            base = [by[(n, lab, s)] for s in ("local", "stream", "hybrid") if (n, lab, s) in by]
+            if base and (n, lab, "sparkv") in by:
+                ratios[str(lab)] = by[(n, lab, "sparkv")] / min(base)
+                worst = max(worst, ratios[str(lab)])
+        entry["sparkv_vs_best_baseline"] = ratios
+        out["per_size"].append(entry)
+    out["worst_sparkv_vs_best_baseline"] = worst
+    out["targets"] = {"crossover_vs_better": 0.75, "crossover_vs_hybrid": 0.8,
+                      "never_worse_than": 1.05}
+    return out
+
+
+def _print(points: list[dict[str, Any]], targets: dict[str, Any]) -> None:
+    rows = [[p["tokens"], p["link"], p["strategy"], p["ttft_median_s"], p["ttft_min_s"],
+             p["ttft_max_s"], p["sim_ttft_median_s"], p["agreement_median"], p["mb_median"],
+             p["energy_j_estimate_median"]] for p in points]
+    print()
+    print(format_table(["tokens", "link", "strategy", "TTFT_med", "min", "max", "sim",
+                        "agree", "MB", "J(est)"], rows))
+    print()
+    for e in targets["per_size"]:
+        print(f"{e['tokens']} tokens: crossover {e['crossover_mbps']} Mbit/s; sparkv / better of "
+              f"local,stream = {e.get('sparkv_vs_better_of_local_stream', float('nan')):.2f} "
+              f"(target <= 0.75); sparkv / hybrid = {e.get('sparkv_vs_hybrid', float('nan')):.2f}"
+              f" (target <= 0.8)")
+    print(f"worst sparkv / best baseline over the sweep: "
+          f"{targets['worst_sparkv_vs_best_baseline']:.2f} (target <= 1.05)")
+
+
+def _plots(points: list[dict[str, Any]], timelines: dict[str, Any], targets: dict[str, Any],
+           stem: Path) -> None:
+    from sparkv.edge.plots import plot_ttft_vs_bandwidth
+
+    plot_ttft_vs_bandwidth(points, f"{stem}.png",
+                           title="TTFT vs constant link (median, min-max over runs)")
+    _plot_timeline(timelines, targets, Path(f"{stem}_timeline.png"))
+
+
+def _plot_timeline(timelines: dict[str, Any], targets: dict[str, Any], path: Path) -> None:
+    """Both paths of each strategy at the largest size's crossover bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [e for e in targets["per_size"] if e.get("crossover_mbps") is not None]
+    if not sizes:
+        return
+    e = sizes[-1]
+    n, cross = e["tokens"], e["crossover_mbps"]
+    keys = [(s, f"{n}/{cross}/{s}" if s != "local" else f"{n}/None/local")
+            for s in STRATEGY_ORDER]
+    keys = [(s, k) for s, k in keys if k in timelines]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 1.4 + 1.1 * len(keys)), sharex=True,
+                             squeeze=False)
+    lv_col = {"raw": "#444444", "q8": "#2ca02c", "q6": "#17becf", "q5": "#1f77b4"}
+    xmax = 0.0
+    for ax, (s, k) in zip(axes[:, 0], keys):
+        tl = timelines[k]
+        off = tl["offset_s"]
+        layers = max([x[1] for x in tl.get("steps", [])] or [1])
+        for t, l, a, b in tl.get("steps", []):  # noqa: E741
+            ax.broken_barh([(off + a, max(b - a, 1e-3))], (1.05, 0.8),
+                           color=plt.cm.viridis(l / max(layers, 1)), linewidth=0)
+        for x in tl.get("transfers", []):
+            first, end = x[6], x[7]
+            if first == first and end == end:
+                ax.broken_barh([(off + first, max(end - first, 1e-3))], (0.1, 0.8),
+                               color=lv_col.get(x[3], "black"), linewidth=0)
+        ax.axvline(tl["ttft_s"], color="red")
+        ax.text(tl["ttft_s"], 1.9, f" TTFT {tl['ttft_s']:.2f} s", color="red", va="top",
+                fontsize=8)
+        xmax = max(xmax, tl["ttft_s"])
+        ax.set_yticks([0.5, 1.45])
+        ax.set_yticklabels(["link", "compute"], fontsize=8)
+        ax.set_ylim(0, 2)
+        ax.set_title(s, fontsize=9, loc="left")
+    axes[-1, 0].set_xlim(0, xmax * 1.08)
+    axes[-1, 0].set_xlabel("seconds since the question")
+    fig.suptitle(f"{n} tokens at the crossover link ({cross} Mbit/s): both paths", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -8,8 +8,9 @@ is measured: manifest download, planning, streaming + decoding + local compute (
 question prefill and the first token. ``local`` does not touch the network, so it is measured once
 per size and reused for every link.
 
-With ``--netns`` (root only) the constant-rate points are also run over a real shaped path: the
-server in a network namespace behind a veth pair, ``tc`` shaping it (docs/netns.md).
+With ``--link netns`` (root only; skipped with the reason elsewhere) the same points run over a
+real shaped path instead: the server in a network namespace behind a veth pair, ``tc`` following
+the trace (docs/netns.md), results in ``ttft_netns.json``.
 
 Per point: median, min and max TTFT over the runs; greedy agreement over the first 32 tokens and
 first-token KL against the dense full-prefill reference; the simulator's prediction for the plan
@@ -52,8 +53,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    p.add_argument("--netns", action="store_true",
-                   help="also run constant links over a real netns/veth/tc path (root)")
+    p.add_argument("--link", choices=("shaper", "netns"), default="shaper",
+                   help="shaper: server on loopback, link emulated in the client (ttft.json); "
+                        "netns: server in a network namespace, tc shapes a real veth path "
+                        "(root only; ttft_netns.json)")
     p.add_argument("--watts-compute", type=float, default=3.0)
     p.add_argument("--watts-decode", type=float, default=1.5)
     p.add_argument("--watts-radio", type=float, default=1.2)
@@ -83,13 +86,7 @@ def _links(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from sparkv.edge.ask import chat_context, question_suffix
-    from sparkv.edge.client import EdgeClient
-    from sparkv.edge.shaper import LinkShaper
-    from sparkv.runtime import load_model, sample_context_ids
-    from sparkv.runtime.generate import first_token_kl, greedy_agreement, reference_generate
-    from sparkv.runtime.generate import reference_prefill, greedy_generate
-    from sparkv.server.testing import ServerProcess
+    from sparkv.runtime import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,58 +94,16 @@ def run(args: argparse.Namespace) -> int:
     strategies = [s for s in _csv(args.strategies, str)]
     links = _links(args)
     lm = load_model(args.model)
-    runs_raw: list[dict[str, Any]] = []
-    timelines: dict[str, Any] = {}
-    n_total = len(sizes) * (args.runs * (1 + len(links) * (len(strategies) - 1)))
-    done = 0
-    t_bench = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="sparkv-bench-ttft-") as tmp:
-        server = ServerProcess(None, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
-                               torch_threads=max(1, torch.get_num_threads()))
-        with server:
-            for n in sizes:
-                context = chat_context(lm, sample_context_ids(lm, n - 40))
-                client = EdgeClient(server.url, model=lm)
-                t0 = time.perf_counter()
-                cid = client.create_context(token_ids=context, chunk_tokens=args.chunk_tokens,
-                                            levels=_csv(args.levels, str))
-                print(f"[{n} tokens] context {cid[:8]} encoded in {time.perf_counter() - t0:.1f} s",
-                      flush=True)
-                suffix = question_suffix(lm, QUESTION)
-                ref_kv = reference_prefill(lm, context)
-                ref = greedy_generate(lm, ref_kv, len(context), suffix, args.new_tokens,
-                                      stop_at_eos=False)
-                del ref_kv
-                # warm-up: calibrates the client's compute scale, loads kernels and caches
-                client.shaper = LinkShaper.unlimited()
-                client.ask(cid, QUESTION, strategy="local", max_new_tokens=2, use_cache=False)
-                for link_label, trace in [(None, None)] + links:
-                    for strat in strategies:
-                        if (strat == "local") != (link_label is None):
-                            continue
-                        for r in range(args.runs):
-                            client.shaper = (LinkShaper(trace, rtt_s=args.rtt_ms / 1e3)
-                                             if trace is not None else LinkShaper.unlimited())
-                            client.bandwidth_estimate_Bps = None   # every run probes afresh
-                            res = client.ask(cid, QUESTION, strategy=strat, use_cache=False,
-                                             max_new_tokens=args.new_tokens, stop_at_eos=False)
-                            row = _row(args, n, link_label, strat, r, res, ref, trace)
-                            row["agreement"] = greedy_agreement(ref.tokens, res.tokens)
-                            row["first_token_kl"] = first_token_kl(ref.first_logits,
-                                                                   res.first_logits)
-                            runs_raw.append(row)
-                            done += 1
-                            key = f"{n}/{link_label}/{strat}"
-                            if r == 0:
-                                timelines[key] = _timeline(res)
-                            print(f"  [{done}/{n_total} {time.perf_counter() - t_bench:6.0f}s] "
-                                  f"{n} tok  {str(link_label or 'any'):>9}  {strat:>6}  run {r}: "
-                                  f"TTFT {row['ttft_s']:6.2f} s (sim {row['sim_ttft_s']:6.2f})  "
-                                  f"agree {row['agreement']:.2f}  MB {row['mb']:.1f}  "
-                                  f"{row['streamed']}/{row['computed']}"
-                                  + (f"  FALLBACK {row['fallback']}" if row["fallback"] else ""),
-                                  flush=True)
-                client.close()
+    name = "ttft" if args.link == "shaper" else "ttft_netns"
+    if args.link == "netns":
+        from sparkv.edge.netns import netns_available
+
+        ok, why = netns_available()
+        if not ok:
+            print(f"skipping the real shaped path: {why}")
+            return 0
+        strategies = [s for s in strategies if s != "local"]   # local never touches the link
+    runs_raw, timelines = _measure_all(args, lm, sizes, strategies, links)
     points = _aggregate(runs_raw, links)
     targets = _targets(points, sizes, links)
     _print(points, targets)
@@ -158,12 +113,172 @@ def run(args: argparse.Namespace) -> int:
     config["energy_model"] = ("E = P_compute*compute_busy + P_decode*decode_busy + "
                               "P_radio*link_active + P_idle*TTFT (an estimate)")
     if args.json:
-        out = Path(args.out) if args.out else results_dir() / "ttft.json"
-        write_result("ttft", {"points": points, "targets": targets, "runs": runs_raw,
-                              "timelines": timelines}, config, out)
-        _plots(points, timelines, targets, out.with_suffix(""))
+        out = Path(args.out) if args.out else results_dir() / f"{name}.json"
+        write_result(name, {"points": points, "targets": targets, "runs": runs_raw,
+                            "timelines": timelines}, config, out)
+        if args.link == "shaper":
+            _plots(points, timelines, targets, out.with_suffix(""))
         print(f"wrote {out}")
     return 0
+
+
+class _Loopback:
+    """The server on loopback; links emulated in the client (LinkShaper)."""
+
+    def __init__(self, args: argparse.Namespace, tmp: str) -> None:
+        import torch
+
+        from sparkv.server.testing import ServerProcess
+
+        self.args = args
+        self.server = ServerProcess(None, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
+                                    torch_threads=max(1, torch.get_num_threads())).start()
+        self.url = self.server.url
+
+    def shaper(self, trace: Any) -> Any:
+        from sparkv.edge.shaper import LinkShaper
+
+        if trace is None:
+            return LinkShaper.unlimited()
+        return LinkShaper(trace, rtt_s=self.args.rtt_ms / 1e3)
+
+    def done(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+class _Netns:
+    """The server in a network namespace behind a veth pair; tc shapes the link (docs/netns.md).
+    The client does not shape (an unlimited LinkShaper); the kernel here has no netem, so the RTT
+    is the veth's own (microseconds) unless netem exists."""
+
+    def __init__(self, args: argparse.Namespace, tmp: str) -> None:
+        import subprocess
+        import sys
+
+        import httpx
+
+        from sparkv.edge.netns import ShapedLink
+        from sparkv.server.testing import write_config
+
+        self.args = args
+        self.link = ShapedLink()
+        cfg = f"{tmp}/server.yaml"
+        write_config(cfg, None, allow_anonymous=True)
+        port = 18080
+        self.log = open(f"{tmp}/server.log", "ab")
+        self.proc = self.link.popen(
+            [sys.executable, "-m", "sparkv.cli", "serve", "--host", self.link.ns_ip, "--port",
+             str(port), "--store", f"file://{tmp}/store", "--torch-threads", "1",
+             "--config", cfg], stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://{self.link.ns_ip}:{port}"
+        self.link.set_rate(1000.0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the server in the namespace did not start (see {tmp})")
+            time.sleep(0.3)
+
+    def shaper(self, trace: Any) -> Any:
+        from sparkv.edge.shaper import LinkShaper
+
+        if trace is None:
+            self.link.set_rate(1000.0)
+        else:
+            self.link.start_trace(trace, interval_s=0.05)
+        return LinkShaper.unlimited()
+
+    def done(self) -> None:
+        self.link.stop_trace()
+        self.link.set_rate(1000.0)
+
+    def close(self) -> None:
+        from sparkv.server.testing import terminate
+
+        try:
+            terminate(self.proc)
+        finally:
+            self.log.close()
+            self.link.close()
+
+
+def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies: list[str],
+                 links: list[tuple[Any, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from sparkv.edge.ask import chat_context, question_suffix
+    from sparkv.edge.client import EdgeClient
+    from sparkv.runtime import sample_context_ids
+    from sparkv.runtime.generate import (first_token_kl, greedy_agreement, greedy_generate,
+                                         reference_prefill)
+
+    runs_raw: list[dict[str, Any]] = []
+    timelines: dict[str, Any] = {}
+    per_size = args.runs * ((1 if "local" in strategies else 0)
+                            + len(links) * len([s for s in strategies if s != "local"]))
+    n_total = len(sizes) * per_size
+    done = 0
+    t_bench = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="sparkv-bench-ttft-") as tmp:
+        path = (_Netns if args.link == "netns" else _Loopback)(args, tmp)
+        try:
+            for n in sizes:
+                context = chat_context(lm, sample_context_ids(lm, n - 40))
+                client = EdgeClient(path.url, model=lm)
+                client.shaper = path.shaper(None)
+                t0 = time.perf_counter()
+                cid = client.create_context(token_ids=context, chunk_tokens=args.chunk_tokens,
+                                            levels=_csv(args.levels, str))
+                print(f"[{n} tokens] context {cid[:8]} encoded in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+                suffix = question_suffix(lm, QUESTION)
+                ref_kv = reference_prefill(lm, context)
+                ref = greedy_generate(lm, ref_kv, len(context), suffix, args.new_tokens,
+                                      stop_at_eos=False)
+                del ref_kv
+                # warm-up, unshaped: calibrates the client's compute scale and loads kernels,
+                # codec tables, the HTTP stack and the planners, so that no strategy pays
+                # first-use costs that the others do not
+                for strat in ("local", *[s for s in strategies if s != "local"]):
+                    client.ask(cid, QUESTION, strategy=strat, max_new_tokens=2, use_cache=False)
+                for link_label, trace in [(None, None)] + links:
+                    for strat in strategies:
+                        if (strat == "local") != (link_label is None):
+                            continue
+                        for r in range(args.runs):
+                            client.bandwidth_estimate_Bps = None   # every run probes afresh
+                            client.shaper = path.shaper(trace)
+                            try:
+                                res = client.ask(cid, QUESTION, strategy=strat, use_cache=False,
+                                                 max_new_tokens=args.new_tokens,
+                                                 stop_at_eos=False)
+                            finally:
+                                path.done()
+                            row = _row(args, n, link_label, strat, r, res, ref, trace)
+                            row["agreement"] = greedy_agreement(ref.tokens, res.tokens)
+                            row["first_token_kl"] = first_token_kl(ref.first_logits,
+                                                                   res.first_logits)
+                            runs_raw.append(row)
+                            done += 1
+                            if r == 0:
+                                timelines[f"{n}/{link_label}/{strat}"] = _timeline(res)
+                            print(f"  [{done}/{n_total} {time.perf_counter() - t_bench:6.0f}s] "
+                                  f"{n} tok  {str(link_label or 'any'):>9}  {strat:>6}  run {r}: "
+                                  f"TTFT {row['ttft_s']:6.2f} s (sim {row['sim_ttft_s']:6.2f})  "
+                                  f"agree {row['agreement']:.2f}  MB {row['mb']:.1f}  "
+                                  f"{row['streamed']}/{row['computed']}"
+                                  + (f"  FALLBACK {row['fallback']}" if row["fallback"] else ""),
+                                  flush=True)
+                client.close()
+        finally:
+            path.close()
+    return runs_raw, timelines
 
 
 def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: Any, ref: Any,
@@ -180,10 +295,20 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
         sim = simulate(res.plan, res.instance.replace(rtt_s=args.rtt_ms / 1e3), sim_trace,
                        controller=ctl)
         sim_ttft = bd.manifest_s + bd.planning_s + sim.ttft_s
+    bound = float("nan")
+    if (trace is not None and len(trace.mbps) == 1 and res.instance is not None
+            and strat != "local"):
+        from sparkv.scheduler.bounds import lp_dep_bound
+        from sparkv.scheduler.instance import MBPS
+
+        # the LP lower bound (layer dependencies, no token dependencies, perfect overlap) for
+        # this instance at the link's true rate: no plan can beat it under the cost model
+        bound = bd.manifest_s + bd.planning_s + lp_dep_bound(
+            res.instance.with_bandwidth(trace.mbps[0] * MBPS))
     energy = (args.watts_compute * bd.local_compute_s + args.watts_decode * bd.decoding_s
               + args.watts_radio * bd.streaming_s + args.watts_idle * bd.ttft_s)
     return {"tokens": n, "link": link if link is not None else "any", "strategy": strat, "run": r,
-            "ttft_s": bd.ttft_s, "sim_ttft_s": sim_ttft, "manifest_s": bd.manifest_s,
+            "ttft_s": bd.ttft_s, "sim_ttft_s": sim_ttft, "lp_bound_s": bound, "manifest_s": bd.manifest_s,
             "planning_s": bd.planning_s, "loading_s": bd.loading_s,
             "link_s": bd.streaming_s, "compute_s": bd.local_compute_s,
             "decode_s": bd.decoding_s, "question_s": bd.question_prefill_s,
@@ -222,6 +347,8 @@ def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]]) -> list
                     "sim_ttft_median_s": statistics.median(sims) if sims else None,
                     "sim_error": (statistics.median(tt) / statistics.median(sims) - 1.0
                                   if sims else None),
+                    "lp_bound_median_s": _nanmedian([x.get("lp_bound_s", float("nan"))
+                                                     for x in rs]),
                     "agreement_median": statistics.median(x["agreement"] for x in rs),
                     "first_token_kl_median": statistics.median(x["first_token_kl"] for x in rs),
                     "mb_median": statistics.median(x["mb"] for x in rs),
@@ -231,6 +358,11 @@ def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]]) -> list
                     "fallbacks": sum(1 for x in rs if x["fallback"]),
                 })
     return points
+
+
+def _nanmedian(xs: list[float]) -> float | None:
+    ok = [x for x in xs if x == x]
+    return statistics.median(ok) if ok else None
 
 
 def _targets(points: list[dict[str, Any]], sizes: list[int],
@@ -254,6 +386,13 @@ def _targets(points: list[dict[str, Any]], sizes: list[int],
                                                                  by[(n, cross, "stream")])
             if (n, cross, "hybrid") in by:
                 entry["sparkv_vs_hybrid"] = sp / by[(n, cross, "hybrid")]
+            bounds = [p["lp_bound_median_s"] for p in points if p["tokens"] == n
+                      and p["link"] == cross and p["strategy"] == "sparkv"]
+            if bounds and bounds[0]:
+                entry["lp_bound_s"] = bounds[0]
+                entry["sparkv_vs_lp_bound"] = sp / bounds[0]
+                if (n, cross, "hybrid") in by:
+                    entry["hybrid_vs_lp_bound"] = by[(n, cross, "hybrid")] / bounds[0]
         ratios = {}
         for lab, _ in links:
             base = [by[(n, lab, s)] for s in ("local", "stream", "hybrid") if (n, lab, s) in by]
@@ -280,7 +419,8 @@ def _print(points: list[dict[str, Any]], targets: dict[str, Any]) -> None:
         print(f"{e['tokens']} tokens: crossover {e['crossover_mbps']} Mbit/s; sparkv / better of "
               f"local,stream = {e.get('sparkv_vs_better_of_local_stream', float('nan')):.2f} "
               f"(target <= 0.75); sparkv / hybrid = {e.get('sparkv_vs_hybrid', float('nan')):.2f}"
-              f" (target <= 0.8)")
+              f" (target <= 0.8); sparkv / LP bound = {e.get('sparkv_vs_lp_bound', float('nan')):.2f}"
+              f", hybrid / LP bound = {e.get('hybrid_vs_lp_bound', float('nan')):.2f}")
     print(f"worst sparkv / best baseline over the sweep: "
           f"{targets['worst_sparkv_vs_best_baseline']:.2f} (target <= 1.05)")
 

@@ -194,6 +194,7 @@ class Engine:
         self._prestarted: _Request | None = None
         self._ready_s = 0.0
         self._decoder: ThreadPoolExecutor | None = None
+        self._compute_threads = 1
 
     # ---- time and events ---------------------------------------------------------------------
     def now(self) -> float:
@@ -220,8 +221,16 @@ class Engine:
         with self._cv:
             self.ctl.start(0.0)
         streams = bool(self.plan.stream_order)
+        import torch
+
+        threads = torch.get_num_threads()
+        # OpenMP thread counts are per calling thread: the compute thread gets the caller's, the
+        # decode worker one (its dequantisation must not oversubscribe the cores the layer steps
+        # use: measured, 4 OpenMP threads on 2 cores made decoding 5x slower and stalled steps)
+        self._compute_threads = threads
         decoder = ThreadPoolExecutor(max_workers=self.cfg.decode_workers,
-                                     thread_name_prefix="sparkv-decode")
+                                     thread_name_prefix="sparkv-decode",
+                                     initializer=torch.set_num_threads, initargs=(1,))
         self._decoder = decoder
         compute = threading.Thread(target=self._compute_main, name="sparkv-compute", daemon=True)
         link = threading.Thread(target=self._link_thread, name="sparkv-link", daemon=True)
@@ -269,6 +278,9 @@ class Engine:
     # ---- compute path ------------------------------------------------------------------------
     def _compute_main(self) -> None:
         try:
+            import torch
+
+            torch.set_num_threads(self._compute_threads)
             while True:
                 with self._cv:
                     step = self._pick_step()

@@ -214,6 +214,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                  links: list[tuple[Any, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from sparkv.edge.ask import chat_context, question_suffix
     from sparkv.edge.client import EdgeClient
+    from sparkv.edge.plots import timeline_of
     from sparkv.runtime import sample_context_ids
     from sparkv.runtime.generate import (first_token_kl, greedy_agreement, greedy_generate,
                                          reference_prefill)
@@ -267,7 +268,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                             runs_raw.append(row)
                             done += 1
                             if r == 0:
-                                timelines[f"{n}/{link_label}/{strat}"] = _timeline(res)
+                                timelines[f"{n}/{link_label}/{strat}"] = timeline_of(res)
                             print(f"  [{done}/{n_total} {time.perf_counter() - t_bench:6.0f}s] "
                                   f"{n} tok  {str(link_label or 'any'):>9}  {strat:>6}  run {r}: "
                                   f"TTFT {row['ttft_s']:6.2f} s (sim {row['sim_ttft_s']:6.2f})  "
@@ -316,12 +317,6 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
             "streamed": bd.chunks_streamed, "computed": bd.chunks_computed,
             "migrations": bd.migrations, "levels": bd.levels, "fallback": bd.fallback,
             "energy_j_estimate": energy}
-
-
-def _timeline(res: Any) -> dict[str, Any]:
-    load = res.load
-    return {"offset_s": res.breakdown.manifest_s + res.breakdown.planning_s,
-            "ttft_s": res.breakdown.ttft_s, **(load.timeline() if load is not None else {})}
 
 
 def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
@@ -436,46 +431,14 @@ def _plots(points: list[dict[str, Any]], timelines: dict[str, Any], targets: dic
 
 def _plot_timeline(timelines: dict[str, Any], targets: dict[str, Any], path: Path) -> None:
     """Both paths of each strategy at the largest size's crossover bandwidth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sparkv.edge.plots import plot_timelines
 
     sizes = [e for e in targets["per_size"] if e.get("crossover_mbps") is not None]
     if not sizes:
         return
-    e = sizes[-1]
-    n, cross = e["tokens"], e["crossover_mbps"]
-    keys = [(s, f"{n}/{cross}/{s}" if s != "local" else f"{n}/None/local")
-            for s in STRATEGY_ORDER]
-    keys = [(s, k) for s, k in keys if k in timelines]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 1.4 + 1.1 * len(keys)), sharex=True,
-                             squeeze=False)
-    lv_col = {"raw": "#444444", "q8": "#2ca02c", "q6": "#17becf", "q5": "#1f77b4"}
-    xmax = 0.0
-    for ax, (s, k) in zip(axes[:, 0], keys):
-        tl = timelines[k]
-        off = tl["offset_s"]
-        layers = max([x[1] for x in tl.get("steps", [])] or [1])
-        for t, l, a, b in tl.get("steps", []):  # noqa: E741
-            ax.broken_barh([(off + a, max(b - a, 1e-3))], (1.05, 0.8),
-                           color=plt.cm.viridis(l / max(layers, 1)), linewidth=0)
-        for x in tl.get("transfers", []):
-            first, end = x[6], x[7]
-            if first == first and end == end:
-                ax.broken_barh([(off + first, max(end - first, 1e-3))], (0.1, 0.8),
-                               color=lv_col.get(x[3], "black"), linewidth=0)
-        ax.axvline(tl["ttft_s"], color="red")
-        ax.text(tl["ttft_s"], 1.9, f" TTFT {tl['ttft_s']:.2f} s", color="red", va="top",
-                fontsize=8)
-        xmax = max(xmax, tl["ttft_s"])
-        ax.set_yticks([0.5, 1.45])
-        ax.set_yticklabels(["link", "compute"], fontsize=8)
-        ax.set_ylim(0, 2)
-        ax.set_title(s, fontsize=9, loc="left")
-    axes[-1, 0].set_xlim(0, xmax * 1.08)
-    axes[-1, 0].set_xlabel("seconds since the question")
-    fig.suptitle(f"{n} tokens at the crossover link ({cross} Mbit/s): both paths", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    n, cross = sizes[-1]["tokens"], sizes[-1]["crossover_mbps"]
+    runs = [(s, timelines[k]) for s, k in
+            ((s, f"{n}/{cross}/{s}" if s != "local" else f"{n}/None/local")
+             for s in STRATEGY_ORDER) if k in timelines]
+    plot_timelines(runs, path, title=f"{n} tokens at the crossover link ({cross} Mbit/s): "
+                                     "both paths")

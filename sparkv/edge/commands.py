@@ -101,7 +101,7 @@ def _demo(args: argparse.Namespace) -> int:
     from sparkv.bench.common import format_table
     from sparkv.edge.ask import chat_context, question_suffix
     from sparkv.edge.client import EdgeClient
-    from sparkv.edge.plots import plot_timelines
+    from sparkv.edge.plots import plot_timelines, timeline_of
     from sparkv.runtime import load_model, sample_context_ids
     from sparkv.runtime.generate import greedy_agreement, reference_generate
     from sparkv.server.testing import ServerProcess
@@ -163,7 +163,7 @@ def _demo(args: argparse.Namespace) -> int:
     sp = [r[1] for r in rows if r[0] == "sparkv"]
     if best and sp:
         print(f"\nsparkv TTFT / best baseline = {sp[0] / best:.2f}")
-    png = plot_timelines(runs, out / "timeline.png",
+    png = plot_timelines([(label, timeline_of(res)) for label, res in runs], out / "timeline.png",
                          title=f"{len(context)} tokens, {link}: both paths per strategy")
     (out / "demo.json").write_text(json.dumps({
         "context_tokens": len(context), "link": link, "question": args.question,

@@ -398,6 +398,8 @@ class Engine:
                 with self._cv:
                     batch = [f for f in leftover if not self._done_or_cancelled(f.cid)]
                     leftover = []
+                    for f in batch:
+                        self._book(f)
                     if not batch:
                         batch = self._pull_batch()
                 if not batch:
@@ -409,7 +411,9 @@ class Engine:
                     continue
                 req = self._send(session, batch)
             try:
-                leftover = await self._read(session, req)
+                # a prestarted request is read first; fetches left over from an earlier batch
+                # (after a cancellation) wait for the next request
+                leftover = leftover + await self._read(session, req)
                 failures = 0
             except _LinkFailure as e:
                 failures += 1
@@ -417,11 +421,12 @@ class Engine:
                 self._prestarted = None
                 if nxt is not None:
                     nxt.task.cancel()
-                leftover = e.unreceived + (nxt.batch if nxt is not None else [])
+                lost = e.unreceived + (nxt.batch if nxt is not None else [])
                 with self._cv:
                     self._link_errors.append(e.reason)
-                    for f in leftover:
+                    for f in lost:       # booked when pulled; booked again when re-sent
                         self._unbook(f)
+                    leftover = leftover + lost
                     if e.fatal or failures > self.cfg.retries:
                         self._link_dead = e.reason
                         for f in leftover:
@@ -430,8 +435,6 @@ class Engine:
                                 log.status = "lost"
                         self._progress()
                         return
-                    for f in leftover:
-                        self._book(f)
                 await asyncio.sleep(self.cfg.retry_backoff_s * (2 ** (failures - 1)))
 
     def _done_or_cancelled(self, cid: KVChunkId) -> bool:

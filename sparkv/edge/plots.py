@@ -5,39 +5,62 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+_LEVEL_COLORS = {"raw": "#444444", "q8": "#2ca02c", "q6": "#17becf", "q5": "#1f77b4",
+                 "q4": "#ff7f0e", "q3": "#d62728", "q2": "#8c564b"}
 _COLORS = {"sparkv": "#d62728", "local": "#1f77b4", "stream": "#2ca02c", "hybrid": "#9467bd",
            "reference": "#7f7f7f"}
 
 
-def plot_timelines(runs: Sequence[tuple[str, Any]], path: str | Path, title: str = "") -> Path:
-    """One panel per run: compute steps (top lane) and transfers (bottom lane) over time.
+def timeline_of(res: Any) -> dict[str, Any]:
+    """The JSON timeline of one :class:`~sparkv.edge.ask.AskResult` (what the plots draw):
+    ``offset_s`` (manifest + planning), ``ttft_s``, ``steps`` ``[t, l, start, end]``,
+    ``transfers`` ``[t, l, g, level, bytes, requested, first_byte, end, decoded, status]``,
+    ``migrations``; loading times are relative to the start of loading."""
+    load = res.load
+    return {"offset_s": res.breakdown.manifest_s + res.breakdown.planning_s,
+            "ttft_s": res.breakdown.ttft_s, **(load.timeline() if load is not None else {})}
 
-    ``runs``: ``(label, AskResult)`` pairs. Colours: layer index for steps, level for transfers.
+
+def _save(fig: Any, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_timelines(runs: Sequence[tuple[str, Mapping[str, Any]]], path: str | Path,
+                   title: str = "") -> Path:
+    """One panel per run: compute steps (top lane, colour = layer) and transfers (bottom lane,
+    colour = level; faded = not used) on one time axis from the question; a red line at TTFT.
+
+    ``runs``: ``(label, timeline)`` pairs, timelines as made by :func:`timeline_of`.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(runs)
-    fig, axes = plt.subplots(n, 1, figsize=(10, 1.4 + 1.1 * n), sharex=True, squeeze=False)
-    lv_col = {"raw": "#444444", "q8": "#2ca02c", "q6": "#17becf", "q5": "#1f77b4",
-              "q4": "#ff7f0e", "q3": "#d62728", "q2": "#8c564b"}
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.4 + 1.1 * len(runs)), sharex=True,
+                             squeeze=False)
     xmax = 0.0
-    for ax, (label, res) in zip(axes[:, 0], runs):
-        load = res.load
-        offset = res.breakdown.manifest_s + res.breakdown.planning_s
-        L = res.instance.L if res.instance is not None else 1
-        if load is not None:
-            for s, (a, b) in load.steps.items():
-                ax.broken_barh([(offset + a, max(b - a, 1e-3))], (1.05, 0.8),
-                               color=plt.cm.viridis(s.l / max(L - 1, 1)), linewidth=0)
-            for x in load.transfers:
-                if x.first_byte_s == x.first_byte_s and x.end_s == x.end_s:
-                    ax.broken_barh([(offset + x.first_byte_s, max(x.end_s - x.first_byte_s, 1e-3))],
-                                   (0.1, 0.8), color=lv_col.get(x.level, "black"), linewidth=0,
-                                   alpha=0.5 if x.status != "arrived" else 1.0)
-        ttft = res.breakdown.ttft_s
+    for ax, (label, tl) in zip(axes[:, 0], runs):
+        off = float(tl.get("offset_s", 0.0))
+        steps = tl.get("steps", [])
+        layers = max([x[1] for x in steps] or [1])
+        for _t, layer, a, b in steps:
+            ax.broken_barh([(off + a, max(b - a, 1e-3))], (1.05, 0.8),
+                           color=plt.cm.viridis(layer / max(layers, 1)), linewidth=0)
+        for x in tl.get("transfers", []):
+            first, end, status = x[6], x[7], x[9]
+            if first == first and end == end:   # not NaN
+                ax.broken_barh([(off + first, max(end - first, 1e-3))], (0.1, 0.8),
+                               color=_LEVEL_COLORS.get(x[3], "black"), linewidth=0,
+                               alpha=1.0 if status == "arrived" else 0.4)
+        ttft = float(tl["ttft_s"])
         xmax = max(xmax, ttft)
         ax.axvline(ttft, color="red", linewidth=1.2)
         ax.text(ttft, 1.9, f" TTFT {ttft:.2f} s", color="red", va="top", fontsize=8)
@@ -46,16 +69,11 @@ def plot_timelines(runs: Sequence[tuple[str, Any]], path: str | Path, title: str
         ax.set_ylim(0, 2.0)
         ax.set_title(label, fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("seconds since the question (compute: colour = layer; link: colour = "
-                           "level, grey = raw)")
+                           "level, grey = raw, green = q8, blue = q5)")
     axes[-1, 0].set_xlim(0, xmax * 1.08 + 0.05)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_ttft_vs_bandwidth(rows: Sequence[Mapping[str, Any]], path: str | Path,
@@ -93,9 +111,4 @@ def plot_ttft_vs_bandwidth(rows: Sequence[Mapping[str, Any]], path: str | Path,
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -266,3 +266,27 @@ def test_demo(smollm2, tmp_path, capsys):
     doc = json.loads((tmp_path / "demo.json").read_text())
     assert [r["strategy"] for r in doc["rows"]] == ["local", "stream", "hybrid", "sparkv"]
     assert all(r["ttft_s"] > 0 for r in doc["rows"])
+
+
+def test_encrypted_context(served):
+    """AES-GCM frames: streamed, decrypted with the key the server returned once, same answer;
+    without the key the client says so instead of decoding ciphertext."""
+    from sparkv.edge.ask import AskError
+
+    lm = served["lm"]
+    context = served["docs"]["a"][:300]
+    question = QUESTIONS[0]
+    ref = _reference(lm, context, question)
+    client = _client(served["server"].url, lm, mbps=100.0)
+    cid = client.create_context(token_ids=context, levels=["raw"], chunk_tokens=128,
+                                encrypt=True)
+    key = client.encryption_keys[cid]
+    res = client.ask(cid, question, strategy="stream", level="raw", backend="dense",
+                     max_new_tokens=NEW)
+    assert res.tokens == ref and res.breakdown.chunks_streamed > 0 and not res.breakdown.fallback
+    other = _client(served["server"].url, lm)
+    with pytest.raises(AskError, match="encrypted"):
+        other.ask(cid, question, strategy="stream")
+    other.encryption_keys[cid] = key
+    assert other.ask(cid, question, strategy="sparkv", level="raw", backend="dense",
+                     max_new_tokens=NEW).tokens == ref

@@ -174,7 +174,23 @@ def test_milp_reports_status_gap_and_time_limit():
 
 
 def test_registry():
-    assert set(PLANNERS) == {"greedy", "milp", "local", "stream", "hybrid"}
+    assert set(PLANNERS) == {"greedy", "milp", "local", "stream", "hybrid", "sparkv"}
     assert isinstance(get_planner("greedy", w_tail=0.0), Greedy)
     with pytest.raises(PlannerError, match="unknown planner 'nope'"):
         get_planner("nope")
+
+
+@pytest.mark.parametrize("bw", [2.0, 20.0, 100.0, 1000.0])
+def test_portfolio_is_never_worse_than_its_candidates(bw):
+    """SparKV's edge planner: the greedy plan unless a structured plan is estimated faster."""
+    from sparkv.scheduler.planners import Portfolio
+
+    inst = synthetic_instance(4096, chunk_tokens=512, bandwidth_mbps=bw, seed=3)
+    plan = Portfolio().plan(inst)
+    validate_plan(plan, inst)
+    est = plan.info["portfolio"]["estimates"]
+    assert set(est) == {"greedy", "hybrid", "local", "stream"}
+    assert plan.estimated_ttft_s == pytest.approx(min(est.values()))
+    assert est[plan.info["portfolio"]["chosen"]] == min(est.values())
+    for other in (Greedy(), StrongHybrid(), LocalOnly()):
+        assert estimate_ttft(plan, inst) <= estimate_ttft(other.plan(inst), inst) + 1e-9

@@ -12,8 +12,10 @@ controller differ, ../shared/notes/sparkv-design.md):
 =========  ===============================  ======================================================
 name       planner                          controller
 =========  ===============================  ======================================================
-sparkv     ``Greedy`` (dependency- and      adaptive (migrations both ways, prefetch, cancellation)
-           potential-aware)
+sparkv     ``Portfolio``: the greedy    adaptive (migrations both ways, prefetch, cancellation)
+           (dependency- and potential-
+           aware), checked against the
+           structured plans by estimate
 local      ``LocalOnly``                    static; no network at all when the tokens are known
 stream     ``StreamOnly`` (CacheGen)        per-chunk level from the measured rate and the SLO
 hybrid     ``StrongHybrid`` (Cake)          adaptive (the meeting point moves)
@@ -41,7 +43,7 @@ from sparkv.scheduler.plan import Plan
 
 #: strategy -> (planner registry name, controller configuration factory)
 STRATEGIES: dict[str, tuple[str, Any]] = {
-    "sparkv": ("greedy", ControllerConfig),
+    "sparkv": ("sparkv", ControllerConfig),
     "local": ("local", ControllerConfig.static),
     "stream": ("stream", ControllerConfig.cachegen),
     "hybrid": ("hybrid", ControllerConfig),

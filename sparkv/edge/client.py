@@ -177,9 +177,12 @@ class EdgeClient:
     def create_context(self, *, text: str | None = None, token_ids: Sequence[int] | None = None,
                        levels: Sequence[str] | None = None, chunk_tokens: int | None = None,
                        heads_per_group: int = 0, model: str | None = None, wait: bool = True,
-                       timeout_s: float = 900.0, progress: bool = False) -> str:
-        """Asks the server to encode a context; with ``wait``, polls its job until it is done."""
-        body: dict[str, Any] = {"heads_per_group": heads_per_group}
+                       encrypt: bool = False, timeout_s: float = 900.0,
+                       progress: bool = False) -> str:
+        """Asks the server to encode a context; with ``wait``, polls its job until it is done.
+        With ``encrypt`` the frames are stored AES-GCM-encrypted; the key the server returns
+        (once) is kept in :attr:`encryption_keys`."""
+        body: dict[str, Any] = {"heads_per_group": heads_per_group, "encrypt": bool(encrypt)}
         if text is not None:
             body["text"] = text
         if token_ids is not None:
@@ -192,6 +195,8 @@ class EdgeClient:
             body["model"] = model
         r = self._json("POST", "/v1/contexts", json=body, shaped=False)
         cid = str(r["context_id"])
+        if r.get("encryption_key"):
+            self.encryption_keys[cid] = str(r["encryption_key"])
         if token_ids is not None:
             self._tokens[cid] = [int(x) for x in token_ids]
         if not wait or r.get("status") == "done":

@@ -8,6 +8,7 @@ from sparkv.scheduler.planners.base import Planner, PlannerError
 from sparkv.scheduler.planners.baselines import LocalOnly, StreamOnly, StrongHybrid
 from sparkv.scheduler.planners.greedy import Greedy
 from sparkv.scheduler.planners.milp import Milp
+from sparkv.scheduler.planners.portfolio import Portfolio
 
 #: registry name -> planner class
 PLANNERS: dict[str, type[Planner]] = {
@@ -16,6 +17,7 @@ PLANNERS: dict[str, type[Planner]] = {
     LocalOnly.name: LocalOnly,
     StreamOnly.name: StreamOnly,
     StrongHybrid.name: StrongHybrid,
+    Portfolio.name: Portfolio,
 }
 
 
@@ -28,5 +30,5 @@ def get_planner(name: str, **params: Any) -> Planner:
     return cls(**params)
 
 
-__all__ = ["PLANNERS", "Greedy", "LocalOnly", "Milp", "Planner", "PlannerError", "StreamOnly",
+__all__ = ["PLANNERS", "Greedy", "LocalOnly", "Milp", "Planner", "PlannerError", "Portfolio", "StreamOnly",
            "StrongHybrid", "get_planner"]

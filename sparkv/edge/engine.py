@@ -63,7 +63,7 @@ class EngineConfig:
     retry_backoff_s: float = 0.05
     connect_timeout_s: float = 3.0
     stall_timeout_s: float = 10.0    # no byte for this long: the request failed
-    stall_fallback_s: float = 2.0    # neither path progressing: compute the rest locally
+    stall_fallback_s: float = 1.0    # compute idle and no byte for this long: compute the rest
     decode_workers: int = 1
 
 
@@ -319,10 +319,13 @@ class Engine:
             if step is not None:
                 self._fallback_steps.append(step)
                 return step
-            if (not self._stalled and self._link_dead is None
-                    and self._pending_decodes == 0 and self._inflight_bytes == 0
-                    and self.now() - self._last_progress > self.cfg.stall_fallback_s):
-                self._stalled = True   # neither path moves: compute the rest locally
+            if (not self._stalled and self._link_dead is None and self._pending_decodes == 0
+                    and self.now() - max(self._last_progress, self._last_byte)
+                    > self.cfg.stall_fallback_s):
+                # the compute thread has nothing to do and not one byte has arrived for a while
+                # (a link that collapsed with data stuck in its queues, a hung server): compute
+                # what is missing; the link keeps going and whichever path is first wins
+                self._stalled = True
                 continue
             self._cv.wait(0.05)
 

@@ -19,7 +19,8 @@ import torch
 from sparkv.codec import CodecError, decode
 from sparkv.server.crypto import FrameCipher, key_from_text
 from sparkv.server.testing import (HOST, RedisProcess, ServerProcess, parse_frame_stream,
-                                   redis_server_available, shared_tiny_checkpoint, write_config)
+                                   redis_server_available, shared_tiny_checkpoint,
+                                   start_tiny_server, stop_checked, write_config)
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 12).strip()
 POLL_S = 0.05
@@ -71,21 +72,9 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("api")
-    tiny = shared_tiny_checkpoint()
-    keys = write_config(tmp / "server.yaml", ["alice", "bob"],
-                        models={"tiny": str(tiny)}, default_model="tiny",
-                        default_levels=["raw", "q5"], default_chunk_tokens=32,
-                        max_context_tokens=512, max_body_bytes=65536)
-    server = ServerProcess(tmp / "server.yaml", f"file://{tmp}/store",
-                           log_path=tmp / "server.log").start()
-    server.keys = keys
-    server.config_path = tmp / "server.yaml"
-    server.store_dir = tmp / "store"
+    server = start_tiny_server(tmp_path_factory.mktemp("api"), max_context_tokens=512)
     yield server
-    server.stop()
-    log = server.log()
-    assert "Traceback" not in log, log
+    stop_checked(server)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import pytest
 from sparkv.server.middleware import accepts_gzip
 from sparkv.server.stores import ChunkKey, open_store
 from sparkv.server.testing import (RedisProcess, ServerProcess, parse_frame_stream,
-                                   redis_server_available, shared_tiny_checkpoint, write_config)
+                                   redis_server_available, shared_tiny_checkpoint,
+                                   start_tiny_server, stop_checked, write_config)
 
 TEXT = ("Tokens travel with the context, so the edge can compute chunks itself. " * 6).strip()
 IDS = [(i * 37 + 5) % 250 for i in range(70)]  # the tiny model's vocabulary is SmolLM2's (49152)
@@ -72,20 +73,9 @@ def tokens_of(body: bytes) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tokens")
-    keys = write_config(tmp / "server.yaml", ["alice", "bob"],
-                        models={"tiny": str(shared_tiny_checkpoint())}, default_model="tiny",
-                        default_levels=["raw", "q5"], default_chunk_tokens=32,
-                        encode_pause_s=0.01, max_body_bytes=65536)
-    srv = ServerProcess(tmp / "server.yaml", f"file://{tmp}/store",
-                        log_path=tmp / "server.log").start()
-    srv.keys = keys
-    srv.config_path = tmp / "server.yaml"
-    srv.store_dir = tmp / "store"
+    srv = start_tiny_server(tmp_path_factory.mktemp("tokens"), encode_pause_s=0.01)
     yield srv
-    srv.stop()
-    log = srv.log()
-    assert "Traceback" not in log, log
+    stop_checked(srv)
 
 
 @pytest.fixture(scope="module")

@@ -309,7 +309,8 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
     energy = (args.watts_compute * bd.local_compute_s + args.watts_decode * bd.decoding_s
               + args.watts_radio * bd.streaming_s + args.watts_idle * bd.ttft_s)
     return {"tokens": n, "link": link if link is not None else "any", "strategy": strat, "run": r,
-            "ttft_s": bd.ttft_s, "sim_ttft_s": sim_ttft, "lp_bound_s": bound, "manifest_s": bd.manifest_s,
+            "ttft_s": bd.ttft_s, "sim_ttft_s": sim_ttft, "lp_bound_s": bound,
+            "manifest_s": bd.manifest_s,
             "planning_s": bd.planning_s, "loading_s": bd.loading_s,
             "link_s": bd.streaming_s, "compute_s": bd.local_compute_s,
             "decode_s": bd.decoding_s, "question_s": bd.question_prefill_s,
@@ -414,7 +415,8 @@ def _print(points: list[dict[str, Any]], targets: dict[str, Any]) -> None:
         print(f"{e['tokens']} tokens: crossover {e['crossover_mbps']} Mbit/s; sparkv / better of "
               f"local,stream = {e.get('sparkv_vs_better_of_local_stream', float('nan')):.2f} "
               f"(target <= 0.75); sparkv / hybrid = {e.get('sparkv_vs_hybrid', float('nan')):.2f}"
-              f" (target <= 0.8); sparkv / LP bound = {e.get('sparkv_vs_lp_bound', float('nan')):.2f}"
+              f" (target <= 0.8); sparkv / LP bound = "
+              f"{e.get('sparkv_vs_lp_bound', float('nan')):.2f}"
               f", hybrid / LP bound = {e.get('hybrid_vs_lp_bound', float('nan')):.2f}")
     print(f"worst sparkv / best baseline over the sweep: "
           f"{targets['worst_sparkv_vs_best_baseline']:.2f} (target <= 1.05)")

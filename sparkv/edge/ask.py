@@ -253,7 +253,7 @@ def ask(client: EdgeClient, context_id: str, question: str, *, strategy: str = "
     manifest: Manifest | None = None
     if token_ids is not None:
         client.remember_tokens(context_id, token_ids)
-    tokens: list[int] | None = client._tokens.get(context_id)
+    tokens: list[int] | None = client.known_tokens(context_id)
     if strategy != "local" or tokens is None:
         try:
             manifest = client.manifest(context_id, use_cache=use_cache)
@@ -262,8 +262,8 @@ def ask(client: EdgeClient, context_id: str, question: str, *, strategy: str = "
         except (ServerUnavailable, ServerError) as e:
             if isinstance(e, ServerError) and e.status < 500:
                 raise
-            manifest = client._manifests.get(context_id)
-            tokens = client._tokens.get(context_id)
+            manifest = client.known_manifest(context_id)
+            tokens = client.known_tokens(context_id)
             if tokens is None:
                 raise AskError(f"{e}; and context {context_id} is not on this device "
                                f"(no cached token ids), so it cannot be computed locally") from e

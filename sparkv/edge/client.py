@@ -129,7 +129,7 @@ class EdgeClient:
 
     def _request(self, method: str, path: str, *, shaped: bool = True,
                  headers: dict[str, str] | None = None, **kw: Any) -> Fetched:
-        """One request; the body is read through the shaper. Raises ServerUnavailable/ServerError."""
+        """One request, its body read through the shaper; raises ServerUnavailable or ServerError."""
         start = time.perf_counter()
         not_before = self.shaper.request_started() if shaped else None
         try:
@@ -272,6 +272,14 @@ class EdgeClient:
             path.mkdir(parents=True, exist_ok=True)
             (path / "tokens.u32").write_bytes(f.body)
         return ids
+
+    def known_tokens(self, context_id: str) -> list[int] | None:
+        """The context's token ids if the device already holds them (no request)."""
+        return self._tokens.get(context_id)
+
+    def known_manifest(self, context_id: str) -> Manifest | None:
+        """The manifest this client already fetched (no request)."""
+        return self._manifests.get(context_id)
 
     def remember_tokens(self, context_id: str, token_ids: Sequence[int]) -> None:
         """The device holds the context itself (e.g. the document is on the phone)."""

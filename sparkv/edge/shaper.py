@@ -113,7 +113,7 @@ class LinkShaper:
         return end + self._t0
 
     def take(self, nbytes: int, not_before: float | None = None) -> float:
-        """Blocks until ``nbytes`` more bytes have crossed the emulated link; returns seconds slept."""
+        """Blocks until ``nbytes`` more bytes have crossed the emulated link; returns the sleep."""
         due = self._reserve(nbytes, not_before)
         wait = due - self._now()
         if wait > 0:

@@ -215,6 +215,32 @@ def shared_tiny_checkpoint() -> Path:
     return _TINY["path"]
 
 
+
+def start_tiny_server(tmp: Path, tenants: tuple[str, ...] = ("alice", "bob"),
+                      **settings: Any) -> ServerProcess:
+    """A started server on a file store under ``tmp`` with the tiny model (``"tiny"``, levels raw
+    and q5, T = 32, 64 KiB bodies unless ``settings`` say otherwise) and one key per tenant.
+
+    The process gets ``keys`` (tenant -> key), ``config_path`` and ``store_dir`` attributes.
+    """
+    config = {"models": {"tiny": str(shared_tiny_checkpoint())}, "default_model": "tiny",
+              "default_levels": ["raw", "q5"], "default_chunk_tokens": 32,
+              "max_body_bytes": 65536, **settings}
+    keys = write_config(tmp / "server.yaml", list(tenants), **config)
+    server = ServerProcess(tmp / "server.yaml", f"file://{tmp}/store",
+                           log_path=tmp / "server.log").start()
+    server.keys = keys  # type: ignore[attr-defined]
+    server.config_path = tmp / "server.yaml"  # type: ignore[attr-defined]
+    server.store_dir = tmp / "store"  # type: ignore[attr-defined]
+    return server
+
+
+def stop_checked(server: ServerProcess) -> None:
+    """Stops ``server`` and fails if its log holds a traceback."""
+    server.stop()
+    log = server.log()
+    assert "Traceback" not in log, log
+
 def parse_frame_stream(body: bytes) -> list[bytes]:
     """Splits a stream response (``u32 LE length | frame`` records) into frames."""
     import struct

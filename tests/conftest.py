@@ -32,3 +32,29 @@ def tiny_llama():
                       bos_token_id=None, pad_token_id=0)
     model = LlamaForCausalLM(cfg).to(torch.float32)
     return LoadedModel.from_model(model, None, "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A throwaway ``redis-server`` for this module (skips when Debian's redis-server is missing)."""
+    from sparkv.server.testing import RedisProcess, redis_server_available
+
+    if not redis_server_available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
+    yield proc.url
+    proc.stop()
+
+
+@pytest.fixture(params=["file", "redis"])
+def store(request, tmp_path):
+    """Each ChunkStore implementation, empty (Redis: a key prefix of this test's own)."""
+    from sparkv.server.stores import open_store
+
+    if request.param == "file":
+        s = open_store(f"file://{tmp_path}/store")
+    else:
+        url = request.getfixturevalue("redis_url")
+        s = open_store(f"{url}?prefix=t{abs(hash(request.node.name)) % 10**9}")
+    yield s
+    s.close()

@@ -10,32 +10,11 @@ import pytest
 
 from sparkv.server.errors import StoreError
 from sparkv.server.stores import ChunkKey, FileStore, file_path_of, open_store
-from sparkv.server.testing import RedisProcess, redis_server_available
+
 
 CID = "0123456789abcdef0123456789abcdef"
 CID2 = "fedcba9876543210fedcba9876543210"
 JOB = "aa" * 16
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    if not redis_server_available():
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
-    yield proc.url
-    proc.stop()
-
-
-@pytest.fixture(params=["file", "redis"])
-def store(request, tmp_path):
-    if request.param == "file":
-        s = open_store(f"file://{tmp_path}/store")
-    else:
-        url = request.getfixturevalue("redis_url")
-        prefix = f"t{abs(hash(request.node.name)) % 10**9}"
-        s = open_store(f"{url}?prefix={prefix}")
-    yield s
-    s.close()
 
 
 def frame(i: int, n: int = 1000) -> bytes:

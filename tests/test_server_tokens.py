@@ -15,8 +15,7 @@ import pytest
 
 from sparkv.server.middleware import accepts_gzip
 from sparkv.server.stores import ChunkKey, open_store
-from sparkv.server.testing import (RedisProcess, ServerProcess, parse_frame_stream,
-                                   redis_server_available, shared_tiny_checkpoint,
+from sparkv.server.testing import (ServerProcess, parse_frame_stream, shared_tiny_checkpoint,
                                    start_tiny_server, stop_checked, write_config)
 
 TEXT = ("Tokens travel with the context, so the edge can compute chunks itself. " * 6).strip()
@@ -386,26 +385,6 @@ def test_gzip_middleware_only_touches_whole_json_bodies():
 # ------------------------------------------------------------------------------------------------
 # the store contract for token ids, on both stores
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    if not redis_server_available():
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
-    yield proc.url
-    proc.stop()
-
-
-@pytest.fixture(params=["file", "redis"])
-def store(request, tmp_path):
-    if request.param == "file":
-        s = open_store(f"file://{tmp_path}/store")
-    else:
-        url = request.getfixturevalue("redis_url")
-        s = open_store(f"{url}?prefix=tok{abs(hash(request.node.name)) % 10**9}")
-    yield s
-    s.close()
-
-
 def test_store_tokens_contract(store):
     data = np.arange(1000, dtype="<u4").tobytes()
     assert store.get_tokens("alice", CID) is None and not store.has_tokens("alice", CID)

@@ -37,7 +37,7 @@ def tiny_llama():
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
     """A throwaway ``redis-server`` for this module (skips when Debian's redis-server is missing)."""
-    from sparkv.server.testing import RedisProcess, redis_server_available
+    from sparkv.server.process import RedisProcess, redis_server_available
 
     if not redis_server_available():
         pytest.skip("redis-server is not installed (apt-get install redis-server)")

@@ -19,7 +19,7 @@ from sparkv.edge.ask import STRATEGIES
 from sparkv.runtime.attention import BlockSparseAttention, SparsityConfig
 from sparkv.runtime.generate import (greedy_agreement, greedy_generate, reference_generate,
                                      sample_context_ids, teacher_forced_agreement)
-from sparkv.server.testing import (RedisProcess, ServerProcess, free_port,
+from sparkv.server.process import (RedisProcess, ServerProcess, free_port,
                                    redis_server_available)
 
 QUESTIONS = ["What does the text say about warranty?", "Who may copy the program?"]

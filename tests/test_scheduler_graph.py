@@ -7,7 +7,7 @@ import pytest
 from sparkv.layout import ChunkGeometry, KVChunkId, StepId
 from sparkv.scheduler import (DepState, Plan, PlanError, layer_dependency, plan_problems,
                               token_dependencies, validate_plan)
-from sparkv.scheduler.testing import TWO_LEVELS, tiny_instance
+from sched_helpers import TWO_LEVELS, tiny_instance
 
 C, S = KVChunkId, StepId
 

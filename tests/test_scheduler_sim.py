@@ -10,7 +10,7 @@ from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler import (ComputeNoise, Plan, SimulationError, Trace, TraceError,
                               estimate_ttft, make_sample_trace, simulate)
 from sparkv.scheduler.instance import MBPS
-from sparkv.scheduler.testing import tiny_instance
+from sched_helpers import tiny_instance
 
 C, S = KVChunkId, StepId
 

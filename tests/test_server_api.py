@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from sparkv.codec import CodecError, decode
-from sparkv.server.crypto import FrameCipher, key_from_text
-from sparkv.server.testing import (HOST, RedisProcess, ServerProcess, parse_frame_stream,
-                                   redis_server_available, shared_tiny_checkpoint,
-                                   start_tiny_server, stop_checked, write_config)
+from sparkv.protocol.crypto import FrameCipher, key_from_text
+from sparkv.server.process import (HOST, RedisProcess, ServerProcess, redis_server_available,
+                                   write_config)
+from helpers import shared_tiny_checkpoint, start_tiny_server, stop_checked
+from sparkv.protocol import split_records as parse_frame_stream
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 12).strip()
 POLL_S = 0.05
@@ -571,7 +572,7 @@ def test_encrypted_context(alice, ctx):
                 assert frame == alice.get(chunk_url(plain["context_id"], c["t"], c["l"]),
                                           params={"level": "raw"}).content
             # a frame does not open as another chunk or level
-            from sparkv.server.crypto import DecryptionError
+            from sparkv.protocol.crypto import DecryptionError
             with pytest.raises(DecryptionError):
                 cipher.open(data, c["t"], c["l"] + 1, c["g"], lv)
     s = alice.post(f"/v1/contexts/{cid}/stream", json={"chunks": [{"t": 0, "l": 0}]})

@@ -18,7 +18,8 @@ from sparkv.cli import build_parser
 from sparkv.server.commands import SERVE_ENV
 from sparkv.server.config import load_settings
 from sparkv.server.stores import SCHEMES
-from sparkv.server.testing import ServerProcess, shared_tiny_checkpoint, write_config
+from sparkv.server.process import ServerProcess, write_config
+from helpers import shared_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

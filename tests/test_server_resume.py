@@ -9,9 +9,10 @@ import time
 import httpx
 
 from sparkv.codec import decode
-from sparkv.server.encoder import checksum
+from sparkv.protocol.digests import checksum
 from sparkv.server.stores import ChunkKey, open_store
-from sparkv.server.testing import ServerProcess, shared_tiny_checkpoint, write_config
+from sparkv.server.process import ServerProcess, write_config
+from helpers import shared_tiny_checkpoint
 
 TEXT = " ".join(f"word{i}" for i in range(120))
 

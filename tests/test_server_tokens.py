@@ -15,8 +15,9 @@ import pytest
 
 from sparkv.server.middleware import accepts_gzip
 from sparkv.server.stores import ChunkKey, open_store
-from sparkv.server.testing import (ServerProcess, parse_frame_stream, shared_tiny_checkpoint,
-                                   start_tiny_server, stop_checked, write_config)
+from sparkv.server.process import ServerProcess, write_config
+from helpers import shared_tiny_checkpoint, start_tiny_server, stop_checked
+from sparkv.protocol import split_records as parse_frame_stream
 
 TEXT = ("Tokens travel with the context, so the edge can compute chunks itself. " * 6).strip()
 IDS = [(i * 37 + 5) % 250 for i in range(70)]  # the tiny model's vocabulary is SmolLM2's (49152)

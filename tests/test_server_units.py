@@ -11,10 +11,11 @@ import torch
 from sparkv.codec import KVChunk, decode, encode, peek_header
 from sparkv.layout import KVChunkId
 from sparkv.server.config import hash_api_key, load_settings, new_api_key
-from sparkv.server.crypto import (DecryptionError, FrameCipher, key_from_text, key_to_text,
+from sparkv.protocol.crypto import (DecryptionError, FrameCipher, key_from_text, key_to_text,
                                   new_key)
-from sparkv.server.encoder import (ContextSpec, canonical_levels, checksum, derive_context_id,
-                                   describe_frame, etag_of)
+from sparkv.protocol.digests import checksum, etag_of
+from sparkv.server.encoder import (ContextSpec, canonical_levels, derive_context_id,
+                                   describe_frame)
 from sparkv.server.errors import ApiError, ConfigError
 from sparkv.server.http import if_range_allows, none_match, parse_range
 

@@ -85,7 +85,7 @@ def _wait_job(client: Any, job_id: str, timeout: float = 900.0) -> dict[str, Any
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from sparkv.server.testing import ServerProcess, write_config
+    from sparkv.server.process import ServerProcess, write_config
 
     levels = [x for x in args.levels.split(",") if x]
     clients = [int(x) for x in args.clients.split(",") if x]

@@ -128,7 +128,7 @@ class _Loopback:
     def __init__(self, args: argparse.Namespace, tmp: str) -> None:
         import torch
 
-        from sparkv.server.testing import ServerProcess
+        from sparkv.server.process import ServerProcess
 
         self.args = args
         self.server = ServerProcess(None, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
@@ -161,7 +161,7 @@ class _Netns:
         import httpx
 
         from sparkv.edge.netns import ShapedLink
-        from sparkv.server.testing import write_config
+        from sparkv.server.process import write_config
 
         self.args = args
         self.link = ShapedLink()
@@ -201,7 +201,7 @@ class _Netns:
         self.link.set_rate(1000.0)
 
     def close(self) -> None:
-        from sparkv.server.testing import terminate
+        from sparkv.server.process import terminate
 
         try:
             terminate(self.proc)

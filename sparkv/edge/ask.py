@@ -377,7 +377,7 @@ def _frame_opener(client: EdgeClient, manifest: Manifest) -> Any:
     if key is None:
         raise AskError(f"context {manifest.context_id} is encrypted: pass its key "
                        "(EdgeClient.encryption_keys[context_id] or --key)")
-    from sparkv.server.crypto import FrameCipher, key_from_text
+    from sparkv.protocol.crypto import FrameCipher, key_from_text
 
     cipher = FrameCipher(key_from_text(key), manifest.context_id)
 

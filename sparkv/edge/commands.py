@@ -104,7 +104,7 @@ def _demo(args: argparse.Namespace) -> int:
     from sparkv.edge.plots import plot_timelines, timeline_of
     from sparkv.runtime import load_model, sample_context_ids
     from sparkv.runtime.generate import greedy_agreement, reference_generate
-    from sparkv.server.testing import ServerProcess
+    from sparkv.server.process import ServerProcess
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,7 +123,7 @@ def _demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="sparkv-demo-") as tmp:
         config = None
         if args.model:  # the server encodes with the same checkpoint as the device
-            from sparkv.server.testing import write_config
+            from sparkv.server.process import write_config
             config = f"{tmp}/server.yaml"
             write_config(config, None, models={"custom": str(args.model)},
                          default_model="custom")

@@ -12,7 +12,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import struct
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
@@ -30,7 +29,11 @@ from sparkv.codec import DEFAULT_LEVEL
 from sparkv.layout import ChunkGeometry
 from sparkv.server import schemas
 from sparkv.server.config import Settings
-from sparkv.server.encoder import ContextSpec, canonical_levels, derive_context_id, etag_of
+from sparkv.protocol import Manifest
+from sparkv.protocol.stream import (FRAME_MEDIA_TYPE, STREAM_MEDIA_TYPE, record_header,
+                                    stream_length)
+from sparkv.protocol.digests import checksum, etag_of
+from sparkv.server.encoder import ContextSpec, canonical_levels, derive_context_id
 from sparkv.server.errors import ApiError, StoreError
 from sparkv.server.http import if_range_allows, none_match, not_modified_etag, parse_range
 from sparkv.server.jobs import JobManager, SubmitResult, public_view
@@ -59,11 +62,8 @@ def _version() -> str:
 
 __version__ = _version()
 
-FRAME_MEDIA_TYPE = "application/vnd.sparkv.frame"
-STREAM_MEDIA_TYPE = "application/vnd.sparkv.frames"
 TOKENS_MEDIA_TYPE = "application/octet-stream"
 IMMUTABLE = "max-age=31536000, immutable"
-LENGTH_PREFIX = struct.Struct("<I")
 MANIFEST_CACHE_ENTRIES = 256
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -88,31 +88,40 @@ CREATED_LINKS = {  # OpenAPI links: what a client (or a stateful fuzzer) does ne
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class ParsedManifest:
-    """A manifest as stored, with its chunk index: ``(t, l, g, level) -> (bytes, etag)``."""
+    """A stored manifest, validated (:class:`~sparkv.protocol.Manifest`), with its chunk index:
+    ``(t, l, g, level) -> (bytes, etag)``."""
 
     raw: bytes
     etag: str
-    geometry: ChunkGeometry
-    levels: tuple[str, ...]
-    encrypted: bool
+    manifest: Manifest
     index: dict[tuple[int, int, int, str], tuple[int, str]]
-    num_tokens: int = 0
-    tokens_sha256: str = ""
-    """SHA-256 (hex) of the token ids as little-endian ``u32`` values: the tokens' ETag."""
+
+    @property
+    def geometry(self) -> ChunkGeometry:
+        return self.manifest.chunk_geometry
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        return tuple(self.manifest.levels)
+
+    @property
+    def encrypted(self) -> bool:
+        return self.manifest.encrypted
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest.num_tokens
+
+    @property
+    def tokens_sha256(self) -> str:
+        """SHA-256 (hex) of the token ids as little-endian ``u32`` values: the tokens' ETag."""
+        return self.manifest.tokens_sha256
 
     @classmethod
     def parse(cls, raw: bytes) -> "ParsedManifest":
-        from sparkv.server.encoder import checksum
-
-        doc = json.loads(raw)
-        index = {}
-        for c in doc["chunks"]:
-            for lv, e in c["levels"].items():
-                index[(c["t"], c["l"], c["g"], lv)] = (int(e["bytes"]), etag_of(e["checksum"]))
-        geo = doc["geometry"]
-        return cls(raw, etag_of(checksum(raw)), ChunkGeometry.from_dict(geo),
-                   tuple(doc["levels"]), bool(doc.get("encryption")), index,
-                   int(doc["num_tokens"]), str(doc.get("tokens_sha256") or ""))
+        m = Manifest.parse(raw)
+        index = {k: (e.bytes, etag_of(e.checksum)) for k, e in m.index.items()}
+        return cls(raw, etag_of(checksum(raw)), m, index)
 
     def cache_control(self) -> str:
         # Ciphertext may sit in shared caches; plaintext only in the client's own.
@@ -228,7 +237,7 @@ class FrameStream(StreamingResponse):
         self.plan = plan
         self.completed = False
         self._first: list[bytes | None] | None = None
-        total = sum(LENGTH_PREFIX.size + size for _, size in plan)
+        total = stream_length(size for _, size in plan)
         headers = {**headers, "Content-Length": str(total)}
         super().__init__(self._body(), media_type=STREAM_MEDIA_TYPE, headers=headers)
 
@@ -277,7 +286,7 @@ class FrameStream(StreamingResponse):
                         metrics.stream_errors.inc()
                         raise StreamBroken(f"frame {key.name()} of context {cid} is missing or "
                                            "has the wrong size in the store; stream cut")
-                    parts.append(LENGTH_PREFIX.pack(size))
+                    parts.append(record_header(size))
                     parts.append(data)
                     per_level[key.level] = per_level.get(key.level, 0) + 1
                     nbytes += size
@@ -430,7 +439,7 @@ def create_app(settings: Settings, store: ChunkStore | None = None,
             "job_url": f"/v1/jobs/{job_id}" if job_id else None,
         }
         if result.key is not None:
-            from sparkv.server.crypto import key_to_text
+            from sparkv.protocol.crypto import key_to_text
 
             out["encryption_key"] = key_to_text(result.key)
         status = 200 if result.status == "done" else 202

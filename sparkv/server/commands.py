@@ -163,7 +163,7 @@ def encode(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from sparkv.server.config import ANONYMOUS_TENANT
-    from sparkv.server.crypto import FrameCipher, key_to_text, new_key
+    from sparkv.protocol.crypto import FrameCipher, key_to_text, new_key
     from sparkv.server.encoder import (ContextSpec, backfill_tokens, canonical_levels,
                                        derive_context_id, encode_context)
     from sparkv.server.errors import ApiError

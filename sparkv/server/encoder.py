@@ -21,13 +21,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import xxhash
 
 from sparkv.layout import ChunkGeometry, KVChunkId
-from sparkv.server.crypto import AAD_FORMAT, ALGORITHM, NONCE_BYTES, TAG_BYTES, FrameCipher
+from sparkv.protocol import ChunkEntry, FrameCipher, Manifest, ModelInfo
+from sparkv.protocol.digests import checksum, etag_of, tokens_bytes, tokens_digest
 from sparkv.server.stores.base import ChunkKey, ChunkStore
 
-MANIFEST_FORMAT = "sparkv-manifest/1"
 ID_VERSION = 1
 
 ProgressFn = Callable[[str, int, int], None]
@@ -77,16 +76,6 @@ def canonical_levels(levels: Sequence[str]) -> tuple[str, ...]:
     return tuple(x for x in LEVEL_ORDER if x in set(levels))
 
 
-def tokens_bytes(token_ids: Sequence[int]) -> bytes:
-    """The token ids as stored and served (``GET .../tokens``): little-endian ``u32`` each."""
-    return np.asarray(token_ids, dtype="<u4").tobytes()
-
-
-def tokens_digest(token_ids: Sequence[int]) -> str:
-    """The manifest's ``tokens_sha256``: SHA-256 of :func:`tokens_bytes` (hex)."""
-    return hashlib.sha256(tokens_bytes(token_ids)).hexdigest()
-
-
 def derive_context_id(spec: ContextSpec, model_fingerprint: str, tokenizer_id: str) -> str:
     """The content-derived id (32 lowercase hex digits). See the module docstring."""
     from sparkv.codec.frame import VERSION as FRAME_VERSION
@@ -106,16 +95,6 @@ def derive_context_id(spec: ContextSpec, model_fingerprint: str, tokenizer_id: s
     }
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
-
-
-def checksum(data: bytes) -> str:
-    """``xxh3_128:<hex>`` of stored bytes: the manifest's checksum and the chunk's ETag."""
-    return "xxh3_128:" + xxhash.xxh3_128_hexdigest(data)
-
-
-def etag_of(checksum_text: str) -> str:
-    """The strong ETag for a checksum: its hex digest in double quotes."""
-    return '"' + checksum_text.split(":", 1)[-1] + '"'
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,31 +204,16 @@ class EncodeStats:
 
 
 def _manifest(spec: ContextSpec, context_id: str, entry: Any, geometry: ChunkGeometry,
-              chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    totals = {lv: sum(c["levels"][lv]["bytes"] for c in chunks) for lv in spec.levels}
-    encryption = None
-    if spec.encrypted:
-        encryption = {"algorithm": ALGORITHM, "nonce_bytes": NONCE_BYTES, "tag_bytes": TAG_BYTES,
-                      "layout": "nonce | ciphertext | tag", "aad": AAD_FORMAT}
+              chunks: list[dict[str, Any]]) -> Manifest:
     from sparkv.codec.frame import VERSION as FRAME_VERSION
 
-    return {
-        "format": MANIFEST_FORMAT,
-        "context_id": context_id,
-        "created_unix": time.time(),
-        "model": {"name": spec.model, "fingerprint": entry.fingerprint,
-                  "tokenizer": entry.tokenizer_id, "dtype": str(entry.lm.dtype).replace(
-                      "torch.", "")},
-        "num_tokens": spec.num_tokens,
-        "tokens_sha256": tokens_digest(spec.token_ids),
-        "geometry": {**geometry.to_dict(), "num_token_chunks": geometry.num_token_chunks,
-                     "num_groups": geometry.num_groups, "num_chunks": geometry.num_chunks},
-        "levels": list(spec.levels),
-        "frame_version": FRAME_VERSION,
-        "encryption": encryption,
-        "total_bytes": totals,
-        "chunks": chunks,
-    }
+    model = ModelInfo(name=spec.model, fingerprint=entry.fingerprint,
+                      tokenizer=entry.tokenizer_id,
+                      dtype=str(entry.lm.dtype).replace("torch.", ""))
+    return Manifest.build(context_id=context_id, model=model, token_ids=spec.token_ids,
+                          geometry=geometry, levels=spec.levels, frame_version=FRAME_VERSION,
+                          chunks=[ChunkEntry.model_validate(c) for c in chunks],
+                          encrypted=spec.encrypted)
 
 
 def prefill_kv(lm: Any, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:
@@ -380,8 +344,8 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     store.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
     stats.store_s += time.perf_counter() - t0
     manifest = _manifest(spec, context_id, entry, geometry, list(entries.values()))
+    data = manifest.to_json()
     stats.total_s = time.perf_counter() - t_start
-    data = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
     return data, stats
 
 
@@ -397,8 +361,3 @@ def backfill_tokens(store: ChunkStore, spec: ContextSpec, context_id: str) -> bo
     store.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
     return True
 
-
-def manifest_value_count(manifest: dict[str, Any]) -> int:
-    """Scalars in K and V of the whole context (for bits-per-value summaries)."""
-    g = manifest["geometry"]
-    return 2 * g["num_layers"] * g["num_kv_heads"] * g["head_dim"] * manifest["num_tokens"]

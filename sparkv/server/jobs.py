@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkv.server.config import Settings
-from sparkv.server.crypto import FrameCipher, new_key
+from sparkv.protocol.crypto import FrameCipher, new_key
 from sparkv.server.encoder import ContextSpec, JobCancelled, backfill_tokens, encode_context
 from sparkv.server.errors import ApiError, StoreError
 from sparkv.server.metrics import ServerMetrics

@@ -8,6 +8,10 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator)
 
 from sparkv.codec import DEFAULT_LEVEL, LEVEL_ORDER
+from sparkv.protocol.errors import ErrorDetail, ErrorResponse
+from sparkv.protocol.manifest import Manifest
+
+__all__ = ["ErrorDetail", "ErrorResponse", "Manifest"]  # the wire's own models, shown in OpenAPI
 
 LevelName = Literal[tuple(LEVEL_ORDER)]  # type: ignore[valid-type]
 CONTEXT_ID_PATTERN = r"^[0-9a-f]{32}$"
@@ -118,61 +122,6 @@ class StreamRequest(BaseModel):
 
     chunks: list[StreamItem] = Field(min_length=1)
     level: LevelName = Field(DEFAULT_LEVEL, description="level of items that name none")  # type: ignore[valid-type]
-
-
-class ErrorDetail(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    status: int
-    code: str
-    message: str
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class TensorQuant(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    bits: int
-    coding: str
-
-
-class LevelEntry(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    bytes: int = Field(description="stored (served) size of the frame")
-    checksum: str = Field(description="xxh3_128:<hex> of the stored bytes (the ETag)")
-    frame_bytes: int = Field(description="size of the codec frame before encryption")
-    bits_per_value: float
-    entropy_bits_per_value: Optional[float]
-    k: TensorQuant
-    v: TensorQuant
-
-
-class ChunkEntry(BaseModel):
-    t: int
-    l: int  # noqa: E741
-    g: int
-    token_start: int
-    num_tokens: int
-    levels: dict[str, LevelEntry]
-
-
-class Manifest(BaseModel):
-    """The manifest (served verbatim as stored; this model documents it)."""
-
-    model_config = ConfigDict(extra="allow")
-    format: str
-    context_id: str
-    created_unix: float
-    model: dict[str, Any]
-    num_tokens: int
-    tokens_sha256: str
-    geometry: dict[str, int]
-    levels: list[str]
-    frame_version: int
-    encryption: Optional[dict[str, Any]]
-    total_bytes: dict[str, int]
-    chunks: list[ChunkEntry]
 
 
 class ContextList(BaseModel):

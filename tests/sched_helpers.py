@@ -1,4 +1,4 @@
-"""Small hand-made instances, for tests (here and in the engine's) and for examples in docs."""
+"""Small hand-made scheduler instances, for tests."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Harness for running real servers in tests and benchmarks: a ``sparkv serve`` subprocess on a
-free loopback port, a throwaway ``redis-server``, a config file with fresh keys, and a tiny random
-Llama checkpoint for tests where the model's quality does not matter.
+"""Running sparkv's servers as processes: a ``sparkv serve`` subprocess on a free loopback port
+(:class:`ServerProcess`), a throwaway Debian ``redis-server`` (:class:`RedisProcess`), and a
+config file with fresh API keys (:func:`write_config`). The demo, the benchmarks and the tests
+start real servers with these.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from typing import Any
 import yaml
 
 from sparkv.server.config import hash_api_key, new_api_key
+from sparkv.server.errors import ServerError
 
 HOST = "127.0.0.1"
+
+
+class ServerProcessError(ServerError):
+    """A server (or redis-server) process did not start or exited."""
 
 
 def free_port() -> int:
@@ -35,33 +41,6 @@ def write_config(path: str | os.PathLike[str], tenants: list[str] | None = None,
     doc = {"tenants": {t: {"keys": [hash_api_key(k)]} for t, k in keys.items()}, **settings}
     Path(path).write_text(yaml.safe_dump(doc, sort_keys=False))
     return keys
-
-
-def tiny_checkpoint(path: str | os.PathLike[str], tokenizer_from: str | None = None,
-                    layers: int = 2, seed: int = 0) -> Path:
-    """Saves a small random Llama (GQA: 4 query heads, 2 KV heads, head_dim 16) to ``path``.
-
-    With ``tokenizer_from`` (a checkpoint directory) its tokenizer is copied and the vocabulary
-    sized to match, so the tiny model accepts text.
-    """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    path = Path(path)
-    vocab = 256
-    tok = None
-    if tokenizer_from:
-        tok = AutoTokenizer.from_pretrained(tokenizer_from)
-        vocab = len(tok)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                      max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    if tok is not None:
-        tok.save_pretrained(path)
-    return path
 
 
 class ServerProcess:
@@ -104,7 +83,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                raise ServerProcessError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 r = httpx.get(f"{self.url}/healthz", timeout=2.0, verify=False)
                 if r.status_code == 200:
@@ -112,7 +91,7 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+        raise ServerProcessError(f"server not ready after {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
         try:
@@ -190,69 +169,9 @@ class RedisProcess:
                 return self
             except redis.RedisError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError("redis-server exited") from None
+                    raise ServerProcessError("redis-server exited") from None
                 time.sleep(0.05)
-        raise TimeoutError("redis-server did not start")
+        raise ServerProcessError("redis-server did not start")
 
     def stop(self) -> None:
         terminate(self.proc)
-
-
-_TINY: dict[str, Path] = {}
-
-
-def shared_tiny_checkpoint() -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer, built once per process in a temp dir."""
-    if "path" not in _TINY:
-        import atexit
-        import tempfile
-
-        from sparkv.runtime.model import default_checkpoint
-
-        tmp = Path(tempfile.mkdtemp(prefix="sparkv-tiny-"))
-        atexit.register(shutil.rmtree, tmp, True)
-        _TINY["path"] = tiny_checkpoint(tmp / "tiny", tokenizer_from=str(default_checkpoint()))
-    return _TINY["path"]
-
-
-
-def start_tiny_server(tmp: Path, tenants: tuple[str, ...] = ("alice", "bob"),
-                      **settings: Any) -> ServerProcess:
-    """A started server on a file store under ``tmp`` with the tiny model (``"tiny"``, levels raw
-    and q5, T = 32, 64 KiB bodies unless ``settings`` say otherwise) and one key per tenant.
-
-    The process gets ``keys`` (tenant -> key), ``config_path`` and ``store_dir`` attributes.
-    """
-    config = {"models": {"tiny": str(shared_tiny_checkpoint())}, "default_model": "tiny",
-              "default_levels": ["raw", "q5"], "default_chunk_tokens": 32,
-              "max_body_bytes": 65536, **settings}
-    keys = write_config(tmp / "server.yaml", list(tenants), **config)
-    server = ServerProcess(tmp / "server.yaml", f"file://{tmp}/store",
-                           log_path=tmp / "server.log").start()
-    server.keys = keys  # type: ignore[attr-defined]
-    server.config_path = tmp / "server.yaml"  # type: ignore[attr-defined]
-    server.store_dir = tmp / "store"  # type: ignore[attr-defined]
-    return server
-
-
-def stop_checked(server: ServerProcess) -> None:
-    """Stops ``server`` and fails if its log holds a traceback."""
-    server.stop()
-    log = server.log()
-    assert "Traceback" not in log, log
-
-def parse_frame_stream(body: bytes) -> list[bytes]:
-    """Splits a stream response (``u32 LE length | frame`` records) into frames."""
-    import struct
-
-    out, pos = [], 0
-    while pos < len(body):
-        if pos + 4 > len(body):
-            raise ValueError("truncated length prefix")
-        (n,) = struct.unpack_from("<I", body, pos)
-        pos += 4
-        if pos + n > len(body):
-            raise ValueError("truncated frame")
-        out.append(body[pos:pos + n])
-        pos += n
-    return out

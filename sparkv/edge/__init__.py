@@ -1,24 +1,32 @@
-"""The device side of sparkv: the REST client, the overlap engine, link emulation, ``ask``.
+"""The device side of sparkv, one direction from the wire to the answer:
 
-    from sparkv.edge import EdgeClient
-    with EdgeClient("http://127.0.0.1:8080", api_key=KEY) as client:
-        result = client.ask(context_id, "What does it say about warranty?", strategy="sparkv")
+    protocol (manifest, records)  ->  client (REST)  ->  transport (ChunkSource; HTTP)
+        ->  engine (stream + compute + decode under the controller)  ->  session (ask)
+
+    from sparkv.edge import EdgeSession
+    with EdgeSession.connect("http://127.0.0.1:8080", api_key=KEY) as session:
+        result = session.ask(context_id, "What does it say about warranty?", strategy="sparkv")
         print(result.answer)
         print(result.breakdown.table())
 
 See docs/edge.md.
 """
 
-from sparkv.edge.ask import (STRATEGIES, AskError, AskResult, Breakdown, ask, build_instance,
-                             chat_context, question_suffix)
-from sparkv.edge.client import EdgeClient, ServerError, ServerUnavailable
-from sparkv.edge.engine import Engine, EngineConfig, EngineError, LoadResult, TransferLog
-from sparkv.edge.manifest import Manifest, ManifestError, tokens_digest
+from sparkv.edge.client import EdgeClient
+from sparkv.edge.engine import Engine, EngineConfig, EngineError
+from sparkv.edge.http_source import HttpChunkSource
+from sparkv.edge.planning import STRATEGIES, AskError, build_instance
+from sparkv.edge.prompts import chat_context, question_suffix
+from sparkv.edge.results import LoadResult, TransferLog, TransferStatus
+from sparkv.edge.session import AskResult, Breakdown, EdgeSession, Priors
 from sparkv.edge.shaper import LinkShaper
+from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceError
+from sparkv.protocol import ApiError, Manifest, ManifestError, ServerUnavailable
 
 __all__ = [
-    "STRATEGIES", "AskError", "AskResult", "Breakdown", "EdgeClient", "Engine", "EngineConfig",
-    "EngineError", "LinkShaper", "LoadResult", "Manifest", "ManifestError", "ServerError",
-    "ServerUnavailable", "TransferLog", "ask", "build_instance", "chat_context",
-    "question_suffix", "tokens_digest",
+    "STRATEGIES", "ApiError", "AskError", "AskResult", "Breakdown", "ChunkSource", "ChunkStream",
+    "EdgeClient", "EdgeSession", "Engine", "EngineConfig", "EngineError", "FetchItem",
+    "HttpChunkSource", "LinkShaper", "LoadResult", "Manifest", "ManifestError", "Priors",
+    "ServerUnavailable", "SourceError", "TransferLog", "TransferStatus", "build_instance",
+    "chat_context", "question_suffix",
 ]

@@ -1,23 +1,31 @@
-"""The device's REST client: :class:`EdgeClient` (docs/rest-api.md).
+"""The device's REST client: :class:`EdgeClient` (docs/rest-api.md). REST only: it knows the
+server's JSON endpoints and nothing of models, plans or priors (those are the session's,
+:class:`~sparkv.edge.session.EdgeSession`).
 
-    client = EdgeClient("http://127.0.0.1:8080", api_key=KEY)        # bundled SmolLM2
-    result = client.ask(context_id, "What does the licence say about warranty?")
-    print(result.answer); print(result.breakdown.table())
+    client = EdgeClient("http://127.0.0.1:8080", api_key=KEY)
+    cid = client.create_context(text=document)
+    manifest = client.manifest(cid)            # sparkv.protocol.Manifest
+    tokens = client.tokens(cid)
 
-JSON requests (manifest, tokens, jobs) go through one keep-alive ``httpx.Client``; the bulk KV
-stream is read by the engine's asyncio path (:mod:`sparkv.edge.engine`) with the same base URL and
-key. Every body byte read from the server passes through the client's
-:class:`~sparkv.edge.shaper.LinkShaper` (unlimited unless a trace is given), so manifest and token
-downloads pay the emulated link like the chunks do.
+Requests go through one keep-alive ``httpx.Client``. Every body byte read from the server passes
+through the client's :class:`~sparkv.edge.shaper.LinkShaper` (unlimited unless a trace is given),
+so manifest and token downloads pay the emulated link like the chunks do (the chunk stream is
+read by :class:`~sparkv.edge.http_source.HttpChunkSource`, made by :meth:`EdgeClient.chunk_source`
+with the same URL, key and shaper).
 
 The client remembers, per context, the manifest and the token ids (in memory, and on disk under
 ``cache_dir`` when given): a device that asked about a context once can still answer questions
 about it (computing everything locally) when the server is unreachable.
+
+Errors: :class:`~sparkv.protocol.errors.ApiError` (the server answered an error: ``status``,
+``code``, ``message``), :class:`~sparkv.protocol.errors.ServerUnavailable` (no answer), and
+:class:`~sparkv.protocol.errors.ManifestError` (a manifest that breaks the contract).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import time
@@ -26,32 +34,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import httpx
-import numpy as np
 
-from sparkv.edge.manifest import Manifest, ManifestError, tokens_digest
+from sparkv.edge.http_source import HttpChunkSource
 from sparkv.edge.shaper import LinkShaper
-from sparkv.errors import SparkvError
+from sparkv.protocol import Manifest
+from sparkv.protocol.digests import tokens_digest, tokens_from_bytes
+from sparkv.protocol.errors import ApiError, ManifestError, ServerUnavailable
 
-
-class ServerUnavailable(SparkvError):
-    """The server cannot be reached (connection refused, reset, timed out)."""
-
-
-class ServerError(SparkvError):
-    """The server answered with an error (``status``, ``code`` from its JSON error body)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"server error {status} {code}: {message}")
-        self.status, self.code, self.message = status, code, message
-
-
-def error_from_response(status: int, body: bytes) -> ServerError:
-    try:
-        err = json.loads(body.decode("utf-8", "replace")).get("error", {})
-        return ServerError(status, str(err.get("code", "http_error")),
-                           str(err.get("message", "")))
-    except (ValueError, AttributeError):
-        return ServerError(status, "http_error", body[:200].decode("utf-8", "replace"))
+__all__ = ["EdgeClient", "Fetched", "ApiError", "ServerUnavailable"]
 
 
 @dataclass
@@ -62,28 +52,25 @@ class Fetched:
     seconds: float
     first_byte_s: float
     headers: dict[str, str]
+    wire_bytes: int = 0
 
 
 class EdgeClient:
-    """REST client of one sparkv server, and the entry point of the device side.
+    """REST client of one sparkv server.
 
     Args:
         server_url: e.g. ``http://127.0.0.1:8080``.
         api_key: the tenant's key (``None`` for an anonymous loopback server).
-        model: a :class:`~sparkv.runtime.model.LoadedModel`, a checkpoint path or name, or
-            ``None`` for the bundled SmolLM2 (loaded on first use).
         shaper: link emulation for every byte read (default: unlimited).
         timeout_s: connect / read timeout of one request.
         cache_dir: where to keep manifests and token ids between runs (``None``: memory only).
     """
 
-    def __init__(self, server_url: str, api_key: str | None = None, model: Any = None, *,
+    def __init__(self, server_url: str, api_key: str | None = None, *,
                  shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                  cache_dir: str | os.PathLike[str] | None = None) -> None:
         self.base_url = server_url.rstrip("/")
         self.api_key = api_key
-        self._model_arg = model
-        self._lm: Any = None
         self.shaper = shaper or LinkShaper.unlimited()
         self.timeout_s = float(timeout_s)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -92,16 +79,10 @@ class EdgeClient:
                                   timeout=httpx.Timeout(self.timeout_s, connect=self.timeout_s))
         self._manifests: dict[str, Manifest] = {}
         self._tokens: dict[str, list[int]] = {}
-        #: throughput (bytes/s) measured by the last streaming run: the next plan's prior
-        self.bandwidth_estimate_Bps: float | None = None
-        #: throughput of the last large JSON download (a probe for the first plan)
-        self.last_probe_Bps: float | None = None
-        #: round trip seen by the last request (time to its first body byte)
-        self.rtt_estimate_s: float = 0.0
-        #: measured / predicted compute time of layer steps on this device (learned per run)
-        self.compute_scale: float = 1.0
-        #: the last question prefill + first token (seconds): the next plan's suffix estimate
-        self.question_prefill_s: float | None = None
+        #: the last shaped download of at least 64 KiB (what the link did then; not an estimator)
+        self.last_download: Fetched | None = None
+        #: the time to first body byte of the last shaped request (seconds)
+        self.last_first_byte_s: float = 0.0
         #: context id -> encryption key (base64url), for encrypted contexts
         self.encryption_keys: dict[str, str] = {}
 
@@ -109,14 +90,12 @@ class EdgeClient:
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    @property
-    def lm(self) -> Any:
-        """The device's model (loaded on first use)."""
-        if self._lm is None:
-            from sparkv.runtime.model import LoadedModel, load_model
-            self._lm = (self._model_arg if isinstance(self._model_arg, LoadedModel)
-                        else load_model(self._model_arg))
-        return self._lm
+    def chunk_source(self, context_id: str, *, connect_timeout_s: float = 3.0,
+                     read_timeout_s: float = 10.0) -> HttpChunkSource:
+        """The HTTP chunk source of ``context_id`` (same URL, key and shaper as this client)."""
+        return HttpChunkSource(self.base_url, context_id, self.auth_headers(), shaper=self.shaper,
+                               connect_timeout_s=connect_timeout_s,
+                               read_timeout_s=read_timeout_s)
 
     def close(self) -> None:
         self._http.close()
@@ -129,7 +108,7 @@ class EdgeClient:
 
     def _request(self, method: str, path: str, *, shaped: bool = True,
                  headers: dict[str, str] | None = None, **kw: Any) -> Fetched:
-        """One request, its body read through the shaper; raises ServerUnavailable or ServerError."""
+        """One request, its body read through the shaper; raises ServerUnavailable or ApiError."""
         start = time.perf_counter()
         not_before = self.shaper.request_started() if shaped else None
         try:
@@ -148,17 +127,18 @@ class EdgeClient:
                 if encoding == "gzip":
                     body = gzip.decompress(body)
                 elif encoding not in ("identity", ""):
-                    raise ServerError(r.status_code, "bad_encoding",
-                                      f"unsupported Content-Encoding {encoding!r}")
+                    raise ApiError(r.status_code, "bad_encoding",
+                                   f"unsupported Content-Encoding {encoding!r}")
                 if r.status_code >= 400:
-                    raise error_from_response(r.status_code, body)
+                    raise ApiError.from_response(r.status_code, body)
                 total = time.perf_counter() - start
                 first = first if first is not None else total
+                fetched = Fetched(body, total, first, dict(r.headers), wire)
                 if shaped:
-                    self.rtt_estimate_s = first
+                    self.last_first_byte_s = first
                     if wire >= (64 << 10) and total - first > 0:
-                        self.last_probe_Bps = wire / (total - first)
-                return Fetched(body, total, first, dict(r.headers))
+                        self.last_download = fetched
+                return fetched
         except (httpx.TransportError, OSError, EOFError) as e:
             raise ServerUnavailable(f"cannot reach the server at {self.base_url}: "
                                     f"{type(e).__name__}: {e}") from e
@@ -168,7 +148,7 @@ class EdgeClient:
         try:
             return json.loads(f.body)
         except ValueError as e:
-            raise ServerError(200, "bad_json", f"{path} did not return JSON: {e}") from e
+            raise ApiError(200, "bad_json", f"{path} did not return JSON: {e}") from e
 
     # ---- REST --------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -209,18 +189,17 @@ class EdgeClient:
             if state == "done":
                 return cid
             if state in ("failed", "cancelled"):
-                raise ServerError(500, f"job_{state}", str(job.get("error")))
+                raise ApiError(500, f"job_{state}", str(job.get("error")))
             frac = float((job.get("progress") or {}).get("fraction", 0.0))
             if progress and frac - last >= 0.1:
                 print(f"  encoding on the server: {job.get('phase')} {100 * frac:.0f}%", flush=True)
                 last = frac
             time.sleep(0.2)
-        raise ServerError(504, "job_timeout", f"context {cid} was not encoded in {timeout_s:.0f} s")
+        raise ApiError(504, "job_timeout", f"context {cid} was not encoded in {timeout_s:.0f} s")
 
     def _cache_path(self, context_id: str) -> Path | None:
         if self.cache_dir is None:
             return None
-        import hashlib
         host = hashlib.sha256(self.base_url.encode()).hexdigest()[:12]
         return self.cache_dir / host / context_id
 
@@ -230,25 +209,21 @@ class EdgeClient:
             return self._manifests[context_id]
         path = self._cache_path(context_id)
         if use_cache and path is not None and (path / "manifest.json").is_file():
-            data = (path / "manifest.json").read_bytes()
-            m = Manifest.parse(json.loads(data), len(data))
-            self._manifests[context_id] = m
-            return m
+            try:
+                m = Manifest.parse((path / "manifest.json").read_bytes())
+            except ManifestError:
+                m = None   # a damaged cache entry: fetch it again
+            if m is not None and m.context_id == context_id:
+                self._manifests[context_id] = m
+                return m
         f = self._request("GET", f"/v1/contexts/{context_id}",
                           headers={"Accept-Encoding": "gzip"})
-        try:
-            doc = json.loads(f.body)
-        except ValueError as e:
-            raise ManifestError(f"the manifest of {context_id} is not JSON: {e}") from e
-        m = Manifest.parse(doc, len(f.body))
+        m = Manifest.parse(f.body)
         if m.context_id != context_id:
             raise ManifestError(f"asked for {context_id}, the server sent {m.context_id}")
         self._manifests[context_id] = m
         if path is not None:
-            path.mkdir(parents=True, exist_ok=True)
-            tmp = path / "manifest.json.tmp"
-            tmp.write_bytes(f.body)
-            tmp.replace(path / "manifest.json")
+            _write_atomic(path / "manifest.json", f.body)
         return m
 
     def tokens(self, context_id: str, *, use_cache: bool = True) -> list[int]:
@@ -257,20 +232,24 @@ class EdgeClient:
             return self._tokens[context_id]
         path = self._cache_path(context_id)
         if use_cache and path is not None and (path / "tokens.u32").is_file():
-            ids = np.frombuffer((path / "tokens.u32").read_bytes(), dtype="<u4").tolist()
-            self._tokens[context_id] = ids
-            return ids
+            try:
+                ids = tokens_from_bytes((path / "tokens.u32").read_bytes())
+            except ValueError:
+                ids = None   # a damaged cache entry: fetch them again
+            if ids is not None:
+                self._tokens[context_id] = ids
+                return ids
         f = self._request("GET", f"/v1/contexts/{context_id}/tokens")
-        if len(f.body) % 4:
-            raise ServerError(200, "bad_tokens", "the token body is not a whole number of u32")
-        ids = np.frombuffer(f.body, dtype="<u4").tolist()
+        try:
+            ids = tokens_from_bytes(f.body)
+        except ValueError as e:
+            raise ApiError(200, "bad_tokens", str(e)) from e
         want = f.headers.get("x-sparkv-tokens-sha256")
         if want and tokens_digest(ids) != want:
             raise ManifestError("the token ids do not match their digest")
         self._tokens[context_id] = ids
         if path is not None:
-            path.mkdir(parents=True, exist_ok=True)
-            (path / "tokens.u32").write_bytes(f.body)
+            _write_atomic(path / "tokens.u32", f.body)
         return ids
 
     def known_tokens(self, context_id: str) -> list[int] | None:
@@ -285,8 +264,9 @@ class EdgeClient:
         """The device holds the context itself (e.g. the document is on the phone)."""
         self._tokens[context_id] = [int(x) for x in token_ids]
 
-    # ---- the main call -----------------------------------------------------------------------
-    def ask(self, context_id: str, question: str, **options: Any) -> Any:
-        """Answers ``question`` about a stored context; see :func:`sparkv.edge.ask.ask`."""
-        from sparkv.edge.ask import ask
-        return ask(self, context_id, question, **options)
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)

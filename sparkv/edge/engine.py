@@ -1,48 +1,66 @@
 """The overlap engine: streams KV chunks while computing layer steps, under a runtime controller.
 
+Orchestration only: where frames come from is a :class:`~sparkv.edge.transport.ChunkSource`
+(HTTP in production, a scripted source in tests), what to do next is the
+:class:`~sparkv.scheduler.controller.Controller`'s, and a layer step is the
+:class:`~sparkv.runtime.stepper.LayerStepper`'s.
+
 Threads (docs/edge.md):
 
-* **compute thread**: asks the :class:`~sparkv.scheduler.controller.Controller` for the next layer
-  step, runs it with :class:`~sparkv.runtime.stepper.LayerStepper` (PyTorch releases the GIL in its
-  kernels), reports ``step_done``;
-* **link thread**: an asyncio loop with one aiohttp keep-alive session. It pulls fetches from the
-  controller in small batches (about ``batch_seconds`` of link time each) and reads each batch as
-  one ``POST /v1/contexts/{id}/stream`` response, frame by frame, through the
-  :class:`~sparkv.edge.shaper.LinkShaper`. The next batch's request is sent one RTT before the
-  current one drains (no idle round trip between batches). Rate samples go to the controller every
-  ``sample_interval_s`` while bytes flow; cancelled chunks abort the response at once and the rest
-  of the batch is requested again;
-* **decode worker** (a one-thread pool): checksums, decrypts and decodes a received frame straight
-  into the KV buffers, then reports ``chunk_arrived``. Decoding never runs on the compute thread.
+* **compute thread**: asks the controller for the next layer step, runs it (PyTorch releases the
+  GIL in its kernels), reports ``step_done``;
+* **link thread**: an asyncio loop. It pulls fetches from the controller in small batches (about
+  ``batch_seconds`` of link time each), opens each batch on the source and reads its pieces. The
+  next batch is opened one RTT before the current one drains (no idle round trip between
+  batches). Rate samples go to the controller every ``sample_interval_s`` while bytes flow, and
+  a ticker reports *silence* (zero-byte samples) while a request is outstanding and nothing
+  arrives beyond the expected first-byte delay. Cancelled chunks abort the response at once and
+  the rest of the batch is requested again;
+* **decode worker** (a one-thread pool): decrypts and decodes a received frame straight into the
+  KV buffers (the codec checks the frame's checksum), then reports ``chunk_arrived``.
 
 The controller is not thread-safe; every call to it holds the engine's lock.
 
-Faults never lose the answer: a frame that fails its checksum (or does not decode) is recomputed
-locally; a request that fails (connection refused or reset, 5xx, a cut stream, a stall) is retried
-``retries`` times, then the link is declared dead and the compute thread computes everything still
-missing (:meth:`LayerStepper.steps_needed`). A safety net does the same when neither path has made
-progress for ``stall_fallback_s``. :class:`LoadResult.fallback` says what fell back and why.
+Faults never lose the answer:
+
+* a frame that fails its checksum, decryption or layout check is recomputed locally;
+* a request that fails (refused, reset or cut, a 5xx, no response within ``open_timeout_s``, no
+  byte within ``read_timeout_s``) is retried ``retries`` times; then the link is declared dead and
+  the compute thread computes everything still missing;
+* **the stall rule**: when the compute thread has nothing to do, no frame is being decoded, and
+  the link has been *silent* for ``stall_fallback_s`` (silence credited by the link loop's ticker
+  only while that loop was awake to see it: a starved process does not mistake its own slowness
+  for a dead link), the compute thread computes what is missing while the link goes on; whichever
+  path delivers a chunk first wins.
+
+:class:`~sparkv.edge.results.LoadResult` says what fell back and why.
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
+from sparkv.edge.results import LoadResult, TransferLog, TransferStatus
+from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceError
 from sparkv.errors import SparkvError
 from sparkv.layout import KVChunkId, StepId
-from sparkv.runtime.kvcache import KVBuffers
 from sparkv.runtime.stepper import LayerStepper
 from sparkv.scheduler.controller import Controller, ControllerConfig, Fetch
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
 
-_U32 = struct.Struct("<I")
+T = TypeVar("T")
+FrameOpener = Callable[[bytes, KVChunkId, str], bytes]
+"""``(stored bytes, chunk, level) -> codec frame`` (decrypts an encrypted context's frames)."""
+
+#: streamed bytes below which a run says nothing about the link (the next plan keeps its prior)
+MIN_BYTES_FOR_ESTIMATE = 1 << 20
 
 
 class EngineError(SparkvError):
@@ -51,74 +69,20 @@ class EngineError(SparkvError):
 
 @dataclass
 class EngineConfig:
-    """Knobs of the engine's two paths."""
+    """Knobs of the engine's two paths (seconds, bytes)."""
 
-    batch_seconds: float = 0.25      # link time per stream request at the estimated rate
+    batch_seconds: float = 0.25      # link time per request at the estimated rate
     batch_min_bytes: int = 256 << 10
     batch_max_items: int = 64
-    lead_s: float = 0.02             # send the next request this long (+ RTT) before a batch drains
-    read_bytes: int = 64 << 10       # socket read size (and shaping granularity)
-    sample_interval_s: float = 0.05  # rate samples to the controller while bytes flow
+    lead_s: float = 0.02             # open the next request this long (+ RTT) before a batch drains
+    sample_interval_s: float = 0.05  # rate samples (and silence ticks) to the controller
     retries: int = 2                 # failed requests retried before the link is declared dead
     retry_backoff_s: float = 0.05
-    connect_timeout_s: float = 3.0
-    stall_timeout_s: float = 10.0    # no byte for this long: the request failed
-    stall_fallback_s: float = 1.0    # compute idle and no byte for this long: compute the rest
+    open_timeout_s: float = 10.0     # a request must start answering within this
+    read_timeout_s: float = 10.0     # no byte for this long within a response: the request failed
+    silence_grace_s: float = 0.25    # silence counts against the link beyond max(this, 3 RTT)
+    stall_fallback_s: float = 1.5    # compute idle + this much credited silence: compute the rest
     decode_workers: int = 1
-
-
-@dataclass
-class TransferLog:
-    """One streamed chunk (times in seconds from the start of loading)."""
-
-    cid: KVChunkId
-    level: str
-    nbytes: int
-    requested_s: float
-    first_byte_s: float = float("nan")
-    end_s: float = float("nan")
-    decoded_s: float = float("nan")
-    status: str = "pending"   # pending | received | arrived | cancelled | failed | lost
-
-    def to_list(self) -> list[Any]:
-        return [self.cid.t, self.cid.l, self.cid.g, self.level, self.nbytes, self.requested_s,
-                self.first_byte_s, self.end_s, self.decoded_s, self.status]
-
-
-@dataclass
-class LoadResult:
-    """What loading one context did. Times in seconds from the start of loading."""
-
-    ready_s: float
-    steps: dict[StepId, tuple[float, float]]
-    transfers: list[TransferLog]
-    compute_busy_s: float
-    decode_busy_s: float
-    link_active_s: float          # first response byte to last byte (0 when nothing streamed)
-    bytes_streamed: int           # bytes of chunks that arrived (were used)
-    bytes_received: int           # every body byte read, including wasted ones
-    requests: int
-    migrations: list[Any]
-    sources: dict[str, int]       # "streamed" / "computed" -> chunks
-    fallback: dict[str, Any]      # reason -> details (empty when nothing fell back)
-    link_errors: list[str]
-    kv: KVBuffers = field(repr=False)
-
-    @property
-    def bytes_wasted(self) -> int:
-        return max(0, self.bytes_received - self.bytes_streamed)
-
-    @property
-    def measured_Bps(self) -> float | None:  # noqa: N802
-        return self.bytes_received / self.link_active_s if self.link_active_s > 0 else None
-
-    def timeline(self) -> dict[str, Any]:
-        """JSON form (steps as ``[t, l, start, end]``, transfers as lists; see TransferLog)."""
-        return {"ready_s": self.ready_s,
-                "steps": [[s.t, s.l, a, b] for s, (a, b) in sorted(self.steps.items(),
-                                                                   key=lambda x: x[1][0])],
-                "transfers": [x.to_list() for x in self.transfers],
-                "migrations": [m.to_dict() for m in self.migrations]}
 
 
 class _LinkFailure(Exception):
@@ -132,8 +96,16 @@ class _LinkFailure(Exception):
 @dataclass
 class _Request:
     batch: list[Fetch]
-    task: "asyncio.Task[Any]"
+    task: "asyncio.Future[ChunkStream]"
     sent_s: float
+
+
+async def _within(aw: Awaitable[T], seconds: float) -> T:
+    """``await aw`` with a timeout (``asyncio.TimeoutError``), without a task per call on 3.11+."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)  # pragma: no cover - Python 3.10
 
 
 class Engine:
@@ -143,27 +115,22 @@ class Engine:
         stepper: the layer stepper over the context's tokens (its buffers receive everything).
         plan, inst: what to do, and the cost model it was made with.
         controller: the controller's configuration (``ControllerConfig.static()``: the plan as is).
-        server_url, headers, context_id: where the chunks come from (unused for a local plan).
-        shaper: the link emulation every body byte passes through.
-        open_frame: decrypts a stored frame (encrypted contexts): ``(data, cid, level) -> frame``.
+        source: where streamed frames come from (unused, and may be ``None``, for a local plan).
+        open_frame: decrypts a stored frame (encrypted contexts).
     """
 
     def __init__(self, stepper: LayerStepper, plan: Plan, inst: Instance,
-                 controller: ControllerConfig | None = None, *, server_url: str = "",
-                 headers: dict[str, str] | None = None, context_id: str = "",
-                 shaper: Any = None, config: EngineConfig | None = None,
-                 open_frame: Callable[[bytes, KVChunkId, str], bytes] | None = None) -> None:
-        from sparkv.edge.shaper import LinkShaper
+                 controller: ControllerConfig | None = None, *, source: ChunkSource | None = None,
+                 config: EngineConfig | None = None, open_frame: FrameOpener | None = None) -> None:
         if stepper.geometry != inst.geometry:
             raise EngineError("the stepper and the instance have different geometries")
+        if plan.stream_order and source is None:
+            raise EngineError("the plan streams chunks but the engine has no chunk source")
         self.stepper, self.kv = stepper, stepper.kv
         self.plan, self.inst = plan, inst
         self.cfg = config or EngineConfig()
         self.ctl = Controller(plan, inst, controller or ControllerConfig())
-        self.server_url = server_url.rstrip("/")
-        self.headers = dict(headers or {})
-        self.context_id = context_id
-        self.shaper = shaper or LinkShaper.unlimited()
+        self.source = source
         self.open_frame = open_frame
         self._cv = threading.Condition(threading.RLock())
         self._t0 = 0.0
@@ -185,12 +152,15 @@ class Engine:
         self._last_byte = 0.0
         self._pending_decodes = 0
         self._inflight_bytes = 0
-        self._last_progress = 0.0
+        self._outstanding = 0           # requests sent whose responses are not finished
+        self._quiet_since = 0.0         # last byte, or when the link began waiting
+        self._silence = 0.0             # credited silence since the last byte (seconds)
+        self._silence_total = 0.0
         self._stalled = False
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
-        self._link_task: asyncio.Task[Any] | None = None
+        self._link_task: "asyncio.Task[Any] | None" = None
         self._prestarted: _Request | None = None
         self._ready_s = 0.0
         self._decoder: ThreadPoolExecutor | None = None
@@ -201,7 +171,6 @@ class Engine:
         return time.perf_counter() - self._t0
 
     def _progress(self) -> None:
-        self._last_progress = self.now()
         self._cv.notify_all()
         self._wake_link()
 
@@ -216,18 +185,19 @@ class Engine:
     # ---- run ---------------------------------------------------------------------------------
     def run(self) -> LoadResult:
         """Loads every chunk; returns when the KV buffers are complete."""
-        self._t0 = time.perf_counter()
-        self.shaper.start()
-        with self._cv:
-            self.ctl.start(0.0)
-        streams = bool(self.plan.stream_order)
         import torch
 
-        threads = torch.get_num_threads()
+        self._t0 = time.perf_counter()
+        streams = bool(self.plan.stream_order)
+        if streams:
+            assert self.source is not None
+            self.source.start()
+        with self._cv:
+            self.ctl.start(0.0)
         # OpenMP thread counts are per calling thread: the compute thread gets the caller's, the
         # decode worker one (its dequantisation must not oversubscribe the cores the layer steps
         # use: measured, 4 OpenMP threads on 2 cores made decoding 5x slower and stalled steps)
-        self._compute_threads = threads
+        self._compute_threads = torch.get_num_threads()
         decoder = ThreadPoolExecutor(max_workers=self.cfg.decode_workers,
                                      thread_name_prefix="sparkv-decode",
                                      initializer=torch.set_num_threads, initargs=(1,))
@@ -248,9 +218,9 @@ class Engine:
         if self._error is not None:
             raise EngineError(f"loading failed: {type(self._error).__name__}: "
                               f"{self._error}") from self._error
-        return self._result(self._ready_s)
+        return self._result()
 
-    def _result(self, ready: float) -> LoadResult:
+    def _result(self) -> LoadResult:
         counts: dict[str, int] = {}
         for src in self.kv.sources().values():
             counts[src] = counts.get(src, 0) + 1
@@ -263,17 +233,22 @@ class Engine:
         if self._link_dead:
             fallback["link"] = self._link_dead
         if self._stalled:
-            fallback["stalled"] = True
+            fallback["stalled"] = f"link silent for {self.cfg.stall_fallback_s:g} s"
         if self._fallback_steps:
             fallback["steps_computed"] = len(self._fallback_steps)
         link_active = (self._last_byte - self._first_byte) if self._first_byte is not None else 0.0
+        with self._cv:
+            estimate = (self.ctl.run_bandwidth()
+                        if self._bytes_received >= MIN_BYTES_FOR_ESTIMATE else None)
+            ratio, samples = self.ctl.compute_ratio(), self.ctl.compute_samples
         return LoadResult(
-            ready_s=ready, steps=dict(self._steps), transfers=list(self._transfer_list),
+            ready_s=self._ready_s, steps=dict(self._steps), transfers=list(self._transfer_list),
             compute_busy_s=self._compute_busy, decode_busy_s=self._decode_busy,
             link_active_s=link_active, bytes_streamed=self._bytes_used,
             bytes_received=self._bytes_received, requests=self._requests,
             migrations=list(self.ctl.migrations), sources=counts, fallback=fallback,
-            link_errors=list(self._link_errors), kv=self.kv)
+            link_errors=list(self._link_errors), kv=self.kv, link_estimate_Bps=estimate,
+            compute_ratio=ratio, compute_samples=samples, silence_s=self._silence_total)
 
     # ---- compute path ------------------------------------------------------------------------
     def _compute_main(self) -> None:
@@ -320,11 +295,10 @@ class Engine:
                 self._fallback_steps.append(step)
                 return step
             if (not self._stalled and self._link_dead is None and self._pending_decodes == 0
-                    and self.now() - max(self._last_progress, self._last_byte)
-                    > self.cfg.stall_fallback_s):
-                # the compute thread has nothing to do and not one byte has arrived for a while
-                # (a link that collapsed with data stuck in its queues, a hung server): compute
-                # what is missing; the link keeps going and whichever path is first wins
+                    and self._silence > self.cfg.stall_fallback_s):
+                # nothing to compute, nothing to decode, and the link, watched by an awake
+                # loop, delivered nothing for a while (a link that collapsed with data stuck in
+                # its queues, a hung server): compute what is missing; the link keeps going
                 self._stalled = True
                 continue
             self._cv.wait(0.05)
@@ -350,7 +324,7 @@ class Engine:
                 return s
         return None
 
-    # ---- link path ---------------------------------------------------------------------------
+    # ---- link path: the loop -----------------------------------------------------------------
     def _link_thread(self) -> None:
         try:
             asyncio.run(self._link_main())
@@ -370,28 +344,48 @@ class Engine:
                 pass
 
     async def _link_main(self) -> None:
-        import aiohttp
-
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._link_task = asyncio.current_task()
         if self._finished.is_set():
             return
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
-                                        sock_read=self.cfg.stall_timeout_s)
-        headers = {**self.headers, "Accept-Encoding": "identity"}
-        connector = aiohttp.TCPConnector(limit=4, force_close=False)
+        ticker = asyncio.ensure_future(self._ticker())
         try:
-            async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector,
-                                             auto_decompress=False) as session:
-                await self._link_loop(session)
+            await self._link_loop()
         except asyncio.CancelledError:
             pass
         finally:
+            ticker.cancel()
             if self._prestarted is not None:
-                self._prestarted.task.cancel()
+                await self._discard(self._prestarted)
+            assert self.source is not None
+            try:
+                await self.source.aclose()
+            except Exception:  # noqa: BLE001 - closing must not mask the result
+                pass
 
-    async def _link_loop(self, session: Any) -> None:
+    async def _ticker(self) -> None:
+        """Reports silence: while a request is outstanding and no byte arrives beyond the
+        expected first-byte delay, each tick credits the time the loop was awake to see it
+        (at most two intervals per tick: a late tick means this process was starved, and a
+        starved reader says nothing about the link) and sends a zero-byte rate sample."""
+        interval = self.cfg.sample_interval_s
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        assert self.source is not None
+        while not self._finished.is_set():
+            await asyncio.sleep(interval)
+            t = loop.time()
+            credit, last = min(t - last, 2 * interval), t
+            grace = max(self.cfg.silence_grace_s, 3 * self.source.rtt_s())
+            with self._cv:
+                if self._outstanding and self.now() - self._quiet_since > grace:
+                    self._silence += credit
+                    self._silence_total += credit
+                    self.ctl.rate_sample(self.now(), 0.0, credit)
+                    self._cv.notify_all()
+
+    async def _link_loop(self) -> None:
         leftover: list[Fetch] = []
         failures = 0
         while not self._finished.is_set():
@@ -406,24 +400,25 @@ class Engine:
                     if not batch:
                         batch = self._pull_batch()
                 if not batch:
-                    self._wake.clear()  # type: ignore[union-attr]
+                    assert self._wake is not None
+                    self._wake.clear()
                     try:
-                        await asyncio.wait_for(self._wake.wait(), 0.05)  # type: ignore[union-attr]
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
                     except asyncio.TimeoutError:
                         pass
                     continue
-                req = self._send(session, batch)
+                req = self._send(batch)
             try:
                 # a prestarted request is read first; fetches left over from an earlier batch
                 # (after a cancellation) wait for the next request
-                leftover = leftover + await self._read(session, req)
+                leftover = leftover + await self._read(req)
                 failures = 0
             except _LinkFailure as e:
                 failures += 1
                 nxt = self._prestarted
                 self._prestarted = None
                 if nxt is not None:
-                    nxt.task.cancel()
+                    await self._discard(nxt)
                 lost = e.unreceived + (nxt.batch if nxt is not None else [])
                 with self._cv:
                     self._link_errors.append(e.reason)
@@ -434,12 +429,13 @@ class Engine:
                         self._link_dead = e.reason
                         for f in leftover:
                             log = self._transfers.get(f.cid)
-                            if log is not None and log.status == "pending":
-                                log.status = "lost"
+                            if log is not None and log.status == TransferStatus.PENDING:
+                                log.status = TransferStatus.LOST
                         self._progress()
                         return
                 await asyncio.sleep(self.cfg.retry_backoff_s * (2 ** (failures - 1)))
 
+    # ---- link path: requests -----------------------------------------------------------------
     def _done_or_cancelled(self, cid: KVChunkId) -> bool:
         return cid in self._cancelled or self.kv.has(cid)
 
@@ -468,135 +464,150 @@ class Engine:
             self._transfer_list.append(log)
         return out
 
-    def _send(self, session: Any, batch: list[Fetch]) -> _Request:
-        body = {"chunks": [{"t": f.cid.t, "l": f.cid.l, "g": f.cid.g, "level": f.level}
-                           for f in batch]}
-        url = f"{self.server_url}/v1/contexts/{self.context_id}/stream"
-        not_before = self.shaper.request_started()
-        self._requests += 1
+    def _send(self, batch: list[Fetch]) -> _Request:
+        assert self.source is not None
+        items = [FetchItem(f.cid, f.level, self.inst.bytes_of(f.cid, f.level)) for f in batch]
+        with self._cv:
+            self._requests += 1
+            if self._outstanding == 0:
+                self._quiet_since = self.now()
+            self._outstanding += 1
+        task = asyncio.ensure_future(_within(self.source.open(items), self.cfg.open_timeout_s))
+        return _Request(batch, task, self.now())
 
-        async def go() -> tuple[Any, float]:
-            resp = await session.post(url, json=body)
-            return resp, not_before
+    def _finished_request(self) -> None:
+        with self._cv:
+            self._outstanding = max(0, self._outstanding - 1)
+            if self._outstanding == 0:
+                self._silence = 0.0
 
-        return _Request(batch, asyncio.ensure_future(go()), self.now())
+    async def _discard(self, req: _Request) -> None:
+        """Abandons a request that will not be read (closing its response if it started)."""
+        if not req.task.done():
+            req.task.cancel()
+        try:
+            stream = await req.task
+        except BaseException:  # noqa: BLE001 - cancelled or failed: nothing to close
+            pass
+        else:
+            await _close(stream)
+        self._finished_request()
 
     def _take_cancellations(self) -> None:
         with self._cv:
             for cid in self.ctl.take_cancellations():
                 self._cancelled.add(cid)
                 log = self._transfers.get(cid)
-                if log is not None and log.status == "pending":
-                    log.status = "cancelled"
+                if log is not None and log.status == TransferStatus.PENDING:
+                    log.status = TransferStatus.CANCELLED
 
-    async def _read(self, session: Any, req: _Request) -> list[Fetch]:
-        """Reads one stream response; returns fetches to request again (after a cancellation)."""
-        import aiohttp
+    def _abort(self, rest: Sequence[Fetch], partial: int) -> list[Fetch]:
+        """Stops a response at a cancellation: the not-cancelled rest is requested again."""
+        self._count(partial, 0)
+        with self._cv:
+            for x in rest:
+                self._unbook(x)
+        return [x for x in rest if x.cid not in self._cancelled]
 
+    async def _read(self, req: _Request) -> list[Fetch]:
+        """Reads one response; returns fetches to request again (after a cancellation)."""
         batch = req.batch
         try:
-            resp, not_before = await req.task
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            raise _LinkFailure(f"request failed: {type(e).__name__}: {e}", batch) from e
+            stream = await req.task
+        except SourceError as e:
+            self._finished_request()
+            raise _LinkFailure(e.reason, batch, e.fatal) from e
+        except asyncio.TimeoutError as e:
+            self._finished_request()
+            raise _LinkFailure(f"no response within {self.cfg.open_timeout_s:g} s", batch) from e
+        pieces = stream.__aiter__()
+        i, data = 0, bytearray()
+        remaining = sum(self.inst.bytes_of(f.cid, f.level) for f in batch)
+        sample_bytes, sample_from = 0, None
         try:
-            if resp.status != 200:
+            while i < len(batch):
+                if not data:
+                    self._take_cancellations()
+                    if any(x.cid in self._cancelled for x in batch[i:]):
+                        return self._abort(batch[i:], 0)
                 try:
-                    body = await resp.read()
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                    body = b""
-                from sparkv.edge.client import error_from_response
-                err = error_from_response(resp.status, body)
-                raise _LinkFailure(str(err), batch, fatal=resp.status < 500)
-            remaining = sum(self.inst.bytes_of(f.cid, f.level) for f in batch)
-            sample_bytes, sample_from = 0, None
-            for i, f in enumerate(batch):
-                self._take_cancellations()
-                if any(x.cid in self._cancelled for x in batch[i:]):
-                    resp.close()
-                    with self._cv:
-                        for x in batch[i:]:
-                            self._unbook(x)
-                    return [x for x in batch[i:] if x.cid not in self._cancelled]
-                size = self.inst.bytes_of(f.cid, f.level)
-                try:
-                    head = await resp.content.readexactly(4)
-                except (asyncio.IncompleteReadError, aiohttp.ClientError, OSError,
-                        asyncio.TimeoutError) as e:
-                    raise _LinkFailure(f"stream cut before {f.cid} ({type(e).__name__})",
+                    piece = await _within(pieces.__anext__(), self.cfg.read_timeout_s)
+                except StopAsyncIteration as e:
+                    self._count(len(data), 0)
+                    raise _LinkFailure(f"the response ended before {batch[i].cid}",
                                        batch[i:]) from e
-                await self.shaper.atake(4, not_before)
-                (n,) = _U32.unpack(head)
-                if n != size:
-                    raise _LinkFailure(f"stream record for {f.cid} has {n} bytes, the manifest "
-                                       f"says {size}", batch[i:], fatal=True)
+                except asyncio.TimeoutError as e:
+                    self._count(len(data), 0)
+                    raise _LinkFailure(f"no byte for {self.cfg.read_timeout_s:g} s in "
+                                       f"{batch[i].cid}", batch[i:]) from e
+                except SourceError as e:
+                    self._count(len(data), 0)
+                    raise _LinkFailure(f"{e.reason} (in {batch[i].cid})", batch[i:],
+                                       e.fatal) from e
+                if piece.index != i:
+                    raise _LinkFailure(f"the source sent item {piece.index} while {i} was due",
+                                       batch[i:], fatal=True)
+                f = batch[i]
                 log = self._transfers[f.cid]
-                data = bytearray()
-                while len(data) < n:
-                    try:
-                        piece = await resp.content.read(min(self.cfg.read_bytes, n - len(data)))
-                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-                        self._count(len(data), 0)
-                        raise _LinkFailure(f"stream failed in {f.cid}: {type(e).__name__}: {e}",
-                                           batch[i:]) from e
-                    if not piece:
-                        self._count(len(data), 0)
-                        raise _LinkFailure(f"stream cut in {f.cid} (server closed the "
-                                           f"connection)", batch[i:])
-                    await self.shaper.atake(len(piece), not_before)
-                    now = self.now()
+                now = self.now()
+                if piece.data:
+                    with self._cv:
+                        self._quiet_since = now
+                        self._silence = 0.0
                     if sample_from is None:
                         sample_from = now
-                        if self._first_byte is None:
-                            self._first_byte = now
+                    if self._first_byte is None:
+                        self._first_byte = now
                     if not data:
                         log.first_byte_s = now
-                    data += piece
-                    remaining -= len(piece)
+                    data += piece.data
+                    remaining -= len(piece.data)
                     self._last_byte = now
-                    sample_bytes += len(piece)
-                    if now - sample_from >= self.cfg.sample_interval_s or len(data) == n:
+                    sample_bytes += len(piece.data)
+                    if sample_from is not None and (now - sample_from >= self.cfg.sample_interval_s
+                                                    or piece.end):
                         with self._cv:
-                            self.ctl.rate_sample(now, sample_bytes, now - sample_from, f.cid)
+                            self.ctl.rate_sample(now, sample_bytes, max(now - sample_from, 1e-6),
+                                                 f.cid)
                         sample_bytes, sample_from = 0, now
-                    self._maybe_prestart(session, remaining)
-                    if len(data) < n and self.ctl.has_cancellations:
-                        self._take_cancellations()
-                        if f.cid in self._cancelled:   # the chunk being received: abort it now
-                            resp.close()
-                            self._count(len(data), 0)
-                            with self._cv:
-                                for x in batch[i:]:
-                                    self._unbook(x)
-                            return [x for x in batch[i + 1:] if x.cid not in self._cancelled]
-                self._count(n, 0)
-                with self._cv:
-                    log.end_s = self.now()
-                    log.status = "received"
-                    self._unbook(f)
-                    self._pending_decodes += 1
-                    self.ctl.chunk_received(f.cid, log.end_s)
-                assert self._decoder is not None
-                self._decoder.submit(self._decode, f, bytes(data), log)
+                    self._maybe_prestart(remaining)
+                if piece.end:
+                    self._count(len(data), 0)
+                    with self._cv:
+                        log.end_s = self.now()
+                        log.status = TransferStatus.RECEIVED
+                        self._unbook(f)
+                        self._pending_decodes += 1
+                        self.ctl.chunk_received(f.cid, log.end_s)
+                    assert self._decoder is not None
+                    self._decoder.submit(self._decode, f, bytes(data), log)
+                    i, data = i + 1, bytearray()
+                elif self.ctl.has_cancellations:
+                    self._take_cancellations()
+                    if f.cid in self._cancelled:   # the chunk being received: abort it now
+                        return self._abort(batch[i:], len(data))
             return []
         finally:
-            resp.release()
+            await _close(stream)
+            self._finished_request()
 
     def _count(self, received: int, used: int) -> None:
         with self._cv:
             self._bytes_received += received
             self._bytes_used += used
 
-    def _maybe_prestart(self, session: Any, remaining: int) -> None:
-        """Sends the next request when the current one has about an RTT of bytes left."""
+    def _maybe_prestart(self, remaining: int) -> None:
+        """Opens the next request when the current one has about an RTT of bytes left."""
         if self._prestarted is not None:
             return
+        assert self.source is not None
         with self._cv:
             bw = self.ctl.bandwidth_estimate(self.now())
-            if remaining / max(bw, 1.0) > self.shaper.rtt() + self.cfg.lead_s:
+            if remaining / max(bw, 1.0) > self.source.rtt_s() + self.cfg.lead_s:
                 return
             batch = self._pull_batch()
         if batch:
-            self._prestarted = self._send(session, batch)
+            self._prestarted = self._send(batch)
 
     # ---- decode path -------------------------------------------------------------------------
     def _decode(self, f: Fetch, data: bytes, log: TransferLog) -> None:
@@ -620,11 +631,18 @@ class Engine:
             self._pending_decodes -= 1
             log.decoded_s = self.now()
             if why is None:
-                log.status = "arrived"
+                log.status = TransferStatus.ARRIVED
                 self._bytes_used += len(data)
                 self.ctl.chunk_arrived(f.cid, log.decoded_s)
             else:
-                log.status = "failed"
+                log.status = TransferStatus.FAILED
                 self._failed[f.cid] = why.split(":")[0]
                 self._link_errors.append(f"{f.cid}: {why}")
             self._progress()
+
+
+async def _close(stream: ChunkStream) -> None:
+    try:
+        await stream.aclose()
+    except Exception:  # noqa: BLE001 - the response is abandoned either way
+        pass

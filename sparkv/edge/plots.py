@@ -12,7 +12,7 @@ _COLORS = {"sparkv": "#d62728", "local": "#1f77b4", "stream": "#2ca02c", "hybrid
 
 
 def timeline_of(res: Any) -> dict[str, Any]:
-    """The JSON timeline of one :class:`~sparkv.edge.ask.AskResult` (what the plots draw):
+    """The JSON timeline of one :class:`~sparkv.edge.session.AskResult` (what the plots draw):
     ``offset_s`` (manifest + planning), ``ttft_s``, ``steps`` ``[t, l, start, end]``,
     ``transfers`` ``[t, l, g, level, bytes, requested, first_byte, end, decoded, status]``,
     ``migrations``; loading times are relative to the start of loading."""

@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 FINGERPRINT_KEYS = ("cpu", "cores", "torch", "threads", "cuda")
 
@@ -266,13 +266,15 @@ class UtilisationWindow:
     trained on exactly what it is given at run time (not on the load during the step it predicts).
     """
 
-    def __init__(self, monitor: UtilisationMonitor, window_s: float = 1.0) -> None:
+    def __init__(self, monitor: UtilisationMonitor, window_s: float = 1.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.monitor = monitor
         self.window_s = float(window_s)
+        self.clock = clock
         self._marks: list[tuple[float, Any]] = []
 
     def tick(self) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         self._marks.append((now, self.monitor.snapshot()))
         while len(self._marks) > 2 and now - self._marks[1][0] >= self.window_s:
             self._marks.pop(0)  # keep one mark at or before the window's start
@@ -287,7 +289,7 @@ class UtilisationWindow:
             if isinstance(self.monitor, CpuUtilisation):
                 return self.monitor.probe(0.05)
             return self.monitor.since(self.monitor.snapshot())
-        now = time.perf_counter()
+        now = self.clock()
         mark = self._marks[-1][1]
         for t, m in self._marks:
             if now - t <= self.window_s:

@@ -164,6 +164,7 @@ class Controller:
         self._lq_bytes = float(sum(int(self._bytes[c, self._li[c]]) for c in self.lq))
         self._lq_min_bytes = float(sum(int(self._bytes[c, self._cheap[c]]) for c in self.lq))
         self._bw: deque[tuple[float, float, float]] = deque()
+        self._bw_total = [0.0, 0.0]          # bytes, seconds of every rate sample of the run
         self._ratios: deque[float] = deque(maxlen=max(1, self.cfg.compute_window))
         self._cancel: list[KVChunkId] = []
         self.migrations: list[Migration] = []
@@ -244,9 +245,15 @@ class Controller:
     # ------------------------------------------------------------------ events
     def rate_sample(self, now: float, nbytes: float, seconds: float,
                     cid: KVChunkId | None = None) -> None:
-        """``nbytes`` were received over the last ``seconds`` (optionally: for chunk ``cid``)."""
+        """``nbytes`` were received over the last ``seconds`` (optionally: for chunk ``cid``).
+
+        A driver reports silence too (``nbytes`` 0) when a request is outstanding and nothing
+        arrives beyond the expected first-byte delay: the estimate then follows what the link
+        delivers over time, and a link that went quiet loses its work to the compute path."""
         if seconds > 0:
             self._bw.append((now, float(nbytes), float(seconds)))
+            self._bw_total[0] += float(nbytes)
+            self._bw_total[1] += float(seconds)
         if cid is not None:
             f = self.inflight.get(self.inst.chunk_index(cid))
             if f is not None:
@@ -293,6 +300,17 @@ class Controller:
         b = sum(x[1] for x in self._bw)
         s = sum(x[2] for x in self._bw)
         return max(b / s, 1.0) if s > 0 else self.inst.bandwidth_Bps
+
+    def run_bandwidth(self) -> float | None:
+        """Throughput (bytes/s) over every rate sample of the run (silences included), or
+        ``None`` before any sample: the link's goodput, a prior for the next load."""
+        b, s = self._bw_total
+        return b / s if s > 0 and b > 0 else None
+
+    @property
+    def compute_samples(self) -> int:
+        """Layer steps in the compute-speed window."""
+        return len(self._ratios)
 
     def compute_ratio(self) -> float:
         """Measured / predicted step time over the window (1.0 before any step)."""

@@ -1,0 +1,119 @@
+"""The HTTP :class:`~sparkv.edge.transport.ChunkSource`: ``POST /v1/contexts/{id}/stream``.
+
+One ``httpx.AsyncClient`` (keep-alive, up to four connections, so the next batch's request can be
+sent while the current one drains) per load. A response is parsed record by record with
+:class:`~sparkv.protocol.stream.RecordReader`, which checks each record's length against the
+manifest's size for that item. Every body byte passes through the
+:class:`~sparkv.edge.shaper.LinkShaper` before it is handed on, in pieces of about 50 ms of the
+emulated rate (4-64 KiB), so a slow link delivers a steady trickle rather than rare large pieces.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Sequence
+
+import httpx
+
+from sparkv.edge.shaper import LinkShaper
+from sparkv.edge.transport import ChunkStream, FetchItem, SourceError
+from sparkv.protocol.errors import ApiError, RecordError
+from sparkv.protocol.stream import RecordPiece, RecordReader
+
+MIN_PIECE = 4 << 10
+MAX_PIECE = 64 << 10
+PIECE_SECONDS = 0.05
+
+
+class HttpChunkSource:
+    """Frames of context ``context_id`` from the server at ``base_url``.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8080``.
+        context_id: the context whose chunks are fetched.
+        headers: sent with every request (the API key).
+        shaper: link emulation every body byte passes through (default: none).
+        connect_timeout_s: connecting; read_timeout_s: the longest silence within a response.
+    """
+
+    def __init__(self, base_url: str, context_id: str, headers: dict[str, str] | None = None, *,
+                 shaper: LinkShaper | None = None, connect_timeout_s: float = 3.0,
+                 read_timeout_s: float = 10.0) -> None:
+        self.url = f"{base_url.rstrip('/')}/v1/contexts/{context_id}/stream"
+        self.headers = {**(headers or {}), "Accept-Encoding": "identity"}
+        self.shaper = shaper or LinkShaper.unlimited()
+        self.timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        self._client: httpx.AsyncClient | None = None
+        self.requests = 0
+
+    def start(self) -> None:
+        self.shaper.start()
+
+    def rtt_s(self) -> float:
+        return self.shaper.rtt()
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                headers=self.headers, timeout=self.timeout,
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
+        return self._client
+
+    async def open(self, items: Sequence[FetchItem]) -> ChunkStream:
+        body = {"chunks": [{"t": it.cid.t, "l": it.cid.l, "g": it.cid.g, "level": it.level}
+                           for it in items]}
+        not_before = self.shaper.request_started()
+        self.requests += 1
+        client = self._http()
+        try:
+            resp = await client.send(client.build_request("POST", self.url, json=body),
+                                     stream=True)
+        except (httpx.TransportError, OSError) as e:
+            raise SourceError(f"request failed: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            try:
+                data = await resp.aread()
+            except (httpx.TransportError, OSError):
+                data = b""
+            finally:
+                await resp.aclose()
+            err = ApiError.from_response(resp.status_code, data)
+            raise SourceError(str(err), fatal=not err.retryable)
+        return _HttpStream(resp, RecordReader([it.nbytes for it in items]), self.shaper,
+                           not_before)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+class _HttpStream:
+    def __init__(self, resp: httpx.Response, reader: RecordReader, shaper: LinkShaper,
+                 not_before: float) -> None:
+        self.resp, self.reader, self.shaper, self.not_before = resp, reader, shaper, not_before
+
+    def _piece_bytes(self) -> int:
+        rate = self.shaper.rate_Bps()
+        if rate == float("inf"):
+            return MAX_PIECE
+        return int(min(MAX_PIECE, max(MIN_PIECE, rate * PIECE_SECONDS)))
+
+    async def __aiter__(self) -> AsyncIterator[RecordPiece]:  # type: ignore[override]
+        try:
+            async for raw in self.resp.aiter_raw():
+                pos = 0
+                while pos < len(raw):
+                    piece = raw[pos:pos + self._piece_bytes()]
+                    pos += len(piece)
+                    await self.shaper.atake(len(piece), self.not_before)
+                    for rec in self.reader.feed(piece):
+                        yield rec
+            self.reader.finish()
+        except RecordError as e:
+            cut = "ended" in str(e)
+            raise SourceError(f"stream {'cut' if cut else 'malformed'}: {e}", fatal=not cut) from e
+        except (httpx.TransportError, OSError) as e:
+            raise SourceError(f"stream failed: {type(e).__name__}: {e}") from e
+
+    async def aclose(self) -> None:
+        await self.resp.aclose()

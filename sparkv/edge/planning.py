@@ -1,0 +1,124 @@
+"""From a manifest and this device's costs to the scheduler's :class:`Instance`, and the
+strategies the edge offers (planner + controller per name).
+
+=========  ===============================  ======================================================
+name       planner                          controller
+=========  ===============================  ======================================================
+sparkv     ``Portfolio``: the greedy        adaptive (migrations both ways, prefetch, cancellation)
+           (dependency- and potential-
+           aware), checked against the
+           structured plans by estimate
+local      ``LocalOnly``                    static; no network at all when the tokens are known
+stream     ``StreamOnly`` (CacheGen)        per-chunk level from the measured rate and the SLO
+hybrid     ``StrongHybrid`` (Cake)          adaptive (the meeting point moves)
+=========  ===============================  ======================================================
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from sparkv.errors import SparkvError
+from sparkv.layout import ChunkGeometry, KVChunkId
+from sparkv.protocol import Manifest
+from sparkv.scheduler.controller import ControllerConfig
+from sparkv.scheduler.instance import DEFAULT_LEVELS, MBPS, Instance
+
+#: strategy -> (planner registry name, controller configuration factory)
+STRATEGIES: dict[str, tuple[str, Callable[[], ControllerConfig]]] = {
+    "sparkv": ("sparkv", ControllerConfig),
+    "local": ("local", ControllerConfig.static),
+    "stream": ("stream", ControllerConfig.cachegen),
+    "hybrid": ("hybrid", ControllerConfig),
+}
+
+#: decode throughput (million values/s, one core, this machine: bench/results/codec.json)
+DECODE_MVPS: dict[str, float] = {"raw": 1100.0, "q8": 200.0, "q6": 250.0, "q5": 300.0,
+                                 "q4": 300.0, "q3": 350.0, "q2": 480.0}
+DEFAULT_FLOOR = "q5"
+DEFAULT_PRIOR_MBPS = 50.0
+
+
+class AskError(SparkvError):
+    """The question cannot be answered as asked (an unknown strategy or level, the server
+    unreachable while the context is not on this device, ...)."""
+
+
+_COST_MODELS: dict[tuple[str, int], Any] = {}
+
+
+def device_cost_model(lm: Any) -> Any:
+    """The step-cost model for this device: the profiled :class:`LatencyModel` when
+    ``sparkv profile`` has been run here, else a :class:`Roofline` from measured peaks. Made once
+    per model and thread count in a process (measuring peaks takes a moment)."""
+    import torch
+
+    key = (lm.fingerprint, torch.get_num_threads())
+    if key not in _COST_MODELS:
+        _COST_MODELS[key] = _load_cost_model(lm)
+    return _COST_MODELS[key]
+
+
+def _load_cost_model(lm: Any) -> Any:
+    from sparkv.predictor.commands import default_model_path
+    from sparkv.predictor.model import load_predictor
+    from sparkv.predictor.roofline import ModelArch, Roofline
+
+    path = default_model_path(lm.fingerprint)
+    if path.is_file():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return load_predictor(path, lm=lm)
+        except SparkvError:
+            pass
+    return Roofline.measure(ModelArch.from_model(lm), quick=True)
+
+
+def decode_seconds(geometry: ChunkGeometry, cid: KVChunkId, level: str) -> float:
+    """Predicted decode time of one frame on the decode worker."""
+    values = geometry.chunk_values(cid)
+    return 2e-4 + values / (DECODE_MVPS.get(level, 250.0) * 1e6)
+
+
+def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float, *,
+                   levels: Sequence[str] | None = None, quality_floor: str | None = DEFAULT_FLOOR,
+                   rtt_s: float = 0.0, t_suffix_s: float = 0.0) -> Instance:
+    """The scheduler's instance for a manifest: exact frame sizes, predicted compute times."""
+    g = manifest.chunk_geometry
+    allowed = set(levels) if levels else set(manifest.levels)
+    sizes = {cid: {lv: b for lv, b in s.items() if lv in allowed}
+             for cid, s in manifest.sizes.items()}
+    if not any(sizes.values()):
+        raise AskError(f"none of the levels {sorted(allowed)} was encoded for this context "
+                       f"(it has {list(manifest.levels)})")
+    known = {lv.name for lv in DEFAULT_LEVELS}
+    present = {lv for s in sizes.values() for lv in s}
+    if present - known:
+        raise AskError(f"unknown levels {sorted(present - known)}")
+    floor = quality_floor if quality_floor in present else None
+    if levels:  # an explicit level list is its own floor
+        floor = None
+    t_proc = {cid: {lv: decode_seconds(g, cid, lv) for lv in s} for cid, s in sizes.items()}
+    step_t = {s: float(t_comp[s.t, s.l]) for s in g.step_ids()}
+    return Instance.from_mappings(g, sizes, step_t, bandwidth_Bps, t_proc=t_proc, rtt_s=rtt_s,
+                                  t_suffix_s=t_suffix_s, quality_floor=floor,
+                                  name=f"{manifest.context_id[:8]}-{g.num_tokens}tok")
+
+
+def local_instance(geometry: ChunkGeometry, t_comp: np.ndarray, t_suffix: float) -> Instance:
+    """An instance with nothing to stream (the server is out of reach)."""
+    sizes = {cid: {"raw": 1} for cid in geometry.chunk_ids()}
+    step_t = {s: float(t_comp[s.t, s.l]) for s in geometry.step_ids()}
+    return Instance.from_mappings(geometry, sizes, step_t, 1.0 * MBPS, t_suffix_s=t_suffix,
+                                  name="local")
+
+
+def suffix_estimate(t_comp: np.ndarray, geometry: ChunkGeometry, n: int) -> float:
+    """Question prefill ~ a layer step of ``n`` query tokens at the context's end, every layer."""
+    last = t_comp[-1, :-1].sum() if t_comp.shape[1] > 1 else t_comp[-1].sum()
+    return float(last) * max(n, 1) / max(geometry.chunk_len(geometry.num_token_chunks - 1), 1) \
+        + 0.01

@@ -1,0 +1,92 @@
+"""What loading one context did: :class:`LoadResult` and one :class:`TransferLog` per streamed
+chunk. Times are seconds from the start of loading."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from sparkv.layout import KVChunkId, StepId
+from sparkv.runtime.kvcache import KVBuffers
+
+
+class TransferStatus(str, Enum):
+    """Where one streamed chunk ended up."""
+
+    PENDING = "pending"        # requested, not (completely) received
+    RECEIVED = "received"      # every byte read, decoding
+    ARRIVED = "arrived"        # decoded into the KV buffers
+    CANCELLED = "cancelled"    # the controller moved its step to the compute path
+    FAILED = "failed"          # damaged (checksum, decryption, layout): recomputed locally
+    LOST = "lost"              # the link died before it arrived: recomputed locally
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class TransferLog:
+    """One streamed chunk."""
+
+    cid: KVChunkId
+    level: str
+    nbytes: int
+    requested_s: float
+    first_byte_s: float = float("nan")
+    end_s: float = float("nan")
+    decoded_s: float = float("nan")
+    status: TransferStatus = TransferStatus.PENDING
+
+    def to_list(self) -> list[Any]:
+        return [self.cid.t, self.cid.l, self.cid.g, self.level, self.nbytes, self.requested_s,
+                self.first_byte_s, self.end_s, self.decoded_s, str(self.status)]
+
+
+@dataclass
+class LoadResult:
+    """What loading one context did.
+
+    Attributes:
+        ready_s: when every KV chunk was in place.
+        steps: layer step -> (start, end).
+        link_active_s: first response byte to last byte (0 when nothing streamed).
+        bytes_streamed: bytes of chunks that arrived (were used).
+        bytes_received: every body byte read, including wasted ones.
+        fallback: reason -> details (empty when nothing fell back).
+        link_estimate_Bps: the controller's link throughput over the run (silences included),
+            ``None`` when too little was streamed to tell: the next plan's prior.
+        compute_ratio: the controller's measured / predicted layer-step time (1.0 when no step
+            ran); ``compute_samples`` steps measured it.
+    """
+
+    ready_s: float
+    steps: dict[StepId, tuple[float, float]]
+    transfers: list[TransferLog]
+    compute_busy_s: float
+    decode_busy_s: float
+    link_active_s: float
+    bytes_streamed: int
+    bytes_received: int
+    requests: int
+    migrations: list[Any]
+    sources: dict[str, int]
+    fallback: dict[str, Any]
+    link_errors: list[str]
+    kv: KVBuffers = field(repr=False)
+    link_estimate_Bps: float | None = None
+    compute_ratio: float = 1.0
+    compute_samples: int = 0
+    silence_s: float = 0.0
+
+    @property
+    def bytes_wasted(self) -> int:
+        return max(0, self.bytes_received - self.bytes_streamed)
+
+    def timeline(self) -> dict[str, Any]:
+        """JSON form (steps as ``[t, l, start, end]``, transfers as lists; see TransferLog)."""
+        return {"ready_s": self.ready_s,
+                "steps": [[s.t, s.l, a, b] for s, (a, b) in sorted(self.steps.items(),
+                                                                   key=lambda x: x[1][0])],
+                "transfers": [x.to_list() for x in self.transfers],
+                "migrations": [m.to_dict() for m in self.migrations]}

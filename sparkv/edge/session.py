@@ -1,0 +1,363 @@
+"""The device side, end to end: :class:`EdgeSession` answers questions about stored contexts.
+
+    with EdgeSession.connect("http://127.0.0.1:8080", api_key=KEY) as session:
+        result = session.ask(context_id, "What does it say about warranty?")
+        print(result.answer); print(result.breakdown.table())
+
+A session owns what outlives one question: the device's model, the cost model of its layer
+steps, and the :class:`Priors` learned from earlier loads (link throughput, compute speed,
+question-prefill time). Each :meth:`EdgeSession.ask` runs
+
+    manifest (+ token ids)  ->  instance (cost model, priors)  ->  planner  ->  Engine
+    (chunk source + compute + controller)  ->  assembled cache  ->  question prefill  ->  first token
+
+and then folds the controller's own estimates of that load back into the priors: the session has
+no estimator of its own.
+
+TTFT is wall clock from the call to the first generated token and includes every stage above
+(the model is resident on the device before the call, as on a phone that runs the app).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from sparkv.edge.client import EdgeClient
+from sparkv.edge.engine import Engine, EngineConfig
+from sparkv.edge.planning import (DEFAULT_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
+                                  build_instance, device_cost_model, local_instance,
+                                  suffix_estimate)
+from sparkv.edge.prompts import question_suffix
+from sparkv.edge.results import LoadResult, TransferStatus
+from sparkv.edge.shaper import LinkShaper
+from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId
+from sparkv.protocol import Manifest
+from sparkv.protocol.crypto import FrameCipher
+from sparkv.protocol.errors import ApiError, ServerUnavailable
+from sparkv.scheduler.controller import ControllerConfig
+from sparkv.scheduler.instance import MBPS, Instance
+from sparkv.scheduler.plan import Plan
+
+#: layer steps the controller must have timed before its compute ratio moves the prior
+MIN_COMPUTE_SAMPLES = 4
+
+
+@dataclass
+class Priors:
+    """What the session learned on this device (the next plan's starting point).
+
+    Attributes:
+        bandwidth_Bps: the controller's link throughput over the last load that streamed enough
+            to tell (``None``: plan with the manifest download's rate, else 50 Mbit/s).
+        compute_scale: measured / predicted layer-step time (the controller's ratio, compounded
+            over loads; 1.0: the cost model as it is).
+        question_prefill_s: the last question's prefill + first token (seconds).
+    """
+
+    bandwidth_Bps: float | None = None
+    compute_scale: float = 1.0
+    question_prefill_s: float | None = None
+
+    def learn(self, load: LoadResult) -> None:
+        """Folds the controller's estimates of one load in."""
+        if load.link_estimate_Bps:
+            self.bandwidth_Bps = float(load.link_estimate_Bps)
+        r = load.compute_ratio
+        if load.compute_samples >= MIN_COMPUTE_SAMPLES and math.isfinite(r) and r > 0:
+            self.compute_scale = float(min(max(self.compute_scale * r, 0.05), 20.0))
+
+
+@dataclass
+class Breakdown:
+    """Where the time to first token went (seconds) and what each path did."""
+
+    strategy: str
+    ttft_s: float
+    manifest_s: float = 0.0
+    planning_s: float = 0.0
+    loading_s: float = 0.0          # overlapped: until every KV chunk is in place
+    streaming_s: float = 0.0        # the link's active time (first to last body byte)
+    decoding_s: float = 0.0         # decode worker busy time (overlapped)
+    local_compute_s: float = 0.0    # compute thread busy time (overlapped)
+    question_prefill_s: float = 0.0
+    first_token_s: float = 0.0      # sampling after the question's forward pass
+    bytes_streamed: int = 0
+    bytes_wasted: int = 0
+    chunks_streamed: int = 0
+    chunks_computed: int = 0
+    steps_computed: int = 0
+    migrations: int = 0
+    requests: int = 0
+    levels: dict[str, int] = field(default_factory=dict)
+    fallback: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def rows(self) -> list[tuple[str, str]]:
+        r = [("time to first token", f"{self.ttft_s:8.3f} s"),
+             ("  manifest + tokens", f"{self.manifest_s:8.3f} s"),
+             ("  planning", f"{self.planning_s:8.3f} s"),
+             ("  loading the cache", f"{self.loading_s:8.3f} s   (overlapped:)"),
+             ("    streaming (link active)", f"{self.streaming_s:8.3f} s"),
+             ("    decoding", f"{self.decoding_s:8.3f} s"),
+             ("    local compute", f"{self.local_compute_s:8.3f} s"),
+             ("  question prefill", f"{self.question_prefill_s:8.3f} s"),
+             ("  first token", f"{self.first_token_s:8.3f} s"),
+             ("bytes streamed", f"{self.bytes_streamed / 1e6:8.2f} MB"
+              + (f" (+{self.bytes_wasted / 1e6:.2f} MB wasted)" if self.bytes_wasted else "")),
+             ("chunks streamed / computed", f"{self.chunks_streamed} / {self.chunks_computed}"
+              f" ({self.steps_computed} layer steps)"),
+             ("controller migrations", f"{self.migrations}")]
+        if self.levels:
+            r.append(("levels streamed", ", ".join(f"{k} x{v}" for k, v in self.levels.items())))
+        if self.fallback:
+            r.append(("FELL BACK to local compute", "; ".join(f"{k}: {v}"
+                                                           for k, v in self.fallback.items())))
+        return r
+
+    def table(self) -> str:
+        w = max(len(a) for a, _ in self.rows())
+        return "\n".join(f"{a:<{w}}  {b}" for a, b in self.rows())
+
+
+@dataclass
+class AskResult:
+    """The answer and everything measured on the way."""
+
+    answer: str
+    tokens: list[int]
+    breakdown: Breakdown
+    plan: Plan | None
+    instance: Instance | None
+    load: LoadResult | None
+    first_logits: Any = None
+    context_tokens: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.breakdown.ttft_s
+
+
+class EdgeSession:
+    """The device: a model, its cost model and priors, and a REST client of one server.
+
+    Args:
+        client: the server's REST client (its shaper emulates the link for every byte).
+        model: a :class:`~sparkv.runtime.model.LoadedModel`, a checkpoint path or name, or
+            ``None`` for the bundled SmolLM2 (loaded on first use).
+        priors: start from these (default: nothing learned yet).
+        engine_config: the engine's knobs for every load (default :class:`EngineConfig`).
+    """
+
+    def __init__(self, client: EdgeClient, model: Any = None, *, priors: Priors | None = None,
+                 engine_config: EngineConfig | None = None) -> None:
+        self.client = client
+        self._model_arg = model
+        self._lm: Any = None
+        self._cost: Any = None
+        self.priors = priors or Priors()
+        self.engine_config = engine_config
+
+    @classmethod
+    def connect(cls, server_url: str, api_key: str | None = None, model: Any = None, *,
+                shaper: LinkShaper | None = None, timeout_s: float = 10.0,
+                cache_dir: str | os.PathLike[str] | None = None,
+                engine_config: EngineConfig | None = None) -> "EdgeSession":
+        """A session with its own :class:`EdgeClient` of ``server_url``."""
+        client = EdgeClient(server_url, api_key, shaper=shaper, timeout_s=timeout_s,
+                            cache_dir=cache_dir)
+        return cls(client, model, engine_config=engine_config)
+
+    # ---- what the session owns ---------------------------------------------------------------
+    @property
+    def lm(self) -> Any:
+        """The device's model (loaded on first use)."""
+        if self._lm is None:
+            from sparkv.runtime.model import LoadedModel, load_model
+            self._lm = (self._model_arg if isinstance(self._model_arg, LoadedModel)
+                        else load_model(self._model_arg))
+        return self._lm
+
+    @property
+    def cost_model(self) -> Any:
+        """The step-cost model of this device (profiled, else a roofline; made on first use)."""
+        if self._cost is None:
+            self._cost = device_cost_model(self.lm)
+        return self._cost
+
+    def reset_priors(self) -> None:
+        """Forget what earlier loads taught (e.g. before a run that must probe afresh)."""
+        self.priors = Priors()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "EdgeSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- ask ---------------------------------------------------------------------------------
+    def ask(self, context_id: str, question: str, *, strategy: str = "sparkv",
+            level: str = "auto", quality_floor: str | None = DEFAULT_FLOOR, backend: Any = "auto",
+            max_new_tokens: int = 32, bandwidth_mbps: float | None = None, use_cache: bool = True,
+            chat: bool = True, engine_config: EngineConfig | None = None,
+            controller: ControllerConfig | None = None, stop_at_eos: bool = True,
+            token_ids: Sequence[int] | None = None) -> AskResult:
+        """Answers ``question`` about context ``context_id`` with ``strategy``.
+
+        Args:
+            level: ``auto`` (the planner picks per chunk among the encoded levels at or above
+                ``quality_floor``) or one level name (every streamed chunk at that level).
+            backend: attention backend of the local steps, a name (``auto``: block-sparse on
+                the CPU) or an :class:`~sparkv.runtime.attention.AttentionBackend`.
+            bandwidth_mbps: the link estimate to plan with; default: the priors' (the
+                controller's throughput of the last load), else the manifest download's rate,
+                else 50 Mbit/s. The controller corrects it from measured rates either way.
+            use_cache: reuse a manifest the client already holds (no request).
+            token_ids: the context's tokens when the device holds the document (no request).
+        """
+        from sparkv.runtime.attention import get_backend
+        from sparkv.runtime.generate import greedy_generate
+        from sparkv.runtime.stepper import LayerStepper
+        from sparkv.scheduler.planners import get_planner
+
+        if strategy not in STRATEGIES:
+            raise AskError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+        lm, client = self.lm, self.client
+        suffix = question_suffix(lm, question, chat)
+        attn = get_backend(backend) if isinstance(backend, str) else backend
+        t_start = time.perf_counter()
+        fallback: dict[str, Any] = {}
+
+        # ---- manifest and tokens -------------------------------------------------------------
+        manifest, tokens = self._context(context_id, strategy, use_cache, token_ids, fallback)
+        if manifest is not None:
+            manifest.check_model(lm.fingerprint, lm.name)
+            manifest.check_tokens(tokens)
+        manifest_s = time.perf_counter() - t_start
+
+        # ---- plan ----------------------------------------------------------------------------
+        t_plan = time.perf_counter()
+        if manifest is not None:
+            geometry = manifest.chunk_geometry
+        else:
+            geometry = ChunkGeometry.from_config(lm.config, len(tokens),
+                                                 min(DEFAULT_CHUNK_TOKENS, len(tokens)))
+        sparse = attn.name != "dense"
+        t_comp = (self.cost_model.t_comp(geometry, sparse=sparse, utilisation=0.0)
+                  * self.priors.compute_scale)
+        t_suffix = (self.priors.question_prefill_s if self.priors.question_prefill_s is not None
+                    else suffix_estimate(t_comp, geometry, len(suffix)))
+        effective = strategy if (manifest is not None and not fallback) else "local"
+        if manifest is None:
+            inst = local_instance(geometry, t_comp, t_suffix)
+        else:
+            levels = None if level == "auto" else [level]
+            if levels and level not in manifest.levels:
+                raise AskError(f"level {level!r} was not encoded for context {context_id} "
+                               f"(it has {list(manifest.levels)})")
+            inst = build_instance(manifest, t_comp, self._bandwidth_prior(bandwidth_mbps),
+                                  levels=levels, quality_floor=quality_floor,
+                                  rtt_s=client.last_first_byte_s, t_suffix_s=t_suffix)
+        planner_name, ctl_factory = STRATEGIES[effective]
+        plan = get_planner(planner_name).plan(inst)
+        ctl_cfg = controller if (controller is not None and effective == strategy) \
+            else ctl_factory()
+        planning_s = time.perf_counter() - t_plan
+
+        # ---- load ----------------------------------------------------------------------------
+        stepper = LayerStepper(lm, tokens, geometry.chunk_tokens, backend=attn,
+                               heads_per_group=geometry.heads_per_group)
+        source = client.chunk_source(context_id) if plan.stream_order else None
+        engine = Engine(stepper, plan, inst, ctl_cfg, source=source,
+                        config=engine_config or self.engine_config,
+                        open_frame=self._frame_opener(manifest))
+        load = engine.run()
+        self.priors.learn(load)
+
+        # ---- answer --------------------------------------------------------------------------
+        gen = greedy_generate(lm, stepper.kv.layer_kv(), len(tokens), suffix, max_new_tokens,
+                              stop_at_eos=stop_at_eos)
+        ttft = (time.perf_counter() - t_start) - (gen.total_s - gen.first_token_s)
+        self.priors.question_prefill_s = gen.first_token_s
+        fallback.update(load.fallback)
+        return AskResult(gen.text, gen.tokens,
+                         _breakdown(strategy, ttft, manifest_s, planning_s, load, gen, fallback),
+                         plan, inst, load, gen.first_logits, len(tokens))
+
+    # ---- pieces of ask -----------------------------------------------------------------------
+    def _context(self, context_id: str, strategy: str, use_cache: bool,
+                 token_ids: Sequence[int] | None, fallback: dict[str, Any]
+                 ) -> tuple[Manifest | None, list[int]]:
+        """The manifest (``None`` when the server is out of reach) and the token ids."""
+        client = self.client
+        if token_ids is not None:
+            client.remember_tokens(context_id, token_ids)
+        tokens = client.known_tokens(context_id)
+        manifest: Manifest | None = None
+        if strategy != "local" or tokens is None:
+            try:
+                manifest = client.manifest(context_id, use_cache=use_cache)
+                if tokens is None:
+                    tokens = client.tokens(context_id)
+            except (ServerUnavailable, ApiError) as e:
+                if isinstance(e, ApiError) and not e.retryable:
+                    raise
+                manifest = client.known_manifest(context_id)
+                tokens = client.known_tokens(context_id)
+                if tokens is None:
+                    raise AskError(f"{e}; and context {context_id} is not on this device (no "
+                                   "cached token ids), so it cannot be computed locally") from e
+                fallback["server"] = f"unreachable at the start ({type(e).__name__})"
+        if tokens is None:  # pragma: no cover - every branch above sets them or raises
+            raise AskError(f"no token ids for context {context_id}")
+        return manifest, tokens
+
+    def _bandwidth_prior(self, mbps: float | None) -> float:
+        if mbps is not None:
+            return float(mbps) * MBPS
+        if self.priors.bandwidth_Bps:
+            return float(self.priors.bandwidth_Bps)
+        d = self.client.last_download
+        if d is not None and d.seconds > d.first_byte_s:
+            return d.wire_bytes / (d.seconds - d.first_byte_s)
+        return DEFAULT_PRIOR_MBPS * MBPS
+
+    def _frame_opener(self, manifest: Manifest | None) -> Any:
+        if manifest is None or not manifest.encrypted:
+            return None
+        key = self.client.encryption_keys.get(manifest.context_id)
+        if key is None:
+            raise AskError(f"context {manifest.context_id} is encrypted: pass its key "
+                           "(EdgeClient.encryption_keys[context_id] or --key)")
+        cipher = FrameCipher.from_text(key, manifest.context_id)
+
+        def open_frame(data: bytes, cid: KVChunkId, level: str) -> bytes:
+            return cipher.open(data, cid.t, cid.l, cid.g, level)
+
+        return open_frame
+
+
+def _breakdown(strategy: str, ttft: float, manifest_s: float, planning_s: float,
+               load: LoadResult, gen: Any, fallback: dict[str, Any]) -> Breakdown:
+    levels_used: dict[str, int] = {}
+    for x in load.transfers:
+        if x.status == TransferStatus.ARRIVED:
+            levels_used[x.level] = levels_used.get(x.level, 0) + 1
+    return Breakdown(
+        strategy=strategy, ttft_s=ttft, manifest_s=manifest_s, planning_s=planning_s,
+        loading_s=load.ready_s, streaming_s=load.link_active_s, decoding_s=load.decode_busy_s,
+        local_compute_s=load.compute_busy_s, question_prefill_s=gen.prefill_s,
+        first_token_s=max(0.0, gen.first_token_s - gen.prefill_s),
+        bytes_streamed=load.bytes_streamed, bytes_wasted=load.bytes_wasted,
+        chunks_streamed=load.sources.get("streamed", 0),
+        chunks_computed=load.sources.get("computed", 0), steps_computed=len(load.steps),
+        migrations=len(load.migrations), requests=load.requests, levels=levels_used,
+        fallback=fallback)

@@ -1,0 +1,276 @@
+"""The overlap engine against a scripted ChunkSource (no server, no sockets): a cut at byte k,
+a 503 and a 4xx, a cancellation mid-chunk, a slow-then-fast link, a link that never answers,
+a silent link, and a starved reader that must not be mistaken for one. A tiny random Llama keeps
+each test to seconds; every load must assemble exactly the reference KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+
+from sparkv.codec import KVChunk, encode
+from sparkv.edge.engine import Engine, EngineConfig
+from sparkv.edge.results import TransferStatus
+from sparkv.edge.transport import ChunkSource, FetchItem, SourceError
+from sparkv.layout import ChunkGeometry
+from sparkv.protocol.stream import RecordPiece
+from sparkv.runtime.attention import get_backend
+from sparkv.runtime.generate import reference_prefill
+from sparkv.runtime.kvcache import split_chunks
+from sparkv.runtime.stepper import LayerStepper
+from sparkv.scheduler.controller import ControllerConfig
+from sparkv.scheduler.instance import MBPS, Instance
+from sparkv.scheduler.planners import get_planner
+
+N_TOKENS, T = 96, 16
+
+
+@dataclass
+class Behaviour:
+    """What one opened request does (see ScriptedSource)."""
+
+    fail_open: SourceError | None = None     # raise at open (a 503, a 4xx, refused)
+    hang_open: bool = False                  # never answer
+    cut_at: int | None = None                # raise after this many body bytes
+    hang_at: int | None = None               # stop sending (but keep the response open) here
+    pace: Callable[[int], Any] | None = None  # called before each piece with bytes sent so far
+    piece: int = 512
+
+
+class ScriptedSource:
+    """A ChunkSource from a dict of frames and a script: ``script(n)`` is the Behaviour of the
+    n-th opened request (default: serve everything at once)."""
+
+    def __init__(self, frames: dict, script: Callable[[int], Behaviour] | None = None) -> None:
+        self.frames = frames
+        self.script = script or (lambda n: Behaviour())
+        self.opened: list[list[FetchItem]] = []
+        self.closed_streams = 0
+        self.closed = False
+
+    def start(self) -> None:
+        pass
+
+    def rtt_s(self) -> float:
+        return 0.0
+
+    async def open(self, items: Sequence[FetchItem]) -> "ScriptedStream":
+        b = self.script(len(self.opened))
+        self.opened.append(list(items))
+        if b.fail_open is not None:
+            raise b.fail_open
+        if b.hang_open:
+            await asyncio.Event().wait()
+        return ScriptedStream(self, list(items), b)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class ScriptedStream:
+    def __init__(self, src: ScriptedSource, items: list[FetchItem], b: Behaviour) -> None:
+        self.src, self.items, self.b = src, items, b
+
+    async def __aiter__(self):
+        sent = 0
+        for idx, it in enumerate(self.items):
+            data = self.src.frames[(it.cid, it.level)]
+            assert len(data) == it.nbytes
+            for pos in range(0, len(data), self.b.piece):
+                part = data[pos:pos + self.b.piece]
+                if self.b.cut_at is not None and sent + len(part) > self.b.cut_at:
+                    raise SourceError(f"stream cut after {sent} bytes")
+                if self.b.hang_at is not None and sent + len(part) > self.b.hang_at:
+                    await asyncio.Event().wait()
+                if self.b.pace is not None:
+                    r = self.b.pace(sent)
+                    if asyncio.iscoroutine(r):
+                        await r
+                sent += len(part)
+                yield RecordPiece(idx, part, pos + len(part) == len(data))
+
+    async def aclose(self) -> None:
+        self.src.closed_streams += 1
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama):
+    """The tiny model's context, its reference KV and every chunk's raw frame."""
+    lm = tiny_llama
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 128, (N_TOKENS,)).tolist()
+    with torch.inference_mode():
+        ref = reference_prefill(lm, tokens)
+    geo = ChunkGeometry.from_config(lm.config, N_TOKENS, T)
+    frames = {}
+    for cid, (k, v) in split_chunks(ref, geo).items():
+        frames[(cid, "raw")] = encode(KVChunk(cid, geo.token_range(cid.t)[0], k.contiguous(),
+                                              v.contiguous(), geo.num_layers), "raw")
+    return {"lm": lm, "tokens": tokens, "ref": ref, "geo": geo, "frames": frames}
+
+
+def _instance(world, mbps: float = 1000.0, step_s: float = 0.002) -> Instance:
+    geo = world["geo"]
+    sizes = {cid: {"raw": len(world["frames"][(cid, "raw")])} for cid in geo.chunk_ids()}
+    return Instance.from_mappings(geo, sizes, {s: step_s for s in geo.step_ids()}, mbps * MBPS,
+                                  t_proc=1e-4, name="tiny")
+
+
+def _load(world, source: ChunkSource, *, planner: str = "stream", controller=None,
+          config: EngineConfig | None = None, inst: Instance | None = None):
+    inst = inst or _instance(world)
+    plan = get_planner(planner).plan(inst)
+    stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    cfg = config or EngineConfig(retry_backoff_s=0.01)
+    engine = Engine(stepper, plan, inst, controller or ControllerConfig.static(), source=source,
+                    config=cfg)
+    load = engine.run()
+    assert load.kv.is_complete()
+    for (k, v), (rk, rv) in zip(load.kv.layer_kv(), world["ref"]):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    return load
+
+
+def _statuses(load) -> dict:
+    out: dict = {}
+    for x in load.transfers:
+        out[x.status] = out.get(x.status, 0) + 1
+    return out
+
+
+def test_everything_streamed_in_order(world):
+    src = ScriptedSource(world["frames"])
+    load = _load(world, src)
+    geo = world["geo"]
+    assert load.sources == {"streamed": geo.num_chunks} and not load.fallback
+    assert _statuses(load) == {TransferStatus.ARRIVED: geo.num_chunks}
+    assert load.bytes_streamed == load.bytes_received == sum(len(f) for f in src.frames.values())
+    assert src.closed and src.closed_streams == len(src.opened)
+
+
+def test_cut_at_byte_k_is_retried_from_the_cut_chunk(world):
+    k = 6000   # inside the second frame
+    src = ScriptedSource(world["frames"],
+                         lambda n: Behaviour(cut_at=k) if n == 0 else Behaviour())
+    load = _load(world, src)
+    assert not load.fallback and load.sources == {"streamed": world["geo"].num_chunks}
+    assert len(src.opened) >= 2 and any("cut" in e for e in load.link_errors)
+    first, second = src.opened[0], src.opened[1]
+    size0 = first[0].nbytes
+    assert size0 < k < size0 + first[1].nbytes
+    # the chunk cut mid-way is asked for again (first in the retry), the delivered one is not
+    assert second[0].cid == first[1].cid and first[0].cid not in [x.cid for x in second]
+    assert 0 < load.bytes_wasted <= k - size0   # the part of the cut frame that did arrive
+
+
+def test_a_503_is_retried(world):
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(
+        fail_open=SourceError("server error 503 store_unavailable: down")) if n == 0
+        else Behaviour())
+    load = _load(world, src)
+    assert not load.fallback and any("503" in e for e in load.link_errors)
+    assert load.sources == {"streamed": world["geo"].num_chunks}
+
+
+def test_retries_exhausted_then_everything_is_computed(world):
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(
+        fail_open=SourceError("server error 503 store_unavailable: down")))
+    load = _load(world, src, config=EngineConfig(retries=2, retry_backoff_s=0.01))
+    assert len(src.opened) == 3 and "503" in load.fallback["link"]
+    assert load.sources == {"computed": world["geo"].num_chunks}
+    assert _statuses(load) == {TransferStatus.LOST: len(src.opened[0])}
+
+
+def test_a_4xx_kills_the_link_at_once(world):
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(
+        fail_open=SourceError("server error 404 context_not_found: gone", fatal=True)))
+    load = _load(world, src)
+    assert len(src.opened) == 1 and "404" in load.fallback["link"]
+    assert load.sources.get("computed") == world["geo"].num_chunks
+
+
+def test_a_link_that_never_answers(world):
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(hang_open=True))
+    cfg = EngineConfig(open_timeout_s=0.2, retries=1, retry_backoff_s=0.01,
+                       stall_fallback_s=60.0)
+    load = _load(world, src, config=cfg)
+    assert len(src.opened) == 2 and "no response" in load.fallback["link"]
+    assert load.sources == {"computed": world["geo"].num_chunks}
+
+
+def test_a_response_that_stops_mid_chunk(world):
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(hang_at=3000) if n == 0
+                         else Behaviour())
+    cfg = EngineConfig(read_timeout_s=0.2, retry_backoff_s=0.01, stall_fallback_s=60.0)
+    load = _load(world, src, config=cfg)
+    assert any("no byte" in e for e in load.link_errors) and not load.fallback
+    assert load.sources == {"streamed": world["geo"].num_chunks}
+
+
+def test_silent_link_trips_the_stall_rule(world):
+    """Nothing arrives while the loop is awake to see it: the compute thread, idle, computes
+    what is missing (the link keeps going; whichever is first wins)."""
+    async def pace(sent: int) -> None:
+        if sent >= 2000:
+            await asyncio.sleep(0.4)      # a trickle: the link is there but nearly silent
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace))
+    cfg = EngineConfig(stall_fallback_s=0.3, silence_grace_s=0.05, read_timeout_s=30.0)
+    load = _load(world, src, config=cfg)
+    assert "stalled" in load.fallback and load.silence_s >= 0.3
+    assert load.sources.get("computed", 0) > 0
+
+
+def test_a_starved_reader_is_not_a_silent_link(world):
+    """The loop itself cannot run (this process is starved: here a blocking sleep in the link
+    thread): that is no evidence against the link, so the stall rule must not fire."""
+    def pace(sent: int) -> None:
+        if sent and sent % 4096 == 0:
+            time.sleep(0.5)               # blocks the event loop
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace))
+    cfg = EngineConfig(stall_fallback_s=0.3, silence_grace_s=0.05, read_timeout_s=30.0)
+    load = _load(world, src, config=cfg)
+    assert not load.fallback, load.fallback
+    assert load.sources == {"streamed": world["geo"].num_chunks}
+
+
+def test_slow_link_cancels_mid_chunk_and_migrates(world):
+    """The plan streams everything; the link turns out far slower than planned, so the adaptive
+    controller moves steps to the compute path, cancelling a chunk in the middle of its
+    transfer; the cancelled remainder of the batch is requested again or computed."""
+    async def pace(sent: int) -> None:
+        await asyncio.sleep(0.02)         # 512 B / 20 ms: ~25 KB/s against 1 Gbit/s planned
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=512))
+    inst = _instance(world, mbps=1000.0, step_s=0.002)
+    load = _load(world, src, planner="stream", controller=ControllerConfig(), inst=inst,
+                 config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=60.0))
+    st = _statuses(load)
+    assert load.migrations and st.get(TransferStatus.CANCELLED, 0) >= 1
+    mid = [x for x in load.transfers if x.status == TransferStatus.CANCELLED
+           and x.first_byte_s == x.first_byte_s]   # cancelled after its first byte
+    assert mid, [(x.cid, x.status, x.first_byte_s) for x in load.transfers]
+    assert load.sources.get("computed", 0) > 0 and not load.fallback
+
+
+def test_slow_then_fast_link_uses_both_paths(world):
+    """Slow at first (the controller gives the compute thread work), fast later (the link takes
+    the rest): both paths contribute, nothing falls back."""
+    t0 = []
+
+    async def pace(sent: int) -> None:
+        if not t0:
+            t0.append(time.perf_counter())
+        if time.perf_counter() - t0[0] < 0.3:
+            await asyncio.sleep(0.02)
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=1024))
+    inst = _instance(world, mbps=50.0, step_s=0.01)
+    load = _load(world, src, planner="sparkv", controller=ControllerConfig(), inst=inst,
+                 config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=60.0))
+    assert not load.fallback
+    assert load.sources.get("streamed", 0) > 0 and load.sources.get("computed", 0) > 0
+    assert load.compute_samples > 0 and load.compute_ratio > 0

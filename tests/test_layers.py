@@ -1,0 +1,143 @@
+"""The package's import structure (docs/architecture.md): no import cycles between sparkv's
+modules (imports inside functions count), layers import only downward, the edge imports nothing
+from the server or the benchmarks, and production code imports no ``testing`` module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "sparkv"
+
+#: top-level part of sparkv -> rank: a module may import its own part and parts of lower rank.
+#: The integer is the layer of docs/architecture.md (0-1 vocabulary and wire, 2 engines,
+#: 3 services, 4 entry points); the decimals order the parts within a layer.
+LAYERS = {
+    "__init__": 0.0, "errors": 0.0, "layout": 0.1, "tables": 0.1,
+    "protocol": 1.0,
+    "codec": 2.0, "cache": 2.1, "runtime": 2.2, "scheduler": 2.3, "predictor": 2.4,
+    "presses": 2.5, "decode": 2.6,
+    "server": 3.0, "device": 3.1, "edge": 3.2,
+    "bench": 4.0, "demo": 4.1, "cli": 4.2,
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in PKG.rglob("*.py"):
+        parts = ("sparkv",) + f.relative_to(PKG).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = f
+    return mods
+
+
+MODS = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    out: set[str] = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")
+                keep = len(parts) - node.level + (1 if is_pkg else 0)
+                base = ".".join(parts[:keep] + ([base] if base else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                out.add(full if full in MODS else base)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m in MODS and m != name}
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODS.items()}
+
+
+def _part(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _cycles() -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_the_package():
+    assert "sparkv.edge.engine" in GRAPH and "sparkv.protocol.manifest" in GRAPH
+    # imports inside functions count
+    assert "sparkv.runtime.generate" in GRAPH["sparkv.edge.session"]
+
+
+def test_no_import_cycles():
+    assert _cycles() == []
+
+
+def test_edge_imports_nothing_from_server_or_bench():
+    bad = sorted(f"{m} -> {d}" for m in GRAPH if m.startswith("sparkv.edge")
+                 for d in GRAPH[m] if d.startswith(("sparkv.server", "sparkv.bench")))
+    assert bad == []
+
+
+def test_production_code_imports_no_testing_module():
+    assert not any(m.endswith(".testing") for m in MODS), "testing helpers live under tests/"
+    bad = sorted(f"{m} -> {d}" for m in GRAPH for d in GRAPH[m] if d.endswith("testing"))
+    assert bad == []
+
+
+def test_layers_import_only_downward():
+    unknown = sorted({_part(m) for m in MODS} - set(LAYERS))
+    assert unknown == [], f"add these parts of sparkv to LAYERS: {unknown}"
+    bad = []
+    for m, deps in GRAPH.items():
+        a = _part(m)
+        for d in deps:
+            b = _part(d)
+            if a == b or b == "__init__":
+                continue
+            if LAYERS[b] >= LAYERS[a]:
+                bad.append(f"{m} (rank {LAYERS[a]}) -> {d} (rank {LAYERS[b]})")
+    assert bad == [], "\n".join(sorted(bad))
+
+
+@pytest.mark.parametrize("part", ["protocol", "codec"])
+def test_the_wire_needs_no_torch_model_code(part):
+    """The wire contract and the codec stay importable without the runtime or the server."""
+    bad = sorted(f"{m} -> {d}" for m in GRAPH if _part(m) == part for d in GRAPH[m]
+                 if _part(d) in ("runtime", "server", "edge", "scheduler", "predictor"))
+    assert bad == []

@@ -62,16 +62,20 @@ def test_kill_mid_encode_then_restart(tmp_path):
             assert plain["status"] == secret["status"] == "queued"
             assert secret["encryption_key"]
             total = plain["num_chunks"] * 2
-            # the server answers while it encodes, and progress moves
+            # the server answers while it encodes (a /healthz between two job polls that both
+            # say "running"; the client's timeout is only a hang guard), and progress moves
             seen = []
+            answered_mid_encode = 0
             deadline = time.monotonic() + 60
             while True:
-                t0 = time.perf_counter()
+                before = _job(c, plain["job_id"])
                 assert c.get("/healthz").status_code == 200
-                assert time.perf_counter() - t0 < 2.0
                 jp, js = _job(c, plain["job_id"]), _job(c, secret["job_id"])
+                if before["state"] == jp["state"] == "running":
+                    answered_mid_encode += 1
                 seen.append(jp["progress"]["done"])
-                if (jp["state"] == js["state"] == "running" and 4 <= jp["progress"]["done"] < total
+                if (answered_mid_encode and jp["state"] == js["state"] == "running"
+                        and 4 <= jp["progress"]["done"] < total
                         and 1 <= js["progress"]["done"] < total):
                     break
                 assert jp["state"] in ("queued", "running") and time.monotonic() < deadline, jp

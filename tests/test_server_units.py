@@ -205,3 +205,120 @@ def test_bench_frame_checker_across_chunk_boundaries():
     c = _FrameChecker(sizes)
     c.feed(body[:-1])  # truncated
     assert not c.done()
+
+
+# --- stream requests, stream slots, HTTP parse errors ---------------------------------------------
+STREAM_DOCS = [
+    {"chunks": [{"t": 0, "l": 1}]},
+    {"chunks": [{"t": 0, "l": 1, "g": 2, "level": "raw"}, {"t": 3, "l": 0, "level": None}],
+     "level": "q8"},
+    {"chunks": [{"t": 2**31 - 1, "l": 0, "g": 0}]},
+    {"chunks": [{"t": 1.0, "l": 2}]},          # JSON's integer 1.0: pydantic's path
+    {"chunks": [{"t": 0, "l": 0}], "level": None},
+    {"chunks": [{"t": -1, "l": 0}]}, {"chunks": [{"t": 2**31, "l": 0}]},
+    {"chunks": [{"t": True, "l": 0}]}, {"chunks": [{"t": "1", "l": 0}]},
+    {"chunks": [{"t": 1.5, "l": 0}]}, {"chunks": [{"l": 0}]}, {"chunks": [{"t": 0, "l": 0, "x": 1}]},
+    {"chunks": [{"t": 0, "l": 0, "level": "q9"}]}, {"chunks": [{"t": 0, "l": 0, "level": 5}]},
+    {"chunks": []}, {"chunks": "x"}, {"chunks": [[0, 0]]}, {"chunks": [{"t": 0, "l": 0}], "x": 1},
+    {"chunks": [{"t": 0, "l": 0}], "level": ["raw"]}, {}, [], "x", None, 3,
+]
+
+
+@pytest.mark.parametrize("doc", STREAM_DOCS)
+def test_stream_fast_path_agrees_with_the_schema(doc):
+    from pydantic import ValidationError
+
+    from sparkv.server.schemas import StreamRequest
+    from sparkv.server.stream_request import _fast_items
+
+    fast = _fast_items(doc)
+    try:
+        req = StreamRequest.model_validate(doc)
+    except ValidationError:
+        assert fast is None  # the fast path never accepts what the schema refuses
+        return
+    expected = [(it.t, it.l, it.g, it.level or req.level) for it in req.chunks]
+    assert fast is None or fast == expected
+
+
+def test_parse_stream_request_errors():
+    import json
+
+    from fastapi.exceptions import RequestValidationError
+
+    from sparkv.server.stream_request import parse_stream_request
+
+    ok = json.dumps({"chunks": [{"t": 1, "l": 2}], "level": "raw"}).encode()
+    assert parse_stream_request(ok, "application/json; charset=utf-8", 10) == [(1, 2, 0, "raw")]
+    assert parse_stream_request(ok, "application/vnd.x+json", 10) == [(1, 2, 0, "raw")]
+    for body in (b"{nope", b'{"chunks": [', b"\xff\xfe\x00"):
+        with pytest.raises(ApiError) as e:
+            parse_stream_request(body, "application/json", 10)
+        assert (e.value.status, e.value.code) == (400, "malformed_json")
+    many = json.dumps({"chunks": [{"t": "not validated"}] * 11}).encode()
+    with pytest.raises(ApiError) as e:
+        parse_stream_request(many, "application/json", 10)
+    assert (e.value.status, e.value.code, e.value.details["limit"]) == (400, "too_many_items", 10)
+    for body, ctype in ((ok, "text/plain"), (ok, None), (b"", "application/json"),
+                        (b'{"chunks": [{"t": -1, "l": 0}]}', "application/json")):
+        with pytest.raises(RequestValidationError) as v:
+            parse_stream_request(body, ctype, 10)
+        assert v.value.errors()[0]["loc"][0] == "body"
+
+
+def test_stream_batches_and_slots():
+    from sparkv.server.metrics import ServerMetrics
+    from sparkv.server.state import StreamSlots
+    from sparkv.server.stores import ChunkKey
+    from sparkv.server.stream_request import batches
+
+    k = ChunkKey(0, 0, 0, "raw")
+    assert [[s for _, s in b] for b in batches([(k, 3), (k, 3), (k, 5), (k, 1)], 6)] == \
+        [[3, 3], [5, 1]]
+    assert [[s for _, s in b] for b in batches([(k, 9), (k, 1)], 6)] == [[9], [1]]
+    slots = StreamSlots(2, ServerMetrics())
+    a, b = slots.acquire("alice"), slots.acquire("alice")
+    other = slots.acquire("bob")
+    with pytest.raises(ApiError) as e:
+        slots.acquire("alice")
+    assert (e.value.status, e.value.code) == (429, "too_many_streams")
+    assert int(e.value.headers["Retry-After"]) >= 1
+    a.release()
+    a.release()  # idempotent
+    assert slots.active("alice") == 1 and slots.active() == 2
+    slots.acquire("alice")
+    b.release()
+    other.release()
+    assert slots.active() == 1
+
+
+@pytest.mark.parametrize("reason,code", [
+    ("Invalid character in Content-Length", "bad_content_length"),
+    ("Content-Length overflow", "bad_content_length"),
+    ("Duplicate Content-Length", "bad_content_length"),
+    ("Invalid character in chunk size", "malformed_http"), ("", "malformed_http"),
+])
+def test_http_parse_error_bodies(reason, code):
+    import json
+
+    from sparkv.server.http_protocol import json_error_protocol, parse_error_body
+
+    err = json.loads(parse_error_body(ValueError(reason) if reason else None))["error"]
+    assert err["status"] == 400 and err["code"] == code and err["message"]
+    assert json_error_protocol().__name__ in ("JsonErrorHttpToolsProtocol", "JsonErrorH11Protocol")
+
+
+def test_path_indices_and_openapi_bounds_of_schemas():
+    from pydantic import TypeAdapter, ValidationError
+
+    from sparkv.server.schemas import CreateContext, PathIndex
+
+    ta = TypeAdapter(PathIndex)
+    assert ta.validate_python("0") == 0 and ta.validate_python("2147483647") == 2**31 - 1
+    for bad in ("+1", "01", " 1", "1 ", "1.0", "-1", "\u0661", "2147483648", ""):
+        with pytest.raises(ValidationError):
+            ta.validate_python(bad)
+    props = CreateContext.model_json_schema()["properties"]
+    assert props["chunk_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 16,
+                                                 "maximum": 65536}
+    assert "'ge'" not in str(props) and "'le'" not in str(props)

@@ -10,7 +10,10 @@ streams every length prefix against the manifest's sizes, in order); any mismatc
 Reported per (mode, level, clients): Gbit/s of frame bytes, requests/s, latency p50/p99 per
 request (a GET, or a whole stream) and time to the first byte, errors, and the CPU seconds the
 server and the load generator used. Encode: tokens/s of the whole job and frames/s of the codec
-alone. Everything stays on 127.0.0.1. See docs/benchmarks.md.
+alone. Mode ``stalled``: ``GET /healthz`` latency (p50/p99) while ``--stalled-streams`` stream
+responses are open to clients that never read (target: p99 < 100 ms: a stalled stream must not
+block the event loop), with the server's buffered stream bytes at that moment. Everything stays
+on 127.0.0.1. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from sparkv.bench.common import format_table, write_result
 
 TARGET_GBIT_S = 1.0
 TARGET_CLIENTS = 32
+TARGET_HEALTHZ_MS = 100.0
+STALLED_STREAM_BYTES = 200_000_000
+"""Bytes each stalled stream asks for (repeating the context's frames; under max_stream_bytes)."""
+HEALTHZ_SAMPLES = 200
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -38,7 +45,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--levels", default="q5,raw", help="levels to encode and serve")
     p.add_argument("--clients", default="1,8,32", help="concurrent clients")
-    p.add_argument("--modes", default="get,stream")
+    p.add_argument("--modes", default="get,stream,stalled",
+                   help="get, stream (throughput per level and clients) and stalled (/healthz "
+                        "latency while streams are stalled)")
+    p.add_argument("--stalled-streams", type=int, default=16,
+                   help="stream responses kept open to clients that never read (mode stalled)")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per configuration")
     p.add_argument("--stream-frames", type=int, default=60, help="frames per stream request")
     p.add_argument("--torch-threads", type=int, default=0, help="server's PyTorch threads "
@@ -94,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         tmpd = Path(tmp)
         keys = write_config(tmpd / "server.yaml", ["bench"], models={"bench": args.model},
                             default_model="bench", max_context_tokens=max(args.tokens, 8192),
-                            max_body_bytes=16 * 1024 * 1024)
+                            max_body_bytes=16 * 1024 * 1024,
+                            max_streams_per_tenant=max(clients + [args.stalled_streams, 8]))
         threads = args.torch_threads or (os.cpu_count() or 1)
         print(f"bench server: starting the server (torch threads {threads}) ...", flush=True)
         server = ServerProcess(tmpd / "server.yaml", f"file://{tmpd}/store",
@@ -105,8 +117,9 @@ def run(args: argparse.Namespace) -> int:
                 encode = _encode(c, args, levels)
                 manifest = c.get(f"/v1/contexts/{encode['context_id']}").json()
             rows = []
+            stalled = None
             for level in levels:
-                for mode in modes:
+                for mode in [m for m in modes if m in ("get", "stream")]:
                     for n in clients:
                         cfg = {"url": server.url, "key": keys["bench"], "mode": mode,
                                "level": level, "clients": n, "duration": args.duration,
@@ -122,26 +135,39 @@ def run(args: argparse.Namespace) -> int:
                               f"p50 {res['latency_p50_ms']:.2f} ms, p99 "
                               f"{res['latency_p99_ms']:.2f} ms, errors {res['errors']}",
                               flush=True)
+            if "stalled" in modes:
+                stalled = _stalled_healthz(server.url, server.port, keys["bench"], manifest,
+                                           encode["context_id"], levels[0],
+                                           args.stalled_streams)
             server_log = server.log()
         finally:
             server.stop()
-    _print(encode, rows)
+    _print(encode, rows, stalled)
     stream32 = [r for r in rows if r["mode"] == "stream" and r["clients"] == TARGET_CLIENTS]
-    best = max((r["gbit_s"] for r in stream32), default=0.0)
-    targets = {
-        "stream_gbit_s_at_32_clients": {"target": f">= {TARGET_GBIT_S}", "measured": best,
-                                        "errors": sum(r["errors"] for r in stream32),
-                                        "met": bool(stream32) and best >= TARGET_GBIT_S
-                                        and all(r["errors"] == 0 for r in stream32)},
-    }
-    print(f"\ntarget: >= {TARGET_GBIT_S} Gbit/s through the stream endpoint at "
-          f"{TARGET_CLIENTS} clients with no errors: best {best:.3f} Gbit/s -> "
-          f"{'met' if targets['stream_gbit_s_at_32_clients']['met'] else 'NOT met'}")
+    targets: dict[str, Any] = {}
+    if stream32:
+        best = max(r["gbit_s"] for r in stream32)
+        met32 = best >= TARGET_GBIT_S and all(r["errors"] == 0 for r in stream32)
+        targets["stream_gbit_s_at_32_clients"] = {
+            "target": f">= {TARGET_GBIT_S}", "measured": best,
+            "errors": sum(r["errors"] for r in stream32), "met": met32}
+        print(f"\ntarget: >= {TARGET_GBIT_S} Gbit/s through the stream endpoint at "
+              f"{TARGET_CLIENTS} clients with no errors: best {best:.3f} Gbit/s -> "
+              f"{'met' if met32 else 'NOT met'}")
+    if stalled is not None:
+        met = stalled["healthz_p99_ms"] < TARGET_HEALTHZ_MS and stalled["errors"] == 0
+        targets["healthz_p99_ms_with_stalled_streams"] = {
+            "target": f"< {TARGET_HEALTHZ_MS:g}", "streams": stalled["streams"],
+            "measured": stalled["healthz_p99_ms"], "met": met}
+        print(f"target: /healthz p99 < {TARGET_HEALTHZ_MS:g} ms with {stalled['streams']} "
+              f"stalled streams: {stalled['healthz_p99_ms']:.1f} ms -> "
+              f"{'met' if met else 'NOT met'}")
     if "Traceback" in server_log:
         print("warning: the server logged a traceback:\n" + server_log[-2000:], file=sys.stderr)
     if args.json or args.out:
         config = {k: v for k, v in vars(args).items() if k != "func"}
-        path = write_result("server", {"encode": encode, "results": rows, "targets": targets},
+        path = write_result("server", {"encode": encode, "results": rows,
+                                       "stalled_streams": stalled, "targets": targets},
                             config, args.out)
         print(f"wrote {path}")
     return 0
@@ -181,7 +207,8 @@ def _encode(c: Any, args: argparse.Namespace, levels: list[str]) -> dict[str, An
     }
 
 
-def _print(encode: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+def _print(encode: dict[str, Any], rows: list[dict[str, Any]],
+           stalled: dict[str, Any] | None = None) -> None:
     print("\nencode (one job through the REST API):")
     print(format_table(
         ["tokens", "T", "frames", "wall_s", "prefill_s", "codec_s", "describe_s", "store_s",
@@ -196,6 +223,103 @@ def _print(encode: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         [[r["mode"], r["level"], r["clients"], r["gbit_s"], r["requests_per_s"],
           r["frames_per_s"], r["latency_p50_ms"], r["latency_p99_ms"], r["ttfb_p50_ms"],
           r["errors"], r["server_cpu_s"], r["client_cpu_s"]] for r in rows]))
+    if stalled is not None:
+        print(f"\n/healthz latency, idle and with {stalled['streams']} stalled streams "
+              f"({stalled['stream_mbytes']:.0f} MB asked each, level {stalled['level']}):")
+        print(format_table(
+            ["streams", "samples", "idle_p50_ms", "idle_p99_ms", "p50_ms", "p99_ms", "max_ms",
+             "errors", "buffered_MB"],
+            [[stalled["streams"], stalled["samples"], stalled["idle_p50_ms"],
+              stalled["idle_p99_ms"], stalled["healthz_p50_ms"], stalled["healthz_p99_ms"],
+              stalled["healthz_max_ms"], stalled["errors"],
+              stalled["buffered_bytes"] / 1e6]]))
+
+
+# ------------------------------------------------------------------------------------------------
+# /healthz while streams are stalled
+# ------------------------------------------------------------------------------------------------
+def _server_metric(client: Any, name: str) -> float:
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _healthz_latencies(client: Any, n: int) -> tuple[list[float], int]:
+    lat: list[float] = []
+    errors = 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        try:
+            ok = client.get("/healthz").status_code == 200
+        except Exception:  # noqa: BLE001 - counted
+            ok = False
+        lat.append(time.perf_counter() - t0)
+        errors += not ok
+        time.sleep(0.005)
+    return lat, errors
+
+
+def _stalled_healthz(url: str, port: int, key: str, manifest: dict[str, Any], context_id: str,
+                     level: str, streams: int) -> dict[str, Any]:
+    """``/healthz`` latency (keep-alive, sequential) with no stream open, then with ``streams``
+    stream responses open to raw-socket clients that sent their request and never read (a 4 KiB
+    receive buffer, so the kernel absorbs little); the clients then reset their connections."""
+    import socket
+    import struct
+
+    import httpx
+
+    chunks = manifest["chunks"]
+    per_pass = sum(4 + ch["levels"][level]["bytes"] for ch in chunks)
+    repeat = max(1, min(STALLED_STREAM_BYTES // per_pass, 65536 // len(chunks)))
+    body = json.dumps({"level": level, "chunks": [{"t": ch["t"], "l": ch["l"], "g": ch["g"]}
+                                                  for ch in chunks] * repeat}).encode()
+    request = (f"POST /v1/contexts/{context_id}/stream HTTP/1.1\r\nHost: bench\r\n"
+               f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    socks: list[socket.socket] = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        _healthz_latencies(c, 20)  # warm the connection
+        idle, idle_errors = _healthz_latencies(c, HEALTHZ_SAMPLES)
+        print(f"bench server: opening {streams} stalled streams ({per_pass * repeat / 1e6:.0f} "
+              f"MB each) ...", flush=True)
+        try:
+            for _ in range(streams):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", port))
+                s.sendall(request)
+                socks.append(s)
+            deadline = time.monotonic() + 120
+            while _server_metric(c, "sparkv_streams_active") < streams:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the stalled streams did not all start")
+                time.sleep(0.05)
+            time.sleep(0.5)  # let the streams fill their socket buffers and stall
+            lat, errors = _healthz_latencies(c, HEALTHZ_SAMPLES)
+            buffered = _server_metric(c, "sparkv_stream_buffered_bytes")
+            active = _server_metric(c, "sparkv_streams_active")
+        finally:
+            for s in socks:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+        deadline = time.monotonic() + 60
+        while _server_metric(c, "sparkv_streams_active") > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        released = _server_metric(c, "sparkv_streams_active") == 0
+    out = {"streams": streams, "level": level, "stream_mbytes": per_pass * repeat / 1e6,
+           "samples": len(lat), "streams_active": active, "buffered_bytes": buffered,
+           "idle_p50_ms": _percentile(idle, 50) * 1e3, "idle_p99_ms": _percentile(idle, 99) * 1e3,
+           "healthz_p50_ms": _percentile(lat, 50) * 1e3,
+           "healthz_p99_ms": _percentile(lat, 99) * 1e3,
+           "healthz_max_ms": max(lat) * 1e3 if lat else 0.0,
+           "errors": errors + idle_errors, "slots_released": released}
+    print(f"  stalled x{streams}: /healthz p50 {out['healthz_p50_ms']:.2f} ms, p99 "
+          f"{out['healthz_p99_ms']:.2f} ms (idle p99 {out['idle_p99_ms']:.2f} ms), buffered "
+          f"{buffered / 1e6:.1f} MB, slots released {released}", flush=True)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

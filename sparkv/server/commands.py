@@ -143,6 +143,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from sparkv.server.app import create_app
+    from sparkv.server.http_protocol import json_error_protocol
 
     app = create_app(settings)
     scheme = "https" if args.ssl_certfile else "http"
@@ -154,7 +155,7 @@ def serve(args: argparse.Namespace) -> int:
                 ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
                 ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
-                timeout_keep_alive=30, server_header=False)
+                timeout_keep_alive=30, server_header=False, http=json_error_protocol())
     return 0
 
 

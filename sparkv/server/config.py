@@ -75,6 +75,17 @@ class Settings(BaseModel):
     """Upper bound on a context's tokens (the model's own maximum applies as well)."""
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_stream_items: int = Field(1 << 16, ge=1)
+    """Items (frames) per stream request; beyond, 400 ``too_many_items``."""
+    max_stream_bytes: int = Field(256 * 1024 * 1024, ge=4096)
+    """Bytes one stream response may hold (its records: 4-byte prefixes and frames); beyond, 413
+    ``response_too_large`` (items may repeat, so a small request could otherwise ask for
+    gigabytes)."""
+    max_streams_per_tenant: int = Field(8, ge=1, le=4096)
+    """Stream responses one tenant may have in progress at once; beyond, 429
+    ``too_many_streams`` with ``Retry-After``."""
+    body_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    """A request body must arrive completely within this many seconds of the request's headers;
+    otherwise 408 ``body_timeout`` and the connection is closed."""
     max_queued_jobs: int = Field(64, ge=1)
     encode_workers: int = Field(1, ge=1, le=16)
     torch_threads: int = Field(0, ge=0)

@@ -24,7 +24,7 @@ import numpy as np
 
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.protocol import ChunkEntry, FrameCipher, Manifest, ModelInfo
-from sparkv.protocol.digests import checksum, etag_of, tokens_bytes, tokens_digest
+from sparkv.protocol.digests import checksum, tokens_bytes, tokens_digest
 from sparkv.server.stores.base import ChunkKey, ChunkStore
 
 ID_VERSION = 1

@@ -38,6 +38,21 @@ class ServerMetrics:
         self.stream_errors = Counter("sparkv_stream_errors_total",
                                      "Stream responses cut because a frame could not be read",
                                      registry=r)
+        self.frames_corrupt = Counter("sparkv_frames_corrupt_total",
+                                      "Stored frames not served because their size or checksum "
+                                      "does not match the manifest", ["endpoint"], registry=r)
+        self.streams_active = Gauge("sparkv_streams_active", "Stream responses in progress",
+                                    registry=r)
+        self.stream_buffered_bytes = Gauge(
+            "sparkv_stream_buffered_bytes", "Frame bytes streams have read from the store and "
+            "not yet handed to the HTTP server (at most about two batches per stream)",
+            registry=r)
+        self.streams_refused = Counter("sparkv_streams_refused_total",
+                                       "Stream requests refused by a limit", ["reason"],
+                                       registry=r)
+        self.body_timeouts = Counter("sparkv_body_timeouts_total",
+                                     "Requests answered 408 because their body did not arrive "
+                                     "within body_timeout_s", registry=r)
         self.not_modified = Counter("sparkv_not_modified_total", "304 answers to If-None-Match",
                                     registry=r)
         self.auth_failures = Counter("sparkv_auth_failures_total", "Requests refused with 401",

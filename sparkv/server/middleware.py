@@ -1,5 +1,5 @@
-"""Pure ASGI middleware: metrics, gzip for JSON, the request body limit and API-key
-authentication.
+"""Pure ASGI middleware: metrics, gzip for JSON, the request body deadline and size limit, and
+API-key authentication (:func:`install_middleware` adds them in order).
 
 Pure ASGI (no ``BaseHTTPMiddleware``) so that streamed responses pass through untouched and the
 per-request cost stays a few microseconds.
@@ -13,12 +13,14 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
+import anyio
 from anyio import to_thread
+from fastapi import FastAPI
 from fastapi.exceptions import HTTPException
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sparkv.server.config import ANONYMOUS_TENANT, hash_api_key
+from sparkv.server.config import ANONYMOUS_TENANT, Settings, hash_api_key
 from sparkv.server.metrics import ServerMetrics
 
 TENANT_SCOPE_KEY = "sparkv.tenant"
@@ -27,6 +29,7 @@ PROTECTED_PREFIX = "/v1/"
 
 async def send_json(send: Send, status: int, body: dict[str, Any],
                     headers: dict[str, str] | None = None) -> None:
+    """Sends a whole JSON response."""
     data = json.dumps(body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -35,6 +38,7 @@ async def send_json(send: Send, status: int, body: dict[str, Any],
 
 
 def error_body(status: int, code: str, message: str, **details: Any) -> dict[str, Any]:
+    """The one JSON shape of an error response."""
     return {"error": {"status": status, "code": code, "message": message, **details}}
 
 
@@ -228,10 +232,61 @@ class GZipMiddleware:
 
 
 class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` when a streamed body crosses the limit (413 ``body_too_large``)."""
+
+    code = "body_too_large"
+
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body is larger than the server's limit of {limit} "
                               "bytes")
         self.limit = limit
+        self.details = {"limit": limit}
+
+
+class BodyTimeout(HTTPException):
+    """Raised from ``receive`` when the body has not arrived within the deadline (408
+    ``body_timeout``; ``Connection: close`` makes the HTTP server close the connection)."""
+
+    code = "body_timeout"
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body did not arrive completely within "
+                              f"{timeout_s:g} s", headers={"Connection": "close"})
+        self.details = {"timeout_s": timeout_s}
+
+
+class BodyTimeoutMiddleware:
+    """Gives every request body a deadline: ``timeout_s`` from the moment the request's headers
+    reached the app. A read of the body that would wait past it raises :class:`BodyTimeout`
+    (rendered as 408 ``body_timeout``, and the connection is closed), so a client that sends a
+    partial body (or none, after announcing one) cannot hold a request open. Once the body is
+    complete, ``receive`` is not timed (a stream response waits on it for the disconnect)."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = anyio.current_time() + self.timeout_s
+        complete = False
+
+        async def timed_receive() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    complete = True
+                return message
+            self.metrics.body_timeouts.inc()
+            raise BodyTimeout(self.timeout_s)
+
+        await self.app(scope, timed_receive, send)
 
 
 class BodyLimitMiddleware:
@@ -275,8 +330,9 @@ class BodyLimitMiddleware:
 class AuthMiddleware:
     """Maps the API key of every ``/v1/`` request to its tenant, or answers 401.
 
-    The key comes from ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``; it is hashed and
-    looked up among the configured hashes. Without a key the request is refused unless anonymous
+    The key comes from ``Authorization: Bearer <key>`` or ``X-API-Key: <key>`` (both may be sent
+    only if they carry the same key: two different keys are ``conflicting_api_keys``, never a
+    guess at which one counts); it is hashed and looked up among the configured hashes. Without a key the request is refused unless anonymous
     access is on (then it acts as tenant ``anonymous``). The tenant is put in the ASGI scope for
     the routes (``request.scope["sparkv.tenant"]``).
     """
@@ -299,6 +355,7 @@ class AuthMiddleware:
             return
         key = None
         auth = _header(scope, b"authorization")
+        header_key = _header(scope, b"x-api-key")
         if auth is not None:
             scheme, _, value = auth.strip().partition(" ")
             if scheme.lower() != "bearer" or not value.strip():
@@ -306,8 +363,13 @@ class AuthMiddleware:
                                    "'Bearer <api key>' (or send the key in X-API-Key)")
                 return
             key = value.strip()
+            if header_key is not None and header_key.strip() and header_key.strip() != key:
+                await self._refuse(send, "conflicting_api_keys", "the request carries two "
+                                   "different API keys (Authorization: Bearer and X-API-Key); "
+                                   "send one")
+                return
         else:
-            key = _header(scope, b"x-api-key")
+            key = header_key.strip() if header_key is not None else None
         if not key:
             if self.allow_anonymous():
                 scope[TENANT_SCOPE_KEY] = ANONYMOUS_TENANT
@@ -322,3 +384,17 @@ class AuthMiddleware:
             return
         scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
+
+
+def install_middleware(app: FastAPI, settings: Settings, metrics: ServerMetrics) -> None:
+    """Adds the middleware, outermost first: metrics (which counts the bytes sent, compressed),
+    gzip (JSON only), the body deadline, the body size limit, authentication."""
+    index = settings.key_index()
+    app.add_middleware(AuthMiddleware, key_index=lambda: index,  # type: ignore[arg-type]
+                       allow_anonymous=lambda: settings.allow_anonymous, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(BodyTimeoutMiddleware,  # type: ignore[arg-type]
+                       timeout_s=settings.body_timeout_s, metrics=metrics)
+    app.add_middleware(GZipMiddleware,  # type: ignore[arg-type]
+                       minimum_size=settings.gzip_min_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@ docs/rest-api.md for the prose)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator)
@@ -14,9 +15,11 @@ from sparkv.protocol.manifest import Manifest
 __all__ = ["ErrorDetail", "ErrorResponse", "Manifest"]  # the wire's own models, shown in OpenAPI
 
 LevelName = Literal[tuple(LEVEL_ORDER)]  # type: ignore[valid-type]
+LEVEL_NAMES = frozenset(LEVEL_ORDER)
 CONTEXT_ID_PATTERN = r"^[0-9a-f]{32}$"
 JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
 MAX_INDEX = 2**31 - 1
+_CANONICAL_DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
 def _json_int(value: Any) -> int:
@@ -31,8 +34,33 @@ def _json_int(value: Any) -> int:
     return value
 
 
+def _canonical_decimal(value: Any) -> Any:
+    """A path segment as a plain decimal: ``0`` or ``[1-9][0-9]*`` (no sign, no leading zeros,
+    no spaces, no fraction), so that one frame has exactly one URL (one cache key)."""
+    if isinstance(value, str) and not _CANONICAL_DECIMAL.fullmatch(value):
+        raise ValueError("must be a plain decimal integer: 0 or [1-9][0-9]* (no sign, leading "
+                         "zeros, spaces or fraction)")
+    return int(value) if isinstance(value, str) else value
+
+
+def json_int(minimum: int, maximum: int) -> Any:
+    """A JSON integer in ``[minimum, maximum]`` (see :func:`_json_int`).
+
+    The bounds sit on the inner ``int`` so that JSON Schema (and OpenAPI) shows them as
+    ``minimum``/``maximum``; put on the outer, validator-wrapped type (or on an ``Optional``)
+    pydantic would emit non-standard ``ge``/``le`` keywords.
+    """
+    return Annotated[int, Field(ge=minimum, le=maximum), BeforeValidator(_json_int)]
+
+
 JsonInt = Annotated[int, BeforeValidator(_json_int)]
-TokenId = Annotated[JsonInt, Field(ge=0, le=MAX_INDEX)]
+TokenId = json_int(0, MAX_INDEX)
+ChunkTokens = json_int(16, 65536)
+HeadsPerGroup = json_int(0, 4096)
+ChunkIndex = json_int(0, MAX_INDEX)
+PathIndex = Annotated[Annotated[int, Field(ge=0, le=MAX_INDEX)],
+                      BeforeValidator(_canonical_decimal)]
+"""``t``, ``l``, ``g`` in a URL path: canonical decimal in ``[0, 2^31)``."""
 
 
 class CreateContext(BaseModel):
@@ -51,10 +79,10 @@ class CreateContext(BaseModel):
     levels: Optional[list[LevelName]] = Field(  # type: ignore[valid-type]
         None, min_length=1, max_length=32,
         description="bitrate levels to encode (default: the server's default levels)")
-    chunk_tokens: Optional[JsonInt] = Field(None, ge=16, le=65536,
-                                              description="T, tokens per token chunk")
-    heads_per_group: JsonInt = Field(0, ge=0, le=4096, description="KV heads per group "
-                                       "(0: every KV head in one group)")
+    chunk_tokens: Optional[ChunkTokens] = Field(  # type: ignore[valid-type]
+        None, description="T, tokens per token chunk")
+    heads_per_group: HeadsPerGroup = Field(  # type: ignore[valid-type]
+        0, description="KV heads per group (0: every KV head in one group)")
     encrypt: StrictBool = Field(False, description="AES-256-GCM-encrypt the stored frames with a "
                                 "new per-context key, returned once in this response")
 
@@ -109,9 +137,9 @@ class JobInfo(BaseModel):
 class StreamItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    t: JsonInt = Field(ge=0, le=MAX_INDEX)
-    l: JsonInt = Field(ge=0, le=MAX_INDEX)  # noqa: E741
-    g: JsonInt = Field(0, ge=0, le=MAX_INDEX)
+    t: ChunkIndex  # type: ignore[valid-type]
+    l: ChunkIndex  # type: ignore[valid-type]  # noqa: E741
+    g: ChunkIndex = 0  # type: ignore[valid-type]
     level: Optional[LevelName] = Field(None, description="default: the request's level")  # type: ignore[valid-type]
 
 
@@ -140,8 +168,10 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
+    """``GET /healthz``: liveness; the store's state is reported without any detail (no URL,
+    path or error text: those go to the server's log)."""
+
+    status: Literal["ok", "unavailable"]
     version: str
-    store: str
+    store: Literal["ok", "unavailable"]
     jobs_active: int
-    error: Optional[str] = None

@@ -1,0 +1,181 @@
+"""Contexts: ``POST /v1/contexts`` (encode in the background), ``GET /v1/contexts`` (list),
+``GET /v1/contexts/{id}`` (the manifest), ``GET /v1/contexts/{id}/tokens`` (the token ids) and
+``DELETE /v1/contexts/{id}``."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Annotated, Any
+
+from anyio import to_thread
+from fastapi import APIRouter, Header
+from fastapi.responses import JSONResponse, Response
+
+from sparkv.layout import ChunkGeometry
+from sparkv.protocol.crypto import key_to_text
+from sparkv.server import schemas
+from sparkv.server.deps import ContextIdPath, StateDep, TenantDep, require_manifest
+from sparkv.server.encoder import ContextSpec, canonical_levels, derive_context_id
+from sparkv.server.errors import ApiError
+from sparkv.server.http import none_match, not_modified_etag
+from sparkv.server.jobs import SubmitResult
+from sparkv.server.openapi import CREATED_LINKS, error_responses, operation_id
+from sparkv.server.state import IMMUTABLE, ServerState
+from sparkv.server.stores import ChunkStore
+
+log = logging.getLogger("sparkv.server")
+
+TOKENS_MEDIA_TYPE = "application/octet-stream"
+
+router = APIRouter(tags=["contexts"], generate_unique_id_function=operation_id)
+
+
+@router.post("/v1/contexts", status_code=202, response_model=schemas.ContextCreated,
+             responses={**error_responses(400, 409, 413, 503),
+                        202: {"links": CREATED_LINKS},
+                        200: {"model": schemas.ContextCreated, "links": CREATED_LINKS,
+                              "description": "already encoded (nothing queued)"}})
+async def create_context(body: schemas.CreateContext, state: StateDep,
+                         tenant: TenantDep) -> JSONResponse:
+    """Queues an encode job (202), or answers 200 when the context is already encoded."""
+    result, spec, cid, num_chunks = await to_thread.run_sync(submit_context, state, tenant, body)
+    rec = result.job
+    job_id = rec["job_id"] if rec else None
+    out = {
+        "context_id": cid, "job_id": job_id, "status": result.status,
+        "model": spec.model, "num_tokens": spec.num_tokens, "num_chunks": num_chunks,
+        "levels": list(spec.levels), "chunk_tokens": spec.chunk_tokens,
+        "encrypted": spec.encrypted, "encryption_key": None,
+        "manifest_url": f"/v1/contexts/{cid}",
+        "job_url": f"/v1/jobs/{job_id}" if job_id else None,
+    }
+    if result.key is not None:
+        out["encryption_key"] = key_to_text(result.key)
+    status = 200 if result.status == "done" else 202
+    headers = {"Location": out["manifest_url"], "Cache-Control": "no-store"}
+    return JSONResponse(out, status_code=status, headers=headers)
+
+
+@router.get("/v1/contexts", response_model=schemas.ContextList, responses=error_responses())
+async def list_contexts(state: StateDep, tenant: TenantDep) -> Any:
+    """The tenant's complete contexts, and those with a queued or running job."""
+    ids = await to_thread.run_sync(state.store.list_contexts, tenant)
+    pending = [{"context_id": j["context_id"], "job_id": j["job_id"], "state": j["state"]}
+               for j in state.jobs.active_jobs(tenant)]
+    return {"contexts": ids, "pending": pending}
+
+
+@router.get("/v1/contexts/{context_id}", response_class=Response,
+            responses={**error_responses(404), 200: {"model": schemas.Manifest},
+                       304: {"description": "not modified"}})
+async def get_manifest(context_id: ContextIdPath, state: StateDep, tenant: TenantDep,
+                       if_none_match: Annotated[str | None, Header()] = None) -> Response:
+    """The manifest (ETag, ``If-None-Match`` -> 304)."""
+    parsed = await require_manifest(state, tenant, context_id)
+    headers = {"ETag": parsed.etag, "Cache-Control": "private, no-cache"}
+    if state.settings.gzip_min_bytes > 0:
+        headers["Vary"] = "Accept-Encoding"
+    # The ETag is strong (the manifest's bytes); GZipMiddleware weakens it on a compressed
+    # 200, and a 304 echoes the form the client holds.
+    tag = not_modified_etag(if_none_match, parsed.etag)
+    if tag is not None:
+        return Response(status_code=304, headers={**headers, "ETag": tag})
+    return Response(parsed.raw, media_type="application/json", headers=headers)
+
+
+@router.get("/v1/contexts/{context_id}/tokens", response_class=Response,
+            responses={**error_responses(404),
+                       200: {"content": {TOKENS_MEDIA_TYPE: {"schema": {
+                           "type": "string", "format": "binary"}}},
+                             "description": "the token ids, little-endian u32 each"},
+                       304: {"description": "not modified"}})
+async def get_tokens(context_id: ContextIdPath, state: StateDep, tenant: TenantDep,
+                     if_none_match: Annotated[str | None, Header()] = None) -> Response:
+    """The context's token ids, checked against the manifest's ``tokens_sha256``."""
+    parsed = await require_manifest(state, tenant, context_id)
+    found = await to_thread.run_sync(read_tokens, state.store, tenant, context_id)
+    if found is None:
+        state.forget(tenant, context_id)
+        await require_manifest(state, tenant, context_id)  # 404 if it was deleted meanwhile
+        raise ApiError(404, "tokens_not_available",
+                       f"context {context_id} was encoded before the server kept token ids; "
+                       "send the request that created it (POST /v1/contexts) again: nothing "
+                       "is encoded again, only its token ids are stored")
+    data, digest = found
+    if (parsed.tokens_sha256 and digest != parsed.tokens_sha256) or \
+            len(data) != 4 * parsed.num_tokens:
+        log.error("the stored token ids of context %s do not match its manifest (sha256 "
+                  "%s, %d bytes; the manifest says %s, %d tokens)", context_id, digest,
+                  len(data), parsed.tokens_sha256, parsed.num_tokens)
+        raise ApiError(500, "tokens_corrupt", f"the stored token ids of context {context_id} "
+                       "do not match its manifest's tokens_sha256")
+    headers = {"ETag": f'"{digest}"', "Cache-Control": "private, " + IMMUTABLE,
+               "X-Sparkv-Tokens-Sha256": digest, "X-Sparkv-Num-Tokens": str(len(data) // 4)}
+    if none_match(if_none_match, headers["ETag"]):
+        state.metrics.not_modified.inc()
+        return Response(status_code=304, headers=headers)
+    return Response(data, media_type=TOKENS_MEDIA_TYPE, headers=headers)
+
+
+@router.delete("/v1/contexts/{context_id}", status_code=204, response_class=Response,
+               responses=error_responses(404))
+async def delete_context(context_id: ContextIdPath, state: StateDep,
+                         tenant: TenantDep) -> Response:
+    """Deletes the context (cancelling its job): 204, or 404 when nothing existed."""
+    existed = await to_thread.run_sync(state.jobs.delete_context, tenant, context_id)
+    state.forget(tenant, context_id)
+    if not existed:
+        raise ApiError(404, "context_not_found", f"no context {context_id}")
+    return Response(status_code=204)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers (run in the thread pool)
+# ------------------------------------------------------------------------------------------------
+def read_tokens(store: ChunkStore, tenant: str, context_id: str) -> tuple[bytes, str] | None:
+    """The stored token ids and their SHA-256 (hex), or ``None``."""
+    data = store.get_tokens(tenant, context_id)
+    return None if data is None else (data, hashlib.sha256(data).hexdigest())
+
+
+def submit_context(state: ServerState, tenant: str, body: schemas.CreateContext
+                   ) -> tuple[SubmitResult, ContextSpec, str, int]:
+    """Resolves the model, tokenizes, validates and submits: ``(result, spec, context id,
+    number of (t, l, g) chunks)``."""
+    s = state.settings
+    entry = state.registry.get(body.model or s.default_model)
+    if body.text is not None:
+        if entry.lm.tokenizer is None:
+            raise ApiError(400, "no_tokenizer", f"model {entry.name!r} has no tokenizer: send "
+                           "token_ids instead of text")
+        ids = entry.lm.encode_text(body.text)
+        if not ids:
+            raise ApiError(400, "empty_context", "the text tokenizes to no tokens")
+    else:
+        ids = list(body.token_ids or [])
+        bad = next((i for i, x in enumerate(ids) if not 0 <= x < entry.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, "token_out_of_range",
+                           f"token_ids[{bad}] = {ids[bad]} is not in [0, {entry.vocab_size}) "
+                           f"(the vocabulary of {entry.name!r})", index=bad)
+    if len(ids) > entry.max_tokens:
+        raise ApiError(400, "context_too_long",
+                       f"the context has {len(ids)} tokens; model {entry.name!r} on this server "
+                       f"accepts at most {entry.max_tokens}", num_tokens=len(ids),
+                       max_tokens=entry.max_tokens)
+    try:
+        levels = canonical_levels(body.levels or s.default_levels)
+    except ValueError as exc:  # pragma: no cover - the schema already restricts names
+        raise ApiError(400, "unknown_level", str(exc)) from None
+    chunk_tokens = body.chunk_tokens or s.default_chunk_tokens
+    try:
+        geometry = ChunkGeometry.from_config(entry.lm.config, len(ids), chunk_tokens,
+                                             body.heads_per_group)
+    except ValueError as exc:
+        raise ApiError(400, "bad_geometry", str(exc)) from None
+    spec = ContextSpec(tenant, entry.name, tuple(ids), chunk_tokens, levels,
+                       body.heads_per_group, body.encrypt)
+    cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
+    result = state.jobs.submit(spec, cid, geometry.num_chunks * len(levels))
+    return result, spec, cid, geometry.num_chunks

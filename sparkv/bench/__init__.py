@@ -18,6 +18,7 @@ BENCH_MODULES: list[str] = [
     "sparkv.bench.predictor",
     "sparkv.bench.server",
     "sparkv.bench.ttft",
+    "sparkv.bench.decode",
 ]
 
 

@@ -8,7 +8,7 @@ from enum import Enum
 from typing import Any
 
 from sparkv.layout import KVChunkId, StepId
-from sparkv.runtime.kvcache import KVBuffers
+from sparkv.cache import ContextKV
 
 
 class TransferStatus(str, Enum):
@@ -73,7 +73,7 @@ class LoadResult:
     sources: dict[str, int]
     fallback: dict[str, Any]
     link_errors: list[str]
-    kv: KVBuffers = field(repr=False)
+    kv: ContextKV = field(repr=False)
     link_estimate_Bps: float | None = None
     compute_ratio: float = 1.0
     compute_samples: int = 0

@@ -274,7 +274,8 @@ class EdgeSession:
 
         # ---- load ----------------------------------------------------------------------------
         stepper = LayerStepper(lm, tokens, geometry.chunk_tokens, backend=attn,
-                               heads_per_group=geometry.heads_per_group)
+                               heads_per_group=geometry.heads_per_group,
+                               spare_tokens=len(suffix) + max_new_tokens + 8)
         source = client.chunk_source(context_id) if plan.stream_order else None
         engine = Engine(stepper, plan, inst, ctl_cfg, source=source,
                         config=engine_config or self.engine_config,
@@ -283,7 +284,7 @@ class EdgeSession:
         self.priors.learn(load)
 
         # ---- answer --------------------------------------------------------------------------
-        gen = greedy_generate(lm, stepper.kv.layer_kv(), len(tokens), suffix, max_new_tokens,
+        gen = greedy_generate(lm, stepper.kv, len(tokens), suffix, max_new_tokens,
                               stop_at_eos=stop_at_eos)
         ttft = (time.perf_counter() - t_start) - (gen.total_s - gen.first_token_s)
         self.priors.question_prefill_s = gen.first_token_s

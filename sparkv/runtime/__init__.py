@@ -9,7 +9,8 @@ from sparkv.runtime.generate import (
     reference_prefill, sample_context_ids, sample_text,
 )
 from sparkv.runtime.kvcache import (
-    KVBuffers, LayerKV, assemble_layers, from_dynamic_cache, split_chunks, to_dynamic_cache,
+    LayerKV, assemble_layers, from_dynamic_cache, memory_from_layers, split_chunks,
+    to_dynamic_cache,
 )
 from sparkv.runtime.model import (
     LoadedModel, ModelError, ModelNotFoundError, UnsupportedModelError, load_model,
@@ -20,7 +21,7 @@ __all__ = [
     "AttentionBackend", "AttentionStats", "BlockSparseAttention", "DenseAttention",
     "SparsityConfig", "get_backend", "spas_sage_available", "GenerationResult", "first_token_kl",
     "greedy_agreement", "greedy_generate", "reference_generate", "reference_prefill",
-    "sample_context_ids", "sample_text", "KVBuffers", "LayerKV", "assemble_layers",
+    "sample_context_ids", "sample_text", "LayerKV", "assemble_layers", "memory_from_layers",
     "from_dynamic_cache", "split_chunks", "to_dynamic_cache", "LoadedModel", "ModelError",
     "ModelNotFoundError", "UnsupportedModelError", "load_model", "LayerStepper",
     "MissingDependencyError", "StepResult", "prefill_layer_kv",

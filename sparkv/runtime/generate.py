@@ -14,7 +14,9 @@ from typing import Sequence
 
 import torch
 
-from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, to_dynamic_cache
+from sparkv.cache import ContextKV, SparkvCache
+from sparkv.layout import ChunkGeometry
+from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 from sparkv.runtime.model import LoadedModel
 
 SAMPLE_CONTEXT = Path(__file__).resolve().parent.parent / "data" / "sample_context.txt"
@@ -39,24 +41,52 @@ class GenerationResult:
     prefill_s: float = 0.0  # the question's forward pass (part of first_token_s)
 
 
+def _memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextKV:
+    if isinstance(kv, ContextKV):
+        if kv.geometry.num_tokens != n:
+            raise ValueError(f"the memory holds {kv.geometry.num_tokens} tokens, context has {n}")
+        return kv
+    if kv and kv[0][0].shape[2] != n:
+        raise ValueError(f"cache holds {kv[0][0].shape[2]} tokens, context has {n}")
+    geometry = ChunkGeometry.from_config(lm.config, n, max(16, min(n, 1 << 16)))
+    return memory_from_layers(kv, geometry, spare_tokens=64)
+
+
 @torch.inference_mode()
-def greedy_generate(lm: LoadedModel, kv: LayerKV, context_len: int | Sequence[int],
+def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequence[int],
                     question_ids: Sequence[int], max_new_tokens: int = 32,
-                    stop_at_eos: bool = True) -> GenerationResult:
+                    stop_at_eos: bool = True, keep: bool = False) -> GenerationResult:
     """Greedy decoding after ``question_ids`` over a context cache of ``context_len`` tokens.
 
+    The cache is a :class:`~sparkv.cache.SparkvCache` over the KV memory: new tokens are appended
+    in place (no per-token copy of a layer); pruned and quantized layers are attended with their
+    explicit positions.
+
     Args:
-        kv: per-layer ``(K, V)`` of the context, ``[1, kv_heads, N, head_dim]`` (left untouched).
+        kv: the context's KV memory, or per-layer ``(K, V)`` ``[1, kv_heads, N, head_dim]``
+            (copied once into a memory).
         context_len: N, or the context's token ids (only their count is used).
         question_ids: the prompt suffix (at least one token).
+        keep: leave the question and the answer in the memory (the context grows, as a chat
+            does); by default the memory is left as it was.
     """
     n = context_len if isinstance(context_len, int) else len(context_len)
     if not question_ids:
         raise ValueError("the question needs at least one token")
-    if kv and kv[0][0].shape[2] != n:
-        raise ValueError(f"cache holds {kv[0][0].shape[2]} tokens, context has {n}")
     start = time.perf_counter()
-    cache = to_dynamic_cache(kv)
+    memory = _memory(lm, kv, n)
+    cache = SparkvCache(memory)
+    try:
+        return _greedy(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start)
+    finally:
+        if keep:
+            cache.commit()
+        else:
+            memory.truncate()
+
+
+def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[int],
+            max_new_tokens: int, stop_at_eos: bool, start: float) -> GenerationResult:
     device = lm.device
     ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
     pos = torch.arange(n, n + ids.shape[1], device=device)
@@ -83,7 +113,7 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV, context_len: int | Sequence[in
 
 
 @torch.inference_mode()
-def teacher_forced_agreement(lm: LoadedModel, kv: LayerKV, context_len: int,
+def teacher_forced_agreement(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int,
                              question_ids: Sequence[int], ref: Sequence[int]) -> float:
     """Share of the reference continuation ``ref`` whose tokens are the argmax given the
     reference prefix over this cache (no divergence cascade, unlike :func:`greedy_agreement`)."""
@@ -91,9 +121,13 @@ def teacher_forced_agreement(lm: LoadedModel, kv: LayerKV, context_len: int,
         return 1.0
     ids = list(question_ids) + list(ref[:-1])
     pos = torch.arange(context_len, context_len + len(ids), device=lm.device)
-    out = lm.model(input_ids=torch.tensor([ids], device=lm.device),
-                   past_key_values=to_dynamic_cache(kv), position_ids=pos[None],
-                   cache_position=pos, use_cache=True)
+    memory = _memory(lm, kv, context_len)
+    try:
+        out = lm.model(input_ids=torch.tensor([ids], device=lm.device),
+                       past_key_values=SparkvCache(memory), position_ids=pos[None],
+                       cache_position=pos, use_cache=True)
+    finally:
+        memory.truncate()
     pred = out.logits[0, len(question_ids) - 1:].argmax(-1).tolist()
     return sum(int(a == b) for a, b in zip(pred, ref)) / len(ref)
 

@@ -73,6 +73,13 @@ class LoadedModel:
     fingerprint: str
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # the "sparkv" attention implementation: transformers' SDPA for every cache, plus
+        # attention over the KV memory's views (explicit positions, ragged heads)
+        from sparkv.cache.attention import use_sparkv_attention
+
+        use_sparkv_attention(self.model)
+
     @property
     def config(self) -> Any:
         return self.model.config

@@ -1,11 +1,18 @@
 """Exact layer-step execution (../shared/notes/sparkv-design.md, layers 0-based).
 
 Step ``(t, l)`` takes ``Y[l-1, t]`` (the embeddings when ``l == 0``) and ``KV(t' < t, l, *)`` and
-produces ``KV(t, l, *)`` and, when ``l < L-1``, ``Y[l, t]``. The last layer's step is projection-only:
-its hidden output is never consumed by the context, so it runs the input norm and the K/V
-projections (plus RoPE) and nothing else. Every chunk gets its absolute positions, so any order of
-steps that respects the dependencies gives the model's own prefill; KV of any chunk may instead be
-injected from outside (streamed) with :meth:`LayerStepper.inject`.
+produces ``KV(t, l, *)`` and, when ``l < L-1``, ``Y[l, t]``. Every chunk gets its absolute
+positions, so any order of steps that respects the dependencies gives the model's own prefill; KV
+of any chunk may instead be injected from outside (streamed) with :meth:`LayerStepper.inject`.
+
+A step runs the decoder layer's own modules: ``input_layernorm``, then the attention module's
+``forward`` (so forward hooks on attention, and on its projections, fire), with a one-step cache
+that writes the step's K/V into the KV memory (:class:`~sparkv.cache.ContextKV`) and hands
+attention the keys it may see: the layer's dense arena with the stepper's backend (dense or
+block-sparse), or, when the layer is pruned or holds quantized chunks, an explicit-position view.
+Then the residual, ``post_attention_layernorm`` and the MLP. The last layer's step is
+projection-only unless ``full_last_layer``: its hidden output is never consumed by the context,
+so it runs the input norm and the K/V projections (plus RoPE) and nothing else.
 
 Usage::
 
@@ -23,10 +30,10 @@ from typing import Iterable, Sequence
 
 import torch
 
+from sparkv.cache import AttentionView, ContextKV, Source
 from sparkv.errors import SparkvError
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
 from sparkv.runtime.attention import AttentionBackend, AttentionStats, DenseAttention
-from sparkv.runtime.kvcache import KVBuffers
 from sparkv.runtime.model import LoadedModel
 
 
@@ -60,13 +67,18 @@ class LayerStepper:
         chunk_tokens: T, tokens per token chunk.
         backend: attention backend for the context's steps (dense by default).
         heads_per_group: KV heads per chunk group (0: all heads in one group).
-        kv: optional preallocated buffers (e.g. already holding streamed chunks).
+        kv: the KV memory to fill (e.g. already holding streamed or restored chunks); default: a
+            new one.
+        full_last_layer: run the last layer's attention too (its hooks fire; nothing else needs
+            it), instead of the projection-only step.
+        spare_tokens: dense slots a new memory keeps for tokens decoded later.
     """
 
     def __init__(self, lm: LoadedModel, token_ids: Sequence[int],
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  backend: AttentionBackend | None = None, heads_per_group: int = 0,
-                 kv: KVBuffers | None = None) -> None:
+                 kv: ContextKV | None = None, full_last_layer: bool = False,
+                 spare_tokens: int = 0) -> None:
         if len(token_ids) == 0:
             raise ValueError("the context has no tokens")
         if lm.max_positions and len(token_ids) > lm.max_positions:
@@ -78,9 +90,10 @@ class LayerStepper:
         self.backend = backend or DenseAttention()
         self.token_ids = torch.tensor(list(token_ids), dtype=torch.long,
                                       device=lm.device).unsqueeze(0)
-        self.kv = kv or KVBuffers(self.geometry, lm.dtype, lm.device)
+        self.kv = kv or ContextKV(self.geometry, lm.dtype, lm.device, spare_tokens=spare_tokens)
         if self.kv.geometry != self.geometry:
-            raise ValueError("the KV buffers were made for another geometry")
+            raise ValueError("the KV memory was made for another geometry")
+        self.full_last_layer = full_last_layer
         self._hidden: dict[StepId, torch.Tensor] = {}  # Y[l, t] awaiting step (t, l+1)
         self._done: set[StepId] = set()
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -91,7 +104,7 @@ class LayerStepper:
     # ---- outside data --------------------------------------------------------------------------
     def inject(self, cid: KVChunkId, k: torch.Tensor, v: torch.Tensor) -> None:
         """Places a chunk's K/V (``[Hg, n_t, D]``) obtained elsewhere (streamed, decoded)."""
-        self.kv.put(cid, k.to(self.kv.k[0].dtype), v.to(self.kv.k[0].dtype), source="injected")
+        self.kv.put(cid, k, v, source=Source.INJECTED)
 
     # ---- dependencies --------------------------------------------------------------------------
     def missing_dependencies(self, step: StepId) -> list[str]:
@@ -132,7 +145,9 @@ class LayerStepper:
             return self.lm.decoder.embed_tokens(self.token_ids[:, t0:t1])
         return self._hidden.pop(StepId(step.t, step.l - 1))
 
-    def _project(self, layer, h: torch.Tensor, t: int, with_q: bool):
+    def _project_kv(self, layer, h: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (after RoPE) and V ``[1, H, n, D]`` of one token chunk, through the attention
+        module's own projections (and Qwen3's ``k_norm``)."""
         attn = layer.self_attn
         b, n, _ = h.shape
         d = self.geometry.head_dim
@@ -140,16 +155,8 @@ class LayerStepper:
         v = attn.v_proj(h).view(b, n, -1, d).transpose(1, 2)
         if getattr(attn, "k_norm", None) is not None:  # Qwen3
             k = attn.k_norm(k)
-        k = k.transpose(1, 2)
         cos, sin = self._rope_for(t, h)
-        k = apply_rope(k, cos, sin)
-        if not with_q:
-            return None, k, v
-        q = attn.q_proj(h).view(b, n, -1, d)
-        if getattr(attn, "q_norm", None) is not None:
-            q = attn.q_norm(q)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        return q, k, v
+        return apply_rope(k.transpose(1, 2), cos, sin), v
 
     @torch.inference_mode()
     def run_step(self, step: StepId) -> StepResult:
@@ -166,25 +173,20 @@ class LayerStepper:
         x = self._input(step)
         h = layer.input_layernorm(x)
         last = step.l == g.num_layers - 1
-        q, k, v = self._project(layer, h, step.t, with_q=not last)
-        self.kv.put_step_output(step.t, step.l, k, v)
         stats = None
-        if not last:
-            t0, t1 = g.token_range(step.t)
-            # prior chunks from the buffers (streamed or computed), own chunk from this projection
-            k_all = self.kv.k[step.l][:, :, :t1]
-            v_all = self.kv.v[step.l][:, :, :t1]
-            own_in_buffer = all(self.kv.source(c) == "computed"
-                                for c in g.chunks_of_step(step))
-            if not own_in_buffer:  # an injected chunk sits there: attend over our own projection
-                k_all = torch.cat([k_all[:, :, :t0], k], dim=2)
-                v_all = torch.cat([v_all[:, :, :t0], v], dim=2)
-            out, stats = self.backend.attend(q, k_all, v_all, t0, self.scale)
-            b, _, n, d = out.shape
-            attn_out = layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-            x = x + attn_out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            self._hidden[step] = x
+        if last and not self.full_last_layer:
+            k, v = self._project_kv(layer, h, step.t)
+            self.kv.put_step_output(step.t, step.l, k, v)
+        else:
+            cache = _StepCache(self, step)
+            attn_out, _ = layer.self_attn(hidden_states=h,
+                                          position_embeddings=self._rope_for(step.t, h),
+                                          attention_mask=None, past_key_values=cache)
+            stats = cache.stats
+            if not last:
+                x = x + attn_out
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                self._hidden[step] = x
         self._done.add(step)
         return StepResult(step, time.perf_counter() - start, stats)
 
@@ -217,3 +219,43 @@ def prefill_layer_kv(lm: LoadedModel, token_ids: Sequence[int],
     stepper = LayerStepper(lm, token_ids, chunk_tokens, backend)
     results = stepper.complete()
     return stepper.kv.layer_kv(), results
+
+
+class _StepCache:
+    """The cache one layer step hands the attention module: ``update`` stores the step's K/V in
+    the KV memory and returns the keys and values its queries may see (see the module
+    docstring)."""
+
+    def __init__(self, stepper: LayerStepper, step: StepId) -> None:
+        self.stepper, self.step = stepper, step
+        self.view: AttentionView | None = None
+
+    @property
+    def stats(self) -> AttentionStats | None:
+        return None if self.view is None else self.view.stats
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[AttentionView, AttentionView]:
+        st = self.stepper
+        kv, g, step = st.kv, st.geometry, self.step
+        t0, t1 = g.token_range(step.t)
+        kv.put_step_output(step.t, step.l, key_states, value_states)
+        q_pos = torch.arange(t0, t1, device=key_states.device)
+        if kv.is_dense(step.l):
+            store = kv.layers[step.l]
+            assert store is not None
+            k_all, v_all = store.prefix(t1)
+            # attend over this step's own projection, even where a streamed chunk was kept
+            own = all(kv.source(c) == "computed" for c in g.chunks_of_step(step))
+            if not own:
+                k_all = torch.cat([k_all[:, :, :t0], key_states], dim=2)
+                v_all = torch.cat([v_all[:, :, :t0], value_states], dim=2)
+            self.view = AttentionView(q_pos, k=k_all, v=v_all, backend=st.backend)
+        else:
+            heads = []
+            for h, e in enumerate(kv.layer_entries(step.l, stop=t0)):
+                heads.append((torch.cat([e.k, key_states[0, h]]),
+                              torch.cat([e.v, value_states[0, h]]),
+                              torch.cat([e.pos.to(q_pos.device), q_pos])))
+            self.view = AttentionView(q_pos, heads=heads)
+        return self.view, self.view

@@ -1,0 +1,140 @@
+"""Attention over the KV memory with explicit key positions, and its hook into transformers.
+
+A cache layer's ``update`` returns either plain tensors (a dense arena: slot = position, so
+transformers' own SDPA and its causal mask apply unchanged, bit for bit) or an
+:class:`AttentionView`: per KV head the entries one query may see, with their positions, plus the
+queries' positions. The attention implementation registered here as ``"sparkv"``
+(:func:`register`) routes an ``AttentionView`` to :meth:`AttentionView.attend` and everything else
+to transformers' SDPA. Query ``i`` (at position ``q_pos[i]``) sees exactly the keys whose position
+is ``<= q_pos[i]``: a pruned, ragged or partly quantized cache is attended correctly, and a layer
+whose heads keep different numbers of entries runs one SDPA per KV head (its GQA query group),
+over only what that head holds: no padding.
+
+A view may also carry a ``backend`` (the layer stepper's dense or block-sparse attention) for
+dense arenas, called as ``backend.attend(q, k, v, q_offset, scale)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+IMPLEMENTATION = "sparkv"
+
+
+@dataclass
+class AttentionView:
+    """What one attention call of one layer may see.
+
+    Attributes:
+        q_pos: ``[q]`` positions of the queries (int64).
+        heads: per KV head ``(k [n_h, D], v [n_h, D], pos [n_h])`` (ragged form), or ``None``.
+        k, v: ``[1, H, n, D]`` with slot = position (dense form), or ``None``.
+        backend: attention backend for the dense form (``None``: SDPA).
+        stats: filled by the backend (the stepper reads it).
+    """
+
+    q_pos: torch.Tensor
+    heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    backend: Any = None
+    stats: Any = field(default=None)
+
+    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """``q [B, Hq, nq, D]`` -> ``[B, Hq, nq, D]``."""
+        if self.heads is None:
+            assert self.k is not None and self.v is not None
+            offset = int(self.q_pos[0])
+            if self.backend is not None:
+                out, self.stats = self.backend.attend(q, self.k, self.v, offset, scale)
+                return out
+            return causal_sdpa(q, self.k, self.v, offset, scale)
+        return ragged_attention(q, self.heads, self.q_pos, scale)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
+                scale: float | None) -> torch.Tensor:
+    """Dense attention with slot = position: query ``i`` sees keys ``0 .. q_offset + i``."""
+    nq = q.shape[2]
+    k, v = k[:, :, :q_offset + nq], v[:, :, :q_offset + nq]
+    gqa = q.shape[1] != k.shape[1]
+    if nq == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    qpos = torch.arange(nq, device=q.device).unsqueeze(1) + q_offset
+    mask = torch.arange(k.shape[2], device=q.device).unsqueeze(0) <= qpos
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def ragged_attention(q: torch.Tensor, heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     q_pos: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Per KV head, its query group over its own entries, masked by position."""
+    b, hq, nq, d = q.shape
+    hkv = len(heads)
+    group = hq // hkv
+    out = torch.empty_like(q)
+    qp = q_pos.to(torch.long).view(-1, 1)
+    for h, (k, v, pos) in enumerate(heads):
+        qs = q[:, h * group:(h + 1) * group]
+        if k.shape[0] == 0:
+            out[:, h * group:(h + 1) * group] = 0
+            continue
+        kk = k.to(q.dtype).unsqueeze(0).unsqueeze(0).expand(b, 1, -1, -1)
+        vv = v.to(q.dtype).unsqueeze(0).unsqueeze(0).expand(b, 1, -1, -1)
+        visible = pos.to(torch.long).view(1, -1) <= qp                 # [nq, n_h]
+        if bool(visible.all()):
+            o = F.scaled_dot_product_attention(qs, kk, vv, scale=scale, enable_gqa=group > 1)
+        else:
+            o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=visible, scale=scale,
+                                               enable_gqa=group > 1)
+            # a query that sees no key at all (cannot happen in a causal context) gets zeros
+            o = torch.where(visible.any(-1).view(1, 1, nq, 1), o, torch.zeros_like(o))
+        out[:, h * group:(h + 1) * group] = o
+    return out
+
+
+def sparkv_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, value: Any,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                     scaling: float | None = None, **kwargs: Any
+                     ) -> tuple[torch.Tensor, None]:
+    """The ``"sparkv"`` attention implementation (see the module docstring)."""
+    if isinstance(key, AttentionView):
+        out = key.attend(query, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
+
+
+_REGISTERED = False
+
+
+def register() -> str:
+    """Registers the ``"sparkv"`` attention implementation (and SDPA's mask for it) with
+    transformers, once; returns its name."""
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        AttentionInterface.register(IMPLEMENTATION, sparkv_attention)
+        AttentionMaskInterface.register(IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        _REGISTERED = True
+    return IMPLEMENTATION
+
+
+def use_sparkv_attention(model: torch.nn.Module) -> None:
+    """Switches ``model`` to the ``"sparkv"`` implementation (identical to SDPA for every cache
+    but the KV memory's)."""
+    register()
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", None) == IMPLEMENTATION:
+        return
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(IMPLEMENTATION)
+    elif config is not None:  # pragma: no cover - older transformers
+        config._attn_implementation = IMPLEMENTATION

@@ -1,0 +1,149 @@
+"""A transformers ``Cache`` over the KV memory: :class:`SparkvCache`.
+
+Built on transformers' own per-layer API (``Cache(layers=[...])`` of ``CacheLayerMixin``), so
+``model.generate(..., past_key_values=SparkvCache(memory))`` and a plain forward both decode over
+a :class:`~sparkv.cache.memory.ContextKV`:
+
+* a **dense arena** layer appends the new token's K/V in place (preallocated, doubling when full,
+  as gpt-fast does) and hands attention a view of its slots: no per-token copy of the layer, and
+  exactly the tensors (and transformers' own mask and SDPA) a ``DynamicCache`` would give;
+* a **ragged** layer (pruned per head) appends in place too, and hands attention an
+  :class:`~sparkv.cache.attention.AttentionView` (one SDPA per KV head over what it keeps);
+* a **segmented** layer (chunks at quantized levels) is dequantized on read at every step into a
+  transient buffer; its new tokens wait in a small fp tail until :meth:`SparkvCache.commit`.
+
+The model must use the ``"sparkv"`` attention implementation
+(:func:`~sparkv.cache.attention.use_sparkv_attention`; :func:`sparkv.runtime.load_model` sets it):
+it is SDPA for every other cache. Positions continue from the context's token count whatever a
+layer keeps, so a pruned cache still gives new tokens their true positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sparkv.cache.attention import AttentionView
+from sparkv.cache.memory import ARENA, ContextKV
+
+
+class SparkvLayer(CacheLayerMixin):
+    """Layer ``layer`` of a :class:`ContextKV` as a transformers cache layer."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, memory: ContextKV, layer: int) -> None:
+        super().__init__()
+        self.memory, self.layer = memory, layer
+        self.is_initialized = True
+        self.dtype, self.device = memory.dtype, memory.device
+        self._tail_k: torch.Tensor | None = None   # [H, n, D], segmented layers only
+        self._tail_v: torch.Tensor | None = None
+        self._tail_n = 0
+        self.keys = torch.zeros(0, dtype=memory.dtype)
+        self.values = torch.zeros(0, dtype=memory.dtype)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    # ---- positions -------------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.memory.positions[self.layer] + self._tail_n
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ---- update ----------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[Any, Any]:
+        if key_states.shape[0] != 1:
+            raise ValueError("the KV memory holds one sequence (batch size 1)")
+        mem, l = self.memory, self.layer  # noqa: E741
+        k, v = key_states[0], value_states[0]
+        if mem.mode[l] == ARENA:
+            positions = mem.append(l, k, v)
+            store = mem.layers[l]
+            assert store is not None
+            if not store.ragged:
+                keys, values = store.prefix(int(positions[-1]) + 1)
+                self.keys, self.values = keys, values
+                return keys, values
+            view = AttentionView(positions, heads=[(e.k, e.v, e.pos)
+                                                   for e in mem.layer_entries(l)])
+            return view, view
+        # segmented: dequantize on read, new tokens in the tail
+        start = mem.positions[l] + self._tail_n
+        q = int(k.shape[1])
+        self._grow_tail(q)
+        assert self._tail_k is not None and self._tail_v is not None
+        self._tail_k[:, self._tail_n:self._tail_n + q] = k.to(mem.dtype)
+        self._tail_v[:, self._tail_n:self._tail_n + q] = v.to(mem.dtype)
+        self._tail_n += q
+        tail_pos = torch.arange(mem.positions[l], start + q, device=mem.device)
+        heads = []
+        for h, e in enumerate(mem.layer_entries(l)):
+            heads.append((torch.cat([e.k, self._tail_k[h, :self._tail_n]]),
+                          torch.cat([e.v, self._tail_v[h, :self._tail_n]]),
+                          torch.cat([e.pos, tail_pos])))
+        view = AttentionView(torch.arange(start, start + q, device=mem.device), heads=heads)
+        return view, view
+
+    def _grow_tail(self, q: int) -> None:
+        mem = self.memory
+        g = mem.geometry
+        cap = 0 if self._tail_k is None else int(self._tail_k.shape[1])
+        if self._tail_n + q <= cap:
+            return
+        new = max(self._tail_n + q, 2 * cap, 16)
+        k = torch.zeros((g.num_kv_heads, new, g.head_dim), dtype=mem.dtype, device=mem.device)
+        v = torch.zeros_like(k)
+        if self._tail_k is not None and self._tail_v is not None:
+            k[:, :self._tail_n] = self._tail_k[:, :self._tail_n]
+            v[:, :self._tail_n] = self._tail_v[:, :self._tail_n]
+        self._tail_k, self._tail_v = k, v
+
+    def tail_nbytes(self) -> int:
+        if self._tail_k is None or self._tail_v is None:
+            return 0
+        return 2 * self._tail_k.numel() * self._tail_k.element_size()
+
+    def commit(self) -> None:
+        """Moves the tail of a segmented layer into the memory."""
+        if self._tail_n and self._tail_k is not None and self._tail_v is not None:
+            self.memory.append(self.layer, self._tail_k[:, :self._tail_n],
+                               self._tail_v[:, :self._tail_n])
+        self._tail_k = self._tail_v = None
+        self._tail_n = 0
+
+    # ---- what transformers may ask of a layer ----------------------------------------------------
+    def reset(self) -> None:  # pragma: no cover - generation never resets a given cache
+        raise NotImplementedError("a SparkvCache cannot be reset; make a new one")
+
+    def crop(self, max_length: int) -> None:  # pragma: no cover - assisted decoding only
+        raise NotImplementedError("a SparkvCache cannot be cropped")
+
+
+class SparkvCache(Cache):
+    """``past_key_values`` for transformers over a :class:`ContextKV` (module docstring)."""
+
+    def __init__(self, memory: ContextKV) -> None:
+        self.memory = memory
+        super().__init__(layers=[SparkvLayer(memory, l)
+                                 for l in range(memory.geometry.num_layers)])
+
+    def commit(self) -> int:
+        """After generation: every layer's new tokens are part of the context's memory (the
+        geometry grows); returns the context's new token count."""
+        for layer in self.layers:
+            layer.commit()  # type: ignore[attr-defined]
+        return self.memory.commit_appended()
+
+    def extra_nbytes(self) -> int:
+        """Bytes held outside the memory's account (the segmented layers' tails)."""
+        return sum(layer.tail_nbytes() for layer in self.layers)  # type: ignore[attr-defined]

@@ -1,0 +1,344 @@
+"""The KV memory (sparkv.cache): explicit positions, ragged budgets, levels, the flash tier, and
+the transformers cache over it."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from sparkv.cache import (ChunkPayload, ContextKV, FlashTier, KVMemoryError, PayloadError,
+                          Residency, Source, SparkvCache, dequantize, error_bound, from_bytes,
+                          quantize, ragged_attention, requantize, to_bytes)
+from sparkv.cache.payload import contiguous_positions
+from sparkv.layout import ChunkGeometry, KVChunkId
+from sparkv.runtime import reference_prefill, split_chunks
+from sparkv.runtime.kvcache import memory_from_layers
+
+
+def _random_memory(geo: ChunkGeometry, seed: int = 0, dtype=torch.float32) -> tuple[ContextKV, list]:
+    torch.manual_seed(seed)
+    layers = [(torch.randn(1, geo.num_kv_heads, geo.num_tokens, geo.head_dim, dtype=dtype),
+               torch.randn(1, geo.num_kv_heads, geo.num_tokens, geo.head_dim, dtype=dtype))
+              for _ in range(geo.num_layers)]
+    return memory_from_layers(layers, geo), layers
+
+
+GEO = ChunkGeometry(100, 16, 3, 2, 16)
+
+
+# ---- levels ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantization_stays_within_its_documented_bound(bits):
+    torch.manual_seed(bits)
+    x = torch.randn(300, 64) * torch.rand(300, 1) * 8 + torch.randn(300, 1) * 3
+    x[0] = 0.0                                  # a constant row
+    for t in (quantize(x, bits), requantize(quantize(x, 8), bits)):
+        err = (dequantize(t) - x).abs().amax(1)
+        assert bool((err <= error_bound(x, t)).all())
+        assert t.codes.shape == (300, 64 * bits // 8)
+
+
+def test_levels_only_go_down_from_fp_or_the_int8_base():
+    p = ChunkPayload(KVChunkId(0, 0, 0), "fp", [4], contiguous_positions([4], 0),
+                     torch.randn(4, 8), torch.randn(4, 8))
+    p2 = p.at_level("int2")
+    assert p2.level == "int2" and p2.at_level("fp").level == "fp"
+    with pytest.raises(PayloadError, match="int8 base"):
+        p2.at_level("int4")
+
+
+# ---- the memory's account ----------------------------------------------------------------------
+def test_account_equals_the_tensors_held_through_random_operations(tmp_path):
+    mem, _ = _random_memory(GEO)
+    tier = FlashTier(tmp_path / "flash")
+    rng = random.Random(3)
+    cids = list(GEO.chunk_ids())
+    for step in range(120):
+        cid = rng.choice(cids)
+        op = rng.choice(["level", "swap", "swap_keep", "in", "drop", "materialize", "put"])
+        try:
+            if op == "level":
+                mem.set_level(cid, rng.choice(["int8", "int4", "int2", "fp"]))
+            elif op == "swap":
+                mem.swap_out(cid, tier)
+            elif op == "swap_keep":
+                mem.swap_out(cid, tier, keep_resident=True)
+            elif op == "in":
+                mem.swap_in(cid, tier)
+            elif op == "drop":
+                mem.drop(cid)
+            elif op == "materialize":
+                mem.materialize(cid.l)
+            else:
+                mem.put(cid, torch.randn(2, GEO.chunk_len(cid.t), 16),
+                        torch.randn(2, GEO.chunk_len(cid.t), 16), Source.COMPUTED)
+        except KVMemoryError:
+            pass   # e.g. swapping in a chunk with no flash copy: refused, nothing changes
+        assert mem.nbytes == mem.recount(), (step, op, cid)
+        held = sum(t.numel() * t.element_size() for t in mem.tensors())
+        assert mem.nbytes == held
+
+
+def test_quantizing_really_frees_memory():
+    mem, _ = _random_memory(GEO)
+    full = mem.nbytes
+    for cid in GEO.chunk_ids():
+        mem.set_level(cid, "int4")
+    # fp32 -> 4 bits + an fp16 scale and zero per 16 values (+ int32 positions)
+    assert mem.nbytes < 0.25 * full
+    assert mem.account().resident == {"fp": 0, "int4": mem.nbytes}
+
+
+# ---- pruning -----------------------------------------------------------------------------------
+def _gather_dense(heads, group: int, hq: int, d: int):
+    """The same entries, padded into one dense tensor per layer with a per-head position mask."""
+    m = max(k.shape[0] for k, _, _ in heads)
+    K = torch.zeros(1, len(heads), m, d)
+    V = torch.zeros_like(K)
+    P = torch.full((len(heads), m), 10**9, dtype=torch.long)
+    for h, (k, v, p) in enumerate(heads):
+        K[0, h, :k.shape[0]], V[0, h, :k.shape[0]], P[h, :k.shape[0]] = k, v, p
+    return K.repeat_interleave(group, 1), V.repeat_interleave(group, 1), \
+        P.repeat_interleave(group, 0)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 16), (3, 9, 64)])   # random, and SmolLM2's heads
+def test_ragged_attention_equals_dense_attention_over_the_same_entries(shape):
+    hkv, hq, d = shape
+    geo = ChunkGeometry(300, 32, 2, hkv, d)
+    mem, _ = _random_memory(geo, seed=hq)
+    torch.manual_seed(1)
+    keep = [torch.randperm(300)[:n] for n in torch.randint(10, 300, (hkv,)).tolist()]
+    mem.prune_layer(1, keep)
+    heads = [(e.k, e.v, e.pos) for e in mem.layer_entries(1)]
+    assert [int(p.numel()) for _, _, p in heads] == [int(x.numel()) for x in keep]
+    q = torch.randn(1, hq, 5, d)
+    q_pos = torch.tensor([120, 150, 299, 300, 301])
+    got = ragged_attention(q, heads, q_pos, scale=d ** -0.5)
+    K, V, P = _gather_dense(heads, hq // hkv, hq, d)
+    mask = P.unsqueeze(1) <= q_pos.view(1, -1, 1)          # [Hq, nq, m]
+    want = F.scaled_dot_product_attention(q, K, V, attn_mask=mask.unsqueeze(0), scale=d ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_pruned_memory_holds_only_what_it_keeps():
+    geo = ChunkGeometry(1000, 100, 2, 3, 64)
+    mem, _ = _random_memory(geo)
+    full = mem.nbytes
+    for l in range(2):  # noqa: E741
+        mem.prune_layer(l, [torch.randperm(1000)[:n] for n in (50, 200, 350)])   # 20% on average
+    assert mem.nbytes == mem.recount()
+    # fp32 K and V + int64 positions per kept entry: 20% of the entries, 2% more per entry
+    assert mem.nbytes <= 0.25 * full
+    assert sum(mem.kept(KVChunkId(t, 0, 0))[0] for t in range(10)) == 50
+
+
+def test_pruning_validates_its_input():
+    mem, _ = _random_memory(GEO)
+    with pytest.raises(KVMemoryError, match="heads"):
+        mem.prune_layer(0, [torch.arange(10)])
+    with pytest.raises(KVMemoryError, match="positions to keep"):
+        mem.prune_layer(0, [torch.arange(10), torch.tensor([5, 100])])
+
+
+# ---- transformers cache ------------------------------------------------------------------------
+def _dynamic(layers):
+    c = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        c.update(k.clone(), v.clone(), i)
+    return c
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "smollm2"])
+def test_generate_over_the_memory_equals_dynamic_cache(model, request):
+    lm = request.getfixturevalue(model)
+    torch.manual_seed(0)
+    vocab = lm.config.vocab_size
+    n = 300 if model == "smollm2" else 100
+    ids = torch.randint(0, vocab, (1, n)) if model == "tiny_llama" else torch.tensor(
+        [lm.encode_text("The capital of France is Paris. " * 60)[:n]])
+    n = ids.shape[1]
+    q = torch.randint(0, vocab, (1, 6))
+    with torch.inference_mode():
+        layers = reference_prefill(lm, ids[0].tolist())
+    geo = ChunkGeometry.from_config(lm.config, n, 64)
+    mem = memory_from_layers(layers, geo, spare_tokens=4)      # too few: the arena must grow
+    full = torch.cat([ids, q], 1)
+    with torch.inference_mode():
+        want = lm.model.generate(full, past_key_values=_dynamic(layers), max_new_tokens=24,
+                                 do_sample=False, attention_mask=torch.ones_like(full))
+        got = lm.model.generate(full, past_key_values=SparkvCache(mem), max_new_tokens=24,
+                                do_sample=False, attention_mask=torch.ones_like(full))
+    assert got.tolist() == want.tolist()
+    assert mem.positions == [full.shape[1] + 23] * geo.num_layers
+
+
+def test_appends_are_in_place(tiny_llama):
+    """No per-token copy of a layer: after the arena grew once, appends write into it."""
+    geo = ChunkGeometry.from_config(tiny_llama.config, 64, 16)
+    with torch.inference_mode():
+        layers = reference_prefill(tiny_llama, list(range(64)))
+    mem = memory_from_layers(layers, geo, spare_tokens=32)
+    store = mem.layers[0]
+    ptr = store.k.data_ptr()
+    cache = SparkvCache(mem)
+    with torch.inference_mode():
+        out = tiny_llama.model(torch.tensor([[1, 2, 3]]), past_key_values=cache,
+                               position_ids=torch.tensor([[64, 65, 66]]), use_cache=True)
+        for i in range(20):
+            out = tiny_llama.model(torch.tensor([[5]]), past_key_values=cache,
+                                   position_ids=torch.tensor([[67 + i]]), use_cache=True)
+    assert store.k.data_ptr() == ptr and mem.positions[0] == 87
+
+
+def test_pruned_cache_decodes_with_true_positions(tiny_llama):
+    """A uniformly pruned layer attended through the memory equals a DynamicCache holding the same
+    entries, given the new tokens' true positions."""
+    n = 96
+    geo = ChunkGeometry.from_config(tiny_llama.config, n, 16)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 128, (n,)).tolist()
+    with torch.inference_mode():
+        layers = reference_prefill(tiny_llama, ids)
+    keep = torch.sort(torch.randperm(n)[:40]).values
+    mem = memory_from_layers(layers, geo)
+    for l in range(geo.num_layers):  # noqa: E741
+        mem.prune_layer(l, [keep] * geo.num_kv_heads)
+    kept = [(k[:, :, keep], v[:, :, keep]) for k, v in layers]
+    q = torch.tensor([[3, 7, 11, 13]])
+    pos = torch.arange(n, n + 4)
+    with torch.inference_mode():
+        want = tiny_llama.model(q, past_key_values=_dynamic(kept), position_ids=pos[None],
+                                cache_position=torch.arange(40, 44)).logits
+        got = tiny_llama.model(q, past_key_values=SparkvCache(mem), position_ids=pos[None],
+                               cache_position=pos).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_resident_chunks_are_dequantized_on_read(tiny_llama):
+    n = 96
+    geo = ChunkGeometry.from_config(tiny_llama.config, n, 16)
+    with torch.inference_mode():
+        layers = reference_prefill(tiny_llama, list(range(5, 5 + n)))
+    fp = memory_from_layers(layers, geo)
+    q8 = memory_from_layers(layers, geo)
+    for cid in geo.chunk_ids():
+        q8.set_level(cid, "int8")
+    assert q8.nbytes < 0.35 * fp.nbytes
+    q = torch.tensor([[3, 7, 11]])
+    pos = torch.arange(n, n + 3)
+    with torch.inference_mode():
+        a = tiny_llama.model(q, past_key_values=SparkvCache(fp), position_ids=pos[None]).logits
+        cache = SparkvCache(q8)
+        b = tiny_llama.model(q, past_key_values=cache, position_ids=pos[None]).logits
+    assert (a - b).abs().max() < 0.05 and cache.extra_nbytes() > 0
+    assert q8.nbytes < 0.35 * fp.nbytes          # reading did not bring fp copies back
+    cache.commit()
+    assert q8.geometry.num_tokens == n + 3 and q8.is_complete()
+
+
+# ---- the flash tier ----------------------------------------------------------------------------
+def test_swap_out_and_back_is_bit_exact_at_fp(tmp_path):
+    mem, layers = _random_memory(GEO, dtype=torch.float16)
+    tier = FlashTier(tmp_path)
+    before = {c: (p.k.clone(), p.v.clone()) for c, p in
+              ((c, mem.read(c)) for c in GEO.chunk_ids())}
+    for cid in GEO.chunk_ids():
+        assert mem.swap_out(cid, tier) > 0
+        assert mem.residency(cid) == Residency.FLASH
+    assert mem.nbytes == 0 and len(tier.files()) == GEO.num_chunks
+    for cid in GEO.chunk_ids():
+        mem.swap_in(cid, tier)
+        p = mem.read(cid)
+        assert torch.equal(p.k, before[cid][0]) and torch.equal(p.v, before[cid][1])
+    for l in range(GEO.num_layers):  # noqa: E741
+        mem.materialize(l)
+    for (k, v), (rk, rv) in zip(mem.layer_kv(), layers):
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+@pytest.mark.parametrize("level", ["int8", "int4", "int2"])
+def test_quantized_levels_round_trip_within_their_error(tmp_path, level):
+    mem, layers = _random_memory(GEO)
+    tier = FlashTier(tmp_path)
+    chunks = split_chunks(layers, GEO)
+    for cid in GEO.chunk_ids():
+        mem.set_level(cid, level)
+        mem.swap_out(cid, tier)
+        mem.swap_in(cid, tier)
+        p = mem.read(cid)
+        assert p.level == level
+        k, _ = p.fp()
+        x = chunks[cid][0].reshape(-1, GEO.head_dim)
+        assert bool(((k - x).abs().amax(1) <= error_bound(x, p.k)).all())
+
+
+def test_clean_chunks_are_not_written_twice(tmp_path):
+    mem, _ = _random_memory(GEO)
+    tier = FlashTier(tmp_path)
+    cid = KVChunkId(1, 1, 0)
+    assert mem.swap_out(cid, tier, keep_resident=True) > 0       # ahead-of-time
+    assert mem.swap_out(cid, tier) == 0                          # the reclaim writes nothing
+    assert tier.writes == 1
+    mem.swap_in(cid, tier)
+    mem.set_level(cid, "int8")                                   # changed: dirty again
+    assert mem.swap_out(cid, tier) > 0
+
+
+@pytest.mark.parametrize("damage", ["cut", "flip", "grow", "empty"])
+def test_damaged_chunk_files_are_detected(tmp_path, damage):
+    mem, _ = _random_memory(GEO)
+    tier = FlashTier(tmp_path)
+    cid = KVChunkId(2, 0, 0)
+    mem.swap_out(cid, tier)
+    path = tier.files()[0]
+    data = bytearray(path.read_bytes())
+    if damage == "cut":
+        data = data[:-100]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0x10
+    elif damage == "grow":
+        data += b"\0" * 8
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with pytest.raises(PayloadError):
+        mem.swap_in(cid, tier)
+    assert mem.residency(cid) == Residency.FLASH     # nothing half-read became resident
+
+
+def test_payload_names_its_chunk():
+    p = ChunkPayload(KVChunkId(1, 2, 0), "fp", [3], contiguous_positions([3], 16),
+                     torch.randn(3, 4), torch.randn(3, 4))
+    data = to_bytes(p)
+    assert from_bytes(data).cid == KVChunkId(1, 2, 0)
+    with pytest.raises(PayloadError, match="expected"):
+        from_bytes(data, expect=KVChunkId(0, 0, 0))
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    tier = FlashTier(tmp_path)
+    tier.write("a.skvc", b"old contents")
+    real_fsync = os.fsync
+
+    def broken(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", broken)
+    with pytest.raises(Exception, match="No space left"):
+        tier.write("a.skvc", b"new contents that never land")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert (tmp_path / "a.skvc").read_bytes() == b"old contents"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.skvc"]
+
+
+def test_reads_bypass_or_drop_the_page_cache(tmp_path):
+    tier = FlashTier(tmp_path)
+    ref = tier.write("x.skvc", os.urandom(10_000))
+    assert len(tier.read(ref)) == 10_000
+    assert tier.reads == 1 and tier.bytes_read == 10_000
+    assert "direct_io" in tier.stats()

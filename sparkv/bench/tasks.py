@@ -89,7 +89,7 @@ def _needles(kind: str, rng: random.Random, depth: float
     if kind == "passkey":
         key = _number(rng, 5)
         return ([(depth, f"The pass key is {key}. Remember it. {key} is the pass key. ")],
-                "What is the pass key?", [key], [])
+                "What is the pass key? Answer with the number only.", [key], [])
     if kind == "multikey":
         words = rng.sample(WORDS, 4)
         values = [_number(rng, 7) for _ in words]
@@ -97,7 +97,7 @@ def _needles(kind: str, rng: random.Random, depth: float
         needles = [(d, f"One of the special magic numbers for {w} is: {v}. ")
                    for d, w, v in zip(depths, words, values)]
         return (needles, f"What is the special magic number for {words[0]} mentioned in the "
-                         "provided text?", [values[0]], values[1:])
+                         "provided text? Answer with the number only.", [values[0]], values[1:])
     if kind == "multivalue":
         word = rng.choice(WORDS)
         values = [_number(rng, 7) for _ in range(3)]
@@ -105,7 +105,7 @@ def _needles(kind: str, rng: random.Random, depth: float
         needles = [(d, f"One of the special magic numbers for {word} is: {v}. ")
                    for d, v in zip(depths, values)]
         return (needles, f"What are all the special magic numbers for {word} mentioned in the "
-                         "provided text?", values, [])
+                         "provided text? List the numbers only.", values, [])
     raise ValueError(f"unknown task kind {kind!r}; known: passkey, multikey, multivalue")
 
 

@@ -64,8 +64,10 @@ def test_no_adaptation_when_the_plan_holds(inst8k):
 
 
 def test_migration_cap_per_stage(inst8k):
+    """A small imbalance moves at most the cap per stage (bulk moves, for large ones, are
+    tested below)."""
     plan = Greedy().plan(inst8k)
-    cfg = ControllerConfig(max_migrations_per_stage=1, stage_s=0.5)
+    cfg = ControllerConfig(max_migrations_per_stage=1, stage_s=0.5, bulk_ratio=math.inf)
     tl = simulate(plan, inst8k, Trace.sample("deep-fade"), controller=cfg)
     per_stage = Counter(math.floor(m.time_s / 0.5) for m in tl.migrations)
     assert tl.migrations and max(per_stage.values()) == 1
@@ -138,3 +140,73 @@ def test_estimates_follow_the_samples():
     ctl.step_done(step, 1.0, 2 * inst.comp_time(step))
     assert ctl.compute_ratio() == pytest.approx(2.0)
     assert MBPS == 125000
+
+
+# ---- the worst case: links that break the plan's assumptions (simulated time) -----------------
+def _inst(n: int):
+    from sparkv.scheduler.instance import DEFAULT_LEVELS
+
+    levels = tuple(lv for lv in DEFAULT_LEVELS if lv.name in ("raw", "q8", "q5"))
+    return synthetic_instance(n, chunk_tokens=512, bandwidth_mbps=50, levels=levels, seed=1)
+
+
+def test_a_link_that_starts_in_a_fade_gets_its_work_back_when_it_recovers():
+    """The first estimate sees the fade (1 Mbit/s), so the plan computes nearly everything; the
+    link then recovers to 150 Mbit/s. An idle link probes, the estimate follows, and the
+    imbalance is large enough to hand the link work in bulk: sparkv ends within 10% of
+    stream-only, far ahead of computing everything."""
+    from sparkv.scheduler.whatif import compare
+
+    inst = _inst(4096)
+    trace = Trace.from_rows([0.0, 1.5], [1.0, 150.0], [300.0, 20.0], loop=False)
+    r = compare(inst, trace, manifest_bytes=60_000)
+    assert r["sparkv"].prior_mbps < 2.0
+    assert r["sparkv"].ttft_s <= 1.1 * r["stream"].ttft_s, {k: v.ttft_s for k, v in r.items()}
+    assert r["sparkv"].ttft_s < 0.5 * r["local"].ttft_s
+
+
+def test_an_idle_link_probes_and_bulk_moves_skip_the_stage_cap():
+    from sparkv.scheduler.planners import LocalOnly
+
+    # a prior so low that no chunk is worth streaming: the link has nothing to do
+    inst = _inst(4096).with_bandwidth(0.01 * MBPS)
+    plan = LocalOnly().plan(inst)
+    cfg = ControllerConfig(max_migrations_per_stage=2)
+    fast = Trace.constant(200.0)
+    adaptive = simulate(plan, inst, fast, controller=cfg)
+    kinds = Counter(m.direction for m in adaptive.migrations)
+    assert kinds["probe"] >= 1 and kinds["to_stream"] > 2 * cfg.max_migrations_per_stage
+    first_stage = [m for m in adaptive.migrations if m.direction == "to_stream"
+                   and m.time_s < adaptive.migrations[0].time_s + 1e-3 + 0.5]
+    assert len(first_stage) > cfg.max_migrations_per_stage   # in bulk, not a few per stage
+    static = simulate(plan, inst, fast)
+    assert adaptive.ttft_s < 0.5 * static.ttft_s
+    no_probe = simulate(plan, inst, fast, controller=ControllerConfig(probe=False))
+    assert no_probe.ttft_s == pytest.approx(static.ttft_s, rel=0.02)   # nothing measured it
+
+
+def test_adversarial_traces_are_seeded_and_adversarial():
+    from sparkv.scheduler.trace import adversarial_trace, adversarial_traces
+
+    a, b = adversarial_trace(3), adversarial_trace(3)
+    assert a == b and a != adversarial_trace(4)
+    traces = adversarial_traces(40)
+    starts_in_fade = sum(t.mbps[0] <= 3.0 for t in traces)
+    assert 8 <= starts_in_fade <= 28                      # 40% by design
+    for t in traces:
+        assert 0.5 <= min(t.mbps) and max(t.mbps) <= 900.0
+        fades = [m for m in t.mbps if m <= 3.0]
+        assert fades, "every trace has deep fades"
+        assert t.mean_mbps(60.0) > 5.0                    # it recovers
+
+
+def test_trace_after_is_the_same_link_later():
+    from sparkv.scheduler.trace import adversarial_trace
+
+    t = adversarial_trace(1)
+    later = t.after(2.37)
+    for x in (0.0, 0.5, 3.0, 20.0):
+        assert later.rate_Bps(x) == t.rate_Bps(2.37 + x)
+    assert later.transfer_end(0.0, 5e6) == pytest.approx(t.transfer_end(2.37, 5e6) - 2.37)
+    wifi = Trace.sample("wifi")
+    assert wifi.after(250.0).rate_Bps(1.0) == wifi.rate_Bps(251.0)

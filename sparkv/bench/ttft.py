@@ -18,6 +18,13 @@ that ran (same controller, same link); an energy estimate (below). Targets (the 
 crossover bandwidth (where local and stream-only are closest) sparkv <= 0.75x the better of the two
 and <= 0.8x Strong Hybrid; nowhere worse than 1.05x the best baseline.
 
+With ``--traces adversarial:N`` the links are N seeded adversarial traces
+(:func:`sparkv.scheduler.trace.adversarial_trace`: fades of 0.5-3 s down to 0.5-3 Mbit/s at random
+times, the very start included, recoveries to 20-300 Mbit/s, bursty Wi-Fi) and the report is the
+distribution of sparkv's TTFT over the best baseline's per trace (median, 95th percentile, worst;
+targets 1.05x at the 95th percentile and 1.15x at worst), with the per-trace table in the JSON
+(``ttft_adversarial.json``).
+
 Energy (an ESTIMATE from a documented power model, not a measurement):
 ``E = P_compute * compute_busy + P_decode * decode_busy + P_radio * link_active + P_idle * TTFT``
 with configurable watts (defaults: a phone-class SoC, 3.0 W compute, 1.5 W decode, 1.2 W radio,
@@ -45,9 +52,12 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--tokens", default="2048,4096,8192", help="context sizes")
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
-    p.add_argument("--mbps", default="5,20,50,100,500", help="constant links (Mbit/s)")
+    p.add_argument("--mbps", default=None, help="constant links (Mbit/s; default 5,20,50,100,500)")
     p.add_argument("--trace", action="append", default=None,
                    help="trace CSV or bundled name (repeatable; default: wifi, lte, deep_fade)")
+    p.add_argument("--traces", default=None,
+                   help="adversarial:N[:SEED] - N seeded adversarial traces instead of the "
+                        "default links (constant links only if --mbps is given explicitly)")
     p.add_argument("--rtt-ms", type=float, default=20.0)
     p.add_argument("--strategies", default=",".join(STRATEGY_ORDER))
     p.add_argument("--runs", type=int, default=3)
@@ -72,9 +82,17 @@ def _csv(text: str, cast: Any = float) -> list[Any]:
 
 def _links(args: argparse.Namespace) -> list[tuple[Any, Any]]:
     """``(label, Trace)`` for every link: numbers for constant links, names for traces."""
-    from sparkv.scheduler.trace import Trace
+    from sparkv.scheduler.trace import Trace, adversarial_traces
 
-    out: list[tuple[Any, Any]] = [(m, Trace.constant(m)) for m in _csv(args.mbps)]
+    if args.traces:
+        kind, _, rest = args.traces.partition(":")
+        if kind != "adversarial" or not rest:
+            raise SystemExit(f"--traces: expected adversarial:N[:SEED], got {args.traces!r}")
+        count, _, seed = rest.partition(":")
+        out: list[tuple[Any, Any]] = [(m, Trace.constant(m)) for m in _csv(args.mbps or "")]
+        out += [(tr.name, tr) for tr in adversarial_traces(int(count), int(seed or 0))]
+        return out
+    out = [(m, Trace.constant(m)) for m in _csv(args.mbps or "5,20,50,100,500")]
     for t in (args.trace or ["wifi", "lte", "deep-fade"]):
         if t in ("wifi", "lte", "deep-fade"):
             out.append((t, Trace.sample(t)))
@@ -95,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     links = _links(args)
     lm = load_model(args.model)
     name = "ttft" if args.link == "shaper" else "ttft_netns"
+    if args.traces:
+        name += "_adversarial"
     if args.link == "netns":
         from sparkv.edge.netns import netns_available
 
@@ -106,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     runs_raw, timelines = _measure_all(args, lm, sizes, strategies, links)
     points = _aggregate(runs_raw, links)
     targets = _targets(points, sizes, links)
+    if args.traces:
+        targets["adversarial"] = _distribution(points, sizes, links)
     _print(points, targets)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config["torch_threads"] = torch.get_num_threads()
@@ -404,6 +426,34 @@ def _targets(points: list[dict[str, Any]], sizes: list[int],
     return out
 
 
+def _distribution(points: list[dict[str, Any]], sizes: list[int],
+                  links: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """Per size: sparkv's median TTFT over the best baseline's, per trace, and its distribution
+    (median, 95th percentile, worst)."""
+    by = {(p["tokens"], p["link"], p["strategy"]): p["ttft_median_s"] for p in points}
+    out: dict[str, Any] = {"per_size": [], "targets": {"p95": 1.05, "worst": 1.15}}
+    for n in sizes:
+        rows = []
+        for label, _ in links:
+            base = {s: by[(n, label, s)] for s in ("local", "stream", "hybrid")
+                    if (n, label, s) in by}
+            if not base or (n, label, "sparkv") not in by:
+                continue
+            best = min(base, key=base.get)  # type: ignore[arg-type]
+            sp = by[(n, label, "sparkv")]
+            rows.append({"trace": str(label), "sparkv_s": sp, "best": best,
+                         "best_s": base[best], "ratio": sp / base[best], **{
+                             f"{s}_s": v for s, v in base.items()}})
+        ratios = sorted(r["ratio"] for r in rows)
+        if not ratios:
+            continue
+        p95 = ratios[min(len(ratios) - 1, int(round(0.95 * (len(ratios) - 1))))]
+        out["per_size"].append({"tokens": n, "traces": len(rows),
+                                "median": statistics.median(ratios), "p95": p95,
+                                "worst": ratios[-1], "rows": rows})
+    return out
+
+
 def _cost_model_accuracy(points: list[dict[str, Any]]) -> dict[str, Any]:
     """How well the simulator, given the plan that ran, the same link and controller, predicted
     the measured TTFT: median absolute relative error per strategy (the figure the tests used to
@@ -433,6 +483,13 @@ def _print(points: list[dict[str, Any]], targets: dict[str, Any]) -> None:
               f", hybrid / LP bound = {e.get('hybrid_vs_lp_bound', float('nan')):.2f}")
     print(f"worst sparkv / best baseline over the sweep: "
           f"{targets['worst_sparkv_vs_best_baseline']:.2f} (target <= 1.05)")
+    adv = targets.get("adversarial")
+    if adv:
+        for e in adv["per_size"]:
+            worst = max(e["rows"], key=lambda r: r["ratio"])
+            print(f"{e['tokens']} tokens, {e['traces']} adversarial traces: sparkv / best baseline "
+                  f"median {e['median']:.3f}, p95 {e['p95']:.3f} (target 1.05), worst "
+                  f"{e['worst']:.3f} (target 1.15) on {worst['trace']}")
     cm = targets.get("cost_model") or {}
     if cm:
         print("cost model (measured vs simulated TTFT, same plan/link/controller), median |error|: "
@@ -443,9 +500,50 @@ def _plots(points: list[dict[str, Any]], timelines: dict[str, Any], targets: dic
            stem: Path) -> None:
     from sparkv.edge.plots import plot_ttft_vs_bandwidth
 
+    if targets.get("adversarial"):
+        _plot_adversarial(targets["adversarial"], Path(f"{stem}.png"))
+        return
     plot_ttft_vs_bandwidth(points, f"{stem}.png",
                            title="TTFT vs constant link (median, min-max over runs)")
     _plot_timeline(timelines, targets, Path(f"{stem}_timeline.png"))
+
+
+def _plot_adversarial(adv: dict[str, Any], path: Path) -> None:
+    """Per size, the sorted ratios sparkv / best baseline over the traces (a CDF), and each
+    strategy's TTFT per trace."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = adv["per_size"]
+    fig, axes = plt.subplots(1, 1 + len(sizes), figsize=(5 + 5 * len(sizes), 4))
+    ax = axes[0]
+    for e in sizes:
+        r = sorted(x["ratio"] for x in e["rows"])
+        ax.plot(r, [(i + 1) / len(r) for i in range(len(r))], drawstyle="steps-post",
+                label=f"{e['tokens']} tokens")
+    for x, ls in ((1.05, "--"), (1.15, ":")):
+        ax.axvline(x, color="grey", ls=ls, lw=1)
+    ax.set_xlabel("sparkv TTFT / best baseline's, per trace")
+    ax.set_ylabel("fraction of traces")
+    ax.set_title("adversarial traces (targets: 1.05 at p95, 1.15 worst)")
+    ax.legend()
+    for ax, e in zip(axes[1:], sizes):
+        rows = sorted(e["rows"], key=lambda x: x["best_s"])
+        xs = range(len(rows))
+        for strat in ("local", "stream", "hybrid", "sparkv"):
+            ys = [r.get(f"{strat}_s") for r in rows]
+            if any(y is not None for y in ys):
+                ax.plot(xs, ys, marker=".", lw=0.8, label=strat)
+        ax.set_yscale("log")
+        ax.set_xlabel("trace (sorted by the best baseline's TTFT)")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title(f"{e['tokens']} tokens")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _plot_timeline(timelines: dict[str, Any], targets: dict[str, Any], path: Path) -> None:

@@ -110,18 +110,23 @@ class ControllerConfig:
     margin_s: float = 0.02
     tail_window: int = 16              # tail candidates examined per compute->stream migration
     prefetch_lookahead: int = 2        # queued steps whose missing chunks are fetched first
+    bulk_ratio: float = 1.5            # one path this many times behind: migrate without the
+                                       # per-stage cap, until balanced (a link that recovered or
+                                       # collapsed is not handed work a few steps per stage)
+    probe: bool = True                 # an idle link fetches the compute order's last step
+                                       # (its cheapest level): the link keeps being measured
 
     @classmethod
     def static(cls) -> "ControllerConfig":
         """Follow the plan exactly: strict order on both paths, no adaptation."""
         return cls(adapt=False, work_conserving=False, migrate_to_compute=False,
-                   migrate_to_stream=False, prefetch=False, cancel_inflight=False)
+                   migrate_to_stream=False, prefetch=False, cancel_inflight=False, probe=False)
 
     @classmethod
     def cachegen(cls, slo_s: float = 2.0) -> "ControllerConfig":
         """Stream-only CacheGen behaviour: no migrations, per-chunk level from throughput + SLO."""
         return cls(adapt=True, migrate_to_compute=False, migrate_to_stream=False, prefetch=False,
-                   cancel_inflight=False, adapt_levels=True, slo_s=slo_s)
+                   cancel_inflight=False, adapt_levels=True, slo_s=slo_s, probe=False)
 
 
 @dataclass
@@ -217,6 +222,9 @@ class Controller:
     def next_fetch(self, now: float) -> Fetch | None:
         """The link can take a request: the chunk (and level) to fetch now, or ``None``."""
         self._rebalance(now)
+        if not self.lq and not self.inflight and self.cfg.adapt and self.cfg.probe \
+                and self.cfg.migrate_to_stream:
+            self._probe(now)
         while self.lq:
             i = self._prefetch_index() if (self.cfg.adapt and self.cfg.prefetch) else 0
             c = self.lq.pop(i)
@@ -336,8 +344,15 @@ class Controller:
             self._stage, self._stage_count = stage, 0
         if now < self._next_scan_s:
             return
-        while self._stage_count < cfg.max_migrations_per_stage:
+        bulk_moves = 0
+        while True:
             comp, link = self.remaining(now)
+            bulk = max(comp, link) > cfg.bulk_ratio * max(min(comp, link), cfg.margin_s)
+            if bulk:
+                if bulk_moves >= self.inst.num_steps:
+                    return
+            elif self._stage_count >= cfg.max_migrations_per_stage:
+                return
             margin = cfg.margin_s + cfg.margin_frac * max(comp, link)
             # just in time: a path takes over work only when its own queue is about to run dry
             # (remaining work under the horizon), so a transient slump does not overcommit it
@@ -351,7 +366,10 @@ class Controller:
                 # nothing worth moving now: look again a little later (keeps events cheap)
                 self._next_scan_s = now + min(0.05, self.stage_s / 4)
                 return
-            self._stage_count += 1
+            if bulk:
+                bulk_moves += 1
+            else:
+                self._stage_count += 1
 
     def _sched_frontier(self) -> list[int]:
         """Per layer: first token chunk whose KV is neither available nor on the compute path."""
@@ -495,6 +513,40 @@ class Controller:
                                              link, comp))
             return True
         return False
+
+    def _probe(self, now: float) -> None:
+        """The link is idle while the compute path has work: hand the link the compute order's
+        last movable step (cheapest level). If the link is fast it saves that step and its rate
+        samples let the rebalancing hand over more; if it is slow, the step moves back (its fetch
+        cancelled) when the compute path runs dry."""
+        if len(self.cq) < 2:
+            return
+        comp, _ = self.remaining(now)
+        if comp <= self.inst.rtt_s + self.cfg.margin_s:
+            return
+        L, G = self._L, self._G
+        for idx in range(len(self.cq) - 1, -1, -1):
+            s = self.cq[idx]
+            t, l = divmod(s, L)
+            if l < L - 1 and self.on_compute[s + 1]:
+                continue
+            self.cq.pop(idx)
+            self.on_compute[s] = False
+            self._cq_pred -= self._t_comp[s]
+            for g in range(G):
+                cc = s * G + g
+                if self.dep.chunk_avail[cc]:
+                    continue
+                self._li[cc] = self._cheap[cc]
+                self.lq.append(cc)
+                self.on_link[cc] = True
+                b = int(self._bytes[cc, self._cheap[cc]])
+                self._lq_bytes += b
+                self._lq_min_bytes += b
+            self.revision += 1
+            self.migrations.append(Migration(now, "probe", [self.inst.step_id(s)], [],
+                                             *self.remaining(now)[::-1]))
+            return
 
     def _prefetch_index(self) -> int:
         """Index in the link queue of a chunk the first queued steps wait for (else 0)."""

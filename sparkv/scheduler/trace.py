@@ -133,6 +133,31 @@ class Trace:
                 out.write(f"{t:.3f},{m:.3f},{r:.1f}\n")
         return out.getvalue()
 
+    def after(self, offset_s: float) -> "Trace":
+        """The same link seen from ``offset_s`` on (time 0 of the result is ``offset_s`` here)."""
+        if offset_s <= 0:
+            return self
+        if self.loop and math.isfinite(self.period_s):
+            offset_s = offset_s % self.period_s
+            times = list(self.times_s) + [t + self.period_s for t in self.times_s]
+            rates = list(self.mbps) * 2
+            rtts = list(self.rtt_ms) * 2 if self.rtt_ms is not None else None
+            horizon = offset_s + self.period_s
+        else:
+            times, rates = list(self.times_s), list(self.mbps)
+            rtts = list(self.rtt_ms) if self.rtt_ms is not None else None
+            horizon = math.inf
+        i = bisect.bisect_right(times, offset_s) - 1
+        keep = [j for j in range(i + 1, len(times)) if times[j] < horizon]
+        new_t = [0.0] + [times[j] - offset_s for j in keep]
+        new_m = [rates[i]] + [rates[j] for j in keep]
+        new_r = None if rtts is None else [rtts[i]] + [rtts[j] for j in keep]
+        if self.loop and math.isfinite(self.period_s):
+            return Trace(tuple(new_t), tuple(new_m), None if new_r is None else tuple(new_r),
+                         self.period_s, True, self.name)
+        return Trace(tuple(new_t), tuple(new_m), None if new_r is None else tuple(new_r),
+                     math.inf, False, self.name)
+
     # --- queries ----------------------------------------------------------------------------
     def _locate(self, t: float) -> tuple[int, float, float]:
         """(segment index, segment start, segment end) in absolute time for time ``t``."""
@@ -256,6 +281,69 @@ def make_sample_trace(kind: str, seed: int = 0, duration_s: float = 120.0) -> Tr
         mbps = np.clip(mbps, 3.0, 80.0)
     times = np.round(np.arange(n) * dt, 3)
     return Trace.from_rows(times, np.round(mbps, 3), np.round(rtt, 1), name=kind)
+
+
+def adversarial_trace(seed: int, duration_s: float = 60.0, dt: float = 0.05) -> Trace:
+    """A seeded adversarial link: what a phone sees, made to break a scheduler's assumptions.
+
+    * A base rate drawn per trace, log-uniform in 20-300 Mbit/s, varied per ``dt`` step as bursty
+      Wi-Fi: a log-AR(1) swing (sd 35%) and short interference dips to 10-30% on 3% of steps.
+    * Deep fades of 0.5-3 s down to 0.5-3 Mbit/s at random times (one every 2-10 s on average),
+      including, on 40% of traces, one that starts at time 0 (the manifest and the first
+      estimate then see the fade).
+    * After a fade the link recovers to a new level (20-300 Mbit/s), so a rate measured before
+      or during a fade is wrong afterwards.
+    * RTT 10-40 ms, 150-400 ms during a fade.
+
+    ``loop=False``: past ``duration_s`` the last rate holds.
+    """
+    rng = np.random.default_rng([seed, 7919])
+    n = int(round(duration_s / dt))
+    times = np.arange(n) * dt
+    level = np.empty(n)
+    fade = np.zeros(n, dtype=bool)
+    fade_rate = np.empty(n)
+
+    def log_uniform(lo: float, hi: float) -> float:
+        return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+    mean_gap = rng.uniform(2.0, 10.0)
+    t = 0.0
+    if rng.uniform() < 0.4:                         # a fade at the very start
+        d = rng.uniform(0.5, 3.0)
+        fade[(times >= 0) & (times < d)] = True
+        fade_rate[(times >= 0) & (times < d)] = log_uniform(0.5, 3.0)
+        t = d
+    cur = log_uniform(20.0, 300.0)
+    level[:] = cur
+    while t < duration_s:
+        gap = rng.exponential(mean_gap)
+        d = rng.uniform(0.5, 3.0)
+        start, end = t + gap, t + gap + d
+        sel = (times >= start) & (times < end)
+        fade[sel] = True
+        fade_rate[sel] = log_uniform(0.5, 3.0)
+        cur = log_uniform(20.0, 300.0)              # recovery to a new level
+        level[times >= end] = cur
+        t = end
+    x = np.empty(n)
+    x[0] = 0.0
+    sd, rho = 0.35, 0.85
+    eps = rng.normal(0.0, sd * math.sqrt(1 - rho * rho), n)
+    for i in range(1, n):
+        x[i] = rho * x[i - 1] + eps[i]
+    mbps = level * np.exp(x - sd * sd / 2)
+    dips = rng.uniform(size=n) < 0.03
+    mbps[dips] *= rng.uniform(0.1, 0.3, int(dips.sum()))
+    mbps = np.where(fade, fade_rate, np.clip(mbps, 2.0, 900.0))
+    rtt = np.where(fade, rng.uniform(150.0, 400.0, n), rng.uniform(10.0, 40.0, n))
+    return Trace.from_rows(np.round(times, 3), np.round(mbps, 3), np.round(rtt, 1), loop=False,
+                           name=f"adversarial-{seed}")
+
+
+def adversarial_traces(count: int, seed: int = 0) -> list[Trace]:
+    """``count`` adversarial traces, seeds ``seed .. seed + count - 1``."""
+    return [adversarial_trace(seed + i) for i in range(count)]
 
 
 def write_sample_traces(directory: str | Path) -> list[Path]:

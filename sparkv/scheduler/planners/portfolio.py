@@ -29,7 +29,8 @@ class Portfolio(Planner):
 
     name = "sparkv"
 
-    def __init__(self, **greedy_params: Any) -> None:
+    def __init__(self, robust_margin: float = 0.03, **greedy_params: Any) -> None:
+        self.robust_margin = float(robust_margin)
         self.greedy_params = dict(greedy_params)
 
     def _plan(self, inst: Instance) -> Plan:
@@ -43,7 +44,15 @@ class Portfolio(Planner):
         candidates.append(("stream", stream))
         scores = {name: float(p.estimated_ttft_s if p.estimated_ttft_s is not None
                               else estimate_ttft(p, inst)) for name, p in candidates}
-        best_name = min(scores, key=lambda k: (scores[k], k != "greedy"))
+        # the greedy plan interleaves the two paths (computed steps wait for streamed chunks), so
+        # a fade stalls both; the structured plans keep the paths independent. The greedy plan
+        # must win by more than the margin to be worth that exposure (simulated on adversarial
+        # traces: docs/scheduler.md)
+        structured = min((k for k in scores if k != "greedy"), key=lambda k: scores[k])
+        if scores["greedy"] < scores[structured] * (1.0 - self.robust_margin):
+            best_name = "greedy"
+        else:
+            best_name = structured
         best = dict(candidates)[best_name]
         best.info = {**best.info, "portfolio": {"chosen": best_name, "estimates": {
             k: (v if math.isfinite(v) else None) for k, v in scores.items()}}}

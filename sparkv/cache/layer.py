@@ -95,14 +95,16 @@ class LayerStore:
         v[:, :, :cap] = self.v
         self.k, self.v = k, v
 
-    def write_dense(self, h0: int, h1: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Heads ``h0:h1``, positions ``start .. start+n``, from ``[h1-h0, n, D]`` tensors."""
+    def write_dense(self, h0: int, h1: int, start: int, k: torch.Tensor, v: torch.Tensor,
+                    non_blocking: bool = False) -> None:
+        """Heads ``h0:h1``, positions ``start .. start+n``, from ``[h1-h0, n, D]`` tensors
+        (``non_blocking``: an asynchronous copy from pinned memory on the current CUDA stream)."""
         self._ensure_dense("write_dense")
         n = int(k.shape[1])
         self._reserve_dense(start + n)
         assert self.k is not None and self.v is not None
-        self.k[0, h0:h1, start:start + n].copy_(k)
-        self.v[0, h0:h1, start:start + n].copy_(v)
+        self.k[0, h0:h1, start:start + n].copy_(k, non_blocking=non_blocking)
+        self.v[0, h0:h1, start:start + n].copy_(v, non_blocking=non_blocking)
         self.end = max(self.end, start + n)
 
     def dense_view(self, h0: int, h1: int, start: int, stop: int

@@ -16,11 +16,14 @@ from pathlib import Path
 from sparkv.errors import SparkvError
 
 
-def default_model_path(model_fingerprint: str) -> Path:
-    """``<sparkv cache>/predictor/<model fingerprint>.json`` (see ``sparkv.runtime.model``)."""
+def default_model_path(model_fingerprint: str, device: object = "cpu") -> Path:
+    """``<sparkv cache>/predictor/<model fingerprint>.json`` for the CPU, ``...-cuda.json`` for a
+    GPU: profiles of different devices are kept apart (see ``sparkv.runtime.model``)."""
     from sparkv.runtime.model import cache_dir
 
-    return cache_dir() / "predictor" / f"{model_fingerprint}.json"
+    kind = getattr(device, "type", str(device)).split(":")[0]
+    suffix = "" if kind == "cpu" else f"-{kind}"
+    return cache_dir() / "predictor" / f"{model_fingerprint}{suffix}.json"
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -47,7 +50,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--repeats", type=int, default=None, help="contexts per combination")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads while profiling (recorded; default 1)")
-    p.add_argument("--device", default="cpu", help="torch device of the steps")
+    p.add_argument("--device", default="cpu", help="torch device of the steps: cpu, cuda[:N], "
+                                                    "auto (profiles are kept per device)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, "
+                                                   "bfloat16")
     p.add_argument("--train", nargs="?", const="", default=None, metavar="MODEL_JSON",
                    help="also train the latency model and save it (default path: the sparkv "
                         "cache, predictor/<model fingerprint>.json)")
@@ -77,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise SparkvError("--threads must be >= 1")
     cfg = build_config(args)
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     try:
         profiler = Profiler(lm, cfg, progress=not args.no_progress)
     except ValueError as exc:
@@ -94,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
 
         roof = Roofline.measure(ModelArch.from_model(lm), args.device, cfg.threads)
         model = LatencyModel().fit(samples, meta, roof)
-        out = Path(args.train) if args.train else default_model_path(lm.fingerprint)
+        out = Path(args.train) if args.train else default_model_path(lm.fingerprint,
+                                                                       lm.device)
         model.save(out)
         mape = model.info.get("test_mape_attention")
         print(f"trained the latency model on {model.info['train']} samples "

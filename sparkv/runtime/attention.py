@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -464,12 +464,25 @@ def spas_sage_available() -> bool:
     return True
 
 
-BACKENDS = ("dense", "block_sparse", "spas_sage", "auto")
+BACKENDS = ("dense", "block_sparse", "spas_sage", "flex_dense", "flex_sparse", "auto")
+
+#: backends defined in modules above this one (flex_attention, auto), registered on import
+_FACTORIES: dict[str, Callable[[SparsityConfig | None], AttentionBackend]] = {}
+
+
+def register_backend(name: str,
+                     factory: Callable[[SparsityConfig | None], AttentionBackend]) -> None:
+    """Makes ``get_backend(name)`` build ``factory(config)``."""
+    _FACTORIES[name] = factory
 
 
 def get_backend(name: str = "auto", config: SparsityConfig | None = None) -> AttentionBackend:
-    """``dense``, ``block_sparse``, ``spas_sage`` or ``auto`` (spas_sage when usable, else
-    block_sparse)."""
+    """``dense``, ``block_sparse``, ``spas_sage``, ``flex_dense``, ``flex_sparse`` or ``auto``.
+
+    ``auto``: on a machine with CUDA, :class:`~sparkv.runtime.autoattn.AutoAttention` (dense or
+    flex block-sparse per call from the GPU's measured profile; CPU tensors still get
+    block-sparse); with ``spas_sage_attn`` installed, that kernel; otherwise (every CPU-only
+    machine) :class:`BlockSparseAttention`."""
     if name == "dense":
         return DenseAttention()
     if name == "block_sparse":
@@ -477,5 +490,11 @@ def get_backend(name: str = "auto", config: SparsityConfig | None = None) -> Att
     if name == "spas_sage":
         return SpasSageAttention(config)
     if name == "auto":
-        return SpasSageAttention(config) if spas_sage_available() else BlockSparseAttention(config)
+        if spas_sage_available():
+            return SpasSageAttention(config)
+        if torch.cuda.is_available() and "auto" in _FACTORIES:
+            return _FACTORIES["auto"](config)
+        return BlockSparseAttention(config)
+    if name in _FACTORIES:
+        return _FACTORIES[name](config)
     raise BackendUnavailableError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")

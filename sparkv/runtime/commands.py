@@ -1,15 +1,18 @@
 """CLI commands of the runtime: ``sparkv model`` (convert/inspect). ``sparkv demo`` lives in
-:mod:`sparkv.edge.commands`."""
+:mod:`sparkv.demo`."""
 
 from __future__ import annotations
 
 import argparse
+
+from sparkv.runtime.device import add_device_args
 
 def register(sub: "argparse._SubParsersAction") -> None:
     m = sub.add_parser("model", help="convert (first use) and describe a model")
     m.add_argument("--model", default=None, help="local HF checkpoint (default: bundled SmolLM2)")
     m.add_argument("--tokens", type=int, default=4096, help="context length for the geometry")
     m.add_argument("--chunk-tokens", type=int, default=1024)
+    add_device_args(m)
     m.set_defaults(func=_model)
 
 
@@ -18,11 +21,12 @@ def _model(args: argparse.Namespace) -> int:
     from sparkv.layout import ChunkGeometry
     from sparkv.runtime import load_model
 
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     g = ChunkGeometry.from_config(lm.config, args.tokens, args.chunk_tokens)
     n_params = sum(p.numel() for p in lm.model.parameters())
     print(f"model        {lm.name} ({lm.config.model_type}, {n_params / 1e6:.1f} M parameters)")
     print(f"fingerprint  {lm.fingerprint}")
+    print(f"device       {lm.device}, {str(lm.dtype).replace('torch.', '')}")
     print(f"layers       {g.num_layers}, KV heads {g.num_kv_heads}, head_dim {g.head_dim}")
     print(f"context      {args.tokens} tokens -> {g.num_token_chunks} token chunks x "
           f"{g.num_layers} layers x {g.num_groups} groups = {g.num_chunks} KV chunks")

@@ -187,15 +187,25 @@ def default_checkpoint(progress: bool = True) -> Path:
 
 
 def load_model(name_or_path: str | os.PathLike[str] | None = None,
-               dtype: torch.dtype = torch.float32, device: str = "cpu",
+               dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                progress: bool = True) -> LoadedModel:
     """Loads the default model (``None`` or ``"smollm2-135m-instruct"``) or a local checkpoint.
+
+    Args:
+        dtype: a ``torch.dtype`` or a name (``auto``, ``float32``, ``bfloat16``, ``float16``).
+        device: ``cpu``, ``cuda[:N]`` or ``auto`` (see :mod:`sparkv.runtime.device`).
 
     Raises:
         ModelNotFoundError: the path does not exist or holds no ``config.json``.
         UnsupportedModelError: the architecture is not Llama/Qwen2/Qwen3/Mistral.
+        DeviceError: the device or dtype cannot be used here (``--device cuda`` without CUDA).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from sparkv.runtime.device import resolve_device, resolve_dtype
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
 
     is_default = name_or_path is None or str(name_or_path).lower() in (DEFAULT_MODEL, "smollm2")
     if is_default:

@@ -1,0 +1,95 @@
+"""Which device and dtype the model runs on: ``--device cpu|cuda|auto`` and ``--dtype``.
+
+* ``cpu``: always available.
+* ``cuda`` (or ``cuda:N``): a clear :class:`DeviceError` when PyTorch has no CUDA here (a CPU build,
+  no driver, no GPU), never a traceback from deep inside a kernel.
+* ``auto``: CUDA when available, else the CPU.
+
+Dtypes: ``float32``, ``bfloat16``, ``float16``, or ``auto``: bfloat16 on a CUDA device that supports
+it (float16 otherwise), float32 on the CPU (SmolLM2's CPU kernels are fastest, and exact, in fp32).
+The codec and the server's stores stay on the CPU whatever the device.
+
+Unified memory (Jetson): CPU and GPU share one DRAM, so staging frames in pinned memory and copying
+them buys nothing. ``SPARKV_UNIFIED_MEMORY=1`` (or :func:`unified_memory`) tells the edge to skip
+the pinned staging buffer and write decoded chunks straight into the device tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sparkv.errors import SparkvError
+
+DEVICES = ("cpu", "cuda", "auto")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class DeviceError(SparkvError):
+    """The requested device or dtype cannot be used on this machine."""
+
+
+def cuda_available() -> bool:
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken driver counts as no CUDA
+        return False
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """The ``torch.device`` for ``cpu``, ``cuda[:N]`` or ``auto`` (module docstring)."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return torch.device("cuda") if cuda_available() else torch.device("cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not cuda_available():
+            build = "a CPU-only build" if torch.version.cuda is None else \
+                f"built for CUDA {torch.version.cuda}, but no GPU or driver is usable"
+            raise DeviceError(f"--device {name}: CUDA is not available here (PyTorch "
+                              f"{torch.__version__} is {build}); use --device cpu or auto")
+        index = int(name.split(":", 1)[1]) if ":" in name else 0
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise DeviceError(f"--device {name}: this machine has {count} CUDA device(s)")
+        return torch.device("cuda", index)
+    raise DeviceError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} "
+                      "(or cuda:N)")
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype for ``name`` on ``device`` (``auto``: see the module docstring)."""
+    if isinstance(name, torch.dtype):
+        dtype = name
+    else:
+        key = (name or "auto").strip().lower()
+        if key == "auto":
+            if device.type == "cuda":
+                return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.float32
+        if key not in DTYPES:
+            raise DeviceError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or "
+                              "float16")
+        dtype = DTYPES[key]
+    if device.type == "cpu" and dtype == torch.float16:
+        raise DeviceError("float16 on the CPU is not supported (slow and inexact kernels); use "
+                          "float32 or bfloat16")
+    return dtype
+
+
+def unified_memory() -> bool:
+    """Whether the device shares the CPU's memory (``SPARKV_UNIFIED_MEMORY=1``)."""
+    return os.environ.get("SPARKV_UNIFIED_MEMORY", "").strip() in ("1", "true", "yes")
+
+
+def add_device_args(parser: object) -> None:
+    """``--device`` and ``--dtype`` on a command that runs the model."""
+    parser.add_argument("--device", default="auto",  # type: ignore[attr-defined]
+                        help="cpu, cuda[:N] or auto (CUDA when available)")
+    parser.add_argument("--dtype", default="auto",  # type: ignore[attr-defined]
+                        help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")

@@ -1,0 +1,132 @@
+"""Block-sparse and chunked dense attention through ``torch.nn.attention.flex_attention``.
+
+A real block-sparse kernel for CUDA: the kept (query block, key block) pairs become a
+``BlockMask`` built **from block indices** (``BlockMask.from_kv_blocks``), never from a
+``mask_mod`` over every (query, key) pair (which costs more than the attention it saves at 16-32K
+tokens, measured: ../shared/notes/measured-gpu.md) and never eagerly (which allocates a dense
+[Q, K] mask). Blocks fully visible to every query of their query block are "full" blocks (no
+mask applied inside); only the blocks the causal boundary cuts carry the ``mask_mod``
+(bottom-right causal at the chunk's offset).
+
+* :class:`FlexAttention` ``(sparse=True)``: the predicted mask of
+  :class:`~sparkv.runtime.attention.BlockSparseAttention` (same estimator, same defaults), run by
+  flex_attention. ``sparse=False``: every causally visible block (the chunked dense prefill with
+  no per-step mask tensor).
+* On CUDA the kernel is ``torch.compile(flex_attention)`` (compiled once per process); elsewhere the
+  eager implementation runs (it materialises scores: correct, for tests, never chosen by ``auto``
+  on a CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from sparkv.runtime.attention import (K_BLOCK, Q_BLOCK, AttentionStats, BackendUnavailableError,
+                                      BlockSparseAttention, SparsityConfig, _check_shapes,
+                                      causal_block_count, register_backend)
+
+_COMPILED: dict[str, Any] = {}
+
+
+def flex_available() -> bool:
+    """Whether ``torch.nn.attention.flex_attention`` (with ``BlockMask.from_kv_blocks``) imports."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return hasattr(BlockMask, "from_kv_blocks")
+
+
+def _kernel(device: torch.device) -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _COMPILED:
+        _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED["cuda"]
+
+
+def _indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, nqb, nkb]`` bool -> ``(num [B, H, nqb] int32, indices [B, H, nqb, nkb] int32)``,
+    the kept key blocks of each query block first, in ascending order."""
+    num = mask.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num.contiguous(), order.contiguous()
+
+
+def block_mask(keep: torch.Tensor, diagonal: torch.Tensor, nq: int, nk: int, q_offset: int,
+               q_block: int = Q_BLOCK, k_block: int = K_BLOCK) -> Any:
+    """A flex ``BlockMask`` from a kept-block mask ``keep [B, H, nqb, nkb]`` (bool): blocks on the
+    causal ``diagonal [nqb, nkb]`` get the bottom-right causal ``mask_mod``, the others are full."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    keep_i = keep.to(torch.int8)
+
+    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        # the block structure is in the mask too: the compiled kernel skips unlisted blocks on
+        # its own, the eager one (tests, CPU) only applies this function
+        return (kv_idx <= q_idx + q_offset) & (keep_i[b, h, q_idx // q_block,
+                                                      kv_idx // k_block] > 0)
+
+    diagonal = diagonal.clone()
+    if nk % k_block:
+        diagonal[:, -1] = True          # the last key block runs past the keys: keep it masked
+    partial = keep & diagonal
+    full = keep & ~diagonal
+    num, idx = _indices(partial)
+    fnum, fidx = _indices(full)
+    return BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=(q_block, k_block),
+                                    mask_mod=causal, seq_lengths=(nq, nk))
+
+
+class FlexAttention:
+    """Attention through flex_attention (module docstring).
+
+    Args:
+        sparse: predict and skip blocks (as :class:`BlockSparseAttention` does) or run every
+            visible block.
+        config: the block predictor's settings (``sparse`` only).
+    """
+
+    def __init__(self, sparse: bool = True, config: SparsityConfig | None = None) -> None:
+        if not flex_available():
+            raise BackendUnavailableError("torch.nn.attention.flex_attention is not available in "
+                                          f"PyTorch {torch.__version__}")
+        self.sparse = sparse
+        self.name = "flex_sparse" if sparse else "flex_dense"
+        self._predictor = BlockSparseAttention(config)
+        self.config = self._predictor.config
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
+               scale: float | None = None, mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, AttentionStats]:
+        _check_shapes(q, k, v, q_offset)
+        b, hq, nq, d = q.shape
+        nk = q_offset + nq                      # keys past the last query are never seen
+        k, v = k[:, :, :nk], v[:, :, :nk]
+        pred = self._predictor
+        nqb, nkb, _, visible, diagonal = pred._geometry(nq, nk, q_offset, q.device)
+        if mask is None:
+            if self.sparse:
+                mask = pred.predict_mask(q, k, q_offset, scale)
+            else:
+                mask = visible.expand(b, hq, nqb, nkb)
+        keep = mask & visible
+        bm = block_mask(keep, diagonal, nq, nk, q_offset)
+        scale = scale if scale is not None else 1.0 / math.sqrt(d)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")      # eager-mode notices on a CPU
+            out = _kernel(q.device)(q, k, v, block_mask=bm, scale=scale,
+                                    enable_gqa=hq != k.shape[1])
+        active = keep.sum(dim=(2, 3)).sum(0)
+        return out, AttentionStats(self.name, active,
+                                   causal_block_count(nq, nk, q_offset, Q_BLOCK, K_BLOCK))
+
+
+register_backend("flex_dense", lambda config: FlexAttention(sparse=False, config=config))
+register_backend("flex_sparse", lambda config: FlexAttention(sparse=True, config=config))

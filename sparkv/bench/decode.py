@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.runtime.device import add_device_args
 
 CONFIGS = ("dynamic", "memory", "ragged50", "ragged20", "int8", "int4")
 
@@ -41,6 +42,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--flash-mb", type=int, default=64, help="bytes moved by the flash measurement")
     p.add_argument("--flash-dir", default=None, help="directory of the flash tier (default: a "
                                                      "temp dir under bench/results)")
+    add_device_args(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default=None)
     p.add_argument("--json", action="store_true")
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     configs = [c for c in args.configs.split(",") if c]
     rows: list[dict[str, Any]] = []

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from sparkv.bench.common import format_table, write_result
+from sparkv.runtime.device import add_device_args
 
 TARGETS = {"mape_ratio_min": 4.0, "paper_mape_ratio": [4.8, 5.6], "prediction_ms_max": 0.5}
 
@@ -37,6 +38,7 @@ TARGETS = {"mape_ratio_min": 4.0, "paper_mape_ratio": [4.8, 5.6], "prediction_ms
 def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("predictor", help="MLP latency model vs Roofline on real profiled steps")
     p.add_argument("--quick", action="store_true", help="small profile (under 2 minutes)")
+    add_device_args(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--budget", type=float, default=None,
                    help="profiling time budget in seconds (default 420, quick 60)")
@@ -56,7 +58,7 @@ def _profile(args: argparse.Namespace):
     from sparkv.predictor import ProfileConfig, Profiler
     from sparkv.runtime import load_model
 
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     cfg = ProfileConfig.quick() if args.quick else ProfileConfig()
     cfg.threads = args.threads
     cfg.seed = args.seed

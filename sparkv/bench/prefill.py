@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.runtime.device import add_device_args
 
 QUESTION = "\n\nQuestion: In one sentence, what is this document about?\nAnswer:"
 
@@ -26,6 +27,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--estimator", default=None, choices=["qpool", "meansim"])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    add_device_args(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is fairer on a shared machine)")
     p.add_argument("--json", action="store_true", help="write bench/results/prefill.json")
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     question = lm.encode_text(QUESTION)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     cfg = SparsityConfig()

@@ -20,6 +20,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 SERVE_ENV: dict[str, str] = {
     "--host": "SPARKV_HOST",
+    "--device": "SPARKV_DEVICE",
+    "--dtype": "SPARKV_DTYPE",
     "--port": "SPARKV_PORT",
     "--store": "SPARKV_STORE",
     "--config": "SPARKV_CONFIG",
@@ -66,6 +68,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
     s.add_argument("--torch-threads", type=int, default=_int_or_none(_env("--torch-threads")),
                    help="[SPARKV_TORCH_THREADS] PyTorch threads for prefill (default: config, "
                         "else all cores)")
+    s.add_argument("--device", default=_env("--device"),
+                   help="[SPARKV_DEVICE] where models prefill: cpu, cuda[:N] or auto (default: "
+                        "config, else auto)")
+    s.add_argument("--dtype", default=_env("--dtype"),
+                   help="[SPARKV_DTYPE] auto (bf16 on a GPU, fp32 on the CPU), float32, bfloat16")
     s.add_argument("--log-level", default=_env("--log-level", "info"),
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="[SPARKV_LOG_LEVEL]")
@@ -96,6 +103,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     e.add_argument("--encrypt", action="store_true",
                    help="encrypt frames; prints the key once (it is stored nowhere)")
     e.add_argument("--torch-threads", type=int, default=None)
+    e.add_argument("--device", default=None, help="cpu, cuda[:N] or auto (default: config)")
+    e.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: config)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     e.set_defaults(func=encode)
 
@@ -106,6 +115,16 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 def _int_or_none(value: Any) -> int | None:
     return None if value in (None, "") else int(value)
+
+
+def _check_device(settings: Any) -> None:
+    """Fails at startup (not at the first encode) on a device or dtype this machine lacks."""
+    from sparkv.runtime.device import DeviceError, resolve_device, resolve_dtype
+
+    try:
+        resolve_dtype(settings.dtype, resolve_device(settings.device))
+    except DeviceError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _settings(config: str | None, store: str | None, **extra: Any) -> Any:
@@ -122,7 +141,8 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
                          log_level=args.log_level,
-                         allow_anonymous=True if args.allow_anonymous else None)
+                         allow_anonymous=True if args.allow_anonymous else None,
+                         device=args.device, dtype=args.dtype)
     if not settings.tenants and not settings.allow_anonymous:
         if args.host not in LOOPBACK:
             raise ConfigError("no tenants are configured: add API key hashes to the config file "
@@ -138,6 +158,7 @@ def serve(args: argparse.Namespace) -> int:
     import ssl
     import torch
 
+    _check_device(settings)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     logging.basicConfig(level=settings.log_level.upper(),
@@ -171,7 +192,9 @@ def encode(args: argparse.Namespace) -> int:
     from sparkv.server.models import ModelRegistry
     from sparkv.server.stores import open_store
 
-    settings = _settings(args.config, args.store, torch_threads=args.torch_threads)
+    settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
+                         device=args.device, dtype=args.dtype)
+    _check_device(settings)
     if args.torch_threads or settings.torch_threads:
         import torch
 
@@ -179,7 +202,8 @@ def encode(args: argparse.Namespace) -> int:
     tenant = args.tenant or (next(iter(settings.tenants)) if len(settings.tenants) == 1
                              else ANONYMOUS_TENANT)
     text = sys.stdin.read() if args.file == "-" else _read_text(args.file)
-    registry = ModelRegistry(settings.models, settings.max_context_tokens)
+    registry = ModelRegistry(settings.models, settings.max_context_tokens,
+                                           settings.device, settings.dtype)
     try:
         entry = registry.get(args.model or settings.default_model)
         if args.token_ids:

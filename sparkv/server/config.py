@@ -90,6 +90,12 @@ class Settings(BaseModel):
     encode_workers: int = Field(1, ge=1, le=16)
     torch_threads: int = Field(0, ge=0)
     """Threads PyTorch uses for prefill (0: its default, every core)."""
+    device: str = "auto"
+    """Where models prefill: ``cpu``, ``cuda[:N]`` or ``auto`` (the GPU when there is one). The
+    codec and the stores always run on the CPU."""
+    dtype: str = "auto"
+    """Model dtype: ``auto`` (bfloat16 on a GPU, float32 on the CPU), ``float32``, ``bfloat16``,
+    ``float16``."""
     encode_pause_s: float = Field(0.0, ge=0.0, le=10.0)
     """Sleep after each encoded frame, leaving CPU to serving (and making crash tests slow enough)."""
     resume_jobs: bool = True

@@ -280,7 +280,7 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     report("prefill", 0, total)
     if any(needed):
         t0 = time.perf_counter()
-        layer_kv = prefill_kv(lm, spec.token_ids)
+        layer_kv = [(k.cpu(), v.cpu()) for k, v in prefill_kv(lm, spec.token_ids)]  # codec: CPU
         pieces = split_chunks(layer_kv, geometry)
         stats.prefill_s = time.perf_counter() - t0
     if stop():
@@ -307,7 +307,8 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
         if stored is None:
             if not pieces:  # a reused frame turned out damaged: prefill after all
                 t0 = time.perf_counter()
-                pieces = split_chunks(prefill_kv(lm, spec.token_ids), geometry)
+                pieces = split_chunks([(k.cpu(), v.cpu()) for k, v in
+                                       prefill_kv(lm, spec.token_ids)], geometry)
                 stats.prefill_s += time.perf_counter() - t0
             k, v = pieces[cid]
             t0 = time.perf_counter()

@@ -52,7 +52,9 @@ class ModelEntry:
 class ModelRegistry:
     """Configured models by name; ``get`` loads on first use (thread-safe, once per name)."""
 
-    def __init__(self, models: dict[str, str | None], max_context_tokens: int) -> None:
+    def __init__(self, models: dict[str, str | None], max_context_tokens: int,
+                 device: str = "cpu", dtype: str = "float32") -> None:
+        self.device, self.dtype = device, dtype
         self._paths = dict(models)
         self._max = max_context_tokens
         self._loaded: dict[str, ModelEntry] = {}
@@ -90,7 +92,8 @@ class ModelRegistry:
                 from sparkv.runtime import ModelError, load_model
 
                 try:
-                    lm = load_model(self._paths[name], progress=True)
+                    lm = load_model(self._paths[name], dtype=self.dtype, device=self.device,
+                                    progress=True)
                 except ModelError as exc:
                     raise ApiError(503, "model_unavailable",
                                    f"model {name!r} cannot be loaded: {exc}") from exc

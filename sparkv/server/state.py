@@ -157,7 +157,8 @@ class ServerState:
         """Opens the store (unless given), builds the model registry and the job manager."""
         metrics = ServerMetrics()
         store = store or open_store(settings.store)
-        registry = registry or ModelRegistry(settings.models, settings.max_context_tokens)
+        registry = registry or ModelRegistry(settings.models, settings.max_context_tokens,
+                                           settings.device, settings.dtype)
         jobs = JobManager(store, registry, settings, metrics)
         return cls(settings, store, registry, jobs, metrics,
                    StreamSlots(settings.max_streams_per_tenant, metrics))

@@ -10,7 +10,7 @@ from sparkv.codec import (
     DEFAULT_LEVEL, LEVELS, QUANTIZED_LEVELS, CodecError, KVChunk, decode, decode_into, encode,
     get_level, peek_header,
 )
-from sparkv.codec import quant
+from sparkv.codec import levels, quant
 from sparkv.codec.frame import MAX_TENSOR_VALUES, SINK_TOKENS
 from sparkv.layout import KVChunkId
 
@@ -288,15 +288,37 @@ def test_level_registry():
     assert DEFAULT_LEVEL == "q5" and "raw" in LEVELS
     assert len(QUANTIZED_LEVELS) >= 5
     q5 = get_level("q5")
-    # SmolLM2: 30 layers -> K layers 0-9 and V layers 0-1 get a sixth bit
-    assert q5.k_bits_per_layer(30) == [6] * 10 + [5] * 20
-    assert q5.v_bits_per_layer(30) == [6] * 2 + [5] * 28
+    # SmolLM2 (30 layers): the sensitivity profile, offsets -1..+2 around 5 bits
+    assert q5.k_bits_per_layer(30) == [5 + o for o in levels.PROFILE_K]
+    assert q5.v_bits_per_layer(30) == [5 + o for o in levels.PROFILE_V]
+    assert q5.bits(17, 30) == (7, 5) and q5.bits(18, 30) == (7, 6) and q5.bits(29, 30) == (4, 4)
     assert get_level("q8").k_bits_per_layer(30) == [8] * 30
+    assert get_level("q8").v_bits_per_layer(32) == [8] * 32
     assert get_level("raw").bits(3, 30) == (0, 0)
     with pytest.raises(CodecError):
         get_level("nope")
     with pytest.raises(CodecError):
         q5.bits(30, 30)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 5, 16, 24, 30, 32, 40, 80])
+def test_levels_keep_their_mean_bits_at_every_depth(num_layers):
+    """Every quantized level spends its base bits + 0.2 on average at depth 30 (the profile's),
+    stays within 2..8 bits and within -1..+2 of its base at any depth, and never gives a layer
+    fewer bits than the next lower level."""
+    order = ["q8", "q6", "q5", "q4", "q3", "q2"]
+    for name in order:
+        lvl = get_level(name)
+        for layer in range(num_layers):
+            k, v = lvl.bits(layer, num_layers)
+            for b in (k, v):
+                assert 2 <= b <= 8 and lvl.base_bits - 1 <= b <= lvl.base_bits + 2
+        if name != "q8":
+            assert lvl.mean_bits(30) == pytest.approx(lvl.base_bits + 0.2)
+    for hi, lo in zip(order, order[1:]):
+        for layer in range(num_layers):
+            a, b = get_level(hi).bits(layer, num_layers), get_level(lo).bits(layer, num_layers)
+            assert a[0] >= b[0] and a[1] >= b[1]
 
 
 def test_estimate_bytes_is_sane():

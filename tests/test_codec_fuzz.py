@@ -179,12 +179,13 @@ def test_forged_fields_huge_and_wrong(name, field, data):
 
 
 def test_wrong_version_is_named():
-    frame = bytearray(FRAMES["q5-sink"][:-8])
-    frame[4] = 2
-    with pytest.raises(CodecError, match="version"):
-        decode(reseal(frame))
-    with pytest.raises(CodecError, match="version"):
-        peek_header(reseal(frame))
+    for version in (0, 1, 3, 255):  # 1: frames of the first format (decoded without clamping)
+        frame = bytearray(FRAMES["q5-sink"][:-8])
+        frame[4] = version
+        with pytest.raises(CodecError, match=f"version {version} "):
+            decode(reseal(frame))
+        with pytest.raises(CodecError, match=f"version {version} "):
+            peek_header(reseal(frame))
 
 
 def test_huge_shape_is_refused_before_allocating():

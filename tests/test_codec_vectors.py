@@ -75,7 +75,7 @@ def test_q5_vector_bytes_match_doc_and_fixture():
     frame = vector_frame()
     in_doc = parse_hex_dump(doc_block("q5-vector"))
     in_fixture = parse_hex_dump(FIXTURE.read_text())
-    assert len(frame) == 460
+    assert len(frame) == 500
     assert frame == in_fixture, "the encoder no longer writes tests/data/q5_vector.hex"
     assert in_doc == in_fixture, "docs/wire-format.md's q5 vector differs from the fixture"
 
@@ -85,28 +85,29 @@ def test_q5_vector_checksum_is_real():
     (stored,) = struct.unpack_from("<Q", frame, len(frame) - 8)
     assert stored == xxhash.xxh64_intdigest(frame[:-8])
     stated = set(re.findall(r"XXH64 = (0x[0-9a-f]{16})", DOC))
-    stated |= set(re.findall(r"XXH64 of `000-1c3` = `(0x[0-9a-f]{16})`", DOC))
+    stated |= set(re.findall(r"XXH64 of `000-1eb` = `(0x[0-9a-f]{16})`", DOC))
     assert stated == {f"0x{stored:016x}"}
 
 
 def test_q5_vector_layout_as_documented():
     frame = parse_hex_dump(doc_block("q5-vector"))
     h = peek_header(frame)
-    assert (h.header_len, h.payload_len) == (0x108, 0xBC)
+    assert (h.header_len, h.payload_len) == (0x128, 0xC4)
     assert tuple(h.chunk_id) == (0, 10, 2) and h.shape == (1, 20, 8) and h.num_layers == 30
     k, v = h.k, h.v
     assert (k.bits, k.axis, k.param_dtype, k.coding, k.predictor, k.values_per_symbol,
-            k.exact_tokens, k.num_streams) == (5, AXIS_CHANNEL, PARAM_FP16, 1, 1, 1, 1, 1)
+            k.exact_tokens, k.num_streams) == (6, AXIS_CHANNEL, PARAM_FP16, 1, 1, 1, 1, 1)
     assert (v.bits, v.axis, v.param_dtype, v.coding, v.predictor, v.values_per_symbol,
             v.exact_tokens, v.num_streams) == (5, AXIS_TOKEN, PARAM_FP16, 1, 0, 1, 1, 1)
-    assert k.alpha.tolist() == [[4] * 8] and k.center.tolist() == [[15, 15, 15, 16, 15, 16, 16, 16]]
-    assert np.flatnonzero(k.code_lengths).tolist() == [3, 5, 6, 7, 8, 12, 23, 27, 30, 31]
-    assert k.stream_bytes.tolist() == [36] and v.stream_bytes.tolist() == [88]
+    assert k.alpha.tolist() == [[4] * 8] and k.center.tolist() == [[31, 31, 31, 32, 31, 32, 32, 32]]
+    assert np.flatnonzero(k.code_lengths).tolist() == [6, 10, 12, 13, 14, 15, 17, 25, 45, 53, 60,
+                                                       63]
+    assert k.stream_bytes.tolist() == [44] and v.stream_bytes.tolist() == [88]
     assert v.steps[0, 3] == 0
-    # header padding: 4 zero bytes at 0x104; the V section starts at frame offset 0x14c
-    assert frame[0x104:0x108] == bytes(4)
-    assert h.header_len + v.payload_offset == 0x14C and 0x14C % 8 == 4
-    assert frame[0x14C:0x150] == struct.pack("<f", -0.5625)  # V[0, 0, 0]
+    # header padding: 4 zero bytes at 0x124; the V section starts at frame offset 0x174
+    assert frame[0x124:0x128] == bytes(4)
+    assert h.header_len + v.payload_offset == 0x174 and 0x174 % 8 == 4
+    assert frame[0x174:0x178] == struct.pack("<f", -0.5625)  # V[0, 0, 0]
 
 
 def test_q5_vector_decoded_values_as_documented():
@@ -167,24 +168,49 @@ def test_constants_table_matches_the_exports():
         "raw": 0, "q8": 8, "q6": 6, "q5": 5, "q4": 4, "q3": 3, "q2": 2}
 
 
+def test_level_tables_match_the_levels():
+    """docs/wire-format.md section 7 states the per-layer offsets a decoder checks bits against."""
+    from sparkv.codec import levels
+
+    section = DOC[DOC.index("## 7. Levels"):DOC.index("## 8. Padding")]
+    rows = {name: [int(x) for x in cells.strip("`").split()]
+            for name, cells in table_rows(section)}
+    assert rows["K (q6, q5, q4, q3)"] == list(levels.PROFILE_K)
+    assert rows["V (q6, q5, q4, q3)"] == list(levels.PROFILE_V)
+    assert rows["K (q2)"] == list(levels.PROFILE_K_FLOOR)
+    assert rows["V (q2)"] == list(levels.PROFILE_V_FLOOR)
+    for name in ("q6", "q5", "q4", "q3", "q2"):
+        lvl = codec.get_level(name)
+        k_off, v_off = ((levels.PROFILE_K_FLOOR, levels.PROFILE_V_FLOOR) if name == "q2"
+                        else (levels.PROFILE_K, levels.PROFILE_V))
+        for num_layers in (7, 30, 32, 61):
+            for layer in range(num_layers):
+                p = layer * 30 // num_layers
+                want = tuple(min(max(lvl.base_bits + o[p], 2), 8) for o in (k_off, v_off))
+                assert lvl.bits(layer, num_layers) == want
+    assert codec.get_level("q8").bits(5, 30) == (8, 8)
+
+
 # ---- fully exact tensors ---------------------------------------------------------------------
 def test_fully_exact_tensor_descriptor_as_documented():
     k = torch.tensor([[[1.5, -2.0, 3.25]]])
-    frame = encode(KVChunk(KVChunkId(0, 4, 0), 0, k, -k, 30), "q5")
-    assert frame[40:52] == bytes.fromhex("06 02 01 02 00 01 00 00 01 00 00 00")
-    assert frame[52:64] == bytes.fromhex("05 02 01 02 00 01 00 00 01 00 00 00")
+    frame = encode(KVChunk(KVChunkId(0, 6, 0), 0, k, -k, 30), "q5")
+    assert frame[40:52] == bytes.fromhex("05 02 01 02 00 01 00 00 01 00 00 00")
+    assert frame[52:64] == bytes.fromhex("06 02 01 02 00 01 00 00 01 00 00 00")
     h = peek_header(frame)
     assert (h.header_len, h.payload_len) == (64, 32)
     assert frame[64:80] == k.numpy().tobytes() + bytes(4)
     assert torch.equal(decode(frame).k, k)
     # any E = N tensor: sink_tokens covering the chunk, axis as asked, no sections at all
-    c = KVChunk(KVChunkId(0, 20, 1), 0, torch.randn(2, 5, 3), torch.randn(2, 5, 3), 30)
+    c = KVChunk(KVChunkId(0, 24, 1), 0, torch.randn(2, 5, 3), torch.randn(2, 5, 3), 30)
     frame = encode(c, "q3", sink_tokens=8, k_axis=AXIS_TOKEN)
     h = peek_header(frame)
-    for th, axis in ((h.k, AXIS_TOKEN), (h.v, AXIS_CHANNEL)):
+    bits = codec.get_level("q3").bits(24, 30)  # (4, 3): layer 24's offsets are +1 and 0
+    assert bits == (4, 3)
+    for th, axis, b in ((h.k, AXIS_TOKEN, bits[0]), (h.v, AXIS_CHANNEL, bits[1])):
         assert (th.bits, th.axis, th.param_dtype, th.coding, th.predictor, th.values_per_symbol,
                 th.const_symbol, th.exact_tokens, th.num_streams) == (
-                    3, axis, PARAM_FP16, CODING_CONSTANT, PRED_NONE, 2, 0, 5, 0)
+                    b, axis, PARAM_FP16, CODING_CONSTANT, PRED_NONE, 2, 0, 5, 0)
     assert h.header_len == 64 and h.payload_len == 2 * 2 * 5 * 3 * 4
     out = decode(frame)
     assert torch.equal(out.k, c.k) and torch.equal(out.v, c.v)
@@ -192,7 +218,7 @@ def test_fully_exact_tensor_descriptor_as_documented():
 
 def test_fully_exact_tensor_decoder_rules():
     k = torch.tensor([[[1.5, -2.0, 3.25]]])
-    frame = bytearray(encode(KVChunk(KVChunkId(0, 4, 0), 0, k, -k, 30), "q5"))
+    frame = bytearray(encode(KVChunk(KVChunkId(0, 6, 0), 0, k, -k, 30), "q5"))
     for offset, value, ok in ((41, 1, True), (42, 2, True),  # axis, param_dtype: not used
                               (43, 1, False), (44, 1, False), (46, 1, False), (50, 1, False)):
         bad = bytearray(frame)
@@ -247,7 +273,7 @@ def reseal(frame: bytes | bytearray) -> bytes:
 def test_header_padding_must_be_zero_and_exact():
     frame = parse_hex_dump(doc_block("q5-vector"))
     bad = bytearray(frame)
-    bad[0x105] = 1
+    bad[0x125] = 1
     with pytest.raises(CodecError, match="padding"):
         decode(reseal(bad))
     # eight more zero bytes of header: header_len is no longer pad8(64 + sections)
@@ -406,20 +432,56 @@ def test_non_finite_values(dtype):
                 encode(KVChunk(KVChunkId(0, 0, 0), 0, *args, 3), "q5")
 
 
-def test_quantized_overflow_gives_plus_inf_never_nan():
+def test_quantized_values_never_decode_to_an_infinity():
+    """Version 2: decoded quantized values are clamped to the chunk dtype's finite range (the
+    encoder rounds the step up, so a group reaching the dtype's largest value overshoots it:
+    a float16 group spanning [0, 65504] at 6 bits has step 1040 and 63 * 1040 = 65520, which
+    version 1 decoded as +Inf)."""
     k = torch.zeros(1, 2, 2, dtype=torch.float16)
     k[0, 1, 0] = 65504.0
-    frame = encode(KVChunk(KVChunkId(1, 0, 0), 2, k, k.clone(), 3), "q5", k_axis=AXIS_TOKEN)
+    frame = encode(KVChunk(KVChunkId(1, 3, 0), 2, k, k.clone(), 30), "q5", k_axis=AXIS_TOKEN)
     h = peek_header(frame)
     assert h.k.bits == 6 and h.k.exact_tokens == 0
     assert float(h.k.mins[0, 1]) == 0.0 and float(h.k.steps[0, 1]) == 1040.0
+    assert 63 * 1040 == 65520  # would round to +Inf in float16
     out = decode(frame).k
-    assert out[0, 1, 0] == float("inf") and out[0, 1, 1] == 0
-    for dtype, big in ((torch.bfloat16, 3.3895e38), (torch.float32, 3.4028e38)):
-        x = torch.zeros(1, 8, 4, dtype=dtype)
-        x[0, 3, 0], x[0, 4, 0] = big, -big
-        out = decode(encode(KVChunk(KVChunkId(1, 0, 0), 8, x, x.clone(), 3), "q5")).k
-        assert not torch.isnan(out).any() and not (out == float("-inf")).any()
+    assert out[0, 1, 0] == 65504.0 and out[0, 1, 1] == 0
+    into = torch.empty(1, 2, 2, dtype=torch.float32)  # the clamp is the chunk dtype's, not out's
+    decode_into(frame, into, torch.empty(1, 2, 2))
+    assert into[0, 1, 0] == 65504.0
+    ref = __import__("test_codec_wire").reference_decode(frame)
+    assert ref["k"][0, 1, 0] == 65504.0
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        big = torch.finfo(dtype).max
+        for level in ("q8", "q5", "q2"):
+            for axis in (AXIS_TOKEN, AXIS_CHANNEL):
+                x = torch.zeros(1, 8, 4, dtype=dtype)
+                x[0, 3, 0], x[0, 4, 0], x[0, 5, 1] = big, -big, big
+                x[0, 6, 2] = -big
+                out = decode(encode(KVChunk(KVChunkId(1, 0, 0), 8, x, x.clone(), 3), level,
+                                    k_axis=axis, v_axis=axis))
+                for t in (out.k, out.v):
+                    assert torch.isfinite(t).all(), (dtype, level, axis)
+                    assert t.float().abs().max() <= big
+
+
+def test_forged_parameters_beyond_the_dtype_decode_clamped():
+    """A frame from another encoder whose min or min + q * step lies outside the chunk dtype's
+    range decodes to the dtype's largest finite values, never an infinity."""
+    x = torch.zeros(1, 4, 2, dtype=torch.float16)
+    x[0, :, 0] = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    frame = bytearray(encode(KVChunk(KVChunkId(1, 0, 0), 4, x, x.clone(), 3), "q8",
+                             predictor="none")[:-8])
+    h = peek_header(bytes(frame))
+    assert h.k.param_dtype == PARAM_FP16 and h.k.axis == AXIS_CHANNEL
+    # K mins (2 x fp16 at 64), then K steps (2 x fp16 at 68): min -65504, step 65504
+    struct.pack_into("<2e2e", frame, 64, -65504.0, -65504.0, 65504.0, 65504.0)
+    frame += struct.pack("<Q", xxhash.xxh64_intdigest(bytes(frame)))
+    out = decode(bytes(frame)).k
+    assert torch.isfinite(out).all()
+    assert out[0, 0, 0] == -65504.0  # q = 0: the min itself
+    assert out[0, 1, 0] == 65504.0 / 1  # -65504 + q * 65504 with q >= 2 clamps to the top
+    assert out.float().max() == 65504.0
 
 
 # ---- around the frame (sparkv.protocol) ------------------------------------------------------

@@ -52,7 +52,7 @@ def canonical(lengths: list[int]) -> dict[tuple[int, int], int]:
 
 
 def reference_decode(frame: bytes) -> dict:
-    assert frame[:4] == b"SPKV" and frame[4] == 1
+    assert frame[:4] == b"SPKV" and frame[4] == 2
     dtype_code, level, flags = frame[5], frame[6], frame[7]
     header_len, payload_len = struct.unpack_from("<II", frame, 8)
     assert len(frame) == header_len + payload_len + 8
@@ -137,11 +137,19 @@ def reference_decode(frame: bytes) -> dict:
             mn, st = mins.reshape(h, m, 1), steps.reshape(h, m, 1)
         else:
             mn, st = mins.reshape(h, 1, d), steps.reshape(h, 1, d)
-        x[:, e:] = mn + q.astype(np.float32) * st
+        with np.errstate(over="ignore"):
+            dq = mn + q.astype(np.float32) * st
+        top = FINITE_MAX[dtype_code]  # section 6, step 4: clamp to the dtype's finite range
+        x[:, e:] = np.clip(dq, -top, top)
         out[name] = x
     pos = pad8(pos)
     assert pos == header_len and payload_pos == body
     return out
+
+
+FINITE_MAX = {1: np.float32(np.finfo(np.float32).max), 2: np.float32(65504.0),
+              3: np.uint32(0x7F7F0000).view(np.float32)}
+"""The largest finite value of each chunk dtype, as a float32."""
 
 
 def to_float32(a: np.ndarray, dtype_code: int) -> np.ndarray:
@@ -207,7 +215,7 @@ def test_documented_example_bytes():
     frame = encode(c, "raw")
     assert len(frame) == 88
     expected = bytes.fromhex(
-        "5350 4b56 0101 0000 4000 0000 1000 0000"
+        "5350 4b56 0201 0000 4000 0000 1000 0000"
         "0000 0000 0000 0000 0000 0000 0100 0000"
         "0100 0200 0000 0000 0000 0000 0000 0000"
         "0000 0000 0000 0000 0000 0000 0000 0000"

@@ -27,7 +27,9 @@ from sparkv.codec.levels import DEFAULT_LEVEL, LEVELS_BY_CODE, Level, get_level
 from sparkv.layout import KVChunkId
 
 MAGIC = b"SPKV"
-VERSION = 1
+VERSION = 2
+"""Frame format version. 2: decoded quantized values are clamped to the chunk dtype's finite
+range (version 1 frames, whose decoders did not clamp, are rejected)."""
 FIXED_LEN = 40
 DESC_LEN = 12
 HEADER_MIN = FIXED_LEN + 2 * DESC_LEN  # 64
@@ -45,6 +47,12 @@ DTYPE_CODES: dict[int, tuple[torch.dtype, str]] = {
     3: (torch.bfloat16, "<u2"),  # stored as its 16-bit pattern
 }
 CODE_OF_DTYPE = {dt: code for code, (dt, _) in DTYPE_CODES.items()}
+FINITE_MAX: dict[torch.dtype, float] = {
+    torch.float32: float(torch.finfo(torch.float32).max),
+    torch.float16: float(torch.finfo(torch.float16).max),    # 65504
+    torch.bfloat16: float(torch.finfo(torch.bfloat16).max),  # 0x7F7F, exact in float32
+}
+"""Decoded quantized values are clamped to ``[-FINITE_MAX, FINITE_MAX]`` of the chunk dtype."""
 
 CODING_PLAIN = 0
 CODING_HUFFMAN = 1
@@ -300,7 +308,8 @@ def _parse(mv: memoryview) -> FrameHeader:
     if magic != MAGIC:
         raise CodecError("not a sparkv frame (bad magic)")
     if version != VERSION:
-        raise CodecError(f"unsupported frame version {version} (this decoder reads {VERSION})")
+        raise CodecError(f"unsupported frame version {version} (this decoder reads version "
+                         f"{VERSION} only; re-encode the chunk)")
     if dtype_code not in DTYPE_CODES:
         raise CodecError(f"unknown dtype code {dtype_code}")
     if level_code not in LEVELS_BY_CODE:
@@ -462,7 +471,7 @@ def _write_tensor(mv: memoryview, hdr: FrameHeader, th: TensorHeader,
         target[:, :e, :] = exact.to(torch.float32).numpy()
     if symbols is not None:
         quant.reconstruct(symbols, th.bits, th.mins, th.steps, th.axis, target[:, e:, :],
-                          th.alpha, th.center)
+                          th.alpha, th.center, FINITE_MAX[hdr.dtype])
     if not direct:
         out.copy_(torch.from_numpy(target))
 

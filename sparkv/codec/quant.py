@@ -161,9 +161,10 @@ def dequantize(q: np.ndarray, mins: np.ndarray, steps: np.ndarray, axis: int, ou
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _reconstruct(syms, bits, per, predict, alpha, center, mins, steps, per_token,
+def _reconstruct(syms, bits, per, predict, alpha, center, mins, steps, per_token, limit,
                  out):  # pragma: no cover - numba
-    """Unpacks, undoes the channel prediction and dequantizes, one ``[D]`` row at a time.
+    """Unpacks, undoes the channel prediction and dequantizes, one ``[D]`` row at a time, each
+    value clamped to ``[-limit, limit]``.
 
     ``syms``: packed symbols of the flat values in C order of ``out``'s shape ``[H, M, D]``.
     """
@@ -214,27 +215,33 @@ def _reconstruct(syms, bits, per, predict, alpha, center, mins, steps, per_token
                 mn = mins[h, n]
                 st = steps[h, n]
                 for d in range(d_):
-                    out[h, n, d] = mn + np.float32(row[d]) * st
+                    out[h, n, d] = min(max(mn + np.float32(row[d]) * st, -limit), limit)
             else:
                 for d in range(d_):
-                    out[h, n, d] = mins[h, d] + np.float32(row[d]) * steps[h, d]
+                    out[h, n, d] = min(max(mins[h, d] + np.float32(row[d]) * steps[h, d],
+                                           -limit), limit)
 
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""Largest finite float32: the default clamp of :func:`reconstruct`."""
 
 _NO_PRED = np.zeros((1, 1), dtype=np.uint8)
 
 
 def reconstruct(syms: np.ndarray, bits: int, mins: np.ndarray, steps: np.ndarray, axis: int,
                 out: np.ndarray, alpha: np.ndarray | None = None,
-                center: np.ndarray | None = None) -> None:
+                center: np.ndarray | None = None, limit: float = FLOAT32_MAX) -> None:
     """Packed symbols -> float32 values in ``out`` (``[H, M, D]``, any strides): unpack
     (``values_per_symbol(bits)`` per symbol), undo the channel prediction when ``alpha`` and
     ``center`` (``uint8 [H, D]``) are given, then ``min + q * step`` with the group's
-    parameters."""
+    parameters, clamped to ``[-limit, limit]`` (``limit``: the largest finite value of the
+    chunk's dtype, so that no finite frame decodes to an infinity)."""
     predict = alpha is not None
     _reconstruct(syms, bits, values_per_symbol(bits), predict,
                  alpha if predict else _NO_PRED, center if predict else _NO_PRED,
                  np.ascontiguousarray(mins, dtype=np.float32),
-                 np.ascontiguousarray(steps, dtype=np.float32), axis == AXIS_TOKEN, out)
+                 np.ascontiguousarray(steps, dtype=np.float32), axis == AXIS_TOKEN,
+                 np.float32(limit), out)
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)

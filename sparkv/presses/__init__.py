@@ -1,0 +1,34 @@
+"""KV-compression presses on the device's KV memory (docs/presses.md).
+
+A press is one small class (kvpress's shape): it scores a context's entries from an observation
+window and gives budgets per layer and per KV head, from a kept ratio or a fixed token budget;
+applying it frees the pruned entries in the :class:`~sparkv.cache.ContextKV` (ragged per layer
+and head: real memory, not masks).
+
+    press, budget = parse_press("adakv:0.2")
+    layers, window, _ = prefill(lm, context_ids)            # question-agnostic window
+    memory = to_memory(lm, layers)
+    compress(memory, press, budget, window)                 # or question_window(...) (aware)
+
+Presses: ``snapkv`` (uniform), ``pyramidkv``, ``dynamickv`` (layer-adaptive), ``adakv``
+(head-adaptive around any press; Ada-SnapKV), ``adapyramid``, ``ada-dynamickv``, and the
+``random`` and ``streamingllm`` baselines.
+"""
+
+from sparkv.presses.adakv import AdaKV, AdaPyramid, adaptive_head_budgets
+from sparkv.presses.apply import (CompressResult, apply_plan, compress, last, prefill,
+                                  question_window, score_layers, to_memory)
+from sparkv.presses.base import Budget, Plan, Press, PressError, round_to_total
+from sparkv.presses.baselines import RandomPress, StreamingLLM
+from sparkv.presses.dynamickv import DynamicKV
+from sparkv.presses.registry import PRESSES, make_press, parse_press
+from sparkv.presses.scoring import Window, WindowCapture, pool, window_attention
+from sparkv.presses.snapkv import PyramidKV, SnapKV
+
+__all__ = [
+    "AdaKV", "AdaPyramid", "adaptive_head_budgets", "CompressResult", "apply_plan", "compress",
+    "last", "prefill", "question_window", "score_layers", "to_memory", "Budget", "Plan", "Press",
+    "PressError", "round_to_total", "RandomPress", "StreamingLLM", "DynamicKV", "PRESSES",
+    "make_press", "parse_press", "Window", "WindowCapture", "pool", "window_attention", "PyramidKV",
+    "SnapKV",
+]

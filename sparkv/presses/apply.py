@@ -1,0 +1,141 @@
+"""Running a press on a context's KV memory.
+
+    layers, window, t = prefill(lm, context_ids, window=32)          # question-agnostic window
+    memory = to_memory(lm, layers)                                    # a ContextKV (a copy)
+    qwin = question_window(lm, memory, question_ids)                  # question-aware window
+    result = compress(memory, press, Budget(ratio=0.2), window)       # frees the pruned entries
+    greedy_generate(lm, memory, len(context_ids), question_ids)       # attends over what is kept
+
+:func:`compress` scores every layer (:func:`sparkv.presses.scoring.window_attention`), asks the
+press for a :class:`~sparkv.presses.base.Plan` and applies it with
+:meth:`ContextKV.prune_layer <sparkv.cache.ContextKV.prune_layer>`: each layer becomes a ragged
+arena holding, per KV head, only what it keeps (the memory's byte account shrinks accordingly).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from sparkv.cache import ContextKV, SparkvCache
+from sparkv.layout import ChunkGeometry
+from sparkv.presses.base import Budget, Plan, Press, PressError
+from sparkv.presses.scoring import Window, WindowCapture, iter_attention
+from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
+
+
+@dataclass
+class CompressResult:
+    """What :func:`compress` did: the plan, the memory's bytes before and after, and seconds
+    spent scoring (attention of the window + the press's budgets) and pruning."""
+
+    plan: Plan
+    bytes_before: int
+    bytes_after: int
+    score_s: float
+    prune_s: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.score_s + self.prune_s
+
+
+@torch.inference_mode()
+def prefill(lm: Any, context_ids: Sequence[int], window: int = 32
+            ) -> tuple[LayerKV, Window, float]:
+    """The model's full prefill of the context: per-layer ``(K, V)`` ``[1, H, N, D]`` (after
+    RoPE), the question-agnostic window (the last ``window`` tokens' queries and keys, per layer)
+    and the seconds it took."""
+    ids = list(context_ids)
+    if not ids:
+        raise PressError("the context is empty")
+    t0 = time.perf_counter()
+    with WindowCapture(lm.model, min(window, len(ids)), 0, inside=True) as cap:
+        out = lm.model(input_ids=torch.tensor([ids], device=lm.device), use_cache=True,
+                       logits_to_keep=1)
+    layers = [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(out.past_key_values)]
+    return layers, cap.window, time.perf_counter() - t0
+
+
+def to_memory(lm: Any, layers: LayerKV, chunk_tokens: int = 256, spare_tokens: int = 0
+              ) -> ContextKV:
+    """A :class:`ContextKV` holding a copy of ``layers`` (dense arenas)."""
+    n = int(layers[0][0].shape[2])
+    geometry = ChunkGeometry.from_config(lm.config, n, max(16, min(chunk_tokens, n)))
+    return memory_from_layers(layers, geometry, spare_tokens=spare_tokens)
+
+
+@torch.inference_mode()
+def question_window(lm: Any, memory: ContextKV, question_ids: Sequence[int]) -> Window:
+    """The question-aware window: the question's queries and keys per layer, run over the full
+    memory (which is left as it was)."""
+    ids = list(question_ids)
+    if not ids:
+        raise PressError("the question is empty")
+    n = memory.geometry.num_tokens
+    pos = torch.arange(n, n + len(ids), device=lm.device)
+    try:
+        with WindowCapture(lm.model, None, n, inside=False) as cap:
+            lm.model(input_ids=torch.tensor([ids], device=lm.device),
+                     past_key_values=SparkvCache(memory), position_ids=pos[None],
+                     cache_position=pos, use_cache=True, logits_to_keep=1)
+    finally:
+        memory.truncate()
+    return cap.window
+
+
+def last(window: Window, size: int) -> Window:
+    """The last ``size`` tokens of a window."""
+    if window.pos is None or size >= window.size:
+        return window
+    return Window([q[:, -size:] for q in window.q], [k[:, -size:] for k in window.k],
+                  window.pos[-size:], window.inside, window.scale)
+
+
+@torch.inference_mode()
+def score_layers(memory: ContextKV, press: Press, window: Window) -> tuple[list[torch.Tensor], int]:
+    """Per layer, the press's ``[H, N - forced]`` scores; and ``forced``, the tail of the context
+    every head keeps (the question-agnostic window; 0 for a question-aware one)."""
+    g = memory.geometry
+    n = g.num_tokens
+    win = last(window, press.window) if window.inside else window
+    forced = win.size if win.inside else 0
+    if forced > n:
+        raise PressError(f"the window ({forced}) is longer than the context ({n})")
+    cand = n - forced
+    if not press.needs_attention:
+        zeros = torch.zeros(g.num_kv_heads, cand)
+        return [press.score(l, zeros) for l in range(g.num_layers)], forced
+    scores = []
+    for l, attn in enumerate(iter_attention(memory, win, n)):  # noqa: E741
+        scores.append(press.score(l, attn[:, :cand].float().cpu()))
+    return scores, forced
+
+
+def apply_plan(memory: ContextKV, plan: Plan) -> None:
+    """Frees every entry the plan does not keep (each layer becomes a ragged arena)."""
+    if len(plan.keep) != memory.geometry.num_layers:
+        raise PressError(f"the plan has {len(plan.keep)} layers, the memory "
+                         f"{memory.geometry.num_layers}")
+    if plan.num_tokens != memory.geometry.num_tokens:
+        raise PressError(f"the plan is for {plan.num_tokens} tokens, the memory holds "
+                         f"{memory.geometry.num_tokens}")
+    for l, keep in enumerate(plan.keep):  # noqa: E741
+        memory.prune_layer(l, keep)
+
+
+def compress(memory: ContextKV, press: Press, budget: Budget, window: Window) -> CompressResult:
+    """Scores, plans and prunes ``memory`` in place (module docstring)."""
+    before = memory.nbytes
+    t0 = time.perf_counter()
+    scores, forced = score_layers(memory, press, window)
+    plan = press.plan(scores, memory.geometry.num_tokens, budget, forced)
+    t1 = time.perf_counter()
+    apply_plan(memory, plan)
+    t2 = time.perf_counter()
+    return CompressResult(plan, before, memory.nbytes, t1 - t0, t2 - t1,
+                          {"mode": "agnostic" if window.inside else "aware"})

@@ -1,0 +1,44 @@
+"""The press registry: one name per press class, and ``NAME:BUDGET`` specs (``adakv:0.2``,
+``snapkv:20%``, ``dynamickv:256t``) as ``sparkv ask --press`` and the benchmark take them."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sparkv.presses.adakv import AdaKV, AdaPyramid
+from sparkv.presses.base import Budget, Press, PressError
+from sparkv.presses.baselines import RandomPress, StreamingLLM
+from sparkv.presses.dynamickv import DynamicKV
+from sparkv.presses.snapkv import PyramidKV, SnapKV
+
+PRESSES: dict[str, Callable[..., Press]] = {
+    "snapkv": SnapKV,
+    "pyramidkv": PyramidKV,
+    "dynamickv": DynamicKV,
+    "adakv": AdaKV,                                   # Ada-SnapKV
+    "adapyramid": AdaPyramid,
+    "ada-dynamickv": lambda **kw: AdaKV(DynamicKV(**kw)),
+    "random": RandomPress,
+    "streamingllm": StreamingLLM,
+}
+"""Every press by name (one line per press)."""
+
+
+def make_press(name: str, **kwargs: Any) -> Press:
+    """The press called ``name`` (see :data:`PRESSES`), built with ``kwargs``."""
+    key = str(name).strip().lower()
+    if key not in PRESSES:
+        raise PressError(f"unknown press {name!r}; known: {', '.join(PRESSES)}")
+    try:
+        return PRESSES[key](**kwargs)
+    except TypeError as e:
+        raise PressError(f"press {name!r}: {e}") from None
+
+
+def parse_press(spec: str) -> tuple[Press, Budget]:
+    """``"NAME:BUDGET"`` -> the press and its budget (``BUDGET``: a kept ratio ``0.2``, a
+    percentage ``20%`` or tokens per head ``256t``)."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise PressError(f"a press spec is NAME:BUDGET (e.g. adakv:0.2), got {spec!r}")
+    name, _, budget = spec.partition(":")
+    return make_press(name), Budget.parse(budget)

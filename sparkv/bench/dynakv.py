@@ -1,0 +1,246 @@
+"""``sparkv bench dynakv``: long decoding with clustered KV on flash (docs/dynakv.md).
+
+Workload (SmolLM2, seeded): a pass-key document of ``--prompt-tokens`` (RULER-style filler, the key
+at ``--depth``) as the context, the turn "continue the text" as the question, then
+``--new-tokens`` generated tokens, then a new user turn asking for the pass key and up to 16
+answer tokens.
+
+Full KV in RAM decodes first; its greedy tokens are the reference stream. Every other policy is
+fed the same stream (teacher forcing), so all of them see identical tokens and their I/O is
+comparable, and is measured on it:
+
+* ``recall``: attention-mass recall of the attended entries (share of full attention's
+  probability, every layer, query head and step; the probe's time is excluded from the speed);
+* ``agreement``: share of steps whose argmax equals full KV's greedy token;
+* ``passkey``: the answer to the pass-key turn (greedy, free-running) contains the key;
+* flash bytes and read operations per token, mean entries per read operation (contiguity), write
+  amplification (pages written / entry bytes asked to write, while decoding), cache hit rate
+  (selected clusters found in the cache), decode tokens/s.
+
+Policies under the same RAM budget (``--budgets``, fractions of the final KV) and per-step
+retrieval budget (``--retrieval``, a fraction of the entries a head holds): ``full``,
+``nocluster``, ``static``, ``local``, ``dynakv`` and the ablations ``dynakv-eager`` (no delayed
+split), ``dynakv-packed`` (no dual-head pools), ``dynakv-lru`` (LRU replacement). A policy whose
+fixed RAM (window, buffers) exceeds a budget is reported as refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from sparkv.bench.common import format_table, write_result
+from sparkv.runtime.device import add_device_args
+
+POLICIES = ("nocluster", "static", "local", "dynakv", "dynakv-eager", "dynakv-packed",
+            "dynakv-lru")
+CONTINUE = "Continue the text above, writing as much as you can."
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("dynakv", help="long decoding with clustered KV on flash: DynaKV vs full, "
+                                      "no clustering, static, local and ablations")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--budgets", default="0.25,0.1", help="RAM budgets, fractions of the final KV")
+    p.add_argument("--retrieval", type=float, default=0.1,
+                   help="entries retrieved per KV head per step, fraction of what it holds")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--depth", type=float, default=0.3, help="pass-key depth in the document")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="64 generated tokens (a smoke run)")
+    p.add_argument("--flash-dir", default=None, help="where the clusters go (default: a temp dir "
+                                                     "under bench/results)")
+    add_device_args(p)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run)
+
+
+def _session_run(lm: Any, layers: Any, ctx: list[int], q: list[int], ref: list[int],
+                 follow: list[int], task: Any, policy: str, ram_budget: float | None,
+                 retrieval: float, flash_dir: str | None) -> dict[str, Any]:
+    """One policy over the reference stream; returns its row."""
+    import torch
+
+    from sparkv.decode import DecodeSession
+
+    final = len(ctx) + len(q) + len(ref) + len(follow) + 16
+    kw: dict[str, Any] = {} if policy == "full" else {"ram_budget": ram_budget,
+                                                      "budget": retrieval}
+    try:
+        s = DecodeSession(lm, layers, len(ctx), policy, final_tokens=final, flash_dir=flash_dir,
+                          probe=policy != "full", **kw)
+        with s:
+            logits = s.prefill(q)
+            agree = int(int(logits.argmax()) == ref[0])
+            tokens = [int(logits.argmax())]
+            for i in range(len(ref) - 1):
+                logits = s.feed([ref[i]])
+                tokens.append(int(logits.argmax()))
+                agree += int(tokens[-1] == ref[i + 1])
+            logits = s.feed([ref[-1]] + follow)
+            answer = [int(logits.argmax())]
+            while len(answer) < 16 and answer[-1] not in _eos(lm):
+                answer.append(int(s.feed([answer[-1]]).argmax()))
+            text = lm.decode_tokens([t for t in answer if t not in _eos(lm)])
+            st = s.stats()
+    except ValueError as e:
+        if "ram_budget" not in str(e):
+            raise
+        return {"policy": policy, "budget_frac": ram_budget, "refused": str(e)}
+    row = {"policy": policy, "ram_budget": ram_budget, "agreement": agree / len(ref),
+           "passkey": task.score(text), "answer": text.strip(), "predicted": tokens}
+    row.update(st.to_dict())
+    row["budget_frac"] = ram_budget          # st.ram_budget is in bytes
+    if policy == "full":
+        row["recall"] = 1.0
+    return row
+
+
+def _eos(lm: Any) -> set[int]:
+    eos = getattr(lm.model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def _targets(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]:
+    """The issue's targets, as ratios, per RAM budget (None where a run is missing)."""
+    out: dict[str, Any] = {}
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    for b in budgets:
+        by = {r["policy"]: r for r in rows if r.get("budget_frac") == b and "refused" not in r}
+        d = by.get("dynakv")
+        t: dict[str, Any] = {}
+        if d is None:
+            out[str(b)] = t
+            continue
+        for other in ("static", "local"):
+            o = by.get(other)
+            if o is not None:
+                t[f"recall_vs_{other}"] = d["recall"] / o["recall"]
+                t[f"agreement_vs_{other}"] = (d["agreement"] / o["agreement"]
+                                              if o["agreement"] else float("inf"))
+                t[f"recall_and_agreement_at_least_{other}"] = bool(
+                    d["recall"] >= o["recall"] and d["agreement"] >= o["agreement"])
+        lo = by.get("local")
+        if lo is not None and d["tokens_per_s"] > 0:
+            t["latency_local_over_dynakv"] = d["tokens_per_s"] / lo["tokens_per_s"]
+            t["latency_met"] = bool(t["latency_local_over_dynakv"] >= 1.3
+                                    and d["recall"] >= lo["recall"])
+        e = by.get("dynakv-eager")
+        if e is not None:
+            t["split_read_bytes_delayed"] = d["split_read_bytes"]
+            t["split_read_bytes_eager"] = e["split_read_bytes"]
+            t["split_bytes_delayed_over_eager"] = (d["split_read_bytes"] / e["split_read_bytes"]
+                                                   if e["split_read_bytes"] else None)
+            t["delayed_split_met"] = bool(d["split_read_bytes"] <= 0.5 * e["split_read_bytes"])
+        pk = by.get("dynakv-packed")
+        t["dual_head_write_amplification"] = d["write_amplification"]
+        if pk is not None:
+            t["packed_write_amplification"] = pk["write_amplification"]
+        t["dual_head_met"] = bool(d["write_amplification"] <= 1.1)
+        lru = by.get("dynakv-lru")
+        if lru is not None:
+            # None when LRU hits nothing (it thrashes: a step's clusters exceed the cache); the
+            # ceiling is 1 - first uses / selections (first uses cannot hit under any policy)
+            t["hit_rate_dynakv"], t["hit_rate_lru"] = d["hit_rate"], lru["hit_rate"]
+            t["hit_rate_ceiling"] = d.get("hit_rate_ceiling")
+            t["hit_rate_vs_lru"] = d["hit_rate"] / lru["hit_rate"] if lru["hit_rate"] else None
+            t["hit_rate_met"] = bool(d["hit_rate"] >= 1.1 * lru["hit_rate"] and d["hit_rate"] > 0)
+        if full is not None:
+            t["passkey_dynakv"], t["passkey_full"] = d["passkey"], full["passkey"]
+            t["passkey_met"] = bool(d["passkey"] == full["passkey"])
+        out[str(b)] = t
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+    from tqdm import tqdm
+
+    from sparkv.bench.common import results_dir
+    from sparkv.bench.tasks import make_task
+    from sparkv.runtime import load_model, reference_prefill
+    from sparkv.runtime.generate import prompt_parts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    new_tokens = 64 if args.quick else args.new_tokens
+    if new_tokens < 2 or args.prompt_tokens < 64:
+        raise SystemExit("need --new-tokens >= 2 and --prompt-tokens >= 64")
+    budgets = [float(x) for x in args.budgets.split(",") if x]
+    if any(not 0 < b <= 1 for b in budgets):
+        raise SystemExit("--budgets are fractions in (0, 1]")
+    policies = [p for p in args.policies.split(",") if p and p != "full"]
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    task = make_task("passkey", args.prompt_tokens, args.depth, args.seed,
+                     lambda s: len(lm.encode_text(s)))
+    ctx, q = prompt_parts(lm, lm.encode_text(task.document), CONTINUE)
+    follow = lm.encode_text(f"<|im_end|>\n<|im_start|>user\n{task.question}<|im_end|>\n"
+                            "<|im_start|>assistant\n")
+    layers = reference_prefill(lm, ctx)
+    flash_dir = args.flash_dir or tempfile.mkdtemp(prefix="dynakv-", dir=results_dir())
+    bar = tqdm(total=1 + len(policies) * len(budgets), desc="dynakv bench", unit="run")
+    # the reference: full KV, free-running greedy
+    from sparkv.decode import DecodeSession
+
+    with DecodeSession(lm, layers, len(ctx), "full") as s:
+        ref = [int(s.prefill(q).argmax())]
+        for _ in range(new_tokens - 1):
+            ref.append(int(s.feed([ref[-1]]).argmax()))
+    rows = [_session_run(lm, layers, ctx, q, ref, follow, task, "full", None, args.retrieval,
+                         flash_dir)]
+    bar.update(1)
+    for b in budgets:
+        for pol in policies:
+            bar.set_postfix_str(f"{pol} @ {b:g}")
+            t0 = time.perf_counter()
+            row = _session_run(lm, layers, ctx, q, ref, follow, task, pol, b, args.retrieval,
+                               flash_dir)
+            row["wall_s"] = time.perf_counter() - t0
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+    if not args.flash_dir:
+        import shutil
+
+        shutil.rmtree(flash_dir, ignore_errors=True)
+    targets = _targets(rows, budgets)
+    table = []
+    for r in rows:
+        if "refused" in r:
+            table.append([r["policy"], r["budget_frac"], "refused"] + [""] * 9)
+            continue
+        table.append([r["policy"], "-" if r["budget_frac"] is None else r["budget_frac"],
+                      r["recall"] if r["recall"] is not None else float("nan"),
+                      r["agreement"], r["passkey"],
+                      r["flash_read_bytes_per_token"] / 1e3, r["flash_read_ops_per_token"],
+                      r["mean_run_entries"], r["write_amplification"], r["hit_rate"],
+                      r["split_read_bytes"] / 1e3, r["tokens_per_s"]])
+    print(format_table(["policy", "RAM", "recall", "agree", "passkey", "rd kB/tok", "ops/tok",
+                        "run", "WA", "hit", "split kB", "tok/s"], table))
+    for b, t in targets.items():
+        print(f"targets @ {b}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else
+                                            f"{k}={v}" for k, v in t.items()))
+    config = {"model": lm.name, "prompt_tokens": len(ctx), "question_tokens": len(q),
+              "new_tokens": new_tokens, "followup_tokens": len(follow), "budgets": budgets,
+              "retrieval": args.retrieval, "policies": ["full"] + policies,
+              "depth": args.depth, "seed": args.seed, "passkey": task.answers[0],
+              "reference": "full KV greedy; other policies teacher-forced on its tokens",
+              "threads": torch.get_num_threads(), "quick": bool(args.quick)}
+    for r in rows:
+        r.pop("predicted", None)
+    path = write_result("dynakv", {"results": rows, "targets": targets}, config, args.out)
+    if args.json:
+        print(path)
+    return 0

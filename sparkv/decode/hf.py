@@ -1,0 +1,81 @@
+"""A transformers ``Cache`` over a clustered decode policy: :class:`DynaKVCache`.
+
+Built like :class:`sparkv.cache.SparkvCache`: one ``CacheLayerMixin`` per layer. ``update`` hands
+the new K/V to the layer's state and returns a :class:`DynaKVView` - an
+:class:`~sparkv.cache.AttentionView` whose ``attend`` receives the layer's (post-RoPE) queries,
+so retrieval happens inside the model's own attention module with the real query: the ``"sparkv"``
+attention implementation (:func:`sparkv.cache.use_sparkv_attention`, set by
+:func:`sparkv.runtime.load_model`) calls it. Attention then runs over the retrieved entries with
+their explicit positions (:func:`sparkv.cache.ragged_attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sparkv.cache import AttentionView
+from sparkv.decode.policy import ClusteredKV, LayerState
+
+
+@dataclass
+class DynaKVView(AttentionView):
+    """An attention view that retrieves from the layer's clusters with the query it is given."""
+
+    state: Any = None
+
+    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        if q.shape[0] != 1:
+            raise ValueError("a clustered cache holds one sequence (batch size 1)")
+        return self.state.attend(q, scale, self.q_pos)
+
+
+class DynaKVLayer(CacheLayerMixin):
+    """Layer ``l`` of a :class:`ClusteredKV` as a transformers cache layer."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, state: LayerState) -> None:
+        super().__init__()
+        self.state = state
+        self.is_initialized = True
+        self.keys = torch.zeros(0, dtype=state.eng.dtype)
+        self.values = torch.zeros(0, dtype=state.eng.dtype)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.state.end
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.state.end + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[Any, Any]:
+        if key_states.shape[0] != 1:
+            raise ValueError("a clustered cache holds one sequence (batch size 1)")
+        pos = self.state.update(key_states[0], value_states[0])
+        view = DynaKVView(pos, state=self.state)
+        return view, view
+
+    def reset(self) -> None:  # pragma: no cover - generation never resets a given cache
+        raise NotImplementedError("a DynaKVCache cannot be reset; make a new one")
+
+    def crop(self, max_length: int) -> None:  # pragma: no cover - assisted decoding only
+        raise NotImplementedError("a DynaKVCache cannot be cropped")
+
+
+class DynaKVCache(Cache):
+    """``past_key_values`` for transformers over a :class:`ClusteredKV`."""
+
+    def __init__(self, kv: ClusteredKV) -> None:
+        self.kv = kv
+        super().__init__(layers=[DynaKVLayer(s) for s in kv.layers])

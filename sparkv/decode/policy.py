@@ -1,0 +1,653 @@
+"""A clustered decode policy over a whole model: :class:`ClusteredKV`.
+
+Built once after the prompt's prefill from every layer's entries (and the queries of the prompt's
+last tokens, for the co-retrieval placement), it keeps per layer: the always-resident window
+(sinks and recent tokens), a :class:`~sparkv.decode.store.ClusterStore` (or ``TokenStore``) file
+on flash and one index per KV head; across layers: the cluster cache, the prefetcher and the
+counters. At each decoding step, layer by layer (:meth:`LayerState.attend`):
+
+1. the prefetched clusters of this layer are collected (read on a thread while the previous layer
+   computed);
+2. each KV head selects its clusters (query-centroid scores, within the entry budget);
+3. clusters not in the cache nor prefetched are read (one pass: runs of pages, merged);
+4. the next layer's predicted clusters (those it used last step) are handed to the prefetcher;
+5. attention runs over the selected clusters' entries + buffered entries + the window, with
+   explicit positions (:func:`sparkv.cache.ragged_attention`; cluster order is irrelevant);
+6. the clusters read are offered to the cache; the new entries join their clusters (splits,
+   buffers); delayed splits and the B_max overflow run.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from sparkv.cache import ragged_attention
+from sparkv.cache.layer import HeadEntries
+from sparkv.decode.cache import ClusterCache, data_bytes
+from sparkv.decode.config import DecodeConfig
+from sparkv.decode.index import ClusterIndex, TokenIndex, partition
+from sparkv.decode.kmeans import kmeans, stats
+from sparkv.decode.store import ClusterStore, FlushedData, IOStats, TokenStore
+
+
+def coretrieval_order(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | None,
+                      budget: int) -> list[int]:
+    """An order of clusters that puts clusters retrieved together next to each other.
+
+    For every query vector of the prompt's last tokens (``qg [r, D]``), the clusters it would
+    retrieve within ``budget`` entries are counted as co-retrieved pairwise (the frequency matrix
+    ``f``). The chain starts at the most retrieved cluster and repeatedly appends the unplaced
+    cluster most often co-retrieved with the last one (ties: the nearest centroid by cosine).
+    Without queries the chain follows centroid similarity alone."""
+    c = means.shape[0]
+    if c <= 2:
+        return list(range(c))
+    norm = means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+    sim = norm @ norm.T
+    f = np.zeros((c, c))
+    freq = np.zeros(c)
+    if qg is not None and len(qg):
+        sc = qg @ means.T                                     # [r, C]
+        order = np.argsort(-sc, axis=1)
+        for row in order:
+            take = int(np.searchsorted(np.cumsum(sizes[row]), budget, side="right"))
+            s = row[:max(1, take)]
+            freq[s] += 1
+            f[np.ix_(s, s)] += 1
+        np.fill_diagonal(f, 0)
+    start = int(np.lexsort((sizes, freq))[-1])
+    placed = np.zeros(c, bool)
+    chain = [start]
+    placed[start] = True
+    for _ in range(c - 1):
+        last = chain[-1]
+        key = f[last] * 10.0 + sim[last]                      # co-retrieval first, then similarity
+        key[placed] = -np.inf
+        nxt = int(key.argmax())
+        chain.append(nxt)
+        placed[nxt] = True
+    return chain
+
+
+class Prefetcher:
+    """Reads the next layer's predicted clusters on the I/O thread (``os.preadv`` releases the
+    GIL, so the read overlaps this layer's compute). The same thread writes pages, in order."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="dynakv-io")
+        self.pool = self.io if enabled else None
+        self.futures: dict[int, Future] = {}
+        self.wait_s = 0.0
+
+    def submit(self, layer: "LayerState") -> None:
+        if self.pool is None or layer.l in self.futures:
+            return
+        uids = [u for u in layer.predicted() if (layer.l, u) not in layer.eng.cache]
+        if not uids:
+            return
+        runs = layer.store.plan(uids)
+        self.futures[layer.l] = self.pool.submit(layer.store.read_runs, uids, runs, "prefetch")
+
+    def take(self, l: int) -> dict[int, FlushedData]:  # noqa: E741
+        fut = self.futures.pop(l, None)
+        if fut is None:
+            return {}
+        t0 = time.perf_counter()
+        out = fut.result()
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        for fut in self.futures.values():
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - the files are being removed anyway
+                pass
+        self.futures.clear()
+        self.io.shutdown(wait=True)
+
+
+class Counters:
+    """Per-step counters (summed over layers and heads)."""
+
+    def __init__(self) -> None:
+        self.steps = 0                 # decoding forwards (all layers)
+        self.tokens = 0                # tokens those forwards fed
+        self.retrieved_entries = 0     # attended entries from selected clusters (window excluded)
+        self.retrieved_bytes = 0
+        self.attended_entries = 0      # everything attended (window, buffers included)
+        self.selected_units = 0
+        self.hits = 0                  # selected clusters found in the cache
+        self.hit_bytes = 0
+        self.prefetch_hits = 0         # ... found in the prefetch staging
+        self.prefetch_hit_bytes = 0
+        self.misses = 0                # ... read on the critical path
+        self.first_uses = 0            # selected clusters never cached before (no cache could hit)
+        self.miss_bytes = 0
+        self.prefetched_unused_bytes = 0
+        self.recall_sum = 0.0
+        self.error_sum = 0.0
+        self.recall_n = 0
+        self.select_s = 0.0
+        self.io_s = 0.0
+        self.update_s = 0.0
+        self.attend_s = 0.0
+        self.probe_s = 0.0             # measurement only (recall probe): excluded from decode_s
+        self.ram_peak = 0
+        self.staging_peak = 0
+
+
+class LayerState:
+    """One layer of a :class:`ClusteredKV` (module docstring)."""
+
+    def __init__(self, eng: "ClusteredKV", l: int, heads: Sequence[HeadEntries],  # noqa: E741
+                 queries: torch.Tensor | None) -> None:
+        self.eng, self.l = eng, l
+        cfg = eng.cfg
+        k_all = torch.stack([e.k for e in heads]).to(eng.dtype)          # [H, n, D]
+        v_all = torch.stack([e.v for e in heads]).to(eng.dtype)
+        n = int(k_all.shape[1])
+        self.end = n
+        s = min(cfg.sinks, n)
+        self.sink_n = s
+        self.sink_k, self.sink_v = k_all[:, :s].clone(), v_all[:, :s].clone()
+        r0 = max(s, n - cfg.recent)
+        self.rec_start = r0
+        self.rec_k, self.rec_v = k_all[:, r0:].clone(), v_all[:, r0:].clone()
+        self.new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.step_data: dict[int, FlushedData] = {}
+        self.staged: dict[int, FlushedData] = {}
+        self.last_selected: list[list[int]] = [[] for _ in range(eng.H)]
+        path = eng.dir / f"layer{l:03d}.pages"
+        self.indexes: list[ClusterIndex | TokenIndex] = []
+        if cfg.update == "nocluster":
+            self.store: ClusterStore | TokenStore = TokenStore(
+                path, eng.H, eng.D, eng.dtype, eng.io, max_positions=eng.max_positions,
+                merge_gap=cfg.merge_gap, direct=cfg.direct, executor=eng.prefetcher.io)
+            for h in range(eng.H):
+                self.store.add(h, k_all[h], v_all[h], reason="prefill")
+                self.indexes.append(TokenIndex(l, h, self.store, k_all[h]))
+        else:
+            self.store = ClusterStore(path, eng.H, eng.D, eng.dtype, eng.io,
+                                      max_cluster=cfg.max_cluster, dual_head=cfg.dual_head,
+                                      write_buffer=cfg.write_buffer, merge_gap=cfg.merge_gap,
+                                      direct=cfg.direct, executor=eng.prefetcher.io)
+            self._build_clusters(k_all, v_all, queries)
+            self.store.ram_lookup = self.ram
+            self.store.on_flushed = self._on_flushed
+        if eng.probe:
+            cap = eng.max_positions
+            self.shadow_k = torch.zeros(eng.H, cap, eng.D, dtype=eng.dtype)
+            self.shadow_v = torch.zeros_like(self.shadow_k)
+            self.shadow_k[:, :n], self.shadow_v[:, :n] = k_all, v_all
+
+    # ---- prefill clustering ------------------------------------------------------------------------
+    def _build_clusters(self, k_all: torch.Tensor, v_all: torch.Tensor,
+                        queries: torch.Tensor | None) -> None:
+        eng, cfg = self.eng, self.eng.cfg
+        n = int(k_all.shape[1])
+        c = max(1, math.ceil(n / cfg.avg_cluster))
+        labels = kmeans(k_all.float(), c, cfg.kmeans_iters, cfg.seed + self.l).numpy()
+        pos = np.arange(n)
+        budget = eng.budget_for(n)
+        for h in range(eng.H):
+            x = k_all[h].double().numpy()
+            groups = [np.nonzero(labels[h] == j)[0] for j in range(c)]
+            groups = [g for g in groups if len(g)]
+            var = np.array([stats(x[g])[2] / len(g) for g in groups if len(g) >= 4])
+            tau = float(np.quantile(var, cfg.tau_quantile)) if len(var) else \
+                float(max(stats(x[g])[2] / len(g) for g in groups))
+            final: list[np.ndarray] = []
+            for g in groups:
+                if stats(x[g])[2] / len(g) > tau or len(g) > cfg.max_cluster:
+                    parts = partition(x[g], tau, cfg.max_cluster, cfg.kmeans_iters)
+                    final.extend(g[p] for p in parts)
+                    eng.prefill_splits += len(parts) - 1
+                else:
+                    final.append(g)
+            means = np.stack([x[g].mean(0) for g in final])
+            sizes = np.array([len(g) for g in final])
+            qg = None
+            if queries is not None:
+                qg = queries[h * eng.group:(h + 1) * eng.group].reshape(-1, eng.D).double().numpy()
+            order = coretrieval_order(means, sizes, qg, budget)
+            ordered = []
+            for i in order:
+                g = torch.from_numpy(final[i])
+                ordered.append((k_all[h][g], v_all[h][g], pos[final[i]]))
+            idx = ClusterIndex(self.l, h, self.store, cfg, tau)  # type: ignore[arg-type]
+            idx.build(ordered)
+            self.indexes.append(idx)
+
+    # ---- the step context (sparkv.decode.index.StepContext) ---------------------------------------
+    def ram(self, uid: int) -> FlushedData | None:
+        d = self.step_data.get(uid)
+        if d is None:
+            d = self.eng.cache.peek((self.l, uid))
+        if d is None:
+            d = self.staged.get(uid)
+        return d
+
+    def load(self, uid: int, reason: str) -> FlushedData:
+        data = self.store.fetch([uid], reason)[uid]
+        self.step_data[uid] = data
+        self.eng.cache.put((self.l, uid), data)
+        return data
+
+    def updated(self, uid: int) -> None:
+        self.eng.cache.reserve((self.l, uid))
+
+    def adopt(self, uid: int, data: FlushedData) -> None:
+        self.step_data[uid] = data
+        self.eng.cache.put((self.l, uid), data)
+
+    def refresh(self, uid: int, data: FlushedData) -> None:
+        if uid in self.step_data:
+            self.step_data[uid] = data
+        if uid in self.staged:
+            self.staged[uid] = data
+        self.eng.cache.update((self.l, uid), data)
+
+    def forget(self, uid: int) -> None:
+        self.step_data.pop(uid, None)
+        self.staged.pop(uid, None)
+        self.eng.cache.remove((self.l, uid))
+
+    def _on_flushed(self, uid: int, data: FlushedData | None) -> None:
+        if data is None:
+            self.forget(uid)
+        else:
+            self.refresh(uid, data)
+
+    def predicted(self) -> list[int]:
+        """What the next step will probably read here: the clusters it used this step."""
+        out = []
+        for sel in self.last_selected:
+            for uid in sel:
+                if self._flushed(uid):
+                    out.append(uid)
+        return out
+
+    def _flushed(self, uid: int) -> bool:
+        if isinstance(self.store, TokenStore):
+            return True
+        u = self.store.units.get(uid)
+        return u is not None and u.flushed > 0
+
+    # ---- a step ------------------------------------------------------------------------------------
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """New entries ``[H, q, D]`` at the next positions; returns the positions."""
+        q = int(k.shape[1])
+        pos = torch.arange(self.end, self.end + q)
+        k, v = k.to(self.eng.dtype), v.to(self.eng.dtype)
+        self.new = (k, v, pos)
+        self.rec_k = torch.cat([self.rec_k, k], 1)
+        self.rec_v = torch.cat([self.rec_v, v], 1)
+        if self.eng.probe:
+            self.shadow_k[:, self.end:self.end + q] = k
+            self.shadow_v[:, self.end:self.end + q] = v
+        self.end += q
+        return pos
+
+    def attend(self, q: torch.Tensor, scale: float | None, q_pos: torch.Tensor) -> torch.Tensor:
+        """``q [1, Hq, nq, D]`` over this layer's memory (module docstring); ``[1, Hq, nq, D]``."""
+        eng, cfg, cnt = self.eng, self.eng.cfg, self.eng.counters
+        assert self.new is not None, "update() first"
+        t0 = time.perf_counter()
+        self.staged = eng.prefetcher.take(self.l)
+        t1 = time.perf_counter()
+        cnt.io_s += t1 - t0
+        qn = q[0].detach().float().numpy()                              # [Hq, nq, D]
+        g, d = eng.group, eng.D
+        held = self.end
+        budget = eng.budget_for(held)
+        window = (self.sink_n, self.rec_start)
+        selected: list[list[int]] = []
+        for h, idx in enumerate(self.indexes):
+            qg = qn[h * g:(h + 1) * g].reshape(-1, d)
+            if isinstance(idx, TokenIndex):
+                selected.append(idx.select(qg, budget, window))
+            else:
+                selected.append(idx.select(qg, budget))
+        t2 = time.perf_counter()
+        cnt.select_s += t2 - t1
+        # the selected clusters' flushed entries: cache, prefetch staging, or flash
+        self.step_data = {}
+        misses = []
+        used_staged = []
+        for sel in selected:
+            for uid in sel:
+                if uid in self.step_data or not self._flushed(uid):
+                    continue
+                data = eng.cache.get((self.l, uid))
+                if data is None and (self.l, uid) not in eng.cache.ever:
+                    cnt.first_uses += 1
+                if data is not None:
+                    cnt.hits += 1
+                    cnt.hit_bytes += data_bytes(data)
+                    self.step_data[uid] = data
+                    continue
+                data = self.staged.get(uid)
+                if data is not None:
+                    cnt.prefetch_hits += 1
+                    cnt.prefetch_hit_bytes += data_bytes(data)
+                    self.step_data[uid] = data
+                    used_staged.append(uid)
+                    continue
+                misses.append(uid)
+        if misses:
+            got = self.store.fetch(misses, "retrieve")
+            for uid, data in got.items():
+                cnt.misses += 1
+                cnt.miss_bytes += data_bytes(data)
+                self.step_data[uid] = data
+        cnt.staging_peak = max(cnt.staging_peak, sum(data_bytes(x) for x in self.staged.values()))
+        cnt.prefetched_unused_bytes += sum(data_bytes(x) for u, x in self.staged.items()
+                                           if u not in self.step_data)
+        t3 = time.perf_counter()
+        cnt.io_s += t3 - t2
+        # the next layer's reads go on while this one computes
+        nxt = eng.layers[(self.l + 1) % len(eng.layers)] if eng.layers else None
+        if nxt is not None and nxt is not self:
+            eng.prefetcher.submit(nxt)
+        heads = self._assemble(selected)
+        out = ragged_attention(q, heads, q_pos, scale)
+        t4 = time.perf_counter()
+        cnt.attend_s += t4 - t3
+        if eng.probe and q.shape[2] == 1:
+            self._probe(q, out, heads, scale)
+            t5 = time.perf_counter()
+            cnt.probe_s += t5 - t4
+            t4 = t5
+        # keep what was read, then let the new entries join their clusters
+        for uid in misses + used_staged:
+            if uid in self.step_data:
+                eng.cache.put((self.l, uid), self.step_data[uid])
+        k_new, v_new, pos_new = self.new
+        for j in range(int(pos_new.shape[0])):
+            p = int(pos_new[j])
+            for h, idx in enumerate(self.indexes):
+                idx.observe(k_new[h, j], v_new[h, j], p, self)
+        for h, idx in enumerate(self.indexes):
+            idx.finish_step(selected[h], self)
+        self.last_selected = selected
+        self.staged = {}
+        self.step_data = {}
+        self.new = None
+        # the window keeps the last `recent` positions
+        keep = max(0, int(self.rec_k.shape[1]) - cfg.recent)
+        if keep:
+            self.rec_k, self.rec_v = self.rec_k[:, keep:].clone(), self.rec_v[:, keep:].clone()
+            self.rec_start += keep
+        cnt.update_s += time.perf_counter() - t4
+        return out
+
+    def _assemble(self, selected: list[list[int]]
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per KV head: its selected entries (flushed + write buffer), its RAM-only entries, and
+        the window, each position once."""
+        cnt = self.eng.counters
+        heads = []
+        s_end, w0 = self.sink_n, self.rec_start
+        eb = self.store.rec.entry_bytes
+        for h, idx in enumerate(self.indexes):
+            ks, vs, ps = [], [], []
+            for uid in selected[h]:
+                data = self.step_data.get(uid)
+                if isinstance(idx, TokenIndex):
+                    if data is None:
+                        continue
+                    keep = idx.last_keep[uid] - int(data[2][0])
+                    kt = torch.from_numpy(keep)
+                    ks.append(data[0][kt])
+                    vs.append(data[1][kt])
+                    ps.append(idx.last_keep[uid])
+                    continue
+                if data is not None:
+                    ks.append(data[0])
+                    vs.append(data[1])
+                    ps.append(data[2])
+                u = self.store.units[uid]  # type: ignore[union-attr]
+                if u.tail:
+                    ks.append(u.tail_k)
+                    vs.append(u.tail_v)
+                    ps.append(u.tail_pos)
+            n_sel = sum(len(p) for p in ps)
+            rk, rv, rp = idx.resident()
+            if len(rp):
+                ks.append(rk)
+                vs.append(rv)
+                ps.append(rp)
+            if ps:
+                pk = np.concatenate(ps)
+                m = (pk >= s_end) & (pk < w0)
+                mt = torch.from_numpy(m)
+                kk = torch.cat(ks)[mt]
+                vv = torch.cat(vs)[mt]
+                pp = torch.from_numpy(pk[m])
+                retrieved = int(m[:n_sel].sum())
+            else:
+                kk = vv = torch.zeros(0, self.eng.D, dtype=self.eng.dtype)
+                pp = torch.zeros(0, dtype=torch.long)
+                retrieved = 0
+            cnt.retrieved_entries += retrieved
+            cnt.retrieved_bytes += retrieved * eb
+            wk = torch.cat([self.sink_k[h], self.rec_k[h], kk])
+            wv = torch.cat([self.sink_v[h], self.rec_v[h], vv])
+            wp = torch.cat([torch.arange(s_end), torch.arange(w0, w0 + int(self.rec_k.shape[1])),
+                            pp])
+            cnt.attended_entries += int(wp.shape[0])
+            heads.append((wk, wv, wp))
+        return heads
+
+    def _probe(self, q: torch.Tensor, out: torch.Tensor,
+               heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               scale: float | None) -> None:
+        """Attention-mass recall of what was attended, and the output's relative error against
+        full attention over every entry (measurement only; not part of the policy)."""
+        eng, cnt = self.eng, self.eng.counters
+        g = eng.group
+        n = self.end
+        sc = scale if scale is not None else eng.D ** -0.5
+        for h, (_, _, pos) in enumerate(heads):
+            qg = q[0, h * g:(h + 1) * g, 0].float()                         # [G, D]
+            logits = qg @ self.shadow_k[h, :n].float().T * sc
+            p = torch.softmax(logits, -1)
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[pos.long()] = True
+            recall = p[:, mask].sum(-1)                                     # [G]
+            full = p @ self.shadow_v[h, :n].float()
+            approx = out[0, h * g:(h + 1) * g, 0].float()
+            err = (approx - full).norm(dim=-1) / full.norm(dim=-1).clamp_min(1e-12)
+            cnt.recall_sum += float(recall.sum())
+            cnt.error_sum += float(err.sum())
+            cnt.recall_n += g
+
+    # ---- accounting --------------------------------------------------------------------------------
+    def ram_bytes(self) -> dict[str, int]:
+        eb = self.store.rec.entry_bytes
+        window = (self.sink_n + int(self.rec_k.shape[1])) * self.eng.H * eb
+        buffers = sum(i.resident_entries for i in self.indexes) * eb
+        return {"window": window, "buffers": buffers, "write_buffers": self.store.tail_entries * eb}
+
+    def index_bytes(self) -> int:
+        total = 0
+        for i in self.indexes:
+            if isinstance(i, TokenIndex):
+                total += i.index_bytes()
+            else:
+                total += i.clusters * (i.d * 4 + 8 + 8)   # float32 centroid, n, M2
+        return total
+
+    def close(self) -> None:
+        self.store.close(remove=True)
+
+
+class ClusteredKV:
+    """Every layer's clustered memory, the cache, the prefetcher and the counters.
+
+    Args:
+        entries: per layer, per KV head, every entry of the prompt (positions ``0 .. n-1``).
+        queries: per layer ``[Hq, r, D]`` queries of the prompt's last tokens (co-retrieval), or
+            None.
+        num_query_heads: the model's attention heads.
+        cfg: the knobs.
+        final_tokens: positions expected at the end (sizes a fractional ``ram_budget``).
+        max_positions: the model's window (sizes ``nocluster``'s regions and the probe).
+        flash_dir: where the layer files go (a temporary directory under it is made and removed).
+        probe: measure attention-mass recall and output error against full attention.
+    """
+
+    def __init__(self, entries: Sequence[Sequence[HeadEntries]],
+                 queries: Sequence[torch.Tensor | None] | None, num_query_heads: int,
+                 cfg: DecodeConfig, *, final_tokens: int, max_positions: int,
+                 flash_dir: str | Path | None = None, probe: bool = False) -> None:
+        if cfg.update == "full":
+            raise ValueError("the full policy needs no clustered memory")
+        self.cfg = cfg
+        first = entries[0][0]
+        self.L, self.H = len(entries), len(entries[0])
+        self.D = int(first.k.shape[1])
+        self.dtype = first.k.dtype
+        self.Hq = num_query_heads
+        self.group = num_query_heads // self.H
+        n = int(first.pos.shape[0])
+        for layer in entries:
+            for e in layer:
+                if int(e.pos.shape[0]) != n or not torch.equal(e.pos.long(), torch.arange(n)):
+                    raise ValueError("a clustered policy starts from every position of the prompt "
+                                     "in every head (a full memory)")
+        self.n0 = n
+        self.final_tokens = max(final_tokens, n)
+        self.max_positions = max(max_positions, self.final_tokens)
+        self.probe = probe
+        base = Path(flash_dir) if flash_dir is not None else Path(tempfile.gettempdir())
+        base.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="dynakv-", dir=base))
+        self.io = IOStats()
+        self.counters = Counters()
+        self.prefill_splits = 0
+        eb = 2 * self.D * torch.empty(0, dtype=self.dtype).element_size()
+        self.entry_bytes = eb
+        self.final_kv_bytes = self.final_tokens * self.L * self.H * eb
+        self.ram_budget = self._budget_bytes(cfg.ram_budget)
+        self.cache = ClusterCache(None, cfg.replacement, op_cost_s=cfg.op_cost_s,
+                                  byte_cost_s=cfg.byte_cost_s)
+        self.prefetcher = Prefetcher(cfg.prefetch)
+        self.layers: list[LayerState] = []
+        t0 = time.perf_counter()
+        try:
+            for l, heads in enumerate(entries):  # noqa: E741
+                self.layers.append(LayerState(self, l, heads,
+                                              None if queries is None else queries[l]))
+        except BaseException:
+            self.close()
+            raise
+        self.build_s = time.perf_counter() - t0
+        cap = None if self.ram_budget is None else self.ram_budget - self.fixed_ram_bytes()
+        if cap is not None and cap < 0:
+            self.close()
+            raise ValueError(f"ram_budget {self.ram_budget} B is below what the window, buffers and "
+                             f"write buffers take ({self.fixed_ram_bytes()} B)")
+        self.cache = ClusterCache(cap, cfg.replacement, op_cost_s=cfg.op_cost_s,
+                                  byte_cost_s=cfg.byte_cost_s,
+                                  reserve_frac=cfg.reserve_frac)
+        self.cache_capacity = cap
+
+    def _budget_bytes(self, b: float | None) -> int | None:
+        if b is None:
+            return None
+        if isinstance(b, float) and b <= 1.0:
+            return int(b * self.final_kv_bytes)
+        return int(b)
+
+    def budget_for(self, held: int) -> int:
+        b = self.cfg.budget
+        if isinstance(b, float) and b <= 1.0:
+            return max(1, int(math.ceil(b * held)))
+        return int(b)
+
+    def fixed_ram_bytes(self) -> int:
+        """What the cache cannot use: the window, B_max buffers, write buffers, local waiting
+        entries and one layer of prefetch staging, at their caps."""
+        cfg, eb, per = self.cfg, self.entry_bytes, self.L * self.H
+        per_page = max(1, 4096 // eb)
+        total = (cfg.sinks + cfg.recent) * eb * per
+        if cfg.update == "dynakv":
+            total += cfg.buffer_max * eb * per
+        if cfg.update == "local":
+            total += cfg.local_every * eb * per
+        if cfg.update != "nocluster":
+            total += cfg.write_buffer * eb * per
+        else:
+            total += per_page * eb * per                 # each head's partial page
+        if cfg.prefetch:                                 # one layer's staging
+            staged = self.budget_for(self.final_tokens)
+            if cfg.update == "nocluster":                # whole pages
+                staged = min(staged * per_page, self.final_tokens)
+            total += staged * eb * self.H
+        return total
+
+    # ---- per step ----------------------------------------------------------------------------------
+    def end_step(self, tokens: int) -> None:
+        cnt = self.counters
+        cnt.steps += 1
+        cnt.tokens += tokens
+        cnt.ram_peak = max(cnt.ram_peak, self.ram_bytes()["total"])
+
+    def ram_bytes(self) -> dict[str, int]:
+        out = {"cache": self.cache.bytes, "window": 0, "buffers": 0, "write_buffers": 0,
+               "staging": self.counters.staging_peak}
+        for layer in self.layers:
+            for k, v in layer.ram_bytes().items():
+                out[k] += v
+        out["total"] = sum(out.values())
+        return out
+
+    def index_bytes(self) -> int:
+        return sum(layer.index_bytes() for layer in self.layers)
+
+    def check(self) -> None:
+        """Invariants (tests): per head, clusters, buffers and waiting entries partition every
+        position; dynakv clusters without a flag are under their threshold; the cache never
+        evicted a reserved cluster."""
+        for layer in self.layers:
+            for idx in layer.indexes:
+                if isinstance(idx, TokenIndex):
+                    continue
+                parts = list(idx.members().values()) + [idx.buffered_positions()]
+                allp = np.sort(np.concatenate(parts))
+                if not np.array_equal(allp, np.arange(layer.end)):
+                    raise AssertionError(f"layer {layer.l} head {idx.head}: clusters and buffers "
+                                         "do not partition the entries")
+                if self.cfg.update == "dynakv":
+                    var = idx.variance()
+                    bad = idx.alive[:idx.size] & ~idx.flag[:idx.size] & (
+                        (var > idx.tau * (1 + 1e-9) + 1e-12)
+                        | (idx.n[:idx.size] > self.cfg.max_cluster))
+                    if bad.any():
+                        raise AssertionError(f"layer {layer.l} head {idx.head}: an unflagged "
+                                             "cluster is over its threshold")
+        if self.cache.evicted_reserved:
+            raise AssertionError("a reserved cluster was evicted")
+
+    def flush(self) -> None:
+        """Waits for every pending page write."""
+        for layer in self.layers:
+            layer.store.file.flush()
+
+    def close(self) -> None:
+        self.prefetcher.close()
+        for layer in self.layers:
+            layer.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

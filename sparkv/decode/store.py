@@ -1,0 +1,770 @@
+"""The flash side of a clustered KV policy: page files with honest I/O and the cluster layout.
+
+**Pages.** Each layer has one file of 4 KiB pages (:class:`PageFile`). A page holds the entries
+of one unit (a cluster, or for ``nocluster`` a run of consecutive positions of one head), each
+entry a record ``k | v`` in the model's dtype (512 bytes for SmolLM2: 8 per page). Reads and writes
+are whole pages, with ``O_DIRECT`` (page-aligned buffers; the page cache never answers) or, where
+the file system refuses it, ``posix_fadvise(DONTNEED)`` before and after. Every written page's
+XXH64 is kept in RAM and checked on read. **A page is written at most once** (a second write
+raises): nothing on flash is ever rewritten in place.
+
+**Dual-head pools** (:class:`ClusterStore`, ``dual_head=True``)::
+
+    layer file:  | pool 0                            | pool 1                            | ...
+                 | A0 A1 A2 -->    (free)    <-- B1 B0 | C0 C1 -->    (free)      <-- D0 |
+                   cluster A grows right     cluster B grows left
+
+    prefill: clusters in co-retrieval order c0 c1 c2 c3 ... -> pools (c0|c1) (c2|c3) ...
+             so c1 and c2 are physically adjacent and c0, c1 share a pool
+    split:   the half with more flushed entries stays at its head (its moved-out entries become
+             dead slots); the other half is written to a migrant pool (paired with the next
+             migrant of the same head)
+    full:    a cluster meeting its partner continues in a migrant pool (two runs until compacted)
+
+A cluster's newest entries wait in a per-cluster **page-aligned write buffer** (its tail, in RAM)
+until a whole page can be written; the tails of a layer are capped (``write_buffer`` entries per
+head): past the cap the fullest tail (least padding; ties: the least recently appended) is written as a
+padded page (a direct write, which is where write amplification comes from).
+
+``dual_head=False`` packs clusters back to back with no room to grow: a cluster that needs a page
+is relocated whole (its live entries and the new page rewritten at the end of the file; read first
+if not in RAM) - the "strictly contiguous layout" the dual-head layout avoids.
+
+**Accounting** (:class:`IOStats`): read operations, bytes (including dead slots and padding of
+the pages read) and the live entries they carried, by reason; pages written (physical bytes) and
+the logical bytes the policy asked to write (new entries, split migrations): write amplification
+is their ratio.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import xxhash
+
+from sparkv.cache.flash import FlashError
+
+PAGE = 4096
+
+READ_REASONS = ("retrieve", "prefetch", "split", "overflow", "relocate")
+
+
+class IOStats:
+    """Flash counters shared by the page files of one policy (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.read_ops: dict[str, int] = defaultdict(int)
+        self.read_bytes: dict[str, int] = defaultdict(int)
+        self.read_entries: dict[str, int] = defaultdict(int)
+        self.read_s: dict[str, float] = defaultdict(float)
+        self.read_calls: dict[str, int] = defaultdict(int)     # requests (one per fetch)
+        self.write_ops: dict[str, int] = defaultdict(int)
+        self.write_bytes: dict[str, int] = defaultdict(int)     # physical (whole pages)
+        self.logical_bytes: dict[str, int] = defaultdict(int)   # what the policy asked to write
+        self.write_s = 0.0
+
+    def count_read(self, reason: str, ops: int, nbytes: int, entries: int, seconds: float) -> None:
+        with self._lock:
+            self.read_calls[reason] += 1
+            self.read_ops[reason] += ops
+            self.read_bytes[reason] += nbytes
+            self.read_entries[reason] += entries
+            self.read_s[reason] += seconds
+
+    def count_write(self, reason: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.write_ops[reason] += 1
+            self.write_bytes[reason] += nbytes
+            self.write_s += seconds
+
+    def count_logical(self, reason: str, nbytes: int) -> None:
+        with self._lock:
+            self.logical_bytes[reason] += nbytes
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {"read_calls": dict(self.read_calls), "read_ops": dict(self.read_ops), "read_bytes": dict(self.read_bytes),
+                    "read_entries": dict(self.read_entries), "read_s": dict(self.read_s),
+                    "write_ops": dict(self.write_ops), "write_bytes": dict(self.write_bytes),
+                    "logical_bytes": dict(self.logical_bytes), "write_s": self.write_s}
+
+
+class PageFile:
+    """A file of 4 KiB pages, each written at most once, read past the page cache."""
+
+    def __init__(self, path: str | os.PathLike[str], io: IOStats, direct: bool = True,
+                 executor: Executor | None = None) -> None:
+        self.path = Path(path)
+        self.io = io
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        self.direct = False
+        fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError:
+                fd = -1
+        if fd < 0:
+            fd = os.open(self.path, flags, 0o644)
+        self.fd = fd
+        self.hashes: dict[int, int] = {}          # page -> xxh64 of what was written
+        self.pages_written = 0
+        self._local = threading.local()
+        self._wlock = threading.Lock()
+        #: writes run on ``executor`` (the policy's I/O thread) when given: a read first waits for
+        #: the pending writes of its pages
+        self.executor = executor
+        self._pending: dict[int, Future] = {}
+        self._plock = threading.Lock()
+        self._errors: list[BaseException] = []
+
+    def _buffer(self, nbytes: int) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            if buf is not None:
+                buf.close()
+            buf = mmap.mmap(-1, max(nbytes, 64 * PAGE))   # page-aligned, as O_DIRECT needs
+            self._local.buf = buf
+        return buf
+
+    def write(self, first: int, data: bytes | bytearray | memoryview, reason: str) -> None:
+        """Writes whole pages ``first ..`` (``len(data)`` a multiple of the page); on the I/O
+        thread when there is one."""
+        n = len(data)
+        if n % PAGE or n == 0:
+            raise FlashError(f"page writes must be whole pages, got {n} bytes")
+        pages = n // PAGE
+        with self._wlock:
+            for p in range(first, first + pages):
+                if p in self.hashes:
+                    raise FlashError(f"{self.path.name}: page {p} was already written; pages are "
+                                     "never rewritten")
+            view = memoryview(data)
+            for i in range(pages):
+                self.hashes[first + i] = xxhash.xxh64_intdigest(view[i * PAGE:(i + 1) * PAGE])
+            self.pages_written += pages
+        if self.executor is None:
+            self._pwrite(first, data, reason)
+            return
+        fut = self.executor.submit(self._pwrite, first, bytes(data), reason)
+        span = range(first, first + pages)
+        with self._plock:
+            for p in span:
+                self._pending[p] = fut
+        fut.add_done_callback(lambda f, span=span: self._done(span, f))
+
+    def _done(self, span: range, fut: Future) -> None:
+        with self._plock:
+            for p in span:
+                if self._pending.get(p) is fut:
+                    del self._pending[p]
+        exc = fut.exception()
+        if exc is not None:
+            self._errors.append(exc)
+
+    def _wait(self, first: int, pages: int) -> None:
+        with self._plock:
+            futs = {self._pending[p] for p in range(first, first + pages) if p in self._pending}
+        for f in futs:
+            f.result()
+
+    def flush(self) -> None:
+        """Waits for every pending write (raises the first error)."""
+        with self._plock:
+            futs = set(self._pending.values())
+        for f in futs:
+            f.result()
+        if self._errors:
+            raise self._errors[0]
+
+    def _pwrite(self, first: int, data: bytes | bytearray | memoryview, reason: str) -> None:
+        n = len(data)
+        t0 = time.perf_counter()
+        try:
+            if self.direct:
+                buf = self._buffer(n)
+                buf[:n] = data
+                got = os.pwritev(self.fd, [memoryview(buf)[:n]], first * PAGE)
+            else:
+                got = os.pwrite(self.fd, data, first * PAGE)
+                os.fdatasync(self.fd)
+                _drop(self.fd)
+        except OSError as e:
+            raise FlashError(f"cannot write {self.path}: {e}") from e
+        if got != n:
+            raise FlashError(f"short write to {self.path}: {got} of {n} bytes")
+        self.io.count_write(reason, n, time.perf_counter() - t0)
+
+    def read(self, first: int, pages: int) -> bytes:
+        """Pages ``first .. first+pages`` (pages never written read as zeros, unchecked)."""
+        self._wait(first, pages)
+        n = pages * PAGE
+        try:
+            if self.direct:
+                buf = self._buffer(n)
+                view = memoryview(buf)[:n]
+                got = os.preadv(self.fd, [view], first * PAGE)
+                data = bytes(view[:got]) + bytes(n - got)
+                view.release()
+            else:
+                _drop(self.fd)
+                data = os.pread(self.fd, n, first * PAGE)
+                data += bytes(n - len(data))
+        except OSError as e:
+            raise FlashError(f"cannot read {self.path}: {e}") from e
+        view2 = memoryview(data)
+        for i in range(pages):
+            h = self.hashes.get(first + i)
+            if h is not None and xxhash.xxh64_intdigest(view2[i * PAGE:(i + 1) * PAGE]) != h:
+                raise FlashError(f"{self.path.name}: page {first + i} fails its checksum")
+        return data
+
+    def close(self, remove: bool = True) -> None:
+        if self.fd >= 0:
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - closing: the file goes anyway
+                pass
+            os.close(self.fd)
+            self.fd = -1
+        buf = getattr(self._local, "buf", None)
+        if buf is not None:
+            buf.close()
+            self._local.buf = None
+        if remove:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _drop(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
+# ---- records ---------------------------------------------------------------------------------------
+class Records:
+    """Entry records ``k | v`` of one layer: packing into pages and back."""
+
+    def __init__(self, head_dim: int, dtype: torch.dtype) -> None:
+        self.d = head_dim
+        self.dtype = dtype
+        self.entry_bytes = 2 * head_dim * torch.empty(0, dtype=dtype).element_size()
+        if self.entry_bytes > PAGE:
+            raise ValueError(f"an entry of {self.entry_bytes} bytes does not fit a page")
+        self.per_page = PAGE // self.entry_bytes
+
+    def pages_for(self, n: int) -> int:
+        return -(-n // self.per_page)
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+        """``ceil(n / per_page)`` pages holding these entries in order (the last one padded)."""
+        n = int(k.shape[0])
+        pages = self.pages_for(n)
+        rec = torch.zeros(pages * self.per_page, 2 * self.d, dtype=self.dtype)
+        rec[:n, :self.d] = k
+        rec[:n, self.d:] = v
+        raw = rec.view(torch.uint8).view(pages, self.per_page * self.entry_bytes)
+        if self.per_page * self.entry_bytes < PAGE:
+            full = torch.zeros(pages, PAGE, dtype=torch.uint8)
+            full[:, :raw.shape[1]] = raw
+            raw = full
+        return raw.numpy().tobytes()
+
+    def unpack(self, data: bytes, pages: int) -> torch.Tensor:
+        """``[pages * per_page, 2D]`` records of pages read."""
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(pages, PAGE)
+        raw = raw[:, :self.per_page * self.entry_bytes].contiguous()
+        return raw.view(self.dtype).view(pages * self.per_page, 2 * self.d)
+
+
+def runs_of(pages: Iterable[int], gap: int = 0) -> list[tuple[int, int]]:
+    """Sorted unique pages -> ``(first, count)`` runs; runs at most ``gap`` pages apart merge
+    (the gap is read too)."""
+    out: list[tuple[int, int]] = []
+    for p in sorted(set(pages)):
+        if out and p <= out[-1][0] + out[-1][1] + gap:
+            first, _ = out[-1]
+            out[-1] = (first, p - first + 1)
+        else:
+            out.append((p, 1))
+    return out
+
+
+# ---- units and pools ---------------------------------------------------------------------------------
+@dataclass
+class Pool:
+    """``size`` pages from ``first``: the left head grows up from ``first``, the right head down
+    from ``first + size - 1``."""
+
+    first: int
+    size: int
+    lnext: int = 0
+    rnext: int = 0
+    owners: list[int | None] = field(default_factory=lambda: [None, None])
+
+    def __post_init__(self) -> None:
+        self.lnext = self.first
+        self.rnext = self.first + self.size - 1
+
+    def free(self) -> int:
+        return self.rnext - self.lnext + 1
+
+    def take(self, side: int, n: int) -> list[int] | None:
+        """``n`` pages at ``side``'s head (ascending), or None when they do not fit."""
+        if n > self.free():
+            return None
+        if side == 0:
+            pages = list(range(self.lnext, self.lnext + n))
+            self.lnext += n
+        else:
+            pages = list(range(self.rnext - n + 1, self.rnext + 1))
+            self.rnext -= n
+        return pages
+
+
+@dataclass
+class Unit:
+    """One retrievable unit (a cluster) of one head.
+
+    ``addr``/``pos``: the flushed live entries (slot address ``page * per_page + slot`` and
+    position); ``tail_*``: entries not yet on flash (the write buffer); ``pages``: every page
+    written for it (dead slots included).
+    """
+
+    uid: int
+    head: int
+    addr: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    tail_k: torch.Tensor | None = None
+    tail_v: torch.Tensor | None = None
+    tail_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pool: Pool | None = None
+    side: int = 0
+    pages: list[int] = field(default_factory=list)
+    last_append: int = 0
+    alive: bool = True
+
+    @property
+    def flushed(self) -> int:
+        return int(self.addr.shape[0])
+
+    @property
+    def tail(self) -> int:
+        return int(self.tail_pos.shape[0])
+
+    @property
+    def size(self) -> int:
+        return self.flushed + self.tail
+
+
+FlushedData = tuple[torch.Tensor, torch.Tensor, np.ndarray]      # k [n, D], v [n, D], pos [n]
+
+
+class ClusterStore:
+    """The clusters of one layer on flash (module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str], heads: int, head_dim: int,
+                 dtype: torch.dtype, io: IOStats, *, max_cluster: int, dual_head: bool = True,
+                 write_buffer: int = 32, merge_gap: int = 1, direct: bool = True,
+                 executor: Executor | None = None) -> None:
+        self.file = PageFile(path, io, direct, executor)
+        self.io = io
+        self.rec = Records(head_dim, dtype)
+        self.heads, self.d, self.dtype = heads, head_dim, dtype
+        self.dual_head = dual_head
+        self.pool_pages = 2 * self.rec.pages_for(max_cluster)
+        self.tail_cap = max(1, write_buffer) * heads
+        self.merge_gap = merge_gap
+        self.units: dict[int, Unit] = {}
+        self.next_page = 0
+        self._next_uid = 0
+        self._open: dict[int, Pool] = {}       # head -> pool whose right head awaits a migrant
+        self.tail_entries = 0
+        self.clock = 0
+        #: RAM lookup of a unit's flushed entries (the policy's cache / this step's reads)
+        self.ram_lookup: Callable[[int], FlushedData | None] = lambda uid: None
+        #: told when a unit's flushed part changes: (uid, data or None to forget)
+        self.on_flushed: Callable[[int, FlushedData | None], None] = lambda uid, data: None
+
+    # ---- allocation --------------------------------------------------------------------------------
+    def _alloc(self, pages: int) -> int:
+        first = self.next_page
+        self.next_page += pages
+        return first
+
+    def new_unit(self, head: int) -> Unit:
+        u = Unit(self._next_uid, head)
+        self._next_uid += 1
+        self.units[u.uid] = u
+        return u
+
+    def _migrant_home(self, u: Unit) -> None:
+        """Gives ``u`` a fresh head: the free right head of its head's open pool, else the left
+        head of a new pool (which becomes the open one)."""
+        if not self.dual_head:
+            u.pool, u.side = None, 0
+            return
+        pool = self._open.get(u.head)
+        if pool is not None and pool.owners[1] is None and pool.rnext == pool.first + pool.size - 1:
+            pool.owners[1] = u.uid
+            u.pool, u.side = pool, 1
+            self._open.pop(u.head, None)
+            return
+        pool = Pool(self._alloc(self.pool_pages), self.pool_pages)
+        pool.owners[0] = u.uid
+        u.pool, u.side = pool, 0
+        self._open[u.head] = pool
+
+    def _take_pages(self, u: Unit, n: int) -> list[int]:
+        """``n`` pages for ``u`` at its head (dual-head layout)."""
+        if u.pool is None:
+            self._migrant_home(u)
+        assert u.pool is not None
+        pages = u.pool.take(u.side, n)
+        if pages is None:            # met its partner: continue in a migrant pool
+            self._migrant_home(u)
+            pages = u.pool.take(u.side, n)
+            if pages is None:        # bigger than a whole pool: an extent of its own
+                first = self._alloc(n)
+                pages = list(range(first, first + n))
+        return pages
+
+    # ---- writes ------------------------------------------------------------------------------------
+    def _write(self, u: Unit, k: torch.Tensor, v: torch.Tensor, pos: np.ndarray, reason: str,
+               pages: list[int] | None = None) -> None:
+        """Writes entries (whole pages, the last padded) for ``u``; records their addresses."""
+        n = int(k.shape[0])
+        if n == 0:
+            return
+        npages = self.rec.pages_for(n)
+        if pages is None:
+            pages = self._take_pages(u, npages)
+        data = self.rec.pack(k, v)
+        # pages are ascending; write each contiguous run in one operation
+        i = 0
+        while i < npages:
+            j = i
+            while j + 1 < npages and pages[j + 1] == pages[j] + 1:
+                j += 1
+            self.file.write(pages[i], data[i * PAGE:(j + 1) * PAGE], reason)
+            i = j + 1
+        pp = self.rec.per_page
+        slots = np.array([pages[e // pp] * pp + e % pp for e in range(n)], dtype=np.int64)
+        u.addr = np.concatenate([u.addr, slots])
+        u.pos = np.concatenate([u.pos, np.asarray(pos, dtype=np.int64)])
+        u.pages.extend(pages)
+
+    def place(self, head: int, groups: list[FlushedData]) -> list[int]:
+        """Prefill placement of one head's clusters, in the given (co-retrieval) order: pairs
+        share dual-head pools (or, packed, follow each other). Partial last pages are written
+        padded. Returns the new units' ids."""
+        uids = []
+        pool: Pool | None = None
+        for i, (k, v, pos) in enumerate(groups):
+            u = self.new_unit(head)
+            npages = self.rec.pages_for(int(k.shape[0]))
+            if self.dual_head:
+                if i % 2 == 0:
+                    nxt = self.rec.pages_for(int(groups[i + 1][0].shape[0])) \
+                        if i + 1 < len(groups) else 0
+                    size = max(self.pool_pages, npages + nxt)
+                    pool = Pool(self._alloc(size), size)
+                    pool.owners[0] = u.uid
+                    u.pool, u.side = pool, 0
+                    if i + 1 == len(groups):
+                        self._open[head] = pool      # its right head awaits a migrant
+                else:
+                    assert pool is not None
+                    pool.owners[1] = u.uid
+                    u.pool, u.side = pool, 1
+                assert u.pool is not None
+                pages = u.pool.take(u.side, npages)
+                assert pages is not None
+            else:
+                first = self._alloc(npages)
+                pages = list(range(first, first + npages))
+            self._write(u, k, v, pos, "prefill", pages)
+            uids.append(u.uid)
+        return uids
+
+    def create(self, head: int, k: torch.Tensor, v: torch.Tensor, pos: np.ndarray,
+               reason: str = "migrate") -> Unit:
+        """A new unit from entries in RAM (a split half, a local cluster): whole pages written now
+        (logical bytes: ``reason``), the rest kept as its tail."""
+        u = self.new_unit(head)
+        self._migrant_home(u)
+        self.add(u, k, v, pos, reason)
+        return u
+
+    def add(self, u: Unit, k: torch.Tensor, v: torch.Tensor, pos: np.ndarray,
+            reason: str = "append") -> None:
+        """Appends entries to ``u``'s write buffer; every full page is written."""
+        n = int(k.shape[0])
+        if n == 0:
+            return
+        self.clock += 1
+        u.last_append = self.clock
+        pos = np.asarray(pos, dtype=np.int64)
+        k = k.to(self.dtype).reshape(n, self.d)
+        v = v.to(self.dtype).reshape(n, self.d)
+        if u.tail_k is None or u.tail == 0:
+            tk, tv, tp = k, v, pos
+        else:
+            tk, tv, tp = torch.cat([u.tail_k, k]), torch.cat([u.tail_v, v]), \
+                np.concatenate([u.tail_pos, pos])
+        self.tail_entries -= u.tail
+        pp = self.rec.per_page
+        full = (tk.shape[0] // pp) * pp
+        if full:
+            self.io.count_logical(reason, full * self.rec.entry_bytes)
+            self._flush(u, tk[:full], tv[:full], tp[:full], reason)
+        u.tail_k, u.tail_v, u.tail_pos = tk[full:].clone(), tv[full:].clone(), tp[full:].copy()
+        self.tail_entries += u.tail
+        self._cap_tails()
+
+    def _flush(self, u: Unit, k: torch.Tensor, v: torch.Tensor, pos: np.ndarray,
+               reason: str) -> None:
+        """Writes entries to ``u``'s flushed part, relocating it first in the packed layout."""
+        before = self.ram_lookup(u.uid)
+        if self.dual_head:
+            self._write(u, k, v, pos, reason)
+        else:
+            self._relocate(u, extra=(k, v, pos), reason=reason)
+        # keep a cached copy of the flushed part current
+        if before is not None and self.dual_head:
+            bk, bv, bp = before
+            self.on_flushed(u.uid, (torch.cat([bk, k]), torch.cat([bv, v]),
+                                    np.concatenate([bp, pos])))
+
+    def _relocate(self, u: Unit, extra: FlushedData | None, reason: str) -> None:
+        """Packed layout: rewrites ``u``'s live flushed entries (plus ``extra``) as one exact
+        extent at the end of the file; the old pages are dead."""
+        data = self.ram_lookup(u.uid) if u.flushed else None
+        in_ram = data is not None
+        if data is None and u.flushed:
+            data = self.fetch([u.uid], "relocate")[u.uid]
+        parts_k, parts_v, parts_p = [], [], []
+        if data is not None:
+            parts_k.append(data[0])
+            parts_v.append(data[1])
+            parts_p.append(data[2])
+        if extra is not None:
+            parts_k.append(extra[0])
+            parts_v.append(extra[1])
+            parts_p.append(np.asarray(extra[2], dtype=np.int64))
+        if not parts_k:
+            return
+        k, v, pos = torch.cat(parts_k), torch.cat(parts_v), np.concatenate(parts_p)
+        u.addr = np.zeros(0, np.int64)
+        u.pos = np.zeros(0, np.int64)
+        u.pages = []
+        npages = self.rec.pages_for(int(k.shape[0]))
+        first = self._alloc(npages)
+        self._write(u, k, v, pos, "relocate", list(range(first, first + npages)))
+        if in_ram:
+            self.on_flushed(u.uid, (k, v, pos))
+
+    def flush_tail(self, u: Unit, reason: str = "cold") -> None:
+        """Writes ``u``'s partial tail as a padded page (a cold cluster's direct write)."""
+        if u.tail == 0 or u.tail_k is None or u.tail_v is None:
+            return
+        k, v, pos = u.tail_k, u.tail_v, u.tail_pos
+        self.tail_entries -= u.tail
+        u.tail_k = u.tail_v = None
+        u.tail_pos = np.zeros(0, np.int64)
+        self.io.count_logical(reason, int(k.shape[0]) * self.rec.entry_bytes)
+        self._flush(u, k, v, pos, reason)
+
+    def _cap_tails(self) -> None:
+        while self.tail_entries > self.tail_cap:
+            victims = [u for u in self.units.values() if u.alive and u.tail]
+            if not victims:
+                break
+            # the fullest tail pads its page least (ties: the least recently appended)
+            self.flush_tail(max(victims, key=lambda u: (u.tail, -u.last_append)))
+
+    def remove(self, u: Unit, positions: np.ndarray) -> None:
+        """Takes entries out of ``u`` (a split): flushed ones become dead slots, tail ones are
+        dropped from the write buffer."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if u.flushed:
+            keep = ~np.isin(u.pos, positions)
+            u.addr, u.pos = u.addr[keep], u.pos[keep]
+        if u.tail:
+            keep = ~np.isin(u.tail_pos, positions)
+            self.tail_entries -= u.tail
+            assert u.tail_k is not None and u.tail_v is not None
+            kt = torch.from_numpy(keep)
+            u.tail_k, u.tail_v, u.tail_pos = u.tail_k[kt], u.tail_v[kt], u.tail_pos[keep]
+            self.tail_entries += u.tail
+
+    def retire(self, u: Unit) -> None:
+        """Forgets ``u`` (its pages stay written, dead)."""
+        self.tail_entries -= u.tail
+        u.alive = False
+        self.units.pop(u.uid, None)
+        self.on_flushed(u.uid, None)
+
+    def needs_compaction(self, u: Unit) -> bool:
+        """Dead slots outnumber live ones, or the flushed part spans several runs."""
+        if not u.flushed:
+            return False
+        dead = len(u.pages) * self.rec.per_page - u.flushed
+        return dead > max(u.flushed, self.rec.per_page) or len(runs_of(u.pages)) > 1
+
+    def compact(self, u: Unit, data: FlushedData) -> None:
+        """Rewrites ``u``'s live flushed entries (in RAM: ``data``) at a fresh head; the old
+        pages are dead (nothing is rewritten in place)."""
+        if self.dual_head:
+            u.pool = None
+            self._migrant_home(u)
+            k, v, pos = data
+            u.addr = np.zeros(0, np.int64)
+            u.pos = np.zeros(0, np.int64)
+            u.pages = []
+            self._write(u, k, v, pos, "compact")
+            self.on_flushed(u.uid, (k, v, pos))
+        else:
+            self._relocate(u, None, "compact")
+
+    # ---- reads -------------------------------------------------------------------------------------
+    def plan(self, uids: Iterable[int]) -> list[tuple[int, int]]:
+        pp = self.rec.per_page
+        pages: set[int] = set()
+        for uid in uids:
+            u = self.units[uid]
+            if u.flushed:
+                pages.update((u.addr // pp).tolist())
+        return runs_of(pages, self.merge_gap)
+
+    def fetch(self, uids: Iterable[int], reason: str) -> dict[int, FlushedData]:
+        """The flushed entries of these units, read from flash (whole pages, runs merged)."""
+        uids = [u for u in dict.fromkeys(uids) if self.units[u].flushed]
+        if not uids:
+            return {}
+        runs = self.plan(uids)
+        return self.read_runs(uids, runs, reason)
+
+    def read_runs(self, uids: list[int], runs: list[tuple[int, int]], reason: str
+                  ) -> dict[int, FlushedData]:
+        """Reads ``runs`` and cuts ``uids``' entries out of them (safe on another thread as long
+        as those units do not change meanwhile)."""
+        pp = self.rec.per_page
+        t0 = time.perf_counter()
+        firsts = np.array([r[0] for r in runs], dtype=np.int64)
+        bufs = [self.rec.unpack(self.file.read(first, n), n) for first, n in runs]
+        seconds = time.perf_counter() - t0
+        out: dict[int, FlushedData] = {}
+        entries = 0
+        d = self.d
+        for uid in uids:
+            u = self.units[uid]
+            page = u.addr // pp
+            which = np.searchsorted(firsts, page, side="right") - 1
+            ks, vs = [], []
+            for r in np.unique(which):
+                sel = which == r
+                idx = u.addr[sel] - firsts[r] * pp
+                recs = bufs[r][torch.from_numpy(idx)]
+                ks.append(recs[:, :d])
+                vs.append(recs[:, d:])
+            order_pos = np.concatenate([u.pos[which == r] for r in np.unique(which)])
+            out[uid] = (torch.cat(ks) if len(ks) > 1 else ks[0],
+                        torch.cat(vs) if len(vs) > 1 else vs[0], order_pos)
+            entries += u.flushed
+        self.io.count_read(reason, len(runs), sum(n for _, n in runs) * PAGE, entries, seconds)
+        return out
+
+    def close(self, remove: bool = True) -> None:
+        self.file.close(remove)
+
+
+class TokenStore:
+    """``nocluster``: each head's entries in position order (a region of the layer file per
+    head); a unit is one page of consecutive positions (uid = its page in the file); the partial
+    last page of each head is its tail (RAM)."""
+
+    def __init__(self, path: str | os.PathLike[str], heads: int, head_dim: int,
+                 dtype: torch.dtype, io: IOStats, *, max_positions: int, merge_gap: int = 0,
+                 direct: bool = True, executor: Executor | None = None) -> None:
+        self.file = PageFile(path, io, direct, executor)
+        self.io = io
+        self.rec = Records(head_dim, dtype)
+        self.heads, self.d, self.dtype = heads, head_dim, dtype
+        self.region = self.rec.pages_for(max_positions)
+        self.merge_gap = merge_gap
+        self.count = [0] * heads                       # entries flushed per head
+        self.tail_k: list[torch.Tensor] = [torch.zeros(0, head_dim, dtype=dtype)] * heads
+        self.tail_v: list[torch.Tensor] = [torch.zeros(0, head_dim, dtype=dtype)] * heads
+
+    @property
+    def tail_entries(self) -> int:
+        return sum(int(t.shape[0]) for t in self.tail_k)
+
+    def uid_of(self, head: int, position: int) -> int:
+        return head * self.region + position // self.rec.per_page
+
+    def flushed(self, head: int) -> int:
+        return self.count[head]
+
+    def add(self, head: int, k: torch.Tensor, v: torch.Tensor, reason: str = "append") -> None:
+        """Appends (positions continue from what the head holds); full pages are written."""
+        tk = torch.cat([self.tail_k[head], k.to(self.dtype)])
+        tv = torch.cat([self.tail_v[head], v.to(self.dtype)])
+        pp = self.rec.per_page
+        full = (tk.shape[0] // pp) * pp
+        if full:
+            first = self.uid_of(head, self.count[head])
+            self.file.write(first, self.rec.pack(tk[:full], tv[:full]), reason)
+            if reason != "prefill":
+                self.io.count_logical(reason, full * self.rec.entry_bytes)
+            self.count[head] += full
+        self.tail_k[head], self.tail_v[head] = tk[full:].clone(), tv[full:].clone()
+
+    def plan(self, uids: Iterable[int]) -> list[tuple[int, int]]:
+        return runs_of(uids, self.merge_gap)
+
+    def fetch(self, uids: Iterable[int], reason: str) -> dict[int, FlushedData]:
+        uids = list(dict.fromkeys(uids))
+        if not uids:
+            return {}
+        return self.read_runs(uids, self.plan(uids), reason)
+
+    def read_runs(self, uids: list[int], runs: list[tuple[int, int]], reason: str
+                  ) -> dict[int, FlushedData]:
+        """Token pages ``uids`` -> ``(k, v, pos)``, read as ``runs``."""
+        pp = self.rec.per_page
+        want = set(uids)
+        t0 = time.perf_counter()
+        out: dict[int, FlushedData] = {}
+        for first, n in runs:
+            recs = self.rec.unpack(self.file.read(first, n), n)
+            for i in range(n):
+                uid = first + i
+                if uid in want:
+                    r = recs[i * pp:(i + 1) * pp]
+                    p0 = (uid % self.region) * pp
+                    out[uid] = (r[:, :self.d], r[:, self.d:], np.arange(p0, p0 + pp))
+        self.io.count_read(reason, len(runs), sum(n for _, n in runs) * PAGE,
+                           len(want) * pp, time.perf_counter() - t0)
+        return out
+
+    def close(self, remove: bool = True) -> None:
+        self.file.close(remove)

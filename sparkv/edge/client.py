@@ -85,6 +85,8 @@ class EdgeClient:
         self.last_first_byte_s: float = 0.0
         #: context id -> encryption key (base64url), for encrypted contexts
         self.encryption_keys: dict[str, str] = {}
+        #: idempotent reads retried by :meth:`frame` (a replica died or was restarting)
+        self.frame_retries = 0
 
     # ---- plumbing ----------------------------------------------------------------------------
     def auth_headers(self) -> dict[str, str]:
@@ -225,6 +227,25 @@ class EdgeClient:
         if path is not None:
             _write_atomic(path / "manifest.json", f.body)
         return m
+
+    def frame(self, context_id: str, t: int, l: int, g: int, level: str, *,  # noqa: E741
+              retries: int = 3, shaped: bool = True) -> bytes:
+        """One stored frame (``GET .../chunks/{t}/{l}/{g}?level=``), an idempotent read: a
+        transport error (a replica that died mid-answer) or a retryable 5xx/429 is retried up to
+        ``retries`` times (through a balancer, on another replica); ``frame_corrupt`` is not
+        (every replica reads the same store). Raises ServerUnavailable or ApiError."""
+        path = f"/v1/contexts/{context_id}/chunks/{int(t)}/{int(l)}/{int(g)}"
+        for attempt in range(max(0, int(retries)) + 1):
+            try:
+                return self._request("GET", path, params={"level": level}, shaped=shaped).body
+            except (ServerUnavailable, ApiError) as e:
+                last = attempt >= retries
+                if last or (isinstance(e, ApiError) and (not e.retryable or
+                                                         e.code == "frame_corrupt")):
+                    raise
+                self.frame_retries += 1
+                time.sleep(min(1.0, 0.05 * 2 ** attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def tokens(self, context_id: str, *, use_cache: bool = True) -> list[int]:
         """The context's token ids (needed to compute chunks locally)."""

@@ -1,4 +1,5 @@
-"""CLI commands of the server: ``sparkv serve``, ``sparkv encode`` and ``sparkv apikey``.
+"""CLI commands of the server: ``sparkv serve``, ``sparkv worker``, ``sparkv encode`` and
+``sparkv apikey``.
 
 Every ``serve`` option also reads an environment variable (:data:`SERVE_ENV`), which is how
 docker-compose.yml configures the container; the command line wins over the environment, which
@@ -32,6 +33,7 @@ SERVE_ENV: dict[str, str] = {
     "--ssl-require-client-cert": "SPARKV_SSL_REQUIRE_CLIENT_CERT",
     "--torch-threads": "SPARKV_TORCH_THREADS",
     "--log-level": "SPARKV_LOG_LEVEL",
+    "--job-queue": "SPARKV_JOB_QUEUE",
 }
 """``serve`` option -> the environment variable that sets its default."""
 
@@ -76,6 +78,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     s.add_argument("--log-level", default=_env("--log-level", "info"),
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="[SPARKV_LOG_LEVEL]")
+    s.add_argument("--job-queue", default=_env("--job-queue"),
+                   help="[SPARKV_JOB_QUEUE] local (encode in this process), redis (the store's "
+                        "Redis, run by `sparkv worker`) or a redis:// URL (default: config, else "
+                        "local; docs/cluster.md)")
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.add_argument("--allow-anonymous", action="store_true",
                    help="accept requests without an API key as tenant 'anonymous'")
@@ -107,6 +113,27 @@ def register(sub: "argparse._SubParsersAction") -> None:
     e.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: config)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     e.set_defaults(func=encode)
+
+    w = sub.add_parser("worker", help="run an encode worker of a cluster (docs/cluster.md)",
+                       description="Take encode jobs from the shared Redis queue and run them "
+                                   "(job_queue: redis). Each option's default comes from the "
+                                   "environment variable in brackets.")
+    w.add_argument("--store", default=_env("--store"), help="[SPARKV_STORE] redis://host:port/db")
+    w.add_argument("--config", default=_env("--config"), help="[SPARKV_CONFIG] config file")
+    w.add_argument("--job-queue", default=_env("--job-queue"),
+                   help="[SPARKV_JOB_QUEUE] redis (the store's Redis, the default here) or a "
+                        "redis:// URL")
+    w.add_argument("--name", default=os.environ.get("SPARKV_WORKER_NAME"),
+                   help="[SPARKV_WORKER_NAME] consumer name (default: host-pid-random)")
+    w.add_argument("--torch-threads", type=int, default=_int_or_none(_env("--torch-threads")),
+                   help="[SPARKV_TORCH_THREADS] PyTorch threads for prefill")
+    w.add_argument("--device", default=_env("--device"), help="[SPARKV_DEVICE] cpu, cuda[:N], auto")
+    w.add_argument("--dtype", default=_env("--dtype"), help="[SPARKV_DTYPE]")
+    w.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
+    w.add_argument("--log-level", default=_env("--log-level", "info"),
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="[SPARKV_LOG_LEVEL]")
+    w.set_defaults(func=worker)
 
     k = sub.add_parser("apikey", help="make a new API key and its hash for the config file")
     k.add_argument("--tenant", default="my-tenant")
@@ -142,7 +169,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
                          log_level=args.log_level,
                          allow_anonymous=True if args.allow_anonymous else None,
-                         device=args.device, dtype=args.dtype)
+                         device=args.device, dtype=args.dtype, job_queue=args.job_queue)
     if not settings.tenants and not settings.allow_anonymous:
         if args.host not in LOOPBACK:
             raise ConfigError("no tenants are configured: add API key hashes to the config file "
@@ -177,6 +204,40 @@ def serve(args: argparse.Namespace) -> int:
                 ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
                 timeout_keep_alive=30, server_header=False, http=json_error_protocol())
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from sparkv.server.models import ModelRegistry
+    from sparkv.server.stores import open_store
+    from sparkv.server.worker import EncodeWorker, install_signal_handlers
+
+    common = dict(torch_threads=args.torch_threads, log_level=args.log_level,
+                  device=args.device, dtype=args.dtype)
+    settings = _settings(args.config, args.store, job_queue=args.job_queue, **common)
+    if settings.job_queue == "local":  # a worker always uses a shared queue: the store's Redis
+        settings = _settings(args.config, args.store, job_queue="redis", **common)
+    if args.max_jobs is not None and args.max_jobs < 1:
+        raise ConfigError("--max-jobs must be at least 1")
+    _check_device(settings)
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = open_store(settings.store)
+    registry = ModelRegistry(settings.models, settings.max_context_tokens, settings.device,
+                             settings.dtype)
+    w = EncodeWorker(settings, store, registry, name=args.name)
+    install_signal_handlers(w)
+    print(f"sparkv worker {w.name}: queue={w.queue.url} store={store.url}", file=sys.stderr,
+          flush=True)
+    w.run(max_jobs=args.max_jobs)
+    store.close()
     return 0
 
 

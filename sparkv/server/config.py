@@ -99,6 +99,13 @@ class Settings(BaseModel):
     encode_pause_s: float = Field(0.0, ge=0.0, le=10.0)
     """Sleep after each encoded frame, leaving CPU to serving (and making crash tests slow enough)."""
     resume_jobs: bool = True
+    job_queue: str = "local"
+    """Where encode jobs run: ``local`` (threads of this process) or ``redis`` (a shared Redis
+    Streams queue consumed by ``sparkv worker`` processes; the store must then be ``redis://``),
+    or a ``redis://`` URL of the queue's own Redis. See docs/cluster.md."""
+    queue_claim_idle_s: float = Field(5.0, ge=0.5, le=3600.0)
+    """With ``job_queue: redis``: a job whose worker sent no heartbeat for this long (the worker
+    died) is claimed by another worker, which resumes it."""
     max_job_attempts: int = Field(3, ge=1)
     job_retention_s: float = Field(7 * 24 * 3600.0, ge=0.0)
     preload_models: bool = False
@@ -125,6 +132,13 @@ class Settings(BaseModel):
                 seen[h] = name
         return tenants
 
+    @field_validator("job_queue")
+    @classmethod
+    def _job_queue(cls, value: str) -> str:
+        if value not in ("local", "redis") and not value.startswith(("redis://", "rediss://")):
+            raise ValueError("job_queue must be 'local', 'redis' or a redis:// URL")
+        return value
+
     @field_validator("default_levels")
     @classmethod
     def _levels(cls, levels: list[str]) -> list[str]:
@@ -142,6 +156,10 @@ class Settings(BaseModel):
                               f"({', '.join(self.models) or 'none'})")
         if not self.models:
             raise ConfigError("no models configured")
+        if self.job_queue == "redis" and not self.store.startswith(("redis://", "rediss://")):
+            raise ConfigError("job_queue: redis uses the store's Redis, but the store is "
+                              f"{self.store.split('://')[0]}://; use a redis:// store or give "
+                              "job_queue a redis:// URL")
         return self
 
     def key_index(self) -> dict[str, str]:

@@ -159,7 +159,12 @@ class ServerState:
         store = store or open_store(settings.store)
         registry = registry or ModelRegistry(settings.models, settings.max_context_tokens,
                                            settings.device, settings.dtype)
-        jobs = JobManager(store, registry, settings, metrics)
+        if settings.job_queue == "local":
+            jobs = JobManager(store, registry, settings, metrics)
+        else:  # a cluster: jobs go to the shared queue, run by `sparkv worker` (docs/cluster.md)
+            from sparkv.server.queue import QueuedJobManager
+
+            jobs = QueuedJobManager(store, registry, settings, metrics)  # type: ignore[assignment]
         return cls(settings, store, registry, jobs, metrics,
                    StreamSlots(settings.max_streams_per_tenant, metrics))
 

@@ -20,6 +20,7 @@ COMMAND_MODULES: list[str] = [
     "sparkv.runtime.commands",
     "sparkv.server.commands",
     "sparkv.edge.commands",
+    "sparkv.device.commands",
     "sparkv.demo",
     "sparkv.predictor.commands",
     "sparkv.bench",

@@ -93,14 +93,18 @@ class ContextKV:
     """
 
     def __init__(self, geometry: ChunkGeometry, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", *, spare_tokens: int = 0) -> None:
+                 device: torch.device | str = "cpu", *, spare_tokens: int = 0,
+                 segmented: bool = False) -> None:
         self.geometry = geometry
         self.dtype, self.device = dtype, torch.device(device)
         cap = geometry.num_tokens + max(0, int(spare_tokens))
+        # segmented: every layer starts in the segmented form, with no arena allocated (a
+        # context service building a memory chunk by chunk, or reopening one from flash)
         self.layers: list[LayerStore | None] = [
+            None if segmented else
             LayerStore(geometry.num_kv_heads, geometry.head_dim, cap, dtype, self.device)
             for _ in range(geometry.num_layers)]
-        self.mode = [ARENA] * geometry.num_layers
+        self.mode = [SEGMENTED if segmented else ARENA] * geometry.num_layers
         self._chunks: dict[KVChunkId, ChunkState] = {}
         self._lock = threading.RLock()
         self.positions = [geometry.num_tokens] * geometry.num_layers  # positions seen per layer
@@ -198,9 +202,12 @@ class ContextKV:
         return k, v
 
     def put(self, cid: KVChunkId, k: torch.Tensor, v: torch.Tensor,
-            source: Source | str = Source.INJECTED, overwrite: bool = True) -> bool:
+            source: Source | str = Source.INJECTED, overwrite: bool = True,
+            non_blocking: bool = False) -> bool:
         """Writes a whole chunk (``[Hg, n_t, D]``, every token of its range, fp). Returns whether
-        it was written (``overwrite=False`` keeps a chunk already resident)."""
+        it was written (``overwrite=False`` keeps a chunk already resident). ``non_blocking``:
+        an asynchronous host-to-device copy from pinned memory on the current CUDA stream (the
+        caller synchronises that stream before anyone reads the chunk)."""
         k, v = self._check_chunk(cid, k, v)
         source = Source(source)
         with self._lock:
@@ -218,7 +225,8 @@ class ContextKV:
         if mode == ARENA and not ragged:
             assert store is not None
             before = store.nbytes
-            store.write_dense(h0, h1, t0, k.to(self.dtype), v.to(self.dtype))
+            store.write_dense(h0, h1, t0, k if k.dtype == self.dtype else k.to(self.dtype),
+                              v if v.dtype == self.dtype else v.to(self.dtype), non_blocking)
             with self._lock:
                 self._arena_changed(cid.l, before)
                 self._set_resident(st, "fp", source, None, None)
@@ -529,6 +537,23 @@ class ContextKV:
                 st.residency, st.level = Residency.ABSENT, ""
             return freed
 
+    def attach_flash(self, cid: KVChunkId, ref: FlashRef, level: str,
+                     source: Source | str = Source.RESTORED) -> None:
+        """Records that a clean copy of ``cid`` (every token of its range, at ``level``) is in
+        the flash file ``ref`` (a context reopened from its flash tier after a restart): a
+        chunk not resident becomes ``flash``; its file is checked when swapped in."""
+        if level not in LEVELS:
+            raise KVMemoryError(f"unknown level {level!r}; known: {', '.join(LEVELS)}")
+        self.geometry.check(cid)
+        with self._lock:
+            st = self._chunks.setdefault(cid, ChunkState())
+            st.flash = ref
+            st.dirty = False
+            if st.residency != Residency.RESIDENT:
+                st.residency, st.level = Residency.FLASH, level
+                st.source, st.counts = Source(source), None
+                st.quality = _lower_quality("fp", level)
+
     def forget_flash(self, cid: KVChunkId, tier: FlashTier | None = None) -> None:
         """Deletes the chunk's flash copy (if any)."""
         with self._lock:
@@ -627,6 +652,38 @@ class ContextKV:
                 elif store is not None:
                     store.end = min(store.end, n)
                 self.positions[l] = n
+
+    def extend(self, num_tokens: int) -> list[KVChunkId]:
+        """Grows a context whose every layer is segmented to ``num_tokens`` tokens (how a context
+        service appends a call's tokens computed elsewhere): the new chunks are absent, to be
+        put; a last token chunk that was partial is reset to absent (its RAM copy freed, its
+        flash copy forgotten: it now covers more tokens). Returns the chunks reset."""
+        with self._lock:
+            old = self.geometry
+            if num_tokens < old.num_tokens:
+                raise KVMemoryError(f"cannot shrink a context from {old.num_tokens} to "
+                                    f"{num_tokens} tokens")
+            if num_tokens == old.num_tokens:
+                return []
+            if any(m != SEGMENTED for m in self.mode):
+                raise KVMemoryError("extend() grows segmented layers; arena layers grow by "
+                                    "appending (commit_appended)")
+            if max(self.positions) > old.num_tokens:
+                raise KVMemoryError("the memory holds appended tokens not committed")
+            reset: list[KVChunkId] = []
+            t = old.num_token_chunks - 1
+            if old.chunk_len(t) < old.chunk_tokens:
+                for l in range(old.num_layers):  # noqa: E741
+                    for gg in range(old.num_groups):
+                        cid = KVChunkId(t, l, gg)
+                        st = self._chunks.pop(cid, None)
+                        if st is not None and st.payload is not None:
+                            self._hold(st, None)
+                        reset.append(cid)
+            self.geometry = ChunkGeometry(num_tokens, old.chunk_tokens, old.num_layers,
+                                          old.num_kv_heads, old.head_dim, old.heads_per_group)
+            self.positions = [num_tokens] * old.num_layers
+            return reset
 
     def commit_appended(self) -> int:
         """Makes the appended tokens part of the context: the geometry grows to the positions

@@ -1,0 +1,400 @@
+"""``sparkv bench contexts``: many contexts under one memory budget, switched (LLMS's method,
+docs/device-service.md).
+
+Workload (SmolLM2, seeded): ``--contexts`` contexts, each a system turn holding a slice of the
+bundled text (lengths drawn around ``--mean-tokens``) and a first user turn that plants a pass key;
+then a trace of ``--calls`` calls with Poisson arrivals (the arrival times are recorded; calls run
+one after another, as a phone's LLM service does) over the contexts in one of three patterns:
+
+* ``random``: every context equally likely;
+* ``markov``: recency-biased (with probability 0.6 one of the two most recently called contexts);
+* ``gaussian``: over context length (contexts near the median length are called most).
+
+Each call is a turn of a multi-turn dialogue (prompts below), answered with ``--new-tokens``
+greedy tokens that stay in the context (it grows with each call). At the end every context is
+asked for its pass key.
+
+Systems, same trace, same budget (the sum of every memory's own account, working memory
+included): ``lmk`` (kill, then recompute), ``swap`` (whole-context swapping), ``vllm-s`` (16-token
+chunks swapped, fp), ``vllm-sq`` (the same at int8), ``llms`` (the full service) and its ablations
+``llms-no-compression``, ``llms-no-pipeline``, ``llms-no-lifecycle``; ``unlimited`` (the service
+with a budget that never evicts, fp) is the quality reference. The budget is one working memory
+of the longest call, the longest context's int8 KV and ``--budget-fraction`` of every other
+context's int8 KV (:func:`budget_for`): a fraction of the contexts fits.
+
+Metrics: mean and p99 switching latency (reclaim + load, until the context is ready, excluding the
+calls that create contexts); answers identical to the unlimited run's; pass-key accuracy; and the
+largest number of active contexts (``--sweep`` counts, the same budget) whose mean switching
+latency stays under ``--limit-ms``. Also the resident ``ask`` against the first ``ask`` (local
+prefill; ``EdgeSession.ask(keep=True)``): TTFT ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sparkv.bench.common import format_table, write_result
+
+SYSTEMS = ("lmk", "swap", "vllm-s", "vllm-sq", "llms", "llms-no-compression",
+           "llms-no-pipeline", "llms-no-lifecycle")
+PATTERNS = ("random", "markov", "gaussian")
+DIALOGUE = [
+    "Summarise the text above in one sentence.",
+    "What is the main topic?",
+    "Give one word that describes the tone.",
+    "Who is this text written for?",
+    "Name one thing the text forbids.",
+    "Is there a date in the text?",
+    "Write a title for it.",
+    "What would you ask the author?",
+    "List two key terms.",
+    "Explain it to a child, briefly.",
+]
+PASSKEY_Q = "What is the pass key I asked you to remember? Answer with the number only."
+
+
+# ---- the workload --------------------------------------------------------------------------------
+def make_contexts(lm: Any, count: int, mean_tokens: int, seed: int) -> list[dict[str, Any]]:
+    """``count`` contexts: a slice of the bundled text (length ~ N(mean, mean/3), 48..2 mean) and
+    a pass key."""
+    from sparkv.runtime.generate import sample_context_ids
+
+    rng = random.Random(seed)
+    text = sample_context_ids(lm, 4 * mean_tokens + 64)
+    out = []
+    for i in range(count):
+        n = int(min(max(rng.gauss(mean_tokens, mean_tokens / 3), 48), 2 * mean_tokens))
+        start = rng.randrange(0, len(text) - n)
+        body = lm.decode_tokens(text[start:start + n])
+        key = rng.randrange(10000, 99999)
+        out.append({"index": i, "system": f"You answer questions about this text.\n{body}",
+                    "key": str(key), "plant": f"Remember: the pass key is {key}. Say OK.",
+                    "tokens": n})
+    return out
+
+
+def make_trace(contexts: list[dict[str, Any]], calls: int, pattern: str, seed: int,
+               rate_hz: float = 0.5) -> list[tuple[float, int]]:
+    """``calls`` (arrival seconds, context index): Poisson arrivals, contexts by ``pattern``."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {PATTERNS}, not {pattern!r}")
+    rng = random.Random(seed)
+    n = len(contexts)
+    order = sorted(range(n), key=lambda i: contexts[i]["tokens"])
+    weights = [math.exp(-0.5 * ((r - (n - 1) / 2) / max(n / 4, 0.5)) ** 2) for r in range(n)]
+    t, out, recent = 0.0, [], []
+    for _ in range(calls):
+        t += rng.expovariate(rate_hz)
+        if pattern == "random" or (pattern == "markov" and (len(recent) < 2
+                                                            or rng.random() >= 0.6)):
+            i = rng.randrange(n)
+        elif pattern == "markov":
+            i = rng.choice(recent[-2:])
+        else:
+            i = order[rng.choices(range(n), weights=weights)[0]]
+        out.append((round(t, 3), i))
+        recent = [x for x in recent if x != i] + [i]
+    return out
+
+
+def make_service(lm: Any, system: str, budget: int, swap_dir: Path, ratio: float) -> Any:
+    from sparkv.device.baselines import LMKService, SwapService
+    from sparkv.device.service import ContextService, ServiceConfig
+
+    if system == "lmk":
+        return LMKService(lm, budget, swap_dir)
+    if system == "swap":
+        return SwapService(lm, budget, swap_dir)
+    if system == "unlimited":
+        return ContextService(lm, 1 << 40, swap_dir, config=ServiceConfig(
+            name="unlimited", compression="fp", journal=False))
+    return ContextService(lm, budget, swap_dir,
+                          config=ServiceConfig.preset(system, ratio=ratio, journal=False))
+
+
+def run_system(lm: Any, system: str, contexts: list[dict[str, Any]],
+               trace: list[tuple[float, int]], budget: int, new_tokens: int, ratio: float,
+               work: Path, bar: Any = None) -> dict[str, Any]:
+    """One system over the trace; returns its row (latencies in ms) and its answers."""
+    swap = Path(tempfile.mkdtemp(prefix=f"{system}-", dir=work))
+    svc = make_service(lm, system, budget, swap, ratio)
+    try:
+        ids, answers, switch, first, total = [], [], [], [], []
+        for c in contexts:
+            cid = svc.new_context(c["system"])
+            ids.append(cid)
+            svc.call(cid, c["plant"], max_new_tokens=4)
+            if bar is not None:
+                bar.update(1)
+        turn = [0] * len(contexts)
+        for _, i in trace:
+            prompt = DIALOGUE[turn[i] % len(DIALOGUE)]
+            turn[i] += 1
+            r = svc.call(ids[i], prompt, max_new_tokens=new_tokens)
+            switch.append(r.switch_s * 1e3)
+            first.append(r.first_token_s * 1e3)
+            total.append(r.total_s * 1e3)
+            answers.append(r.tokens)
+            if bar is not None:
+                bar.update(1)
+        keys, key_answers = [], []
+        for c, cid in zip(contexts, ids):
+            r = svc.call(cid, PASSKEY_Q, max_new_tokens=10)
+            key_answers.append(r.tokens)
+            keys.append(c["key"] in r.text)
+            if bar is not None:
+                bar.update(1)
+        st = svc.stats()
+        return {"system": system, "switch_ms": switch, "first_token_ms": first,
+                "total_ms": total, "answers": answers, "passkey_answers": key_answers,
+                "passkey_hits": keys, "stats": {k: st[k] for k in (
+                    "peak_bytes", "budget_violations", "evicted_bytes", "reclaim_written_bytes",
+                    "aot_written_bytes", "read_bytes", "read_chunks", "recomputed_chunks")}}
+    finally:
+        del svc
+        shutil.rmtree(swap, ignore_errors=True)
+
+
+def _p99(xs: list[float]) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(math.ceil(0.99 * len(s))) - 1)]
+
+
+def summarise(row: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
+    sw = row["switch_ms"]
+    out = {"system": row["system"], "mean_switch_ms": sum(sw) / max(1, len(sw)),
+           "p99_switch_ms": _p99(sw),
+           "mean_first_token_ms": sum(row["first_token_ms"]) / max(1, len(sw)),
+           "passkey_acc": sum(row["passkey_hits"]) / max(1, len(row["passkey_hits"])),
+           **row["stats"]}
+    if ref is not None:
+        same = [a == b for a, b in zip(row["answers"], ref["answers"])]
+        out["identical_answers"] = sum(same) / max(1, len(same))
+        out["passkey_acc_unlimited"] = ref and (sum(ref["passkey_hits"])
+                                                / max(1, len(ref["passkey_hits"])))
+    return out
+
+
+def budget_for(lm: Any, contexts: list[dict[str, Any]], calls_per_context: float,
+               new_tokens: int, fraction: float) -> int:
+    """The budget every system gets: one working memory of the longest call (fp, its turn and
+    64 spare slots), the longest context's int8 KV, and ``fraction`` of every other context's
+    int8 KV (final sizes estimated: its text, the planted turn, its share of the trace's turns).
+    So only a fraction of the contexts fit: an fp whole-context system (LMK, whole swap) holds
+    about one context besides the running one, a chunked system at int8 about ``1 + fraction *
+    (n - 1)``. (The whole-context baselines grow their arena layer by layer,
+    :func:`sparkv.device.loader.grow_arena`, so they need no second copy.)"""
+    from sparkv.device.loader import payload_nbytes, working_nbytes
+    from sparkv.layout import ChunkGeometry
+
+    turn = 24 + new_tokens
+    finals = [c["tokens"] + 40 + turn * (1 + calls_per_context) for c in contexts]
+    g = ChunkGeometry.from_config(lm.config, max(finals), 16)
+    work = working_nbytes(g, turn + 16 + 64, lm.dtype)
+    int8 = sorted(payload_nbytes("int8", lm.config.num_key_value_heads * n,
+                                 lm.config.hidden_size // lm.config.num_attention_heads, lm.dtype)
+                  * lm.config.num_hidden_layers for n in finals)
+    return int(work + int8[-1] + fraction * sum(int8[:-1]))
+
+
+# ---- the resident ask vs the first ask -------------------------------------------------------------
+def resident_ask(lm: Any, tokens: int, work: Path, new_tokens: int) -> dict[str, Any]:
+    """TTFT of a first ``ask`` (local prefill: the device holds the document) against a second
+    one about the same context kept in a context service."""
+    from sparkv.device import ContextService
+    from sparkv.edge import EdgeSession, chat_context
+    from sparkv.runtime.generate import sample_context_ids
+
+    ids = chat_context(lm, sample_context_ids(lm, tokens))
+    svc = ContextService(lm, 512 << 20, Path(tempfile.mkdtemp(prefix="kept-", dir=work)))
+    out: dict[str, Any] = {"context_tokens": len(ids)}
+    with EdgeSession.connect("http://127.0.0.1:9", model=lm, context_service=svc) as s:
+        q = "What does the text say about warranty?"
+        a = s.ask("bench-doc", q, strategy="local", token_ids=ids, backend="dense",
+                  max_new_tokens=new_tokens, keep=True)
+        b = s.ask("bench-doc", q, strategy="local", token_ids=ids, backend="dense",
+                  max_new_tokens=new_tokens, keep=True)
+        svc.swap_out(b.kept_id)
+        c = s.ask("bench-doc", q, strategy="local", token_ids=ids, backend="dense",
+                  max_new_tokens=new_tokens, keep=True)
+    out.update(first_ttft_s=a.ttft_s, resident_ttft_s=b.ttft_s, swapped_ttft_s=c.ttft_s,
+               resident_ratio=a.ttft_s / max(b.ttft_s, 1e-9),
+               swapped_ratio=a.ttft_s / max(c.ttft_s, 1e-9),
+               bytes_streamed_second=b.breakdown.bytes_streamed,
+               same_answer=a.tokens == b.tokens)
+    return out
+
+
+# ---- the command -------------------------------------------------------------------------------
+def register(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("contexts", help="the on-device context service (LLMS) vs LMK, whole "
+                                        "swapping, VLLM-S/SQ and ablations: switching latency, "
+                                        "active contexts, quality")
+    p.add_argument("--contexts", type=int, default=8, help="contexts of the main trace")
+    p.add_argument("--calls", type=int, default=24, help="calls per trace")
+    p.add_argument("--patterns", default=",".join(PATTERNS))
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--mean-tokens", type=int, default=256, help="mean context text length")
+    p.add_argument("--new-tokens", type=int, default=8, help="answer tokens per call")
+    p.add_argument("--budget-fraction", type=float, default=0.25,
+                   help="share of the other contexts' int8 KV the budget holds beyond one working "
+                        "memory and the longest context")
+    p.add_argument("--budget-mb", type=float, default=None, help="override the budget")
+    p.add_argument("--ratio", type=float, default=0.9,
+                   help="LLMS's global compression ratio (bytes relative to int8)")
+    p.add_argument("--sweep", default="2,4,8,16",
+                   help="context counts for the active-contexts metric ('' to skip)")
+    p.add_argument("--sweep-systems", default="vllm-sq,llms")
+    p.add_argument("--limit-ms", type=float, default=50.0, help="switching latency limit")
+    p.add_argument("--ask-tokens", type=int, default=1024,
+                   help="document tokens of the resident-ask measurement (0 to skip)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: the fastest on a "
+                                                          "loaded machine)")
+    p.add_argument("--quick", action="store_true",
+                   help="6 contexts, 16 calls, the markov pattern, sweep 2,4,8 (a smoke run)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from sparkv.device import BudgetTooSmall
+    from sparkv.runtime.model import load_model
+
+    if args.quick:
+        args.contexts, args.calls, args.patterns = 6, 16, "markov"
+        args.sweep = "2,4,8" if args.sweep == "2,4,8,16" else args.sweep
+        args.mean_tokens = min(args.mean_tokens, 192)
+        args.ask_tokens = min(args.ask_tokens, 1024)
+    systems = [s for s in args.systems.split(",") if s]
+    patterns = [s for s in args.patterns.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+    if args.contexts < 1 or args.calls < 1:
+        raise SystemExit("--contexts and --calls must be >= 1")
+    sweep = [int(x) for x in args.sweep.split(",") if x]
+    sweep_systems = [s for s in args.sweep_systems.split(",") if s]
+    torch.set_num_threads(max(1, args.threads))
+    lm = load_model(args.model)
+    work = Path(tempfile.mkdtemp(prefix="sparkv-contexts-"))
+    t0 = time.perf_counter()
+    contexts = make_contexts(lm, args.contexts, args.mean_tokens, args.seed)
+    budget = (int(args.budget_mb * 1e6) if args.budget_mb else
+              budget_for(lm, contexts, args.calls / args.contexts, args.new_tokens,
+                         args.budget_fraction))
+    per_run = 2 * args.contexts + args.calls
+    total = len(patterns) * (len(systems) + 1) * per_run
+    total += sum(len(sweep_systems) * (2 * n + args.calls) for n in sweep)
+    bar = tqdm(total=total, desc="contexts bench", unit="call")
+    results: dict[str, Any] = {"patterns": {}, "sweep": {}}
+    try:
+        for pattern in patterns:
+            trace = make_trace(contexts, args.calls, pattern, args.seed + 1)
+            ref = run_system(lm, "unlimited", contexts, trace, budget, args.new_tokens,
+                             args.ratio, work, bar)
+            rows = []
+            for s in systems:
+                try:
+                    rows.append(summarise(run_system(lm, s, contexts, trace, budget,
+                                                     args.new_tokens, args.ratio, work, bar), ref))
+                except BudgetTooSmall as e:       # reported, not fatal: the others still run
+                    rows.append({"system": s, "refused": str(e)})
+            results["patterns"][pattern] = {"trace": trace, "rows": rows,
+                                            "unlimited": summarise(ref, None)}
+        for n in sweep:
+            cs = make_contexts(lm, n, args.mean_tokens, args.seed + 100)
+            trace = make_trace(cs, args.calls, "random", args.seed + 2)
+            for s in sweep_systems:
+                try:
+                    r = summarise(run_system(lm, s, cs, trace, budget, args.new_tokens,
+                                             args.ratio, work, bar), None)
+                except BudgetTooSmall as e:
+                    results["sweep"].setdefault(s, {})[n] = {"refused": str(e),
+                                                             "mean_switch_ms": math.inf,
+                                                             "p99_switch_ms": math.inf}
+                    continue
+                results["sweep"].setdefault(s, {})[n] = {
+                    "mean_switch_ms": r["mean_switch_ms"], "p99_switch_ms": r["p99_switch_ms"]}
+        bar.close()
+        if args.ask_tokens:
+            results["resident_ask"] = resident_ask(lm, args.ask_tokens, work, 8)
+    finally:
+        bar.close()
+        shutil.rmtree(work, ignore_errors=True)
+    active = {s: max([n for n, v in d.items() if v["mean_switch_ms"] <= args.limit_ms],
+                     default=0) for s, d in results["sweep"].items()}
+    results["max_active_contexts"] = active
+    results["ratios"] = _ratios(results, active)
+    results["budget_bytes"] = budget
+    results["seconds"] = time.perf_counter() - t0
+    results["note"] = ("measured on a shared 2-core CPU loaded by other jobs; torch threads "
+                       f"{args.threads}; latencies are wall clock")
+    _print(results, args)
+    if args.json or args.out:
+        path = write_result("contexts", results, config={
+            k: v for k, v in vars(args).items() if k != "func"}, path=args.out)
+        print(f"wrote {path}")
+    return 0
+
+
+def _ratios(results: dict[str, Any], active: dict[str, int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pattern, d in results["patterns"].items():
+        by = {r["system"]: r for r in d["rows"] if "refused" not in r}
+        if "llms" not in by:
+            continue
+        m = by["llms"]["mean_switch_ms"]
+        out[pattern] = {f"mean_switch_{b}_over_llms": by[b]["mean_switch_ms"] / max(m, 1e-9)
+                        for b in ("lmk", "swap", "vllm-s", "vllm-sq") if b in by}
+        out[pattern]["llms_identical_answers"] = by["llms"].get("identical_answers")
+        out[pattern]["llms_passkey_acc"] = by["llms"]["passkey_acc"]
+        out[pattern]["unlimited_passkey_acc"] = d["unlimited"]["passkey_acc"]
+    if active.get("vllm-sq") is not None and "llms" in active:
+        out["active_llms_over_vllm_sq"] = active["llms"] / max(active["vllm-sq"], 1)
+    return out
+
+
+def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
+    for pattern, d in results["patterns"].items():
+        print(f"\npattern {pattern}: {args.contexts} contexts, {args.calls} calls, budget "
+              f"{results['budget_bytes'] / 1e6:.1f} MB")
+        rows = [[r["system"], r["mean_switch_ms"], r["p99_switch_ms"],
+                 r.get("identical_answers", float("nan")), r["passkey_acc"],
+                 r["peak_bytes"] / 1e6, r["reclaim_written_bytes"] / 1e6, r["read_chunks"],
+                 r["recomputed_chunks"]] if "refused" not in r else
+                [r["system"], "refused"] + [""] * 7 for r in d["rows"]]
+        u = d["unlimited"]
+        rows.append(["unlimited", u["mean_switch_ms"], u["p99_switch_ms"], 1.0,
+                     u["passkey_acc"], u["peak_bytes"] / 1e6, 0.0, 0, 0])
+        print(format_table(["system", "mean switch ms", "p99 ms", "identical", "pass key",
+                            "peak MB", "reclaim MB written", "chunks read", "recomputed"], rows))
+    if results["sweep"]:
+        ns = sorted({n for d in results["sweep"].values() for n in d})
+        print(f"\nmean switching latency (ms) by active contexts (limit {args.limit_ms:g} ms)")
+        print(format_table(["system"] + [str(n) for n in ns] + ["max active"],
+                           [[s] + [d.get(n, {}).get("mean_switch_ms", float("nan"))
+                                   for n in ns] + [results["max_active_contexts"][s]]
+                            for s, d in results["sweep"].items()]))
+    if "resident_ask" in results:
+        r = results["resident_ask"]
+        print(f"\nresident ask: first {r['first_ttft_s']:.3f} s, resident "
+              f"{r['resident_ttft_s']:.3f} s ({r['resident_ratio']:.1f}x), after swap-out "
+              f"{r['swapped_ttft_s']:.3f} s ({r['swapped_ratio']:.1f}x), "
+              f"{r['bytes_streamed_second']} bytes streamed")
+    for k, v in results["ratios"].items():
+        print(f"{k}: {v}")

@@ -1,0 +1,22 @@
+"""The on-device context service (LLMS, issue 13): many contexts of one model under a KV-memory
+budget, switched in milliseconds (docs/device-service.md).
+
+    from sparkv.device import ContextService
+    svc = ContextService(lm, memory_budget_bytes=256 << 20, swap_dir="/data/sparkv-device")
+    cid = svc.new_context("You are a helpful assistant.")
+    print(svc.call(cid, "Hello!").text)
+
+Modules: ``service`` (the service, its policies), ``loader`` (working memory, batched chunk
+recomputation at global positions, the IO-recompute pipeline), ``planner`` (the IO/recompute
+split), ``density`` (information density from attention, the level mix), ``flashio`` (grouped
+durable writes, the I/O profile), ``journal`` (crash recovery), ``baselines`` (LMK, whole-context
+swapping), ``restore`` (SparKV's planner with flash as one more link), ``app`` / ``client`` /
+``commands`` (the local REST service and ``sparkv device``).
+"""
+
+from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, PromptTooLong,
+                                  UnknownContext)
+from sparkv.device.service import CallResult, ContextService, ServiceConfig
+
+__all__ = ["ContextService", "ServiceConfig", "CallResult", "DeviceError", "UnknownContext",
+           "ContextBusy", "PromptTooLong", "BudgetTooSmall"]

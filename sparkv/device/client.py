@@ -1,0 +1,193 @@
+"""A client of the local context service (:mod:`sparkv.device.app`), over its Unix socket or a
+loopback port, and a helper that runs ``sparkv device serve`` as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+
+from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, PromptTooLong,
+                                  UnknownContext)
+
+_BY_STATUS = {404: UnknownContext, 409: ContextBusy, 413: PromptTooLong, 507: BudgetTooSmall}
+
+
+def default_socket() -> Path:
+    """``$SPARKV_DEVICE_SOCKET``, else ``<sparkv cache>/device/sparkv-device.sock``."""
+    env = os.environ.get("SPARKV_DEVICE_SOCKET")
+    if env:
+        return Path(env)
+    from sparkv.runtime.model import cache_dir
+
+    return cache_dir() / "device" / "sparkv-device.sock"
+
+
+class DeviceClient:
+    """REST client of ``sparkv device serve``.
+
+    Args:
+        socket: the service's Unix socket (default :func:`default_socket`), or
+        url: ``http://127.0.0.1:PORT`` when it listens on loopback.
+    """
+
+    def __init__(self, socket: str | os.PathLike[str] | None = None, url: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        if url:
+            self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        else:
+            path = str(socket or default_socket())
+            self._http = httpx.Client(transport=httpx.HTTPTransport(uds=path),
+                                      base_url="http://sparkv-device", timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "DeviceClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _req(self, method: str, path: str, **kw: Any) -> Any:
+        r = self._http.request(method, path, **kw)
+        if r.status_code >= 400:
+            try:
+                err = r.json().get("error") or {}
+                msg = err.get("message") or r.text
+            except ValueError:
+                msg = r.text
+            if r.status_code == 422:
+                msg = f"invalid request: {r.text}"
+            exc = _BY_STATUS.get(r.status_code, DeviceError)(f"{msg} (HTTP {r.status_code})")
+            exc.status = r.status_code
+            raise exc
+        return None if r.status_code == 204 else r.json()
+
+    # ---- the API ---------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        return self._req("GET", "/healthz")
+
+    def new_context(self, system_prompt: str | None = None,
+                    system_ids: Sequence[int] | None = None) -> str:
+        body: dict[str, Any] = {}
+        if system_prompt is not None:
+            body["system_prompt"] = system_prompt
+        if system_ids is not None:
+            body["system_ids"] = list(system_ids)
+        return self._req("POST", "/v1/contexts", json=body)["id"]
+
+    def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
+             prompt_ids: Sequence[int] | None = None, grow: bool = True,
+             timeout_s: float | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "grow": grow}
+        if prompt is not None:
+            body["prompt"] = prompt
+        if prompt_ids is not None:
+            body["prompt_ids"] = list(prompt_ids)
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self._req("POST", f"/v1/contexts/{ctx_id}/call", json=body)
+
+    def delete(self, ctx_id: str) -> None:
+        self._req("DELETE", f"/v1/contexts/{ctx_id}")
+
+    def list(self) -> list[dict[str, Any]]:
+        return self._req("GET", "/v1/contexts")["contexts"]
+
+    def describe(self, ctx_id: str) -> dict[str, Any]:
+        return self._req("GET", f"/v1/contexts/{ctx_id}")
+
+    def stats(self) -> dict[str, Any]:
+        return self._req("GET", "/v1/stats")
+
+
+class DeviceProcess:
+    """``python -m sparkv.cli device serve`` as a subprocess on a Unix socket (tests, benchmarks).
+
+    ``kill()`` is a SIGKILL (a crash); ``stop()`` a SIGTERM then a wait.
+    """
+
+    def __init__(self, swap_dir: str | os.PathLike[str], budget_mb: float, *,
+                 socket: str | os.PathLike[str] | None = None, model: str | None = None,
+                 log_path: str | os.PathLike[str] | None = None,
+                 extra_args: Sequence[str] = (), torch_threads: int = 1) -> None:
+        self.swap_dir = Path(swap_dir)
+        self.socket = Path(socket) if socket else self.swap_dir / "sparkv-device.sock"
+        self.budget_mb = budget_mb
+        self.model = model
+        self.log_path = Path(log_path) if log_path else self.swap_dir / "serve.log"
+        self.extra_args = list(extra_args)
+        self.torch_threads = torch_threads
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    def start(self, timeout: float = 180.0) -> "DeviceProcess":
+        self.swap_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "sparkv.cli", "device", "serve", "--swap-dir",
+               str(self.swap_dir), "--budget-mb", str(self.budget_mb), "--socket",
+               str(self.socket), "--threads", str(self.torch_threads), *self.extra_args]
+        if self.model:
+            cmd += ["--model", self.model]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DeviceError(f"sparkv device serve exited ({self.proc.returncode}):\n"
+                                  f"{self.log()[-3000:]}")
+            if self.socket.exists():
+                try:
+                    with DeviceClient(self.socket, timeout_s=5) as c:
+                        c.health()
+                    return self
+                except (httpx.HTTPError, DeviceError):
+                    pass
+            time.sleep(0.2)
+        self.stop()
+        raise DeviceError(f"sparkv device serve did not answer in {timeout:.0f} s:\n"
+                          f"{self.log()[-3000:]}")
+
+    def client(self) -> DeviceClient:
+        return DeviceClient(self.socket)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies as in a crash (no cleanup)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._close()
+
+    def _close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "DeviceProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

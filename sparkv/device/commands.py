@@ -1,0 +1,164 @@
+"""``sparkv device``: the local context service and its command-line client.
+
+    sparkv device serve --swap-dir DIR --budget-mb 256 [--socket PATH | --port N] [--model PATH]
+                        [--policy llms] [--ratio 0.75]
+    sparkv device create [--system "You are ..."]          # prints the new context's id
+    sparkv device call ID "prompt" [--max-new-tokens 32] [--no-grow] [--json]
+    sparkv device delete ID
+    sparkv device list | stats                             # JSON
+
+The client commands find the service at ``--socket`` (default ``$SPARKV_DEVICE_SOCKET``, else
+``<sparkv cache>/device/sparkv-device.sock``) or ``--url``. See docs/device-service.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from sparkv.errors import SparkvError
+
+POLICIES = ("llms", "llms-no-compression", "llms-no-pipeline", "llms-no-lifecycle", "vllm-s",
+            "vllm-sq")
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", default=None, help="the service's Unix socket")
+    p.add_argument("--url", default=None, help="http://127.0.0.1:PORT (a loopback service)")
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    d = sub.add_parser("device", help="the on-device context service (LLMS): serve, create, "
+                                      "call, delete, list, stats")
+    dsub = d.add_subparsers(dest="device_command", metavar="ACTION")
+
+    s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
+    s.add_argument("--swap-dir", default=None,
+                   help="flash tier + journal (default: <sparkv cache>/device/swap)")
+    s.add_argument("--budget-mb", type=float, required=True, help="KV memory budget, MB")
+    s.add_argument("--socket", default=None, help="Unix socket path (default: see --help)")
+    s.add_argument("--port", type=int, default=None, help="listen on 127.0.0.1:PORT instead")
+    s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    s.add_argument("--policy", choices=POLICIES, default="llms")
+    s.add_argument("--ratio", type=float, default=None,
+                   help="global compression ratio, bytes relative to int8 (0.25-1)")
+    s.add_argument("--chunk-tokens", type=int, default=16)
+    s.add_argument("--threads", type=int, default=None, help="torch threads")
+    s.set_defaults(func=_serve)
+
+    c = dsub.add_parser("create", help="make a context; prints its id")
+    c.add_argument("--system", default=None, help="system prompt")
+    _client_args(c)
+    c.set_defaults(func=_create)
+
+    k = dsub.add_parser("call", help="run a prompt in a context; prints the answer")
+    k.add_argument("context")
+    k.add_argument("prompt")
+    k.add_argument("--max-new-tokens", type=int, default=64)
+    k.add_argument("--no-grow", action="store_true",
+                   help="answer over the context without keeping the turn in it")
+    k.add_argument("--json", action="store_true")
+    _client_args(k)
+    k.set_defaults(func=_call)
+
+    x = dsub.add_parser("delete", help="delete a context")
+    x.add_argument("context")
+    _client_args(x)
+    x.set_defaults(func=_delete)
+
+    ls = dsub.add_parser("list", help="the contexts (JSON)")
+    _client_args(ls)
+    ls.set_defaults(func=_list)
+
+    st = dsub.add_parser("stats", help="budget, bytes, evictions, I/O (JSON)")
+    _client_args(st)
+    st.set_defaults(func=_stats)
+    d.set_defaults(func=lambda args: (d.print_help(), 2)[1])
+
+
+def _client(args: argparse.Namespace):
+    from sparkv.device.client import DeviceClient
+
+    return DeviceClient(args.socket, url=args.url)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from sparkv.device.app import create_app
+    from sparkv.device.client import default_socket
+    from sparkv.device.service import ContextService, ServiceConfig
+    from sparkv.runtime.model import cache_dir, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    swap = Path(args.swap_dir) if args.swap_dir else cache_dir() / "device" / "swap"
+    budget = int(args.budget_mb * 1e6)
+    overrides = {"chunk_tokens": args.chunk_tokens}
+    if args.ratio is not None:
+        overrides["ratio"] = args.ratio
+    config = ServiceConfig.preset(args.policy, **overrides)
+    lm = load_model(args.model)
+    service = ContextService(lm, budget, swap, config=config)
+    need = service.min_budget()
+    if budget < need:
+        raise SparkvError(f"a {args.budget_mb:g} MB budget cannot hold even one small context "
+                          f"while it runs (needs at least {need / 1e6:.2f} MB)")
+    app = create_app(service)
+    print(f"sparkv device: {lm.name}, budget {budget / 1e6:.1f} MB, policy {config.name}, "
+          f"swap {swap}, {service.reopened} contexts reopened", flush=True)
+    if args.port:
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+        return 0
+    sock = Path(args.socket) if args.socket else default_socket()
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        sock.unlink()
+    except FileNotFoundError:
+        pass
+    print(f"listening on {sock}", flush=True)
+    uvicorn.run(app, uds=str(sock), log_level="warning")
+    return 0
+
+
+def _create(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        print(c.new_context(args.system))
+    return 0
+
+
+def _call(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        res = c.call(args.context, args.prompt, args.max_new_tokens, grow=not args.no_grow)
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(res["text"].strip())
+        print(f"\n(switch {res['switch_ms']:.1f} ms, first token {res['first_token_ms']:.0f} ms, "
+              f"context {res['context_tokens']} tokens)", file=__import__("sys").stderr)
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        c.delete(args.context)
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        print(json.dumps(c.list(), indent=1))
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        print(json.dumps(c.stats(), indent=1))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(os.EX_USAGE)

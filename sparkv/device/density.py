@@ -1,0 +1,246 @@
+"""Tolerance to compression: information density per chunk, and the level mix it chooses.
+
+**Density** (LLMS eq. 1). For a context's attention matrices ``A^{l,h}`` (softmax over causally
+visible keys), a token's density is the average of its column over the rows that can see it,
+averaged over heads and layers; a chunk's density is the mean over its tokens::
+
+    D_i = 1/(q-p) sum_{col=p..q} 1/L sum_l 1/H sum_h ( 1/(R-col) sum_{row>=col} A^{l,h}[row, col] )
+
+The service measures it on the forward passes that make the chunks (the system prompt's prefill,
+each call's prompt prefill and every decoded token): a forward hook on every attention module
+recomputes the queries from the module's own input (``q_proj``, Qwen3's ``q_norm``, RoPE with the
+module's ``position_embeddings``), takes the keys the layer attended over from its cache, and
+adds the head-averaged column sums and the number of rows that saw each column to a
+:class:`DensityRecorder`. Rows keep arriving with later calls (a chunk is attended by every later
+prompt), so a token's density is the column average over every row that has seen it so far.
+
+**Levels** (LLMS eq. 2-3). Chunks are ranked by density and cut by thresholds into ``int8`` /
+``int4`` / ``int2`` (ratios 1, 1/2, 1/4 of the int8 base) so that the mix meets the global ratio
+``ratio_global`` (the OS's knob). The paper weights chunks by ``1/ratio_w`` in the objective, which
+read literally gives the *densest* chunks the *fewest* bits, and maximising ``sum bits * D`` under
+the ratio constraint always ends at the two extreme levels (1/3 at int8 and 2/3 at int2 for 50%,
+whatever the densities). [inferred] We minimise the density-weighted quantization error instead,
+``sum_i D_i * step(level_i)`` with ``step = 1 / (2^bits - 1)`` (the relative quantization step of
+:mod:`sparkv.cache.levels`), subject to ``sum_i ratio(level_i) <= ratio_global * n``: the densest
+chunks keep the most bits, a chunk drops to int2 only when its density is far below the int8
+chunks' (the exchange rate of the steps), and the mix follows the densities. The optimum over the
+sorted densities is found exactly by enumerating the int8 count (``O(n)`` with prefix sums).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+#: ratio of each level's bytes to the int8 base (the paper's {8/8, 4/8, 2/8})
+LEVEL_RATIO = {"int8": 1.0, "int4": 0.5, "int2": 0.25}
+#: relative quantization step of each level (what a density is weighted by)
+LEVEL_STEP = {"fp": 0.0, "int8": 1 / 255, "int4": 1 / 15, "int2": 1 / 3}
+
+
+class DensityRecorder:
+    """Column sums of attention for one forward pass (or one call's passes).
+
+    Attributes:
+        mass: ``float64[positions]``: per key position, the sum over rows and layers of the
+            head-averaged attention it received.
+        rows: ``float64[positions]``: per key position, the number of (row, layer) pairs that saw it.
+    """
+
+    def __init__(self, positions: int = 0) -> None:
+        self.mass = torch.zeros(positions, dtype=torch.float64)
+        self.rows = torch.zeros(positions, dtype=torch.float64)
+        self.calls = 0
+
+    def _grow(self, n: int) -> None:
+        if n > self.mass.numel():
+            extra = n - self.mass.numel()
+            self.mass = torch.cat([self.mass, torch.zeros(extra, dtype=torch.float64)])
+            self.rows = torch.cat([self.rows, torch.zeros(extra, dtype=torch.float64)])
+
+    def add(self, colsum: torch.Tensor, rows: torch.Tensor) -> None:
+        """Adds one layer's head-averaged column sums and row counts (``[S]`` each)."""
+        s = int(colsum.numel())
+        self._grow(s)
+        self.mass[:s] += colsum.to(torch.float64)
+        self.rows[:s] += rows.to(torch.float64)
+        self.calls += 1
+
+    def add_matrix(self, attn: torch.Tensor, q_pos: torch.Tensor, num_keys: int) -> None:
+        """One layer's attention ``[H, q, S]`` (rows sum to 1 over visible keys)."""
+        colsum = attn.float().sum(dim=(0, 1)) / attn.shape[0]
+        kpos = torch.arange(num_keys)
+        rows = (kpos.view(1, -1) <= q_pos.view(-1, 1).cpu()).sum(0).to(torch.float64)
+        self.add(colsum[:num_keys], rows)
+
+
+_active = threading.local()
+
+
+class recording:
+    """``with recording(recorder): model(...)``: the attention hooks of this thread add to
+    ``recorder`` (no-op elsewhere)."""
+
+    def __init__(self, recorder: DensityRecorder | None) -> None:
+        self.recorder = recorder
+        self._prev: DensityRecorder | None = None
+
+    def __enter__(self) -> DensityRecorder | None:
+        self._prev = getattr(_active, "recorder", None)
+        _active.recorder = self.recorder
+        return self.recorder
+
+    def __exit__(self, *exc: object) -> None:
+        _active.recorder = self._prev
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _keys_of(cache: Any, layer_idx: int) -> torch.Tensor | None:
+    """The dense keys ``[1, H, S, D]`` the layer just attended over (slot = position)."""
+    if cache is None:
+        return None
+    keys = getattr(cache, "density_keys", None)
+    if keys is not None:
+        return keys
+    layers = getattr(cache, "layers", None)
+    if layers is not None and layer_idx < len(layers):
+        k = getattr(layers[layer_idx], "keys", None)
+        if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] > 0:
+            return k
+    return None
+
+
+def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    rec = getattr(_active, "recorder", None)
+    if rec is None:
+        return
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    pe = kwargs.get("position_embeddings")
+    cache = kwargs.get("past_key_values")
+    layer_idx = int(getattr(module, "layer_idx", 0) or 0)
+    keys = _keys_of(cache, layer_idx)
+    if hidden is None or pe is None or keys is None:
+        return
+    with torch.no_grad():
+        b, n, _ = hidden.shape
+        d = int(getattr(module, "head_dim", keys.shape[-1]))
+        q = module.q_proj(hidden).view(b, n, -1, d)
+        if getattr(module, "q_norm", None) is not None:  # Qwen3
+            q = module.q_norm(q)
+        q = q.transpose(1, 2)
+        cos, sin = pe
+        q = q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+        q_pos = getattr(cache, "density_q_pos", None)
+        s = int(keys.shape[2])
+        if q_pos is None:
+            q_pos = torch.arange(s - n, s)
+        q_pos = q_pos.to(torch.long).cpu()
+        hq, hkv = int(q.shape[1]), int(keys.shape[1])
+        k = keys[0].to(q.dtype)
+        if hq != hkv:
+            k = k.repeat_interleave(hq // hkv, dim=0)
+        scale = float(getattr(module, "scaling", d ** -0.5))
+        kpos = torch.arange(s)
+        colsum = torch.zeros(s, dtype=torch.float64)
+        step = 256  # bound the [H, rows, S] matrix
+        for a in range(0, n, step):
+            qs = q[0, :, a:a + step]
+            scores = torch.matmul(qs, k.transpose(1, 2)) * scale
+            visible = kpos.view(1, -1) <= q_pos[a:a + step].view(-1, 1)
+            scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
+            attn = torch.softmax(scores.float(), dim=-1)
+            colsum += attn.sum(dim=(0, 1)).to(torch.float64) / hq
+        rows = (kpos.view(1, -1) <= q_pos.view(-1, 1)).sum(0)
+        rec.add(colsum, rows)
+
+
+_HOOKED: dict[int, list[Any]] = {}
+
+
+def install_hooks(model: torch.nn.Module) -> int:
+    """Puts the density hook on every attention module of ``model`` (once per model); returns
+    how many modules carry it. The hooks do nothing unless a :class:`recording` is active in
+    the calling thread."""
+    key = id(model)
+    if key in _HOOKED:
+        return len(_HOOKED[key])
+    handles = []
+    for name, mod in model.named_modules():
+        if name.endswith("self_attn") and hasattr(mod, "q_proj"):
+            handles.append(mod.register_forward_hook(_attention_hook, with_kwargs=True))
+    _HOOKED[key] = handles
+    return len(handles)
+
+
+def chunk_densities(mass: torch.Tensor, rows: torch.Tensor, chunk_tokens: int,
+                    num_tokens: int | None = None) -> np.ndarray:
+    """Per token chunk, the mean over its tokens of ``mass / rows`` (0 where never seen)."""
+    n = int(mass.numel()) if num_tokens is None else int(num_tokens)
+    m = mass[:n].double()
+    r = rows[:n].double()
+    tok = torch.where(r > 0, m / r.clamp_min(1.0), torch.zeros_like(m)).numpy()
+    nt = -(-n // chunk_tokens)
+    out = np.zeros(nt)
+    for t in range(nt):
+        out[t] = float(tok[t * chunk_tokens:(t + 1) * chunk_tokens].mean())
+    return out
+
+
+@dataclass(frozen=True)
+class LevelMix:
+    """The level of every chunk and the mix it makes."""
+
+    levels: tuple[str, ...]
+    ratio: float              # achieved bytes / int8 bytes
+    error: float              # sum of density * step
+
+    def counts(self) -> dict[str, int]:
+        return {lv: sum(1 for x in self.levels if x == lv) for lv in ("int8", "int4", "int2")}
+
+
+def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
+                steps: dict[str, float] | None = None) -> LevelMix:
+    """Levels for chunks of the given densities meeting ``ratio_global`` (module docstring).
+
+    ``ratio_global`` is the target bytes relative to holding every chunk at int8: 1.0 keeps
+    every chunk at int8, 0.25 puts every chunk at int2. The densest chunks keep the most bits.
+    """
+    d = np.asarray(list(densities), dtype=np.float64)
+    n = len(d)
+    if n == 0:
+        return LevelMix((), 0.0, 0.0)
+    r = float(min(max(ratio_global, 0.25), 1.0))
+    st = steps or LEVEL_STEP
+    order = np.argsort(-d, kind="stable")
+    ds = d[order]
+    pre = np.concatenate([[0.0], np.cumsum(ds)])
+    budget = r * n + 1e-9
+    best: tuple[float, int, int] | None = None
+    for n8 in range(n + 1):
+        # the rest at int4 as far as the budget allows, the remainder at int2:
+        # n8 + 0.5 n4 + 0.25 n2 <= budget, n4 + n2 = n - n8  ->  n4 <= 4 (budget - n8) - (n - n8)
+        rest = n - n8
+        room = 4.0 * (budget - n8) - rest
+        if room < -1e-9:
+            break
+        n4 = int(min(rest, max(0.0, np.floor(room + 1e-9))))
+        # with densities sorted, fewer int4 (more int2) never helps: take the largest n4
+        err = ((pre[n8] - pre[0]) * st["int8"] + (pre[n8 + n4] - pre[n8]) * st["int4"]
+               + (pre[n] - pre[n8 + n4]) * st["int2"])
+        if best is None or err < best[0] - 1e-15:
+            best = (err, n8, n4)
+    assert best is not None
+    err, n8, n4 = best
+    levels = ["int2"] * n
+    for rank, i in enumerate(order):
+        levels[int(i)] = "int8" if rank < n8 else ("int4" if rank < n8 + n4 else "int2")
+    ratio = (n8 + 0.5 * n4 + 0.25 * (n - n8 - n4)) / n
+    return LevelMix(tuple(levels), ratio, float(err))

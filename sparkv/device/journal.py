@@ -1,0 +1,88 @@
+"""The service's journal: what it takes, with the flash tier, to reopen every context after a crash.
+
+One small JSON record per context, ``<swap_dir>/journal/<id>.json``, replaced atomically (temp
+file + ``fsync`` + ``rename`` + directory ``fsync``) when the context is made and when each call
+returns (after its ahead-of-time swap-out), and removed when the context is deleted::
+
+    {"format": "sparkv-device-journal/1", "id": ..., "tokens": [...], "pending": [...],
+     "system_prompt": ..., "chunk_tokens": 16, "levels": ["int8", "int4", ...],
+     "mass": [...], "rows": [...], "calls": 3, "last_used": 17, "created_unix": ...,
+     "model": <fingerprint>}
+
+``tokens`` are the ids whose KV the context holds (the resident text LLMS keeps for
+recomputation); ``pending`` the ids decoded but not yet run through the model (the last answer
+token); ``levels`` the level of each token chunk; ``mass``/``rows`` the per-token attention
+statistics its density comes from. A record is the state as of the last *returned* call: a crash
+during a call leaves the previous record, and the chunk files that call wrote are either ignored
+(past the record's tokens) or full chunks whose content the record's tokens determine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FORMAT = "sparkv-device-journal/1"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    """Per-context records under ``root`` (module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.writes = 0
+
+    def path(self, ctx_id: str) -> Path:
+        return self.root / f"{ctx_id}.json"
+
+    def write(self, ctx_id: str, record: dict[str, Any]) -> None:
+        doc = {"format": FORMAT, "id": ctx_id, **record}
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        path = self.path(ctx_id)
+        tmp = self.root / f".{ctx_id}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(self.root)
+        self.writes += 1
+
+    def remove(self, ctx_id: str) -> None:
+        try:
+            self.path(ctx_id).unlink()
+        except FileNotFoundError:
+            return
+        _fsync_dir(self.root)
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every readable record (temp files and damaged records are skipped)."""
+        out = []
+        for p in sorted(self.root.glob("*.json")):
+            try:
+                doc = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if doc.get("format") == FORMAT and doc.get("id") == p.stem:
+                out.append(doc)
+        return out

@@ -1,0 +1,163 @@
+"""The IO-recompute split (LLMS eq. 4): which missing token chunks to read and which to recompute.
+
+    pipelineDelay = max( T_fill + T_re(x),  T_IO(files, bytes of the chunks read) )
+
+``T_re(x)`` is the recomputation of ``x`` token chunks through every layer over a context of
+``N`` tokens: the predictor's step cost (:mod:`sparkv.predictor`: the profiled
+:class:`~sparkv.predictor.model.LatencyModel` when ``sparkv profile`` has been run on this device,
+else a :class:`~sparkv.predictor.roofline.Roofline` from measured peaks) of a dense step of
+``16 x`` queries over ``N`` keys, times ``L`` layers, times a correction the service learns from
+the loads it times (the ratio measured / predicted, as the edge session's priors do).
+``T_IO`` is :class:`~sparkv.device.flashio.IOProfile` (flash profile bandwidth + per-file
+latency). ``T_fill`` (dequantizing the resident chunks into the working memory, on the compute
+thread) is learned per chunk from measured loads.
+
+The planner recomputes the **heaviest** chunks first (int8 before int4 before int2: a recomputed
+int8 chunk saves the most bytes, [inferred]) and evaluates every count ``x`` at once (one
+vectorised predictor call), so planning costs well under a millisecond. Chunks with no clean
+flash copy (absent) must be recomputed whatever the plan.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from sparkv.device.flashio import IOProfile
+
+_COST_MODELS: dict[tuple[str, int], Any] = {}
+
+
+def recompute_cost_model(lm: Any) -> Any:
+    """This device's step-cost model (the same choice as the edge's ``device_cost_model``: the
+    profiled latency model if there is one for this model, else a measured roofline); made once
+    per model and thread count."""
+    import torch
+
+    key = (lm.fingerprint, torch.get_num_threads())
+    if key not in _COST_MODELS:
+        from sparkv.errors import SparkvError
+        from sparkv.predictor.commands import default_model_path
+        from sparkv.predictor.model import load_predictor
+        from sparkv.predictor.roofline import ModelArch, Roofline
+
+        model = None
+        path = default_model_path(lm.fingerprint)
+        if path.is_file():
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model = load_predictor(path, lm=lm)
+            except SparkvError:
+                model = None
+        _COST_MODELS[key] = model or Roofline.measure(ModelArch.from_model(lm), quick=True)
+    return _COST_MODELS[key]
+
+
+class RecomputeProfile:
+    """``T_re(x)`` for ``x`` token chunks over ``N`` context tokens (module docstring)."""
+
+    def __init__(self, cost_model: Any, num_layers: int, chunk_tokens: int) -> None:
+        self.cost_model = cost_model
+        self.num_layers = num_layers
+        self.chunk_tokens = chunk_tokens
+        self.scale = 1.0            # measured / predicted, learned
+        self.fill_s_per_chunk = 2e-5  # dequantizing one (t, l) chunk into the working memory
+        self.samples = 0
+
+    def predicted(self, chunks: np.ndarray | Sequence[int], context_tokens: int) -> np.ndarray:
+        """Unscaled seconds for each count in ``chunks``."""
+        from sparkv.predictor.features import StepFeatures, causal_blocks
+
+        x = np.asarray(chunks, dtype=np.float64)
+        out = np.zeros_like(x)
+        pos = x > 0
+        if not pos.any():
+            return out
+        n = np.minimum(x[pos] * self.chunk_tokens, float(context_tokens))
+        k = np.full_like(n, float(max(context_tokens, 1)))
+        s = causal_blocks(n, k).astype(np.float64)
+        f = StepFeatures(n, k, s, 0.0, 0.0, np.zeros_like(n), np.zeros_like(n))
+        ms = np.asarray(self.cost_model.predict_ms(f), dtype=np.float64)
+        out[pos] = ms / 1e3 * self.num_layers
+        return out
+
+    def seconds(self, chunks: np.ndarray | Sequence[int] | int, context_tokens: int) -> np.ndarray:
+        arr = np.atleast_1d(np.asarray(chunks))
+        return self.predicted(arr, context_tokens) * self.scale
+
+    def learn(self, chunks: int, context_tokens: int, measured_s: float) -> None:
+        """Folds a measured recomputation in (geometric mean of the ratio, recent ones weigh
+        more)."""
+        if chunks <= 0 or measured_s <= 0:
+            return
+        pred = float(self.predicted([chunks], context_tokens)[0])
+        if pred <= 0 or not math.isfinite(pred):
+            return
+        r = measured_s / pred
+        w = 0.5 if self.samples else 1.0
+        self.scale = float(math.exp((1 - w) * math.log(self.scale) + w * math.log(r)))
+        self.scale = min(max(self.scale, 1e-2), 1e3)
+        self.samples += 1
+
+    def learn_fill(self, chunks: int, measured_s: float) -> None:
+        if chunks > 0 and measured_s > 0:
+            self.fill_s_per_chunk = 0.5 * self.fill_s_per_chunk + 0.5 * measured_s / chunks
+
+
+@dataclass
+class MissingChunk:
+    """A token chunk that is not (fully) resident."""
+
+    t: int
+    level: str
+    files: int          # flash files to read (its non-resident layers)
+    nbytes: int         # their bytes
+    readable: bool      # every non-resident layer has a clean flash copy
+
+
+@dataclass
+class Split:
+    """The plan of one load."""
+
+    read: list[int]
+    recompute: list[int]
+    predicted_s: float
+    io_s: float
+    recompute_s: float
+    fill_s: float
+
+
+_HEAVY = {"fp": 0, "int8": 1, "int4": 2, "int2": 3}
+
+
+def plan_split(missing: Sequence[MissingChunk], context_tokens: int, resident_chunks: int,
+               io: IOProfile, re: RecomputeProfile, *, allow_recompute: bool = True) -> Split:
+    """Chooses the chunks to recompute (module docstring). ``resident_chunks`` counts the
+    ``(t, l)`` chunks the compute thread dequantizes into the working memory."""
+    forced = [m for m in missing if not m.readable]
+    optional = sorted((m for m in missing if m.readable),
+                      key=lambda m: (_HEAVY.get(m.level, 9), -m.nbytes, m.t))
+    fill = re.fill_s_per_chunk * (resident_chunks + sum(m.files for m in optional))
+    # x recomputed = forced + the first j optional ones, j = 0 .. len(optional)
+    js = np.arange(len(optional) + 1) if allow_recompute else np.array([0])
+    files = np.array([m.files for m in optional], dtype=np.float64)
+    nbytes = np.array([m.nbytes for m in optional], dtype=np.float64)
+    rest_files = files.sum() - np.concatenate([[0.0], np.cumsum(files)])[js]
+    rest_bytes = nbytes.sum() - np.concatenate([[0.0], np.cumsum(nbytes)])[js]
+    t_io = np.where(rest_files > 0, rest_files * io.per_file_s / max(1, io.threads)
+                    + rest_bytes / io.read_Bps, 0.0)
+    x = js + len(forced)
+    t_re = re.seconds(x, context_tokens)
+    fill_j = fill - re.fill_s_per_chunk * (files.sum() - rest_files)
+    total = np.maximum(t_re + fill_j, t_io)
+    best = int(np.argmin(total))
+    j = int(js[best])
+    return Split(read=sorted(m.t for m in optional[j:]),
+                 recompute=sorted([m.t for m in forced] + [m.t for m in optional[:j]]),
+                 predicted_s=float(total[best]), io_s=float(t_io[best]),
+                 recompute_s=float(t_re[best]), fill_s=float(fill_j[best]))

@@ -1,0 +1,176 @@
+"""Restoring a service context that SparKV loaded: flash, the server, or local recompute, planned
+by SparKV's own scheduler with flash as one more link.
+
+The edge (:meth:`sparkv.edge.session.EdgeSession.ask` with a service) keeps a loaded cache as a
+service context. Asked again, the context may be resident (nothing to restore), swapped out
+(chunks on flash), or evicted without a flash copy (absent). Every missing chunk can come from:
+
+* **flash**: the service's own copy (its level), at this device's measured read speed;
+* **the server**: the context's frames, at the link's bandwidth (the manifest's sizes per level);
+* **local recompute**: a layer step, at the predictor's cost.
+
+:func:`restore_plan` builds the scheduler's :class:`~sparkv.scheduler.instance.Instance` in the
+server's geometry (its chunks, usually 1024 tokens) and runs the same planner the first ``ask``
+used, with **flash as one more codec level** of each server chunk: its size is the time the
+service would spend reading the chunk's missing 16-token sub-chunks from flash
+(:class:`~sparkv.device.flashio.IOProfile`: files x per-file latency + bytes / read bandwidth),
+expressed in link bytes (``seconds x link bandwidth``), so that the planner's ``bytes / bw`` is
+the flash time; resident sub-chunks cost nothing. The planner then picks per chunk the cheapest
+way in, exactly as it picks between codec levels and local steps. Modelling flash as a level of
+the one link is conservative: the planner serialises flash reads with server transfers, where
+the device could run both at once.
+
+The plan is carried out with the service: server chunks are fetched and decoded by the edge and
+handed to the call (``provided``); token chunks with a computed step are recomputed whole (every
+layer: the service recomputes 16-token chunks through all layers); the rest is read from flash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sparkv.cache import Residency
+from sparkv.layout import ChunkGeometry, KVChunkId
+from sparkv.scheduler.instance import DEFAULT_LEVELS, Instance, Level
+
+FLASH = "flash"
+#: flash copies rank above every codec level (they are the service's own, int8-based, copies)
+FLASH_LEVEL = Level(FLASH, 100, 8.0)
+
+
+@dataclass
+class RestorePlan:
+    """What to do for one restore."""
+
+    server: list[tuple[KVChunkId, str]] = field(default_factory=list)  # server chunks to fetch
+    read: list[int] = field(default_factory=list)        # service token chunks to read
+    recompute: list[int] = field(default_factory=list)   # service token chunks to recompute
+    missing: int = 0                                     # service token chunks not resident
+    instance: Instance | None = None
+    plan: Any = None
+    estimate_s: float = 0.0
+
+    @property
+    def nothing_to_do(self) -> bool:
+        return self.missing == 0
+
+    def counts(self) -> dict[str, int]:
+        return {"server_chunks": len(self.server), "read": len(self.read),
+                "recompute": len(self.recompute), "missing": self.missing}
+
+
+def _sub_chunks(gs: ChunkGeometry, gd: ChunkGeometry, t_s: int) -> range:
+    a, b = gs.token_range(t_s)
+    return range(a // gd.chunk_tokens, -(-b // gd.chunk_tokens))
+
+
+def restore_plan(service: Any, sid: str, server_geometry: ChunkGeometry,
+                 sizes: dict[KVChunkId, dict[str, int]], t_comp: np.ndarray, link_Bps: float, *,
+                 rtt_s: float = 0.0, quality_floor: str | None = None,
+                 t_proc: dict[KVChunkId, dict[str, float]] | None = None,
+                 planner: str = "sparkv") -> RestorePlan:
+    """The restore of service context ``sid`` (module docstring).
+
+    Args:
+        server_geometry: the server's chunking of the context (the manifest's).
+        sizes: per server chunk, bytes per codec level (the manifest's; empty when the server is
+            out of reach: then flash and recompute only).
+        t_comp: predicted seconds of each server layer step ``[n_t, L]``.
+        link_Bps: the link's expected bandwidth.
+    """
+    from sparkv.scheduler.planners import get_planner
+
+    ctx = service._get(sid)
+    C = ctx.memory
+    gd: ChunkGeometry = C.geometry
+    gs = server_geometry
+    if gs.num_tokens != gd.num_tokens or gs.num_layers != gd.num_layers:
+        raise ValueError("the server's context and the service's do not have the same tokens "
+                         "and layers")
+    out = RestorePlan()
+    missing_t = set()
+    for t in range(gd.num_token_chunks):
+        for l in range(gd.num_layers):  # noqa: E741
+            if C.residency(KVChunkId(t, l, 0)) != Residency.RESIDENT:
+                missing_t.add(t)
+                break
+    out.missing = len(missing_t)
+    if not missing_t:
+        return out
+    io = service.io
+    flash_ok = gs.num_groups == 1
+    chunk_bytes: dict[KVChunkId, dict[str, int]] = {}
+    procs: dict[KVChunkId, dict[str, float]] = {}
+    for cid in gs.chunk_ids():
+        entry = dict(sizes.get(cid, {}))
+        proc = dict((t_proc or {}).get(cid, {lv: 0.0 for lv in entry}))
+        if flash_ok:
+            files = nbytes = 0
+            ok = True
+            for t in _sub_chunks(gs, gd, cid.t):
+                st = C.state(KVChunkId(t, cid.l, 0))
+                if st.residency == Residency.RESIDENT:
+                    continue
+                if st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
+                    files += 1
+                    nbytes += st.flash.nbytes
+                else:
+                    ok = False
+            if ok:
+                entry[FLASH] = int(round(io.seconds(files, nbytes) * link_Bps))
+                proc[FLASH] = 0.0
+        if not entry:          # nothing but recompute: an unreachable level the planner skips
+            entry = {"raw": 1 << 60}
+            proc = {"raw": 0.0}
+        chunk_bytes[cid] = entry
+        procs[cid] = proc
+    levels = tuple([FLASH_LEVEL] + [lv for lv in DEFAULT_LEVELS])
+    present = {lv for e in chunk_bytes.values() for lv in e}
+    floor = quality_floor if quality_floor in present else None
+    inst = Instance.from_mappings(
+        gs, chunk_bytes, {s: float(t_comp[s.t, s.l]) for s in gs.step_ids()}, link_Bps,
+        t_proc=procs, rtt_s=rtt_s, levels=levels, quality_floor=floor, name="restore")
+    plan = get_planner(planner).plan(inst)
+    out.instance, out.plan = inst, plan
+    computed_t = {s.t for s in plan.compute_order}
+    recompute: set[int] = set()
+    for t_s in computed_t:
+        recompute.update(t for t in _sub_chunks(gs, gd, t_s) if t in missing_t)
+    read: set[int] = set()
+    for cid in plan.stream_order:
+        if cid.t in computed_t:
+            continue
+        lv = plan.levels[cid]
+        subs = [t for t in _sub_chunks(gs, gd, cid.t) if t in missing_t]
+        if not subs:
+            continue
+        if lv == FLASH:
+            read.update(subs)
+        else:
+            out.server.append((cid, lv))
+    out.recompute = sorted(recompute)
+    out.read = sorted(read - recompute)
+    try:
+        from sparkv.scheduler.simulator import estimate_ttft
+        out.estimate_s = float(estimate_ttft(plan, inst))
+    except Exception:  # noqa: BLE001 - an estimate only
+        out.estimate_s = float("nan")
+    return out
+
+
+def provided_chunks(service_geometry: ChunkGeometry, layer: int, token_start: int, k: Any,
+                    v: Any) -> dict[tuple[int, int], tuple[Any, Any]]:
+    """Cuts a server chunk's decoded K/V ``[H, n, D]`` into the service's 16-token chunks:
+    ``{(t, l): (k, v)}``."""
+    out = {}
+    T = service_geometry.chunk_tokens
+    n = int(k.shape[1])
+    for a in range(0, n, T):
+        t = (token_start + a) // T
+        b = min(a + T, n)
+        out[(t, layer)] = (k[:, a:b], v[:, a:b])
+    return out
+

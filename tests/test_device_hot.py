@@ -1,0 +1,110 @@
+"""Fast switching in the context service (issue 13): the batched, uint8 dequantization equals the
+KV memory's own bit for bit; a kept (hot) working memory answers exactly as a fresh load and is
+dropped first under pressure, inside the budget; the whole-context baselines grow their arena
+layer by layer without a second copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkv.cache import ContextKV, dequantize
+from sparkv.cache.levels import quantize
+from sparkv.device import ContextService
+from sparkv.device.baselines import LMKService
+from sparkv.device.flashio import IOProfile
+from sparkv.device.loader import dequantize_fast, fill_layer, fill_layers, working_nbytes
+from sparkv.layout import ChunkGeometry
+from sparkv.runtime.generate import sample_context_ids
+
+FAST_FLASH = IOProfile(read_Bps=1e13, per_file_s=0.0, threads=4, source="test")
+TURNS = ["Remember the pass key 7191.", "What is the capital of France?",
+         "Write one sentence about rivers.", "What was the pass key?"]
+
+
+@pytest.fixture(scope="module")
+def lm(smollm2):
+    return smollm2
+
+
+@pytest.fixture(scope="module")
+def doc(lm):
+    return sample_context_ids(lm, 120)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_fast_dequantization_is_bit_exact(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(97, 64, generator=g) * 3 + 1
+    q = quantize(x, bits)
+    assert torch.equal(dequantize_fast(q), dequantize(q, torch.float32))
+
+
+def test_batched_fill_equals_per_layer_fill(lm, doc, tmp_path):
+    svc = ContextService(lm, 256 << 20, tmp_path / "s", io_profile=FAST_FLASH, ratio=0.5,
+                         journal=False)
+    cid = svc.new_context(system_ids=doc[:90])
+    C = svc.contexts[cid].memory
+    assert {"int8", "int4", "int2"} & set(svc.contexts[cid].levels)
+    a = ContextKV(C.geometry, lm.dtype, spare_tokens=3)
+    b = ContextKV(C.geometry, lm.dtype, spare_tokens=3)
+    L = C.geometry.num_layers
+    assert fill_layers(C, a, range(L)) == sum(fill_layer(C, b, l) for l in range(L))
+    for l in range(L):  # noqa: E741
+        assert torch.equal(a.layers[l].k, b.layers[l].k)
+        assert torch.equal(a.layers[l].v, b.layers[l].v)
+
+
+def test_hot_working_memory_answers_as_a_fresh_load(lm, doc, tmp_path):
+    """fp chunks: a kept working memory holds exactly what a load would rebuild."""
+    out = {}
+    for keep in (True, False):
+        svc = ContextService(lm, 256 << 20, tmp_path / f"k{keep}", io_profile=FAST_FLASH,
+                             compression="fp", keep_working=keep, journal=False)
+        a = svc.new_context(system_ids=doc[:60])
+        b = svc.new_context(system_ids=doc[30:90])
+        toks = []
+        for i, cid in enumerate([a, a, b, a, b, b]):
+            r = svc.call(cid, TURNS[i % len(TURNS)], max_new_tokens=5)
+            toks.append(r.tokens)
+        out[keep] = (toks, svc.stats())
+    assert out[True][0] == out[False][0]
+    assert out[True][1]["hot_hits"] >= 3 and out[False][1]["hot_hits"] == 0
+
+
+def test_hot_working_memory_is_dropped_first_within_the_budget(lm, doc, tmp_path):
+    g = ChunkGeometry.from_config(lm.config, 140, 16)
+    budget = working_nbytes(g, 0, lm.dtype) + (1 << 20)      # one working memory at a time
+    svc = ContextService(lm, budget, tmp_path / "t", io_profile=FAST_FLASH, journal=False)
+    a = svc.new_context(system_ids=doc[:50])
+    b = svc.new_context(system_ids=doc[50:100])
+    for cid in [a, a, b, a, b]:
+        svc.call(cid, "Say OK.", max_new_tokens=2)
+        assert svc.used_bytes() <= budget
+        hot = [c.id for c in svc.contexts.values() if c.hot is not None]
+        assert hot in ([], [cid])                         # only the last one is kept
+    st = svc.stats()
+    assert st["budget_violations"] == 0 and st["peak_bytes"] <= budget
+    assert st["hot_hits"] >= 1 and st["hot_dropped"] >= 1
+
+
+def test_lmk_grows_its_arena_without_a_second_copy(lm, doc, tmp_path):
+    """A whole-context baseline out of spare slots grows layer by layer: a budget of about one
+    arena plus one layer holds (two arenas would not fit)."""
+    n = 60
+    g = ChunkGeometry.from_config(lm.config, n + 200, 16)
+    budget = working_nbytes(g, 0, lm.dtype)
+    svc = LMKService(lm, budget, tmp_path / "lmk")
+    ref = ContextService(lm, 256 << 20, tmp_path / "ref", io_profile=FAST_FLASH,
+                         compression="fp", journal=False)
+    a, r = svc.new_context(system_ids=doc[:n]), ref.new_context(system_ids=doc[:n])
+    grown = 0
+    for i in range(4):
+        before = svc.contexts[a].memory
+        x = svc.call(a, TURNS[i], max_new_tokens=4)
+        y = ref.call(r, TURNS[i], max_new_tokens=4)
+        assert x.tokens == y.tokens
+        grown += svc.contexts[a].memory is not before
+    st = svc.stats()
+    assert grown >= 1 and st["budget_violations"] == 0 and st["peak_bytes"] <= budget
+    assert st["peak_bytes"] < 1.5 * svc.contexts[a].memory.nbytes

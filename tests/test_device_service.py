@@ -1,0 +1,255 @@
+"""The on-device context service (LLMS, issue 13) with the real SmolLM2, real flash files and a real
+``sparkv device serve`` process: swapping is exact, interleaved partial recomputation equals a full
+prefill, the budget holds at every step, ahead-of-time swap-out empties the reclaim path, the
+LCTRU order, crash recovery, and the REST service's errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sparkv.cache import ContextKV, Residency, Source
+from sparkv.device import BudgetTooSmall, ContextService, PromptTooLong, UnknownContext
+from sparkv.device.flashio import IOProfile, ServiceFlash
+from sparkv.device.loader import chunk_payload, load, token_chunk_ids
+from sparkv.device.service import ServiceConfig
+from sparkv.layout import ChunkGeometry, KVChunkId
+from sparkv.runtime.generate import greedy_generate, sample_context_ids
+
+#: flash reads cost nothing: the IO-recompute planner reads every chunk (exact restores)
+FAST_FLASH = IOProfile(read_Bps=1e13, per_file_s=0.0, threads=4, source="test")
+#: flash reads cost a lot: the planner recomputes every chunk it may
+SLOW_FLASH = IOProfile(read_Bps=1e3, per_file_s=1.0, threads=1, source="test")
+TURNS = ["Remember the pass key 7191.", "What is the capital of France?",
+         "Write one sentence about rivers.", "What was the pass key?"]
+
+
+@pytest.fixture(scope="module")
+def lm(smollm2):
+    return smollm2
+
+
+@pytest.fixture(scope="module")
+def doc(lm):
+    return sample_context_ids(lm, 120)
+
+
+def _svc(lm, tmp_path, budget=256 << 20, name="svc", **kw):
+    kw.setdefault("io_profile", FAST_FLASH)
+    return ContextService(lm, budget, tmp_path / name, **kw)
+
+
+def _resident(svc, cid):
+    return svc.describe(cid)["chunks"]
+
+
+# ---- 1. swapped out and back == never swapped ------------------------------------------------------
+def test_swapped_out_and_back_answers_exactly_as_never_swapped(lm, doc, tmp_path):
+    ref = _svc(lm, tmp_path, name="ref", compression="fp")
+    swp = _svc(lm, tmp_path, name="swp", compression="fp")
+    a, b = ref.new_context(system_ids=doc), swp.new_context(system_ids=doc)
+    for i, turn in enumerate(TURNS):
+        ra = ref.call(a, turn, max_new_tokens=12)
+        written = swp.swap_out(b)
+        chunks = _resident(swp, b)
+        assert chunks["resident"] == 0 and chunks["flash"] > 0
+        assert swp.used_bytes() == 0
+        rb = swp.call(b, turn, max_new_tokens=12)
+        assert rb.tokens == ra.tokens, (i, turn)
+        assert rb.load["read_chunks"] > 0 and rb.load["recomputed_chunks"] == 0
+        assert written == 0          # ahead-of-time swap-out: every chunk was already on flash
+    assert ref.describe(a)["tokens"] == swp.describe(b)["tokens"]
+    assert ref.counters["read_chunks"] == 0
+
+
+# ---- 2. partial recomputation of interleaved chunks == full prefill --------------------------------
+def test_partial_recompute_of_interleaved_chunks_equals_full_prefill(lm, doc, tmp_path):
+    tokens = list(doc[:115])                                 # 8 chunks, the last one partial
+    g = ChunkGeometry.from_config(lm.config, len(tokens), 16)
+    tier = ServiceFlash(tmp_path / "tier")
+    # reference: the model's own prefill (transformers, one forward pass)
+    with torch.inference_mode():
+        out = lm.model(input_ids=torch.tensor([tokens]), use_cache=True)
+    pkv = out.past_key_values
+    ref = [(pkv.layers[l].keys, pkv.layers[l].values) for l in range(g.num_layers)]
+
+    # the service's full prefill (every chunk recomputed)
+    full = ContextKV(g, lm.dtype, lm.device)
+    load(lm, tokens, full, full, tier, [], list(range(g.num_token_chunks)), store_recomputed=False)
+    for l in range(g.num_layers):  # noqa: E741
+        st = full.layers[l]
+        torch.testing.assert_close(st.k[:, :, :len(tokens)], ref[l][0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(st.v[:, :, :len(tokens)], ref[l][1], atol=2e-4, rtol=1e-4)
+
+    # a context missing interleaved chunks (first, middle ones, the partial last), recomputed
+    C = ContextKV(g, lm.dtype, lm.device, segmented=True)
+    missing = [0, 2, 3, 5, 7]
+    for t in range(g.num_token_chunks):
+        if t not in missing:
+            for cid in token_chunk_ids(g, t):
+                C.put_payload(chunk_payload(full, cid, "fp"), Source.COMPUTED)
+    W = ContextKV(g, lm.dtype, lm.device, spare_tokens=32)
+    stats = load(lm, tokens, C, W, tier, [], missing, level_of=lambda t: "fp")
+    assert stats.recomputed_chunks == len(missing) and stats.resident_chunks == 0
+    for l in range(g.num_layers):  # noqa: E741
+        torch.testing.assert_close(W.layers[l].k[:, :, :len(tokens)], ref[l][0], atol=2e-4,
+                                   rtol=1e-4)
+        torch.testing.assert_close(W.layers[l].v[:, :, :len(tokens)], ref[l][1], atol=2e-4,
+                                   rtol=1e-4)
+    # the recomputed chunks joined C: it is whole again
+    assert all(C.residency(c) == Residency.RESIDENT for c in g.chunk_ids())
+    q = lm.encode_text("\nWhat is this text about?")
+    a = greedy_generate(lm, W, len(tokens), q, 12)
+    b = greedy_generate(lm, full, len(tokens), q, 12)
+    with torch.inference_mode():
+        r = lm.model.generate(torch.tensor([tokens + q]), max_new_tokens=12, do_sample=False)
+    assert a.tokens == b.tokens == r[0, len(tokens) + len(q):].tolist()[:len(a.tokens)]
+
+
+def test_service_recomputes_interleaved_chunks_when_flash_is_slow(lm, doc, tmp_path):
+    """The planner's split, end to end: chunks on slow flash are recomputed (some interleaved
+    with resident ones), and the answer is the never-swapped one."""
+    ref = _svc(lm, tmp_path, name="ref", compression="fp")
+    svc = _svc(lm, tmp_path, name="slow", compression="fp", io_profile=SLOW_FLASH)
+    a, b = ref.new_context(system_ids=doc), svc.new_context(system_ids=doc)
+    ctx = svc.contexts[b]
+    g = ctx.memory.geometry
+    with svc._mem:
+        svc._evict(ctx, [1, 3, 4, 6])                       # interleaved holes
+    res = svc.call(b, TURNS[1], max_new_tokens=12)
+    assert res.load["recomputed_chunks"] == 4 and res.load["read_chunks"] == 0
+    assert res.tokens == ref.call(a, TURNS[1], max_new_tokens=12).tokens
+    assert g.num_token_chunks > 6
+
+
+# ---- 3. the budget over a random trace --------------------------------------------------------------
+def test_budget_never_exceeded_over_a_random_trace(lm, doc, tmp_path):
+    budget = int(7.5 * (1 << 20))
+    # ratio 0.5: int2/int4/int8 chunks, so four contexts' chunks, a working memory and the
+    # kept working memories compete for 7.5 MB
+    svc = _svc(lm, tmp_path, budget=budget, io_profile=None, ratio=0.5)
+    seen: list[int] = []
+    own_check = svc._check
+
+    def check() -> int:           # at every layer, chunk and allocation the service makes
+        used = own_check()
+        real = sum(c.memory.recount() for c in svc.contexts.values() if c.memory is not None)
+        real += sum(w.recount() for w in svc._working.values())
+        seen.append(real)
+        assert real <= budget, f"{real} bytes held, budget {budget}"
+        return used
+
+    svc._check = check
+    rng = random.Random(13)
+    ids = [svc.new_context(system_ids=doc[i * 20:i * 20 + 40 + 10 * i]) for i in range(4)]
+    for step in range(10):
+        cid = rng.choice(ids)
+        svc.call(cid, rng.choice(TURNS), max_new_tokens=rng.randint(1, 6))
+        assert svc.used_bytes() <= budget
+    st = svc.stats()
+    assert st["budget_violations"] == 0 and st["peak_bytes"] <= budget
+    assert st["evicted_chunks"] > 0                 # the budget really was tight
+    assert len(seen) > 100 and max(seen) <= budget
+    assert st["hot_hits"] > 0                       # kept working memories were used, in budget
+
+
+def test_budget_too_small_and_bad_input(lm, doc, tmp_path):
+    svc = _svc(lm, tmp_path, budget=1 << 20)
+    with pytest.raises(BudgetTooSmall):
+        svc.new_context(system_ids=doc)
+    assert svc.list() == []
+    big = _svc(lm, tmp_path, name="big", max_context_tokens=150)
+    cid = big.new_context(system_ids=doc[:50])
+    with pytest.raises(PromptTooLong):
+        big.call(cid, prompt_ids=list(doc[:140]), max_new_tokens=20)
+    with pytest.raises(UnknownContext):
+        big.call("nope", "hi")
+    big.delete(cid)
+    with pytest.raises(UnknownContext):
+        big.describe(cid)
+    with pytest.raises(ValueError):
+        ServiceConfig(compression="int3")
+
+
+# ---- 4. ahead-of-time swap-out ----------------------------------------------------------------------
+@pytest.mark.parametrize("aot", [True, False])
+def test_aot_swap_out_makes_the_reclaim_write_nothing(lm, doc, tmp_path, aot):
+    budget = 8 << 20
+    svc = _svc(lm, tmp_path, budget=budget, compression="int8", aot=aot, eviction="lru")
+    ids = [svc.new_context(system_ids=doc[i * 10:i * 10 + 60]) for i in range(4)]
+    for cid in ids + ids:
+        svc.call(cid, TURNS[0], max_new_tokens=4)
+    st = svc.stats()
+    assert st["evicted_bytes"] > 0
+    if aot:
+        assert st["reclaim_written_bytes"] == 0 and st["aot_written_bytes"] > 0
+    else:
+        assert st["reclaim_written_bytes"] > 0 and st["aot_written_bytes"] == 0
+
+
+# ---- 5. LCTRU -----------------------------------------------------------------------------------------
+def test_lctru_order_on_a_hand_made_case(lm, doc, tmp_path):
+    svc = _svc(lm, tmp_path, compression="int8")
+    a = svc.new_context(system_ids=doc[:48])      # 3 chunks
+    b = svc.new_context(system_ids=doc[48:80])    # 2 chunks
+    c = svc.new_context(system_ids=doc[80:96])    # 1 chunk, locked below
+    A, B = svc.contexts[a], svc.contexts[b]
+    A.levels, A.last_used = ["int2", "int8", "int4"], 1      # A: older
+    B.levels, B.last_used = ["int8", "int2"], 2
+    order = [(x.id, t) for x, t, _ in svc._victims(svc.contexts[c]) if x.id != c]
+    # int8 sub-queue first (LRU inside: A before B), then int4, then int2
+    assert order == [(a, 1), (b, 0), (a, 2), (a, 0), (b, 1)]
+    svc.config.eviction = "lru"
+    assert [(x.id, t) for x, t, _ in svc._victims(svc.contexts[c]) if x.id != c] == \
+        [(a, 0), (a, 1), (a, 2), (b, 0), (b, 1)]
+    svc.config.eviction = "lctru"
+    # a locked context is never a victim
+    with svc.locked(a):
+        assert all(x.id != a for x, _, _ in svc._victims(svc.contexts[c]))
+    # reclaiming a little more than one chunk takes exactly the first two of the queue
+    first = svc._victims(svc.contexts[c])
+    need = svc.budget - svc.used_bytes() + first[0][2] + 1
+    svc._reserve(need, svc.contexts[c])
+    gone = {(x, t) for x in (a, b) for t in range(3 if x == a else 2)
+            if svc.contexts[x].memory.residency(KVChunkId(t, 0, 0)) != Residency.RESIDENT}
+    assert gone == {(a, 1), (b, 0)}
+
+
+# ---- misc: concurrency on different contexts, journal + reopen in-process ---------------------------
+def test_calls_on_different_contexts_do_not_corrupt_each_other(lm, doc, tmp_path):
+    import threading
+
+    ref = _svc(lm, tmp_path, name="ref", compression="fp")
+    svc = _svc(lm, tmp_path, name="mt", compression="fp", budget=12 << 20)
+    want = {}
+    ids = []
+    for i in range(3):
+        r = ref.new_context(system_ids=doc[i * 30:i * 30 + 40])
+        want[i] = ref.call(r, TURNS[i], max_new_tokens=8).tokens
+        ids.append(svc.new_context(system_ids=doc[i * 30:i * 30 + 40]))
+    got: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        got[i] = svc.call(ids[i], TURNS[i], max_new_tokens=8).tokens
+
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert got == want
+    assert svc.stats()["budget_violations"] == 0
+
+
+def test_a_restarted_service_reopens_its_contexts(lm, doc, tmp_path):
+    svc = _svc(lm, tmp_path, name="j")
+    cid = svc.new_context(system_ids=doc[:70])
+    svc.call(cid, TURNS[0], max_new_tokens=6)
+    n = svc.describe(cid)["tokens"]
+    again = _svc(lm, tmp_path, name="j")                # same swap dir, nothing in RAM
+    assert again.reopened == 1 and again.describe(cid)["tokens"] == n
+    assert again.describe(cid)["chunks"]["resident"] == 0
+    res = again.call(cid, TURNS[3], max_new_tokens=6)
+    assert res.load["read_chunks"] > 0 and res.tokens

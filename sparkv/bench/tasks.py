@@ -13,7 +13,8 @@ after it, and a scorer of the model's answer. The document becomes the reusable 
 
 SmolLM2-135M-Instruct with full dense KV retrieves the pass key at 1K-8K tokens and depths 10-90%
 (../shared/notes/measured-here.md); how it does on the harder two is measured, not assumed
-(:func:`sparkv.bench.quality` reports dense first, so a task dense fails says nothing).
+(``sparkv bench quality``, :mod:`sparkv.bench.quality`, reports dense first and judges every other
+configuration only on the tasks dense answers: a task dense fails says nothing).
 """
 
 from __future__ import annotations
@@ -131,13 +132,18 @@ def make_task(kind: str, num_tokens: int, depth: float, seed: int,
     return Task(kind, doc, question, answers, distractors, depth, count_tokens(doc), seed)
 
 
+def spread_depths(trials: int) -> list[float]:
+    """``trials`` needle depths spread evenly over 10-90% of the document (rounded to 0.001; one
+    trial sits at 10%)."""
+    return [round(0.1 + 0.8 * (i / max(1, trials - 1)), 3) for i in range(max(0, trials))]
+
+
 def task_suite(kinds: tuple[str, ...], sizes: tuple[int, ...], trials: int,
                count_tokens: Callable[[str], int], seed: int = 0) -> list[Task]:
     """``trials`` tasks per kind and size, depths spread evenly over 10-90%, seeded."""
     out = []
     for kind in kinds:
         for size in sizes:
-            for i in range(trials):
-                depth = 0.1 + 0.8 * (i / max(1, trials - 1))
-                out.append(make_task(kind, size, round(depth, 3), seed + i, count_tokens))
+            for i, depth in enumerate(spread_depths(trials)):
+                out.append(make_task(kind, size, depth, seed + i, count_tokens))
     return out

@@ -1,0 +1,397 @@
+"""The measured quality table: which codec levels (and attention backends) keep answers right on
+this model. Made once per model by ``sparkv bench quality --save-table`` and stored beside the
+latency predictor's profile, at ``<sparkv cache>/predictor/<model fingerprint>.quality.json``.
+
+The planner's quality floor comes from it instead of a fixed ``q5``::
+
+    from sparkv.predictor.quality import quality_floor_for
+
+    floor = quality_floor_for(lm.fingerprint)        # e.g. "q6"; "q5" when no table was made
+
+Per level (stream-only with every chunk at that level, so the codec is measured in isolation) the
+table holds, against the dense full-precision reference on the same inputs:
+
+* per retrieval task family (``passkey``, ``multikey``, ``multivalue``): how many tasks, how many
+  the dense reference answered correctly, and how many of *those* this level also answered
+  correctly (``kept``); ``relative = kept / dense_correct`` (1.0: parity with dense);
+* on the natural QA set: mean greedy agreement over 32 tokens, mean teacher-forced top-1 agreement,
+  mean first-token KL (nats);
+* the bytes streamed per context token at that level.
+
+:func:`allowed_levels` turns the table into the levels the default policy may use; docs/quality.md
+explains the thresholds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from sparkv.errors import SparkvError
+
+QUALITY_TABLE_VERSION = 1
+#: the lossless level: always allowed, whatever the table says
+LOSSLESS = "raw"
+#: default thresholds of :func:`allowed_levels` (docs/quality.md)
+DEFAULT_MIN_PASSKEY = 1.0
+DEFAULT_MIN_TEACHER_FORCED = 0.9
+#: the default policy's teacher-forced bar: at most ~1% of the reference's tokens mispredicted,
+#: about one near-tie per three 32-token answers; the stand-in for the issue's "greedy agreement
+#: >= 0.9", which is too noisy to judge one level on a few dozen questions (one near-tie flip of
+#: a level with KL ~ 0 costs it 0.08; docs/quality.md)
+POLICY_MIN_TEACHER_FORCED = 0.99
+#: the thresholds of the default policy (what ``sparkv ask`` does with no flags): pass-key parity
+#: and QA teacher-forced agreement >= 0.99 (``sparkv.edge.planning.default_quality_floor``,
+#: ``default_backend``)
+POLICY_THRESHOLDS: dict[str, float | None] = {"min_passkey": DEFAULT_MIN_PASSKEY,
+                                              "min_teacher_forced": POLICY_MIN_TEACHER_FORCED,
+                                              "min_greedy": None}
+#: the floor the edge used before the table existed (kept as the fallback)
+FALLBACK_FLOOR = "q5"
+
+
+class QualityTableError(SparkvError):
+    """A quality table file is missing fields, of another version or of another model."""
+
+
+@dataclass(frozen=True)
+class RetrievalScore:
+    """One retrieval family's result for one level (or backend).
+
+    Attributes:
+        n: tasks asked.
+        correct: tasks this configuration answered correctly.
+        dense_correct: tasks the dense full-precision reference answered correctly.
+        kept: tasks both the reference and this configuration answered correctly.
+    """
+
+    n: int
+    correct: int
+    dense_correct: int
+    kept: int
+
+    @property
+    def accuracy(self) -> float:
+        """``correct / n`` (0 when nothing was asked)."""
+        return self.correct / self.n if self.n else 0.0
+
+    @property
+    def relative(self) -> float | None:
+        """``kept / dense_correct``: the share of what dense gets right that this keeps
+        (``None`` when dense got nothing right: the family says nothing then)."""
+        return self.kept / self.dense_correct if self.dense_correct else None
+
+
+@dataclass
+class QualityEntry:
+    """The measured quality of one level (``name`` = ``raw``, ``q8``, ...) or one attention
+    backend (``name`` = ``dense``, ``block_sparse``, ...).
+
+    Attributes:
+        name: the level or backend.
+        retrieval: per task family (``passkey``, ``multikey``, ``multivalue``).
+        qa_questions: QA questions asked (0: the QA set was not run).
+        qa_greedy_agreement: mean greedy prefix agreement with the reference over 32 tokens.
+        qa_teacher_forced: mean teacher-forced top-1 agreement with the reference.
+        qa_first_token_kl: mean KL(reference || this) of the first token, nats.
+        bytes_per_token: bytes streamed per context token (0 for a local backend).
+    """
+
+    name: str
+    retrieval: dict[str, RetrievalScore] = field(default_factory=dict)
+    qa_questions: int = 0
+    qa_greedy_agreement: float | None = None
+    qa_teacher_forced: float | None = None
+    qa_first_token_kl: float | None = None
+    bytes_per_token: float | None = None
+
+    @property
+    def passkey_relative(self) -> float | None:
+        """Pass-key accuracy relative to dense (``kept / dense_correct``; ``None``: not run)."""
+        s = self.retrieval.get("passkey")
+        return s.relative if s is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name,
+                "retrieval": {k: {"n": v.n, "correct": v.correct,
+                                  "dense_correct": v.dense_correct, "kept": v.kept,
+                                  "relative": v.relative}
+                              for k, v in self.retrieval.items()},
+                "passkey_relative": self.passkey_relative,
+                "qa_questions": self.qa_questions,
+                "qa_greedy_agreement": self.qa_greedy_agreement,
+                "qa_teacher_forced": self.qa_teacher_forced,
+                "qa_first_token_kl": self.qa_first_token_kl,
+                "bytes_per_token": self.bytes_per_token}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "QualityEntry":
+        return cls(str(d["name"]),
+                   {str(k): RetrievalScore(int(v["n"]), int(v["correct"]),
+                                           int(v["dense_correct"]), int(v["kept"]))
+                    for k, v in (d.get("retrieval") or {}).items()},
+                   int(d.get("qa_questions", 0)), _opt(d.get("qa_greedy_agreement")),
+                   _opt(d.get("qa_teacher_forced")), _opt(d.get("qa_first_token_kl")),
+                   _opt(d.get("bytes_per_token")))
+
+
+@dataclass
+class QualityTable:
+    """Measured quality per codec level (best quality first) and per attention backend.
+
+    Attributes:
+        model_fingerprint: the model's fingerprint (``LoadedModel.fingerprint``).
+        model_name: its name, for the reader.
+        measured_unix: when it was measured (seconds since the epoch).
+        levels: one entry per level, best quality first (the codec's order).
+        backends: one entry per local attention backend (may be empty).
+        source: how it was measured (the benchmark's configuration: sizes, trials, tasks).
+        num_layers: the model's depth (the codec's per-layer bits depend on it).
+        codec_signature: :func:`codec_signature` of the codec that was measured (empty: not
+            recorded); a table of another codec says nothing about this one.
+    """
+
+    model_fingerprint: str
+    model_name: str = ""
+    measured_unix: float = field(default_factory=time.time)
+    levels: list[QualityEntry] = field(default_factory=list)
+    backends: list[QualityEntry] = field(default_factory=list)
+    source: dict[str, Any] = field(default_factory=dict)
+    num_layers: int = 0
+    codec_signature: str = ""
+
+    def matches_codec(self) -> bool:
+        """Whether the codec in this process is the one measured (true when the table did not
+        record one)."""
+        if not self.codec_signature or not self.num_layers:
+            return True
+        return codec_signature(self.num_layers) == self.codec_signature
+
+    def level(self, name: str) -> QualityEntry | None:
+        """The entry of level ``name`` (``None`` when it was not measured)."""
+        return next((e for e in self.levels if e.name == name), None)
+
+    def backend(self, name: str) -> QualityEntry | None:
+        """The entry of backend ``name`` (``None`` when it was not measured)."""
+        return next((e for e in self.backends if e.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": QUALITY_TABLE_VERSION, "model_fingerprint": self.model_fingerprint,
+                "model_name": self.model_name, "measured_unix": self.measured_unix,
+                "levels": [e.to_dict() for e in self.levels],
+                "backends": [e.to_dict() for e in self.backends], "source": self.source,
+                "num_layers": self.num_layers, "codec_signature": self.codec_signature}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "QualityTable":
+        """Parses :meth:`to_dict`'s output (raises :class:`QualityTableError`)."""
+        try:
+            if int(d.get("version", 0)) != QUALITY_TABLE_VERSION:
+                raise QualityTableError(f"quality table version {d.get('version')!r}, this "
+                                        f"sparkv reads {QUALITY_TABLE_VERSION}")
+            return cls(str(d["model_fingerprint"]), str(d.get("model_name", "")),
+                       float(d["measured_unix"]),
+                       [QualityEntry.from_dict(e) for e in d.get("levels") or []],
+                       [QualityEntry.from_dict(e) for e in d.get("backends") or []],
+                       dict(d.get("source") or {}), int(d.get("num_layers", 0)),
+                       str(d.get("codec_signature", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise QualityTableError(f"malformed quality table: {exc!r}") from exc
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Writes the table as JSON (atomically); default :func:`quality_table_path`."""
+        out = Path(path) if path else quality_table_path(self.model_fingerprint)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        os.replace(tmp, out)
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "QualityTable":
+        """Reads a table written by :meth:`save` (raises :class:`QualityTableError`)."""
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise QualityTableError(f"cannot read the quality table {path}: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise QualityTableError(f"{path}: not a JSON object")
+        return cls.from_dict(doc)
+
+
+def codec_signature(num_layers: int) -> str:
+    """What the table's numbers depend on in the codec: the frame format version and every
+    level's K and V bits per layer for a model of ``num_layers`` layers (16 hex digits of a
+    SHA-256). A codec change that moves a level's bits or the format changes it; a table whose
+    signature differs was measured on another codec."""
+    from sparkv.codec import LEVELS, VERSION
+
+    doc = {"frame_version": VERSION,
+           "levels": {name: [lv.k_bits_per_layer(num_layers), lv.v_bits_per_layer(num_layers)]
+                      for name, lv in LEVELS.items()}}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def quality_table_path(model_fingerprint: str) -> Path:
+    """``<sparkv cache>/predictor/<model fingerprint>.quality.json``, beside the latency
+    predictor's ``<fingerprint>.json`` (:func:`sparkv.predictor.commands.default_model_path`)."""
+    from sparkv.runtime.model import cache_dir
+
+    return cache_dir() / "predictor" / f"{model_fingerprint}.quality.json"
+
+
+def bundled_quality_table_path(model_fingerprint: str) -> Path:
+    """``sparkv/data/quality-<fingerprint>.json``: the table measured for a bundled model and
+    shipped with the package (the bundled SmolLM2's), used when this machine has made none."""
+    return Path(__file__).resolve().parent.parent / "data" / f"quality-{model_fingerprint}.json"
+
+
+def load_quality_table(model_fingerprint: str, path: str | os.PathLike[str] | None = None
+                       ) -> QualityTable | None:
+    """The table of this model (default path: :func:`quality_table_path`, else the table shipped
+    for a bundled model, :func:`bundled_quality_table_path`), or ``None`` when none was made. Raises :class:`QualityTableError` when the file is unreadable or belongs to another
+    model."""
+    p = Path(path) if path else quality_table_path(model_fingerprint)
+    if not path and not p.is_file():
+        p = bundled_quality_table_path(model_fingerprint)
+    if not p.is_file():
+        return None
+    table = QualityTable.load(p)
+    if table.model_fingerprint != model_fingerprint:
+        raise QualityTableError(f"{p} was measured on model {table.model_fingerprint}, not "
+                                f"{model_fingerprint}")
+    return table
+
+
+def entry_keeps_quality(entry: QualityEntry, min_passkey: float | None = DEFAULT_MIN_PASSKEY,
+                        min_teacher_forced: float | None = DEFAULT_MIN_TEACHER_FORCED,
+                        min_greedy: float | None = None,
+                        max_first_token_kl: float | None = None) -> bool:
+    """Whether one entry meets every threshold that is not ``None``. A metric the table lacks
+    (the family or the QA set was not run) fails its threshold: unmeasured is not proven."""
+    checks: list[tuple[float | None, float | None, bool]] = [
+        (entry.passkey_relative, min_passkey, True),
+        (entry.qa_teacher_forced, min_teacher_forced, True),
+        (entry.qa_greedy_agreement, min_greedy, True),
+        (entry.qa_first_token_kl, max_first_token_kl, False),
+    ]
+    for value, bound, at_least in checks:
+        if bound is None:
+            continue
+        if value is None or not math.isfinite(value):
+            return False
+        # a tiny tolerance: 29/30 must pass a 29/30 bound however it was rounded
+        if at_least and value < bound - 1e-9:
+            return False
+        if not at_least and value > bound + 1e-9:
+            return False
+    return True
+
+
+def allowed_levels(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_PASSKEY,
+                   min_teacher_forced: float | None = DEFAULT_MIN_TEACHER_FORCED, *,
+                   min_greedy: float | None = None,
+                   max_first_token_kl: float | None = None) -> list[str]:
+    """The codec levels the default policy may stream, best quality first.
+
+    A level keeps quality when (thresholds set to ``None`` are not checked):
+
+    * ``passkey_relative >= min_passkey``: of the pass-key tasks the dense reference answers,
+      the share this level also answers (1.0, the default: parity; the issue's "29 of 30 where
+      dense gets 30 of 30" is ``min_passkey=29/30``);
+    * ``qa_teacher_forced >= min_teacher_forced`` (default 0.9) on the natural QA set;
+    * optionally ``qa_greedy_agreement >= min_greedy`` and ``qa_first_token_kl <=
+      max_first_token_kl``.
+
+    The result is a prefix of the table's levels: the walk from the best level down stops at the
+    first level that fails, so it is always "every level down to a floor" (a noisy pass of a lower
+    level below a failing one is not trusted). ``raw`` is lossless and always passes. The last
+    element is the quality floor (:func:`quality_floor`); an empty list means not even the best
+    measured level keeps quality.
+    """
+    out: list[str] = []
+    for entry in table.levels:
+        if entry.name != LOSSLESS and not entry_keeps_quality(
+                entry, min_passkey, min_teacher_forced, min_greedy, max_first_token_kl):
+            break
+        out.append(entry.name)
+    return out
+
+
+def allowed_backends(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_PASSKEY,
+                     min_teacher_forced: float | None = DEFAULT_MIN_TEACHER_FORCED, *,
+                     min_greedy: float | None = None,
+                     max_first_token_kl: float | None = None) -> list[str]:
+    """The local attention backends that keep quality (same thresholds as
+    :func:`allowed_levels`; each backend judged on its own, in the table's order)."""
+    return [e.name for e in table.backends if entry_keeps_quality(
+        e, min_passkey, min_teacher_forced, min_greedy, max_first_token_kl)]
+
+
+def quality_floor(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_PASSKEY,
+                  min_teacher_forced: float | None = DEFAULT_MIN_TEACHER_FORCED, **kw: Any
+                  ) -> str | None:
+    """The lowest level of :func:`allowed_levels` (``None`` when no level passes)."""
+    levels = allowed_levels(table, min_passkey, min_teacher_forced, **kw)
+    return levels[-1] if levels else None
+
+
+def allowed_levels_for(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
+                       **thresholds: Any) -> list[str] | None:
+    """:func:`allowed_levels` of this model's stored table (``thresholds`` as there), or ``None``
+    when no table was made, it cannot be read, or it was measured on another codec
+    (:meth:`QualityTable.matches_codec`; both with a warning). Never raises for a missing or bad
+    table: answering must not depend on it."""
+    try:
+        table = load_quality_table(model_fingerprint, path)
+    except QualityTableError as exc:
+        warnings.warn(f"ignoring the quality table: {exc}", stacklevel=2)
+        return None
+    if table is None:
+        return None
+    if not table.matches_codec():
+        warnings.warn(f"ignoring the quality table of {model_fingerprint}: it was measured on "
+                      "another codec (re-run `sparkv bench quality --save-table`)", stacklevel=2)
+        return None
+    return allowed_levels(table, **thresholds)
+
+
+def allowed_backends_for(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
+                         **thresholds: Any) -> list[str] | None:
+    """:func:`allowed_backends` of this model's stored table, or ``None`` when there is no usable
+    table or it measured no backend (never raises; warns like :func:`allowed_levels_for`)."""
+    try:
+        table = load_quality_table(model_fingerprint, path)
+    except QualityTableError as exc:
+        warnings.warn(f"ignoring the quality table: {exc}", stacklevel=2)
+        return None
+    if table is None or not table.backends:
+        return None
+    return allowed_backends(table, **thresholds)
+
+
+def quality_floor_for(model_fingerprint: str, fallback: str = FALLBACK_FLOOR,
+                      path: str | os.PathLike[str] | None = None, **thresholds: Any) -> str:
+    """The quality floor the default policy should use for this model: the last of
+    :func:`allowed_levels_for`; ``fallback`` (``q5``, the floor before tables existed) when there
+    is no usable table; ``raw`` when a table exists but no lossy level passes."""
+    levels = allowed_levels_for(model_fingerprint, path, **thresholds)
+    if levels is None:
+        return fallback
+    return levels[-1] if levels else LOSSLESS
+
+
+def _opt(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def entries_by_name(entries: Iterable[QualityEntry]) -> dict[str, QualityEntry]:
+    """``{entry.name: entry}``."""
+    return {e.name: e for e in entries}

@@ -1,7 +1,9 @@
 """``sparkv demo``: the README's main job. A server on loopback (a real ``sparkv serve`` process)
 encodes the bundled sample context; the device answers one question about it with every
 strategy under an emulated link; the answers, the dense reference and a TTFT table are printed,
-and a timeline plot and JSON are written.
+and a timeline plot and JSON are written. The sparkv run keeps its loaded cache in the device's
+context service (``sparkv.device``), and a follow-up question is answered from it: no stream, only
+its own prefill.
 
 This module sits above both sides (it starts the server and drives the edge), beside the CLI.
 """
@@ -17,8 +19,10 @@ from pathlib import Path
 
 from sparkv.edge.commands import add_link_args, shaper_from_args
 from sparkv.edge.planning import STRATEGIES
+from sparkv.runtime.device import add_device_args
 
 DEMO_QUESTION = "What does this text say about warranty? Answer in one sentence."
+FOLLOW_UP = "Who may copy and distribute this text? Answer in one sentence."
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -33,6 +37,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d.add_argument("--strategies", default="local,stream,hybrid,sparkv")
     d.add_argument("--out", default="sparkv-demo", help="directory for the plot and JSON")
     d.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    add_device_args(d)
     add_link_args(d)
     d.set_defaults(func=run_demo, trace="lte")
 
@@ -40,6 +45,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
+    from sparkv.device import ContextService
     from sparkv.edge.plots import plot_timelines, timeline_of
     from sparkv.edge.prompts import chat_context, question_suffix
     from sparkv.edge.session import EdgeSession
@@ -58,7 +64,7 @@ def run_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("sparkv demo: loading the model ...", flush=True)
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     context = chat_context(lm, sample_context_ids(lm, args.tokens))
     link = (f"trace {args.trace!r}" if args.trace else
             f"{args.mbps:g} Mbit/s" if args.mbps else "unshaped loopback")
@@ -69,10 +75,13 @@ def run_demo(args: argparse.Namespace) -> int:
             write_config(config, None, models={"custom": str(args.model)},
                          default_model="custom")
         server = ServerProcess(config, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
-                               torch_threads=max(1, torch.get_num_threads()))
+                               torch_threads=max(1, torch.get_num_threads()),
+                               extra_args=["--device", str(args.device), "--dtype",
+                                           str(args.dtype)])
         print("starting the server on loopback ...", flush=True)
         with server:
-            session = EdgeSession.connect(server.url, model=lm)
+            # encoding the context can take longer than a request's default 10 s on a busy CPU
+            session = EdgeSession.connect(server.url, model=lm, timeout_s=120.0)
             t0 = time.perf_counter()
             levels = [x for x in args.levels.split(",") if x]
             cid = session.client.create_context(token_ids=context, levels=levels,
@@ -84,12 +93,17 @@ def run_demo(args: argparse.Namespace) -> int:
             ref = reference_generate(lm, context + suffix, args.new_tokens)
             runs = []
             rows = []
+            # the sparkv run keeps what it loaded as a context of the device's context service
+            session.context_service = ContextService(lm, 1 << 30, Path(tmp) / "kept",
+                                                     compression="fp")
+            follow = None
             for strat in strategies:
                 # each strategy meets the trace from its start, with nothing learned of the link
                 session.client.shaper = shaper_from_args(args)
                 session.priors.bandwidth_Bps = None
                 res = session.ask(cid, args.question, strategy=strat,
-                                  max_new_tokens=args.new_tokens, use_cache=False)
+                                  max_new_tokens=args.new_tokens, use_cache=False,
+                                  keep=strat == "sparkv")
                 bd = res.breakdown
                 runs.append((f"{strat}: TTFT {bd.ttft_s:.2f} s", res))
                 rows.append([strat, bd.ttft_s, bd.loading_s, bd.streaming_s, bd.local_compute_s,
@@ -97,6 +111,13 @@ def run_demo(args: argparse.Namespace) -> int:
                              f"{bd.chunks_streamed}/{bd.chunks_computed}", bd.migrations,
                              greedy_agreement(ref, res.tokens)])
                 print(f"[{strat:>6}] {res.answer.strip()}", flush=True)
+            if "sparkv" in strategies:
+                follow = session.ask(cid, FOLLOW_UP, max_new_tokens=args.new_tokens, keep=True)
+                first = next(r for r in rows if r[0] == "sparkv")
+                print(f"\nfollow-up {FOLLOW_UP!r}, answered from the kept context: "
+                      f"TTFT {follow.breakdown.ttft_s:.2f} s (the first sparkv ask: {first[1]:.2f} s),"
+                      f" {follow.breakdown.bytes_streamed} bytes streamed\n"
+                      f"[kept] {follow.answer.strip()}", flush=True)
             session.close()
     print(f"[reference, dense full prefill] {lm.decode_tokens(ref).strip()}\n")
     print(format_table(["strategy", "TTFT_s", "loading_s", "link_s", "compute_s", "question_s",
@@ -112,7 +133,10 @@ def run_demo(args: argparse.Namespace) -> int:
         "rows": [dict(zip(["strategy", "ttft_s", "loading_s", "link_s", "compute_s",
                            "question_s", "MB", "streamed_computed", "migrations", "agreement"], r))
                  for r in rows],
-        "answers": {label: res.answer for label, res in runs}}, indent=1))
+        "answers": {label: res.answer for label, res in runs},
+        "follow_up": None if follow is None else {
+            "question": FOLLOW_UP, "answer": follow.answer, "ttft_s": follow.breakdown.ttft_s,
+            "bytes_streamed": follow.breakdown.bytes_streamed}}, indent=1))
     print(f"timeline plot: {png}")
     sys.stdout.flush()
     return 0

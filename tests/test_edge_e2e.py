@@ -247,6 +247,9 @@ def test_demo(smollm2, tmp_path, capsys):
     doc = json.loads((tmp_path / "demo.json").read_text())
     assert [r["strategy"] for r in doc["rows"]] == ["local", "stream", "hybrid", "sparkv"]
     assert all(r["ttft_s"] > 0 for r in doc["rows"])
+    # the follow-up is answered from the context the sparkv run kept: nothing streamed
+    assert "answered from the kept context" in out and "[kept]" in out
+    assert doc["follow_up"]["bytes_streamed"] == 0 and doc["follow_up"]["answer"].strip()
 
 
 def test_encrypted_context(served):

@@ -121,11 +121,26 @@ def _instance(world, mbps: float = 1000.0, step_s: float = 0.002) -> Instance:
                                   t_proc=1e-4, name="tiny")
 
 
+class SlowStepper(LayerStepper):
+    """A slow device: every layer step takes at least ``step_s`` (the tiny model's steps take
+    about a millisecond, faster than any link this test scripts)."""
+
+    step_s = 0.03
+
+    def run_step(self, step):
+        t0 = time.perf_counter()
+        res = super().run_step(step)
+        time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))
+        res.seconds = max(res.seconds, self.step_s)
+        return res
+
+
 def _load(world, source: ChunkSource, *, planner: str = "stream", controller=None,
-          config: EngineConfig | None = None, inst: Instance | None = None):
+          config: EngineConfig | None = None, inst: Instance | None = None,
+          stepper_class=LayerStepper):
     inst = inst or _instance(world)
     plan = get_planner(planner).plan(inst)
-    stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    stepper = stepper_class(world["lm"], world["tokens"], T, backend=get_backend("dense"))
     cfg = config or EngineConfig(retry_backoff_s=0.01)
     engine = Engine(stepper, plan, inst, controller or ControllerConfig.static(), source=source,
                     config=cfg)
@@ -259,18 +274,16 @@ def test_slow_link_cancels_mid_chunk_and_migrates(world):
 
 def test_slow_then_fast_link_uses_both_paths(world):
     """Slow at first (the controller gives the compute thread work), fast later (the link takes
-    the rest): both paths contribute, nothing falls back."""
-    t0 = []
-
+    the rest): both paths contribute, nothing falls back. The device is slow (30 ms a step) so
+    that computing everything (0.54 s) is not faster than a link that recovers."""
     async def pace(sent: int) -> None:
-        if not t0:
-            t0.append(time.perf_counter())
-        if time.perf_counter() - t0[0] < 0.3:
-            await asyncio.sleep(0.02)
+        if sent < 4 << 10:
+            await asyncio.sleep(0.05)       # the first 4 KiB at ~20 KB/s
     src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=1024))
-    inst = _instance(world, mbps=50.0, step_s=0.01)
+    inst = _instance(world, mbps=50.0, step_s=0.03)
     load = _load(world, src, planner="sparkv", controller=ControllerConfig(), inst=inst,
-                 config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=60.0))
+                 config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=60.0),
+                 stepper_class=SlowStepper)
     assert not load.fallback
     assert load.sources.get("streamed", 0) > 0 and load.sources.get("computed", 0) > 0
     assert load.compute_samples > 0 and load.compute_ratio > 0

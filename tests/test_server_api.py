@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from sparkv.codec import CodecError, decode
+from sparkv.codec import CodecError, decode, get_level
 from sparkv.protocol.crypto import FrameCipher, key_from_text
 from sparkv.server.process import (HOST, RedisProcess, ServerProcess, redis_server_available,
                                    write_config)
@@ -128,9 +128,12 @@ def test_end_to_end_smollm2_raw_equals_the_servers_prefill(smollm2, tmp_path):
             for lv in ("raw", "q5"):
                 e = chunk["levels"][lv]
                 assert e["bytes"] > 0 and e["checksum"].startswith("xxh3_128:")
-                assert e["k"]["bits"] == (0 if lv == "raw" else e["k"]["bits"])
+                if lv == "raw":
+                    assert e["k"]["bits"] == e["v"]["bits"] == 0
             q5 = chunk["levels"]["q5"]
-            assert 0 < q5["entropy_bits_per_value"] <= 6
+            k_bits, v_bits = get_level("q5").bits(chunk["l"], geo["num_layers"])
+            assert (q5["k"]["bits"], q5["v"]["bits"]) == (k_bits, v_bits)   # the layer's bits
+            assert 0 < q5["entropy_bits_per_value"] <= max(k_bits, v_bits)
             assert q5["bytes"] < chunk["levels"]["raw"]["bytes"] / 3
 
         # every chunk fetched and decoded; raw assembles into exactly the server's prefill

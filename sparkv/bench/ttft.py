@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.runtime.device import add_device_args
 
 STRATEGY_ORDER = ("local", "stream", "hybrid", "sparkv")
 QUESTION = "What does this text say about warranty? Answer in one sentence."
@@ -62,6 +63,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--strategies", default=",".join(STRATEGY_ORDER))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
+    add_device_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--link", choices=("shaper", "netns"), default="shaper",
                    help="shaper: server on loopback, link emulated in the client (ttft.json); "
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = _csv(args.tokens, int)
     strategies = [s for s in _csv(args.strategies, str)]
     links = _links(args)
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     name = "ttft" if args.link == "shaper" else "ttft_netns"
     if args.traces:
         name += "_adversarial"
@@ -154,7 +156,9 @@ class _Loopback:
 
         self.args = args
         self.server = ServerProcess(None, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
-                                    torch_threads=max(1, torch.get_num_threads())).start()
+                                    torch_threads=max(1, torch.get_num_threads()),
+                                    extra_args=["--device", str(args.device), "--dtype",
+                                                str(args.dtype)]).start()
         self.url = self.server.url
 
     def shaper(self, trace: Any) -> Any:

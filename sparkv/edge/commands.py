@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from sparkv.edge.planning import STRATEGIES
+from sparkv.runtime.device import add_device_args
 
 
 def add_link_args(p: argparse.ArgumentParser) -> None:
@@ -47,11 +48,26 @@ def register(sub: "argparse._SubParsersAction") -> None:
     a.add_argument("--level", default="auto", help="auto, or one codec level (raw, q8, q5, ...)")
     a.add_argument("--backend", default="auto", help="attention: auto, block_sparse, dense")
     a.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    add_device_args(a)
     a.add_argument("--max-new-tokens", type=int, default=64)
+    a.add_argument("--decode", default="full", metavar="POLICY",
+                   help="decode-time KV policy: full, dynakv, static, local, nocluster, "
+                        "dynakv-eager, dynakv-packed, dynakv-lru (docs/dynakv.md)")
+    a.add_argument("--ram-budget", type=float, default=None,
+                   help="KV bytes the decode policy may keep in RAM, or a fraction <= 1 of the "
+                        "final KV (with --decode)")
     a.add_argument("--key", default=None, help="encryption key of an encrypted context")
     a.add_argument("--no-cache", action="store_true",
                    help="do not keep manifests and token ids under the cache dir")
     a.add_argument("--json", action="store_true", help="print the result as JSON")
+    a.add_argument("--keep", action="store_true",
+                   help="keep the loaded cache as a context of the on-device context service; "
+                        "a later --keep ask about the same context answers from it (no load)")
+    a.add_argument("--keep-dir", default=None,
+                   help="the kept contexts' flash tier and journal "
+                        "(default: <sparkv cache>/device/kept)")
+    a.add_argument("--keep-budget-mb", type=float, default=256.0,
+                   help="KV memory budget of the kept contexts, MB")
     add_link_args(a)
     a.set_defaults(func=_ask)
 
@@ -62,16 +78,24 @@ def _ask(args: argparse.Namespace) -> int:
 
     cache = None if args.no_cache else cache_dir() / "edge"
     with EdgeSession.connect(args.server, args.api_key, args.model,
-                             shaper=shaper_from_args(args), cache_dir=cache) as session:
+                             shaper=shaper_from_args(args), cache_dir=cache,
+                             device=args.device, dtype=args.dtype) as session:
         if args.key:
             session.client.encryption_keys[args.context] = args.key
+        if args.keep:
+            from sparkv.device import ContextService
+            session.context_service = ContextService(
+                session.lm, int(args.keep_budget_mb * 1e6),
+                args.keep_dir or cache_dir() / "device" / "kept")
         res = session.ask(args.context, args.question, strategy=args.strategy,
                           level=args.level, backend=args.backend,
-                          max_new_tokens=args.max_new_tokens)
+                          max_new_tokens=args.max_new_tokens, decode=args.decode,
+                          ram_budget=args.ram_budget, keep=args.keep)
     if args.json:
         print(json.dumps({"answer": res.answer, "tokens": res.tokens,
                           "breakdown": res.breakdown.to_dict(),
-                          "plan": res.plan.counts() if res.plan else None}, indent=1))
+                          "plan": res.plan.counts() if res.plan else None,
+                          "kept_id": res.kept_id}, indent=1))
     else:
         print(res.answer.strip())
         print()

@@ -610,18 +610,39 @@ class Engine:
             self._prestarted = self._send(batch)
 
     # ---- decode path -------------------------------------------------------------------------
+    def _to_device(self) -> "_DeviceCopier | None":
+        """How decoded chunks reach a GPU memory: pinned staging + an asynchronous copy on a
+        copy stream (``None`` on the CPU, and on unified memory where there is nothing to copy)."""
+        if not hasattr(self, "_copier"):
+            from sparkv.runtime.device import unified_memory
+
+            dev = self.kv.device
+            self._copier = (_DeviceCopier(dev) if dev.type == "cuda" and not unified_memory()
+                            else None)
+        return self._copier
+
     def _decode(self, f: Fetch, data: bytes, log: TransferLog) -> None:
-        from sparkv.codec import CodecError, decode
+        from sparkv.codec import CodecError, decode, decode_into, peek_header
 
         start = time.perf_counter()
         why = None
         try:
             frame = self.open_frame(data, f.cid, f.level) if self.open_frame else data
-            chunk = decode(frame)
-            if chunk.id != f.cid:
-                why = f"frame names {chunk.id}, expected {f.cid}"
+            copier = self._to_device()
+            if copier is None:
+                chunk = decode(frame)
+                got, k, v = chunk.id, chunk.k, chunk.v
             else:
-                self.kv.put(f.cid, chunk.k, chunk.v, source="streamed", overwrite=False)
+                hdr = peek_header(frame)
+                k, v = copier.buffers(tuple(hdr.shape), self.kv.dtype)
+                decode_into(frame, k, v)
+                got = hdr.chunk_id
+            if got != f.cid:
+                why = f"frame names {got}, expected {f.cid}"
+            elif copier is None:
+                self.kv.put(f.cid, k, v, source="streamed", overwrite=False)
+            else:
+                copier.put(self.kv, f.cid, k, v)
         except CodecError as e:
             why = f"bad frame: {e}"
         except Exception as e:  # noqa: BLE001 - decryption, layout: recompute locally
@@ -646,3 +667,29 @@ async def _close(stream: ChunkStream) -> None:
         await stream.aclose()
     except Exception:  # noqa: BLE001 - the response is abandoned either way
         pass
+
+
+class _DeviceCopier:
+    """Decoded chunks into GPU memory: the decode worker decodes into pinned host buffers and
+    copies them with one asynchronous copy on its own CUDA stream, which it waits for before the
+    chunk is reported (the compute thread's kernels keep running meanwhile)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.stream = torch.cuda.Stream(device=device)
+        self._pool: dict[tuple[tuple[int, ...], Any], tuple[Any, Any]] = {}
+
+    def buffers(self, shape: tuple[int, ...], dtype: Any) -> tuple[Any, Any]:
+        key = (shape, dtype)
+        if key not in self._pool:
+            mk = self.torch.empty
+            self._pool[key] = (mk(shape, dtype=dtype, pin_memory=True),
+                               mk(shape, dtype=dtype, pin_memory=True))
+        return self._pool[key]
+
+    def put(self, kv: Any, cid: KVChunkId, k: Any, v: Any) -> None:
+        with self.torch.cuda.stream(self.stream):
+            kv.put(cid, k, v, source="streamed", overwrite=False, non_blocking=True)
+        self.stream.synchronize()       # the pinned buffers are reused by the next chunk

@@ -38,7 +38,11 @@ STRATEGIES: dict[str, tuple[str, Callable[[], ControllerConfig]]] = {
 #: decode throughput (million values/s, one core, this machine: bench/results/codec.json)
 DECODE_MVPS: dict[str, float] = {"raw": 1100.0, "q8": 200.0, "q6": 250.0, "q5": 300.0,
                                  "q4": 300.0, "q3": 350.0, "q2": 480.0}
+#: the floor without a measured quality table (docs/quality.md)
 DEFAULT_FLOOR = "q5"
+#: ``quality_floor="auto"`` (what ``ask`` does with no flags): the floor of the model's measured
+#: quality table (:mod:`sparkv.predictor.quality`), :data:`DEFAULT_FLOOR` when there is none
+AUTO_FLOOR = "auto"
 DEFAULT_PRIOR_MBPS = 50.0
 
 
@@ -47,7 +51,55 @@ class AskError(SparkvError):
     unreachable while the context is not on this device, ...)."""
 
 
-_COST_MODELS: dict[tuple[str, int], Any] = {}
+class FloorNotEncoded(AskError):
+    """No level at or above the quality floor was encoded for the context."""
+
+
+def default_quality_floor(model_fingerprint: str, path: Any = None) -> str:
+    """The default policy's quality floor for this model: the lowest level its measured quality
+    table allows under the policy's thresholds (``POLICY_THRESHOLDS``: pass-key parity, QA
+    teacher-forced agreement >= 0.99; ``raw`` when no lossy level passes), else
+    :data:`DEFAULT_FLOOR`. A missing table falls back silently, an unreadable one or one of
+    another codec with a warning: answering never depends on it (docs/quality.md)."""
+    from sparkv.predictor.quality import POLICY_THRESHOLDS, quality_floor_for
+
+    return quality_floor_for(model_fingerprint, fallback=DEFAULT_FLOOR, path=path,
+                             **POLICY_THRESHOLDS)
+
+
+def default_backend(model_fingerprint: str, path: Any = None) -> str:
+    """The default policy's attention backend (``backend="auto"``): what ``auto`` resolves to on
+    this machine, unless the model's quality table measured that backend failing the policy's
+    thresholds while ``dense`` passes; then ``dense``. ``auto`` without a table (or without
+    backends in it)."""
+    from sparkv.predictor.quality import POLICY_THRESHOLDS, allowed_backends_for
+    from sparkv.runtime.attention import get_backend
+
+    allowed = allowed_backends_for(model_fingerprint, path, **POLICY_THRESHOLDS)
+    if allowed is None:
+        return "auto"
+    auto = get_backend("auto").name
+    return "dense" if auto not in allowed and "dense" in allowed else "auto"
+
+
+def effective_floor(present: Any, quality_floor: str | None) -> str | None:
+    """The floor to plan with: the lowest of the ``present`` levels whose quality rank is at or
+    above ``quality_floor``'s (the floor itself when it was encoded). ``None``: no floor. Raises
+    :class:`FloorNotEncoded` when no present level meets it, :class:`AskError` for an unknown
+    floor."""
+    if quality_floor is None:
+        return None
+    rank = {lv.name: lv.rank for lv in DEFAULT_LEVELS}
+    if quality_floor not in rank:
+        raise AskError(f"unknown quality floor {quality_floor!r}; levels are {list(rank)}")
+    ok = [lv for lv in present if rank.get(lv, -1) >= rank[quality_floor]]
+    if not ok:
+        raise FloorNotEncoded(f"no level at or above the quality floor {quality_floor!r} was "
+                              f"encoded for this context (it has {sorted(present)})")
+    return min(ok, key=lambda lv: rank[lv])
+
+
+_COST_MODELS: dict[tuple[str, str, int], Any] = {}
 
 
 def device_cost_model(lm: Any) -> Any:
@@ -56,7 +108,7 @@ def device_cost_model(lm: Any) -> Any:
     per model and thread count in a process (measuring peaks takes a moment)."""
     import torch
 
-    key = (lm.fingerprint, torch.get_num_threads())
+    key = (lm.fingerprint, str(lm.device), torch.get_num_threads())
     if key not in _COST_MODELS:
         _COST_MODELS[key] = _load_cost_model(lm)
     return _COST_MODELS[key]
@@ -67,7 +119,7 @@ def _load_cost_model(lm: Any) -> Any:
     from sparkv.predictor.model import load_predictor
     from sparkv.predictor.roofline import ModelArch, Roofline
 
-    path = default_model_path(lm.fingerprint)
+    path = default_model_path(lm.fingerprint, lm.device)
     if path.is_file():
         try:
             with warnings.catch_warnings():
@@ -99,9 +151,8 @@ def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float,
     present = {lv for s in sizes.values() for lv in s}
     if present - known:
         raise AskError(f"unknown levels {sorted(present - known)}")
-    floor = quality_floor if quality_floor in present else None
-    if levels:  # an explicit level list is its own floor
-        floor = None
+    # an explicit level list is its own floor
+    floor = None if levels else effective_floor(present, quality_floor)
     t_proc = {cid: {lv: decode_seconds(g, cid, lv) for lv in s} for cid, s in sizes.items()}
     step_t = {s: float(t_comp[s.t, s.l]) for s in g.step_ids()}
     return Instance.from_mappings(g, sizes, step_t, bandwidth_Bps, t_proc=t_proc, rtt_s=rtt_s,

@@ -28,9 +28,10 @@ from typing import Any, Sequence
 
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig
-from sparkv.edge.planning import (DEFAULT_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
-                                  build_instance, device_cost_model, local_instance,
-                                  suffix_estimate)
+from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
+                                  FloorNotEncoded, build_instance, default_backend,
+                                  default_quality_floor,
+                                  device_cost_model, local_instance, suffix_estimate)
 from sparkv.edge.prompts import question_suffix
 from sparkv.edge.results import LoadResult, TransferStatus
 from sparkv.edge.shaper import LinkShaper
@@ -94,6 +95,7 @@ class Breakdown:
     requests: int = 0
     levels: dict[str, int] = field(default_factory=dict)
     fallback: dict[str, Any] = field(default_factory=dict)
+    decode: dict[str, Any] = field(default_factory=dict)   # DecodeStats of a decode policy
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -115,6 +117,13 @@ class Breakdown:
              ("controller migrations", f"{self.migrations}")]
         if self.levels:
             r.append(("levels streamed", ", ".join(f"{k} x{v}" for k, v in self.levels.items())))
+        if self.decode:
+            d = self.decode
+            r.append((f"decode ({d['policy']})",
+                      f"{d['tokens_per_s']:8.2f} tok/s, flash "
+                      f"{d['flash_read_bytes_per_token'] / 1e3:.1f} kB/token in "
+                      f"{d['flash_read_ops_per_token']:.1f} reads, hit rate {d['hit_rate']:.2f}, "
+                      f"RAM peak {d['ram_peak_bytes'] / 1e6:.1f} MB"))
         if self.fallback:
             r.append(("FELL BACK to local compute", "; ".join(f"{k}: {v}"
                                                            for k, v in self.fallback.items())))
@@ -137,6 +146,7 @@ class AskResult:
     load: LoadResult | None
     first_logits: Any = None
     context_tokens: int = 0
+    kept_id: str | None = None     # the context service's id of the kept context (``keep``)
 
     @property
     def ttft_s(self) -> float:
@@ -152,12 +162,20 @@ class EdgeSession:
             ``None`` for the bundled SmolLM2 (loaded on first use).
         priors: start from these (default: nothing learned yet).
         engine_config: the engine's knobs for every load (default :class:`EngineConfig`).
+        device, dtype: where the model runs when the session loads it (``cpu``, ``cuda[:N]``,
+            ``auto``; see :mod:`sparkv.runtime.device`); a model given loaded keeps its own.
+        context_service: a :class:`~sparkv.device.ContextService` of the same model: ``ask(...,
+            keep=True)`` keeps the loaded cache there as a managed context, and a later question
+            about it is answered from the service (no load; docs/device-service.md).
     """
 
     def __init__(self, client: EdgeClient, model: Any = None, *, priors: Priors | None = None,
-                 engine_config: EngineConfig | None = None) -> None:
+                 engine_config: EngineConfig | None = None, device: str = "cpu",
+                 dtype: str = "auto", context_service: Any = None) -> None:
         self.client = client
+        self.context_service = context_service
         self._model_arg = model
+        self.device, self.dtype = device, dtype
         self._lm: Any = None
         self._cost: Any = None
         self.priors = priors or Priors()
@@ -167,11 +185,16 @@ class EdgeSession:
     def connect(cls, server_url: str, api_key: str | None = None, model: Any = None, *,
                 shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                 cache_dir: str | os.PathLike[str] | None = None,
-                engine_config: EngineConfig | None = None) -> "EdgeSession":
+                engine_config: EngineConfig | None = None, device: str = "cpu",
+                dtype: str = "auto", context_service: Any = None) -> "EdgeSession":
         """A session with its own :class:`EdgeClient` of ``server_url``."""
+        from sparkv.runtime.device import resolve_device, resolve_dtype
+
+        resolve_dtype(dtype, resolve_device(device))     # a clear error before any request
         client = EdgeClient(server_url, api_key, shaper=shaper, timeout_s=timeout_s,
                             cache_dir=cache_dir)
-        return cls(client, model, engine_config=engine_config)
+        return cls(client, model, engine_config=engine_config, device=device, dtype=dtype,
+                   context_service=context_service)
 
     # ---- what the session owns ---------------------------------------------------------------
     @property
@@ -180,7 +203,7 @@ class EdgeSession:
         if self._lm is None:
             from sparkv.runtime.model import LoadedModel, load_model
             self._lm = (self._model_arg if isinstance(self._model_arg, LoadedModel)
-                        else load_model(self._model_arg))
+                        else load_model(self._model_arg, dtype=self.dtype, device=self.device))
         return self._lm
 
     @property
@@ -205,23 +228,38 @@ class EdgeSession:
 
     # ---- ask ---------------------------------------------------------------------------------
     def ask(self, context_id: str, question: str, *, strategy: str = "sparkv",
-            level: str = "auto", quality_floor: str | None = DEFAULT_FLOOR, backend: Any = "auto",
+            level: str = "auto", quality_floor: str | None = AUTO_FLOOR, backend: Any = "auto",
             max_new_tokens: int = 32, bandwidth_mbps: float | None = None, use_cache: bool = True,
             chat: bool = True, engine_config: EngineConfig | None = None,
             controller: ControllerConfig | None = None, stop_at_eos: bool = True,
-            token_ids: Sequence[int] | None = None) -> AskResult:
+            token_ids: Sequence[int] | None = None, keep: bool = False, decode: str = "full",
+            ram_budget: float | None = None) -> AskResult:
         """Answers ``question`` about context ``context_id`` with ``strategy``.
 
         Args:
             level: ``auto`` (the planner picks per chunk among the encoded levels at or above
                 ``quality_floor``) or one level name (every streamed chunk at that level).
+            quality_floor: the lowest level a streamed chunk may use; ``auto`` (the default):
+                the floor of this model's measured quality table (``sparkv bench quality
+                --save-table``, docs/quality.md), ``q5`` without one; when no encoded level meets
+                the measured floor, the context is computed locally (``breakdown.fallback``);
+                ``None``: any level.
             backend: attention backend of the local steps, a name (``auto``: block-sparse on
-                the CPU) or an :class:`~sparkv.runtime.attention.AttentionBackend`.
+                the CPU, unless the model's quality table measured it failing the default
+                policy's thresholds while dense passes: then dense) or an
+                :class:`~sparkv.runtime.attention.AttentionBackend`.
             bandwidth_mbps: the link estimate to plan with; default: the priors' (the
                 controller's throughput of the last load), else the manifest download's rate,
                 else 50 Mbit/s. The controller corrects it from measured rates either way.
             use_cache: reuse a manifest the client already holds (no request).
             token_ids: the context's tokens when the device holds the document (no request).
+            keep: keep the loaded cache as a context of ``context_service`` (after the answer);
+                if it already holds this context, answer from it: no manifest, no stream, only
+                the question's prefill (plus restoring chunks it swapped out, from flash or by
+                recomputation).
+            decode, ram_budget: the decode-time KV policy (:data:`sparkv.decode.POLICIES`;
+                ``full``: everything in RAM) and its RAM budget (bytes, or a fraction <= 1 of the
+                final KV); its stats go to ``breakdown.decode`` (docs/dynakv.md).
         """
         from sparkv.runtime.attention import get_backend
         from sparkv.runtime.generate import greedy_generate
@@ -230,11 +268,22 @@ class EdgeSession:
 
         if strategy not in STRATEGIES:
             raise AskError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+        if decode != "full" or ram_budget is not None:
+            from sparkv.decode import POLICIES
+
+            if decode not in POLICIES:
+                raise AskError(f"unknown decode policy {decode!r}; choose one of {list(POLICIES)}")
         lm, client = self.lm, self.client
         suffix = question_suffix(lm, question, chat)
+        if isinstance(backend, str) and backend == "auto":
+            backend = default_backend(lm.fingerprint)
         attn = get_backend(backend) if isinstance(backend, str) else backend
         t_start = time.perf_counter()
         fallback: dict[str, Any] = {}
+        if keep:
+            kept = self._ask_kept(context_id, suffix, max_new_tokens, stop_at_eos, t_start)
+            if kept is not None:
+                return kept
 
         # ---- manifest and tokens -------------------------------------------------------------
         manifest, tokens = self._context(context_id, strategy, use_cache, token_ids, fallback)
@@ -256,16 +305,26 @@ class EdgeSession:
         t_suffix = (self.priors.question_prefill_s if self.priors.question_prefill_s is not None
                     else suffix_estimate(t_comp, geometry, len(suffix)))
         effective = strategy if (manifest is not None and not fallback) else "local"
-        if manifest is None:
-            inst = local_instance(geometry, t_comp, t_suffix)
-        else:
+        inst = None
+        if manifest is not None:
             levels = None if level == "auto" else [level]
+            floor = (default_quality_floor(lm.fingerprint)
+                     if quality_floor == AUTO_FLOOR and not levels else quality_floor)
             if levels and level not in manifest.levels:
                 raise AskError(f"level {level!r} was not encoded for context {context_id} "
                                f"(it has {list(manifest.levels)})")
-            inst = build_instance(manifest, t_comp, self._bandwidth_prior(bandwidth_mbps),
-                                  levels=levels, quality_floor=quality_floor,
-                                  rtt_s=client.last_first_byte_s, t_suffix_s=t_suffix)
+            try:
+                inst = build_instance(manifest, t_comp, self._bandwidth_prior(bandwidth_mbps),
+                                      levels=levels, quality_floor=floor,
+                                      rtt_s=client.last_first_byte_s, t_suffix_s=t_suffix)
+            except FloorNotEncoded as e:
+                if quality_floor != AUTO_FLOOR:
+                    raise
+                # the measured floor forbids every encoded level: compute rather than degrade
+                fallback["quality"] = f"{e} (measured floor {floor}): computed locally"
+                effective = "local"
+        if inst is None:
+            inst = local_instance(geometry, t_comp, t_suffix)
         planner_name, ctl_factory = STRATEGIES[effective]
         plan = get_planner(planner_name).plan(inst)
         ctl_cfg = controller if (controller is not None and effective == strategy) \
@@ -284,14 +343,51 @@ class EdgeSession:
         self.priors.learn(load)
 
         # ---- answer --------------------------------------------------------------------------
-        gen = greedy_generate(lm, stepper.kv, len(tokens), suffix, max_new_tokens,
-                              stop_at_eos=stop_at_eos)
+        decode_stats: dict[str, Any] = {}
+        if decode == "full" and ram_budget is None:
+            gen = greedy_generate(lm, stepper.kv, len(tokens), suffix, max_new_tokens,
+                                  stop_at_eos=stop_at_eos)
+        else:
+            from sparkv.decode import generate as policy_generate
+
+            gen, dstats = policy_generate(lm, stepper.kv, len(tokens), suffix, max_new_tokens,
+                                          kv_policy=decode, ram_budget=ram_budget,
+                                          stop_at_eos=stop_at_eos)
+            decode_stats = dstats.to_dict()
         ttft = (time.perf_counter() - t_start) - (gen.total_s - gen.first_token_s)
         self.priors.question_prefill_s = gen.first_token_s
         fallback.update(load.fallback)
-        return AskResult(gen.text, gen.tokens,
-                         _breakdown(strategy, ttft, manifest_s, planning_s, load, gen, fallback),
-                         plan, inst, load, gen.first_logits, len(tokens))
+        kept_id = (self.context_service.import_context(tokens, stepper.kv,
+                                                       label=self._kept_label(context_id))
+                   if keep else None)
+        breakdown = _breakdown(strategy, ttft, manifest_s, planning_s, load, gen, fallback)
+        breakdown.decode = decode_stats
+        return AskResult(gen.text, gen.tokens, breakdown,
+                         plan, inst, load, gen.first_logits, len(tokens), kept_id)
+
+    # ---- kept contexts (the on-device context service) ---------------------------------------
+    def _kept_label(self, context_id: str) -> str:
+        return f"{self.client.base_url}#{context_id}"
+
+    def _ask_kept(self, context_id: str, suffix: Sequence[int], max_new_tokens: int,
+                  stop_at_eos: bool, t_start: float) -> AskResult | None:
+        """The answer from the context service if it holds the context (else ``None``)."""
+        svc = self.context_service
+        if svc is None:
+            raise AskError("keep=True needs a context service (EdgeSession(context_service=...))")
+        if svc.lm.fingerprint != self.lm.fingerprint:
+            raise AskError("the context service runs another model than this session")
+        sid = svc.find(self._kept_label(context_id))
+        if sid is None:
+            return None
+        res = svc.call(sid, prompt_ids=list(suffix), max_new_tokens=max_new_tokens, grow=False,
+                       stop_at_eos=stop_at_eos)
+        ttft = (time.perf_counter() - t_start) - (res.total_s - res.first_token_s)
+        bd = Breakdown("kept", ttft, loading_s=res.switch_s,
+                       question_prefill_s=res.first_token_s - res.switch_s,
+                       chunks_computed=int(res.load.get("recomputed_chunks", 0)))
+        n = svc.describe(sid)["tokens"]
+        return AskResult(res.text, res.tokens, bd, None, None, None, None, n, sid)
 
     # ---- pieces of ask -----------------------------------------------------------------------
     def _context(self, context_id: str, strategy: str, use_cache: bool,

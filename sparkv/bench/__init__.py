@@ -19,6 +19,11 @@ BENCH_MODULES: list[str] = [
     "sparkv.bench.server",
     "sparkv.bench.ttft",
     "sparkv.bench.decode",
+    "sparkv.bench.dynakv",
+    "sparkv.bench.quality",
+    "sparkv.bench.contexts",
+    "sparkv.bench.cluster",
+    "sparkv.bench.presses",
 ]
 
 

@@ -51,6 +51,20 @@ def _drop_cache(fd: int) -> None:
             pass
 
 
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Makes a directory's entries (a rename, a new file) durable; best effort."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 class FlashTier:
     """Chunk files under ``root`` (created if needed).
 
@@ -78,6 +92,11 @@ class FlashTier:
 
     def write(self, name: str, data: bytes) -> FlashRef:
         """Writes ``data`` as file ``name`` atomically (temp + fsync + rename + dir fsync)."""
+        return self._write(name, data, durable=True)
+
+    def _write(self, name: str, data: bytes, durable: bool) -> FlashRef:
+        """Temp file + rename; ``durable``: fsynced (and dropped from the page cache) before the
+        rename and the directory fsynced after it (a subclass that groups writes syncs later)."""
         path = self.path_for(name)
         tmp = self.root / f".{name}.{os.getpid()}.tmp"
         t0 = time.perf_counter()
@@ -88,12 +107,14 @@ class FlashTier:
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
-                os.fsync(fd)
-                _drop_cache(fd)
+                if durable:
+                    os.fsync(fd)
+                    _drop_cache(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-            self._fsync_dir()
+            if durable:
+                self._fsync_dir()
         except OSError as e:
             try:
                 tmp.unlink()
@@ -106,16 +127,7 @@ class FlashTier:
         return FlashRef(str(path), len(data))
 
     def _fsync_dir(self) -> None:
-        try:
-            fd = os.open(self.root, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fsync_dir(self.root)
 
     def read(self, ref: FlashRef | str | os.PathLike[str]) -> bytes:
         """The file's bytes, read past the page cache (``O_DIRECT`` or ``DONTNEED``)."""

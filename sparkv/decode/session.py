@@ -26,9 +26,8 @@ from sparkv.decode.config import DecodeConfig, policy_config
 from sparkv.decode.hf import DynaKVCache
 from sparkv.decode.policy import ClusteredKV
 from sparkv.decode.stats import DecodeStats
-from sparkv.layout import ChunkGeometry
-from sparkv.runtime.generate import GenerationResult
-from sparkv.runtime.kvcache import LayerKV, memory_from_layers
+from sparkv.runtime.generate import GenerationResult, context_memory
+from sparkv.runtime.kvcache import LayerKV
 from sparkv.runtime.model import LoadedModel
 
 
@@ -70,17 +69,6 @@ class _RecordingCache(SparkvCache):
                                      for l in range(memory.geometry.num_layers)])
 
 
-def _memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextKV:
-    if isinstance(kv, ContextKV):
-        if kv.geometry.num_tokens != n:
-            raise ValueError(f"the memory holds {kv.geometry.num_tokens} tokens, context has {n}")
-        return kv
-    if kv and kv[0][0].shape[2] != n:
-        raise ValueError(f"cache holds {kv[0][0].shape[2]} tokens, context has {n}")
-    geometry = ChunkGeometry.from_config(lm.config, n, max(16, min(n, 1 << 16)))
-    return memory_from_layers(kv, geometry, spare_tokens=64)
-
-
 def _eos_ids(lm: LoadedModel) -> set[int]:
     eos = getattr(lm.model.generation_config, "eos_token_id", None)
     if eos is None:
@@ -117,7 +105,7 @@ class DecodeSession:
         self.policy = kv_policy
         self.cfg = policy_config(kv_policy, config, **overrides)
         self.n = context_len if isinstance(context_len, int) else len(context_len)
-        self.memory = _memory(lm, kv, self.n)
+        self.memory = context_memory(lm, kv, self.n)
         self.final_tokens = final_tokens or int(lm.max_positions)
         self.flash_dir, self.probe = flash_dir, probe
         self.cur = self.n

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from sparkv.cache import FlashError, FlashRef, FlashTier, flash_profile_path, load_flash_profile
+from sparkv.cache import FlashRef, FlashTier, flash_profile_path, load_flash_profile
 
 DEFAULT_READ_MBPS = 500.0
 
@@ -86,30 +86,9 @@ class ServiceFlash(FlashTier):
     def write(self, name: str, data: bytes) -> FlashRef:
         if self._batch is None:
             return super().write(name, data)
-        path = self.path_for(name)
-        tmp = self.root / f".{name}.{os.getpid()}.tmp"
-        t0 = time.perf_counter()
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise FlashError(f"cannot write {path}: {e}") from e
-        self._batch.append(path)
-        self.write_s += time.perf_counter() - t0
-        self.bytes_written += len(data)
-        self.writes += 1
-        return FlashRef(str(path), len(data))
+        ref = self._write(name, data, durable=False)    # made durable when the batch ends
+        self._batch.append(Path(ref.path))
+        return ref
 
 
 @dataclass

@@ -24,20 +24,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sparkv.cache.flash import fsync_dir
+
 FORMAT = "sparkv-device-journal/1"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -65,7 +54,7 @@ class Journal:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.writes += 1
 
     def remove(self, ctx_id: str) -> None:
@@ -73,7 +62,7 @@ class Journal:
             self.path(ctx_id).unlink()
         except FileNotFoundError:
             return
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def records(self) -> list[dict[str, Any]]:
         """Every readable record (temp files and damaged records are skipped)."""

@@ -41,7 +41,8 @@ class GenerationResult:
     prefill_s: float = 0.0  # the question's forward pass (part of first_token_s)
 
 
-def _memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextKV:
+def context_memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextKV:
+    """``kv`` as a KV memory of ``n`` context tokens (a given memory is checked and kept)."""
     if isinstance(kv, ContextKV):
         if kv.geometry.num_tokens != n:
             raise ValueError(f"the memory holds {kv.geometry.num_tokens} tokens, context has {n}")
@@ -74,7 +75,7 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
     if not question_ids:
         raise ValueError("the question needs at least one token")
     start = time.perf_counter()
-    memory = _memory(lm, kv, n)
+    memory = context_memory(lm, kv, n)
     cache = SparkvCache(memory)
     try:
         return _greedy(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start)
@@ -121,7 +122,7 @@ def teacher_forced_agreement(lm: LoadedModel, kv: LayerKV | ContextKV, context_l
         return 1.0
     ids = list(question_ids) + list(ref[:-1])
     pos = torch.arange(context_len, context_len + len(ids), device=lm.device)
-    memory = _memory(lm, kv, context_len)
+    memory = context_memory(lm, kv, context_len)
     try:
         out = lm.model(input_ids=torch.tensor([ids], device=lm.device),
                        past_key_values=SparkvCache(memory), position_ids=pos[None],

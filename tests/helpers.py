@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkv.server.process import ServerProcess, write_config
+
+if TYPE_CHECKING:
+    import httpx
 
 
 def tiny_checkpoint(path: str | os.PathLike[str], tokenizer_from: str | None = None,
@@ -80,3 +83,63 @@ def stop_checked(server: ServerProcess) -> None:
     server.stop()
     log = server.log()
     assert "Traceback" not in log, log
+
+
+# ---- REST test clients (shared by the server test modules) --------------------------------------
+def api_client(server: ServerProcess, key: str | None, timeout: float = 60.0) -> "httpx.Client":
+    """An httpx client for ``server`` sending ``key`` as a bearer token (none when ``None``)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=timeout)
+
+
+def wait_job(c: "httpx.Client", job_id: str, timeout: float = 120.0, poll_s: float = 0.05) -> dict:
+    """Polls ``/v1/jobs/{job_id}`` until the job leaves ``queued``/``running``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = c.get(f"/v1/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        job = r.json()
+        if job["state"] not in ("queued", "running"):
+            return job
+        time.sleep(poll_s)
+    raise TimeoutError(f"job {job_id} did not finish")
+
+
+def create_context(c: "httpx.Client", **body: Any) -> dict:
+    """``POST /v1/contexts`` and, when it was queued, waits for its job to finish (``done``)."""
+    r = c.post("/v1/contexts", json=body)
+    assert r.status_code in (200, 202), r.text
+    out = r.json()
+    if out["status"] != "done":
+        job = wait_job(c, out["job_id"])
+        assert job["state"] == "done", job
+    return out
+
+
+def assert_error(r: "httpx.Response", status: int, code: str | None = None) -> dict:
+    """Asserts a JSON error body of ``status`` (and ``code`` when given) with a message."""
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["status"] == status and err["message"], err
+    if code:
+        assert err["code"] == code, err
+    return err
+
+
+def tenant_fixture(server_fixture: str, tenant: str, timeout: float = 60.0) -> Any:
+    """A module-scoped fixture yielding a client of ``tenant`` on the server fixture named
+    ``server_fixture``: ``alice = tenant_fixture("server", "alice")``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def _client(request: Any) -> Any:
+        srv = request.getfixturevalue(server_fixture)
+        with api_client(srv, srv.keys[tenant], timeout) as c:
+            yield c
+
+    return _client

@@ -20,55 +20,26 @@ from sparkv.codec import CodecError, decode, get_level
 from sparkv.protocol.crypto import FrameCipher, key_from_text
 from sparkv.server.process import (HOST, RedisProcess, ServerProcess, redis_server_available,
                                    write_config)
-from helpers import shared_tiny_checkpoint, start_tiny_server, stop_checked
+from helpers import (api_client, assert_error, create_context, shared_tiny_checkpoint,
+                     start_tiny_server, stop_checked, tenant_fixture, wait_job)
 from sparkv.protocol import split_records as parse_frame_stream
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 12).strip()
-POLL_S = 0.05
 
 
 # ------------------------------------------------------------------------------------------------
 # fixtures and helpers
 # ------------------------------------------------------------------------------------------------
 def client(server: ServerProcess, key: str | None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=server.url, headers=headers, timeout=60.0)
-
-
-def wait_job(c: httpx.Client, job_id: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = c.get(f"/v1/jobs/{job_id}")
-        assert r.status_code == 200, r.text
-        job = r.json()
-        if job["state"] not in ("queued", "running"):
-            return job
-        time.sleep(POLL_S)
-    raise TimeoutError(f"job {job_id} did not finish")
+    return api_client(server, key)
 
 
 def create(c: httpx.Client, **body) -> dict:
-    r = c.post("/v1/contexts", json=body)
-    assert r.status_code in (200, 202), r.text
-    out = r.json()
-    if out["status"] != "done":
-        job = wait_job(c, out["job_id"])
-        assert job["state"] == "done", job
-    return out
+    return create_context(c, **body)
 
 
 def all_items(manifest: dict) -> list[tuple[int, int, int, str]]:
     return [(c["t"], c["l"], c["g"], lv) for c in manifest["chunks"] for lv in manifest["levels"]]
-
-
-def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert r.status_code == status, (r.status_code, r.text)
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert err["status"] == status and err["message"]
-    if code:
-        assert err["code"] == code, err
-    return err
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +49,8 @@ def tiny_server(tmp_path_factory):
     stop_checked(server)
 
 
-@pytest.fixture(scope="module")
-def alice(tiny_server):
-    with client(tiny_server, tiny_server.keys["alice"]) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def bob(tiny_server):
-    with client(tiny_server, tiny_server.keys["bob"]) as c:
-        yield c
+alice = tenant_fixture("tiny_server", "alice")
+bob = tenant_fixture("tiny_server", "bob")
 
 
 @pytest.fixture(scope="module")

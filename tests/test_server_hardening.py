@@ -30,7 +30,8 @@ import pytest
 from sparkv.protocol import split_records
 from sparkv.protocol.digests import checksum
 from sparkv.server.process import HOST, ServerProcess
-from helpers import start_tiny_server, stop_checked
+from helpers import (api_client, assert_error, create_context, start_tiny_server, stop_checked,
+                     tenant_fixture)
 
 GUARD_S = 30.0
 """Hang guard for anything that waits (never a performance bound)."""
@@ -45,35 +46,12 @@ BATCH_BYTES = 1 << 20  # the default stream_batch_bytes
 # helpers and fixtures
 # ------------------------------------------------------------------------------------------------
 def client(server: ServerProcess, key: str | None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=server.url, headers=headers, timeout=GUARD_S)
-
-
-def wait_job(c: httpx.Client, job_id: str) -> dict:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        job = c.get(f"/v1/jobs/{job_id}").json()
-        if job["state"] not in ("queued", "running"):
-            return job
-        time.sleep(0.05)
-    raise TimeoutError(job_id)
+    return api_client(server, key, GUARD_S)
 
 
 def create(c: httpx.Client, **body) -> tuple[str, dict]:
-    r = c.post("/v1/contexts", json=body)
-    assert r.status_code in (200, 202), r.text
-    out = r.json()
-    if out["status"] != "done":
-        assert wait_job(c, out["job_id"])["state"] == "done"
+    out = create_context(c, **body)
     return out["context_id"], c.get(out["manifest_url"]).json()
-
-
-def assert_error(r: httpx.Response, status: int, code: str) -> dict:
-    assert r.status_code == status, (r.status_code, r.text)
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert err["status"] == status and err["code"] == code and err["message"], err
-    return err
 
 
 def metric(c: httpx.Client, name: str, **labels: str) -> float:
@@ -158,16 +136,8 @@ def server(tmp_path_factory):
     stop_checked(srv)
 
 
-@pytest.fixture(scope="module")
-def alice(server):
-    with client(server, server.keys["alice"]) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def bob(server):
-    with client(server, server.keys["bob"]) as c:
-        yield c
+alice = tenant_fixture("server", "alice", GUARD_S)
+bob = tenant_fixture("server", "bob", GUARD_S)
 
 
 @pytest.fixture(scope="module")

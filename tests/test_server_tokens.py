@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import time
 
 import httpx
 import numpy as np
@@ -16,48 +15,24 @@ import pytest
 from sparkv.server.middleware import accepts_gzip
 from sparkv.server.stores import ChunkKey, open_store
 from sparkv.server.process import ServerProcess, write_config
-from helpers import shared_tiny_checkpoint, start_tiny_server, stop_checked
+from helpers import (api_client, assert_error, create_context, shared_tiny_checkpoint,
+                     start_tiny_server, stop_checked, tenant_fixture, wait_job)
 from sparkv.protocol import split_records as parse_frame_stream
 
 TEXT = ("Tokens travel with the context, so the edge can compute chunks itself. " * 6).strip()
 IDS = [(i * 37 + 5) % 250 for i in range(70)]  # the tiny model's vocabulary is SmolLM2's (49152)
 CID = "0123456789abcdef0123456789abcdef"
-POLL_S = 0.05
 
 
 # ------------------------------------------------------------------------------------------------
 # helpers and fixtures
 # ------------------------------------------------------------------------------------------------
 def client(server: ServerProcess, key: str) -> httpx.Client:
-    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"},
-                        timeout=60.0)
-
-
-def wait_job(c: httpx.Client, job_id: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = c.get(f"/v1/jobs/{job_id}").json()
-        if job["state"] not in ("queued", "running"):
-            return job
-        time.sleep(POLL_S)
-    raise TimeoutError(f"job {job_id} did not finish")
+    return api_client(server, key)
 
 
 def create(c: httpx.Client, **body) -> dict:
-    r = c.post("/v1/contexts", json=body)
-    assert r.status_code in (200, 202), r.text
-    out = r.json()
-    if out["status"] != "done":
-        assert wait_job(c, out["job_id"])["state"] == "done"
-    return out
-
-
-def assert_error(r: httpx.Response, status: int, code: str) -> dict:
-    assert r.status_code == status, (r.status_code, r.text)
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert err["status"] == status and err["code"] == code and err["message"], err
-    return err
+    return create_context(c, **body)
 
 
 def raw_get(c: httpx.Client, url: str, accept_encoding: str, **kw) -> tuple[httpx.Response, bytes]:
@@ -78,16 +53,8 @@ def server(tmp_path_factory):
     stop_checked(srv)
 
 
-@pytest.fixture(scope="module")
-def alice(server):
-    with client(server, server.keys["alice"]) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def bob(server):
-    with client(server, server.keys["bob"]) as c:
-        yield c
+alice = tenant_fixture("server", "alice")
+bob = tenant_fixture("server", "bob")
 
 
 @pytest.fixture(scope="module")

@@ -167,16 +167,10 @@ def _wrk(cfg: dict[str, Any], threads: int, workdir: Path) -> dict[str, Any]:
 
 
 def _loadgen_main() -> None:
-    import asyncio
+    from sparkv.bench.common import run_event_loop
 
     cfg = json.loads(sys.stdin.read())
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
-    result = asyncio.run(_load(cfg))
+    result = run_event_loop(_load(cfg))
     Path(cfg["out"]).write_text(json.dumps(result))
 
 

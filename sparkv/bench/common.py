@@ -70,3 +70,17 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "__dict__"):
         return vars(obj)
     return str(obj)
+
+
+def run_event_loop(main: Any) -> Any:
+    """Runs the coroutine ``main`` to completion on uvloop when it is installed (the load
+    generators' loop), else on asyncio's default loop."""
+    import asyncio
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    return asyncio.run(main)

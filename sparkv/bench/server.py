@@ -335,16 +335,10 @@ def _loadgen(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _loadgen_main() -> None:
-    import asyncio
+    from sparkv.bench.common import run_event_loop
 
     cfg = json.loads(sys.stdin.read())
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
-    print(json.dumps(asyncio.run(_load(cfg))))
+    print(json.dumps(run_event_loop(_load(cfg))))
 
 
 def _percentile(xs: list[float], q: float) -> float:

@@ -73,6 +73,13 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--watts-decode", type=float, default=1.5)
     p.add_argument("--watts-radio", type=float, default=1.2)
     p.add_argument("--watts-idle", type=float, default=0.3)
+    p.add_argument("--press", default=None, metavar="SPEC",
+                   help="compressed contexts (docs/presses.md, 'On the server'): every size is "
+                        "also encoded with this question-agnostic press (e.g. adakv:0.5); "
+                        "stream, hybrid and sparkv run on both, plus pass-key accuracy with and "
+                        "without it (bench/results/ttft_press.json; default links 10,20,40)")
+    p.add_argument("--press-trials", type=int, default=4,
+                   help="pass-key tasks per size with --press")
     p.add_argument("--json", action="store_true", help="write bench/results/ttft.json + plots")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
@@ -110,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.press:
+        return run_press(args)
     sizes = _csv(args.tokens, int)
     strategies = [s for s in _csv(args.strategies, str)]
     links = _links(args)
@@ -563,3 +572,197 @@ def _plot_timeline(timelines: dict[str, Any], targets: dict[str, Any], path: Pat
              for s in STRATEGY_ORDER) if k in timelines]
     plot_timelines(runs, path, title=f"{n} tokens at the crossover link ({cross} Mbit/s): "
                                      "both paths")
+
+
+# ------------------------------------------------------------------------------------------------
+# --press: compressed contexts end to end
+# ------------------------------------------------------------------------------------------------
+PRESS_STRATEGIES = ("stream", "hybrid", "sparkv")
+
+
+def run_press(args: argparse.Namespace) -> int:
+    """``--press SPEC``: per size, the uncompressed context and its compressed variant on one
+    server; local once (uncompressed), then stream / hybrid / sparkv on both over each constant
+    link; pass-key accuracy with and without the press. Target (issue 14): at the crossover
+    (the uncompressed context's local vs stream), sparkv with the press <= 0.7x Strong Hybrid
+    without it, at pass-key parity with full KV."""
+    import torch
+
+    from sparkv.presses import PressError, canonical_spec
+    from sparkv.runtime import load_model
+
+    try:
+        spec = canonical_spec(args.press)
+    except PressError as e:
+        raise SystemExit(f"--press: {e}") from None
+    if args.link != "shaper" or args.traces:
+        raise SystemExit("--press runs on the loopback shaper with constant links only")
+    sizes = _csv(args.tokens, int)
+    mbps = _csv(args.mbps or "10,20,40")
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    t0 = time.perf_counter()
+    rows, passkey = _measure_press(args, lm, spec, sizes, mbps)
+    points = _press_points(rows)
+    targets = _press_targets(points, passkey, sizes, mbps)
+    print()
+    print(format_table(["tokens", "Mbit/s", "context", "strategy", "TTFT_med", "min", "max",
+                        "MB", "streamed", "computed"],
+                       [[p["tokens"], p["link"], p["context"], p["strategy"], p["ttft_median_s"],
+                         p["ttft_min_s"], p["ttft_max_s"], p["mb_median"], p["streamed_median"],
+                         p["computed_median"]] for p in points]))
+    print()
+    print(format_table(["tokens", "context", "trials", "pass-key accuracy"],
+                       [[r["tokens"], r["context"], r["n"], r["accuracy"]] for r in passkey]))
+    print()
+    for e in targets["per_size"]:
+        print(f"{e['tokens']} tokens, crossover {e['crossover_mbps']} Mbit/s: sparkv+press / "
+              f"hybrid = {e.get('sparkv_press_vs_hybrid', float('nan')):.2f} (target <= 0.7); "
+              f"hybrid+press / hybrid = {e.get('hybrid_press_vs_hybrid', float('nan')):.2f}; "
+              f"sparkv / hybrid = {e.get('sparkv_vs_hybrid', float('nan')):.2f}; pass key "
+              f"{e.get('passkey_press')} vs full {e.get('passkey_full')} "
+              f"({'parity' if e.get('passkey_parity') else 'BELOW full KV'})")
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config.update({"press": spec, "mbps": mbps, "torch_threads": torch.get_num_threads(),
+                   "question": QUESTION, "wall_s": time.perf_counter() - t0,
+                   "note": "2-core CPU shared with other jobs (loaded): absolute seconds are "
+                           "pessimistic; ratios are measured within one run"})
+    if args.json or args.out:
+        out = Path(args.out) if args.out else results_dir() / "ttft_press.json"
+        write_result("ttft_press", {"points": points, "passkey": passkey, "targets": targets,
+                                    "runs": rows}, config, out)
+        print(f"wrote {out}")
+    return 0
+
+
+def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int],
+                   mbps: list[float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from tqdm import tqdm
+
+    from sparkv.bench.tasks import task_suite
+    from sparkv.edge.prompts import chat_context
+    from sparkv.edge.session import EdgeSession
+    from sparkv.runtime import sample_context_ids
+    from sparkv.scheduler.trace import Trace
+
+    rows: list[dict[str, Any]] = []
+    passkey: list[dict[str, Any]] = []
+    levels = _csv(args.levels, str)
+    with tempfile.TemporaryDirectory(prefix="sparkv-bench-ttft-press-") as tmp:
+        path = _Loopback(args, tmp)
+        try:
+            for n in sizes:
+                context = chat_context(lm, sample_context_ids(lm, n - 40))
+                session = EdgeSession.connect(path.url, model=lm, shaper=path.shaper(None))
+                client = session.client
+                t0 = time.perf_counter()
+                full = client.create_context(token_ids=context, chunk_tokens=args.chunk_tokens,
+                                             levels=levels)
+                pressed = client.pressed_context(full, spec)
+                kept = client.manifest(pressed).press
+                print(f"[{n} tokens] contexts {full[:8]} and {pressed[:8]} ({spec}, kept "
+                      f"{kept.kept_fraction if kept else float('nan'):.3f}) encoded in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+                cids = {"full": full, "press": pressed}
+                for cid in cids.values():      # warm-up (see _measure_all)
+                    for strat in ("local", *PRESS_STRATEGIES):
+                        session.ask(cid, QUESTION, strategy=strat, max_new_tokens=2,
+                                    use_cache=False)
+                work = [(None, "full", "local")] + [(m, c, s) for m in mbps for c in cids
+                                                     for s in PRESS_STRATEGIES]
+                for m, variant, strat in tqdm(work, desc=f"ttft --press {n} tok"):
+                    trace = Trace.constant(m) if m is not None else None
+                    for r in range(args.runs):
+                        session.priors.bandwidth_Bps = None
+                        client.shaper = path.shaper(trace)
+                        res = session.ask(cids[variant], QUESTION, strategy=strat,
+                                          use_cache=False, max_new_tokens=args.new_tokens,
+                                          stop_at_eos=False)
+                        row = _row(args, n, m, strat, r, res, None, trace)
+                        row["context"] = variant
+                        rows.append(row)
+                session.close()
+                # pass key with and without the press (sparkv, unshaped link)
+                tasks = task_suite(("passkey",), (n,), args.press_trials,
+                                   lambda s: len(lm.encode_text(s)))
+                session = EdgeSession.connect(path.url, model=lm, shaper=path.shaper(None))
+                hits = {"full": 0, "press": 0}
+                for task in tqdm(tasks, desc=f"pass key {n} tok"):
+                    ids = chat_context(lm, lm.encode_text(task.document))
+                    full = session.client.create_context(token_ids=ids,
+                                                         chunk_tokens=args.chunk_tokens,
+                                                         levels=levels)
+                    for variant, cid in (("full", full),
+                                         ("press", session.client.pressed_context(full, spec))):
+                        res = session.ask(cid, task.question, strategy="sparkv",
+                                          max_new_tokens=16)
+                        ok = task.correct(res.answer)
+                        hits[variant] += int(ok)
+                        rows.append({"tokens": n, "task": task.to_dict(), "context": variant,
+                                     "answer": res.answer, "correct": ok, "kind": "passkey"})
+                for variant, h in hits.items():
+                    passkey.append({"tokens": n, "context": variant, "n": len(tasks),
+                                    "accuracy": h / max(1, len(tasks))})
+                session.close()
+        finally:
+            path.close()
+    return rows, passkey
+
+
+def _press_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    groups: dict[tuple[int, Any, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("kind") == "passkey":
+            continue
+        groups.setdefault((r["tokens"], r["link"], r["context"], r["strategy"]), []).append(r)
+    out = []
+    for (n, link, variant, strat), rs in sorted(groups.items(), key=lambda x: (
+            x[0][0], -1 if x[0][1] == "any" else x[0][1], x[0][2], x[0][3])):
+        tt = [x["ttft_s"] for x in rs]
+        out.append({"tokens": n, "link": link, "context": variant, "strategy": strat,
+                    "runs": len(rs), "ttft_median_s": statistics.median(tt),
+                    "ttft_min_s": min(tt), "ttft_max_s": max(tt),
+                    "mb_median": statistics.median(x["mb"] for x in rs),
+                    "streamed_median": statistics.median(x["streamed"] for x in rs),
+                    "computed_median": statistics.median(x["computed"] for x in rs),
+                    "fallbacks": sum(1 for x in rs if x["fallback"])})
+    return out
+
+
+def _press_targets(points: list[dict[str, Any]], passkey: list[dict[str, Any]],
+                   sizes: list[int], mbps: list[float]) -> dict[str, Any]:
+    by = {(p["tokens"], p["link"], p["context"], p["strategy"]): p["ttft_median_s"]
+          for p in points}
+    acc = {(r["tokens"], r["context"]): r["accuracy"] for r in passkey}
+    out: dict[str, Any] = {"per_size": [], "targets": {"sparkv_press_vs_hybrid": 0.7,
+                                                       "passkey": "press >= full"}}
+    for n in sizes:
+        local = by.get((n, "any", "full", "local"))
+        cross, best = None, None
+        for m in mbps:
+            st = by.get((n, m, "full", "stream"))
+            if local and st:
+                gap = max(local, st) / min(local, st) - 1.0
+                if best is None or gap < best:
+                    best, cross = gap, m
+        e: dict[str, Any] = {"tokens": n, "crossover_mbps": cross}
+        hy = by.get((n, cross, "full", "hybrid"))
+        if cross is not None and hy:
+            for key, ctx, strat in (("sparkv_press_vs_hybrid", "press", "sparkv"),
+                                    ("hybrid_press_vs_hybrid", "press", "hybrid"),
+                                    ("sparkv_vs_hybrid", "full", "sparkv"),
+                                    ("stream_press_vs_hybrid", "press", "stream")):
+                if (n, cross, ctx, strat) in by:
+                    e[key] = by[(n, cross, ctx, strat)] / hy
+            if (n, cross, "press", "hybrid") in by and (n, cross, "press", "sparkv") in by:
+                e["sparkv_press_vs_hybrid_press"] = (by[(n, cross, "press", "sparkv")]
+                                                     / by[(n, cross, "press", "hybrid")])
+        e["per_link_sparkv_press_vs_hybrid"] = {
+            str(m): by[(n, m, "press", "sparkv")] / by[(n, m, "full", "hybrid")]
+            for m in mbps if (n, m, "press", "sparkv") in by and (n, m, "full", "hybrid") in by}
+        e["passkey_full"], e["passkey_press"] = acc.get((n, "full")), acc.get((n, "press"))
+        e["passkey_parity"] = (None if e["passkey_full"] is None or e["passkey_press"] is None
+                               else e["passkey_press"] >= e["passkey_full"])
+        ratio = e.get("sparkv_press_vs_hybrid")
+        e["met"] = None if ratio is None else bool(ratio <= 0.7 and e["passkey_parity"])
+        out["per_size"].append(e)
+    return out

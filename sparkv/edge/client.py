@@ -160,11 +160,16 @@ class EdgeClient:
                        levels: Sequence[str] | None = None, chunk_tokens: int | None = None,
                        heads_per_group: int = 0, model: str | None = None, wait: bool = True,
                        encrypt: bool = False, timeout_s: float = 900.0,
-                       progress: bool = False) -> str:
+                       progress: bool = False, press: str | None = None) -> str:
         """Asks the server to encode a context; with ``wait``, polls its job until it is done.
         With ``encrypt`` the frames are stored AES-GCM-encrypted; the key the server returns
-        (once) is kept in :attr:`encryption_keys`."""
+        (once) is kept in :attr:`encryption_keys`. With ``press`` (``NAME:RATIO``,
+        ``NAME:PCT%``, ``NAME:TOKENSt``) the server compresses the context question-agnostically
+        and stores only the kept entries: a different context id from the uncompressed one
+        (docs/presses.md, "On the server")."""
         body: dict[str, Any] = {"heads_per_group": heads_per_group, "encrypt": bool(encrypt)}
+        if press is not None:
+            body["press"] = str(press)
         if text is not None:
             body["text"] = text
         if token_ids is not None:
@@ -198,6 +203,25 @@ class EdgeClient:
                 last = frac
             time.sleep(0.2)
         raise ApiError(504, "job_timeout", f"context {cid} was not encoded in {timeout_s:.0f} s")
+
+    def pressed_context(self, context_id: str, press: str, *, wait: bool = True,
+                        timeout_s: float = 900.0, progress: bool = False) -> str:
+        """The id of the compressed variant of stored context ``context_id`` under ``press``:
+        its token ids are sent again (``POST /v1/contexts``) with the same model, geometry,
+        levels and encryption, plus the press. The server derives the id from all of that, so a
+        variant encoded before is found, not encoded again (200); otherwise this waits for its
+        job (with ``wait``)."""
+        m = self.manifest(context_id)
+        if m.press is not None:
+            raise ApiError(400, "already_compressed",
+                           f"context {context_id} is already compressed ({m.press.spec})")
+        tokens = self.tokens(context_id)
+        g = m.geometry
+        hpg = 0 if g.heads_per_group == g.num_kv_heads else g.heads_per_group
+        return self.create_context(token_ids=tokens, levels=list(m.levels),
+                                   chunk_tokens=g.chunk_tokens, heads_per_group=hpg,
+                                   model=m.model.name, wait=wait, encrypt=m.encrypted,
+                                   timeout_s=timeout_s, progress=progress, press=press)
 
     def _cache_path(self, context_id: str) -> Path | None:
         if self.cache_dir is None:

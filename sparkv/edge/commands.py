@@ -56,6 +56,12 @@ def register(sub: "argparse._SubParsersAction") -> None:
     a.add_argument("--ram-budget", type=float, default=None,
                    help="KV bytes the decode policy may keep in RAM, or a fraction <= 1 of the "
                         "final KV (with --decode)")
+    a.add_argument("--press", default=None, metavar="NAME:RATIO",
+                   help="answer from the context compressed on the server by this KV press, "
+                        "question-agnostically (adakv:0.5, snapkv:20%%, dynamickv:256t; suffix "
+                        "@repeat: a fixed probe question as the window): its "
+                        "token ids are posted again with the press (encoded once, then found "
+                        "by id); only the kept entries stream and are attended (docs/presses.md)")
     a.add_argument("--key", default=None, help="encryption key of an encrypted context")
     a.add_argument("--no-cache", action="store_true",
                    help="do not keep manifests and token ids under the cache dir")
@@ -82,12 +88,21 @@ def _ask(args: argparse.Namespace) -> int:
                              device=args.device, dtype=args.dtype) as session:
         if args.key:
             session.client.encryption_keys[args.context] = args.key
+        context = args.context
+        if args.press:
+            from sparkv.presses import PressError, canonical_spec
+
+            try:
+                spec = canonical_spec(args.press)
+            except PressError as e:
+                raise SystemExit(f"sparkv ask: --press: {e}") from None
+            context = session.client.pressed_context(args.context, spec, progress=not args.json)
         if args.keep:
             from sparkv.device import ContextService
             session.context_service = ContextService(
                 session.lm, int(args.keep_budget_mb * 1e6),
                 args.keep_dir or cache_dir() / "device" / "kept")
-        res = session.ask(args.context, args.question, strategy=args.strategy,
+        res = session.ask(context, args.question, strategy=args.strategy,
                           level=args.level, backend=args.backend,
                           max_new_tokens=args.max_new_tokens, decode=args.decode,
                           ram_budget=args.ram_budget, keep=args.keep)
@@ -95,7 +110,7 @@ def _ask(args: argparse.Namespace) -> int:
         print(json.dumps({"answer": res.answer, "tokens": res.tokens,
                           "breakdown": res.breakdown.to_dict(),
                           "plan": res.plan.counts() if res.plan else None,
-                          "kept_id": res.kept_id}, indent=1))
+                          "kept_id": res.kept_id, "context_id": context}, indent=1))
     else:
         print(res.answer.strip())
         print()

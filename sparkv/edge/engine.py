@@ -44,7 +44,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from sparkv.edge.results import LoadResult, TransferLog, TransferStatus
 from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceError
@@ -117,11 +117,19 @@ class Engine:
         controller: the controller's configuration (``ControllerConfig.static()``: the plan as is).
         source: where streamed frames come from (unused, and may be ``None``, for a local plan).
         open_frame: decrypts a stored frame (encrypted contexts).
+        kept: a compressed context's kept entries per chunk, ``cid -> (counts, absolute
+            positions per head)`` (:attr:`Manifest.kept_positions
+            <sparkv.protocol.Manifest.kept_positions>`): a streamed frame then holds only those
+            rows (``[1, sum(counts), D]``) and becomes a :class:`~sparkv.cache.ChunkPayload`
+            with them; locally computed chunks stay whole (the caller prunes every layer to
+            the same positions once loading completes).
     """
 
     def __init__(self, stepper: LayerStepper, plan: Plan, inst: Instance,
                  controller: ControllerConfig | None = None, *, source: ChunkSource | None = None,
-                 config: EngineConfig | None = None, open_frame: FrameOpener | None = None) -> None:
+                 config: EngineConfig | None = None, open_frame: FrameOpener | None = None,
+                 kept: Mapping[KVChunkId, tuple[Sequence[int], Sequence[Any]]] | None = None
+                 ) -> None:
         if stepper.geometry != inst.geometry:
             raise EngineError("the stepper and the instance have different geometries")
         if plan.stream_order and source is None:
@@ -132,6 +140,7 @@ class Engine:
         self.ctl = Controller(plan, inst, controller or ControllerConfig())
         self.source = source
         self.open_frame = open_frame
+        self.kept = dict(kept) if kept else {}
         self._cv = threading.Condition(threading.RLock())
         self._t0 = 0.0
         self._finished = threading.Event()
@@ -628,8 +637,13 @@ class Engine:
         why = None
         try:
             frame = self.open_frame(data, f.cid, f.level) if self.open_frame else data
-            copier = self._to_device()
-            if copier is None:
+            copier = None if f.cid in self.kept else self._to_device()
+            if f.cid in self.kept:
+                chunk = decode(frame)
+                got = chunk.id
+                if got == f.cid:
+                    why = self._put_kept(f.cid, chunk.k, chunk.v)
+            elif copier is None:
                 chunk = decode(frame)
                 got, k, v = chunk.id, chunk.k, chunk.v
             else:
@@ -639,6 +653,8 @@ class Engine:
                 got = hdr.chunk_id
             if got != f.cid:
                 why = f"frame names {got}, expected {f.cid}"
+            elif f.cid in self.kept:
+                pass
             elif copier is None:
                 self.kv.put(f.cid, k, v, source="streamed", overwrite=False)
             else:
@@ -660,6 +676,30 @@ class Engine:
                 self._failed[f.cid] = why.split(":")[0]
                 self._link_errors.append(f"{f.cid}: {why}")
             self._progress()
+
+
+    def _put_kept(self, cid: KVChunkId, k: Any, v: Any) -> str | None:
+        """A compressed chunk's decoded rows into the KV memory as a payload with the manifest's
+        counts and positions; returns why it cannot be used, or ``None``."""
+        import torch
+
+        from sparkv.cache import ChunkPayload
+
+        counts, pos = self.kept[cid]
+        rows = int(sum(counts))
+        want = (1, max(rows, 1), self.kv.geometry.head_dim)
+        if tuple(k.shape) != want:
+            return f"layout: the frame holds {tuple(k.shape)} values, the manifest keeps {want}"
+        if self.kv.has(cid):       # computed locally first: the whole chunk stays (pruned later)
+            return None
+        positions = (torch.cat([torch.as_tensor(p, dtype=torch.int32) for p in pos])
+                     if pos else torch.zeros(0, dtype=torch.int32))
+        dev, dt = self.kv.device, self.kv.dtype
+        payload = ChunkPayload(cid, "fp", [int(c) for c in counts], positions.to(dev),
+                               k[0, :rows].to(device=dev, dtype=dt).contiguous(),
+                               v[0, :rows].to(device=dev, dtype=dt).contiguous(), dt)
+        self.kv.put_payload(payload, source="streamed")
+        return None
 
 
 async def _close(stream: ChunkStream) -> None:

@@ -290,6 +290,14 @@ class EdgeSession:
         if manifest is not None:
             manifest.check_model(lm.fingerprint, lm.name)
             manifest.check_tokens(tokens)
+        # a compressed context (docs/presses.md, "On the server"): its kept positions shape the
+        # assembled cache whichever path makes each chunk (a local ask uses a cached manifest)
+        pressed = manifest if manifest is not None else client.known_manifest(context_id)
+        if pressed is not None and not pressed.compressed:
+            pressed = None
+        if pressed is not None and manifest is None:
+            pressed.check_model(lm.fingerprint, lm.name)
+            pressed.check_tokens(tokens)
         manifest_s = time.perf_counter() - t_start
 
         # ---- plan ----------------------------------------------------------------------------
@@ -338,9 +346,12 @@ class EdgeSession:
         source = client.chunk_source(context_id) if plan.stream_order else None
         engine = Engine(stepper, plan, inst, ctl_cfg, source=source,
                         config=engine_config or self.engine_config,
-                        open_frame=self._frame_opener(manifest))
+                        open_frame=self._frame_opener(manifest),
+                        kept=pressed.kept_positions if pressed is not None else None)
         load = engine.run()
         self.priors.learn(load)
+        prune_s = (apply_kept(stepper.kv, pressed, len(suffix) + max_new_tokens + 8)
+                   if pressed is not None else 0.0)
 
         # ---- answer --------------------------------------------------------------------------
         decode_stats: dict[str, Any] = {}
@@ -361,6 +372,7 @@ class EdgeSession:
                                                        label=self._kept_label(context_id))
                    if keep else None)
         breakdown = _breakdown(strategy, ttft, manifest_s, planning_s, load, gen, fallback)
+        breakdown.loading_s += prune_s
         breakdown.decode = decode_stats
         return AskResult(gen.text, gen.tokens, breakdown,
                          plan, inst, load, gen.first_logits, len(tokens), kept_id)
@@ -440,6 +452,18 @@ class EdgeSession:
             return cipher.open(data, cid.t, cid.l, cid.g, level)
 
         return open_frame
+
+
+def apply_kept(kv: Any, manifest: Manifest, spare_tokens: int = 0) -> float:
+    """Prunes every layer of an assembled cache to a compressed context's kept positions
+    (:meth:`Manifest.keep_lists`), so streamed (already pruned) and locally computed (whole)
+    chunks end in one shape; returns the seconds it took."""
+    import torch
+
+    t0 = time.perf_counter()
+    for l, row in enumerate(manifest.keep_lists()):  # noqa: E741
+        kv.prune_layer(l, [torch.from_numpy(x) for x in row], spare_tokens=spare_tokens)
+    return time.perf_counter() - t0
 
 
 def _breakdown(strategy: str, ttft: float, manifest_s: float, planning_s: float,

@@ -21,14 +21,15 @@ from sparkv.presses.apply import (CompressResult, apply_plan, compress, last, pr
 from sparkv.presses.base import Budget, Plan, Press, PressError, round_to_total
 from sparkv.presses.baselines import RandomPress, StreamingLLM
 from sparkv.presses.dynamickv import DynamicKV
-from sparkv.presses.registry import PRESSES, make_press, parse_press
+from sparkv.presses.registry import (PRESSES, PROBES, WINDOWS, canonical_spec, make_press,
+                                     parse_press, split_spec)
 from sparkv.presses.scoring import Window, WindowCapture, pool, window_attention
 from sparkv.presses.snapkv import PyramidKV, SnapKV
 
 __all__ = [
     "AdaKV", "AdaPyramid", "adaptive_head_budgets", "CompressResult", "apply_plan", "compress",
     "last", "prefill", "question_window", "score_layers", "to_memory", "Budget", "Plan", "Press",
-    "PressError", "round_to_total", "RandomPress", "StreamingLLM", "DynamicKV", "PRESSES",
+    "PressError", "round_to_total", "canonical_spec", "split_spec", "PROBES", "WINDOWS", "RandomPress", "StreamingLLM", "DynamicKV", "PRESSES",
     "make_press", "parse_press", "Window", "WindowCapture", "pool", "window_attention", "PyramidKV",
     "SnapKV",
 ]

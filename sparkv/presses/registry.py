@@ -42,3 +42,34 @@ def parse_press(spec: str) -> tuple[Press, Budget]:
         raise PressError(f"a press spec is NAME:BUDGET (e.g. adakv:0.2), got {spec!r}")
     name, _, budget = spec.partition(":")
     return make_press(name), Budget.parse(budget)
+
+
+PROBES: dict[str, str] = {"repeat": "Repeat the text above."}
+"""Fixed probe questions a server may use as a question-agnostic window (``NAME:BUDGET@repeat``):
+known before any question, the same for every context (KVzip's context-reconstruction idea)."""
+
+WINDOWS = ("end", *PROBES)
+"""Question-agnostic windows: ``end`` (the context's last tokens, kept by every head; the
+default) or a probe of :data:`PROBES` (run after the context, nothing forced)."""
+
+
+def split_spec(spec: str) -> tuple[Press, Budget, str]:
+    """``"NAME:BUDGET[@WINDOW]"`` -> the press, its budget and the window name (``end`` when
+    none is given; see :data:`WINDOWS`)."""
+    if not isinstance(spec, str):
+        raise PressError(f"a press spec is NAME:BUDGET[@WINDOW], got {spec!r}")
+    base, _, window = spec.partition("@")
+    press, budget = parse_press(base)
+    window = window.strip().lower() or "end"
+    if window not in WINDOWS:
+        raise PressError(f"unknown window {window!r}; known: {', '.join(WINDOWS)}")
+    return press, budget, window
+
+
+def canonical_spec(spec: str) -> str:
+    """The one spelling of a press spec (``"AdaKV:50%"`` -> ``"adakv:0.5"``,
+    ``"snapkv:0.2@Repeat"`` -> ``"snapkv:0.2@repeat"``; the default window ``end`` is not
+    written): what a server's context id and manifest name. Raises :class:`PressError`."""
+    _, budget, window = split_spec(spec)
+    name = spec.partition(":")[0].strip().lower()
+    return f"{name}:{budget}" + ("" if window == "end" else f"@{window}")

@@ -18,7 +18,8 @@ from sparkv.protocol.digests import (checksum, etag_of, tokens_bytes, tokens_dig
 from sparkv.protocol.errors import (ApiError, DecryptionError, ErrorResponse, ManifestError,
                                     ProtocolError, RecordError, ServerUnavailable, error_body)
 from sparkv.protocol.manifest import (MANIFEST_FORMAT, ChunkEntry, EncryptionInfo, GeometryInfo,
-                                      LevelEntry, Manifest, ModelInfo, TensorQuant)
+                                      KeptInfo, LevelEntry, Manifest, ModelInfo, PressInfo,
+                                      TensorQuant, kept_entry)
 from sparkv.protocol.stream import (FRAME_MEDIA_TYPE, STREAM_MEDIA_TYPE, RecordPiece,
                                     RecordReader, encode_records, record_header, split_records,
                                     stream_length)
@@ -28,7 +29,7 @@ __all__ = [
     "tokens_bytes", "tokens_digest", "tokens_from_bytes", "verify", "ApiError",
     "DecryptionError", "ErrorResponse", "ManifestError", "ProtocolError", "RecordError",
     "ServerUnavailable", "error_body", "MANIFEST_FORMAT", "ChunkEntry", "EncryptionInfo",
-    "GeometryInfo", "LevelEntry", "Manifest", "ModelInfo", "TensorQuant", "FRAME_MEDIA_TYPE",
+    "GeometryInfo", "KeptInfo", "LevelEntry", "Manifest", "PressInfo", "kept_entry", "ModelInfo", "TensorQuant", "FRAME_MEDIA_TYPE",
     "STREAM_MEDIA_TYPE", "RecordPiece", "RecordReader", "encode_records", "record_header",
     "split_records", "stream_length",
 ]

@@ -11,6 +11,9 @@ Parsing checks the whole document, not only its types: the geometry is self-cons
 chunk ``(t, l, g)`` of the geometry is listed exactly once with exactly the manifest's levels, each
 chunk's token range is the geometry's, every level entry has a positive size and a well-formed
 checksum, encrypted entries are 28 bytes larger than their frame, and ``total_bytes`` adds up.
+A compressed context (``press`` present) lists, per chunk, the kept positions of each KV head
+(:mod:`sparkv.protocol.kept`), checked too: counts match the positions, positions are inside the
+chunk, ascending and unique; every chunk has them exactly when the manifest has a press.
 Anything else raises :class:`~sparkv.protocol.errors.ManifestError` with a message that names the
 first problem. Unknown fields are ignored (a newer server may add some).
 """
@@ -29,6 +32,7 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.protocol.crypto import AAD_FORMAT, ALGORITHM, LAYOUT, NONCE_BYTES, OVERHEAD, TAG_BYTES
 from sparkv.protocol.digests import CHECKSUM_PATTERN, tokens_digest
 from sparkv.protocol.errors import ManifestError
+from sparkv.protocol.kept import CODINGS, decode_kept, encode_kept
 
 MANIFEST_FORMAT = "sparkv-manifest/1"
 CONTEXT_ID_PATTERN = r"^[0-9a-f]{32}$"
@@ -69,6 +73,31 @@ class LevelEntry(BaseModel):
     v: TensorQuant
 
 
+class KeptInfo(BaseModel):
+    """A compressed context's chunk: per KV head of the group, how many entries it keeps and
+    where (relative to ``token_start``; coding in :mod:`sparkv.protocol.kept`). The chunk's frames
+    hold exactly these rows, head after head (``[1, sum(counts), D]``; a chunk that keeps nothing
+    ships a one-row placeholder frame, docs/wire-format.md)."""
+
+    counts: list[int] = Field(min_length=1)
+    coding: Literal["bitmap", "delta"]
+    positions: str = Field(description="base64 of the coded relative positions")
+
+
+class PressInfo(BaseModel):
+    """How a compressed context was compressed (``POST /v1/contexts`` with ``press``)."""
+
+    spec: str = Field(description="the press spec, canonical (NAME:BUDGET[@WINDOW])")
+    name: str
+    budget: str = Field(description="a kept ratio (0.5) or tokens per head (256t)")
+    mode: Literal["agnostic"] = "agnostic"
+    window: int = Field(ge=0, description="the context's last tokens every head keeps")
+    probe: Optional[str] = Field(None, description="the fixed probe question used as the "
+                                 "window (spec NAME:BUDGET@repeat), or null: the context's end")
+    kept_entries: int = Field(ge=0)
+    kept_fraction: float = Field(ge=0, le=1)
+
+
 class ChunkEntry(BaseModel):
     """One KV chunk ``(t, l, g)`` and its frames per level."""
 
@@ -78,6 +107,7 @@ class ChunkEntry(BaseModel):
     token_start: int = Field(ge=0)
     num_tokens: int = Field(ge=1)
     levels: dict[str, LevelEntry]
+    kept: Optional[KeptInfo] = None
 
     @property
     def id(self) -> KVChunkId:
@@ -141,6 +171,7 @@ class Manifest(BaseModel):
     levels: list[str] = Field(min_length=1)
     frame_version: int = Field(ge=1)
     encryption: Optional[EncryptionInfo] = None
+    press: Optional[PressInfo] = None
     total_bytes: dict[str, int]
     chunks: list[ChunkEntry]
 
@@ -189,11 +220,28 @@ class Manifest(BaseModel):
             if set(c.levels) != want_levels:
                 raise ValueError(f"chunk {key} has levels {sorted(c.levels)}; the manifest has "
                                  f"{sorted(want_levels)}")
+            if (c.kept is None) != (self.press is None):
+                raise ValueError(f"chunk {key}: kept positions "
+                                 + ("missing in a compressed context" if c.kept is None
+                                    else "in a context without a press"))
+            if c.kept is not None:
+                if len(c.kept.counts) != geo.heads_per_group:
+                    raise ValueError(f"chunk {key}: kept counts for {len(c.kept.counts)} heads; "
+                                     f"the group has {geo.heads_per_group}")
+                try:
+                    decode_kept(c.kept.counts, c.kept.coding, c.kept.positions, c.num_tokens)
+                except ValueError as e:
+                    raise ValueError(f"chunk {key}: kept positions: {e}") from None
             for lv, e in c.levels.items():
                 if e.bytes != e.frame_bytes + overhead:
                     raise ValueError(f"chunk {key} level {lv}: {e.bytes} stored bytes for a "
                                      f"{e.frame_bytes}-byte frame (expected +{overhead})")
                 totals[lv] += e.bytes
+        if self.press is not None:
+            kept = sum(sum(c.kept.counts) for c in self.chunks if c.kept is not None)
+            if kept != self.press.kept_entries:
+                raise ValueError(f"the chunks keep {kept} entries; press.kept_entries says "
+                                 f"{self.press.kept_entries}")
         if self.total_bytes != totals:
             raise ValueError(f"total_bytes {self.total_bytes} do not add up to the chunks' "
                              f"{totals}")
@@ -204,7 +252,8 @@ class Manifest(BaseModel):
     def build(cls, *, context_id: str, model: ModelInfo | Mapping[str, Any],
               token_ids: Sequence[int], geometry: ChunkGeometry, levels: Sequence[str],
               frame_version: int, chunks: Sequence[ChunkEntry | Mapping[str, Any]],
-              encrypted: bool = False, created_unix: float | None = None) -> "Manifest":
+              encrypted: bool = False, created_unix: float | None = None,
+              press: PressInfo | Mapping[str, Any] | None = None) -> "Manifest":
         """The manifest of a freshly encoded context (``total_bytes`` is computed). Raises
         :class:`ManifestError` when the pieces do not fit together."""
         entries = [c if isinstance(c, ChunkEntry) else ChunkEntry.model_validate(c)
@@ -219,6 +268,8 @@ class Manifest(BaseModel):
                        geometry=GeometryInfo.of(geometry), levels=list(levels),
                        frame_version=frame_version,
                        encryption=EncryptionInfo() if encrypted else None,
+                       press=(None if press is None else press if isinstance(press, PressInfo)
+                              else PressInfo(**press)),
                        total_bytes=totals, chunks=entries)
         except ValidationError as e:
             raise ManifestError(f"cannot build the manifest: {_first_error(e)}") from None
@@ -242,8 +293,13 @@ class Manifest(BaseModel):
 
     def to_json(self) -> bytes:
         """The compact JSON document (what the store keeps and the server serves verbatim)."""
-        return json.dumps(self.model_dump(mode="json", exclude_none=False),
-                          separators=(",", ":"), allow_nan=False).encode()
+        doc = self.model_dump(mode="json", exclude_none=False)
+        # an uncompressed context's document is exactly what it was before presses existed
+        if doc.get("press") is None:
+            doc.pop("press", None)
+            for c in doc["chunks"]:
+                c.pop("kept", None)
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -272,6 +328,42 @@ class Manifest(BaseModel):
     @property
     def encrypted(self) -> bool:
         return self.encryption is not None
+
+    @property
+    def compressed(self) -> bool:
+        """Whether a press compressed the context (its frames hold only kept entries)."""
+        return self.press is not None
+
+    @cached_property
+    def kept_positions(self) -> dict[KVChunkId, tuple[list[int], list[Any]]]:
+        """Compressed contexts: per chunk, ``(counts, absolute positions per head)`` (numpy
+        int64, ascending); empty for an uncompressed one."""
+        out: dict[KVChunkId, tuple[list[int], list[Any]]] = {}
+        for c in self.chunks:
+            if c.kept is None:
+                continue
+            rel = decode_kept(c.kept.counts, c.kept.coding, c.kept.positions, c.num_tokens)
+            out[c.id] = (list(c.kept.counts), [r + c.token_start for r in rel])
+        return out
+
+    def keep_lists(self) -> list[list[Any]]:
+        """Compressed contexts: per layer, per KV head, every kept position (numpy int64,
+        ascending), the shape :meth:`ContextKV.prune_layer` takes."""
+        import numpy as np
+
+        g = self.chunk_geometry
+        parts: list[list[list[Any]]] = [[[] for _ in range(g.num_kv_heads)]
+                                        for _ in range(g.num_layers)]
+        for cid, (_, pos) in sorted(self.kept_positions.items()):
+            h0, _ = g.head_range(cid.g)
+            for i, p in enumerate(pos):
+                parts[cid.l][h0 + i].append(p)
+        return [[np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in layer]
+                for layer in parts]
+
+    def kept_bytes(self) -> int:
+        """Bytes of the position lists (their base64 text) in the manifest."""
+        return sum(len(c.kept.positions) for c in self.chunks if c.kept is not None)
 
     def entry(self, cid: KVChunkId, level: str) -> LevelEntry:
         """The frame of ``cid`` at ``level``; raises ``KeyError``."""
@@ -315,5 +407,12 @@ def _first_error(e: ValidationError) -> str:
     return f"{loc + ': ' if loc else ''}{msg}{more}"
 
 
+def kept_entry(positions: Sequence[Any], token_start: int, num_tokens: int) -> KeptInfo:
+    """The manifest's :class:`KeptInfo` of one chunk from its heads' absolute positions."""
+    counts, coding, text = encode_kept(positions, token_start, num_tokens)
+    return KeptInfo(counts=counts, coding=coding, positions=text)  # type: ignore[arg-type]
+
+
 __all__ = ["MANIFEST_FORMAT", "CONTEXT_ID_PATTERN", "Manifest", "ChunkEntry", "LevelEntry",
-           "TensorQuant", "GeometryInfo", "ModelInfo", "EncryptionInfo"]
+           "TensorQuant", "GeometryInfo", "ModelInfo", "EncryptionInfo", "KeptInfo", "PressInfo",
+           "kept_entry", "CODINGS"]

@@ -106,6 +106,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     e.add_argument("--chunk-tokens", type=int, default=None, help="T (default: config)")
     e.add_argument("--heads-per-group", type=int, default=0)
     e.add_argument("--token-ids", action="store_true", help="FILE holds a JSON list of token ids")
+    e.add_argument("--press", default=None, metavar="NAME:RATIO",
+                   help="compress with a KV press first, question-agnostically (adakv:0.5; "
+                        "docs/presses.md): only the kept entries are stored")
     e.add_argument("--encrypt", action="store_true",
                    help="encrypt frames; prints the key once (it is stored nowhere)")
     e.add_argument("--torch-threads", type=int, default=None)
@@ -290,8 +293,17 @@ def encode(args: argparse.Namespace) -> int:
                                   else settings.default_levels)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    press = None
+    if getattr(args, "press", None):
+        from sparkv.presses import PressError, canonical_spec
+
+        try:
+            press = canonical_spec(args.press)
+        except PressError as exc:
+            raise ConfigError(f"--press: {exc}") from None
     spec = ContextSpec(tenant, entry.name, tuple(ids), args.chunk_tokens or
-                       settings.default_chunk_tokens, levels, args.heads_per_group, args.encrypt)
+                       settings.default_chunk_tokens, levels, args.heads_per_group, args.encrypt,
+                       press)
     cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
     store = open_store(settings.store)
     result: dict[str, Any] = {"context_id": cid, "tenant": tenant, "store": store.url,

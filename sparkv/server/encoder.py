@@ -4,8 +4,16 @@ then publish the manifest. The server's background jobs and ``sparkv encode`` bo
 
 Context ids are derived from the content: SHA-256 over the tenant, the model's fingerprint, the
 tokenizer's identity, the token ids, the chunk geometry parameters, the levels, the codec's frame
-version and whether frames are encrypted (first 32 hex digits). The same request twice names the
+version, whether frames are encrypted and, for a compressed context, the press spec (first 32
+hex digits; an uncompressed context's id is what it always was). The same request twice names the
 same context, so it is encoded once.
+
+A compressed context (``ContextSpec.press``, e.g. ``adakv:0.5``; docs/presses.md, "On the
+server") is prefilled with the press's question-agnostic window (the context's last
+:data:`PRESS_WINDOW` tokens), compressed by the press, and only the kept entries are encoded: per
+chunk ``(t, l, g)``, the group's heads' kept rows, head after head, as one ``[1, R, D]`` codec
+frame (R = the rows kept; a chunk that keeps none ships a one-row zero placeholder). The
+manifest carries the press and, per chunk, the kept positions (:mod:`sparkv.protocol.kept`).
 
 The manifest (docs/rest-api.md, "Manifest") lists every chunk with, per level, the stored size,
 an ``xxh3_128`` checksum of the stored bytes (the chunk's ETag), the bits per value, the empirical
@@ -23,11 +31,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sparkv.layout import ChunkGeometry, KVChunkId
-from sparkv.protocol import ChunkEntry, FrameCipher, Manifest, ModelInfo
+from sparkv.protocol import ChunkEntry, FrameCipher, Manifest, ModelInfo, kept_entry
 from sparkv.protocol.digests import checksum, tokens_bytes, tokens_digest
 from sparkv.server.stores.base import ChunkKey, ChunkStore
 
 ID_VERSION = 1
+PRESS_WINDOW = 32
+"""The question-agnostic window of a server-side press (as :mod:`sparkv.presses` uses it)."""
 
 ProgressFn = Callable[[str, int, int], None]
 """``progress(phase, done, total)``: phase is ``prefill``, ``encoding`` or ``publishing``."""
@@ -48,6 +58,8 @@ class ContextSpec:
     levels: tuple[str, ...]
     heads_per_group: int = 0
     encrypted: bool = False
+    press: str | None = None
+    """A canonical press spec (:func:`sparkv.presses.canonical_spec`), or ``None``."""
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +75,7 @@ class ContextSpec:
     def from_record(cls, d: dict[str, Any]) -> "ContextSpec":
         return cls(d["tenant"], d["model"], tuple(int(x) for x in d["token_ids"]),
                    int(d["chunk_tokens"]), tuple(d["levels"]), int(d.get("heads_per_group", 0)),
-                   bool(d.get("encrypted", False)))
+                   bool(d.get("encrypted", False)), d.get("press") or None)
 
 
 def canonical_levels(levels: Sequence[str]) -> tuple[str, ...]:
@@ -93,6 +105,8 @@ def derive_context_id(spec: ContextSpec, model_fingerprint: str, tokenizer_id: s
         "frame_version": FRAME_VERSION,
         "encrypted": spec.encrypted,
     }
+    if spec.press:
+        doc["press"] = spec.press
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
 
@@ -204,7 +218,7 @@ class EncodeStats:
 
 
 def _manifest(spec: ContextSpec, context_id: str, entry: Any, geometry: ChunkGeometry,
-              chunks: list[dict[str, Any]]) -> Manifest:
+              chunks: list[dict[str, Any]], press: dict[str, Any] | None = None) -> Manifest:
     from sparkv.codec.frame import VERSION as FRAME_VERSION
 
     model = ModelInfo(name=spec.model, fingerprint=entry.fingerprint,
@@ -213,7 +227,7 @@ def _manifest(spec: ContextSpec, context_id: str, entry: Any, geometry: ChunkGeo
     return Manifest.build(context_id=context_id, model=model, token_ids=spec.token_ids,
                           geometry=geometry, levels=spec.levels, frame_version=FRAME_VERSION,
                           chunks=[ChunkEntry.model_validate(c) for c in chunks],
-                          encrypted=spec.encrypted)
+                          encrypted=spec.encrypted, press=press)
 
 
 def prefill_kv(lm: Any, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:
@@ -234,6 +248,64 @@ def prefill_kv(lm: Any, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:
     except TypeError:  # a transformers without logits_to_keep
         return reference_prefill(lm, token_ids)
     return [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(out.past_key_values)]
+
+
+@dataclass
+class PressedContext:
+    """A context compressed by a press: its full per-layer K/V, the plan's kept positions
+    (``keep[l][h]``, ascending int64) and the manifest's ``press`` description."""
+
+    layers: list[tuple[Any, Any]]
+    keep: list[list[Any]]
+    info: dict[str, Any]
+
+
+def press_context(lm: Any, spec: str, token_ids: Sequence[int]) -> PressedContext:
+    """Prefills the context and runs the press ``spec`` question-agnostically: the window is the
+    context's last :data:`PRESS_WINDOW` tokens, kept by every head, or with ``@repeat`` a fixed
+    probe question (:data:`sparkv.presses.PROBES`) run after the context, nothing forced."""
+    from sparkv.presses import PROBES, prefill, question_window, score_layers, split_spec
+    from sparkv.presses import to_memory
+    from sparkv.runtime.generate import prompt_parts
+
+    press, budget, window_name = split_spec(spec)
+    layers, window, _ = prefill(lm, token_ids, window=PRESS_WINDOW)
+    memory = to_memory(lm, layers)
+    probe = PROBES.get(window_name)
+    if probe is not None:   # a fixed probe question after the context (the edge's chat layout)
+        window = question_window(lm, memory, prompt_parts(lm, [], probe)[1])
+    scores, forced = score_layers(memory, press, window)
+    del memory
+    plan = press.plan(scores, len(token_ids), budget, forced)
+    info = {"spec": spec, "name": spec.partition(":")[0], "budget": str(budget),
+            "mode": "agnostic", "window": int(plan.forced), "probe": probe,
+            "kept_entries": int(plan.kept_entries),
+            "kept_fraction": round(float(plan.kept_fraction), 6)}
+    return PressedContext([(k.cpu(), v.cpu()) for k, v in layers],
+                          [[x.cpu().long() for x in row] for row in plan.keep], info)
+
+
+def kept_rows(pressed: PressedContext, geometry: ChunkGeometry, cid: KVChunkId
+              ) -> tuple[list[Any], Any, Any]:
+    """A compressed chunk's kept positions per head (absolute) and its ``[1, R, D]`` K and V
+    (the heads' kept rows, head after head; ``R = 1`` zeros when nothing is kept)."""
+    import torch
+
+    k, v = pressed.layers[cid.l]
+    t0, t1 = geometry.token_range(cid.t)
+    h0, h1 = geometry.head_range(cid.g)
+    pos, ks, vs = [], [], []
+    for h in range(h0, h1):
+        keep = pressed.keep[cid.l][h]
+        p = keep[(keep >= t0) & (keep < t1)]
+        pos.append(p)
+        ks.append(k[0, h, p])
+        vs.append(v[0, h, p])
+    kk, vv = torch.cat(ks), torch.cat(vs)
+    if kk.shape[0] == 0:
+        kk = torch.zeros(1, geometry.head_dim, dtype=k.dtype)
+        vv = torch.zeros_like(kk)
+    return pos, kk.unsqueeze(0).contiguous(), vv.unsqueeze(0).contiguous()
 
 
 def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkStore, *,
@@ -277,8 +349,14 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     needed = [ChunkKey(*cid, lv) not in existing for cid, lv in keys]
 
     pieces: dict[KVChunkId, tuple[torch.Tensor, torch.Tensor]] = {}
+    pressed: PressedContext | None = None
     report("prefill", 0, total)
-    if any(needed):
+    if spec.press:  # the kept positions go into the manifest: always prefilled and pressed
+        t0 = time.perf_counter()
+        pressed = press_context(lm, spec.press, spec.token_ids)
+        pieces = split_chunks(pressed.layers, geometry)
+        stats.prefill_s = time.perf_counter() - t0
+    elif any(needed):
         t0 = time.perf_counter()
         layer_kv = [(k.cpu(), v.cpu()) for k, v in prefill_kv(lm, spec.token_ids)]  # codec: CPU
         pieces = split_chunks(layer_kv, geometry)
@@ -310,7 +388,10 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
                 pieces = split_chunks([(k.cpu(), v.cpu()) for k, v in
                                        prefill_kv(lm, spec.token_ids)], geometry)
                 stats.prefill_s += time.perf_counter() - t0
-            k, v = pieces[cid]
+            if pressed is not None:
+                _, k, v = kept_rows(pressed, geometry, cid)
+            else:
+                k, v = pieces[cid]
             t0 = time.perf_counter()
             frame = encode(KVChunk(cid, geometry.token_range(cid.t)[0], k.contiguous(),
                                    v.contiguous(), geometry.num_layers), lv)
@@ -332,6 +413,10 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
             start, end = geometry.token_range(cid.t)
             chunk_entry = entries[cid] = {"t": cid.t, "l": cid.l, "g": cid.g, "token_start": start,
                                           "num_tokens": end - start, "levels": {}}
+            if pressed is not None:
+                pos = kept_rows(pressed, geometry, cid)[0]
+                chunk_entry["kept"] = kept_entry([p.numpy() for p in pos], start,
+                                                 end - start).model_dump()
         chunk_entry["levels"][lv] = info
         done += 1
         report("encoding", done, total)
@@ -344,7 +429,8 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     t0 = time.perf_counter()
     store.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
     stats.store_s += time.perf_counter() - t0
-    manifest = _manifest(spec, context_id, entry, geometry, list(entries.values()))
+    manifest = _manifest(spec, context_id, entry, geometry, list(entries.values()),
+                         pressed.info if pressed is not None else None)
     data = manifest.to_json()
     stats.total_s = time.perf_counter() - t_start
     return data, stats

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator,
+                      model_validator)
 
 from sparkv.codec import DEFAULT_LEVEL, LEVEL_ORDER
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
@@ -85,12 +86,31 @@ class CreateContext(BaseModel):
         0, description="KV heads per group (0: every KV head in one group)")
     encrypt: StrictBool = Field(False, description="AES-256-GCM-encrypt the stored frames with a "
                                 "new per-context key, returned once in this response")
+    press: Optional[str] = Field(
+        None, min_length=3, max_length=64, examples=["adakv:0.5", "snapkv:20%", "dynamickv:256t"],
+        description="compress the context with a KV press, question-agnostically, before "
+                    "encoding: NAME:RATIO, NAME:PCT% or NAME:TOKENSt, optionally @repeat (a fixed "
+                    "probe question as the window instead of the context's last 32 tokens; "
+                    "docs/presses.md); the frames then hold only the kept entries and the "
+                    "manifest their positions")
 
     @model_validator(mode="after")
     def _one_source(self) -> "CreateContext":
         if (self.text is None) == (self.token_ids is None):
             raise ValueError("give exactly one of 'text' and 'token_ids'")
         return self
+
+    @field_validator("press")
+    @classmethod
+    def _press_spec(cls, value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return None
+        from sparkv.presses import PressError, canonical_spec
+
+        try:
+            return canonical_spec(value)
+        except PressError as e:
+            raise ValueError(str(e)) from None
 
 
 class ContextCreated(BaseModel):
@@ -103,6 +123,7 @@ class ContextCreated(BaseModel):
     levels: list[str]
     chunk_tokens: int
     encrypted: bool
+    press: Optional[str] = Field(None, description="the press spec (canonical), if compressed")
     encryption_key: Optional[str] = Field(None, description="base64url AES-256 key; present only "
                                           "in the response that created the job")
     manifest_url: str

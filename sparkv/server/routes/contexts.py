@@ -46,7 +46,7 @@ async def create_context(body: schemas.CreateContext, state: StateDep,
         "context_id": cid, "job_id": job_id, "status": result.status,
         "model": spec.model, "num_tokens": spec.num_tokens, "num_chunks": num_chunks,
         "levels": list(spec.levels), "chunk_tokens": spec.chunk_tokens,
-        "encrypted": spec.encrypted, "encryption_key": None,
+        "encrypted": spec.encrypted, "press": spec.press, "encryption_key": None,
         "manifest_url": f"/v1/contexts/{cid}",
         "job_url": f"/v1/jobs/{job_id}" if job_id else None,
     }
@@ -174,8 +174,10 @@ def submit_context(state: ServerState, tenant: str, body: schemas.CreateContext
                                              body.heads_per_group)
     except ValueError as exc:
         raise ApiError(400, "bad_geometry", str(exc)) from None
+    if body.press and len(ids) < 2:
+        raise ApiError(400, "context_too_short", "a press needs a context of at least 2 tokens")
     spec = ContextSpec(tenant, entry.name, tuple(ids), chunk_tokens, levels,
-                       body.heads_per_group, body.encrypt)
+                       body.heads_per_group, body.encrypt, body.press)
     cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
     result = state.jobs.submit(spec, cid, geometry.num_chunks * len(levels))
     return result, spec, cid, geometry.num_chunks

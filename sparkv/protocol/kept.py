@@ -1,0 +1,148 @@
+"""Kept positions of a compressed context's chunk, as the manifest carries them (docs/wire-format.md,
+"Compressed contexts").
+
+A chunk ``(t, l, g)`` of ``n`` tokens starting at ``token_start`` keeps, per KV head of its group,
+an ascending set of positions. The manifest stores them relative to ``token_start`` in one of two
+codings, whichever is smaller for that chunk (ties: ``bitmap``), base64 (standard alphabet, with
+padding):
+
+* ``bitmap``: ``heads x n`` bits, head after head, each head's ``n`` bits starting on a byte
+  boundary (``ceil(n / 8)`` bytes per head), bit ``i`` of a head (LSB first within each byte) set
+  when relative position ``i`` is kept; the padding bits of a head's last byte are zero;
+* ``delta``: per head, ``counts[h]`` unsigned LEB128 varints: the first is the first relative
+  position, each later one the gap to the previous position minus one (so every value is
+  ``>= 0`` and positions are strictly ascending by construction); heads follow each other with no
+  separator (``counts`` says where one ends).
+
+:func:`encode_kept` picks the coding; :func:`decode_kept` checks everything (counts match the
+positions, positions inside the chunk, ascending and unique, no trailing or missing bytes, zero
+padding bits) and raises ``ValueError`` with the first problem.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Sequence
+
+import numpy as np
+
+BITMAP = "bitmap"
+DELTA = "delta"
+CODINGS = (BITMAP, DELTA)
+
+
+def _bitmap(rel: Sequence[np.ndarray], n: int) -> bytes:
+    per = (n + 7) // 8
+    out = bytearray()
+    for r in rel:
+        bits = np.zeros(per * 8, dtype=np.uint8)
+        bits[np.asarray(r, dtype=np.int64)] = 1
+        out += np.packbits(bits, bitorder="little").tobytes()
+    return bytes(out)
+
+
+def _varints(values: np.ndarray) -> bytes:
+    out = bytearray()
+    for x in values.tolist():
+        x = int(x)
+        while True:
+            b = x & 0x7F
+            x >>= 7
+            if x:
+                out.append(b | 0x80)
+            else:
+                out.append(b)
+                break
+    return bytes(out)
+
+
+def _delta(rel: Sequence[np.ndarray]) -> bytes:
+    out = bytearray()
+    for r in rel:
+        r = np.asarray(r, dtype=np.int64)
+        if r.size:
+            gaps = np.concatenate([r[:1], np.diff(r) - 1])
+            out += _varints(gaps)
+    return bytes(out)
+
+
+def encode_kept(positions: Sequence[Sequence[int] | np.ndarray], token_start: int,
+                num_tokens: int) -> tuple[list[int], str, str]:
+    """Per head, the absolute positions kept in ``[token_start, token_start + num_tokens)``
+    (ascending, unique) -> ``(counts, coding, base64 text)``. Raises ``ValueError`` on positions
+    outside the chunk or not strictly ascending."""
+    rel = []
+    for h, p in enumerate(positions):
+        r = np.asarray(p, dtype=np.int64).reshape(-1) - int(token_start)
+        if r.size and (int(r[0]) < 0 or int(r[-1]) >= num_tokens or bool((np.diff(r) <= 0).any())):
+            raise ValueError(f"head {h}: kept positions must be ascending, unique and inside "
+                             f"[{token_start}, {token_start + num_tokens})")
+        rel.append(r)
+    counts = [int(r.size) for r in rel]
+    bm, dl = _bitmap(rel, num_tokens), _delta(rel)
+    coding, raw = (BITMAP, bm) if len(bm) <= len(dl) else (DELTA, dl)
+    return counts, coding, base64.b64encode(raw).decode("ascii")
+
+
+def decode_kept(counts: Sequence[int], coding: str, text: str, num_tokens: int
+                ) -> list[np.ndarray]:
+    """Per head, the kept positions relative to the chunk's start (int64, ascending). Raises
+    ``ValueError`` naming the first problem (module docstring)."""
+    if coding not in CODINGS:
+        raise ValueError(f"unknown position coding {coding!r} (known: {', '.join(CODINGS)})")
+    if any(int(c) < 0 or int(c) > num_tokens for c in counts):
+        raise ValueError(f"counts {list(counts)} must each be in [0, {num_tokens}]")
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, ValueError, UnicodeEncodeError):
+        raise ValueError("positions are not valid base64") from None
+    heads = len(counts)
+    out: list[np.ndarray] = []
+    if coding == BITMAP:
+        per = (num_tokens + 7) // 8
+        if len(raw) != per * heads:
+            raise ValueError(f"a bitmap of {heads} heads x {num_tokens} tokens has "
+                             f"{per * heads} bytes, got {len(raw)}")
+        arr = np.frombuffer(raw, dtype=np.uint8)
+        for h in range(heads):
+            bits = np.unpackbits(arr[h * per:(h + 1) * per], bitorder="little")
+            if bits[num_tokens:].any():
+                raise ValueError(f"head {h}: bitmap padding bits are set (positions past the "
+                                 f"chunk's {num_tokens} tokens)")
+            pos = np.flatnonzero(bits[:num_tokens]).astype(np.int64)
+            if pos.size != int(counts[h]):
+                raise ValueError(f"head {h}: counts say {int(counts[h])} kept, the bitmap has "
+                                 f"{pos.size}")
+            out.append(pos)
+        return out
+    i = 0
+    for h in range(heads):
+        vals = []
+        for _ in range(int(counts[h])):
+            x, shift = 0, 0
+            while True:
+                if i >= len(raw):
+                    raise ValueError(f"head {h}: delta positions cut short ({int(counts[h])} "
+                                     "counted)")
+                b = raw[i]
+                i += 1
+                x |= (b & 0x7F) << shift
+                shift += 7
+                if not b & 0x80:
+                    break
+                if shift > 35:
+                    raise ValueError(f"head {h}: a delta varint is too long")
+            vals.append(x)
+        pos = np.cumsum(np.asarray(vals, dtype=np.int64) + 1) - 1 if vals else \
+            np.zeros(0, dtype=np.int64)
+        if pos.size and int(pos[-1]) >= num_tokens:
+            raise ValueError(f"head {h}: position {int(pos[-1])} is past the chunk's "
+                             f"{num_tokens} tokens")
+        out.append(pos)
+    if i != len(raw):
+        raise ValueError(f"{len(raw) - i} trailing bytes after the delta positions")
+    return out
+
+
+__all__ = ["BITMAP", "DELTA", "CODINGS", "encode_kept", "decode_kept"]

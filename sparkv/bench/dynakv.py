@@ -55,6 +55,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     add_device_args(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default=None)
+    p.add_argument("--note", default=None, help="a remark stored in the JSON's config (e.g. that "
+                                                "the machine was loaded)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
@@ -182,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    import os
+
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     task = make_task("passkey", args.prompt_tokens, args.depth, args.seed,
                      lambda s: len(lm.encode_text(s)))
@@ -237,7 +242,11 @@ def run(args: argparse.Namespace) -> int:
               "retrieval": args.retrieval, "policies": ["full"] + policies,
               "depth": args.depth, "seed": args.seed, "passkey": task.answers[0],
               "reference": "full KV greedy; other policies teacher-forced on its tokens",
-              "threads": torch.get_num_threads(), "quick": bool(args.quick)}
+              "threads": torch.get_num_threads(), "quick": bool(args.quick),
+              "load_avg_start": load_start,
+              "load_avg_end": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    if args.note:
+        config["note"] = args.note
     for r in rows:
         r.pop("predicted", None)
     path = write_result("dynakv", {"results": rows, "targets": targets}, config, args.out)

@@ -88,6 +88,15 @@ class ClusterCache:
         self._touch(key, item[1])
         return item[0]
 
+    def get_sized(self, key: Hashable) -> tuple[Any, int] | None:
+        """:meth:`get`, with the value's size: ``(value, nbytes)`` or None."""
+        item = self.items.get(key)
+        if item is None:
+            return None
+        self.freq[key] = self.freq.get(key, 1) + 1
+        self._touch(key, item[1])
+        return item
+
     def is_reserved(self, key: Hashable) -> bool:
         return key in self.reserved
 

@@ -76,6 +76,14 @@ class DecodeConfig:
             updated clusters) | ``lru``.
         reserve_frac: share of the cache reserved for just-updated clusters (``dynakv``).
         prefetch: read the next layer's predicted clusters on a thread while this layer computes.
+        attend_tails: attend every cluster's write-buffer tail (its newest entries, in RAM) each
+            step, selected or not (like the delayed-split buffers and ``local``'s waiting
+            entries); False: a tail is attended only with its selected cluster.
+        budget_outside_window: a selected cluster costs the entry budget only its entries outside
+            the always-resident window (which is attended anyway), and a cluster wholly inside
+            the window is not retrieved; False: its whole size.
+        warm: fill the cluster cache at prefill with the clusters the prompt's last queries
+            retrieve most often (the same rule for every policy; see ``ClusteredKV._warm``).
         local_every: ``local`` update: cluster the new entries every this many of them.
         local_cluster: ``local`` update: target entries per new cluster.
         merge_gap: pages of gap a read may span to join two runs into one operation.
@@ -101,6 +109,9 @@ class DecodeConfig:
     replacement: str = "dynakv"
     reserve_frac: float = 0.05
     prefetch: bool = True
+    warm: bool = True
+    attend_tails: bool = True
+    budget_outside_window: bool = False
     local_every: int = 32
     local_cluster: int = 8
     merge_gap: int = 1

@@ -110,6 +110,41 @@ def partition(x: np.ndarray, tau: float, max_size: int, iters: int) -> list[np.n
     return out
 
 
+class CentroidTable:
+    """The float32 centroids of every KV head of a layer, padded to one capacity: ``[H, cap, D]``.
+    Each head's :class:`ClusterIndex` keeps its ``mean32`` as a row view, so a decoding step
+    scores every head's clusters with one batched matmul."""
+
+    def __init__(self, indexes: list[ClusterIndex]) -> None:
+        self.indexes = indexes
+        cap = max(i.mean32.shape[0] for i in indexes)
+        self.data = np.zeros((len(indexes), cap, indexes[0].d), np.float32)
+        for h, i in enumerate(indexes):
+            self.data[h, :i.mean32.shape[0]] = i.mean32
+        self._point()
+        for i in indexes:
+            i.table = self
+
+    def _point(self) -> None:
+        for h, i in enumerate(self.indexes):
+            i.mean32 = self.data[h]
+
+    def ensure(self, cap: int) -> None:
+        """Room for ``cap`` slots in every head (rows copied)."""
+        if cap <= self.data.shape[1]:
+            return
+        new = np.zeros((self.data.shape[0], cap, self.data.shape[2]), np.float32)
+        new[:, :self.data.shape[1]] = self.data
+        self.data = new
+        self._point()
+
+    def scores(self, qg: np.ndarray) -> np.ndarray:
+        """``qg [H, r, D]`` -> raw ``[H, S]`` scores (``max`` over each head's query rows) of the
+        first ``S = max size`` slots."""
+        s = max(i.size for i in self.indexes)
+        return np.matmul(qg, self.data[:, :s].transpose(0, 2, 1)).max(1)
+
+
 class ClusterIndex:
     """Clusters of one (layer, KV head) (module docstring)."""
 
@@ -136,11 +171,23 @@ class ClusterIndex:
         self.buffer_peak = 0
         self.waiting = Resident()                 # local update: not yet clustered
         self.splits = SplitCounts()
+        #: the layer's padded centroid table [H, cap, D] (float32) this index's ``mean32`` is a
+        #: row of, so a layer scores every head in one batched matmul (set by ``share_table``)
+        self.table: CentroidTable | None = None
+        #: the always-resident window ``(sinks, start)`` as last set by the layer, and
+        #: position -> slot for the positions of clusters that are (or may still be) in it, so
+        #: the entry budget counts only what a cluster adds beyond the window
+        self.win = (0, 0)
+        self.where: dict[int, int] = {}
 
     # ---- slots -------------------------------------------------------------------------------------
     def _grow(self) -> None:
         cap = self.mean.shape[0] * 2
+        if self.table is not None:
+            self.table.ensure(cap)                # re-points every head's mean32 (copied)
         for name in ("mean", "mean32", "m2", "n", "alive", "flag", "uid"):
+            if name == "mean32" and self.table is not None:
+                continue
             old = getattr(self, name)
             new = np.zeros((cap, *old.shape[1:]), old.dtype)
             if name == "uid":
@@ -159,6 +206,25 @@ class ClusterIndex:
         self._set_stats(s, x)
         return s
 
+    def _mark(self, slot: int, positions: np.ndarray) -> None:
+        """Positions now held by ``slot`` (only those the window may hold are remembered)."""
+        s_end, w0 = self.win
+        for p in np.asarray(positions).tolist():
+            if p < s_end or p >= w0:
+                self.where[p] = slot
+
+    def window_counts(self, s_end: int, w0: int) -> np.ndarray:
+        """Per slot, its entries inside the window ``[0, s_end) + [w0, ...)`` (which the layer
+        attends anyway); sets the window and forgets positions that left it."""
+        self.win = (s_end, w0)
+        gone = [p for p in self.where if s_end <= p < w0]
+        for p in gone:
+            del self.where[p]
+        if not self.where:
+            return np.zeros(self.size, np.int64)
+        return np.bincount(np.fromiter(self.where.values(), np.int64, len(self.where)),
+                           minlength=self.size)[:self.size]
+
     def _set_stats(self, s: int, x: np.ndarray) -> None:
         n, mu, m2 = stats(x)
         self.n[s], self.mean[s], self.m2[s] = n, mu, m2
@@ -173,39 +239,62 @@ class ClusterIndex:
         return self.m2[:s] / np.maximum(self.n[:s], 1)
 
     # ---- prefill -----------------------------------------------------------------------------------
-    def build(self, groups: list[FlushedData]) -> None:
-        """Places prefill clusters (already in co-retrieval order) on flash and indexes them."""
+    def build(self, groups: list[FlushedData]) -> list[int]:
+        """Places prefill clusters (already in co-retrieval order) on flash and indexes them;
+        returns their units' ids."""
         uids = self.store.place(self.head, groups)
-        for uid, (k, _, _) in zip(uids, groups):
-            self._new_slot(uid, k.double().numpy())
+        for uid, (k, _, pos) in zip(uids, groups):
+            self._mark(self._new_slot(uid, k.double().numpy()), pos)
+        return uids
 
     # ---- retrieval ---------------------------------------------------------------------------------
     def scores(self, qg: np.ndarray) -> np.ndarray:
         """``qg [r, D]`` (the head's query group) -> score per slot (dead slots -inf)."""
         s = self.size
-        sc = (qg @ self.mean32[:s].T).max(0).astype(np.float64)
-        sc[~self.alive[:s]] = -np.inf
+        return self.mask_scores((qg @ self.mean32[:s].T).max(0))
+
+    def mask_scores(self, sc: np.ndarray) -> np.ndarray:
+        """Raw scores of the first ``size`` slots -> float64 with dead slots at -inf."""
+        sc = sc[:self.size].astype(np.float64)
+        sc[~self.alive[:self.size]] = -np.inf
         return sc
 
     def select(self, qg: np.ndarray, budget: int) -> list[int]:
         """Units of the best clusters, taken whole, best score first: a cluster that does not
         fit what is left of ``budget`` entries is skipped and the next ones still may fit."""
-        sc = self.scores(qg)
+        return self.select_scored(self.scores(qg), budget)
+
+    def select_scored(self, sc: np.ndarray, budget: int, inwin: np.ndarray | None = None
+                      ) -> list[int]:
+        """:meth:`select` from scores already computed (:meth:`mask_scores`). With ``inwin``
+        (:meth:`window_counts`) a cluster costs only its entries outside the window, and a
+        cluster wholly inside it is not retrieved (the window holds it already)."""
         order = np.argsort(-sc, kind="stable")
         order = order[np.isfinite(sc[order])]
         sizes = self.n[order]
+        if inwin is not None:
+            sizes = sizes - inwin[order]
+            live = sizes > 0
+            order, sizes = order[live], sizes[live]
         cum = np.cumsum(sizes)
         take = int(np.searchsorted(cum, budget, side="right"))
-        picked = order[:take].tolist()
+        picked = order[:take]
         left = budget - (int(cum[take - 1]) if take else 0)
         if take < len(order) and left > 0:
-            small = sizes[take:] <= left
-            for j, n in zip(order[take:][small].tolist(), sizes[take:][small].tolist()):
+            # the greedy fill, vectorised: clusters that fit what is left, in score order, each
+            # taken while the running total still fits
+            rest, rsz = order[take:], sizes[take:]
+            small = rsz <= left
+            rest, rsz = rest[small], rsz[small]
+            extra = []
+            for j, n in zip(rest.tolist(), rsz.tolist()):
                 if n <= left:
-                    picked.append(j)
+                    extra.append(j)
                     left -= n
                     if left <= 0:
                         break
+            if extra:
+                picked = np.concatenate([picked, np.asarray(extra, dtype=picked.dtype)])
         return self.uid[picked].tolist()
 
     def resident(self) -> FlushedData:
@@ -246,6 +335,8 @@ class ClusterIndex:
         if mode == "static" or (m21 / n1 <= self.tau and n1 <= self.cfg.max_cluster):
             self.n[j], self.mean[j], self.m2[j] = n1, mu1, m21
             self.mean32[j] = mu1
+            if pos < self.win[0] or pos >= self.win[1]:
+                self.where[pos] = j
             uid = int(self.uid[j])
             self.store.add(self.store.units[uid], k[None], v[None], np.array([pos]))
             ctx.updated(uid)
@@ -341,6 +432,7 @@ class ClusterIndex:
             ti = torch.from_numpy(new_in)
             self.store.add(u, k_all[ti], v_all[ti], p_all[new_in], "append")
         self._set_stats(j, x[keep])
+        self._mark(j, p_all[keep])
         if u.flushed:
             flushed_now = self._flushed_data(u, k_all, v_all, p_all)
             # dual-head pools: the staying part keeps its pages as they are (its moved-out
@@ -357,7 +449,7 @@ class ClusterIndex:
             ti = torch.from_numpy(idx)
             reason = "migrate"
             nu = self.store.create(self.head, k_all[ti], v_all[ti], p_all[idx], reason)
-            self._new_slot(nu.uid, x[idx])
+            self._mark(self._new_slot(nu.uid, x[idx]), p_all[idx])
             if nu.flushed:
                 ctx.adopt(nu.uid, self._flushed_data(nu, k_all, v_all, p_all))
             ctx.updated(nu.uid)
@@ -381,7 +473,7 @@ class ClusterIndex:
             idx = np.nonzero(labels == lab)[0]
             ti = torch.from_numpy(idx)
             nu = self.store.create(self.head, k[ti], v[ti], p[idx], "append")
-            self._new_slot(nu.uid, x[idx])
+            self._mark(self._new_slot(nu.uid, x[idx]), p[idx])
             ctx.updated(nu.uid)
         self.splits.local_batches += 1
 

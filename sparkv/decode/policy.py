@@ -8,13 +8,18 @@ counters. At each decoding step, layer by layer (:meth:`LayerState.attend`):
 
 1. the prefetched clusters of this layer are collected (read on a thread while the previous layer
    computed);
-2. each KV head selects its clusters (query-centroid scores, within the entry budget);
+2. each KV head selects its clusters (query-centroid scores of every head in one batched matmul
+   over the layer's :class:`~sparkv.decode.index.CentroidTable`, within the entry budget);
 3. clusters not in the cache nor prefetched are read (one pass: runs of pages, merged);
 4. the next layer's predicted clusters (those it used last step) are handed to the prefetcher;
-5. attention runs over the selected clusters' entries + buffered entries + the window, with
+5. attention runs over the selected clusters' entries + buffered entries + every write-buffer
+   tail (RAM; ``attend_tails``) + the window, with
    explicit positions (:func:`sparkv.cache.ragged_attention`; cluster order is irrelevant);
 6. the clusters read are offered to the cache; the new entries join their clusters (splits,
    buffers); delayed splits and the B_max overflow run.
+
+The cache is warmed at prefill (``warm``): the clusters the prompt's last queries retrieve most
+often, by one rule for every policy (:meth:`ClusteredKV._warm`).
 """
 
 from __future__ import annotations
@@ -34,25 +39,17 @@ from sparkv.cache import ragged_attention
 from sparkv.cache.layer import HeadEntries
 from sparkv.decode.cache import ClusterCache, data_bytes
 from sparkv.decode.config import DecodeConfig
-from sparkv.decode.index import ClusterIndex, TokenIndex, partition
+from sparkv.decode.index import CentroidTable, ClusterIndex, TokenIndex, partition
 from sparkv.decode.kmeans import kmeans, stats
 from sparkv.decode.store import ClusterStore, FlushedData, IOStats, TokenStore
 
 
-def coretrieval_order(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | None,
-                      budget: int) -> list[int]:
-    """An order of clusters that puts clusters retrieved together next to each other.
-
-    For every query vector of the prompt's last tokens (``qg [r, D]``), the clusters it would
-    retrieve within ``budget`` entries are counted as co-retrieved pairwise (the frequency matrix
-    ``f``). The chain starts at the most retrieved cluster and repeatedly appends the unplaced
-    cluster most often co-retrieved with the last one (ties: the nearest centroid by cosine).
-    Without queries the chain follows centroid similarity alone."""
+def prefill_frequency(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | None,
+                      budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """How often the prompt's last queries (``qg [r, D]``) retrieve each cluster within
+    ``budget`` entries (best score first, taken whole while the running total fits): the
+    retrieval frequency ``[C]`` and the pairwise co-retrieval counts ``[C, C]`` (zero diagonal)."""
     c = means.shape[0]
-    if c <= 2:
-        return list(range(c))
-    norm = means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
-    sim = norm @ norm.T
     f = np.zeros((c, c))
     freq = np.zeros(c)
     if qg is not None and len(qg):
@@ -64,6 +61,24 @@ def coretrieval_order(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | Non
             freq[s] += 1
             f[np.ix_(s, s)] += 1
         np.fill_diagonal(f, 0)
+    return freq, f
+
+
+def coretrieval_order(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | None,
+                      budget: int) -> list[int]:
+    """An order of clusters that puts clusters retrieved together next to each other.
+
+    For every query vector of the prompt's last tokens (``qg [r, D]``), the clusters it would
+    retrieve within ``budget`` entries are counted as co-retrieved pairwise (the frequency matrix
+    ``f``, :func:`prefill_frequency`). The chain starts at the most retrieved cluster and
+    repeatedly appends the unplaced cluster most often co-retrieved with the last one (ties: the
+    nearest centroid by cosine). Without queries the chain follows centroid similarity alone."""
+    c = means.shape[0]
+    if c <= 2:
+        return list(range(c))
+    norm = means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+    sim = norm @ norm.T
+    freq, f = prefill_frequency(means, sizes, qg, budget)
     start = int(np.lexsort((sizes, freq))[-1])
     placed = np.zeros(c, bool)
     chain = [start]
@@ -170,6 +185,11 @@ class LayerState:
         self.last_selected: list[list[int]] = [[] for _ in range(eng.H)]
         path = eng.dir / f"layer{l:03d}.pages"
         self.indexes: list[ClusterIndex | TokenIndex] = []
+        self.table = None
+        #: uid -> how often the prompt's last queries retrieved the cluster (prefill clusters)
+        self.prefill_freq: dict[int, float] = {}
+        #: uid -> its entries as placed (RAM at prefill; the cache's warm-up, then dropped)
+        self.warm_data: dict[int, FlushedData] = {}
         if cfg.update == "nocluster":
             self.store: ClusterStore | TokenStore = TokenStore(
                 path, eng.H, eng.D, eng.dtype, eng.io, max_positions=eng.max_positions,
@@ -183,6 +203,7 @@ class LayerState:
                                       write_buffer=cfg.write_buffer, merge_gap=cfg.merge_gap,
                                       direct=cfg.direct, executor=eng.prefetcher.io)
             self._build_clusters(k_all, v_all, queries)
+            self.table: CentroidTable | None = CentroidTable(self.indexes)  # type: ignore[arg-type]
             self.store.ram_lookup = self.ram
             self.store.on_flushed = self._on_flushed
         if eng.probe:
@@ -221,12 +242,17 @@ class LayerState:
             if queries is not None:
                 qg = queries[h * eng.group:(h + 1) * eng.group].reshape(-1, eng.D).double().numpy()
             order = coretrieval_order(means, sizes, qg, budget)
+            freq = prefill_frequency(means, sizes, qg, budget)[0]
             ordered = []
             for i in order:
                 g = torch.from_numpy(final[i])
                 ordered.append((k_all[h][g], v_all[h][g], pos[final[i]]))
             idx = ClusterIndex(self.l, h, self.store, cfg, tau)  # type: ignore[arg-type]
-            idx.build(ordered)
+            idx.win = (self.sink_n, self.rec_start)
+            uids = idx.build(ordered)
+            for uid, i, data in zip(uids, order, ordered):
+                self.prefill_freq[uid] = float(freq[i])
+                self.warm_data[uid] = data
             self.indexes.append(idx)
 
     # ---- the step context (sparkv.decode.index.StepContext) ---------------------------------------
@@ -313,35 +339,49 @@ class LayerState:
         budget = eng.budget_for(held)
         window = (self.sink_n, self.rec_start)
         selected: list[list[int]] = []
-        for h, idx in enumerate(self.indexes):
-            qg = qn[h * g:(h + 1) * g].reshape(-1, d)
-            if isinstance(idx, TokenIndex):
-                selected.append(idx.select(qg, budget, window))
-            else:
-                selected.append(idx.select(qg, budget))
+        if self.table is not None:
+            # every head's centroids scored in one batched matmul ([H, G*nq, D] x [H, D, S])
+            raw = self.table.scores(qn.reshape(eng.H, -1, d))
+            for h, idx in enumerate(self.indexes):
+                inwin = (idx.window_counts(*window)  # type: ignore[union-attr]
+                         if cfg.budget_outside_window else None)
+                selected.append(idx.select_scored(idx.mask_scores(raw[h]), budget,  # type: ignore[union-attr]
+                                                  inwin))
+        else:
+            for h, idx in enumerate(self.indexes):
+                qg = qn[h * g:(h + 1) * g].reshape(-1, d)
+                selected.append(idx.select(qg, budget, window))  # type: ignore[call-arg]
         t2 = time.perf_counter()
         cnt.select_s += t2 - t1
         # the selected clusters' flushed entries: cache, prefetch staging, or flash
-        self.step_data = {}
+        self.step_data = step_data = {}
         misses = []
         used_staged = []
+        cache, staged, layer = eng.cache, self.staged, self.l
+        units = None if isinstance(self.store, TokenStore) else self.store.units
+        ever = cache.ever
         for sel in selected:
             for uid in sel:
-                if uid in self.step_data or not self._flushed(uid):
+                if uid in step_data:
                     continue
-                data = eng.cache.get((self.l, uid))
-                if data is None and (self.l, uid) not in eng.cache.ever:
-                    cnt.first_uses += 1
-                if data is not None:
+                if units is not None:
+                    u = units.get(uid)
+                    if u is None or not u.addr.shape[0]:
+                        continue
+                key = (layer, uid)
+                hit = cache.get_sized(key)
+                if hit is not None:
                     cnt.hits += 1
-                    cnt.hit_bytes += data_bytes(data)
-                    self.step_data[uid] = data
+                    cnt.hit_bytes += hit[1]
+                    step_data[uid] = hit[0]
                     continue
-                data = self.staged.get(uid)
+                if key not in ever:
+                    cnt.first_uses += 1
+                data = staged.get(uid)
                 if data is not None:
                     cnt.prefetch_hits += 1
                     cnt.prefetch_hit_bytes += data_bytes(data)
-                    self.step_data[uid] = data
+                    step_data[uid] = data
                     used_staged.append(uid)
                     continue
                 misses.append(uid)
@@ -350,7 +390,7 @@ class LayerState:
             for uid, data in got.items():
                 cnt.misses += 1
                 cnt.miss_bytes += data_bytes(data)
-                self.step_data[uid] = data
+                step_data[uid] = data
         cnt.staging_peak = max(cnt.staging_peak, sum(data_bytes(x) for x in self.staged.values()))
         cnt.prefetched_unused_bytes += sum(data_bytes(x) for u, x in self.staged.items()
                                            if u not in self.step_data)
@@ -400,8 +440,15 @@ class LayerState:
         heads = []
         s_end, w0 = self.sink_n, self.rec_start
         eb = self.store.rec.entry_bytes
+        # every write-buffer tail is in RAM: attended whether its cluster is selected or not
+        # (like the buffers and the window; it costs no read)
+        tails: dict[int, list] = {}
+        if self.eng.cfg.attend_tails and isinstance(self.store, ClusterStore):
+            for u in self.store.tails():
+                tails.setdefault(u.head, []).append(u)
         for h, idx in enumerate(self.indexes):
             ks, vs, ps = [], [], []
+            sel_set = set(selected[h])
             for uid in selected[h]:
                 data = self.step_data.get(uid)
                 if isinstance(idx, TokenIndex):
@@ -423,6 +470,11 @@ class LayerState:
                     vs.append(u.tail_v)
                     ps.append(u.tail_pos)
             n_sel = sum(len(p) for p in ps)
+            for u in tails.get(h, ()):
+                if u.uid not in sel_set:
+                    ks.append(u.tail_k)
+                    vs.append(u.tail_v)
+                    ps.append(u.tail_pos)
             rk, rv, rp = idx.resident()
             if len(rp):
                 ks.append(rk)
@@ -563,6 +615,40 @@ class ClusteredKV:
                                   byte_cost_s=cfg.byte_cost_s,
                                   reserve_frac=cfg.reserve_frac)
         self.cache_capacity = cap
+        self.warmed = self._warm() if cfg.warm else 0
+        for layer in self.layers:
+            layer.warm_data = {}
+
+    def _warm(self) -> int:
+        """Fills the cache at prefill (the entries are in RAM then, so it costs no read), by one
+        rule for every policy: the clusters the prompt's last queries retrieve most often
+        (:func:`prefill_frequency`; ties: smaller first), as long as they fit, inserted least
+        frequent first (so an LRU cache sees the most frequent as the most recent). The
+        ``dynakv`` replacement also starts each cluster's retrieval count at that frequency
+        (its GDSF priority). Returns the clusters cached."""
+        cands = []
+        for layer in self.layers:
+            for uid, f in layer.prefill_freq.items():
+                if f > 0:
+                    cands.append((-f, data_bytes(layer.warm_data[uid]), layer.l, uid))
+        cands.sort()
+        cap = self.cache.capacity
+        room = None if cap is None else cap
+        chosen = []
+        for negf, nbytes, l, uid in cands:  # noqa: E741
+            if room is not None:
+                if nbytes > room:
+                    continue
+                room -= nbytes
+            chosen.append((negf, l, uid))
+        if self.cfg.replacement == "dynakv":
+            for layer in self.layers:
+                for uid, f in layer.prefill_freq.items():
+                    if f > 0:
+                        self.cache.freq[(layer.l, uid)] = 1 + int(f)
+        for negf, l, uid in reversed(chosen):  # noqa: E741
+            self.cache.put((l, uid), self.layers[l].warm_data[uid])
+        return len(chosen)
 
     def _budget_bytes(self, b: float | None) -> int | None:
         if b is None:

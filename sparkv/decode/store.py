@@ -398,6 +398,9 @@ class ClusterStore:
         self._open: dict[int, Pool] = {}       # head -> pool whose right head awaits a migrant
         self.tail_entries = 0
         self.clock = 0
+        #: units that may hold a tail (a superset: pruned lazily), so capping the write buffers
+        #: does not scan every unit of the layer
+        self.tailed: dict[int, Unit] = {}
         #: RAM lookup of a unit's flushed entries (the policy's cache / this step's reads)
         self.ram_lookup: Callable[[int], FlushedData | None] = lambda uid: None
         #: told when a unit's flushed part changes: (uid, data or None to forget)
@@ -537,6 +540,8 @@ class ClusterStore:
             self._flush(u, tk[:full], tv[:full], tp[:full], reason)
         u.tail_k, u.tail_v, u.tail_pos = tk[full:].clone(), tv[full:].clone(), tp[full:].copy()
         self.tail_entries += u.tail
+        if u.tail:
+            self.tailed[u.uid] = u
         self._cap_tails()
 
     def _flush(self, u: Unit, k: torch.Tensor, v: torch.Tensor, pos: np.ndarray,
@@ -594,11 +599,22 @@ class ClusterStore:
 
     def _cap_tails(self) -> None:
         while self.tail_entries > self.tail_cap:
-            victims = [u for u in self.units.values() if u.alive and u.tail]
+            victims = self.tails()
             if not victims:
                 break
             # the fullest tail pads its page least (ties: the least recently appended)
             self.flush_tail(max(victims, key=lambda u: (u.tail, -u.last_append)))
+
+    def tails(self) -> list[Unit]:
+        """The live units holding a write-buffer tail (in RAM)."""
+        out = []
+        for uid in list(self.tailed):
+            u = self.tailed[uid]
+            if u.alive and u.tail:
+                out.append(u)
+            else:
+                del self.tailed[uid]
+        return out
 
     def remove(self, u: Unit, positions: np.ndarray) -> None:
         """Takes entries out of ``u`` (a split): flushed ones become dead slots, tail ones are
@@ -674,20 +690,21 @@ class ClusterStore:
         out: dict[int, FlushedData] = {}
         entries = 0
         d = self.d
+        # one buffer for every run; a unit's entries are gathered with one index tensor, grouped
+        # by run (ascending) and in address order within a run
+        allrec = bufs[0] if len(bufs) == 1 else torch.cat(bufs)
+        base = np.cumsum([0] + [n * pp for _, n in runs[:-1]]).astype(np.int64)
         for uid in uids:
             u = self.units[uid]
-            page = u.addr // pp
-            which = np.searchsorted(firsts, page, side="right") - 1
-            ks, vs = [], []
-            for r in np.unique(which):
-                sel = which == r
-                idx = u.addr[sel] - firsts[r] * pp
-                recs = bufs[r][torch.from_numpy(idx)]
-                ks.append(recs[:, :d])
-                vs.append(recs[:, d:])
-            order_pos = np.concatenate([u.pos[which == r] for r in np.unique(which)])
-            out[uid] = (torch.cat(ks) if len(ks) > 1 else ks[0],
-                        torch.cat(vs) if len(vs) > 1 else vs[0], order_pos)
+            which = np.searchsorted(firsts, u.addr // pp, side="right") - 1
+            gidx = base[which] + u.addr - firsts[which] * pp
+            if len(runs) > 1:
+                o = np.argsort(which, kind="stable")
+                gidx, upos = gidx[o], u.pos[o]
+            else:
+                upos = u.pos.copy()
+            recs = allrec[torch.from_numpy(gidx)]
+            out[uid] = (recs[:, :d], recs[:, d:], upos)
             entries += u.flushed
         self.io.count_read(reason, len(runs), sum(n for _, n in runs) * PAGE, entries, seconds)
         return out

@@ -59,6 +59,7 @@ def test_swapped_out_and_back_answers_exactly_as_never_swapped(lm, doc, tmp_path
         rb = swp.call(b, turn, max_new_tokens=12)
         assert rb.tokens == ra.tokens, (i, turn)
         assert rb.load["read_chunks"] > 0 and rb.load["recomputed_chunks"] == 0
+        assert rb.load["files_read"] == rb.load["read_chunks"]   # one file per token chunk
         assert written == 0          # ahead-of-time swap-out: every chunk was already on flash
     assert ref.describe(a)["tokens"] == swp.describe(b)["tokens"]
     assert ref.counters["read_chunks"] == 0
@@ -127,9 +128,9 @@ def test_service_recomputes_interleaved_chunks_when_flash_is_slow(lm, doc, tmp_p
 # ---- 3. the budget over a random trace --------------------------------------------------------------
 def test_budget_never_exceeded_over_a_random_trace(lm, doc, tmp_path):
     budget = int(7.5 * (1 << 20))
-    # ratio 0.5: int2/int4/int8 chunks, so four contexts' chunks, a working memory and the
-    # kept working memories compete for 7.5 MB
-    svc = _svc(lm, tmp_path, budget=budget, io_profile=None, ratio=0.5)
+    # ratio 0.5 (no fp sink chunk): int2/int4/int8 chunks, so four contexts' chunks, a working
+    # memory and the kept working memories compete for 7.5 MB
+    svc = _svc(lm, tmp_path, budget=budget, io_profile=None, ratio=0.5, fp_protect=0)
     seen: list[int] = []
     own_check = svc._check
 

@@ -249,8 +249,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="share of the other contexts' int8 KV the budget holds beyond one working "
                         "memory and the longest context")
     p.add_argument("--budget-mb", type=float, default=None, help="override the budget")
-    p.add_argument("--ratio", type=float, default=0.9,
-                   help="LLMS's global compression ratio (bytes relative to int8)")
+    p.add_argument("--ratio", type=float, default=1.0,
+                   help="LLMS's global compression ratio (bytes relative to int8; the first "
+                        "chunk, the attention sinks, is kept at fp outside it)")
     p.add_argument("--sweep", default="2,4,8,16",
                    help="context counts for the active-contexts metric ('' to skip)")
     p.add_argument("--sweep-systems", default="vllm-sq,llms")

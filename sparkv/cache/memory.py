@@ -510,16 +510,28 @@ class ContextKV:
                 raise KVMemoryError(f"{cid} has no flash copy")
             ref = st.flash
         data = tier.read(ref)
-        payload = from_bytes(data, expect=cid)
+        self.swap_in_payload(from_bytes(data, expect=cid))
+        return len(data)
+
+    def swap_in_payload(self, payload: ChunkPayload, ref: FlashRef | None = None) -> None:
+        """Holds ``payload``, just read from the chunk's flash copy (``ref``: where it was read;
+        default the copy already recorded), resident and clean: what :meth:`swap_in` does after
+        its read, for a caller that reads many chunks' payloads at once (one file per token
+        chunk)."""
+        cid = payload.cid
+        self.geometry.check(cid)
         self.segment(cid.l)
         with self._lock:
-            st = self._chunks[cid]
+            st = self._chunks.setdefault(cid, ChunkState())
+            if ref is not None:
+                st.flash = ref
+            if st.flash is None:
+                raise KVMemoryError(f"{cid} has no flash copy")
             quality = st.quality
             source = st.source or Source.RESTORED
             self._set_resident(st, payload.level, source, st.counts, payload)
             st.quality = quality
             st.dirty = False
-        return len(data)
 
     def drop(self, cid: KVChunkId) -> int:
         """Frees the chunk's RAM copy: ``flash`` when a clean flash copy exists, else ``absent``

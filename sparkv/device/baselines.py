@@ -25,7 +25,6 @@ import struct
 import time
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from sparkv.cache import ContextKV, FlashRef
@@ -80,7 +79,7 @@ class LMKService(ContextService):
                     on_layer=self._check, store_recomputed=False)
 
     # ---- switching in ----------------------------------------------------------------------------
-    def _prepare(self, ctx: Context, spare: int):
+    def _prepare(self, ctx: Context, spare: int, remote: Any = None):
         n = len(ctx.tokens)
         g = ChunkGeometry.from_config(self.lm.config, n, self.config.chunk_tokens)
         mem = ctx.memory
@@ -220,12 +219,12 @@ class SwapService(LMKService):
             raise BudgetTooSmall("the swapped context file does not match the context")
         g = W.geometry
         per = g.num_kv_heads * n * g.head_dim
-        arr = np.frombuffer(data, dtype=np.float32, offset=12)
+        arr = torch.frombuffer(bytearray(data), dtype=torch.float32, offset=12)  # one copy
         for l in range(L):  # noqa: E741
             st = W.layers[l]
             assert st is not None and st.k is not None and st.v is not None
-            k = torch.from_numpy(arr[2 * l * per:(2 * l + 1) * per].copy())
-            v = torch.from_numpy(arr[(2 * l + 1) * per:(2 * l + 2) * per].copy())
+            k = arr[2 * l * per:(2 * l + 1) * per]
+            v = arr[(2 * l + 1) * per:(2 * l + 2) * per]
             st.k[0, :, :n] = k.view(g.num_kv_heads, n, g.head_dim)
             st.v[0, :, :n] = v.view(g.num_kv_heads, n, g.head_dim)
             st.end = n

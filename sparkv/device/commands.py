@@ -43,7 +43,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
     s.add_argument("--policy", choices=POLICIES, default="llms")
     s.add_argument("--ratio", type=float, default=None,
-                   help="global compression ratio, bytes relative to int8 (0.25-1)")
+                   help="global compression ratio, bytes relative to int8 (0.25-4; the first "
+                        "chunk, the attention sinks, is kept at fp outside it)")
     s.add_argument("--chunk-tokens", type=int, default=16)
     s.add_argument("--threads", type=int, default=None, help="torch threads")
     s.set_defaults(func=_serve)

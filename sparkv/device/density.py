@@ -29,6 +29,7 @@ sorted densities is found exactly by enumerating the int8 count (``O(n)`` with p
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 #: ratio of each level's bytes to the int8 base (the paper's {8/8, 4/8, 2/8})
-LEVEL_RATIO = {"int8": 1.0, "int4": 0.5, "int2": 0.25}
+LEVEL_RATIO = {"int8": 1.0, "int4": 0.5, "int2": 0.25}  # fp: its real bytes, plan_levels
 #: relative quantization step of each level (what a density is weighted by)
 LEVEL_STEP = {"fp": 0.0, "int8": 1 / 255, "int4": 1 / 15, "int2": 1 / 3}
 
@@ -203,26 +204,15 @@ class LevelMix:
     error: float              # sum of density * step
 
     def counts(self) -> dict[str, int]:
-        return {lv: sum(1 for x in self.levels if x == lv) for lv in ("int8", "int4", "int2")}
+        return {lv: sum(1 for x in self.levels if x == lv)
+                for lv in ("fp", "int8", "int4", "int2")}
 
 
-def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
-                steps: dict[str, float] | None = None) -> LevelMix:
-    """Levels for chunks of the given densities meeting ``ratio_global`` (module docstring).
-
-    ``ratio_global`` is the target bytes relative to holding every chunk at int8: 1.0 keeps
-    every chunk at int8, 0.25 puts every chunk at int2. The densest chunks keep the most bits.
-    """
-    d = np.asarray(list(densities), dtype=np.float64)
-    n = len(d)
-    if n == 0:
-        return LevelMix((), 0.0, 0.0)
-    r = float(min(max(ratio_global, 0.25), 1.0))
-    st = steps or LEVEL_STEP
-    order = np.argsort(-d, kind="stable")
-    ds = d[order]
+def _int_mix(ds: np.ndarray, budget: float, st: dict[str, float]) -> tuple[float, int, int]:
+    """The best ``(error, n8, n4)`` for densities ``ds`` sorted descending within ``budget``
+    int8 units (the rest at int2)."""
+    n = len(ds)
     pre = np.concatenate([[0.0], np.cumsum(ds)])
-    budget = r * n + 1e-9
     best: tuple[float, int, int] | None = None
     for n8 in range(n + 1):
         # the rest at int4 as far as the budget allows, the remainder at int2:
@@ -237,10 +227,54 @@ def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
                + (pre[n] - pre[n8 + n4]) * st["int2"])
         if best is None or err < best[0] - 1e-15:
             best = (err, n8, n4)
-    assert best is not None
-    err, n8, n4 = best
-    levels = ["int2"] * n
-    for rank, i in enumerate(order):
+    return best if best is not None else (float((pre[n]) * st["int2"]), 0, 0)
+
+
+def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
+                steps: dict[str, float] | None = None, *, fp_fraction: float = 0.0,
+                protect: Sequence[int] = (), fp_ratio: float = 4.0) -> LevelMix:
+    """Levels for chunks of the given densities meeting ``ratio_global`` (module docstring).
+
+    ``ratio_global`` is the target bytes relative to holding every chunk at int8: 1.0 keeps
+    every chunk at int8, 0.25 puts every chunk at int2. The densest chunks keep the most bits.
+
+    **fp** (raw) chunks: the ``protect``-ed chunks (indices: the service protects the first
+    chunk, whose keys are the attention sinks) and the densest ``fp_fraction`` of the others are
+    kept unquantized; each costs ``fp_ratio`` int8 units (its real bytes relative to int8: about
+    4 for fp32, 2 for fp16/bf16) out of the same budget ``ratio_global * n``, and the remaining
+    chunks share what is left by the error-minimising int8/int4/int2 mix. When the budget cannot
+    pay for them (every other chunk at int2 still over it), fp chunks are given up, least dense
+    first, protected ones last.
+    """
+    d = np.asarray(list(densities), dtype=np.float64)
+    n = len(d)
+    if n == 0:
+        return LevelMix((), 0.0, 0.0)
+    r = float(max(ratio_global, 0.25))
+    st = steps or LEVEL_STEP
+    prot = [int(i) for i in dict.fromkeys(protect) if 0 <= int(i) < n]
+    m = n - len(prot)
+    budget = r * m + 1e-9
+    order_all = [int(i) for i in np.argsort(-d, kind="stable")]
+    extra = int(math.ceil(max(0.0, fp_fraction) * m - 1e-9))
+    fp = [i for i in order_all if i not in prot][:extra]
+    while fp and len(fp) * fp_ratio + 0.25 * (m - len(fp)) > budget:
+        fp.pop()                     # the least dense first
+    fp_set = set(fp) | set(prot)
+    rest = np.array([i for i in order_all if i not in fp_set], dtype=np.int64)
+    ds = d[rest] if len(rest) else np.zeros(0)
+    err, n8, n4 = _int_mix(ds, min(budget - len(fp) * fp_ratio, float(len(rest))) + 1e-9, st)
+    if n8 == len(rest) and len(rest):
+        # a budget beyond int8 for everything (ratio > 1): the densest int8 chunks go to fp
+        left = budget - len(fp) * fp_ratio - len(rest)
+        k = int(min(len(rest), max(0.0, np.floor(left / max(fp_ratio - 1.0, 1e-9) + 1e-9))))
+        if k:
+            rest = rest[k:]
+            n8 = len(rest)
+            err = float(d[rest].sum() * st["int8"]) if len(rest) else 0.0
+    levels = ["fp"] * n
+    for rank, i in enumerate(rest):
         levels[int(i)] = "int8" if rank < n8 else ("int4" if rank < n8 + n4 else "int2")
-    ratio = (n8 + 0.5 * n4 + 0.25 * (n - n8 - n4)) / n
+    nfp = n - len(rest)
+    ratio = (nfp * fp_ratio + n8 + 0.5 * n4 + 0.25 * (len(rest) - n8 - n4)) / n
     return LevelMix(tuple(levels), ratio, float(err))

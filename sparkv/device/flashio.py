@@ -23,15 +23,184 @@ import contextlib
 import ctypes
 import json
 import os
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
-from sparkv.cache import FlashRef, FlashTier, flash_profile_path, load_flash_profile
+import numpy as np
+import torch
+import xxhash
+
+from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
+                          flash_profile_path, load_flash_profile)
+from sparkv.cache.payload import contiguous_positions
+from sparkv.layout import KVChunkId
 
 DEFAULT_READ_MBPS = 500.0
+
+# ---- one file per token chunk ----------------------------------------------------------------------
+TC_MAGIC = b"SKVT"
+TC_VERSION = 1
+#: magic, version, level, dtype, t, first position, tokens, layers, groups, heads per group, D
+_TC_HEAD = struct.Struct("<4sHBBIIIHHHH")
+_DTYPE_CODE = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_DTYPE_OF = {v: k for k, v in _DTYPE_CODE.items()}
+_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def token_chunk_name(t: int) -> str:
+    """The file holding token chunk ``t`` (every layer and group)."""
+    return f"{int(t)}.skvt"
+
+
+def _raw(x: torch.Tensor) -> bytes:
+    x = x.detach().contiguous().cpu()
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.view(torch.int16)
+    return x.numpy().tobytes()
+
+
+def pack_token_chunk(payloads: Sequence[ChunkPayload]) -> bytes:
+    """One token chunk's payloads (every ``(l, g)``, one level, every token kept) as one file::
+
+        "SKVT" | version u16 | level u8 | dtype u8 | t u32 | first position u32 | tokens u32
+        | layers u16 | groups u16 | heads per group u16 | D u16
+        | K | V | xxh64 u64 (of everything before it)
+
+    ``K``/``V``: the raw values ``[layers * groups, heads * tokens, D]`` (``fp``) or their codes
+    ``[layers * groups, heads * tokens, bytes per row]``, then scale and zero (fp16, per row);
+    ``(l, g)`` in layer-major order. Read back with :func:`unpack_token_chunk` as views of the
+    one buffer: a switch pays one read and a few array operations per token chunk."""
+    if not payloads:
+        raise PayloadError("a token chunk file needs at least one payload")
+    ps = sorted(payloads, key=lambda p: (p.cid.l, p.cid.g))
+    p0 = ps[0]
+    t, level, dtype = p0.cid.t, p0.level, p0.dtype
+    hg = len(p0.counts)
+    n = p0.counts[0]
+    layers = sorted({p.cid.l for p in ps})
+    groups = sorted({p.cid.g for p in ps})
+    if (len(ps) != len(layers) * len(groups) or layers != list(range(len(layers)))
+            or groups != list(range(len(groups)))):
+        raise PayloadError(f"token chunk {t}: the payloads are not every (layer, group)")
+    for p in ps:
+        if p.cid.t != t or p.level != level or p.dtype != dtype or list(p.counts) != [n] * hg:
+            raise PayloadError(f"token chunk {t}: payloads differ in level, dtype or kept "
+                               "entries (the file holds whole chunks at one level)")
+    d = p0.k.dim if isinstance(p0.k, QuantizedTensor) else int(p0.k.shape[1])
+    start = int(p0.pos[0]) if p0.pos.numel() else 0
+    head = _TC_HEAD.pack(TC_MAGIC, TC_VERSION, LEVELS.index(level), _DTYPE_CODE[dtype], t, start,
+                         n, len(layers), len(groups), hg, d)
+    parts = [head]
+    for side in ("k", "v"):
+        xs = [getattr(p, side) for p in ps]
+        if level == "fp":
+            parts.append(_raw(torch.stack(xs)))
+        else:
+            parts.append(_raw(torch.stack([x.codes for x in xs])))
+            parts.append(_raw(torch.stack([x.scale for x in xs])))
+            parts.append(_raw(torch.stack([x.zero for x in xs])))
+    body = b"".join(parts)
+    return body + struct.pack("<Q", xxhash.xxh64_intdigest(body))
+
+
+def token_chunk_header(head: bytes) -> dict[str, int | str]:
+    """The header of a token chunk file (its first bytes), checked."""
+    if len(head) < _TC_HEAD.size:
+        raise PayloadError("token chunk file cut short")
+    magic, version, lv, dt, t, start, n, L, G, hg, d = _TC_HEAD.unpack_from(head, 0)
+    if magic != TC_MAGIC or version != TC_VERSION or lv >= len(LEVELS) or dt not in _DTYPE_OF:
+        raise PayloadError("not a token chunk file")
+    return {"level": LEVELS[lv], "t": t, "start": start, "tokens": n, "layers": L, "groups": G,
+            "heads": hg, "head_dim": d, "dtype": dt}
+
+
+@dataclass
+class TokenChunkFile:
+    """A token chunk file read back: its payloads (layer-major, views of one buffer) and its K/V
+    values stacked over every ``(l, g)``: ``[layers * groups * heads * tokens, D]`` (``fp``) or a
+    :class:`~sparkv.cache.QuantizedTensor` of as many rows (one dequantization for the chunk)."""
+
+    t: int
+    level: str
+    layers: int
+    groups: int
+    heads: int
+    tokens: int
+    payloads: list[ChunkPayload]
+    k: "torch.Tensor | QuantizedTensor"
+    v: "torch.Tensor | QuantizedTensor"
+
+
+def unpack_token_chunk(data: bytes, t: int | None = None) -> list[ChunkPayload]:
+    """The payloads of a token chunk file (:func:`pack_token_chunk`), checksum-checked, as views
+    of ``data``'s arrays (layer-major). Raises :class:`PayloadError` on any damage."""
+    return read_token_chunk_file(data, t).payloads
+
+
+def read_token_chunk_file(data: bytes, t: int | None = None) -> TokenChunkFile:
+    """A token chunk file's payloads and stacked values (:class:`TokenChunkFile`),
+    checksum-checked. Raises :class:`PayloadError` on any damage."""
+    buf = memoryview(data)
+    if len(buf) < _TC_HEAD.size + 8:
+        raise PayloadError("token chunk file cut short")
+    body = buf[:-8]
+    if xxhash.xxh64_intdigest(body) != struct.unpack("<Q", buf[-8:])[0]:
+        raise PayloadError("token chunk file checksum mismatch (damaged, cut short or grown)")
+    h = token_chunk_header(bytes(body[:_TC_HEAD.size]))
+    if t is not None and h["t"] != t:
+        raise PayloadError(f"the file holds token chunk {h['t']}, expected {t}")
+    level, dtype = str(h["level"]), _DTYPE_OF[int(h["dtype"])]
+    m = int(h["layers"]) * int(h["groups"])
+    rows = int(h["heads"]) * int(h["tokens"])
+    d = int(h["head_dim"])
+    arr = np.frombuffer(body, dtype=np.uint8, offset=_TC_HEAD.size).copy()
+    flat = torch.from_numpy(arr)
+    pos = 0
+
+    def take(nbytes: int, tdtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        nonlocal pos
+        if pos + nbytes > flat.numel():
+            raise PayloadError("token chunk file cut short")
+        x = flat[pos:pos + nbytes]
+        pos += nbytes
+        if tdtype in (torch.float16, torch.bfloat16):
+            return x.view(torch.int16).view(tdtype).view(shape)
+        return x.view(tdtype).view(shape)
+
+    sides = []
+    for _ in ("k", "v"):
+        if level == "fp":
+            el = torch.tensor([], dtype=dtype).element_size()
+            sides.append((take(m * rows * d * el, dtype, (m, rows, d)), None, None))
+        else:
+            width = (d * _BITS[level] + 7) // 8
+            sides.append((take(m * rows * width, torch.uint8, (m, rows, width)),
+                          take(m * rows * 2, torch.float16, (m, rows)),
+                          take(m * rows * 2, torch.float16, (m, rows))))
+    if pos != flat.numel():
+        raise PayloadError("token chunk file has trailing bytes")
+    counts = [int(h["tokens"])] * int(h["heads"])
+    positions = contiguous_positions(counts, int(h["start"]))
+    out = []
+    G = int(h["groups"])
+    for i in range(m):
+        vals = []
+        for codes, scale, zero in sides:
+            vals.append(codes[i] if scale is None else
+                        QuantizedTensor(codes[i], scale[i], zero[i], _BITS[level], d))
+        out.append(ChunkPayload(KVChunkId(int(h["t"]), i // G, i % G), level, list(counts),
+                                positions, vals[0], vals[1], dtype))
+    stacked = []
+    for codes, scale, zero in sides:
+        stacked.append(codes.reshape(m * rows, d) if scale is None else
+                       QuantizedTensor(codes.reshape(m * rows, -1), scale.reshape(-1),
+                                       zero.reshape(-1), _BITS[level], d))
+    return TokenChunkFile(int(h["t"]), level, int(h["layers"]), G, int(h["heads"]),
+                          int(h["tokens"]), out, stacked[0], stacked[1])
 
 
 def _syncfs(path: Path) -> bool:
@@ -89,6 +258,16 @@ class ServiceFlash(FlashTier):
         ref = self._write(name, data, durable=False)    # made durable when the batch ends
         self._batch.append(Path(ref.path))
         return ref
+
+    def write_token_chunk(self, payloads: Sequence[ChunkPayload]) -> FlashRef:
+        """Writes one token chunk's payloads as one file (:func:`pack_token_chunk`)."""
+        return self.write(token_chunk_name(payloads[0].cid.t), pack_token_chunk(payloads))
+
+    def read_token_chunk(self, ref: FlashRef, t: int | None = None
+                         ) -> tuple[list[ChunkPayload], int]:
+        """One honest read of a token chunk file; its payloads and the bytes read."""
+        data = self.read(ref)
+        return unpack_token_chunk(data, t), len(data)
 
 
 @dataclass

@@ -25,6 +25,7 @@ A full prefill (a new context) is the same recomputation with every chunk missin
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -201,6 +202,33 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
     return written
 
 
+def fill_token_chunk(W: ContextKV, f: Any) -> None:
+    """Writes every layer of a token chunk file (a
+    :class:`~sparkv.device.flashio.TokenChunkFile`) into ``W``'s dense arena: one
+    dequantization of the whole file (the same values as :func:`fill_layers`, bit for bit), then
+    one copy per layer and group."""
+    g = W.geometry
+    t0, t1 = g.token_range(f.t)
+    n = t1 - t0
+    k, v = f.k, f.v
+    if f.level != "fp":
+        k, v = dequantize_fast(k, W.dtype), dequantize_fast(v, W.dtype)
+    k = k.view(f.layers, f.groups, f.heads, n, -1)
+    v = v.view(f.layers, f.groups, f.heads, n, -1)
+    for l in range(f.layers):  # noqa: E741
+        store = W.layers[l]
+        if store is None or store.ragged or store.k is None or store.v is None:
+            raise KVMemoryError(f"the working memory's layer {l} is not a dense arena")
+        for gg in range(f.groups):
+            h0, h1 = g.head_range(gg)
+            store.k[0, h0:h1, t0:t1] = k[l, gg]
+            store.v[0, h0:h1, t0:t1] = v[l, gg]
+
+
+def _remote_groups(remote: Any) -> int:
+    return int(remote.geometry.num_groups)
+
+
 def chunk_payload(W: ContextKV, cid: KVChunkId, level: str) -> ChunkPayload:
     """The chunk's entries from the working memory's dense arena, at ``level``."""
     g = W.geometry
@@ -303,6 +331,9 @@ class LoadStats:
     """What one load did (seconds are wall clock of each part)."""
 
     read_chunks: int = 0          # token chunks read from flash
+    streamed_chunks: int = 0      # token chunks restored from a remote source (the server)
+    bytes_streamed: int = 0       # their decoded bytes
+    stream_s: float = 0.0         # the remote fetch thread busy
     recomputed_chunks: int = 0    # token chunks recomputed
     resident_chunks: int = 0      # token chunks already in RAM
     files_read: int = 0
@@ -325,93 +356,168 @@ def load(lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
          read: Sequence[int], recompute: Sequence[int], *, pipeline: bool = True,
          io_threads: int = 4, on_layer: Callable[[], None] | None = None,
          level_of: Callable[[int], str] | None = None,
-         store_recomputed: bool = True) -> LoadStats:
+         store_recomputed: bool = True, stream: Sequence[int] = (), remote: Any = None,
+         remote_chunks: Sequence[tuple[KVChunkId, str]] = ()) -> LoadStats:
     """Fills ``W`` with every layer of the context (module docstring).
 
     Args:
-        read: token chunks to swap in from ``tier`` (their non-resident layers).
+        read: token chunks to swap in from ``tier``: one read of each one's file (every layer,
+            :func:`~sparkv.device.flashio.unpack_token_chunk`), ``io_threads`` files at a time.
         recompute: token chunks to recompute from ``tokens``.
-        pipeline: overlap the I/O of layer ``l+1`` with the work on layer ``l``; without it every
-            read finishes before any layer is filled (the "without pipeline" ablation and the
-            chunk-swapping baselines).
+        pipeline: overlap the reads with the work of the compute thread (the dequantization of
+            the resident chunks and the recomputation: the planner recomputes the *earliest*
+            missing chunks, whose queries attend over nothing that is being read); without it
+            every read finishes before anything is filled (the "without pipeline" ablation and
+            the chunk-swapping baselines).
         on_layer: called after each layer (the service checks its budget there).
         level_of: the level a recomputed token chunk is put into ``C`` at.
         store_recomputed: put the recomputed chunks into ``C`` (a new context's first prefill
             does not: its working memory becomes its memory).
+        stream, remote, remote_chunks: token chunks restored from ``remote`` (a
+            :class:`~sparkv.device.remote.RemoteSource`) by fetching ``remote_chunks`` (its
+            chunks and levels), on a thread of their own beside the reads; they join ``C`` at
+            their level as recomputed ones do. A chunk the remote fails to deliver is recomputed.
     """
+    from sparkv.device.flashio import read_token_chunk_file
+
     g = C.geometry
     L = g.num_layers
     stats = LoadStats(pipelined=pipeline)
     start = time.perf_counter()
-    read = sorted(set(read) - set(recompute))
-    per_layer: list[list[KVChunkId]] = [
-        [KVChunkId(t, l, gg) for t in read for gg in range(g.num_groups)
-         if C.residency(KVChunkId(t, l, gg)) != Residency.RESIDENT] for l in range(L)]
-    failed: set[int] = set()
-    done = [threading.Event() for _ in range(L)]
+    refs: dict[int, Any] = {}
+    failed: set[int] = set()      # reads / remote chunks that did not arrive
+    absent: set[int] = set()
+    for t in sorted(set(read) - set(recompute)):
+        for cid in token_chunk_ids(g, t):
+            st = C.state(cid)
+            if st.residency != Residency.RESIDENT:
+                if st.flash is None:
+                    absent.add(t)       # nothing to read: recomputed below
+                else:
+                    refs[t] = st.flash
+                break
+    read = sorted(refs)
     lock = threading.Lock()
+    io_window = [math.inf, 0.0]
 
-    def read_one(cid: KVChunkId) -> None:
-        try:
-            n = C.swap_in(cid, tier)
-        except (FlashError, PayloadError, KVMemoryError):
-            with lock:
-                failed.add(cid.t)
-            return
-        with lock:
-            stats.files_read += 1
-            stats.bytes_read += n
-
-    def io_worker(pool: ThreadPoolExecutor) -> None:
+    def read_one(t: int) -> None:
         t0 = time.perf_counter()
         try:
-            for l in range(L):  # noqa: E741
-                if per_layer[l]:
-                    list(pool.map(read_one, per_layer[l]))
-                done[l].set()
+            data = tier.read(refs[t])
+            f = read_token_chunk_file(data, t)
+            if f.layers != L or f.groups != g.num_groups:
+                raise PayloadError(f"token chunk {t}'s file has another geometry")
+            for p in f.payloads:
+                if C.residency(p.cid) != Residency.RESIDENT:
+                    C.swap_in_payload(p)
+            if C is not W:
+                fill_token_chunk(W, f)     # here, in the reader: one dequantization per file
+        except (FlashError, PayloadError, KVMemoryError):
+            with lock:
+                failed.add(t)
+            return
         finally:
-            for e in done:
-                e.set()
-            stats.io_s = time.perf_counter() - t0
+            with lock:
+                io_window[0] = min(io_window[0], t0)
+                io_window[1] = max(io_window[1], time.perf_counter())
+        with lock:
+            stats.files_read += 1
+            stats.bytes_read += len(data)
 
-    rec = Recompute(lm, tokens, W, recompute)
-    pool = ThreadPoolExecutor(max(1, io_threads)) if read else None
+    def wait(ts: Sequence[int]) -> None:
+        w0 = time.perf_counter()
+        for t in ts:
+            futures[t].result()
+        stats.wait_io_s += time.perf_counter() - w0
+
+    stream = sorted(set(stream) - set(recompute) - set(read) - absent) \
+        if remote is not None else []
+    net_done = threading.Event()
+    if not stream:
+        net_done.set()
+
+    def net_worker() -> None:
+        """Fetches the remote chunks and writes their entries into W at their positions."""
+        t0 = time.perf_counter()
+        want = set(stream)
+        T = g.chunk_tokens
+        got: dict[int, int] = {}
+        need = L * _remote_groups(remote)
+        try:
+            for cid, start, k, v in remote.fetch(remote_chunks):
+                n = int(k.shape[1])
+                h0, h1 = remote.geometry.head_range(cid.g)
+                store = W.layers[cid.l]
+                assert store is not None and store.k is not None and store.v is not None
+                for t in range(start // T, -(-(start + n) // T)):
+                    if t not in want:
+                        continue
+                    a, b = g.token_range(t)
+                    store.k[0, h0:h1, a:b] = k[:, a - start:b - start].to(store.k.dtype)
+                    store.v[0, h0:h1, a:b] = v[:, a - start:b - start].to(store.v.dtype)
+                    got[t] = got.get(t, 0) + 1
+                    with lock:
+                        stats.bytes_streamed += int(k[:, a - start:b - start].numel()
+                                                    * k.element_size() * 2)
+        except Exception as e:  # noqa: BLE001 - a remote that fails: recompute what is missing
+            stats.notes.append(f"remote: {e}")
+        finally:
+            with lock:
+                failed.update(t for t in stream if got.get(t, 0) < need)
+            stats.stream_s = time.perf_counter() - t0
+            net_done.set()
+
+    if stream:
+        threading.Thread(target=net_worker, daemon=True, name="sparkv-device-net").start()
+    rec = Recompute(lm, tokens, W, sorted(set(recompute) | absent))
+    skip = set(rec.chunks)
+    pool = ThreadPoolExecutor(max(1, min(io_threads, len(read)))) if read else None
+    futures: dict[int, Any] = {}
     try:
         if pool is not None:
-            if pipeline:
-                th = threading.Thread(target=io_worker, args=(pool,), daemon=True,
-                                      name="sparkv-device-io")
-                th.start()
-            else:
-                io_worker(pool)
-                th = None
-        else:
-            for e in done:
-                e.set()
-            th = None
-        skip = set(rec.chunks)
-        # chunks resident from the start: every layer at once (batched dequantization)
+            futures = {t: pool.submit(read_one, t) for t in read}
+            if not pipeline:
+                wait(read)
+        # chunks resident from the start: every layer at once (batched dequantization), while
+        # the files are read
         f0 = time.perf_counter()
         if C is not W:
-            fill_layers(C, W, range(L), skip | set(read))
+            fill_layers(C, W, range(L), skip | set(read) | set(stream))
         stats.fill_s += time.perf_counter() - f0
-        reading = set(read) - skip
-        for l in range(L):  # noqa: E741
+        # read chunks that a recomputed query attends over must be in W first
+        last = max(rec.chunks) if rec.chunks else -1
+        early = [t for t in read if t < last]
+        late = [t for t in read if t >= last]
+        if early:
+            wait(early)
+            if on_layer is not None:
+                on_layer()
+        if stream and rec.chunks and min(stream) < max(rec.chunks):
             w0 = time.perf_counter()
-            done[l].wait()
+            net_done.wait()
             stats.wait_io_s += time.perf_counter() - w0
-            f0 = time.perf_counter()
-            if reading and C is not W:
-                fill_layers(C, W, [l], skip, only=reading)
-            stats.fill_s += time.perf_counter() - f0
+        for l in range(L):  # noqa: E741
             rec.layer(l)
             if on_layer is not None:
                 on_layer()
-        if th is not None:
-            th.join()
+        if late:
+            wait(late)
+            if on_layer is not None:
+                on_layer()
+        w0 = time.perf_counter()
+        net_done.wait()
+        stats.wait_io_s += time.perf_counter() - w0
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+    if C is not W:
+        for store in W.layers:
+            if store is not None:
+                store.end = max(store.end, g.num_tokens)
+    if read:
+        stats.io_s = max(0.0, io_window[1] - io_window[0])
+    recompute = sorted(skip)
+    streamed = set(stream) - failed
     stats.recompute_s = rec.seconds
     if failed:
         # the fault path: a file that is missing or fails its checksum is recomputed (every
@@ -426,8 +532,8 @@ def load(lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
             fix.layer(l)
         stats.recompute_s += fix.seconds
         recompute = sorted(set(recompute) | failed)
-    # recomputed chunks join C at their level (only where C does not hold them)
-    for t in sorted(set(recompute)) if store_recomputed else []:
+    # recomputed (and streamed) chunks join C at their level (only where C does not hold them)
+    for t in sorted(set(recompute) | streamed) if store_recomputed else []:
         level = level_of(t) if level_of is not None else "int8"
         for l in range(L):  # noqa: E741
             for gg in range(g.num_groups):
@@ -437,6 +543,7 @@ def load(lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
         if on_layer is not None:
             on_layer()
     stats.read_chunks = len(set(read) - failed)
+    stats.streamed_chunks = len(streamed)
     stats.recomputed_chunks = len(set(recompute))
     stats.total_s = time.perf_counter() - start
     return stats

@@ -12,10 +12,13 @@ the loads it times (the ratio measured / predicted, as the edge session's priors
 latency). ``T_fill`` (dequantizing the resident chunks into the working memory, on the compute
 thread) is learned per chunk from measured loads.
 
-The planner recomputes the **heaviest** chunks first (int8 before int4 before int2: a recomputed
-int8 chunk saves the most bytes, [inferred]) and evaluates every count ``x`` at once (one
-vectorised predictor call), so planning costs well under a millisecond. Chunks with no clean
-flash copy (absent) must be recomputed whatever the plan.
+A swapped-out token chunk is one file (every layer, :mod:`sparkv.device.flashio`), so ``T_IO``
+counts one file per chunk read. The planner recomputes the **earliest** missing chunks first: a
+recomputed chunk's queries attend over every earlier position, so recomputing a prefix of the
+missing chunks needs nothing that is being read, and the reads of the later chunks overlap the
+whole recomputation (the loader waits only for reads earlier than a recomputed chunk: absent
+chunks, which must be recomputed whatever the plan, can force that). It evaluates every count
+``x`` at once (one vectorised predictor call), so planning costs well under a millisecond.
 """
 
 from __future__ import annotations
@@ -115,9 +118,10 @@ class MissingChunk:
 
     t: int
     level: str
-    files: int          # flash files to read (its non-resident layers)
+    files: int          # flash files to read (one per token chunk)
     nbytes: int         # their bytes
     readable: bool      # every non-resident layer has a clean flash copy
+    chunks: int = 1     # its non-resident (layer, group) chunks (what filling W costs)
 
 
 @dataclass
@@ -132,17 +136,13 @@ class Split:
     fill_s: float
 
 
-_HEAVY = {"fp": 0, "int8": 1, "int4": 2, "int2": 3}
-
-
 def plan_split(missing: Sequence[MissingChunk], context_tokens: int, resident_chunks: int,
                io: IOProfile, re: RecomputeProfile, *, allow_recompute: bool = True) -> Split:
     """Chooses the chunks to recompute (module docstring). ``resident_chunks`` counts the
     ``(t, l)`` chunks the compute thread dequantizes into the working memory."""
     forced = [m for m in missing if not m.readable]
-    optional = sorted((m for m in missing if m.readable),
-                      key=lambda m: (_HEAVY.get(m.level, 9), -m.nbytes, m.t))
-    fill = re.fill_s_per_chunk * (resident_chunks + sum(m.files for m in optional))
+    optional = sorted((m for m in missing if m.readable), key=lambda m: m.t)
+    fill = re.fill_s_per_chunk * (resident_chunks + sum(m.chunks for m in optional))
     # x recomputed = forced + the first j optional ones, j = 0 .. len(optional)
     js = np.arange(len(optional) + 1) if allow_recompute else np.array([0])
     files = np.array([m.files for m in optional], dtype=np.float64)
@@ -153,7 +153,8 @@ def plan_split(missing: Sequence[MissingChunk], context_tokens: int, resident_ch
                     + rest_bytes / io.read_Bps, 0.0)
     x = js + len(forced)
     t_re = re.seconds(x, context_tokens)
-    fill_j = fill - re.fill_s_per_chunk * (files.sum() - rest_files)
+    chunks = np.array([m.chunks for m in optional], dtype=np.float64)
+    fill_j = fill - re.fill_s_per_chunk * np.concatenate([[0.0], np.cumsum(chunks)])[js]
     total = np.maximum(t_re + fill_j, t_io)
     best = int(np.argmin(total))
     j = int(js[best])

@@ -37,6 +37,8 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.scheduler.instance import DEFAULT_LEVELS, Instance, Level
 
 FLASH = "flash"
+#: the restore instance counts sizes in 1/UNIT bytes (and the link in UNIT x bytes/s)
+UNIT = 1024
 #: flash copies rank above every codec level (they are the service's own, int8-based, copies)
 FLASH_LEVEL = Level(FLASH, 100, 8.0)
 
@@ -46,6 +48,7 @@ class RestorePlan:
     """What to do for one restore."""
 
     server: list[tuple[KVChunkId, str]] = field(default_factory=list)  # server chunks to fetch
+    stream: list[int] = field(default_factory=list)      # service token chunks they restore
     read: list[int] = field(default_factory=list)        # service token chunks to read
     recompute: list[int] = field(default_factory=list)   # service token chunks to recompute
     missing: int = 0                                     # service token chunks not resident
@@ -58,8 +61,9 @@ class RestorePlan:
         return self.missing == 0
 
     def counts(self) -> dict[str, int]:
-        return {"server_chunks": len(self.server), "read": len(self.read),
-                "recompute": len(self.recompute), "missing": self.missing}
+        return {"server_chunks": len(self.server), "stream": len(self.stream),
+                "read": len(self.read), "recompute": len(self.recompute),
+                "missing": self.missing}
 
 
 def _sub_chunks(gs: ChunkGeometry, gd: ChunkGeometry, t_s: int) -> range:
@@ -102,28 +106,33 @@ def restore_plan(service: Any, sid: str, server_geometry: ChunkGeometry,
         return out
     io = service.io
     flash_ok = gs.num_groups == 1
+    # the planner's sizes are whole numbers: count in 1/UNIT bytes (the link's rate scaled
+    # alike), so that a flash read of microseconds is not rounded to a byte of a slow link
+    unit = UNIT
+    link_u = link_Bps * unit
     chunk_bytes: dict[KVChunkId, dict[str, int]] = {}
     procs: dict[KVChunkId, dict[str, float]] = {}
     for cid in gs.chunk_ids():
-        entry = dict(sizes.get(cid, {}))
+        entry = {lv: int(b) * unit for lv, b in sizes.get(cid, {}).items()}
         proc = dict((t_proc or {}).get(cid, {lv: 0.0 for lv in entry}))
         if flash_ok:
-            files = nbytes = 0
+            # a token chunk's file holds every layer: a layer's share of it is 1/L of a file
+            files = nbytes = 0.0
             ok = True
             for t in _sub_chunks(gs, gd, cid.t):
                 st = C.state(KVChunkId(t, cid.l, 0))
                 if st.residency == Residency.RESIDENT:
                     continue
                 if st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
-                    files += 1
-                    nbytes += st.flash.nbytes
+                    files += 1.0 / gd.num_layers
+                    nbytes += st.flash.nbytes / gd.num_layers
                 else:
                     ok = False
             if ok:
-                entry[FLASH] = int(round(io.seconds(files, nbytes) * link_Bps))
+                entry[FLASH] = max(1, int(round(io.seconds(files, nbytes) * link_u)))
                 proc[FLASH] = 0.0
         if not entry:          # nothing but recompute: an unreachable level the planner skips
-            entry = {"raw": 1 << 60}
+            entry = {"raw": 1 << 62}
             proc = {"raw": 0.0}
         chunk_bytes[cid] = entry
         procs[cid] = proc
@@ -131,28 +140,37 @@ def restore_plan(service: Any, sid: str, server_geometry: ChunkGeometry,
     present = {lv for e in chunk_bytes.values() for lv in e}
     floor = quality_floor if quality_floor in present else None
     inst = Instance.from_mappings(
-        gs, chunk_bytes, {s: float(t_comp[s.t, s.l]) for s in gs.step_ids()}, link_Bps,
+        gs, chunk_bytes, {s: float(t_comp[s.t, s.l]) for s in gs.step_ids()}, link_u,
         t_proc=procs, rtt_s=rtt_s, levels=levels, quality_floor=floor, name="restore")
     plan = get_planner(planner).plan(inst)
     out.instance, out.plan = inst, plan
+    # per server token chunk, one way in for its missing sub-chunks (the service restores
+    # whole 16-token chunks through every layer): recomputed if the plan computes any of its
+    # steps; else read if the plan reads any of its layers from flash; else fetched from the
+    # server, every (layer, group) at the level the plan chose for it
     computed_t = {s.t for s in plan.compute_order}
-    recompute: set[int] = set()
-    for t_s in computed_t:
-        recompute.update(t for t in _sub_chunks(gs, gd, t_s) if t in missing_t)
-    read: set[int] = set()
+    by_t: dict[int, list[KVChunkId]] = {}
     for cid in plan.stream_order:
-        if cid.t in computed_t:
-            continue
-        lv = plan.levels[cid]
-        subs = [t for t in _sub_chunks(gs, gd, cid.t) if t in missing_t]
+        by_t.setdefault(cid.t, []).append(cid)
+    recompute: set[int] = set()
+    read: set[int] = set()
+    stream: set[int] = set()
+    for t_s in range(gs.num_token_chunks):
+        subs = [t for t in _sub_chunks(gs, gd, t_s) if t in missing_t]
         if not subs:
             continue
-        if lv == FLASH:
+        cids = by_t.get(t_s, [])
+        if t_s in computed_t or not cids:
+            recompute.update(subs)
+        elif any(plan.levels[c] == FLASH for c in cids):
             read.update(subs)
         else:
-            out.server.append((cid, lv))
+            stream.update(subs)
+            out.server.extend((c, plan.levels[c]) for c in
+                              sorted(cids, key=lambda c: (c.l, c.g)))
     out.recompute = sorted(recompute)
-    out.read = sorted(read - recompute)
+    out.read = sorted(read)
+    out.stream = sorted(stream)
     try:
         from sparkv.scheduler.simulator import estimate_ttft
         out.estimate_s = float(estimate_ttft(plan, inst))

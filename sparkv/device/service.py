@@ -23,8 +23,9 @@ on flash, or absent. A call:
 4. **folds** the new tokens back: the context grows by the prompt and the answer, its new chunks
    enter ``C`` at the levels their densities earn (the densest keep the most bits, the mix meets
    the global ratio);
-5. **swaps out ahead of time** every chunk it modified (one grouped, durable write), so that a
-   later reclaim of this context writes nothing; then journals the context and returns.
+5. **swaps out ahead of time** every chunk it modified (one file per token chunk holding every
+   layer, :mod:`sparkv.device.flashio`; one grouped, durable write), so that a later reclaim of
+   this context writes nothing; then journals the context and returns.
 
 With ``keep_working`` (LLMS's presets) the call's working memory is kept after it returns while
 the budget has room: a later call on the same context uses it as it is (no load, no
@@ -38,8 +39,12 @@ chunk) is reserved first, and the service checks its account (the sum of the KV 
 Policies (:class:`ServiceConfig`) make the LLMS ablations and the chunk-swapping baselines with
 the same code: ``compression`` (``tolerance`` / ``int8`` / ``fp``), ``pipeline`` (IO-recompute
 pipeline, or read everything first), ``aot`` (ahead-of-time swap-out, or write at reclaim) and
-``eviction`` (``lctru``: int8 chunks first, then int4, then int2, least recently used first in
-each; or ``lru``).
+``eviction`` (``lctru``: fp and int8 chunks first, then int4, then int2, least recently used
+first in each; or ``lru``). Levels: ``fp_protect`` first chunks (the attention sinks) at fp outside
+the global ``ratio``, the densest ``fp_fraction`` at fp inside it, the rest int8 / int4 / int2
+(:func:`sparkv.device.density.plan_levels`). A call given a ``remote`` (the server's copy,
+:mod:`sparkv.device.remote`) restores missing chunks from flash, the server or by recompute,
+planned by :func:`sparkv.device.restore.restore_plan`.
 """
 
 from __future__ import annotations
@@ -56,12 +61,13 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from sparkv.cache import ContextKV, FlashRef, Residency, Source
+from sparkv.cache import ContextKV, FlashRef, PayloadError, Residency, Source
 from sparkv.device.density import (DensityRecorder, chunk_densities, install_hooks, plan_levels,
                                    recording)
 from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, PromptTooLong,
                                   UnknownContext)
-from sparkv.device.flashio import IOProfile, ServiceFlash, load_io_profile
+from sparkv.device.flashio import (IOProfile, ServiceFlash, load_io_profile, token_chunk_header,
+                                   token_chunk_name)
 from sparkv.device.journal import Journal
 from sparkv.device.loader import (LoadStats, chunk_payload, grow_arena, load, payload_nbytes,
                                   token_chunk_ids, working_nbytes)
@@ -80,7 +86,10 @@ class ServiceConfig:
     name: str = "llms"
     chunk_tokens: int = 16
     compression: str = "tolerance"     # tolerance | int8 | fp
-    ratio: float = 0.9                 # global ratio of bytes to int8 (tolerance only)
+    ratio: float = 1.0                 # global ratio of bytes to int8 (tolerance only)
+    fp_fraction: float = 0.0           # the densest fraction of chunks kept at fp (tolerance)
+    fp_protect: int = 1                # the first chunks (attention sinks) kept at fp, outside
+    #                                    the ratio (tolerance only)
     pipeline: bool = True              # IO-recompute pipeline; else read every missing chunk first
     aot: bool = True                   # ahead-of-time swap-out when a call returns
     eviction: str = "lctru"            # lctru | lru
@@ -98,8 +107,10 @@ class ServiceConfig:
             raise ValueError(f"compression must be tolerance, int8 or fp, not {self.compression!r}")
         if self.eviction not in ("lctru", "lru"):
             raise ValueError(f"eviction must be lctru or lru, not {self.eviction!r}")
-        if not 0.25 <= self.ratio <= 1.0:
-            raise ValueError("ratio must be in [0.25, 1] (bytes relative to int8)")
+        if not 0.25 <= self.ratio <= 4.0:
+            raise ValueError("ratio must be in [0.25, 4] (bytes relative to int8)")
+        if not 0.0 <= self.fp_fraction <= 1.0 or self.fp_protect < 0:
+            raise ValueError("fp_fraction must be in [0, 1] and fp_protect >= 0")
         if self.chunk_tokens < 16:
             raise ValueError("chunk_tokens must be >= 16")
 
@@ -239,7 +250,7 @@ class ContextService:
         self.counters: dict[str, float] = {
             "calls": 0, "evicted_chunks": 0, "evicted_bytes": 0, "reclaim_written_bytes": 0,
             "aot_written_bytes": 0, "read_bytes": 0, "recomputed_chunks": 0, "read_chunks": 0,
-            "faults": 0, "hot_hits": 0, "hot_dropped": 0}
+            "faults": 0, "hot_hits": 0, "hot_dropped": 0, "streamed_chunks": 0}
         self.reopened = self._reopen()
 
     # ---- ids, lookups ----------------------------------------------------------------------------
@@ -386,7 +397,7 @@ class ContextService:
 
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
              prompt_ids: Sequence[int] | None = None, grow: bool = True, stop_at_eos: bool = True,
-             timeout_s: float | None = None) -> CallResult:
+             timeout_s: float | None = None, remote: Any = None) -> CallResult:
         """Runs ``prompt`` in context ``ctx_id`` and returns the answer.
 
         Args:
@@ -396,6 +407,12 @@ class ContextService:
             grow: keep the prompt and the answer in the context (a chat); ``False`` answers over
                 the context and leaves it as it was (a question about a document).
             timeout_s: how long to wait for a busy context (``None``: wait; then 409).
+            remote: a :class:`~sparkv.device.remote.RemoteSource` holding this context (the
+                server's copy, :class:`~sparkv.device.remote.ServerStream`): missing chunks may
+                then come from it too, the restore planned by
+                :func:`~sparkv.device.restore.restore_plan` (flash, server or recompute per
+                chunk, by predicted cost). Used only while the context holds exactly the
+                remote's tokens (``grow=False`` calls, as ``ask`` makes).
         """
         ctx = self._get(ctx_id)
         if max_new_tokens < 0 or max_new_tokens > self.config.max_new_tokens:
@@ -414,7 +431,7 @@ class ContextService:
                     f"prompt and {max_new_tokens} new tokens it would exceed the longest context "
                     f"allowed ({self.max_tokens} tokens)")
             with self._run:
-                return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos)
+                return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote)
         finally:
             ctx.lock.release()
 
@@ -525,7 +542,7 @@ class ContextService:
 
     # ---- one call --------------------------------------------------------------------------------
     def _call(self, ctx: Context, ids: list[int], max_new: int, grow: bool,
-              stop_at_eos: bool) -> CallResult:
+              stop_at_eos: bool, remote: Any = None) -> CallResult:
         from sparkv.cache import SparkvCache
         from sparkv.runtime.generate import greedy_generate
 
@@ -533,7 +550,7 @@ class ContextService:
         n = len(ctx.tokens)
         spare = len(ids) + max_new + 1
         before = dict(self.counters)
-        W, lstats, split, reclaim_s = self._prepare(ctx, spare)
+        W, lstats, split, reclaim_s = self._prepare(ctx, spare, remote)
         switch_s = time.perf_counter() - t0
         rec = DensityRecorder(n + spare)
         tokens: list[int] = []
@@ -597,11 +614,19 @@ class ContextService:
             # no measured densities yet: equal densities, the mix alone decides
             import numpy as np
             dens = np.ones(nt)
-        mix = plan_levels(dens, self.config.ratio)
+        mix = plan_levels(dens, self.config.ratio, fp_fraction=self.config.fp_fraction,
+                          protect=range(min(self.config.fp_protect, nt)),
+                          fp_ratio=self._fp_ratio(g))
         keep = ctx.levels
         full = g.num_tokens // g.chunk_tokens
         return [keep[t] if t < len(keep) and t < full and t < len(keep) else mix.levels[t]
                 for t in range(nt)]
+
+    def _fp_ratio(self, g: ChunkGeometry) -> float:
+        """An fp chunk's bytes relative to an int8 one (what it costs in the global ratio)."""
+        rows = g.heads_per_group * g.chunk_tokens
+        return (payload_nbytes("fp", rows, g.head_dim, self.lm.dtype)
+                / payload_nbytes("int8", rows, g.head_dim, self.lm.dtype))
 
     # ---- memory: reserve, evict ------------------------------------------------------------------
     def _reserve(self, need: int, active: Context) -> float:
@@ -667,27 +692,40 @@ class ContextService:
 
     def _evict(self, ctx: Context, ts: Sequence[int]) -> None:
         """Reclaims token chunks of ``ctx``: a clean chunk (its flash copy up to date) is just
-        dropped; a modified one is written first (one grouped write) unless it was never
-        meant to be kept on flash."""
+        dropped; a modified one is written first (its token chunk file, one grouped write)."""
         C = ctx.memory
         assert C is not None
         g = C.geometry
         freed = written = 0
         with ctx.tier.batch():
             for t in ts:
+                written += self._write_token_chunk(ctx, t)
                 for cid in token_chunk_ids(g, t):
-                    st = C.state(cid)
-                    if st.residency != Residency.RESIDENT:
-                        continue
-                    b = st.payload.nbytes if st.payload is not None else 0
-                    if st.flash is not None and not st.dirty:
-                        C.drop(cid)
-                    else:
-                        written += C.swap_out(cid, ctx.tier)
-                    freed += b
+                    freed += C.drop(cid)
                 self.counters["evicted_chunks"] += 1
         self.counters["evicted_bytes"] += freed
         self.counters["reclaim_written_bytes"] += written
+
+    def _write_token_chunk(self, ctx: Context, t: int) -> int:
+        """Writes token chunk ``t`` (every layer and group) as one file of the context's tier,
+        unless its flash copy is up to date; returns the bytes written. A chunk not wholly
+        resident, or not at one level, is not written (it stays modified: dropped, it is
+        recomputed)."""
+        C = ctx.memory
+        assert C is not None
+        cids = token_chunk_ids(C.geometry, t)
+        states = [C.state(cid) for cid in cids]
+        if all(st.flash is not None and not st.dirty for st in states):
+            return 0
+        if any(st.residency != Residency.RESIDENT or st.payload is None for st in states):
+            return 0
+        try:
+            ref = ctx.tier.write_token_chunk([st.payload for st in states])
+        except PayloadError:
+            return 0
+        for cid, st in zip(cids, states):
+            C.attach_flash(cid, ref, st.level)
+        return ref.nbytes
 
     # ---- switching in ----------------------------------------------------------------------------
     def _missing(self, ctx: Context) -> tuple[list[MissingChunk], int, int]:
@@ -699,7 +737,7 @@ class ContextService:
         resident = 0
         restore = 0
         for t in range(g.num_token_chunks):
-            files = nbytes = 0
+            paths: dict[str, int] = {}
             readable = True
             miss = 0
             for cid in token_chunk_ids(g, t):
@@ -709,24 +747,28 @@ class ContextService:
                     continue
                 miss += 1
                 if st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
-                    files += 1
-                    nbytes += st.flash.nbytes
+                    paths[st.flash.path] = st.flash.nbytes
                 else:
                     readable = False
+            files, nbytes = len(paths), sum(paths.values())
             if miss:
                 lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
-                out.append(MissingChunk(t, lv, files, nbytes, readable))
+                out.append(MissingChunk(t, lv, files, nbytes, readable, miss))
                 restore += miss * payload_nbytes(lv, g.heads_per_group * g.chunk_len(t),
                                                  g.head_dim, self.lm.dtype)
         return out, resident, restore
 
     def _new_chunk_bytes(self, g: ChunkGeometry, spare: int) -> int:
-        lv = "fp" if self.config.compression == "fp" else "int8"
+        cfg = self.config
+        fp = cfg.compression == "fp" or (cfg.compression == "tolerance" and (
+            cfg.fp_fraction > 0 or cfg.ratio > 1.0
+            or g.num_tokens + spare > cfg.fp_protect * g.chunk_tokens > g.num_tokens))
+        lv = "fp" if fp else "int8"
         chunks = math.ceil(spare / g.chunk_tokens) + 1
         return chunks * g.num_layers * payload_nbytes(lv, g.num_kv_heads * g.chunk_tokens,
                                                       g.head_dim, self.lm.dtype)
 
-    def _prepare(self, ctx: Context, spare: int
+    def _prepare(self, ctx: Context, spare: int, remote: Any = None
                  ) -> tuple[ContextKV, LoadStats | None, Split | None, float]:
         C = ctx.memory
         assert C is not None
@@ -738,7 +780,12 @@ class ContextService:
         need = restore + working_nbytes(g, spare, self.lm.dtype) + self._new_chunk_bytes(g, spare)
         spare, need = self._with_margin(g, spare, need)
         reclaim_s = self._reserve(need, ctx)
-        if self.config.pipeline:
+        rp = None
+        if (remote is not None and missing and len(remote.token_ids) == len(ctx.tokens)
+                and list(remote.token_ids) == ctx.tokens):
+            rp = self._restore_plan(ctx, remote)
+            split = Split(rp.read, rp.recompute, rp.estimate_s, 0.0, 0.0, 0.0)
+        elif self.config.pipeline:
             split = plan_split(missing, g.num_tokens, resident, self.io, self.recompute)
         else:
             split = plan_split(missing, g.num_tokens, resident, self.io, self.recompute,
@@ -750,9 +797,15 @@ class ContextService:
         levels = ctx.levels
         stats = load(self.lm, ctx.tokens, C, W, ctx.tier, split.read, split.recompute,
                      pipeline=self.config.pipeline, io_threads=self.config.io_threads,
-                     on_layer=self._check, level_of=lambda t: levels[t])
+                     on_layer=self._check, level_of=lambda t: levels[t],
+                     stream=rp.stream if rp else (), remote=remote if rp else None,
+                     remote_chunks=rp.server if rp else ())
         stats.predicted_s = split.predicted_s
+        if rp is not None:
+            stats.notes.append(f"restore plan: {rp.counts()}")
+            self.counters["streamed_chunks"] += stats.streamed_chunks
         ctx.modified.update(split.recompute)
+        ctx.modified.update(rp.stream if rp else ())
         if stats.faults:
             ctx.modified.update(range(g.num_token_chunks))
         self.counters["read_bytes"] += stats.bytes_read
@@ -761,8 +814,44 @@ class ContextService:
         self.counters["faults"] += stats.faults
         if stats.recomputed_chunks and not stats.faults:
             self.recompute.learn(stats.recomputed_chunks, g.num_tokens, stats.recompute_s)
-        self.recompute.learn_fill(resident + stats.files_read, stats.fill_s)
+        self.recompute.learn_fill(resident + stats.read_chunks * g.num_layers * g.num_groups,
+                                  stats.fill_s)
         return W, stats, split, reclaim_s
+
+    def _restore_plan(self, ctx: Context, remote: Any) -> Any:
+        """The three-source restore plan of ``ctx`` from ``remote`` (server chunks), flash and
+        recompute (:func:`sparkv.device.restore.restore_plan`)."""
+        import numpy as np
+
+        from sparkv.device.restore import restore_plan
+
+        gs = remote.geometry
+        n = len(ctx.tokens)
+        per = np.array([float(self.recompute.seconds([max(1, gs.chunk_len(t)
+                                                              // self.config.chunk_tokens)],
+                                                     n)[0]) / gs.num_layers
+                        for t in range(gs.num_token_chunks)])
+        t_comp = np.repeat(per[:, None], gs.num_layers, axis=1)
+        return restore_plan(self, ctx.id, gs, remote.sizes, t_comp, remote.link_Bps,
+                            rtt_s=remote.rtt_s)
+
+    def drop_flash(self, ctx_id: str) -> None:
+        """Drops a context's chunks from RAM **and** flash (a device reclaiming flash space, or
+        flash lost): every chunk is absent; the next call recomputes them, or restores them
+        from a remote source (:meth:`call`'s ``remote``). Its tokens and journal stay."""
+        ctx = self._get(ctx_id)
+        with ctx.lock, self._mem:
+            self._drop_hot(ctx)
+            C = ctx.memory
+            if C is None:
+                return
+            g = C.geometry
+            for t in range(g.num_token_chunks):
+                for cid in token_chunk_ids(g, t):
+                    C.drop(cid)
+                    C.forget_flash(cid, ctx.tier)
+                ctx.modified.add(t)
+            self._check()
 
     def _take_hot(self, ctx: Context, spare: int
                   ) -> tuple[ContextKV, LoadStats, None, float] | None:
@@ -915,12 +1004,8 @@ class ContextService:
             g = C.geometry
             with ctx.tier.batch():
                 for t in sorted(ctx.modified):
-                    if t >= g.num_token_chunks:
-                        continue
-                    for cid in token_chunk_ids(g, t):
-                        st = C.state(cid)
-                        if st.residency == Residency.RESIDENT and (st.dirty or st.flash is None):
-                            written += C.swap_out(cid, ctx.tier, keep_resident=True)
+                    if t < g.num_token_chunks:
+                        written += self._write_token_chunk(ctx, t)
             ctx.modified.clear()
         self.counters["aot_written_bytes"] += written
         if self.journal is not None:
@@ -957,13 +1042,19 @@ class ContextService:
             C = ContextKV(g, self.lm.dtype, self.lm.device, segmented=True)
             full = g.num_tokens // T          # a partial last chunk is recomputed
             for t in range(min(full, g.num_token_chunks)):
+                path = ctx.tier.root / token_chunk_name(t)
+                try:
+                    with open(path, "rb") as f:
+                        head = token_chunk_header(f.read(64))
+                    size = path.stat().st_size
+                except (OSError, PayloadError):
+                    continue                    # recomputed when the context is called
+                if (head["t"] != t or head["layers"] != g.num_layers
+                        or head["groups"] != g.num_groups or head["tokens"] != g.chunk_len(t)):
+                    continue
+                ref = FlashRef(str(path), size)
                 for cid in token_chunk_ids(g, t):
-                    path = ctx.tier.root / f"{cid.t}.{cid.l}.{cid.g}.skvc"
-                    try:
-                        size = path.stat().st_size
-                    except OSError:
-                        continue
-                    C.attach_flash(cid, FlashRef(str(path), size), ctx.levels[t])
+                    C.attach_flash(cid, ref, str(head["level"]))
             ctx.memory = C
             ctx.last_used = int(doc.get("last_used", 0))
             self._clock = max(self._clock, ctx.last_used)

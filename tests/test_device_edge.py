@@ -35,6 +35,16 @@ def test_second_ask_about_a_kept_context_streams_nothing(lm, tmp_path):
         taken = shaper.bytes_taken
         assert taken > 0 and first.breakdown.bytes_streamed > 0 and first.kept_id
         assert service.describe(first.kept_id)["tokens"] == len(ids)
+        # lost from RAM and flash while the server still holds it: the kept ask restores the
+        # missing chunks from the server (or recomputes them, by predicted cost), same answer
+        service.drop_flash(first.kept_id)
+        lost = session.ask(cid, q, strategy="stream", level="raw", backend="dense",
+                           max_new_tokens=12, keep=True)
+        assert lost.kept_id == first.kept_id and lost.tokens == first.tokens
+        assert lost.breakdown.strategy == "kept"
+        assert lost.breakdown.chunks_streamed + lost.breakdown.chunks_computed > 0
+        assert (lost.breakdown.chunks_streamed > 0) == (lost.breakdown.bytes_streamed > 0)
+        taken = shaper.bytes_taken
     finally:
         srv.stop()                            # the server is gone: the next ask cannot stream
     second = session.ask(cid, q, strategy="stream", level="raw", backend="dense",

@@ -139,3 +139,44 @@ class ServerStream:
             self.stats.bytes += len(data)
             self.stats.seconds += time.perf_counter() - t0
             yield cid, int(chunk.token_start), chunk.k, chunk.v
+
+
+class LazyRemote:
+    """A remote source made on first use: nothing is fetched (no manifest, no tokens) unless a
+    call finds chunks missing and asks for the remote's tokens.
+
+    When the source cannot be made (the server is down, the context is compressed or encrypted,
+    the id is unknown) it holds no tokens, so :meth:`ContextService.call` restores from flash or
+    recomputes instead; :attr:`error` keeps the reason.
+    """
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._remote: Any = None
+        self.error: Exception | None = None
+
+    def _get(self) -> Any:
+        if self._remote is None and self.error is None:
+            try:
+                self._remote = self._make()
+            except Exception as e:  # noqa: BLE001 - any failure means "no server copy"
+                self.error = e
+        return self._remote
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        remote = self._get()
+        return remote.token_ids if remote is not None else ()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        remote = self._get()
+        if remote is None:
+            raise DeviceError(f"no server copy: {self.error}")
+        return getattr(remote, name)
+
+
+def server_stream(client: Any, context_id: str, **kwargs: Any) -> LazyRemote:
+    """A lazily made :class:`ServerStream` of ``context_id`` (see :class:`LazyRemote`)."""
+    return LazyRemote(lambda: ServerStream(client, context_id, **kwargs))

@@ -448,6 +448,14 @@ class ContextService:
             if self.journal is not None:
                 self.journal.remove(ctx_id)
 
+    @staticmethod
+    def server_stream(client: Any, context_id: str, **kwargs: Any) -> Any:
+        """The server's copy of ``context_id`` through ``client`` (an ``EdgeClient``), made
+        lazily, for :meth:`call`'s ``remote`` (:func:`sparkv.device.remote.server_stream`)."""
+        from sparkv.device.remote import server_stream
+
+        return server_stream(client, context_id, **kwargs)
+
     def find(self, label: str) -> str | None:
         """The id of the (most recently used) context imported with ``label``, or ``None``."""
         with self._mem:

@@ -392,12 +392,20 @@ class EdgeSession:
         sid = svc.find(self._kept_label(context_id))
         if sid is None:
             return None
+        # chunks the service evicted entirely may come back from the server (made lazily: a
+        # resident context fetches nothing)
+        make_remote = getattr(svc, "server_stream", None)
+        remote = make_remote(self.client, context_id) if make_remote is not None else None
         res = svc.call(sid, prompt_ids=list(suffix), max_new_tokens=max_new_tokens, grow=False,
-                       stop_at_eos=stop_at_eos)
+                       stop_at_eos=stop_at_eos, remote=remote)
         ttft = (time.perf_counter() - t_start) - (res.total_s - res.first_token_s)
         bd = Breakdown("kept", ttft, loading_s=res.switch_s,
                        question_prefill_s=res.first_token_s - res.switch_s,
-                       chunks_computed=int(res.load.get("recomputed_chunks", 0)))
+                       chunks_computed=int(res.load.get("recomputed_chunks", 0)),
+                       chunks_streamed=int(res.load.get("streamed_chunks", 0)),
+                       bytes_streamed=int(getattr(getattr(remote, "stats", None), "bytes", 0))
+                       if remote is not None and getattr(remote, "error", None) is None
+                       and res.load.get("streamed_chunks") else 0)
         n = svc.describe(sid)["tokens"]
         return AskResult(res.text, res.tokens, bd, None, None, None, None, n, sid)
 

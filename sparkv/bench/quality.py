@@ -66,6 +66,10 @@ PINNED_FLOOR = "q5"
 QA_MIN_TEACHER_FORCED = 0.9
 QA_MIN_GREEDY = 0.9
 PARITY_MISSES_PER = 30
+#: a QA answer whose first divergence from dense falls where dense's own top-1 and top-2 logits are
+#: closer than this (a near-tie) is counted in ``near_tie_divergences``: greedy agreement there is
+#: decided by noise far below what the codec or the local path can promise (docs/quality.md)
+NEAR_TIE_LOGITS = 0.05
 
 FULL = {"tasks": "passkey,multikey,multivalue,qa", "sizes": "2048,4096", "trials": "10",
         "levels": "raw,q8,q6,q5,q4,q3", "backends": "dense,block_sparse",
@@ -358,7 +362,8 @@ FALLBACK_RETRIES = 2
 
 def score_answer(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any,
                  suffix: Sequence[int], answer: str, tokens: Sequence[int], first_logits: Any,
-                 kv: Any, breakdown: Any, ttft_s: float | None) -> dict[str, Any]:
+                 kv: Any, breakdown: Any, ttft_s: float | None,
+                 ref_margins: Sequence[float] | None = None) -> dict[str, Any]:
     """One answer judged against the dense reference ``ref`` (a ``GenerationResult``): answer
     score, greedy agreement, teacher-forced agreement over the cache ``kv`` the engine assembled,
     first-token KL (nats), and what the load did (``breakdown``: bytes streamed, chunks,
@@ -371,6 +376,7 @@ def score_answer(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any,
     row["score"] = probe.score(answer)
     row["correct"] = row["score"] >= 1.0
     row["greedy_agreement"] = greedy_agreement(ref.tokens, tokens)
+    row.update(divergence(ref.tokens, tokens, ref_margins))
     row["teacher_forced"] = teacher_forced_agreement(lm, kv, len(ctx.token_ids), suffix,
                                                      ref.tokens)
     row["first_token_kl"] = max(0.0, first_token_kl(ref.first_logits, first_logits))
@@ -381,15 +387,58 @@ def score_answer(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any,
     return row
 
 
+def divergence(ref_tokens: Sequence[int], tokens: Sequence[int],
+               ref_margins: Sequence[float] | None) -> dict[str, Any]:
+    """Where an answer first leaves the dense reference's tokens (``divergence_pos``, ``None``
+    when it never does) and the dense reference's own top-1 minus top-2 logit margin there
+    (``ref_margin_at_divergence``; ``None`` without margins); ``near_tie`` when that margin is
+    below :data:`NEAR_TIE_LOGITS`."""
+    pos = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
+    if pos is None and len(tokens) < len(ref_tokens):
+        pos = len(tokens)
+    margin = (float(ref_margins[pos]) if pos is not None and ref_margins is not None
+              and pos < len(ref_margins) else None)
+    return {"divergence_pos": pos, "ref_margin_at_divergence": margin,
+            "near_tie": bool(margin is not None and margin < NEAR_TIE_LOGITS)}
+
+
+def reference_margins(lm: Any, kv: Any, context_len: int, question_ids: Sequence[int],
+                      ref_tokens: Sequence[int]) -> list[float]:
+    """The dense reference's top-1 minus top-2 logit at each of its own answer positions (one
+    teacher-forced forward over the reference cache ``kv``; the cache is left as it was)."""
+    import torch
+
+    from sparkv.cache import SparkvCache
+    from sparkv.runtime.generate import context_memory
+
+    if not ref_tokens:
+        return []
+    ids = list(question_ids) + list(ref_tokens[:-1])
+    pos = torch.arange(context_len, context_len + len(ids), device=lm.device)
+    memory = context_memory(lm, kv, context_len)
+    try:
+        with torch.inference_mode():
+            out = lm.model(input_ids=torch.tensor([ids], device=lm.device),
+                           past_key_values=SparkvCache(memory), position_ids=pos[None],
+                           cache_position=pos, use_cache=True)
+    finally:
+        memory.truncate()
+    top = out.logits[0, len(question_ids) - 1:].float().topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
 def score_row(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any, res: Any,
-              suffix: Sequence[int]) -> dict[str, Any]:
+              suffix: Sequence[int], ref_margins: Sequence[float] | None = None
+              ) -> dict[str, Any]:
     """:func:`score_answer` of one ``EdgeSession.ask`` result."""
     return score_answer(lm, ctx, probe, config, ref, suffix, res.answer, res.tokens,
-                        res.first_logits, res.load.kv, res.breakdown, res.breakdown.ttft_s)
+                        res.first_logits, res.load.kv, res.breakdown, res.breakdown.ttft_s,
+                        ref_margins)
 
 
 def answer_over_load(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any,
-                     suffix: Sequence[int], res: Any) -> dict[str, Any]:
+                     suffix: Sequence[int], res: Any,
+                     ref_margins: Sequence[float] | None = None) -> dict[str, Any]:
     """Answers ``probe`` over the cache an earlier ask of the same context and configuration
     assembled (``res``), with the same :func:`~sparkv.runtime.generate.greedy_generate` that
     ``ask`` ends with; ``ttft_s`` is ``None`` and ``reused_load`` true."""
@@ -398,7 +447,7 @@ def answer_over_load(lm: Any, ctx: Context, probe: Probe, config: Config, ref: A
     gen = greedy_generate(lm, res.load.kv, len(ctx.token_ids), suffix, probe.new_tokens,
                           stop_at_eos=probe.stop_at_eos)
     row = score_answer(lm, ctx, probe, config, ref, suffix, gen.text, gen.tokens,
-                       gen.first_logits, res.load.kv, res.breakdown, None)
+                       gen.first_logits, res.load.kv, res.breakdown, None, ref_margins)
     row["reused_load"] = True
     return row
 
@@ -478,17 +527,24 @@ def measure(lm: Any, url: str, contexts: Sequence[Context], configs: Sequence[Co
             ref_mem = memory_from_layers(ref_layers, ChunkGeometry.from_config(lm.config, n, n),
                                          spare_tokens=128)
             del ref_layers
-            refs, suffixes = {}, {}
+            refs, suffixes, margins = {}, {}, {}
             for probe in ctx.probes:
                 suffixes[probe.id] = question_suffix(lm, probe.question)
                 ref = greedy_generate(lm, ref_mem, n, suffixes[probe.id], probe.new_tokens,
                                       stop_at_eos=probe.stop_at_eos)
+                if probe.family == "qa":  # where dense itself is a near-tie
+                    margins[probe.id] = reference_margins(lm, ref_mem, n, suffixes[probe.id],
+                                                          ref.tokens)
                 refs[probe.id] = ref
                 row = base_row(ctx, probe, configs[0])
                 row.update({"answer": ref.text, "score": probe.score(ref.text),
                             "greedy_agreement": 1.0, "teacher_forced": 1.0,
                             "first_token_kl": 0.0, "mb": 0.0, "ttft_s": None, "streamed": 0,
-                            "computed": 0, "levels": {}, "fallback": {}, "reused_load": False})
+                            "computed": 0, "levels": {}, "fallback": {}, "reused_load": False,
+                            "divergence_pos": None, "ref_margin_at_divergence": None,
+                            "near_tie": False})
+                if margins.get(probe.id):
+                    row["ref_min_margin"] = min(margins[probe.id])
                 row["correct"] = row["score"] >= 1.0
                 rows.append(row)
                 _sink(sink, row)
@@ -502,11 +558,13 @@ def measure(lm: Any, url: str, contexts: Sequence[Context], configs: Sequence[Co
                     ref, suffix = refs[probe.id], suffixes[probe.id]
                     try:
                         if loaded is not None:
-                            row = answer_over_load(lm, ctx, probe, config, ref, suffix, loaded)
+                            row = answer_over_load(lm, ctx, probe, config, ref, suffix, loaded,
+                                                   margins.get(probe.id))
                         else:
                             res = _ask(session, cid, probe, config, rtt_ms,
                                        FALLBACK_RETRIES if reuse else 0)
-                            row = score_row(lm, ctx, probe, config, ref, res, suffix)
+                            row = score_row(lm, ctx, probe, config, ref, res, suffix,
+                                            margins.get(probe.id))
                             if reuse and row["fallback"]:
                                 row["error"] = f"fell back to local compute: {row['fallback']}"
                             elif reuse:
@@ -630,6 +688,9 @@ def aggregate(rows: Sequence[dict[str, Any]], configs: Sequence[Config] | None =
         }
         if fam == "qa":
             res["keyword_hits"] = correct
+            div = [r for r in ok if r.get("divergence_pos") is not None]
+            res["divergences"] = len(div)
+            res["near_tie_divergences"] = sum(1 for r in div if r.get("near_tie"))
             tf, gr = res["teacher_forced"], res["greedy_agreement"]
             # a tiny tolerance: a mean of 32-token fractions that is 0.9 must pass 0.9
             res["qa_ok"] = (tf is not None and tf >= QA_MIN_TEACHER_FORCED - 1e-9
@@ -655,6 +716,8 @@ def verdicts(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         v = out.setdefault(r["config"], {"group": r["group"]})
         if r["family"] == "qa":
             v.update({"qa_teacher_forced": r["teacher_forced"],
+                      "qa_divergences": r.get("divergences"),
+                      "qa_near_tie_divergences": r.get("near_tie_divergences"),
                       "qa_greedy_agreement": r["greedy_agreement"],
                       "qa_first_token_kl": r["first_token_kl"], "qa_ok": r["qa_ok"],
                       "qa_greedy_ok": r["greedy_ok"]})
@@ -731,7 +794,9 @@ def table_text(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
         if r["family"] == "qa":
             acc = f"kw {r['correct']}/{r['n']}"
-            rel = "-"
+            # answers that left dense's tokens (of them, at a near-tie of dense's own logits)
+            rel = ("-" if r["config"] == "dense" or r.get("divergences") is None else
+                   f"div {r['divergences']} ({r.get('near_tie_divergences', 0)} tie)")
             verdict = ("" if r["config"] == "dense" else
                        ("ok" if r["qa_ok"] else "LOW") + ("" if r["greedy_ok"] else " (greedy<0.9)"))
         else:

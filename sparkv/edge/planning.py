@@ -136,10 +136,29 @@ def decode_seconds(geometry: ChunkGeometry, cid: KVChunkId, level: str) -> float
     return 2e-4 + values / (DECODE_MVPS.get(level, 250.0) * 1e6)
 
 
+def recent_floor_above(present: Any, floor: str | None, steps: int = 1) -> str | None:
+    """The floor of the chunk next to the question under the recent-chunk rule: the ``steps``-th
+    present level above ``floor`` in quality rank (the best present level when there are fewer
+    above it); ``None`` when nothing present is above ``floor`` (or no floor / ``steps`` <= 0:
+    the rule is off)."""
+    if floor is None or steps <= 0:
+        return None
+    rank = {lv.name: lv.rank for lv in DEFAULT_LEVELS}
+    above = sorted((lv for lv in present if rank.get(lv, -1) > rank.get(floor, 1 << 30)),
+                   key=lambda lv: rank[lv])
+    return above[min(steps, len(above)) - 1] if above else None
+
+
 def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float, *,
                    levels: Sequence[str] | None = None, quality_floor: str | None = DEFAULT_FLOOR,
-                   rtt_s: float = 0.0, t_suffix_s: float = 0.0) -> Instance:
-    """The scheduler's instance for a manifest: exact frame sizes, predicted compute times."""
+                   rtt_s: float = 0.0, t_suffix_s: float = 0.0,
+                   recent_boost: int = 0) -> Instance:
+    """The scheduler's instance for a manifest: exact frame sizes, predicted compute times.
+
+    ``recent_boost`` > 0 turns on the recent-chunk rule (docs/quality.md): the last token chunk,
+    next to the question, may only be streamed ``recent_boost`` encoded levels above the floor
+    (:func:`recent_floor_above`; it may still be computed). Off by default; ignored with an
+    explicit level list."""
     g = manifest.chunk_geometry
     allowed = set(levels) if levels else set(manifest.levels)
     sizes = {cid: {lv: b for lv, b in s.items() if lv in allowed}
@@ -153,11 +172,16 @@ def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float,
         raise AskError(f"unknown levels {sorted(present - known)}")
     # an explicit level list is its own floor
     floor = None if levels else effective_floor(present, quality_floor)
+    if recent_boost < 0:
+        raise AskError(f"recent_boost must be >= 0, got {recent_boost}")
+    last = {lv for cid, s in sizes.items() if cid.t == g.num_token_chunks - 1 for lv in s}
+    recent = recent_floor_above(last, floor, recent_boost)
     t_proc = {cid: {lv: decode_seconds(g, cid, lv) for lv in s} for cid, s in sizes.items()}
     step_t = {s: float(t_comp[s.t, s.l]) for s in g.step_ids()}
-    return Instance.from_mappings(g, sizes, step_t, bandwidth_Bps, t_proc=t_proc, rtt_s=rtt_s,
+    inst = Instance.from_mappings(g, sizes, step_t, bandwidth_Bps, t_proc=t_proc, rtt_s=rtt_s,
                                   t_suffix_s=t_suffix_s, quality_floor=floor,
                                   name=f"{manifest.context_id[:8]}-{g.num_tokens}tok")
+    return inst.replace(recent_floor=recent) if recent is not None else inst
 
 
 def local_instance(geometry: ChunkGeometry, t_comp: np.ndarray, t_suffix: float) -> Instance:

@@ -77,6 +77,10 @@ class Instance:
         name: free text for reports.
         decode_overlaps: the device decodes a chunk while the next one transfers (as the simulator
             and the engine do); changes only the planners' ``t_stream`` (see :attr:`stream_times`).
+        recent_floor: the floor of the last token chunk's chunks (the tokens next to the
+            question), where it is above ``quality_floor`` (``None``: the same floor for every
+            chunk). The chunk next to the question is the most sensitive to quantization
+            (docs/quality.md); planners and the controller see it through :attr:`allowed_mask`.
     """
 
     geometry: ChunkGeometry
@@ -90,6 +94,7 @@ class Instance:
     quality_floor: str | None = None
     name: str = ""
     decode_overlaps: bool = True
+    recent_floor: str | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,10 +127,12 @@ class Instance:
             raise InstanceError("rtt_s and t_suffix_s must be >= 0")
         if self.quality_floor is not None and self.quality_floor not in names:
             raise InstanceError(f"quality floor {self.quality_floor!r} is not one of {names}")
+        if self.recent_floor is not None and self.recent_floor not in names:
+            raise InstanceError(f"recent floor {self.recent_floor!r} is not one of {names}")
         if not np.any(self.allowed_mask, axis=1).all():
             bad = int(np.flatnonzero(~np.any(self.allowed_mask, axis=1))[0])
             raise InstanceError(f"{self.chunk_id(bad)} has no level at or above the quality floor "
-                                f"{self.quality_floor!r}")
+                                f"{self.quality_floor!r} (recent floor {self.recent_floor!r})")
         self._cache = {}
 
     # --- construction helpers ---------------------------------------------------------------
@@ -231,9 +238,20 @@ class Instance:
 
     @property
     def allowed_mask(self) -> np.ndarray:
-        """``bool[num_chunks, num_levels]``: the level exists for the chunk and is >= the floor."""
-        ranks = np.array([lv.rank for lv in self.levels])
-        return (self.chunk_bytes >= 0) & (ranks >= self.floor_rank)[None, :]
+        """``bool[num_chunks, num_levels]``: the level exists for the chunk and is >= the floor
+        (for the last token chunk's chunks, >= :attr:`recent_floor` too)."""
+        def build() -> np.ndarray:
+            ranks = np.array([lv.rank for lv in self.levels])
+            need = np.full(self.num_chunks, self.floor_rank)
+            if self.recent_floor is not None:
+                last = np.array([cid.t == self.geometry.num_token_chunks - 1
+                                 for cid in self.geometry.chunk_ids()])
+                rec = self.levels[self.level_index(self.recent_floor)].rank
+                need[last] = np.maximum(need[last], rec)
+            mask = (self.chunk_bytes >= 0) & (ranks[None, :] >= need[:, None])
+            mask.setflags(write=False)   # cached and shared: read-only
+            return mask
+        return self._cached("allowed", build)
 
     def level_allowed(self, c: int, li: int) -> bool:
         return bool(self.allowed_mask[c, li])
@@ -303,6 +321,7 @@ class Instance:
             "bandwidth_mbps": self.bandwidth_Bps / MBPS,
             "rtt_ms": self.rtt_s * 1e3,
             "quality_floor": self.quality_floor,
+            "recent_floor": self.recent_floor,
             "total_compute_s": float(self.t_comp.sum()),
             "total_stream_bytes": int(nbytes.sum()),
             "total_stream_s": float(self.min_stream_time.sum()),

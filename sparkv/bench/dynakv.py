@@ -134,6 +134,8 @@ def _targets(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]
             t["latency_local_over_dynakv"] = d["tokens_per_s"] / lo["tokens_per_s"]
             t["latency_met"] = bool(t["latency_local_over_dynakv"] >= 1.3
                                     and d["recall"] >= lo["recall"])
+            t["critical_read_ops_per_token_dynakv"] = d.get("critical_read_ops_per_token")
+            t["critical_read_ops_per_token_local"] = lo.get("critical_read_ops_per_token")
         e = by.get("dynakv-eager")
         if e is not None:
             t["split_read_bytes_delayed"] = d["split_read_bytes"]
@@ -224,16 +226,17 @@ def run(args: argparse.Namespace) -> int:
     table = []
     for r in rows:
         if "refused" in r:
-            table.append([r["policy"], r["budget_frac"], "refused"] + [""] * 9)
+            table.append([r["policy"], r["budget_frac"], "refused"] + [""] * 10)
             continue
         table.append([r["policy"], "-" if r["budget_frac"] is None else r["budget_frac"],
                       r["recall"] if r["recall"] is not None else float("nan"),
                       r["agreement"], r["passkey"],
                       r["flash_read_bytes_per_token"] / 1e3, r["flash_read_ops_per_token"],
+                      r["critical_read_ops_per_token"],
                       r["mean_run_entries"], r["write_amplification"], r["hit_rate"],
                       r["split_read_bytes"] / 1e3, r["tokens_per_s"]])
     print(format_table(["policy", "RAM", "recall", "agree", "passkey", "rd kB/tok", "ops/tok",
-                        "run", "WA", "hit", "split kB", "tok/s"], table))
+                        "crit ops", "run", "WA", "hit", "split kB", "tok/s"], table))
     for b, t in targets.items():
         print(f"targets @ {b}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else
                                             f"{k}={v}" for k, v in t.items()))

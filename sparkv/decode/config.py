@@ -76,6 +76,12 @@ class DecodeConfig:
             updated clusters) | ``lru``.
         reserve_frac: share of the cache reserved for just-updated clusters (``dynakv``).
         prefetch: read the next layer's predicted clusters on a thread while this layer computes.
+        prefetch_margin: entries per KV head the prefetcher may also read beyond the clusters a
+            layer used at the previous step: the best-scored clusters just below that step's
+            selection cut-off (most likely to enter the next selection), taken whole, best first,
+            while they fit. Its RAM is part of the fixed staging (0: off).
+        pack_tails: past the write-buffer cap, pack the fullest tails into one full shared page
+            (dual-head layout; no padding) instead of writing the fullest tail as a padded page.
         attend_tails: attend every cluster's write-buffer tail (its newest entries, in RAM) each
             step, selected or not (like the delayed-split buffers and ``local``'s waiting
             entries); False: a tail is attended only with its selected cluster.
@@ -109,6 +115,8 @@ class DecodeConfig:
     replacement: str = "dynakv"
     reserve_frac: float = 0.05
     prefetch: bool = True
+    prefetch_margin: int = 32
+    pack_tails: bool = True
     warm: bool = True
     attend_tails: bool = True
     budget_outside_window: bool = False
@@ -131,6 +139,8 @@ class DecodeConfig:
             raise ValueError("need 1 <= avg_cluster <= max_cluster (>= 2)")
         if self.sinks < 0 or self.recent < 1:
             raise ValueError("sinks >= 0 and recent >= 1")
+        if self.prefetch_margin < 0:
+            raise ValueError("prefetch_margin must be >= 0")
         if not 0.0 < self.tau_quantile <= 1.0:
             raise ValueError("tau_quantile must be in (0, 1]")
 

@@ -179,6 +179,8 @@ class ClusterIndex:
         #: the entry budget counts only what a cluster adds beyond the window
         self.win = (0, 0)
         self.where: dict[int, int] = {}
+        #: the best-scored clusters the last selection left out, best first (prefetch candidates)
+        self.next_up: list[int] = []
 
     # ---- slots -------------------------------------------------------------------------------------
     def _grow(self) -> None:
@@ -295,6 +297,12 @@ class ClusterIndex:
                         break
             if extra:
                 picked = np.concatenate([picked, np.asarray(extra, dtype=picked.dtype)])
+        # the best-scored clusters left out (most likely to enter the next step's selection):
+        # the prefetcher's candidates beyond what was selected
+        rest = order[take:take + 16 + (len(picked) - take)]
+        if len(picked) > take:
+            rest = rest[~np.isin(rest, picked[take:])]
+        self.next_up = self.uid[rest[:16]].tolist()
         return self.uid[picked].tolist()
 
     def resident(self) -> FlushedData:

@@ -11,7 +11,9 @@ counters. At each decoding step, layer by layer (:meth:`LayerState.attend`):
 2. each KV head selects its clusters (query-centroid scores of every head in one batched matmul
    over the layer's :class:`~sparkv.decode.index.CentroidTable`, within the entry budget);
 3. clusters not in the cache nor prefetched are read (one pass: runs of pages, merged);
-4. the next layer's predicted clusters (those it used last step) are handed to the prefetcher;
+4. the next layer's predicted clusters (those it used last step, plus the best-scored ones just
+   below its last cut-off within ``prefetch_margin`` entries per head) are handed to the
+   prefetcher;
 5. attention runs over the selected clusters' entries + buffered entries + every write-buffer
    tail (RAM; ``attend_tails``) + the window, with
    explicit positions (:func:`sparkv.cache.ragged_attention`; cluster order is irrelevant);
@@ -103,13 +105,19 @@ class Prefetcher:
         self.pool = self.io if enabled else None
         self.futures: dict[int, Future] = {}
         self.wait_s = 0.0
+        self.margin_units = 0
 
     def submit(self, layer: "LayerState") -> None:
         if self.pool is None or layer.l in self.futures:
             return
-        uids = [u for u in layer.predicted() if (layer.l, u) not in layer.eng.cache]
+        cache = layer.eng.cache
+        uids = [u for u in layer.predicted() if (layer.l, u) not in cache]
+        uids += [u for u in layer.near_cutoff(layer.eng.cfg.prefetch_margin)
+                 if (layer.l, u) not in cache]
+        uids = list(dict.fromkeys(uids))
         if not uids:
             return
+        self.margin_units += len(uids)
         runs = layer.store.plan(uids)
         self.futures[layer.l] = self.pool.submit(layer.store.read_runs, uids, runs, "prefetch")
 
@@ -201,7 +209,8 @@ class LayerState:
             self.store = ClusterStore(path, eng.H, eng.D, eng.dtype, eng.io,
                                       max_cluster=cfg.max_cluster, dual_head=cfg.dual_head,
                                       write_buffer=cfg.write_buffer, merge_gap=cfg.merge_gap,
-                                      direct=cfg.direct, executor=eng.prefetcher.io)
+                                      direct=cfg.direct, executor=eng.prefetcher.io,
+                                      pack_tails=cfg.pack_tails)
             self._build_clusters(k_all, v_all, queries)
             self.table: CentroidTable | None = CentroidTable(self.indexes)  # type: ignore[arg-type]
             self.store.ram_lookup = self.ram
@@ -302,6 +311,28 @@ class LayerState:
             for uid in sel:
                 if self._flushed(uid):
                     out.append(uid)
+        return out
+
+    def near_cutoff(self, margin: int) -> list[int]:
+        """The prefetch margin: per KV head, the best-scored clusters the last selection left out
+        (best first), taken whole while their flushed entries fit ``margin`` entries; clusters
+        with nothing on flash or already cached are skipped (tested: within the margin)."""
+        if margin <= 0 or isinstance(self.store, TokenStore):
+            return []
+        out = []
+        units = self.store.units
+        cache, layer = self.eng.cache, self.l
+        for idx in self.indexes:
+            left = margin
+            for uid in getattr(idx, "next_up", ()):
+                u = units.get(uid)
+                if u is None or not u.flushed or (layer, uid) in cache:
+                    continue
+                if u.flushed <= left:
+                    out.append(uid)
+                    left -= u.flushed
+                    if not left:
+                        break
         return out
 
     def _flushed(self, uid: int) -> bool:
@@ -681,6 +712,8 @@ class ClusteredKV:
             staged = self.budget_for(self.final_tokens)
             if cfg.update == "nocluster":                # whole pages
                 staged = min(staged * per_page, self.final_tokens)
+            else:
+                staged += cfg.prefetch_margin            # the margin below the cut-off
             total += staged * eb * self.H
         return total
 

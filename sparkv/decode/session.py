@@ -209,6 +209,11 @@ class DecodeSession:
         if st.flash_read_ops:
             st.mean_run_entries = st.flash_read_bytes / eb / st.flash_read_ops
             st.useful_read_fraction = sum(re.values()) * eb / max(1, st.flash_read_bytes)
+        crit = ("retrieve", "split", "overflow", "relocate")      # everything but prefetch
+        st.critical_read_ops_per_token = sum(ro.get(r, 0) for r in crit) / per
+        st.critical_read_bytes_per_token = sum(rb.get(r, 0) for r in crit) / per
+        st.prefetch_read_ops_per_token = ro.get("prefetch", 0) / per
+        st.prefetch_read_bytes_per_token = rb.get("prefetch", 0) / per
         st.split_read_bytes = int(rb.get("split", 0) + rb.get("overflow", 0))
         st.split_read_ops = int(ro.get("split", 0) + ro.get("overflow", 0))
         wb, lb = io["write_bytes"], io["logical_bytes"]

@@ -24,6 +24,8 @@ class DecodeStats:
             for splits, ``relocate`` for the packed layout); ``*_per_token``.
         mean_run_entries: entry slots per read operation (contiguity); useful_read_fraction:
             live entries / slots read.
+        critical_read_ops/bytes_per_token: reads on the critical path (every reason but
+            ``prefetch``); prefetch_read_ops/bytes_per_token: the prefetcher's, off it.
         split_read_bytes / split_read_ops: reads caused by splits (``split`` + ``overflow``).
         flash_write_bytes: pages written while decoding; logical_write_bytes: entry bytes the
             policy asked to write (new entries, split migrations); write_amplification: their
@@ -63,6 +65,10 @@ class DecodeStats:
     flash_read_ops_per_token: float = 0.0
     mean_run_entries: float = 0.0
     useful_read_fraction: float = 0.0
+    critical_read_ops_per_token: float = 0.0
+    critical_read_bytes_per_token: float = 0.0
+    prefetch_read_ops_per_token: float = 0.0
+    prefetch_read_bytes_per_token: float = 0.0
     split_read_bytes: int = 0
     split_read_ops: int = 0
     flash_write_bytes: int = 0

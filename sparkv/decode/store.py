@@ -23,8 +23,12 @@ raises): nothing on flash is ever rewritten in place.
 
 A cluster's newest entries wait in a per-cluster **page-aligned write buffer** (its tail, in RAM)
 until a whole page can be written; the tails of a layer are capped (``write_buffer`` entries per
-head): past the cap the fullest tail (least padding; ties: the least recently appended) is written as a
-padded page (a direct write, which is where write amplification comes from).
+head). Past the cap, with ``pack_tails`` (dual-head layout), the oldest entries of the fullest
+tails are packed into one **full shared tail page** (several clusters' entries in one page,
+written once, never rewritten: each cluster's addresses point into it and the other clusters'
+slots are dead slots to its reads), so decoding writes no padding. Without it, the fullest tail
+(least padding; ties: the least recently appended) is written as a padded page at its own head,
+which is where write amplification came from.
 
 ``dual_head=False`` packs clusters back to back with no room to grow: a cluster that needs a page
 is relocated whole (its live entries and the new page rewritten at the end of the file; read first
@@ -383,12 +387,16 @@ class ClusterStore:
     def __init__(self, path: str | os.PathLike[str], heads: int, head_dim: int,
                  dtype: torch.dtype, io: IOStats, *, max_cluster: int, dual_head: bool = True,
                  write_buffer: int = 32, merge_gap: int = 1, direct: bool = True,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, pack_tails: bool = True) -> None:
         self.file = PageFile(path, io, direct, executor)
         self.io = io
         self.rec = Records(head_dim, dtype)
         self.heads, self.d, self.dtype = heads, head_dim, dtype
         self.dual_head = dual_head
+        #: past the write-buffer cap, pack tails into full shared pages (dual-head layout) instead
+        #: of writing the fullest tail as a padded page
+        self.pack_tails = pack_tails
+        self.tail_pages = 0
         self.pool_pages = 2 * self.rec.pages_for(max_cluster)
         self.tail_cap = max(1, write_buffer) * heads
         self.merge_gap = merge_gap
@@ -602,8 +610,55 @@ class ClusterStore:
             victims = self.tails()
             if not victims:
                 break
+            if self.pack_tails and self.dual_head and self.tail_entries >= self.rec.per_page:
+                self.pack_tail_page(victims)
+                continue
             # the fullest tail pads its page least (ties: the least recently appended)
             self.flush_tail(max(victims, key=lambda u: (u.tail, -u.last_append)))
+
+    def pack_tail_page(self, victims: list[Unit] | None = None, reason: str = "tailpack") -> int:
+        """Writes one **full** shared tail page: the oldest tail entries of the fullest tails
+        (ties: the least recently appended) until the page is full, several clusters in one page.
+        Each entry is written once and stays there (its cluster's address points into the shared
+        page; other clusters' slots in it are dead slots for a read of this cluster), so a
+        page-aligned flush costs no padding. Returns the entries written (0 when the tails hold
+        fewer than a page)."""
+        pp = self.rec.per_page
+        if victims is None:
+            victims = self.tails()
+        if sum(u.tail for u in victims) < pp:
+            return 0
+        victims = sorted(victims, key=lambda u: (-u.tail, u.last_append))
+        take: list[tuple[Unit, int]] = []
+        left = pp
+        for u in victims:
+            n = min(u.tail, left)
+            take.append((u, n))
+            left -= n
+            if not left:
+                break
+        page = self._alloc(1)
+        k = torch.cat([u.tail_k[:n] for u, n in take])  # type: ignore[index]
+        v = torch.cat([u.tail_v[:n] for u, n in take])  # type: ignore[index]
+        self.file.write(page, self.rec.pack(k, v), reason)
+        self.io.count_logical(reason, pp * self.rec.entry_bytes)
+        self.tail_pages += 1
+        slot = 0
+        for u, n in take:
+            before = self.ram_lookup(u.uid)
+            assert u.tail_k is not None and u.tail_v is not None
+            tk, tv, tp = u.tail_k[:n], u.tail_v[:n], u.tail_pos[:n]
+            u.addr = np.concatenate([u.addr, page * pp + slot + np.arange(n, dtype=np.int64)])
+            u.pos = np.concatenate([u.pos, tp])
+            u.pages.append(page)
+            slot += n
+            u.tail_k, u.tail_v, u.tail_pos = u.tail_k[n:], u.tail_v[n:], u.tail_pos[n:]
+            self.tail_entries -= n
+            if before is not None:
+                bk, bv, bp = before
+                self.on_flushed(u.uid, (torch.cat([bk, tk]), torch.cat([bv, tv]),
+                                        np.concatenate([bp, tp])))
+        return pp
 
     def tails(self) -> list[Unit]:
         """The live units holding a write-buffer tail (in RAM)."""

@@ -64,6 +64,7 @@ class ChunkState:
     flash: FlashRef | None = None
     dirty: bool = True
     quality: str = "fp"
+    payload_bytes: int = 0    # ``payload.nbytes``, counted once when the payload is held
 
 
 @dataclass
@@ -155,6 +156,22 @@ class ContextKV:
         with self._lock:
             return self._arena_bytes + sum(self._resident_bytes.values())
 
+    def resident_bytes_by_token(self) -> dict[int, int]:
+        """Resident payload bytes per token chunk index ``t`` (summed over layers and groups;
+        token chunks with nothing resident are left out). One pass over the chunk table."""
+        out: dict[int, int] = {}
+        with self._lock:
+            for cid, st in self._chunks.items():
+                if st.residency == Residency.RESIDENT and st.payload is not None:
+                    out[cid.t] = out.get(cid.t, 0) + st.payload_bytes
+        return out
+
+    def resident_payloads(self) -> dict[KVChunkId, ChunkPayload]:
+        """A snapshot of every resident chunk's payload (segmented layers), in one pass."""
+        with self._lock:
+            return {cid: st.payload for cid, st in self._chunks.items()
+                    if st.residency == Residency.RESIDENT and st.payload is not None}
+
     def account(self) -> MemoryAccount:
         with self._lock:
             return MemoryAccount(self._arena_bytes, dict(self._resident_bytes))
@@ -179,11 +196,12 @@ class ContextKV:
         """Replaces ``st``'s payload, keeping the account."""
         if st.payload is not None:
             self._resident_bytes[st.level] = self._resident_bytes.get(st.level, 0) \
-                - st.payload.nbytes
+                - st.payload_bytes
         st.payload = payload
+        st.payload_bytes = payload.nbytes if payload is not None else 0
         if payload is not None:
             self._resident_bytes[payload.level] = self._resident_bytes.get(payload.level, 0) \
-                + payload.nbytes
+                + st.payload_bytes
 
     # ---- writes ----------------------------------------------------------------------------------
     def _check_chunk(self, cid: KVChunkId, k: torch.Tensor, v: torch.Tensor
@@ -541,7 +559,7 @@ class ContextKV:
             st = self._chunks.get(cid)
             if st is None or st.residency != Residency.RESIDENT:
                 return 0
-            freed = st.payload.nbytes if st.payload is not None else 0
+            freed = st.payload_bytes if st.payload is not None else 0
             self._hold(st, None)
             if st.flash is not None and not st.dirty:
                 st.residency = Residency.FLASH

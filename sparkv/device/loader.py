@@ -149,16 +149,15 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
         if store is None or store.ragged:
             raise KVMemoryError(f"the working memory's layer {l} is not a dense arena")
     groups: dict[tuple[str, int, int], list[tuple[int, int, ChunkPayload]]] = {}
-    ts = range(g.num_token_chunks) if only is None else sorted(only)
+    ts = [t for t in (range(g.num_token_chunks) if only is None else sorted(only))
+          if not (skip and t in skip)]
+    lens = [g.chunk_len(t) for t in ts]
+    resident = C.resident_payloads()
     for l in layers:  # noqa: E741
-        for t in ts:
-            if skip and t in skip:
-                continue
-            n = g.chunk_len(t)
+        for t, n in zip(ts, lens):
             for gg in range(g.num_groups):
-                st = C.state(KVChunkId(t, l, gg))
-                p = st.payload
-                if st.residency != Residency.RESIDENT or p is None:
+                p = resident.get(KVChunkId(t, l, gg))
+                if p is None:
                     continue
                 if any(c != n for c in p.counts):
                     raise KVMemoryError(f"chunk {KVChunkId(t, l, gg)} is pruned; the context "
@@ -178,21 +177,20 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
         v_all = v_all.view(len(items), hg, n, d)
         h0, h1 = g.head_range(gg)
         i = 0
-        while i < len(items):          # items are layer-major: one run per layer
-            l = items[i][0]  # noqa: E741
-            j = i
-            while j < len(items) and items[j][0] == l:
+        while i < len(items):          # items are layer-major, t ascending: one run per
+            l, t_a, _ = items[i]  # noqa: E741   # layer and run of consecutive token chunks,
+            j = i + 1                  # copied straight into the arena's slice (one copy)
+            while (j < len(items) and items[j][0] == l and items[j][1] == t_a + (j - i)
+                   and n == g.chunk_tokens):
                 j += 1
             c = j - i
-            k = k_all[i:j].permute(1, 0, 2, 3).reshape(hg, c * n, d)
-            v = v_all[i:j].permute(1, 0, 2, 3).reshape(hg, c * n, d)
-            starts = torch.tensor([t * g.chunk_tokens for _, t, _ in items[i:j]],
-                                  dtype=torch.long)
-            idx = (starts.view(-1, 1) + torch.arange(n).view(1, -1)).reshape(-1)
+            s0 = t_a * g.chunk_tokens
             store = W.layers[l]
             assert store is not None and store.k is not None and store.v is not None
-            store.k[0, h0:h1].index_copy_(1, idx, k.to(store.k.dtype))
-            store.v[0, h0:h1].index_copy_(1, idx, v.to(store.v.dtype))
+            store.k[0, h0:h1, s0:s0 + c * n].unflatten(1, (c, n)).copy_(
+                k_all[i:j].permute(1, 0, 2, 3))
+            store.v[0, h0:h1, s0:s0 + c * n].unflatten(1, (c, n)).copy_(
+                v_all[i:j].permute(1, 0, 2, 3))
             written += c
             i = j
     for l in layers:  # noqa: E741

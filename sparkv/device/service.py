@@ -680,13 +680,7 @@ class ContextService:
                 continue
             if c.lock.locked():       # a call holds it (or someone locked it): never evicted
                 continue
-            g = c.memory.geometry
-            for t in range(g.num_token_chunks):
-                b = 0
-                for cid in token_chunk_ids(g, t):
-                    st = c.memory.state(cid)
-                    if st.residency == Residency.RESIDENT and st.payload is not None:
-                        b += st.payload.nbytes
+            for t, b in sorted(c.memory.resident_bytes_by_token().items()):
                 if not b:
                     continue
                 lv = c.levels[t] if t < len(c.levels) else "int8"

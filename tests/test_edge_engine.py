@@ -287,3 +287,32 @@ def test_slow_then_fast_link_uses_both_paths(world):
     assert not load.fallback
     assert load.sources.get("streamed", 0) > 0 and load.sources.get("computed", 0) > 0
     assert load.compute_samples > 0 and load.compute_ratio > 0
+
+
+def test_a_chunk_the_schedule_loses_is_computed_not_waited_for(world):
+    """The controller hands the link a chunk that is never requested (a scheduling bug): nothing
+    runs on either path while it is missing. The idle rule computes it instead of hanging."""
+    inst = _instance(world)
+    plan = get_planner("stream").plan(inst)
+    stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, plan, inst, ControllerConfig.static(),
+                    source=ScriptedSource(world["frames"]),
+                    config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=0.3))
+    lost = []
+    real = engine.ctl.next_fetch
+
+    def losing_next_fetch(now):
+        f = real(now)
+        if f is not None and not lost:
+            lost.append(f.cid)            # taken from the controller, never sent
+            f = real(now)
+        return f
+
+    engine.ctl.next_fetch = losing_next_fetch
+    load = engine.run()
+    assert lost and load.kv.is_complete()
+    assert "nothing scheduled" in load.fallback.get("stalled", ""), load.fallback
+    assert load.sources.get("computed", 0) >= 1
+    for (k, v), (rk, rv) in zip(load.kv.layer_kv(), world["ref"]):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)

@@ -31,7 +31,10 @@ Faults never lose the answer:
   the link has been *silent* for ``stall_fallback_s`` (silence credited by the link loop's ticker
   only while that loop was awake to see it: a starved process does not mistake its own slowness
   for a dead link), the compute thread computes what is missing while the link goes on; whichever
-  path delivers a chunk first wins.
+  path delivers a chunk first wins;
+* **the idle rule**: when nothing runs on either path (no step, no request, no decode, nothing
+  booked) for ``stall_fallback_s`` of awake time while chunks are still missing, the schedule has
+  lost them: the compute thread computes what is missing rather than wait forever.
 
 :class:`~sparkv.edge.results.LoadResult` says what fell back and why.
 """
@@ -166,6 +169,9 @@ class Engine:
         self._silence = 0.0             # credited silence since the last byte (seconds)
         self._silence_total = 0.0
         self._stalled = False
+        self._idle_s = 0.0              # credited time with nothing scheduled on either path
+        self._idle_at: float | None = None
+        self._idle_fallback = False
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -241,7 +247,10 @@ class Engine:
             fallback["chunks"] = reasons
         if self._link_dead:
             fallback["link"] = self._link_dead
-        if self._stalled:
+        if self._idle_fallback:
+            fallback["stalled"] = (f"nothing scheduled for {self.cfg.stall_fallback_s:g} s while "
+                                   "chunks were missing")
+        elif self._stalled:
             fallback["stalled"] = f"link silent for {self.cfg.stall_fallback_s:g} s"
         if self._fallback_steps:
             fallback["steps_computed"] = len(self._fallback_steps)
@@ -310,7 +319,28 @@ class Engine:
                 # its queues, a hung server): compute what is missing; the link keeps going
                 self._stalled = True
                 continue
+            if not self._stalled and self._scheduler_idle():
+                # nothing runs anywhere - no step, no request, no decode - yet chunks are
+                # missing: the schedule lost them (a bug, never a reason to hang); after
+                # stall_fallback_s of such awake idleness, compute what is missing
+                self._stalled = self._idle_fallback = True
+                self._link_errors.append("scheduler idle with chunks missing: computed locally")
+                continue
             self._cv.wait(0.05)
+
+    def _scheduler_idle(self) -> bool:
+        """Under the lock, from :meth:`_pick_step`'s wait loop: whether neither path has had
+        anything to do for ``stall_fallback_s`` (credited like silence: at most two wait
+        intervals per check, so a starved process does not count its own slowness)."""
+        now = self.now()
+        busy = self._outstanding or self._pending_decodes or self._prestarted is not None
+        if busy:
+            self._idle_s, self._idle_at = 0.0, None
+            return False
+        if self._idle_at is not None:
+            self._idle_s += min(now - self._idle_at, 0.1)
+        self._idle_at = now
+        return self._idle_s > self.cfg.stall_fallback_s
 
     def _fallback_step(self) -> StepId | None:
         """A ready step that recomputes chunks the link failed to deliver (or everything missing

@@ -495,6 +495,10 @@ class Engine:
             f = self.ctl.next_fetch(now)
             if f is None:
                 break
+            # a chunk cancelled earlier and handed to the link again (the controller moved its
+            # step back): this fetch supersedes the cancellation, or it would be dropped unsent
+            # and the chunk waited for forever
+            self._cancelled.discard(f.cid)
             out.append(f)
             total += self.inst.bytes_of(f.cid, f.level)
             self._book(f)

@@ -238,7 +238,10 @@ class Controller:
                 li = self._slo_level(c, now)
                 self._li[c] = li
             self.inflight[c] = _Inflight(li, int(self._bytes[c, li]), 0.0, now)
-            return Fetch(self.inst.chunk_id(c), self._level_names[li])
+            cid = self.inst.chunk_id(c)
+            if cid in self._cancel:   # cancelled, then handed back to the link before the
+                self._cancel.remove(cid)   # driver took the cancellation: fetch it, once
+            return Fetch(cid, self._level_names[li])
         return None
 
     @property

@@ -143,3 +143,19 @@ def tenant_fixture(server_fixture: str, tenant: str, timeout: float = 60.0) -> A
             yield c
 
     return _client
+
+
+# ---- the device context service's tests ---------------------------------------------------------
+def flash_profile(fast: bool = True) -> Any:
+    """An I/O profile for the context service: ``fast`` reads cost nothing (the IO-recompute
+    planner reads every chunk: exact restores); slow reads cost a lot (it recomputes what it may)."""
+    from sparkv.device.flashio import IOProfile
+
+    if fast:
+        return IOProfile(read_Bps=1e13, per_file_s=0.0, threads=4, source="test")
+    return IOProfile(read_Bps=1e3, per_file_s=1.0, threads=1, source="test")
+
+
+#: a chat whose first turn plants a pass key that the last asks for
+CHAT_TURNS = ["Remember the pass key 7191.", "What is the capital of France?",
+              "Write one sentence about rivers.", "What was the pass key?"]

@@ -12,14 +12,13 @@ from sparkv.cache import ContextKV, dequantize
 from sparkv.cache.levels import quantize
 from sparkv.device import ContextService
 from sparkv.device.baselines import LMKService
-from sparkv.device.flashio import IOProfile
 from sparkv.device.loader import dequantize_fast, fill_layer, fill_layers, working_nbytes
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.generate import sample_context_ids
+from helpers import CHAT_TURNS, flash_profile
 
-FAST_FLASH = IOProfile(read_Bps=1e13, per_file_s=0.0, threads=4, source="test")
-TURNS = ["Remember the pass key 7191.", "What is the capital of France?",
-         "Write one sentence about rivers.", "What was the pass key?"]
+FAST_FLASH = flash_profile(fast=True)
+TURNS = CHAT_TURNS
 
 
 @pytest.fixture(scope="module")

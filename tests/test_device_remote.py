@@ -12,13 +12,14 @@ from sparkv.cache import ChunkPayload, PayloadError
 from sparkv.cache.payload import contiguous_positions
 from sparkv.device import ContextService
 from sparkv.device.density import plan_levels
-from sparkv.device.flashio import IOProfile, pack_token_chunk, read_token_chunk_file
+from sparkv.device.flashio import pack_token_chunk, read_token_chunk_file
 from sparkv.device.loader import dequantize_fast
 from sparkv.device.remote import RemoteSource, ServerStream
 from sparkv.layout import KVChunkId
 from sparkv.runtime.generate import sample_context_ids
+from helpers import flash_profile
 
-FAST_FLASH = IOProfile(read_Bps=1e13, per_file_s=0.0, threads=4, source="test")
+FAST_FLASH = flash_profile(fast=True)
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,16 @@ import torch
 
 from sparkv.cache import ContextKV, Residency, Source
 from sparkv.device import BudgetTooSmall, ContextService, PromptTooLong, UnknownContext
-from sparkv.device.flashio import IOProfile, ServiceFlash
+from sparkv.device.flashio import ServiceFlash
 from sparkv.device.loader import chunk_payload, load, token_chunk_ids
 from sparkv.device.service import ServiceConfig
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.generate import greedy_generate, sample_context_ids
+from helpers import CHAT_TURNS, flash_profile
 
-#: flash reads cost nothing: the IO-recompute planner reads every chunk (exact restores)
-FAST_FLASH = IOProfile(read_Bps=1e13, per_file_s=0.0, threads=4, source="test")
-#: flash reads cost a lot: the planner recomputes every chunk it may
-SLOW_FLASH = IOProfile(read_Bps=1e3, per_file_s=1.0, threads=1, source="test")
-TURNS = ["Remember the pass key 7191.", "What is the capital of France?",
-         "Write one sentence about rivers.", "What was the pass key?"]
+FAST_FLASH = flash_profile(fast=True)
+SLOW_FLASH = flash_profile(fast=False)
+TURNS = CHAT_TURNS
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import torch
 
 from sparkv.cache import ContextKV, dequantize
 from sparkv.device import ContextService
-from sparkv.device.flashio import IOProfile
 from sparkv.device.loader import fill_layers, token_chunk_ids
 from sparkv.runtime.generate import sample_context_ids
+from helpers import flash_profile
 
-FAST_FLASH = IOProfile(read_Bps=1e13, per_file_s=0.0, threads=4, source="test")
+FAST_FLASH = flash_profile(fast=True)
 
 
 @pytest.fixture(scope="module")

@@ -248,9 +248,7 @@ class _Netns:
 def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies: list[str],
                  links: list[tuple[Any, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from sparkv.edge.plots import timeline_of
-    from sparkv.edge.prompts import chat_context, question_suffix
-    from sparkv.edge.session import EdgeSession
-    from sparkv.runtime import sample_context_ids
+    from sparkv.edge.prompts import question_suffix
     from sparkv.runtime.generate import (first_token_kl, greedy_agreement, greedy_generate,
                                          reference_prefill)
 
@@ -265,8 +263,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
         path = (_Netns if args.link == "netns" else _Loopback)(args, tmp)
         try:
             for n in sizes:
-                context = chat_context(lm, sample_context_ids(lm, n - 40))
-                session = EdgeSession.connect(path.url, model=lm, shaper=path.shaper(None))
+                session, context = _sample_session(lm, path, n)
                 client = session.client
                 t0 = time.perf_counter()
                 cid = client.create_context(token_ids=context, chunk_tokens=args.chunk_tokens,
@@ -641,7 +638,6 @@ def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int
     from sparkv.bench.tasks import task_suite
     from sparkv.edge.prompts import chat_context
     from sparkv.edge.session import EdgeSession
-    from sparkv.runtime import sample_context_ids
     from sparkv.scheduler.trace import Trace
 
     rows: list[dict[str, Any]] = []
@@ -651,8 +647,7 @@ def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int
         path = _Loopback(args, tmp)
         try:
             for n in sizes:
-                context = chat_context(lm, sample_context_ids(lm, n - 40))
-                session = EdgeSession.connect(path.url, model=lm, shaper=path.shaper(None))
+                session, context = _sample_session(lm, path, n)
                 client = session.client
                 t0 = time.perf_counter()
                 full = client.create_context(token_ids=context, chunk_tokens=args.chunk_tokens,
@@ -766,3 +761,14 @@ def _press_targets(points: list[dict[str, Any]], passkey: list[dict[str, Any]],
         e["met"] = None if ratio is None else bool(ratio <= 0.7 and e["passkey_parity"])
         out["per_size"].append(e)
     return out
+
+
+def _sample_session(lm: Any, path: Any, n: int) -> tuple[Any, list[int]]:
+    """An edge session on the bench's server (through its link) and the ``n``-token sample
+    context as a chat context (40 tokens left for the question)."""
+    from sparkv.edge.prompts import chat_context
+    from sparkv.edge.session import EdgeSession
+    from sparkv.runtime import sample_context_ids
+
+    context = chat_context(lm, sample_context_ids(lm, n - 40))
+    return EdgeSession.connect(path.url, model=lm, shaper=path.shaper(None)), context

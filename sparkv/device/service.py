@@ -62,6 +62,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from sparkv.cache import ContextKV, FlashRef, PayloadError, Residency, Source
+from sparkv.cache.payload import ChunkPayload, contiguous_positions
 from sparkv.device.density import (DensityRecorder, chunk_densities, install_hooks, plan_levels,
                                    recording)
 from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, PromptTooLong,
@@ -318,19 +319,26 @@ class ContextService:
                                 f"{self.max_tokens}")
         ctx_id = uuid.uuid4().hex[:16]
         ctx = Context(ctx_id, ids, system_prompt, ServiceFlash(self.swap_dir / "contexts" / ctx_id))
-        with ctx.lock, self._run:
-            with self._mem:
-                self.contexts[ctx_id] = ctx
-            try:
-                self._create(ctx)
-            except BaseException:
-                with self._mem:
-                    self.contexts.pop(ctx_id, None)
-                shutil.rmtree(ctx.tier.root, ignore_errors=True)
-                raise
-            ctx.last_used = self._tick()
-            self._after_call(ctx)
+        with ctx.lock, self._run, self._adding(ctx):
+            self._create(ctx)
         return ctx_id
+
+    @contextlib.contextmanager
+    def _adding(self, ctx: Context) -> Iterator[None]:
+        """Registers a new context for the block. On any failure it is unregistered and its
+        flash directory removed; on success it becomes the most recently used and is swapped
+        out ahead of time like any returned call."""
+        with self._mem:
+            self.contexts[ctx.id] = ctx
+        try:
+            yield
+        except BaseException:
+            with self._mem:
+                self.contexts.pop(ctx.id, None)
+            shutil.rmtree(ctx.tier.root, ignore_errors=True)
+            raise
+        ctx.last_used = self._tick()
+        self._after_call(ctx)
 
     def import_context(self, token_ids: Sequence[int], layers: Any, *,
                        density: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -352,47 +360,36 @@ class ContextService:
         ctx_id = uuid.uuid4().hex[:16]
         ctx = Context(ctx_id, ids, system_prompt, ServiceFlash(self.swap_dir / "contexts" / ctx_id))
         ctx.label = label
-        with ctx.lock, self._run:
-            g = ChunkGeometry.from_config(self.lm.config, n, self.config.chunk_tokens)
-            with self._mem:
-                self.contexts[ctx_id] = ctx
-            try:
-                if density is not None:
-                    ctx.mass = density[0].double()[:n].clone()
-                    ctx.rows = density[1].double()[:n].clone()
-                levels = self._levels(ctx, g)
-                est = sum(payload_nbytes(levels[t], g.num_kv_heads * g.chunk_len(t), g.head_dim,
-                                         self.lm.dtype) * g.num_layers
-                          for t in range(g.num_token_chunks))
-                self._reserve(est, ctx)
-                C = ContextKV(g, self.lm.dtype, self.lm.device, segmented=True)
-                ctx.memory = C
-                ctx.levels = levels
-                for t in range(g.num_token_chunks):
-                    t0, t1 = g.token_range(t)
-                    for l in range(g.num_layers):  # noqa: E741
-                        if src is not None:
-                            k, v = _dense_range(src, l, t0, t1)
-                        else:
-                            k, v = layers[l][0][0, :, t0:t1], layers[l][1][0, :, t0:t1]
-                        from sparkv.cache.payload import ChunkPayload, contiguous_positions
-                        hh = g.num_kv_heads
-                        p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
-                                         contiguous_positions([t1 - t0] * hh, t0),
-                                         k.reshape(-1, g.head_dim).to(self.lm.dtype).clone(),
-                                         v.reshape(-1, g.head_dim).to(self.lm.dtype).clone(),
-                                         self.lm.dtype)
-                        lv = levels[t]
-                        C.put_payload(p if lv == "fp" else p.at_level(lv), Source.INJECTED)
-                    ctx.modified.add(t)
-                    self._check()
-            except BaseException:
-                with self._mem:
-                    self.contexts.pop(ctx_id, None)
-                shutil.rmtree(ctx.tier.root, ignore_errors=True)
-                raise
-            ctx.last_used = self._tick()
-            self._after_call(ctx)
+        g = ChunkGeometry.from_config(self.lm.config, n, self.config.chunk_tokens)
+        with ctx.lock, self._run, self._adding(ctx):
+            if density is not None:
+                ctx.mass = density[0].double()[:n].clone()
+                ctx.rows = density[1].double()[:n].clone()
+            levels = self._levels(ctx, g)
+            est = sum(payload_nbytes(levels[t], g.num_kv_heads * g.chunk_len(t), g.head_dim,
+                                     self.lm.dtype) * g.num_layers
+                      for t in range(g.num_token_chunks))
+            self._reserve(est, ctx)
+            C = ContextKV(g, self.lm.dtype, self.lm.device, segmented=True)
+            ctx.memory = C
+            ctx.levels = levels
+            for t in range(g.num_token_chunks):
+                t0, t1 = g.token_range(t)
+                for l in range(g.num_layers):  # noqa: E741
+                    if src is not None:
+                        k, v = _dense_range(src, l, t0, t1)
+                    else:
+                        k, v = layers[l][0][0, :, t0:t1], layers[l][1][0, :, t0:t1]
+                    hh = g.num_kv_heads
+                    p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
+                                     contiguous_positions([t1 - t0] * hh, t0),
+                                     k.reshape(-1, g.head_dim).to(self.lm.dtype).clone(),
+                                     v.reshape(-1, g.head_dim).to(self.lm.dtype).clone(),
+                                     self.lm.dtype)
+                    lv = levels[t]
+                    C.put_payload(p if lv == "fp" else p.at_level(lv), Source.INJECTED)
+                ctx.modified.add(t)
+                self._check()
         return ctx_id
 
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,

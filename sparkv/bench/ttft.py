@@ -61,6 +61,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "default links (constant links only if --mbps is given explicitly)")
     p.add_argument("--rtt-ms", type=float, default=20.0)
     p.add_argument("--strategies", default=",".join(STRATEGY_ORDER))
+    p.add_argument("--prelude", choices=("auto", "off"), default="auto",
+                   help="off: sparkv waits for the manifest and the plan before computing, as "
+                        "the baselines do (the start-up overlap's ablation)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
     add_device_args(p)
@@ -279,7 +282,8 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                 # codec tables, the HTTP stack and the planners, so that no strategy pays
                 # first-use costs that the others do not
                 for strat in ("local", *[s for s in strategies if s != "local"]):
-                    session.ask(cid, QUESTION, strategy=strat, max_new_tokens=2, use_cache=False)
+                    session.ask(cid, QUESTION, strategy=strat, max_new_tokens=2, use_cache=False,
+                                prelude=_prelude(args))
                 for link_label, trace in [(None, None)] + links:
                     for strat in strategies:
                         if (strat == "local") != (link_label is None):
@@ -289,6 +293,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                             client.shaper = path.shaper(trace)
                             try:
                                 res = session.ask(cid, QUESTION, strategy=strat, use_cache=False,
+                                                  prelude=_prelude(args),
                                                   max_new_tokens=args.new_tokens,
                                                   stop_at_eos=False)
                             finally:
@@ -312,6 +317,11 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
         finally:
             path.close()
     return runs_raw, timelines
+
+
+def _prelude(args: argparse.Namespace) -> bool | None:
+    """``ask``'s prelude switch: ``None`` (the strategy's default) or off for every strategy."""
+    return False if getattr(args, "prelude", "auto") == "off" else None
 
 
 def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: Any, ref: Any,

@@ -63,6 +63,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "token ids are posted again with the press (encoded once, then found "
                         "by id); only the kept entries stream and are attended (docs/presses.md)")
     a.add_argument("--key", default=None, help="encryption key of an encrypted context")
+    a.add_argument("--no-prelude", action="store_true",
+                   help="do not compute the first layer steps while the manifest and the plan "
+                        "are on their way (sparkv's start-up overlap)")
     a.add_argument("--no-cache", action="store_true",
                    help="do not keep manifests and token ids under the cache dir")
     a.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -105,7 +108,8 @@ def _ask(args: argparse.Namespace) -> int:
         res = session.ask(context, args.question, strategy=args.strategy,
                           level=args.level, backend=args.backend,
                           max_new_tokens=args.max_new_tokens, decode=args.decode,
-                          ram_budget=args.ram_budget, keep=args.keep)
+                          ram_budget=args.ram_budget, keep=args.keep,
+                          prelude=False if args.no_prelude else None)
     if args.json:
         print(json.dumps({"answer": res.answer, "tokens": res.tokens,
                           "breakdown": res.breakdown.to_dict(),

@@ -140,7 +140,9 @@ class Engine:
         self.stepper, self.kv = stepper, stepper.kv
         self.plan, self.inst = plan, inst
         self.cfg = config or EngineConfig()
-        self.ctl = Controller(plan, inst, controller or ControllerConfig())
+        # steps the stepper already ran (the session's prelude) are done for the controller
+        self.ctl = Controller(plan, inst, controller or ControllerConfig(),
+                              done_steps=stepper.done)
         self.source = source
         self.open_frame = open_frame
         self.kept = dict(kept) if kept else {}

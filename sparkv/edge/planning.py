@@ -35,6 +35,11 @@ STRATEGIES: dict[str, tuple[str, Callable[[], ControllerConfig]]] = {
     "hybrid": ("hybrid", ControllerConfig),
 }
 
+#: strategies whose ask computes the first layer steps while the manifest and the plan are on
+#: their way (:mod:`sparkv.edge.prelude`): sparkv's start-up overlap. The baselines wait for the
+#: manifest as published (Cake plans its split from the context's metadata; CacheGen streams)
+PRELUDE_STRATEGIES: frozenset[str] = frozenset({"sparkv"})
+
 #: decode throughput (million values/s, one core, this machine: bench/results/codec.json)
 DECODE_MVPS: dict[str, float] = {"raw": 1100.0, "q8": 200.0, "q6": 250.0, "q5": 300.0,
                                  "q4": 300.0, "q3": 350.0, "q2": 480.0}

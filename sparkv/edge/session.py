@@ -28,11 +28,13 @@ from typing import Any, Sequence
 
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig
-from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
+from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, PRELUDE_STRATEGIES,
+                                  STRATEGIES, AskError,
                                   FloorNotEncoded, build_instance, default_backend,
                                   default_quality_floor,
                                   device_cost_model, local_instance, suffix_estimate)
 from sparkv.edge.prompts import question_suffix
+from sparkv.edge.prelude import Prelude
 from sparkv.edge.results import LoadResult, TransferStatus
 from sparkv.edge.shaper import LinkShaper
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId
@@ -72,6 +74,10 @@ class Priors:
             self.compute_scale = float(min(max(self.compute_scale * r, 0.05), 20.0))
 
 
+#: the predicted time of a step the prelude ran (the instance wants positive times)
+PRELUDE_STEP_S = 1e-6
+
+
 @dataclass
 class Breakdown:
     """Where the time to first token went (seconds) and what each path did."""
@@ -96,6 +102,7 @@ class Breakdown:
     levels: dict[str, int] = field(default_factory=dict)
     fallback: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)   # DecodeStats of a decode policy
+    prelude_steps: int = 0          # layer steps computed before the plan (sparkv.edge.prelude)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -113,7 +120,8 @@ class Breakdown:
              ("bytes streamed", f"{self.bytes_streamed / 1e6:8.2f} MB"
               + (f" (+{self.bytes_wasted / 1e6:.2f} MB wasted)" if self.bytes_wasted else "")),
              ("chunks streamed / computed", f"{self.chunks_streamed} / {self.chunks_computed}"
-              f" ({self.steps_computed} layer steps)"),
+              f" ({self.steps_computed} layer steps"
+              + (f", {self.prelude_steps} before the plan" if self.prelude_steps else "") + ")"),
              ("controller migrations", f"{self.migrations}")]
         if self.levels:
             r.append(("levels streamed", ", ".join(f"{k} x{v}" for k, v in self.levels.items())))
@@ -233,7 +241,7 @@ class EdgeSession:
             chat: bool = True, engine_config: EngineConfig | None = None,
             controller: ControllerConfig | None = None, stop_at_eos: bool = True,
             token_ids: Sequence[int] | None = None, keep: bool = False, decode: str = "full",
-            ram_budget: float | None = None) -> AskResult:
+            ram_budget: float | None = None, prelude: bool | None = None) -> AskResult:
         """Answers ``question`` about context ``context_id`` with ``strategy``.
 
         Args:
@@ -260,11 +268,12 @@ class EdgeSession:
             decode, ram_budget: the decode-time KV policy (:data:`sparkv.decode.POLICIES`;
                 ``full``: everything in RAM) and its RAM budget (bytes, or a fraction <= 1 of the
                 final KV); its stats go to ``breakdown.decode`` (docs/dynakv.md).
+            prelude: compute the first layer steps while the manifest and the plan are on
+                their way (:mod:`sparkv.edge.prelude`; needs the context's tokens on the
+                device). ``None``: on for the strategies in :data:`PRELUDE_STRATEGIES`
+                (``sparkv``).
         """
         from sparkv.runtime.attention import get_backend
-        from sparkv.runtime.generate import greedy_generate
-        from sparkv.runtime.stepper import LayerStepper
-        from sparkv.scheduler.planners import get_planner
 
         if strategy not in STRATEGIES:
             raise AskError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
@@ -284,6 +293,54 @@ class EdgeSession:
             kept = self._ask_kept(context_id, suffix, max_new_tokens, stop_at_eos, t_start)
             if kept is not None:
                 return kept
+
+        spare = len(suffix) + max_new_tokens + 8
+        pre = None
+        if prelude if prelude is not None else strategy in PRELUDE_STRATEGIES:
+            pre = self._start_prelude(context_id, token_ids, attn, spare)
+        try:
+            return self._ask_loaded(
+                context_id, strategy, lm, client, suffix, attn, t_start, fallback, pre, spare,
+                level=level, quality_floor=quality_floor, max_new_tokens=max_new_tokens,
+                bandwidth_mbps=bandwidth_mbps, use_cache=use_cache, engine_config=engine_config,
+                controller=controller, stop_at_eos=stop_at_eos, token_ids=token_ids, keep=keep,
+                decode=decode, ram_budget=ram_budget)
+        finally:
+            if pre is not None:
+                pre.join()   # a no-op after a load; stops it when the ask failed early
+
+    def _start_prelude(self, context_id: str, token_ids: Sequence[int] | None, attn: Any,
+                       spare: int) -> Prelude | None:
+        """A running prelude over the context's tokens when the device holds them (the
+        geometry of a cached manifest, else the default chunking); ``None`` otherwise."""
+        from sparkv.runtime.stepper import LayerStepper
+
+        tokens = list(token_ids) if token_ids is not None else self.client.known_tokens(context_id)
+        if not tokens:
+            return None
+        known = self.client.known_manifest(context_id)
+        geo = (known.chunk_geometry if known is not None
+               and known.chunk_geometry.num_tokens == len(tokens)
+               else ChunkGeometry.from_config(self.lm.config, len(tokens),
+                                              min(DEFAULT_CHUNK_TOKENS, len(tokens))))
+        try:
+            stepper = LayerStepper(self.lm, tokens, geo.chunk_tokens, backend=attn,
+                                   heads_per_group=geo.heads_per_group, spare_tokens=spare)
+        except ValueError:   # too long for the model: the load says so with its own error
+            return None
+        return Prelude(stepper, tokens).start()
+
+    def _ask_loaded(self, context_id: str, strategy: str, lm: Any, client: EdgeClient,
+                    suffix: list[int], attn: Any, t_start: float, fallback: dict[str, Any],
+                    pre: Prelude | None, spare: int, *, level: str, quality_floor: str | None,
+                    max_new_tokens: int, bandwidth_mbps: float | None, use_cache: bool,
+                    engine_config: EngineConfig | None, controller: ControllerConfig | None,
+                    stop_at_eos: bool, token_ids: Sequence[int] | None, keep: bool, decode: str,
+                    ram_budget: float | None) -> AskResult:
+        """:meth:`ask` from the manifest on (the prelude, if any, is running)."""
+        from sparkv.runtime.generate import greedy_generate
+        from sparkv.runtime.stepper import LayerStepper
+        from sparkv.scheduler.planners import get_planner
 
         # ---- manifest and tokens -------------------------------------------------------------
         manifest, tokens = self._context(context_id, strategy, use_cache, token_ids, fallback)
@@ -310,6 +367,16 @@ class EdgeSession:
         sparse = attn.name != "dense"
         t_comp = (self.cost_model.t_comp(geometry, sparse=sparse, utilisation=0.0)
                   * self.priors.compute_scale)
+        # the prelude's steps (finished, or finishing while this plans) cost nothing more
+        reuse = (pre is not None and pre.stepper.geometry == geometry
+                 and pre.tokens == list(tokens))
+        if reuse:
+            assert pre is not None
+            t_comp = t_comp.copy()
+            for s in pre.request_stop():
+                t_comp[s.t, s.l] = PRELUDE_STEP_S
+        elif pre is not None:
+            pre.request_stop()
         t_suffix = (self.priors.question_prefill_s if self.priors.question_prefill_s is not None
                     else suffix_estimate(t_comp, geometry, len(suffix)))
         effective = strategy if (manifest is not None and not fallback) else "local"
@@ -340,9 +407,15 @@ class EdgeSession:
         planning_s = time.perf_counter() - t_plan
 
         # ---- load ----------------------------------------------------------------------------
-        stepper = LayerStepper(lm, tokens, geometry.chunk_tokens, backend=attn,
-                               heads_per_group=geometry.heads_per_group,
-                               spare_tokens=len(suffix) + max_new_tokens + 8)
+        pre_res = pre.join() if pre is not None else None
+        if reuse and pre_res is not None and pre_res.ok:
+            assert pre is not None
+            stepper = pre.stepper
+        else:
+            stepper = LayerStepper(lm, tokens, geometry.chunk_tokens, backend=attn,
+                                   heads_per_group=geometry.heads_per_group, spare_tokens=spare)
+            if pre_res is not None and not pre_res.ok:
+                fallback["prelude"] = f"discarded: {type(pre_res.error).__name__}"
         source = client.chunk_source(context_id) if plan.stream_order else None
         engine = Engine(stepper, plan, inst, ctl_cfg, source=source,
                         config=engine_config or self.engine_config,
@@ -373,6 +446,10 @@ class EdgeSession:
                    if keep else None)
         breakdown = _breakdown(strategy, ttft, manifest_s, planning_s, load, gen, fallback)
         breakdown.loading_s += prune_s
+        if reuse and pre_res is not None and pre_res.ok:
+            breakdown.prelude_steps = len(pre_res.steps)
+            breakdown.local_compute_s += pre_res.busy_s
+            breakdown.steps_computed += len(pre_res.steps)
         breakdown.decode = decode_stats
         return AskResult(gen.text, gen.tokens, breakdown,
                          plan, inst, load, gen.first_logits, len(tokens), kept_id)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler.graph import DepState
@@ -140,7 +140,11 @@ class _Inflight:
 class Controller:
     """Executes ``plan`` on ``inst`` and adapts it at run time (module docstring)."""
 
-    def __init__(self, plan: Plan, inst: Instance, config: ControllerConfig | None = None):
+    def __init__(self, plan: Plan, inst: Instance, config: ControllerConfig | None = None,
+                 done_steps: Iterable[StepId] = ()):
+        """``done_steps``: layer steps already computed before loading began (the engine's
+        prelude computed them while the manifest and the plan were on their way): they leave
+        both queues and their KV chunks count as in place."""
         self.plan, self.inst = plan, inst
         self.cfg = config if config is not None else ControllerConfig()
         n_s, n_c = inst.num_steps, inst.num_chunks
@@ -161,6 +165,19 @@ class Controller:
         for c in self.lq:
             self.on_link[c] = True
         self.dep = DepState.for_instance(inst)
+        self._available = 0
+        done = {inst.step_index(sid) for sid in done_steps}
+        if done:
+            G = inst.G
+            self.cq = [s for s in self.cq if s not in done]
+            self.lq = [c for c in self.lq if c // G not in done]
+            for s in sorted(done):
+                self.on_compute[s] = True
+                before = sum(self.dep.chunk_avail[s * G + g] for g in range(G))
+                self.dep.mark_computed(s)
+                self._available += G - before
+                for g in range(G):
+                    self.on_link[s * G + g] = False
         self.running: int | None = None
         self.running_since = 0.0
         self.inflight: dict[int, _Inflight] = {}
@@ -178,7 +195,6 @@ class Controller:
         self._stage = -1
         self._stage_count = 0
         self._next_scan_s = -math.inf
-        self._available = 0
         stage = self.cfg.stage_s or plan.stage_budget_s
         if not stage:
             est = plan.estimated_ttft_s or (inst.step_t_comp.sum() + inst.min_stream_time.sum()) / 2

@@ -1,0 +1,108 @@
+"""The start-up overlap: compute the context's first layer steps while the manifest and the plan
+are on their way.
+
+Before loading can begin, the edge waits for the context's manifest (one round trip, far longer
+when the link starts in a fade: 0.3-0.8 s on the adversarial traces) and then plans. When the
+device already holds the context's tokens, its compute thread need not wait: every plan that
+computes anything computes the first token chunk, layer after layer, first. :class:`Prelude`
+runs those steps (then the next token chunk's, in local-prefill order) on a background thread
+from the moment the question is asked until the plan is ready. The steps it finished are handed
+to the planner as free (their predicted time is zero) and to the engine as done (the
+:class:`~sparkv.scheduler.controller.Controller` takes them out of both queues), so nothing is
+computed twice and the stepper's buffers carry the work over. Steps the plan would have streamed
+instead cost at most the compute thread's idle time.
+
+A prelude whose geometry turns out to differ from the manifest's (a guessed chunk size) or that
+failed is discarded: the load starts from a fresh stepper, as without it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from sparkv.layout import StepId
+from sparkv.runtime.stepper import LayerStepper
+
+
+@dataclass
+class PreludeResult:
+    """What the prelude did: the steps it completed (in order), their busy time, any error."""
+
+    steps: list[StepId] = field(default_factory=list)
+    busy_s: float = 0.0
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Prelude:
+    """Runs ``stepper``'s layer steps in local-prefill order on a background thread until told
+    to stop (:meth:`request_stop`, then :meth:`join`)."""
+
+    def __init__(self, stepper: LayerStepper, tokens: Sequence[int],
+                 threads: int | None = None) -> None:
+        self.stepper = stepper
+        self.tokens = list(tokens)   # the context's token ids (the stepper's)
+        self._threads = threads
+        self._lock = threading.Lock()
+        self._stop = False
+        self._running: StepId | None = None
+        self._result = PreludeResult()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Prelude":
+        import torch
+
+        if self._threads is None:
+            self._threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._main, name="sparkv-prelude", daemon=True)
+        self._thread.start()
+        return self
+
+    def _order(self) -> list[StepId]:
+        g = self.stepper.geometry
+        return [StepId(t, l) for t in range(g.num_token_chunks)  # noqa: E741
+                for l in range(g.num_layers)]
+
+    def _main(self) -> None:
+        import torch
+
+        torch.set_num_threads(int(self._threads or 1))
+        try:
+            for step in self._order():
+                with self._lock:
+                    if self._stop:
+                        return
+                    self._running = step
+                t0 = time.perf_counter()
+                self.stepper.run_step(step)
+                with self._lock:
+                    self._result.busy_s += time.perf_counter() - t0
+                    self._result.steps.append(step)
+                    self._running = None
+        except BaseException as e:  # noqa: BLE001 - reported by join(); the load starts afresh
+            with self._lock:
+                self._result.error = e
+                self._running = None
+
+    def request_stop(self) -> frozenset[StepId]:
+        """Stops after the step in progress; returns the steps that will then be done (those
+        completed and the one running), for planning while that step finishes."""
+        with self._lock:
+            self._stop = True
+            out = set(self._result.steps)
+            if self._running is not None:
+                out.add(self._running)
+        return frozenset(out)
+
+    def join(self) -> PreludeResult:
+        """Waits for the thread (after :meth:`request_stop`) and returns what it did."""
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join()
+        return self._result

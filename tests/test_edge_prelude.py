@@ -1,0 +1,129 @@
+"""The start-up overlap (sparkv.edge.prelude): layer steps computed while the manifest and the plan
+are on their way are handed to the plan and the engine as done, never computed twice, and the
+answer is the dense reference's. A real server process on loopback, the real SmolLM2."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sparkv.edge import EdgeSession, LinkShaper, chat_context, question_suffix
+from sparkv.edge.prelude import Prelude
+from sparkv.layout import StepId
+from sparkv.runtime.attention import get_backend
+from sparkv.runtime.generate import reference_generate, sample_context_ids
+from sparkv.runtime.stepper import LayerStepper
+from sparkv.scheduler.controller import Controller, ControllerConfig
+from sparkv.scheduler.planners import get_planner
+from sparkv.server.process import ServerProcess
+from tests.sched_helpers import tiny_instance
+
+QUESTION = "What does the text say about warranty?"
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, tmp_path_factory):
+    """A server with one 700-token context in 256-token chunks, created by ``session`` (which
+    therefore holds its tokens, as a device that has the document does)."""
+    d = tmp_path_factory.mktemp("prelude")
+    lm = smollm2
+    doc = chat_context(lm, sample_context_ids(lm, 700))
+    srv = ServerProcess(None, f"file://{d}/store", log_path=d / "server.log").start()
+    try:
+        session = EdgeSession.connect(srv.url, model=lm)
+        cid = session.client.create_context(token_ids=doc, levels=["raw", "q8"], chunk_tokens=256)
+        yield {"server": srv, "lm": lm, "doc": doc, "cid": cid, "session": session}
+        session.close()
+    finally:
+        srv.stop()
+
+
+def _ask(session, cid, **kw):
+    return session.ask(cid, QUESTION, level="raw", backend="dense", max_new_tokens=NEW,
+                       stop_at_eos=False, use_cache=False, **kw)
+
+
+def test_prelude_steps_are_used_once_and_the_answer_is_exact(served):
+    """A slow link at the start (the manifest takes a while): the steps computed meanwhile count
+    for the plan, the engine never runs them again, every chunk is in place once, and the tokens
+    equal plain transformers' on the full prompt."""
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session.client.shaper = LinkShaper.constant(0.3, 40.0)
+    try:
+        _ask(session, cid)   # the client now holds the manifest: its geometry is known
+        res = _ask(session, cid)
+    finally:
+        session.client.shaper = LinkShaper.unlimited()
+    bd = res.breakdown
+    assert res.tokens == ref
+    assert bd.prelude_steps > 0, "the 0.3 Mbit/s manifest left the compute thread no time?"
+    assert not bd.fallback
+    assert bd.chunks_streamed + bd.chunks_computed == res.instance.num_chunks
+    # the engine ran none of the prelude's steps again: they are the first steps in local-prefill
+    # order, and the engine's own steps are disjoint from them
+    g = res.instance.geometry
+    order = [StepId(t, l) for t in range(g.num_token_chunks) for l in range(g.num_layers)]
+    pre = set(order[:bd.prelude_steps])
+    assert not pre & set(res.load.steps)
+    assert bd.steps_computed == len(res.load.steps) + bd.prelude_steps
+    # the plan knew: the instance predicts no time for them
+    for s in pre:
+        assert res.instance.t_comp[s.t, s.l] < 1e-5
+
+
+def test_prelude_off_and_baselines_compute_nothing_before_the_plan(served):
+    session, cid = served["session"], served["cid"]
+    assert _ask(session, cid, prelude=False).breakdown.prelude_steps == 0
+    assert _ask(session, cid, strategy="hybrid").breakdown.prelude_steps == 0
+
+
+def test_a_prelude_of_another_geometry_is_discarded(served):
+    """Without a cached manifest the prelude guesses the default chunking (512 tokens); the
+    context uses 256: its work is dropped and the load starts afresh, with the exact answer."""
+    lm, cid = served["lm"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    fresh = EdgeSession.connect(served["server"].url, model=lm,
+                                shaper=LinkShaper.constant(0.3, 40.0))
+    try:
+        res = fresh.ask(cid, QUESTION, level="raw", backend="dense", max_new_tokens=NEW,
+                        stop_at_eos=False, token_ids=served["doc"])
+    finally:
+        fresh.close()
+    assert res.tokens == ref
+    assert res.breakdown.prelude_steps == 0 and not res.breakdown.fallback
+
+
+def test_prelude_runs_in_local_prefill_order_and_stops(smollm2):
+    ids = sample_context_ids(smollm2, 300)
+    stepper = LayerStepper(smollm2, ids, 128, backend=get_backend("dense"))
+    pre = Prelude(stepper, ids).start()
+    deadline = time.monotonic() + 120
+    while len(stepper.done) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    promised = pre.request_stop()
+    res = pre.join()
+    assert res.ok and len(res.steps) >= 3
+    L = stepper.geometry.num_layers
+    assert res.steps == [StepId(i // L, i % L) for i in range(len(res.steps))]
+    assert set(res.steps) == set(stepper.done) == set(promised)
+    n = len(res.steps)
+    time.sleep(0.05)
+    assert len(stepper.done) == n   # stopped for good
+
+
+def test_controller_takes_done_steps_out_of_both_queues():
+    inst = tiny_instance([[0.1] * 4] * 3, groups=2)
+    plan = get_planner("stream").plan(inst)          # everything on the link
+    done = [StepId(0, 0), StepId(0, 1)]
+    ctl = Controller(plan, inst, ControllerConfig.static(), done_steps=done)
+    fetched = []
+    while (f := ctl.next_fetch(0.0)) is not None:
+        fetched.append(f.cid)
+    assert len(fetched) == inst.num_chunks - 2 * inst.G
+    assert all(StepId(c.t, c.l) not in done for c in fetched)
+    for c in fetched:
+        ctl.chunk_arrived(c, 0.1)
+    assert ctl.done

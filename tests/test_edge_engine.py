@@ -17,7 +17,7 @@ from sparkv.codec import KVChunk, encode
 from sparkv.edge.engine import Engine, EngineConfig
 from sparkv.edge.results import TransferStatus
 from sparkv.edge.transport import ChunkSource, FetchItem, SourceError
-from sparkv.layout import ChunkGeometry
+from sparkv.layout import ChunkGeometry, StepId
 from sparkv.protocol.stream import RecordPiece
 from sparkv.runtime.attention import get_backend
 from sparkv.runtime.generate import reference_prefill
@@ -316,3 +316,80 @@ def test_a_chunk_the_schedule_loses_is_computed_not_waited_for(world):
     for (k, v), (rk, rv) in zip(load.kv.layer_kv(), world["ref"]):
         torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+class CountingStepper(LayerStepper):
+    """Counts runs per step; ``fail`` (a step) raises once, after ``gate`` is set."""
+
+    fail = None
+    gate: Any = None
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.runs: dict = {}
+
+    def run_step(self, step):
+        if step == self.fail:
+            self.fail = None
+            self.gate.wait(30)
+            raise RuntimeError("injected prelude failure")
+        self.runs[step] = self.runs.get(step, 0) + 1
+        return super().run_step(step)
+
+
+def _prelude_load(world, stepper, pre, promised, planner="sparkv"):
+    from sparkv.scheduler.controller import ControllerConfig as CC
+
+    inst = _instance(world, mbps=50.0)
+    plan = get_planner(planner).plan(inst)
+    engine = Engine(stepper, plan, inst, CC(), source=ScriptedSource(world["frames"]),
+                    config=EngineConfig(retry_backoff_s=0.01), prelude=pre,
+                    prelude_done=promised)
+    load = engine.run()
+    assert load.kv.is_complete()
+    for (k, v), (rk, rv) in zip(load.kv.layer_kv(), world["ref"]):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    return load
+
+
+def _wait(cond, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert cond()
+
+
+@pytest.mark.parametrize("planner", ["sparkv", "stream", "hybrid"])
+def test_prelude_steps_are_never_run_again(world, planner):
+    """Steps done by the prelude (and the one it is finishing) leave both paths: whatever the
+    plan, no step runs twice and nothing they made is fetched."""
+    from sparkv.edge.prelude import Prelude
+
+    stepper = CountingStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    pre = Prelude(lambda: stepper, stepper.geometry, world["tokens"]).start()
+    _wait(lambda: len(stepper.done) >= 3)
+    promised = pre.request_stop()
+    load = _prelude_load(world, stepper, pre, promised, planner)
+    assert all(n == 1 for n in stepper.runs.values()), stepper.runs
+    assert not {s for s in promised} & set(load.steps)
+    fetched = {(x.cid.t, x.cid.l) for x in load.transfers}
+    assert not fetched & {(s.t, s.l) for s in promised}
+
+
+def test_a_prelude_step_that_fails_is_computed_by_the_engine(world):
+    """The prelude promised a step (it was running when the plan was made) and then failed it:
+    the engine notices when it joins the prelude and computes what is missing."""
+    import threading
+
+    from sparkv.edge.prelude import Prelude
+
+    stepper = CountingStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    stepper.fail, stepper.gate = StepId(0, 1), threading.Event()
+    pre = Prelude(lambda: stepper, stepper.geometry, world["tokens"]).start()
+    _wait(lambda: pre._running == StepId(0, 1))
+    promised = pre.request_stop()
+    assert StepId(0, 1) in promised
+    stepper.gate.set()
+    load = _prelude_load(world, stepper, pre, promised)
+    assert any("prelude failed" in e for e in load.link_errors)

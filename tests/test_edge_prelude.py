@@ -99,7 +99,7 @@ def test_a_prelude_of_another_geometry_is_discarded(served):
 def test_prelude_runs_in_local_prefill_order_and_stops(smollm2):
     ids = sample_context_ids(smollm2, 300)
     stepper = LayerStepper(smollm2, ids, 128, backend=get_backend("dense"))
-    pre = Prelude(stepper, ids).start()
+    pre = Prelude(lambda: stepper, stepper.geometry, ids).start()
     deadline = time.monotonic() + 120
     while len(stepper.done) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -127,3 +127,27 @@ def test_controller_takes_done_steps_out_of_both_queues():
     for c in fetched:
         ctl.chunk_arrived(c, 0.1)
     assert ctl.done
+
+
+def test_a_prelude_that_cannot_build_its_stepper_is_dropped(served, monkeypatch):
+    """Building the stepper fails on the prelude's thread (out of memory, say): the load makes
+    its own and the answer is exact; the failure is reported."""
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    calls = {"n": 0}
+
+    from sparkv.runtime import stepper as stepper_mod
+
+    orig = stepper_mod.LayerStepper
+
+    class Failing(orig):
+        def __init__(self, *a, **kw):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise MemoryError("injected")
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(stepper_mod, "LayerStepper", Failing)
+    res = _ask(session, cid)
+    assert res.tokens == ref and res.breakdown.prelude_steps == 0
+    assert "MemoryError" in res.breakdown.fallback.get("prelude", "")

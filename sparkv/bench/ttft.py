@@ -359,7 +359,10 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
             "mb": bd.bytes_streamed / 1e6, "wasted_mb": bd.bytes_wasted / 1e6,
             "streamed": bd.chunks_streamed, "computed": bd.chunks_computed,
             "migrations": bd.migrations, "levels": bd.levels, "fallback": bd.fallback,
-            "energy_j_estimate": energy}
+            "energy_j_estimate": energy,
+            "plan": ((res.plan.info or {}).get("portfolio", {}).get("chosen")
+                     if res.plan is not None else None),
+            "prelude_steps": getattr(bd, "prelude_steps", 0)}
 
 
 def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]]) -> list[dict[str, Any]]:

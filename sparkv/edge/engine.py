@@ -47,8 +47,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
+from sparkv.edge.prelude import Prelude
 from sparkv.edge.results import LoadResult, TransferLog, TransferStatus
 from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceError
 from sparkv.errors import SparkvError
@@ -131,7 +132,8 @@ class Engine:
     def __init__(self, stepper: LayerStepper, plan: Plan, inst: Instance,
                  controller: ControllerConfig | None = None, *, source: ChunkSource | None = None,
                  config: EngineConfig | None = None, open_frame: FrameOpener | None = None,
-                 kept: Mapping[KVChunkId, tuple[Sequence[int], Sequence[Any]]] | None = None
+                 kept: Mapping[KVChunkId, tuple[Sequence[int], Sequence[Any]]] | None = None,
+                 prelude: Prelude | None = None, prelude_done: Iterable[StepId] = ()
                  ) -> None:
         if stepper.geometry != inst.geometry:
             raise EngineError("the stepper and the instance have different geometries")
@@ -140,9 +142,12 @@ class Engine:
         self.stepper, self.kv = stepper, stepper.kv
         self.plan, self.inst = plan, inst
         self.cfg = config or EngineConfig()
-        # steps the stepper already ran (the session's prelude) are done for the controller
+        # steps the stepper already ran, and those the prelude is finishing on ``stepper``
+        # (sparkv.edge.prelude), are done for the controller; the compute thread waits for
+        # the prelude before its first step, the link starts at once
+        self._prelude = prelude
         self.ctl = Controller(plan, inst, controller or ControllerConfig(),
-                              done_steps=stepper.done)
+                              done_steps=set(stepper.done) | set(prelude_done))
         self.source = source
         self.open_frame = open_frame
         self.kept = dict(kept) if kept else {}
@@ -276,6 +281,16 @@ class Engine:
             import torch
 
             torch.set_num_threads(self._compute_threads)
+            if self._prelude is not None:
+                res = self._prelude.join()
+                if not res.ok:
+                    with self._cv:
+                        # a step it promised failed: its chunks are missing although the
+                        # controller counts them; compute whatever is missing (the link goes on)
+                        self._stalled = True
+                        self._link_errors.append(f"prelude failed ({type(res.error).__name__}):"
+                                                 " computing what is missing")
+                        self._progress()
             while True:
                 with self._cv:
                     step = self._pick_step()

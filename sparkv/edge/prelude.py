@@ -6,14 +6,16 @@ when the link starts in a fade: 0.3-0.8 s on the adversarial traces) and then pl
 device already holds the context's tokens, its compute thread need not wait: every plan that
 computes anything computes the first token chunk, layer after layer, first. :class:`Prelude`
 runs those steps (then the next token chunk's, in local-prefill order) on a background thread
-from the moment the question is asked until the plan is ready. The steps it finished are handed
-to the planner as free (their predicted time is zero) and to the engine as done (the
-:class:`~sparkv.scheduler.controller.Controller` takes them out of both queues), so nothing is
-computed twice and the stepper's buffers carry the work over. Steps the plan would have streamed
+from the moment the question is asked until the plan is ready. The steps it finished, and the
+one it is finishing, are handed to the planner as free (their predicted time is ~zero) and to the
+engine as done (the :class:`~sparkv.scheduler.controller.Controller` takes them out of both
+queues), so nothing is computed twice and the stepper's buffers carry the work over. The engine's
+link starts at once; its compute thread first waits for the prelude's last step. Steps the plan would have streamed
 instead cost at most the compute thread's idle time.
 
-A prelude whose geometry turns out to differ from the manifest's (a guessed chunk size) or that
-failed is discarded: the load starts from a fresh stepper, as without it.
+A prelude whose geometry turns out to differ from the manifest's (a guessed chunk size), or whose
+stepper could not be built, is discarded: the load starts from a fresh stepper, as without it. A
+step that fails inside the prelude is not done: the engine computes what is missing.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
-from sparkv.layout import StepId
+from sparkv.layout import ChunkGeometry, StepId
 from sparkv.runtime.stepper import LayerStepper
 
 
@@ -41,15 +43,22 @@ class PreludeResult:
 
 
 class Prelude:
-    """Runs ``stepper``'s layer steps in local-prefill order on a background thread until told
-    to stop (:meth:`request_stop`, then :meth:`join`)."""
+    """Builds a :class:`LayerStepper` and runs its layer steps in local-prefill order on a
+    background thread until told to stop (:meth:`request_stop`, then :meth:`join`).
 
-    def __init__(self, stepper: LayerStepper, tokens: Sequence[int],
-                 threads: int | None = None) -> None:
-        self.stepper = stepper
+    The stepper (its KV buffers are the context's whole cache: allocating them takes a while) is
+    made on that thread too, so the caller's manifest request leaves at once. ``geometry`` is the
+    one ``make_stepper`` will produce (known before it runs, for the caller's reuse check)."""
+
+    def __init__(self, make_stepper: Callable[[], LayerStepper], geometry: ChunkGeometry,
+                 tokens: Sequence[int], threads: int | None = None) -> None:
+        self._make = make_stepper
+        self.geometry = geometry
         self.tokens = list(tokens)   # the context's token ids (the stepper's)
+        self.stepper: LayerStepper | None = None
         self._threads = threads
         self._lock = threading.Lock()
+        self._built = threading.Event()
         self._stop = False
         self._running: StepId | None = None
         self._result = PreludeResult()
@@ -64,8 +73,7 @@ class Prelude:
         self._thread.start()
         return self
 
-    def _order(self) -> list[StepId]:
-        g = self.stepper.geometry
+    def _order(self, g: ChunkGeometry) -> list[StepId]:
         return [StepId(t, l) for t in range(g.num_token_chunks)  # noqa: E741
                 for l in range(g.num_layers)]
 
@@ -74,7 +82,11 @@ class Prelude:
 
         torch.set_num_threads(int(self._threads or 1))
         try:
-            for step in self._order():
+            try:
+                self.stepper = self._make()
+            finally:
+                self._built.set()
+            for step in self._order(self.stepper.geometry):
                 with self._lock:
                     if self._stop:
                         return
@@ -85,14 +97,15 @@ class Prelude:
                     self._result.busy_s += time.perf_counter() - t0
                     self._result.steps.append(step)
                     self._running = None
-        except BaseException as e:  # noqa: BLE001 - reported by join(); the load starts afresh
+        except BaseException as e:  # noqa: BLE001 - reported by join()
             with self._lock:
                 self._result.error = e
                 self._running = None
 
     def request_stop(self) -> frozenset[StepId]:
         """Stops after the step in progress; returns the steps that will then be done (those
-        completed and the one running), for planning while that step finishes."""
+        completed and the one running: the step that fails instead is reported by
+        :meth:`join`)."""
         with self._lock:
             self._stop = True
             out = set(self._result.steps)
@@ -100,8 +113,13 @@ class Prelude:
                 out.add(self._running)
         return frozenset(out)
 
+    def wait_stepper(self) -> LayerStepper | None:
+        """The stepper, once built (``None`` when building it failed)."""
+        self._built.wait()
+        return self.stepper
+
     def join(self) -> PreludeResult:
-        """Waits for the thread (after :meth:`request_stop`) and returns what it did."""
+        """Stops the prelude, waits for its thread and returns what it did."""
         self.request_stop()
         if self._thread is not None:
             self._thread.join()

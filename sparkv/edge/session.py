@@ -323,12 +323,15 @@ class EdgeSession:
                and known.chunk_geometry.num_tokens == len(tokens)
                else ChunkGeometry.from_config(self.lm.config, len(tokens),
                                               min(DEFAULT_CHUNK_TOKENS, len(tokens))))
-        try:
-            stepper = LayerStepper(self.lm, tokens, geo.chunk_tokens, backend=attn,
-                                   heads_per_group=geo.heads_per_group, spare_tokens=spare)
-        except ValueError:   # too long for the model: the load says so with its own error
-            return None
-        return Prelude(stepper, tokens).start()
+        if self.lm.max_positions and len(tokens) > self.lm.max_positions:
+            return None   # too long for the model: the load says so with its own error
+        lm = self.lm
+
+        def make() -> LayerStepper:
+            return LayerStepper(lm, tokens, geo.chunk_tokens, backend=attn,
+                                heads_per_group=geo.heads_per_group, spare_tokens=spare)
+
+        return Prelude(make, geo, tokens).start()
 
     def _ask_loaded(self, context_id: str, strategy: str, lm: Any, client: EdgeClient,
                     suffix: list[int], attn: Any, t_start: float, fallback: dict[str, Any],
@@ -368,12 +371,14 @@ class EdgeSession:
         t_comp = (self.cost_model.t_comp(geometry, sparse=sparse, utilisation=0.0)
                   * self.priors.compute_scale)
         # the prelude's steps (finished, or finishing while this plans) cost nothing more
-        reuse = (pre is not None and pre.stepper.geometry == geometry
-                 and pre.tokens == list(tokens))
+        reuse = (pre is not None and pre.geometry == geometry and pre.tokens == list(tokens)
+                 and pre.wait_stepper() is not None)
+        pre_done: frozenset = frozenset()
         if reuse:
             assert pre is not None
+            pre_done = pre.request_stop()
             t_comp = t_comp.copy()
-            for s in pre.request_stop():
+            for s in pre_done:
                 t_comp[s.t, s.l] = PRELUDE_STEP_S
         elif pre is not None:
             pre.request_stop()
@@ -407,21 +412,25 @@ class EdgeSession:
         planning_s = time.perf_counter() - t_plan
 
         # ---- load ----------------------------------------------------------------------------
-        pre_res = pre.join() if pre is not None else None
-        if reuse and pre_res is not None and pre_res.ok:
-            assert pre is not None
-            stepper = pre.stepper
+        if reuse:
+            assert pre is not None and pre.stepper is not None
+            stepper = pre.stepper   # the engine waits for the prelude's last step
         else:
+            if pre is not None:
+                pre.join()          # discarded: its last step must not compete with the load
             stepper = LayerStepper(lm, tokens, geometry.chunk_tokens, backend=attn,
                                    heads_per_group=geometry.heads_per_group, spare_tokens=spare)
-            if pre_res is not None and not pre_res.ok:
-                fallback["prelude"] = f"discarded: {type(pre_res.error).__name__}"
         source = client.chunk_source(context_id) if plan.stream_order else None
         engine = Engine(stepper, plan, inst, ctl_cfg, source=source,
                         config=engine_config or self.engine_config,
                         open_frame=self._frame_opener(manifest),
-                        kept=pressed.kept_positions if pressed is not None else None)
+                        kept=pressed.kept_positions if pressed is not None else None,
+                        prelude=pre if reuse else None, prelude_done=pre_done)
         load = engine.run()
+        pre_res = pre.join() if pre is not None else None
+        if pre_res is not None and not pre_res.ok:
+            fallback["prelude"] = (f"{type(pre_res.error).__name__}: {pre_res.error}"
+                                   + ("" if reuse else " (discarded)"))
         self.priors.learn(load)
         prune_s = (apply_kept(stepper.kv, pressed, len(suffix) + max_new_tokens + 8)
                    if pressed is not None else 0.0)
@@ -446,7 +455,7 @@ class EdgeSession:
                    if keep else None)
         breakdown = _breakdown(strategy, ttft, manifest_s, planning_s, load, gen, fallback)
         breakdown.loading_s += prune_s
-        if reuse and pre_res is not None and pre_res.ok:
+        if reuse and pre_res is not None:
             breakdown.prelude_steps = len(pre_res.steps)
             breakdown.local_compute_s += pre_res.busy_s
             breakdown.steps_computed += len(pre_res.steps)

@@ -210,3 +210,40 @@ def test_trace_after_is_the_same_link_later():
     assert later.transfer_end(0.0, 5e6) == pytest.approx(t.transfer_end(2.37, 5e6) - 2.37)
     wifi = Trace.sample("wifi")
     assert wifi.after(250.0).rate_Bps(1.0) == wifi.rate_Bps(251.0)
+
+
+def _first_cancel_after_fade(fast_window_s: float) -> float:
+    """Everything planned for the link, the first fetches in flight, 1 s of a good link, then a
+    fade (nothing in flight completes): when (after the fade began) the first in-flight fetch
+    is cancelled."""
+    inst = synthetic_instance(2048, chunk_tokens=512, num_layers=4, bandwidth_mbps=400, seed=0)
+    cfg = ControllerConfig(window_s=0.5, fast_window_s=fast_window_s, probe=False,
+                           migrate_to_stream=False)
+    ctl = Controller(StreamOnly().plan(inst), inst, cfg)
+    ctl.start(0.0)
+    inflight = []
+    while len(inflight) < 4 and (f := ctl.next_fetch(0.0)) is not None:
+        inflight.append(f.cid)
+    for i in range(20):                                   # 1 s at 400 Mbit/s
+        ctl.rate_sample(0.05 * (i + 1), 400 * MBPS * 0.05, 0.05)
+    assert not ctl.has_cancellations
+    for i in range(40):                                   # then 0.2 Mbit/s
+        now = 1.0 + 0.05 * (i + 1)
+        ctl.rate_sample(now, 0.2 * MBPS * 0.05, 0.05)
+        while (s := ctl.next_step(now)) is not None:       # the compute thread keeps up
+            ctl.step_done(s, now, 1e-3)
+        cancelled = set(ctl.take_cancellations())
+        if cancelled:
+            assert cancelled <= set(inflight)
+            return now - 1.0
+    return math.inf
+
+
+def test_a_fade_cancels_stalled_transfers_without_waiting_for_the_window():
+    """The compute thread must not idle waiting for transfers a fade has stalled: in-flight
+    fetches are judged by the last 0.15 s, so the first is cancelled (its step computed) within
+    a few samples of the fade, long before the 0.5 s window forgets the good samples."""
+    fast = _first_cancel_after_fade(0.15)
+    slow = _first_cancel_after_fade(0.0)
+    assert fast <= 0.2
+    assert slow > fast + 0.1

@@ -24,7 +24,9 @@ Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
 * **Link behind** (``link_rem > comp_rem + margin``): a step all of whose chunks are still planned for
   streaming, and whose inputs are available or already on the compute path, moves to the compute
   queue (after its dependencies); its queued fetches are dropped and an in-flight one is cancelled if
-  finishing the transfer would take more than twice as long as computing the step. Candidates are taken from the TAIL of the link queue (what the link
+  finishing the transfer, at the slower of the window's and the last ``fast_window_s``'s
+  throughput, would take more than twice as long as computing the step. Candidates are taken
+  from the TAIL of the link queue (what the link
   would reach last); inputs "on the compute path" let it reach compute-ready chunks of later stages
   (the paper's "advance to the next stage").
 * **Compute behind** (``comp_rem > link_rem + margin``): the link never waits for a stage boundary
@@ -105,6 +107,8 @@ class ControllerConfig:
     horizon_s: float | None = None     # migrate to a path only when its work left is below this
                                        # (None: 2 stages)
     window_s: float = 0.5              # link throughput window
+    fast_window_s: float = 0.15        # recent throughput: an in-flight fetch is judged by the
+                                       # slower of this and the window (a fade shows at once)
     compute_window: int = 8            # steps in the compute-speed window
     margin_frac: float = 0.05
     margin_s: float = 0.02
@@ -328,6 +332,19 @@ class Controller:
         s = sum(x[2] for x in self._bw)
         return max(b / s, 1.0) if s > 0 else self.inst.bandwidth_Bps
 
+    def recent_bandwidth(self, now: float) -> float:
+        """Throughput (bytes/s) over the last ``fast_window_s`` of rate samples (at least the
+        newest one); the window estimate when there are none or the fast window is off."""
+        long = self.bandwidth_estimate(now)
+        if self.cfg.fast_window_s <= 0 or not self._bw:
+            return long
+        b = s = 0.0
+        for t, nb, sec in reversed(self._bw):
+            if s > 0 and t < now - self.cfg.fast_window_s:
+                break
+            b, s = b + nb, s + sec
+        return max(b / s, 1.0) if s > 0 else long
+
     def run_bandwidth(self) -> float | None:
         """Throughput (bytes/s) over every rate sample of the run (silences included), or
         ``None`` before any sample: the link's goodput, a prior for the next load."""
@@ -349,9 +366,11 @@ class Controller:
         comp = r * self._cq_pred
         if self.running is not None:
             comp += max(0.0, r * self._t_comp[self.running] - (now - self.running_since))
-        pending = self._lq_bytes + sum(max(0.0, f.nbytes - f.received)
-                                       for f in self.inflight.values())
-        return comp, pending / self.bandwidth_estimate(now)
+        bw = self.bandwidth_estimate(now)
+        left = sum(max(0.0, f.nbytes - f.received) for f in self.inflight.values())
+        # what is in flight is judged by the slower of the window and the last moments
+        bw_in = min(bw, self.recent_bandwidth(now)) if left else bw
+        return comp, self._lq_bytes / bw + left / bw_in
 
     # ------------------------------------------------------------------ adaptation
     def _rebalance(self, now: float) -> None:
@@ -411,6 +430,10 @@ class Controller:
         """
         L, G = self._L, self._G
         bw = self.bandwidth_estimate(now)
+        # an in-flight fetch is judged by the slower of the window and the last moments: a
+        # fade is seen within fast_window_s instead of after a whole window of good samples,
+        # and the compute thread does not idle waiting for transfers that have stalled
+        bw_inflight = min(bw, self.recent_bandwidth(now))
         ratio = self.compute_ratio()
         frontier = self._sched_frontier()
         queued = set(self.lq)
@@ -440,10 +463,10 @@ class Controller:
                     f = self.inflight[cc]
                     left = f.nbytes - f.received
                     # cancel only if computing it is clearly faster than finishing the transfer
-                    if left / bw < 2 * ratio * self._t_comp[s] + self.cfg.margin_s:
+                    if left / bw_inflight < 2 * ratio * self._t_comp[s] + self.cfg.margin_s:
                         ok = False
                         break
-                    saved_bytes += left
+                    saved_bytes += left * bw / bw_inflight   # in link time at ``bw`` below
                     cancel.append(cc)
                 else:
                     ok = False  # already received / arrived / not on the link

@@ -17,16 +17,17 @@ Every method takes ``now`` in seconds on the caller's clock (monotonic; the orig
 
 Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
 
-* Estimates: link throughput over a sliding window of rate samples; compute speed as the mean ratio
-  measured/predicted over the last steps.
+* Estimates: link throughput as the slower of a sliding window of rate samples (0.5 s) and the
+  last ``fast_window_s`` (0.15 s): a fade shows within a sample or two, a recovery once the window
+  sees it (:meth:`Controller.link_estimate`); compute speed as the mean ratio measured/predicted
+  over the last steps.
 * Remaining work: ``link_rem`` = bytes still to fetch / throughput; ``comp_rem`` = predicted seconds
   of queued steps x the compute ratio.
 * **Link behind** (``link_rem > comp_rem + margin``): a step all of whose chunks are still planned for
   streaming, and whose inputs are available or already on the compute path, moves to the compute
   queue (after its dependencies); its queued fetches are dropped and an in-flight one is cancelled if
-  finishing the transfer, at the slower of the window's and the last ``fast_window_s``'s
-  throughput, would take more than twice as long as computing the step. Candidates are taken
-  from the TAIL of the link queue (what the link
+  finishing the transfer would take more than twice as long as computing the step. Candidates are
+  taken from the TAIL of the link queue (what the link
   would reach last); inputs "on the compute path" let it reach compute-ready chunks of later stages
   (the paper's "advance to the next stage").
 * **Compute behind** (``comp_rem > link_rem + margin``): the link never waits for a stage boundary
@@ -366,11 +367,17 @@ class Controller:
         comp = r * self._cq_pred
         if self.running is not None:
             comp += max(0.0, r * self._t_comp[self.running] - (now - self.running_since))
-        bw = self.bandwidth_estimate(now)
-        left = sum(max(0.0, f.nbytes - f.received) for f in self.inflight.values())
-        # what is in flight is judged by the slower of the window and the last moments
-        bw_in = min(bw, self.recent_bandwidth(now)) if left else bw
-        return comp, self._lq_bytes / bw + left / bw_in
+        pending = self._lq_bytes + sum(max(0.0, f.nbytes - f.received)
+                                       for f in self.inflight.values())
+        return comp, pending / self.link_estimate(now)
+
+    def link_estimate(self, now: float) -> float:
+        """The throughput (bytes/s) the controller plans the link's remaining work with: the
+        slower of the window's and the last ``fast_window_s``'s. A fade shows within a sample
+        or two (not after a whole window of good samples), while a recovery is believed only
+        once the window sees it; both directions of migration use this one estimate, so they
+        never disagree about the same link (no ping-pong)."""
+        return min(self.bandwidth_estimate(now), self.recent_bandwidth(now))
 
     # ------------------------------------------------------------------ adaptation
     def _rebalance(self, now: float) -> None:
@@ -429,11 +436,7 @@ class Controller:
         ``max(comp_rem, link_rem)`` is taken.
         """
         L, G = self._L, self._G
-        bw = self.bandwidth_estimate(now)
-        # an in-flight fetch is judged by the slower of the window and the last moments: a
-        # fade is seen within fast_window_s instead of after a whole window of good samples,
-        # and the compute thread does not idle waiting for transfers that have stalled
-        bw_inflight = min(bw, self.recent_bandwidth(now))
+        bw = bw_inflight = self.link_estimate(now)
         ratio = self.compute_ratio()
         frontier = self._sched_frontier()
         queued = set(self.lq)
@@ -466,7 +469,7 @@ class Controller:
                     if left / bw_inflight < 2 * ratio * self._t_comp[s] + self.cfg.margin_s:
                         ok = False
                         break
-                    saved_bytes += left * bw / bw_inflight   # in link time at ``bw`` below
+                    saved_bytes += left
                     cancel.append(cc)
                 else:
                     ok = False  # already received / arrived / not on the link
@@ -512,7 +515,7 @@ class Controller:
     def _to_stream(self, now: float, comp: float, link: float) -> bool:
         """Compute behind: stream the tail of the compute order instead of computing it."""
         L, G = self._L, self._G
-        bw = self.bandwidth_estimate(now)
+        bw = self.link_estimate(now)
         ratio = self.compute_ratio()
         examined = 0
         in_cq = set(self.cq)

@@ -34,6 +34,7 @@ with configurable watts (defaults: a phone-class SoC, 3.0 W compute, 1.5 W decod
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -291,12 +292,19 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                         for r in range(args.runs):
                             session.priors.bandwidth_Bps = None   # every run probes afresh
                             client.shaper = path.shaper(trace)
+                            # no strategy pays for the bench's garbage: a full collection
+                            # between runs, none during one (the timelines this loop keeps made
+                            # a gen-2 collection of ~0.35 s land inside whichever ask crossed
+                            # the threshold: adversarial-18, every run)
+                            gc.collect()
+                            gc.disable()
                             try:
                                 res = session.ask(cid, QUESTION, strategy=strat, use_cache=False,
                                                   prelude=_prelude(args),
                                                   max_new_tokens=args.new_tokens,
                                                   stop_at_eos=False)
                             finally:
+                                gc.enable()
                                 path.done()
                             row = _row(args, n, link_label, strat, r, res, ref, trace)
                             row["agreement"] = greedy_agreement(ref.tokens, res.tokens)

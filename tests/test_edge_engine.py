@@ -135,6 +135,16 @@ class SlowStepper(LayerStepper):
         return res
 
 
+def _run_exact(engine: Engine, world):
+    """Runs ``engine``; the assembled cache must be complete and equal the reference."""
+    load = engine.run()
+    assert load.kv.is_complete()
+    for (k, v), (rk, rv) in zip(load.kv.layer_kv(), world["ref"]):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    return load
+
+
 def _load(world, source: ChunkSource, *, planner: str = "stream", controller=None,
           config: EngineConfig | None = None, inst: Instance | None = None,
           stepper_class=LayerStepper):
@@ -144,12 +154,7 @@ def _load(world, source: ChunkSource, *, planner: str = "stream", controller=Non
     cfg = config or EngineConfig(retry_backoff_s=0.01)
     engine = Engine(stepper, plan, inst, controller or ControllerConfig.static(), source=source,
                     config=cfg)
-    load = engine.run()
-    assert load.kv.is_complete()
-    for (k, v), (rk, rv) in zip(load.kv.layer_kv(), world["ref"]):
-        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
-    return load
+    return _run_exact(engine, world)
 
 
 def _statuses(load) -> dict:
@@ -338,19 +343,12 @@ class CountingStepper(LayerStepper):
 
 
 def _prelude_load(world, stepper, pre, promised, planner="sparkv"):
-    from sparkv.scheduler.controller import ControllerConfig as CC
-
     inst = _instance(world, mbps=50.0)
     plan = get_planner(planner).plan(inst)
-    engine = Engine(stepper, plan, inst, CC(), source=ScriptedSource(world["frames"]),
+    engine = Engine(stepper, plan, inst, ControllerConfig(), source=ScriptedSource(world["frames"]),
                     config=EngineConfig(retry_backoff_s=0.01), prelude=pre,
                     prelude_done=promised)
-    load = engine.run()
-    assert load.kv.is_complete()
-    for (k, v), (rk, rv) in zip(load.kv.layer_kv(), world["ref"]):
-        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
-    return load
+    return _run_exact(engine, world)
 
 
 def _wait(cond, timeout=60.0):

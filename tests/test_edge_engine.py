@@ -391,3 +391,51 @@ def test_a_prelude_step_that_fails_is_computed_by_the_engine(world):
     stepper.gate.set()
     load = _prelude_load(world, stepper, pre, promised)
     assert any("prelude failed" in e for e in load.link_errors)
+
+
+class ThreadCountStepper(LayerStepper):
+    """Records the intra-op thread count of every step; the prelude's steps wait (``hold``)
+    until a streamed chunk is in place, so the decode worker has started before the engine's
+    compute thread runs its first kernel."""
+
+    hold = True
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.counts: dict = {}
+
+    def run_step(self, step):
+        import threading
+
+        if threading.current_thread().name == "sparkv-prelude" and self.hold:
+            self.hold = False
+            _wait(lambda: any(s == "streamed" for s in self.kv.sources().values()))
+        self.counts[step] = torch.get_num_threads()
+        return super().run_step(step)
+
+
+def test_compute_steps_keep_the_callers_thread_count(world):
+    """The decode worker (one thread) starts while the compute thread waits for the prelude: the
+    compute thread's steps still run with the caller's thread count (they ran a whole load on one
+    thread before: sparkv.runtime.threads)."""
+    from sparkv.edge.prelude import Prelude
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        stepper = ThreadCountStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+        pre = Prelude(lambda: stepper, stepper.geometry, world["tokens"]).start()
+        _wait(lambda: pre._running is not None)
+        promised = pre.request_stop()
+        inst = _instance(world, mbps=50.0)
+        plan = get_planner("hybrid").plan(inst)
+        assert plan.stream_order and plan.compute_order
+        engine = Engine(stepper, plan, inst, ControllerConfig.static(),
+                        source=ScriptedSource(world["frames"]),
+                        config=EngineConfig(retry_backoff_s=0.01), prelude=pre,
+                        prelude_done=promised)
+        load = _run_exact(engine, world)
+    finally:
+        torch.set_num_threads(before)
+    assert load.steps, "the engine computed nothing"
+    assert {stepper.counts[s] for s in load.steps} == {2}, stepper.counts

@@ -55,6 +55,7 @@ from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceErr
 from sparkv.errors import SparkvError
 from sparkv.layout import KVChunkId, StepId
 from sparkv.runtime.stepper import LayerStepper
+from sparkv.runtime.threads import use_threads
 from sparkv.scheduler.controller import Controller, ControllerConfig, Fetch
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
@@ -218,12 +219,18 @@ class Engine:
             self.ctl.start(0.0)
         # OpenMP thread counts are per calling thread: the compute thread gets the caller's, the
         # decode worker one (its dequantisation must not oversubscribe the cores the layer steps
-        # use: measured, 4 OpenMP threads on 2 cores made decoding 5x slower and stalled steps)
+        # use: measured, 4 OpenMP threads on 2 cores made decoding 5x slower and stalled steps).
+        # Each thread sets its own with use_threads (a plain set_num_threads is undone by the
+        # thread's lazy initialisation, which reads whatever another thread set last:
+        # sparkv.runtime.threads), and the decode workers start before the compute thread
         self._compute_threads = torch.get_num_threads()
         decoder = ThreadPoolExecutor(max_workers=self.cfg.decode_workers,
                                      thread_name_prefix="sparkv-decode",
-                                     initializer=torch.set_num_threads, initargs=(1,))
+                                     initializer=use_threads, initargs=(1,))
         self._decoder = decoder
+        if streams:
+            for f in [decoder.submit(int) for _ in range(self.cfg.decode_workers)]:
+                f.result()
         compute = threading.Thread(target=self._compute_main, name="sparkv-compute", daemon=True)
         link = threading.Thread(target=self._link_thread, name="sparkv-link", daemon=True)
         compute.start()
@@ -278,9 +285,7 @@ class Engine:
     # ---- compute path ------------------------------------------------------------------------
     def _compute_main(self) -> None:
         try:
-            import torch
-
-            torch.set_num_threads(self._compute_threads)
+            use_threads(self._compute_threads)
             if self._prelude is not None:
                 res = self._prelude.join()
                 if not res.ok:

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 from sparkv.layout import ChunkGeometry, StepId
 from sparkv.runtime.stepper import LayerStepper
+from sparkv.runtime.threads import use_threads
 
 
 @dataclass
@@ -78,9 +79,7 @@ class Prelude:
                 for l in range(g.num_layers)]
 
     def _main(self) -> None:
-        import torch
-
-        torch.set_num_threads(int(self._threads or 1))
+        use_threads(int(self._threads or 1))
         try:
             try:
                 self.stepper = self._make()

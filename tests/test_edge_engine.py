@@ -439,3 +439,68 @@ def test_compute_steps_keep_the_callers_thread_count(world):
         torch.set_num_threads(before)
     assert load.steps, "the engine computed nothing"
     assert {stepper.counts[s] for s in load.steps} == {2}, stepper.counts
+
+
+def test_a_cancelled_chunk_later_in_a_batch_does_not_stop_the_chunks_before_it(world):
+    """The controller cancels the tail of a slow batch: the response goes on delivering the
+    chunks ahead of the cancelled one (no new request for them), stops at it, and only the
+    chunk after it is requested again. The cancelled chunk never arrives by the link; the
+    load still completes exactly (here the step is computed by the idle rule, since this test
+    cancels behind the static controller's back)."""
+    src_holder: dict = {}
+    injected: list = []
+
+    def pace(sent):
+        src = src_holder["src"]
+        first = src.opened[0]
+        if not injected and 0 < sent < first[0].nbytes:
+            injected.append(first[2].cid)       # while chunk 0 flows: cancel the batch's third
+            src_holder["engine"].ctl._cancel.append(first[2].cid)
+        return asyncio.sleep(0.002)
+
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace) if n == 0
+                         else Behaviour())
+    src_holder["src"] = src
+    inst = _instance(world)
+    plan = get_planner("stream").plan(inst)
+    stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, plan, inst, ControllerConfig.static(), source=src,
+                    config=EngineConfig(retry_backoff_s=0.01, batch_max_items=4,
+                                        stall_fallback_s=0.3))
+    src_holder["engine"] = engine
+    load = _run_exact(engine, world)
+    first = [x.cid for x in src.opened[0]]
+    assert injected == [first[2]]
+    arrived = {x.cid for x in load.transfers if x.status == TransferStatus.ARRIVED}
+    assert {first[0], first[1]} <= arrived and first[2] not in arrived
+    later = [x.cid for req in src.opened[1:] for x in req]
+    assert first[0] not in later and first[1] not in later and first[2] not in later
+    assert first[3] in later                   # the one after the cancelled chunk, again
+    assert load.sources.get("computed", 0) >= 1
+
+
+@pytest.mark.parametrize("promise", [True, False])
+def test_a_prelude_stopped_while_building_promises_its_first_step(world, promise):
+    """The plan is made while the prelude's stepper is still being built: the prelude promises
+    (and then runs) exactly its first step; a discarded one runs nothing."""
+    import threading
+
+    from sparkv.edge.prelude import Prelude
+
+    gate = threading.Event()
+
+    def make():
+        gate.wait(30)
+        return CountingStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+
+    geo = ChunkGeometry.from_config(world["lm"].config, N_TOKENS, T)
+    pre = Prelude(make, geo, world["tokens"]).start()
+    promised = pre.request_stop(promise_first=promise)
+    gate.set()
+    res = pre.join()
+    assert res.ok
+    assert promised == ({StepId(0, 0)} if promise else set())
+    assert res.steps == sorted(promised)
+    if promise:
+        load = _prelude_load(world, pre.stepper, None, promised)
+        assert StepId(0, 0) not in load.steps and pre.stepper.runs[StepId(0, 0)] == 1

@@ -247,3 +247,31 @@ def test_a_fade_cancels_stalled_transfers_without_waiting_for_the_window():
     slow = _first_cancel_after_fade(0.0)
     assert fast <= 0.2
     assert slow > fast + 0.1
+
+
+def test_a_slowed_batch_gives_its_tail_back_to_compute():
+    """Twelve chunks in flight in one batch, then the link slows to 24 Mbit/s: each chunk alone
+    would still arrive sooner than it can be computed twice over, but the ones at the end of the
+    batch wait for every byte ahead of them. The controller takes the batch's tail back (its
+    steps are computed, its fetches cancelled) and leaves the head, which arrives soon."""
+    inst = synthetic_instance(2048, chunk_tokens=512, num_layers=4, bandwidth_mbps=100, seed=0)
+    ctl = Controller(StrongHybrid().plan(inst), inst,
+                     ControllerConfig(probe=False, migrate_to_stream=False))
+    ctl.start(0.0)
+    inflight = []
+    while (f := ctl.next_fetch(0.0)) is not None:
+        inflight.append(f.cid)
+    assert len(inflight) == 12 and not ctl.lq
+    own = max(inst.bytes_of(c, inst.levels[inst.cheapest_level[inst.chunk_index(c)]].name)
+              for c in inflight) / (24 * MBPS)
+    assert own < 2 * min(inst.comp_time(StepId(c.t, c.l)) for c in inflight if c.l < inst.L - 1)
+    now, cancelled = 0.0, []
+    for _ in range(10):
+        now += 0.05
+        ctl.rate_sample(now, 24 * MBPS * 0.05, 0.05)
+        while (s := ctl.next_step(now)) is not None:
+            ctl.step_done(s, now, inst.comp_time(s))
+        cancelled += ctl.take_cancellations()
+    assert cancelled, "the batch's tail waited for the link"
+    head, tail = inflight[:4], inflight[-4:]
+    assert set(tail) <= set(cancelled) and not set(head) & set(cancelled)

@@ -330,7 +330,9 @@ def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
             doc_tokens = max(64, size - CONTEXT_MARGIN)
             for i, depth in enumerate(spread_depths(trials(fam, size))):
                 task = make_task(fam, doc_tokens, depth, seed + i, count)
-                ctx = Context(f"{fam}-{size}-{i}", fam, size,
+                # named by the task's seed: runs with --seed N continue a seed-0 run's series
+                # without reusing its names (``--rescore`` merges their rows)
+                ctx = Context(f"{fam}-{size}-{seed + i}", fam, size,
                               chat_context(lm, lm.encode_text(task.document)))
                 ctx.probes.append(Probe(ctx.id, fam, task.question, NEW_TOKENS[fam], True,
                                         task=task))

@@ -592,8 +592,11 @@ class Engine:
         try:
             while i < len(batch):
                 if not data:
+                    # at a chunk boundary: stop where the next chunk was cancelled (the rest is
+                    # requested again); a cancelled chunk further on is reached first (the
+                    # chunks before it keep flowing: the controller cancels from the tail)
                     self._take_cancellations()
-                    if any(x.cid in self._cancelled for x in batch[i:]):
+                    if batch[i].cid in self._cancelled:
                         return self._abort(batch[i:], 0)
                 try:
                     piece = await _within(pieces.__anext__(), self.cfg.read_timeout_s)
@@ -635,7 +638,11 @@ class Engine:
                             self.ctl.rate_sample(now, sample_bytes, max(now - sample_from, 1e-6),
                                                  f.cid)
                         sample_bytes, sample_from = 0, now
-                    self._maybe_prestart(remaining)
+                    # cancelled chunks further on will not be read: the next request opens
+                    # an RTT before the last byte that will be
+                    skip = (sum(self.inst.bytes_of(x.cid, x.level) for x in batch[i + 1:]
+                                if x.cid in self._cancelled) if self._cancelled else 0)
+                    self._maybe_prestart(remaining - skip)
                 if piece.end:
                     self._count(len(data), 0)
                     with self._cv:

@@ -61,6 +61,7 @@ class Prelude:
         self._lock = threading.Lock()
         self._built = threading.Event()
         self._stop = False
+        self._min_steps = 0         # steps to finish before stopping (request_stop's promise)
         self._running: StepId | None = None
         self._result = PreludeResult()
         self._thread: threading.Thread | None = None
@@ -87,7 +88,7 @@ class Prelude:
                 self._built.set()
             for step in self._order(self.stepper.geometry):
                 with self._lock:
-                    if self._stop:
+                    if self._stop and len(self._result.steps) >= self._min_steps:
                         return
                     self._running = step
                 t0 = time.perf_counter()
@@ -101,15 +102,24 @@ class Prelude:
                 self._result.error = e
                 self._running = None
 
-    def request_stop(self) -> frozenset[StepId]:
+    def request_stop(self, promise_first: bool = True) -> frozenset[StepId]:
         """Stops after the step in progress; returns the steps that will then be done (those
         completed and the one running: the step that fails instead is reported by
-        :meth:`join`)."""
+        :meth:`join`). Asked before any step began (the stepper still being built), it promises
+        the first step (unless ``promise_first`` is false: a discarded prelude): the plan need
+        not wait for the build, and the compute thread, which waits for the prelude anyway,
+        does not lose the start-up overlap."""
         with self._lock:
+            if self._stop:
+                return frozenset(self._result.steps) | (
+                    {self._running} if self._running is not None else set())
             self._stop = True
             out = set(self._result.steps)
             if self._running is not None:
                 out.add(self._running)
+            elif promise_first and not out and self._result.error is None:
+                self._min_steps = 1
+                out.add(self._order(self.geometry)[0])
         return frozenset(out)
 
     def wait_stepper(self) -> LayerStepper | None:
@@ -119,7 +129,7 @@ class Prelude:
 
     def join(self) -> PreludeResult:
         """Stops the prelude, waits for its thread and returns what it did."""
-        self.request_stop()
+        self.request_stop(promise_first=False)
         if self._thread is not None:
             self._thread.join()
         return self._result

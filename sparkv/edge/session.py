@@ -370,18 +370,18 @@ class EdgeSession:
         sparse = attn.name != "dense"
         t_comp = (self.cost_model.t_comp(geometry, sparse=sparse, utilisation=0.0)
                   * self.priors.compute_scale)
-        # the prelude's steps (finished, or finishing while this plans) cost nothing more
-        reuse = (pre is not None and pre.geometry == geometry and pre.tokens == list(tokens)
-                 and pre.wait_stepper() is not None)
+        # the prelude's steps (finished, or finishing while this plans) cost nothing more; the
+        # plan does not wait for its stepper to be built (the load does, below)
+        usable = pre is not None and pre.geometry == geometry and pre.tokens == list(tokens)
         pre_done: frozenset = frozenset()
-        if reuse:
+        if usable:
             assert pre is not None
             pre_done = pre.request_stop()
             t_comp = t_comp.copy()
             for s in pre_done:
                 t_comp[s.t, s.l] = PRELUDE_STEP_S
         elif pre is not None:
-            pre.request_stop()
+            pre.request_stop(promise_first=False)
         t_suffix = (self.priors.question_prefill_s if self.priors.question_prefill_s is not None
                     else suffix_estimate(t_comp, geometry, len(suffix)))
         effective = strategy if (manifest is not None and not fallback) else "local"
@@ -412,6 +412,9 @@ class EdgeSession:
         planning_s = time.perf_counter() - t_plan
 
         # ---- load ----------------------------------------------------------------------------
+        reuse = usable and pre is not None and pre.wait_stepper() is not None
+        if not reuse:
+            pre_done = frozenset()   # its stepper could not be built: nothing it promised ran
         if reuse:
             assert pre is not None and pre.stepper is not None
             stepper = pre.stepper   # the engine waits for the prelude's last step

@@ -26,9 +26,9 @@ Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
 * **Link behind** (``link_rem > comp_rem + margin``): a step all of whose chunks are still planned for
   streaming, and whose inputs are available or already on the compute path, moves to the compute
   queue (after its dependencies); its queued fetches are dropped and an in-flight one is cancelled if
-  finishing the transfer would take more than twice as long as computing the step. Candidates are
-  taken from the TAIL of the link queue (what the link
-  would reach last); inputs "on the compute path" let it reach compute-ready chunks of later stages
+  waiting for it (its bytes and every in-flight byte ahead of it) would take more than twice as
+  long as computing the step. Candidates are taken from the TAIL of the link queue, then of the
+  in-flight fetches (what the link would reach last); inputs "on the compute path" let it reach compute-ready chunks of later stages
   (the paper's "advance to the next stage").
 * **Compute behind** (``comp_rem > link_rem + margin``): the link never waits for a stage boundary
   (the plan's later chunks are fetched as soon as the link is free: the paper's speculative
@@ -443,7 +443,15 @@ class Controller:
         best = -1
         best_cancel: list[int] = []
         seen: set[int] = set()
-        for c in list(reversed(self.lq)) + list(self.inflight):
+        # an in-flight fetch completes after every byte ahead of it on the link (the requests
+        # are read in order): the last chunk of a batch a fade caught is far away even when it
+        # is small, and it is the one to take back first (the tail, as for queued chunks)
+        done_after: dict[int, float] = {}
+        ahead = 0.0
+        for c, f in self.inflight.items():
+            ahead += max(0.0, f.nbytes - f.received)
+            done_after[c] = ahead
+        for c in list(reversed(self.lq)) + list(reversed(self.inflight)):
             s = c // G
             if s in seen:
                 continue
@@ -465,8 +473,10 @@ class Controller:
                 elif cc in self.inflight and self.cfg.cancel_inflight:
                     f = self.inflight[cc]
                     left = f.nbytes - f.received
-                    # cancel only if computing it is clearly faster than finishing the transfer
-                    if left / bw_inflight < 2 * ratio * self._t_comp[s] + self.cfg.margin_s:
+                    # cancel only if computing it is clearly faster than waiting for the
+                    # transfer (its own bytes and those ahead of it)
+                    if done_after[cc] / bw_inflight < 2 * ratio * self._t_comp[s] \
+                            + self.cfg.margin_s:
                         ok = False
                         break
                     saved_bytes += left

@@ -51,16 +51,27 @@ def context_ids(lm, n: int, seed: int = 0) -> list[int]:
     return torch.randint(1, lm.config.vocab_size, (n,), generator=g).tolist()
 
 
+_REFERENCES: dict = {}
+
+
+def _random_order_reference(lm, n: int):
+    """``(ids, reference KV, question, expected tokens)`` for the random-order tests, made once
+    per model (every chunk size checks against the same full prefill)."""
+    if lm.fingerprint not in _REFERENCES:
+        ids = context_ids(lm, n)
+        question = context_ids(lm, 12, seed=1)[:12] if lm.tokenizer is None else \
+            lm.encode_text("\nQuestion: what is this text about?\nAnswer:")
+        _REFERENCES[lm.fingerprint] = (ids, reference_prefill(lm, ids), question,
+                                       reference_generate(lm, ids + question, 32))
+    return _REFERENCES[lm.fingerprint]
+
+
 @pytest.mark.parametrize("model_name", ["tiny_llama", "smollm2"])
 @pytest.mark.parametrize("chunk_tokens", [64, 128, 200])
 def test_random_orders_match_full_prefill(request, model_name, chunk_tokens):
     lm = request.getfixturevalue(model_name)
     n = 530  # ragged last chunk for every T
-    ids = context_ids(lm, n)
-    ref = reference_prefill(lm, ids)
-    question = context_ids(lm, 12, seed=1)[:12] if lm.tokenizer is None else \
-        lm.encode_text("\nQuestion: what is this text about?\nAnswer:")
-    expected = reference_generate(lm, ids + question, 32)
+    ids, ref, question, expected = _random_order_reference(lm, n)
     rng = random.Random(chunk_tokens)
     orders_seen = set()
     for _ in range(3):

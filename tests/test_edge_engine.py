@@ -504,3 +504,35 @@ def test_a_prelude_stopped_while_building_promises_its_first_step(world, promise
     if promise:
         load = _prelude_load(world, pre.stepper, None, promised)
         assert StepId(0, 0) not in load.steps and pre.stepper.runs[StepId(0, 0)] == 1
+
+
+def test_a_column_locked_by_streamed_layers_is_recomputed(world):
+    """The plan streams everything layer by layer; the bottom two layers arrive at once, then the
+    link crawls. No queued step can move to compute the ordinary way (the hidden states below
+    it were never computed: its layer below was streamed), so the controller recomputes a
+    column: the streamed steps below a locked one are computed again. The cache is exact, the
+    compute path did the work, and nothing waited for the idle rule."""
+    from sparkv.scheduler.planners.base import make_plan
+
+    geo = world["geo"]
+    inst = _instance(world, mbps=1000.0, step_s=0.002)
+    order = sorted(range(inst.num_chunks),
+                   key=lambda c: (inst.chunk_id(c).l, inst.chunk_id(c).t))
+    fast = sum(inst.bytes_of(inst.chunk_id(c), "raw") for c in order
+               if inst.chunk_id(c).l < 2)
+    plan = make_plan(inst, [], order)
+
+    async def pace(sent: int) -> None:
+        if sent >= fast:
+            await asyncio.sleep(0.05)       # 512 B / 50 ms after the first two layers
+
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=512))
+    stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, plan, inst, ControllerConfig(), source=src,
+                    config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=600.0))
+    load = _run_exact(engine, world)
+    columns = [m for m in load.migrations if m.direction == "to_compute" and len(m.steps) > 1]
+    assert columns, [(m.direction, m.steps) for m in load.migrations]
+    assert any(StepId(s.t, s.l).l < 2 for m in columns for s in m.steps[:-1])
+    assert load.sources.get("computed", 0) > 0 and not load.fallback
+    assert geo.num_layers > 2

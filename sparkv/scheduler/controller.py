@@ -29,7 +29,10 @@ Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
   waiting for it (its bytes and every in-flight byte ahead of it) would take more than twice as
   long as computing the step. Candidates are taken from the TAIL of the link queue, then of the
   in-flight fetches (what the link would reach last); inputs "on the compute path" let it reach compute-ready chunks of later stages
-  (the paper's "advance to the next stage").
+  (the paper's "advance to the next stage"). When every candidate is *locked* (the layer below
+  it was streamed, so its hidden state was never computed) and ``recompute`` is on, the cheapest
+  column is recomputed instead: the streamed steps below the candidate, down to the last one on
+  the compute path, are computed again for their hidden states (their KV is in place already).
 * **Compute behind** (``comp_rem > link_rem + margin``): the link never waits for a stage boundary
   (the plan's later chunks are fetched as soon as the link is free: the paper's speculative
   prefetch), and when the link's remaining work is smaller than compute's, steps migrate from the
@@ -120,6 +123,8 @@ class ControllerConfig:
                                        # collapsed is not handed work a few steps per stage)
     probe: bool = True                 # an idle link fetches the compute order's last step
                                        # (its cheapest level): the link keeps being measured
+    recompute: bool = True             # a step locked by streamed layers below it may move
+                                       # to compute with them (they are computed again)
 
     @classmethod
     def static(cls) -> "ControllerConfig":
@@ -432,17 +437,19 @@ class Controller:
 
         Candidates are scanned from the TAIL of the link queue (the chunks the link would reach
         last, symmetric to migrating from the tail of the compute order), then the in-flight
-        fetches (cancelled if finishing them is much slower than computing); the first whose move shortens
-        ``max(comp_rem, link_rem)`` is taken.
+        fetches (cancelled if finishing them is much slower than computing); the first whose
+        move shortens ``max(comp_rem, link_rem)`` is taken. When none can move because the
+        layers below them were streamed (their hidden states were never computed: a *locked
+        column*), the cheapest **recompute column** is taken instead: the streamed steps below
+        the candidate, down to the last one on the compute path, are computed again (their KV is
+        in place already; recomputing it gives the hidden state the candidate needs), if that
+        still shortens ``max(comp_rem, link_rem)``.
         """
         L, G = self._L, self._G
         bw = bw_inflight = self.link_estimate(now)
         ratio = self.compute_ratio()
         frontier = self._sched_frontier()
         queued = set(self.lq)
-        best = -1
-        best_cancel: list[int] = []
-        seen: set[int] = set()
         # an in-flight fetch completes after every byte ahead of it on the link (the requests
         # are read in order): the last chunk of a batch a fade caught is far away even when it
         # is small, and it is the one to take back first (the tail, as for queued chunks)
@@ -451,50 +458,61 @@ class Controller:
         for c, f in self.inflight.items():
             ahead += max(0.0, f.nbytes - f.received)
             done_after[c] = ahead
-        for c in list(reversed(self.lq)) + list(reversed(self.inflight)):
-            s = c // G
-            if s in seen:
-                continue
-            seen.add(s)
-            if self.on_compute[s]:
-                continue
-            t, l = divmod(s, L)
-            if l > 0 and not self.on_compute[s - 1]:
-                continue
-            if l < L - 1 and frontier[l] < t:
-                continue
+
+        def takeable(s: int) -> tuple[float, list[int]] | None:
+            """``(bytes saved, in-flight chunks to cancel)`` if every chunk of step ``s`` can be
+            taken off the link, else ``None``."""
             saved_bytes = 0.0
             cancel: list[int] = []
-            ok = True
             for g in range(G):
                 cc = s * G + g
                 if cc in queued:
                     saved_bytes += int(self._bytes[cc, self._li[cc]])
                 elif cc in self.inflight and self.cfg.cancel_inflight:
                     f = self.inflight[cc]
-                    left = f.nbytes - f.received
                     # cancel only if computing it is clearly faster than waiting for the
                     # transfer (its own bytes and those ahead of it)
                     if done_after[cc] / bw_inflight < 2 * ratio * self._t_comp[s] \
                             + self.cfg.margin_s:
-                        ok = False
-                        break
-                    saved_bytes += left
+                        return None
+                    saved_bytes += f.nbytes - f.received
                     cancel.append(cc)
                 else:
-                    ok = False  # already received / arrived / not on the link
-                    break
-            if not ok:
+                    return None  # already received / arrived / not on the link
+            return saved_bytes, cancel
+
+        candidates: list[int] = []
+        seen: set[int] = set()
+        for c in list(reversed(self.lq)) + list(reversed(self.inflight)):
+            s = c // G
+            if s not in seen and not self.on_compute[s]:
+                seen.add(s)
+                candidates.append(s)
+        best: list[int] = []          # the steps to compute, bottom up (the candidate last)
+        best_cancel: list[int] = []
+        locked: list[int] = []
+        for s in candidates:
+            t, l = divmod(s, L)
+            if l < L - 1 and frontier[l] < t:
                 continue
-            saved = saved_bytes / bw
-            added = ratio * self._t_comp[s]
-            if max(comp + added, link - saved) >= max(comp, link) - 1e-9:
+            if l > 0 and not self.on_compute[s - 1]:
+                locked.append(s)
                 continue
-            best, best_cancel = s, cancel
+            got = takeable(s)
+            if got is None:
+                continue
+            saved_bytes, cancel = got
+            if max(comp + ratio * self._t_comp[s], link - saved_bytes / bw) \
+                    >= max(comp, link) - 1e-9:
+                continue
+            best, best_cancel = [s], cancel
             break
-        if best < 0:
+        if not best and locked and self.cfg.recompute:
+            best, best_cancel = self._recompute_column(locked, frontier, comp, link, bw, ratio,
+                                                       takeable)
+        if not best:
             return False
-        s = best
+        s = best[-1]
         for g in range(G):
             cc = s * G + g
             if cc in queued:
@@ -505,22 +523,63 @@ class Controller:
         for cc in best_cancel:
             self.inflight.pop(cc, None)
             self._cancel.append(self.inst.chunk_id(cc))
-        # insert after the last of its dependencies that is still queued
-        t, l = divmod(s, L)
-        deps = {s - 1} if l > 0 else set()
-        if l < L - 1:
-            deps.update(tp * L + l for tp in range(t))
-        pos = 0
-        for i, q in enumerate(self.cq):
-            if q in deps:
-                pos = i + 1
-        self.cq.insert(pos, s)
-        self.on_compute[s] = True
-        self._cq_pred += self._t_comp[s]
+        # insert after the last of its dependencies that is still queued (bottom up: each step
+        # of a recompute column goes after the one below it)
+        for u in best:
+            t, l = divmod(u, L)
+            deps = {u - 1} if l > 0 else set()
+            if l < L - 1:
+                deps.update(tp * L + l for tp in range(t))
+            pos = 0
+            for i, q in enumerate(self.cq):
+                if q in deps:
+                    pos = i + 1
+            self.cq.insert(pos, u)
+            self.on_compute[u] = True
+            self._cq_pred += self._t_comp[u]
         self.revision += 1
-        self.migrations.append(Migration(now, "to_compute", [self.inst.step_id(s)],
+        self.migrations.append(Migration(now, "to_compute", [self.inst.step_id(u) for u in best],
                                          [self.inst.chunk_id(c) for c in best_cancel], link, comp))
         return True
+
+    def _recompute_column(self, locked: list[int], frontier: list[int], comp: float,
+                          link: float, bw: float, ratio: float,
+                          takeable) -> tuple[list[int], list[int]]:
+        """The cheapest recompute column for a locked candidate (see :meth:`_to_compute`):
+        ``(steps bottom up, chunks to cancel)``, or ``([], [])`` when none shortens the load.
+
+        A column's lower steps must have all their KV in place (nothing of them is still on the
+        link) and their own inputs ready in time (``frontier``)."""
+        L = self._L
+        dep = self.dep
+        best: list[int] = []
+        best_cancel: list[int] = []
+        best_new = max(comp, link) - 1e-9
+        for s in locked:
+            t, l = divmod(s, L)
+            column = [s]
+            j = l - 1
+            ok = True
+            while j >= 0 and not self.on_compute[t * L + j]:
+                u = t * L + j
+                if dep.computed[u] or not dep.kv_complete(u) or \
+                        (j < L - 1 and frontier[j] < t):
+                    ok = False
+                    break
+                column.append(u)
+                j -= 1
+            if not ok:
+                continue
+            column.reverse()
+            got = takeable(s)
+            if got is None:
+                continue
+            saved_bytes, cancel = got
+            added = ratio * sum(self._t_comp[u] for u in column)
+            new = max(comp + added, link - saved_bytes / bw)
+            if new < best_new or (best and new <= best_new + 1e-9 and len(column) < len(best)):
+                best, best_cancel, best_new = column, cancel, new
+        return best, best_cancel
 
     def _to_stream(self, now: float, comp: float, link: float) -> bool:
         """Compute behind: stream the tail of the compute order instead of computing it."""
@@ -543,8 +602,10 @@ class Controller:
             best_unit, best_new = None, max(comp, link) - 1e-9
             for unit in units:
                 removed = ratio * sum(self._t_comp[u] for u in unit)
+                # a recompute step's chunks are in place already: dropping it costs no bytes
                 added = sum(int(self._bytes[u * G + g, self._cheap[u * G + g]])
-                            for u in unit for g in range(G)) / bw
+                            for u in unit for g in range(G)
+                            if not self.dep.chunk_avail[u * G + g]) / bw
                 new = max(comp - removed, link + added)
                 if new < best_new:
                     best_unit, best_new = unit, new
@@ -556,6 +617,8 @@ class Controller:
                 self._cq_pred -= self._t_comp[u]
                 for g in range(G):
                     cc = u * G + g
+                    if self.dep.chunk_avail[cc]:
+                        continue
                     self._li[cc] = self._cheap[cc]
                     self.lq.append(cc)
                     self.on_link[cc] = True

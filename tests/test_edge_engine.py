@@ -528,7 +528,7 @@ def test_a_column_locked_by_streamed_layers_is_recomputed(world):
 
     src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=512))
     stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
-    engine = Engine(stepper, plan, inst, ControllerConfig(), source=src,
+    engine = Engine(stepper, plan, inst, ControllerConfig(recompute=True), source=src,
                     config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=600.0))
     load = _run_exact(engine, world)
     columns = [m for m in load.migrations if m.direction == "to_compute" and len(m.steps) > 1]

@@ -281,7 +281,8 @@ def test_locked_columns_are_recomputed():
     """A plan that streams layer by layer locks every column once the bottom layers arrived: no
     step can be computed without the hidden state below it. When the link collapses, the
     controller recomputes columns (the streamed steps below a locked one run again) instead of
-    leaving the compute thread idle; without ``recompute`` it can move almost nothing."""
+    leaving the compute thread idle; without ``recompute`` (the default) it can move almost
+    nothing."""
     from sparkv.scheduler.planners.base import make_plan
 
     inst = synthetic_instance(4096, chunk_tokens=512, num_layers=8, bandwidth_mbps=100, seed=0)
@@ -289,7 +290,7 @@ def test_locked_columns_are_recomputed():
     plan = make_plan(inst, [], order)
     collapse = Trace.from_rows([0.0, 0.3], [100.0, 2.0], loop=False)
     locked = simulate(plan, inst, collapse, controller=ControllerConfig(recompute=False))
-    free = simulate(plan, inst, collapse, controller=ControllerConfig())
+    free = simulate(plan, inst, collapse, controller=ControllerConfig(recompute=True))
     columns = [m for m in free.migrations if m.direction == "to_compute" and len(m.steps) > 1]
     assert columns and not any(len(m.steps) > 1 for m in locked.migrations)
     for m in columns:   # bottom up, one token chunk, consecutive layers

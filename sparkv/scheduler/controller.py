@@ -30,7 +30,8 @@ Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
   long as computing the step. Candidates are taken from the TAIL of the link queue, then of the
   in-flight fetches (what the link would reach last); inputs "on the compute path" let it reach compute-ready chunks of later stages
   (the paper's "advance to the next stage"). When every candidate is *locked* (the layer below
-  it was streamed, so its hidden state was never computed) and ``recompute`` is on, the cheapest
+  it was streamed, so its hidden state was never computed), ``recompute`` is on (off by default)
+  and the compute path is idle, the cheapest
   column is recomputed instead: the streamed steps below the candidate, down to the last one on
   the compute path, are computed again for their hidden states (their KV is in place already).
 * **Compute behind** (``comp_rem > link_rem + margin``): the link never waits for a stage boundary
@@ -123,8 +124,10 @@ class ControllerConfig:
                                        # collapsed is not handed work a few steps per stage)
     probe: bool = True                 # an idle link fetches the compute order's last step
                                        # (its cheapest level): the link keeps being measured
-    recompute: bool = True             # a step locked by streamed layers below it may move
-                                       # to compute with them (they are computed again)
+    recompute: bool = False            # a step locked by streamed layers below it may move
+                                       # to compute with them (they are computed again), when
+                                       # the compute path is idle (docs/scheduler.md: off by
+                                       # default until measured on the adversarial traces)
 
     @classmethod
     def static(cls) -> "ControllerConfig":
@@ -440,7 +443,8 @@ class Controller:
         fetches (cancelled if finishing them is much slower than computing); the first whose
         move shortens ``max(comp_rem, link_rem)`` is taken. When none can move because the
         layers below them were streamed (their hidden states were never computed: a *locked
-        column*), the cheapest **recompute column** is taken instead: the streamed steps below
+        column*), with ``recompute`` on and the compute path idle, the cheapest **recompute
+        column** is taken instead: the streamed steps below
         the candidate, down to the last one on the compute path, are computed again (their KV is
         in place already; recomputing it gives the hidden state the candidate needs), if that
         still shortens ``max(comp_rem, link_rem)``.
@@ -507,9 +511,13 @@ class Controller:
                 continue
             best, best_cancel = [s], cancel
             break
-        if not best and locked and self.cfg.recompute:
-            best, best_cancel = self._recompute_column(locked, frontier, comp, link, bw, ratio,
-                                                       takeable)
+        # a recompute column only when the compute path is idle, from the first candidates of
+        # the tail: the scan runs under the engine's lock at every event, and scanning every
+        # locked step each time (always on) slowed both adaptive strategies by 5-7%
+        if not best and locked and self.cfg.recompute and not self.cq \
+                and self.running is None:
+            best, best_cancel = self._recompute_column(locked[: self.cfg.tail_window], frontier,
+                                                       comp, link, bw, ratio, takeable)
         if not best:
             return False
         s = best[-1]

@@ -31,9 +31,9 @@ Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
   in-flight fetches (what the link would reach last); inputs "on the compute path" let it reach compute-ready chunks of later stages
   (the paper's "advance to the next stage"). When every candidate is *locked* (the layer below
   it was streamed, so its hidden state was never computed), ``recompute`` is on (off by default)
-  and the compute path is idle, the cheapest
-  column is recomputed instead: the streamed steps below the candidate, down to the last one on
-  the compute path, are computed again for their hidden states (their KV is in place already).
+  and the compute path is idle, the cheapest column is recomputed instead: the streamed steps
+  below the candidate, down to the last one on the compute path, are computed again for their
+  hidden states (their KV is in place already).
 * **Compute behind** (``comp_rem > link_rem + margin``): the link never waits for a stage boundary
   (the plan's later chunks are fetched as soon as the link is free: the paper's speculative
   prefetch), and when the link's remaining work is smaller than compute's, steps migrate from the
@@ -444,10 +444,10 @@ class Controller:
         move shortens ``max(comp_rem, link_rem)`` is taken. When none can move because the
         layers below them were streamed (their hidden states were never computed: a *locked
         column*), with ``recompute`` on and the compute path idle, the cheapest **recompute
-        column** is taken instead: the streamed steps below
-        the candidate, down to the last one on the compute path, are computed again (their KV is
-        in place already; recomputing it gives the hidden state the candidate needs), if that
-        still shortens ``max(comp_rem, link_rem)``.
+        column** is taken instead: the streamed steps below the candidate, down to the last one
+        on the compute path, are computed again (their KV is in place already; recomputing it
+        gives the hidden state the candidate needs), if that still shortens
+        ``max(comp_rem, link_rem)``.
         """
         L, G = self._L, self._G
         bw = bw_inflight = self.link_estimate(now)
@@ -485,22 +485,25 @@ class Controller:
                     return None  # already received / arrived / not on the link
             return saved_bytes, cancel
 
-        candidates: list[int] = []
-        seen: set[int] = set()
-        for c in list(reversed(self.lq)) + list(reversed(self.inflight)):
-            s = c // G
-            if s not in seen and not self.on_compute[s]:
-                seen.add(s)
-                candidates.append(s)
+        # a recompute column only when the compute path is idle, from the first locked
+        # candidates of the tail: the scan runs under the engine's lock at every event, and
+        # scanning every locked step each time (always on) slowed both adaptive strategies 5-7%
+        column_ok = self.cfg.recompute and not self.cq and self.running is None
         best: list[int] = []          # the steps to compute, bottom up (the candidate last)
         best_cancel: list[int] = []
         locked: list[int] = []
-        for s in candidates:
+        seen: set[int] = set()
+        for c in list(reversed(self.lq)) + list(reversed(self.inflight)):
+            s = c // G
+            if s in seen or self.on_compute[s]:
+                continue
+            seen.add(s)
             t, l = divmod(s, L)
             if l < L - 1 and frontier[l] < t:
                 continue
             if l > 0 and not self.on_compute[s - 1]:
-                locked.append(s)
+                if column_ok and len(locked) < self.cfg.tail_window:
+                    locked.append(s)
                 continue
             got = takeable(s)
             if got is None:
@@ -511,13 +514,9 @@ class Controller:
                 continue
             best, best_cancel = [s], cancel
             break
-        # a recompute column only when the compute path is idle, from the first candidates of
-        # the tail: the scan runs under the engine's lock at every event, and scanning every
-        # locked step each time (always on) slowed both adaptive strategies by 5-7%
-        if not best and locked and self.cfg.recompute and not self.cq \
-                and self.running is None:
-            best, best_cancel = self._recompute_column(locked[: self.cfg.tail_window], frontier,
-                                                       comp, link, bw, ratio, takeable)
+        if not best and locked:
+            best, best_cancel = self._recompute_column(locked, frontier, comp, link, bw, ratio,
+                                                       takeable)
         if not best:
             return False
         s = best[-1]

@@ -153,3 +153,77 @@ def test_cuda_flex_equals_dense():
     got, _ = FlexAttention(sparse=False).attend(q, k, v, 1536)
     want, _ = DenseAttention().attend(q, k, v, 1536)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+def test_cuda_split_equals_masked_dense():
+    from sparkv.runtime.split import lse_kernel, split_attention
+
+    chosen = lse_kernel(torch.device("cuda"), torch.bfloat16)
+    assert chosen is not None, "no LSE kernel passed its self-check on this GPU"
+    torch.manual_seed(0)
+    for hq, hkv, d, off, n in [(9, 3, 64, 1536, 512), (24, 8, 128, 4096, 1024)]:
+        q = torch.randn(1, n, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(1, hkv, off + n + 128, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        got = split_attention(q, k, v, off)
+        want, _ = DenseAttention(split=False).attend(q, k, v, off)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+@needs_flex
+def test_cuda_flex_compiles_once_across_steps():
+    from torch._dynamo.utils import counters
+
+    flex = FlexAttention(sparse=False)
+    torch.manual_seed(0)
+    before = None
+    for t in range(1, 7):                       # six steps, six key lengths and offsets
+        q = torch.randn(1, 9, 512, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 3, 512 * (t + 1), 64, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        got, _ = flex.attend(q, k, v, 512 * t)
+        want, _ = DenseAttention(split=False).attend(q, k, v, 512 * t)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        if t == 2:
+            before = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == before     # no recompilation per step
+
+
+@needs_cuda
+@needs_flex
+def test_cuda_auto_sparse_path_equals_masked_attention():
+    cfg = SparsityConfig(dense_below=0, min_keys=0, cdf_threshold=0.5)
+    auto = AutoAttention(cfg, AttentionProfile(min_sparse_keys=0, breakeven={1: 1.01}))
+    torch.manual_seed(1)
+    q = torch.randn(1, 6, 256, 32, device="cuda")
+    k = torch.randn(1, 3, 1280, 32, device="cuda")
+    v = torch.randn_like(k)
+    got, stats = auto.attend(q, k, v, 1024)
+    assert auto.failure is None and stats.density < 1.0
+    keep = BlockSparseAttention(cfg).predict_mask(q, k, 1024).cpu()
+    tok = _token_mask(keep, 256, 1280, 1024).cuda()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=tok, enable_gqa=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_cuda
+def test_cuda_fused_prefill_and_random_shape(tiny_llama):
+    from sparkv.runtime import LayerStepper, LoadedModel, load_model, reference_prefill
+
+    lm = LoadedModel.from_model(tiny_llama.model.to("cuda"), None, "tiny-cuda")
+    ids = torch.randint(0, 128, (300,)).tolist()
+    with torch.inference_mode():
+        ref = reference_prefill(lm, ids)
+    for backend in ("dense", "auto"):
+        st = LayerStepper(lm, ids, 64, backend=get_backend(backend))
+        st.complete(fused=True)
+        for (k, v), (rk, rv) in zip(st.kv.layer_kv(), ref):
+            torch.testing.assert_close(k, rk, atol=2e-4, rtol=2e-4)
+            torch.testing.assert_close(v, rv, atol=2e-4, rtol=2e-4)
+    tiny_llama.model.to("cpu")
+    a = load_model("random:smollm2-135m", device="cuda", progress=False)
+    b = load_model("random:smollm2-135m", device="cuda", progress=False)
+    assert a.dtype == torch.bfloat16
+    assert torch.equal(next(a.model.parameters()), next(b.model.parameters()))

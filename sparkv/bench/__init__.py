@@ -13,6 +13,7 @@ import importlib
 # One line per benchmark module.
 BENCH_MODULES: list[str] = [
     "sparkv.bench.prefill",
+    "sparkv.bench.attention",
     "sparkv.bench.codec",
     "sparkv.bench.scheduler",
     "sparkv.bench.predictor",

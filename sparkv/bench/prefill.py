@@ -1,32 +1,54 @@
-"""``sparkv bench prefill``: dense vs block-sparse chunked local prefill of SmolLM2.
+"""``sparkv bench prefill``: local prefill, every way sparkv can run it, against the model's own.
 
-For each context length: wall time of the whole layer-step prefill with each backend, the speedup,
-the fraction of causal blocks skipped, and the answer quality of the sparse cache against the dense
-one (max abs first-token logit difference, greedy agreement over 32 tokens, first-token KL). Also a
-per-step cost table ``(t, l, backend) -> ms`` for the predictor. See docs/benchmarks.md.
+Variants (``--variants``, comma-separated; ``+fused`` runs the stepper layer by layer over the
+whole context instead of one token chunk at a time, :meth:`LayerStepper.complete`):
+
+* ``full``: transformers' own forward over the whole context (``use_cache``, last logits only):
+  the baseline the stepper answers to;
+* ``dense``: the layer stepper with :class:`DenseAttention` (on CUDA a chunk after a prefix runs
+  as prefix + own keys merged by LSE); ``dense_mask``: the same with SDPA and a boolean mask (the
+  path before the split, kept as a baseline);
+* ``block_sparse``, ``flex_dense``, ``flex_sparse``, ``auto``: the stepper with that backend.
+
+For each context length and variant: the median wall time over ``--repeats`` runs (after a warm-up
+run on CUDA, where kernels compile and load on first use), its ratio to ``full`` and to ``dense``,
+the fraction of causal blocks skipped, and the answer against the first of ``full``/``dense``
+(max abs first-token logit difference, greedy agreement, first-token KL). Also a per-step cost
+table ``(t, l, backend) -> ms`` for the predictor. ``--model random:llama-3.2-3b`` times a real
+shape with random weights (labelled so in the JSON; its answers are noise). See
+docs/benchmarks.md and docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from sparkv.bench.common import format_table, results_dir, write_result
 from sparkv.runtime.device import add_device_args
 
 QUESTION = "\n\nQuestion: In one sentence, what is this document about?\nAnswer:"
+BACKENDS = ("dense", "dense_mask", "block_sparse", "flex_dense", "flex_sparse", "auto")
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
-    p = sub.add_parser("prefill", help="dense vs block-sparse local prefill (time, quality)")
+    p = sub.add_parser("prefill", help="local prefill: stepper backends vs the full forward")
     p.add_argument("--sizes", default="1024,2048,4096,8192",
                    help="comma-separated context lengths in tokens")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="T, tokens per chunk")
+    p.add_argument("--variants", default="dense,block_sparse",
+                   help="comma-separated: full, " + ", ".join(BACKENDS)
+                        + "; NAME+fused runs the stepper layer by layer")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
     p.add_argument("--cdf", type=float, default=None, help="override the cdf threshold")
     p.add_argument("--estimator", default=None, choices=["qpool", "meansim"])
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    p.add_argument("--model", default=None,
+                   help="local checkpoint, or random:SHAPE for a real shape with random weights "
+                        "(default: bundled SmolLM2)")
     add_device_args(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is fairer on a shared machine)")
@@ -35,82 +57,201 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=run)
 
 
+@dataclass
+class Variant:
+    name: str            # as given: dense, auto+fused, full, ...
+    backend: str         # full or a backend name
+    fused: bool
+
+
+def parse_variants(text: str) -> list[Variant]:
+    out = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        base, _, flag = spec.partition("+")
+        if base not in ("full", *BACKENDS) or flag not in ("", "fused"):
+            raise SystemExit(f"--variants: unknown variant {spec!r} (full, {', '.join(BACKENDS)}"
+                             ", each optionally +fused)")
+        out.append(Variant(spec, base, flag == "fused"))
+    return out
+
+
+def _backend(name: str, cfg: Any) -> Any:
+    from sparkv.runtime import DenseAttention, get_backend
+
+    if name == "dense_mask":
+        return DenseAttention(split=False)
+    return get_backend(name, cfg)
+
+
+def _sync(lm: Any) -> None:
+    import torch
+
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+
+
+def _run_once(lm: Any, ids: list[int], v: Variant, chunk: int, backend: Any
+              ) -> tuple[float, Any, list[Any]]:
+    """One prefill: ``(seconds, per-layer KV, step results)``."""
+    import torch
+
+    from sparkv.runtime import LayerStepper
+    from sparkv.runtime.kvcache import from_dynamic_cache
+
+    _sync(lm)
+    start = time.perf_counter()
+    if v.backend == "full":
+        with torch.inference_mode():
+            x = torch.tensor([ids], dtype=torch.long, device=lm.device)
+            out = lm.model(input_ids=x, use_cache=True, logits_to_keep=1)
+        _sync(lm)
+        return time.perf_counter() - start, from_dynamic_cache(out.past_key_values), []
+    stepper = LayerStepper(lm, ids, chunk, backend)
+    results = stepper.complete(fused=v.fused)
+    _sync(lm)
+    return time.perf_counter() - start, stepper.kv.layer_kv(), results
+
+
+def _measure(lm: Any, ids: list[int], v: Variant, args: argparse.Namespace, cfg: Any
+             ) -> tuple[list[float], Any, list[Any]]:
+    backend = None if v.backend == "full" else _backend(v.backend, cfg)
+    if lm.device.type == "cuda":                 # compile / load kernels at this shape first
+        _run_once(lm, ids, v, args.chunk_tokens, backend)
+    walls: list[float] = []
+    for _ in range(max(1, args.repeats)):
+        wall, kv, results = _run_once(lm, ids, v, args.chunk_tokens, backend)
+        walls.append(wall)
+    return walls, kv, results
+
+
+def _density(results: list[Any]) -> float:
+    active = sum(float(r.stats.active_blocks.float().mean()) for r in results if r.stats)
+    causal = sum(r.stats.causal_blocks for r in results if r.stats)
+    return active / causal if causal else 1.0
+
+
+def _question(lm: Any) -> list[int]:
+    if lm.tokenizer is None:
+        return list(range(1, 17))
+    return lm.encode_text(QUESTION)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from sparkv.runtime import (BlockSparseAttention, DenseAttention, LayerStepper, SparsityConfig,
-                                first_token_kl, greedy_agreement, greedy_generate, load_model,
-                                sample_context_ids)
+    from sparkv.runtime import (LayerStepper, SparsityConfig, first_token_kl, greedy_agreement,
+                                greedy_generate, load_model, sample_context_ids)
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    variants = parse_variants(args.variants)
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
-    question = lm.encode_text(QUESTION)
+    question = _question(lm)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     cfg = SparsityConfig()
     if args.cdf is not None:
         cfg.cdf_threshold = args.cdf
     if args.estimator:
         cfg.estimator = args.estimator
-    backends = {"dense": DenseAttention(), "block_sparse": BlockSparseAttention(cfg)}
-    for backend in backends.values():  # warm-up: first calls pay one-off allocation costs
-        LayerStepper(lm, sample_context_ids(lm, 2 * args.chunk_tokens), args.chunk_tokens,
-                     backend).complete()
+    if lm.device.type != "cuda":   # warm-up: first calls pay one-off allocation costs
+        for v in variants:
+            if v.backend != "full":
+                LayerStepper(lm, sample_context_ids(lm, 2 * args.chunk_tokens), args.chunk_tokens,
+                             _backend(v.backend, cfg)).complete(v.fused)
     rows: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
-    bar = tqdm(total=len(sizes) * len(backends), desc="prefill bench", unit="run")
+    bar = tqdm(total=len(sizes) * len(variants), desc="prefill bench", unit="run")
     for n in sizes:
         ids = sample_context_ids(lm, n)
-        outcome: dict[str, Any] = {}
-        for name, backend in backends.items():
-            stepper = LayerStepper(lm, ids, args.chunk_tokens, backend)
-            start = time.perf_counter()
-            results = stepper.complete()
-            wall = time.perf_counter() - start
-            kv = stepper.kv.layer_kv()
+        ref = None
+        for v in variants:
+            try:
+                walls, kv, results = _measure(lm, ids, v, args, cfg)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails (a kernel that
+                # does not compile, memory) is reported, and the others still run
+                print(f"prefill bench: {v.name} at {n} tokens failed: {exc!r}"[:800])
+                rows.append({"tokens": n, "variant": v.name, "error": repr(exc)[:800]})
+                bar.update(1)
+                continue
             gen = greedy_generate(lm, kv, n, question, args.new_tokens, stop_at_eos=False)
-            active = sum(float(r.stats.active_blocks.float().mean()) for r in results if r.stats)
-            causal = sum(r.stats.causal_blocks for r in results if r.stats)
-            outcome[name] = {"wall_s": wall, "gen": gen, "density": active / max(causal, 1)}
-            for r in results:
-                steps.append({"tokens": n, "t": r.step.t, "l": r.step.l, "backend": name,
-                              "ms": r.seconds * 1e3,
-                              "active_blocks": (float(r.stats.active_blocks.float().mean())
-                                                if r.stats else 0.0),
-                              "causal_blocks": r.stats.causal_blocks if r.stats else 0})
+            del kv
+            row = {"tokens": n, "variant": v.name, "wall_s": statistics.median(walls),
+                   "walls_s": walls, "density": _density(results), "answer": gen.text}
+            tqdm.write(f"  {n} tokens  {v.name:>14}: {row['wall_s']:.4f} s "
+                       f"(runs {', '.join(f'{w:.4f}' for w in walls)})")
+            if ref is None and v.backend in ("full", "dense"):
+                ref = (v.name, gen)
+            if ref is not None:
+                row.update(reference=ref[0],
+                           max_abs_logit_diff=float((ref[1].first_logits - gen.first_logits)
+                                                    .abs().max()),
+                           greedy_agreement=greedy_agreement(ref[1].tokens, gen.tokens),
+                           first_token_kl=first_token_kl(ref[1].first_logits, gen.first_logits))
+            rows.append(row)
+            if not v.fused:
+                steps.extend(_step_rows(n, v.name, results))
+            if lm.device.type == "cuda":
+                torch.cuda.empty_cache()
             bar.update(1)
-        d, s = outcome["dense"], outcome["block_sparse"]
-        rows.append({
-            "tokens": n,
-            "dense_s": d["wall_s"],
-            "sparse_s": s["wall_s"],
-            "speedup": d["wall_s"] / s["wall_s"],
-            "blocks_skipped": 1.0 - s["density"],
-            "max_abs_logit_diff": float((d["gen"].first_logits - s["gen"].first_logits).abs().max()),
-            "greedy_agreement": greedy_agreement(d["gen"].tokens, s["gen"].tokens),
-            "first_token_kl": first_token_kl(d["gen"].first_logits, s["gen"].first_logits),
-            "dense_answer": d["gen"].text,
-            "sparse_answer": s["gen"].text,
-        })
     bar.close()
-    headers = ["tokens", "dense_s", "sparse_s", "speedup", "skipped", "max|dlogit|", "greedy",
-               "KL"]
-    table = [[r["tokens"], r["dense_s"], r["sparse_s"], r["speedup"], r["blocks_skipped"],
-              r["max_abs_logit_diff"], r["greedy_agreement"], r["first_token_kl"]] for r in rows]
-    print(format_table(headers, table))
-    config = {"model": lm.name, "chunk_tokens": args.chunk_tokens, "sparsity": vars(cfg),
-              "torch_threads": torch.get_num_threads(), "new_tokens": args.new_tokens}
-    target = {"speedup_at_8k": 1.5, "greedy_agreement": 0.9}
+    _add_ratios(rows)
+    print(_table(rows))
+    config = {"model": lm.name, "random_weights": lm.name.startswith("random:"),
+              "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
+              "gpu": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else None,
+              "chunk_tokens": args.chunk_tokens, "sparsity": vars(cfg),
+              "torch_threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+              "repeats": args.repeats, "variants": [v.name for v in variants]}
+    target = {"sparse_speedup_at_8k_cpu": 1.5, "greedy_agreement": 0.9,
+              "stepper_dense_vs_full_gpu_at_most": 1.05}
     if args.json or args.out:
-        path = write_result("prefill", {"results": rows, "step_costs": steps, "targets": target},
-                            config, args.out)
-        _plot(rows, path.with_suffix(".png"))
+        path = write_result("prefill", {"results": rows, "summary": _summary(rows),
+                                        "step_costs": steps, "targets": target}, config, args.out)
+        _plot(rows, path.with_suffix(".png"), lm.name, str(lm.device))
         print(f"wrote {path}")
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], path) -> None:
+def _step_rows(n: int, name: str, results: list[Any]) -> list[dict[str, Any]]:
+    return [{"tokens": n, "t": r.step.t, "l": r.step.l, "backend": name, "ms": r.seconds * 1e3,
+             "active_blocks": (float(r.stats.active_blocks.float().mean()) if r.stats else 0.0),
+             "causal_blocks": r.stats.causal_blocks if r.stats else 0} for r in results]
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    by = {(r["tokens"], r["variant"]): r["wall_s"] for r in rows if "wall_s" in r}
+    for r in rows:
+        for base in ("full", "dense"):
+            if (r["tokens"], base) in by and "wall_s" in r:
+                r[f"x_{base}"] = r["wall_s"] / by[(r["tokens"], base)]
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The legacy dense-vs-block-sparse speedup per size, when both ran."""
+    by = {(r["tokens"], r["variant"]): r for r in rows if "wall_s" in r}
+    out = {}
+    for n in sorted({r["tokens"] for r in rows}):
+        d, s = by.get((n, "dense")), by.get((n, "block_sparse"))
+        if d and s:
+            out[str(n)] = {"dense_s": d["wall_s"], "sparse_s": s["wall_s"],
+                           "speedup": d["wall_s"] / s["wall_s"],
+                           "blocks_skipped": 1.0 - s["density"]}
+    return out
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    headers = ["tokens", "variant", "wall_s", "x full", "x dense", "skipped", "max|dlogit|",
+               "greedy", "KL"]
+    dash = "-"
+    table = [[r["tokens"], r["variant"], r.get("wall_s", "FAILED"), r.get("x_full", dash),
+              r.get("x_dense", dash), 1.0 - r.get("density", 1.0),
+              r.get("max_abs_logit_diff", dash), r.get("greedy_agreement", dash),
+              r.get("first_token_kl", dash)] for r in rows]
+    return format_table(headers, table)
+
+
+def _plot(rows: list[dict[str, Any]], path: Any, model: str, device: str) -> None:
     try:
         import matplotlib
 
@@ -119,20 +260,17 @@ def _plot(rows: list[dict[str, Any]], path) -> None:
     except ImportError:  # pragma: no cover
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    n = [r["tokens"] for r in rows]
-    ax.plot(n, [r["dense_s"] for r in rows], "o-", label="dense (SDPA)")
-    ax.plot(n, [r["sparse_s"] for r in rows], "s-", label="block-sparse")
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        pts = [r for r in rows if r["variant"] == name and "wall_s" in r]
+        ax.plot([r["tokens"] for r in pts], [r["wall_s"] for r in pts], "o-", label=name)
     ax.set_xlabel("context tokens")
     ax.set_ylabel("local prefill wall time (s)")
-    ax.set_title("SmolLM2-135M chunked prefill on this CPU")
-    for r in rows:
-        ax.annotate(f"{r['speedup']:.2f}x", (r["tokens"], r["sparse_s"]),
-                    textcoords="offset points", xytext=(4, -12), fontsize=8)
-    ax.legend()
+    ax.set_title(f"{model} prefill on {device}")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-__all__ = ["register", "run", "results_dir"]
+__all__ = ["register", "run", "results_dir", "parse_variants"]

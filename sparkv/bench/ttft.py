@@ -165,10 +165,15 @@ class _Loopback:
     def __init__(self, args: argparse.Namespace, tmp: str) -> None:
         import torch
 
-        from sparkv.server.process import ServerProcess
+        from sparkv.server.process import ServerProcess, write_config
 
         self.args = args
-        self.server = ServerProcess(None, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
+        config = None
+        if args.model:       # the server encodes with the model the edge runs
+            config = f"{tmp}/server.yaml"
+            write_config(config, None, allow_anonymous=True, models={"bench": str(args.model)},
+                         default_model="bench")
+        self.server = ServerProcess(config, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
                                     torch_threads=max(1, torch.get_num_threads()),
                                     extra_args=["--device", str(args.device), "--dtype",
                                                 str(args.dtype)]).start()

@@ -35,6 +35,8 @@ class AttentionView:
         k, v: ``[1, H, n, D]`` with slot = position (dense form), or ``None``.
         backend: attention backend for the dense form (``None``: SDPA).
         stats: filled by the backend (the stepper reads it).
+        q_offset: the first query's position as an int, when the caller knows it (dense form):
+            reading it from ``q_pos`` on a GPU would wait for every kernel queued before it.
     """
 
     q_pos: torch.Tensor
@@ -43,12 +45,13 @@ class AttentionView:
     v: torch.Tensor | None = None
     backend: Any = None
     stats: Any = field(default=None)
+    q_offset: int | None = None
 
     def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """``q [B, Hq, nq, D]`` -> ``[B, Hq, nq, D]``."""
         if self.heads is None:
             assert self.k is not None and self.v is not None
-            offset = int(self.q_pos[0])
+            offset = self.q_offset if self.q_offset is not None else int(self.q_pos[0])
             if self.backend is not None:
                 out, self.stats = self.backend.attend(q, self.k, self.v, offset, scale)
                 return out

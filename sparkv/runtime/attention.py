@@ -94,25 +94,42 @@ def causal_mask(nq: int, nk: int, q_offset: int, device: torch.device | None = N
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
-                 scale: float | None) -> torch.Tensor:
+                 scale: float | None, split: bool = True) -> torch.Tensor:
+    """Causal SDPA with bottom-right alignment. On CUDA a chunk after a prefix runs as two
+    fast-kernel calls merged by LSE (:mod:`sparkv.runtime.split`) unless ``split`` is False;
+    elsewhere (and where no LSE kernel passes its check) SDPA gets a boolean mask."""
     nq, nk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if q_offset == 0 and nk == nq:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if split and q.is_cuda and q_offset > 0 and nq > 1:
+        from sparkv.runtime.split import lse_kernel, split_attention
+
+        chosen = lse_kernel(q.device, q.dtype)
+        if chosen is not None:
+            return split_attention(q, k, v, q_offset, scale, kernel=chosen[1])
     k, v = k[:, :, : q_offset + nq], v[:, :, : q_offset + nq]
     mask = causal_mask(nq, q_offset + nq, q_offset, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 class DenseAttention:
-    """Exact causal attention with PyTorch SDPA."""
+    """Exact causal attention with PyTorch SDPA.
+
+    Args:
+        split: on CUDA, run a chunk after a prefix as prefix + own keys merged by LSE (the fast
+            kernels); False keeps SDPA with a boolean mask (the benchmarks' baseline).
+    """
 
     name = "dense"
+
+    def __init__(self, split: bool = True) -> None:
+        self.split = split
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                scale: float | None = None) -> tuple[torch.Tensor, AttentionStats]:
         _check_shapes(q, k, v, q_offset)
-        out = _sdpa_causal(q, k, v, q_offset, scale)
+        out = _sdpa_causal(q, k, v, q_offset, scale, self.split)
         blocks = causal_block_count(q.shape[2], k.shape[2], q_offset)
         stats = AttentionStats(self.name, torch.full((q.shape[1],), blocks * q.shape[0]), blocks)
         return out, stats
@@ -141,6 +158,21 @@ def _block_mean(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     c = counts.view(1, 1, nb)
     sim = torch.where(c > 1, (sq - c) / (c * (c - 1)).clamp_min(1), torch.ones_like(sq))
     return mean, sim
+
+
+def _pool(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean over token blocks of ``x [B, H, n, D]`` -> ``[B, H, nb, D]`` in fp32, accumulated
+    in fp32 without an fp32 copy of ``x`` (the last block may be short)."""
+    b, h, n, d = x.shape
+    full = n // block
+    parts = []
+    if full:
+        parts.append(x[:, :, :full * block].reshape(b, h, full, block, d)
+                     .sum(3, dtype=torch.float32) / block)
+    if n % block:
+        parts.append(x[:, :, full * block:].sum(2, keepdim=True, dtype=torch.float32)
+                     / (n % block))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 @dataclass
@@ -247,8 +279,8 @@ class BlockSparseAttention:
         nqb, nkb = visible.shape
         qs, ksub = self.config.q_sub, self.config.k_sub
         per_q, per_k = self.q_block // qs, self.k_block // ksub
-        q_mean, _ = _block_mean(q.float(), qs)  # [B,Hq,nsq,D]
-        k_mean, _ = _block_mean(k.float(), ksub)  # [B,Hkv,nsk,D]
+        q_mean = _pool(q, qs)  # [B,Hq,nsq,D]
+        k_mean = _pool(k, ksub)  # [B,Hkv,nsk,D]
         nsq, nsk = q_mean.shape[2], k_mean.shape[2]
         scores = torch.matmul(q_mean.view(b, hkv, group * nsq, d), k_mean.transpose(-1, -2))
         scores = scores.view(b, hq, nsq, nsk) * scale

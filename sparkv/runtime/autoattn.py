@@ -4,13 +4,15 @@ On the CPU, ``auto`` is :class:`~sparkv.runtime.attention.BlockSparseAttention` 
 CPU rule (dense SDPA below ``dense_below`` visible keys: docs/runtime.md). On CUDA (decided per
 call by the tensors' device):
 
-* square chunks at offset 0 run SDPA's causal flash kernel;
-* chunks after a prefix shorter than the profile's ``min_sparse_keys`` run
-  :class:`~sparkv.runtime.flex.FlexAttention` dense (block-causal, no per-step mask tensor), or SDPA
-  with a mask where flex_attention is missing;
+* chunks with fewer visible keys than the profile's ``min_sparse_keys`` run
+  :class:`~sparkv.runtime.attention.DenseAttention`: SDPA's causal kernel for a square chunk at
+  offset 0, the prefix + own-keys split merged by LSE after a prefix (:mod:`sparkv.runtime.split`;
+  flex_attention with every block kept was ~1.7x slower per visible pair than cuDNN's kernel on an
+  H100);
 * longer ones predict the block mask, and run flex_attention over the kept blocks only if the
   predicted density is below the profile's break-even density at that length; otherwise dense:
-  never sparse where it is slower.
+  never sparse where it is slower. A flex kernel that fails (compilation, a missing Triton) is
+  dropped for the process and the call runs dense (``failure`` says why).
 
 :func:`calibrate` measures the profile on this GPU (dense vs sparse attention time over key
 lengths and densities, mask prediction included) and :func:`save_profile` keeps it beside the
@@ -30,8 +32,8 @@ from typing import Any
 
 import torch
 
-from sparkv.runtime.attention import (AttentionStats, BlockSparseAttention, SparsityConfig,
-                                      _check_shapes, _sdpa_causal, register_backend)
+from sparkv.runtime.attention import (AttentionStats, BlockSparseAttention, DenseAttention,
+                                      SparsityConfig, _check_shapes, register_backend)
 
 
 @dataclass
@@ -101,6 +103,8 @@ class AutoAttention:
         self.config = config or SparsityConfig()
         self.cpu = BlockSparseAttention(self.config)
         self.profile = profile
+        self.dense = DenseAttention()
+        self.failure: str | None = None
         self._flex: dict[bool, Any] = {}
 
     def _flex_backend(self, sparse: bool) -> Any:
@@ -120,27 +124,90 @@ class AutoAttention:
         _check_shapes(q, k, v, q_offset)
         if self.profile is None:
             self.profile = load_profile(q.device)
-        nq = q.shape[2]
-        keys = q_offset + nq
-        dense = self._flex_backend(False)
-        if q_offset == 0 and k.shape[2] == nq:
-            out = _sdpa_causal(q, k, v, 0, scale)
-            blocks = self.cpu._geometry(nq, nq, 0, q.device)[3].sum()
-            return out, AttentionStats("dense", torch.full((q.shape[1],), int(blocks)),
-                                       int(blocks))
+        keys = q_offset + q.shape[2]
         limit = self.profile.density_limit(keys)
         sparse = self._flex_backend(True) if limit > 0 else None
         if sparse is None:
-            if dense is not None:
-                return dense.attend(q, k, v, q_offset, scale)
-            return self.cpu.attend(q, k, v, q_offset, scale)
+            return self.dense.attend(q, k, v, q_offset, scale)
         mask = self.cpu.predict_mask(q, k[:, :, :keys], q_offset, scale)
-        _, _, _, visible, _ = self.cpu._geometry(nq, keys, q_offset, q.device)
+        _, _, _, visible, _ = self.cpu._geometry(q.shape[2], keys, q_offset, q.device)
         density = float(mask.sum()) / max(1, int(visible.sum()) * mask.shape[0] * mask.shape[1])
         if density >= limit:
-            return (dense or sparse).attend(q, k, v, q_offset, scale,
-                                            mask=visible.expand_as(mask))
-        return sparse.attend(q, k, v, q_offset, scale, mask=mask)
+            return self.dense.attend(q, k, v, q_offset, scale)
+        try:
+            return sparse.attend(q, k, v, q_offset, scale, mask=mask)
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile: stay dense
+            self._flex[True] = None
+            self.failure = f"flex_sparse failed, dense from now on: {exc!r}"[:500]
+            return self.dense.attend(q, k, v, q_offset, scale)
+
+
+def _timed(fn: Any, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` synchronized runs, after one warm-up."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, keys: int,
+                  queries: int, densities: tuple[float, ...], repeats: int = 5,
+                  config: SparsityConfig | None = None) -> dict[str, Any]:
+    """One layer's attention of ``queries`` queries at the end of ``keys`` keys (random bf16):
+    dense (:class:`DenseAttention`: SDPA causal, or the LSE split after a prefix), the mask
+    prediction alone, and flex_attention over top-k masks of each density, alone and with the
+    prediction. Milliseconds; ``density`` is the share of visible blocks each mask really keeps
+    (the causal diagonal and the sink are always kept)."""
+    from sparkv.runtime.flex import FlexAttention
+
+    hq, hkv = heads
+    off = keys - queries
+    gen = torch.Generator(device=device).manual_seed(keys)
+    q = torch.randn(1, hq, queries, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, hkv, keys, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    dense = DenseAttention()
+    row: dict[str, Any] = {"heads": f"{hq}/{hkv}/{head_dim}", "keys": keys, "queries": queries,
+                           "dense_ms": 1e3 * _timed(lambda: dense.attend(q, k, v, off), device,
+                                                    repeats), "sparse": []}
+    base = config or SparsityConfig()
+    predictor = BlockSparseAttention(base)
+    row["predict_ms"] = 1e3 * _timed(lambda: predictor.predict_mask(q, k, off), device, repeats)
+    _, _, _, visible, _ = predictor._geometry(queries, keys, off, q.device)
+    for d in densities:
+        cfg = SparsityConfig(**{**vars(base), "topk": d, "dense_below": 0, "min_keys": 0})
+        sp = FlexAttention(sparse=True, config=cfg)
+        mask = sp._predictor.predict_mask(q, k, off)
+        real = float(mask.sum()) / max(1, int(visible.sum()) * hq)
+        try:
+            kernel = 1e3 * _timed(lambda: sp.attend(q, k, v, off, mask=mask), device, repeats)
+            total = 1e3 * _timed(lambda: sp.attend(q, k, v, off), device, repeats)
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails: never sparse here
+            row["error"] = repr(exc)[:800]
+            kernel = total = math.inf
+        row["sparse"].append({"topk": d, "density": real, "kernel_ms": kernel, "total_ms": total,
+                              "speedup": row["dense_ms"] / total})
+    return row
+
+
+def profile_from(rows: list[dict[str, Any]], device_name: str) -> AttentionProfile:
+    """The break-even density per key length: the highest real density whose sparse attention
+    (prediction included) beat dense, 0 where none did."""
+    breakeven: dict[int, float] = {}
+    for row in rows:
+        wins = [s["density"] for s in row["sparse"] if s["total_ms"] < row["dense_ms"]]
+        breakeven[int(row["keys"])] = max(wins, default=0.0)
+    winning = [n for n, d in breakeven.items() if d > 0]
+    return AttentionProfile(device_name, min(winning) if winning else 1 << 30, breakeven, True)
 
 
 def calibrate(device: torch.device, heads: tuple[int, int] = (24, 8), head_dim: int = 128,
@@ -149,42 +216,11 @@ def calibrate(device: torch.device, heads: tuple[int, int] = (24, 8), head_dim: 
               repeats: int = 5) -> AttentionProfile:
     """Measures dense vs sparse attention of one ``chunk``-query chunk at the end of each key
     length (random bf16 data; sparse includes its mask prediction) on ``device``."""
-    from sparkv.runtime.flex import FlexAttention
-
     if device.type != "cuda":
         raise ValueError("calibrate() measures a CUDA device; the CPU rule is BlockSparse's own")
-    hq, hkv = heads
-    dense = FlexAttention(sparse=False)
-    breakeven: dict[int, float] = {}
-    min_keys = math.inf
-    for n in lengths:
-        off = n - chunk
-        q = torch.randn(1, hq, chunk, head_dim, device=device, dtype=torch.bfloat16)
-        k = torch.randn(1, hkv, n, head_dim, device=device, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-
-        def timed(fn: Any) -> float:
-            fn()
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            torch.cuda.synchronize(device)
-            return (time.perf_counter() - t0) / repeats
-
-        t_dense = timed(lambda: dense.attend(q, k, v, off))
-        best = 0.0
-        for d in densities:
-            cfg = SparsityConfig(topk=d, dense_below=0, min_keys=0)
-            sp = FlexAttention(sparse=True, config=cfg)
-            if timed(lambda: sp.attend(q, k, v, off)) < t_dense:
-                best = max(best, d)
-        breakeven[n] = best
-        if best > 0:
-            min_keys = min(min_keys, n)
-    name = torch.cuda.get_device_name(device)
-    return AttentionProfile(name, int(min_keys) if math.isfinite(min_keys) else 1 << 30,
-                            breakeven, True)
+    rows = [measure_point(device, heads, head_dim, n, min(chunk, n), densities, repeats)
+            for n in lengths]
+    return profile_from(rows, torch.cuda.get_device_name(device))
 
 
 register_backend("auto", lambda config: AutoAttention(config))

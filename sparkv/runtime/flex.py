@@ -12,7 +12,11 @@ mask applied inside); only the blocks the causal boundary cuts carry the ``mask_
   :class:`~sparkv.runtime.attention.BlockSparseAttention` (same estimator, same defaults), run by
   flex_attention. ``sparse=False``: every causally visible block (the chunked dense prefill with
   no per-step mask tensor).
-* On CUDA the kernel is ``torch.compile(flex_attention)`` (compiled once per process); elsewhere the
+* On CUDA the kernel is ``torch.compile(flex_attention, dynamic=True)``, compiled once per process
+  and head geometry: the chunk's offset reaches the ``mask_mod`` as a tensor and the key length is
+  a symbolic size, so a prefill's steps (every one a new key length) reuse one kernel instead of
+  recompiling per step until dynamo's recompile limit sends every call to the eager path (seen on
+  the CPU's inductor: one graph per step with ``dynamic=False`` and an int offset). Elsewhere the
   eager implementation runs (it materialises scores: correct, for tests, never chosen by ``auto``
   on a CPU).
 """
@@ -47,7 +51,7 @@ def _kernel(device: torch.device) -> Any:
     if device.type != "cuda":
         return flex_attention
     if "cuda" not in _COMPILED:
-        _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=False)
+        _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=True)
     return _COMPILED["cuda"]
 
 
@@ -65,13 +69,20 @@ def block_mask(keep: torch.Tensor, diagonal: torch.Tensor, nq: int, nk: int, q_o
     causal ``diagonal [nqb, nkb]`` get the bottom-right causal ``mask_mod``, the others are full."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    keep_i = keep.to(torch.int8)
+    offset = torch.tensor(q_offset, dtype=torch.int32, device=keep.device)
+    if keep.is_cuda:
+        # the compiled kernel visits listed blocks only, and the only masked ones are kept
+        # diagonal blocks: the causal bound is all it needs
+        def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return kv_idx <= q_idx + offset
+    else:
+        keep_i = keep.to(torch.int8)
 
-    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        # the block structure is in the mask too: the compiled kernel skips unlisted blocks on
-        # its own, the eager one (tests, CPU) only applies this function
-        return (kv_idx <= q_idx + q_offset) & (keep_i[b, h, q_idx // q_block,
-                                                      kv_idx // k_block] > 0)
+        def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            # the eager implementation (tests, CPU) applies this function to every pair: the
+            # block structure has to be in it too
+            return (kv_idx <= q_idx + offset) & (keep_i[b, h, q_idx // q_block,
+                                                        kv_idx // k_block] > 0)
 
     diagonal = diagonal.clone()
     if nk % k_block:

@@ -173,7 +173,12 @@ def sample_text() -> str:
 
 
 def sample_context_ids(lm: LoadedModel, num_tokens: int) -> list[int]:
-    """``num_tokens`` token ids of natural text (the sample, repeated if it is too short)."""
+    """``num_tokens`` token ids of natural text (the sample, repeated if it is too short); a model
+    without a tokenizer (a random-weight shape) gets seeded random ids instead."""
+    if lm.tokenizer is None:
+        gen = torch.Generator().manual_seed(num_tokens)
+        vocab = int(lm.config.vocab_size)
+        return torch.randint(0, vocab, (num_tokens,), generator=gen).tolist()
     base = lm.encode_text(sample_text())
     ids: list[int] = []
     while len(ids) < num_tokens:

@@ -8,6 +8,8 @@ about a second.
 
 ``load_model(path)`` loads any local Hugging Face checkpoint of the Llama, Qwen2, Qwen3 or Mistral
 families; anything else raises :class:`UnsupportedModelError` with a message saying what to pass.
+``load_model("random:llama-3.2-3b")`` builds a real shape with seeded random weights, for timing
+(:mod:`sparkv.runtime.shapes`).
 """
 
 from __future__ import annotations
@@ -189,7 +191,8 @@ def default_checkpoint(progress: bool = True) -> Path:
 def load_model(name_or_path: str | os.PathLike[str] | None = None,
                dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                progress: bool = True) -> LoadedModel:
-    """Loads the default model (``None`` or ``"smollm2-135m-instruct"``) or a local checkpoint.
+    """Loads the default model (``None`` or ``"smollm2-135m-instruct"``), a local checkpoint, or a
+    random-weight model of a real shape (``"random:SHAPE[:SEED]"``, timing only).
 
     Args:
         dtype: a ``torch.dtype`` or a name (``auto``, ``float32``, ``bfloat16``, ``float16``).
@@ -203,9 +206,17 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from sparkv.runtime.device import resolve_device, resolve_dtype
+    from sparkv.runtime.shapes import build_random_model, is_random_spec
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    if is_random_spec(name_or_path):      # a real shape with random weights, for timing
+        try:
+            model, tokenizer = build_random_model(str(name_or_path), device, dtype)
+        except ValueError as exc:
+            raise ModelNotFoundError(str(exc)) from exc
+        name = str(name_or_path).lower()
+        return LoadedModel(model, tokenizer, name, _fingerprint(model.config, name))
 
     is_default = name_or_path is None or str(name_or_path).lower() in (DEFAULT_MODEL, "smollm2")
     if is_default:

@@ -96,7 +96,7 @@ class LayerStepper:
         self.full_last_layer = full_last_layer
         self._hidden: dict[StepId, torch.Tensor] = {}  # Y[l, t] awaiting step (t, l+1)
         self._done: set[StepId] = set()
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         attn0 = lm.decoder.layers[0].self_attn
         self.scale = float(getattr(attn0, "scaling", self.geometry.head_dim ** -0.5))
         self.num_q_heads = int(lm.config.num_attention_heads)
@@ -131,23 +131,37 @@ class LayerStepper:
         return frozenset(self._done)
 
     # ---- execution -----------------------------------------------------------------------------
-    def _rope_for(self, t: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if t not in self._rope:
-            t0, t1 = self.geometry.token_range(t)
-            pos = torch.arange(t0, t1, device=ref.device).unsqueeze(0)
+    def _tokens(self, t0: int, t1: int) -> tuple[int, int]:
+        """Token positions ``[a, b)`` of token chunks ``t0 .. t1-1``."""
+        return self.geometry.token_range(t0)[0], self.geometry.token_range(t1 - 1)[1]
+
+    def _rope_for(self, t0: int, ref: torch.Tensor, t1: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (t0, t1 if t1 is not None else t0 + 1)
+        if key not in self._rope:
+            a, b = self._tokens(*key)
+            pos = torch.arange(a, b, device=ref.device).unsqueeze(0)
             cos, sin = self.lm.decoder.rotary_emb(ref, pos)
-            self._rope[t] = (cos.to(ref.dtype), sin.to(ref.dtype))
-        return self._rope[t]
+            self._rope[key] = (cos.to(ref.dtype), sin.to(ref.dtype))
+        return self._rope[key]
 
-    def _input(self, step: StepId) -> torch.Tensor:
-        if step.l == 0:
-            t0, t1 = self.geometry.token_range(step.t)
-            return self.lm.decoder.embed_tokens(self.token_ids[:, t0:t1])
-        return self._hidden.pop(StepId(step.t, step.l - 1))
+    def _input(self, t0: int, t1: int, l: int) -> torch.Tensor:  # noqa: E741
+        if l == 0:
+            a, b = self._tokens(t0, t1)
+            return self.lm.decoder.embed_tokens(self.token_ids[:, a:b])
+        parts = [self._hidden.pop(StepId(t, l - 1)) for t in range(t0, t1)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def _project_kv(self, layer, h: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (after RoPE) and V ``[1, H, n, D]`` of one token chunk, through the attention
-        module's own projections (and Qwen3's ``k_norm``)."""
+    def _keep_hidden(self, x: torch.Tensor, t0: int, t1: int, l: int) -> None:  # noqa: E741
+        a = self._tokens(t0, t1)[0]
+        for t in range(t0, t1):
+            ta, tb = self.geometry.token_range(t)
+            self._hidden[StepId(t, l)] = x[:, ta - a:tb - a]
+
+    def _project_kv(self, layer, h: torch.Tensor, t0: int, t1: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (after RoPE) and V ``[1, H, n, D]`` of token chunks ``t0 .. t1-1``, through the
+        attention module's own projections (and Qwen3's ``k_norm``)."""
         attn = layer.self_attn
         b, n, _ = h.shape
         d = self.geometry.head_dim
@@ -155,10 +169,64 @@ class LayerStepper:
         v = attn.v_proj(h).view(b, n, -1, d).transpose(1, 2)
         if getattr(attn, "k_norm", None) is not None:  # Qwen3
             k = attn.k_norm(k)
-        cos, sin = self._rope_for(t, h)
+        cos, sin = self._rope_for(t0, h, t1)
         return apply_rope(k.transpose(1, 2), cos, sin), v
 
+    def _put_span(self, t0: int, t1: int, l: int, k: torch.Tensor,  # noqa: E741
+                  v: torch.Tensor) -> None:
+        a = self._tokens(t0, t1)[0]
+        for t in range(t0, t1):
+            ta, tb = self.geometry.token_range(t)
+            self.kv.put_step_output(t, l, k[:, :, ta - a:tb - a], v[:, :, ta - a:tb - a])
+
+    def _check_span(self, t0: int, t1: int, l: int) -> None:  # noqa: E741
+        """Raises unless steps ``(t0 .. t1-1, l)`` can run together: the first one's
+        dependencies, and each later one's own hidden input (its earlier KV at layer ``l`` is
+        the span's own)."""
+        if not 0 <= t0 < t1 <= self.geometry.num_token_chunks:
+            raise MissingDependencyError(f"span t={t0}..{t1 - 1} is outside the context")
+        missing = self.missing_dependencies(StepId(t0, l))
+        for t in range(t0 + 1, t1):
+            if StepId(t, l) in self._done:
+                missing.append(f"{StepId(t, l)} already ran")
+            if l > 0 and StepId(t, l - 1) not in self._hidden:
+                missing.append(f"Y[l={l - 1}, t={t}] from step(t={t}, l={l - 1})")
+        if missing:
+            raise MissingDependencyError(
+                f"step(t={t0}..{t1 - 1}, l={l}) cannot run: missing {', '.join(missing[:5])}"
+                + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
     @torch.inference_mode()
+    def run_span(self, t0: int, t1: int, l: int) -> list[StepResult]:  # noqa: E741
+        """Runs steps ``(t0 .. t1-1, l)`` as one call (one set of GEMMs and one attention over
+        the span's queries): the same K/V and hidden states as running them one by one, with
+        fewer, larger kernels. Raises :class:`MissingDependencyError` naming what is missing."""
+        self._check_span(t0, t1, l)
+        start = time.perf_counter()
+        g = self.geometry
+        layer = self.lm.decoder.layers[l]
+        x = self._input(t0, t1, l)
+        h = layer.input_layernorm(x)
+        last = l == g.num_layers - 1
+        stats = None
+        if last and not self.full_last_layer:
+            k, v = self._project_kv(layer, h, t0, t1)
+            self._put_span(t0, t1, l, k, v)
+        else:
+            cache = _StepCache(self, t0, t1, l)
+            attn_out, _ = layer.self_attn(hidden_states=h,
+                                          position_embeddings=self._rope_for(t0, h, t1),
+                                          attention_mask=None, past_key_values=cache)
+            stats = cache.stats
+            if not last:
+                x = x + attn_out
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                self._keep_hidden(x, t0, t1, l)
+        steps = [StepId(t, l) for t in range(t0, t1)]
+        self._done.update(steps)
+        seconds = (time.perf_counter() - start) / len(steps)
+        return [StepResult(s, seconds, stats) for s in steps]
+
     def run_step(self, step: StepId) -> StepResult:
         """Runs one layer step; raises :class:`MissingDependencyError` naming what is missing."""
         step = StepId(*step)
@@ -167,28 +235,7 @@ class LayerStepper:
             raise MissingDependencyError(f"{step} cannot run: missing {', '.join(missing[:5])}"
                                          + (f" and {len(missing) - 5} more" if len(missing) > 5
                                             else ""))
-        start = time.perf_counter()
-        g = self.geometry
-        layer = self.lm.decoder.layers[step.l]
-        x = self._input(step)
-        h = layer.input_layernorm(x)
-        last = step.l == g.num_layers - 1
-        stats = None
-        if last and not self.full_last_layer:
-            k, v = self._project_kv(layer, h, step.t)
-            self.kv.put_step_output(step.t, step.l, k, v)
-        else:
-            cache = _StepCache(self, step)
-            attn_out, _ = layer.self_attn(hidden_states=h,
-                                          position_embeddings=self._rope_for(step.t, h),
-                                          attention_mask=None, past_key_values=cache)
-            stats = cache.stats
-            if not last:
-                x = x + attn_out
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-                self._hidden[step] = x
-        self._done.add(step)
-        return StepResult(step, time.perf_counter() - start, stats)
+        return self.run_span(step.t, step.t + 1, step.l)[0]
 
     def run(self, order: Iterable[StepId]) -> list[StepResult]:
         return [self.run_step(s) for s in order]
@@ -207,27 +254,41 @@ class LayerStepper:
                           if StepId(t, l) not in self._done)
         return needed
 
-    def complete(self) -> list[StepResult]:
-        """Runs, in token-major order, every step still needed to fill the cache."""
-        return self.run(self.steps_needed())
+    def complete(self, fused: bool = False) -> list[StepResult]:
+        """Runs every step still needed to fill the cache: one by one in token-major order, or
+        (``fused``) layer by layer, each run of consecutive needed token chunks as one span (the
+        whole context at once when nothing was streamed: a GPU's local prefill)."""
+        needed = self.steps_needed()
+        if not fused:
+            return self.run(needed)
+        results: list[StepResult] = []
+        for l in sorted({s.l for s in needed}):  # noqa: E741
+            ts = sorted(s.t for s in needed if s.l == l)
+            first = ts[0]
+            for prev, t in zip(ts, ts[1:] + [None]):
+                if t is None or t != prev + 1:
+                    results.extend(self.run_span(first, prev + 1, l))
+                    first = t
+        return results
 
 
 def prefill_layer_kv(lm: LoadedModel, token_ids: Sequence[int],
                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                     backend: AttentionBackend | None = None):
-    """Chunked local prefill of a whole context; returns per-layer ``(K, V)`` and step results."""
+                     backend: AttentionBackend | None = None, fused: bool = False):
+    """Chunked local prefill of a whole context; returns per-layer ``(K, V)`` and step results
+    (``fused``: layer by layer over the whole context, :meth:`LayerStepper.complete`)."""
     stepper = LayerStepper(lm, token_ids, chunk_tokens, backend)
-    results = stepper.complete()
+    results = stepper.complete(fused)
     return stepper.kv.layer_kv(), results
 
 
 class _StepCache:
-    """The cache one layer step hands the attention module: ``update`` stores the step's K/V in
-    the KV memory and returns the keys and values its queries may see (see the module
-    docstring)."""
+    """The cache one layer step (or span of steps) hands the attention module: ``update`` stores
+    the span's K/V in the KV memory and returns the keys and values its queries may see (see the
+    module docstring)."""
 
-    def __init__(self, stepper: LayerStepper, step: StepId) -> None:
-        self.stepper, self.step = stepper, step
+    def __init__(self, stepper: LayerStepper, t0: int, t1: int, l: int) -> None:  # noqa: E741
+        self.stepper, self.t0, self.t1, self.l = stepper, t0, t1, l
         self.view: AttentionView | None = None
 
     @property
@@ -237,23 +298,24 @@ class _StepCache:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: object, **kwargs: object) -> tuple[AttentionView, AttentionView]:
         st = self.stepper
-        kv, g, step = st.kv, st.geometry, self.step
-        t0, t1 = g.token_range(step.t)
-        kv.put_step_output(step.t, step.l, key_states, value_states)
-        q_pos = torch.arange(t0, t1, device=key_states.device)
-        if kv.is_dense(step.l):
-            store = kv.layers[step.l]
+        kv, g, l = st.kv, st.geometry, self.l  # noqa: E741
+        a, b = st._tokens(self.t0, self.t1)
+        st._put_span(self.t0, self.t1, l, key_states, value_states)
+        q_pos = torch.arange(a, b, device=key_states.device)
+        if kv.is_dense(l):
+            store = kv.layers[l]
             assert store is not None
-            k_all, v_all = store.prefix(t1)
-            # attend over this step's own projection, even where a streamed chunk was kept
-            own = all(kv.source(c) == "computed" for c in g.chunks_of_step(step))
+            k_all, v_all = store.prefix(b)
+            # attend over the span's own projection, even where a streamed chunk was kept
+            own = all(kv.source(c) == "computed" for t in range(self.t0, self.t1)
+                      for c in g.chunks_of_step(StepId(t, l)))
             if not own:
-                k_all = torch.cat([k_all[:, :, :t0], key_states], dim=2)
-                v_all = torch.cat([v_all[:, :, :t0], value_states], dim=2)
-            self.view = AttentionView(q_pos, k=k_all, v=v_all, backend=st.backend)
+                k_all = torch.cat([k_all[:, :, :a], key_states], dim=2)
+                v_all = torch.cat([v_all[:, :, :a], value_states], dim=2)
+            self.view = AttentionView(q_pos, k=k_all, v=v_all, backend=st.backend, q_offset=a)
         else:
             heads = []
-            for h, e in enumerate(kv.layer_entries(step.l, stop=t0)):
+            for h, e in enumerate(kv.layer_entries(l, stop=a)):
                 heads.append((torch.cat([e.k, key_states[0, h]]),
                               torch.cat([e.v, value_states[0, h]]),
                               torch.cat([e.pos.to(q_pos.device), q_pos])))

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU check (docs/gpu.md): the CUDA tests, the attention kernel benchmark, the prefill
+# benchmark (Llama-3.2-3B shape, random weights, bf16) at 8K/16K/32K and a short TTFT sweep, in
+# one go, each phase under its own time limit so that one slow phase cannot take the others' time.
+#
+#   bash bench/gpu_check.sh [OUTDIR]      # default bench/results; JSON named per GPU
+#
+# Environment:
+#   GPU_CHECK_PHASES   which phases (default "tests attention prefill prefill1k ttft")
+#   GPU_CHECK_WHEELS   a folder of wheels to install first (a machine that cannot reach PyPI)
+#   SPARKV_TOKENIZER   a tokenizer folder for the random SmolLM2-shape model of the TTFT phase
+#                      (default: the bundled SmolLM2's, once converted)
+# The device machine's own recipe (a bare image with PyTorch): see docs/gpu.md, "Running the check".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$(realpath -m "${1:-bench/results}")
+mkdir -p "$out"
+phases=${GPU_CHECK_PHASES:-"tests attention prefill prefill1k ttft"}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu-check-site "$GPU_CHECK_WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/gpu-check-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" 2>/dev/null)
+if [ -z "$gpu" ]; then echo "gpu_check: no CUDA device here; nothing to check"; exit 0; fi
+tag=$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -e 's/nvidia//' -e 's/[^a-z0-9]\+/-/g' -e 's/^-//' -e 's/-$//' | cut -d- -f1-2)
+tmp=$(mktemp -d)
+echo "gpu_check: $gpu (tag $tag), phases: $phases"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+$PY -c "import sparkv.cli" || { echo "gpu_check: sparkv does not import"; exit 1; }
+
+phase() {   # phase NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  case " $phases " in *" $name "*) ;; *) return 0 ;; esac
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --signal=INT --kill-after=15 "$limit" "$@"
+  echo "=== $name: exit $? after $((SECONDS - t0))s"
+}
+BENCH="$PY -m sparkv.cli bench"
+
+phase tests 70 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.py \
+  tests/test_runtime_split.py -rs
+phase attention 80 $BENCH attention --heads 24/8/128,9/3/64 --lengths 8192,32768 \
+  --densities 0.1,0.25,0.5 --repeats 3 --save-profile --out "$tmp/attention-$tag.json"
+phase prefill 120 $BENCH prefill --device cuda --model random:llama-3.2-3b \
+  --sizes 8192,16384,32768 --chunk-tokens 4096 --repeats 1 --new-tokens 4 \
+  --variants full,dense_mask,dense,dense+fused,auto,flex_dense \
+  --out "$tmp/prefill-$tag.json"
+phase prefill1k 45 $BENCH prefill --device cuda --model random:llama-3.2-3b \
+  --sizes 32768 --chunk-tokens 1024 --repeats 1 --new-tokens 4 \
+  --variants full,dense_mask,dense --out "$tmp/prefill-t1024-$tag.json"
+phase ttft 80 $BENCH ttft --device cuda --model random:smollm2-135m --tokens 4096 \
+  --mbps 500 --trace lte --runs 1 --new-tokens 8 --levels q8,q5 --json \
+  --out "$tmp/ttft-$tag.json"
+cp "$tmp"/*.json "$out"/ 2>/dev/null
+ls -la "$out"

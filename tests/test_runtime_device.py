@@ -223,7 +223,7 @@ def test_cuda_fused_prefill_and_random_shape(tiny_llama):
             torch.testing.assert_close(k, rk, atol=2e-4, rtol=2e-4)
             torch.testing.assert_close(v, rv, atol=2e-4, rtol=2e-4)
     tiny_llama.model.to("cpu")
-    a = load_model("random:smollm2-135m", device="cuda", progress=False)
-    b = load_model("random:smollm2-135m", device="cuda", progress=False)
+    a = load_model("random:smollm2-135m", device="cuda", dtype="auto", progress=False)
+    b = load_model("random:smollm2-135m", device="cuda", dtype="auto", progress=False)
     assert a.dtype == torch.bfloat16
     assert torch.equal(next(a.model.parameters()), next(b.model.parameters()))

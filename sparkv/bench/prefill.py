@@ -43,6 +43,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="comma-separated: full, " + ", ".join(BACKENDS)
                         + "; NAME+fused runs the stepper layer by layer")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
+    p.add_argument("--profile", default=None, metavar="VARIANT",
+                   help="also profile one run of VARIANT at the largest size (torch.profiler): "
+                        "kernel time by kernel, against the wall time")
     p.add_argument("--cdf", type=float, default=None, help="override the cdf threshold")
     p.add_argument("--estimator", default=None, choices=["qpool", "meansim"])
     p.add_argument("--new-tokens", type=int, default=32)
@@ -197,20 +200,59 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     _add_ratios(rows)
     print(_table(rows))
+    profile = _profile(lm, sample_context_ids(lm, sizes[-1]), args, cfg) if args.profile else None
     config = {"model": lm.name, "random_weights": lm.name.startswith("random:"),
               "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
               "gpu": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else None,
               "chunk_tokens": args.chunk_tokens, "sparsity": vars(cfg),
               "torch_threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
-              "repeats": args.repeats, "variants": [v.name for v in variants]}
+              "repeats": args.repeats, "variants": [v.name for v in variants],
+              "lse_kernel": _lse_kernel_name(lm)}
     target = {"sparse_speedup_at_8k_cpu": 1.5, "greedy_agreement": 0.9,
               "stepper_dense_vs_full_gpu_at_most": 1.05}
     if args.json or args.out:
         path = write_result("prefill", {"results": rows, "summary": _summary(rows),
-                                        "step_costs": steps, "targets": target}, config, args.out)
+                                        "profile": profile, "step_costs": steps,
+                                        "targets": target}, config, args.out)
         _plot(rows, path.with_suffix(".png"), lm.name, str(lm.device))
         print(f"wrote {path}")
     return 0
+
+
+def _profile(lm: Any, ids: list[int], args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+    """One profiled run of ``args.profile``: wall time, summed kernel time (the GPU's busy time,
+    at most), and the kernels that took most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    v = parse_variants(args.profile)[0]
+    backend = None if v.backend == "full" else _backend(v.backend, cfg)
+    _run_once(lm, ids, v, args.chunk_tokens, backend)
+    activities = [ProfilerActivity.CPU]
+    if lm.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        wall, _, _ = _run_once(lm, ids, v, args.chunk_tokens, backend)
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0
+              and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset"))]
+    kernels = sorted(events, key=lambda e: e.device_time_total, reverse=True)
+    busy = sum(e.device_time_total for e in kernels) / 1e6
+    top = [{"kernel": e.key[:120], "calls": e.count, "ms": e.device_time_total / 1e3}
+           for e in kernels[:15]]
+    out = {"variant": v.name, "tokens": len(ids), "wall_s": wall, "kernel_busy_s": busy,
+           "kernel_launches": sum(e.count for e in kernels), "top_kernels": top}
+    print(f"profile of {v.name} at {len(ids)} tokens: wall {wall:.3f} s, kernels busy "
+          f"{busy:.3f} s ({out['kernel_launches']} launches)")
+    print(format_table(["kernel", "calls", "ms"], [[t["kernel"][:70], t["calls"], t["ms"]]
+                                                  for t in top]))
+    return out
+
+
+def _lse_kernel_name(lm: Any) -> str | None:
+    """Which LSE kernel the dense split runs on this device (None: the masked path)."""
+    from sparkv.runtime.split import lse_kernel
+
+    chosen = lse_kernel(lm.device, lm.dtype)
+    return chosen[0] if chosen else None
 
 
 def _step_rows(n: int, name: str, results: list[Any]) -> list[dict[str, Any]]:

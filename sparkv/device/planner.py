@@ -57,7 +57,8 @@ def recompute_cost_model(lm: Any) -> Any:
                     model = load_predictor(path, lm=lm)
             except SparkvError:
                 model = None
-        _COST_MODELS[key] = model or Roofline.measure(ModelArch.from_model(lm), quick=True)
+        _COST_MODELS[key] = model or Roofline.measure(ModelArch.from_model(lm), str(lm.device),
+                                                      quick=True, dtype=lm.dtype)
     return _COST_MODELS[key]
 
 

@@ -132,7 +132,8 @@ def _load_cost_model(lm: Any) -> Any:
                 return load_predictor(path, lm=lm)
         except SparkvError:
             pass
-    return Roofline.measure(ModelArch.from_model(lm), quick=True)
+    return Roofline.measure(ModelArch.from_model(lm), str(lm.device),
+                            quick=True, dtype=lm.dtype)
 
 
 def decode_seconds(geometry: ChunkGeometry, cid: KVChunkId, level: str) -> float:

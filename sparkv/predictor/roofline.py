@@ -124,9 +124,10 @@ class Roofline(StepCostModel):
 
     @classmethod
     def measure(cls, arch: ModelArch, device: str = "cpu", threads: int | None = None,
-                quick: bool = False) -> "Roofline":
-        """Measures this machine's peaks (about 1 s; ``quick``: about 0.3 s)."""
-        flops, bw = measure_peaks(device, threads, quick)
+                quick: bool = False, dtype: Any = None) -> "Roofline":
+        """Measures this machine's peaks (about 1 s; ``quick``: about 0.3 s) on ``device`` in the
+        model's ``dtype`` (default fp32)."""
+        flops, bw = measure_peaks(device, threads, quick, dtype)
         return cls(arch, flops, bw)
 
     def predict_ms(self, f: StepFeatures) -> np.ndarray:
@@ -148,27 +149,30 @@ class Roofline(StepCostModel):
                    float(d["peak_bandwidth"]))
 
 
-_PEAKS: dict[tuple[str, int, bool], tuple[float, float]] = {}
+_PEAKS: dict[tuple[str, int, bool, str], tuple[float, float]] = {}
 
 
 def measure_peaks(device: str = "cpu", threads: int | None = None, quick: bool = False,
-                  ) -> tuple[float, float]:
-    """``(FLOP/s, bytes/s)``: best of 10 fp32 matmuls (1024^3, 2 FLOPs per multiply-add) and of
-    6 copies of a 32 Mi-float tensor (read + write bytes); ``quick``: 512^3 and 8 Mi floats, fewer
-    runs. Cached per (device, threads, quick)."""
+                  dtype: Any = None) -> tuple[float, float]:
+    """``(FLOP/s, bytes/s)``: best of 10 matmuls in ``dtype`` (default fp32; 1024^3, 2 FLOPs per
+    multiply-add; 4096^3 on a GPU, where a smaller one measures the launch, not the peak) and of
+    6 copies of a 32 Mi-float tensor (read + write bytes); ``quick``: half the matmul size and
+    8 Mi floats, fewer runs. Cached per (device, threads, quick, dtype)."""
     import torch
 
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(int(threads))
-    key = (str(device), torch.get_num_threads(), quick)
+    dtype = dtype or torch.float32
+    key = (str(device), torch.get_num_threads(), quick, str(dtype))
     try:
         if key in _PEAKS:
             return _PEAKS[key]
-        sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-        size = 512 if quick else 1024
-        a = torch.randn(size, size, device=device)
-        b = torch.randn(size, size, device=device)
+        gpu = str(device).startswith("cuda")
+        sync = torch.cuda.synchronize if gpu else (lambda: None)
+        size = (4096 if gpu else 1024) // (2 if quick else 1)
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
         best = math.inf
         for _ in range(4 if quick else 10):  # short runs, best of many: dodges preemption
             sync()

@@ -161,12 +161,13 @@ def _timed(fn: Any, device: torch.device, repeats: int) -> float:
 
 def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, keys: int,
                   queries: int, densities: tuple[float, ...], repeats: int = 5,
-                  config: SparsityConfig | None = None) -> dict[str, Any]:
+                  config: SparsityConfig | None = None, static: bool = False) -> dict[str, Any]:
     """One layer's attention of ``queries`` queries at the end of ``keys`` keys (random bf16):
     dense (:class:`DenseAttention`: SDPA causal, or the LSE split after a prefix), the mask
     prediction alone, and flex_attention over top-k masks of each density, alone and with the
     prediction. Milliseconds; ``density`` is the share of visible blocks each mask really keeps
-    (the causal diagonal and the sink are always kept)."""
+    (the causal diagonal and the sink are always kept). ``static``: also the kernel compiled for
+    this one shape (``kernel_static_ms``), which the runtime cannot afford per step."""
     from sparkv.runtime.flex import FlexAttention
 
     hq, hkv = heads
@@ -194,8 +195,16 @@ def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, k
         except Exception as exc:  # noqa: BLE001 - a kernel that fails: never sparse here
             row["error"] = repr(exc)[:800]
             kernel = total = math.inf
-        row["sparse"].append({"topk": d, "density": real, "kernel_ms": kernel, "total_ms": total,
-                              "speedup": row["dense_ms"] / total})
+        point = {"topk": d, "density": real, "kernel_ms": kernel, "total_ms": total,
+                 "speedup": row["dense_ms"] / total}
+        if static:
+            fixed = FlexAttention(sparse=True, config=cfg, dynamic=False)
+            try:
+                point["kernel_static_ms"] = 1e3 * _timed(
+                    lambda: fixed.attend(q, k, v, off, mask=mask), device, repeats)
+            except Exception as exc:  # noqa: BLE001
+                point["static_error"] = repr(exc)[:400]
+        row["sparse"].append(point)
     return row
 
 

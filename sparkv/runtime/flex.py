@@ -45,14 +45,20 @@ def flex_available() -> bool:
     return hasattr(BlockMask, "from_kv_blocks")
 
 
-def _kernel(device: torch.device) -> Any:
+#: the kernel's tiles: they must divide the mask's blocks (128 queries x 64 keys); left to
+#: itself inductor picks 128 x 128 tiles for head_dim 64 and refuses the mask (seen on an H200)
+KERNEL_OPTIONS = {"BLOCK_M": Q_BLOCK, "BLOCK_N": K_BLOCK}
+
+
+def _kernel(device: torch.device, dynamic: bool = True) -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
         return flex_attention
-    if "cuda" not in _COMPILED:
-        _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED["cuda"]
+    key = f"cuda:{'dynamic' if dynamic else 'static'}"
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(flex_attention, dynamic=dynamic)
+    return _COMPILED[key]
 
 
 def _indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,13 +108,17 @@ class FlexAttention:
         sparse: predict and skip blocks (as :class:`BlockSparseAttention` does) or run every
             visible block.
         config: the block predictor's settings (``sparse`` only).
+        dynamic: compile once for every sequence length (the default); False compiles a kernel
+            per shape (faster kernels, a compilation per new length: benchmarks only).
     """
 
-    def __init__(self, sparse: bool = True, config: SparsityConfig | None = None) -> None:
+    def __init__(self, sparse: bool = True, config: SparsityConfig | None = None,
+                 dynamic: bool = True) -> None:
         if not flex_available():
             raise BackendUnavailableError("torch.nn.attention.flex_attention is not available in "
                                           f"PyTorch {torch.__version__}")
         self.sparse = sparse
+        self.dynamic = dynamic
         self.name = "flex_sparse" if sparse else "flex_dense"
         self._predictor = BlockSparseAttention(config)
         self.config = self._predictor.config
@@ -132,8 +142,10 @@ class FlexAttention:
         scale = scale if scale is not None else 1.0 / math.sqrt(d)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")      # eager-mode notices on a CPU
-            out = _kernel(q.device)(q, k, v, block_mask=bm, scale=scale,
-                                    enable_gqa=hq != k.shape[1])
+            options = KERNEL_OPTIONS if q.is_cuda else None
+            out = _kernel(q.device, self.dynamic)(q, k, v, block_mask=bm, scale=scale,
+                                                  enable_gqa=hq != k.shape[1],
+                                                  kernel_options=options)
         active = keep.sum(dim=(2, 3)).sum(0)
         return out, AttentionStats(self.name, active,
                                    causal_block_count(nq, nk, q_offset, Q_BLOCK, K_BLOCK))

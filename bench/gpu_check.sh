@@ -55,7 +55,7 @@ phase prefill 110 $BENCH prefill --device cuda --model random:llama-3.2-3b \
 phase prefill1k 60 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 32768 --chunk-tokens 1024 --repeats 1 --new-tokens 4 \
   --variants full,dense_mask,dense --profile dense --out "$tmp/prefill-t1024-$tag.json"
-phase ttft 90 $BENCH ttft --device cuda --model random:smollm2-135m --tokens 4096 \
+phase ttft 150 $BENCH ttft --device cuda --model random:smollm2-135m --tokens 4096 \
   --mbps 500 --trace lte --runs 1 --new-tokens 8 --levels q8,q5 --json \
   --out "$tmp/ttft-$tag.json"
 cp "$tmp"/*.json "$out"/ 2>/dev/null

@@ -212,7 +212,8 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None,
     dtype = resolve_dtype(dtype, device)
     if is_random_spec(name_or_path):      # a real shape with random weights, for timing
         try:
-            model, tokenizer = build_random_model(str(name_or_path), device, dtype)
+            model, tokenizer = build_random_model(str(name_or_path), device, dtype,
+                                                  cache_dir() / "models" / "SmolLM2-135M-Instruct")
         except ValueError as exc:
             raise ModelNotFoundError(str(exc)) from exc
         name = str(name_or_path).lower()

@@ -65,15 +65,13 @@ def random_config(shape: str) -> Any:
     return LlamaConfig(**SHAPES[shape], bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def _tokenizer(shape: str) -> Any:
+def _tokenizer(shape: str, smollm2_dir: str | os.PathLike[str] | None) -> Any:
     from transformers import AutoTokenizer
 
     path = os.environ.get("SPARKV_TOKENIZER")
-    if not path and shape == "smollm2-135m":
-        from sparkv.runtime.model import cache_dir
-
-        converted = cache_dir() / "models" / "SmolLM2-135M-Instruct"
-        path = str(converted) if (converted / "tokenizer_config.json").is_file() else None
+    if not path and shape == "smollm2-135m" and smollm2_dir is not None:
+        found = os.path.isfile(os.path.join(smollm2_dir, "tokenizer_config.json"))
+        path = str(smollm2_dir) if found else None
     if not path:
         return None
     try:
@@ -82,8 +80,10 @@ def _tokenizer(shape: str) -> Any:
         return None
 
 
-def build_random_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for ``random:SHAPE[:SEED]`` on ``device`` in ``dtype`` (seeded)."""
+def build_random_model(spec: str, device: torch.device, dtype: torch.dtype,
+                       smollm2_dir: str | os.PathLike[str] | None = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for ``random:SHAPE[:SEED]`` on ``device`` in ``dtype`` (seeded);
+    ``smollm2_dir``: the converted SmolLM2 checkpoint, whose tokenizer its shape borrows."""
     from transformers import LlamaForCausalLM
 
     shape, seed = parse_random_spec(spec)
@@ -92,4 +92,4 @@ def build_random_model(spec: str, device: torch.device, dtype: torch.dtype) -> t
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
         model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
-    return model.eval(), _tokenizer(shape)
+    return model.eval(), _tokenizer(shape, smollm2_dir)

@@ -536,3 +536,28 @@ def test_a_column_locked_by_streamed_layers_is_recomputed(world):
     assert any(StepId(s.t, s.l).l < 2 for m in columns for s in m.steps[:-1])
     assert load.sources.get("computed", 0) > 0 and not load.fallback
     assert geo.num_layers > 2
+
+
+def test_a_plan_that_streams_nothing_still_has_a_link_for_migrations(world):
+    """The cost model says compute is fast (2 ms a step) so the plan computes everything; the
+    device is slower (30 ms). The controller moves steps to the link, which must be running
+    (it was not started for such a plan: the moved chunks waited for the idle rule, seen on an
+    H200 and reproduced on the CPU)."""
+    src = ScriptedSource(world["frames"])
+    inst = _instance(world, mbps=1000.0, step_s=0.002)
+    load = _load(world, src, planner="local", controller=ControllerConfig(), inst=inst,
+                 config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=60.0),
+                 stepper_class=SlowStepper)
+    assert not load.fallback
+    assert load.migrations and load.sources.get("streamed", 0) > 0
+
+
+def test_an_engine_without_a_link_never_migrates_to_it(world):
+    inst = _instance(world, mbps=1000.0, step_s=0.002)
+    plan = get_planner("local").plan(inst)
+    stepper = SlowStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, plan, inst, ControllerConfig(), source=None,
+                    config=EngineConfig(stall_fallback_s=0.3))
+    load = _run_exact(engine, world)
+    assert not load.fallback and load.sources == {"computed": len(list(world["geo"].chunk_ids()))}
+    assert all(m.direction != "to_stream" and m.direction != "probe" for m in load.migrations)

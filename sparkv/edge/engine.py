@@ -147,7 +147,10 @@ class Engine:
         # (sparkv.edge.prelude), are done for the controller; the compute thread waits for
         # the prelude before its first step, the link starts at once
         self._prelude = prelude
-        self.ctl = Controller(plan, inst, controller or ControllerConfig(),
+        controller = controller or ControllerConfig()
+        if source is None:   # no link: the controller must never hand it work
+            controller = controller.without_link()
+        self.ctl = Controller(plan, inst, controller,
                               done_steps=set(stepper.done) | set(prelude_done))
         self.source = source
         self.open_frame = open_frame
@@ -211,7 +214,10 @@ class Engine:
         import torch
 
         self._t0 = time.perf_counter()
-        streams = bool(self.plan.stream_order)
+        # the link runs whenever there is one: a plan that streams nothing may still have steps
+        # migrated to it (a device slower than its cost model said); without a running link
+        # those chunks waited for the idle rule (1.5 s lost per ask, first seen on an H200)
+        streams = self.source is not None
         if streams:
             assert self.source is not None
             self.source.start()

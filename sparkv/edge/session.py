@@ -423,7 +423,9 @@ class EdgeSession:
                 pre.join()          # discarded: its last step must not compete with the load
             stepper = LayerStepper(lm, tokens, geometry.chunk_tokens, backend=attn,
                                    heads_per_group=geometry.heads_per_group, spare_tokens=spare)
-        source = client.chunk_source(context_id) if plan.stream_order else None
+        # a link whenever the plan streams or its controller may move work onto the link later
+        linked = bool(plan.stream_order) or (effective != "local" and ctl_cfg.may_stream)
+        source = client.chunk_source(context_id) if linked else None
         engine = Engine(stepper, plan, inst, ctl_cfg, source=source,
                         config=engine_config or self.engine_config,
                         open_frame=self._frame_opener(manifest),

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, NamedTuple
 
 from sparkv.layout import KVChunkId, StepId
@@ -128,6 +128,16 @@ class ControllerConfig:
                                        # to compute with them (they are computed again), when
                                        # the compute path is idle (docs/scheduler.md: off by
                                        # default until measured on the adversarial traces)
+
+    @property
+    def may_stream(self) -> bool:
+        """Whether this controller may hand the link work the plan did not (a migration to the
+        link, or a probe): a plan that streams nothing still needs a running link then."""
+        return self.adapt and (self.migrate_to_stream or self.probe)
+
+    def without_link(self) -> "ControllerConfig":
+        """The same controller for an engine with no link: it never hands the link anything."""
+        return replace(self, migrate_to_stream=False, probe=False)
 
     @classmethod
     def static(cls) -> "ControllerConfig":

@@ -12,8 +12,8 @@ Two shapes per head geometry and key length (random bf16 data, CUDA only):
 
 Per point: dense ms (SDPA causal, or the prefix + own-keys LSE split after a prefix), the mask
 prediction ms (the default ``qpool`` estimator and ``meansim``), and per top-k density the real
-share of blocks kept, the kernel alone, kernel + prediction, and the speedup over dense. Milliseconds
-are medians of ``--repeats`` synchronized runs after a warm-up. See docs/gpu.md.
+share of blocks kept, the kernel alone, kernel + prediction, and the speedup over dense.
+Milliseconds are medians of ``--repeats`` synchronized runs after a warm-up. See docs/gpu.md.
 """
 
 from __future__ import annotations

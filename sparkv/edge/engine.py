@@ -218,8 +218,7 @@ class Engine:
         # migrated to it (a device slower than its cost model said); without a running link
         # those chunks waited for the idle rule (1.5 s lost per ask, first seen on an H200)
         streams = self.source is not None
-        if streams:
-            assert self.source is not None
+        if self.source is not None:
             self.source.start()
         with self._cv:
             self.ctl.start(0.0)

@@ -26,7 +26,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +105,20 @@ class AutoAttention:
         self.profile = profile
         self.dense = DenseAttention()
         self.failure: str | None = None
-        self._flex: dict[bool, Any] = {}
+        self._sparse: Any = None
+        self._sparse_tried = False
 
-    def _flex_backend(self, sparse: bool) -> Any:
-        if sparse not in self._flex:
+    def _sparse_backend(self) -> Any:
+        """flex_attention over the predicted blocks, or None where it is missing or failed."""
+        if not self._sparse_tried:
+            self._sparse_tried = True
             try:
                 from sparkv.runtime.flex import FlexAttention
 
-                self._flex[sparse] = FlexAttention(sparse=sparse, config=self.config)
+                self._sparse = FlexAttention(sparse=True, config=self.config)
             except Exception:  # noqa: BLE001 - no flex_attention in this PyTorch
-                self._flex[sparse] = None
-        return self._flex[sparse]
+                self._sparse = None
+        return self._sparse
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                scale: float | None = None) -> tuple[torch.Tensor, AttentionStats]:
@@ -126,7 +129,7 @@ class AutoAttention:
             self.profile = load_profile(q.device)
         keys = q_offset + q.shape[2]
         limit = self.profile.density_limit(keys)
-        sparse = self._flex_backend(True) if limit > 0 else None
+        sparse = self._sparse_backend() if limit > 0 else None
         if sparse is None:
             return self.dense.attend(q, k, v, q_offset, scale)
         mask = self.cpu.predict_mask(q, k[:, :, :keys], q_offset, scale)
@@ -137,7 +140,7 @@ class AutoAttention:
         try:
             return sparse.attend(q, k, v, q_offset, scale, mask=mask)
         except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile: stay dense
-            self._flex[True] = None
+            self._sparse = None
             self.failure = f"flex_sparse failed, dense from now on: {exc!r}"[:500]
             return self.dense.attend(q, k, v, q_offset, scale)
 
@@ -185,7 +188,7 @@ def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, k
     row["predict_ms"] = 1e3 * _timed(lambda: predictor.predict_mask(q, k, off), device, repeats)
     _, _, _, visible, _ = predictor._geometry(queries, keys, off, q.device)
     for d in densities:
-        cfg = SparsityConfig(**{**vars(base), "topk": d, "dense_below": 0, "min_keys": 0})
+        cfg = replace(base, topk=d, dense_below=0, min_keys=0)
         sp = FlexAttention(sparse=True, config=cfg)
         mask = sp._predictor.predict_mask(q, k, off)
         real = float(mask.sum()) / max(1, int(visible.sum()) * hq)

@@ -153,9 +153,14 @@ def _smollm2_gguf_dir() -> Path:
     return d
 
 
+def converted_dir() -> Path:
+    """Where the converted SmolLM2 checkpoint lives (it may not exist yet)."""
+    return cache_dir() / "models" / "SmolLM2-135M-Instruct"
+
+
 def default_checkpoint(progress: bool = True) -> Path:
     """Path of the converted SmolLM2 checkpoint, converting it from the GGUF on first use."""
-    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    target = converted_dir()
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
     src = _smollm2_gguf_dir()
@@ -213,7 +218,7 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None,
     if is_random_spec(name_or_path):      # a real shape with random weights, for timing
         try:
             model, tokenizer = build_random_model(str(name_or_path), device, dtype,
-                                                  cache_dir() / "models" / "SmolLM2-135M-Instruct")
+                                                  converted_dir())
         except ValueError as exc:
             raise ModelNotFoundError(str(exc)) from exc
         name = str(name_or_path).lower()

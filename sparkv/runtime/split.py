@@ -16,7 +16,7 @@ each returning its log-sum-exp, and the two are merged exactly
 The kernel that returns the LSE is private to PyTorch (``aten._scaled_dot_product_*``); which one
 works is decided once per device by a numerical self-check against plain math, trying cuDNN, then
 flash, then memory-efficient attention. When none passes (or on the CPU, where the masked flash
-kernel is already the fast path), :func:`split_available` is False and callers keep the mask.
+kernel is already the fast path), :func:`lse_kernel` is None and callers keep the mask.
 """
 
 from __future__ import annotations
@@ -116,10 +116,6 @@ def lse_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, LseKernel
         return _CHOSEN[key]
 
 
-def split_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return lse_kernel(device, dtype) is not None
-
-
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                     scale: float | None = None, kernel: LseKernel | None = None) -> torch.Tensor:
     """Causal attention of ``q [B,Hq,n,D]`` at ``q_offset`` (> 0) over ``k/v [B,Hkv,>=o+n,D]``:
@@ -144,4 +140,4 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset:
     return torch.lerp(o2, o1.reshape(b, hq, n, d), w.to(o2.dtype))
 
 
-__all__ = ["split_attention", "split_available", "lse_kernel", "CUDA_KERNELS"]
+__all__ = ["split_attention", "lse_kernel", "CUDA_KERNELS"]

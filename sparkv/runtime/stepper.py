@@ -135,9 +135,9 @@ class LayerStepper:
         """Token positions ``[a, b)`` of token chunks ``t0 .. t1-1``."""
         return self.geometry.token_range(t0)[0], self.geometry.token_range(t1 - 1)[1]
 
-    def _rope_for(self, t0: int, ref: torch.Tensor, t1: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (t0, t1 if t1 is not None else t0 + 1)
+    def _rope_for(self, t0: int, t1: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of token chunks ``t0 .. t1-1`` (cached per span)."""
+        key = (t0, t1)
         if key not in self._rope:
             a, b = self._tokens(*key)
             pos = torch.arange(a, b, device=ref.device).unsqueeze(0)
@@ -169,7 +169,7 @@ class LayerStepper:
         v = attn.v_proj(h).view(b, n, -1, d).transpose(1, 2)
         if getattr(attn, "k_norm", None) is not None:  # Qwen3
             k = attn.k_norm(k)
-        cos, sin = self._rope_for(t0, h, t1)
+        cos, sin = self._rope_for(t0, t1, h)
         return apply_rope(k.transpose(1, 2), cos, sin), v
 
     def _put_span(self, t0: int, t1: int, l: int, k: torch.Tensor,  # noqa: E741
@@ -215,7 +215,7 @@ class LayerStepper:
         else:
             cache = _StepCache(self, t0, t1, l)
             attn_out, _ = layer.self_attn(hidden_states=h,
-                                          position_embeddings=self._rope_for(t0, h, t1),
+                                          position_embeddings=self._rope_for(t0, t1, h),
                                           attention_mask=None, past_key_values=cache)
             stats = cache.stats
             if not last:

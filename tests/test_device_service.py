@@ -13,7 +13,8 @@ import torch
 from sparkv.cache import ContextKV, Residency, Source
 from sparkv.device import BudgetTooSmall, ContextService, PromptTooLong, UnknownContext
 from sparkv.device.flashio import ServiceFlash
-from sparkv.device.loader import chunk_payload, load, token_chunk_ids
+from sparkv.device.loader import (LoadOptions, LoadRequest, chunk_payload, load,
+                                  token_chunk_ids)
 from sparkv.device.service import ServiceConfig
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.generate import greedy_generate, sample_context_ids
@@ -76,7 +77,8 @@ def test_partial_recompute_of_interleaved_chunks_equals_full_prefill(lm, doc, tm
 
     # the service's full prefill (every chunk recomputed)
     full = ContextKV(g, lm.dtype, lm.device)
-    load(lm, tokens, full, full, tier, [], list(range(g.num_token_chunks)), store_recomputed=False)
+    load(lm, tokens, full, full, tier, LoadRequest(recompute=range(g.num_token_chunks)),
+         LoadOptions(store_recomputed=False))
     for l in range(g.num_layers):  # noqa: E741
         st = full.layers[l]
         torch.testing.assert_close(st.k[:, :, :len(tokens)], ref[l][0], atol=2e-4, rtol=1e-4)
@@ -90,7 +92,8 @@ def test_partial_recompute_of_interleaved_chunks_equals_full_prefill(lm, doc, tm
             for cid in token_chunk_ids(g, t):
                 C.put_payload(chunk_payload(full, cid, "fp"), Source.COMPUTED)
     W = ContextKV(g, lm.dtype, lm.device, spare_tokens=32)
-    stats = load(lm, tokens, C, W, tier, [], missing, level_of=lambda t: "fp")
+    stats = load(lm, tokens, C, W, tier, LoadRequest(recompute=missing),
+                 LoadOptions(level_of=lambda t: "fp"))
     assert stats.recomputed_chunks == len(missing) and stats.resident_chunks == 0
     for l in range(g.num_layers):  # noqa: E741
         torch.testing.assert_close(W.layers[l].k[:, :, :len(tokens)], ref[l][0], atol=2e-4,

@@ -29,7 +29,8 @@ import torch
 
 from sparkv.cache import ContextKV, FlashRef
 from sparkv.device.errors import BudgetTooSmall
-from sparkv.device.loader import LoadStats, grow_arena, load, working_nbytes
+from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, grow_arena, load,
+                                  working_nbytes)
 from sparkv.device.service import Context, ContextService, ServiceConfig
 from sparkv.layout import ChunkGeometry
 
@@ -75,8 +76,9 @@ class LMKService(ContextService):
     def _bring_back(self, ctx: Context, W: ContextKV) -> LoadStats:
         """LMK: recompute every chunk from the tokens."""
         g = W.geometry
-        return load(self.lm, ctx.tokens, W, W, ctx.tier, [], list(range(g.num_token_chunks)),
-                    on_layer=self._check, store_recomputed=False)
+        return load(self.lm, ctx.tokens, W, W, ctx.tier,
+                    LoadRequest(recompute=range(g.num_token_chunks)),
+                    LoadOptions(on_layer=self._check, store_recomputed=False))
 
     # ---- switching in ----------------------------------------------------------------------------
     def _prepare(self, ctx: Context, spare: int, remote: Any = None):
@@ -133,8 +135,9 @@ class LMKService(ContextService):
         from sparkv.device.density import DensityRecorder, recording
         rec = DensityRecorder(n)
         with recording(rec):
-            load(self.lm, ctx.tokens, W, W, ctx.tier, [], list(range(g.num_token_chunks)),
-                 on_layer=self._check, store_recomputed=False)
+            load(self.lm, ctx.tokens, W, W, ctx.tier,
+                 LoadRequest(recompute=range(g.num_token_chunks)),
+                 LoadOptions(on_layer=self._check, store_recomputed=False))
         ctx.add_density(rec, n)
         self._finish(ctx, W, n)
 

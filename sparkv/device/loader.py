@@ -9,9 +9,11 @@ quantized chunks directly dequantizes every chunk at every token, docs/kv-memory
 fills ``W`` layer by layer:
 
 * chunks resident in ``C`` are dequantized into ``W`` in a few batched tensor operations per level;
-* chunks on flash are swapped into ``C`` (at their level, checksum-checked, ``O_DIRECT``) by an
-  I/O thread with a small pool of readers, one layer ahead of the compute thread: the I/O of layer
-  ``l+1`` overlaps the work of layer ``l``;
+* chunks on flash are swapped into ``C`` (at their level, checksum-checked, ``O_DIRECT``) by a
+  small pool of reader threads, one file (every layer of a token chunk) per read, while the
+  compute thread works: each reader also writes its file into ``W``;
+* chunks restored from a remote source (the server's stream) are written into ``W`` by a thread
+  of their own, beside the readers;
 * chunks chosen for recomputation (and absent ones, which have nothing to read) are recomputed
   from their token ids, **layer-major and batched**: at layer ``l`` the hidden states of every
   recomputed token go through the decoder layer's own modules (the attention module's ``forward``
@@ -21,6 +23,31 @@ fills ``W`` layer by layer:
   figure 7). The recomputed chunks are put into ``C`` at their level.
 
 A full prefill (a new context) is the same recomputation with every chunk missing.
+
+:func:`load` takes a :class:`LoadRequest` (which token chunks come from flash, recomputation or
+a remote) and :class:`LoadOptions` (pipelining, readers, the per-layer callback, the levels
+recomputed chunks are kept at); :class:`Load` runs it.
+
+Threads (one load):
+
+* the **compute thread** (the caller, :class:`Load`) dequantizes the resident chunks (every
+  layer at once), waits for the reads (and the remote chunks) that lie before its last
+  recomputed chunk, then recomputes layer by layer, then waits for the remaining reads and the
+  remote; it calls ``on_layer`` after each layer and each wait;
+* the **readers** (:class:`FileReads`, ``io_threads`` of them) each read, check and unpack one
+  token chunk file, swap its payloads into ``C`` and write it into ``W``; the planner recomputes
+  the *earliest* missing chunks, so the reads of the later ones overlap the whole recomputation;
+* the **remote thread** (:class:`RemoteFetch`) writes the streamed chunks into ``W``.
+
+Lock discipline: the token chunks of ``W`` are partitioned among the writers (resident,
+read, streamed and recomputed chunks are disjoint sets), so no two threads write the same
+slots and ``W`` needs no lock; a recomputed query reads only positions up to its own, all of
+which are written before it runs (the waits above). ``C`` is shared under its own lock (the
+readers swap in, the compute thread snapshots resident payloads and, after every thread is
+joined, puts the recomputed chunks). Each worker keeps its own results (failed chunks, bytes,
+seconds; the readers' under a lock of theirs) and the compute thread reads them only after
+joining it, so :class:`LoadStats` is written by the compute thread alone. A chunk that fails
+to arrive is recomputed at the end, once every thread is joined.
 """
 
 from __future__ import annotations
@@ -28,7 +55,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -37,6 +64,7 @@ import torch
 from sparkv.cache import (AttentionView, ChunkPayload, ContextKV, FlashError, KVMemoryError,
                           PayloadError, QuantizedTensor, Residency, Source)
 from sparkv.cache.payload import contiguous_positions
+from sparkv.device.flashio import read_token_chunk_file
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 _ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -223,10 +251,6 @@ def fill_token_chunk(W: ContextKV, f: Any) -> None:
             store.v[0, h0:h1, t0:t1] = v[l, gg]
 
 
-def _remote_groups(remote: Any) -> int:
-    return int(remote.geometry.num_groups)
-
-
 def chunk_payload(W: ContextKV, cid: KVChunkId, level: str) -> ChunkPayload:
     """The chunk's entries from the working memory's dense arena, at ``level``."""
     g = W.geometry
@@ -350,198 +374,337 @@ class LoadStats:
         return dict(self.__dict__)
 
 
-def load(lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
-         read: Sequence[int], recompute: Sequence[int], *, pipeline: bool = True,
-         io_threads: int = 4, on_layer: Callable[[], None] | None = None,
-         level_of: Callable[[int], str] | None = None,
-         store_recomputed: bool = True, stream: Sequence[int] = (), remote: Any = None,
-         remote_chunks: Sequence[tuple[KVChunkId, str]] = ()) -> LoadStats:
-    """Fills ``W`` with every layer of the context (module docstring).
+@dataclass(frozen=True)
+class LoadRequest:
+    """What one load fills the working memory from: the token chunks of each source.
 
-    Args:
-        read: token chunks to swap in from ``tier``: one read of each one's file (every layer,
-            :func:`~sparkv.device.flashio.unpack_token_chunk`), ``io_threads`` files at a time.
-        recompute: token chunks to recompute from ``tokens``.
+    Attributes:
+        read: token chunks to swap in from the flash tier: one read of each one's file (every
+            layer, :func:`~sparkv.device.flashio.unpack_token_chunk`). Those wholly resident in
+            ``C`` are filled from it; those with no flash copy are recomputed.
+        recompute: token chunks to recompute from the context's token ids.
+        stream, remote, remote_chunks: token chunks restored from ``remote`` (a
+            :class:`~sparkv.device.remote.RemoteSource`) by fetching ``remote_chunks`` (its
+            chunks and levels); ``stream`` is ignored without a ``remote``. A chunk the remote
+            fails to deliver is recomputed.
+    """
+
+    read: Sequence[int] = ()
+    recompute: Sequence[int] = ()
+    stream: Sequence[int] = ()
+    remote: Any = None
+    remote_chunks: Sequence[tuple[KVChunkId, str]] = ()
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How one load runs.
+
+    Attributes:
         pipeline: overlap the reads with the work of the compute thread (the dequantization of
             the resident chunks and the recomputation: the planner recomputes the *earliest*
             missing chunks, whose queries attend over nothing that is being read); without it
             every read finishes before anything is filled (the "without pipeline" ablation and
             the chunk-swapping baselines).
-        on_layer: called after each layer (the service checks its budget there).
-        level_of: the level a recomputed token chunk is put into ``C`` at.
-        store_recomputed: put the recomputed chunks into ``C`` (a new context's first prefill
-            does not: its working memory becomes its memory).
-        stream, remote, remote_chunks: token chunks restored from ``remote`` (a
-            :class:`~sparkv.device.remote.RemoteSource`) by fetching ``remote_chunks`` (its
-            chunks and levels), on a thread of their own beside the reads; they join ``C`` at
-            their level as recomputed ones do. A chunk the remote fails to deliver is recomputed.
+        io_threads: reader threads (token chunk files read at a time).
+        on_layer: called by the compute thread after each layer and each wait (the service
+            checks its budget there; what it raises ends the load).
+        level_of: the level a recomputed (or streamed) token chunk is put into ``C`` at
+            (default int8).
+        store_recomputed: put the recomputed and streamed chunks into ``C`` (a new context's
+            first prefill does not: its working memory becomes its memory).
     """
-    from sparkv.device.flashio import read_token_chunk_file
 
+    pipeline: bool = True
+    io_threads: int = 4
+    on_layer: Callable[[], None] | None = None
+    level_of: Callable[[int], str] | None = None
+    store_recomputed: bool = True
+
+
+def flash_refs(C: ContextKV, read: Sequence[int],
+               recompute: Sequence[int]) -> tuple[dict[int, Any], set[int]]:
+    """Of the token chunks to ``read`` (less those to ``recompute``): the flash copy of each one
+    not wholly resident, and those with nothing to read (absent: recomputed instead)."""
     g = C.geometry
-    L = g.num_layers
-    stats = LoadStats(pipelined=pipeline)
-    start = time.perf_counter()
     refs: dict[int, Any] = {}
-    failed: set[int] = set()      # reads / remote chunks that did not arrive
     absent: set[int] = set()
     for t in sorted(set(read) - set(recompute)):
         for cid in token_chunk_ids(g, t):
             st = C.state(cid)
             if st.residency != Residency.RESIDENT:
                 if st.flash is None:
-                    absent.add(t)       # nothing to read: recomputed below
+                    absent.add(t)
                 else:
                     refs[t] = st.flash
                 break
-    read = sorted(refs)
-    lock = threading.Lock()
-    io_window = [math.inf, 0.0]
+    return refs, absent
 
-    def read_one(t: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            data = tier.read(refs[t])
-            f = read_token_chunk_file(data, t)
-            if f.layers != L or f.groups != g.num_groups:
-                raise PayloadError(f"token chunk {t}'s file has another geometry")
-            for p in f.payloads:
-                if C.residency(p.cid) != Residency.RESIDENT:
-                    C.swap_in_payload(p)
-            if C is not W:
-                fill_token_chunk(W, f)     # here, in the reader: one dequantization per file
-        except (FlashError, PayloadError, KVMemoryError):
-            with lock:
-                failed.add(t)
-            return
-        finally:
-            with lock:
-                io_window[0] = min(io_window[0], t0)
-                io_window[1] = max(io_window[1], time.perf_counter())
-        with lock:
-            stats.files_read += 1
-            stats.bytes_read += len(data)
 
-    def wait(ts: Sequence[int]) -> None:
+class FileReads:
+    """The reader pool of one load: reads the token chunk files ``refs`` (``threads`` at a
+    time), swaps each one's payloads into ``C`` and, when ``W`` is another memory, writes the
+    file into ``W`` (one dequantization per file, on the reader's thread).
+
+    State and locks: :meth:`start`, :meth:`wait` and :meth:`close` belong to the compute
+    thread; the pool's threads run the reads. A reader writes only its own token chunk's slots
+    of ``W`` (nothing else in the load writes them) and swaps into ``C`` under ``C``'s own lock.
+    ``failed``, ``files``, ``nbytes`` and the busy window are written by the readers under
+    ``_lock``; the compute thread reads them after :meth:`close` (the pool's shutdown joins
+    every reader). A read that fails (flash, payload or memory error) is counted in ``failed``;
+    any other error is raised by :meth:`wait`.
+    """
+
+    def __init__(self, C: ContextKV, W: ContextKV, tier: Any, refs: dict[int, Any],
+                 threads: int) -> None:
+        self.C, self.W, self.tier, self.refs = C, W, tier, refs
+        self.chunks = sorted(refs)
+        self.failed: set[int] = set()
+        self.files = 0
+        self.nbytes = 0
+        self._window = [math.inf, 0.0]     # first read's start, last read's end
+        self._lock = threading.Lock()
+        self._pool = (ThreadPoolExecutor(max(1, min(threads, len(self.chunks))))
+                      if self.chunks else None)
+        self._futures: dict[int, Future[None]] = {}
+
+    def start(self) -> None:
+        if self._pool is not None:
+            self._futures = {t: self._pool.submit(self._read, t) for t in self.chunks}
+
+    def wait(self, ts: Sequence[int]) -> float:
+        """Waits for the reads of ``ts``; returns the seconds waited."""
         w0 = time.perf_counter()
         for t in ts:
-            futures[t].result()
-        stats.wait_io_s += time.perf_counter() - w0
+            self._futures[t].result()
+        return time.perf_counter() - w0
 
-    stream = sorted(set(stream) - set(recompute) - set(read) - absent) \
-        if remote is not None else []
-    net_done = threading.Event()
-    if not stream:
-        net_done.set()
+    def close(self) -> None:
+        """Waits for every read (also after an error of the compute thread)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
-    def net_worker() -> None:
-        """Fetches the remote chunks and writes their entries into W at their positions."""
+    @property
+    def busy_s(self) -> float:
+        """Seconds from the first read's start to the last one's end (0 without reads)."""
+        return max(0.0, self._window[1] - self._window[0]) if self.chunks else 0.0
+
+    def _read(self, t: int) -> None:
+        g = self.C.geometry
         t0 = time.perf_counter()
-        want = set(stream)
-        T = g.chunk_tokens
-        got: dict[int, int] = {}
-        need = L * _remote_groups(remote)
         try:
-            for cid, start, k, v in remote.fetch(remote_chunks):
-                n = int(k.shape[1])
-                h0, h1 = remote.geometry.head_range(cid.g)
-                store = W.layers[cid.l]
-                assert store is not None and store.k is not None and store.v is not None
-                for t in range(start // T, -(-(start + n) // T)):
-                    if t not in want:
-                        continue
-                    a, b = g.token_range(t)
-                    store.k[0, h0:h1, a:b] = k[:, a - start:b - start].to(store.k.dtype)
-                    store.v[0, h0:h1, a:b] = v[:, a - start:b - start].to(store.v.dtype)
-                    got[t] = got.get(t, 0) + 1
-                    with lock:
-                        stats.bytes_streamed += int(k[:, a - start:b - start].numel()
-                                                    * k.element_size() * 2)
-        except Exception as e:  # noqa: BLE001 - a remote that fails: recompute what is missing
-            stats.notes.append(f"remote: {e}")
+            data = self.tier.read(self.refs[t])
+            f = read_token_chunk_file(data, t)
+            if f.layers != g.num_layers or f.groups != g.num_groups:
+                raise PayloadError(f"token chunk {t}'s file has another geometry")
+            for p in f.payloads:
+                if self.C.residency(p.cid) != Residency.RESIDENT:
+                    self.C.swap_in_payload(p)
+            if self.C is not self.W:
+                fill_token_chunk(self.W, f)
+        except (FlashError, PayloadError, KVMemoryError):
+            with self._lock:
+                self.failed.add(t)
+            return
         finally:
-            with lock:
-                failed.update(t for t in stream if got.get(t, 0) < need)
-            stats.stream_s = time.perf_counter() - t0
-            net_done.set()
+            with self._lock:
+                self._window[0] = min(self._window[0], t0)
+                self._window[1] = max(self._window[1], time.perf_counter())
+        with self._lock:
+            self.files += 1
+            self.nbytes += len(data)
 
-    if stream:
-        threading.Thread(target=net_worker, daemon=True, name="sparkv-device-net").start()
-    rec = Recompute(lm, tokens, W, sorted(set(recompute) | absent))
-    skip = set(rec.chunks)
-    pool = ThreadPoolExecutor(max(1, min(io_threads, len(read)))) if read else None
-    futures: dict[int, Any] = {}
-    try:
-        if pool is not None:
-            futures = {t: pool.submit(read_one, t) for t in read}
-            if not pipeline:
-                wait(read)
-        # chunks resident from the start: every layer at once (batched dequantization), while
-        # the files are read
-        f0 = time.perf_counter()
-        if C is not W:
-            fill_layers(C, W, range(L), skip | set(read) | set(stream))
-        stats.fill_s += time.perf_counter() - f0
-        # read chunks that a recomputed query attends over must be in W first
-        last = max(rec.chunks) if rec.chunks else -1
-        early = [t for t in read if t < last]
-        late = [t for t in read if t >= last]
-        if early:
-            wait(early)
-            if on_layer is not None:
-                on_layer()
-        if stream and rec.chunks and min(stream) < max(rec.chunks):
-            w0 = time.perf_counter()
-            net_done.wait()
-            stats.wait_io_s += time.perf_counter() - w0
-        for l in range(L):  # noqa: E741
-            rec.layer(l)
-            if on_layer is not None:
-                on_layer()
-        if late:
-            wait(late)
-            if on_layer is not None:
-                on_layer()
+
+class RemoteFetch:
+    """The remote thread of one load: fetches ``chunks`` (ids and levels) from ``remote`` and
+    writes the entries of the token chunks ``want`` into ``W`` at their positions.
+
+    State and locks: :meth:`start` and :meth:`wait` belong to the compute thread; the fetch runs
+    on a daemon thread of its own, which writes only the ``want`` token chunks' slots of ``W``.
+    ``failed`` (token chunks not wholly delivered), ``nbytes``, ``busy_s`` and ``notes`` are
+    written by that thread alone and read by the compute thread after :meth:`wait` (the
+    ``_done`` event orders them). No lock is needed.
+    """
+
+    def __init__(self, W: ContextKV, remote: Any, want: Sequence[int],
+                 chunks: Sequence[tuple[KVChunkId, str]]) -> None:
+        self.W, self.remote, self.chunks = W, remote, chunks
+        self.want = sorted(want)
+        self.failed: set[int] = set()
+        self.nbytes = 0
+        self.busy_s = 0.0
+        self.notes: list[str] = []
+        self._done = threading.Event()
+        if not self.want:
+            self._done.set()
+
+    def start(self) -> None:
+        if self.want:
+            threading.Thread(target=self._run, daemon=True, name="sparkv-device-net").start()
+
+    def wait(self) -> float:
+        """Waits for the fetch to end; returns the seconds waited."""
         w0 = time.perf_counter()
-        net_done.wait()
-        stats.wait_io_s += time.perf_counter() - w0
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
-    if C is not W:
-        for store in W.layers:
-            if store is not None:
-                store.end = max(store.end, g.num_tokens)
-    if read:
-        stats.io_s = max(0.0, io_window[1] - io_window[0])
-    recompute = sorted(skip)
-    streamed = set(stream) - failed
-    stats.recompute_s = rec.seconds
-    if failed:
-        # the fault path: a file that is missing or fails its checksum is recomputed (every
-        # other chunk of every layer is in W now, so one more pass is exact)
-        # (recomputed chunks after the first failed one attended over its unread positions:
-        # they are recomputed again)
-        stats.faults = len(failed)
-        stats.notes.append(f"{len(failed)} token chunks failed to read and were recomputed")
+        self._done.wait()
+        return time.perf_counter() - w0
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        got: dict[int, int] = {}       # token chunk -> (layer, group) pieces written
+        need = self.W.geometry.num_layers * int(self.remote.geometry.num_groups)
+        try:
+            for cid, start, k, v in self.remote.fetch(self.chunks):
+                self._write(cid, start, k, v, got)
+        except Exception as e:  # noqa: BLE001 - a remote that fails: recompute what is missing
+            self.notes.append(f"remote: {e}")
+        finally:
+            self.failed = {t for t in self.want if got.get(t, 0) < need}
+            self.busy_s = time.perf_counter() - t0
+            self._done.set()
+
+    def _write(self, cid: KVChunkId, start: int, k: torch.Tensor, v: torch.Tensor,
+               got: dict[int, int]) -> None:
+        """Writes the wanted token chunks of one fetched piece (``k``, ``v``: heads x tokens
+        x head_dim from position ``start``) into ``W``."""
+        g = self.W.geometry
+        T = g.chunk_tokens
+        n = int(k.shape[1])
+        h0, h1 = self.remote.geometry.head_range(cid.g)
+        store = self.W.layers[cid.l]
+        assert store is not None and store.k is not None and store.v is not None
+        for t in range(start // T, -(-(start + n) // T)):
+            if t not in self.want:
+                continue
+            a, b = g.token_range(t)
+            store.k[0, h0:h1, a:b] = k[:, a - start:b - start].to(store.k.dtype)
+            store.v[0, h0:h1, a:b] = v[:, a - start:b - start].to(store.v.dtype)
+            got[t] = got.get(t, 0) + 1
+            self.nbytes += int(k[:, a - start:b - start].numel() * k.element_size() * 2)
+
+
+class Load:
+    """One load, run by the calling (compute) thread: :meth:`run` (module docstring,
+    "Threads").
+
+    State: ``stats``, written by the compute thread only (the readers' and the remote thread's
+    counts are copied in after they are joined).
+    """
+
+    def __init__(self, lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
+                 options: LoadOptions) -> None:
+        self.lm, self.tokens, self.C, self.W, self.tier = lm, tokens, C, W, tier
+        self.options = options
+        self.stats = LoadStats(pipelined=options.pipeline)
+
+    def run(self, request: LoadRequest) -> LoadStats:
+        start = time.perf_counter()
+        refs, absent = flash_refs(self.C, request.read, request.recompute)
+        reads = FileReads(self.C, self.W, self.tier, refs, self.options.io_threads)
+        stream = (set(request.stream) - set(request.recompute) - set(refs) - absent
+                  if request.remote is not None else set())
+        fetch = RemoteFetch(self.W, request.remote, sorted(stream), request.remote_chunks)
+        fetch.start()
+        rec = Recompute(self.lm, self.tokens, self.W, sorted(set(request.recompute) | absent))
+        try:
+            self._overlap(rec, reads, fetch)
+        finally:
+            reads.close()
+        if self.C is not self.W:
+            for store in self.W.layers:
+                if store is not None:
+                    store.end = max(store.end, self.W.geometry.num_tokens)
+        s = self.stats
+        s.files_read, s.bytes_read, s.io_s = reads.files, reads.nbytes, reads.busy_s
+        s.bytes_streamed, s.stream_s = fetch.nbytes, fetch.busy_s
+        s.notes.extend(fetch.notes)
+        failed = reads.failed | fetch.failed
+        recomputed = self._repair(rec, failed)
+        streamed = stream - failed
+        self._keep(sorted(set(recomputed) | streamed))
+        s.read_chunks = len(set(reads.chunks) - failed)
+        s.streamed_chunks = len(streamed)
+        s.recomputed_chunks = len(recomputed)
+        s.total_s = time.perf_counter() - start
+        return s
+
+    def _layer_done(self) -> None:
+        if self.options.on_layer is not None:
+            self.options.on_layer()
+
+    def _overlap(self, rec: Recompute, reads: FileReads, fetch: RemoteFetch) -> None:
+        """The compute thread's work while the reads and the fetch run: the resident chunks
+        (every layer at once), then the recomputation layer by layer, waiting first for what
+        its queries attend over (reads and streamed chunks before its last chunk)."""
+        s = self.stats
+        reads.start()
+        if reads.chunks and not self.options.pipeline:
+            s.wait_io_s += reads.wait(reads.chunks)
+        f0 = time.perf_counter()
+        if self.C is not self.W:
+            fill_layers(self.C, self.W, range(self.W.geometry.num_layers),
+                        set(rec.chunks) | set(reads.chunks) | set(fetch.want))
+        s.fill_s += time.perf_counter() - f0
+        last = max(rec.chunks) if rec.chunks else -1
+        early = [t for t in reads.chunks if t < last]
+        late = [t for t in reads.chunks if t >= last]
+        if early:
+            s.wait_io_s += reads.wait(early)
+            self._layer_done()
+        if fetch.want and rec.chunks and min(fetch.want) < last:
+            s.wait_io_s += fetch.wait()
+        for l in range(self.W.geometry.num_layers):  # noqa: E741
+            rec.layer(l)
+            self._layer_done()
+        if late:
+            s.wait_io_s += reads.wait(late)
+            self._layer_done()
+        s.wait_io_s += fetch.wait()
+
+    def _repair(self, rec: Recompute, failed: set[int]) -> list[int]:
+        """The fault path: a token chunk whose file is missing or fails its checksum (or that the
+        remote did not deliver) is recomputed, with every recomputed chunk after the first failed
+        one (they attended over its unread positions); every other chunk of every layer is in
+        ``W`` now, so one more pass is exact. Returns every recomputed token chunk, sorted."""
+        s = self.stats
+        s.recompute_s = rec.seconds
+        if not failed:
+            return list(rec.chunks)
+        s.faults = len(failed)
+        s.notes.append(f"{len(failed)} token chunks failed to read and were recomputed")
         first = min(failed)
-        fix = Recompute(lm, tokens, W, sorted(failed | {t for t in recompute if t > first}))
-        for l in range(L):  # noqa: E741
+        fix = Recompute(self.lm, self.tokens, self.W,
+                        sorted(failed | {t for t in rec.chunks if t > first}))
+        for l in range(self.W.geometry.num_layers):  # noqa: E741
             fix.layer(l)
-        stats.recompute_s += fix.seconds
-        recompute = sorted(set(recompute) | failed)
-    # recomputed (and streamed) chunks join C at their level (only where C does not hold them)
-    for t in sorted(set(recompute) | streamed) if store_recomputed else []:
-        level = level_of(t) if level_of is not None else "int8"
-        for l in range(L):  # noqa: E741
-            for gg in range(g.num_groups):
-                cid = KVChunkId(t, l, gg)
-                if C.residency(cid) != Residency.RESIDENT:
-                    C.put_payload(chunk_payload(W, cid, level), source=Source.COMPUTED)
-        if on_layer is not None:
-            on_layer()
-    stats.read_chunks = len(set(read) - failed)
-    stats.streamed_chunks = len(streamed)
-    stats.recomputed_chunks = len(set(recompute))
-    stats.total_s = time.perf_counter() - start
-    return stats
+        s.recompute_s += fix.seconds
+        return sorted(set(rec.chunks) | failed)
+
+    def _keep(self, chunks: Sequence[int]) -> None:
+        """Puts the recomputed and streamed token chunks into ``C`` at their level (only where
+        ``C`` does not hold them), unless ``store_recomputed`` is off."""
+        if not self.options.store_recomputed:
+            return
+        level_of = self.options.level_of
+        for t in chunks:
+            level = level_of(t) if level_of is not None else "int8"
+            for cid in token_chunk_ids(self.W.geometry, t):
+                if self.C.residency(cid) != Residency.RESIDENT:
+                    self.C.put_payload(chunk_payload(self.W, cid, level), source=Source.COMPUTED)
+            self._layer_done()
+
+
+def load(lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
+         request: LoadRequest, options: LoadOptions | None = None) -> LoadStats:
+    """Fills ``W`` with every layer of the context ``C`` (module docstring).
+
+    Args:
+        lm: the loaded model (for the recomputation).
+        tokens: the context's token ids.
+        C: the context's memory; ``W`` itself for a full prefill (nothing resident, nothing
+            read: every chunk recomputed).
+        W: the working memory (a dense fp arena of ``C``'s geometry).
+        tier: the context's flash tier (``read(ref) -> bytes``).
+        request: which token chunks come from where (:class:`LoadRequest`).
+        options: how the load runs (:class:`LoadOptions`; default: pipelined, 4 readers).
+    """
+    return Load(lm, tokens, C, W, tier, options or LoadOptions()).run(request)

@@ -70,8 +70,8 @@ from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, Prom
 from sparkv.device.flashio import (IOProfile, ServiceFlash, load_io_profile, token_chunk_header,
                                    token_chunk_name)
 from sparkv.device.journal import Journal
-from sparkv.device.loader import (LoadStats, chunk_payload, grow_arena, load, payload_nbytes,
-                                  token_chunk_ids, working_nbytes)
+from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
+                                  load, payload_nbytes, token_chunk_ids, working_nbytes)
 from sparkv.device.planner import (MissingChunk, RecomputeProfile, Split, plan_split,
                                    recompute_cost_model)
 from sparkv.layout import ChunkGeometry, KVChunkId
@@ -794,11 +794,12 @@ class ContextService:
             self._working[ctx.id] = W
         self._check()
         levels = ctx.levels
-        stats = load(self.lm, ctx.tokens, C, W, ctx.tier, split.read, split.recompute,
-                     pipeline=self.config.pipeline, io_threads=self.config.io_threads,
-                     on_layer=self._check, level_of=lambda t: levels[t],
-                     stream=rp.stream if rp else (), remote=remote if rp else None,
-                     remote_chunks=rp.server if rp else ())
+        stats = load(self.lm, ctx.tokens, C, W, ctx.tier,
+                     LoadRequest(split.read, split.recompute, stream=rp.stream if rp else (),
+                                 remote=remote if rp else None,
+                                 remote_chunks=rp.server if rp else ()),
+                     LoadOptions(pipeline=self.config.pipeline, io_threads=self.config.io_threads,
+                                 on_layer=self._check, level_of=lambda t: levels[t]))
         stats.predicted_s = split.predicted_s
         if rp is not None:
             stats.notes.append(f"restore plan: {rp.counts()}")
@@ -948,8 +949,9 @@ class ContextService:
         self._check()
         rec = DensityRecorder(n)
         with recording(rec):
-            load(self.lm, ctx.tokens, W, W, ctx.tier, [], list(range(g.num_token_chunks)),
-                 on_layer=self._check, store_recomputed=False)
+            load(self.lm, ctx.tokens, W, W, ctx.tier,
+                 LoadRequest(recompute=range(g.num_token_chunks)),
+                 LoadOptions(on_layer=self._check, store_recomputed=False))
         ctx.add_density(rec, n)
         self._fold_new(ctx, W)
 

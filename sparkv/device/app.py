@@ -1,98 +1,173 @@
-"""The local service apps talk to: a small FastAPI app over a :class:`ContextService`.
+"""The local service apps talk to: a small FastAPI app over a :class:`ContextService`
+(docs/device-service.md, "REST API").
 
 =======  ================================  ==============================================
-method   path                              what
+method   path                              body -> answer (:mod:`sparkv.device.schemas`)
 =======  ================================  ==============================================
-POST     ``/v1/contexts``                  new context ``{system_prompt?, system_ids?}`` -> 201 ``{id}``
-POST     ``/v1/contexts/{id}/call``        ``{prompt | prompt_ids, max_new_tokens, grow}`` -> the answer
+POST     ``/v1/contexts``                  ``NewContext`` -> 201 ``ContextInfo``
+POST     ``/v1/contexts/{id}/call``        ``CallBody`` -> ``CallReply``
 DELETE   ``/v1/contexts/{id}``             204
-GET      ``/v1/contexts``                  every context (tokens, bytes, residency, levels)
-GET      ``/v1/contexts/{id}``             one context
-GET      ``/v1/stats``                     budget, bytes used and peak, evictions, I/O, profiles
-GET      ``/healthz``                      ``{"ok": true, "contexts": n}``
+GET      ``/v1/contexts``                  ``ContextList``
+GET      ``/v1/contexts/{id}``             ``ContextInfo``
+GET      ``/v1/stats``                     ``ServiceStats``
+GET      ``/healthz``                      ``Health``
 =======  ================================  ==============================================
 
-Errors are JSON ``{"error": {"code": ..., "message": ...}}`` with the status of the
-:mod:`sparkv.device.errors` class: 404 unknown context, 409 busy (a call with ``timeout_s``
-that could not get the lock), 413 prompt too long, 507 budget too small for the context,
-400 anything else the service refuses; a malformed body is FastAPI's 422.
+The app is assembled like the REST server's (:mod:`sparkv.server.app`): one ``APIRouter`` per
+resource, the service reaching the routes as a dependency (:func:`get_service`, from
+``app.state.service``), and every error in the wire's one JSON shape
+(:func:`sparkv.protocol.error_body`)::
+
+    {"error": {"status": 404, "code": "unknown_context", "message": "..."}}
+
+with the status and code of the :mod:`sparkv.device.errors` class: 404 unknown context, 409 busy
+(a call with ``timeout_s`` that could not get the lock), 413 prompt too long, 507 budget too
+small for the context, 400 anything else the service refuses; a body that does not match the
+schema (or is not JSON) is a 422 ``invalid_request`` with ``details`` (``[{loc, msg, type}]``);
+an unknown path a 404 ``not_found``; anything unexpected a 500 ``internal_error``.
+
+The routes are plain functions, run in FastAPI's thread pool: the service's calls block (a call
+holds its context's lock while it generates).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparkv.device.errors import DeviceError
+from sparkv.device.schemas import (CallBody, CallReply, ContextInfo, ContextList, ErrorResponse,
+                                   Health, NewContext, ServiceStats)
 from sparkv.device.service import ContextService
+from sparkv.protocol.errors import error_body
 
-#: the longest prompt text a request may carry (characters; token limits are the service's)
-MAX_PROMPT_CHARS = 1 << 20
-
-
-class NewContext(BaseModel):
-    system_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
-    system_ids: list[int] | None = None
+__all__ = ["create_app", "get_service", "ServiceDep", "ROUTERS"]
 
 
-class CallBody(BaseModel):
-    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
-    prompt_ids: list[int] | None = None
-    max_new_tokens: int = Field(default=32, ge=0)
-    grow: bool = True
-    timeout_s: float | None = Field(default=None, ge=0)
+# ---- the dependency ------------------------------------------------------------------------------
+def get_service(request: Request) -> ContextService:
+    """The app's service (``app.state.service``)."""
+    return request.app.state.service  # type: ignore[no-any-return]
 
 
-def create_app(service: ContextService) -> FastAPI:
-    app = FastAPI(title="sparkv device context service", version="1")
-    app.state.service = service
+ServiceDep = Annotated[ContextService, Depends(get_service)]
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses``: the error body for each of ``statuses``."""
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+# ---- the routes ----------------------------------------------------------------------------------
+contexts_router = APIRouter(tags=["contexts"])
+service_router = APIRouter(tags=["service"])
+
+
+@contexts_router.post("/v1/contexts", status_code=201, response_model=ContextInfo,
+                      responses=_errors(400, 413, 422, 507))
+def new_context(body: NewContext, service: ServiceDep) -> ContextInfo:
+    """Makes a context holding the system prompt (its KV computed now)."""
+    if body.system_prompt is not None and body.system_ids is not None:
+        raise DeviceError("give system_prompt or system_ids, not both")
+    cid = service.new_context(body.system_prompt, system_ids=body.system_ids)
+    return ContextInfo.model_validate({"id": cid, **service.describe(cid)})
+
+
+@contexts_router.post("/v1/contexts/{ctx_id}/call", response_model=CallReply,
+                      responses=_errors(400, 404, 409, 413, 422, 507))
+def call_context(ctx_id: str, body: CallBody, service: ServiceDep) -> CallReply:
+    """Answers a prompt in the context (which grows by the prompt and the answer)."""
+    if (body.prompt is None) == (body.prompt_ids is None):
+        raise DeviceError("give exactly one of prompt and prompt_ids")
+    res = service.call(ctx_id, body.prompt, body.max_new_tokens, prompt_ids=body.prompt_ids,
+                       grow=body.grow, timeout_s=body.timeout_s)
+    return CallReply.model_validate({
+        **res.to_dict(), "switch_ms": res.switch_s * 1e3,
+        "first_token_ms": res.first_token_s * 1e3, "total_ms": res.total_s * 1e3})
+
+
+@contexts_router.delete("/v1/contexts/{ctx_id}", status_code=204, response_class=Response,
+                        responses=_errors(404))
+def delete_context(ctx_id: str, service: ServiceDep) -> Response:
+    """Deletes the context: its memory, its flash files and its journal record."""
+    service.delete(ctx_id)
+    return Response(status_code=204)
+
+
+@contexts_router.get("/v1/contexts", response_model=ContextList)
+def list_contexts(service: ServiceDep) -> ContextList:
+    """Every context."""
+    return ContextList.model_validate({"contexts": service.list()})
+
+
+@contexts_router.get("/v1/contexts/{ctx_id}", response_model=ContextInfo, responses=_errors(404))
+def describe_context(ctx_id: str, service: ServiceDep) -> ContextInfo:
+    """One context: tokens, bytes, chunks by residency, level mix, busy."""
+    return ContextInfo.model_validate(service.describe(ctx_id))
+
+
+@service_router.get("/v1/stats", response_model=ServiceStats)
+def get_stats(service: ServiceDep) -> ServiceStats:
+    """The budget, the bytes used and their peak, evictions, I/O, profiles."""
+    return ServiceStats.model_validate(service.stats())
+
+
+@service_router.get("/healthz", response_model=Health)
+def healthz(service: ServiceDep) -> Health:
+    """Liveness, and how many contexts the service holds."""
+    return Health(ok=True, contexts=len(service.contexts))
+
+
+ROUTERS = (contexts_router, service_router)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+"""Codes of the framework's own HTTP errors (routing)."""
+
+
+def error_response(status: int, code: str, message: str, **details: Any) -> JSONResponse:
+    """A JSON error response (:func:`sparkv.protocol.error_body`)."""
+    return JSONResponse(error_body(status, code, message, **details), status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Renders :class:`DeviceError`, validation errors, the framework's HTTP errors and anything
+    unexpected (500) in the one JSON error shape."""
 
     @app.exception_handler(DeviceError)
-    async def _device_error(request: Request, exc: DeviceError) -> JSONResponse:
-        return JSONResponse({"error": {"code": exc.code, "message": str(exc)}},
-                            status_code=exc.status)
+    async def _device(request: Request, exc: DeviceError) -> JSONResponse:
+        return error_response(exc.status, exc.code, str(exc))
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, Any]:
-        return {"ok": True, "contexts": len(service.contexts)}
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [{"loc": ".".join(str(x) for x in e.get("loc", ())), "msg": e.get("msg", ""),
+                     "type": e.get("type", "")} for e in exc.errors()]
+        said = "; ".join(f"{p['loc']}: {p['msg']}" for p in problems[:3])
+        return error_response(422, "invalid_request", f"invalid request: {said}",
+                              details=problems)
 
-    @app.post("/v1/contexts", status_code=201)
-    def new_context(body: NewContext) -> dict[str, Any]:
-        if body.system_prompt is not None and body.system_ids is not None:
-            raise DeviceError("give system_prompt or system_ids, not both")
-        cid = service.new_context(body.system_prompt, system_ids=body.system_ids)
-        return {"id": cid, **service.describe(cid)}
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        return error_response(status, _HTTP_CODES.get(status, f"http_{status}"), str(exc.detail))
 
-    @app.post("/v1/contexts/{ctx_id}/call")
-    def call(ctx_id: str, body: CallBody) -> dict[str, Any]:
-        if (body.prompt is None) == (body.prompt_ids is None):
-            raise DeviceError("give exactly one of prompt and prompt_ids")
-        res = service.call(ctx_id, body.prompt, body.max_new_tokens, prompt_ids=body.prompt_ids,
-                           grow=body.grow, timeout_s=body.timeout_s)
-        d = res.to_dict()
-        d["switch_ms"] = res.switch_s * 1e3
-        d["first_token_ms"] = res.first_token_s * 1e3
-        d["total_ms"] = res.total_s * 1e3
-        return d
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette raises the exception again after this answer: the server logs its traceback
+        return error_response(500, "internal_error", f"internal error ({type(exc).__name__})")
 
-    @app.delete("/v1/contexts/{ctx_id}", status_code=204)
-    def delete(ctx_id: str) -> Response:
-        service.delete(ctx_id)
-        return Response(status_code=204)
 
-    @app.get("/v1/contexts")
-    def list_contexts() -> dict[str, Any]:
-        return {"contexts": service.list()}
-
-    @app.get("/v1/contexts/{ctx_id}")
-    def describe(ctx_id: str) -> dict[str, Any]:
-        return service.describe(ctx_id)
-
-    @app.get("/v1/stats")
-    def stats() -> dict[str, Any]:
-        return service.stats()
-
+# ---- the app -------------------------------------------------------------------------------------
+def create_app(service: ContextService) -> FastAPI:
+    """The device service's app over ``service``."""
+    app = FastAPI(title="sparkv device context service", version="1")
+    app.state.service = service
+    for router in ROUTERS:
+        app.include_router(router)
+    install_error_handlers(app)
     return app

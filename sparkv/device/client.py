@@ -15,8 +15,22 @@ import httpx
 
 from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, PromptTooLong,
                                   UnknownContext)
+from sparkv.protocol.errors import ApiError
 
 _BY_STATUS = {404: UnknownContext, 409: ContextBusy, 413: PromptTooLong, 507: BudgetTooSmall}
+
+
+def response_error(status: int, body: bytes) -> DeviceError:
+    """The :class:`DeviceError` of an error response: the class of its status, with the
+    ``message`` and ``code`` of its JSON error body (``{"error": {"status", "code", "message"}}``,
+    read by :meth:`~sparkv.protocol.errors.ApiError.from_response`; a body that is not one gives
+    the start of its text)."""
+    err = ApiError.from_response(status, body)
+    message = err.message or body[:200].decode("utf-8", "replace") or err.code
+    exc = _BY_STATUS.get(status, DeviceError)(f"{message} (HTTP {status})")
+    exc.status = status
+    exc.code = err.code
+    return exc
 
 
 def default_socket() -> Path:
@@ -58,16 +72,7 @@ class DeviceClient:
     def _req(self, method: str, path: str, **kw: Any) -> Any:
         r = self._http.request(method, path, **kw)
         if r.status_code >= 400:
-            try:
-                err = r.json().get("error") or {}
-                msg = err.get("message") or r.text
-            except ValueError:
-                msg = r.text
-            if r.status_code == 422:
-                msg = f"invalid request: {r.text}"
-            exc = _BY_STATUS.get(r.status_code, DeviceError)(f"{msg} (HTTP {r.status_code})")
-            exc.status = r.status_code
-            raise exc
+            raise response_error(r.status_code, r.content)
         return None if r.status_code == 204 else r.json()
 
     # ---- the API ---------------------------------------------------------------------------------

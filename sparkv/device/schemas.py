@@ -1,0 +1,148 @@
+"""Request and response bodies of the device service's HTTP API (:mod:`sparkv.device.app`);
+pydantic models are the schema, docs/device-service.md has the prose.
+
+The response models mirror what :class:`~sparkv.device.service.ContextService` returns (its
+``describe``, ``stats`` and :class:`~sparkv.device.service.CallResult`); they allow extra fields,
+so a field the service adds reaches the client unchanged. Errors are the wire's one shape,
+:class:`~sparkv.protocol.errors.ErrorResponse`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sparkv.protocol.errors import ErrorDetail, ErrorResponse
+
+__all__ = ["MAX_PROMPT_CHARS", "NewContext", "CallBody", "Health", "ChunkCounts", "ContextInfo",
+           "ContextList", "CallReply", "IOProfileInfo", "ServiceStats", "ErrorDetail",
+           "ErrorResponse"]
+
+#: the longest prompt text a request may carry (characters; token limits are the service's)
+MAX_PROMPT_CHARS = 1 << 20
+
+
+# ---- requests ------------------------------------------------------------------------------------
+class NewContext(BaseModel):
+    """``POST /v1/contexts``: the system prompt as text or token ids (at most one; neither: the
+    service's default system prompt)."""
+
+    system_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    system_ids: list[int] | None = None
+
+
+class CallBody(BaseModel):
+    """``POST /v1/contexts/{id}/call``: exactly one of ``prompt`` and ``prompt_ids``."""
+
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    prompt_ids: list[int] | None = None
+    max_new_tokens: int = Field(default=32, ge=0)
+    grow: bool = Field(default=True, description="keep the prompt and the answer in the context")
+    timeout_s: float | None = Field(default=None, ge=0, description=(
+        "wait at most this long for the context's lock (else 409 context_busy)"))
+
+
+# ---- responses -----------------------------------------------------------------------------------
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Health(_Reply):
+    """``GET /healthz``."""
+
+    ok: bool
+    contexts: int = Field(description="contexts the service holds")
+
+
+class ChunkCounts(_Reply):
+    """Token chunks of a context by residency."""
+
+    resident: int
+    flash: int
+    absent: int
+
+
+class ContextInfo(_Reply):
+    """One context: ``GET /v1/contexts/{id}``, ``POST /v1/contexts`` (201)."""
+
+    id: str
+    tokens: int = Field(description="tokens in the context")
+    calls: int
+    bytes: int = Field(description="bytes of its memory in RAM")
+    chunks: ChunkCounts
+    levels: dict[str, int] = Field(description="token chunks per level (fp, int8, int4, int2)")
+    last_used: int = Field(description="the service's clock at its last use")
+    busy: bool = Field(description="a call holds its lock")
+    hot: bool = Field(description="its working memory from the last call is kept")
+    system_prompt: str | None
+    label: str | None
+
+
+class ContextList(_Reply):
+    """``GET /v1/contexts``."""
+
+    contexts: list[ContextInfo]
+
+
+class CallReply(_Reply):
+    """``POST /v1/contexts/{id}/call``: the answer and what it cost (seconds, and the same in
+    milliseconds for three of them)."""
+
+    context_id: str
+    text: str
+    tokens: list[int] = Field(description="the answer's token ids")
+    switch_s: float = Field(description="reclaim + load, until the context is ready")
+    reclaim_s: float
+    load_s: float
+    first_token_s: float
+    total_s: float
+    aot_s: float = Field(description="the ahead-of-time swap-out after the answer")
+    context_tokens: int = Field(description="tokens in the context after the call")
+    bytes_evicted: int
+    bytes_written_at_reclaim: int
+    bytes_written_aot: int
+    load: dict[str, Any] = Field(description=(
+        "what the load did (sparkv.device.loader.LoadStats; empty when nothing was loaded)"))
+    plan: dict[str, Any] = Field(description="the IO/recompute split (empty without one)")
+    switch_ms: float
+    first_token_ms: float
+    total_ms: float
+
+
+class IOProfileInfo(_Reply):
+    """The flash profile the planner uses."""
+
+    read_Bps: float
+    per_file_s: float
+    threads: int
+    source: str
+
+
+class ServiceStats(_Reply):
+    """``GET /v1/stats``: the budget, the bytes, and the service's counters."""
+
+    policy: str
+    budget_bytes: int
+    used_bytes: int
+    peak_bytes: int
+    budget_violations: int
+    contexts: int
+    resident_bytes_by_level: dict[str, int]
+    io_profile: IOProfileInfo
+    recompute_scale: float = Field(description="measured / predicted recomputation time")
+    reopened: int = Field(description="contexts reopened from the journal at start")
+    # counters since the service started
+    calls: int
+    evicted_chunks: int = Field(description=(
+        "token chunks evicted (whole contexts under the context-swapping baselines)"))
+    evicted_bytes: int
+    reclaim_written_bytes: int = Field(description="written to flash to make room")
+    aot_written_bytes: int = Field(description="written ahead of time, after each call")
+    read_bytes: int = Field(description="read from flash by loads")
+    recomputed_chunks: int = Field(description="token chunks recomputed by loads")
+    read_chunks: int = Field(description="token chunks read from flash by loads")
+    faults: int = Field(description="token chunks whose flash copy failed (then recomputed)")
+    hot_hits: int = Field(description="calls that found their working memory kept")
+    hot_dropped: int = Field(description="kept working memories freed")
+    streamed_chunks: int = Field(description="token chunks restored from the server")

@@ -1,0 +1,168 @@
+"""The device service's HTTP app over a scripted service (no model): each route answers what the
+service returns, unchanged; every error has the wire's one JSON shape; the client turns it into
+the device error of its status with the server's message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from sparkv.device import BudgetTooSmall, ContextBusy, DeviceError, UnknownContext
+from sparkv.device.app import create_app
+from sparkv.device.client import response_error
+from sparkv.device.service import CallResult
+
+INFO = {"id": "0123456789abcdef", "tokens": 40, "calls": 2, "bytes": 12345,
+        "chunks": {"resident": 2, "flash": 1, "absent": 0}, "levels": {"fp": 1, "int8": 2},
+        "last_used": 7, "busy": False, "hot": True, "system_prompt": None, "label": "s/c"}
+STATS = {"policy": "llms", "budget_bytes": 40000000, "used_bytes": 123, "peak_bytes": 456,
+         "budget_violations": 0, "contexts": 1, "resident_bytes_by_level": {"int8": 100},
+         "io_profile": {"read_Bps": 5e8, "per_file_s": 2e-4, "threads": 4, "source": "default"},
+         "recompute_scale": 1.25, "reopened": 0, "calls": 3, "evicted_chunks": 4,
+         "evicted_bytes": 5, "reclaim_written_bytes": 0, "aot_written_bytes": 6, "read_bytes": 7,
+         "recomputed_chunks": 8, "read_chunks": 9, "faults": 0, "hot_hits": 1, "hot_dropped": 0,
+         "streamed_chunks": 0}
+
+
+class ScriptedService:
+    """What the app calls of a ContextService, answering fixed values."""
+
+    def __init__(self) -> None:
+        self.contexts = {INFO["id"]: object()}
+        self.seen: list[tuple] = []
+
+    def _known(self, ctx_id: str) -> None:
+        if ctx_id not in self.contexts:
+            raise UnknownContext(f"no context {ctx_id!r}")
+
+    def new_context(self, system_prompt=None, *, system_ids=None) -> str:
+        if system_ids is not None and len(system_ids) > 100:
+            raise BudgetTooSmall("too big for the budget")
+        self.seen.append(("new", system_prompt, system_ids))
+        return INFO["id"]
+
+    def describe(self, ctx_id: str) -> dict:
+        self._known(ctx_id)
+        return dict(INFO)
+
+    def list(self) -> list[dict]:
+        return [dict(INFO)]
+
+    def stats(self) -> dict:
+        return dict(STATS)
+
+    def delete(self, ctx_id: str) -> None:
+        self._known(ctx_id)
+        self.seen.append(("delete", ctx_id))
+
+    def call(self, ctx_id, prompt, max_new_tokens, *, prompt_ids=None, grow=True,
+             timeout_s=None) -> CallResult:
+        self._known(ctx_id)
+        if timeout_s == 0:
+            raise ContextBusy("the context is busy")
+        self.seen.append(("call", ctx_id, prompt, max_new_tokens, prompt_ids, grow, timeout_s))
+        return CallResult(ctx_id, "Paris.", [11, 12], 0.002, reclaim_s=0.0005, load_s=0.0015,
+                          first_token_s=0.25, total_s=0.5, aot_s=0.01, context_tokens=60,
+                          bytes_evicted=0, bytes_written_at_reclaim=0, bytes_written_aot=64,
+                          load={"read_chunks": 1, "notes": ["x"]}, plan={})
+
+
+@pytest.fixture
+def app_client():
+    svc = ScriptedService()
+    with TestClient(create_app(svc), raise_server_exceptions=False) as c:
+        yield c, svc
+
+
+def _same_json(got, want) -> None:
+    """Equal values and equal JSON text (int stays int, key order kept)."""
+    assert got == want
+    assert json.dumps(got) == json.dumps(want)
+
+
+def test_routes_answer_what_the_service_returns(app_client):
+    c, svc = app_client
+    _same_json(c.get("/healthz").json(), {"ok": True, "contexts": 1})
+    r = c.post("/v1/contexts", json={"system_prompt": "be brief"})
+    assert r.status_code == 201
+    _same_json(r.json(), INFO)
+    _same_json(c.get("/v1/contexts").json(), {"contexts": [INFO]})
+    _same_json(c.get(f"/v1/contexts/{INFO['id']}").json(), INFO)
+    _same_json(c.get("/v1/stats").json(), STATS)
+    r = c.post(f"/v1/contexts/{INFO['id']}/call", json={"prompt": "capital?",
+                                                         "max_new_tokens": 5})
+    want = CallResult(INFO["id"], "Paris.", [11, 12], 0.002, reclaim_s=0.0005, load_s=0.0015,
+                      first_token_s=0.25, total_s=0.5, aot_s=0.01, context_tokens=60,
+                      bytes_evicted=0, bytes_written_at_reclaim=0, bytes_written_aot=64,
+                      load={"read_chunks": 1, "notes": ["x"]}, plan={}).to_dict()
+    want.update(switch_ms=2.0, first_token_ms=250.0, total_ms=500.0)
+    _same_json(r.json(), want)
+    r = c.delete(f"/v1/contexts/{INFO['id']}")
+    assert r.status_code == 204 and r.content == b""
+    assert ("call", INFO["id"], "capital?", 5, None, True, None) in svc.seen
+
+
+def _error(r, status: int, code: str) -> dict:
+    assert r.status_code == status
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert err["status"] == status and err["code"] == code and err["message"]
+    return err
+
+
+def test_every_error_has_the_one_json_shape(app_client):
+    c, _ = app_client
+    cid = INFO["id"]
+    err = _error(c.get("/v1/contexts/ffffffffffffffff"), 404, "unknown_context")
+    assert "ffffffffffffffff" in err["message"]
+    _error(c.post(f"/v1/contexts/{cid}/call", json={"max_new_tokens": 4}), 400, "bad_request")
+    _error(c.post("/v1/contexts", json={"system_prompt": "a", "system_ids": [1]}), 400,
+           "bad_request")
+    _error(c.post(f"/v1/contexts/{cid}/call", json={"prompt": "hi", "timeout_s": 0}), 409,
+           "context_busy")
+    _error(c.post("/v1/contexts", json={"system_ids": list(range(200))}), 507,
+           "budget_too_small")
+    err = _error(c.post(f"/v1/contexts/{cid}/call", json={"prompt": "hi", "max_new_tokens": -1}),
+                 422, "invalid_request")
+    assert err["message"].startswith("invalid request: body.max_new_tokens")
+    assert err["details"][0]["loc"] == "body.max_new_tokens"
+    _error(c.post("/v1/contexts", content=b"{not json", headers={"content-type":
+                                                                  "application/json"}),
+           422, "invalid_request")
+    _error(c.get("/v1/nothing"), 404, "not_found")
+    _error(c.put("/v1/stats"), 405, "method_not_allowed")
+
+
+def test_openapi_names_a_model_for_every_answer(app_client):
+    c, _ = app_client
+    paths = c.get("/openapi.json").json()["paths"]
+    assert set(paths) == {"/v1/contexts", "/v1/contexts/{ctx_id}", "/v1/contexts/{ctx_id}/call",
+                          "/v1/stats", "/healthz"}
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            for status, resp in op["responses"].items():
+                if status == "204":
+                    continue
+                schema = resp["content"]["application/json"]["schema"]
+                assert "$ref" in schema, (method, path, status)
+
+
+@pytest.mark.parametrize("status,cls", [(404, UnknownContext), (409, ContextBusy),
+                                        (507, BudgetTooSmall), (400, DeviceError),
+                                        (500, DeviceError)])
+def test_client_reads_the_error_body(status, cls):
+    body = json.dumps({"error": {"status": status, "code": "some_code",
+                                 "message": "what went wrong"}}).encode()
+    exc = response_error(status, body)
+    assert type(exc) is cls
+    assert str(exc) == f"what went wrong (HTTP {status})"
+    assert exc.status == status and exc.code == "some_code"
+
+
+def test_client_shows_a_body_that_is_not_the_error_shape():
+    exc = response_error(502, b"Bad Gateway")
+    assert type(exc) is DeviceError and str(exc) == "Bad Gateway (HTTP 502)"
+    assert exc.code == "http_error"

@@ -144,10 +144,10 @@ def test_local_stream_and_mixed_paths_keep_the_same_positions(served):
         for cid in g.chunk_ids():
             if cid.t < 2:
                 from sparkv.codec import decode
-                from sparkv.edge.engine import Engine
+                from sparkv.edge.frames import put_kept
 
                 chunk = decode(s.client.frame(served["pressed"], cid.t, cid.l, cid.g, "raw"))
-                Engine._put_kept(_Holder(stepper.kv, mp.kept_positions), cid, chunk.k, chunk.v)
+                put_kept(stepper.kv, cid, mp.kept_positions[cid], chunk.k, chunk.v)
     assert not stepper.kv.is_dense(0)
     stepper.complete()
     srcs = set(stepper.kv.sources().values())
@@ -171,13 +171,6 @@ def test_hybrid_and_sparkv_assemble_the_manifest_shape(served):
         print(strategy, "streamed", bd.chunks_streamed, "computed", bd.chunks_computed)
         assert not bd.fallback, bd.fallback
         _assert_kept(res.load.kv, served["mp"])
-
-
-class _Holder:
-    """The two attributes :meth:`Engine._put_kept` reads."""
-
-    def __init__(self, kv, kept):
-        self.kv, self.kept = kv, kept
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""The engine's compute path: one thread that asks the controller for the next layer step, runs
+it on the :class:`~sparkv.runtime.stepper.LayerStepper` (PyTorch releases the GIL in its
+kernels) and reports ``step_done``; when the controller has nothing for it, it computes what the
+link failed to deliver, and applies the stall and idle rules (docs/edge.md).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from sparkv.edge.frames import FrameDecoder
+from sparkv.edge.hub import EngineError, Hub
+from sparkv.edge.link import Link
+from sparkv.edge.prelude import Prelude
+from sparkv.edge.stats import LoadStats
+from sparkv.layout import StepId
+from sparkv.runtime.stepper import LayerStepper
+from sparkv.runtime.threads import use_threads
+
+WAIT_S = 0.05
+"""How long the compute worker waits on the engine's lock before it looks again."""
+
+
+class ComputeWorker:
+    """The compute thread (``sparkv-compute``) of one load.
+
+    State and lock discipline:
+
+    * ``_idle_s``, ``_idle_at`` (the idle rule's credited idle time): the compute thread's own,
+      touched only while it holds the engine's lock;
+    * ``error``: written by the compute thread under the lock; :class:`Engine
+      <sparkv.edge.engine.Engine>` reads it after :meth:`join`;
+    * it writes its steps, the stall and ``ready_s`` into :class:`LoadStats`, and reads the
+      link's silence and activity (:class:`Link`), the decoder's (:class:`FrameDecoder`) and the
+      faults recorded in :class:`LoadStats`, all under the engine's lock, in the critical section
+      that picks a step.
+
+    Waits: on the engine's lock's condition, at most :data:`WAIT_S` at a time, whenever it has no
+    step to run. Notifies: :meth:`Hub.progress <sparkv.edge.hub.Hub.progress>` after every step
+    (the link may have work: a dependency prefetch, a migration) and on a failed prelude;
+    ``notify_all`` when it ends with an error.
+
+    Args:
+        link: the engine's link, or ``None`` when it has none (never silent, never busy).
+        prelude: the prelude still finishing steps on ``stepper``; its steps are joined before
+            the first step here.
+        stall_fallback_s: the stall and the idle rules' threshold (seconds of credited time).
+    """
+
+    def __init__(self, hub: Hub, stepper: LayerStepper, stats: LoadStats, link: Link | None,
+                 decoder: FrameDecoder, prelude: Prelude | None, stall_fallback_s: float) -> None:
+        self._hub, self._stepper, self._kv = hub, stepper, stepper.kv
+        self._stats, self._link, self._decoder = stats, link, decoder
+        self._prelude = prelude
+        self._stall_fallback_s = stall_fallback_s
+        self._idle_s = 0.0              # credited time with nothing scheduled on either path
+        self._idle_at: float | None = None
+        self._threads = 1
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="sparkv-compute", daemon=True)
+
+    def start(self, threads: int) -> None:
+        """Starts the thread; its kernels use ``threads`` OpenMP threads (sparkv.runtime.threads)."""
+        self._threads = threads
+        self._thread.start()
+
+    def join(self) -> None:
+        """Returns once every chunk is in place (or the worker failed: :attr:`error`)."""
+        self._thread.join()
+
+    # ---- the thread --------------------------------------------------------------------------
+    def _main(self) -> None:
+        hub = self._hub
+        try:
+            use_threads(self._threads)
+            self._join_prelude()
+            while True:
+                with hub.cv:
+                    step = self._pick_step()
+                    if step is None:
+                        self._stats.ready_s = hub.now()
+                        return
+                self._run(step)
+        except BaseException as e:  # noqa: BLE001 - reported by Engine.run
+            with hub.cv:
+                self.error = e
+                self._stats.ready_s = hub.now()
+                hub.cv.notify_all()
+
+    def _join_prelude(self) -> None:
+        """Waits for the prelude's last step; a step it promised and failed leaves its chunks
+        missing although the controller counts them: compute whatever is missing (the link goes
+        on; reported as the stall rule's fallback)."""
+        if self._prelude is None:
+            return
+        res = self._prelude.join()
+        if not res.ok:
+            with self._hub.cv:
+                self._stats.stall = self._silent_link()
+                self._stats.link_errors.append(f"prelude failed ({type(res.error).__name__}):"
+                                               " computing what is missing")
+                self._hub.progress()
+
+    def _run(self, step: StepId) -> None:
+        hub = self._hub
+        start = hub.now()
+        res = self._stepper.run_step(step)
+        end = hub.now()
+        with hub.cv:
+            self._stats.step_ran(step, start, end, res.seconds)
+            hub.ctl.step_done(step, end, res.seconds)
+            hub.progress()
+
+    # ---- choosing a step (under the lock) ----------------------------------------------------
+    def _pick_step(self) -> StepId | None:
+        """The next step to run, waiting for events; ``None`` when the cache is complete."""
+        while True:
+            if self._kv.is_complete():
+                return None
+            step = self._planned_step()
+            if step is not None:
+                return step
+            step = self._fallback_step()
+            if step is not None:
+                self._stats.fallback_steps += 1
+                return step
+            if not self._stall():
+                self._hub.cv.wait(WAIT_S)
+
+    def _planned_step(self) -> StepId | None:
+        """The controller's next step, skipping those that already ran as a fallback."""
+        ctl, now = self._hub.ctl, self._hub.now
+        step = ctl.next_step(now())
+        while step is not None and step in self._stepper.done:
+            ctl.step_done(step, now(), 0.0)
+            step = ctl.next_step(now())
+        if step is not None and not self._stepper.ready(step):
+            raise EngineError(f"the controller chose {step} but the stepper is missing "
+                              f"{self._stepper.missing_dependencies(step)[:3]}")
+        return step
+
+    def _fallback_step(self) -> StepId | None:
+        """A ready step that recomputes chunks the link failed to deliver (or everything missing
+        once the link is dead or stalled)."""
+        stats, stepper = self._stats, self._stepper
+        if stats.link_dead is not None or stats.stall is not None:
+            candidates = stepper.steps_needed()
+        elif stats.failed:
+            done = stepper.done
+            candidates = []
+            for cid in list(stats.failed):
+                if self._kv.has(cid):
+                    continue
+                candidates.extend(StepId(cid.t, l) for l in range(cid.l + 1)  # noqa: E741
+                                  if StepId(cid.t, l) not in done)
+            candidates.sort(key=lambda s: (s.l, s.t))
+        else:
+            return None
+        for s in candidates:
+            if stepper.ready(s):
+                return s
+        return None
+
+    def _stall(self) -> bool:
+        """The stall and the idle rules: whether everything missing is to be computed from now
+        on (the link keeps going; whichever path delivers a chunk first wins)."""
+        stats = self._stats
+        if stats.stall is not None:
+            return False
+        silence = self._link.silence_s if self._link is not None else 0.0
+        if (stats.link_dead is None and not self._decoder.busy()
+                and silence > self._stall_fallback_s):
+            # nothing to compute, nothing to decode, and the link, watched by an awake loop,
+            # delivered nothing for a while (a link that collapsed with data stuck in its
+            # queues, a hung server)
+            stats.stall = self._silent_link()
+            return True
+        if self._scheduler_idle():
+            # nothing runs anywhere - no step, no request, no decode - yet chunks are missing:
+            # the schedule lost them (a bug, never a reason to hang)
+            stats.stall = (f"nothing scheduled for {self._stall_fallback_s:g} s while chunks "
+                           "were missing")
+            stats.link_errors.append("scheduler idle with chunks missing: computed locally")
+            return True
+        return False
+
+    def _silent_link(self) -> str:
+        return f"link silent for {self._stall_fallback_s:g} s"
+
+    def _scheduler_idle(self) -> bool:
+        """Whether neither path has had anything to do for ``stall_fallback_s`` (credited like
+        silence: at most two wait intervals per check, so a starved process does not count its
+        own slowness)."""
+        now = self._hub.now()
+        if (self._link is not None and self._link.busy()) or self._decoder.busy():
+            self._idle_s, self._idle_at = 0.0, None
+            return False
+        if self._idle_at is not None:
+            self._idle_s += min(now - self._idle_at, 2 * WAIT_S)
+        self._idle_at = now
+        return self._idle_s > self._stall_fallback_s

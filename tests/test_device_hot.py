@@ -11,7 +11,7 @@ import torch
 from sparkv.cache import ContextKV, dequantize
 from sparkv.cache.levels import quantize
 from sparkv.device import ContextService
-from sparkv.device.baselines import LMKService
+from sparkv.device.config import ServiceConfig
 from sparkv.device.loader import dequantize_fast, fill_layer, fill_layers, working_nbytes
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.generate import sample_context_ids
@@ -93,7 +93,7 @@ def test_lmk_grows_its_arena_without_a_second_copy(lm, doc, tmp_path):
     n = 60
     g = ChunkGeometry.from_config(lm.config, n + 200, 16)
     budget = working_nbytes(g, 0, lm.dtype)
-    svc = LMKService(lm, budget, tmp_path / "lmk")
+    svc = ContextService(lm, budget, tmp_path / "lmk", config=ServiceConfig.preset("lmk"))
     ref = ContextService(lm, 256 << 20, tmp_path / "ref", io_profile=FAST_FLASH,
                          compression="fp", journal=False)
     a, r = svc.new_context(system_ids=doc[:n]), ref.new_context(system_ids=doc[:n])
@@ -107,3 +107,4 @@ def test_lmk_grows_its_arena_without_a_second_copy(lm, doc, tmp_path):
     st = svc.stats()
     assert grown >= 1 and st["budget_violations"] == 0 and st["peak_bytes"] <= budget
     assert st["peak_bytes"] < 1.5 * svc.contexts[a].memory.nbytes
+

@@ -11,7 +11,7 @@ import torch
 from sparkv.cache import ContextKV, dequantize
 from sparkv.cache.levels import quantize
 from sparkv.device import ContextService
-from sparkv.device.baselines import LMKService
+from sparkv.device.config import ServiceConfig
 from sparkv.device.loader import dequantize_fast, fill_layer, fill_layers, working_nbytes
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.generate import sample_context_ids
@@ -93,7 +93,7 @@ def test_lmk_grows_its_arena_without_a_second_copy(lm, doc, tmp_path):
     n = 60
     g = ChunkGeometry.from_config(lm.config, n + 200, 16)
     budget = working_nbytes(g, 0, lm.dtype)
-    svc = LMKService(lm, budget, tmp_path / "lmk")
+    svc = ContextService(lm, budget, tmp_path / "lmk", config=ServiceConfig.preset("lmk"))
     ref = ContextService(lm, 256 << 20, tmp_path / "ref", io_profile=FAST_FLASH,
                          compression="fp", journal=False)
     a, r = svc.new_context(system_ids=doc[:n]), ref.new_context(system_ids=doc[:n])
@@ -107,3 +107,24 @@ def test_lmk_grows_its_arena_without_a_second_copy(lm, doc, tmp_path):
     st = svc.stats()
     assert grown >= 1 and st["budget_violations"] == 0 and st["peak_bytes"] <= budget
     assert st["peak_bytes"] < 1.5 * svc.contexts[a].memory.nbytes
+
+
+def test_whole_swap_reads_back_what_it_wrote(lm, doc, tmp_path):
+    """The whole-context swap baseline (``preset("swap")``): under a budget of less than one
+    arena per context, an evicted context is written as one file and read back, answering as
+    never evicted; a call that leaves the context as it was keeps its arena as its memory."""
+    g = ChunkGeometry.from_config(lm.config, 260, 16)
+    svc = ContextService(lm, int(0.75 * working_nbytes(g, 0, lm.dtype)), tmp_path / "swap",
+                         config=ServiceConfig.preset("swap"), io_profile=FAST_FLASH)
+    ref = ContextService(lm, 256 << 20, tmp_path / "ref", io_profile=FAST_FLASH,
+                         compression="fp", journal=False)
+    a, b = svc.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[60:120])
+    ra, rb = ref.new_context(system_ids=doc[:60]), ref.new_context(system_ids=doc[60:120])
+    for x, y in [(a, ra), (b, rb), (a, ra)]:
+        assert svc.call(x, TURNS[0], max_new_tokens=4).tokens == \
+            ref.call(y, TURNS[0], max_new_tokens=4).tokens
+    st = svc.stats()
+    assert st["reclaim_written_bytes"] > 0 and st["read_bytes"] > 0
+    assert st["recomputed_chunks"] == 0 and st["budget_violations"] == 0
+    svc.call(b, TURNS[1], max_new_tokens=2, grow=False)
+    assert svc.contexts[b].memory is not None and not svc.account.working

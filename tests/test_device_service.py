@@ -12,6 +12,7 @@ import torch
 
 from sparkv.cache import ContextKV, Residency, Source
 from sparkv.device import BudgetTooSmall, ContextService, PromptTooLong, UnknownContext
+from sparkv.device.budget import eviction_policy
 from sparkv.device.flashio import ServiceFlash
 from sparkv.device.loader import (LoadOptions, LoadRequest, chunk_payload, load,
                                   token_chunk_ids)
@@ -118,8 +119,8 @@ def test_service_recomputes_interleaved_chunks_when_flash_is_slow(lm, doc, tmp_p
     a, b = ref.new_context(system_ids=doc), svc.new_context(system_ids=doc)
     ctx = svc.contexts[b]
     g = ctx.memory.geometry
-    with svc._mem:
-        svc._evict(ctx, [1, 3, 4, 6])                       # interleaved holes
+    with svc.registry.lock:
+        svc.keeper.evict(ctx, [1, 3, 4, 6])                       # interleaved holes
     res = svc.call(b, TURNS[1], max_new_tokens=12)
     assert res.load["recomputed_chunks"] == 4 and res.load["read_chunks"] == 0
     assert res.tokens == ref.call(a, TURNS[1], max_new_tokens=12).tokens
@@ -133,17 +134,17 @@ def test_budget_never_exceeded_over_a_random_trace(lm, doc, tmp_path):
     # memory and the kept working memories compete for 7.5 MB
     svc = _svc(lm, tmp_path, budget=budget, io_profile=None, ratio=0.5, fp_protect=0)
     seen: list[int] = []
-    own_check = svc._check
+    own_check = svc.account.check
 
     def check() -> int:           # at every layer, chunk and allocation the service makes
         used = own_check()
         real = sum(c.memory.recount() for c in svc.contexts.values() if c.memory is not None)
-        real += sum(w.recount() for w in svc._working.values())
+        real += sum(w.recount() for w in svc.account.working.values())
         seen.append(real)
         assert real <= budget, f"{real} bytes held, budget {budget}"
         return used
 
-    svc._check = check
+    svc.account.check = check
     rng = random.Random(13)
     ids = [svc.new_context(system_ids=doc[i * 20:i * 20 + 40 + 10 * i]) for i in range(4)]
     for step in range(10):
@@ -200,20 +201,20 @@ def test_lctru_order_on_a_hand_made_case(lm, doc, tmp_path):
     A, B = svc.contexts[a], svc.contexts[b]
     A.levels, A.last_used = ["int2", "int8", "int4"], 1      # A: older
     B.levels, B.last_used = ["int8", "int2"], 2
-    order = [(x.id, t) for x, t, _ in svc._victims(svc.contexts[c]) if x.id != c]
+    order = [(x.id, t) for x, t, _ in svc.account.victims(svc.contexts[c]) if x.id != c]
     # int8 sub-queue first (LRU inside: A before B), then int4, then int2
     assert order == [(a, 1), (b, 0), (a, 2), (a, 0), (b, 1)]
-    svc.config.eviction = "lru"
-    assert [(x.id, t) for x, t, _ in svc._victims(svc.contexts[c]) if x.id != c] == \
+    svc.account.policy = eviction_policy("lru")
+    assert [(x.id, t) for x, t, _ in svc.account.victims(svc.contexts[c]) if x.id != c] == \
         [(a, 0), (a, 1), (a, 2), (b, 0), (b, 1)]
-    svc.config.eviction = "lctru"
+    svc.account.policy = eviction_policy("lctru")
     # a locked context is never a victim
     with svc.locked(a):
-        assert all(x.id != a for x, _, _ in svc._victims(svc.contexts[c]))
+        assert all(x.id != a for x, _, _ in svc.account.victims(svc.contexts[c]))
     # reclaiming a little more than one chunk takes exactly the first two of the queue
-    first = svc._victims(svc.contexts[c])
+    first = svc.account.victims(svc.contexts[c])
     need = svc.budget - svc.used_bytes() + first[0][2] + 1
-    svc._reserve(need, svc.contexts[c])
+    svc.account.reserve(need, svc.contexts[c])
     gone = {(x, t) for x in (a, b) for t in range(3 if x == a else 2)
             if svc.contexts[x].memory.residency(KVChunkId(t, 0, 0)) != Residency.RESIDENT}
     assert gone == {(a, 1), (b, 0)}

@@ -83,7 +83,7 @@ def test_eviction_is_chunk_granular(lm, doc, tmp_path):
     Ca = svc.contexts[a].memory
     nt = Ca.geometry.num_token_chunks
     svc.budget = svc.used_bytes() - Ca.nbytes // 2      # half of a must go
-    svc._reserve(0, svc.contexts[b])
+    svc.account.reserve(0, svc.contexts[b])
     assert svc.used_bytes() <= svc.budget
     res = sorted(Ca.resident_bytes_by_token())
     assert 0 < len(res) < nt, "a evicted whole or not at all"

@@ -105,13 +105,8 @@ def make_trace(contexts: list[dict[str, Any]], calls: int, pattern: str, seed: i
 
 
 def make_service(lm: Any, system: str, budget: int, swap_dir: Path, ratio: float) -> Any:
-    from sparkv.device.baselines import LMKService, SwapService
     from sparkv.device.service import ContextService, ServiceConfig
 
-    if system == "lmk":
-        return LMKService(lm, budget, swap_dir)
-    if system == "swap":
-        return SwapService(lm, budget, swap_dir)
     if system == "unlimited":
         return ContextService(lm, 1 << 40, swap_dir, config=ServiceConfig(
             name="unlimited", compression="fp", journal=False))

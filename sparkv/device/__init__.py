@@ -6,11 +6,15 @@ budget, switched in milliseconds (docs/device-service.md).
     cid = svc.new_context("You are a helpful assistant.")
     print(svc.call(cid, "Hello!").text)
 
-Modules: ``service`` (the service, its policies), ``loader`` (working memory, batched chunk
-recomputation at global positions, the IO-recompute pipeline), ``planner`` (the IO/recompute
-split), ``density`` (information density from attention, the level mix), ``flashio`` (grouped
-durable writes, the I/O profile), ``journal`` (crash recovery), ``baselines`` (LMK, whole-context
-swapping), ``restore`` (SparKV's planner with flash as one more link), ``app`` / ``client`` /
+Modules: ``service`` (the public API, the order of a call), ``config`` (the policies and the
+benchmark's presets), ``registry`` (contexts, ids, locks), ``budget`` (the account, reservations,
+the eviction policies), ``keeper`` / ``chunked`` / ``baselines`` (how a context's KV is kept:
+chunks at levels for LLMS; whole arenas killed or swapped for LMK and whole-context swapping),
+``levels`` (the chunks' levels), ``swap`` (every context's flash files), ``journal`` (crash
+recovery), ``prompts`` (chat formatting), ``loader`` (working memory, batched chunk recomputation
+at global positions, the IO-recompute pipeline), ``planner`` (the IO/recompute split), ``density``
+(information density from attention, the level mix), ``flashio`` (grouped durable writes, the I/O
+profile), ``restore`` (SparKV's planner with flash as one more link), ``app`` / ``client`` /
 ``commands`` (the local REST service and ``sparkv device``).
 """
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from sparkv.cache import Residency
+from sparkv.cache import ContextKV, Residency
+from sparkv.device.flashio import IOProfile
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.scheduler.instance import DEFAULT_LEVELS, Instance, Level
 
@@ -71,14 +72,17 @@ def _sub_chunks(gs: ChunkGeometry, gd: ChunkGeometry, t_s: int) -> range:
     return range(a // gd.chunk_tokens, -(-b // gd.chunk_tokens))
 
 
-def restore_plan(service: Any, sid: str, server_geometry: ChunkGeometry,
+def restore_plan(memory: ContextKV, io: IOProfile, server_geometry: ChunkGeometry,
                  sizes: dict[KVChunkId, dict[str, int]], t_comp: np.ndarray, link_Bps: float, *,
                  rtt_s: float = 0.0, quality_floor: str | None = None,
                  t_proc: dict[KVChunkId, dict[str, float]] | None = None,
                  planner: str = "sparkv") -> RestorePlan:
-    """The restore of service context ``sid`` (module docstring).
+    """The restore of a service context whose KV memory is ``memory`` (module docstring).
 
     Args:
+        memory: the context's memory (its chunks' residency and flash copies); hold the
+            context's lock while planning.
+        io: this device's flash read profile.
         server_geometry: the server's chunking of the context (the manifest's).
         sizes: per server chunk, bytes per codec level (the manifest's; empty when the server is
             out of reach: then flash and recompute only).
@@ -87,34 +91,53 @@ def restore_plan(service: Any, sid: str, server_geometry: ChunkGeometry,
     """
     from sparkv.scheduler.planners import get_planner
 
-    ctx = service._get(sid)
-    C = ctx.memory
-    gd: ChunkGeometry = C.geometry
+    gd: ChunkGeometry = memory.geometry
     gs = server_geometry
     if gs.num_tokens != gd.num_tokens or gs.num_layers != gd.num_layers:
         raise ValueError("the server's context and the service's do not have the same tokens "
                          "and layers")
     out = RestorePlan()
-    missing_t = set()
-    for t in range(gd.num_token_chunks):
-        for l in range(gd.num_layers):  # noqa: E741
-            if C.residency(KVChunkId(t, l, 0)) != Residency.RESIDENT:
-                missing_t.add(t)
-                break
+    missing_t = {t for t in range(gd.num_token_chunks)
+                 if any(memory.residency(KVChunkId(t, l, 0)) != Residency.RESIDENT
+                        for l in range(gd.num_layers))}  # noqa: E741
     out.missing = len(missing_t)
     if not missing_t:
         return out
-    io = service.io
-    flash_ok = gs.num_groups == 1
     # the planner's sizes are whole numbers: count in 1/UNIT bytes (the link's rate scaled
     # alike), so that a flash read of microseconds is not rounded to a byte of a slow link
-    unit = UNIT
-    link_u = link_Bps * unit
+    link_u = link_Bps * UNIT
+    chunk_bytes, procs = _chunk_costs(memory, io, gs, sizes, t_proc or {}, link_u)
+    levels = tuple([FLASH_LEVEL] + [lv for lv in DEFAULT_LEVELS])
+    present = {lv for e in chunk_bytes.values() for lv in e}
+    floor = quality_floor if quality_floor in present else None
+    inst = Instance.from_mappings(
+        gs, chunk_bytes, {s: float(t_comp[s.t, s.l]) for s in gs.step_ids()}, link_u,
+        t_proc=procs, rtt_s=rtt_s, levels=levels, quality_floor=floor, name="restore")
+    plan = get_planner(planner).plan(inst)
+    out.instance, out.plan = inst, plan
+    _assign(out, plan, gs, gd, missing_t)
+    try:
+        from sparkv.scheduler.simulator import estimate_ttft
+        out.estimate_s = float(estimate_ttft(plan, inst))
+    except Exception:  # noqa: BLE001 - an estimate only
+        out.estimate_s = float("nan")
+    return out
+
+
+def _chunk_costs(C: ContextKV, io: IOProfile, gs: ChunkGeometry,
+                 sizes: dict[KVChunkId, dict[str, int]],
+                 t_proc: dict[KVChunkId, dict[str, float]], link_u: float
+                 ) -> tuple[dict[KVChunkId, dict[str, int]], dict[KVChunkId, dict[str, float]]]:
+    """Per server chunk, its size (in 1/UNIT bytes) and processing seconds per level, flash
+    included (as the link bytes its read time is worth) where every missing sub-chunk of it has
+    a clean flash copy."""
+    gd = C.geometry
+    flash_ok = gs.num_groups == 1
     chunk_bytes: dict[KVChunkId, dict[str, int]] = {}
     procs: dict[KVChunkId, dict[str, float]] = {}
     for cid in gs.chunk_ids():
-        entry = {lv: int(b) * unit for lv, b in sizes.get(cid, {}).items()}
-        proc = dict((t_proc or {}).get(cid, {lv: 0.0 for lv in entry}))
+        entry = {lv: int(b) * UNIT for lv, b in sizes.get(cid, {}).items()}
+        proc = dict(t_proc.get(cid, {lv: 0.0 for lv in entry}))
         if flash_ok:
             # a token chunk's file holds every layer: a layer's share of it is 1/L of a file
             files = nbytes = 0.0
@@ -136,18 +159,15 @@ def restore_plan(service: Any, sid: str, server_geometry: ChunkGeometry,
             proc = {"raw": 0.0}
         chunk_bytes[cid] = entry
         procs[cid] = proc
-    levels = tuple([FLASH_LEVEL] + [lv for lv in DEFAULT_LEVELS])
-    present = {lv for e in chunk_bytes.values() for lv in e}
-    floor = quality_floor if quality_floor in present else None
-    inst = Instance.from_mappings(
-        gs, chunk_bytes, {s: float(t_comp[s.t, s.l]) for s in gs.step_ids()}, link_u,
-        t_proc=procs, rtt_s=rtt_s, levels=levels, quality_floor=floor, name="restore")
-    plan = get_planner(planner).plan(inst)
-    out.instance, out.plan = inst, plan
-    # per server token chunk, one way in for its missing sub-chunks (the service restores
-    # whole 16-token chunks through every layer): recomputed if the plan computes any of its
-    # steps; else read if the plan reads any of its layers from flash; else fetched from the
-    # server, every (layer, group) at the level the plan chose for it
+    return chunk_bytes, procs
+
+
+def _assign(out: RestorePlan, plan: Any, gs: ChunkGeometry, gd: ChunkGeometry,
+            missing_t: set[int]) -> None:
+    """Per server token chunk, one way in for its missing sub-chunks (the service restores
+    whole 16-token chunks through every layer): recomputed if the plan computes any of its
+    steps; else read if the plan reads any of its layers from flash; else fetched from the
+    server, every (layer, group) at the level the plan chose for it."""
     computed_t = {s.t for s in plan.compute_order}
     by_t: dict[int, list[KVChunkId]] = {}
     for cid in plan.stream_order:
@@ -171,12 +191,6 @@ def restore_plan(service: Any, sid: str, server_geometry: ChunkGeometry,
     out.recompute = sorted(recompute)
     out.read = sorted(read)
     out.stream = sorted(stream)
-    try:
-        from sparkv.scheduler.simulator import estimate_ttft
-        out.estimate_s = float(estimate_ttft(plan, inst))
-    except Exception:  # noqa: BLE001 - an estimate only
-        out.estimate_s = float("nan")
-    return out
 
 
 def provided_chunks(service_geometry: ChunkGeometry, layer: int, token_start: int, k: Any,

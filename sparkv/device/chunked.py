@@ -1,0 +1,311 @@
+"""LLMS's way of keeping a context: a segmented :class:`~sparkv.cache.ContextKV` cut into token
+chunks (16 tokens across all layers, one KV group), each at its own level, resident, on flash or
+absent.
+
+* **create / adopt**: a new context's KV (its first prefill, or a KV made elsewhere) is folded into
+  its memory layer by layer, each chunk at the level :class:`~sparkv.device.levels.LevelPolicy`
+  gives it, and marked modified (written ahead of time when the call returns);
+* **switch in**: a call runs over a dense fp working memory with spare slots. The context's kept
+  working memory (``keep_working``), if still valid, is used as it is or grown layer by layer;
+  else the missing chunks, the working memory and the new chunks are reserved, and the loader
+  (:func:`sparkv.device.loader.load`) fills it: resident chunks dequantized, flash chunks read,
+  some recomputed, pipelined layer by layer, the split chosen by
+  :func:`sparkv.device.planner.plan_split` (or, given the server's copy, by
+  :func:`sparkv.device.restore.restore_plan`: flash, server or recompute per chunk);
+* **fold back**: the call's new tokens enter the memory at the levels their densities earn; the
+  working memory is kept (``keep_working``, while valid) or freed;
+* **evict**: token chunks are dropped, the modified ones written first
+  (:meth:`~sparkv.device.swap.SwapStore.put_away`); **write ahead**: every modified chunk is
+  written when a call returns (``aot``), so that a reclaim writes nothing.
+
+Locks: as every :class:`~sparkv.device.keeper.Keeper` (its module docstring); the learned
+recompute profile is updated only under the service's run lock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from sparkv.cache import ContextKV, Residency, Source
+from sparkv.cache.payload import ChunkPayload, contiguous_positions
+from sparkv.device.errors import BudgetTooSmall
+from sparkv.device.flashio import IOProfile
+from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
+from sparkv.device.levels import LevelPolicy
+from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena, load, payload_nbytes,
+                                  token_chunk_ids, working_nbytes)
+from sparkv.device.planner import MissingChunk, RecomputeProfile, Split, plan_split
+from sparkv.device.registry import DeviceContext
+from sparkv.layout import ChunkGeometry, KVChunkId
+
+
+@dataclass(eq=False)
+class ChunkKeeper(Keeper):
+    """Contexts as chunks at levels (module docstring).
+
+    Args (beyond :class:`~sparkv.device.keeper.Keeper`'s):
+        levels: the chunks' levels.
+        io, recompute: the flash read and recomputation cost models the split is planned by
+            (``recompute`` learns from every load).
+
+    Uses ``config.pipeline``, ``io_threads``, ``aot``, ``keep_working``, ``hot_margin_tokens``.
+    """
+
+    levels: LevelPolicy = field(kw_only=True)
+    io: IOProfile = field(kw_only=True)
+    recompute: RecomputeProfile = field(kw_only=True)
+
+    # ---- a new context ---------------------------------------------------------------------------
+    def create(self, ctx: DeviceContext) -> None:
+        g = self.geometry(len(ctx.tokens))
+        w = working_nbytes(g, 0, self.lm.dtype)
+        W = self._prefill(ctx, g, 0, w + w // g.num_layers + 4096)
+        self._fold_new(ctx, W)
+
+    def _fold_new(self, ctx: DeviceContext, W: ContextKV) -> None:
+        """A new context's memory made from its working memory, layer by layer (each layer of the
+        working memory freed as soon as its chunks are in), at the chunks' levels."""
+        g = W.geometry
+        ctx.levels = self.levels.assign(ctx, g)
+        C = ContextKV(g, self.lm.dtype, self.lm.device, segmented=True)
+        with self.registry.lock:
+            ctx.memory = C
+        for l in range(g.num_layers):  # noqa: E741
+            for t in range(g.num_token_chunks):
+                for gg in range(g.num_groups):
+                    C.put_payload(chunk_payload(W, KVChunkId(t, l, gg), ctx.levels[t]),
+                                  Source.COMPUTED)
+            self.budget.check()
+            W.segment(l)         # W's chunk table is empty: this frees the layer's arena
+        ctx.modified.update(range(g.num_token_chunks))
+        self._discard(ctx, W)
+
+    def adopt(self, ctx: DeviceContext, layers: Any) -> None:
+        g = self.geometry(len(ctx.tokens))
+        levels = self.levels.assign(ctx, g)
+        self.budget.reserve(self.levels.chunks_nbytes(g, levels), ctx)
+        C = ContextKV(g, self.lm.dtype, self.lm.device, segmented=True)
+        ctx.memory = C
+        ctx.levels = levels
+        hh, dtype = g.num_kv_heads, self.lm.dtype
+        for t in range(g.num_token_chunks):
+            t0, t1 = g.token_range(t)
+            for l in range(g.num_layers):  # noqa: E741
+                k, v = layer_kv(layers, l, t0, t1)
+                p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
+                                 contiguous_positions([t1 - t0] * hh, t0),
+                                 k.reshape(-1, g.head_dim).to(dtype).clone(),
+                                 v.reshape(-1, g.head_dim).to(dtype).clone(), dtype)
+                C.put_payload(p if levels[t] == "fp" else p.at_level(levels[t]), Source.INJECTED)
+            ctx.modified.add(t)
+            self.budget.check()
+
+    # ---- switching in ----------------------------------------------------------------------------
+    def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:
+        return self._take_hot(ctx, spare) or self._load(ctx, spare, remote)
+
+    def _load(self, ctx: DeviceContext, spare: int, remote: Any) -> SwitchIn:
+        """Reserves, then loads the context's chunks into a new working memory."""
+        C = ctx.memory
+        assert C is not None
+        g = C.geometry
+        missing, resident, restore = missing_chunks(ctx, self.lm.dtype)
+        need = (restore + working_nbytes(g, spare, self.lm.dtype)
+                + self.levels.new_chunk_bytes(g, spare))
+        spare, need = self._with_margin(g, spare, need)
+        reclaim_s = self.budget.reserve(need, ctx)
+        rp = None
+        if (remote is not None and missing and len(remote.token_ids) == len(ctx.tokens)
+                and list(remote.token_ids) == ctx.tokens):
+            rp = self._restore_plan(ctx, remote)
+            split = Split(rp.read, rp.recompute, rp.estimate_s, 0.0, 0.0, 0.0)
+        else:
+            split = plan_split(missing, g.num_tokens, resident, self.io, self.recompute,
+                               allow_recompute=self.config.pipeline)
+        W = ContextKV(g, self.lm.dtype, self.lm.device, spare_tokens=spare)
+        self.budget.hold(ctx.id, W)
+        self.budget.check()
+        levels = ctx.levels
+        request = LoadRequest(split.read, split.recompute, stream=rp.stream if rp else (),
+                              remote=remote if rp else None,
+                              remote_chunks=rp.server if rp else ())
+        options = LoadOptions(pipeline=self.config.pipeline, io_threads=self.config.io_threads,
+                              on_layer=self.budget.check, level_of=lambda t: levels[t])
+        stats = load(self.lm, ctx.tokens, C, W, ctx.tier, request, options)
+        stats.predicted_s = split.predicted_s
+        if rp is not None:
+            stats.notes.append(f"restore plan: {rp.counts()}")
+            self.counters["streamed_chunks"] += stats.streamed_chunks
+        ctx.modified.update(split.recompute)
+        ctx.modified.update(rp.stream if rp else ())
+        if stats.faults:
+            ctx.modified.update(range(g.num_token_chunks))
+        self._learn(g, resident, stats)
+        return SwitchIn(W, stats, split, reclaim_s)
+
+    def _learn(self, g: ChunkGeometry, resident: int, stats: LoadStats) -> None:
+        """Counts what a load did and folds its timings into the recompute profile."""
+        self.counters["read_bytes"] += stats.bytes_read
+        self.counters["read_chunks"] += stats.read_chunks
+        self.counters["recomputed_chunks"] += stats.recomputed_chunks
+        self.counters["faults"] += stats.faults
+        if stats.recomputed_chunks and not stats.faults:
+            self.recompute.learn(stats.recomputed_chunks, g.num_tokens, stats.recompute_s)
+        self.recompute.learn_fill(resident + stats.read_chunks * g.num_layers * g.num_groups,
+                                  stats.fill_s)
+
+    def _restore_plan(self, ctx: DeviceContext, remote: Any) -> Any:
+        """The three-source restore plan of ``ctx`` from ``remote`` (server chunks), flash and
+        recompute (:func:`sparkv.device.restore.restore_plan`)."""
+        from sparkv.device.restore import restore_plan
+
+        assert ctx.memory is not None
+        gs = remote.geometry
+        n = len(ctx.tokens)
+        per = np.array([float(self.recompute.seconds([max(1, gs.chunk_len(t)
+                                                              // self.config.chunk_tokens)],
+                                                     n)[0]) / gs.num_layers
+                        for t in range(gs.num_token_chunks)])
+        t_comp = np.repeat(per[:, None], gs.num_layers, axis=1)
+        return restore_plan(ctx.memory, self.io, gs, remote.sizes, t_comp, remote.link_Bps,
+                            rtt_s=remote.rtt_s)
+
+    # ---- the kept working memory -----------------------------------------------------------------
+    def _take_hot(self, ctx: DeviceContext, spare: int) -> SwitchIn | None:
+        """The context's kept working memory, if it is still valid: used as it is when it has
+        ``spare`` free slots, else grown layer by layer (a copy, no dequantization)."""
+        W = ctx.hot
+        if W is None:
+            return None
+        n = len(ctx.tokens)
+        g = W.geometry
+        if not _whole_working(W, n):
+            self.budget.drop_hot(ctx)
+            return None
+        t0 = time.perf_counter()
+        ctx.hot = None                    # in use: the working memory of this call
+        cap = min(st.capacity for st in W.layers if st is not None)
+        stats = LoadStats(resident_chunks=g.num_token_chunks, notes=["hot working memory"])
+        if cap >= n + spare:
+            reclaim_s = self.budget.reserve(self.levels.new_chunk_bytes(g, spare), ctx)
+        else:
+            grow = working_nbytes(g, spare, self.lm.dtype) - W.nbytes
+            need = (max(0, grow) + W.nbytes // g.num_layers + 4096
+                    + self.levels.new_chunk_bytes(g, spare))
+            extra, need = self._with_margin(g, spare, need)
+            try:
+                reclaim_s = self.budget.reserve(need, ctx)
+            except BudgetTooSmall:
+                ctx.hot = W
+                self.budget.drop_hot(ctx)
+                return None
+            W = self._grow(ctx, W, extra)
+            stats.notes.append("grown")
+        self.counters["hot_hits"] += 1
+        stats.total_s = time.perf_counter() - t0
+        return SwitchIn(W, stats, None, reclaim_s)
+
+    def _grow(self, ctx: DeviceContext, old: ContextKV, extra: int) -> ContextKV:
+        """``old`` (held by the budget) grown to ``extra`` spare slots, layer by layer: the
+        account holds both only for one layer."""
+        key = ctx.id + "#grow"
+        W = grow_arena(old, extra, on_layer=self.budget.check,
+                       adopt=lambda new: self.budget.hold(key, new))
+        with self.registry.lock:
+            self.budget.release(key)
+            self.budget.hold(ctx.id, W)
+        return W
+
+    def _with_margin(self, g: ChunkGeometry, spare: int, need: int) -> tuple[int, int]:
+        """A working memory that will be kept gets ``hot_margin_tokens`` more spare slots (so
+        the next calls reuse it without growing), only if they fit the budget as it is now."""
+        m = self.config.hot_margin_tokens if self.config.keep_working else 0
+        if m <= 0:
+            return spare, need
+        more = (working_nbytes(g, spare + m, self.lm.dtype)
+                - working_nbytes(g, spare, self.lm.dtype))
+        if self.budget.fits(need + more):
+            return spare + m, need + more
+        return spare, need
+
+    # ---- after a call ----------------------------------------------------------------------------
+    def fold_back(self, ctx: DeviceContext, W: ContextKV, n_old: int) -> None:
+        C = ctx.memory
+        assert C is not None
+        g_new = W.geometry
+        if g_new.num_tokens > n_old:
+            C.extend(g_new.num_tokens)
+            ctx.levels = self.levels.assign(ctx, g_new)
+            for t in range(n_old // g_new.chunk_tokens, g_new.num_token_chunks):
+                for l in range(g_new.num_layers):  # noqa: E741
+                    for gg in range(g_new.num_groups):
+                        cid = KVChunkId(t, l, gg)
+                        C.put_payload(chunk_payload(W, cid, ctx.levels[t]), Source.APPENDED)
+                ctx.modified.add(t)
+                self.budget.check()
+        self.release(ctx, W)
+
+    def release(self, ctx: DeviceContext, W: ContextKV) -> None:
+        """Keeps ``W`` as the context's hot working memory (``keep_working``, while it holds
+        exactly the context's tokens), else frees it."""
+        if self.config.keep_working and _whole_working(W, len(ctx.tokens)):
+            with self.registry.lock:
+                ctx.hot = W
+            self.budget.check()
+            return
+        self._discard(ctx, W)
+
+    def _discard(self, ctx: DeviceContext, W: ContextKV) -> None:
+        self.budget.release(ctx.id)
+        del W
+        self.budget.check()
+
+    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> None:
+        freed, written = self.swap.put_away(ctx, list(ts))
+        self.counters["evicted_chunks"] += len(ts)
+        self.counters["evicted_bytes"] += freed
+        self.counters["reclaim_written_bytes"] += written
+
+    def write_ahead(self, ctx: DeviceContext) -> int:
+        return self.swap.write_ahead(ctx) if self.config.aot else 0
+
+
+def _whole_working(W: ContextKV, n: int) -> bool:
+    """Whether working memory ``W`` holds exactly ``n`` tokens, every layer dense and whole."""
+    return (W.geometry.num_tokens == n and max(W.positions) == n
+            and all(st is not None and not st.ragged for st in W.layers))
+
+
+def missing_chunks(ctx: DeviceContext, dtype: Any) -> tuple[list[MissingChunk], int, int]:
+    """The token chunks of ``ctx`` not wholly resident (with their flash files and whether they
+    are readable), the resident ``(t, l)`` chunks, and the bytes restoring the missing ones
+    takes."""
+    C = ctx.memory
+    assert C is not None
+    g = C.geometry
+    out: list[MissingChunk] = []
+    resident = restore = 0
+    for t in range(g.num_token_chunks):
+        paths: dict[str, int] = {}
+        readable = True
+        miss = 0
+        for cid in token_chunk_ids(g, t):
+            st = C.state(cid)
+            if st.residency == Residency.RESIDENT:
+                resident += 1
+                continue
+            miss += 1
+            if st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
+                paths[st.flash.path] = st.flash.nbytes
+            else:
+                readable = False
+        if miss:
+            lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
+            out.append(MissingChunk(t, lv, len(paths), sum(paths.values()), readable, miss))
+            restore += miss * payload_nbytes(lv, g.heads_per_group * g.chunk_len(t),
+                                             g.head_dim, dtype)
+    return out, resident, restore

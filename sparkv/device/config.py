@@ -1,0 +1,92 @@
+"""The context service's policies (:class:`ServiceConfig`): one set of fields makes LLMS, its
+ablations and every baseline of the context-switching benchmark with the same code.
+
+* ``compression`` (:mod:`sparkv.device.levels`): ``tolerance`` (int8 / int4 / int2 by density,
+  ``ratio``, ``fp_fraction``, ``fp_protect``), ``int8`` or ``fp``;
+* ``eviction`` (:mod:`sparkv.device.budget`): ``lctru``, ``lru`` (chunks) or ``whole``
+  (whole contexts);
+* ``put_away``: how evicted KV leaves memory and comes back: ``chunks`` (token chunk files,
+  :class:`~sparkv.device.chunked.ChunkKeeper`), ``kill`` (freed, recomputed from the tokens: LMK)
+  or ``file`` (one file per context: whole-context swapping), the last two
+  :class:`~sparkv.device.baselines.WholeKeeper`;
+* ``pipeline`` (IO-recompute pipeline, or read everything first), ``aot`` (ahead-of-time
+  swap-out, or write at reclaim), ``keep_working`` (keep a call's working memory while it fits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sparkv.device.budget import EVICTION_POLICIES, WholeContextLRU
+
+PUT_AWAY = ("chunks", "kill", "file")
+
+
+@dataclass
+class ServiceConfig:
+    """The service's policies (module docstring)."""
+
+    name: str = "llms"
+    chunk_tokens: int = 16
+    compression: str = "tolerance"     # tolerance | int8 | fp
+    ratio: float = 1.0                 # global ratio of bytes to int8 (tolerance only)
+    fp_fraction: float = 0.0           # the densest fraction of chunks kept at fp (tolerance)
+    fp_protect: int = 1                # the first chunks (attention sinks) kept at fp, outside
+    #                                    the ratio (tolerance only)
+    pipeline: bool = True              # IO-recompute pipeline; else read every missing chunk first
+    aot: bool = True                   # ahead-of-time swap-out when a call returns
+    eviction: str = "lctru"            # lctru | lru | whole
+    put_away: str = "chunks"           # chunks | kill | file
+    keep_working: bool = True          # keep the last working memory (fp) while it fits: a call
+    #                                    on a context still hot switches without a load
+    hot_margin_tokens: int = 48        # spare slots a kept working memory gets beyond the call's
+    io_threads: int = 4
+    max_context_tokens: int = 0        # 0: the model's positions
+    max_new_tokens: int = 512
+    journal: bool = True
+    measure_io: bool = True            # measure the per-file read latency once per swap dir
+
+    def __post_init__(self) -> None:
+        if self.compression not in ("tolerance", "int8", "fp"):
+            raise ValueError(f"compression must be tolerance, int8 or fp, not {self.compression!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {sorted(EVICTION_POLICIES)}, "
+                             f"not {self.eviction!r}")
+        if self.put_away not in PUT_AWAY:
+            raise ValueError(f"put_away must be one of {PUT_AWAY}, not {self.put_away!r}")
+        if (self.put_away == "chunks") == (self.eviction == WholeContextLRU.name):
+            raise ValueError("whole-context eviction goes with put_away kill or file, chunk "
+                             "eviction with put_away chunks")
+        if self.put_away != "chunks" and (self.compression != "fp" or self.journal):
+            raise ValueError("whole contexts are kept at fp and not journaled")
+        if not 0.25 <= self.ratio <= 4.0:
+            raise ValueError("ratio must be in [0.25, 4] (bytes relative to int8)")
+        if not 0.0 <= self.fp_fraction <= 1.0 or self.fp_protect < 0:
+            raise ValueError("fp_fraction must be in [0, 1] and fp_protect >= 0")
+        if self.chunk_tokens < 16:
+            raise ValueError("chunk_tokens must be >= 16")
+
+    # ---- the systems of the benchmark --------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **kw: Any) -> "ServiceConfig":
+        """``llms``, ``llms-no-compression``, ``llms-no-pipeline``, ``llms-no-lifecycle``,
+        ``vllm-s`` (16-token chunks swapped, fp, LRU, written at reclaim, no recompute),
+        ``vllm-sq`` (the same at int8), ``lmk`` (whole fp contexts, killed under pressure and
+        recomputed) and ``swap`` (whole fp contexts swapped as one file each)."""
+        chunk_swap = {"pipeline": False, "aot": False, "eviction": "lru", "keep_working": False}
+        whole = {"compression": "fp", "aot": False, "eviction": "whole", "keep_working": False,
+                 "journal": False}
+        presets: dict[str, dict[str, Any]] = {
+            "llms": {},
+            "llms-no-compression": {"compression": "int8"},
+            "llms-no-pipeline": {"pipeline": False},
+            "llms-no-lifecycle": {"aot": False, "eviction": "lru", "keep_working": False},
+            "vllm-s": {"compression": "fp", **chunk_swap},
+            "vllm-sq": {"compression": "int8", **chunk_swap},
+            "lmk": {"put_away": "kill", **whole},
+            "swap": {"put_away": "file", **whole},
+        }
+        if name not in presets:
+            raise ValueError(f"unknown preset {name!r}; known: {sorted(presets)}")
+        return cls(name=name, **{**presets[name], **kw})

@@ -1,0 +1,132 @@
+"""How the context service keeps a context's KV between calls: the interface its two forms share.
+
+* :class:`~sparkv.device.chunked.ChunkKeeper` (LLMS, its ablations, VLLM-S / VLLM-SQ): a context
+  is a segmented :class:`~sparkv.cache.ContextKV` of 16-token chunks at their levels, evicted
+  chunk by chunk, written to token chunk files, loaded back by reads and recomputation;
+* :class:`~sparkv.device.baselines.WholeKeeper` (LMK, whole-context swapping): a context is one
+  dense fp arena, evicted whole, killed or written as one file, brought back whole.
+
+A keeper is given a context locked by its caller (its lock held for the whole operation) and
+allocates only what it has reserved from the :class:`~sparkv.device.budget.MemoryBudget`
+first, checking the account after every layer and chunk it adds. :meth:`Keeper.evict` is called
+by a reservation with the registry's lock held, on a context nobody holds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from sparkv.cache import ContextKV
+from sparkv.device.budget import MemoryBudget
+from sparkv.device.config import ServiceConfig
+from sparkv.device.density import DensityRecorder, recording
+from sparkv.device.errors import DeviceError
+from sparkv.device.loader import LoadOptions, LoadRequest, LoadStats, load
+from sparkv.device.planner import Split
+from sparkv.device.registry import ContextRegistry, DeviceContext
+from sparkv.device.swap import SwapStore
+from sparkv.layout import ChunkGeometry
+
+
+@dataclass
+class SwitchIn:
+    """A context switched in: the working memory a call runs over, what loading it did, the
+    IO/recompute split (chunked contexts that loaded) and the seconds reclaiming took."""
+
+    working: ContextKV
+    stats: LoadStats | None
+    split: Split | None
+    reclaim_s: float
+
+
+@dataclass(eq=False)
+class Keeper(ABC):
+    """One form of keeping contexts (module docstring).
+
+    Args:
+        lm: the :class:`~sparkv.runtime.model.LoadedModel`.
+        config: the service's policies (``chunk_tokens``: a context's geometry).
+        registry, budget, swap: the service's contexts, budget and swap space.
+        counters: the service's counters (what was evicted, written, read, recomputed).
+    """
+
+    lm: Any
+    config: ServiceConfig
+    registry: ContextRegistry
+    budget: MemoryBudget
+    swap: SwapStore
+    counters: dict[str, float]
+
+    def geometry(self, n: int) -> ChunkGeometry:
+        """The geometry of a context of ``n`` tokens."""
+        return ChunkGeometry.from_config(self.lm.config, n, self.config.chunk_tokens)
+
+    @abstractmethod
+    def create(self, ctx: DeviceContext) -> None:
+        """A new context's first prefill (its densities recorded), kept in this form."""
+
+    @abstractmethod
+    def adopt(self, ctx: DeviceContext, layers: Any) -> None:
+        """A new context's KV made elsewhere (:func:`layer_kv`'s ``layers``), kept in this form."""
+
+    @abstractmethod
+    def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:
+        """The working memory a call on ``ctx`` runs over, with ``spare`` free slots."""
+
+    @abstractmethod
+    def fold_back(self, ctx: DeviceContext, W: ContextKV, n_old: int) -> None:
+        """After a call that grew ``ctx`` from ``n_old`` tokens: keeps its new tokens and
+        releases the working memory."""
+
+    @abstractmethod
+    def release(self, ctx: DeviceContext, W: ContextKV) -> None:
+        """After a call that left ``ctx`` as it was: releases the working memory."""
+
+    @abstractmethod
+    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> None:
+        """Reclaims token chunks ``ts`` of ``ctx`` (or all of it)."""
+
+    @abstractmethod
+    def write_ahead(self, ctx: DeviceContext) -> int:
+        """After a call: writes what a later reclaim would have to (bytes written)."""
+
+    def _prefill(self, ctx: DeviceContext, g: ChunkGeometry, spare: int,
+                 reserve: int) -> ContextKV:
+        """Reserves ``reserve`` bytes, then recomputes every chunk of ``ctx`` into a new working
+        memory with ``spare`` free slots (held by the budget), recording its densities."""
+        self.budget.reserve(reserve, ctx)
+        W = ContextKV(g, self.lm.dtype, self.lm.device, spare_tokens=spare)
+        self.budget.hold(ctx.id, W)
+        self.budget.check()
+        rec = DensityRecorder(g.num_tokens)
+        with recording(rec):
+            load(self.lm, ctx.tokens, W, W, ctx.tier, LoadRequest(recompute=range(g.num_token_chunks)),
+                 LoadOptions(on_layer=self.budget.check, store_recomputed=False))
+        ctx.add_density(rec, g.num_tokens)
+        return W
+
+
+def layer_kv(layers: Any, l: int, t0: int, t1: int  # noqa: E741
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[H, t1-t0, D]`` K/V of positions ``t0..t1`` of layer ``l`` of ``layers``: a
+    :class:`ContextKV` holding every chunk (any chunk size, dense or segmented, never pruned), or
+    per layer ``(K, V)`` ``[1, H, N, D]``."""
+    if not isinstance(layers, ContextKV):
+        return layers[l][0][0, :, t0:t1], layers[l][1][0, :, t0:t1]
+    if layers.is_dense(l):
+        store = layers.layers[l]
+        assert store is not None and store.k is not None and store.v is not None
+        return store.k[0, :, t0:t1], store.v[0, :, t0:t1]
+    ks, vs = [], []
+    for e in layers.layer_entries(l, stop=t1):
+        keep = e.pos >= t0
+        if int(keep.sum()) != t1 - t0:
+            raise DeviceError("the memory to adopt is pruned: the context service keeps whole "
+                              "chunks")
+        ks.append(e.k[keep])
+        vs.append(e.v[keep])
+    return torch.stack(ks), torch.stack(vs)

@@ -49,6 +49,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from sparkv.device import ContextService
+    from sparkv.edge.options import AskOptions
     from sparkv.edge.plots import plot_timelines, timeline_of
     from sparkv.edge.prompts import chat_context, question_suffix
     from sparkv.edge.session import EdgeSession
@@ -104,9 +105,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 # each strategy meets the trace from its start, with nothing learned of the link
                 session.client.shaper = shaper_from_args(args)
                 session.priors.bandwidth_Bps = None
-                res = session.ask(cid, args.question, strategy=strat,
-                                  max_new_tokens=args.new_tokens, use_cache=False,
-                                  keep=strat == "sparkv")
+                res = session.ask(cid, args.question,
+                                  AskOptions(strategy=strat, max_new_tokens=args.new_tokens,
+                                             use_cache=False, keep=strat == "sparkv"))
                 bd = res.breakdown
                 runs.append((f"{strat}: TTFT {bd.ttft_s:.2f} s", res))
                 rows.append([strat, bd.ttft_s, bd.loading_s, bd.streaming_s, bd.local_compute_s,
@@ -125,8 +126,9 @@ def run_demo(args: argparse.Namespace) -> int:
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
                 session.client.shaper = shaper_from_args(args)
                 session.priors.bandwidth_Bps = None
-                res = session.ask(pcid, args.question, strategy="sparkv",
-                                  max_new_tokens=args.new_tokens, use_cache=False)
+                res = session.ask(pcid, args.question,
+                                  AskOptions(strategy="sparkv", max_new_tokens=args.new_tokens,
+                                             use_cache=False))
                 bd = res.breakdown
                 label = "sparkv+press"
                 runs.append((f"{label} ({spec}): TTFT {bd.ttft_s:.2f} s", res))
@@ -136,7 +138,8 @@ def run_demo(args: argparse.Namespace) -> int:
                              greedy_agreement(ref, res.tokens)])
                 print(f"[{label}] {res.answer.strip()}", flush=True)
             if "sparkv" in strategies:
-                follow = session.ask(cid, FOLLOW_UP, max_new_tokens=args.new_tokens, keep=True)
+                follow = session.ask(cid, FOLLOW_UP,
+                                     AskOptions(max_new_tokens=args.new_tokens, keep=True))
                 first = next(r for r in rows if r[0] == "sparkv")
                 print(f"\nfollow-up {FOLLOW_UP!r}, answered from the kept context: "
                       f"TTFT {follow.breakdown.ttft_s:.2f} s (the first sparkv ask: {first[1]:.2f} s),"

@@ -206,7 +206,7 @@ def resident_ask(lm: Any, tokens: int, work: Path, new_tokens: int) -> dict[str,
     """TTFT of a first ``ask`` (local prefill: the device holds the document) against a second
     one about the same context kept in a context service."""
     from sparkv.device import ContextService
-    from sparkv.edge import EdgeSession, chat_context
+    from sparkv.edge import AskOptions, EdgeSession, chat_context
     from sparkv.runtime.generate import sample_context_ids
 
     ids = chat_context(lm, sample_context_ids(lm, tokens))
@@ -214,13 +214,11 @@ def resident_ask(lm: Any, tokens: int, work: Path, new_tokens: int) -> dict[str,
     out: dict[str, Any] = {"context_tokens": len(ids)}
     with EdgeSession.connect("http://127.0.0.1:9", model=lm, context_service=svc) as s:
         q = "What does the text say about warranty?"
-        a = s.ask("bench-doc", q, strategy="local", token_ids=ids, backend="dense",
-                  max_new_tokens=new_tokens, keep=True)
-        b = s.ask("bench-doc", q, strategy="local", token_ids=ids, backend="dense",
-                  max_new_tokens=new_tokens, keep=True)
+        opts = AskOptions(strategy="local", backend="dense", max_new_tokens=new_tokens, keep=True)
+        a = s.ask("bench-doc", q, opts, token_ids=ids)
+        b = s.ask("bench-doc", q, opts, token_ids=ids)
         svc.swap_out(b.kept_id)
-        c = s.ask("bench-doc", q, strategy="local", token_ids=ids, backend="dense",
-                  max_new_tokens=new_tokens, keep=True)
+        c = s.ask("bench-doc", q, opts, token_ids=ids)
     out.update(first_ttft_s=a.ttft_s, resident_ttft_s=b.ttft_s, swapped_ttft_s=c.ttft_s,
                resident_ratio=a.ttft_s / max(b.ttft_s, 1e-9),
                swapped_ratio=a.ttft_s / max(c.ttft_s, 1e-9),

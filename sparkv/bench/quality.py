@@ -157,7 +157,8 @@ class Config:
     link: str | None = None
 
     def ask_kwargs(self) -> dict[str, Any]:
-        """The policy arguments of ``EdgeSession.ask`` (none for ``default``)."""
+        """The policy fields of this configuration's :class:`~sparkv.edge.options.AskOptions`
+        (none for ``default``)."""
         if self.strategy == "default":
             return {}
         kw: dict[str, Any] = {"strategy": self.strategy}
@@ -598,13 +599,15 @@ def _ask(session: Any, cid: str, probe: Probe, config: Config, rtt_ms: float,
     """One ``EdgeSession.ask`` under ``config`` (a fresh link shaper; shaped asks forget the
     learned bandwidth and fetch the manifest again, as a first question would); asked again up
     to ``retries`` times while the load falls back to local compute."""
+    from sparkv.edge.options import AskOptions
+
+    options = AskOptions(max_new_tokens=probe.new_tokens, stop_at_eos=probe.stop_at_eos,
+                         use_cache=config.link is None, **config.ask_kwargs())
     for attempt in range(retries + 1):
         session.client.shaper = _shaper(config.link, rtt_ms)
         if config.link is not None:
             session.priors.bandwidth_Bps = None
-        res = session.ask(cid, probe.question, max_new_tokens=probe.new_tokens,
-                          stop_at_eos=probe.stop_at_eos, use_cache=config.link is None,
-                          **config.ask_kwargs())
+        res = session.ask(cid, probe.question, options)
         if not res.breakdown.fallback or attempt == retries:
             return res
         del res

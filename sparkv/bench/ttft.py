@@ -256,6 +256,7 @@ class _Netns:
 
 def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies: list[str],
                  links: list[tuple[Any, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from sparkv.edge.options import AskOptions
     from sparkv.edge.plots import timeline_of
     from sparkv.edge.prompts import question_suffix
     from sparkv.runtime.generate import (first_token_kl, greedy_agreement, greedy_generate,
@@ -288,12 +289,14 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                 # codec tables, the HTTP stack and the planners, so that no strategy pays
                 # first-use costs that the others do not
                 for strat in ("local", *[s for s in strategies if s != "local"]):
-                    session.ask(cid, QUESTION, strategy=strat, max_new_tokens=2, use_cache=False,
-                                prelude=_prelude(args))
+                    session.ask(cid, QUESTION, AskOptions(strategy=strat, max_new_tokens=2,
+                                                          use_cache=False, prelude=_prelude(args)))
                 for link_label, trace in [(None, None)] + links:
                     for strat in strategies:
                         if (strat == "local") != (link_label is None):
                             continue
+                        opts = AskOptions(strategy=strat, use_cache=False, prelude=_prelude(args),
+                                          max_new_tokens=args.new_tokens, stop_at_eos=False)
                         for r in range(args.runs):
                             session.priors.bandwidth_Bps = None   # every run probes afresh
                             client.shaper = path.shaper(trace)
@@ -304,10 +307,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                             gc.collect()
                             gc.disable()
                             try:
-                                res = session.ask(cid, QUESTION, strategy=strat, use_cache=False,
-                                                  prelude=_prelude(args),
-                                                  max_new_tokens=args.new_tokens,
-                                                  stop_at_eos=False)
+                                res = session.ask(cid, QUESTION, opts)
                             finally:
                                 gc.enable()
                                 path.done()
@@ -333,7 +333,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
 
 
 def _prelude(args: argparse.Namespace) -> bool | None:
-    """``ask``'s prelude switch: ``None`` (the strategy's default) or off for every strategy."""
+    """``AskOptions.prelude``: ``None`` (the strategy's default) or off for every strategy."""
     return False if getattr(args, "prelude", "auto") == "off" else None
 
 
@@ -662,6 +662,7 @@ def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int
     from tqdm import tqdm
 
     from sparkv.bench.tasks import task_suite
+    from sparkv.edge.options import AskOptions
     from sparkv.edge.prompts import chat_context
     from sparkv.edge.session import EdgeSession
     from sparkv.scheduler.trace import Trace
@@ -686,8 +687,8 @@ def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int
                 cids = {"full": full, "press": pressed}
                 for cid in cids.values():      # warm-up (see _measure_all)
                     for strat in ("local", *PRESS_STRATEGIES):
-                        session.ask(cid, QUESTION, strategy=strat, max_new_tokens=2,
-                                    use_cache=False)
+                        session.ask(cid, QUESTION, AskOptions(strategy=strat, max_new_tokens=2,
+                                                              use_cache=False))
                 work = [(None, "full", "local")] + [(m, c, s) for m in mbps for c in cids
                                                      for s in PRESS_STRATEGIES]
                 for m, variant, strat in tqdm(work, desc=f"ttft --press {n} tok"):
@@ -695,9 +696,10 @@ def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int
                     for r in range(args.runs):
                         session.priors.bandwidth_Bps = None
                         client.shaper = path.shaper(trace)
-                        res = session.ask(cids[variant], QUESTION, strategy=strat,
-                                          use_cache=False, max_new_tokens=args.new_tokens,
-                                          stop_at_eos=False)
+                        res = session.ask(cids[variant], QUESTION,
+                                          AskOptions(strategy=strat, use_cache=False,
+                                                     max_new_tokens=args.new_tokens,
+                                                     stop_at_eos=False))
                         row = _row(args, n, m, strat, r, res, None, trace)
                         row["context"] = variant
                         rows.append(row)
@@ -714,8 +716,8 @@ def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int
                                                          levels=levels)
                     for variant, cid in (("full", full),
                                          ("press", session.client.pressed_context(full, spec))):
-                        res = session.ask(cid, task.question, strategy="sparkv",
-                                          max_new_tokens=16)
+                        res = session.ask(cid, task.question,
+                                          AskOptions(strategy="sparkv", max_new_tokens=16))
                         ok = task.correct(res.answer)
                         hits[variant] += int(ok)
                         rows.append({"tokens": n, "task": task.to_dict(), "context": variant,

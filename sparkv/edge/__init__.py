@@ -3,30 +3,33 @@
     protocol (manifest, records)  ->  client (REST)  ->  transport (ChunkSource; HTTP)
         ->  engine (stream + compute + decode under the controller)  ->  session (ask)
 
-    from sparkv.edge import EdgeSession
+    from sparkv.edge import AskOptions, EdgeSession
     with EdgeSession.connect("http://127.0.0.1:8080", api_key=KEY) as session:
-        result = session.ask(context_id, "What does it say about warranty?", strategy="sparkv")
+        result = session.ask(context_id, "What does it say about warranty?",
+                             AskOptions(strategy="sparkv"))
         print(result.answer)
         print(result.breakdown.table())
 
 See docs/edge.md.
 """
 
+from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.http_source import HttpChunkSource
+from sparkv.edge.options import AskOptions
 from sparkv.edge.planning import STRATEGIES, AskError, build_instance
 from sparkv.edge.prompts import chat_context, question_suffix
 from sparkv.edge.results import LoadResult, TransferLog, TransferStatus
-from sparkv.edge.session import AskResult, Breakdown, EdgeSession, Priors
+from sparkv.edge.session import EdgeSession, Priors
 from sparkv.edge.shaper import LinkShaper
 from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceError
 from sparkv.protocol import ApiError, Manifest, ManifestError, ServerUnavailable
 
 __all__ = [
-    "STRATEGIES", "ApiError", "AskError", "AskResult", "Breakdown", "ChunkSource", "ChunkStream",
-    "EdgeClient", "EdgeSession", "Engine", "EngineConfig", "EngineError", "FetchItem",
-    "HttpChunkSource", "LinkShaper", "LoadResult", "Manifest", "ManifestError", "Priors",
-    "ServerUnavailable", "SourceError", "TransferLog", "TransferStatus", "build_instance",
-    "chat_context", "question_suffix",
+    "STRATEGIES", "ApiError", "AskError", "AskOptions", "AskResult", "Breakdown", "ChunkSource",
+    "ChunkStream", "EdgeClient", "EdgeSession", "Engine", "EngineConfig", "EngineError",
+    "FetchItem", "HttpChunkSource", "LinkShaper", "LoadResult", "Manifest", "ManifestError",
+    "Priors", "ServerUnavailable", "SourceError", "TransferLog", "TransferStatus",
+    "build_instance", "chat_context", "question_suffix",
 ]

@@ -82,6 +82,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 
 def _ask(args: argparse.Namespace) -> int:
+    from sparkv.edge.options import AskOptions
     from sparkv.edge.session import EdgeSession
     from sparkv.runtime.model import cache_dir
 
@@ -105,11 +106,11 @@ def _ask(args: argparse.Namespace) -> int:
             session.context_service = ContextService(
                 session.lm, int(args.keep_budget_mb * 1e6),
                 args.keep_dir or cache_dir() / "device" / "kept")
-        res = session.ask(context, args.question, strategy=args.strategy,
-                          level=args.level, backend=args.backend,
-                          max_new_tokens=args.max_new_tokens, decode=args.decode,
-                          ram_budget=args.ram_budget, keep=args.keep,
-                          prelude=False if args.no_prelude else None)
+        options = AskOptions(strategy=args.strategy, level=args.level, backend=args.backend,
+                             max_new_tokens=args.max_new_tokens, decode=args.decode,
+                             ram_budget=args.ram_budget, keep=args.keep,
+                             prelude=False if args.no_prelude else None)
+        res = session.ask(context, args.question, options)
     if args.json:
         print(json.dumps({"answer": res.answer, "tokens": res.tokens,
                           "breakdown": res.breakdown.to_dict(),

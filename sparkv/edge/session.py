@@ -6,10 +6,13 @@
 
 A session owns what outlives one question: the device's model, the cost model of its layer
 steps, and the :class:`Priors` learned from earlier loads (link throughput, compute speed,
-question-prefill time). Each :meth:`EdgeSession.ask` runs
+question-prefill time). Each :meth:`EdgeSession.ask`, under its
+:class:`~sparkv.edge.options.AskOptions`, runs these steps (one method each)
 
-    manifest (+ token ids)  ->  instance (cost model, priors)  ->  planner  ->  Engine
-    (chunk source + compute + controller)  ->  assembled cache  ->  question prefill  ->  first token
+    _fetch:  manifest (+ token ids)
+    _plan:   instance (cost model, priors)  ->  planner
+    _load:   Engine (chunk source + compute + controller)  ->  assembled cache
+    _answer: question prefill  ->  first token  ->  AskResult (answer.py)
 
 and then folds the controller's own estimates of that load back into the priors: the session has
 no estimator of its own.
@@ -26,24 +29,27 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig
-from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, PRELUDE_STRATEGIES,
-                                  STRATEGIES, AskError,
+from sparkv.edge.options import AskOptions
+from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
                                   FloorNotEncoded, build_instance, default_backend,
-                                  default_quality_floor,
-                                  device_cost_model, local_instance, suffix_estimate)
+                                  default_quality_floor, device_cost_model, local_instance,
+                                  suffix_estimate)
+from sparkv.edge.prelude import Prelude, PreludeResult
 from sparkv.edge.prompts import question_suffix
-from sparkv.edge.prelude import Prelude
 from sparkv.edge.results import LoadResult, TransferStatus
 from sparkv.edge.shaper import LinkShaper
-from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId
+from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
 from sparkv.protocol import Manifest
 from sparkv.protocol.crypto import FrameCipher
 from sparkv.protocol.errors import ApiError, ServerUnavailable
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.plan import Plan
+
+__all__ = ["AskOptions", "AskResult", "Breakdown", "EdgeSession", "Priors", "apply_kept"]
 
 #: layer steps the controller must have timed before its compute ratio moves the prior
 MIN_COMPUTE_SAMPLES = 4
@@ -79,86 +85,78 @@ PRELUDE_STEP_S = 1e-6
 
 
 @dataclass
-class Breakdown:
-    """Where the time to first token went (seconds) and what each path did."""
+class _Ask:
+    """One ask in flight: its inputs and what its steps share. Made by :meth:`EdgeSession.ask`
+    for one call and used on the asking thread only (no lock); ``fallback`` collects why a
+    path was not taken, ``prelude`` is the running prelude (if any)."""
 
-    strategy: str
-    ttft_s: float
-    manifest_s: float = 0.0
-    planning_s: float = 0.0
-    loading_s: float = 0.0          # overlapped: until every KV chunk is in place
-    streaming_s: float = 0.0        # the link's active time (first to last body byte)
-    decoding_s: float = 0.0         # decode worker busy time (overlapped)
-    local_compute_s: float = 0.0    # compute thread busy time (overlapped)
-    question_prefill_s: float = 0.0
-    first_token_s: float = 0.0      # sampling after the question's forward pass
-    bytes_streamed: int = 0
-    bytes_wasted: int = 0
-    chunks_streamed: int = 0
-    chunks_computed: int = 0
-    steps_computed: int = 0
-    migrations: int = 0
-    requests: int = 0
-    levels: dict[str, int] = field(default_factory=dict)
+    context_id: str
+    options: AskOptions
+    suffix: list[int]              # the question's tokens
+    attention: Any                 # the AttentionBackend of the local steps
+    t_start: float                 # perf_counter() at the call (TTFT counts from here)
+    token_ids: Sequence[int] | None = None
+    prelude: Prelude | None = None
     fallback: dict[str, Any] = field(default_factory=dict)
-    decode: dict[str, Any] = field(default_factory=dict)   # DecodeStats of a decode policy
-    prelude_steps: int = 0          # layer steps computed before the plan (sparkv.edge.prelude)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def rows(self) -> list[tuple[str, str]]:
-        r = [("time to first token", f"{self.ttft_s:8.3f} s"),
-             ("  manifest + tokens", f"{self.manifest_s:8.3f} s"),
-             ("  planning", f"{self.planning_s:8.3f} s"),
-             ("  loading the cache", f"{self.loading_s:8.3f} s   (overlapped:)"),
-             ("    streaming (link active)", f"{self.streaming_s:8.3f} s"),
-             ("    decoding", f"{self.decoding_s:8.3f} s"),
-             ("    local compute", f"{self.local_compute_s:8.3f} s"),
-             ("  question prefill", f"{self.question_prefill_s:8.3f} s"),
-             ("  first token", f"{self.first_token_s:8.3f} s"),
-             ("bytes streamed", f"{self.bytes_streamed / 1e6:8.2f} MB"
-              + (f" (+{self.bytes_wasted / 1e6:.2f} MB wasted)" if self.bytes_wasted else "")),
-             ("chunks streamed / computed", f"{self.chunks_streamed} / {self.chunks_computed}"
-              f" ({self.steps_computed} layer steps"
-              + (f", {self.prelude_steps} before the plan" if self.prelude_steps else "") + ")"),
-             ("controller migrations", f"{self.migrations}")]
-        if self.levels:
-            r.append(("levels streamed", ", ".join(f"{k} x{v}" for k, v in self.levels.items())))
-        if self.decode:
-            d = self.decode
-            r.append((f"decode ({d['policy']})",
-                      f"{d['tokens_per_s']:8.2f} tok/s, flash "
-                      f"{d['flash_read_bytes_per_token'] / 1e3:.1f} kB/token in "
-                      f"{d['flash_read_ops_per_token']:.1f} reads, hit rate {d['hit_rate']:.2f}, "
-                      f"RAM peak {d['ram_peak_bytes'] / 1e6:.1f} MB"))
-        if self.fallback:
-            r.append(("FELL BACK to local compute", "; ".join(f"{k}: {v}"
-                                                           for k, v in self.fallback.items())))
-        return r
-
-    def table(self) -> str:
-        w = max(len(a) for a, _ in self.rows())
-        return "\n".join(f"{a:<{w}}  {b}" for a, b in self.rows())
-
-
-@dataclass
-class AskResult:
-    """The answer and everything measured on the way."""
-
-    answer: str
-    tokens: list[int]
-    breakdown: Breakdown
-    plan: Plan | None
-    instance: Instance | None
-    load: LoadResult | None
-    first_logits: Any = None
-    context_tokens: int = 0
-    kept_id: str | None = None     # the context service's id of the kept context (``keep``)
 
     @property
-    def ttft_s(self) -> float:
-        return self.breakdown.ttft_s
+    def spare(self) -> int:
+        """Cache slots past the context (tokens): the question, the answer and 8 more."""
+        return len(self.suffix) + self.options.max_new_tokens + 8
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """The context as the manifest step found it."""
+
+    manifest: Manifest | None      # None: the server is out of reach, or a local ask skipped it
+    tokens: list[int]
+    pressed: Manifest | None       # a compressed context's manifest: its kept positions apply
+    seconds: float                 # from the call to here (``Breakdown.manifest_s``)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What the planning step decided."""
+
+    geometry: ChunkGeometry
+    instance: Instance
+    plan: Plan
+    controller: ControllerConfig
+    strategy: str                  # the strategy that planned: the asked one, or ``local``
+    prelude_usable: bool           # the prelude ran on this geometry and these tokens
+    prelude_done: frozenset[StepId]    # the steps it finished or promised (priced ~0)
+    seconds: float                 # ``Breakdown.planning_s``
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """The assembled cache and how it was made."""
+
+    stepper: Any                   # the LayerStepper whose ``kv`` holds the context
+    load: LoadResult
+    prelude: PreludeResult | None  # the prelude's steps the load used (None: none were)
+    prune_s: float                 # pruning to a compressed context's kept positions (s)
+
+
+def _claim_prelude(pre: Prelude | None, tokens: list[int],
+                   geometry: ChunkGeometry) -> tuple[bool, frozenset[StepId]]:
+    """Asks a running prelude to stop; returns whether its work fits this load (same geometry
+    and tokens) and, if so, the steps it finished or is finishing (the plan does not wait for
+    its stepper to be built: the load does)."""
+    usable = pre is not None and pre.geometry == geometry and pre.tokens == list(tokens)
+    if usable:
+        assert pre is not None
+        return True, pre.request_stop()
+    if pre is not None:
+        pre.request_stop(promise_first=False)
+    return False, frozenset()
+
+
+def _default_geometry(lm: Any, num_tokens: int) -> ChunkGeometry:
+    """The chunking of a context without a manifest: the default chunk size."""
+    return ChunkGeometry.from_config(lm.config, num_tokens,
+                                     min(DEFAULT_CHUNK_TOKENS, num_tokens))
 
 
 class EdgeSession:
@@ -175,6 +173,9 @@ class EdgeSession:
         context_service: a :class:`~sparkv.device.ContextService` of the same model: ``ask(...,
             keep=True)`` keeps the loaded cache there as a managed context, and a later question
             about it is answered from the service (no load; docs/device-service.md).
+
+    One ask at a time: ``ask`` updates :attr:`priors` without a lock (its engine's threads end
+    within the call).
     """
 
     def __init__(self, client: EdgeClient, model: Any = None, *, priors: Priors | None = None,
@@ -235,97 +236,61 @@ class EdgeSession:
         self.close()
 
     # ---- ask ---------------------------------------------------------------------------------
-    def ask(self, context_id: str, question: str, *, strategy: str = "sparkv",
-            level: str = "auto", quality_floor: str | None = AUTO_FLOOR, backend: Any = "auto",
-            max_new_tokens: int = 32, bandwidth_mbps: float | None = None, use_cache: bool = True,
-            chat: bool = True, engine_config: EngineConfig | None = None,
-            controller: ControllerConfig | None = None, stop_at_eos: bool = True,
-            token_ids: Sequence[int] | None = None, keep: bool = False, decode: str = "full",
-            ram_budget: float | None = None, prelude: bool | None = None) -> AskResult:
-        """Answers ``question`` about context ``context_id`` with ``strategy``.
+    def ask(self, context_id: str, question: str, options: AskOptions | None = None, *,
+            token_ids: Sequence[int] | None = None, **overrides: Any) -> AskResult:
+        """Answers ``question`` about context ``context_id`` as ``options`` say.
 
         Args:
-            level: ``auto`` (the planner picks per chunk among the encoded levels at or above
-                ``quality_floor``) or one level name (every streamed chunk at that level).
-            quality_floor: the lowest level a streamed chunk may use; ``auto`` (the default):
-                the floor of this model's measured quality table (``sparkv bench quality
-                --save-table``, docs/quality.md), ``q5`` without one; when no encoded level meets
-                the measured floor, the context is computed locally (``breakdown.fallback``);
-                ``None``: any level.
-            backend: attention backend of the local steps, a name (``auto``: block-sparse on
-                the CPU, unless the model's quality table measured it failing the default
-                policy's thresholds while dense passes: then dense) or an
-                :class:`~sparkv.runtime.attention.AttentionBackend`.
-            bandwidth_mbps: the link estimate to plan with; default: the priors' (the
-                controller's throughput of the last load), else the manifest download's rate,
-                else 50 Mbit/s. The controller corrects it from measured rates either way.
-            use_cache: reuse a manifest the client already holds (no request).
+            options: the policy (default: ``AskOptions()``, the fields' defaults).
             token_ids: the context's tokens when the device holds the document (no request).
-            keep: keep the loaded cache as a context of ``context_service`` (after the answer);
-                if it already holds this context, answer from it: no manifest, no stream, only
-                the question's prefill (plus restoring chunks it swapped out, from flash or by
-                recomputation).
-            decode, ram_budget: the decode-time KV policy (:data:`sparkv.decode.POLICIES`;
-                ``full``: everything in RAM) and its RAM budget (bytes, or a fraction <= 1 of the
-                final KV); its stats go to ``breakdown.decode`` (docs/dynakv.md).
-            prelude: compute the first layer steps while the manifest and the plan are on
-                their way (:mod:`sparkv.edge.prelude`; needs the context's tokens on the
-                device). ``None``: on for the strategies in :data:`PRELUDE_STRATEGIES`
-                (``sparkv``).
+            overrides: :class:`AskOptions` fields replacing those of ``options`` (``ask(cid, q,
+                strategy="local")``); a name that is no field raises :class:`TypeError`.
+
+        Raises:
+            AskError: an unknown strategy, decode policy or level; the server out of reach
+                while the context is not on this device; ``keep`` without a context service.
         """
-        from sparkv.runtime.attention import get_backend
-
-        if strategy not in STRATEGIES:
-            raise AskError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
-        if decode != "full" or ram_budget is not None:
-            from sparkv.decode import POLICIES
-
-            if decode not in POLICIES:
-                raise AskError(f"unknown decode policy {decode!r}; choose one of {list(POLICIES)}")
-        lm, client = self.lm, self.client
-        suffix = question_suffix(lm, question, chat)
-        if isinstance(backend, str) and backend == "auto":
-            backend = default_backend(lm.fingerprint)
-        attn = get_backend(backend) if isinstance(backend, str) else backend
-        t_start = time.perf_counter()
-        fallback: dict[str, Any] = {}
-        if keep:
-            kept = self._ask_kept(context_id, suffix, max_new_tokens, stop_at_eos, t_start)
+        opts = AskOptions.resolve(options, overrides)
+        suffix = question_suffix(self.lm, question, opts.chat)
+        attn = self._attention(opts.backend)
+        ask = _Ask(context_id, opts, suffix, attn, time.perf_counter(), token_ids)
+        if opts.keep:
+            kept = self._ask_kept(ask)
             if kept is not None:
                 return kept
-
-        spare = len(suffix) + max_new_tokens + 8
-        pre = None
-        if prelude if prelude is not None else strategy in PRELUDE_STRATEGIES:
-            pre = self._start_prelude(context_id, token_ids, attn, spare)
+        if opts.runs_prelude:
+            ask.prelude = self._start_prelude(ask)
         try:
-            return self._ask_loaded(
-                context_id, strategy, lm, client, suffix, attn, t_start, fallback, pre, spare,
-                level=level, quality_floor=quality_floor, max_new_tokens=max_new_tokens,
-                bandwidth_mbps=bandwidth_mbps, use_cache=use_cache, engine_config=engine_config,
-                controller=controller, stop_at_eos=stop_at_eos, token_ids=token_ids, keep=keep,
-                decode=decode, ram_budget=ram_budget)
+            return self._ask_loaded(ask)
         finally:
-            if pre is not None:
-                pre.join()   # a no-op after a load; stops it when the ask failed early
+            if ask.prelude is not None:
+                ask.prelude.join()   # a no-op after a load; stops it when the ask failed early
 
-    def _start_prelude(self, context_id: str, token_ids: Sequence[int] | None, attn: Any,
-                       spare: int) -> Prelude | None:
+    def _attention(self, backend: Any) -> Any:
+        """The :class:`AttentionBackend` of ``AskOptions.backend`` (``auto`` resolved for the
+        model)."""
+        from sparkv.runtime.attention import get_backend
+
+        if isinstance(backend, str) and backend == "auto":
+            backend = default_backend(self.lm.fingerprint)
+        return get_backend(backend) if isinstance(backend, str) else backend
+
+    def _start_prelude(self, ask: _Ask) -> Prelude | None:
         """A running prelude over the context's tokens when the device holds them (the
         geometry of a cached manifest, else the default chunking); ``None`` otherwise."""
         from sparkv.runtime.stepper import LayerStepper
 
-        tokens = list(token_ids) if token_ids is not None else self.client.known_tokens(context_id)
+        tokens = (list(ask.token_ids) if ask.token_ids is not None
+                  else self.client.known_tokens(ask.context_id))
         if not tokens:
             return None
-        known = self.client.known_manifest(context_id)
+        known = self.client.known_manifest(ask.context_id)
         geo = (known.chunk_geometry if known is not None
                and known.chunk_geometry.num_tokens == len(tokens)
-               else ChunkGeometry.from_config(self.lm.config, len(tokens),
-                                              min(DEFAULT_CHUNK_TOKENS, len(tokens))))
+               else _default_geometry(self.lm, len(tokens)))
         if self.lm.max_positions and len(tokens) > self.lm.max_positions:
             return None   # too long for the model: the load says so with its own error
-        lm = self.lm
+        lm, attn, spare = self.lm, ask.attention, ask.spare
 
         def make() -> LayerStepper:
             return LayerStepper(lm, tokens, geo.chunk_tokens, backend=attn,
@@ -333,186 +298,199 @@ class EdgeSession:
 
         return Prelude(make, geo, tokens).start()
 
-    def _ask_loaded(self, context_id: str, strategy: str, lm: Any, client: EdgeClient,
-                    suffix: list[int], attn: Any, t_start: float, fallback: dict[str, Any],
-                    pre: Prelude | None, spare: int, *, level: str, quality_floor: str | None,
-                    max_new_tokens: int, bandwidth_mbps: float | None, use_cache: bool,
-                    engine_config: EngineConfig | None, controller: ControllerConfig | None,
-                    stop_at_eos: bool, token_ids: Sequence[int] | None, keep: bool, decode: str,
-                    ram_budget: float | None) -> AskResult:
+    def _ask_loaded(self, ask: _Ask) -> AskResult:
         """:meth:`ask` from the manifest on (the prelude, if any, is running)."""
-        from sparkv.runtime.generate import greedy_generate
-        from sparkv.runtime.stepper import LayerStepper
-        from sparkv.scheduler.planners import get_planner
+        fetched = self._fetch(ask)
+        planned = self._plan(ask, fetched)
+        loaded = self._load(ask, fetched, planned)
+        return self._answer(ask, fetched, planned, loaded)
 
-        # ---- manifest and tokens -------------------------------------------------------------
-        manifest, tokens = self._context(context_id, strategy, use_cache, token_ids, fallback)
+    # ---- the steps of a load, in order -------------------------------------------------------
+    def _fetch(self, ask: _Ask) -> _Fetched:
+        """The manifest and the token ids, checked against the device's model."""
+        lm = self.lm
+        manifest, tokens = self._context(ask)
         if manifest is not None:
             manifest.check_model(lm.fingerprint, lm.name)
             manifest.check_tokens(tokens)
         # a compressed context (docs/presses.md, "On the server"): its kept positions shape the
         # assembled cache whichever path makes each chunk (a local ask uses a cached manifest)
-        pressed = manifest if manifest is not None else client.known_manifest(context_id)
+        pressed = manifest if manifest is not None else self.client.known_manifest(ask.context_id)
         if pressed is not None and not pressed.compressed:
             pressed = None
         if pressed is not None and manifest is None:
             pressed.check_model(lm.fingerprint, lm.name)
             pressed.check_tokens(tokens)
-        manifest_s = time.perf_counter() - t_start
+        return _Fetched(manifest, tokens, pressed, time.perf_counter() - ask.t_start)
 
-        # ---- plan ----------------------------------------------------------------------------
+    def _plan(self, ask: _Ask, fetched: _Fetched) -> _Planned:
+        """The instance (this device's step costs, the link prior), the strategy's plan and
+        its controller's configuration."""
+        from sparkv.scheduler.planners import get_planner
+
         t_plan = time.perf_counter()
-        if manifest is not None:
-            geometry = manifest.chunk_geometry
-        else:
-            geometry = ChunkGeometry.from_config(lm.config, len(tokens),
-                                                 min(DEFAULT_CHUNK_TOKENS, len(tokens)))
-        sparse = attn.name != "dense"
-        t_comp = (self.cost_model.t_comp(geometry, sparse=sparse, utilisation=0.0)
-                  * self.priors.compute_scale)
-        # the prelude's steps (finished, or finishing while this plans) cost nothing more; the
-        # plan does not wait for its stepper to be built (the load does, below)
-        usable = pre is not None and pre.geometry == geometry and pre.tokens == list(tokens)
-        pre_done: frozenset = frozenset()
-        if usable:
-            assert pre is not None
-            pre_done = pre.request_stop()
+        manifest, tokens = fetched.manifest, fetched.tokens
+        geometry = (manifest.chunk_geometry if manifest is not None
+                    else _default_geometry(self.lm, len(tokens)))
+        t_comp = (self.cost_model.t_comp(geometry, sparse=ask.attention.name != "dense",
+                                         utilisation=0.0) * self.priors.compute_scale)
+        usable, pre_done = _claim_prelude(ask.prelude, tokens, geometry)
+        if pre_done:
             t_comp = t_comp.copy()
             for s in pre_done:
                 t_comp[s.t, s.l] = PRELUDE_STEP_S
-        elif pre is not None:
-            pre.request_stop(promise_first=False)
         t_suffix = (self.priors.question_prefill_s if self.priors.question_prefill_s is not None
-                    else suffix_estimate(t_comp, geometry, len(suffix)))
-        effective = strategy if (manifest is not None and not fallback) else "local"
-        inst = None
-        if manifest is not None:
-            levels = None if level == "auto" else [level]
-            floor = (default_quality_floor(lm.fingerprint)
-                     if quality_floor == AUTO_FLOOR and not levels else quality_floor)
-            if levels and level not in manifest.levels:
-                raise AskError(f"level {level!r} was not encoded for context {context_id} "
-                               f"(it has {list(manifest.levels)})")
-            try:
-                inst = build_instance(manifest, t_comp, self._bandwidth_prior(bandwidth_mbps),
-                                      levels=levels, quality_floor=floor,
-                                      rtt_s=client.last_first_byte_s, t_suffix_s=t_suffix)
-            except FloorNotEncoded as e:
-                if quality_floor != AUTO_FLOOR:
-                    raise
-                # the measured floor forbids every encoded level: compute rather than degrade
-                fallback["quality"] = f"{e} (measured floor {floor}): computed locally"
-                effective = "local"
-        if inst is None:
-            inst = local_instance(geometry, t_comp, t_suffix)
+                    else suffix_estimate(t_comp, geometry, len(ask.suffix)))
+        inst, effective = self._instance(ask, manifest, geometry, t_comp, t_suffix)
         planner_name, ctl_factory = STRATEGIES[effective]
         plan = get_planner(planner_name).plan(inst)
-        ctl_cfg = controller if (controller is not None and effective == strategy) \
-            else ctl_factory()
-        planning_s = time.perf_counter() - t_plan
+        controller = ask.options.controller
+        ctl_cfg = (controller if controller is not None and effective == ask.options.strategy
+                   else ctl_factory())
+        return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
+                        time.perf_counter() - t_plan)
 
-        # ---- load ----------------------------------------------------------------------------
-        reuse = usable and pre is not None and pre.wait_stepper() is not None
-        if not reuse:
-            pre_done = frozenset()   # its stepper could not be built: nothing it promised ran
-        if reuse:
-            assert pre is not None and pre.stepper is not None
-            stepper = pre.stepper   # the engine waits for the prelude's last step
-        else:
-            if pre is not None:
-                pre.join()          # discarded: its last step must not compete with the load
-            stepper = LayerStepper(lm, tokens, geometry.chunk_tokens, backend=attn,
-                                   heads_per_group=geometry.heads_per_group, spare_tokens=spare)
+    def _instance(self, ask: _Ask, manifest: Manifest | None, geometry: ChunkGeometry,
+                  t_comp: Any, t_suffix: float) -> tuple[Instance, str]:
+        """The scheduler's instance and the strategy that plans it (``local`` when the server
+        is out of reach or no encoded level meets the measured floor)."""
+        opts = ask.options
+        effective = opts.strategy if (manifest is not None and not ask.fallback) else "local"
+        if manifest is None:
+            return local_instance(geometry, t_comp, t_suffix), effective
+        levels = None if opts.level == "auto" else [opts.level]
+        floor = (default_quality_floor(self.lm.fingerprint)
+                 if opts.quality_floor == AUTO_FLOOR and not levels else opts.quality_floor)
+        if levels and opts.level not in manifest.levels:
+            raise AskError(f"level {opts.level!r} was not encoded for context {ask.context_id} "
+                           f"(it has {list(manifest.levels)})")
+        try:
+            return build_instance(manifest, t_comp, self._bandwidth_prior(opts.bandwidth_mbps),
+                                  levels=levels, quality_floor=floor,
+                                  rtt_s=self.client.last_first_byte_s,
+                                  t_suffix_s=t_suffix), effective
+        except FloorNotEncoded as e:
+            if opts.quality_floor != AUTO_FLOOR:
+                raise
+            # the measured floor forbids every encoded level: compute rather than degrade
+            ask.fallback["quality"] = f"{e} (measured floor {floor}): computed locally"
+            return local_instance(geometry, t_comp, t_suffix), "local"
+
+    def _load(self, ask: _Ask, fetched: _Fetched, planned: _Planned) -> _Loaded:
+        """Runs the engine (the prelude's stepper when its work is usable), folds the load
+        into the priors and prunes a compressed context's cache to its kept positions."""
+        pre = ask.prelude
+        # a prelude whose stepper could not be built ran nothing it promised: not reused
+        reuse = planned.prelude_usable and pre is not None and pre.wait_stepper() is not None
+        stepper = self._stepper(ask, fetched.tokens, planned.geometry, reuse)
+        plan, ctl_cfg, pressed = planned.plan, planned.controller, fetched.pressed
         # a link whenever the plan streams or its controller may move work onto the link later
-        linked = bool(plan.stream_order) or (effective != "local" and ctl_cfg.may_stream)
-        source = client.chunk_source(context_id) if linked else None
-        engine = Engine(stepper, plan, inst, ctl_cfg, source=source,
-                        config=engine_config or self.engine_config,
-                        open_frame=self._frame_opener(manifest),
+        linked = bool(plan.stream_order) or (planned.strategy != "local" and ctl_cfg.may_stream)
+        source = self.client.chunk_source(ask.context_id) if linked else None
+        engine = Engine(stepper, plan, planned.instance, ctl_cfg, source=source,
+                        config=ask.options.engine_config or self.engine_config,
+                        open_frame=self._frame_opener(fetched.manifest),
                         kept=pressed.kept_positions if pressed is not None else None,
-                        prelude=pre if reuse else None, prelude_done=pre_done)
+                        prelude=pre if reuse else None,
+                        prelude_done=planned.prelude_done if reuse else frozenset())
         load = engine.run()
         pre_res = pre.join() if pre is not None else None
         if pre_res is not None and not pre_res.ok:
-            fallback["prelude"] = (f"{type(pre_res.error).__name__}: {pre_res.error}"
-                                   + ("" if reuse else " (discarded)"))
+            ask.fallback["prelude"] = (f"{type(pre_res.error).__name__}: {pre_res.error}"
+                                       + ("" if reuse else " (discarded)"))
         self.priors.learn(load)
-        prune_s = (apply_kept(stepper.kv, pressed, len(suffix) + max_new_tokens + 8)
-                   if pressed is not None else 0.0)
+        prune_s = apply_kept(stepper.kv, pressed, ask.spare) if pressed is not None else 0.0
+        return _Loaded(stepper, load, pre_res if reuse else None, prune_s)
 
-        # ---- answer --------------------------------------------------------------------------
+    def _stepper(self, ask: _Ask, tokens: list[int], geometry: ChunkGeometry,
+                 reuse: bool) -> Any:
+        """The prelude's stepper (``reuse``: the engine waits for its last step), else a fresh
+        one once the discarded prelude's last step is done (it must not compete with the
+        load)."""
+        from sparkv.runtime.stepper import LayerStepper
+
+        pre = ask.prelude
+        if reuse:
+            assert pre is not None and pre.stepper is not None
+            return pre.stepper
+        if pre is not None:
+            pre.join()
+        return LayerStepper(self.lm, tokens, geometry.chunk_tokens, backend=ask.attention,
+                            heads_per_group=geometry.heads_per_group, spare_tokens=ask.spare)
+
+    def _answer(self, ask: _Ask, fetched: _Fetched, planned: _Planned,
+                loaded: _Loaded) -> AskResult:
+        """The question's prefill and the answer over the assembled cache; the result."""
+        opts, tokens, kv = ask.options, fetched.tokens, loaded.stepper.kv
         decode_stats: dict[str, Any] = {}
-        if decode == "full" and ram_budget is None:
-            gen = greedy_generate(lm, stepper.kv, len(tokens), suffix, max_new_tokens,
-                                  stop_at_eos=stop_at_eos)
+        if not opts.uses_decode_policy:
+            from sparkv.runtime.generate import greedy_generate
+
+            gen = greedy_generate(self.lm, kv, len(tokens), ask.suffix, opts.max_new_tokens,
+                                  stop_at_eos=opts.stop_at_eos)
         else:
             from sparkv.decode import generate as policy_generate
 
-            gen, dstats = policy_generate(lm, stepper.kv, len(tokens), suffix, max_new_tokens,
-                                          kv_policy=decode, ram_budget=ram_budget,
-                                          stop_at_eos=stop_at_eos)
+            gen, dstats = policy_generate(self.lm, kv, len(tokens), ask.suffix,
+                                          opts.max_new_tokens, kv_policy=opts.decode,
+                                          ram_budget=opts.ram_budget,
+                                          stop_at_eos=opts.stop_at_eos)
             decode_stats = dstats.to_dict()
-        ttft = (time.perf_counter() - t_start) - (gen.total_s - gen.first_token_s)
+        ttft = (time.perf_counter() - ask.t_start) - (gen.total_s - gen.first_token_s)
         self.priors.question_prefill_s = gen.first_token_s
-        fallback.update(load.fallback)
-        kept_id = (self.context_service.import_context(tokens, stepper.kv,
-                                                       label=self._kept_label(context_id))
-                   if keep else None)
-        breakdown = _breakdown(strategy, ttft, manifest_s, planning_s, load, gen, fallback)
-        breakdown.loading_s += prune_s
-        if reuse and pre_res is not None:
-            breakdown.prelude_steps = len(pre_res.steps)
-            breakdown.local_compute_s += pre_res.busy_s
-            breakdown.steps_computed += len(pre_res.steps)
+        ask.fallback.update(loaded.load.fallback)
+        kept_id = (self.context_service.import_context(tokens, kv,
+                                                       label=self._kept_label(ask.context_id))
+                   if opts.keep else None)
+        breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
-        return AskResult(gen.text, gen.tokens, breakdown,
-                         plan, inst, load, gen.first_logits, len(tokens), kept_id)
+        return AskResult(gen.text, gen.tokens, breakdown, planned.plan, planned.instance,
+                         loaded.load, gen.first_logits, len(tokens), kept_id)
 
     # ---- kept contexts (the on-device context service) ---------------------------------------
     def _kept_label(self, context_id: str) -> str:
         return f"{self.client.base_url}#{context_id}"
 
-    def _ask_kept(self, context_id: str, suffix: Sequence[int], max_new_tokens: int,
-                  stop_at_eos: bool, t_start: float) -> AskResult | None:
+    def _ask_kept(self, ask: _Ask) -> AskResult | None:
         """The answer from the context service if it holds the context (else ``None``)."""
         svc = self.context_service
         if svc is None:
             raise AskError("keep=True needs a context service (EdgeSession(context_service=...))")
         if svc.lm.fingerprint != self.lm.fingerprint:
             raise AskError("the context service runs another model than this session")
-        sid = svc.find(self._kept_label(context_id))
+        sid = svc.find(self._kept_label(ask.context_id))
         if sid is None:
             return None
         # chunks the service evicted entirely may come back from the server (made lazily: a
         # resident context fetches nothing)
         make_remote = getattr(svc, "server_stream", None)
-        remote = make_remote(self.client, context_id) if make_remote is not None else None
-        res = svc.call(sid, prompt_ids=list(suffix), max_new_tokens=max_new_tokens, grow=False,
-                       stop_at_eos=stop_at_eos, remote=remote)
-        ttft = (time.perf_counter() - t_start) - (res.total_s - res.first_token_s)
+        remote = make_remote(self.client, ask.context_id) if make_remote is not None else None
+        res = svc.call(sid, prompt_ids=list(ask.suffix), max_new_tokens=ask.options.max_new_tokens,
+                       grow=False, stop_at_eos=ask.options.stop_at_eos, remote=remote)
+        ttft = (time.perf_counter() - ask.t_start) - (res.total_s - res.first_token_s)
+        streamed = res.load.get("streamed_chunks")
+        streamed_bytes = (int(getattr(getattr(remote, "stats", None), "bytes", 0))
+                          if remote is not None and getattr(remote, "error", None) is None
+                          and streamed else 0)
         bd = Breakdown("kept", ttft, loading_s=res.switch_s,
                        question_prefill_s=res.first_token_s - res.switch_s,
                        chunks_computed=int(res.load.get("recomputed_chunks", 0)),
                        chunks_streamed=int(res.load.get("streamed_chunks", 0)),
-                       bytes_streamed=int(getattr(getattr(remote, "stats", None), "bytes", 0))
-                       if remote is not None and getattr(remote, "error", None) is None
-                       and res.load.get("streamed_chunks") else 0)
+                       bytes_streamed=streamed_bytes)
         n = svc.describe(sid)["tokens"]
         return AskResult(res.text, res.tokens, bd, None, None, None, None, n, sid)
 
     # ---- pieces of ask -----------------------------------------------------------------------
-    def _context(self, context_id: str, strategy: str, use_cache: bool,
-                 token_ids: Sequence[int] | None, fallback: dict[str, Any]
-                 ) -> tuple[Manifest | None, list[int]]:
+    def _context(self, ask: _Ask) -> tuple[Manifest | None, list[int]]:
         """The manifest (``None`` when the server is out of reach) and the token ids."""
-        client = self.client
-        if token_ids is not None:
-            client.remember_tokens(context_id, token_ids)
+        client, context_id = self.client, ask.context_id
+        if ask.token_ids is not None:
+            client.remember_tokens(context_id, ask.token_ids)
         tokens = client.known_tokens(context_id)
         manifest: Manifest | None = None
-        if strategy != "local" or tokens is None:
+        if ask.options.strategy != "local" or tokens is None:
             try:
-                manifest = client.manifest(context_id, use_cache=use_cache)
+                manifest = client.manifest(context_id, use_cache=ask.options.use_cache)
                 if tokens is None:
                     tokens = client.tokens(context_id)
             except (ServerUnavailable, ApiError) as e:
@@ -523,7 +501,7 @@ class EdgeSession:
                 if tokens is None:
                     raise AskError(f"{e}; and context {context_id} is not on this device (no "
                                    "cached token ids), so it cannot be computed locally") from e
-                fallback["server"] = f"unreachable at the start ({type(e).__name__})"
+                ask.fallback["server"] = f"unreachable at the start ({type(e).__name__})"
         if tokens is None:  # pragma: no cover - every branch above sets them or raises
             raise AskError(f"no token ids for context {context_id}")
         return manifest, tokens
@@ -565,19 +543,28 @@ def apply_kept(kv: Any, manifest: Manifest, spare_tokens: int = 0) -> float:
     return time.perf_counter() - t0
 
 
-def _breakdown(strategy: str, ttft: float, manifest_s: float, planning_s: float,
-               load: LoadResult, gen: Any, fallback: dict[str, Any]) -> Breakdown:
+def _breakdown(ask: _Ask, fetched: _Fetched, planned: _Planned, loaded: _Loaded, gen: Any,
+               ttft_s: float) -> Breakdown:
+    """The load's :class:`Breakdown` (the prelude's steps the load used counted in; ``decode``
+    left to the caller)."""
+    load, pre = loaded.load, loaded.prelude
     levels_used: dict[str, int] = {}
     for x in load.transfers:
         if x.status == TransferStatus.ARRIVED:
             levels_used[x.level] = levels_used.get(x.level, 0) + 1
-    return Breakdown(
-        strategy=strategy, ttft_s=ttft, manifest_s=manifest_s, planning_s=planning_s,
-        loading_s=load.ready_s, streaming_s=load.link_active_s, decoding_s=load.decode_busy_s,
-        local_compute_s=load.compute_busy_s, question_prefill_s=gen.prefill_s,
-        first_token_s=max(0.0, gen.first_token_s - gen.prefill_s),
+    bd = Breakdown(
+        strategy=ask.options.strategy, ttft_s=ttft_s, manifest_s=fetched.seconds,
+        planning_s=planned.seconds, loading_s=load.ready_s, streaming_s=load.link_active_s,
+        decoding_s=load.decode_busy_s, local_compute_s=load.compute_busy_s,
+        question_prefill_s=gen.prefill_s, first_token_s=max(0.0, gen.first_token_s - gen.prefill_s),
         bytes_streamed=load.bytes_streamed, bytes_wasted=load.bytes_wasted,
         chunks_streamed=load.sources.get("streamed", 0),
         chunks_computed=load.sources.get("computed", 0), steps_computed=len(load.steps),
         migrations=len(load.migrations), requests=load.requests, levels=levels_used,
-        fallback=fallback)
+        fallback=ask.fallback)
+    bd.loading_s += loaded.prune_s
+    if pre is not None:
+        bd.prelude_steps = len(pre.steps)
+        bd.local_compute_s += pre.busy_s
+        bd.steps_computed += len(pre.steps)
+    return bd

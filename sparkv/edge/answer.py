@@ -1,0 +1,95 @@
+"""What an ask returns: :class:`AskResult` (the answer, the plan, the load) and its
+:class:`Breakdown` (where the time to first token went, what each path did). Plain records: no
+behaviour beyond formatting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkv.edge.results import LoadResult
+from sparkv.scheduler.instance import Instance
+from sparkv.scheduler.plan import Plan
+
+
+@dataclass
+class Breakdown:
+    """Where the time to first token went (seconds) and what each path did."""
+
+    strategy: str
+    ttft_s: float
+    manifest_s: float = 0.0
+    planning_s: float = 0.0
+    loading_s: float = 0.0          # overlapped: until every KV chunk is in place
+    streaming_s: float = 0.0        # the link's active time (first to last body byte)
+    decoding_s: float = 0.0         # decode worker busy time (overlapped)
+    local_compute_s: float = 0.0    # compute thread busy time (overlapped)
+    question_prefill_s: float = 0.0
+    first_token_s: float = 0.0      # sampling after the question's forward pass
+    bytes_streamed: int = 0
+    bytes_wasted: int = 0
+    chunks_streamed: int = 0
+    chunks_computed: int = 0
+    steps_computed: int = 0
+    migrations: int = 0
+    requests: int = 0
+    levels: dict[str, int] = field(default_factory=dict)
+    fallback: dict[str, Any] = field(default_factory=dict)
+    decode: dict[str, Any] = field(default_factory=dict)   # DecodeStats of a decode policy
+    prelude_steps: int = 0          # layer steps computed before the plan (sparkv.edge.prelude)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def rows(self) -> list[tuple[str, str]]:
+        r = [("time to first token", f"{self.ttft_s:8.3f} s"),
+             ("  manifest + tokens", f"{self.manifest_s:8.3f} s"),
+             ("  planning", f"{self.planning_s:8.3f} s"),
+             ("  loading the cache", f"{self.loading_s:8.3f} s   (overlapped:)"),
+             ("    streaming (link active)", f"{self.streaming_s:8.3f} s"),
+             ("    decoding", f"{self.decoding_s:8.3f} s"),
+             ("    local compute", f"{self.local_compute_s:8.3f} s"),
+             ("  question prefill", f"{self.question_prefill_s:8.3f} s"),
+             ("  first token", f"{self.first_token_s:8.3f} s"),
+             ("bytes streamed", f"{self.bytes_streamed / 1e6:8.2f} MB"
+              + (f" (+{self.bytes_wasted / 1e6:.2f} MB wasted)" if self.bytes_wasted else "")),
+             ("chunks streamed / computed", f"{self.chunks_streamed} / {self.chunks_computed}"
+              f" ({self.steps_computed} layer steps"
+              + (f", {self.prelude_steps} before the plan" if self.prelude_steps else "") + ")"),
+             ("controller migrations", f"{self.migrations}")]
+        if self.levels:
+            r.append(("levels streamed", ", ".join(f"{k} x{v}" for k, v in self.levels.items())))
+        if self.decode:
+            d = self.decode
+            r.append((f"decode ({d['policy']})",
+                      f"{d['tokens_per_s']:8.2f} tok/s, flash "
+                      f"{d['flash_read_bytes_per_token'] / 1e3:.1f} kB/token in "
+                      f"{d['flash_read_ops_per_token']:.1f} reads, hit rate {d['hit_rate']:.2f}, "
+                      f"RAM peak {d['ram_peak_bytes'] / 1e6:.1f} MB"))
+        if self.fallback:
+            r.append(("FELL BACK to local compute", "; ".join(f"{k}: {v}"
+                                                           for k, v in self.fallback.items())))
+        return r
+
+    def table(self) -> str:
+        w = max(len(a) for a, _ in self.rows())
+        return "\n".join(f"{a:<{w}}  {b}" for a, b in self.rows())
+
+
+@dataclass
+class AskResult:
+    """The answer and everything measured on the way."""
+
+    answer: str
+    tokens: list[int]
+    breakdown: Breakdown
+    plan: Plan | None
+    instance: Instance | None
+    load: LoadResult | None
+    first_logits: Any = None
+    context_tokens: int = 0
+    kept_id: str | None = None     # the context service's id of the kept context (``keep``)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.breakdown.ttft_s

@@ -1,0 +1,134 @@
+"""How one question is answered: :class:`AskOptions`, the policy of an :meth:`EdgeSession.ask`.
+
+    opts = AskOptions(strategy="stream", level="q8", max_new_tokens=64)
+    res = session.ask(context_id, question, opts)
+    res = session.ask(context_id, question, opts, backend="dense")   # one field overridden
+
+The defaults are what ``sparkv ask`` does with no flags (apart from its ``--max-new-tokens``). An
+options object holds no state of an ask: one serves any number of asks, of any context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from sparkv.edge.engine import EngineConfig
+from sparkv.edge.planning import AUTO_FLOOR, PRELUDE_STRATEGIES, STRATEGIES, AskError
+from sparkv.runtime.attention import AttentionBackend
+from sparkv.scheduler.controller import ControllerConfig
+
+#: the decode-time KV policy that keeps everything in RAM (no :mod:`sparkv.decode` policy)
+FULL_DECODE = "full"
+
+
+@dataclass(frozen=True)
+class AskOptions:
+    """The policy of one ask; checked when made (:class:`AskError` for an unknown strategy or
+    decode policy)."""
+
+    strategy: str = "sparkv"
+    """Planner + controller, one of :data:`sparkv.edge.planning.STRATEGIES` (``sparkv``,
+    ``local``, ``stream``, ``hybrid``)."""
+
+    level: str = "auto"
+    """``auto``: the planner picks per chunk among the encoded levels at or above
+    :attr:`quality_floor`; else one codec level name (``raw``, ``q8``, ``q5``, ...) for every
+    streamed chunk."""
+
+    quality_floor: str | None = AUTO_FLOOR
+    """The lowest codec level a streamed chunk may use. ``auto``: the floor of this model's
+    measured quality table (``sparkv bench quality --save-table``, docs/quality.md), ``q5``
+    without one; when no encoded level meets the measured floor, the context is computed
+    locally (``breakdown.fallback["quality"]``). ``None``: any level."""
+
+    backend: str | AttentionBackend = "auto"
+    """Attention backend of the local layer steps: a name (``auto``: block-sparse on the CPU,
+    unless the model's quality table measured it failing the default policy's thresholds while
+    dense passes: then ``dense``) or an :class:`~sparkv.runtime.attention.AttentionBackend`."""
+
+    max_new_tokens: int = 32
+    """Answer length cap (tokens, the first one included)."""
+
+    bandwidth_mbps: float | None = None
+    """The link estimate to plan with (Mbit/s). ``None``: the session's priors (the
+    controller's throughput over the last load), else the manifest download's rate, else
+    50 Mbit/s. The controller corrects it from measured rates either way."""
+
+    use_cache: bool = True
+    """Reuse a manifest the client already holds (no request)."""
+
+    chat: bool = True
+    """Format the question as a chat turn after a :func:`~sparkv.edge.prompts.chat_context`
+    (``False``: its plain text tokens)."""
+
+    engine_config: EngineConfig | None = None
+    """The engine's knobs for this load (seconds, bytes); ``None``: the session's
+    ``engine_config``, else :class:`~sparkv.edge.engine.EngineConfig` defaults."""
+
+    controller: ControllerConfig | None = None
+    """The controller's configuration, used when the ask runs its own strategy (not after a
+    fallback to ``local``); ``None``: the strategy's own (:data:`STRATEGIES`)."""
+
+    stop_at_eos: bool = True
+    """Stop generating at the model's end-of-sequence token (``False``: always
+    :attr:`max_new_tokens` tokens, as the benchmarks compare them)."""
+
+    keep: bool = False
+    """Keep the loaded cache as a context of the session's ``context_service`` (after the
+    answer); if the service already holds this context, answer from it: no manifest, no
+    stream, only the question's prefill (plus restoring chunks it swapped out, from flash or by
+    recomputation)."""
+
+    decode: str = FULL_DECODE
+    """The decode-time KV policy (:data:`sparkv.decode.POLICIES`; ``full``: everything in RAM);
+    its stats go to ``breakdown.decode`` (docs/dynakv.md)."""
+
+    ram_budget: float | None = None
+    """RAM budget of :attr:`decode`: bytes, or a fraction <= 1 of the final KV; ``None``: the
+    policy's default."""
+
+    prelude: bool | None = None
+    """Compute the first layer steps while the manifest and the plan are on their way
+    (:mod:`sparkv.edge.prelude`; needs the context's tokens on the device). ``None``: on for
+    the strategies in :data:`~sparkv.edge.planning.PRELUDE_STRATEGIES` (``sparkv``)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise AskError(f"unknown strategy {self.strategy!r}; "
+                           f"choose one of {sorted(STRATEGIES)}")
+        if self.uses_decode_policy:
+            from sparkv.decode import POLICIES
+
+            if self.decode not in POLICIES:
+                raise AskError(f"unknown decode policy {self.decode!r}; "
+                               f"choose one of {list(POLICIES)}")
+
+    @property
+    def uses_decode_policy(self) -> bool:
+        """Whether generation goes through a :mod:`sparkv.decode` policy (anything but
+        ``full`` without a RAM budget)."""
+        return self.decode != FULL_DECODE or self.ram_budget is not None
+
+    @property
+    def runs_prelude(self) -> bool:
+        """:attr:`prelude`, its ``None`` resolved for :attr:`strategy`."""
+        return self.prelude if self.prelude is not None else self.strategy in PRELUDE_STRATEGIES
+
+    @classmethod
+    def resolve(cls, options: AskOptions | None, overrides: Mapping[str, Any]) -> AskOptions:
+        """``options`` (default: ``AskOptions()``) with ``overrides`` replacing fields.
+
+        Raises:
+            TypeError: ``options`` is not an :class:`AskOptions`, or an override names no field.
+            AskError: the result is invalid (see the class)."""
+        if options is None:
+            options = cls()
+        elif not isinstance(options, cls):
+            raise TypeError(f"options must be {cls.__name__}, not {type(options).__name__}")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: "
+                            f"not fields of {cls.__name__}")
+        return dataclasses.replace(options, **overrides) if overrides else options

@@ -1,0 +1,79 @@
+"""AskOptions (sparkv.edge.options): the policy of one ask, and ``EdgeSession.ask``'s keyword
+overrides of it. The last test answers locally with the real SmolLM2 (no server)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sparkv.edge import AskError, AskOptions, EdgeSession, chat_context, question_suffix
+from sparkv.runtime.generate import reference_generate, sample_context_ids
+
+
+def test_defaults_are_what_ask_did_with_no_arguments():
+    o = AskOptions()
+    assert (o.strategy, o.level, o.quality_floor, o.backend) == ("sparkv", "auto", "auto", "auto")
+    assert (o.max_new_tokens, o.bandwidth_mbps, o.use_cache, o.chat) == (32, None, True, True)
+    assert (o.engine_config, o.controller, o.stop_at_eos, o.keep) == (None, None, True, False)
+    assert (o.decode, o.ram_budget, o.prelude) == ("full", None, None)
+    assert o.runs_prelude and not AskOptions(strategy="stream").runs_prelude
+    assert not AskOptions(prelude=False).runs_prelude
+    assert not o.uses_decode_policy and AskOptions(ram_budget=0.5).uses_decode_policy
+
+
+def test_resolve_applies_overrides_and_names_unknown_keywords():
+    base = AskOptions(strategy="stream", level="q8")
+    got = AskOptions.resolve(base, {"level": "raw", "max_new_tokens": 4})
+    assert (got.strategy, got.level, got.max_new_tokens) == ("stream", "raw", 4)
+    assert base.level == "q8"                                  # the caller's object is kept
+    assert AskOptions.resolve(base, {}) is base
+    assert AskOptions.resolve(None, {}) == AskOptions()
+    with pytest.raises(TypeError, match="'strat'"):
+        AskOptions.resolve(None, {"strat": "local"})
+    with pytest.raises(TypeError, match="AskOptions"):
+        AskOptions.resolve("local", {})                        # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.level = "raw"                                     # type: ignore[misc]
+
+
+def test_invalid_policies_raise_ask_error():
+    with pytest.raises(AskError, match="unknown strategy"):
+        AskOptions(strategy="fastest")
+    with pytest.raises(AskError, match="unknown decode policy"):
+        AskOptions(decode="everything")
+    with pytest.raises(AskError, match="unknown strategy"):
+        AskOptions.resolve(AskOptions(), {"strategy": "fastest"})
+
+
+def test_ask_checks_its_options_before_anything_else():
+    """An unknown keyword or a bad strategy fails before the model is loaded (the model given
+    here does not exist) and before any request (no server listens)."""
+    session = EdgeSession.connect("http://127.0.0.1:9", model="/nonexistent/model")
+    with pytest.raises(TypeError, match="'max_tokens'"):
+        session.ask("0" * 32, "hello?", max_tokens=4)
+    with pytest.raises(AskError, match="unknown strategy"):
+        session.ask("0" * 32, "hello?", strategy="fastest")
+    with pytest.raises(TypeError, match="AskOptions"):
+        session.ask("0" * 32, "hello?", "local")               # type: ignore[arg-type]
+    session.close()
+
+
+def test_options_and_keywords_give_the_same_answer(smollm2):
+    """A local ask (the device holds the tokens: no request) as an options object, as keywords,
+    and as an options object with an override: the same tokens as plain transformers."""
+    lm = smollm2
+    ids = chat_context(lm, sample_context_ids(lm, 200))
+    q = "What does the text say about warranty?"
+    ref = reference_generate(lm, ids + question_suffix(lm, q), 4)
+    opts = AskOptions(strategy="local", backend="dense", max_new_tokens=4, stop_at_eos=False)
+    with EdgeSession.connect("http://127.0.0.1:9", model=lm) as s:
+        a = s.ask("doc", q, opts, token_ids=ids)
+        b = s.ask("doc", q, strategy="local", backend="dense", max_new_tokens=4,
+                  stop_at_eos=False, token_ids=ids)
+        c = s.ask("doc", q, opts, max_new_tokens=2, token_ids=ids)
+    assert a.tokens == b.tokens == ref
+    assert c.tokens == a.tokens[:2]
+    assert a.breakdown.strategy == b.breakdown.strategy == "local"
+    assert a.breakdown.to_dict().keys() == b.breakdown.to_dict().keys()
+    assert a.context_tokens == len(ids) and not a.breakdown.fallback

@@ -17,7 +17,8 @@ The device model (docs/scheduler.md, "Simulator"):
   manifest fetch are not included; the benchmark reports the planning time beside it).
 
 Both workers are driven by a :class:`~sparkv.scheduler.controller.Controller` through its event
-interface; without one, :meth:`ControllerConfig.static` follows the plan exactly.
+interface; without one, :meth:`ControllerConfig.static` follows the plan exactly. :func:`simulate`
+builds a :class:`Simulation` (one run's state, one method per event kind) and runs it.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Iterable, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler.graph import DepState
@@ -158,6 +158,19 @@ class _Inflight:
     nbytes: int
     received: float = 0.0
     requested_s: float = 0.0
+
+
+class _LinkScan(NamedTuple):
+    """One look at the link for a migration to compute: the throughput (bytes/s) and compute
+    ratio it is judged with, the scheduling frontier (:meth:`Controller._sched_frontier`), the
+    queued chunks, and per in-flight chunk the bytes the link delivers until it is complete (its
+    own and every in-flight byte ahead of it)."""
+
+    bw: float
+    ratio: float
+    frontier: list[int]
+    queued: set[int]
+    done_after: dict[int, float]
 
 
 class Controller:
@@ -459,11 +472,25 @@ class Controller:
         gives the hidden state the candidate needs), if that still shortens
         ``max(comp_rem, link_rem)``.
         """
-        L, G = self._L, self._G
-        bw = bw_inflight = self.link_estimate(now)
-        ratio = self.compute_ratio()
-        frontier = self._sched_frontier()
-        queued = set(self.lq)
+        scan = self._link_scan(now)
+        best, cancel, locked = self._tail_candidate(scan, comp, link)
+        if not best and locked:
+            best, cancel = self._recompute_column(locked, scan, comp, link)
+        if not best:
+            return False
+        self._take_off_link(best[-1], scan.queued)
+        for cc in cancel:
+            self.inflight.pop(cc, None)
+            self._cancel.append(self.inst.chunk_id(cc))
+        for u in best:   # bottom up: each step of a recompute column after the one below it
+            self._enqueue_compute(u)
+        self.revision += 1
+        self.migrations.append(Migration(now, "to_compute", [self.inst.step_id(u) for u in best],
+                                         [self.inst.chunk_id(c) for c in cancel], link, comp))
+        return True
+
+    def _link_scan(self, now: float) -> _LinkScan:
+        """The link as :meth:`_to_compute` judges it now (see :class:`_LinkScan`)."""
         # an in-flight fetch completes after every byte ahead of it on the link (the requests
         # are read in order): the last chunk of a batch a fade caught is far away even when it
         # is small, and it is the one to take back first (the tail, as for queued chunks)
@@ -472,35 +499,42 @@ class Controller:
         for c, f in self.inflight.items():
             ahead += max(0.0, f.nbytes - f.received)
             done_after[c] = ahead
+        return _LinkScan(self.link_estimate(now), self.compute_ratio(), self._sched_frontier(),
+                         set(self.lq), done_after)
 
-        def takeable(s: int) -> tuple[float, list[int]] | None:
-            """``(bytes saved, in-flight chunks to cancel)`` if every chunk of step ``s`` can be
-            taken off the link, else ``None``."""
-            saved_bytes = 0.0
-            cancel: list[int] = []
-            for g in range(G):
-                cc = s * G + g
-                if cc in queued:
-                    saved_bytes += int(self._bytes[cc, self._li[cc]])
-                elif cc in self.inflight and self.cfg.cancel_inflight:
-                    f = self.inflight[cc]
-                    # cancel only if computing it is clearly faster than waiting for the
-                    # transfer (its own bytes and those ahead of it)
-                    if done_after[cc] / bw_inflight < 2 * ratio * self._t_comp[s] \
-                            + self.cfg.margin_s:
-                        return None
-                    saved_bytes += f.nbytes - f.received
-                    cancel.append(cc)
-                else:
-                    return None  # already received / arrived / not on the link
-            return saved_bytes, cancel
+    def _takeable(self, scan: _LinkScan, s: int) -> tuple[float, list[int]] | None:
+        """``(bytes saved, in-flight chunks to cancel)`` if every chunk of step ``s`` can be
+        taken off the link, else ``None``."""
+        G = self._G
+        saved_bytes = 0.0
+        cancel: list[int] = []
+        for g in range(G):
+            cc = s * G + g
+            if cc in scan.queued:
+                saved_bytes += int(self._bytes[cc, self._li[cc]])
+            elif cc in self.inflight and self.cfg.cancel_inflight:
+                f = self.inflight[cc]
+                # cancel only if computing it is clearly faster than waiting for the
+                # transfer (its own bytes and those ahead of it)
+                if scan.done_after[cc] / scan.bw < 2 * scan.ratio * self._t_comp[s] \
+                        + self.cfg.margin_s:
+                    return None
+                saved_bytes += f.nbytes - f.received
+                cancel.append(cc)
+            else:
+                return None  # already received / arrived / not on the link
+        return saved_bytes, cancel
 
+    def _tail_candidate(self, scan: _LinkScan, comp: float,
+                        link: float) -> tuple[list[int], list[int], list[int]]:
+        """The first step from the link's tail whose move to compute shortens the load:
+        ``([step], chunks to cancel, [])``; else ``([], [], locked candidates)`` (those whose
+        layer below was streamed, collected only for a recompute column)."""
+        L, G = self._L, self._G
         # a recompute column only when the compute path is idle, from the first locked
         # candidates of the tail: the scan runs under the engine's lock at every event, and
         # scanning every locked step each time (always on) slowed both adaptive strategies 5-7%
         column_ok = self.cfg.recompute and not self.cq and self.running is None
-        best: list[int] = []          # the steps to compute, bottom up (the candidate last)
-        best_cancel: list[int] = []
         locked: list[int] = []
         seen: set[int] = set()
         for c in list(reversed(self.lq)) + list(reversed(self.inflight)):
@@ -509,27 +543,25 @@ class Controller:
                 continue
             seen.add(s)
             t, l = divmod(s, L)
-            if l < L - 1 and frontier[l] < t:
+            if l < L - 1 and scan.frontier[l] < t:
                 continue
             if l > 0 and not self.on_compute[s - 1]:
                 if column_ok and len(locked) < self.cfg.tail_window:
                     locked.append(s)
                 continue
-            got = takeable(s)
+            got = self._takeable(scan, s)
             if got is None:
                 continue
             saved_bytes, cancel = got
-            if max(comp + ratio * self._t_comp[s], link - saved_bytes / bw) \
+            if max(comp + scan.ratio * self._t_comp[s], link - saved_bytes / scan.bw) \
                     >= max(comp, link) - 1e-9:
                 continue
-            best, best_cancel = [s], cancel
-            break
-        if not best and locked:
-            best, best_cancel = self._recompute_column(locked, frontier, comp, link, bw, ratio,
-                                                       takeable)
-        if not best:
-            return False
-        s = best[-1]
+            return [s], cancel, []
+        return [], [], locked
+
+    def _take_off_link(self, s: int, queued: set[int]) -> None:
+        """Step ``s``'s chunks leave the link (its queued ones leave the queue)."""
+        G = self._G
         for g in range(G):
             cc = s * G + g
             if cc in queued:
@@ -537,82 +569,73 @@ class Controller:
                 self._lq_bytes -= int(self._bytes[cc, self._li[cc]])
                 self._lq_min_bytes -= int(self._bytes[cc, self._cheap[cc]])
             self.on_link[cc] = False
-        for cc in best_cancel:
-            self.inflight.pop(cc, None)
-            self._cancel.append(self.inst.chunk_id(cc))
-        # insert after the last of its dependencies that is still queued (bottom up: each step
-        # of a recompute column goes after the one below it)
-        for u in best:
-            t, l = divmod(u, L)
-            deps = {u - 1} if l > 0 else set()
-            if l < L - 1:
-                deps.update(tp * L + l for tp in range(t))
-            pos = 0
-            for i, q in enumerate(self.cq):
-                if q in deps:
-                    pos = i + 1
-            self.cq.insert(pos, u)
-            self.on_compute[u] = True
-            self._cq_pred += self._t_comp[u]
-        self.revision += 1
-        self.migrations.append(Migration(now, "to_compute", [self.inst.step_id(u) for u in best],
-                                         [self.inst.chunk_id(c) for c in best_cancel], link, comp))
-        return True
 
-    def _recompute_column(self, locked: list[int], frontier: list[int], comp: float,
-                          link: float, bw: float, ratio: float,
-                          takeable) -> tuple[list[int], list[int]]:
+    def _enqueue_compute(self, u: int) -> None:
+        """Step ``u`` joins the compute queue after the last of its dependencies still queued."""
+        L = self._L
+        t, l = divmod(u, L)
+        deps = {u - 1} if l > 0 else set()
+        if l < L - 1:
+            deps.update(tp * L + l for tp in range(t))
+        pos = 0
+        for i, q in enumerate(self.cq):
+            if q in deps:
+                pos = i + 1
+        self.cq.insert(pos, u)
+        self.on_compute[u] = True
+        self._cq_pred += self._t_comp[u]
+
+    def _recompute_column(self, locked: list[int], scan: _LinkScan, comp: float,
+                          link: float) -> tuple[list[int], list[int]]:
         """The cheapest recompute column for a locked candidate (see :meth:`_to_compute`):
         ``(steps bottom up, chunks to cancel)``, or ``([], [])`` when none shortens the load.
 
         A column's lower steps must have all their KV in place (nothing of them is still on the
-        link) and their own inputs ready in time (``frontier``)."""
-        L = self._L
-        dep = self.dep
+        link) and their own inputs ready in time (``scan.frontier``)."""
         best: list[int] = []
         best_cancel: list[int] = []
         best_new = max(comp, link) - 1e-9
         for s in locked:
-            t, l = divmod(s, L)
-            column = [s]
-            j = l - 1
-            ok = True
-            while j >= 0 and not self.on_compute[t * L + j]:
-                u = t * L + j
-                if dep.computed[u] or not dep.kv_complete(u) or \
-                        (j < L - 1 and frontier[j] < t):
-                    ok = False
-                    break
-                column.append(u)
-                j -= 1
-            if not ok:
+            column = self._column_below(s, scan.frontier)
+            if column is None:
                 continue
-            column.reverse()
-            got = takeable(s)
+            got = self._takeable(scan, s)
             if got is None:
                 continue
             saved_bytes, cancel = got
-            added = ratio * sum(self._t_comp[u] for u in column)
-            new = max(comp + added, link - saved_bytes / bw)
+            added = scan.ratio * sum(self._t_comp[u] for u in column)
+            new = max(comp + added, link - saved_bytes / scan.bw)
             if new < best_new or (best and new <= best_new + 1e-9 and len(column) < len(best)):
                 best, best_cancel, best_new = column, cancel, new
         return best, best_cancel
+
+    def _column_below(self, s: int, frontier: list[int]) -> list[int] | None:
+        """The recompute column of locked step ``s``, bottom up (``s`` last): the streamed
+        steps below it down to the last one on the compute path; ``None`` if one of them is not
+        in place yet or its own inputs are not ready in time."""
+        L, dep = self._L, self.dep
+        t, l = divmod(s, L)
+        column = [s]
+        j = l - 1
+        while j >= 0 and not self.on_compute[t * L + j]:
+            u = t * L + j
+            if dep.computed[u] or not dep.kv_complete(u) or (j < L - 1 and frontier[j] < t):
+                return None
+            column.append(u)
+            j -= 1
+        column.reverse()
+        return column
 
     def _to_stream(self, now: float, comp: float, link: float) -> bool:
         """Compute behind: stream the tail of the compute order instead of computing it."""
         L, G = self._L, self._G
         bw = self.link_estimate(now)
         ratio = self.compute_ratio()
-        examined = 0
         in_cq = set(self.cq)
-        for idx in range(len(self.cq) - 1, -1, -1):
+        for examined, (_, s) in enumerate(self._movable_tail()):
             if examined >= self.cfg.tail_window:
                 break
-            s = self.cq[idx]
-            t, l = divmod(s, L)
-            if l < L - 1 and self.on_compute[s + 1]:
-                continue  # something on the compute path needs Y[l, t]
-            examined += 1
+            l = s % L  # noqa: E741
             units = [[s]]
             if l == L - 1 and (s - 1) in in_cq and l > 0:
                 units.append([s, s - 1])
@@ -630,18 +653,7 @@ class Controller:
                 continue
             for u in best_unit:
                 self.cq.remove(u)
-                self.on_compute[u] = False
-                self._cq_pred -= self._t_comp[u]
-                for g in range(G):
-                    cc = u * G + g
-                    if self.dep.chunk_avail[cc]:
-                        continue
-                    self._li[cc] = self._cheap[cc]
-                    self.lq.append(cc)
-                    self.on_link[cc] = True
-                    b = int(self._bytes[cc, self._cheap[cc]])
-                    self._lq_bytes += b
-                    self._lq_min_bytes += b
+                self._hand_to_link(u)
             self.revision += 1
             self.migrations.append(Migration(now, "to_stream",
                                              [self.inst.step_id(u) for u in best_unit], [],
@@ -659,29 +671,41 @@ class Controller:
         comp, _ = self.remaining(now)
         if comp <= self.inst.rtt_s + self.cfg.margin_s:
             return
-        L, G = self._L, self._G
-        for idx in range(len(self.cq) - 1, -1, -1):
-            s = self.cq[idx]
-            t, l = divmod(s, L)
-            if l < L - 1 and self.on_compute[s + 1]:
-                continue
+        for idx, s in self._movable_tail():
             self.cq.pop(idx)
-            self.on_compute[s] = False
-            self._cq_pred -= self._t_comp[s]
-            for g in range(G):
-                cc = s * G + g
-                if self.dep.chunk_avail[cc]:
-                    continue
-                self._li[cc] = self._cheap[cc]
-                self.lq.append(cc)
-                self.on_link[cc] = True
-                b = int(self._bytes[cc, self._cheap[cc]])
-                self._lq_bytes += b
-                self._lq_min_bytes += b
+            self._hand_to_link(s)
             self.revision += 1
             self.migrations.append(Migration(now, "probe", [self.inst.step_id(s)], [],
                                              *self.remaining(now)[::-1]))
             return
+
+    def _movable_tail(self) -> Iterator[tuple[int, int]]:
+        """``(index, step)`` of the compute queue's steps from its tail, skipping those whose
+        hidden state a step on the compute path needs (they cannot leave it). The caller stops
+        iterating once it changed the queue."""
+        L = self._L
+        for idx in range(len(self.cq) - 1, -1, -1):
+            s = self.cq[idx]
+            if s % L < L - 1 and self.on_compute[s + 1]:
+                continue  # something on the compute path needs Y[l, t]
+            yield idx, s
+
+    def _hand_to_link(self, s: int) -> None:
+        """Step ``s``, just taken out of the compute queue, leaves the compute path: its chunks
+        not in place yet join the link queue at their cheapest level."""
+        G = self._G
+        self.on_compute[s] = False
+        self._cq_pred -= self._t_comp[s]
+        for g in range(G):
+            cc = s * G + g
+            if self.dep.chunk_avail[cc]:
+                continue
+            self._li[cc] = self._cheap[cc]
+            self.lq.append(cc)
+            self.on_link[cc] = True
+            b = int(self._bytes[cc, self._cheap[cc]])
+            self._lq_bytes += b
+            self._lq_min_bytes += b
 
     def _prefetch_index(self) -> int:
         """Index in the link queue of a chunk the first queued steps wait for (else 0)."""

@@ -18,7 +18,7 @@ it); :func:`validate_plan` rejects a plan the engine could not execute, naming t
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from sparkv.errors import SparkvError
 from sparkv.layout import ChunkGeometry, KVChunkId, StepId
@@ -152,6 +152,24 @@ class DepState:
 # ------------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------------
+class _LimitReached(Exception):
+    """The problem list is full (:class:`_Problems`): the checks stop."""
+
+
+class _Problems:
+    """The problems found so far; :meth:`add` stops the checks (raises :class:`_LimitReached`)
+    once ``limit`` are listed."""
+
+    def __init__(self, limit: int):
+        self.items: list[str] = []
+        self.limit = limit
+
+    def add(self, msg: str) -> None:
+        self.items.append(msg)
+        if len(self.items) >= self.limit:
+            raise _LimitReached
+
+
 def plan_problems(plan: Plan, inst: Instance, limit: int = 50) -> list[str]:
     """Every reason (up to ``limit``) why the engine could not execute ``plan`` on ``inst``.
 
@@ -161,104 +179,104 @@ def plan_problems(plan: Plan, inst: Instance, limit: int = 50) -> list[str]:
     KV chunk its attention reads is streamed or computed earlier; each streamed chunk has an allowed
     level.
     """
-    geom = inst.geometry
-    L, G = inst.L, inst.G
-    problems: list[str] = []
+    problems = _Problems(limit)
+    try:
+        pos = {s: i for i, s, _ in _first_entries(
+            plan.compute_order, inst, "compute", "step",
+            lambda step: KVChunkId(step[0], step[1], 0), lambda step: StepId(*step),
+            inst.step_index, problems)}
+        streamed: dict[int, int] = {}
+        for i, c, cid in _first_entries(plan.stream_order, inst, "stream", "chunk",
+                                        lambda cid: KVChunkId(*cid), lambda cid: KVChunkId(*cid),
+                                        inst.chunk_index, problems):
+            streamed[c] = i
+            _check_level(plan, inst, c, cid, problems)
+        _check_coverage(inst, pos, streamed, problems)
+        _check_dependencies(inst, pos, problems)
+    except _LimitReached:
+        pass
+    return problems.items
 
-    def add(msg: str) -> bool:
-        problems.append(msg)
-        return len(problems) >= limit
 
-    pos: dict[int, int] = {}
-    for i, step in enumerate(plan.compute_order):
+def _first_entries(order: Sequence[Any], inst: Instance, which: str, what: str,
+                   chunk_of: Callable[[Any], KVChunkId], name_of: Callable[[Any], Any],
+                   index: Callable[[Any], int],
+                   problems: _Problems) -> Iterator[tuple[int, int, Any]]:
+    """``(position, dense id, entry)`` of each entry of the ``which`` order (``"compute"`` or
+    ``"stream"``) that names a ``what`` of this context (``chunk_of`` gives the chunk whose
+    coordinates are checked), the first time it appears; reports the others."""
+    seen: dict[int, int] = {}
+    for i, entry in enumerate(order):
         try:
-            geom.check(KVChunkId(step[0], step[1], 0))
+            inst.geometry.check(chunk_of(entry))
         except (IndexError, TypeError) as exc:
-            if add(f"compute order position {i}: {step!r} is not a step of this context ({exc})"):
-                return problems
+            problems.add(f"{which} order position {i}: {entry!r} is not a {what} of this "
+                         f"context ({exc})")
             continue
-        s = inst.step_index(step)
-        if s in pos:
-            if add(f"{StepId(*step)} appears twice in the compute order (positions {pos[s]} and {i})"):
-                return problems
+        x = index(entry)
+        if x in seen:
+            problems.add(f"{name_of(entry)} appears twice in the {which} order "
+                         f"(positions {seen[x]} and {i})")
             continue
-        pos[s] = i
+        seen[x] = i
+        yield i, x, entry
 
-    streamed: dict[int, int] = {}
-    for i, cid in enumerate(plan.stream_order):
-        try:
-            geom.check(KVChunkId(*cid))
-        except (IndexError, TypeError) as exc:
-            if add(f"stream order position {i}: {cid!r} is not a chunk of this context ({exc})"):
-                return problems
-            continue
-        c = inst.chunk_index(cid)
-        if c in streamed:
-            if add(f"{KVChunkId(*cid)} appears twice in the stream order "
-                   f"(positions {streamed[c]} and {i})"):
-                return problems
-            continue
-        streamed[c] = i
-        level = plan.levels.get(cid)
-        if level is None:
-            if add(f"{KVChunkId(*cid)} is streamed but has no level"):
-                return problems
-            continue
-        names = [lv.name for lv in inst.levels]
-        if level not in names:
-            if add(f"{KVChunkId(*cid)} is streamed at unknown level {level!r} (levels: {names})"):
-                return problems
-            continue
-        li = inst.level_index(level)
-        if inst.chunk_bytes[c, li] < 0:
-            if add(f"{KVChunkId(*cid)} is streamed at level {level!r}, which was not encoded "
-                   "for it"):
-                return problems
-        elif not inst.allowed_mask[c, li]:
-            if add(f"{KVChunkId(*cid)} is streamed at level {level!r}, below the quality floor "
-                   f"{inst.quality_floor!r}"):
-                return problems
 
-    # coverage: exactly once
+def _check_level(plan: Plan, inst: Instance, c: int, cid: Any, problems: _Problems) -> None:
+    """Streamed chunk ``c`` (``cid`` as the plan names it) has a known, encoded, allowed level."""
+    level = plan.levels.get(cid)
+    if level is None:
+        problems.add(f"{KVChunkId(*cid)} is streamed but has no level")
+        return
+    names = [lv.name for lv in inst.levels]
+    if level not in names:
+        problems.add(f"{KVChunkId(*cid)} is streamed at unknown level {level!r} (levels: {names})")
+        return
+    li = inst.level_index(level)
+    if inst.chunk_bytes[c, li] < 0:
+        problems.add(f"{KVChunkId(*cid)} is streamed at level {level!r}, which was not encoded "
+                     "for it")
+    elif not inst.allowed_mask[c, li]:
+        problems.add(f"{KVChunkId(*cid)} is streamed at level {level!r}, below the quality floor "
+                     f"{inst.quality_floor!r}")
+
+
+def _check_coverage(inst: Instance, pos: dict[int, int], streamed: dict[int, int],
+                    problems: _Problems) -> None:
+    """Every chunk exactly once: streamed (``streamed``) or produced by its computed step
+    (``pos``: dense step id -> compute position)."""
+    G = inst.G
     for c in range(inst.num_chunks):
         s = c // G
         if c in streamed and s in pos:
-            if add(f"{inst.chunk_id(c)} is both streamed and produced by computed "
-                   f"{inst.step_id(s)}"):
-                return problems
+            problems.add(f"{inst.chunk_id(c)} is both streamed and produced by computed "
+                         f"{inst.step_id(s)}")
         elif c not in streamed and s not in pos:
-            if add(f"{inst.chunk_id(c)} is neither streamed nor computed"):
-                return problems
+            problems.add(f"{inst.chunk_id(c)} is neither streamed nor computed")
 
-    # dependencies of computed steps
+
+def _check_dependencies(inst: Instance, pos: dict[int, int], problems: _Problems) -> None:
+    """Each computed step's inputs come from steps computed earlier (or are streamed: a chunk
+    neither streamed nor computed is the coverage check's to report)."""
+    L = inst.L
     for s, i in sorted(pos.items(), key=lambda kv: kv[1]):
         t, l = divmod(s, L)
         step = StepId(t, l)
         if l > 0:
             j = pos.get(s - 1)
             if j is None:
-                if add(f"{step} needs Y[l={l - 1}, t={t}] but step(t={t}, l={l - 1}) is not "
-                       "computed (a streamed chunk carries no hidden state)"):
-                    return problems
+                problems.add(f"{step} needs Y[l={l - 1}, t={t}] but step(t={t}, l={l - 1}) is not "
+                             "computed (a streamed chunk carries no hidden state)")
             elif j > i:
-                if add(f"{step} at compute position {i} needs Y[l={l - 1}, t={t}] from "
-                       f"step(t={t}, l={l - 1}), which is computed later (position {j})"):
-                    return problems
+                problems.add(f"{step} at compute position {i} needs Y[l={l - 1}, t={t}] from "
+                             f"step(t={t}, l={l - 1}), which is computed later (position {j})")
         if l < L - 1:
             for tp in range(t):
-                sp = tp * L + l
-                j = pos.get(sp)
-                if j is not None:
-                    if j > i:
-                        if add(f"{step} at compute position {i} attends over KV(t={tp}, l={l}) "
-                               f"from step(t={tp}, l={l}), which is computed later (position {j}): "
-                               "the compute thread would deadlock"):
-                            return problems
-                    continue
-                for g in range(G):
-                    if sp * G + g not in streamed:
-                        break  # reported by the coverage check
-    return problems
+                j = pos.get(tp * L + l)
+                if j is not None and j > i:
+                    problems.add(f"{step} at compute position {i} attends over KV(t={tp}, l={l}) "
+                                 f"from step(t={tp}, l={l}), which is computed later (position "
+                                 f"{j}): the compute thread would deadlock")
 
 
 def validate_plan(plan: Plan, inst: Instance) -> None:

@@ -17,7 +17,8 @@ The device model (docs/scheduler.md, "Simulator"):
   manifest fetch are not included; the benchmark reports the planning time beside it).
 
 Both workers are driven by a :class:`~sparkv.scheduler.controller.Controller` through its event
-interface; without one, :meth:`ControllerConfig.static` follows the plan exactly.
+interface; without one, :meth:`ControllerConfig.static` follows the plan exactly. :func:`simulate`
+builds a :class:`Simulation` (one run's state, one method per event kind) and runs it.
 """
 
 from __future__ import annotations
@@ -141,211 +142,275 @@ def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
     """
     if trace is None:
         trace = Trace.constant(inst.bandwidth_Bps / MBPS)
-    noise = noise or ComputeNoise()
-    if isinstance(controller, Controller):
-        ctl = controller
-    else:
-        ctl = Controller(plan, inst, controller or ControllerConfig.static())
-    factors = noise.step_factors(inst.num_steps)
-    G = inst.G
-    t_comp = inst.step_t_comp
-    n_chunks = inst.num_chunks
-    dep = DepState.for_instance(inst)
-    avail_at: dict[int, float] = {}
+    if not isinstance(controller, Controller):
+        controller = Controller(plan, inst, controller or ControllerConfig.static())
+    return Simulation(inst, trace, noise or ComputeNoise(), controller,
+                      sample_interval_s=sample_interval_s, max_time_s=max_time_s).run()
 
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
 
-    def push(t: float, kind: int, a: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, kind, seq, a))
+@dataclass
+class _Transfer:
+    """The transfer the link is busy with: its record's index, dense chunk and level ids, first
+    byte and end times, and the time of its last rate sample."""
 
-    # link state
-    link_busy = False
-    link_free_since = 0.0
-    link_first = True
-    cur: dict[str, Any] | None = None
-    transfers: list[TransferRecord] = []
-    link_busy_s = link_wait_s = 0.0
-    bytes_streamed = bytes_wasted = 0
-    # decoder
-    decode_q: list[tuple[int, int, TransferRecord]] = []
-    decoding = False
-    decode_busy_s = 0.0
-    # compute
-    running: int | None = None
-    compute_busy_s = 0.0
-    steps: dict[StepId, tuple[float, float]] = {}
-    n_avail = 0
-    ready_s = math.nan
-    finished = False
-    ttft = math.nan
-    suffix_start = math.nan
+    tid: int
+    c: int
+    li: int
+    start: float
+    end: float
+    last: float
 
-    def make_available(c: int, now: float) -> None:
-        nonlocal n_avail
-        if c not in avail_at:
-            avail_at[c] = now
-            n_avail += 1
 
-    def start_decode(now: float) -> bool:
-        nonlocal decoding, decode_busy_s
-        if decoding or not decode_q:
-            return False
-        c, li, rec = decode_q.pop(0)
-        d = float(inst.t_proc[c, li])
-        decoding = True
-        decode_busy_s += d
-        push(now + d, _DECODE_DONE, c)
-        rec.decoded_s = now + d
-        return True
+class Simulation:
+    """One run of the device model (module docstring), driven by ``ctl``: :meth:`run` once.
 
-    def start_compute(now: float) -> bool:
-        nonlocal running, compute_busy_s
-        if running is not None or finished:
-            return False
-        step = ctl.next_step(now)
-        if step is None:
-            return False
-        s = inst.step_index(step)
-        if not dep.ready(s):
-            missing = dep.missing_for(s) if not dep.computed[s] else ["it is already computed"]
-            raise SimulationError(f"controller started {step} at t={now:.4f}s but it lacks: "
-                                  + ", ".join(missing[:5]))
-        dur = float(t_comp[s]) * float(factors[s]) * noise.slowdown(now)
-        running = s
-        compute_busy_s += dur
-        steps[step] = (now, now + dur)
-        push(now + dur, _STEP_DONE, s)
-        return True
+    State: the event heap ``(time, kind, seq, arg)`` (simultaneous events in kind order, then in
+    push order); the link (``_transfer`` in flight or ``None``, when it went idle); the decoder's
+    queue; the compute thread (``_running`` step or ``None``); the dependency state of what is in
+    place (``dep``: the simulator checks the controller against it) and the totals the
+    :class:`Timeline` reports. Single-threaded; not reusable.
+    """
 
-    def start_link(now: float) -> bool:
-        nonlocal link_busy, cur, link_first, link_wait_s
-        if link_busy or finished:
-            return False
-        f = ctl.next_fetch(now)
-        if f is None:
-            return False
-        c = inst.chunk_index(f.cid)
-        li = inst.level_index(f.level)
-        nbytes = int(inst.chunk_bytes[c, li])
-        idle_gap = link_first or now > link_free_since + 1e-12
-        rtt = trace.rtt_s(now, inst.rtt_s) if idle_gap else 0.0
-        link_first = False
-        start = now + rtt
-        end = trace.transfer_end(start, nbytes)
-        link_wait_s += rtt
-        rec = TransferRecord(f.cid, f.level, nbytes, now, start, end)
-        transfers.append(rec)
-        tid = len(transfers) - 1
-        cur = {"tid": tid, "c": c, "li": li, "start": start, "end": end, "last": start}
-        link_busy = True
-        push(end, _RECV_DONE, tid)
-        if math.isfinite(sample_interval_s) and sample_interval_s > 0:
-            step = max(sample_interval_s, (end - start) / _MAX_SAMPLES)
-            k = 1
-            while start + k * step < end:
-                push(start + k * step, _TICK, tid)
-                k += 1
-        return True
+    def __init__(self, inst: Instance, trace: Trace, noise: ComputeNoise, ctl: Controller, *,
+                 sample_interval_s: float = 0.05, max_time_s: float = 1e7):
+        self.inst, self.trace, self.noise, self.ctl = inst, trace, noise, ctl
+        self.sample_interval_s, self.max_time_s = sample_interval_s, max_time_s
+        self._factors = noise.step_factors(inst.num_steps)
+        self._t_comp = inst.step_t_comp
+        self.dep = DepState.for_instance(inst)
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._handlers = {_RECV_DONE: self._on_received, _DECODE_DONE: self._on_decoded,
+                          _STEP_DONE: self._on_step_done, _TICK: self._on_tick}
+        # link
+        self._transfer: _Transfer | None = None
+        self._link_free_since = 0.0
+        self._link_first = True
+        self.transfers: list[TransferRecord] = []
+        self.link_busy_s = self.link_wait_s = 0.0
+        self.bytes_streamed = self.bytes_wasted = 0
+        # decoder
+        self._decode_q: list[tuple[int, int, TransferRecord]] = []
+        self._decoding = False
+        self.decode_busy_s = 0.0
+        # compute thread
+        self._running: int | None = None
+        self.compute_busy_s = 0.0
+        self.steps: dict[StepId, tuple[float, float]] = {}
+        # outcome
+        self.avail_at: dict[int, float] = {}     # dense chunk id -> when it became available
+        self.ready_s = math.nan
+        self.finished = False
+        self.ttft_s = math.nan
+        self.suffix_start_s = math.nan
 
-    def process_cancellations(now: float) -> None:
-        nonlocal link_busy, cur, link_free_since, link_busy_s, bytes_wasted
-        for cid in ctl.take_cancellations():
-            if cur is not None and inst.chunk_index(cid) == cur["c"]:
-                rec = transfers[cur["tid"]]
-                got = trace.bytes_between(cur["start"], now) if now > cur["start"] else 0.0
-                bytes_wasted += int(got)
-                link_busy_s += max(0.0, now - cur["start"])
-                rec.end_s, rec.cancelled = now, True
-                cur = None
-                link_busy = False
-                link_free_since = now
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> Timeline:
+        """Runs to the question's prefill; raises :class:`SimulationError` on a deadlock, a
+        controller that starts a step before its inputs, or ``max_time_s`` passed."""
+        self.ctl.start(0.0)
+        self._pump(0.0)
+        self._check_done(0.0)
+        now = 0.0
+        while self._heap and not self.finished:
+            now, kind, _, a = heapq.heappop(self._heap)
+            if now > self.max_time_s:
+                raise SimulationError(f"simulation passed {self.max_time_s} s without finishing")
+            if not self._handlers[kind](now, a):
+                continue  # the event of a cancelled transfer
+            self._check_done(now)
+            if not self.finished:
+                self._pump(now)
+                self._check_done(now)
+        if not self.finished:
+            raise self._deadlock(now)
+        return self._timeline()
 
-    def pump(now: float) -> None:
-        # a query can change the controller's mind about the other path (a migration inside
-        # next_fetch can give the idle compute thread work): repeat until nothing more starts
+    def _push(self, t: float, kind: int, a: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, a))
+
+    def _pump(self, now: float) -> None:
+        """Starts whatever the controller hands the idle workers. A query can change the
+        controller's mind about the other path (a migration inside ``next_fetch`` can give the
+        idle compute thread work): repeat until nothing more starts."""
+        ctl = self.ctl
         for _ in range(1000):
             rev = ctl.revision
-            process_cancellations(now)
-            started = start_compute(now)
-            started = start_link(now) or started
-            started = start_decode(now) or started
+            self._process_cancellations(now)
+            started = self._start_compute(now)
+            started = self._start_link(now) or started
+            started = self._start_decode(now) or started
             if not started and not ctl.has_cancellations and ctl.revision == rev:
                 break
 
-    def check_done(now: float) -> None:
-        nonlocal finished, ready_s, ttft, suffix_start
-        if finished or n_avail < n_chunks:
+    def _check_done(self, now: float) -> None:
+        """Every chunk available and the compute thread free: the question's prefill runs."""
+        if self.finished or len(self.avail_at) < self.inst.num_chunks:
             return
-        if math.isnan(ready_s):
-            ready_s = now
-        if running is not None:
+        if math.isnan(self.ready_s):
+            self.ready_s = now
+        if self._running is not None:
             return  # the suffix waits for the compute thread
-        finished = True
-        suffix_start = now
-        ttft = now + inst.t_suffix_s * float(factors[-1]) * noise.slowdown(now)
+        self.finished = True
+        self.suffix_start_s = now
+        self.ttft_s = now + self.inst.t_suffix_s * float(self._factors[-1]) \
+            * self.noise.slowdown(now)
 
-    ctl.start(0.0)
-    pump(0.0)
-    check_done(0.0)
-    now = 0.0
-    while heap and not finished:
-        now, kind, _, a = heapq.heappop(heap)
-        if now > max_time_s:
-            raise SimulationError(f"simulation passed {max_time_s} s without finishing")
-        if kind == _TICK:
-            if cur is not None and cur["tid"] == a:
-                got = trace.bytes_between(cur["last"], now)
-                ctl.rate_sample(now, got, now - cur["last"], transfers[a].cid)
-                cur["last"] = now
-        elif kind == _RECV_DONE:
-            if cur is None or cur["tid"] != a:
-                continue  # cancelled
-            rec = transfers[a]
-            got = trace.bytes_between(cur["last"], now)
-            ctl.rate_sample(now, got, now - cur["last"], rec.cid)
-            link_busy_s += now - cur["start"]
-            bytes_streamed += rec.nbytes
-            decode_q.append((cur["c"], cur["li"], rec))
-            cur = None
-            link_busy = False
-            link_free_since = now
-            ctl.chunk_received(rec.cid, now)
-        elif kind == _DECODE_DONE:
-            decoding = False
-            c = a
-            if not dep.chunk_avail[c]:
-                dep.add_chunk(c)
-            make_available(c, now)
-            ctl.chunk_arrived(inst.chunk_id(c), now)
-        elif kind == _STEP_DONE:
-            s = a
-            running = None
-            dep.mark_computed(s)
-            for g in range(G):
-                make_available(s * G + g, now)
-            step = inst.step_id(s)
-            ctl.step_done(step, now, steps[step][1] - steps[step][0])
-        check_done(now)
-        if not finished:
-            pump(now)
-            check_done(now)
-    if not finished:
-        blocked = []
-        for s in ctl.cq[:3]:
-            blocked.append(f"{inst.step_id(s)} waits for " + ", ".join(dep.missing_for(s)[:4]))
-        raise SimulationError(
-            f"deadlock at t={now:.4f}s: {n_avail}/{n_chunks} chunks available, link queue "
-            f"{len(ctl.lq)} chunks, compute queue {len(ctl.cq)} steps"
+    # ------------------------------------------------------------------ events
+    def _on_tick(self, now: float, tid: int) -> bool:
+        """A rate sample of transfer ``tid`` while its bytes flow."""
+        cur = self._transfer
+        if cur is not None and cur.tid == tid:
+            got = self.trace.bytes_between(cur.last, now)
+            self.ctl.rate_sample(now, got, now - cur.last, self.transfers[tid].cid)
+            cur.last = now
+        return True
+
+    def _on_received(self, now: float, tid: int) -> bool:
+        """Transfer ``tid``'s last byte: to the decoder; ``False`` if it was cancelled."""
+        cur = self._transfer
+        if cur is None or cur.tid != tid:
+            return False
+        rec = self.transfers[tid]
+        got = self.trace.bytes_between(cur.last, now)
+        self.ctl.rate_sample(now, got, now - cur.last, rec.cid)
+        self.link_busy_s += now - cur.start
+        self.bytes_streamed += rec.nbytes
+        self._decode_q.append((cur.c, cur.li, rec))
+        self._link_idle(now)
+        self.ctl.chunk_received(rec.cid, now)
+        return True
+
+    def _on_decoded(self, now: float, c: int) -> bool:
+        """Chunk ``c`` is decoded: available."""
+        self._decoding = False
+        if not self.dep.chunk_avail[c]:
+            self.dep.add_chunk(c)
+        self._make_available(c, now)
+        self.ctl.chunk_arrived(self.inst.chunk_id(c), now)
+        return True
+
+    def _on_step_done(self, now: float, s: int) -> bool:
+        """Step ``s`` is computed: its chunks are available."""
+        self._running = None
+        self.dep.mark_computed(s)
+        G = self.inst.G
+        for g in range(G):
+            self._make_available(s * G + g, now)
+        step = self.inst.step_id(s)
+        start, end = self.steps[step]
+        self.ctl.step_done(step, now, end - start)
+        return True
+
+    def _make_available(self, c: int, now: float) -> None:
+        if c not in self.avail_at:
+            self.avail_at[c] = now
+
+    def _link_idle(self, now: float) -> None:
+        self._transfer = None
+        self._link_free_since = now
+
+    # ------------------------------------------------------------------ workers
+    def _start_decode(self, now: float) -> bool:
+        """The decoder takes the oldest received chunk, if it is free."""
+        if self._decoding or not self._decode_q:
+            return False
+        c, li, rec = self._decode_q.pop(0)
+        d = float(self.inst.t_proc[c, li])
+        self._decoding = True
+        self.decode_busy_s += d
+        self._push(now + d, _DECODE_DONE, c)
+        rec.decoded_s = now + d
+        return True
+
+    def _start_compute(self, now: float) -> bool:
+        """The free compute thread runs the controller's next step (its inputs checked)."""
+        if self._running is not None or self.finished:
+            return False
+        step = self.ctl.next_step(now)
+        if step is None:
+            return False
+        s = self.inst.step_index(step)
+        if not self.dep.ready(s):
+            missing = (self.dep.missing_for(s) if not self.dep.computed[s]
+                       else ["it is already computed"])
+            raise SimulationError(f"controller started {step} at t={now:.4f}s but it lacks: "
+                                  + ", ".join(missing[:5]))
+        dur = float(self._t_comp[s]) * float(self._factors[s]) * self.noise.slowdown(now)
+        self._running = s
+        self.compute_busy_s += dur
+        self.steps[step] = (now, now + dur)
+        self._push(now + dur, _STEP_DONE, s)
+        return True
+
+    def _start_link(self, now: float) -> bool:
+        """The idle link requests the controller's next fetch: one RTT first unless it follows
+        the previous transfer back to back."""
+        if self._transfer is not None or self.finished:
+            return False
+        f = self.ctl.next_fetch(now)
+        if f is None:
+            return False
+        inst = self.inst
+        c = inst.chunk_index(f.cid)
+        li = inst.level_index(f.level)
+        nbytes = int(inst.chunk_bytes[c, li])
+        idle_gap = self._link_first or now > self._link_free_since + 1e-12
+        rtt = self.trace.rtt_s(now, inst.rtt_s) if idle_gap else 0.0
+        self._link_first = False
+        start = now + rtt
+        end = self.trace.transfer_end(start, nbytes)
+        self.link_wait_s += rtt
+        self.transfers.append(TransferRecord(f.cid, f.level, nbytes, now, start, end))
+        tid = len(self.transfers) - 1
+        self._transfer = _Transfer(tid, c, li, start, end, start)
+        self._push(end, _RECV_DONE, tid)
+        self._schedule_ticks(tid, start, end)
+        return True
+
+    def _schedule_ticks(self, tid: int, start: float, end: float) -> None:
+        """Rate samples every ``sample_interval_s`` while bytes flow (``_MAX_SAMPLES`` at most)."""
+        interval = self.sample_interval_s
+        if not (math.isfinite(interval) and interval > 0):
+            return
+        step = max(interval, (end - start) / _MAX_SAMPLES)
+        k = 1
+        while start + k * step < end:
+            self._push(start + k * step, _TICK, tid)
+            k += 1
+
+    def _process_cancellations(self, now: float) -> None:
+        """Aborts the in-flight transfer if the controller cancelled it (its bytes are wasted)."""
+        for cid in self.ctl.take_cancellations():
+            cur = self._transfer
+            if cur is not None and self.inst.chunk_index(cid) == cur.c:
+                rec = self.transfers[cur.tid]
+                got = self.trace.bytes_between(cur.start, now) if now > cur.start else 0.0
+                self.bytes_wasted += int(got)
+                self.link_busy_s += max(0.0, now - cur.start)
+                rec.end_s, rec.cancelled = now, True
+                self._link_idle(now)
+
+    # ------------------------------------------------------------------ outcome
+    def _deadlock(self, now: float) -> SimulationError:
+        inst, ctl = self.inst, self.ctl
+        blocked = [f"{inst.step_id(s)} waits for " + ", ".join(self.dep.missing_for(s)[:4])
+                   for s in ctl.cq[:3]]
+        return SimulationError(
+            f"deadlock at t={now:.4f}s: {len(self.avail_at)}/{inst.num_chunks} chunks available, "
+            f"link queue {len(ctl.lq)} chunks, compute queue {len(ctl.cq)} steps"
             + (": " + "; ".join(blocked) if blocked else ""))
-    return Timeline(
-        ttft_s=ttft, ready_s=ready_s, suffix_start_s=suffix_start, steps=steps,
-        transfers=transfers, available_s={inst.chunk_id(c): t for c, t in avail_at.items()},
-        link_busy_s=link_busy_s, link_wait_s=link_wait_s, compute_busy_s=compute_busy_s,
-        decode_busy_s=decode_busy_s, bytes_streamed=bytes_streamed, bytes_wasted=bytes_wasted,
-        migrations=list(ctl.migrations))
+
+    def _timeline(self) -> Timeline:
+        return Timeline(
+            ttft_s=self.ttft_s, ready_s=self.ready_s, suffix_start_s=self.suffix_start_s,
+            steps=self.steps, transfers=self.transfers,
+            available_s={self.inst.chunk_id(c): t for c, t in self.avail_at.items()},
+            link_busy_s=self.link_busy_s, link_wait_s=self.link_wait_s,
+            compute_busy_s=self.compute_busy_s, decode_busy_s=self.decode_busy_s,
+            bytes_streamed=self.bytes_streamed, bytes_wasted=self.bytes_wasted,
+            migrations=list(self.ctl.migrations))
 
 
 def estimate_ttft(plan: Plan, inst: Instance) -> float:

@@ -68,60 +68,24 @@ class Milp(Planner):
         self.warm_start = warm_start
 
     def _plan(self, inst: Instance) -> Plan:
+        model = _StageModel(inst, self.stages)
+        if self.warm_start == "stream":
+            model.warm_start_streaming()
+        n_vars = model.prob.numVariables()
+        n_cons = model.prob.numConstraints()
+        solve_time, log = self._solve(model)
+        info = self._solution_info(model, log)
+        compute, stream = model.orders()
+        plan = make_plan(inst, compute, stream, info={
+            **info, "solve_time_s": solve_time, "stages": self.stages, "variables": n_vars,
+            "constraints": n_cons})
+        plan.estimated_ttft_s = estimate_ttft(plan, inst)
+        return plan
+
+    def _solve(self, model: _StageModel) -> tuple[float, str]:
+        """Runs CBC on ``model``: ``(solve seconds, CBC's log)``."""
         import pulp
 
-        L, G, n_t, K = inst.L, inst.G, inst.n_t, self.stages
-        n_s, n_c = inst.num_steps, inst.num_chunks
-        tc = inst.step_t_comp
-        ts = inst.min_stream_time
-        prob = pulp.LpProblem("sparkv_schedule", pulp.LpMinimize)
-        if hasattr(prob, "add_variable"):     # PuLP >= 3.3
-            var = prob.add_variable
-        else:                                 # pragma: no cover - older PuLP
-            var = pulp.LpVariable
-        xc = {(s, k): var(f"xc_{s}_{k}", cat="Binary") for s in range(n_s) for k in range(K)}
-        xs = {(c, k): var(f"xs_{c}_{k}", cat="Binary") for c in range(n_c) for k in range(K)}
-        D = [var(f"D_{k}", lowBound=0) for k in range(K)]
-        prob += pulp.lpSum(D)
-        for k in range(K):
-            prob += D[k] >= pulp.lpSum(float(ts[c]) * xs[c, k] for c in range(n_c)), f"stream_{k}"
-            prob += D[k] >= pulp.lpSum(float(tc[s]) * xc[s, k] for s in range(n_s)), f"comp_{k}"
-        for c in range(n_c):
-            s = c // G
-            prob += (pulp.lpSum(xs[c, k] for k in range(K))
-                     + pulp.lpSum(xc[s, k] for k in range(K)) == 1), f"cover_{c}"
-        for s in range(n_s):
-            t, l = divmod(s, L)
-            if l > 0:
-                for k in range(K):
-                    prob += xc[s, k] <= pulp.lpSum(xc[s - 1, kk] for kk in range(k + 1)), \
-                        f"layer_{s}_{k}"
-        # token dependency over every earlier token chunk, through prefix variables
-        for l in range(L - 1):  # noqa: E741
-            for k in range(K):
-                prev = None
-                for t in range(n_t - 1):  # P for t = n_t-1 is never used
-                    s = t * L + l
-                    p = var(f"P_{t}_{l}_{k}", lowBound=0, upBound=1)
-                    comp_by_k = pulp.lpSum(xc[s, kk] for kk in range(k + 1))
-                    for g in range(G):
-                        c = s * G + g
-                        prob += p <= comp_by_k + pulp.lpSum(xs[c, kk] for kk in range(k)), \
-                            f"avail_{t}_{l}_{g}_{k}"
-                    if prev is not None:
-                        prob += p <= prev, f"prefix_{t}_{l}_{k}"
-                    prob += xc[(t + 1) * L + l, k] <= p, f"token_{t + 1}_{l}_{k}"
-                    prev = p
-        if self.warm_start == "stream":
-            for (c, k), v in xs.items():
-                v.setInitialValue(1 if k == 0 else 0)
-            for v in xc.values():
-                v.setInitialValue(0)
-            D[0].setInitialValue(float(ts.sum()))
-            for k in range(1, K):
-                D[k].setInitialValue(0.0)
-        n_vars = prob.numVariables()
-        n_cons = prob.numConstraints()
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             # PuLP 3.3 deprecates PULP_CBC_CMD (the bundled CBC) in favour of a separately
             # installed one; the bundled binary is what pyproject's "pulp" provides
@@ -131,9 +95,17 @@ class Milp(Planner):
                                        gapRel=self.gap_rel, threads=self.threads,
                                        warmStart=self.warm_start != "none", logPath=log_path)
             t0 = time.perf_counter()
-            prob.solve(solver)
+            model.prob.solve(solver)
             solve_time = time.perf_counter() - t0
             log = open(log_path).read() if os.path.exists(log_path) else ""
+        return solve_time, log
+
+    def _solution_info(self, model: _StageModel, log: str) -> dict[str, object]:
+        """CBC's status, objective, bound and gap for ``plan.info`` (the TTFTs include the
+        question prefill); raises :class:`PlannerError` without a solution."""
+        import pulp
+
+        prob = model.prob
         status = pulp.LpStatus[prob.status]
         sol_status = pulp.LpSolution.get(prob.sol_status, str(prob.sol_status))
         if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -144,12 +116,120 @@ class Milp(Planner):
         optimal = prob.sol_status == pulp.LpSolutionOptimal and "Stopped" not in log
         if optimal:
             bound, gap = objective, 0.0 if self.gap_rel == 0 else gap
+        suffix = model.inst.t_suffix_s
+        return {
+            "status": "optimal" if optimal else ("time_limit" if "Stopped" in log else status),
+            "solution": sol_status,
+            "objective_s": objective + suffix,
+            "bound_s": None if bound is None else bound + suffix,
+            "gap": gap,
+        }
+
+
+class _StageModel:
+    """The stage MILP of one instance (module docstring) as a PuLP problem: ``prob``, the
+    binaries ``xc[s, k]`` and ``xs[c, k]`` and the stage durations ``D[k]``. Variables and
+    constraints are added in a fixed order with fixed names (CBC's answer depends on both)."""
+
+    def __init__(self, inst: Instance, stages: int):
+        import pulp
+
+        self.inst, self.K = inst, stages
+        self.prob = pulp.LpProblem("sparkv_schedule", pulp.LpMinimize)
+        if hasattr(self.prob, "add_variable"):     # PuLP >= 3.3
+            self._var = self.prob.add_variable
+        else:                                      # pragma: no cover - older PuLP
+            self._var = pulp.LpVariable
+        K, var = stages, self._var
+        self.xc = {(s, k): var(f"xc_{s}_{k}", cat="Binary")
+                   for s in range(inst.num_steps) for k in range(K)}
+        self.xs = {(c, k): var(f"xs_{c}_{k}", cat="Binary")
+                   for c in range(inst.num_chunks) for k in range(K)}
+        self.D = [var(f"D_{k}", lowBound=0) for k in range(K)]
+        self.prob += pulp.lpSum(self.D)
+        self._add_stage_durations()
+        self._add_coverage()
+        self._add_layer_dependency()
+        self._add_token_dependency()
+
+    def _add_stage_durations(self) -> None:
+        """(1): ``D_k`` covers the stage's streaming and its computation."""
+        from pulp import lpSum
+
+        inst, xc, xs = self.inst, self.xc, self.xs
+        tc, ts = inst.step_t_comp, inst.min_stream_time
+        for k in range(self.K):
+            self.prob += self.D[k] >= lpSum(float(ts[c]) * xs[c, k]
+                                            for c in range(inst.num_chunks)), f"stream_{k}"
+            self.prob += self.D[k] >= lpSum(float(tc[s]) * xc[s, k]
+                                            for s in range(inst.num_steps)), f"comp_{k}"
+
+    def _add_coverage(self) -> None:
+        """(2): every chunk exactly once, streamed or produced by its computed step."""
+        from pulp import lpSum
+
+        K, G = self.K, self.inst.G
+        for c in range(self.inst.num_chunks):
+            s = c // G
+            self.prob += (lpSum(self.xs[c, k] for k in range(K))
+                          + lpSum(self.xc[s, k] for k in range(K)) == 1), f"cover_{c}"
+
+    def _add_layer_dependency(self) -> None:
+        """A step's hidden state input is computed in its stage or earlier."""
+        from pulp import lpSum
+
+        K, L, xc = self.K, self.inst.L, self.xc
+        for s in range(self.inst.num_steps):
+            if s % L > 0:
+                for k in range(K):
+                    self.prob += xc[s, k] <= lpSum(xc[s - 1, kk] for kk in range(k + 1)), \
+                        f"layer_{s}_{k}"
+
+    def _add_token_dependency(self) -> None:
+        """Every earlier token chunk available (computed by stage ``k``, or streamed before it),
+        through the prefix variables ``P[t, l, k]``."""
+        from pulp import lpSum
+
+        inst, K, xc, xs = self.inst, self.K, self.xc, self.xs
+        L, G, n_t = inst.L, inst.G, inst.n_t
+        for l in range(L - 1):  # noqa: E741
+            for k in range(K):
+                prev = None
+                for t in range(n_t - 1):  # P for t = n_t-1 is never used
+                    s = t * L + l
+                    p = self._var(f"P_{t}_{l}_{k}", lowBound=0, upBound=1)
+                    comp_by_k = lpSum(xc[s, kk] for kk in range(k + 1))
+                    for g in range(G):
+                        c = s * G + g
+                        self.prob += p <= comp_by_k + lpSum(xs[c, kk] for kk in range(k)), \
+                            f"avail_{t}_{l}_{g}_{k}"
+                    if prev is not None:
+                        self.prob += p <= prev, f"prefix_{t}_{l}_{k}"
+                    self.prob += xc[(t + 1) * L + l, k] <= p, f"token_{t + 1}_{l}_{k}"
+                    prev = p
+
+    def warm_start_streaming(self) -> None:
+        """CBC's starting point: everything streamed in stage 0 (always feasible)."""
+        for (c, k), v in self.xs.items():
+            v.setInitialValue(1 if k == 0 else 0)
+        for v in self.xc.values():
+            v.setInitialValue(0)
+        self.D[0].setInitialValue(float(self.inst.min_stream_time.sum()))
+        for k in range(1, self.K):
+            self.D[k].setInitialValue(0.0)
+
+    def orders(self) -> tuple[list[int], list[int]]:
+        """The solved plan as ``(compute order, stream order)`` of dense ids: stage by stage
+        (within a stage, token chunk then layer); the stream order puts the chunks computed
+        steps need first."""
+        inst = self.inst
+        L, G, n_s, n_c = inst.L, inst.G, inst.num_steps, inst.num_chunks
         stage_c = np.full(n_s, -1)
         stage_s = np.full(n_c, -1)
-        for (s, k), v in xc.items():
+        for (s, k), v in self.xc.items():
             if (v.value() or 0) > 0.5:
                 stage_c[s] = k
-        for (c, k), v in xs.items():
+        for (c, k), v in self.xs.items():
             if (v.value() or 0) > 0.5:
                 stage_s[c] = k
         compute = sorted((s for s in range(n_s) if stage_c[s] >= 0),
@@ -158,20 +238,7 @@ class Milp(Planner):
         computed = set(compute)
         stream_ids = [c for c in range(n_c) if (c // G) not in computed]
         stream = sorted(stream_ids, key=lambda c: (max(stage_s[c], 0), c))
-        stream = stream_order_for_compute(inst, compute, stream)
-        plan = make_plan(inst, compute, stream, info={
-            "status": "optimal" if optimal else ("time_limit" if "Stopped" in log else status),
-            "solution": sol_status,
-            "objective_s": objective + inst.t_suffix_s,
-            "bound_s": None if bound is None else bound + inst.t_suffix_s,
-            "gap": gap,
-            "solve_time_s": solve_time,
-            "stages": K,
-            "variables": n_vars,
-            "constraints": n_cons,
-        })
-        plan.estimated_ttft_s = estimate_ttft(plan, inst)
-        return plan
+        return compute, stream_order_for_compute(inst, compute, stream)
 
 
 def _parse_cbc_log(log: str, objective: float) -> tuple[float | None, float | None]:

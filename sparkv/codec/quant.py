@@ -343,8 +343,12 @@ def choose_prediction(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _predict(q, bits, alpha, center, out):  # pragma: no cover - numba
-    h_, m_, d_ = q.shape
+def _predict_walk(src, dst, bits, alpha, center, restore):  # pragma: no cover - numba
+    """``dst = (src -/+ p) mod 2**bits`` per symbol, ``p`` the channel prediction from ``src``'s
+    previous token (the centre for the first). ``restore`` false: the residuals of ``src`` into
+    ``dst``; true, with ``dst is src``: in place, each token restored before it predicts the
+    next. (A branch, not a sign factor: LLVM hoists it out of the loop.)"""
+    h_, m_, d_ = src.shape
     mask = np.int32((1 << bits) - 1)
     for h in range(h_):
         for n in range(m_):
@@ -354,8 +358,11 @@ def _predict(q, bits, alpha, center, out):  # pragma: no cover - numba
                     p = c
                 else:
                     a = np.int32(alpha[h, d])
-                    p = (a * np.int32(q[h, n - 1, d]) + (4 - a) * c + 2) >> 2
-                out[h, n, d] = np.uint8((np.int32(q[h, n, d]) - p) & mask)
+                    p = (a * np.int32(src[h, n - 1, d]) + (4 - a) * c + 2) >> 2
+                if restore:
+                    dst[h, n, d] = np.uint8((np.int32(src[h, n, d]) + p) & mask)
+                else:
+                    dst[h, n, d] = np.uint8((np.int32(src[h, n, d]) - p) & mask)
 
 
 def apply_prediction(q: np.ndarray, bits: int, alpha: np.ndarray, center: np.ndarray
@@ -363,27 +370,11 @@ def apply_prediction(q: np.ndarray, bits: int, alpha: np.ndarray, center: np.nda
     """Residual symbols (``uint8 [H, M, D]``) of ``q`` under the channel predictor."""
     q = np.ascontiguousarray(q)
     out = np.empty_like(q)
-    _predict(q, bits, alpha, center, out)
+    _predict_walk(q, out, bits, alpha, center, False)
     return out
-
-
-@nb.njit(nogil=True, cache=True, boundscheck=False)
-def _unpredict(r, bits, alpha, center):  # pragma: no cover - numba
-    h_, m_, d_ = r.shape
-    mask = np.int32((1 << bits) - 1)
-    for h in range(h_):
-        for n in range(m_):
-            for d in range(d_):
-                c = np.int32(center[h, d])
-                if n == 0:
-                    p = c
-                else:
-                    a = np.int32(alpha[h, d])
-                    p = (a * np.int32(r[h, n - 1, d]) + (4 - a) * c + 2) >> 2
-                r[h, n, d] = np.uint8((np.int32(r[h, n, d]) + p) & mask)
 
 
 def undo_prediction(values: np.ndarray, bits: int, alpha: np.ndarray, center: np.ndarray
                     ) -> None:
     """Inverts :func:`apply_prediction` in place (``uint8 [H, M, D]``)."""
-    _unpredict(values, bits, alpha, center)
+    _predict_walk(values, values, bits, alpha, center, True)

@@ -357,17 +357,47 @@ class LayerState:
         return pos
 
     def attend(self, q: torch.Tensor, scale: float | None, q_pos: torch.Tensor) -> torch.Tensor:
-        """``q [1, Hq, nq, D]`` over this layer's memory (module docstring); ``[1, Hq, nq, D]``."""
-        eng, cfg, cnt = self.eng, self.eng.cfg, self.eng.counters
+        """``q [1, Hq, nq, D]`` over this layer's memory (module docstring); ``[1, Hq, nq, D]``.
+
+        The steps of the module docstring, each timed into its counter: collect the prefetched
+        clusters (``io_s``), select (``select_s``), read what is missing (``io_s``), hand the
+        next layer to the prefetcher and attend (``attend_s``), probe (``probe_s``), update
+        (``update_s``)."""
+        eng, cnt = self.eng, self.eng.counters
         assert self.new is not None, "update() first"
         t0 = time.perf_counter()
         self.staged = eng.prefetcher.take(self.l)
         t1 = time.perf_counter()
         cnt.io_s += t1 - t0
+        selected = self._select(q)
+        t2 = time.perf_counter()
+        cnt.select_s += t2 - t1
+        read = self._read_selected(selected)
+        t3 = time.perf_counter()
+        cnt.io_s += t3 - t2
+        # the next layer's reads go on while this one computes
+        nxt = eng.layers[(self.l + 1) % len(eng.layers)] if eng.layers else None
+        if nxt is not None and nxt is not self:
+            eng.prefetcher.submit(nxt)
+        heads = self._assemble(selected)
+        out = ragged_attention(q, heads, q_pos, scale)
+        t4 = time.perf_counter()
+        cnt.attend_s += t4 - t3
+        if eng.probe and q.shape[2] == 1:
+            self._probe(q, out, heads, scale)
+            t5 = time.perf_counter()
+            cnt.probe_s += t5 - t4
+            t4 = t5
+        self._end_step(selected, read)
+        cnt.update_s += time.perf_counter() - t4
+        return out
+
+    def _select(self, q: torch.Tensor) -> list[list[int]]:
+        """Per KV head, the clusters (or tokens) it selects within this step's entry budget."""
+        eng, cfg = self.eng, self.eng.cfg
         qn = q[0].detach().float().numpy()                              # [Hq, nq, D]
         g, d = eng.group, eng.D
-        held = self.end
-        budget = eng.budget_for(held)
+        budget = eng.budget_for(self.end)
         window = (self.sink_n, self.rec_start)
         selected: list[list[int]] = []
         if self.table is not None:
@@ -382,13 +412,18 @@ class LayerState:
             for h, idx in enumerate(self.indexes):
                 qg = qn[h * g:(h + 1) * g].reshape(-1, d)
                 selected.append(idx.select(qg, budget, window))  # type: ignore[call-arg]
-        t2 = time.perf_counter()
-        cnt.select_s += t2 - t1
-        # the selected clusters' flushed entries: cache, prefetch staging, or flash
+        return selected
+
+    def _read_selected(self, selected: list[list[int]]) -> list[int]:
+        """Fills :attr:`step_data` with the selected clusters' flushed entries, from the cache,
+        the prefetch staging or flash (one read for every miss), counting each source. Returns
+        the clusters read (misses) and then those taken from the staging: the cache's new
+        candidates."""
+        cnt = self.eng.counters
         self.step_data = step_data = {}
         misses = []
         used_staged = []
-        cache, staged, layer = eng.cache, self.staged, self.l
+        cache, staged, layer = self.eng.cache, self.staged, self.l
         units = None if isinstance(self.store, TokenStore) else self.store.units
         ever = cache.ever
         for sel in selected:
@@ -425,26 +460,17 @@ class LayerState:
         cnt.staging_peak = max(cnt.staging_peak, sum(data_bytes(x) for x in self.staged.values()))
         cnt.prefetched_unused_bytes += sum(data_bytes(x) for u, x in self.staged.items()
                                            if u not in self.step_data)
-        t3 = time.perf_counter()
-        cnt.io_s += t3 - t2
-        # the next layer's reads go on while this one computes
-        nxt = eng.layers[(self.l + 1) % len(eng.layers)] if eng.layers else None
-        if nxt is not None and nxt is not self:
-            eng.prefetcher.submit(nxt)
-        heads = self._assemble(selected)
-        out = ragged_attention(q, heads, q_pos, scale)
-        t4 = time.perf_counter()
-        cnt.attend_s += t4 - t3
-        if eng.probe and q.shape[2] == 1:
-            self._probe(q, out, heads, scale)
-            t5 = time.perf_counter()
-            cnt.probe_s += t5 - t4
-            t4 = t5
-        # keep what was read, then let the new entries join their clusters
-        for uid in misses + used_staged:
+        return misses + used_staged
+
+    def _end_step(self, selected: list[list[int]], read: list[int]) -> None:
+        """Offers the clusters ``read`` to the cache, lets the new entries join their clusters
+        (splits, buffers; :meth:`ClusterIndex.observe`, ``finish_step``) and slides the
+        window to the last ``recent`` positions."""
+        eng = self.eng
+        for uid in read:
             if uid in self.step_data:
                 eng.cache.put((self.l, uid), self.step_data[uid])
-        k_new, v_new, pos_new = self.new
+        k_new, v_new, pos_new = self.new  # type: ignore[misc]
         for j in range(int(pos_new.shape[0])):
             p = int(pos_new[j])
             for h, idx in enumerate(self.indexes):
@@ -455,13 +481,10 @@ class LayerState:
         self.staged = {}
         self.step_data = {}
         self.new = None
-        # the window keeps the last `recent` positions
-        keep = max(0, int(self.rec_k.shape[1]) - cfg.recent)
+        keep = max(0, int(self.rec_k.shape[1]) - eng.cfg.recent)
         if keep:
             self.rec_k, self.rec_v = self.rec_k[:, keep:].clone(), self.rec_v[:, keep:].clone()
             self.rec_start += keep
-        cnt.update_s += time.perf_counter() - t4
-        return out
 
     def _assemble(self, selected: list[list[int]]
                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -178,6 +178,7 @@ class DecodeSession:
 
     # ---- results -----------------------------------------------------------------------------------
     def stats(self) -> DecodeStats:
+        """The decode's counters so far (:class:`~sparkv.decode.stats.DecodeStats`)."""
         st = DecodeStats(self.policy, steps=self.forwards, tokens=self.tokens_fed,
                          decode_s=self.decode_s)
         per = max(1, self.tokens_fed)
@@ -193,64 +194,15 @@ class DecodeSession:
         st.decode_s = max(0.0, self.decode_s - cnt.probe_s)      # the probe is measurement only
         st.probe_s = cnt.probe_s
         st.tokens_per_s = self.tokens_fed / st.decode_s if st.decode_s > 0 else 0.0
-        io = kv.io.snapshot()
-        eb = kv.entry_bytes
         st.retrieved_entries, st.retrieved_bytes = cnt.retrieved_entries, cnt.retrieved_bytes
         st.retrieved_entries_per_token = cnt.retrieved_entries / per
         st.attended_entries_per_token = cnt.attended_entries / per
         if cnt.recall_n:
             st.recall = cnt.recall_sum / cnt.recall_n
             st.output_error = cnt.error_sum / cnt.recall_n
-        rb, ro, re = io["read_bytes"], io["read_ops"], io["read_entries"]
-        st.flash_read_bytes = int(sum(rb.values()))
-        st.flash_read_ops = int(sum(ro.values()))
-        st.flash_read_bytes_per_token = st.flash_read_bytes / per
-        st.flash_read_ops_per_token = st.flash_read_ops / per
-        if st.flash_read_ops:
-            st.mean_run_entries = st.flash_read_bytes / eb / st.flash_read_ops
-            st.useful_read_fraction = sum(re.values()) * eb / max(1, st.flash_read_bytes)
-        crit = ("retrieve", "split", "overflow", "relocate")      # everything but prefetch
-        st.critical_read_ops_per_token = sum(ro.get(r, 0) for r in crit) / per
-        st.critical_read_bytes_per_token = sum(rb.get(r, 0) for r in crit) / per
-        st.prefetch_read_ops_per_token = ro.get("prefetch", 0) / per
-        st.prefetch_read_bytes_per_token = rb.get("prefetch", 0) / per
-        st.split_read_bytes = int(rb.get("split", 0) + rb.get("overflow", 0))
-        st.split_read_ops = int(ro.get("split", 0) + ro.get("overflow", 0))
-        wb, lb = io["write_bytes"], io["logical_bytes"]
-        st.prefill_write_bytes = int(wb.get("prefill", 0))
-        st.flash_write_bytes = int(sum(v for k, v in wb.items() if k != "prefill"))
-        st.logical_write_bytes = int(sum(v for k, v in lb.items() if k != "prefill"))
-        st.relocation_write_bytes = int(wb.get("relocate", 0) + wb.get("compact", 0))
-        st.write_amplification = (st.flash_write_bytes / st.logical_write_bytes
-                                  if st.logical_write_bytes else 1.0)
-        st.hits, st.prefetch_hits, st.misses = cnt.hits, cnt.prefetch_hits, cnt.misses
-        total = cnt.hits + cnt.prefetch_hits + cnt.misses
-        if total:
-            st.hit_rate = cnt.hits / total
-            st.ram_hit_rate = (cnt.hits + cnt.prefetch_hits) / total
-            tb = cnt.hit_bytes + cnt.prefetch_hit_bytes + cnt.miss_bytes
-            st.byte_hit_rate = cnt.hit_bytes / max(1, tb)
-            st.hit_rate_ceiling = 1.0 - cnt.first_uses / total
-        cs = kv.cache.stats()
-        st.evictions, st.evicted_reserved = int(cs["evictions"]), int(cs["evicted_reserved"])
-        splits: dict[str, int] = {"inline": 0, "delayed": 0, "overflow": 0, "eager": 0,
-                                  "local_batches": 0}
-        clusters = sizes = buffered = peak = flagged = 0
-        for layer in kv.layers:
-            for idx in layer.indexes:
-                for k in splits:
-                    splits[k] += getattr(idx.splits, k)
-                clusters += idx.clusters
-                buffered += idx.buffered
-                peak = max(peak, idx.buffer_peak)
-                if hasattr(idx, "flag"):
-                    flagged += int((idx.flag[:idx.size] & idx.alive[:idx.size]).sum())
-                    sizes += int(idx.n[:idx.size][idx.alive[:idx.size]].sum())
-        splits["prefill"] = kv.prefill_splits
-        st.splits = splits
-        st.clusters = clusters
-        st.mean_cluster_size = sizes / clusters if clusters else 0.0
-        st.buffered, st.buffer_peak, st.flagged = buffered, peak, flagged
+        _flash_stats(st, kv, per)
+        _hit_stats(st, kv)
+        _cluster_stats(st, kv)
         st.ram_budget, st.cache_capacity = kv.ram_budget, kv.cache_capacity
         st.ram = kv.ram_bytes()
         st.ram_peak_bytes = cnt.ram_peak
@@ -259,8 +211,6 @@ class DecodeSession:
         st.build_s = kv.build_s
         st.select_s, st.io_s = cnt.select_s, cnt.io_s
         st.attend_s, st.update_s = cnt.attend_s, cnt.update_s
-        st.reads = {"ops": ro, "bytes": rb, "entries": re, "seconds": io["read_s"],
-                    "write_bytes": wb, "logical_bytes": lb}
         return st
 
     def close(self) -> None:
@@ -277,6 +227,76 @@ class DecodeSession:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# ---- the stats of a clustered policy -----------------------------------------------------------------
+def _flash_stats(st: DecodeStats, kv: ClusteredKV, per: int) -> None:
+    """Reads and writes on flash (``per``: the tokens fed, at least 1), by reason."""
+    io = kv.io.snapshot()
+    eb = kv.entry_bytes
+    rb, ro, re = io["read_bytes"], io["read_ops"], io["read_entries"]
+    st.flash_read_bytes = int(sum(rb.values()))
+    st.flash_read_ops = int(sum(ro.values()))
+    st.flash_read_bytes_per_token = st.flash_read_bytes / per
+    st.flash_read_ops_per_token = st.flash_read_ops / per
+    if st.flash_read_ops:
+        st.mean_run_entries = st.flash_read_bytes / eb / st.flash_read_ops
+        st.useful_read_fraction = sum(re.values()) * eb / max(1, st.flash_read_bytes)
+    crit = ("retrieve", "split", "overflow", "relocate")      # everything but prefetch
+    st.critical_read_ops_per_token = sum(ro.get(r, 0) for r in crit) / per
+    st.critical_read_bytes_per_token = sum(rb.get(r, 0) for r in crit) / per
+    st.prefetch_read_ops_per_token = ro.get("prefetch", 0) / per
+    st.prefetch_read_bytes_per_token = rb.get("prefetch", 0) / per
+    st.split_read_bytes = int(rb.get("split", 0) + rb.get("overflow", 0))
+    st.split_read_ops = int(ro.get("split", 0) + ro.get("overflow", 0))
+    wb, lb = io["write_bytes"], io["logical_bytes"]
+    st.prefill_write_bytes = int(wb.get("prefill", 0))
+    st.flash_write_bytes = int(sum(v for k, v in wb.items() if k != "prefill"))
+    st.logical_write_bytes = int(sum(v for k, v in lb.items() if k != "prefill"))
+    st.relocation_write_bytes = int(wb.get("relocate", 0) + wb.get("compact", 0))
+    st.write_amplification = (st.flash_write_bytes / st.logical_write_bytes
+                              if st.logical_write_bytes else 1.0)
+    st.reads = {"ops": ro, "bytes": rb, "entries": re, "seconds": io["read_s"],
+                "write_bytes": wb, "logical_bytes": lb}
+
+
+def _hit_stats(st: DecodeStats, kv: ClusteredKV) -> None:
+    """Where the selected clusters came from (cache, prefetch, flash) and the cache's
+    evictions."""
+    cnt = kv.counters
+    st.hits, st.prefetch_hits, st.misses = cnt.hits, cnt.prefetch_hits, cnt.misses
+    total = cnt.hits + cnt.prefetch_hits + cnt.misses
+    if total:
+        st.hit_rate = cnt.hits / total
+        st.ram_hit_rate = (cnt.hits + cnt.prefetch_hits) / total
+        tb = cnt.hit_bytes + cnt.prefetch_hit_bytes + cnt.miss_bytes
+        st.byte_hit_rate = cnt.hit_bytes / max(1, tb)
+        st.hit_rate_ceiling = 1.0 - cnt.first_uses / total
+    cs = kv.cache.stats()
+    st.evictions, st.evicted_reserved = int(cs["evictions"]), int(cs["evicted_reserved"])
+
+
+def _cluster_stats(st: DecodeStats, kv: ClusteredKV) -> None:
+    """Splits by kind, clusters, their mean size, buffered and flagged entries (every layer and
+    KV head)."""
+    splits: dict[str, int] = {"inline": 0, "delayed": 0, "overflow": 0, "eager": 0,
+                              "local_batches": 0}
+    clusters = sizes = buffered = peak = flagged = 0
+    for layer in kv.layers:
+        for idx in layer.indexes:
+            for k in splits:
+                splits[k] += getattr(idx.splits, k)
+            clusters += idx.clusters
+            buffered += idx.buffered
+            peak = max(peak, idx.buffer_peak)
+            if hasattr(idx, "flag"):
+                flagged += int((idx.flag[:idx.size] & idx.alive[:idx.size]).sum())
+                sizes += int(idx.n[:idx.size][idx.alive[:idx.size]].sum())
+    splits["prefill"] = kv.prefill_splits
+    st.splits = splits
+    st.clusters = clusters
+    st.mean_cluster_size = sizes / clusters if clusters else 0.0
+    st.buffered, st.buffer_peak, st.flagged = buffered, peak, flagged
 
 
 def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequence[int],

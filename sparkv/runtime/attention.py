@@ -364,67 +364,84 @@ class BlockSparseAttention:
         # the union over each GQA group is what actually runs, and what the stats report
         off = (mask & ~diagonal).view(b, hkv, group, nqb, nkb).any(2)  # [B,Hkv,nqb,nkb]
         pad_k, pad_q = nkb * bk - nk, nqb * bq - nq
-        kb = (F.pad(k, (0, 0, 0, pad_k)) if pad_k else k).reshape(b * hkv, nkb, bk, d)
-        vb = (F.pad(v, (0, 0, 0, pad_k)) if pad_k else v).reshape(b * hkv, nkb, bk, d)
+        # keys and values per (batch, KV head), padded to whole key blocks
+        kp = (F.pad(k, (0, 0, 0, pad_k)) if pad_k else k).reshape(b * hkv, nkb * bk, d)
+        vp = (F.pad(v, (0, 0, 0, pad_k)) if pad_k else v).reshape(b * hkv, nkb * bk, d)
         # queries as rows (b, kv head, q block) of group*bq query vectors each
         qr = (F.pad(q, (0, 0, 0, pad_q)) if pad_q else q).reshape(b, hkv, group, nqb, bq, d)
         qr = qr.permute(0, 1, 3, 2, 4, 5).reshape(b * hkv * nqb, group * bq, d)
         rows = b * hkv * nqb
         out = torch.empty_like(qr)
         lse = torch.full((rows, group * bq), -math.inf, dtype=torch.float32, device=q.device)
-
-        # pass 1: diagonal windows, contiguous keys, bucketed by (first key, width, query offset)
-        first_q = q_offset + torch.arange(nqb, device=q.device) * bq
-        j0 = (first_q // bk).tolist()
-        width = diagonal.sum(-1).tolist()
-        shapes: dict[tuple[int, int], list[int]] = {}
-        for i in range(nqb):
-            shapes.setdefault((int(first_q[i]) - j0[i] * bk, width[i]), []).append(i)
-        kflat = (F.pad(k, (0, 0, 0, pad_k)) if pad_k else k).reshape(b * hkv, nkb * bk, d)
-        vflat = (F.pad(v, (0, 0, 0, pad_k)) if pad_k else v).reshape(b * hkv, nkb * bk, d)
-        qpos_local = torch.arange(bq, device=q.device).repeat(group)  # [group*bq]
-        for (rel, w), blocks in shapes.items():
-            idx = torch.tensor(blocks, device=q.device)
-            key_idx = (torch.tensor([j0[i] * bk for i in blocks], device=q.device).view(-1, 1)
-                       + torch.arange(w * bk, device=q.device))  # [nb, w*bk]
-            ks = kflat[:, key_idx]  # [B*Hkv, nb, w*bk, d]
-            vs = vflat[:, key_idx]
-            row_idx = (torch.arange(b * hkv, device=q.device).view(-1, 1) * nqb + idx).reshape(-1)
-            ok = torch.arange(w * bk, device=q.device).view(1, -1) <= (qpos_local + rel).view(-1, 1)
-            ok &= (torch.arange(w * bk, device=q.device) + j0[blocks[0]] * bk < nk).view(1, -1) \
-                if len(blocks) == 1 else ok
-            add = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, -math.inf)
-            o, l_ = _attention_lse(qr[row_idx].unsqueeze(0), ks.reshape(1, -1, w * bk, d),
-                                   vs.reshape(1, -1, w * bk, d), add, scale)
-            out[row_idx], lse[row_idx] = o[0], l_[0]
-
-        # pass 2: off-diagonal kept blocks, bucketed by count, merged into pass 1 by LSE
-        off_rows = off.reshape(rows, nkb)
-        counts = off_rows.sum(-1)
-        sel_all = torch.argsort((~off_rows).to(torch.int8), dim=-1, stable=True)
-        head_of_row = torch.arange(rows, device=q.device) // nqb
-        for n in torch.unique(counts).tolist():
-            if n == 0:
-                continue
-            row_idx = torch.nonzero(counts == n).view(-1)
-            sel = sel_all[row_idx, :n]  # [r, n]
-            hs = head_of_row[row_idx].view(-1, 1)
-            ks = kb[hs, sel].reshape(1, -1, n * bk, d)
-            vs = vb[hs, sel].reshape(1, -1, n * bk, d)
-            o2, l2 = _attention_lse(qr[row_idx].unsqueeze(0), ks, vs, None, scale)
-            o1, l1 = out[row_idx], lse[row_idx]
-            m = torch.maximum(l1, l2[0])
-            w1, w2 = torch.exp(l1 - m), torch.exp(l2[0] - m)
-            out[row_idx] = ((o1 * w1.unsqueeze(-1) + o2[0] * w2.unsqueeze(-1))
-                            / (w1 + w2).unsqueeze(-1)).to(out.dtype)
-            lse[row_idx] = m + torch.log(w1 + w2)
-
+        _diagonal_pass(qr, kp, vp, out, lse, diagonal, q_offset, nk, group, bq, bk, scale)
+        _off_diagonal_pass(qr, kp, vp, out, lse, off.reshape(rows, nkb), nqb, bk, scale)
         res = out.view(b, hkv, nqb, group, bq, d).permute(0, 1, 3, 2, 4, 5)
         res = res.reshape(b, hq, nqb * bq, d)[:, :, :nq]
         executed = (off | diagonal).repeat_interleave(group, dim=1)  # what ran, per query head
         active = executed.sum(dim=(2, 3)).sum(0)
         stats = AttentionStats(self.name, active, causal_block_count(nq, nk, q_offset, bq, bk))
         return res.contiguous(), stats
+
+
+def _diagonal_pass(qr: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, diagonal: torch.Tensor, q_offset: int, nk: int, group: int,
+                   bq: int, bk: int, scale: float) -> None:
+    """Pass 1 of :meth:`BlockSparseAttention.attend`: each query block against its diagonal
+    window (contiguous keys, causally masked), bucketed by (offset in the first key block, width)
+    so that each bucket is one call. Writes every row of ``out`` ``[rows, group*bq, D]`` and
+    ``lse`` ``[rows, group*bq]``; ``kp``/``vp`` are ``[B*Hkv, nkb*bk, D]``."""
+    dev, d = qr.device, qr.shape[-1]
+    nqb = diagonal.shape[0]
+    first_q = q_offset + torch.arange(nqb, device=dev) * bq
+    j0 = (first_q // bk).tolist()
+    width = diagonal.sum(-1).tolist()
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i in range(nqb):
+        shapes.setdefault((int(first_q[i]) - j0[i] * bk, width[i]), []).append(i)
+    qpos_local = torch.arange(bq, device=dev).repeat(group)  # [group*bq]
+    for (rel, w), blocks in shapes.items():
+        idx = torch.tensor(blocks, device=dev)
+        key_idx = (torch.tensor([j0[i] * bk for i in blocks], device=dev).view(-1, 1)
+                   + torch.arange(w * bk, device=dev))  # [nb, w*bk]
+        ks = kp[:, key_idx]  # [B*Hkv, nb, w*bk, d]
+        vs = vp[:, key_idx]
+        row_idx = (torch.arange(kp.shape[0], device=dev).view(-1, 1) * nqb + idx).reshape(-1)
+        ok = torch.arange(w * bk, device=dev).view(1, -1) <= (qpos_local + rel).view(-1, 1)
+        ok &= (torch.arange(w * bk, device=dev) + j0[blocks[0]] * bk < nk).view(1, -1) \
+            if len(blocks) == 1 else ok
+        add = torch.zeros(ok.shape, dtype=qr.dtype, device=dev).masked_fill_(~ok, -math.inf)
+        o, l_ = _attention_lse(qr[row_idx].unsqueeze(0), ks.reshape(1, -1, w * bk, d),
+                               vs.reshape(1, -1, w * bk, d), add, scale)
+        out[row_idx], lse[row_idx] = o[0], l_[0]
+
+
+def _off_diagonal_pass(qr: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, off_rows: torch.Tensor, nqb: int, bk: int,
+                       scale: float) -> None:
+    """Pass 2 of :meth:`BlockSparseAttention.attend`: each row's kept off-diagonal key blocks
+    (``off_rows`` ``[rows, nkb]``), rows bucketed by their count, one unmasked call per bucket,
+    merged into pass 1's ``out`` and ``lse`` by log-sum-exp (in place)."""
+    nkb, d = off_rows.shape[1], qr.shape[-1]
+    kb = kp.reshape(kp.shape[0], nkb, bk, d)
+    vb = vp.reshape(vp.shape[0], nkb, bk, d)
+    counts = off_rows.sum(-1)
+    sel_all = torch.argsort((~off_rows).to(torch.int8), dim=-1, stable=True)
+    head_of_row = torch.arange(off_rows.shape[0], device=qr.device) // nqb
+    for n in torch.unique(counts).tolist():
+        if n == 0:
+            continue
+        row_idx = torch.nonzero(counts == n).view(-1)
+        sel = sel_all[row_idx, :n]  # [r, n]
+        hs = head_of_row[row_idx].view(-1, 1)
+        ks = kb[hs, sel].reshape(1, -1, n * bk, d)
+        vs = vb[hs, sel].reshape(1, -1, n * bk, d)
+        o2, l2 = _attention_lse(qr[row_idx].unsqueeze(0), ks, vs, None, scale)
+        o1, l1 = out[row_idx], lse[row_idx]
+        m = torch.maximum(l1, l2[0])
+        w1, w2 = torch.exp(l1 - m), torch.exp(l2[0] - m)
+        out[row_idx] = ((o1 * w1.unsqueeze(-1) + o2[0] * w2.unsqueeze(-1))
+                        / (w1 + w2).unsqueeze(-1)).to(out.dtype)
+        lse[row_idx] = m + torch.log(w1 + w2)
 
 
 def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -43,6 +43,16 @@ def _env(option: str, default: Any = None) -> Any:
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
+    """Adds the server's commands (``serve``, ``encode``, ``worker``, ``apikey``) to the CLI."""
+    _add_serve(sub)
+    _add_encode(sub)
+    _add_worker(sub)
+    k = sub.add_parser("apikey", help="make a new API key and its hash for the config file")
+    k.add_argument("--tenant", default="my-tenant")
+    k.set_defaults(func=apikey)
+
+
+def _add_serve(sub: "argparse._SubParsersAction") -> None:
     s = sub.add_parser("serve", help="run the REST server (uvicorn)",
                        description="Run the sparkv REST server. Each option's default comes from "
                                    "the environment variable in brackets.")
@@ -87,6 +97,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="accept requests without an API key as tenant 'anonymous'")
     s.set_defaults(func=serve)
 
+
+def _add_encode(sub: "argparse._SubParsersAction") -> None:
     e = sub.add_parser("encode", help="pre-encode a context offline into a store",
                        description="Encode a text file's context into a store with the server's "
                                    "own encoder (same ids, same manifest).")
@@ -117,6 +129,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     e.set_defaults(func=encode)
 
+
+def _add_worker(sub: "argparse._SubParsersAction") -> None:
     w = sub.add_parser("worker", help="run an encode worker of a cluster (docs/cluster.md)",
                        description="Take encode jobs from the shared Redis queue and run them "
                                    "(job_queue: redis). Each option's default comes from the "
@@ -137,10 +151,6 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="[SPARKV_LOG_LEVEL]")
     w.set_defaults(func=worker)
-
-    k = sub.add_parser("apikey", help="make a new API key and its hash for the config file")
-    k.add_argument("--tenant", default="my-tenant")
-    k.set_defaults(func=apikey)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -246,16 +256,48 @@ def worker(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------
 def encode(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+    """``sparkv encode``: encodes a file's context into a store (nothing when it is there)."""
+    from sparkv.protocol.crypto import key_to_text, new_key
     from sparkv.server.config import ANONYMOUS_TENANT
-    from sparkv.protocol.crypto import FrameCipher, key_to_text, new_key
-    from sparkv.server.encoder import (ContextSpec, backfill_tokens, canonical_levels,
-                                       derive_context_id, encode_context)
-    from sparkv.server.errors import ApiError
-    from sparkv.server.models import ModelRegistry
+    from sparkv.server.encoder import backfill_tokens, derive_context_id
     from sparkv.server.stores import open_store
 
+    settings = _encode_settings(args)
+    tenant = args.tenant or (next(iter(settings.tenants)) if len(settings.tenants) == 1
+                             else ANONYMOUS_TENANT)
+    text = sys.stdin.read() if args.file == "-" else _read_text(args.file)
+    entry, ids = _token_ids(args, settings, text)
+    spec = _context_spec(args, settings, tenant, entry, ids)
+    cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
+    store = open_store(settings.store)
+    result: dict[str, Any] = {"context_id": cid, "tenant": tenant, "store": store.url,
+                              "num_tokens": len(ids), "levels": list(spec.levels)}
+    if store.get_manifest(tenant, cid) is not None:
+        # encoded before token ids were kept: add them (GET .../tokens serves them)
+        added = backfill_tokens(store, spec, cid)
+        result.update(status="exists", tokens_added=added)
+        _report(args, result, f"context {cid} is already in {store.url} ("
+                f"{'its token ids were added' if added else 'nothing to do'})")
+        return 0
+    key = new_key() if args.encrypt else None
+    manifest, stats = _encode_and_publish(store, entry, spec, cid, key)
+    result.update(status="encoded", frames=stats.frames_encoded + stats.frames_reused,
+                  prefill_s=round(stats.prefill_s, 3), codec_s=round(stats.codec_s, 3),
+                  store_s=round(stats.store_s, 3), total_s=round(stats.total_s, 3),
+                  manifest_bytes=len(manifest))
+    if key:
+        result["encryption_key"] = key_to_text(key)
+    msg = (f"context {cid}: {len(ids)} tokens, {result['frames']} frames at "
+           f"{','.join(spec.levels)} in {stats.total_s:.1f} s -> {store.url} (tenant {tenant})")
+    if key:
+        msg += f"\nencryption key (shown once, stored nowhere): {result['encryption_key']}"
+    _report(args, result, msg)
+    return 0
+
+
+def _encode_settings(args: argparse.Namespace) -> Any:
+    """The settings of ``sparkv encode`` (its options over the config), the device checked and
+    PyTorch's threads set."""
     settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
                          device=args.device, dtype=args.dtype)
     _check_device(settings)
@@ -263,11 +305,18 @@ def encode(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads or settings.torch_threads)
-    tenant = args.tenant or (next(iter(settings.tenants)) if len(settings.tenants) == 1
-                             else ANONYMOUS_TENANT)
-    text = sys.stdin.read() if args.file == "-" else _read_text(args.file)
+    return settings
+
+
+def _token_ids(args: argparse.Namespace, settings: Any, text: str) -> tuple[Any, list[int]]:
+    """The model's entry and the context's token ids: ``text`` tokenized, or read as a JSON
+    list with ``--token-ids``. Raises :class:`ConfigError` for no tokens, too many, or ids
+    outside the vocabulary."""
+    from sparkv.server.errors import ApiError
+    from sparkv.server.models import ModelRegistry
+
     registry = ModelRegistry(settings.models, settings.max_context_tokens,
-                                           settings.device, settings.dtype)
+                             settings.device, settings.dtype)
     try:
         entry = registry.get(args.model or settings.default_model)
         if args.token_ids:
@@ -288,6 +337,15 @@ def encode(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.file} holds no tokens")
     if len(ids) > entry.max_tokens:
         raise ConfigError(f"{len(ids)} tokens; {entry.name!r} accepts at most {entry.max_tokens}")
+    return entry, ids
+
+
+def _context_spec(args: argparse.Namespace, settings: Any, tenant: str, entry: Any,
+                  ids: list[int]) -> Any:
+    """The :class:`~sparkv.server.encoder.ContextSpec` the options ask for (levels and chunk
+    size default to the config's). Raises :class:`ConfigError` for unknown levels or presses."""
+    from sparkv.server.encoder import ContextSpec, canonical_levels
+
     try:
         levels = canonical_levels(args.levels.split(",") if args.levels
                                   else settings.default_levels)
@@ -301,21 +359,20 @@ def encode(args: argparse.Namespace) -> int:
             press = canonical_spec(args.press)
         except PressError as exc:
             raise ConfigError(f"--press: {exc}") from None
-    spec = ContextSpec(tenant, entry.name, tuple(ids), args.chunk_tokens or
+    return ContextSpec(tenant, entry.name, tuple(ids), args.chunk_tokens or
                        settings.default_chunk_tokens, levels, args.heads_per_group, args.encrypt,
                        press)
-    cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
-    store = open_store(settings.store)
-    result: dict[str, Any] = {"context_id": cid, "tenant": tenant, "store": store.url,
-                              "num_tokens": len(ids), "levels": list(levels)}
-    if store.get_manifest(tenant, cid) is not None:
-        # encoded before token ids were kept: add them (GET .../tokens serves them)
-        added = backfill_tokens(store, spec, cid)
-        result.update(status="exists", tokens_added=added)
-        _report(args, result, f"context {cid} is already in {store.url} ("
-                f"{'its token ids were added' if added else 'nothing to do'})")
-        return 0
-    key = new_key() if args.encrypt else None
+
+
+def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes | None
+                        ) -> tuple[bytes, Any]:
+    """Encodes the context (a progress bar on stderr; frames encrypted with ``key``) and
+    publishes its manifest; on any failure removes what was stored. ``(manifest, stats)``."""
+    from tqdm import tqdm
+
+    from sparkv.protocol.crypto import FrameCipher
+    from sparkv.server.encoder import encode_context
+
     cipher = FrameCipher(key, cid) if key else None
     bar = tqdm(total=None, unit="frame", desc="prefill", file=sys.stderr)
 
@@ -328,26 +385,15 @@ def encode(args: argparse.Namespace) -> int:
 
     try:
         manifest, stats = encode_context(entry, spec, cid, store, cipher=cipher,
-                                         progress=progress, reuse_stored=not args.encrypt)
-        store.put_manifest(tenant, cid, manifest)
+                                         progress=progress, reuse_stored=not spec.encrypted)
+        store.put_manifest(spec.tenant, cid, manifest)
     except BaseException:
         bar.close()
-        if store.get_manifest(tenant, cid) is None:
-            store.delete(tenant, cid)  # no half-encoded leftovers
+        if store.get_manifest(spec.tenant, cid) is None:
+            store.delete(spec.tenant, cid)  # no half-encoded leftovers
         raise
     bar.close()
-    result.update(status="encoded", frames=stats.frames_encoded + stats.frames_reused,
-                  prefill_s=round(stats.prefill_s, 3), codec_s=round(stats.codec_s, 3),
-                  store_s=round(stats.store_s, 3), total_s=round(stats.total_s, 3),
-                  manifest_bytes=len(manifest))
-    if key:
-        result["encryption_key"] = key_to_text(key)
-    msg = (f"context {cid}: {len(ids)} tokens, {result['frames']} frames at "
-           f"{','.join(levels)} in {stats.total_s:.1f} s -> {store.url} (tenant {tenant})")
-    if key:
-        msg += f"\nencryption key (shown once, stored nowhere): {result['encryption_key']}"
-    _report(args, result, msg)
-    return 0
+    return manifest, stats
 
 
 def _read_text(path: str) -> str:

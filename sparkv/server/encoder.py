@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -33,7 +34,10 @@ import numpy as np
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.protocol import ChunkEntry, FrameCipher, Manifest, ModelInfo, kept_entry
 from sparkv.protocol.digests import checksum, tokens_bytes, tokens_digest
+from sparkv.server.errors import StoreError
 from sparkv.server.stores.base import ChunkKey, ChunkStore
+
+log = logging.getLogger("sparkv.server.encoder")
 
 ID_VERSION = 1
 PRESS_WINDOW = 32
@@ -308,6 +312,141 @@ def kept_rows(pressed: PressedContext, geometry: ChunkGeometry, cid: KVChunkId
     return pos, kk.unsqueeze(0).contiguous(), vv.unsqueeze(0).contiguous()
 
 
+class _ContextEncoder:
+    """The state of one :func:`encode_context` run over one context.
+
+    Holds the chunk geometry, the context's per-chunk K/V (``pieces``, empty until prefilled),
+    the press's result (``pressed``, a compressed context only), the manifest's chunk entries
+    built so far (``entries``, in the order chunks first complete) and the stats. One run on one
+    thread: no lock.
+    """
+
+    def __init__(self, entry: Any, spec: ContextSpec, context_id: str, store: ChunkStore,
+                 cipher: FrameCipher | None) -> None:
+        self.entry, self.spec, self.context_id = entry, spec, context_id
+        self.store, self.cipher = store, cipher
+        self.geometry = ChunkGeometry.from_config(entry.lm.config, spec.num_tokens,
+                                                  spec.chunk_tokens, spec.heads_per_group)
+        self.stats = EncodeStats()
+        self.pieces: dict[KVChunkId, tuple[Any, Any]] = {}
+        self.pressed: PressedContext | None = None
+        self.entries: dict[KVChunkId, dict[str, Any]] = {}
+
+    def todo(self, reuse_stored: bool) -> list[tuple[KVChunkId, str, bool]]:
+        """Every ``(chunk, level, needed)`` in encoding order: ``needed`` is false for a frame
+        already stored (reused only when ``reuse_stored`` and not encrypting)."""
+        spec = self.spec
+        existing = (self.store.list_chunks(spec.tenant, self.context_id)
+                    if reuse_stored and not self.cipher else set())
+        return [(cid, lv, ChunkKey(*cid, lv) not in existing)
+                for cid in self.geometry.chunk_ids() for lv in spec.levels]
+
+    # --- the context's K/V --------------------------------------------------------------------
+    def prefill(self, any_needed: bool) -> None:
+        """Prefills (and presses) the context when a frame must be encoded or a press's kept
+        positions must go into the manifest."""
+        if self.spec.press:  # the kept positions go into the manifest: always prefilled, pressed
+            from sparkv.runtime import split_chunks
+
+            t0 = time.perf_counter()
+            self.pressed = press_context(self.entry.lm, self.spec.press, self.spec.token_ids)
+            self.pieces = split_chunks(self.pressed.layers, self.geometry)
+            self.stats.prefill_s = time.perf_counter() - t0
+        elif any_needed:
+            self._prefill_plain()
+
+    def _prefill_plain(self) -> None:
+        from sparkv.runtime import split_chunks
+
+        t0 = time.perf_counter()
+        layer_kv = [(k.cpu(), v.cpu())  # the codec runs on the CPU
+                    for k, v in prefill_kv(self.entry.lm, self.spec.token_ids)]
+        self.pieces = split_chunks(layer_kv, self.geometry)
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    # --- one frame ----------------------------------------------------------------------------
+    def frame(self, cid: KVChunkId, level: str, needed: bool) -> tuple[bytes, dict[str, Any]]:
+        """The stored bytes of one frame and its description (:func:`describe_frame`): the
+        stored frame when it is not ``needed`` and decodes, else a new one encoded and stored."""
+        key = ChunkKey(cid.t, cid.l, cid.g, level)
+        reused = None if needed else self._reuse(key)
+        if reused is not None:
+            return reused
+        if not self.pieces:  # a reused frame turned out damaged: prefill after all
+            self._prefill_plain()
+        return self._encode(cid, level, key)
+
+    def _reuse(self, key: ChunkKey) -> tuple[bytes, dict[str, Any]] | None:
+        from sparkv.codec import CodecError
+
+        stats = self.stats
+        t0 = time.perf_counter()
+        stored = self.store.get_chunk(self.spec.tenant, self.context_id, key)
+        stats.store_s += time.perf_counter() - t0
+        if stored is None:
+            return None
+        try:
+            t0 = time.perf_counter()
+            info = describe_frame(stored)
+        except CodecError:  # damaged leftover: encode it again
+            return None
+        stats.describe_s += time.perf_counter() - t0
+        stats.frames_reused += 1
+        return stored, info
+
+    def _encode(self, cid: KVChunkId, level: str, key: ChunkKey) -> tuple[bytes, dict[str, Any]]:
+        """Quantizes and codes one chunk at one level, seals it (``cipher``) and stores it."""
+        from sparkv.codec import KVChunk, encode
+
+        stats, geometry = self.stats, self.geometry
+        if self.pressed is not None:
+            _, k, v = kept_rows(self.pressed, geometry, cid)
+        else:
+            k, v = self.pieces[cid]
+        t0 = time.perf_counter()
+        frame = encode(KVChunk(cid, geometry.token_range(cid.t)[0], k.contiguous(),
+                               v.contiguous(), geometry.num_layers), level)
+        t1 = time.perf_counter()
+        info = describe_frame(frame)
+        t2 = time.perf_counter()
+        stored = self.cipher.seal(frame, cid.t, cid.l, cid.g, level) if self.cipher else frame
+        stats.codec_s += t1 - t0
+        stats.describe_s += t2 - t1
+        stats.encrypt_s += time.perf_counter() - t2
+        t0 = time.perf_counter()
+        self.store.put_chunk(self.spec.tenant, self.context_id, key, stored)
+        stats.store_s += time.perf_counter() - t0
+        stats.frames_encoded += 1
+        stats.frames_by_level[level] = stats.frames_by_level.get(level, 0) + 1
+        return stored, info
+
+    # --- the manifest -------------------------------------------------------------------------
+    def record(self, cid: KVChunkId, level: str, stored: bytes, info: dict[str, Any]) -> None:
+        """Adds one stored frame to its chunk's manifest entry (made at the chunk's first)."""
+        chunk_entry = self.entries.get(cid)
+        if chunk_entry is None:
+            start, end = self.geometry.token_range(cid.t)
+            chunk_entry = self.entries[cid] = {"t": cid.t, "l": cid.l, "g": cid.g,
+                                               "token_start": start, "num_tokens": end - start,
+                                               "levels": {}}
+            if self.pressed is not None:
+                pos = kept_rows(self.pressed, self.geometry, cid)[0]
+                chunk_entry["kept"] = kept_entry([p.numpy() for p in pos], start,
+                                                 end - start).model_dump()
+        chunk_entry["levels"][level] = {"bytes": len(stored), "checksum": checksum(stored),
+                                        **info}
+
+    def finish(self) -> bytes:
+        """Stores the token ids and returns the manifest's JSON (not published)."""
+        spec = self.spec
+        t0 = time.perf_counter()
+        self.store.put_tokens(spec.tenant, self.context_id, tokens_bytes(spec.token_ids))
+        self.stats.store_s += time.perf_counter() - t0
+        press = self.pressed.info if self.pressed is not None else None
+        return _manifest(spec, self.context_id, self.entry, self.geometry,
+                         list(self.entries.values()), press).to_json()
+
+
 def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkStore, *,
                    cipher: FrameCipher | None = None, progress: ProgressFn | None = None,
                    should_stop: Callable[[], bool] | None = None, pause_s: float = 0.0,
@@ -331,109 +470,28 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     Returns:
         ``(manifest JSON bytes, stats)``.
     """
-    import torch
-
-    from sparkv.codec import CodecError, KVChunk, encode
-    from sparkv.runtime import split_chunks
-
     t_start = time.perf_counter()
-    stats = EncodeStats()
-    lm = entry.lm
-    geometry = ChunkGeometry.from_config(lm.config, spec.num_tokens, spec.chunk_tokens,
-                                         spec.heads_per_group)
-    total = geometry.num_chunks * len(spec.levels)
     report = progress or (lambda phase, done, tot: None)
     stop = should_stop or (lambda: False)
-    existing = store.list_chunks(spec.tenant, context_id) if reuse_stored and not cipher else set()
-    keys = [(cid, lv) for cid in geometry.chunk_ids() for lv in spec.levels]
-    needed = [ChunkKey(*cid, lv) not in existing for cid, lv in keys]
-
-    pieces: dict[KVChunkId, tuple[torch.Tensor, torch.Tensor]] = {}
-    pressed: PressedContext | None = None
+    run = _ContextEncoder(entry, spec, context_id, store, cipher)
+    todo = run.todo(reuse_stored)
+    total = len(todo)
     report("prefill", 0, total)
-    if spec.press:  # the kept positions go into the manifest: always prefilled and pressed
-        t0 = time.perf_counter()
-        pressed = press_context(lm, spec.press, spec.token_ids)
-        pieces = split_chunks(pressed.layers, geometry)
-        stats.prefill_s = time.perf_counter() - t0
-    elif any(needed):
-        t0 = time.perf_counter()
-        layer_kv = [(k.cpu(), v.cpu()) for k, v in prefill_kv(lm, spec.token_ids)]  # codec: CPU
-        pieces = split_chunks(layer_kv, geometry)
-        stats.prefill_s = time.perf_counter() - t0
+    run.prefill(any(needed for _, _, needed in todo))
     if stop():
         raise JobCancelled()
-
-    entries: dict[KVChunkId, dict[str, Any]] = {}
-    done = 0
-    report("encoding", done, total)
-    for (cid, lv), need in zip(keys, needed):
-        key = ChunkKey(cid.t, cid.l, cid.g, lv)
-        frame = stored = None
-        if not need:
-            t0 = time.perf_counter()
-            stored = store.get_chunk(spec.tenant, context_id, key)
-            stats.store_s += time.perf_counter() - t0
-            if stored is not None:
-                try:
-                    t0 = time.perf_counter()
-                    info = describe_frame(stored)
-                    stats.describe_s += time.perf_counter() - t0
-                    stats.frames_reused += 1
-                except CodecError:  # damaged leftover: encode it again
-                    stored = None
-        if stored is None:
-            if not pieces:  # a reused frame turned out damaged: prefill after all
-                t0 = time.perf_counter()
-                pieces = split_chunks([(k.cpu(), v.cpu()) for k, v in
-                                       prefill_kv(lm, spec.token_ids)], geometry)
-                stats.prefill_s += time.perf_counter() - t0
-            if pressed is not None:
-                _, k, v = kept_rows(pressed, geometry, cid)
-            else:
-                k, v = pieces[cid]
-            t0 = time.perf_counter()
-            frame = encode(KVChunk(cid, geometry.token_range(cid.t)[0], k.contiguous(),
-                                   v.contiguous(), geometry.num_layers), lv)
-            t1 = time.perf_counter()
-            info = describe_frame(frame)
-            t2 = time.perf_counter()
-            stored = cipher.seal(frame, cid.t, cid.l, cid.g, lv) if cipher else frame
-            stats.codec_s += t1 - t0
-            stats.describe_s += t2 - t1
-            stats.encrypt_s += time.perf_counter() - t2
-            t0 = time.perf_counter()
-            store.put_chunk(spec.tenant, context_id, key, stored)
-            stats.store_s += time.perf_counter() - t0
-            stats.frames_encoded += 1
-            stats.frames_by_level[lv] = stats.frames_by_level.get(lv, 0) + 1
-        info = {"bytes": len(stored), "checksum": checksum(stored), **info}
-        chunk_entry = entries.get(cid)
-        if chunk_entry is None:
-            start, end = geometry.token_range(cid.t)
-            chunk_entry = entries[cid] = {"t": cid.t, "l": cid.l, "g": cid.g, "token_start": start,
-                                          "num_tokens": end - start, "levels": {}}
-            if pressed is not None:
-                pos = kept_rows(pressed, geometry, cid)[0]
-                chunk_entry["kept"] = kept_entry([p.numpy() for p in pos], start,
-                                                 end - start).model_dump()
-        chunk_entry["levels"][lv] = info
-        done += 1
+    report("encoding", 0, total)
+    for done, (cid, level, needed) in enumerate(todo, 1):
+        run.record(cid, level, *run.frame(cid, level, needed))
         report("encoding", done, total)
         if pause_s:
             time.sleep(pause_s)
         if stop():
             raise JobCancelled()
-
-    report("publishing", done, total)
-    t0 = time.perf_counter()
-    store.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
-    stats.store_s += time.perf_counter() - t0
-    manifest = _manifest(spec, context_id, entry, geometry, list(entries.values()),
-                         pressed.info if pressed is not None else None)
-    data = manifest.to_json()
-    stats.total_s = time.perf_counter() - t_start
-    return data, stats
+    report("publishing", total, total)
+    data = run.finish()
+    run.stats.total_s = time.perf_counter() - t_start
+    return data, run.stats
 
 
 def backfill_tokens(store: ChunkStore, spec: ContextSpec, context_id: str) -> bool:
@@ -448,3 +506,12 @@ def backfill_tokens(store: ChunkStore, spec: ContextSpec, context_id: str) -> bo
     store.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
     return True
 
+
+def discard_unpublished(store: ChunkStore, tenant: str, context_id: str) -> None:
+    """Removes what a failed or cancelled encode left of a context (frames, token ids) unless its
+    manifest was published. A store error is logged, not raised (the job's outcome stands)."""
+    try:
+        if store.get_manifest(tenant, context_id) is None:
+            store.delete(tenant, context_id)
+    except StoreError:
+        log.exception("cannot clean up context %s", context_id)

@@ -30,7 +30,8 @@ from typing import Any
 
 from sparkv.server.config import Settings
 from sparkv.protocol.crypto import FrameCipher, new_key
-from sparkv.server.encoder import ContextSpec, JobCancelled, backfill_tokens, encode_context
+from sparkv.server.encoder import (ContextSpec, JobCancelled, backfill_tokens,
+                                   discard_unpublished, encode_context)
 from sparkv.server.errors import ApiError, StoreError
 from sparkv.server.metrics import ServerMetrics
 from sparkv.server.models import ModelRegistry
@@ -319,26 +320,26 @@ class JobManager:
             self._finish(job, "done", None)
         except JobCancelled:
             if job.cancel.is_set():
-                self._cleanup(tenant, cid)
+                discard_unpublished(self.store, tenant, cid)
                 self._finish(job, "cancelled", "the context was deleted while it was being "
                                                "encoded")
             elif spec.encrypted:  # shutting down: the key cannot outlive this process
-                self._cleanup(tenant, cid)
+                discard_unpublished(self.store, tenant, cid)
                 self._finish(job, "failed", KEY_LOST)
             else:  # shutting down: leave it queued; the next start resumes it
                 rec.update(state="queued", phase="interrupted")
                 self._persist(job)
         except ApiError as exc:
-            self._cleanup(tenant, cid)
+            discard_unpublished(self.store, tenant, cid)
             self._finish(job, "failed", exc.message)
         except Exception as exc:  # noqa: BLE001 - a job's failure is reported, not raised
             if job.cancel.is_set():  # e.g. its files vanished under it: that was the delete
-                self._cleanup(tenant, cid)
+                discard_unpublished(self.store, tenant, cid)
                 self._finish(job, "cancelled", "the context was deleted while it was being "
                                                "encoded")
                 return
             log.exception("encode job %s failed", rec["job_id"])
-            self._cleanup(tenant, cid)
+            discard_unpublished(self.store, tenant, cid)
             self._finish(job, "failed", f"{type(exc).__name__}: {exc}")
         finally:
             self.metrics.job_seconds.observe(time.perf_counter() - t0)
@@ -346,11 +347,3 @@ class JobManager:
             with self._lock:
                 if self._active.get((tenant, cid)) is job:
                     del self._active[(tenant, cid)]
-
-    def _cleanup(self, tenant: str, cid: str) -> None:
-        """Removes a failed or cancelled job's partial chunks (never a published context)."""
-        try:
-            if self.store.get_manifest(tenant, cid) is None:
-                self.store.delete(tenant, cid)
-        except StoreError:
-            log.exception("cannot clean up context %s", cid)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from sparkv.layout import ChunkGeometry
-from sparkv.scheduler import Instance, Level
+from sparkv.scheduler import Instance, StreamLevel
 
-TWO_LEVELS = (Level("hi", 1, 8), Level("lo", 0, 4))
+TWO_LEVELS = (StreamLevel("hi", 1, 8), StreamLevel("lo", 0, 4))
 
 
 def tiny_instance(t_comp, *, groups: int = 1, nbytes=1000, bw: float = 1000.0,
                   rtt: float = 0.0, t_proc: float = 0.0, suffix: float = 0.0,
-                  levels=(Level("q5", 0, 5),), floor: str | None = None) -> Instance:
+                  levels=(StreamLevel("q5", 0, 5),), floor: str | None = None) -> Instance:
     """``t_comp[t][l]`` seconds; every chunk ``nbytes`` bytes at every level (or an array
     ``[num_chunks, num_levels]``); bandwidth in bytes/s. 16-token chunks."""
     t_comp = np.asarray(t_comp, dtype=float)

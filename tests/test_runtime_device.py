@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparkv.runtime import (AutoAttention, BlockSparseAttention, DenseAttention, DeviceError,
+from sparkv.runtime import (AutoAttention, BlockSparseAttention, DenseAttention, DeviceUnavailable,
                             FlexAttention, SparsityConfig, flex_available, get_backend,
                             resolve_device, resolve_dtype)
 from sparkv.runtime.autoattn import AttentionProfile
@@ -23,12 +23,12 @@ needs_flex = pytest.mark.skipif(not flex_available(), reason="no flex_attention 
 def test_devices_resolve_and_fail_clearly():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if CUDA else "cpu")
-    with pytest.raises(DeviceError, match="unknown device"):
+    with pytest.raises(DeviceUnavailable, match="unknown device"):
         resolve_device("tpu")
     if not CUDA:
-        with pytest.raises(DeviceError, match="CUDA is not available"):
+        with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
             resolve_device("cuda")
-        with pytest.raises(DeviceError, match="CUDA is not available"):
+        with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
             resolve_device("cuda:1")
 
 
@@ -36,9 +36,9 @@ def test_dtypes_resolve():
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("bf16", cpu) == torch.bfloat16
-    with pytest.raises(DeviceError, match="float16 on the CPU"):
+    with pytest.raises(DeviceUnavailable, match="float16 on the CPU"):
         resolve_dtype("float16", cpu)
-    with pytest.raises(DeviceError, match="unknown dtype"):
+    with pytest.raises(DeviceUnavailable, match="unknown dtype"):
         resolve_dtype("int3", cpu)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sparkv.layout import ChunkGeometry, KVChunkId, StepId
-from sparkv.scheduler import (DEFAULT_LEVELS, Instance, InstanceError, Level, synthetic_instance,
+from sparkv.scheduler import (DEFAULT_LEVELS, Instance, InstanceError, StreamLevel, synthetic_instance,
                               validate_plan, Greedy)
 from sparkv.scheduler.instance import MBPS
 
@@ -33,7 +33,7 @@ def test_from_mappings_matches_the_arrays():
 
 def test_instance_validation():
     geom = ChunkGeometry(32, 16, 2, 1, 4)
-    ok = dict(geometry=geom, levels=(Level("a", 0),), chunk_bytes=np.ones((4, 1)),
+    ok = dict(geometry=geom, levels=(StreamLevel("a", 0),), chunk_bytes=np.ones((4, 1)),
               t_proc=np.zeros((4, 1)), t_comp=np.ones((2, 2)), bandwidth_Bps=1.0)
     Instance(**ok)
     with pytest.raises(InstanceError, match="chunk_bytes has shape"):

@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparkv.layout import ChunkGeometry
-from sparkv.scheduler import (PLANNERS, ControllerConfig, ComputeNoise, Greedy, Instance, Level,
+from sparkv.scheduler import (PLANNERS, ControllerConfig, ComputeNoise, Greedy, Instance, StreamLevel,
                               LocalOnly, Milp, PlannerError, StreamOnly, StrongHybrid, Trace,
                               estimate_ttft, get_planner, lp_bound, lp_dep_bound, simulate,
                               synthetic_instance, validate_plan)
 from sparkv.scheduler.instance import MBPS
 
-LEVELS = (Level("hi", 2, 8), Level("mid", 1, 5), Level("lo", 0, 3))
+LEVELS = (StreamLevel("hi", 2, 8), StreamLevel("mid", 1, 5), StreamLevel("lo", 0, 3))
 
 
 @st.composite

@@ -70,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from sparkv.runtime.autoattn import measure_point, profile_from, save_profile
-    from sparkv.runtime.device import DeviceError, resolve_device
+    from sparkv.runtime.device import DeviceUnavailable, resolve_device
 
     try:
         device = resolve_device(args.device)
-    except DeviceError as exc:
+    except DeviceUnavailable as exc:
         print(f"sparkv: error: {exc}")
         return 2
     if device.type != "cuda":

@@ -283,7 +283,7 @@ class Probe:
 
 
 @dataclass
-class Context:
+class QualityContext:
     """A context (chat turn + document) and the probes asked about it.
 
     Attributes:
@@ -303,7 +303,7 @@ class Context:
 
 def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
                    trials: Callable[[str, int], int], qa_questions: int | None = None,
-                   seed: int = 0, qa_path: str | Path | None = None) -> list[Context]:
+                   seed: int = 0, qa_path: str | Path | None = None) -> list[QualityContext]:
     """Retrieval contexts (``trials(family, size)`` per family and size, depths spread over
     10-90%, seeded) and one context per QA slice with its questions, in the order of
     ``tasks`` (then sizes)."""
@@ -314,14 +314,14 @@ def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
     def count(text: str) -> int:
         return len(lm.encode_text(text))
 
-    out: list[Context] = []
+    out: list[QualityContext] = []
     for fam in tasks:
         if fam not in FAMILIES:
             raise ValueError(f"unknown task family {fam!r}; known: {', '.join(FAMILIES)}")
         if fam == "qa":
             qa = load_qa_set(qa_path or QA_FILE).limit(qa_questions)
             for slice_id, items in qa.by_slice().items():
-                ctx = Context(f"qa-{slice_id}", "qa", None,
+                ctx = QualityContext(f"qa-{slice_id}", "qa", None,
                               chat_context(lm, lm.encode_text(qa.text(slice_id))))
                 ctx.probes = [Probe(f"qa/{it.id}", "qa", it.question, NEW_TOKENS["qa"], False,
                                     qa=it) for it in items]
@@ -333,7 +333,7 @@ def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
                 task = make_task(fam, doc_tokens, depth, seed + i, count)
                 # named by the task's seed: runs with --seed N continue a seed-0 run's series
                 # without reusing its names (``--rescore`` merges their rows)
-                ctx = Context(f"{fam}-{size}-{seed + i}", fam, size,
+                ctx = QualityContext(f"{fam}-{size}-{seed + i}", fam, size,
                               chat_context(lm, lm.encode_text(task.document)))
                 ctx.probes.append(Probe(ctx.id, fam, task.question, NEW_TOKENS[fam], True,
                                         task=task))
@@ -363,7 +363,7 @@ REUSED_GROUPS = ("level", "backend")
 FALLBACK_RETRIES = 2
 
 
-def score_answer(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any,
+def score_answer(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: Any,
                  suffix: Sequence[int], answer: str, tokens: Sequence[int], first_logits: Any,
                  kv: Any, breakdown: Any, ttft_s: float | None,
                  ref_margins: Sequence[float] | None = None) -> dict[str, Any]:
@@ -430,7 +430,7 @@ def reference_margins(lm: Any, kv: Any, context_len: int, question_ids: Sequence
     return (top[:, 0] - top[:, 1]).tolist()
 
 
-def score_row(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any, res: Any,
+def score_row(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: Any, res: Any,
               suffix: Sequence[int], ref_margins: Sequence[float] | None = None
               ) -> dict[str, Any]:
     """:func:`score_answer` of one ``EdgeSession.ask`` result."""
@@ -439,7 +439,7 @@ def score_row(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any, res
                         ref_margins)
 
 
-def answer_over_load(lm: Any, ctx: Context, probe: Probe, config: Config, ref: Any,
+def answer_over_load(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: Any,
                      suffix: Sequence[int], res: Any,
                      ref_margins: Sequence[float] | None = None) -> dict[str, Any]:
     """Answers ``probe`` over the cache an earlier ask of the same context and configuration
@@ -455,7 +455,7 @@ def answer_over_load(lm: Any, ctx: Context, probe: Probe, config: Config, ref: A
     return row
 
 
-def base_row(ctx: Context, probe: Probe, config: Config) -> dict[str, Any]:
+def base_row(ctx: QualityContext, probe: Probe, config: Config) -> dict[str, Any]:
     return {"family": ctx.family, "size": ctx.size, "tokens": len(ctx.token_ids),
             "context": ctx.id, "probe": probe.id, **probe.info(), "config": config.name,
             "group": config.group, "strategy": config.strategy, "level": config.level,
@@ -467,7 +467,7 @@ def base_row(ctx: Context, probe: Probe, config: Config) -> dict[str, Any]:
 _CODEC: dict[str, str] = {}
 
 
-def _create_context(client: Any, ctx: Context, chunk_tokens: int,
+def _create_context(client: Any, ctx: QualityContext, chunk_tokens: int,
                     encode_levels: Sequence[str], attempts: int = 3) -> str:
     """The server encodes ``ctx`` (asked again when a request times out on a starved machine:
     the id is content-derived, so a repeated request names the same context)."""
@@ -484,7 +484,7 @@ def _create_context(client: Any, ctx: Context, chunk_tokens: int,
     raise AssertionError("unreachable")
 
 
-def measure(lm: Any, url: str, contexts: Sequence[Context], configs: Sequence[Config], *,
+def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequence[Config], *,
             encode_levels: Sequence[str], chunk_tokens: int = 512, rtt_ms: float = 20.0,
             rows_path: str | Path | None = None, progress: bool = True) -> list[dict[str, Any]]:
     """Every probe under every configuration, through the server at ``url``; one row per answer
@@ -620,7 +620,7 @@ def _sink(sink: Any, row: dict[str, Any]) -> None:
         sink.flush()
 
 
-def _context_line(ctx: Context, rows: list[dict[str, Any]]) -> str:
+def _context_line(ctx: QualityContext, rows: list[dict[str, Any]]) -> str:
     """One line per context: dense's answer, and the configurations that differ from it."""
     dense = [r for r in rows if r["config"] == "dense"]
     if ctx.family == "qa":

@@ -7,10 +7,10 @@ method   path                              body -> answer (:mod:`sparkv.device.s
 POST     ``/v1/contexts``                  ``NewContext`` -> 201 ``ContextInfo``
 POST     ``/v1/contexts/{id}/call``        ``CallBody`` -> ``CallReply``
 DELETE   ``/v1/contexts/{id}``             204
-GET      ``/v1/contexts``                  ``ContextList``
+GET      ``/v1/contexts``                  ``DeviceContextList``
 GET      ``/v1/contexts/{id}``             ``ContextInfo``
 GET      ``/v1/stats``                     ``ServiceStats``
-GET      ``/healthz``                      ``Health``
+GET      ``/healthz``                      ``ServiceHealth``
 =======  ================================  ==============================================
 
 The app is assembled like the REST server's (:mod:`sparkv.server.app`): one ``APIRouter`` per
@@ -40,8 +40,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparkv.device.errors import DeviceError
-from sparkv.device.schemas import (CallBody, CallReply, ContextInfo, ContextList, ErrorResponse,
-                                   Health, NewContext, ServiceStats)
+from sparkv.device.schemas import (CallBody, CallReply, ContextInfo, DeviceContextList, ErrorResponse,
+                                   ServiceHealth, NewContext, ServiceStats)
 from sparkv.device.service import ContextService
 from sparkv.protocol.errors import error_body
 
@@ -98,10 +98,10 @@ def delete_context(ctx_id: str, service: ServiceDep) -> Response:
     return Response(status_code=204)
 
 
-@contexts_router.get("/v1/contexts", response_model=ContextList)
-def list_contexts(service: ServiceDep) -> ContextList:
+@contexts_router.get("/v1/contexts", response_model=DeviceContextList)
+def list_contexts(service: ServiceDep) -> DeviceContextList:
     """Every context."""
-    return ContextList.model_validate({"contexts": service.list()})
+    return DeviceContextList.model_validate({"contexts": service.list()})
 
 
 @contexts_router.get("/v1/contexts/{ctx_id}", response_model=ContextInfo, responses=_errors(404))
@@ -116,10 +116,10 @@ def get_stats(service: ServiceDep) -> ServiceStats:
     return ServiceStats.model_validate(service.stats())
 
 
-@service_router.get("/healthz", response_model=Health)
-def healthz(service: ServiceDep) -> Health:
+@service_router.get("/healthz", response_model=ServiceHealth)
+def healthz(service: ServiceDep) -> ServiceHealth:
     """Liveness, and how many contexts the service holds."""
-    return Health(ok=True, contexts=len(service.contexts))
+    return ServiceHealth(ok=True, contexts=len(service.contexts))
 
 
 ROUTERS = (contexts_router, service_router)

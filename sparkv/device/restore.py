@@ -35,13 +35,13 @@ import numpy as np
 from sparkv.cache import ContextKV, Residency
 from sparkv.device.flashio import IOProfile
 from sparkv.layout import ChunkGeometry, KVChunkId
-from sparkv.scheduler.instance import DEFAULT_LEVELS, Instance, Level
+from sparkv.scheduler.instance import DEFAULT_LEVELS, Instance, StreamLevel
 
 FLASH = "flash"
 #: the restore instance counts sizes in 1/UNIT bytes (and the link in UNIT x bytes/s)
 UNIT = 1024
 #: flash copies rank above every codec level (they are the service's own, int8-based, copies)
-FLASH_LEVEL = Level(FLASH, 100, 8.0)
+FLASH_LEVEL = StreamLevel(FLASH, 100, 8.0)
 
 
 @dataclass

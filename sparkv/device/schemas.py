@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 
-__all__ = ["MAX_PROMPT_CHARS", "NewContext", "CallBody", "Health", "ChunkCounts", "ContextInfo",
-           "ContextList", "CallReply", "IOProfileInfo", "ServiceStats", "ErrorDetail",
+__all__ = ["MAX_PROMPT_CHARS", "NewContext", "CallBody", "ServiceHealth", "ChunkCounts", "ContextInfo",
+           "DeviceContextList", "CallReply", "IOProfileInfo", "ServiceStats", "ErrorDetail",
            "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -48,7 +48,7 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class Health(_Reply):
+class ServiceHealth(_Reply):
     """``GET /healthz``."""
 
     ok: bool
@@ -79,7 +79,7 @@ class ContextInfo(_Reply):
     label: str | None
 
 
-class ContextList(_Reply):
+class DeviceContextList(_Reply):
     """``GET /v1/contexts``."""
 
     contexts: list[ContextInfo]

@@ -12,7 +12,7 @@ from sparkv.edge.frames import FrameDecoder
 from sparkv.edge.hub import EngineError, Hub
 from sparkv.edge.link import Link
 from sparkv.edge.prelude import Prelude
-from sparkv.edge.stats import LoadStats
+from sparkv.edge.stats import EngineStats
 from sparkv.layout import StepId
 from sparkv.runtime.stepper import LayerStepper
 from sparkv.runtime.threads import use_threads
@@ -30,9 +30,9 @@ class ComputeWorker:
       touched only while it holds the engine's lock;
     * ``error``: written by the compute thread under the lock; :class:`Engine
       <sparkv.edge.engine.Engine>` reads it after :meth:`join`;
-    * it writes its steps, the stall and ``ready_s`` into :class:`LoadStats`, and reads the
+    * it writes its steps, the stall and ``ready_s`` into :class:`EngineStats`, and reads the
       link's silence and activity (:class:`Link`), the decoder's (:class:`FrameDecoder`) and the
-      faults recorded in :class:`LoadStats`, all under the engine's lock, in the critical section
+      faults recorded in :class:`EngineStats`, all under the engine's lock, in the critical section
       that picks a step.
 
     Waits: on the engine's lock's condition, at most :data:`WAIT_S` at a time, whenever it has no
@@ -47,7 +47,7 @@ class ComputeWorker:
         stall_fallback_s: the stall and the idle rules' threshold (seconds of credited time).
     """
 
-    def __init__(self, hub: Hub, stepper: LayerStepper, stats: LoadStats, link: Link | None,
+    def __init__(self, hub: Hub, stepper: LayerStepper, stats: EngineStats, link: Link | None,
                  decoder: FrameDecoder, prelude: Prelude | None, stall_fallback_s: float) -> None:
         self._hub, self._stepper, self._kv = hub, stepper, stepper.kv
         self._stats, self._link, self._decoder = stats, link, decoder

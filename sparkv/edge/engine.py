@@ -16,7 +16,7 @@ starts and stops their threads, and owns no state of its own (docs/edge.md):
   cancellations, retries; started whenever there is a source;
 * :class:`~sparkv.edge.frames.FrameDecoder` (the decode workers): decrypts and decodes a
   received frame straight into the KV buffers, then reports ``chunk_arrived``;
-* :class:`~sparkv.edge.stats.LoadStats`: the record every part writes, and the
+* :class:`~sparkv.edge.stats.EngineStats`: the record every part writes, and the
   :class:`~sparkv.edge.results.LoadResult` made of it.
 
 Faults never lose the answer:
@@ -47,7 +47,7 @@ from sparkv.edge.hub import EngineConfig, EngineError, Hub
 from sparkv.edge.link import Link
 from sparkv.edge.prelude import Prelude
 from sparkv.edge.results import LoadResult
-from sparkv.edge.stats import LoadStats
+from sparkv.edge.stats import EngineStats
 from sparkv.edge.transport import ChunkSource
 from sparkv.layout import KVChunkId, StepId
 from sparkv.runtime.stepper import LayerStepper
@@ -100,7 +100,7 @@ class Engine:
         self.ctl = Controller(plan, inst, controller,
                               done_steps=set(stepper.done) | set(prelude_done))
         self._hub = Hub(self.ctl)
-        self._stats = LoadStats()
+        self._stats = EngineStats()
         self._decoder = FrameDecoder(self._hub, self.kv, self._stats, cfg.decode_workers,
                                      open_frame, kept)
         # the link runs whenever there is a source: a plan that streams nothing may still have

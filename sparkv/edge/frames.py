@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 from sparkv.cache import ContextKV
 from sparkv.edge.hub import Hub
 from sparkv.edge.results import TransferLog
-from sparkv.edge.stats import LoadStats
+from sparkv.edge.stats import EngineStats
 from sparkv.layout import KVChunkId
 from sparkv.runtime.threads import use_threads
 from sparkv.scheduler.controller import Fetch
@@ -43,7 +43,7 @@ class FrameDecoder:
             frame of such a chunk holds only those rows.
     """
 
-    def __init__(self, hub: Hub, kv: ContextKV, stats: LoadStats, workers: int,
+    def __init__(self, hub: Hub, kv: ContextKV, stats: EngineStats, workers: int,
                  open_frame: FrameOpener | None = None,
                  kept: Mapping[KVChunkId, KeptEntries] | None = None) -> None:
         self._hub, self._kv, self._stats = hub, kv, stats

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 from sparkv.cache import ContextKV
 from sparkv.edge.frames import FrameDecoder
 from sparkv.edge.hub import EngineConfig, Hub
-from sparkv.edge.stats import LoadStats
+from sparkv.edge.stats import EngineStats
 from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceError
 from sparkv.layout import KVChunkId
 from sparkv.protocol.stream import RecordPiece
@@ -103,7 +103,7 @@ class Link:
       the compute worker only reads whether it is set (:meth:`busy`, under the lock);
     * ``_cancelled`` (chunks the controller took back), the loop, its wake event and its task,
       and every :class:`_Reading`: the link thread's own;
-    * every call to the controller, every write to :class:`LoadStats`, and
+    * every call to the controller, every write to :class:`EngineStats`, and
       :meth:`FrameDecoder.submit` hold the engine's lock.
 
     Waits: on its wake event (at most :data:`WAIT_S`) when there is nothing to fetch; the
@@ -114,7 +114,7 @@ class Link:
     """
 
     def __init__(self, hub: Hub, source: ChunkSource, inst: Instance, kv: ContextKV,
-                 stats: LoadStats, decoder: FrameDecoder, cfg: EngineConfig) -> None:
+                 stats: EngineStats, decoder: FrameDecoder, cfg: EngineConfig) -> None:
         self._hub, self._source, self._inst, self._kv = hub, source, inst, kv
         self._stats, self._decoder, self._cfg = stats, decoder, cfg
         self._outstanding = 0

@@ -1,9 +1,9 @@
 """The engine's record of one load: what each path did, what fell back and why, and the
 :class:`~sparkv.edge.results.LoadResult` made of it.
 
-:class:`LoadStats` only records; the rules that act on faults live in the parts that apply
-them (:mod:`sparkv.edge.compute` reads :attr:`LoadStats.failed`, :attr:`LoadStats.link_dead`
-and :attr:`LoadStats.stall` to choose fallback steps).
+:class:`EngineStats` only records; the rules that act on faults live in the parts that apply
+them (:mod:`sparkv.edge.compute` reads :attr:`EngineStats.failed`, :attr:`EngineStats.link_dead`
+and :attr:`EngineStats.stall` to choose fallback steps).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MIN_BYTES_FOR_ESTIMATE = 1 << 20
 
 
 @dataclass(eq=False)
-class LoadStats:
+class EngineStats:
     """What one load did, written by every part of the engine.
 
     Lock discipline: every field is written, and read by another thread, only while holding

@@ -18,7 +18,7 @@ Presses: ``snapkv`` (uniform), ``pyramidkv``, ``dynamickv`` (layer-adaptive), ``
 from sparkv.presses.adakv import AdaKV, AdaPyramid, adaptive_head_budgets
 from sparkv.presses.apply import (CompressResult, apply_plan, compress, last, prefill,
                                   question_window, score_layers, to_memory)
-from sparkv.presses.base import Budget, Plan, Press, PressError, round_to_total
+from sparkv.presses.base import Budget, PressPlan, Press, PressError, round_to_total
 from sparkv.presses.baselines import RandomPress, StreamingLLM
 from sparkv.presses.dynamickv import DynamicKV
 from sparkv.presses.registry import (PRESSES, PROBES, WINDOWS, canonical_spec, make_press,
@@ -28,7 +28,7 @@ from sparkv.presses.snapkv import PyramidKV, SnapKV
 
 __all__ = [
     "AdaKV", "AdaPyramid", "adaptive_head_budgets", "CompressResult", "apply_plan", "compress",
-    "last", "prefill", "question_window", "score_layers", "to_memory", "Budget", "Plan", "Press",
+    "last", "prefill", "question_window", "score_layers", "to_memory", "Budget", "PressPlan", "Press",
     "PressError", "round_to_total", "canonical_spec", "split_spec", "PROBES", "WINDOWS", "RandomPress", "StreamingLLM", "DynamicKV", "PRESSES",
     "make_press", "parse_press", "Window", "WindowCapture", "pool", "window_attention", "PyramidKV",
     "SnapKV",

@@ -7,7 +7,7 @@
     greedy_generate(lm, memory, len(context_ids), question_ids)       # attends over what is kept
 
 :func:`compress` scores every layer (:func:`sparkv.presses.scoring.window_attention`), asks the
-press for a :class:`~sparkv.presses.base.Plan` and applies it with
+press for a :class:`~sparkv.presses.base.PressPlan` and applies it with
 :meth:`ContextKV.prune_layer <sparkv.cache.ContextKV.prune_layer>`: each layer becomes a ragged
 arena holding, per KV head, only what it keeps (the memory's byte account shrinks accordingly).
 """
@@ -22,7 +22,7 @@ import torch
 
 from sparkv.cache import ContextKV, SparkvCache
 from sparkv.layout import ChunkGeometry
-from sparkv.presses.base import Budget, Plan, Press, PressError
+from sparkv.presses.base import Budget, PressPlan, Press, PressError
 from sparkv.presses.scoring import Window, WindowCapture, iter_attention
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 
@@ -32,7 +32,7 @@ class CompressResult:
     """What :func:`compress` did: the plan, the memory's bytes before and after, and seconds
     spent scoring (attention of the window + the press's budgets) and pruning."""
 
-    plan: Plan
+    plan: PressPlan
     bytes_before: int
     bytes_after: int
     score_s: float
@@ -116,7 +116,7 @@ def score_layers(memory: ContextKV, press: Press, window: Window) -> tuple[list[
     return scores, forced
 
 
-def apply_plan(memory: ContextKV, plan: Plan) -> None:
+def apply_plan(memory: ContextKV, plan: PressPlan) -> None:
     """Frees every entry the plan does not keep (each layer becomes a ragged arena)."""
     if len(plan.keep) != memory.geometry.num_layers:
         raise PressError(f"the plan has {len(plan.keep)} layers, the memory "

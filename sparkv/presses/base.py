@@ -12,7 +12,7 @@ keep. It works in three small steps, each a method a subclass may replace:
    summing to ``H x`` the layer's.
 
 Then each head keeps its top-``b_lh`` positions plus the *forced* tail (the context's own
-observation window in question-agnostic mode). :meth:`Press.plan` returns a :class:`Plan`;
+observation window in question-agnostic mode). :meth:`Press.plan` returns a :class:`PressPlan`;
 :func:`sparkv.presses.apply.apply_plan` frees the rest in the KV memory (ragged layers: real
 memory, not masks).
 """
@@ -28,7 +28,7 @@ import torch
 from sparkv.presses.errors import PressError
 from sparkv.presses.scoring import pool
 
-__all__ = ["Budget", "Plan", "Press", "PressError", "round_to_total"]
+__all__ = ["Budget", "PressPlan", "Press", "PressError", "round_to_total"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Budget:
 
 
 @dataclass
-class Plan:
+class PressPlan:
     """What a press keeps.
 
     Attributes:
@@ -202,7 +202,7 @@ class Press:
 
     # ---- the plan --------------------------------------------------------------------------------
     def plan(self, scores: list[torch.Tensor], num_tokens: int, budget: Budget, forced: int = 0
-             ) -> Plan:
+             ) -> PressPlan:
         """Per layer and head, the positions to keep of a ``num_tokens`` context.
 
         ``scores[l]`` is ``[H, num_tokens - forced]``: the candidates are positions
@@ -240,5 +240,5 @@ class Press:
                 row.append(torch.cat([top.sort().values.long(), tail]))
             keep.append(row)
             budgets.append([int(x) + forced_kept for x in heads])
-        return Plan(keep, budgets, num_tokens, forced_kept,
+        return PressPlan(keep, budgets, num_tokens, forced_kept,
                     {"press": self.name, "budget": str(budget), "layer_budgets": layer_b})

@@ -5,7 +5,7 @@ from sparkv.runtime.attention import (
     get_backend, spas_sage_available,
 )
 from sparkv.runtime.autoattn import AttentionProfile, AutoAttention
-from sparkv.runtime.device import DeviceError, resolve_device, resolve_dtype
+from sparkv.runtime.device import DeviceUnavailable, resolve_device, resolve_dtype
 from sparkv.runtime.flex import FlexAttention, flex_available
 from sparkv.runtime.generate import (
     GenerationResult, first_token_kl, greedy_agreement, greedy_generate, reference_generate,
@@ -23,7 +23,7 @@ from sparkv.runtime.stepper import LayerStepper, MissingDependencyError, StepRes
 __all__ = [
     "AttentionBackend", "AttentionStats", "BlockSparseAttention", "DenseAttention",
     "SparsityConfig", "get_backend", "spas_sage_available", "AttentionProfile", "AutoAttention",
-    "DeviceError", "resolve_device", "resolve_dtype", "FlexAttention", "flex_available",
+    "DeviceUnavailable", "resolve_device", "resolve_dtype", "FlexAttention", "flex_available",
     "GenerationResult", "first_token_kl",
     "greedy_agreement", "greedy_generate", "reference_generate", "reference_prefill",
     "sample_context_ids", "sample_text", "LayerKV", "assemble_layers", "memory_from_layers",

@@ -1,7 +1,7 @@
 """Which device and dtype the model runs on: ``--device cpu|cuda|auto`` and ``--dtype``.
 
 * ``cpu``: always available.
-* ``cuda`` (or ``cuda:N``): a clear :class:`DeviceError` when PyTorch has no CUDA here (a CPU build,
+* ``cuda`` (or ``cuda:N``): a clear :class:`DeviceUnavailable` when PyTorch has no CUDA here (a CPU build,
   no driver, no GPU), never a traceback from deep inside a kernel.
 * ``auto``: CUDA when available, else the CPU.
 
@@ -27,7 +27,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-class DeviceError(SparkvError):
+class DeviceUnavailable(SparkvError):
     """The requested device or dtype cannot be used on this machine."""
 
 
@@ -51,14 +51,14 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
         if not cuda_available():
             build = "a CPU-only build" if torch.version.cuda is None else \
                 f"built for CUDA {torch.version.cuda}, but no GPU or driver is usable"
-            raise DeviceError(f"--device {name}: CUDA is not available here (PyTorch "
+            raise DeviceUnavailable(f"--device {name}: CUDA is not available here (PyTorch "
                               f"{torch.__version__} is {build}); use --device cpu or auto")
         index = int(name.split(":", 1)[1]) if ":" in name else 0
         count = torch.cuda.device_count()
         if index >= count:
-            raise DeviceError(f"--device {name}: this machine has {count} CUDA device(s)")
+            raise DeviceUnavailable(f"--device {name}: this machine has {count} CUDA device(s)")
         return torch.device("cuda", index)
-    raise DeviceError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} "
+    raise DeviceUnavailable(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} "
                       "(or cuda:N)")
 
 
@@ -73,11 +73,11 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
                 return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
             return torch.float32
         if key not in DTYPES:
-            raise DeviceError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or "
+            raise DeviceUnavailable(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or "
                               "float16")
         dtype = DTYPES[key]
     if device.type == "cpu" and dtype == torch.float16:
-        raise DeviceError("float16 on the CPU is not supported (slow and inexact kernels); use "
+        raise DeviceUnavailable("float16 on the CPU is not supported (slow and inexact kernels); use "
                           "float32 or bfloat16")
     return dtype
 

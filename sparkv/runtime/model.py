@@ -206,7 +206,7 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None,
     Raises:
         ModelNotFoundError: the path does not exist or holds no ``config.json``.
         UnsupportedModelError: the architecture is not Llama/Qwen2/Qwen3/Mistral.
-        DeviceError: the device or dtype cannot be used here (``--device cuda`` without CUDA).
+        DeviceUnavailable: the device or dtype cannot be used here (``--device cuda`` without CUDA).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -17,7 +17,7 @@ from sparkv.scheduler.controller import Controller, ControllerConfig, Fetch, Mig
 from sparkv.scheduler.graph import (DepState, PlanError, layer_dependency, plan_problems,
                                     token_dependencies, validate_plan)
 from sparkv.scheduler.instance import (DEFAULT_LEVELS, MBPS, SMOLLM2_135M_CPU, CostProfile, Instance,
-                                       InstanceError, Level, synthetic_instance)
+                                       InstanceError, StreamLevel, synthetic_instance)
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.planners import (PLANNERS, Greedy, LocalOnly, Milp, Planner, PlannerError,
                                        StreamOnly, StrongHybrid, get_planner)
@@ -28,7 +28,7 @@ from sparkv.scheduler.trace import SAMPLE_TRACES, Trace, TraceError, make_sample
 __all__ = [
     "DEFAULT_LEVELS", "MBPS", "PLANNERS", "SAMPLE_TRACES", "SMOLLM2_135M_CPU", "ComputeNoise",
     "Controller", "ControllerConfig", "CostProfile", "DepState", "Fetch", "Greedy", "Instance",
-    "InstanceError", "Level", "LocalOnly", "Migration", "Milp", "Plan", "PlanError", "Planner",
+    "InstanceError", "StreamLevel", "LocalOnly", "Migration", "Milp", "Plan", "PlanError", "Planner",
     "PlannerError", "SimulationError", "StreamOnly", "StrongHybrid", "Timeline", "Trace",
     "TraceError", "TransferRecord", "estimate_ttft", "get_planner", "layer_dependency",
     "lp_bound", "lp_dep_bound", "make_sample_trace", "plan_problems", "simulate",

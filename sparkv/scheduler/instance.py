@@ -38,8 +38,9 @@ class InstanceError(SparkvError):
 
 
 @dataclass(frozen=True)
-class Level:
-    """One codec level a chunk can be streamed at.
+class StreamLevel:
+    """One codec level a chunk can be streamed at, as the scheduler ranks it (the codec's own
+    :class:`sparkv.codec.Level` holds its bit widths; this holds its quality rank).
 
     Attributes:
         name: the codec's name for it (``"raw"``, ``"q8"``, ..., ``"q3"``).
@@ -53,9 +54,9 @@ class Level:
 
 
 #: The levels of the codec, best first. q5 is the paper's default operating point.
-DEFAULT_LEVELS: tuple[Level, ...] = (
-    Level("raw", 5, 16), Level("q8", 4, 8), Level("q6", 3, 6),
-    Level("q5", 2, 5), Level("q4", 1, 4), Level("q3", 0, 3),
+DEFAULT_LEVELS: tuple[StreamLevel, ...] = (
+    StreamLevel("raw", 5, 16), StreamLevel("q8", 4, 8), StreamLevel("q6", 3, 6),
+    StreamLevel("q5", 2, 5), StreamLevel("q4", 1, 4), StreamLevel("q3", 0, 3),
 )
 DEFAULT_QUALITY_FLOOR = "q5"
 
@@ -84,7 +85,7 @@ class Instance:
     """
 
     geometry: ChunkGeometry
-    levels: tuple[Level, ...]
+    levels: tuple[StreamLevel, ...]
     chunk_bytes: np.ndarray
     t_proc: np.ndarray
     t_comp: np.ndarray
@@ -141,7 +142,7 @@ class Instance:
         cls, geometry: ChunkGeometry, chunk_bytes: Mapping[KVChunkId, Mapping[str, int]],
         t_comp: Mapping[StepId, float], bandwidth_Bps: float, *,
         t_proc: float | Mapping[KVChunkId, Mapping[str, float]] = 0.0, rtt_s: float = 0.0,
-        t_suffix_s: float = 0.0, levels: Sequence[Level] = DEFAULT_LEVELS,
+        t_suffix_s: float = 0.0, levels: Sequence[StreamLevel] = DEFAULT_LEVELS,
         quality_floor: str | None = None, name: str = "",
         decode_overlaps: bool = True,
     ) -> "Instance":
@@ -364,7 +365,7 @@ def synthetic_instance(
     num_tokens: int, *, chunk_tokens: int = 1024, num_layers: int = 30, num_kv_heads: int = 3,
     head_dim: int = 64, heads_per_group: int = 0, bandwidth_mbps: float = 50.0,
     rtt_ms: float = 20.0, profile: CostProfile = SMOLLM2_135M_CPU, heterogeneity: float = 0.3,
-    seed: int = 0, levels: Sequence[Level] = DEFAULT_LEVELS,
+    seed: int = 0, levels: Sequence[StreamLevel] = DEFAULT_LEVELS,
     quality_floor: str | None = DEFAULT_QUALITY_FLOOR,
 ) -> Instance:
     """A realistic random instance (defaults: SmolLM2-135M on this CPU, 1K-token chunks).

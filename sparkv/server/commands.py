@@ -159,11 +159,11 @@ def _int_or_none(value: Any) -> int | None:
 
 def _check_device(settings: Any) -> None:
     """Fails at startup (not at the first encode) on a device or dtype this machine lacks."""
-    from sparkv.runtime.device import DeviceError, resolve_device, resolve_dtype
+    from sparkv.runtime.device import DeviceUnavailable, resolve_device, resolve_dtype
 
     try:
         resolve_dtype(settings.dtype, resolve_device(settings.device))
-    except DeviceError as exc:
+    except DeviceUnavailable as exc:
         raise ConfigError(str(exc)) from None
 
 

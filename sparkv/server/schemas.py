@@ -178,14 +178,16 @@ class ContextList(BaseModel):
     pending: list[dict[str, Any]]
 
 
-class ModelInfo(BaseModel):
+class ServedModel(BaseModel):
+    """One model this server can encode with (`GET /v1/models`)."""
+
     name: str
     default: bool
     loaded: bool
 
 
 class ModelList(BaseModel):
-    models: list[ModelInfo]
+    models: list[ServedModel]
 
 
 class Health(BaseModel):

@@ -439,23 +439,24 @@ def test_replacement_keeps_often_retrieved_clusters_where_lru_thrashes():
     assert hits["lru"] == 0 and hits["dynakv"] >= 3 * 19
 
 # ---- the pieces --------------------------------------------------------------------------------------
-def test_page_file_checksums_and_direct_io(tmp_path):
-    io = IOStats()
-    f = PageFile(tmp_path / "f", io)
+@pytest.mark.parametrize("direct", [True, False])
+def test_page_file_checksums_and_direct_io(tmp_path, direct):
+    f = PageFile(tmp_path / "f", IOStats(), direct=direct)
     data = os.urandom(2 * PAGE)
     f.write(3, data, "append")
     assert f.read(3, 2) == data
-    f.close(remove=False)
-    raw = bytearray((tmp_path / "f").read_bytes())
-    raw[3 * PAGE + 100] ^= 0xFF
-    (tmp_path / "f").write_bytes(bytes(raw))
-    g = PageFile.__new__(PageFile)
-    g.__dict__.update(f.__dict__)
-    g.fd = os.open(tmp_path / "f", os.O_RDONLY)
-    g.direct = False
-    with pytest.raises(FlashError, match="checksum"):
-        g.read(3, 1)
-    os.close(g.fd)
+    fd = os.open(tmp_path / "f", os.O_WRONLY)       # flash flips a bit under the open file
+    try:
+        os.pwrite(fd, bytes([data[PAGE + 100] ^ 0xFF]), 4 * PAGE + 100)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert f.read(3, 1) == data[:PAGE]               # the other page is intact
+    with pytest.raises(FlashError, match="f: page 4 fails its checksum"):
+        f.read(3, 2)
+    assert f.read(0, 2) == bytes(2 * PAGE)           # never written: zeros, unchecked
+    f.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_kmeans_and_two_means_are_sane():

@@ -1,11 +1,13 @@
-"""The flash tier: chunk files with honest I/O.
+"""The flash tier: chunk files on the one flash backend (:mod:`sparkv.cache.fileio`).
 
-* **Writes are atomic**: a temp file in the same directory, written, ``fsync``-ed, renamed over
-  the final name, and the directory ``fsync``-ed. A crash leaves the old file or the new one,
-  never half of one; a reader never sees a temp file (they are named ``.*.tmp`` and ignored).
-* **Reads are honest**: with ``O_DIRECT`` (aligned buffers, whole 4 KiB blocks) where the file
-  system allows it, else ``posix_fadvise(DONTNEED)`` before and after the read, so the page cache
-  does not make flash look like RAM. After a write the file's pages are dropped too.
+* **Writes are atomic** (:func:`~sparkv.cache.fileio.atomic_write`): a temp file in the same
+  directory, written, ``fsync``-ed, its pages dropped from the page cache, renamed over the final
+  name, and the directory ``fsync``-ed. A crash leaves the old file or the new one, never half of
+  one; a reader never sees a temp file (they are named ``.*.tmp`` and ignored).
+* **Reads are honest** (:class:`~sparkv.cache.fileio.FlashIO`): with ``O_DIRECT`` (aligned
+  buffers, whole blocks of the file system's alignment, read at run time) where the file system
+  allows it, else ``posix_fadvise(DONTNEED)`` before and after the read, so the page cache does
+  not make flash look like RAM.
 * Every file is a :mod:`~sparkv.cache.payload` (checksummed): a file cut short or flipped is a
   clear :class:`~sparkv.cache.payload.PayloadError` on read.
 * :meth:`FlashTier.measure` records this device's read and write bandwidth (MB/s, with and without
@@ -15,20 +17,14 @@
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkv.errors import SparkvError
-
-BLOCK = 4096
-
-
-class FlashError(SparkvError):
-    """The flash tier cannot read or write a file."""
+from sparkv.cache.fileio import FlashError, FlashIO, atomic_write
+from sparkv.cache.fileio import delete as delete_file
 
 
 @dataclass(frozen=True)
@@ -39,50 +35,32 @@ class FlashRef:
     nbytes: int
 
 
-def _o_direct() -> int:
-    return getattr(os, "O_DIRECT", 0)
-
-
-def _drop_cache(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Makes a directory's entries (a rename, a new file) durable; best effort."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class FlashTier:
     """Chunk files under ``root`` (created if needed).
 
     Args:
         root: the directory (on the device's flash; here, the work disk).
         direct: try ``O_DIRECT`` reads (falls back to ``posix_fadvise`` where refused).
+        align: the ``O_DIRECT`` alignment in bytes; ``None`` reads the file system's.
+
+    State: the counters (``reads``, ``bytes_read``, ``read_s``, ``writes``, ...) are plain
+    attributes updated without a lock: threads reading at once (the loader's, the per-file probe's)
+    may lose an increment of these statistics, nothing else. The files need no lock: a write
+    replaces a whole file atomically.
     """
 
-    def __init__(self, root: str | os.PathLike[str], direct: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], direct: bool = True,
+                 align: int | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.direct = bool(direct and _o_direct())
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self.reads = 0
-        self.writes = 0
-        self.read_s = 0.0
-        self.write_s = 0.0
+        self.io = FlashIO(self.root, direct, align)
+        self.bytes_read = self.bytes_written = self.reads = self.writes = 0
+        self.read_s = self.write_s = 0.0
+
+    @property
+    def direct(self) -> bool:
+        """Whether reads use ``O_DIRECT`` (False once the file system refused it)."""
+        return self.io.direct
 
     # ---- files -----------------------------------------------------------------------------------
     def path_for(self, name: str) -> Path:
@@ -90,53 +68,27 @@ class FlashTier:
             raise FlashError(f"bad file name {name!r}")
         return self.root / name
 
-    def write(self, name: str, data: bytes) -> FlashRef:
-        """Writes ``data`` as file ``name`` atomically (temp + fsync + rename + dir fsync)."""
-        return self._write(name, data, durable=True)
-
-    def _write(self, name: str, data: bytes, durable: bool) -> FlashRef:
-        """Temp file + rename; ``durable``: fsynced (and dropped from the page cache) before the
-        rename and the directory fsynced after it (a subclass that groups writes syncs later)."""
+    def write(self, name: str, data: bytes, *, durable: bool = True) -> FlashRef:
+        """Writes ``data`` as file ``name`` atomically. ``durable``: ``fsync``-ed (and dropped
+        from the page cache) before the rename and the directory ``fsync``-ed after it; without
+        it, temp file + rename only, made durable later (a caller that groups writes)."""
         path = self.path_for(name)
-        tmp = self.root / f".{name}.{os.getpid()}.tmp"
         t0 = time.perf_counter()
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                if durable:
-                    os.fsync(fd)
-                    _drop_cache(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            if durable:
-                self._fsync_dir()
+            atomic_write(path, data, fsync=durable, drop=durable)
         except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
             raise FlashError(f"cannot write {path}: {e}") from e
         self.write_s += time.perf_counter() - t0
         self.bytes_written += len(data)
         self.writes += 1
         return FlashRef(str(path), len(data))
 
-    def _fsync_dir(self) -> None:
-        fsync_dir(self.root)
-
     def read(self, ref: FlashRef | str | os.PathLike[str]) -> bytes:
         """The file's bytes, read past the page cache (``O_DIRECT`` or ``DONTNEED``)."""
         path = Path(ref.path if isinstance(ref, FlashRef) else ref)
         t0 = time.perf_counter()
         try:
-            data = self._read_direct(path) if self.direct else None
-            if data is None:
-                data = self._read_uncached(path)
+            data = self.io.read_file(path)
         except FileNotFoundError as e:
             raise FlashError(f"chunk file {path} is missing") from e
         except OSError as e:
@@ -146,62 +98,8 @@ class FlashTier:
         self.reads += 1
         return data
 
-    def _read_direct(self, path: Path) -> bytes | None:
-        try:
-            fd = os.open(path, os.O_RDONLY | _o_direct())
-        except OSError as e:
-            if e.errno in (22, 95):  # EINVAL / EOPNOTSUPP: this file system refuses O_DIRECT
-                self.direct = False
-                return None
-            raise
-        try:
-            size = os.fstat(fd).st_size
-            span = max(BLOCK, -(-size // BLOCK) * BLOCK)
-            buf = mmap.mmap(-1, span)          # page-aligned, as O_DIRECT requires
-            try:
-                got = 0
-                view = memoryview(buf)
-                while got < size:
-                    n = os.readv(fd, [view[got:span]])
-                    if n <= 0:
-                        break
-                    got += n
-                view.release()
-                return bytes(buf[:min(got, size)])
-            finally:
-                buf.close()
-        except OSError as e:
-            if e.errno == 22:
-                self.direct = False
-                return None
-            raise
-        finally:
-            os.close(fd)
-
-    def _read_uncached(self, path: Path) -> bytes:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            _drop_cache(fd)
-            size = os.fstat(fd).st_size
-            parts = []
-            got = 0
-            while got < size:
-                b = os.read(fd, min(1 << 20, size - got))
-                if not b:
-                    break
-                parts.append(b)
-                got += len(b)
-            _drop_cache(fd)
-            return b"".join(parts)
-        finally:
-            os.close(fd)
-
     def delete(self, ref: FlashRef | str | os.PathLike[str]) -> None:
-        path = Path(ref.path if isinstance(ref, FlashRef) else ref)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        delete_file(ref.path if isinstance(ref, FlashRef) else ref)
 
     def files(self) -> list[Path]:
         """Chunk files (temp files excluded)."""
@@ -251,9 +149,7 @@ def save_flash_profile(path: str | os.PathLike[str], figures: dict[str, float],
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"root": str(root), "measured_unix": time.time(), **figures}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(doc, indent=1).encode())
     return path
 
 

@@ -26,7 +26,7 @@ from sparkv.decode.config import DecodeConfig, policy_config
 from sparkv.decode.hf import DynaKVCache
 from sparkv.decode.policy import ClusteredKV
 from sparkv.decode.stats import DecodeStats
-from sparkv.runtime.generate import GenerationResult, context_memory
+from sparkv.runtime.generate import GenerationResult, context_memory, eos_ids
 from sparkv.runtime.kvcache import LayerKV
 from sparkv.runtime.model import LoadedModel
 
@@ -67,15 +67,6 @@ class _RecordingCache(SparkvCache):
 
         Cache.__init__(self, layers=[_RecordingLayer(memory, l, self.queries)
                                      for l in range(memory.geometry.num_layers)])
-
-
-def _eos_ids(lm: LoadedModel) -> set[int]:
-    eos = getattr(lm.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(lm.config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
 class DecodeSession:
@@ -338,7 +329,7 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
         token = int(torch.argmax(logits))
         first_s = time.perf_counter() - start
         tokens = [token]
-        eos = _eos_ids(lm)
+        eos = eos_ids(lm)
         while len(tokens) < max_new_tokens and not (stop_at_eos and token in eos):
             token = int(torch.argmax(s.feed([token])))
             tokens.append(token)

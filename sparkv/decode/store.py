@@ -3,10 +3,12 @@
 **Pages.** Each layer has one file of 4 KiB pages (:class:`PageFile`). A page holds the entries
 of one unit (a cluster, or for ``nocluster`` a run of consecutive positions of one head), each
 entry a record ``k | v`` in the model's dtype (512 bytes for SmolLM2: 8 per page). Reads and writes
-are whole pages, with ``O_DIRECT`` (page-aligned buffers; the page cache never answers) or, where
-the file system refuses it, ``posix_fadvise(DONTNEED)`` before and after. Every written page's
-XXH64 is kept in RAM and checked on read. **A page is written at most once** (a second write
-raises): nothing on flash is ever rewritten in place.
+are whole pages through the flash backend (:mod:`sparkv.cache.fileio`): ``O_DIRECT`` (aligned
+buffers, the file system's alignment read at run time; the page cache never answers) or, where the
+file system refuses it, through the page cache with ``fdatasync`` and ``posix_fadvise(DONTNEED)``
+(writes too where the alignment does not divide a page; reads then take the aligned span). Every
+written page's XXH64 is kept in RAM and checked on read. **A page is written at most once** (a
+second write raises): nothing on flash is ever rewritten in place.
 
 **Dual-head pools** (:class:`ClusterStore`, ``dual_head=True``)::
 
@@ -42,7 +44,6 @@ is their ratio.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import time
@@ -54,10 +55,13 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
-import xxhash
 
-from sparkv.cache.flash import FlashError
+from sparkv.cache.fileio import FlashError, FlashIO, checksum, verify
+from sparkv.cache.fileio import delete as delete_file
 
+#: the layout's page (bytes): the unit of a unit's records, of the write-once rule and of the
+#: checksums, 4 KiB as the paper's flash page. A format constant, not the OS page nor the
+#: ``O_DIRECT`` alignment, which the backend reads at run time.
 PAGE = 4096
 
 READ_REASONS = ("retrieve", "prefetch", "split", "overflow", "relocate")
@@ -105,27 +109,32 @@ class IOStats:
 
 
 class PageFile:
-    """A file of 4 KiB pages, each written at most once, read past the page cache."""
+    """A file of :data:`PAGE`-byte pages, each written at most once, read past the page cache
+    (the flash backend's :class:`~sparkv.cache.fileio.FlashFile`) and checked against the XXH64
+    recorded when it was written.
+
+    Args:
+        path: the file (created, or truncated).
+        io: the policy's counters.
+        direct: try ``O_DIRECT`` (writes go through the page cache, ``fdatasync``-ed and
+            dropped, where the alignment does not divide :data:`PAGE`).
+        executor: the I/O thread writes run on (None: on the caller's thread).
+        align: the ``O_DIRECT`` alignment in bytes; ``None`` reads the file system's.
+
+    State and locks: ``hashes`` (page -> XXH64) and ``pages_written`` are updated under
+    ``_wlock`` by the writing thread; ``_pending`` (page -> the future of its write on
+    ``executor``) under ``_plock``; ``_errors`` collects failed writes (appended by their done
+    callbacks, raised by :meth:`flush`). A read first waits for the pending writes of its pages,
+    so it never sees a page half written. The file's descriptors are fixed until :meth:`close`.
+    """
 
     def __init__(self, path: str | os.PathLike[str], io: IOStats, direct: bool = True,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, align: int | None = None) -> None:
         self.path = Path(path)
         self.io = io
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        self.direct = False
-        fd = -1
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError:
-                fd = -1
-        if fd < 0:
-            fd = os.open(self.path, flags, 0o644)
-        self.fd = fd
+        self.flash = FlashIO(self.path.parent, direct, align).open(self.path, create=True)
         self.hashes: dict[int, int] = {}          # page -> xxh64 of what was written
         self.pages_written = 0
-        self._local = threading.local()
         self._wlock = threading.Lock()
         #: writes run on ``executor`` (the policy's I/O thread) when given: a read first waits for
         #: the pending writes of its pages
@@ -134,14 +143,10 @@ class PageFile:
         self._plock = threading.Lock()
         self._errors: list[BaseException] = []
 
-    def _buffer(self, nbytes: int) -> mmap.mmap:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            if buf is not None:
-                buf.close()
-            buf = mmap.mmap(-1, max(nbytes, 64 * PAGE))   # page-aligned, as O_DIRECT needs
-            self._local.buf = buf
-        return buf
+    @property
+    def direct(self) -> bool:
+        """Whether pages go to flash with ``O_DIRECT`` (False once the file system refused it)."""
+        return self.flash.io.direct
 
     def write(self, first: int, data: bytes | bytearray | memoryview, reason: str) -> None:
         """Writes whole pages ``first ..`` (``len(data)`` a multiple of the page); on the I/O
@@ -157,7 +162,7 @@ class PageFile:
                                      "never rewritten")
             view = memoryview(data)
             for i in range(pages):
-                self.hashes[first + i] = xxhash.xxh64_intdigest(view[i * PAGE:(i + 1) * PAGE])
+                self.hashes[first + i] = checksum(view[i * PAGE:(i + 1) * PAGE])
             self.pages_written += pages
         if self.executor is None:
             self._pwrite(first, data, reason)
@@ -194,72 +199,40 @@ class PageFile:
             raise self._errors[0]
 
     def _pwrite(self, first: int, data: bytes | bytearray | memoryview, reason: str) -> None:
-        n = len(data)
         t0 = time.perf_counter()
         try:
-            if self.direct:
-                buf = self._buffer(n)
-                buf[:n] = data
-                got = os.pwritev(self.fd, [memoryview(buf)[:n]], first * PAGE)
-            else:
-                got = os.pwrite(self.fd, data, first * PAGE)
-                os.fdatasync(self.fd)
-                _drop(self.fd)
+            self.flash.pwrite(first * PAGE, data)
         except OSError as e:
             raise FlashError(f"cannot write {self.path}: {e}") from e
-        if got != n:
-            raise FlashError(f"short write to {self.path}: {got} of {n} bytes")
-        self.io.count_write(reason, n, time.perf_counter() - t0)
+        self.io.count_write(reason, len(data), time.perf_counter() - t0)
 
     def read(self, first: int, pages: int) -> bytes:
-        """Pages ``first .. first+pages`` (pages never written read as zeros, unchecked)."""
+        """Pages ``first .. first+pages`` (pages never written read as zeros, unchecked); a page
+        that differs from what was written raises :class:`~sparkv.cache.fileio.ChecksumError`."""
         self._wait(first, pages)
         n = pages * PAGE
         try:
-            if self.direct:
-                buf = self._buffer(n)
-                view = memoryview(buf)[:n]
-                got = os.preadv(self.fd, [view], first * PAGE)
-                data = bytes(view[:got]) + bytes(n - got)
-                view.release()
-            else:
-                _drop(self.fd)
-                data = os.pread(self.fd, n, first * PAGE)
-                data += bytes(n - len(data))
+            data = self.flash.pread(first * PAGE, n)
         except OSError as e:
             raise FlashError(f"cannot read {self.path}: {e}") from e
-        view2 = memoryview(data)
+        if len(data) < n:
+            data += bytes(n - len(data))
+        view = memoryview(data)
         for i in range(pages):
             h = self.hashes.get(first + i)
-            if h is not None and xxhash.xxh64_intdigest(view2[i * PAGE:(i + 1) * PAGE]) != h:
-                raise FlashError(f"{self.path.name}: page {first + i} fails its checksum")
+            if h is not None:
+                verify(view[i * PAGE:(i + 1) * PAGE], h, f"{self.path.name}: page {first + i}")
         return data
 
     def close(self, remove: bool = True) -> None:
-        if self.fd >= 0:
+        if not self.flash.closed:
             try:
                 self.flush()
             except Exception:  # noqa: BLE001 - closing: the file goes anyway
                 pass
-            os.close(self.fd)
-            self.fd = -1
-        buf = getattr(self._local, "buf", None)
-        if buf is not None:
-            buf.close()
-            self._local.buf = None
+            self.flash.close()
         if remove:
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
-
-
-def _drop(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
+            delete_file(self.path)
 
 
 # ---- records ---------------------------------------------------------------------------------------

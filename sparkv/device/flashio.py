@@ -1,14 +1,14 @@
 """The service's flash tier and this device's I/O profile.
 
-:class:`ServiceFlash` is a :class:`~sparkv.cache.FlashTier` (the same atomic, checksummed files
-and honest ``O_DIRECT`` reads) whose writes can be **grouped**: inside ``with tier.batch():`` each
-write is a temp file + rename without its own ``fsync``; leaving the block makes them durable at
-once (``syncfs`` of the tier's file system where Linux has it, else one ``fsync`` per file) and
-``fsync``-s the directory. Measured here: a chunk file written alone costs ~10 ms (two
-``fsync``-s), a batch of 60 costs 4-12 ms in all. The ahead-of-time swap-out writes a call's
-modified chunks as one batch; a file renamed before the batch is durable is still a checksummed
-payload, so a crash inside a batch leaves old files, new files or files that fail their checksum
-(then recomputed), never a wrong chunk.
+:class:`ServiceFlash` is a :class:`~sparkv.cache.FlashTier` (the same atomic, checksummed files and
+honest ``O_DIRECT`` reads) whose writes can be **grouped**: inside ``with tier.batch():`` each write
+is a temp file + rename without its own ``fsync``; leaving the block makes them durable at once (the
+flash backend's :func:`~sparkv.cache.fileio.sync_files`: ``syncfs`` of the tier's file system where
+Linux has it, else one ``fsync`` per file) and ``fsync``-s the directory. Measured here: a chunk
+file written alone costs ~10 ms (two ``fsync``-s), a batch of 60 costs 4-12 ms in all. The
+ahead-of-time swap-out writes a call's modified chunks as one batch; a file renamed before the batch
+is durable is still a checksummed payload, so a crash inside a batch leaves old files, new files or
+files that fail their checksum (then recomputed), never a wrong chunk.
 
 :class:`IOProfile` is the ``T_IO`` of the IO-recompute planner: ``files * per_file_s / threads +
 bytes / read_Bps``. The bandwidth is the flash profile's (``sparkv bench decode`` writes
@@ -20,7 +20,6 @@ install-time one-shot profile) and kept in ``<swap_dir>/io-profile.json``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import struct
@@ -36,6 +35,7 @@ import xxhash
 
 from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
                           flash_profile_path, load_flash_profile)
+from sparkv.cache.fileio import atomic_write, sync_files
 from sparkv.cache.payload import contiguous_positions
 from sparkv.layout import KVChunkId
 
@@ -203,31 +203,24 @@ def read_token_chunk_file(data: bytes, t: int | None = None) -> TokenChunkFile:
                           int(h["tokens"]), out, stacked[0], stacked[1])
 
 
-def _syncfs(path: Path) -> bool:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        return int(libc.syncfs(fd)) == 0
-    except AttributeError:
-        return False
-    finally:
-        os.close(fd)
-
-
 class ServiceFlash(FlashTier):
-    """A flash tier with grouped writes (module docstring)."""
+    """A flash tier with grouped writes (module docstring).
 
-    def __init__(self, root: str | os.PathLike[str], direct: bool = True) -> None:
-        super().__init__(root, direct)
+    State: ``_batch``, the files written since the outermost open :meth:`batch` (None outside
+    one), and ``syncs``. A batch belongs to the thread that opened it: the service writes a
+    context's files from one thread at a time (no lock).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], direct: bool = True,
+                 align: int | None = None) -> None:
+        super().__init__(root, direct, align)
         self._batch: list[Path] | None = None
         self.syncs = 0
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Writes inside the block are made durable together when it ends."""
+        """Writes inside the block are made durable together when it ends
+        (:func:`~sparkv.cache.fileio.sync_files`)."""
         if self._batch is not None:     # nested: the outer block syncs
             yield
             return
@@ -238,24 +231,15 @@ class ServiceFlash(FlashTier):
             written, self._batch = self._batch, None
             if written:
                 t0 = time.perf_counter()
-                if not _syncfs(self.root):
-                    for p in written:
-                        try:
-                            fd = os.open(p, os.O_RDONLY)
-                        except OSError:
-                            continue
-                        try:
-                            os.fsync(fd)
-                        finally:
-                            os.close(fd)
-                self._fsync_dir()
+                sync_files(self.root, written)
                 self.syncs += 1
                 self.write_s += time.perf_counter() - t0
 
-    def write(self, name: str, data: bytes) -> FlashRef:
+    def write(self, name: str, data: bytes, *, durable: bool = True) -> FlashRef:
+        """:meth:`FlashTier.write`; inside a batch, made durable when the batch ends."""
         if self._batch is None:
-            return super().write(name, data)
-        ref = self._write(name, data, durable=False)    # made durable when the batch ends
+            return super().write(name, data, durable=durable)
+        ref = super().write(name, data, durable=False)
         self._batch.append(Path(ref.path))
         return ref
 
@@ -333,9 +317,7 @@ def load_io_profile(swap_dir: str | os.PathLike[str], tier: FlashTier, threads: 
         pass
     if per_file is None and measure:
         per_file = measure_per_file(tier, threads=threads)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"per_file_s": per_file, "threads": threads,
-                                   "measured_unix": time.time()}))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps({"per_file_s": per_file, "threads": threads,
+                                       "measured_unix": time.time()}).encode())
     return IOProfile(read_Bps, per_file if per_file is not None else 2e-4, threads,
                      source + (" + measured per-file latency" if per_file is not None else ""))

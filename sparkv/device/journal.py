@@ -1,8 +1,9 @@
 """The service's journal: what it takes, with the flash tier, to reopen every context after a crash.
 
-One small JSON record per context, ``<swap_dir>/journal/<id>.json``, replaced atomically (temp
-file + ``fsync`` + ``rename`` + directory ``fsync``) when the context is made and when each call
-returns (after its ahead-of-time swap-out), and removed when the context is deleted::
+One small JSON record per context, ``<swap_dir>/journal/<id>.json``, replaced atomically (the
+flash backend's :func:`~sparkv.cache.fileio.atomic_write`: temp file + ``fsync`` + ``rename`` +
+directory ``fsync``) when the context is made and when each call returns (after its
+ahead-of-time swap-out), and removed when the context is deleted::
 
     {"format": "sparkv-device-journal/1", "id": ..., "tokens": [...], "pending": [...],
      "system_prompt": ..., "chunk_tokens": 16, "levels": ["int8", "int4", ...],
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkv.cache import ContextKV
-from sparkv.cache.flash import fsync_dir
+from sparkv.cache.fileio import atomic_write, delete
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.registry import DeviceContext
 from sparkv.device.swap import SwapStore
@@ -58,27 +59,11 @@ class Journal:
 
     def write(self, ctx_id: str, record: dict[str, Any]) -> None:
         doc = {"format": FORMAT, "id": ctx_id, **record}
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        path = self.path(ctx_id)
-        tmp = self.root / f".{ctx_id}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(self.root)
+        atomic_write(self.path(ctx_id), json.dumps(doc, separators=(",", ":")).encode())
         self.writes += 1
 
     def remove(self, ctx_id: str) -> None:
-        try:
-            self.path(ctx_id).unlink()
-        except FileNotFoundError:
-            return
-        fsync_dir(self.root)
+        delete(self.path(ctx_id), sync_dir=True)
 
     def records(self) -> list[dict[str, Any]]:
         """Every readable record (temp files are skipped, damaged records listed in

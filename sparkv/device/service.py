@@ -183,8 +183,8 @@ class ContextService:
         return uses_chatml(self.lm.tokenizer)
 
     def _eos(self) -> set[int]:
-        from sparkv.runtime.generate import _eos_ids
-        return _eos_ids(self.lm)
+        from sparkv.runtime.generate import eos_ids
+        return eos_ids(self.lm)
 
     # ---- accounting ------------------------------------------------------------------------------
     @property

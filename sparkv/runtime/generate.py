@@ -98,7 +98,7 @@ def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[
     token = int(torch.argmax(logits))
     first_s = time.perf_counter() - start
     tokens = [token]
-    eos = _eos_ids(lm)
+    eos = eos_ids(lm)
     cur = n + ids.shape[1]
     while len(tokens) < max_new_tokens and not (stop_at_eos and token in eos):
         step_ids = torch.tensor([[token]], device=device)
@@ -132,7 +132,9 @@ def teacher_forced_agreement(lm: LoadedModel, kv: LayerKV | ContextKV, context_l
     pred = out.logits[0, len(question_ids) - 1:].argmax(-1).tolist()
     return sum(int(a == b) for a, b in zip(pred, ref)) / len(ref)
 
-def _eos_ids(lm: LoadedModel) -> set[int]:
+
+def eos_ids(lm: LoadedModel) -> set[int]:
+    """The model's end-of-sequence token ids (its generation config's, else its config's)."""
     eos = getattr(lm.model.generation_config, "eos_token_id", None)
     if eos is None:
         eos = getattr(lm.config, "eos_token_id", None)
@@ -162,7 +164,7 @@ def reference_generate(lm: LoadedModel, prompt_ids: Sequence[int], max_new_token
 def _pad_id(lm: LoadedModel) -> int:
     pad = getattr(lm.config, "pad_token_id", None)
     if pad is None:
-        eos = _eos_ids(lm)
+        eos = eos_ids(lm)
         pad = min(eos) if eos else 0
     return int(pad)
 

@@ -7,14 +7,15 @@ Layout under the root::
     tenants/<tenant>/contexts/<context_id>/manifest.json                 written last
     tenants/<tenant>/jobs/<job_id>.json                                  job records
 
-Every write goes to a temporary file in the target directory (``.tmp-*``), is flushed and
-``fsync``-ed, then renamed over the target (``os.replace``, atomic on POSIX). The token ids sit
-beside ``chunks/`` (never inside it, so ``list_chunks`` does not see them); ``put_tokens`` syncs
-the context directory after its rename, so they are durable before the manifest. ``put_manifest``
-first syncs the chunk directory (so the renames of every chunk are durable), then writes the
-manifest the same way and syncs the context directory. A crash at any point leaves either no
-manifest (the context is invisible; a resumed job or a delete cleans the chunks up) or a manifest
-whose chunks are all on disk.
+Every write goes to a temporary file in the target directory (``.<name>.<pid>.<random>.tmp``: the
+flash backend's :func:`~sparkv.cache.fileio.atomic_write`), is flushed and ``fsync``-ed, then
+renamed over the target (``os.replace``, atomic on POSIX). The token ids sit beside ``chunks/``
+(never inside it, so ``list_chunks`` does not see them); ``put_tokens`` syncs the context directory
+after its rename, so they are durable before the manifest. ``put_manifest`` first syncs the chunk
+directory (so the renames of every chunk are durable), then writes the manifest the same way and
+syncs the context directory. A crash at any point leaves either no manifest (the context is
+invisible; a resumed job or a delete cleans the chunks up) or a manifest whose chunks are all on
+disk.
 
 ``delete`` unlinks the manifest (and syncs), renames the context directory to a hidden
 ``.deleted-*`` name (atomic), then removes it.
@@ -35,39 +36,23 @@ MANIFEST = "manifest.json"
 TOKENS = "tokens.u32"
 
 
+# The flash backend is imported where it is used: importing ``sparkv.cache`` loads transformers,
+# which the server loads only when it encodes.
 def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Makes a directory's entries durable (a failure raises; a missing directory is skipped)."""
+    from sparkv.cache.fileio import fsync_dir
+
+    fsync_dir(path, strict=True)
 
 
 def atomic_write(path: Path, data: bytes, fsync: bool = True) -> None:
-    """Writes ``data`` to ``path`` through a temporary file and a rename."""
+    """Writes ``data`` to ``path`` through a temporary file and a rename (the flash backend's
+    :func:`~sparkv.cache.fileio.atomic_write`; the directory is not synced here: the callers sync
+    the directories where the order matters)."""
+    from sparkv.cache.fileio import atomic_write as write_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{secrets.token_hex(8)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        if fsync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomically(path, data, fsync=fsync, sync_dir=False, mode=0o640)
 
 
 def _read(path: Path) -> bytes | None:

@@ -1,0 +1,390 @@
+"""The one flash backend: the file I/O every flash user shares.
+
+Its users: the flash tier's chunk files (:class:`~sparkv.cache.flash.FlashTier`), the device
+service's token chunk files and journal (``sparkv.device.flashio``, ``sparkv.device.journal``),
+DynaKV's page files (``sparkv.decode.store.PageFile``) and the server's file store. What it
+guarantees:
+
+* **Atomic writes** (:func:`atomic_write`): a temp file beside the target
+  (``.<name>.<pid>.<random>.tmp``, created exclusively; readers skip dot-files), written whole,
+  ``fsync``-ed, renamed over the target, then the directory ``fsync``-ed. A failure at any step
+  removes the temp file and raises: the target holds its old bytes or the new ones, never part of
+  them. Writes made without ``fsync`` (grouped) are made durable together by :func:`sync_files`.
+* **Honest reads** (:class:`FlashIO`, :class:`FlashFile`): ``O_DIRECT`` where the file system
+  allows it (the aligned span around the bytes asked for, into an aligned buffer), else
+  ``posix_fadvise(DONTNEED)`` before and after a buffered read. Either way the page cache does not
+  answer, so flash does not look like RAM.
+* **Honest positioned writes** (:meth:`FlashFile.pwrite`): ``O_DIRECT`` when offset and length
+  are aligned, else buffered, ``fdatasync``-ed and dropped from the page cache.
+* **Checksums** (:func:`checksum`, :func:`verify`): XXH64; a mismatch raises
+  :class:`ChecksumError` naming what failed.
+* **Deletes** (:func:`delete`): a missing file is no error; the removal can be made durable.
+
+Sizes are read at run time, never assumed: the page size is ``os.sysconf("SC_PAGE_SIZE")`` (4 KiB,
+16 KiB on some phones), the ``O_DIRECT`` alignment the file system's block size (``statvfs``; the
+page size where it cannot be read) unless given (``align=``). A wrong alignment costs only the
+direct path: the first refused direct read or write turns ``O_DIRECT`` off for that
+:class:`FlashIO`, and I/O goes through the page cache with ``DONTNEED`` from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import secrets
+import threading
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import xxhash
+
+from sparkv.errors import SparkvError
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: errors with which a file system refuses ``O_DIRECT`` (at open, or for an unaligned request)
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
+#: a thread keeps its aligned buffer for the next request up to this size (larger ones are
+#: unmapped after use, so a big read does not pin its memory)
+_KEEP_BUFFER = 1 << 20
+_local = threading.local()
+
+
+class FlashError(SparkvError):
+    """The flash tier cannot read or write a file."""
+
+
+class ChecksumError(FlashError):
+    """Bytes read back from flash differ from the bytes written (damaged on flash)."""
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+def page_size() -> int:
+    """This machine's memory page size in bytes (``SC_PAGE_SIZE``)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return mmap.PAGESIZE
+
+
+def direct_alignment(path: str | os.PathLike[str]) -> int:
+    """The alignment (bytes) of ``O_DIRECT`` offsets and lengths on the file system holding
+    ``path``: its block size (``statvfs``) when that is a power of two from 512 B to 64 KiB, else
+    the page size."""
+    try:
+        bsize = int(os.statvfs(path).f_bsize)
+    except (AttributeError, OSError):
+        return page_size()
+    if 512 <= bsize <= 1 << 16 and bsize & (bsize - 1) == 0:
+        return bsize
+    return page_size()
+
+
+# ---- checksums -----------------------------------------------------------------------------------
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """XXH64 of ``data``: what a flash user records when it writes and checks when it reads."""
+    return xxhash.xxh64_intdigest(data)
+
+
+def verify(data: bytes | bytearray | memoryview, expected: int, what: str) -> None:
+    """Raises :class:`ChecksumError` (``"<what> fails its checksum ..."``) unless ``data`` has
+    the XXH64 ``expected``."""
+    if checksum(data) != expected:
+        raise ChecksumError(f"{what} fails its checksum (damaged on flash)")
+
+
+# ---- whole files: atomic writes, durability, deletes ---------------------------------------------
+def drop_cache(fd: int) -> None:
+    """Drops the file's pages from the page cache (best effort; a no-op without
+    ``posix_fadvise``)."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
+def fsync_dir(path: str | os.PathLike[str], strict: bool = False) -> None:
+    """Makes a directory's entries (a rename, a new or removed file) durable. A missing directory
+    is skipped; other failures are ignored unless ``strict``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except FileNotFoundError:
+        return
+    except OSError:
+        if strict:
+            raise
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        if strict:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *,
+                 fsync: bool = True, sync_dir: bool = True, drop: bool = False,
+                 mode: int = 0o644) -> None:
+    """Writes ``data`` as ``path`` atomically (module docstring).
+
+    Args:
+        fsync: ``fsync`` the file before the rename and (``sync_dir``) its directory after it;
+            without it the caller makes the write durable later (:func:`sync_files`).
+        sync_dir: with ``fsync``, ``fsync`` the directory (off where a caller orders its own
+            directory syncs).
+        drop: drop the file's pages from the page cache once written.
+        mode: the new file's permissions.
+
+    Raises:
+        OSError: nothing was replaced and no temp file is left.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            _write_all(fd, data)
+            if fsync:
+                os.fsync(fd)
+            if drop:
+                drop_cache(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    if fsync and sync_dir:
+        fsync_dir(path.parent)
+
+
+def _syncfs(path: str | os.PathLike[str]) -> bool:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return int(libc.syncfs(fd)) == 0
+    except AttributeError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def sync_files(directory: str | os.PathLike[str],
+               paths: Iterable[str | os.PathLike[str]]) -> None:
+    """Makes files written into ``directory`` without ``fsync`` durable together, then the
+    directory: one ``syncfs`` of the file system where Linux has it, else one ``fsync`` per file
+    (a file gone meanwhile is skipped)."""
+    if not _syncfs(directory):
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(directory)
+
+
+def delete(path: str | os.PathLike[str], sync_dir: bool = False) -> bool:
+    """Removes a file; False when it was not there. ``sync_dir``: the removal is made durable."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    if sync_dir:
+        fsync_dir(Path(path).parent)
+    return True
+
+
+# ---- honest reads and positioned writes ----------------------------------------------------------
+class FlashIO:
+    """Honest I/O on one file system (module docstring).
+
+    Args:
+        where: a path on that file system (its alignment is read there).
+        direct: try ``O_DIRECT``.
+        align: the ``O_DIRECT`` alignment in bytes (a power of two); ``None`` reads it
+            (:func:`direct_alignment`).
+
+    State: ``direct`` (as asked and possible, then False for good once the file system refuses
+    ``O_DIRECT``) and ``align`` (fixed). No lock: the aligned buffers are per thread,
+    and ``direct`` only ever goes from True to False (a request racing with the switch that still
+    tries ``O_DIRECT`` is refused and falls back by itself).
+    """
+
+    def __init__(self, where: str | os.PathLike[str], direct: bool = True,
+                 align: int | None = None) -> None:
+        self.align = int(align) if align else direct_alignment(where)
+        if self.align <= 0 or self.align & (self.align - 1):
+            raise ValueError(f"the O_DIRECT alignment must be a power of two, got {self.align}")
+        self.direct = bool(direct and O_DIRECT)
+
+    def aligned(self, offset: int, nbytes: int) -> bool:
+        """Whether a request may go to ``O_DIRECT`` as it is."""
+        return offset % self.align == 0 and nbytes % self.align == 0
+
+    def span(self, offset: int, nbytes: int) -> tuple[int, int]:
+        """``(start, length)``: the aligned span holding bytes ``offset .. offset + nbytes``."""
+        start = offset - offset % self.align
+        end = -(-(offset + nbytes) // self.align) * self.align
+        return start, max(end - start, self.align)
+
+    @contextlib.contextmanager
+    def buffer(self, nbytes: int) -> Iterator[mmap.mmap]:
+        """A page-aligned buffer (``O_DIRECT`` needs one) of at least ``nbytes`` for this thread:
+        kept for the thread's next request up to 1 MiB, a larger one unmapped after use."""
+        if nbytes > _KEEP_BUFFER:
+            buf = mmap.mmap(-1, nbytes)
+            try:
+                yield buf
+            finally:
+                buf.close()
+            return
+        buf = getattr(_local, "buf", None)
+        if buf is None:
+            buf = _local.buf = mmap.mmap(-1, _KEEP_BUFFER)
+        yield buf
+
+    def open(self, path: str | os.PathLike[str], create: bool = False) -> "FlashFile":
+        """``path`` opened for honest I/O (``create``: read-write, created or truncated)."""
+        return FlashFile(self, path, create)
+
+    def read_file(self, path: str | os.PathLike[str]) -> bytes:
+        """The whole file, read past the page cache. Raises ``OSError`` (``FileNotFoundError``
+        when it is missing)."""
+        with self.open(path) as f:
+            return f.pread(0, f.size())
+
+
+class FlashFile:
+    """One file open for honest positioned I/O (:meth:`FlashIO.open`).
+
+    State: ``dfd``, the ``O_DIRECT`` descriptor (-1 without one), opened first; ``fd``, the
+    buffered one, opened when first needed (a refused or unaligned request) under ``_lock``.
+    Requests are positioned (no shared offset), so threads may read and write different ranges
+    at once; :meth:`close` must not race them (the owner's business).
+    """
+
+    def __init__(self, io: FlashIO, path: str | os.PathLike[str], create: bool = False) -> None:
+        self.io = io
+        self.path = Path(path)
+        self._flags = os.O_RDWR if create else os.O_RDONLY
+        self._lock = threading.Lock()
+        self.fd = self.dfd = -1
+        new = os.O_CREAT | os.O_TRUNC if create else 0
+        if io.direct:
+            try:
+                self.dfd = os.open(self.path, self._flags | new | O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno not in _REFUSED:
+                    raise
+                io.direct = False
+        if self.dfd < 0:
+            self.fd = os.open(self.path, self._flags | new, 0o644)
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0 and self.dfd < 0
+
+    def _buffered(self) -> int:
+        with self._lock:
+            if self.fd < 0:
+                self.fd = os.open(self.path, self._flags)
+            return self.fd
+
+    def size(self) -> int:
+        return os.fstat(self.dfd if self.dfd >= 0 else self._buffered()).st_size
+
+    def pread(self, offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` from ``offset`` (fewer at the end of the file), read past the page
+        cache."""
+        if nbytes <= 0:
+            return b""
+        if self.dfd >= 0 and self.io.direct:
+            data = self._pread_direct(offset, nbytes)
+            if data is not None:
+                return data
+        fd = self._buffered()
+        drop_cache(fd)
+        parts, got = [], 0
+        while got < nbytes:
+            b = os.pread(fd, min(1 << 20, nbytes - got), offset + got)
+            if not b:
+                break
+            parts.append(b)
+            got += len(b)
+        drop_cache(fd)
+        return b"".join(parts)
+
+    def _pread_direct(self, offset: int, nbytes: int) -> bytes | None:
+        """The aligned span around the request, read with ``O_DIRECT``; None when refused."""
+        start, span = self.io.span(offset, nbytes)
+        skip = offset - start
+        with self.io.buffer(span) as buf, memoryview(buf) as view:
+            got = 0
+            try:
+                while got < span:
+                    n = os.preadv(self.dfd, [view[got:span]], start + got)
+                    got += n
+                    if n <= 0 or got % self.io.align:     # the end of the file
+                        break
+            except OSError as e:
+                if e.errno not in _REFUSED:
+                    raise
+                self.io.direct = False
+                return None
+            return bytes(view[skip:max(skip, min(got, skip + nbytes))])
+
+    def pwrite(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Writes all of ``data`` at ``offset`` past the page cache: ``O_DIRECT`` when offset and
+        length are aligned, else buffered, ``fdatasync``-ed and dropped."""
+        n = len(data)
+        if self.dfd >= 0 and self.io.direct and self.io.aligned(offset, n):
+            with self.io.buffer(n) as buf, memoryview(buf) as view:
+                view[:n] = data
+                try:
+                    got = os.pwritev(self.dfd, [view[:n]], offset)
+                except OSError as e:
+                    if e.errno not in _REFUSED:
+                        raise
+                    self.io.direct = False
+                    got = -1
+            if got == n:
+                return
+            if got >= 0:
+                raise OSError(errno.EIO, f"short write: {got} of {n} bytes")
+        fd = self._buffered()
+        view = memoryview(data)
+        done = 0
+        while done < n:
+            done += os.pwrite(fd, view[done:], offset + done)
+        os.fdatasync(fd)
+        drop_cache(fd)
+
+    def close(self) -> None:
+        for fd in (self.dfd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.dfd = -1
+
+    def __enter__(self) -> "FlashFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -15,7 +15,7 @@ recovery), ``prompts`` (chat formatting), ``loader`` (working memory, batched ch
 at global positions, the IO-recompute pipeline), ``planner`` (the IO/recompute split), ``density``
 (information density from attention, the level mix), ``flashio`` (grouped durable writes, the I/O
 profile), ``restore`` (SparKV's planner with flash as one more link), ``app`` / ``client`` /
-``commands`` (the local REST service and ``sparkv device``).
+``schemas`` / ``commands`` (the local REST service, its bodies, and ``sparkv device``).
 """
 
 from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, PromptTooLong,

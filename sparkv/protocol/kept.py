@@ -3,8 +3,9 @@
 
 A chunk ``(t, l, g)`` of ``n`` tokens starting at ``token_start`` keeps, per KV head of its group,
 an ascending set of positions. The manifest stores them relative to ``token_start`` in one of two
-codings, whichever is smaller for that chunk (ties: ``bitmap``), base64 (standard alphabet, with
-padding):
+codings, whichever is smaller for that chunk (ties: ``bitmap``), in canonical base64 (standard
+alphabet, with padding, the unused low bits of the last character zero: ``AQ==``, never ``AR==``;
+anything else is refused, so each position list has exactly one text):
 
 * ``bitmap``: ``heads x n`` bits, head after head, each head's ``n`` bits starting on a byte
   boundary (``ceil(n / 8)`` bytes per head), bit ``i`` of a head (LSB first within each byte) set
@@ -12,11 +13,14 @@ padding):
 * ``delta``: per head, ``counts[h]`` unsigned LEB128 varints: the first is the first relative
   position, each later one the gap to the previous position minus one (so every value is
   ``>= 0`` and positions are strictly ascending by construction); heads follow each other with no
-  separator (``counts`` says where one ends).
+  separator (``counts`` says where one ends). Each varint is the shortest encoding of its value
+  (a varint of two bytes or more never ends in ``0x00``) and at most :data:`MAX_VARINT_BYTES`
+  bytes long.
 
 :func:`encode_kept` picks the coding; :func:`decode_kept` checks everything (counts match the
 positions, positions inside the chunk, ascending and unique, no trailing or missing bytes, zero
-padding bits) and raises ``ValueError`` with the first problem.
+padding bits, canonical base64, short and shortest varints) and raises ``ValueError`` with the
+first problem.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ import numpy as np
 BITMAP = "bitmap"
 DELTA = "delta"
 CODINGS = (BITMAP, DELTA)
+MAX_VARINT_BYTES = 5
+"""Longest delta varint: 5 bytes hold 35 bits, enough for any gap in a chunk of a frame's ``u32``
+token count; a longer one is refused before it is summed (and a gap past the chunk after)."""
 
 
 def _bitmap(rel: Sequence[np.ndarray], n: int) -> bytes:
@@ -85,6 +92,40 @@ def encode_kept(positions: Sequence[Sequence[int] | np.ndarray], token_start: in
     return counts, coding, base64.b64encode(raw).decode("ascii")
 
 
+def _strict_b64decode(text: str) -> bytes:
+    """The bytes of canonical base64 (standard alphabet, padded, zero trailing bits)."""
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, ValueError, UnicodeEncodeError):
+        raise ValueError("positions are not valid base64") from None
+    if base64.b64encode(raw).decode("ascii") != text:
+        raise ValueError("positions are not canonical base64: the unused bits of the last "
+                         "character must be zero")
+    return raw
+
+
+def _read_varint(raw: bytes, i: int, head: int, count: int) -> tuple[int, int]:
+    """The unsigned LEB128 varint at ``raw[i:]`` and the offset after it. Raises ``ValueError``
+    when it is cut short, longer than :data:`MAX_VARINT_BYTES` or not its shortest encoding."""
+    x, shift, start = 0, 0, i
+    while True:
+        if i - start == MAX_VARINT_BYTES:
+            raise ValueError(f"head {head}: a delta varint is longer than {MAX_VARINT_BYTES} "
+                             "bytes")
+        if i >= len(raw):
+            raise ValueError(f"head {head}: delta positions cut short ({count} counted)")
+        b = raw[i]
+        i += 1
+        x |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            break
+    if b == 0 and i - start > 1:
+        raise ValueError(f"head {head}: a delta varint is overlong (not the shortest encoding "
+                         "of its value)")
+    return x, i
+
+
 def decode_kept(counts: Sequence[int], coding: str, text: str, num_tokens: int
                 ) -> list[np.ndarray]:
     """Per head, the kept positions relative to the chunk's start (int64, ascending). Raises
@@ -93,10 +134,7 @@ def decode_kept(counts: Sequence[int], coding: str, text: str, num_tokens: int
         raise ValueError(f"unknown position coding {coding!r} (known: {', '.join(CODINGS)})")
     if any(int(c) < 0 or int(c) > num_tokens for c in counts):
         raise ValueError(f"counts {list(counts)} must each be in [0, {num_tokens}]")
-    try:
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, ValueError, UnicodeEncodeError):
-        raise ValueError("positions are not valid base64") from None
+    raw = _strict_b64decode(text)
     heads = len(counts)
     out: list[np.ndarray] = []
     if coding == BITMAP:
@@ -120,19 +158,7 @@ def decode_kept(counts: Sequence[int], coding: str, text: str, num_tokens: int
     for h in range(heads):
         vals = []
         for _ in range(int(counts[h])):
-            x, shift = 0, 0
-            while True:
-                if i >= len(raw):
-                    raise ValueError(f"head {h}: delta positions cut short ({int(counts[h])} "
-                                     "counted)")
-                b = raw[i]
-                i += 1
-                x |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
-                if shift > 35:
-                    raise ValueError(f"head {h}: a delta varint is too long")
+            x, i = _read_varint(raw, i, h, int(counts[h]))
             vals.append(x)
         pos = np.cumsum(np.asarray(vals, dtype=np.int64) + 1) - 1 if vals else \
             np.zeros(0, dtype=np.int64)
@@ -145,4 +171,4 @@ def decode_kept(counts: Sequence[int], coding: str, text: str, num_tokens: int
     return out
 
 
-__all__ = ["BITMAP", "DELTA", "CODINGS", "encode_kept", "decode_kept"]
+__all__ = ["BITMAP", "DELTA", "CODINGS", "MAX_VARINT_BYTES", "encode_kept", "decode_kept"]

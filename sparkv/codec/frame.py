@@ -474,12 +474,16 @@ def _write_tensor(mv: memoryview, hdr: FrameHeader, th: TensorHeader,
                           th.alpha, th.center, FINITE_MAX[hdr.dtype])
     if not direct:
         out.copy_(torch.from_numpy(target))
+        if e and out.dtype == hdr.dtype:  # the exact block bit for bit (NaN payloads too)
+            out[:, :e, :].copy_(exact)
 
 
 def decode_into(data: Any, k_out: torch.Tensor, v_out: torch.Tensor, *,
                 parallel: bool = False) -> FrameHeader:
     """Decodes a frame into preallocated ``[H, N, D]`` tensors (any float dtype, any strides;
     views into a larger cache are fine). Nothing is written unless the whole frame is valid.
+    Lossless values (the raw level, a quantized level's exact rows) reach an output of the
+    chunk's dtype bit for bit, NaN payloads included; another dtype gets them converted.
 
     Args:
         parallel: decode the Huffman streams on every core (otherwise in the calling thread).

@@ -66,7 +66,9 @@ class LevelEntry(BaseModel):
     checksum: str = Field(pattern=CHECKSUM_PATTERN,
                           description="xxh3_128:<hex> of the stored bytes (the frame's ETag)")
     frame_bytes: int = Field(gt=0, description="size of the codec frame before encryption")
-    bits_per_value: float = Field(ge=0)
+    bits_per_value: float = Field(ge=0, description="8 * frame_bytes / (2 * H * N * D) with the "
+                                  "frame header's H, N, D: heads_per_group and num_tokens of the "
+                                  "chunk, or 1 and kept.frame_rows in a compressed context")
     entropy_bits_per_value: Optional[float] = None
     dtype: Optional[str] = None
     k: TensorQuant
@@ -81,7 +83,12 @@ class KeptInfo(BaseModel):
 
     counts: list[int] = Field(min_length=1)
     coding: Literal["bitmap", "delta"]
-    positions: str = Field(description="base64 of the coded relative positions")
+    positions: str = Field(description="canonical base64 of the coded relative positions")
+
+    @property
+    def frame_rows(self) -> int:
+        """Rows (``N``) of the chunk's frames: ``sum(counts)``, or 1 for the placeholder."""
+        return max(1, sum(self.counts))
 
 
 class PressInfo(BaseModel):
@@ -122,7 +129,7 @@ class GeometryInfo(BaseModel):
     num_layers: int = Field(ge=1)
     num_kv_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
-    heads_per_group: int = Field(ge=1)
+    heads_per_group: int = Field(ge=1)  # resolved: a request's 0 ("all") is never stored
     num_token_chunks: int = Field(ge=1)
     num_groups: int = Field(ge=1)
     num_chunks: int = Field(ge=1)

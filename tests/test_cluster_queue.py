@@ -17,7 +17,8 @@ from sparkv.server.commands import SERVE_ENV
 from sparkv.server.config import load_settings
 from sparkv.server.encoder import ContextSpec
 from sparkv.server.errors import ApiError, ConfigError
-from sparkv.server.queue import QueuedJobManager, RedisJobQueue
+from sparkv.server.queue import RedisJobQueue
+from sparkv.server.queued_jobs import QueuedJobManager
 from sparkv.server.stores import ChunkKey, open_store
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -352,11 +352,14 @@ def test_a_body_that_does_not_arrive_is_408_and_closed(server, alice, ctx, path)
 # ------------------------------------------------------------------------------------------------
 # (f) /healthz, (g) OpenAPI bounds
 # ------------------------------------------------------------------------------------------------
+HEALTH_FIELDS = {"status", "version", "store", "jobs_active", "queue", "queue_reason"}
+
+
 def test_healthz_reveals_no_store_details(server, alice):
     h = httpx.get(f"{server.url}/healthz", timeout=GUARD_S)
     assert h.status_code == 200
-    assert set(h.json()) == {"status", "version", "store", "jobs_active"}
-    assert h.json()["status"] == h.json()["store"] == "ok"
+    assert set(h.json()) == HEALTH_FIELDS
+    assert h.json()["status"] == h.json()["store"] == h.json()["queue"] == "ok"
     assert "file:" not in h.text and str(server.store_dir) not in h.text
     # an unreachable store: 503 with a generic state, the reason only in the log
     away = server.store_dir.with_name("store-away")
@@ -367,7 +370,7 @@ def test_healthz_reveals_no_store_details(server, alice):
         away.rename(server.store_dir)
     assert h.status_code == 503
     assert h.json()["status"] == h.json()["store"] == "unavailable"
-    assert set(h.json()) == {"status", "version", "store", "jobs_active"}
+    assert set(h.json()) == HEALTH_FIELDS
     assert str(server.store_dir) not in h.text and "writable" not in h.text
     assert "the store cannot be reached" in server.log()
     assert httpx.get(f"{server.url}/healthz", timeout=GUARD_S).status_code == 200

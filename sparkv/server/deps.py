@@ -55,7 +55,7 @@ async def require_manifest(state: ServerState, tenant: str, context_id: str) -> 
         raise ApiError(404, "context_pending", f"context {context_id} is still being encoded",
                        job_id=job["job_id"], progress=public_view(job)["progress"])
     details: dict[str, Any] = {}
-    if job is not None and job.get("state") in ("failed", "cancelled"):
+    if job is not None and job.get("state") in ("failed", "cancelled", "lost"):
         details = {"job_id": job["job_id"], "job_state": job["state"], "job_error": job["error"]}
     raise ApiError(404, "context_not_found", f"no context {context_id}", **details)
 

@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sparkv.server.config import Settings
 from sparkv.protocol.crypto import FrameCipher, new_key
@@ -40,7 +40,9 @@ from sparkv.server.stores.base import ChunkStore
 log = logging.getLogger("sparkv.server.jobs")
 
 ACTIVE_STATES = ("queued", "running")
-FINAL_STATES = ("done", "failed", "cancelled")
+FINAL_STATES = ("done", "failed", "cancelled", "lost")
+"""``lost``: only in a cluster, a job whose queue entry a Redis without persistence lost
+(:mod:`sparkv.server.queued_jobs`)."""
 PERSIST_EVERY_S = 2.0
 KEY_LOST = ("the server stopped before this job finished; the context's encryption key was held only in "
             "the server's memory (it is never stored), so the job cannot resume: create the "
@@ -59,6 +61,15 @@ def public_view(record: dict[str, Any]) -> dict[str, Any]:
                        "fraction": (record.get("done", 0) / total) if total else 0.0}
     out["timings"] = record.get("timings") or {}
     return out
+
+
+class QueueHealth(NamedTuple):
+    """Whether submitted jobs get run (``GET /healthz``'s ``queue`` and ``queue_reason``)."""
+
+    state: str
+    """``ok`` or ``degraded``."""
+    reason: str | None = None
+    """``no_worker`` (no worker heartbeat is live), ``queue_unreachable``; ``None`` when ok."""
 
 
 @dataclass
@@ -185,6 +196,10 @@ class JobManager:
     def active_count(self) -> int:
         with self._lock:
             return len(self._active)
+
+    def queue_health(self) -> QueueHealth:
+        """Always ok: this process's own threads run its jobs."""
+        return QueueHealth("ok")
 
     def active_jobs(self, tenant: str) -> list[dict[str, Any]]:
         """Snapshots of the tenant's queued and running jobs."""

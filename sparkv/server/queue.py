@@ -1,13 +1,16 @@
 """The shared encode-job queue of a cluster (``job_queue: redis``): Redis Streams with a consumer
-group, and :class:`QueuedJobManager`, the API replicas' side of it.
+group. :class:`RedisJobQueue` is every Redis operation of it; the API replicas' side is
+:class:`~sparkv.server.queued_jobs.QueuedJobManager`, the workers' :mod:`sparkv.server.worker`.
 
 Keys (``P`` is the store's prefix, ``sparkv`` unless the URL says ``?prefix=...``)::
 
     P:q:stream                 the stream of jobs (fields ``tenant``, ``job_id``); group ``workers``
+    P:q:epoch                  the queue's epoch: a random id written whenever the group is created
     P:q:active:<tenant>        hash context id -> job id of its queued or running job
     P:q:latest:<tenant>        hash context id -> job id of its latest job (any state)
     P:q:cancel:<job_id>        set while the job's context is being deleted (expires in a day)
     P:q:workers                hash worker name -> last heartbeat (unix seconds)
+    P:q:worker:<name>          a live worker's heartbeat (expires after WORKER_TTL_S)
 
 Delivery is at least once. A worker reads a job with ``XREADGROUP`` (the entry becomes *pending*
 under its name), heartbeats it while it encodes (``XCLAIM`` of its own entry, which resets the
@@ -17,6 +20,15 @@ that dies stops heartbeating; after ``queue_claim_idle_s`` another worker takes 
 in one transaction each), the rest encoded, the manifest published last. Running a job twice is
 harmless (frames are deterministic and content-addressed; the manifest is the same bytes).
 
+**Surviving Redis.** A Redis that restarts without persistence comes back empty: no stream, no
+group, no epoch. Every call that finds the group missing (``NOGROUP``) or the connection broken
+forgets that the group exists; the next :meth:`RedisJobQueue.ensure_group` creates the stream, the
+group and a new epoch in one script. The epoch tells who needs to know that the queue lost its
+entries: a job is submitted in one epoch (its record says ``queue_epoch``) and lives only as long
+as that epoch does; submitting checks the epoch and adds the entry in one script, and a worker's
+heartbeat fails with :class:`QueueReset` once the epoch changed. A Redis that keeps its data
+(``appendonly yes``) keeps its epoch: nothing is lost, nothing is reported lost.
+
 The job records themselves (state, phase, progress) stay where the single-process server keeps
 them, in the store (``put_job``), so any replica answers ``GET /v1/jobs/{id}`` with what the
 worker wrote last (at least every :data:`PERSIST_EVERY_S` seconds).
@@ -24,37 +36,57 @@ worker wrote last (at least every :data:`PERSIST_EVERY_S` seconds).
 
 from __future__ import annotations
 
-import json
-import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from sparkv.server.config import Settings
-from sparkv.server.encoder import ContextSpec, backfill_tokens
-from sparkv.server.errors import ApiError, StoreError
-from sparkv.server.jobs import SubmitResult
-from sparkv.server.metrics import ServerMetrics
-from sparkv.server.models import ModelRegistry
-from sparkv.server.stores.base import ChunkStore
-
-log = logging.getLogger("sparkv.server.queue")
+from sparkv.server.errors import StoreError
 
 GROUP = "workers"
 PERSIST_EVERY_S = 0.5
 CANCEL_TTL_S = 24 * 3600
+WORKER_TTL_S = 15.0
+"""A worker's heartbeat key expires this long after its last beat: ``/healthz`` says the queue is
+degraded (``no_worker``) at most this long after the last worker died (at once when it stops)."""
 ENCRYPTED_REFUSED = ("encrypted contexts need the in-process job queue (job_queue: local): their "
                      "key lives only in the memory of the process that encodes them, and a "
                      "cluster's workers are other processes; send encrypt=false, or use a "
                      "single-process server for encrypted contexts")
+RESUBMIT = "; submit the context again (the same POST /v1/contexts) to encode it"
+LOST_IN_QUEUE = ("the job queue's Redis restarted without its data and lost this job before it "
+                 "finished" + RESUBMIT)
+"""The ``error`` of a job whose queue entry was lost (its record says ``"state": "lost"``)."""
 
-# Heartbeat: re-claim our own pending entry (resets its idle time) only if we still own it.
+# Creates the stream and the group; a new epoch when the group is new (or the epoch is missing).
+_ENSURE_GROUP = """
+local ok = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(ok) == 'table' and ok.err then
+  if not string.find(ok.err, 'BUSYGROUP', 1, true) then return redis.error_reply(ok.err) end
+  local cur = redis.call('GET', KEYS[2])
+  if cur then return cur end
+end
+redis.call('SET', KEYS[2], ARGV[2])
+return ARGV[2]
+"""
+# Heartbeat: -1 when the epoch changed; else re-claim our own pending entry (resets its idle
+# time) only if we still own it (1), 0 when another worker has it.
 _HEARTBEAT = """
+if ARGV[4] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[4] then return -1 end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if p[1] == nil or p[1][2] ~= ARGV[3] then return 0 end
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2], 'JUSTID')
 return 1
+"""
+# Submit in the given epoch: claim the context's active slot, record the latest job, add the entry.
+_SUBMIT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'reset', ''} end
+if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then
+  return {'busy', redis.call('HGET', KEYS[2], ARGV[2])}
+end
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+return {'queued', redis.call('XADD', KEYS[4], '*', 'tenant', ARGV[4], 'job_id', ARGV[3])}
 """
 # Release a context's active-job slot only if it still names this job.
 _RELEASE = """
@@ -63,10 +95,35 @@ if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
 end
 return 0
 """
+# Live workers: names in the hash whose heartbeat key still exists (the others are forgotten).
+_LIVE_WORKERS = """
+local alive = 0
+for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. name) == 1 then alive = alive + 1
+  else redis.call('HDEL', KEYS[1], name) end
+end
+return alive
+"""
 
 
 class QueueError(StoreError):
     """The queue's Redis cannot be reached or answered an error."""
+
+
+class GroupMissing(QueueError):
+    """The stream or its consumer group is gone (``NOGROUP``: Redis restarted empty)."""
+
+
+class QueueReset(QueueError):
+    """The queue's epoch changed: the entries of the epoch a job was submitted in are gone."""
+
+
+class QueueEntry(NamedTuple):
+    """One delivery of a job: the stream entry's id, the job's tenant and id."""
+
+    entry_id: str
+    tenant: str
+    job_id: str
 
 
 def queue_url(settings: Settings) -> str:
@@ -76,8 +133,17 @@ def queue_url(settings: Settings) -> str:
     return settings.store if settings.job_queue == "redis" else settings.job_queue
 
 
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 class RedisJobQueue:
     """Redis Streams operations of the job queue (see the module docstring).
+
+    State: the redis client (thread-safe, a connection pool) and :attr:`_group_ready`, a flag
+    that only avoids re-running the group script on every call; any thread may clear it (a
+    ``NOGROUP`` or connection error) or set it. A stale value costs one extra script call or one
+    :class:`GroupMissing`, never a wrong answer. No lock.
 
     Args:
         url: ``redis://host:port/db[?prefix=NAME]``.
@@ -86,6 +152,8 @@ class RedisJobQueue:
 
     def __init__(self, url: str, claim_idle_s: float = 5.0, client: Any | None = None) -> None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         self._redis = redis
         parts = urlsplit(url)
@@ -96,56 +164,61 @@ class RedisJobQueue:
         self.url = urlunsplit((parts.scheme, (parts.hostname or "") +
                                (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
         self.claim_idle_ms = int(claim_idle_s * 1000)
-        try:
-            self.client = client or redis.Redis.from_url(clean, socket_connect_timeout=5,
-                                                         socket_timeout=30)
+        try:  # one quick retry (a connection the server closed); outages are the callers' backoff
+            self.client = client or redis.Redis.from_url(
+                clean, socket_connect_timeout=5, socket_timeout=30, retry=Retry(NoBackoff(), 1))
         except (ValueError, redis.RedisError) as exc:
             raise QueueError(f"bad queue URL {self.url}: {exc}") from exc
         self.stream = f"{self.prefix}:q:stream"
-        self._heartbeat = self.client.register_script(_HEARTBEAT)
-        self._release = self.client.register_script(_RELEASE)
+        self.epoch_key = f"{self.prefix}:q:epoch"
+        self._scripts = {name: self.client.register_script(src) for name, src in (
+            ("group", _ENSURE_GROUP), ("heartbeat", _HEARTBEAT), ("submit", _SUBMIT),
+            ("release", _RELEASE), ("live", _LIVE_WORKERS))}
         self._group_ready = False
 
     def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """Runs one Redis call; a Redis error becomes a :class:`QueueError` (:class:`GroupMissing`
+        for ``NOGROUP``), and a missing group or a broken connection makes the next
+        :meth:`ensure_group` run its script again."""
         try:
             return fn(*args, **kw)
         except self._redis.RedisError as exc:
-            raise QueueError(f"job queue {self.url}: cannot {what}: {exc}") from exc
+            nogroup = "NOGROUP" in str(exc)
+            if nogroup or isinstance(exc, (self._redis.ConnectionError,
+                                           self._redis.TimeoutError)):
+                self._group_ready = False
+            kind = GroupMissing if nogroup else QueueError
+            raise kind(f"job queue {self.url}: cannot {what}: {exc}") from exc
+
+    def _script(self, name: str, what: str, keys: list[str], args: list[Any]) -> Any:
+        return self._call(what, self._scripts[name], keys=keys, args=args)
 
     def _key(self, kind: str, name: str) -> str:
         return f"{self.prefix}:q:{kind}:{name}"
 
-    # --- group --------------------------------------------------------------------------------
+    # --- group and epoch ----------------------------------------------------------------------
     def ensure_group(self) -> None:
-        """Creates the stream and its consumer group (idempotent)."""
-        if self._group_ready:
-            return
-        try:
-            self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except self._redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise QueueError(f"job queue {self.url}: cannot create the group: {exc}") from exc
-        except self._redis.RedisError as exc:
-            raise QueueError(f"job queue {self.url}: cannot create the group: {exc}") from exc
+        """Creates the stream, its consumer group and, with a new group, a new epoch (one script,
+        idempotent; skipped while the group is known to exist)."""
+        if not self._group_ready:
+            self._create_group()
+
+    def _create_group(self) -> str:
+        epoch = _text(self._script("group", "create the group", [self.stream, self.epoch_key],
+                                   [GROUP, secrets.token_hex(8)]))
         self._group_ready = True
+        return epoch
+
+    def current_epoch(self) -> str:
+        """The queue's epoch; creates the group (and a new epoch) when Redis lost them."""
+        value = self._call("read the epoch", self.client.get, self.epoch_key)
+        return _text(value) if value is not None else self._create_group()
 
     # --- contexts -----------------------------------------------------------------------------
-    def claim_context(self, tenant: str, context_id: str, job_id: str) -> str:
-        """Makes ``job_id`` the context's active job unless one is; returns the active job id."""
-        key = self._key("active", tenant)
-
-        def run() -> str:
-            if self.client.hsetnx(key, context_id, job_id):
-                return job_id
-            cur = self.client.hget(key, context_id)
-            return cur.decode() if cur else self.claim_context(tenant, context_id, job_id)
-
-        return str(self._call("claim a context", run))
-
     def release_context(self, tenant: str, context_id: str, job_id: str) -> None:
         """Frees the context's active slot if it still names ``job_id``."""
-        self._call("release a context", self._release,
-                   keys=[self._key("active", tenant)], args=[context_id, job_id])
+        self._script("release", "release a context", [self._key("active", tenant)],
+                     [context_id, job_id])
 
     def active_job(self, tenant: str, context_id: str) -> str | None:
         v = self._call("read the active job", self.client.hget, self._key("active", tenant),
@@ -156,10 +229,6 @@ class RedisJobQueue:
         """``{context id: job id}`` of the tenant's queued and running jobs."""
         raw = self._call("list active jobs", self.client.hgetall, self._key("active", tenant))
         return {k.decode(): v.decode() for k, v in raw.items()}
-
-    def set_latest(self, tenant: str, context_id: str, job_id: str) -> None:
-        self._call("record the latest job", self.client.hset, self._key("latest", tenant),
-                   context_id, job_id)
 
     def latest_job(self, tenant: str, context_id: str) -> str | None:
         v = self._call("read the latest job", self.client.hget, self._key("latest", tenant),
@@ -176,21 +245,47 @@ class RedisJobQueue:
                                self._key("cancel", job_id)))
 
     # --- the stream ---------------------------------------------------------------------------
-    def enqueue(self, tenant: str, job_id: str) -> str:
-        """Adds a job to the stream; returns the entry id."""
+    def submit(self, tenant: str, context_id: str, job_id: str, epoch: str) -> str | None:
+        """Queues the context's job in ``epoch``, in one script: claims the context's active
+        slot, records it as the latest job and adds the entry. Returns ``None`` when queued, else
+        the job id that already holds the slot.
+
+        Raises:
+            QueueReset: the queue's epoch is no longer ``epoch`` (read it again and retry).
+        """
         self.ensure_group()
-        mid = self._call("enqueue a job", self.client.xadd, self.stream,
-                         {"tenant": tenant, "job_id": job_id})
-        return mid.decode() if isinstance(mid, bytes) else str(mid)
+        status, value = self._script(
+            "submit", "queue a job", [self.epoch_key, self._key("active", tenant),
+                                      self._key("latest", tenant), self.stream],
+            [epoch, context_id, job_id, tenant])
+        status = _text(status)
+        if status == "reset":
+            self._group_ready = False
+            raise QueueReset(f"job queue {self.url}: the epoch changed while queueing a job")
+        return None if status == "queued" else _text(value)
+
+    def enqueue(self, tenant: str, job_id: str) -> str:
+        """Adds a job to the stream (no epoch check, no context slot); returns the entry id."""
+        self.ensure_group()
+        return _text(self._call("enqueue a job", self.client.xadd, self.stream,
+                                {"tenant": tenant, "job_id": job_id}))
 
     def depth(self) -> int:
         """Entries not yet acknowledged (waiting or being worked on)."""
         return int(self._call("count queued jobs", self.client.xlen, self.stream) or 0)
 
-    def take(self, consumer: str, block_ms: int = 1000) -> tuple[str, str, str] | None:
+    def take(self, consumer: str, block_ms: int = 1000) -> QueueEntry | None:
         """The next job for ``consumer``: an abandoned entry (silent for ``claim_idle_s``) first,
-        else a new one (blocking up to ``block_ms``). ``(entry id, tenant, job id)`` or ``None``."""
-        self.ensure_group()
+        else a new one (blocking up to ``block_ms``), or ``None``. A missing group (Redis came
+        back empty) is created again and the read retried once."""
+        try:
+            self.ensure_group()
+            return self._take(consumer, block_ms)
+        except GroupMissing:
+            self.ensure_group()
+            return self._take(consumer, block_ms)
+
+    def _take(self, consumer: str, block_ms: int) -> QueueEntry | None:
         res = self._call("claim abandoned jobs", self.client.xautoclaim, self.stream, GROUP,
                          consumer, self.claim_idle_ms, start_id="0-0", count=1)
         entries = res[1] if res and len(res) > 1 else []
@@ -202,15 +297,20 @@ class RedisJobQueue:
         if not entries:
             return None
         mid, fields = entries[0]
-        mid = mid.decode() if isinstance(mid, bytes) else str(mid)
-        f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes)
-                                                              else v) for k, v in fields.items()}
-        return mid, f.get("tenant", ""), f.get("job_id", "")
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        return QueueEntry(_text(mid), f.get("tenant", ""), f.get("job_id", ""))
 
-    def heartbeat(self, consumer: str, entry_id: str) -> bool:
-        """Resets the entry's idle time; ``False`` when another worker has taken it over."""
-        return bool(self._call("heartbeat", self._heartbeat, keys=[self.stream],
-                               args=[GROUP, entry_id, consumer]))
+    def heartbeat(self, consumer: str, entry_id: str, epoch: str | None = None) -> bool:
+        """Resets the entry's idle time; ``False`` when another worker has taken it over.
+
+        Raises:
+            QueueReset: ``epoch`` is given and the queue's epoch is another (the entry is gone).
+        """
+        got = int(self._script("heartbeat", "heartbeat", [self.stream, self.epoch_key],
+                               [GROUP, entry_id, consumer, epoch or ""]))
+        if got < 0:
+            raise QueueReset(f"job queue {self.url}: the epoch changed; entry {entry_id} is gone")
+        return bool(got)
 
     def ack(self, entry_id: str) -> None:
         """The job is final: removes its entry."""
@@ -233,9 +333,31 @@ class RedisJobQueue:
 
         self._call("requeue a job", run)
 
-    def worker_seen(self, name: str) -> None:
-        self._call("record a worker", self.client.hset, f"{self.prefix}:q:workers", name,
-                   f"{time.time():.3f}")
+    # --- workers ------------------------------------------------------------------------------
+    def worker_alive(self, name: str, ttl_s: float = WORKER_TTL_S) -> None:
+        """The worker's heartbeat: its key (expiring after ``ttl_s``) and its name in the index."""
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hset(f"{self.prefix}:q:workers", name, f"{time.time():.3f}")
+            pipe.set(self._key("worker", name), b"1", px=max(1, int(ttl_s * 1000)))
+            pipe.execute()
+
+        self._call("record a worker", run)
+
+    def worker_gone(self, name: str) -> None:
+        """A worker stopping: its heartbeat ends now, not when its key expires."""
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hdel(f"{self.prefix}:q:workers", name)
+            pipe.delete(self._key("worker", name))
+            pipe.execute()
+
+        self._call("forget a worker", run)
+
+    def live_workers(self) -> int:
+        """Workers whose heartbeat has not expired (dead ones are dropped from the index)."""
+        return int(self._script("live", "count live workers", [f"{self.prefix}:q:workers"],
+                                [self._key("worker", "")]))
 
     def workers(self) -> dict[str, float]:
         """Worker name -> last heartbeat (unix seconds)."""
@@ -247,127 +369,3 @@ class RedisJobQueue:
             self.client.close()
         except self._redis.RedisError:
             pass
-
-
-def new_record(spec: ContextSpec, context_id: str, total: int) -> dict[str, Any]:
-    """A fresh ``queued`` job record (the same fields as the in-process manager's)."""
-    return {
-        "job_id": secrets.token_hex(16), "tenant": spec.tenant, "context_id": context_id,
-        "state": "queued", "phase": "queued", "done": 0, "total": total, "error": None,
-        "attempts": 0, "resumed": False, "created_unix": time.time(), "started_unix": None,
-        "finished_unix": None, "num_tokens": spec.num_tokens, "model": spec.model,
-        "levels": list(spec.levels), "encrypted": spec.encrypted, "timings": {},
-        "spec": spec.to_record(),
-    }
-
-
-class QueuedJobManager:
-    """The API replicas' job manager with ``job_queue: redis``: the same methods as
-    :class:`~sparkv.server.jobs.JobManager`, but jobs go to the shared queue (run by
-    ``sparkv worker``) and every answer comes from Redis, so any replica gives the same one."""
-
-    def __init__(self, store: ChunkStore, registry: ModelRegistry, settings: Settings,
-                 metrics: ServerMetrics | None = None, queue: RedisJobQueue | None = None) -> None:
-        self.store = store
-        self.registry = registry
-        self.settings = settings
-        self.metrics = metrics or ServerMetrics()
-        self.queue = queue or RedisJobQueue(queue_url(settings), settings.queue_claim_idle_s)
-        self._closed = False
-
-    def _load(self, tenant: str, job_id: str) -> dict[str, Any] | None:
-        raw = self.store.get_job(tenant, job_id)
-        if raw is None:
-            return None
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            return None
-        return rec if isinstance(rec, dict) else None
-
-    # --- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> None:
-        """Creates the queue's group; recovery is the workers' (they claim abandoned jobs)."""
-        self.queue.ensure_group()
-
-    def shutdown(self, wait: bool = False, timeout: float = 5.0) -> None:
-        self._closed = True
-        self.queue.close()
-
-    # --- queries ------------------------------------------------------------------------------
-    def active_count(self) -> int:
-        """Jobs in the shared queue (every replica sees the same number)."""
-        try:
-            return self.queue.depth()
-        except QueueError:
-            return 0
-
-    def active_jobs(self, tenant: str) -> list[dict[str, Any]]:
-        out = []
-        for cid, job_id in self.queue.active_jobs(tenant).items():
-            rec = self._load(tenant, job_id)
-            out.append(rec or {"job_id": job_id, "context_id": cid, "state": "queued"})
-        return out
-
-    def get(self, tenant: str, job_id: str) -> dict[str, Any] | None:
-        rec = self._load(tenant, job_id)
-        if rec is None or rec.get("tenant") != tenant:
-            return None
-        return rec
-
-    def for_context(self, tenant: str, context_id: str) -> dict[str, Any] | None:
-        job_id = (self.queue.active_job(tenant, context_id) or
-                  self.queue.latest_job(tenant, context_id))
-        return self.get(tenant, job_id) if job_id else None
-
-    # --- submit / cancel ----------------------------------------------------------------------
-    def submit(self, spec: ContextSpec, context_id: str, total: int) -> SubmitResult:
-        """Queues an encode unless the context exists or has an active job (see
-        :class:`~sparkv.server.jobs.SubmitResult`).
-
-        Raises:
-            ApiError: 400 ``encryption_unsupported`` (encrypted contexts need ``job_queue:
-                local``); 409 ``context_busy`` while the context is being deleted; 503
-                ``too_many_jobs`` when the queue is full.
-        """
-        tenant = spec.tenant
-        if spec.encrypted:
-            raise ApiError(400, "encryption_unsupported", ENCRYPTED_REFUSED)
-        active = self.queue.active_job(tenant, context_id)
-        if active is not None:
-            return self._existing(tenant, active)
-        if self.store.get_manifest(tenant, context_id) is not None:
-            backfill_tokens(self.store, spec, context_id)
-            latest = self.queue.latest_job(tenant, context_id)
-            return SubmitResult("done", self.get(tenant, latest) if latest else None, False)
-        depth = self.queue.depth()
-        if depth >= self.settings.max_queued_jobs or self._closed:
-            raise ApiError(503, "too_many_jobs", f"{depth} encode jobs are queued or running; "
-                           "retry later", headers={"Retry-After": "5"})
-        rec = new_record(spec, context_id, total)
-        job_id = rec["job_id"]
-        self.store.put_job(tenant, job_id, json.dumps(rec).encode())
-        winner = self.queue.claim_context(tenant, context_id, job_id)
-        if winner != job_id:  # another replica queued it a moment ago
-            self.store.delete_job(tenant, job_id)
-            return self._existing(tenant, winner)
-        self.queue.set_latest(tenant, context_id, job_id)
-        self.queue.enqueue(tenant, job_id)
-        self.metrics.jobs.labels("submitted").inc()
-        return SubmitResult("queued", dict(rec), True, None)
-
-    def _existing(self, tenant: str, job_id: str) -> SubmitResult:
-        if self.queue.is_cancelled(job_id):
-            raise ApiError(409, "context_busy", "this context is being deleted; retry in a "
-                           "moment", headers={"Retry-After": "1"})
-        rec = self.get(tenant, job_id)
-        return SubmitResult(str((rec or {}).get("state", "queued")), rec, False)
-
-    def delete_context(self, tenant: str, context_id: str) -> bool:
-        """Flags the context's job (if any) as cancelled, then deletes what is stored. The
-        worker stops at its next frame, removes what it wrote and never publishes."""
-        job_id = self.queue.active_job(tenant, context_id)
-        if job_id is not None:
-            self.queue.cancel(job_id)
-        existed = self.store.delete(tenant, context_id)
-        return existed or job_id is not None

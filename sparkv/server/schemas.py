@@ -139,7 +139,9 @@ class Progress(BaseModel):
 class JobInfo(BaseModel):
     job_id: str
     context_id: str
-    state: Literal["queued", "running", "done", "failed", "cancelled"]
+    state: Literal["queued", "running", "done", "failed", "cancelled", "lost"] = Field(
+        description="lost: a cluster's queue lost the job (its Redis restarted without its "
+                    "data; see error): submit the context again")
     phase: Optional[str]
     progress: Progress
     error: Optional[str]
@@ -191,10 +193,16 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    """``GET /healthz``: liveness; the store's state is reported without any detail (no URL,
-    path or error text: those go to the server's log)."""
+    """``GET /healthz``: liveness; the store's and the job queue's state are reported without
+    any detail (no URL, path or error text: those go to the server's log)."""
 
     status: Literal["ok", "unavailable"]
     version: str
     store: Literal["ok", "unavailable"]
     jobs_active: int
+    queue: Literal["ok", "degraded"] = Field(
+        "ok", description="degraded: submitted jobs are not being run (see queue_reason); the "
+                          "replica still serves encoded contexts, so the status stays 200")
+    queue_reason: Optional[Literal["no_worker", "queue_unreachable"]] = Field(
+        None, description="no_worker: no encode worker's heartbeat is live; queue_unreachable: "
+                          "the job queue's Redis cannot be reached")

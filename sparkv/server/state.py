@@ -162,7 +162,7 @@ class ServerState:
         if settings.job_queue == "local":
             jobs = JobManager(store, registry, settings, metrics)
         else:  # a cluster: jobs go to the shared queue, run by `sparkv worker` (docs/cluster.md)
-            from sparkv.server.queue import QueuedJobManager
+            from sparkv.server.queued_jobs import QueuedJobManager
 
             jobs = QueuedJobManager(store, registry, settings, metrics)  # type: ignore[assignment]
         return cls(settings, store, registry, jobs, metrics,

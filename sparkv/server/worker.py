@@ -7,6 +7,7 @@ heartbeat the entry while encoding, publish the manifest last, write the final r
 ``XACK``. What a job's record says, in order:
 
 * already final (a duplicate delivery) -> acknowledged, nothing done;
+* submitted in another queue epoch (the queue's Redis lost its data since) -> ``lost``;
 * its context's manifest exists -> ``done``;
 * ``attempts >= max_job_attempts`` (it was interrupted that often) -> ``failed``, partial frames
   removed;
@@ -17,6 +18,20 @@ A deleted context (cancel flag) stops the job at its next frame; its frames are 
 never published (the flag is checked again right after publishing, and the context deleted if the
 delete raced with the publish). SIGTERM stops at the next frame and gives the job back to the queue
 at once; SIGKILL leaves it pending until another worker claims it (``queue_claim_idle_s``).
+
+**Redis outages.** A call to the queue or the store that fails is retried with a bounded
+exponential backoff (:mod:`sparkv.server.backoff`: 0.1 s doubling up to 5 s), logged once when
+the outage starts and once when it ends. A Redis that comes back empty has lost the stream and its
+group: the next read creates them again (and a new epoch, :mod:`sparkv.server.queue`), so the
+same worker goes on with the jobs submitted after the restart. A job running when its queue epoch
+changed stops at its next frame and is recorded ``lost``; it is never published (the epoch is
+checked right before and right after the manifest is written). A job that fails on a store or queue
+error otherwise stays pending and is claimed again (the attempt counts).
+
+The worker proves it is alive by a heartbeat key with a TTL (``P:q:worker:<name>``,
+:data:`~sparkv.server.queue.WORKER_TTL_S`), written after each successful read of the queue and
+while a job runs; ``GET /healthz`` of the API replicas reports the queue ``degraded`` when none is
+live. A worker that stops deletes its key.
 """
 
 from __future__ import annotations
@@ -30,22 +45,26 @@ import threading
 import time
 from typing import Any, Callable
 
+from sparkv.server.backoff import Outage
 from sparkv.server.config import Settings
 from sparkv.server.encoder import (ContextSpec, JobCancelled, ProgressFn,
                                    discard_unpublished, encode_context)
 from sparkv.server.errors import ApiError, StoreError
+from sparkv.server.jobs import FINAL_STATES
 from sparkv.server.models import ModelRegistry
-from sparkv.server.queue import (ENCRYPTED_REFUSED, PERSIST_EVERY_S, QueueError, RedisJobQueue,
-                                 queue_url)
+from sparkv.server.queue import (ENCRYPTED_REFUSED, LOST_IN_QUEUE, PERSIST_EVERY_S, WORKER_TTL_S,
+                                 QueueEntry, QueueError, QueueReset, RedisJobQueue, queue_url)
 from sparkv.server.stores.base import ChunkStore
 
 log = logging.getLogger("sparkv.server.worker")
 
-FINAL_STATES = ("done", "failed", "cancelled")
 
-
-class _Lost(Exception):
+class _TakenOver(Exception):
     """Another worker took this job over (this one was too slow to heartbeat)."""
+
+
+class _EpochChanged(Exception):
+    """The queue's epoch is no longer the job's: its entry is gone with a restarted Redis."""
 
 
 class EncodeWorker:
@@ -53,15 +72,18 @@ class EncodeWorker:
 
     One job at a time, on the thread that calls :meth:`run`; while a job encodes, its
     :class:`_JobWatch` heartbeats the entry on a thread of its own. :attr:`stopping` (an
-    :class:`threading.Event`) may be set from any thread or a signal handler; everything else is
-    touched by the running thread only. No lock.
+    :class:`threading.Event`) may be set from any thread or a signal handler; everything else
+    (the outage states included) is touched by the running thread only. No lock.
 
     Args:
         name: this worker's consumer name (unique per process; default host-pid-random).
+        sleep: waits out a backoff delay (default: :attr:`stopping`'s ``wait``, so a stop ends
+            the wait); tests pass a fake.
     """
 
     def __init__(self, settings: Settings, store: ChunkStore, registry: ModelRegistry,
-                 queue: RedisJobQueue | None = None, name: str | None = None) -> None:
+                 queue: RedisJobQueue | None = None, name: str | None = None,
+                 sleep: Callable[[float], object] | None = None) -> None:
         self.settings = settings
         self.store = store
         self.registry = registry
@@ -69,11 +91,15 @@ class EncodeWorker:
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.stopping = threading.Event()
         self.jobs_done = 0
-        #: touched at least every second while the worker lives (a container's health check)
+        self.outage = Outage("reading the job queue", log)
+        self.job_outage = Outage("running jobs (the store or the queue)", log)
+        self._sleep = sleep or self.stopping.wait
+        #: touched at least every second while the worker can read the queue (a container's
+        #: health check)
         self.heartbeat_file = os.environ.get("SPARKV_WORKER_HEARTBEAT_FILE") or None
 
     def _alive(self) -> None:
-        self.queue.worker_seen(self.name)
+        self.queue.worker_alive(self.name)
         if self.heartbeat_file:
             try:
                 with open(self.heartbeat_file, "a"):
@@ -86,7 +112,7 @@ class EncodeWorker:
         try:
             raw = self.store.get_job(tenant, job_id)
             rec = json.loads(raw) if raw is not None else None
-        except (StoreError, ValueError):
+        except ValueError:
             log.exception("cannot read job %s/%s", tenant, job_id)
             return None
         return rec if isinstance(rec, dict) else None
@@ -110,41 +136,64 @@ class EncodeWorker:
     # --- the loop -----------------------------------------------------------------------------
     def run(self, max_jobs: int | None = None, idle_exit_s: float | None = None) -> int:
         """Takes and runs jobs until :attr:`stopping` is set (or ``max_jobs`` ran, or nothing
-        came for ``idle_exit_s``). Returns the number of jobs handled."""
-        self.queue.ensure_group()
+        came for ``idle_exit_s``). Returns the number of jobs handled. A failing queue or store
+        is waited out (see the module docstring); the worker's heartbeat ends when it returns."""
         idle_since = time.monotonic()
         handled = 0
-        while not self.stopping.is_set():
-            try:
-                self._alive()
-                got = self.queue.take(self.name, block_ms=500)
-            except QueueError:
-                log.exception("the queue cannot be read; retrying in 1 s")
-                self.stopping.wait(1.0)
-                continue
-            if got is None:
-                if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
+        try:
+            while not self.stopping.is_set():
+                got = self._next()
+                if got is None:
+                    if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
+                        break
+                    continue
+                self._handle(got)
+                handled += 1
+                idle_since = time.monotonic()
+                if max_jobs is not None and handled >= max_jobs:
                     break
-                continue
-            try:
-                self.run_entry(*got)
-            except (StoreError, QueueError):  # the entry stays pending: claimed again later
-                log.exception("job %s: the store or the queue failed; retrying in 1 s", got[2])
-                self.stopping.wait(1.0)
-            handled += 1
-            idle_since = time.monotonic()
-            if max_jobs is not None and handled >= max_jobs:
-                break
+        finally:
+            self._leave()
         return handled
+
+    def _next(self) -> QueueEntry | None:
+        """The next entry (``None`` when none came, or after waiting out a failure)."""
+        try:
+            got = self.queue.take(self.name, block_ms=500)
+            self._alive()  # only after a read that worked: a live heartbeat means a consumer
+        except QueueError as exc:
+            self._sleep(self.outage.failed(exc))
+            return None
+        self.outage.recovered()
+        return got
+
+    def _handle(self, got: QueueEntry) -> None:
+        try:
+            self.run_entry(*got)
+        except StoreError as exc:  # the entry stays pending: claimed again later
+            self._sleep(self.job_outage.failed(exc))
+            return
+        self.job_outage.recovered()
+
+    def _leave(self) -> None:
+        try:
+            self.queue.worker_gone(self.name)
+        except QueueError:
+            pass  # its heartbeat key expires by itself
 
     def run_entry(self, entry_id: str, tenant: str, job_id: str) -> str:
         """Runs one queue entry; returns what happened (the job's final state, ``requeued``,
-        ``lost`` or ``skipped``)."""
+        ``taken_over`` or ``skipped``)."""
         rec = self._load(tenant, job_id) if tenant and job_id else None
         if rec is None or rec.get("state") in FINAL_STATES:
             self.queue.ack(entry_id)  # unknown job, or a duplicate delivery of a finished one
             return "skipped"
         cid = rec["context_id"]
+        epoch = self.queue.current_epoch()
+        if rec.setdefault("queue_epoch", epoch) != epoch:  # given back after a restart: too late
+            self._finish(rec, "lost", LOST_IN_QUEUE)
+            self.queue.ack(entry_id)
+            return "lost"
         if self.queue.is_cancelled(job_id):
             discard_unpublished(self.store, tenant, cid)
             self._finish(rec, "cancelled", "the context was deleted before it was encoded")
@@ -164,24 +213,29 @@ class EncodeWorker:
 
     def _encode(self, entry_id: str, rec: dict[str, Any]) -> str:
         """Runs the job with its entry watched (:class:`_JobWatch`) and records how it ended;
-        acknowledges the entry unless the job was lost or given back."""
+        acknowledges the entry unless the job was taken over, given back or lost with its entry.
+        A store or queue error leaves the entry pending (raised) unless the epoch changed."""
         cid, job_id = rec["context_id"], rec["job_id"]
-        watch = _JobWatch(self.queue, self.name, entry_id, job_id, self.stopping,
-                          self.settings.queue_claim_idle_s, on_beat=self._alive)
+        watch = _JobWatch(self.queue, self.name, entry_id, job_id, rec["queue_epoch"],
+                          self.stopping, self.settings.queue_claim_idle_s, on_beat=self._alive)
         watch.start()
         t0 = time.perf_counter()
         try:
             outcome = self._run_job(rec, watch, t0)
-        except (JobCancelled, _Lost) as exc:
-            outcome = self._stopped(entry_id, rec, watch, isinstance(exc, _Lost))
+        except (JobCancelled, _TakenOver, _EpochChanged) as exc:
+            outcome = self._stopped(entry_id, rec, watch, exc)
         except ApiError as exc:
             outcome = self._fail(rec, exc.message)
+        except StoreError:
+            if not watch.reset.is_set():
+                raise
+            outcome = self._stopped(entry_id, rec, watch, _EpochChanged())
         except Exception as exc:  # noqa: BLE001 - a job's failure is recorded, not raised
             log.exception("encode job %s failed", job_id)
             outcome = self._fail(rec, f"{type(exc).__name__}: {exc}")
         finally:
             watch.stop()
-        if outcome in ("lost", "requeued"):  # not finished here: no ack
+        if outcome in ("taken_over", "requeued", "lost"):  # not finished here: no ack
             return outcome
         self.queue.ack(entry_id)
         self.jobs_done += 1
@@ -189,9 +243,13 @@ class EncodeWorker:
                  time.perf_counter() - t0)
         return outcome
 
+    def _same_epoch(self, rec: dict[str, Any]) -> bool:
+        return bool(self.queue.current_epoch() == rec["queue_epoch"])
+
     def _run_job(self, rec: dict[str, Any], watch: "_JobWatch", t0: float) -> str:
         """Encodes the job's context, publishes its manifest and records the job ``done``.
-        Raises :class:`JobCancelled` or :class:`_Lost` when it stopped before publishing."""
+        Raises :class:`JobCancelled`, :class:`_TakenOver` or :class:`_EpochChanged` when it
+        stopped before publishing (or withdrew what it published)."""
         tenant, cid, job_id = rec["tenant"], rec["context_id"], rec["job_id"]
         spec = ContextSpec.from_record(rec["spec"])
         if spec.encrypted:
@@ -205,13 +263,18 @@ class EncodeWorker:
                                          should_stop=watch.should_stop,
                                          pause_s=self.settings.encode_pause_s, reuse_stored=True)
         if watch.lost.is_set():
-            raise _Lost()
+            raise _TakenOver()
+        if watch.reset.is_set() or not self._same_epoch(rec):
+            raise _EpochChanged()
         if self.queue.is_cancelled(job_id):
             raise JobCancelled()
         self.store.put_manifest(tenant, cid, manifest)  # last: the context becomes visible
         if self.queue.is_cancelled(job_id):  # a delete raced with the publish
             self.store.delete(tenant, cid)
             raise JobCancelled()
+        if not self._same_epoch(rec):  # Redis restarted during the publish: frames may be gone
+            self.store.delete(tenant, cid)
+            raise _EpochChanged()
         rec["timings"] = {"prefill_s": stats.prefill_s, "codec_s": stats.codec_s,
                           "describe_s": stats.describe_s, "store_s": stats.store_s,
                           "encode_total_s": stats.total_s, "frames_encoded": stats.frames_encoded,
@@ -235,13 +298,20 @@ class EncodeWorker:
         return progress
 
     def _stopped(self, entry_id: str, rec: dict[str, Any], watch: "_JobWatch",
-                 lost: bool) -> str:
-        """A job that stopped before publishing: ``lost`` (another worker has it: nothing
-        recorded), ``cancelled`` (its context was deleted: frames removed) or ``requeued`` (this
-        worker is stopping: the job goes back to the queue now, its frames stay for reuse)."""
+                 exc: Exception) -> str:
+        """A job that stopped before publishing: ``taken_over`` (another worker has it: nothing
+        recorded), ``lost`` (the queue's epoch changed: recorded ``lost``, its frames left alone,
+        since a resubmitted job may be writing them now), ``cancelled`` (its context was deleted:
+        frames removed) or ``requeued`` (this worker is stopping: the job goes back to the queue
+        now, its frames stay for reuse)."""
         tenant, cid, job_id = rec["tenant"], rec["context_id"], rec["job_id"]
-        if lost or watch.lost.is_set():
+        if isinstance(exc, _TakenOver) or watch.lost.is_set():
             log.warning("job %s was taken over by another worker; leaving it", job_id)
+            return "taken_over"
+        if isinstance(exc, _EpochChanged) or watch.reset.is_set():
+            log.warning("job %s: the job queue lost its entry (Redis restarted without its "
+                        "data); recorded lost", job_id)
+            self._finish(rec, "lost", LOST_IN_QUEUE)
             return "lost"
         if self.queue.is_cancelled(job_id):
             discard_unpublished(self.store, tenant, cid)
@@ -255,25 +325,30 @@ class EncodeWorker:
 
 class _JobWatch:
     """What a running job watches between frames: its queue entry (a daemon thread heartbeats
-    it every ``claim_idle_s / 4`` s, at least 0.1 s, and sets :attr:`lost` when another worker has
-    taken it over), its cancellation (the queue's flag, read at most every 0.2 s) and the
-    worker's ``stopping``.
+    it every ``claim_idle_s / 4`` s, at most :data:`~sparkv.server.queue.WORKER_TTL_S` / 3 and at
+    least 0.1 s; it sets :attr:`lost` when another worker has taken the entry over and
+    :attr:`reset` when the queue's epoch is no longer the job's), its cancellation (the queue's
+    flag, read at most every 0.2 s; while the queue cannot be read the last answer stands) and the
+    worker's ``stopping``. A failing heartbeat is logged once per outage.
 
-    State: :attr:`lost` and the thread's stop event are :class:`threading.Event` s (shared with
-    the heartbeat thread); the cached cancel flag is read and written by the job's thread only
+    State: :attr:`lost`, :attr:`reset` and the thread's stop event are :class:`threading.Event` s
+    (shared with the heartbeat thread); the heartbeat's outage state is the heartbeat thread's
+    own; the cached cancel flag is read and written by the job's thread only
     (:meth:`should_stop`). No lock.
     """
 
     def __init__(self, queue: RedisJobQueue, worker_name: str, entry_id: str, job_id: str,
-                 stopping: threading.Event, claim_idle_s: float,
+                 epoch: str, stopping: threading.Event, claim_idle_s: float,
                  on_beat: Callable[[], None]) -> None:
         self.queue, self.worker_name = queue, worker_name
-        self.entry_id, self.job_id = entry_id, job_id
+        self.entry_id, self.job_id, self.epoch = entry_id, job_id, epoch
         self.stopping = stopping
-        self.every_s = max(0.1, claim_idle_s / 4)
+        self.every_s = max(0.1, min(claim_idle_s / 4, WORKER_TTL_S / 3))
         self.on_beat = on_beat
         self.lost = threading.Event()
+        self.reset = threading.Event()
         self._beat_stop = threading.Event()
+        self._outage = Outage(f"the heartbeat of job {job_id}", log)
         self._cancel_checked = (0.0, False)
         self._thread = threading.Thread(target=self._beat, name=f"sparkv-beat-{job_id[:8]}",
                                         daemon=True)
@@ -289,20 +364,29 @@ class _JobWatch:
     def _beat(self) -> None:
         while not self._beat_stop.wait(self.every_s):
             try:
-                if not self.queue.heartbeat(self.worker_name, self.entry_id):
+                if not self.queue.heartbeat(self.worker_name, self.entry_id, self.epoch):
                     self.lost.set()
                     return
                 self.on_beat()
-            except QueueError:
-                log.warning("heartbeat of job %s failed", self.job_id)
+            except QueueReset:
+                self.reset.set()
+                return
+            except QueueError as exc:
+                self._outage.failed(exc)  # the beat keeps its own pace; only the log is once
+                continue
+            self._outage.recovered()
 
     def should_stop(self) -> bool:
         """True when the worker stops, the job was lost, or its context was deleted."""
-        if self.stopping.is_set() or self.lost.is_set():
+        if self.stopping.is_set() or self.lost.is_set() or self.reset.is_set():
             return True
         now = time.monotonic()
         if now - self._cancel_checked[0] > 0.2:
-            self._cancel_checked = (now, self.queue.is_cancelled(self.job_id))
+            try:
+                cancelled = self.queue.is_cancelled(self.job_id)
+            except QueueError:  # unknown during an outage: go on (the heartbeat watches it)
+                cancelled = self._cancel_checked[1]
+            self._cancel_checked = (now, cancelled)
         return bool(self._cancel_checked[1])
 
 

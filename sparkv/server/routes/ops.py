@@ -13,6 +13,7 @@ from sparkv.server import schemas
 from sparkv.server.deps import StateDep, TenantDep
 from sparkv.server.errors import StoreError
 from sparkv.server.openapi import ERROR_RESPONSES, operation_id
+from sparkv.server.state import ServerState
 from sparkv.server.version import __version__
 
 log = logging.getLogger("sparkv.server")
@@ -23,20 +24,31 @@ router = APIRouter(generate_unique_id_function=operation_id)
 @router.get("/healthz", response_model=schemas.Health, tags=["ops"],
             responses={503: {"model": schemas.Health}})
 async def healthz(state: StateDep) -> Any:
-    """Liveness and a generic store state (``ok`` or ``unavailable``).
+    """Liveness, a generic store state (``ok`` or ``unavailable``: 503) and the job queue's
+    (``queue``: ``ok`` or ``degraded`` with a ``queue_reason``; still 200, see docs/rest-api.md).
 
     Unauthenticated, so it names nothing about the deployment: no store URL, path or error text
-    (a store failure is logged instead).
+    (a failure is logged instead). Every check runs off the event loop.
     """
-    body = {"status": "ok", "version": __version__, "store": "ok",
-            "jobs_active": state.jobs.active_count()}
-    try:
-        await to_thread.run_sync(state.store.ping)
-    except StoreError as exc:
-        log.warning("health check: the store cannot be reached: %s", exc)
+    body, store_ok = await to_thread.run_sync(_probe, state)
+    if not store_ok:
         return JSONResponse({**body, "status": "unavailable", "store": "unavailable"},
                             status_code=503)
     return body
+
+
+def _probe(state: ServerState) -> tuple[dict[str, Any], bool]:
+    """The health body (status ok) and whether the store answered (blocking: a thread's)."""
+    queue = state.jobs.queue_health()
+    body = {"status": "ok", "version": __version__, "store": "ok",
+            "jobs_active": state.jobs.active_count(), "queue": queue.state,
+            "queue_reason": queue.reason}
+    try:
+        state.store.ping()
+    except StoreError as exc:
+        log.warning("health check: the store cannot be reached: %s", exc)
+        return body, False
+    return body, True
 
 
 @router.get("/metrics", tags=["ops"], response_class=Response,

@@ -20,7 +20,7 @@ INFO = {"id": "0123456789abcdef", "tokens": 40, "calls": 2, "bytes": 12345,
 STATS = {"policy": "llms", "budget_bytes": 40000000, "used_bytes": 123, "peak_bytes": 456,
          "budget_violations": 0, "contexts": 1, "resident_bytes_by_level": {"int8": 100},
          "io_profile": {"read_Bps": 5e8, "per_file_s": 2e-4, "threads": 4, "source": "default"},
-         "recompute_scale": 1.25, "reopened": 0, "calls": 3, "evicted_chunks": 4,
+         "recompute_scale": 1.25, "reopened": 0, "damaged": 0, "calls": 3, "evicted_chunks": 4,
          "evicted_bytes": 5, "reclaim_written_bytes": 0, "aot_written_bytes": 6, "read_bytes": 7,
          "recomputed_chunks": 8, "read_chunks": 9, "faults": 0, "hot_hits": 1, "hot_dropped": 0,
          "streamed_chunks": 0}
@@ -50,6 +50,9 @@ class ScriptedService:
     def list(self) -> list[dict]:
         return [dict(INFO)]
 
+    def damaged_list(self) -> list[dict]:
+        return []
+
     def stats(self) -> dict:
         return dict(STATS)
 
@@ -72,7 +75,8 @@ class ScriptedService:
 @pytest.fixture
 def app_client():
     svc = ScriptedService()
-    with TestClient(create_app(svc), raise_server_exceptions=False) as c:
+    with TestClient(create_app(svc), base_url="http://localhost",
+                    raise_server_exceptions=False) as c:
         yield c, svc
 
 
@@ -88,7 +92,7 @@ def test_routes_answer_what_the_service_returns(app_client):
     r = c.post("/v1/contexts", json={"system_prompt": "be brief"})
     assert r.status_code == 201
     _same_json(r.json(), INFO)
-    _same_json(c.get("/v1/contexts").json(), {"contexts": [INFO]})
+    _same_json(c.get("/v1/contexts").json(), {"contexts": [INFO], "damaged": []})
     _same_json(c.get(f"/v1/contexts/{INFO['id']}").json(), INFO)
     _same_json(c.get("/v1/stats").json(), STATS)
     r = c.post(f"/v1/contexts/{INFO['id']}/call", json={"prompt": "capital?",

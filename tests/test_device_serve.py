@@ -1,6 +1,15 @@
-"""``sparkv device serve`` as a real process: SIGKILL crash recovery and the REST errors."""
+"""``sparkv device serve`` as a real process: SIGKILL crash recovery, the REST errors, and a
+service private to its user (socket 0600, swap dir 0700, files 0600, loopback Host names only,
+the bearer token over TCP, found by the clients)."""
 
 from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -29,6 +38,7 @@ def test_killed_device_serve_reopens_every_returned_context(lm, tmp_path):
             for i, cid in enumerate(ids):
                 r = c.call(cid, TURNS[i % 2], max_new_tokens=6)
                 assert r["context_tokens"] > 0
+            _private(proc)
             before = {d["id"]: d["tokens"] for d in c.list()}
             c.delete(ids[3])                              # a deleted one stays deleted
             del before[ids[3]]
@@ -56,6 +66,66 @@ def test_killed_device_serve_reopens_every_returned_context(lm, tmp_path):
         tiny.start()
 
 
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def _private(proc: DeviceProcess) -> None:
+    """The socket is 0600, the swap dir and its directories 0700, its files 0600, all this
+    user's; a request naming another Host gets 421 even over the socket."""
+    assert stat.S_ISSOCK(os.lstat(proc.socket).st_mode) and _mode(proc.socket) == 0o600
+    assert _mode(proc.swap_dir) == 0o700
+    files = [p for p in proc.swap_dir.rglob("*")
+             if p.is_file() and p.name != proc.log_path.name and p != proc.socket]
+    assert any(p.suffix == ".skvt" for p in files) and any(p.suffix == ".json" for p in files)
+    for p in files:
+        assert _mode(p) == 0o600 and os.stat(p).st_uid == os.geteuid(), p
+    for p in proc.swap_dir.rglob("*"):
+        if p.is_dir():
+            assert _mode(p) == 0o700, p
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(proc.socket))) as h:
+        r = h.get("http://evil.example/v1/contexts")
+        assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request"
+        assert h.get("http://localhost/v1/contexts").status_code == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tcp_serve_needs_the_token_its_clients_find(lm, tmp_path):
+    proc = DeviceProcess(tmp_path / "swap", budget_mb=40, port=_free_port(),
+                         token_file=tmp_path / "conf" / "token").start()
+    try:
+        assert _mode(proc.token_file) == 0o600
+        token = proc.token_file.read_text().strip()
+        with proc.client() as c:                                # reads the token file
+            cid = c.new_context(system_ids=sample_context_ids(lm, 40))
+        with httpx.Client(base_url=proc.url) as h:
+            r = h.get("/v1/contexts")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "missing_token"
+            r = h.get("/v1/contexts", headers={"Authorization": "Bearer " + "x" * len(token)})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_token"
+            r = h.get("/v1/contexts", headers={"Authorization": f"Bearer {token}",
+                                               "Host": f"evil.example:{proc.port}"})
+            assert r.status_code == 421
+            r = h.get("/v1/contexts", headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 200 and r.json()["contexts"][0]["id"] == cid
+        with pytest.raises(DeviceError) as e:
+            with DeviceClient(url=proc.url, token_file=tmp_path / "none") as c:
+                c.list()
+        assert e.value.status == 401
+        env = {**os.environ, "SPARKV_DEVICE_TOKEN_FILE": str(proc.token_file)}
+        out = subprocess.run([sys.executable, "-m", "sparkv.cli", "device", "list", "--url",
+                              proc.url], env=env, capture_output=True, timeout=300)
+        assert out.returncode == 0, out.stderr.decode()
+        assert [d["id"] for d in json.loads(out.stdout)] == [cid]
+    finally:
+        proc.stop()
+
+
 def _rest_errors(c: DeviceClient, proc: DeviceProcess, cid: str, doc: list[int]) -> None:
     """Bad input gets a clear 4xx (or 507 for a context the budget cannot hold)."""
     n = len(c.list())
@@ -72,7 +142,7 @@ def _rest_errors(c: DeviceClient, proc: DeviceProcess, cid: str, doc: list[int])
         c.call(cid, max_new_tokens=4)                  # neither prompt nor ids
     assert e.value.status == 400
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(proc.socket))) as h:
-        r = h.post(f"http://x/v1/contexts/{cid}/call",
+        r = h.post(f"http://localhost/v1/contexts/{cid}/call",
                    json={"prompt": "hi", "max_new_tokens": -1})
     assert r.status_code == 422
     assert len(c.list()) == n                          # nothing half-made stays

@@ -43,11 +43,15 @@ class FlashTier:
         direct: try ``O_DIRECT`` reads (falls back to ``posix_fadvise`` where refused).
         align: the ``O_DIRECT`` alignment in bytes; ``None`` reads the file system's.
 
+    ``file_mode``: the permissions of the files it writes (a subclass may narrow them).
+
     State: the counters (``reads``, ``bytes_read``, ``read_s``, ``writes``, ...) are plain
     attributes updated without a lock: threads reading at once (the loader's, the per-file probe's)
     may lose an increment of these statistics, nothing else. The files need no lock: a write
     replaces a whole file atomically.
     """
+
+    file_mode = 0o644
 
     def __init__(self, root: str | os.PathLike[str], direct: bool = True,
                  align: int | None = None) -> None:
@@ -75,7 +79,7 @@ class FlashTier:
         path = self.path_for(name)
         t0 = time.perf_counter()
         try:
-            atomic_write(path, data, fsync=durable, drop=durable)
+            atomic_write(path, data, fsync=durable, drop=durable, mode=self.file_mode)
         except OSError as e:
             raise FlashError(f"cannot write {path}: {e}") from e
         self.write_s += time.perf_counter() - t0

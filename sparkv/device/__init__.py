@@ -15,12 +15,14 @@ recovery), ``prompts`` (chat formatting), ``loader`` (working memory, batched ch
 at global positions, the IO-recompute pipeline), ``planner`` (the IO/recompute split), ``density``
 (information density from attention, the level mix), ``flashio`` (grouped durable writes, the I/O
 profile), ``restore`` (SparKV's planner with flash as one more link), ``app`` / ``client`` /
-``schemas`` / ``commands`` (the local REST service, its bodies, and ``sparkv device``).
+``schemas`` / ``commands`` (the local REST service, its bodies, and ``sparkv device``),
+``access`` (loopback Host names and the TCP bearer token), ``private`` (the modes of the swap
+dir, its files and the socket), ``inputs`` (token id, text and timeout checks).
 """
 
-from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, PromptTooLong,
-                                  UnknownContext)
+from sparkv.device.errors import (BudgetTooSmall, ContextBusy, ContextDamaged, DeviceError,
+                                  PromptTooLong, UnknownContext)
 from sparkv.device.service import CallResult, ContextService, ServiceConfig
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult", "DeviceError", "UnknownContext",
-           "ContextBusy", "PromptTooLong", "BudgetTooSmall"]
+           "ContextBusy", "ContextDamaged", "PromptTooLong", "BudgetTooSmall"]

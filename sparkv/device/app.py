@@ -6,8 +6,8 @@ method   path                              body -> answer (:mod:`sparkv.device.s
 =======  ================================  ==============================================
 POST     ``/v1/contexts``                  ``NewContext`` -> 201 ``ContextInfo``
 POST     ``/v1/contexts/{id}/call``        ``CallBody`` -> ``CallReply``
-DELETE   ``/v1/contexts/{id}``             204
-GET      ``/v1/contexts``                  ``DeviceContextList``
+DELETE   ``/v1/contexts/{id}``             204 (a damaged context too)
+GET      ``/v1/contexts``                  ``DeviceContextList`` (and the damaged ones)
 GET      ``/v1/contexts/{id}``             ``ContextInfo``
 GET      ``/v1/stats``                     ``ServiceStats``
 GET      ``/healthz``                      ``ServiceHealth``
@@ -21,10 +21,16 @@ resource, the service reaching the routes as a dependency (:func:`get_service`, 
     {"error": {"status": 404, "code": "unknown_context", "message": "..."}}
 
 with the status and code of the :mod:`sparkv.device.errors` class: 404 unknown context, 409 busy
-(a call with ``timeout_s`` that could not get the lock), 413 prompt too long, 507 budget too
-small for the context, 400 anything else the service refuses; a body that does not match the
-schema (or is not JSON) is a 422 ``invalid_request`` with ``details`` (``[{loc, msg, type}]``);
-an unknown path a 404 ``not_found``; anything unexpected a 500 ``internal_error``.
+(a call with ``timeout_s`` that could not get the lock) or damaged (a context that could not be
+reopened), 413 prompt too long, 507 budget too small for the context, 400 anything else the
+service refuses (a token id outside the vocabulary, ...); a body that does not match the schema
+(or is not JSON, or holds a lone surrogate, an infinite or too long timeout) is a 422
+``invalid_request`` with ``details`` (``[{loc, msg, type}]``); an unknown path a 404
+``not_found``; anything unexpected a 500 ``internal_error``.
+
+Before any route, :class:`~sparkv.device.access.AccessGuard` answers 421 to a Host that is not
+loopback and, when the app has a ``token`` (``serve --port``), 401 to a request without
+``Authorization: Bearer <token>``.
 
 The routes are plain functions, run in FastAPI's thread pool: the service's calls block (a call
 holds its context's lock while it generates).
@@ -39,6 +45,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sparkv.device.access import AccessGuard
 from sparkv.device.errors import DeviceError
 from sparkv.device.schemas import (CallBody, CallReply, ContextInfo, DeviceContextList, ErrorResponse,
                                    ServiceHealth, NewContext, ServiceStats)
@@ -93,18 +100,21 @@ def call_context(ctx_id: str, body: CallBody, service: ServiceDep) -> CallReply:
 @contexts_router.delete("/v1/contexts/{ctx_id}", status_code=204, response_class=Response,
                         responses=_errors(404))
 def delete_context(ctx_id: str, service: ServiceDep) -> Response:
-    """Deletes the context: its memory, its flash files and its journal record."""
+    """Deletes the context: its memory, its flash files and its journal record (of a damaged
+    context, what is left of them)."""
     service.delete(ctx_id)
     return Response(status_code=204)
 
 
 @contexts_router.get("/v1/contexts", response_model=DeviceContextList)
 def list_contexts(service: ServiceDep) -> DeviceContextList:
-    """Every context."""
-    return DeviceContextList.model_validate({"contexts": service.list()})
+    """Every context, and those that could not be reopened (``damaged``)."""
+    return DeviceContextList.model_validate({"contexts": service.list(),
+                                             "damaged": service.damaged_list()})
 
 
-@contexts_router.get("/v1/contexts/{ctx_id}", response_model=ContextInfo, responses=_errors(404))
+@contexts_router.get("/v1/contexts/{ctx_id}", response_model=ContextInfo,
+                     responses=_errors(404, 409))
 def describe_context(ctx_id: str, service: ServiceDep) -> ContextInfo:
     """One context: tokens, bytes, chunks by residency, level mix, busy."""
     return ContextInfo.model_validate(service.describe(ctx_id))
@@ -163,11 +173,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 # ---- the app -------------------------------------------------------------------------------------
-def create_app(service: ContextService) -> FastAPI:
-    """The device service's app over ``service``."""
+def create_app(service: ContextService, token: str | None = None) -> FastAPI:
+    """The device service's app over ``service``: loopback Host names only, and with ``token``
+    (TCP) every request must carry ``Authorization: Bearer <token>``
+    (:class:`~sparkv.device.access.AccessGuard`)."""
     app = FastAPI(title="sparkv device context service", version="1")
     app.state.service = service
     for router in ROUTERS:
         app.include_router(router)
     install_error_handlers(app)
+    app.add_middleware(AccessGuard, token=token)  # type: ignore[arg-type]
     return app

@@ -6,9 +6,11 @@ is reserved first (:meth:`MemoryBudget.reserve`), and the owner checks the accou
 (:meth:`MemoryBudget.check`: the sum of the KV memories' own ``nbytes``, working memories included)
 after every layer and chunk it adds, keeping the high-water mark.
 
-A reservation reclaims, in order: kept working memories of other contexts (least recently used
-first; dropping one writes nothing, the context's chunks hold everything), then what the
-:class:`EvictionPolicy` lists, until the allocation fits. The policies (one class each, by name in
+A reservation first checks that what it may reclaim is enough (else :class:`BudgetTooSmall`, and
+nothing is reclaimed: a refused request costs the other contexts nothing), then reclaims, in
+order: kept working memories of other contexts (least recently used first; dropping one writes
+nothing, the context's chunks hold everything), then what the :class:`EvictionPolicy` lists,
+until the allocation fits. The policies (one class each, by name in
 :data:`EVICTION_POLICIES`):
 
 * ``lctru`` (:class:`LCTRU`, LLMS): resident token chunks, fp and int8 first, then int4, then
@@ -197,24 +199,28 @@ class MemoryBudget:
     def reserve(self, need: int, active: DeviceContext) -> float:
         """Reclaims (module docstring) until ``need`` more bytes fit the budget; returns the
         seconds spent. Raises :class:`BudgetTooSmall` when even reclaiming everything it may is
-        not enough (then nothing but kept working memories was reclaimed)."""
+        not enough, and then reclaims nothing: the check comes before any eviction."""
         t0 = time.perf_counter()
         with self.registry.lock:
             if self.fits(need):
                 return 0.0
-            for c in self.registry.hot(active):
+            hot = self.registry.hot(active)
+            hot_bytes = sum(c.hot.nbytes for c in hot if c.hot is not None)
+            after_hot = self.used() - hot_bytes + need
+            victims = self.victims(active) if after_hot > self.limit else []
+            freeable = sum(v.nbytes for v in victims)
+            if after_hot - freeable > self.limit:
+                raise BudgetTooSmall(
+                    f"context {active.id} needs {need / 1e6:.1f} MB more to run "
+                    f"({len(active.tokens)} tokens); the budget is {self.limit / 1e6:.1f} MB "
+                    f"and only {(freeable + hot_bytes) / 1e6:.1f} MB can be reclaimed from other "
+                    f"contexts")
+            for c in hot:
                 if self.fits(need):
                     return time.perf_counter() - t0
                 self.drop_hot(c)
             if self.fits(need):
                 return time.perf_counter() - t0
-            victims = self.victims(active)
-            freeable = sum(v.nbytes for v in victims)
-            if self.used() - freeable + need > self.limit:
-                raise BudgetTooSmall(
-                    f"context {active.id} needs {need / 1e6:.1f} MB more to run "
-                    f"({len(active.tokens)} tokens); the budget is {self.limit / 1e6:.1f} MB "
-                    f"and only {freeable / 1e6:.1f} MB can be reclaimed from other contexts")
             for ctx, ts in self._choose(victims, self.used() + need - self.limit):
                 self.evict(ctx, ts)
         return time.perf_counter() - t0

@@ -1,5 +1,9 @@
 """A client of the local context service (:mod:`sparkv.device.app`), over its Unix socket or a
-loopback port, and a helper that runs ``sparkv device serve`` as a subprocess."""
+loopback port, and a helper that runs ``sparkv device serve`` as a subprocess.
+
+Over a port the client sends the service's bearer token, read from its token file
+(:func:`sparkv.device.access.default_token_file` unless given): the caller needs nothing more
+than the URL. Every request names ``localhost`` as its Host (the service answers no other)."""
 
 from __future__ import annotations
 
@@ -13,11 +17,13 @@ from typing import Any, Sequence
 
 import httpx
 
-from sparkv.device.errors import (BudgetTooSmall, ContextBusy, DeviceError, PromptTooLong,
-                                  UnknownContext)
+from sparkv.device.access import read_token
+from sparkv.device.errors import (BudgetTooSmall, ContextBusy, ContextDamaged, DeviceError,
+                                  PromptTooLong, UnknownContext)
 from sparkv.protocol.errors import ApiError
 
 _BY_STATUS = {404: UnknownContext, 409: ContextBusy, 413: PromptTooLong, 507: BudgetTooSmall}
+_BY_CODE = {ContextDamaged.code: ContextDamaged}
 
 
 def response_error(status: int, body: bytes) -> DeviceError:
@@ -27,7 +33,8 @@ def response_error(status: int, body: bytes) -> DeviceError:
     the start of its text)."""
     err = ApiError.from_response(status, body)
     message = err.message or body[:200].decode("utf-8", "replace") or err.code
-    exc = _BY_STATUS.get(status, DeviceError)(f"{message} (HTTP {status})")
+    cls = _BY_CODE.get(err.code) or _BY_STATUS.get(status, DeviceError)
+    exc = cls(f"{message} (HTTP {status})")
     exc.status = status
     exc.code = err.code
     return exc
@@ -49,16 +56,21 @@ class DeviceClient:
     Args:
         socket: the service's Unix socket (default :func:`default_socket`), or
         url: ``http://127.0.0.1:PORT`` when it listens on loopback.
+        token: the service's bearer token (``url`` only); default: the one in ``token_file``
+            (default :func:`~sparkv.device.access.default_token_file`).
     """
 
     def __init__(self, socket: str | os.PathLike[str] | None = None, url: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, *, token: str | None = None,
+                 token_file: str | os.PathLike[str] | None = None) -> None:
         if url:
-            self._http = httpx.Client(base_url=url, timeout=timeout_s)
+            token = token or read_token(token_file)
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=headers)
         else:
             path = str(socket or default_socket())
             self._http = httpx.Client(transport=httpx.HTTPTransport(uds=path),
-                                      base_url="http://sparkv-device", timeout=timeout_s)
+                                      base_url="http://localhost", timeout=timeout_s)
 
     def close(self) -> None:
         self._http.close()
@@ -106,6 +118,10 @@ class DeviceClient:
     def list(self) -> list[dict[str, Any]]:
         return self._req("GET", "/v1/contexts")["contexts"]
 
+    def damaged(self) -> list[dict[str, Any]]:
+        """The contexts the service could not reopen (``{id, state, reason}``)."""
+        return self._req("GET", "/v1/contexts").get("damaged", [])
+
     def describe(self, ctx_id: str) -> dict[str, Any]:
         return self._req("GET", f"/v1/contexts/{ctx_id}")
 
@@ -114,7 +130,9 @@ class DeviceClient:
 
 
 class DeviceProcess:
-    """``python -m sparkv.cli device serve`` as a subprocess on a Unix socket (tests, benchmarks).
+    """``python -m sparkv.cli device serve`` as a subprocess on a Unix socket, or on
+    ``127.0.0.1:port`` with its token in ``token_file`` (default ``<swap_dir>/token``) (tests,
+    benchmarks).
 
     ``kill()`` is a SIGKILL (a crash); ``stop()`` a SIGTERM then a wait.
     """
@@ -122,9 +140,13 @@ class DeviceProcess:
     def __init__(self, swap_dir: str | os.PathLike[str], budget_mb: float, *,
                  socket: str | os.PathLike[str] | None = None, model: str | None = None,
                  log_path: str | os.PathLike[str] | None = None,
-                 extra_args: Sequence[str] = (), torch_threads: int = 1) -> None:
+                 extra_args: Sequence[str] = (), torch_threads: int = 1,
+                 port: int | None = None,
+                 token_file: str | os.PathLike[str] | None = None) -> None:
         self.swap_dir = Path(swap_dir)
         self.socket = Path(socket) if socket else self.swap_dir / "sparkv-device.sock"
+        self.port = port
+        self.token_file = Path(token_file) if token_file else self.swap_dir / "token"
         self.budget_mb = budget_mb
         self.model = model
         self.log_path = Path(log_path) if log_path else self.swap_dir / "serve.log"
@@ -135,9 +157,11 @@ class DeviceProcess:
 
     def start(self, timeout: float = 180.0) -> "DeviceProcess":
         self.swap_dir.mkdir(parents=True, exist_ok=True)
+        where = (["--port", str(self.port), "--token-file", str(self.token_file)]
+                 if self.port else ["--socket", str(self.socket)])
         cmd = [sys.executable, "-m", "sparkv.cli", "device", "serve", "--swap-dir",
-               str(self.swap_dir), "--budget-mb", str(self.budget_mb), "--socket",
-               str(self.socket), "--threads", str(self.torch_threads), *self.extra_args]
+               str(self.swap_dir), "--budget-mb", str(self.budget_mb), *where,
+               "--threads", str(self.torch_threads), *self.extra_args]
         if self.model:
             cmd += ["--model", self.model]
         self._log = open(self.log_path, "ab")
@@ -148,9 +172,9 @@ class DeviceProcess:
             if self.proc.poll() is not None:
                 raise DeviceError(f"sparkv device serve exited ({self.proc.returncode}):\n"
                                   f"{self.log()[-3000:]}")
-            if self.socket.exists():
+            if self.token_file.exists() if self.port else self.socket.exists():
                 try:
-                    with DeviceClient(self.socket, timeout_s=5) as c:
+                    with self.client(timeout_s=5) as c:
                         c.health()
                     return self
                 except (httpx.HTTPError, DeviceError):
@@ -160,8 +184,16 @@ class DeviceProcess:
         raise DeviceError(f"sparkv device serve did not answer in {timeout:.0f} s:\n"
                           f"{self.log()[-3000:]}")
 
-    def client(self) -> DeviceClient:
-        return DeviceClient(self.socket)
+    @property
+    def url(self) -> str | None:
+        """``http://127.0.0.1:PORT`` when it listens on a port."""
+        return f"http://127.0.0.1:{self.port}" if self.port else None
+
+    def client(self, timeout_s: float = 600.0) -> DeviceClient:
+        """A client of this service (over its port: with the token of its token file)."""
+        if self.port:
+            return DeviceClient(url=self.url, timeout_s=timeout_s, token_file=self.token_file)
+        return DeviceClient(self.socket, timeout_s=timeout_s)
 
     def log(self) -> str:
         try:

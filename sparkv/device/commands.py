@@ -1,14 +1,20 @@
 """``sparkv device``: the local context service and its command-line client.
 
-    sparkv device serve --swap-dir DIR --budget-mb 256 [--socket PATH | --port N] [--model PATH]
-                        [--policy llms] [--ratio 0.75]
+    sparkv device serve --swap-dir DIR --budget-mb 256 [--socket PATH [--socket-group GROUP]
+                        | --port N [--token-file PATH]] [--model PATH] [--policy llms]
+                        [--ratio 0.75]
     sparkv device create [--system "You are ..."]          # prints the new context's id
     sparkv device call ID "prompt" [--max-new-tokens 32] [--no-grow] [--json]
     sparkv device delete ID
     sparkv device list | stats                             # JSON
 
 The client commands find the service at ``--socket`` (default ``$SPARKV_DEVICE_SOCKET``, else
-``<sparkv cache>/device/sparkv-device.sock``) or ``--url``. See docs/device-service.md.
+``<sparkv cache>/device/sparkv-device.sock``) or ``--url`` (with the token of ``--token-file``,
+default ``$SPARKV_DEVICE_TOKEN_FILE``, else ``<sparkv cache>/device/token``).
+
+The service is private to its user: the socket ``0600`` (``0660`` for ``--socket-group``), the
+swap dir ``0700`` and its files ``0600``; over ``--port``, every request needs the bearer token
+the service writes (``0600``) to its token file on its first start. See docs/device-service.md.
 """
 
 from __future__ import annotations
@@ -16,9 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sparkv.errors import SparkvError
+
+if TYPE_CHECKING:
+    from sparkv.device.service import ContextService
 
 POLICIES = ("llms", "llms-no-compression", "llms-no-pipeline", "llms-no-lifecycle", "vllm-s",
             "vllm-sq")
@@ -27,6 +38,9 @@ POLICIES = ("llms", "llms-no-compression", "llms-no-pipeline", "llms-no-lifecycl
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", default=None, help="the service's Unix socket")
     p.add_argument("--url", default=None, help="http://127.0.0.1:PORT (a loopback service)")
+    p.add_argument("--token-file", default=None,
+                   help="with --url: the service's token file (default: $SPARKV_DEVICE_TOKEN_FILE, "
+                        "else <sparkv cache>/device/token)")
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -38,8 +52,15 @@ def register(sub: "argparse._SubParsersAction") -> None:
     s.add_argument("--swap-dir", default=None,
                    help="flash tier + journal (default: <sparkv cache>/device/swap)")
     s.add_argument("--budget-mb", type=float, required=True, help="KV memory budget, MB")
-    s.add_argument("--socket", default=None, help="Unix socket path (default: see --help)")
-    s.add_argument("--port", type=int, default=None, help="listen on 127.0.0.1:PORT instead")
+    s.add_argument("--socket", default=None, help="Unix socket path (default: see --help); "
+                                                   "mode 0600")
+    s.add_argument("--socket-group", default=None,
+                   help="let this group use the socket too (mode 0660, owned by GROUP)")
+    s.add_argument("--port", type=int, default=None,
+                   help="listen on 127.0.0.1:PORT instead (every request needs the bearer token)")
+    s.add_argument("--token-file", default=None,
+                   help="with --port: where the token is kept, made 0600 on the first start "
+                        "(default: $SPARKV_DEVICE_TOKEN_FILE, else <sparkv cache>/device/token)")
     s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
     s.add_argument("--policy", choices=POLICIES, default="llms")
     s.add_argument("--ratio", type=float, default=None,
@@ -82,18 +103,16 @@ def register(sub: "argparse._SubParsersAction") -> None:
 def _client(args: argparse.Namespace):
     from sparkv.device.client import DeviceClient
 
-    return DeviceClient(args.socket, url=args.url)
+    return DeviceClient(args.socket, url=args.url, token_file=args.token_file)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import torch
-    import uvicorn
 
-    from sparkv.device.app import create_app
-    from sparkv.device.client import default_socket
     from sparkv.device.service import ContextService, ServiceConfig
     from sparkv.runtime.model import cache_dir, load_model
 
+    os.umask(0o077)              # whatever this process creates is its user's only
     if args.threads:
         torch.set_num_threads(args.threads)
     swap = Path(args.swap_dir) if args.swap_dir else cache_dir() / "device" / "swap"
@@ -108,20 +127,44 @@ def _serve(args: argparse.Namespace) -> int:
     if budget < need:
         raise SparkvError(f"a {args.budget_mb:g} MB budget cannot hold even one small context "
                           f"while it runs (needs at least {need / 1e6:.2f} MB)")
-    app = create_app(service)
+    damaged = f", {len(service.damaged)} damaged" if service.damaged else ""
     print(f"sparkv device: {lm.name}, budget {budget / 1e6:.1f} MB, policy {config.name}, "
-          f"swap {swap}, {service.reopened} contexts reopened", flush=True)
+          f"swap {swap}, {service.reopened} contexts reopened{damaged}", flush=True)
     if args.port:
-        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
-        return 0
-    sock = Path(args.socket) if args.socket else default_socket()
-    sock.parent.mkdir(parents=True, exist_ok=True)
+        return _listen_tcp(service, args)
+    return _listen_unix(service, args)
+
+
+def _listen_tcp(service: "ContextService", args: argparse.Namespace) -> int:
+    """Serves on ``127.0.0.1:port``, every request with the bearer token of the token file."""
+    import uvicorn
+
+    from sparkv.device.access import default_token_file, ensure_token
+    from sparkv.device.app import create_app
+
+    path = Path(args.token_file) if args.token_file else default_token_file()
+    app = create_app(service, token=ensure_token(path))
+    print(f"listening on 127.0.0.1:{args.port} (bearer token in {path})", flush=True)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    return 0
+
+
+def _listen_unix(service: "ContextService", args: argparse.Namespace) -> int:
+    """Serves on the Unix socket, ``0600`` (``0660`` for ``--socket-group``)."""
+    import uvicorn
+
+    from sparkv.device.app import create_app
+    from sparkv.device.client import default_socket
+    from sparkv.device.private import bind_unix_socket
+
+    sock_path = Path(args.socket) if args.socket else default_socket()
+    sock_path.parent.mkdir(parents=True, exist_ok=True)
+    sock = bind_unix_socket(sock_path, args.socket_group)
+    print(f"listening on {sock_path}", flush=True)
     try:
-        sock.unlink()
-    except FileNotFoundError:
-        pass
-    print(f"listening on {sock}", flush=True)
-    uvicorn.run(app, uds=str(sock), log_level="warning")
+        uvicorn.run(create_app(service), fd=sock.fileno(), log_level="warning")
+    finally:
+        sock.close()
     return 0
 
 
@@ -139,7 +182,7 @@ def _call(args: argparse.Namespace) -> int:
     else:
         print(res["text"].strip())
         print(f"\n(switch {res['switch_ms']:.1f} ms, first token {res['first_token_ms']:.0f} ms, "
-              f"context {res['context_tokens']} tokens)", file=__import__("sys").stderr)
+              f"context {res['context_tokens']} tokens)", file=sys.stderr)
     return 0
 
 
@@ -152,6 +195,9 @@ def _delete(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     with _client(args) as c:
         print(json.dumps(c.list(), indent=1))
+        for d in c.damaged():
+            print(f"damaged context {d['id']}: {d['reason']} (sparkv device delete {d['id']})",
+                  file=sys.stderr)
     return 0
 
 

@@ -225,7 +225,10 @@ def _int_mix(ds: np.ndarray, budget: float, st: dict[str, float]) -> tuple[float
         # with densities sorted, fewer int4 (more int2) never helps: take the largest n4
         err = ((pre[n8] - pre[0]) * st["int8"] + (pre[n8 + n4] - pre[n8]) * st["int4"]
                + (pre[n] - pre[n8 + n4]) * st["int2"])
-        if best is None or err < best[0] - 1e-15:
+        # a tie goes to more int8 chunks: chunks of density 0 (never attended yet) cost no
+        # error at any level, and the budget they leave unused would otherwise put them at
+        # int4 even at ratio 1.0, which promises every chunk at int8
+        if best is None or err <= best[0] + 1e-15:
             best = (err, n8, n4)
     return best if best is not None else (float((pre[n]) * st["int2"]), 0, 0)
 
@@ -236,7 +239,9 @@ def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
     """Levels for chunks of the given densities meeting ``ratio_global`` (module docstring).
 
     ``ratio_global`` is the target bytes relative to holding every chunk at int8: 1.0 keeps
-    every chunk at int8, 0.25 puts every chunk at int2. The densest chunks keep the most bits.
+    every chunk at int8 (whatever the densities, zeros included), 0.25 puts every chunk at
+    int2. The densest chunks keep the most bits; among mixes of equal error, the one with the
+    most bits.
 
     **fp** (raw) chunks: the ``protect``-ed chunks (indices: the service protects the first
     chunk, whose keys are the attention sinks) and the densest ``fp_fraction`` of the others are

@@ -38,3 +38,8 @@ class PromptTooLong(DeviceError, status=413, code="prompt_too_long"):
 class BudgetTooSmall(DeviceError, status=507, code="budget_too_small"):
     """The memory budget cannot hold this context while it runs (its chunks, the working memory
     and the new tokens), even with every other context swapped out."""
+
+
+class ContextDamaged(DeviceError, status=409, code="context_damaged"):
+    """The context could not be reopened (its journal record or its files are damaged): it takes
+    no call; deleting it removes what is left of it."""

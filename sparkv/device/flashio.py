@@ -15,6 +15,9 @@ bytes / read_Bps``. The bandwidth is the flash profile's (``sparkv bench decode`
 ``<cache>/predictor/flash.json``: honest reads of 1 MiB files); the per-file latency, which
 dominates for chunk files of a few KB, is measured once per swap directory (the paper's
 install-time one-shot profile) and kept in ``<swap_dir>/io-profile.json``.
+
+Every file here is private to the service's user (:mod:`sparkv.device.private`): a
+:class:`ServiceFlash` directory is ``0700`` and its files ``0600``, as is ``io-profile.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadErro
                           flash_profile_path, load_flash_profile)
 from sparkv.cache.fileio import atomic_write, sync_files
 from sparkv.cache.payload import contiguous_positions
+from sparkv.device.private import FILE_MODE, private_dir
 from sparkv.layout import KVChunkId
 
 DEFAULT_READ_MBPS = 500.0
@@ -206,14 +210,18 @@ def read_token_chunk_file(data: bytes, t: int | None = None) -> TokenChunkFile:
 class ServiceFlash(FlashTier):
     """A flash tier with grouped writes (module docstring).
 
+    Its directory is ``0700`` and its files ``0600`` (:mod:`sparkv.device.private`).
+
     State: ``_batch``, the files written since the outermost open :meth:`batch` (None outside
     one), and ``syncs``. A batch belongs to the thread that opened it: the service writes a
     context's files from one thread at a time (no lock).
     """
 
+    file_mode = FILE_MODE
+
     def __init__(self, root: str | os.PathLike[str], direct: bool = True,
                  align: int | None = None) -> None:
-        super().__init__(root, direct, align)
+        super().__init__(private_dir(root), direct, align)
         self._batch: list[Path] | None = None
         self.syncs = 0
 
@@ -318,6 +326,6 @@ def load_io_profile(swap_dir: str | os.PathLike[str], tier: FlashTier, threads: 
     if per_file is None and measure:
         per_file = measure_per_file(tier, threads=threads)
         atomic_write(path, json.dumps({"per_file_s": per_file, "threads": threads,
-                                       "measured_unix": time.time()}).encode())
+                                       "measured_unix": time.time()}).encode(), mode=FILE_MODE)
     return IOProfile(read_Bps, per_file if per_file is not None else 2e-4, threads,
                      source + (" + measured per-file latency" if per_file is not None else ""))

@@ -17,6 +17,7 @@ Locks (the service's whole discipline, stated once):
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -27,6 +28,10 @@ from sparkv.cache import ContextKV
 from sparkv.device.density import DensityRecorder
 from sparkv.device.errors import UnknownContext
 from sparkv.device.flashio import ServiceFlash
+
+#: a context id: the service makes 16 hex digits; a name outside this pattern (``.``, ``..``, a
+#: path) is never taken for a context's directory or journal record
+CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class DeviceContext:

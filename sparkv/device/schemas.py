@@ -11,16 +11,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
 
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 
-__all__ = ["MAX_PROMPT_CHARS", "NewContext", "CallBody", "ServiceHealth", "ChunkCounts", "ContextInfo",
-           "DeviceContextList", "CallReply", "IOProfileInfo", "ServiceStats", "ErrorDetail",
-           "ErrorResponse"]
+__all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "ServiceHealth",
+           "ChunkCounts", "ContextInfo", "DamagedContextInfo", "DeviceContextList", "CallReply",
+           "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
 MAX_PROMPT_CHARS = 1 << 20
+#: the most token ids a request may carry (the service's longest context is far shorter)
+MAX_PROMPT_IDS = 1 << 20
+
+
+def _unicode(text: str) -> str:
+    problem = text_problem(text)
+    if problem is not None:
+        raise ValueError(f"the text {problem}")
+    return text
+
+
+#: prompt text: at most :data:`MAX_PROMPT_CHARS` characters of valid Unicode (no lone surrogate)
+PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(_unicode)]
+#: token ids: at most :data:`MAX_PROMPT_IDS` (their range is the model's: the service checks it)
+TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -28,19 +46,20 @@ class NewContext(BaseModel):
     """``POST /v1/contexts``: the system prompt as text or token ids (at most one; neither: the
     service's default system prompt)."""
 
-    system_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
-    system_ids: list[int] | None = None
+    system_prompt: PromptText | None = None
+    system_ids: TokenIds | None = None
 
 
 class CallBody(BaseModel):
     """``POST /v1/contexts/{id}/call``: exactly one of ``prompt`` and ``prompt_ids``."""
 
-    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
-    prompt_ids: list[int] | None = None
+    prompt: PromptText | None = None
+    prompt_ids: TokenIds | None = None
     max_new_tokens: int = Field(default=32, ge=0)
     grow: bool = Field(default=True, description="keep the prompt and the answer in the context")
-    timeout_s: float | None = Field(default=None, ge=0, description=(
-        "wait at most this long for the context's lock (else 409 context_busy)"))
+    timeout_s: float | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+                                    description=("wait at most this long for the context's lock "
+                                                 "(else 409 context_busy); none: wait"))
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -79,10 +98,20 @@ class ContextInfo(_Reply):
     label: str | None
 
 
+class DamagedContextInfo(_Reply):
+    """A context the service could not reopen (its journal record or files are damaged): it
+    takes no call; ``DELETE /v1/contexts/{id}`` removes what is left of it."""
+
+    id: str
+    state: str = Field(default="damaged")
+    reason: str = Field(description="what could not be reopened")
+
+
 class DeviceContextList(_Reply):
-    """``GET /v1/contexts``."""
+    """``GET /v1/contexts``: the contexts, and those that could not be reopened."""
 
     contexts: list[ContextInfo]
+    damaged: list[DamagedContextInfo] = Field(default_factory=list)
 
 
 class CallReply(_Reply):
@@ -132,6 +161,8 @@ class ServiceStats(_Reply):
     io_profile: IOProfileInfo
     recompute_scale: float = Field(description="measured / predicted recomputation time")
     reopened: int = Field(description="contexts reopened from the journal at start")
+    damaged: int = Field(description=(
+        "contexts that could not be reopened (listed by GET /v1/contexts, deletable)"))
     # counters since the service started
     calls: int
     evicted_chunks: int = Field(description=(

@@ -70,13 +70,16 @@ from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.chunked import ChunkKeeper
 from sparkv.device.config import ServiceConfig
 from sparkv.device.density import DensityRecorder, install_hooks, recording
-from sparkv.device.errors import ContextBusy, DeviceError, PromptTooLong, UnknownContext
+from sparkv.device.errors import (ContextBusy, ContextDamaged, DeviceError, PromptTooLong,
+                                  UnknownContext)
 from sparkv.device.flashio import IOProfile, ServiceFlash, load_io_profile
-from sparkv.device.journal import Journal, reopen
+from sparkv.device.inputs import check_text, check_timeout, check_token_ids, vocab_size
+from sparkv.device.journal import DamagedContext, Journal, reopen
 from sparkv.device.keeper import Keeper
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import token_chunk_ids, working_nbytes
 from sparkv.device.planner import RecomputeProfile, recompute_cost_model
+from sparkv.device.private import private_dir
 from sparkv.device.prompts import system_text, turn_ids, uses_chatml
 from sparkv.device.registry import ContextRegistry, DeviceContext
 from sparkv.device.swap import SwapStore
@@ -124,6 +127,12 @@ class ContextService:
     Parts (public, for tests and tools): ``registry``, ``account`` (the
     :class:`~sparkv.device.budget.MemoryBudget`), ``keeper``, ``swap``, ``journal``.
 
+    ``swap_dir`` is private to this user (``0700``, its files ``0600``:
+    :mod:`sparkv.device.private`); one another user owns is refused. Contexts that cannot be
+    reopened from it are kept in ``damaged`` (id -> :class:`~sparkv.device.journal.
+    DamagedContext`): listed by :meth:`damaged_list`, refused by :meth:`call` and
+    :meth:`describe` (:class:`~sparkv.device.errors.ContextDamaged`), removed by :meth:`delete`.
+
     Locks: each context's lock for a call on it (:mod:`sparkv.device.registry`); ``_run`` makes
     calls and new contexts run the model one at a time (their locking and argument checks run
     concurrently).
@@ -146,10 +155,11 @@ class ContextService:
         self.account = MemoryBudget(memory_budget_bytes, self.registry,
                                     eviction_policy(self.config.eviction),
                                     lambda ctx, ts: self.keeper.evict(ctx, ts), self.counters)
-        self.swap_dir = Path(swap_dir)
+        self.swap_dir = private_dir(swap_dir)
         self.swap = SwapStore(self.swap_dir)
         self.journal = Journal(self.swap_dir / "journal") if self.config.journal else None
         install_hooks(self.lm.model)
+        self.vocab = vocab_size(self.lm)
         self.max_tokens = self.config.max_context_tokens or self.lm.max_positions or (1 << 15)
         probe = ServiceFlash(self.swap_dir / "probe")
         self.io = io_profile or load_io_profile(self.swap_dir, probe, self.config.io_threads,
@@ -161,6 +171,7 @@ class ContextService:
                                   self.config.fp_fraction, self.config.fp_protect, self.lm.dtype)
         self.keeper = self._keeper()
         self._run = threading.Lock()
+        self.damaged: dict[str, DamagedContext] = {}
         self.reopened = self._reopen()
 
     def _keeper(self) -> Keeper:
@@ -176,6 +187,7 @@ class ContextService:
         found = reopen(self.journal, self.lm, self.config.chunk_tokens, self.swap, self.levels)
         for ctx in found:
             self.registry.add(ctx)
+        self.damaged = {d.id: d for d in self.journal.damaged}
         return len(found)
 
     @cached_property
@@ -210,8 +222,9 @@ class ContextService:
     def new_context(self, system_prompt: str | None = None, *,
                     system_ids: Sequence[int] | None = None) -> str:
         """Makes a context holding the system prompt (its KV computed now); returns its id."""
+        check_text(system_prompt, "the system prompt")
         if system_ids is not None:
-            ids = list(system_ids)
+            ids = check_token_ids(system_ids, self.vocab, "system_ids")
         elif self.lm.tokenizer is None:
             raise DeviceError("this model has no tokenizer: pass system_ids")
         else:
@@ -253,7 +266,7 @@ class ContextService:
         layer ``(K, V)`` ``[1, H, N, D]``. ``density``: per-token ``(mass, rows)`` if known (else
         the levels assume equal densities until calls measure them). ``label``: a name to find it
         by later (:meth:`find`; journaled, so it survives a restart)."""
-        ids = list(token_ids)
+        ids = check_token_ids(token_ids, self.vocab, "token_ids")
         n = len(ids)
         if isinstance(layers, ContextKV) and layers.geometry.num_tokens != n:
             raise DeviceError(f"the memory holds {layers.geometry.num_tokens} tokens, "
@@ -286,9 +299,13 @@ class ContextService:
                 chunk, by predicted cost). Used only while the context holds exactly the
                 remote's tokens (``grow=False`` calls, as ``ask`` makes).
         """
-        ctx = self.registry.get(ctx_id)
+        ctx = self._context(ctx_id)
         if max_new_tokens < 0 or max_new_tokens > self.config.max_new_tokens:
             raise DeviceError(f"max_new_tokens must be in [0, {self.config.max_new_tokens}]")
+        check_text(prompt)
+        if prompt_ids is not None:
+            prompt_ids = check_token_ids(prompt_ids, self.vocab, "prompt_ids")
+        timeout_s = check_timeout(timeout_s)
         if not ctx.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             raise ContextBusy(f"context {ctx_id} is running another call")
         try:
@@ -309,7 +326,15 @@ class ContextService:
             ctx.lock.release()
 
     def delete(self, ctx_id: str) -> None:
-        """Deletes a context: its memory, its flash files and its journal record."""
+        """Deletes a context: its memory, its flash files and its journal record (of a damaged
+        context, whatever is left of them)."""
+        with self.registry.lock:
+            damaged = self.damaged.pop(ctx_id, None)
+        if damaged is not None:
+            self.swap.remove_id(ctx_id)
+            if self.journal is not None:
+                self.journal.remove(ctx_id)
+            return
         ctx = self.registry.get(ctx_id)
         with ctx.lock:
             with self.registry.lock:
@@ -337,7 +362,7 @@ class ContextService:
     def swap_out(self, ctx_id: str) -> int:
         """Reclaims every resident chunk of a context now (an app sent to the background, a
         test): clean chunks are dropped, modified ones written. Returns the bytes written."""
-        ctx = self.registry.get(ctx_id)
+        ctx = self._context(ctx_id)
         with ctx.lock, self.registry.lock:
             self.account.drop_hot(ctx)
             if ctx.memory is None:
@@ -351,7 +376,7 @@ class ContextService:
         """Drops a context's chunks from RAM **and** flash (a device reclaiming flash space, or
         flash lost): every chunk is absent; the next call recomputes them, or restores them
         from a remote source (:meth:`call`'s ``remote``). Its tokens and journal stay."""
-        ctx = self.registry.get(ctx_id)
+        ctx = self._context(ctx_id)
         with ctx.lock, self.registry.lock:
             self.account.drop_hot(ctx)
             if ctx.memory is None:
@@ -362,7 +387,7 @@ class ContextService:
     @contextlib.contextmanager
     def locked(self, ctx_id: str) -> Iterator[DeviceContext]:
         """Holds a context's lock (as a running call does): nothing of it is evicted meanwhile."""
-        ctx = self.registry.get(ctx_id)
+        ctx = self._context(ctx_id)
         with ctx.lock:
             yield ctx
 
@@ -370,8 +395,24 @@ class ContextService:
         with self.registry.lock:
             return [self._describe(c) for c in self.registry.live()]
 
+    def damaged_list(self) -> list[dict[str, str]]:
+        """The contexts that could not be reopened: ``{id, state: "damaged", reason}`` each
+        (:meth:`delete` removes one)."""
+        with self.registry.lock:
+            return [d.to_dict() for d in self.damaged.values()]
+
     def describe(self, ctx_id: str) -> dict[str, Any]:
-        return self._describe(self.registry.get(ctx_id))
+        return self._describe(self._context(ctx_id))
+
+    def _context(self, ctx_id: str) -> DeviceContext:
+        """The live context ``ctx_id``: :class:`ContextDamaged` if it could not be reopened,
+        :class:`UnknownContext` if there is none."""
+        with self.registry.lock:
+            damaged = self.damaged.get(ctx_id)
+        if damaged is not None:
+            raise ContextDamaged(f"context {ctx_id} could not be reopened: {damaged.reason}; "
+                                 "delete it")
+        return self.registry.get(ctx_id)
 
     def _describe(self, c: DeviceContext) -> dict[str, Any]:
         res = fl = ab = 0
@@ -404,14 +445,15 @@ class ContextService:
             return {"policy": self.config.name, "budget_bytes": self.budget,
                     "used_bytes": self.account.used(), "peak_bytes": self.account.peak_bytes,
                     "budget_violations": self.account.violations,
-                    "contexts": len(self.contexts), "resident_bytes_by_level": levels,
+                    "contexts": len(self.contexts), "damaged": len(self.damaged),
+                    "resident_bytes_by_level": levels,
                     "io_profile": self.io.to_dict(),
                     "recompute_scale": self.recompute.scale, "reopened": self.reopened,
                     **self.counters}
 
     def text(self, ctx_id: str) -> str:
         """The context's text so far (its token ids decoded)."""
-        ctx = self.registry.get(ctx_id)
+        ctx = self._context(ctx_id)
         return self.lm.decode_tokens(ctx.tokens + ctx.pending)
 
     # ---- one call --------------------------------------------------------------------------------

@@ -9,6 +9,8 @@
 * whole-context files (the whole-swap baseline): one file per context holding every layer's
   K and V (:meth:`SwapStore.write_whole`, :meth:`SwapStore.read_whole`).
 
+Every directory is ``0700`` and every file ``0600`` (:mod:`sparkv.device.private`).
+
 State: the root, and ``whole`` (context id -> its whole-context file); everything else lives in
 the contexts (their tier, their memory's flash references, their ``modified`` chunks). Locks: none
 of its own; a caller holds the context's lock, or the registry's lock during a reclaim.
@@ -28,7 +30,8 @@ from sparkv.cache import ContextKV, FlashRef, PayloadError, Residency
 from sparkv.device.errors import BudgetTooSmall
 from sparkv.device.flashio import ServiceFlash, token_chunk_header, token_chunk_name
 from sparkv.device.loader import LoadStats, token_chunk_ids
-from sparkv.device.registry import DeviceContext
+from sparkv.device.private import private_dir, tighten
+from sparkv.device.registry import CONTEXT_ID, DeviceContext
 
 #: the magic of a whole-context file: "SKVW" | tokens u32 | layers u32 | per layer K, V (fp32)
 WHOLE_MAGIC = b"SKVW"
@@ -39,8 +42,7 @@ class SwapStore:
     """The flash files of every context under ``swap_dir/contexts`` (module docstring)."""
 
     def __init__(self, swap_dir: str | Path) -> None:
-        self.root = Path(swap_dir) / "contexts"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = private_dir(Path(swap_dir) / "contexts")
         self.whole: dict[str, FlashRef] = {}
 
     def tier(self, ctx_id: str) -> ServiceFlash:
@@ -49,8 +51,19 @@ class SwapStore:
 
     def remove(self, ctx: DeviceContext) -> None:
         """Removes every file of a context (deleted, or never made)."""
-        self.whole.pop(ctx.id, None)
-        shutil.rmtree(ctx.tier.root, ignore_errors=True)
+        self.remove_id(ctx.id)
+
+    def remove_id(self, ctx_id: str) -> None:
+        """Removes every file of context ``ctx_id`` (also one the service could not reopen)."""
+        if not CONTEXT_ID.fullmatch(ctx_id):
+            raise ValueError(f"not a context id: {ctx_id!r}")
+        self.whole.pop(ctx_id, None)
+        shutil.rmtree(self.root / ctx_id, ignore_errors=True)
+
+    def context_ids(self) -> list[str]:
+        """The ids of every context directory on flash (the names :data:`CONTEXT_ID` allows)."""
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and CONTEXT_ID.fullmatch(p.name))
 
     # ---- token chunk files -----------------------------------------------------------------------
     def write_token_chunk(self, ctx: DeviceContext, t: int) -> int:
@@ -128,9 +141,11 @@ class SwapStore:
             try:
                 with open(path, "rb") as f:
                     head = token_chunk_header(f.read(64))
-                size = path.stat().st_size
+                st = path.stat()
             except (OSError, PayloadError):
                 continue
+            tighten(path, st)            # a file an older version wrote 0644
+            size = st.st_size
             if (head["t"] != t or head["layers"] != g.num_layers
                     or head["groups"] != g.num_groups or head["tokens"] != g.chunk_len(t)):
                 continue

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from sparkv.edge.commands import add_link_args, shaper_from_args
 from sparkv.edge.planning import STRATEGIES
@@ -45,18 +46,19 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d.set_defaults(func=run_demo, trace="lte")
 
 
+ROW_HEADERS = ["strategy", "TTFT_s", "loading_s", "link_s", "compute_s", "question_s", "MB",
+               "streamed/computed", "migr", "agree"]
+"""The printed table's columns (one row per answer: :func:`_row`)."""
+ROW_KEYS = ["strategy", "ttft_s", "loading_s", "link_s", "compute_s", "question_s", "MB",
+            "streamed_computed", "migrations", "agreement"]
+"""The same columns as keys of demo.json's rows."""
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from sparkv.device import ContextService
-    from sparkv.edge.options import AskOptions
-    from sparkv.edge.plots import plot_timelines, timeline_of
-    from sparkv.edge.prompts import chat_context, question_suffix
-    from sparkv.edge.session import EdgeSession
+    from sparkv.edge.prompts import chat_context
     from sparkv.runtime import load_model, sample_context_ids
-    from sparkv.runtime.generate import greedy_agreement, reference_generate
-    from sparkv.server.process import ServerProcess, write_config
-    from sparkv.tables import format_table
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,82 +75,124 @@ def run_demo(args: argparse.Namespace) -> int:
     link = (f"trace {args.trace!r}" if args.trace else
             f"{args.mbps:g} Mbit/s" if args.mbps else "unshaped loopback")
     with tempfile.TemporaryDirectory(prefix="sparkv-demo-") as tmp:
-        config = None
-        if args.model:  # the server encodes with the same checkpoint as the device
-            config = f"{tmp}/server.yaml"
-            write_config(config, None, models={"custom": str(args.model)},
-                         default_model="custom")
-        server = ServerProcess(config, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
-                               torch_threads=max(1, torch.get_num_threads()),
-                               extra_args=["--device", str(args.device), "--dtype",
-                                           str(args.dtype)])
+        server = _server(args, tmp)
         print("starting the server on loopback ...", flush=True)
         with server:
-            # encoding the context can take longer than a request's default 10 s on a busy CPU
-            session = EdgeSession.connect(server.url, model=lm, timeout_s=120.0)
-            t0 = time.perf_counter()
-            levels = [x for x in args.levels.split(",") if x]
-            cid = session.client.create_context(token_ids=context, levels=levels,
-                                                chunk_tokens=args.chunk_tokens, progress=True)
-            print(f"context {cid}: {len(context)} tokens encoded by the server in "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
-            suffix = question_suffix(lm, args.question)
-            print(f"question: {args.question!r}; link: {link}\n", flush=True)
-            ref = reference_generate(lm, context + suffix, args.new_tokens)
-            runs = []
-            rows = []
-            # the sparkv run keeps what it loaded as a context of the device's context service
-            session.context_service = ContextService(lm, 1 << 30, Path(tmp) / "kept",
-                                                     compression="fp")
-            follow = None
-            for strat in strategies:
-                # each strategy meets the trace from its start, with nothing learned of the link
-                session.client.shaper = shaper_from_args(args)
-                session.priors.bandwidth_Bps = None
-                res = session.ask(cid, args.question,
-                                  AskOptions(strategy=strat, max_new_tokens=args.new_tokens,
-                                             use_cache=False, keep=strat == "sparkv"))
-                bd = res.breakdown
-                runs.append((f"{strat}: TTFT {bd.ttft_s:.2f} s", res))
-                rows.append([strat, bd.ttft_s, bd.loading_s, bd.streaming_s, bd.local_compute_s,
-                             bd.question_prefill_s, bd.bytes_streamed / 1e6,
-                             f"{bd.chunks_streamed}/{bd.chunks_computed}", bd.migrations,
-                             greedy_agreement(ref, res.tokens)])
-                print(f"[{strat:>6}] {res.answer.strip()}", flush=True)
-            press = (args.press or "").strip()
-            if "sparkv" in strategies and press.lower() not in ("", "none"):
-                from sparkv.presses import canonical_spec
+            ref, runs, rows, follow = _ask_everything(args, lm, context, server.url, tmp,
+                                                      strategies, link)
+    _print_summary(lm, ref, rows)
+    png = _write_results(out, args, context, link, runs, rows, follow)
+    print(f"timeline plot: {png}")
+    sys.stdout.flush()
+    return 0
 
-                spec = canonical_spec(press)
-                t0 = time.perf_counter()
-                pcid = session.client.pressed_context(cid, spec, progress=True)
-                print(f"\ncompressed variant {pcid} ({spec}): encoded by the server in "
-                      f"{time.perf_counter() - t0:.1f} s", flush=True)
-                session.client.shaper = shaper_from_args(args)
-                session.priors.bandwidth_Bps = None
-                res = session.ask(pcid, args.question,
-                                  AskOptions(strategy="sparkv", max_new_tokens=args.new_tokens,
-                                             use_cache=False))
-                bd = res.breakdown
-                label = "sparkv+press"
-                runs.append((f"{label} ({spec}): TTFT {bd.ttft_s:.2f} s", res))
-                rows.append([label, bd.ttft_s, bd.loading_s, bd.streaming_s, bd.local_compute_s,
-                             bd.question_prefill_s, bd.bytes_streamed / 1e6,
-                             f"{bd.chunks_streamed}/{bd.chunks_computed}", bd.migrations,
-                             greedy_agreement(ref, res.tokens)])
-                print(f"[{label}] {res.answer.strip()}", flush=True)
-            if "sparkv" in strategies:
-                follow = session.ask(cid, FOLLOW_UP,
-                                     AskOptions(max_new_tokens=args.new_tokens, keep=True))
-                first = next(r for r in rows if r[0] == "sparkv")
-                print(f"\nfollow-up {FOLLOW_UP!r}, answered from the kept context: "
-                      f"TTFT {follow.breakdown.ttft_s:.2f} s (the first sparkv ask: {first[1]:.2f} s),"
-                      f" {follow.breakdown.bytes_streamed} bytes streamed\n"
-                      f"[kept] {follow.answer.strip()}", flush=True)
-            session.close()
+
+def _server(args: argparse.Namespace, tmp: str) -> Any:
+    """The ``sparkv serve`` process (not started) with its store in ``tmp``, encoding with the
+    device's checkpoint when ``--model`` names one."""
+    import torch
+
+    from sparkv.server.process import ServerProcess, write_config
+
+    config = None
+    if args.model:  # the server encodes with the same checkpoint as the device
+        config = f"{tmp}/server.yaml"
+        write_config(config, None, models={"custom": str(args.model)}, default_model="custom")
+    return ServerProcess(config, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
+                         torch_threads=max(1, torch.get_num_threads()),
+                         extra_args=["--device", str(args.device), "--dtype", str(args.dtype)])
+
+
+def _ask_everything(args: argparse.Namespace, lm: Any, context: list[int], url: str, tmp: str,
+                    strategies: list[str], link: str) -> tuple[list[int], list, list, Any]:
+    """Has the server encode the context, then asks the question with every strategy (and the
+    pressed variant, and the follow-up, when sparkv is among them): ``(reference tokens,
+    [(label, result)], table rows, follow-up result or None)``."""
+    from sparkv.device import ContextService
+    from sparkv.edge.options import AskOptions
+    from sparkv.edge.prompts import question_suffix
+    from sparkv.edge.session import EdgeSession
+    from sparkv.runtime.generate import reference_generate
+
+    # encoding the context can take longer than a request's default 10 s on a busy CPU
+    session = EdgeSession.connect(url, model=lm, timeout_s=120.0)
+    t0 = time.perf_counter()
+    levels = [x for x in args.levels.split(",") if x]
+    cid = session.client.create_context(token_ids=context, levels=levels,
+                                        chunk_tokens=args.chunk_tokens, progress=True)
+    print(f"context {cid}: {len(context)} tokens encoded by the server in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    suffix = question_suffix(lm, args.question)
+    print(f"question: {args.question!r}; link: {link}\n", flush=True)
+    ref = reference_generate(lm, context + suffix, args.new_tokens)
+    runs: list[tuple[str, Any]] = []
+    rows: list[list[Any]] = []
+    # the sparkv run keeps what it loaded as a context of the device's context service
+    session.context_service = ContextService(lm, 1 << 30, Path(tmp) / "kept", compression="fp")
+    follow = None
+    for strat in strategies:
+        res = _ask(session, cid, args, AskOptions(strategy=strat, max_new_tokens=args.new_tokens,
+                                                  use_cache=False, keep=strat == "sparkv"))
+        runs.append((f"{strat}: TTFT {res.breakdown.ttft_s:.2f} s", res))
+        rows.append(_row(strat, res, ref))
+        print(f"[{strat:>6}] {res.answer.strip()}", flush=True)
+    press = (args.press or "").strip()
+    if "sparkv" in strategies and press.lower() not in ("", "none"):
+        _ask_pressed(session, cid, press, args, ref, runs, rows)
+    if "sparkv" in strategies:
+        follow = session.ask(cid, FOLLOW_UP, AskOptions(max_new_tokens=args.new_tokens, keep=True))
+        first = next(r for r in rows if r[0] == "sparkv")
+        print(f"\nfollow-up {FOLLOW_UP!r}, answered from the kept context: "
+              f"TTFT {follow.breakdown.ttft_s:.2f} s (the first sparkv ask: {first[1]:.2f} s),"
+              f" {follow.breakdown.bytes_streamed} bytes streamed\n"
+              f"[kept] {follow.answer.strip()}", flush=True)
+    session.close()
+    return ref, runs, rows, follow
+
+
+def _ask(session: Any, cid: str, args: argparse.Namespace, options: Any) -> Any:
+    """One ask that meets the link trace from its start, with nothing learned of the link."""
+    session.client.shaper = shaper_from_args(args)
+    session.priors.bandwidth_Bps = None
+    return session.ask(cid, args.question, options)
+
+
+def _ask_pressed(session: Any, cid: str, press: str, args: argparse.Namespace, ref: list[int],
+                 runs: list[tuple[str, Any]], rows: list[list[Any]]) -> None:
+    """Has the server compress the context with the press ``press`` and asks sparkv over the
+    compressed variant (appended to ``runs`` and ``rows`` as ``sparkv+press``)."""
+    from sparkv.edge.options import AskOptions
+    from sparkv.presses import canonical_spec
+
+    spec = canonical_spec(press)
+    t0 = time.perf_counter()
+    pcid = session.client.pressed_context(cid, spec, progress=True)
+    print(f"\ncompressed variant {pcid} ({spec}): encoded by the server in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    res = _ask(session, pcid, args, AskOptions(strategy="sparkv", max_new_tokens=args.new_tokens,
+                                               use_cache=False))
+    label = "sparkv+press"
+    runs.append((f"{label} ({spec}): TTFT {res.breakdown.ttft_s:.2f} s", res))
+    rows.append(_row(label, res, ref))
+    print(f"[{label}] {res.answer.strip()}", flush=True)
+
+
+def _row(label: str, res: Any, ref: list[int]) -> list[Any]:
+    """One answer's table row (:data:`ROW_HEADERS`)."""
+    from sparkv.runtime.generate import greedy_agreement
+
+    bd = res.breakdown
+    return [label, bd.ttft_s, bd.loading_s, bd.streaming_s, bd.local_compute_s,
+            bd.question_prefill_s, bd.bytes_streamed / 1e6,
+            f"{bd.chunks_streamed}/{bd.chunks_computed}", bd.migrations,
+            greedy_agreement(ref, res.tokens)]
+
+
+def _print_summary(lm: Any, ref: list[int], rows: list[list[Any]]) -> None:
+    from sparkv.tables import format_table
+
     print(f"[reference, dense full prefill] {lm.decode_tokens(ref).strip()}\n")
-    print(format_table(["strategy", "TTFT_s", "loading_s", "link_s", "compute_s", "question_s",
-                        "MB", "streamed/computed", "migr", "agree"], rows))
+    print(format_table(ROW_HEADERS, rows))
     base = [r[1] for r in rows if not r[0].startswith("sparkv")]
     best = min(base) if base else None
     sp = [r[1] for r in rows if r[0] == "sparkv"]
@@ -157,17 +201,20 @@ def run_demo(args: argparse.Namespace) -> int:
     pressed = [r[1] for r in rows if r[0] == "sparkv+press"]
     if best and pressed:
         print(f"sparkv with the press, TTFT / best baseline = {pressed[0] / best:.2f}")
+
+
+def _write_results(out: Path, args: argparse.Namespace, context: list[int], link: str,
+                   runs: list[tuple[str, Any]], rows: list[list[Any]], follow: Any) -> Any:
+    """Writes ``timeline.png`` and ``demo.json`` into ``out``; returns the plot's path."""
+    from sparkv.edge.plots import plot_timelines, timeline_of
+
     png = plot_timelines([(label, timeline_of(res)) for label, res in runs], out / "timeline.png",
                          title=f"{len(context)} tokens, {link}: both paths per strategy")
     (out / "demo.json").write_text(json.dumps({
         "context_tokens": len(context), "link": link, "question": args.question,
-        "rows": [dict(zip(["strategy", "ttft_s", "loading_s", "link_s", "compute_s",
-                           "question_s", "MB", "streamed_computed", "migrations", "agreement"], r))
-                 for r in rows],
+        "rows": [dict(zip(ROW_KEYS, r)) for r in rows],
         "answers": {label: res.answer for label, res in runs},
         "follow_up": None if follow is None else {
             "question": FOLLOW_UP, "answer": follow.answer, "ttft_s": follow.breakdown.ttft_s,
             "bytes_streamed": follow.breakdown.bytes_streamed}}, indent=1))
-    print(f"timeline plot: {png}")
-    sys.stdout.flush()
-    return 0
+    return png

@@ -1,4 +1,4 @@
-"""The one flash backend (sparkv.cache.fileio) and its three users: atomic writes that leave no
+"""The one flash backend (sparkv.fileio) and its three users: atomic writes that leave no
 partial file, checksummed reads with a clear error, honest reads at any alignment."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import os
 import pytest
 
 from sparkv.cache import FlashError, FlashTier
-from sparkv.cache.fileio import (ChecksumError, FlashIO, atomic_write, checksum, delete,
-                                 direct_alignment, page_size, verify)
 from sparkv.decode.store import PAGE, IOStats, PageFile
 from sparkv.device.flashio import ServiceFlash
 from sparkv.device.journal import Journal
+from sparkv.fileio import (ChecksumError, FlashIO, atomic_write, checksum, delete,
+                           direct_alignment, page_size, verify)
 
 ALIGNMENTS = [4096, 16384]
 

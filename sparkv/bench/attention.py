@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.bench.common import add_output_args, format_table, results_dir, write_result
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -36,8 +36,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--device", default="cuda", help="a CUDA device")
     p.add_argument("--save-profile", action="store_true",
                    help="save the chunk rows of the first head geometry as this GPU's profile")
-    p.add_argument("--json", action="store_true", help="write bench/results/attention.json")
-    p.add_argument("--out", default=None)
+    add_output_args(p, "attention")
     p.set_defaults(func=run)
 
 

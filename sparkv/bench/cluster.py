@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkv.bench.common import format_table, write_result
+from sparkv.bench.common import add_output_args, format_table, percentile, wait_job, write_result
 
 LEVEL = "q8"
 
@@ -45,8 +45,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto",
                    help="frame-read load generator (auto: wrk when installed, else Python)")
     p.add_argument("--skip-encode", action="store_true", help="frame reads only")
-    p.add_argument("--json", action="store_true", help="write bench/results/cluster.json")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/cluster.json)")
+    add_output_args(p, "cluster")
     p.set_defaults(func=run)
 
 
@@ -59,13 +58,6 @@ def _texts(n_tokens: int, seed: int) -> str:
     k = max(8, int(n_tokens / 1.3))
     rot = words[seed * 97 % len(words):] + words
     return " ".join((rot * (k // len(rot) + 1))[:k])
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,8 +101,8 @@ def _loadgen(cfg: dict[str, Any], procs: int) -> dict[str, Any]:
            "wall_s": span, "error_samples": [e for o in outs for e in o["error_samples"]][:5]}
     res["reads_per_s"] = res["requests"] / span if span else 0.0
     res["gbit_s"] = res["bytes"] * 8 / span / 1e9 if span else 0.0
-    res["p50_ms"] = _percentile(lat, 50) * 1e3
-    res["p99_ms"] = _percentile(lat, 99) * 1e3
+    res["p50_ms"] = percentile(lat, 50) * 1e3
+    res["p99_ms"] = percentile(lat, 99) * 1e3
     if kill_t is not None:
         around = [lt for o in outs for (t_end, lt) in o["ends"] if abs(t_end - kill_t) < 2.0]
         res["max_latency_around_kill_ms"] = max(around) * 1e3 if around else 0.0
@@ -250,59 +242,73 @@ async def _load(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------
-def _wait_job(c: Any, job_id: str, timeout: float = 900.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = c.get(f"/v1/jobs/{job_id}").json()
-        if job["state"] not in ("queued", "running"):
-            return job
-        time.sleep(0.1)
-    raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
-
-
 def _encode_runs(cluster: Any, key: str, args: argparse.Namespace) -> dict[str, Any]:
     """2 workers: two contexts at once, then a worker killed mid-job; 1 worker: two contexts."""
     import httpx
 
-    from sparkv.server.stores import open_store
-
     out: dict[str, Any] = {}
-    store = open_store(cluster.redis_url)
     h = {"Authorization": f"Bearer {key}"}
     seed = [int(time.time()) % 1000]
-
-    def batch(n: int) -> dict[str, Any]:
-        with httpx.Client(base_url=cluster.url, headers=h, timeout=120) as c:
-            t0 = time.perf_counter()
-            jobs = []
-            for _ in range(n):
-                seed[0] += 1
-                r = c.post("/v1/contexts", json={"text": _texts(args.encode_tokens, seed[0])})
-                r.raise_for_status()
-                jobs.append(r.json())
-            done = [_wait_job(c, j["job_id"]) for j in jobs]
-            wall = time.perf_counter() - t0
-        tokens = sum(j["num_tokens"] for j in jobs)
-        bad = [j for j in done if j["state"] != "done"]
-        job_s = [d["finished_unix"] - d["started_unix"] for d in done if d["started_unix"]]
-        return {"contexts": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                "job_s_mean": sum(job_s) / len(job_s) if job_s else 0.0, "failed": len(bad)}
-
     # warm-up: each worker loads the model on its first job; not measured
     with httpx.Client(base_url=cluster.url, headers=h, timeout=120) as c:
         warm = [c.post("/v1/contexts", json={"text": f"warm-up {i} " * 8}).json()
                 for i in range(2)]
         for w in warm:
-            _wait_job(c, w["job_id"])
+            wait_job(c, w["job_id"])
     print("bench cluster: encode, 2 workers, 2 contexts at once ...", flush=True)
-    out["workers_2"] = batch(2)
+    out["workers_2"] = _encode_batch(cluster.url, h, args.encode_tokens, seed, 2)
     print(f"  {out['workers_2']['tokens_per_s']:.1f} tokens/s", flush=True)
-    # a worker killed mid-job: the other takes it over and finishes it
     print("bench cluster: a worker SIGKILLed mid-job ...", flush=True)
-    with httpx.Client(base_url=cluster.url, headers=h, timeout=120) as c:
+    out["worker_kill"] = _worker_kill(cluster, h, args.encode_tokens, seed)
+    kill = out["worker_kill"]
+    print(f"  taken over {kill['kill_to_takeover_s']:.1f} s after the kill, done "
+          f"after {kill['job_wall_s']:.1f} s ({kill['state']})", flush=True)
+    print("bench cluster: encode, 1 worker, 2 contexts ...", flush=True)
+    out["workers_1"] = _encode_batch(cluster.url, h, args.encode_tokens, seed, 2)
+    print(f"  {out['workers_1']['tokens_per_s']:.1f} tokens/s", flush=True)
+    single = out["workers_1"]["job_s_mean"]
+    kill["one_job_encode_s"] = single
+    kill["target_s"] = single + 10.0
+    kill["target_met"] = (kill["state"] == "done" and kill["job_wall_s"] <= single + 10.0)
+    return out
+
+
+def _encode_batch(url: str, headers: dict[str, str], tokens: int, seed: list[int], n: int
+                  ) -> dict[str, Any]:
+    """``n`` contexts of ``tokens`` posted at once (new texts: ``seed[0]`` is advanced), timed
+    until every job ends."""
+    import httpx
+
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
+        t0 = time.perf_counter()
+        jobs = []
+        for _ in range(n):
+            seed[0] += 1
+            r = c.post("/v1/contexts", json={"text": _texts(tokens, seed[0])})
+            r.raise_for_status()
+            jobs.append(r.json())
+        done = [wait_job(c, j["job_id"]) for j in jobs]
+        wall = time.perf_counter() - t0
+    n_tokens = sum(j["num_tokens"] for j in jobs)
+    bad = [j for j in done if j["state"] != "done"]
+    job_s = [d["finished_unix"] - d["started_unix"] for d in done if d["started_unix"]]
+    return {"contexts": n, "tokens": n_tokens, "wall_s": wall, "tokens_per_s": n_tokens / wall,
+            "job_s_mean": sum(job_s) / len(job_s) if job_s else 0.0, "failed": len(bad)}
+
+
+def _worker_kill(cluster: Any, headers: dict[str, str], tokens: int, seed: list[int]
+                 ) -> dict[str, Any]:
+    """A worker SIGKILLed mid-job: the other takes the job over and finishes it. Returns the
+    victim, the job's final state and attempts, and the times from the kill."""
+    import httpx
+
+    from sparkv.server.stores import open_store
+
+    store = open_store(cluster.redis_url)
+    with httpx.Client(base_url=cluster.url, headers=headers, timeout=120) as c:
         seed[0] += 1
         t0 = time.time()
-        r = c.post("/v1/contexts", json={"text": _texts(args.encode_tokens, seed[0])}).json()
+        r = c.post("/v1/contexts", json={"text": _texts(tokens, seed[0])}).json()
         job_id = r["job_id"]
         running_since = None
         while True:  # mid-job: some frames stored, or (a fast machine) well into the prefill
@@ -326,21 +332,10 @@ def _encode_runs(cluster: Any, key: str, args: argparse.Namespace) -> dict[str, 
                 break
             time.sleep(0.05)
         done_t = time.time()
-    out["worker_kill"] = {"victim": victim, "state": rec["state"], "attempts": rec["attempts"],
-                          "frames_reused": (rec.get("timings") or {}).get("frames_reused"),
-                          "job_wall_s": done_t - t0, "kill_to_takeover_s": (taken or done_t) -
-                          kill_t, "kill_to_done_s": done_t - kill_t}
-    print(f"  taken over {out['worker_kill']['kill_to_takeover_s']:.1f} s after the kill, done "
-          f"after {out['worker_kill']['job_wall_s']:.1f} s ({rec['state']})", flush=True)
-    print("bench cluster: encode, 1 worker, 2 contexts ...", flush=True)
-    out["workers_1"] = batch(2)
-    print(f"  {out['workers_1']['tokens_per_s']:.1f} tokens/s", flush=True)
-    single = out["workers_1"]["job_s_mean"]
-    out["worker_kill"]["one_job_encode_s"] = single
-    out["worker_kill"]["target_s"] = single + 10.0
-    out["worker_kill"]["target_met"] = (rec["state"] == "done" and
-                                        out["worker_kill"]["job_wall_s"] <= single + 10.0)
-    return out
+    return {"victim": victim, "state": rec["state"], "attempts": rec["attempts"],
+            "frames_reused": (rec.get("timings") or {}).get("frames_reused"),
+            "job_wall_s": done_t - t0, "kill_to_takeover_s": (taken or done_t) - kill_t,
+            "kill_to_done_s": done_t - kill_t}
 
 
 def _warm(url: str, key: str, items: list[list[Any]]) -> None:
@@ -364,10 +359,9 @@ def _warm(url: str, key: str, items: list[list[Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import httpx
-    from tqdm import tqdm
+    import shutil
 
-    from sparkv.server.cluster import LocalCluster, cluster_available
+    from sparkv.server.cluster import cluster_available
     from sparkv.server.process import write_config
 
     why = cluster_available()
@@ -379,8 +373,6 @@ def run(args: argparse.Namespace) -> int:
     if not replicas or min(replicas) < 1 or not clients or min(clients) < 1:
         print("bench cluster: --replicas and --clients need positive integers", file=sys.stderr)
         return 2
-    import shutil
-
     use_wrk = args.loadgen == "wrk" or (args.loadgen == "auto" and shutil.which("wrk"))
     if args.loadgen == "wrk" and not shutil.which("wrk"):
         print("bench cluster: wrk is not installed (apt-get install wrk)", file=sys.stderr)
@@ -393,70 +385,111 @@ def run(args: argparse.Namespace) -> int:
                             default_chunk_tokens=256, queue_claim_idle_s=2.0,
                             max_context_tokens=8192, max_streams_per_tenant=512)
         key = keys["bench"]
-        cid = None
         items: list[list[Any]] = []
         for n in replicas:
-            cluster = LocalCluster(tmpd / "c", tmpd / "s.yaml", api_replicas=n,
-                                   workers=1 if cid is None else 0, redis_aof=True)
-            print(f"bench cluster: starting {n} API replicas ...", flush=True)
-            cluster.start()
-            try:
-                if cid is None:
-                    with httpx.Client(base_url=cluster.url, timeout=120,
-                                      headers={"Authorization": f"Bearer {key}"}) as c:
-                        print(f"bench cluster: encoding a {args.tokens}-token context ...",
-                              flush=True)
-                        r = c.post("/v1/contexts", json={"text": _texts(args.tokens, 0)})
-                        r.raise_for_status()
-                        job = _wait_job(c, r.json()["job_id"])
-                        if job["state"] != "done":
-                            raise RuntimeError(f"encode failed: {job}")
-                        cid = r.json()["context_id"]
-                        m = c.get(f"/v1/contexts/{cid}").json()
-                    items = [[f"/v1/contexts/{cid}/chunks/{ch['t']}/{ch['l']}/{ch['g']}"
-                              f"?level={LEVEL}", ch["levels"][LEVEL]["bytes"],
-                              ch["levels"][LEVEL]["checksum"]] for ch in m["chunks"]]
-                    extra["frames"] = len(items)
-                    extra["frame_bytes_mean"] = sum(i[1] for i in items) / len(items)
-                confs = [(mode, k) for mode in ("cold", "hot") for k in clients]
-                if n == 1:
-                    confs = [("direct", k) for k in clients] + confs
-                # warm the cache: every frame once, checked
-                _warm(cluster.url, key, items)
-                for mode, k in tqdm(confs, desc=f"{n} replicas", unit="run", file=sys.stderr):
-                    url = (f"http://127.0.0.1:{cluster.api_ports[0]}" if mode == "direct"
-                           else cluster.url)
-                    headers = {"X-Sparkv-Cache-Bypass": "1"} if mode == "cold" else {}
-                    cfg = {"url": url, "key": key, "items": items, "clients": k,
-                           "duration": args.duration, "headers": headers}
-                    res = (_wrk(cfg, args.loadgen_procs, tmpd) if use_wrk else
-                           _loadgen(cfg, args.loadgen_procs))
-                    if not res["errors"]:
-                        res.pop("error_samples", None)
-                    rows.append({"replicas": n, "cache": mode, **res})
-                if n == max(2, min(replicas)) and n > 1:  # a replica killed under load
-                    print("bench cluster: SIGKILL of api-1 under load (cache bypassed) ...",
-                          flush=True)
-                    res = _loadgen({"url": cluster.url, "key": key, "items": items,
-                                    "clients": 32, "duration": args.duration + 1,
-                                    "headers": {"X-Sparkv-Cache-Bypass": "1"},
-                                    "kill_pid": cluster.pid("api-1"),
-                                    "kill_at": 1.5}, args.loadgen_procs)
-                    extra["replica_kill"] = {"replicas": n, **res}
-            finally:
-                cluster.stop()
+            items = _replica_runs(args, tmpd, key, n, replicas, clients, bool(use_wrk), items,
+                                  rows, extra)
         if not args.skip_encode:
-            cluster = LocalCluster(tmpd / "c", tmpd / "s.yaml", api_replicas=1, workers=2,
-                                   redis_aof=True)
-            print("bench cluster: starting 1 API replica and 2 workers ...", flush=True)
-            cluster.start()
-            try:
-                extra["encode"] = _encode_runs(cluster, key, args)
-            except (RuntimeError, TimeoutError) as exc:  # keep the read results
-                print(f"bench cluster: the encode runs failed: {exc}", file=sys.stderr)
-                extra["encode_error"] = str(exc)
-            finally:
-                cluster.stop()
+            _encode_phase(args, tmpd, key, extra)
+    summary = _summary(rows, clients, extra)
+    _report(rows, summary, extra)
+    if args.json or args.out:
+        path = write_result("cluster", {"summary": summary, "results": rows, **extra},
+                            config=vars(args) | {"func": None}, path=args.out)
+        print(f"wrote {path}")
+    return 0
+
+
+def _replica_runs(args: argparse.Namespace, tmpd: Path, key: str, n: int, replicas: list[int],
+                  clients: list[int], use_wrk: bool, items: list[list[Any]],
+                  rows: list[dict[str, Any]], extra: dict[str, Any]) -> list[list[Any]]:
+    """Starts the cluster with ``n`` API replicas (and, the first time, one worker that encodes
+    the served context: ``items`` is empty until then), warms the cache, appends one row per
+    (cache mode, clients) to ``rows`` and, at the second replica count, the replica-kill run to
+    ``extra``. Returns the frames read: ``[path, bytes, checksum]`` each."""
+    from tqdm import tqdm
+
+    from sparkv.server.cluster import LocalCluster
+
+    cluster = LocalCluster(tmpd / "c", tmpd / "s.yaml", api_replicas=n,
+                           workers=0 if items else 1, redis_aof=True)
+    print(f"bench cluster: starting {n} API replicas ...", flush=True)
+    cluster.start()
+    try:
+        if not items:
+            items = _serve_context(cluster.url, key, args.tokens)
+            extra["frames"] = len(items)
+            extra["frame_bytes_mean"] = sum(i[1] for i in items) / len(items)
+        confs = [(mode, k) for mode in ("cold", "hot") for k in clients]
+        if n == 1:
+            confs = [("direct", k) for k in clients] + confs
+        # warm the cache: every frame once, checked
+        _warm(cluster.url, key, items)
+        for mode, k in tqdm(confs, desc=f"{n} replicas", unit="run", file=sys.stderr):
+            url = (f"http://127.0.0.1:{cluster.api_ports[0]}" if mode == "direct"
+                   else cluster.url)
+            headers = {"X-Sparkv-Cache-Bypass": "1"} if mode == "cold" else {}
+            cfg = {"url": url, "key": key, "items": items, "clients": k,
+                   "duration": args.duration, "headers": headers}
+            res = (_wrk(cfg, args.loadgen_procs, tmpd) if use_wrk else
+                   _loadgen(cfg, args.loadgen_procs))
+            if not res["errors"]:
+                res.pop("error_samples", None)
+            rows.append({"replicas": n, "cache": mode, **res})
+        if n == max(2, min(replicas)) and n > 1:  # a replica killed under load
+            print("bench cluster: SIGKILL of api-1 under load (cache bypassed) ...", flush=True)
+            res = _loadgen({"url": cluster.url, "key": key, "items": items,
+                            "clients": 32, "duration": args.duration + 1,
+                            "headers": {"X-Sparkv-Cache-Bypass": "1"},
+                            "kill_pid": cluster.pid("api-1"),
+                            "kill_at": 1.5}, args.loadgen_procs)
+            extra["replica_kill"] = {"replicas": n, **res}
+    finally:
+        cluster.stop()
+    return items
+
+
+def _serve_context(url: str, key: str, tokens: int) -> list[list[Any]]:
+    """Encodes the served context of ``tokens`` through the cluster; its frames at
+    :data:`LEVEL`: ``[path, bytes, checksum]`` each."""
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=120,
+                      headers={"Authorization": f"Bearer {key}"}) as c:
+        print(f"bench cluster: encoding a {tokens}-token context ...", flush=True)
+        r = c.post("/v1/contexts", json={"text": _texts(tokens, 0)})
+        r.raise_for_status()
+        job = wait_job(c, r.json()["job_id"])
+        if job["state"] != "done":
+            raise RuntimeError(f"encode failed: {job}")
+        cid = r.json()["context_id"]
+        m = c.get(f"/v1/contexts/{cid}").json()
+    return [[f"/v1/contexts/{cid}/chunks/{ch['t']}/{ch['l']}/{ch['g']}?level={LEVEL}",
+             ch["levels"][LEVEL]["bytes"], ch["levels"][LEVEL]["checksum"]]
+            for ch in m["chunks"]]
+
+
+def _encode_phase(args: argparse.Namespace, tmpd: Path, key: str, extra: dict[str, Any]) -> None:
+    """One API replica and 2 workers: :func:`_encode_runs` into ``extra["encode"]`` (or its
+    failure into ``extra["encode_error"]``, keeping the read results)."""
+    from sparkv.server.cluster import LocalCluster
+
+    cluster = LocalCluster(tmpd / "c", tmpd / "s.yaml", api_replicas=1, workers=2,
+                           redis_aof=True)
+    print("bench cluster: starting 1 API replica and 2 workers ...", flush=True)
+    cluster.start()
+    try:
+        extra["encode"] = _encode_runs(cluster, key, args)
+    except (RuntimeError, TimeoutError) as exc:  # keep the read results
+        print(f"bench cluster: the encode runs failed: {exc}", file=sys.stderr)
+        extra["encode_error"] = str(exc)
+    finally:
+        cluster.stop()
+
+
+def _summary(rows: list[dict[str, Any]], clients: list[int], extra: dict[str, Any]
+             ) -> dict[str, Any]:
+    """Gives each row its ratio to one uncached replica; the summary and its targets."""
     base = next((r["reads_per_s"] for r in rows if r["replicas"] == 1 and r["cache"] == "cold"
                  and r["clients"] == min(clients)), 0.0)
     for r in rows:
@@ -478,6 +511,10 @@ def run(args: argparse.Namespace) -> int:
     if "encode" in extra:
         summary["targets"]["worker_kill_within_one_job_plus_10s"] = \
             extra["encode"]["worker_kill"]["target_met"]
+    return summary
+
+
+def _report(rows: list[dict[str, Any]], summary: dict[str, Any], extra: dict[str, Any]) -> None:
     print()
     print(format_table(
         ["replicas", "cache", "clients", "reads/s", "Gbit/s", "p50 ms", "p99 ms", "errors",
@@ -492,14 +529,10 @@ def run(args: argparse.Namespace) -> int:
               f"{k['max_latency_around_kill_ms']:.0f} ms")
     if "encode" in extra:
         e = extra["encode"]
+        kill = e["worker_kill"]
         print(f"encode: 1 worker {e['workers_1']['tokens_per_s']:.1f} tokens/s, 2 workers "
               f"{e['workers_2']['tokens_per_s']:.1f} tokens/s; worker SIGKILL: taken over after "
-              f"{e['worker_kill']['kill_to_takeover_s']:.1f} s, job {e['worker_kill']['state']} "
-              f"in {e['worker_kill']['job_wall_s']:.1f} s (one job {e['worker_kill']['one_job_encode_s']:.1f} s "
-              f"+ 10 s = {e['worker_kill']['target_s']:.1f} s)")
+              f"{kill['kill_to_takeover_s']:.1f} s, job {kill['state']} "
+              f"in {kill['job_wall_s']:.1f} s (one job {kill['one_job_encode_s']:.1f} s "
+              f"+ 10 s = {kill['target_s']:.1f} s)")
     print(f"cores: {summary['cores']} (shared; loaded machine). targets: {summary['targets']}")
-    if args.json or args.out:
-        path = write_result("cluster", {"summary": summary, "results": rows, **extra},
-                            config=vars(args) | {"func": None}, path=args.out)
-        print(f"wrote {path}")
-    return 0

@@ -24,11 +24,12 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sparkv.bench.common import format_table, write_result
+from sparkv.bench.common import add_run_args, format_table, write_result
 
 QUESTIONS = [
     "\nQuestion: What is this document about? Answer:",
@@ -83,10 +84,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="pass-key contexts (2K tokens) of --measure-profile")
     p.add_argument("--profile-bits", type=int, default=4,
                    help="bits whose quantization noise --measure-profile weighs")
-    p.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for generation")
-    p.add_argument("--json", action="store_true", help="write bench/results/codec.json")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/codec.json)")
+    add_run_args(p, "codec", threads_help="torch threads for generation")
     p.set_defaults(func=run)
 
 
@@ -496,16 +494,12 @@ def measure_profile(lm: Any, tokens: int = 4096, chunk_tokens: int = 1024, bits:
     bits. Offsets: :func:`sparkv.codec.levels.allocate_offsets` (``-1..+2``, and ``0..+2`` for
     the 2-bit floor) at :data:`~sparkv.codec.levels.PROFILE_BUDGET` over the model's layers
     scaled from the profile's 30."""
-    from tqdm import tqdm
-
     from sparkv.bench.tasks import task_suite
-    from sparkv.codec import levels as lv
     from sparkv.edge.prompts import chat_context, question_suffix
-    from sparkv.runtime import greedy_generate, reference_prefill, sample_context_ids
+    from sparkv.runtime import sample_context_ids
 
     if bits < 2 or bits > 8:
         raise SystemExit("--profile-bits: 2..8")
-    num_layers = lm.config.num_hidden_layers
     # (kind, context ids, [(question ids, task or None)])
     contexts: list[tuple[str, list[int], list[tuple[list[int], Any]]]] = []
     ids = sample_context_ids(lm, tokens)
@@ -516,6 +510,28 @@ def measure_profile(lm: Any, tokens: int = 4096, chunk_tokens: int = 1024, bits:
     for task in pk_tasks:
         ctx = chat_context(lm, lm.encode_text(task.document))
         contexts.append(("passkey", ctx, [(question_suffix(lm, task.question), task)]))
+    per_kind, used = _sensitivity(lm, contexts, bits, chunk_tokens, new_tokens)
+    return {
+        "model": lm.name, "num_layers": lm.config.num_hidden_layers, "bits": bits,
+        "chunk_tokens": chunk_tokens,
+        "contexts": {"natural": {"tokens": len(ids), "questions": len(qs),
+                                 "new_tokens": new_tokens, "used": used["natural"]},
+                     "passkey": {"tokens": passkey_tokens, "tasks": len(pk_tasks),
+                                 "used": used["passkey"]}},
+        **_allocate_profile(per_kind, lm.config.num_hidden_layers),
+    }
+
+
+def _sensitivity(lm: Any, contexts: list[tuple[str, list[int], list[tuple[list[int], Any]]]],
+                 bits: int, chunk_tokens: int, new_tokens: int
+                 ) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, int]]:
+    """Per kind of context, the per-layer K and V sensitivities (:func:`_fisher_noise`) summed
+    over its questions, and how many questions gave a usable target: ``(per_kind, used)``."""
+    from tqdm import tqdm
+
+    from sparkv.runtime import greedy_generate, reference_prefill
+
+    num_layers = lm.config.num_hidden_layers
     per_kind: dict[str, tuple[list[float], list[float]]] = {}
     used = {"natural": 0, "passkey": 0}
     bar = tqdm(total=sum(len(c[2]) for c in contexts), desc="sensitivity", unit="question")
@@ -541,6 +557,15 @@ def measure_profile(lm: Any, tokens: int = 4096, chunk_tokens: int = 1024, bits:
     bar.close()
     if not per_kind:
         raise SystemExit("no context gave a usable target")
+    return per_kind, used
+
+
+def _allocate_profile(per_kind: dict[str, tuple[list[float], list[float]]], num_layers: int
+                      ) -> dict[str, Any]:
+    """Normalises each kind's sensitivities to 1, sums them, allocates the offsets (and the
+    floor's) and compares the predicted loss with the shipped profile and CacheGen's rule."""
+    from sparkv.codec import levels as lv
+
     sens_k = [0.0] * num_layers
     sens_v = [0.0] * num_layers
     raw: dict[str, Any] = {}
@@ -562,11 +587,6 @@ def measure_profile(lm: Any, tokens: int = 4096, chunk_tokens: int = 1024, bits:
         tuple(lv.get_level("q4").bits(i, num_layers)[1] - 4 for i in range(num_layers))
     pl = lambda o: lv.predicted_loss(sens, o)  # noqa: E731
     return {
-        "model": lm.name, "num_layers": num_layers, "bits": bits, "chunk_tokens": chunk_tokens,
-        "contexts": {"natural": {"tokens": len(ids), "questions": len(qs),
-                                 "new_tokens": new_tokens, "used": used["natural"]},
-                     "passkey": {"tokens": passkey_tokens, "tasks": len(pk_tasks),
-                                 "used": used["passkey"]}},
         "per_kind": raw, "sensitivity_k": sens_k, "sensitivity_v": sens_v, "budget": budget,
         "k_offsets": list(off[:num_layers]), "v_offsets": list(off[num_layers:]),
         "k_offsets_floor": list(floor[:num_layers]), "v_offsets_floor": list(floor[num_layers:]),
@@ -582,19 +602,68 @@ def measure_profile(lm: Any, tokens: int = 4096, chunk_tokens: int = 1024, bits:
 # ------------------------------------------------------------------------------------------------
 # The benchmark
 # ------------------------------------------------------------------------------------------------
+@dataclass
+class _Context:
+    """The measured context: the model, its prefilled KV (``layers``, ``[1, H, N, D]`` per layer),
+    the KV cut into codec chunks, and the questions asked over the decoded caches."""
+
+    lm: Any
+    n_ctx: int
+    layers: list
+    geo: Any
+    chunks: list
+    n_values: int
+    questions: list[list[int]]
+    prefill_s: float
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from sparkv.codec import (LEVEL_ORDER, KVChunk, decode_into, encode, get_level,
-                              peek_header)
-    from sparkv.codec.frame import quantized_values
-    from sparkv.layout import ChunkGeometry
-    from sparkv.runtime import (first_token_kl, greedy_agreement, greedy_generate, load_model,
-                                reference_prefill, sample_context_ids, split_chunks)
-
     if args.measure_profile:
         return _run_profile(args)
+    levels, pk_sizes, pk_trials = _settings(args)
+    ctx = _prefill_context(args)
+    workers = os.cpu_count() or 1
+    rows: list[dict[str, Any]] = []
+    reference: list[Any] = []
+    bar = tqdm(total=len(levels), desc="codec bench", unit="level")
+    for name in levels:
+        bar.set_postfix_str(name)
+        row, reference = _measure_level(ctx, name, args, workers, reference)
+        rows.append(row)
+        bar.update(1)
+    bar.close()
+
+    axis_rows = [] if args.no_axis_study else _axis_study(ctx.chunks, (3, 4, 5, 6))
+    passkey = None
+    if any(pk_trials):
+        print("pass-key tasks ...", flush=True)
+        passkey = _passkey(ctx.lm, [name for name in levels if name != "raw"], pk_sizes,
+                           pk_trials, args.chunk_tokens)
+    summary = _targets(rows, passkey)
+    _print(rows, axis_rows, summary, passkey)
+    config = {"model": ctx.lm.name, "tokens": ctx.n_ctx, "chunk_tokens": args.chunk_tokens,
+              "chunks": len(ctx.chunks), "values": ctx.n_values,
+              "questions": len(ctx.questions), "new_tokens": args.new_tokens,
+              "repeats": args.repeats, "workers": workers, "prefill_s": ctx.prefill_s,
+              "torch_threads": torch.get_num_threads()}
+    if args.json or args.out:
+        path = write_result("codec", {"results": rows, "axis_study": axis_rows,
+                                      "passkey": passkey, "targets": TARGETS,
+                                      "summary": summary}, config, args.out)
+        print(f"wrote {path}")
+    return 0
+
+
+def _settings(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
+    """Applies ``--quick`` and ``--threads`` and checks the options: ``(levels, pass-key sizes,
+    pass-key trials per size)``, ``raw`` among the levels (the quality reference)."""
+    import torch
+
+    from sparkv.codec import LEVEL_ORDER, get_level
+
     if args.passkey_trials is None:
         args.passkey_trials = "0" if args.quick else "30,10"
     if args.quick:
@@ -615,6 +684,14 @@ def run(args: argparse.Namespace) -> int:
         get_level(name)  # CodecError (exit 2) on a typo, before loading anything
     if "raw" not in levels:
         levels.insert(0, "raw")  # the quality reference
+    return levels, pk_sizes, pk_trials
+
+
+def _prefill_context(args: argparse.Namespace) -> _Context:
+    """Loads the model, prefills ``--tokens`` of the bundled text and cuts the KV into chunks."""
+    from sparkv.codec import KVChunk
+    from sparkv.layout import ChunkGeometry
+    from sparkv.runtime import load_model, reference_prefill, sample_context_ids, split_chunks
 
     print("loading the model and prefilling the context ...", flush=True)
     lm = load_model(args.model)
@@ -627,136 +704,149 @@ def run(args: argparse.Namespace) -> int:
     views = split_chunks(layers, geo)
     chunks = [KVChunk(cid, geo.token_range(cid.t)[0], k.contiguous(), v.contiguous(),
                       geo.num_layers) for cid, (k, v) in views.items()]
-    n_values = sum(c.num_values for c in chunks)
     questions = [lm.encode_text(q) for q in QUESTIONS[:max(1, args.questions)]]
-    workers = os.cpu_count() or 1
+    return _Context(lm, n_ctx, layers, geo, chunks, sum(c.num_values for c in chunks),
+                    questions, prefill_s)
 
-    rows: list[dict[str, Any]] = []
-    reference: list[Any] = []
-    bar = tqdm(total=len(levels), desc="codec bench", unit="level")
-    for name in levels:
-        bar.set_postfix_str(name)
-        lvl = get_level(name)
-        # -- encode (one thread)
-        frames: list[bytes] = []
-        enc_wall, enc_cpu = _timed(lambda: frames.__setitem__(slice(None), [
-            encode(c, name) for c in chunks]), 1)
-        total_bytes = sum(len(f) for f in frames)
-        # -- decode into the cache layout (views of [1, H, N, D] buffers)
-        ks = [torch.empty(1, geo.num_kv_heads, n_ctx, geo.head_dim) for _ in range(geo.num_layers)]
-        vs = [torch.empty(1, geo.num_kv_heads, n_ctx, geo.head_dim) for _ in range(geo.num_layers)]
-        targets = []
-        for c in chunks:
-            t_a, t_b = geo.token_range(c.id.t)
-            h_a, h_b = geo.head_range(c.id.g)
-            targets.append((ks[c.id.l][0, h_a:h_b, t_a:t_b], vs[c.id.l][0, h_a:h_b, t_a:t_b]))
-        pairs = list(zip(frames, targets))
 
-        def decode_all() -> None:
-            for f, (k_out, v_out) in pairs:
-                decode_into(f, k_out, v_out)
+def _measure_level(ctx: _Context, name: str, args: argparse.Namespace, workers: int,
+                   reference: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """One level's row: size and speed (:func:`_code_level`), relative L2 errors, entropy and
+    the Huffman decoder alone (quantized levels), generation quality against ``reference`` (the
+    ``raw`` level's generations, returned as the new reference when ``name`` is ``raw``)."""
+    from sparkv.codec import get_level
 
-        decode_all()  # compile / warm
-        dec_wall, dec_cpu = _timed(decode_all, args.repeats)
-        pool_wall = _pool_timed(lambda p: decode_into(p[0], *p[1]), pairs, workers,
-                                args.repeats)
-        row: dict[str, Any] = {
-            "level": name, "nominal_bits": lvl.mean_bits(geo.num_layers),
-            "k_bits_per_layer": lvl.k_bits_per_layer(geo.num_layers),
-            "v_bits_per_layer": lvl.v_bits_per_layer(geo.num_layers),
-            "bytes": total_bytes, "bits_per_value": total_bytes * 8 / n_values,
-            "ratio_vs_fp16": n_values * 2 / total_bytes,
-            "encode_mvps": n_values / enc_wall / 1e6, "encode_mvps_cpu": n_values / enc_cpu / 1e6,
-            "decode_mvps": n_values / dec_wall / 1e6, "decode_mvps_cpu": n_values / dec_cpu / 1e6,
-            "decode_mvps_all_cores": n_values / pool_wall / 1e6,
-        }
-        # -- errors against the original cache
-        errs = {}
-        for which, idx, decoded in (("k", 0, ks), ("v", 1, vs)):
-            num = sum(float((orig[idx] - dec).double().pow(2).sum())
-                      for orig, dec in zip(layers, decoded))
-            den = sum(float(orig[idx].double().pow(2).sum()) for orig in layers)
-            errs[which] = (num / den) ** 0.5
-        row["rel_l2_k"], row["rel_l2_v"] = errs["k"], errs["v"]
-        # -- entropy of the quantized values, and the Huffman decoder alone
-        if not lvl.lossless:
-            ent = coded_sym_ent = payload_bits = 0.0
-            from sparkv.codec.frame import coded_symbols
+    lvl = get_level(name)
+    frames, ks, vs, row = _code_level(ctx, name, args.repeats, workers)
+    errs = {}
+    for which, idx, decoded in (("k", 0, ks), ("v", 1, vs)):
+        num = sum(float((orig[idx] - dec).double().pow(2).sum())
+                  for orig, dec in zip(ctx.layers, decoded))
+        den = sum(float(orig[idx].double().pow(2).sum()) for orig in ctx.layers)
+        errs[which] = (num / den) ** 0.5
+    row["rel_l2_k"], row["rel_l2_v"] = errs["k"], errs["v"]
+    if not lvl.lossless:
+        _entropy_and_huffman(row, frames, ctx.n_values, args)
+    reference = _quality(row, ctx, name, ks, vs, reference, args.new_tokens)
+    row["load_avg"] = os.getloadavg()[0]
+    return row, reference
 
-            for f in frames:
-                hdr = peek_header(f)
-                for values in quantized_values(f):
-                    if values is not None:
-                        ent += _entropy(values)
-                for syms in coded_symbols(f):
-                    if syms is not None:
-                        coded_sym_ent += _entropy(syms)
-                payload_bits += sum(
-                    float(th.stream_bytes.sum()) * 8 for th in (hdr.k, hdr.v)
-                    if th.stream_bytes is not None)
-            row["entropy_bits_per_value"] = ent / n_values
-            row["coded_symbol_entropy_bits_per_value"] = coded_sym_ent / n_values
-            row["huffman_bits_per_value"] = payload_bits / n_values
-            row["size_over_entropy"] = row["bits_per_value"] / row["entropy_bits_per_value"] - 1
-            row["huffman_over_coded_entropy"] = payload_bits / coded_sym_ent - 1
-            from sparkv.codec.frame import _check_frame, _decode_symbols
 
-            def huffman_only() -> None:
-                for f in frames:
-                    mv = memoryview(f)
-                    _decode_symbols(mv, _check_frame(mv), False)
+def _code_level(ctx: _Context, name: str, repeats: int, workers: int
+                ) -> tuple[list[bytes], list[Any], list[Any], dict[str, Any]]:
+    """Encodes every chunk at level ``name`` (one thread) and decodes the frames into the cache
+    layout (views of ``[1, H, N, D]`` buffers; one thread, then ``workers`` threads):
+    ``(frames, K buffers, V buffers, the row's size and speed fields)``."""
+    import torch
 
-            h_wall, h_cpu = _timed(huffman_only, args.repeats)
-            row["huffman_decode_mvps"] = n_values / h_wall / 1e6
-            row["huffman_decode_mvps_cpu"] = n_values / h_cpu / 1e6
-            row["dahuffman"] = _dahuffman_vs_ours(frames, args.dahuffman_symbols, args.repeats)
-            row["speedup_vs_dahuffman"] = min(row["dahuffman"].get("speedup", 0.0),
-                                              row["dahuffman"].get("speedup_cpu", 0.0))
-            if not args.no_cachegen:
-                row["cachegen"] = _cachegen_style(frames, n_values)
-                row["cachegen"]["sparkv_over_cachegen_bytes"] = (
-                    total_bytes / row["cachegen"]["bytes"])
-            row["channel_predictor_share"] = float(np.mean(
-                [th.predictor == 1 for f in frames for th in (peek_header(f).k, peek_header(f).v)
-                 if th.bits]))
-        # -- generation quality over the decoded cache
-        kv = [(k, v) for k, v in zip(ks, vs)]
-        gens = [greedy_generate(lm, kv, n_ctx, q, args.new_tokens, stop_at_eos=False)
-                for q in questions]
-        if name == "raw":
-            reference = gens
-            row["bit_exact"] = all(torch.equal(a[0], k) and torch.equal(a[1], v)
-                                   for a, k, v in zip(layers, ks, vs))
-        row["greedy_agreement"] = float(np.mean(
-            [greedy_agreement(r.tokens, g.tokens) for r, g in zip(reference, gens)]))
-        row["teacher_forced_agreement"] = float(np.mean(
-            [_teacher_forced(lm, kv, n_ctx, q, r.tokens) for q, r in zip(questions, reference)]))
-        row["first_token_kl"] = float(np.mean(
-            [first_token_kl(r.first_logits, g.first_logits) for r, g in zip(reference, gens)]))
-        row["answers"] = [g.text for g in gens]
-        row["load_avg"] = os.getloadavg()[0]
-        rows.append(row)
-        bar.update(1)
-    bar.close()
+    from sparkv.codec import decode_into, encode, get_level
 
-    axis_rows = [] if args.no_axis_study else _axis_study(chunks, (3, 4, 5, 6))
-    passkey = None
-    if any(pk_trials):
-        print("pass-key tasks ...", flush=True)
-        passkey = _passkey(lm, [name for name in levels if name != "raw"], pk_sizes, pk_trials,
-                           args.chunk_tokens)
-    summary = _targets(rows, passkey)
-    _print(rows, axis_rows, summary, passkey)
-    config = {"model": lm.name, "tokens": n_ctx, "chunk_tokens": args.chunk_tokens,
-              "chunks": len(chunks), "values": n_values, "questions": len(questions),
-              "new_tokens": args.new_tokens, "repeats": args.repeats, "workers": workers,
-              "prefill_s": prefill_s, "torch_threads": torch.get_num_threads()}
-    if args.json or args.out:
-        path = write_result("codec", {"results": rows, "axis_study": axis_rows,
-                                      "passkey": passkey, "targets": TARGETS,
-                                      "summary": summary}, config, args.out)
-        print(f"wrote {path}")
-    return 0
+    lvl = get_level(name)
+    geo, n_ctx, n_values = ctx.geo, ctx.n_ctx, ctx.n_values
+    frames: list[bytes] = []
+    enc_wall, enc_cpu = _timed(lambda: frames.__setitem__(slice(None), [
+        encode(c, name) for c in ctx.chunks]), 1)
+    total_bytes = sum(len(f) for f in frames)
+    ks = [torch.empty(1, geo.num_kv_heads, n_ctx, geo.head_dim) for _ in range(geo.num_layers)]
+    vs = [torch.empty(1, geo.num_kv_heads, n_ctx, geo.head_dim) for _ in range(geo.num_layers)]
+    targets = []
+    for c in ctx.chunks:
+        t_a, t_b = geo.token_range(c.id.t)
+        h_a, h_b = geo.head_range(c.id.g)
+        targets.append((ks[c.id.l][0, h_a:h_b, t_a:t_b], vs[c.id.l][0, h_a:h_b, t_a:t_b]))
+    pairs = list(zip(frames, targets))
+
+    def decode_all() -> None:
+        for f, (k_out, v_out) in pairs:
+            decode_into(f, k_out, v_out)
+
+    decode_all()  # compile / warm
+    dec_wall, dec_cpu = _timed(decode_all, repeats)
+    pool_wall = _pool_timed(lambda p: decode_into(p[0], *p[1]), pairs, workers, repeats)
+    row: dict[str, Any] = {
+        "level": name, "nominal_bits": lvl.mean_bits(geo.num_layers),
+        "k_bits_per_layer": lvl.k_bits_per_layer(geo.num_layers),
+        "v_bits_per_layer": lvl.v_bits_per_layer(geo.num_layers),
+        "bytes": total_bytes, "bits_per_value": total_bytes * 8 / n_values,
+        "ratio_vs_fp16": n_values * 2 / total_bytes,
+        "encode_mvps": n_values / enc_wall / 1e6, "encode_mvps_cpu": n_values / enc_cpu / 1e6,
+        "decode_mvps": n_values / dec_wall / 1e6, "decode_mvps_cpu": n_values / dec_cpu / 1e6,
+        "decode_mvps_all_cores": n_values / pool_wall / 1e6,
+    }
+    return frames, ks, vs, row
+
+
+def _entropy_and_huffman(row: dict[str, Any], frames: list[bytes], n_values: int,
+                         args: argparse.Namespace) -> None:
+    """Adds to a quantized level's ``row``: the entropy of its quantized values and coded
+    symbols, the Huffman decoder alone (and against ``dahuffman``), the CacheGen-style coder on
+    the same symbols (unless ``--no-cachegen``), the share of tensors using the channel
+    predictor."""
+    from sparkv.codec import peek_header
+    from sparkv.codec.frame import _check_frame, _decode_symbols, coded_symbols, quantized_values
+
+    ent = coded_sym_ent = payload_bits = 0.0
+    for f in frames:
+        hdr = peek_header(f)
+        for values in quantized_values(f):
+            if values is not None:
+                ent += _entropy(values)
+        for syms in coded_symbols(f):
+            if syms is not None:
+                coded_sym_ent += _entropy(syms)
+        payload_bits += sum(
+            float(th.stream_bytes.sum()) * 8 for th in (hdr.k, hdr.v)
+            if th.stream_bytes is not None)
+    row["entropy_bits_per_value"] = ent / n_values
+    row["coded_symbol_entropy_bits_per_value"] = coded_sym_ent / n_values
+    row["huffman_bits_per_value"] = payload_bits / n_values
+    row["size_over_entropy"] = row["bits_per_value"] / row["entropy_bits_per_value"] - 1
+    row["huffman_over_coded_entropy"] = payload_bits / coded_sym_ent - 1
+
+    def huffman_only() -> None:
+        for f in frames:
+            mv = memoryview(f)
+            _decode_symbols(mv, _check_frame(mv), False)
+
+    h_wall, h_cpu = _timed(huffman_only, args.repeats)
+    row["huffman_decode_mvps"] = n_values / h_wall / 1e6
+    row["huffman_decode_mvps_cpu"] = n_values / h_cpu / 1e6
+    row["dahuffman"] = _dahuffman_vs_ours(frames, args.dahuffman_symbols, args.repeats)
+    row["speedup_vs_dahuffman"] = min(row["dahuffman"].get("speedup", 0.0),
+                                      row["dahuffman"].get("speedup_cpu", 0.0))
+    if not args.no_cachegen:
+        row["cachegen"] = _cachegen_style(frames, n_values)
+        row["cachegen"]["sparkv_over_cachegen_bytes"] = row["bytes"] / row["cachegen"]["bytes"]
+    row["channel_predictor_share"] = float(np.mean(
+        [th.predictor == 1 for f in frames for th in (peek_header(f).k, peek_header(f).v)
+         if th.bits]))
+
+
+def _quality(row: dict[str, Any], ctx: _Context, name: str, ks: list[Any], vs: list[Any],
+             reference: list[Any], new_tokens: int) -> list[Any]:
+    """Adds to ``row`` the generation quality over the decoded cache against ``reference``
+    (greedy and teacher-forced agreement, first-token KL, the answers); returns the reference
+    (this level's generations when it is ``raw``, which also records whether it is bit-exact)."""
+    import torch
+
+    from sparkv.runtime import first_token_kl, greedy_agreement, greedy_generate
+
+    lm, n_ctx, questions = ctx.lm, ctx.n_ctx, ctx.questions
+    kv = [(k, v) for k, v in zip(ks, vs)]
+    gens = [greedy_generate(lm, kv, n_ctx, q, new_tokens, stop_at_eos=False)
+            for q in questions]
+    if name == "raw":
+        reference = gens
+        row["bit_exact"] = all(torch.equal(a[0], k) and torch.equal(a[1], v)
+                               for a, k, v in zip(ctx.layers, ks, vs))
+    row["greedy_agreement"] = float(np.mean(
+        [greedy_agreement(r.tokens, g.tokens) for r, g in zip(reference, gens)]))
+    row["teacher_forced_agreement"] = float(np.mean(
+        [_teacher_forced(lm, kv, n_ctx, q, r.tokens) for q, r in zip(questions, reference)]))
+    row["first_token_kl"] = float(np.mean(
+        [first_token_kl(r.first_logits, g.first_logits) for r, g in zip(reference, gens)]))
+    row["answers"] = [g.text for g in gens]
+    return reference
 
 
 def _run_profile(args: argparse.Namespace) -> int:

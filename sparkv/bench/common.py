@@ -11,9 +11,36 @@ from typing import Any
 
 from sparkv.tables import format_table
 
-__all__ = ["RESULTS_DIR_ENV", "results_dir", "machine_info", "write_result", "format_table"]
+__all__ = ["RESULTS_DIR_ENV", "OUT_HELP", "results_dir", "machine_info", "write_result",
+           "format_table", "add_output_args", "add_run_args", "percentile", "wait_job"]
 
 RESULTS_DIR_ENV = "SPARKV_BENCH_DIR"
+
+#: ``--out``'s help where it holds (a benchmark writing scratch files under bench/results says so)
+OUT_HELP = "write the JSON here instead: nothing under bench/results is touched"
+#: ``--model``'s help
+MODEL_HELP = "local checkpoint (default: bundled SmolLM2)"
+
+
+def add_output_args(p: Any, name: str, *, json_help: str | None = None,
+                    out_help: str = OUT_HELP) -> None:
+    """``--json`` (write ``bench/results/<name>.json``) and ``--out PATH`` (write it there
+    instead), for a benchmark that writes its JSON when either is given:
+    ``write_result(name, ..., path=args.out)`` under ``if args.json or args.out``."""
+    p.add_argument("--json", action="store_true",
+                   help=json_help or f"write bench/results/{name}.json")
+    p.add_argument("--out", default=None, metavar="PATH", help=out_help)
+
+
+def add_run_args(p: Any, name: str, *, threads: int | None = None,
+                 threads_help: str = "torch threads (default: torch's)",
+                 model_help: str = MODEL_HELP, json_help: str | None = None,
+                 out_help: str = OUT_HELP) -> None:
+    """``--threads N`` (default ``threads``), ``--model PATH`` (default: the bundled model), then
+    :func:`add_output_args`: the flags of a benchmark that runs the model."""
+    p.add_argument("--threads", type=int, default=threads, help=threads_help)
+    p.add_argument("--model", default=None, help=model_help)
+    add_output_args(p, name, json_help=json_help, out_help=out_help)
 
 
 def results_dir() -> Path:
@@ -70,6 +97,28 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "__dict__"):
         return vars(obj)
     return str(obj)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``xs``: the nearest-rank sample, 0.0 when empty."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
+
+
+def wait_job(client: Any, job_id: str, timeout: float = 900.0, what: str = "job"
+             ) -> dict[str, Any]:
+    """Polls ``GET /v1/jobs/{job_id}`` (``client``: an ``httpx.Client`` on the server) every
+    0.1 s until the job is neither queued nor running; returns its record. Raises
+    ``TimeoutError`` (``"<what> <id> did not finish ..."``) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["state"] not in ("queued", "running"):
+            return job
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} {job_id} did not finish in {timeout} s")
 
 
 def run_event_loop(main: Any) -> Any:

@@ -32,6 +32,7 @@ prefill; ``EdgeSession.ask(keep=True)``): TTFT ratio.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import shutil
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkv.bench.common import format_table, write_result
+from sparkv.bench.common import add_run_args, format_table, write_result
 
 SYSTEMS = ("lmk", "swap", "vllm-s", "vllm-sq", "llms", "llms-no-compression",
            "llms-no-pipeline", "llms-no-lifecycle")
@@ -252,13 +253,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--ask-tokens", type=int, default=1024,
                    help="document tokens of the resident-ask measurement (0 to skip)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1: the fastest on a "
-                                                          "loaded machine)")
     p.add_argument("--quick", action="store_true",
                    help="6 contexts, 16 calls, the markov pattern, sweep 2,4,8 (a smoke run)")
-    p.add_argument("--model", default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
+    add_run_args(p, "contexts", threads=1,
+                 threads_help="torch threads (1: the fastest on a loaded machine)")
     p.set_defaults(func=run)
 
 
@@ -266,23 +264,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from sparkv.device import BudgetTooSmall
     from sparkv.runtime.model import load_model
 
-    if args.quick:
-        args.contexts, args.calls, args.patterns = 6, 16, "markov"
-        args.sweep = "2,4,8" if args.sweep == "2,4,8,16" else args.sweep
-        args.mean_tokens = min(args.mean_tokens, 192)
-        args.ask_tokens = min(args.ask_tokens, 1024)
-    systems = [s for s in args.systems.split(",") if s]
-    patterns = [s for s in args.patterns.split(",") if s]
-    for s in systems:
-        if s not in SYSTEMS:
-            raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
-    if args.contexts < 1 or args.calls < 1:
-        raise SystemExit("--contexts and --calls must be >= 1")
-    sweep = [int(x) for x in args.sweep.split(",") if x]
-    sweep_systems = [s for s in args.sweep_systems.split(",") if s]
+    systems, patterns, sweep, sweep_systems = _settings(args)
     torch.set_num_threads(max(1, args.threads))
     lm = load_model(args.model)
     work = Path(tempfile.mkdtemp(prefix="sparkv-contexts-"))
@@ -296,34 +280,15 @@ def run(args: argparse.Namespace) -> int:
     total += sum(len(sweep_systems) * (2 * n + args.calls) for n in sweep)
     bar = tqdm(total=total, desc="contexts bench", unit="call")
     results: dict[str, Any] = {"patterns": {}, "sweep": {}}
+    run_one = functools.partial(run_system, lm, budget=budget, new_tokens=args.new_tokens,
+                                ratio=args.ratio, work=work, bar=bar)
     try:
         for pattern in patterns:
-            trace = make_trace(contexts, args.calls, pattern, args.seed + 1)
-            ref = run_system(lm, "unlimited", contexts, trace, budget, args.new_tokens,
-                             args.ratio, work, bar)
-            rows = []
-            for s in systems:
-                try:
-                    rows.append(summarise(run_system(lm, s, contexts, trace, budget,
-                                                     args.new_tokens, args.ratio, work, bar), ref))
-                except BudgetTooSmall as e:       # reported, not fatal: the others still run
-                    rows.append({"system": s, "refused": str(e)})
-            results["patterns"][pattern] = {"trace": trace, "rows": rows,
-                                            "unlimited": summarise(ref, None)}
+            results["patterns"][pattern] = _pattern_runs(run_one, contexts, systems, pattern,
+                                                         args)
         for n in sweep:
             cs = make_contexts(lm, n, args.mean_tokens, args.seed + 100)
-            trace = make_trace(cs, args.calls, "random", args.seed + 2)
-            for s in sweep_systems:
-                try:
-                    r = summarise(run_system(lm, s, cs, trace, budget, args.new_tokens,
-                                             args.ratio, work, bar), None)
-                except BudgetTooSmall as e:
-                    results["sweep"].setdefault(s, {})[n] = {"refused": str(e),
-                                                             "mean_switch_ms": math.inf,
-                                                             "p99_switch_ms": math.inf}
-                    continue
-                results["sweep"].setdefault(s, {})[n] = {
-                    "mean_switch_ms": r["mean_switch_ms"], "p99_switch_ms": r["p99_switch_ms"]}
+            _sweep_runs(run_one, cs, sweep_systems, n, args, results["sweep"])
         bar.close()
         if args.ask_tokens:
             results["resident_ask"] = resident_ask(lm, args.ask_tokens, work, 8)
@@ -344,6 +309,61 @@ def run(args: argparse.Namespace) -> int:
             k: v for k, v in vars(args).items() if k != "func"}, path=args.out)
         print(f"wrote {path}")
     return 0
+
+
+def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], list[int], list[str]]:
+    """Applies ``--quick`` and checks the options: ``(systems, patterns, sweep context counts,
+    sweep systems)``."""
+    if args.quick:
+        args.contexts, args.calls, args.patterns = 6, 16, "markov"
+        args.sweep = "2,4,8" if args.sweep == "2,4,8,16" else args.sweep
+        args.mean_tokens = min(args.mean_tokens, 192)
+        args.ask_tokens = min(args.ask_tokens, 1024)
+    systems = [s for s in args.systems.split(",") if s]
+    patterns = [s for s in args.patterns.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+    if args.contexts < 1 or args.calls < 1:
+        raise SystemExit("--contexts and --calls must be >= 1")
+    sweep = [int(x) for x in args.sweep.split(",") if x]
+    sweep_systems = [s for s in args.sweep_systems.split(",") if s]
+    return systems, patterns, sweep, sweep_systems
+
+
+def _pattern_runs(run_one: Any, contexts: Any, systems: list[str], pattern: str,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """One access pattern's trace, run unlimited (the reference) and by every system (a system
+    refusing the budget is reported, not fatal: the others still run)."""
+    from sparkv.device import BudgetTooSmall
+
+    trace = make_trace(contexts, args.calls, pattern, args.seed + 1)
+    ref = run_one("unlimited", contexts, trace)
+    rows = []
+    for s in systems:
+        try:
+            rows.append(summarise(run_one(s, contexts, trace), ref))
+        except BudgetTooSmall as e:
+            rows.append({"system": s, "refused": str(e)})
+    return {"trace": trace, "rows": rows, "unlimited": summarise(ref, None)}
+
+
+def _sweep_runs(run_one: Any, cs: Any, sweep_systems: list[str], n: int,
+                args: argparse.Namespace, sweep: dict[str, Any]) -> None:
+    """A random trace over ``n`` contexts, run by every sweep system: its switching latencies
+    into ``sweep[system][n]`` (infinite where the system refuses the budget)."""
+    from sparkv.device import BudgetTooSmall
+
+    trace = make_trace(cs, args.calls, "random", args.seed + 2)
+    for s in sweep_systems:
+        try:
+            r = summarise(run_one(s, cs, trace), None)
+        except BudgetTooSmall as e:
+            sweep.setdefault(s, {})[n] = {"refused": str(e), "mean_switch_ms": math.inf,
+                                          "p99_switch_ms": math.inf}
+            continue
+        sweep.setdefault(s, {})[n] = {"mean_switch_ms": r["mean_switch_ms"],
+                                      "p99_switch_ms": r["p99_switch_ms"]}
 
 
 def _ratios(results: dict[str, Any], active: dict[str, int]) -> dict[str, Any]:

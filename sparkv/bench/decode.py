@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.bench.common import add_run_args, format_table, results_dir, write_result
 from sparkv.runtime.device import add_device_args
 
 CONFIGS = ("dynamic", "memory", "ragged50", "ragged20", "int8", "int4")
@@ -43,10 +43,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--flash-dir", default=None, help="directory of the flash tier (default: a "
                                                      "temp dir under bench/results)")
     add_device_args(p)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
+    add_run_args(p, "decode", out_help="write the JSON here instead: nothing under bench/results "
+                                        "is touched but the flash tier's temp dir (none with "
+                                        "--flash-dir)")
     p.set_defaults(func=run)
 
 
@@ -89,17 +88,10 @@ def _decode(lm: Any, cache: Any, n: int, first: int, steps: int, memory: Any = N
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-
     import torch
     from tqdm import tqdm
-    from transformers import DynamicCache
 
-    from sparkv.cache import FlashTier, SparkvCache, flash_profile_path, save_flash_profile
-    from sparkv.layout import ChunkGeometry
-    from sparkv.runtime import load_model, reference_prefill, sample_context_ids
-    from sparkv.runtime.kvcache import memory_from_layers
-    from sparkv.runtime.model import cache_dir
+    from sparkv.runtime import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,63 +101,112 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(sizes) * len(configs) * args.repeats, desc="decode bench", unit="run")
     for n in sizes:
-        ids = sample_context_ids(lm, n)
-        with torch.inference_mode():
-            layers = reference_prefill(lm, ids)
-        geo = ChunkGeometry.from_config(lm.config, n, args.chunk_tokens)
-        first = int(ids[-1])
-        full_bytes = None
-        for cfg in configs:
-            speeds, peaks, ends = [], [], []
-            for r in range(args.repeats):
-                memory = None
-                if cfg == "dynamic":
-                    cache = DynamicCache()
-                    for i, (k, v) in enumerate(layers):
-                        cache.update(k.clone(), v.clone(), i)
-                else:
-                    memory = memory_from_layers(layers, geo, spare_tokens=args.new_tokens)
-                    if cfg.startswith("ragged"):
-                        frac = int(cfg[len("ragged"):]) / 100
-                        for l in range(geo.num_layers):  # noqa: E741
-                            memory.prune_layer(l, _keep(n, frac, geo.num_kv_heads, l),
-                                               spare_tokens=args.new_tokens)
-                    elif cfg in ("int8", "int4"):
-                        for cid in geo.chunk_ids():
-                            memory.set_level(cid, cfg)
-                    cache = SparkvCache(memory)
-                speed, peak = _decode(lm, cache, n, first, args.new_tokens, memory)
-                end = memory.nbytes if memory is not None else peak
-                speeds.append(speed)
-                peaks.append(peak)
-                ends.append(end)
-                bar.update(1)
-            row = {"tokens": n, "config": cfg, "tokens_per_s": statistics.median(speeds),
-                   "tokens_per_s_all": speeds, "peak_kv_bytes": max(peaks),
-                   "end_kv_bytes": max(ends)}
-            if cfg == "memory":
-                full_bytes = row["peak_kv_bytes"]
-            rows.append(row)
-        base = {r["config"]: r for r in rows if r["tokens"] == n}
-        for r in rows:
-            if r["tokens"] == n:
-                if "dynamic" in base:
-                    r["speed_vs_dynamic"] = r["tokens_per_s"] / base["dynamic"]["tokens_per_s"]
-                if full_bytes:
-                    r["peak_vs_full_memory"] = r["peak_kv_bytes"] / full_bytes
-        del layers
+        _measure_size(lm, n, configs, args, rows, bar)
     bar.close()
-    flash_root = args.flash_dir or tempfile.mkdtemp(prefix="flash-", dir=results_dir())
+    flash, profile = _measure_flash(args.flash_dir, args.flash_mb)
+    targets = _report(rows, flash, profile)
+    if args.json or args.out:
+        path = write_result("decode", {"rows": rows, "flash": flash, "targets": targets},
+                            config=vars(args) | {"func": None}, path=args.out)
+        print(f"wrote {path}")
+    return 0
+
+
+def _measure_size(lm: Any, n: int, configs: list[str], args: argparse.Namespace,
+                  rows: list[dict[str, Any]], bar: Any) -> None:
+    """Prefills an ``n``-token context, appends one row per config to ``rows``, then gives the
+    rows of this length their ratios to ``dynamic`` (speed) and ``memory`` (peak bytes)."""
+    import torch
+
+    from sparkv.layout import ChunkGeometry
+    from sparkv.runtime import reference_prefill, sample_context_ids
+
+    ids = sample_context_ids(lm, n)
+    with torch.inference_mode():
+        layers = reference_prefill(lm, ids)
+    geo = ChunkGeometry.from_config(lm.config, n, args.chunk_tokens)
+    full_bytes = None
+    for cfg in configs:
+        row = _measure_config(lm, layers, geo, int(ids[-1]), cfg, args, bar)
+        if cfg == "memory":
+            full_bytes = row["peak_kv_bytes"]
+        rows.append(row)
+    base = {r["config"]: r for r in rows if r["tokens"] == n}
+    for r in rows:
+        if r["tokens"] == n:
+            if "dynamic" in base:
+                r["speed_vs_dynamic"] = r["tokens_per_s"] / base["dynamic"]["tokens_per_s"]
+            if full_bytes:
+                r["peak_vs_full_memory"] = r["peak_kv_bytes"] / full_bytes
+
+
+def _measure_config(lm: Any, layers: list, geo: Any, first: int, cfg: str,
+                    args: argparse.Namespace, bar: Any) -> dict[str, Any]:
+    """``--repeats`` greedy decodes of ``--new-tokens`` over a fresh cache of kind ``cfg``: the
+    median tokens/s, the peak and end KV bytes."""
+    speeds, peaks, ends = [], [], []
+    n = geo.num_tokens
+    for _ in range(args.repeats):
+        cache, memory = _cache_for(cfg, layers, geo, args.new_tokens)
+        speed, peak = _decode(lm, cache, n, first, args.new_tokens, memory)
+        end = memory.nbytes if memory is not None else peak
+        speeds.append(speed)
+        peaks.append(peak)
+        ends.append(end)
+        bar.update(1)
+    return {"tokens": n, "config": cfg, "tokens_per_s": statistics.median(speeds),
+            "tokens_per_s_all": speeds, "peak_kv_bytes": max(peaks), "end_kv_bytes": max(ends)}
+
+
+def _cache_for(cfg: str, layers: list, geo: Any, spare_tokens: int) -> tuple[Any, Any]:
+    """``(cache, memory)``: a ``DynamicCache`` of the prefilled ``layers`` (memory None) for
+    ``dynamic``, else a :class:`~sparkv.cache.SparkvCache` over a memory pruned (``raggedNN``) or
+    quantized (``int8``/``int4``) as ``cfg`` says."""
+    from transformers import DynamicCache
+
+    from sparkv.cache import SparkvCache
+    from sparkv.runtime.kvcache import memory_from_layers
+
+    if cfg == "dynamic":
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(layers):
+            cache.update(k.clone(), v.clone(), i)
+        return cache, None
+    memory = memory_from_layers(layers, geo, spare_tokens=spare_tokens)
+    if cfg.startswith("ragged"):
+        frac = int(cfg[len("ragged"):]) / 100
+        for l in range(geo.num_layers):  # noqa: E741
+            memory.prune_layer(l, _keep(geo.num_tokens, frac, geo.num_kv_heads, l),
+                               spare_tokens=spare_tokens)
+    elif cfg in ("int8", "int4"):
+        for cid in geo.chunk_ids():
+            memory.set_level(cid, cfg)
+    return SparkvCache(memory), memory
+
+
+def _measure_flash(flash_dir: str | None, flash_mb: int) -> tuple[dict[str, Any], Any]:
+    """The flash tier's bandwidth in ``flash_dir`` (default: a temp dir under bench/results,
+    removed after), saved as this machine's flash profile: ``(measurement, profile path)``."""
+    import shutil
+    import tempfile
+
+    from sparkv.cache import FlashTier, flash_profile_path, save_flash_profile
+    from sparkv.runtime.model import cache_dir
+
+    flash_root = flash_dir or tempfile.mkdtemp(prefix="flash-", dir=results_dir())
     tier = FlashTier(flash_root)
-    flash = tier.measure(total_bytes=args.flash_mb << 20)
+    flash = tier.measure(total_bytes=flash_mb << 20)
     try:
-        import shutil
-        if not args.flash_dir:
+        if not flash_dir:
             shutil.rmtree(flash_root, ignore_errors=True)
     except OSError:
         pass
     profile = save_flash_profile(flash_profile_path(cache_dir()), flash, flash_root)
+    return flash, profile
 
+
+def _report(rows: list[dict[str, Any]], flash: dict[str, Any], profile: Any) -> dict[str, Any]:
+    """Prints the table, the flash bandwidth and the targets; returns the targets."""
     print(format_table(["tokens", "config", "tok/s", "vs dynamic", "peak MB", "vs full", "end MB"],
                        [[r["tokens"], r["config"], r["tokens_per_s"],
                          r.get("speed_vs_dynamic", float("nan")), r["peak_kv_bytes"] / 1e6,
@@ -185,8 +226,4 @@ def run(args: argparse.Namespace) -> int:
     print(f"targets: memory / dynamic speed >= 1.0 at every length: "
           f"{targets['memory_vs_dynamic_min']}; ragged20 peak <= 0.25x full: "
           f"{targets['ragged20_peak_vs_full_max']}")
-    if args.json or args.out:
-        path = write_result("decode", {"rows": rows, "flash": flash, "targets": targets},
-                            config=vars(args) | {"func": None}, path=args.out)
-        print(f"wrote {path}")
-    return 0
+    return targets

@@ -30,7 +30,7 @@ import argparse
 import time
 from typing import Any
 
-from sparkv.bench.common import format_table, write_result
+from sparkv.bench.common import add_run_args, format_table, write_result
 from sparkv.runtime.device import add_device_args
 
 POLICIES = ("nocluster", "static", "local", "dynakv", "dynakv-eager", "dynakv-packed",
@@ -52,13 +52,14 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--quick", action="store_true", help="64 generated tokens (a smoke run)")
     p.add_argument("--flash-dir", default=None, help="where the clusters go (default: a temp dir "
                                                      "under bench/results)")
-    add_device_args(p)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--model", default=None)
     p.add_argument("--note", default=None, help="a remark stored in the JSON's config (e.g. that "
                                                 "the machine was loaded)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
+    add_device_args(p)
+    add_run_args(p, "dynakv",
+                 json_help="print the JSON's path (the JSON is always written: "
+                           "bench/results/dynakv.json, or --out)",
+                 out_help="write the JSON here instead: nothing under bench/results is touched "
+                          "but the clusters' temp dir (none with --flash-dir)")
     p.set_defaults(func=run)
 
 
@@ -66,9 +67,8 @@ def _session_run(lm: Any, layers: Any, ctx: list[int], q: list[int], ref: list[i
                  follow: list[int], task: Any, policy: str, ram_budget: float | None,
                  retrieval: float, flash_dir: str | None) -> dict[str, Any]:
     """One policy over the reference stream; returns its row."""
-    import torch
-
     from sparkv.decode import DecodeSession
+    from sparkv.runtime.generate import eos_ids
 
     final = len(ctx) + len(q) + len(ref) + len(follow) + 16
     kw: dict[str, Any] = {} if policy == "full" else {"ram_budget": ram_budget,
@@ -86,9 +86,9 @@ def _session_run(lm: Any, layers: Any, ctx: list[int], q: list[int], ref: list[i
                 agree += int(tokens[-1] == ref[i + 1])
             logits = s.feed([ref[-1]] + follow)
             answer = [int(logits.argmax())]
-            while len(answer) < 16 and answer[-1] not in _eos(lm):
+            while len(answer) < 16 and answer[-1] not in eos_ids(lm):
                 answer.append(int(s.feed([answer[-1]]).argmax()))
-            text = lm.decode_tokens([t for t in answer if t not in _eos(lm)])
+            text = lm.decode_tokens([t for t in answer if t not in eos_ids(lm)])
             st = s.stats()
     except ValueError as e:
         if "ram_budget" not in str(e):
@@ -101,13 +101,6 @@ def _session_run(lm: Any, layers: Any, ctx: list[int], q: list[int], ref: list[i
     if policy == "full":
         row["recall"] = 1.0
     return row
-
-
-def _eos(lm: Any) -> set[int]:
-    eos = getattr(lm.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
 def _targets(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]:
@@ -164,18 +157,48 @@ def _targets(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+    import shutil
     import tempfile
 
     import torch
-    from tqdm import tqdm
 
     from sparkv.bench.common import results_dir
-    from sparkv.bench.tasks import make_task
-    from sparkv.runtime import load_model, reference_prefill
-    from sparkv.runtime.generate import prompt_parts
+    from sparkv.runtime import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    new_tokens, budgets, policies = _settings(args)
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    task, ctx, q, follow, layers = _workload(lm, args)
+    flash_dir = args.flash_dir or tempfile.mkdtemp(prefix="dynakv-", dir=results_dir())
+    rows = _measure(lm, layers, ctx, q, follow, task, new_tokens, budgets, policies,
+                    args.retrieval, flash_dir)
+    if not args.flash_dir:
+        shutil.rmtree(flash_dir, ignore_errors=True)
+    targets = _targets(rows, budgets)
+    _print(rows, targets)
+    config = {"model": lm.name, "prompt_tokens": len(ctx), "question_tokens": len(q),
+              "new_tokens": new_tokens, "followup_tokens": len(follow), "budgets": budgets,
+              "retrieval": args.retrieval, "policies": ["full"] + policies,
+              "depth": args.depth, "seed": args.seed, "passkey": task.answers[0],
+              "reference": "full KV greedy; other policies teacher-forced on its tokens",
+              "threads": torch.get_num_threads(), "quick": bool(args.quick),
+              "load_avg_start": load_start,
+              "load_avg_end": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    if args.note:
+        config["note"] = args.note
+    for r in rows:
+        r.pop("predicted", None)
+    path = write_result("dynakv", {"results": rows, "targets": targets}, config, args.out)
+    if args.json:
+        print(path)
+    return 0
+
+
+def _settings(args: argparse.Namespace) -> tuple[int, list[float], list[str]]:
+    """``(new tokens, RAM budgets, policies other than full)``, checked."""
     new_tokens = 64 if args.quick else args.new_tokens
     if new_tokens < 2 or args.prompt_tokens < 64:
         raise SystemExit("need --new-tokens >= 2 and --prompt-tokens >= 64")
@@ -186,43 +209,57 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    import os
+    return new_tokens, budgets, policies
 
-    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+
+def _workload(lm: Any, args: argparse.Namespace
+              ) -> tuple[Any, list[int], list[int], list[int], Any]:
+    """The seeded pass-key task and its token ids: ``(task, context, the "continue" question,
+    the pass-key turn, the context's prefilled KV)``."""
+    from sparkv.bench.tasks import make_task
+    from sparkv.runtime import reference_prefill
+    from sparkv.runtime.generate import prompt_parts
+
     task = make_task("passkey", args.prompt_tokens, args.depth, args.seed,
                      lambda s: len(lm.encode_text(s)))
     ctx, q = prompt_parts(lm, lm.encode_text(task.document), CONTINUE)
     follow = lm.encode_text(f"<|im_end|>\n<|im_start|>user\n{task.question}<|im_end|>\n"
                             "<|im_start|>assistant\n")
     layers = reference_prefill(lm, ctx)
-    flash_dir = args.flash_dir or tempfile.mkdtemp(prefix="dynakv-", dir=results_dir())
-    bar = tqdm(total=1 + len(policies) * len(budgets), desc="dynakv bench", unit="run")
-    # the reference: full KV, free-running greedy
+    return task, ctx, q, follow, layers
+
+
+def _measure(lm: Any, layers: Any, ctx: list[int], q: list[int], follow: list[int], task: Any,
+             new_tokens: int, budgets: list[float], policies: list[str], retrieval: float,
+             flash_dir: str) -> list[dict[str, Any]]:
+    """Full KV decodes the reference stream (free-running greedy), then every policy at every
+    budget is fed it (:func:`_session_run`): one row each, ``full`` first."""
+    from tqdm import tqdm
+
     from sparkv.decode import DecodeSession
 
+    bar = tqdm(total=1 + len(policies) * len(budgets), desc="dynakv bench", unit="run")
     with DecodeSession(lm, layers, len(ctx), "full") as s:
         ref = [int(s.prefill(q).argmax())]
         for _ in range(new_tokens - 1):
             ref.append(int(s.feed([ref[-1]]).argmax()))
-    rows = [_session_run(lm, layers, ctx, q, ref, follow, task, "full", None, args.retrieval,
+    rows = [_session_run(lm, layers, ctx, q, ref, follow, task, "full", None, retrieval,
                          flash_dir)]
     bar.update(1)
     for b in budgets:
         for pol in policies:
             bar.set_postfix_str(f"{pol} @ {b:g}")
             t0 = time.perf_counter()
-            row = _session_run(lm, layers, ctx, q, ref, follow, task, pol, b, args.retrieval,
+            row = _session_run(lm, layers, ctx, q, ref, follow, task, pol, b, retrieval,
                                flash_dir)
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             bar.update(1)
     bar.close()
-    if not args.flash_dir:
-        import shutil
+    return rows
 
-        shutil.rmtree(flash_dir, ignore_errors=True)
-    targets = _targets(rows, budgets)
+
+def _print(rows: list[dict[str, Any]], targets: dict[str, Any]) -> None:
     table = []
     for r in rows:
         if "refused" in r:
@@ -240,19 +277,3 @@ def run(args: argparse.Namespace) -> int:
     for b, t in targets.items():
         print(f"targets @ {b}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else
                                             f"{k}={v}" for k, v in t.items()))
-    config = {"model": lm.name, "prompt_tokens": len(ctx), "question_tokens": len(q),
-              "new_tokens": new_tokens, "followup_tokens": len(follow), "budgets": budgets,
-              "retrieval": args.retrieval, "policies": ["full"] + policies,
-              "depth": args.depth, "seed": args.seed, "passkey": task.answers[0],
-              "reference": "full KV greedy; other policies teacher-forced on its tokens",
-              "threads": torch.get_num_threads(), "quick": bool(args.quick),
-              "load_avg_start": load_start,
-              "load_avg_end": os.getloadavg() if hasattr(os, "getloadavg") else None}
-    if args.note:
-        config["note"] = args.note
-    for r in rows:
-        r.pop("predicted", None)
-    path = write_result("dynakv", {"results": rows, "targets": targets}, config, args.out)
-    if args.json:
-        print(path)
-    return 0

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkv.bench.common import format_table, write_result
+from sparkv.bench.common import add_run_args, format_table, write_result
 from sparkv.runtime.device import add_device_args
 
 TARGETS = {"mape_ratio_min": 4.0, "paper_mape_ratio": [4.8, 5.6], "prediction_ms_max": 0.5}
@@ -39,15 +39,14 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("predictor", help="MLP latency model vs Roofline on real profiled steps")
     p.add_argument("--quick", action="store_true", help="small profile (under 2 minutes)")
     add_device_args(p)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--budget", type=float, default=None,
                    help="profiling time budget in seconds (default 420, quick 60)")
     p.add_argument("--samples", default=None,
                    help="train and evaluate on an existing samples file instead of profiling")
-    p.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
     p.add_argument("--seed", type=int, default=0, help="split and MLP seed")
-    p.add_argument("--json", action="store_true", help="write bench/results/predictor.json")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/predictor.json)")
+    add_run_args(p, "predictor", threads=1, threads_help="torch threads (default 1)",
+                 json_help="write bench/results/predictor.json, predictor.png and (unless "
+                           "--samples) predictor_samples.json")
     p.add_argument("--no-deep-check", action="store_true",
                    help="skip the all-layers validation (on by default unless --quick/--samples)")
     p.add_argument("--no-progress", action="store_true")
@@ -152,9 +151,27 @@ def _prediction_times(model, roof, arch) -> dict[str, float]:
     }
 
 
+@dataclasses.dataclass
+class _Evaluation:
+    """The fitted MLP and Roofline and their errors on the held-out steps (``att``/``proj``:
+    :func:`_evaluate` of the attention and projection test steps)."""
+
+    model: Any
+    roof: Any
+    threads: int
+    train: int
+    test: int
+    att: dict[str, Any]
+    proj: dict[str, Any]
+    scale: float
+    scaled_mape: float
+    oracle_mape: float
+    groups: list[dict[str, Any]]
+    times: dict[str, float]
+
+
 def run(args: argparse.Namespace) -> int:
-    from sparkv.predictor import (LatencyModel, ModelArch, Roofline, StepFeatures, load_samples,
-                                  mape, save_samples)
+    from sparkv.predictor import load_samples
 
     wall0 = time.perf_counter()
     lm = None
@@ -163,30 +180,52 @@ def run(args: argparse.Namespace) -> int:
     else:
         lm, samples, meta = _profile(args)
     profile_s = time.perf_counter() - wall0
+    ev = _fit_and_evaluate(samples, meta, args.threads, args.seed)
+    deep = None
+    if lm is not None and not args.quick and not args.no_deep_check:
+        deep = _deep_layer_check(lm, ev.model, ev.roof, ev.threads, not args.no_progress)
+    summary = _summary(samples, meta, ev, deep, profile_s)
+    _print_report(ev, summary, deep)
+    if args.json or args.out:
+        path = _write(args, samples, meta, ev, summary)
+        print(f"wrote {path} (wall {time.perf_counter() - wall0:.0f} s)")
+    return 0
+
+
+def _evaluate(model: Any, roof: Any, rows: list[Any]) -> dict[str, Any]:
+    """MAPE of the MLP and the Roofline on ``rows`` (samples), their ratio, and the
+    measured and predicted milliseconds."""
+    from sparkv.predictor import StepFeatures, mape
+
+    if not rows:
+        return {"n": 0}
+    f = StepFeatures.from_samples(rows)
+    y = np.array([s.ms for s in rows])
+    p_mlp, p_roof = model.predict_ms(f), roof.predict_ms(f)
+    return {"n": len(rows), "mlp_mape": mape(p_mlp, y), "roofline_mape": mape(p_roof, y),
+            "ratio": mape(p_roof, y) / max(mape(p_mlp, y), 1e-9),
+            "measured": y, "mlp": p_mlp, "roofline": p_roof}
+
+
+def _fit_and_evaluate(samples: list[Any], meta: dict[str, Any], threads_arg: int, seed: int
+                      ) -> _Evaluation:
+    """Measures the Roofline's peaks, fits the MLP on the seeded training split and evaluates
+    both on the held-out steps: overall, per group (load, backend, T), a MAPE-optimally scaled
+    Roofline, the MLP had it known the load during each step, and the prediction times."""
+    from sparkv.predictor import LatencyModel, ModelArch, Roofline, StepFeatures, mape
+
     arch = ModelArch.from_dict(meta["arch"])
-    threads = int((meta.get("config") or {}).get("threads", args.threads))
+    threads = int((meta.get("config") or {}).get("threads", threads_arg))
     roof = Roofline.measure(arch, meta.get("device", "cpu"), threads)
-    model = LatencyModel(random_state=args.seed).fit(samples, meta, roof)
+    model = LatencyModel(random_state=seed).fit(samples, meta, roof)
     roof.density_prior = model.density_prior
 
     train = [samples[i] for i in model.train_index]
     test = [samples[i] for i in model.test_index]
     att_test = [s for s in test if s.kind == "attention"]
-    proj_test = [s for s in test if s.kind == "projection"]
     att_train = [s for s in train if s.kind == "attention"]
-
-    def evaluate(rows) -> dict[str, Any]:
-        if not rows:
-            return {"n": 0}
-        f = StepFeatures.from_samples(rows)
-        y = np.array([s.ms for s in rows])
-        p_mlp, p_roof = model.predict_ms(f), roof.predict_ms(f)
-        return {"n": len(rows), "mlp_mape": mape(p_mlp, y), "roofline_mape": mape(p_roof, y),
-                "ratio": mape(p_roof, y) / max(mape(p_mlp, y), 1e-9),
-                "measured": y, "mlp": p_mlp, "roofline": p_roof}
-
-    att = evaluate(att_test)
-    proj = evaluate(proj_test)
+    att = _evaluate(model, roof, att_test)
+    proj = _evaluate(model, roof, [s for s in test if s.kind == "projection"])
     # a Roofline scaled by the one constant that minimises its MAPE on the training steps
     f_tr = StepFeatures.from_samples(att_train)
     scale = _mape_optimal_scale(roof.predict_ms(f_tr), np.array([s.ms for s in att_train]))
@@ -194,33 +233,37 @@ def run(args: argparse.Namespace) -> int:
     # diagnostic: the same MLP trained and tested with U measured *during* each step (known only
     # afterwards): how much error the load changing within a second costs
     during = [dataclasses.replace(s, utilisation=s.utilisation_during) for s in samples]
-    oracle = LatencyModel(random_state=args.seed).fit(during, meta)
+    oracle = LatencyModel(random_state=seed).fit(during, meta)
     oracle_test = [during[i] for i in oracle.test_index if during[i].kind == "attention"]
     oracle_mape = mape(oracle.predict_ms(StepFeatures.from_samples(oracle_test)),
                        [s.ms for s in oracle_test])
     groups: list[dict[str, Any]] = []
     for key, label in (("load", "load"), ("backend", "backend"), ("chunk_tokens", "T")):
         for value in sorted({getattr(s, key) for s in att_test}):
-            r = evaluate([s for s in att_test if getattr(s, key) == value])
+            r = _evaluate(model, roof, [s for s in att_test if getattr(s, key) == value])
             groups.append({"by": label, "value": value, "n": r["n"], "mlp_mape": r["mlp_mape"],
                            "roofline_mape": r["roofline_mape"], "ratio": r["ratio"]})
     times = _prediction_times(model, roof, arch)
-    deep = None
-    if lm is not None and not args.quick and not args.no_deep_check:
-        deep = _deep_layer_check(lm, model, roof, threads, not args.no_progress)
+    return _Evaluation(model, roof, threads, len(train), len(test), att, proj, scale,
+                       scaled_mape, oracle_mape, groups, times)
 
+
+def _summary(samples: list[Any], meta: dict[str, Any], ev: _Evaluation,
+             deep: dict[str, Any] | None, profile_s: float) -> dict[str, Any]:
+    """The JSON's one result row: sample counts, the held-out errors, the targets met."""
+    att, proj, roof, model, times = ev.att, ev.proj, ev.roof, ev.model, ev.times
     ms_all = np.array([s.ms for s in samples if s.kind == "attention"])
-    summary = {
+    return {
         "samples": len(samples),
         "attention_samples": int(len(ms_all)),
         "projection_samples": len(samples) - int(len(ms_all)),
-        "train": len(train), "test": len(test),
+        "train": ev.train, "test": ev.test,
         "test_attention": att["n"], "test_projection": proj["n"],
         "mlp_mape": att["mlp_mape"],
         "roofline_mape": att["roofline_mape"],
         "mape_ratio": att["ratio"],
-        "roofline_scaled_mape": scaled_mape, "roofline_scale": scale,
-        "mlp_mape_u_during_oracle": oracle_mape,
+        "roofline_scaled_mape": ev.scaled_mape, "roofline_scale": ev.scale,
+        "mlp_mape_u_during_oracle": ev.oracle_mape,
         "projection_lookup_mape": proj.get("mlp_mape"),
         "projection_roofline_mape": proj.get("roofline_mape"),
         "mlp_one_chunk_ms": times["mlp_one_chunk_ms"],
@@ -236,6 +279,10 @@ def run(args: argparse.Namespace) -> int:
         "all_layers_check": deep,
     }
 
+
+def _print_report(ev: _Evaluation, summary: dict[str, Any], deep: dict[str, Any] | None
+                  ) -> None:
+    att, proj, roof, model, times = ev.att, ev.proj, ev.roof, ev.model, ev.times
     print(format_table(["steps", "n", "MLP MAPE %", "Roofline MAPE %", "ratio"],
                        [["attention (held out)", att["n"], att["mlp_mape"], att["roofline_mape"],
                          att["ratio"]]]
@@ -244,14 +291,14 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_table(["by", "value", "n", "MLP MAPE %", "Roofline MAPE %", "ratio"],
                        [[g["by"], g["value"], g["n"], g["mlp_mape"], g["roofline_mape"],
-                         g["ratio"]] for g in groups]))
+                         g["ratio"]] for g in ev.groups]))
     print()
-    print(f"Roofline scaled by {scale:.2f} (the MAPE-optimal constant on the training steps): "
-          f"MAPE {scaled_mape:.1f}%")
+    print(f"Roofline scaled by {ev.scale:.2f} (the MAPE-optimal constant on the training steps): "
+          f"MAPE {ev.scaled_mape:.1f}%")
     print(f"diagnostic: MLP with U measured during the step (unknowable before it): MAPE "
-          f"{oracle_mape:.1f}%")
+          f"{ev.oracle_mape:.1f}%")
     print(f"peaks: {roof.peak_flops / 1e9:.1f} GFLOP/s, {roof.peak_bandwidth / 1e9:.1f} GB/s "
-          f"({threads} thread(s)); MLP fit {model.info['fit_seconds']:.1f} s, "
+          f"({ev.threads} thread(s)); MLP fit {model.info['fit_seconds']:.1f} s, "
           f"{model.info['iterations']} iterations")
     if deep:
         print(format_table(["all-layers check (no load)", "n", "s range", "MLP MAPE %",
@@ -265,23 +312,29 @@ def run(args: argparse.Namespace) -> int:
           f"< {TARGETS['prediction_ms_max']} ms per chunk -> {times['mlp_one_chunk_ms']:.4f} ms: "
           f"{'met' if target_ok else 'NOT met'}")
 
-    if args.json or args.out:
-        config = {"quick": args.quick, "threads": threads, "seed": args.seed,
-                  "samples_file": args.samples, "profile": meta.get("config"),
-                  "model": meta.get("model"), "device": meta.get("device"),
-                  "fingerprint": meta.get("fingerprint"),
-                  "utilisation_source": meta.get("utilisation_source"),
-                  "mlp": model.to_dict()["hyperparameters"], "features": list(model.features)}
-        scatter = {"measured_ms": att["measured"], "mlp_ms": att["mlp"],
-                   "roofline_ms": att["roofline"]}
-        path = write_result("predictor", {"results": [summary], "groups": groups,
-                                          "prediction_times": times, "targets": TARGETS,
-                                          "held_out_attention": scatter}, config, args.out)
-        if not args.samples:
-            save_samples(path.with_name(path.stem + "_samples.json"), samples, meta)
-        _plot(att, scaled_mape, path.with_suffix(".png"))
-        print(f"wrote {path} (wall {time.perf_counter() - wall0:.0f} s)")
-    return 0
+
+def _write(args: argparse.Namespace, samples: list[Any], meta: dict[str, Any], ev: _Evaluation,
+           summary: dict[str, Any]) -> Any:
+    """Writes the JSON, the profiled samples beside it (unless ``--samples``) and the plot;
+    returns the JSON's path."""
+    from sparkv.predictor import save_samples
+
+    att = ev.att
+    config = {"quick": args.quick, "threads": ev.threads, "seed": args.seed,
+              "samples_file": args.samples, "profile": meta.get("config"),
+              "model": meta.get("model"), "device": meta.get("device"),
+              "fingerprint": meta.get("fingerprint"),
+              "utilisation_source": meta.get("utilisation_source"),
+              "mlp": ev.model.to_dict()["hyperparameters"], "features": list(ev.model.features)}
+    scatter = {"measured_ms": att["measured"], "mlp_ms": att["mlp"],
+               "roofline_ms": att["roofline"]}
+    path = write_result("predictor", {"results": [summary], "groups": ev.groups,
+                                      "prediction_times": ev.times, "targets": TARGETS,
+                                      "held_out_attention": scatter}, config, args.out)
+    if not args.samples:
+        save_samples(path.with_name(path.stem + "_samples.json"), samples, meta)
+    _plot(att, ev.scaled_mape, path.with_suffix(".png"))
+    return path
 
 
 def _mape_optimal_scale(predicted: np.ndarray, measured: np.ndarray) -> float:

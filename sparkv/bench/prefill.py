@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.bench.common import add_run_args, format_table, results_dir, write_result
 from sparkv.runtime.device import add_device_args
 
 QUESTION = "\n\nQuestion: In one sentence, what is this document about?\nAnswer:"
@@ -49,14 +49,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--cdf", type=float, default=None, help="override the cdf threshold")
     p.add_argument("--estimator", default=None, choices=["qpool", "meansim"])
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--model", default=None,
-                   help="local checkpoint, or random:SHAPE for a real shape with random weights "
-                        "(default: bundled SmolLM2)")
     add_device_args(p)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's; 1 is fairer on a shared machine)")
-    p.add_argument("--json", action="store_true", help="write bench/results/prefill.json")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/prefill.json)")
+    add_run_args(p, "prefill",
+                 threads_help="torch threads (default: torch's; 1 is fairer on a shared machine)",
+                 model_help="local checkpoint, or random:SHAPE for a real shape with random "
+                            "weights (default: bundled SmolLM2)")
     p.set_defaults(func=run)
 
 

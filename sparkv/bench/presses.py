@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from sparkv.bench.common import format_table, write_result
+from sparkv.bench.common import add_run_args, format_table, write_result
 from sparkv.runtime.device import add_device_args
 
 PRESS_NAMES = ("snapkv", "pyramidkv", "dynamickv", "adakv", "adapyramid", "random",
@@ -57,10 +57,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--kvpress-python", default=None,
                    help="python of the kvpress venv (default bench/.kvpress-venv/bin/python)")
     add_device_args(p)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
+    add_run_args(p, "presses")
     p.set_defaults(func=run)
 
 

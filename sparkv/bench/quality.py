@@ -497,15 +497,9 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
     cache (:func:`answer_over_load`). An ask of those groups that fell back to local compute is
     asked again (:data:`FALLBACK_RETRIES` times), then recorded as an error."""
     import httpx
-    import torch
     from tqdm import tqdm
 
-    from sparkv.edge.prompts import question_suffix
     from sparkv.edge.session import EdgeSession
-    from sparkv.layout import ChunkGeometry
-    from sparkv.runtime.generate import greedy_generate, reference_prefill
-    from sparkv.runtime.kvcache import memory_from_layers
-
     from sparkv.predictor.quality import codec_signature
 
     if not configs or configs[0].group != "dense":
@@ -516,71 +510,24 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
     total = sum(len(c.probes) for c in contexts) * len(configs)
     bar = tqdm(total=total, desc="quality", unit="answer", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, mininterval=2.0)
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        _sink(sink, row)
+        bar.update(1)
+
     # the server shares this machine's cores: allow its REST answers a minute
     session = EdgeSession.connect(url, model=lm, timeout_s=60.0)
-    client = session.client
     try:
         for ctx in contexts:
             bar.set_postfix_str(f"{ctx.id}: encoding")
-            cid = _create_context(client, ctx, chunk_tokens, encode_levels)
-            n = len(ctx.token_ids)
+            cid = _create_context(session.client, ctx, chunk_tokens, encode_levels)
             bar.set_postfix_str(f"{ctx.id}: dense reference")
-            with torch.inference_mode():
-                ref_layers = reference_prefill(lm, ctx.token_ids)
-            ref_mem = memory_from_layers(ref_layers, ChunkGeometry.from_config(lm.config, n, n),
-                                         spare_tokens=128)
-            del ref_layers
-            refs, suffixes, margins = {}, {}, {}
-            for probe in ctx.probes:
-                suffixes[probe.id] = question_suffix(lm, probe.question)
-                ref = greedy_generate(lm, ref_mem, n, suffixes[probe.id], probe.new_tokens,
-                                      stop_at_eos=probe.stop_at_eos)
-                if probe.family == "qa":  # where dense itself is a near-tie
-                    margins[probe.id] = reference_margins(lm, ref_mem, n, suffixes[probe.id],
-                                                          ref.tokens)
-                refs[probe.id] = ref
-                row = base_row(ctx, probe, configs[0])
-                row.update({"answer": ref.text, "score": probe.score(ref.text),
-                            "greedy_agreement": 1.0, "teacher_forced": 1.0,
-                            "first_token_kl": 0.0, "mb": 0.0, "ttft_s": None, "streamed": 0,
-                            "computed": 0, "levels": {}, "fallback": {}, "reused_load": False,
-                            "divergence_pos": None, "ref_margin_at_divergence": None,
-                            "near_tie": False})
-                if margins.get(probe.id):
-                    row["ref_min_margin"] = min(margins[probe.id])
-                row["correct"] = row["score"] >= 1.0
-                rows.append(row)
-                _sink(sink, row)
-                bar.update(1)
-            del ref_mem
+            refs, suffixes, margins = _dense_reference(lm, ctx, configs[0], emit)
             for config in configs[1:]:
                 bar.set_postfix_str(f"{ctx.id}: {config.name}")
-                reuse = config.group in REUSED_GROUPS
-                loaded: Any = None
-                for probe in ctx.probes:
-                    ref, suffix = refs[probe.id], suffixes[probe.id]
-                    try:
-                        if loaded is not None:
-                            row = answer_over_load(lm, ctx, probe, config, ref, suffix, loaded,
-                                                   margins.get(probe.id))
-                        else:
-                            res = _ask(session, cid, probe, config, rtt_ms,
-                                       FALLBACK_RETRIES if reuse else 0)
-                            row = score_row(lm, ctx, probe, config, ref, res, suffix,
-                                            margins.get(probe.id))
-                            if reuse and row["fallback"]:
-                                row["error"] = f"fell back to local compute: {row['fallback']}"
-                            elif reuse:
-                                loaded = res
-                            del res
-                    except Exception as exc:  # noqa: BLE001 - one failed answer is a result
-                        row = base_row(ctx, probe, config)
-                        row.update({"answer": "", "score": 0.0, "correct": False,
-                                    "error": f"{type(exc).__name__}: {exc}"})
-                    rows.append(row)
-                    _sink(sink, row)
-                    bar.update(1)
-                del loaded
+                _config_rows(lm, session, cid, ctx, config, refs, suffixes, margins, rtt_ms,
+                             emit)
             try:
                 httpx.delete(f"{url}/v1/contexts/{cid}", timeout=60.0)
             except httpx.HTTPError:
@@ -592,6 +539,80 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
         if sink is not None:
             sink.close()
     return rows
+
+
+def _dense_reference(lm: Any, ctx: QualityContext, dense: Config,
+                     emit: Callable[[dict[str, Any]], None]
+                     ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[float]]]:
+    """The dense reference answer of every probe (full prefill on this device), emitted as the
+    ``dense`` configuration's rows: ``(reference generations, question suffixes, the
+    reference's margins of the QA probes)``, each by probe id."""
+    import torch
+
+    from sparkv.edge.prompts import question_suffix
+    from sparkv.layout import ChunkGeometry
+    from sparkv.runtime.generate import greedy_generate, reference_prefill
+    from sparkv.runtime.kvcache import memory_from_layers
+
+    n = len(ctx.token_ids)
+    with torch.inference_mode():
+        ref_layers = reference_prefill(lm, ctx.token_ids)
+    ref_mem = memory_from_layers(ref_layers, ChunkGeometry.from_config(lm.config, n, n),
+                                 spare_tokens=128)
+    del ref_layers
+    refs, suffixes, margins = {}, {}, {}
+    for probe in ctx.probes:
+        suffixes[probe.id] = question_suffix(lm, probe.question)
+        ref = greedy_generate(lm, ref_mem, n, suffixes[probe.id], probe.new_tokens,
+                              stop_at_eos=probe.stop_at_eos)
+        if probe.family == "qa":  # where dense itself is a near-tie
+            margins[probe.id] = reference_margins(lm, ref_mem, n, suffixes[probe.id],
+                                                  ref.tokens)
+        refs[probe.id] = ref
+        row = base_row(ctx, probe, dense)
+        row.update({"answer": ref.text, "score": probe.score(ref.text),
+                    "greedy_agreement": 1.0, "teacher_forced": 1.0,
+                    "first_token_kl": 0.0, "mb": 0.0, "ttft_s": None, "streamed": 0,
+                    "computed": 0, "levels": {}, "fallback": {}, "reused_load": False,
+                    "divergence_pos": None, "ref_margin_at_divergence": None,
+                    "near_tie": False})
+        if margins.get(probe.id):
+            row["ref_min_margin"] = min(margins[probe.id])
+        row["correct"] = row["score"] >= 1.0
+        emit(row)
+    return refs, suffixes, margins
+
+
+def _config_rows(lm: Any, session: Any, cid: str, ctx: QualityContext, config: Config,
+                 refs: dict[str, Any], suffixes: dict[str, list[int]],
+                 margins: dict[str, list[float]], rtt_ms: float,
+                 emit: Callable[[dict[str, Any]], None]) -> None:
+    """Every probe of ``ctx`` under ``config``, scored against the dense reference; in the
+    level and backend groups the first successful load is reused for the other probes. A failed
+    answer is emitted as an error row."""
+    reuse = config.group in REUSED_GROUPS
+    loaded: Any = None
+    for probe in ctx.probes:
+        ref, suffix = refs[probe.id], suffixes[probe.id]
+        try:
+            if loaded is not None:
+                row = answer_over_load(lm, ctx, probe, config, ref, suffix, loaded,
+                                       margins.get(probe.id))
+            else:
+                res = _ask(session, cid, probe, config, rtt_ms,
+                           FALLBACK_RETRIES if reuse else 0)
+                row = score_row(lm, ctx, probe, config, ref, res, suffix,
+                                margins.get(probe.id))
+                if reuse and row["fallback"]:
+                    row["error"] = f"fell back to local compute: {row['fallback']}"
+                elif reuse:
+                    loaded = res
+                del res
+        except Exception as exc:  # noqa: BLE001 - one failed answer is a result
+            row = base_row(ctx, probe, config)
+            row.update({"answer": "", "score": 0.0, "correct": False,
+                        "error": f"{type(exc).__name__}: {exc}"})
+        emit(row)
 
 
 def _ask(session: Any, cid: str, probe: Probe, config: Config, rtt_ms: float,

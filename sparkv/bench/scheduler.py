@@ -24,6 +24,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,67 +73,124 @@ def _csv(text: str | None, default: tuple, cast=float) -> list:
     return [cast(x) for x in text.split(",") if x.strip()]
 
 
+@dataclass
+class _Settings:
+    """The options of one run, defaults resolved (``--quick`` picks the small ones)."""
+
+    quick: bool
+    sizes_k: list[float]
+    table_mbps: float
+    bws: list[float]
+    sweep_tokens: int
+    milp_sweep_tokens: int
+    trace_tokens: int
+    stages: int
+    limit: float
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "_Settings":
+        quick = args.quick
+        return cls(quick=quick,
+                   sizes_k=_csv(args.sizes, QUICK_SIZES_K if quick else DEFAULT_SIZES_K, float),
+                   table_mbps=args.table_mbps,
+                   bws=_csv(args.mbps, QUICK_MBPS if quick else DEFAULT_MBPS, float),
+                   sweep_tokens=args.sweep_tokens or (4096 if quick else 16384),
+                   milp_sweep_tokens=args.milp_sweep_tokens or (2048 if quick else 4096),
+                   trace_tokens=4096 if quick else 8192, stages=args.milp_stages,
+                   limit=args.milp_time_limit or (20.0 if quick else 120.0), seed=args.seed)
+
+    def config(self) -> dict[str, Any]:
+        """The JSON's ``config``."""
+        return {"quick": self.quick, "sizes_k": self.sizes_k, "table_mbps": self.table_mbps,
+                "sweep_mbps": self.bws, "sweep_tokens": self.sweep_tokens,
+                "milp_sweep_tokens": self.milp_sweep_tokens, "trace_tokens": self.trace_tokens,
+                "milp_stages": self.stages, "milp_time_limit_s": self.limit, "seed": self.seed,
+                "model": "SmolLM2-135M profile on this CPU (synthetic instances)",
+                "chunk_tokens": 1024, "ttft": "estimate_ttft: simulator at the instance's "
+                                              "bandwidth, no noise; excludes planning time"}
+
+    def planners(self, with_milp: bool) -> list[tuple[str, Any]]:
+        """The planners of the sweep and the traces (with the MILP or not)."""
+        from sparkv.scheduler import Greedy, LocalOnly, Milp, StreamOnly, StrongHybrid
+
+        out = [("greedy", Greedy()), ("hybrid", StrongHybrid()), ("stream", StreamOnly()),
+               ("local", LocalOnly())]
+        if with_milp:
+            out.insert(1, ("milp", Milp(stages=self.stages, time_limit_s=self.limit)))
+        return out
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from sparkv.scheduler import (ComputeNoise, ControllerConfig, Greedy, LocalOnly, Milp,
-                                  PlannerError, StreamOnly, StrongHybrid, Trace, estimate_ttft,
-                                  lp_bound, lp_dep_bound, simulate, synthetic_instance,
-                                  validate_plan)
-    from sparkv.scheduler.instance import MBPS
-
     if args.adversarial:
         return _adversarial(args)
-    quick = args.quick
-    sizes = _csv(args.sizes, QUICK_SIZES_K if quick else DEFAULT_SIZES_K, float)
-    bws = _csv(args.mbps, QUICK_MBPS if quick else DEFAULT_MBPS, float)
-    limit = args.milp_time_limit or (20.0 if quick else 120.0)
-    sweep_tokens = args.sweep_tokens or (4096 if quick else 16384)
-    milp_sweep_tokens = args.milp_sweep_tokens or (2048 if quick else 4096)
-    trace_tokens = 4096 if quick else 8192
-    K = args.milp_stages
-    config = {"quick": quick, "sizes_k": sizes, "table_mbps": args.table_mbps, "sweep_mbps": bws,
-              "sweep_tokens": sweep_tokens, "milp_sweep_tokens": milp_sweep_tokens,
-              "trace_tokens": trace_tokens, "milp_stages": K, "milp_time_limit_s": limit,
-              "seed": args.seed, "model": "SmolLM2-135M profile on this CPU (synthetic instances)",
-              "chunk_tokens": 1024, "ttft": "estimate_ttft: simulator at the instance's bandwidth, "
-                                            "no noise; excludes planning time"}
-    total = len(sizes) + len(bws) * 2 + len(TRACES)
+    s = _Settings.from_args(args)
+    total = len(s.sizes_k) + len(s.bws) * 2 + len(TRACES)
     bar = tqdm(total=total, desc="scheduler bench", file=sys.stderr, disable=None)
     t_start = time.perf_counter()
+    table2 = _table2(s, bar)
+    sweep = _sweep(s, bar)
+    traces = _traces(s, bar)
+    bar.close()
 
-    def plan_row(planner, inst) -> dict[str, Any]:
-        plan = planner.plan(inst)
-        validate_plan(plan, inst)
-        ttft = estimate_ttft(plan, inst)
-        return {"plan_time_s": plan.plan_time_s, "ttft_s": ttft,
-                "computed_steps": len(plan.compute_order),
-                "streamed_chunks": len(plan.stream_order), "info": _jsonable_info(plan.info)}
+    targets = _targets(table2, sweep)
+    out_path = Path(args.out) if args.out else results_dir() / "scheduler.json"
+    plot_path = out_path.with_suffix(".png")
+    _plot(plot_path, table2, sweep)
+    payload = {"table2": table2, "sweep": sweep, "traces": traces, "targets": targets,
+               "plot": str(plot_path), "wall_time_s": time.perf_counter() - t_start}
+    path = write_result("scheduler", payload, s.config(), out_path)
 
-    # ---------------------------------------------------------------- 1. Table II
+    _print_tables(table2, sweep, traces, targets)
+    print(f"\nwrote {path} and {plot_path} in {payload['wall_time_s']:.0f} s")
+    if args.json:
+        print(json.dumps(json.loads(Path(path).read_text()), indent=2))
+    return 0
+
+
+def _plan_row(planner: Any, inst: Any) -> dict[str, Any]:
+    """One planner on one instance: its (validated) plan's time, TTFT and shape."""
+    from sparkv.scheduler import estimate_ttft, validate_plan
+
+    plan = planner.plan(inst)
+    validate_plan(plan, inst)
+    ttft = estimate_ttft(plan, inst)
+    return {"plan_time_s": plan.plan_time_s, "ttft_s": ttft,
+            "computed_steps": len(plan.compute_order),
+            "streamed_chunks": len(plan.stream_order), "info": _jsonable_info(plan.info)}
+
+
+def _table2(s: _Settings, bar: Any) -> list[dict[str, Any]]:
+    """Part 1, Table II: greedy vs the MILP (K stages, and K=1) at each size, the MILP stopping
+    after the first size it does not solve to optimality."""
+    from sparkv.scheduler import (Greedy, Milp, PlannerError, lp_bound, lp_dep_bound,
+                                  synthetic_instance)
+
     table2: list[dict[str, Any]] = []
     milp_stop: str | None = None
-    for size_k in sizes:
+    for size_k in s.sizes_k:
         tokens = int(size_k * 1024)
         bar.set_postfix_str(f"table2 {tokens} tokens")
-        inst = synthetic_instance(tokens, bandwidth_mbps=args.table_mbps, seed=args.seed)
+        inst = synthetic_instance(tokens, bandwidth_mbps=s.table_mbps, seed=s.seed)
         lb, ldb = lp_bound(inst), lp_dep_bound(inst)
         row: dict[str, Any] = {"tokens": tokens, "token_chunks": inst.n_t,
                                "steps": inst.num_steps, "chunks": inst.num_chunks,
-                               "mbps": args.table_mbps, "lp_bound_s": lb, "lp_dep_bound_s": ldb}
-        g = plan_row(Greedy(), inst)
+                               "mbps": s.table_mbps, "lp_bound_s": lb, "lp_dep_bound_s": ldb}
+        g = _plan_row(Greedy(), inst)
         g["ratio_lp"] = g["ttft_s"] / lb
         row["greedy"] = g
-        for key, stages, stop in (("milp", K, milp_stop), ("milp_k1", 1, None)):
+        for key, stages, stop in (("milp", s.stages, milp_stop), ("milp_k1", 1, None)):
             if stop:
                 row[key] = {"stages": stages, "skipped": stop}
                 continue
             try:
-                m = plan_row(Milp(stages=stages, time_limit_s=limit), inst)
+                m = _plan_row(Milp(stages=stages, time_limit_s=s.limit), inst)
             except PlannerError as exc:
                 row[key] = {"stages": stages, "error": str(exc)}
                 if key == "milp":
-                    milp_stop = f"a smaller context got no solution in {limit:g} s"
+                    milp_stop = f"a smaller context got no solution in {s.limit:g} s"
                 continue
             m["stages"] = stages
             m["status"] = m["info"]["status"]
@@ -143,29 +201,28 @@ def run(args: argparse.Namespace) -> int:
             m["speedup"] = m["plan_time_s"] / g["plan_time_s"]
             row[key] = m
             if key == "milp" and m["status"] != "optimal":
-                milp_stop = (f"{tokens} tokens was not solved to optimality within {limit:g} s")
+                milp_stop = (f"{tokens} tokens was not solved to optimality within "
+                             f"{s.limit:g} s")
         table2.append(row)
         bar.update(1)
+    return table2
 
-    # ---------------------------------------------------------------- 2. sweep
-    def planners(with_milp: bool) -> list[tuple[str, Any]]:
-        out = [("greedy", Greedy()), ("hybrid", StrongHybrid()), ("stream", StreamOnly()),
-               ("local", LocalOnly())]
-        if with_milp:
-            out.insert(1, ("milp", Milp(stages=K, time_limit_s=limit)))
-        return out
+
+def _sweep(s: _Settings, bar: Any) -> list[dict[str, Any]]:
+    """Part 2: every planner at each bandwidth (the MILP at the smaller context only)."""
+    from sparkv.scheduler import PlannerError, lp_bound, synthetic_instance
 
     sweep: list[dict[str, Any]] = []
-    for tokens, with_milp in ((milp_sweep_tokens, True), (sweep_tokens, False)):
-        for mbps in bws:
+    for tokens, with_milp in ((s.milp_sweep_tokens, True), (s.sweep_tokens, False)):
+        for mbps in s.bws:
             bar.set_postfix_str(f"sweep {tokens} tokens {mbps:g} Mbit/s")
-            inst = synthetic_instance(tokens, bandwidth_mbps=mbps, seed=args.seed)
+            inst = synthetic_instance(tokens, bandwidth_mbps=mbps, seed=s.seed)
             lb = lp_bound(inst)
             entry: dict[str, Any] = {"tokens": tokens, "mbps": mbps, "lp_bound_s": lb,
                                      "planners": {}}
-            for name, planner in planners(with_milp):
+            for name, planner in s.planners(with_milp):
                 try:
-                    r = plan_row(planner, inst)
+                    r = _plan_row(planner, inst)
                 except PlannerError as exc:
                     entry["planners"][name] = {"error": str(exc)}
                     continue
@@ -175,19 +232,25 @@ def run(args: argparse.Namespace) -> int:
                 entry["planners"][name] = r
             sweep.append(entry)
             bar.update(1)
+    return sweep
 
-    # ---------------------------------------------------------------- 3. traces
+
+def _traces(s: _Settings, bar: Any) -> list[dict[str, Any]]:
+    """Part 3: plans made at each trace's median rate, run under the trace with compute noise,
+    static and with the runtime controller (CacheGen's for stream-only)."""
+    from sparkv.scheduler import ComputeNoise, ControllerConfig, Trace, simulate, synthetic_instance
+
     traces: list[dict[str, Any]] = []
-    noise = ComputeNoise(sigma=0.1, seed=args.seed)
+    noise = ComputeNoise(sigma=0.1, seed=s.seed)
     for tname in TRACES:
         bar.set_postfix_str(f"trace {tname}")
         trace = Trace.sample(tname)
         plan_mbps = statistics.median(trace.mbps)
-        inst = synthetic_instance(trace_tokens, bandwidth_mbps=plan_mbps, seed=args.seed)
-        entry = {"trace": tname, "tokens": trace_tokens, "plan_mbps": plan_mbps,
-                 "trace_mean_mbps": trace.mean_mbps(), "compute_noise_sigma": noise.sigma,
-                 "planners": {}}
-        for name, planner in planners(False):
+        inst = synthetic_instance(s.trace_tokens, bandwidth_mbps=plan_mbps, seed=s.seed)
+        entry: dict[str, Any] = {"trace": tname, "tokens": s.trace_tokens, "plan_mbps": plan_mbps,
+                                 "trace_mean_mbps": trace.mean_mbps(),
+                                 "compute_noise_sigma": noise.sigma, "planners": {}}
+        for name, planner in s.planners(False):
             plan = planner.plan(inst)
             static = simulate(plan, inst, trace, noise)
             res = {"static_ttft_s": static.ttft_s, "plan_time_s": plan.plan_time_s}
@@ -202,21 +265,7 @@ def run(args: argparse.Namespace) -> int:
             entry["planners"][name] = res
         traces.append(entry)
         bar.update(1)
-    bar.close()
-
-    targets = _targets(table2, sweep)
-    out_path = Path(args.out) if args.out else results_dir() / "scheduler.json"
-    plot_path = out_path.with_suffix(".png")
-    _plot(plot_path, table2, sweep)
-    payload = {"table2": table2, "sweep": sweep, "traces": traces, "targets": targets,
-               "plot": str(plot_path), "wall_time_s": time.perf_counter() - t_start}
-    path = write_result("scheduler", payload, config, out_path)
-
-    _print_tables(table2, sweep, traces, targets)
-    print(f"\nwrote {path} and {plot_path} in {payload['wall_time_s']:.0f} s")
-    if args.json:
-        print(json.dumps(json.loads(Path(path).read_text()), indent=2))
-    return 0
+    return traces
 
 
 def _jsonable_info(info: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkv.bench.common import format_table, write_result
+from sparkv.bench.common import (add_output_args, format_table, percentile, wait_job,
+                                 write_result)
 
 TARGET_GBIT_S = 1.0
 TARGET_CLIENTS = 32
@@ -54,8 +55,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--stream-frames", type=int, default=60, help="frames per stream request")
     p.add_argument("--torch-threads", type=int, default=0, help="server's PyTorch threads "
                    "(0: all cores)")
-    p.add_argument("--json", action="store_true", help="write bench/results/server.json")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/server.json)")
+    add_output_args(p, "server")
     p.set_defaults(func=run)
 
 
@@ -81,16 +81,6 @@ def _cpu_seconds(pid: int) -> float:
 
     t = psutil.Process(pid).cpu_times()
     return float(t.user + t.system)
-
-
-def _wait_job(client: Any, job_id: str, timeout: float = 900.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if job["state"] not in ("queued", "running"):
-            return job
-        time.sleep(0.1)
-    raise TimeoutError(f"encode job {job_id} did not finish in {timeout} s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,14 +170,14 @@ def _encode(c: Any, args: argparse.Namespace, levels: list[str]) -> dict[str, An
                                         "chunk_tokens": args.chunk_tokens, "levels": levels})
     warm.raise_for_status()
     if warm.json()["job_id"]:
-        _wait_job(c, warm.json()["job_id"])
+        wait_job(c, warm.json()["job_id"], what="encode job")
     print(f"bench server: encoding {len(ids)} tokens at {','.join(levels)} ...", flush=True)
     t0 = time.perf_counter()
     r = c.post("/v1/contexts", json={"token_ids": ids, "chunk_tokens": args.chunk_tokens,
                                      "levels": levels})
     r.raise_for_status()
     out = r.json()
-    job = _wait_job(c, out["job_id"]) if out["status"] != "done" else None
+    job = wait_job(c, out["job_id"], what="encode job") if out["status"] != "done" else None
     wall = time.perf_counter() - t0
     if job is not None and job["state"] != "done":
         raise RuntimeError(f"encode job failed: {job['error']}")
@@ -311,9 +301,9 @@ def _stalled_healthz(url: str, port: int, key: str, manifest: dict[str, Any], co
         released = _server_metric(c, "sparkv_streams_active") == 0
     out = {"streams": streams, "level": level, "stream_mbytes": per_pass * repeat / 1e6,
            "samples": len(lat), "streams_active": active, "buffered_bytes": buffered,
-           "idle_p50_ms": _percentile(idle, 50) * 1e3, "idle_p99_ms": _percentile(idle, 99) * 1e3,
-           "healthz_p50_ms": _percentile(lat, 50) * 1e3,
-           "healthz_p99_ms": _percentile(lat, 99) * 1e3,
+           "idle_p50_ms": percentile(idle, 50) * 1e3, "idle_p99_ms": percentile(idle, 99) * 1e3,
+           "healthz_p50_ms": percentile(lat, 50) * 1e3,
+           "healthz_p99_ms": percentile(lat, 99) * 1e3,
            "healthz_max_ms": max(lat) * 1e3 if lat else 0.0,
            "errors": errors + idle_errors, "slots_released": released}
     print(f"  stalled x{streams}: /healthz p50 {out['healthz_p50_ms']:.2f} ms, p99 "
@@ -339,14 +329,6 @@ def _loadgen_main() -> None:
 
     cfg = json.loads(sys.stdin.read())
     print(json.dumps(run_event_loop(_load(cfg))))
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    i = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
-    return xs[i]
 
 
 class _FrameChecker:
@@ -384,99 +366,122 @@ class _FrameChecker:
         return self.ok and self.i == len(self.sizes) and not self.remaining and not self.prefix
 
 
+class _LoadTally:
+    """What the workers of one load run measure: per-request latencies and times to the first
+    byte (seconds), and the totals. State only; the workers share it on one event loop (no
+    lock needed)."""
+
+    def __init__(self) -> None:
+        self.lat: list[float] = []
+        self.ttfb: list[float] = []
+        self.totals = {"bytes": 0, "frames": 0, "errors": 0, "requests": 0}
+
+
 async def _load(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One load run: ``cfg["clients"]`` workers (one keep-alive connection each, opened before
+    the clock starts) for ``cfg["duration"]`` seconds, ``get`` or ``stream`` mode."""
     import resource
 
     import aiohttp
 
-    url, cid, level = cfg["url"], cfg["context_id"], cfg["level"]
-    items = cfg["items"]
     headers = {"Authorization": f"Bearer {cfg['key']}"}
-    lat: list[float] = []
-    ttfb: list[float] = []
-    totals = {"bytes": 0, "frames": 0, "errors": 0, "requests": 0}
+    tally = _LoadTally()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(url, headers=headers, connector=connector,
+    async with aiohttp.ClientSession(cfg["url"], headers=headers, connector=connector,
                                      timeout=timeout, auto_decompress=False) as session:
         # one connection per client, opened before the clock starts
         await asyncio_gather(*[session.get("/healthz") for _ in range(cfg["clients"])])
         start = time.perf_counter()
         deadline = start + cfg["duration"]
-
-        async def get_worker(w: int) -> None:
-            i = w * 7919
-            while time.perf_counter() < deadline:
-                t, layer, g, size = items[i % len(items)]
-                i += 1
-                t0 = time.perf_counter()
-                try:
-                    async with session.get(f"/v1/contexts/{cid}/chunks/{t}/{layer}/{g}",
-                                           params={"level": level}) as r:
-                        data = await r.read()
-                        ok = r.status == 200 and len(data) == size
-                except aiohttp.ClientError:
-                    ok, data = False, b""
-                lat.append(time.perf_counter() - t0)
-                totals["requests"] += 1
-                totals["bytes"] += len(data)
-                if ok:
-                    totals["frames"] += 1
-                else:
-                    totals["errors"] += 1
-
-        async def stream_worker(w: int) -> None:
-            k = cfg["stream_frames"]
-            i = (w * 37) % len(items)
-            while time.perf_counter() < deadline:
-                batch = [items[(i + j) % len(items)] for j in range(k)]
-                i = (i + k) % len(items)
-                body = {"level": level, "chunks": [{"t": t, "l": layer, "g": g}
-                                                   for t, layer, g, _ in batch]}
-                checker = _FrameChecker([b[3] for b in batch])
-                t0 = time.perf_counter()
-                first = None
-                n = 0
-                try:
-                    async with session.post(f"/v1/contexts/{cid}/stream", json=body) as r:
-                        ok = r.status == 200
-                        async for chunk in r.content.iter_any():
-                            if first is None:
-                                first = time.perf_counter() - t0
-                            n += len(chunk)
-                            checker.feed(chunk)
-                        ok = ok and checker.done()
-                except aiohttp.ClientError:
-                    ok = False
-                lat.append(time.perf_counter() - t0)
-                ttfb.append(first if first is not None else 0.0)
-                totals["requests"] += 1
-                totals["bytes"] += n
-                if ok:
-                    totals["frames"] += checker.i
-                else:
-                    totals["errors"] += 1
-
-        worker = get_worker if cfg["mode"] == "get" else stream_worker
-        await asyncio_gather(*[worker(w) for w in range(cfg["clients"])])
+        worker = _get_worker if cfg["mode"] == "get" else _stream_worker
+        await asyncio_gather(*[worker(session, cfg, tally, w, deadline)
+                               for w in range(cfg["clients"])])
         elapsed = time.perf_counter() - start
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     client_cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    totals, lat, ttfb = tally.totals, tally.lat, tally.ttfb
     return {
-        "mode": cfg["mode"], "level": level, "clients": cfg["clients"],
+        "mode": cfg["mode"], "level": cfg["level"], "clients": cfg["clients"],
         "seconds": elapsed, "requests": totals["requests"], "errors": totals["errors"],
         "bytes": totals["bytes"], "frames": totals["frames"],
         "gbit_s": totals["bytes"] * 8 / elapsed / 1e9,
         "mbyte_s": totals["bytes"] / elapsed / 1e6,
         "requests_per_s": totals["requests"] / elapsed,
         "frames_per_s": totals["frames"] / elapsed,
-        "latency_p50_ms": _percentile(lat, 50) * 1e3,
-        "latency_p99_ms": _percentile(lat, 99) * 1e3,
-        "ttfb_p50_ms": _percentile(ttfb, 50) * 1e3 if ttfb else None,
+        "latency_p50_ms": percentile(lat, 50) * 1e3,
+        "latency_p99_ms": percentile(lat, 99) * 1e3,
+        "ttfb_p50_ms": percentile(ttfb, 50) * 1e3 if ttfb else None,
         "stream_frames": cfg["stream_frames"] if cfg["mode"] == "stream" else 1,
         "client_cpu_s": client_cpu,
     }
+
+
+async def _get_worker(session: Any, cfg: dict[str, Any], tally: _LoadTally, w: int,
+                      deadline: float) -> None:
+    """Single-frame ``GET``s until ``deadline``, worker ``w`` starting at its own frame."""
+    import aiohttp
+
+    cid, level, items = cfg["context_id"], cfg["level"], cfg["items"]
+    i = w * 7919
+    while time.perf_counter() < deadline:
+        t, layer, g, size = items[i % len(items)]
+        i += 1
+        t0 = time.perf_counter()
+        try:
+            async with session.get(f"/v1/contexts/{cid}/chunks/{t}/{layer}/{g}",
+                                   params={"level": level}) as r:
+                data = await r.read()
+                ok = r.status == 200 and len(data) == size
+        except aiohttp.ClientError:
+            ok, data = False, b""
+        tally.lat.append(time.perf_counter() - t0)
+        tally.totals["requests"] += 1
+        tally.totals["bytes"] += len(data)
+        if ok:
+            tally.totals["frames"] += 1
+        else:
+            tally.totals["errors"] += 1
+
+
+async def _stream_worker(session: Any, cfg: dict[str, Any], tally: _LoadTally, w: int,
+                         deadline: float) -> None:
+    """``POST .../stream`` requests of ``cfg["stream_frames"]`` frames until ``deadline``, every
+    length prefix checked (:class:`_FrameChecker`)."""
+    import aiohttp
+
+    cid, level, items = cfg["context_id"], cfg["level"], cfg["items"]
+    k = cfg["stream_frames"]
+    i = (w * 37) % len(items)
+    while time.perf_counter() < deadline:
+        batch = [items[(i + j) % len(items)] for j in range(k)]
+        i = (i + k) % len(items)
+        body = {"level": level, "chunks": [{"t": t, "l": layer, "g": g}
+                                           for t, layer, g, _ in batch]}
+        checker = _FrameChecker([b[3] for b in batch])
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        try:
+            async with session.post(f"/v1/contexts/{cid}/stream", json=body) as r:
+                ok = r.status == 200
+                async for chunk in r.content.iter_any():
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    n += len(chunk)
+                    checker.feed(chunk)
+                ok = ok and checker.done()
+        except aiohttp.ClientError:
+            ok = False
+        tally.lat.append(time.perf_counter() - t0)
+        tally.ttfb.append(first if first is not None else 0.0)
+        tally.totals["requests"] += 1
+        tally.totals["bytes"] += n
+        if ok:
+            tally.totals["frames"] += checker.i
+        else:
+            tally.totals["errors"] += 1
 
 
 async def asyncio_gather(*aws: Any) -> list[Any]:

@@ -1,10 +1,10 @@
-"""The flash tier: chunk files on the one flash backend (:mod:`sparkv.cache.fileio`).
+"""The flash tier: chunk files on the one flash backend (:mod:`sparkv.fileio`).
 
-* **Writes are atomic** (:func:`~sparkv.cache.fileio.atomic_write`): a temp file in the same
+* **Writes are atomic** (:func:`~sparkv.fileio.atomic_write`): a temp file in the same
   directory, written, ``fsync``-ed, its pages dropped from the page cache, renamed over the final
   name, and the directory ``fsync``-ed. A crash leaves the old file or the new one, never half of
   one; a reader never sees a temp file (they are named ``.*.tmp`` and ignored).
-* **Reads are honest** (:class:`~sparkv.cache.fileio.FlashIO`): with ``O_DIRECT`` (aligned
+* **Reads are honest** (:class:`~sparkv.fileio.FlashIO`): with ``O_DIRECT`` (aligned
   buffers, whole blocks of the file system's alignment, read at run time) where the file system
   allows it, else ``posix_fadvise(DONTNEED)`` before and after the read, so the page cache does
   not make flash look like RAM.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkv.cache.fileio import FlashError, FlashIO, atomic_write
-from sparkv.cache.fileio import delete as delete_file
+from sparkv.fileio import FlashError, FlashIO, atomic_write
+from sparkv.fileio import delete as delete_file
 
 
 @dataclass(frozen=True)

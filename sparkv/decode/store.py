@@ -3,7 +3,7 @@
 **Pages.** Each layer has one file of 4 KiB pages (:class:`PageFile`). A page holds the entries
 of one unit (a cluster, or for ``nocluster`` a run of consecutive positions of one head), each
 entry a record ``k | v`` in the model's dtype (512 bytes for SmolLM2: 8 per page). Reads and writes
-are whole pages through the flash backend (:mod:`sparkv.cache.fileio`): ``O_DIRECT`` (aligned
+are whole pages through the flash backend (:mod:`sparkv.fileio`): ``O_DIRECT`` (aligned
 buffers, the file system's alignment read at run time; the page cache never answers) or, where the
 file system refuses it, through the page cache with ``fdatasync`` and ``posix_fadvise(DONTNEED)``
 (writes too where the alignment does not divide a page; reads then take the aligned span). Every
@@ -56,8 +56,8 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from sparkv.cache.fileio import FlashError, FlashIO, checksum, verify
-from sparkv.cache.fileio import delete as delete_file
+from sparkv.fileio import FlashError, FlashIO, checksum, verify
+from sparkv.fileio import delete as delete_file
 
 #: the layout's page (bytes): the unit of a unit's records, of the write-once rule and of the
 #: checksums, 4 KiB as the paper's flash page. A format constant, not the OS page nor the
@@ -110,7 +110,7 @@ class IOStats:
 
 class PageFile:
     """A file of :data:`PAGE`-byte pages, each written at most once, read past the page cache
-    (the flash backend's :class:`~sparkv.cache.fileio.FlashFile`) and checked against the XXH64
+    (the flash backend's :class:`~sparkv.fileio.FlashFile`) and checked against the XXH64
     recorded when it was written.
 
     Args:
@@ -208,7 +208,7 @@ class PageFile:
 
     def read(self, first: int, pages: int) -> bytes:
         """Pages ``first .. first+pages`` (pages never written read as zeros, unchecked); a page
-        that differs from what was written raises :class:`~sparkv.cache.fileio.ChecksumError`."""
+        that differs from what was written raises :class:`~sparkv.fileio.ChecksumError`."""
         self._wait(first, pages)
         n = pages * PAGE
         try:

@@ -30,7 +30,7 @@ from pathlib import Path
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sparkv.cache.fileio import atomic_write
+from sparkv.fileio import atomic_write
 from sparkv.device.private import FILE_MODE, existing
 from sparkv.protocol.errors import error_body
 

@@ -3,7 +3,7 @@
 :class:`ServiceFlash` is a :class:`~sparkv.cache.FlashTier` (the same atomic, checksummed files and
 honest ``O_DIRECT`` reads) whose writes can be **grouped**: inside ``with tier.batch():`` each write
 is a temp file + rename without its own ``fsync``; leaving the block makes them durable at once (the
-flash backend's :func:`~sparkv.cache.fileio.sync_files`: ``syncfs`` of the tier's file system where
+flash backend's :func:`~sparkv.fileio.sync_files`: ``syncfs`` of the tier's file system where
 Linux has it, else one ``fsync`` per file) and ``fsync``-s the directory. Measured here: a chunk
 file written alone costs ~10 ms (two ``fsync``-s), a batch of 60 costs 4-12 ms in all. The
 ahead-of-time swap-out writes a call's modified chunks as one batch; a file renamed before the batch
@@ -38,9 +38,9 @@ import xxhash
 
 from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
                           flash_profile_path, load_flash_profile)
-from sparkv.cache.fileio import atomic_write, sync_files
 from sparkv.cache.payload import contiguous_positions
 from sparkv.device.private import FILE_MODE, private_dir
+from sparkv.fileio import atomic_write, sync_files
 from sparkv.layout import KVChunkId
 
 DEFAULT_READ_MBPS = 500.0
@@ -228,7 +228,7 @@ class ServiceFlash(FlashTier):
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Writes inside the block are made durable together when it ends
-        (:func:`~sparkv.cache.fileio.sync_files`)."""
+        (:func:`~sparkv.fileio.sync_files`)."""
         if self._batch is not None:     # nested: the outer block syncs
             yield
             return

@@ -1,7 +1,7 @@
 """The service's journal: what it takes, with the flash tier, to reopen every context after a crash.
 
 One small JSON record per context, ``<swap_dir>/journal/<id>.json``, replaced atomically (the
-flash backend's :func:`~sparkv.cache.fileio.atomic_write`: temp file + ``fsync`` + ``rename`` +
+flash backend's :func:`~sparkv.fileio.atomic_write`: temp file + ``fsync`` + ``rename`` +
 directory ``fsync``) when the context is made and when each call returns (after its
 ahead-of-time swap-out), and removed when the context is deleted::
 
@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 from sparkv.cache import ContextKV
-from sparkv.cache.fileio import atomic_write, delete
 from sparkv.device.density import LEVEL_STEP
 from sparkv.device.errors import DeviceError
 from sparkv.device.inputs import check_token_ids, vocab_size
@@ -53,6 +52,7 @@ from sparkv.device.levels import LevelPolicy
 from sparkv.device.private import FILE_MODE, private_dir, tighten
 from sparkv.device.registry import CONTEXT_ID, DeviceContext
 from sparkv.device.swap import SwapStore
+from sparkv.fileio import atomic_write, delete
 from sparkv.layout import ChunkGeometry
 
 FORMAT = "sparkv-device-journal/1"

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from sparkv.errors import SparkvError
+from sparkv.fileio import atomic_write
 from sparkv.predictor.cost import StepCostModel, mape
 from sparkv.predictor.device import device_fingerprint, fingerprint_differences
 from sparkv.predictor.features import StepFeatures
@@ -299,9 +300,7 @@ class LatencyModel(StepCostModel):
         """Writes the JSON model file (atomically)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, (json.dumps(self.to_dict(), indent=1) + "\n").encode())
         return path
 
     @classmethod

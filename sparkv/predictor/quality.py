@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from sparkv.errors import SparkvError
+from sparkv.fileio import atomic_write
 
 QUALITY_TABLE_VERSION = 1
 #: the lossless level: always allowed, whatever the table says
@@ -209,9 +210,7 @@ class QualityTable:
         """Writes the table as JSON (atomically); default :func:`quality_table_path`."""
         out = Path(path) if path else quality_table_path(self.model_fingerprint)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        os.replace(tmp, out)
+        atomic_write(out, (json.dumps(self.to_dict(), indent=1) + "\n").encode())
         return out
 
     @classmethod

@@ -8,7 +8,7 @@ Layout under the root::
     tenants/<tenant>/jobs/<job_id>.json                                  job records
 
 Every write goes to a temporary file in the target directory (``.<name>.<pid>.<random>.tmp``: the
-flash backend's :func:`~sparkv.cache.fileio.atomic_write`), is flushed and ``fsync``-ed, then
+flash backend's :func:`~sparkv.fileio.atomic_write`), is flushed and ``fsync``-ed, then
 renamed over the target (``os.replace``, atomic on POSIX). The token ids sit beside ``chunks/``
 (never inside it, so ``list_chunks`` does not see them); ``put_tokens`` syncs the context directory
 after its rename, so they are durable before the manifest. ``put_manifest`` first syncs the chunk
@@ -29,6 +29,8 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
+from sparkv.fileio import atomic_write as write_atomically
+from sparkv.fileio import fsync_dir
 from sparkv.server.errors import StoreError
 from sparkv.server.stores.base import ChunkKey, ChunkStore, check_names
 
@@ -36,21 +38,15 @@ MANIFEST = "manifest.json"
 TOKENS = "tokens.u32"
 
 
-# The flash backend is imported where it is used: importing ``sparkv.cache`` loads transformers,
-# which the server loads only when it encodes.
 def _fsync_dir(path: Path) -> None:
     """Makes a directory's entries durable (a failure raises; a missing directory is skipped)."""
-    from sparkv.cache.fileio import fsync_dir
-
     fsync_dir(path, strict=True)
 
 
 def atomic_write(path: Path, data: bytes, fsync: bool = True) -> None:
     """Writes ``data`` to ``path`` through a temporary file and a rename (the flash backend's
-    :func:`~sparkv.cache.fileio.atomic_write`; the directory is not synced here: the callers sync
+    :func:`~sparkv.fileio.atomic_write`; the directory is not synced here: the callers sync
     the directories where the order matters)."""
-    from sparkv.cache.fileio import atomic_write as write_atomically
-
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, data, fsync=fsync, sync_dir=False, mode=0o640)
 

@@ -2,8 +2,11 @@
 
 Its users: the flash tier's chunk files (:class:`~sparkv.cache.flash.FlashTier`), the device
 service's token chunk files and journal (``sparkv.device.flashio``, ``sparkv.device.journal``),
-DynaKV's page files (``sparkv.decode.store.PageFile``) and the server's file store. What it
-guarantees:
+DynaKV's page files (``sparkv.decode.store.PageFile``), the server's file store and the
+predictor's saved models and quality tables. It sits in the vocabulary layer (beside
+:mod:`sparkv.layout` and :mod:`sparkv.errors`) and imports nothing heavier than the standard
+library, ``xxhash`` and :mod:`sparkv.errors`, so any layer may import it at module level (importing
+``sparkv.cache`` would load transformers). What it guarantees:
 
 * **Atomic writes** (:func:`atomic_write`): a temp file beside the target
   (``.<name>.<pid>.<random>.tmp``, created exclusively; readers skip dot-files), written whole,

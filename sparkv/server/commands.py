@@ -216,7 +216,8 @@ def serve(args: argparse.Namespace) -> int:
                 ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
                 ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
-                timeout_keep_alive=30, server_header=False, http=json_error_protocol())
+                timeout_keep_alive=30, server_header=False,
+                http=json_error_protocol(settings.header_timeout_s))
     return 0
 
 

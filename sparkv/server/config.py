@@ -94,6 +94,10 @@ class Settings(BaseModel):
     body_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
     """A request body must arrive completely within this many seconds of the request's headers;
     otherwise 408 ``body_timeout`` and the connection is closed."""
+    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    """A request's headers must arrive completely within this many seconds of its first byte
+    (of the connection, for its first request); otherwise the connection is closed (after a 408
+    ``header_timeout`` when part of a request arrived). ``sparkv serve`` only (the HTTP layer)."""
     max_queued_jobs: int = Field(64, ge=1)
     encode_workers: int = Field(1, ge=1, le=16)
     torch_threads: int = Field(0, ge=0)

@@ -16,6 +16,7 @@
 #   SPARKV_REDIS_PORT      redis-server's port (default: a free one)
 #   SPARKV_TORCH_THREADS   PyTorch threads per process (default 1)
 #   SPARKV_NGINX_WORKERS   nginx worker processes (default auto)   SPARKV_CACHE_MAX (default 2g)
+#   SPARKV_FRAME_CACHE_S   seconds nginx serves a cached frame before revalidating it (default 60)
 #   SPARKV_REDIS_AOF       yes: redis appendonly persistence (default no)
 # After `start`, $SPARKV_CLUSTER_DIR/cluster.env holds SPARKV_URL, SPARKV_REDIS_URL and the ports.
 set -euo pipefail
@@ -30,6 +31,7 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 THREADS=${SPARKV_TORCH_THREADS:-1}
 NGINX_WORKERS=${SPARKV_NGINX_WORKERS:-auto}
 CACHE_MAX=${SPARKV_CACHE_MAX:-2g}
+FRAME_CACHE_S=${SPARKV_FRAME_CACHE_S:-60}
 AOF=${SPARKV_REDIS_AOF:-no}
 RUN=$DIR/run
 LOGS=$DIR/logs
@@ -81,6 +83,7 @@ render_nginx() {  # writes $DIR/nginx.conf from deploy/nginx.conf
   fi
   sed -e "s|@USER_LINE@|$user_line|" -e "s|@WORKERS@|$NGINX_WORKERS|" -e "s|@DIR@|$DIR|g" \
       -e "s|@LISTEN@|127.0.0.1:$PORT|" -e "s|@CACHE_MAX@|$CACHE_MAX|" \
+      -e "s|@FRAME_CACHE_S@|$FRAME_CACHE_S|" \
       -e "s|@UPSTREAMS@|$ups|" "$ROOT/deploy/nginx.conf" >"$DIR/nginx.conf"
 }
 

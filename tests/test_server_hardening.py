@@ -2,7 +2,8 @@
 
 * a chunk GET verifies the stored frame (size and checksum) before sending it: a damaged frame is
   503 ``frame_corrupt`` (also for a range), never a 200 under the manifest's ETag; the stream
-  endpoint keeps sending same-size frames (the edge verifies them) and cuts on a wrong size;
+  endpoint keeps sending same-size frames (the edge verifies them), refuses a wrong size in its
+  first batch (503) and cuts on one in a later batch;
 * a stream response is capped in bytes (413 ``response_too_large``) and each tenant in concurrent
   streams (429 ``too_many_streams``); stalled streams (clients that never read) hold bounded
   memory, leave the event loop free, and give their slot back when the client disconnects;
@@ -11,7 +12,13 @@
 * ``/healthz`` names no store URL, path or error;
 * OpenAPI bounds are ``minimum``/``maximum``;
 * bad JSON (400 ``malformed_json``), a bad ``Content-Length`` (400 ``bad_content_length`` in
-  JSON, from the HTTP layer) and two different keys (401 ``conflicting_api_keys``).
+  JSON, from the HTTP layer) and two different keys (401 ``conflicting_api_keys``);
+* issue 26 (each of these failed before it): the frame cap at ``POST /v1/contexts`` (400
+  ``frame_too_large``), a stream response proportionate to its request (413), a stalled stream
+  bounded in bytes, not frames; query parameters read once, strictly (400 on a repeated or
+  unknown one); deeply nested JSON (400, not a 500); a directory or a missing file in a frame's
+  place (503 ``frame_corrupt``, never a 500 or a reset); a header deadline (408, closed) with
+  either HTTP parser; ``Bearer`` with exactly one space.
 
 No test asserts wall-clock time: timeouts are hang guards only (the machine may be loaded).
 """
@@ -40,6 +47,11 @@ IDS = [(i * 53 + 11) % 250 for i in range(96)]  # 3 token chunks of T = 32, 2 la
 MAX_STREAM_BYTES = 256 * 1024 * 1024  # the default
 STREAMS_PER_TENANT = 8  # the default
 BATCH_BYTES = 1 << 20  # the default stream_batch_bytes
+HEADER_TIMEOUT_S = 2.0
+STRICT_FRAME_BYTES = 20000
+STRICT_AMPLIFICATION = 512
+STRICT_BATCH_BYTES = 4096
+RAW_64 = 72 + 2 * (2 * 64 * 16 * 4)  # a raw frame of T = 64: 2 KV heads x 16 channels, fp32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,9 +143,25 @@ def abort(s: socket.socket) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = start_tiny_server(tmp_path_factory.mktemp("hardening"), max_body_bytes=4 << 20,
-                            body_timeout_s=BODY_TIMEOUT_S)
+                            body_timeout_s=BODY_TIMEOUT_S, header_timeout_s=HEADER_TIMEOUT_S)
     yield srv
     stop_checked(srv)
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory):
+    """A server with small frame, amplification and batch limits (raw frames of T = 64 fit
+    ``max_frame_bytes``, of T = 128 do not; one frame is over ``2 x stream_batch_bytes``)."""
+    srv = start_tiny_server(tmp_path_factory.mktemp("strict"), max_body_bytes=1 << 20,
+                            default_levels=["raw"], default_chunk_tokens=64,
+                            max_frame_bytes=STRICT_FRAME_BYTES,
+                            max_stream_amplification=STRICT_AMPLIFICATION,
+                            stream_batch_bytes=STRICT_BATCH_BYTES)
+    yield srv
+    stop_checked(srv)
+
+
+strict_alice = tenant_fixture("strict", "alice", GUARD_S)
 
 
 alice = tenant_fixture("server", "alice", GUARD_S)
@@ -154,6 +182,22 @@ def frame_path(server: ServerProcess, tenant: str, cid: str, t: int, layer: int,
                level: str) -> Path:
     return server.store_dir / "tenants" / tenant / "contexts" / cid / "chunks" / \
         f"{t}.{layer}.0.{level}"
+
+
+def later_batch(m: dict, level: str) -> list[dict]:
+    """Items filling more than the first stream batch (``BATCH_BYTES``): an item after them is
+    read after the response started."""
+    size = m["chunks"][0]["levels"][level]["bytes"]
+    return [{"t": 0, "l": 0}] * (BATCH_BYTES // size + 2)
+
+
+def assert_cut(c: httpx.Client, cid: str, body: dict) -> None:
+    """The stream starts (200) and is cut: fewer bytes than its Content-Length."""
+    with pytest.raises(httpx.HTTPError):
+        with c.stream("POST", f"/v1/contexts/{cid}/stream", json=body) as s:
+            assert s.status_code == 200
+            got = b"".join(s.iter_raw())
+            assert len(got) < int(s.headers["content-length"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,14 +243,13 @@ def test_damaged_frames_are_never_served_by_get(server, alice):
     frames = split_records(r.content)
     assert len(frames) == 2 and frames[1] == bytes(data)
     assert checksum(frames[1]) != entry["checksum"]
-    # ... and cuts the stream on a frame of the wrong size: fewer bytes than Content-Length
-    cut_before = metric(alice, "sparkv_stream_errors_total")
+    # ... refuses a frame of the wrong size in its first batch before the response starts ...
     body = {"level": "q5", "chunks": [{"t": 0, "l": 0}, {"t": 2, "l": 1}, {"t": 0, "l": 1}]}
-    with pytest.raises(httpx.HTTPError):
-        with alice.stream("POST", f"/v1/contexts/{cid}/stream", json=body) as s:
-            assert s.status_code == 200
-            got = b"".join(s.iter_raw())
-            assert len(got) < int(s.headers["content-length"])
+    err = assert_error(alice.post(f"/v1/contexts/{cid}/stream", json=body), 503, "frame_corrupt")
+    assert (err["t"], err["l"], err["level"]) == (2, 1, "q5")
+    # ... and cuts the stream on one in a later batch: fewer bytes than Content-Length
+    cut_before = metric(alice, "sparkv_stream_errors_total")
+    assert_cut(alice, cid, {"level": "q5", "chunks": later_batch(m, "q5") + [{"t": 2, "l": 1}]})
     assert metric(alice, "sparkv_stream_errors_total") == cut_before + 1
     assert alice.get("/healthz").status_code == 200
 
@@ -477,3 +520,228 @@ def test_two_different_api_keys_are_401(server, ctx):
                                                    "X-API-Key": a})
         assert r.status_code == 200
         assert metric(c, "sparkv_auth_failures_total", reason="conflicting_api_keys") == 4
+
+
+# ------------------------------------------------------------------------------------------------
+# (i) issue 26: a bounded edge. Each test below fails on the code before it (c19a408).
+# ------------------------------------------------------------------------------------------------
+def test_a_context_whose_frames_exceed_the_cap_is_refused_before_encoding(strict, strict_alice):
+    ids = [(i * 31 + 5) % 250 for i in range(200)]
+    jobs0 = metric(strict_alice, "sparkv_jobs_total")
+    r = strict_alice.post("/v1/contexts", json={"token_ids": ids, "chunk_tokens": 128})
+    err = assert_error(r, 400, "frame_too_large")
+    assert err["limit"] == STRICT_FRAME_BYTES and err["bytes"] == 72 + 2 * (2 * 128 * 16 * 4)
+    assert "chunk_tokens" in err["message"]
+    # nothing was queued or stored
+    assert metric(strict_alice, "sparkv_jobs_total") == jobs0
+    assert strict_alice.get("/v1/contexts").json() == {"contexts": [], "pending": []}
+    # at T = 64 the raw frame fits; quantized levels are bounded by the raw frame too
+    assert_error(strict_alice.post("/v1/contexts", json={
+        "token_ids": ids, "chunk_tokens": 128, "levels": ["q4"]}), 400, "frame_too_large")
+    cid, m = create(strict_alice, token_ids=ids)
+    assert max(c["levels"]["raw"]["bytes"] for c in m["chunks"]) == RAW_64 <= STRICT_FRAME_BYTES
+
+
+def test_a_stream_response_is_proportionate_to_its_request(strict, strict_alice):
+    cid, m = create(strict_alice, token_ids=[(i * 7 + 3) % 250 for i in range(128)])
+    url = f"/v1/contexts/{cid}/stream"
+    body = json.dumps({"level": "raw", "chunks": [{"t": 0, "l": 0}] * 40},
+                      separators=(",", ":")).encode()
+    assert 40 * (4 + RAW_64) > STRICT_AMPLIFICATION * len(body)  # 593 bytes asking for 658 KB
+    before = metric(strict_alice, "sparkv_streams_refused_total", reason="response_too_large")
+    err = assert_error(strict_alice.post(url, content=body, headers=JSON), 413,
+                       "response_too_large")
+    assert err["limit"] == STRICT_AMPLIFICATION * len(body) and err["bytes"] == 40 * (4 + RAW_64)
+    assert metric(strict_alice, "sparkv_streams_refused_total",
+                  reason="response_too_large") == before + 1
+    # one frame is always allowed, and a larger request may ask for more
+    one = strict_alice.post(url, json={"level": "raw", "chunks": [{"t": 0, "l": 0}]})
+    assert one.status_code == 200 and len(split_records(one.content)) == 1
+    padded = body + b" " * (40 * (4 + RAW_64) // STRICT_AMPLIFICATION)
+    r = strict_alice.post(url, content=padded, headers=JSON)
+    assert r.status_code == 200 and len(split_records(r.content)) == 40
+
+
+def test_a_stalled_stream_holds_bytes_not_frames(strict, strict_alice):
+    cid, m = create(strict_alice, token_ids=[(i * 5 + 1) % 250 for i in range(128)])
+    assert RAW_64 > 2 * STRICT_BATCH_BYTES  # every frame is a batch of its own
+    items = [{"t": c["t"], "l": c["l"]} for c in m["chunks"]] * 500  # 2,000 frames, 33 MB
+    body = json.dumps({"level": "raw", "chunks": items}).encode()
+    body += b" " * (len(items) * (4 + RAW_64) // STRICT_AMPLIFICATION)
+    request = (f"POST /v1/contexts/{cid}/stream HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {strict.keys['alice']}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+               ).encode() + body
+    sock = stalled_stream(strict.port, request)
+    try:
+        wait_until(lambda: metric(strict_alice, "sparkv_streams_active") == 1, "the stream")
+        wait_until(lambda: metric(strict_alice, "sparkv_frame_bytes_served_total",
+                                  endpoint="stream") > 0, "the first frames sent")
+        samples = []
+        for _ in range(20):  # stalled: at most one frame held (never one read ahead)
+            samples.append(metric(strict_alice, "sparkv_stream_buffered_bytes"))
+            time.sleep(0.05)
+        assert 0 < max(samples) <= max(2 * STRICT_BATCH_BYTES, RAW_64), samples
+    finally:
+        abort(sock)
+    wait_until(lambda: metric(strict_alice, "sparkv_streams_active") == 0, "the slot back")
+    wait_until(lambda: metric(strict_alice, "sparkv_stream_buffered_bytes") == 0, "released")
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def test_query_parameters_are_parsed_once_and_strictly(alice, ctx):
+    cid, m = ctx
+    url = chunk_url(cid, 0, 1)
+    raw = alice.get(url, params={"level": "raw"})
+    assert raw.status_code == 200
+    for query, code in (("level=q5&level=raw", "repeated_query_parameter"),
+                        ("level=raw&level=raw", "repeated_query_parameter"),
+                        ("Level=q5", "unknown_query_parameter"),
+                        ("level=q5&Level=raw", "unknown_query_parameter"),
+                        ("level=q5&x=1", "unknown_query_parameter"),
+                        ("LEVEL=raw", "unknown_query_parameter")):
+        err = assert_error(alice.get(f"{url}?{query}"), 400, code)
+        assert err["parameter"] in query
+        if code == "unknown_query_parameter":
+            assert err["allowed"] == ["level"]
+    # values stay case-sensitive too; a percent-encoded name is the same name to the app
+    assert_error(alice.get(f"{url}?level=RAW"), 422, "invalid_request")
+    assert alice.get(f"{url}?%6Cevel=raw").content == raw.content
+    # every endpoint: none of these reads a query parameter
+    for path in (f"/v1/contexts/{cid}", "/v1/contexts", f"/v1/contexts/{cid}/tokens",
+                 "/v1/models", "/healthz"):
+        err = assert_error(alice.get(f"{path}?level=raw"), 400, "unknown_query_parameter")
+        assert err["allowed"] == []
+    assert_error(alice.post(f"/v1/contexts/{cid}/stream?level=raw",
+                            json={"chunks": [{"t": 0, "l": 0}]}), 400, "unknown_query_parameter")
+
+
+def test_deeply_nested_json_is_400_not_500(alice, ctx):
+    cid, _ = ctx
+    for body in (b"[" * 60000, b'{"chunks": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
+        for url in ("/v1/contexts", f"/v1/contexts/{cid}/stream"):
+            r = alice.post(url, content=body, headers=JSON)
+            assert r.status_code in (400, 422), (url, r.status_code, r.text)
+            assert r.json()["error"]["code"] in ("malformed_json", "invalid_request")
+    err = assert_error(alice.post(f"/v1/contexts/{cid}/stream", content=b"[" * 60000,
+                                  headers=JSON), 400, "malformed_json")
+    assert "nested" in err["message"]
+
+
+def test_damaged_store_paths_are_frame_corrupt(server, alice):
+    cid, m = create(alice, token_ids=[(x + 13) % 250 for x in IDS])
+    url = f"/v1/contexts/{cid}/stream"
+    before = metric(alice, "sparkv_frames_corrupt_total")
+    # a directory where the frame file should be
+    as_dir = frame_path(server, "alice", cid, 1, 1, "raw")
+    as_dir.unlink()
+    as_dir.mkdir()
+    err = assert_error(alice.get(chunk_url(cid, 1, 1), params={"level": "raw"}), 503,
+                       "frame_corrupt")
+    assert (err["t"], err["l"], err["level"]) == (1, 1, "raw")
+    err = assert_error(alice.post(url, json={"level": "raw", "chunks": [{"t": 1, "l": 1}]}),
+                       503, "frame_corrupt")
+    assert (err["t"], err["l"]) == (1, 1)
+    assert_cut(alice, cid, {"level": "raw", "chunks": later_batch(m, "raw") + [{"t": 1, "l": 1}]})
+    # a frame file missing while the manifest names it
+    frame_path(server, "alice", cid, 2, 0, "q5").unlink()
+    err = assert_error(alice.get(chunk_url(cid, 2, 0), params={"level": "q5"}), 503,
+                       "frame_corrupt")
+    assert (err["t"], err["l"], err["level"]) == (2, 0, "q5")
+    assert_error(alice.post(url, json={"level": "q5", "chunks": [{"t": 2, "l": 0}]}), 503,
+                 "frame_corrupt")
+    assert metric(alice, "sparkv_frames_corrupt_total") == before + 4
+    # the other frames are served; once the context is deleted, its frames are 404
+    assert alice.get(chunk_url(cid, 0, 0), params={"level": "raw"}).status_code == 200
+    assert alice.delete(f"/v1/contexts/{cid}").status_code == 204
+    assert_error(alice.get(chunk_url(cid, 0, 0), params={"level": "raw"}), 404,
+                 "context_not_found")
+    assert "Traceback" not in server.log()
+
+
+def _read_answer(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes (hang-guarded by the socket timeout)."""
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_headers_that_do_not_arrive_in_time_close_the_connection(server, alice):
+    before = metric(alice, "sparkv_http_requests_total")
+    with socket.create_connection((HOST, server.port), timeout=GUARD_S) as s:  # slowloris
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        answer = _read_answer(s)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+    err = json.loads(body)["error"]
+    assert err["code"] == "header_timeout" and err["timeout_s"] == HEADER_TIMEOUT_S
+    with socket.create_connection((HOST, server.port), timeout=GUARD_S) as s:  # sends nothing
+        assert _read_answer(s) == b""
+    with socket.create_connection((HOST, server.port), timeout=GUARD_S) as s:  # keep-alive
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while b'"jobs_active"' not in first:
+            first += s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHo")
+        assert _read_answer(s).startswith(b"HTTP/1.1 408")
+    assert metric(alice, "sparkv_http_requests_total") == before + 2  # one healthz, one /metrics
+
+
+def test_bearer_is_exactly_one_space_and_a_key(server, ctx):
+    cid, _ = ctx
+    key = server.keys["alice"]
+    with httpx.Client(base_url=server.url, timeout=GUARD_S) as c:
+        for value in (f"Bearer  {key}", f"Bearer\t{key}", f"Bearer {key} x", f"Bearer {key[:5]} "
+                      f"{key[5:]}", f"Bearer{key}"):
+            r = c.get(f"/v1/contexts/{cid}", headers={"Authorization": value})
+            assert r.status_code == 401, (value, r.status_code)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        for value in (f"Bearer {key}", f"bearer {key}"):  # the scheme is case-insensitive
+            assert c.get(f"/v1/contexts/{cid}",
+                         headers={"Authorization": value}).status_code == 200
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_both_http_parsers_have_the_header_deadline(parser):
+    """The same deadline with either parser uvicorn may pick (in-process, a trivial app)."""
+    import threading
+
+    import uvicorn
+
+    from sparkv.server import http_protocol
+    from sparkv.server.process import free_port
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    base = http_protocol._h11_class() if parser == "h11" else http_protocol._httptools_class()
+    protocol = type(base.__name__, (base,), {"header_timeout_s": 1.0})
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, http=protocol,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "uvicorn to start")
+        with socket.create_connection((HOST, port), timeout=GUARD_S) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            answer = _read_answer(s)
+        assert answer.startswith(b"HTTP/1.1 408") and b'"header_timeout"' in answer
+        with socket.create_connection((HOST, port), timeout=GUARD_S) as s:
+            assert _read_answer(s) == b""
+        with socket.create_connection((HOST, port), timeout=GUARD_S) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(1024).startswith(b"HTTP/1.1 200")
+            s.sendall(b"GET / HT")
+            assert _read_answer(s).startswith(b"HTTP/1.1 408")
+    finally:
+        server.should_exit = True
+        thread.join(GUARD_S)

@@ -216,7 +216,8 @@ def serve(args: argparse.Namespace) -> int:
                 ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
                 ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
-                timeout_keep_alive=30, server_header=False, http=json_error_protocol())
+                timeout_keep_alive=30, server_header=False,
+                http=json_error_protocol(settings.header_timeout_s))
     return 0
 
 
@@ -359,9 +360,28 @@ def _context_spec(args: argparse.Namespace, settings: Any, tenant: str, entry: A
             press = canonical_spec(args.press)
         except PressError as exc:
             raise ConfigError(f"--press: {exc}") from None
-    return ContextSpec(tenant, entry.name, tuple(ids), args.chunk_tokens or
+    spec = ContextSpec(tenant, entry.name, tuple(ids), args.chunk_tokens or
                        settings.default_chunk_tokens, levels, args.heads_per_group, args.encrypt,
                        press)
+    _check_frame_cap(settings, entry, spec)
+    return spec
+
+
+def _check_frame_cap(settings: Any, entry: Any, spec: Any) -> None:
+    """Refuses (:class:`ConfigError`) a spec whose frames would exceed the config's
+    ``max_frame_bytes``, as ``POST /v1/contexts`` does, or whose geometry is invalid."""
+    from sparkv.layout import ChunkGeometry
+    from sparkv.server.encoder import frame_cap_error
+
+    try:
+        geometry = ChunkGeometry.from_config(entry.lm.config, spec.num_tokens, spec.chunk_tokens,
+                                             spec.heads_per_group)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    too_large = frame_cap_error(geometry, entry.lm.dtype.itemsize, spec.encrypted,
+                                settings.max_frame_bytes)
+    if too_large is not None:
+        raise ConfigError(f"{too_large[0]} (max_frame_bytes in the config)")
 
 
 def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes | None

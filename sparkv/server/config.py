@@ -80,12 +80,24 @@ class Settings(BaseModel):
     """Bytes one stream response may hold (its records: 4-byte prefixes and frames); beyond, 413
     ``response_too_large`` (items may repeat, so a small request could otherwise ask for
     gigabytes)."""
+    max_stream_amplification: int = Field(65536, ge=1)
+    """A stream response may hold at most this many bytes per byte of its request body (and
+    always one frame, whatever the body): a small request cannot ask for a large response.
+    An edge names a frame in at least 33 bytes, so keep it at least ``max_frame_bytes / 32``."""
+    max_frame_bytes: int = Field(2 * 1024 * 1024, ge=4096)
+    """The largest frame the server stores: ``POST /v1/contexts`` refuses (400
+    ``frame_too_large``) a context whose largest chunk's raw frame would be larger, before
+    anything is encoded."""
     max_streams_per_tenant: int = Field(8, ge=1, le=4096)
     """Stream responses one tenant may have in progress at once; beyond, 429
     ``too_many_streams`` with ``Retry-After``."""
     body_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
     """A request body must arrive completely within this many seconds of the request's headers;
     otherwise 408 ``body_timeout`` and the connection is closed."""
+    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    """A request's headers must arrive completely within this many seconds of its first byte
+    (of the connection, for its first request); otherwise the connection is closed (after a 408
+    ``header_timeout`` when part of a request arrived). ``sparkv serve`` only (the HTTP layer)."""
     max_queued_jobs: int = Field(64, ge=1)
     encode_workers: int = Field(1, ge=1, le=16)
     torch_threads: int = Field(0, ge=0)
@@ -112,7 +124,8 @@ class Settings(BaseModel):
     manifest_cache_s: float = Field(5.0, ge=0.0)
     """How long a parsed manifest is reused before the store is read again."""
     stream_batch_bytes: int = Field(1 << 20, ge=4096)
-    """The stream endpoint reads and writes frames in batches of about this many bytes."""
+    """The stream endpoint reads frames in batches of about this many bytes; a stream holds at
+    most two batches (or one frame, when a frame is larger) at once."""
     gzip_min_bytes: int = Field(1024, ge=0)
     """JSON responses of at least this many bytes are gzip-compressed for clients that accept it
     (0: never compress). Frames, streams and token ids are never compressed."""

@@ -115,6 +115,40 @@ def derive_context_id(spec: ContextSpec, model_fingerprint: str, tokenizer_id: s
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
+def largest_frame_bytes(geometry: ChunkGeometry, dtype_bytes: int, encrypted: bool) -> int:
+    """Bytes of the largest frame a context of ``geometry`` can store: the raw frame of its
+    longest chunk (K and V at ``dtype_bytes`` per value, the frame's header and checksum), plus
+    the cipher's nonce and tag when ``encrypted``.
+
+    Every level's frame of a chunk is at most its raw frame (a quantized value takes at most 8
+    bits, parameters and tables included, against 16 or 32 for the raw dtype; a compressed
+    context keeps at most the chunk's rows), so this bounds every frame the context can have.
+    """
+    from sparkv.codec import get_level
+    from sparkv.protocol.crypto import OVERHEAD
+
+    raw = get_level("raw").estimate_bytes(geometry.heads_per_group, geometry.chunk_len(0),
+                                          geometry.head_dim, 0, geometry.num_layers,
+                                          dtype_bytes)
+    return raw + (OVERHEAD if encrypted else 0)
+
+
+def frame_cap_error(geometry: ChunkGeometry, dtype_bytes: int, encrypted: bool,
+                    limit: int) -> tuple[str, int] | None:
+    """``(message, bytes)`` when the context's largest frame (:func:`largest_frame_bytes`) would
+    be larger than ``limit`` (the server's ``max_frame_bytes``), else ``None``. Checked before
+    anything is encoded: a frame is read whole to be verified and served, so its size bounds
+    what one request can make the server hold and send."""
+    size = largest_frame_bytes(geometry, dtype_bytes, encrypted)
+    if size <= limit:
+        return None
+    return (f"a chunk of this context would make a {size}-byte frame (T = "
+            f"{geometry.chunk_len(0)} tokens x {geometry.heads_per_group} KV heads x "
+            f"{geometry.head_dim} channels, K and V at {dtype_bytes} bytes per value); this "
+            f"server stores frames of at most {limit} bytes: use a smaller chunk_tokens or "
+            "heads_per_group"), size
+
+
 # ------------------------------------------------------------------------------------------------
 # Describing a frame
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Pure ASGI middleware: metrics, gzip for JSON, the request body deadline and size limit, and
-API-key authentication (:func:`install_middleware` adds them in order).
+"""Pure ASGI middleware: metrics, gzip for JSON, the request body deadline and size limit,
+API-key authentication and the strict query check (:func:`install_middleware` adds them in
+order).
 
 Pure ASGI (no ``BaseHTTPMiddleware``) so that streamed responses pass through untouched and the
 per-request cost stays a few microseconds.
@@ -11,13 +12,16 @@ import gzip
 import json
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from urllib.parse import parse_qsl
+from typing import Any, Callable, Iterable, Iterator
 
 import anyio
 from anyio import to_thread
 from fastapi import FastAPI
 from fastapi.exceptions import HTTPException
+from fastapi.routing import APIRoute
 from starlette.datastructures import MutableHeaders
+from starlette.routing import BaseRoute, Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sparkv.server.config import ANONYMOUS_TENANT, Settings, hash_api_key
@@ -327,10 +331,23 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+def bearer_key(authorization: str) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` value, or ``None`` unless the value is
+    exactly the scheme (case-insensitive, RFC 9110 11.1), one space and a key of printable ASCII
+    without spaces: ``Bearer  <key>`` (two spaces), a tab, or a key with a space in it are
+    refused, never trimmed into a key."""
+    scheme, sep, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not sep or not key or " " in key \
+            or not (key.isascii() and key.isprintable()):
+        return None
+    return key
+
+
 class AuthMiddleware:
     """Maps the API key of every ``/v1/`` request to its tenant, or answers 401.
 
-    The key comes from ``Authorization: Bearer <key>`` or ``X-API-Key: <key>`` (both may be sent
+    The key comes from ``Authorization: Bearer <key>`` (exactly: :func:`bearer_key`) or
+    ``X-API-Key: <key>`` (both may be sent
     only if they carry the same key: two different keys are ``conflicting_api_keys``, never a
     guess at which one counts); it is hashed and looked up among the configured hashes. Without a key the request is refused unless anonymous
     access is on (then it acts as tenant ``anonymous``). The tenant is put in the ASGI scope for
@@ -357,12 +374,12 @@ class AuthMiddleware:
         auth = _header(scope, b"authorization")
         header_key = _header(scope, b"x-api-key")
         if auth is not None:
-            scheme, _, value = auth.strip().partition(" ")
-            if scheme.lower() != "bearer" or not value.strip():
+            key = bearer_key(auth)
+            if key is None:
                 await self._refuse(send, "invalid_api_key", "the Authorization header must be "
-                                   "'Bearer <api key>' (or send the key in X-API-Key)")
+                                   "'Bearer <api key>' with one space and nothing else (or send "
+                                   "the key in X-API-Key)")
                 return
-            key = value.strip()
             if header_key is not None and header_key.strip() and header_key.strip() != key:
                 await self._refuse(send, "conflicting_api_keys", "the request carries two "
                                    "different API keys (Authorization: Bearer and X-API-Key); "
@@ -386,9 +403,84 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+def flat_routes(routes: Iterable[BaseRoute]) -> Iterator[BaseRoute]:
+    """Every route, with those of included routers in place of their inclusion (FastAPI wraps
+    an ``include_router`` in an object that keeps the router as ``original_router``; the
+    app's routers are included without a prefix)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from flat_routes(inner.routes)
+        else:
+            yield route
+
+
+def query_names(route: BaseRoute) -> frozenset[str]:
+    """The query parameters a route reads (its own and its dependencies'); none for a route that
+    is not a FastAPI ``APIRoute`` (the docs pages)."""
+    names: set[str] = set()
+    stack = [route.dependant] if isinstance(route, APIRoute) else []
+    while stack:
+        dependant = stack.pop()
+        names.update(field.alias for field in dependant.query_params)
+        stack.extend(dependant.dependencies)
+    return frozenset(names)
+
+
+class QueryMiddleware:
+    """One strict reading of the query string, before any route sees it.
+
+    The query is parsed once, as the routes parse it (``parse_qsl``, names percent-decoded and
+    compared exactly, so case-sensitively), and refused with 400 when a name appears twice
+    (``repeated_query_parameter``: which one counts would be a guess, and a cache in front may
+    guess otherwise) or when the matched route does not read it (``unknown_query_parameter``,
+    with the ones it reads). A request that matches no route passes on to its 404 or 405.
+
+    State: the query names of each route, computed on first use (the routes never change after
+    the app is built; the event loop is the only user, so no lock).
+    """
+
+    def __init__(self, app: ASGIApp, router: Router) -> None:
+        self.app = app
+        self.router = router
+        self._routes: list[tuple[BaseRoute, frozenset[str]]] | None = None
+
+    def _allowed(self, scope: Scope) -> frozenset[str] | None:
+        if self._routes is None:
+            self._routes = [(r, query_names(r)) for r in flat_routes(self.router.routes)]
+        for route, names in self._routes:
+            if route.matches(scope)[0] == Match.FULL:
+                return names
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        query = scope.get("query_string", b"") if scope["type"] == "http" else b""
+        if not query:
+            await self.app(scope, receive, send)
+            return
+        seen: set[str] = set()
+        allowed = self._allowed(scope)
+        for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+            if name in seen:
+                await send_json(send, 400, error_body(
+                    400, "repeated_query_parameter", f"the query parameter {name!r} is given "
+                    "more than once; give it once", parameter=name))
+                return
+            seen.add(name)
+            if allowed is not None and name not in allowed:
+                await send_json(send, 400, error_body(
+                    400, "unknown_query_parameter", f"this endpoint has no query parameter "
+                    f"{name!r} (names are case-sensitive); it reads: "
+                    f"{', '.join(sorted(allowed)) or 'none'}", parameter=name,
+                    allowed=sorted(allowed)))
+                return
+        await self.app(scope, receive, send)
+
+
 def install_middleware(app: FastAPI, settings: Settings, metrics: ServerMetrics) -> None:
     """Adds the middleware, outermost first: metrics (which counts the bytes sent, compressed),
-    gzip (JSON only), the body deadline, the body size limit, authentication."""
+    gzip (JSON only), the body deadline, the body size limit, authentication, the query check."""
+    app.add_middleware(QueryMiddleware, router=app.router)  # type: ignore[arg-type]
     index = settings.key_index()
     app.add_middleware(AuthMiddleware, key_index=lambda: index,  # type: ignore[arg-type]
                        allow_anonymous=lambda: settings.allow_anonymous, metrics=metrics)

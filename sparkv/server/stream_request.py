@@ -35,6 +35,34 @@ _ITEM_KEYS = frozenset({"t", "l", "g", "level"})
 
 
 @dataclass(frozen=True)
+class ResponseCap:
+    """How large a stream response may be: at most ``max_bytes`` (``max_stream_bytes``), and at
+    most ``amplification`` bytes per byte of the request body (``max_stream_amplification``),
+    though always one frame, so that a small request cannot ask for a large response (items may
+    repeat)."""
+
+    max_bytes: int
+    amplification: int
+
+    def check(self, total: int, body_bytes: int, largest: int) -> None:
+        """Raises 413 ``response_too_large`` when a ``total``-byte response (whose largest
+        record is ``largest`` bytes) to a ``body_bytes``-byte request is over either cap."""
+        if total > self.max_bytes:
+            raise ApiError(413, "response_too_large",
+                           f"the requested frames make a {total}-byte response; this server "
+                           f"sends at most {self.max_bytes} bytes per stream request (split it)",
+                           limit=self.max_bytes, bytes=total)
+        limit = max(self.amplification * body_bytes, largest)
+        if total > limit:
+            raise ApiError(413, "response_too_large",
+                           f"the requested frames make a {total}-byte response to a "
+                           f"{body_bytes}-byte request; this server sends at most "
+                           f"{self.amplification} bytes per byte of request (and always one "
+                           "frame): name fewer frames, or each frame once",
+                           limit=limit, bytes=total)
+
+
+@dataclass(frozen=True)
 class StreamPlan:
     """The frames of one stream response, in order, with their stored sizes, cut into the
     batches the response reads."""
@@ -126,6 +154,8 @@ def parse_stream_request(body: bytes, content_type: str | None, max_items: int) 
         doc = json.loads(body)
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8/16/32
         raise malformed_json(exc) from None
+    except RecursionError:  # e.g. 60 KB of "[": nested deeper than the parser recurses
+        raise malformed_json(ValueError("arrays or objects nested too deeply")) from None
     if isinstance(doc, dict) and isinstance(doc.get("chunks"), list) \
             and len(doc["chunks"]) > max_items:
         raise ApiError(400, "too_many_items", f"{len(doc['chunks'])} items; at most "
@@ -141,15 +171,15 @@ def parse_stream_request(body: bytes, content_type: str | None, max_items: int) 
     return [(it.t, it.l, it.g, it.level or req.level) for it in req.chunks]
 
 
-def build_plan(parsed: ParsedManifest, items: list[Item], max_bytes: int,
+def build_plan(parsed: ParsedManifest, items: list[Item], cap: ResponseCap, body_bytes: int,
                batch_bytes: int) -> StreamPlan:
-    """The frames and sizes of ``items`` in ``parsed``, in batches of about ``batch_bytes``
-    (runs in a worker thread).
+    """The frames and sizes of ``items`` (from a ``body_bytes``-byte request) in ``parsed``, in
+    batches of about ``batch_bytes`` (runs in a worker thread).
 
     Raises:
         ApiError: 400 naming the first bad item (``chunk_out_of_range``,
             ``level_not_available``, with its ``index``); 413 ``response_too_large`` when the
-            response would be larger than ``max_bytes``.
+            response would be larger than ``cap`` allows.
     """
     index = parsed.index
     frames: list[tuple[ChunkKey, int]] = []
@@ -164,9 +194,5 @@ def build_plan(parsed: ParsedManifest, items: list[Item], max_bytes: int,
                                **exc.details) from None
         append((ChunkKey(t, l, g, lv), entry.size))
     total = stream_length(size for _, size in frames)
-    if total > max_bytes:
-        raise ApiError(413, "response_too_large",
-                       f"the requested frames make a {total}-byte response; this server sends "
-                       f"at most {max_bytes} bytes per stream request (split it)",
-                       limit=max_bytes, bytes=total)
+    cap.check(total, body_bytes, stream_length([max(size for _, size in frames)]))
     return StreamPlan(batches(frames, batch_bytes), len(frames), total)

@@ -4,7 +4,6 @@ one response, under the per-request size and per-tenant concurrency limits)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated
 
 from anyio import to_thread
@@ -14,17 +13,16 @@ from fastapi.responses import Response
 from sparkv.codec import DEFAULT_LEVEL
 from sparkv.protocol.stream import FRAME_MEDIA_TYPE, STREAM_MEDIA_TYPE
 from sparkv.server import schemas
-from sparkv.server.deps import (ContextIdPath, IndexPath, StateDep, TenantDep, chunk_entry,
-                                require_manifest)
+from sparkv.server.deps import (ContextIdPath, IndexPath, ParsedManifest, ServerState, StateDep,
+                                TenantDep, chunk_entry, require_manifest)
 from sparkv.server.errors import ApiError
-from sparkv.server.frames import FrameCorrupt, frame_corrupt_error, read_verified_frame
+from sparkv.server.frames import FrameCorrupt, corrupt_frame_error, read_verified_frame
 from sparkv.server.http import if_range_allows, none_match, parse_range
 from sparkv.server.openapi import STREAM_REQUEST_BODY, error_responses, operation_id
 from sparkv.server.stores import ChunkKey
-from sparkv.server.stream_request import build_plan, parse_stream_request
+from sparkv.server.stream_request import (Item, ResponseCap, StreamPlan, build_plan,
+                                          parse_stream_request)
 from sparkv.server.streaming import FrameStream
-
-log = logging.getLogger("sparkv.server")
 
 router = APIRouter(tags=["chunks"], generate_unique_id_function=operation_id)
 
@@ -44,7 +42,8 @@ async def get_chunk(context_id: ContextIdPath, t: IndexPath, l: IndexPath,  # no
                     if_range: Annotated[str | None, Header()] = None) -> Response:
     """One frame. The stored bytes are checked against the manifest's size and checksum before
     anything is sent (a range too: the whole frame is checked first); a damaged frame is 503
-    ``frame_corrupt``, never a 200 or 206 under the manifest's ETag."""
+    ``frame_corrupt``, never a 200 or 206 under the manifest's ETag; so is a frame missing from
+    the store or unreadable there while the context's manifest exists (404 once it is gone)."""
     parsed = await require_manifest(state, tenant, context_id)
     entry = chunk_entry(parsed, t, l, g, level)
     headers = {"ETag": entry.etag, "Cache-Control": parsed.cache_control(),
@@ -58,13 +57,7 @@ async def get_chunk(context_id: ContextIdPath, t: IndexPath, l: IndexPath,  # no
         data = await to_thread.run_sync(read_verified_frame, state.store, tenant, context_id,
                                         key, entry)
     except FrameCorrupt as exc:
-        state.metrics.frames_corrupt.labels("get").inc()
-        log.error("context %s (tenant %s): stored %s; answered 503 frame_corrupt", context_id,
-                  tenant, exc)
-        raise frame_corrupt_error(context_id, exc) from None
-    if data is None:
-        state.forget(tenant, context_id)  # deleted meanwhile
-        raise ApiError(404, "context_not_found", f"no context {context_id}")
+        raise await corrupt_frame_error(state, "get", tenant, context_id, exc) from None
     status = 200
     if span is not None:
         start, end = span
@@ -89,25 +82,18 @@ async def stream_chunks(context_id: ContextIdPath, request: Request, state: Stat
 
     The tenant's stream slot is taken first (429 ``too_many_streams`` over
     ``max_streams_per_tenant``); the body is parsed, validated and planned in a worker thread
-    (400/422, 404, 413 ``response_too_large`` over ``max_stream_bytes``); the first batch is read
-    before the response starts (503 ``store_unavailable``).
+    (400/422, 404, 413 ``response_too_large`` over ``max_stream_bytes`` or
+    ``max_stream_amplification`` times the body); the first batch is read before the response
+    starts (503 ``store_unavailable``, 503 ``frame_corrupt``).
     """
-    settings = state.settings
     slot = state.streams.acquire(tenant)
     try:
         body = await request.body()
         items = await to_thread.run_sync(parse_stream_request, body,
                                          request.headers.get("content-type"),
-                                         settings.max_stream_items)
+                                         state.settings.max_stream_items)
         parsed = await require_manifest(state, tenant, context_id)
-        try:
-            plan = await to_thread.run_sync(build_plan, parsed, items,
-                                            settings.max_stream_bytes,
-                                            settings.stream_batch_bytes)
-        except ApiError as exc:
-            if exc.code == "response_too_large":
-                state.metrics.streams_refused.labels("response_too_large").inc()
-            raise
+        plan = await _plan(state, parsed, items, len(body))
         del items
         headers = {"Cache-Control": "no-store", "X-Sparkv-Frames": str(plan.num_frames)}
         if parsed.encrypted:
@@ -115,10 +101,27 @@ async def stream_chunks(context_id: ContextIdPath, request: Request, state: Stat
         stream = FrameStream(state, tenant, context_id, plan, headers, slot)
         try:
             await stream.prefetch()
+        except FrameCorrupt as exc:
+            stream.discard()
+            raise await corrupt_frame_error(state, "stream", tenant, context_id, exc) from None
         except BaseException:
             stream.discard()
             raise
         return stream
     except BaseException:
         slot.release()
+        raise
+
+
+async def _plan(state: ServerState, parsed: ParsedManifest, items: list[Item],
+                body_bytes: int) -> StreamPlan:
+    """The stream's plan (in a worker thread); a refusal for its size is counted."""
+    settings = state.settings
+    cap = ResponseCap(settings.max_stream_bytes, settings.max_stream_amplification)
+    try:
+        return await to_thread.run_sync(build_plan, parsed, items, cap, body_bytes,
+                                        settings.stream_batch_bytes)
+    except ApiError as exc:
+        if exc.code == "response_too_large":
+            state.metrics.streams_refused.labels("response_too_large").inc()
         raise

@@ -16,7 +16,8 @@ from sparkv.layout import ChunkGeometry
 from sparkv.protocol.crypto import key_to_text
 from sparkv.server import schemas
 from sparkv.server.deps import ContextIdPath, StateDep, TenantDep, require_manifest
-from sparkv.server.encoder import ContextSpec, canonical_levels, derive_context_id
+from sparkv.server.encoder import (ContextSpec, canonical_levels, derive_context_id,
+                                   frame_cap_error)
 from sparkv.server.errors import ApiError
 from sparkv.server.http import none_match, not_modified_etag
 from sparkv.server.jobs import SubmitResult
@@ -174,6 +175,11 @@ def submit_context(state: ServerState, tenant: str, body: schemas.CreateContext
                                              body.heads_per_group)
     except ValueError as exc:
         raise ApiError(400, "bad_geometry", str(exc)) from None
+    too_large = frame_cap_error(geometry, entry.lm.dtype.itemsize, body.encrypt,
+                                s.max_frame_bytes)
+    if too_large is not None:
+        raise ApiError(400, "frame_too_large", too_large[0], limit=s.max_frame_bytes,
+                       bytes=too_large[1])
     if body.press and len(ids) < 2:
         raise ApiError(400, "context_too_short", "a press needs a context of at least 2 tokens")
     spec = ContextSpec(tenant, entry.name, tuple(ids), chunk_tokens, levels,

@@ -24,7 +24,6 @@ Errors: :class:`~sparkv.protocol.errors.ApiError` (the server answered an error:
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -35,13 +34,17 @@ from typing import Any, Sequence
 
 import httpx
 
+from sparkv.edge.bounds import (BadEncoding, BoundedBody, ClientLimits, Deadline,
+                                DeadlineBackend, DeadlineExceeded, ResponseTooLarge,
+                                deadline_transport, tokens_limit)
 from sparkv.edge.http_source import HttpChunkSource
 from sparkv.edge.shaper import LinkShaper
 from sparkv.protocol import Manifest
 from sparkv.protocol.digests import tokens_digest, tokens_from_bytes
 from sparkv.protocol.errors import ApiError, ManifestError, ServerUnavailable
 
-__all__ = ["EdgeClient", "Fetched", "ApiError", "ServerUnavailable"]
+__all__ = ["EdgeClient", "Fetched", "ClientLimits", "ApiError", "ServerUnavailable",
+           "ResponseTooLarge", "DeadlineExceeded", "BadEncoding"]
 
 
 @dataclass
@@ -62,21 +65,27 @@ class EdgeClient:
         server_url: e.g. ``http://127.0.0.1:8080``.
         api_key: the tenant's key (``None`` for an anonymous loopback server).
         shaper: link emulation for every byte read (default: unlimited).
-        timeout_s: connect / read timeout of one request.
+        timeout_s: connect timeout, and the longest silence within one request.
         cache_dir: where to keep manifests and token ids between runs (``None``: memory only).
+        limits: the bounds of every body and every request's deadline (default
+            :class:`~sparkv.edge.bounds.ClientLimits`: 16 MiB manifests, 60 s).
     """
 
     def __init__(self, server_url: str, api_key: str | None = None, *,
                  shaper: LinkShaper | None = None, timeout_s: float = 10.0,
-                 cache_dir: str | os.PathLike[str] | None = None) -> None:
+                 cache_dir: str | os.PathLike[str] | None = None,
+                 limits: ClientLimits | None = None) -> None:
         self.base_url = server_url.rstrip("/")
         self.api_key = api_key
         self.shaper = shaper or LinkShaper.unlimited()
         self.timeout_s = float(timeout_s)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.limits = limits or ClientLimits()
+        self._backend = DeadlineBackend()
         self._http = httpx.Client(base_url=self.base_url,
                                   headers={**self.auth_headers(), "Accept-Encoding": "identity"},
-                                  timeout=httpx.Timeout(self.timeout_s, connect=self.timeout_s))
+                                  timeout=httpx.Timeout(self.timeout_s, connect=self.timeout_s),
+                                  transport=deadline_transport(self._backend))
         self._manifests: dict[str, Manifest] = {}
         self._tokens: dict[str, list[int]] = {}
         #: the last shaped download of at least 64 KiB (what the link did then; not an estimator)
@@ -108,45 +117,66 @@ class EdgeClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, *, shaped: bool = True,
+    def _request(self, method: str, path: str, *, limit: int, shaped: bool = True,
                  headers: dict[str, str] | None = None, **kw: Any) -> Fetched:
-        """One request, its body read through the shaper; raises ServerUnavailable or ApiError."""
+        """One request within the deadline (:attr:`limits`), its body read through the shaper
+        and bounded by ``limit`` bytes (decoded). Raises :class:`ServerUnavailable` (also
+        :class:`ResponseTooLarge`, :class:`DeadlineExceeded`, :class:`BadEncoding`) or
+        :class:`ApiError`."""
         start = time.perf_counter()
         not_before = self.shaper.request_started() if shaped else None
-        try:
-            with self._http.stream(method, path, headers=headers, **kw) as r:
-                parts: list[bytes] = []
-                first = None
-                for piece in r.iter_raw(65536):  # wire bytes: what the link carries
-                    if shaped:
-                        self.shaper.take(len(piece), not_before)
-                    if first is None:
-                        first = time.perf_counter() - start
-                    parts.append(piece)
-                body = b"".join(parts)
-                wire = len(body)
-                encoding = r.headers.get("content-encoding", "identity").lower()
-                if encoding == "gzip":
-                    body = gzip.decompress(body)
-                elif encoding not in ("identity", ""):
-                    raise ApiError(r.status_code, "bad_encoding",
-                                   f"unsupported Content-Encoding {encoding!r}")
-                if r.status_code >= 400:
-                    raise ApiError.from_response(r.status_code, body)
-                total = time.perf_counter() - start
-                first = first if first is not None else total
-                fetched = Fetched(body, total, first, dict(r.headers), wire)
-                if shaped:
-                    self.last_first_byte_s = first
-                    if wire >= (64 << 10) and total - first > 0:
-                        self.last_download = fetched
-                return fetched
-        except (httpx.TransportError, OSError, EOFError) as e:
-            raise ServerUnavailable(f"cannot reach the server at {self.base_url}: "
-                                    f"{type(e).__name__}: {e}") from e
+        what = f"{method} {path}"
+        with self._backend.within(self.limits.deadline_s) as deadline:
+            try:
+                with self._http.stream(method, path, headers=headers, **kw) as r:
+                    body, first = self._read_body(r, what, limit, deadline, start, not_before)
+            except (httpx.TransportError, OSError, EOFError) as e:
+                if deadline.expired() or (isinstance(e, httpx.TimeoutException)
+                                          and deadline.binding):
+                    raise self._late(what, deadline) from e
+                raise ServerUnavailable(f"cannot reach the server at {self.base_url}: "
+                                        f"{type(e).__name__}: {e}") from e
+        if r.status_code >= 400:
+            raise ApiError.from_response(r.status_code, body.body())
+        total = time.perf_counter() - start
+        first = first if first is not None else total
+        fetched = Fetched(body.body(), total, first, dict(r.headers), body.wire_bytes)
+        if shaped:
+            self.last_first_byte_s = first
+            if fetched.wire_bytes >= (64 << 10) and total - first > 0:
+                self.last_download = fetched
+        return fetched
+
+    def _read_body(self, r: httpx.Response, what: str, limit: int, deadline: Deadline,
+                   start: float, not_before: float | None) -> tuple[BoundedBody, float | None]:
+        """The body of ``r`` (an error's: its first :attr:`ClientLimits.error_bytes`) and the
+        time to its first byte (``None``: an empty body)."""
+        encoding = r.headers.get("content-encoding", "identity").lower()
+        if encoding not in ("gzip", "identity", ""):
+            raise ApiError(r.status_code, "bad_encoding",
+                           f"unsupported Content-Encoding {encoding!r}")
+        error = r.status_code >= 400
+        body = BoundedBody(self.limits.error_bytes if error else limit, what,
+                           gzip=encoding == "gzip", truncate=error)
+        first = None
+        for piece in r.iter_raw(65536):  # wire bytes: what the link carries
+            if not_before is not None:
+                self.shaper.take(len(piece), not_before)
+            if first is None:
+                first = time.perf_counter() - start
+            body.feed(piece)
+            if body.full:
+                break
+            if deadline.expired():
+                raise self._late(what, deadline)
+        return body, first
+
+    def _late(self, what: str, deadline: Deadline) -> DeadlineExceeded:
+        return DeadlineExceeded(f"{what}: the server at {self.base_url} did not answer within "
+                                f"the request deadline ({deadline.seconds:g} s)")
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
-        f = self._request(method, path, **kw)
+        f = self._request(method, path, limit=self.limits.json_bytes, **kw)
         try:
             return json.loads(f.body)
         except ValueError as e:
@@ -230,21 +260,23 @@ class EdgeClient:
         return self.cache_dir / host / context_id
 
     def manifest(self, context_id: str, *, use_cache: bool = True) -> Manifest:
-        """The context's manifest (from memory or disk when ``use_cache``, else the server)."""
+        """The context's manifest (from memory or disk when ``use_cache``, else the server; at
+        most :attr:`ClientLimits.manifest_bytes`, declaring at most
+        :attr:`ClientLimits.max_context_tokens` tokens)."""
         if use_cache and context_id in self._manifests:
             return self._manifests[context_id]
         path = self._cache_path(context_id)
         if use_cache and path is not None and (path / "manifest.json").is_file():
             try:
-                m = Manifest.parse((path / "manifest.json").read_bytes())
+                m = self._checked(Manifest.parse((path / "manifest.json").read_bytes()))
             except ManifestError:
                 m = None   # a damaged cache entry: fetch it again
             if m is not None and m.context_id == context_id:
                 self._manifests[context_id] = m
                 return m
-        f = self._request("GET", f"/v1/contexts/{context_id}",
+        f = self._request("GET", f"/v1/contexts/{context_id}", limit=self.limits.manifest_bytes,
                           headers={"Accept-Encoding": "gzip"})
-        m = Manifest.parse(f.body)
+        m = self._checked(Manifest.parse(f.body))
         if m.context_id != context_id:
             raise ManifestError(f"asked for {context_id}, the server sent {m.context_id}")
         self._manifests[context_id] = m
@@ -252,27 +284,41 @@ class EdgeClient:
             _write_atomic(path / "manifest.json", f.body)
         return m
 
+    def _checked(self, m: Manifest) -> Manifest:
+        """``m``, unless it declares more tokens than :attr:`limits` allow."""
+        if m.num_tokens > self.limits.max_context_tokens:
+            raise ManifestError(f"context {m.context_id} declares {m.num_tokens} tokens; this "
+                                f"client accepts at most {self.limits.max_context_tokens} "
+                                "(ClientLimits.max_context_tokens)")
+        return m
+
     def frame(self, context_id: str, t: int, l: int, g: int, level: str, *,  # noqa: E741
               retries: int = 3, shaped: bool = True) -> bytes:
-        """One stored frame (``GET .../chunks/{t}/{l}/{g}?level=``), an idempotent read: a
-        transport error (a replica that died mid-answer) or a retryable 5xx/429 is retried up to
-        ``retries`` times (through a balancer, on another replica); ``frame_corrupt`` is not
-        (every replica reads the same store). Raises ServerUnavailable or ApiError."""
+        """One stored frame (``GET .../chunks/{t}/{l}/{g}?level=``), at most the manifest's
+        size for it, an idempotent read: a transport error (a replica that died mid-answer) or
+        a retryable 5xx/429 is retried up to ``retries`` times (through a balancer, on another
+        replica); ``frame_corrupt`` is not (every replica reads the same store), nor a body over
+        its size or a request past its deadline. Raises ServerUnavailable or ApiError."""
         path = f"/v1/contexts/{context_id}/chunks/{int(t)}/{int(l)}/{int(g)}"
         for attempt in range(max(0, int(retries)) + 1):
             try:
-                return self._request("GET", path, params={"level": level}, shaped=shaped).body
+                limit = _frame_limit(self.manifest(context_id), int(t), int(l), int(g), level)
+                return self._request("GET", path, limit=limit, params={"level": level},
+                                     shaped=shaped).body
             except (ServerUnavailable, ApiError) as e:
                 last = attempt >= retries
-                if last or (isinstance(e, ApiError) and (not e.retryable or
-                                                         e.code == "frame_corrupt")):
+                if last or isinstance(e, (ResponseTooLarge, DeadlineExceeded, BadEncoding)) or (
+                        isinstance(e, ApiError) and (not e.retryable or
+                                                     e.code == "frame_corrupt")):
                     raise
                 self.frame_retries += 1
                 time.sleep(min(1.0, 0.05 * 2 ** attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
     def tokens(self, context_id: str, *, use_cache: bool = True) -> list[int]:
-        """The context's token ids (needed to compute chunks locally)."""
+        """The context's token ids (needed to compute chunks locally): a body of at most
+        ``4 * num_tokens`` bytes (plus slack) of the context's manifest, fetched first if this
+        client does not hold it."""
         if use_cache and context_id in self._tokens:
             return self._tokens[context_id]
         path = self._cache_path(context_id)
@@ -284,7 +330,8 @@ class EdgeClient:
             if ids is not None:
                 self._tokens[context_id] = ids
                 return ids
-        f = self._request("GET", f"/v1/contexts/{context_id}/tokens")
+        limit = tokens_limit(self.manifest(context_id).num_tokens)
+        f = self._request("GET", f"/v1/contexts/{context_id}/tokens", limit=limit)
         try:
             ids = tokens_from_bytes(f.body)
         except ValueError as e:
@@ -308,6 +355,15 @@ class EdgeClient:
     def remember_tokens(self, context_id: str, token_ids: Sequence[int]) -> None:
         """The device holds the context itself (e.g. the document is on the phone)."""
         self._tokens[context_id] = [int(x) for x in token_ids]
+
+
+def _frame_limit(m: Manifest, t: int, l: int, g: int, level: str) -> int:  # noqa: E741
+    """The manifest's size of frame ``(t, l, g)`` at ``level`` (its largest frame when it does
+    not list that one: the server then answers an error)."""
+    entry = m.index.get((t, l, g, level))
+    if entry is not None:
+        return entry.bytes
+    return max((e.bytes for e in m.index.values()), default=1)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -37,6 +37,30 @@ def shaper_from_args(args: argparse.Namespace) -> Any:
     return LinkShaper.unlimited()
 
 
+def limits_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`ClientLimits` of ``--deadline-s`` and ``--max-manifest-mb`` (the defaults
+    for what is not given)."""
+    from sparkv.edge.bounds import ClientLimits
+
+    given: dict[str, Any] = {}
+    if args.deadline_s is not None:
+        given["deadline_s"] = args.deadline_s
+    if args.max_manifest_mb is not None:
+        given["manifest_bytes"] = max(1, int(args.max_manifest_mb * (1 << 20)))
+    return ClientLimits(**given)
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a number > 0 (anything else is a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def register(sub: "argparse._SubParsersAction") -> None:
     a = sub.add_parser("ask", help="answer a question about a context stored on a server")
     a.add_argument("question")
@@ -77,6 +101,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "(default: <sparkv cache>/device/kept)")
     a.add_argument("--keep-budget-mb", type=float, default=256.0,
                    help="KV memory budget of the kept contexts, MB")
+    a.add_argument("--deadline-s", type=_positive, default=None,
+                   help="the longest any request to the server may take, connecting to its "
+                        "last byte (default 60; docs/edge.md, Bounds)")
+    a.add_argument("--max-manifest-mb", type=_positive, default=None,
+                   help="the largest manifest accepted, MiB (default 16)")
     add_link_args(a)
     a.set_defaults(func=_ask)
 
@@ -89,6 +118,7 @@ def _ask(args: argparse.Namespace) -> int:
     cache = None if args.no_cache else cache_dir() / "edge"
     with EdgeSession.connect(args.server, args.api_key, args.model,
                              shaper=shaper_from_args(args), cache_dir=cache,
+                             limits=limits_from_args(args),
                              device=args.device, dtype=args.dtype) as session:
         if args.key:
             session.client.encryption_keys[args.context] = args.key

@@ -3,9 +3,12 @@
 One ``httpx.AsyncClient`` (keep-alive, up to four connections, so the next batch's request can be
 sent while the current one drains) per load. A response is parsed record by record with
 :class:`~sparkv.protocol.stream.RecordReader`, which checks each record's length against the
-manifest's size for that item. Every body byte passes through the
-:class:`~sparkv.edge.shaper.LinkShaper` before it is handed on, in pieces of about 50 ms of the
-emulated rate (4-64 KiB), so a slow link delivers a steady trickle rather than rare large pieces.
+manifest's size for that item (sizes the session bounds by the model:
+:meth:`~sparkv.protocol.Manifest.check_geometry`); of an error response only the first 64 KiB are
+read, and the link bounds a request's time (``open_timeout_s``, the stall rule). Every body byte
+passes through the :class:`~sparkv.edge.shaper.LinkShaper` before it is handed on, in pieces of
+about 50 ms of the emulated rate (4-64 KiB), so a slow link delivers a steady trickle rather than
+rare large pieces.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from sparkv.protocol.stream import RecordPiece, RecordReader
 MIN_PIECE = 4 << 10
 MAX_PIECE = 64 << 10
 PIECE_SECONDS = 0.05
+#: the part of an error response's body that is read (the error's JSON is far smaller)
+ERROR_BYTES = 64 << 10
 
 
 class HttpChunkSource:
@@ -70,13 +75,7 @@ class HttpChunkSource:
         except (httpx.TransportError, OSError) as e:
             raise SourceError(f"request failed: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
-            try:
-                data = await resp.aread()
-            except (httpx.TransportError, OSError):
-                data = b""
-            finally:
-                await resp.aclose()
-            err = ApiError.from_response(resp.status_code, data)
+            err = ApiError.from_response(resp.status_code, await _error_body(resp))
             raise SourceError(str(err), fatal=not err.retryable)
         return _HttpStream(resp, RecordReader([it.nbytes for it in items]), self.shaper,
                            not_before)
@@ -85,6 +84,22 @@ class HttpChunkSource:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+async def _error_body(resp: httpx.Response, limit: int = ERROR_BYTES) -> bytes:
+    """The first ``limit`` bytes of an error response's body (the rest is not read); the
+    response is closed."""
+    data = bytearray()
+    try:
+        async for raw in resp.aiter_raw():
+            data += raw
+            if len(data) >= limit:
+                break
+    except (httpx.TransportError, OSError):
+        pass
+    finally:
+        await resp.aclose()
+    return bytes(data[:limit])
 
 
 class _HttpStream:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sparkv.edge.answer import AskResult, Breakdown
+from sparkv.edge.bounds import ClientLimits
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig
 from sparkv.edge.options import AskOptions
@@ -194,14 +195,16 @@ class EdgeSession:
     def connect(cls, server_url: str, api_key: str | None = None, model: Any = None, *,
                 shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                 cache_dir: str | os.PathLike[str] | None = None,
+                limits: ClientLimits | None = None,
                 engine_config: EngineConfig | None = None, device: str = "cpu",
                 dtype: str = "auto", context_service: Any = None) -> "EdgeSession":
-        """A session with its own :class:`EdgeClient` of ``server_url``."""
+        """A session with its own :class:`EdgeClient` of ``server_url`` (``limits``: its
+        bounds, default :class:`ClientLimits`)."""
         from sparkv.runtime.device import resolve_device, resolve_dtype
 
         resolve_dtype(dtype, resolve_device(device))     # a clear error before any request
         client = EdgeClient(server_url, api_key, shaper=shaper, timeout_s=timeout_s,
-                            cache_dir=cache_dir)
+                            cache_dir=cache_dir, limits=limits)
         return cls(client, model, engine_config=engine_config, device=device, dtype=dtype,
                    context_service=context_service)
 
@@ -248,7 +251,9 @@ class EdgeSession:
 
         Raises:
             AskError: an unknown strategy, decode policy or level; the server out of reach
-                while the context is not on this device; ``keep`` without a context service.
+                (or an answer over its size limit or past its deadline) while the context is
+                not on this device; ``keep`` without a context service.
+            ManifestError: a manifest of another model, or whose geometry is absurd for it.
         """
         opts = AskOptions.resolve(options, overrides)
         suffix = question_suffix(self.lm, question, opts.chat)
@@ -308,10 +313,9 @@ class EdgeSession:
     # ---- the steps of a load, in order -------------------------------------------------------
     def _fetch(self, ask: _Ask) -> _Fetched:
         """The manifest and the token ids, checked against the device's model."""
-        lm = self.lm
         manifest, tokens = self._context(ask)
         if manifest is not None:
-            manifest.check_model(lm.fingerprint, lm.name)
+            self._check_manifest(manifest)
             manifest.check_tokens(tokens)
         # a compressed context (docs/presses.md, "On the server"): its kept positions shape the
         # assembled cache whichever path makes each chunk (a local ask uses a cached manifest)
@@ -319,7 +323,7 @@ class EdgeSession:
         if pressed is not None and not pressed.compressed:
             pressed = None
         if pressed is not None and manifest is None:
-            pressed.check_model(lm.fingerprint, lm.name)
+            self._check_manifest(pressed)
             pressed.check_tokens(tokens)
         return _Fetched(manifest, tokens, pressed, time.perf_counter() - ask.t_start)
 
@@ -491,6 +495,7 @@ class EdgeSession:
         if ask.options.strategy != "local" or tokens is None:
             try:
                 manifest = client.manifest(context_id, use_cache=ask.options.use_cache)
+                self._check_manifest(manifest)   # before its token ids: it sizes their body
                 if tokens is None:
                     tokens = client.tokens(context_id)
             except (ServerUnavailable, ApiError) as e:
@@ -505,6 +510,18 @@ class EdgeSession:
         if tokens is None:  # pragma: no cover - every branch above sets them or raises
             raise AskError(f"no token ids for context {context_id}")
         return manifest, tokens
+
+    def _check_manifest(self, manifest: Manifest) -> None:
+        """Raises :class:`ManifestError` unless ``manifest`` is of this device's model: its
+        fingerprint, its geometry, at most the model's positions (and the client's bound) in
+        tokens, frames no larger than their chunks could need."""
+        lm = self.lm
+        manifest.check_model(lm.fingerprint, lm.name)
+        ref = ChunkGeometry.from_config(lm.config, DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS)
+        bound = self.client.limits.max_context_tokens
+        manifest.check_geometry(num_layers=ref.num_layers, num_kv_heads=ref.num_kv_heads,
+                                head_dim=ref.head_dim,
+                                max_tokens=min(bound, lm.max_positions or bound))
 
     def _bandwidth_prior(self, mbps: float | None) -> float:
         if mbps is not None:

@@ -16,6 +16,11 @@ A compressed context (``press`` present) lists, per chunk, the kept positions of
 chunk, ascending and unique; every chunk has them exactly when the manifest has a press.
 Anything else raises :class:`~sparkv.protocol.errors.ManifestError` with a message that names the
 first problem. Unknown fields are ignored (a newer server may add some).
+
+A device checks more than the document's consistency before it trusts a server's sizes:
+:meth:`Manifest.check_model` (the model's fingerprint), :meth:`Manifest.check_geometry` (the
+model's layers, KV heads and head size, a bound on the tokens, and every frame no larger than its
+chunk's values could need) and :meth:`Manifest.check_tokens` (the token ids' digest).
 """
 
 from __future__ import annotations
@@ -385,6 +390,31 @@ class Manifest(BaseModel):
         return 2 * g.num_layers * g.num_kv_heads * g.head_dim * self.num_tokens
 
     # ---- fitness for a device ------------------------------------------------------------------
+    def check_geometry(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                       max_tokens: int | None = None) -> None:
+        """Raises :class:`ManifestError` when the context's geometry is not the device model's
+        (``num_layers``, ``num_kv_heads``, ``head_dim``), it has more than ``max_tokens`` tokens
+        (the model's positions, or a configured bound; ``None``: no bound), or a frame is larger
+        than its chunk's values could need (:func:`max_frame_bytes`): the sizes the edge reads
+        frames with are then bounded by the model, whatever a server declares."""
+        g = self.geometry
+        for name, want in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                           ("head_dim", head_dim)):
+            if getattr(g, name) != want:
+                raise ManifestError(f"context {self.context_id} declares geometry.{name} = "
+                                    f"{getattr(g, name)}; this device's model has {want}")
+        if max_tokens is not None and self.num_tokens > max_tokens:
+            raise ManifestError(f"context {self.context_id} declares {self.num_tokens} tokens; "
+                                f"this device accepts at most {max_tokens}")
+        overhead = OVERHEAD if self.encryption is not None else 0
+        for c in self.chunks:
+            bound = max_frame_bytes(c.num_tokens, g.heads_per_group, g.head_dim) + overhead
+            for lv, e in c.levels.items():
+                if e.bytes > bound:
+                    raise ManifestError(f"context {self.context_id}: chunk {(c.t, c.l, c.g)} "
+                                        f"level {lv} declares {e.bytes} bytes; a frame of "
+                                        f"{c.num_tokens} tokens needs at most {bound}")
+
     def check_model(self, fingerprint: str, name: str = "") -> None:
         """Raises :class:`ManifestError` when the context was encoded with another model."""
         if self.model.fingerprint and self.model.fingerprint != fingerprint:
@@ -401,6 +431,17 @@ class Manifest(BaseModel):
         if tokens_digest(token_ids) != self.tokens_sha256:
             raise ManifestError("the device's token ids differ from the context's "
                                 "(tokens_sha256 mismatch)")
+
+
+#: a frame's bytes beyond its values (header, quantisation parameters, Huffman tables)
+FRAME_SLACK_BYTES = 64 << 10
+
+
+def max_frame_bytes(num_tokens: int, heads: int, head_dim: int) -> int:
+    """The most bytes a codec frame of one chunk can take: K and V of ``num_tokens`` tokens of
+    ``heads`` heads at 4 bytes a value (``raw`` of a float32 model, the widest level) plus
+    :data:`FRAME_SLACK_BYTES`."""
+    return 2 * 4 * int(num_tokens) * int(heads) * int(head_dim) + FRAME_SLACK_BYTES
 
 
 def _first_error(e: ValidationError) -> str:
@@ -422,4 +463,4 @@ def kept_entry(positions: Sequence[Any], token_start: int, num_tokens: int) -> K
 
 __all__ = ["MANIFEST_FORMAT", "CONTEXT_ID_PATTERN", "Manifest", "ChunkEntry", "LevelEntry",
            "TensorQuant", "GeometryInfo", "ModelInfo", "EncryptionInfo", "KeptInfo", "PressInfo",
-           "kept_entry", "CODINGS"]
+           "kept_entry", "max_frame_bytes", "CODINGS"]

@@ -1,0 +1,445 @@
+"""The edge against a hostile server: every body a server sends is bounded (in bytes, by what it
+must hold) and every request ends by its deadline; a crafted manifest is a clear error.
+
+A real server on a real loopback socket (a thread serving raw, crafted HTTP answers), the real
+``EdgeClient`` / ``EdgeSession``, short configured caps and deadlines. Memory is measured as the
+bytes the client read (its own count, and what the server managed to send), never wall clock
+beyond generous bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import socketserver
+import struct
+import threading
+import time
+import zlib
+from collections import Counter
+from typing import Callable
+
+import pytest
+
+from sparkv.edge import ApiError, AskError, EdgeClient, EdgeSession, HttpChunkSource, SourceError
+from sparkv.edge.bounds import (BadEncoding, BoundedBody, ClientLimits, DeadlineExceeded,
+                                ResponseTooLarge)
+from sparkv.edge.transport import FetchItem
+from sparkv.layout import ChunkGeometry, KVChunkId
+from sparkv.protocol import Manifest, ManifestError
+from sparkv.protocol.digests import tokens_bytes, tokens_digest
+from sparkv.protocol.manifest import max_frame_bytes
+
+CID = "ab" * 16
+CAP = 256 << 10               # the manifest cap of these tests
+ENDLESS = 40 << 20            # what an "endless" answer sends at most (an unfixed edge ends too)
+KERNEL_SLACK = 16 << 20       # socket buffers between the server's sends and the client's reads
+PIECE_SLACK = 64 << 10        # one read of the client beyond its cap
+QUESTION = "What is this about?"
+
+
+# ---- the hostile server ----------------------------------------------------------------------
+class _Out:
+    """The connection of one answer: counts what the server managed to send."""
+
+    def __init__(self, sock: socket.socket, server: "Hostile", path: str) -> None:
+        self.sock, self.server, self.path = sock, server, path
+
+    def send(self, data: bytes) -> bool:
+        """Sends ``data``; ``False`` once the client is gone or the server stops."""
+        if self.server.stop.is_set():
+            return False
+        try:
+            self.sock.sendall(data)
+        except OSError:
+            return False
+        self.server.sent[self.path] += len(data)
+        return True
+
+
+Behaviour = Callable[[_Out], bool]   # returns whether the connection may serve another request
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        server: Hostile = self.server.hostile  # type: ignore[attr-defined]
+        buf = b""
+        while not server.stop.is_set():
+            while b"\r\n\r\n" not in buf:
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            method, target = lines[0].split(" ")[:2]
+            length = next((int(x.split(":", 1)[1]) for x in lines[1:]
+                           if x.lower().startswith("content-length:")), 0)
+            while len(buf) < length:
+                buf += sock.recv(65536)
+            buf = buf[length:]
+            path = target.split("?", 1)[0]
+            server.hits[path] += 1
+            behaviour = server.routes.get(path, not_found)
+            if not behaviour(_Out(sock, server, path)):
+                return
+
+
+class Hostile:
+    """A loopback HTTP server whose answers are the ``routes`` (path -> behaviour)."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Behaviour] = {}
+        self.sent: Counter[str] = Counter()
+        self.hits: Counter[str] = Counter()
+        self.stop = threading.Event()
+        self._srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Handler)
+        self._srv.daemon_threads = True
+        self._srv.hostile = self  # type: ignore[attr-defined]
+        self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
+        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self._srv.shutdown()
+        self._srv.server_close()
+
+
+def _head(status: int = 200, headers: dict[str, str] | None = None) -> bytes:
+    lines = [f"HTTP/1.1 {status} X"] + [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def answer(body: bytes, status: int = 200, **headers: str) -> Behaviour:
+    def run(out: _Out) -> bool:
+        return out.send(_head(status, {"Content-Length": str(len(body)), **headers}) + body)
+    return run
+
+
+def not_found(out: _Out) -> bool:
+    body = b'{"error": {"status": 404, "code": "context_not_found", "message": "no"}}'
+    return answer(body, 404)(out)
+
+
+def endless(piece: bytes, status: int = 200, prefix: bytes = b"", **headers: str) -> Behaviour:
+    """A body without a length that never ends (until ENDLESS bytes or the client leaves)."""
+    def run(out: _Out) -> bool:
+        if not out.send(_head(status, {"Connection": "close", **headers}) + prefix):
+            return False
+        while out.server.sent[out.path] < ENDLESS and out.send(piece):
+            pass
+        return False
+    return run
+
+
+def drip(prefix: bytes, byte: bytes, period_s: float = 0.2, for_s: float = 120.0) -> Behaviour:
+    """``prefix``, then one byte every ``period_s`` (for ``for_s`` seconds, or until the client
+    leaves): the per-read timeout never fires."""
+    def run(out: _Out) -> bool:
+        if not out.send(prefix):
+            return False
+        end = time.monotonic() + for_s
+        while time.monotonic() < end and out.send(byte):
+            time.sleep(period_s)
+        return False
+    return run
+
+
+@pytest.fixture
+def hostile():
+    srv = Hostile()
+    yield srv
+    srv.close()
+
+
+# ---- crafted documents ------------------------------------------------------------------------
+def crafted_manifest(tokens: list[int], *, fingerprint: str = "", num_tokens: int | None = None,
+                     chunk_tokens: int = 32, layers: int = 2, kv_heads: int = 2,
+                     head_dim: int = 16, heads_per_group: int = 0,
+                     frame_bytes: int = 1000) -> bytes:
+    """A manifest that parses (consistent sizes, fake checksums) with the given geometry."""
+    n = len(tokens) if num_tokens is None else num_tokens
+    geo = ChunkGeometry(n, chunk_tokens, layers, kv_heads, head_dim, heads_per_group)
+    q = {"bits": 8, "coding": "plain"}
+    level = {"bytes": frame_bytes, "checksum": "xxh3_128:" + "0" * 32,
+             "frame_bytes": frame_bytes, "bits_per_value": 8.0, "k": q, "v": q}
+    chunks = []
+    for cid in geo.chunk_ids():
+        start, end = geo.token_range(cid.t)
+        chunks.append({"t": cid.t, "l": cid.l, "g": cid.g, "token_start": start,
+                       "num_tokens": end - start, "levels": {"q8": level}})
+    doc = {"format": "sparkv-manifest/1", "context_id": CID, "created_unix": 0.0,
+           "model": {"name": "tiny", "fingerprint": fingerprint}, "num_tokens": n,
+           "tokens_sha256": tokens_digest(tokens),
+           "geometry": {**geo.to_dict(), "num_token_chunks": geo.num_token_chunks,
+                        "num_groups": geo.num_groups, "num_chunks": geo.num_chunks},
+           "levels": ["q8"], "frame_version": 1,
+           "total_bytes": {"q8": frame_bytes * len(chunks)}, "chunks": chunks}
+    return json.dumps(doc).encode()
+
+
+TOKENS = list(range(10, 74))    # a 64-token context
+MANIFEST_PATH = f"/v1/contexts/{CID}"
+TOKENS_PATH = f"/v1/contexts/{CID}/tokens"
+
+
+def _client(srv: Hostile, **limits: float) -> EdgeClient:
+    return EdgeClient(srv.url, limits=ClientLimits(**{"manifest_bytes": CAP, **limits}))
+
+
+def _bomb(decoded: int = ENDLESS) -> bytes:
+    """gzip of ``decoded`` spaces (about a thousandth of that on the wire)."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    block = b" " * (1 << 20)
+    return b"".join([z.compress(block) for _ in range(decoded >> 20)] + [z.flush()])
+
+
+# ---- the client: size ------------------------------------------------------------------------
+def test_a_gzip_bomb_manifest_stops_at_the_cap(hostile):
+    bomb = _bomb()
+    assert len(bomb) < CAP   # small on the wire, 40 MiB un-gzipped
+    hostile.routes[MANIFEST_PATH] = answer(bomb, **{"Content-Encoding": "gzip"})
+    with _client(hostile) as client, pytest.raises(ResponseTooLarge) as e:
+        client.manifest(CID)
+    assert e.value.limit == CAP and e.value.received <= CAP + 1
+    assert "limit" in str(e.value) and MANIFEST_PATH in str(e.value)
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+def test_an_endless_manifest_stops_at_the_cap(hostile, encoding):
+    if encoding == "gzip":   # a gzip stream that never ends: stored blocks of JSON-ish text
+        z = zlib.compressobj(1, zlib.DEFLATED, 31)   # (as large un-gzipped as on the wire, so
+        start = z.compress(b'{"a": "') + z.flush(zlib.Z_SYNC_FLUSH)   # an unfixed edge ends)
+        more = b"\x00" + struct.pack("<HH", 65535, 0) + b"y" * 65535
+        assert zlib.decompressobj(31).decompress(start + more) == b'{"a": "' + b"y" * 65535
+        hostile.routes[MANIFEST_PATH] = endless(more, prefix=start,
+                                                **{"Content-Encoding": "gzip"})
+    else:
+        hostile.routes[MANIFEST_PATH] = endless(b"x" * 65536, prefix=b'{"a": "')
+    with _client(hostile) as client, pytest.raises(ResponseTooLarge) as e:
+        client.manifest(CID)
+    assert e.value.received <= CAP + 1 and e.value.wire_bytes <= CAP + 1024 + PIECE_SLACK
+    assert hostile.sent[MANIFEST_PATH] < CAP + KERNEL_SLACK < ENDLESS
+
+
+def test_a_flood_of_empty_gzip_blocks_stops_at_the_cap(hostile):
+    """Deflate blocks that decode to nothing: the wire bytes are bounded too."""
+    z = zlib.compressobj(1, zlib.DEFLATED, 31)
+    start = z.compress(b"{") + z.flush(zlib.Z_SYNC_FLUSH)
+    empty = b"\x00\x00\x00\xff\xff" * 8192    # empty stored blocks: 5 bytes, nothing decoded
+    assert zlib.decompressobj(31).decompress(start + empty) == b"{"
+    hostile.routes[MANIFEST_PATH] = endless(empty, prefix=start, **{"Content-Encoding": "gzip"})
+    with _client(hostile) as client, pytest.raises(ResponseTooLarge) as e:
+        client.manifest(CID)
+    assert e.value.received <= 1 and e.value.wire_bytes <= CAP + 1024 + PIECE_SLACK
+
+
+def test_endless_tokens_stop_at_four_bytes_a_token(hostile):
+    hostile.routes[MANIFEST_PATH] = answer(crafted_manifest(TOKENS))
+    hostile.routes[TOKENS_PATH] = endless(b"\x01\x00\x00\x00" * 16384)
+    with _client(hostile) as client, pytest.raises(ResponseTooLarge) as e:
+        client.tokens(CID)
+    assert e.value.limit == 4 * len(TOKENS) + 4096
+    assert e.value.wire_bytes <= e.value.limit + PIECE_SLACK
+    assert hostile.sent[TOKENS_PATH] < KERNEL_SLACK < ENDLESS
+
+
+def test_a_frame_is_bounded_by_its_manifest_size_and_not_retried(hostile):
+    hostile.routes[MANIFEST_PATH] = answer(crafted_manifest(TOKENS, frame_bytes=5000))
+    hostile.routes[f"/v1/contexts/{CID}/chunks/0/1/0"] = endless(b"\0" * 65536)
+    with _client(hostile) as client:
+        with pytest.raises(ResponseTooLarge) as e:
+            client.frame(CID, 0, 1, 0, "q8")
+        assert e.value.limit == 5000 and client.frame_retries == 0
+    assert hostile.hits[f"/v1/contexts/{CID}/chunks/0/1/0"] == 1
+
+
+def test_an_endless_error_body_is_read_only_in_part(hostile):
+    hostile.routes[MANIFEST_PATH] = endless(b"e" * 65536, status=500,
+                                            prefix=b'{"error": {"code": "x", "message": "')
+    with _client(hostile) as client, pytest.raises(ApiError) as e:
+        client.manifest(CID)
+    assert e.value.status == 500   # the server's error, from the part that was read
+    assert hostile.sent[MANIFEST_PATH] < KERNEL_SLACK < ENDLESS
+
+
+def test_json_answers_are_bounded(hostile):
+    hostile.routes["/healthz"] = endless(b" " * 65536, prefix=b"{")
+    with _client(hostile, json_bytes=4096) as client, pytest.raises(ResponseTooLarge):
+        client.health()
+
+
+def test_a_stream_error_body_is_read_only_in_part(hostile):
+    """``POST .../stream`` answered 503 with an endless body: a retryable SourceError, after
+    reading at most 64 KiB of it."""
+    hostile.routes[f"/v1/contexts/{CID}/stream"] = endless(b"e" * 65536, status=503)
+    source = HttpChunkSource(hostile.url, CID)
+
+    async def run() -> None:
+        try:
+            await source.open([FetchItem(KVChunkId(0, 0, 0), "q8", 1000)])
+        finally:
+            await source.aclose()
+
+    with pytest.raises(SourceError) as e:
+        asyncio.run(run())
+    assert not e.value.fatal
+    assert hostile.sent[f"/v1/contexts/{CID}/stream"] < KERNEL_SLACK < ENDLESS
+
+
+# ---- the client: time ------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["body", "headers"])
+def test_a_dripped_manifest_ends_at_the_deadline(hostile, where):
+    """One byte every 0.2 s (a per-read timeout of 10 s never fires): the 1 s deadline ends
+    the request, whether the drip is in the body or in the status line and headers."""
+    if where == "body":
+        route = drip(_head(200, {"Content-Length": "1000000"}) + b"{", b" ")
+    else:
+        route = drip(b"HTTP/1.1 200 OK\r\nX-Pad: ", b"a")
+    hostile.routes[MANIFEST_PATH] = route
+    t0 = time.monotonic()
+    with _client(hostile, deadline_s=1.0) as client, pytest.raises(DeadlineExceeded) as e:
+        client.manifest(CID)
+    assert time.monotonic() - t0 < 30.0   # generous: the drip itself goes on for 120 s
+    assert "deadline" in str(e.value) and "1 s" in str(e.value)
+
+
+def test_a_fresh_deadline_for_each_request(hostile):
+    """The deadline is per request: a slow-ish but finishing answer after a fast one passes."""
+    body = crafted_manifest(TOKENS)
+    hostile.routes[MANIFEST_PATH] = answer(body)
+    hostile.routes[TOKENS_PATH] = answer(tokens_bytes(TOKENS))
+    with _client(hostile, deadline_s=5.0) as client:
+        assert client.manifest(CID).num_tokens == len(TOKENS)
+        assert client.tokens(CID) == TOKENS
+
+
+# ---- the manifest: geometry ------------------------------------------------------------------
+def test_manifests_declaring_more_tokens_than_the_client_accepts(hostile):
+    body = crafted_manifest(TOKENS, num_tokens=1 << 24, chunk_tokens=1 << 24)
+    hostile.routes[MANIFEST_PATH] = answer(body)
+    with _client(hostile) as client, pytest.raises(ManifestError, match="at most 1048576"):
+        client.manifest(CID)
+
+
+def test_frames_larger_than_their_chunk_could_need_are_refused():
+    m = Manifest.parse(crafted_manifest(TOKENS, frame_bytes=1 << 30))
+    with pytest.raises(ManifestError, match="declares 1073741824 bytes"):
+        m.check_geometry(num_layers=2, num_kv_heads=2, head_dim=16)
+    ok = Manifest.parse(crafted_manifest(TOKENS, frame_bytes=max_frame_bytes(32, 2, 16)))
+    ok.check_geometry(num_layers=2, num_kv_heads=2, head_dim=16, max_tokens=64)
+    with pytest.raises(ManifestError, match="at most 63"):
+        ok.check_geometry(num_layers=2, num_kv_heads=2, head_dim=16, max_tokens=63)
+
+
+# ---- BoundedBody -----------------------------------------------------------------------------
+def test_bounded_body_gunzips_members_and_refuses_damage():
+    two = gzip.compress(b"abc") + gzip.compress(b"def")
+    body = BoundedBody(100, "x", gzip=True)
+    for i in range(len(two)):          # byte by byte: members split anywhere
+        body.feed(two[i:i + 1])
+    assert body.body() == b"abcdef"
+    cut = BoundedBody(1000, "x", gzip=True)
+    cut.feed(gzip.compress(b"abcdef" * 100)[:-6])
+    with pytest.raises(BadEncoding, match="ended inside"):
+        cut.body()
+    with pytest.raises(BadEncoding, match="does not decode"):
+        BoundedBody(100, "x", gzip=True).feed(b"\x1f\x8b\x08\x00" + b"\xff" * 40)
+    part = BoundedBody(4, "x", truncate=True)
+    part.feed(b"abcdefgh")
+    assert part.full and part.body() == b"abcd"
+
+
+# ---- the session and the CLI (a tiny model) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    from sparkv.runtime.model import load_model
+    from tests.helpers import shared_tiny_checkpoint
+
+    path = shared_tiny_checkpoint()
+    return load_model(str(path), progress=False), str(path)
+
+
+def _session(srv: Hostile, lm, **limits: float) -> EdgeSession:
+    return EdgeSession(_client(srv, **limits), lm)
+
+
+def _ask(session: EdgeSession, **kw):
+    return session.ask(CID, QUESTION, max_new_tokens=2, use_cache=False, stop_at_eos=False,
+                       **kw)
+
+
+@pytest.mark.parametrize("fault", ["endless", "bomb", "drip"])
+def test_a_hostile_manifest_falls_back_to_local_compute(hostile, tiny, fault):
+    """The device holds the document: a manifest over its cap or past its deadline is a server
+    out of reach, and the answer is computed locally."""
+    lm, _ = tiny
+    hostile.routes[MANIFEST_PATH] = {
+        "endless": endless(b"x" * 65536, prefix=b'{"a": "'),
+        "bomb": answer(_bomb(), **{"Content-Encoding": "gzip"}),
+        "drip": drip(_head(200, {"Content-Length": "1000000"}), b" ")}[fault]
+    with _session(hostile, lm, deadline_s=1.0) as session:
+        res = _ask(session, token_ids=TOKENS)
+    assert res.tokens and res.breakdown.chunks_streamed == 0
+    want = "DeadlineExceeded" if fault == "drip" else "ResponseTooLarge"
+    assert want in res.breakdown.fallback["server"]
+    assert hostile.sent[MANIFEST_PATH] < CAP + KERNEL_SLACK
+
+
+def test_endless_tokens_with_strategy_local_is_a_clear_error(hostile, tiny):
+    lm, _ = tiny
+    hostile.routes[MANIFEST_PATH] = answer(crafted_manifest(TOKENS, fingerprint=lm.fingerprint))
+    hostile.routes[TOKENS_PATH] = endless(b"\x01\x00\x00\x00" * 16384)
+    with _session(hostile, lm) as session, pytest.raises(AskError) as e:
+        _ask(session, strategy="local")
+    assert isinstance(e.value.__cause__, ResponseTooLarge)
+    assert "limit" in str(e.value) and "not on this device" in str(e.value)
+    assert hostile.sent[TOKENS_PATH] < KERNEL_SLACK < ENDLESS
+
+
+ABSURD = {
+    "num_kv_heads": dict(kv_heads=3000, heads_per_group=3000),
+    "head_dim": dict(head_dim=4096),
+    "num_layers": dict(layers=3),
+    "num_tokens": dict(chunk_tokens=8192),   # 8192 tokens: the model has 4096 positions
+    "frame": dict(frame_bytes=1 << 30),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ABSURD))
+def test_absurd_geometry_is_a_manifest_error_before_the_tokens(hostile, tiny, what):
+    lm, _ = tiny
+    tokens = list(range(10, 8202)) if what == "num_tokens" else TOKENS   # their digest matches
+    hostile.routes[MANIFEST_PATH] = answer(crafted_manifest(tokens, fingerprint=lm.fingerprint,
+                                                            **ABSURD[what]))
+    hostile.routes[TOKENS_PATH] = answer(tokens_bytes(tokens))
+    with _session(hostile, lm) as session, pytest.raises(ManifestError) as e:
+        _ask(session, strategy="local")
+    want = {"num_tokens": "at most 4096", "frame": "a frame of"}.get(what, f"geometry.{what}")
+    assert want in str(e.value)
+    assert hostile.hits[TOKENS_PATH] == 0    # refused before its token ids were asked for
+
+
+@pytest.mark.parametrize("fault", ["geometry", "drip", "bomb"])
+def test_the_cli_exits_2_with_one_line(hostile, tiny, fault, capsys):
+    from sparkv.cli import main
+
+    lm, path = tiny
+    hostile.routes[MANIFEST_PATH] = {
+        "geometry": answer(crafted_manifest(TOKENS, fingerprint=lm.fingerprint, kv_heads=3000,
+                                            heads_per_group=3000)),
+        "drip": drip(_head(200, {"Content-Length": "1000000"}), b" "),
+        "bomb": answer(_bomb(), **{"Content-Encoding": "gzip"})}[fault]
+    rc = main(["ask", QUESTION, "--server", hostile.url, "--context", CID, "--model", path,
+               "--no-cache", "--no-prelude", "--max-new-tokens", "2", "--deadline-s", "1",
+               "--max-manifest-mb", "1"])
+    err = capsys.readouterr().err.strip()     # (after the model's loading progress bar)
+    last = err.splitlines()[-1]
+    assert rc == 2 and last.startswith("sparkv: error:") and "Traceback" not in err, err
+    assert {"geometry": "num_kv_heads", "drip": "deadline", "bomb": "limit"}[fault] in last

@@ -49,34 +49,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d = sub.add_parser("device", help="the on-device context service (LLMS): serve, create, "
                                       "call, delete, list, stats")
     dsub = d.add_subparsers(dest="device_command", metavar="ACTION")
-
-    s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
-    s.add_argument("--swap-dir", default=None,
-                   help="flash tier + journal (default: <sparkv cache>/device/swap)")
-    s.add_argument("--budget-mb", type=float, required=True,
-                   help="KV memory budget, MB (10^6 bytes)")
-    s.add_argument("--socket", default=None,
-                   help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
-                        "<sparkv cache>/device/sparkv-device.sock)")
-    s.add_argument("--socket-group", default=None,
-                   help="let this group use the socket too (mode 0660, owned by GROUP)")
-    s.add_argument("--port", type=int, default=None,
-                   help="listen on 127.0.0.1:PORT instead (every request needs the bearer token)")
-    s.add_argument("--token-file", default=None,
-                   help="with --port: where the token is kept, made 0600 on the first start "
-                        "(default: $SPARKV_DEVICE_TOKEN_FILE, else <sparkv cache>/device/token)")
-    s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
-    s.add_argument("--policy", choices=POLICIES, default="llms",
-                   help="how contexts are kept: LLMS, an LLMS ablation, or a vLLM-style "
-                        "swapping baseline (docs/device-service.md)")
-    s.add_argument("--ratio", type=float, default=None,
-                   help="global compression ratio, bytes relative to int8 (0.25-4; the first "
-                        "chunk, the attention sinks, is kept at fp outside it)")
-    s.add_argument("--chunk-tokens", type=int, default=16,
-                   help="tokens per chunk of a context, across all layers: the unit of "
-                        "compression, swapping and eviction (LLMS's 16; docs/device-service.md)")
-    s.add_argument("--threads", type=int, default=None, help="torch threads")
-    s.set_defaults(func=_serve)
+    _add_serve(dsub)
 
     c = dsub.add_parser("create", help="make a context; prints its id")
     c.add_argument("--system", default=None, help="system prompt")
@@ -107,6 +80,36 @@ def register(sub: "argparse._SubParsersAction") -> None:
     _client_args(st)
     st.set_defaults(func=_stats)
     d.set_defaults(func=lambda args: (d.print_help(), 2)[1])
+
+
+def _add_serve(dsub: "argparse._SubParsersAction") -> None:
+    s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
+    s.add_argument("--swap-dir", default=None,
+                   help="flash tier + journal (default: <sparkv cache>/device/swap)")
+    s.add_argument("--budget-mb", type=float, required=True,
+                   help="KV memory budget, MB (10^6 bytes)")
+    s.add_argument("--socket", default=None,
+                   help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
+                        "<sparkv cache>/device/sparkv-device.sock)")
+    s.add_argument("--socket-group", default=None,
+                   help="let this group use the socket too (mode 0660, owned by GROUP)")
+    s.add_argument("--port", type=int, default=None,
+                   help="listen on 127.0.0.1:PORT instead (every request needs the bearer token)")
+    s.add_argument("--token-file", default=None,
+                   help="with --port: where the token is kept, made 0600 on the first start "
+                        "(default: $SPARKV_DEVICE_TOKEN_FILE, else <sparkv cache>/device/token)")
+    s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    s.add_argument("--policy", choices=POLICIES, default="llms",
+                   help="how contexts are kept: LLMS, an LLMS ablation, or a vLLM-style "
+                        "swapping baseline (docs/device-service.md)")
+    s.add_argument("--ratio", type=float, default=None,
+                   help="global compression ratio, bytes relative to int8 (0.25-4; the first "
+                        "chunk, the attention sinks, is kept at fp outside it)")
+    s.add_argument("--chunk-tokens", type=int, default=16,
+                   help="tokens per chunk of a context, across all layers: the unit of "
+                        "compression, swapping and eviction (LLMS's 16; docs/device-service.md)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads")
+    s.set_defaults(func=_serve)
 
 
 @contextlib.contextmanager

@@ -107,6 +107,18 @@ def test_the_kept_note_says_where_the_answer_came_from():
     assert first.startswith("kept as context abc")
 
 
+def test_a_401_names_the_flag_not_only_the_header():
+    from sparkv.edge.commands import _api_key_hint
+    from sparkv.errors import SparkvError
+    from sparkv.protocol.errors import ApiError
+
+    with pytest.raises(SparkvError) as e, _api_key_hint():
+        raise ApiError(401, "missing_api_key", "send 'Authorization: Bearer <key>'")
+    assert "--api-key" in str(e.value) and "SPARKV_API_KEY" in str(e.value)
+    with pytest.raises(ApiError), _api_key_hint():        # other errors pass unchanged
+        raise ApiError(404, "context_not_found", "no context")
+
+
 def test_system_exit_messages_exit_2(capsys):
     # a benchmark's option check (raise SystemExit("...")) before anything loads
     _fails(["bench", "dynakv", "--budgets", "2"], capsys, "--budgets are fractions")

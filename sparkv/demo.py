@@ -29,20 +29,22 @@ FOLLOW_UP = "Who may copy and distribute this text? Answer in one sentence."
 def register(sub: "argparse._SubParsersAction") -> None:
     d = sub.add_parser("demo", help="the main job: a server on loopback, the sample context, every "
                                     "strategy under a link trace, a TTFT table and a plot")
-    d.add_argument("--model", default=None)
+    d.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
     d.add_argument("--tokens", type=int, default=2048, help="context tokens (of the sample text)")
-    d.add_argument("--chunk-tokens", type=int, default=512)
+    d.add_argument("--chunk-tokens", type=int, default=512,
+                   help="T the server encodes the context with (the TTFT benchmarks' T)")
     d.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
-    d.add_argument("--question", default=DEMO_QUESTION)
-    d.add_argument("--new-tokens", type=int, default=40)
-    d.add_argument("--strategies", default="local,stream,hybrid,sparkv")
+    d.add_argument("--question", default=DEMO_QUESTION, help="the question every strategy answers")
+    d.add_argument("--new-tokens", type=int, default=40, help="answer length, tokens")
+    d.add_argument("--strategies", default="local,stream,hybrid,sparkv",
+                   help="strategies to answer with, comma-separated")
     d.add_argument("--press", default="adakv:0.5@repeat", metavar="SPEC",
                    help="also answer with sparkv from a variant of the context compressed on the "
                         "server by this KV press (docs/presses.md; 'none' to skip)")
     d.add_argument("--out", default="sparkv-demo", help="directory for the plot and JSON")
     d.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     add_device_args(d)
-    add_link_args(d)
+    add_link_args(d, default="lte")
     d.set_defaults(func=run_demo, trace="lte")
 
 
@@ -67,13 +69,14 @@ def run_demo(args: argparse.Namespace) -> int:
     if bad:
         from sparkv.errors import SparkvError
         raise SparkvError(f"unknown strategies {bad}; choose from {sorted(STRATEGIES)}")
+    shaper_from_args(args)          # a bad --trace fails now, before the model loads
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("sparkv demo: loading the model ...", flush=True)
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     context = chat_context(lm, sample_context_ids(lm, args.tokens))
-    link = (f"trace {args.trace!r}" if args.trace else
-            f"{args.mbps:g} Mbit/s" if args.mbps else "unshaped loopback")
+    link = (f"{args.mbps:g} Mbit/s" if args.mbps else
+            f"trace {args.trace!r}" if args.trace else "unshaped loopback")
     with tempfile.TemporaryDirectory(prefix="sparkv-demo-") as tmp:
         server = _server(args, tmp)
         print("starting the server on loopback ...", flush=True)

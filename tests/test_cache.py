@@ -242,6 +242,34 @@ def test_quantized_resident_chunks_are_dequantized_on_read(tiny_llama):
     assert q8.geometry.num_tokens == n + 3 and q8.is_complete()
 
 
+def test_attending_over_a_missing_chunk_names_it_and_its_layer(tiny_llama, tmp_path):
+    """docs/kv-memory.md's flow: ``generate`` takes the context's ids followed by the question's
+    (the memory holds the context); a chunk swapped out or dropped must be restored first, and
+    the error says which chunk and which layer."""
+    n = 64
+    geo = ChunkGeometry.from_config(tiny_llama.config, n, 16)
+    context, question = list(range(5, 5 + n)), [3, 7, 11]
+    with torch.inference_mode():
+        layers = reference_prefill(tiny_llama, context)
+    mem = memory_from_layers(layers, geo, spare_tokens=16)
+    tier = FlashTier(tmp_path)
+    swapped, dropped = KVChunkId(1, 0, 0), KVChunkId(2, 1, 0)
+    mem.swap_out(swapped, tier)
+    mem.drop(dropped)
+    ids = torch.tensor([context + question])
+    with torch.inference_mode(), pytest.raises(KVMemoryError) as e:
+        tiny_llama.model.generate(ids, past_key_values=SparkvCache(mem), max_new_tokens=2,
+                                  do_sample=False, attention_mask=torch.ones_like(ids))
+    assert "layer 0" in str(e.value) and "{l}" not in str(e.value)
+    mem.swap_in(swapped, tier)
+    k, v = layers[1][0][0, :, 32:48], layers[1][1][0, :, 32:48]
+    mem.put(dropped, k, v, source=Source.STREAMED)      # fetched (or recomputed) again
+    with torch.inference_mode():
+        out = tiny_llama.model.generate(ids, past_key_values=SparkvCache(mem), max_new_tokens=2,
+                                        do_sample=False, attention_mask=torch.ones_like(ids))
+    assert out.shape == (1, n + len(question) + 2)
+
+
 # ---- the flash tier ----------------------------------------------------------------------------
 def test_swap_out_and_back_is_bit_exact_at_fp(tmp_path):
     mem, layers = _random_memory(GEO, dtype=torch.float16)

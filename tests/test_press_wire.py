@@ -264,9 +264,9 @@ def test_cli_ask_with_press(served):
     doc = json.loads(out.getvalue())
     assert doc["context_id"] == served["pressed"]   # found by id, not encoded again
     assert doc["breakdown"]["bytes_streamed"] == served["mp"].level_bytes("q8")
-    with pytest.raises(SystemExit):
-        main(["ask", "q", "--server", served["server"].url, "--context", served["full"],
-              "--press", "nope:0.5", "--no-cache"])
+    # a bad press is a one-line error (exit 2) before the model loads
+    assert main(["ask", "q", "--server", served["server"].url, "--context", served["full"],
+                 "--press", "nope:0.5", "--no-cache"]) == 2
 
 
 def test_repeat_probe_window(served):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from sparkv.cache import ragged_attention, to_bytes
 from sparkv.presses import (PRESSES, AdaKV, Budget, DynamicKV, PressError, PyramidKV, SnapKV,
                             adaptive_head_budgets, compress, make_press, parse_press, prefill,
-                            question_window, round_to_total, score_layers, to_memory)
+                            question_window, round_to_total, score_layers, split_spec, to_memory)
 from sparkv.runtime.generate import greedy_generate, sample_context_ids
 
 
@@ -296,6 +296,12 @@ def test_parse_press_specs():
     assert isinstance(p, AdaKV) and b.ratio == pytest.approx(0.2)
     p, b = parse_press("dynamickv:256t")
     assert isinstance(p, DynamicKV) and b.tokens == 256
+    # every spec the server and `sparkv ask --press` take, the window included (and checked)
+    p, b = parse_press("adakv:0.5@repeat")
+    assert isinstance(p, AdaKV) and b.ratio == pytest.approx(0.5)
+    assert split_spec("adakv:0.5@Repeat")[2] == "repeat"
+    with pytest.raises(PressError, match="window"):
+        parse_press("adakv:0.5@nope")
     with pytest.raises(PressError):
         make_press("snapkv", bogus=1)
     with pytest.raises(PressError):

@@ -292,10 +292,12 @@ def test_etag_and_304(alice, ctx):
                      headers={"If-None-Match": '"other"'}).status_code == 200
     # another level of the same chunk has another ETag
     assert alice.get(url, params={"level": "q8"}).headers["etag"] != etag
-    # the manifest is revalidated by ETag too
+    # the manifest is revalidated by ETag too, and its 304 is counted like a frame's
     mr = alice.get(f"/v1/contexts/{cid}")
+    before = _metric(alice, "sparkv_not_modified_total")
     assert alice.get(f"/v1/contexts/{cid}",
                      headers={"If-None-Match": mr.headers["etag"]}).status_code == 304
+    assert _metric(alice, "sparkv_not_modified_total") == before + 1
 
 
 def test_range_requests(alice, ctx):

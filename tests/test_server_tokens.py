@@ -126,6 +126,12 @@ def test_pending_context_then_delete_mid_encode(alice, server):
     err = assert_error(alice.get(url), 404, "context_pending")
     assert err["job_id"] == out["job_id"] and "progress" in err
     assert alice.delete(out["manifest_url"]).status_code == 204
+    # gone at once, while the job winds down (it stops at its next frame)
+    err = assert_error(alice.get(out["manifest_url"]), 404, "context_not_found")
+    assert err["job_state"] == "cancelled" and "deleted" in err["job_error"]
+    assert_error(alice.get(url), 404, "context_not_found")
+    assert out["context_id"] not in [p["context_id"] for p in
+                                     alice.get("/v1/contexts").json()["pending"]]
     assert wait_job(alice, out["job_id"])["state"] == "cancelled"
     assert_error(alice.get(url), 404, "context_not_found")
     cdir = server.store_dir / "tenants" / "alice" / "contexts" / out["context_id"]

@@ -1,4 +1,6 @@
-"""``sparkv bench NAME``: benchmarks that print a table and write JSON under ``bench/results/``.
+"""``sparkv bench NAME``: benchmarks that print a table and, with ``--json``, write JSON under
+``bench/results/`` (never without ``--json`` or ``--out``; a ``--quick`` run never over a full
+run's file).
 
 Each benchmark is a module exposing ``register(subparsers)`` (like the top-level commands). The JSON
 contract shared by every benchmark is documented in docs/benchmarks.md and written by
@@ -29,7 +31,7 @@ BENCH_MODULES: list[str] = [
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
-    parser = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)")
+    parser = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes JSON)")
     bench_sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
     for name in BENCH_MODULES:
         try:

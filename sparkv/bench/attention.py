@@ -32,7 +32,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--densities", default="0.1,0.25,0.5,0.75", help="top-k shares of blocks")
     p.add_argument("--chunk", type=int, default=4096, help="queries per chunk (chunk shape)")
     p.add_argument("--shapes", default="square,chunk", help="square, chunk or both")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per point (median)")
     p.add_argument("--device", default="cuda", help="a CUDA device")
     p.add_argument("--save-profile", action="store_true",
                    help="save the chunk rows of the first head geometry as this GPU's profile")

@@ -84,7 +84,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="pass-key contexts (2K tokens) of --measure-profile")
     p.add_argument("--profile-bits", type=int, default=4,
                    help="bits whose quantization noise --measure-profile weighs")
-    add_run_args(p, "codec", threads_help="torch threads for generation")
+    add_run_args(p, "codec", threads_help="torch threads for generation", quick=True)
     p.set_defaults(func=run)
 
 
@@ -652,7 +652,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json or args.out:
         path = write_result("codec", {"results": rows, "axis_study": axis_rows,
                                       "passkey": passkey, "targets": TARGETS,
-                                      "summary": summary}, config, args.out)
+                                      "summary": summary}, config, args.out,
+                            quick=args.quick)
         print(f"wrote {path}")
     return 0
 

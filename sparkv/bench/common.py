@@ -1,4 +1,11 @@
-"""Helpers every benchmark uses: the result JSON envelope, a plain-text table, the machine facts."""
+"""Helpers every benchmark uses: the result JSON envelope, a plain-text table, the machine facts.
+
+Where results go: a benchmark writes nothing under ``bench/results/`` unless asked (``--json``:
+``bench/results/NAME.json``; ``--out PATH``: there instead). A ``--quick`` run writes
+``NAME_quick.json`` (and its PNGs beside it), and refuses to overwrite a file that holds a full
+run's result, whatever path it is given (:func:`result_path`). Scratch files (flash tiers,
+stores) go to the system's temp dir.
+"""
 
 from __future__ import annotations
 
@@ -9,38 +16,44 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sparkv.errors import SparkvError
 from sparkv.tables import format_table
 
-__all__ = ["RESULTS_DIR_ENV", "OUT_HELP", "results_dir", "machine_info", "write_result",
-           "format_table", "add_output_args", "add_run_args", "percentile", "wait_job"]
+__all__ = ["RESULTS_DIR_ENV", "OUT_HELP", "QUICK_SUFFIX", "results_dir", "result_path",
+           "machine_info", "write_result", "format_table", "add_output_args", "add_run_args",
+           "percentile", "wait_job"]
 
 RESULTS_DIR_ENV = "SPARKV_BENCH_DIR"
 
-#: ``--out``'s help where it holds (a benchmark writing scratch files under bench/results says so)
+#: ``--out``'s help
 OUT_HELP = "write the JSON here instead: nothing under bench/results is touched"
+#: what a ``--quick`` run's default file name adds to the benchmark's name
+QUICK_SUFFIX = "_quick"
 #: ``--model``'s help
 MODEL_HELP = "local checkpoint (default: bundled SmolLM2)"
 
 
 def add_output_args(p: Any, name: str, *, json_help: str | None = None,
-                    out_help: str = OUT_HELP) -> None:
+                    out_help: str = OUT_HELP, quick: bool = False) -> None:
     """``--json`` (write ``bench/results/<name>.json``) and ``--out PATH`` (write it there
     instead), for a benchmark that writes its JSON when either is given:
-    ``write_result(name, ..., path=args.out)`` under ``if args.json or args.out``."""
+    ``write_result(name, ..., path=args.out)`` under ``if args.json or args.out``. ``quick``:
+    the benchmark has ``--quick`` (the help names the ``_quick`` file)."""
+    also = f" ({name}{QUICK_SUFFIX}.json with --quick)" if quick else ""
     p.add_argument("--json", action="store_true",
-                   help=json_help or f"write bench/results/{name}.json")
+                   help=json_help or f"write bench/results/{name}.json{also}")
     p.add_argument("--out", default=None, metavar="PATH", help=out_help)
 
 
 def add_run_args(p: Any, name: str, *, threads: int | None = None,
                  threads_help: str = "torch threads (default: torch's)",
                  model_help: str = MODEL_HELP, json_help: str | None = None,
-                 out_help: str = OUT_HELP) -> None:
+                 out_help: str = OUT_HELP, quick: bool = False) -> None:
     """``--threads N`` (default ``threads``), ``--model PATH`` (default: the bundled model), then
     :func:`add_output_args`: the flags of a benchmark that runs the model."""
     p.add_argument("--threads", type=int, default=threads, help=threads_help)
     p.add_argument("--model", default=None, help=model_help)
-    add_output_args(p, name, json_help=json_help, out_help=out_help)
+    add_output_args(p, name, json_help=json_help, out_help=out_help, quick=quick)
 
 
 def results_dir() -> Path:
@@ -68,20 +81,41 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def write_result(name: str, payload: dict[str, Any], config: dict[str, Any] | None = None,
-                 path: str | os.PathLike[str] | None = None) -> Path:
-    """Writes ``{"benchmark", "created_unix", "machine", "config", "results"...}`` as JSON.
+def result_path(name: str, path: str | os.PathLike[str] | None = None, *,
+                quick: bool = False) -> Path:
+    """Where :func:`write_result` writes: ``path``, else ``<results dir>/<name>.json``
+    (``<name>_quick.json`` for a ``quick`` run). Raises :class:`SparkvError` when a ``quick``
+    run would overwrite a file that does not hold a quick run's result (a full run's, or not a
+    result at all): call it before a long run to fail at once."""
+    out = Path(path) if path else results_dir() / f"{name}{QUICK_SUFFIX if quick else ''}.json"
+    if quick and out.exists() and not _holds_quick_run(out):
+        raise SparkvError(f"{out} holds a full run's result: a --quick run does not overwrite "
+                          "it (give another --out)")
+    return out
 
-    The file is ``bench/results/<name>.json`` unless ``path`` is given. Written atomically.
-    """
+
+def _holds_quick_run(path: Path) -> bool:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("quick") is True
+
+
+def write_result(name: str, payload: dict[str, Any], config: dict[str, Any] | None = None,
+                 path: str | os.PathLike[str] | None = None, *, quick: bool = False) -> Path:
+    """Writes ``{"benchmark", "created_unix", "quick", "machine", "config", "results"...}`` as
+    JSON, atomically, at :func:`result_path` ``(name, path, quick=quick)`` (which refuses to let
+    a quick run overwrite a full one)."""
+    out = result_path(name, path, quick=quick)
     doc = {
         "benchmark": name,
         "created_unix": time.time(),
+        "quick": bool(quick),
         "machine": machine_info(),
         "config": config or {},
         **payload,
     }
-    out = Path(path) if path else results_dir() / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")

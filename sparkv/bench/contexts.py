@@ -235,27 +235,31 @@ def register(sub: "argparse._SubParsersAction") -> None:
                                         "active contexts, quality")
     p.add_argument("--contexts", type=int, default=8, help="contexts of the main trace")
     p.add_argument("--calls", type=int, default=24, help="calls per trace")
-    p.add_argument("--patterns", default=",".join(PATTERNS))
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--patterns", default=",".join(PATTERNS),
+                   help="call patterns over the contexts (docs/device-service.md)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="systems compared: LLMS, its ablations and the baselines")
     p.add_argument("--mean-tokens", type=int, default=256, help="mean context text length")
     p.add_argument("--new-tokens", type=int, default=8, help="answer tokens per call")
     p.add_argument("--budget-fraction", type=float, default=0.25,
                    help="share of the other contexts' int8 KV the budget holds beyond one working "
                         "memory and the longest context")
-    p.add_argument("--budget-mb", type=float, default=None, help="override the budget")
+    p.add_argument("--budget-mb", type=float, default=None,
+                   help="the budget in MB (10^6 bytes), instead of --budget-fraction")
     p.add_argument("--ratio", type=float, default=1.0,
                    help="LLMS's global compression ratio (bytes relative to int8; the first "
                         "chunk, the attention sinks, is kept at fp outside it)")
     p.add_argument("--sweep", default="2,4,8,16",
                    help="context counts for the active-contexts metric ('' to skip)")
-    p.add_argument("--sweep-systems", default="vllm-sq,llms")
+    p.add_argument("--sweep-systems", default="vllm-sq,llms",
+                   help="systems of the active-contexts sweep")
     p.add_argument("--limit-ms", type=float, default=50.0, help="switching latency limit")
     p.add_argument("--ask-tokens", type=int, default=1024,
                    help="document tokens of the resident-ask measurement (0 to skip)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the contexts and the calls")
     p.add_argument("--quick", action="store_true",
                    help="6 contexts, 16 calls, the markov pattern, sweep 2,4,8 (a smoke run)")
-    add_run_args(p, "contexts", threads=1,
+    add_run_args(p, "contexts", threads=1, quick=True,
                  threads_help="torch threads (1: the fastest on a loaded machine)")
     p.set_defaults(func=run)
 
@@ -306,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     _print(results, args)
     if args.json or args.out:
         path = write_result("contexts", results, config={
-            k: v for k, v in vars(args).items() if k != "func"}, path=args.out)
+            k: v for k, v in vars(args).items() if k != "func"}, path=args.out, quick=args.quick)
         print(f"wrote {path}")
     return 0
 

@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from sparkv.bench.common import add_run_args, format_table, results_dir, write_result
+from sparkv.bench.common import add_run_args, format_table, write_result
 from sparkv.runtime.device import add_device_args
 
 CONFIGS = ("dynamic", "memory", "ragged50", "ragged20", "int8", "int4")
@@ -35,17 +35,20 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("decode", help="decode speed and KV bytes over the KV memory "
                                       "(vs DynamicCache, ragged, quantized), flash bandwidth")
     p.add_argument("--sizes", default="2048,4096,8192", help="context lengths in tokens")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--flash-mb", type=int, default=64, help="bytes moved by the flash measurement")
-    p.add_argument("--flash-dir", default=None, help="directory of the flash tier (default: a "
-                                                     "temp dir under bench/results)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per run")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="caches to compare: dynamic (transformers' DynamicCache), memory (the "
+                        "KV memory), ragged50/ragged20 (pruned to 50%%/20%%), int8, int4")
+    p.add_argument("--chunk-tokens", type=int, default=256,
+                   help="T of the KV memory's chunks (the server's default T)")
+    p.add_argument("--flash-mb", type=int, default=64,
+                   help="MB (10^6 bytes) the flash measurement writes and reads, in 1 MiB files")
+    p.add_argument("--flash-dir", default=None,
+                   help="directory of the flash tier (default: a new dir in the system's temp "
+                        "dir, removed after; if that is a tmpfs, the \"flash\" is RAM)")
     add_device_args(p)
-    add_run_args(p, "decode", out_help="write the JSON here instead: nothing under bench/results "
-                                        "is touched but the flash tier's temp dir (none with "
-                                        "--flash-dir)")
+    add_run_args(p, "decode")
     p.set_defaults(func=run)
 
 
@@ -185,7 +188,7 @@ def _cache_for(cfg: str, layers: list, geo: Any, spare_tokens: int) -> tuple[Any
 
 
 def _measure_flash(flash_dir: str | None, flash_mb: int) -> tuple[dict[str, Any], Any]:
-    """The flash tier's bandwidth in ``flash_dir`` (default: a temp dir under bench/results,
+    """The flash tier's bandwidth in ``flash_dir`` (default: a new dir in the system's temp dir,
     removed after), saved as this machine's flash profile: ``(measurement, profile path)``."""
     import shutil
     import tempfile
@@ -193,9 +196,9 @@ def _measure_flash(flash_dir: str | None, flash_mb: int) -> tuple[dict[str, Any]
     from sparkv.cache import FlashTier, flash_profile_path, save_flash_profile
     from sparkv.runtime.model import cache_dir
 
-    flash_root = flash_dir or tempfile.mkdtemp(prefix="flash-", dir=results_dir())
+    flash_root = flash_dir or tempfile.mkdtemp(prefix="sparkv-flash-")
     tier = FlashTier(flash_root)
-    flash = tier.measure(total_bytes=flash_mb << 20)
+    flash = tier.measure(total_bytes=int(flash_mb * 1e6))   # in 1 MiB files
     try:
         if not flash_dir:
             shutil.rmtree(flash_root, ignore_errors=True)

@@ -30,7 +30,7 @@ import argparse
 import time
 from typing import Any
 
-from sparkv.bench.common import add_run_args, format_table, write_result
+from sparkv.bench.common import add_run_args, format_table, result_path, write_result
 from sparkv.runtime.device import add_device_args
 
 POLICIES = ("nocluster", "static", "local", "dynakv", "dynakv-eager", "dynakv-packed",
@@ -41,25 +41,25 @@ CONTINUE = "Continue the text above, writing as much as you can."
 def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("dynakv", help="long decoding with clustered KV on flash: DynaKV vs full, "
                                       "no clustering, static, local and ablations")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=1024,
+                   help="document tokens (the pass key is hidden in them)")
+    p.add_argument("--new-tokens", type=int, default=256,
+                   help="tokens the full-KV reference generates (64 with --quick)")
     p.add_argument("--budgets", default="0.25,0.1", help="RAM budgets, fractions of the final KV")
     p.add_argument("--retrieval", type=float, default=0.1,
                    help="entries retrieved per KV head per step, fraction of what it holds")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="decode policies to compare with full KV (docs/dynakv.md)")
     p.add_argument("--depth", type=float, default=0.3, help="pass-key depth in the document")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the document and its pass key")
     p.add_argument("--quick", action="store_true", help="64 generated tokens (a smoke run)")
-    p.add_argument("--flash-dir", default=None, help="where the clusters go (default: a temp dir "
-                                                     "under bench/results)")
+    p.add_argument("--flash-dir", default=None,
+                   help="where the clusters go (default: a new dir in the system's temp dir, "
+                        "removed after; if that is a tmpfs, the \"flash\" is RAM)")
     p.add_argument("--note", default=None, help="a remark stored in the JSON's config (e.g. that "
                                                 "the machine was loaded)")
     add_device_args(p)
-    add_run_args(p, "dynakv",
-                 json_help="print the JSON's path (the JSON is always written: "
-                           "bench/results/dynakv.json, or --out)",
-                 out_help="write the JSON here instead: nothing under bench/results is touched "
-                          "but the clusters' temp dir (none with --flash-dir)")
+    add_run_args(p, "dynakv", quick=True)
     p.set_defaults(func=run)
 
 
@@ -163,16 +163,16 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from sparkv.bench.common import results_dir
     from sparkv.runtime import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     new_tokens, budgets, policies = _settings(args)
+    out = result_path("dynakv", args.out, quick=args.quick) if args.json or args.out else None
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     task, ctx, q, follow, layers = _workload(lm, args)
-    flash_dir = args.flash_dir or tempfile.mkdtemp(prefix="dynakv-", dir=results_dir())
+    flash_dir = args.flash_dir or tempfile.mkdtemp(prefix="sparkv-dynakv-")
     rows = _measure(lm, layers, ctx, q, follow, task, new_tokens, budgets, policies,
                     args.retrieval, flash_dir)
     if not args.flash_dir:
@@ -191,9 +191,10 @@ def run(args: argparse.Namespace) -> int:
         config["note"] = args.note
     for r in rows:
         r.pop("predicted", None)
-    path = write_result("dynakv", {"results": rows, "targets": targets}, config, args.out)
-    if args.json:
-        print(path)
+    if out is not None:
+        path = write_result("dynakv", {"results": rows, "targets": targets}, config, out,
+                            quick=args.quick)
+        print(f"wrote {path}")
     return 0
 
 

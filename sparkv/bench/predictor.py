@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkv.bench.common import add_run_args, format_table, write_result
+from sparkv.bench.common import add_run_args, format_table, result_path, write_result
 from sparkv.runtime.device import add_device_args
 
 TARGETS = {"mape_ratio_min": 4.0, "paper_mape_ratio": [4.8, 5.6], "prediction_ms_max": 0.5}
@@ -46,10 +46,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--seed", type=int, default=0, help="split and MLP seed")
     add_run_args(p, "predictor", threads=1, threads_help="torch threads (default 1)",
                  json_help="write bench/results/predictor.json, predictor.png and (unless "
-                           "--samples) predictor_samples.json")
+                           "--samples) predictor_samples.json (predictor_quick.* with --quick)")
     p.add_argument("--no-deep-check", action="store_true",
                    help="skip the all-layers validation (on by default unless --quick/--samples)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
@@ -174,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     from sparkv.predictor import load_samples
 
     wall0 = time.perf_counter()
+    if args.json or args.out:
+        result_path("predictor", args.out, quick=args.quick)  # a quick run refuses a full file now
     lm = None
     if args.samples:
         samples, meta = load_samples(args.samples)
@@ -330,7 +332,8 @@ def _write(args: argparse.Namespace, samples: list[Any], meta: dict[str, Any], e
                "roofline_ms": att["roofline"]}
     path = write_result("predictor", {"results": [summary], "groups": ev.groups,
                                       "prediction_times": ev.times, "targets": TARGETS,
-                                      "held_out_attention": scatter}, config, args.out)
+                                      "held_out_attention": scatter}, config, args.out,
+                        quick=args.quick)
     if not args.samples:
         save_samples(path.with_name(path.stem + "_samples.json"), samples, meta)
     _plot(att, ev.scaled_mape, path.with_suffix(".png"))

@@ -47,8 +47,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="also profile one run of VARIANT at the largest size (torch.profiler): "
                         "kernel time by kernel, against the wall time")
     p.add_argument("--cdf", type=float, default=None, help="override the cdf threshold")
-    p.add_argument("--estimator", default=None, choices=["qpool", "meansim"])
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--estimator", default=None, choices=["qpool", "meansim"],
+                   help="block-sparse attention's block estimator (default: the backend's, qpool)")
+    p.add_argument("--new-tokens", type=int, default=32,
+                   help="tokens generated after the question (the agreement with the reference)")
     add_device_args(p)
     add_run_args(p, "prefill",
                  threads_help="torch threads (default: torch's; 1 is fairer on a shared machine)",

@@ -48,10 +48,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--trials", type=int, default=3, help="pass-key depths per size (10-90%%)")
     p.add_argument("--ratios", default="0.1,0.2,0.4", help="kept ratios")
     p.add_argument("--modes", default="aware,agnostic", help="question-aware and/or -agnostic")
-    p.add_argument("--presses", default=",".join(PRESS_NAMES))
+    p.add_argument("--presses", default=",".join(PRESS_NAMES),
+                   help="presses to compare (docs/presses.md)")
     p.add_argument("--window", type=int, default=32, help="question-agnostic window (tokens)")
-    p.add_argument("--new-tokens", type=int, default=12)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--new-tokens", type=int, default=12, help="answer tokens per question")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pass-key tasks")
     p.add_argument("--kvpress", action="store_true",
                    help="also run kvpress's presses (needs bash bench/setup_kvpress.sh)")
     p.add_argument("--kvpress-python", default=None,

@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.bench.common import (MODEL_HELP, add_output_args, format_table, result_path,
+                                 write_result)
 
 #: retrieval families (sparkv.bench.tasks) and the QA set
 RETRIEVAL = ("passkey", "multikey", "multivalue")
@@ -83,7 +84,7 @@ QUICK = {"tasks": "passkey,qa", "sizes": "1024", "trials": "3", "levels": "raw,q
 def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("quality", help="retrieval + QA quality of every level, backend and "
                                        "strategy against the dense reference (docs/quality.md)")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--tasks", default=None,
                    help=f"families: {', '.join(FAMILIES)} (default: all; --quick: passkey,qa)")
     p.add_argument("--sizes", default=None,
@@ -108,17 +109,19 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--links", default=None,
                    help="links of the strategy group: Mbit/s numbers and trace names or CSVs "
                         "(default 20,lte; --quick 20)")
-    p.add_argument("--rtt-ms", type=float, default=20.0)
+    p.add_argument("--rtt-ms", type=float, default=20.0,
+                   help="emulated round trip of the strategy group's links (ms)")
     p.add_argument("--encode-levels", default="raw,q8,q6,q5,q4,q3",
                    help="levels the server encodes (the swept levels are added)")
-    p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-tokens", type=int, default=512,
+                   help="T the server encodes with (the TTFT benchmarks' T)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the retrieval tasks")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--quick", action="store_true",
                    help="a small configuration (a few minutes): pass key at 1K, 3 QA questions")
-    p.add_argument("--json", action="store_true",
-                   help="write bench/results/quality.json and quality.png")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/quality.json)")
+    add_output_args(p, "quality", quick=True,
+                     json_help="write bench/results/quality.json and quality.png "
+                               "(quality_quick.* with --quick)")
     p.add_argument("--rows", default=None,
                    help="also append every answer as a JSON line here while running")
     p.add_argument("--save-table", nargs="?", const="", default=None, metavar="PATH",
@@ -131,7 +134,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="measure nothing: re-aggregate the answers of earlier runs (quality.json "
                         "files or --rows JSON-lines files, comma-separated; later rows of the "
                         "same question and configuration win)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
@@ -938,6 +941,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = resolve_args(args)
+    if args.json or args.out:
+        result_path("quality", args.out, quick=args.quick)   # a quick run refuses a full file now
     lm = load_model(args.model)
     t0 = time.perf_counter()
     if args.rescore:
@@ -1023,9 +1028,8 @@ def report(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
         pol = allowed_levels(table, **POLICY_THRESHOLDS)
         print(f"  the default policy (QA teacher-forced >= 0.99) may stream {pol}: floor "
               f"{pol[-1] if pol else 'raw'}; backends {allowed_backends(table, **POLICY_THRESHOLDS)}")
-    if args.json:
-        out = Path(args.out) if args.out else results_dir() / "quality.json"
-        write_result("quality", {
+    if args.json or args.out:
+        out = write_result("quality", {
             "configs": [c.to_dict() for c in configs], "results": results,
             "verdicts": verdict,
             "targets": {"passkey_parity": "kept >= dense_correct - floor(dense_correct / 30): "
@@ -1033,7 +1037,7 @@ def report(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
                         "qa_min_teacher_forced": QA_MIN_TEACHER_FORCED,
                         "qa_min_greedy_agreement": QA_MIN_GREEDY},
             "quality_table": table.to_dict() if table is not None else None,
-            "wall_s": wall_s, "answers": rows}, config, out)
+            "wall_s": wall_s, "answers": rows}, config, args.out, quick=args.quick)
         png = plot(results, out.with_suffix(".png"))
         print(f"wrote {out} and {png}")
     if args.check:

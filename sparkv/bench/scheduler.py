@@ -12,14 +12,14 @@ Three parts, all on synthetic SmolLM2-135M / 2-core-CPU instances (docs/schedule
 3. **traces**: plans made at a trace's median rate, executed under the wifi / lte / deep-fade
    traces with compute noise, without (static) and with the runtime controller.
 
-Writes ``bench/results/scheduler.json`` (see docs/scheduler.md for the schema) and
-``scheduler.png`` beside it; prints the tables.
+Prints the tables; with ``--json`` writes ``bench/results/scheduler.json`` (see docs/scheduler.md
+for the schema; ``scheduler_quick.json`` with ``--quick``) and ``scheduler.png`` beside it, with
+``--out PATH`` there instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.bench.common import add_output_args, format_table, result_path, write_result
 
 DEFAULT_SIZES_K = (2, 4, 6, 8, 12, 16, 20)
 QUICK_SIZES_K = (2, 4)
@@ -40,11 +40,11 @@ TRACES = ("wifi", "lte", "deep-fade")
 def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("scheduler", help="greedy vs MILP (Table II), planners vs bandwidth, "
                                          "controller under traces")
-    p.add_argument("--json", action="store_true",
-                   help="also print the result JSON to stdout (the file is always written)")
+    add_output_args(p, "scheduler", quick=True,
+                    json_help="write bench/results/scheduler.json and scheduler.png "
+                              "(scheduler_quick.* with --quick; scheduler_adversarial.json with "
+                              "--adversarial)")
     p.add_argument("--quick", action="store_true", help="small sizes and short limits (< 1 min)")
-    p.add_argument("--out", default=None, help="result JSON path (default "
-                                               "bench/results/scheduler.json)")
     p.add_argument("--sizes", default=None,
                    help="Table II context sizes in K tokens, comma-separated "
                         f"(default {','.join(map(str, DEFAULT_SIZES_K))})")
@@ -59,7 +59,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--milp-stages", type=int, default=2, help="MILP stages K (default 2)")
     p.add_argument("--milp-time-limit", type=float, default=None,
                    help="CBC time limit per solve, s (default 120; quick 20)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the compute noise and the traces' instances")
     p.add_argument("--adversarial", type=int, default=0, metavar="N",
                    help="instead: every strategy on N seeded adversarial traces, simulated "
                         "(manifest download, plan at the measured prior, controller), 2K and 4K "
@@ -127,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     if args.adversarial:
         return _adversarial(args)
     s = _Settings.from_args(args)
+    wanted = args.json or args.out
+    out_path = result_path("scheduler", args.out, quick=s.quick) if wanted else None
     total = len(s.sizes_k) + len(s.bws) * 2 + len(TRACES)
     bar = tqdm(total=total, desc="scheduler bench", file=sys.stderr, disable=None)
     t_start = time.perf_counter()
@@ -136,17 +139,16 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
 
     targets = _targets(table2, sweep)
-    out_path = Path(args.out) if args.out else results_dir() / "scheduler.json"
-    plot_path = out_path.with_suffix(".png")
-    _plot(plot_path, table2, sweep)
     payload = {"table2": table2, "sweep": sweep, "traces": traces, "targets": targets,
-               "plot": str(plot_path), "wall_time_s": time.perf_counter() - t_start}
-    path = write_result("scheduler", payload, s.config(), out_path)
-
+               "wall_time_s": time.perf_counter() - t_start}
     _print_tables(table2, sweep, traces, targets)
-    print(f"\nwrote {path} and {plot_path} in {payload['wall_time_s']:.0f} s")
-    if args.json:
-        print(json.dumps(json.loads(Path(path).read_text()), indent=2))
+    print(f"\n{payload['wall_time_s']:.0f} s")
+    if out_path is not None:
+        plot_path = out_path.with_suffix(".png")
+        _plot(plot_path, table2, sweep)
+        payload["plot"] = str(plot_path)
+        path = write_result("scheduler", payload, s.config(), out_path, quick=s.quick)
+        print(f"wrote {path} and {plot_path}")
     return 0
 
 
@@ -451,10 +453,9 @@ def _adversarial(args: argparse.Namespace) -> int:
         print(f"{e['tokens']} tokens, {e['traces']} adversarial traces (simulated): sparkv / best "
               f"baseline median {e['median']:.3f}, p95 {e['p95']:.3f}, worst {e['worst']:.3f} "
               f"({worst['trace']})")
-    path = Path(args.out) if args.out else results_dir() / "scheduler_adversarial.json"
-    write_result("scheduler_adversarial", out, {"traces": len(traces), "seed": args.seed,
-                                                "chunk_tokens": 512, "levels": "raw,q8,q5",
-                                                "model": "synthetic SmolLM2-135M instances"},
-                 path)
-    print(f"wrote {path}")
+    if args.json or args.out:
+        path = write_result("scheduler_adversarial", out, {
+            "traces": len(traces), "seed": args.seed, "chunk_tokens": 512, "levels": "raw,q8,q5",
+            "model": "synthetic SmolLM2-135M instances"}, args.out)
+        print(f"wrote {path}")
     return 0

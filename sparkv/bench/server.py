@@ -43,7 +43,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("server", help="REST serving throughput/latency on loopback, encode speed")
     p.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2)")
     p.add_argument("--tokens", type=int, default=2048, help="context tokens")
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--chunk-tokens", type=int, default=256,
+                   help="T the server encodes with (the server's default T)")
     p.add_argument("--levels", default="q5,raw", help="levels to encode and serve")
     p.add_argument("--clients", default="1,8,32", help="concurrent clients")
     p.add_argument("--modes", default="get,stream,stalled",

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkv.bench.common import format_table, results_dir, write_result
+from sparkv.bench.common import MODEL_HELP, add_output_args, format_table, write_result
 from sparkv.runtime.device import add_device_args
 
 STRATEGY_ORDER = ("local", "stream", "hybrid", "sparkv")
@@ -50,9 +50,10 @@ QUESTION = "What does this text say about warranty? Answer in one sentence."
 
 def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("ttft", help="end-to-end TTFT of every strategy over emulated links")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--tokens", default="2048,4096,8192", help="context sizes")
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--chunk-tokens", type=int, default=512,
+                   help="T the server encodes with (smaller T: finer plans, larger manifests)")
     p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
     p.add_argument("--mbps", default=None, help="constant links (Mbit/s; default 5,20,50,100,500)")
     p.add_argument("--trace", action="append", default=None,
@@ -60,23 +61,27 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--traces", default=None,
                    help="adversarial:N[:SEED] - N seeded adversarial traces instead of the "
                         "default links (constant links only if --mbps is given explicitly)")
-    p.add_argument("--rtt-ms", type=float, default=20.0)
-    p.add_argument("--strategies", default=",".join(STRATEGY_ORDER))
+    p.add_argument("--rtt-ms", type=float, default=20.0, help="emulated round trip (ms)")
+    p.add_argument("--strategies", default=",".join(STRATEGY_ORDER),
+                   help="strategies to answer with, comma-separated")
     p.add_argument("--prelude", choices=("auto", "off"), default="auto",
                    help="off: sparkv waits for the manifest and the plan before computing, as "
                         "the baselines do (the start-up overlap's ablation)")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--runs", type=int, default=3, help="questions per size, link and strategy")
+    p.add_argument("--new-tokens", type=int, default=32,
+                   help="answer tokens compared with the dense reference (agreement)")
     add_device_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--link", choices=("shaper", "netns"), default="shaper",
                    help="shaper: server on loopback, link emulated in the client (ttft.json); "
                         "netns: server in a network namespace, tc shapes a real veth path "
                         "(root only; ttft_netns.json)")
-    p.add_argument("--watts-compute", type=float, default=3.0)
-    p.add_argument("--watts-decode", type=float, default=1.5)
-    p.add_argument("--watts-radio", type=float, default=1.2)
-    p.add_argument("--watts-idle", type=float, default=0.3)
+    p.add_argument("--watts-compute", type=float, default=3.0,
+                   help="power while computing, W (the energy estimate's model)")
+    p.add_argument("--watts-decode", type=float, default=1.5, help="power while decoding frames, W")
+    p.add_argument("--watts-radio", type=float, default=1.2,
+                   help="power while the link is active, W")
+    p.add_argument("--watts-idle", type=float, default=0.3, help="power at idle, W")
     p.add_argument("--press", default=None, metavar="SPEC",
                    help="compressed contexts (docs/presses.md, 'On the server'): every size is "
                         "also encoded with this question-agnostic press (e.g. adakv:0.5); "
@@ -84,8 +89,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "without it (bench/results/ttft_press.json; default links 10,20,40)")
     p.add_argument("--press-trials", type=int, default=4,
                    help="pass-key tasks per size with --press")
-    p.add_argument("--json", action="store_true", help="write bench/results/ttft.json + plots")
-    p.add_argument("--out", default=None)
+    add_output_args(p, "ttft", json_help="write bench/results/ttft.json and its plots "
+                                         "(ttft_netns.json with --link netns, "
+                                         "ttft_adversarial.json with --traces, ttft_press.json "
+                                         "with --press)")
     p.set_defaults(func=run)
 
 
@@ -149,10 +156,9 @@ def run(args: argparse.Namespace) -> int:
     config["question"] = QUESTION
     config["energy_model"] = ("E = P_compute*compute_busy + P_decode*decode_busy + "
                               "P_radio*link_active + P_idle*TTFT (an estimate)")
-    if args.json:
-        out = Path(args.out) if args.out else results_dir() / f"{name}.json"
-        write_result(name, {"points": points, "targets": targets, "runs": runs_raw,
-                            "timelines": timelines}, config, out)
+    if args.json or args.out:
+        out = write_result(name, {"points": points, "targets": targets, "runs": runs_raw,
+                                  "timelines": timelines}, config, args.out)
         if args.link == "shaper":
             _plots(points, timelines, targets, out.with_suffix(""))
         print(f"wrote {out}")
@@ -650,9 +656,8 @@ def run_press(args: argparse.Namespace) -> int:
                    "note": "2-core CPU shared with other jobs (loaded): absolute seconds are "
                            "pessimistic; ratios are measured within one run"})
     if args.json or args.out:
-        out = Path(args.out) if args.out else results_dir() / "ttft_press.json"
-        write_result("ttft_press", {"points": points, "passkey": passkey, "targets": targets,
-                                    "runs": rows}, config, out)
+        out = write_result("ttft_press", {"points": points, "passkey": passkey,
+                                          "targets": targets, "runs": rows}, config, args.out)
         print(f"wrote {out}")
     return 0
 

@@ -627,7 +627,7 @@ class ContextKV:
                 st = self.state(cid)
                 if st.residency != Residency.RESIDENT or st.payload is None:
                     raise KVMemoryError(f"{cid} is not resident ({st.residency}); restore it "
-                                        "before attending over layer {l}")
+                                        f"before attending over layer {l}")
                 k, v = st.payload.fp()
                 h0, _ = g.head_range(gg)
                 for i, sl in enumerate(st.payload.head_slices()):

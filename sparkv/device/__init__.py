@@ -2,7 +2,7 @@
 budget, switched in milliseconds (docs/device-service.md).
 
     from sparkv.device import ContextService
-    svc = ContextService(lm, memory_budget_bytes=256 << 20, swap_dir="/data/sparkv-device")
+    svc = ContextService(lm, memory_budget_bytes=256_000_000, swap_dir="/data/sparkv-device")
     cid = svc.new_context("You are a helpful assistant.")
     print(svc.call(cid, "Hello!").text)
 

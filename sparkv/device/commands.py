@@ -20,15 +20,17 @@ the service writes (``0600``) to its token file on its first start. See docs/dev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from sparkv.errors import SparkvError
 
 if TYPE_CHECKING:
+    from sparkv.device.client import DeviceClient
     from sparkv.device.service import ContextService
 
 POLICIES = ("llms", "llms-no-compression", "llms-no-pipeline", "llms-no-lifecycle", "vllm-s",
@@ -47,28 +49,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d = sub.add_parser("device", help="the on-device context service (LLMS): serve, create, "
                                       "call, delete, list, stats")
     dsub = d.add_subparsers(dest="device_command", metavar="ACTION")
-
-    s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
-    s.add_argument("--swap-dir", default=None,
-                   help="flash tier + journal (default: <sparkv cache>/device/swap)")
-    s.add_argument("--budget-mb", type=float, required=True, help="KV memory budget, MB")
-    s.add_argument("--socket", default=None, help="Unix socket path (default: see --help); "
-                                                   "mode 0600")
-    s.add_argument("--socket-group", default=None,
-                   help="let this group use the socket too (mode 0660, owned by GROUP)")
-    s.add_argument("--port", type=int, default=None,
-                   help="listen on 127.0.0.1:PORT instead (every request needs the bearer token)")
-    s.add_argument("--token-file", default=None,
-                   help="with --port: where the token is kept, made 0600 on the first start "
-                        "(default: $SPARKV_DEVICE_TOKEN_FILE, else <sparkv cache>/device/token)")
-    s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
-    s.add_argument("--policy", choices=POLICIES, default="llms")
-    s.add_argument("--ratio", type=float, default=None,
-                   help="global compression ratio, bytes relative to int8 (0.25-4; the first "
-                        "chunk, the attention sinks, is kept at fp outside it)")
-    s.add_argument("--chunk-tokens", type=int, default=16)
-    s.add_argument("--threads", type=int, default=None, help="torch threads")
-    s.set_defaults(func=_serve)
+    _add_serve(dsub)
 
     c = dsub.add_parser("create", help="make a context; prints its id")
     c.add_argument("--system", default=None, help="system prompt")
@@ -76,17 +57,18 @@ def register(sub: "argparse._SubParsersAction") -> None:
     c.set_defaults(func=_create)
 
     k = dsub.add_parser("call", help="run a prompt in a context; prints the answer")
-    k.add_argument("context")
-    k.add_argument("prompt")
-    k.add_argument("--max-new-tokens", type=int, default=64)
+    k.add_argument("context", help="the context's id (from `sparkv device create`)")
+    k.add_argument("prompt", help="the user's turn")
+    k.add_argument("--max-new-tokens", type=int, default=64, help="answer length, tokens")
     k.add_argument("--no-grow", action="store_true",
                    help="answer over the context without keeping the turn in it")
-    k.add_argument("--json", action="store_true")
+    k.add_argument("--json", action="store_true",
+                   help="print the whole result as JSON (timings included)")
     _client_args(k)
     k.set_defaults(func=_call)
 
     x = dsub.add_parser("delete", help="delete a context")
-    x.add_argument("context")
+    x.add_argument("context", help="the context's id")
     _client_args(x)
     x.set_defaults(func=_delete)
 
@@ -100,10 +82,51 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d.set_defaults(func=lambda args: (d.print_help(), 2)[1])
 
 
-def _client(args: argparse.Namespace):
-    from sparkv.device.client import DeviceClient
+def _add_serve(dsub: "argparse._SubParsersAction") -> None:
+    s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
+    s.add_argument("--swap-dir", default=None,
+                   help="flash tier + journal (default: <sparkv cache>/device/swap)")
+    s.add_argument("--budget-mb", type=float, required=True,
+                   help="KV memory budget, MB (10^6 bytes)")
+    s.add_argument("--socket", default=None,
+                   help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
+                        "<sparkv cache>/device/sparkv-device.sock)")
+    s.add_argument("--socket-group", default=None,
+                   help="let this group use the socket too (mode 0660, owned by GROUP)")
+    s.add_argument("--port", type=int, default=None,
+                   help="listen on 127.0.0.1:PORT instead (every request needs the bearer token)")
+    s.add_argument("--token-file", default=None,
+                   help="with --port: where the token is kept, made 0600 on the first start "
+                        "(default: $SPARKV_DEVICE_TOKEN_FILE, else <sparkv cache>/device/token)")
+    s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    s.add_argument("--policy", choices=POLICIES, default="llms",
+                   help="how contexts are kept: LLMS, an LLMS ablation, or a vLLM-style "
+                        "swapping baseline (docs/device-service.md)")
+    s.add_argument("--ratio", type=float, default=None,
+                   help="global compression ratio, bytes relative to int8 (0.25-4; the first "
+                        "chunk, the attention sinks, is kept at fp outside it)")
+    s.add_argument("--chunk-tokens", type=int, default=16,
+                   help="tokens per chunk of a context, across all layers: the unit of "
+                        "compression, swapping and eviction (LLMS's 16; docs/device-service.md)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads")
+    s.set_defaults(func=_serve)
 
-    return DeviceClient(args.socket, url=args.url, token_file=args.token_file)
+
+@contextlib.contextmanager
+def _client(args: argparse.Namespace) -> Iterator["DeviceClient"]:
+    """The service's client; a service that cannot be reached is a :class:`SparkvError` naming
+    where it was looked for (the CLI prints it as one line, exit status 2)."""
+    import httpx
+
+    from sparkv.device.client import DeviceClient, default_socket
+
+    where = args.url or str(args.socket or default_socket())
+    try:
+        with DeviceClient(args.socket, url=args.url, token_file=args.token_file) as client:
+            yield client
+    except httpx.TransportError as exc:
+        raise SparkvError(f"the device service at {where} is unreachable ({exc}): start it with "
+                          "`sparkv device serve`, or name it with --socket or --url") from None
 
 
 def _serve(args: argparse.Namespace) -> int:

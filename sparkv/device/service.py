@@ -1,6 +1,6 @@
 """The on-device context service (LLMS): many contexts under a memory budget, switched fast.
 
-    svc = ContextService(lm, memory_budget_bytes=64 << 20, swap_dir="/data/sparkv-device")
+    svc = ContextService(lm, memory_budget_bytes=64_000_000, swap_dir="/data/sparkv-device")
     cid = svc.new_context("You are a helpful assistant.")
     out = svc.call(cid, "Remember the pass key 7191.", max_new_tokens=32)
     print(out.text, out.switch_s)

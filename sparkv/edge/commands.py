@@ -4,36 +4,52 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from sparkv.edge.planning import STRATEGIES
+from sparkv.errors import SparkvError
 from sparkv.runtime.device import add_device_args
 
 
-def add_link_args(p: argparse.ArgumentParser) -> None:
-    """``--trace``, ``--mbps``, ``--rtt-ms``: the emulated link."""
-    p.add_argument("--trace", default=None,
-                   help="emulate a link following this CSV trace (time_s,mbps[,rtt_ms]) or a "
-                        "bundled one: wifi, lte, deep-fade")
-    p.add_argument("--mbps", type=float, default=None, help="emulate a constant link (Mbit/s)")
+def add_link_args(p: argparse.ArgumentParser, default: str = "an unshaped link") -> None:
+    """``--trace`` or ``--mbps`` (one of them), ``--rtt-ms``: the emulated link. ``default``:
+    what the help says happens with neither."""
+    link = p.add_mutually_exclusive_group()
+    link.add_argument("--trace", default=None,
+                      help="emulate a link following this CSV trace (time_s,mbps[,rtt_ms]) or a "
+                           f"bundled one: wifi, lte, deep-fade (default: {default})")
+    link.add_argument("--mbps", type=float, default=None,
+                      help="emulate a constant link (Mbit/s) instead")
     p.add_argument("--rtt-ms", type=float, default=20.0, help="emulated round trip (ms)")
 
 
-def shaper_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`LinkShaper` the link options describe (a fresh one per call)."""
-    from sparkv.edge.shaper import LinkShaper
-    from sparkv.scheduler.trace import Trace
+def read_trace(name: str) -> Any:
+    """The :class:`~sparkv.scheduler.trace.Trace` ``--trace`` names: a bundled one or a CSV
+    file. Raises :class:`~sparkv.scheduler.trace.TraceError` (one line) for anything else."""
+    from sparkv.scheduler.trace import SAMPLE_TRACES, Trace, TraceError
 
-    if args.trace:
-        if args.trace in ("wifi", "lte", "deep-fade"):
-            trace = Trace.sample(args.trace)
-        else:
-            trace = Trace.from_csv(args.trace)
-        return LinkShaper(trace, rtt_s=args.rtt_ms / 1e3)
+    if name in SAMPLE_TRACES:
+        return Trace.sample(name)
+    try:
+        return Trace.from_csv(name)
+    except OSError as e:
+        raise TraceError(f"--trace {name!r} is neither a bundled trace "
+                         f"({', '.join(SAMPLE_TRACES)}) nor a readable CSV file "
+                         f"({e.strerror or e})") from None
+
+
+def shaper_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`LinkShaper` the link options describe (a fresh one per call): ``--mbps``,
+    else ``--trace`` (the parser lets only one be given), else an unshaped link."""
+    from sparkv.edge.shaper import LinkShaper
+
     if args.mbps:
         return LinkShaper.constant(args.mbps, args.rtt_ms)
+    if args.trace:
+        return LinkShaper(read_trace(args.trace), rtt_s=args.rtt_ms / 1e3)
     return LinkShaper.unlimited()
 
 
@@ -63,30 +79,35 @@ def _positive(text: str) -> float:
 
 def register(sub: "argparse._SubParsersAction") -> None:
     a = sub.add_parser("ask", help="answer a question about a context stored on a server")
-    a.add_argument("question")
+    a.add_argument("question", help="the question, as text")
     a.add_argument("--server", required=True, help="e.g. http://127.0.0.1:8080")
     a.add_argument("--context", required=True, help="context id (32 hex digits)")
     a.add_argument("--api-key", default=os.environ.get("SPARKV_API_KEY"),
-                   help="the tenant's key (default: $SPARKV_API_KEY)")
-    a.add_argument("--strategy", choices=sorted(STRATEGIES), default="sparkv")
+                   help="the tenant's API key, sent as 'Authorization: Bearer <key>' (default: "
+                        "$SPARKV_API_KEY; `sparkv apikey` makes one)")
+    a.add_argument("--strategy", choices=sorted(STRATEGIES), default="sparkv",
+                   help="sparkv (plan stream + compute), local (prefill here), stream (fetch "
+                        "every chunk), hybrid (Strong Hybrid)")
     a.add_argument("--level", default="auto", help="auto, or one codec level (raw, q8, q5, ...)")
     a.add_argument("--backend", default="auto", help="attention: auto, block_sparse, dense")
     a.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
     add_device_args(a)
-    a.add_argument("--max-new-tokens", type=int, default=64)
+    a.add_argument("--max-new-tokens", type=int, default=64, help="answer length, tokens")
     a.add_argument("--decode", default="full", metavar="POLICY",
                    help="decode-time KV policy: full, dynakv, static, local, nocluster, "
                         "dynakv-eager, dynakv-packed, dynakv-lru (docs/dynakv.md)")
     a.add_argument("--ram-budget", type=float, default=None,
                    help="KV bytes the decode policy may keep in RAM, or a fraction <= 1 of the "
-                        "final KV (with --decode)")
+                        "final KV (needs --decode other than full; default: the policy's)")
     a.add_argument("--press", default=None, metavar="NAME:RATIO",
                    help="answer from the context compressed on the server by this KV press, "
                         "question-agnostically (adakv:0.5, snapkv:20%%, dynamickv:256t; suffix "
                         "@repeat: a fixed probe question as the window): its "
                         "token ids are posted again with the press (encoded once, then found "
                         "by id); only the kept entries stream and are attended (docs/presses.md)")
-    a.add_argument("--key", default=None, help="encryption key of an encrypted context")
+    a.add_argument("--key", default=None,
+                   help="the encryption key of an encrypted context (printed once when it was "
+                        "created; not the API key)")
     a.add_argument("--no-prelude", action="store_true",
                    help="do not compute the first layer steps while the manifest and the plan "
                         "are on their way (sparkv's start-up overlap)")
@@ -100,14 +121,31 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="the kept contexts' flash tier and journal "
                         "(default: <sparkv cache>/device/kept)")
     a.add_argument("--keep-budget-mb", type=float, default=256.0,
-                   help="KV memory budget of the kept contexts, MB")
+                   help="KV memory budget of the kept contexts, MB (10^6 bytes)")
     a.add_argument("--deadline-s", type=_positive, default=None,
                    help="the longest any request to the server may take, connecting to its "
                         "last byte (default 60; docs/edge.md, Bounds)")
     a.add_argument("--max-manifest-mb", type=_positive, default=None,
-                   help="the largest manifest accepted, MiB (default 16)")
+                   help="the largest manifest accepted, MiB (2^20 bytes; default 16)")
     add_link_args(a)
     a.set_defaults(func=_ask)
+
+
+def check_ask_args(args: argparse.Namespace) -> str | None:
+    """Checks what can be checked before the model loads; returns the canonical ``--press``
+    spec (``None`` without one). Raises :class:`SparkvError` (exit status 2)."""
+    from sparkv.edge.options import FULL_DECODE
+    from sparkv.presses import PressError, canonical_spec
+
+    if args.ram_budget is not None and args.decode == FULL_DECODE:
+        raise SparkvError("--ram-budget needs --decode POLICY (dynakv, static, local, ...): "
+                          "the full policy keeps the whole KV in RAM")
+    if args.press is None:
+        return None
+    try:
+        return canonical_spec(args.press)
+    except PressError as e:
+        raise SparkvError(f"--press: {e}") from None
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -115,21 +153,17 @@ def _ask(args: argparse.Namespace) -> int:
     from sparkv.edge.session import EdgeSession
     from sparkv.runtime.model import cache_dir
 
+    spec = check_ask_args(args)
+    shaper = shaper_from_args(args)    # a bad --trace fails here, before the model loads
     cache = None if args.no_cache else cache_dir() / "edge"
-    with EdgeSession.connect(args.server, args.api_key, args.model,
-                             shaper=shaper_from_args(args), cache_dir=cache,
-                             limits=limits_from_args(args),
-                             device=args.device, dtype=args.dtype) as session:
+    limits = limits_from_args(args)
+    with _api_key_hint(), EdgeSession.connect(
+            args.server, args.api_key, args.model, shaper=shaper, cache_dir=cache,
+            limits=limits, device=args.device, dtype=args.dtype) as session:
         if args.key:
             session.client.encryption_keys[args.context] = args.key
         context = args.context
-        if args.press:
-            from sparkv.presses import PressError, canonical_spec
-
-            try:
-                spec = canonical_spec(args.press)
-            except PressError as e:
-                raise SystemExit(f"sparkv ask: --press: {e}") from None
+        if spec is not None:
             context = session.client.pressed_context(args.context, spec, progress=not args.json)
         if args.keep:
             from sparkv.device import ContextService
@@ -150,4 +184,30 @@ def _ask(args: argparse.Namespace) -> int:
         print(res.answer.strip())
         print()
         print(res.breakdown.table())
+        if res.kept_id is not None:
+            print(kept_note(res))
     return 0
+
+
+@contextlib.contextmanager
+def _api_key_hint() -> Iterator[None]:
+    """A 401 from the server says how this command sends a key (the server names headers)."""
+    from sparkv.protocol.errors import ApiError
+
+    try:
+        yield
+    except ApiError as e:
+        if e.status != 401:
+            raise
+        raise SparkvError(f"{e} (sparkv ask sends the key of --api-key or $SPARKV_API_KEY as "
+                          "that header; `sparkv apikey` makes one)") from None
+
+
+def kept_note(res: Any) -> str:
+    """The text output's line about ``--keep``: answered from the kept context, or kept now."""
+    bd = res.breakdown
+    if bd.strategy == "kept":
+        return (f"answered from the kept context {res.kept_id} (the on-device context service): "
+                f"{bd.chunks_streamed} chunks restored from the server "
+                f"({bd.bytes_streamed / 1e6:.2f} MB), {bd.chunks_computed} recomputed")
+    return f"kept as context {res.kept_id}: a later --keep ask about it answers from it"

@@ -57,7 +57,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--train", nargs="?", const="", default=None, metavar="MODEL_JSON",
                    help="also train the latency model and save it (default path: the sparkv "
                         "cache, predictor/<model fingerprint>.json)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

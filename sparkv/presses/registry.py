@@ -36,12 +36,12 @@ def make_press(name: str, **kwargs: Any) -> Press:
 
 
 def parse_press(spec: str) -> tuple[Press, Budget]:
-    """``"NAME:BUDGET"`` -> the press and its budget (``BUDGET``: a kept ratio ``0.2``, a
-    percentage ``20%`` or tokens per head ``256t``)."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise PressError(f"a press spec is NAME:BUDGET (e.g. adakv:0.2), got {spec!r}")
-    name, _, budget = spec.partition(":")
-    return make_press(name), Budget.parse(budget)
+    """``"NAME:BUDGET[@WINDOW]"`` -> the press and its budget (``BUDGET``: a kept ratio ``0.2``, a
+    percentage ``20%`` or tokens per head ``256t``): every spec the server and ``sparkv ask
+    --press`` take. A window (``@repeat``) is checked, then left out: :func:`split_spec` returns
+    it too."""
+    press, budget, _ = split_spec(spec)
+    return press, budget
 
 
 PROBES: dict[str, str] = {"repeat": "Repeat the text above."}
@@ -56,10 +56,11 @@ default) or a probe of :data:`PROBES` (run after the context, nothing forced).""
 def split_spec(spec: str) -> tuple[Press, Budget, str]:
     """``"NAME:BUDGET[@WINDOW]"`` -> the press, its budget and the window name (``end`` when
     none is given; see :data:`WINDOWS`)."""
-    if not isinstance(spec, str):
-        raise PressError(f"a press spec is NAME:BUDGET[@WINDOW], got {spec!r}")
+    if not isinstance(spec, str) or ":" not in spec:
+        raise PressError(f"a press spec is NAME:BUDGET[@WINDOW] (e.g. adakv:0.2), got {spec!r}")
     base, _, window = spec.partition("@")
-    press, budget = parse_press(base)
+    name, _, budget_text = base.partition(":")
+    press, budget = make_press(name), Budget.parse(budget_text)
     window = window.strip().lower() or "end"
     if window not in WINDOWS:
         raise PressError(f"unknown window {window!r}; known: {', '.join(WINDOWS)}")

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 
+from sparkv.layout import DEFAULT_CHUNK_TOKENS
 from sparkv.runtime.device import add_device_args
 
 def register(sub: "argparse._SubParsersAction") -> None:
     m = sub.add_parser("model", help="convert (first use) and describe a model")
     m.add_argument("--model", default=None, help="local HF checkpoint (default: bundled SmolLM2)")
     m.add_argument("--tokens", type=int, default=4096, help="context length for the geometry")
-    m.add_argument("--chunk-tokens", type=int, default=1024)
+    m.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help="T of the printed geometry (default: the local prefill's T, "
+                        f"{DEFAULT_CHUNK_TOKENS}; a server's context has its own, in its manifest)")
     add_device_args(m)
     m.set_defaults(func=_model)
 

@@ -48,7 +48,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     _add_encode(sub)
     _add_worker(sub)
     k = sub.add_parser("apikey", help="make a new API key and its hash for the config file")
-    k.add_argument("--tenant", default="my-tenant")
+    k.add_argument("--tenant", default="my-tenant",
+                   help="the tenant the key belongs to (names its config lines)")
     k.set_defaults(func=apikey)
 
 
@@ -70,7 +71,7 @@ def _add_serve(sub: "argparse._SubParsersAction") -> None:
     s.add_argument("--ssl-keyfile", default=_env("--ssl-keyfile"),
                    help="[SPARKV_SSL_KEYFILE] PEM private key of the certificate")
     s.add_argument("--ssl-keyfile-password", default=_env("--ssl-keyfile-password"),
-                   help="[SPARKV_SSL_KEYFILE_PASSWORD] password of the key file")
+                   help="[SPARKV_SSL_KEYFILE_PASSWORD] password of the key file (default: none)")
     s.add_argument("--ssl-ca-certs", default=_env("--ssl-ca-certs"),
                    help="[SPARKV_SSL_CA_CERTS] CA bundle that client certificates must chain to")
     s.add_argument("--ssl-require-client-cert", action="store_true",
@@ -84,7 +85,8 @@ def _add_serve(sub: "argparse._SubParsersAction") -> None:
                    help="[SPARKV_DEVICE] where models prefill: cpu, cuda[:N] or auto (default: "
                         "config, else auto)")
     s.add_argument("--dtype", default=_env("--dtype"),
-                   help="[SPARKV_DTYPE] auto (bf16 on a GPU, fp32 on the CPU), float32, bfloat16")
+                   help="[SPARKV_DTYPE] auto (bf16 on a GPU, fp32 on the CPU), float32, "
+                        "bfloat16, float16 (default: config, else auto)")
     s.add_argument("--log-level", default=_env("--log-level", "info"),
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="[SPARKV_LOG_LEVEL]")
@@ -116,14 +118,16 @@ def _add_encode(sub: "argparse._SubParsersAction") -> None:
                    "default model)")
     e.add_argument("--levels", default=None, help="comma-separated levels (default: config)")
     e.add_argument("--chunk-tokens", type=int, default=None, help="T (default: config)")
-    e.add_argument("--heads-per-group", type=int, default=0)
+    e.add_argument("--heads-per-group", type=int, default=0,
+                   help="KV heads per group; must divide the model's KV heads (0: all in one)")
     e.add_argument("--token-ids", action="store_true", help="FILE holds a JSON list of token ids")
     e.add_argument("--press", default=None, metavar="NAME:RATIO",
                    help="compress with a KV press first, question-agnostically (adakv:0.5; "
                         "docs/presses.md): only the kept entries are stored")
     e.add_argument("--encrypt", action="store_true",
                    help="encrypt frames; prints the key once (it is stored nowhere)")
-    e.add_argument("--torch-threads", type=int, default=None)
+    e.add_argument("--torch-threads", type=int, default=None,
+                   help="PyTorch threads for prefill (default: config, else all cores)")
     e.add_argument("--device", default=None, help="cpu, cuda[:N] or auto (default: config)")
     e.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: config)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")

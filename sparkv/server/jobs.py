@@ -44,6 +44,7 @@ FINAL_STATES = ("done", "failed", "cancelled", "lost")
 """``lost``: only in a cluster, a job whose queue entry a Redis without persistence lost
 (:mod:`sparkv.server.queued_jobs`)."""
 PERSIST_EVERY_S = 2.0
+DELETED_MID_ENCODE = "the context was deleted while it was being encoded"
 KEY_LOST = ("the server stopped before this job finished; the context's encryption key was held only in "
             "the server's memory (it is never stored), so the job cannot resume: create the "
             "context again to get a new key")
@@ -61,6 +62,13 @@ def public_view(record: dict[str, Any]) -> dict[str, Any]:
                        "fraction": (record.get("done", 0) / total) if total else 0.0}
     out["timings"] = record.get("timings") or {}
     return out
+
+
+def as_deleted(record: dict[str, Any]) -> dict[str, Any]:
+    """An active job's record once its context was deleted: ``cancelled``, with the reason. The
+    job itself stops at its next frame (a prefill may take seconds), but the context is gone at
+    once: its manifest answers 404 ``context_not_found``, not ``context_pending``."""
+    return {**record, "state": "cancelled", "error": DELETED_MID_ENCODE}
 
 
 class QueueHealth(NamedTuple):
@@ -202,9 +210,10 @@ class JobManager:
         return QueueHealth("ok")
 
     def active_jobs(self, tenant: str) -> list[dict[str, Any]]:
-        """Snapshots of the tenant's queued and running jobs."""
+        """Snapshots of the tenant's queued and running jobs (not those of deleted contexts)."""
         with self._lock:
-            return [dict(j.record) for (t, _), j in self._active.items() if t == tenant]
+            return [dict(j.record) for (t, _), j in self._active.items()
+                    if t == tenant and not j.cancel.is_set()]
 
     def get(self, tenant: str, job_id: str) -> dict[str, Any] | None:
         """The job's record (live if active) or ``None`` (unknown, or another tenant's)."""
@@ -218,11 +227,12 @@ class JobManager:
         return rec
 
     def for_context(self, tenant: str, context_id: str) -> dict[str, Any] | None:
-        """The latest job of a context (active or finished), or ``None``."""
+        """The latest job of a context (active or finished), or ``None``. An active job whose
+        context was deleted is ``cancelled`` already (:func:`as_deleted`)."""
         with self._lock:
             job = self._active.get((tenant, context_id))
             if job is not None:
-                return dict(job.record)
+                return as_deleted(job.record) if job.cancel.is_set() else dict(job.record)
             latest = self._latest.get((tenant, context_id))
         return self.get(tenant, latest[1]) if latest else None
 
@@ -336,8 +346,7 @@ class JobManager:
         except JobCancelled:
             if job.cancel.is_set():
                 discard_unpublished(self.store, tenant, cid)
-                self._finish(job, "cancelled", "the context was deleted while it was being "
-                                               "encoded")
+                self._finish(job, "cancelled", DELETED_MID_ENCODE)
             elif spec.encrypted:  # shutting down: the key cannot outlive this process
                 discard_unpublished(self.store, tenant, cid)
                 self._finish(job, "failed", KEY_LOST)
@@ -350,8 +359,7 @@ class JobManager:
         except Exception as exc:  # noqa: BLE001 - a job's failure is reported, not raised
             if job.cancel.is_set():  # e.g. its files vanished under it: that was the delete
                 discard_unpublished(self.store, tenant, cid)
-                self._finish(job, "cancelled", "the context was deleted while it was being "
-                                               "encoded")
+                self._finish(job, "cancelled", DELETED_MID_ENCODE)
                 return
             log.exception("encode job %s failed", rec["job_id"])
             discard_unpublished(self.store, tenant, cid)

@@ -34,7 +34,7 @@ from typing import Any
 from sparkv.server.config import Settings
 from sparkv.server.encoder import ContextSpec, backfill_tokens
 from sparkv.server.errors import ApiError, StoreError
-from sparkv.server.jobs import ACTIVE_STATES, QueueHealth, SubmitResult
+from sparkv.server.jobs import ACTIVE_STATES, QueueHealth, SubmitResult, as_deleted
 from sparkv.server.metrics import ServerMetrics
 from sparkv.server.models import ModelRegistry
 from sparkv.server.queue import (ENCRYPTED_REFUSED, LOST_IN_QUEUE, RESUBMIT, QueueError,
@@ -196,6 +196,8 @@ class QueuedJobManager:
     def active_jobs(self, tenant: str) -> list[dict[str, Any]]:
         out = []
         for cid, job_id in self.queue.active_jobs(tenant).items():
+            if self.queue.is_cancelled(job_id):
+                continue   # its context was deleted: the job is winding down
             rec = self.get(tenant, job_id)
             out.append(rec or {"job_id": job_id, "context_id": cid, "state": "queued"})
         return out
@@ -220,9 +222,15 @@ class QueuedJobManager:
         return rec
 
     def for_context(self, tenant: str, context_id: str) -> dict[str, Any] | None:
-        job_id = (self.queue.active_job(tenant, context_id) or
-                  self.queue.latest_job(tenant, context_id))
-        return self.get(tenant, job_id) if job_id else None
+        """The latest job of a context, or ``None``; an active one whose context was deleted
+        is ``cancelled`` already (:func:`~sparkv.server.jobs.as_deleted`)."""
+        active = self.queue.active_job(tenant, context_id)
+        job_id = active or self.queue.latest_job(tenant, context_id)
+        rec = self.get(tenant, job_id) if job_id else None
+        if (active and rec is not None and rec.get("state") in ACTIVE_STATES
+                and self.queue.is_cancelled(active)):
+            return as_deleted(rec)
+        return rec
 
     # --- submit / cancel ----------------------------------------------------------------------
     def submit(self, spec: ContextSpec, context_id: str, total: int) -> SubmitResult:

@@ -81,6 +81,7 @@ async def get_manifest(context_id: ContextIdPath, state: StateDep, tenant: Tenan
     # 200, and a 304 echoes the form the client holds.
     tag = not_modified_etag(if_none_match, parsed.etag)
     if tag is not None:
+        state.metrics.not_modified.inc()
         return Response(status_code=304, headers={**headers, "ETag": tag})
     return Response(parsed.raw, media_type="application/json", headers=headers)
 

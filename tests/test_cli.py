@@ -1,0 +1,131 @@
+"""The ``sparkv`` command line as a user meets it: every flag has help text and a stated default,
+docs/cli.md is what the parsers generate, and every expected failure is one line on stderr with
+exit status 2 (never a traceback), found before anything slow starts."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from sparkv import clidoc
+from sparkv.cli import HelpFormatter, build_parser, main, walk_parsers
+
+NO_SERVER = "http://127.0.0.1:9"        # the discard port: nothing listens there
+CID = "a" * 32
+
+
+def _actions():
+    for path, p in walk_parsers(build_parser()):
+        for a in p._actions:
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                yield " ".join(path), a
+
+
+def test_every_argument_has_help_text():
+    missing = [f"{cmd} {a.option_strings or a.dest}" for cmd, a in _actions() if not a.help]
+    assert not missing, missing
+
+
+def test_help_states_defaults_and_hides_secrets(monkeypatch):
+    monkeypatch.setenv("SPARKV_API_KEY", "sk-secret-123")
+    monkeypatch.setenv("SPARKV_SSL_KEYFILE_PASSWORD", "hunter2")
+    commands = dict(walk_parsers(build_parser()))
+    for p in commands.values():
+        assert p.formatter_class is HelpFormatter
+    ask = commands[("sparkv", "ask")].format_help()
+    assert "(default: 64)" in ask and "(default: sparkv)" in ask
+    assert "sk-secret-123" not in ask
+    assert "hunter2" not in commands[("sparkv", "serve")].format_help()
+    serve = commands[("sparkv", "device", "serve")].format_help()
+    assert "see --help" not in serve and "SPARKV_DEVICE_SOCKET" in serve
+
+
+def test_docs_cli_md_is_generated_from_the_parsers():
+    assert clidoc.DOC_PATH.read_text() == clidoc.render(), \
+        "docs/cli.md is stale: run python -m sparkv.clidoc"
+    assert clidoc.main(["--check"]) == 0
+
+
+def test_clidoc_check_fails_on_a_stale_page(tmp_path, capsys):
+    stale = tmp_path / "cli.md"
+    stale.write_text(clidoc.render().replace("--max-new-tokens", "--max-tokens"))
+    assert clidoc.main(["--check", "--out", str(stale)]) == 1
+    assert "stale" in capsys.readouterr().err
+
+
+def _fails(argv: list[str], capsys, what: str) -> str:
+    """Runs ``sparkv argv``: exit 2, one line on stderr naming ``what``, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("sparkv: error:") and what in err, err
+    return err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load or server connection fails the test: the error must come first."""
+    from sparkv.edge.session import EdgeSession
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the argument error")
+
+    monkeypatch.setattr(EdgeSession, "connect", refuse)
+    monkeypatch.setattr("sparkv.runtime.load_model", refuse)
+
+
+def test_ask_argument_errors_come_before_the_model(no_model, capsys):
+    ask = ["ask", "--server", NO_SERVER, "--context", CID, "q"]
+    _fails(ask + ["--trace", "3g"], capsys, "'3g' is neither a bundled trace")
+    _fails(ask + ["--ram-budget", "0.25"], capsys, "--ram-budget needs --decode")
+    _fails(ask + ["--press", "nope:0.5"], capsys, "unknown press")
+    with pytest.raises(SystemExit) as e:                   # argparse: one link or the other
+        main(ask + ["--trace", "lte", "--mbps", "20"])
+    assert e.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_an_unreachable_device_service_is_one_line(tmp_path, capsys):
+    _fails(["device", "list", "--url", NO_SERVER], capsys, f"device service at {NO_SERVER} is "
+                                                           "unreachable")
+    _fails(["device", "stats", "--socket", str(tmp_path / "none.sock")], capsys, "unreachable")
+
+
+def test_the_kept_note_says_where_the_answer_came_from():
+    from types import SimpleNamespace as NS
+
+    from sparkv.edge.commands import kept_note
+
+    bd = NS(strategy="kept", chunks_streamed=3, bytes_streamed=360_000, chunks_computed=1)
+    note = kept_note(NS(kept_id="abc", breakdown=bd))
+    assert note.startswith("answered from the kept context abc")
+    assert "3 chunks restored from the server (0.36 MB), 1 recomputed" in note
+    first = kept_note(NS(kept_id="abc", breakdown=NS(strategy="sparkv")))
+    assert first.startswith("kept as context abc")
+
+
+def test_a_401_names_the_flag_not_only_the_header():
+    from sparkv.edge.commands import _api_key_hint
+    from sparkv.errors import SparkvError
+    from sparkv.protocol.errors import ApiError
+
+    with pytest.raises(SparkvError) as e, _api_key_hint():
+        raise ApiError(401, "missing_api_key", "send 'Authorization: Bearer <key>'")
+    assert "--api-key" in str(e.value) and "SPARKV_API_KEY" in str(e.value)
+    with pytest.raises(ApiError), _api_key_hint():        # other errors pass unchanged
+        raise ApiError(404, "context_not_found", "no context")
+
+
+def test_system_exit_messages_exit_2(capsys):
+    # a benchmark's option check (raise SystemExit("...")) before anything loads
+    _fails(["bench", "dynakv", "--budgets", "2"], capsys, "--budgets are fractions")
+
+
+def test_the_console_script_prints_no_traceback():
+    out = subprocess.run([sys.executable, "-m", "sparkv.cli", "device", "list", "--url",
+                          NO_SERVER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "unreachable" in out.stderr

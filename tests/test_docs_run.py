@@ -23,7 +23,6 @@ from docsrun import (RUNNABLE, SHELL, Block, DocBlockError, DocsEnv, check_comma
                      check_imports, collect, expected_output, run_block)
 
 ROOT = Path(__file__).resolve().parent.parent
-#: pages whose blocks are not run yet, with the reason
 #: pages the runner does not read (none: docs/cli.md is generated from the parsers and holds only
 #: text blocks, checked by tests/test_cli.py)
 SKIP_PAGES: dict[str, str] = {}
@@ -111,7 +110,3 @@ def test_the_pages_are_all_read():
     assert {b.path for b in BLOCKS} >= {"README.md", "docs/rest-api.md", "docs/edge.md"}
     assert not set(SKIP_PAGES) & {b.path for b in BLOCKS}
 
-
-@pytest.mark.parametrize("page", sorted(SKIP_PAGES))
-def test_pages_not_run(page):
-    pytest.skip(f"{page}: {SKIP_PAGES[page]}")

@@ -7,7 +7,9 @@ server, queue, benchmark and plotting stacks, and whatever needs one of them nam
   imports, ``sparkv ask --help`` works and ``sparkv serve`` is one line and exit 2.
 * slow, opt-in (``SPARKV_SLOW_TESTS=1``; it needs pip's package index): ``pip install
   torch==2.13.0 '.[edge]'`` into a fresh virtualenv, then a real ``sparkv ask`` from it against a
-  server started from the full install (this process's), on loopback. Minutes: CI does not run it.
+  server started from the full install (this process's), on loopback. Minutes (about 11 here,
+  nearly all of it pip): CI does not run it. ``SPARKV_EDGE_VENV=DIR`` keeps the virtualenv there
+  and reuses it on the next run.
 """
 
 from __future__ import annotations
@@ -151,15 +153,23 @@ slow = pytest.mark.skipif(os.environ.get("SPARKV_SLOW_TESTS") != "1",
                                  "index): set SPARKV_SLOW_TESTS=1")
 
 
-def _pip_install_edge(venv: Path) -> None:
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+def _edge_venv(tmp_path: Path) -> Path:
+    """A fresh virtualenv with ``torch==2.13.0 '.[edge]'``; ``SPARKV_EDGE_VENV=DIR`` reuses one
+    made so before (only sparkv itself is reinstalled, without dependencies)."""
+    reuse = os.environ.get("SPARKV_EDGE_VENV")
+    venv = Path(reuse) if reuse else tmp_path / "venv-edge"
     py = venv / "bin" / "python"
-    # torch first and pinned, as deploy/setup.sh does (a bare `torch` pulls a CUDA build); pip's
-    # find-links folder holds its CPU wheel here
+    if reuse and py.is_file():
+        args = ["--no-deps", "--force-reinstall", str(ROOT)]
+    else:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        # torch first and pinned, as deploy/setup.sh does (a bare `torch` pulls a CUDA build);
+        # pip's find-links folder holds its CPU wheel here
+        args = ["torch==2.13.0", f"{ROOT}[edge]"]
     proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                           "torch==2.13.0", f"{ROOT}[edge]"], capture_output=True, text=True,
-                          timeout=1800)
+                           *args], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return venv
 
 
 @slow
@@ -169,8 +179,7 @@ def test_an_edge_install_asks_a_server_of_the_full_install(smollm2, tmp_path):
     from sparkv.runtime.generate import sample_text
     from sparkv.server.process import ServerProcess
 
-    venv = tmp_path / "venv-edge"
-    _pip_install_edge(venv)
+    venv = _edge_venv(tmp_path)
     py = str(venv / "bin" / "python")
     probe = ("import importlib.util, json, sys; import sparkv.edge, sparkv.device, sparkv.presses,"
              " sparkv.decode; print(json.dumps([m for m in sys.argv[1:] "
@@ -182,7 +191,7 @@ def test_an_edge_install_asks_a_server_of_the_full_install(smollm2, tmp_path):
     assert json.loads(found.stdout) == []
     srv = ServerProcess(None, f"file://{tmp_path}/store", log_path=tmp_path / "server.log").start()
     try:
-        with EdgeClient(srv.url) as client:
+        with EdgeClient(srv.url, timeout_s=300.0) as client:    # the first encode loads the model
             cid = client.create_context(text=sample_text()[:1500], levels=["raw", "q8"])
         ask = subprocess.run([str(venv / "bin" / "sparkv"), "ask", "--server", srv.url,
                               "--context", cid, "What is this text about?", "--mbps", "100",

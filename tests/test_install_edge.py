@@ -58,7 +58,7 @@ for name in ("EdgeSession", "AskOptions", "ContextService", "ServiceConfig", "Sp
              "load_model", "generate", "SnapKV"):
     getattr(sparkv, name)
 runs = {}
-for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--budget-mb", "64"]):
+for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--budget-mb", "64"], ["demo"]):
     err, stdout = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
         try:
@@ -112,6 +112,9 @@ def test_the_cli_without_the_server_extra(blocked):
         assert run["err"].strip().splitlines() == [
             f"sparkv: error: sparkv {command}{' (the HTTP app)' if command != 'serve' else ''} "
             "needs 'fastapi', which is not installed: pip install 'sparkv[server]'"]
+    assert runs["demo"]["rc"] == 2
+    assert runs["demo"]["err"].strip() == ("sparkv: error: sparkv demo needs 'fastapi', which is "
+                                           "not installed: pip install 'sparkv[server]'")
 
 
 def test_require_names_the_extra():

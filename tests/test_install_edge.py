@@ -205,3 +205,15 @@ def test_an_edge_install_asks_a_server_of_the_full_install(smollm2, tmp_path):
     assert ask.returncode == 0, ask.stderr[-3000:]
     out = json.loads(ask.stdout)
     assert out["answer"].strip() and out["breakdown"]["ttft_s"] > 0
+
+
+def test_the_server_profile_needs_no_bench_stack():
+    """``sparkv[server]`` without ``[bench]``: the server, its workers and the encoder import."""
+    code = BLOCKED_RUN.split("import sparkv\n")[0] + (
+        "import sparkv.server.app, sparkv.server.worker, sparkv.server.encoder\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in BLOCK))\n")
+    proc = subprocess.run([sys.executable, "-c", code, "pulp,sklearn,matplotlib,aiohttp"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"

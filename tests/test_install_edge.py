@@ -7,7 +7,7 @@ server, queue, benchmark and plotting stacks, and whatever needs one of them nam
   imports, ``sparkv ask --help`` works and ``sparkv serve`` is one line and exit 2.
 * slow, opt-in (``SPARKV_SLOW_TESTS=1``; it needs pip's package index): ``pip install
   torch==2.13.0 '.[edge]'`` into a fresh virtualenv, then a real ``sparkv ask`` from it against a
-  server started from the full install (this process's), on loopback. Minutes (about 11 here,
+  server started from the full install (this process's), on loopback. Minutes (11 to 15 here,
   nearly all of it pip): CI does not run it. ``SPARKV_EDGE_VENV=DIR`` keeps the virtualenv there
   and reuses it on the next run.
 """

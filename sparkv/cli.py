@@ -6,7 +6,8 @@ register themselves under ``sparkv bench`` the same way (see ``sparkv.bench``). 
 lazily by name so that a subcommand's heavy imports (torch, FastAPI) load only when it runs.
 
 Errors: :func:`main` is the one place that turns an expected failure into one line on stderr and
-exit status 2, for every command (:func:`error_message`): a :class:`~sparkv.errors.SparkvError`,
+exit status 2, for every command (:func:`error_message`): a :class:`~sparkv.errors.SparkvError`
+(:class:`~sparkv.extras.MissingExtra` among them: a dependency of another install profile),
 a server or service that cannot be reached, or ``raise SystemExit("message")``. Argparse's own
 usage errors exit 2 as well. Anything else is a bug and keeps its traceback.
 
@@ -21,6 +22,7 @@ import sys
 from typing import Iterator, Sequence
 
 from sparkv.errors import SparkvError
+from sparkv.extras import as_missing_extra
 
 # Subcommand modules, in the order `sparkv --help` lists them. Add one line per new module.
 COMMAND_MODULES: list[str] = [
@@ -91,6 +93,9 @@ def error_message(exc: BaseException) -> str | None:
     docstring)."""
     if isinstance(exc, SparkvError):
         return str(exc)
+    missing = as_missing_extra(exc)    # an optional dependency of another install profile
+    if missing is not None:
+        return str(missing)
     if isinstance(exc, SystemExit):
         return exc.code if isinstance(exc.code, str) else None
     httpx = sys.modules.get("httpx")   # loaded only by the commands that talk to a server

@@ -59,6 +59,9 @@ ROW_KEYS = ["strategy", "ttft_s", "loading_s", "link_s", "compute_s", "question_
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
+    from sparkv.extras import SERVER_MODULES, require_all
+
+    require_all((*SERVER_MODULES, "matplotlib"), feature="sparkv demo")   # a server, and plots
     from sparkv.edge.prompts import chat_context
     from sparkv.runtime import load_model, sample_context_ids
 

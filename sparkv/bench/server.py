@@ -383,7 +383,9 @@ async def _load(cfg: dict[str, Any]) -> dict[str, Any]:
     the clock starts) for ``cfg["duration"]`` seconds, ``get`` or ``stream`` mode."""
     import resource
 
-    import aiohttp
+    from sparkv.extras import require
+
+    aiohttp = require("aiohttp", feature="the serving load generator")
 
     headers = {"Authorization": f"Bearer {cfg['key']}"}
     tally = _LoadTally()
@@ -422,7 +424,9 @@ async def _load(cfg: dict[str, Any]) -> dict[str, Any]:
 async def _get_worker(session: Any, cfg: dict[str, Any], tally: _LoadTally, w: int,
                       deadline: float) -> None:
     """Single-frame ``GET``s until ``deadline``, worker ``w`` starting at its own frame."""
-    import aiohttp
+    from sparkv.extras import require
+
+    aiohttp = require("aiohttp", feature="the serving load generator")
 
     cid, level, items = cfg["context_id"], cfg["level"], cfg["items"]
     i = w * 7919
@@ -450,7 +454,9 @@ async def _stream_worker(session: Any, cfg: dict[str, Any], tally: _LoadTally, w
                          deadline: float) -> None:
     """``POST .../stream`` requests of ``cfg["stream_frames"]`` frames until ``deadline``, every
     length prefix checked (:class:`_FrameChecker`)."""
-    import aiohttp
+    from sparkv.extras import require
+
+    aiohttp = require("aiohttp", feature="the serving load generator")
 
     cid, level, items = cfg["context_id"], cfg["level"], cfg["items"]
     k = cfg["stream_frames"]

@@ -19,9 +19,9 @@ from sparkv.decode.cache import ClusterCache
 from sparkv.decode.config import POLICIES, DecodeConfig, policy_config
 from sparkv.decode.hf import DynaKVCache, DynaKVLayer, DynaKVView
 from sparkv.decode.policy import ClusteredKV, coretrieval_order
-from sparkv.decode.session import DecodeSession, generate
+from sparkv.decode.session import DecodeResult, DecodeSession, generate
 from sparkv.decode.stats import DecodeStats
 
 __all__ = ["ClusterCache", "POLICIES", "DecodeConfig", "policy_config", "DynaKVCache",
            "DynaKVLayer", "DynaKVView", "ClusteredKV", "coretrieval_order", "DecodeSession",
-           "generate", "DecodeStats"]
+           "DecodeResult", "generate", "DecodeStats"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -290,12 +290,36 @@ def _cluster_stats(st: DecodeStats, kv: ClusteredKV) -> None:
     st.buffered, st.buffer_peak, st.flagged = buffered, peak, flagged
 
 
+class DecodeResult(NamedTuple):
+    """What :func:`generate` returns: a :class:`~sparkv.generation.Generation` (``text``,
+    ``tokens``, ``stats``) that still unpacks as ``result, stats = generate(...)``.
+
+    ``stats`` (the shared shape's dict) is the generation's timings plus the policy's
+    :class:`DecodeStats` under ``"decode"``; the records themselves are ``generation`` and
+    ``decode_stats``."""
+
+    generation: GenerationResult
+    decode_stats: DecodeStats
+
+    @property
+    def text(self) -> str:
+        return self.generation.text
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.generation.tokens
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {**self.generation.stats, "decode": self.decode_stats.to_dict()}
+
+
 def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequence[int],
              question_ids: Sequence[int], max_new_tokens: int = 32, *,
              kv_policy: str = "dynakv", ram_budget: float | int | None = None,
              budget: float | int | None = None, stop_at_eos: bool = True,
              config: DecodeConfig | None = None, flash_dir: str | Path | None = None,
-             probe: bool = False, **overrides: Any) -> tuple[GenerationResult, DecodeStats]:
+             probe: bool = False, **overrides: Any) -> DecodeResult:
     """Greedy decoding after ``question_ids`` over a context's KV under ``kv_policy``.
 
     Args:
@@ -314,6 +338,7 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
         probe: also measure attention-mass recall and output error against full attention.
 
     Returns:
+        a :class:`DecodeResult`: ``text``, ``tokens``, ``stats``; unpacks as
         ``(GenerationResult, DecodeStats)``.
     """
     n = context_len if isinstance(context_len, int) else len(context_len)
@@ -336,4 +361,4 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
         text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""
         result = GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text,
                                   prefill_s)
-        return result, s.stats()
+        return DecodeResult(result, s.stats())

@@ -27,12 +27,14 @@ import re
 import secrets
 import stat
 from pathlib import Path
-from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from typing import TYPE_CHECKING
 
 from sparkv.fileio import atomic_write
 from sparkv.device.private import FILE_MODE, existing
 from sparkv.protocol.errors import error_body
+
+if TYPE_CHECKING:   # the guard runs inside the HTTP app (the server extra); the token helpers don't
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 TOKEN_ENV = "SPARKV_DEVICE_TOKEN_FILE"
 #: the Host names the service answers (any port)
@@ -123,6 +125,8 @@ class AccessGuard:
             return
         status, code, message = refusal
         headers = {"WWW-Authenticate": 'Bearer realm="sparkv-device"'} if status == 401 else None
+        from fastapi.responses import JSONResponse
+
         await JSONResponse(error_body(status, code, message), status_code=status,
                            headers=headers)(scope, receive, send)
 

@@ -40,7 +40,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from sparkv.extras import require_all
+
+require_all(("fastapi",), feature="the device service's HTTP app (sparkv.device.app)")
+
+from fastapi import APIRouter, Depends, FastAPI, Request  # noqa: E402 - after the extra's check
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException

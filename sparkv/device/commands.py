@@ -130,6 +130,9 @@ def _client(args: argparse.Namespace) -> Iterator["DeviceClient"]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from sparkv.extras import require_all
+
+    require_all(("fastapi", "uvicorn"), feature="sparkv device serve (the HTTP app)")
     import torch
 
     from sparkv.device.service import ContextService, ServiceConfig

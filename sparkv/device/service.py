@@ -83,6 +83,7 @@ from sparkv.device.private import private_dir
 from sparkv.device.prompts import system_text, turn_ids, uses_chatml
 from sparkv.device.registry import ContextRegistry, DeviceContext
 from sparkv.device.swap import SwapStore
+from sparkv.generation import base_stats
 from sparkv.layout import ChunkGeometry
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
@@ -90,7 +91,8 @@ __all__ = ["ContextService", "ServiceConfig", "CallResult"]
 
 @dataclass
 class CallResult:
-    """What one call returned and what it cost (seconds)."""
+    """What one call returned and what it cost (seconds); a
+    :class:`~sparkv.generation.Generation` (``text``, ``tokens``, ``stats``)."""
 
     context_id: str
     text: str
@@ -110,6 +112,13 @@ class CallResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``ttft_s`` (= ``first_token_s``), ``new_tokens``, then every cost of :meth:`to_dict`
+        (``switch_s``, ``load_s``, ``total_s``, bytes, the load and plan records)."""
+        costs = {k: v for k, v in self.to_dict().items() if k not in ("text", "tokens")}
+        return {**base_stats(self.first_token_s, self.tokens), **costs}
 
 
 class ContextService:

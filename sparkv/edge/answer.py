@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkv.edge.results import LoadResult
+from sparkv.generation import base_stats
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
 
@@ -78,7 +79,8 @@ class Breakdown:
 
 @dataclass
 class AskResult:
-    """The answer and everything measured on the way."""
+    """The answer and everything measured on the way; a :class:`~sparkv.generation.Generation`
+    (``text`` is ``answer``, ``tokens``, ``stats``)."""
 
     answer: str
     tokens: list[int]
@@ -93,3 +95,15 @@ class AskResult:
     @property
     def ttft_s(self) -> float:
         return self.breakdown.ttft_s
+
+    @property
+    def text(self) -> str:
+        """The answer (the name every generation result shares)."""
+        return self.answer
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``ttft_s``, ``new_tokens``, ``context_tokens``, then the :class:`Breakdown`'s fields
+        (its ``first_token_s`` is the sampling after the question's forward pass)."""
+        return {**base_stats(self.ttft_s, self.tokens), "context_tokens": self.context_tokens,
+                **self.breakdown.to_dict()}

@@ -22,8 +22,9 @@ def timeline_of(res: Any) -> dict[str, Any]:
 
 
 def _save(fig: Any, path: str | Path) -> Path:
-    import matplotlib.pyplot as plt
+    from sparkv.extras import pyplot
 
+    plt = pyplot()
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,10 +40,9 @@ def plot_timelines(runs: Sequence[tuple[str, Mapping[str, Any]]], path: str | Pa
 
     ``runs``: ``(label, timeline)`` pairs, timelines as made by :func:`timeline_of`.
     """
-    import matplotlib
+    from sparkv.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.4 + 1.1 * len(runs)), sharex=True,
                              squeeze=False)
@@ -83,10 +83,9 @@ def plot_ttft_vs_bandwidth(rows: Sequence[Mapping[str, Any]], path: str | Path,
     ``rows``: dicts with ``tokens``, ``link`` (a number for constant links), ``strategy``,
     ``ttft_median_s``, ``ttft_min_s``, ``ttft_max_s``.
     """
-    import matplotlib
+    from sparkv.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = sorted({int(r["tokens"]) for r in rows})
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.6), squeeze=False)

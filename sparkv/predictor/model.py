@@ -161,8 +161,11 @@ class LatencyModel(StepCostModel):
     def fit_arrays(self, f: StepFeatures, ms: np.ndarray) -> int:
         """Trains the MLP on features and measured milliseconds (all rows); returns the number
         of optimizer iterations."""
-        from sklearn.exceptions import ConvergenceWarning
-        from sklearn.neural_network import MLPRegressor
+        from sparkv.extras import require
+
+        feature = "training the latency model"
+        ConvergenceWarning = require("sklearn.exceptions", feature=feature).ConvergenceWarning
+        MLPRegressor = require("sklearn.neural_network", feature=feature).MLPRegressor
 
         x = f.matrix(self.features)
         ms = np.asarray(ms, dtype=np.float64)

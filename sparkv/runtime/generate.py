@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from sparkv.cache import ContextKV, SparkvCache
+from sparkv.generation import base_stats
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 from sparkv.runtime.model import LoadedModel
@@ -24,7 +25,8 @@ SAMPLE_CONTEXT = Path(__file__).resolve().parent.parent / "data" / "sample_conte
 
 @dataclass
 class GenerationResult:
-    """Tokens generated after the question, with timings.
+    """Tokens generated after the question, with timings; a
+    :class:`~sparkv.generation.Generation` (``text``, ``tokens``, ``stats``).
 
     Attributes:
         tokens: generated token ids (greedy), at most ``max_new_tokens``.
@@ -39,6 +41,12 @@ class GenerationResult:
     total_s: float
     text: str = field(default="")
     prefill_s: float = 0.0  # the question's forward pass (part of first_token_s)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``ttft_s`` (= ``first_token_s``), ``new_tokens``, ``prefill_s``, ``total_s``."""
+        return {**base_stats(self.first_token_s, self.tokens), "prefill_s": self.prefill_s,
+                "total_s": self.total_s}
 
 
 def context_memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextKV:

@@ -19,8 +19,12 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import AsyncIterator, Callable
 
-from anyio import to_thread
-from fastapi import FastAPI
+from sparkv.extras import SERVER_MODULES, require_all
+
+require_all(SERVER_MODULES, feature="the REST server (sparkv.server.app)")
+
+from anyio import to_thread  # noqa: E402 - after the check that names the missing extra
+from fastapi import FastAPI  # noqa: E402
 
 from sparkv.server.config import Settings
 from sparkv.server.handlers import install_error_handlers

@@ -181,6 +181,9 @@ def _settings(config: str | None, store: str | None, **extra: Any) -> Any:
 def serve(args: argparse.Namespace) -> int:
     import logging
 
+    from sparkv.extras import SERVER_MODULES, require_all
+
+    require_all(SERVER_MODULES, feature="sparkv serve")
     import uvicorn
 
     settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
@@ -229,6 +232,9 @@ def serve(args: argparse.Namespace) -> int:
 def worker(args: argparse.Namespace) -> int:
     import logging
 
+    from sparkv.extras import SERVER_MODULES, require_all
+
+    require_all(SERVER_MODULES + ("redis",), feature="sparkv worker")
     from sparkv.server.models import ModelRegistry
     from sparkv.server.stores import open_store
     from sparkv.server.worker import EncodeWorker, install_signal_handlers

@@ -185,7 +185,9 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
     value is ``None`` are ignored). Raises :class:`ConfigError` with the offending field."""
     data: dict[str, Any] = {}
     if path:
-        import yaml
+        from sparkv.extras import require
+
+        yaml = require("yaml", feature="the server's config file")
 
         p = Path(path)
         try:

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from sparkv.extras import SERVER_MODULES, require_all
+
+require_all(SERVER_MODULES, feature="the REST server (sparkv.server.deps)")
+
 from anyio import to_thread
 from fastapi import Depends, Path, Request
 

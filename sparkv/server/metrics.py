@@ -5,6 +5,10 @@ Exposed at ``GET /metrics`` in the text format. Names and labels are listed in d
 
 from __future__ import annotations
 
+from sparkv.extras import require
+
+require("prometheus_client", feature="the server's metrics")
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 

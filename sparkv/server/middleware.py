@@ -15,6 +15,10 @@ from collections import OrderedDict
 from urllib.parse import parse_qsl
 from typing import Any, Callable, Iterable, Iterator
 
+from sparkv.extras import SERVER_MODULES, require_all
+
+require_all(SERVER_MODULES, feature="the REST server (sparkv.server.middleware)")
+
 import anyio
 from anyio import to_thread
 from fastapi import FastAPI

@@ -160,8 +160,9 @@ class RedisProcess:
             [exe, "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir), "--protected-mode", "yes", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
+        from sparkv.extras import require
 
+        redis = require("redis", feature="the Redis store and queue")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -151,7 +151,9 @@ class RedisJobQueue:
     """
 
     def __init__(self, url: str, claim_idle_s: float = 5.0, client: Any | None = None) -> None:
-        import redis
+        from sparkv.extras import require
+
+        redis = require("redis", feature="the Redis store and queue")
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 

@@ -14,6 +14,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from sparkv.extras import SERVER_MODULES, require_all
+
+require_all(SERVER_MODULES, feature="the REST server (sparkv.server.stream_request)")
+
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 

@@ -17,6 +17,10 @@ import asyncio
 import logging
 from typing import Iterator, Mapping
 
+from sparkv.extras import SERVER_MODULES, require_all
+
+require_all(SERVER_MODULES, feature="the REST server (sparkv.server.streaming)")
+
 import anyio
 from anyio import to_thread
 from starlette.responses import Response

@@ -84,7 +84,9 @@ class Milp(Planner):
 
     def _solve(self, model: _StageModel) -> tuple[float, str]:
         """Runs CBC on ``model``: ``(solve seconds, CBC's log)``."""
-        import pulp
+        from sparkv.extras import require
+
+        pulp = require("pulp", feature="the MILP planner")
 
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             # PuLP 3.3 deprecates PULP_CBC_CMD (the bundled CBC) in favour of a separately
@@ -103,7 +105,9 @@ class Milp(Planner):
     def _solution_info(self, model: _StageModel, log: str) -> dict[str, object]:
         """CBC's status, objective, bound and gap for ``plan.info`` (the TTFTs include the
         question prefill); raises :class:`PlannerError` without a solution."""
-        import pulp
+        from sparkv.extras import require
+
+        pulp = require("pulp", feature="the MILP planner")
 
         prob = model.prob
         status = pulp.LpStatus[prob.status]
@@ -132,7 +136,9 @@ class _StageModel:
     constraints are added in a fixed order with fixed names (CBC's answer depends on both)."""
 
     def __init__(self, inst: Instance, stages: int):
-        import pulp
+        from sparkv.extras import require
+
+        pulp = require("pulp", feature="the MILP planner")
 
         self.inst, self.K = inst, stages
         self.prob = pulp.LpProblem("sparkv_schedule", pulp.LpMinimize)

@@ -8,6 +8,10 @@
 
 from __future__ import annotations
 
+from sparkv.extras import SERVER_MODULES, require_all
+
+require_all(SERVER_MODULES, feature="the REST server (sparkv.server.routes)")
+
 from fastapi import APIRouter
 
 from sparkv.server.routes import chunks, contexts, jobs, ops

@@ -37,7 +37,9 @@ class RedisStore(ChunkStore):
     """
 
     def __init__(self, url: str, client: object | None = None) -> None:
-        import redis
+        from sparkv.extras import require
+
+        redis = require("redis", feature="the Redis store and queue")
 
         self._redis = redis
         parts = urlsplit(url)

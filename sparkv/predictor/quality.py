@@ -527,3 +527,47 @@ def device_ratio_for(model_fingerprint: str, fallback: float = 1.0,
 def passing_entries(table: QualityTable, section: str) -> list[QualityEntry]:
     """The entries of ``section`` whose verdict passes, in the table's order."""
     return [e for e in table.section(section) if e.verdict_name == PASS]
+
+
+def press_warning(model_fingerprint: str, spec: str,
+                  path: str | os.PathLike[str] | None = None) -> str | None:
+    """The warning a server gives with a context compressed by press ``spec`` (canonical, e.g.
+    ``adakv:0.5``) when the model's table has a ``presses`` entry of that spec whose verdict is
+    ``fail`` (answers inferior to the uncompressed context's with 95% confidence); ``None``
+    otherwise (a pass, an undecided verdict, or no row: as before tables judged presses). ASCII
+    only: it also travels as an HTTP header."""
+    e = entry_for(model_fingerprint, "presses", spec, path)
+    if e is None or e.verdict_name != "fail":
+        return None
+    text = (f"press {spec} fails this model's quality table ({e.verdict_summary}): its answers "
+            "are inferior to the uncompressed context's with 95% confidence (docs/quality.md)")
+    return text.encode("ascii", "replace").decode("ascii")
+
+
+def table_cpu_dtype(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
+                    cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> str:
+    """What ``--dtype auto`` should compute with on a CPU: ``bfloat16`` when the model's table
+    passes it (:func:`table_dtype_passes`) **and** the CPU has bf16 hardware
+    (:func:`sparkv.runtime.device.cpu_has_bf16`), else ``float32`` (today's CPU default). Not
+    wired into ``resolve_dtype`` yet: the server's and the edge's dtypes must agree (issue 28)."""
+    from sparkv.runtime.device import cpu_has_bf16
+
+    if table_dtype_passes(model_fingerprint, "bfloat16", path) and cpu_has_bf16(cpuinfo):
+        return "bfloat16"
+    return "float32"
+
+
+def describe_table(table: QualityTable) -> list[str]:
+    """One line per section: each entry's name and verdict (``q8 pass, q5 undecided: need 12
+    more QA questions``); a version 1 entry shows its QA teacher-forced mean instead."""
+    lines = []
+    for section in table.section_names():
+        cells = []
+        for e in table.section(section):
+            if e.verdict:
+                cells.append(f"{e.name} {e.verdict_summary}")
+            else:
+                tf = "-" if e.qa_teacher_forced is None else f"{e.qa_teacher_forced:.3f}"
+                cells.append(f"{e.name} (no verdict; teacher-forced {tf})")
+        lines.append(f"{section}: " + "; ".join(cells))
+    return lines

@@ -115,7 +115,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="levels the server encodes (the swept levels are added)")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="T the server encodes with (the TTFT benchmarks' T)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the retrieval tasks")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the retrieval tasks and of the verdicts' bootstrap")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--quick", action="store_true",
                    help="a small configuration (a few minutes): pass key at 1K, 3 QA questions")
@@ -128,8 +129,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="write the planner's quality table from the level and backend groups "
                         "(default path: <sparkv cache>/predictor/<fingerprint>.quality.json)")
     p.add_argument("--check", action="store_true",
-                   help="exit 1 when a default-policy configuration misses a target (pass-key "
-                        "parity, QA teacher-forced >= 0.9)")
+                   help="exit 1 when a default-policy configuration's verdict is fail "
+                        "(inferior to dense with 95%% confidence; docs/quality.md)")
     p.add_argument("--rescore", default=None, metavar="FILES",
                    help="measure nothing: re-aggregate the answers of earlier runs (quality.json "
                         "files or --rows JSON-lines files, comma-separated; later rows of the "

@@ -178,6 +178,8 @@ def _ask_pressed(session: Any, cid: str, press: str, args: argparse.Namespace, r
     pcid = session.client.pressed_context(cid, spec, progress=True)
     print(f"\ncompressed variant {pcid} ({spec}): encoded by the server in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if session.client.quality_warnings.get(pcid):
+        print(f"  the server warns: {session.client.quality_warnings[pcid]}", flush=True)
     res = _ask(session, pcid, args, AskOptions(strategy="sparkv", max_new_tokens=args.new_tokens,
                                                use_cache=False))
     label = "sparkv+press"

@@ -24,6 +24,9 @@ from sparkv.runtime.device import add_device_args
 
 DEMO_QUESTION = "What does this text say about warranty? Answer in one sentence."
 FOLLOW_UP = "Who may copy and distribute this text? Answer in one sentence."
+#: ``--press auto`` without a press that passes the model's quality table: this one, answered with
+#: its verdict printed beside the answer (question-agnostic AdaKV at 50%, a fixed probe window)
+FALLBACK_PRESS = "adakv:0.5@repeat"
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -38,9 +41,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d.add_argument("--new-tokens", type=int, default=40, help="answer length, tokens")
     d.add_argument("--strategies", default="local,stream,hybrid,sparkv",
                    help="strategies to answer with, comma-separated")
-    d.add_argument("--press", default="adakv:0.5@repeat", metavar="SPEC",
+    d.add_argument("--press", default="auto", metavar="SPEC",
                    help="also answer with sparkv from a variant of the context compressed on the "
-                        "server by this KV press (docs/presses.md; 'none' to skip)")
+                        "server by this KV press (docs/presses.md; 'none' to skip; 'auto': the "
+                        "most compressing press that passes the model's quality table, else "
+                        f"{FALLBACK_PRESS}; its verdict is printed beside the answer)")
     d.add_argument("--out", default="sparkv-demo", help="directory for the plot and JSON")
     d.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     add_device_args(d)
@@ -170,17 +175,42 @@ def _ask_pressed(session: Any, cid: str, press: str, args: argparse.Namespace, r
     from sparkv.edge.options import AskOptions
     from sparkv.presses import canonical_spec
 
-    spec = canonical_spec(press)
+    spec, note = choose_press(session.lm.fingerprint, press)
+    spec = canonical_spec(spec)
     t0 = time.perf_counter()
     pcid = session.client.pressed_context(cid, spec, progress=True)
     print(f"\ncompressed variant {pcid} ({spec}): encoded by the server in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if session.client.quality_warnings.get(pcid):
+        print(f"  the server warns: {session.client.quality_warnings[pcid]}", flush=True)
     res = _ask(session, pcid, args, AskOptions(strategy="sparkv", max_new_tokens=args.new_tokens,
                                                use_cache=False))
     label = "sparkv+press"
     runs.append((f"{label} ({spec}): TTFT {res.breakdown.ttft_s:.2f} s", res))
     rows.append(_row(label, res, ref))
-    print(f"[{label}] {res.answer.strip()}", flush=True)
+    print(f"[{label}] {res.answer.strip()}\n  (quality table, {spec}: {note})", flush=True)
+
+
+def choose_press(model_fingerprint: str, requested: str) -> tuple[str, str]:
+    """``(press spec, what the model's quality table says of it)``. ``auto``: the passing press
+    of the table's ``presses`` section that streams the fewest bytes per token (the first with
+    equal or unknown bytes), else :data:`FALLBACK_PRESS`; another spec is taken as given. The
+    note is the entry's verdict summary (``pass``, ``FAIL (...)``, ``undecided: ...``) or ``not
+    measured`` (no row, or a version 1 table)."""
+    from sparkv.predictor.quality import passing_entries, usable_table
+    from sparkv.presses import canonical_spec
+
+    table = usable_table(model_fingerprint, check_codec=False)
+    spec = requested
+    if requested.strip().lower() == "auto":
+        passing = passing_entries(table, "presses") if table is not None else []
+        best = min(passing, key=lambda e: e.bytes_per_token if e.bytes_per_token is not None
+                   else float("inf"), default=None)
+        spec = best.name if best is not None else FALLBACK_PRESS
+    entry = table.entry("presses", canonical_spec(spec)) if table is not None else None
+    if entry is None or not entry.verdict:
+        return spec, "not measured"
+    return spec, entry.verdict_summary
 
 
 def _row(label: str, res: Any, ref: list[int]) -> list[Any]:

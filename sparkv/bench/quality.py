@@ -115,7 +115,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="levels the server encodes (the swept levels are added)")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="T the server encodes with (the TTFT benchmarks' T)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the retrieval tasks")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the retrieval tasks and of the verdicts' bootstrap")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--quick", action="store_true",
                    help="a small configuration (a few minutes): pass key at 1K, 3 QA questions")
@@ -128,8 +129,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="write the planner's quality table from the level and backend groups "
                         "(default path: <sparkv cache>/predictor/<fingerprint>.quality.json)")
     p.add_argument("--check", action="store_true",
-                   help="exit 1 when a default-policy configuration misses a target (pass-key "
-                        "parity, QA teacher-forced >= 0.9)")
+                   help="exit 1 when a default-policy configuration's verdict is fail "
+                        "(inferior to dense with 95%% confidence; docs/quality.md)")
     p.add_argument("--rescore", default=None, metavar="FILES",
                    help="measure nothing: re-aggregate the answers of earlier runs (quality.json "
                         "files or --rows JSON-lines files, comma-separated; later rows of the "
@@ -674,15 +675,18 @@ def _mean(xs: Iterable[Any]) -> float | None:
     return statistics.mean(v) if v else None
 
 
-def aggregate(rows: Sequence[dict[str, Any]], configs: Sequence[Config] | None = None
-              ) -> list[dict[str, Any]]:
+def aggregate(rows: Sequence[dict[str, Any]], configs: Sequence[Config] | None = None,
+              seed: int = 0) -> list[dict[str, Any]]:
     """One result per (family, size, configuration); QA sizes pooled (``size`` None). Retrieval:
     ``correct``/``n``, ``accuracy``, ``dense_correct``, ``kept`` (correct here and in dense),
     ``relative`` (kept / dense_correct), ``parity``; every family: mean ``greedy_agreement``,
     ``teacher_forced``, ``first_token_kl``, ``mb`` streamed per answer, ``ttft_s``, ``errors``,
-    ``fallbacks``; QA: ``keyword_hits``, ``qa_ok`` (teacher-forced >= 0.9), ``greedy_ok``."""
+    ``fallbacks``; QA: ``keyword_hits``, ``qa_ok`` (teacher-forced >= 0.9), ``greedy_ok``. Every
+    row but dense's also has ``verdict``: the decision rule on that slice alone
+    (:func:`sparkv.bench.verdict.decide`, bootstrap seeded with ``seed``; ``Verdict.to_dict``)."""
     order = {c.name: i for i, c in enumerate(configs or [])}
     dense_ok = {r["probe"]: bool(r["correct"]) for r in rows if r["config"] == "dense"}
+    dense_rows = {r["probe"]: r for r in rows if r["config"] == "dense"}
     groups: dict[tuple[str, Any, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["family"], r["size"], r["config"]), []).append(r)
@@ -727,6 +731,8 @@ def aggregate(rows: Sequence[dict[str, Any]], configs: Sequence[Config] | None =
             res["greedy_ok"] = gr is not None and gr >= QA_MIN_GREEDY - 1e-9 and not res["errors"]
         else:
             res["parity"] = parity_ok(kept, dense_correct) and not res["errors"]
+        if name != "dense":
+            res["verdict"] = _slice_verdict(rs, dense_rows, name, seed)
         out.append(res)
     fam_order = {f: i for i, f in enumerate(FAMILIES)}
     out.sort(key=lambda r: (fam_order.get(r["family"], 9), r["size"] or 0,
@@ -734,10 +740,23 @@ def aggregate(rows: Sequence[dict[str, Any]], configs: Sequence[Config] | None =
     return out
 
 
-def verdicts(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _slice_verdict(rs: Sequence[dict[str, Any]], dense_rows: dict[str, dict[str, Any]],
+                   name: str, seed: int) -> dict[str, Any] | None:
+    """The decision rule on one (family, size, configuration) slice (``None``: no dense pair)."""
+    from sparkv.bench.verdict import decide
+
+    paired = [dense_rows[r["probe"]] for r in rs if r["probe"] in dense_rows]
+    return decide([*paired, *rs], name, seed).to_dict() if paired else None
+
+
+def verdicts(results: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]] | None = None,
+             seed: int = 0) -> dict[str, dict[str, Any]]:
     """Per configuration: parity per retrieval family (over every size), the QA means, and
     ``keeps_quality``: pass-key parity at every size and QA teacher-forced >= 0.9 (each only
-    where measured)."""
+    where measured; the thresholds before the decision rule, kept for comparison). With the
+    answer ``rows``, also ``verdict``: the decision rule over every answer of the configuration
+    (every size and family pooled; :func:`sparkv.bench.verdict.decide`, ``Verdict.to_dict``:
+    verdict, summary, per metric estimate, interval, margin), bootstrap seeded with ``seed``."""
     out: dict[str, dict[str, Any]] = {}
     for r in results:
         if r["config"] == "dense":
@@ -758,48 +777,101 @@ def verdicts(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for v in out.values():
         gates = [v[k] for k in ("passkey_parity", "qa_ok") if k in v]
         v["keeps_quality"] = bool(gates) and all(gates)
+    if rows is not None:
+        from sparkv.bench.verdict import decide_all
+
+        for name, verdict in decide_all(rows, seed).items():
+            out.setdefault(name, {"group": verdict.group})["verdict"] = verdict.to_dict()
+    return out
+
+
+def group_verdicts(verdict: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[str]]]:
+    """Per group, the configurations that ``pass``, ``fail`` and are ``undecided`` (from
+    :func:`verdicts` with rows; configurations without a verdict are left out)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for name, v in verdict.items():
+        if v.get("verdict"):
+            g = out.setdefault(v["group"], {"pass": [], "fail": [], "undecided": []})
+            g[v["verdict"]["verdict"]].append(name)
     return out
 
 
 # ---- the planner's table -------------------------------------------------------------------------
+#: the groups that are not lossy knobs of their own: the reference and the strategies (their
+#: split between the paths depends on timing), left out of the quality table
+NOT_IN_TABLE = ("dense", "strategy")
+#: the row keys that say what a configuration set (a table entry's ``params``)
+PARAM_KEYS = ("level", "backend", "dtype", "press", "ratio")
+
+
 def quality_table(rows: Sequence[dict[str, Any]], configs: Sequence[Config], lm: Any,
-                  source: dict[str, Any]) -> Any:
-    """The :class:`~sparkv.predictor.quality.QualityTable` of the level group (one entry per
-    level, the codec's order) and the backend group, from the answer rows."""
+                  source: dict[str, Any], seed: int = 0) -> Any:
+    """The :class:`~sparkv.predictor.quality.QualityTable` (version 2) from the answer rows: one
+    section per group present (``level`` -> ``levels`` in the codec's order, ``backend`` ->
+    ``backends``, ``dtype`` -> ``dtypes``, ``press`` -> ``presses``, ``device``, any other group
+    under its own name; not ``dense`` nor ``strategy``), each entry with its means, its
+    parameters and the decision rule's verdict (bootstrap seeded with ``seed``)."""
+    from sparkv.bench.verdict import decide_all
     from sparkv.codec import LEVEL_ORDER
-    from sparkv.predictor.quality import QualityEntry, QualityTable, RetrievalScore
+    from sparkv.predictor.quality import SECTION_OF_GROUP, QualityTable
 
-    dense_ok = {r["probe"]: bool(r["correct"]) for r in rows if r["config"] == "dense"}
-
-    def entry(name: str, config: str) -> QualityEntry:
-        rs = [r for r in rows if r["config"] == config]
-        retrieval = {}
-        for fam in RETRIEVAL:
-            fr = [r for r in rs if r["family"] == fam]
-            if fr:
-                retrieval[fam] = RetrievalScore(
-                    len(fr), sum(1 for r in fr if r["correct"]),
-                    sum(1 for r in fr if dense_ok.get(r["probe"])),
-                    sum(1 for r in fr if r["correct"] and dense_ok.get(r["probe"])))
-        qa = [r for r in rs if r["family"] == "qa" and not r.get("error")]
-        ok = [r for r in rs if not r.get("error") and r.get("mb") is not None]
-        return QualityEntry(
-            name, retrieval, len(qa), _mean(r["greedy_agreement"] for r in qa),
-            _mean(r["teacher_forced"] for r in qa), _mean(r["first_token_kl"] for r in qa),
-            _mean(r["mb"] * 1e6 / r["tokens"] for r in ok))
-
+    judged = decide_all(rows, seed)
     rank = {lv: i for i, lv in enumerate(LEVEL_ORDER)}
-    levels = sorted((c for c in configs if c.group == "level"),
-                    key=lambda c: rank.get(c.level or "", 99))
-    backends = [c for c in configs if c.group == "backend"]
+    sections: dict[str, list[Any]] = {}
+    for c in configs:
+        if c.group in NOT_IN_TABLE:
+            continue
+        rs = [r for r in rows if r["config"] == c.name]
+        if not rs:
+            continue
+        e = _table_entry(_entry_name(c, rs[0]), rs, rows)
+        e.params = {k: rs[0][k] for k in PARAM_KEYS if rs[0].get(k) is not None}
+        e.verdict = judged[c.name].to_dict() if c.name in judged else None
+        sections.setdefault(SECTION_OF_GROUP.get(c.group, c.group), []).append(e)
+    levels = sorted(sections.pop("levels", []), key=lambda e: rank.get(e.name, 99))
+    backends = sections.pop("backends", [])
     codecs = {r.get("codec") for r in rows if r["group"] == "level"}
     if len(codecs) > 1:
         raise ValueError(f"the level rows were measured on {len(codecs)} different codecs "
                          f"({sorted(map(str, codecs))}): re-score runs of one codec only")
-    return QualityTable(lm.fingerprint, lm.name, time.time(),
-                        [entry(c.level or c.name, c.name) for c in levels],
-                        [entry(c.backend or c.name, c.name) for c in backends], source,
-                        int(lm.config.num_hidden_layers), str(next(iter(codecs), None) or ""))
+    return QualityTable(lm.fingerprint, lm.name, time.time(), levels, backends, source,
+                        int(lm.config.num_hidden_layers), str(next(iter(codecs), None) or ""),
+                        sections)
+
+
+def _entry_name(c: Config, row: dict[str, Any]) -> str:
+    """A table entry's name: the level, backend, dtype or press spec it set; else the
+    configuration's name (``device`` entries carry their ratio in ``params``)."""
+    key = {"level": "level", "backend": "backend", "dtype": "dtype", "press": "press"}.get(c.group)
+    value = row.get(key) if key else None
+    if c.group == "level":
+        value = c.level or value
+    elif c.group == "backend":
+        value = c.backend or value
+    if c.group == "press" and value and ":" not in str(value) and row.get("ratio") is not None:
+        value = f"{value}:{row['ratio']:g}"
+    return str(value) if value else c.name
+
+
+def _table_entry(name: str, rs: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> Any:
+    """The means of one configuration's rows ``rs`` (retrieval counted against the dense rows of
+    ``rows``) as a :class:`~sparkv.predictor.quality.QualityEntry`."""
+    from sparkv.predictor.quality import QualityEntry, RetrievalScore
+
+    dense_ok = {r["probe"]: bool(r["correct"]) for r in rows if r["config"] == "dense"}
+    retrieval = {}
+    for fam in sorted({r["family"] for r in rs if r["family"] != "qa"}):
+        fr = [r for r in rs if r["family"] == fam]
+        retrieval[fam] = RetrievalScore(
+            len(fr), sum(1 for r in fr if r["correct"]),
+            sum(1 for r in fr if dense_ok.get(r["probe"])),
+            sum(1 for r in fr if r["correct"] and dense_ok.get(r["probe"])))
+    qa = [r for r in rs if r["family"] == "qa" and not r.get("error")]
+    ok = [r for r in rs if not r.get("error") and r.get("mb") is not None]
+    return QualityEntry(
+        name, retrieval, len(qa), _mean(r["greedy_agreement"] for r in qa),
+        _mean(r["teacher_forced"] for r in qa), _mean(r["first_token_kl"] for r in qa),
+        _mean(r["mb"] * 1e6 / r["tokens"] for r in ok))
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -826,12 +898,10 @@ def table_text(results: Sequence[dict[str, Any]]) -> str:
             # answers that left dense's tokens (of them, at a near-tie of dense's own logits)
             rel = ("-" if r["config"] == "dense" or r.get("divergences") is None else
                    f"div {r['divergences']} ({r.get('near_tie_divergences', 0)} tie)")
-            verdict = ("" if r["config"] == "dense" else
-                       ("ok" if r["qa_ok"] else "LOW") + ("" if r["greedy_ok"] else " (greedy<0.9)"))
         else:
             acc = f"{r['correct']}/{r['n']} ({r['accuracy']:.2f})"
             rel = (f"{r['kept']}/{r['dense_correct']}" if r["config"] != "dense" else "-")
-            verdict = "" if r["config"] == "dense" else ("parity" if r["parity"] else "MISS")
+        verdict = "" if r["config"] == "dense" else _slice_text(r)
         rows.append([r["family"], _size_label(r), r["config"], acc, rel,
                      _f(r["greedy_agreement"]), _f(r["teacher_forced"]),
                      _f(r["first_token_kl"], 4), _f(r["mb"], 1), _f(r["ttft_s"]),
@@ -839,6 +909,20 @@ def table_text(results: Sequence[dict[str, Any]]) -> str:
                      + (f"{r['fallbacks']} fb " if r["fallbacks"] else "") + verdict])
     return format_table(["family", "size", "config", "correct/n", "kept/dense", "greedy",
                          "teacher-f", "KL", "MB", "TTFT_s", "verdict"], rows)
+
+
+def _slice_text(r: dict[str, Any]) -> str:
+    """A slice's verdict cell: its deciding metric (retrieval: ``rel`` kept/dense_correct; QA:
+    ``tf-drop``, the teacher-forced drop), its interval and margin, the metric's verdict."""
+    from sparkv.bench.verdict import MetricVerdict
+
+    v = r.get("verdict") or {}
+    key, label = (("teacher_forced_drop", "tf-drop") if r["family"] == "qa"
+                  else ("retrieval_relative", "rel"))
+    m = (v.get("metrics") or {}).get(key)
+    if m is None:
+        return v.get("verdict", "-") if v else "-"
+    return f"{label} {MetricVerdict.from_dict(m).text()}"
 
 
 def plot(results: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -995,8 +1079,9 @@ def report(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
     asked; returns the exit status (``--check``)."""
     import torch
 
-    results = aggregate(rows, configs)
-    verdict = verdicts(results)
+    seed = int(opts.get("seed") or 0)          # the bootstrap's seed is the run's --seed
+    results = aggregate(rows, configs, seed)
+    verdict = verdicts(results, rows, seed)
     n_questions = len({r["probe"] for r in rows})
     print()
     print(table_text(results))
@@ -1013,25 +1098,28 @@ def report(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
     table = None
     if args.save_table is not None:
         from sparkv.predictor.quality import (POLICY_THRESHOLDS, allowed_backends,
-                                              allowed_levels)
+                                              allowed_levels, describe_table)
 
         table = quality_table(rows, configs, lm, {
             "benchmark": "sparkv bench quality", "tasks": sorted({r["family"] for r in rows}),
             "sizes": sorted({r["size"] for r in rows if r["size"] is not None}),
             "trials": opts["trials"], "qa_questions": len({r["probe"] for r in rows
                                                             if r["family"] == "qa"}),
-            "chunk_tokens": opts["chunk_tokens"]})
+            "chunk_tokens": opts["chunk_tokens"], "rule": rule_margins(),
+            "bootstrap_seed": seed}, seed)
         path = table.save(args.save_table or None)
         print(f"quality table -> {path}")
-        print(f"  allowed levels (pass-key parity, QA teacher-forced >= 0.9): "
-              f"{allowed_levels(table)}; backends: {allowed_backends(table)}")
+        for line in describe_table(table):
+            print(f"  {line}")
         pol = allowed_levels(table, **POLICY_THRESHOLDS)
-        print(f"  the default policy (QA teacher-forced >= 0.99) may stream {pol}: floor "
-              f"{pol[-1] if pol else 'raw'}; backends {allowed_backends(table, **POLICY_THRESHOLDS)}")
+        print(f"  the default policy may stream {pol}: floor {pol[-1] if pol else 'raw'}; "
+              f"backends {allowed_backends(table, **POLICY_THRESHOLDS)} (levels and backends "
+              "with a verdict: only pass)")
     if args.json or args.out:
         out = write_result("quality", {
             "configs": [c.to_dict() for c in configs], "results": results,
-            "verdicts": verdict,
+            "verdicts": verdict, "group_verdicts": group_verdicts(verdict),
+            "rule": rule_margins(), "bootstrap_seed": seed,
             "targets": {"passkey_parity": "kept >= dense_correct - floor(dense_correct / 30): "
                                           "29 of 30 where dense gets 30 of 30",
                         "qa_min_teacher_forced": QA_MIN_TEACHER_FORCED,
@@ -1041,22 +1129,55 @@ def report(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
         png = plot(results, out.with_suffix(".png"))
         print(f"wrote {out} and {png}")
     if args.check:
-        failed = [k for k, v in verdict.items() if k.startswith("default@")
-                  and not v["keeps_quality"]]
-        if failed:
-            print(f"CHECK FAILED: the default policy misses a target in {failed}")
-            return 1
+        return _check(verdict)
     return 0
 
 
+def _check(verdict: dict[str, dict[str, Any]]) -> int:
+    """``--check``: 1 when a ``default@`` configuration's verdict is ``fail`` (inferior to dense
+    with 95% confidence); ``undecided`` is printed, not failed (the data cannot say)."""
+    default = {k: v for k, v in verdict.items() if k.startswith("default@")}
+    failed = [k for k, v in default.items() if (v.get("verdict") or {}).get("verdict") == "fail"]
+    undecided = [f"{k} ({v['verdict']['summary']})" for k, v in default.items()
+                 if (v.get("verdict") or {}).get("verdict") == "undecided"]
+    if undecided:
+        print(f"check: undecided, not failed: {'; '.join(undecided)}")
+    if failed:
+        print(f"CHECK FAILED: the default policy is inferior to dense in {failed}")
+        return 1
+    return 0
+
+
+def rule_margins() -> dict[str, Any]:
+    """The decision rule's margins and settings (recorded in the JSON and the table)."""
+    from sparkv.bench import verdict as v
+
+    return {"confidence": v.CONFIDENCE, "retrieval_min_relative": v.RETRIEVAL_MIN_RELATIVE,
+            "teacher_forced_max_drop": v.TEACHER_FORCED_MAX_DROP,
+            "first_token_kl_max": v.FIRST_TOKEN_KL_MAX, "greedy_max_drop": v.GREEDY_MAX_DROP,
+            "greedy_gates": "fail only", "min_paired": v.MIN_PAIRED, "resamples": v.RESAMPLES}
+
+
 def _print_verdicts(verdict: dict[str, dict[str, Any]]) -> None:
+    """The verdicts table: one line per configuration, grouped by group, each metric as
+    ``estimate [lower, upper] <=margin verdict`` (docs/quality.md, "The decision rule")."""
+    from sparkv.bench.verdict import MetricVerdict
+
+    groups = list(dict.fromkeys(v["group"] for v in verdict.values()))
     rows = []
-    for name, v in verdict.items():
-        rows.append([name, v["group"],
-                     {True: "yes", False: "NO"}.get(v.get("passkey_parity"), "-"),
-                     {True: "yes", False: "NO"}.get(v.get("multikey_parity"), "-"),
-                     {True: "yes", False: "NO"}.get(v.get("multivalue_parity"), "-"),
-                     _f(v.get("qa_teacher_forced")), _f(v.get("qa_greedy_agreement")),
-                     "yes" if v["keeps_quality"] else "NO"])
-    print(format_table(["config", "group", "passkey parity", "multikey", "multivalue",
-                        "QA teacher-f", "QA greedy", "keeps quality"], rows))
+    for g in groups:
+        for name, v in verdict.items():
+            if v["group"] != g:
+                continue
+            dv = v.get("verdict") or {}
+            metrics = dv.get("metrics") or {}
+
+            def cell(key: str) -> str:
+                return MetricVerdict.from_dict(metrics[key]).text() if key in metrics else "-"
+
+            rows.append([name, g, dv.get("summary", "-"), cell("retrieval_relative"),
+                         cell("teacher_forced_drop"), cell("first_token_kl"),
+                         cell("greedy_drop")])
+    print(format_table(["config", "group", "verdict", "retrieval kept/dense",
+                        "QA teacher-forced drop", "first-token KL", "greedy drop (fail only)"],
+                       rows))

@@ -31,6 +31,7 @@ from sparkv.errors import SparkvError
 
 if TYPE_CHECKING:
     from sparkv.device.client import DeviceClient
+    from sparkv.device.config import ServiceConfig
     from sparkv.device.service import ContextService
 
 POLICIES = ("llms", "llms-no-compression", "llms-no-pipeline", "llms-no-lifecycle", "vllm-s",
@@ -143,22 +144,33 @@ def _serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     swap = Path(args.swap_dir) if args.swap_dir else cache_dir() / "device" / "swap"
     budget = int(args.budget_mb * 1e6)
-    overrides = {"chunk_tokens": args.chunk_tokens}
-    if args.ratio is not None:
-        overrides["ratio"] = args.ratio
-    config = ServiceConfig.preset(args.policy, **overrides)
     lm = load_model(args.model)
+    config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens)
+    ratio = args.ratio if args.ratio is not None else default_ratio(lm.fingerprint, config)
+    config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens, ratio=ratio)
     service = ContextService(lm, budget, swap, config=config)
     need = service.min_budget()
     if budget < need:
         raise SparkvError(f"a {args.budget_mb:g} MB budget cannot hold even one small context "
                           f"while it runs (needs at least {need / 1e6:.2f} MB)")
     damaged = f", {len(service.damaged)} damaged" if service.damaged else ""
-    print(f"sparkv device: {lm.name}, budget {budget / 1e6:.1f} MB, policy {config.name}, "
+    print(f"sparkv device: {lm.name}, budget {budget / 1e6:.1f} MB, policy {config.name} "
+          f"(ratio {config.ratio:g}), "
           f"swap {swap}, {service.reopened} contexts reopened{damaged}", flush=True)
     if args.port:
         return _listen_tcp(service, args)
     return _listen_unix(service, args)
+
+
+def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:
+    """The tolerance ratio when ``--ratio`` is not given: the smallest ratio whose verdict passes
+    in the model's quality table (``device`` section; docs/quality.md), else the preset's (1.0).
+    Only the ``tolerance`` compression has a ratio."""
+    if config.compression != "tolerance":
+        return config.ratio
+    from sparkv.predictor.quality import device_ratio_for
+
+    return device_ratio_for(model_fingerprint, fallback=config.ratio)
 
 
 def _listen_tcp(service: "ContextService", args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -56,6 +57,12 @@ class Fetched:
     first_byte_s: float
     headers: dict[str, str]
     wire_bytes: int = 0
+
+
+class QualityWarning(UserWarning):
+    """The server stored a context compressed by a press that fails the model's quality table
+    (``quality_warning`` of ``POST /v1/contexts``): its answers are inferior to the uncompressed
+    context's with 95% confidence."""
 
 
 class EdgeClient:
@@ -94,6 +101,9 @@ class EdgeClient:
         self.last_first_byte_s: float = 0.0
         #: context id -> encryption key (base64url), for encrypted contexts
         self.encryption_keys: dict[str, str] = {}
+        #: per context id, the server's ``quality_warning`` (a press that fails the model's
+        #: quality table; docs/quality.md), also raised as a :class:`QualityWarning`
+        self.quality_warnings: dict[str, str] = {}
         #: idempotent reads retried by :meth:`frame` (a replica died or was restarting)
         self.frame_retries = 0
 
@@ -196,7 +206,9 @@ class EdgeClient:
         (once) is kept in :attr:`encryption_keys`. With ``press`` (``NAME:RATIO``,
         ``NAME:PCT%``, ``NAME:TOKENSt``) the server compresses the context question-agnostically
         and stores only the kept entries: a different context id from the uncompressed one
-        (docs/presses.md, "On the server")."""
+        (docs/presses.md, "On the server"). A press that fails the model's quality table is
+        stored anyway: the server's warning is kept in :attr:`quality_warnings` and raised as a
+        :class:`QualityWarning` (docs/quality.md)."""
         body: dict[str, Any] = {"heads_per_group": heads_per_group, "encrypt": bool(encrypt)}
         if press is not None:
             body["press"] = str(press)
@@ -214,6 +226,9 @@ class EdgeClient:
         cid = str(r["context_id"])
         if r.get("encryption_key"):
             self.encryption_keys[cid] = str(r["encryption_key"])
+        if r.get("quality_warning"):
+            self.quality_warnings[cid] = str(r["quality_warning"])
+            warnings.warn(QualityWarning(str(r["quality_warning"])), stacklevel=2)
         if token_ids is not None:
             self._tokens[cid] = [int(x) for x in token_ids]
         if not wait or r.get("status") == "done":

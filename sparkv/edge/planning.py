@@ -63,8 +63,9 @@ class FloorNotEncoded(AskError):
 def default_quality_floor(model_fingerprint: str, path: Any = None) -> str:
     """The default policy's quality floor for this model: the lowest level its measured quality
     table allows under the policy's thresholds (``POLICY_THRESHOLDS``: pass-key parity, QA
-    teacher-forced agreement >= 0.99; ``raw`` when no lossy level passes), else
-    :data:`DEFAULT_FLOOR`. A missing table falls back silently, an unreadable one or one of
+    teacher-forced agreement >= 0.99; with the decision rule's verdicts, a version 2 table: the
+    cheapest level whose verdict passes, every better level passing too; ``raw`` when no lossy
+    level passes), else :data:`DEFAULT_FLOOR`. A missing table falls back silently, an unreadable one or one of
     another codec with a warning: answering never depends on it (docs/quality.md)."""
     from sparkv.predictor.quality import POLICY_THRESHOLDS, quality_floor_for
 
@@ -74,16 +75,24 @@ def default_quality_floor(model_fingerprint: str, path: Any = None) -> str:
 
 def default_backend(model_fingerprint: str, path: Any = None) -> str:
     """The default policy's attention backend (``backend="auto"``): what ``auto`` resolves to on
-    this machine, unless the model's quality table measured that backend failing the policy's
-    thresholds while ``dense`` passes; then ``dense``. ``auto`` without a table (or without
-    backends in it)."""
-    from sparkv.predictor.quality import POLICY_THRESHOLDS, allowed_backends_for
+    this machine when the model's quality table lets it, else ``dense`` (exact, the reference's
+    attention). With the decision rule's verdict for that backend (a version 2 table), only
+    ``pass`` lets it (``fail`` and ``undecided`` give ``dense``); without one, the policy's
+    thresholds as before: ``dense`` when the backend misses them while ``dense`` meets them.
+    ``auto`` without a table (or without that backend in it)."""
+    from sparkv.predictor.quality import (POLICY_THRESHOLDS, PASS, allowed_backends_for,
+                                          verdict_for)
     from sparkv.runtime.attention import get_backend
 
+    auto = get_backend("auto").name
+    if auto == "dense":
+        return "auto"
+    verdict = verdict_for(model_fingerprint, "backends", auto, path)
+    if verdict is not None:
+        return "auto" if verdict == PASS else "dense"
     allowed = allowed_backends_for(model_fingerprint, path, **POLICY_THRESHOLDS)
     if allowed is None:
         return "auto"
-    auto = get_backend("auto").name
     return "dense" if auto not in allowed and "dense" in allowed else "auto"
 
 

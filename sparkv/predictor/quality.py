@@ -18,8 +18,15 @@ table holds, against the dense full-precision reference on the same inputs:
   mean first-token KL (nats);
 * the bytes streamed per context token at that level.
 
+Version 2 adds, per entry, the verdict of the decision rule (``sparkv.bench.verdict``: pass, fail
+or undecided against dense full precision with 95% confidence, each metric's interval and margin)
+and the configuration's parameters, and sections beyond levels and backends: ``dtypes``,
+``presses`` (``adakv:0.5``), ``device`` (the device service's ratio) and any other group the
+benchmark measured. Where an entry has a verdict it decides (:func:`entry_passes`); a version 1
+table (no verdicts) is judged by the thresholds as before.
+
 :func:`allowed_levels` turns the table into the levels the default policy may use; docs/quality.md
-explains the thresholds.
+explains the thresholds and the rule.
 """
 
 from __future__ import annotations
@@ -37,7 +44,14 @@ from typing import Any, Iterable, Mapping
 from sparkv.errors import SparkvError
 from sparkv.fileio import atomic_write
 
-QUALITY_TABLE_VERSION = 1
+QUALITY_TABLE_VERSION = 2
+#: the versions this sparkv reads (version 1: no verdicts, levels and backends only)
+READABLE_VERSIONS = (1, 2)
+#: the table section of each benchmark group (any other group is its own section)
+SECTION_OF_GROUP = {"level": "levels", "backend": "backends", "dtype": "dtypes",
+                    "press": "presses", "device": "device"}
+#: the verdict that lets a default use an entry
+PASS = "pass"
 #: the lossless level: always allowed, whatever the table says
 LOSSLESS = "raw"
 #: default thresholds of :func:`allowed_levels` (docs/quality.md)
@@ -103,6 +117,11 @@ class QualityEntry:
         qa_teacher_forced: mean teacher-forced top-1 agreement with the reference.
         qa_first_token_kl: mean KL(reference || this) of the first token, nats.
         bytes_per_token: bytes streamed per context token (0 for a local backend).
+        verdict: the decision rule's verdict against dense (``sparkv.bench.verdict.Verdict``'s
+            dict: ``verdict``, ``summary``, ``need_more``, ``metrics`` with estimate, interval,
+            margin per metric); ``None`` in a version 1 table.
+        params: what the configuration set (``{"dtype": "bfloat16"}``, ``{"press": "adakv:0.5",
+            "ratio": 0.5}``, ``{"ratio": 0.75}``, ...).
     """
 
     name: str
@@ -112,6 +131,20 @@ class QualityEntry:
     qa_teacher_forced: float | None = None
     qa_first_token_kl: float | None = None
     bytes_per_token: float | None = None
+    verdict: dict[str, Any] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def verdict_name(self) -> str | None:
+        """``pass``, ``fail``, ``undecided`` or ``None`` (no verdict recorded)."""
+        return None if not self.verdict else str(self.verdict.get("verdict"))
+
+    @property
+    def verdict_summary(self) -> str:
+        """The verdict's one-line summary (``undecided: need 12 more QA questions``; ``-``)."""
+        if not self.verdict:
+            return "-"
+        return str(self.verdict.get("summary") or self.verdict.get("verdict"))
 
     @property
     def passkey_relative(self) -> float | None:
@@ -130,7 +163,8 @@ class QualityEntry:
                 "qa_greedy_agreement": self.qa_greedy_agreement,
                 "qa_teacher_forced": self.qa_teacher_forced,
                 "qa_first_token_kl": self.qa_first_token_kl,
-                "bytes_per_token": self.bytes_per_token}
+                "bytes_per_token": self.bytes_per_token, "verdict": self.verdict,
+                "params": self.params}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QualityEntry":
@@ -140,7 +174,8 @@ class QualityEntry:
                     for k, v in (d.get("retrieval") or {}).items()},
                    int(d.get("qa_questions", 0)), _opt(d.get("qa_greedy_agreement")),
                    _opt(d.get("qa_teacher_forced")), _opt(d.get("qa_first_token_kl")),
-                   _opt(d.get("bytes_per_token")))
+                   _opt(d.get("bytes_per_token")),
+                   dict(d["verdict"]) if d.get("verdict") else None, dict(d.get("params") or {}))
 
 
 @dataclass
@@ -157,6 +192,8 @@ class QualityTable:
         num_layers: the model's depth (the codec's per-layer bits depend on it).
         codec_signature: :func:`codec_signature` of the codec that was measured (empty: not
             recorded); a table of another codec says nothing about this one.
+        sections: the other sections, by name (``dtypes``, ``presses``, ``device``, ...; see
+            :data:`SECTION_OF_GROUP`), each a list of entries in the order measured.
     """
 
     model_fingerprint: str
@@ -167,6 +204,28 @@ class QualityTable:
     source: dict[str, Any] = field(default_factory=dict)
     num_layers: int = 0
     codec_signature: str = ""
+    sections: dict[str, list[QualityEntry]] = field(default_factory=dict)
+
+    def section(self, name: str) -> list[QualityEntry]:
+        """The entries of section ``name`` (``levels``, ``backends``, ``dtypes``, ``presses``,
+        ``device``, ...); empty when it was not measured."""
+        if name == "levels":
+            return self.levels
+        if name == "backends":
+            return self.backends
+        return self.sections.get(name, [])
+
+    def entry(self, section: str, name: str) -> QualityEntry | None:
+        """The entry ``name`` of ``section`` (``None`` when it was not measured)."""
+        return next((e for e in self.section(section) if e.name == name), None)
+
+    def section_names(self) -> list[str]:
+        """Every non-empty section, levels and backends first."""
+        return [n for n in ("levels", "backends", *self.sections) if self.section(n)]
+
+    def has_verdicts(self) -> bool:
+        """Whether any entry carries the decision rule's verdict (a version 2 build)."""
+        return any(e.verdict for n in self.section_names() for e in self.section(n))
 
     def matches_codec(self) -> bool:
         """Whether the codec in this process is the one measured (true when the table did not
@@ -188,21 +247,24 @@ class QualityTable:
                 "model_name": self.model_name, "measured_unix": self.measured_unix,
                 "levels": [e.to_dict() for e in self.levels],
                 "backends": [e.to_dict() for e in self.backends], "source": self.source,
-                "num_layers": self.num_layers, "codec_signature": self.codec_signature}
+                "num_layers": self.num_layers, "codec_signature": self.codec_signature,
+                "sections": {k: [e.to_dict() for e in v] for k, v in self.sections.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QualityTable":
         """Parses :meth:`to_dict`'s output (raises :class:`QualityTableError`)."""
         try:
-            if int(d.get("version", 0)) != QUALITY_TABLE_VERSION:
+            if int(d.get("version", 0)) not in READABLE_VERSIONS:
                 raise QualityTableError(f"quality table version {d.get('version')!r}, this "
-                                        f"sparkv reads {QUALITY_TABLE_VERSION}")
+                                        f"sparkv reads {list(READABLE_VERSIONS)}")
             return cls(str(d["model_fingerprint"]), str(d.get("model_name", "")),
                        float(d["measured_unix"]),
                        [QualityEntry.from_dict(e) for e in d.get("levels") or []],
                        [QualityEntry.from_dict(e) for e in d.get("backends") or []],
                        dict(d.get("source") or {}), int(d.get("num_layers", 0)),
-                       str(d.get("codec_signature", "")))
+                       str(d.get("codec_signature", "")),
+                       {str(k): [QualityEntry.from_dict(e) for e in v or []]
+                        for k, v in (d.get("sections") or {}).items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise QualityTableError(f"malformed quality table: {exc!r}") from exc
 
@@ -294,10 +356,20 @@ def entry_keeps_quality(entry: QualityEntry, min_passkey: float | None = DEFAULT
     return True
 
 
+def entry_passes(entry: QualityEntry, use_verdicts: bool = True, **thresholds: Any) -> bool:
+    """Whether a default may use this entry: its recorded verdict is ``pass`` (an entry with a
+    verdict: ``fail`` and ``undecided`` do not pass), else (a version 1 entry, or
+    ``use_verdicts=False``) :func:`entry_keeps_quality` under ``thresholds``."""
+    if use_verdicts and entry.verdict:
+        return entry.verdict_name == PASS
+    return entry_keeps_quality(entry, **thresholds)
+
+
 def allowed_levels(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_PASSKEY,
                    min_teacher_forced: float | None = DEFAULT_MIN_TEACHER_FORCED, *,
                    min_greedy: float | None = None,
-                   max_first_token_kl: float | None = None) -> list[str]:
+                   max_first_token_kl: float | None = None,
+                   use_verdicts: bool = True) -> list[str]:
     """The codec levels the default policy may stream, best quality first.
 
     A level keeps quality when (thresholds set to ``None`` are not checked):
@@ -314,11 +386,16 @@ def allowed_levels(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_
     level below a failing one is not trusted). ``raw`` is lossless and always passes. The last
     element is the quality floor (:func:`quality_floor`); an empty list means not even the best
     measured level keeps quality.
+
+    An entry with the decision rule's verdict (a version 2 table) is judged by it instead
+    (:func:`entry_passes`: only ``pass`` passes; ``use_verdicts=False`` ignores verdicts).
     """
     out: list[str] = []
     for entry in table.levels:
-        if entry.name != LOSSLESS and not entry_keeps_quality(
-                entry, min_passkey, min_teacher_forced, min_greedy, max_first_token_kl):
+        if entry.name != LOSSLESS and not entry_passes(
+                entry, use_verdicts, min_passkey=min_passkey,
+                min_teacher_forced=min_teacher_forced, min_greedy=min_greedy,
+                max_first_token_kl=max_first_token_kl):
             break
         out.append(entry.name)
     return out
@@ -327,11 +404,13 @@ def allowed_levels(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_
 def allowed_backends(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_PASSKEY,
                      min_teacher_forced: float | None = DEFAULT_MIN_TEACHER_FORCED, *,
                      min_greedy: float | None = None,
-                     max_first_token_kl: float | None = None) -> list[str]:
-    """The local attention backends that keep quality (same thresholds as
+                     max_first_token_kl: float | None = None,
+                     use_verdicts: bool = True) -> list[str]:
+    """The local attention backends that keep quality (same thresholds and verdicts as
     :func:`allowed_levels`; each backend judged on its own, in the table's order)."""
-    return [e.name for e in table.backends if entry_keeps_quality(
-        e, min_passkey, min_teacher_forced, min_greedy, max_first_token_kl)]
+    return [e.name for e in table.backends if entry_passes(
+        e, use_verdicts, min_passkey=min_passkey, min_teacher_forced=min_teacher_forced,
+        min_greedy=min_greedy, max_first_token_kl=max_first_token_kl)]
 
 
 def quality_floor(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_PASSKEY,
@@ -342,35 +421,39 @@ def quality_floor(table: QualityTable, min_passkey: float | None = DEFAULT_MIN_P
     return levels[-1] if levels else None
 
 
-def allowed_levels_for(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
-                       **thresholds: Any) -> list[str] | None:
-    """:func:`allowed_levels` of this model's stored table (``thresholds`` as there), or ``None``
-    when no table was made, it cannot be read, or it was measured on another codec
-    (:meth:`QualityTable.matches_codec`; both with a warning). Never raises for a missing or bad
-    table: answering must not depend on it."""
+def usable_table(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
+                 check_codec: bool = True) -> QualityTable | None:
+    """This model's stored table, or ``None`` when no table was made, it cannot be read, or
+    (``check_codec``) it was measured on another codec (:meth:`QualityTable.matches_codec`; both
+    with a warning). Never raises for a missing or bad table: answering must not depend on it."""
     try:
         table = load_quality_table(model_fingerprint, path)
     except QualityTableError as exc:
-        warnings.warn(f"ignoring the quality table: {exc}", stacklevel=2)
+        warnings.warn(f"ignoring the quality table: {exc}", stacklevel=3)
         return None
     if table is None:
         return None
-    if not table.matches_codec():
+    if check_codec and not table.matches_codec():
         warnings.warn(f"ignoring the quality table of {model_fingerprint}: it was measured on "
-                      "another codec (re-run `sparkv bench quality --save-table`)", stacklevel=2)
+                      "another codec (re-run `sparkv bench quality --save-table`)", stacklevel=3)
         return None
-    return allowed_levels(table, **thresholds)
+    return table
+
+
+def allowed_levels_for(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
+                       **thresholds: Any) -> list[str] | None:
+    """:func:`allowed_levels` of this model's stored table (``thresholds`` as there), or ``None``
+    when there is no usable table (:func:`usable_table`: missing, unreadable or of another codec;
+    the last two with a warning). Never raises for a missing or bad table."""
+    table = usable_table(model_fingerprint, path)
+    return None if table is None else allowed_levels(table, **thresholds)
 
 
 def allowed_backends_for(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
                          **thresholds: Any) -> list[str] | None:
     """:func:`allowed_backends` of this model's stored table, or ``None`` when there is no usable
     table or it measured no backend (never raises; warns like :func:`allowed_levels_for`)."""
-    try:
-        table = load_quality_table(model_fingerprint, path)
-    except QualityTableError as exc:
-        warnings.warn(f"ignoring the quality table: {exc}", stacklevel=2)
-        return None
+    table = usable_table(model_fingerprint, path, check_codec=False)
     if table is None or not table.backends:
         return None
     return allowed_backends(table, **thresholds)
@@ -394,3 +477,97 @@ def _opt(x: Any) -> float | None:
 def entries_by_name(entries: Iterable[QualityEntry]) -> dict[str, QualityEntry]:
     """``{entry.name: entry}``."""
     return {e.name: e for e in entries}
+
+
+# ---- the other sections: one verdict per configuration ------------------------------------------
+def entry_for(model_fingerprint: str, section: str, name: str,
+              path: str | os.PathLike[str] | None = None) -> QualityEntry | None:
+    """The entry ``name`` of ``section`` in this model's usable table (:func:`usable_table`;
+    the codec is checked only for ``levels``), or ``None``. Never raises."""
+    table = usable_table(model_fingerprint, path, check_codec=section == "levels")
+    return None if table is None else table.entry(section, name)
+
+
+def verdict_for(model_fingerprint: str, section: str, name: str,
+                path: str | os.PathLike[str] | None = None) -> str | None:
+    """``pass``, ``fail`` or ``undecided`` for entry ``name`` of ``section``; ``None`` when there
+    is no usable table, no such entry, or the entry has no verdict (a version 1 table)."""
+    e = entry_for(model_fingerprint, section, name, path)
+    return None if e is None else e.verdict_name
+
+
+def table_dtype_passes(model_fingerprint: str, dtype: str,
+                       path: str | os.PathLike[str] | None = None) -> bool | None:
+    """Whether the table's ``dtypes`` entry of ``dtype`` (``bfloat16``, ``float32``) passes:
+    ``True``/``False``, or ``None`` when it has no verdict for it (then behave as today)."""
+    v = verdict_for(model_fingerprint, "dtypes", dtype, path)
+    return None if v is None else v == PASS
+
+
+def device_ratio_for(model_fingerprint: str, fallback: float = 1.0,
+                     path: str | os.PathLike[str] | None = None) -> float:
+    """The device service's default tolerance ratio: the smallest (most compressing) ratio of
+    the ``device`` section whose verdict passes, every larger measured ratio passing too (the
+    walk from the largest ratio down stops at the first that does not pass, as levels do);
+    ``fallback`` (1.0, every chunk at int8) without a verdict or when none passes."""
+    table = usable_table(model_fingerprint, path, check_codec=False)
+    if table is None:
+        return fallback
+    ratios = sorted(((float(e.params["ratio"]), e) for e in table.section("device")
+                     if e.verdict and e.params.get("ratio") is not None),
+                    key=lambda x: -x[0])
+    best = None
+    for ratio, entry in ratios:
+        if entry.verdict_name != PASS:
+            break
+        best = ratio
+    return fallback if best is None else best
+
+
+def passing_entries(table: QualityTable, section: str) -> list[QualityEntry]:
+    """The entries of ``section`` whose verdict passes, in the table's order."""
+    return [e for e in table.section(section) if e.verdict_name == PASS]
+
+
+def press_warning(model_fingerprint: str, spec: str,
+                  path: str | os.PathLike[str] | None = None) -> str | None:
+    """The warning a server gives with a context compressed by press ``spec`` (canonical, e.g.
+    ``adakv:0.5``) when the model's table has a ``presses`` entry of that spec whose verdict is
+    ``fail`` (answers inferior to the uncompressed context's with 95% confidence); ``None``
+    otherwise (a pass, an undecided verdict, or no row: as before tables judged presses). ASCII
+    only: it also travels as an HTTP header."""
+    e = entry_for(model_fingerprint, "presses", spec, path)
+    if e is None or e.verdict_name != "fail":
+        return None
+    text = (f"press {spec} fails this model's quality table ({e.verdict_summary}): its answers "
+            "are inferior to the uncompressed context's with 95% confidence (docs/quality.md)")
+    return text.encode("ascii", "replace").decode("ascii")
+
+
+def table_cpu_dtype(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
+                    cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> str:
+    """What ``--dtype auto`` should compute with on a CPU: ``bfloat16`` when the model's table
+    passes it (:func:`table_dtype_passes`) **and** the CPU has bf16 hardware
+    (:func:`sparkv.runtime.device.cpu_has_bf16`), else ``float32`` (today's CPU default). Not
+    wired into ``resolve_dtype`` yet: the server's and the edge's dtypes must agree (issue 28)."""
+    from sparkv.runtime.device import cpu_has_bf16
+
+    if table_dtype_passes(model_fingerprint, "bfloat16", path) and cpu_has_bf16(cpuinfo):
+        return "bfloat16"
+    return "float32"
+
+
+def describe_table(table: QualityTable) -> list[str]:
+    """One line per section: each entry's name and verdict (``q8 pass, q5 undecided: need 12
+    more QA questions``); a version 1 entry shows its QA teacher-forced mean instead."""
+    lines = []
+    for section in table.section_names():
+        cells = []
+        for e in table.section(section):
+            if e.verdict:
+                cells.append(f"{e.name} {e.verdict_summary}")
+            else:
+                tf = "-" if e.qa_teacher_forced is None else f"{e.qa_teacher_forced:.3f}"
+                cells.append(f"{e.name} (no verdict; teacher-forced {tf})")
+        lines.append(f"{section}: " + "; ".join(cells))
+    return lines

@@ -33,4 +33,22 @@ def _model(args: argparse.Namespace) -> int:
     print(f"layers       {g.num_layers}, KV heads {g.num_kv_heads}, head_dim {g.head_dim}")
     print(f"context      {args.tokens} tokens -> {g.num_token_chunks} token chunks x "
           f"{g.num_layers} layers x {g.num_groups} groups = {g.num_chunks} KV chunks")
+    _print_quality(lm.fingerprint)
     return 0
+
+
+def _print_quality(fingerprint: str) -> None:
+    """The model's quality table: where it is and every entry's verdict (docs/quality.md)."""
+    from sparkv.predictor.quality import (bundled_quality_table_path, describe_table,
+                                          quality_table_path, usable_table)
+
+    table = usable_table(fingerprint, check_codec=False)
+    if table is None:
+        print("quality      no table (defaults: floor q5, backend auto; docs/quality.md)")
+        return
+    own = quality_table_path(fingerprint)
+    where = own if own.is_file() else bundled_quality_table_path(fingerprint)
+    codec = "" if table.matches_codec() else " (another codec: levels ignored)"
+    print(f"quality      {where}{codec}")
+    for line in describe_table(table):
+        print(f"  {line}")

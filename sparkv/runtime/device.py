@@ -82,6 +82,26 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
     return dtype
 
 
+#: /proc/cpuinfo flags of CPUs with bfloat16 arithmetic in hardware (AVX512-BF16, AMX-BF16);
+#: without them torch emulates bf16 matmuls on the CPU, slower than fp32
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_bf16(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 in hardware (a flag of :data:`BF16_CPU_FLAGS` in
+    ``cpuinfo``'s ``flags`` lines); ``False`` where the file cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.partition(":")[2].split())
+                    if flags & set(BF16_CPU_FLAGS):
+                        return True
+    except OSError:
+        return False
+    return False
+
+
 def unified_memory() -> bool:
     """Whether the device shares the CPU's memory (``SPARKV_UNIFIED_MEMORY=1``)."""
     return os.environ.get("SPARKV_UNIFIED_MEMORY", "").strip() in ("1", "true", "yes")

@@ -124,6 +124,11 @@ class ContextCreated(BaseModel):
     chunk_tokens: int
     encrypted: bool
     press: Optional[str] = Field(None, description="the press spec (canonical), if compressed")
+    quality_warning: Optional[str] = Field(
+        None, description="set when the press fails this model's quality table (its answers are "
+                          "inferior to the uncompressed context's with 95% confidence; "
+                          "docs/quality.md): the context is stored anyway; also sent as the "
+                          "X-Sparkv-Quality-Warning header")
     encryption_key: Optional[str] = Field(None, description="base64url AES-256 key; present only "
                                           "in the response that created the job")
     manifest_url: str

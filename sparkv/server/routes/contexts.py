@@ -28,6 +28,8 @@ from sparkv.server.stores import ChunkStore
 log = logging.getLogger("sparkv.server")
 
 TOKENS_MEDIA_TYPE = "application/octet-stream"
+#: the header that repeats ``quality_warning`` (a press that fails the model's quality table)
+QUALITY_WARNING_HEADER = "X-Sparkv-Quality-Warning"
 
 router = APIRouter(tags=["contexts"], generate_unique_id_function=operation_id)
 
@@ -40,14 +42,16 @@ router = APIRouter(tags=["contexts"], generate_unique_id_function=operation_id)
 async def create_context(body: schemas.CreateContext, state: StateDep,
                          tenant: TenantDep) -> JSONResponse:
     """Queues an encode job (202), or answers 200 when the context is already encoded."""
-    result, spec, cid, num_chunks = await to_thread.run_sync(submit_context, state, tenant, body)
+    result, spec, cid, num_chunks, warning = await to_thread.run_sync(submit_context, state,
+                                                                      tenant, body)
     rec = result.job
     job_id = rec["job_id"] if rec else None
     out = {
         "context_id": cid, "job_id": job_id, "status": result.status,
         "model": spec.model, "num_tokens": spec.num_tokens, "num_chunks": num_chunks,
         "levels": list(spec.levels), "chunk_tokens": spec.chunk_tokens,
-        "encrypted": spec.encrypted, "press": spec.press, "encryption_key": None,
+        "encrypted": spec.encrypted, "press": spec.press, "quality_warning": warning,
+        "encryption_key": None,
         "manifest_url": f"/v1/contexts/{cid}",
         "job_url": f"/v1/jobs/{job_id}" if job_id else None,
     }
@@ -55,6 +59,8 @@ async def create_context(body: schemas.CreateContext, state: StateDep,
         out["encryption_key"] = key_to_text(result.key)
     status = 200 if result.status == "done" else 202
     headers = {"Location": out["manifest_url"], "Cache-Control": "no-store"}
+    if warning is not None:
+        headers[QUALITY_WARNING_HEADER] = warning
     return JSONResponse(out, status_code=status, headers=headers)
 
 
@@ -142,9 +148,10 @@ def read_tokens(store: ChunkStore, tenant: str, context_id: str) -> tuple[bytes,
 
 
 def submit_context(state: ServerState, tenant: str, body: schemas.CreateContext
-                   ) -> tuple[SubmitResult, ContextSpec, str, int]:
+                   ) -> tuple[SubmitResult, ContextSpec, str, int, str | None]:
     """Resolves the model, tokenizes, validates and submits: ``(result, spec, context id,
-    number of (t, l, g) chunks)``."""
+    number of (t, l, g) chunks, quality warning)``; the warning (:func:`press_quality_warning`)
+    is ``None`` unless the press fails the model's quality table."""
     s = state.settings
     entry = state.registry.get(body.model or s.default_model)
     if body.text is not None:
@@ -187,4 +194,19 @@ def submit_context(state: ServerState, tenant: str, body: schemas.CreateContext
                        body.heads_per_group, body.encrypt, body.press)
     cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
     result = state.jobs.submit(spec, cid, geometry.num_chunks * len(levels))
-    return result, spec, cid, geometry.num_chunks
+    return result, spec, cid, geometry.num_chunks, press_quality_warning(entry.fingerprint,
+                                                                         body.press)
+
+
+def press_quality_warning(model_fingerprint: str, press: str | None) -> str | None:
+    """A press whose verdict in the model's quality table is ``fail`` is accepted with this
+    warning (the client decides; docs/quality.md, "Presses"); ``None`` for no press, a press that
+    passes or is undecided, or no row (as before)."""
+    if not press:
+        return None
+    from sparkv.predictor.quality import press_warning
+
+    warning = press_warning(model_fingerprint, press)
+    if warning is not None:
+        log.warning("%s", warning)
+    return warning

@@ -56,8 +56,17 @@ run() {  # prints a command (shell-quoted); runs it unless --dry-run
   [ "$DRY_RUN" = 1 ] || "$@"
 }
 now() { date +%s.%N; }
+short() { local n=${1##*/}; echo "${n%%:*}"; }  # localhost/sparkv-redis:latest -> sparkv-redis
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 fact() { [ "$DRY_RUN" = 1 ] || echo "$1=$2" >>"$DIR/facts.txt"; }  # KEY VALUE for the summary
+run_logged() {  # LOG COMMAND...: like run, the command's output into LOG (its tail on failure)
+  local log=$1
+  shift
+  echo "+$(printf ' %q' "$@") >$log"
+  [ "$DRY_RUN" = 1 ] && return 0
+  mkdir -p "$(dirname "$log")"
+  "$@" >"$log" 2>&1 || { tail -30 "$log" >&2; die "failed: $1 ... (the whole output: $log)"; }
+}
 
 pick_engine() {
   ENGINE=${SPARKV_ENGINE:-}
@@ -103,10 +112,11 @@ debian_base() {  # IMAGE PACKAGES: a bookworm root with PACKAGES, made once and 
     command -v mmdebstrap >/dev/null || [ "$DRY_RUN" = 1 ] ||
       die "mmdebstrap is not installed (apt-get install mmdebstrap), or set SPARKV_BASE=registry"
     run mkdir -p "$CACHE"
-    run nice -n 10 mmdebstrap --format=tar --variant=minbase --include="$packages" "$SUITE" "$tar.part"
+    run_logged "$DIR/logs/mmdebstrap-$(short "$image").log" \
+      nice -n 10 mmdebstrap --format=tar --variant=minbase --include="$packages" "$SUITE" "$tar.part"
     run mv "$tar.part" "$tar"
   fi
-  run "${ENG[@]}" import "$tar" "$image"
+  run_logged "$DIR/logs/import-$(short "$image").log" "${ENG[@]}" import "$tar" "$image"
 }
 
 pip_build_args() {  # fills PIP_ARGS: mounts and build args from the host's pip config
@@ -144,13 +154,15 @@ build_image() {  # IMAGE DOCKERFILE CONTEXT [ARGS...]
   start=$(now)
   local net=()
   [ "$ENGINE" = podman ] && net=(--network=host)
-  run nice -n 10 "${ENG[@]}" build "${net[@]}" -f "$file" -t "$image" "$@" "$context"
-  fact "build_${image##*/}" "$(since "$start")"
+  run_logged "$DIR/logs/build-$(short "$image").log" \
+    nice -n 10 "${ENG[@]}" build "${net[@]}" -f "$file" -t "$image" "$@" "$context"
+  fact "build_$(short "$image")_s" "$(since "$start")"
 }
 
 build() {
   local t0 base_py base_redis base_nginx
   t0=$(now)
+  run mkdir -p "$DIR/logs"
   podman_conf
   if [ "$BASE_MODE" = local ]; then
     base_py=localhost/sparkv-debian-py:$SUITE
@@ -178,7 +190,8 @@ start() {  # NAME IMAGE [ENGINE RUN ARGS...] -- [COMMAND...]: one detached conta
   local opts=()
   while [ $# -gt 0 ] && [ "$1" != -- ]; do opts+=("$1"); shift; done
   [ $# -gt 0 ] && shift
-  run "${ENG[@]}" run -d --name "$name" --label "$LABEL" --network=host "${opts[@]}" "$image" "$@"
+  # --init: a signal reaches the process (PID 1 ignores SIGTERM without a handler)
+  run "${ENG[@]}" run -d --init --name "$name" --label "$LABEL" --network=host "${opts[@]}" "$image" "$@"
 }
 
 write_config() {  # the topology's server config and its one tenant's key, in $DIR
@@ -279,12 +292,12 @@ up() {
 down() {
   local ids
   if [ "$DRY_RUN" = 1 ]; then
-    echo "+ ${ENG[*]} rm -f -t 5 \$(${ENG[*]} ps -aq --filter label=$LABEL)"; return 0
+    echo "+ ${ENG[*]} rm -f -t 15 \$(${ENG[*]} ps -aq --filter label=$LABEL)"; return 0
   fi
   ids=$("${ENG[@]}" ps -aq --filter "label=$LABEL" 2>/dev/null || true)
   if [ -n "$ids" ]; then
     # shellcheck disable=SC2086 # one id per word
-    "${ENG[@]}" rm -f -t 5 $ids >/dev/null
+    "${ENG[@]}" rm -f -t 15 $ids >/dev/null
   fi
   say "down: no $NAME containers left (images kept)"
 }
@@ -293,7 +306,7 @@ image_facts() {  # sizes and versions for the summary
   [ "$DRY_RUN" = 1 ] && return 0
   local image
   for image in "$SERVER_IMAGE" "$REDIS_IMAGE" "$NGINX_IMAGE"; do
-    fact "size_${image##*/}" "$("${ENG[@]}" image inspect -f '{{.Size}}' "$image")"
+    fact "size_$(short "$image")_bytes" "$("${ENG[@]}" image inspect -f '{{.Size}}' "$image")"
   done
   fact engine "$("${ENG[@]}" --version | head -1)"
   command -v runc >/dev/null && fact runtime "$(runc --version | head -1)"
@@ -315,6 +328,7 @@ test_all() {
   t0=$(now)
   run mkdir -p "$DIR"
   [ "$DRY_RUN" = 1 ] || : >"$DIR/facts.txt"
+  fact started_at "$t0"
   trap 'rc=$?; if [ $rc != 0 ]; then say "failed (exit $rc): removing the containers"; down; fi' EXIT
   down
   build

@@ -108,7 +108,8 @@ def ask(url: str, key: str, cid: str) -> dict[str, Any]:
     return {"command": "sparkv ask --server URL --context CID --device cpu --max-new-tokens 24 "
                        f"--json {shlex.quote(QUESTION)}",
             "seconds": round(time.monotonic() - t0, 1), "answer": result.get("answer"),
-            "strategy": result.get("strategy")}
+            "tokens": result.get("tokens"), "breakdown": result.get("breakdown"),
+            "plan": result.get("plan")}
 
 
 def reader(client: httpx.Client, tally: Tally, cid: str, chunks: list[dict[str, Any]],
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     passed = (k["kill_rc"] == 0 and k["lost"] == 0 and not k["problems"]
               and k["contexts_posted"] > 0 and bool(summary["ask"]["answer"]))
     summary["passed"] = passed
+    if "started_at" in summary["facts"]:  # build + up + these checks (down follows)
+        summary["test_s_before_down"] = round(time.time() - summary["facts"]["started_at"], 1)
     text = json.dumps(summary, indent=2)
     print(text)
     if a.json:

@@ -199,7 +199,8 @@ def dry_run(tmp_path: Path, *args: str, **env: str) -> list[list[str]]:
     out = subprocess.run(["bash", str(CONTAINER_SH), "--dry-run", *args], capture_output=True,
                          text=True, timeout=60, env={**base, **env}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    return [shlex.split(line[2:]) for line in out.stdout.splitlines() if line.startswith("+ ")]
+    cmds = [shlex.split(line[2:]) for line in out.stdout.splitlines() if line.startswith("+ ")]
+    return [c[:-1] if c and c[-1].startswith(">") else c for c in cmds]  # less ">LOG"
 
 
 def _after(words: list[str], flag: str) -> list[str]:

@@ -292,12 +292,15 @@ up() {
 down() {
   local ids
   if [ "$DRY_RUN" = 1 ]; then
-    echo "+ ${ENG[*]} rm -f -t 15 \$(${ENG[*]} ps -aq --filter label=$LABEL)"; return 0
+    echo "+ ${ENG[*]} stop -t 15 \$(${ENG[*]} ps -aq --filter label=$LABEL)"
+    echo "+ ${ENG[*]} rm -f \$(${ENG[*]} ps -aq --filter label=$LABEL)"; return 0
   fi
   ids=$("${ENG[@]}" ps -aq --filter "label=$LABEL" 2>/dev/null || true)
-  if [ -n "$ids" ]; then
+  if [ -n "$ids" ]; then  # SIGTERM, SIGKILL after 15 s (docker rm has no -t)
     # shellcheck disable=SC2086 # one id per word
-    "${ENG[@]}" rm -f -t 15 $ids >/dev/null
+    "${ENG[@]}" stop -t 15 $ids >/dev/null 2>&1 || true
+    # shellcheck disable=SC2086
+    "${ENG[@]}" rm -f $ids >/dev/null
   fi
   say "down: no $NAME containers left (images kept)"
 }

@@ -293,16 +293,16 @@ down() {
   local ids
   if [ "$DRY_RUN" = 1 ]; then
     echo "+ ${ENG[*]} stop -t 15 \$(${ENG[*]} ps -aq --filter label=$LABEL)"
-    echo "+ ${ENG[*]} rm -f \$(${ENG[*]} ps -aq --filter label=$LABEL)"; return 0
+    echo "+ ${ENG[*]} rm -f -v \$(${ENG[*]} ps -aq --filter label=$LABEL)"; return 0
   fi
   ids=$("${ENG[@]}" ps -aq --filter "label=$LABEL" 2>/dev/null || true)
-  if [ -n "$ids" ]; then  # SIGTERM, SIGKILL after 15 s (docker rm has no -t)
+  if [ -n "$ids" ]; then  # SIGTERM, SIGKILL after 15 s (docker rm has no -t); -v: /data too
     # shellcheck disable=SC2086 # one id per word
     "${ENG[@]}" stop -t 15 $ids >/dev/null 2>&1 || true
     # shellcheck disable=SC2086
-    "${ENG[@]}" rm -f $ids >/dev/null
+    "${ENG[@]}" rm -f -v $ids >/dev/null
   fi
-  say "down: no $NAME containers left (images kept)"
+  say "down: no $NAME containers or their volumes left (images kept)"
 }
 
 image_facts() {  # sizes and versions for the summary

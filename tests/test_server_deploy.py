@@ -179,7 +179,7 @@ def test_tls_with_uvicorn_certificate_options(tmp_path):
 
 
 # deploy/container.sh (docs/server.md, "Containers"): the real run needs root, podman and about
-# 30 minutes cold (6-7 with the images cached); CI checks what the script would run (--dry-run)
+# 30 minutes cold (5 with the images cached); CI checks what the script would run (--dry-run)
 # and the files it builds from.
 
 CONTAINER_SH = ROOT / "deploy" / "container.sh"

@@ -159,17 +159,19 @@ def load_qa_sets(spec: str | Path | Sequence[str | Path] | None = None) -> QASet
     slices: dict[str, QASlice] = {}
     items: list[QAItem] = []
     sources: dict[str, list[str]] = {}
-    where: dict[str, Path] = {}
+    slice_file: dict[str, Path] = {}
+    item_file: dict[str, Path] = {}
     for path in qa_paths(spec):
         one = load_qa_set(path)
         for sid, s in one.slices.items():
             if sid in slices:
-                raise QASetError(f"{path}: slice id {sid!r} is also used by {where[sid]}")
-            slices[sid], where[sid] = s, path
+                raise QASetError(f"{path}: slice id {sid!r} is also used by {slice_file[sid]}")
+            slices[sid], slice_file[sid] = s, path
         for it in one.items:
-            if it.id in where:
-                raise QASetError(f"{path}: question id {it.id!r} is also used by {where[it.id]}")
-            where[it.id] = path
+            if it.id in item_file:
+                raise QASetError(f"{path}: question id {it.id!r} is also used by "
+                                 f"{item_file[it.id]}")
+            item_file[it.id] = path
         items.extend(one.items)
         sources.update(one.sources)
     return QASet(slices, items, sources)

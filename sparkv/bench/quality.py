@@ -96,8 +96,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--qa-questions", type=int, default=None,
                    help="ask only the first N QA questions (default: all; --quick 3)")
     p.add_argument("--qa-file", default=None,
-                   help="another QA set in the format of sparkv/data/qa_licenses.json "
-                        "(docs/quality.md)")
+                   help="QA set files, comma-separated, in the format of "
+                        "sparkv/data/qa_licenses.json (default: every bundled set; "
+                        "docs/quality.md)")
     p.add_argument("--levels", default=None,
                    help="level group: stream-only at each level (default raw,q8,q6,q5,q4,q3; "
                         "'' for none)")
@@ -311,7 +312,7 @@ def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
     """Retrieval contexts (``trials(family, size)`` per family and size, depths spread over
     10-90%, seeded) and one context per QA slice with its questions, in the order of
     ``tasks`` (then sizes)."""
-    from sparkv.bench.qa import QA_FILE, load_qa_set
+    from sparkv.bench.qa import load_qa_sets
     from sparkv.bench.tasks import make_task, spread_depths
     from sparkv.edge.prompts import chat_context
 
@@ -323,7 +324,7 @@ def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
         if fam not in FAMILIES:
             raise ValueError(f"unknown task family {fam!r}; known: {', '.join(FAMILIES)}")
         if fam == "qa":
-            qa = load_qa_set(qa_path or QA_FILE).limit(qa_questions)
+            qa = load_qa_sets(qa_path).limit(qa_questions)  # None: every bundled set
             for slice_id, items in qa.by_slice().items():
                 ctx = QualityContext(f"qa-{slice_id}", "qa", None,
                               chat_context(lm, lm.encode_text(qa.text(slice_id))))

@@ -111,7 +111,8 @@ class PressHooks:
         for b in range(int(keys.shape[0])):
             window = None
             if w:
-                q, k = project_window(module, hidden[b:b + 1], cos[b:b + 1], sin[b:b + 1], w)
+                r = b if int(cos.shape[0]) > 1 else 0          # RoPE may be shared by the batch
+                q, k = project_window(module, hidden[b:b + 1], cos[r:r + 1], sin[r:r + 1], w)
                 window = Window(q=[torch.empty(0)] * layer + [q], k=[torch.empty(0)] * layer + [k],
                                 pos=torch.arange(n - w, n), inside=True,
                                 scale=float(module.scaling),

@@ -217,3 +217,25 @@ def test_a_batch_is_planned_per_sequence(tiny_llama):
         with torch.no_grad(), press(model) as alone:
             model(input_ids=ids[b:b + 1])
         assert _same_plan(alone.plan, both.plans[b])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv"])
+def test_generate_inside_the_block(smol, name):
+    """model.generate (so a transformers pipeline) under the press: the prompt is compressed at
+    its prefill, the decode steps are not, and the answer is the one of a hooked prefill followed
+    by greedy steps at the true positions."""
+    lm, ids, _, _, _ = smol
+    press = make_press(name, compression_ratio=0.5)
+    with torch.no_grad(), press(lm.model) as hooks:
+        out = lm.model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
+    assert hooks.plan.kept_fraction == pytest.approx(0.5, abs=0.01)
+    n, cache = len(ids), DynamicCache()
+    with torch.no_grad():
+        with press(lm.model):
+            step = lm.model(input_ids=torch.tensor([ids]), cache=cache).logits[0, -1]
+        tokens = [int(step.argmax())]
+        for i in range(3):
+            step = lm.model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache,
+                            position_ids=torch.tensor([[n + i]])).logits[0, -1]
+            tokens.append(int(step.argmax()))
+    assert out[0, n:].tolist() == tokens

@@ -92,9 +92,10 @@ class PressHooks:
             if cache is None:
                 return
             hidden, cos, sin = attention_inputs(args, kwargs)
-            keys, values = _layer_tensors(cache, getattr(module, "layer_idx", i))
-            if int(keys.shape[2]) != int(hidden.shape[1]):
+            index = getattr(module, "layer_idx", i)
+            if _seq_length(cache, index) != int(hidden.shape[1]):
                 return                                  # not a prefill: leave the cache alone
+            keys, values = _layer_tensors(cache, index)
             with torch.inference_mode():
                 if i == 0:
                     self._scores = [[] for _ in range(int(keys.shape[0]))]
@@ -150,6 +151,13 @@ class PressHooks:
             memory.prune_layer(l, keep)
         cache.layers[:] = [SparkvLayer(memory, l) for l in range(len(self.layers))]  # noqa: E741
         use_sparkv_attention(self.model)
+
+
+def _seq_length(cache: Any, layer: int) -> int:
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer >= len(layers):
+        raise PressError("with press(model) compresses a transformers DynamicCache")
+    return int(layers[layer].get_seq_length())
 
 
 def _layer_tensors(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

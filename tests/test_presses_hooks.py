@@ -239,3 +239,26 @@ def test_generate_inside_the_block(smol, name):
                             position_ids=torch.tensor([[n + i]])).logits[0, -1]
             tokens.append(int(step.argmax()))
     assert out[0, n:].tolist() == tokens
+
+
+def test_a_layerwise_press_cuts_each_layer_after_its_attention(tiny_llama):
+    """Uniform presses cut a layer before the next layer runs (as kvpress does); layer-adaptive
+    ones after the last layer (they need every layer's scores)."""
+    model = tiny_llama.model
+    ids = torch.arange(1, 41)[None]
+    seen = {}
+
+    def before_layer_1(module, args, kwargs):
+        seen["len"] = kwargs["cache"].layers[0].get_seq_length()
+
+    handle = model.model.layers[1].self_attn.register_forward_pre_hook(before_layer_1,
+                                                                        with_kwargs=True)
+    try:
+        for press, expected in [(SnapKVPress(window=8, compression_ratio=0.5), 20),
+                                (PyramidKVPress(window=8, compression_ratio=0.5), 40)]:
+            assert press.layerwise == (expected == 20)
+            with torch.no_grad(), press(model):
+                model(input_ids=ids, cache=DynamicCache())
+            assert seen["len"] == expected
+    finally:
+        handle.remove()

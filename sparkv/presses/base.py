@@ -256,6 +256,13 @@ class Press:
         """Whether :meth:`score` reads the window's attention (the baselines do not)."""
         return True
 
+    @property
+    def layerwise(self) -> bool:
+        """Whether a layer's plan depends on its own scores alone (the default uniform layer and
+        head budgets): ``with press(model):`` then cuts each layer right after its attention."""
+        cls = type(self)
+        return cls.layer_budgets is Press.layer_budgets and cls.head_budgets is Press.head_budgets
+
     # ---- 2. layer budgets ------------------------------------------------------------------------
     def layer_budgets(self, scores: list[torch.Tensor], per_head: int, candidates: int
                       ) -> list[int]:

@@ -11,9 +11,11 @@ attention has run on a *prefill* (the cache layer holds exactly the tokens of th
 hook reads that layer's keys and values from the cache, recomputes the window's queries from the
 module's input (as :class:`~sparkv.presses.scoring.WindowCapture` does) and asks the press for the
 layer's scores through the same :func:`~sparkv.presses.scoring.layer_inputs` as
-:func:`~sparkv.presses.compress`. After the last layer, the press plans over all layers (the same
+:func:`~sparkv.presses.compress`. A *layerwise* press (uniform budgets, so that a layer's plan
+depends on its own scores alone: SnapKV, Knorm, the baselines) plans and cuts that layer right
+there, as kvpress does; the others plan over all layers after the last one (the same
 :meth:`Press.plan <sparkv.presses.base.Press.plan>`; layer-adaptive presses need every layer's
-scores) and the cache is cut to the kept entries:
+scores). The cache is cut to the kept entries:
 
 * when every layer and head keeps the same count (SnapKV, Knorm, the baselines), each cache
   layer's tensors are gathered to ``[B, H, kept, D]``, exactly as kvpress's hooks leave them (any
@@ -96,12 +98,16 @@ class PressHooks:
             if _seq_length(cache, index) != int(hidden.shape[1]):
                 return                                  # not a prefill: leave the cache alone
             keys, values = _layer_tensors(cache, index)
+            n = int(keys.shape[2])
             with torch.inference_mode():
                 if i == 0:
                     self._scores = [[] for _ in range(int(keys.shape[0]))]
+                    self._layer_plans = [[] for _ in range(int(keys.shape[0]))]
                 self._score(i, module, hidden, cos, sin, keys, values)
+                if self.press.layerwise:
+                    self._cut_layer(cache, i, n)
                 if i == len(self.layers) - 1:
-                    self._apply(cache, int(keys.shape[2]))
+                    self._apply(cache, n)
         return hook
 
     def _score(self, layer: int, module: Any, hidden: torch.Tensor, cos: torch.Tensor,
@@ -122,8 +128,21 @@ class PressHooks:
                                   self.press.needs_attention)
             self._scores[b].append(self.press.score_entries(inputs))
 
+    def _cut_layer(self, cache: Any, layer: int, n: int) -> None:
+        """A layerwise press: this layer's plan (its scores alone decide it) and its cut, right
+        after its attention."""
+        plans = [self.press.plan([s[layer]], n, self.budget, self._forced) for s in self._scores]
+        for b, p in enumerate(plans):
+            self._layer_plans[b].append(p)
+            self._scores[b][layer] = torch.empty(0)        # no longer needed
+        _gather_layer(cache.layers[layer], [p.keep[0] for p in plans])
+
     # ---- after the last layer -------------------------------------------------------------------
     def _apply(self, cache: Any, n: int) -> None:
+        if self.press.layerwise:
+            self.plans = [_joined(rows) for rows in self._layer_plans]
+            self._scores, self._layer_plans = [], []
+            return
         self.plans = [self.press.plan(s, n, self.budget, self._forced) for s in self._scores]
         self._scores = []
         counts = {b for p in self.plans for row in p.budgets for b in row}
@@ -137,11 +156,7 @@ class PressHooks:
 
     def _gather(self, cache: Any) -> None:
         for l in range(len(self.layers)):  # noqa: E741
-            layer = cache.layers[l]
-            idx = torch.stack([torch.stack(p.keep[l]) for p in self.plans])     # [B, H, kept]
-            idx = idx.to(layer.keys.device)[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, idx).contiguous()
-            layer.values = layer.values.gather(2, idx).contiguous()
+            _gather_layer(cache.layers[l], [p.keep[l] for p in self.plans])
 
     def _to_ragged(self, cache: Any, n: int) -> None:
         tensors = [_layer_tensors(cache, l) for l in range(len(self.layers))]  # noqa: E741
@@ -151,6 +166,23 @@ class PressHooks:
             memory.prune_layer(l, keep)
         cache.layers[:] = [SparkvLayer(memory, l) for l in range(len(self.layers))]  # noqa: E741
         use_sparkv_attention(self.model)
+
+
+def _gather_layer(layer: Any, keep: list[list[torch.Tensor]]) -> None:
+    """Cuts a cache layer's ``[B, H, N, D]`` tensors to the kept positions ``keep[b][h]`` (the
+    same count everywhere)."""
+    idx = torch.stack([torch.stack(row) for row in keep])                     # [B, H, kept]
+    idx = idx.to(layer.keys.device)[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
+    layer.keys = layer.keys.gather(2, idx).contiguous()
+    layer.values = layer.values.gather(2, idx).contiguous()
+
+
+def _joined(plans: list[Any]) -> Any:
+    """One plan from one-layer plans (layer after layer)."""
+    first = plans[0]
+    info = dict(first.info, layer_budgets=[p.info["layer_budgets"][0] for p in plans])
+    return type(first)([p.keep[0] for p in plans], [p.budgets[0] for p in plans],
+                       first.num_tokens, first.forced, info)
 
 
 def _seq_length(cache: Any, layer: int) -> int:

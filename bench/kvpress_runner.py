@@ -1,10 +1,12 @@
 """kvpress's presses on sparkv's prompts: the peer side of ``sparkv bench presses --kvpress``.
 
 Runs in kvpress's own venv (``bash bench/setup_kvpress.sh``: kvpress needs transformers < 5.3),
-so it imports nothing from sparkv. Reads a JSON job (model path, prompts as token ids, kept
-ratios, modes, press names, new tokens) and writes ``{"rows": [...]}``: per prompt, press, mode
-and ratio, the answer, the KV bytes the cache holds after compression (kvpress's AdaKV only masks
-entries, so it holds everything) and the prefill + compression seconds.
+so it imports nothing from sparkv. Reads a JSON job (model path, prompts as token ids,
+``compression_ratios`` - the fraction removed, kvpress's meaning and sparkv's presses' constructor
+argument alike, so nothing is converted here -, modes, press names, new tokens) and writes
+``{"rows": [...]}``: per prompt, press, mode and compression ratio, the answer, the KV bytes the
+cache holds after compression (kvpress's AdaKV only masks entries, so it holds everything) and the
+prefill + compression seconds.
 
 Each prompt is answered as kvpress's own pipeline does (``KVPressTextGenerationPipeline``):
 the context is prefilled through ``model.model`` inside ``with press(model)``, then the question
@@ -26,14 +28,13 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from kvpress import AdaKVPress, PyramidKVPress, SnapKVPress
 
 
-def make(name: str, ratio: float):
-    removed = 1.0 - ratio
+def make(name: str, compression_ratio: float):
     if name == "snapkv":
-        return SnapKVPress(compression_ratio=removed)
+        return SnapKVPress(compression_ratio=compression_ratio)
     if name == "pyramidkv":
-        return PyramidKVPress(compression_ratio=removed)
+        return PyramidKVPress(compression_ratio=compression_ratio)
     if name == "adakv":
-        return AdaKVPress(SnapKVPress(compression_ratio=removed), alpha_safeguard=0.2)
+        return AdaKVPress(SnapKVPress(compression_ratio=compression_ratio), alpha_safeguard=0.2)
     raise SystemExit(f"kvpress runner: unknown press {name!r}")
 
 
@@ -79,7 +80,8 @@ def main(src: str, dst: str) -> None:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rows = []
-    total = len(job["prompts"]) * len(job["modes"]) * len(job["ratios"]) * len(job["presses"])
+    total = len(job["prompts"]) * len(job["modes"]) * len(job["compression_ratios"]) * \
+        len(job["presses"])
     done = 0
     for p in job["prompts"]:
         for mode in job["modes"]:
@@ -87,17 +89,17 @@ def main(src: str, dst: str) -> None:
             if mode == "aware":
                 ctx, q = ctx + q[:-1], q[-1:]
             full = 2 * len(ctx) * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
-            for ratio in job["ratios"]:
+            for cr in job["compression_ratios"]:
                 for name in job["presses"]:
-                    ids, held, secs = answer(model, make(name, ratio), ctx, q, job["new_tokens"],
+                    ids, held, secs = answer(model, make(name, cr), ctx, q, job["new_tokens"],
                                              eos)
                     text = tok.decode([i for i in ids if i not in eos], skip_special_tokens=True)
                     rows.append({"task": p["task"], "press": f"kvpress:{name}", "mode": mode,
-                                 "ratio": ratio, "answer": text, "kept_fraction": ratio,
+                                 "compression_ratio": cr, "answer": text,
                                  "kv_bytes": held, "bytes_ratio": held / full,
                                  "prefill_s": secs, "compress_s": 0.0})
                     done += 1
-                    print(f"kvpress runner: {done}/{total} {name} {mode} {ratio}: {text!r}",
+                    print(f"kvpress runner: {done}/{total} {name} {mode} {cr}: {text!r}",
                           file=sys.stderr, flush=True)
     with open(dst, "w") as f:
         json.dump({"rows": rows}, f)

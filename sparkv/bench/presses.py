@@ -131,13 +131,18 @@ def measure(lm: Any, tasks: Sequence[Any], presses: Sequence[str], ratios: Seque
 def run_kvpress(python: str, model_path: str, prompts: list[dict[str, Any]],
                 ratios: Sequence[float], modes: Sequence[str], new_tokens: int,
                 threads: int | None) -> tuple[list[dict[str, Any]], str | None]:
-    """kvpress's presses on the same prompts, in its venv; returns its rows (or an error)."""
+    """kvpress's presses on the same prompts, in its venv; returns its rows (or an error). The
+    job names each budget by its ``compression_ratio`` (the fraction removed: kvpress's meaning
+    and our presses' constructor argument); each row gets our kept ``ratio`` back."""
     if not Path(python).exists():
         return [], f"no kvpress venv at {python}: run bash bench/setup_kvpress.sh"
+    from sparkv.presses import Budget
+
+    kept = {Budget(ratio=r).compression_ratio: r for r in ratios}
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "in.json", Path(d) / "out.json"
         src.write_text(json.dumps({"model": model_path, "prompts": prompts,
-                                   "ratios": list(ratios), "modes": list(modes),
+                                   "compression_ratios": list(kept), "modes": list(modes),
                                    "presses": list(KVPRESS_NAMES), "new_tokens": new_tokens,
                                    "threads": threads}))
         env = {**os.environ, "PYTHONNOUSERSITE": "1"}
@@ -145,7 +150,10 @@ def run_kvpress(python: str, model_path: str, prompts: list[dict[str, Any]],
                               stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0 or not dst.exists():
             return [], f"kvpress runner failed ({proc.returncode}): {proc.stderr[-2000:]}"
-        return json.loads(dst.read_text())["rows"], None
+        rows = json.loads(dst.read_text())["rows"]
+        for row in rows:
+            row["ratio"] = row["kept_fraction"] = kept[row["compression_ratio"]]
+        return rows, None
 
 
 def aggregate(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

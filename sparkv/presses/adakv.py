@@ -8,9 +8,10 @@ attention is concentrated gives entries to one whose attention is spread. With `
 Algorithm 1 (the budgets that minimise the L1 loss bound ``2C sum_h (1 - F_h)``, Theorem 3.3);
 with ``alpha = 1`` every head keeps ``b``: the wrapped press unchanged.
 
-:class:`AdaKV` wraps any scorer press (its scores and its layer budgets; only the split between
-heads changes): ``AdaKV(SnapKV())`` is Ada-SnapKV, :class:`AdaPyramid` is ``AdaKV(PyramidKV())``,
-``AdaKV(DynamicKV())`` combines both axes. Scores are compared across heads as they are, so the
+:class:`AdaKVPress` wraps any scorer press (its scores and its layer budgets; only the split
+between heads changes): ``AdaKVPress(SnapKVPress())`` is Ada-SnapKV, :class:`AdaPyramidPress` is
+``AdaKVPress(PyramidKVPress())``, ``AdaKVPress(DynamicKVPress())`` combines both axes. As in
+kvpress, the wrapped press's ``compression_ratio`` is the wrapper's unless one is given. Scores are compared across heads as they are, so the
 wrapped press must give comparable scales (attention weights averaged over the window and the GQA
 group are: each head's sum to 1 before pooling).
 """
@@ -22,7 +23,8 @@ from typing import ClassVar
 import torch
 
 from sparkv.presses.base import Press, PressError
-from sparkv.presses.snapkv import PyramidKV, SnapKV
+from sparkv.presses.scoring import ScoreInputs
+from sparkv.presses.snapkv import PyramidKVPress, SnapKVPress
 
 
 def adaptive_head_budgets(scores: torch.Tensor, per_head: int, alpha: float = 0.2) -> list[int]:
@@ -44,17 +46,23 @@ def adaptive_head_budgets(scores: torch.Tensor, per_head: int, alpha: float = 0.
     return [int(x) for x in torch.bincount(picked // n, minlength=heads)]
 
 
-class AdaKV(Press):
+class AdaKVPress(Press):
     """Head-wise adaptive budgets around another press (module docstring)."""
 
     name: ClassVar[str] = "adakv"
 
-    def __init__(self, inner: Press | None = None, alpha: float = 0.2) -> None:
-        inner = SnapKV() if inner is None else inner
-        super().__init__(inner.window, inner.kernel, inner.pooling)
+    def __init__(self, inner: Press | None = None, alpha: float = 0.2,
+                 compression_ratio: float | None = None) -> None:
+        inner = SnapKVPress() if inner is None else inner
+        if not isinstance(inner, Press):
+            raise PressError(f"AdaKVPress wraps a press, got {type(inner).__name__}")
+        self.inner = inner
+        if compression_ratio is None:
+            compression_ratio = inner.compression_ratio
+        super().__init__(inner.window, inner.kernel, inner.pooling, compression_ratio)
         if not 0.0 <= alpha <= 1.0:
             raise PressError(f"alpha must be in [0, 1], got {alpha}")
-        self.inner, self.alpha = inner, float(alpha)
+        self.alpha = float(alpha)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r}, alpha={self.alpha})"
@@ -62,6 +70,9 @@ class AdaKV(Press):
     @property
     def needs_attention(self) -> bool:
         return self.inner.needs_attention
+
+    def score_entries(self, inputs: ScoreInputs) -> torch.Tensor:
+        return self.inner.score_entries(inputs)
 
     def score(self, layer: int, attention: torch.Tensor) -> torch.Tensor:
         return self.inner.score(layer, attention)
@@ -74,10 +85,15 @@ class AdaKV(Press):
         return adaptive_head_budgets(scores, per_head, self.alpha)
 
 
-class AdaPyramid(AdaKV):
+class AdaPyramidPress(AdaKVPress):
     """Ada-Pyramid: PyramidKV's layer budgets, Ada-KV's head split."""
 
     name: ClassVar[str] = "adapyramid"
 
-    def __init__(self, inner: Press | None = None, alpha: float = 0.2) -> None:
-        super().__init__(PyramidKV() if inner is None else inner, alpha)
+    def __init__(self, inner: Press | None = None, alpha: float = 0.2,
+                 compression_ratio: float | None = None) -> None:
+        super().__init__(PyramidKVPress() if inner is None else inner, alpha, compression_ratio)
+
+
+AdaKV = AdaKVPress            # the names before kvpress's; kept as aliases
+AdaPyramid = AdaPyramidPress

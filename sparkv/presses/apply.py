@@ -23,7 +23,7 @@ import torch
 from sparkv.cache import ContextKV, SparkvCache
 from sparkv.layout import ChunkGeometry
 from sparkv.presses.base import Budget, PressPlan, Press, PressError
-from sparkv.presses.scoring import Window, WindowCapture, iter_attention
+from sparkv.presses.scoring import Window, WindowCapture, layer_inputs, layer_kv
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 
 
@@ -93,26 +93,37 @@ def last(window: Window, size: int) -> Window:
     if window.pos is None or size >= window.size:
         return window
     return Window([q[:, -size:] for q in window.q], [k[:, -size:] for k in window.k],
-                  window.pos[-size:], window.inside, window.scale)
+                  window.pos[-size:], window.inside, window.scale,
+                  [h[-size:] for h in window.hidden])
+
+
+def press_window(window: Window, press: Press) -> tuple[Window | None, int]:
+    """The window a press scores from (the last ``press.window`` tokens of a question-agnostic
+    window; a question-aware window whole; ``None`` for a press without a window) and how many
+    of the context's last positions it forces (the question-agnostic window's size)."""
+    if not window.inside:
+        return window, 0
+    if press.window == 0:
+        return None, 0
+    win = last(window, press.window)
+    return win, win.size
 
 
 @torch.inference_mode()
 def score_layers(memory: ContextKV, press: Press, window: Window) -> tuple[list[torch.Tensor], int]:
-    """Per layer, the press's ``[H, N - forced]`` scores; and ``forced``, the tail of the context
-    every head keeps (the question-agnostic window; 0 for a question-aware one)."""
+    """Per layer, the press's ``[H, N - forced]`` scores (its ``score_entries`` hook on
+    :class:`~sparkv.presses.scoring.ScoreInputs`); and ``forced``, the tail of the context every
+    head keeps (the question-agnostic window; 0 for a question-aware one)."""
     g = memory.geometry
     n = g.num_tokens
-    win = last(window, press.window) if window.inside else window
-    forced = win.size if win.inside else 0
+    win, forced = press_window(window, press)
     if forced > n:
         raise PressError(f"the window ({forced}) is longer than the context ({n})")
-    cand = n - forced
-    if not press.needs_attention:
-        zeros = torch.zeros(g.num_kv_heads, cand)
-        return [press.score(l, zeros) for l in range(g.num_layers)], forced
     scores = []
-    for l, attn in enumerate(iter_attention(memory, win, n)):  # noqa: E741
-        scores.append(press.score(l, attn[:, :cand].float().cpu()))
+    for l in range(g.num_layers):  # noqa: E741
+        k, v = layer_kv(memory, l, n)
+        inputs = layer_inputs(l, k, v, win, n - forced, press.needs_attention)
+        scores.append(press.score_entries(inputs))
     return scores, forced
 
 
@@ -128,8 +139,11 @@ def apply_plan(memory: ContextKV, plan: PressPlan) -> None:
         memory.prune_layer(l, keep)
 
 
-def compress(memory: ContextKV, press: Press, budget: Budget, window: Window) -> CompressResult:
-    """Scores, plans and prunes ``memory`` in place (module docstring)."""
+def compress(memory: ContextKV, press: Press, budget: Budget | None, window: Window
+             ) -> CompressResult:
+    """Scores, plans and prunes ``memory`` in place (module docstring). ``budget`` ``None``: the
+    press's own (its ``compression_ratio``)."""
+    budget = press.resolve_budget(budget)
     before = memory.nbytes
     t0 = time.perf_counter()
     scores, forced = score_layers(memory, press, window)

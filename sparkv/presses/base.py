@@ -4,8 +4,9 @@
 A press decides, per layer ``l`` and KV head ``h`` of a context of ``N`` tokens, which positions to
 keep. It works in three small steps, each a method a subclass may replace:
 
-1. :meth:`Press.score` - ``[H, N]`` scores per layer (higher: keep), from the observation window
-   (:class:`~sparkv.presses.scoring.Window`);
+1. :meth:`Press.score_entries` - ``[H, N]`` scores per layer (higher: keep), from what it sees of
+   the layer (:class:`~sparkv.presses.scoring.ScoreInputs`: keys, values, the window's queries and
+   hidden states, the window's attention); by default :meth:`Press.score` of the attention;
 2. :meth:`Press.layer_budgets` - entries per head of each layer (uniform, pyramid, DynamicKV's
    progressive top-k), summing to ``L x`` the average;
 3. :meth:`Press.head_budgets` - entries per head inside a layer (uniform, or Ada-KV's global top-B),
@@ -15,18 +16,23 @@ Then each head keeps its top-``b_lh`` positions plus the *forced* tail (the cont
 observation window in question-agnostic mode). :meth:`Press.plan` returns a :class:`PressPlan`;
 :func:`sparkv.presses.apply.apply_plan` frees the rest in the KV memory (ragged layers: real
 memory, not masks).
+
+A press is also kvpress-shaped: ``compression_ratio`` (the fraction *removed*) in its constructor
+is its own budget, and ``with press(model):`` compresses a plain transformers prefill
+(:mod:`sparkv.presses.hooks`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
 from sparkv.presses.errors import PressError
-from sparkv.presses.scoring import pool
+from sparkv.presses.hooks import PressHooks
+from sparkv.presses.scoring import ScoreInputs, pool
 
 __all__ = ["Budget", "PressPlan", "Press", "PressError", "round_to_total"]
 
@@ -66,6 +72,23 @@ class Budget:
 
     def __str__(self) -> str:
         return f"{self.ratio:g}" if self.ratio is not None else f"{self.tokens}t"
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """kvpress's ``compression_ratio``: the fraction removed, ``1 - ratio`` (``None`` for a
+        token budget)."""
+        return None if self.ratio is None else round(1.0 - float(self.ratio), 12)
+
+    @classmethod
+    def from_compression_ratio(cls, compression_ratio: float) -> "Budget":
+        """The budget that removes ``compression_ratio`` of the entries (kvpress's meaning,
+        ``0 <= compression_ratio < 1``): ``Budget(ratio=1 - compression_ratio)``."""
+        c = compression_ratio
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) \
+                or not 0 <= float(c) < 1:
+            raise PressError(f"compression_ratio (the fraction removed) must be in [0, 1), got "
+                             f"{c!r}")
+        return cls(ratio=round(1.0 - float(c), 12))
 
     @classmethod
     def parse(cls, text: str) -> "Budget":
@@ -156,27 +179,73 @@ class Press:
     they change; the defaults are SnapKV's: window attention scores, uniform budgets.
 
     Args:
-        window: question-agnostic observation window (the context's last tokens; they are kept).
+        window: question-agnostic observation window (the context's last tokens; they are kept);
+            0 (no window) only for a press that does not read attention.
         kernel: pooling kernel over positions (1: none).
         pooling: ``"max"`` or ``"avg"``.
+        compression_ratio: kvpress's meaning, the fraction of entries *removed* (``[0, 1)``);
+            gives the press its own :attr:`budget` (``Budget(ratio=1 - compression_ratio)``),
+            which :func:`~sparkv.presses.compress` and ``with press(model):`` use when no budget
+            is given. ``None``: the budget comes with each call (``adakv:0.2`` specs).
     """
 
     name: ClassVar[str] = "press"
 
-    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "max") -> None:
-        if window < 1:
-            raise PressError(f"window must be >= 1, got {window}")
+    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "max",
+                 compression_ratio: float | None = None) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0 \
+                or (window == 0 and self.needs_attention):
+            raise PressError(f"window must be an integer >= 1 (>= 0 for a press that does not "
+                             f"read attention), got {window!r}")
         if kernel < 1 or kernel % 2 == 0:
             raise PressError(f"kernel must be a positive odd number, got {kernel}")
         if pooling not in ("max", "avg"):
             raise PressError(f"pooling is 'max' or 'avg', got {pooling!r}")
         self.window, self.kernel, self.pooling = window, kernel, pooling
+        self.budget: Budget | None = None if compression_ratio is None else \
+            Budget.from_compression_ratio(compression_ratio)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """The fraction of entries this press removes (kvpress's meaning), ``None`` without an
+        own budget."""
+        return None if self.budget is None else self.budget.compression_ratio
 
     def __repr__(self) -> str:
+        cr = "" if self.budget is None else f", compression_ratio={self.compression_ratio:g}"
         return f"{type(self).__name__}(window={self.window}, kernel={self.kernel}, " \
-               f"pooling={self.pooling!r})"
+               f"pooling={self.pooling!r}{cr})"
+
+    def __call__(self, model: Any, budget: "Budget | None" = None) -> PressHooks:
+        """``with press(model):`` - while active, a prefill of ``model`` (a transformers
+        Llama-family causal LM or its base model) into a ``DynamicCache`` is compressed by this
+        press, as kvpress's presses do (:mod:`sparkv.presses.hooks`). ``budget`` defaults to
+        the press's own (``compression_ratio``)."""
+        budget = self.budget if budget is None else budget
+        if budget is None:
+            raise PressError(f"{type(self).__name__} has no budget: give it a compression_ratio "
+                             "(the fraction removed) or call press(model, budget=Budget(...))")
+        return PressHooks(self, model, budget)
+
+    def resolve_budget(self, budget: "Budget | None") -> "Budget":
+        """``budget``, or the press's own when it is ``None``."""
+        out = self.budget if budget is None else budget
+        if out is None:
+            raise PressError(f"no budget: give one, or a compression_ratio to "
+                             f"{type(self).__name__}")
+        return out
 
     # ---- 1. scores -------------------------------------------------------------------------------
+    def score_entries(self, inputs: ScoreInputs) -> torch.Tensor:
+        """``[H, n]`` scores of one layer's ``n`` candidate positions (higher: keep), from what
+        the press sees of the layer: keys, values, the window's queries and hidden states, and
+        the window's attention when :attr:`needs_attention`. By default :meth:`score` of the
+        attention (zeros for a press that does not read it)."""
+        att = inputs.attention
+        if att is None:
+            att = torch.zeros(int(inputs.keys.shape[0]), inputs.num_candidates)
+        return self.score(inputs.layer, att)
+
     def score(self, layer: int, attention: torch.Tensor) -> torch.Tensor:
         """``[H, n]`` scores of the candidate positions of one layer, from the window's attention
         ``[H, n]`` (mean over the window's queries and each KV head's query group)."""
@@ -186,6 +255,13 @@ class Press:
     def needs_attention(self) -> bool:
         """Whether :meth:`score` reads the window's attention (the baselines do not)."""
         return True
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether a layer's plan depends on its own scores alone (the default uniform layer and
+        head budgets): ``with press(model):`` then cuts each layer right after its attention."""
+        cls = type(self)
+        return cls.layer_budgets is Press.layer_budgets and cls.head_budgets is Press.head_budgets
 
     # ---- 2. layer budgets ------------------------------------------------------------------------
     def layer_budgets(self, scores: list[torch.Tensor], per_head: int, candidates: int

@@ -1,4 +1,4 @@
-"""Sanity baselines: :class:`RandomPress` (random entries) and :class:`StreamingLLM` (attention
+"""Sanity baselines: :class:`RandomPress` (random entries) and :class:`StreamingLLMPress` (attention
 sinks plus the most recent tokens). Neither reads attention; both keep the budget exactly, with
 uniform budgets, so a scoring press that does not beat them has a bug."""
 
@@ -16,8 +16,9 @@ class RandomPress(Press):
 
     name: ClassVar[str] = "random"
 
-    def __init__(self, window: int = 32, seed: int = 0) -> None:
-        super().__init__(window, 1, "max")
+    def __init__(self, window: int = 32, seed: int = 0, compression_ratio: float | None = None
+                 ) -> None:
+        super().__init__(window, 1, "max", compression_ratio)
         self.seed = int(seed)
 
     @property
@@ -29,14 +30,15 @@ class RandomPress(Press):
         return torch.rand(attention.shape, generator=g)
 
 
-class StreamingLLM(Press):
+class StreamingLLMPress(Press):
     """Keeps the first ``sinks`` tokens and the most recent ones (StreamingLLM's attention
     sinks and sliding window)."""
 
     name: ClassVar[str] = "streamingllm"
 
-    def __init__(self, window: int = 32, sinks: int = 4) -> None:
-        super().__init__(window, 1, "max")
+    def __init__(self, window: int = 32, sinks: int = 4, compression_ratio: float | None = None
+                 ) -> None:
+        super().__init__(window, 1, "max", compression_ratio)
         if sinks < 0:
             raise PressError(f"sinks must be >= 0, got {sinks}")
         self.sinks = int(sinks)
@@ -50,3 +52,6 @@ class StreamingLLM(Press):
         s = torch.arange(n, dtype=torch.float32) / max(1, n)     # recency
         s[:self.sinks] = 2.0                                      # sinks first
         return s.expand(h, n).clone()
+
+
+StreamingLLM = StreamingLLMPress    # the name before kvpress's; kept as an alias

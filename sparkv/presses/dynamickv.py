@@ -22,17 +22,18 @@ from typing import ClassVar
 import torch
 
 from sparkv.presses.base import PressError, round_to_total
-from sparkv.presses.snapkv import SnapKV
+from sparkv.presses.snapkv import SnapKVPress
 
 
-class DynamicKV(SnapKV):
+class DynamicKVPress(SnapKVPress):
     """See the module docstring. ``r_max``: buffer scale; ``m``: update interval in layers."""
 
     name: ClassVar[str] = "dynamickv"
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "max",
-                 r_max: float = 10.0, m: int = 4) -> None:
-        super().__init__(window, kernel, pooling)
+                 r_max: float = 10.0, m: int = 4, compression_ratio: float | None = None
+                 ) -> None:
+        super().__init__(window, kernel, pooling, compression_ratio)
         if r_max < 1 or m < 1:
             raise PressError(f"r_max must be >= 1 and m >= 1, got {r_max}, {m}")
         self.r_max, self.m = float(r_max), int(m)
@@ -69,3 +70,6 @@ class DynamicKV(SnapKV):
         if sum(room) < total:
             room = [cap] * num_layers
         return round_to_total([max(x, 1e-9) for x in last], total, room)
+
+
+DynamicKV = DynamicKVPress    # the name before kvpress's; kept as an alias

@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sparkv.presses.adakv import AdaKV, AdaPyramid
+from sparkv.presses.adakv import AdaKVPress, AdaPyramidPress
 from sparkv.presses.base import Budget, Press, PressError
-from sparkv.presses.baselines import RandomPress, StreamingLLM
-from sparkv.presses.dynamickv import DynamicKV
-from sparkv.presses.snapkv import PyramidKV, SnapKV
+from sparkv.presses.baselines import RandomPress, StreamingLLMPress
+from sparkv.presses.dynamickv import DynamicKVPress
+from sparkv.presses.knorm import KnormPress
+from sparkv.presses.snapkv import PyramidKVPress, SnapKVPress
 
 PRESSES: dict[str, Callable[..., Press]] = {
-    "snapkv": SnapKV,
-    "pyramidkv": PyramidKV,
-    "dynamickv": DynamicKV,
-    "adakv": AdaKV,                                   # Ada-SnapKV
-    "adapyramid": AdaPyramid,
-    "ada-dynamickv": lambda **kw: AdaKV(DynamicKV(**kw)),
+    "snapkv": SnapKVPress,
+    "pyramidkv": PyramidKVPress,
+    "dynamickv": DynamicKVPress,
+    "adakv": AdaKVPress,                              # Ada-SnapKV
+    "adapyramid": AdaPyramidPress,
+    "ada-dynamickv": lambda **kw: AdaKVPress(DynamicKVPress(**kw)),
     "random": RandomPress,
-    "streamingllm": StreamingLLM,
+    "streamingllm": StreamingLLMPress,
+    "knorm": KnormPress,
 }
 """Every press by name (one line per press)."""
 

@@ -9,12 +9,15 @@
   ``softmax(Q_win K^T * scale)`` (causal inside the window), averaged over the window's queries
   and over each KV head's GQA query group (Ada-KV scores a GQA head by its group's mean).
 * :func:`pool` smooths them along positions (SnapKV's max pooling, kernel 7; or average).
+* :class:`ScoreInputs` is what a press's ``score_entries`` hook sees of one layer: the candidates'
+  keys and values, the window's queries and hidden states, and the window attention when the press
+  reads it (the same inputs through :func:`~sparkv.presses.compress` and ``with press(model):``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +29,16 @@ from sparkv.presses.errors import PressError
 class Window:
     """Per layer, the window's queries ``q [Hq, w, D]`` and keys ``k [H, w, D]`` (post-RoPE),
     their positions ``pos [w]``, and whether they are part of the context (``inside``: the
-    question-agnostic window, kept by every head) or follow it (the question)."""
+    question-agnostic window, kept by every head) or follow it (the question); ``hidden``, per
+    layer, the window tokens' input to the attention module ``[w, hidden_size]`` (after the
+    layer's input norm)."""
 
     q: list[torch.Tensor] = field(default_factory=list)
     k: list[torch.Tensor] = field(default_factory=list)
     pos: torch.Tensor | None = None
     inside: bool = True
     scale: float = 1.0
+    hidden: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -58,8 +64,8 @@ class WindowCapture:
         self.model, self.last, self.start = model, last, start
         inner = getattr(model, "model", model)
         self.layers = list(inner.layers)
-        self.window = Window(q=[torch.empty(0)] * len(self.layers),
-                             k=[torch.empty(0)] * len(self.layers), inside=inside)
+        empty = [torch.empty(0)] * len(self.layers)
+        self.window = Window(q=list(empty), k=list(empty), inside=inside, hidden=list(empty))
         self._handles: list[Any] = []
 
     def __enter__(self) -> "WindowCapture":
@@ -75,26 +81,76 @@ class WindowCapture:
 
     def _hook(self, i: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+            hidden, cos, sin = attention_inputs(args, kwargs)
             n = int(hidden.shape[1])
             w = n if self.last is None else min(self.last, n)
-            h = hidden[:, n - w:]
-            d = int(module.head_dim)
-            q = module.q_proj(h).view(1, w, -1, d).transpose(1, 2)
-            k = module.k_proj(h).view(1, w, -1, d).transpose(1, 2)
-            if getattr(module, "q_norm", None) is not None:
-                q = module.q_norm(q)
-            if getattr(module, "k_norm", None) is not None:
-                k = module.k_norm(k)
-            c, s = cos[:, n - w:].unsqueeze(1), sin[:, n - w:].unsqueeze(1)
-            q = q * c + _rotate_half(q) * s
-            k = k * c + _rotate_half(k) * s
-            self.window.q[i] = q[0].detach().float()
-            self.window.k[i] = k[0].detach().float()
+            q, k = project_window(module, hidden[:1], cos[:1], sin[:1], w)
+            self.window.q[i], self.window.k[i] = q, k
+            self.window.hidden[i] = hidden[0, n - w:].detach().float()
             self.window.scale = float(module.scaling)
             self.window.pos = torch.arange(self.start + n - w, self.start + n)
         return hook
+
+
+def attention_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention module's call arguments -> its ``hidden_states [B, T, hidden]`` and RoPE's
+    ``cos, sin [B, T, D]``."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    rope = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+    if hidden is None or rope is None:
+        raise PressError("the attention module was called without hidden_states and "
+                         "position_embeddings (a Llama-family model is needed)")
+    return hidden, rope[0], rope[1]
+
+
+def project_window(module: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``w`` tokens' queries ``[Hq, w, D]`` and keys ``[H, w, D]`` (float32), computed
+    from one sequence's attention input ``hidden [1, T, hidden]`` with the module's own
+    projections (and q/k norms where it has them) and RoPE (``cos, sin [1, T, D]``)."""
+    n = int(hidden.shape[1])
+    h = hidden[:, n - w:]
+    d = int(module.head_dim)
+    q = module.q_proj(h).view(1, w, -1, d).transpose(1, 2)
+    k = module.k_proj(h).view(1, w, -1, d).transpose(1, 2)
+    if getattr(module, "q_norm", None) is not None:
+        q = module.q_norm(q)
+    if getattr(module, "k_norm", None) is not None:
+        k = module.k_norm(k)
+    c, s = cos[:, n - w:].unsqueeze(1), sin[:, n - w:].unsqueeze(1)
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    return q[0].detach().float(), k[0].detach().float()
+
+
+@dataclass
+class ScoreInputs:
+    """What a press's ``score_entries`` hook sees of one layer (``n`` candidate positions, ``w``
+    window tokens; all float32, one sequence).
+
+    Attributes:
+        layer: the layer's index.
+        keys: ``[H, n, D]`` the candidates' keys (after RoPE).
+        values: ``[H, n, D]`` their values.
+        queries: ``[Hq, w, D]`` the window's queries (after RoPE), or ``None`` (no window).
+        hidden_states: ``[w, hidden_size]`` the window tokens' input to the attention module, or
+            ``None`` (no window).
+        attention: ``[H, n]`` the window's attention over the candidates (mean over the window's
+            queries and each KV head's query group), or ``None`` when the press does not read it
+            (``needs_attention`` is false).
+    """
+
+    layer: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    attention: torch.Tensor | None = None
+
+    @property
+    def num_candidates(self) -> int:
+        return int(self.keys.shape[1])
 
 
 def window_attention(q: torch.Tensor, k_ctx: torch.Tensor, q_pos: torch.Tensor,
@@ -145,24 +201,41 @@ def pool(scores: torch.Tensor, kernel: int, how: str = "max") -> torch.Tensor:
     return F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False)[0]
 
 
-def layer_keys(memory: Any, layer: int, stop: int) -> torch.Tensor:
-    """``[H, stop, D]`` keys of positions ``0 .. stop-1`` of a full (unpruned) memory layer."""
+def layer_kv(memory: Any, layer: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[H, stop, D]`` keys and values of positions ``0 .. stop-1`` of a full (unpruned) memory
+    layer."""
     entries = memory.layer_entries(layer, stop)
-    ks = []
+    ks, vs = [], []
     for h, e in enumerate(entries):
         if int(e.pos.numel()) != stop:
             raise PressError(f"layer {layer}, head {h} holds {int(e.pos.numel())} of {stop} "
                              "positions: a press scores a full context")
         ks.append(e.k)
-    return torch.stack(ks)
+        vs.append(e.v)
+    return torch.stack(ks), torch.stack(vs)
 
 
-def iter_attention(memory: Any, window: Window, num_tokens: int) -> Iterator[torch.Tensor]:
-    """Per layer, :func:`window_attention` of ``window`` over the memory's first ``num_tokens``
-    positions."""
-    for l in range(len(window.q)):  # noqa: E741
-        if window.pos is None or window.q[l].numel() == 0:
-            raise PressError(f"no window was captured for layer {l}")
-        k = layer_keys(memory, l, num_tokens)
-        yield window_attention(window.q[l], k, window.pos,
-                               None if window.inside else window.k[l], window.scale)
+def layer_keys(memory: Any, layer: int, stop: int) -> torch.Tensor:
+    """``[H, stop, D]`` keys of positions ``0 .. stop-1`` of a full (unpruned) memory layer."""
+    return layer_kv(memory, layer, stop)[0]
+
+
+def layer_inputs(layer: int, keys: torch.Tensor, values: torch.Tensor, window: Window | None,
+                 candidates: int, attend: bool) -> ScoreInputs:
+    """One layer's :class:`ScoreInputs` from its full ``keys, values [H, N, D]`` (positions
+    ``0 .. N-1``) and the window (``None``: no window); ``candidates`` the first positions a press
+    chooses among; ``attend``: compute the window attention."""
+    q = hidden = attention = None
+    if window is not None and window.pos is not None:
+        if window.q[layer].numel() == 0:
+            raise PressError(f"no window was captured for layer {layer}")
+        q = window.q[layer]
+        hidden = window.hidden[layer] if layer < len(window.hidden) else None
+    if attend:
+        if q is None or window is None or window.pos is None:
+            raise PressError("this press reads the window's attention: it needs a window")
+        k_win = None if window.inside else window.k[layer]
+        attention = window_attention(q, keys, window.pos, k_win, window.scale)
+        attention = attention[:, :candidates].float().cpu()
+    return ScoreInputs(layer, keys[:, :candidates].float(), values[:, :candidates].float(), q,
+                       hidden, attention)

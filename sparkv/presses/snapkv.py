@@ -10,14 +10,14 @@ import torch
 from sparkv.presses.base import Press, PressError, round_to_total
 
 
-class SnapKV(Press):
+class SnapKVPress(Press):
     """Window attention scores, max-pooled (kernel 7); every layer and head keeps the same
     number of entries (plus the window)."""
 
     name: ClassVar[str] = "snapkv"
 
 
-class PyramidKV(SnapKV):
+class PyramidKVPress(SnapKVPress):
     """SnapKV's scores with pyramid layer budgets: linear from ``2b - b/beta`` entries per head at
     layer 0 down to ``b/beta`` at the last layer (``b`` the average, ``beta = 20``), as PyramidKV
     and Ada-Pyramid do; the same count for every head of a layer."""
@@ -25,8 +25,8 @@ class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "max",
-                 beta: float = 20.0) -> None:
-        super().__init__(window, kernel, pooling)
+                 beta: float = 20.0, compression_ratio: float | None = None) -> None:
+        super().__init__(window, kernel, pooling, compression_ratio)
         if beta < 1:
             raise PressError(f"beta must be >= 1, got {beta}")
         self.beta = float(beta)
@@ -38,3 +38,7 @@ class PyramidKV(SnapKV):
         hi = 2 * per_head - lo
         weights = [hi - (hi - lo) * l / max(1, n - 1) for l in range(n)]  # noqa: E741
         return round_to_total(weights, per_head * n, candidates)
+
+
+SnapKV = SnapKVPress          # the names before kvpress's; kept as aliases
+PyramidKV = PyramidKVPress

@@ -126,6 +126,8 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     pe = kwargs.get("position_embeddings")
     cache = kwargs.get("past_key_values")
+    if cache is None:       # transformers >= 5 passes the model's cache as ``cache``
+        cache = kwargs.get("cache")
     layer_idx = int(getattr(module, "layer_idx", 0) or 0)
     keys = _keys_of(cache, layer_idx)
     if hidden is None or pe is None or keys is None:

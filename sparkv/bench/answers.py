@@ -225,7 +225,7 @@ def reference_answers(lm: Any, ctx: QualityContext, ref_mem: Any, dense: Config,
     for probe in ctx.probes:
         suffixes[probe.id] = (list(probe.question_ids) if probe.question_ids is not None
                               else question_suffix(lm, probe.question))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ref = greedy_generate(lm, ref_mem, n, suffixes[probe.id], probe.new_tokens,
                               stop_at_eos=probe.stop_at_eos)
         if probe.family == "qa":  # where dense itself is a near-tie
@@ -236,6 +236,7 @@ def reference_answers(lm: Any, ctx: QualityContext, ref_mem: Any, dense: Config,
             continue
         row = base_row(ctx, probe, dense)
         row["answer_s"] = time.perf_counter() - t0
+        row["answer_cpu_s"] = time.process_time() - c0
         row.update({"answer": ref.text, "score": probe.score(ref.text),
                     "greedy_agreement": 1.0, "teacher_forced": 1.0,
                     "first_token_kl": 0.0, "mb": 0.0, "ttft_s": None, "streamed": 0,

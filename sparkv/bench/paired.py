@@ -8,8 +8,9 @@ teacher-forced agreement, first-token KL, the answer's score). No server, no lin
 it measures do not depend on timing.
 
 Rows carry ``load_s`` (seconds to make the variant's cache of the context, the dense prefill for
-``dense``) and ``answer_s`` (seconds to answer and judge the probe): the cost per task and
-variant. A run resumes: (probe, configuration) pairs already in ``done`` are skipped, and a
+``dense``) and ``answer_s`` (seconds to answer and judge the probe), and the same spans in CPU
+seconds of this process (``load_cpu_s``, ``answer_cpu_s``: on a shared machine wall time
+measures the other jobs too): the cost per task and variant. A run resumes: (probe, configuration) pairs already in ``done`` are skipped, and a
 context whose every pair is done is not even prefilled.
 """
 
@@ -107,7 +108,7 @@ def _reference(lm: Any, ctx: QualityContext, ref: Reference, emit: Emit
                              spare_tokens=SPARE_TOKENS)
 
     def timed(row: dict[str, Any]) -> None:
-        row["load_s"] = ref.prefill_s
+        row["load_s"], row["load_cpu_s"] = ref.prefill_s, ref.prefill_cpu_s
         emit(row)
 
     out = reference_answers(lm, ctx, mem, DENSE, timed)
@@ -128,14 +129,15 @@ def variant_rows(ctx: QualityContext, variant: Variant, ref: Reference, refs: di
             emit(_error_row(ctx, probe, config, exc))
         return
     for probe in ctx.probes:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             row = answer(ctx, probe, config, load, refs[probe.id], suffixes[probe.id],
                          margins.get(probe.id))
         except Exception as exc:  # noqa: BLE001
             row = _error_row(ctx, probe, config, exc)
-        row["load_s"] = load.load_s
+        row["load_s"], row["load_cpu_s"] = load.load_s, load.load_cpu_s
         row["answer_s"] = time.perf_counter() - t0
+        row["answer_cpu_s"] = time.process_time() - c0
         emit(row)
 
 

@@ -60,7 +60,7 @@ class Reference:
         mass, rows: the device service's attention statistics of that prefill
             (:class:`~sparkv.device.density.DensityRecorder`), ``None`` unless asked.
         chunk_tokens: the server's T.
-        prefill_s: seconds the prefill took.
+        prefill_s, prefill_cpu_s: seconds (wall, CPU) the prefill took.
     """
 
     lm: Any
@@ -71,6 +71,7 @@ class Reference:
     rows: torch.Tensor | None = None
     chunk_tokens: int = SERVER_CHUNK_TOKENS
     prefill_s: float = 0.0
+    prefill_cpu_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +87,7 @@ def prefill_reference(lm: Any, token_ids: Sequence[int], *, density: bool = Fals
     from sparkv.presses import prefill
     from sparkv.server.encoder import PRESS_WINDOW
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     rec = DensityRecorder(len(token_ids)) if density else None
     if rec is not None:
         install_hooks(lm.model)
@@ -94,7 +95,7 @@ def prefill_reference(lm: Any, token_ids: Sequence[int], *, density: bool = Fals
         layers, window, _ = prefill(lm, token_ids, window=PRESS_WINDOW)
     return Reference(lm, list(token_ids), layers, window,
                      rec.mass if rec is not None else None, rec.rows if rec is not None else None,
-                     chunk_tokens, time.perf_counter() - t0)
+                     chunk_tokens, time.perf_counter() - t0, time.process_time() - c0)
 
 
 @dataclass
@@ -111,6 +112,8 @@ class VariantLoad:
         levels: chunks per level (``{"q5": 120}``, ``{"fp": 1, "int8": 120}``).
         info: the variant's own facts (a press's ``kept_fraction``).
         load_s: seconds it took to make (prefill of computed variants included).
+        load_cpu_s: CPU seconds of this process over the same span (all threads): the cost on
+            a shared machine, where wall time measures the other jobs too.
     """
 
     lm: Any
@@ -122,6 +125,7 @@ class VariantLoad:
     fallback: dict[str, str] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     load_s: float = 0.0
+    load_cpu_s: float = 0.0
 
 
 class Variant:
@@ -149,10 +153,10 @@ class Variant:
 
     def load(self, ref: Reference) -> VariantLoad:
         """This variant's cache of the reference's context (timed in ``load_s``)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             out = self._load(ref)
-        out.load_s = time.perf_counter() - t0
+        out.load_s, out.load_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         return out
 
     def _load(self, ref: Reference) -> VariantLoad:

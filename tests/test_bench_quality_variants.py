@@ -216,3 +216,27 @@ def test_a_level_variant_is_what_streaming_that_level_delivers(smollm2, tmp_path
     assert mine.bytes_streamed == res.breakdown.bytes_streamed
     for (k, v), (k2, v2) in zip(mine.kv.layer_kv(), streamed):
         assert torch.equal(k[:, :, :n], k2[:, :, :n]) and torch.equal(v[:, :, :n], v2[:, :, :n])
+
+
+def test_the_density_hook_is_the_attention_column_mass():
+    """The device service's attention hook (which now leaves out the keys a block of rows cannot
+    see) records the column sums of the model's own attention matrices, head-averaged, summed
+    over layers: checked against an eager model's ``output_attentions`` (600 tokens: several
+    256-row blocks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparkv.device.density import DensityRecorder, install_hooks, recording
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 600))
+    rec = DensityRecorder(600)
+    install_hooks(model)
+    with torch.inference_mode(), recording(rec):
+        out = model(input_ids=ids, use_cache=True, output_attentions=True)
+    mass = sum(a[0].sum(dim=(0, 1)).double() / a.shape[1] for a in out.attentions)
+    assert torch.allclose(rec.mass, mass, atol=1e-5)
+    assert torch.equal(rec.rows, torch.arange(600, 0, -1, dtype=torch.float64) * 3)

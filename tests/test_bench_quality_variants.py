@@ -13,7 +13,7 @@ import torch
 
 from sparkv.bench.answers import Config, Probe, QualityContext
 from sparkv.bench.paired import evaluate
-from sparkv.bench.quality import build_matrix, parse_shard, resolve_args
+from sparkv.bench.quality import build_matrix, parse_group_trials, parse_shard, resolve_args
 from sparkv.bench.variants import (VARIANTS, DeviceVariant, PressVariant, make_variant,
                                    make_variants, prefill_reference)
 
@@ -152,6 +152,11 @@ def test_a_run_resumes_and_skips_what_is_done(tiny_llama):
     evaluate(tiny_llama, ctxs, variants, emit=third.append, max_trials={"press": 1},
              chunk_tokens=32, progress=False)
     assert [r["config"] for r in third if r["context"] == "tiny-1"] == ["dense", "stream@q8"]
+    fourth: list[dict] = []                       # a limit at one size only
+    evaluate(tiny_llama, ctxs, variants, emit=fourth.append, max_trials={("press", 70): 1,
+                                                                         ("press", 9): 0},
+             chunk_tokens=32, progress=False)
+    assert [r["config"] for r in fourth if r["context"] == "tiny-1"] == ["dense", "stream@q8"]
 
 
 def test_matrix_presets_and_shards():
@@ -174,13 +179,17 @@ def test_matrix_presets_and_shards():
 
     t = resolve_args(args(table=True))
     assert t["sizes"] == [2048, 4096, 8192] and t["trials"] == "30" and t["strategies"] == []
-    assert t["press_trials"] == 10 and t["qa_questions"] is None
+    assert t["group_trials"] == {"press": 10} and t["qa_questions"] is None
     assert set(t["levels"]) >= {"q8", "q6", "q5", "q4"} and len(t["presses"]) >= 4
     assert "adakv:0.5@repeat" in t["presses"] and t["device_ratios"] == ["1.0", "0.75", "0.5"]
     q = resolve_args(args(quick=True, levels="q8"))
     assert q["levels"] == ["q8"] and q["strategies"] == [] and q["qa_questions"] == 3
     with pytest.raises(ValueError):
         resolve_args(args(quick=True, table=True))
+    assert parse_group_trials("press=10,device@8192=5") == {"press": 10, ("device", 8192): 5}
+    for bad in ("nope=3", "press", "press=x"):
+        with pytest.raises(ValueError):
+            parse_group_trials(bad)
     assert parse_shard("1/3") == (1, 3) and parse_shard(None) == (0, 1)
     for bad in ("3/3", "x", "1/0"):
         with pytest.raises(ValueError):

@@ -29,10 +29,10 @@ DENSE = Config("dense", "dense")
 Emit = Callable[[dict[str, Any]], None]
 
 
-def applies(variant: Variant, ctx: QualityContext, max_trials: dict[str, int]) -> bool:
+def applies(variant: Variant, ctx: QualityContext, max_trials: dict[Any, int]) -> bool:
     """Whether ``variant`` is asked about ``ctx``: a retrieval task whose trial index reaches
-    its group's ``max_trials`` is skipped (QA always applies)."""
-    limit = max_trials.get(variant.group)
+    ``max_trials[(group, size)]``, else ``max_trials[group]``, is skipped (QA always applies)."""
+    limit = max_trials.get((variant.group, ctx.size), max_trials.get(variant.group))
     return limit is None or ctx.trial is None or ctx.trial < limit
 
 
@@ -44,7 +44,7 @@ def pending(ctx: QualityContext, names: Iterable[str], done: set[tuple[str, str]
 
 def evaluate(lm: Any, contexts: Sequence[QualityContext], variants: Sequence[Variant], *,
              emit: Emit, done: set[tuple[str, str]] | None = None,
-             max_trials: dict[str, int] | None = None, chunk_tokens: int = 512,
+             max_trials: dict[Any, int] | None = None, chunk_tokens: int = 512,
              progress: bool = True) -> None:
     """Every probe of ``contexts`` under the dense reference and every variant (module
     docstring); each row goes to ``emit`` as soon as it is judged."""

@@ -75,15 +75,15 @@ VARIANT_DEFAULTS = {"levels": "q8,q6,q5,q4,q3", "backends": "dense,block_sparse"
                     "device_ratios": "1.0,0.75,0.5"}
 FULL = {"tasks": "passkey,multikey,multivalue,qa", "sizes": "2048,4096", "trials": "10",
         **VARIANT_DEFAULTS, "strategies": "default", "links": "20", "qa_questions": None,
-        "press_trials": None}
+        "group_trials": None}
 #: ``--table``: the table build of issue 27 (every QA question, pass key at 2K/4K/8K with 30
 #: trials for the deciding groups, the presses on the first 10 of them; no server)
 TABLE = {**FULL, "tasks": "passkey,qa", "sizes": "2048,4096,8192", "trials": "30",
-         "strategies": "", "press_trials": 10}
+         "strategies": "", "group_trials": "press=10"}
 QUICK = {"tasks": "passkey,qa", "sizes": "1024", "trials": "3", "levels": "q8,q5,q4",
          "backends": "dense,block_sparse", "dtypes": "bfloat16",
          "presses": "adakv:0.5@repeat,adakv:0.25", "device_ratios": "1.0,0.5",
-         "strategies": "", "links": "20", "qa_questions": 3, "press_trials": None}
+         "strategies": "", "links": "20", "qa_questions": 3, "group_trials": None}
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -118,9 +118,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--device-ratios", default=None,
                    help="device group: the device service's tolerance compression at each "
                         "global ratio (default 1.0,0.75,0.5; --quick 1.0,0.5)")
-    p.add_argument("--press-trials", type=int, default=None,
-                   help="ask the press group only the first N retrieval tasks per family and "
-                        "size (default: all; --table 10)")
+    p.add_argument("--group-trials", default=None, metavar="GROUP=N[,GROUP@SIZE=N]",
+                   help="ask an in-process group only the first N retrieval tasks per family "
+                        "and size, e.g. press=10,device@8192=10 (default: all; --table "
+                        "press=10)")
     p.add_argument("--strategies", default=None,
                    help="strategy group through a real server: local, stream, hybrid, sparkv, "
                         "default (default: default; --quick and --table: none)")
@@ -737,12 +738,28 @@ def resolve_args(args: argparse.Namespace) -> dict[str, Any]:
             "trials": opts["trials"], "qa_questions": opts["qa_questions"],
             "levels": _csv(opts["levels"]), "backends": _csv(opts["backends"]),
             "dtypes": _csv(opts["dtypes"]), "presses": _csv(opts["presses"]),
-            "device_ratios": _csv(opts["device_ratios"]), "press_trials": opts["press_trials"],
+            "device_ratios": _csv(opts["device_ratios"]), "group_trials": parse_group_trials(opts["group_trials"]),
             "strategies": strategies, "links": _csv(opts["links"]) if strategies else [],
             "encode_levels": _csv(args.encode_levels), "chunk_tokens": args.chunk_tokens,
             "rtt_ms": args.rtt_ms, "seed": args.seed, "quick": bool(args.quick),
             "table": bool(getattr(args, "table", False)), "qa_file": args.qa_file,
             "shard": getattr(args, "shard", None)}
+
+
+def parse_group_trials(text: str | None) -> dict[Any, int]:
+    """``"press=10,device@8192=5"`` -> ``{"press": 10, ("device", 8192): 5}`` (the keys of
+    :func:`sparkv.bench.paired.applies`); ``ValueError`` for an unknown group or a bad item."""
+    from sparkv.bench.variants import VARIANTS
+
+    out: dict[Any, int] = {}
+    for part in _csv(text):
+        key, sep, n = part.partition("=")
+        group, _, size = key.strip().partition("@")
+        if not sep or group not in VARIANTS:
+            raise ValueError(f"--group-trials takes GROUP=N or GROUP@SIZE=N with a group of "
+                             f"{', '.join(VARIANTS)}; got {part!r}")
+        out[(group, int(size)) if size else group] = int(n)
+    return out
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -834,8 +851,7 @@ def _measure_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any
             rows.append(row)
             _sink(sink, row)
 
-        limits = {"press": opts["press_trials"]} if opts["press_trials"] is not None else {}
-        evaluate(lm, contexts, variants, emit=emit, done=done, max_trials=limits,
+        evaluate(lm, contexts, variants, emit=emit, done=done, max_trials=opts["group_trials"],
                  chunk_tokens=opts["chunk_tokens"], progress=not args.no_progress)
     strategies = [c for c in configs if c.group == "strategy"]
     if strategies:

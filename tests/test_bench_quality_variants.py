@@ -179,7 +179,7 @@ def test_matrix_presets_and_shards():
 
     t = resolve_args(args(table=True))
     assert t["sizes"] == [2048, 4096, 8192] and t["trials"] == "30" and t["strategies"] == []
-    assert t["group_trials"] == {"press": 10} and t["qa_questions"] is None
+    assert t["group_trials"]["press"] == 10 and t["qa_questions"] is None
     assert set(t["levels"]) >= {"q8", "q6", "q5", "q4"} and len(t["presses"]) >= 4
     assert "adakv:0.5@repeat" in t["presses"] and t["device_ratios"] == ["1.0", "0.75", "0.5"]
     q = resolve_args(args(quick=True, levels="q8"))

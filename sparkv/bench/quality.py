@@ -77,9 +77,13 @@ FULL = {"tasks": "passkey,multikey,multivalue,qa", "sizes": "2048,4096", "trials
         **VARIANT_DEFAULTS, "strategies": "default", "links": "20", "qa_questions": None,
         "group_trials": None}
 #: ``--table``: the table build of issue 27 (every QA question, pass key at 2K/4K/8K with 30
-#: trials for the deciding groups, the presses on the first 10 of them; no server)
+#: trials for the deciding groups; the presses on the first 10 of them, and at 8K the device
+#: service and bf16 on 10 too: their 8K prefill (densities, a bf16 local prefill) would double
+#: the build; q3 is not a candidate floor; no server). Fits ~2 h on 2 cores as two shards
+#: (docs/quality.md)
 TABLE = {**FULL, "tasks": "passkey,qa", "sizes": "2048,4096,8192", "trials": "30",
-         "strategies": "", "group_trials": "press=10"}
+         "levels": "q8,q6,q5,q4", "strategies": "",
+         "group_trials": "press=10,device@8192=10,dtype@8192=10"}
 QUICK = {"tasks": "passkey,qa", "sizes": "1024", "trials": "3", "levels": "q8,q5,q4",
          "backends": "dense,block_sparse", "dtypes": "bfloat16",
          "presses": "adakv:0.5@repeat,adakv:0.25", "device_ratios": "1.0,0.5",
@@ -140,7 +144,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="a small configuration (a few minutes): pass key at 1K, 3 QA questions")
     p.add_argument("--table", action="store_true",
                    help="the table build: every QA question, pass key at 2048,4096,8192 with "
-                        "30 trials (presses: 10), every in-process group, no server")
+                        "30 trials (presses: 10; device and bf16 at 8K: 10), every "
+                        "in-process group, no server")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="measure only every N-th context from the I-th (0-based): split a run "
                         "over processes, then merge their --rows with --rescore")

@@ -846,10 +846,10 @@ def _measure_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any
                               opts["qa_questions"], opts["seed"], args.qa_file)[i::n]
     earlier = load_rows([args.rows]) if args.rows and Path(args.rows).exists() else []
     done = {(r["probe"], r["config"]) for r in earlier if not r.get("error")}
+    resumed = f"; {len(done)} answers already in {args.rows}" if done else ""
     print(f"sparkv bench quality: {len(contexts)} contexts, "
           f"{sum(len(c.probes) for c in contexts)} questions, {len(configs)} configurations "
-          f"({', '.join(c.name for c in configs)}); {len(done)} answers already in "
-          f"{args.rows}" if done else "", flush=True)
+          f"({', '.join(c.name for c in configs)}){resumed}", flush=True)
     rows: list[dict[str, Any]] = []
     with open(args.rows, "a") if args.rows else nullcontext() as sink:
         def emit(row: dict[str, Any]) -> None:

@@ -26,7 +26,8 @@ class Config:
 
     Attributes:
         name: ``dense``, ``stream@q5``, ``local/dense``, ``sparkv@20mbps``, ``default@lte``, ...
-        group: ``dense``, ``level``, ``backend`` or ``strategy``.
+        group: ``dense``, ``level``, ``backend``, ``dtype``, ``press``, ``device`` (made in
+            process, :mod:`sparkv.bench.variants`) or ``strategy`` (through a server).
         strategy: the edge strategy (``None``: the dense reference; ``default``: no arguments).
         level: the forced level (``level`` group), ``auto`` or ``None``.
         backend: the attention backend name, or ``None``.

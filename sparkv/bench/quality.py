@@ -1,20 +1,26 @@
 """``sparkv bench quality``: a quality suite that can fail. Retrieval tasks (RULER-style pass key,
-multi-key, multi-value) and natural questions about the bundled license texts, answered through
-the real pipeline (a ``sparkv serve`` process on loopback, real frames, the edge's engine) under
-each configuration, and judged against the dense full-precision reference on the same inputs.
+multi-key, multi-value) and natural questions about the bundled license texts, answered under
+each configuration and judged against the dense full-precision reference on the same inputs.
 
-The matrix (docs/quality.md): running every strategy x level x backend x link through the server is
-far too slow on a 2-core CPU, and most of that cross product measures the same thing twice. Each
-group varies one factor and holds the others at a value that isolates it:
+The matrix (docs/quality.md): each group varies one factor and holds the others at a value that
+isolates it. The groups that depend neither on the question nor on timing are made in process,
+paired, from one dense prefill per task (:mod:`sparkv.bench.variants`, :mod:`sparkv.bench.paired`);
+only the strategy group goes through the real pipeline (a ``sparkv serve`` process on loopback,
+real frames, the edge's engine):
 
 =========  ===============================================  =====================================
 group      configurations                                   what it isolates
 =========  ===============================================  =====================================
-dense      ``dense``: transformers' own full prefill (fp32)  the reference every row is judged by
-level      ``stream@L``: stream-only, every chunk at level  the codec (nothing computed; no link:
-           L, unshaped loopback                             the plan does not depend on timing)
+dense      ``dense``: the model's own full prefill (fp32)   the reference every row is judged by
+level      ``stream@L``: every chunk through the codec at   the codec (bit for bit what streaming
+           level L                                          L delivers)
 backend    ``local/B``: every chunk computed with           local attention (nothing streamed)
            attention backend B
+dtype      ``local/dense@D``: local compute in dtype D      the compute dtype
+press      ``press/SPEC``: the server's question-agnostic   the press and its kept ratio
+           press
+device     ``device@R``: the device service's tolerance     the device service's compression
+           compression at global ratio R
 strategy   ``S@link``: strategy S with the default level    the planner's mix of both paths under
            policy (``level=auto``, floor ``q5`` pinned),    a realistic link (timing decides the
            ``backend=auto``, through a link; ``default@``   split, so several links are run)
@@ -79,8 +85,8 @@ FULL = {"tasks": "passkey,multikey,multivalue,qa", "sizes": "2048,4096", "trials
 #: ``--table``: the table build of issue 27 (every QA question, pass key at 2K/4K/8K with 30
 #: trials for the deciding groups; the presses on the first 10 of them, and at 8K the device
 #: service and bf16 on 10 too: their 8K prefill (densities, a bf16 local prefill) would double
-#: the build; q3 is not a candidate floor; no server). Fits ~2 h on 2 cores as two shards
-#: (docs/quality.md)
+#: the build; q3 is not a candidate floor; no server). Estimated ~3 h as two one-thread shards
+#: on the loaded 2-core CPU it was measured on (docs/quality.md, "Cost")
 TABLE = {**FULL, "tasks": "passkey,qa", "sizes": "2048,4096,8192", "trials": "30",
          "levels": "q8,q6,q5,q4", "strategies": "",
          "group_trials": "press=10,device@8192=10,dtype@8192=10"}
@@ -125,7 +131,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--group-trials", default=None, metavar="GROUP=N[,GROUP@SIZE=N]",
                    help="ask an in-process group only the first N retrieval tasks per family "
                         "and size, e.g. press=10,device@8192=10 (default: all; --table "
-                        "press=10)")
+                        "press=10,device@8192=10,dtype@8192=10)")
     p.add_argument("--strategies", default=None,
                    help="strategy group through a real server: local, stream, hybrid, sparkv, "
                         "default (default: default; --quick and --table: none)")

@@ -85,8 +85,8 @@ FULL = {"tasks": "passkey,multikey,multivalue,qa", "sizes": "2048,4096", "trials
 #: ``--table``: the table build of issue 27 (every QA question, pass key at 2K/4K/8K with 30
 #: trials for the deciding groups; the presses on the first 10 of them, and at 8K the device
 #: service and bf16 on 10 too: their 8K prefill (densities, a bf16 local prefill) would double
-#: the build; q3 is not a candidate floor; no server). Estimated ~3 h as two one-thread shards
-#: on the loaded 2-core CPU it was measured on (docs/quality.md, "Cost")
+#: the build; q3 is not a candidate floor; no server). Estimated ~2.7 h as two one-thread
+#: shards on the loaded 2-core CPU it was measured on (docs/quality.md, "Cost")
 TABLE = {**FULL, "tasks": "passkey,qa", "sizes": "2048,4096,8192", "trials": "30",
          "levels": "q8,q6,q5,q4", "strategies": "",
          "group_trials": "press=10,device@8192=10,dtype@8192=10"}

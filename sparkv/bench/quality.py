@@ -1,20 +1,26 @@
 """``sparkv bench quality``: a quality suite that can fail. Retrieval tasks (RULER-style pass key,
-multi-key, multi-value) and natural questions about the bundled license texts, answered through
-the real pipeline (a ``sparkv serve`` process on loopback, real frames, the edge's engine) under
-each configuration, and judged against the dense full-precision reference on the same inputs.
+multi-key, multi-value) and natural questions about the bundled license texts, answered under
+each configuration and judged against the dense full-precision reference on the same inputs.
 
-The matrix (docs/quality.md): running every strategy x level x backend x link through the server is
-far too slow on a 2-core CPU, and most of that cross product measures the same thing twice. Each
-group varies one factor and holds the others at a value that isolates it:
+The matrix (docs/quality.md): each group varies one factor and holds the others at a value that
+isolates it. The groups that depend neither on the question nor on timing are made in process,
+paired, from one dense prefill per task (:mod:`sparkv.bench.variants`, :mod:`sparkv.bench.paired`);
+only the strategy group goes through the real pipeline (a ``sparkv serve`` process on loopback,
+real frames, the edge's engine):
 
 =========  ===============================================  =====================================
 group      configurations                                   what it isolates
 =========  ===============================================  =====================================
-dense      ``dense``: transformers' own full prefill (fp32)  the reference every row is judged by
-level      ``stream@L``: stream-only, every chunk at level  the codec (nothing computed; no link:
-           L, unshaped loopback                             the plan does not depend on timing)
+dense      ``dense``: the model's own full prefill (fp32)   the reference every row is judged by
+level      ``stream@L``: every chunk through the codec at   the codec (bit for bit what streaming
+           level L                                          L delivers)
 backend    ``local/B``: every chunk computed with           local attention (nothing streamed)
            attention backend B
+dtype      ``local/dense@D``: local compute in dtype D      the compute dtype
+press      ``press/SPEC``: the server's question-agnostic   the press and its kept ratio
+           press
+device     ``device@R``: the device service's tolerance     the device service's compression
+           compression at global ratio R
 strategy   ``S@link``: strategy S with the default level    the planner's mix of both paths under
            policy (``level=auto``, floor ``q5`` pinned),    a realistic link (timing decides the
            ``backend=auto``, through a link; ``default@``   split, so several links are run)
@@ -45,10 +51,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from sparkv.bench.answers import (NEAR_TIE_LOGITS, PINNED_FLOOR, Config, Probe,  # noqa: F401
+                                  QualityContext, base_row, context_line, divergence, use_codec,
+                                  reference_answers, reference_margins, score_answer)
 from sparkv.bench.common import (MODEL_HELP, add_output_args, format_table, result_path,
                                  write_result)
 
@@ -60,25 +69,31 @@ NEW_TOKENS = {"passkey": 16, "multikey": 24, "multivalue": 64, "qa": 32}
 #: a task of nominal size N has a context of N - CONTEXT_MARGIN tokens, so that the context, the
 #: question and the longest answer fit in N (SmolLM2's window is 8192)
 CONTEXT_MARGIN = 128
-#: the floor the ``sparkv``/``stream``/``hybrid`` strategy rows pin (the fixed floor the measured
-#: table replaces); ``default`` rows pass nothing and follow whatever ``ask()`` does
-PINNED_FLOOR = "q5"
 #: targets: QA agreement with dense, and pass-key parity (one miss per 30 dense-correct tasks)
 QA_MIN_TEACHER_FORCED = 0.9
 QA_MIN_GREEDY = 0.9
 PARITY_MISSES_PER = 30
-#: a QA answer whose first divergence from dense falls where dense's own top-1 and top-2 logits are
-#: closer than this (a near-tie) is counted in ``near_tie_divergences``: greedy agreement there is
-#: decided by noise far below what the codec or the local path can promise (docs/quality.md)
-NEAR_TIE_LOGITS = 0.05
-
+#: the in-process groups' defaults (docs/quality.md, "The matrix"): the README demo's press is
+#: ``adakv:0.5@repeat``; the device service's ratios are bytes relative to all-int8
+VARIANT_DEFAULTS = {"levels": "q8,q6,q5,q4,q3", "backends": "dense,block_sparse",
+                    "dtypes": "bfloat16",
+                    "presses": "adakv:0.75,adakv:0.5,adakv:0.25,adakv:0.5@repeat",
+                    "device_ratios": "1.0,0.75,0.5"}
 FULL = {"tasks": "passkey,multikey,multivalue,qa", "sizes": "2048,4096", "trials": "10",
-        "levels": "raw,q8,q6,q5,q4,q3", "backends": "dense,block_sparse",
-        "strategies": "local,stream,hybrid,sparkv,default", "links": "20,lte",
-        "qa_questions": None}
-QUICK = {"tasks": "passkey,qa", "sizes": "1024", "trials": "3", "levels": "raw,q8,q5,q4",
-         "backends": "dense,block_sparse", "strategies": "default", "links": "20",
-         "qa_questions": 3}
+        **VARIANT_DEFAULTS, "strategies": "default", "links": "20", "qa_questions": None,
+        "group_trials": None}
+#: ``--table``: the table build of issue 27 (every QA question, pass key at 2K/4K/8K with 30
+#: trials for the deciding groups; the presses on the first 10 of them, and at 8K the device
+#: service and bf16 on 10 too: their 8K prefill (densities, a bf16 local prefill) would double
+#: the build; q3 is not a candidate floor; no server). Estimated ~2.7 h as two one-thread
+#: shards on the loaded 2-core CPU it was measured on (docs/quality.md, "Cost")
+TABLE = {**FULL, "tasks": "passkey,qa", "sizes": "2048,4096,8192", "trials": "30",
+         "levels": "q8,q6,q5,q4", "strategies": "",
+         "group_trials": "press=10,device@8192=10,dtype@8192=10"}
+QUICK = {"tasks": "passkey,qa", "sizes": "1024", "trials": "3", "levels": "q8,q5,q4",
+         "backends": "dense,block_sparse", "dtypes": "bfloat16",
+         "presses": "adakv:0.5@repeat,adakv:0.25", "device_ratios": "1.0,0.5",
+         "strategies": "", "links": "20", "qa_questions": 3, "group_trials": None}
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -100,16 +115,30 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "sparkv/data/qa_licenses.json (default: every bundled set; "
                         "docs/quality.md)")
     p.add_argument("--levels", default=None,
-                   help="level group: stream-only at each level (default raw,q8,q6,q5,q4,q3; "
-                        "'' for none)")
+                   help="level group: every chunk through the codec at each level (default "
+                        "q8,q6,q5,q4,q3; --quick q8,q5,q4; '' for none)")
     p.add_argument("--backends", default=None,
                    help="backend group: local with each backend (default dense,block_sparse)")
+    p.add_argument("--dtypes", default=None,
+                   help="dtype group: local dense compute in each dtype (default bfloat16; "
+                        "float32 is local/dense)")
+    p.add_argument("--presses", default=None,
+                   help="press group: question-agnostic press specs (default adakv:0.75,"
+                        "adakv:0.5,adakv:0.25,adakv:0.5@repeat; --quick adakv:0.5@repeat,"
+                        "adakv:0.25)")
+    p.add_argument("--device-ratios", default=None,
+                   help="device group: the device service's tolerance compression at each "
+                        "global ratio (default 1.0,0.75,0.5; --quick 1.0,0.5)")
+    p.add_argument("--group-trials", default=None, metavar="GROUP=N[,GROUP@SIZE=N]",
+                   help="ask an in-process group only the first N retrieval tasks per family "
+                        "and size, e.g. press=10,device@8192=10 (default: all; --table "
+                        "press=10,device@8192=10,dtype@8192=10)")
     p.add_argument("--strategies", default=None,
-                   help="strategy group at the default level policy: local, stream, hybrid, "
-                        "sparkv, default (default: all; --quick default)")
+                   help="strategy group through a real server: local, stream, hybrid, sparkv, "
+                        "default (default: default; --quick and --table: none)")
     p.add_argument("--links", default=None,
                    help="links of the strategy group: Mbit/s numbers and trace names or CSVs "
-                        "(default 20,lte; --quick 20)")
+                        "(default 20)")
     p.add_argument("--rtt-ms", type=float, default=20.0,
                    help="emulated round trip of the strategy group's links (ms)")
     p.add_argument("--encode-levels", default="raw,q8,q6,q5,q4,q3",
@@ -121,11 +150,19 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--quick", action="store_true",
                    help="a small configuration (a few minutes): pass key at 1K, 3 QA questions")
+    p.add_argument("--table", action="store_true",
+                   help="the table build: every QA question, pass key at 2048,4096,8192 with "
+                        "30 trials (presses: 10; device and bf16 at 8K: 10), every "
+                        "in-process group, no server")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="measure only every N-th context from the I-th (0-based): split a run "
+                        "over processes, then merge their --rows with --rescore")
     add_output_args(p, "quality", quick=True,
                      json_help="write bench/results/quality.json and quality.png "
                                "(quality_quick.* with --quick)")
     p.add_argument("--rows", default=None,
-                   help="also append every answer as a JSON line here while running")
+                   help="also append every answer as a JSON line here while running; answers "
+                        "already in the file are not measured again (a run resumes)")
     p.add_argument("--save-table", nargs="?", const="", default=None, metavar="PATH",
                    help="write the planner's quality table from the level and backend groups "
                         "(default path: <sparkv cache>/predictor/<fingerprint>.quality.json)")
@@ -141,44 +178,6 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 
 # ---- the matrix -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Config:
-    """One way of answering.
-
-    Attributes:
-        name: ``dense``, ``stream@q5``, ``local/dense``, ``sparkv@20mbps``, ``default@lte``, ...
-        group: ``dense``, ``level``, ``backend`` or ``strategy``.
-        strategy: the edge strategy (``None``: the dense reference; ``default``: no arguments).
-        level: the forced level (``level`` group), ``auto`` or ``None``.
-        backend: the attention backend name, or ``None``.
-        link: ``None`` (unshaped loopback), a constant rate ``"20mbps"`` or a trace name.
-    """
-
-    name: str
-    group: str
-    strategy: str | None = None
-    level: str | None = None
-    backend: str | None = None
-    link: str | None = None
-
-    def ask_kwargs(self) -> dict[str, Any]:
-        """The policy fields of this configuration's :class:`~sparkv.edge.options.AskOptions`
-        (none for ``default``)."""
-        if self.strategy == "default":
-            return {}
-        kw: dict[str, Any] = {"strategy": self.strategy}
-        if self.level is not None:
-            kw["level"] = self.level
-        if self.backend is not None:
-            kw["backend"] = self.backend
-        if self.group == "strategy" and self.strategy != "local":
-            kw["quality_floor"] = PINNED_FLOOR
-        return kw
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
 def link_label(link: str) -> str:
     """``"20"`` -> ``"20mbps"``; trace names and CSV stems as they are."""
     try:
@@ -195,18 +194,31 @@ def auto_backend_name() -> str:
 
 
 def build_matrix(levels: Sequence[str], backends: Sequence[str], strategies: Sequence[str],
-                 links: Sequence[str]) -> list[Config]:
-    """The configurations, dense first (module docstring). Raises ``ValueError`` for unknown
-    strategies."""
+                 links: Sequence[str], dtypes: Sequence[str] = (), presses: Sequence[str] = (),
+                 device_ratios: Sequence[str] = ()) -> list[Config]:
+    """The configurations, dense first (module docstring): the in-process groups
+    (:mod:`sparkv.bench.variants`), then the server's strategy group. Raises ``ValueError``
+    (or the group's own error) for an unknown strategy or a bad value."""
+    from sparkv.bench.variants import make_variants
+
+    out = [Config("dense", "dense")]
+    out += [v.config() for v in make_variants({
+        "level": levels, "backend": backends, "dtype": dtypes, "press": presses,
+        "device": device_ratios})]
+    return out + strategy_configs(strategies, links, backends)
+
+
+def strategy_configs(strategies: Sequence[str], links: Sequence[str],
+                     backends: Sequence[str] = ()) -> list[Config]:
+    """The strategy group (through the server): each strategy under each link; ``local`` once
+    (``local/auto``), and not at all when ``backends`` has what ``auto`` resolves to."""
     from sparkv.edge.planning import STRATEGIES
 
     bad = [s for s in strategies if s not in STRATEGIES and s != "default"]
     if bad:
         raise ValueError(f"unknown strategies {bad}; choose from "
                          f"{sorted(STRATEGIES) + ['default']}")
-    out = [Config("dense", "dense")]
-    out += [Config(f"stream@{lv}", "level", "stream", lv, "dense") for lv in levels]
-    out += [Config(f"local/{b}", "backend", "local", None, b) for b in backends]
+    out = []
     if "local" in strategies and auto_backend_name() not in backends:
         out.append(Config("local/auto", "strategy", "local", None, "auto"))
     for link in links:
@@ -250,62 +262,6 @@ def parse_trials(text: str) -> Callable[[str, int], int]:
     return trials
 
 
-# ---- what is asked --------------------------------------------------------------------------------
-@dataclass
-class Probe:
-    """One question about one context.
-
-    Attributes:
-        id: unique (``passkey-2048-3``, ``qa/gpl-a-1``).
-        family: ``passkey``, ``multikey``, ``multivalue`` or ``qa``.
-        question: asked after the context.
-        new_tokens: greedy tokens generated.
-        stop_at_eos: retrieval answers stop at EOS (scored on the text); QA always generates
-            ``new_tokens`` (compared token by token).
-        task: the retrieval task (``None`` for QA).
-        qa: the QA item (``None`` for retrieval).
-    """
-
-    id: str
-    family: str
-    question: str
-    new_tokens: int
-    stop_at_eos: bool
-    task: Any = None
-    qa: Any = None
-
-    def score(self, answer: str) -> float:
-        """Retrieval: the task's score (1.0 correct); QA: 1.0 when a keyword is in the answer."""
-        if self.task is not None:
-            return float(self.task.score(answer))
-        return 1.0 if self.qa is not None and self.qa.keyword_hit(answer) else 0.0
-
-    def info(self) -> dict[str, Any]:
-        if self.task is not None:
-            return {"answers": self.task.answers, "depth": self.task.depth,
-                    "seed": self.task.seed}
-        return {"qa_id": self.qa.id, "slice": self.qa.slice, "keywords": list(self.qa.keywords)}
-
-
-@dataclass
-class QualityContext:
-    """A context (chat turn + document) and the probes asked about it.
-
-    Attributes:
-        id: ``passkey-2048-3`` or ``qa-gpl-a``.
-        family: as its probes.
-        size: nominal size (retrieval) or ``None`` (QA: the slice decides).
-        token_ids: the context's tokens (:func:`sparkv.edge.prompts.chat_context`).
-        probes: asked in order.
-    """
-
-    id: str
-    family: str
-    size: int | None
-    token_ids: list[int]
-    probes: list[Probe] = field(default_factory=list)
-
-
 def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
                    trials: Callable[[str, int], int], qa_questions: int | None = None,
                    seed: int = 0, qa_path: str | Path | None = None) -> list[QualityContext]:
@@ -339,7 +295,7 @@ def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
                 # named by the task's seed: runs with --seed N continue a seed-0 run's series
                 # without reusing its names (``--rescore`` merges their rows)
                 ctx = QualityContext(f"{fam}-{size}-{seed + i}", fam, size,
-                              chat_context(lm, lm.encode_text(task.document)))
+                                     chat_context(lm, lm.encode_text(task.document)), trial=i)
                 ctx.probes.append(Probe(ctx.id, fam, task.question, NEW_TOKENS[fam], True,
                                         task=task))
                 out.append(ctx)
@@ -368,73 +324,6 @@ REUSED_GROUPS = ("level", "backend")
 FALLBACK_RETRIES = 2
 
 
-def score_answer(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: Any,
-                 suffix: Sequence[int], answer: str, tokens: Sequence[int], first_logits: Any,
-                 kv: Any, breakdown: Any, ttft_s: float | None,
-                 ref_margins: Sequence[float] | None = None) -> dict[str, Any]:
-    """One answer judged against the dense reference ``ref`` (a ``GenerationResult``): answer
-    score, greedy agreement, teacher-forced agreement over the cache ``kv`` the engine assembled,
-    first-token KL (nats), and what the load did (``breakdown``: bytes streamed, chunks,
-    levels, fallbacks)."""
-    from sparkv.runtime.generate import (first_token_kl, greedy_agreement,
-                                         teacher_forced_agreement)
-
-    row = base_row(ctx, probe, config)
-    row["answer"] = answer
-    row["score"] = probe.score(answer)
-    row["correct"] = row["score"] >= 1.0
-    row["greedy_agreement"] = greedy_agreement(ref.tokens, tokens)
-    row.update(divergence(ref.tokens, tokens, ref_margins))
-    row["teacher_forced"] = teacher_forced_agreement(lm, kv, len(ctx.token_ids), suffix,
-                                                     ref.tokens)
-    row["first_token_kl"] = max(0.0, first_token_kl(ref.first_logits, first_logits))
-    row.update({"mb": breakdown.bytes_streamed / 1e6, "ttft_s": ttft_s,
-                "streamed": breakdown.chunks_streamed, "computed": breakdown.chunks_computed,
-                "levels": dict(breakdown.levels), "fallback": dict(breakdown.fallback),
-                "reused_load": False})
-    return row
-
-
-def divergence(ref_tokens: Sequence[int], tokens: Sequence[int],
-               ref_margins: Sequence[float] | None) -> dict[str, Any]:
-    """Where an answer first leaves the dense reference's tokens (``divergence_pos``, ``None``
-    when it never does) and the dense reference's own top-1 minus top-2 logit margin there
-    (``ref_margin_at_divergence``; ``None`` without margins); ``near_tie`` when that margin is
-    below :data:`NEAR_TIE_LOGITS`."""
-    pos = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
-    if pos is None and len(tokens) < len(ref_tokens):
-        pos = len(tokens)
-    margin = (float(ref_margins[pos]) if pos is not None and ref_margins is not None
-              and pos < len(ref_margins) else None)
-    return {"divergence_pos": pos, "ref_margin_at_divergence": margin,
-            "near_tie": bool(margin is not None and margin < NEAR_TIE_LOGITS)}
-
-
-def reference_margins(lm: Any, kv: Any, context_len: int, question_ids: Sequence[int],
-                      ref_tokens: Sequence[int]) -> list[float]:
-    """The dense reference's top-1 minus top-2 logit at each of its own answer positions (one
-    teacher-forced forward over the reference cache ``kv``; the cache is left as it was)."""
-    import torch
-
-    from sparkv.cache import SparkvCache
-    from sparkv.runtime.generate import context_memory
-
-    if not ref_tokens:
-        return []
-    ids = list(question_ids) + list(ref_tokens[:-1])
-    pos = torch.arange(context_len, context_len + len(ids), device=lm.device)
-    memory = context_memory(lm, kv, context_len)
-    try:
-        with torch.inference_mode():
-            out = lm.model(input_ids=torch.tensor([ids], device=lm.device),
-                           past_key_values=SparkvCache(memory), position_ids=pos[None],
-                           cache_position=pos, use_cache=True)
-    finally:
-        memory.truncate()
-    top = out.logits[0, len(question_ids) - 1:].float().topk(2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
-
-
 def score_row(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: Any, res: Any,
               suffix: Sequence[int], ref_margins: Sequence[float] | None = None
               ) -> dict[str, Any]:
@@ -460,18 +349,6 @@ def answer_over_load(lm: Any, ctx: QualityContext, probe: Probe, config: Config,
     return row
 
 
-def base_row(ctx: QualityContext, probe: Probe, config: Config) -> dict[str, Any]:
-    return {"family": ctx.family, "size": ctx.size, "tokens": len(ctx.token_ids),
-            "context": ctx.id, "probe": probe.id, **probe.info(), "config": config.name,
-            "group": config.group, "strategy": config.strategy, "level": config.level,
-            "backend": config.backend, "link": config.link, "codec": _CODEC.get("signature"),
-            "error": None}
-
-
-#: the codec signature of this process (set by :func:`measure`; recorded in every answer)
-_CODEC: dict[str, str] = {}
-
-
 def _create_context(client: Any, ctx: QualityContext, chunk_tokens: int,
                     encode_levels: Sequence[str], attempts: int = 3) -> str:
     """The server encodes ``ctx`` (asked again when a request times out on a starved machine:
@@ -491,7 +368,8 @@ def _create_context(client: Any, ctx: QualityContext, chunk_tokens: int,
 
 def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequence[Config], *,
             encode_levels: Sequence[str], chunk_tokens: int = 512, rtt_ms: float = 20.0,
-            rows_path: str | Path | None = None, progress: bool = True) -> list[dict[str, Any]]:
+            rows_path: str | Path | None = None, progress: bool = True,
+            emit_dense: bool = True) -> list[dict[str, Any]]:
     """Every probe under every configuration, through the server at ``url``; one row per answer
     (dense reference rows included; ``configs[0]`` must be the dense reference). Each context is
     encoded by the server, answered, then deleted from it.
@@ -500,7 +378,9 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
     depends neither on the question nor on timing: there a context with several questions (a QA
     slice) is loaded once per configuration and the other questions are answered over that
     cache (:func:`answer_over_load`). An ask of those groups that fell back to local compute is
-    asked again (:data:`FALLBACK_RETRIES` times), then recorded as an error."""
+    asked again (:data:`FALLBACK_RETRIES` times), then recorded as an error. Without
+    ``emit_dense`` the dense reference answers are computed (every row is judged by them) but
+    not emitted (the in-process run already has them)."""
     import httpx
     from tqdm import tqdm
 
@@ -509,10 +389,10 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
 
     if not configs or configs[0].group != "dense":
         raise ValueError("the first configuration must be the dense reference")
-    _CODEC["signature"] = codec_signature(lm.config.num_hidden_layers)
+    use_codec(codec_signature(lm.config.num_hidden_layers))
     rows: list[dict[str, Any]] = []
     sink = open(rows_path, "a") if rows_path else None
-    total = sum(len(c.probes) for c in contexts) * len(configs)
+    total = sum(len(c.probes) for c in contexts) * (len(configs) - (not emit_dense))
     bar = tqdm(total=total, desc="quality", unit="answer", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, mininterval=2.0)
 
@@ -528,7 +408,8 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
             bar.set_postfix_str(f"{ctx.id}: encoding")
             cid = _create_context(session.client, ctx, chunk_tokens, encode_levels)
             bar.set_postfix_str(f"{ctx.id}: dense reference")
-            refs, suffixes, margins = _dense_reference(lm, ctx, configs[0], emit)
+            refs, suffixes, margins = _dense_reference(lm, ctx, configs[0],
+                                                       emit if emit_dense else None)
             for config in configs[1:]:
                 bar.set_postfix_str(f"{ctx.id}: {config.name}")
                 _config_rows(lm, session, cid, ctx, config, refs, suffixes, margins, rtt_ms,
@@ -537,7 +418,7 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
                 httpx.delete(f"{url}/v1/contexts/{cid}", timeout=60.0)
             except httpx.HTTPError:
                 pass
-            bar.write(_context_line(ctx, [r for r in rows if r["context"] == ctx.id]))
+            bar.write(context_line(ctx, [r for r in rows if r["context"] == ctx.id]))
     finally:
         bar.close()
         session.close()
@@ -547,16 +428,15 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
 
 
 def _dense_reference(lm: Any, ctx: QualityContext, dense: Config,
-                     emit: Callable[[dict[str, Any]], None]
+                     emit: Callable[[dict[str, Any]], None] | None
                      ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[float]]]:
     """The dense reference answer of every probe (full prefill on this device), emitted as the
     ``dense`` configuration's rows: ``(reference generations, question suffixes, the
     reference's margins of the QA probes)``, each by probe id."""
     import torch
 
-    from sparkv.edge.prompts import question_suffix
     from sparkv.layout import ChunkGeometry
-    from sparkv.runtime.generate import greedy_generate, reference_prefill
+    from sparkv.runtime.generate import reference_prefill
     from sparkv.runtime.kvcache import memory_from_layers
 
     n = len(ctx.token_ids)
@@ -565,27 +445,7 @@ def _dense_reference(lm: Any, ctx: QualityContext, dense: Config,
     ref_mem = memory_from_layers(ref_layers, ChunkGeometry.from_config(lm.config, n, n),
                                  spare_tokens=128)
     del ref_layers
-    refs, suffixes, margins = {}, {}, {}
-    for probe in ctx.probes:
-        suffixes[probe.id] = question_suffix(lm, probe.question)
-        ref = greedy_generate(lm, ref_mem, n, suffixes[probe.id], probe.new_tokens,
-                              stop_at_eos=probe.stop_at_eos)
-        if probe.family == "qa":  # where dense itself is a near-tie
-            margins[probe.id] = reference_margins(lm, ref_mem, n, suffixes[probe.id],
-                                                  ref.tokens)
-        refs[probe.id] = ref
-        row = base_row(ctx, probe, dense)
-        row.update({"answer": ref.text, "score": probe.score(ref.text),
-                    "greedy_agreement": 1.0, "teacher_forced": 1.0,
-                    "first_token_kl": 0.0, "mb": 0.0, "ttft_s": None, "streamed": 0,
-                    "computed": 0, "levels": {}, "fallback": {}, "reused_load": False,
-                    "divergence_pos": None, "ref_margin_at_divergence": None,
-                    "near_tie": False})
-        if margins.get(probe.id):
-            row["ref_min_margin"] = min(margins[probe.id])
-        row["correct"] = row["score"] >= 1.0
-        emit(row)
-    return refs, suffixes, margins
+    return reference_answers(lm, ctx, ref_mem, dense, emit)
 
 
 def _config_rows(lm: Any, session: Any, cid: str, ctx: QualityContext, config: Config,
@@ -644,24 +504,6 @@ def _sink(sink: Any, row: dict[str, Any]) -> None:
     if sink is not None:
         sink.write(json.dumps(row, default=str) + "\n")
         sink.flush()
-
-
-def _context_line(ctx: QualityContext, rows: list[dict[str, Any]]) -> str:
-    """One line per context: dense's answer, and the configurations that differ from it."""
-    dense = [r for r in rows if r["config"] == "dense"]
-    if ctx.family == "qa":
-        by: dict[str, list[float]] = {}
-        for r in rows:
-            if r["config"] != "dense" and r.get("teacher_forced") is not None:
-                by.setdefault(r["config"], []).append(r["teacher_forced"])
-        worst = sorted((statistics.mean(v), k) for k, v in by.items())[:3]
-        return (f"[{ctx.id} {len(ctx.token_ids)} tok, {len(ctx.probes)} questions] lowest "
-                "teacher-forced: " + ", ".join(f"{k} {v:.2f}" for v, k in worst))
-    d = dense[0] if dense else {}
-    wrong = [r["config"] for r in rows if r["config"] != "dense" and not r["correct"]]
-    return (f"[{ctx.id} {len(ctx.token_ids)} tok, depth {d.get('depth')}] dense "
-            f"{'OK ' if d.get('correct') else 'MISS'} {d.get('answer', '').strip()[:48]!r}; "
-            f"wrong: {', '.join(wrong) if wrong else 'none'}")
 
 
 # ---- aggregation ----------------------------------------------------------------------------------
@@ -980,17 +822,53 @@ def _csv(text: str | None) -> list[str]:
 
 
 def resolve_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The options after ``--quick`` filled what was not given."""
-    base = QUICK if args.quick else FULL
-    opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
-    levels = _csv(opts["levels"])
-    encode = list(dict.fromkeys(_csv(args.encode_levels) + levels))
+    """The options after the preset (``--quick``, ``--table`` or the default) filled what was
+    not given."""
+    if args.quick and getattr(args, "table", False):
+        raise ValueError("--quick and --table are two presets: choose one")
+    base = QUICK if args.quick else TABLE if getattr(args, "table", False) else FULL
+    opts = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
+            for k, v in base.items()}
+    strategies = _csv(opts["strategies"])
     return {"tasks": _csv(opts["tasks"]), "sizes": [int(x) for x in _csv(opts["sizes"])],
-            "trials": opts["trials"], "qa_questions": opts["qa_questions"], "levels": levels,
-            "backends": _csv(opts["backends"]), "strategies": _csv(opts["strategies"]),
-            "links": _csv(opts["links"]), "encode_levels": encode,
-            "chunk_tokens": args.chunk_tokens, "rtt_ms": args.rtt_ms, "seed": args.seed,
-            "quick": bool(args.quick), "qa_file": args.qa_file}
+            "trials": opts["trials"], "qa_questions": opts["qa_questions"],
+            "levels": _csv(opts["levels"]), "backends": _csv(opts["backends"]),
+            "dtypes": _csv(opts["dtypes"]), "presses": _csv(opts["presses"]),
+            "device_ratios": _csv(opts["device_ratios"]), "group_trials": parse_group_trials(opts["group_trials"]),
+            "strategies": strategies, "links": _csv(opts["links"]) if strategies else [],
+            "encode_levels": _csv(args.encode_levels), "chunk_tokens": args.chunk_tokens,
+            "rtt_ms": args.rtt_ms, "seed": args.seed, "quick": bool(args.quick),
+            "table": bool(getattr(args, "table", False)), "qa_file": args.qa_file,
+            "shard": getattr(args, "shard", None)}
+
+
+def parse_group_trials(text: str | None) -> dict[Any, int]:
+    """``"press=10,device@8192=5"`` -> ``{"press": 10, ("device", 8192): 5}`` (the keys of
+    :func:`sparkv.bench.paired.applies`); ``ValueError`` for an unknown group or a bad item."""
+    from sparkv.bench.variants import VARIANTS
+
+    out: dict[Any, int] = {}
+    for part in _csv(text):
+        key, sep, n = part.partition("=")
+        group, _, size = key.strip().partition("@")
+        if not sep or group not in VARIANTS:
+            raise ValueError(f"--group-trials takes GROUP=N or GROUP@SIZE=N with a group of "
+                             f"{', '.join(VARIANTS)}; got {part!r}")
+        out[(group, int(size)) if size else group] = int(n)
+    return out
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """``"1/4"`` -> ``(1, 4)`` (``None`` -> ``(0, 1)``); ``ValueError`` unless ``0 <= I < N``."""
+    if not text:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes I/N (e.g. 0/2), not {text!r}") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {text}: need 0 <= I < N")
+    return i, n
 
 
 def load_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
@@ -1014,7 +892,8 @@ def configs_from_rows(rows: Sequence[dict[str, Any]]) -> list[Config]:
     for r in rows:
         if r["config"] not in seen:
             seen[r["config"]] = Config(r["config"], r["group"], r.get("strategy"),
-                                       r.get("level"), r.get("backend"), r.get("link"))
+                                       r.get("level"), r.get("backend"), r.get("link"),
+                                       r.get("dtype"), r.get("press"), r.get("ratio"))
     return sorted(seen.values(), key=lambda c: c.group != "dense")
 
 
@@ -1043,17 +922,49 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any
                  ) -> tuple[list[dict[str, Any]], list[Config]]:
+    """The in-process groups (:func:`sparkv.bench.paired.evaluate`), then the strategy group
+    through a server; with ``--rows``, answers already in that file are kept, not measured."""
+    from sparkv.bench.paired import evaluate
+    from sparkv.bench.variants import make_variants
+
+    variants = make_variants({"level": opts["levels"], "backend": opts["backends"],
+                              "dtype": opts["dtypes"], "press": opts["presses"],
+                              "device": opts["device_ratios"]})
+    configs = [Config("dense", "dense"), *(v.config() for v in variants),
+               *strategy_configs(opts["strategies"], opts["links"], opts["backends"])]
+    i, n = parse_shard(opts["shard"])
+    contexts = build_contexts(lm, opts["tasks"], opts["sizes"], parse_trials(opts["trials"]),
+                              opts["qa_questions"], opts["seed"], args.qa_file)[i::n]
+    earlier = load_rows([args.rows]) if args.rows and Path(args.rows).exists() else []
+    done = {(r["probe"], r["config"]) for r in earlier if not r.get("error")}
+    resumed = f"; {len(done)} answers already in {args.rows}" if done else ""
+    print(f"sparkv bench quality: {len(contexts)} contexts, "
+          f"{sum(len(c.probes) for c in contexts)} questions, {len(configs)} configurations "
+          f"({', '.join(c.name for c in configs)}){resumed}", flush=True)
+    rows: list[dict[str, Any]] = []
+    with open(args.rows, "a") if args.rows else nullcontext() as sink:
+        def emit(row: dict[str, Any]) -> None:
+            rows.append(row)
+            _sink(sink, row)
+
+        evaluate(lm, contexts, variants, emit=emit, done=done, max_trials=opts["group_trials"],
+                 chunk_tokens=opts["chunk_tokens"], progress=not args.no_progress)
+    strategies = [c for c in configs if c.group == "strategy"]
+    if strategies:
+        rows += _server_run(args, opts, lm, contexts, [configs[0], *strategies])
+    fresh = {(r["probe"], r["config"]) for r in rows}
+    return [r for r in earlier if (r["probe"], r["config"]) not in fresh] + rows, configs
+
+
+def _server_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
+                contexts: Sequence[QualityContext], configs: Sequence[Config]
+                ) -> list[dict[str, Any]]:
+    """The strategy group's answers through a ``sparkv serve`` process on loopback (the dense
+    rows come from the in-process run)."""
     import torch
 
     from sparkv.server.process import ServerProcess
 
-    trials = parse_trials(opts["trials"])
-    configs = build_matrix(opts["levels"], opts["backends"], opts["strategies"], opts["links"])
-    contexts = build_contexts(lm, opts["tasks"], opts["sizes"], trials, opts["qa_questions"],
-                              opts["seed"], args.qa_file)
-    n_answers = sum(len(c.probes) for c in contexts)
-    print(f"sparkv bench quality: {len(contexts)} contexts, {n_answers} questions, "
-          f"{len(configs)} configurations ({', '.join(c.name for c in configs)})", flush=True)
     with tempfile.TemporaryDirectory(prefix="sparkv-bench-quality-") as tmp:
         config_file = None
         if args.model:
@@ -1065,13 +976,13 @@ def _measure_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any
         server = ServerProcess(config_file, f"file://{tmp}/store", log_path=f"{tmp}/server.log",
                                torch_threads=max(1, torch.get_num_threads())).start()
         try:
-            rows = measure(lm, server.url, contexts, configs,
+            return measure(lm, server.url, contexts, configs,
                            encode_levels=opts["encode_levels"],
                            chunk_tokens=opts["chunk_tokens"], rtt_ms=opts["rtt_ms"],
-                           rows_path=args.rows, progress=not args.no_progress)
+                           rows_path=args.rows, progress=not args.no_progress,
+                           emit_dense=False)
         finally:
             server.stop()
-    return rows, configs
 
 
 def report(args: argparse.Namespace, opts: dict[str, Any], lm: Any,

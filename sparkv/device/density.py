@@ -126,6 +126,8 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     pe = kwargs.get("position_embeddings")
     cache = kwargs.get("past_key_values")
+    if cache is None:       # transformers >= 5 passes the model's cache as ``cache``
+        cache = kwargs.get("cache")
     layer_idx = int(getattr(module, "layer_idx", 0) or 0)
     keys = _keys_of(cache, layer_idx)
     if hidden is None or pe is None or keys is None:
@@ -154,11 +156,14 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
         step = 256  # bound the [H, rows, S] matrix
         for a in range(0, n, step):
             qs = q[0, :, a:a + step]
-            scores = torch.matmul(qs, k.transpose(1, 2)) * scale
-            visible = kpos.view(1, -1) <= q_pos[a:a + step].view(-1, 1)
+            # keys no row of the block sees get no attention: leave them out (a causal prefill
+            # computes half the matrix)
+            m = min(s, int(q_pos[a:a + step].max()) + 1)
+            scores = torch.matmul(qs, k[:, :m].transpose(1, 2)) * scale
+            visible = kpos[:m].view(1, -1) <= q_pos[a:a + step].view(-1, 1)
             scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
             attn = torch.softmax(scores.float(), dim=-1)
-            colsum += attn.sum(dim=(0, 1)).to(torch.float64) / hq
+            colsum[:m] += attn.sum(dim=(0, 1)).to(torch.float64) / hq
         rows = (kpos.view(1, -1) <= q_pos.view(-1, 1)).sum(0)
         rec.add(colsum, rows)
 

@@ -302,19 +302,30 @@ def press_context(lm: Any, spec: str, token_ids: Sequence[int]) -> PressedContex
     """Prefills the context and runs the press ``spec`` question-agnostically: the window is the
     context's last :data:`PRESS_WINDOW` tokens, kept by every head, or with ``@repeat`` a fixed
     probe question (:data:`sparkv.presses.PROBES`) run after the context, nothing forced."""
-    from sparkv.presses import PROBES, prefill, question_window, score_layers, split_spec
+    from sparkv.presses import prefill, split_spec
+
+    split_spec(spec)   # a bad spec fails before the prefill
+    layers, window, _ = prefill(lm, token_ids, window=PRESS_WINDOW)
+    return press_layers(lm, spec, layers, window)
+
+
+def press_layers(lm: Any, spec: str, layers: list[tuple[Any, Any]], window: Any
+                 ) -> PressedContext:
+    """:func:`press_context` of an already prefilled context: ``layers`` its per-layer K/V and
+    ``window`` the question-agnostic window :func:`sparkv.presses.prefill` captured with
+    ``window=PRESS_WINDOW`` (the quality benchmark presses its dense reference this way)."""
+    from sparkv.presses import PROBES, question_window, score_layers, split_spec
     from sparkv.presses import to_memory
     from sparkv.runtime.generate import prompt_parts
 
     press, budget, window_name = split_spec(spec)
-    layers, window, _ = prefill(lm, token_ids, window=PRESS_WINDOW)
     memory = to_memory(lm, layers)
     probe = PROBES.get(window_name)
     if probe is not None:   # a fixed probe question after the context (the edge's chat layout)
         window = question_window(lm, memory, prompt_parts(lm, [], probe)[1])
     scores, forced = score_layers(memory, press, window)
     del memory
-    plan = press.plan(scores, len(token_ids), budget, forced)
+    plan = press.plan(scores, int(layers[0][0].shape[2]), budget, forced)
     info = {"spec": spec, "name": spec.partition(":")[0], "budget": str(budget),
             "mode": "agnostic", "window": int(plan.forced), "probe": probe,
             "kept_entries": int(plan.kept_entries),

@@ -73,13 +73,15 @@ def _decode(lm: Any, cache: Any, n: int, first: int, steps: int, memory: Any = N
     """Greedy steps after one token; returns (tokens/s, peak bytes held)."""
     import torch
 
+    from sparkv.runtime.hfcache import model_call
+
     token = first
     peak = 0
     with torch.inference_mode():
         t0 = time.perf_counter()
         for i in range(steps):
-            out = lm.model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                           position_ids=torch.tensor([[n + i]]), use_cache=True)
+            out = model_call(lm.model, input_ids=torch.tensor([[token]]), cache=cache,
+                             position_ids=torch.tensor([[n + i]]), use_cache=True)
             token = int(out.logits[0, -1].argmax())
             if memory is not None:
                 peak = max(peak, memory.nbytes + cache.extra_nbytes())

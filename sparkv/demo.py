@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sparkv.cliflags import PRESS_METAVAR
 from sparkv.edge.commands import add_link_args, shaper_from_args
 from sparkv.edge.planning import STRATEGIES
 from sparkv.runtime.device import add_device_args
@@ -35,13 +36,15 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="T the server encodes the context with (the TTFT benchmarks' T)")
     d.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
     d.add_argument("--question", default=DEMO_QUESTION, help="the question every strategy answers")
-    d.add_argument("--new-tokens", type=int, default=40, help="answer length, tokens")
+    d.add_argument("--max-new-tokens", type=int, default=40, dest="new_tokens",
+                   help="answer length, tokens")
     d.add_argument("--strategies", default="local,stream,hybrid,sparkv",
                    help="strategies to answer with, comma-separated")
-    d.add_argument("--press", default="adakv:0.5@repeat", metavar="SPEC",
+    d.add_argument("--press", default="adakv:0.5@repeat", metavar=PRESS_METAVAR,
                    help="also answer with sparkv from a variant of the context compressed on the "
                         "server by this KV press (docs/presses.md; 'none' to skip)")
-    d.add_argument("--out", default="sparkv-demo", help="directory for the plot and JSON")
+    d.add_argument("--out-dir", default="sparkv-demo", dest="out",
+                   help="directory for the plot and JSON")
     d.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     add_device_args(d)
     add_link_args(d, default="lte")

@@ -58,7 +58,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--chunk-tokens", type=int, default=1024, help="T, tokens per chunk")
     p.add_argument("--levels", default=None,
                    help="comma-separated levels (default: every level)")
-    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per question")
+    p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
+                   help="generated tokens per question")
     p.add_argument("--questions", type=int, default=len(QUESTIONS),
                    help=f"questions asked over the cache (1..{len(QUESTIONS)})")
     p.add_argument("--repeats", type=int, default=5, help="timing repetitions (best is kept)")

@@ -49,7 +49,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--cdf", type=float, default=None, help="override the cdf threshold")
     p.add_argument("--estimator", default=None, choices=["qpool", "meansim"],
                    help="block-sparse attention's block estimator (default: the backend's, qpool)")
-    p.add_argument("--new-tokens", type=int, default=32,
+    p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
                    help="tokens generated after the question (the agreement with the reference)")
     add_device_args(p)
     add_run_args(p, "prefill",

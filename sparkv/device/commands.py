@@ -1,6 +1,6 @@
 """``sparkv device``: the local context service and its command-line client.
 
-    sparkv device serve --swap-dir DIR --budget-mb 256 [--socket PATH [--socket-group GROUP]
+    sparkv device serve --flash-dir DIR --memory-budget-mb 256 [--socket PATH [--socket-group GROUP]
                         | --port N [--token-file PATH]] [--model PATH] [--policy llms]
                         [--ratio 0.75]
     sparkv device create [--system "You are ..."]          # prints the new context's id
@@ -84,9 +84,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 def _add_serve(dsub: "argparse._SubParsersAction") -> None:
     s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
-    s.add_argument("--swap-dir", default=None,
+    s.add_argument("--flash-dir", default=None, dest="swap_dir",
                    help="flash tier + journal (default: <sparkv cache>/device/swap)")
-    s.add_argument("--budget-mb", type=float, required=True,
+    s.add_argument("--memory-budget-mb", type=float, required=True, dest="budget_mb",
                    help="KV memory budget, MB (10^6 bytes)")
     s.add_argument("--socket", default=None,
                    help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sparkv.cliflags import PRESS_METAVAR
 from sparkv.server.errors import ConfigError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -31,7 +32,7 @@ SERVE_ENV: dict[str, str] = {
     "--ssl-keyfile-password": "SPARKV_SSL_KEYFILE_PASSWORD",
     "--ssl-ca-certs": "SPARKV_SSL_CA_CERTS",
     "--ssl-require-client-cert": "SPARKV_SSL_REQUIRE_CLIENT_CERT",
-    "--torch-threads": "SPARKV_TORCH_THREADS",
+    "--threads": "SPARKV_TORCH_THREADS",
     "--log-level": "SPARKV_LOG_LEVEL",
     "--job-queue": "SPARKV_JOB_QUEUE",
 }
@@ -78,7 +79,7 @@ def _add_serve(sub: "argparse._SubParsersAction") -> None:
                    default=_env("--ssl-require-client-cert", "") in ("1", "true", "yes"),
                    help="[SPARKV_SSL_REQUIRE_CLIENT_CERT=1] mutual TLS: refuse clients without "
                         "a certificate from --ssl-ca-certs")
-    s.add_argument("--torch-threads", type=int, default=_int_or_none(_env("--torch-threads")),
+    s.add_argument("--threads", type=int, default=_int_or_none(_env("--threads")),
                    help="[SPARKV_TORCH_THREADS] PyTorch threads for prefill (default: config, "
                         "else all cores)")
     s.add_argument("--device", default=_env("--device"),
@@ -121,12 +122,12 @@ def _add_encode(sub: "argparse._SubParsersAction") -> None:
     e.add_argument("--heads-per-group", type=int, default=0,
                    help="KV heads per group; must divide the model's KV heads (0: all in one)")
     e.add_argument("--token-ids", action="store_true", help="FILE holds a JSON list of token ids")
-    e.add_argument("--press", default=None, metavar="NAME:RATIO",
+    e.add_argument("--press", default=None, metavar=PRESS_METAVAR,
                    help="compress with a KV press first, question-agnostically (adakv:0.5; "
                         "docs/presses.md): only the kept entries are stored")
     e.add_argument("--encrypt", action="store_true",
                    help="encrypt frames; prints the key once (it is stored nowhere)")
-    e.add_argument("--torch-threads", type=int, default=None,
+    e.add_argument("--threads", type=int, default=None,
                    help="PyTorch threads for prefill (default: config, else all cores)")
     e.add_argument("--device", default=None, help="cpu, cuda[:N] or auto (default: config)")
     e.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: config)")
@@ -146,7 +147,7 @@ def _add_worker(sub: "argparse._SubParsersAction") -> None:
                         "redis:// URL")
     w.add_argument("--name", default=os.environ.get("SPARKV_WORKER_NAME"),
                    help="[SPARKV_WORKER_NAME] consumer name (default: host-pid-random)")
-    w.add_argument("--torch-threads", type=int, default=_int_or_none(_env("--torch-threads")),
+    w.add_argument("--threads", type=int, default=_int_or_none(_env("--threads")),
                    help="[SPARKV_TORCH_THREADS] PyTorch threads for prefill")
     w.add_argument("--device", default=_env("--device"), help="[SPARKV_DEVICE] cpu, cuda[:N], auto")
     w.add_argument("--dtype", default=_env("--dtype"), help="[SPARKV_DTYPE]")
@@ -183,7 +184,7 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
+    settings = _settings(args.config, args.store, torch_threads=args.threads,
                          log_level=args.log_level,
                          allow_anonymous=True if args.allow_anonymous else None,
                          device=args.device, dtype=args.dtype, job_queue=args.job_queue)
@@ -233,7 +234,7 @@ def worker(args: argparse.Namespace) -> int:
     from sparkv.server.stores import open_store
     from sparkv.server.worker import EncodeWorker, install_signal_handlers
 
-    common = dict(torch_threads=args.torch_threads, log_level=args.log_level,
+    common = dict(torch_threads=args.threads, log_level=args.log_level,
                   device=args.device, dtype=args.dtype)
     settings = _settings(args.config, args.store, job_queue=args.job_queue, **common)
     if settings.job_queue == "local":  # a worker always uses a shared queue: the store's Redis
@@ -303,13 +304,13 @@ def encode(args: argparse.Namespace) -> int:
 def _encode_settings(args: argparse.Namespace) -> Any:
     """The settings of ``sparkv encode`` (its options over the config), the device checked and
     PyTorch's threads set."""
-    settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
+    settings = _settings(args.config, args.store, torch_threads=args.threads,
                          device=args.device, dtype=args.dtype)
     _check_device(settings)
-    if args.torch_threads or settings.torch_threads:
+    if args.threads or settings.torch_threads:
         import torch
 
-        torch.set_num_threads(args.torch_threads or settings.torch_threads)
+        torch.set_num_threads(args.threads or settings.torch_threads)
     return settings
 
 

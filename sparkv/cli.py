@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     """``-v``/``-q`` and ``--no-progress``: what every command shows (:mod:`sparkv.logs`)."""
     loud = parser.add_mutually_exclusive_group()
-    loud.add_argument("-v", "--verbose", action="count", default=0,
-                      help="also print debug lines and transformers' own warnings")
+    loud.add_argument("-v", "--verbose", action="count", default=None,
+                      help="also print debug lines and transformers' own warnings (by default: "
+                           "notes, no debug lines)")
     loud.add_argument("-q", "--quiet", action="store_true",
                       help="print only answers, tables, progress bars, warnings and errors (no "
                            "notes such as 'loading the model')")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -22,6 +23,8 @@ from sparkv.cliflags import PRESS_METAVAR
 from sparkv.edge.commands import add_link_args, shaper_from_args
 from sparkv.edge.planning import STRATEGIES
 from sparkv.runtime.device import add_device_args
+
+log = logging.getLogger("sparkv.demo")
 
 DEMO_QUESTION = "What does this text say about warranty? Answer in one sentence."
 FOLLOW_UP = "Who may copy and distribute this text? Answer in one sentence."
@@ -75,20 +78,20 @@ def run_demo(args: argparse.Namespace) -> int:
     shaper_from_args(args)          # a bad --trace fails now, before the model loads
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print("sparkv demo: loading the model ...", flush=True)
+    log.info("sparkv demo: loading the model ...")
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     context = chat_context(lm, sample_context_ids(lm, args.tokens))
     link = (f"{args.mbps:g} Mbit/s" if args.mbps else
             f"trace {args.trace!r}" if args.trace else "unshaped loopback")
     with tempfile.TemporaryDirectory(prefix="sparkv-demo-") as tmp:
         server = _server(args, tmp)
-        print("starting the server on loopback ...", flush=True)
+        log.info("starting the server on loopback ...")
         with server:
             ref, runs, rows, follow = _ask_everything(args, lm, context, server.url, tmp,
                                                       strategies, link)
     _print_summary(lm, ref, rows)
     png = _write_results(out, args, context, link, runs, rows, follow)
-    print(f"timeline plot: {png}")
+    log.info("timeline plot: %s", png)
     sys.stdout.flush()
     return 0
 
@@ -126,8 +129,8 @@ def _ask_everything(args: argparse.Namespace, lm: Any, context: list[int], url: 
     levels = [x for x in args.levels.split(",") if x]
     cid = session.client.create_context(token_ids=context, levels=levels,
                                         chunk_tokens=args.chunk_tokens, progress=True)
-    print(f"context {cid}: {len(context)} tokens encoded by the server in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    log.info("context %s: %d tokens encoded by the server in %.1f s", cid, len(context),
+             time.perf_counter() - t0)
     suffix = question_suffix(lm, args.question)
     print(f"question: {args.question!r}; link: {link}\n", flush=True)
     ref = reference_generate(lm, context + suffix, args.new_tokens)

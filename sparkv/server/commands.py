@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from sparkv.cliflags import PRESS_METAVAR
+from sparkv.logs import STAMPED, setup_logging
 from sparkv.server.errors import ConfigError
+
+log = logging.getLogger("sparkv.server")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -178,23 +182,29 @@ def _settings(config: str | None, store: str | None, **extra: Any) -> Any:
     return load_settings(config, store=store, **extra)
 
 
+def _log_level(args: argparse.Namespace, configured: str) -> str:
+    """``--log-level`` (or the config's), unless ``sparkv -v``/``-q`` asked otherwise."""
+    verbosity = getattr(args, "verbosity", 0)
+    return configured if not verbosity else "debug" if verbosity > 0 else "warning"
+
+
 # ------------------------------------------------------------------------------------------------
 def serve(args: argparse.Namespace) -> int:
-    import logging
-
     import uvicorn
 
     settings = _settings(args.config, args.store, torch_threads=args.threads,
                          log_level=args.log_level,
                          allow_anonymous=True if args.allow_anonymous else None,
                          device=args.device, dtype=args.dtype, job_queue=args.job_queue)
+    settings.log_level = _log_level(args, settings.log_level)
+    setup_logging(level=settings.log_level, fmt=STAMPED)
     if not settings.tenants and not settings.allow_anonymous:
         if args.host not in LOOPBACK:
             raise ConfigError("no tenants are configured: add API key hashes to the config file "
                               "(`sparkv apikey` makes one) or pass --allow-anonymous")
         settings.allow_anonymous = True
-        print("sparkv serve: no tenants configured; accepting requests without a key as tenant "
-              "'anonymous' (loopback only)", file=sys.stderr)
+        log.warning("sparkv serve: no tenants configured; accepting requests without a key as "
+                    "tenant 'anonymous' (loopback only)")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
     if args.ssl_require_client_cert and not (args.ssl_certfile and args.ssl_ca_certs):
@@ -206,16 +216,14 @@ def serve(args: argparse.Namespace) -> int:
     _check_device(settings)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from sparkv.server.app import create_app
     from sparkv.server.http_protocol import json_error_protocol
 
     app = create_app(settings)
     scheme = "https" if args.ssl_certfile else "http"
-    print(f"sparkv serve: {scheme}://{args.host}:{args.port} store={app.state.sparkv.store.url} "
-          f"tenants={len(settings.tenants)} models={','.join(settings.models)}", file=sys.stderr,
-          flush=True)
+    log.info("sparkv serve: %s://%s:%s store=%s tenants=%d models=%s", scheme, args.host,
+             args.port, app.state.sparkv.store.url, len(settings.tenants),
+             ",".join(settings.models))
     uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level,
                 access_log=args.access_log, ssl_certfile=args.ssl_certfile,
                 ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
@@ -228,8 +236,6 @@ def serve(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> int:
-    import logging
-
     from sparkv.server.models import ModelRegistry
     from sparkv.server.stores import open_store
     from sparkv.server.worker import EncodeWorker, install_signal_handlers
@@ -246,15 +252,13 @@ def worker(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(level=_log_level(args, settings.log_level), fmt=STAMPED)
     store = open_store(settings.store)
     registry = ModelRegistry(settings.models, settings.max_context_tokens, settings.device,
                              settings.dtype)
     w = EncodeWorker(settings, store, registry, name=args.name)
     install_signal_handlers(w)
-    print(f"sparkv worker {w.name}: queue={w.queue.url} store={store.url}", file=sys.stderr,
-          flush=True)
+    log.info("sparkv worker %s: queue=%s store=%s", w.name, w.queue.url, store.url)
     w.run(max_jobs=args.max_jobs)
     store.close()
     return 0

@@ -53,3 +53,22 @@ def test_the_installed_transformers_gets_no_deprecated_keyword(tiny_llama):
         gen = model_call(tiny_llama.model.generate, ids, cache=DynamicCache(), max_new_tokens=2,
                          do_sample=False, attention_mask=torch.ones_like(ids))
     assert gen.shape == (1, 5)
+
+
+#: files another change owns right now; the merge moves them to model_call and empties this
+PENDING = {"bench/quality.py"}
+
+
+def test_no_forward_call_passes_the_deprecated_keyword():
+    """Every forward call with a cache goes through model_call (its FutureWarning printed ~10
+    times per ask before): no ``past_key_values=`` or ``.past_key_values`` outside hfcache.py."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "sparkv"
+    pattern = re.compile(r"past_key_values=|\.past_key_values\b")
+    found = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
+             if p.name != "hfcache.py" and str(p.relative_to(root)) not in PENDING
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if pattern.search(line.split("#")[0]) and "``" not in line]
+    assert not found, found

@@ -170,6 +170,7 @@ class DeviceProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._close()
                 raise DeviceError(f"sparkv device serve exited ({self.proc.returncode}):\n"
                                   f"{self.log()[-3000:]}")
             if self.token_file.exists() if self.port else self.socket.exists():

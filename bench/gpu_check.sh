@@ -49,14 +49,14 @@ phase tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.py
 phase attention 100 $BENCH attention --heads 24/8/128,9/3/64 --lengths 8192,32768 \
   --densities 0.1,0.25,0.5 --repeats 3 --save-profile --out "$tmp/attention-$tag.json"
 phase prefill 110 $BENCH prefill --device cuda --model random:llama-3.2-3b \
-  --sizes 8192,16384,32768 --chunk-tokens 4096 --repeats 3 --new-tokens 4 \
+  --sizes 8192,16384,32768 --chunk-tokens 4096 --repeats 3 --max-new-tokens 4 \
   --variants full,dense_mask,dense,dense+fused,auto,auto+fused \
   --out "$tmp/prefill-$tag.json"
 phase prefill1k 60 $BENCH prefill --device cuda --model random:llama-3.2-3b \
-  --sizes 32768 --chunk-tokens 1024 --repeats 1 --new-tokens 4 \
+  --sizes 32768 --chunk-tokens 1024 --repeats 1 --max-new-tokens 4 \
   --variants full,dense_mask,dense --profile dense --out "$tmp/prefill-t1024-$tag.json"
-phase ttft 150 $BENCH ttft --device cuda --model random:smollm2-135m --tokens 4096 \
-  --mbps 500 --trace lte --runs 1 --new-tokens 8 --levels q8,q5 --json \
+phase ttft 150 $BENCH ttft --device cuda --model random:smollm2-135m --sizes 4096 \
+  --mbps 500 --trace lte --runs 1 --max-new-tokens 8 --levels q8,q5 --json \
   --out "$tmp/ttft-$tag.json"
 cp "$tmp"/*.json "$out"/ 2>/dev/null
 ls -la "$out"

@@ -55,14 +55,14 @@ start_api() {  # I PORT
   echo "$port" >"$RUN/api-$i.port"
   OMP_NUM_THREADS=$THREADS PYTHONUNBUFFERED=1 nohup "$PY" -m sparkv.cli serve --host 127.0.0.1 \
     --port "$port" --store "$STORE" --job-queue redis --config "$CONFIG" \
-    --torch-threads "$THREADS" --log-level warning >>"$LOGS/api-$i.log" 2>&1 &
+    --threads "$THREADS" --log-level warning >>"$LOGS/api-$i.log" 2>&1 &
   echo $! >"$RUN/api-$i.pid"
 }
 
 start_worker() {  # I
   local i=$1
   OMP_NUM_THREADS=$THREADS PYTHONUNBUFFERED=1 nohup "$PY" -m sparkv.cli worker --store "$STORE" \
-    --config "$CONFIG" --name "worker-$i" --torch-threads "$THREADS" \
+    --config "$CONFIG" --name "worker-$i" --threads "$THREADS" \
     >>"$LOGS/worker-$i.log" 2>&1 &
   echo $! >"$RUN/worker-$i.pid"
 }

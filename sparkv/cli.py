@@ -11,18 +11,26 @@ exit status 2, for every command (:func:`error_message`): a :class:`~sparkv.erro
 a server or service that cannot be reached, or ``raise SystemExit("message")``. Argparse's own
 usage errors exit 2 as well. Anything else is a bug and keeps its traceback.
 
+Output: ``-v``/``-q`` and ``--no-progress`` on ``sparkv`` itself set up logging once for every
+command (:mod:`sparkv.logs`). Renamed flags keep their old spelling as hidden aliases
+(:mod:`sparkv.cliflags`), added here to every parser.
+
 ``docs/cli.md`` is generated from these parsers (:mod:`sparkv.clidoc`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from typing import Iterator, Sequence
 
+from sparkv.cliflags import add_hidden_aliases, metavars_follow_names, shown_option_strings
 from sparkv.errors import SparkvError
 from sparkv.extras import as_missing_extra
+from sparkv.logs import disable_progress_bars, setup_logging
 
 # Subcommand modules, in the order `sparkv --help` lists them. Add one line per new module.
 COMMAND_MODULES: list[str] = [
@@ -44,6 +52,17 @@ class HelpFormatter(argparse.HelpFormatter):
     states its default (it says "default"), the option has none (``None``, a flag's ``False``),
     is required or positional, or may hold a secret (:data:`SECRET_DESTS`)."""
 
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        """As argparse writes it, without the hidden old spellings (:mod:`sparkv.cliflags`)."""
+        shown = shown_option_strings(action)
+        if shown == action.option_strings:
+            return super()._format_action_invocation(action)
+        saved, action.option_strings = action.option_strings, shown
+        try:
+            return super()._format_action_invocation(action)
+        finally:
+            action.option_strings = saved
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if not stated_default(action) or "default" in text.lower():
@@ -63,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparkv", description="Cloud-edge KV-cache streaming for on-device LLMs.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    add_output_args(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -72,9 +92,48 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
-    for _, p in walk_parsers(parser):
+    for path, p in walk_parsers(parser):
         p.formatter_class = HelpFormatter
+        metavars_follow_names(p)
+        add_hidden_aliases(p, path)
     return parser
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    """``-v``/``-q`` and ``--no-progress``: what every command shows (:mod:`sparkv.logs`)."""
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="count", default=None,
+                      help="also print debug lines and transformers' own warnings (by default: "
+                           "notes, no debug lines)")
+    loud.add_argument("-q", "--quiet", action="store_true",
+                      help="print only answers, tables, progress bars, warnings and errors (no "
+                           "notes such as 'loading the model')")
+    parser.add_argument("--no-progress", action="store_true", dest="no_progress_bars",
+                        help="no progress bars, in any command (also: COMMAND --no-progress "
+                             "where a command has it)")
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    """-1 with ``-q``, the count of ``-v``, else 0 (:func:`sparkv.logs.level_for`)."""
+    return -1 if getattr(args, "quiet", False) else int(getattr(args, "verbose", 0) or 0)
+
+
+@contextlib.contextmanager
+def _output(args: argparse.Namespace) -> Iterator[None]:
+    """Logging and progress bars as ``args`` say, for the duration of one command (the
+    environment is restored after it: :func:`main` may run several times in one process)."""
+    saved = dict(os.environ)
+    args.verbosity = verbosity(args)
+    setup_logging(args.verbosity)
+    if args.no_progress_bars:
+        disable_progress_bars()
+        if hasattr(args, "no_progress"):      # the command's own --no-progress
+            args.no_progress = True
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("sparkv",)
@@ -121,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with _output(args):
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from sparkv.cli import build_parser, stated_default, walk_parsers
+from sparkv.cliflags import PRESS_METAVAR, RENAMED, Renamed, hidden_aliases, is_hidden
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
@@ -35,7 +36,59 @@ that cannot be reached, an unknown context) is one line on stderr, `sparkv: erro
 status 2. Units: MB is 10^6 bytes and MiB 2^20 bytes (every `--*-mb` option takes MB); Mbit/s is
 10^6 bits per second. Chunk sizes (`--chunk-tokens`, T) differ per command on purpose:
 [architecture.md](architecture.md#conventions) says why.
+
+Output: answers and tables go to stdout; one-line notes ("loading the model", "listening on",
+"wrote X") go to stderr. `sparkv -q COMMAND` hides the notes and keeps answers, tables, progress
+bars, warnings and errors; `sparkv -v COMMAND` adds debug lines and transformers' own warnings
+(hidden by default). Progress bars stay unless `sparkv --no-progress COMMAND` (or the command's
+own `--no-progress` where it has one). `serve` and `worker` log with timestamps at `--log-level`
+(`-v`/`-q` override it).
 """
+
+NAMES = f"""## One name per idea
+
+Every command spells a concept the same way:
+
+| concept | flag | where |
+|---|---|---|
+| torch threads | `--threads N` | every command that runs the model (`serve`, `worker`, `encode` too) |
+| answer length | `--max-new-tokens N` | `ask`, `device call`, `demo`, every benchmark that generates |
+| a KV press | `--press {PRESS_METAVAR.replace('|', chr(92) + '|')}` | `encode`, `ask`, `demo`, `bench ttft` |
+| memory budgets, MB | `--memory-budget-mb` (the device service), `--keep-budget-mb` (`ask --keep`'s kept contexts) | |
+| decode-time KV budget | `--decode-budget` (`ask`), `--decode-budgets` (`bench dynakv`) | beside `--decode POLICY` |
+| the flash tier's directory | `--flash-dir DIR` | `device serve`, `bench decode`, `bench dynakv` (`ask --keep` has `--keep-dir`) |
+| keys | `--api-key` (the tenant's bearer key), `--encryption-key` (a context's frame key) | `ask` |
+| a time | `--*-s` / `--*-ms`, the unit in the name | `--deadline-s`, `--duration-s`, `--rtt-ms`, ... |
+| output | `--out FILE`, `--out-dir DIR` (`demo`), `--json` | see below |
+
+A press spec is `NAME:BUDGET[@WINDOW]`: `adakv:0.2` keeps 20% of the entries (also `adakv:20%`),
+`dynamickv:256t` keeps 256 tokens per KV head, and `@repeat` uses a fixed probe question as the
+question-agnostic window ([presses.md](presses.md)).
+
+Two spellings mean different things on purpose: `--json` prints the result as JSON in `encode`,
+`ask` and `device call`, but writes `bench/results/NAME.json` in a benchmark (`--out FILE`
+writes it elsewhere); `--server` is the sparkv server's URL (`ask`), `--url` the device
+service's (`device ...`). `encode --model` and `serve`'s config name a model of the server's
+config; elsewhere `--model` is a local checkpoint.
+
+Renamed flags: the old spelling still works for one release (hidden from `--help`, same
+meaning).
+
+| old | new | where | why |
+|---|---|---|---|
+{{renamed}}
+"""
+
+
+def _renamed_rows(parser: argparse.ArgumentParser, renamed: list[Renamed]) -> str:
+    """One row per renamed flag, with the commands that still take its old spelling."""
+    rows = []
+    for r in renamed:
+        where = [" ".join(path[1:]) for path, p in walk_parsers(parser)
+                 if r.old in hidden_aliases(p._option_string_actions.get(r.old))]
+        rows.append(f"| `{r.old}` | `{r.new}` | {', '.join(f'`{w}`' for w in where)} "
+                    f"| {_cell(r.why)} |")
+    return "\n".join(rows)
 
 
 @contextlib.contextmanager
@@ -57,7 +110,7 @@ def render() -> str:
     with _reproducible_env():
         parser = build_parser()
         helps = _subcommand_helps(parser)
-        parts = [INTRO]
+        parts = [INTRO, NAMES.format(renamed=_renamed_rows(parser, RENAMED))]
         for path, p in walk_parsers(parser):
             parts.append(_section(path, p, helps.get(path)))
     return "\n".join(parts)
@@ -81,7 +134,8 @@ def _section(path: tuple[str, ...], p: argparse.ArgumentParser, summary: str | N
         if text and text not in lines:
             lines += [text, ""]
     lines += ["```text", p.format_usage().strip(), "```", ""]
-    rows = [_row(p, a) for a in p._actions if not isinstance(a, argparse._HelpAction)]
+    rows = [_row(p, a) for a in p._actions
+            if not isinstance(a, argparse._HelpAction) and not is_hidden(a)]
     if rows:
         lines += ["| argument | default | meaning |", "|---|---|---|", *rows, ""]
     return "\n".join(lines)

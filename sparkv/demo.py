@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from sparkv.cliflags import PRESS_METAVAR
 from sparkv.edge.commands import add_link_args, shaper_from_args
 from sparkv.edge.planning import STRATEGIES
 from sparkv.runtime.device import add_device_args
+
+log = logging.getLogger("sparkv.demo")
 
 DEMO_QUESTION = "What does this text say about warranty? Answer in one sentence."
 FOLLOW_UP = "Who may copy and distribute this text? Answer in one sentence."
@@ -38,15 +42,17 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="T the server encodes the context with (the TTFT benchmarks' T)")
     d.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
     d.add_argument("--question", default=DEMO_QUESTION, help="the question every strategy answers")
-    d.add_argument("--new-tokens", type=int, default=40, help="answer length, tokens")
+    d.add_argument("--max-new-tokens", type=int, default=40, dest="new_tokens",
+                   help="answer length, tokens")
     d.add_argument("--strategies", default="local,stream,hybrid,sparkv",
                    help="strategies to answer with, comma-separated")
-    d.add_argument("--press", default="auto", metavar="SPEC",
+    d.add_argument("--press", default="auto", metavar=PRESS_METAVAR,
                    help="also answer with sparkv from a variant of the context compressed on the "
                         "server by this KV press (docs/presses.md; 'none' to skip; 'auto': the "
                         "most compressing press that passes the model's quality table, else "
                         f"{FALLBACK_PRESS}; its verdict is printed beside the answer)")
-    d.add_argument("--out", default="sparkv-demo", help="directory for the plot and JSON")
+    d.add_argument("--out-dir", default="sparkv-demo", dest="out",
+                   help="directory for the plot and JSON")
     d.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     add_device_args(d)
     add_link_args(d, default="lte")
@@ -80,20 +86,20 @@ def run_demo(args: argparse.Namespace) -> int:
     shaper_from_args(args)          # a bad --trace fails now, before the model loads
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print("sparkv demo: loading the model ...", flush=True)
+    log.info("sparkv demo: loading the model ...")
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     context = chat_context(lm, sample_context_ids(lm, args.tokens))
     link = (f"{args.mbps:g} Mbit/s" if args.mbps else
             f"trace {args.trace!r}" if args.trace else "unshaped loopback")
     with tempfile.TemporaryDirectory(prefix="sparkv-demo-") as tmp:
         server = _server(args, tmp)
-        print("starting the server on loopback ...", flush=True)
+        log.info("starting the server on loopback ...")
         with server:
             ref, runs, rows, follow = _ask_everything(args, lm, context, server.url, tmp,
                                                       strategies, link)
     _print_summary(lm, ref, rows)
     png = _write_results(out, args, context, link, runs, rows, follow)
-    print(f"timeline plot: {png}")
+    log.info("timeline plot: %s", png)
     sys.stdout.flush()
     return 0
 
@@ -131,8 +137,8 @@ def _ask_everything(args: argparse.Namespace, lm: Any, context: list[int], url: 
     levels = [x for x in args.levels.split(",") if x]
     cid = session.client.create_context(token_ids=context, levels=levels,
                                         chunk_tokens=args.chunk_tokens, progress=True)
-    print(f"context {cid}: {len(context)} tokens encoded by the server in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    log.info("context %s: %d tokens encoded by the server in %.1f s", cid, len(context),
+             time.perf_counter() - t0)
     suffix = question_suffix(lm, args.question)
     print(f"question: {args.question!r}; link: {link}\n", flush=True)
     ref = reference_generate(lm, context + suffix, args.new_tokens)

@@ -18,7 +18,7 @@ from sparkv.errors import SparkvError
 ROOT = Path(__file__).resolve().parent.parent
 #: the scheduler benchmark cut down to seconds
 SCHEDULER_QUICK = ["bench", "scheduler", "--quick", "--sizes", "2", "--mbps", "50",
-                   "--milp-time-limit", "2"]
+                   "--milp-time-limit-s", "2"]
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -71,7 +71,7 @@ def test_dynakv_quick_writes_nothing_unless_asked(tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(RESULTS_DIR_ENV, raising=False)
     scratch = _scratch_dirs()
-    args = ["bench", "dynakv", "--quick", "--policies", "dynakv,local", "--budgets", "0.25",
+    args = ["bench", "dynakv", "--quick", "--policies", "dynakv,local", "--decode-budgets", "0.25",
             "--prompt-tokens", "128", "--model", str(shared_tiny_checkpoint()), "--threads", "1"]
     assert main(args) == 0
     assert not (tmp_path / "bench").exists() and _scratch_dirs() == scratch

@@ -17,6 +17,7 @@ from sparkv.cache import (ChunkPayload, ContextKV, FlashTier, KVMemoryError, Pay
 from sparkv.cache.payload import contiguous_positions
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime import reference_prefill, split_chunks
+from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.kvcache import memory_from_layers
 
 
@@ -170,9 +171,9 @@ def test_generate_over_the_memory_equals_dynamic_cache(model, request):
     mem = memory_from_layers(layers, geo, spare_tokens=4)      # too few: the arena must grow
     full = torch.cat([ids, q], 1)
     with torch.inference_mode():
-        want = lm.model.generate(full, past_key_values=_dynamic(layers), max_new_tokens=24,
+        want = model_call(lm.model.generate, full, cache=_dynamic(layers), max_new_tokens=24,
                                  do_sample=False, attention_mask=torch.ones_like(full))
-        got = lm.model.generate(full, past_key_values=SparkvCache(mem), max_new_tokens=24,
+        got = model_call(lm.model.generate, full, cache=SparkvCache(mem), max_new_tokens=24,
                                 do_sample=False, attention_mask=torch.ones_like(full))
     assert got.tolist() == want.tolist()
     assert mem.positions == [full.shape[1] + 23] * geo.num_layers
@@ -188,10 +189,10 @@ def test_appends_are_in_place(tiny_llama):
     ptr = store.k.data_ptr()
     cache = SparkvCache(mem)
     with torch.inference_mode():
-        out = tiny_llama.model(torch.tensor([[1, 2, 3]]), past_key_values=cache,
+        out = model_call(tiny_llama.model, torch.tensor([[1, 2, 3]]), cache=cache,
                                position_ids=torch.tensor([[64, 65, 66]]), use_cache=True)
         for i in range(20):
-            out = tiny_llama.model(torch.tensor([[5]]), past_key_values=cache,
+            out = model_call(tiny_llama.model, torch.tensor([[5]]), cache=cache,
                                    position_ids=torch.tensor([[67 + i]]), use_cache=True)
     assert store.k.data_ptr() == ptr and mem.positions[0] == 87
 
@@ -213,9 +214,9 @@ def test_pruned_cache_decodes_with_true_positions(tiny_llama):
     q = torch.tensor([[3, 7, 11, 13]])
     pos = torch.arange(n, n + 4)
     with torch.inference_mode():
-        want = tiny_llama.model(q, past_key_values=_dynamic(kept), position_ids=pos[None],
+        want = model_call(tiny_llama.model, q, cache=_dynamic(kept), position_ids=pos[None],
                                 cache_position=torch.arange(40, 44)).logits
-        got = tiny_llama.model(q, past_key_values=SparkvCache(mem), position_ids=pos[None],
+        got = model_call(tiny_llama.model, q, cache=SparkvCache(mem), position_ids=pos[None],
                                cache_position=pos).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -233,9 +234,9 @@ def test_quantized_resident_chunks_are_dequantized_on_read(tiny_llama):
     q = torch.tensor([[3, 7, 11]])
     pos = torch.arange(n, n + 3)
     with torch.inference_mode():
-        a = tiny_llama.model(q, past_key_values=SparkvCache(fp), position_ids=pos[None]).logits
+        a = model_call(tiny_llama.model, q, cache=SparkvCache(fp), position_ids=pos[None]).logits
         cache = SparkvCache(q8)
-        b = tiny_llama.model(q, past_key_values=cache, position_ids=pos[None]).logits
+        b = model_call(tiny_llama.model, q, cache=cache, position_ids=pos[None]).logits
     assert (a - b).abs().max() < 0.05 and cache.extra_nbytes() > 0
     assert q8.nbytes < 0.35 * fp.nbytes          # reading did not bring fp copies back
     cache.commit()
@@ -258,14 +259,14 @@ def test_attending_over_a_missing_chunk_names_it_and_its_layer(tiny_llama, tmp_p
     mem.drop(dropped)
     ids = torch.tensor([context + question])
     with torch.inference_mode(), pytest.raises(KVMemoryError) as e:
-        tiny_llama.model.generate(ids, past_key_values=SparkvCache(mem), max_new_tokens=2,
+        model_call(tiny_llama.model.generate, ids, cache=SparkvCache(mem), max_new_tokens=2,
                                   do_sample=False, attention_mask=torch.ones_like(ids))
     assert "layer 0" in str(e.value) and "{l}" not in str(e.value)
     mem.swap_in(swapped, tier)
     k, v = layers[1][0][0, :, 32:48], layers[1][1][0, :, 32:48]
     mem.put(dropped, k, v, source=Source.STREAMED)      # fetched (or recomputed) again
     with torch.inference_mode():
-        out = tiny_llama.model.generate(ids, past_key_values=SparkvCache(mem), max_new_tokens=2,
+        out = model_call(tiny_llama.model.generate, ids, cache=SparkvCache(mem), max_new_tokens=2,
                                         do_sample=False, attention_mask=torch.ones_like(ids))
     assert out.shape == (1, n + len(question) + 2)
 

@@ -80,7 +80,7 @@ def no_model(monkeypatch):
 def test_ask_argument_errors_come_before_the_model(no_model, capsys):
     ask = ["ask", "--server", NO_SERVER, "--context", CID, "q"]
     _fails(ask + ["--trace", "3g"], capsys, "'3g' is neither a bundled trace")
-    _fails(ask + ["--ram-budget", "0.25"], capsys, "--ram-budget needs --decode")
+    _fails(ask + ["--decode-budget", "0.25"], capsys, "--decode-budget needs --decode")
     _fails(ask + ["--press", "nope:0.5"], capsys, "unknown press")
     with pytest.raises(SystemExit) as e:                   # argparse: one link or the other
         main(ask + ["--trace", "lte", "--mbps", "20"])
@@ -121,7 +121,7 @@ def test_a_401_names_the_flag_not_only_the_header():
 
 def test_system_exit_messages_exit_2(capsys):
     # a benchmark's option check (raise SystemExit("...")) before anything loads
-    _fails(["bench", "dynakv", "--budgets", "2"], capsys, "--budgets are fractions")
+    _fails(["bench", "dynakv", "--decode-budgets", "2"], capsys, "--decode-budgets are fractions")
 
 
 def test_the_console_script_prints_no_traceback():
@@ -129,3 +129,64 @@ def test_the_console_script_prints_no_traceback():
                           NO_SERVER], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "unreachable" in out.stderr
+
+
+def _renamed_commands():
+    from sparkv.cliflags import RENAMED
+
+    for path, p in walk_parsers(build_parser()):
+        for r in RENAMED:
+            if r.old in p._option_string_actions and r.new in p._option_string_actions:
+                yield path, p, r
+
+
+def test_every_old_spelling_parses_to_the_same_dest_and_is_hidden():
+    """A renamed flag's old spelling (docs/cli.md, 'One name per idea') still works for a release:
+    it parses to the same dest and value as the new one, and --help, the usage line and
+    docs/cli.md's command sections do not show it."""
+    from sparkv.cliflags import RENAMED, hidden_aliases
+
+    page = clidoc.render()
+    seen = set()
+    for path, p, r in _renamed_commands():
+        seen.add(r.old)
+        section = page.split(f"## `{' '.join(path)}`\n", 1)[1].split("\n## ", 1)[0]
+        assert f"`{r.old} " not in section and f"{r.old}`" not in section, (path, r)
+        action = p._option_string_actions[r.new]
+        assert p._option_string_actions[r.old] is action and r.old in hidden_aliases(action)
+        assert r.old not in p.format_help().replace(r.new, ""), (path, r)
+        value = str(next(iter(action.choices))) if action.choices else "1"
+        argv = [*path[1:]]
+        for a in p._actions:                   # the other required arguments
+            if a.required and a.option_strings and a is not action:
+                argv += [a.option_strings[0], "1"]
+            elif not a.option_strings and not isinstance(a, argparse._SubParsersAction):
+                argv.append("x")
+        got = [vars(build_parser().parse_args([*argv, flag, value]))[action.dest]
+               for flag in (r.new, r.old)]
+        assert got[0] == got[1] == (action.type or str)(value), (path, r, got)
+    assert seen == {r.old for r in RENAMED}, "a renamed flag exists in no command"
+
+
+def test_quiet_and_verbose_set_the_one_logging_setup(capsys):
+    import logging
+
+    from sparkv.cli import verbosity
+
+    parser = build_parser()
+    assert verbosity(parser.parse_args(["-q", "model"])) == -1
+    assert verbosity(parser.parse_args(["-vv", "model"])) == 2
+    assert verbosity(parser.parse_args(["model"])) == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["-q", "-v", "model"])
+    capsys.readouterr()
+    from sparkv.logs import setup_logging
+
+    log = logging.getLogger("sparkv.test")
+    setup_logging(-1)
+    log.info("a note")
+    log.warning("a warning")
+    setup_logging(0)
+    log.info("another note")
+    err = capsys.readouterr().err
+    assert "a note" not in err and "a warning" in err and "another note" in err

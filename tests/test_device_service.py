@@ -19,6 +19,7 @@ from sparkv.device.loader import (LoadOptions, LoadRequest, chunk_payload, load,
 from sparkv.device.service import ServiceConfig
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.generate import greedy_generate, sample_context_ids
+from sparkv.runtime.hfcache import output_cache
 from helpers import CHAT_TURNS, flash_profile
 
 FAST_FLASH = flash_profile(fast=True)
@@ -73,7 +74,7 @@ def test_partial_recompute_of_interleaved_chunks_equals_full_prefill(lm, doc, tm
     # reference: the model's own prefill (transformers, one forward pass)
     with torch.inference_mode():
         out = lm.model(input_ids=torch.tensor([tokens]), use_cache=True)
-    pkv = out.past_key_values
+    pkv = output_cache(out)
     ref = [(pkv.layers[l].keys, pkv.layers[l].values) for l in range(g.num_layers)]
 
     # the service's full prefill (every chunk recomputed)

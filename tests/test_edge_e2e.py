@@ -252,8 +252,8 @@ def test_ask_cli(served, capsys):
 def test_demo(smollm2, tmp_path, capsys):
     from sparkv.cli import main
 
-    rc = main(["demo", "--tokens", "300", "--chunk-tokens", "128", "--new-tokens", "8",
-               "--out", str(tmp_path), "--mbps", "40"])
+    rc = main(["demo", "--tokens", "300", "--chunk-tokens", "128", "--max-new-tokens", "8",
+               "--out-dir", str(tmp_path), "--mbps", "40"])
     out = capsys.readouterr().out
     assert rc == 0
     for strategy in ("local", "stream", "hybrid", "sparkv"):

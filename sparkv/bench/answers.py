@@ -174,6 +174,7 @@ def reference_margins(lm: Any, kv: Any, context_len: int, question_ids: Sequence
 
     from sparkv.cache import SparkvCache
     from sparkv.runtime.generate import context_memory
+    from sparkv.runtime.hfcache import model_call
 
     if not ref_tokens:
         return []
@@ -182,9 +183,9 @@ def reference_margins(lm: Any, kv: Any, context_len: int, question_ids: Sequence
     memory = context_memory(lm, kv, context_len)
     try:
         with torch.inference_mode():
-            out = lm.model(input_ids=torch.tensor([ids], device=lm.device),
-                           past_key_values=SparkvCache(memory), position_ids=pos[None],
-                           cache_position=pos, use_cache=True)
+            out = model_call(lm.model, input_ids=torch.tensor([ids], device=lm.device),
+                             cache=SparkvCache(memory), position_ids=pos[None],
+                             cache_position=pos, use_cache=True)
     finally:
         memory.truncate()
     top = out.logits[0, len(question_ids) - 1:].float().topk(2, dim=-1).values

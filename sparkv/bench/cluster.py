@@ -36,7 +36,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                                        "cache, encode workers, recovery")
     p.add_argument("--replicas", default="1,2,4", help="API replica counts")
     p.add_argument("--clients", default="32,256", help="concurrent clients")
-    p.add_argument("--duration", type=float, default=3.0, help="seconds per configuration")
+    p.add_argument("--duration-s", type=float, default=3.0, dest="duration",
+                   help="seconds per configuration")
     p.add_argument("--tokens", type=int, default=1024, help="tokens of the served context")
     p.add_argument("--encode-tokens", type=int, default=512,
                    help="tokens of each context of the encode runs")

@@ -58,7 +58,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--chunk-tokens", type=int, default=1024, help="T, tokens per chunk")
     p.add_argument("--levels", default=None,
                    help="comma-separated levels (default: every level)")
-    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per question")
+    p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
+                   help="generated tokens per question")
     p.add_argument("--questions", type=int, default=len(QUESTIONS),
                    help=f"questions asked over the cache (1..{len(QUESTIONS)})")
     p.add_argument("--repeats", type=int, default=5, help="timing repetitions (best is kept)")
@@ -128,14 +129,15 @@ def _teacher_forced(lm: Any, kv: list, n_ctx: int, question: list[int], ref: lis
     import torch
 
     from sparkv.runtime import to_dynamic_cache
+    from sparkv.runtime.hfcache import model_call
 
     if len(ref) < 2:
         return 1.0
     ids = list(question) + list(ref[:-1])
     with torch.inference_mode():
         pos = torch.arange(n_ctx, n_ctx + len(ids))
-        out = lm.model(input_ids=torch.tensor([ids]), past_key_values=to_dynamic_cache(kv),
-                       position_ids=pos[None], cache_position=pos, use_cache=True)
+        out = model_call(lm.model, input_ids=torch.tensor([ids]), cache=to_dynamic_cache(kv),
+                         position_ids=pos[None], cache_position=pos, use_cache=True)
         pred = out.logits[0, len(question) - 1:].argmax(-1).tolist()
     return float(np.mean([a == b for a, b in zip(pred, ref)]))
 
@@ -459,6 +461,7 @@ def _fisher_noise(lm: Any, layers: list, question: list[int], target: list[int],
     import torch
 
     from sparkv.runtime import to_dynamic_cache
+    from sparkv.runtime.hfcache import model_call
 
     n_ctx = layers[0][0].shape[2]
     leaves = []
@@ -470,8 +473,8 @@ def _fisher_noise(lm: Any, layers: list, question: list[int], target: list[int],
     with torch.enable_grad():
         pos = torch.arange(n_ctx, n_ctx + len(ids))
         cache = to_dynamic_cache([(leaves[2 * i], leaves[2 * i + 1]) for i in range(len(layers))])
-        out = lm.model(input_ids=torch.tensor([ids]), past_key_values=cache,
-                       position_ids=pos[None], cache_position=pos, use_cache=True)
+        out = model_call(lm.model, input_ids=torch.tensor([ids]), cache=cache,
+                         position_ids=pos[None], cache_position=pos, use_cache=True)
         logp = torch.log_softmax(out.logits[0, len(question) - 1:].float(), dim=-1)
         for j, tok in enumerate(target):
             grads = torch.autograd.grad(-logp[j, tok], leaves, retain_graph=j < len(target) - 1)

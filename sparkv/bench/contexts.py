@@ -10,7 +10,7 @@ one after another, as a phone's LLM service does) over the contexts in one of th
 * ``markov``: recency-biased (with probability 0.6 one of the two most recently called contexts);
 * ``gaussian``: over context length (contexts near the median length are called most).
 
-Each call is a turn of a multi-turn dialogue (prompts below), answered with ``--new-tokens``
+Each call is a turn of a multi-turn dialogue (prompts below), answered with ``--max-new-tokens``
 greedy tokens that stay in the context (it grows with each call). At the end every context is
 asked for its pass key.
 
@@ -19,7 +19,7 @@ included): ``lmk`` (kill, then recompute), ``swap`` (whole-context swapping), ``
 chunks swapped, fp), ``vllm-sq`` (the same at int8), ``llms`` (the full service) and its ablations
 ``llms-no-compression``, ``llms-no-pipeline``, ``llms-no-lifecycle``; ``unlimited`` (the service
 with a budget that never evicts, fp) is the quality reference. The budget is one working memory
-of the longest call, the longest context's int8 KV and ``--budget-fraction`` of every other
+of the longest call, the longest context's int8 KV and ``--memory-budget-fraction`` of every other
 context's int8 KV (:func:`budget_for`): a fraction of the contexts fits.
 
 Metrics: mean and p99 switching latency (reclaim + load, until the context is ready, excluding the
@@ -240,12 +240,13 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="systems compared: LLMS, its ablations and the baselines")
     p.add_argument("--mean-tokens", type=int, default=256, help="mean context text length")
-    p.add_argument("--new-tokens", type=int, default=8, help="answer tokens per call")
-    p.add_argument("--budget-fraction", type=float, default=0.25,
+    p.add_argument("--max-new-tokens", type=int, default=8, dest="new_tokens",
+                   help="answer tokens per call")
+    p.add_argument("--memory-budget-fraction", type=float, default=0.25, dest="budget_fraction",
                    help="share of the other contexts' int8 KV the budget holds beyond one working "
                         "memory and the longest context")
-    p.add_argument("--budget-mb", type=float, default=None,
-                   help="the budget in MB (10^6 bytes), instead of --budget-fraction")
+    p.add_argument("--memory-budget-mb", type=float, default=None, dest="budget_mb",
+                   help="the budget in MB (10^6 bytes), instead of --memory-budget-fraction")
     p.add_argument("--ratio", type=float, default=1.0,
                    help="LLMS's global compression ratio (bytes relative to int8; the first "
                         "chunk, the attention sinks, is kept at fp outside it)")

@@ -1,7 +1,7 @@
 """``sparkv bench decode``: decoding over the KV memory (docs/kv-memory.md).
 
 For each context length (SmolLM2, the bundled sample text) the context is prefilled once, then
-``--new-tokens`` tokens are decoded greedily over:
+``--max-new-tokens`` tokens are decoded greedily over:
 
 * ``dynamic``: transformers' ``DynamicCache`` (concatenates every layer at every token);
 * ``memory``: :class:`~sparkv.cache.SparkvCache` over a dense fp :class:`~sparkv.cache.ContextKV`
@@ -35,7 +35,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("decode", help="decode speed and KV bytes over the KV memory "
                                       "(vs DynamicCache, ragged, quantized), flash bandwidth")
     p.add_argument("--sizes", default="2048,4096,8192", help="context lengths in tokens")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per run")
+    p.add_argument("--max-new-tokens", type=int, default=64, dest="new_tokens",
+                   help="tokens decoded per run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="caches to compare: dynamic (transformers' DynamicCache), memory (the "
@@ -73,13 +74,15 @@ def _decode(lm: Any, cache: Any, n: int, first: int, steps: int, memory: Any = N
     """Greedy steps after one token; returns (tokens/s, peak bytes held)."""
     import torch
 
+    from sparkv.runtime.hfcache import model_call
+
     token = first
     peak = 0
     with torch.inference_mode():
         t0 = time.perf_counter()
         for i in range(steps):
-            out = lm.model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                           position_ids=torch.tensor([[n + i]]), use_cache=True)
+            out = model_call(lm.model, input_ids=torch.tensor([[token]]), cache=cache,
+                             position_ids=torch.tensor([[n + i]]), use_cache=True)
             token = int(out.logits[0, -1].argmax())
             if memory is not None:
                 peak = max(peak, memory.nbytes + cache.extra_nbytes())
@@ -145,7 +148,7 @@ def _measure_size(lm: Any, n: int, configs: list[str], args: argparse.Namespace,
 
 def _measure_config(lm: Any, layers: list, geo: Any, first: int, cfg: str,
                     args: argparse.Namespace, bar: Any) -> dict[str, Any]:
-    """``--repeats`` greedy decodes of ``--new-tokens`` over a fresh cache of kind ``cfg``: the
+    """``--repeats`` greedy decodes of ``--max-new-tokens`` over a fresh cache of kind ``cfg``: the
     median tokens/s, the peak and end KV bytes."""
     speeds, peaks, ends = [], [], []
     n = geo.num_tokens

@@ -2,7 +2,7 @@
 
 Workload (SmolLM2, seeded): a pass-key document of ``--prompt-tokens`` (RULER-style filler, the key
 at ``--depth``) as the context, the turn "continue the text" as the question, then
-``--new-tokens`` generated tokens, then a new user turn asking for the pass key and up to 16
+``--max-new-tokens`` generated tokens, then a new user turn asking for the pass key and up to 16
 answer tokens.
 
 Full KV in RAM decodes first; its greedy tokens are the reference stream. Every other policy is
@@ -17,7 +17,7 @@ comparable, and is measured on it:
   amplification (pages written / entry bytes asked to write, while decoding), cache hit rate
   (selected clusters found in the cache), decode tokens/s.
 
-Policies under the same RAM budget (``--budgets``, fractions of the final KV) and per-step
+Policies under the same RAM budget (``--decode-budgets``, fractions of the final KV) and per-step
 retrieval budget (``--retrieval``, a fraction of the entries a head holds): ``full``,
 ``nocluster``, ``static``, ``local``, ``dynakv`` and the ablations ``dynakv-eager`` (no delayed
 split), ``dynakv-packed`` (no dual-head pools), ``dynakv-lru`` (LRU replacement). A policy whose
@@ -43,9 +43,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
                                       "no clustering, static, local and ablations")
     p.add_argument("--prompt-tokens", type=int, default=1024,
                    help="document tokens (the pass key is hidden in them)")
-    p.add_argument("--new-tokens", type=int, default=256,
+    p.add_argument("--max-new-tokens", type=int, default=256, dest="new_tokens",
                    help="tokens the full-KV reference generates (64 with --quick)")
-    p.add_argument("--budgets", default="0.25,0.1", help="RAM budgets, fractions of the final KV")
+    p.add_argument("--decode-budgets", default="0.25,0.1", dest="budgets",
+                   help="RAM budgets, fractions of the final KV")
     p.add_argument("--retrieval", type=float, default=0.1,
                    help="entries retrieved per KV head per step, fraction of what it holds")
     p.add_argument("--policies", default=",".join(POLICIES),
@@ -202,10 +203,10 @@ def _settings(args: argparse.Namespace) -> tuple[int, list[float], list[str]]:
     """``(new tokens, RAM budgets, policies other than full)``, checked."""
     new_tokens = 64 if args.quick else args.new_tokens
     if new_tokens < 2 or args.prompt_tokens < 64:
-        raise SystemExit("need --new-tokens >= 2 and --prompt-tokens >= 64")
+        raise SystemExit("need --max-new-tokens >= 2 and --prompt-tokens >= 64")
     budgets = [float(x) for x in args.budgets.split(",") if x]
     if any(not 0 < b <= 1 for b in budgets):
-        raise SystemExit("--budgets are fractions in (0, 1]")
+        raise SystemExit("--decode-budgets are fractions in (0, 1]")
     policies = [p for p in args.policies.split(",") if p and p != "full"]
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:

@@ -39,7 +39,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("predictor", help="MLP latency model vs Roofline on real profiled steps")
     p.add_argument("--quick", action="store_true", help="small profile (under 2 minutes)")
     add_device_args(p)
-    p.add_argument("--budget", type=float, default=None,
+    p.add_argument("--time-budget-s", type=float, default=None, dest="budget",
                    help="profiling time budget in seconds (default 420, quick 60)")
     p.add_argument("--samples", default=None,
                    help="train and evaluate on an existing samples file instead of profiling")

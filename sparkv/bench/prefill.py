@@ -49,7 +49,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--cdf", type=float, default=None, help="override the cdf threshold")
     p.add_argument("--estimator", default=None, choices=["qpool", "meansim"],
                    help="block-sparse attention's block estimator (default: the backend's, qpool)")
-    p.add_argument("--new-tokens", type=int, default=32,
+    p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
                    help="tokens generated after the question (the agreement with the reference)")
     add_device_args(p)
     add_run_args(p, "prefill",
@@ -99,6 +99,7 @@ def _run_once(lm: Any, ids: list[int], v: Variant, chunk: int, backend: Any
 
     from sparkv.runtime import LayerStepper
     from sparkv.runtime.kvcache import from_dynamic_cache
+    from sparkv.runtime.hfcache import output_cache
 
     _sync(lm)
     start = time.perf_counter()
@@ -107,7 +108,7 @@ def _run_once(lm: Any, ids: list[int], v: Variant, chunk: int, backend: Any
             x = torch.tensor([ids], dtype=torch.long, device=lm.device)
             out = lm.model(input_ids=x, use_cache=True, logits_to_keep=1)
         _sync(lm)
-        return time.perf_counter() - start, from_dynamic_cache(out.past_key_values), []
+        return time.perf_counter() - start, from_dynamic_cache(output_cache(out)), []
     stepper = LayerStepper(lm, ids, chunk, backend)
     results = stepper.complete(fused=v.fused)
     _sync(lm)

@@ -51,7 +51,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--presses", default=",".join(PRESS_NAMES),
                    help="presses to compare (docs/presses.md)")
     p.add_argument("--window", type=int, default=32, help="question-agnostic window (tokens)")
-    p.add_argument("--new-tokens", type=int, default=12, help="answer tokens per question")
+    p.add_argument("--max-new-tokens", type=int, default=12, dest="new_tokens",
+                   help="answer tokens per question")
     p.add_argument("--seed", type=int, default=0, help="seed of the pass-key tasks")
     p.add_argument("--kvpress", action="store_true",
                    help="also run kvpress's presses (needs bash bench/setup_kvpress.sh)")
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown presses {unknown}; known: {', '.join(PRESSES)}")
     if not sizes or min(sizes) < 64 or args.trials < 1 or args.new_tokens < 1:
-        raise SystemExit("need sizes >= 64 tokens, --trials >= 1 and --new-tokens >= 1")
+        raise SystemExit("need sizes >= 64 tokens, --trials >= 1 and --max-new-tokens >= 1")
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     tasks = task_suite(("passkey",), tuple(sizes), args.trials,
                        lambda s: len(lm.encode_text(s)), seed=args.seed)

@@ -57,7 +57,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--milp-sweep-tokens", type=int, default=None,
                    help="context of the sweep with the MILP (default 4096; quick 2048)")
     p.add_argument("--milp-stages", type=int, default=2, help="MILP stages K (default 2)")
-    p.add_argument("--milp-time-limit", type=float, default=None,
+    p.add_argument("--milp-time-limit-s", type=float, default=None, dest="milp_time_limit",
                    help="CBC time limit per solve, s (default 120; quick 20)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the compute noise and the traces' instances")

@@ -52,9 +52,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "latency while streams are stalled)")
     p.add_argument("--stalled-streams", type=int, default=16,
                    help="stream responses kept open to clients that never read (mode stalled)")
-    p.add_argument("--duration", type=float, default=3.0, help="seconds per configuration")
+    p.add_argument("--duration-s", type=float, default=3.0, dest="duration",
+                   help="seconds per configuration")
     p.add_argument("--stream-frames", type=int, default=60, help="frames per stream request")
-    p.add_argument("--torch-threads", type=int, default=0, help="server's PyTorch threads "
+    p.add_argument("--threads", type=int, default=0,
+                   help="server's PyTorch threads "
                    "(0: all cores)")
     add_output_args(p, "server")
     p.set_defaults(func=run)
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                             default_model="bench", max_context_tokens=max(args.tokens, 8192),
                             max_body_bytes=16 * 1024 * 1024,
                             max_streams_per_tenant=max(clients + [args.stalled_streams, 8]))
-        threads = args.torch_threads or (os.cpu_count() or 1)
+        threads = args.threads or (os.cpu_count() or 1)
         print(f"bench server: starting the server (torch threads {threads}) ...", flush=True)
         server = ServerProcess(tmpd / "server.yaml", f"file://{tmpd}/store",
                                log_path=tmpd / "server.log", torch_threads=threads).start(300)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkv.bench.common import MODEL_HELP, add_output_args, format_table, write_result
+from sparkv.cliflags import PRESS_METAVAR
 from sparkv.runtime.device import add_device_args
 
 STRATEGY_ORDER = ("local", "stream", "hybrid", "sparkv")
@@ -51,7 +52,8 @@ QUESTION = "What does this text say about warranty? Answer in one sentence."
 def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("ttft", help="end-to-end TTFT of every strategy over emulated links")
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--tokens", default="2048,4096,8192", help="context sizes")
+    p.add_argument("--sizes", default="2048,4096,8192", dest="tokens",
+                   help="context sizes in tokens, comma-separated")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="T the server encodes with (smaller T: finer plans, larger manifests)")
     p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
@@ -68,7 +70,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="off: sparkv waits for the manifest and the plan before computing, as "
                         "the baselines do (the start-up overlap's ablation)")
     p.add_argument("--runs", type=int, default=3, help="questions per size, link and strategy")
-    p.add_argument("--new-tokens", type=int, default=32,
+    p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
                    help="answer tokens compared with the dense reference (agreement)")
     add_device_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -82,7 +84,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--watts-radio", type=float, default=1.2,
                    help="power while the link is active, W")
     p.add_argument("--watts-idle", type=float, default=0.3, help="power at idle, W")
-    p.add_argument("--press", default=None, metavar="SPEC",
+    p.add_argument("--press", default=None, metavar=PRESS_METAVAR,
                    help="compressed contexts (docs/presses.md, 'On the server'): every size is "
                         "also encoded with this question-agnostic press (e.g. adakv:0.5); "
                         "stream, hybrid and sparkv run on both, plus pass-key accuracy with and "
@@ -221,7 +223,7 @@ class _Netns:
         self.log = open(f"{tmp}/server.log", "ab")
         self.proc = self.link.popen(
             [sys.executable, "-m", "sparkv.cli", "serve", "--host", self.link.ns_ip, "--port",
-             str(port), "--store", f"file://{tmp}/store", "--torch-threads", "1",
+             str(port), "--store", f"file://{tmp}/store", "--threads", "1",
              "--config", cfg], stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://{self.link.ns_ip}:{port}"
         self.link.set_rate(1000.0)

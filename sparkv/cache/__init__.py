@@ -7,7 +7,7 @@ that decodes over it.
     mem.prune_layer(l, keep_positions_per_head)   # ragged: real memory, not masks
     mem.set_level(cid, "int4")                    # resident at a lower level
     mem.swap_out(cid, FlashTier(dir))             # to flash (atomic, checksummed, O_DIRECT reads)
-    out = model.generate(ids, past_key_values=SparkvCache(mem))
+    out = model_call(model.generate, ids, cache=SparkvCache(mem))   # sparkv.runtime.hfcache
 
 Services build on it: the LLMS context service, the presses, DynaKV.
 """

@@ -1,8 +1,9 @@
 """A transformers ``Cache`` over the KV memory: :class:`SparkvCache`.
 
 Built on transformers' own per-layer API (``Cache(layers=[...])`` of ``CacheLayerMixin``), so
-``model.generate(..., past_key_values=SparkvCache(memory))`` and a plain forward both decode over
-a :class:`~sparkv.cache.memory.ContextKV`:
+``model.generate(..., cache=SparkvCache(memory))`` (``past_key_values=`` on an older
+transformers: :func:`sparkv.runtime.hfcache.model_call` picks the keyword) and a plain forward
+both decode over a :class:`~sparkv.cache.memory.ContextKV`:
 
 * a **dense arena** layer appends the new token's K/V in place (preallocated, doubling when full,
   as gpt-fast does) and hands attention a view of its slots: no per-token copy of the layer, and
@@ -130,7 +131,7 @@ class SparkvLayer(CacheLayerMixin):
 
 
 class SparkvCache(Cache):
-    """``past_key_values`` for transformers over a :class:`ContextKV` (module docstring)."""
+    """transformers' ``cache`` (``past_key_values``) over a :class:`ContextKV` (module doc)."""
 
     def __init__(self, memory: ContextKV) -> None:
         self.memory = memory

@@ -27,6 +27,7 @@ from sparkv.decode.hf import DynaKVCache
 from sparkv.decode.policy import ClusteredKV
 from sparkv.decode.stats import DecodeStats
 from sparkv.runtime.generate import GenerationResult, context_memory, eos_ids
+from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.kvcache import LayerKV
 from sparkv.runtime.model import LoadedModel
 
@@ -113,8 +114,8 @@ class DecodeSession:
         dev = self.lm.device
         t = torch.tensor([list(ids)], dtype=torch.long, device=dev)
         pos = torch.arange(self.cur, self.cur + t.shape[1], device=dev)
-        out = self.lm.model(input_ids=t, past_key_values=self.cache, position_ids=pos[None],
-                            cache_position=pos, use_cache=True, logits_to_keep=logits_to_keep)
+        out = model_call(self.lm.model, input_ids=t, cache=self.cache, position_ids=pos[None],
+                         cache_position=pos, use_cache=True, logits_to_keep=logits_to_keep)
         self.cur += int(t.shape[1])
         return out.logits[0]
 

@@ -159,8 +159,8 @@ class DeviceProcess:
         self.swap_dir.mkdir(parents=True, exist_ok=True)
         where = (["--port", str(self.port), "--token-file", str(self.token_file)]
                  if self.port else ["--socket", str(self.socket)])
-        cmd = [sys.executable, "-m", "sparkv.cli", "device", "serve", "--swap-dir",
-               str(self.swap_dir), "--budget-mb", str(self.budget_mb), *where,
+        cmd = [sys.executable, "-m", "sparkv.cli", "device", "serve", "--flash-dir",
+               str(self.swap_dir), "--memory-budget-mb", str(self.budget_mb), *where,
                "--threads", str(self.torch_threads), *self.extra_args]
         if self.model:
             cmd += ["--model", self.model]
@@ -170,6 +170,7 @@ class DeviceProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._close()
                 raise DeviceError(f"sparkv device serve exited ({self.proc.returncode}):\n"
                                   f"{self.log()[-3000:]}")
             if self.token_file.exists() if self.port else self.socket.exists():

@@ -1,6 +1,6 @@
 """``sparkv device``: the local context service and its command-line client.
 
-    sparkv device serve --swap-dir DIR --budget-mb 256 [--socket PATH [--socket-group GROUP]
+    sparkv device serve --flash-dir DIR --memory-budget-mb 256 [--socket PATH [--socket-group GROUP]
                         | --port N [--token-file PATH]] [--model PATH] [--policy llms]
                         [--ratio 0.75]
     sparkv device create [--system "You are ..."]          # prints the new context's id
@@ -22,12 +22,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from sparkv.errors import SparkvError
+
+log = logging.getLogger("sparkv.device")
 
 if TYPE_CHECKING:
     from sparkv.device.client import DeviceClient
@@ -85,9 +88,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 def _add_serve(dsub: "argparse._SubParsersAction") -> None:
     s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
-    s.add_argument("--swap-dir", default=None,
+    s.add_argument("--flash-dir", default=None, dest="swap_dir",
                    help="flash tier + journal (default: <sparkv cache>/device/swap)")
-    s.add_argument("--budget-mb", type=float, required=True,
+    s.add_argument("--memory-budget-mb", type=float, required=True, dest="budget_mb",
                    help="KV memory budget, MB (10^6 bytes)")
     s.add_argument("--socket", default=None,
                    help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
@@ -154,9 +157,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise SparkvError(f"a {args.budget_mb:g} MB budget cannot hold even one small context "
                           f"while it runs (needs at least {need / 1e6:.2f} MB)")
     damaged = f", {len(service.damaged)} damaged" if service.damaged else ""
-    print(f"sparkv device: {lm.name}, budget {budget / 1e6:.1f} MB, policy {config.name} "
-          f"(ratio {config.ratio:g}), "
-          f"swap {swap}, {service.reopened} contexts reopened{damaged}", flush=True)
+    log.info("sparkv device: %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
+             "%d contexts reopened%s", lm.name, budget / 1e6, config.name, config.ratio, swap,
+             service.reopened, damaged)
     if args.port:
         return _listen_tcp(service, args)
     return _listen_unix(service, args)
@@ -182,7 +185,7 @@ def _listen_tcp(service: "ContextService", args: argparse.Namespace) -> int:
 
     path = Path(args.token_file) if args.token_file else default_token_file()
     app = create_app(service, token=ensure_token(path))
-    print(f"listening on 127.0.0.1:{args.port} (bearer token in {path})", flush=True)
+    log.info("listening on 127.0.0.1:%s (bearer token in %s)", args.port, path)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     return 0
 
@@ -198,7 +201,7 @@ def _listen_unix(service: "ContextService", args: argparse.Namespace) -> int:
     sock_path = Path(args.socket) if args.socket else default_socket()
     sock_path.parent.mkdir(parents=True, exist_ok=True)
     sock = bind_unix_socket(sock_path, args.socket_group)
-    print(f"listening on {sock_path}", flush=True)
+    log.info("listening on %s", sock_path)
     try:
         uvicorn.run(create_app(service), fd=sock.fileno(), log_level="warning")
     finally:

@@ -37,6 +37,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from sparkv.runtime.hfcache import hook_cache
+
 #: ratio of each level's bytes to the int8 base (the paper's {8/8, 4/8, 2/8})
 LEVEL_RATIO = {"int8": 1.0, "int4": 0.5, "int2": 0.25}  # fp: its real bytes, plan_levels
 #: relative quantization step of each level (what a density is weighted by)
@@ -125,9 +127,7 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
         return
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     pe = kwargs.get("position_embeddings")
-    cache = kwargs.get("past_key_values")
-    if cache is None:       # transformers >= 5 passes the model's cache as ``cache``
-        cache = kwargs.get("cache")
+    cache = hook_cache(kwargs)
     layer_idx = int(getattr(module, "layer_idx", 0) or 0)
     keys = _keys_of(cache, layer_idx)
     if hidden is None or pe is None or keys is None:

@@ -66,6 +66,7 @@ from sparkv.cache import (AttentionView, ChunkPayload, ContextKV, FlashError, KV
 from sparkv.cache.payload import contiguous_positions
 from sparkv.device.flashio import read_token_chunk_file
 from sparkv.layout import ChunkGeometry, KVChunkId
+from sparkv.runtime.hfcache import model_call
 
 _ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
@@ -337,8 +338,8 @@ class Recompute:
         layer = dec.layers[l]
         h = layer.input_layernorm(self.x)
         cache = _LayerCache(self.W, l, self.pos, self.contiguous)
-        attn, _ = layer.self_attn(hidden_states=h, position_embeddings=self._pe,
-                                  attention_mask=None, past_key_values=cache)
+        attn, _ = model_call(layer.self_attn, hidden_states=h, position_embeddings=self._pe,
+                             attention_mask=None, cache=cache)
         if l < self.g.num_layers - 1:
             x = self.x + attn
             self.x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -85,6 +85,7 @@ from sparkv.device.registry import ContextRegistry, DeviceContext
 from sparkv.device.swap import SwapStore
 from sparkv.generation import base_stats
 from sparkv.layout import ChunkGeometry
+from sparkv.runtime.hfcache import model_call
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
 
@@ -520,7 +521,7 @@ class ContextService:
             cache = SparkvCache(W)
             x = torch.tensor([ids], dtype=torch.long, device=self.lm.device)
             pos = torch.arange(n, n + len(ids), device=self.lm.device)
-            self.lm.model(input_ids=x, past_key_values=cache, position_ids=pos[None],
+            model_call(self.lm.model, input_ids=x, cache=cache, position_ids=pos[None],
                           cache_position=pos, use_cache=True, logits_to_keep=1)
             if grow:
                 cache.commit()

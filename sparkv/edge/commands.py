@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any, Iterator
 
+from sparkv.cliflags import PRESS_METAVAR
 from sparkv.edge.planning import STRATEGIES
 from sparkv.errors import SparkvError
 from sparkv.runtime.device import add_device_args
@@ -96,16 +97,17 @@ def register(sub: "argparse._SubParsersAction") -> None:
     a.add_argument("--decode", default="full", metavar="POLICY",
                    help="decode-time KV policy: full, dynakv, static, local, nocluster, "
                         "dynakv-eager, dynakv-packed, dynakv-lru (docs/dynakv.md)")
-    a.add_argument("--ram-budget", type=float, default=None,
+    a.add_argument("--decode-budget", type=float, default=None, dest="ram_budget",
+                   metavar="BYTES|FRACTION",
                    help="KV bytes the decode policy may keep in RAM, or a fraction <= 1 of the "
                         "final KV (needs --decode other than full; default: the policy's)")
-    a.add_argument("--press", default=None, metavar="NAME:RATIO",
+    a.add_argument("--press", default=None, metavar=PRESS_METAVAR,
                    help="answer from the context compressed on the server by this KV press, "
                         "question-agnostically (adakv:0.5, snapkv:20%%, dynamickv:256t; suffix "
                         "@repeat: a fixed probe question as the window): its "
                         "token ids are posted again with the press (encoded once, then found "
                         "by id); only the kept entries stream and are attended (docs/presses.md)")
-    a.add_argument("--key", default=None,
+    a.add_argument("--encryption-key", default=None, dest="key",
                    help="the encryption key of an encrypted context (printed once when it was "
                         "created; not the API key)")
     a.add_argument("--no-prelude", action="store_true",
@@ -138,7 +140,7 @@ def check_ask_args(args: argparse.Namespace) -> str | None:
     from sparkv.presses import PressError, canonical_spec
 
     if args.ram_budget is not None and args.decode == FULL_DECODE:
-        raise SparkvError("--ram-budget needs --decode POLICY (dynakv, static, local, ...): "
+        raise SparkvError("--decode-budget needs --decode POLICY (dynakv, static, local, ...): "
                           "the full policy keeps the whole KV in RAM")
     if args.press is None:
         return None

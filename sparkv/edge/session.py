@@ -539,7 +539,7 @@ class EdgeSession:
         key = self.client.encryption_keys.get(manifest.context_id)
         if key is None:
             raise AskError(f"context {manifest.context_id} is encrypted: pass its key "
-                           "(EdgeClient.encryption_keys[context_id] or --key)")
+                           "(EdgeClient.encryption_keys[context_id] or --encryption-key)")
         cipher = FrameCipher.from_text(key, manifest.context_id)
 
         def open_frame(data: bytes, cid: KVChunkId, level: str) -> bytes:

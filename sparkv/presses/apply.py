@@ -24,6 +24,7 @@ from sparkv.cache import ContextKV, SparkvCache
 from sparkv.layout import ChunkGeometry
 from sparkv.presses.base import Budget, PressPlan, Press, PressError
 from sparkv.presses.scoring import Window, WindowCapture, layer_inputs, layer_kv
+from sparkv.runtime.hfcache import model_call, output_cache
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 
 
@@ -57,7 +58,7 @@ def prefill(lm: Any, context_ids: Sequence[int], window: int = 32
     with WindowCapture(lm.model, min(window, len(ids)), 0, inside=True) as cap:
         out = lm.model(input_ids=torch.tensor([ids], device=lm.device), use_cache=True,
                        logits_to_keep=1)
-    layers = [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(out.past_key_values)]
+    layers = [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(output_cache(out))]
     return layers, cap.window, time.perf_counter() - t0
 
 
@@ -80,8 +81,8 @@ def question_window(lm: Any, memory: ContextKV, question_ids: Sequence[int]) -> 
     pos = torch.arange(n, n + len(ids), device=lm.device)
     try:
         with WindowCapture(lm.model, None, n, inside=False) as cap:
-            lm.model(input_ids=torch.tensor([ids], device=lm.device),
-                     past_key_values=SparkvCache(memory), position_ids=pos[None],
+            model_call(lm.model, input_ids=torch.tensor([ids], device=lm.device),
+                       cache=SparkvCache(memory), position_ids=pos[None],
                      cache_position=pos, use_cache=True, logits_to_keep=1)
     finally:
         memory.truncate()

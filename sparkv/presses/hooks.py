@@ -42,6 +42,7 @@ from sparkv.cache.attention import use_sparkv_attention
 from sparkv.layout import ChunkGeometry
 from sparkv.presses.errors import PressError
 from sparkv.presses.scoring import (Window, attention_inputs, layer_inputs, project_window)
+from sparkv.runtime.hfcache import hook_cache
 from sparkv.runtime.kvcache import memory_from_layers
 
 
@@ -90,7 +91,7 @@ class PressHooks:
     # ---- per layer ------------------------------------------------------------------------------
     def _hook(self, i: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            cache = hook_cache(kwargs)
             if cache is None:
                 return
             hidden, cos, sin = attention_inputs(args, kwargs)

@@ -17,6 +17,7 @@ import torch
 from sparkv.cache import ContextKV, SparkvCache
 from sparkv.generation import base_stats
 from sparkv.layout import ChunkGeometry
+from sparkv.runtime.hfcache import model_call, output_cache
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 from sparkv.runtime.model import LoadedModel
 
@@ -99,8 +100,8 @@ def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[
     device = lm.device
     ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
     pos = torch.arange(n, n + ids.shape[1], device=device)
-    out = lm.model(input_ids=ids, past_key_values=cache, position_ids=pos.unsqueeze(0),
-                   cache_position=pos, use_cache=True, logits_to_keep=1)
+    out = model_call(lm.model, input_ids=ids, cache=cache, position_ids=pos.unsqueeze(0),
+                     cache_position=pos, use_cache=True, logits_to_keep=1)
     prefill_s = time.perf_counter() - start
     logits = out.logits[0, -1].float()
     token = int(torch.argmax(logits))
@@ -111,8 +112,9 @@ def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[
     while len(tokens) < max_new_tokens and not (stop_at_eos and token in eos):
         step_ids = torch.tensor([[token]], device=device)
         step_pos = torch.tensor([cur], device=device)
-        out = lm.model(input_ids=step_ids, past_key_values=out.past_key_values,
-                       position_ids=step_pos.unsqueeze(0), cache_position=step_pos, use_cache=True)
+        out = model_call(lm.model, input_ids=step_ids, cache=output_cache(out),
+                         position_ids=step_pos.unsqueeze(0), cache_position=step_pos,
+                         use_cache=True)
         token = int(torch.argmax(out.logits[0, -1]))
         tokens.append(token)
         cur += 1
@@ -132,9 +134,9 @@ def teacher_forced_agreement(lm: LoadedModel, kv: LayerKV | ContextKV, context_l
     pos = torch.arange(context_len, context_len + len(ids), device=lm.device)
     memory = context_memory(lm, kv, context_len)
     try:
-        out = lm.model(input_ids=torch.tensor([ids], device=lm.device),
-                       past_key_values=SparkvCache(memory), position_ids=pos[None],
-                       cache_position=pos, use_cache=True)
+        out = model_call(lm.model, input_ids=torch.tensor([ids], device=lm.device),
+                         cache=SparkvCache(memory), position_ids=pos[None],
+                         cache_position=pos, use_cache=True)
     finally:
         memory.truncate()
     pred = out.logits[0, len(question_ids) - 1:].argmax(-1).tolist()
@@ -156,7 +158,7 @@ def reference_prefill(lm: LoadedModel, token_ids: Sequence[int]) -> LayerKV:
     """The model's own full prefill (transformers forward); per layer ``(K, V)`` after RoPE."""
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
     out = lm.model(input_ids=ids, use_cache=True)
-    return [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(out.past_key_values)]
+    return [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(output_cache(out))]
 
 
 @torch.inference_mode()

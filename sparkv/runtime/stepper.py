@@ -34,6 +34,7 @@ from sparkv.cache import AttentionView, ContextKV, Source
 from sparkv.errors import SparkvError
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
 from sparkv.runtime.attention import AttentionBackend, AttentionStats, DenseAttention
+from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.model import LoadedModel
 
 
@@ -214,9 +215,9 @@ class LayerStepper:
             self._put_span(t0, t1, l, k, v)
         else:
             cache = _StepCache(self, t0, t1, l)
-            attn_out, _ = layer.self_attn(hidden_states=h,
+            attn_out, _ = model_call(layer.self_attn, hidden_states=h,
                                           position_embeddings=self._rope_for(t0, t1, h),
-                                          attention_mask=None, past_key_values=cache)
+                                          attention_mask=None, cache=cache)
             stats = cache.stats
             if not last:
                 x = x + attn_out

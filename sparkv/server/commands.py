@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from sparkv.cliflags import PRESS_METAVAR
+from sparkv.logs import STAMPED, setup_logging
 from sparkv.server.errors import ConfigError
+
+log = logging.getLogger("sparkv.server")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -31,7 +36,7 @@ SERVE_ENV: dict[str, str] = {
     "--ssl-keyfile-password": "SPARKV_SSL_KEYFILE_PASSWORD",
     "--ssl-ca-certs": "SPARKV_SSL_CA_CERTS",
     "--ssl-require-client-cert": "SPARKV_SSL_REQUIRE_CLIENT_CERT",
-    "--torch-threads": "SPARKV_TORCH_THREADS",
+    "--threads": "SPARKV_TORCH_THREADS",
     "--log-level": "SPARKV_LOG_LEVEL",
     "--job-queue": "SPARKV_JOB_QUEUE",
 }
@@ -78,7 +83,7 @@ def _add_serve(sub: "argparse._SubParsersAction") -> None:
                    default=_env("--ssl-require-client-cert", "") in ("1", "true", "yes"),
                    help="[SPARKV_SSL_REQUIRE_CLIENT_CERT=1] mutual TLS: refuse clients without "
                         "a certificate from --ssl-ca-certs")
-    s.add_argument("--torch-threads", type=int, default=_int_or_none(_env("--torch-threads")),
+    s.add_argument("--threads", type=int, default=_int_or_none(_env("--threads")),
                    help="[SPARKV_TORCH_THREADS] PyTorch threads for prefill (default: config, "
                         "else all cores)")
     s.add_argument("--device", default=_env("--device"),
@@ -121,12 +126,12 @@ def _add_encode(sub: "argparse._SubParsersAction") -> None:
     e.add_argument("--heads-per-group", type=int, default=0,
                    help="KV heads per group; must divide the model's KV heads (0: all in one)")
     e.add_argument("--token-ids", action="store_true", help="FILE holds a JSON list of token ids")
-    e.add_argument("--press", default=None, metavar="NAME:RATIO",
+    e.add_argument("--press", default=None, metavar=PRESS_METAVAR,
                    help="compress with a KV press first, question-agnostically (adakv:0.5; "
                         "docs/presses.md): only the kept entries are stored")
     e.add_argument("--encrypt", action="store_true",
                    help="encrypt frames; prints the key once (it is stored nowhere)")
-    e.add_argument("--torch-threads", type=int, default=None,
+    e.add_argument("--threads", type=int, default=None,
                    help="PyTorch threads for prefill (default: config, else all cores)")
     e.add_argument("--device", default=None, help="cpu, cuda[:N] or auto (default: config)")
     e.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: config)")
@@ -146,7 +151,7 @@ def _add_worker(sub: "argparse._SubParsersAction") -> None:
                         "redis:// URL")
     w.add_argument("--name", default=os.environ.get("SPARKV_WORKER_NAME"),
                    help="[SPARKV_WORKER_NAME] consumer name (default: host-pid-random)")
-    w.add_argument("--torch-threads", type=int, default=_int_or_none(_env("--torch-threads")),
+    w.add_argument("--threads", type=int, default=_int_or_none(_env("--threads")),
                    help="[SPARKV_TORCH_THREADS] PyTorch threads for prefill")
     w.add_argument("--device", default=_env("--device"), help="[SPARKV_DEVICE] cpu, cuda[:N], auto")
     w.add_argument("--dtype", default=_env("--dtype"), help="[SPARKV_DTYPE]")
@@ -177,26 +182,32 @@ def _settings(config: str | None, store: str | None, **extra: Any) -> Any:
     return load_settings(config, store=store, **extra)
 
 
+def _log_level(args: argparse.Namespace, configured: str) -> str:
+    """``--log-level`` (or the config's), unless ``sparkv -v``/``-q`` asked otherwise."""
+    verbosity = getattr(args, "verbosity", 0)
+    return configured if not verbosity else "debug" if verbosity > 0 else "warning"
+
+
 # ------------------------------------------------------------------------------------------------
 def serve(args: argparse.Namespace) -> int:
-    import logging
-
     from sparkv.extras import SERVER_MODULES, require_all
 
     require_all(SERVER_MODULES, feature="sparkv serve")
     import uvicorn
 
-    settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
+    settings = _settings(args.config, args.store, torch_threads=args.threads,
                          log_level=args.log_level,
                          allow_anonymous=True if args.allow_anonymous else None,
                          device=args.device, dtype=args.dtype, job_queue=args.job_queue)
+    settings.log_level = _log_level(args, settings.log_level)
+    setup_logging(level=settings.log_level, fmt=STAMPED)
     if not settings.tenants and not settings.allow_anonymous:
         if args.host not in LOOPBACK:
             raise ConfigError("no tenants are configured: add API key hashes to the config file "
                               "(`sparkv apikey` makes one) or pass --allow-anonymous")
         settings.allow_anonymous = True
-        print("sparkv serve: no tenants configured; accepting requests without a key as tenant "
-              "'anonymous' (loopback only)", file=sys.stderr)
+        log.warning("sparkv serve: no tenants configured; accepting requests without a key as "
+                    "tenant 'anonymous' (loopback only)")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
     if args.ssl_require_client_cert and not (args.ssl_certfile and args.ssl_ca_certs):
@@ -208,16 +219,14 @@ def serve(args: argparse.Namespace) -> int:
     _check_device(settings)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from sparkv.server.app import create_app
     from sparkv.server.http_protocol import json_error_protocol
 
     app = create_app(settings)
     scheme = "https" if args.ssl_certfile else "http"
-    print(f"sparkv serve: {scheme}://{args.host}:{args.port} store={app.state.sparkv.store.url} "
-          f"tenants={len(settings.tenants)} models={','.join(settings.models)}", file=sys.stderr,
-          flush=True)
+    log.info("sparkv serve: %s://%s:%s store=%s tenants=%d models=%s", scheme, args.host,
+             args.port, app.state.sparkv.store.url, len(settings.tenants),
+             ",".join(settings.models))
     uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level,
                 access_log=args.access_log, ssl_certfile=args.ssl_certfile,
                 ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
@@ -230,8 +239,6 @@ def serve(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> int:
-    import logging
-
     from sparkv.extras import SERVER_MODULES, require_all
 
     require_all(SERVER_MODULES + ("redis",), feature="sparkv worker")
@@ -239,7 +246,7 @@ def worker(args: argparse.Namespace) -> int:
     from sparkv.server.stores import open_store
     from sparkv.server.worker import EncodeWorker, install_signal_handlers
 
-    common = dict(torch_threads=args.torch_threads, log_level=args.log_level,
+    common = dict(torch_threads=args.threads, log_level=args.log_level,
                   device=args.device, dtype=args.dtype)
     settings = _settings(args.config, args.store, job_queue=args.job_queue, **common)
     if settings.job_queue == "local":  # a worker always uses a shared queue: the store's Redis
@@ -251,15 +258,13 @@ def worker(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(level=_log_level(args, settings.log_level), fmt=STAMPED)
     store = open_store(settings.store)
     registry = ModelRegistry(settings.models, settings.max_context_tokens, settings.device,
                              settings.dtype)
     w = EncodeWorker(settings, store, registry, name=args.name)
     install_signal_handlers(w)
-    print(f"sparkv worker {w.name}: queue={w.queue.url} store={store.url}", file=sys.stderr,
-          flush=True)
+    log.info("sparkv worker %s: queue=%s store=%s", w.name, w.queue.url, store.url)
     w.run(max_jobs=args.max_jobs)
     store.close()
     return 0
@@ -309,13 +314,13 @@ def encode(args: argparse.Namespace) -> int:
 def _encode_settings(args: argparse.Namespace) -> Any:
     """The settings of ``sparkv encode`` (its options over the config), the device checked and
     PyTorch's threads set."""
-    settings = _settings(args.config, args.store, torch_threads=args.torch_threads,
+    settings = _settings(args.config, args.store, torch_threads=args.threads,
                          device=args.device, dtype=args.dtype)
     _check_device(settings)
-    if args.torch_threads or settings.torch_threads:
+    if args.threads or settings.torch_threads:
         import torch
 
-        torch.set_num_threads(args.torch_threads or settings.torch_threads)
+        torch.set_num_threads(args.threads or settings.torch_threads)
     return settings
 
 

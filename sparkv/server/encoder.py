@@ -278,6 +278,7 @@ def prefill_kv(lm: Any, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:
     import torch
 
     from sparkv.runtime import from_dynamic_cache, reference_prefill
+    from sparkv.runtime.hfcache import output_cache
 
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
     try:
@@ -285,7 +286,7 @@ def prefill_kv(lm: Any, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:
             out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
     except TypeError:  # a transformers without logits_to_keep
         return reference_prefill(lm, token_ids)
-    return [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(out.past_key_values)]
+    return [(k.contiguous(), v.contiguous()) for k, v in from_dynamic_cache(output_cache(out))]
 
 
 @dataclass

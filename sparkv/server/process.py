@@ -66,7 +66,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 120.0) -> "ServerProcess":
         cmd = [sys.executable, "-m", "sparkv.cli", "serve", "--host", HOST, "--port",
-               str(self.port), "--store", self.store, "--torch-threads",
+               str(self.port), "--store", self.store, "--threads",
                str(self.torch_threads), *self.extra_args]
         if self.config:
             cmd += ["--config", self.config]

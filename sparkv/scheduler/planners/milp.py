@@ -32,6 +32,7 @@ import re
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class Milp(Planner):
             t0 = time.perf_counter()
             model.prob.solve(solver)
             solve_time = time.perf_counter() - t0
-            log = open(log_path).read() if os.path.exists(log_path) else ""
+            log = Path(log_path).read_text() if os.path.exists(log_path) else ""
         return solve_time, log
 
     def _solution_info(self, model: _StageModel, log: str) -> dict[str, object]:

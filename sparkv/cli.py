@@ -34,7 +34,7 @@ from sparkv.logs import disable_progress_bars, setup_logging
 
 # Subcommand modules, in the order `sparkv --help` lists them. Add one line per new module.
 COMMAND_MODULES: list[str] = [
-    "sparkv.runtime.commands",
+    "sparkv.predictor.describe",
     "sparkv.server.commands",
     "sparkv.edge.commands",
     "sparkv.device.commands",

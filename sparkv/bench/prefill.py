@@ -60,20 +60,20 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 
 @dataclass
-class Variant:
+class PrefillVariant:
     name: str            # as given: dense, auto+fused, full, ...
     backend: str         # full or a backend name
     fused: bool
 
 
-def parse_variants(text: str) -> list[Variant]:
+def parse_variants(text: str) -> list[PrefillVariant]:
     out = []
     for spec in (s.strip() for s in text.split(",") if s.strip()):
         base, _, flag = spec.partition("+")
         if base not in ("full", *BACKENDS) or flag not in ("", "fused"):
             raise SystemExit(f"--variants: unknown variant {spec!r} (full, {', '.join(BACKENDS)}"
                              ", each optionally +fused)")
-        out.append(Variant(spec, base, flag == "fused"))
+        out.append(PrefillVariant(spec, base, flag == "fused"))
     return out
 
 
@@ -92,7 +92,7 @@ def _sync(lm: Any) -> None:
         torch.cuda.synchronize(lm.device)
 
 
-def _run_once(lm: Any, ids: list[int], v: Variant, chunk: int, backend: Any
+def _run_once(lm: Any, ids: list[int], v: PrefillVariant, chunk: int, backend: Any
               ) -> tuple[float, Any, list[Any]]:
     """One prefill: ``(seconds, per-layer KV, step results)``."""
     import torch
@@ -115,7 +115,7 @@ def _run_once(lm: Any, ids: list[int], v: Variant, chunk: int, backend: Any
     return time.perf_counter() - start, stepper.kv.layer_kv(), results
 
 
-def _measure(lm: Any, ids: list[int], v: Variant, args: argparse.Namespace, cfg: Any
+def _measure(lm: Any, ids: list[int], v: PrefillVariant, args: argparse.Namespace, cfg: Any
              ) -> tuple[list[float], Any, list[Any]]:
     backend = None if v.backend == "full" else _backend(v.backend, cfg)
     if lm.device.type == "cuda":                 # compile / load kernels at this shape first

@@ -20,7 +20,7 @@ aliases. kvpress's way works too (docs/presses.md):
 
     press = AdaKVPress(SnapKVPress(compression_ratio=0.8))   # removes 80% = adakv:0.2
     with press(model):                                       # a plain transformers prefill
-        model(input_ids, past_key_values=DynamicCache())
+        model(input_ids, cache=DynamicCache())              # past_key_values= before 5.x
 """
 
 from sparkv.presses.adakv import (AdaKV, AdaKVPress, AdaPyramid, AdaPyramidPress,

@@ -3,7 +3,7 @@
     press = SnapKVPress(compression_ratio=0.8)            # removes 80%: keeps adakv:0.2's share
     cache = DynamicCache()
     with press(model) as hooks:                           # model: a Llama-family causal LM
-        model(input_ids, past_key_values=cache)           # (transformers 5: cache=cache)
+        model(input_ids, cache=cache)                     # past_key_values= before 5.x
     hooks.plan                                            # the PressPlan it applied
 
 While active, every decoder layer's attention module carries a forward hook. After a layer's

@@ -1,5 +1,5 @@
-"""CLI commands of the runtime: ``sparkv model`` (convert/inspect). ``sparkv demo`` lives in
-:mod:`sparkv.demo`."""
+"""``sparkv model``: convert a model (first use) and describe it, with its measured quality table
+(the table lives here, in the predictor, above the runtime that loads the model)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 
 from sparkv.layout import DEFAULT_CHUNK_TOKENS
 from sparkv.runtime.device import add_device_args
+
 
 def register(sub: "argparse._SubParsersAction") -> None:
     m = sub.add_parser("model", help="convert (first use) and describe a model")
@@ -17,7 +18,6 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         f"{DEFAULT_CHUNK_TOKENS}; a server's context has its own, in its manifest)")
     add_device_args(m)
     m.set_defaults(func=_model)
-
 
 
 def _model(args: argparse.Namespace) -> int:

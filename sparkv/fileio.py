@@ -23,11 +23,14 @@ library, ``xxhash`` and :mod:`sparkv.errors`, so any layer may import it at modu
   :class:`ChecksumError` naming what failed.
 * **Deletes** (:func:`delete`): a missing file is no error; the removal can be made durable.
 
-Sizes are read at run time, never assumed: the page size is ``os.sysconf("SC_PAGE_SIZE")`` (4 KiB,
-16 KiB on some phones), the ``O_DIRECT`` alignment the file system's block size (``statvfs``; the
-page size where it cannot be read) unless given (``align=``). A wrong alignment costs only the
-direct path: the first refused direct read or write turns ``O_DIRECT`` off for that
-:class:`FlashIO`, and I/O goes through the page cache with ``DONTNEED`` from then on.
+Sizes are read at run time, never assumed (:func:`io_alignment`): the page size is
+``os.sysconf("SC_PAGE_SIZE")`` (4 KiB on x86_64, 16 KiB on many aarch64 phones and some Jetson
+kernels), the file system's block size ``statvfs().f_bsize`` of the directory, and the ``O_DIRECT``
+alignment of offsets, lengths and buffers the larger of the two, unless given (``align=``) or set
+for the whole process (``$SPARKV_IO_ALIGN``, bytes, a power of two from 512 B to 1 MiB: how the tests
+force 16 KiB on a 4 KiB machine). A wrong alignment costs only the direct path: the first refused
+direct read or write turns ``O_DIRECT`` off for that :class:`FlashIO`, and I/O goes through the
+page cache with ``DONTNEED`` from then on.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
 #: a thread keeps its aligned buffer for the next request up to this size (larger ones are
 #: unmapped after use, so a big read does not pin its memory)
 _KEEP_BUFFER = 1 << 20
+#: ``$SPARKV_IO_ALIGN``: the ``O_DIRECT`` alignment of every :class:`FlashIO` made without
+#: ``align=`` (bytes; unset: read per file system, :func:`io_alignment`)
+ALIGN_ENV = "SPARKV_IO_ALIGN"
+#: the largest alignment :class:`FlashIO` takes (bytes)
+MAX_ALIGN = 1 << 20
 _local = threading.local()
 
 
@@ -72,17 +80,48 @@ def page_size() -> int:
         return mmap.PAGESIZE
 
 
-def direct_alignment(path: str | os.PathLike[str]) -> int:
-    """The alignment (bytes) of ``O_DIRECT`` offsets and lengths on the file system holding
-    ``path``: its block size (``statvfs``) when that is a power of two from 512 B to 64 KiB, else
-    the page size."""
+def _power_of_two(n: int, low: int, high: int) -> bool:
+    return low <= n <= high and n & (n - 1) == 0
+
+
+def fs_block_size(path: str | os.PathLike[str]) -> int | None:
+    """The block size (bytes) of the file system holding ``path`` (``statvfs().f_bsize``), or
+    None when it cannot be read or is no power of two from 512 B to 64 KiB."""
     try:
         bsize = int(os.statvfs(path).f_bsize)
     except (AttributeError, OSError):
-        return page_size()
-    if 512 <= bsize <= 1 << 16 and bsize & (bsize - 1) == 0:
-        return bsize
-    return page_size()
+        return None
+    return bsize if _power_of_two(bsize, 512, 1 << 16) else None
+
+
+def io_alignment(path: str | os.PathLike[str]) -> int:
+    """The ``O_DIRECT`` alignment (bytes) of offsets, lengths and buffers for files under
+    ``path``: ``$SPARKV_IO_ALIGN`` when set, else the larger of the page size and the file
+    system's block size (the page size alone where the block size cannot be read).
+
+    Raises:
+        ValueError: ``$SPARKV_IO_ALIGN`` is not a power of two from 512 B to 1 MiB.
+    """
+    forced = os.environ.get(ALIGN_ENV, "").strip()
+    if forced:
+        try:
+            n = int(forced)
+        except ValueError:
+            n = -1
+        if not _power_of_two(n, 512, MAX_ALIGN):
+            raise ValueError(f"${ALIGN_ENV} must be a power of two from 512 to {MAX_ALIGN} "
+                             f"bytes, got {forced!r}")
+        return n
+    return max(page_size(), fs_block_size(path) or 0)
+
+
+def _address(buf: mmap.mmap) -> int:
+    """The address of a mapping's first byte."""
+    probe = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
 
 
 # ---- checksums -----------------------------------------------------------------------------------
@@ -233,9 +272,10 @@ class FlashIO:
 
     def __init__(self, where: str | os.PathLike[str], direct: bool = True,
                  align: int | None = None) -> None:
-        self.align = int(align) if align else direct_alignment(where)
-        if self.align <= 0 or self.align & (self.align - 1):
-            raise ValueError(f"the O_DIRECT alignment must be a power of two, got {self.align}")
+        self.align = int(align) if align else io_alignment(where)
+        if not _power_of_two(self.align, 1, MAX_ALIGN):
+            raise ValueError(f"the O_DIRECT alignment must be a power of two up to {MAX_ALIGN} "
+                             f"bytes, got {self.align}")
         self.direct = bool(direct and O_DIRECT)
 
     def aligned(self, offset: int, nbytes: int) -> bool:
@@ -249,20 +289,29 @@ class FlashIO:
         return start, max(end - start, self.align)
 
     @contextlib.contextmanager
-    def buffer(self, nbytes: int) -> Iterator[mmap.mmap]:
-        """A page-aligned buffer (``O_DIRECT`` needs one) of at least ``nbytes`` for this thread:
-        kept for the thread's next request up to 1 MiB, a larger one unmapped after use."""
-        if nbytes > _KEEP_BUFFER:
-            buf = mmap.mmap(-1, nbytes)
-            try:
-                yield buf
-            finally:
+    def buffer(self, nbytes: int) -> Iterator[memoryview]:
+        """A writable view of ``nbytes`` whose address is a multiple of :attr:`align`
+        (``O_DIRECT`` needs one): in this thread's kept buffer when it fits (1 MiB plus the
+        largest alignment), else in a mapping of its own, unmapped after use. The view is
+        released when the block ends."""
+        need = nbytes + self.align
+        own = need > _KEEP_BUFFER + MAX_ALIGN
+        if own:
+            buf = mmap.mmap(-1, need)
+        else:
+            buf = getattr(_local, "buf", None)
+            if buf is None:
+                buf = _local.buf = mmap.mmap(-1, _KEEP_BUFFER + MAX_ALIGN)
+        skip = -_address(buf) % self.align
+        whole = memoryview(buf)
+        view = whole[skip:skip + nbytes]
+        try:
+            yield view
+        finally:
+            view.release()
+            whole.release()
+            if own:
                 buf.close()
-            return
-        buf = getattr(_local, "buf", None)
-        if buf is None:
-            buf = _local.buf = mmap.mmap(-1, _KEEP_BUFFER)
-        yield buf
 
     def open(self, path: str | os.PathLike[str], create: bool = False) -> "FlashFile":
         """``path`` opened for honest I/O (``create``: read-write, created or truncated)."""
@@ -339,7 +388,7 @@ class FlashFile:
         """The aligned span around the request, read with ``O_DIRECT``; None when refused."""
         start, span = self.io.span(offset, nbytes)
         skip = offset - start
-        with self.io.buffer(span) as buf, memoryview(buf) as view:
+        with self.io.buffer(span) as view:
             got = 0
             try:
                 while got < span:
@@ -359,7 +408,7 @@ class FlashFile:
         length are aligned, else buffered, ``fdatasync``-ed and dropped."""
         n = len(data)
         if self.dfd >= 0 and self.io.direct and self.io.aligned(offset, n):
-            with self.io.buffer(n) as buf, memoryview(buf) as view:
+            with self.io.buffer(n) as view:
                 view[:n] = data
                 try:
                     got = os.pwritev(self.dfd, [view[:n]], offset)

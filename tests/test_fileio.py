@@ -13,7 +13,7 @@ from sparkv.decode.store import PAGE, IOStats, PageFile
 from sparkv.device.flashio import ServiceFlash
 from sparkv.device.journal import Journal
 from sparkv.fileio import (ChecksumError, FlashIO, atomic_write, checksum, delete,
-                           direct_alignment, page_size, verify)
+                           io_alignment, page_size, verify)
 
 ALIGNMENTS = [4096, 16384]
 
@@ -25,7 +25,7 @@ def _entries(path) -> list[str]:
 # ---- sizes ---------------------------------------------------------------------------------------
 def test_sizes_are_read_at_run_time(tmp_path):
     assert page_size() == os.sysconf("SC_PAGE_SIZE")
-    a = direct_alignment(tmp_path)
+    a = io_alignment(tmp_path)
     assert a >= 512 and a & (a - 1) == 0
     assert FlashIO(tmp_path).align == a
     with pytest.raises(ValueError):

@@ -195,6 +195,18 @@ def _ask_pressed(session: Any, cid: str, press: str, args: argparse.Namespace, r
     runs.append((f"{label} ({spec}): TTFT {res.breakdown.ttft_s:.2f} s", res))
     rows.append(_row(label, res, ref))
     print(f"[{label}] {res.answer.strip()}\n  (quality table, {spec}: {note})", flush=True)
+    print(f"  {reference_note(ref, res.tokens)}", flush=True)
+
+
+def reference_note(ref: list[int], tokens: list[int]) -> str:
+    """Whether an answer is the dense reference's, said beside it: the demo never shows an
+    answer worse than dense without saying so."""
+    from sparkv.runtime.generate import greedy_agreement
+
+    if list(tokens) == list(ref):
+        return "the same tokens as the dense reference"
+    return (f"NOT the dense reference's answer: greedy agreement {greedy_agreement(ref, tokens):.2f}"
+            " (this press changes what the model says; docs/quality.md)")
 
 
 def choose_press(model_fingerprint: str, requested: str) -> tuple[str, str]:

@@ -263,6 +263,10 @@ def test_demo(smollm2, tmp_path, capsys):
     assert [r["strategy"] for r in doc["rows"]] == ["local", "stream", "hybrid", "sparkv",
                                                    "sparkv+press"]
     assert "[sparkv+press]" in out and "compressed variant" in out
+    # the press's answer says whether it is the dense reference's (the demo never shows an
+    # answer worse than dense without saying so)
+    assert ("the same tokens as the dense reference" in out
+            or "NOT the dense reference's answer" in out)
     assert all(r["ttft_s"] > 0 for r in doc["rows"])
     # the follow-up is answered from the context the sparkv run kept: nothing streamed
     assert "answered from the kept context" in out and "[kept]" in out
@@ -291,3 +295,11 @@ def test_encrypted_context(served):
     other.client.encryption_keys[cid] = key
     assert other.ask(cid, question, strategy="sparkv", level="raw", backend="dense",
                      max_new_tokens=NEW).tokens == ref
+
+
+def test_demo_says_when_an_answer_is_not_dense():
+    from sparkv.demo import reference_note
+
+    assert reference_note([1, 2, 3], [1, 2, 3]) == "the same tokens as the dense reference"
+    note = reference_note([1, 2, 3, 4], [1, 2, 9, 9])
+    assert note.startswith("NOT the dense reference's answer") and "0.50" in note

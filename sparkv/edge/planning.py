@@ -133,7 +133,7 @@ def _load_cost_model(lm: Any) -> Any:
     from sparkv.predictor.model import load_predictor
     from sparkv.predictor.roofline import ModelArch, Roofline
 
-    path = default_model_path(lm.fingerprint, lm.device)
+    path = default_model_path(lm.base_fingerprint, lm.device)
     if path.is_file():
         try:
             with warnings.catch_warnings():

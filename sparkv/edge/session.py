@@ -277,7 +277,7 @@ class EdgeSession:
         from sparkv.runtime.attention import get_backend
 
         if isinstance(backend, str) and backend == "auto":
-            backend = default_backend(self.lm.fingerprint)
+            backend = default_backend(self.lm.base_fingerprint)
         return get_backend(backend) if isinstance(backend, str) else backend
 
     def _start_prelude(self, ask: _Ask) -> Prelude | None:
@@ -363,7 +363,7 @@ class EdgeSession:
         if manifest is None:
             return local_instance(geometry, t_comp, t_suffix), effective
         levels = None if opts.level == "auto" else [opts.level]
-        floor = (default_quality_floor(self.lm.fingerprint)
+        floor = (default_quality_floor(self.lm.base_fingerprint)
                  if opts.quality_floor == AUTO_FLOOR and not levels else opts.quality_floor)
         if levels and opts.level not in manifest.levels:
             raise AskError(f"level {opts.level!r} was not encoded for context {ask.context_id} "

@@ -338,7 +338,9 @@ def load_predictor(path: str | os.PathLike[str], lm: Any = None, device: str | N
     dev = device or model.info.get("device") or "cpu"
     current = device_fingerprint(dev, threads)
     diffs = fingerprint_differences(model.fingerprint, current)
-    if lm is not None and model.info.get("model_fingerprint") not in (None, lm.fingerprint):
+    # a model with its RoPE extended (the long-context mode) runs its base's steps: its profile
+    if lm is not None and model.info.get("model_fingerprint") not in (
+            None, lm.fingerprint, getattr(lm, "base_fingerprint", lm.fingerprint)):
         diffs.append(f"model: {model.info.get('model')!r} ({model.info.get('model_fingerprint')})"
                      f" != {lm.name!r} ({lm.fingerprint})")
     if not diffs:

@@ -10,6 +10,9 @@ about a second.
 families; anything else raises :class:`UnsupportedModelError` with a message saying what to pass.
 ``load_model("random:llama-3.2-3b")`` builds a real shape with seeded random weights, for timing
 (:mod:`sparkv.runtime.shapes`).
+``load_model("rope-extended:16384")`` is the bundled model with its RoPE extended to 16384
+positions (any base: ``rope-extended:POSITIONS:BASE``), the long-context timing mode
+(:mod:`sparkv.runtime.longctx`).
 """
 
 from __future__ import annotations
@@ -105,6 +108,26 @@ class LoadedModel:
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 0) or 0)
 
+    @property
+    def native_positions(self) -> int:
+        """The window the weights were trained on, where quality is judged: ``max_positions``,
+        or for a model with its RoPE extended (the long-context timing mode) the base's."""
+        info = self.extra.get("long_context") or {}
+        return int(info.get("native_positions") or self.max_positions)
+
+    @property
+    def label(self) -> str:
+        """The name results show: the name, plus what makes the model timing-only (RoPE
+        extended, random weights), as :func:`sparkv.runtime.longctx.describe` writes it."""
+        return str(self.extra.get("label") or self.name)
+
+    @property
+    def base_fingerprint(self) -> str:
+        """The fingerprint whose measured tables (quality, latency profile) apply: the model's
+        own, or for a model with its RoPE extended its base's (same weights and shape; quality
+        is only measured within the base's window)."""
+        return str(self.extra.get("base_fingerprint") or self.fingerprint)
+
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens."""
         if self.tokenizer is None:
@@ -198,55 +221,57 @@ def default_checkpoint(progress: bool = True) -> Path:
 def load_model(name_or_path: str | os.PathLike[str] | None = None,
                dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                progress: bool = True) -> LoadedModel:
-    """Loads the default model (``None`` or ``"smollm2-135m-instruct"``), a local checkpoint, or a
-    random-weight model of a real shape (``"random:SHAPE[:SEED]"``, timing only).
+    """Loads the default model (``None`` or ``"smollm2-135m-instruct"``), a local checkpoint, a
+    random-weight model of a real shape (``"random:SHAPE[:SEED]"``, timing only) or any of them
+    with its RoPE extended (``"rope-extended:POSITIONS[:BASE]"``, the long-context timing mode:
+    :mod:`sparkv.runtime.longctx`).
 
     Args:
         dtype: a ``torch.dtype`` or a name (``auto``, ``float32``, ``bfloat16``, ``float16``).
         device: ``cpu``, ``cuda[:N]`` or ``auto`` (see :mod:`sparkv.runtime.device`).
 
     Raises:
-        ModelNotFoundError: the path does not exist or holds no ``config.json``.
+        ModelNotFoundError: the path does not exist or holds no ``config.json``; a malformed
+            ``random:`` or ``rope-extended:`` spec.
         UnsupportedModelError: the architecture is not Llama/Qwen2/Qwen3/Mistral.
         DeviceUnavailable: the device or dtype cannot be used here (``--device cuda`` without CUDA).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from sparkv.runtime.device import resolve_device, resolve_dtype
-    from sparkv.runtime.shapes import build_random_model, is_random_spec
+    from sparkv.runtime.longctx import LongContextSpec, is_long_spec
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    if is_random_spec(name_or_path):      # a real shape with random weights, for timing
-        try:
-            model, tokenizer = build_random_model(str(name_or_path), device, dtype,
-                                                  converted_dir())
-        except ValueError as exc:
-            raise ModelNotFoundError(str(exc)) from exc
-        name = str(name_or_path).lower()
-        return LoadedModel(model, tokenizer, name, _fingerprint(model.config, name))
+    if not is_long_spec(name_or_path):
+        return _load(name_or_path, dtype, device, progress)
+    try:
+        spec = LongContextSpec.parse(str(name_or_path))
+    except ValueError as exc:
+        raise ModelNotFoundError(str(exc)) from exc
+    return _load(spec.base, dtype, device, progress, rope_positions=spec.positions)
 
-    is_default = name_or_path is None or str(name_or_path).lower() in (DEFAULT_MODEL, "smollm2")
-    if is_default:
-        path = default_checkpoint(progress)
-        name = DEFAULT_MODEL
-    else:
-        path = Path(name_or_path).expanduser()  # type: ignore[arg-type]
-        name = str(path)
-        if not path.exists():
-            raise ModelNotFoundError(
-                f"no model at {path}: pass --model PATH to a local Hugging Face checkpoint "
-                f"directory (with config.json and weights), or omit --model for the bundled "
-                f"{DEFAULT_MODEL}")
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
+
+def _load(name_or_path: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device,
+          progress: bool, rope_positions: int | None = None) -> LoadedModel:
+    """:func:`load_model` of a resolved device and dtype; ``rope_positions``: extend the RoPE
+    of the model to that many positions (its name and fingerprint then say so)."""
+    from sparkv.runtime.shapes import is_random_spec
+
+    if is_random_spec(name_or_path):      # a real shape with random weights, for timing
+        name = str(name_or_path).lower()
+        model, tokenizer, info, base_fp = _build_random(name, device, dtype, rope_positions)
+        return _loaded(model, tokenizer, name, base_fp, info, random_weights=True)
+    path, name = _checkpoint_path(name_or_path, progress)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     try:
         config = AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as exc:
         raise UnsupportedModelError(f"cannot read the config at {path}: {exc}") from exc
     check_supported(config)
+    base_fp = _fingerprint(config, name)
+    info = _extend(config, rope_positions)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load the weights at {path}: {exc}") from exc
     model.to(device).eval()
@@ -254,4 +279,68 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None,
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         tokenizer = None
-    return LoadedModel(model, tokenizer, name, _fingerprint(model.config, name))
+    return _loaded(model, tokenizer, name, base_fp, info)
+
+
+def _build_random(spec: str, device: torch.device, dtype: torch.dtype, rope_positions: int | None
+                  ) -> tuple[Any, Any, dict[str, Any] | None, str]:
+    """``(model, tokenizer, what extending its RoPE did, the unextended shape's fingerprint)``
+    of a ``random:`` spec."""
+    from sparkv.runtime.shapes import build_random_model
+
+    infos: list[Any] = [None, ""]
+
+    def configure(config: Any) -> None:
+        infos[1] = _fingerprint(config, spec)
+        infos[0] = _extend(config, rope_positions)
+
+    try:
+        model, tokenizer = build_random_model(spec, device, dtype, converted_dir(),
+                                              configure=configure)
+    except ValueError as exc:
+        raise ModelNotFoundError(str(exc)) from exc
+    return model, tokenizer, infos[0], infos[1]
+
+
+def _extend(config: Any, rope_positions: int | None) -> dict[str, Any] | None:
+    """:func:`~sparkv.runtime.longctx.extend_rope` with its ``ValueError`` as a model error."""
+    from sparkv.runtime.longctx import extend_rope
+
+    if not rope_positions:
+        return None
+    try:
+        return extend_rope(config, rope_positions)
+    except ValueError as exc:
+        raise ModelNotFoundError(str(exc)) from exc
+
+
+def _loaded(model: Any, tokenizer: Any, name: str, base_fingerprint: str,
+            long_context: dict[str, Any] | None, random_weights: bool = False) -> LoadedModel:
+    """The :class:`LoadedModel`; a model with its RoPE extended (``long_context``: what
+    :func:`~sparkv.runtime.longctx.extend_rope` did) is named by its spec, labelled, and keeps
+    its base's fingerprint (whose measured tables it uses)."""
+    from sparkv.runtime.longctx import LongContextSpec, describe
+
+    extra: dict[str, Any] = {"base_fingerprint": base_fingerprint}
+    if long_context:
+        extra["long_context"] = long_context
+        name = LongContextSpec(long_context["positions"]).name(name)
+    extra["label"] = describe(name, long_context, random_weights)
+    return LoadedModel(model, tokenizer, name, _fingerprint(model.config, name), extra)
+
+
+def _checkpoint_path(name_or_path: str | os.PathLike[str] | None,
+                     progress: bool) -> tuple[Path, str]:
+    """The checkpoint directory and the model's name (the bundled one converted on first use)."""
+    is_default = name_or_path is None or str(name_or_path).lower() in (DEFAULT_MODEL, "smollm2")
+    if is_default:
+        return default_checkpoint(progress), DEFAULT_MODEL
+    path = Path(name_or_path).expanduser()  # type: ignore[arg-type]
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"no model at {path}: pass --model PATH to a local Hugging Face checkpoint "
+            f"directory (with config.json and weights), or omit --model for the bundled "
+            f"{DEFAULT_MODEL}")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
+    return path, str(path)

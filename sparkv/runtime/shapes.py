@@ -14,7 +14,7 @@ the real architecture with random weights. Results made with one are labelled wi
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -81,13 +81,18 @@ def _tokenizer(shape: str, smollm2_dir: str | os.PathLike[str] | None) -> Any:
 
 
 def build_random_model(spec: str, device: torch.device, dtype: torch.dtype,
-                       smollm2_dir: str | os.PathLike[str] | None = None) -> tuple[Any, Any]:
+                       smollm2_dir: str | os.PathLike[str] | None = None,
+                       configure: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for ``random:SHAPE[:SEED]`` on ``device`` in ``dtype`` (seeded);
-    ``smollm2_dir``: the converted SmolLM2 checkpoint, whose tokenizer its shape borrows."""
+    ``smollm2_dir``: the converted SmolLM2 checkpoint, whose tokenizer its shape borrows;
+    ``configure``: changes the config in place before the model is built (the long-context
+    mode extends its RoPE: :mod:`sparkv.runtime.longctx`)."""
     from transformers import LlamaForCausalLM
 
     shape, seed = parse_random_spec(spec)
     cfg = random_config(shape)
+    if configure is not None:
+        configure(cfg)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkv.bench.common import MODEL_HELP, add_output_args, format_table, write_result
+from sparkv.bench.longctx import LONG_CONTEXT_MODES, growth_lines, growth_report, plot_growth
 from sparkv.cliflags import PRESS_METAVAR
 from sparkv.runtime.device import add_device_args
 
@@ -53,13 +54,21 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("ttft", help="end-to-end TTFT of every strategy over emulated links")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--sizes", default="2048,4096,8192", dest="tokens",
-                   help="context sizes in tokens, comma-separated")
+                   help="context sizes in tokens, comma-separated (past the model's window: "
+                        "see --long-context)")
+    p.add_argument("--long-context", choices=LONG_CONTEXT_MODES, default="auto",
+                   help="auto: when a size exceeds the model's window, every size runs on the "
+                        "model with its RoPE extended (rope-extended:N, timing only past the "
+                        "window; labelled in the table, JSON and plots); rope: always that "
+                        "model; random: random weights of the same shape, extended; off: never "
+                        "(docs/benchmarks.md)")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="T the server encodes with (smaller T: finer plans, larger manifests)")
     p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
     p.add_argument("--mbps", default=None, help="constant links (Mbit/s; default 5,20,50,100,500)")
     p.add_argument("--trace", action="append", default=None,
-                   help="trace CSV or bundled name (repeatable; default: wifi, lte, deep_fade)")
+                   help="trace CSV or bundled name (repeatable; default: wifi, lte, deep_fade; "
+                        "none: constant links only)")
     p.add_argument("--traces", default=None,
                    help="adversarial:N[:SEED] - N seeded adversarial traces instead of the "
                         "default links (constant links only if --mbps is given explicitly)")
@@ -73,6 +82,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
                    help="answer tokens compared with the dense reference (agreement)")
     add_device_args(p)
+    p.add_argument("--backend", default="auto",
+                   help="attention of every strategy's local layer steps, the baselines' as "
+                        "sparkv's: auto (what sparkv resolves for the model), dense, "
+                        "block_sparse, ...")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--link", choices=("shaper", "netns"), default="shaper",
                    help="shaper: server on loopback, link emulated in the client (ttft.json); "
@@ -116,6 +129,8 @@ def _links(args: argparse.Namespace) -> list[tuple[Any, Any]]:
         return out
     out = [(m, Trace.constant(m)) for m in _csv(args.mbps or "5,20,50,100,500")]
     for t in (args.trace or ["wifi", "lte", "deep-fade"]):
+        if t == "none":
+            continue
         if t in ("wifi", "lte", "deep-fade"):
             out.append((t, Trace.sample(t)))
         else:
@@ -126,8 +141,6 @@ def _links(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from sparkv.runtime import load_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.press:
@@ -135,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = _csv(args.tokens, int)
     strategies = [s for s in _csv(args.strategies, str)]
     links = _links(args)
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = _sweep_model(args, sizes)
+    fair = fair_baselines(lm, args.backend)
     name = "ttft" if args.link == "shaper" else "ttft_netns"
     if args.traces:
         name += "_adversarial"
@@ -147,24 +161,72 @@ def run(args: argparse.Namespace) -> int:
             print(f"skipping the real shaped path: {why}")
             return 0
         strategies = [s for s in strategies if s != "local"]   # local never touches the link
-    runs_raw, timelines = _measure_all(args, lm, sizes, strategies, links)
-    points = _aggregate(runs_raw, links)
+    print(f"model: {lm.label}; every strategy computes in {fair['dtype']} with the "
+          f"{fair['backend']} attention backend", flush=True)
+    runs_raw, timelines = _measure_all(args, lm, sizes, strategies, links, fair)
+    points = _aggregate(runs_raw, links, lm.native_positions)
     targets = _targets(points, sizes, links)
     if args.traces:
         targets["adversarial"] = _distribution(points, sizes, links)
-    _print(points, targets)
-    config = {k: v for k, v in vars(args).items() if k != "func"}
-    config["torch_threads"] = torch.get_num_threads()
-    config["question"] = QUESTION
-    config["energy_model"] = ("E = P_compute*compute_busy + P_decode*decode_busy + "
-                              "P_radio*link_active + P_idle*TTFT (an estimate)")
+    else:
+        targets["growth"] = growth_report(points, sizes, [lab for lab, _ in links])
+    _print(points, targets, lm.label)
+    config = result_config(args, lm, fair)
     if args.json or args.out:
         out = write_result(name, {"points": points, "targets": targets, "runs": runs_raw,
                                   "timelines": timelines}, config, args.out)
         if args.link == "shaper":
-            _plots(points, timelines, targets, out.with_suffix(""))
+            _plots(points, timelines, targets, out.with_suffix(""), lm.label)
         print(f"wrote {out}")
     return 0
+
+
+def result_config(args: argparse.Namespace, lm: Any, fair: dict[str, Any]) -> dict[str, Any]:
+    """The JSON's ``config``: the flags, plus the model as results label it (``model_label``;
+    ``long_context``: what extending its RoPE did, null for the model as trained), and what
+    every strategy computed with (``fair_baselines``)."""
+    import torch
+
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config.update(torch_threads=torch.get_num_threads(), question=QUESTION,
+                  model_label=lm.label, model_fingerprint=lm.fingerprint,
+                  native_positions=lm.native_positions,
+                  long_context=lm.extra.get("long_context"), fair_baselines=fair)
+    config["energy_model"] = ("E = P_compute*compute_busy + P_decode*decode_busy + "
+                              "P_radio*link_active + P_idle*TTFT (an estimate)")
+    return config
+
+
+def _sweep_model(args: argparse.Namespace, sizes: list[int]) -> Any:
+    """The model every size of the sweep runs: ``--model``, or its RoPE-extended twin under
+    ``--long-context`` (:func:`sparkv.bench.longctx.long_context_model`); ``args.model``
+    becomes its spec, so that the server encodes with the same model."""
+    from sparkv.bench.longctx import LongContextError, long_context_model
+    from sparkv.runtime import load_model
+
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    try:
+        spec = long_context_model(args.model, lm.native_positions, sizes, args.long_context)
+    except LongContextError as e:
+        raise SystemExit(f"sparkv bench ttft: {e}") from None
+    if spec != args.model:
+        args.model = spec
+        lm = load_model(spec, dtype=args.dtype, device=args.device)
+    return lm
+
+
+def fair_baselines(lm: Any, backend: str = "auto") -> dict[str, Any]:
+    """What every strategy computes with, the baselines as sparkv (the paper's fair baselines):
+    the model's dtype and one attention backend, ``auto`` resolved as sparkv resolves it for the
+    model (:func:`sparkv.edge.planning.default_backend`). ``option`` is what each ask passes
+    (``AskOptions.backend``), ``backend`` the class's name it builds."""
+    from sparkv.edge.planning import default_backend
+    from sparkv.runtime.attention import get_backend
+
+    option = default_backend(lm.base_fingerprint) if backend == "auto" else backend
+    return {"dtype": str(lm.dtype).replace("torch.", ""), "backend": get_backend(option).name,
+            "option": option, "requested": backend,
+            "applies_to": list(STRATEGY_ORDER) + ["server prefill (its --dtype)"]}
 
 
 class _Loopback:
@@ -263,7 +325,8 @@ class _Netns:
 
 
 def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies: list[str],
-                 links: list[tuple[Any, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 links: list[tuple[Any, Any]], fair: dict[str, Any]
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from sparkv.edge.options import AskOptions
     from sparkv.edge.plots import timeline_of
     from sparkv.edge.prompts import question_suffix
@@ -298,13 +361,15 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                 # first-use costs that the others do not
                 for strat in ("local", *[s for s in strategies if s != "local"]):
                     session.ask(cid, QUESTION, AskOptions(strategy=strat, max_new_tokens=2,
-                                                          use_cache=False, prelude=_prelude(args)))
+                                                          use_cache=False, prelude=_prelude(args),
+                                                          backend=fair["option"]))
                 for link_label, trace in [(None, None)] + links:
                     for strat in strategies:
                         if (strat == "local") != (link_label is None):
                             continue
                         opts = AskOptions(strategy=strat, use_cache=False, prelude=_prelude(args),
-                                          max_new_tokens=args.new_tokens, stop_at_eos=False)
+                                          max_new_tokens=args.new_tokens, stop_at_eos=False,
+                                          backend=fair["option"])
                         for r in range(args.runs):
                             session.priors.bandwidth_Bps = None   # every run probes afresh
                             client.shaper = path.shaper(trace)
@@ -320,6 +385,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                                 gc.enable()
                                 path.done()
                             row = _row(args, n, link_label, strat, r, res, ref, trace)
+                            row.update(_computed_with(res, fair))
                             row["agreement"] = greedy_agreement(ref.tokens, res.tokens)
                             row["first_token_kl"] = first_token_kl(ref.first_logits,
                                                                    res.first_logits)
@@ -338,6 +404,14 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
         finally:
             path.close()
     return runs_raw, timelines
+
+
+def _computed_with(res: Any, fair: dict[str, Any]) -> dict[str, str]:
+    """The row's ``dtype`` (of the KV the load filled) and ``backend`` (its asks' option, built
+    by name): what this strategy computed with."""
+    kv = getattr(getattr(res, "load", None), "kv", None)
+    dtype = str(kv.dtype).replace("torch.", "") if kv is not None else fair["dtype"]
+    return {"dtype": dtype, "backend": fair["backend"]}
 
 
 def _prelude(args: argparse.Namespace) -> bool | None:
@@ -386,11 +460,17 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
             "prelude_steps": getattr(bd, "prelude_steps", 0)}
 
 
-def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
-    """Medians per (tokens, link, strategy); ``local`` (link-independent) copied to every link."""
+def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]],
+               native_positions: int = 0) -> list[dict[str, Any]]:
+    """Medians per (tokens, link, strategy); ``local`` (link-independent) copied to every link.
+    Every point at a constant link carries that link's LP bound (``lp_bound_s``, the median
+    over every strategy's instance there) and its TTFT over it; ``in_window``: the size is
+    within the model's native window (quality means something only there)."""
     groups: dict[tuple[int, Any, str], list[dict[str, Any]]] = {}
+    bounds: dict[tuple[int, Any], list[float]] = {}
     for r in runs:
         groups.setdefault((r["tokens"], r["link"], r["strategy"]), []).append(r)
+        bounds.setdefault((r["tokens"], r["link"]), []).append(r.get("lp_bound_s", float("nan")))
     points = []
     sizes = sorted({r["tokens"] for r in runs})
     for n in sizes:
@@ -402,6 +482,7 @@ def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]]) -> list
                     continue
                 tt = [x["ttft_s"] for x in rs]
                 sims = [x["sim_ttft_s"] for x in rs if x["sim_ttft_s"] == x["sim_ttft_s"]]
+                bound = _nanmedian(bounds.get((n, label), []))
                 points.append({
                     "tokens": n, "link": label, "strategy": strat, "runs": len(rs),
                     "ttft_median_s": statistics.median(tt), "ttft_min_s": min(tt),
@@ -411,6 +492,10 @@ def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]]) -> list
                                   if sims else None),
                     "lp_bound_median_s": _nanmedian([x.get("lp_bound_s", float("nan"))
                                                      for x in rs]),
+                    "lp_bound_s": bound,
+                    "vs_lp_bound": statistics.median(tt) / bound if bound else None,
+                    "in_window": not native_positions or n <= native_positions,
+                    "dtype": rs[0].get("dtype"), "backend": rs[0].get("backend"),
                     "agreement_median": statistics.median(x["agreement"] for x in rs),
                     "first_token_kl_median": statistics.median(x["first_token_kl"] for x in rs),
                     "mb_median": statistics.median(x["mb"] for x in rs),
@@ -510,12 +595,14 @@ def _cost_model_accuracy(points: list[dict[str, Any]]) -> dict[str, Any]:
                 "points": len(v)} for s, v in sorted(per.items())}
 
 
-def _print(points: list[dict[str, Any]], targets: dict[str, Any]) -> None:
+def _print(points: list[dict[str, Any]], targets: dict[str, Any], label: str = "") -> None:
     rows = [[p["tokens"], p["link"], p["strategy"], p["ttft_median_s"], p["ttft_min_s"],
-             p["ttft_max_s"], p["sim_ttft_median_s"], p["agreement_median"], p["mb_median"],
-             p["energy_j_estimate_median"]] for p in points]
+             p["ttft_max_s"], p.get("lp_bound_s"), p["sim_ttft_median_s"], p["agreement_median"],
+             p["mb_median"], p["energy_j_estimate_median"]] for p in points]
     print()
-    print(format_table(["tokens", "link", "strategy", "TTFT_med", "min", "max", "sim",
+    if label:
+        print(f"model: {label}")
+    print(format_table(["tokens", "link", "strategy", "TTFT_med", "min", "max", "LP bound", "sim",
                         "agree", "MB", "J(est)"], rows))
     print()
     for e in targets["per_size"]:
@@ -534,6 +621,8 @@ def _print(points: list[dict[str, Any]], targets: dict[str, Any]) -> None:
             print(f"{e['tokens']} tokens, {e['traces']} adversarial traces: sparkv / best baseline "
                   f"median {e['median']:.3f}, p95 {e['p95']:.3f} (target 1.05), worst "
                   f"{e['worst']:.3f} (target 1.15) on {worst['trace']}")
+    for line in growth_lines(targets.get("growth") or {"per_link": []}):
+        print(line)
     cm = targets.get("cost_model") or {}
     if cm:
         print("cost model (measured vs simulated TTFT, same plan/link/controller), median |error|: "
@@ -541,15 +630,17 @@ def _print(points: list[dict[str, Any]], targets: dict[str, Any]) -> None:
 
 
 def _plots(points: list[dict[str, Any]], timelines: dict[str, Any], targets: dict[str, Any],
-           stem: Path) -> None:
+           stem: Path, label: str = "") -> None:
     from sparkv.edge.plots import plot_ttft_vs_bandwidth
 
     if targets.get("adversarial"):
         _plot_adversarial(targets["adversarial"], Path(f"{stem}.png"))
         return
     plot_ttft_vs_bandwidth(points, f"{stem}.png",
-                           title="TTFT vs constant link (median, min-max over runs)")
+                           title=f"TTFT vs constant link (median, min-max over runs)\n{label}")
     _plot_timeline(timelines, targets, Path(f"{stem}_timeline.png"))
+    if targets.get("growth"):
+        plot_growth(points, targets["growth"], Path(f"{stem}_growth.png"), label)
 
 
 def _plot_adversarial(adv: dict[str, Any], path: Path) -> None:

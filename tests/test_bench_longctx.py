@@ -1,0 +1,158 @@
+"""``sparkv bench ttft`` past the model's window and with fair baselines: which model a sweep runs
+(the long-context mode, labelled in the results), the growth report, the LP bound beside every
+point, and one dtype and attention backend for every strategy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from sparkv.bench.longctx import (GROWTH_TARGET, LongContextError, extended_positions,
+                                  growth_lines, growth_report, long_context_model)
+from sparkv.bench.ttft import STRATEGY_ORDER, _aggregate, fair_baselines, result_config
+
+SIZES = [2048, 4096, 8192, 16384]
+
+
+def test_auto_extends_only_past_the_window():
+    assert long_context_model(None, 8192, [2048, 4096, 8192]) is None
+    assert long_context_model("/m", 8192, [4096]) == "/m"
+    assert long_context_model(None, 8192, SIZES) == "rope-extended:16384"
+    assert long_context_model("/m", 8192, SIZES) == "rope-extended:16384:/m"
+    assert long_context_model(None, 8192, [4096, 20000]) == "rope-extended:24576"
+    # a model already extended runs as it is
+    assert long_context_model("rope-extended:16384", 8192, SIZES) == "rope-extended:16384"
+
+
+def test_the_other_modes():
+    assert long_context_model(None, 8192, [4096], "rope") == "rope-extended:16384"
+    assert (long_context_model(None, 8192, SIZES, "random")
+            == "rope-extended:16384:random:smollm2-135m")
+    assert (long_context_model("random:llama-3.2-1b", 131072, [4096], "random")
+            == "rope-extended:262144:random:llama-3.2-1b")
+    assert long_context_model(None, 8192, [4096], "off") is None
+    with pytest.raises(LongContextError, match="16384 tokens exceed the model's 8192"):
+        long_context_model(None, 8192, SIZES, "off")
+    with pytest.raises(LongContextError, match="random"):
+        long_context_model("/ckpt", 8192, SIZES, "random")
+    with pytest.raises(LongContextError, match="choose one of"):
+        long_context_model(None, 8192, SIZES, "yes")
+    assert extended_positions(8192, 100) == 16384 and extended_positions(8192, 16385) == 24576
+
+
+def _points() -> list[dict]:
+    """TTFTs where sparkv grows linearly, local quadratically past 4K, hybrid in between."""
+    ttft = {"local": lambda n: n / 1000 * (n / 4096), "hybrid": lambda n: n / 1000 * 1.2,
+            "stream": lambda n: n / 800, "sparkv": lambda n: n / 1000 * 0.5}
+    pts = []
+    for n in SIZES:
+        for link in (20.0, 50.0, "lte"):
+            for s in STRATEGY_ORDER:
+                hybrid = ttft["hybrid"](n) * (1.5 if n == 16384 and s == "hybrid" else 1.0)
+                pts.append({"tokens": n, "link": link, "strategy": s,
+                            "ttft_median_s": hybrid if s == "hybrid" else ttft[s](n),
+                            "lp_bound_s": n / 1000 * 0.45 if link != "lte" else None})
+    return pts
+
+
+def test_growth_report_per_link():
+    g = growth_report(_points(), SIZES, [20.0, 50.0, "lte"])
+    assert g["base_tokens"] == 4096 and g["top_tokens"] == 16384 and g["target"] == GROWTH_TARGET
+    assert [r["link"] for r in g["per_link"]] == [20.0, 50.0]     # constant links only
+    row = g["per_link"][0]
+    assert row["sparkv"] == pytest.approx(1.0) and row["met"] is True
+    assert row["local"] == pytest.approx(4.0) and row["hybrid"] == pytest.approx(1.5)
+    assert row["lp_bound"] == pytest.approx(1.0)
+    assert row["sparkv_ms_per_token"] == {"4096": pytest.approx(0.5), "16384": pytest.approx(0.5)}
+    text = "\n".join(growth_lines(g))
+    assert "16384 vs 4096 tokens at 20.0 Mbit/s" in text and "sparkv 1.00x" in text
+    assert growth_report(_points(), [4096], [20.0]) is None
+
+
+def _run(n, link, strat, bound, dtype="bfloat16", backend="block_sparse"):
+    return {"tokens": n, "link": link, "strategy": strat, "run": 0, "ttft_s": 1.0,
+            "sim_ttft_s": float("nan"), "lp_bound_s": bound, "agreement": 1.0,
+            "first_token_kl": 0.0, "mb": 0.0, "migrations": 0, "energy_j_estimate": 0.0,
+            "fallback": {}, "dtype": dtype, "backend": backend}
+
+
+def test_every_point_carries_the_lp_bound_and_its_window():
+    runs = [_run(n, "any", "local", float("nan")) for n in (4096, 16384)]
+    runs += [_run(n, 20.0, s, 0.5 + i * 0.01) for n in (4096, 16384)
+             for i, s in enumerate(("stream", "hybrid", "sparkv"))]
+    pts = _aggregate(runs, [(20.0, None)], native_positions=8192)
+    assert len(pts) == 8
+    for p in pts:       # local too: the link's bound, whichever strategy's instance gave it
+        assert p["lp_bound_s"] == pytest.approx(0.51)
+        assert p["vs_lp_bound"] == pytest.approx(1.0 / 0.51)
+        assert p["in_window"] is (p["tokens"] <= 8192)
+        assert (p["dtype"], p["backend"]) == ("bfloat16", "block_sparse")
+
+
+def test_baselines_compute_as_sparkv_does(tiny_llama):
+    fair = fair_baselines(tiny_llama)
+    assert fair["dtype"] == "float32" and fair["requested"] == "auto"
+    assert set(STRATEGY_ORDER) <= set(fair["applies_to"])
+    from sparkv.edge.planning import default_backend
+    from sparkv.runtime.attention import get_backend
+
+    assert fair["option"] == default_backend(tiny_llama.base_fingerprint)
+    assert fair["backend"] == get_backend(fair["option"]).name
+    dense = fair_baselines(tiny_llama, "dense")
+    assert (dense["option"], dense["backend"]) == ("dense", "dense")
+
+
+def test_the_label_is_in_the_results_config(tiny_llama):
+    args = argparse.Namespace(model="rope-extended:16384", tokens="4096,16384", func=None)
+    tiny_llama.extra["label"] = "tiny [RoPE extended 8192 -> 16384 positions]"
+    tiny_llama.extra["long_context"] = {"native_positions": 8192, "positions": 16384}
+    try:
+        cfg = result_config(args, tiny_llama, fair_baselines(tiny_llama))
+    finally:
+        del tiny_llama.extra["label"], tiny_llama.extra["long_context"]
+    assert cfg["model_label"].startswith("tiny [RoPE extended")
+    assert cfg["long_context"]["positions"] == 16384 and cfg["native_positions"] == 8192
+    assert cfg["fair_baselines"]["dtype"] == "float32" and "func" not in cfg
+    json.dumps(cfg)
+
+
+@pytest.mark.skipif(os.environ.get("SPARKV_SLOW_TESTS") != "1",
+                    reason="runs the real benchmark (server process, every strategy): "
+                           "set SPARKV_SLOW_TESTS=1")
+def test_bench_ttft_past_the_window_end_to_end(tmp_path):
+    """The real benchmark on a tiny checkpoint with a 512-position window, swept to 1024: the
+    long mode engages, is labelled, every strategy ran in one dtype and backend, the LP bound
+    sits beside every constant-link point and the growth report is there."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from sparkv.cli import main
+    from sparkv.runtime.model import default_checkpoint
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                      max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+                      pad_token_id=2)
+    ckpt = tmp_path / "tiny"
+    LlamaForCausalLM(cfg).save_pretrained(ckpt)
+    AutoTokenizer.from_pretrained(default_checkpoint()).save_pretrained(ckpt)
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--model", str(ckpt), "--tokens", "256,1024",
+                 "--chunk-tokens", "64", "--mbps", "20,50", "--trace", "none", "--runs", "1",
+                 "--max-new-tokens", "4", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    cfg_out = doc["config"]
+    assert cfg_out["model"] == f"rope-extended:1024:{ckpt}"
+    assert "RoPE extended 512 -> 1024" in cfg_out["model_label"]
+    assert {(r["dtype"], r["backend"]) for r in doc["runs"]} == {
+        (cfg_out["fair_baselines"]["dtype"], cfg_out["fair_baselines"]["backend"])}
+    assert {r["strategy"] for r in doc["runs"]} == set(STRATEGY_ORDER)
+    assert all(p["lp_bound_s"] for p in doc["points"])
+    assert {p["tokens"]: p["in_window"] for p in doc["points"]} == {256: True, 1024: False}
+    growth = doc["targets"]["growth"]
+    assert growth["top_tokens"] == 1024 and len(growth["per_link"]) == 2
+    assert (tmp_path / "ttft_growth.png").is_file()

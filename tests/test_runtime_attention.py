@@ -41,7 +41,7 @@ def test_dense_and_forced_dense_sparse_match_reference(nq, q_offset):
 def test_sparse_with_explicit_mask_equals_masked_reference():
     """Whatever blocks the mask keeps, the output equals exact attention over those keys."""
     q, k, v = rand_qkv(256, 1024 + 256, seed=3)
-    be = BlockSparseAttention(SparsityConfig(cdf_threshold=0.5, min_keys=0))
+    be = BlockSparseAttention(SparsityConfig(cdf_threshold=0.5, min_keys=0, sim_threshold=-1.0))
     mask = be.predict_mask(q, k, 1024, 0.2)
     out, stats = be.attend(q, k, v, 1024, 0.2, mask=mask)
     # the executed set is the union over each GQA group (plus diagonals): rebuild it
@@ -125,5 +125,6 @@ def test_real_4k_context_skips_blocks(smollm2):
         skipped.append(1.0 - stats.density)
         rel = float((out - ref).norm() / ref.norm())
         assert rel < 0.25  # sparse, not garbage
-    assert min(skipped) > 0.0
+    # layer 0's attention is diffuse (about 90% of the blocks kept): it may run dense
+    assert sum(s > 0.0 for s in skipped[1:]) == len(skipped) - 1
     assert sum(skipped) / len(skipped) > 0.2

@@ -85,7 +85,7 @@ def test_flex_sparse_equals_masked_dense_attention(nq, off, hq, hkv):
     q = torch.randn(1, hq, nq, 32)
     k = torch.randn(1, hkv, off + nq, 32)
     v = torch.randn(1, hkv, off + nq, 32)
-    cfg = SparsityConfig(dense_below=0, min_keys=0, cdf_threshold=0.5)
+    cfg = SparsityConfig(dense_below=0, min_keys=0, cdf_threshold=0.5, sim_threshold=-1.0)
     keep = BlockSparseAttention(cfg).predict_mask(q, k, off)
     got, stats = FlexAttention(sparse=True, config=cfg).attend(q, k, v, off, mask=keep)
     assert stats.density < 1.0                           # some blocks really were skipped
@@ -194,7 +194,7 @@ def test_cuda_flex_compiles_once_across_steps():
 @needs_cuda
 @needs_flex
 def test_cuda_auto_sparse_path_equals_masked_attention():
-    cfg = SparsityConfig(dense_below=0, min_keys=0, cdf_threshold=0.5)
+    cfg = SparsityConfig(dense_below=0, min_keys=0, cdf_threshold=0.5, sim_threshold=-1.0)
     auto = AutoAttention(cfg, AttentionProfile(min_sparse_keys=0, breakeven={1: 1.01}))
     torch.manual_seed(1)
     q = torch.randn(1, 6, 256, 32, device="cuda")

@@ -27,6 +27,7 @@ BENCH_MODULES: list[str] = [
     "sparkv.bench.contexts",
     "sparkv.bench.cluster",
     "sparkv.bench.presses",
+    "sparkv.bench.sparsecal",
 ]
 
 

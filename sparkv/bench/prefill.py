@@ -152,11 +152,13 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     question = _question(lm)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    cfg = SparsityConfig()
-    if args.cdf is not None:
-        cfg.cdf_threshold = args.cdf
-    if args.estimator:
-        cfg.estimator = args.estimator
+    cfg = None  # no override: block_sparse/auto use the model's calibrated thresholds if stored
+    if args.cdf is not None or args.estimator:
+        cfg = SparsityConfig()
+        if args.cdf is not None:
+            cfg.cdf_threshold = args.cdf
+        if args.estimator:
+            cfg.estimator = args.estimator
     if lm.device.type != "cuda":   # warm-up: first calls pay one-off allocation costs
         for v in variants:
             if v.backend != "full":
@@ -204,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
     config = {"model": lm.name, "random_weights": lm.name.startswith("random:"),
               "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
               "gpu": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else None,
-              "chunk_tokens": args.chunk_tokens, "sparsity": vars(cfg),
+              "chunk_tokens": args.chunk_tokens, "sparsity": vars(cfg or SparsityConfig()),
+              "sparse_thresholds": _thresholds_file(lm) if cfg is None else None,
               "torch_threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
               "repeats": args.repeats, "variants": [v.name for v in variants],
               "lse_kernel": _lse_kernel_name(lm)}
@@ -245,6 +248,14 @@ def _profile(lm: Any, ids: list[int], args: argparse.Namespace, cfg: Any) -> dic
     print(format_table(["kernel", "calls", "ms"], [[t["kernel"][:70], t["calls"], t["ms"]]
                                                   for t in top]))
     return out
+
+
+def _thresholds_file(lm: Any) -> str | None:
+    """The model's calibrated block-sparse thresholds file, when one is stored."""
+    from sparkv.runtime.thresholds import load_thresholds, thresholds_path
+
+    found = load_thresholds(str(lm.fingerprint))
+    return str(thresholds_path(found.fingerprint)) if found is not None else None
 
 
 def _lse_kernel_name(lm: Any) -> str | None:

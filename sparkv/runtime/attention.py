@@ -22,13 +22,15 @@ Backends:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from sparkv.errors import SparkvError
+from sparkv.runtime.selfsim import not_self_similar, per_head
+from sparkv.runtime.thresholds import SparseThresholds, load_thresholds
 
 Q_BLOCK = 128
 K_BLOCK = 64
@@ -181,20 +183,27 @@ class SparsityConfig:
 
     Attributes:
         estimator: ``"meansim"`` - SpargeAttention's estimate: mean-pooled Q blocks against
-            mean-pooled K blocks, self-similarity check, softmax over blocks; or ``"qpool"`` -
+            mean-pooled K blocks, softmax over blocks; or ``"qpool"`` -
             mean-pooled query sub-blocks (``q_sub`` tokens) against every key, token-level causal
             softmax summed per key block, averaged over the block's sub-blocks. ``qpool`` costs a
             few percent of dense attention and tracks the true block mass far better on small
             models whose key blocks are not self-similar (see docs/runtime.md).
         cdf_threshold: keep the smallest set of key blocks holding this share of the estimated
-            attention mass per (head, query block). Used when ``topk`` is None.
+            attention mass per (head, query block); one value, or one per query head. Used when
+            ``topk`` is None.
         topk: if set, keep this fraction of the causally visible key blocks instead.
-        sim_threshold: (meansim) blocks whose mean pairwise cosine similarity is below it are "not
-            self-similar": their pooled estimate is unreliable, so they are always computed.
+        sim_threshold: the self-similarity test (:mod:`sparkv.runtime.selfsim`), both
+            estimators: a query or key block one of whose pooled groups (the estimator's pooled
+            tokens) has a mean pairwise cosine similarity below it is "not self-similar": its
+            pooled estimate is unreliable, so it is always computed. One value, or one per query
+            head. Keys are compared after removing their sequence mean.
         attention_sink: always keep key block 0.
         min_keys: query blocks with at most this many visible keys are computed densely.
         dense_below: calls whose queries see at most this many keys run dense SDPA outright (the
-            prediction and the gathers cost more than they save on short prefixes).
+            prediction and the gathers cost more than they save on short prefixes: on a 2-core
+            CPU, whole prefills at 2K tokens were 0.85-0.99x dense with sparse on).
+        max_density: when the predicted mask keeps at least this share of the causally visible
+            blocks, the call runs dense SDPA instead (the gathered execution is no faster there).
         q_sub: (qpool) query tokens per pooled sub-block.
         k_sub: (qpool) key tokens per pooled sub-block.
         group_blocks: query blocks executed together in one batched SDPA call.
@@ -205,12 +214,13 @@ class SparsityConfig:
     """
 
     estimator: str = "qpool"
-    cdf_threshold: float = 0.95
+    cdf_threshold: float | tuple[float, ...] = 0.95
     topk: float | None = None
-    sim_threshold: float = 0.6
+    sim_threshold: float | tuple[float, ...] = 0.2
     attention_sink: bool = True
     min_keys: int = 4 * K_BLOCK
-    dense_below: int = 1024
+    dense_below: int = 2048
+    max_density: float = 0.7
     q_sub: int = 32
     k_sub: int = 8
     group_blocks: int = 4
@@ -229,12 +239,37 @@ class BlockSparseAttention:
     name = "block_sparse"
 
     def __init__(self, config: SparsityConfig | None = None, q_block: int = Q_BLOCK,
-                 k_block: int = K_BLOCK) -> None:
+                 k_block: int = K_BLOCK, thresholds: SparseThresholds | None = None) -> None:
         self.config = config or SparsityConfig()
         if self.config.estimator not in ("qpool", "meansim"):
             raise ValueError(f"unknown estimator {self.config.estimator!r}")
         self.q_block = q_block
         self.k_block = k_block
+        #: per-layer thresholds; loaded by :meth:`bind_model` when no config was given
+        self.thresholds = thresholds
+        self.calibrated = config is None and thresholds is None
+        self._layers: dict[int, BlockSparseAttention] = {}
+
+    # ---- per model and layer -------------------------------------------------------------------
+    def bind_model(self, fingerprint: str) -> None:
+        """Uses the thresholds calibrated for this model (docs/runtime.md), if this backend was
+        built without an explicit config and they exist; else keeps its config."""
+        if self.calibrated:
+            found = load_thresholds(fingerprint)
+            if found is not self.thresholds:
+                self.thresholds, self._layers = found, {}
+
+    def for_layer(self, layer: int) -> "BlockSparseAttention":
+        """This backend with decoder layer ``layer``'s calibrated thresholds (itself when it has
+        none for that layer)."""
+        lt = self.thresholds.layer(layer) if self.thresholds is not None else None
+        if lt is None:
+            return self
+        if layer not in self._layers:
+            cdf = lt.cdf[0] if len(lt.cdf) == 1 else tuple(lt.cdf)
+            cfg = replace(self.config, cdf_threshold=cdf, sim_threshold=lt.sim, topk=None)
+            self._layers[layer] = BlockSparseAttention(cfg, self.q_block, self.k_block)
+        return self._layers[layer]
 
     # ---- mask prediction ---------------------------------------------------------------------
     def _geometry(self, nq: int, nk: int, q_offset: int, device: torch.device):
@@ -250,20 +285,22 @@ class BlockSparseAttention:
 
     def _mass_meansim(self, q, k, q_offset, scale, visible):
         """SpargeAttention's pooled estimate; returns (mass, always_keep) ``[B,Hq,nqb,nkb]``."""
-        cfg = self.config
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         group = hq // hkv
         nqb, nkb = visible.shape
-        q_mean, q_sim = _block_mean(q.float(), self.q_block)
-        k_smooth = k.float() - k.float().mean(dim=2, keepdim=True)  # smooth_k: softmax-invariant
-        k_mean, k_sim = _block_mean(k_smooth, self.k_block)
-        k_ok = (k_sim >= cfg.sim_threshold).repeat_interleave(group, dim=1).unsqueeze(2)
+        always = self._not_self_similar(q, k, self.q_block, self.k_block) & visible
+        q_mean = _pool(q, self.q_block)
+        k_mean = _pool(k, self.k_block)  # smoothing the keys would shift every score equally
         scores = torch.matmul(q_mean.view(b, hkv, group * nqb, d), k_mean.transpose(-1, -2))
-        scores = (scores * scale).view(b, hq, nqb, nkb).masked_fill(~(visible & k_ok), -math.inf)
+        scores = (scores * scale).view(b, hq, nqb, nkb).masked_fill(~visible | always, -math.inf)
         mass = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        q_bad = (q_sim < cfg.sim_threshold).unsqueeze(-1)
-        return mass, (visible & ~k_ok) | (visible & q_bad)
+        return mass, always
+
+    def _not_self_similar(self, q, k, q_sub, k_sub):
+        """The blocks the self-similarity test says must be computed (``[B,Hq,nqb,nkb]``)."""
+        return not_self_similar(q, k, self.config.sim_threshold, self.q_block, self.k_block,
+                                q_sub, k_sub)
 
     def _mass_qpool(self, q, k, q_offset, scale, visible):
         """Pooled query sub-blocks against finely pooled keys; returns (mass, always_keep).
@@ -301,11 +338,15 @@ class BlockSparseAttention:
         weight = weight.view(nqb, per_q)
         mass = (block_mass.view(b, hq, nqb, per_q, nkb) * weight.view(1, 1, nqb, per_q, 1)
                 ).sum(3) / weight.sum(-1).view(1, 1, nqb, 1)
-        return mass, torch.zeros_like(mass, dtype=torch.bool)
+        return mass, self._not_self_similar(q, k, qs, ksub) & visible
 
     def predict_mask(self, q: torch.Tensor, k: torch.Tensor, q_offset: int,
                      scale: float | None = None) -> torch.Tensor:
-        """Boolean ``[B, Hq, nqb, nkb]``: True where the (query block, key block) is computed."""
+        """Boolean ``[B, Hq, nqb, nkb]``: True where the (query block, key block) is computed.
+
+        Kept: the blocks the estimate ranks into ``cdf_threshold`` of the mass (or ``topk``), and
+        always the blocks that are not self-similar, the diagonal (local) blocks, the sink block 0
+        and every block of query blocks with at most ``min_keys`` visible keys."""
         cfg = self.config
         b, hq, nq, d = q.shape
         nqb, nkb, last_q, visible, diagonal = self._geometry(nq, k.shape[2], q_offset, q.device)
@@ -324,14 +365,34 @@ class BlockSparseAttention:
             sorted_m, order = torch.sort(mass, dim=-1, descending=True)
             before = torch.cumsum(sorted_m, dim=-1) - sorted_m  # mass of the blocks ranked higher
             keep = torch.zeros_like(order, dtype=torch.bool)
-            keep.scatter_(-1, order, before < cfg.cdf_threshold * sorted_m.sum(-1, keepdim=True))
+            cdf = per_head(cfg.cdf_threshold, hq, q.device).view(1, hq, 1, 1)
+            keep.scatter_(-1, order, before < cdf * sorted_m.sum(-1, keepdim=True))
+            keep |= cdf >= 1.0  # a head at cdf 1.0 is dense (whatever the float sums say)
         keep |= always | diagonal
         if cfg.attention_sink:
             keep[..., 0] = True
         keep |= ((last_q + 1) <= cfg.min_keys).view(nqb, 1)
         return keep & visible
 
+    def density_of(self, mask: torch.Tensor, nq: int, nk: int, q_offset: int,
+                   kv_heads: int | None = None) -> float:
+        """The share of causally visible blocks ``mask`` ``[B,Hq,nqb,nkb]`` keeps (all heads);
+        with ``kv_heads``, of the union over each GQA group (what :meth:`attend` executes)."""
+        _, _, _, visible, _ = self._geometry(nq, nk, q_offset, mask.device)
+        if kv_heads is not None:
+            b, hq = mask.shape[:2]
+            mask = mask.view(b, kv_heads, hq // kv_heads, *mask.shape[2:]).any(2)
+        return float(mask.sum()) / max(1, int(visible.sum()) * mask.shape[0] * mask.shape[1])
+
     # ---- execution -----------------------------------------------------------------------------
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
+               scale: float | None) -> tuple[torch.Tensor, AttentionStats]:
+        """Dense SDPA, reported as every causal block computed."""
+        out = _sdpa_causal(q, k, v, q_offset, scale)
+        blocks = causal_block_count(q.shape[2], k.shape[2], q_offset, self.q_block, self.k_block)
+        return out, AttentionStats(self.name, torch.full((q.shape[1],), blocks * q.shape[0]),
+                                   blocks)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                scale: float | None = None, mask: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, AttentionStats]:
@@ -346,14 +407,15 @@ class BlockSparseAttention:
           contiguous key window.
         """
         _check_shapes(q, k, v, q_offset)
-        if mask is None and not self.config.force_dense \
-                and q_offset + q.shape[2] <= self.config.dense_below:
-            out = _sdpa_causal(q, k, v, q_offset, scale)
-            blocks = causal_block_count(q.shape[2], k.shape[2], q_offset, self.q_block,
-                                        self.k_block)
-            return out, AttentionStats(self.name, torch.full((q.shape[1],), blocks * q.shape[0]),
-                                       blocks)
-        if mask is None:
+        cfg = self.config
+        if mask is None and not cfg.force_dense:
+            if q_offset + q.shape[2] <= cfg.dense_below or _all_dense(cfg.cdf_threshold, cfg.topk):
+                return self._dense(q, k, v, q_offset, scale)
+            mask = self.predict_mask(q, k, q_offset, scale)
+            executed = self.density_of(mask, q.shape[2], k.shape[2], q_offset, k.shape[1])
+            if executed >= cfg.max_density:
+                return self._dense(q, k, v, q_offset, scale)
+        elif mask is None:
             mask = self.predict_mask(q, k, q_offset, scale)
         b, hq, nq, d = q.shape
         hkv, nk = k.shape[1], k.shape[2]
@@ -381,6 +443,13 @@ class BlockSparseAttention:
         active = executed.sum(dim=(2, 3)).sum(0)
         stats = AttentionStats(self.name, active, causal_block_count(nq, nk, q_offset, bq, bk))
         return res.contiguous(), stats
+
+
+def _all_dense(cdf: float | tuple[float, ...], topk: float | None) -> bool:
+    """True when the settings keep every block whatever the estimate (cdf 1.0 on every head)."""
+    if topk is not None:
+        return topk >= 1.0
+    return min(cdf) >= 1.0 if isinstance(cdf, tuple) else cdf >= 1.0
 
 
 def _diagonal_pass(qr: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, out: torch.Tensor,
@@ -511,6 +580,20 @@ def spas_sage_available() -> bool:
     except Exception:  # any import failure (missing, ABI mismatch) means unavailable
         return False
     return True
+
+
+def layer_backend(backend: AttentionBackend, layer: int) -> AttentionBackend:
+    """``backend`` as it runs decoder layer ``layer``: ``backend.for_layer(layer)`` where the
+    backend keeps per-layer settings (calibrated block-sparse thresholds), else itself."""
+    pick = getattr(backend, "for_layer", None)
+    return pick(layer) if pick is not None else backend
+
+
+def bind_model(backend: AttentionBackend, fingerprint: str) -> None:
+    """Tells ``backend`` which model it runs (it may load that model's calibrated settings)."""
+    bind = getattr(backend, "bind_model", None)
+    if bind is not None:
+        bind(fingerprint)
 
 
 BACKENDS = ("dense", "block_sparse", "spas_sage", "flex_dense", "flex_sparse", "auto")

@@ -1,8 +1,10 @@
 """``auto`` attention: dense or block-sparse per call, from this device's measured profile.
 
 On the CPU, ``auto`` is :class:`~sparkv.runtime.attention.BlockSparseAttention` with its measured
-CPU rule (dense SDPA below ``dense_below`` visible keys: docs/runtime.md). On CUDA (decided per
-call by the tensors' device):
+CPU rule (dense SDPA up to ``dense_below`` visible keys and where the predicted mask keeps at
+least ``max_density`` of the blocks: docs/runtime.md). Both sides use the model's calibrated
+per-layer thresholds when they are stored (:mod:`sparkv.runtime.thresholds`). On CUDA (decided
+per call by the tensors' device):
 
 * chunks with fewer visible keys than the profile's ``min_sparse_keys`` run
   :class:`~sparkv.runtime.attention.DenseAttention`: SDPA's causal kernel for a square chunk at
@@ -22,6 +24,7 @@ predictor's profiles; without one, conservative defaults apply (sparse only from
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -101,8 +104,10 @@ class AutoAttention:
     def __init__(self, config: SparsityConfig | None = None,
                  profile: AttentionProfile | None = None) -> None:
         self.config = config or SparsityConfig()
-        self.cpu = BlockSparseAttention(self.config)
+        #: the mask predictor and CPU executor (calibrated per layer when built without config)
+        self.cpu = BlockSparseAttention(config)
         self.profile = profile
+        self._layers: dict[int, AutoAttention] = {}
         self.dense = DenseAttention()
         self.failure: str | None = None
         self._sparse: Any = None
@@ -120,6 +125,26 @@ class AutoAttention:
                 self._sparse = None
         return self._sparse
 
+    def bind_model(self, fingerprint: str) -> None:
+        """Uses the model's calibrated block-sparse thresholds (when built without a config)."""
+        before = self.cpu.thresholds
+        self.cpu.bind_model(fingerprint)
+        if self.cpu.thresholds is not before:
+            self._layers = {}
+
+    def for_layer(self, layer: int) -> "AutoAttention":
+        """This backend with layer ``layer``'s calibrated thresholds (itself without them). The
+        per-layer copies share nothing mutable but the profile: a flex kernel that fails is
+        dropped by each copy on its own first failure."""
+        cpu = self.cpu.for_layer(layer)
+        if cpu is self.cpu:
+            return self
+        if layer not in self._layers:
+            twin = copy.copy(self)
+            twin.cpu, twin._layers = cpu, {}
+            self._layers[layer] = twin
+        return self._layers[layer]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                scale: float | None = None) -> tuple[torch.Tensor, AttentionStats]:
         if not q.is_cuda:
@@ -133,9 +158,7 @@ class AutoAttention:
         if sparse is None:
             return self.dense.attend(q, k, v, q_offset, scale)
         mask = self.cpu.predict_mask(q, k[:, :, :keys], q_offset, scale)
-        _, _, _, visible, _ = self.cpu._geometry(q.shape[2], keys, q_offset, q.device)
-        density = float(mask.sum()) / max(1, int(visible.sum()) * mask.shape[0] * mask.shape[1])
-        if density >= limit:
+        if self.cpu.density_of(mask, q.shape[2], keys, q_offset) >= limit:
             return self.dense.attend(q, k, v, q_offset, scale)
         try:
             return sparse.attend(q, k, v, q_offset, scale, mask=mask)

@@ -33,7 +33,8 @@ import torch
 from sparkv.cache import AttentionView, ContextKV, Source
 from sparkv.errors import SparkvError
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
-from sparkv.runtime.attention import AttentionBackend, AttentionStats, DenseAttention
+from sparkv.runtime.attention import (AttentionBackend, AttentionStats, DenseAttention, bind_model,
+                                      layer_backend)
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.model import LoadedModel
 
@@ -89,6 +90,7 @@ class LayerStepper:
         self.geometry = ChunkGeometry.from_config(lm.config, len(token_ids), chunk_tokens,
                                                   heads_per_group)
         self.backend = backend or DenseAttention()
+        bind_model(self.backend, lm.fingerprint)  # calibrated per-model settings, if any
         self.token_ids = torch.tensor(list(token_ids), dtype=torch.long,
                                       device=lm.device).unsqueeze(0)
         self.kv = kv or ContextKV(self.geometry, lm.dtype, lm.device, spare_tokens=spare_tokens)
@@ -313,7 +315,8 @@ class _StepCache:
             if not own:
                 k_all = torch.cat([k_all[:, :, :a], key_states], dim=2)
                 v_all = torch.cat([v_all[:, :, :a], value_states], dim=2)
-            self.view = AttentionView(q_pos, k=k_all, v=v_all, backend=st.backend, q_offset=a)
+            backend = layer_backend(st.backend, l)  # the layer's calibrated thresholds, if any
+            self.view = AttentionView(q_pos, k=k_all, v=v_all, backend=backend, q_offset=a)
         else:
             heads = []
             for h, e in enumerate(kv.layer_entries(l, stop=a)):

@@ -126,7 +126,7 @@ def _links(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from sparkv.runtime import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = _csv(args.tokens, int)
     strategies = [s for s in _csv(args.strategies, str)]
     links = _links(args)
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     name = "ttft" if args.link == "shaper" else "ttft_netns"
     if args.traces:
         name += "_adversarial"
@@ -620,7 +620,7 @@ def run_press(args: argparse.Namespace) -> int:
     import torch
 
     from sparkv.presses import PressError, canonical_spec
-    from sparkv.runtime import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
     try:
         spec = canonical_spec(args.press)
@@ -630,7 +630,7 @@ def run_press(args: argparse.Namespace) -> int:
         raise SystemExit("--press runs on the loopback shaper with constant links only")
     sizes = _csv(args.tokens, int)
     mbps = _csv(args.mbps or "10,20,40")
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     t0 = time.perf_counter()
     rows, passkey = _measure_press(args, lm, spec, sizes, mbps)
     points = _press_points(rows)

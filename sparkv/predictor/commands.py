@@ -78,12 +78,12 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from sparkv.predictor.profiler import Profiler, save_samples
-    from sparkv.runtime import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
     if args.threads < 1:
         raise SparkvError("--threads must be >= 1")
     cfg = build_config(args)
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     try:
         profiler = Profiler(lm, cfg, progress=not args.no_progress)
     except ValueError as exc:

@@ -55,9 +55,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 def _profile(args: argparse.Namespace):
     from sparkv.predictor import ProfileConfig, Profiler
-    from sparkv.runtime import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     cfg = ProfileConfig.quick() if args.quick else ProfileConfig()
     cfg.threads = args.threads
     cfg.seed = args.seed

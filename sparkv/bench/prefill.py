@@ -144,12 +144,13 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from sparkv.runtime import (LayerStepper, SparsityConfig, first_token_kl, greedy_agreement,
-                                greedy_generate, load_model, sample_context_ids)
+                                greedy_generate, sample_context_ids)
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = parse_variants(args.variants)
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     question = _question(lm)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     cfg = None  # no override: block_sparse/auto use the model's calibrated thresholds if stored

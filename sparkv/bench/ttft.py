@@ -202,16 +202,16 @@ def _sweep_model(args: argparse.Namespace, sizes: list[int]) -> Any:
     ``--long-context`` (:func:`sparkv.bench.longctx.long_context_model`); ``args.model``
     becomes its spec, so that the server encodes with the same model."""
     from sparkv.bench.longctx import LongContextError, long_context_model
-    from sparkv.runtime import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     try:
         spec = long_context_model(args.model, lm.native_positions, sizes, args.long_context)
     except LongContextError as e:
         raise SystemExit(f"sparkv bench ttft: {e}") from None
     if spec != args.model:
         args.model = spec
-        lm = load_model(spec, dtype=args.dtype, device=args.device)
+        lm = load_model_in_dtype(spec, dtype=args.dtype, device=args.device)
     return lm
 
 
@@ -711,7 +711,7 @@ def run_press(args: argparse.Namespace) -> int:
     import torch
 
     from sparkv.presses import PressError, canonical_spec
-    from sparkv.runtime import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
     try:
         spec = canonical_spec(args.press)
@@ -721,7 +721,7 @@ def run_press(args: argparse.Namespace) -> int:
         raise SystemExit("--press runs on the loopback shaper with constant links only")
     sizes = _csv(args.tokens, int)
     mbps = _csv(args.mbps or "10,20,40")
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     t0 = time.perf_counter()
     rows, passkey = _measure_press(args, lm, spec, sizes, mbps)
     points = _press_points(rows)

@@ -41,7 +41,7 @@ def recompute_cost_model(lm: Any) -> Any:
     per model and thread count."""
     import torch
 
-    key = (lm.fingerprint, torch.get_num_threads())
+    key = (lm.fingerprint, lm.dtype, torch.get_num_threads())
     if key not in _COST_MODELS:
         from sparkv.errors import SparkvError
         from sparkv.predictor.commands import default_model_path
@@ -49,7 +49,7 @@ def recompute_cost_model(lm: Any) -> Any:
         from sparkv.predictor.roofline import ModelArch, Roofline
 
         model = None
-        path = default_model_path(lm.fingerprint)
+        path = default_model_path(lm.fingerprint, lm.device, lm.dtype)
         if path.is_file():
             try:
                 with warnings.catch_warnings():

@@ -122,7 +122,7 @@ def device_cost_model(lm: Any) -> Any:
     per model and thread count in a process (measuring peaks takes a moment)."""
     import torch
 
-    key = (lm.fingerprint, str(lm.device), torch.get_num_threads())
+    key = (lm.fingerprint, str(lm.device), lm.dtype, torch.get_num_threads())
     if key not in _COST_MODELS:
         _COST_MODELS[key] = _load_cost_model(lm)
     return _COST_MODELS[key]
@@ -133,7 +133,7 @@ def _load_cost_model(lm: Any) -> Any:
     from sparkv.predictor.model import load_predictor
     from sparkv.predictor.roofline import ModelArch, Roofline
 
-    path = default_model_path(lm.base_fingerprint, lm.device)
+    path = default_model_path(lm.base_fingerprint, lm.device, lm.dtype)
     if path.is_file():
         try:
             with warnings.catch_warnings():

@@ -213,9 +213,11 @@ class EdgeSession:
     def lm(self) -> Any:
         """The device's model (loaded on first use)."""
         if self._lm is None:
-            from sparkv.runtime.model import LoadedModel, load_model
+            from sparkv.predictor.dtypes import load_model_in_dtype
+            from sparkv.runtime.model import LoadedModel
             self._lm = (self._model_arg if isinstance(self._model_arg, LoadedModel)
-                        else load_model(self._model_arg, dtype=self.dtype, device=self.device))
+                        else load_model_in_dtype(self._model_arg, dtype=self.dtype,
+                                                 device=self.device))
         return self._lm
 
     @property

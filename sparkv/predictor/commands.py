@@ -16,13 +16,19 @@ from pathlib import Path
 from sparkv.errors import SparkvError
 
 
-def default_model_path(model_fingerprint: str, device: object = "cpu") -> Path:
-    """``<sparkv cache>/predictor/<model fingerprint>.json`` for the CPU, ``...-cuda.json`` for a
-    GPU: profiles of different devices are kept apart (see ``sparkv.runtime.model``)."""
+def default_model_path(model_fingerprint: str, device: object = "cpu",
+                       dtype: object = None) -> Path:
+    """``<sparkv cache>/predictor/<model fingerprint>.json`` for the CPU in float32,
+    ``...-cuda.json`` for a GPU, ``...-bfloat16.json`` (``...-cuda-bfloat16.json``) for another
+    dtype: profiles of different devices and dtypes are kept apart (see
+    ``sparkv.runtime.model``, docs/dtypes.md)."""
+    from sparkv.predictor.device import DEFAULT_PROFILE_DTYPE, dtype_name
     from sparkv.runtime.model import cache_dir
 
     kind = getattr(device, "type", str(device)).split(":")[0]
     suffix = "" if kind == "cpu" else f"-{kind}"
+    name = dtype_name(dtype)
+    suffix += "" if name == DEFAULT_PROFILE_DTYPE else f"-{name}"
     return cache_dir() / "predictor" / f"{model_fingerprint}{suffix}.json"
 
 
@@ -78,12 +84,12 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from sparkv.predictor.profiler import Profiler, save_samples
-    from sparkv.runtime import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
     if args.threads < 1:
         raise SparkvError("--threads must be >= 1")
     cfg = build_config(args)
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     try:
         profiler = Profiler(lm, cfg, progress=not args.no_progress)
     except ValueError as exc:
@@ -98,10 +104,11 @@ def run(args: argparse.Namespace) -> int:
         from sparkv.predictor.model import LatencyModel
         from sparkv.predictor.roofline import ModelArch, Roofline
 
-        roof = Roofline.measure(ModelArch.from_model(lm), args.device, cfg.threads)
+        roof = Roofline.measure(ModelArch.from_model(lm), args.device, cfg.threads,
+                                dtype=lm.dtype)
         model = LatencyModel().fit(samples, meta, roof)
         out = Path(args.train) if args.train else default_model_path(lm.fingerprint,
-                                                                       lm.device)
+                                                                       lm.device, lm.dtype)
         model.save(out)
         mape = model.info.get("test_mape_attention")
         print(f"trained the latency model on {model.info['train']} samples "

@@ -22,19 +22,31 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 def _model(args: argparse.Namespace) -> int:
     from sparkv.layout import ChunkGeometry
-    from sparkv.runtime import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
-    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     g = ChunkGeometry.from_config(lm.config, args.tokens, args.chunk_tokens)
     n_params = sum(p.numel() for p in lm.model.parameters())
     print(f"model        {lm.name} ({lm.config.model_type}, {n_params / 1e6:.1f} M parameters)")
     print(f"fingerprint  {lm.fingerprint}")
     print(f"device       {lm.device}, {str(lm.dtype).replace('torch.', '')}")
+    _print_dtype(lm)
     print(f"layers       {g.num_layers}, KV heads {g.num_kv_heads}, head_dim {g.head_dim}")
     print(f"context      {args.tokens} tokens -> {g.num_token_chunks} token chunks x "
           f"{g.num_layers} layers x {g.num_groups} groups = {g.num_chunks} KV chunks")
     _print_quality(lm.fingerprint)
     return 0
+
+
+def _print_dtype(lm: object) -> None:
+    """The compute dtype's reason and the CPU's bfloat16 hardware (docs/dtypes.md)."""
+    from sparkv.runtime.device import BF16_CPU_FLAGS, cpu_bf16_flags
+
+    choice = getattr(lm, "extra", {}).get("dtype_choice")
+    if choice is not None:
+        print(f"dtype        {choice.name} (--dtype {choice.requested}: {choice.reason})")
+    flags = cpu_bf16_flags()
+    print(f"cpu bf16     {', '.join(flags) if flags else 'none'} (of {', '.join(BF16_CPU_FLAGS)})")
 
 
 def _print_quality(fingerprint: str) -> None:

@@ -37,7 +37,9 @@ import threading
 import time
 from typing import Any, Callable, Protocol
 
-FINGERPRINT_KEYS = ("cpu", "cores", "torch", "threads", "cuda")
+FINGERPRINT_KEYS = ("cpu", "cores", "torch", "threads", "cuda", "dtype")
+#: the dtype of a profile that records none (made before profiles were kept per dtype)
+DEFAULT_PROFILE_DTYPE = "float32"
 
 
 def cpu_model() -> str:
@@ -60,12 +62,15 @@ def cpu_model() -> str:
     return f"{board} / {name}" if board else name
 
 
-def device_fingerprint(device: str = "cpu", threads: int | None = None) -> dict[str, Any]:
-    """What must match for profiled latencies to apply: ``cpu, cores, torch, threads, cuda``.
+def device_fingerprint(device: str = "cpu", threads: int | None = None,
+                       dtype: Any = None) -> dict[str, Any]:
+    """What must match for profiled latencies to apply: ``cpu, cores, torch, threads, cuda,
+    dtype`` (a profile measured in fp32 says nothing about bf16 steps: docs/dtypes.md).
 
     Args:
         device: the torch device the layer steps run on (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         threads: torch intra-op threads the steps use (default: ``torch.get_num_threads()``).
+        dtype: the steps' compute dtype (a ``torch.dtype`` or its name; default float32).
     """
     import torch
 
@@ -78,13 +83,23 @@ def device_fingerprint(device: str = "cpu", threads: int | None = None) -> dict[
         "torch": torch.__version__,
         "threads": int(threads if threads is not None else torch.get_num_threads()),
         "cuda": cuda,
+        "dtype": dtype_name(dtype),
     }
 
 
+def dtype_name(dtype: Any) -> str:
+    """``float32``, ``bfloat16``, ... for a ``torch.dtype``, a name, or ``None`` (float32)."""
+    if dtype is None:
+        return DEFAULT_PROFILE_DTYPE
+    return str(dtype).replace("torch.", "")
+
+
 def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Human-readable ``key: saved != current`` for every fingerprint key that differs."""
-    return [f"{k}: {saved.get(k)!r} != {current.get(k)!r}" for k in FINGERPRINT_KEYS
-            if saved.get(k) != current.get(k)]
+    """Human-readable ``key: saved != current`` for every fingerprint key that differs (a
+    fingerprint without ``dtype`` is float32's)."""
+    defaults = {"dtype": DEFAULT_PROFILE_DTYPE}
+    return [f"{k}: {saved.get(k, defaults.get(k))!r} != {current.get(k, defaults.get(k))!r}"
+            for k in FINGERPRINT_KEYS if saved.get(k, defaults.get(k)) != current.get(k, defaults.get(k))]
 
 
 # ---- utilisation ---------------------------------------------------------------------------------

@@ -336,7 +336,8 @@ def load_predictor(path: str | os.PathLike[str], lm: Any = None, device: str | N
     """
     model = LatencyModel.load(path)
     dev = device or model.info.get("device") or "cpu"
-    current = device_fingerprint(dev, threads)
+    dtype = lm.dtype if lm is not None else model.fingerprint.get("dtype")
+    current = device_fingerprint(dev, threads, dtype)
     diffs = fingerprint_differences(model.fingerprint, current)
     # a model with its RoPE extended (the long-context mode) runs its base's steps: its profile
     if lm is not None and model.info.get("model_fingerprint") not in (
@@ -359,7 +360,8 @@ def load_predictor(path: str | os.PathLike[str], lm: Any = None, device: str | N
         f"its predictions do not apply here. Falling back to the Roofline model with this "
         f"device's measured peaks (expect several times larger errors). Re-run `sparkv profile "
         f"--train {path}` on this device."), stacklevel=2)
-    roof = Roofline.measure(arch, dev, threads, quick=quick_roofline)
+    roof = Roofline.measure(arch, dev, threads, quick=quick_roofline,
+                            dtype=lm.dtype if lm is not None else None)
     roof.density_prior = model.density_prior
     return roof
 

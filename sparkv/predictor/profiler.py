@@ -218,8 +218,8 @@ class Profiler:
             "arch": ModelArch.from_model(self.lm).to_dict(),
             "num_layers": int(self.lm.config.num_hidden_layers),
             "device": self.device,
-            "fingerprint": self.fingerprint or device_fingerprint(self.device,
-                                                                  self.config.threads),
+            "fingerprint": self.fingerprint or device_fingerprint(
+                self.device, self.config.threads, self.lm.dtype),
             "utilisation_source": self.monitor.source,
             "config": asdict(self.config),
             "elapsed_s": self.elapsed_s,
@@ -235,7 +235,7 @@ class Profiler:
         cfg = self.config
         old_threads = torch.get_num_threads()
         torch.set_num_threads(cfg.threads)
-        self.fingerprint = device_fingerprint(self.device, cfg.threads)
+        self.fingerprint = device_fingerprint(self.device, cfg.threads, self.lm.dtype)
         num_layers = int(self.lm.config.num_hidden_layers)
         bar = tqdm(total=cfg.planned_steps(num_layers), desc="profiling layer steps",
                    unit="step", disable=not self.progress)

@@ -546,15 +546,17 @@ def press_warning(model_fingerprint: str, spec: str,
 
 def table_cpu_dtype(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
                     cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> str:
-    """What ``--dtype auto`` should compute with on a CPU: ``bfloat16`` when the model's table
+    """What ``--dtype auto`` computes with on a CPU: ``bfloat16`` when the model's table
     passes it (:func:`table_dtype_passes`) **and** the CPU has bf16 hardware
-    (:func:`sparkv.runtime.device.cpu_has_bf16`), else ``float32`` (today's CPU default). Not
-    wired into ``resolve_dtype`` yet: the server's and the edge's dtypes must agree (issue 28)."""
-    from sparkv.runtime.device import cpu_has_bf16
+    (:func:`sparkv.runtime.device.auto_dtype`), else ``float32``. The loaders use it through
+    :func:`sparkv.predictor.dtypes.choose_dtype` (docs/dtypes.md)."""
+    import torch
 
-    if table_dtype_passes(model_fingerprint, "bfloat16", path) and cpu_has_bf16(cpuinfo):
-        return "bfloat16"
-    return "float32"
+    from sparkv.runtime.device import auto_dtype
+
+    verdict = table_dtype_passes(model_fingerprint, "bfloat16", path)
+    chosen = auto_dtype(torch.device("cpu"), verdict, cpuinfo)[0]
+    return "bfloat16" if chosen == torch.bfloat16 else "float32"
 
 
 def describe_table(table: QualityTable) -> list[str]:

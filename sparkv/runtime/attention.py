@@ -97,14 +97,14 @@ def causal_mask(nq: int, nk: int, q_offset: int, device: torch.device | None = N
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                  scale: float | None, split: bool = True) -> torch.Tensor:
-    """Causal SDPA with bottom-right alignment. On CUDA a chunk after a prefix runs as two
-    fast-kernel calls merged by LSE (:mod:`sparkv.runtime.split`) unless ``split`` is False;
-    elsewhere (and where no LSE kernel passes its check) SDPA gets a boolean mask."""
+    """Causal SDPA with bottom-right alignment. A chunk after a prefix runs as two fast-kernel
+    calls merged by LSE (:mod:`sparkv.runtime.split`; CUDA's kernels, the CPU's flash kernel)
+    unless ``split`` is False; where no LSE kernel passes its check SDPA gets a boolean mask."""
     nq, nk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if q_offset == 0 and nk == nq:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if split and q.is_cuda and q_offset > 0 and nq > 1:
+    if split and q_offset > 0 and nq > 1:
         from sparkv.runtime.split import lse_kernel, split_attention
 
         chosen = lse_kernel(q.device, q.dtype)
@@ -119,8 +119,9 @@ class DenseAttention:
     """Exact causal attention with PyTorch SDPA.
 
     Args:
-        split: on CUDA, run a chunk after a prefix as prefix + own keys merged by LSE (the fast
-            kernels); False keeps SDPA with a boolean mask (the benchmarks' baseline).
+        split: run a chunk after a prefix as prefix + own keys merged by LSE (the fast kernels,
+            on CUDA and on the CPU); False keeps SDPA with a boolean mask (the benchmarks'
+            baseline).
     """
 
     name = "dense"

@@ -5,9 +5,13 @@
   no driver, no GPU), never a traceback from deep inside a kernel.
 * ``auto``: CUDA when available, else the CPU.
 
-Dtypes: ``float32``, ``bfloat16``, ``float16``, or ``auto``: bfloat16 on a CUDA device that supports
-it (float16 otherwise), float32 on the CPU (SmolLM2's CPU kernels are fastest, and exact, in fp32).
-The codec and the server's stores stay on the CPU whatever the device.
+Dtypes: ``float32``, ``bfloat16``, ``float16``, or ``auto`` (:func:`auto_dtype`): bfloat16 on a
+CUDA device that supports it (float16 otherwise); on the CPU bfloat16 when the CPU computes it in
+hardware (AVX512-BF16 or AMX, :func:`cpu_bf16_flags`) **and** the model's quality table passes
+bfloat16 (the caller says so: this layer does not read tables, see
+:mod:`sparkv.predictor.dtypes`), else float32. ``--dtype float32`` forces fp32 anywhere. The codec
+and the server's stores stay on the CPU whatever the device; docs/dtypes.md says what crosses the
+wire when the two ends compute in different dtypes.
 
 Unified memory (Jetson): CPU and GPU share one DRAM, so staging frames in pinned memory and copying
 them buys nothing. ``SPARKV_UNIFIED_MEMORY=1`` (or :func:`unified_memory`) tells the edge to skip
@@ -62,16 +66,42 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
                       "(or cuda:N)")
 
 
-def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The dtype for ``name`` on ``device`` (``auto``: see the module docstring)."""
+def auto_dtype(device: torch.device, bf16_quality: bool | None = None,
+               cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> tuple[torch.dtype, str]:
+    """What ``--dtype auto`` computes with on ``device``, and why (one line).
+
+    Args:
+        bf16_quality: whether the model's quality table passes bfloat16 (``None``: no verdict).
+            Only the CPU asks: there bfloat16 needs a pass *and* bf16 hardware.
+        cpuinfo: the file :func:`cpu_bf16_flags` reads (tests pass a fake one).
+    """
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "CUDA device with bfloat16"
+        return torch.float16, "CUDA device without bfloat16"
+    if device.type != "cpu":
+        return torch.float32, f"{device.type}: float32"
+    flags = cpu_bf16_flags(cpuinfo)
+    if not flags:
+        return torch.float32, "CPU without bfloat16 hardware (no AVX512-BF16 or AMX)"
+    hw = "+".join(flags)
+    if bf16_quality is None:
+        return torch.float32, f"CPU has {hw}, but the model's quality table has no bfloat16 verdict"
+    if not bf16_quality:
+        return torch.float32, f"CPU has {hw}, but the model's quality table fails bfloat16"
+    return torch.bfloat16, f"CPU has {hw} and the model's quality table passes bfloat16"
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device,
+                  bf16_quality: bool | None = None) -> torch.dtype:
+    """The dtype for ``name`` on ``device`` (``auto``: :func:`auto_dtype`, with the model's
+    bfloat16 verdict ``bf16_quality`` when the caller knows it)."""
     if isinstance(name, torch.dtype):
         dtype = name
     else:
         key = (name or "auto").strip().lower()
         if key == "auto":
-            if device.type == "cuda":
-                return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-            return torch.float32
+            return auto_dtype(device, bf16_quality)[0]
         if key not in DTYPES:
             raise DeviceUnavailable(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or "
                               "float16")
@@ -87,19 +117,23 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_has_bf16(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> bool:
-    """Whether this CPU computes bfloat16 in hardware (a flag of :data:`BF16_CPU_FLAGS` in
-    ``cpuinfo``'s ``flags`` lines); ``False`` where the file cannot be read (not Linux)."""
+def cpu_bf16_flags(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> list[str]:
+    """The flags of :data:`BF16_CPU_FLAGS` this CPU has (``cpuinfo``'s ``flags`` / ``Features``
+    lines), in that order; empty where the file cannot be read (not Linux)."""
+    found: set[str] = set()
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 if line.startswith(("flags", "Features")):
-                    flags = set(line.partition(":")[2].split())
-                    if flags & set(BF16_CPU_FLAGS):
-                        return True
+                    found |= set(line.partition(":")[2].split()) & set(BF16_CPU_FLAGS)
     except OSError:
-        return False
-    return False
+        return []
+    return [f for f in BF16_CPU_FLAGS if f in found]
+
+
+def cpu_has_bf16(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 in hardware (:func:`cpu_bf16_flags` is not empty)."""
+    return bool(cpu_bf16_flags(cpuinfo))
 
 
 def unified_memory() -> bool:
@@ -112,4 +146,6 @@ def add_device_args(parser: object) -> None:
     parser.add_argument("--device", default="auto",  # type: ignore[attr-defined]
                         help="cpu, cuda[:N] or auto (CUDA when available)")
     parser.add_argument("--dtype", default="auto",  # type: ignore[attr-defined]
-                        help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+                        help="auto (bf16 on CUDA; on the CPU bf16 with AVX512-BF16/AMX where the "
+                             "model's quality table passes it, else fp32), float32 (forces "
+                             "fp32), bfloat16, float16 (docs/dtypes.md)")

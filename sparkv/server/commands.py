@@ -90,7 +90,8 @@ def _add_serve(sub: "argparse._SubParsersAction") -> None:
                    help="[SPARKV_DEVICE] where models prefill: cpu, cuda[:N] or auto (default: "
                         "config, else auto)")
     s.add_argument("--dtype", default=_env("--dtype"),
-                   help="[SPARKV_DTYPE] auto (bf16 on a GPU, fp32 on the CPU), float32, "
+                   help="[SPARKV_DTYPE] auto (bf16 on a GPU; bf16 on a CPU with AVX512-BF16/AMX "
+                        "where the model's quality table passes it, else fp32), float32, "
                         "bfloat16, float16 (default: config, else auto)")
     s.add_argument("--log-level", default=_env("--log-level", "info"),
                    choices=["critical", "error", "warning", "info", "debug"],

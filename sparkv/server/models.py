@@ -89,10 +89,12 @@ class ModelRegistry:
         with self._locks[name]:
             entry = self._loaded.get(name)
             if entry is None:
-                from sparkv.runtime import ModelError, load_model
+                from sparkv.predictor.dtypes import load_model_in_dtype
+                from sparkv.runtime import ModelError
 
                 try:
-                    lm = load_model(self._paths[name], dtype=self.dtype, device=self.device,
+                    lm = load_model_in_dtype(self._paths[name], dtype=self.dtype,
+                                             device=self.device,
                                     progress=True)
                 except ModelError as exc:
                     raise ApiError(503, "model_unavailable",

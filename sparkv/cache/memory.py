@@ -664,8 +664,7 @@ class ContextKV:
         g = self.geometry
         if self.mode[l] != SEGMENTED:
             raise KVMemoryError(f"layer {l} is an arena: attend its tensors directly")
-        quantized: list[ChunkPayload] = []
-        head0: list[int] = []
+        quantized: dict[str, tuple[list[ChunkPayload], list[int]]] = {}
         fp: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
             [] for _ in range(g.num_kv_heads)]
         with self._lock:
@@ -678,8 +677,9 @@ class ContextKV:
                                             f"it before attending over layer {l}")
                     h0, _ = g.head_range(gg)
                     if st.payload.level != "fp":
-                        quantized.append(st.payload)
-                        head0.append(h0)
+                        ps, hs = quantized.setdefault(st.payload.level, ([], []))
+                        ps.append(st.payload)
+                        hs.append(h0)
                         continue
                     k, v = st.payload.fp()
                     for i, sl in enumerate(st.payload.head_slices()):
@@ -690,7 +690,8 @@ class ContextKV:
             heads = [(torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
                       torch.cat([x[2] for x in hs])) if hs else
                      (z, z, torch.zeros(0, dtype=torch.long)) for hs in fp]
-        return ResidentAttention(QuantizedRows(quantized, head0, g.num_kv_heads), heads)
+        return ResidentAttention([QuantizedRows(ps, hs, g.num_kv_heads)
+                                  for ps, hs in quantized.values()], heads)
 
     def is_dense(self, l: int) -> bool:  # noqa: E741
         store = self.layers[l]

@@ -59,23 +59,25 @@ def _half(h, tab):  # pragma: no cover - numba
 
 @nb.njit(inline="always", boundscheck=False, fastmath=True)
 def _unpack(c, r, bits, cf):  # pragma: no cover - numba
-    """Row ``r`` of packed codes ``c`` -> ``cf [D]`` float32 (low bits first)."""
-    d = cf.shape[0]
+    """Row ``r`` of packed codes ``c [R, W]`` -> ``cf [W * 8 / bits]`` float32, in *plane* order:
+    the codes of bit plane ``j`` (bits ``j*bits ..`` of every byte) at ``j*W .. (j+1)*W``, so
+    every loop is contiguous (the caller permutes the query and the output to match)."""
+    w = c.shape[1]
     if bits == 8:
-        for i in range(d):
-            cf[i] = np.float32(c[r, i])
+        for i in range(w):
+            cf[i] = np.float32(np.int32(c[r, i]))
     elif bits == 4:
-        for b in range(d // 2):
-            x = c[r, b]
-            cf[2 * b] = np.float32(x & 15)
-            cf[2 * b + 1] = np.float32(x >> 4)
+        for b in range(w):
+            x = np.int32(c[r, b])
+            cf[b] = np.float32(x & np.int32(15))
+            cf[w + b] = np.float32(x >> np.int32(4))
     else:
-        for b in range(d // 4):
-            x = c[r, b]
-            cf[4 * b] = np.float32(x & 3)
-            cf[4 * b + 1] = np.float32((x >> 2) & 3)
-            cf[4 * b + 2] = np.float32((x >> 4) & 3)
-            cf[4 * b + 3] = np.float32(x >> 6)
+        for b in range(w):
+            x = np.int32(c[r, b])
+            cf[b] = np.float32(x & np.int32(3))
+            cf[w + b] = np.float32((x >> np.int32(2)) & np.int32(3))
+            cf[2 * w + b] = np.float32((x >> np.int32(4)) & np.int32(3))
+            cf[3 * w + b] = np.float32(x >> np.int32(6))
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False, fastmath=True, parallel=True)
@@ -159,13 +161,22 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
+def plane_order(dim: int, bits: int) -> torch.Tensor:
+    """``perm [Dp]``: the value index of each slot of :func:`_unpack`'s plane order (``Dp`` =
+    ``dim`` rounded up to whole bytes; slots past ``dim`` are padding)."""
+    per = 8 // bits
+    width = -(-dim // per)
+    return torch.tensor([b * per + j for j in range(per) for b in range(width)])
+
+
 class QuantizedRows:
     """The quantized entries of some chunk payloads of one layer, ready to attend (references,
     not copies: building it costs a pass over the chunk list, attending reads the codes).
 
     Args:
-        payloads: chunk payloads at ``int8``/``int4``/``int2`` (fp payloads are refused: attend
-            them with :func:`attend_entries`), each with ``counts`` per head of its group.
+        payloads: chunk payloads all at one level, ``int8``/``int4``/``int2`` (fp payloads are
+            refused: attend them with :func:`attend_entries`), each with ``counts`` per head of
+            its group.
         head0: per payload, the model KV head of its first head (its group's first head).
         num_kv_heads: of the layer.
     """
@@ -180,6 +191,9 @@ class QuantizedRows:
         for c, (p, h0) in enumerate(zip(payloads, head0)):
             if not isinstance(p.k, QuantizedTensor) or not isinstance(p.v, QuantizedTensor):
                 raise ValueError(f"{p.cid} is at level {p.level}: not quantized")
+            if p.level != payloads[0].level:
+                raise ValueError(f"{p.cid} is at {p.level}, not {payloads[0].level}: one "
+                                 "QuantizedRows per level")
             for lst, t in zip(lists, (p.k.codes, p.k.scale, p.k.zero, p.v.codes, p.v.scale,
                                       p.v.zero, p.pos)):
                 arr = _np(t)
@@ -192,6 +206,8 @@ class QuantizedRows:
                 start += n
         self._lists = lists
         self.dim = payloads[0].k.dim if payloads else 0  # type: ignore[union-attr]
+        self.bits = payloads[0].k.bits if payloads else 8  # type: ignore[union-attr]
+        self._perm = plane_order(self.dim, self.bits) if payloads else None
         self._bits = np.array(bits, dtype=np.int32)
         r = np.array(runs, dtype=np.int32).reshape(-1, 4)
         self._run = [np.ascontiguousarray(r[:, i]) for i in range(4)]
@@ -203,25 +219,29 @@ class QuantizedRows:
         hkv = self.num_kv_heads
         group = hq // hkv
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        qf = q[0].float().reshape(hkv, group * nq, d).contiguous()
+        qf = q[0].float().reshape(hkv, group * nq, d)
         m_rows = group * nq
-        if not self.rows:
+        if not self.rows or self._perm is None:
             return Partial(torch.zeros(hq, nq, d), torch.full((hq, nq), float("-inf")))
-        qn = qf.numpy()
+        dp = int(self._perm.numel())
         qsum = qf.sum(-1).numpy()
+        if dp != d:
+            qf = torch.nn.functional.pad(qf, (0, dp - d))
+        qn = qf[:, :, self._perm].contiguous().numpy()
         mpos = np.tile(q_pos.to(torch.int64).cpu().numpy(), group)
         units = self._run[0].shape[0]
         pm = np.empty((units, m_rows), dtype=np.float32)
         pl = np.empty((units, m_rows), dtype=np.float32)
-        pacc = np.empty((units, m_rows, d), dtype=np.float32)
+        pacc = np.empty((units, m_rows, dp), dtype=np.float32)
         k_c, k_s, k_z, v_c, v_s, v_z, pos = self._lists
         _runs(qn, qsum, mpos, k_c, k_s, k_z, v_c, v_s, v_z, pos, self._bits, *self._run,
               np.float32(scale), _EXP2, pm, pl, pacc)
-        out = np.empty((hkv, m_rows, d), dtype=np.float32)
+        out = torch.empty((hkv, m_rows, dp))
         lse = np.empty((hkv, m_rows), dtype=np.float32)
-        _merge_runs(self._run[1], pm, pl, pacc, out, lse)
-        return Partial(torch.from_numpy(out).view(hq, nq, d),
-                       torch.from_numpy(lse).view(hq, nq))
+        _merge_runs(self._run[1], pm, pl, pacc, out.numpy(), lse)
+        unplaned = torch.empty_like(out)
+        unplaned[:, :, self._perm] = out
+        return Partial(unplaned[:, :, :d].reshape(hq, nq, d), torch.from_numpy(lse).view(hq, nq))
 
 
 def attend_entries(q: torch.Tensor, heads: Sequence[tuple[torch.Tensor, torch.Tensor,
@@ -285,15 +305,15 @@ def merge_partials(parts: Sequence[Partial]) -> Partial:
 
 class ResidentAttention:
     """Attention over one layer's resident entries as held: its quantized chunks read in place
-    (:class:`QuantizedRows`) and its fp chunks (per KV head ``(k, v, pos)``), plus an optional
+    (one :class:`QuantizedRows` per level) and its fp chunks (per KV head ``(k, v, pos)``), plus an optional
     fp tail per call. What :meth:`ContextKV.resident_attention
     <sparkv.cache.memory.ContextKV.resident_attention>` builds and decoders call.
     """
 
-    def __init__(self, rows: QuantizedRows,
+    def __init__(self, rows: Sequence[QuantizedRows],
                  fp_heads: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
                  ) -> None:
-        self.rows = rows
+        self.rows = list(rows)
         self.fp_heads = fp_heads
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
@@ -301,9 +321,23 @@ class ResidentAttention:
                ) -> torch.Tensor:
         """``q [1, Hq, nq, D]`` -> ``[1, Hq, nq, D]`` in ``q``'s dtype; ``tail``: fp entries
         ``(k [Hkv, n, D], v, pos [n])`` every head holds (the decode tail), or ``None``."""
-        parts = [self.rows.attend(q, q_pos, scale)]
+        parts = [r.attend(q, q_pos, scale) for r in self.rows]
         if self.fp_heads is not None:
             parts.append(attend_entries(q, self.fp_heads, q_pos, scale))
         if tail is not None:
             parts.append(attend_stacked(q, *tail, q_pos, scale))
+        if not parts:
+            return torch.zeros_like(q)
         return merge_partials(parts).out.unsqueeze(0).to(q.dtype)
+
+
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) the kernel for every level: a benchmark calls it
+    before timing."""
+    from sparkv.cache.levels import quantize
+    from sparkv.layout import KVChunkId
+
+    for bits, level in ((8, "int8"), (4, "int4"), (2, "int2")):
+        k = quantize(torch.randn(4, 64), bits)
+        p = ChunkPayload(KVChunkId(0, 0, 0), level, [4], torch.arange(4, dtype=torch.int32), k, k)
+        QuantizedRows([p], [0], 1).attend(torch.randn(1, 1, 1, 64), torch.tensor([4]), None)

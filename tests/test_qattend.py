@@ -69,6 +69,9 @@ def test_masked_queries_and_fp_tail():
     stacked = attend_stacked(q, torch.stack([t[0] for t in tail]),
                              torch.stack([t[1] for t in tail]), tail[0][2], q_pos, None)
     torch.testing.assert_close(stacked.out, attend_entries(q, tail, q_pos, None).out)
+    fused = rows.attend(q, q_pos, None, (torch.stack([t[0] for t in tail]),
+                                         torch.stack([t[1] for t in tail]), tail[0][2]))
+    torch.testing.assert_close(fused.out, got, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got, _reference(q, payloads, q_pos, tail), atol=2e-5, rtol=1e-4)
 
 

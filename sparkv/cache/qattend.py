@@ -66,27 +66,55 @@ def _unpack(c, r, bits, cf):  # pragma: no cover - numba
     if bits == 8:
         for i in range(w):
             cf[i] = np.float32(np.int32(c[r, i]))
-    elif bits == 4:
-        for b in range(w):
-            x = np.int32(c[r, b])
-            cf[b] = np.float32(x & np.int32(15))
-            cf[w + b] = np.float32(x >> np.int32(4))
     else:
-        for b in range(w):
-            x = np.int32(c[r, b])
-            cf[b] = np.float32(x & np.int32(3))
-            cf[w + b] = np.float32((x >> np.int32(2)) & np.int32(3))
-            cf[2 * w + b] = np.float32((x >> np.int32(4)) & np.int32(3))
-            cf[3 * w + b] = np.float32(x >> np.int32(6))
+        mask = np.int32((1 << bits) - 1)
+        for j in range(8 // bits):
+            shift = np.int32(j * bits)
+            for b in range(w):
+                cf[j * w + b] = np.float32((np.int32(c[r, b]) >> shift) & mask)
+
+
+@nb.njit(inline="always", boundscheck=False, fastmath=True)
+def _tail_unit(q, mpos, tk, tv, tpos, h, scale, u, pm, pl, pacc):  # pragma: no cover - numba
+    """Partial attention of KV head ``h`` over the fp tail ``tk``, ``tv [Hkv, n, Dp]``."""
+    m_rows, dim, n = q.shape[1], q.shape[2], tk.shape[1]
+    s = np.empty((n, m_rows), dtype=np.float32)
+    for j in range(n):
+        for m in range(m_rows):
+            acc = np.float32(0.0)
+            for i in range(dim):
+                acc += q[h, m, i] * tk[h, j, i]
+            s[j, m] = scale * acc if tpos[j] <= mpos[m] else -np.inf
+    for m in range(m_rows):
+        mx = -np.inf
+        for j in range(n):
+            mx = max(mx, s[j, m])
+        tot = np.float32(0.0)
+        for i in range(dim):
+            pacc[u, m, i] = 0.0
+        if mx > -np.inf:
+            for j in range(n):
+                w = np.exp(s[j, m] - mx)
+                tot += w
+                for i in range(dim):
+                    pacc[u, m, i] += w * tv[h, j, i]
+        pm[u, m] = mx
+        pl[u, m] = tot
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False, fastmath=True, parallel=True)
 def _runs(q, qsum, mpos, kc, ks, kz, vc, vs, vz, pos, bits, run_chunk, run_head, run_start,
-          run_len, scale, tab, pm, pl, pacc):  # pragma: no cover - numba
-    """Partial softmax attention of every run (see the module docstring)."""
+          run_len, scale, tab, tk, tv, tpos, pm, pl, pacc):  # pragma: no cover - numba
+    """Partial softmax attention of every run (see the module docstring), then of each KV
+    head's fp tail ``tk``/``tv`` ``[Hkv, n, Dp]`` (units ``runs .. runs + Hkv``, when ``n``)."""
     m_rows = q.shape[1]
     dim = q.shape[2]
-    for u in nb.prange(run_chunk.shape[0]):
+    n_runs = run_chunk.shape[0]
+    n_tail = tk.shape[0] if tk.shape[1] > 0 else 0
+    for u in nb.prange(n_runs + n_tail):
+        if u >= n_runs:
+            _tail_unit(q, mpos, tk, tv, tpos, u - n_runs, scale, u, pm, pl, pacc)
+            continue
         c, h, a, n = run_chunk[u], run_head[u], run_start[u], run_len[u]
         b = bits[c]
         kcc, kss, kzz, vcc, vss, vzz, pp = kc[c], ks[c], kz[c], vc[c], vs[c], vz[c], pos[c]
@@ -213,8 +241,10 @@ class QuantizedRows:
         self._run = [np.ascontiguousarray(r[:, i]) for i in range(4)]
         self.rows = int(r[:, 3].sum()) if len(runs) else 0
 
-    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None) -> Partial:
-        """``q [1, Hq, nq, D]`` over these entries (query ``i`` sees positions ``<= q_pos[i]``)."""
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
+               tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Partial:
+        """``q [1, Hq, nq, D]`` over these entries (query ``i`` sees positions ``<= q_pos[i]``)
+        and, in the same kernel call, the fp ``tail`` ``(k [Hkv, n, D], v, pos [n])``."""
         _, hq, nq, d = q.shape
         hkv = self.num_kv_heads
         group = hq // hkv
@@ -222,26 +252,47 @@ class QuantizedRows:
         qf = q[0].float().reshape(hkv, group * nq, d)
         m_rows = group * nq
         if not self.rows or self._perm is None:
+            if tail is not None:
+                return attend_stacked(q, *tail, q_pos, scale)
             return Partial(torch.zeros(hq, nq, d), torch.full((hq, nq), float("-inf")))
         dp = int(self._perm.numel())
         qsum = qf.sum(-1).numpy()
         if dp != d:
             qf = torch.nn.functional.pad(qf, (0, dp - d))
         qn = qf[:, :, self._perm].contiguous().numpy()
+        tk, tv, tpos = self._planed_tail(tail, hkv, dp)
         mpos = np.tile(q_pos.to(torch.int64).cpu().numpy(), group)
-        units = self._run[0].shape[0]
+        units = self._run[0].shape[0] + (hkv if tk.shape[1] else 0)
         pm = np.empty((units, m_rows), dtype=np.float32)
         pl = np.empty((units, m_rows), dtype=np.float32)
         pacc = np.empty((units, m_rows, dp), dtype=np.float32)
         k_c, k_s, k_z, v_c, v_s, v_z, pos = self._lists
         _runs(qn, qsum, mpos, k_c, k_s, k_z, v_c, v_s, v_z, pos, self._bits, *self._run,
-              np.float32(scale), _EXP2, pm, pl, pacc)
+              np.float32(scale), _EXP2, tk, tv, tpos, pm, pl, pacc)
         out = torch.empty((hkv, m_rows, dp))
         lse = np.empty((hkv, m_rows), dtype=np.float32)
-        _merge_runs(self._run[1], pm, pl, pacc, out.numpy(), lse)
+        heads = self._run[1] if units == self._run[1].shape[0] else \
+            np.concatenate([self._run[1], np.arange(hkv, dtype=np.int32)])
+        _merge_runs(heads, pm, pl, pacc, out.numpy(), lse)
         unplaned = torch.empty_like(out)
         unplaned[:, :, self._perm] = out
         return Partial(unplaned[:, :, :d].reshape(hq, nq, d), torch.from_numpy(lse).view(hq, nq))
+
+
+    def _planed_tail(self, tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                     hkv: int, dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The tail's K and V as float32 ``[Hkv, n, Dp]`` in plane order, and its positions."""
+        if tail is None or tail[0].shape[1] == 0:
+            z = np.zeros((hkv, 0, dp), dtype=np.float32)
+            return z, z, np.zeros(0, dtype=np.int64)
+        assert self._perm is not None
+        k, v, pos = tail
+        d = int(k.shape[2])
+        kv = torch.stack([k, v]).float()
+        if dp != d:
+            kv = torch.nn.functional.pad(kv, (0, dp - d))
+        kv = kv[..., self._perm].contiguous().numpy()
+        return kv[0], kv[1], pos.to(torch.int64).cpu().numpy()
 
 
 def attend_entries(q: torch.Tensor, heads: Sequence[tuple[torch.Tensor, torch.Tensor,
@@ -321,10 +372,11 @@ class ResidentAttention:
                ) -> torch.Tensor:
         """``q [1, Hq, nq, D]`` -> ``[1, Hq, nq, D]`` in ``q``'s dtype; ``tail``: fp entries
         ``(k [Hkv, n, D], v, pos [n])`` every head holds (the decode tail), or ``None``."""
-        parts = [r.attend(q, q_pos, scale) for r in self.rows]
+        parts = [r.attend(q, q_pos, scale, tail if i == 0 else None)
+                 for i, r in enumerate(self.rows)]
         if self.fp_heads is not None:
             parts.append(attend_entries(q, self.fp_heads, q_pos, scale))
-        if tail is not None:
+        if tail is not None and not self.rows:
             parts.append(attend_stacked(q, *tail, q_pos, scale))
         if not parts:
             return torch.zeros_like(q)

@@ -10,6 +10,10 @@ is ``<= q_pos[i]``: a pruned, ragged or partly quantized cache is attended corre
 whose heads keep different numbers of entries runs one SDPA per KV head (its GQA query group),
 over only what that head holds: no padding.
 
+A view may instead carry a ``resident`` attention (a segmented layer's chunks as held, quantized
+ones read in place: :class:`~sparkv.cache.qattend.ResidentAttention`) and an fp ``tail``
+``(k [Hkv, n, D], v, pos [n])``; it is called as ``resident.attend(q, q_pos, scale, tail)``.
+
 A view may also carry a ``backend`` (the layer stepper's dense or block-sparse attention) for
 dense arenas, called as ``backend.attend(q, k, v, q_offset, scale)``.
 """
@@ -37,6 +41,9 @@ class AttentionView:
         stats: filled by the backend (the stepper reads it).
         q_offset: the first query's position as an int, when the caller knows it (dense form):
             reading it from ``q_pos`` on a GPU would wait for every kernel queued before it.
+        resident: a segmented layer's resident attention (resident form), or ``None``.
+        tail: with ``resident``, fp entries ``(k [Hkv, n, D], v, pos [n])`` not in the memory
+            yet (the decode tail), or ``None``.
     """
 
     q_pos: torch.Tensor
@@ -46,9 +53,13 @@ class AttentionView:
     backend: Any = None
     stats: Any = field(default=None)
     q_offset: int | None = None
+    resident: Any = None
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """``q [B, Hq, nq, D]`` -> ``[B, Hq, nq, D]``."""
+        if self.resident is not None:
+            return self.resident.attend(q, self.q_pos, scale, self.tail)
         if self.heads is None:
             assert self.k is not None and self.v is not None
             offset = self.q_offset if self.q_offset is not None else int(self.q_pos[0])

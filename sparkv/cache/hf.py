@@ -10,8 +10,11 @@ both decode over a :class:`~sparkv.cache.memory.ContextKV`:
   exactly the tensors (and transformers' own mask and SDPA) a ``DynamicCache`` would give;
 * a **ragged** layer (pruned per head) appends in place too, and hands attention an
   :class:`~sparkv.cache.attention.AttentionView` (one SDPA per KV head over what it keeps);
-* a **segmented** layer (chunks at quantized levels) is dequantized on read at every step into a
-  transient buffer; its new tokens wait in a small fp tail until :meth:`SparkvCache.commit`.
+* a **segmented** layer (chunks at quantized levels) is attended as held: the fused kernel of
+  :mod:`sparkv.cache.qattend` reads the quantized chunks in place (nothing is expanded to floats;
+  the layer's :class:`~sparkv.cache.qattend.ResidentAttention` is built once and rebuilt only when
+  the memory's :meth:`~sparkv.cache.memory.ContextKV.layer_version` changes); its new tokens wait
+  in a small fp tail until :meth:`SparkvCache.commit`.
 
 The model must use the ``"sparkv"`` attention implementation
 (:func:`~sparkv.cache.attention.use_sparkv_attention`; :func:`sparkv.runtime.load_model` sets it):
@@ -44,6 +47,7 @@ class SparkvLayer(CacheLayerMixin):
         self._tail_k: torch.Tensor | None = None   # [H, n, D], segmented layers only
         self._tail_v: torch.Tensor | None = None
         self._tail_n = 0
+        self._resident: Any = None                  # (layer version, ResidentAttention)
         self.keys = torch.zeros(0, dtype=memory.dtype)
         self.values = torch.zeros(0, dtype=memory.dtype)
 
@@ -87,13 +91,17 @@ class SparkvLayer(CacheLayerMixin):
         self._tail_v[:, self._tail_n:self._tail_n + q] = v.to(mem.dtype)
         self._tail_n += q
         tail_pos = torch.arange(mem.positions[l], start + q, device=mem.device)
-        heads = []
-        for h, e in enumerate(mem.layer_entries(l)):
-            heads.append((torch.cat([e.k, self._tail_k[h, :self._tail_n]]),
-                          torch.cat([e.v, self._tail_v[h, :self._tail_n]]),
-                          torch.cat([e.pos, tail_pos])))
-        view = AttentionView(torch.arange(start, start + q, device=mem.device), heads=heads)
+        tail = (self._tail_k[:, :self._tail_n], self._tail_v[:, :self._tail_n], tail_pos)
+        view = AttentionView(torch.arange(start, start + q, device=mem.device),
+                             resident=self._resident_attention(), tail=tail)
         return view, view
+
+    def _resident_attention(self) -> Any:
+        """The segmented layer's resident attention, rebuilt when the memory changed it."""
+        version = self.memory.layer_version(self.layer)
+        if self._resident is None or self._resident[0] != version:
+            self._resident = (version, self.memory.resident_attention(self.layer))
+        return self._resident[1]
 
     def _grow_tail(self, q: int) -> None:
         mem = self.memory
@@ -120,6 +128,7 @@ class SparkvLayer(CacheLayerMixin):
             self.memory.append(self.layer, self._tail_k[:, :self._tail_n],
                                self._tail_v[:, :self._tail_n])
         self._tail_k = self._tail_v = None
+        self._resident = None
         self._tail_n = 0
 
     # ---- what transformers may ask of a layer ----------------------------------------------------

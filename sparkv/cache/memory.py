@@ -33,6 +33,7 @@ from sparkv.cache.layer import HeadEntries, KVMemoryError, LayerStore
 from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.cache.payload import (ChunkPayload, PayloadError, contiguous_positions, from_bytes,
                                   to_bytes)
+from sparkv.cache.qattend import QuantizedRows, ResidentAttention
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -111,6 +112,7 @@ class ContextKV:
         self.positions = [geometry.num_tokens] * geometry.num_layers  # positions seen per layer
         self._arena_bytes = sum(x.nbytes for x in self.layers if x is not None)
         self._resident_bytes: dict[str, int] = {}
+        self._layer_version = [0] * geometry.num_layers  # bumped when a layer's entries change
 
     # ---- chunk table -----------------------------------------------------------------------------
     def state(self, cid: KVChunkId) -> ChunkState:
@@ -194,6 +196,9 @@ class ContextKV:
 
     def _hold(self, st: ChunkState, payload: ChunkPayload | None) -> None:
         """Replaces ``st``'s payload, keeping the account."""
+        for p in (st.payload, payload):
+            if p is not None:
+                self._layer_version[p.cid.l] += 1
         if st.payload is not None:
             self._resident_bytes[st.level] = self._resident_bytes.get(st.level, 0) \
                 - st.payload_bytes
@@ -644,6 +649,49 @@ class ContextKV:
                 z = torch.zeros(0, g.head_dim, dtype=self.dtype, device=self.device)
                 out.append(HeadEntries(z, z.clone(), torch.zeros(0, dtype=torch.long)))
         return out
+
+    def layer_version(self, l: int) -> int:  # noqa: E741
+        """A number that changes whenever a chunk payload of layer ``l`` is replaced, dropped or
+        re-levelled (a cached :meth:`resident_attention` is stale once it changes)."""
+        with self._lock:
+            return self._layer_version[l]
+
+    def resident_attention(self, l: int) -> ResidentAttention:  # noqa: E741
+        """Attention over segmented layer ``l``'s resident chunks as held (quantized ones read
+        in place by the fused kernel, fp ones by torch: sparkv/cache/qattend.py). It references
+        the payloads (no copy); rebuild it when :meth:`layer_version` changes. Raises when a
+        chunk of the layer is not resident."""
+        g = self.geometry
+        if self.mode[l] != SEGMENTED:
+            raise KVMemoryError(f"layer {l} is an arena: attend its tensors directly")
+        quantized: dict[str, tuple[list[ChunkPayload], list[int]]] = {}
+        fp: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
+            [] for _ in range(g.num_kv_heads)]
+        with self._lock:
+            for t in range(g.num_token_chunks):
+                for gg in range(g.num_groups):
+                    cid = KVChunkId(t, l, gg)
+                    st = self._chunks.get(cid) or ChunkState()
+                    if st.residency != Residency.RESIDENT or st.payload is None:
+                        raise KVMemoryError(f"{cid} is not resident ({st.residency}); restore "
+                                            f"it before attending over layer {l}")
+                    h0, _ = g.head_range(gg)
+                    if st.payload.level != "fp":
+                        ps, hs = quantized.setdefault(st.payload.level, ([], []))
+                        ps.append(st.payload)
+                        hs.append(h0)
+                        continue
+                    k, v = st.payload.fp()
+                    for i, sl in enumerate(st.payload.head_slices()):
+                        fp[h0 + i].append((k[sl], v[sl], st.payload.pos[sl].long()))
+        heads = None
+        if any(fp):
+            z = torch.zeros(0, g.head_dim, dtype=self.dtype, device=self.device)
+            heads = [(torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
+                      torch.cat([x[2] for x in hs])) if hs else
+                     (z, z, torch.zeros(0, dtype=torch.long)) for hs in fp]
+        return ResidentAttention([QuantizedRows(ps, hs, g.num_kv_heads)
+                                  for ps, hs in quantized.values()], heads)
 
     def is_dense(self, l: int) -> bool:  # noqa: E741
         store = self.layers[l]

@@ -346,6 +346,32 @@ def adversarial_traces(count: int, seed: int = 0) -> list[Trace]:
     return [adversarial_trace(seed + i) for i in range(count)]
 
 
+def fade_start_trace(seed: int, duration_s: float = 60.0, dt: float = 0.1) -> Trace:
+    """A seeded link that starts in a deep fade and recovers: what a phone sees when a question
+    is asked in a dead spot it is just leaving (the case that left a plan computing everything).
+
+    * A fade from time 0 of 1.5-2.5 s at 0.5-3 Mbit/s (RTT 150-400 ms): the manifest and the
+      first estimate see only the fade;
+    * then about 80 Mbit/s (a level drawn in 70-90, +-5% per ``dt`` step), RTT 10-40 ms, to the
+      end (``loop=False``: past ``duration_s`` the last rate holds).
+    """
+    rng = np.random.default_rng([seed, 104729])
+    n = int(round(duration_s / dt))
+    times = np.arange(n) * dt
+    fade_s = rng.uniform(1.5, 2.5)
+    fade = times < fade_s - 1e-9
+    level = rng.uniform(70.0, 90.0)
+    mbps = np.where(fade, rng.uniform(0.5, 3.0), level * (1 + 0.05 * rng.uniform(-1, 1, n)))
+    rtt = np.where(fade, rng.uniform(150.0, 400.0), rng.uniform(10.0, 40.0, n))
+    return Trace.from_rows(np.round(times, 3), np.round(mbps, 3), np.round(rtt, 1), loop=False,
+                           name=f"fade-start-{seed}")
+
+
+def fade_start_traces(count: int, seed: int = 0) -> list[Trace]:
+    """``count`` fade-start traces, seeds ``seed .. seed + count - 1``."""
+    return [fade_start_trace(seed + i) for i in range(count)]
+
+
 def write_sample_traces(directory: str | Path) -> list[Path]:
     """Writes every sample trace as CSV into ``directory`` (used to produce sparkv/data)."""
     out = []

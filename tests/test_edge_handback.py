@@ -20,7 +20,7 @@ from sparkv.protocol.stream import RecordPiece
 from sparkv.runtime.attention import get_backend
 from sparkv.runtime.generate import reference_prefill
 from sparkv.runtime.kvcache import split_chunks
-from sparkv.runtime.stepper import LayerStepper
+from sparkv.runtime.stepper import LayerStepper, MissingDependencyError
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.planners import get_planner
@@ -128,6 +128,45 @@ def _run(world, trace: Trace, controller: ControllerConfig):
 
 def test_an_all_local_plan_hands_work_back_to_a_link_that_recovers(world):
     load, src = _run(world, _dead_then_fast(), ControllerConfig())
-    print(load.sources, [(m.time_s, m.direction, m.steps) for m in load.migrations])
-    print([(round(t, 3), [(i.cid.t, i.cid.l) for i in items]) for t, items in src.opened])
-    assert load.sources.get("streamed", 0) > 0
+    back = [m for m in load.migrations if m.direction == "to_stream"]
+    assert back and load.sources.get("streamed", 0) > 1, load.sources
+    assert min(m.time_s for m in back) >= DEAD_S - 0.05     # only once the link recovered
+    assert max(s.t for m in back for s in m.steps) == world["geo"].num_token_chunks - 1
+    assert not load.fallback
+
+
+def test_the_probe_stays_within_its_bound_while_the_link_is_dead(world):
+    """The link never recovers (0.02 Mbit/s throughout): one probe request open at a time and
+    the bytes asked for within the probe's bucket; the load is the all-local one."""
+    cfg = ControllerConfig(probe_rate_Bps=4_000.0, probe_burst_bytes=5_000.0)
+    dead = Trace.from_rows([0.0], [0.02], [30.0], loop=False)
+    load, src = _run(world, dead, cfg)
+    assert src.opened, "the idle link was never probed"
+    first = sum(i.nbytes for i in src.opened[0][1])
+    asked = 0
+    for t, items in src.opened:
+        asked += sum(i.nbytes for i in items)
+        assert asked <= max(first, cfg.probe_burst_bytes + cfg.probe_rate_Bps * (t + 0.05))
+    assert load.sources.get("computed", 0) >= len(world["frames"]) - 1
+
+
+def test_a_column_in_one_call_equals_the_steps_one_by_one(world):
+    geo = world["geo"]
+    one = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    col = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    L = geo.num_layers
+    for t in range(geo.num_token_chunks):
+        for step in [(t, l) for l in range(L)]:  # noqa: E741
+            one.run_step(step)
+        if t % 2:
+            col.run_column(t, 0, 1)
+            col.run_column(t, 1, L)
+        else:
+            res = col.run_column(t, 0, L)
+            assert [r.step.l for r in res] == list(range(L))
+    for (k, v), (k2, v2) in zip(one.kv.layer_kv(), col.kv.layer_kv()):
+        torch.testing.assert_close(k2, k, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v2, v, atol=1e-6, rtol=1e-6)
+    fresh = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    with pytest.raises(MissingDependencyError):
+        fresh.run_column(1, 0, L)                 # KV of token chunk 0 is missing

@@ -16,7 +16,7 @@ import bisect
 import csv
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -32,6 +32,7 @@ SAMPLE_TRACES = {
     "wifi": "trace_wifi.csv",
     "lte": "trace_lte.csv",
     "deep-fade": "trace_deep_fade.csv",
+    "fade-start": "trace_fade_start.csv",
 }
 
 
@@ -249,6 +250,7 @@ def make_sample_trace(kind: str, seed: int = 0, duration_s: float = 120.0) -> Tr
       35-90 ms.
     * ``deep-fade``: 80 Mbit/s (+-5%) with a fade to 1 Mbit/s from 1.0 s to 9.0 s, then 80 again;
       RTT 20 ms, 300 ms during the fade.
+    * ``fade-start``: :func:`fade_start_trace` (a deep fade from time 0, then ~80 Mbit/s).
     """
     rng = np.random.default_rng(seed)
     if kind == "wifi":
@@ -262,6 +264,8 @@ def make_sample_trace(kind: str, seed: int = 0, duration_s: float = 120.0) -> Tr
         mbps[fade] = 1.0
         rtt = np.where(fade, 300.0, 20.0)
         return Trace.from_rows(np.round(times, 3), np.round(mbps, 3), rtt, name=kind)
+    elif kind == "fade-start":
+        return replace(fade_start_trace(seed, duration_s), loop=True, name=kind)
     else:
         raise TraceError(f"unknown sample trace kind {kind!r}")
     n = int(round(duration_s / dt))

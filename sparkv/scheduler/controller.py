@@ -52,6 +52,12 @@ Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
 * Optional CacheGen-style level adaptation: each fetched chunk gets the best allowed level whose
   expected completion, with the rest at the cheapest level, meets ``slo_s``.
 
+* Probe and hand-back (:mod:`sparkv.scheduler.probe`): an idle link gets one bounded probe
+  at a time (:class:`~sparkv.scheduler.probe.LinkProbe`); a compute path behind hands the link
+  whole queued columns from the tail; while the link has nothing but a probe to do,
+  :meth:`Controller.next_steps` commits a token chunk's next layers to the compute thread as
+  one run (the engine's all-local fast path).
+
 ``ControllerConfig.static()`` follows the plan exactly (strict order on both paths, no adaptation):
 the reference executor for "the same plan without a controller".
 """

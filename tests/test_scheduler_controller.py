@@ -297,3 +297,68 @@ def test_locked_columns_are_recomputed():
         assert len({s.t for s in m.steps}) == 1
         assert [s.l for s in m.steps] == list(range(m.steps[0].l, m.steps[-1].l + 1))
     assert free.ttft_s < 0.6 * locked.ttft_s, (locked.ttft_s, free.ttft_s)
+
+
+# ---- probe and hand-back (sparkv.scheduler.probe, docs/scheduler.md) -----------------------------
+def _dead_then(mbps: float, dead_s: float) -> Trace:
+    """A link that delivers almost nothing (0.01 Mbit/s) for ``dead_s``, then ``mbps``."""
+    return Trace.from_rows([0.0, dead_s], [0.01, mbps], [300.0, 20.0], loop=False)
+
+
+def test_an_all_local_plan_hands_whole_columns_back_to_a_link_that_recovers():
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = _inst(2048).with_bandwidth(0.01 * MBPS)
+    plan = LocalOnly().plan(inst)
+    assert not plan.stream_order
+    sim = simulate(plan, inst, _dead_then(80.0, 1.5), controller=ControllerConfig())
+    static = simulate(plan, inst, _dead_then(80.0, 1.5))
+    back = [m for m in sim.migrations if m.direction == "to_stream"]
+    assert back and all(m.time_s >= 1.5 for m in back)       # only once the link recovered
+    columns = [m for m in back if len(m.steps) > 2]
+    assert columns and all(len({s.t for s in m.steps}) == 1 for m in columns)
+    assert columns[0].steps[0].t == inst.n_t - 1             # the tail's token chunk first
+    assert sim.streamed_chunks > inst.L and sim.ttft_s < 0.8 * static.ttft_s
+
+
+def test_the_probe_stays_within_its_bound_while_the_link_is_dead():
+    """Ten seconds of a dead link under a plan that computes everything: one probe in flight at
+    a time, and the probes' bytes within the token bucket (burst + rate x time)."""
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = _inst(4096).with_bandwidth(0.01 * MBPS)
+    plan = LocalOnly().plan(inst)
+    cfg = ControllerConfig(probe_rate_Bps=50_000.0, probe_burst_bytes=100_000.0)
+    dead = Trace.from_rows([0.0], [0.01], [300.0], loop=False)
+    sim = simulate(plan, inst, dead, controller=cfg)
+    probes = [r for r in sim.transfers]
+    assert probes, "the idle link was never probed"
+    first_chunk = probes[0].nbytes
+    for r in probes:
+        assert (sum(x.nbytes for x in probes if x.requested_s <= r.requested_s)
+                <= max(first_chunk, cfg.probe_burst_bytes + cfg.probe_rate_Bps * r.requested_s))
+    spans = sorted((r.requested_s, r.end_s) for r in probes)
+    assert all(b[0] >= a[1] - 1e-9 for a, b in zip(spans, spans[1:]))   # one at a time
+    assert sim.ttft_s < 1.05 * simulate(plan, inst, dead).ttft_s
+
+
+def test_columns_run_back_to_back_when_the_link_is_quiet():
+    """The compute thread gets a token chunk's layers as one run (the engine's fast path) when
+    the link has nothing but a probe to do, and one step at a time otherwise."""
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = _inst(2048).with_bandwidth(0.01 * MBPS)     # nothing worth moving to the link
+    ctl = Controller(LocalOnly().plan(inst), inst, ControllerConfig(probe=False))
+    ctl.start(0.0)
+    steps = ctl.next_steps(0.0)
+    assert len(steps) > 1 and [s.l for s in steps] == list(range(len(steps)))
+    assert {s.t for s in steps} == {0}
+    assert ctl.next_steps(0.0) == []                            # committed until reported
+    for s in steps:
+        ctl.step_done(s, 0.1, inst.comp_time(s))
+    assert ctl.next_steps(0.1)
+    inst = _inst(2048)
+    busy = Controller(StrongHybrid().plan(inst), inst, ControllerConfig())
+    busy.start(0.0)
+    assert busy.next_fetch(0.0) is not None
+    assert len(busy.next_steps(0.0)) == 1

@@ -76,11 +76,11 @@ class ComputeWorker:
             self._join_prelude()
             while True:
                 with hub.cv:
-                    step = self._pick_step()
-                    if step is None:
+                    steps = self._pick_steps()
+                    if not steps:
                         self._stats.ready_s = hub.now()
                         return
-                self._run(step)
+                self._run(steps)
         except BaseException as e:  # noqa: BLE001 - reported by Engine.run
             with hub.cv:
                 self.error = e
@@ -101,43 +101,61 @@ class ComputeWorker:
                                                " computing what is missing")
                 self._hub.progress()
 
-    def _run(self, step: StepId) -> None:
+    def _run(self, steps: list[StepId]) -> None:
+        """Runs one step, or a column of one token chunk's consecutive layers as one call (the
+        all-local fast path: :meth:`Controller.next_steps
+        <sparkv.scheduler.controller.Controller.next_steps>`), and reports each step."""
         hub = self._hub
         start = hub.now()
-        res = self._stepper.run_step(step)
+        if len(steps) == 1:
+            results = [self._stepper.run_step(steps[0])]
+        else:
+            results = self._stepper.run_column(steps[0].t, steps[0].l, steps[-1].l + 1)
         end = hub.now()
+        scale = (end - start) / max(sum(r.seconds for r in results), 1e-9)
         with hub.cv:
-            self._stats.step_ran(step, start, end, res.seconds)
-            hub.ctl.step_done(step, end, res.seconds)
+            t = start
+            for res in results:
+                t_end = min(end, t + res.seconds * scale)
+                self._stats.step_ran(res.step, t, t_end, res.seconds)
+                hub.ctl.step_done(res.step, t_end, res.seconds)
+                t = t_end
             hub.progress()
 
     # ---- choosing a step (under the lock) ----------------------------------------------------
-    def _pick_step(self) -> StepId | None:
-        """The next step to run, waiting for events; ``None`` when the cache is complete."""
+    def _pick_steps(self) -> list[StepId]:
+        """The next steps to run (one, or a column), waiting for events; empty when the cache
+        is complete."""
         while True:
             if self._kv.is_complete():
-                return None
-            step = self._planned_step()
-            if step is not None:
-                return step
+                return []
+            steps = self._planned_steps()
+            if steps:
+                return steps
             step = self._fallback_step()
             if step is not None:
                 self._stats.fallback_steps += 1
-                return step
+                return [step]
             if not self._stall():
                 self._hub.cv.wait(WAIT_S)
 
-    def _planned_step(self) -> StepId | None:
-        """The controller's next step, skipping those that already ran as a fallback."""
+    def _planned_steps(self) -> list[StepId]:
+        """The controller's next steps, skipping those that already ran as a fallback."""
         ctl, now = self._hub.ctl, self._hub.now
-        step = ctl.next_step(now())
-        while step is not None and step in self._stepper.done:
-            ctl.step_done(step, now(), 0.0)
-            step = ctl.next_step(now())
-        if step is not None and not self._stepper.ready(step):
-            raise EngineError(f"the controller chose {step} but the stepper is missing "
-                              f"{self._stepper.missing_dependencies(step)[:3]}")
-        return step
+        done = self._stepper.done
+        while True:
+            steps = ctl.next_steps(now())
+            ran = [s for s in steps if s in done]
+            for step in ran:
+                ctl.step_done(step, now(), 0.0)
+            # a fallback runs layers bottom up: what ran of a column is its beginning
+            steps = [s for s in steps if s not in done]
+            if steps or not ran:
+                break
+        if steps and not self._stepper.ready(steps[0]):
+            raise EngineError(f"the controller chose {steps[0]} but the stepper is missing "
+                              f"{self._stepper.missing_dependencies(steps[0])[:3]}")
+        return steps
 
     def _fallback_step(self) -> StepId | None:
         """A ready step that recomputes chunks the link failed to deliver (or everything missing

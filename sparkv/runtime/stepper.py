@@ -206,29 +206,65 @@ class LayerStepper:
         fewer, larger kernels. Raises :class:`MissingDependencyError` naming what is missing."""
         self._check_span(t0, t1, l)
         start = time.perf_counter()
-        g = self.geometry
-        layer = self.lm.decoder.layers[l]
-        x = self._input(t0, t1, l)
-        h = layer.input_layernorm(x)
-        last = l == g.num_layers - 1
-        stats = None
-        if last and not self.full_last_layer:
-            k, v = self._project_kv(layer, h, t0, t1)
-            self._put_span(t0, t1, l, k, v)
-        else:
-            cache = _StepCache(self, t0, t1, l)
-            attn_out, _ = model_call(layer.self_attn, hidden_states=h,
-                                          position_embeddings=self._rope_for(t0, t1, h),
-                                          attention_mask=None, cache=cache)
-            stats = cache.stats
-            if not last:
-                x = x + attn_out
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-                self._keep_hidden(x, t0, t1, l)
+        x, stats = self._layer(self._input(t0, t1, l), t0, t1, l)
+        if l < self.geometry.num_layers - 1:
+            self._keep_hidden(x, t0, t1, l)
         steps = [StepId(t, l) for t in range(t0, t1)]
         self._done.update(steps)
         seconds = (time.perf_counter() - start) / len(steps)
         return [StepResult(s, seconds, stats) for s in steps]
+
+    def _layer(self, x: torch.Tensor, t0: int, t1: int, l: int  # noqa: E741
+               ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """Layer ``l`` over token chunks ``t0 .. t1-1`` from its input ``x``: writes their K/V
+        into the KV memory; returns the layer's output hidden states (``x`` itself for the
+        projection-only last layer) and the attention's statistics."""
+        layer = self.lm.decoder.layers[l]
+        h = layer.input_layernorm(x)
+        last = l == self.geometry.num_layers - 1
+        if last and not self.full_last_layer:
+            k, v = self._project_kv(layer, h, t0, t1)
+            self._put_span(t0, t1, l, k, v)
+            return x, None
+        cache = _StepCache(self, t0, t1, l)
+        attn_out, _ = model_call(layer.self_attn, hidden_states=h,
+                                 position_embeddings=self._rope_for(t0, t1, h),
+                                 attention_mask=None, cache=cache)
+        if not last:
+            x = x + attn_out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x, cache.stats
+
+    @torch.inference_mode()
+    def run_column(self, t: int, l0: int, l1: int) -> list[StepResult]:  # noqa: E741
+        """Runs steps ``(t, l0 .. l1-1)``, layer after layer, as one call: the hidden states
+        pass from layer to layer without being kept, and the dependencies are checked once
+        (every KV of ``t' < t`` at layers ``l0 .. l1-1`` must be in place). The same K/V and
+        hidden output as running the steps one by one (the all-local fast path of the edge
+        engine). Raises :class:`MissingDependencyError` naming what is missing."""
+        g = self.geometry
+        if not 0 <= l0 < l1 <= g.num_layers:
+            raise MissingDependencyError(f"column l={l0}..{l1 - 1} is outside the context")
+        missing = self.missing_dependencies(StepId(t, l0))
+        for l in range(l0 + 1, l1):  # noqa: E741
+            if StepId(t, l) in self._done:
+                missing.append(f"{StepId(t, l)} already ran")
+            if l < g.num_layers - 1:
+                missing.extend(str(c) for c in self.kv.missing(
+                    [KVChunkId(tp, l, gg) for tp in range(t) for gg in range(g.num_groups)]))
+        if missing:
+            raise MissingDependencyError(
+                f"step(t={t}, l={l0}..{l1 - 1}) cannot run: missing {', '.join(missing[:5])}")
+        x = self._input(t, t + 1, l0)
+        out: list[StepResult] = []
+        for l in range(l0, l1):  # noqa: E741
+            start = time.perf_counter()
+            x, stats = self._layer(x, t, t + 1, l)
+            self._done.add(StepId(t, l))
+            out.append(StepResult(StepId(t, l), time.perf_counter() - start, stats))
+        if l1 - 1 < g.num_layers - 1:
+            self._keep_hidden(x, t, t + 1, l1 - 1)
+        return out
 
     def run_step(self, step: StepId) -> StepResult:
         """Runs one layer step; raises :class:`MissingDependencyError` naming what is missing."""

@@ -52,6 +52,12 @@ Adaptation (``ControllerConfig.adapt``), re-evaluated after every event:
 * Optional CacheGen-style level adaptation: each fetched chunk gets the best allowed level whose
   expected completion, with the rest at the cheapest level, meets ``slo_s``.
 
+* Probe and hand-back (:mod:`sparkv.scheduler.probe`): an idle link gets one bounded probe
+  at a time (:class:`~sparkv.scheduler.probe.LinkProbe`); a compute path behind hands the link
+  whole queued columns from the tail; while the link has nothing but a probe to do,
+  :meth:`Controller.next_steps` commits a token chunk's next layers to the compute thread as
+  one run (the engine's all-local fast path).
+
 ``ControllerConfig.static()`` follows the plan exactly (strict order on both paths, no adaptation):
 the reference executor for "the same plan without a controller".
 """
@@ -67,6 +73,7 @@ from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler.graph import DepState
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
+from sparkv.scheduler.probe import LinkProbe
 
 
 class Fetch(NamedTuple):
@@ -124,6 +131,13 @@ class ControllerConfig:
                                        # collapsed is not handed work a few steps per stage)
     probe: bool = True                 # an idle link fetches the compute order's last step
                                        # (its cheapest level): the link keeps being measured
+    probe_rate_Bps: float = 1_000_000.0   # the probe's bound (sparkv.scheduler.probe): bytes
+    probe_burst_bytes: float = 512_000.0  # per second of the load, and at once; one in flight
+    hand_back_columns: bool = True     # compute behind: hand the link the tail's whole
+                                       # token-chunk column when it shortens the load
+    column_steps: bool = True          # the link has nothing but a probe to do: the compute
+                                       # thread gets the next step's column, back to back
+    column_max_s: float | None = None  # predicted seconds of one such run (None: 2 stages)
     recompute: bool = False            # a step locked by streamed layers below it may move
                                        # to compute with them (they are computed again), when
                                        # the compute path is idle (docs/scheduler.md: off by
@@ -138,6 +152,11 @@ class ControllerConfig:
     def without_link(self) -> "ControllerConfig":
         """The same controller for an engine with no link: it never hands the link anything."""
         return replace(self, migrate_to_stream=False, probe=False)
+
+    @property
+    def commits_columns(self) -> bool:
+        """Whether :meth:`Controller.next_steps` may hand out more than one step."""
+        return self.adapt and self.column_steps
 
     @classmethod
     def static(cls) -> "ControllerConfig":
@@ -216,6 +235,9 @@ class Controller:
                     self.on_link[s * G + g] = False
         self.running: int | None = None
         self.running_since = 0.0
+        self._committed: list[int] = []     # steps handed out after ``running``, in order
+        self._committed_pred = 0.0
+        self.probe = LinkProbe(self.cfg.probe_rate_Bps, self.cfg.probe_burst_bytes)
         self.inflight: dict[int, _Inflight] = {}
         self.received: set[int] = set()
         self._cq_pred = float(sum(self._t_comp[s] for s in self.cq))
@@ -251,25 +273,73 @@ class Controller:
 
     # ------------------------------------------------------------------ queries
     def next_step(self, now: float) -> StepId | None:
-        """The compute thread is free: the step to run now, or ``None`` (wait for an event)."""
-        if self.running is not None or not self.cq:
-            return None
+        """The compute thread is free: the step to run now, or ``None`` (wait for an event).
+        The first of :meth:`next_steps`; after it handed out several, the next of them (a
+        driver that runs one step at a time, the simulator, runs a column this way)."""
+        if self.running is None and self._committed:
+            s = self._committed.pop(0)
+            self._committed_pred -= self._t_comp[s]
+            self.running, self.running_since = s, now
+            return self.inst.step_id(s)
+        steps = self.next_steps(now)
+        return steps[0] if steps else None
+
+    def next_steps(self, now: float, column: bool = True) -> list[StepId]:
+        """The compute thread is free: the steps to run now, back to back (empty: wait for an
+        event). One step, or (``column`` and ``ControllerConfig.column_steps``), when the link
+        has nothing but a probe to do, the next step and the layers above it of the same token
+        chunk queued right after it, up to ``column_max_s`` of predicted time: the all-local
+        path then runs a token chunk's layers in one call (the engine's fast path). The caller
+        reports every step with :meth:`step_done`, in order; the first is running, the others
+        are committed to the compute path (no migration takes them)."""
+        if self.running is not None or self._committed or not self.cq:
+            return []
         self._rebalance(now)
+        pick = self._ready_index()
+        if pick < 0:
+            return []
+        run = [self.cq.pop(pick)]
+        if column and self.cfg.commits_columns and self._link_quiet():
+            run += self._column_after(run[0], pick)
+        for s in run:
+            self._cq_pred -= self._t_comp[s]
+        self.running, self.running_since = run[0], now
+        self._committed = run[1:]
+        self._committed_pred = float(sum(self._t_comp[s] for s in self._committed))
+        return [self.inst.step_id(s) for s in run]
+
+    def _ready_index(self) -> int:
+        """Index in the compute queue of the step to run next (-1: none is ready)."""
         dep = self.dep
-        pick = -1
         if self.cfg.work_conserving:
             for i, s in enumerate(self.cq):
                 if dep.ready(s):
-                    pick = i
-                    break
-        elif dep.ready(self.cq[0]):
-            pick = 0
-        if pick < 0:
-            return None
-        s = self.cq.pop(pick)
-        self._cq_pred -= self._t_comp[s]
-        self.running, self.running_since = s, now
-        return self.inst.step_id(s)
+                    return i
+            return -1
+        return 0 if dep.ready(self.cq[0]) else -1
+
+    def _link_quiet(self) -> bool:
+        """The link has nothing to do but a probe: nothing queued, nothing in flight or being
+        decoded that is not a probe."""
+        probes = self.probe.in_flight
+        return not self.lq and all(c in probes for c in self.inflight) \
+            and all(c in probes for c in self.received)
+
+    def _column_after(self, s: int, pick: int) -> list[int]:
+        """The steps queued right after ``s`` (taken out of the compute queue at ``pick``) that
+        are the layers above it of its token chunk, each ready once the one below it ran, up to
+        ``column_max_s`` of predicted time (``s`` included); popped from the queue."""
+        L, dep = self._L, self.dep
+        limit = self.cfg.column_max_s if self.cfg.column_max_s is not None else self.horizon_s
+        total = self._t_comp[s]
+        out: list[int] = []
+        nxt = s + 1
+        while pick < len(self.cq) and self.cq[pick] == nxt and nxt % L != 0 \
+                and dep.token_ok(nxt) and total + self._t_comp[nxt] <= limit:
+            out.append(self.cq.pop(pick))
+            total += self._t_comp[nxt]
+            nxt += 1
+        return out
 
     def next_fetch(self, now: float) -> Fetch | None:
         """The link can take a request: the chunk (and level) to fetch now, or ``None``."""
@@ -285,6 +355,7 @@ class Controller:
             self._lq_min_bytes -= int(self._bytes[c, self._cheap[c]])
             if self.dep.chunk_avail[c]:
                 self.on_link[c] = False
+                self.probe.settle(c)
                 continue  # became available meanwhile (computed)
             if self.cfg.adapt_levels:
                 li = self._slo_level(c, now)
@@ -328,6 +399,7 @@ class Controller:
         c = self.inst.chunk_index(cid)
         self.inflight.pop(c, None)
         self.received.add(c)
+        self.probe.settle(c)
         self._rebalance(now)
 
     def chunk_arrived(self, cid: KVChunkId, now: float) -> None:
@@ -335,6 +407,7 @@ class Controller:
         c = self.inst.chunk_index(cid)
         self.received.discard(c)
         self.inflight.pop(c, None)
+        self.probe.settle(c)
         if not self.dep.chunk_avail[c]:
             self._available += 1
             self.dep.add_chunk(c)
@@ -345,6 +418,11 @@ class Controller:
         s = self.inst.step_index(step)
         if self.running == s:
             self.running = None
+        elif s in self._committed:     # a committed step reported before it was handed out
+            self._committed.remove(s)
+            self._committed_pred -= self._t_comp[s]
+        for g in range(self._G):
+            self.probe.settle(s * self._G + g)
         pred = self._t_comp[s]
         if pred > 0 and seconds > 0:
             self._ratios.append(seconds / pred)
@@ -395,7 +473,7 @@ class Controller:
     def remaining(self, now: float) -> tuple[float, float]:
         """``(compute_remaining_s, link_remaining_s)`` from the current estimates."""
         r = self.compute_ratio()
-        comp = r * self._cq_pred
+        comp = r * (self._cq_pred + self._committed_pred)
         if self.running is not None:
             comp += max(0.0, r * self._t_comp[self.running] - (now - self.running_since))
         pending = self._lq_bytes + sum(max(0.0, f.nbytes - f.received)
@@ -534,7 +612,8 @@ class Controller:
         # a recompute column only when the compute path is idle, from the first locked
         # candidates of the tail: the scan runs under the engine's lock at every event, and
         # scanning every locked step each time (always on) slowed both adaptive strategies 5-7%
-        column_ok = self.cfg.recompute and not self.cq and self.running is None
+        column_ok = self.cfg.recompute and not self.cq and self.running is None \
+            and not self._committed
         locked: list[int] = []
         seen: set[int] = set()
         for c in list(reversed(self.lq)) + list(reversed(self.inflight)):
@@ -569,6 +648,7 @@ class Controller:
                 self._lq_bytes -= int(self._bytes[cc, self._li[cc]])
                 self._lq_min_bytes -= int(self._bytes[cc, self._cheap[cc]])
             self.on_link[cc] = False
+            self.probe.settle(cc)
 
     def _enqueue_compute(self, u: int) -> None:
         """Step ``u`` joins the compute queue after the last of its dependencies still queued."""
@@ -627,8 +707,14 @@ class Controller:
         return column
 
     def _to_stream(self, now: float, comp: float, link: float) -> bool:
-        """Compute behind: stream the tail of the compute order instead of computing it."""
-        L, G = self._L, self._G
+        """Compute behind: stream the tail of the compute order instead of computing it.
+
+        Units examined per tail step: the step itself, with the layer below it when it is the
+        cheap last-layer projection, and (``hand_back_columns``) its whole queued column (the
+        step and every queued layer below it of its token chunk); the unit that shortens
+        ``max(comp_rem, link_rem)`` most moves. A link that recovered under a mostly-local plan
+        thus gets whole token chunks from the tail, as a Strong Hybrid split would stream them."""
+        L = self._L
         bw = self.link_estimate(now)
         ratio = self.compute_ratio()
         in_cq = set(self.cq)
@@ -639,14 +725,13 @@ class Controller:
             units = [[s]]
             if l == L - 1 and (s - 1) in in_cq and l > 0:
                 units.append([s, s - 1])
+            column = self._queued_column(s, in_cq)
+            if self.cfg.hand_back_columns and len(column) > 2:
+                units.append(column)
             best_unit, best_new = None, max(comp, link) - 1e-9
             for unit in units:
                 removed = ratio * sum(self._t_comp[u] for u in unit)
-                # a recompute step's chunks are in place already: dropping it costs no bytes
-                added = sum(int(self._bytes[u * G + g, self._cheap[u * G + g]])
-                            for u in unit for g in range(G)
-                            if not self.dep.chunk_avail[u * G + g]) / bw
-                new = max(comp - removed, link + added)
+                new = max(comp - removed, link + self._stream_bytes(unit) / bw)
                 if new < best_new:
                     best_unit, best_new = unit, new
             if best_unit is None:
@@ -661,19 +746,44 @@ class Controller:
             return True
         return False
 
+    def _queued_column(self, s: int, in_cq: set[int]) -> list[int]:
+        """Step ``s`` and the layers below it of its token chunk still in the compute queue
+        (contiguous), top down."""
+        L = self._L
+        out = [s]
+        u = s - 1
+        while u >= 0 and u % L != L - 1 and u in in_cq:
+            out.append(u)
+            u -= 1
+        return out
+
+    def _stream_bytes(self, unit: Iterable[int]) -> int:
+        """Bytes the link fetches for steps ``unit`` at their cheapest levels (a recompute
+        step's chunks are in place already: they cost no bytes)."""
+        G = self._G
+        return sum(int(self._bytes[u * G + g, self._cheap[u * G + g]])
+                   for u in unit for g in range(G) if not self.dep.chunk_avail[u * G + g])
+
     def _probe(self, now: float) -> None:
         """The link is idle while the compute path has work: hand the link the compute order's
-        last movable step (cheapest level). If the link is fast it saves that step and its rate
-        samples let the rebalancing hand over more; if it is slow, the step moves back (its fetch
-        cancelled) when the compute path runs dry."""
+        last movable step (cheapest level), within the probe's bound
+        (:class:`~sparkv.scheduler.probe.LinkProbe`: one in flight, a token bucket of bytes).
+        If the link is fast it saves that step and its rate samples let the rebalancing hand
+        over more; if it is slow, the step moves back (its fetch cancelled) when the compute
+        path runs dry."""
         if len(self.cq) < 2:
             return
         comp, _ = self.remaining(now)
         if comp <= self.inst.rtt_s + self.cfg.margin_s:
             return
         for idx, s in self._movable_tail():
+            nbytes = self._stream_bytes([s])
+            if not self.probe.allows(now - self.t0, nbytes):
+                return
             self.cq.pop(idx)
             self._hand_to_link(s)
+            self.probe.record([s * self._G + g for g in range(self._G)
+                               if not self.dep.chunk_avail[s * self._G + g]], nbytes)
             self.revision += 1
             self.migrations.append(Migration(now, "probe", [self.inst.step_id(s)], [],
                                              *self.remaining(now)[::-1]))

@@ -16,7 +16,7 @@ import bisect
 import csv
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -32,6 +32,7 @@ SAMPLE_TRACES = {
     "wifi": "trace_wifi.csv",
     "lte": "trace_lte.csv",
     "deep-fade": "trace_deep_fade.csv",
+    "fade-start": "trace_fade_start.csv",
 }
 
 
@@ -249,6 +250,7 @@ def make_sample_trace(kind: str, seed: int = 0, duration_s: float = 120.0) -> Tr
       35-90 ms.
     * ``deep-fade``: 80 Mbit/s (+-5%) with a fade to 1 Mbit/s from 1.0 s to 9.0 s, then 80 again;
       RTT 20 ms, 300 ms during the fade.
+    * ``fade-start``: :func:`fade_start_trace` (a deep fade from time 0, then ~80 Mbit/s).
     """
     rng = np.random.default_rng(seed)
     if kind == "wifi":
@@ -262,6 +264,8 @@ def make_sample_trace(kind: str, seed: int = 0, duration_s: float = 120.0) -> Tr
         mbps[fade] = 1.0
         rtt = np.where(fade, 300.0, 20.0)
         return Trace.from_rows(np.round(times, 3), np.round(mbps, 3), rtt, name=kind)
+    elif kind == "fade-start":
+        return replace(fade_start_trace(seed, duration_s), loop=True, name=kind)
     else:
         raise TraceError(f"unknown sample trace kind {kind!r}")
     n = int(round(duration_s / dt))
@@ -344,6 +348,32 @@ def adversarial_trace(seed: int, duration_s: float = 60.0, dt: float = 0.05) -> 
 def adversarial_traces(count: int, seed: int = 0) -> list[Trace]:
     """``count`` adversarial traces, seeds ``seed .. seed + count - 1``."""
     return [adversarial_trace(seed + i) for i in range(count)]
+
+
+def fade_start_trace(seed: int, duration_s: float = 60.0, dt: float = 0.1) -> Trace:
+    """A seeded link that starts in a deep fade and recovers: what a phone sees when a question
+    is asked in a dead spot it is just leaving (the case that left a plan computing everything).
+
+    * A fade from time 0 of 1.5-2.5 s at 0.5-3 Mbit/s (RTT 150-400 ms): the manifest and the
+      first estimate see only the fade;
+    * then about 80 Mbit/s (a level drawn in 70-90, +-5% per ``dt`` step), RTT 10-40 ms, to the
+      end (``loop=False``: past ``duration_s`` the last rate holds).
+    """
+    rng = np.random.default_rng([seed, 104729])
+    n = int(round(duration_s / dt))
+    times = np.arange(n) * dt
+    fade_s = rng.uniform(1.5, 2.5)
+    fade = times < fade_s - 1e-9
+    level = rng.uniform(70.0, 90.0)
+    mbps = np.where(fade, rng.uniform(0.5, 3.0), level * (1 + 0.05 * rng.uniform(-1, 1, n)))
+    rtt = np.where(fade, rng.uniform(150.0, 400.0), rng.uniform(10.0, 40.0, n))
+    return Trace.from_rows(np.round(times, 3), np.round(mbps, 3), np.round(rtt, 1), loop=False,
+                           name=f"fade-start-{seed}")
+
+
+def fade_start_traces(count: int, seed: int = 0) -> list[Trace]:
+    """``count`` fade-start traces, seeds ``seed .. seed + count - 1``."""
+    return [fade_start_trace(seed + i) for i in range(count)]
 
 
 def write_sample_traces(directory: str | Path) -> list[Path]:

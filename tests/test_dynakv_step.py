@@ -143,19 +143,20 @@ def test_every_write_buffer_tail_is_attended(tmp_path, policy):
     seen = {"checked": 0}
     try:
         layer = kv.layers[1]
-        orig = layer._assemble
+        orig = layer._gather
 
         def spy(selected):
-            heads = orig(selected)
+            gathered = orig(selected)
+            heads = gathered.heads()
             for u in layer.store.tails():
                 attended = set(heads[u.head][2].tolist())
                 assert set(u.tail_pos.tolist()) <= attended
                 seen["checked"] += 1
             for _, _, hp in heads:
                 assert len(set(hp.tolist())) == len(hp), "each position once"
-            return heads
+            return gathered
 
-        layer._assemble = spy
+        layer._gather = spy
         _drive(kv, syn, 30, lambda kv, t: kv.check())
         assert seen["checked"] > 0
     finally:

@@ -349,14 +349,14 @@ def test_a_layer_attends_exactly_what_it_retrieved(tmp_path):
     try:
         layer = kv.layers[0]
         captured = {}
-        orig = layer._assemble
+        orig = layer._gather
 
         def spy(selected):
-            heads = orig(selected)
-            captured["heads"] = heads
-            return heads
+            gathered = orig(selected)
+            captured["heads"] = gathered.heads()
+            return gathered
 
-        layer._assemble = spy
+        layer._gather = spy
         k, v = syn.new(0, 1)
         pos = layer.update(k, v)
         q = syn.query()

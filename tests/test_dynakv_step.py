@@ -143,19 +143,20 @@ def test_every_write_buffer_tail_is_attended(tmp_path, policy):
     seen = {"checked": 0}
     try:
         layer = kv.layers[1]
-        orig = layer._assemble
+        orig = layer._gather
 
         def spy(selected):
-            heads = orig(selected)
+            gathered = orig(selected)
+            heads = gathered.heads()
             for u in layer.store.tails():
                 attended = set(heads[u.head][2].tolist())
                 assert set(u.tail_pos.tolist()) <= attended
                 seen["checked"] += 1
             for _, _, hp in heads:
                 assert len(set(hp.tolist())) == len(hp), "each position once"
-            return heads
+            return gathered
 
-        layer._assemble = spy
+        layer._gather = spy
         _drive(kv, syn, 30, lambda kv, t: kv.check())
         assert seen["checked"] > 0
     finally:
@@ -164,28 +165,32 @@ def test_every_write_buffer_tail_is_attended(tmp_path, policy):
 
 # ---- the budget outside the window --------------------------------------------------------------------
 def test_window_counts_equal_a_recount_and_the_budget_holds(tmp_path):
+    import sparkv.decode.policy as policy_mod
+
     kv, syn = _make(tmp_path, budget_outside_window=True)
     spent = []
     try:
         layer = kv.layers[0]
-        orig = ClusterIndex.select_scored
+        orig = policy_mod.select_heads
 
-        def select(idx, sc, budget, inwin=None):
-            out = orig(idx, sc, budget, inwin)
-            if idx.layer == 0:
+        def select(sc, sizes, budget, inwin=None):
+            sel = orig(sc, sizes, budget, inwin)
+            if sc.shape[0] == len(layer.indexes) and sizes.base is layer.table.n:
                 assert inwin is not None
-                # the counts equal a recount of the live clusters' members
                 s_end, w0 = layer.sink_n, layer.rec_start
-                for uid, pos in idx.members().items():
-                    j = idx.slot_of[uid]
-                    assert inwin[j] == int(((pos < s_end) | (pos >= w0)).sum())
-                cost = sum(int(idx.n[idx.slot_of[u]] - inwin[idx.slot_of[u]]) for u in out)
-                assert all(idx.n[idx.slot_of[u]] > inwin[idx.slot_of[u]] for u in out)
-                spent.append((cost, budget))
-            return out
+                for h, idx in enumerate(layer.indexes):
+                    # the counts equal a recount of the live clusters' members
+                    for uid, pos in idx.members().items():
+                        j = idx.slot_of[uid]
+                        assert inwin[h, j] == int(((pos < s_end) | (pos >= w0)).sum())
+                    out = sel.picked[h]
+                    cost = int((idx.n[out] - inwin[h, out]).sum())
+                    assert (idx.n[out] > inwin[h, out]).all()
+                    spent.append((cost, budget))
+            return sel
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(ClusterIndex, "select_scored", select)
+            mp.setattr(policy_mod, "select_heads", select)
             _drive(kv, syn, 40, lambda kv, t: kv.check())
         assert spent and all(c <= b for c, b in spent)
         assert max(c for c, _ in spent) > 0

@@ -17,6 +17,10 @@ comparable, and is measured on it:
   amplification (pages written / entry bytes asked to write, while decoding), cache hit rate
   (selected clusters found in the cache), decode tokens/s.
 
+Each prompt size of ``--prompt-tokens`` (default 4096 and 8192) is one workload; rows carry
+their ``prompt_tokens`` and the targets are per prompt size and RAM budget. The default policies
+are the issue's comparison, ``local`` and ``dynakv`` (``--policies`` adds the others).
+
 Policies under the same RAM budget (``--decode-budgets``, fractions of the final KV) and per-step
 retrieval budget (``--retrieval``, a fraction of the entries a head holds): ``full``,
 ``nocluster``, ``static``, ``local``, ``dynakv`` and the ablations ``dynakv-eager`` (no delayed
@@ -35,25 +39,30 @@ from sparkv.runtime.device import add_device_args
 
 POLICIES = ("nocluster", "static", "local", "dynakv", "dynakv-eager", "dynakv-packed",
             "dynakv-lru")
+#: what the issue's targets compare (full KV always runs first)
+DEFAULT_POLICIES = ("local", "dynakv")
 CONTINUE = "Continue the text above, writing as much as you can."
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("dynakv", help="long decoding with clustered KV on flash: DynaKV vs full, "
                                       "no clustering, static, local and ablations")
-    p.add_argument("--prompt-tokens", type=int, default=1024,
-                   help="document tokens (the pass key is hidden in them)")
-    p.add_argument("--max-new-tokens", type=int, default=256, dest="new_tokens",
+    p.add_argument("--prompt-tokens", default=None,
+                   help="document tokens, comma-separated: one workload each (the pass key is "
+                        "hidden in them; default 4096,8192, 1024 with --quick)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, dest="new_tokens",
                    help="tokens the full-KV reference generates (64 with --quick)")
     p.add_argument("--decode-budgets", default="0.25,0.1", dest="budgets",
                    help="RAM budgets, fractions of the final KV")
     p.add_argument("--retrieval", type=float, default=0.1,
                    help="entries retrieved per KV head per step, fraction of what it holds")
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help="decode policies to compare with full KV (docs/dynakv.md)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="decode policies to compare with full KV (docs/dynakv.md; known: "
+                        + ", ".join(POLICIES) + ")")
     p.add_argument("--depth", type=float, default=0.3, help="pass-key depth in the document")
     p.add_argument("--seed", type=int, default=0, help="seed of the document and its pass key")
-    p.add_argument("--quick", action="store_true", help="64 generated tokens (a smoke run)")
+    p.add_argument("--quick", action="store_true",
+                   help="a 1024-token prompt and 64 generated tokens (a smoke run)")
     p.add_argument("--flash-dir", default=None,
                    help="where the clusters go (default: a new dir in the system's temp dir, "
                         "removed after; if that is a tmpfs, the \"flash\" is RAM)")
@@ -105,7 +114,8 @@ def _session_run(lm: Any, layers: Any, ctx: list[int], q: list[int], ref: list[i
 
 
 def _targets(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]:
-    """The issue's targets, as ratios, per RAM budget (None where a run is missing)."""
+    """The issue's targets, as ratios, per RAM budget (None where a run is missing), for the rows
+    of one prompt size."""
     out: dict[str, Any] = {}
     full = next((r for r in rows if r["policy"] == "full"), None)
     for b in budgets:
@@ -150,6 +160,9 @@ def _targets(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]
             t["hit_rate_ceiling"] = d.get("hit_rate_ceiling")
             t["hit_rate_vs_lru"] = d["hit_rate"] / lru["hit_rate"] if lru["hit_rate"] else None
             t["hit_rate_met"] = bool(d["hit_rate"] >= 1.1 * lru["hit_rate"] and d["hit_rate"] > 0)
+        if full is not None and full.get("tokens_per_s") and d["tokens_per_s"] > 0:
+            t["speed_vs_full"] = d["tokens_per_s"] / full["tokens_per_s"]
+            t["speed_vs_full_met"] = bool(t["speed_vs_full"] >= 1.0)
         if full is not None:
             t["passkey_dynakv"], t["passkey_full"] = d["passkey"], full["passkey"]
             t["passkey_met"] = bool(d["passkey"] == full["passkey"])
@@ -168,22 +181,39 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    new_tokens, budgets, policies = _settings(args)
+    prompts, new_tokens, budgets, policies = _settings(args)
     out = result_path("dynakv", args.out, quick=args.quick) if args.json or args.out else None
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    task, ctx, q, follow, layers = _workload(lm, args)
     flash_dir = args.flash_dir or tempfile.mkdtemp(prefix="sparkv-dynakv-")
-    rows = _measure(lm, layers, ctx, q, follow, task, new_tokens, budgets, policies,
-                    args.retrieval, flash_dir)
-    if not args.flash_dir:
-        shutil.rmtree(flash_dir, ignore_errors=True)
-    targets = _targets(rows, budgets)
-    _print(rows, targets)
-    config = {"model": lm.name, "prompt_tokens": len(ctx), "question_tokens": len(q),
-              "new_tokens": new_tokens, "followup_tokens": len(follow), "budgets": budgets,
+    rows: list[dict[str, Any]] = []
+    targets: dict[str, Any] = {}
+    workloads = []
+    try:
+        for n in prompts:
+            task, ctx, q, follow, layers = _workload(lm, args, n)
+            part = _measure(lm, layers, ctx, q, follow, task, new_tokens, budgets, policies,
+                            args.retrieval, flash_dir)
+            del layers
+            final = len(ctx) + len(q) + new_tokens + len(follow) + 16
+            workloads.append({"prompt_tokens": len(ctx), "question_tokens": len(q),
+                              "followup_tokens": len(follow), "passkey": task.answers[0],
+                              "final_positions": final,
+                              "beyond_model_window": bool(lm.max_positions
+                                                          and final > lm.max_positions)})
+            for r in part:
+                r["prompt_tokens"] = len(ctx)
+            rows += part
+            targets[str(len(ctx))] = _targets(part, budgets)
+            _print(part, targets[str(len(ctx))])
+    finally:
+        if not args.flash_dir:
+            shutil.rmtree(flash_dir, ignore_errors=True)
+    quality = _quality(rows, budgets)
+    config = {"model": lm.name, "prompt_tokens": [w["prompt_tokens"] for w in workloads],
+              "workloads": workloads, "new_tokens": new_tokens, "budgets": budgets,
               "retrieval": args.retrieval, "policies": ["full"] + policies,
-              "depth": args.depth, "seed": args.seed, "passkey": task.answers[0],
+              "depth": args.depth, "seed": args.seed,
               "reference": "full KV greedy; other policies teacher-forced on its tokens",
               "threads": torch.get_num_threads(), "quick": bool(args.quick),
               "load_avg_start": load_start,
@@ -193,16 +223,53 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         r.pop("predicted", None)
     if out is not None:
-        path = write_result("dynakv", {"results": rows, "targets": targets}, config, out,
-                            quick=args.quick)
+        path = write_result("dynakv", {"results": rows, "targets": targets, "quality": quality},
+                            config, out, quick=args.quick)
         print(f"wrote {path}")
     return 0
 
 
-def _settings(args: argparse.Namespace) -> tuple[int, list[float], list[str]]:
-    """``(new tokens, RAM budgets, policies other than full)``, checked."""
+def _quality(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]:
+    """The quality rule (sparkv.bench.verdict, docs/quality.md) of each clustered policy at each
+    RAM budget against full KV: every prompt's pass-key answer is a retrieval probe and its
+    teacher-forced stream one QA probe (agreement = the teacher-forced score). One workload per
+    prompt size is far fewer probes than the rule needs to pass, so the verdict is mostly
+    ``undecided`` with how many more it needs; a ``fail`` is a real failure."""
+    from sparkv.bench.verdict import decide
+
+    probes = []
+    for r in rows:
+        if "refused" in r:
+            continue
+        config = "dense" if r["policy"] == "full" else f"{r['policy']}@{r['budget_frac']:g}"
+        n = r.get("prompt_tokens")
+        probes.append({"probe": f"passkey/{n}", "family": "passkey", "config": config,
+                       "group": r["policy"], "correct": bool(r["passkey"]), "error": None})
+        probes.append({"probe": f"continue/{n}", "family": "qa", "config": config,
+                       "group": r["policy"], "correct": False, "error": None,
+                       "teacher_forced": r["agreement"], "greedy_agreement": r["agreement"]})
+    out: dict[str, Any] = {}
+    for config in dict.fromkeys(p["config"] for p in probes if p["config"] != "dense"):
+        try:
+            v = decide(probes, config)
+        except ValueError:
+            continue
+        metrics = {k: {"estimate": m.estimate, "verdict": m.verdict, "n": m.n,
+                       "interval": None if m.interval is None else list(m.interval)}
+                   for k, m in v.metrics.items()}
+        out[config] = {"verdict": v.verdict, "need_more": v.need_more, "metrics": metrics}
+    return out
+
+
+def _settings(args: argparse.Namespace) -> tuple[list[int], int, list[float], list[str]]:
+    """``(prompt sizes, new tokens, RAM budgets, policies other than full)``, checked."""
     new_tokens = 64 if args.quick else args.new_tokens
-    if new_tokens < 2 or args.prompt_tokens < 64:
+    raw = args.prompt_tokens or ("1024" if args.quick else "4096,8192")
+    try:
+        prompts = [int(x) for x in str(raw).split(",") if x]
+    except ValueError:
+        raise SystemExit(f"--prompt-tokens takes integers, got {raw!r}") from None
+    if new_tokens < 2 or not prompts or min(prompts) < 64:
         raise SystemExit("need --max-new-tokens >= 2 and --prompt-tokens >= 64")
     budgets = [float(x) for x in args.budgets.split(",") if x]
     if any(not 0 < b <= 1 for b in budgets):
@@ -211,10 +278,10 @@ def _settings(args: argparse.Namespace) -> tuple[int, list[float], list[str]]:
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    return new_tokens, budgets, policies
+    return prompts, new_tokens, budgets, policies
 
 
-def _workload(lm: Any, args: argparse.Namespace
+def _workload(lm: Any, args: argparse.Namespace, prompt_tokens: int
               ) -> tuple[Any, list[int], list[int], list[int], Any]:
     """The seeded pass-key task and its token ids: ``(task, context, the "continue" question,
     the pass-key turn, the context's prefilled KV)``."""
@@ -222,7 +289,7 @@ def _workload(lm: Any, args: argparse.Namespace
     from sparkv.runtime import reference_prefill
     from sparkv.runtime.generate import prompt_parts
 
-    task = make_task("passkey", args.prompt_tokens, args.depth, args.seed,
+    task = make_task("passkey", prompt_tokens, args.depth, args.seed,
                      lambda s: len(lm.encode_text(s)))
     ctx, q = prompt_parts(lm, lm.encode_text(task.document), CONTINUE)
     follow = lm.encode_text(f"<|im_end|>\n<|im_start|>user\n{task.question}<|im_end|>\n"

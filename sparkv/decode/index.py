@@ -111,38 +111,59 @@ def partition(x: np.ndarray, tau: float, max_size: int, iters: int) -> list[np.n
 
 
 class CentroidTable:
-    """The float32 centroids of every KV head of a layer, padded to one capacity: ``[H, cap, D]``.
-    Each head's :class:`ClusterIndex` keeps its ``mean32`` as a row view, so a decoding step
-    scores every head's clusters with one batched matmul."""
+    """The float32 centroids, sizes and liveness of every KV head of a layer, padded to one
+    capacity: ``data [H, cap, D]``, ``n [H, cap]``, ``alive [H, cap]``. Each head's
+    :class:`ClusterIndex` keeps its ``mean32``, ``n`` and ``alive`` as row views, so a decoding
+    step scores and selects every head's clusters with batched calls
+    (:func:`sparkv.decode.select.select_heads`)."""
 
     def __init__(self, indexes: list[ClusterIndex]) -> None:
         self.indexes = indexes
         cap = max(i.mean32.shape[0] for i in indexes)
-        self.data = np.zeros((len(indexes), cap, indexes[0].d), np.float32)
-        for h, i in enumerate(indexes):
-            self.data[h, :i.mean32.shape[0]] = i.mean32
+        h = len(indexes)
+        self.data = np.zeros((h, cap, indexes[0].d), np.float32)
+        self.n = np.zeros((h, cap), np.int64)
+        self.alive = np.zeros((h, cap), bool)
+        for r, i in enumerate(indexes):
+            m = i.mean32.shape[0]
+            self.data[r, :m], self.n[r, :m], self.alive[r, :m] = i.mean32, i.n, i.alive
         self._point()
         for i in indexes:
             i.table = self
 
     def _point(self) -> None:
         for h, i in enumerate(self.indexes):
-            i.mean32 = self.data[h]
+            i.mean32, i.n, i.alive = self.data[h], self.n[h], self.alive[h]
 
     def ensure(self, cap: int) -> None:
         """Room for ``cap`` slots in every head (rows copied)."""
-        if cap <= self.data.shape[1]:
+        old = self.data.shape[1]
+        if cap <= old:
             return
-        new = np.zeros((self.data.shape[0], cap, self.data.shape[2]), np.float32)
-        new[:, :self.data.shape[1]] = self.data
-        self.data = new
+        h = self.data.shape[0]
+        data = np.zeros((h, cap, self.data.shape[2]), np.float32)
+        n = np.zeros((h, cap), np.int64)
+        alive = np.zeros((h, cap), bool)
+        data[:, :old], n[:, :old], alive[:, :old] = self.data, self.n, self.alive
+        self.data, self.n, self.alive = data, n, alive
         self._point()
+
+    @property
+    def used(self) -> int:
+        """``S``: the most slots any head uses."""
+        return max(i.size for i in self.indexes)
 
     def scores(self, qg: np.ndarray) -> np.ndarray:
         """``qg [H, r, D]`` -> raw ``[H, S]`` scores (``max`` over each head's query rows) of the
         first ``S = max size`` slots."""
-        s = max(i.size for i in self.indexes)
+        s = self.used
         return np.matmul(qg, self.data[:, :s].transpose(0, 2, 1)).max(1)
+
+    def masked_scores(self, qg: np.ndarray) -> np.ndarray:
+        """:meth:`scores` as float64 with dead and unused slots at ``-inf`` (``[H, S]``)."""
+        sc = self.scores(qg).astype(np.float64)
+        sc[~self.alive[:, :sc.shape[1]]] = -np.inf
+        return sc
 
 
 class ClusterIndex:
@@ -188,7 +209,7 @@ class ClusterIndex:
         if self.table is not None:
             self.table.ensure(cap)                # re-points every head's mean32 (copied)
         for name in ("mean", "mean32", "m2", "n", "alive", "flag", "uid"):
-            if name == "mean32" and self.table is not None:
+            if name in ("mean32", "n", "alive") and self.table is not None:
                 continue
             old = getattr(self, name)
             new = np.zeros((cap, *old.shape[1:]), old.dtype)

@@ -37,12 +37,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from sparkv.cache import ragged_attention
 from sparkv.cache.layer import HeadEntries
 from sparkv.decode.cache import ClusterCache, data_bytes
 from sparkv.decode.config import DecodeConfig
+from sparkv.decode.gather import Gathered, HeadParts, pad_heads, padded_attention
 from sparkv.decode.index import CentroidTable, ClusterIndex, TokenIndex, partition
 from sparkv.decode.kmeans import kmeans, stats
+from sparkv.decode.select import select_heads
 from sparkv.decode.store import ClusterStore, FlushedData, IOStats, TokenStore
 
 
@@ -379,12 +380,12 @@ class LayerState:
         nxt = eng.layers[(self.l + 1) % len(eng.layers)] if eng.layers else None
         if nxt is not None and nxt is not self:
             eng.prefetcher.submit(nxt)
-        heads = self._assemble(selected)
-        out = ragged_attention(q, heads, q_pos, scale)
+        gathered = self._gather(selected)
+        out = padded_attention(q, gathered, q_pos, scale)
         t4 = time.perf_counter()
         cnt.attend_s += t4 - t3
         if eng.probe and q.shape[2] == 1:
-            self._probe(q, out, heads, scale)
+            self._probe(q, out, gathered.heads(), scale)
             t5 = time.perf_counter()
             cnt.probe_s += t5 - t4
             t4 = t5
@@ -401,17 +402,26 @@ class LayerState:
         window = (self.sink_n, self.rec_start)
         selected: list[list[int]] = []
         if self.table is not None:
-            # every head's centroids scored in one batched matmul ([H, G*nq, D] x [H, D, S])
-            raw = self.table.scores(qn.reshape(eng.H, -1, d))
+            # every head's centroids scored in one batched matmul ([H, G*nq, D] x [H, D, S]) and
+            # selected in one batched sort / running total (sparkv.decode.select)
+            table = self.table
+            sc = table.masked_scores(qn.reshape(eng.H, -1, d))
+            s = sc.shape[1]
+            inwin = None
+            if cfg.budget_outside_window:
+                inwin = np.zeros((eng.H, s), np.int64)
+                for h, idx in enumerate(self.indexes):
+                    c = idx.window_counts(*window)  # type: ignore[union-attr]
+                    inwin[h, :len(c)] = c
+            sel = select_heads(sc, table.n[:, :s], budget, inwin)
             for h, idx in enumerate(self.indexes):
-                inwin = (idx.window_counts(*window)  # type: ignore[union-attr]
-                         if cfg.budget_outside_window else None)
-                selected.append(idx.select_scored(idx.mask_scores(raw[h]), budget,  # type: ignore[union-attr]
-                                                  inwin))
-        else:
-            for h, idx in enumerate(self.indexes):
-                qg = qn[h * g:(h + 1) * g].reshape(-1, d)
-                selected.append(idx.select(qg, budget, window))  # type: ignore[call-arg]
+                uid = idx.uid  # type: ignore[union-attr]
+                idx.next_up = uid[sel.next_up[h]].tolist()  # type: ignore[union-attr]
+                selected.append(uid[sel.picked[h]].tolist())
+            return selected
+        for h, idx in enumerate(self.indexes):
+            qg = qn[h * g:(h + 1) * g].reshape(-1, d)
+            selected.append(idx.select(qg, budget, window))  # type: ignore[call-arg]
         return selected
 
     def _read_selected(self, selected: list[list[int]]) -> list[int]:
@@ -486,75 +496,82 @@ class LayerState:
             self.rec_k, self.rec_v = self.rec_k[:, keep:].clone(), self.rec_v[:, keep:].clone()
             self.rec_start += keep
 
-    def _assemble(self, selected: list[list[int]]
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per KV head: its selected entries (flushed + write buffer), its RAM-only entries, and
-        the window, each position once."""
-        cnt = self.eng.counters
-        heads = []
+    def _gather(self, selected: list[list[int]]) -> Gathered:
+        """Every KV head's attended entries in one padded tensor: the window, then its selected
+        entries (flushed + write buffer), its RAM-only entries, each position once."""
+        cnt, eng = self.eng.counters, self.eng
         s_end, w0 = self.sink_n, self.rec_start
-        eb = self.store.rec.entry_bytes
+        parts: list[HeadParts] = []
+        retrieved = 0
+        for ks, vs, ps, n_sel in self._pieces(selected):
+            if not ps:
+                parts.append(([], [], np.zeros(0, np.int64), None))
+                continue
+            pk = np.concatenate(ps) if len(ps) > 1 else ps[0]
+            m = (pk >= s_end) & (pk < w0)
+            retrieved += int(m[:n_sel].sum())
+            parts.append((ks, vs, pk, None if m.all() else m))
+        cnt.retrieved_entries += retrieved
+        cnt.retrieved_bytes += retrieved * self.store.rec.entry_bytes
+        rec_n = int(self.rec_k.shape[1])
+        wpos = torch.cat([torch.arange(s_end), torch.arange(w0, w0 + rec_n)])
+        g = pad_heads(torch.cat([self.sink_k, self.rec_k], 1),
+                      torch.cat([self.sink_v, self.rec_v], 1), wpos, parts)
+        cnt.attended_entries += int(g.lengths.sum())
+        return g
+
+    def _pieces(self, selected: list[list[int]]) -> list[tuple[list, list, list, int]]:
+        """Per head: the selected clusters' flushed entries and tails, every other write-buffer
+        tail (``attend_tails``), then the head's RAM-only entries, as ``(k pieces, v pieces,
+        pos pieces, entries of the selected pieces)``."""
         # every write-buffer tail is in RAM: attended whether its cluster is selected or not
         # (like the buffers and the window; it costs no read)
         tails: dict[int, list] = {}
         if self.eng.cfg.attend_tails and isinstance(self.store, ClusterStore):
             for u in self.store.tails():
                 tails.setdefault(u.head, []).append(u)
+        step_data = self.step_data
+        out = []
         for h, idx in enumerate(self.indexes):
-            ks, vs, ps = [], [], []
-            sel_set = set(selected[h])
-            for uid in selected[h]:
-                data = self.step_data.get(uid)
-                if isinstance(idx, TokenIndex):
-                    if data is None:
-                        continue
-                    keep = idx.last_keep[uid] - int(data[2][0])
-                    kt = torch.from_numpy(keep)
-                    ks.append(data[0][kt])
-                    vs.append(data[1][kt])
-                    ps.append(idx.last_keep[uid])
-                    continue
-                if data is not None:
-                    ks.append(data[0])
-                    vs.append(data[1])
-                    ps.append(data[2])
-                u = self.store.units[uid]  # type: ignore[union-attr]
-                if u.tail:
-                    ks.append(u.tail_k)
-                    vs.append(u.tail_v)
-                    ps.append(u.tail_pos)
+            ks: list = []
+            vs: list = []
+            ps: list = []
+            if isinstance(idx, TokenIndex):
+                for uid in selected[h]:
+                    data = step_data.get(uid)
+                    if data is not None:
+                        kt = torch.from_numpy(idx.last_keep[uid] - int(data[2][0]))
+                        ks.append(data[0][kt])
+                        vs.append(data[1][kt])
+                        ps.append(idx.last_keep[uid])
+            else:
+                units = self.store.units  # type: ignore[union-attr]
+                for uid in selected[h]:
+                    data = step_data.get(uid)
+                    if data is not None:
+                        ks.append(data[0])
+                        vs.append(data[1])
+                        ps.append(data[2])
+                    u = units[uid]
+                    if u.tail:
+                        ks.append(u.tail_k)
+                        vs.append(u.tail_v)
+                        ps.append(u.tail_pos)
             n_sel = sum(len(p) for p in ps)
-            for u in tails.get(h, ()):
-                if u.uid not in sel_set:
-                    ks.append(u.tail_k)
-                    vs.append(u.tail_v)
-                    ps.append(u.tail_pos)
+            if tails:
+                sel_set = set(selected[h])
+                for u in tails.get(h, ()):
+                    if u.uid not in sel_set:
+                        ks.append(u.tail_k)
+                        vs.append(u.tail_v)
+                        ps.append(u.tail_pos)
             rk, rv, rp = idx.resident()
             if len(rp):
                 ks.append(rk)
                 vs.append(rv)
                 ps.append(rp)
-            if ps:
-                pk = np.concatenate(ps)
-                m = (pk >= s_end) & (pk < w0)
-                mt = torch.from_numpy(m)
-                kk = torch.cat(ks)[mt]
-                vv = torch.cat(vs)[mt]
-                pp = torch.from_numpy(pk[m])
-                retrieved = int(m[:n_sel].sum())
-            else:
-                kk = vv = torch.zeros(0, self.eng.D, dtype=self.eng.dtype)
-                pp = torch.zeros(0, dtype=torch.long)
-                retrieved = 0
-            cnt.retrieved_entries += retrieved
-            cnt.retrieved_bytes += retrieved * eb
-            wk = torch.cat([self.sink_k[h], self.rec_k[h], kk])
-            wv = torch.cat([self.sink_v[h], self.rec_v[h], vv])
-            wp = torch.cat([torch.arange(s_end), torch.arange(w0, w0 + int(self.rec_k.shape[1])),
-                            pp])
-            cnt.attended_entries += int(wp.shape[0])
-            heads.append((wk, wv, wp))
-        return heads
+            out.append((ks, vs, ps, n_sel))
+        return out
 
     def _probe(self, q: torch.Tensor, out: torch.Tensor,
                heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

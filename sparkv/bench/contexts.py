@@ -60,6 +60,10 @@ DIALOGUE = [
     "List two key terms.",
     "Explain it to a child, briefly.",
 ]
+#: the LLMS paper's figures (Llama2-7B / OPT-7B on Jetson and MI14), beside ours in the JSON
+PAPER = {"vllm_sq_over_llms": "9.7x on average, up to 20x",
+         "swap_over_llms": "1-2 orders of magnitude",
+         "active_llms_over_vllm_sq": "1.99-2.85x"}
 PASSKEY_Q = "What is the pass key I asked you to remember? Answer with the number only."
 
 
@@ -373,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
                      default=0) for s, d in results["sweep"].items()}
     results["max_active_contexts"] = active
     results["ratios"] = _ratios(results, active)
+    results["paper"] = PAPER
     results.update(budget)
     results["settings"] = _workload(contexts[:args.contexts], budget, args)
     results["seconds"] = time.perf_counter() - t0
@@ -477,6 +482,7 @@ def _ratios(results: dict[str, Any], active: dict[str, int]) -> dict[str, Any]:
                         for b in ("lmk", "swap", "vllm-s", "vllm-sq") if b in by}
         out[pattern]["llms_identical_answers"] = by["llms"].get("identical_answers")
         out[pattern]["llms_passkey_acc"] = by["llms"]["passkey_acc"]
+        out[pattern]["llms_ratio"] = by["llms"].get("ratio")
         out[pattern]["unlimited_passkey_acc"] = d["unlimited"]["passkey_acc"]
     if active.get("vllm-sq") is not None and "llms" in active:
         out["active_llms_over_vllm_sq"] = active["llms"] / max(active["vllm-sq"], 1)

@@ -2,7 +2,8 @@
 docs/device-service.md).
 
 Workload (SmolLM2, seeded): ``--contexts`` contexts, each a system turn holding a slice of the
-bundled text (lengths drawn around ``--mean-tokens``) and a first user turn that plants a pass key;
+bundled text (lengths uniform in ``--context-tokens``, 1024-4096 by default) and a first user
+turn that plants a pass key, prefilled once and adopted by every system (:class:`Prototypes`);
 then a trace of ``--calls`` calls with Poisson arrivals (the arrival times are recorded; calls run
 one after another, as a phone's LLM service does) over the contexts in one of three patterns:
 
@@ -18,9 +19,9 @@ Systems, same trace, same budget (the sum of every memory's own account, working
 included): ``lmk`` (kill, then recompute), ``swap`` (whole-context swapping), ``vllm-s`` (16-token
 chunks swapped, fp), ``vllm-sq`` (the same at int8), ``llms`` (the full service) and its ablations
 ``llms-no-compression``, ``llms-no-pipeline``, ``llms-no-lifecycle``; ``unlimited`` (the service
-with a budget that never evicts, fp) is the quality reference. The budget is one working memory
-of the longest call, the longest context's int8 KV and ``--memory-budget-fraction`` of every other
-context's int8 KV (:func:`budget_for`): a fraction of the contexts fits.
+with a budget that never evicts, fp) is the quality reference. The budget is
+``--memory-budget-fraction`` (25% or 50%) of the contexts' total fp KV at their final lengths,
+never below one working memory of the longest context plus its int8 KV (:func:`budget_for`).
 
 Metrics: mean and p99 switching latency (reclaim + load, until the context is ready, excluding the
 calls that create contexts); answers identical to the unlimited run's; pass-key accuracy; and the
@@ -43,6 +44,7 @@ from typing import Any
 
 from sparkv.bench.common import add_run_args, format_table, write_result
 
+DEFAULT_SYSTEMS = ("swap", "vllm-sq", "llms")
 SYSTEMS = ("lmk", "swap", "vllm-s", "vllm-sq", "llms", "llms-no-compression",
            "llms-no-pipeline", "llms-no-lifecycle")
 PATTERNS = ("random", "markov", "gaussian")
@@ -58,20 +60,36 @@ DIALOGUE = [
     "List two key terms.",
     "Explain it to a child, briefly.",
 ]
+#: the LLMS paper's figures (Llama2-7B / OPT-7B on Jetson and MI14), beside ours in the JSON
+PAPER = {"vllm_sq_over_llms": "9.7x on average, up to 20x",
+         "swap_over_llms": "1-2 orders of magnitude",
+         "active_llms_over_vllm_sq": "1.99-2.85x"}
 PASSKEY_Q = "What is the pass key I asked you to remember? Answer with the number only."
 
 
 # ---- the workload --------------------------------------------------------------------------------
-def make_contexts(lm: Any, count: int, mean_tokens: int, seed: int) -> list[dict[str, Any]]:
-    """``count`` contexts: a slice of the bundled text (length ~ N(mean, mean/3), 48..2 mean) and
-    a pass key."""
+def parse_token_range(spec: str) -> tuple[int, int]:
+    """``"1024-4096"`` -> ``(1024, 4096)``: the range of context text lengths, in tokens."""
+    try:
+        lo, hi = (int(x) for x in spec.split("-"))
+    except ValueError:
+        raise SystemExit(f"--context-tokens must be LO-HI (e.g. 1024-4096), not {spec!r}") from None
+    if not 16 <= lo <= hi:
+        raise SystemExit(f"--context-tokens must have 16 <= LO <= HI, not {spec!r}")
+    return lo, hi
+
+
+def make_contexts(lm: Any, count: int, tokens: tuple[int, int], seed: int) -> list[dict[str, Any]]:
+    """``count`` contexts: a slice of the bundled text (length uniform in ``tokens``, both ends
+    included) and a pass key. The first ``n`` contexts of a larger ``count`` are the same."""
     from sparkv.runtime.generate import sample_context_ids
 
     rng = random.Random(seed)
-    text = sample_context_ids(lm, 4 * mean_tokens + 64)
+    lo, hi = tokens
+    text = sample_context_ids(lm, 2 * hi + 64)
     out = []
     for i in range(count):
-        n = int(min(max(rng.gauss(mean_tokens, mean_tokens / 3), 48), 2 * mean_tokens))
+        n = rng.randint(lo, hi)
         start = rng.randrange(0, len(text) - n)
         body = lm.decode_tokens(text[start:start + n])
         key = rng.randrange(10000, 99999)
@@ -79,6 +97,44 @@ def make_contexts(lm: Any, count: int, mean_tokens: int, seed: int) -> list[dict
                     "key": str(key), "plant": f"Remember: the pass key is {key}. Say OK.",
                     "tokens": n})
     return out
+
+
+class Prototypes:
+    """Every context of the workload prefilled **once** (its system turn and the planted turn,
+    answered ``OK``), with the attention densities the service records: each system then adopts
+    it (:meth:`ContextService.import_context`), so a run times its calls, not a prefill of
+    1-4K tokens per context and system. Kept at fp in an unlimited service."""
+
+    def __init__(self, lm: Any, work: Path) -> None:
+        from sparkv.device.service import ContextService, ServiceConfig
+
+        self.lm = lm
+        self.svc = ContextService(lm, 1 << 40, Path(tempfile.mkdtemp(prefix="proto-", dir=work)),
+                                  config=ServiceConfig(name="prototypes", compression="fp",
+                                                       journal=False, keep_working=False,
+                                                       aot=False))
+        self.made: dict[int, tuple[list[int], Any, tuple[Any, Any]]] = {}
+
+    def get(self, c: dict[str, Any]) -> tuple[list[int], Any, tuple[Any, Any]]:
+        """``(token ids, per-layer (K, V), (mass, rows))`` of context ``c``."""
+        if c["index"] not in self.made:
+            self.made[c["index"]] = self._make(c)
+        return self.made[c["index"]]
+
+    def _make(self, c: dict[str, Any]) -> tuple[list[int], Any, tuple[Any, Any]]:
+        from sparkv.device.keeper import layer_kv
+
+        cid = self.svc.new_context(c["system"])
+        plant = self.lm.encode_text(f"<|im_start|>user\n{c['plant']}<|im_end|>\n"
+                                    "<|im_start|>assistant\nOK<|im_end|>\n")
+        self.svc.call(cid, prompt_ids=plant, max_new_tokens=0)
+        ctx = self.svc.registry.get(cid)
+        n = len(ctx.tokens)
+        layers = [tuple(x.unsqueeze(0).clone() for x in layer_kv(ctx.memory, l, 0, n))
+                  for l in range(ctx.memory.geometry.num_layers)]  # noqa: E741
+        out = (list(ctx.tokens), layers, (ctx.mass.clone(), ctx.rows.clone()))
+        self.svc.delete(cid)
+        return out
 
 
 def make_trace(contexts: list[dict[str, Any]], calls: int, pattern: str, seed: int,
@@ -105,7 +161,7 @@ def make_trace(contexts: list[dict[str, Any]], calls: int, pattern: str, seed: i
     return out
 
 
-def make_service(lm: Any, system: str, budget: int, swap_dir: Path, ratio: float) -> Any:
+def make_service(lm: Any, system: str, budget: int, swap_dir: Path, ratio: float | None) -> Any:
     from sparkv.device.service import ContextService, ServiceConfig
 
     if system == "unlimited":
@@ -116,17 +172,18 @@ def make_service(lm: Any, system: str, budget: int, swap_dir: Path, ratio: float
 
 
 def run_system(lm: Any, system: str, contexts: list[dict[str, Any]],
-               trace: list[tuple[float, int]], budget: int, new_tokens: int, ratio: float,
-               work: Path, bar: Any = None) -> dict[str, Any]:
-    """One system over the trace; returns its row (latencies in ms) and its answers."""
+               trace: list[tuple[float, int]], budget: int, new_tokens: int,
+               ratio: float | None, work: Path, protos: Prototypes,
+               bar: Any = None) -> dict[str, Any]:
+    """One system over the trace (its contexts adopted from ``protos``); returns its row
+    (latencies in ms) and its answers."""
     swap = Path(tempfile.mkdtemp(prefix=f"{system}-", dir=work))
     svc = make_service(lm, system, budget, swap, ratio)
     try:
         ids, answers, switch, first, total = [], [], [], [], []
         for c in contexts:
-            cid = svc.new_context(c["system"])
-            ids.append(cid)
-            svc.call(cid, c["plant"], max_new_tokens=4)
+            tokens, layers, density = protos.get(c)
+            ids.append(svc.import_context(tokens, layers, density=density))
             if bar is not None:
                 bar.update(1)
         turn = [0] * len(contexts)
@@ -148,11 +205,13 @@ def run_system(lm: Any, system: str, contexts: list[dict[str, Any]],
             if bar is not None:
                 bar.update(1)
         st = svc.stats()
+        st["ratio"] = svc.config.ratio if svc.config.compression == "tolerance" else None
         return {"system": system, "switch_ms": switch, "first_token_ms": first,
                 "total_ms": total, "answers": answers, "passkey_answers": key_answers,
                 "passkey_hits": keys, "stats": {k: st[k] for k in (
                     "peak_bytes", "budget_violations", "evicted_bytes", "reclaim_written_bytes",
-                    "aot_written_bytes", "read_bytes", "read_chunks", "recomputed_chunks")}}
+                    "aot_written_bytes", "read_bytes", "read_chunks", "recomputed_chunks",
+                    "ratio")}}
     finally:
         del svc
         shutil.rmtree(swap, ignore_errors=True)
@@ -180,26 +239,35 @@ def summarise(row: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]
     return out
 
 
+def final_tokens(contexts: list[dict[str, Any]], calls_per_context: float,
+                 new_tokens: int) -> list[int]:
+    """Each context's estimated final length: its text, the system and planted turns (~40
+    tokens) and its share of the trace's turns (~24 tokens of prompt each, plus the answer)."""
+    turn = 24 + new_tokens
+    return [c["tokens"] + 40 + int(turn * (1 + calls_per_context)) for c in contexts]
+
+
 def budget_for(lm: Any, contexts: list[dict[str, Any]], calls_per_context: float,
-               new_tokens: int, fraction: float) -> int:
-    """The budget every system gets: one working memory of the longest call (fp, its turn and
-    64 spare slots), the longest context's int8 KV, and ``fraction`` of every other context's
-    int8 KV (final sizes estimated: its text, the planted turn, its share of the trace's turns).
-    So only a fraction of the contexts fit: an fp whole-context system (LMK, whole swap) holds
-    about one context besides the running one, a chunked system at int8 about ``1 + fraction *
-    (n - 1)``. (The whole-context baselines grow their arena layer by layer,
+               new_tokens: int, fraction: float) -> dict[str, int]:
+    """The budget every system gets: ``fraction`` of the contexts' total KV (fp, the model's
+    dtype, at their final lengths), but never less than the **floor** a chunked system needs to
+    run the longest call at all: one fp working memory of the longest context (its turn and 64
+    spare slots) and that context's int8 KV. Returns ``budget_bytes``, ``total_kv_bytes`` and
+    ``floor_bytes``. (The whole-context baselines grow their arena layer by layer,
     :func:`sparkv.device.loader.grow_arena`, so they need no second copy.)"""
     from sparkv.device.loader import payload_nbytes, working_nbytes
     from sparkv.layout import ChunkGeometry
 
-    turn = 24 + new_tokens
-    finals = [c["tokens"] + 40 + turn * (1 + calls_per_context) for c in contexts]
+    finals = final_tokens(contexts, calls_per_context, new_tokens)
     g = ChunkGeometry.from_config(lm.config, max(finals), 16)
-    work = working_nbytes(g, turn + 16 + 64, lm.dtype)
-    int8 = sorted(payload_nbytes("int8", lm.config.num_key_value_heads * n,
-                                 lm.config.hidden_size // lm.config.num_attention_heads, lm.dtype)
-                  * lm.config.num_hidden_layers for n in finals)
-    return int(work + int8[-1] + fraction * sum(int8[:-1]))
+    work = working_nbytes(g, 24 + new_tokens + 16 + 64, lm.dtype)
+    kv = lm.config.num_key_value_heads
+    d = lm.config.hidden_size // lm.config.num_attention_heads
+    L = lm.config.num_hidden_layers
+    total = sum(payload_nbytes("fp", kv * n, d, lm.dtype) * L for n in finals)
+    floor = work + payload_nbytes("int8", kv * max(finals), d, lm.dtype) * L
+    return {"budget_bytes": int(max(fraction * total, floor)), "total_kv_bytes": int(total),
+            "floor_bytes": int(floor)}
 
 
 # ---- the resident ask vs the first ask -------------------------------------------------------------
@@ -237,29 +305,34 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--calls", type=int, default=24, help="calls per trace")
     p.add_argument("--patterns", default=",".join(PATTERNS),
                    help="call patterns over the contexts (docs/device-service.md)")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="systems compared: LLMS, its ablations and the baselines")
-    p.add_argument("--mean-tokens", type=int, default=256, help="mean context text length")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"systems compared: LLMS, its ablations and the baselines (of "
+                        f"{','.join(SYSTEMS)}; lmk recomputes a 1-4K context per switch)")
+    p.add_argument("--context-tokens", default="1024-4096",
+                   help="context text lengths LO-HI in tokens (uniform; the issue's 1K-4K)")
     p.add_argument("--max-new-tokens", type=int, default=8, dest="new_tokens",
                    help="answer tokens per call")
     p.add_argument("--memory-budget-fraction", type=float, default=0.25, dest="budget_fraction",
-                   help="share of the other contexts' int8 KV the budget holds beyond one working "
-                        "memory and the longest context")
+                   help="the budget as a share of the contexts' total KV (fp, final lengths); "
+                        "never below one working memory of the longest context and its int8 KV")
     p.add_argument("--memory-budget-mb", type=float, default=None, dest="budget_mb",
                    help="the budget in MB (10^6 bytes), instead of --memory-budget-fraction")
-    p.add_argument("--ratio", type=float, default=1.0,
+    p.add_argument("--ratio", type=float, default=None,
                    help="LLMS's global compression ratio (bytes relative to int8; the first "
-                        "chunk, the attention sinks, is kept at fp outside it)")
+                        "chunk, the attention sinks, is kept at fp outside it); default: the "
+                        "model's quality table's (the service's default), else 1.0")
     p.add_argument("--sweep", default="2,4,8,16",
                    help="context counts for the active-contexts metric ('' to skip)")
     p.add_argument("--sweep-systems", default="vllm-sq,llms",
                    help="systems of the active-contexts sweep")
-    p.add_argument("--limit-ms", type=float, default=50.0, help="switching latency limit")
+    p.add_argument("--limit-ms", type=float, default=200.0,
+                   help="switching latency limit of the active-contexts sweep")
     p.add_argument("--ask-tokens", type=int, default=1024,
                    help="document tokens of the resident-ask measurement (0 to skip)")
     p.add_argument("--seed", type=int, default=0, help="seed of the contexts and the calls")
     p.add_argument("--quick", action="store_true",
-                   help="6 contexts, 16 calls, the markov pattern, sweep 2,4,8 (a smoke run)")
+                   help="6 contexts of 256-768 tokens, 12 calls, the markov pattern, sweep 2,4 "
+                        "(a smoke run)")
     add_run_args(p, "contexts", threads=1, quick=True,
                  threads_help="torch threads (1: the fastest on a loaded machine)")
     p.set_defaults(func=run)
@@ -276,24 +349,24 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model)
     work = Path(tempfile.mkdtemp(prefix="sparkv-contexts-"))
     t0 = time.perf_counter()
-    contexts = make_contexts(lm, args.contexts, args.mean_tokens, args.seed)
-    budget = (int(args.budget_mb * 1e6) if args.budget_mb else
-              budget_for(lm, contexts, args.calls / args.contexts, args.new_tokens,
-                         args.budget_fraction))
+    tokens = parse_token_range(args.context_tokens)
+    contexts = make_contexts(lm, max([args.contexts] + sweep), tokens, args.seed)
+    budget = _budget(lm, contexts[:args.contexts], args)
     per_run = 2 * args.contexts + args.calls
     total = len(patterns) * (len(systems) + 1) * per_run
     total += sum(len(sweep_systems) * (2 * n + args.calls) for n in sweep)
     bar = tqdm(total=total, desc="contexts bench", unit="call")
     results: dict[str, Any] = {"patterns": {}, "sweep": {}}
-    run_one = functools.partial(run_system, lm, budget=budget, new_tokens=args.new_tokens,
-                                ratio=args.ratio, work=work, bar=bar)
+    protos = Prototypes(lm, work)
+    run_one = functools.partial(run_system, lm, budget=budget["budget_bytes"],
+                                new_tokens=args.new_tokens, ratio=args.ratio, work=work,
+                                protos=protos, bar=bar)
     try:
         for pattern in patterns:
-            results["patterns"][pattern] = _pattern_runs(run_one, contexts, systems, pattern,
-                                                         args)
+            results["patterns"][pattern] = _pattern_runs(run_one, contexts[:args.contexts],
+                                                         systems, pattern, args)
         for n in sweep:
-            cs = make_contexts(lm, n, args.mean_tokens, args.seed + 100)
-            _sweep_runs(run_one, cs, sweep_systems, n, args, results["sweep"])
+            _sweep_runs(run_one, contexts[:n], sweep_systems, n, args, results["sweep"])
         bar.close()
         if args.ask_tokens:
             results["resident_ask"] = resident_ask(lm, args.ask_tokens, work, 8)
@@ -304,10 +377,12 @@ def run(args: argparse.Namespace) -> int:
                      default=0) for s, d in results["sweep"].items()}
     results["max_active_contexts"] = active
     results["ratios"] = _ratios(results, active)
-    results["budget_bytes"] = budget
+    results["paper"] = PAPER
+    results.update(budget)
+    results["settings"] = _workload(contexts[:args.contexts], budget, args)
     results["seconds"] = time.perf_counter() - t0
-    results["note"] = ("measured on a shared 2-core CPU loaded by other jobs; torch threads "
-                       f"{args.threads}; latencies are wall clock")
+    results["note"] = (f"torch threads {args.threads}; latencies are wall clock; every system "
+                       "adopts the same prefilled contexts (Prototypes)")
     _print(results, args)
     if args.json or args.out:
         path = write_result("contexts", results, config={
@@ -316,13 +391,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget(lm: Any, contexts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, int]:
+    """The run's budget (:func:`budget_for`), or ``--memory-budget-mb``."""
+    b = budget_for(lm, contexts, args.calls / args.contexts, args.new_tokens,
+                   args.budget_fraction)
+    if args.budget_mb:
+        b["budget_bytes"] = int(args.budget_mb * 1e6)
+    return b
+
+
+def _workload(contexts: list[dict[str, Any]], budget: dict[str, int],
+              args: argparse.Namespace) -> dict[str, Any]:
+    """The workload's settings, as the JSON records them."""
+    lengths = [c["tokens"] for c in contexts]
+    return {"contexts": args.contexts, "calls": args.calls, "context_tokens": args.context_tokens,
+            "text_tokens": lengths, "mean_text_tokens": sum(lengths) / len(lengths),
+            "max_new_tokens": args.new_tokens, "budget_fraction": args.budget_fraction,
+            "budget_of_total_kv": budget["budget_bytes"] / max(1, budget["total_kv_bytes"]),
+            "budget_floor_applied": budget["budget_bytes"] == budget["floor_bytes"],
+            "ratio": args.ratio if args.ratio is not None else "the quality table's (else 1.0)",
+            "limit_ms": args.limit_ms, "seed": args.seed}
+
+
 def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], list[int], list[str]]:
     """Applies ``--quick`` and checks the options: ``(systems, patterns, sweep context counts,
     sweep systems)``."""
     if args.quick:
-        args.contexts, args.calls, args.patterns = 6, 16, "markov"
-        args.sweep = "2,4,8" if args.sweep == "2,4,8,16" else args.sweep
-        args.mean_tokens = min(args.mean_tokens, 192)
+        args.contexts, args.calls, args.patterns = 6, 12, "markov"
+        args.sweep = "2,4" if args.sweep == "2,4,8,16" else args.sweep
+        args.context_tokens = ("256-768" if args.context_tokens == "1024-4096"
+                               else args.context_tokens)
         args.ask_tokens = min(args.ask_tokens, 1024)
     systems = [s for s in args.systems.split(",") if s]
     patterns = [s for s in args.patterns.split(",") if s]
@@ -331,6 +429,8 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]
             raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
     if args.contexts < 1 or args.calls < 1:
         raise SystemExit("--contexts and --calls must be >= 1")
+    if not 0.0 < args.budget_fraction <= 1.0:
+        raise SystemExit("--memory-budget-fraction must be in (0, 1]")
     sweep = [int(x) for x in args.sweep.split(",") if x]
     sweep_systems = [s for s in args.sweep_systems.split(",") if s]
     return systems, patterns, sweep, sweep_systems
@@ -382,6 +482,7 @@ def _ratios(results: dict[str, Any], active: dict[str, int]) -> dict[str, Any]:
                         for b in ("lmk", "swap", "vllm-s", "vllm-sq") if b in by}
         out[pattern]["llms_identical_answers"] = by["llms"].get("identical_answers")
         out[pattern]["llms_passkey_acc"] = by["llms"]["passkey_acc"]
+        out[pattern]["llms_ratio"] = by["llms"].get("ratio")
         out[pattern]["unlimited_passkey_acc"] = d["unlimited"]["passkey_acc"]
     if active.get("vllm-sq") is not None and "llms" in active:
         out["active_llms_over_vllm_sq"] = active["llms"] / max(active["vllm-sq"], 1)
@@ -391,7 +492,8 @@ def _ratios(results: dict[str, Any], active: dict[str, int]) -> dict[str, Any]:
 def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
     for pattern, d in results["patterns"].items():
         print(f"\npattern {pattern}: {args.contexts} contexts, {args.calls} calls, budget "
-              f"{results['budget_bytes'] / 1e6:.1f} MB")
+              f"{results['budget_bytes'] / 1e6:.1f} MB "
+              f"({results['settings']['budget_of_total_kv']:.0%} of their KV)")
         rows = [[r["system"], r["mean_switch_ms"], r["p99_switch_ms"],
                  r.get("identical_answers", float("nan")), r["passkey_acc"],
                  r["peak_bytes"] / 1e6, r["reclaim_written_bytes"] / 1e6, r["read_chunks"],

@@ -167,13 +167,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:
     """The tolerance ratio when ``--ratio`` is not given: the smallest ratio whose verdict passes
-    in the model's quality table (``device`` section; docs/quality.md), else the preset's (1.0).
-    Only the ``tolerance`` compression has a ratio."""
-    if config.compression != "tolerance":
-        return config.ratio
-    from sparkv.predictor.quality import device_ratio_for
+    in the model's quality table (``device`` section; docs/quality.md), else 1.0
+    (:func:`sparkv.device.config.resolved_ratio`). Only the ``tolerance`` compression has a
+    ratio."""
+    from sparkv.device.config import resolved_ratio
 
-    return device_ratio_for(model_fingerprint, fallback=config.ratio)
+    return resolved_ratio(config, model_fingerprint)
 
 
 def _listen_tcp(service: "ContextService", args: argparse.Namespace) -> int:

@@ -21,6 +21,8 @@ from typing import Any
 from sparkv.device.budget import EVICTION_POLICIES, WholeContextLRU
 
 PUT_AWAY = ("chunks", "kill", "file")
+#: the ratio without a quality verdict: every unprotected chunk at int8 (docs/device-service.md)
+FALLBACK_RATIO = 1.0
 
 
 @dataclass
@@ -30,7 +32,8 @@ class ServiceConfig:
     name: str = "llms"
     chunk_tokens: int = 16
     compression: str = "tolerance"     # tolerance | int8 | fp
-    ratio: float = 1.0                 # global ratio of bytes to int8 (tolerance only)
+    ratio: float | None = None         # global ratio of bytes to int8 (tolerance only); None:
+    #                                    the model's quality table's (:func:`resolved_ratio`)
     fp_fraction: float = 0.0           # the densest fraction of chunks kept at fp (tolerance)
     fp_protect: int = 1                # the first chunks (attention sinks) kept at fp, outside
     #                                    the ratio (tolerance only)
@@ -60,7 +63,7 @@ class ServiceConfig:
                              "eviction with put_away chunks")
         if self.put_away != "chunks" and (self.compression != "fp" or self.journal):
             raise ValueError("whole contexts are kept at fp and not journaled")
-        if not 0.25 <= self.ratio <= 4.0:
+        if self.ratio is not None and not 0.25 <= self.ratio <= 4.0:
             raise ValueError("ratio must be in [0.25, 4] (bytes relative to int8)")
         if not 0.0 <= self.fp_fraction <= 1.0 or self.fp_protect < 0:
             raise ValueError("fp_fraction must be in [0, 1] and fp_protect >= 0")
@@ -90,3 +93,21 @@ class ServiceConfig:
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; known: {sorted(presets)}")
         return cls(name=name, **{**presets[name], **kw})
+
+
+def resolved_ratio(config: ServiceConfig, model_fingerprint: str,
+                   table: str | None = None) -> float:
+    """The tolerance ratio a service runs: ``config.ratio`` when set; else (``None``, the
+    default) the smallest ratio whose verdict passes in the model's quality table (its
+    ``device`` section, every larger measured ratio passing too:
+    :func:`sparkv.predictor.quality.device_ratio_for`, judged by task accuracy and
+    teacher-forced agreement against unlimited memory, docs/quality.md), else
+    :data:`FALLBACK_RATIO` (1.0: every chunk at int8). ``table``: a table path (default: the
+    model's usable table). Only ``tolerance`` compression has a ratio; the others get 1.0."""
+    if config.ratio is not None:
+        return float(config.ratio)
+    if config.compression != "tolerance":
+        return FALLBACK_RATIO
+    from sparkv.predictor.quality import device_ratio_for
+
+    return float(device_ratio_for(model_fingerprint, fallback=FALLBACK_RATIO, path=table))

@@ -143,20 +143,61 @@ def _stack_values(parts: list[Any]) -> Any:
     return torch.cat(parts)
 
 
+def _codes_u8(t: QuantizedTensor) -> torch.Tensor:
+    """The codes of ``t`` as one uint8 per value ``[rows, dim]`` (int4 / int2 unpacked in uint8,
+    no int32 temporaries)."""
+    if t.bits == 8:
+        return t.codes
+    per = 8 // t.bits
+    shifts = torch.arange(per, dtype=torch.uint8, device=t.codes.device) * t.bits
+    return ((t.codes.unsqueeze(-1) >> shifts) & ((1 << t.bits) - 1)).reshape(
+        t.codes.shape[0], -1)[:, :t.dim]
+
+
 def dequantize_fast(t: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``dequantize(t, dtype)``, bit for bit, with the int4 / int2 codes unpacked in uint8 (no
     int32 temporaries) and the affine map in place: int4 and int2 cost about what int8 does."""
-    if t.bits == 8:
-        q = t.codes
-    else:
-        per = 8 // t.bits
-        shifts = torch.arange(per, dtype=torch.uint8, device=t.codes.device) * t.bits
-        q = ((t.codes.unsqueeze(-1) >> shifts) & ((1 << t.bits) - 1)).reshape(
-            t.codes.shape[0], -1)[:, :t.dim]
+    q = _codes_u8(t)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     out.copy_(q)
     out.mul_(t.scale.float().unsqueeze(1)).add_(t.zero.float().unsqueeze(1))
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _arena_order(parts: list[Any], hg: int, n: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values of ``m`` chunk payload sides (each ``[hg x n, d]``, fp or quantized, one level)
+    as one ``[hg, m, n, d]`` tensor in ``dtype``: the arena's head-major order, so that the
+    chunks of one layer are a view ``[hg, c x n, d]`` (no temporary per copy). Quantized sides
+    are dequantized straight into that order, bit for bit :func:`dequantize_fast`."""
+    m = len(parts)
+    if not isinstance(parts[0], QuantizedTensor):
+        return torch.stack([p.reshape(hg, n, d) for p in parts], dim=1).to(dtype)
+    st = _stack_values(parts)
+    q = _codes_u8(st)
+    buf = torch.empty(hg, m, n, d, dtype=torch.float32, device=q.device)
+    view = buf.permute(1, 0, 2, 3)
+    view.copy_(q.view(m, hg, n, d))
+    view.mul_(st.scale.float().view(m, hg, n, 1)).add_(st.zero.float().view(m, hg, n, 1))
+    return buf if dtype == torch.float32 else buf.to(dtype)
+
+
+def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: int, T: int,
+                  index: dict[tuple[int, ...], torch.Tensor]) -> None:
+    """Writes ``src`` ``[hg, c, n, d]`` (chunks ``ts`` of one layer, ``n`` tokens each) into the
+    arena slice ``dst`` ``[hg, tokens, d]``: one slice copy when they are consecutive whole
+    chunks, else one ``index_copy_`` (the positions cached in ``index`` by ``ts``)."""
+    hg, c, _, d = src.shape
+    flat = src.reshape(hg, c * n, d)           # a view: chunks of one layer are adjacent
+    if n == T and ts[-1] - ts[0] == c - 1:
+        dst[:, ts[0] * T:ts[0] * T + c * n].copy_(flat)
+        return
+    key = tuple(ts)
+    idx = index.get(key)
+    if idx is None:
+        idx = (torch.tensor(key, dtype=torch.long)[:, None] * T
+               + torch.arange(n, dtype=torch.long)).reshape(-1).to(dst.device)
+        index[key] = idx
+    dst.index_copy_(1, idx, flat)
 
 
 def fill_layer(C: ContextKV, W: ContextKV, l: int, skip: set[int] | None = None) -> int:  # noqa: E741
@@ -169,8 +210,10 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
                 only: set[int] | None = None) -> int:
     """Writes every resident chunk of ``layers`` of ``C`` (token chunks in ``only`` if given,
     except those in ``skip``) into ``W``'s dense arena, dequantized **once per (level, length,
-    group) over all the layers** (one unpack and one affine map for all of them; then one copy
-    per layer): int4 and int2 cost one more shift and mask, not more operations per chunk.
+    group) over all the layers** (one unpack and one affine map for all of them, straight into
+    the arena's head-major order; then one write per layer: a slice copy for a run of
+    consecutive chunks, else one ``index_copy_``, however the levels interleave): int4 and int2
+    cost one more shift and mask, not more operations per chunk.
     Returns the number of chunks written."""
     g = C.geometry
     for l in layers:  # noqa: E741
@@ -193,34 +236,23 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
                                         "service keeps whole chunks")
                 groups.setdefault((p.level, n, gg), []).append((l, t, p))
     written = 0
-    d = g.head_dim
-    hg = g.heads_per_group
+    index: dict[tuple[int, ...], torch.Tensor] = {}
     for (level, n, gg), items in groups.items():
-        ks = _stack_values([p.k for _, _, p in items])
-        vs = _stack_values([p.v for _, _, p in items])
-        if level == "fp":
-            k_all, v_all = ks, vs
-        else:
-            k_all, v_all = dequantize_fast(ks, W.dtype), dequantize_fast(vs, W.dtype)
-        k_all = k_all.view(len(items), hg, n, d)
-        v_all = v_all.view(len(items), hg, n, d)
+        ks = _arena_order([p.k for _, _, p in items], g.heads_per_group, n, g.head_dim, W.dtype)
+        vs = _arena_order([p.v for _, _, p in items], g.heads_per_group, n, g.head_dim, W.dtype)
         h0, h1 = g.head_range(gg)
         i = 0
-        while i < len(items):          # items are layer-major, t ascending: one run per
-            l, t_a, _ = items[i]  # noqa: E741   # layer and run of consecutive token chunks,
-            j = i + 1                  # copied straight into the arena's slice (one copy)
-            while (j < len(items) and items[j][0] == l and items[j][1] == t_a + (j - i)
-                   and n == g.chunk_tokens):
+        while i < len(items):          # items are layer-major, t ascending: one write per
+            l = items[i][0]  # noqa: E741   # layer (a slice copy or one index_copy_)
+            j = i
+            while j < len(items) and items[j][0] == l:
                 j += 1
-            c = j - i
-            s0 = t_a * g.chunk_tokens
+            ts = [t for _, t, _ in items[i:j]]
             store = W.layers[l]
             assert store is not None and store.k is not None and store.v is not None
-            store.k[0, h0:h1, s0:s0 + c * n].unflatten(1, (c, n)).copy_(
-                k_all[i:j].permute(1, 0, 2, 3))
-            store.v[0, h0:h1, s0:s0 + c * n].unflatten(1, (c, n)).copy_(
-                v_all[i:j].permute(1, 0, 2, 3))
-            written += c
+            _write_chunks(store.k[0, h0:h1], ks[:, i:j], ts, n, g.chunk_tokens, index)
+            _write_chunks(store.v[0, h0:h1], vs[:, i:j], ts, n, g.chunk_tokens, index)
+            written += j - i
             i = j
     for l in layers:  # noqa: E741
         store = W.layers[l]

@@ -68,7 +68,7 @@ from sparkv.cache import ContextKV, Residency
 from sparkv.device.baselines import BRING_BACK, WholeKeeper
 from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.chunked import ChunkKeeper
-from sparkv.device.config import ServiceConfig
+from sparkv.device.config import ServiceConfig, resolved_ratio
 from sparkv.device.density import DensityRecorder, install_hooks, recording
 from sparkv.device.errors import (ContextBusy, ContextDamaged, DeviceError, PromptTooLong,
                                   UnknownContext)
@@ -155,7 +155,8 @@ class ContextService:
 
         self.lm = model if isinstance(model, LoadedModel) else load_model(model)
         cfg = config or ServiceConfig()
-        self.config = replace(cfg, **overrides) if overrides else cfg
+        cfg = replace(cfg, **overrides) if overrides else cfg
+        self.config = replace(cfg, ratio=resolved_ratio(cfg, self.lm.fingerprint))
         self.counters: dict[str, float] = {
             "calls": 0, "evicted_chunks": 0, "evicted_bytes": 0, "reclaim_written_bytes": 0,
             "aot_written_bytes": 0, "read_bytes": 0, "recomputed_chunks": 0, "read_chunks": 0,

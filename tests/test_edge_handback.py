@@ -71,7 +71,8 @@ class _TraceStream:
 
 
 class SlowStepper(LayerStepper):
-    """Every layer step takes at least :data:`STEP_S` (a device far slower than the link)."""
+    """Every layer step takes at least :data:`STEP_S` (a device far slower than the link), one
+    by one or in a column."""
 
     def run_step(self, step):
         import time
@@ -81,6 +82,17 @@ class SlowStepper(LayerStepper):
         time.sleep(max(0.0, STEP_S - (time.perf_counter() - t0)))
         res.seconds = max(res.seconds, STEP_S)
         return res
+
+    def run_column(self, t, l0, l1):  # noqa: E741
+        """A column of ``l1 - l0`` steps takes as long as they would one by one."""
+        import time
+
+        t0 = time.perf_counter()
+        out = super().run_column(t, l0, l1)
+        time.sleep(max(0.0, STEP_S * len(out) - (time.perf_counter() - t0)))
+        for r in out:
+            r.seconds = max(r.seconds, STEP_S)
+        return out
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkv.cache import ContextKV, ragged_attention
+from sparkv.cache import ragged_attention
 from sparkv.cache.levels import quantize
 from sparkv.cache.payload import ChunkPayload
 from sparkv.cache.qattend import (QuantizedRows, attend_entries, attend_stacked,

@@ -499,7 +499,7 @@ class LayerState:
     def _gather(self, selected: list[list[int]]) -> Gathered:
         """Every KV head's attended entries in one padded tensor: the window, then its selected
         entries (flushed + write buffer), its RAM-only entries, each position once."""
-        cnt, eng = self.eng.counters, self.eng
+        cnt = self.eng.counters
         s_end, w0 = self.sink_n, self.rec_start
         parts: list[HeadParts] = []
         retrieved = 0

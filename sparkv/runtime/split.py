@@ -27,7 +27,6 @@ import threading
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 LseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float],
                      tuple[torch.Tensor, torch.Tensor]]

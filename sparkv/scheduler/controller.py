@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, NamedTuple
 
 from sparkv.layout import KVChunkId, StepId

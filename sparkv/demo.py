@@ -16,6 +16,7 @@ import logging
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -179,13 +180,16 @@ def _ask_pressed(session: Any, cid: str, press: str, args: argparse.Namespace, r
                  runs: list[tuple[str, Any]], rows: list[list[Any]]) -> None:
     """Has the server compress the context with the press ``press`` and asks sparkv over the
     compressed variant (appended to ``runs`` and ``rows`` as ``sparkv+press``)."""
+    from sparkv.edge.client import QualityWarning
     from sparkv.edge.options import AskOptions
     from sparkv.presses import canonical_spec
 
     spec, note = choose_press(session.lm.fingerprint, press)
     spec = canonical_spec(spec)
     t0 = time.perf_counter()
-    pcid = session.client.pressed_context(cid, spec, progress=True)
+    with warnings.catch_warnings():      # the demo prints the warning as its own line below
+        warnings.simplefilter("ignore", QualityWarning)
+        pcid = session.client.pressed_context(cid, spec, progress=True)
     print(f"\ncompressed variant {pcid} ({spec}): encoded by the server in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     if session.client.quality_warnings.get(pcid):

@@ -132,11 +132,15 @@ def test_utilisation_window_keeps_one_mark_before_the_window():
 
 def test_fingerprint():
     fp = device_fingerprint("cpu", threads=1)
-    assert set(fp) == {"cpu", "cores", "torch", "threads", "cuda"}
+    assert set(fp) == {"cpu", "cores", "torch", "threads", "cuda", "dtype"}
     assert fp["threads"] == 1 and fp["cuda"] is None and fp["torch"] == torch.__version__
     other = dict(fp, threads=2)
     assert fingerprint_differences(fp, fp) == []
     assert fingerprint_differences(fp, other) == ["threads: 1 != 2"]
+    # a profile is kept per compute dtype (docs/dtypes.md)
+    assert fp["dtype"] == "float32"
+    assert fingerprint_differences(fp, dict(fp, dtype="bfloat16")) == [
+        "dtype: 'float32' != 'bfloat16'"]
 
 
 def test_profile_cli_and_bench_on_a_saved_tiny_model(tiny2, tmp_path, capsys):

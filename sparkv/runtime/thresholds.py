@@ -73,11 +73,11 @@ def thresholds_path(fingerprint: str) -> Path:
 
 def save_thresholds(th: SparseThresholds, path: str | os.PathLike[str] | None = None) -> Path:
     """Writes ``th`` (atomically) to ``path`` or :func:`thresholds_path`; returns the path."""
+    from sparkv.fileio import atomic_write
+
     out = Path(path) if path else thresholds_path(th.fingerprint)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(th), indent=1))
-    os.replace(tmp, out)
+    atomic_write(out, json.dumps(asdict(th), indent=1).encode())
     return out
 
 

@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-bench/results}")
 mkdir -p "$out"
-phases=${GPU_CHECK_PHASES:-"tests attention prefill prefill1k ttft"}
+phases=${GPU_CHECK_PHASES:-"tests attention prefill ttft"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
@@ -44,14 +44,14 @@ phase() {   # phase NAME SECONDS CMD...
 }
 BENCH="$PY -m sparkv.cli bench"
 
-phase tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.py \
-  tests/test_runtime_split.py -rs
+phase tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.py \
+  tests/test_runtime_split.py tests/test_device_paths.py tests/test_qattend.py \
+  tests/test_dynakv_batched.py tests/test_runtime_sparsecal.py -rs
 phase attention 100 $BENCH attention --heads 24/8/128,9/3/64 --lengths 8192,32768 \
   --densities 0.1,0.25,0.5 --repeats 3 --save-profile --out "$tmp/attention-$tag.json"
-phase prefill 110 $BENCH prefill --device cuda --model random:llama-3.2-3b \
-  --sizes 8192,16384,32768 --chunk-tokens 4096 --repeats 3 --max-new-tokens 4 \
-  --variants full,dense_mask,dense,dense+fused,auto,auto+fused \
-  --out "$tmp/prefill-$tag.json"
+phase prefill 90 $BENCH prefill --device cuda --model random:llama-3.2-3b \
+  --sizes 8192,32768 --chunk-tokens 4096 --repeats 3 --max-new-tokens 4 \
+  --variants full,dense,dense+fused,auto --out "$tmp/prefill-$tag.json"
 phase prefill1k 60 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 32768 --chunk-tokens 1024 --repeats 1 --max-new-tokens 4 \
   --variants full,dense_mask,dense --profile dense --out "$tmp/prefill-t1024-$tag.json"

@@ -69,6 +69,9 @@ def test_choose_dtype_reads_the_models_table(tmp_path, cpuinfo):
     _table("fp-tiny", "fail").save(path)
     choice = choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"])
     assert choice.dtype == torch.float32 and "fails bfloat16" in choice.reason
+    # a GPU follows the same measured loss: a failed bf16 verdict means float32 there too
+    choice = choose_dtype("auto", torch.device("cuda"), "fp-tiny", path, cpuinfo["amx"])
+    assert choice.dtype == torch.float32 and "CUDA" in choice.reason
 
 
 def test_load_model_in_dtype_casts_where_auto_says(tmp_path, tiny_llama, cpuinfo):

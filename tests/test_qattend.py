@@ -10,8 +10,8 @@ import torch
 from sparkv.cache import ragged_attention
 from sparkv.cache.levels import quantize
 from sparkv.cache.payload import ChunkPayload
-from sparkv.cache.qattend import (QuantizedRows, attend_entries, attend_stacked,
-                                  merge_partials)
+from sparkv.cache.qattend import (DequantizedRows, QuantizedRows, attend_entries,
+                                  attend_stacked, merge_partials)
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 D = 64
@@ -48,10 +48,11 @@ def _reference(q, payloads, q_pos, tail=None):
     return ragged_attention(q, cat, q_pos, None)[0]
 
 
+@pytest.mark.parametrize("rows_class", [QuantizedRows, DequantizedRows])
 @pytest.mark.parametrize("level", ["int8", "int4", "int2"])
-def test_fused_equals_dequantize_then_attend(level):
+def test_fused_equals_dequantize_then_attend(level, rows_class):
     payloads, h0 = _payloads(level, [[30, 17], [0, 40], [300, 5]], seed=1)
-    rows = QuantizedRows(payloads, h0, num_kv_heads=2)
+    rows = rows_class(payloads, h0, num_kv_heads=2)
     q = torch.randn(1, 6, 1, D)
     q_pos = torch.tensor([1000])
     got = rows.attend(q, q_pos, None).out
@@ -69,9 +70,11 @@ def test_masked_queries_and_fp_tail():
     stacked = attend_stacked(q, torch.stack([t[0] for t in tail]),
                              torch.stack([t[1] for t in tail]), tail[0][2], q_pos, None)
     torch.testing.assert_close(stacked.out, attend_entries(q, tail, q_pos, None).out)
-    fused = rows.attend(q, q_pos, None, (torch.stack([t[0] for t in tail]),
-                                         torch.stack([t[1] for t in tail]), tail[0][2]))
-    torch.testing.assert_close(fused.out, got, atol=2e-5, rtol=1e-4)
+    stacked_tail = (torch.stack([t[0] for t in tail]), torch.stack([t[1] for t in tail]),
+                    tail[0][2])
+    for fused in (rows.attend(q, q_pos, None, stacked_tail),
+                  DequantizedRows(payloads, h0, 2).attend(q, q_pos, None, stacked_tail)):
+        torch.testing.assert_close(fused.out, got, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got, _reference(q, payloads, q_pos, tail), atol=2e-5, rtol=1e-4)
 
 

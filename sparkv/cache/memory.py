@@ -33,7 +33,7 @@ from sparkv.cache.layer import HeadEntries, KVMemoryError, LayerStore
 from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.cache.payload import (ChunkPayload, PayloadError, contiguous_positions, from_bytes,
                                   to_bytes)
-from sparkv.cache.qattend import QuantizedRows, ResidentAttention
+from sparkv.cache.qattend import ResidentAttention, rows_for
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -690,7 +690,8 @@ class ContextKV:
             heads = [(torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
                       torch.cat([x[2] for x in hs])) if hs else
                      (z, z, torch.zeros(0, dtype=torch.long)) for hs in fp]
-        return ResidentAttention([QuantizedRows(ps, hs, g.num_kv_heads)
+        rows = rows_for(self.device)
+        return ResidentAttention([rows(ps, hs, g.num_kv_heads)
                                   for ps, hs in quantized.values()], heads)
 
     def is_dense(self, l: int) -> bool:  # noqa: E741

@@ -303,9 +303,9 @@ def attend_entries(q: torch.Tensor, heads: Sequence[tuple[torch.Tensor, torch.Te
     _, hq, nq, d = q.shape
     group = hq // len(heads)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = torch.zeros(hq, nq, d)
-    lse = torch.full((hq, nq), float("-inf"))
-    qp = q_pos.to(torch.long).view(1, -1, 1)
+    out = torch.zeros(hq, nq, d, device=q.device)
+    lse = torch.full((hq, nq), float("-inf"), device=q.device)
+    qp = q_pos.to(device=q.device, dtype=torch.long).view(1, -1, 1)
     for h, (k, v, pos) in enumerate(heads):
         if k.shape[0] == 0:
             continue
@@ -354,6 +354,56 @@ def merge_partials(parts: Sequence[Partial]) -> Partial:
     return Partial(out, safe + torch.log(tot))
 
 
+class DequantizedRows:
+    """:class:`QuantizedRows`' contract on a device the numba kernel cannot read (a GPU): each
+    call dequantizes the payloads on their device (a bandwidth-bound pass, no Python per row)
+    and attends with torch. Nothing is cached, so the memory stays quantized between calls."""
+
+    def __init__(self, payloads: Sequence[ChunkPayload], head0: Sequence[int],
+                 num_kv_heads: int) -> None:
+        if len(payloads) != len(head0):
+            raise ValueError("one first head per payload")
+        for p in payloads:
+            if not isinstance(p.k, QuantizedTensor) or not isinstance(p.v, QuantizedTensor):
+                raise ValueError(f"{p.cid} is at level {p.level}: not quantized")
+        self.payloads, self.head0, self.num_kv_heads = list(payloads), list(head0), num_kv_heads
+
+    def _heads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        per: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
+            [] for _ in range(self.num_kv_heads)]
+        for p, h0 in zip(self.payloads, self.head0):
+            k, v = p.fp()
+            for i, sl in enumerate(p.head_slices()):
+                per[h0 + i].append((k[sl], v[sl], p.pos[sl].long()))
+        out = []
+        for hs in per:
+            if hs:
+                out.append((torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
+                            torch.cat([x[2] for x in hs])))
+            else:
+                z = torch.zeros(0, 1)
+                out.append((z, z, torch.zeros(0, dtype=torch.long)))
+        return out
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
+               tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Partial:
+        """As :meth:`QuantizedRows.attend`, on ``q``'s device."""
+        parts = [attend_entries(q, self._heads(), q_pos, scale)] if self.payloads else []
+        if tail is not None and tail[0].shape[1]:
+            parts.append(attend_stacked(q, *tail, q_pos, scale))
+        if not parts:
+            _, hq, nq, d = q.shape
+            return Partial(torch.zeros(hq, nq, d, device=q.device),
+                           torch.full((hq, nq), float("-inf"), device=q.device))
+        return merge_partials(parts)
+
+
+def rows_for(device: torch.device) -> type:
+    """The quantized-rows reader for KV held on ``device``: the fused numba kernel on the CPU,
+    dequantize-then-attend with torch elsewhere."""
+    return QuantizedRows if device.type == "cpu" else DequantizedRows
+
+
 class ResidentAttention:
     """Attention over one layer's resident entries as held: its quantized chunks read in place
     (one :class:`QuantizedRows` per level) and its fp chunks (per KV head ``(k, v, pos)``), plus an optional
@@ -361,7 +411,7 @@ class ResidentAttention:
     <sparkv.cache.memory.ContextKV.resident_attention>` builds and decoders call.
     """
 
-    def __init__(self, rows: Sequence[QuantizedRows],
+    def __init__(self, rows: Sequence[QuantizedRows | DequantizedRows],
                  fp_heads: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
                  ) -> None:
         self.rows = list(rows)

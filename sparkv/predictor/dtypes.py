@@ -66,8 +66,7 @@ def choose_dtype(dtype: str | torch.dtype | None, device: torch.device, model_fi
     requested = _requested_name(dtype)
     if requested != "auto":
         return DtypeChoice(resolve_dtype(dtype, device), requested, f"--dtype {requested}")
-    verdict = table_dtype_passes(model_fingerprint, "bfloat16", table_path) \
-        if device.type == "cpu" else None
+    verdict = table_dtype_passes(model_fingerprint, "bfloat16", table_path)
     chosen, reason = auto_dtype(device, verdict, cpuinfo)
     return DtypeChoice(chosen, requested, reason)
 

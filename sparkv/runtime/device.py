@@ -72,10 +72,14 @@ def auto_dtype(device: torch.device, bf16_quality: bool | None = None,
 
     Args:
         bf16_quality: whether the model's quality table passes bfloat16 (``None``: no verdict).
-            Only the CPU asks: there bfloat16 needs a pass *and* bf16 hardware.
+            On the CPU bfloat16 needs a pass *and* bf16 hardware; on CUDA half precision is
+            the default unless the table *fails* bfloat16 (then float32: the same measured
+            loss would follow a model to the GPU).
         cpuinfo: the file :func:`cpu_bf16_flags` reads (tests pass a fake one).
     """
     if device.type == "cuda":
+        if bf16_quality is False:
+            return torch.float32, "CUDA device, but the model's quality table fails bfloat16"
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, "CUDA device with bfloat16"
         return torch.float16, "CUDA device without bfloat16"

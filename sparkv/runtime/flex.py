@@ -63,10 +63,16 @@ def _kernel(device: torch.device, dynamic: bool = True) -> Any:
 
 def _indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, nqb, nkb]`` bool -> ``(num [B, H, nqb] int32, indices [B, H, nqb, nkb] int32)``,
-    the kept key blocks of each query block first, in ascending order."""
-    num = mask.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return num.contiguous(), order.contiguous()
+    the kept key blocks of each query block first, in ascending order (the slots past ``num``
+    hold block indices flex never reads). One cumulative sum and one scatter: no sort."""
+    nkb = mask.shape[-1]
+    rank = torch.cumsum(mask, dim=-1, dtype=torch.int32) - 1   # slot of each kept block
+    num = (rank[..., -1] + 1).contiguous()
+    # dropped blocks all go to the last slot, which is past ``num`` whenever one is dropped
+    slot = torch.where(mask, rank, torch.full_like(rank, nkb - 1)).long()
+    src = torch.arange(nkb, dtype=torch.int32, device=mask.device).expand_as(rank)
+    idx = torch.zeros_like(rank).scatter_(-1, slot, torch.where(mask, src, 0))
+    return num, idx.contiguous()
 
 
 def block_mask(keep: torch.Tensor, diagonal: torch.Tensor, nq: int, nk: int, q_offset: int,
@@ -97,8 +103,11 @@ def block_mask(keep: torch.Tensor, diagonal: torch.Tensor, nq: int, nk: int, q_o
     full = keep & ~diagonal
     num, idx = _indices(partial)
     fnum, fidx = _indices(full)
-    return BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=(q_block, k_block),
-                                    mask_mod=causal, seq_lengths=(nq, nk))
+    kwargs = {"BLOCK_SIZE": (q_block, k_block), "mask_mod": causal, "seq_lengths": (nq, nk)}
+    try:   # forward only: no transposed (query-block) indices, which cost two sorts per call
+        return BlockMask.from_kv_blocks(num, idx, fnum, fidx, compute_q_blocks=False, **kwargs)
+    except TypeError:   # a PyTorch without the option
+        return BlockMask.from_kv_blocks(num, idx, fnum, fidx, **kwargs)
 
 
 class FlexAttention:

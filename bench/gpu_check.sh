@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu.md): the CUDA tests, the attention kernel benchmark, the prefill
-# benchmark (Llama-3.2-3B shape, random weights, bf16) at 8K/16K/32K and a short TTFT sweep, in
+# benchmark (Llama-3.2-3B shape, random weights, bf16) at 8K/32K, a latency profile of the
+# SmolLM2 shape and a short TTFT sweep with it, in
 # one go, each phase under its own time limit so that one slow phase cannot take the others' time.
 #
 #   bash bench/gpu_check.sh [OUTDIR]      # default bench/results; JSON named per GPU
 #
 # Environment:
-#   GPU_CHECK_PHASES   which phases (default "tests attention prefill prefill1k ttft")
+#   GPU_CHECK_PHASES   which phases (default "tests attention prefill profile ttft";
+#                      also prefill1k: the launch-bound T=1024 prefill, profiled)
 #   GPU_CHECK_WHEELS   a folder of wheels to install first (a machine that cannot reach PyPI)
 #   SPARKV_TOKENIZER   a tokenizer folder for the random SmolLM2-shape model of the TTFT phase
 #                      (default: the bundled SmolLM2's, once converted)
@@ -15,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-bench/results}")
 mkdir -p "$out"
-phases=${GPU_CHECK_PHASES:-"tests attention prefill ttft"}
+phases=${GPU_CHECK_PHASES:-"tests attention prefill profile ttft"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
@@ -55,6 +57,11 @@ phase prefill 90 $BENCH prefill --device cuda --model random:llama-3.2-3b \
 phase prefill1k 60 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 32768 --chunk-tokens 1024 --repeats 1 --max-new-tokens 4 \
   --variants full,dense_mask,dense --profile dense --out "$tmp/prefill-t1024-$tag.json"
+# the edge's latency model for the TTFT phase's model on this GPU (without it the planners use
+# the roofline alone, which has no per-launch term: GPU steps ran 3-4x slower than it predicted)
+phase profile 120 $PY -m sparkv.cli profile --model random:smollm2-135m --device cuda \
+  --quick --tokens 4096 --chunk-sizes 256,512,1024 --loads 0 --cdf '' --no-progress \
+  --train --out "$tmp/profile-samples-$tag.json"
 phase ttft 150 $BENCH ttft --device cuda --model random:smollm2-135m --sizes 4096 \
   --mbps 500 --trace lte --runs 1 --max-new-tokens 8 --levels q8,q5 --json \
   --out "$tmp/ttft-$tag.json"

@@ -23,8 +23,12 @@ import torch.nn.functional as F
 def self_similarity(x: torch.Tensor, group: int) -> torch.Tensor:
     """Mean pairwise cosine similarity of the tokens of each ``group``-token slice of ``x``.
 
+    Computed from the norm of the sum of each slice's unit vectors,
+    ``sum_{i != j} cos(x_i, x_j) = |sum_i x_i / |x_i||^2 - (non-zero tokens)``, in two passes
+    over ``x`` (its row norms, then one batched weighted sum), never a normalized copy of it.
+
     Args:
-        x: ``[B, H, n, D]`` (any float dtype; computed in fp32).
+        x: ``[B, H, n, D]`` (any float dtype; norms and sums accumulate in fp32).
         group: tokens per slice (the last slice may be short).
     Returns:
         ``[B, H, ceil(n / group)]`` in fp32: the mean of ``cos(x_i, x_j)`` over pairs ``i != j`` of
@@ -33,15 +37,18 @@ def self_similarity(x: torch.Tensor, group: int) -> torch.Tensor:
     b, h, n, d = x.shape
     ng = math.ceil(n / group)
     pad = ng * group - n
-    unit = F.normalize(x.float(), dim=-1)
-    if pad:
-        unit = F.pad(unit, (0, 0, 0, pad))  # zero rows: they add nothing to the sums
-    s = unit.view(b, h, ng, group, d).sum(3)
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)          # [B, H, n]
+    inv = torch.where(norms > 0, 1.0 / norms.clamp_min(1e-30), torch.zeros_like(norms))
+    if pad:   # zero rows and zero weights add nothing to the sums
+        x = F.pad(x, (0, 0, 0, pad))
+        inv = F.pad(inv, (0, pad))
+    weights = inv.to(x.dtype).view(b, h, ng, 1, group)
+    s = torch.matmul(weights, x.view(b, h, ng, group, d)).view(b, h, ng, d).float()
+    nonzero = F.pad((norms > 0).float(), (0, pad)).view(b, h, ng, group).sum(-1)
     counts = torch.full((ng,), float(group), device=x.device)
     counts[-1] = group - pad
-    self_terms = (unit.view(b, h, ng, group, d) ** 2).sum((3, 4))  # 1 per non-zero token
     pairs = (counts * (counts - 1)).clamp_min(1.0)
-    sim = ((s * s).sum(-1) - self_terms) / pairs
+    sim = ((s * s).sum(-1) - nonzero) / pairs
     return torch.where(counts > 1, sim, torch.ones_like(sim))
 
 
@@ -89,7 +96,7 @@ def not_self_similar(q: torch.Tensor, k: torch.Tensor,
     hq, hkv = q.shape[1], k.shape[1]
     thr = per_head(threshold, hq, q.device).view(1, hq, 1)
     q_bad = block_similarity(q, q_block, q_sub) < thr  # [B, Hq, nqb]
-    smooth = k.float() - k.float().mean(dim=2, keepdim=True)
+    smooth = k - k.mean(dim=2, keepdim=True, dtype=torch.float32).to(k.dtype)
     k_sim = block_similarity(smooth, k_block, k_sub).repeat_interleave(hq // hkv, dim=1)
     k_bad = k_sim < thr  # [B, Hq, nkb]
     return q_bad.unsqueeze(-1) | k_bad.unsqueeze(-2)

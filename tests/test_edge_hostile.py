@@ -443,3 +443,26 @@ def test_the_cli_exits_2_with_one_line(hostile, tiny, fault, capsys):
     last = err.splitlines()[-1]
     assert rc == 2 and last.startswith("sparkv: error:") and "Traceback" not in err, err
     assert {"geometry": "num_kv_heads", "drip": "deadline", "bomb": "limit"}[fault] in last
+
+
+def test_a_job_poll_that_times_out_is_retried_and_a_silent_server_is_an_error(monkeypatch):
+    """A poll answered late (a server busy encoding) is retried; past the deadline the
+    unreachable server is raised, not waited on."""
+    from sparkv.edge.client import ServerUnavailable
+
+    client = EdgeClient("http://127.0.0.1:9", timeout_s=0.5)
+    answers = [ServerUnavailable("ReadTimeout"), ServerUnavailable("ReadTimeout"),
+               {"state": "done"}]
+
+    def fake_json(method, path, **kw):
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    monkeypatch.setattr(client, "_json", fake_json)
+    assert client._poll_job("j1", time.monotonic() + 60) == {"state": "done"}
+    answers[:] = [ServerUnavailable("down")] * 3
+    with pytest.raises(ServerUnavailable):
+        client._poll_job("j1", time.monotonic() - 1)        # the deadline has passed
+    assert len(answers) == 2                                  # one try, no wait

@@ -236,7 +236,7 @@ class EdgeClient:
         deadline = time.monotonic() + timeout_s
         last = -1.0
         while time.monotonic() < deadline:
-            job = self._json("GET", f"/v1/jobs/{r['job_id']}", shaped=False)
+            job = self._poll_job(str(r["job_id"]), deadline)
             state = job.get("state")
             if state == "done":
                 return cid
@@ -248,6 +248,20 @@ class EdgeClient:
                 last = frac
             time.sleep(0.2)
         raise ApiError(504, "job_timeout", f"context {cid} was not encoded in {timeout_s:.0f} s")
+
+    def _poll_job(self, job_id: str, deadline: float) -> dict[str, Any]:
+        """The job's state. A poll that times out or finds the server unreachable is retried
+        for up to three request timeouts (at least 30 s) in a row, within ``deadline``: a
+        server busy encoding (seen: a GPU server's first prefill) may answer a poll late while
+        the job goes on; one that stays silent that long is down (the error is raised)."""
+        give_up = min(deadline, time.monotonic() + max(30.0, 3 * self.timeout_s))
+        while True:
+            try:
+                return self._json("GET", f"/v1/jobs/{job_id}", shaped=False)
+            except ServerUnavailable:
+                if time.monotonic() >= give_up:
+                    raise
+                time.sleep(0.5)
 
     def pressed_context(self, context_id: str, press: str, *, wait: bool = True,
                         timeout_s: float = 900.0, progress: bool = False) -> str:

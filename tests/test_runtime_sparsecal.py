@@ -133,6 +133,23 @@ def test_thresholds_store_per_model(tiny_llama, calibrated, tmp_path, monkeypatc
     assert fixed.thresholds is None and fixed.for_layer(0) is fixed
 
 
+def test_the_bundled_models_thresholds_ship_with_the_package(tmp_path, monkeypatch):
+    """A machine that never calibrated uses the thresholds shipped for the bundled SmolLM2;
+    its own calibration, once saved, wins."""
+    from sparkv.runtime.thresholds import shipped_thresholds_path
+
+    monkeypatch.setenv("SPARKV_CACHE_DIR", str(tmp_path))
+    shipped = sorted(shipped_thresholds_path("x").parent.glob("sparse-thresholds-*.json"))
+    assert shipped, "no thresholds shipped in sparkv/data"
+    for path in shipped:
+        fp = path.stem.removeprefix("sparse-thresholds-")
+        th = load_thresholds(fp)
+        assert th is not None and th.fingerprint == fp and len(th.layers) == 30
+        own = SparseThresholds(fp, th.eps, [LayerThresholds([0.5], 0.1, 0.0, 0.1)] * 30)
+        save_thresholds(own)
+        assert load_thresholds(fp).layers[0].cdf == [0.5]
+
+
 def test_bad_thresholds_are_rejected(tmp_path):
     with pytest.raises(ThresholdsError):
         parse_thresholds({"format": 1, "fingerprint": "x", "eps": 0.1,

@@ -3,7 +3,8 @@
 :func:`sparkv.runtime.sparsecal.calibrate_thresholds` finds, per layer, the self-similarity
 threshold and per query head the cdf threshold that keep the relative L1 error of the layer's
 attention output under a bound on calibration prompts; this module is the record it produces and
-its store: one JSON per model fingerprint under ``<cache dir>/sparse/`` (docs/runtime.md). A
+its store: one JSON per model fingerprint under ``<cache dir>/sparse/`` (docs/runtime.md), and
+for the bundled SmolLM2 one shipped in ``sparkv/data`` (used where the machine has none). A
 :class:`~sparkv.runtime.attention.BlockSparseAttention` built without an explicit config loads it
 for the model it runs (``bind_model``); without one, the defaults of ``SparsityConfig`` apply.
 """
@@ -98,13 +99,25 @@ def parse_thresholds(doc: Any) -> SparseThresholds:
         raise ThresholdsError(f"malformed thresholds: {exc!r}") from None
 
 
+def shipped_thresholds_path(fingerprint: str) -> Path:
+    """Where the package keeps thresholds calibrated for a bundled model (``sparkv/data``)."""
+    safe = "".join(c for c in fingerprint if c.isalnum() or c in "-_") or "model"
+    return Path(__file__).resolve().parent.parent / "data" / f"sparse-thresholds-{safe}.json"
+
+
 def load_thresholds(fingerprint: str,
                     path: str | os.PathLike[str] | None = None) -> SparseThresholds | None:
-    """The stored thresholds of this model, or None when there are none (or they are unreadable:
-    the defaults apply then)."""
-    src = Path(path) if path else thresholds_path(fingerprint)
-    try:
-        th = parse_thresholds(json.loads(src.read_text()))
-    except (OSError, ValueError, ThresholdsError):
-        return None
-    return th if th.fingerprint == fingerprint else None
+    """The stored thresholds of this model: ``path``, else this machine's own calibration
+    (:func:`thresholds_path`), else the ones shipped for a bundled model
+    (:func:`shipped_thresholds_path`); None when there are none (or they are unreadable: the
+    defaults apply then)."""
+    sources = [Path(path)] if path else [thresholds_path(fingerprint),
+                                         shipped_thresholds_path(fingerprint)]
+    for src in sources:
+        try:
+            th = parse_thresholds(json.loads(src.read_text()))
+        except (OSError, ValueError, ThresholdsError):
+            continue
+        if th.fingerprint == fingerprint:
+            return th
+    return None

@@ -159,3 +159,25 @@ def flash_profile(fast: bool = True) -> Any:
 #: a chat whose first turn plants a pass key that the last asks for
 CHAT_TURNS = ["Remember the pass key 7191.", "What is the capital of France?",
               "Write one sentence about rivers.", "What was the pass key?"]
+
+
+def raw_world(lm: Any, n_tokens: int, chunk_tokens: int, seed: int) -> dict[str, Any]:
+    """A model's seeded random context of ``n_tokens``, its reference KV, its geometry and every
+    chunk's raw frame (the engine tests' scripted source serves them)."""
+    import torch
+
+    from sparkv.codec import KVChunk, encode
+    from sparkv.layout import ChunkGeometry
+    from sparkv.runtime.generate import reference_prefill
+    from sparkv.runtime.kvcache import split_chunks
+
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, 128, (n_tokens,)).tolist()
+    with torch.inference_mode():
+        ref = reference_prefill(lm, tokens)
+    geo = ChunkGeometry.from_config(lm.config, n_tokens, chunk_tokens)
+    frames = {}
+    for cid, (k, v) in split_chunks(ref, geo).items():
+        frames[(cid, "raw")] = encode(KVChunk(cid, geo.token_range(cid.t)[0], k.contiguous(),
+                                              v.contiguous(), geo.num_layers), "raw")
+    return {"lm": lm, "tokens": tokens, "ref": ref, "geo": geo, "frames": frames}

@@ -13,15 +13,14 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from sparkv.codec import KVChunk, encode
+from helpers import raw_world
+
 from sparkv.edge.engine import Engine, EngineConfig
 from sparkv.edge.results import TransferStatus
 from sparkv.edge.transport import ChunkSource, FetchItem, SourceError
 from sparkv.layout import ChunkGeometry, StepId
 from sparkv.protocol.stream import RecordPiece
 from sparkv.runtime.attention import get_backend
-from sparkv.runtime.generate import reference_prefill
-from sparkv.runtime.kvcache import split_chunks
 from sparkv.runtime.stepper import LayerStepper
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
@@ -101,17 +100,7 @@ class ScriptedStream:
 @pytest.fixture(scope="module")
 def world(tiny_llama):
     """The tiny model's context, its reference KV and every chunk's raw frame."""
-    lm = tiny_llama
-    torch.manual_seed(1)
-    tokens = torch.randint(0, 128, (N_TOKENS,)).tolist()
-    with torch.inference_mode():
-        ref = reference_prefill(lm, tokens)
-    geo = ChunkGeometry.from_config(lm.config, N_TOKENS, T)
-    frames = {}
-    for cid, (k, v) in split_chunks(ref, geo).items():
-        frames[(cid, "raw")] = encode(KVChunk(cid, geo.token_range(cid.t)[0], k.contiguous(),
-                                              v.contiguous(), geo.num_layers), "raw")
-    return {"lm": lm, "tokens": tokens, "ref": ref, "geo": geo, "frames": frames}
+    return raw_world(tiny_llama, N_TOKENS, T, seed=1)
 
 
 def _instance(world, mbps: float = 1000.0, step_s: float = 0.002) -> Instance:

@@ -11,15 +11,13 @@ from typing import Sequence
 import pytest
 import torch
 
-from sparkv.codec import KVChunk, encode
+from helpers import raw_world
+
 from sparkv.edge.engine import Engine, EngineConfig
 from sparkv.edge.shaper import LinkShaper
 from sparkv.edge.transport import FetchItem
-from sparkv.layout import ChunkGeometry
 from sparkv.protocol.stream import RecordPiece
 from sparkv.runtime.attention import get_backend
-from sparkv.runtime.generate import reference_prefill
-from sparkv.runtime.kvcache import split_chunks
 from sparkv.runtime.stepper import LayerStepper, MissingDependencyError
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
@@ -97,17 +95,7 @@ class SlowStepper(LayerStepper):
 
 @pytest.fixture(scope="module")
 def world(tiny_llama):
-    lm = tiny_llama
-    torch.manual_seed(2)
-    tokens = torch.randint(0, 128, (N_TOKENS,)).tolist()
-    with torch.inference_mode():
-        ref = reference_prefill(lm, tokens)
-    geo = ChunkGeometry.from_config(lm.config, N_TOKENS, T)
-    frames = {}
-    for cid, (k, v) in split_chunks(ref, geo).items():
-        frames[(cid, "raw")] = encode(KVChunk(cid, geo.token_range(cid.t)[0], k.contiguous(),
-                                              v.contiguous(), geo.num_layers), "raw")
-    return {"lm": lm, "tokens": tokens, "ref": ref, "geo": geo, "frames": frames}
+    return raw_world(tiny_llama, N_TOKENS, T, seed=2)
 
 
 def _instance(world, mbps: float) -> Instance:

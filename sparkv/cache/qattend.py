@@ -75,15 +75,19 @@ def _unpack(c, r, bits, cf):  # pragma: no cover - numba
 
 
 @nb.njit(inline="always", boundscheck=False, fastmath=True)
-def _tail_unit(q, mpos, tk, tv, tpos, h, scale, u, pm, pl, pacc):  # pragma: no cover - numba
-    """Partial attention of KV head ``h`` over the fp tail ``tk``, ``tv [Hkv, n, Dp]``."""
-    m_rows, dim, n = q.shape[1], q.shape[2], tk.shape[1]
+def _tail_unit(q, mpos, tk, tv, tpos, perm, h, scale, u, pm, pl, pacc):  # pragma: no cover
+    """Partial attention of KV head ``h`` over the fp tail ``tk``, ``tv [Hkv, n, D]`` in natural
+    order, read through ``perm`` (slot -> value index, ``>= D`` for padding) into the plane order
+    of ``q`` and ``pacc``."""
+    m_rows, dim, n, d = q.shape[1], q.shape[2], tk.shape[1], tk.shape[2]
     s = np.empty((n, m_rows), dtype=np.float32)
     for j in range(n):
         for m in range(m_rows):
             acc = np.float32(0.0)
             for i in range(dim):
-                acc += q[h, m, i] * tk[h, j, i]
+                p = perm[i]
+                if p < d:
+                    acc += q[h, m, i] * tk[h, j, p]
             s[j, m] = scale * acc if tpos[j] <= mpos[m] else -np.inf
     for m in range(m_rows):
         mx = -np.inf
@@ -97,23 +101,26 @@ def _tail_unit(q, mpos, tk, tv, tpos, h, scale, u, pm, pl, pacc):  # pragma: no 
                 w = np.exp(s[j, m] - mx)
                 tot += w
                 for i in range(dim):
-                    pacc[u, m, i] += w * tv[h, j, i]
+                    p = perm[i]
+                    if p < d:
+                        pacc[u, m, i] += w * tv[h, j, p]
         pm[u, m] = mx
         pl[u, m] = tot
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False, fastmath=True, parallel=True)
 def _runs(q, qsum, mpos, kc, ks, kz, vc, vs, vz, pos, bits, run_chunk, run_head, run_start,
-          run_len, scale, tab, tk, tv, tpos, pm, pl, pacc):  # pragma: no cover - numba
+          run_len, scale, tab, tk, tv, tpos, perm, pm, pl, pacc):  # pragma: no cover - numba
     """Partial softmax attention of every run (see the module docstring), then of each KV
-    head's fp tail ``tk``/``tv`` ``[Hkv, n, Dp]`` (units ``runs .. runs + Hkv``, when ``n``)."""
+    head's fp tail ``tk``/``tv`` ``[Hkv, n, D]`` (natural order, read through ``perm``; units
+    ``runs .. runs + Hkv``, when ``n``)."""
     m_rows = q.shape[1]
     dim = q.shape[2]
     n_runs = run_chunk.shape[0]
     n_tail = tk.shape[0] if tk.shape[1] > 0 else 0
     for u in nb.prange(n_runs + n_tail):
         if u >= n_runs:
-            _tail_unit(q, mpos, tk, tv, tpos, u - n_runs, scale, u, pm, pl, pacc)
+            _tail_unit(q, mpos, tk, tv, tpos, perm, u - n_runs, scale, u, pm, pl, pacc)
             continue
         c, h, a, n = run_chunk[u], run_head[u], run_start[u], run_len[u]
         b = bits[c]
@@ -159,29 +166,35 @@ def _runs(q, qsum, mpos, kc, ks, kz, vc, vs, vz, pos, bits, run_chunk, run_head,
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _merge_runs(run_head, pm, pl, pacc, out, lse):  # pragma: no cover - numba
-    """Per KV head, the runs' partials -> normalized ``out [Hkv, M, D]`` and ``lse [Hkv, M]``."""
-    hkv, m_rows, dim = out.shape
+def _merge_runs(run_head, pm, pl, pacc, perm, out, lse):  # pragma: no cover - numba
+    """Per KV head, the runs' partials (plane order) -> normalized ``out [Hkv, M, D]`` in
+    natural order (slot ``i`` is value ``perm[i]``; slots ``>= D`` are padding) and
+    ``lse [Hkv, M]``."""
+    hkv, m_rows, d = out.shape
+    dim = pacc.shape[2]
+    acc = np.empty(dim, dtype=np.float64)
     for h in range(hkv):
         for m in range(m_rows):
             mx = -np.inf
             for u in range(run_head.shape[0]):
                 if run_head[u] == h and pm[u, m] > mx:
                     mx = pm[u, m]
-            tot = 0.0
-            for i in range(dim):
+            for i in range(d):
                 out[h, m, i] = 0.0
             if mx == -np.inf:
                 lse[h, m] = -np.inf
                 continue
+            tot = 0.0
+            acc[:] = 0.0
             for u in range(run_head.shape[0]):
                 if run_head[u] == h and pm[u, m] > -np.inf:
                     w = np.exp(pm[u, m] - mx)
                     tot += w * pl[u, m]
                     for i in range(dim):
-                        out[h, m, i] += w * pacc[u, m, i]
+                        acc[i] += w * pacc[u, m, i]
             for i in range(dim):
-                out[h, m, i] /= tot
+                if perm[i] < d:
+                    out[h, m, perm[i]] = acc[i] / tot
             lse[h, m] = mx + np.log(tot)
 
 
@@ -236,6 +249,8 @@ class QuantizedRows:
         self.dim = payloads[0].k.dim if payloads else 0  # type: ignore[union-attr]
         self.bits = payloads[0].k.bits if payloads else 8  # type: ignore[union-attr]
         self._perm = plane_order(self.dim, self.bits) if payloads else None
+        self._perm_np = self._perm.numpy() if self._perm is not None else np.zeros(0, np.int64)
+        self._slots = self._perm_np < self.dim         # the slots holding a value, not padding
         self._bits = np.array(bits, dtype=np.int32)
         r = np.array(runs, dtype=np.int32).reshape(-1, 4)
         self._run = [np.ascontiguousarray(r[:, i]) for i in range(4)]
@@ -256,11 +271,11 @@ class QuantizedRows:
                 return attend_stacked(q, *tail, q_pos, scale)
             return Partial(torch.zeros(hq, nq, d), torch.full((hq, nq), float("-inf")))
         dp = int(self._perm.numel())
-        qsum = qf.sum(-1).numpy()
-        if dp != d:
-            qf = torch.nn.functional.pad(qf, (0, dp - d))
-        qn = qf[:, :, self._perm].contiguous().numpy()
-        tk, tv, tpos = self._planed_tail(tail, hkv, dp)
+        qnat = _np(qf)
+        qsum = qnat.sum(-1)
+        qn = np.zeros((hkv, m_rows, dp), dtype=np.float32)
+        qn[:, :, self._slots] = qnat[:, :, self._perm_np[self._slots]]
+        tk, tv, tpos = _tail_arrays(tail, hkv, d)
         mpos = np.tile(q_pos.to(torch.int64).cpu().numpy(), group)
         units = self._run[0].shape[0] + (hkv if tk.shape[1] else 0)
         pm = np.empty((units, m_rows), dtype=np.float32)
@@ -268,31 +283,24 @@ class QuantizedRows:
         pacc = np.empty((units, m_rows, dp), dtype=np.float32)
         k_c, k_s, k_z, v_c, v_s, v_z, pos = self._lists
         _runs(qn, qsum, mpos, k_c, k_s, k_z, v_c, v_s, v_z, pos, self._bits, *self._run,
-              np.float32(scale), _EXP2, tk, tv, tpos, pm, pl, pacc)
-        out = torch.empty((hkv, m_rows, dp))
+              np.float32(scale), _EXP2, tk, tv, tpos, self._perm_np, pm, pl, pacc)
+        out = np.empty((hkv, m_rows, d), dtype=np.float32)
         lse = np.empty((hkv, m_rows), dtype=np.float32)
         heads = self._run[1] if units == self._run[1].shape[0] else \
             np.concatenate([self._run[1], np.arange(hkv, dtype=np.int32)])
-        _merge_runs(heads, pm, pl, pacc, out.numpy(), lse)
-        unplaned = torch.empty_like(out)
-        unplaned[:, :, self._perm] = out
-        return Partial(unplaned[:, :, :d].reshape(hq, nq, d), torch.from_numpy(lse).view(hq, nq))
+        _merge_runs(heads, pm, pl, pacc, self._perm_np, out, lse)
+        return Partial(torch.from_numpy(out).view(hq, nq, d), torch.from_numpy(lse).view(hq, nq))
 
 
-    def _planed_tail(self, tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                     hkv: int, dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The tail's K and V as float32 ``[Hkv, n, Dp]`` in plane order, and its positions."""
-        if tail is None or tail[0].shape[1] == 0:
-            z = np.zeros((hkv, 0, dp), dtype=np.float32)
-            return z, z, np.zeros(0, dtype=np.int64)
-        assert self._perm is not None
-        k, v, pos = tail
-        d = int(k.shape[2])
-        kv = torch.stack([k, v]).float()
-        if dp != d:
-            kv = torch.nn.functional.pad(kv, (0, dp - d))
-        kv = kv[..., self._perm].contiguous().numpy()
-        return kv[0], kv[1], pos.to(torch.int64).cpu().numpy()
+def _tail_arrays(tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, hkv: int,
+                 d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tail's K and V as float32 ``[Hkv, n, D]`` arrays (natural order: the kernel reads them
+    through the plane permutation) and its positions."""
+    if tail is None or tail[0].shape[1] == 0:
+        z = np.zeros((hkv, 0, d), dtype=np.float32)
+        return z, z, np.zeros(0, dtype=np.int64)
+    k, v, pos = tail
+    return (_np(k.float()), _np(v.float()), pos.to(torch.int64).cpu().numpy())
 
 
 def attend_entries(q: torch.Tensor, heads: Sequence[tuple[torch.Tensor, torch.Tensor,

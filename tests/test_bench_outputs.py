@@ -79,3 +79,13 @@ def test_dynakv_quick_writes_nothing_unless_asked(tmp_path, monkeypatch, capsys)
     out = tmp_path / "bench" / "results" / "dynakv_quick.json"
     assert json.loads(out.read_text())["config"]["quick"] is True
     assert [p.name for p in out.parent.iterdir()] == ["dynakv_quick.json"]
+
+
+def test_a_config_with_tuple_keys_is_written(tmp_path):
+    """``--group-trials backend@8192=10`` parses to a tuple key: the result must still be
+    written (a table build once measured for an hour, then lost its JSON to this)."""
+    path = write_result("x", {"results": []}, {"group_trials": {("backend", 8192): 10,
+                                                                 "press": 5}},
+                        tmp_path / "x.json")
+    assert json.loads(path.read_text())["config"]["group_trials"] == {"backend@8192": 10,
+                                                                      "press": 5}

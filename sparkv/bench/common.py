@@ -118,9 +118,21 @@ def write_result(name: str, payload: dict[str, Any], config: dict[str, Any] | No
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
+    tmp.write_text(json.dumps(_str_keys(doc), indent=2, default=_jsonable) + "\n")
     os.replace(tmp, out)
     return out
+
+
+def _str_keys(obj: Any) -> Any:
+    """``obj`` with every mapping key JSON can hold: a tuple key ``("backend", 8192)`` becomes
+    ``"backend@8192"`` (the CLI's spelling of ``--group-trials``), others ``str(key)``."""
+    if isinstance(obj, dict):
+        return {(k if isinstance(k, (str, int, float, bool)) or k is None else
+                 "@".join(map(str, k)) if isinstance(k, tuple) else str(k)): _str_keys(v)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_str_keys(v) for v in obj]
+    return obj
 
 
 def _jsonable(obj: Any) -> Any:

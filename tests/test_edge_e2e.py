@@ -9,13 +9,12 @@ import json
 import shutil
 import statistics
 import threading
-from pathlib import Path
 
 import pytest
 
 from sparkv.edge import EdgeSession, LinkShaper, chat_context, question_suffix
 from sparkv.runtime.attention import BlockSparseAttention, SparsityConfig
-from sparkv.runtime.generate import (greedy_agreement, greedy_generate, reference_generate,
+from sparkv.runtime.generate import (greedy_agreement, reference_generate,
                                      sample_context_ids, teacher_forced_agreement)
 from sparkv.server.process import (RedisProcess, ServerProcess, free_port,
                                    redis_server_available)

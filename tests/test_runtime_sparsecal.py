@@ -127,6 +127,15 @@ def test_thresholds_store_per_model(tiny_llama, calibrated, tmp_path, monkeypatc
     assert be.thresholds is not None
     layer0 = be.for_layer(0)
     assert layer0.config.sim_threshold == th.layers[0].sim
+    # a RoPE-extended model (its own fingerprint, the base's weights) uses the base's
+    from sparkv.runtime import LoadedModel
+    ext = LoadedModel.from_model(tiny_llama.model, None, "tiny-extended")
+    ext.extra["base_fingerprint"] = tiny_llama.fingerprint
+    assert ext.fingerprint != tiny_llama.fingerprint
+    be_ext = BlockSparseAttention()
+    LayerStepper(ext, _prompts(1, 300)[0], 256, be_ext)
+    assert be_ext.thresholds is not None
+    assert be_ext.thresholds.fingerprint == tiny_llama.fingerprint
     # an explicit config wins over the store
     fixed = BlockSparseAttention(SparsityConfig(cdf_threshold=0.9))
     LayerStepper(tiny_llama, _prompts(1, 300)[0], 256, fixed)

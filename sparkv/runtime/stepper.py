@@ -90,7 +90,9 @@ class LayerStepper:
         self.geometry = ChunkGeometry.from_config(lm.config, len(token_ids), chunk_tokens,
                                                   heads_per_group)
         self.backend = backend or DenseAttention()
-        bind_model(self.backend, lm.fingerprint)  # calibrated per-model settings, if any
+        # calibrated per-model settings, if any: a RoPE-extended model uses its base's (its
+        # quality and profile come from the base too: LoadedModel.base_fingerprint)
+        bind_model(self.backend, lm.base_fingerprint)
         self.token_ids = torch.tensor(list(token_ids), dtype=torch.long,
                                       device=lm.device).unsqueeze(0)
         self.kv = kv or ContextKV(self.geometry, lm.dtype, lm.device, spare_tokens=spare_tokens)

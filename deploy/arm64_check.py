@@ -33,7 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Who may copy and distribute this license?"
 CONTEXT_CHARS = 1500            # about 330 tokens of the sample text
 NEW_TOKENS = 6
-STRATEGIES = ("stream", "local")
+#: the asks the check runs by default: stream (frames encoded on x86_64, decoded and attended on
+#: aarch64). "local" (a whole prefill under qemu's emulated NEON) did not finish in 58 min of
+#: running here (2026-11-26): add it with --strategies stream,local on real hardware
+STRATEGIES = ("stream",)
 #: the tests run in the guest: (pytest arguments, extra environment), chosen to matter on another
 #: architecture and to fit emulation (about 5 min of CPU natively): the codec (frames encoded on
 #: x86_64 decode bit for bit, dequantization's float32 roundings without FMA, round trips); the

@@ -33,7 +33,7 @@ from sparkv.cache.layer import HeadEntries, KVMemoryError, LayerStore
 from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.cache.payload import (ChunkPayload, PayloadError, contiguous_positions, from_bytes,
                                   to_bytes)
-from sparkv.cache.qattend import ResidentAttention, rows_for
+from sparkv.cache.qattend import ResidentAttention, entries_per_head, rows_for
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -665,8 +665,7 @@ class ContextKV:
         if self.mode[l] != SEGMENTED:
             raise KVMemoryError(f"layer {l} is an arena: attend its tensors directly")
         quantized: dict[str, tuple[list[ChunkPayload], list[int]]] = {}
-        fp: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
-            [] for _ in range(g.num_kv_heads)]
+        fp: tuple[list[ChunkPayload], list[int]] = ([], [])
         with self._lock:
             for t in range(g.num_token_chunks):
                 for gg in range(g.num_groups):
@@ -681,15 +680,9 @@ class ContextKV:
                         ps.append(st.payload)
                         hs.append(h0)
                         continue
-                    k, v = st.payload.fp()
-                    for i, sl in enumerate(st.payload.head_slices()):
-                        fp[h0 + i].append((k[sl], v[sl], st.payload.pos[sl].long()))
-        heads = None
-        if any(fp):
-            z = torch.zeros(0, g.head_dim, dtype=self.dtype, device=self.device)
-            heads = [(torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
-                      torch.cat([x[2] for x in hs])) if hs else
-                     (z, z, torch.zeros(0, dtype=torch.long)) for hs in fp]
+                    fp[0].append(st.payload)
+                    fp[1].append(h0)
+        heads = entries_per_head(*fp, g.num_kv_heads) if fp[0] else None
         rows = rows_for(self.device)
         return ResidentAttention([rows(ps, hs, g.num_kv_heads)
                                   for ps, hs in quantized.values()], heads)

@@ -376,27 +376,11 @@ class DequantizedRows:
                 raise ValueError(f"{p.cid} is at level {p.level}: not quantized")
         self.payloads, self.head0, self.num_kv_heads = list(payloads), list(head0), num_kv_heads
 
-    def _heads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        per: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
-            [] for _ in range(self.num_kv_heads)]
-        for p, h0 in zip(self.payloads, self.head0):
-            k, v = p.fp()
-            for i, sl in enumerate(p.head_slices()):
-                per[h0 + i].append((k[sl], v[sl], p.pos[sl].long()))
-        out = []
-        for hs in per:
-            if hs:
-                out.append((torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
-                            torch.cat([x[2] for x in hs])))
-            else:
-                z = torch.zeros(0, 1)
-                out.append((z, z, torch.zeros(0, dtype=torch.long)))
-        return out
-
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
                tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Partial:
         """As :meth:`QuantizedRows.attend`, on ``q``'s device."""
-        parts = [attend_entries(q, self._heads(), q_pos, scale)] if self.payloads else []
+        heads = entries_per_head(self.payloads, self.head0, self.num_kv_heads)
+        parts = [attend_entries(q, heads, q_pos, scale)] if self.payloads else []
         if tail is not None and tail[0].shape[1]:
             parts.append(attend_stacked(q, *tail, q_pos, scale))
         if not parts:
@@ -404,6 +388,22 @@ class DequantizedRows:
             return Partial(torch.zeros(hq, nq, d, device=q.device),
                            torch.full((hq, nq), float("-inf"), device=q.device))
         return merge_partials(parts)
+
+
+def entries_per_head(payloads: Sequence[ChunkPayload], head0: Sequence[int], num_kv_heads: int
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per KV head, the payloads' entries in fp (dequantized where quantized) as
+    ``(k [n_h, D], v, pos [n_h])``, in payload order; a head with none gets empty tensors
+    (:func:`attend_entries` skips it). ``head0``: each payload's first model KV head."""
+    per: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
+        [] for _ in range(num_kv_heads)]
+    for p, h0 in zip(payloads, head0):
+        k, v = p.fp()
+        for i, sl in enumerate(p.head_slices()):
+            per[h0 + i].append((k[sl], v[sl], p.pos[sl].long()))
+    empty = (torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, dtype=torch.long))
+    return [(torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
+             torch.cat([x[2] for x in hs])) if hs else empty for hs in per]
 
 
 def rows_for(device: torch.device) -> type:

@@ -156,3 +156,12 @@ def test_bench_ttft_past_the_window_end_to_end(tmp_path):
     growth = doc["targets"]["growth"]
     assert growth["top_tokens"] == 1024 and len(growth["per_link"]) == 2
     assert (tmp_path / "ttft_growth.png").is_file()
+
+
+def test_links_empty_mbps_keeps_only_the_traces():
+    from sparkv.bench.ttft import _links
+
+    only_trace = argparse.Namespace(traces=None, mbps="", trace=["lte"])
+    assert [label for label, _ in _links(only_trace)] == ["lte"]
+    default = argparse.Namespace(traces=None, mbps=None, trace=["none"])
+    assert [label for label, _ in _links(default)] == [5.0, 20.0, 50.0, 100.0, 500.0]

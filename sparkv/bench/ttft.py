@@ -65,7 +65,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="T the server encodes with (smaller T: finer plans, larger manifests)")
     p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
-    p.add_argument("--mbps", default=None, help="constant links (Mbit/s; default 5,20,50,100,500)")
+    p.add_argument("--mbps", default=None,
+                   help="constant links (Mbit/s; default 5,20,50,100,500; '' for none: the "
+                        "--trace links only)")
     p.add_argument("--trace", action="append", default=None,
                    help="trace CSV or bundled name (repeatable; default: wifi, lte, deep_fade; "
                         "none: constant links only)")
@@ -127,7 +129,8 @@ def _links(args: argparse.Namespace) -> list[tuple[Any, Any]]:
         out: list[tuple[Any, Any]] = [(m, Trace.constant(m)) for m in _csv(args.mbps or "")]
         out += [(tr.name, tr) for tr in adversarial_traces(int(count), int(seed or 0))]
         return out
-    out = [(m, Trace.constant(m)) for m in _csv(args.mbps or "5,20,50,100,500")]
+    out = [(m, Trace.constant(m))
+           for m in _csv("5,20,50,100,500" if args.mbps is None else args.mbps)]
     for t in (args.trace or ["wifi", "lte", "deep-fade"]):
         if t == "none":
             continue

@@ -238,6 +238,10 @@ class ChunkKeeper(Keeper):
         assert C is not None
         g_new = W.geometry
         if g_new.num_tokens > n_old:
+            g_old = C.geometry
+            last = g_old.num_token_chunks - 1
+            if g_old.chunk_len(last) < g_old.chunk_tokens:   # it grows: its flash copy dies
+                self.swap.forget_flash(ctx, [last])
             C.extend(g_new.num_tokens)
             ctx.levels = self.levels.assign(ctx, g_new)
             for t in range(n_old // g_new.chunk_tokens, g_new.num_token_chunks):

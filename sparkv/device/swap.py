@@ -243,5 +243,5 @@ class SwapStore:
             st.v[0, :, :n] = v.view(g.num_kv_heads, n, g.head_dim)
             st.end = n
             on_layer()
-        return LoadStats(read_chunks=g.num_token_chunks, files_read=1, bytes_read=len(data),
-                         io_s=read_s, pipelined=False)
+        return LoadStats(read_chunks=g.num_token_chunks, files_read=1, reads=1,
+                         bytes_read=len(data), io_s=read_s, pipelined=False)

@@ -5,7 +5,7 @@ ablations and every baseline of the context-switching benchmark with the same co
   ``ratio``, ``fp_fraction``, ``fp_protect``), ``int8`` or ``fp``;
 * ``eviction`` (:mod:`sparkv.device.budget`): ``lctru``, ``lru`` (chunks) or ``whole``
   (whole contexts);
-* ``put_away``: how evicted KV leaves memory and comes back: ``chunks`` (token chunk files,
+* ``put_away``: how evicted KV leaves memory and comes back: ``chunks`` (token chunk records,
   :class:`~sparkv.device.chunked.ChunkKeeper`), ``kill`` (freed, recomputed from the tokens: LMK)
   or ``file`` (one file per context: whole-context swapping), the last two
   :class:`~sparkv.device.baselines.WholeKeeper`;

@@ -264,9 +264,9 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
 
 
 def fill_token_chunk(W: ContextKV, f: Any) -> None:
-    """Writes every layer of a token chunk file (a
+    """Writes every layer of a token chunk record (a
     :class:`~sparkv.device.flashio.TokenChunkFile`) into ``W``'s dense arena: one
-    dequantization of the whole file (the same values as :func:`fill_layers`, bit for bit), then
+    dequantization of the whole record (the same values as :func:`fill_layers`, bit for bit), then
     one copy per layer and group."""
     g = W.geometry
     t0, t1 = g.token_range(f.t)

@@ -8,7 +8,8 @@ predictor's saved models and quality tables. It sits in the vocabulary layer (be
 library, ``xxhash`` and :mod:`sparkv.errors`, so any layer may import it at module level (importing
 ``sparkv.cache`` would load transformers). What it guarantees:
 
-* **Atomic writes** (:func:`atomic_write`): a temp file beside the target
+* **Atomic writes** (:func:`atomic_write`, :func:`atomic_write_parts` for a file written part
+  by part): a temp file beside the target
   (``.<name>.<pid>.<random>.tmp``, created exclusively; readers skip dot-files), written whole,
   ``fsync``-ed, renamed over the target, then the directory ``fsync``-ed. A failure at any step
   removes the temp file and raises: the target holds its old bytes or the new ones, never part of
@@ -16,7 +17,8 @@ library, ``xxhash`` and :mod:`sparkv.errors`, so any layer may import it at modu
 * **Honest reads** (:class:`FlashIO`, :class:`FlashFile`): ``O_DIRECT`` where the file system
   allows it (the aligned span around the bytes asked for, into an aligned buffer), else
   ``posix_fadvise(DONTNEED)`` before and after a buffered read. Either way the page cache does not
-  answer, so flash does not look like RAM.
+  answer, so flash does not look like RAM. A whole file (:meth:`FlashIO.read_file`) or a range
+  of one (:meth:`FlashIO.read_range`: one request, however many records it holds).
 * **Honest positioned writes** (:meth:`FlashFile.pwrite`): ``O_DIRECT`` when offset and length
   are aligned, else buffered, ``fdatasync``-ed and dropped from the page cache.
 * **Checksums** (:func:`checksum`, :func:`verify`): XXH64; a mismatch raises
@@ -177,7 +179,18 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
 def atomic_write(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *,
                  fsync: bool = True, sync_dir: bool = True, drop: bool = False,
                  mode: int = 0o644) -> None:
-    """Writes ``data`` as ``path`` atomically (module docstring).
+    """Writes ``data`` as ``path`` atomically (module docstring; :func:`atomic_write_parts`
+    with one part)."""
+    atomic_write_parts(path, (data,), fsync=fsync, sync_dir=sync_dir, drop=drop, mode=mode)
+
+
+def atomic_write_parts(path: str | os.PathLike[str],
+                       parts: Iterable[bytes | bytearray | memoryview], *,
+                       fsync: bool = True, sync_dir: bool = True, drop: bool = False,
+                       mode: int = 0o644) -> int:
+    """Writes the concatenation of ``parts`` as ``path`` atomically (module docstring), one part
+    at a time: a caller that makes its parts lazily (a segment of many records) never holds the
+    whole file in memory. Returns the bytes written.
 
     Args:
         fsync: ``fsync`` the file before the rename and (``sync_dir``) its directory after it;
@@ -193,9 +206,12 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | bytearray | memoryv
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    total = 0
     try:
         try:
-            _write_all(fd, data)
+            for part in parts:
+                _write_all(fd, part)
+                total += memoryview(part).nbytes
             if fsync:
                 os.fsync(fd)
             if drop:
@@ -209,6 +225,7 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | bytearray | memoryv
         raise
     if fsync and sync_dir:
         fsync_dir(path.parent)
+    return total
 
 
 def _syncfs(path: str | os.PathLike[str]) -> bool:
@@ -322,6 +339,15 @@ class FlashIO:
         when it is missing)."""
         with self.open(path) as f:
             return f.pread(0, f.size())
+
+    def read_range(self, path: str | os.PathLike[str], offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` of the file from ``offset`` (fewer at its end), read past the page
+        cache with one request (``O_DIRECT`` of the aligned span around it, else ``DONTNEED``).
+        Raises ``OSError`` (``FileNotFoundError`` when it is missing)."""
+        if offset < 0 or nbytes < 0:
+            raise ValueError(f"bad range: offset {offset}, {nbytes} bytes")
+        with self.open(path) as f:
+            return f.pread(offset, nbytes)
 
 
 class FlashFile:

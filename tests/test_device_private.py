@@ -64,7 +64,7 @@ def test_swap_dir_is_0700_and_every_file_0600(tiny_llama, tmp_path):
     files = [p for p in swap.rglob("*") if p.is_file()]
     names = {p.name for p in files}
     assert "io-profile.json" in names and f"{cid}.json" in names
-    assert any(n.endswith(".skvt") for n in names)
+    assert any(n.endswith(".skvs") for n in names)          # a segment of token chunk records
     for p in [swap, *(p for p in swap.rglob("*") if p.is_dir())]:
         assert _mode(p) == 0o700, p
         assert os.stat(p).st_uid == os.geteuid()

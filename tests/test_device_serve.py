@@ -77,7 +77,7 @@ def _private(proc: DeviceProcess) -> None:
     assert _mode(proc.swap_dir) == 0o700
     files = [p for p in proc.swap_dir.rglob("*")
              if p.is_file() and p.name != proc.log_path.name and p != proc.socket]
-    assert any(p.suffix == ".skvt" for p in files) and any(p.suffix == ".json" for p in files)
+    assert any(p.suffix == ".skvs" for p in files) and any(p.suffix == ".json" for p in files)
     for p in files:
         assert _mode(p) == 0o600 and os.stat(p).st_uid == os.geteuid(), p
     for p in proc.swap_dir.rglob("*"):

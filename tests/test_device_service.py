@@ -60,7 +60,9 @@ def test_swapped_out_and_back_answers_exactly_as_never_swapped(lm, doc, tmp_path
         rb = swp.call(b, turn, max_new_tokens=12)
         assert rb.tokens == ra.tokens, (i, turn)
         assert rb.load["read_chunks"] > 0 and rb.load["recomputed_chunks"] == 0
-        assert rb.load["files_read"] == rb.load["read_chunks"]   # one file per token chunk
+        # LLMS's segments: adjacent records are read together (fewer reads than chunks; the
+        # chunk-file layout of the baselines read one file per chunk)
+        assert 1 <= rb.load["files_read"] <= rb.load["reads"] < rb.load["read_chunks"]
         assert written == 0          # ahead-of-time swap-out: every chunk was already on flash
     assert ref.describe(a)["tokens"] == swp.describe(b)["tokens"]
     assert ref.counters["read_chunks"] == 0

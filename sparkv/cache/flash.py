@@ -1,5 +1,10 @@
 """The flash tier: chunk files on the one flash backend (:mod:`sparkv.fileio`).
 
+A chunk's flash copy is a :class:`FlashRef`: ``nbytes`` bytes of a file from ``offset``. A
+whole-file copy (this tier's chunk files) has offset 0 and the file's length; the device
+service's segment files (``sparkv.device.flashio``) hold many records, each a ref at its own
+aligned offset (its tier reads a segment record as a range, whatever its offset).
+
 * **Writes are atomic** (:func:`~sparkv.fileio.atomic_write`): a temp file in the same
   directory, written, ``fsync``-ed, its pages dropped from the page cache, renamed over the final
   name, and the directory ``fsync``-ed. A crash leaves the old file or the new one, never half of
@@ -7,7 +12,9 @@
 * **Reads are honest** (:class:`~sparkv.fileio.FlashIO`): with ``O_DIRECT`` (aligned
   buffers, whole blocks of the file system's alignment, read at run time) where the file system
   allows it, else ``posix_fadvise(DONTNEED)`` before and after the read, so the page cache does
-  not make flash look like RAM.
+  not make flash look like RAM. :meth:`FlashTier.read` reads a ref's bytes,
+  :meth:`FlashTier.read_range` any range (several adjacent records with one request); each
+  counts one read.
 * Every file is a :mod:`~sparkv.cache.payload` (checksummed): a file cut short or flipped is a
   clear :class:`~sparkv.cache.payload.PayloadError` on read.
 * :meth:`FlashTier.measure` records this device's read and write bandwidth (MB/s, with and without
@@ -21,18 +28,26 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
-from sparkv.fileio import FlashError, FlashIO, atomic_write
+from sparkv.fileio import FlashError, FlashIO, atomic_write, atomic_write_parts
 from sparkv.fileio import delete as delete_file
 
 
 @dataclass(frozen=True)
 class FlashRef:
-    """Where a chunk's payload is: a file of ``nbytes`` bytes."""
+    """Where a chunk's payload is: ``nbytes`` bytes of file ``path`` from ``offset`` (0, with
+    the file's length: a whole file; a record of a segment file otherwise, or at offset 0 of
+    one)."""
 
     path: str
     nbytes: int
+    offset: int = 0
+
+    @property
+    def end(self) -> int:
+        """The offset just past its bytes."""
+        return self.offset + self.nbytes
 
 
 class FlashTier:
@@ -76,26 +91,47 @@ class FlashTier:
         """Writes ``data`` as file ``name`` atomically. ``durable``: ``fsync``-ed (and dropped
         from the page cache) before the rename and the directory ``fsync``-ed after it; without
         it, temp file + rename only, made durable later (a caller that groups writes)."""
+        return FlashRef(str(self.path_for(name)), self.write_parts(name, (data,),
+                                                                   durable=durable))
+
+    def write_parts(self, name: str, parts: Iterable[bytes], *, durable: bool = True) -> int:
+        """Writes the concatenation of ``parts`` (made one at a time: a lazy iterable never
+        holds the whole file) as file ``name`` atomically, as :meth:`write` does; returns its
+        bytes."""
         path = self.path_for(name)
         t0 = time.perf_counter()
         try:
-            atomic_write(path, data, fsync=durable, drop=durable, mode=self.file_mode)
+            n = atomic_write_parts(path, parts, fsync=durable, drop=durable, mode=self.file_mode)
         except OSError as e:
             raise FlashError(f"cannot write {path}: {e}") from e
         self.write_s += time.perf_counter() - t0
-        self.bytes_written += len(data)
+        self.bytes_written += n
         self.writes += 1
-        return FlashRef(str(path), len(data))
+        return n
 
     def read(self, ref: FlashRef | str | os.PathLike[str]) -> bytes:
-        """The file's bytes, read past the page cache (``O_DIRECT`` or ``DONTNEED``)."""
+        """A chunk's bytes, read past the page cache (``O_DIRECT`` or ``DONTNEED``) with one
+        read: the whole file of a ref at offset 0 or given by path (all of it, so that a file
+        grown past what was written fails its checksum), else ``offset .. offset + nbytes``."""
+        if isinstance(ref, FlashRef) and ref.offset:
+            return self.read_range(ref.path, ref.offset, ref.nbytes)
         path = Path(ref.path if isinstance(ref, FlashRef) else ref)
+        return self._timed(path, lambda: self.io.read_file(path))
+
+    def read_range(self, path: str | os.PathLike[str], offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` of file ``path`` from ``offset`` (fewer past its end) with one
+        honest read (:meth:`~sparkv.fileio.FlashIO.read_range`)."""
+        return self._timed(Path(path), lambda: self.io.read_range(path, offset, nbytes))
+
+    def _timed(self, path: Path, read: Callable[[], bytes]) -> bytes:
+        """``read()``, counted (one read) and timed; an ``OSError`` becomes a
+        :class:`FlashError`."""
         t0 = time.perf_counter()
         try:
-            data = self.io.read_file(path)
+            data = read()
         except FileNotFoundError as e:
             raise FlashError(f"chunk file {path} is missing") from e
-        except OSError as e:
+        except (OSError, ValueError) as e:
             raise FlashError(f"cannot read {path}: {e}") from e
         self.read_s += time.perf_counter() - t0
         self.bytes_read += len(data)

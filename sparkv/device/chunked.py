@@ -30,10 +30,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sparkv.cache import ContextKV, Residency, Source
+from sparkv.cache import ContextKV, FlashRef, Residency, Source
 from sparkv.cache.payload import ChunkPayload, contiguous_positions
 from sparkv.device.errors import BudgetTooSmall
-from sparkv.device.flashio import IOProfile
+from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena, load, payload_nbytes,
@@ -172,7 +172,7 @@ class ChunkKeeper(Keeper):
                         for t in range(gs.num_token_chunks)])
         t_comp = np.repeat(per[:, None], gs.num_layers, axis=1)
         return restore_plan(ctx.memory, self.io, gs, remote.sizes, t_comp, remote.link_Bps,
-                            rtt_s=remote.rtt_s)
+                            rtt_s=remote.rtt_s, align=ctx.tier.align)
 
     # ---- the kept working memory -----------------------------------------------------------------
     def _take_hot(self, ctx: DeviceContext, spare: int) -> SwitchIn | None:
@@ -238,6 +238,10 @@ class ChunkKeeper(Keeper):
         assert C is not None
         g_new = W.geometry
         if g_new.num_tokens > n_old:
+            g_old = C.geometry
+            last = g_old.num_token_chunks - 1
+            if g_old.chunk_len(last) < g_old.chunk_tokens:   # it grows: its flash copy dies
+                self.swap.forget_flash(ctx, [last])
             C.extend(g_new.num_tokens)
             ctx.levels = self.levels.assign(ctx, g_new)
             for t in range(n_old // g_new.chunk_tokens, g_new.num_token_chunks):
@@ -281,16 +285,17 @@ def _whole_working(W: ContextKV, n: int) -> bool:
 
 
 def missing_chunks(ctx: DeviceContext, dtype: Any) -> tuple[list[MissingChunk], int, int]:
-    """The token chunks of ``ctx`` not wholly resident (with their flash files and whether they
-    are readable), the resident ``(t, l)`` chunks, and the bytes restoring the missing ones
-    takes."""
+    """The token chunks of ``ctx`` not wholly resident (with the reads their records add, their
+    bytes and whether they are readable), the resident ``(t, l)`` chunks, and the bytes
+    restoring the missing ones takes."""
     C = ctx.memory
     assert C is not None
     g = C.geometry
     out: list[MissingChunk] = []
+    refs: list[FlashRef | None] = []
     resident = restore = 0
     for t in range(g.num_token_chunks):
-        paths: dict[str, int] = {}
+        ref: FlashRef | None = None
         readable = True
         miss = 0
         for cid in token_chunk_ids(g, t):
@@ -300,12 +305,17 @@ def missing_chunks(ctx: DeviceContext, dtype: Any) -> tuple[list[MissingChunk], 
                 continue
             miss += 1
             if st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
-                paths[st.flash.path] = st.flash.nbytes
+                ref = st.flash
             else:
                 readable = False
         if miss:
             lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
-            out.append(MissingChunk(t, lv, len(paths), sum(paths.values()), readable, miss))
+            out.append(MissingChunk(t, lv, 1, ref.nbytes if ref and readable else 0, readable,
+                                    miss))
             restore += miss * payload_nbytes(lv, g.heads_per_group * g.chunk_len(t),
                                              g.head_dim, dtype)
+        refs.append(ref if miss and readable else None)
+    starts = run_starts(refs, ctx.tier.align)
+    for m in out:
+        m.reads = starts[m.t] if m.readable else 1
     return out, resident, restore

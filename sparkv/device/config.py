@@ -5,12 +5,16 @@ ablations and every baseline of the context-switching benchmark with the same co
   ``ratio``, ``fp_fraction``, ``fp_protect``), ``int8`` or ``fp``;
 * ``eviction`` (:mod:`sparkv.device.budget`): ``lctru``, ``lru`` (chunks) or ``whole``
   (whole contexts);
-* ``put_away``: how evicted KV leaves memory and comes back: ``chunks`` (token chunk files,
+* ``put_away``: how evicted KV leaves memory and comes back: ``chunks`` (token chunk records,
   :class:`~sparkv.device.chunked.ChunkKeeper`), ``kill`` (freed, recomputed from the tokens: LMK)
   or ``file`` (one file per context: whole-context swapping), the last two
   :class:`~sparkv.device.baselines.WholeKeeper`;
 * ``pipeline`` (IO-recompute pipeline, or read everything first), ``aot`` (ahead-of-time
-  swap-out, or write at reclaim), ``keep_working`` (keep a call's working memory while it fits).
+  swap-out, or write at reclaim), ``keep_working`` (keep a call's working memory while it fits);
+* ``contiguous`` (the swap layout of ``put_away="chunks"``, :mod:`sparkv.device.flashio`): the
+  token chunks one write takes as one segment file, read in runs of adjacent records (LLMS and
+  its ablations), or one file per token chunk, one read each (VLLM-S / VLLM-SQ: vLLM swaps block
+  by block).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class ServiceConfig:
     put_away: str = "chunks"           # chunks | kill | file
     keep_working: bool = True          # keep the last working memory (fp) while it fits: a call
     #                                    on a context still hot switches without a load
+    contiguous: bool = True            # swap layout: one segment file per write, read in runs;
+    #                                    else one file per token chunk
     hot_margin_tokens: int = 48        # spare slots a kept working memory gets beyond the call's
     io_threads: int = 4
     max_context_tokens: int = 0        # 0: the model's positions
@@ -74,10 +80,11 @@ class ServiceConfig:
     @classmethod
     def preset(cls, name: str, **kw: Any) -> "ServiceConfig":
         """``llms``, ``llms-no-compression``, ``llms-no-pipeline``, ``llms-no-lifecycle``,
-        ``vllm-s`` (16-token chunks swapped, fp, LRU, written at reclaim, no recompute),
-        ``vllm-sq`` (the same at int8), ``lmk`` (whole fp contexts, killed under pressure and
-        recomputed) and ``swap`` (whole fp contexts swapped as one file each)."""
-        chunk_swap = {"pipeline": False, "aot": False, "eviction": "lru", "keep_working": False}
+        ``vllm-s`` (16-token chunks swapped one file each, fp, LRU, written at reclaim, no
+        recompute), ``vllm-sq`` (the same at int8), ``lmk`` (whole fp contexts, killed under
+        pressure and recomputed) and ``swap`` (whole fp contexts swapped as one file each)."""
+        chunk_swap = {"pipeline": False, "aot": False, "eviction": "lru", "keep_working": False,
+                      "contiguous": False}
         whole = {"compression": "fp", "aot": False, "eviction": "whole", "keep_working": False,
                  "journal": False}
         presets: dict[str, dict[str, Any]] = {

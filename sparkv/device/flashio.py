@@ -1,5 +1,17 @@
 """The service's flash tier and this device's I/O profile.
 
+A token chunk (16 tokens, every layer and KV group, at one level) is one **record**
+(:func:`pack_token_chunk`, self-checksummed). Records live in one of two layouts:
+
+* **segments** (``seg-<seq>.skvs``, LLMS): a batch of one context's token chunks written together
+  (a call's ahead-of-time write, a reclaim) is one file, its records back to back in ascending
+  token-chunk order, each starting at a multiple of the tier's ``O_DIRECT`` alignment (zero
+  padding between); a chunk's :class:`~sparkv.cache.FlashRef` is ``(segment, offset, bytes)``.
+  Records adjacent in a segment are read with one request (:func:`plan_runs`), so a switch reads
+  at the flash's bandwidth rather than paying a per-file cost per chunk;
+* **chunk files** (``<t>.skvt``, the chunk-swapping baselines: vLLM swaps block by block): one
+  file per token chunk, a whole-file ref.
+
 :class:`ServiceFlash` is a :class:`~sparkv.cache.FlashTier` (the same atomic, checksummed files and
 honest ``O_DIRECT`` reads) whose writes can be **grouped**: inside ``with tier.batch():`` each write
 is a temp file + rename without its own ``fsync``; leaving the block makes them durable at once (the
@@ -7,12 +19,22 @@ flash backend's :func:`~sparkv.fileio.sync_files`: ``syncfs`` of the tier's file
 Linux has it, else one ``fsync`` per file) and ``fsync``-s the directory. Measured here: a chunk
 file written alone costs ~10 ms (two ``fsync``-s), a batch of 60 costs 4-12 ms in all. The
 ahead-of-time swap-out writes a call's modified chunks as one batch; a file renamed before the batch
-is durable is still a checksummed payload, so a crash inside a batch leaves old files, new files or
-files that fail their checksum (then recomputed), never a wrong chunk.
+is durable is still made of checksummed records, so a crash inside a batch leaves old files, new
+files or records that fail their checksum (then recomputed), never a wrong chunk.
 
-:class:`IOProfile` is the ``T_IO`` of the IO-recompute planner: ``files * per_file_s / threads +
-bytes / read_Bps``. The bandwidth is the flash profile's (``sparkv bench decode`` writes
-``<cache>/predictor/flash.json``: honest reads of 1 MiB files); the per-file latency, which
+**Segment lifetime.** The tier counts each segment's live records (``_live``: path -> offsets).
+A record dies when its chunk's flash copy is deleted (:meth:`ServiceFlash.delete` of its ref: the
+chunk re-written elsewhere, forgotten, or reset by a grown context); a segment with no live record
+left is deleted (inside a batch, once the batch is durable, so a crash never loses the old copy
+before the new one is on flash). A reopened context adopts the records it attaches
+(:meth:`ServiceFlash.records` walks every segment by its records' headers;
+:meth:`ServiceFlash.keep`), then :meth:`ServiceFlash.prune` deletes the segments none of whose
+records was attached.
+
+:class:`IOProfile` is the ``T_IO`` of the IO-recompute planner: ``reads * per_file_s / threads +
+bytes / read_Bps``, where a read is one request: a chunk file, or a run of adjacent records of a
+segment (:func:`run_starts`). The bandwidth is the flash profile's (``sparkv bench decode`` writes
+``<cache>/predictor/flash.json``: honest reads of 1 MiB files); the per-read latency, which
 dominates for chunk files of a few KB, is measured once per swap directory (the paper's
 install-time one-shot profile) and kept in ``<swap_dir>/io-profile.json``.
 
@@ -25,12 +47,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -39,8 +63,9 @@ import xxhash
 from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
                           flash_profile_path, load_flash_profile)
 from sparkv.cache.payload import contiguous_positions
-from sparkv.device.private import FILE_MODE, private_dir
+from sparkv.device.private import FILE_MODE, private_dir, tighten
 from sparkv.fileio import atomic_write, sync_files
+from sparkv.fileio import delete as delete_file
 from sparkv.layout import KVChunkId
 
 DEFAULT_READ_MBPS = 500.0
@@ -55,9 +80,38 @@ _DTYPE_OF = {v: k for k, v in _DTYPE_CODE.items()}
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
+#: a segment file: ``seg-<seq>.skvs``, ``seq`` growing with each segment a context writes
+SEGMENT_SUFFIX = ".skvs"
+_SEGMENT = re.compile(r"seg-(\d{1,12})\.skvs")
+_CHUNK_FILE = re.compile(r"(\d{1,9})\.skvt")
+#: the most bytes one read of adjacent records takes: big enough for the flash's bandwidth (1 MiB
+#: reads run at ~2x 64 KiB ones here), small enough that a load's first chunks arrive before its
+#: last are read and that the reader threads share a context's reads
+RUN_BYTES = 2 << 20
+
+
 def token_chunk_name(t: int) -> str:
-    """The file holding token chunk ``t`` (every layer and group)."""
+    """The file holding token chunk ``t`` (every layer and group) in the chunk-file layout."""
     return f"{int(t)}.skvt"
+
+
+def segment_name(seq: int) -> str:
+    """The name of a context's ``seq``-th segment file."""
+    return f"seg-{int(seq):08d}{SEGMENT_SUFFIX}"
+
+
+def segment_seq(name: str) -> int | None:
+    """The sequence number of a segment file's name (None for any other name)."""
+    m = _SEGMENT.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def is_segment(path: str | os.PathLike[str]) -> bool:
+    return segment_seq(Path(path).name) is not None
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 def _raw(x: torch.Tensor) -> bytes:
@@ -122,6 +176,104 @@ def token_chunk_header(head: bytes) -> dict[str, int | str]:
             "heads": hg, "head_dim": d, "dtype": dt}
 
 
+def token_chunk_record_bytes(h: Mapping[str, int | str]) -> int:
+    """The bytes of the record whose header is ``h`` (:func:`token_chunk_header`): header, K, V
+    and checksum (what :func:`pack_token_chunk` writes)."""
+    rows = int(h["layers"]) * int(h["groups"]) * int(h["heads"]) * int(h["tokens"])
+    d = int(h["head_dim"])
+    if h["level"] == "fp":
+        side = rows * d * torch.tensor([], dtype=_DTYPE_OF[int(h["dtype"])]).element_size()
+    else:
+        side = rows * ((d * _BITS[str(h["level"])] + 7) // 8 + 4)
+    return _TC_HEAD.size + 2 * side + 8
+
+
+def walk_segment(path: str | os.PathLike[str], align: int
+                 ) -> Iterator[tuple[FlashRef, dict[str, int | str]]]:
+    """The records of a segment file, in file order, by their headers (not checksum-checked:
+    that is done when they are read): a record starts at a multiple of ``align``; a damaged
+    header, or one whose record would run past the file's end (a torn tail), is skipped and
+    the walk goes on at the next aligned offset."""
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        off = 0
+        while off + _TC_HEAD.size <= size:
+            try:
+                h = token_chunk_header(os.pread(fd, _TC_HEAD.size, off))
+                n = token_chunk_record_bytes(h)
+            except (PayloadError, KeyError):
+                off += align
+                continue
+            if off + n > size:
+                off += align
+                continue
+            yield FlashRef(str(path), n, off), h
+            off += round_up(n, align)
+
+
+@dataclass(frozen=True)
+class ReadRun:
+    """Records adjacent in one file, read with one request: ``nbytes`` from ``offset``;
+    ``records`` ``(t, ref)`` in file order."""
+
+    path: str
+    offset: int
+    nbytes: int
+    records: tuple[tuple[int, FlashRef], ...]
+
+
+def _adjacent(a: FlashRef, b: FlashRef, align: int) -> bool:
+    """Whether record ``b`` starts where ``a``'s padded bytes end (nothing between them)."""
+    return a.path == b.path and b.offset == round_up(a.end, align)
+
+
+def plan_runs(refs: Mapping[int, FlashRef], align: int, cap: int = RUN_BYTES) -> list[ReadRun]:
+    """The reads of token chunks ``refs``: per file, records adjacent in it (the padding between
+    them aside) coalesced into runs of at most ``cap`` bytes (a larger record is a run of its
+    own), ordered by their first token chunk. Chunk files are a run each."""
+    by_path: dict[str, list[tuple[int, FlashRef]]] = {}
+    for t, ref in refs.items():
+        by_path.setdefault(ref.path, []).append((t, ref))
+    runs: list[ReadRun] = []
+    for path, items in by_path.items():
+        items.sort(key=lambda x: x[1].offset)
+        cur = [items[0]]
+        for t, ref in items[1:]:
+            if _adjacent(cur[-1][1], ref, align) and ref.end - cur[0][1].offset <= cap:
+                cur.append((t, ref))
+            else:
+                runs.append(_run(path, cur))
+                cur = [(t, ref)]
+        runs.append(_run(path, cur))
+    runs.sort(key=lambda r: min(t for t, _ in r.records))
+    return runs
+
+
+def _run(path: str, items: list[tuple[int, FlashRef]]) -> ReadRun:
+    start = items[0][1].offset
+    return ReadRun(path, start, items[-1][1].end - start, tuple(items))
+
+
+def run_starts(refs: Sequence[FlashRef | None], align: int, cap: int = RUN_BYTES) -> list[int]:
+    """For records read in this order (``None``: a chunk not read, which breaks a run): 1 where
+    a record starts a new read, 0 where it extends the read of the one before it (as
+    :func:`plan_runs` would coalesce them). What the planner counts reads by."""
+    out: list[int] = []
+    prev: FlashRef | None = None
+    start = 0
+    for ref in refs:
+        if ref is None:
+            out.append(0)
+        elif prev is not None and _adjacent(prev, ref, align) and ref.end - start <= cap:
+            out.append(0)
+        else:
+            out.append(1)
+            start = ref.offset
+        prev = ref
+    return out
+
+
 @dataclass
 class TokenChunkFile:
     """A token chunk file read back: its payloads (layer-major, views of one buffer) and its K/V
@@ -139,15 +291,16 @@ class TokenChunkFile:
     v: "torch.Tensor | QuantizedTensor"
 
 
-def unpack_token_chunk(data: bytes, t: int | None = None) -> list[ChunkPayload]:
+def unpack_token_chunk(data: bytes | memoryview, t: int | None = None) -> list[ChunkPayload]:
     """The payloads of a token chunk file (:func:`pack_token_chunk`), checksum-checked, as views
     of ``data``'s arrays (layer-major). Raises :class:`PayloadError` on any damage."""
     return read_token_chunk_file(data, t).payloads
 
 
-def read_token_chunk_file(data: bytes, t: int | None = None) -> TokenChunkFile:
-    """A token chunk file's payloads and stacked values (:class:`TokenChunkFile`),
-    checksum-checked. Raises :class:`PayloadError` on any damage."""
+def read_token_chunk_file(data: bytes | memoryview, t: int | None = None) -> TokenChunkFile:
+    """A token chunk record's payloads and stacked values (:class:`TokenChunkFile`),
+    checksum-checked (``data``: exactly the record, a chunk file or a slice of a segment).
+    Raises :class:`PayloadError` on any damage."""
     buf = memoryview(data)
     if len(buf) < _TC_HEAD.size + 8:
         raise PayloadError("token chunk file cut short")
@@ -208,13 +361,20 @@ def read_token_chunk_file(data: bytes, t: int | None = None) -> TokenChunkFile:
 
 
 class ServiceFlash(FlashTier):
-    """A flash tier with grouped writes (module docstring).
+    """A context's flash tier: grouped writes, token chunk records in segments or chunk files,
+    and the segments' live records (module docstring).
 
     Its directory is ``0700`` and its files ``0600`` (:mod:`sparkv.device.private`).
 
     State: ``_batch``, the files written since the outermost open :meth:`batch` (None outside
-    one), and ``syncs``. A batch belongs to the thread that opened it: the service writes a
-    context's files from one thread at a time (no lock).
+    one), and ``syncs``; ``_live`` (segment path -> offsets of its live records), ``_doomed``
+    (segments wholly dead inside the open batch, deleted when it is durable) and ``_seq`` (the
+    last segment number used; read from the directory on first use). A batch belongs to the
+    thread that opened it: the service writes a context's files, and kills its records, from
+    one thread at a time (the holder of the context's lock, or a reclaim of a context nobody
+    holds, under the registry's lock). ``_lock`` guards ``_live``, ``_doomed`` and ``_seq`` all
+    the same, so that a record released from another thread cannot lose a count; the loader's
+    reader threads only read files and touch none of this.
     """
 
     file_mode = FILE_MODE
@@ -224,11 +384,21 @@ class ServiceFlash(FlashTier):
         super().__init__(private_dir(root), direct, align)
         self._batch: list[Path] | None = None
         self.syncs = 0
+        self._live: dict[str, set[int]] = {}
+        self._doomed: list[str] = []
+        self._seq: int | None = None
+        self._lock = threading.Lock()
 
+    @property
+    def align(self) -> int:
+        """Records start at multiples of this (the tier's ``O_DIRECT`` alignment)."""
+        return self.io.align
+
+    # ---- grouped writes --------------------------------------------------------------------------
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Writes inside the block are made durable together when it ends
-        (:func:`~sparkv.fileio.sync_files`)."""
+        (:func:`~sparkv.fileio.sync_files`); segments that died inside it are deleted then."""
         if self._batch is not None:     # nested: the outer block syncs
             yield
             return
@@ -242,39 +412,168 @@ class ServiceFlash(FlashTier):
                 sync_files(self.root, written)
                 self.syncs += 1
                 self.write_s += time.perf_counter() - t0
+            with self._lock:
+                doomed, self._doomed = self._doomed, []
+            for path in doomed:
+                delete_file(path)
 
-    def write(self, name: str, data: bytes, *, durable: bool = True) -> FlashRef:
-        """:meth:`FlashTier.write`; inside a batch, made durable when the batch ends."""
+    def write_parts(self, name: str, parts: Iterable[bytes], *, durable: bool = True) -> int:
+        """:meth:`FlashTier.write_parts`; inside a batch, made durable when the batch ends."""
         if self._batch is None:
-            return super().write(name, data, durable=durable)
-        ref = super().write(name, data, durable=False)
-        self._batch.append(Path(ref.path))
-        return ref
+            return super().write_parts(name, parts, durable=durable)
+        n = super().write_parts(name, parts, durable=False)
+        self._batch.append(self.path_for(name))
+        return n
 
+    # ---- token chunk records ---------------------------------------------------------------------
     def write_token_chunk(self, payloads: Sequence[ChunkPayload]) -> FlashRef:
         """Writes one token chunk's payloads as one file (:func:`pack_token_chunk`)."""
         return self.write(token_chunk_name(payloads[0].cid.t), pack_token_chunk(payloads))
 
+    def write_segment(self, chunks: Sequence[Sequence[ChunkPayload]]) -> dict[int, FlashRef]:
+        """Writes token chunks (each its payloads, every ``(l, g)``) as one segment file: their
+        records in ascending token-chunk order, each at an aligned offset, packed one at a time
+        as the file is written. A chunk that cannot be packed is left out. Returns each written
+        chunk's ref (its records are live)."""
+        name = self._next_segment()
+        path = str(self.path_for(name))
+        refs: dict[int, FlashRef] = {}
+        align = self.align
+
+        def records() -> Iterator[bytes]:
+            off = 0
+            for payloads in sorted(chunks, key=lambda ps: ps[0].cid.t):
+                try:
+                    rec = pack_token_chunk(payloads)
+                except PayloadError:
+                    continue
+                refs[payloads[0].cid.t] = FlashRef(path, len(rec), off)
+                pad = -len(rec) % align
+                yield rec
+                if pad:
+                    yield bytes(pad)
+                off += len(rec) + pad
+
+        self.write_parts(name, records())
+        with self._lock:
+            if refs:
+                self._live[path] = {r.offset for r in refs.values()}
+        if not refs:
+            delete_file(path)
+        return refs
+
+    def _next_segment(self) -> str:
+        with self._lock:
+            if self._seq is None:
+                self._seq = max((segment_seq(p.name) or 0 for p in self.root.iterdir()),
+                                default=0)
+            self._seq += 1
+            return segment_name(self._seq)
+
+    def read(self, ref: FlashRef | str | os.PathLike[str]) -> bytes:
+        """:meth:`FlashTier.read`; a segment record (any offset) is read as its range."""
+        if isinstance(ref, FlashRef) and is_segment(ref.path):
+            return self.read_range(ref.path, ref.offset, ref.nbytes)
+        return super().read(ref)
+
     def read_token_chunk(self, ref: FlashRef, t: int | None = None
                          ) -> tuple[list[ChunkPayload], int]:
-        """One honest read of a token chunk file; its payloads and the bytes read."""
+        """One honest read of a token chunk record; its payloads and the bytes read."""
         data = self.read(ref)
         return unpack_token_chunk(data, t), len(data)
+
+    # ---- lifetime --------------------------------------------------------------------------------
+    def delete(self, ref: FlashRef | str | os.PathLike[str]) -> None:
+        """A chunk's flash copy is no longer wanted: a segment record dies (its segment is
+        deleted with its last live record); a chunk file is deleted. Deleting a dead record
+        again, or a record of a segment this tier does not count, does nothing."""
+        path = ref.path if isinstance(ref, FlashRef) else str(ref)
+        if not is_segment(path):
+            super().delete(ref)
+            return
+        with self._lock:
+            live = self._live.get(path)
+            if live is None:            # dead already (or not this tier's: left to prune)
+                return
+            if isinstance(ref, FlashRef):
+                live.discard(ref.offset)
+            else:                       # a segment named by its path: every record dies
+                live.clear()
+            if live:
+                return
+            del self._live[path]
+            if self._batch is not None:
+                self._doomed.append(path)
+                return
+        delete_file(path)
+
+    def keep(self, ref: FlashRef) -> None:
+        """Counts a segment record attached on reopen as live."""
+        if is_segment(ref.path):
+            with self._lock:
+                self._live.setdefault(ref.path, set()).add(ref.offset)
+
+    def prune(self) -> int:
+        """Deletes the segments with no live record (after a reopen attached what it could);
+        returns how many."""
+        with self._lock:
+            dead = [p for p in self.segments() if str(p) not in self._live]
+        for p in dead:
+            delete_file(p)
+        return len(dead)
+
+    def live_records(self) -> dict[str, int]:
+        """Segment name -> its live records."""
+        with self._lock:
+            return {Path(p).name: len(v) for p, v in self._live.items()}
+
+    def segments(self) -> list[Path]:
+        """The segment files, oldest first."""
+        found = [(segment_seq(p.name), p) for p in self.root.iterdir()]
+        return [p for seq, p in sorted((x for x in found if x[0] is not None),
+                                       key=lambda x: x[0])]
+
+    def records(self) -> Iterator[tuple[FlashRef, dict[str, int | str]]]:
+        """Every token chunk record on flash with its header, oldest first: the chunk files
+        (in the order of their token chunk), then each segment's records (oldest segment
+        first), so that a later record of a token chunk supersedes an earlier one. A chunk file
+        whose header is damaged or names another token chunk is skipped; files are narrowed to
+        ``0600`` (an older version wrote ``0644``)."""
+        files = sorted((int(m.group(1)), p) for p in self.root.iterdir()
+                       if (m := _CHUNK_FILE.fullmatch(p.name)))
+        for t, path in files:
+            try:
+                with open(path, "rb") as f:
+                    head = token_chunk_header(f.read(_TC_HEAD.size))
+                st = path.stat()
+            except (OSError, PayloadError):
+                continue
+            tighten(path, st)
+            if head["t"] == t:
+                yield FlashRef(str(path), st.st_size), head
+        for path in self.segments():
+            tighten(path)
+            try:
+                yield from walk_segment(path, self.align)
+            except OSError:
+                continue
 
 
 @dataclass
 class IOProfile:
-    """``T_IO(files, bytes) = files * per_file_s / threads + bytes / read_Bps``."""
+    """``T_IO(reads, bytes) = reads * per_file_s / threads + bytes / read_Bps``: ``reads`` are
+    requests (a chunk file, or a run of adjacent segment records: :func:`run_starts`);
+    ``per_file_s`` is the fixed cost of one (measured on small files)."""
 
     read_Bps: float = DEFAULT_READ_MBPS * 1e6
     per_file_s: float = 2e-4
     threads: int = 4
     source: str = "default"
 
-    def seconds(self, files: int, nbytes: int) -> float:
-        if files <= 0:
+    def seconds(self, reads: float, nbytes: float) -> float:
+        if reads <= 0:
             return 0.0
-        return files * self.per_file_s / max(1, self.threads) + nbytes / self.read_Bps
+        return reads * self.per_file_s / max(1, self.threads) + nbytes / self.read_Bps
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)

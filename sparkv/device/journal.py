@@ -14,13 +14,14 @@ ahead-of-time swap-out), and removed when the context is deleted::
 recomputation); ``pending`` the ids decoded but not yet run through the model (the last answer
 token); ``levels`` the level of each token chunk; ``mass``/``rows`` the per-token attention
 statistics its density comes from. A record is the state as of the last *returned* call: a crash
-during a call leaves the previous record, and the chunk files that call wrote are either ignored
-(past the record's tokens) or full chunks whose content the record's tokens determine.
+during a call leaves the previous record, and the token chunk records that call wrote are either
+ignored (past the record's tokens) or full chunks whose content the record's tokens determine.
 
 :func:`reopen` makes the contexts of a restarted service from its records: each record of this
-model and chunk size becomes a context whose full token chunks are its chunk files, attached as
-clean flash copies (:meth:`~sparkv.device.swap.SwapStore.attach`: a missing or damaged file is
-recomputed when the context is called), its partial last chunk absent. Records of another model
+model and chunk size becomes a context whose full token chunks are its records on flash (in
+segments or chunk files, the newest of each chunk), attached as clean flash copies
+(:meth:`~sparkv.device.swap.SwapStore.attach`: a missing or damaged record is recomputed when the
+context is called), its partial last chunk absent. Records of another model
 or chunk size are left alone (not this service's to reopen). A context that cannot be reopened is
 never dropped silently: a record that cannot be read (cut short, not JSON, another format or id)
 or that does not make a context (token ids outside the model's vocabulary, unknown levels, no
@@ -119,7 +120,7 @@ class Journal:
 def reopen(journal: Journal, lm: Any, chunk_tokens: int, swap: SwapStore,
            levels: LevelPolicy) -> list[DeviceContext]:
     """The contexts journaled for model ``lm`` with chunks of ``chunk_tokens`` (module
-    docstring), their memories holding their chunk files; what cannot be reopened goes to
+    docstring), their memories holding their records on flash; what cannot be reopened goes to
     ``journal.damaged``."""
     out = []
     vocab = vocab_size(lm)

@@ -2,7 +2,7 @@
 
 * :class:`~sparkv.device.chunked.ChunkKeeper` (LLMS, its ablations, VLLM-S / VLLM-SQ): a context
   is a segmented :class:`~sparkv.cache.ContextKV` of 16-token chunks at their levels, evicted
-  chunk by chunk, written to token chunk files, loaded back by reads and recomputation;
+  chunk by chunk, written as token chunk records, loaded back by reads and recomputation;
 * :class:`~sparkv.device.baselines.WholeKeeper` (LMK, whole-context swapping): a context is one
   dense fp arena, evicted whole, killed or written as one file, brought back whole.
 

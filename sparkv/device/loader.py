@@ -10,8 +10,9 @@ fills ``W`` layer by layer:
 
 * chunks resident in ``C`` are dequantized into ``W`` in a few batched tensor operations per level;
 * chunks on flash are swapped into ``C`` (at their level, checksum-checked, ``O_DIRECT``) by a
-  small pool of reader threads, one file (every layer of a token chunk) per read, while the
-  compute thread works: each reader also writes its file into ``W``;
+  small pool of reader threads while the compute thread works: one read per run of records
+  adjacent in a segment file (or per chunk file), each record (every layer of a token chunk)
+  then checked and written into ``W`` by the reader;
 * chunks restored from a remote source (the server's stream) are written into ``W`` by a thread
   of their own, beside the readers;
 * chunks chosen for recomputation (and absent ones, which have nothing to read) are recomputed
@@ -34,8 +35,9 @@ Threads (one load):
   layer at once), waits for the reads (and the remote chunks) that lie before its last
   recomputed chunk, then recomputes layer by layer, then waits for the remaining reads and the
   remote; it calls ``on_layer`` after each layer and each wait;
-* the **readers** (:class:`FileReads`, ``io_threads`` of them) each read, check and unpack one
-  token chunk file, swap its payloads into ``C`` and write it into ``W``; the planner recomputes
+* the **readers** (:class:`FileReads`, ``io_threads`` of them) each read one run of records
+  (a few MiB of a segment, or one chunk file), check and unpack each record, swap its payloads
+  into ``C`` and write it into ``W``; the planner recomputes
   the *earliest* missing chunks, so the reads of the later ones overlap the whole recomputation;
 * the **remote thread** (:class:`RemoteFetch`) writes the streamed chunks into ``W``.
 
@@ -64,7 +66,7 @@ import torch
 from sparkv.cache import (AttentionView, ChunkPayload, ContextKV, FlashError, KVMemoryError,
                           PayloadError, QuantizedTensor, Residency, Source)
 from sparkv.cache.payload import contiguous_positions
-from sparkv.device.flashio import read_token_chunk_file
+from sparkv.device.flashio import RUN_BYTES, ReadRun, plan_runs, read_token_chunk_file
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
 
@@ -262,9 +264,9 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
 
 
 def fill_token_chunk(W: ContextKV, f: Any) -> None:
-    """Writes every layer of a token chunk file (a
+    """Writes every layer of a token chunk record (a
     :class:`~sparkv.device.flashio.TokenChunkFile`) into ``W``'s dense arena: one
-    dequantization of the whole file (the same values as :func:`fill_layers`, bit for bit), then
+    dequantization of the whole record (the same values as :func:`fill_layers`, bit for bit), then
     one copy per layer and group."""
     g = W.geometry
     t0, t1 = g.token_range(f.t)
@@ -391,7 +393,8 @@ class LoadStats:
     stream_s: float = 0.0         # the remote fetch thread busy
     recomputed_chunks: int = 0    # token chunks recomputed
     resident_chunks: int = 0      # token chunks already in RAM
-    files_read: int = 0
+    files_read: int = 0           # distinct files read from
+    reads: int = 0                # read requests (a chunk file, or a run of segment records)
     bytes_read: int = 0
     faults: int = 0               # token chunks whose file failed (then recomputed)
     io_s: float = 0.0             # the I/O thread busy
@@ -412,9 +415,10 @@ class LoadRequest:
     """What one load fills the working memory from: the token chunks of each source.
 
     Attributes:
-        read: token chunks to swap in from the flash tier: one read of each one's file (every
-            layer, :func:`~sparkv.device.flashio.unpack_token_chunk`). Those wholly resident in
-            ``C`` are filled from it; those with no flash copy are recomputed.
+        read: token chunks to swap in from the flash tier: their records (every layer,
+            :func:`~sparkv.device.flashio.unpack_token_chunk`), read in runs of adjacent
+            records. Those wholly resident in ``C`` are filled from it; those with no flash copy
+            are recomputed.
         recompute: token chunks to recompute from the context's token ids.
         stream, remote, remote_chunks: token chunks restored from ``remote`` (a
             :class:`~sparkv.device.remote.RemoteSource`) by fetching ``remote_chunks`` (its
@@ -439,7 +443,7 @@ class LoadOptions:
             missing chunks, whose queries attend over nothing that is being read); without it
             every read finishes before anything is filled (the "without pipeline" ablation and
             the chunk-swapping baselines).
-        io_threads: reader threads (token chunk files read at a time).
+        io_threads: reader threads (runs of records read at a time).
         on_layer: called by the compute thread after each layer and each wait (the service
             checks its budget there; what it raises ends the load).
         level_of: the level a recomputed (or streamed) token chunk is put into ``C`` at
@@ -475,41 +479,50 @@ def flash_refs(C: ContextKV, read: Sequence[int],
 
 
 class FileReads:
-    """The reader pool of one load: reads the token chunk files ``refs`` (``threads`` at a
-    time), swaps each one's payloads into ``C`` and, when ``W`` is another memory, writes the
-    file into ``W`` (one dequantization per file, on the reader's thread).
+    """The reader pool of one load: reads the token chunk records ``refs`` (``threads`` reads at
+    a time), swaps each one's payloads into ``C`` and, when ``W`` is another memory, writes the
+    chunk into ``W`` (one dequantization per record, on the reader's thread).
+
+    The records are read in **runs** (:func:`~sparkv.device.flashio.plan_runs`): records adjacent
+    in one file (a segment's) are read with one request of at most ``run_bytes`` (a chunk file is
+    a run of its own), then each record is checked (its checksum, its token chunk, its geometry)
+    and filled on its own. A run that cannot be read, or a record that fails its check or lies
+    past what was read, fails only its own chunks: they are recomputed.
 
     State and locks: :meth:`start`, :meth:`wait` and :meth:`close` belong to the compute
-    thread; the pool's threads run the reads. A reader writes only its own token chunk's slots
-    of ``W`` (nothing else in the load writes them) and swaps into ``C`` under ``C``'s own lock.
-    ``failed``, ``files``, ``nbytes`` and the busy window are written by the readers under
-    ``_lock``; the compute thread reads them after :meth:`close` (the pool's shutdown joins
-    every reader). A read that fails (flash, payload or memory error) is counted in ``failed``;
-    any other error is raised by :meth:`wait`.
+    thread; the pool's threads run the reads, one run each. A reader writes only its own token
+    chunks' slots of ``W`` (nothing else in the load writes them) and swaps into ``C`` under
+    ``C``'s own lock. ``failed``, ``reads``, ``files``, ``nbytes`` and the busy window are
+    written by the readers under ``_lock``; the compute thread reads them after :meth:`close`
+    (the pool's shutdown joins every reader). A record that fails (flash, payload or memory
+    error) is counted in ``failed``; any other error is raised by :meth:`wait`.
     """
 
     def __init__(self, C: ContextKV, W: ContextKV, tier: Any, refs: dict[int, Any],
-                 threads: int) -> None:
+                 threads: int, run_bytes: int = RUN_BYTES) -> None:
         self.C, self.W, self.tier, self.refs = C, W, tier, refs
         self.chunks = sorted(refs)
+        self.runs = plan_runs(refs, tier.io.align, run_bytes) if refs else []
+        self._run_of = {t: i for i, run in enumerate(self.runs) for t, _ in run.records}
         self.failed: set[int] = set()
-        self.files = 0
+        self.reads = 0
+        self.files: set[str] = set()
         self.nbytes = 0
         self._window = [math.inf, 0.0]     # first read's start, last read's end
         self._lock = threading.Lock()
-        self._pool = (ThreadPoolExecutor(max(1, min(threads, len(self.chunks))))
-                      if self.chunks else None)
-        self._futures: dict[int, Future[None]] = {}
+        self._pool = (ThreadPoolExecutor(max(1, min(threads, len(self.runs))))
+                      if self.runs else None)
+        self._futures: list[Future[None]] = []
 
     def start(self) -> None:
         if self._pool is not None:
-            self._futures = {t: self._pool.submit(self._read, t) for t in self.chunks}
+            self._futures = [self._pool.submit(self._read_run, run) for run in self.runs]
 
     def wait(self, ts: Sequence[int]) -> float:
         """Waits for the reads of ``ts``; returns the seconds waited."""
         w0 = time.perf_counter()
-        for t in ts:
-            self._futures[t].result()
+        for i in sorted({self._run_of[t] for t in ts}):
+            self._futures[i].result()
         return time.perf_counter() - w0
 
     def close(self) -> None:
@@ -522,30 +535,45 @@ class FileReads:
         """Seconds from the first read's start to the last one's end (0 without reads)."""
         return max(0.0, self._window[1] - self._window[0]) if self.chunks else 0.0
 
-    def _read(self, t: int) -> None:
-        g = self.C.geometry
+    def _read_run(self, run: ReadRun) -> None:
         t0 = time.perf_counter()
         try:
-            data = self.tier.read(self.refs[t])
-            f = read_token_chunk_file(data, t)
+            try:
+                data = self.tier.read_range(run.path, run.offset, run.nbytes)
+            except FlashError:
+                data = b""
+            else:
+                with self._lock:
+                    self.reads += 1
+                    self.files.add(run.path)
+                    self.nbytes += len(data)
+            view = memoryview(data)
+            for t, ref in run.records:
+                a = ref.offset - run.offset
+                if not (a + ref.nbytes <= len(view) and self._fill(t, view[a:a + ref.nbytes])):
+                    with self._lock:
+                        self.failed.add(t)
+        finally:
+            with self._lock:
+                self._window[0] = min(self._window[0], t0)
+                self._window[1] = max(self._window[1], time.perf_counter())
+
+    def _fill(self, t: int, record: memoryview) -> bool:
+        """Checks and unpacks token chunk ``t``'s record, swaps it into ``C`` and writes it
+        into ``W``; False if it fails."""
+        g = self.C.geometry
+        try:
+            f = read_token_chunk_file(record, t)
             if f.layers != g.num_layers or f.groups != g.num_groups:
-                raise PayloadError(f"token chunk {t}'s file has another geometry")
+                raise PayloadError(f"token chunk {t}'s record has another geometry")
             for p in f.payloads:
                 if self.C.residency(p.cid) != Residency.RESIDENT:
                     self.C.swap_in_payload(p)
             if self.C is not self.W:
                 fill_token_chunk(self.W, f)
         except (FlashError, PayloadError, KVMemoryError):
-            with self._lock:
-                self.failed.add(t)
-            return
-        finally:
-            with self._lock:
-                self._window[0] = min(self._window[0], t0)
-                self._window[1] = max(self._window[1], time.perf_counter())
-        with self._lock:
-            self.files += 1
-            self.nbytes += len(data)
+            return False
+        return True
 
 
 class RemoteFetch:
@@ -647,7 +675,8 @@ class Load:
                 if store is not None:
                     store.end = max(store.end, self.W.geometry.num_tokens)
         s = self.stats
-        s.files_read, s.bytes_read, s.io_s = reads.files, reads.nbytes, reads.busy_s
+        s.files_read, s.reads = len(reads.files), reads.reads
+        s.bytes_read, s.io_s = reads.nbytes, reads.busy_s
         s.bytes_streamed, s.stream_s = fetch.nbytes, fetch.busy_s
         s.notes.extend(fetch.notes)
         failed = reads.failed | fetch.failed
@@ -694,7 +723,7 @@ class Load:
         s.wait_io_s += fetch.wait()
 
     def _repair(self, rec: Recompute, failed: set[int]) -> list[int]:
-        """The fault path: a token chunk whose file is missing or fails its checksum (or that the
+        """The fault path: a token chunk whose record is missing or fails its checksum (or that the
         remote did not deliver) is recomputed, with every recomputed chunk after the first failed
         one (they attended over its unread positions); every other chunk of every layer is in
         ``W`` now, so one more pass is exact. Returns every recomputed token chunk, sorted."""
@@ -736,7 +765,8 @@ def load(lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
         C: the context's memory; ``W`` itself for a full prefill (nothing resident, nothing
             read: every chunk recomputed).
         W: the working memory (a dense fp arena of ``C``'s geometry).
-        tier: the context's flash tier (``read(ref) -> bytes``).
+        tier: the context's flash tier (a :class:`~sparkv.cache.FlashTier`: ``read_range``,
+            ``io.align``).
         request: which token chunks come from where (:class:`LoadRequest`).
         options: how the load runs (:class:`LoadOptions`; default: pipelined, 4 readers).
     """

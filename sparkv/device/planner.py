@@ -8,12 +8,15 @@
 else a :class:`~sparkv.predictor.roofline.Roofline` from measured peaks) of a dense step of
 ``16 x`` queries over ``N`` keys, times ``L`` layers, times a correction the service learns from
 the loads it times (the ratio measured / predicted, as the edge session's priors do).
-``T_IO`` is :class:`~sparkv.device.flashio.IOProfile` (flash profile bandwidth + per-file
+``T_IO`` is :class:`~sparkv.device.flashio.IOProfile` (flash profile bandwidth + per-read
 latency). ``T_fill`` (dequantizing the resident chunks into the working memory, on the compute
 thread) is learned per chunk from measured loads.
 
-A swapped-out token chunk is one file (every layer, :mod:`sparkv.device.flashio`), so ``T_IO``
-counts one file per chunk read. The planner recomputes the **earliest** missing chunks first: a
+A swapped-out token chunk is one record (every layer, :mod:`sparkv.device.flashio`); ``T_IO``
+counts reads, not chunks: records adjacent in a segment file are read with one request (up to a
+few MiB), a chunk file with one of its own. Each missing chunk says whether it starts a read or
+extends the read of the chunk before it; the chunks read are a suffix of the missing ones, whose
+first always starts a read. The planner recomputes the **earliest** missing chunks first: a
 recomputed chunk's queries attend over every earlier position, so recomputing a prefix of the
 missing chunks needs nothing that is being read, and the reads of the later chunks overlap the
 whole recomputation (the loader waits only for reads earlier than a recomputed chunk: absent
@@ -119,8 +122,8 @@ class MissingChunk:
 
     t: int
     level: str
-    files: int          # flash files to read (one per token chunk)
-    nbytes: int         # their bytes
+    reads: int          # reads it adds after the chunk before it (1; 0: it extends that read)
+    nbytes: int         # its records' bytes
     readable: bool      # every non-resident layer has a clean flash copy
     chunks: int = 1     # its non-resident (layer, group) chunks (what filling W costs)
 
@@ -146,11 +149,10 @@ def plan_split(missing: Sequence[MissingChunk], context_tokens: int, resident_ch
     fill = re.fill_s_per_chunk * (resident_chunks + sum(m.chunks for m in optional))
     # x recomputed = forced + the first j optional ones, j = 0 .. len(optional)
     js = np.arange(len(optional) + 1) if allow_recompute else np.array([0])
-    files = np.array([m.files for m in optional], dtype=np.float64)
+    rest_reads = _suffix_reads(np.array([m.reads for m in optional], dtype=np.float64), js)
     nbytes = np.array([m.nbytes for m in optional], dtype=np.float64)
-    rest_files = files.sum() - np.concatenate([[0.0], np.cumsum(files)])[js]
     rest_bytes = nbytes.sum() - np.concatenate([[0.0], np.cumsum(nbytes)])[js]
-    t_io = np.where(rest_files > 0, rest_files * io.per_file_s / max(1, io.threads)
+    t_io = np.where(js < len(optional), rest_reads * io.per_file_s / max(1, io.threads)
                     + rest_bytes / io.read_Bps, 0.0)
     x = js + len(forced)
     t_re = re.seconds(x, context_tokens)
@@ -163,3 +165,12 @@ def plan_split(missing: Sequence[MissingChunk], context_tokens: int, resident_ch
                  recompute=sorted([m.t for m in forced] + [m.t for m in optional[:j]]),
                  predicted_s=float(total[best]), io_s=float(t_io[best]),
                  recompute_s=float(t_re[best]), fill_s=float(fill_j[best]))
+
+
+def _suffix_reads(reads: np.ndarray, js: np.ndarray) -> np.ndarray:
+    """The reads of the chunks ``j..`` for each ``j`` in ``js``: their own, plus one where the
+    first of them extends a read of a chunk before it (recomputed now: its read starts
+    anew)."""
+    pad = np.concatenate([reads, [1.0]])
+    rest = reads.sum() - np.concatenate([[0.0], np.cumsum(reads)])[js]
+    return rest + (1.0 - pad[js]) * (js < len(reads))

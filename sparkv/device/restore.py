@@ -13,7 +13,8 @@ service context. Asked again, the context may be resident (nothing to restore), 
 server's geometry (its chunks, usually 1024 tokens) and runs the same planner the first ``ask``
 used, with **flash as one more codec level** of each server chunk: its size is the time the
 service would spend reading the chunk's missing 16-token sub-chunks from flash
-(:class:`~sparkv.device.flashio.IOProfile`: files x per-file latency + bytes / read bandwidth),
+(:class:`~sparkv.device.flashio.IOProfile`: reads x per-read latency + bytes / read bandwidth,
+records adjacent in a segment counting one read),
 expressed in link bytes (``seconds x link bandwidth``), so that the planner's ``bytes / bw`` is
 the flash time; resident sub-chunks cost nothing. The planner then picks per chunk the cheapest
 way in, exactly as it picks between codec levels and local steps. Modelling flash as a level of
@@ -32,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from sparkv.cache import ContextKV, Residency
-from sparkv.device.flashio import IOProfile
+from sparkv.cache import ContextKV, FlashRef, Residency
+from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.scheduler.instance import DEFAULT_LEVELS, Instance, StreamLevel
 
@@ -76,7 +77,7 @@ def restore_plan(memory: ContextKV, io: IOProfile, server_geometry: ChunkGeometr
                  sizes: dict[KVChunkId, dict[str, int]], t_comp: np.ndarray, link_Bps: float, *,
                  rtt_s: float = 0.0, quality_floor: str | None = None,
                  t_proc: dict[KVChunkId, dict[str, float]] | None = None,
-                 planner: str = "sparkv") -> RestorePlan:
+                 planner: str = "sparkv", align: int = 4096) -> RestorePlan:
     """The restore of a service context whose KV memory is ``memory`` (module docstring).
 
     Args:
@@ -88,6 +89,8 @@ def restore_plan(memory: ContextKV, io: IOProfile, server_geometry: ChunkGeometr
             out of reach: then flash and recompute only).
         t_comp: predicted seconds of each server layer step ``[n_t, L]``.
         link_Bps: the link's expected bandwidth.
+        align: the alignment of the records in the context's segment files (its tier's: which
+            records are adjacent, read with one request).
     """
     from sparkv.scheduler.planners import get_planner
 
@@ -106,7 +109,7 @@ def restore_plan(memory: ContextKV, io: IOProfile, server_geometry: ChunkGeometr
     # the planner's sizes are whole numbers: count in 1/UNIT bytes (the link's rate scaled
     # alike), so that a flash read of microseconds is not rounded to a byte of a slow link
     link_u = link_Bps * UNIT
-    chunk_bytes, procs = _chunk_costs(memory, io, gs, sizes, t_proc or {}, link_u)
+    chunk_bytes, procs = _chunk_costs(memory, io, gs, sizes, t_proc or {}, link_u, align)
     levels = tuple([FLASH_LEVEL] + [lv for lv in DEFAULT_LEVELS])
     present = {lv for e in chunk_bytes.values() for lv in e}
     floor = quality_floor if quality_floor in present else None
@@ -126,40 +129,47 @@ def restore_plan(memory: ContextKV, io: IOProfile, server_geometry: ChunkGeometr
 
 def _chunk_costs(C: ContextKV, io: IOProfile, gs: ChunkGeometry,
                  sizes: dict[KVChunkId, dict[str, int]],
-                 t_proc: dict[KVChunkId, dict[str, float]], link_u: float
+                 t_proc: dict[KVChunkId, dict[str, float]], link_u: float, align: int
                  ) -> tuple[dict[KVChunkId, dict[str, int]], dict[KVChunkId, dict[str, float]]]:
     """Per server chunk, its size (in 1/UNIT bytes) and processing seconds per level, flash
     included (as the link bytes its read time is worth) where every missing sub-chunk of it has
     a clean flash copy."""
-    gd = C.geometry
     flash_ok = gs.num_groups == 1
     chunk_bytes: dict[KVChunkId, dict[str, int]] = {}
     procs: dict[KVChunkId, dict[str, float]] = {}
     for cid in gs.chunk_ids():
         entry = {lv: int(b) * UNIT for lv, b in sizes.get(cid, {}).items()}
         proc = dict(t_proc.get(cid, {lv: 0.0 for lv in entry}))
-        if flash_ok:
-            # a token chunk's file holds every layer: a layer's share of it is 1/L of a file
-            files = nbytes = 0.0
-            ok = True
-            for t in _sub_chunks(gs, gd, cid.t):
-                st = C.state(KVChunkId(t, cid.l, 0))
-                if st.residency == Residency.RESIDENT:
-                    continue
-                if st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
-                    files += 1.0 / gd.num_layers
-                    nbytes += st.flash.nbytes / gd.num_layers
-                else:
-                    ok = False
-            if ok:
-                entry[FLASH] = max(1, int(round(io.seconds(files, nbytes) * link_u)))
-                proc[FLASH] = 0.0
+        cost = _flash_seconds(C, io, gs, cid, align) if flash_ok else None
+        if cost is not None:
+            entry[FLASH] = max(1, int(round(cost * link_u)))
+            proc[FLASH] = 0.0
         if not entry:          # nothing but recompute: an unreachable level the planner skips
             entry = {"raw": 1 << 62}
             proc = {"raw": 0.0}
         chunk_bytes[cid] = entry
         procs[cid] = proc
     return chunk_bytes, procs
+
+
+def _flash_seconds(C: ContextKV, io: IOProfile, gs: ChunkGeometry, cid: KVChunkId,
+                   align: int) -> float | None:
+    """The flash read time of server chunk ``cid``'s missing sub-chunks (None unless each has
+    a clean flash copy): a token chunk's record holds every layer, so a layer's share is 1/L
+    of its reads and bytes."""
+    gd = C.geometry
+    refs: list[FlashRef | None] = []
+    for t in _sub_chunks(gs, gd, cid.t):
+        st = C.state(KVChunkId(t, cid.l, 0))
+        if st.residency == Residency.RESIDENT:
+            refs.append(None)
+        elif st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
+            refs.append(st.flash)
+        else:
+            return None
+    reads = sum(run_starts(refs, align)) / gd.num_layers
+    nbytes = sum(r.nbytes for r in refs if r is not None) / gd.num_layers
+    return io.seconds(reads, nbytes)
 
 
 def _assign(out: RestorePlan, plan: Any, gs: ChunkGeometry, gd: ChunkGeometry,

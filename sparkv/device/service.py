@@ -167,7 +167,7 @@ class ContextService:
                                     eviction_policy(self.config.eviction),
                                     lambda ctx, ts: self.keeper.evict(ctx, ts), self.counters)
         self.swap_dir = private_dir(swap_dir)
-        self.swap = SwapStore(self.swap_dir)
+        self.swap = SwapStore(self.swap_dir, contiguous=self.config.contiguous)
         self.journal = Journal(self.swap_dir / "journal") if self.config.journal else None
         install_hooks(self.lm.model)
         self.vocab = vocab_size(self.lm)

@@ -1,19 +1,24 @@
 """The service's swap space: every context's flash files, ``<swap_dir>/contexts/<id>/``, one
 :class:`~sparkv.device.flashio.ServiceFlash` tier per context.
 
-* token chunk files (LLMS and the chunked baselines): one file per token chunk holding every layer
-  and KV group at the chunk's level (:mod:`sparkv.device.flashio`), written ahead of time when a
-  call returns (:meth:`SwapStore.write_ahead`, one grouped durable write) or at reclaim
+* token chunk records (LLMS and the chunked baselines): one record per token chunk holding every
+  layer and KV group at the chunk's level (:mod:`sparkv.device.flashio`), written ahead of time
+  when a call returns (:meth:`SwapStore.write_ahead`, one grouped durable write) or at reclaim
   (:meth:`SwapStore.put_away`), attached back as clean flash copies when a journaled context is
-  reopened (:meth:`SwapStore.attach`); the loader reads them when a context is switched in;
+  reopened (:meth:`SwapStore.attach`); the loader reads them when a context is switched in. With
+  ``contiguous`` (LLMS) the chunks one write takes are one **segment** file (their records back to
+  back at aligned offsets: a switch reads runs of them with one request each); without it (the
+  chunk-swapping baselines, as vLLM swaps block by block) one file per token chunk. A chunk
+  written again, or forgotten, kills its old record (its segment is deleted with its last one);
 * whole-context files (the whole-swap baseline): one file per context holding every layer's
   K and V (:meth:`SwapStore.write_whole`, :meth:`SwapStore.read_whole`).
 
 Every directory is ``0700`` and every file ``0600`` (:mod:`sparkv.device.private`).
 
-State: the root, and ``whole`` (context id -> its whole-context file); everything else lives in
-the contexts (their tier, their memory's flash references, their ``modified`` chunks). Locks: none
-of its own; a caller holds the context's lock, or the registry's lock during a reclaim.
+State: the root, ``contiguous`` (the layout, fixed), and ``whole`` (context id -> its
+whole-context file); everything else lives in the contexts (their tier with its segments' live
+records, their memory's flash references, their ``modified`` chunks). Locks: none of its own; a
+caller holds the context's lock, or the registry's lock during a reclaim.
 """
 
 from __future__ import annotations
@@ -22,15 +27,15 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from sparkv.cache import ContextKV, FlashRef, PayloadError, Residency
 from sparkv.device.errors import BudgetTooSmall
-from sparkv.device.flashio import ServiceFlash, token_chunk_header, token_chunk_name
+from sparkv.device.flashio import ServiceFlash, is_segment
 from sparkv.device.loader import LoadStats, token_chunk_ids
-from sparkv.device.private import private_dir, tighten
+from sparkv.device.private import private_dir
 from sparkv.device.registry import CONTEXT_ID, DeviceContext
 
 #: the magic of a whole-context file: "SKVW" | tokens u32 | layers u32 | per layer K, V (fp32)
@@ -41,8 +46,9 @@ WHOLE_NAME = "context.kv"
 class SwapStore:
     """The flash files of every context under ``swap_dir/contexts`` (module docstring)."""
 
-    def __init__(self, swap_dir: str | Path) -> None:
+    def __init__(self, swap_dir: str | Path, contiguous: bool = True) -> None:
         self.root = private_dir(Path(swap_dir) / "contexts")
+        self.contiguous = contiguous
         self.whole: dict[str, FlashRef] = {}
 
     def tier(self, ctx_id: str) -> ServiceFlash:
@@ -65,54 +71,78 @@ class SwapStore:
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and CONTEXT_ID.fullmatch(p.name))
 
-    # ---- token chunk files -----------------------------------------------------------------------
-    def write_token_chunk(self, ctx: DeviceContext, t: int) -> int:
-        """Writes token chunk ``t`` (every layer and group) as one file of the context's tier,
-        unless its flash copy is up to date; returns the bytes written. A chunk not wholly
-        resident, or not at one level, is not written (it stays modified: dropped, it is
-        recomputed)."""
+    # ---- token chunk records ---------------------------------------------------------------------
+    def write_token_chunks(self, ctx: DeviceContext, ts: Iterable[int]) -> int:
+        """Writes the token chunks ``ts`` of ``ctx`` (every layer and group each) whose flash copy
+        is stale or missing: one segment file (``contiguous``) or one file per chunk. A chunk not
+        wholly resident, or not at one level, is not written (it stays modified: dropped, it is
+        recomputed). The old flash copy of each chunk written is deleted (its record dies).
+        Returns the bytes written."""
         C = ctx.memory
         assert C is not None
-        cids = token_chunk_ids(C.geometry, t)
-        states = [C.state(cid) for cid in cids]
-        if all(st.flash is not None and not st.dirty for st in states):
+        g = C.geometry
+        todo = []
+        for t in sorted(set(ts)):
+            if t >= g.num_token_chunks:
+                continue
+            cids = token_chunk_ids(g, t)
+            states = [C.state(cid) for cid in cids]
+            if all(st.flash is not None and not st.dirty for st in states):
+                continue
+            if any(st.residency != Residency.RESIDENT or st.payload is None for st in states):
+                continue
+            old = {st.flash for st in states if st.flash is not None}
+            todo.append((t, cids, [(st.payload, st.level) for st in states], old))
+        if not todo:
             return 0
-        if any(st.residency != Residency.RESIDENT or st.payload is None for st in states):
-            return 0
-        try:
-            ref = ctx.tier.write_token_chunk([st.payload for st in states])
-        except PayloadError:
-            return 0
-        for cid, st in zip(cids, states):
-            C.attach_flash(cid, ref, st.level)
-        return ref.nbytes
+        before = ctx.tier.bytes_written
+        refs = self._write(ctx.tier, [[p for p, _ in held] for _, _, held, _ in todo])
+        for t, cids, held, olds in todo:
+            ref = refs.get(t)
+            if ref is None:
+                continue
+            for cid, (_, level) in zip(cids, held):
+                C.attach_flash(cid, ref, level)
+            for old in olds:
+                if (old.path, old.offset) != (ref.path, ref.offset):
+                    ctx.tier.delete(old)
+        return ctx.tier.bytes_written - before
+
+    def _write(self, tier: ServiceFlash, chunks: list[list[Any]]) -> dict[int, FlashRef]:
+        """Token chunks' payloads written in this store's layout; each written chunk's ref."""
+        if self.contiguous:
+            return tier.write_segment(chunks)
+        refs = {}
+        for payloads in chunks:
+            try:
+                refs[payloads[0].cid.t] = tier.write_token_chunk(payloads)
+            except PayloadError:
+                continue
+        return refs
 
     def write_ahead(self, ctx: DeviceContext) -> int:
         """Ahead-of-time swap-out: writes every modified token chunk of ``ctx`` (one grouped,
-        durable write), so that a later reclaim of it writes nothing; returns the bytes
-        written."""
+        durable write; one segment), so that a later reclaim of it writes nothing; returns the
+        bytes written."""
         C = ctx.memory
         if C is None or not ctx.modified:
             return 0
-        written = 0
         with ctx.tier.batch():
-            for t in sorted(ctx.modified):
-                if t < C.geometry.num_token_chunks:
-                    written += self.write_token_chunk(ctx, t)
+            written = self.write_token_chunks(ctx, ctx.modified)
         ctx.modified.clear()
         return written
 
     def put_away(self, ctx: DeviceContext, ts: list[int] | range) -> tuple[int, int]:
         """Reclaims token chunks ``ts`` of ``ctx``: a clean chunk (its flash copy up to date) is
-        just dropped; a modified one is written first (one grouped write). Returns the bytes
-        freed and the bytes written."""
+        just dropped; the modified ones are written first (one grouped write; one segment).
+        Returns the bytes freed and the bytes written."""
         C = ctx.memory
         assert C is not None
         g = C.geometry
-        freed = written = 0
+        freed = 0
         with ctx.tier.batch():
+            written = self.write_token_chunks(ctx, ts)
             for t in ts:
-                written += self.write_token_chunk(ctx, t)
                 for cid in token_chunk_ids(g, t):
                     freed += C.drop(cid)
         return freed, written
@@ -127,33 +157,48 @@ class SwapStore:
         for t in range(g.num_token_chunks):
             for cid in token_chunk_ids(g, t):
                 C.drop(cid)
-                C.forget_flash(cid, ctx.tier)
             ctx.modified.add(t)
+        self.forget_flash(ctx, range(g.num_token_chunks))
+
+    def forget_flash(self, ctx: DeviceContext, ts: Iterable[int]) -> None:
+        """Deletes the flash copies of token chunks ``ts`` of ``ctx`` (their records die)."""
+        C = ctx.memory
+        if C is None:
+            return
+        for t in ts:
+            for cid in token_chunk_ids(C.geometry, t):
+                C.forget_flash(cid, ctx.tier)
 
     def attach(self, ctx: DeviceContext, C: ContextKV) -> int:
-        """Attaches the token chunk files of ``ctx``'s full chunks to ``C`` (empty, segmented) as
-        clean flash copies, at the level their headers give; a missing, damaged or mismatched
-        file is skipped (its chunk is recomputed when called). Returns the files attached."""
+        """Attaches the token chunk records on flash of ``ctx``'s full chunks to ``C`` (empty,
+        segmented) as clean flash copies, at the level their headers give: per token chunk the
+        latest record whose header fits the geometry (chunk files, then segments oldest first:
+        :meth:`~sparkv.device.flashio.ServiceFlash.records`). A missing, damaged or mismatched
+        record is skipped (its chunk is recomputed when called; a damaged body fails its
+        checksum when read, and is recomputed then). The attached segment records are live;
+        segments with none are deleted, and chunk files a segment record superseded too.
+        Returns the token chunks attached."""
         g = C.geometry
-        n = 0
-        for t in range(min(g.num_tokens // g.chunk_tokens, g.num_token_chunks)):
-            path = ctx.tier.root / token_chunk_name(t)
-            try:
-                with open(path, "rb") as f:
-                    head = token_chunk_header(f.read(64))
-                st = path.stat()
-            except (OSError, PayloadError):
+        full = min(g.num_tokens // g.chunk_tokens, g.num_token_chunks)
+        found: dict[int, tuple[FlashRef, str]] = {}
+        stale: list[FlashRef] = []
+        for ref, head in ctx.tier.records():
+            t = int(head["t"])
+            if (t >= full or head["layers"] != g.num_layers or head["groups"] != g.num_groups
+                    or head["tokens"] != g.chunk_len(t)):
                 continue
-            tighten(path, st)            # a file an older version wrote 0644
-            size = st.st_size
-            if (head["t"] != t or head["layers"] != g.num_layers
-                    or head["groups"] != g.num_groups or head["tokens"] != g.chunk_len(t)):
-                continue
-            ref = FlashRef(str(path), size)
+            if t in found:
+                stale.append(found[t][0])
+            found[t] = (ref, str(head["level"]))
+        for t, (ref, level) in found.items():
+            ctx.tier.keep(ref)
             for cid in token_chunk_ids(g, t):
-                C.attach_flash(cid, ref, str(head["level"]))
-            n += 1
-        return n
+                C.attach_flash(cid, ref, level)
+        for ref in stale:
+            if not is_segment(ref.path):
+                ctx.tier.delete(ref)
+        ctx.tier.prune()
+        return len(found)
 
     # ---- whole-context files ---------------------------------------------------------------------
     def write_whole(self, ctx: DeviceContext, mem: ContextKV) -> int:
@@ -198,5 +243,5 @@ class SwapStore:
             st.v[0, :, :n] = v.view(g.num_kv_heads, n, g.head_dim)
             st.end = n
             on_layer()
-        return LoadStats(read_chunks=g.num_token_chunks, files_read=1, bytes_read=len(data),
-                         io_s=read_s, pipelined=False)
+        return LoadStats(read_chunks=g.num_token_chunks, files_read=1, reads=1,
+                         bytes_read=len(data), io_s=read_s, pipelined=False)

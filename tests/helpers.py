@@ -181,3 +181,14 @@ def raw_world(lm: Any, n_tokens: int, chunk_tokens: int, seed: int) -> dict[str,
         frames[(cid, "raw")] = encode(KVChunk(cid, geo.token_range(cid.t)[0], k.contiguous(),
                                               v.contiguous(), geo.num_layers), "raw")
     return {"lm": lm, "tokens": tokens, "ref": ref, "geo": geo, "frames": frames}
+
+
+def same_payloads(a: dict, b: dict) -> None:
+    """Asserts two snapshots ``{chunk id: (level, [tensors])}`` of a memory's payloads are equal,
+    level and every tensor bit for bit."""
+    import torch
+
+    assert a.keys() == b.keys()
+    for cid in a:
+        assert a[cid][0] == b[cid][0], cid
+        assert all(torch.equal(x, y) for x, y in zip(a[cid][1], b[cid][1])), cid

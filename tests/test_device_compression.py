@@ -6,7 +6,6 @@ without a clean shutdown reopens every context whose call returned, its chunks a
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sparkv.device import ContextService
 from sparkv.device.config import FALLBACK_RATIO, ServiceConfig, resolved_ratio
@@ -15,7 +14,7 @@ from sparkv.device.loader import token_chunk_ids, working_nbytes
 from sparkv.layout import ChunkGeometry
 from sparkv.predictor.quality import QualityEntry, QualityTable, RetrievalScore
 from sparkv.runtime.generate import sample_context_ids
-from helpers import flash_profile
+from helpers import flash_profile, same_payloads
 
 FAST_FLASH = flash_profile(fast=True)
 LEVELS = {"fp", "int8", "int4", "int2"}
@@ -53,13 +52,6 @@ def _payloads(svc: ContextService, cid: str) -> dict:
                 sides += [x] if p.level == "fp" else [x.codes, x.scale, x.zero]
             out[c] = (p.level, [s.clone() for s in sides])
     return out
-
-
-def _same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for c in a:
-        assert a[c][0] == b[c][0], c
-        assert all(torch.equal(x, y) for x, y in zip(a[c][1], b[c][1])), c
 
 
 def test_default_ratio_comes_from_the_quality_table(tmp_path):
@@ -114,7 +106,7 @@ def test_swap_out_and_back_is_exact_at_every_level(lm, doc, tmp_path, ratio, see
         ids = token_chunk_ids(C.geometry, t)
         f = read_token_chunk_file(tier.read(C.state(ids[0]).flash), t)
         assert f.level == svc.contexts[cid].levels[t]
-        _same({p.cid: (p.level, [s for x in (p.k, p.v) for s in (
+        same_payloads({p.cid: (p.level, [s for x in (p.k, p.v) for s in (
             [x] if p.level == "fp" else [x.codes, x.scale, x.zero])]) for p in f.payloads},
               {c: before[c] for c in ids})
     svc.swap_out(cid)
@@ -124,7 +116,7 @@ def test_swap_out_and_back_is_exact_at_every_level(lm, doc, tmp_path, ratio, see
     svc.recompute.scale = 1e6
     r = svc.call(cid, prompt_ids=doc[350:356], max_new_tokens=1, grow=False)
     assert r.load["read_chunks"] > 0, r.load
-    _same(_payloads(svc, cid), before)                         # back, exactly
+    same_payloads(_payloads(svc, cid), before)                         # back, exactly
 
 
 def test_restart_reopens_every_returned_context_at_its_levels(lm, doc, tmp_path):
@@ -145,4 +137,4 @@ def test_restart_reopens_every_returned_context_at_its_levels(lm, doc, tmp_path)
         assert r.load["faults"] == 0
         full = {c: p for c, p in payloads.items()
                 if c.t < ctx.memory.geometry.num_token_chunks - 1}
-        _same({c: p for c, p in _payloads(again, cid).items() if c in full}, full)
+        same_payloads({c: p for c, p in _payloads(again, cid).items() if c in full}, full)

@@ -26,7 +26,7 @@ from sparkv.device.planner import MissingChunk, RecomputeProfile, plan_split
 from sparkv.device.registry import DeviceContext
 from sparkv.device.swap import SwapStore
 from sparkv.layout import ChunkGeometry
-from helpers import flash_profile
+from helpers import flash_profile, same_payloads
 
 FAST_FLASH = flash_profile(fast=True)
 DOC = [(7 * i + 3) % 120 + 1 for i in range(150)]
@@ -63,13 +63,6 @@ def _payloads(C: ContextKV) -> dict:
     return out
 
 
-def _same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for cid in a:
-        assert a[cid][0] == b[cid][0], cid
-        assert all(torch.equal(x, y) for x, y in zip(a[cid][1], b[cid][1])), cid
-
-
 def _read_all(ctx: DeviceContext) -> tuple[ContextKV, object]:
     W = ContextKV(GEO, torch.float32, "cpu", spare_tokens=8)
     stats = load(NO_MODEL, ctx.tokens, ctx.memory, W, ctx.tier,
@@ -104,8 +97,8 @@ def test_segment_round_trip_equals_the_per_chunk_files_bit_for_bit(tmp_path):
     for l in range(GEO.num_layers):  # noqa: E741
         assert torch.equal(W_seg.layers[l].k, W_per.layers[l].k)
         assert torch.equal(W_seg.layers[l].v, W_per.layers[l].v)
-    _same(_payloads(seg.memory), before)                   # swapped back in, bit for bit
-    _same(_payloads(per.memory), before)
+    same_payloads(_payloads(seg.memory), before)                   # swapped back in, bit for bit
+    same_payloads(_payloads(per.memory), before)
 
 
 def test_a_switch_reads_once_per_run(tmp_path):

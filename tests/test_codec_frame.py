@@ -183,6 +183,51 @@ def test_non_finite_values_need_raw():
     assert torch.isnan(out.v[0, 0, 0])
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("level,where", [("raw", (1, 40, 7)), ("q5", (2, 0, 3))])
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_finite_decode_refuses_non_finite_lossless_values(bad, level, where, tensor):
+    """What the codec passes through unbounded (raw values; a quantized level's exact sink
+    rows) is checked when a consumer asks for finite KV; nothing is written then."""
+    c = chunk(t=0)                                # the context's first chunk: its sink is exact
+    getattr(c, tensor)[where] = bad
+    frame = encode(c, level)
+    assert not torch.isfinite(getattr(decode(frame), tensor)[where])   # the format keeps it
+    with pytest.raises(CodecError, match=f"{tensor.upper()} holds non-finite values"):
+        decode(frame, finite=True)
+    k_out, v_out = torch.full((3, 96, 64), 7.0), torch.full((3, 96, 64), 7.0)
+    with pytest.raises(CodecError, match="non-finite"):
+        decode_into(frame, k_out, v_out, finite=True)
+    assert torch.all(k_out == 7.0) and torch.all(v_out == 7.0)
+
+
+@pytest.mark.parametrize("level", ["raw", "q8", "q5"])
+def test_finite_decode_of_a_finite_frame_is_the_plain_decode(level):
+    frame = encode(chunk(), level)
+    plain, checked = decode(frame), decode(frame, finite=True)
+    assert torch.equal(plain.k, checked.k) and torch.equal(plain.v, checked.v)
+
+
+def test_finite_decode_bounds_values_by_the_output_dtype():
+    """A float32 frame read into float16: a raw value past 65504 would become an infinity, so
+    a finite decode refuses it; quantized values are clamped to float16's range."""
+    c = chunk()
+    c.k[0, 5, 0] = 1e6
+    with pytest.raises(CodecError, match="past float16's range"):
+        decode(encode(c, "raw"), finite=True, dtype=torch.float16)
+    decode(encode(c, "raw"), finite=True)                       # fine in float32
+    c = chunk()
+    c.k[:, 1:, :] *= 1e5                                          # quantized rows, huge
+    out = decode(encode(c, "q8"), finite=True, dtype=torch.float16)
+    assert torch.isfinite(out.k).all() and out.k.dtype == torch.float16
+    assert float(out.k.abs().max()) == float(torch.finfo(torch.float16).max)
+
+
+def test_decode_into_a_dtype_that_is_not_floating_is_refused():
+    with pytest.raises(CodecError, match="floating-point"):
+        decode(encode(chunk(), "raw"), dtype=torch.int32)
+
+
 def test_huge_values_switch_parameters_to_fp32():
     c = chunk()
     c.k *= 1e6  # beyond float16's range

@@ -138,3 +138,27 @@ def test_a_lost_context_is_restored_from_the_server_exactly(lm, tmp_path):
     res = svc.call(lost, prompt_ids=q, max_new_tokens=12, grow=False, remote=fast)
     assert res.load["faults"] == nt and res.load["recomputed_chunks"] == nt, res.load
     assert svc.stats()["budget_violations"] == 0
+
+
+def test_a_server_frame_with_non_finite_values_is_refused():
+    """The server source decodes frames as finite KV: a valid raw frame holding a NaN is a
+    failed fetch (the loader then recomputes what is missing), never values in the memory."""
+    from types import SimpleNamespace
+
+    from sparkv.codec import KVChunk, encode
+    from sparkv.device import DeviceError
+    from sparkv.layout import ChunkGeometry
+
+    geo = ChunkGeometry(num_layers=1, num_kv_heads=1, heads_per_group=1, head_dim=8,
+                        num_tokens=16, chunk_tokens=16)
+    cid = KVChunkId(0, 0, 0)
+    k, v = torch.zeros(1, 16, 8), torch.zeros(1, 16, 8)
+    v[0, 4, 2] = float("nan")
+    frame = encode(KVChunk(cid, 0, k, v, 1), "raw")
+    manifest = SimpleNamespace(compressed=False, encrypted=False, chunk_geometry=geo,
+                               sizes={cid: {"raw": len(frame)}}, levels=["raw"])
+    client = SimpleNamespace(manifest=lambda _id: manifest, tokens=lambda _id: [1] * 16,
+                             frame=lambda *a: frame, last_download=None)
+    src = ServerStream(client, "ab" * 16, link_Bps=1e6)
+    with pytest.raises(DeviceError, match="non-finite"):
+        list(src.fetch([(cid, "raw")]))

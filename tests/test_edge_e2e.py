@@ -203,6 +203,49 @@ def test_corrupted_frame_is_recomputed(served, tmp_path):
                                    if (c.t, c.l) == (2, 5))) == "computed"
 
 
+def test_non_finite_frames_are_recomputed_like_local(served, tmp_path):
+    """A server whose stored raw frames hold a NaN or an infinity (checksums right): every
+    strategy rejects those frames, computes their chunks and answers as a local-only ask."""
+    from sparkv.codec import decode, encode
+
+    lm = served["lm"]
+    key, question = "a", QUESTIONS[0]
+    store = tmp_path / "store"
+    shutil.copytree(served["store"], store)
+    cid = served["cids"][key]
+    poisoned = {"0.0.0.raw": ("k", float("nan")), "2.5.0.raw": ("v", float("inf")),
+                "4.29.0.raw": ("k", -float("inf"))}
+    for name, (tensor, value) in poisoned.items():
+        (path,) = store.rglob(f"{cid}/chunks/{name}")
+        chunk = decode(path.read_bytes())
+        getattr(chunk, tensor)[0, 7, 3] = value
+        path.write_bytes(encode(chunk, "raw"))
+    srv = _second_server(served, tmp_path, store=f"file://{store}")
+    try:
+        answers = {}
+        for strategy in ("local", "stream", "sparkv"):
+            session = _session(srv.url, lm, mbps=200.0)
+            res = session.ask(cid, question, strategy=strategy, level="raw", backend="dense",
+                              max_new_tokens=NEW)
+            session.close()
+            answers[strategy] = res
+    finally:
+        srv.stop()
+    local = answers["local"].tokens
+    assert local == _reference(lm, served["docs"][key], question)
+    for strategy in ("stream", "sparkv"):
+        res = answers[strategy]
+        assert res.tokens == local, strategy
+        bad = {t.cid for t in res.load.transfers if f"{t.cid.t}.{t.cid.l}.{t.cid.g}.raw"
+               in poisoned}
+        assert res.breakdown.fallback.get("chunks", {}) == ({"bad frame": len(bad)} if bad
+                                                            else {}), strategy
+        assert all(res.load.kv.source(c) == "computed" for c in bad)
+    assert len({t.cid for t in answers["stream"].load.transfers}) == \
+        answers["stream"].instance.num_chunks      # stream-only asked for every poisoned frame
+    assert answers["stream"].breakdown.fallback["chunks"] == {"bad frame": 3}
+
+
 @pytest.mark.skipif(not redis_server_available(), reason="redis-server is not installed")
 def test_store_outage_503_mid_stream(smollm2, tmp_path):
     lm = smollm2

@@ -283,6 +283,39 @@ def test_slow_then_fast_link_uses_both_paths(world):
     assert load.compute_samples > 0 and load.compute_ratio > 0
 
 
+def _poisoned(world, where: dict) -> dict:
+    """``world``'s frames with valid raw frames of non-finite KV for the chunks in ``where``
+    (chunk id -> (tensor, value)): the checksum is right, the values are not."""
+    from sparkv.codec import decode, encode
+
+    frames = dict(world["frames"])
+    for cid, (tensor, value) in where.items():
+        chunk = decode(frames[(cid, "raw")])
+        getattr(chunk, tensor)[0, 3, 1] = value
+        frames[(cid, "raw")] = encode(chunk, "raw")
+        assert len(frames[(cid, "raw")]) == len(world["frames"][(cid, "raw")])
+    return frames
+
+
+@pytest.mark.parametrize("planner", ["stream", "sparkv"])
+def test_non_finite_frames_anywhere_are_recomputed(world, planner):
+    """A frame whose values hold a NaN or an infinity (first, middle and last chunk of the
+    stream; K or V) is a damaged frame: rejected, its chunk computed, the cache exact."""
+    ids = list(world["geo"].chunk_ids())
+    where = {ids[0]: ("k", float("nan")), ids[len(ids) // 2]: ("v", float("inf")),
+             ids[-1]: ("k", -float("inf"))}
+    src = ScriptedSource(_poisoned(world, where))
+    load = _load(world, src, planner=planner,
+                 controller=ControllerConfig() if planner == "sparkv" else None)
+    streamed = [x.cid for x in load.transfers if x.status == TransferStatus.FAILED]
+    assert sorted(streamed) == sorted(c for c in where if c in
+                                      {x.cid for x in load.transfers})
+    assert load.fallback["chunks"] == {"bad frame": len(streamed)} and streamed
+    for cid in streamed:
+        assert load.kv.source(cid) == "computed"
+        assert any("non-finite" in e for e in load.link_errors if str(cid) in e)
+
+
 def test_a_chunk_the_schedule_loses_is_computed_not_waited_for(world):
     """The controller hands the link a chunk that is never requested (a scheduling bug): nothing
     runs on either path while it is missing. The idle rule computes it instead of hanging."""

@@ -457,6 +457,30 @@ def _check_out(t: Any, shape: tuple[int, int, int], which: str) -> torch.Tensor:
     return t
 
 
+def _finite_limit(hdr: FrameHeader, out_dtype: torch.dtype) -> float:
+    """The largest magnitude a decoded value may have: the chunk dtype's largest finite value, or
+    the output's where that is smaller (a float32 frame decoded into float16)."""
+    return min(FINITE_MAX[hdr.dtype], FINITE_MAX.get(out_dtype, FINITE_MAX[hdr.dtype]))
+
+
+def _check_finite(mv: memoryview, hdr: FrameHeader, th: TensorHeader, out_dtype: torch.dtype,
+                  which: str) -> None:
+    """For a finite decode: the values the codec passes through unbounded (a raw tensor, a
+    quantized tensor's exact rows) must be finite and fit ``out_dtype``. Quantized values need
+    no check: they are clamped to :func:`_finite_limit`."""
+    h, n, d = hdr.shape
+    rows = n if th.lossless else th.exact_tokens
+    if not rows:
+        return
+    vals = _raw_values(mv, hdr, th.payload_offset, h * rows * d)
+    peak = float(vals.abs().amax())             # NaN if any value is NaN
+    if not peak <= _finite_limit(hdr, out_dtype):
+        what = "NaN" if peak != peak else "an infinity" if peak == float("inf") else (
+            f"a magnitude of {peak:.4g}, past {str(out_dtype).replace('torch.', '')}'s range")
+        raise CodecError(f"{which} holds non-finite values ({what} in its "
+                         f"{'raw values' if th.lossless else 'exact rows'})")
+
+
 def _write_tensor(mv: memoryview, hdr: FrameHeader, th: TensorHeader,
                   symbols: np.ndarray | None, out: torch.Tensor) -> None:
     h, n, d = hdr.shape
@@ -471,7 +495,7 @@ def _write_tensor(mv: memoryview, hdr: FrameHeader, th: TensorHeader,
         target[:, :e, :] = exact.to(torch.float32).numpy()
     if symbols is not None:
         quant.reconstruct(symbols, th.bits, th.mins, th.steps, th.axis, target[:, e:, :],
-                          th.alpha, th.center, FINITE_MAX[hdr.dtype])
+                          th.alpha, th.center, _finite_limit(hdr, out.dtype))
     if not direct:
         out.copy_(torch.from_numpy(target))
         if e and out.dtype == hdr.dtype:  # the exact block bit for bit (NaN payloads too)
@@ -479,14 +503,19 @@ def _write_tensor(mv: memoryview, hdr: FrameHeader, th: TensorHeader,
 
 
 def decode_into(data: Any, k_out: torch.Tensor, v_out: torch.Tensor, *,
-                parallel: bool = False) -> FrameHeader:
+                parallel: bool = False, finite: bool = False) -> FrameHeader:
     """Decodes a frame into preallocated ``[H, N, D]`` tensors (any float dtype, any strides;
     views into a larger cache are fine). Nothing is written unless the whole frame is valid.
     Lossless values (the raw level, a quantized level's exact rows) reach an output of the
     chunk's dtype bit for bit, NaN payloads included; another dtype gets them converted.
+    Quantized values are clamped to the largest finite value of the chunk's and the output's
+    dtype, so they never decode to an infinity.
 
     Args:
         parallel: decode the Huffman streams on every core (otherwise in the calling thread).
+        finite: refuse (:class:`CodecError`) a frame whose lossless values hold a NaN or an
+            infinity, or a value past the output dtype's range: what a consumer that attends
+            over the KV asks for (the format itself carries any value losslessly).
 
     Returns:
         The frame's header.
@@ -495,18 +524,27 @@ def decode_into(data: Any, k_out: torch.Tensor, v_out: torch.Tensor, *,
     hdr = _check_frame(mv)
     _check_out(k_out, hdr.shape, "K")
     _check_out(v_out, hdr.shape, "V")
+    if finite:
+        _check_finite(mv, hdr, hdr.k, k_out.dtype, "K")
+        _check_finite(mv, hdr, hdr.v, v_out.dtype, "V")
     symbols = _decode_symbols(mv, hdr, parallel)
     _write_tensor(mv, hdr, hdr.k, symbols[0], k_out)
     _write_tensor(mv, hdr, hdr.v, symbols[1], v_out)
     return hdr
 
 
-def decode(data: Any, *, parallel: bool = False) -> KVChunk:
-    """Decodes a frame into a new :class:`KVChunk` (tensors of the frame's dtype)."""
+def decode(data: Any, *, parallel: bool = False, finite: bool = False,
+           dtype: torch.dtype | None = None) -> KVChunk:
+    """Decodes a frame into a new :class:`KVChunk` (tensors of ``dtype``, by default the
+    frame's; ``parallel`` and ``finite`` as in :func:`decode_into`)."""
     mv = _as_bytes_view(data)
     hdr = _check_frame(mv)
-    k = torch.empty(hdr.shape, dtype=hdr.dtype)
-    v = torch.empty(hdr.shape, dtype=hdr.dtype)
+    k = torch.empty(hdr.shape, dtype=dtype or hdr.dtype)
+    v = torch.empty(hdr.shape, dtype=dtype or hdr.dtype)
+    _check_out(k, hdr.shape, "K")
+    if finite:
+        _check_finite(mv, hdr, hdr.k, k.dtype, "K")
+        _check_finite(mv, hdr, hdr.v, v.dtype, "V")
     symbols = _decode_symbols(mv, hdr, parallel)
     _write_tensor(mv, hdr, hdr.k, symbols[0], k)
     _write_tensor(mv, hdr, hdr.v, symbols[1], v)

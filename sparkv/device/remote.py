@@ -127,7 +127,7 @@ class ServerStream:
             try:
                 data = self.client.frame(self.context_id, cid.t, cid.l, cid.g, level)
                 frame = self.open_frame(data, cid, level) if self.open_frame else data
-                chunk = decode(frame)
+                chunk = decode(frame, finite=True)
             except (CodecError, OSError, ValueError) as e:
                 raise DeviceError(f"server chunk {cid} at {level}: {e}") from e
             except Exception as e:  # noqa: BLE001 - the client's ApiError / ServerUnavailable

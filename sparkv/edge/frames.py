@@ -1,5 +1,6 @@
 """The engine's decode path: a received frame, decrypted and decoded straight into the KV memory
-on a small worker pool (the codec checks the frame's checksum); a frame that cannot be used is
+on a small worker pool (the codec checks the frame's checksum, and that every value is finite in
+the memory's dtype: a NaN or an infinity is never attended over); a frame that cannot be used is
 reported, and its chunk is computed locally.
 """
 
@@ -106,20 +107,20 @@ class FrameDecoder:
         from sparkv.codec import decode, decode_into, peek_header
 
         if cid in self._kept:
-            chunk = decode(frame)
+            chunk = decode(frame, finite=True, dtype=self._kv.dtype)
             if chunk.id != cid:
                 return _misnamed(chunk.id, cid)
             return put_kept(self._kv, cid, self._kept[cid], chunk.k, chunk.v)
         copier = self._to_device()
         if copier is None:
-            chunk = decode(frame)
+            chunk = decode(frame, finite=True, dtype=self._kv.dtype)
             if chunk.id != cid:
                 return _misnamed(chunk.id, cid)
             self._kv.put(cid, chunk.k, chunk.v, source="streamed", overwrite=False)
             return None
         hdr = peek_header(frame)
         k, v = copier.buffers(tuple(hdr.shape), self._kv.dtype)
-        decode_into(frame, k, v)
+        decode_into(frame, k, v, finite=True)
         if hdr.chunk_id != cid:
             return _misnamed(hdr.chunk_id, cid)
         copier.put(self._kv, cid, k, v)

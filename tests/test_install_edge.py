@@ -58,7 +58,8 @@ for name in ("EdgeSession", "AskOptions", "ContextService", "ServiceConfig", "Sp
              "load_model", "generate", "SnapKV"):
     getattr(sparkv, name)
 runs = {}
-for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--budget-mb", "64"], ["demo"]):
+for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--memory-budget-mb", "64"],
+             ["demo"]):
     err, stdout = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
         try:

@@ -58,7 +58,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--chunk-tokens", type=int, default=1024, help="T, tokens per chunk")
     p.add_argument("--levels", default=None,
                    help="comma-separated levels (default: every level)")
-    p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
+    p.add_argument("--max-new-tokens", type=int, default=32,
                    help="generated tokens per question")
     p.add_argument("--questions", type=int, default=len(QUESTIONS),
                    help=f"questions asked over the cache (1..{len(QUESTIONS)})")
@@ -649,7 +649,7 @@ def run(args: argparse.Namespace) -> int:
     _print(rows, axis_rows, summary, passkey)
     config = {"model": ctx.lm.name, "tokens": ctx.n_ctx, "chunk_tokens": args.chunk_tokens,
               "chunks": len(ctx.chunks), "values": ctx.n_values,
-              "questions": len(ctx.questions), "new_tokens": args.new_tokens,
+              "questions": len(ctx.questions), "new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "workers": workers, "prefill_s": ctx.prefill_s,
               "torch_threads": torch.get_num_threads()}
     if args.json or args.out:
@@ -731,7 +731,7 @@ def _measure_level(ctx: _Context, name: str, args: argparse.Namespace, workers: 
     row["rel_l2_k"], row["rel_l2_v"] = errs["k"], errs["v"]
     if not lvl.lossless:
         _entropy_and_huffman(row, frames, ctx.n_values, args)
-    reference = _quality(row, ctx, name, ks, vs, reference, args.new_tokens)
+    reference = _quality(row, ctx, name, ks, vs, reference, args.max_new_tokens)
     row["load_avg"] = os.getloadavg()[0]
     return row, reference
 
@@ -863,7 +863,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     res = measure_profile(lm, args.tokens, args.chunk_tokens, args.profile_bits, args.questions,
-                          args.new_tokens, args.profile_passkeys)
+                          args.max_new_tokens, args.profile_passkeys)
     n = res["num_layers"]
     print(f"\nsensitivity per layer (share of the total, natural + pass key, each kind "
           f"normalised to 1), {res['bits']}-bit noise; offsets: measured | shipped")
@@ -885,7 +885,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         print(f"{name} = ({fmt(res[key])})")
     if args.json or args.out:
         config = {"model": lm.name, "tokens": args.tokens, "chunk_tokens": args.chunk_tokens,
-                  "questions": args.questions, "new_tokens": args.new_tokens,
+                  "questions": args.questions, "new_tokens": args.max_new_tokens,
                   "passkeys": args.profile_passkeys, "bits": args.profile_bits,
                   "torch_threads": torch.get_num_threads()}
         path = write_result("codec_profile", {"results": res}, config,

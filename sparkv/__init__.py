@@ -23,7 +23,7 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-#: top-level name -> the module that defines it (the name is the same there unless noted below)
+#: top-level name -> the module that defines it under the same name
 _EXPORTS: dict[str, str] = {
     # errors and the result shape
     "SparkvError": "sparkv.errors",
@@ -52,16 +52,17 @@ _EXPORTS: dict[str, str] = {
     "DecodeResult": "sparkv.decode.session",
     "DecodeConfig": "sparkv.decode.config",
     "DynaKVCache": "sparkv.decode.hf",
-    # presses (KV compression); any other ``...Press`` name of sparkv.presses resolves as well
+    # presses (KV compression), under kvpress's class names
     "Press": "sparkv.presses",
     "PressError": "sparkv.presses",
-    "SnapKV": "sparkv.presses",
-    "PyramidKV": "sparkv.presses",
-    "DynamicKV": "sparkv.presses",
-    "AdaKV": "sparkv.presses",
-    "AdaPyramid": "sparkv.presses",
+    "SnapKVPress": "sparkv.presses",
+    "PyramidKVPress": "sparkv.presses",
+    "DynamicKVPress": "sparkv.presses",
+    "AdaKVPress": "sparkv.presses",
+    "AdaPyramidPress": "sparkv.presses",
+    "KnormPress": "sparkv.presses",
     "RandomPress": "sparkv.presses",
-    "StreamingLLM": "sparkv.presses",
+    "StreamingLLMPress": "sparkv.presses",
     "parse_press": "sparkv.presses",
     "make_press": "sparkv.presses",
     "compress": "sparkv.presses",
@@ -73,8 +74,6 @@ __all__ = ["__version__", *_EXPORTS]
 def __getattr__(name: str) -> _Any:
     """PEP 562: imports the part that defines ``name`` on first use and caches the name here."""
     module = _EXPORTS.get(name)
-    if module is None and name.endswith("Press"):
-        module = "sparkv.presses"          # kvpress-style names (SnapKVPress, ...) as presses adds them
     if module is None:
         raise AttributeError(f"module 'sparkv' has no attribute {name!r}")
     try:

@@ -55,7 +55,7 @@ for info in pkgutil.walk_packages(sparkv.__path__, "sparkv.", onerror=lambda nam
     except Exception as exc:
         out["other"][info.name] = repr(exc)
 for name in ("EdgeSession", "AskOptions", "ContextService", "ServiceConfig", "SparkvCache",
-             "load_model", "generate", "SnapKV"):
+             "load_model", "generate", "SnapKVPress"):
     getattr(sparkv, name)
 runs = {}
 for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--memory-budget-mb", "64"],

@@ -30,13 +30,13 @@ def test_import_sparkv_is_cheap():
 def test_every_top_level_name_resolves_to_its_part():
     from sparkv.device.service import ContextService
     from sparkv.edge.session import EdgeSession
-    from sparkv.presses import SnapKV
+    from sparkv.presses import SnapKVPress
     from sparkv.runtime.model import load_model
 
     for name in sparkv.__all__:
         assert getattr(sparkv, name) is not None, name
     assert sparkv.EdgeSession is EdgeSession and sparkv.ContextService is ContextService
-    assert sparkv.load_model is load_model and sparkv.SnapKV is SnapKV
+    assert sparkv.load_model is load_model and sparkv.SnapKVPress is SnapKVPress
     from sparkv.decode import generate
     assert sparkv.generate is generate
     assert set(sparkv.__all__) <= set(dir(sparkv))

@@ -4,22 +4,15 @@ The names a user needs, importable from the top (docs/python-api.md)::
 
     from sparkv import EdgeSession, AskOptions, ContextService, ServiceConfig, load_model
 
-They load lazily (PEP 562): ``import sparkv`` imports neither torch nor the server; each name
-imports its own part on first use. A part of another install profile (docs/python-api.md,
-"Install profiles") says which extra to install (:class:`~sparkv.extras.MissingExtra`).
+They load lazily (PEP 562): ``import sparkv`` imports neither torch nor the server, and changes
+no environment variable (the ``sparkv`` command sets ``OMP_WAIT_POLICY``: docs/edge.md, "Threads
+and OpenMP"); each name imports its own part on first use. A part of another install profile
+(docs/python-api.md, "Install profiles") says which extra to install
+(:class:`~sparkv.extras.MissingExtra`).
 """
 
 import importlib as _importlib
-import os as _os
 from typing import Any as _Any
-
-# The edge runs PyTorch from several threads (layer steps, frame decoding, generation). GNU OpenMP
-# gives every calling thread its own team whose workers busy-wait after each parallel region; on a
-# small CPU those spinning teams steal the cores from whichever thread works next (measured here:
-# the question prefill after a stream-only load took 2.5 s instead of 0.15 s). Passive waiting
-# removes that and costs nothing measurable for our kernels. Only effective when sparkv is imported
-# before torch; an explicit OMP_WAIT_POLICY in the environment wins.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 

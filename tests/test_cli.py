@@ -5,6 +5,7 @@ exit status 2 (never a traceback), found before anything slow starts."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -157,6 +158,21 @@ def test_no_old_spelling_is_taken(argv, capsys):
         build_parser().parse_args(argv)
     assert exc.value.code == 2
     assert f"unrecognized arguments: {' '.join(argv[-2:])}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_sets_passive_openmp_waits_before_torch_loads(given, expected):
+    """docs/edge.md, "Threads and OpenMP": ``sparkv`` sets OMP_WAIT_POLICY=PASSIVE before any
+    command module imports torch (OpenMP reads it once, then); an explicit value wins."""
+    code = ("import os, sys; import sparkv.cli as cli; "
+            "cli.build_parser = lambda: sys.exit(print(os.environ.get('OMP_WAIT_POLICY'), "
+            "'torch' in sys.modules)); cli.main(['--version'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.stdout.split() == [expected, "False"], out.stderr
 
 
 def test_quiet_and_verbose_set_the_one_logging_setup(capsys):

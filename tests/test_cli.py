@@ -116,6 +116,9 @@ def test_a_401_names_the_flag_not_only_the_header():
     with pytest.raises(SparkvError) as e, _api_key_hint():
         raise ApiError(401, "missing_api_key", "send 'Authorization: Bearer <key>'")
     assert "--api-key" in str(e.value) and "SPARKV_API_KEY" in str(e.value)
+    with pytest.raises(SparkvError) as e, _api_key_hint():
+        raise ApiError(403, "forbidden", "not this one")
+    assert "403" in str(e.value) and "--api-key" in str(e.value)
     with pytest.raises(ApiError), _api_key_hint():        # other errors pass unchanged
         raise ApiError(404, "context_not_found", "no context")
 

@@ -193,16 +193,20 @@ def _ask(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _api_key_hint() -> Iterator[None]:
-    """A 401 from the server says how this command sends a key (the server names headers)."""
+    """A 401 or 403 from the server (on any request of the ask, whatever the device has
+    cached: docs/edge.md) says which key this command sent (the server names headers)."""
     from sparkv.protocol.errors import ApiError
 
     try:
         yield
     except ApiError as e:
-        if e.status != 401:
-            raise
-        raise SparkvError(f"{e} (sparkv ask sends the key of --api-key or $SPARKV_API_KEY as "
-                          "that header; `sparkv apikey` makes one)") from None
+        if e.status == 401:
+            raise SparkvError(f"{e} (sparkv ask sends the key of --api-key or $SPARKV_API_KEY "
+                              "as that header; `sparkv apikey` makes one)") from None
+        if e.status == 403:
+            raise SparkvError(f"{e} (the key of --api-key or $SPARKV_API_KEY is not allowed "
+                              "this request)") from None
+        raise
 
 
 def kept_note(res: Any) -> str:

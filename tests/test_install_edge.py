@@ -55,10 +55,11 @@ for info in pkgutil.walk_packages(sparkv.__path__, "sparkv.", onerror=lambda nam
     except Exception as exc:
         out["other"][info.name] = repr(exc)
 for name in ("EdgeSession", "AskOptions", "ContextService", "ServiceConfig", "SparkvCache",
-             "load_model", "generate", "SnapKV"):
+             "load_model", "generate", "SnapKVPress"):
     getattr(sparkv, name)
 runs = {}
-for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--budget-mb", "64"], ["demo"]):
+for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--memory-budget-mb", "64"],
+             ["demo"]):
     err, stdout = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
         try:

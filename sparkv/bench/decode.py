@@ -39,7 +39,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("decode", help="decode speed and KV bytes over the KV memory "
                                       "(vs DynamicCache, ragged, quantized), flash bandwidth")
     p.add_argument("--sizes", default="2048,4096,8192", help="context lengths in tokens")
-    p.add_argument("--max-new-tokens", type=int, default=64, dest="new_tokens",
+    p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens decoded per run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
     p.add_argument("--configs", default=",".join(CONFIGS),
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from sparkv.runtime import load_model
 
     if args.quick:
-        args.sizes, args.configs, args.new_tokens = "2048,8192", "memory,int8,int4", 16
+        args.sizes, args.configs, args.max_new_tokens = "2048,8192", "memory,int8,int4", 16
         args.repeats, args.flash_mb = 1, 16
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,8 +167,8 @@ def _measure_config(lm: Any, layers: list, geo: Any, first: int, cfg: str,
     speeds, peaks, ends = [], [], []
     n = geo.num_tokens
     for _ in range(args.repeats):
-        cache, memory = _cache_for(cfg, layers, geo, args.new_tokens)
-        speed, peak = _decode(lm, cache, n, first, args.new_tokens, memory)
+        cache, memory = _cache_for(cfg, layers, geo, args.max_new_tokens)
+        speed, peak = _decode(lm, cache, n, first, args.max_new_tokens, memory)
         end = memory.nbytes if memory is not None else peak
         speeds.append(speed)
         peaks.append(peak)

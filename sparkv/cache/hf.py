@@ -5,9 +5,10 @@ Built on transformers' own per-layer API (``Cache(layers=[...])`` of ``CacheLaye
 transformers: :func:`sparkv.runtime.hfcache.model_call` picks the keyword) and a plain forward
 both decode over a :class:`~sparkv.cache.memory.ContextKV`:
 
-* a **dense arena** layer appends the new token's K/V in place (preallocated, doubling when full,
-  as gpt-fast does) and hands attention a view of its slots: no per-token copy of the layer, and
-  exactly the tensors (and transformers' own mask and SDPA) a ``DynamicCache`` would give;
+* a **dense arena** layer appends the new token's K/V in place (preallocated as gpt-fast does; a
+  full arena grows by an eighth, at least 64 slots) and hands attention a view of its slots: no
+  per-token copy of the layer, and exactly the tensors (and transformers' own mask and SDPA) a
+  ``DynamicCache`` would give;
 * a **ragged** layer (pruned per head) appends in place too, and hands attention an
   :class:`~sparkv.cache.attention.AttentionView` (one SDPA per KV head over what it keeps);
 * a **segmented** layer (chunks at quantized levels) is attended as held: the fused kernel of

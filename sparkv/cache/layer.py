@@ -10,7 +10,8 @@ Two layouts, one layer at a time:
   ``[capacity_h, D]`` and ``pos[h]`` (int64 positions, ascending), ``length[h]`` entries used.
   A head keeps only what it keeps: real memory, not masks.
 
-Both layouts keep spare capacity for decoded tokens (appended in place, amortised doubling).
+Both layouts keep spare capacity for decoded tokens (appended in place; a full layer grows by
+an eighth, at least 64 slots: :func:`_grow`).
 Quantized chunks, flash chunks and absent chunks are not here: :class:`~sparkv.cache.memory.ContextKV`
 owns those.
 """

@@ -91,7 +91,7 @@ class ContextKV:
         geometry: how the context is cut into chunks.
         dtype, device: of the fp entries (the model's).
         spare_tokens: extra dense slots per layer for tokens appended later (decoding grows the
-            arena by doubling when they run out).
+            arena by an eighth, at least 64 slots, when they run out).
     """
 
     def __init__(self, geometry: ChunkGeometry, dtype: torch.dtype = torch.float32,

@@ -28,7 +28,6 @@ from typing import Sequence
 import numba as nb
 import numpy as np
 import torch
-from numba.typed import List as NumbaList
 
 from sparkv.cache.levels import QuantizedTensor
 from sparkv.cache.payload import ChunkPayload
@@ -227,7 +226,7 @@ class QuantizedRows:
         if len(payloads) != len(head0):
             raise ValueError("one first head per payload")
         self.num_kv_heads = num_kv_heads
-        lists = [NumbaList() for _ in range(7)]
+        lists = [nb.typed.List() for _ in range(7)]
         bits, runs = [], []
         for c, (p, h0) in enumerate(zip(payloads, head0)):
             if not isinstance(p.k, QuantizedTensor) or not isinstance(p.v, QuantizedTensor):

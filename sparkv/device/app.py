@@ -47,7 +47,7 @@ require_all(("fastapi",), feature="the device service's HTTP app (sparkv.device.
 from fastapi import APIRouter, Depends, FastAPI, Request  # noqa: E402 - after the extra's check
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.exceptions import HTTPException as _StarletteHTTPException
 
 from sparkv.device.access import AccessGuard
 from sparkv.device.errors import DeviceError
@@ -165,8 +165,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(422, "invalid_request", f"invalid request: {said}",
                               details=problems)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    @app.exception_handler(_StarletteHTTPException)
+    async def _http(request: Request, exc: _StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
         return error_response(status, _HTTP_CODES.get(status, f"http_{status}"), str(exc.detail))
 

@@ -88,9 +88,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 def _add_serve(dsub: "argparse._SubParsersAction") -> None:
     s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
-    s.add_argument("--flash-dir", default=None, dest="swap_dir",
+    s.add_argument("--flash-dir", default=None,
                    help="flash tier + journal (default: <sparkv cache>/device/swap)")
-    s.add_argument("--memory-budget-mb", type=float, required=True, dest="budget_mb",
+    s.add_argument("--memory-budget-mb", type=float, required=True,
                    help="KV memory budget, MB (10^6 bytes)")
     s.add_argument("--socket", default=None,
                    help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
@@ -145,8 +145,8 @@ def _serve(args: argparse.Namespace) -> int:
     os.umask(0o077)              # whatever this process creates is its user's only
     if args.threads:
         torch.set_num_threads(args.threads)
-    swap = Path(args.swap_dir) if args.swap_dir else cache_dir() / "device" / "swap"
-    budget = int(args.budget_mb * 1e6)
+    swap = Path(args.flash_dir) if args.flash_dir else cache_dir() / "device" / "swap"
+    budget = int(args.memory_budget_mb * 1e6)
     lm = load_model(args.model)
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens)
     ratio = args.ratio if args.ratio is not None else default_ratio(lm.fingerprint, config)
@@ -154,8 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
     service = ContextService(lm, budget, swap, config=config)
     need = service.min_budget()
     if budget < need:
-        raise SparkvError(f"a {args.budget_mb:g} MB budget cannot hold even one small context "
-                          f"while it runs (needs at least {need / 1e6:.2f} MB)")
+        raise SparkvError(f"a {args.memory_budget_mb:g} MB budget cannot hold even one small "
+                          f"context while it runs (needs at least {need / 1e6:.2f} MB)")
     damaged = f", {len(service.damaged)} damaged" if service.damaged else ""
     log.info("sparkv device: %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
              "%d contexts reopened%s", lm.name, budget / 1e6, config.name, config.ratio, swap,

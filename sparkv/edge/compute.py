@@ -127,6 +127,8 @@ class ComputeWorker:
         """The next steps to run (one, or a column), waiting for events; empty when the cache
         is complete."""
         while True:
+            if self._stats.refused is not None:   # a configuration error: never a fallback
+                raise self._stats.refused
             if self._kv.is_complete():
                 return []
             steps = self._planned_steps()

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sparkv.edge.answer import AskResult, Breakdown
-from sparkv.edge.bounds import ClientLimits
+from sparkv.edge.bounds import ClientLimits, out_of_vocabulary
 from sparkv.edge.client import EdgeClient
-from sparkv.edge.engine import Engine, EngineConfig
+from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.options import AskOptions
 from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
                                   FloorNotEncoded, build_instance, default_backend,
@@ -221,6 +221,11 @@ class EdgeSession:
         return self._lm
 
     @property
+    def vocab_size(self) -> int:
+        """How many token ids the model has embeddings for (``0 .. vocab_size - 1``)."""
+        return int(self.lm.decoder.embed_tokens.num_embeddings)
+
+    @property
     def cost_model(self) -> Any:
         """The step-cost model of this device (profiled, else a roofline; made on first use)."""
         if self._cost is None:
@@ -399,7 +404,12 @@ class EdgeSession:
                         kept=pressed.kept_positions if pressed is not None else None,
                         prelude=pre if reuse else None,
                         prelude_done=planned.prelude_done if reuse else frozenset())
-        load = engine.run()
+        try:
+            load = engine.run()
+        except EngineError as e:
+            if isinstance(e.__cause__, ApiError):   # the server refused this client's key
+                raise e.__cause__ from None
+            raise
         pre_res = pre.join() if pre is not None else None
         if pre_res is not None and not pre_res.ok:
             ask.fallback["prelude"] = (f"{type(pre_res.error).__name__}: {pre_res.error}"
@@ -499,7 +509,7 @@ class EdgeSession:
                 manifest = client.manifest(context_id, use_cache=ask.options.use_cache)
                 self._check_manifest(manifest)   # before its token ids: it sizes their body
                 if tokens is None:
-                    tokens = client.tokens(context_id)
+                    tokens = client.tokens(context_id, vocab_size=self.vocab_size)
             except (ServerUnavailable, ApiError) as e:
                 if isinstance(e, ApiError) and not e.retryable:
                     raise
@@ -511,6 +521,10 @@ class EdgeSession:
                 ask.fallback["server"] = f"unreachable at the start ({type(e).__name__})"
         if tokens is None:  # pragma: no cover - every branch above sets them or raises
             raise AskError(f"no token ids for context {context_id}")
+        outside = out_of_vocabulary(tokens, self.vocab_size)
+        if outside is not None:   # given by the caller (the server's are checked on arrival)
+            raise AskError(f"the token ids of context {context_id} are not this model's: "
+                           f"{outside}")
         return manifest, tokens
 
     def _check_manifest(self, manifest: Manifest) -> None:

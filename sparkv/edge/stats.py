@@ -34,7 +34,7 @@ class EngineStats:
     * the compute worker: ``steps``, ``compute_busy_s``, ``fallback_steps``, ``stall``,
       ``ready_s``;
     * the link loop: ``transfers`` (a log per requested chunk), ``requests``,
-      ``bytes_received``, the first and last byte, ``silence_s``, ``link_dead``;
+      ``bytes_received``, the first and last byte, ``silence_s``, ``link_dead``, ``refused``;
     * a decode worker: each log's decode time and outcome, ``bytes_used``, ``decode_busy_s``,
       ``failed``;
     * all three: ``link_errors``.
@@ -44,6 +44,8 @@ class EngineStats:
             goes to ``LoadResult.transfers``).
         failed: chunk -> why the link's frame of it cannot be used (it is computed locally).
         link_dead: why the link was given up (everything missing is computed), or ``None``.
+        refused: the error with which the source refused this client's credentials (a 401 or
+            403): the compute worker ends the load with it (no fallback), or ``None``.
         stall: what ``LoadResult.fallback["stalled"]`` says once the stall or the idle rule
             fired, or a prelude failed (everything missing is computed while the link goes
             on), or ``None``.
@@ -53,6 +55,7 @@ class EngineStats:
     transfers: dict[KVChunkId, TransferLog] = field(default_factory=dict)
     failed: dict[KVChunkId, str] = field(default_factory=dict)
     link_dead: str | None = None
+    refused: Exception | None = None
     stall: str | None = None
     link_errors: list[str] = field(default_factory=list)
     fallback_steps: int = 0

@@ -13,7 +13,7 @@ require_all(SERVER_MODULES, feature="the REST server (sparkv.server.handlers)")
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.exceptions import HTTPException as _StarletteHTTPException
 
 from sparkv.server.errors import ApiError, StoreError
 from sparkv.server.metrics import ServerMetrics
@@ -65,8 +65,8 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         message, details = validation_details(exc)
         return error_response(422, "invalid_request", message, details=details)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    @app.exception_handler(_StarletteHTTPException)
+    async def _http(request: Request, exc: _StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
         code = getattr(exc, "code", None) or _STATUS_CODES.get(status, f"http_{status}")
         message = str(exc.detail)

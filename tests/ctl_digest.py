@@ -39,12 +39,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from sparkv.layout import ChunkGeometry, KVChunkId, StepId
-from sparkv.scheduler import (ComputeNoise, Controller, ControllerConfig, Instance, StreamLevel,
-                              Trace, simulate, synthetic_instance)
+from sparkv.scheduler import (ComputeNoise, Controller, ControllerConfig, Instance, Trace,
+                              simulate, synthetic_instance)
 from sparkv.scheduler.instance import MBPS
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.planners import get_planner
 from sparkv.scheduler.planners.base import make_plan
+from sparkv.scheduler.rules import ProbeIdleLink, Rebalance, RecomputeColumns, ToCompute, ToStream
 from sparkv.scheduler.trace import adversarial_trace, fade_start_trace
 
 #: the regression test runs every n-th case of each kind
@@ -63,13 +64,14 @@ def configs() -> dict[str, Callable[[], ControllerConfig]]:
         "default": C,
         "cachegen": C.cachegen,
         "cachegen_0.5": lambda: C.cachegen(0.5),
-        "recompute": lambda: C(recompute=True),
-        "no_probe": lambda: C(probe=False),
-        "no_stream": lambda: C(probe=False, migrate_to_stream=False),
+        "recompute": lambda: C(rebalance=Rebalance(RecomputeColumns(ToCompute()), ToStream())),
+        "no_probe": lambda: C(probe=None),
+        "no_stream": lambda: C(probe=None, rebalance=Rebalance(to_stream=None)),
         "without_link": lambda: C().without_link(),
-        "capped": lambda: C(max_migrations_per_stage=1, stage_s=0.5, bulk_ratio=math.inf),
-        "small_probe": lambda: C(probe_rate_Bps=50_000.0, probe_burst_bytes=100_000.0),
-        "no_fast_window": lambda: C(window_s=0.5, fast_window_s=0.0, probe=False),
+        "capped": lambda: C(rebalance=Rebalance(max_per_stage=1, stage_s=0.5,
+                                                bulk_ratio=math.inf)),
+        "small_probe": lambda: C(probe=ProbeIdleLink(rate_Bps=50_000.0, burst_bytes=100_000.0)),
+        "no_fast_window": lambda: C(window_s=0.5, fast_window_s=0.0, probe=None),
     }
 
 
@@ -171,8 +173,8 @@ def sim_cases() -> Iterator[Case]:
                         for cfg in names:
                             tr = TRACES[(i * 7 + rep) % len(TRACES)]
                             nz = (i + rep) % 3
-                            yield Case("sim", f"sim/{size}/{bw:g}/{seed}/{planner}/{cfg}/{tr}/{nz}/{rep}",
-                                       (size, bw, seed, planner, cfg, tr, nz, i))
+                            key = f"sim/{size}/{bw:g}/{seed}/{planner}/{cfg}/{tr}/{nz}/{rep}"
+                            yield Case("sim", key, (size, bw, seed, planner, cfg, tr, nz, i))
                             i += 1
     # layer-by-layer streams (every column locked once its bottom layers arrive)
     for size in range(2):
@@ -476,7 +478,8 @@ def record_engine(out: Path, limit: int | None = None) -> int:
     for n, (key, sc) in enumerate(_engine_scenarios()):
         if limit is not None and n >= limit:
             break
-        mbps = {"fast": 1000.0, "paced": 5.0, "dead_then": 0.02, "slow_then_fast": 1000.0}[sc["link"]]
+        mbps = {"fast": 1000.0, "paced": 5.0, "dead_then": 0.02,
+                "slow_then_fast": 1000.0}[sc["link"]]
         inst = Instance.from_mappings(geo, sizes, {s: 0.004 for s in geo.step_ids()},
                                       mbps * MBPS, t_proc=1e-4, name="tiny")
         plan = get_planner(sc["planner"]).plan(inst)
@@ -504,7 +507,8 @@ def record_engine(out: Path, limit: int | None = None) -> int:
         records.append({"key": key, "cfg": sc["cfg"], "mbps": mbps, "plan": plan.to_dict(),
                         "calls": [[nm, _encode(a), _encode(o)] for nm, a, o in log]})
         print(f"recorded {key}: {len(log)} calls", file=sys.stderr)
-    doc = {"geometry": geo.to_dict(), "sizes": [[c.t, c.l, c.g, s["raw"]] for c, s in sizes.items()],
+    doc = {"geometry": geo.to_dict(),
+           "sizes": [[c.t, c.l, c.g, s["raw"]] for c, s in sizes.items()],
            "step_s": 0.004, "t_proc": 1e-4, "records": records}
     with gzip.open(out, "wt") as f:
         json.dump(doc, f)
@@ -573,7 +577,8 @@ def compare(a: dict[str, str], b: dict[str, str]) -> tuple[int, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write {case: sha256} of the cases here (JSON)")
-    p.add_argument("--reduced", action="store_true", help="only every REDUCED_EVERY-th case")
+    p.add_argument("--reduced", action="store_true",
+                   help="only every REDUCED_EVERY-th simulated and driven case")
     p.add_argument("--replay", help="also replay these recorded engine calls (.json.gz)")
     p.add_argument("--record", help="record the real engine's controller calls here (.json.gz)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"))
@@ -592,13 +597,11 @@ def main(argv: list[str] | None = None) -> int:
         n = record_engine(Path(args.record))
         print(f"{n} engine loads recorded to {args.record}")
         return 0
-    cases = all_cases()
+    cases = reduced(all_cases()) if args.reduced else all_cases()
     replays = None
     if args.replay:
         replays, rc = load_replays(Path(args.replay))
         cases += rc
-    if args.reduced:
-        cases = reduced(cases)
     out = {}
     for i, c in enumerate(cases):
         out[c.key] = run_case(c, replays)

@@ -69,9 +69,10 @@ def test_no_adaptation_when_the_plan_holds(inst8k):
 
 def test_migration_cap_per_stage(inst8k):
     """A small imbalance moves at most the cap per stage (bulk moves, for large ones, are
-    tested below)."""
+    tested below; the dead-link verdict, which a deep fade reaches, is left out)."""
     plan = Greedy().plan(inst8k)
-    cfg = ControllerConfig(rebalance=Rebalance(max_per_stage=1, stage_s=0.5, bulk_ratio=math.inf))
+    cfg = ControllerConfig(rebalance=Rebalance(max_per_stage=1, stage_s=0.5, bulk_ratio=math.inf),
+                           dead_link=None)
     tl = simulate(plan, inst8k, Trace.sample("deep-fade"), controller=cfg)
     per_stage = Counter(math.floor(m.time_s / 0.5) for m in tl.migrations)
     assert tl.migrations and max(per_stage.values()) == 1
@@ -384,3 +385,29 @@ def test_a_load_factor_on_the_compute_path_hands_work_to_the_link():
     assert any(m.direction == "to_stream" for m in s.migrations)
     assert shared.compute_ratio() == pytest.approx(1.0) == alone.compute_ratio()
     assert shared.state.compute_estimator.factor() == pytest.approx(2.0)
+
+
+def test_a_link_far_below_its_estimate_is_dead_and_its_work_computed():
+    """A stream-only plan made at 100 Mbit/s on a link that collapses to 0.2 Mbit/s at 0.5 s:
+    CacheGen's controller alone waits for the link (204 s); with the dead-link verdict (4 s
+    under 1/20 of the estimate, computing 4x sooner) everything the link holds goes to the
+    compute path in one migration, the streamed layers below recomputed, and the load ends in
+    seconds. A link as slow as the plan's estimate is never dead."""
+    from dataclasses import replace
+
+    inst = synthetic_instance(4096, chunk_tokens=512, num_layers=8, bandwidth_mbps=100, seed=0)
+    plan = StreamOnly().plan(inst)
+    collapse = Trace.from_rows([0.0, 0.5], [100.0, 0.2], loop=False)
+    waits = simulate(plan, inst, collapse,
+                     controller=replace(ControllerConfig.cachegen(), dead_link=None))
+    ctl = Controller(plan, inst, ControllerConfig.cachegen())
+    dead = simulate(plan, inst, collapse, controller=ctl)
+    [m] = [m for m in dead.migrations if m.direction == "dead_link"]
+    assert m.time_s >= 0.5 + 4.0 and m.cancelled
+    assert ctl.link_dead is not None and "against the plan's 100 Mbit/s" in ctl.link_dead
+    assert dead.ttft_s < 0.1 * waits.ttft_s
+    assert dead.computed_steps >= len(m.steps)
+    slow = inst.with_bandwidth(0.2 * MBPS)
+    honest = Controller(StreamOnly().plan(slow), slow, ControllerConfig.cachegen())
+    simulate(honest.plan, slow, Trace.constant(0.2), controller=honest)
+    assert honest.link_dead is None and not honest.migrations

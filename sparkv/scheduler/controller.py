@@ -39,8 +39,8 @@ from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.probe import LinkProbe
 from sparkv.scheduler.queues import Inflight
-from sparkv.scheduler.rules import (CommitColumns, Pace, PlanOrder, Prefetch, ProbeIdleLink,
-                                    ReadyFirst, Rebalance, SloLevels)
+from sparkv.scheduler.rules import (CommitColumns, DeadLink, Pace, PlanOrder, Prefetch,
+                                    ProbeIdleLink, ReadyFirst, Rebalance, SloLevels, Watch)
 from sparkv.scheduler.state import LoadState, Migration, stage_length
 
 
@@ -69,6 +69,7 @@ class ControllerConfig:
         probe: the bounded probe of an idle link.
         levels: the level of each fetch (``None``: the plan's).
         columns: committed columns while the link is quiet.
+        dead_link: the verdict on a link far below the plan's estimate (all work to compute).
         window_s, fast_window_s: the link estimator's windows (s).
     """
 
@@ -78,6 +79,7 @@ class ControllerConfig:
     probe: ProbeIdleLink | None = ProbeIdleLink()
     levels: SloLevels | None = None
     columns: CommitColumns | None = CommitColumns()
+    dead_link: DeadLink | None = DeadLink()
     window_s: float = 0.5
     fast_window_s: float = 0.15
 
@@ -97,11 +99,13 @@ class ControllerConfig:
     @classmethod
     def static(cls) -> "ControllerConfig":
         """Follow the plan exactly: strict order on both paths, no adaptation."""
-        return cls(order=PlanOrder(), rebalance=None, prefetch=None, probe=None, columns=None)
+        return cls(order=PlanOrder(), rebalance=None, prefetch=None, probe=None, columns=None,
+                   dead_link=None)
 
     @classmethod
     def cachegen(cls, slo_s: float = 2.0) -> "ControllerConfig":
-        """Stream-only CacheGen behaviour: no migrations, per-chunk level from throughput + SLO."""
+        """Stream-only CacheGen behaviour: no migrations, per-chunk level from throughput + SLO
+        (a dead link still gives its work to the compute path: :class:`DeadLink`)."""
         return cls(rebalance=None, prefetch=None, probe=None, levels=SloLevels(slo_s))
 
 
@@ -126,6 +130,7 @@ class Controller:
                                stage_s=stage, window_s=cfg.window_s,
                                fast_window_s=cfg.fast_window_s, probe=probe)
         self._pace = Pace()
+        self._watch = Watch()
         self._level_names = [lv.name for lv in inst.levels]
 
     # ------------------------------------------------------------------ lifecycle
@@ -142,6 +147,12 @@ class Controller:
     def migrations(self) -> list[Migration]:
         """The decisions so far, in order."""
         return self.state.migrations
+
+    @property
+    def link_dead(self) -> str | None:
+        """Why the controller declared the link dead and gave its work to the compute path
+        (:class:`~sparkv.scheduler.rules.DeadLink`), or ``None``."""
+        return self.state.link_dead
 
     @property
     def revision(self) -> int:
@@ -170,7 +181,7 @@ class Controller:
         cq = self.state.compute
         if cq.running is not None or cq.committed or not cq.order:
             return []
-        self._rebalance(now)
+        self._adapt(now)
         pick = self.cfg.order.pick(cq, self.state.dep)
         if pick < 0:
             return []
@@ -184,7 +195,7 @@ class Controller:
         """The link can take a request: the chunk (and level) to fetch now, or ``None``."""
         st, cfg = self.state, self.cfg
         link = st.link
-        self._rebalance(now)
+        self._adapt(now)
         if not link.order and not link.inflight and cfg.probe is not None:
             cfg.probe.offer(st, now)
         while link.order:
@@ -227,7 +238,7 @@ class Controller:
             f = st.link.inflight.get(self.inst.chunk_index(cid))
             if f is not None:
                 f.received += nbytes
-        self._rebalance(now)
+        self._adapt(now)
 
     def chunk_received(self, cid: KVChunkId, now: float) -> None:
         """The transfer of ``cid`` completed; it is being decoded."""
@@ -236,7 +247,7 @@ class Controller:
         link.inflight.pop(c, None)
         link.received.add(c)
         self.state.probe.settle(c)
-        self._rebalance(now)
+        self._adapt(now)
 
     def chunk_arrived(self, cid: KVChunkId, now: float) -> None:
         """``cid`` is decoded and in place (available to attention)."""
@@ -248,7 +259,7 @@ class Controller:
         if not st.dep.chunk_avail[c]:
             st.available += 1
             st.dep.add_chunk(c)
-        self._rebalance(now)
+        self._adapt(now)
 
     def step_done(self, step: StepId, now: float, seconds: float) -> None:
         """Layer step ``step`` finished after ``seconds``; its KV chunks are in place."""
@@ -260,7 +271,7 @@ class Controller:
             st.probe.settle(s * G + g)
         st.compute_estimator.add(st.compute.t_comp[s], seconds)
         st.mark_computed(s)
-        self._rebalance(now)
+        self._adapt(now)
 
     # ------------------------------------------------------------------ estimates
     def bandwidth_estimate(self, now: float) -> float:
@@ -292,6 +303,10 @@ class Controller:
         return self.state.remaining(now)
 
     # ------------------------------------------------------------------ adaptation
-    def _rebalance(self, now: float) -> None:
-        if self.cfg.rebalance is not None:
-            self.cfg.rebalance.run(self.state, self._pace, now)
+    def _adapt(self, now: float) -> None:
+        """After every event and query: the dead-link verdict, then the rebalancing."""
+        cfg = self.cfg
+        if cfg.dead_link is not None:
+            cfg.dead_link.check(self.state, self._watch, now)
+        if cfg.rebalance is not None:
+            cfg.rebalance.run(self.state, self._pace, now)

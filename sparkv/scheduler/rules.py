@@ -12,7 +12,9 @@ reads and changes is the load's :class:`~sparkv.scheduler.state.LoadState`:
 * :class:`Rebalance`: after every event, whichever path is behind gives work to the other,
   through its two directions :class:`ToCompute` (link behind; :class:`RecomputeColumns` wraps it
   to also take columns locked by streamed layers) and :class:`ToStream` (compute behind);
-* :class:`ProbeIdleLink`: an idle link is handed one bounded probe (:mod:`sparkv.scheduler.probe`).
+* :class:`ProbeIdleLink`: an idle link is handed one bounded probe (:mod:`sparkv.scheduler.probe`);
+* :class:`DeadLink`: a link that delivers far below the plan's estimate, for long enough that
+  computing what it still holds is sooner, is declared dead and everything goes to compute.
 
 docs/scheduler.md, "Runtime controller", says what each does and why, with the measurements.
 """
@@ -472,3 +474,74 @@ class Rebalance:
                 bulk_moves += 1
             else:
                 pace.count += 1
+
+
+# ---- a dead link -------------------------------------------------------------------------------
+@dataclass
+class Watch:
+    """:class:`DeadLink`'s state in one load: since when the link has been slow (``None``: it
+    is not)."""
+
+    slow_since: float | None = None
+
+
+@dataclass(frozen=True)
+class DeadLink:
+    """A link that delivers far below the rate the plan was made with is declared dead, and
+    everything it still holds goes to the compute path (docs/scheduler.md, "A dead link").
+
+    The link is *dead* when, at an event, (1) its windowed throughput has stayed below
+    ``fraction`` of the plan's estimate for ``after_s`` seconds, (2) it holds work that is not
+    a probe (queued or in flight), and (3) computing all of that work, on top of the compute
+    path's own, would end ``ratio`` times sooner than the link at its measured rate. Then every
+    step the link still holds, with the streamed steps below it in its token chunk (recomputed
+    for their hidden states), joins the compute queue bottom up, and in-flight fetches are
+    cancelled: one ``dead_link`` migration. The rules that hand work to the link (a probe,
+    :class:`ToStream`) may give it work again later; the verdict is judged afresh each time.
+
+    The defaults (1/20, 4 s, 4x) were chosen on the seeded simulator cases of
+    ``tests/ctl_digest.py``: a 1/10, 2 s, 1x verdict also fired in the fades a link recovers
+    from (fade-start, adversarial) and lost up to 2.3x there with no way back for the
+    stream-only baseline; these fire on collapsed links and long fades (docs/scheduler.md).
+    """
+
+    fraction: float = 0.05
+    after_s: float = 4.0
+    ratio: float = 4.0
+
+    def check(self, st: LoadState, watch: Watch, now: float) -> None:
+        """Judges the link at ``now`` (every event); hands everything over when it is dead."""
+        if st.link_estimator.window(now) >= self.fraction * st.link_estimator.prior_Bps:
+            watch.slow_since = None
+            return
+        if watch.slow_since is None:
+            watch.slow_since = now
+        if now - watch.slow_since < self.after_s or not _holds_work(st):
+            return
+        steps = _steps_to_compute(st)
+        comp, link = st.remaining(now)
+        added = st.compute_estimator.factor() * sum(st.compute.t_comp[s] for s in steps)
+        if not steps or self.ratio * (comp + added) >= link:
+            return
+        st.give_up_link(now, steps, f"{st.link_estimator.window(now) * 8 / 1e6:.3g} Mbit/s for "
+                        f"{now - watch.slow_since:.3g} s against the plan's "
+                        f"{st.link_estimator.prior_Bps * 8 / 1e6:.3g} Mbit/s", link, comp)
+
+
+def _holds_work(st: LoadState) -> bool:
+    probes, link = st.probe.in_flight, st.link
+    return any(c not in probes for c in link.order) or \
+        any(c not in probes for c in link.inflight)
+
+
+def _steps_to_compute(st: LoadState) -> list[int]:
+    """Token-major, bottom up: per token chunk, every step up to the deepest one with a chunk
+    still queued or in flight on the link, that is not on the compute path already."""
+    L, G, n_t = st.L, st.G, st.inst.n_t
+    deepest = [-1] * n_t
+    for c in list(st.link.order) + list(st.link.inflight):
+        t, l = divmod(c // G, L)
+        deepest[t] = max(deepest[t], l)
+    on = st.compute.on
+    return [t * L + l for t in range(n_t) for l in range(deepest[t] + 1)  # noqa: E741
+            if not on[t * L + l]]

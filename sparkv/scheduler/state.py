@@ -29,7 +29,7 @@ class Migration:
     """One decision of the controller, for the timeline and logs."""
 
     time_s: float
-    direction: str  # "to_compute" | "to_stream" | "probe"
+    direction: str  # "to_compute" | "to_stream" | "probe" | "dead_link"
     steps: list[StepId]
     cancelled: list[KVChunkId]
     link_remaining_s: float
@@ -63,6 +63,8 @@ class LoadState:
         link_estimator, compute_estimator: what the rules plan with.
         probe: the link probe's bucket and its probes in flight.
         migrations, revision: the decisions so far; ``revision`` increases at each.
+        link_dead: why the link was first declared dead
+            (:class:`~sparkv.scheduler.rules.DeadLink`), or ``None``.
         available: chunks in place.
         t0, stage_s, horizon_s: the load's start, its stage clock, and two stages.
     """
@@ -90,6 +92,7 @@ class LoadState:
         self.probe = probe
         self.migrations: list[Migration] = []
         self.revision = 0
+        self.link_dead: str | None = None
         self.t0 = 0.0
         self.stage_s = stage_s
         self.horizon_s = float(2.0 * stage_s)
@@ -159,6 +162,30 @@ class LoadState:
         for u in steps:   # bottom up: each step of a recompute column after the one below it
             self._enqueue_compute(u)
         self.record(Migration(now, "to_compute", [self.inst.step_id(u) for u in steps],
+                              [self.inst.chunk_id(c) for c in cancel], link_s, comp_s))
+
+    def give_up_link(self, now: float, steps: list[int], why: str, link_s: float,
+                     comp_s: float) -> None:
+        """The link is dead (:attr:`link_dead` says why): ``steps`` (token-major, bottom up)
+        join the compute queue, their queued chunks leave the link and their in-flight ones
+        are cancelled."""
+        G, link = self.G, self.link
+        cancel: list[int] = []
+        for s in steps:
+            for g in range(G):
+                cc = s * G + g
+                if cc in link.inflight:
+                    link.inflight.pop(cc)
+                    link.cancels.append(self.inst.chunk_id(cc))
+                    cancel.append(cc)
+                elif cc in link.order:
+                    link.remove(cc)
+                link.on[cc] = False
+                self.probe.settle(cc)
+            self._enqueue_compute(s)
+        if self.link_dead is None:
+            self.link_dead = why
+        self.record(Migration(now, "dead_link", [self.inst.step_id(u) for u in steps],
                               [self.inst.chunk_id(c) for c in cancel], link_s, comp_s))
 
     def hand_to_link(self, s: int) -> None:

@@ -127,6 +127,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     a.add_argument("--deadline-s", type=_positive, default=None,
                    help="the longest any request to the server may take, connecting to its "
                         "last byte (default 60; docs/edge.md, Bounds)")
+    a.add_argument("--ask-deadline-s", type=_positive, default=None,
+                   help="the ask's own time limit, from the start: past it the link is given up "
+                        "and what is missing is computed locally (default: 3x the local-prefill "
+                        "estimate + 10 s; docs/edge.md, Bounds)")
     a.add_argument("--max-manifest-mb", type=_positive, default=None,
                    help="the largest manifest accepted, MiB (2^20 bytes; default 16)")
     add_link_args(a)
@@ -175,7 +179,8 @@ def _ask(args: argparse.Namespace) -> int:
         options = AskOptions(strategy=args.strategy, level=args.level, backend=args.backend,
                              max_new_tokens=args.max_new_tokens, decode=args.decode,
                              ram_budget=args.decode_budget, keep=args.keep,
-                             prelude=False if args.no_prelude else None)
+                             prelude=False if args.no_prelude else None,
+                             ask_deadline_s=args.ask_deadline_s)
         res = session.ask(context, args.question, options)
     if args.json:
         print(json.dumps({"answer": res.answer, "tokens": res.tokens,

@@ -128,6 +128,7 @@ class _Planned:
     prelude_usable: bool           # the prelude ran on this geometry and these tokens
     prelude_done: frozenset[StepId]    # the steps it finished or promised (priced ~0)
     seconds: float                 # ``Breakdown.planning_s``
+    local_s: float                 # the local-prefill estimate (every step + the question)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,13 @@ def _claim_prelude(pre: Prelude | None, tokens: list[int],
     if pre is not None:
         pre.request_stop(promise_first=False)
     return False, frozenset()
+
+
+def _time_left(ask: _Ask, limit_s: float) -> float | None:
+    """Seconds left of the ask's time limit ``limit_s`` (at least 0; ``None``: no limit)."""
+    if math.isinf(limit_s):
+        return None
+    return max(0.0, limit_s - (time.perf_counter() - ask.t_start))
 
 
 def _default_geometry(lm: Any, num_tokens: int) -> ChunkGeometry:
@@ -359,7 +367,7 @@ class EdgeSession:
         ctl_cfg = (controller if controller is not None and effective == ask.options.strategy
                    else ctl_factory())
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
-                        time.perf_counter() - t_plan)
+                        time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix)
 
     def _instance(self, ask: _Ask, manifest: Manifest | None, geometry: ChunkGeometry,
                   t_comp: Any, t_suffix: float) -> tuple[Instance, str]:
@@ -398,18 +406,23 @@ class EdgeSession:
         # a link whenever the plan streams or its controller may move work onto the link later
         linked = bool(plan.stream_order) or (planned.strategy != "local" and ctl_cfg.may_stream)
         source = self.client.chunk_source(ask.context_id) if linked else None
+        limit = ask.options.time_limit_s(planned.local_s)
         engine = Engine(stepper, plan, planned.instance, ctl_cfg, source=source,
                         config=ask.options.engine_config or self.engine_config,
                         open_frame=self._frame_opener(fetched.manifest),
                         kept=pressed.kept_positions if pressed is not None else None,
                         prelude=pre if reuse else None,
-                        prelude_done=planned.prelude_done if reuse else frozenset())
+                        prelude_done=planned.prelude_done if reuse else frozenset(),
+                        deadline_s=_time_left(ask, limit))
         try:
             load = engine.run()
         except EngineError as e:
             if isinstance(e.__cause__, ApiError):   # the server refused this client's key
                 raise e.__cause__ from None
             raise
+        if "deadline" in load.fallback:
+            load.fallback["deadline"] = (f"the ask's {limit:.3g} s time limit passed: the link "
+                                         "was stopped and every missing chunk computed locally")
         pre_res = pre.join() if pre is not None else None
         if pre_res is not None and not pre_res.ok:
             ask.fallback["prelude"] = (f"{type(pre_res.error).__name__}: {pre_res.error}"

@@ -95,6 +95,23 @@ def test_quantizing_really_frees_memory():
     assert mem.account().resident == {"fp": 0, "int4": mem.nbytes}
 
 
+def test_an_arena_set_layer_by_layer_keeps_the_account():
+    """``set_arena`` moves arena layers between memories (the device's layer-by-layer growth):
+    each memory's account equals the tensors it holds after every step."""
+    from sparkv.cache.layer import LayerStore
+
+    old, _ = _random_memory(GEO)
+    new = ContextKV(GEO, per_chunk=True)
+    assert new.nbytes == 0
+    for l in range(GEO.num_layers):  # noqa: E741
+        store = LayerStore(GEO.num_kv_heads, GEO.head_dim, GEO.num_tokens + 8, torch.float32,
+                           "cpu")
+        new.set_arena(l, store)
+        old.set_arena(l, None)
+        assert new.nbytes == new.recount() and old.nbytes == old.recount()
+    assert old.nbytes == 0 and new.is_dense(0)
+
+
 # ---- pruning -----------------------------------------------------------------------------------
 def _gather_dense(heads, group: int, hq: int, d: int):
     """The same entries, padded into one dense tensor per layer with a per-head position mask."""

@@ -26,6 +26,11 @@ STATS = {"policy": "llms", "budget_bytes": 40000000, "used_bytes": 123, "peak_by
          "streamed_chunks": 0}
 
 
+HEALTH = {"ok": True, "contexts": 1,
+          "flash": {"state": "ok", "path": "/data/flash", "mount": "/data", "free_bytes": 10,
+                    "total_bytes": 20, "reason": None}}
+
+
 class ScriptedService:
     """What the app calls of a ContextService, answering fixed values."""
 
@@ -55,6 +60,9 @@ class ScriptedService:
 
     def stats(self) -> dict:
         return dict(STATS)
+
+    def health(self) -> dict:
+        return dict(HEALTH)
 
     def delete(self, ctx_id: str) -> None:
         self._known(ctx_id)
@@ -88,7 +96,7 @@ def _same_json(got, want) -> None:
 
 def test_routes_answer_what_the_service_returns(app_client):
     c, svc = app_client
-    _same_json(c.get("/healthz").json(), {"ok": True, "contexts": 1})
+    _same_json(c.get("/healthz").json(), HEALTH)
     r = c.post("/v1/contexts", json={"system_prompt": "be brief"})
     assert r.status_code == 201
     _same_json(r.json(), INFO)

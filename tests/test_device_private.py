@@ -135,6 +135,9 @@ class _Service:
     def damaged_list(self):
         return []
 
+    def health(self):
+        return {"ok": True, "contexts": 0}
+
 
 def test_a_foreign_host_gets_421_on_every_transport():
     for token in (None, "t0k3n-t0k3n-t0k3n-t0k3n-t0k3n-t0k3n-xx"):
@@ -210,15 +213,15 @@ def test_a_refused_create_evicts_nothing(tiny_llama, tmp_path):
     svc.call(a, prompt_ids=[9, 10, 11], max_new_tokens=3)
     before = svc.describe(a)
     assert before["hot"] and before["chunks"]["resident"] > 0
-    used, counters = svc.used_bytes(), dict(svc.counters)
+    used, counters = svc.used_bytes(), svc.counters.snapshot()
     with pytest.raises(BudgetTooSmall):
         svc.new_context(system_ids=[(5 * i) % 120 + 1 for i in range(1500)])
     after = svc.describe(a)
     assert after["hot"] and after["chunks"] == before["chunks"]
     assert after["bytes"] == before["bytes"]
     assert svc.used_bytes() == used
-    assert svc.counters["hot_dropped"] == counters["hot_dropped"]
-    assert svc.counters["evicted_bytes"] == counters["evicted_bytes"]
+    assert svc.counters.hot_dropped == counters.hot_dropped
+    assert svc.counters.evicted_bytes == counters.evicted_bytes
     assert [d["id"] for d in svc.list()] == [a]
 
 

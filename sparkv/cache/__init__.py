@@ -20,7 +20,7 @@ from sparkv.cache.hf import SparkvCache, SparkvLayer
 from sparkv.cache.layer import HeadEntries, KVMemoryError, LayerStore
 from sparkv.cache.levels import (LEVELS, LevelError, QuantizedTensor, Residency, Source,
                                  dequantize, error_bound, quantize, requantize)
-from sparkv.cache.memory import ARENA, SEGMENTED, ChunkState, ContextKV, LayerKV, MemoryAccount
+from sparkv.cache.memory import ARENA, PER_CHUNK, ChunkState, ContextKV, LayerKV, MemoryAccount
 from sparkv.cache.payload import ChunkPayload, PayloadError, from_bytes, to_bytes
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "use_sparkv_attention", "FlashError", "FlashRef", "FlashTier", "flash_profile_path",
     "load_flash_profile", "save_flash_profile", "SparkvCache", "SparkvLayer", "HeadEntries",
     "KVMemoryError", "LayerStore", "LEVELS", "LevelError", "QuantizedTensor", "Residency",
-    "Source", "dequantize", "error_bound", "quantize", "requantize", "ARENA", "SEGMENTED",
+    "Source", "dequantize", "error_bound", "quantize", "requantize", "ARENA", "PER_CHUNK",
     "ChunkState", "ContextKV", "LayerKV", "MemoryAccount", "ChunkPayload", "PayloadError",
     "from_bytes", "to_bytes",
 ]

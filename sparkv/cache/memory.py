@@ -8,7 +8,7 @@ holds its resident entries in one of two forms:
 * **arena** (:class:`~sparkv.cache.layer.LayerStore`): the layer's fp entries in one place, dense
   (slot = position: what loading and generation use, with no copy) or ragged (per head, explicit
   positions: after pruning). Every chunk of an arena layer is resident at ``fp``.
-* **segmented**: each resident chunk owns its entries (:class:`~sparkv.cache.payload.ChunkPayload`)
+* **per-chunk**: each resident chunk owns its entries (:class:`~sparkv.cache.payload.ChunkPayload`)
   at its own level, so one chunk can be quantized, written to flash or dropped without touching
   the others. Chunk operations switch a layer to this form; :meth:`ContextKV.materialize` switches
   it back.
@@ -39,7 +39,7 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 ARENA = "arena"
-SEGMENTED = "segmented"
+PER_CHUNK = "per-chunk"
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ChunkState:
         level: the level they are held at (resident) or stored at (flash); ``""`` when absent.
         source: how they were made.
         counts: entries kept per head of the group (``None``: all of the chunk's tokens).
-        payload: the entries, when resident in a segmented layer.
+        payload: the entries, when resident in a per-chunk layer.
         flash: the file holding them, when written to the flash tier.
         dirty: changed since the flash copy was written (a reclaim would have to write it).
         quality: the lowest level the entries ever went through (``fp`` if never quantized).
@@ -73,7 +73,7 @@ class MemoryAccount:
     """Bytes held, by form."""
 
     arena: int = 0
-    resident: dict[str, int] = field(default_factory=dict)   # level -> segmented chunk bytes
+    resident: dict[str, int] = field(default_factory=dict)   # level -> per-chunk bytes
 
     @property
     def total(self) -> int:
@@ -96,17 +96,17 @@ class ContextKV:
 
     def __init__(self, geometry: ChunkGeometry, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", *, spare_tokens: int = 0,
-                 segmented: bool = False) -> None:
+                 per_chunk: bool = False) -> None:
         self.geometry = geometry
         self.dtype, self.device = dtype, torch.device(device)
         cap = geometry.num_tokens + max(0, int(spare_tokens))
-        # segmented: every layer starts in the segmented form, with no arena allocated (a
+        # per_chunk: every layer starts in the per-chunk form, with no arena allocated (a
         # context service building a memory chunk by chunk, or reopening one from flash)
         self.layers: list[LayerStore | None] = [
-            None if segmented else
+            None if per_chunk else
             LayerStore(geometry.num_kv_heads, geometry.head_dim, cap, dtype, self.device)
             for _ in range(geometry.num_layers)]
-        self.mode = [SEGMENTED if segmented else ARENA] * geometry.num_layers
+        self.mode = [PER_CHUNK if per_chunk else ARENA] * geometry.num_layers
         self._chunks: dict[KVChunkId, ChunkState] = {}
         self._lock = threading.RLock()
         self.positions = [geometry.num_tokens] * geometry.num_layers  # positions seen per layer
@@ -169,7 +169,7 @@ class ContextKV:
         return out
 
     def resident_payloads(self) -> dict[KVChunkId, ChunkPayload]:
-        """A snapshot of every resident chunk's payload (segmented layers), in one pass."""
+        """A snapshot of every resident chunk's payload (per-chunk layers), in one pass."""
         with self._lock:
             return {cid: st.payload for cid, st in self._chunks.items()
                     if st.residency == Residency.RESIDENT and st.payload is not None}
@@ -276,10 +276,10 @@ class ContextKV:
 
     def put_payload(self, payload: ChunkPayload, source: Source | str = Source.INJECTED) -> None:
         """Places a chunk's entries as they are (any level, any kept subset): the layer is
-        segmented first if needed."""
+        in the per-chunk form first if needed."""
         cid = payload.cid
         self.geometry.check(cid)
-        self.segment(cid.l)
+        self.to_per_chunk(cid.l)
         with self._lock:
             st = self._chunks.setdefault(cid, ChunkState())
             counts = tuple(payload.counts)
@@ -310,7 +310,7 @@ class ContextKV:
     # ---- reads -----------------------------------------------------------------------------------
     def read(self, cid: KVChunkId) -> ChunkPayload:
         """The chunk's entries as held (a copy for arena layers; the payload itself for
-        segmented ones). Raises when the chunk is not resident."""
+        per-chunk ones). Raises when the chunk is not resident."""
         with self._lock:
             st = self._chunks.get(cid)
             if st is None or st.residency != Residency.RESIDENT:
@@ -332,7 +332,7 @@ class ContextKV:
         """Writable ``[Hg, n_t, D]`` views of a chunk's slots (dense arena layers only; a decoder
         may write into them, then :meth:`mark_resident`)."""
         if self.mode[cid.l] != ARENA:
-            raise KVMemoryError(f"layer {cid.l} is segmented: no slots to view")
+            raise KVMemoryError(f"layer {cid.l} is in the per-chunk form: no slots to view")
         store = self.layers[cid.l]
         assert store is not None
         g = self.geometry
@@ -358,10 +358,10 @@ class ContextKV:
         return out
 
     # ---- forms -----------------------------------------------------------------------------------
-    def segment(self, l: int) -> None:  # noqa: E741
+    def to_per_chunk(self, l: int) -> None:  # noqa: E741
         """Moves layer ``l``'s resident entries into per-chunk payloads (frees its arena)."""
         with self._lock:
-            if self.mode[l] == SEGMENTED:
+            if self.mode[l] == PER_CHUNK:
                 return
             store = self.layers[l]
             assert store is not None
@@ -380,7 +380,18 @@ class ContextKV:
             before = store.nbytes
             self.layers[l] = None
             self._arena_bytes -= before
-            self.mode[l] = SEGMENTED
+            self.mode[l] = PER_CHUNK
+
+    def set_arena(self, l: int, store: LayerStore | None) -> None:  # noqa: E741
+        """Makes ``store`` layer ``l``'s arena (``None`` frees it), keeping the account: how an
+        arena is rebuilt layer by layer elsewhere (the device loader's ``grow_arena``). The
+        chunk table is left as it is."""
+        with self._lock:
+            old = self.layers[l]
+            before = old.nbytes if old is not None else 0
+            self.layers[l] = store
+            self.mode[l] = ARENA
+            self._arena_changed(l, before)
 
     def materialize(self, l: int, spare_tokens: int = 0) -> None:  # noqa: E741
         """Moves layer ``l`` back into an fp arena (dense when every head keeps every token,
@@ -480,7 +491,7 @@ class ContextKV:
         int8 base; ``fp`` dequantizes). Returns the bytes freed (negative: grown)."""
         if level not in LEVELS:
             raise KVMemoryError(f"unknown level {level!r}; known: {', '.join(LEVELS)}")
-        self.segment(cid.l)
+        self.to_per_chunk(cid.l)
         with self._lock:
             st = self._chunks.get(cid)
             if st is None or st.residency != Residency.RESIDENT or st.payload is None:
@@ -504,7 +515,7 @@ class ContextKV:
         """Writes the chunk's payload (at its level) to ``tier`` unless an up-to-date copy is
         there already; unless ``keep_resident``, frees the RAM copy (residency ``flash``).
         Returns the bytes written (0 for a clean chunk)."""
-        self.segment(cid.l)
+        self.to_per_chunk(cid.l)
         with self._lock:
             st = self._chunks.get(cid)
             if st is None or st.residency != Residency.RESIDENT or st.payload is None:
@@ -543,7 +554,7 @@ class ContextKV:
         chunk)."""
         cid = payload.cid
         self.geometry.check(cid)
-        self.segment(cid.l)
+        self.to_per_chunk(cid.l)
         with self._lock:
             st = self._chunks.setdefault(cid, ChunkState())
             if ref is not None:
@@ -559,7 +570,7 @@ class ContextKV:
     def drop(self, cid: KVChunkId) -> int:
         """Frees the chunk's RAM copy: ``flash`` when a clean flash copy exists, else ``absent``
         (to be recomputed or fetched). Returns the bytes freed."""
-        self.segment(cid.l)
+        self.to_per_chunk(cid.l)
         with self._lock:
             st = self._chunks.get(cid)
             if st is None or st.residency != Residency.RESIDENT:
@@ -657,12 +668,12 @@ class ContextKV:
             return self._layer_version[l]
 
     def resident_attention(self, l: int) -> ResidentAttention:  # noqa: E741
-        """Attention over segmented layer ``l``'s resident chunks as held (quantized ones read
+        """Attention over per-chunk layer ``l``'s resident chunks as held (quantized ones read
         in place by the fused kernel, fp ones by torch: sparkv/cache/qattend.py). It references
         the payloads (no copy); rebuild it when :meth:`layer_version` changes. Raises when a
         chunk of the layer is not resident."""
         g = self.geometry
-        if self.mode[l] != SEGMENTED:
+        if self.mode[l] != PER_CHUNK:
             raise KVMemoryError(f"layer {l} is an arena: attend its tensors directly")
         quantized: dict[str, tuple[list[ChunkPayload], list[int]]] = {}
         fp: tuple[list[ChunkPayload], list[int]] = ([], [])
@@ -694,7 +705,7 @@ class ContextKV:
     # ---- growth (decoding) -----------------------------------------------------------------------
     def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: E741
         """Appends ``[H, q, D]`` new entries to layer ``l`` at the next positions (in place in
-        an arena layer; a segmented layer is materialized first). Returns their positions."""
+        an arena layer; a per-chunk layer is materialized first). Returns their positions."""
         q = int(k.shape[1])
         with self._lock:
             start = self.positions[l]
@@ -726,10 +737,10 @@ class ContextKV:
                 self.positions[l] = n
 
     def extend(self, num_tokens: int) -> list[KVChunkId]:
-        """Grows a context whose every layer is segmented to ``num_tokens`` tokens (how a context
-        service appends a call's tokens computed elsewhere): the new chunks are absent, to be
-        put; a last token chunk that was partial is reset to absent (its RAM copy freed, its
-        flash copy forgotten: it now covers more tokens). Returns the chunks reset."""
+        """Grows a context whose every layer is in the per-chunk form to ``num_tokens`` tokens
+        (how a context service appends a call's tokens computed elsewhere): the new chunks are
+        absent, to be put; a last token chunk that was partial is reset to absent (its RAM copy
+        freed, its flash copy forgotten: it now covers more tokens). Returns the chunks reset."""
         with self._lock:
             old = self.geometry
             if num_tokens < old.num_tokens:
@@ -737,8 +748,8 @@ class ContextKV:
                                     f"{num_tokens} tokens")
             if num_tokens == old.num_tokens:
                 return []
-            if any(m != SEGMENTED for m in self.mode):
-                raise KVMemoryError("extend() grows segmented layers; arena layers grow by "
+            if any(m != PER_CHUNK for m in self.mode):
+                raise KVMemoryError("extend() grows per-chunk layers; arena layers grow by "
                                     "appending (commit_appended)")
             if max(self.positions) > old.num_tokens:
                 raise KVMemoryError("the memory holds appended tokens not committed")

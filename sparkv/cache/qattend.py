@@ -1,6 +1,6 @@
 """Attention that reads quantized resident entries where they lie (docs/kv-memory.md).
 
-A segmented layer holds its chunks as :class:`~sparkv.cache.payload.ChunkPayload` objects, each at
+A per-chunk layer holds its chunks as :class:`~sparkv.cache.payload.ChunkPayload` objects, each at
 its own level. :class:`QuantizedRows` gathers, once, *references* to the quantized payloads of a
 layer (no copy: the same tensors the memory accounts for) and attends over them with a fused
 numba kernel: per row it unpacks the codes (8, 4 or 2 bits) into 64 floats in registers and uses

@@ -22,11 +22,13 @@ resource, the service reaching the routes as a dependency (:func:`get_service`, 
 
 with the status and code of the :mod:`sparkv.device.errors` class: 404 unknown context, 409 busy
 (a call with ``timeout_s`` that could not get the lock) or damaged (a context that could not be
-reopened), 413 prompt too long, 507 budget too small for the context, 400 anything else the
-service refuses (a token id outside the vocabulary, ...); a body that does not match the schema
-(or is not JSON, or holds a lone surrogate, an infinite or too long timeout) is a 422
-``invalid_request`` with ``details`` (``[{loc, msg, type}]``); an unknown path a 404
-``not_found``; anything unexpected a 500 ``internal_error``.
+reopened), 413 prompt too long, 503 ``budget_busy`` with ``Retry-After`` (the context fits the
+budget, but the memory it needs is held by contexts in use now), 507 ``budget_too_small`` (it
+never fits) or ``flash_full`` (the flash had no room: nothing was kept, nothing kept was lost),
+400 anything else the service refuses (a token id outside the vocabulary, ...); a body that does
+not match the schema (or is not JSON, or holds a lone surrogate, an infinite or too long
+timeout) is a 422 ``invalid_request`` with ``details`` (``[{loc, msg, type}]``); an unknown path
+a 404 ``not_found``; anything unexpected a 500 ``internal_error``.
 
 Before any route, :class:`~sparkv.device.access.AccessGuard` answers 421 to a Host that is not
 loopback and, when the app has a ``token`` (``serve --port``), 401 to a request without
@@ -50,7 +52,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as _StarletteHTTPException
 
 from sparkv.device.access import AccessGuard
-from sparkv.device.errors import DeviceError
+from sparkv.device.errors import BudgetBusy, DeviceError
 from sparkv.device.schemas import (CallBody, CallReply, ContextInfo, DeviceContextList, ErrorResponse,
                                    ServiceHealth, NewContext, ServiceStats)
 from sparkv.device.service import ContextService
@@ -78,24 +80,36 @@ contexts_router = APIRouter(tags=["contexts"])
 service_router = APIRouter(tags=["service"])
 
 
+def _busy(exc: BudgetBusy) -> JSONResponse:
+    """503 with ``Retry-After``: the memory a context needs is held by contexts in use."""
+    return JSONResponse(error_body(exc.status, exc.code, str(exc)), status_code=exc.status,
+                        headers=exc.headers)
+
+
 @contexts_router.post("/v1/contexts", status_code=201, response_model=ContextInfo,
-                      responses=_errors(400, 413, 422, 507))
-def new_context(body: NewContext, service: ServiceDep) -> ContextInfo:
+                      responses=_errors(400, 413, 422, 503, 507))
+def new_context(body: NewContext, service: ServiceDep) -> ContextInfo | JSONResponse:
     """Makes a context holding the system prompt (its KV computed now)."""
     if body.system_prompt is not None and body.system_ids is not None:
         raise DeviceError("give system_prompt or system_ids, not both")
-    cid = service.new_context(body.system_prompt, system_ids=body.system_ids)
+    try:
+        cid = service.new_context(body.system_prompt, system_ids=body.system_ids)
+    except BudgetBusy as e:
+        return _busy(e)
     return ContextInfo.model_validate({"id": cid, **service.describe(cid)})
 
 
 @contexts_router.post("/v1/contexts/{ctx_id}/call", response_model=CallReply,
-                      responses=_errors(400, 404, 409, 413, 422, 507))
-def call_context(ctx_id: str, body: CallBody, service: ServiceDep) -> CallReply:
+                      responses=_errors(400, 404, 409, 413, 422, 503, 507))
+def call_context(ctx_id: str, body: CallBody, service: ServiceDep) -> CallReply | JSONResponse:
     """Answers a prompt in the context (which grows by the prompt and the answer)."""
     if (body.prompt is None) == (body.prompt_ids is None):
         raise DeviceError("give exactly one of prompt and prompt_ids")
-    res = service.call(ctx_id, body.prompt, body.max_new_tokens, prompt_ids=body.prompt_ids,
-                       grow=body.grow, timeout_s=body.timeout_s)
+    try:
+        res = service.call(ctx_id, body.prompt, body.max_new_tokens,
+                           prompt_ids=body.prompt_ids, grow=body.grow, timeout_s=body.timeout_s)
+    except BudgetBusy as e:
+        return _busy(e)
     return CallReply.model_validate({
         **res.to_dict(), "switch_ms": res.switch_s * 1e3,
         "first_token_ms": res.first_token_s * 1e3, "total_ms": res.total_s * 1e3})
@@ -132,8 +146,9 @@ def get_stats(service: ServiceDep) -> ServiceStats:
 
 @service_router.get("/healthz", response_model=ServiceHealth)
 def healthz(service: ServiceDep) -> ServiceHealth:
-    """Liveness, and how many contexts the service holds."""
-    return ServiceHealth(ok=True, contexts=len(service.contexts))
+    """Liveness, how many contexts the service holds, and the flash's state (``degraded``
+    since a write found it full)."""
+    return ServiceHealth.model_validate(service.health())
 
 
 ROUTERS = (contexts_router, service_router)

@@ -35,6 +35,7 @@ log = logging.getLogger("sparkv.device")
 if TYPE_CHECKING:
     from sparkv.device.client import DeviceClient
     from sparkv.device.config import ServiceConfig
+    from sparkv.device.flashlock import FlashDirLock
     from sparkv.device.service import ContextService
 
 POLICIES = ("llms", "llms-no-compression", "llms-no-pipeline", "llms-no-lifecycle", "vllm-s",
@@ -146,6 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     swap = Path(args.flash_dir) if args.flash_dir else cache_dir() / "device" / "swap"
+    lock = _claim(args, swap)    # before the model loads: a refusal is one line, at once
     budget = int(args.memory_budget_mb * 1e6)
     lm = load_model(args.model)
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens)
@@ -160,9 +162,31 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("sparkv device: %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
              "%d contexts reopened%s", lm.name, budget / 1e6, config.name, config.ratio, swap,
              service.reopened, damaged)
+    try:
+        return _listen_tcp(service, args) if args.port else _listen_unix(service, args)
+    finally:
+        service.close()
+        lock.release()
+
+
+def _claim(args: argparse.Namespace, swap: Path) -> "FlashDirLock":
+    """Checks every path ``serve`` uses (the flash dir, the socket's or the token file's
+    directory: :func:`~sparkv.device.private.check_path`) and takes the flash dir's lock
+    (:mod:`sparkv.device.flashlock`); :class:`~sparkv.device.errors.DeviceError` if another
+    user controls a path or another service holds the flash dir."""
+    from sparkv.device.access import default_token_file
+    from sparkv.device.client import default_socket
+    from sparkv.device.flashlock import FlashDirLock
+    from sparkv.device.private import check_path, private_dir
+
+    check_path(swap, "the flash dir", leaf_mode=False)
     if args.port:
-        return _listen_tcp(service, args)
-    return _listen_unix(service, args)
+        token = Path(args.token_file) if args.token_file else default_token_file()
+        check_path(token.parent, "the token file's directory")
+    else:
+        sock = Path(args.socket) if args.socket else default_socket()
+        check_path(sock.parent, "the socket's directory")
+    return FlashDirLock(private_dir(swap))
 
 
 def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:

@@ -19,7 +19,8 @@ from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 
 __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "ServiceHealth",
-           "ChunkCounts", "ContextInfo", "DamagedContextInfo", "DeviceContextList", "CallReply",
+           "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
+           "CallReply",
            "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -67,11 +68,23 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class FlashInfo(_Reply):
+    """The flash's state: ``degraded`` since a write found it full (until one succeeds)."""
+
+    state: str = Field(description="ok | degraded")
+    path: str = Field(description="the flash dir")
+    mount: str = Field(description="the mount point of its file system")
+    free_bytes: int
+    total_bytes: int
+    reason: str | None = Field(default=None, description="why it is degraded")
+
+
 class ServiceHealth(_Reply):
     """``GET /healthz``."""
 
     ok: bool
     contexts: int = Field(description="contexts the service holds")
+    flash: FlashInfo | None = None
 
 
 class ChunkCounts(_Reply):

@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     # the on-device context service
     "ContextService": "sparkv.device.service",
     "ServiceConfig": "sparkv.device.config",
-    "CallResult": "sparkv.device.service",
+    "CallResult": "sparkv.device.calls",
     # DynaKV: long decoding with clustered KV on flash
     "generate": "sparkv.decode.session",
     "DecodeSession": "sparkv.decode.session",

@@ -363,11 +363,14 @@ def test_trailing_slashes_are_404_not_redirects(alice, ctx):
 def test_path_integers_are_canonical_decimal(alice, ctx):
     cid, _ = ctx
     assert alice.get(chunk_url(cid, 0, 1, 0), params={"level": "raw"}).status_code == 200
-    for bad in ("+1", "01", "00", "%201", "1%20", "1.0", "1e0", "0x1", "-0", "%D9%A1",
-                "2147483648", "99999999999999999999"):
+    for bad in ("+1", "01", "00", "1.0", "1e0", "0x1", "-0", "2147483648",
+                "99999999999999999999"):
         for url in (chunk_url(cid, bad, 0), chunk_url(cid, 0, bad), chunk_url(cid, 0, 0, bad)):
             err = assert_error(alice.get(url, params={"level": "raw"}), 422, "invalid_request")
             assert err["details"][0]["loc"].startswith("path."), err
+    for bad in ("%201", "1%20", "%D9%A1"):  # percent-encoded: no second spelling of a URL
+        for url in (chunk_url(cid, bad, 0), chunk_url(cid, 0, bad), chunk_url(cid, 0, 0, bad)):
+            assert_error(alice.get(url, params={"level": "raw"}), 400, "non_canonical_path")
     # the largest index is a valid URL (and out of this context's range)
     assert_error(alice.get(chunk_url(cid, 2**31 - 1, 0)), 404, "chunk_out_of_range")
 
@@ -714,7 +717,7 @@ def test_both_http_parsers_have_the_header_deadline(parser):
 
     import uvicorn
 
-    from sparkv.server import http_protocol
+    from sparkv.rest import http_protocol
     from sparkv.server.process import free_port
 
     async def app(scope, receive, send):

@@ -301,7 +301,7 @@ def test_stream_batches_and_slots():
 def test_http_parse_error_bodies(reason, code):
     import json
 
-    from sparkv.server.http_protocol import json_error_protocol, parse_error_body
+    from sparkv.rest.http_protocol import json_error_protocol, parse_error_body
 
     err = json.loads(parse_error_body(ValueError(reason) if reason else None))["error"]
     assert err["status"] == 400 and err["code"] == code and err["message"]

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from sparkv.errors import SparkvError
+from sparkv.rest.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                DEFAULT_MAX_BODY_BYTES)
 
 log = logging.getLogger("sparkv.device")
 
@@ -113,6 +115,14 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                    help="tokens per chunk of a context, across all layers: the unit of "
                         "compression, swapping and eviction (LLMS's 16; docs/device-service.md)")
     s.add_argument("--threads", type=int, default=None, help="torch threads")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 body_too_large, unread (default 4 MiB)")
+    s.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="a request body must arrive within this many seconds of its headers, "
+                        "else 408 body_timeout")
+    s.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="a request's headers must arrive within this many seconds, else the "
+                        "connection is closed (after a 408 header_timeout)")
     s.set_defaults(func=_serve)
 
 
@@ -143,6 +153,12 @@ def _serve(args: argparse.Namespace) -> int:
     from sparkv.runtime.model import cache_dir, load_model
 
     os.umask(0o077)              # whatever this process creates is its user's only
+    _check_limits(args)
+    sockets = None
+    if args.port:                # a port in use is one line before the model loads
+        from sparkv.rest.listen import bind_tcp
+
+        sockets = bind_tcp("127.0.0.1", args.port)
     if args.threads:
         torch.set_num_threads(args.threads)
     swap = Path(args.swap_dir) if args.swap_dir else cache_dir() / "device" / "swap"
@@ -160,9 +176,30 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("sparkv device: %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
              "%d contexts reopened%s", lm.name, budget / 1e6, config.name, config.ratio, swap,
              service.reopened, damaged)
-    if args.port:
-        return _listen_tcp(service, args)
+    if sockets is not None:
+        return _listen_tcp(service, args, sockets)
     return _listen_unix(service, args)
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    """The HTTP limits are positive (:class:`SparkvError` naming the flag otherwise)."""
+    for flag, value in (("--max-body-bytes", args.max_body_bytes),
+                        ("--body-timeout-s", args.body_timeout_s),
+                        ("--header-timeout-s", args.header_timeout_s)):
+        if not value > 0:
+            raise SparkvError(f"{flag} must be positive (got {value})")
+
+
+def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: list,
+               token: str | None = None) -> None:
+    """Runs the app on ``sockets`` with the request limits of ``args``."""
+    from sparkv.device.app import create_app
+    from sparkv.rest.listen import serve
+    from sparkv.rest.limits import BodyLimits
+
+    app = create_app(service, token=token,
+                     limits=BodyLimits(args.max_body_bytes, args.body_timeout_s))
+    serve(app, sockets, header_timeout_s=args.header_timeout_s, log_level="warning")
 
 
 def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:
@@ -175,25 +212,20 @@ def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:
     return resolved_ratio(config, model_fingerprint)
 
 
-def _listen_tcp(service: "ContextService", args: argparse.Namespace) -> int:
-    """Serves on ``127.0.0.1:port``, every request with the bearer token of the token file."""
-    import uvicorn
-
+def _listen_tcp(service: "ContextService", args: argparse.Namespace, sockets: list) -> int:
+    """Serves on ``127.0.0.1:port`` (``sockets``, bound), every request with the bearer token of
+    the token file."""
     from sparkv.device.access import default_token_file, ensure_token
-    from sparkv.device.app import create_app
 
     path = Path(args.token_file) if args.token_file else default_token_file()
-    app = create_app(service, token=ensure_token(path))
+    token = ensure_token(path)
     log.info("listening on 127.0.0.1:%s (bearer token in %s)", args.port, path)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    _serve_app(service, args, sockets, token)
     return 0
 
 
 def _listen_unix(service: "ContextService", args: argparse.Namespace) -> int:
     """Serves on the Unix socket, ``0600`` (``0660`` for ``--socket-group``)."""
-    import uvicorn
-
-    from sparkv.device.app import create_app
     from sparkv.device.client import default_socket
     from sparkv.device.private import bind_unix_socket
 
@@ -201,10 +233,7 @@ def _listen_unix(service: "ContextService", args: argparse.Namespace) -> int:
     sock_path.parent.mkdir(parents=True, exist_ok=True)
     sock = bind_unix_socket(sock_path, args.socket_group)
     log.info("listening on %s", sock_path)
-    try:
-        uvicorn.run(create_app(service), fd=sock.fileno(), log_level="warning")
-    finally:
-        sock.close()
+    _serve_app(service, args, [sock])
     return 0
 
 

@@ -194,8 +194,6 @@ def serve(args: argparse.Namespace) -> int:
     from sparkv.extras import SERVER_MODULES, require_all
 
     require_all(SERVER_MODULES, feature="sparkv serve")
-    import uvicorn
-
     settings = _settings(args.config, args.store, torch_threads=args.threads,
                          log_level=args.log_level,
                          allow_anonymous=True if args.allow_anonymous else None,
@@ -217,24 +215,25 @@ def serve(args: argparse.Namespace) -> int:
     import ssl
     import torch
 
+    from sparkv.rest.listen import bind_tcp, serve as serve_app
+
+    sockets = bind_tcp(args.host, args.port)  # a port in use is one line before anything loads
     _check_device(settings)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     from sparkv.server.app import create_app
-    from sparkv.server.http_protocol import json_error_protocol
 
     app = create_app(settings)
     scheme = "https" if args.ssl_certfile else "http"
     log.info("sparkv serve: %s://%s:%s store=%s tenants=%d models=%s", scheme, args.host,
              args.port, app.state.sparkv.store.url, len(settings.tenants),
              ",".join(settings.models))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level,
-                access_log=args.access_log, ssl_certfile=args.ssl_certfile,
-                ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
-                ssl_ca_certs=args.ssl_ca_certs,
-                ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
-                timeout_keep_alive=30, server_header=False,
-                http=json_error_protocol(settings.header_timeout_s))
+    serve_app(app, sockets, header_timeout_s=settings.header_timeout_s,
+              log_level=settings.log_level, access_log=args.access_log,
+              ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+              ssl_keyfile_password=args.ssl_keyfile_password, ssl_ca_certs=args.ssl_ca_certs,
+              ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
+              timeout_keep_alive=30, server_header=False)
     return 0
 
 

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 
+from sparkv.rest.openapi import declare_plumbing_errors
 from sparkv.server import schemas
 
 COMPONENTS_REF = "#/components/schemas/{model}"
@@ -67,7 +68,8 @@ def _body_schemas() -> dict[str, Any]:
 
 def install_openapi(app: FastAPI) -> None:
     """Replaces ``app.openapi`` with a generator that adds the security schemes (the check itself
-    is :class:`~sparkv.server.middleware.AuthMiddleware`'s) and the stream body's schemas."""
+    is :class:`~sparkv.server.middleware.AuthMiddleware`'s), the stream body's schemas and the
+    statuses of the shared plumbing (:func:`~sparkv.rest.openapi.declare_plumbing_errors`)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -87,7 +89,7 @@ def install_openapi(app: FastAPI) -> None:
             if path.startswith("/v1/"):
                 for op in ops.values():
                     op["security"] = [{"bearer": []}, {"apiKey": []}]
-        app.openapi_schema = schema
+        app.openapi_schema = declare_plumbing_errors(schema)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -12,9 +12,12 @@ a percent-encoded path (``/v1/contexts/%61b...``,      400     ``non_canonical_p
 ``...%2Fchunks``): every resource has exactly one URL
 ``Content-Length`` that is not a number                400     ``bad_content_length``
 a body over ``max_body_bytes`` (declared or streamed)  413     ``body_too_large``
-a body not complete ``body_timeout_s`` after the       408     ``body_timeout`` (and the
-headers                                                        connection is closed)
+a body not complete ``body_timeout_s`` after the       408     ``body_timeout``
+headers
 =====================================================  ======  ========================
+
+After a 413 or a 408 the connection is closed (``Connection: close``): the rest of the body is
+never read.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ from sparkv.rest.limits import BodyLimits
 __all__ = ["BodyLimits", "BodyLimitMiddleware", "BodyTimeoutMiddleware", "BodyTimeout",
            "BodyTooLarge", "CanonicalPathMiddleware", "install_request_policy", "send_json",
            "header", "header_values"]
+
+CLOSE = {"Connection": "close"}
+"""The header of a refusal after which the connection is closed (the rest of a body is not
+read: a client cannot make the server drain gigabytes it refused)."""
+
 
 async def send_json(send: Send, status: int, body: dict[str, Any],
                     headers: dict[str, str] | None = None) -> None:
@@ -85,7 +93,8 @@ class BodyTooLarge(HTTPException):
     code = "body_too_large"
 
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
+        super().__init__(413, f"the request body is larger than the limit of {limit} bytes",
+                         headers=CLOSE)
         self.limit = limit
         self.details = {"limit": limit}
 
@@ -98,7 +107,7 @@ class BodyTimeout(HTTPException):
 
     def __init__(self, timeout_s: float) -> None:
         super().__init__(408, f"the request body did not arrive completely within "
-                              f"{timeout_s:g} s", headers={"Connection": "close"})
+                              f"{timeout_s:g} s", headers=CLOSE)
         self.details = {"timeout_s": timeout_s}
 
 
@@ -160,7 +169,7 @@ class BodyLimitMiddleware:
             if int(declared) > self.limit:
                 await send_json(send, 413, error_body(
                     413, "body_too_large", f"the request body ({int(declared)} bytes) is larger "
-                    f"than the limit of {self.limit} bytes", limit=self.limit))
+                    f"than the limit of {self.limit} bytes", limit=self.limit), CLOSE)
                 return
         seen = 0
         limit = self.limit

@@ -21,10 +21,9 @@ ids in one transaction, then the frames.
 from __future__ import annotations
 
 from typing import Iterable
-from urllib.parse import parse_qs, urlsplit, urlunsplit
-
 from sparkv.server.errors import StoreError
 from sparkv.server.stores.base import ChunkKey, ChunkStore, check_names
+from sparkv.server.stores.redis_url import parse_redis_url
 
 _DELETE_BATCH = 512
 
@@ -42,16 +41,12 @@ class RedisStore(ChunkStore):
         redis = require("redis", feature="the Redis store and queue")
 
         self._redis = redis
-        parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        self.prefix = (query.pop("prefix", ["sparkv"]) or ["sparkv"])[0]
-        rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
-        clean = urlunsplit((parts.scheme, parts.netloc, parts.path, rest, ""))
-        netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-        self.url = urlunsplit((parts.scheme, netloc, parts.path, "", ""))  # no password
+        target = parse_redis_url(url)
+        self.prefix = target.prefix
+        self.url = target.public  # no password
         try:
             self.client = client or redis.Redis.from_url(
-                clean, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30)
+                target.connect, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30)
         except (ValueError, redis.RedisError) as exc:
             raise StoreError(f"bad Redis URL {self.url}: {exc}") from exc
 

@@ -288,9 +288,9 @@ def encode(args: argparse.Namespace) -> int:
     store = open_store(settings.store)
     result: dict[str, Any] = {"context_id": cid, "tenant": tenant, "store": store.url,
                               "num_tokens": len(ids), "levels": list(spec.levels)}
-    if store.get_manifest(tenant, cid) is not None:
+    if store.manifests.get(tenant, cid) is not None:
         # encoded before token ids were kept: add them (GET .../tokens serves them)
-        added = backfill_tokens(store, spec, cid)
+        added = backfill_tokens(store.chunks, spec, cid)
         result.update(status="exists", tokens_added=added)
         _report(args, result, f"context {cid} is already in {store.url} ("
                 f"{'its token ids were added' if added else 'nothing to do'})")
@@ -419,13 +419,13 @@ def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes 
         bar.update(done - bar.n)  # tqdm rate-limits the redraws
 
     try:
-        manifest, stats = encode_context(entry, spec, cid, store, cipher=cipher,
+        manifest, stats = encode_context(entry, spec, cid, store.chunks, cipher=cipher,
                                          progress=progress, reuse_stored=not spec.encrypted)
-        store.put_manifest(spec.tenant, cid, manifest)
+        store.manifests.put(spec.tenant, cid, manifest)
     except BaseException:
         bar.close()
-        if store.get_manifest(spec.tenant, cid) is None:
-            store.delete(spec.tenant, cid)  # no half-encoded leftovers
+        if store.manifests.get(spec.tenant, cid) is None:
+            store.delete_context(spec.tenant, cid)  # no half-encoded leftovers
         raise
     bar.close()
     return manifest, stats

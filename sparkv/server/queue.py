@@ -30,7 +30,7 @@ heartbeat fails with :class:`QueueReset` once the epoch changed. A Redis that ke
 (``appendonly yes``) keeps its epoch: nothing is lost, nothing is reported lost.
 
 The job records themselves (state, phase, progress) stay where the single-process server keeps
-them, in the store (``put_job``), so any replica answers ``GET /v1/jobs/{id}`` with what the
+them, in the store (``store.jobs.put``), so any replica answers ``GET /v1/jobs/{id}`` with what the
 worker wrote last (at least every :data:`PERSIST_EVERY_S` seconds).
 """
 

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparkv.protocol.errors import ApiError, error_body
+from sparkv.rest.routing import allowed_methods
 
 HTTP_CODES = {400: "malformed_json", 404: "not_found", 405: "method_not_allowed",
               408: "body_timeout", 413: "body_too_large", 415: "unsupported_media_type"}
@@ -72,16 +73,19 @@ def validation_response(exc: RequestValidationError) -> JSONResponse:
     return error_response(422, "invalid_request", message, details=details)
 
 
-def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
+def http_error_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """A framework or middleware HTTP error (its ``code`` and ``details`` when it has them, its
-    headers, e.g. ``Allow`` on a 405)."""
+    headers); a 405 names every method of the path in ``Allow``."""
     status = exc.status_code
     own_code = getattr(exc, "code", None)
     code = own_code or HTTP_CODES.get(status, f"http_{status}")
     message = str(exc.detail)
     if code == "malformed_json" and not own_code:
         message = f"the request body is not valid JSON ({message})"
-    return error_response(status, code, message, headers=getattr(exc, "headers", None),
+    headers = dict(getattr(exc, "headers", None) or {})
+    if status == 405:
+        headers["Allow"] = ", ".join(allowed_methods(request.app.router.routes, request.scope))
+    return error_response(status, code, message, headers=headers or None,
                           **getattr(exc, "details", {}))
 
 
@@ -99,7 +103,7 @@ def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return http_error_response(exc)
+        return http_error_response(request, exc)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

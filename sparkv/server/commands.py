@@ -274,13 +274,11 @@ def worker(args: argparse.Namespace) -> int:
 def encode(args: argparse.Namespace) -> int:
     """``sparkv encode``: encodes a file's context into a store (nothing when it is there)."""
     from sparkv.protocol.crypto import key_to_text, new_key
-    from sparkv.server.config import ANONYMOUS_TENANT
     from sparkv.server.encoder import backfill_tokens, derive_context_id
     from sparkv.server.stores import open_store
 
     settings = _encode_settings(args)
-    tenant = args.tenant or (next(iter(settings.tenants)) if len(settings.tenants) == 1
-                             else ANONYMOUS_TENANT)
+    tenant = _encode_tenant(args.tenant, settings)
     text = sys.stdin.read() if args.file == "-" else _read_text(args.file)
     entry, ids = _token_ids(args, settings, text)
     spec = _context_spec(args, settings, tenant, entry, ids)
@@ -309,6 +307,26 @@ def encode(args: argparse.Namespace) -> int:
         msg += f"\nencryption key (shown once, stored nowhere): {result['encryption_key']}"
     _report(args, result, msg)
     return 0
+
+
+def _encode_tenant(asked: str | None, settings: Any) -> str:
+    """The tenant ``sparkv encode`` stores under: ``--tenant``, else the config's only tenant,
+    else ``anonymous``. A tenant the server could not map a request to (not in the config, or
+    ``anonymous`` while the config has tenants and no ``allow_anonymous``) is a
+    :class:`ConfigError`: its contexts would be reachable by no key."""
+    from sparkv.server.config import ANONYMOUS_TENANT
+
+    reachable = set(settings.tenants)
+    if settings.allow_anonymous or not settings.tenants:
+        reachable.add(ANONYMOUS_TENANT)
+    tenant = asked or (next(iter(settings.tenants)) if len(settings.tenants) == 1
+                       else ANONYMOUS_TENANT)
+    if tenant not in reachable:
+        raise ConfigError(f"tenant {tenant!r} is not in the config, so no API key reaches its "
+                          f"contexts: use one of {', '.join(sorted(reachable))} "
+                          "(--tenant), or add it (`sparkv apikey --tenant NAME` prints its "
+                          "lines)")
+    return tenant
 
 
 def _encode_settings(args: argparse.Namespace) -> Any:

@@ -13,7 +13,7 @@ import gzip
 import time
 from collections import OrderedDict
 from urllib.parse import parse_qsl
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable
 
 from sparkv.extras import SERVER_MODULES, require_all
 
@@ -28,7 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sparkv.protocol.errors import error_body
 from sparkv.rest.limits import BodyLimits
-from sparkv.rest.middleware import header, install_request_policy, send_json
+from sparkv.rest.middleware import header, header_values, install_request_policy, send_json
+from sparkv.rest.routing import flat_routes
 from sparkv.server.config import ANONYMOUS_TENANT, Settings, hash_api_key
 from sparkv.server.metrics import ServerMetrics
 
@@ -230,15 +231,42 @@ def bearer_key(authorization: str) -> str | None:
     return key
 
 
+Refusal = tuple[str, str]
+"""``(code, message)`` of a 401."""
+
+
+def request_key(scope: Scope) -> tuple[str | None, Refusal | None]:
+    """The API key a request carries (``None``: none), or why it is refused: an
+    ``Authorization`` that is not exactly ``Bearer <key>`` (``invalid_api_key``), or more than
+    one key (``conflicting_api_keys``: two ``Authorization`` or two ``X-API-Key`` headers, even
+    equal ones, or both headers with different keys). Which of two keys counts is never
+    guessed."""
+    auths = header_values(scope, b"authorization")
+    header_keys = header_values(scope, b"x-api-key")
+    if len(auths) > 1 or len(header_keys) > 1:
+        return None, ("conflicting_api_keys", "the request carries more than one "
+                      "Authorization or X-API-Key header; send the key once")
+    header_key = header_keys[0].strip() if header_keys else None
+    if not auths:
+        return header_key or None, None
+    key = bearer_key(auths[0])
+    if key is None:
+        return None, ("invalid_api_key", "the Authorization header must be 'Bearer <api key>' "
+                      "with one space and nothing else (or send the key in X-API-Key)")
+    if header_key and header_key != key:
+        return None, ("conflicting_api_keys", "the request carries two different API keys "
+                      "(Authorization: Bearer and X-API-Key); send one")
+    return key, None
+
+
 class AuthMiddleware:
     """Maps the API key of every ``/v1/`` request to its tenant, or answers 401.
 
     The key comes from ``Authorization: Bearer <key>`` (exactly: :func:`bearer_key`) or
-    ``X-API-Key: <key>`` (both may be sent
-    only if they carry the same key: two different keys are ``conflicting_api_keys``, never a
-    guess at which one counts); it is hashed and looked up among the configured hashes. Without a key the request is refused unless anonymous
-    access is on (then it acts as tenant ``anonymous``). The tenant is put in the ASGI scope for
-    the routes (``request.scope["sparkv.tenant"]``).
+    ``X-API-Key: <key>``, once (:func:`request_key`: both headers only with the same key, never
+    a header twice); it is hashed and looked up among the configured hashes. Without a key the
+    request is refused unless anonymous access is on (then it acts as tenant ``anonymous``). The
+    tenant is put in the ASGI scope for the routes (``request.scope["sparkv.tenant"]``).
     """
 
     def __init__(self, app: ASGIApp, key_index: Callable[[], dict[str, str]],
@@ -257,23 +285,10 @@ class AuthMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
             await self.app(scope, receive, send)
             return
-        key = None
-        auth = header(scope, b"authorization")
-        header_key = header(scope, b"x-api-key")
-        if auth is not None:
-            key = bearer_key(auth)
-            if key is None:
-                await self._refuse(send, "invalid_api_key", "the Authorization header must be "
-                                   "'Bearer <api key>' with one space and nothing else (or send "
-                                   "the key in X-API-Key)")
-                return
-            if header_key is not None and header_key.strip() and header_key.strip() != key:
-                await self._refuse(send, "conflicting_api_keys", "the request carries two "
-                                   "different API keys (Authorization: Bearer and X-API-Key); "
-                                   "send one")
-                return
-        else:
-            key = header_key.strip() if header_key is not None else None
+        key, refusal = request_key(scope)
+        if refusal is not None:
+            await self._refuse(send, *refusal)
+            return
         if not key:
             if self.allow_anonymous():
                 scope[TENANT_SCOPE_KEY] = ANONYMOUS_TENANT
@@ -288,18 +303,6 @@ class AuthMiddleware:
             return
         scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
-
-
-def flat_routes(routes: Iterable[BaseRoute]) -> Iterator[BaseRoute]:
-    """Every route, with those of included routers in place of their inclusion (FastAPI wraps
-    an ``include_router`` in an object that keeps the router as ``original_router``; the
-    app's routers are included without a prefix)."""
-    for route in routes:
-        inner = getattr(route, "original_router", None)
-        if inner is not None:
-            yield from flat_routes(inner.routes)
-        else:
-            yield route
 
 
 def query_names(route: BaseRoute) -> frozenset[str]:

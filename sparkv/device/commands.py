@@ -147,18 +147,18 @@ def _serve(args: argparse.Namespace) -> int:
     from sparkv.extras import require_all
 
     require_all(("fastapi", "uvicorn"), feature="sparkv device serve (the HTTP app)")
+    os.umask(0o077)              # whatever this process creates is its user's only
+    _check_limits(args)
+    sockets = None
+    if args.port:                # a port in use is one line before anything loads
+        from sparkv.rest.listen import bind_tcp
+
+        sockets = bind_tcp("127.0.0.1", args.port)
     import torch
 
     from sparkv.device.service import ContextService, ServiceConfig
     from sparkv.runtime.model import cache_dir, load_model
 
-    os.umask(0o077)              # whatever this process creates is its user's only
-    _check_limits(args)
-    sockets = None
-    if args.port:                # a port in use is one line before the model loads
-        from sparkv.rest.listen import bind_tcp
-
-        sockets = bind_tcp("127.0.0.1", args.port)
     if args.threads:
         torch.set_num_threads(args.threads)
     swap = Path(args.swap_dir) if args.swap_dir else cache_dir() / "device" / "swap"

@@ -212,12 +212,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.ssl_require_client_cert and not (args.ssl_certfile and args.ssl_ca_certs):
         raise ConfigError("--ssl-require-client-cert needs --ssl-certfile, --ssl-keyfile and "
                           "--ssl-ca-certs")
-    import ssl
-    import torch
-
     from sparkv.rest.listen import bind_tcp, serve as serve_app
 
     sockets = bind_tcp(args.host, args.port)  # a port in use is one line before anything loads
+    import ssl
+    import torch
+
     _check_device(settings)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)

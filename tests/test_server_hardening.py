@@ -37,8 +37,8 @@ import pytest
 from sparkv.protocol import split_records
 from sparkv.protocol.digests import checksum
 from sparkv.server.process import HOST, ServerProcess
-from helpers import (api_client, assert_error, create_context, start_tiny_server, stop_checked,
-                     tenant_fixture)
+from helpers import (api_client, assert_error, create_context, shared_tiny_checkpoint,
+                     start_tiny_server, stop_checked, tenant_fixture)
 
 GUARD_S = 30.0
 """Hang guard for anything that waits (never a performance bound)."""
@@ -447,10 +447,17 @@ def test_openapi_bounds_are_minimum_and_maximum(server):
     ct = schemas["CreateContext"]["properties"]["chunk_tokens"]
     ints = [s for s in ct.get("anyOf", [ct]) if s.get("type") == "integer"]
     assert len(ints) == 1 and ints[0]["minimum"] == 16 and ints[0]["maximum"] == 65536
-    hpg = schemas["CreateContext"]["properties"]["heads_per_group"]
-    assert (hpg["minimum"], hpg["maximum"]) == (0, 4096)
-    tok = schemas["CreateContext"]["properties"]["token_ids"]["anyOf"][0]["items"]
-    assert (tok["minimum"], tok["maximum"]) == (0, 2**31 - 1)
+    # what the one configured model (tiny: 2 KV heads, SmolLM2's vocabulary, 4096 positions)
+    # allows is stated, so a request the document allows is one the server takes (issue 42 L9)
+    props = schemas["CreateContext"]["properties"]
+    hpg = props["heads_per_group"]
+    assert (hpg["minimum"], hpg["maximum"], hpg["enum"]) == (0, 4096, [0, 1, 2])
+    ids = props["token_ids"]["anyOf"][0]
+    config = json.loads((shared_tiny_checkpoint() / "config.json").read_text())
+    assert (ids["items"]["minimum"], ids["items"]["maximum"]) == (0, config["vocab_size"] - 1)
+    assert ids["maxItems"] == config["max_position_embeddings"] == 4096
+    assert props["model"]["anyOf"][0]["enum"] == ["tiny"]
+    assert "adakv" in props["press"]["anyOf"][0]["pattern"]
     for name in ("t", "l", "g"):
         item = schemas["StreamItem"]["properties"][name]
         assert (item["type"], item["minimum"], item["maximum"]) == ("integer", 0, 2**31 - 1)

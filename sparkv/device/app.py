@@ -48,7 +48,7 @@ from sparkv.extras import require_all
 
 require_all(("fastapi",), feature="the device service's HTTP app (sparkv.device.app)")
 
-from fastapi import APIRouter, Depends, FastAPI, Request  # noqa: E402 - after the extra's check
+from fastapi import APIRouter, Depends, FastAPI, Path, Request  # noqa: E402 - after the check
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
@@ -74,6 +74,7 @@ def get_service(request: Request) -> ContextService:
 
 
 ServiceDep = Annotated[ContextService, Depends(get_service)]
+ContextId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="a context's id")]
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -98,7 +99,7 @@ def new_context(body: NewContext, service: ServiceDep) -> ContextInfo:
 
 @contexts_router.post("/v1/contexts/{ctx_id}/call", response_model=CallReply,
                       responses=_errors(400, 404, 409, 413, 422, 507))
-def call_context(ctx_id: str, body: CallBody, service: ServiceDep) -> CallReply:
+def call_context(ctx_id: ContextId, body: CallBody, service: ServiceDep) -> CallReply:
     """Answers a prompt in the context (which grows by the prompt and the answer)."""
     if (body.prompt is None) == (body.prompt_ids is None):
         raise DeviceError("give exactly one of prompt and prompt_ids")
@@ -111,7 +112,7 @@ def call_context(ctx_id: str, body: CallBody, service: ServiceDep) -> CallReply:
 
 @contexts_router.delete("/v1/contexts/{ctx_id}", status_code=204, response_class=Response,
                         responses=_errors(404))
-def delete_context(ctx_id: str, service: ServiceDep) -> Response:
+def delete_context(ctx_id: ContextId, service: ServiceDep) -> Response:
     """Deletes the context: its memory, its flash files and its journal record (of a damaged
     context, what is left of them)."""
     service.delete(ctx_id)
@@ -127,7 +128,7 @@ def list_contexts(service: ServiceDep) -> DeviceContextList:
 
 @contexts_router.get("/v1/contexts/{ctx_id}", response_model=ContextInfo,
                      responses=_errors(404, 409))
-def describe_context(ctx_id: str, service: ServiceDep) -> ContextInfo:
+def describe_context(ctx_id: ContextId, service: ServiceDep) -> ContextInfo:
     """One context: tokens, bytes, chunks by residency, level mix, busy."""
     return ContextInfo.model_validate(service.describe(ctx_id))
 
@@ -163,6 +164,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.code, str(exc))
 
 
+def state_vocabulary(schema: dict[str, Any], vocab: int | None) -> dict[str, Any]:
+    """Writes the model's vocabulary into the schema: every token id of a request body is
+    below ``vocab`` (nothing when it is unknown). Returns ``schema``."""
+    if not isinstance(vocab, int):
+        return schema
+    for model, field in (("NewContext", "system_ids"), ("CallBody", "prompt_ids")):
+        prop = schema["components"]["schemas"][model]["properties"][field]
+        for branch in prop.get("anyOf", [prop]):
+            if branch.get("type") == "array":
+                branch["items"]["maximum"] = vocab - 1
+    return schema
+
+
 def create_app(service: ContextService, token: str | None = None,
                limits: BodyLimits = BodyLimits()) -> FastAPI:
     """The device service's app over ``service``: loopback Host names only, and with ``token``
@@ -179,8 +193,9 @@ def create_app(service: ContextService, token: str | None = None,
 
     def openapi() -> dict[str, Any]:
         if not app.openapi_schema:
-            app.openapi_schema = declare_plumbing_errors(get_openapi(
+            schema = declare_plumbing_errors(get_openapi(
                 title=app.title, version=app.version, routes=app.routes), GUARDED)
+            app.openapi_schema = state_vocabulary(schema, getattr(service, "vocab", None))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

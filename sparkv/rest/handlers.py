@@ -1,18 +1,18 @@
 """The exception handlers both apps install: every error in the wire's one JSON shape
 (:func:`sparkv.protocol.errors.error_body`), and one policy for request bodies.
 
-=====================================  ======  ==========================================
-what                                   status  ``code``
-=====================================  ======  ==========================================
-:class:`~sparkv.protocol.errors.ApiError`  its own  its own (with its headers and details)
-a body that is not JSON (syntax error,  400     ``malformed_json``
+===========================================  ========  ========================================
+what                                         status    ``code``
+===========================================  ========  ========================================
+:class:`~sparkv.protocol.errors.ApiError`    its own   its own (with its headers and details)
+a body that is not JSON (a syntax error,     400       ``malformed_json``
 truncated, not UTF-8, nested too deeply)
-JSON (or a path or query parameter)    422     ``invalid_request`` with ``details``
-that does not match the schema                 (``[{loc, msg, type}]``)
-the framework's HTTP errors            theirs  :data:`HTTP_CODES` (``not_found``,
-(routing, body reading, middleware)            ``method_not_allowed`` with ``Allow``, ...)
-anything else                          500     ``internal_error`` (logged with its traceback)
-=====================================  ======  ==========================================
+JSON (or a path or query parameter) that     422       ``invalid_request`` with ``details``
+does not match the schema                              (``[{loc, msg, type}]``)
+the framework's HTTP errors (routing, body   theirs    :data:`HTTP_CODES`; a 405 with ``Allow``
+reading, the middleware's)                             naming every method of the path
+anything else                                500       ``internal_error`` (logged, traceback)
+===========================================  ========  ========================================
 
 Each app adds the handlers of its own errors (the server's ``StoreError``, the device service's
 ``DeviceError``) with ``app.exception_handler``.

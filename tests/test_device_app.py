@@ -141,11 +141,20 @@ def test_every_error_has_the_one_json_shape(app_client):
                  422, "invalid_request")
     assert err["message"].startswith("invalid request: body.max_new_tokens")
     assert err["details"][0]["loc"] == "body.max_new_tokens"
+    # the JSON-body policy both apps share: not JSON is 400, JSON off the schema 422
     _error(c.post("/v1/contexts", content=b"{not json", headers={"content-type":
                                                                   "application/json"}),
-           422, "invalid_request")
+           400, "malformed_json")
+    _error(c.post("/v1/contexts", content=b"[" * 60000, headers={"content-type":
+                                                                  "application/json"}),
+           400, "malformed_json")
     _error(c.get("/v1/nothing"), 404, "not_found")
-    _error(c.put("/v1/stats"), 405, "method_not_allowed")
+    r = c.put("/v1/stats")
+    _error(r, 405, "method_not_allowed")
+    assert r.headers["allow"] == "GET"
+    _error(c.request("TRACE", "/v1/stats"), 405, "method_not_allowed")
+    _error(c.get(f"/v1/contexts/{cid[:4]}%{ord(cid[4]):02X}{cid[5:]}"), 400,
+           "non_canonical_path")
 
 
 def test_openapi_names_a_model_for_every_answer(app_client):

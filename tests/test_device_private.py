@@ -174,10 +174,13 @@ def test_bad_inputs_are_4xx_json(tiny_llama, tmp_path):
     with TestClient(create_app(svc), base_url="http://localhost",
                     raise_server_exceptions=False) as c:
         call = f"/v1/contexts/{cid}/call"
-        for ids in ([vocab], [10 ** 6], [-1], [1, 2, 1 << 40]):
+        for ids in ([vocab], [10 ** 6]):  # outside the vocabulary: the service's 400
             err = _error(c.post(call, json={"prompt_ids": ids}), 400, "bad_request")
             assert "not a token id" in err["message"]
             _error(c.post("/v1/contexts", json={"system_ids": ids}), 400, "bad_request")
+        for ids in ([-1], [1, 2, 1 << 40], [True], ["5"]):  # not a JSON token id: 422, as the
+            _error(c.post(call, json={"prompt_ids": ids}), 422, "invalid_request")  # server
+            _error(c.post("/v1/contexts", json={"system_ids": ids}), 422, "invalid_request")
         r = c.post(call, json={"prompt_ids": [10 ** 30]})
         _error(r, 400 if r.status_code == 400 else 422)
         for t in ("1e308", "Infinity", "-Infinity", "NaN", "-1", "1e6"):

@@ -321,12 +321,12 @@ def _worker_kill(cluster: Any, headers: dict[str, str], tokens: int, seed: list[
             if job["state"] not in ("queued", "running"):
                 raise RuntimeError(f"the job ended before the kill: {job}")
             time.sleep(0.02)
-        victim = json.loads(store.get_job("bench", job_id))["worker"]
+        victim = json.loads(store.jobs.get("bench", job_id))["worker"]
         kill_t = time.time()
         cluster.kill(victim)
         taken = None
         while True:
-            rec = json.loads(store.get_job("bench", job_id))
+            rec = json.loads(store.jobs.get("bench", job_id))
             if taken is None and rec.get("worker") != victim:
                 taken = time.time()
             if rec["state"] not in ("queued", "running"):

@@ -30,7 +30,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparkv.cache.attention import AttentionView
-from sparkv.cache.memory import ARENA, ContextKV
+from sparkv.cache.chunks import ARENA
+from sparkv.cache.memory import ContextKV
 
 
 class SparkvLayer(CacheLayerMixin):

@@ -113,6 +113,29 @@ def _softmax(s, w, ti, R, u, pm, pl):  # pragma: no cover - numba
         pl[u, m] = tot
 
 
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _mask_scores(s, off, sk, zk, qs, pos, n, mpos, scale):  # pragma: no cover - numba
+    """A page's raw dot products ``s[:, off:off+16]`` -> scaled scores, ``-inf`` for rows past
+    ``n`` or after the query (branch-free)."""
+    for m in range(s.shape[0]):
+        for r in range(P):
+            val = scale * (sk[r] * s[m, off + r] + zk[r] * qs[m])
+            s[m, off + r] = val if (r < n) & (pos[r] <= mpos[m]) else np.float32(-np.inf)
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _value_weights(w, off, sv, zv, n, ws, wz):  # pragma: no cover - numba
+    """A page's softmax weights times the rows' V scales (``ws [M, 16]``, 0 past ``n``), and
+    ``wz[m] += sum_r w zero_v``."""
+    for m in range(ws.shape[0]):
+        z = np.float32(0.0)
+        for r in range(P):
+            x = w[m, off + r] if r < n else np.float32(0.0)
+            ws[m, r] = x * sv[r] if r < n else np.float32(0.0)
+            z += x * zv[r] if r < n else np.float32(0.0)
+        wz[m] += z
+
+
 def _make_quantized_unit(bits: int) -> Any:
     """The unit function of one quantized level (``bits`` and the plane count are constants)."""
     per = 8 // bits
@@ -147,39 +170,29 @@ def _make_quantized_unit(bits: int) -> Any:
                     s[m, j0], s[m, j0 + 1], s[m, j0 + 2], s[m, j0 + 3] = a0, a1, a2, a3
             _halfs(ks[p], f1, ti)
             _halfs(kz[p], f2, ti)
-            n = fill[p]
-            for m in range(M):
-                for r in range(P):
-                    val = scale * (f1[r] * s[m, pi * P + r] + f2[r] * qs[m])
-                    s[m, pi * P + r] = val if r < n and pos[p, r] <= mpos[m] else -np.inf
+            _mask_scores(s, pi * P, f1, f2, qs, pos[p], fill[p], mpos, scale)
         _softmax(s, w, ti, R, u, pm, pl)
         acc = np.zeros((M, per, W), dtype=np.float32)
         wz = np.zeros(M, dtype=np.float32)
+        ws = np.empty((M, P), dtype=np.float32)
         for pi in range(npg):
             p = upages[a + pi]
             pg = vc[p]
             _halfs(vs[p], f1, ti)
             _halfs(vz[p], f2, ti)
-            n = fill[p]
-            for r in range(0, n, 4):
-                k = min(4, n - r)
+            _value_weights(w, pi * P, f1, f2, fill[p], ws, wz)
+            # every row of the page: the unused ones weigh 0 (and hold finite codes)
+            for r in range(0, P, 4):
                 for m in range(M):
-                    j0 = pi * P + r
-                    w0 = w[m, j0] * f1[r]
-                    w1 = w[m, j0 + 1] * f1[r + 1] if k > 1 else np.float32(0.0)
-                    w2 = w[m, j0 + 2] * f1[r + 2] if k > 2 else np.float32(0.0)
-                    w3 = w[m, j0 + 3] * f1[r + 3] if k > 3 else np.float32(0.0)
-                    for i in range(k):
-                        wz[m] += w[m, j0 + i] * f2[r + i]
-                    r1, r2, r3 = min(r + 1, P - 1), min(r + 2, P - 1), min(r + 3, P - 1)
+                    w0, w1, w2, w3 = ws[m, r], ws[m, r + 1], ws[m, r + 2], ws[m, r + 3]
                     for j in range(per):
                         mk = np.int32((1 << (bits * (j + 1))) - 1)
                         am = acc[m, j]
                         for b in range(W):
                             am[b] += ((w0 * np.float32(np.int32(pg[r, b]) & mk)
-                                       + w1 * np.float32(np.int32(pg[r1, b]) & mk))
-                                      + (w2 * np.float32(np.int32(pg[r2, b]) & mk)
-                                         + w3 * np.float32(np.int32(pg[r3, b]) & mk)))
+                                       + w1 * np.float32(np.int32(pg[r + 1, b]) & mk))
+                                      + (w2 * np.float32(np.int32(pg[r + 2, b]) & mk)
+                                         + w3 * np.float32(np.int32(pg[r + 3, b]) & mk)))
         for m in range(M):
             for b in range(W):
                 prev = np.float32(0.0)
@@ -282,11 +295,15 @@ def _coefficients(q, bits):  # pragma: no cover - numba
 
 @nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
          boundscheck=False)
-def _attend(q, mpos, scale, pf, p8, p4, p2, units, upages, tk, tv, tpos, ntail,
+def _attend(q, qpos, scale, pf, p8, p4, p2, units, upages, tk, tv, tpos, ntail,
             out):  # pragma: no cover - numba
     """Every unit (``units [U, 4]``: level index, head, first of ``upages``, pages), then each
-    head's tail rows, then the merge per head into ``out [Hkv, M, D]`` (see the module doc)."""
+    head's tail rows, then the merge per head into ``out [Hkv, M, D]`` (see the module doc).
+    Query row ``m`` of a head is at position ``qpos[m % nq]``."""
     H, M, D = q.shape
+    mpos = np.empty(M, dtype=np.int64)
+    for m in range(M):
+        mpos[m] = qpos[m % qpos.shape[0]]
     a8, a4, a2 = _coefficients(q, 8), _coefficients(q, 4), _coefficients(q, 2)
     qs = np.zeros((H, M), dtype=np.float32)
     for h in range(H):
@@ -295,6 +312,8 @@ def _attend(q, mpos, scale, pf, p8, p4, p2, units, upages, tk, tv, tpos, ntail,
                 qs[h, m] += q[h, m, i]
     U = units.shape[0]
     T = H if ntail > 0 else 0
+    if T:
+        assert tk.shape[0] == H and tk.shape[2] == D
     pm = np.empty((U + T, M), dtype=np.float32)
     pl = np.empty((U + T, M), dtype=np.float32)
     pacc = np.zeros((U + T, M, D), dtype=np.float32)
@@ -404,28 +423,33 @@ class PagedAttention:
         head holds (the decode tail), or ``None``."""
         _, hq, nq, d = q.shape
         hkv = self.num_kv_heads
-        group = hq // hkv
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        qn = q[0].detach().to(torch.float32).reshape(hkv, group * nq, d).contiguous().numpy()
-        mpos = np.tile(q_pos.detach().to(torch.int64).cpu().numpy(), group)
+        qn = _f32(q[0].reshape(hkv, hq // hkv * nq, d))
         tk, tv, tpos, n = _tail_arrays(tail, hkv, d)
-        out = np.empty((hkv, group * nq, d), dtype=np.float32)
-        _attend(qn, mpos, np.float32(scale), *self._pools, self.units,  # type: ignore[call-arg]
-                self.pages, tk, tv, tpos, n, out)
-        return torch.from_numpy(out).view(1, hq, nq, d).to(q.dtype)
+        out = np.empty(qn.shape, dtype=np.float32)
+        _attend(qn, q_pos.to(torch.int64).numpy(), np.float32(scale), *self._pools,  # type: ignore
+                self.units, self.pages, tk, tv, tpos, n, out)
+        res = torch.from_numpy(out).view(1, hq, nq, d)
+        return res if q.dtype == torch.float32 else res.to(q.dtype)
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    """A float32 C-contiguous array of ``t`` (a view when it already is one)."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t.contiguous().numpy()
 
 
 def _tail_arrays(tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, hkv: int, d: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """The tail's K and V as float32 ``[Hkv, n, D]`` arrays (views where they are float32 and
-    contiguous), its positions and ``n``."""
+    """The tail's K and V as float32 ``[Hkv, n, D]`` arrays, its positions and ``n``."""
     if tail is None or tail[0].shape[1] == 0:
-        z = np.zeros((hkv, 0, d), dtype=np.float32)
-        return z, z, np.zeros(0, dtype=np.int64), 0
+        return _NO_TAIL[0], _NO_TAIL[0], _NO_TAIL[1], 0
     k, v, pos = tail
-    return (k.detach().to(torch.float32).contiguous().numpy(),
-            v.detach().to(torch.float32).contiguous().numpy(),
-            pos.detach().to(torch.int64).cpu().numpy(), int(k.shape[1]))
+    return _f32(k), _f32(v), pos.to(torch.int64).numpy(), int(k.shape[1])
+
+
+_NO_TAIL = (np.zeros((0, 0, 0), dtype=np.float32), np.zeros(0, dtype=np.int64))
 
 
 class TorchPagedAttention:

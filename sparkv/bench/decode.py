@@ -12,9 +12,9 @@ For each context length (SmolLM2, the bundled sample text) the context is prefil
 * ``int8`` / ``int4``: every chunk resident at that level in pages, attended in place by the paged
   kernel (sparkv/cache/qattend.py: one call per layer, no dequantization of the context).
 
-The configs of one length are run alternately (each repeat runs every config once), so on a
-shared machine they see the same load; the load average at the start and the end is printed and
-recorded. Reported per config: decode tokens/s (median of ``--repeats``), the KV bytes held at the
+The configs of one length decode in lockstep (token ``i`` of each config, then token ``i + 1`` of
+each), so on a shared machine they see the same load; the load average at the start and the end is
+printed and recorded. Reported per config: decode tokens/s (median of ``--repeats``), the KV bytes held at the
 end and the peak during decoding (the memory's own account plus any tail; for ``dynamic``, the
 bytes of its tensors), the speed ratio to ``dynamic`` and to the fp memory (``memory``): the
 median of the ratios of the runs side by side, and the peak bytes' ratio to the fp memory's. Also
@@ -80,28 +80,33 @@ def _keep(n: int, frac: float, heads: int, seed: int) -> list[Any]:
     return out
 
 
-def _decode(lm: Any, cache: Any, n: int, first: int, steps: int, memory: Any = None
-            ) -> tuple[float, int]:
-    """Greedy steps after one token; returns (tokens/s, peak bytes held)."""
+def _decode(lm: Any, caches: dict[str, tuple[Any, Any]], n: int, first: int, steps: int
+            ) -> dict[str, tuple[float, int]]:
+    """Greedy steps after one token over every cache **in lockstep** (step ``i`` of each config,
+    then step ``i + 1`` of each: the configs see the same load); per config ``(tokens/s, peak
+    bytes held)``. ``caches``: config -> ``(cache, memory or None)``."""
     import torch
 
     from sparkv.runtime.hfcache import model_call
 
-    token = first
-    peak = 0
+    token = {cfg: first for cfg in caches}
+    busy = {cfg: 0.0 for cfg in caches}
+    peak = {cfg: 0 for cfg in caches}
     with torch.inference_mode():
-        t0 = time.perf_counter()
         for i in range(steps):
-            out = model_call(lm.model, input_ids=torch.tensor([[token]]), cache=cache,
-                             position_ids=torch.tensor([[n + i]]), use_cache=True)
-            token = int(out.logits[0, -1].argmax())
-            if memory is not None:
-                peak = max(peak, memory.nbytes + cache.extra_nbytes())
-        dt = time.perf_counter() - t0
-    if memory is None:
-        peak = sum(t.numel() * t.element_size() for layer in cache.layers
-                   for t in (layer.keys, layer.values))
-    return steps / dt, peak
+            for cfg, (cache, memory) in caches.items():
+                t0 = time.perf_counter()
+                out = model_call(lm.model, input_ids=torch.tensor([[token[cfg]]]), cache=cache,
+                                 position_ids=torch.tensor([[n + i]]), use_cache=True)
+                token[cfg] = int(out.logits[0, -1].argmax())
+                busy[cfg] += time.perf_counter() - t0
+                if memory is not None:
+                    peak[cfg] = max(peak[cfg], memory.nbytes + cache.extra_nbytes())
+    for cfg, (cache, memory) in caches.items():
+        if memory is None:
+            peak[cfg] = sum(t.numel() * t.element_size() for layer in cache.layers
+                            for t in (layer.keys, layer.values))
+    return {cfg: (steps / busy[cfg], peak[cfg]) for cfg in caches}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,10 +147,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_size(lm: Any, n: int, configs: list[str], args: argparse.Namespace,
                   rows: list[dict[str, Any]], bar: Any) -> None:
-    """Prefills an ``n``-token context, then measures every config ``--repeats`` times,
-    **alternating** them (repeat 1 of each, then repeat 2 of each, ...: on a shared machine
-    each config sees the same load); appends one row per config to ``rows`` with its ratios to
-    ``dynamic`` and ``memory``: the median of the ratios of runs side by side (same repeat)."""
+    """Prefills an ``n``-token context, then decodes over every config ``--repeats`` times, the
+    configs in lockstep (:func:`_decode`); appends one row per config to ``rows`` with its
+    ratios to ``dynamic`` and ``memory``: the median over repeats of the ratios of the runs side
+    by side."""
     import torch
 
     from sparkv.layout import ChunkGeometry
@@ -157,11 +162,12 @@ def _measure_size(lm: Any, n: int, configs: list[str], args: argparse.Namespace,
     geo = ChunkGeometry.from_config(lm.config, n, args.chunk_tokens)
     runs: dict[str, list[tuple[float, int, int]]] = {cfg: [] for cfg in configs}
     for _ in range(args.repeats):
-        for cfg in configs:
-            cache, memory = _cache_for(cfg, layers, geo, args.new_tokens)
-            speed, peak = _decode(lm, cache, n, int(ids[-1]), args.new_tokens, memory)
+        caches = {cfg: _cache_for(cfg, layers, geo, args.new_tokens) for cfg in configs}
+        for cfg, (speed, peak) in _decode(lm, caches, n, int(ids[-1]), args.new_tokens).items():
+            memory = caches[cfg][1]
             runs[cfg].append((speed, peak, memory.nbytes if memory is not None else peak))
-            bar.update(1)
+        bar.update(len(configs))
+        del caches
     for cfg in configs:
         speeds = [r[0] for r in runs[cfg]]
         row = {"tokens": n, "config": cfg, "tokens_per_s": statistics.median(speeds),

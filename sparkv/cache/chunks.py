@@ -93,8 +93,10 @@ class ChunkMemory:
 
     # ---- the chunk table -------------------------------------------------------------------------
     def state(self, cid: KVChunkId) -> ChunkState:
-        """A snapshot of the chunk's row (its ``payload`` reads a paged chunk's entries)."""
-        self.geometry.check(cid)
+        """A snapshot of the chunk's row (its ``payload`` reads a paged chunk's entries); a chunk
+        outside the geometry is absent."""
+        if self.table.indices([cid])[0] < 0:
+            return ChunkState()
         with self._lock:
             read = (lambda: self.read(cid)) if self.mode[cid.l] == SEGMENTED else None
             return self.table.state(self.table.index(cid), read)
@@ -263,9 +265,7 @@ class ChunkMemory:
                     self.segment(layer)
                 idx = self.table.indices(run.cids)
                 self.paged.write(t, l, g, run)
-                fresh = bool((self.table.source[idx] < 0).any())
-                self.table.set_resident(idx, run.level, source or (
-                    Source.RESTORED if fresh else None), run.counts)
+                self.table.set_resident(idx, run.level, source, run.counts)
                 if clean:
                     self.table.dirty[idx] = False
                 self.mark_changed(l.tolist())

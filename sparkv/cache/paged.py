@@ -11,8 +11,10 @@ in a run, each operation is a fixed number of tensor operations, whatever the nu
 * :meth:`PagedChunks.relevel` (compress / decompress): read, convert the run's rows at once
   (:func:`~sparkv.cache.payload.values_at_level`), write;
 * :meth:`PagedChunks.prune`: read a layer's runs, keep rows by a per-head position mask, write;
-* :meth:`PagedChunks.free`: return the pages to their pools (a private pool is compacted once a
-  quarter of it is free, so its tensors stay near the pages held).
+* :meth:`PagedChunks.free`: return the pages to their pools.
+
+After each operation a private pool a quarter free (and at least a block) is compacted, so its
+tensors stay near the pages held.
 
 The account is the pages this context holds (``nbytes``), per level.
 """
@@ -100,6 +102,7 @@ class PagedChunks:
         pool.set_fill(ids, page_fill(counts))
         self.table.assign(t, l, g, run.level, run.counts, ids)
         self.held[run.level] += n
+        self._compact()
 
     def read(self, t: np.ndarray, l: np.ndarray, g: np.ndarray  # noqa: E741
              ) -> list[tuple[np.ndarray, ChunkRun]]:
@@ -123,7 +126,6 @@ class PagedChunks:
         for which, run in self.read(t, l, g):
             if run.level != level:
                 self.write(t[which], l[which], g[which], run.at_level(level))
-        self._compact()
 
     def free(self, t: np.ndarray, l: np.ndarray, g: np.ndarray,  # noqa: E741
              compact: bool = True) -> int:
@@ -149,15 +151,14 @@ class PagedChunks:
         for which, run in self.read(t, ll, gg):
             st, _, sh = g.segments(t[which], ll[which], gg[which])
             head = torch.from_numpy(np.repeat(sh, run.counts.reshape(-1)))
-            pos = run.pos.long()
+            pos = run.pos.long().cpu()
             mask = keep[head, pos.clamp(max=keep.shape[1] - 1)] & (pos < keep.shape[1])
             seg = torch.from_numpy(np.repeat(np.arange(st.size), run.counts.reshape(-1)))
             counts = torch.bincount(seg[mask], minlength=st.size).numpy().reshape(run.counts.shape)
-            rows = torch.nonzero(mask).view(-1)
+            rows = torch.nonzero(mask).view(-1).to(run.pos.device)
             k, v = _take(run.k, rows), _take(run.v, rows)
             self.write(t[which], ll[which], gg[which],
                        ChunkRun(run.cids, run.level, counts, run.pos[rows], k, v, run.dtype))
-        self._compact()
         return g.count[:, l].reshape(tc, groups, -1).reshape(tc * groups, -1).copy()
 
     # ---- layers (attention) ----------------------------------------------------------------------

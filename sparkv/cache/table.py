@@ -103,9 +103,12 @@ class ChunkTable:
         return (cid.t * g.num_layers + cid.l) * g.num_groups + cid.g
 
     def indices(self, cids: Iterable[KVChunkId]) -> np.ndarray:
+        """Row indices of ``cids``; -1 for a chunk outside the geometry."""
         g = self.geometry
         a = np.array([(c.t, c.l, c.g) for c in cids], dtype=np.int64).reshape(-1, 3)
-        return (a[:, 0] * g.num_layers + a[:, 1]) * g.num_groups + a[:, 2]
+        ok = ((a >= 0).all(axis=1) & (a[:, 0] < g.num_token_chunks) & (a[:, 1] < g.num_layers)
+              & (a[:, 2] < g.num_groups))
+        return np.where(ok, (a[:, 0] * g.num_layers + a[:, 1]) * g.num_groups + a[:, 2], -1)
 
     def chunk_of(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(t, l, g)`` arrays of row indices."""
@@ -159,12 +162,15 @@ class ChunkTable:
                 for a, b, c, s in zip(t, l, g, self.source[idx])}
 
     def is_resident(self, idx: np.ndarray) -> np.ndarray:
-        return self.residency[idx] == RESIDENT
+        """Per row index, whether it is resident (-1, outside the geometry: not)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return (idx >= 0) & (self.residency[np.maximum(idx, 0)] == RESIDENT)
 
     # ---- writes ----------------------------------------------------------------------------------
     def set_resident(self, idx: np.ndarray, level: str, source: Source | None,
                      counts: np.ndarray | None = None) -> None:
-        """Rows ``idx`` resident at ``level`` (dirty; ``source`` ``None`` keeps each row's);
+        """Rows ``idx`` resident at ``level`` (dirty; ``source`` ``None`` keeps each row's, or
+        ``restored`` for a row without one);
         ``counts`` ``[len(idx), Hg]`` (``None``: every token of each chunk). A source other than
         ``restored`` starts the quality afresh."""
         lv = LEVELS.index(level)
@@ -174,6 +180,9 @@ class ChunkTable:
             self.source[idx] = SOURCES.index(source)
             if source != Source.RESTORED:
                 self.quality[idx] = 0
+        else:
+            none = idx[self.source[idx] < 0]
+            self.source[none] = SOURCES.index(Source.RESTORED)
         self.quality[idx] = np.maximum(self.quality[idx], lv)
         self.dirty[idx] = True
         self.counts[idx] = (self._full_counts(self.geometry, 0, self.geometry.num_chunks)[idx]

@@ -96,6 +96,7 @@ def swap_in_payloads(mem: ChunkMemory, payloads: Sequence[ChunkPayload],
     """:meth:`ContextKV.swap_in_payloads <sparkv.cache.memory.ContextKV.swap_in_payloads>`."""
     if refs is not None and len(refs) != len(payloads):
         raise KVMemoryError("one flash ref per payload")
+    runs = mem.runs(payloads)                     # checks the chunk ids
     idx = mem.table.indices([p.cid for p in payloads])
     if refs is None:
         nocopy = np.flatnonzero(mem.table.flash[idx] < 0)
@@ -103,7 +104,7 @@ def swap_in_payloads(mem: ChunkMemory, payloads: Sequence[ChunkPayload],
             raise KVMemoryError(f"{payloads[int(nocopy[0])].cid} has no flash copy")
     else:
         mem.table.set_flash(idx, list(refs))
-    mem.hold(mem.runs(payloads), None, clean=True)
+    mem.hold(runs, None, clean=True)
 
 
 def drop(mem: ChunkMemory, cids: Sequence[KVChunkId]) -> int:

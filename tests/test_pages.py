@@ -225,3 +225,29 @@ def test_row_slots_and_fills():
     assert (slots[1:17] == 101 * 16 + np.arange(16)).all()          # a full page
     assert slots[17 + 16] == 103 * 16                               # the 17th row: next page
     assert page_fill(counts).tolist() == [1, 16, 16, 1, 16, 16, 8]
+
+
+def test_a_token_chunk_exports_and_imports_as_one_run(tmp_path):
+    """A token chunk at one level (every (l, g), layer-major: a device record's layout) is one
+    run out of the pages and one run back in, resident and clean."""
+    mem = ContextKV(GEO, segmented=True)
+    mem.put_payloads([_payload(cid, "int4", seed=i, counts=[GEO.chunk_len(cid.t)] * 2)
+                      for i, cid in enumerate(GEO.chunk_ids())])
+    tier = FlashTier(tmp_path)
+    t2 = [KVChunkId(2, l, g) for l in range(GEO.num_layers)  # noqa: E741
+          for g in range(GEO.num_groups)]
+    refs = []
+    for c in t2:
+        mem.swap_out(c, tier, keep_resident=True)
+        refs.append(mem.state(c).flash)
+    (run,) = mem.read_runs(t2)                                   # one gather: one level
+    assert run.cids == t2 and run.rows == sum(sum(mem.kept(c)) for c in t2)
+    before = {c: mem.read(c) for c in t2}
+    mem.drop_many(t2)
+    assert mem.missing(t2) == t2
+    mem.swap_in_runs([run], refs)
+    for c in t2:
+        _same(mem.read(c), before[c])
+        assert mem.swap_out(c, tier) == 0                        # clean: nothing to write
+    with pytest.raises(KVMemoryError, match="one flash ref per chunk"):
+        mem.swap_in_runs([run], refs[:1])

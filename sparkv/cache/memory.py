@@ -33,7 +33,7 @@ from sparkv.cache.chunks import ARENA, SEGMENTED, ChunkMemory, LayerKV
 from sparkv.cache.flash import FlashRef, FlashTier
 from sparkv.cache.layer import HeadEntries, KVMemoryError
 from sparkv.cache.levels import Source
-from sparkv.cache.payload import ChunkPayload
+from sparkv.cache.payload import ChunkPayload, ChunkRun
 from sparkv.cache.qattend import PagedAttention, TorchPagedAttention
 from sparkv.layout import KVChunkId
 
@@ -104,13 +104,15 @@ class ContextKV(ChunkMemory):
     def swap_in_payload(self, payload: ChunkPayload, ref: FlashRef | None = None) -> None:
         """Holds ``payload``, just read from the chunk's flash copy (``ref``; default the copy
         recorded), resident and clean: what :meth:`swap_in` does after its read."""
-        self.swap_in_payloads([payload], None if ref is None else [ref])
+        self.swap_in_runs([ChunkRun.join([payload])], None if ref is None else [ref])
 
-    def swap_in_payloads(self, payloads: Sequence[ChunkPayload],
-                         refs: Sequence[FlashRef] | None = None) -> None:
-        """:meth:`swap_in_payload` for many chunks (one page write per level)."""
+    def swap_in_runs(self, runs: Sequence[ChunkRun], refs: Sequence[FlashRef] | None = None
+                     ) -> None:
+        """Holds runs of chunks just read from their flash copies (``refs``: one per chunk, in
+        the runs' order; default the copies recorded) resident and clean: one page write per
+        run (a run of token chunk records at one level is one)."""
         with self._lock:
-            tiers.swap_in_payloads(self, payloads, refs)
+            tiers.swap_in_runs(self, runs, refs)
 
     def drop(self, cid: KVChunkId) -> int:
         """Frees the chunk's RAM copy: ``flash`` when a clean flash copy exists, else ``absent``

@@ -1,7 +1,7 @@
 """Moving chunks between tiers, for :class:`~sparkv.cache.memory.ContextKV` (which calls these
 under its lock): down and up the resident levels (:func:`set_levels`, one conversion per level a
 run is at), to and from the flash tier (:func:`swap_out`, :func:`swap_in`,
-:func:`swap_in_payloads`), out of RAM (:func:`drop`), and the flash copies' records
+:func:`swap_in_runs`), out of RAM (:func:`drop`), and the flash copies' records
 (:func:`attach_flash`, :func:`forget_flash`). They work through the memory's chunk table and
 paged chunks, and put entries into pages with :meth:`ContextKV.hold
 <sparkv.cache.memory.ContextKV.hold>`.
@@ -18,7 +18,7 @@ from sparkv.cache.flash import FlashRef, FlashTier
 from sparkv.cache.layer import KVMemoryError
 from sparkv.cache.levels import LEVELS, Source
 from sparkv.cache.paged import run_of
-from sparkv.cache.payload import ChunkPayload, PayloadError, from_bytes, to_bytes
+from sparkv.cache.payload import ChunkRun, PayloadError, from_bytes, to_bytes
 from sparkv.cache.table import RESIDENT
 from sparkv.layout import KVChunkId
 
@@ -87,21 +87,23 @@ def swap_in(mem: ChunkMemory, cid: KVChunkId, tier: FlashTier) -> int:
     if ref is None:
         raise KVMemoryError(f"{cid} has no flash copy")
     data = tier.read(ref)
-    swap_in_payloads(mem, [from_bytes(data, expect=cid)])
+    swap_in_runs(mem, [ChunkRun.join([from_bytes(data, expect=cid)])])
     return len(data)
 
 
-def swap_in_payloads(mem: ChunkMemory, payloads: Sequence[ChunkPayload],
-                     refs: Sequence[FlashRef] | None = None) -> None:
-    """:meth:`ContextKV.swap_in_payloads <sparkv.cache.memory.ContextKV.swap_in_payloads>`."""
-    if refs is not None and len(refs) != len(payloads):
-        raise KVMemoryError("one flash ref per payload")
-    runs = mem.runs(payloads)                     # checks the chunk ids
-    idx = mem.table.indices([p.cid for p in payloads])
+def swap_in_runs(mem: ChunkMemory, runs: Sequence[ChunkRun],
+                 refs: Sequence[FlashRef] | None = None) -> None:
+    """:meth:`ContextKV.swap_in_runs <sparkv.cache.memory.ContextKV.swap_in_runs>`."""
+    cids = [c for run in runs for c in run.cids]
+    if refs is not None and len(refs) != len(cids):
+        raise KVMemoryError("one flash ref per chunk")
+    for c in cids:
+        mem.geometry.check(c)
+    idx = mem.table.indices(cids)
     if refs is None:
         nocopy = np.flatnonzero(mem.table.flash[idx] < 0)
         if nocopy.size:
-            raise KVMemoryError(f"{payloads[int(nocopy[0])].cid} has no flash copy")
+            raise KVMemoryError(f"{cids[int(nocopy[0])]} has no flash copy")
     else:
         mem.table.set_flash(idx, list(refs))
     mem.hold(runs, None, clean=True)

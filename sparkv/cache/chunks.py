@@ -267,7 +267,7 @@ class ChunkMemory:
                 self.paged.write(t, l, g, run)
                 self.table.set_resident(idx, run.level, source, run.counts)
                 if clean:
-                    self.table.dirty[idx] = False
+                    self.table.mark_clean(idx)
                 self.mark_changed(l.tolist())
 
     def put_step_output(self, t: int, l: int, k: torch.Tensor, v: torch.Tensor,  # noqa: E741
@@ -319,8 +319,7 @@ class ChunkMemory:
                 if held.size:
                     t, _, g = self.table.chunk_of(held)
                     run = arena_run(store, self.geometry, l, list(zip(t.tolist(), g.tolist())))
-                    self.paged.write(t, np.full_like(t, l), g, run)
-                    self.table.counts[held] = run.counts
+                    self.paged.write(t, np.full_like(t, l), g, run)   # counts as the table's
             self.set_layer(l, None)
 
 

@@ -198,6 +198,10 @@ class ChunkTable:
         self.quality[idx] = np.maximum(self.quality[idx], lv)
         self.dirty[idx] = True
 
+    def mark_clean(self, idx: np.ndarray) -> None:
+        """Rows ``idx`` equal their flash copies."""
+        self.dirty[idx] = False
+
     def set_flash(self, idx: np.ndarray, refs: list[FlashRef], clean: bool = True) -> None:
         """Rows ``idx`` have the flash copies ``refs`` (clean unless ``clean=False``)."""
         self.flash[idx] = [self._file(r.path) for r in refs]

@@ -101,7 +101,7 @@ def test_an_arena_set_layer_by_layer_keeps_the_account():
     from sparkv.cache.layer import LayerStore
 
     old, _ = _random_memory(GEO)
-    new = ContextKV(GEO, per_chunk=True)
+    new = ContextKV(GEO, paged=True)
     assert new.nbytes == 0
     for l in range(GEO.num_layers):  # noqa: E741
         store = LayerStore(GEO.num_kv_heads, GEO.head_dim, GEO.num_tokens + 8, torch.float32,

@@ -40,7 +40,7 @@ def _context(root: Path, contiguous: bool, seed: int = 0) -> tuple[SwapStore, De
     """A context of :data:`GEO` whose chunks cycle through every level, all modified."""
     swap = SwapStore(root, contiguous=contiguous)
     ctx = DeviceContext("c0ffee", list(range(GEO.num_tokens)), None, swap.tier("c0ffee"))
-    C = ContextKV(GEO, torch.float32, "cpu", per_chunk=True)
+    C = ContextKV(GEO, torch.float32, "cpu", paged=True)
     gen = torch.Generator().manual_seed(seed)
     for t in range(GEO.num_token_chunks):
         n = GEO.chunk_len(t)
@@ -305,7 +305,7 @@ def test_reopen_walks_past_a_damaged_header(tmp_path):
     # reopened: every other full chunk attached, 3 is not
     tier = ServiceFlash(ctx.tier.root)
     fresh = DeviceContext(ctx.id, ctx.tokens, None, tier)
-    C = ContextKV(GEO, torch.float32, "cpu", per_chunk=True)
+    C = ContextKV(GEO, torch.float32, "cpu", paged=True)
     assert swap.attach(fresh, C) == GEO.num_token_chunks - 2    # 3 and the partial last
     assert C.residency(token_chunk_ids(GEO, 3)[0]) == Residency.ABSENT
     f = read_token_chunk_record(tier.read(C.state(token_chunk_ids(GEO, 5)[0]).flash), 5)

@@ -89,7 +89,7 @@ def test_partial_recompute_of_interleaved_chunks_equals_full_prefill(lm, doc, tm
         torch.testing.assert_close(st.v[:, :, :len(tokens)], ref[l][1], atol=2e-4, rtol=1e-4)
 
     # a context missing interleaved chunks (first, middle ones, the partial last), recomputed
-    C = ContextKV(g, lm.dtype, lm.device, per_chunk=True)
+    C = ContextKV(g, lm.dtype, lm.device, paged=True)
     missing = [0, 2, 3, 5, 7]
     for t in range(g.num_token_chunks):
         if t not in missing:

@@ -50,7 +50,7 @@ def _same(a: ChunkPayload, b: ChunkPayload) -> None:
                                          ("fp", torch.bfloat16), ("int8", torch.float32),
                                          ("int4", torch.float32), ("int2", torch.float32)])
 def test_pages_round_trip_bit_for_bit(level, dtype):
-    mem = ContextKV(GEO, dtype, per_chunk=True)
+    mem = ContextKV(GEO, dtype, paged=True)
     payloads = [_payload(cid, level, seed=i, dtype=dtype) for i, cid in enumerate(GEO.chunk_ids())]
     mem.put_payloads(payloads, Source.STREAMED)
     for p in payloads:
@@ -66,7 +66,7 @@ def test_pages_round_trip_bit_for_bit(level, dtype):
 
 
 def test_mixed_levels_and_relevel_runs_equal_chunk_by_chunk():
-    one, bulk = (ContextKV(GEO, per_chunk=True) for _ in range(2))
+    one, bulk = (ContextKV(GEO, paged=True) for _ in range(2))
     payloads = [_payload(cid, "fp", seed=i) for i, cid in enumerate(GEO.chunk_ids())]
     one.put_payloads(payloads)
     bulk.put_payloads(payloads)
@@ -83,7 +83,7 @@ def test_mixed_levels_and_relevel_runs_equal_chunk_by_chunk():
 
 
 def test_pruned_pages_keep_their_levels_and_exactly_the_kept_rows():
-    mem = ContextKV(GEO, per_chunk=True)
+    mem = ContextKV(GEO, paged=True)
     full = [_payload(cid, "fp", seed=i, counts=[GEO.chunk_len(cid.t)] * 2)
             for i, cid in enumerate(GEO.chunk_ids())]
     mem.put_payloads(full)
@@ -122,7 +122,7 @@ def test_arena_pages_and_back_are_exact():
         mem.put(cid, torch.randn(2, n, D, generator=g), torch.randn(2, n, D, generator=g))
     dense = [(k.clone(), v.clone()) for k, v in mem.layer_kv()]
     for l in range(GEO.num_layers):  # noqa: E741
-        mem.to_per_chunk(l)                       # one gather, one page write
+        mem.to_pages(l)                       # one gather, one page write
         mem.materialize(l)                   # one read, one scatter
     for (k, v), (k0, v0) in zip(mem.layer_kv(), dense):
         assert torch.equal(k, k0) and torch.equal(v, v0)
@@ -135,7 +135,7 @@ def test_the_page_budget_is_never_exceeded(tmp_path):
     probe = PagePools(D)
     budget = 60 * probe["fp"].page_bytes            # 64 fp pages fill one context
     pools = PagePools(D, limit_bytes=budget)
-    mems = [ContextKV(geo, per_chunk=True, pools=pools) for _ in range(2)]
+    mems = [ContextKV(geo, paged=True, pools=pools) for _ in range(2)]
     tier = FlashTier(tmp_path)
     rng = random.Random(5)
     refused = 0
@@ -171,7 +171,7 @@ def test_compaction_keeps_every_chunk(tmp_path):
     """Random puts, levels and drops on a memory with its own pools (compacted as pages are
     freed): every resident chunk still reads what was put, and the pools stay near the pages
     held."""
-    mem = ContextKV(GEO, per_chunk=True)
+    mem = ContextKV(GEO, paged=True)
     want: dict[KVChunkId, ChunkPayload] = {}
     rng = random.Random(11)
     cids = list(GEO.chunk_ids())
@@ -217,6 +217,21 @@ def test_pool_allocates_lowest_first_grows_by_blocks_and_refuses_double_frees():
         limited.alloc(1)
 
 
+def test_a_pool_grown_in_inference_mode_compacts_outside_it():
+    """The model fills the memory under ``torch.inference_mode``; pruning (which frees and
+    compacts) runs outside it: the pool's tensors must stay writable in both."""
+    pool = PagePool("fp", D)
+    with torch.inference_mode():
+        ids = pool.alloc(3 * BLOCK_PAGES)
+        slots = torch.from_numpy(ids[-1:] * PAGE_TOKENS)
+        pool.write_rows(slots, torch.ones(1, D), torch.ones(1, D), torch.zeros(1))
+    assert not any(t.is_inference() for t in pool.tensors())
+    pool.free(ids[:-1])
+    src, dst = pool.compact()
+    assert src.tolist() == [ids[-1]] and pool.capacity == BLOCK_PAGES
+    assert pool.array("k")[int(dst[0]), 0].eq(1).all()
+
+
 def test_row_slots_and_fills():
     counts = np.array([0, 1, 16, 17, 40])
     ids = np.arange(100, 100 + 0 + 1 + 1 + 2 + 3)
@@ -230,7 +245,7 @@ def test_row_slots_and_fills():
 def test_a_token_chunk_exports_and_imports_as_one_run(tmp_path):
     """A token chunk at one level (every (l, g), layer-major: a device record's layout) is one
     run out of the pages and one run back in, resident and clean."""
-    mem = ContextKV(GEO, per_chunk=True)
+    mem = ContextKV(GEO, paged=True)
     mem.put_payloads([_payload(cid, "int4", seed=i, counts=[GEO.chunk_len(cid.t)] * 2)
                       for i, cid in enumerate(GEO.chunk_ids())])
     tier = FlashTier(tmp_path)

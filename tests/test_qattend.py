@@ -34,7 +34,7 @@ def _payloads(levels: list[str], counts: list[list[int]], seed: int) -> list[Chu
 
 
 def _memory(payloads: list[ChunkPayload]) -> ContextKV:
-    mem = ContextKV(ChunkGeometry(T * len(payloads), T, 1, 2, D), per_chunk=True)
+    mem = ContextKV(ChunkGeometry(T * len(payloads), T, 1, 2, D), paged=True)
     mem.put_payloads(payloads)
     return mem
 

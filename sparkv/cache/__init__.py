@@ -20,7 +20,7 @@ from sparkv.cache.hf import SparkvCache, SparkvLayer
 from sparkv.cache.layer import HeadEntries, KVMemoryError, LayerStore
 from sparkv.cache.levels import (LEVELS, LevelError, QuantizedTensor, Residency, Source,
                                  dequantize, error_bound, quantize, requantize)
-from sparkv.cache.chunks import ARENA, PER_CHUNK, ChunkMemory, LayerKV, MemoryAccount
+from sparkv.cache.chunks import ARENA, PAGED, ChunkMemory, LayerKV, MemoryAccount
 from sparkv.cache.memory import ContextKV
 from sparkv.cache.pages import PAGE_TOKENS, PagePool, PagePoolFull, PagePools
 from sparkv.cache.table import ChunkState, ChunkTable
@@ -31,7 +31,7 @@ __all__ = [
     "use_sparkv_attention", "FlashError", "FlashRef", "FlashTier", "flash_profile_path",
     "load_flash_profile", "save_flash_profile", "SparkvCache", "SparkvLayer", "HeadEntries",
     "KVMemoryError", "LayerStore", "LEVELS", "LevelError", "QuantizedTensor", "Residency",
-    "Source", "dequantize", "error_bound", "quantize", "requantize", "ARENA", "PER_CHUNK",
+    "Source", "dequantize", "error_bound", "quantize", "requantize", "ARENA", "PAGED",
     "ChunkMemory", "ChunkState", "ChunkTable", "ContextKV", "LayerKV", "MemoryAccount",
     "PAGE_TOKENS", "PagePool", "PagePoolFull", "PagePools", "ChunkPayload", "ChunkRun",
     "PayloadError", "from_bytes", "to_bytes",

@@ -8,7 +8,7 @@ entries in one of two forms:
 * **arena** (:class:`~sparkv.cache.layer.LayerStore`): the layer's fp entries in one place, dense
   (slot = position: what loading and generation use, with no copy) or ragged (per head, explicit
   positions: after pruning an arena). Every chunk of an arena layer is resident at ``fp``.
-* **paged** (``PER_CHUNK``): each resident chunk's entries in fixed-size pages of the pool of its
+* **paged** (``PAGED``): each resident chunk's entries in fixed-size pages of the pool of its
   level (:mod:`sparkv.cache.pages`), found through the block table
   (:class:`~sparkv.cache.paged.PagedChunks`), so a run of chunks can be re-levelled, written to
   flash or dropped with one array operation per level, without touching the others.
@@ -40,9 +40,9 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
-#: a layer's form: an fp arena, or pages (``PER_CHUNK``: each chunk on its own)
+#: a layer's form: an fp arena, or pages (``PAGED``: each chunk on its own)
 ARENA = "arena"
-PER_CHUNK = "per-chunk"
+PAGED = "paged"
 
 
 @dataclass
@@ -68,22 +68,22 @@ class ChunkMemory:
         dtype, device: of the fp entries (the model's).
         spare_tokens: extra dense slots per layer for tokens appended later (appending past them
             grows the arena by an eighth, at least 64 slots).
-        per_chunk: every layer starts paged, with no arena (a context service building a memory
+        paged: every layer starts paged, with no arena (a context service building a memory
             chunk by chunk, or reopening one from flash).
         pools: page pools shared with other contexts (``None``: the memory's own).
     """
 
     def __init__(self, geometry: ChunkGeometry, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", *, spare_tokens: int = 0,
-                 per_chunk: bool = False, pools: PagePools | None = None) -> None:
+                 paged: bool = False, pools: PagePools | None = None) -> None:
         self.geometry = geometry
         self.dtype, self.device = dtype, torch.device(device)
         cap = geometry.num_tokens + max(0, int(spare_tokens))
         self.layers: list[LayerStore | None] = [
-            None if per_chunk else
+            None if paged else
             LayerStore(geometry.num_kv_heads, geometry.head_dim, cap, dtype, self.device)
             for _ in range(geometry.num_layers)]
-        self.mode = [PER_CHUNK if per_chunk else ARENA] * geometry.num_layers
+        self.mode = [PAGED if paged else ARENA] * geometry.num_layers
         self.table = ChunkTable(geometry)
         self.paged = PagedChunks(geometry, pools, dtype, self.device)
         self._lock = threading.RLock()
@@ -98,7 +98,7 @@ class ChunkMemory:
         if self.table.indices([cid])[0] < 0:
             return ChunkState()
         with self._lock:
-            read = (lambda: self.read(cid)) if self.mode[cid.l] == PER_CHUNK else None
+            read = (lambda: self.read(cid)) if self.mode[cid.l] == PAGED else None
             return self.table.state(self.table.index(cid), read)
 
     def chunk_ids(self) -> Iterator[KVChunkId]:
@@ -190,7 +190,7 @@ class ChunkMemory:
         with self._lock:
             old = self.layers[l]
             self.layers[l] = store
-            self.mode[l] = ARENA if store is not None else PER_CHUNK
+            self.mode[l] = ARENA if store is not None else PAGED
             self._arena_bytes += (store.nbytes if store is not None else 0) \
                 - (old.nbytes if old is not None else 0)
             self.mark_changed([l])
@@ -262,7 +262,7 @@ class ChunkMemory:
             for run in runs:
                 t, l, g = run_of(run.cids)  # noqa: E741
                 for layer in sorted(set(l.tolist())):
-                    self.to_per_chunk(layer)
+                    self.to_pages(layer)
                 idx = self.table.indices(run.cids)
                 self.paged.write(t, l, g, run)
                 self.table.set_resident(idx, run.level, source, run.counts)
@@ -308,7 +308,7 @@ class ChunkMemory:
             runs = self.paged.read(t[keep], l[keep], g[keep]) if keep.any() else []
         return {p.cid: p for _, run in runs for p in run.payloads()}
 
-    def to_per_chunk(self, l: int) -> None:  # noqa: E741
+    def to_pages(self, l: int) -> None:  # noqa: E741
         """Moves layer ``l``'s resident entries into fp pages (one gather, one page write) and
         frees its arena."""
         with self._lock:

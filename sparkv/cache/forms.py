@@ -1,6 +1,6 @@
 """A layer's form changes and pruning, for :class:`~sparkv.cache.memory.ContextKV` (which calls
-them under its lock): :func:`materialize` (pages -> arena; the way in is :meth:`ChunkMemory.to_per_chunk
-<sparkv.cache.chunks.ChunkMemory.to_per_chunk>`),
+them under its lock): :func:`materialize` (pages -> arena; the way in is :meth:`ChunkMemory.to_pages
+<sparkv.cache.chunks.ChunkMemory.to_pages>`),
 :func:`prune_layer` (into a ragged arena), :func:`prune_pages` (in pages, at their levels). They
 work through the memory's parts - its chunk table, its paged chunks,
 :meth:`~sparkv.cache.chunks.ChunkMemory.set_arena` for the arenas - and each is a fixed number of
@@ -84,7 +84,7 @@ def prune_pages(mem: ChunkMemory, l: int, keep: Sequence[torch.Tensor]) -> None:
     <sparkv.cache.paged.PagedChunks.prune>`)."""
     keep = _keep_lists(mem, l, keep)
     if mem.layers[l] is not None:
-        mem.to_per_chunk(l)
+        mem.to_pages(l)
     mask = torch.zeros(mem.geometry.num_kv_heads, mem.positions[l], dtype=torch.bool)
     for h, x in enumerate(keep):
         mask[h, x] = True

@@ -8,7 +8,7 @@ in one of two forms:
 * **arena** (:class:`~sparkv.cache.layer.LayerStore`): the layer's fp entries in one place, dense
   (slot = position: what loading and generation use, with no copy) or ragged (per head, explicit
   positions: after pruning an arena). Every chunk of an arena layer is resident at ``fp``.
-* **paged** (``PER_CHUNK``): each resident chunk's entries in fixed-size pages of the pool of its
+* **paged** (``PAGED``): each resident chunk's entries in fixed-size pages of the pool of its
   level (:mod:`sparkv.cache.pages`), found through the block table
   (:class:`~sparkv.cache.paged.PagedChunks`), so a run of chunks can be re-levelled, written to
   flash or dropped with one array operation per level, without touching the others. Chunk
@@ -29,7 +29,7 @@ import torch
 
 from sparkv.cache import forms, growth, tiers
 from sparkv.cache.arena import arena_entries, layer_heads
-from sparkv.cache.chunks import ARENA, PER_CHUNK, ChunkMemory, LayerKV
+from sparkv.cache.chunks import ARENA, PAGED, ChunkMemory, LayerKV
 from sparkv.cache.flash import FlashRef, FlashTier
 from sparkv.cache.layer import HeadEntries, KVMemoryError
 from sparkv.cache.levels import Source
@@ -50,7 +50,7 @@ class ContextKV(ChunkMemory):
         dtype, device: of the fp entries (the model's).
         spare_tokens: extra dense slots per layer for tokens appended later (appending past them
             grows the arena by an eighth, at least 64 slots).
-        per_chunk: every layer starts paged, with no arena (a context service building a memory
+        paged: every layer starts paged, with no arena (a context service building a memory
             chunk by chunk, or reopening one from flash).
         pools: page pools shared with other contexts (``None``: the memory's own).
     """
@@ -189,7 +189,7 @@ class ContextKV(ChunkMemory):
     def resident_attention(self, l: int) -> PagedAttention | TorchPagedAttention:  # noqa: E741
         """Attention over paged layer ``l`` as held (one kernel call per layer on the CPU: see
         sparkv/cache/qattend.py); references the pools. Raises when a chunk is not resident."""
-        if self.mode[l] != PER_CHUNK:
+        if self.mode[l] != PAGED:
             raise KVMemoryError(f"layer {l} is an arena: attend its tensors directly")
         self._require(forms.layer_cids(self, l), l)
         if self.device.type != "cpu" or self.dtype != torch.float32:

@@ -92,7 +92,9 @@ class PagePool:
                                   "fill": (cap,)}.get(field, (cap, P))
         dtype = {"pos": torch.int32, "fill": torch.int32, "k": self.dtype,
                  "v": self.dtype}.get(field, torch.float16)
-        return torch.zeros(shape, dtype=dtype, device=self.device)
+        # never an inference tensor: the pool is written in place in and outside inference mode
+        with torch.inference_mode(False):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def array(self, field: str) -> torch.Tensor:
         """The pool's tensor ``field`` (``k``, ``v``, ``pos``, ``fill`` and, quantized, the

@@ -36,7 +36,7 @@ def set_levels(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str) -> int:
     if missing:
         raise KVMemoryError(f"{missing[0]} is not resident")
     for layer in sorted({c.l for c in cids}):
-        mem.to_per_chunk(layer)
+        mem.to_pages(layer)
     idx = mem.table.indices(cids)
     held = mem.table.level[idx]
     for code in np.unique(held):
@@ -63,7 +63,7 @@ def set_levels(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str) -> int:
 def swap_out(mem: ChunkMemory, cid: KVChunkId, tier: FlashTier, keep_resident: bool,
              name: str | None) -> int:
     """:meth:`ContextKV.swap_out <sparkv.cache.memory.ContextKV.swap_out>`."""
-    mem.to_per_chunk(cid.l)
+    mem.to_pages(cid.l)
     i = mem.table.index(cid)
     if mem.table.residency[i] != RESIDENT:
         raise KVMemoryError(f"{cid} is not resident: nothing to swap out")
@@ -113,7 +113,7 @@ def drop(mem: ChunkMemory, cids: Sequence[KVChunkId]) -> int:
     """Frees the chunks' RAM copies: ``flash`` where a clean flash copy exists, else ``absent``.
     Returns the bytes freed."""
     for layer in sorted({c.l for c in cids}):
-        mem.to_per_chunk(layer)
+        mem.to_pages(layer)
     idx = mem.table.indices(cids)
     res = mem.table.is_resident(idx)
     if not res.any():

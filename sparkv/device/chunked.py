@@ -1,4 +1,4 @@
-"""LLMS's way of keeping a context: a per-chunk :class:`~sparkv.cache.ContextKV` cut into token
+"""LLMS's way of keeping a context: a paged :class:`~sparkv.cache.ContextKV` cut into token
 chunks (16 tokens across all layers, one KV group), each at its own level, resident, on flash or
 absent.
 
@@ -72,7 +72,7 @@ class ChunkKeeper(Keeper):
         working memory freed as soon as its chunks are in), at the chunks' levels."""
         g = W.geometry
         ctx.levels = self.levels.assign(ctx, g)
-        C = ContextKV(g, self.lm.dtype, self.lm.device, per_chunk=True)
+        C = ContextKV(g, self.lm.dtype, self.lm.device, paged=True)
         with self.registry.lock:
             ctx.memory = C
         for l in range(g.num_layers):  # noqa: E741
@@ -81,7 +81,7 @@ class ChunkKeeper(Keeper):
                     C.put_payload(chunk_payload(W, KVChunkId(t, l, gg), ctx.levels[t]),
                                   Source.COMPUTED)
             self.budget.check()
-            W.to_per_chunk(l)    # W's chunk table is empty: this frees the layer's arena
+            W.to_pages(l)    # W's chunk table is empty: this frees the layer's arena
         ctx.modified.update(range(g.num_token_chunks))
         self._discard(ctx, W)
 
@@ -89,7 +89,7 @@ class ChunkKeeper(Keeper):
         g = self.geometry(len(ctx.tokens))
         levels = self.levels.assign(ctx, g)
         self.budget.reserve(self.levels.chunks_nbytes(g, levels), ctx)
-        C = ContextKV(g, self.lm.dtype, self.lm.device, per_chunk=True)
+        C = ContextKV(g, self.lm.dtype, self.lm.device, paged=True)
         with self.registry.lock:
             ctx.memory = C
         ctx.levels = levels
@@ -298,7 +298,7 @@ class ChunkKeeper(Keeper):
         ctx.modified.clear()
         if len(ctx.levels) < g.num_token_chunks:
             ctx.levels = self.levels.assign(ctx, g)
-        C = ContextKV(g, self.lm.dtype, self.lm.device, per_chunk=True)
+        C = ContextKV(g, self.lm.dtype, self.lm.device, paged=True)
         self.swap.attach(ctx, C, longest_context(self.config, self.lm.max_positions))
         with self.registry.lock:
             ctx.memory = C

@@ -1,7 +1,7 @@
 """How the context service keeps a context's KV between calls: the interface its two forms share.
 
 * :class:`~sparkv.device.chunked.ChunkKeeper` (LLMS, its ablations, VLLM-S / VLLM-SQ): a context
-  is a per-chunk :class:`~sparkv.cache.ContextKV` of 16-token chunks at their levels, evicted
+  is a paged :class:`~sparkv.cache.ContextKV` of 16-token chunks at their levels, evicted
   chunk by chunk, written as token chunk records, loaded back by reads and recomputation;
 * :class:`~sparkv.device.baselines.WholeKeeper` (LMK, whole-context swapping): a context is one
   dense fp arena, evicted whole, killed or written as one file, brought back whole.
@@ -170,7 +170,7 @@ class Keeper(ABC):
 def layer_kv(layers: Any, l: int, t0: int, t1: int  # noqa: E741
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[H, t1-t0, D]`` K/V of positions ``t0..t1`` of layer ``l`` of ``layers``: a
-    :class:`ContextKV` holding every chunk (any chunk size, dense or per-chunk, never pruned), or
+    :class:`ContextKV` holding every chunk (any chunk size, dense or paged, never pruned), or
     per layer ``(K, V)`` ``[1, H, N, D]``."""
     if not isinstance(layers, ContextKV):
         return layers[l][0][0, :, t0:t1], layers[l][1][0, :, t0:t1]

@@ -1,7 +1,7 @@
 """Loading a context for a call: the working memory, chunk recomputation at global positions, and
 the IO-recompute pipeline (LLMS section 3.3).
 
-A context's long-lived memory ``C`` is a per-chunk :class:`~sparkv.cache.ContextKV` (each chunk at
+A context's long-lived memory ``C`` is a paged :class:`~sparkv.cache.ContextKV` (each chunk at
 its own level, on flash, or absent). A call runs over a **working memory** ``W``: a dense fp
 ``ContextKV`` of the same geometry with spare slots for the prompt and the answer, so that
 generation appends in place and attends over views (the KV memory's fast path; decoding over
@@ -103,7 +103,7 @@ def grow_arena(old: ContextKV, spare_tokens: int,
 
     g = old.geometry
     n = g.num_tokens
-    W = ContextKV(g, old.dtype, old.device, per_chunk=True)
+    W = ContextKV(g, old.dtype, old.device, paged=True)
     if adopt is not None:
         adopt(W)
     cap = n + max(0, spare_tokens)

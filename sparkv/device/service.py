@@ -7,7 +7,7 @@
     svc.delete(cid)
 
 A **context** is its token ids (kept resident: recomputation needs them) and its KV memory ``C``,
-a per-chunk :class:`~sparkv.cache.ContextKV` cut into token chunks of 16 tokens across all layers,
+a paged :class:`~sparkv.cache.ContextKV` cut into token chunks of 16 tokens across all layers,
 each at its own level (int8 / int4 / int2 from an int8 base, or fp), resident, on flash, or
 absent. A call:
 

@@ -177,7 +177,7 @@ class SwapStore:
 
     def attach(self, ctx: DeviceContext, C: ContextKV, max_tokens: int | None = None) -> int:
         """Attaches the token chunk records on flash of ``ctx``'s full chunks to ``C`` (empty,
-        per-chunk) as clean flash copies, at the level their headers give: per token chunk the
+        paged) as clean flash copies, at the level their headers give: per token chunk the
         latest record whose header fits the geometry (chunk files, then segments oldest first:
         :meth:`~sparkv.device.flashio.ServiceFlash.records`). A missing, damaged or mismatched
         record is skipped (its chunk is recomputed when called; a damaged body fails its

@@ -30,7 +30,7 @@ require_all(("fastapi",), feature="the HTTP apps (sparkv.rest.handlers)")
 from fastapi import FastAPI, Request  # noqa: E402 - after the check that names the extra
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.exceptions import HTTPException
 
 from sparkv.protocol.errors import ApiError, error_body
 from sparkv.rest.routing import allowed_methods
@@ -73,7 +73,7 @@ def validation_response(exc: RequestValidationError) -> JSONResponse:
     return error_response(422, "invalid_request", message, details=details)
 
 
-def http_error_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+def http_error_response(request: Request, exc: HTTPException) -> JSONResponse:
     """A framework or middleware HTTP error (its ``code`` and ``details`` when it has them, its
     headers); a 405 names every method of the path in ``Allow``."""
     status = exc.status_code
@@ -101,8 +101,8 @@ def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_response(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return http_error_response(request, exc)
 
     @app.exception_handler(Exception)

@@ -319,6 +319,6 @@ def test_a_full_flash_is_a_507_naming_it_and_loses_nothing_kept(tiny_llama, smal
     svc.close()
     again = ContextService(tiny_llama, 8 << 20, small_disk / "swap", io_profile=flash_profile(),
                            compression="fp")
-    assert kept in {d["id"] for d in again.list()} and again.damaged_list() == []
-    assert again.describe(kept)["tokens"] == before["tokens"]
+    assert kept in {d.id for d in again.list()} and again.damaged_list() == []
+    assert again.describe(kept).tokens == before.tokens
     again.close()

@@ -27,10 +27,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import add_run_args, format_table, write_result
 from sparkv.runtime.device import add_device_args
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 CONFIGS = ("dynamic", "memory", "ragged50", "ragged20", "int8", "int4")
 
@@ -75,7 +78,7 @@ def _keep(n: int, frac: float, heads: int, seed: int) -> list[Any]:
     return out
 
 
-def _decode(lm: Any, cache: Any, n: int, first: int, steps: int, memory: Any = None
+def _decode(lm: LoadedModel, cache: Any, n: int, first: int, steps: int, memory: Any = None
             ) -> tuple[float, int]:
     """Greedy steps after one token; returns (tokens/s, peak bytes held)."""
     import torch
@@ -130,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_size(lm: Any, n: int, configs: list[str], args: argparse.Namespace,
+def _measure_size(lm: LoadedModel, n: int, configs: list[str], args: argparse.Namespace,
                   rows: list[dict[str, Any]], bar: Any) -> None:
     """Prefills an ``n``-token context, appends one row per config to ``rows``, then gives the
     rows of this length their ratios to ``dynamic`` (speed) and ``memory`` (peak bytes)."""
@@ -160,7 +163,7 @@ def _measure_size(lm: Any, n: int, configs: list[str], args: argparse.Namespace,
                 r["peak_vs_full_memory"] = r["peak_kv_bytes"] / full_bytes
 
 
-def _measure_config(lm: Any, layers: list, geo: Any, first: int, cfg: str,
+def _measure_config(lm: LoadedModel, layers: list, geo: Any, first: int, cfg: str,
                     args: argparse.Namespace, bar: Any) -> dict[str, Any]:
     """``--repeats`` greedy decodes of ``--max-new-tokens`` over a fresh cache of kind ``cfg``: the
     median tokens/s, the peak and end KV bytes."""

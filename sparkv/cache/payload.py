@@ -104,8 +104,8 @@ class ChunkPayload:
         else:
             raise PayloadError(f"cannot go from {self.level} to {level}: lower levels come from "
                                "fp or the int8 base")
-        k, v = requantize(k8, bits), requantize(v8, bits)  # type: ignore[arg-type]
-        return ChunkPayload(self.cid, level, list(self.counts), self.pos, k, v, self.dtype)
+        kq, vq = requantize(k8, bits), requantize(v8, bits)
+        return ChunkPayload(self.cid, level, list(self.counts), self.pos, kq, vq, self.dtype)
 
 
 def contiguous_positions(counts: Sequence[int], start: int) -> torch.Tensor:

@@ -245,8 +245,10 @@ class QuantizedRows:
                     runs.append((c, h0 + i, start + a, min(RUN_ROWS, n - a)))
                 start += n
         self._lists = lists
-        self.dim = payloads[0].k.dim if payloads else 0  # type: ignore[union-attr]
-        self.bits = payloads[0].k.bits if payloads else 8  # type: ignore[union-attr]
+        first = payloads[0].k if payloads else None
+        assert first is None or isinstance(first, QuantizedTensor)     # checked above
+        self.dim = first.dim if first is not None else 0
+        self.bits = first.bits if first is not None else 8
         self._perm = plane_order(self.dim, self.bits) if payloads else None
         self._perm_np = self._perm.numpy() if self._perm is not None else np.zeros(0, np.int64)
         self._slots = self._perm_np < self.dim         # the slots holding a value, not padding
@@ -281,7 +283,8 @@ class QuantizedRows:
         pl = np.empty((units, m_rows), dtype=np.float32)
         pacc = np.empty((units, m_rows, dp), dtype=np.float32)
         k_c, k_s, k_z, v_c, v_s, v_z, pos = self._lists
-        _runs(qn, qsum, mpos, k_c, k_s, k_z, v_c, v_s, v_z, pos, self._bits, *self._run,
+        _runs(qn, qsum, mpos, k_c, k_s, k_z, v_c, v_s, v_z, pos,  # type: ignore[call-arg]
+              self._bits, *self._run,           # (numba types a jitted function's call as no-args)
               np.float32(scale), _EXP2, tk, tv, tpos, self._perm_np, pm, pl, pacc)
         out = np.empty((hkv, m_rows, d), dtype=np.float32)
         lse = np.empty((hkv, m_rows), dtype=np.float32)

@@ -80,6 +80,7 @@ from sparkv.runtime.generate import eos_ids
 
 if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
+    from sparkv.predictor.cost import StepCostModel
     from sparkv.runtime.model import LoadedModel
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
@@ -115,7 +116,7 @@ class ContextService:
 
     def __init__(self, model: LoadedModel | str | None, memory_budget_bytes: int,
                  swap_dir: str | Path, *, config: ServiceConfig | None = None,
-                 io_profile: IOProfile | None = None, cost_model: Any = None,
+                 io_profile: IOProfile | None = None, cost_model: StepCostModel | None = None,
                  **overrides: Any) -> None:
         from sparkv.runtime.model import LoadedModel, load_model
 

@@ -3,7 +3,7 @@ question's suffix after it (:func:`sparkv.runtime.generate.prompt_parts`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel

@@ -53,6 +53,7 @@ from sparkv.scheduler.plan import Plan
 if TYPE_CHECKING:
     from sparkv.cache import ContextKV
     from sparkv.device.contract import KeptContexts
+    from sparkv.predictor.cost import StepCostModel
     from sparkv.runtime.model import LoadedModel
 
 __all__ = ["AskOptions", "AskResult", "Breakdown", "EdgeSession", "Priors", "apply_kept"]
@@ -202,7 +203,7 @@ class EdgeSession:
         self._model_arg = model
         self.device, self.dtype = device, dtype
         self._lm: LoadedModel | None = None
-        self._cost: Any = None
+        self._cost: StepCostModel | None = None
         self.priors = priors or Priors()
         self.engine_config = engine_config
 
@@ -243,7 +244,7 @@ class EdgeSession:
         return int(self.lm.decoder.embed_tokens.num_embeddings)
 
     @property
-    def cost_model(self) -> Any:
+    def cost_model(self) -> StepCostModel:
         """The step-cost model of this device (profiled, else a roofline; made on first use)."""
         if self._cost is None:
             self._cost = device_cost_model(self.lm)

@@ -11,7 +11,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sparkv.server.errors import ApiError
 

@@ -52,6 +52,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sparkv.layout import KVChunkId
 from sparkv.scheduler.graph import DepState
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
@@ -387,7 +388,7 @@ class Greedy(Planner):
         cur = {c: names.index(plan.levels[c]) for c in plan.stream_order}
         # candidate single-level upgrades: round r raises every chunk by one more level;
         # within a round, earlier layers first (they matter most for quality), then smaller growth
-        cands: list[tuple[object, ...]] = []
+        cands: list[tuple[int, int, int, KVChunkId, int]] = []
         level = dict(cur)
         for rnd in range(len(names)):
             for cid in plan.stream_order:

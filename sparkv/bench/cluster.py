@@ -74,11 +74,11 @@ def _loadgen(cfg: dict[str, Any], procs: int) -> dict[str, Any]:
              "seed": i, "out": out_path}
         p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        p.out_path = out_path  # type: ignore[attr-defined]
-        p.stdin.write(json.dumps(c))  # type: ignore[union-attr]
-        p.stdin.close()  # type: ignore[union-attr]
+        assert p.stdin is not None                  # stdin=PIPE
+        p.stdin.write(json.dumps(c))
+        p.stdin.close()
         p.stdin = None  # communicate() must not touch it again
-        ps.append(p)
+        ps.append((p, Path(out_path)))
     if cfg.get("kill_pid"):
         time.sleep(cfg["kill_at"])
         os.kill(cfg["kill_pid"], signal.SIGKILL)
@@ -86,9 +86,8 @@ def _loadgen(cfg: dict[str, Any], procs: int) -> dict[str, Any]:
     else:
         kill_t = None
     outs = []
-    for p in ps:
+    for p, path in ps:
         _, err = p.communicate(timeout=cfg["duration"] + 120)
-        path = Path(p.out_path)  # type: ignore[attr-defined]
         try:
             if p.returncode != 0:
                 raise RuntimeError(f"load generator failed:\n{err[-3000:]}")

@@ -575,7 +575,7 @@ def _distribution(points: list[dict[str, Any]], sizes: list[int],
                     if (n, label, s) in by}
             if not base or (n, label, "sparkv") not in by:
                 continue
-            best = min(base, key=base.get)  # type: ignore[arg-type]
+            best = min(base, key=lambda s: base[s])
             sp = by[(n, label, "sparkv")]
             rows.append({"trace": str(label), "sparkv_s": sp, "best": best,
                          "best_s": base[best], "ratio": sp / base[best], **{

@@ -387,7 +387,8 @@ def combine(config: str, group: str, metrics: Mapping[str, MetricVerdict],
     if gating and all(m.verdict == PASS for m in gating):
         return Verdict(config, group, PASS, dict(metrics), None, errors)
     needs = [m.need_more for m in gating if m.verdict == UNDECIDED]
-    need = None if not needs or any(x is None for x in needs) else max(needs)  # type: ignore
+    known = [x for x in needs if x is not None]
+    need = max(known) if needs and len(known) == len(needs) else None
     return Verdict(config, group, UNDECIDED, dict(metrics), need, errors)
 
 

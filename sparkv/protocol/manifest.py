@@ -465,7 +465,7 @@ def _first_error(e: ValidationError) -> str:
 def kept_entry(positions: Sequence[Any], token_start: int, num_tokens: int) -> KeptInfo:
     """The manifest's :class:`KeptInfo` of one chunk from its heads' absolute positions."""
     counts, coding, text = encode_kept(positions, token_start, num_tokens)
-    return KeptInfo(counts=counts, coding=coding, positions=text)  # type: ignore[arg-type]
+    return KeptInfo(counts=counts, coding=coding, positions=text)
 
 
 __all__ = ["MANIFEST_FORMAT", "CONTEXT_ID_PATTERN", "Manifest", "ChunkEntry", "LevelEntry",

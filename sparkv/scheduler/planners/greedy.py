@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -85,14 +85,14 @@ class Greedy(Planner):
         self.max_polish_moves = max_polish_moves
 
     @classmethod
-    def privacy(cls, strength: float = 2.0, **kw: object) -> "Greedy":
+    def privacy(cls, strength: float = 2.0, **kw: Any) -> "Greedy":
         """Prefers local compute: the compute path gets ``strength`` x the stage budget."""
-        return cls(compute_share=strength, **kw)  # type: ignore[arg-type]
+        return cls(compute_share=strength, **kw)
 
     @classmethod
-    def energy(cls, strength: float = 2.0, **kw: object) -> "Greedy":
+    def energy(cls, strength: float = 2.0, **kw: Any) -> "Greedy":
         """Prefers streaming: the link gets ``strength`` x the stage budget."""
-        return cls(stream_share=strength, **kw)  # type: ignore[arg-type]
+        return cls(stream_share=strength, **kw)
 
     # ------------------------------------------------------------------ planning
     def _plan(self, inst: Instance) -> Plan:

@@ -94,8 +94,7 @@ class RecomputeProfile:
         n = np.minimum(x[pos] * self.chunk_tokens, float(context_tokens))
         k = np.full_like(n, float(max(context_tokens, 1)))
         s = causal_blocks(n, k).astype(np.float64)
-        f = StepFeatures(n, k, s, np.zeros_like(n), np.zeros_like(n), np.zeros_like(n),
-                         np.zeros_like(n))
+        f = StepFeatures(n, k, s, 0.0, 0.0, np.zeros_like(n), np.zeros_like(n))
         ms = np.asarray(self.cost_model.predict_ms(f), dtype=np.float64)
         out[pos] = ms / 1e3 * self.num_layers
         return out

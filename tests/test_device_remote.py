@@ -159,7 +159,7 @@ def test_a_server_frame_with_non_finite_values_is_refused():
     manifest = SimpleNamespace(compressed=False, encrypted=False, chunk_geometry=geo,
                                sizes={cid: {"raw": len(frame)}}, levels=["raw"])
     client = SimpleNamespace(manifest=lambda _id: manifest, tokens=lambda _id: [1] * 16,
-                             frame=lambda *a: frame, last_download=None)
+                             frame=lambda *a: frame, last_download=None, last_first_byte_s=0.0)
     src = ServerStream(client, "ab" * 16, link_Bps=1e6)
     with pytest.raises(DeviceError, match="non-finite"):
         list(src.fetch([(cid, "raw")]))

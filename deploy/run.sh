@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash deploy/setup.sh
 case "${1:-}" in
   demo) shift; exec .venv/bin/sparkv demo "$@" ;;
-  test) shift; exec .venv/bin/python -m pytest -q "$@" ;;
+  # the suite on every core (pytest-xdist, a test file per worker: its module fixtures built once)
+  test) shift; exec .venv/bin/python -m pytest -q -n "${SPARKV_TEST_WORKERS:-auto}" --dist loadfile "$@" ;;
   *) echo "usage: bash deploy/run.sh demo|test [ARGS...]" >&2; exit 2 ;;
 esac

@@ -7,8 +7,18 @@ import os
 import pytest
 import torch
 
-# SPARKV_TEST_THREADS=1 avoids OpenMP spin-waits when the machine is shared with other jobs
-torch.set_num_threads(int(os.environ.get("SPARKV_TEST_THREADS", min(2, os.cpu_count() or 1))))
+
+def _test_threads() -> int:
+    """Torch threads per test process: SPARKV_TEST_THREADS, else the cores shared out among
+    pytest-xdist's workers (deploy/run.sh runs one per core), at most 2."""
+    if "SPARKV_TEST_THREADS" in os.environ:
+        return int(os.environ["SPARKV_TEST_THREADS"])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
+# one thread where the machine is shared (SPARKV_TEST_THREADS=1) avoids OpenMP spin-waits
+torch.set_num_threads(_test_threads())
 
 
 @pytest.fixture(scope="session")

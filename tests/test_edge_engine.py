@@ -308,10 +308,16 @@ def test_non_finite_frames_anywhere_are_recomputed(world, planner):
     src = ScriptedSource(_poisoned(world, where))
     load = _load(world, src, planner=planner,
                  controller=ControllerConfig() if planner == "sparkv" else None)
-    streamed = [x.cid for x in load.transfers if x.status == TransferStatus.FAILED]
-    assert sorted(streamed) == sorted(c for c in where if c in
-                                      {x.cid for x in load.transfers})
-    assert load.fallback["chunks"] == {"bad frame": len(streamed)} and streamed
+    status = {x.cid: x.status for x in load.transfers}
+    streamed = sorted(c for c, s in status.items() if s == TransferStatus.FAILED)
+    # every poisoned frame the link delivered failed; sparkv's controller may also compute a
+    # poisoned chunk's step before its frame is read (cancelled: on a loaded machine, early)
+    assert streamed == sorted(c for c in where
+                              if status.get(c) not in (None, TransferStatus.CANCELLED))
+    assert not any(status.get(c) == TransferStatus.ARRIVED for c in where)
+    assert streamed or planner == "sparkv"
+    if streamed:
+        assert load.fallback["chunks"] == {"bad frame": len(streamed)}
     for cid in streamed:
         assert load.kv.source(cid) == "computed"
         assert any("non-finite" in e for e in load.link_errors if str(cid) in e)

@@ -32,10 +32,13 @@ import argparse
 import os
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import add_run_args, format_table, write_result
 from sparkv.runtime.device import add_device_args
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 CONFIGS = ("dynamic", "memory", "ragged50", "ragged20", "int8", "int4")
 
@@ -80,7 +83,7 @@ def _keep(n: int, frac: float, heads: int, seed: int) -> list[Any]:
     return out
 
 
-def _decode(lm: Any, caches: dict[str, tuple[Any, Any]], n: int, first: int, steps: int
+def _decode(lm: LoadedModel, caches: dict[str, tuple[Any, Any]], n: int, first: int, steps: int
             ) -> dict[str, tuple[float, int]]:
     """Greedy steps after one token over every cache **in lockstep** (step ``i`` of each config,
     then step ``i + 1`` of each: the configs see the same load); per config ``(tokens/s, peak
@@ -145,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_size(lm: Any, n: int, configs: list[str], args: argparse.Namespace,
+def _measure_size(lm: LoadedModel, n: int, configs: list[str], args: argparse.Namespace,
                   rows: list[dict[str, Any]], bar: Any) -> None:
     """Prefills an ``n``-token context, then decodes over every config ``--repeats`` times, the
     configs in lockstep (:func:`_decode`); appends one row per config to ``rows`` with its

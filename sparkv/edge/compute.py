@@ -56,6 +56,7 @@ class ComputeWorker:
         self._hub, self._stepper, self._kv = hub, stepper, stepper.kv
         self._stats, self._link, self._decoder = stats, link, decoder
         self._prelude = prelude
+        self._prelude_failed = False    # a promised step is missing: fallbacks fill it first
         self._stall_fallback_s = stall_fallback_s
         self._deadline_s = deadline_s
         self._idle_s = 0.0              # credited time with nothing scheduled on either path
@@ -100,6 +101,7 @@ class ComputeWorker:
             return
         res = self._prelude.join()
         if not res.ok:
+            self._prelude_failed = True
             with self._hub.cv:
                 self._stats.stall = self._silent_link()
                 self._stats.link_errors.append(f"prelude failed ({type(res.error).__name__}):"
@@ -161,6 +163,8 @@ class ComputeWorker:
             if steps or not ran:
                 break
         if steps and not self._stepper.ready(steps[0]):
+            if self._prelude_failed:    # the controller counts the failed step as done
+                return []               # the fallback computes what is missing, bottom up
             raise EngineError(f"the controller chose {steps[0]} but the stepper is missing "
                               f"{self._stepper.missing_dependencies(steps[0])[:3]}")
         return steps

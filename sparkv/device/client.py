@@ -3,7 +3,9 @@ loopback port, and a helper that runs ``sparkv device serve`` as a subprocess.
 
 Over a port the client sends the service's bearer token, read from its token file
 (:func:`sparkv.device.access.default_token_file` unless given): the caller needs nothing more
-than the URL. Every request names ``localhost`` as its Host (the service answers no other)."""
+than the URL. An app token (``token=``, :mod:`sparkv.device.identity`) is sent on either
+transport and makes the requests that app's. Every request names ``localhost`` as its Host (the
+service answers no other)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import httpx
 
 from sparkv.device.access import read_token
 from sparkv.device.errors import (BudgetBusy, BudgetTooSmall, ContextBusy, ContextDamaged,
-                                  DeviceError, FlashFull, PromptTooLong, UnknownContext)
+                                  DeviceError, FlashFull, NotOwner, PromptTooLong,
+                                  UnknownContext)
 from sparkv.protocol.errors import ApiError
 
-_BY_STATUS = {404: UnknownContext, 409: ContextBusy, 413: PromptTooLong, 503: BudgetBusy,
-              507: BudgetTooSmall}
+_BY_STATUS = {403: NotOwner, 404: UnknownContext, 409: ContextBusy, 413: PromptTooLong,
+              503: BudgetBusy, 507: BudgetTooSmall}
 _BY_CODE = {ContextDamaged.code: ContextDamaged, FlashFull.code: FlashFull}
 
 
@@ -57,8 +60,9 @@ class DeviceClient:
     Args:
         socket: the service's Unix socket (default :func:`default_socket`), or
         url: ``http://127.0.0.1:PORT`` when it listens on loopback.
-        token: the service's bearer token (``url`` only); default: the one in ``token_file``
-            (default :func:`~sparkv.device.access.default_token_file`).
+        token: the bearer token: an app token (either transport), or the service's own (``url``;
+            default: the one in ``token_file``, default
+            :func:`~sparkv.device.access.default_token_file`).
     """
 
     def __init__(self, socket: str | os.PathLike[str] | None = None, url: str | None = None,
@@ -66,12 +70,14 @@ class DeviceClient:
                  token_file: str | os.PathLike[str] | None = None) -> None:
         if url:
             token = token or read_token(token_file)
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if url:
             self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=headers)
         else:
             path = str(socket or default_socket())
             self._http = httpx.Client(transport=httpx.HTTPTransport(uds=path),
-                                      base_url="http://localhost", timeout=timeout_s)
+                                      base_url="http://localhost", timeout=timeout_s,
+                                      headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -85,10 +91,7 @@ class DeviceClient:
     def _req(self, method: str, path: str, **kw: Any) -> Any:
         r = self._http.request(method, path, **kw)
         if r.status_code >= 400:
-            exc = response_error(r.status_code, r.content)
-            if isinstance(exc, BudgetBusy) and r.headers.get("retry-after", "").isdigit():
-                exc.retry_after_s = int(r.headers["retry-after"])
-            raise exc
+            raise _refusal(r)
         return None if r.status_code == 204 else r.json()
 
     # ---- the API ---------------------------------------------------------------------------------
@@ -131,6 +134,19 @@ class DeviceClient:
 
     def stats(self) -> dict[str, Any]:
         return self._req("GET", "/v1/stats")
+
+    def share(self, ctx_id: str, apps: Sequence[str]) -> dict[str, Any]:
+        """Shares a context of this app's with ``apps`` (``"*"``: every app; ``[]``: nobody)."""
+        return self._req("PUT", f"/v1/contexts/{ctx_id}/share", json={"apps": list(apps)})
+
+
+def _refusal(r: httpx.Response) -> DeviceError:
+    """The :class:`DeviceError` of an error response (``Retry-After`` read into
+    ``retry_after_s`` for a 503)."""
+    exc = response_error(r.status_code, r.content)
+    if isinstance(exc, BudgetBusy) and r.headers.get("retry-after", "").isdigit():
+        exc.retry_after_s = int(r.headers["retry-after"])
+    return exc
 
 
 class DeviceProcess:
@@ -194,11 +210,20 @@ class DeviceProcess:
         """``http://127.0.0.1:PORT`` when it listens on a port."""
         return f"http://127.0.0.1:{self.port}" if self.port else None
 
-    def client(self, timeout_s: float = 600.0) -> DeviceClient:
-        """A client of this service (over its port: with the token of its token file)."""
+    def client(self, timeout_s: float = 600.0, app: str | None = None) -> DeviceClient:
+        """A client of this service (over its port: with the token of its token file); with
+        ``app``, that app's (its app token: :meth:`app_token`)."""
+        token = self.app_token(app) if app is not None else None
         if self.port:
-            return DeviceClient(url=self.url, timeout_s=timeout_s, token_file=self.token_file)
-        return DeviceClient(self.socket, timeout_s=timeout_s)
+            return DeviceClient(url=self.url, timeout_s=timeout_s, token=token,
+                                token_file=self.token_file)
+        return DeviceClient(self.socket, timeout_s=timeout_s, token=token)
+
+    def app_token(self, name: str) -> str:
+        """App ``name``'s token for this service (from the app key in its flash dir)."""
+        from sparkv.device.identity import app_key, app_token
+
+        return app_token(app_key(self.swap_dir), name)
 
     def log(self) -> str:
         try:

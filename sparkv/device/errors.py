@@ -69,3 +69,8 @@ class FlashFull(DeviceError, status=507, code="flash_full"):
 
 class FlashInUse(DeviceError, status=409, code="flash_in_use"):
     """Another process holds the flash dir's lock: one service per flash dir."""
+
+
+class NotOwner(DeviceError, status=403, code="not_owner"):
+    """The context is shared with this app, not its own: only its owner deletes or shares it."""
+

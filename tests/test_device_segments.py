@@ -40,7 +40,7 @@ def _context(root: Path, contiguous: bool, seed: int = 0) -> tuple[SwapStore, De
     """A context of :data:`GEO` whose chunks cycle through every level, all modified."""
     swap = SwapStore(root, contiguous=contiguous)
     ctx = DeviceContext("c0ffee", list(range(GEO.num_tokens)), None, swap.tier("c0ffee"))
-    C = ContextKV(GEO, torch.float32, "cpu", per_chunk=True)
+    C = ContextKV(GEO, torch.float32, "cpu", paged=True)
     gen = torch.Generator().manual_seed(seed)
     for t in range(GEO.num_token_chunks):
         n = GEO.chunk_len(t)
@@ -248,8 +248,8 @@ def test_damaged_segment_records_are_recomputed_and_answers_unchanged(tiny_llama
     seg.write_bytes(bytes(data))
     svc.recompute.scale = 1e6                # read what can be read
     got = svc.call(b, prompt_ids=[9, 10, 11], max_new_tokens=5, grow=False)
-    assert got.load["faults"] == len(bad), got.load
-    assert got.load["read_chunks"] == n - len(bad)
+    assert got.load.faults == len(bad), got.load
+    assert got.load.read_chunks == n - len(bad)
     assert got.tokens == want[0]
     assert svc.stats()["budget_violations"] == 0
 
@@ -287,8 +287,8 @@ def test_reopen_reattaches_every_segments_records(tiny_llama, tmp_path):
     assert sum(again.contexts[cid].tier.live_records().values()) == full
     again.recompute.scale = 1e6
     got = again.call(cid, prompt_ids=[9, 10, 11], max_new_tokens=5, grow=False)
-    assert got.load["faults"] == 0 and got.load["read_chunks"] == full
-    assert got.load["reads"] == 3            # chunk 0; 2-5 (1 died between); 1 (the newest)
+    assert got.load.faults == 0 and got.load.read_chunks == full
+    assert got.load.reads == 3            # chunk 0; 2-5 (1 died between); 1 (the newest)
     assert got.tokens == want[0]
 
 
@@ -305,7 +305,7 @@ def test_reopen_walks_past_a_damaged_header(tmp_path):
     # reopened: every other full chunk attached, 3 is not
     tier = ServiceFlash(ctx.tier.root)
     fresh = DeviceContext(ctx.id, ctx.tokens, None, tier)
-    C = ContextKV(GEO, torch.float32, "cpu", per_chunk=True)
+    C = ContextKV(GEO, torch.float32, "cpu", paged=True)
     assert swap.attach(fresh, C) == GEO.num_token_chunks - 2    # 3 and the partial last
     assert C.residency(token_chunk_ids(GEO, 3)[0]) == Residency.ABSENT
     f = read_token_chunk_record(tier.read(C.state(token_chunk_ids(GEO, 5)[0]).flash), 5)
@@ -321,4 +321,4 @@ def test_the_baselines_keep_one_file_per_chunk(tiny_llama, tmp_path):
     names = sorted(p.name for p in svc.contexts[cid].tier.root.iterdir())
     assert names == [f"{t}.skvt" for t in range(4)]
     got = svc.call(cid, prompt_ids=[5, 6, 7], max_new_tokens=2, grow=False)
-    assert got.load["reads"] == got.load["files_read"] == got.load["read_chunks"] == 4
+    assert got.load.reads == got.load.files_read == got.load.read_chunks == 4

@@ -30,7 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ABSENT = ("fastapi", "starlette", "uvicorn", "redis", "prometheus_client", "pulp", "sklearn",
           "matplotlib", "aiohttp")
 #: the modules that belong to another profile (they may raise MissingExtra there)
-NOT_EDGE = ("sparkv.server", "sparkv.bench", "sparkv.demo", "sparkv.device.app")
+# the HTTP apps and the plumbing only they use (sparkv.rest's limits, fields and listen are
+# plain Python, used by the edge-side commands too)
+NOT_EDGE = ("sparkv.server", "sparkv.bench", "sparkv.demo", "sparkv.device.app",
+            "sparkv.rest.handlers", "sparkv.rest.middleware", "sparkv.rest.routing")
 
 BLOCKED_RUN = r"""
 import contextlib, importlib, importlib.abc, io, json, pkgutil, sys

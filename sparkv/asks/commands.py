@@ -24,7 +24,7 @@ __all__ = ["register", "install"]
 def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and name in action.choices:
-            return action.choices[name]  # type: ignore[no-any-return]
+            return action.choices[name]
     raise KeyError(name)
 
 

@@ -19,12 +19,17 @@ next question about it is answered from memory. Through :class:`AppContexts`:
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from sparkv.device.errors import DeviceError
 from sparkv.device.owners import ContextOwners
 from sparkv.device.service import ContextService
 from sparkv.edge.lane import AskCancelled
+
+if TYPE_CHECKING:
+    from sparkv.cache import ContextKV, LayerKV
+    from sparkv.device.calls import CallResult
+    from sparkv.device.remote import RemoteSource
 
 __all__ = ["AppContexts", "KeepingTable"]
 
@@ -82,16 +87,16 @@ class AppContexts:
                 self._table.cv.wait(WAIT_S)
 
     def _visible(self, label: str) -> str | None:
-        found = [c for c in self.service.registry.live()
+        found = [c for c in self.service.list()
                  if c.label == label and self.owners.visible(c.id, self.app)]
         return max(found, key=lambda c: c.last_used).id if found else None
 
-    def import_context(self, token_ids: Sequence[int], layers: Any, *,
-                       label: str | None = None, **kw: Any) -> str | None:
+    def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
+                       label: str | None = None) -> str | None:
         """Keeps the loaded cache as the app's context (shared as the ask said); ``None`` when
         the service cannot keep it now (:attr:`not_kept` says why)."""
         try:
-            cid = self.service.import_context(token_ids, layers, label=label, **kw)
+            cid = self.service.import_context(token_ids, layers, label=label)
         except DeviceError as e:
             self.not_kept = f"{e.code}: {e}"
             return None
@@ -99,14 +104,10 @@ class AppContexts:
         self.done()
         return cid
 
-    def call(self, ctx_id: str, *args: Any, **kw: Any) -> Any:
-        return self.service.call(ctx_id, *args, **kw)
-
-    def describe(self, ctx_id: str) -> dict[str, Any]:
-        return self.service.describe(ctx_id)
-
-    def server_stream(self, client: Any, context_id: str, **kw: Any) -> Any:
-        return self.service.server_stream(client, context_id, **kw)
+    def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,
+             stop_at_eos: bool, remote: RemoteSource | None) -> CallResult:
+        return self.service.call(ctx_id, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                 grow=grow, stop_at_eos=stop_at_eos, remote=remote)
 
     # ---- the ask's end ---------------------------------------------------------------------
     def done(self) -> None:

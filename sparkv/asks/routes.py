@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import TypeAdapter
 
 from sparkv.asks.schemas import AskBody, AskEvent, AskFields, AskStats
 from sparkv.asks.service import AskRequest, AskService, AskTicket
@@ -28,13 +29,15 @@ from sparkv.device.errors import DeviceError
 
 __all__ = ["asks_router", "get_asks", "AsksDep", "ask_request", "SERVED_STATUSES"]
 
+#: an event of the stream, as its route checks it
+EVENT: TypeAdapter[AskEvent] = TypeAdapter(AskEvent)
 #: what POST /v1/asks answers before its stream (besides the plumbing's)
 SERVED_STATUSES = (400, 422, 429, 503)
 
 
 def get_asks(request: Request) -> AskService:
     """The app's ask service (``app.state.asks``)."""
-    return request.app.state.asks  # type: ignore[no-any-return]
+    return request.app.state.asks
 
 
 AsksDep = Annotated[AskService, Depends(get_asks)]
@@ -78,7 +81,7 @@ async def post_ask(ticket: Annotated[AskTicket, Depends(submitted)]) -> AsyncIte
     """Answers a question about a server context through the device's one model, link and
     memory: the answer's tokens as they are generated, then the breakdown (JSON Lines)."""
     async for event in ticket.aevents():
-        yield event
+        yield EVENT.validate_python(event)
 
 
 @asks_router.get("/v1/asks", response_model=AskStats)

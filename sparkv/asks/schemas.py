@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from sparkv.device.schemas import AppId, PromptText
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
-from sparkv.rest.fields import json_int
+from sparkv.rest.fields import JSON_INT
 
 __all__ = ["AskFields", "AskBody", "SparkvFields", "ChatMessage", "ChatBody", "QueuedEvent",
            "TokenEvent", "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
@@ -29,6 +29,8 @@ MAX_ANSWER_TOKENS = 4096
 ServerUrl = Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$", max_length=2048)]
 #: a name of a codec level, attention backend or decode policy
 Name = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$")]
+#: an answer's length (tokens)
+AnswerTokens = Annotated[int, Field(ge=1, le=MAX_ANSWER_TOKENS), JSON_INT]
 Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
 Mbps = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
 
@@ -75,7 +77,7 @@ class AskBody(AskFields):
 
     context_id: str = Field(pattern=CONTEXT_ID_PATTERN, description="the context's id on the server")
     question: PromptText = Field(min_length=1)
-    max_new_tokens: json_int(1, MAX_ANSWER_TOKENS) = Field(default=64)  # type: ignore[valid-type]
+    max_new_tokens: AnswerTokens = Field(default=64)
 
 
 class SparkvFields(AskFields):
@@ -118,8 +120,8 @@ class ChatBody(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
-    max_tokens: json_int(1, MAX_ANSWER_TOKENS) | None = None  # type: ignore[valid-type]
-    max_completion_tokens: json_int(1, MAX_ANSWER_TOKENS) | None = None  # type: ignore[valid-type]
+    max_tokens: AnswerTokens | None = None
+    max_completion_tokens: AnswerTokens | None = None
     n: Literal[1] = 1
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None

@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncGenerator, Callable, Iterator, Sequence
 
 from sparkv.asks import forward
 from sparkv.asks.admission import Admission, Place
@@ -194,12 +194,16 @@ class AskTicket:
             if event["type"] in ("done", "error"):
                 return
 
-    async def aevents(self) -> AsyncIterator[dict[str, Any]]:
+    async def aevents(self) -> AsyncGenerator[dict[str, Any], None]:
         """:meth:`events` for an event loop."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(ready.set)
+
         with self._wake_lock:
-            self._wake = lambda: loop.call_soon_threadsafe(ready.set)
+            self._wake = wake
         try:
             while True:
                 try:

@@ -81,7 +81,7 @@ log = logging.getLogger("sparkv.device")
 # ---- the dependency ------------------------------------------------------------------------------
 def get_service(request: Request) -> ContextService:
     """The app's service (``app.state.service``)."""
-    return request.app.state.service  # type: ignore[no-any-return]
+    return request.app.state.service
 
 
 def get_caller(request: Request) -> str:
@@ -91,7 +91,7 @@ def get_caller(request: Request) -> str:
 
 def get_owners(request: Request) -> ContextOwners:
     """The app's owner records (``app.state.owners``)."""
-    return request.app.state.owners  # type: ignore[no-any-return]
+    return request.app.state.owners
 
 
 ServiceDep = Annotated[ContextService, Depends(get_service)]
@@ -122,7 +122,8 @@ def _owned_context(owners: ContextOwners, ctx_id: str, caller: str) -> None:
 
 
 def _info(service: ContextService, owners: ContextOwners, ctx_id: str) -> ContextInfo:
-    return ContextInfo.model_validate({**service.describe(ctx_id), **owners.describe(ctx_id)})
+    return ContextInfo.model_validate({**service.describe(ctx_id).to_dict(),
+                                       **owners.describe(ctx_id)})
 
 
 # ---- the routes ----------------------------------------------------------------------------------
@@ -174,9 +175,9 @@ def list_contexts(service: ServiceDep, caller: CallerDep,
                   owners: OwnersDep) -> DeviceContextList:
     """The caller's contexts and those shared with it, and those of them that could not be
     reopened (``damaged``)."""
-    mine = [{**c, **owners.describe(c["id"])} for c in service.list()
-            if owners.visible(c["id"], caller)]
-    damaged = [d for d in service.damaged_list() if owners.visible(d["id"], caller)]
+    mine = [{**c.to_dict(), **owners.describe(c.id)} for c in service.list()
+            if owners.visible(c.id, caller)]
+    damaged = [d.to_dict() for d in service.damaged_list() if owners.visible(d.id, caller)]
     return DeviceContextList.model_validate({"contexts": mine, "damaged": damaged})
 
 
@@ -265,7 +266,7 @@ def create_app(service: ContextService, token: str | None = None,
     for router in (*ROUTERS, *routers):
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(AccessGuard, token=token, app_key=app_key)  # type: ignore[arg-type]
+    app.add_middleware(AccessGuard, token=token, app_key=app_key)
     install_request_policy(app, limits)
 
     def openapi() -> dict[str, Any]:

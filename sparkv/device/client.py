@@ -12,6 +12,7 @@ docs/device-service.md, "Asks"), its answer streamed token by token."""
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import signal
@@ -53,7 +54,7 @@ def event_error(event: dict[str, Any]) -> DeviceError:
     """The :class:`DeviceError` of an ask's ``error`` event (its status's class)."""
     err = event.get("error") or {}
     status = int(err.get("status", 500))
-    exc = (_BY_CODE.get(err.get("code")) or _BY_STATUS.get(status, DeviceError))(
+    exc = (_BY_CODE.get(str(err.get("code"))) or _BY_STATUS.get(status, DeviceError))(
         f"{err.get('message', 'the ask failed')} (HTTP {status})")
     exc.status, exc.code = status, str(err.get("code", "internal_error"))
     return exc
@@ -140,7 +141,7 @@ class DeviceClient:
     def list(self) -> list[dict[str, Any]]:
         return self._req("GET", "/v1/contexts")["contexts"]
 
-    def damaged(self) -> list[dict[str, Any]]:
+    def damaged(self) -> builtins.list[dict[str, Any]]:
         """The contexts the service could not reopen (``{id, state, reason}``)."""
         return self._req("GET", "/v1/contexts").get("damaged", [])
 

@@ -97,8 +97,8 @@ class SwapStore:
                 continue
             if any(st.residency != Residency.RESIDENT or st.payload is None for st in states):
                 continue
-            old = {st.flash for st in states if st.flash is not None}
-            todo.append((t, cids, [(st.payload, st.level) for st in states], old))
+            stale = {st.flash for st in states if st.flash is not None}
+            todo.append((t, cids, [(st.payload, st.level) for st in states], stale))
         if not todo:
             return 0
         before = ctx.tier.bytes_written
@@ -177,7 +177,7 @@ class SwapStore:
 
     def attach(self, ctx: DeviceContext, C: ContextKV, max_tokens: int | None = None) -> int:
         """Attaches the token chunk records on flash of ``ctx``'s full chunks to ``C`` (empty,
-        per-chunk) as clean flash copies, at the level their headers give: per token chunk the
+        paged) as clean flash copies, at the level their headers give: per token chunk the
         latest record whose header fits the geometry (chunk files, then segments oldest first:
         :meth:`~sparkv.device.flashio.ServiceFlash.records`). A missing, damaged or mismatched
         record is skipped (its chunk is recomputed when called; a damaged body fails its

@@ -201,3 +201,33 @@ def test_peer_credentials_name_the_connecting_user(tmp_path):
         assert peer_credentials(tcp) is None
     finally:
         tcp.close()
+
+
+def test_the_concurrency_benchmark_summarizes_each_batch_and_its_ratios():
+    import argparse
+
+    from sparkv.bench.concurrency import _point, _ratios
+
+    args = argparse.Namespace(watts_compute=3.0, watts_decode=1.5, watts_radio=1.2, watts_idle=0.3)
+
+    def done(ttft: float, mb: float) -> dict:
+        return {"first_token_s": ttft, "queued_s": 0.0,
+                "breakdown": {"bytes_streamed": int(mb * 1e6), "chunks_streamed": 1,
+                              "chunks_computed": 2, "fallback": {}, "local_compute_s": 1.0,
+                              "ttft_s": ttft}}
+
+    points = []
+    for strategy, ttfts in (("sparkv", {1: [1.0], 2: [1.2, 1.6]}),
+                            ("hybrid", {1: [1.5], 2: [2.0, 3.0]})):
+        for n, xs in ttfts.items():
+            outs = [done(x, 2.0) for x in xs] + ([RuntimeError("gone")] if n == 2 else [])
+            points.append(_point(strategy, n, {"outs": outs, "makespan_s": max(xs),
+                                               "rss_peak_bytes": 2**30 * n}, args))
+    two = points[1]
+    assert two["ttft_p50_s"] == 1.2 and two["ttft_max_s"] == 1.6        # the nearest rank
+    assert two["failed"] == ["RuntimeError: gone"]
+    assert two["mb_per_ask"] == 2.0 and two["energy_j_per_ask"] == pytest.approx(3.0 + 0.3 * 1.4)
+    r = _ratios(points)
+    assert r["n"] == 2 and r["hybrid_over_sparkv_p50"] == 2.0 / 1.2
+    assert r["sparkv_p50_over_n_times_single"] == {2: 1.2 / 2.0}
+    assert r["rss_top_over_rss_1"] == 2.0

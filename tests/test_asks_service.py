@@ -8,7 +8,8 @@ until they share them; concurrent asks get the tokens each gets alone; a full qu
 with Retry-After; a client that goes away cancels its ask and its memory is freed; admission is
 first come, first served under a steady stream; a server that dies mid-ask fails over only that
 ask; a cancelled ask stops within one unit of compute (in process, counting its units); the
-unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage."""
+unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage; 40 asks
+from 8 clients that go away at random leave none stuck or lost and no memory held."""
 
 from __future__ import annotations
 
@@ -358,3 +359,53 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         assert {"429", "503"} <= set(paths["/v1/asks"]["post"]["responses"])
     finally:
         oa.close()
+
+
+# ---- clients that go away at random: nothing stuck, lost or leaked ----------------------------------
+def test_clients_that_disconnect_at_random_leave_no_ask_stuck_or_memory_held(world):
+    import random
+
+    dev = world["dev"]
+    with dev.client() as c:
+        before = c.ask_stats()
+    outcomes: list[str] = []
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        with dev.client() as ci:
+            for _ in range(5):
+                name = rng.choice("abc")
+                try:
+                    events = ci.ask_events(world["ctx"][name], "Go on.", server=world["srv"].url,
+                                           api_key=world["key"], strategy=rng.choice(
+                                               ["local", "stream"]), max_new_tokens=6,
+                                           stop_at_eos=False, keep=False)
+                    leave_after = rng.choice([1, 2, 4, None])      # None: reads to the end
+                    for i, event in enumerate(events):
+                        if event["type"] in ("done", "error"):
+                            outcomes.append(event["type"])
+                            break
+                        if leave_after is not None and i + 1 >= leave_after:
+                            events.close()                           # the client goes away
+                            outcomes.append("left")
+                            break
+                except QueueFull:
+                    outcomes.append("refused")
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(GUARD_S)
+    assert not any(th.is_alive() for th in threads) and len(outcomes) == 40
+    with dev.client() as c:
+        _until(lambda: c.ask_stats()["running"] == 0 and c.ask_stats()["waiting"] == 0,
+               "every ask ended")
+        s = c.ask_stats()
+        admitted = s["asks"] - before["asks"]
+        assert admitted == 40 - outcomes.count("refused")
+        ended = sum(s[k] - before[k] for k in ("done", "failed", "cancelled"))
+        assert ended == admitted and s["failed"] == before["failed"]   # none lost, none failed
+        assert s["done"] - before["done"] >= outcomes.count("done")
+        _until(lambda: c.ask_stats()["cores"]["held_memories"] == 0, "their memory freed")
+        assert c.ask_stats()["cores"]["held_bytes"] == 0 and c.stats()["budget_violations"] == 0

@@ -172,7 +172,7 @@ def _point(strategy: str, n: int, batch: dict[str, Any], args: argparse.Namespac
 
 def _ratios(points: list[dict[str, Any]]) -> dict[str, Any]:
     """SparKV against Strong Hybrid and local at the largest N; SparKV at N against N times its
-    single-ask TTFT."""
+    single-ask TTFT; the service's peak RSS during SparKV's largest batch over its single ask."""
     p50 = {(p["strategy"], p["n"]): p["ttft_p50_s"] for p in points}
     ns = sorted({p["n"] for p in points})
     top = ns[-1]
@@ -184,7 +184,7 @@ def _ratios(points: list[dict[str, Any]]) -> dict[str, Any]:
     if one:
         out["sparkv_p50_over_n_times_single"] = {n: p50[("sparkv", n)] / (n * one)
                                                  for n in ns if n >= 2 and ("sparkv", n) in p50}
-    rss = {p["n"]: p["rss_peak_mb"] for p in points}
+    rss = {p["n"]: p["rss_peak_mb"] for p in points if p["strategy"] == "sparkv"}
     if 1 in rss and rss[1] > 0:
         out["rss_top_over_rss_1"] = rss[top] / rss[1]
     return out

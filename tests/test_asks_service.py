@@ -280,7 +280,7 @@ def test_a_server_that_dies_mid_ask_fails_over_only_that_ask(world, tmp_path):
 
 # ---- in process: a cancelled ask stops within one unit and frees its memory -----------------------
 def test_a_cancelled_ask_stops_within_one_unit_and_frees_its_memory(world, tmp_path):
-    from sparkv.asks.service import AskRequest, AskService
+    from sparkv.asks import AskRequest, AskService
     from sparkv.device import ContextService
     from sparkv.device.owners import ContextOwners
     from sparkv.edge.options import AskOptions

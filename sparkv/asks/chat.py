@@ -41,7 +41,8 @@ from starlette.types import Receive, Scope, Send
 
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import ChatBody, SparkvFields
-from sparkv.asks.service import AskService, AskTicket
+from sparkv.asks.service import AskService
+from sparkv.asks.tickets import AskTicket
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 from sparkv.protocol.errors import error_body

@@ -23,7 +23,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import TypeAdapter
 
 from sparkv.asks.schemas import AskBody, AskEvent, AskFields, AskStats
-from sparkv.asks.service import AskRequest, AskService, AskTicket
+from sparkv.asks.service import AskService
+from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 

@@ -15,7 +15,9 @@ loads its context) and wait for its ``done`` event. Per (strategy, N):
   TTFT``, from each ask's own breakdown);
 * the service's peak RSS during the batch (``VmRSS`` of its process, sampled every 50 ms).
 
-One warm-up ask per strategy runs first (not counted). Ratios at the largest N: SparKV's p50
+One warm-up ask per strategy runs first (not counted). The service's one link follows
+``--link-trace`` from its first byte on, so with a trace each batch sees another part of it (the
+strategies are paired only over a constant link). Ratios at the largest N: SparKV's p50
 over Strong Hybrid's and local's; for every N >= 2, SparKV's p50 over N times its p50 at N = 1
 (the issue's targets: 1.3x, 5x, <= 0.75). With ``--json`` or ``--out``, a PNG beside the JSON:
 TTFT against N per strategy (the paper's Fig. 15).

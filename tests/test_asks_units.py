@@ -231,3 +231,27 @@ def test_the_concurrency_benchmark_summarizes_each_batch_and_its_ratios():
     assert r["n"] == 2 and r["hybrid_over_sparkv_p50"] == 2.0 / 1.2
     assert r["sparkv_p50_over_n_times_single"] == {2: 1.2 / 2.0}
     assert r["rss_top_over_rss_1"] == 2.0
+
+
+def test_in_oldest_order_the_oldest_asks_unit_goes_first_and_its_load_ignores_younger_asks():
+    gate = CoreGate(window_s=3600, order="oldest")
+    holder, old, young = gate.lane(), gate.lane(), gate.lane()
+    order: list[str] = []
+
+    def unit(name: str, lane) -> None:
+        with lane.hold():
+            order.append(name)
+
+    threads = []
+    with holder.hold():                       # the cores are taken: the young ask queues first
+        for name, lane in (("young", young), ("old", old)):
+            th = threading.Thread(target=unit, args=(name, lane))
+            th.start()
+            threads.append(th)
+            _until(lambda: gate.stats()["waiting"] == len(threads), f"{name} waits")
+        assert young.load() == 3.0 and old.load() == 2.0 and holder.load() == 1.0
+    for th in threads:
+        th.join(GUARD_S)
+    assert order == ["old", "young"]          # in turns it would be young, old
+    with pytest.raises(ValueError):
+        CoreGate(order="random")

@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from sparkv.asks.cores import GRANT_ORDERS
+
 __all__ = ["register", "install"]
 
 
@@ -37,6 +39,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="asks running at once (each holds its loaded cache until it answers)")
     g.add_argument("--ask-queue", type=int, default=16,
                    help="asks waiting beyond the slots; past them an ask gets 429 queue_full")
+    g.add_argument("--ask-core-order", choices=GRANT_ORDERS, default="turns",
+                   help="the order the cores go to the asks' units: turns (round robin: the asks "
+                        "progress together) or oldest (the oldest ask's first; the others fill "
+                        "the cores while it waits for its link)")
     g.add_argument("--ask-server", default=None,
                    help="the server of asks that name none (its key: $SPARKV_API_KEY)")
     link = g.add_mutually_exclusive_group()
@@ -73,7 +79,8 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
                           f"{args.ask_slots} and {args.ask_queue})")
     asks = AskService(service, app.state.owners, slots=args.ask_slots, queue=args.ask_queue,
                       shaper=_shaper(args), default_server=args.ask_server,
-                      default_api_key=os.environ.get("SPARKV_API_KEY"))
+                      default_api_key=os.environ.get("SPARKV_API_KEY"),
+                      core_order=args.ask_core_order)
     app.state.asks = asks
     app.include_router(asks_router)
     app.include_router(chat_router)

@@ -7,9 +7,16 @@ ask's plan knows the others exist. Here:
 
 * **one unit of compute at a time**: a unit is a layer step (or a column of them), a forward pass
   of the question or of one answer token. The gate grants the cores to one unit at a time, in
-  the order the units asked for them: an ask that finished a unit and wants the next goes to the
-  back, behind the others waiting, so the asks running at once **interleave their steps** (round
-  robin) and none waits more than one unit of each of the others per unit of its own;
+  one of two orders (:data:`GRANT_ORDERS`, ``sparkv device serve --ask-core-order``):
+
+  - ``turns``: the order the units asked for them. An ask that finished a unit and wants the
+    next goes to the back, behind the others waiting: the asks running at once **interleave
+    their steps** (round robin), none waits more than one unit of each of the others per unit of
+    its own, and they progress together (each one's first token comes near the end of the
+    whole batch's work);
+  - ``oldest``: the waiting unit of the oldest ask (the first to start) first. Work-conserving:
+    while it waits for its link, the younger asks' units fill the cores; its first token comes
+    first, then the next one's, as serving them one by one would, without idling the cores;
 * **the load**: :meth:`CoreGate.load` counts the asks that used the cores in the last
   ``window_s``; each ask's controller plans its remaining compute with it
   (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`, fed by the
@@ -32,31 +39,37 @@ import itertools
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any, Iterator
 
 from sparkv.edge.lane import AskCancelled
 
-__all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S"]
+__all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "GRANT_ORDERS"]
 
 #: an ask that used the cores this recently counts in the load (seconds)
 LOAD_WINDOW_S = 1.0
 #: how often a waiting unit looks at its lane's cancellation (seconds)
 WAIT_S = 0.05
+#: the orders the gate grants waiting units in: ``turns`` (the order they asked: the asks
+#: progress together, round robin) or ``oldest`` (the unit of the oldest ask first, by lane:
+#: the others fill the cores while it waits for its link; its first token comes first)
+GRANT_ORDERS = ("turns", "oldest")
 
 
 class CoreGate:
-    """One unit of compute at a time on the device's cores, granted in arrival order (module
-    docstring).
+    """One unit of compute at a time on the device's cores, granted in ``order`` (module
+    docstring, :data:`GRANT_ORDERS`).
 
     Args:
         window_s: how recently an ask must have used the cores to count in :meth:`load`.
+        order: ``turns`` (arrival order) or ``oldest`` (the oldest ask's unit first).
     """
 
-    def __init__(self, window_s: float = LOAD_WINDOW_S) -> None:
-        self.window_s = window_s
+    def __init__(self, window_s: float = LOAD_WINDOW_S, order: str = "turns") -> None:
+        if order not in GRANT_ORDERS:
+            raise ValueError(f"no grant order {order!r} (one of {', '.join(GRANT_ORDERS)})")
+        self.window_s, self.order = window_s, order
         self._cv = threading.Condition()
-        self._queue: deque[int] = deque()          # waiting units' tickets, in arrival order
+        self._queue: list[tuple[int, int]] = []    # waiting units: (ticket, lane id), arrival order
         self._holder: int | None = None            # the running unit's ticket
         self._tickets = itertools.count()
         self._lanes: dict[int, AskLane] = {}       # open lanes by id
@@ -73,14 +86,24 @@ class CoreGate:
 
     def load(self, lane: "AskLane | None" = None) -> float:
         """The asks sharing the cores now: those holding or waiting for them, or that used them
-        in the last ``window_s``; ``lane`` counts as one of them in any case (at least 1)."""
+        in the last ``window_s``; ``lane`` counts as one of them in any case (at least 1). In
+        ``oldest`` order, ``lane``'s load counts only the asks older than it (the others yield
+        to it)."""
         now = time.monotonic()
         with self._cv:
             busy = {i for i, x in self._lanes.items()
                     if x.waiting or x.holding or now - x.last_used <= self.window_s}
             if lane is not None:
                 busy.add(lane.id)
+                if self.order == "oldest":
+                    busy = {i for i in busy if i <= lane.id}
             return float(max(1, len(busy)))
+
+    def _next(self) -> int:
+        """The ticket of the waiting unit to grant next (the queue is not empty)."""
+        if self.order == "oldest":
+            return min(self._queue, key=lambda unit: (unit[1], unit[0]))[0]
+        return self._queue[0][0]
 
     def held(self) -> tuple[int, int]:
         """``(memories, bytes)``: the asks' KV memories still alive (an ended ask's are freed
@@ -103,21 +126,22 @@ class CoreGate:
         with self._cv:
             lane.check()
             ticket = next(self._tickets)
-            self._queue.append(ticket)
+            unit = (ticket, lane.id)
+            self._queue.append(unit)
             lane.waiting += 1
             t0 = time.monotonic()
             try:
-                while self._holder is not None or self._queue[0] != ticket:
+                while self._holder is not None or self._next() != ticket:
                     if lane.cancelled:
                         raise AskCancelled("the ask was cancelled")
                     self._cv.wait(WAIT_S)
             except BaseException:
-                self._queue.remove(ticket)
+                self._queue.remove(unit)
                 self._cv.notify_all()
                 raise
             finally:
                 lane.waiting -= 1
-            self._queue.popleft()
+            self._queue.remove(unit)
             self._holder = ticket
             lane.holding = True
             lane.waited_s += time.monotonic() - t0

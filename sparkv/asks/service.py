@@ -124,18 +124,19 @@ class AskService:
         timeout_s: each server request's timeout.
         engine_config: the engines' knobs (``None``: their defaults).
         default_server, default_api_key: for asks that name no server or key.
+        core_order: the order the cores are granted in (:data:`~sparkv.asks.cores.GRANT_ORDERS`).
     """
 
     def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
                  queue: int = 16, shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                  engine_config: Any = None, default_server: str | None = None,
-                 default_api_key: str | None = None) -> None:
+                 default_api_key: str | None = None, core_order: str = "turns") -> None:
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners
         self.lm = contexts.lm
         self.admission = Admission(slots, queue)
-        self.gate = CoreGate()
+        self.gate = CoreGate(order=core_order)
         self.shaper = shaper or LinkShaper.unlimited()
         self.timeout_s = timeout_s
         self.engine_config = engine_config

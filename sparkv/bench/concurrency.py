@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sparkv.asks.cores import GRANT_ORDERS
 from sparkv.bench.common import add_run_args, format_table, percentile, write_result
 
 STRATEGY_ORDER = ("local", "stream", "hybrid", "sparkv")
@@ -56,6 +57,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     link.add_argument("--link-trace", default=None,
                       help="the one link follows this trace instead (CSV or wifi, lte, ...)")
     p.add_argument("--link-rtt-ms", type=float, default=20.0, help="the link's round trip (ms)")
+    p.add_argument("--core-order", choices=GRANT_ORDERS, default="turns",
+                   help="the service's --ask-core-order (docs/asks.md)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="T the server encodes with")
     p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
     p.add_argument("--max-new-tokens", type=int, default=8, help="answer tokens per ask")
@@ -237,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
                                 torch_threads=args.threads or 2,
                                 extra_args=["--ask-slots", str(ns[-1]), "--ask-queue",
                                             str(ns[-1]), *link, "--link-rtt-ms",
-                                            str(args.link_rtt_ms)]).start()
+                                            str(args.link_rtt_ms), "--ask-core-order",
+                                            args.core_order]).start()
             points = []
             for strategy in strategies:
                 _batch(dev, server.url, cids, strategy, 1, args)          # warm-up

@@ -409,3 +409,19 @@ def test_clients_that_disconnect_at_random_leave_no_ask_stuck_or_memory_held(wor
         assert s["done"] - before["done"] >= outcomes.count("done")
         _until(lambda: c.ask_stats()["cores"]["held_memories"] == 0, "their memory freed")
         assert c.ask_stats()["cores"]["held_bytes"] == 0 and c.stats()["budget_violations"] == 0
+
+
+def test_a_client_that_leaves_mid_request_body_leaves_no_traceback_on_the_server(world):
+    """A cancelled ask can close its stream request before the server read its body: the server
+    answers nobody (499), logs one line and no traceback (the module's teardown checks the
+    server's log)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(world["srv"].url)
+    with socket.create_connection((url.hostname, url.port), timeout=GUARD_S) as s:
+        s.sendall((f"POST /v1/contexts/{world['ctx']['a']}/stream HTTP/1.1\r\nHost: {url.netloc}"
+                   f"\r\nAuthorization: Bearer {world['key']}\r\nContent-Type: application/json"
+                   "\r\nContent-Length: 1000\r\n\r\n{\"items\": [").encode())
+    _until(lambda: "the client went away during POST" in world["srv"].log(), "the server saw it")
+    assert "Traceback" not in world["srv"].log()

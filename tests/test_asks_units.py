@@ -30,8 +30,8 @@ def _until(cond, what: str) -> None:
 
 
 # ---- the gate: one unit at a time, in arrival order ------------------------------------------------
-def test_the_gate_grants_units_in_arrival_order_one_at_a_time():
-    gate = CoreGate()
+def test_in_turns_the_gate_grants_units_in_arrival_order_one_at_a_time():
+    gate = CoreGate(order="turns")
     first = gate.lane()
     order: list[str] = []
     running = [0]
@@ -87,7 +87,7 @@ def test_a_cancelled_lane_stops_waiting_and_takes_no_further_unit():
 
 
 def test_the_load_counts_the_asks_using_the_cores_and_forgets_closed_ones():
-    gate = CoreGate(window_s=3600)
+    gate = CoreGate(window_s=3600, order="turns")
     a, b = gate.lane(), gate.lane()
     assert a.load() == 1.0                   # alone (b never used the cores)
     with b.hold():

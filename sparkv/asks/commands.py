@@ -39,7 +39,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="asks running at once (each holds its loaded cache until it answers)")
     g.add_argument("--ask-queue", type=int, default=16,
                    help="asks waiting beyond the slots; past them an ask gets 429 queue_full")
-    g.add_argument("--ask-core-order", choices=GRANT_ORDERS, default="turns",
+    g.add_argument("--ask-core-order", choices=GRANT_ORDERS, default="oldest",
                    help="the order the cores go to the asks' units: turns (round robin: the asks "
                         "progress together) or oldest (the oldest ask's first; the others fill "
                         "the cores while it waits for its link)")

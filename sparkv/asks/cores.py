@@ -61,10 +61,10 @@ class CoreGate:
 
     Args:
         window_s: how recently an ask must have used the cores to count in :meth:`load`.
-        order: ``turns`` (arrival order) or ``oldest`` (the oldest ask's unit first).
+        order: ``oldest`` (the oldest ask's unit first) or ``turns`` (arrival order).
     """
 
-    def __init__(self, window_s: float = LOAD_WINDOW_S, order: str = "turns") -> None:
+    def __init__(self, window_s: float = LOAD_WINDOW_S, order: str = "oldest") -> None:
         if order not in GRANT_ORDERS:
             raise ValueError(f"no grant order {order!r} (one of {', '.join(GRANT_ORDERS)})")
         self.window_s, self.order = window_s, order

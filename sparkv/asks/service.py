@@ -130,7 +130,7 @@ class AskService:
     def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
                  queue: int = 16, shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                  engine_config: Any = None, default_server: str | None = None,
-                 default_api_key: str | None = None, core_order: str = "turns") -> None:
+                 default_api_key: str | None = None, core_order: str = "oldest") -> None:
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners

@@ -57,7 +57,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     link.add_argument("--link-trace", default=None,
                       help="the one link follows this trace instead (CSV or wifi, lte, ...)")
     p.add_argument("--link-rtt-ms", type=float, default=20.0, help="the link's round trip (ms)")
-    p.add_argument("--core-order", choices=GRANT_ORDERS, default="turns",
+    p.add_argument("--core-order", choices=GRANT_ORDERS, default="oldest",
                    help="the service's --ask-core-order (docs/asks.md)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="T the server encodes with")
     p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")

@@ -35,7 +35,12 @@ import json
 import time
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from sparkv.extras import require_all
+
+require_all(("fastapi",), feature="the OpenAI-compatible route of the device service "
+                                   "(sparkv.asks.chat)")
+
+from fastapi import APIRouter, Request  # noqa: E402 - after the check
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 

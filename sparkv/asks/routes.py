@@ -19,7 +19,11 @@ from __future__ import annotations
 
 from typing import Annotated, AsyncIterator
 
-from fastapi import APIRouter, Depends, Request
+from sparkv.extras import require_all
+
+require_all(("fastapi",), feature="the asks routes of the device service (sparkv.asks.routes)")
+
+from fastapi import APIRouter, Depends, Request  # noqa: E402 - after the check
 from pydantic import TypeAdapter
 
 from sparkv.asks.schemas import AskBody, AskEvent, AskFields, AskStats

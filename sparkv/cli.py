@@ -38,6 +38,7 @@ COMMAND_MODULES: list[str] = [
     "sparkv.server.commands",
     "sparkv.edge.commands",
     "sparkv.device.commands",
+    "sparkv.asks.commands",       # extends `device serve` (after sparkv.device.commands)
     "sparkv.demo",
     "sparkv.predictor.commands",
     "sparkv.bench",

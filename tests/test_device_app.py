@@ -32,6 +32,9 @@ STATS = {"policy": "llms", "budget_bytes": 40000000, "used_bytes": 123, "peak_by
          "streamed_chunks": 0}
 
 
+#: a context as the routes describe it: the service's description and its owner (an app's view)
+OWNED = {**INFO, "owner": "user", "shared_with": []}
+
 HEALTH = {"ok": True, "contexts": 1,
           "flash": {"state": "ok", "path": "/data/flash", "mount": "/data", "free_bytes": 10,
                     "total_bytes": 20, "reason": None}}
@@ -105,9 +108,9 @@ def test_routes_answer_what_the_service_returns(app_client):
     _same_json(c.get("/healthz").json(), HEALTH)
     r = c.post("/v1/contexts", json={"system_prompt": "be brief"})
     assert r.status_code == 201
-    _same_json(r.json(), INFO)
-    _same_json(c.get("/v1/contexts").json(), {"contexts": [INFO], "damaged": []})
-    _same_json(c.get(f"/v1/contexts/{INFO['id']}").json(), INFO)
+    _same_json(r.json(), OWNED)
+    _same_json(c.get("/v1/contexts").json(), {"contexts": [OWNED], "damaged": []})
+    _same_json(c.get(f"/v1/contexts/{INFO['id']}").json(), OWNED)
     _same_json(c.get("/v1/stats").json(), STATS)
     r = c.post(f"/v1/contexts/{INFO['id']}/call", json={"prompt": "capital?",
                                                          "max_new_tokens": 5})
@@ -167,7 +170,7 @@ def test_openapi_names_a_model_for_every_answer(app_client):
     c, _ = app_client
     paths = c.get("/openapi.json").json()["paths"]
     assert set(paths) == {"/v1/contexts", "/v1/contexts/{ctx_id}", "/v1/contexts/{ctx_id}/call",
-                          "/v1/stats", "/healthz"}
+                          "/v1/contexts/{ctx_id}/share", "/v1/stats", "/healthz"}
     for path, ops in paths.items():
         for method, op in ops.items():
             for status, resp in op["responses"].items():

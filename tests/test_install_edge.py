@@ -33,7 +33,8 @@ ABSENT = ("fastapi", "starlette", "uvicorn", "redis", "prometheus_client", "pulp
 # the HTTP apps and the plumbing only they use (sparkv.rest's limits, fields and listen are
 # plain Python, used by the edge-side commands too)
 NOT_EDGE = ("sparkv.server", "sparkv.bench", "sparkv.demo", "sparkv.device.app",
-            "sparkv.rest.handlers", "sparkv.rest.middleware", "sparkv.rest.routing")
+            "sparkv.rest.handlers", "sparkv.rest.middleware", "sparkv.rest.routing",
+            "sparkv.asks.routes", "sparkv.asks.chat")
 
 BLOCKED_RUN = r"""
 import contextlib, importlib, importlib.abc, io, json, pkgutil, sys

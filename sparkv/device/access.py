@@ -13,6 +13,12 @@
   at ``--token-file``, else ``$SPARKV_DEVICE_TOKEN_FILE``, else ``<sparkv cache>/device/token``
   (:func:`default_token_file`), where ``sparkv device`` clients find it.
 
+* **The app** (:mod:`sparkv.device.identity`): a bearer token that is an app token (either
+  transport) makes the request that app's; the service's own token (TCP) or no token on the Unix
+  socket makes it the peer's (``SO_PEERCRED``: this user, or ``uid:N``). A bearer token that is
+  neither is ``401 invalid_token`` on the socket too. The app id reaches the routes as
+  ``scope["state"]["sparkv.app"]``.
+
 Errors have the service's one JSON shape (:func:`sparkv.protocol.error_body`).
 
 :class:`AccessGuard` is pure ASGI (no ``BaseHTTPMiddleware``): it runs before routing and holds no
@@ -30,8 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkv.fileio import atomic_write
+from sparkv.device.identity import APP_SCOPE_KEY, USER, peer_app, token_app
 from sparkv.device.private import FILE_MODE, check_path, existing
 from sparkv.protocol.errors import error_body
+from sparkv.rest.peer import scope_peer
 
 if TYPE_CHECKING:   # the guard runs inside the HTTP app (the server extra); the token helpers don't
     from starlette.types import ASGIApp, Receive, Scope, Send
@@ -109,12 +117,14 @@ def _headers(scope: Scope, name: bytes) -> list[str]:
 
 
 class AccessGuard:
-    """ASGI middleware: the Host check on every request, the bearer token when ``token`` is set
-    (module docstring)."""
+    """ASGI middleware: the Host check on every request, the bearer token when ``token`` is set,
+    the app making the request (app tokens checked with ``app_key``; module docstring)."""
 
-    def __init__(self, app: ASGIApp, token: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, token: str | None = None,
+                 app_key: bytes | None = None) -> None:
         self.app = app
         self.token = token
+        self.app_key = app_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -122,6 +132,7 @@ class AccessGuard:
             return
         refusal = self.refusal(scope)
         if refusal is None:
+            scope.setdefault("state", {})[APP_SCOPE_KEY] = self.caller(scope)
             await self.app(scope, receive, send)
             return
         status, code, message = refusal
@@ -137,15 +148,28 @@ class AccessGuard:
         if len(hosts) != 1 or not loopback_host(hosts[0]):
             return (421, "misdirected_request", "the device service answers only requests for "
                     "localhost, 127.0.0.1 or [::1] (Host header)")
-        if self.token is None:
-            return None
         values = _headers(scope, b"authorization")
         if not values:
+            if self.token is None:
+                return None
             return (401, "missing_token", "send 'Authorization: Bearer <token>' (the token is in "
                     "the service's token file, docs/device-service.md)")
         given = bearer_token(values)
-        if given is None or not token_matches(given, self.token):
-            return (401, "invalid_token", "the Authorization header is not 'Bearer <token>' "
-                    "with the service's token")
-        return None
+        if given is not None and (token_app(self.app_key, given) is not None or (
+                self.token is not None and token_matches(given, self.token))):
+            return None
+        return (401, "invalid_token", "the Authorization header is not 'Bearer <token>' with "
+                "the service's token or an app token (sparkv device app-token)")
+
+    def caller(self, scope: Scope) -> str:
+        """The app of an admitted request: its app token's, else its peer's (module
+        docstring)."""
+        given = bearer_token(_headers(scope, b"authorization"))
+        app = token_app(self.app_key, given) if given is not None else None
+        if app is not None:
+            return app
+        if given is not None:      # the service's own token
+            return USER
+        peer = scope_peer(scope)
+        return peer_app(peer.uid if peer is not None else None)
 

@@ -9,6 +9,7 @@ POST     ``/v1/contexts/{id}/call``        ``CallBody`` -> ``CallReply``
 DELETE   ``/v1/contexts/{id}``             204 (a damaged context too)
 GET      ``/v1/contexts``                  ``DeviceContextList`` (and the damaged ones)
 GET      ``/v1/contexts/{id}``             ``ContextInfo``
+PUT      ``/v1/contexts/{id}/share``       ``ShareBody`` -> ``ContextInfo``
 GET      ``/v1/stats``                     ``ServiceStats``
 GET      ``/healthz``                      ``ServiceHealth``
 =======  ================================  ==============================================
@@ -35,7 +36,12 @@ method a path lacks a 405 with ``Allow``; anything unexpected a 500 ``internal_e
 
 Before any route, :class:`~sparkv.device.access.AccessGuard` answers 421 to a Host that is not
 loopback and, when the app has a ``token`` (``serve --port``), 401 to a request without
-``Authorization: Bearer <token>``.
+``Authorization: Bearer <token>``; it names the app making the request
+(:mod:`sparkv.device.identity`). An app sees only its own contexts and those shared with it
+(:mod:`sparkv.device.owners`): another's is 404 ``unknown_context``, as if it did not exist; one
+shared with it but not its own is 403 ``not_owner`` to delete or share.
+
+More routers (the asks of :mod:`sparkv.asks`) join through ``create_app(routers=...)``.
 
 The routes are plain functions, run in FastAPI's thread pool: the service's calls block (a call
 holds its context's lock while it generates).
@@ -44,7 +50,7 @@ holds its context's lock while it generates).
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Sequence
 
 from sparkv.extras import require_all
 
@@ -55,16 +61,19 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from sparkv.device.access import AccessGuard
-from sparkv.device.errors import DeviceError
+from sparkv.device.errors import DeviceError, NotOwner, UnknownContext
+from sparkv.device.identity import APP_SCOPE_KEY, USER
+from sparkv.device.owners import OWNERS_FILE, ContextOwners
 from sparkv.device.schemas import (CallBody, CallReply, ContextInfo, DeviceContextList, ErrorResponse,
-                                   ServiceHealth, NewContext, ServiceStats)
+                                   ServiceHealth, NewContext, ServiceStats, ShareBody)
 from sparkv.device.service import ContextService
 from sparkv.rest.handlers import error_response, install_error_handlers as install_shared
 from sparkv.rest.limits import BodyLimits
 from sparkv.rest.middleware import install_request_policy
 from sparkv.rest.openapi import declare_plumbing_errors
 
-__all__ = ["create_app", "get_service", "ServiceDep", "ROUTERS"]
+__all__ = ["create_app", "get_service", "get_caller", "get_owners", "ServiceDep", "CallerDep",
+           "OwnersDep", "ROUTERS", "visible_context", "error_responses"]
 
 log = logging.getLogger("sparkv.device")
 
@@ -75,13 +84,46 @@ def get_service(request: Request) -> ContextService:
     return request.app.state.service
 
 
+def get_caller(request: Request) -> str:
+    """The app making the request (set by :class:`~sparkv.device.access.AccessGuard`)."""
+    return str(request.scope.get("state", {}).get(APP_SCOPE_KEY, USER))
+
+
+def get_owners(request: Request) -> ContextOwners:
+    """The app's owner records (``app.state.owners``)."""
+    return request.app.state.owners
+
+
 ServiceDep = Annotated[ContextService, Depends(get_service)]
+CallerDep = Annotated[str, Depends(get_caller)]
+OwnersDep = Annotated[ContextOwners, Depends(get_owners)]
 ContextId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="a context's id")]
 
 
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses``: the error body for each of ``statuses``."""
     return {status: {"model": ErrorResponse} for status in statuses}
+
+
+def visible_context(owners: ContextOwners, ctx_id: str, caller: str) -> None:
+    """:class:`UnknownContext` unless ``caller`` may see the context (its own, or shared with
+    it): another app's context is answered as if it did not exist."""
+    if not owners.visible(ctx_id, caller):
+        raise UnknownContext(f"no context {ctx_id!r}")
+
+
+def _owned_context(owners: ContextOwners, ctx_id: str, caller: str) -> None:
+    """As :func:`visible_context`, and :class:`NotOwner` when it is only shared with
+    ``caller``."""
+    visible_context(owners, ctx_id, caller)
+    if owners.owner(ctx_id) != caller:
+        raise NotOwner(f"context {ctx_id} is shared with you; only its owner "
+                       f"({owners.owner(ctx_id)}) may delete or share it")
+
+
+def _info(service: ContextService, owners: ContextOwners, ctx_id: str) -> ContextInfo:
+    return ContextInfo.model_validate({**service.describe(ctx_id).to_dict(),
+                                       **owners.describe(ctx_id)})
 
 
 # ---- the routes ----------------------------------------------------------------------------------
@@ -90,19 +132,23 @@ service_router = APIRouter(tags=["service"])
 
 
 @contexts_router.post("/v1/contexts", status_code=201, response_model=ContextInfo,
-                      responses=_errors(400, 413, 422, 503, 507))
-def new_context(body: NewContext, service: ServiceDep) -> ContextInfo:
-    """Makes a context holding the system prompt (its KV computed now)."""
+                      responses=error_responses(400, 413, 422, 503, 507))
+def new_context(body: NewContext, service: ServiceDep, caller: CallerDep,
+                owners: OwnersDep) -> ContextInfo:
+    """Makes a context holding the system prompt (its KV computed now), the caller's."""
     if body.system_prompt is not None and body.system_ids is not None:
         raise DeviceError("give system_prompt or system_ids, not both")
     cid = service.new_context(body.system_prompt, system_ids=body.system_ids)
-    return ContextInfo.model_validate(service.describe(cid).to_dict())
+    owners.claim(cid, caller)
+    return _info(service, owners, cid)
 
 
 @contexts_router.post("/v1/contexts/{ctx_id}/call", response_model=CallReply,
-                      responses=_errors(400, 404, 409, 413, 422, 503, 507))
-def call_context(ctx_id: ContextId, body: CallBody, service: ServiceDep) -> CallReply:
+                      responses=error_responses(400, 404, 409, 413, 422, 503, 507))
+def call_context(ctx_id: ContextId, body: CallBody, service: ServiceDep, caller: CallerDep,
+                 owners: OwnersDep) -> CallReply:
     """Answers a prompt in the context (which grows by the prompt and the answer)."""
+    visible_context(owners, ctx_id, caller)
     if (body.prompt is None) == (body.prompt_ids is None):
         raise DeviceError("give exactly one of prompt and prompt_ids")
     res = service.call(ctx_id, body.prompt, body.max_new_tokens,
@@ -113,27 +159,47 @@ def call_context(ctx_id: ContextId, body: CallBody, service: ServiceDep) -> Call
 
 
 @contexts_router.delete("/v1/contexts/{ctx_id}", status_code=204, response_class=Response,
-                        responses=_errors(404))
-def delete_context(ctx_id: ContextId, service: ServiceDep) -> Response:
+                        responses=error_responses(403, 404))
+def delete_context(ctx_id: ContextId, service: ServiceDep, caller: CallerDep,
+                   owners: OwnersDep) -> Response:
     """Deletes the context: its memory, its flash files and its journal record (of a damaged
-    context, what is left of them)."""
+    context, what is left of them). Its owner only."""
+    _owned_context(owners, ctx_id, caller)
     service.delete(ctx_id)
+    owners.forget(ctx_id)
     return Response(status_code=204)
 
 
 @contexts_router.get("/v1/contexts", response_model=DeviceContextList)
-def list_contexts(service: ServiceDep) -> DeviceContextList:
-    """Every context, and those that could not be reopened (``damaged``)."""
-    return DeviceContextList.model_validate({
-        "contexts": [c.to_dict() for c in service.list()],
-        "damaged": [d.to_dict() for d in service.damaged_list()]})
+def list_contexts(service: ServiceDep, caller: CallerDep,
+                  owners: OwnersDep) -> DeviceContextList:
+    """The caller's contexts and those shared with it, and those of them that could not be
+    reopened (``damaged``)."""
+    mine = [{**c.to_dict(), **owners.describe(c.id)} for c in service.list()
+            if owners.visible(c.id, caller)]
+    damaged = [d.to_dict() for d in service.damaged_list() if owners.visible(d.id, caller)]
+    return DeviceContextList.model_validate({"contexts": mine, "damaged": damaged})
 
 
 @contexts_router.get("/v1/contexts/{ctx_id}", response_model=ContextInfo,
-                     responses=_errors(404, 409))
-def describe_context(ctx_id: ContextId, service: ServiceDep) -> ContextInfo:
-    """One context: tokens, bytes, chunks by residency, level mix, busy."""
-    return ContextInfo.model_validate(service.describe(ctx_id).to_dict())
+                     responses=error_responses(404, 409))
+def describe_context(ctx_id: ContextId, service: ServiceDep, caller: CallerDep,
+                     owners: OwnersDep) -> ContextInfo:
+    """One context: tokens, bytes, chunks by residency, level mix, busy, owner."""
+    visible_context(owners, ctx_id, caller)
+    return _info(service, owners, ctx_id)
+
+
+@contexts_router.put("/v1/contexts/{ctx_id}/share", response_model=ContextInfo,
+                     responses=error_responses(403, 404, 409, 422))
+def share_context(ctx_id: ContextId, body: ShareBody, service: ServiceDep, caller: CallerDep,
+                  owners: OwnersDep) -> ContextInfo:
+    """Shares the context with the apps of ``apps`` (``*``: every app), replacing its share
+    list (``[]``: private again). Its owner only."""
+    _owned_context(owners, ctx_id, caller)
+    service.describe(ctx_id)            # 404 for a deleted one, 409 for a damaged one
+    owners.share(ctx_id, body.apps)
+    return _info(service, owners, ctx_id)
 
 
 @service_router.get("/v1/stats", response_model=ServiceStats)
@@ -183,17 +249,24 @@ def state_vocabulary(schema: dict[str, Any], vocab: int | None) -> dict[str, Any
 
 
 def create_app(service: ContextService, token: str | None = None,
-               limits: BodyLimits = BodyLimits()) -> FastAPI:
+               limits: BodyLimits = BodyLimits(), *, app_key: bytes | None = None,
+               owners: ContextOwners | None = None,
+               routers: Sequence[APIRouter] = ()) -> FastAPI:
     """The device service's app over ``service``: loopback Host names only, and with ``token``
-    (TCP) every request must carry ``Authorization: Bearer <token>``
-    (:class:`~sparkv.device.access.AccessGuard`); request bodies within ``limits`` (the shared
-    request policy, :func:`~sparkv.rest.middleware.install_request_policy`)."""
+    (TCP) every request must carry ``Authorization: Bearer <token>`` or an app token under
+    ``app_key`` (:class:`~sparkv.device.access.AccessGuard`); request bodies within ``limits``
+    (the shared request policy, :func:`~sparkv.rest.middleware.install_request_policy`).
+    ``owners``: whose each context is (default: kept in the service's flash dir, else in
+    memory); ``routers``:
+    more routes (their dependencies find ``app.state``)."""
     app = FastAPI(title="sparkv device context service", version="1")
     app.state.service = service
-    for router in ROUTERS:
+    swap_dir = getattr(service, "swap_dir", None)      # none: a scripted service (tests)
+    app.state.owners = owners or ContextOwners(swap_dir / OWNERS_FILE if swap_dir else None)
+    for router in (*ROUTERS, *routers):
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(AccessGuard, token=token)
+    app.add_middleware(AccessGuard, token=token, app_key=app_key)
     install_request_policy(app, limits)
 
     def openapi() -> dict[str, Any]:

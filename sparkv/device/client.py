@@ -3,29 +3,37 @@ loopback port, and a helper that runs ``sparkv device serve`` as a subprocess.
 
 Over a port the client sends the service's bearer token, read from its token file
 (:func:`sparkv.device.access.default_token_file` unless given): the caller needs nothing more
-than the URL. Every request names ``localhost`` as its Host (the service answers no other)."""
+than the URL. An app token (``token=``, :mod:`sparkv.device.identity`) is sent on either
+transport and makes the requests that app's. Every request names ``localhost`` as its Host (the
+service answers no other).
+
+:meth:`DeviceClient.ask` asks about a server context through the service (``POST /v1/asks``:
+docs/device-service.md, "Asks"), its answer streamed token by token."""
 
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 
 from sparkv.device.access import read_token
 from sparkv.device.errors import (BudgetBusy, BudgetTooSmall, ContextBusy, ContextDamaged,
-                                  DeviceError, FlashFull, PromptTooLong, UnknownContext)
+                                  DeviceError, FlashFull, NotOwner, PromptTooLong, QueueFull,
+                                  ShuttingDown, UnknownContext)
 from sparkv.protocol.errors import ApiError
 
-_BY_STATUS = {404: UnknownContext, 409: ContextBusy, 413: PromptTooLong, 503: BudgetBusy,
-              507: BudgetTooSmall}
-_BY_CODE = {ContextDamaged.code: ContextDamaged, FlashFull.code: FlashFull}
+_BY_STATUS = {403: NotOwner, 404: UnknownContext, 409: ContextBusy, 413: PromptTooLong,
+              429: QueueFull, 503: BudgetBusy, 507: BudgetTooSmall}
+_BY_CODE = {ContextDamaged.code: ContextDamaged, FlashFull.code: FlashFull,
+            ShuttingDown.code: ShuttingDown}
 
 
 def response_error(status: int, body: bytes) -> DeviceError:
@@ -39,6 +47,16 @@ def response_error(status: int, body: bytes) -> DeviceError:
     exc = cls(f"{message} (HTTP {status})")
     exc.status = status
     exc.code = err.code
+    return exc
+
+
+def event_error(event: dict[str, Any]) -> DeviceError:
+    """The :class:`DeviceError` of an ask's ``error`` event (its status's class)."""
+    err = event.get("error") or {}
+    status = int(err.get("status", 500))
+    exc = (_BY_CODE.get(str(err.get("code"))) or _BY_STATUS.get(status, DeviceError))(
+        f"{err.get('message', 'the ask failed')} (HTTP {status})")
+    exc.status, exc.code = status, str(err.get("code", "internal_error"))
     return exc
 
 
@@ -58,8 +76,9 @@ class DeviceClient:
     Args:
         socket: the service's Unix socket (default :func:`default_socket`), or
         url: ``http://127.0.0.1:PORT`` when it listens on loopback.
-        token: the service's bearer token (``url`` only); default: the one in ``token_file``
-            (default :func:`~sparkv.device.access.default_token_file`).
+        token: the bearer token: an app token (either transport), or the service's own (``url``;
+            default: the one in ``token_file``, default
+            :func:`~sparkv.device.access.default_token_file`).
     """
 
     def __init__(self, socket: str | os.PathLike[str] | None = None, url: str | None = None,
@@ -67,12 +86,14 @@ class DeviceClient:
                  token_file: str | os.PathLike[str] | None = None) -> None:
         if url:
             token = token or read_token(token_file)
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if url:
             self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=headers)
         else:
             path = str(socket or default_socket())
             self._http = httpx.Client(transport=httpx.HTTPTransport(uds=path),
-                                      base_url="http://localhost", timeout=timeout_s)
+                                      base_url="http://localhost", timeout=timeout_s,
+                                      headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -86,10 +107,7 @@ class DeviceClient:
     def _req(self, method: str, path: str, **kw: Any) -> Any:
         r = self._http.request(method, path, **kw)
         if r.status_code >= 400:
-            exc = response_error(r.status_code, r.content)
-            if isinstance(exc, BudgetBusy) and r.headers.get("retry-after", "").isdigit():
-                exc.retry_after_s = int(r.headers["retry-after"])
-            raise exc
+            raise _refusal(r)
         return None if r.status_code == 204 else r.json()
 
     # ---- the API ---------------------------------------------------------------------------------
@@ -132,6 +150,56 @@ class DeviceClient:
 
     def stats(self) -> dict[str, Any]:
         return self._req("GET", "/v1/stats")
+
+    def share(self, ctx_id: str, apps: Sequence[str]) -> dict[str, Any]:
+        """Shares a context of this app's with ``apps`` (``"*"``: every app; ``[]``: nobody)."""
+        return self._req("PUT", f"/v1/contexts/{ctx_id}/share", json={"apps": list(apps)})
+
+    # ---- asks ------------------------------------------------------------------------------------
+    def ask_events(self, context_id: str, question: str, **fields: Any
+                   ) -> Iterator[dict[str, Any]]:
+        """``POST /v1/asks``: the ask's events as they arrive (``queued``, ``token`` ..., then
+        ``done`` or ``error``). ``fields``: the body's (``server``, ``api_key``,
+        ``max_new_tokens``, the ``AskOptions`` fields, ``share``); a refusal before the stream
+        (429 ``queue_full``, ...) raises its :class:`DeviceError`. Closing the iterator early
+        closes the connection, which cancels the ask."""
+        body = {"context_id": context_id, "question": question,
+                **{k: v for k, v in fields.items() if v is not None}}
+        with self._http.stream("POST", "/v1/asks", json=body) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise _refusal(r)
+            for line in r.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
+    def ask(self, context_id: str, question: str, *,
+            on_token: Callable[[dict[str, Any]], None] | None = None,
+            **fields: Any) -> dict[str, Any]:
+        """Asks and waits: the ``done`` event (``answer``, ``tokens``, ``breakdown``,
+        ``kept_id``, ...); ``on_token`` gets each ``token`` event as it arrives. An ``error``
+        event raises its :class:`DeviceError` (``status``, ``code``)."""
+        for event in self.ask_events(context_id, question, **fields):
+            if event["type"] == "token" and on_token is not None:
+                on_token(event)
+            elif event["type"] == "done":
+                return event
+            elif event["type"] == "error":
+                raise event_error(event)
+        raise DeviceError("the ask's stream ended without its done event")
+
+    def ask_stats(self) -> dict[str, Any]:
+        """``GET /v1/asks``: the asks running and waiting, the cores' load, the counts."""
+        return self._req("GET", "/v1/asks")
+
+
+def _refusal(r: httpx.Response) -> DeviceError:
+    """The :class:`DeviceError` of an error response (``Retry-After`` read into
+    ``retry_after_s`` for a 503 or a 429)."""
+    exc = response_error(r.status_code, r.content)
+    if isinstance(exc, (BudgetBusy, QueueFull)) and r.headers.get("retry-after", "").isdigit():
+        exc.retry_after_s = int(r.headers["retry-after"])
+    return exc
 
 
 class DeviceProcess:
@@ -195,11 +263,20 @@ class DeviceProcess:
         """``http://127.0.0.1:PORT`` when it listens on a port."""
         return f"http://127.0.0.1:{self.port}" if self.port else None
 
-    def client(self, timeout_s: float = 600.0) -> DeviceClient:
-        """A client of this service (over its port: with the token of its token file)."""
+    def client(self, timeout_s: float = 600.0, app: str | None = None) -> DeviceClient:
+        """A client of this service (over its port: with the token of its token file); with
+        ``app``, that app's (its app token: :meth:`app_token`)."""
+        token = self.app_token(app) if app is not None else None
         if self.port:
-            return DeviceClient(url=self.url, timeout_s=timeout_s, token_file=self.token_file)
-        return DeviceClient(self.socket, timeout_s=timeout_s)
+            return DeviceClient(url=self.url, timeout_s=timeout_s, token=token,
+                                token_file=self.token_file)
+        return DeviceClient(self.socket, timeout_s=timeout_s, token=token)
+
+    def app_token(self, name: str) -> str:
+        """App ``name``'s token for this service (from the app key in its flash dir)."""
+        from sparkv.device.identity import app_key, app_token
+
+        return app_token(app_key(self.swap_dir), name)
 
     def log(self) -> str:
         try:

@@ -7,6 +7,7 @@
     sparkv device call ID "prompt" [--max-new-tokens 32] [--no-grow] [--json]
     sparkv device delete ID
     sparkv device list | stats                             # JSON
+    sparkv device app-token NAME [--flash-dir DIR]         # an app's token (docs: "Apps")
 
 The client commands find the service at ``--socket`` (default ``$SPARKV_DEVICE_SOCKET``, else
 ``<sparkv cache>/device/sparkv-device.sock``) or ``--url`` (with the token of ``--token-file``,
@@ -44,7 +45,7 @@ POLICIES = ("llms", "llms-no-compression", "llms-no-pipeline", "llms-no-lifecycl
             "vllm-sq")
 
 
-def _client_args(p: argparse.ArgumentParser) -> None:
+def client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", default=None, help="the service's Unix socket")
     p.add_argument("--url", default=None, help="http://127.0.0.1:PORT (a loopback service)")
     p.add_argument("--token-file", default=None,
@@ -60,7 +61,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
     c = dsub.add_parser("create", help="make a context; prints its id")
     c.add_argument("--system", default=None, help="system prompt")
-    _client_args(c)
+    client_args(c)
     c.set_defaults(func=_create)
 
     k = dsub.add_parser("call", help="run a prompt in a context; prints the answer")
@@ -71,21 +72,28 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="answer over the context without keeping the turn in it")
     k.add_argument("--json", action="store_true",
                    help="print the whole result as JSON (timings included)")
-    _client_args(k)
+    client_args(k)
     k.set_defaults(func=_call)
 
     x = dsub.add_parser("delete", help="delete a context")
     x.add_argument("context", help="the context's id")
-    _client_args(x)
+    client_args(x)
     x.set_defaults(func=_delete)
 
     ls = dsub.add_parser("list", help="the contexts (JSON)")
-    _client_args(ls)
+    client_args(ls)
     ls.set_defaults(func=_list)
 
     st = dsub.add_parser("stats", help="budget, bytes, evictions, I/O (JSON)")
-    _client_args(st)
+    client_args(st)
     st.set_defaults(func=_stats)
+
+    t = dsub.add_parser("app-token", help="print an app's token for the service of a flash dir "
+                                          "(the app's requests are then its own)")
+    t.add_argument("name", help="the app's name: 1-32 of a-z, 0-9, _ and -")
+    t.add_argument("--flash-dir", default=None,
+                   help="the service's flash dir (default: <sparkv cache>/device/swap)")
+    t.set_defaults(func=_app_token)
     d.set_defaults(func=lambda args: (d.print_help(), 2)[1])
 
 
@@ -128,7 +136,8 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
 
 
 @contextlib.contextmanager
-def _client(args: argparse.Namespace) -> Iterator["DeviceClient"]:
+def device_client(args: argparse.Namespace,
+                  token: str | None = None) -> Iterator["DeviceClient"]:
     """The service's client; a service that cannot be reached is a :class:`SparkvError` naming
     where it was looked for (the CLI prints it as one line, exit status 2)."""
     import httpx
@@ -137,7 +146,8 @@ def _client(args: argparse.Namespace) -> Iterator["DeviceClient"]:
 
     where = args.url or str(args.socket or default_socket())
     try:
-        with DeviceClient(args.socket, url=args.url, token_file=args.token_file) as client:
+        with DeviceClient(args.socket, url=args.url, token=token,
+                          token_file=args.token_file) as client:
             yield client
     except httpx.TransportError as exc:
         raise SparkvError(f"the device service at {where} is unreachable ({exc}): start it with "
@@ -227,14 +237,24 @@ def _check_limits(args: argparse.Namespace) -> None:
 
 def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: list,
                token: str | None = None) -> None:
-    """Runs the app on ``sockets`` with the request limits of ``args``."""
+    """Runs the app on ``sockets`` with the request limits of ``args``, app tokens checked
+    with the app key of the flash dir. A command that extends the service (``extend_app`` in
+    ``args``: ``sparkv.asks.commands`` adds the asks) gets the app and the service first, and
+    its closer runs once the app stopped."""
     from sparkv.device.app import create_app
+    from sparkv.device.identity import app_key
     from sparkv.rest.listen import serve
     from sparkv.rest.limits import BodyLimits
 
-    app = create_app(service, token=token,
+    app = create_app(service, token=token, app_key=app_key(service.swap_dir),
                      limits=BodyLimits(args.max_body_bytes, args.body_timeout_s))
-    serve(app, sockets, header_timeout_s=args.header_timeout_s, log_level="warning")
+    extend = getattr(args, "extend_app", None)
+    close = extend(app, service, args) if extend is not None else None
+    try:
+        serve(app, sockets, header_timeout_s=args.header_timeout_s, log_level="warning")
+    finally:
+        if close is not None:
+            close()
 
 
 def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:
@@ -273,13 +293,13 @@ def _listen_unix(service: "ContextService", args: argparse.Namespace) -> int:
 
 
 def _create(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with device_client(args) as c:
         print(c.new_context(args.system))
     return 0
 
 
 def _call(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with device_client(args) as c:
         res = c.call(args.context, args.prompt, args.max_new_tokens, grow=not args.no_grow)
     if args.json:
         print(json.dumps(res, indent=1))
@@ -291,13 +311,13 @@ def _call(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with device_client(args) as c:
         c.delete(args.context)
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with device_client(args) as c:
         print(json.dumps(c.list(), indent=1))
         for d in c.damaged():
             print(f"damaged context {d['id']}: {d['reason']} (sparkv device delete {d['id']})",
@@ -306,8 +326,19 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with device_client(args) as c:
         print(json.dumps(c.stats(), indent=1))
+    return 0
+
+
+def _app_token(args: argparse.Namespace) -> int:
+    from sparkv.device.identity import app_key, app_token
+    from sparkv.device.private import check_path, private_dir
+    from sparkv.runtime.model import cache_dir
+
+    swap = Path(args.flash_dir) if args.flash_dir else cache_dir() / "device" / "swap"
+    check_path(swap, "the flash dir", leaf_mode=False)
+    print(app_token(app_key(private_dir(swap)), args.name))
     return 0
 
 

@@ -33,8 +33,10 @@ class KeptContexts(Protocol):
         ...
 
     def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
-                       label: str | None = None) -> str:
-        """Adopts a context whose KV was loaded elsewhere; returns its id."""
+                       label: str | None = None) -> str | None:
+        """Adopts a context whose KV was loaded elsewhere; returns its id (``None``: a view
+        that cannot keep it now, as an app's view in :mod:`sparkv.asks` under a full budget:
+        the answer stands, ``AskResult.kept_id`` is ``None``)."""
         ...
 
     def find(self, label: str) -> str | None:

@@ -69,3 +69,26 @@ class FlashFull(DeviceError, status=507, code="flash_full"):
 
 class FlashInUse(DeviceError, status=409, code="flash_in_use"):
     """Another process holds the flash dir's lock: one service per flash dir."""
+
+
+class NotOwner(DeviceError, status=403, code="not_owner"):
+    """The context is shared with this app, not its own: only its owner deletes or shares it."""
+
+
+class QueueFull(DeviceError, status=429, code="queue_full"):
+    """Every slot runs an ask and the queue is full: try again after ``retry_after_s`` (the
+    ``Retry-After`` header)."""
+
+    retry_after_s = 1
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ShuttingDown(DeviceError, status=503, code="shutting_down"):
+    """The service is stopping: it takes no new ask."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "5"}

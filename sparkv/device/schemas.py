@@ -9,19 +9,18 @@ so a field the service adds reaches the client unchanged. Errors are the wire's 
 
 from __future__ import annotations
 
-from typing import Any
-
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
+from sparkv.device.identity import APP_ID_PATTERN
 from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 from sparkv.rest.fields import JSON_INT, at_most_one_of, one_of
 
 __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "ServiceHealth",
            "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
-           "CallReply",
+           "CallReply", "ShareBody", "AppId", "PromptText",
            "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -44,6 +43,10 @@ PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(_
 #: model's vocabulary (the service checks it; the app's OpenAPI states it)
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1), JSON_INT]],
                      Field(max_length=MAX_PROMPT_IDS)]
+
+
+#: an app as share lists name it: ``user``, ``uid:N``, ``app:NAME`` (sparkv.device.identity)
+AppId = Annotated[str, Field(pattern=APP_ID_PATTERN, max_length=40)]
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -72,6 +75,13 @@ class CallBody(BaseModel):
     timeout_s: float | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
                                     description=("wait at most this long for the context's lock "
                                                  "(else 409 context_busy); none: wait"))
+
+
+class ShareBody(BaseModel):
+    """``PUT /v1/contexts/{id}/share``: the apps the context is shared with from now on
+    (replacing the list; ``["*"]``: every app; ``[]``: its owner's only)."""
+
+    apps: list[AppId | Literal["*"]] = Field(max_length=64)
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -120,6 +130,9 @@ class ContextInfo(_Reply):
     hot: bool = Field(description="its working memory from the last call is kept")
     system_prompt: str | None
     label: str | None
+    owner: str | None = Field(default=None, description="the app that made or kept it")
+    shared_with: list[str] = Field(default_factory=list,
+                                   description="the apps it is shared with (* : every app)")
 
 
 class DamagedContextInfo(_Reply):

@@ -11,6 +11,7 @@ import threading
 
 from sparkv.edge.frames import FrameDecoder
 from sparkv.edge.hub import EngineError, Hub
+from sparkv.edge.lane import Lane
 from sparkv.edge.link import Link
 from sparkv.edge.prelude import Prelude
 from sparkv.edge.stats import EngineStats
@@ -48,17 +49,21 @@ class ComputeWorker:
         stall_fallback_s: the stall and the idle rules' threshold (seconds of credited time).
         deadline_s: the ask's time limit on the load's clock (``None``: none): once it passed,
             the link is stopped and everything missing is computed.
+        lane: the ask's lane (:mod:`sparkv.edge.lane`): at every look for a step, its load is
+            the controller's compute load, and a cancelled ask raises
+            :class:`~sparkv.edge.lane.AskCancelled` (the load ends with it).
     """
 
     def __init__(self, hub: Hub, stepper: LayerStepper, stats: EngineStats, link: Link | None,
                  decoder: FrameDecoder, prelude: Prelude | None, stall_fallback_s: float,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None, lane: Lane | None = None) -> None:
         self._hub, self._stepper, self._kv = hub, stepper, stepper.kv
         self._stats, self._link, self._decoder = stats, link, decoder
         self._prelude = prelude
         self._prelude_failed = False    # a promised step is missing: fallbacks fill it first
         self._stall_fallback_s = stall_fallback_s
         self._deadline_s = deadline_s
+        self._lane = lane
         self._idle_s = 0.0              # credited time with nothing scheduled on either path
         self._idle_at: float | None = None
         self._threads = 1
@@ -138,6 +143,7 @@ class ComputeWorker:
                 raise self._stats.refused
             if self._kv.is_complete():
                 return []
+            self._share()
             self._past_deadline()
             steps = self._planned_steps()
             if steps:
@@ -190,6 +196,12 @@ class ComputeWorker:
             if stepper.ready(s):
                 return s
         return None
+
+    def _share(self) -> None:
+        """The lane's news: cancelled (raises), and the other asks' load on the compute path."""
+        if self._lane is not None:
+            self._lane.check()
+            self._hub.ctl.state.compute_estimator.load = max(1.0, float(self._lane.load()))
 
     def _past_deadline(self) -> None:
         """The ask's time limit: once it passed (and the link is still wanted), the link is

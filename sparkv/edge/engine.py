@@ -48,6 +48,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from sparkv.edge.compute import ComputeWorker
 from sparkv.edge.frames import FrameDecoder, FrameOpener
 from sparkv.edge.hub import EngineConfig, EngineError, Hub
+from sparkv.edge.lane import Lane
 from sparkv.edge.link import Link
 from sparkv.edge.prelude import Prelude
 from sparkv.edge.results import LoadResult
@@ -86,6 +87,9 @@ class Engine:
         deadline_s: the ask's time limit, seconds from the start of :meth:`run` (``None``:
             none); past it the link is stopped and everything missing computed
             (``LoadResult.fallback["deadline"]``).
+        lane: the ask's share of a device serving several asks (:mod:`sparkv.edge.lane`): the
+            controller plans remaining compute with its load, and a cancelled ask ends the
+            load at the compute thread's next look (``None``: alone).
     """
 
     def __init__(self, stepper: LayerStepper, plan: Plan, inst: Instance,
@@ -93,7 +97,7 @@ class Engine:
                  config: EngineConfig | None = None, open_frame: FrameOpener | None = None,
                  kept: Mapping[KVChunkId, tuple[Sequence[int], Sequence[Any]]] | None = None,
                  prelude: Prelude | None = None, prelude_done: Iterable[StepId] = (),
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None, lane: Lane | None = None) -> None:
         if stepper.geometry != inst.geometry:
             raise EngineError("the stepper and the instance have different geometries")
         if plan.stream_order and source is None:
@@ -116,7 +120,7 @@ class Engine:
         self._link = (Link(self._hub, source, inst, self.kv, self._stats, self._decoder, cfg)
                       if source is not None else None)
         self._compute = ComputeWorker(self._hub, stepper, self._stats, self._link, self._decoder,
-                                      prelude, cfg.stall_fallback_s, deadline_s)
+                                      prelude, cfg.stall_fallback_s, deadline_s, lane)
 
     def run(self) -> LoadResult:
         """Loads every chunk; returns when the KV buffers are complete."""

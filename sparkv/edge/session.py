@@ -33,6 +33,7 @@ from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.bounds import ClientLimits, out_of_vocabulary
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig, EngineError
+from sparkv.edge.lane import Lane, on_lane
 from sparkv.edge.options import AskOptions
 from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
                                   FloorNotEncoded, build_instance, default_backend,
@@ -103,6 +104,7 @@ class _Ask:
     attention: Any                 # the AttentionBackend of the local steps
     t_start: float                 # perf_counter() at the call (TTFT counts from here)
     token_ids: Sequence[int] | None = None
+    lane: Lane | None = None       # its share of a device serving several asks (edge/lane.py)
     prelude: Prelude | None = None
     fallback: dict[str, Any] = field(default_factory=dict)
 
@@ -265,12 +267,15 @@ class EdgeSession:
 
     # ---- ask ---------------------------------------------------------------------------------
     def ask(self, context_id: str, question: str, options: AskOptions | None = None, *,
-            token_ids: Sequence[int] | None = None, **overrides: Any) -> AskResult:
+            token_ids: Sequence[int] | None = None, lane: Lane | None = None,
+            **overrides: Any) -> AskResult:
         """Answers ``question`` about context ``context_id`` as ``options`` say.
 
         Args:
             options: the policy (default: ``AskOptions()``, the fields' defaults).
             token_ids: the context's tokens when the device holds the document (no request).
+            lane: the ask's share of a device serving several asks at once
+                (:mod:`sparkv.edge.lane`): its layer steps run in turn with theirs.
             overrides: :class:`AskOptions` fields replacing those of ``options`` (``ask(cid, q,
                 strategy="local")``); a name that is no field raises :class:`TypeError`.
 
@@ -283,7 +288,7 @@ class EdgeSession:
         opts = AskOptions.resolve(options, overrides)
         suffix = question_suffix(self.lm, question, opts.chat)
         attn = self._attention(opts.backend)
-        ask = _Ask(context_id, opts, suffix, attn, time.perf_counter(), token_ids)
+        ask = _Ask(context_id, opts, suffix, attn, time.perf_counter(), token_ids, lane)
         if opts.keep:
             kept = self._ask_kept(ask)
             if kept is not None:
@@ -320,11 +325,12 @@ class EdgeSession:
                else _default_geometry(self.lm, len(tokens)))
         if self.lm.max_positions and len(tokens) > self.lm.max_positions:
             return None   # too long for the model: the load says so with its own error
-        lm, attn, spare = self.lm, ask.attention, ask.spare
+        lm, attn, spare, lane = self.lm, ask.attention, ask.spare, ask.lane
 
         def make() -> LayerStepper:
-            return LayerStepper(lm, tokens, geo.chunk_tokens, backend=attn,
-                                heads_per_group=geo.heads_per_group, spare_tokens=spare)
+            return on_lane(LayerStepper(lm, tokens, geo.chunk_tokens, backend=attn,
+                                        heads_per_group=geo.heads_per_group, spare_tokens=spare),
+                           lane)
 
         return Prelude(make, geo, tokens).start()
 
@@ -423,7 +429,7 @@ class EdgeSession:
                         kept=pressed.kept_positions if pressed is not None else None,
                         prelude=pre if reuse else None,
                         prelude_done=planned.prelude_done if reuse else frozenset(),
-                        deadline_s=_time_left(ask, limit))
+                        deadline_s=_time_left(ask, limit), lane=ask.lane)
         try:
             load = engine.run()
         except EngineError as e:
@@ -454,8 +460,9 @@ class EdgeSession:
             return pre.stepper
         if pre is not None:
             pre.join()
-        return LayerStepper(self.lm, tokens, geometry.chunk_tokens, backend=ask.attention,
-                            heads_per_group=geometry.heads_per_group, spare_tokens=ask.spare)
+        return on_lane(LayerStepper(self.lm, tokens, geometry.chunk_tokens, backend=ask.attention,
+                                    heads_per_group=geometry.heads_per_group,
+                                    spare_tokens=ask.spare), ask.lane)
 
     def _answer(self, ask: _Ask, fetched: _Fetched, planned: _Planned,
                 loaded: _Loaded) -> AskResult:
@@ -494,8 +501,9 @@ class EdgeSession:
             raise AskError("keep=True needs a context service (EdgeSession(context_service=...))")
         return svc
 
-    def _keep(self, ask: _Ask, tokens: list[int], kv: ContextKV) -> str:
-        """Keeps the loaded cache in the context service; returns its id there."""
+    def _keep(self, ask: _Ask, tokens: list[int], kv: ContextKV) -> str | None:
+        """Keeps the loaded cache in the context service; returns its id there (``None``: not
+        kept)."""
         return self._kept_service().import_context(tokens, kv,
                                                    label=self._kept_label(ask.context_id))
 

@@ -11,6 +11,8 @@ JSON (or a path or query parameter) that     422       ``invalid_request`` with 
 does not match the schema                              (``[{loc, msg, type}]``)
 the framework's HTTP errors (routing, body   theirs    :data:`HTTP_CODES`; a 405 with ``Allow``
 reading, the middleware's)                             naming every method of the path
+the client went away while its body was      499       none: nobody reads it (logged at info,
+read (``ClientDisconnect``)                            no traceback)
 anything else                                500       ``internal_error`` (logged, traceback)
 ===========================================  ========  ========================================
 
@@ -30,7 +32,9 @@ require_all(("fastapi",), feature="the HTTP apps (sparkv.rest.handlers)")
 from fastapi import FastAPI, Request  # noqa: E402 - after the check that names the extra
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as _StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sparkv.protocol.errors import ApiError, error_body
 from sparkv.rest.routing import allowed_methods
@@ -104,6 +108,12 @@ def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
     @app.exception_handler(_StarletteHTTPException)
     async def _http(request: Request, exc: _StarletteHTTPException) -> JSONResponse:
         return http_error_response(request, exc)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        log.info("the client went away during %s %s (its request was not read whole)",
+                 request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -19,6 +19,10 @@ a client that connects and sends nothing, or sends a request's headers a byte at
 part of a request arrived (none when nothing did: an unsolicited 408 could be read as the
 answer to a request the client sends later). :func:`json_error_protocol` picks the class
 matching uvicorn's own choice (``http="auto"``) with the deadline set.
+
+**Peer credentials.** On a Unix socket, the connection's peer (``SO_PEERCRED``:
+:mod:`sparkv.rest.peer`) is read once when it connects and reaches every request of the
+connection as ``scope["state"]["sparkv.peer"]`` (the app tells apps apart by it).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Iterable
 
 from sparkv.protocol.errors import error_body
 from sparkv.rest.limits import DEFAULT_HEADER_TIMEOUT_S
+from sparkv.rest.peer import PEER_STATE_KEY, peer_credentials
 
 STATUS_LINE_400 = b"HTTP/1.1 400 Bad Request\r\n"
 STATUS_LINE_408 = b"HTTP/1.1 408 Request Timeout\r\n"
@@ -84,9 +89,13 @@ class HeaderDeadline:
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     server_state: Any
+    app_state: dict[str, Any]
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
+        peer = peer_credentials(transport.get_extra_info("socket"))
+        if peer is not None:   # every request's scope["state"] is a copy of app_state
+            self.app_state = {**self.app_state, PEER_STATE_KEY: peer}
         self.arm_header_deadline(begun=False)
 
     def connection_lost(self, exc: Exception | None) -> None:

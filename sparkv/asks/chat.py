@@ -1,0 +1,216 @@
+"""``POST /v1/chat/completions``: the asks through OpenAI's chat completion API, the interface
+llama.cpp's server, Ollama and vLLM give apps (docs/device-service.md, "OpenAI-compatible").
+
+A stock client asks about a server context unchanged::
+
+    client = OpenAI(base_url="http://127.0.0.1:8079/v1", api_key=APP_TOKEN)
+    r = client.chat.completions.create(
+        model=CONTEXT_ID,                                   # the server context
+        messages=[{"role": "user", "content": "What is it about?"}],
+        extra_body={"sparkv": {"server": "http://127.0.0.1:8080", "strategy": "sparkv"}})
+
+* ``model`` names the server context (its 32-hex id), unless ``sparkv.context_id`` does; the
+  ``sparkv`` extension object (``extra_body``) carries the ask's other fields
+  (:class:`~sparkv.asks.schemas.SparkvFields`: the server, its key, the ``AskOptions``, ``share``);
+  without a server the service's ``--ask-server`` is used;
+* ``messages``: one user message, the question (the context, its system turn included, is the
+  server's: any other message is 400 ``unsupported_messages``);
+* the answer is greedy (what ``temperature`` 0 gives, whatever ``temperature`` says), at most
+  ``max_completion_tokens`` (or ``max_tokens``; default 256) tokens;
+* ``stream``: server-sent ``chat.completion.chunk`` events (the role, then the text as it is
+  generated, then the ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
+  ``usage``), then ``data: [DONE]``; a failure once streaming is one ``data: {"error": ...}``
+  event (what the ``openai`` client raises as an ``APIError``);
+* ``usage``: ``prompt_tokens`` (the context's tokens plus the question's), ``completion_tokens``
+  (the answer's), ``total_tokens``; ``sparkv`` in the answer: the ask's breakdown and kept id.
+
+Refusals before the answer starts are the service's errors (429 ``queue_full`` with
+``Retry-After``, which the ``openai`` client retries; 401; 400; 404 ``unknown_model``; 422).
+A client that goes away cancels the ask.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from sparkv.extras import require_all
+
+require_all(("fastapi",), feature="the OpenAI-compatible route of the device service "
+                                   "(sparkv.asks.chat)")
+
+from fastapi import APIRouter, Request  # noqa: E402 - after the check
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from sparkv.asks.routes import AsksDep, ask_request
+from sparkv.asks.schemas import ChatBody, SparkvFields
+from sparkv.asks.service import AskService
+from sparkv.asks.tickets import AskTicket
+from sparkv.device.app import CallerDep, error_responses
+from sparkv.device.errors import DeviceError
+from sparkv.protocol.errors import error_body
+from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
+
+__all__ = ["chat_router", "DEFAULT_MAX_TOKENS"]
+
+#: the answer's cap when the request names none (tokens)
+DEFAULT_MAX_TOKENS = 256
+#: how often a non-streamed completion looks whether its client is still there (s)
+DISCONNECT_POLL_S = 0.25
+
+
+class UnsupportedMessages(DeviceError, status=400, code="unsupported_messages"):
+    """The messages are not one user question."""
+
+
+class UnknownModel(DeviceError, status=404, code="unknown_model"):
+    """``model`` names no server context (and ``sparkv.context_id`` none either)."""
+
+
+def _question(body: ChatBody) -> str:
+    msgs = body.messages
+    if len(msgs) != 1 or msgs[0].role != "user" or not msgs[0].text():
+        raise UnsupportedMessages(
+            "send one user message, the question: the context (its system turn included) is "
+            "the server's, named by 'model'")
+    return msgs[0].text()
+
+
+def _context_id(body: ChatBody) -> str:
+    import re
+
+    cid = body.sparkv.context_id if body.sparkv and body.sparkv.context_id else body.model
+    if not re.fullmatch(CONTEXT_ID_PATTERN.strip("^$"), cid):
+        raise UnknownModel(f"model {body.model!r} is not a server context's id (32 hex digits); "
+                           "name the context in 'model' or in sparkv.context_id")
+    return cid
+
+
+class _Completion:
+    """One completion's identity and counts: what every chunk and the answer repeat."""
+
+    def __init__(self, body: ChatBody, asks: AskService, question: str) -> None:
+        from sparkv.edge.prompts import question_suffix
+
+        self.id = f"chatcmpl-{time.time_ns():x}"
+        self.created = int(time.time())
+        self.model = body.model
+        self.max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+        chat = body.sparkv.chat if body.sparkv else True
+        self.question_tokens = len(question_suffix(asks.lm, question, chat))
+
+    def usage(self, done: dict[str, Any]) -> dict[str, int]:
+        prompt = int(done["context_tokens"]) + self.question_tokens
+        completion = len(done["tokens"])
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def finish_reason(self, done: dict[str, Any], eos: set[int]) -> str:
+        tokens = done["tokens"]
+        return ("length" if len(tokens) >= self.max_tokens and (not tokens or tokens[-1] not in eos)
+                else "stop")
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None,
+              usage: dict[str, int] | None = None, choices: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
+                               "created": self.created, "model": self.model,
+                               "choices": ([{"index": 0, "delta": delta,
+                                             "finish_reason": finish}] if choices else [])}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+class _AskStream(StreamingResponse):
+    """A streamed answer that cancels its ask when the response ends, however it ends."""
+
+    def __init__(self, content: Any, ticket: AskTicket) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.cancel()
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
+
+
+async def _stream(ticket: AskTicket, c: _Completion, eos: set[int],
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    yield _sse(c.chunk({"role": "assistant", "content": ""}))
+    async for event in ticket.aevents():
+        if event["type"] == "token" and event["text"]:
+            yield _sse(c.chunk({"content": event["text"]}))
+        elif event["type"] == "done":
+            yield _sse(c.chunk({}, c.finish_reason(event, eos)))
+            if include_usage:
+                yield _sse(c.chunk({}, usage=c.usage(event), choices=False))
+            yield _sse(b"[DONE]")
+        elif event["type"] == "error":
+            err = event["error"]
+            yield _sse({"error": {"message": err["message"], "type": err["code"],
+                                  "code": err["code"], "status": err["status"]}})
+
+
+async def _outcome(ticket: AskTicket, request: Request) -> dict[str, Any]:
+    """The ask's last event; a client that goes away meanwhile cancels it."""
+    import asyncio
+
+    events = ticket.aevents()
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    ticket.cancel()
+                continue
+            if event["type"] in ("done", "error"):
+                return event
+    finally:
+        await events.aclose()
+
+
+chat_router = APIRouter(tags=["openai"])
+
+
+@chat_router.post("/v1/chat/completions",
+                  responses={**error_responses(400, 404, 422, 429, 502, 503),
+                             200: {"description": (
+                                 "a chat.completion (JSON), or with stream: server-sent "
+                                 "chat.completion.chunk events, then [DONE]"),
+                                 "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
+async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
+                           caller: CallerDep) -> Any:
+    """OpenAI's chat completion over an ask: ``model`` names the server context, the one user
+    message is the question, ``extra_body={"sparkv": {...}}`` the rest of the ask."""
+    question = _question(body)
+    cid = _context_id(body)
+    fields = body.sparkv or SparkvFields()
+    c = _Completion(body, asks, question)
+    ticket = asks.submit(caller, ask_request(fields, asks, cid, question, c.max_tokens))
+    eos = asks.eos
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return _AskStream(_stream(ticket, c, eos, include), ticket)
+    try:
+        event = await _outcome(ticket, request)
+    finally:
+        ticket.cancel()
+    if event["type"] == "error":
+        err = event["error"]
+        return JSONResponse(error_body(err["status"], err["code"], err["message"]),
+                            status_code=err["status"] if err["status"] != 499 else 400)
+    return {"id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": event["answer"]},
+                         "finish_reason": c.finish_reason(event, eos)}],
+            "usage": c.usage(event),
+            "sparkv": {"kept_id": event["kept_id"], "breakdown": event["breakdown"],
+                       "first_token_s": event["first_token_s"]}}

@@ -1,0 +1,137 @@
+"""What ``sparkv device`` gains from the asks (docs/device-service.md, "Asks"): the ask service's
+flags and routes on ``device serve``, and ``device ask``, its client.
+
+    sparkv device serve ... [--ask-slots 2] [--ask-queue 16] [--ask-server URL]
+                            [--link-mbps N | --link-trace FILE] [--link-rtt-ms 20]
+    sparkv device ask --context ID [--server URL] "question" [--strategy sparkv] [--json]
+
+:func:`register` runs after :mod:`sparkv.device.commands` registered ``device``: it adds the
+flags to ``device serve`` and hands it :func:`install` (``extend_app``), which makes the
+:class:`~sparkv.asks.service.AskService` over the service's contexts and adds its routers; and
+it adds ``device ask``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable
+
+from sparkv.asks.cores import GRANT_ORDERS
+
+__all__ = ["register", "install"]
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    device = sub.choices["device"]
+    _add_ask(next(a for a in device._actions if isinstance(a, argparse._SubParsersAction)))
+    serve = _subcommand(device, "serve")
+    g = serve.add_argument_group("asks (POST /v1/asks, /v1/chat/completions)")
+    g.add_argument("--ask-slots", type=int, default=2,
+                   help="asks running at once (each holds its loaded cache until it answers)")
+    g.add_argument("--ask-queue", type=int, default=16,
+                   help="asks waiting beyond the slots; past them an ask gets 429 queue_full")
+    g.add_argument("--ask-core-order", choices=GRANT_ORDERS, default="oldest",
+                   help="the order the cores go to the asks' units: turns (round robin: the asks "
+                        "progress together) or oldest (the oldest ask's first; the others fill "
+                        "the cores while it waits for its link)")
+    g.add_argument("--ask-server", default=None,
+                   help="the server of asks that name none (its key: $SPARKV_API_KEY)")
+    link = g.add_mutually_exclusive_group()
+    link.add_argument("--link-mbps", type=float, default=None,
+                      help="emulate one constant link (Mbit/s) that every ask's stream shares")
+    link.add_argument("--link-trace", default=None,
+                      help="emulate one link following this trace (a CSV file or wifi, lte, "
+                           "deep-fade) that every ask's stream shares")
+    g.add_argument("--link-rtt-ms", type=float, default=20.0,
+                   help="the emulated link's round trip (ms)")
+    serve.set_defaults(extend_app=install)
+
+
+def _shaper(args: argparse.Namespace) -> Any:
+    from sparkv.edge.commands import read_trace
+    from sparkv.edge.shaper import LinkShaper
+
+    if args.link_mbps:
+        return LinkShaper.constant(args.link_mbps, args.link_rtt_ms)
+    if args.link_trace:
+        return LinkShaper(read_trace(args.link_trace), rtt_s=args.link_rtt_ms / 1e3)
+    return LinkShaper.unlimited()
+
+
+def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], None]:
+    """Adds the asks to the service's ``app``; returns what closes them."""
+    from sparkv.asks.chat import chat_router
+    from sparkv.asks.routes import asks_router
+    from sparkv.asks.service import AskService
+    from sparkv.errors import SparkvError
+
+    if args.ask_slots < 1 or args.ask_queue < 0:
+        raise SparkvError(f"--ask-slots must be at least 1 and --ask-queue at least 0 (got "
+                          f"{args.ask_slots} and {args.ask_queue})")
+    asks = AskService(service, app.state.owners, slots=args.ask_slots, queue=args.ask_queue,
+                      shaper=_shaper(args), default_server=args.ask_server,
+                      default_api_key=os.environ.get("SPARKV_API_KEY"),
+                      core_order=args.ask_core_order)
+    app.state.asks = asks
+    app.include_router(asks_router)
+    app.include_router(chat_router)
+    return asks.close
+
+
+def _add_ask(dsub: "argparse._SubParsersAction") -> None:
+    from sparkv.device.commands import client_args
+    from sparkv.edge.planning import STRATEGIES
+
+    a = dsub.add_parser("ask", help="ask about a server context through the service: the answer "
+                                    "streamed, the context kept in its memory")
+    a.add_argument("question", help="the question")
+    a.add_argument("--context", required=True, help="the context's id on the server")
+    a.add_argument("--server", default=None,
+                   help="the server's URL (default: the service's --ask-server)")
+    a.add_argument("--api-key", default=os.environ.get("SPARKV_API_KEY"),
+                   help="the server's API key (default: $SPARKV_API_KEY, else the service's)")
+    a.add_argument("--strategy", choices=sorted(STRATEGIES), default="sparkv",
+                   help="how the context is loaded (docs/edge.md)")
+    a.add_argument("--max-new-tokens", type=int, default=64, help="answer length, tokens")
+    a.add_argument("--no-keep", action="store_true",
+                   help="do not keep the loaded context in the service")
+    a.add_argument("--share", action="append", default=None, metavar="APP",
+                   help="share the kept context with this app (app:NAME, uid:N, user; * : every "
+                        "app); repeatable")
+    a.add_argument("--app-token", default=None,
+                   help="ask as this app (its token: sparkv device app-token)")
+    a.add_argument("--json", action="store_true", help="print the done event as JSON")
+    client_args(a)
+    a.set_defaults(func=_ask)
+
+
+def _ask(args: argparse.Namespace) -> int:
+    """Prints the answer's text as it streams (stderr: the TTFT and what was streamed)."""
+    from sparkv.device.commands import device_client
+
+    def show(event: dict) -> None:
+        if not args.json:
+            print(event["text"], end="", flush=True)
+
+    with device_client(args, args.app_token) as c:
+        done = c.ask(args.context, args.question, on_token=show, server=args.server,
+                     api_key=args.api_key, strategy=args.strategy,
+                     max_new_tokens=args.max_new_tokens, keep=not args.no_keep,
+                     share=args.share)
+    if args.json:
+        print(json.dumps(done, indent=1))
+        return 0
+    bd = done["breakdown"]
+    print(f"\n({bd['strategy']}: TTFT {bd['ttft_s']:.2f} s, {bd['bytes_streamed'] / 1e6:.2f} MB "
+          f"streamed, {bd['chunks_streamed']} / {bd['chunks_computed']} chunks streamed / "
+          f"computed, kept as {done['kept_id']})", file=sys.stderr)
+    return 0

@@ -1,0 +1,73 @@
+"""The model's forward passes on an ask's thread: each one a unit of compute on the ask's lane, and
+each one's next token reported as it is generated.
+
+An ask answers on its own thread: the question's forward pass, then one per answer token
+(:func:`sparkv.runtime.generate.greedy_generate`, and the context service's call for a kept
+context). :func:`install` puts one pair of hooks on the shared model; :func:`bound` binds the
+calling thread to an ask's lane and token callback for a block. A forward pass on a bound
+thread then
+
+* waits for the ask's turn on the cores (:meth:`AskLane.acquire
+  <sparkv.asks.cores.AskLane.acquire>`; a cancelled ask raises there, between two tokens), runs,
+  and gives the cores back (also when it fails);
+* reports its next token: the argmax of its last position's logits, the token greedy decoding
+  takes (``on_token``).
+
+A forward pass on any other thread (the layer steps of a load run on the engine's threads, and
+go through the lane themselves: :class:`sparkv.edge.lane.LaneStepper`) is untouched.
+
+State: the binding, per thread (``threading.local``); the hooks are installed once per model
+(an attribute on it marks them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+from sparkv.asks.cores import AskLane
+
+__all__ = ["install", "bound"]
+
+_MARK = "_sparkv_ask_hooks"
+_local = threading.local()
+
+
+def install(model: Any) -> None:
+    """Puts the hooks on ``model`` (a transformers causal LM; once)."""
+    if getattr(model, _MARK, False):
+        return
+    model.register_forward_pre_hook(_before, with_kwargs=True)
+    model.register_forward_hook(_after, with_kwargs=True, always_call=True)
+    setattr(model, _MARK, True)
+
+
+@contextlib.contextmanager
+def bound(lane: AskLane, on_token: Callable[[int], None] | None = None) -> Iterator[None]:
+    """Binds this thread's forward passes to ``lane`` (and their tokens to ``on_token``) for
+    the block."""
+    _local.lane, _local.on_token, _local.held = lane, on_token, False
+    try:
+        yield
+    finally:
+        _local.lane = _local.on_token = None
+
+
+def _before(module: Any, args: Any, kwargs: Any) -> None:
+    lane = getattr(_local, "lane", None)
+    if lane is not None:
+        lane.acquire()
+        _local.held = True
+
+
+def _after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    lane = getattr(_local, "lane", None)
+    if lane is None or not getattr(_local, "held", False):
+        return
+    _local.held = False
+    lane.release()
+    on_token = _local.on_token
+    logits = getattr(output, "logits", None)
+    if on_token is not None and logits is not None:
+        on_token(int(logits[0, -1].argmax()))

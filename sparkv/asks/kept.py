@@ -1,0 +1,120 @@
+"""One app's view of the service's kept contexts: what an ask's :class:`~sparkv.edge.session.EdgeSession`
+is given as its ``context_service``.
+
+An ask keeps the context it loaded (``keep``, the default through the service) as a context of
+the service's :class:`~sparkv.device.service.ContextService`, under the LLMS budget, so that the
+next question about it is answered from memory. Through :class:`AppContexts`:
+
+* a kept context is the asking app's (:class:`~sparkv.device.owners.ContextOwners`), shared with
+  the apps the ask named (``share``);
+* ``find`` sees only contexts the app may see (its own, those shared with it): another app's
+  copy of the same server context is not found, and that app loads its own;
+* **one load per context at a time**: while one ask of an app loads a context, another ask of the
+  same app about it waits for that load (:class:`KeepingTable`), then is answered from the kept
+  copy; if the first ask fails or is cancelled, one of the waiting asks loads it instead;
+* a context that cannot be kept (the budget, the flash) does not fail the ask that loaded it: the
+  answer stands, ``kept_id`` is ``None`` and :attr:`AppContexts.not_kept` says why.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Sequence
+
+from sparkv.device.errors import DeviceError
+from sparkv.device.owners import ContextOwners
+from sparkv.device.service import ContextService
+from sparkv.edge.lane import AskCancelled
+
+if TYPE_CHECKING:
+    from sparkv.cache import ContextKV, LayerKV
+    from sparkv.device.calls import CallResult
+    from sparkv.device.remote import RemoteSource
+
+__all__ = ["AppContexts", "KeepingTable"]
+
+WAIT_S = 0.05
+
+
+class KeepingTable:
+    """Which kept contexts are being loaded now, by which ask: ``(app, label) -> AppContexts``.
+    One condition variable; a waiting ask looks at its cancellation every :data:`WAIT_S`."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.loading: dict[tuple[str, str], AppContexts] = {}
+
+
+class AppContexts:
+    """The context service as one ask of ``app`` sees it (module docstring).
+
+    Args:
+        service: the device's context service.
+        owners: whose each context is.
+        app: the asking app.
+        share: the apps a context this ask keeps is shared with.
+        table: the loads under way (shared by every ask of the service).
+        cancelled: the ask's cancellation (a wait for another ask's load ends with it).
+    """
+
+    def __init__(self, service: ContextService, owners: ContextOwners, app: str,
+                 share: Sequence[str], table: KeepingTable, cancelled: threading.Event) -> None:
+        self.service, self.owners, self.app = service, owners, app
+        self.share = list(share)
+        self._table, self._cancelled = table, cancelled
+        self._leading: tuple[str, str] | None = None
+        self.not_kept: str | None = None
+        self.lm = service.lm
+
+    # ---- what EdgeSession uses -------------------------------------------------------------
+    def find(self, label: str) -> str | None:
+        """The id of the app's (most recently used) context labelled ``label``; ``None`` when
+        there is none, after waiting for another ask of the app that is loading it now. A
+        ``None`` makes this ask the one loading it (until it keeps it, or ends)."""
+        key = (self.app, label)
+        with self._table.cv:
+            while True:
+                found = self._visible(label)
+                if found is not None:
+                    return found
+                leader = self._table.loading.get(key)
+                if leader is None or leader is self:
+                    self._table.loading[key] = self
+                    self._leading = key
+                    return None
+                if self._cancelled.is_set():
+                    raise AskCancelled("the ask was cancelled")
+                self._table.cv.wait(WAIT_S)
+
+    def _visible(self, label: str) -> str | None:
+        found = [c for c in self.service.list()
+                 if c.label == label and self.owners.visible(c.id, self.app)]
+        return max(found, key=lambda c: c.last_used).id if found else None
+
+    def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
+                       label: str | None = None) -> str | None:
+        """Keeps the loaded cache as the app's context (shared as the ask said); ``None`` when
+        the service cannot keep it now (:attr:`not_kept` says why)."""
+        try:
+            cid = self.service.import_context(token_ids, layers, label=label)
+        except DeviceError as e:
+            self.not_kept = f"{e.code}: {e}"
+            return None
+        self.owners.claim(cid, self.app, self.share)
+        self.done()
+        return cid
+
+    def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,
+             stop_at_eos: bool, remote: RemoteSource | None) -> CallResult:
+        return self.service.call(ctx_id, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                 grow=grow, stop_at_eos=stop_at_eos, remote=remote)
+
+    # ---- the ask's end ---------------------------------------------------------------------
+    def done(self) -> None:
+        """This ask no longer loads a context (kept, failed or cancelled): an ask waiting for
+        it looks again."""
+        with self._table.cv:
+            if self._leading is not None and self._table.loading.get(self._leading) is self:
+                del self._table.loading[self._leading]
+            self._leading = None
+            self._table.cv.notify_all()

@@ -1,0 +1,209 @@
+"""Request bodies and stream events of the asks routes (:mod:`sparkv.asks.routes`,
+:mod:`sparkv.asks.chat`); pydantic models are the schema, docs/device-service.md ("Asks") has the
+prose.
+
+``POST /v1/asks`` takes an :class:`AskBody` and answers a stream of :data:`AskEvent` (JSON Lines:
+``queued``, ``token`` ..., then ``done`` or ``error``). ``POST /v1/chat/completions`` takes an
+OpenAI chat completion request (:class:`ChatBody`, the SparKV fields under its ``sparkv``
+extension: :class:`SparkvFields`) and answers a ``chat.completion`` or, streamed, server-sent
+``chat.completion.chunk`` events then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from sparkv.device.schemas import AppId, PromptText
+from sparkv.edge.options import AskOptions
+from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
+from sparkv.rest.fields import JSON_INT
+
+__all__ = ["AskFields", "AskBody", "SparkvFields", "ChatMessage", "ChatBody", "QueuedEvent",
+           "TokenEvent", "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
+
+#: the longest answer an ask may ask for (tokens)
+MAX_ANSWER_TOKENS = 4096
+#: a server URL: http(s), at most 2 KiB
+ServerUrl = Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$", max_length=2048)]
+#: a name of a codec level, attention backend or decode policy
+Name = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$")]
+#: an answer's length (tokens)
+AnswerTokens = Annotated[int, Field(ge=1, le=MAX_ANSWER_TOKENS), JSON_INT]
+Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
+Mbps = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
+
+
+class AskFields(BaseModel):
+    """How an ask is answered: the server, its key, :class:`~sparkv.edge.options.AskOptions`'s
+    fields (their defaults, but ``keep``: on), and whom a kept context is shared with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: ServerUrl | None = Field(default=None, description=(
+        "the server holding the context (default: the service's --ask-server)"))
+    api_key: Annotated[str, Field(max_length=512)] | None = Field(default=None, description=(
+        "the server's API key (default: the service's $SPARKV_API_KEY)"))
+    strategy: Literal["sparkv", "local", "stream", "hybrid"] = "sparkv"
+    level: Name = "auto"
+    quality_floor: Name | None = "auto"
+    backend: Name = "auto"
+    bandwidth_mbps: Mbps | None = Field(default=None, description=(
+        "the link estimate to plan with; none: the link's share (the service's estimate over "
+        "the asks on it)"))
+    use_cache: StrictBool = True
+    chat: StrictBool = True
+    stop_at_eos: StrictBool = True
+    keep: StrictBool = Field(default=True, description=(
+        "keep the loaded context in the service (the asking app's), answer from it next time"))
+    decode: Name = "full"
+    ram_budget: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    prelude: StrictBool | None = None
+    ask_deadline_s: Seconds | None = None
+    share: list[AppId | Literal["*"]] = Field(default_factory=list, max_length=64, description=(
+        "the apps a context this ask keeps is shared with (* : every app)"))
+
+    def options(self, max_new_tokens: int) -> AskOptions:
+        """The :class:`AskOptions` (raises ``AskError`` for a strategy or decode policy the
+        edge does not know)."""
+        fields = self.model_dump(include=set(AskFields.model_fields)
+                                 - {"server", "api_key", "share"})
+        return AskOptions(max_new_tokens=max_new_tokens, **fields)
+
+
+class AskBody(AskFields):
+    """``POST /v1/asks``: a question about a server context."""
+
+    context_id: str = Field(pattern=CONTEXT_ID_PATTERN, description="the context's id on the server")
+    question: PromptText = Field(min_length=1)
+    max_new_tokens: AnswerTokens = Field(default=64)
+
+
+class SparkvFields(AskFields):
+    """The ``sparkv`` extension of a chat completion request (``extra_body={"sparkv": {...}}``
+    in the ``openai`` client): the server context (``context_id``, else the request's
+    ``model``) and how the ask is answered."""
+
+    context_id: str | None = Field(default=None, pattern=CONTEXT_ID_PATTERN)
+
+
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; only a user's is answered (the context is the server's)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: PromptText | list[_TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class _StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class ChatBody(BaseModel):
+    """``POST /v1/chat/completions`` (OpenAI's chat completion request, the fields a stock
+    client sends for one question; answers are greedy, as ``temperature`` 0 gives)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, Field(min_length=1, max_length=256)] = Field(description=(
+        "the server context's id (or any name when sparkv.context_id gives it)"))
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    stream: StrictBool = False
+    stream_options: _StreamOptions | None = None
+    max_tokens: AnswerTokens | None = None
+    max_completion_tokens: AnswerTokens | None = None
+    n: Literal[1] = 1
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    seed: int | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    sparkv: SparkvFields | None = None
+
+
+# ---- the events of POST /v1/asks -----------------------------------------------------------------
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class QueuedEvent(_Event):
+    """The ask waits for a slot: ``position`` asks are ahead of it (or it is this far back)."""
+
+    type: Literal["queued"]
+    position: int
+
+
+class TokenEvent(_Event):
+    """An answer token, as generated: its id and the text it adds to the answer (empty while the
+    answer ends inside a character)."""
+
+    type: Literal["token"]
+    token: int
+    text: str
+
+
+class DoneEvent(_Event):
+    """The ask's end: the answer and what it cost (the edge's breakdown: TTFT, streamed and
+    computed chunks, bytes, levels, fallbacks; seconds from the submission)."""
+
+    type: Literal["done"]
+    id: str
+    answer: str
+    tokens: list[int]
+    context_tokens: int
+    kept_id: str | None = Field(description="the service's id of the kept context")
+    not_kept: str | None = Field(default=None, description="why the context was not kept")
+    breakdown: dict[str, Any]
+    started: int = Field(description="its rank among the asks that ran (admission order)")
+    queued_s: float = Field(description="waiting for a slot")
+    first_token_s: float | None = Field(description="from the submission to the first token")
+    total_s: float
+
+
+class _ErrorInfo(BaseModel):
+    status: int
+    code: str
+    message: str
+
+
+class ErrorEvent(_Event):
+    """The ask failed after its stream began (the server refused it, it was cancelled: status
+    499 ``cancelled``, ...): the wire's error shape."""
+
+    type: Literal["error"]
+    error: _ErrorInfo
+
+
+AskEvent = Annotated[Union[QueuedEvent, TokenEvent, DoneEvent, ErrorEvent],
+                     Field(discriminator="type")]
+
+
+class AskStats(BaseModel):
+    """``GET /v1/asks``: the admission (slots, queue, running, waiting, refused), the cores
+    (lanes, waiting units, units granted, load, ``held_memories`` and ``held_bytes``: the KV
+    memories the asks hold now), the counts since the start, the link's estimated rate
+    (bytes/s) and the bytes it carried."""
+
+    model_config = ConfigDict(extra="allow")
+
+    slots: int
+    queue: int
+    running: int
+    waiting: int
+    refused: int
+    cores: dict[str, float]
+    asks: int
+    done: int
+    failed: int
+    cancelled: int
+    link_Bps: float | None
+    link_bytes: int = Field(description="bytes the service's link carried")

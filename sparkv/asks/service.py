@@ -1,0 +1,323 @@
+"""Asks through the device service: many apps ask about server contexts, one model answers
+(docs/device-service.md, "Asks").
+
+    asks = AskService(contexts, owners, slots=2, queue=16, shaper=LinkShaper.constant(20))
+    ticket = asks.submit("app:notes", AskRequest(server_url, context_id, "What is it about?"))
+    for event in ticket.events():        # token events as they are generated, then done/error
+        ...
+
+An ask is an :meth:`EdgeSession.ask <sparkv.edge.session.EdgeSession.ask>` run by the service
+for an app, on the service's one model, its one link and its kept contexts:
+
+* **admission** (:mod:`sparkv.asks.admission`): ``slots`` asks run at once, ``queue`` more wait
+  in arrival order; past that :meth:`AskService.submit` raises ``QueueFull`` (429 with
+  ``Retry-After``);
+* **the cores** (:mod:`sparkv.asks.cores`): every unit of an ask's compute (layer steps, the
+  question's and each answer token's forward pass) goes through the service's
+  :class:`~sparkv.asks.cores.CoreGate`, one at a time, in turn;
+* **the plan knows the others**: an ask plans with the device's learned speed times the asks
+  running now (its compute share) and with the link's estimated rate over the asks on it (its
+  link share); its controller follows the load as asks come and go
+  (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`);
+* **one link**: every server client of the service reads through one
+  :class:`~sparkv.edge.shaper.LinkShaper` (an emulated link when the service was given one);
+* **kept contexts** (:mod:`sparkv.asks.kept`): a loaded context is kept for the asking app (by
+  default), under the service's memory budget; the next ask about it, from that app or one it
+  shared it with, is answered from memory;
+* **events** (:class:`AskTicket`): ``queued`` (its place when it waits), ``token`` (each answer
+  token as generated: its id and the text it adds), then ``done`` (the answer, the breakdown)
+  or ``error`` (status, code, message). :meth:`AskTicket.cancel` (the route calls it when the
+  client goes away) stops the ask within one unit of compute and frees its memory.
+
+State: the tickets running (each owned by its runner thread), the server clients (one per server
+and key), the shared priors; one lock guards the tables.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from sparkv.asks import forward
+from sparkv.asks.admission import Admission
+from sparkv.asks.cores import CoreGate
+from sparkv.asks.kept import AppContexts, KeepingTable
+from sparkv.asks.tickets import AskRequest, AskTicket
+from sparkv.device.errors import DeviceError
+from sparkv.device.owners import ContextOwners
+from sparkv.device.service import ContextService
+from sparkv.edge.lane import AskCancelled
+from sparkv.edge.shaper import LinkShaper
+from sparkv.protocol.errors import ApiError, ManifestError, ServerUnavailable
+
+__all__ = ["AskService", "ask_error"]
+
+log = logging.getLogger("sparkv.asks")
+
+#: how long a closing service waits for its asks' threads
+CLOSE_WAIT_S = 30.0
+
+
+def _cancelled(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was caused by, an :class:`AskCancelled` (the engine reports a
+    cancelled load as its own error, caused by it)."""
+    while exc is not None:
+        if isinstance(exc, AskCancelled):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def ask_error(exc: BaseException) -> tuple[int, str, str]:
+    """``(status, code, message)`` of an ask that failed with ``exc``."""
+    if _cancelled(exc):
+        return 499, "cancelled", "the ask was cancelled (its client went away)"
+    if isinstance(exc, DeviceError):
+        return exc.status, exc.code, str(exc)
+    if isinstance(exc, ApiError):
+        return exc.status, exc.code, f"the server answered: {exc.message}"
+    if isinstance(exc, ServerUnavailable):
+        return 502, "server_unavailable", str(exc)
+    if isinstance(exc, ManifestError):
+        return 502, "bad_manifest", str(exc)
+    from sparkv.edge.planning import AskError
+
+    if isinstance(exc, AskError):
+        cause = exc.__cause__
+        if isinstance(cause, (ServerUnavailable, ApiError)):
+            return 502, "server_unavailable", str(exc)
+        return 400, "bad_ask", str(exc)
+    return 500, "internal_error", f"{type(exc).__name__}: {exc}"
+
+
+class _LinkShare:
+    """The link's estimated rate, shared by plan: an ask plans with the rate over the asks on
+    the link now (itself included). The estimate is each finished ask's own measured rate times
+    the asks it shared the link with (a moving average)."""
+
+    def __init__(self) -> None:
+        self.total_Bps: float | None = None
+
+    def plan_Bps(self, sharers: int) -> float | None:
+        return self.total_Bps / max(1, sharers) if self.total_Bps else None
+
+    def learn(self, own_Bps: float | None, sharers: float) -> None:
+        if not own_Bps or not math.isfinite(own_Bps):
+            return
+        total = own_Bps * max(1.0, sharers)
+        self.total_Bps = total if self.total_Bps is None else 0.5 * self.total_Bps + 0.5 * total
+
+
+class AskService:
+    """Asks for many apps over one model, one link and one KV memory (module docstring).
+
+    Args:
+        contexts: the device's context service (its model answers; its budget keeps).
+        owners: whose each kept context is.
+        slots: asks running at once; queue: asks waiting beyond them.
+        shaper: the link every server client reads through (``None``: unshaped).
+        timeout_s: each server request's timeout.
+        engine_config: the engines' knobs (``None``: their defaults).
+        default_server, default_api_key: for asks that name no server or key.
+        core_order: the order the cores are granted in (:data:`~sparkv.asks.cores.GRANT_ORDERS`).
+    """
+
+    def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
+                 queue: int = 16, shaper: LinkShaper | None = None, timeout_s: float = 10.0,
+                 engine_config: Any = None, default_server: str | None = None,
+                 default_api_key: str | None = None, core_order: str = "oldest") -> None:
+        from sparkv.edge.session import Priors
+
+        self.contexts, self.owners = contexts, owners
+        self.lm = contexts.lm
+        self.admission = Admission(slots, queue)
+        self.gate = CoreGate(order=core_order)
+        self.shaper = shaper or LinkShaper.unlimited()
+        self.timeout_s = timeout_s
+        self.engine_config = engine_config
+        self.default_server, self.default_api_key = default_server, default_api_key
+        self.priors = Priors()
+        self._link = _LinkShare()
+        self._keeping = KeepingTable()
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, str | None], Any] = {}
+        self._tickets: dict[str, AskTicket] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        self._ids = itertools.count(1)
+        self._started = itertools.count(1)
+        self.counters = {"asks": 0, "done": 0, "failed": 0, "cancelled": 0}
+        from sparkv.runtime.generate import eos_ids
+
+        self.eos = eos_ids(self.lm)
+        forward.install(self.lm.model)
+
+    # ---- the API ---------------------------------------------------------------------------
+    def submit(self, app: str, request: AskRequest) -> AskTicket:
+        """Starts an ask for ``app`` (running, or waiting for a slot); raises ``QueueFull`` when
+        the queue is full, ``ShuttingDown`` once closing."""
+        place = self.admission.enter()
+        with self._lock:
+            ask_id = f"ask-{next(self._ids)}"
+            ticket = AskTicket(ask_id, app, request, place, self._detokenize)
+            thread = threading.Thread(target=self._run, args=(ticket,), daemon=True,
+                                      name=f"sparkv-{ask_id}")
+            self._tickets[ask_id] = ticket
+            self._threads[ask_id] = thread
+            self.counters["asks"] += 1
+        thread.start()
+        return ticket
+
+    def ask(self, app: str, request: AskRequest, timeout_s: float | None = None
+            ) -> dict[str, Any]:
+        """:meth:`submit` and wait: the ``done`` or ``error`` event."""
+        return self.submit(app, request).wait(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """The admission's counts, the cores' (lanes, load, units, the KV memories the asks
+        hold), the counters, the link's estimated rate (bytes/s, ``None`` before any stream)
+        and the bytes it carried."""
+        with self._lock:
+            counters = dict(self.counters)
+        return {**self.admission.stats(), "cores": self.gate.stats(), **counters,
+                "link_Bps": self._link.total_Bps, "link_bytes": self.shaper.bytes_taken}
+
+    def close(self) -> None:
+        """Takes no new ask, cancels the running ones and waits for their threads (at most
+        :data:`CLOSE_WAIT_S`); closes the server clients."""
+        self.admission.close()
+        with self._lock:
+            tickets = list(self._tickets.values())
+            threads = list(self._threads.values())
+        for t in tickets:
+            t.cancel()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for th in threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for c in clients:
+            c.close()
+
+    # ---- one ask ---------------------------------------------------------------------------
+    def _run(self, ticket: AskTicket) -> None:
+        kept: AppContexts | None = None
+        failed = False
+        try:
+            if not ticket.place.running:
+                ticket.put({"type": "queued", "position": ticket.place.position()})
+            if not ticket.place.wait(ticket.cancelled):
+                raise AskCancelled("cancelled while queued")
+            ticket.started = next(self._started)
+            kept = AppContexts(self.contexts, self.owners, ticket.app, ticket.request.share,
+                               self._keeping, ticket.cancelled)
+            ticket.finish(self._answer(ticket, kept))
+            self._count("done")
+        except BaseException as e:  # noqa: BLE001 - every failure is the ask's error event
+            status, code, message = ask_error(AskCancelled() if ticket.cancelled.is_set() else e)
+            if status == 500:
+                log.error("ask %s failed", ticket.id, exc_info=True)
+            ticket.finish({"type": "error", "error": {"status": status, "code": code,
+                                                      "message": message}})
+            self._count("cancelled" if status == 499 else "failed")
+            failed = True
+        finally:
+            if kept is not None:
+                kept.done()
+            if failed:
+                # a failed load's error holds its traceback, whose frames hold the engine and
+                # its KV memory in a reference cycle: free it now, not at some later collection
+                gc.collect()
+            ticket.place.leave()
+            with self._lock:
+                self._tickets.pop(ticket.id, None)
+                self._threads.pop(ticket.id, None)
+
+    def _answer(self, ticket: AskTicket, kept: AppContexts) -> dict[str, Any]:
+        """Runs the ask on a lane; the ``done`` event."""
+        from sparkv.edge.session import EdgeSession
+        from sparkv.runtime.threads import use_threads
+
+        import torch
+
+        req = ticket.request
+        use_threads(torch.get_num_threads())
+        lane = ticket.lane = self.gate.lane()
+        if ticket.cancelled.is_set():
+            lane.cancel()
+        sharers = self.admission.stats()["running"]
+        session = EdgeSession(self._client(req.server, req.api_key), self.lm,
+                              priors=self._plan_priors(sharers),
+                              engine_config=self.engine_config, context_service=kept)
+        t0 = time.perf_counter()
+        try:
+            with forward.bound(lane, ticket.token):
+                res = session.ask(req.context_id, req.question, req.options, lane=lane)
+        finally:
+            lane.close()
+        self._learn(session, res, (sharers + self.admission.stats()["running"]) / 2)
+        return {"type": "done", "id": ticket.id, "answer": res.answer, "tokens": res.tokens,
+                "context_tokens": res.context_tokens, "kept_id": res.kept_id,
+                "not_kept": kept.not_kept, "breakdown": res.breakdown.to_dict(),
+                "started": ticket.started,
+                "queued_s": t0 - ticket.submitted, "first_token_s": ticket.first_token_s,
+                "total_s": time.perf_counter() - ticket.submitted,
+                "lane": {"units": lane.units, "waited_s": lane.waited_s}}
+
+    def _plan_priors(self, sharers: int) -> Any:
+        """This ask's starting point: the device's priors, its compute share (the learned
+        speed times the asks running now) and its link share."""
+        from sparkv.edge.session import Priors
+
+        p = self.priors
+        return Priors(bandwidth_Bps=self._link.plan_Bps(sharers) or p.bandwidth_Bps,
+                      compute_scale=p.compute_scale * max(1, sharers),
+                      question_prefill_s=p.question_prefill_s)
+
+    def _learn(self, session: Any, res: Any, sharers: float) -> None:
+        """Folds what the ask measured into the device's priors: the compute speed (its steps'
+        own times exclude the waits for the cores, so the session's learned scale is the
+        device's), the link's rate over its sharers, the question's prefill."""
+        load = res.load
+        if load is not None and load.compute_samples >= 4:
+            self.priors.compute_scale = session.priors.compute_scale
+        if load is not None:
+            self._link.learn(load.link_estimate_Bps, sharers)
+        if session.priors.question_prefill_s is not None:
+            self.priors.question_prefill_s = session.priors.question_prefill_s
+
+    def _client(self, server: str, api_key: str | None) -> Any:
+        """The server's client for ``api_key`` (one per server and key; every one reads through
+        the service's link)."""
+        from sparkv.edge.client import EdgeClient
+
+        key = (server.rstrip("/"), api_key)
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                client = self._clients[key] = EdgeClient(key[0], api_key, shaper=self.shaper,
+                                                         timeout_s=self.timeout_s)
+            return client
+
+    def _detokenize(self, tokens: list[int]) -> str:
+        return self.lm.decode_tokens([t for t in tokens if t not in self.eos])
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counters[what] += 1
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Whether every ask finished within ``timeout_s`` (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._threads:
+                    return True
+            time.sleep(0.02)
+        return False
+

@@ -1,0 +1,80 @@
+"""What one ask shares with the other asks of a device: its **lane** to the device's cores.
+
+An ask alone owns the cores. Under a device service answering several apps at once
+(docs/device-service.md, "Asks"), each ask gets a lane from the service's compute worker: its
+layer steps run only while the lane holds the cores (one unit of compute at a time across every
+ask, granted in turn), the controller plans the ask's remaining compute with the load of the
+others (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`), and
+a cancelled ask stops at its next step.
+
+:class:`Lane` is the protocol :meth:`EdgeSession.ask <sparkv.edge.session.EdgeSession.ask>`
+takes (``ask(..., lane=...)``); :class:`LaneStepper` runs a stepper's steps on it. Without a lane
+nothing changes: the steps run at once, the load is 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ContextManager, Protocol
+
+from sparkv.layout import StepId
+
+__all__ = ["AskCancelled", "Lane", "LaneStepper", "on_lane"]
+
+
+class AskCancelled(Exception):
+    """The ask was cancelled (its client went away): raised at its next unit of compute."""
+
+
+class Lane(Protocol):
+    """One ask's share of the device."""
+
+    def hold(self) -> ContextManager[None]:
+        """The cores for one unit of compute (a layer step, a column of them, a forward pass),
+        waiting for the ask's turn; raises :class:`AskCancelled` once the ask was cancelled."""
+        ...
+
+    def check(self) -> None:
+        """Raises :class:`AskCancelled` once the ask was cancelled."""
+        ...
+
+    def load(self) -> float:
+        """How many asks share the compute path now, this one included (1.0: alone): the
+        controller's :attr:`~sparkv.scheduler.estimators.ComputeEstimator.load`."""
+        ...
+
+    def attach(self, memory: Any) -> None:
+        """The ask's KV memory (a stepper's ``kv``): a service counts what its asks hold (it
+        keeps no strong reference: the memory is freed with the ask)."""
+        ...
+
+
+class LaneStepper:
+    """A :class:`~sparkv.runtime.stepper.LayerStepper` whose steps run when ``lane`` holds the
+    cores. Everything else (its KV memory, ``done``, ``ready``, the geometry) is the stepper's.
+    A step's own time (``StepResult.seconds``, what the controller learns the device's speed
+    from) excludes the wait for the lane: the wait is the load's, not the device's."""
+
+    def __init__(self, stepper: Any, lane: Lane) -> None:
+        self._stepper = stepper
+        self._lane = lane
+        lane.attach(stepper.kv)
+
+    def run_step(self, step: StepId) -> Any:
+        with self._lane.hold():
+            return self._stepper.run_step(step)
+
+    def run_column(self, t: int, l0: int, l1: int) -> list[Any]:  # noqa: E741
+        """The column as one call while the ask is alone; beside other asks, layer by layer
+        (each its own turn: a long column would hold the cores from them)."""
+        if self._lane.load() > 1.0:
+            return [self.run_step(StepId(t, l)) for l in range(l0, l1)]  # noqa: E741
+        with self._lane.hold():
+            return self._stepper.run_column(t, l0, l1)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stepper, name)
+
+
+def on_lane(stepper: Any, lane: Lane | None) -> Any:
+    """``stepper`` on ``lane`` (itself without one)."""
+    return stepper if lane is None else LaneStepper(stepper, lane)

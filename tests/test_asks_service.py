@@ -1,0 +1,427 @@
+"""Asks through the device service, every part real: ``sparkv serve`` processes holding the
+contexts (the tiny random Llama with SmolLM2's tokenizer), ``sparkv device serve`` on its Unix
+socket running the same model, the answers streamed over HTTP.
+
+What is asserted: the answer streams token by token and ends with its breakdown; the loaded
+context is kept and answers the next ask from memory; apps see only their own kept contexts
+until they share them; concurrent asks get the tokens each gets alone; a full queue answers 429
+with Retry-After; a client that goes away cancels its ask and its memory is freed; admission is
+first come, first served under a steady stream; a server that dies mid-ask fails over only that
+ask; a cancelled ask stops within one unit of compute (in process, counting its units); the
+unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage; 40 asks
+from 8 clients that go away at random leave none stuck or lost and no memory held."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sparkv.device.client import DeviceProcess
+from sparkv.device.errors import QueueFull, UnknownContext
+from sparkv.edge.client import EdgeClient
+from sparkv.runtime.generate import sample_text
+from helpers import shared_tiny_checkpoint, start_tiny_server, stop_checked
+
+GUARD_S = 300.0          # hang guards only (never a timing assertion)
+TEXTS = {"a": sample_text()[:3000], "b": sample_text()[3000:6000], "c": sample_text()[6000:9000]}
+LONG = dict(strategy="local", max_new_tokens=3000, stop_at_eos=False, keep=False)
+
+
+def _until(cond, what: str, guard_s: float = GUARD_S) -> None:
+    deadline = time.monotonic() + guard_s
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny server with three contexts, and a device service of the same model (2 slots, a
+    queue of 2) on its socket."""
+    tmp = tmp_path_factory.mktemp("asks")
+    srv = start_tiny_server(tmp)
+    key = srv.keys["alice"]
+    client = EdgeClient(srv.url, key, timeout_s=120)
+    ctx = {name: client.create_context(text=text, levels=["raw", "q5"], chunk_tokens=32)
+           for name, text in TEXTS.items()}
+    client.close()
+    dev = DeviceProcess(tmp / "dev", 200, model=str(shared_tiny_checkpoint()),
+                        extra_args=["--ask-slots", "2", "--ask-queue", "2"]).start()
+    yield {"srv": srv, "key": key, "ctx": ctx, "dev": dev, "tmp": tmp}
+    dev.stop()
+    log = dev.log()
+    stop_checked(srv)
+    assert "Traceback" not in log, log[-4000:]
+
+
+def _ask(world, c, name: str, question: str = "What is it about?", **fields):
+    return c.ask(world["ctx"][name], question, server=world["srv"].url, api_key=world["key"],
+                 **fields)
+
+
+# ---- one ask: streamed, then kept -------------------------------------------------------------------
+def test_an_ask_streams_its_tokens_then_its_breakdown_and_the_next_is_answered_from_memory(world):
+    dev = world["dev"]
+    streamed: list[dict] = []
+    with dev.client() as c:
+        first = _ask(world, c, "a", strategy="stream", level="raw", max_new_tokens=12,
+                     stop_at_eos=False, on_token=streamed.append)
+        assert [e["token"] for e in streamed] == first["tokens"] and len(first["tokens"]) == 12
+        assert "".join(e["text"] for e in streamed) == first["answer"]
+        bd = first["breakdown"]
+        assert bd["strategy"] == "stream" and bd["ttft_s"] > 0 and bd["bytes_streamed"] > 0
+        assert bd["chunks_streamed"] > 0 and bd["levels"] == {"raw": bd["chunks_streamed"]}
+        assert bd["fallback"] == {} and first["first_token_s"] > 0
+        kept = first["kept_id"]
+        assert kept and c.describe(kept)["owner"] == "user"
+        carried = c.ask_stats()["link_bytes"]
+        again = _ask(world, c, "a", strategy="stream", level="raw", max_new_tokens=12,
+                     stop_at_eos=False)
+        assert again["breakdown"]["strategy"] == "kept" and again["kept_id"] == kept
+        assert again["breakdown"]["bytes_streamed"] == 0
+        assert c.ask_stats()["link_bytes"] == carried          # 0 bytes crossed the link
+    # the CLI: the answer printed as it streams, the done event with --json
+    out = subprocess.run([sys.executable, "-m", "sparkv.cli", "device", "ask", "--socket",
+                          str(dev.socket), "--server", world["srv"].url, "--context",
+                          world["ctx"]["a"], "--max-new-tokens", "12", "--json",
+                          "What is it about?"], capture_output=True, text=True, timeout=GUARD_S,
+                         env={**os.environ, "SPARKV_API_KEY": world["key"]})
+    assert out.returncode == 0, out.stderr
+    done = json.loads(out.stdout)
+    assert done["type"] == "done" and done["kept_id"] == kept
+
+
+# ---- apps ------------------------------------------------------------------------------------------
+def test_an_app_cannot_read_call_or_delete_another_apps_kept_context_until_shared(world):
+    dev = world["dev"]
+    with dev.client(app="notes") as a, dev.client(app="mail") as b, dev.client() as user:
+        mine = _ask(world, a, "b", max_new_tokens=4)
+        kept = mine["kept_id"]
+        assert kept and a.describe(kept)["owner"] == "app:notes"
+        for peer in (b, user):
+            with pytest.raises(UnknownContext):
+                peer.describe(kept)
+            with pytest.raises(UnknownContext):
+                peer.call(kept, "hi", max_new_tokens=2, grow=False)
+            with pytest.raises(UnknownContext):
+                peer.delete(kept)
+            assert kept not in {x["id"] for x in peer.list()}
+        theirs = _ask(world, b, "b", max_new_tokens=4)       # mail loads its own copy
+        assert theirs["breakdown"]["strategy"] != "kept" and theirs["kept_id"] != kept
+        a.share(kept, ["app:mail"])
+        assert b.describe(kept)["shared_with"] == ["app:mail"]
+        assert b.call(kept, "hi", max_new_tokens=2, grow=False)["context_id"] == kept
+        with pytest.raises(Exception) as err:                 # shared is not owned
+            b.delete(kept)
+        assert getattr(err.value, "status", None) == 403
+        b.delete(theirs["kept_id"])                           # its own copy it may delete
+        follow = _ask(world, b, "b", max_new_tokens=4)        # now answered from notes' copy
+        assert follow["breakdown"]["strategy"] == "kept" and follow["kept_id"] == kept
+        # an unknown or forged token is refused on the socket too
+        r = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)),
+                         base_url="http://localhost").get(
+            "/v1/asks", headers={"Authorization": "Bearer " + dev.app_token("notes")[:-1] + "0"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_token"
+
+
+# ---- concurrency -----------------------------------------------------------------------------------
+def test_concurrent_asks_each_get_the_tokens_they_get_alone(world):
+    dev = world["dev"]
+    jobs = [("a", "stream", "What is it about?"), ("b", "local", "Who wrote it?"),
+            ("c", "sparkv", "Summarize it."), ("a", "hybrid", "Name one thing in it.")]
+    with dev.client() as c:
+        alone = [_ask(world, c, n, q, strategy=s, max_new_tokens=10, stop_at_eos=False,
+                      keep=False, backend="dense", level="raw")["tokens"] for n, s, q in jobs]
+    together: list = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        n, s, q = jobs[i]
+        with dev.client() as ci:
+            together[i] = _ask(world, ci, n, q, strategy=s, max_new_tokens=10,
+                               stop_at_eos=False, keep=False, backend="dense", level="raw")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(GUARD_S)
+    assert [r["tokens"] for r in together] == alone
+    assert max(r["started"] for r in together) > 2            # 2 slots: some waited
+
+
+def test_a_full_queue_answers_429_and_a_client_that_leaves_cancels_its_ask(world):
+    dev = world["dev"]
+    with dev.client() as c:
+        before = c.ask_stats()
+    streams, first_events = [], []
+    clients = [dev.client() for _ in range(4)]
+    try:
+        for cl in clients:                                    # 2 running + 2 waiting
+            it = cl.ask_events(world["ctx"]["c"], "Go on.", server=world["srv"].url,
+                               api_key=world["key"], **LONG)
+            first_events.append(next(it))
+            streams.append(it)
+        assert [e["type"] for e in first_events[2:]] == ["queued", "queued"]
+        with dev.client() as c:
+            with pytest.raises(QueueFull) as err:
+                _ask(world, c, "c", **LONG)
+            assert err.value.status == 429 and err.value.retry_after_s >= 1
+            r = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)),
+                             base_url="http://localhost").post(
+                "/v1/asks", json={"context_id": world["ctx"]["c"], "question": "x",
+                                  "server": world["srv"].url, "api_key": world["key"]})
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "queue_full"
+            _until(lambda: c.ask_stats()["cores"]["held_memories"] >= 1, "a running ask's KV")
+    finally:
+        for it in streams:
+            it.close()                                        # the clients go away
+        for cl in clients:
+            cl.close()
+    with dev.client() as c:
+        _until(lambda: c.ask_stats()["running"] == 0, "every ask ended")
+        stats = c.ask_stats()
+        assert stats["waiting"] == 0 and stats["cancelled"] - before["cancelled"] == 4
+        assert stats["refused"] - before["refused"] == 2 and stats["done"] == before["done"]
+        _until(lambda: c.ask_stats()["cores"]["held_memories"] == 0, "their memory freed")
+        assert c.ask_stats()["cores"]["held_bytes"] == 0
+
+
+def test_no_ask_starves_admission_is_first_come_first_served(world):
+    dev = world["dev"]
+    stop = threading.Event()
+    submitted: list[tuple[float, dict]] = []
+
+    def steady() -> None:                                     # asks back to back, all along
+        with dev.client() as cs:
+            while not stop.is_set():
+                t = time.monotonic()
+                try:
+                    done = _ask(world, cs, "b", max_new_tokens=30, stop_at_eos=False,
+                                keep=False, strategy="local")
+                except QueueFull:
+                    continue
+                submitted.append((t, done))
+
+    streams = [threading.Thread(target=steady) for _ in range(3)]
+    for th in streams:
+        th.start()
+    try:
+        _until(lambda: len(submitted) >= 2, "the stream flows")
+        t_mine = time.monotonic()
+        with dev.client() as c:
+            while True:
+                try:
+                    mine = _ask(world, c, "c", max_new_tokens=30, stop_at_eos=False,
+                                keep=False, strategy="local")
+                    break
+                except QueueFull:
+                    t_mine = time.monotonic()
+    finally:
+        stop.set()
+        for th in streams:
+            th.join(GUARD_S)
+    later = [d["started"] for t, d in submitted if t > t_mine + 0.5]
+    assert mine["started"] < min(later, default=mine["started"] + 1)
+
+
+def test_a_server_that_dies_mid_ask_fails_over_only_that_ask(world, tmp_path):
+    """Two servers, one shaped link of 8 Mbit/s; the one server dies while both asks stream."""
+    import random
+
+    other = start_tiny_server(tmp_path, tenants=("alice",))
+    rng = random.Random(0)
+    ids = [rng.randrange(200, 40000) for _ in range(3000)]
+    dev = DeviceProcess(tmp_path / "dev", 200, model=str(shared_tiny_checkpoint()),
+                        extra_args=["--link-mbps", "8", "--link-rtt-ms", "5"]).start()
+    try:
+        cids = {}
+        for name, s in (("dies", other), ("lives", world["srv"])):
+            with EdgeClient(s.url, s.keys["alice"], timeout_s=120) as ec:
+                cids[name] = ec.create_context(token_ids=ids, levels=["raw"], chunk_tokens=32)
+        with dev.client() as c:
+            alone = c.ask(cids["lives"], "What?", server=world["srv"].url, api_key=world["key"],
+                          strategy="local", max_new_tokens=8, stop_at_eos=False, keep=False,
+                          backend="dense")["tokens"]
+        out: dict = {}
+
+        def run(name: str, s) -> None:
+            with dev.client() as ci:
+                out[name] = ci.ask(cids[name], "What?", server=s.url, api_key=s.keys["alice"],
+                                   strategy="stream", level="raw", max_new_tokens=8,
+                                   stop_at_eos=False, keep=False, backend="dense")
+
+        threads = [threading.Thread(target=run, args=("dies", other)),
+                   threading.Thread(target=run, args=("lives", world["srv"]))]
+        for th in threads:
+            th.start()
+        with dev.client() as c:
+            _until(lambda: c.ask_stats()["link_bytes"] > 400_000, "both asks stream")
+        other.kill()                                           # SIGKILL mid-ask
+        for th in threads:
+            th.join(GUARD_S)
+        assert out["dies"]["breakdown"]["fallback"] and out["dies"]["breakdown"]["chunks_computed"] > 0
+        assert out["lives"]["breakdown"]["fallback"] == {}
+        assert out["lives"]["breakdown"]["chunks_computed"] == 0
+        assert out["dies"]["tokens"] == alone == out["lives"]["tokens"]
+    finally:
+        dev.stop()
+        other.stop()
+    assert "Traceback" not in dev.log(), dev.log()[-3000:]
+
+
+# ---- in process: a cancelled ask stops within one unit and frees its memory -----------------------
+def test_a_cancelled_ask_stops_within_one_unit_and_frees_its_memory(world, tmp_path):
+    from sparkv.asks import AskRequest, AskService
+    from sparkv.device import ContextService
+    from sparkv.device.owners import ContextOwners
+    from sparkv.edge.options import AskOptions
+    from sparkv.runtime.model import load_model
+
+    lm = load_model(str(shared_tiny_checkpoint()), progress=False)
+    svc = ContextService(lm, 200_000_000, tmp_path / "svc")
+    asks = AskService(svc, ContextOwners(), slots=2, queue=2)
+    try:
+        for phase in ("answer", "load"):
+            opts = AskOptions(strategy="local", max_new_tokens=3000, stop_at_eos=False,
+                              keep=False, backend="dense")
+            ticket = asks.submit("user", AskRequest(world["srv"].url, world["ctx"]["c"],
+                                                    "Go on.", world["key"], opts))
+            if phase == "answer":
+                seen = 0
+                for event in ticket.events(timeout_s=GUARD_S):
+                    seen += event["type"] == "token"
+                    if seen == 3:
+                        break
+            else:
+                _until(lambda: ticket.lane is not None and ticket.lane.units >= 2, "loading")
+            lane = ticket.lane
+            ticket.cancel()
+            at_cancel = lane.units + lane.holding
+            outcome = ticket.wait(GUARD_S)
+            assert outcome["type"] == "error" and outcome["error"]["status"] == 499
+            assert lane.units <= at_cancel + 1, (phase, lane.units, at_cancel)
+            if phase == "answer":
+                assert len(ticket.streamed) <= 3 + 2
+            assert asks.wait_idle(GUARD_S)
+            assert asks.gate.held() == (0, 0), phase          # freed by the service itself
+        assert asks.stats()["cancelled"] == 2 and asks.stats()["running"] == 0
+    finally:
+        asks.close()
+        svc.close()
+
+
+# ---- OpenAI-compatible: the unchanged openai package against the running service ------------------
+def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world):
+    openai = pytest.importorskip("openai")
+    dev = world["dev"]
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
+    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("chat"),
+                       http_client=http, max_retries=0)
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    cid, question = world["ctx"]["a"], "What is it about?"
+    with dev.client() as c:
+        alone = _ask(world, c, "a", question, max_new_tokens=8, **{k: v for k, v in sparkv.items()
+                                                                   if k not in ("server", "api_key")})
+    try:
+        r = oa.chat.completions.create(model=cid, max_tokens=8, extra_body={"sparkv": sparkv},
+                                       messages=[{"role": "user", "content": question}])
+        assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.content == alone["answer"]
+        assert r.usage.completion_tokens == 8
+        assert r.usage.prompt_tokens > alone["context_tokens"]          # the context + the question
+        assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+        chunks = list(oa.chat.completions.create(
+            model=cid, max_tokens=8, stream=True, stream_options={"include_usage": True},
+            extra_body={"sparkv": sparkv}, messages=[{"role": "user", "content": question}]))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text == alone["answer"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 8
+        assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+        with pytest.raises(openai.NotFoundError):                     # no such context
+            oa.chat.completions.create(model="not-a-context", extra_body={"sparkv": sparkv},
+                                       messages=[{"role": "user", "content": question}])
+        with pytest.raises(openai.BadRequestError):                   # one user question only
+            oa.chat.completions.create(model=cid, extra_body={"sparkv": sparkv}, messages=[
+                {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+        paths = http.get("http://localhost/openapi.json").json()["paths"]   # the schema says it
+        assert {"/v1/asks", "/v1/chat/completions", "/v1/contexts/{ctx_id}/share"} <= set(paths)
+        assert {"429", "503"} <= set(paths["/v1/asks"]["post"]["responses"])
+    finally:
+        oa.close()
+
+
+# ---- clients that go away at random: nothing stuck, lost or leaked ----------------------------------
+def test_clients_that_disconnect_at_random_leave_no_ask_stuck_or_memory_held(world):
+    import random
+
+    dev = world["dev"]
+    with dev.client() as c:
+        before = c.ask_stats()
+    outcomes: list[str] = []
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        with dev.client() as ci:
+            for _ in range(5):
+                name = rng.choice("abc")
+                try:
+                    events = ci.ask_events(world["ctx"][name], "Go on.", server=world["srv"].url,
+                                           api_key=world["key"], strategy=rng.choice(
+                                               ["local", "stream"]), max_new_tokens=6,
+                                           stop_at_eos=False, keep=False)
+                    leave_after = rng.choice([1, 2, 4, None])      # None: reads to the end
+                    for i, event in enumerate(events):
+                        if event["type"] in ("done", "error"):
+                            outcomes.append(event["type"])
+                            break
+                        if leave_after is not None and i + 1 >= leave_after:
+                            events.close()                           # the client goes away
+                            outcomes.append("left")
+                            break
+                except QueueFull:
+                    outcomes.append("refused")
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(GUARD_S)
+    assert not any(th.is_alive() for th in threads) and len(outcomes) == 40
+    with dev.client() as c:
+        _until(lambda: c.ask_stats()["running"] == 0 and c.ask_stats()["waiting"] == 0,
+               "every ask ended")
+        s = c.ask_stats()
+        admitted = s["asks"] - before["asks"]
+        assert admitted == 40 - outcomes.count("refused")
+        ended = sum(s[k] - before[k] for k in ("done", "failed", "cancelled"))
+        assert ended == admitted and s["failed"] == before["failed"]   # none lost, none failed
+        assert s["done"] - before["done"] >= outcomes.count("done")
+        _until(lambda: c.ask_stats()["cores"]["held_memories"] == 0, "their memory freed")
+        assert c.ask_stats()["cores"]["held_bytes"] == 0 and c.stats()["budget_violations"] == 0
+
+
+def test_a_client_that_leaves_mid_request_body_leaves_no_traceback_on_the_server(world):
+    """A cancelled ask can close its stream request before the server read its body: the server
+    answers nobody (499), logs one line and no traceback (the module's teardown checks the
+    server's log)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(world["srv"].url)
+    with socket.create_connection((url.hostname, url.port), timeout=GUARD_S) as s:
+        s.sendall((f"POST /v1/contexts/{world['ctx']['a']}/stream HTTP/1.1\r\nHost: {url.netloc}"
+                   f"\r\nAuthorization: Bearer {world['key']}\r\nContent-Type: application/json"
+                   "\r\nContent-Length: 1000\r\n\r\n{\"items\": [").encode())
+    _until(lambda: "the client went away during POST" in world["srv"].log(), "the server saw it")
+    assert "Traceback" not in world["srv"].log()

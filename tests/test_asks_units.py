@@ -1,0 +1,257 @@
+"""The parts of the device service's asks, each alone: the compute worker's gate (one unit at a
+time, in arrival order, cancellation, the load), admission (slots, a bounded queue, 429), the
+owners of contexts, app tokens and Unix peer credentials. Logic tests: no model, no timing."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from sparkv.asks.admission import Admission
+from sparkv.asks.cores import CoreGate
+from sparkv.device.errors import QueueFull, ShuttingDown
+from sparkv.device.identity import USER, app_key, app_token, peer_app, token_app
+from sparkv.device.owners import ContextOwners
+from sparkv.edge.lane import AskCancelled, LaneStepper
+from sparkv.rest.peer import peer_credentials
+
+GUARD_S = 30.0   # hang guard of a thread join (never a timing assertion)
+
+
+def _until(cond, what: str) -> None:
+    deadline = time.monotonic() + GUARD_S
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.005)
+
+
+# ---- the gate: one unit at a time, in arrival order ------------------------------------------------
+def test_in_turns_the_gate_grants_units_in_arrival_order_one_at_a_time():
+    gate = CoreGate(order="turns")
+    first = gate.lane()
+    order: list[str] = []
+    running = [0]
+    most = [0]
+
+    def unit(name: str, lane) -> None:
+        with lane.hold():
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            order.append(name)
+            running[0] -= 1
+
+    threads = []
+    with first.hold():                       # the cores are taken: everyone else queues
+        for i, name in enumerate("abc"):
+            th = threading.Thread(target=unit, args=(name, gate.lane()))
+            th.start()
+            threads.append(th)
+            _until(lambda: gate.stats()["waiting"] == i + 1, f"{name} waits")
+        assert gate.load() == 4.0            # the holder and three waiting asks
+    for th in threads:
+        th.join(GUARD_S)
+    assert order == ["a", "b", "c"] and most[0] == 1
+    assert gate.stats()["units"] == 4
+
+
+def test_a_cancelled_lane_stops_waiting_and_takes_no_further_unit():
+    gate = CoreGate()
+    holder, waiter = gate.lane(), gate.lane()
+    outcome: list[object] = []
+
+    def wait_for_unit() -> None:
+        try:
+            with waiter.hold():
+                outcome.append("ran")
+        except AskCancelled as e:
+            outcome.append(e)
+
+    with holder.hold():
+        th = threading.Thread(target=wait_for_unit)
+        th.start()
+        _until(lambda: gate.stats()["waiting"] == 1, "the second lane waits")
+        waiter.cancel()
+        th.join(GUARD_S)
+        assert len(outcome) == 1 and isinstance(outcome[0], AskCancelled)
+        assert gate.stats()["waiting"] == 0
+    with pytest.raises(AskCancelled):        # and never gets the cores again
+        with waiter.hold():
+            pass
+    holder.cancel()                          # a holder finishes its unit; its next one raises
+    with pytest.raises(AskCancelled):
+        holder.check()
+
+
+def test_the_load_counts_the_asks_using_the_cores_and_forgets_closed_ones():
+    gate = CoreGate(window_s=3600, order="turns")
+    a, b = gate.lane(), gate.lane()
+    assert a.load() == 1.0                   # alone (b never used the cores)
+    with b.hold():
+        pass
+    assert a.load() == 2.0 and b.load() == 1.0   # a has not used them: b is alone on them
+    b.close()
+    assert a.load() == 1.0
+
+
+def test_a_lane_stepper_runs_each_step_on_the_lane_and_counts_its_memory():
+    gate = CoreGate()
+    lane = gate.lane()
+
+    class Memory:
+        nbytes = 1234
+
+    class Stepper:
+        geometry = "g"
+
+        def __init__(self):
+            self.kv = Memory()
+
+        def run_step(self, step):
+            assert lane.holding
+            return step
+
+        def run_column(self, t, l0, l1):
+            assert lane.holding
+            return list(range(l0, l1))
+
+    stepper = LaneStepper(Stepper(), lane)
+    assert stepper.run_step((0, 1)) == (0, 1) and stepper.geometry == "g"
+    assert stepper.run_column(0, 0, 3) == [0, 1, 2] and lane.units == 2
+    assert gate.held() == (1, 1234)
+    del stepper
+    assert gate.held() == (0, 0)             # no reference kept: freed with its ask
+
+
+# ---- admission: slots, a bounded queue, then 429 -----------------------------------------------
+def test_admission_queues_in_order_then_refuses_with_retry_after():
+    adm = Admission(slots=1, queue=2)
+    run = adm.enter()
+    w1, w2 = adm.enter(), adm.enter()
+    assert run.running and not w1.running and (w1.position(), w2.position()) == (1, 2)
+    with pytest.raises(QueueFull) as err:
+        adm.enter()
+    assert err.value.status == 429 and int(err.value.headers["Retry-After"]) >= 1
+    gone = threading.Event()
+    gone.set()
+    assert w1.wait(gone) is False            # cancelled while waiting: it leaves the queue
+    assert w2.position() == 1
+    run.leave()
+    assert w2.running and w2.wait(threading.Event())
+    assert adm.stats() == {"slots": 1, "queue": 2, "running": 1, "waiting": 0, "refused": 1}
+    w2.leave()
+    w2.leave()                               # once
+    assert adm.stats()["running"] == 0
+    adm.close()
+    with pytest.raises(ShuttingDown):
+        adm.enter()
+
+
+# ---- owners, app tokens, peer credentials --------------------------------------------------------
+def test_owners_are_kept_on_disk_and_say_who_sees_what(tmp_path):
+    path = tmp_path / "owners.json"
+    owners = ContextOwners(path)
+    owners.claim("c1", "app:a")
+    owners.claim("c2", "app:b", ["app:a"])
+    assert owners.visible("c1", "app:a") and not owners.visible("c1", "app:b")
+    assert owners.visible("c2", "app:a") and owners.owner("c2") == "app:b"
+    assert owners.visible("legacy", USER) and not owners.visible("legacy", "app:a")
+    owners.share("c1", ["*"])
+    again = ContextOwners(path)              # a restarted service
+    assert again.visible("c1", "uid:1234") and again.describe("c2") == {
+        "owner": "app:b", "shared_with": ["app:a"]}
+    again.forget("c2")
+    assert not ContextOwners(path).visible("c2", "app:a")
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_app_tokens_name_their_app_and_nothing_else(tmp_path):
+    key = app_key(tmp_path)
+    assert app_key(tmp_path) == key and oct((tmp_path / "apps.key").stat().st_mode & 0o777) == "0o600"
+    token = app_token(key, "notes")
+    assert token_app(key, token) == "app:notes"
+    forged = token[:-1] + ("0" if token[-1] != "0" else "1")
+    assert token_app(key, forged) is None
+    assert token_app(app_key(tmp_path / "other"), token) is None     # another service's key
+    assert token_app(key, token.replace("notes", "mail")) is None
+    with pytest.raises(Exception, match="app's name"):
+        app_token(key, "Not A Name")
+
+
+def test_peer_credentials_name_the_connecting_user(tmp_path):
+    path = str(tmp_path / "s.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    cli = socket.socket(socket.AF_UNIX)
+    cli.connect(path)
+    conn, _ = srv.accept()
+    try:
+        peer = peer_credentials(conn)
+        assert peer is not None and (peer.pid, peer.uid) == (os.getpid(), os.geteuid())
+        assert peer_app(peer.uid) == USER and peer_app(peer.uid + 1) == f"uid:{peer.uid + 1}"
+    finally:
+        for s in (conn, cli, srv):
+            s.close()
+    tcp = socket.socket()
+    try:
+        assert peer_credentials(tcp) is None
+    finally:
+        tcp.close()
+
+
+def test_the_concurrency_benchmark_summarizes_each_batch_and_its_ratios():
+    import argparse
+
+    from sparkv.bench.concurrency import _point, _ratios
+
+    args = argparse.Namespace(watts_compute=3.0, watts_decode=1.5, watts_radio=1.2, watts_idle=0.3)
+
+    def done(ttft: float, mb: float) -> dict:
+        return {"first_token_s": ttft, "queued_s": 0.0,
+                "breakdown": {"bytes_streamed": int(mb * 1e6), "chunks_streamed": 1,
+                              "chunks_computed": 2, "fallback": {}, "local_compute_s": 1.0,
+                              "ttft_s": ttft}}
+
+    points = []
+    for strategy, ttfts in (("sparkv", {1: [1.0], 2: [1.2, 1.6]}),
+                            ("hybrid", {1: [1.5], 2: [2.0, 3.0]})):
+        for n, xs in ttfts.items():
+            outs = [done(x, 2.0) for x in xs] + ([RuntimeError("gone")] if n == 2 else [])
+            points.append(_point(strategy, n, {"outs": outs, "makespan_s": max(xs),
+                                               "rss_peak_bytes": 2**30 * n}, args))
+    two = points[1]
+    assert two["ttft_p50_s"] == 1.2 and two["ttft_max_s"] == 1.6        # the nearest rank
+    assert two["failed"] == ["RuntimeError: gone"]
+    assert two["mb_per_ask"] == 2.0 and two["energy_j_per_ask"] == pytest.approx(3.0 + 0.3 * 1.4)
+    r = _ratios(points)
+    assert r["n"] == 2 and r["hybrid_over_sparkv_p50"] == 2.0 / 1.2
+    assert r["sparkv_p50_over_n_times_single"] == {2: 1.2 / 2.0}
+    assert r["rss_top_over_rss_1"] == 2.0
+
+
+def test_in_oldest_order_the_oldest_asks_unit_goes_first_and_its_load_ignores_younger_asks():
+    gate = CoreGate(window_s=3600, order="oldest")
+    holder, old, young = gate.lane(), gate.lane(), gate.lane()
+    order: list[str] = []
+
+    def unit(name: str, lane) -> None:
+        with lane.hold():
+            order.append(name)
+
+    threads = []
+    with holder.hold():                       # the cores are taken: the young ask queues first
+        for name, lane in (("young", young), ("old", old)):
+            th = threading.Thread(target=unit, args=(name, lane))
+            th.start()
+            threads.append(th)
+            _until(lambda: gate.stats()["waiting"] == len(threads), f"{name} waits")
+        assert young.load() == 3.0 and old.load() == 2.0 and holder.load() == 1.0
+    for th in threads:
+        th.join(GUARD_S)
+    assert order == ["old", "young"]          # in turns it would be young, old
+    with pytest.raises(ValueError):
+        CoreGate(order="random")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sparkv.predictor.quality import QualityEntry, QualityTable, RetrievalScore
-from sparkv.runtime.device import (DeviceUnavailable, auto_dtype, cpu_bf16_flags, resolve_dtype)
+from sparkv.runtime.compute import auto_compute
+from sparkv.runtime.device import DeviceUnavailable, cpu_bf16_flags, resolve_dtype
 
 CPU = torch.device("cpu")
 
@@ -29,30 +30,74 @@ def cpuinfo(tmp_path):
     return out
 
 
-def _table(fingerprint: str, verdict: str) -> QualityTable:
-    entry = QualityEntry("bfloat16", {"passkey": RetrievalScore(8, 8, 8, 8)}, 20, 0.95, 0.995,
-                         1e-4, 0.0, {"verdict": verdict, "summary": verdict, "metrics": {}},
-                         {"dtype": "bfloat16"})
-    return QualityTable(fingerprint, "tiny", 1.0, [], [], {}, sections={"dtypes": [entry]})
+def _table(fingerprint: str, verdict: str, name: str = "bfloat16",
+           **others: str) -> QualityTable:
+    entries = [QualityEntry(n, {"passkey": RetrievalScore(8, 8, 8, 8)}, 20, 0.95, 0.995, 1e-4,
+                            0.0, {"verdict": v, "summary": v, "metrics": {}}, {"dtype": n})
+               for n, v in {name: verdict, **others}.items()]
+    return QualityTable(fingerprint, "tiny", 1.0, [], [], {}, sections={"dtypes": entries})
 
 
-def test_auto_dtype_needs_bf16_hardware_and_a_passing_table(cpuinfo):
+def test_auto_needs_bf16_hardware_and_a_passing_table(cpuinfo):
     assert cpu_bf16_flags(cpuinfo["avx512"]) == ["avx512_bf16"]
     assert cpu_bf16_flags(cpuinfo["amx"]) == ["amx_bf16"]
     assert cpu_bf16_flags(cpuinfo["arm"]) == [] == cpu_bf16_flags(cpuinfo["none"])
     assert cpu_bf16_flags(cpuinfo["missing"]) == []
     for hw in ("avx512", "amx"):
-        assert auto_dtype(CPU, True, cpuinfo[hw])[0] == torch.bfloat16
-        assert auto_dtype(CPU, False, cpuinfo[hw])[0] == torch.float32      # the table fails it
-        dtype, why = auto_dtype(CPU, None, cpuinfo[hw])                     # no verdict
-        assert dtype == torch.float32 and "no bfloat16 verdict" in why
-    dtype, why = auto_dtype(CPU, True, cpuinfo["none"])                     # no hardware
-    assert dtype == torch.float32 and "without bfloat16 hardware" in why
+        assert auto_compute(CPU, {"bfloat16": True}, cpuinfo[hw])[0].dtype == torch.bfloat16
+        config, why = auto_compute(CPU, {"bfloat16": False}, cpuinfo[hw])  # the table fails it
+        assert config.name == "float32" and "bfloat16 does not pass" in why
+        config, why = auto_compute(CPU, {}, cpuinfo[hw])                    # no verdict
+        assert config.name == "float32" and "bfloat16 has no verdict" in why
+    config, why = auto_compute(CPU, {"bfloat16": True}, cpuinfo["none"])  # no hardware
+    assert config.name == "float32" and "without bfloat16 hardware" in why
     # forcing: an explicit dtype is taken as given, whatever the table says
-    assert resolve_dtype("float32", CPU, bf16_quality=True) == torch.float32
+    assert resolve_dtype("float32", CPU) == torch.float32
     assert resolve_dtype("auto", CPU) == torch.float32                      # no verdict: fp32
+    assert resolve_dtype("mixed", CPU) == torch.float32      # a configuration's activations
     with pytest.raises(DeviceUnavailable):
         resolve_dtype("float16", CPU)
+    with pytest.raises(DeviceUnavailable, match="unknown compute configuration"):
+        resolve_dtype("int3", CPU)
+
+
+VERDICTS = (True, False, None)
+
+
+def test_auto_never_picks_a_configuration_that_does_not_pass(cpuinfo):
+    """Every combination of pass / fail-or-undecided / no verdict over the candidates, on every
+    kind of CPU: auto takes float32 or a configuration whose verdict passes, and on a CPU with
+    bf16 hardware the first passing one of its order."""
+    import itertools
+
+    from sparkv.runtime.compute import CPU_BF16_ORDER
+
+    for combo in itertools.product(VERDICTS, repeat=len(CPU_BF16_ORDER)):
+        verdicts = dict(zip(CPU_BF16_ORDER, combo))
+        for hw in ("amx", "avx512", "none"):
+            config, _ = auto_compute(CPU, verdicts, cpuinfo[hw])
+            assert config.name == "float32" or verdicts[config.name] is True
+            passing = [n for n in CPU_BF16_ORDER if verdicts[n]]
+            want = passing[0] if passing and hw != "none" else "float32"
+            assert config.name == want
+
+
+def test_auto_with_a_table_that_fails_it_stays_float32(tmp_path, cpuinfo):
+    from sparkv.predictor.dtypes import choose_dtype
+    from sparkv.predictor.quality import table_cpu_dtype
+
+    path = tmp_path / "table.json"
+    _table("fp-tiny", "fail", "bfloat16", mixed="fail", **{"int4-kernel": "undecided"}).save(path)
+    for hw in ("amx", "none"):
+        choice = choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo[hw])
+        assert choice.compute == "float32" and choice.dtype == torch.float32
+        assert table_cpu_dtype("fp-tiny", path, cpuinfo[hw]) == "float32"
+    _table("fp-tiny", "fail", "bfloat16", mixed="pass").save(path)
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"]).compute == "mixed"
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["none"]).compute == "float32"
+    # mixed-layers passes, but without the model's per-layer selection it cannot be built
+    _table("fp-tiny", "fail", "bfloat16", **{"mixed-layers": "pass"}).save(path)
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"]).compute == "float32"
 
 
 def test_choose_dtype_reads_the_models_table(tmp_path, cpuinfo):
@@ -68,7 +113,7 @@ def test_choose_dtype_reads_the_models_table(tmp_path, cpuinfo):
             torch.float32
     _table("fp-tiny", "fail").save(path)
     choice = choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"])
-    assert choice.dtype == torch.float32 and "fails bfloat16" in choice.reason
+    assert choice.dtype == torch.float32 and "bfloat16 does not pass" in choice.reason
     # a GPU follows the same measured loss: a failed bf16 verdict means float32 there too
     choice = choose_dtype("auto", torch.device("cuda"), "fp-tiny", path, cpuinfo["amx"])
     assert choice.dtype == torch.float32 and "CUDA" in choice.reason

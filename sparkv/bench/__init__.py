@@ -28,6 +28,7 @@ BENCH_MODULES: list[str] = [
     "sparkv.bench.cluster",
     "sparkv.bench.presses",
     "sparkv.bench.sparsecal",
+    "sparkv.bench.layerprec",
 ]
 
 

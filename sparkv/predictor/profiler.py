@@ -341,7 +341,7 @@ class Profiler:
         """The last layer's projection-only step on a random hidden state of T tokens."""
         import torch
 
-        from sparkv.runtime.stepper import apply_rope
+        from sparkv.runtime.fastops import apply_rope
 
         cfg = self.config
         lm = self.lm

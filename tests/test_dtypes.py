@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sparkv.predictor.quality import QualityEntry, QualityTable, RetrievalScore
-from sparkv.runtime.compute import auto_compute
-from sparkv.runtime.device import DeviceUnavailable, cpu_bf16_flags, resolve_dtype
+from sparkv.runtime.compute import auto_compute, resolve_dtype
+from sparkv.runtime.device import DeviceUnavailable, cpu_bf16_flags
 
 CPU = torch.device("cpu")
 

@@ -29,6 +29,7 @@ BENCH_MODULES: list[str] = [
     "sparkv.bench.presses",
     "sparkv.bench.sparsecal",
     "sparkv.bench.layerprec",
+    "sparkv.bench.compute",
 ]
 
 

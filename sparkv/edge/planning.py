@@ -122,7 +122,9 @@ def device_cost_model(lm: Any) -> Any:
     per model and thread count in a process (measuring peaks takes a moment)."""
     import torch
 
-    key = (lm.fingerprint, str(lm.device), lm.dtype, torch.get_num_threads())
+    from sparkv.predictor.device import compute_name
+
+    key = (lm.fingerprint, str(lm.device), compute_name(lm), torch.get_num_threads())
     if key not in _COST_MODELS:
         _COST_MODELS[key] = _load_cost_model(lm)
     return _COST_MODELS[key]
@@ -130,10 +132,11 @@ def device_cost_model(lm: Any) -> Any:
 
 def _load_cost_model(lm: Any) -> Any:
     from sparkv.predictor.commands import default_model_path
+    from sparkv.predictor.device import compute_name
     from sparkv.predictor.model import load_predictor
     from sparkv.predictor.roofline import ModelArch, Roofline
 
-    path = default_model_path(lm.base_fingerprint, lm.device, lm.dtype)
+    path = default_model_path(lm.base_fingerprint, lm.device, compute_name(lm))
     if path.is_file():
         try:
             with warnings.catch_warnings():

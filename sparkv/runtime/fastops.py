@@ -160,4 +160,16 @@ def install_fast_ops(model: nn.Module) -> int:
     return n
 
 
-__all__ = ["apply_rope", "install_fast_ops"]
+def uninstall_fast_ops(model: nn.Module) -> int:
+    """Puts ``model``'s modules back on transformers' own forwards (the measurement of what
+    :func:`install_fast_ops` buys: ``sparkv bench compute --compare-ops``); returns how many."""
+    n = 0
+    for module in model.modules():
+        cls = type(module)
+        if cls in _FAST.values():
+            module.__class__ = cls.__mro__[1]
+            n += 1
+    return n
+
+
+__all__ = ["apply_rope", "install_fast_ops", "uninstall_fast_ops"]

@@ -279,10 +279,13 @@ class DtypeVariant(Variant):
     group = "dtype"
 
     def __init__(self, value: str) -> None:
-        from sparkv.runtime.compute import get_compute
+        from sparkv.runtime.compute import ComputeError, get_compute
 
         super().__init__(value)
-        self.compute = get_compute(self.value)      # ComputeError for an unknown name
+        try:
+            self.compute = get_compute(self.value)
+        except ComputeError as exc:                 # a bad value, as every group reports it
+            raise ValueError(str(exc)) from None
 
     @property
     def name(self) -> str:

@@ -131,21 +131,26 @@ def device_cost_model(lm: Any) -> Any:
 
 
 def _load_cost_model(lm: Any) -> Any:
+    """This device's latency profile for ``lm``'s configuration and thread count when one
+    matches; otherwise the model's own steps measured now (:class:`~sparkv.predictor.measured.
+    MeasuredSteps`: a Roofline from a synthetic matmul's peak predicted SmolLM2's local
+    prefill 2.8-3.1x too slow, docs/predictor.md)."""
     from sparkv.predictor.commands import default_model_path
     from sparkv.predictor.device import compute_name
-    from sparkv.predictor.model import load_predictor
-    from sparkv.predictor.roofline import ModelArch, Roofline
+    from sparkv.predictor.measured import MeasuredSteps
+    from sparkv.predictor.model import LatencyModel, load_predictor
 
     path = default_model_path(lm.base_fingerprint, lm.device, compute_name(lm))
     if path.is_file():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return load_predictor(path, lm=lm)
+                model = load_predictor(path, lm=lm)
+            if isinstance(model, LatencyModel):
+                return model
         except SparkvError:
             pass
-    return Roofline.measure(ModelArch.from_model(lm), str(lm.device),
-                            quick=True, dtype=lm.dtype)
+    return MeasuredSteps.measure(lm)
 
 
 def decode_seconds(geometry: ChunkGeometry, cid: KVChunkId, level: str) -> float:

@@ -15,13 +15,16 @@ def test_configurations_are_timed_side_by_side(tmp_path, capsys):
     out = tmp_path / "compute.json"
     assert main(["bench", "compute", "--model", str(shared_tiny_checkpoint()), "--sizes", "96",
                  "--chunk-tokens", "32", "--repeats", "2", "--configs", "int4,bf16-weights",
-                 "--compare-ops", "--profile", "--threads", "1", "--out", str(out)]) == 0
+                 "--compare-ops", "--profile", "--predict", "--threads", "1",
+                 "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     rows = {r["config"]: r for r in doc["results"]}
     assert list(rows) == ["float32", "int4", "bf16-weights", "float32/transformers-ops"]
     for r in rows.values():
         assert r["tokens"] == 96 and len(r["walls_s"]) == 2 == len(r["speedups_vs_float32"])
         assert len(r["load_avg"]) == 2 and r["wall_s"] > 0
+        assert r["predicted_s"] > 0 and r["roofline_s"] > 0       # predicted beside measured
+        assert r["predicted_error"] == r["predicted_s"] / r["wall_s"] - 1
     assert rows["float32"]["speedups_vs_float32"] == [1.0, 1.0]
     assert rows["float32"]["first_token_kl_vs_float32"] == 0.0
     assert set(doc["profile"]) == {"float32", "float32/transformers-ops"}

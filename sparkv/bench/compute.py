@@ -13,7 +13,10 @@ time): the before/after of the overheads around the matmuls (docs/runtime.md).
 The prefill is the layer stepper's (the edge's local path), dense or block-sparse
 (``--backend``), ``T = --chunk-tokens``. Quality is not judged here: that is the quality table's
 ``dtypes`` rows (docs/quality.md); the JSON records each configuration's first-token KL against
-float32 on the same context, for orientation.
+float32 on the same context, for orientation. ``--predict`` sets each measured prefill beside
+what the step-cost model measured on that configuration's own steps
+(:class:`~sparkv.predictor.measured.MeasuredSteps`, calibrated after the size's rounds) and the
+Roofline from measured peaks predict (docs/predictor.md).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--backend", default="dense", help="attention backend (dense, block_sparse)")
     p.add_argument("--compare-ops", action="store_true",
                    help="also float32 with transformers' own RMSNorm/RoPE/MLP forwards")
+    p.add_argument("--predict", action="store_true",
+                   help="also predict each prefill with the step-cost model measured on the "
+                        "configuration's own steps (and the Roofline from measured peaks), "
+                        "calibrated before each size: predicted against measured")
     p.add_argument("--profile", action="store_true",
                    help="profile one prefill of float32 (and, with --compare-ops, of "
                         "transformers' forwards) at the largest size: operators by self CPU time")
@@ -106,12 +113,17 @@ def run(args: argparse.Namespace) -> int:
                  args.backend)
     rows = []
     for n in sizes:
-        rows.extend(_measure_size(models, sample_context_ids(base, n), args, question))
+        found = _measure_size(models, sample_context_ids(base, n), args, question)
+        if args.predict:
+            _predict(models, found, args)
+        rows.extend(found)
     print(format_table(["tokens", "config", "median s", "runs s", "x float32 (paired)",
-                        "KL vs float32", "load avg"],
+                        "KL vs float32", "load avg", "predicted s", "error"],
                        [[r["tokens"], r["config"], r["wall_s"],
                          " ".join(f"{w:.2f}" for w in r["walls_s"]), r["speedup_vs_float32"],
-                         r["first_token_kl_vs_float32"], r["load_avg_mean"]] for r in rows]))
+                         r["first_token_kl_vs_float32"], r["load_avg_mean"],
+                         r.get("predicted_s", "-"), r.get("predicted_error", "-")]
+                        for r in rows]))
     profile = _profile(models, sample_context_ids(base, sizes[-1]), args) if args.profile \
         else None
     if args.json or args.out:
@@ -155,6 +167,28 @@ def _measure_size(models: dict[str, Any], ids: list[int], args: argparse.Namespa
                      "speedups_vs_float32": ratios, "first_token_kl_vs_float32": kl,
                      "load_avg": loads[name], "load_avg_mean": statistics.mean(loads[name])})
     return rows
+
+
+def _predict(models: dict[str, Any], rows: list[dict[str, Any]], args: argparse.Namespace
+             ) -> None:
+    """Adds to each row the local prefill the measured step-cost model predicts (calibrated on
+    the row's configuration now) and the Roofline's (peaks measured now), and their errors
+    against the median wall."""
+    from sparkv.layout import ChunkGeometry
+    from sparkv.predictor.measured import MeasuredSteps
+    from sparkv.predictor.roofline import ModelArch, Roofline
+
+    sparse = args.backend != "dense"
+    for row in rows:
+        lm = models[row["config"]]
+        g = ChunkGeometry.from_config(lm.config, row["tokens"], args.chunk_tokens)
+        model = MeasuredSteps.measure(lm)
+        roof = Roofline.measure(ModelArch.from_model(lm), "cpu")
+        row["predicted_s"] = float(model.t_comp(g, sparse=sparse, utilisation=0.0).sum())
+        row["predicted_error"] = row["predicted_s"] / row["wall_s"] - 1.0
+        row["roofline_s"] = float(roof.t_comp(g, sparse=sparse, utilisation=0.0).sum())
+        row["roofline_error"] = row["roofline_s"] / row["wall_s"] - 1.0
+        row["measured_steps"] = model.to_dict()
 
 
 def _profile(models: dict[str, Any], ids: list[int], args: argparse.Namespace

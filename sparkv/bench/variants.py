@@ -254,8 +254,9 @@ _CONVERTED: dict[tuple[int, str], Any] = {}
 
 def model_in_compute(lm: Any, name: str) -> Any:
     """``lm`` itself when it already computes in configuration ``name``, else a copy of it in
-    that configuration (made once; :func:`sparkv.runtime.compute.apply_compute`)."""
-    from sparkv.runtime.compute import apply_compute, get_compute
+    that configuration (made once; :func:`sparkv.predictor.dtypes.convert`)."""
+    from sparkv.predictor.dtypes import convert
+    from sparkv.runtime.compute import get_compute
     from sparkv.runtime.model import LoadedModel
 
     config = get_compute(name)
@@ -267,7 +268,7 @@ def model_in_compute(lm: Any, name: str) -> Any:
         model.eval()
         other = LoadedModel(model, lm.tokenizer, lm.name, lm.fingerprint,
                             {"base_fingerprint": lm.base_fingerprint})
-        apply_compute(other, config)
+        convert(other, config.name)       # mixed-layers: with the model's stored selection
         _CONVERTED[key] = other
     return _CONVERTED[key]
 

@@ -111,12 +111,17 @@ def run(args: argparse.Namespace) -> int:
     for lm in models.values():                       # warm-up: first calls allocate
         _prefill(lm, sample_context_ids(base, 2 * args.chunk_tokens), args.chunk_tokens,
                  args.backend)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    config = {"model": base.name, "sizes": sizes, "configs": list(models),
+              "repeats": args.repeats, "chunk_tokens": args.chunk_tokens,
+              "backend": args.backend, "torch_threads": torch.get_num_threads(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     for n in sizes:
         found = _measure_size(models, sample_context_ids(base, n), args, question)
         if args.predict:
             _predict(models, found, args)
         rows.extend(found)
+        _write(args, rows, None, config)      # after every size: a stopped run keeps its sizes
     print(format_table(["tokens", "config", "median s", "runs s", "x float32 (paired)",
                         "KL vs float32", "load avg", "predicted s", "error"],
                        [[r["tokens"], r["config"], r["wall_s"],
@@ -126,16 +131,19 @@ def run(args: argparse.Namespace) -> int:
                         for r in rows]))
     profile = _profile(models, sample_context_ids(base, sizes[-1]), args) if args.profile \
         else None
-    if args.json or args.out:
-        config = {"model": base.name, "sizes": sizes, "configs": list(models),
-                  "repeats": args.repeats, "chunk_tokens": args.chunk_tokens,
-                  "backend": args.backend, "torch_threads": torch.get_num_threads(),
-                  "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-        path = write_result("compute", {"results": rows, "profile": profile,
-                                        "targets": {"speedup_vs_float32_at_2k_4k": 1.6}},
-                            config, args.out)
+    path = _write(args, rows, profile, config)
+    if path is not None:
         print(f"wrote {path}")
     return 0
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], profile: Any,
+           config: dict[str, Any]) -> Any:
+    if not (args.json or args.out):
+        return None
+    return write_result("compute", {"results": rows, "profile": profile,
+                                    "targets": {"speedup_vs_float32_at_2k_4k": 1.6}},
+                        config, args.out)
 
 
 def _measure_size(models: dict[str, Any], ids: list[int], args: argparse.Namespace,

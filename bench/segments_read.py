@@ -46,7 +46,7 @@ def make_context(root: Path, tokens: int, contiguous: bool) -> tuple[SwapStore, 
     g = ChunkGeometry(tokens, 16, LAYERS, KV_HEADS, HEAD_DIM, KV_HEADS)
     swap = SwapStore(root, contiguous=contiguous)
     ctx = DeviceContext("bench", list(range(tokens)), None, swap.tier("bench"))
-    C = ContextKV(g, torch.float32, "cpu", segmented=True)
+    C = ContextKV(g, torch.float32, "cpu", paged=True)
     gen = torch.Generator().manual_seed(0)
     for t in range(g.num_token_chunks):
         n = g.chunk_len(t)

@@ -4,26 +4,19 @@ The names a user needs, importable from the top (docs/python-api.md)::
 
     from sparkv import EdgeSession, AskOptions, ContextService, ServiceConfig, load_model
 
-They load lazily (PEP 562): ``import sparkv`` imports neither torch nor the server; each name
-imports its own part on first use. A part of another install profile (docs/python-api.md,
-"Install profiles") says which extra to install (:class:`~sparkv.extras.MissingExtra`).
+They load lazily (PEP 562): ``import sparkv`` imports neither torch nor the server, and changes
+no environment variable (the ``sparkv`` command sets ``OMP_WAIT_POLICY``: docs/edge.md, "Threads
+and OpenMP"); each name imports its own part on first use. A part of another install profile
+(docs/python-api.md, "Install profiles") says which extra to install
+(:class:`~sparkv.extras.MissingExtra`).
 """
 
 import importlib as _importlib
-import os as _os
 from typing import Any as _Any
-
-# The edge runs PyTorch from several threads (layer steps, frame decoding, generation). GNU OpenMP
-# gives every calling thread its own team whose workers busy-wait after each parallel region; on a
-# small CPU those spinning teams steal the cores from whichever thread works next (measured here:
-# the question prefill after a stream-only load took 2.5 s instead of 0.15 s). Passive waiting
-# removes that and costs nothing measurable for our kernels. Only effective when sparkv is imported
-# before torch; an explicit OMP_WAIT_POLICY in the environment wins.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-#: top-level name -> the module that defines it (the name is the same there unless noted below)
+#: top-level name -> the module that defines it under the same name
 _EXPORTS: dict[str, str] = {
     # errors and the result shape
     "SparkvError": "sparkv.errors",
@@ -45,23 +38,24 @@ _EXPORTS: dict[str, str] = {
     # the on-device context service
     "ContextService": "sparkv.device.service",
     "ServiceConfig": "sparkv.device.config",
-    "CallResult": "sparkv.device.service",
+    "CallResult": "sparkv.device.calls",
     # DynaKV: long decoding with clustered KV on flash
     "generate": "sparkv.decode.session",
     "DecodeSession": "sparkv.decode.session",
     "DecodeResult": "sparkv.decode.session",
     "DecodeConfig": "sparkv.decode.config",
     "DynaKVCache": "sparkv.decode.hf",
-    # presses (KV compression); any other ``...Press`` name of sparkv.presses resolves as well
+    # presses (KV compression), under kvpress's class names
     "Press": "sparkv.presses",
     "PressError": "sparkv.presses",
-    "SnapKV": "sparkv.presses",
-    "PyramidKV": "sparkv.presses",
-    "DynamicKV": "sparkv.presses",
-    "AdaKV": "sparkv.presses",
-    "AdaPyramid": "sparkv.presses",
+    "SnapKVPress": "sparkv.presses",
+    "PyramidKVPress": "sparkv.presses",
+    "DynamicKVPress": "sparkv.presses",
+    "AdaKVPress": "sparkv.presses",
+    "AdaPyramidPress": "sparkv.presses",
+    "KnormPress": "sparkv.presses",
     "RandomPress": "sparkv.presses",
-    "StreamingLLM": "sparkv.presses",
+    "StreamingLLMPress": "sparkv.presses",
     "parse_press": "sparkv.presses",
     "make_press": "sparkv.presses",
     "compress": "sparkv.presses",
@@ -73,8 +67,6 @@ __all__ = ["__version__", *_EXPORTS]
 def __getattr__(name: str) -> _Any:
     """PEP 562: imports the part that defines ``name`` on first use and caches the name here."""
     module = _EXPORTS.get(name)
-    if module is None and name.endswith("Press"):
-        module = "sparkv.presses"          # kvpress-style names (SnapKVPress, ...) as presses adds them
     if module is None:
         raise AttributeError(f"module 'sparkv' has no attribute {name!r}")
     try:

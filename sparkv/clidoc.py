@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from sparkv.cli import build_parser, stated_default, walk_parsers
-from sparkv.cliflags import PRESS_METAVAR, RENAMED, Renamed, hidden_aliases, is_hidden
+from sparkv.cliflags import PRESS_METAVAR, is_hidden
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
@@ -33,8 +33,10 @@ read the variable named in brackets.
 
 Errors: a usage error or any expected failure (a bad option value, a server or device service
 that cannot be reached, an unknown context) is one line on stderr, `sparkv: error: ...`, and exit
-status 2. Units: MB is 10^6 bytes and MiB 2^20 bytes (every `--*-mb` option takes MB); Mbit/s is
-10^6 bits per second. Chunk sizes (`--chunk-tokens`, T) differ per command on purpose:
+status 2. A flag is spelled in full: no command takes an abbreviation of one.
+
+Units: MB is 10^6 bytes and MiB 2^20 bytes (every `--*-mb` option takes MB); Mbit/s is 10^6 bits
+per second. Chunk sizes (`--chunk-tokens`, T) differ per command on purpose:
 [architecture.md](architecture.md#conventions) says why.
 
 Output: answers and tables go to stdout; one-line notes ("loading the model", "listening on",
@@ -70,25 +72,7 @@ Two spellings mean different things on purpose: `--json` prints the result as JS
 writes it elsewhere); `--server` is the sparkv server's URL (`ask`), `--url` the device
 service's (`device ...`). `encode --model` and `serve`'s config name a model of the server's
 config; elsewhere `--model` is a local checkpoint.
-
-Renamed flags: the old spelling still works for one release (hidden from `--help`, same
-meaning).
-
-| old | new | where | why |
-|---|---|---|---|
-{{renamed}}
 """
-
-
-def _renamed_rows(parser: argparse.ArgumentParser, renamed: list[Renamed]) -> str:
-    """One row per renamed flag, with the commands that still take its old spelling."""
-    rows = []
-    for r in renamed:
-        where = [" ".join(path[1:]) for path, p in walk_parsers(parser)
-                 if r.old in hidden_aliases(p._option_string_actions.get(r.old))]
-        rows.append(f"| `{r.old}` | `{r.new}` | {', '.join(f'`{w}`' for w in where)} "
-                    f"| {_cell(r.why)} |")
-    return "\n".join(rows)
 
 
 @contextlib.contextmanager
@@ -110,7 +94,7 @@ def render() -> str:
     with _reproducible_env():
         parser = build_parser()
         helps = _subcommand_helps(parser)
-        parts = [INTRO, NAMES.format(renamed=_renamed_rows(parser, RENAMED))]
+        parts = [INTRO, NAMES]
         for path, p in walk_parsers(parser):
             parts.append(_section(path, p, helps.get(path)))
     return "\n".join(parts)

@@ -43,7 +43,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="T the server encodes the context with (the TTFT benchmarks' T)")
     d.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
     d.add_argument("--question", default=DEMO_QUESTION, help="the question every strategy answers")
-    d.add_argument("--max-new-tokens", type=int, default=40, dest="new_tokens",
+    d.add_argument("--max-new-tokens", type=int, default=40,
                    help="answer length, tokens")
     d.add_argument("--strategies", default="local,stream,hybrid,sparkv",
                    help="strategies to answer with, comma-separated")
@@ -52,7 +52,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "server by this KV press (docs/presses.md; 'none' to skip; 'auto': the "
                         "most compressing press that passes the model's quality table, else "
                         f"{FALLBACK_PRESS}; its verdict is printed beside the answer)")
-    d.add_argument("--out-dir", default="sparkv-demo", dest="out",
+    d.add_argument("--out-dir", default="sparkv-demo",
                    help="directory for the plot and JSON")
     d.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     add_device_args(d)
@@ -86,7 +86,7 @@ def run_demo(args: argparse.Namespace) -> int:
         from sparkv.errors import SparkvError
         raise SparkvError(f"unknown strategies {bad}; choose from {sorted(STRATEGIES)}")
     shaper_from_args(args)          # a bad --trace fails now, before the model loads
-    out = Path(args.out)
+    out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log.info("sparkv demo: loading the model ...")
     lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
@@ -143,15 +143,16 @@ def _ask_everything(args: argparse.Namespace, lm: Any, context: list[int], url: 
              time.perf_counter() - t0)
     suffix = question_suffix(lm, args.question)
     print(f"question: {args.question!r}; link: {link}\n", flush=True)
-    ref = reference_generate(lm, context + suffix, args.new_tokens)
+    ref = reference_generate(lm, context + suffix, args.max_new_tokens)
     runs: list[tuple[str, Any]] = []
     rows: list[list[Any]] = []
     # the sparkv run keeps what it loaded as a context of the device's context service
     session.context_service = ContextService(lm, 1 << 30, Path(tmp) / "kept", compression="fp")
     follow = None
     for strat in strategies:
-        res = _ask(session, cid, args, AskOptions(strategy=strat, max_new_tokens=args.new_tokens,
-                                                  use_cache=False, keep=strat == "sparkv"))
+        res = _ask(session, cid, args, AskOptions(
+            strategy=strat, max_new_tokens=args.max_new_tokens, use_cache=False,
+            keep=strat == "sparkv"))
         runs.append((f"{strat}: TTFT {res.breakdown.ttft_s:.2f} s", res))
         rows.append(_row(strat, res, ref))
         print(f"[{strat:>6}] {res.answer.strip()}", flush=True)
@@ -159,7 +160,8 @@ def _ask_everything(args: argparse.Namespace, lm: Any, context: list[int], url: 
     if "sparkv" in strategies and press.lower() not in ("", "none"):
         _ask_pressed(session, cid, press, args, ref, runs, rows)
     if "sparkv" in strategies:
-        follow = session.ask(cid, FOLLOW_UP, AskOptions(max_new_tokens=args.new_tokens, keep=True))
+        follow = session.ask(cid, FOLLOW_UP,
+                             AskOptions(max_new_tokens=args.max_new_tokens, keep=True))
         first = next(r for r in rows if r[0] == "sparkv")
         print(f"\nfollow-up {FOLLOW_UP!r}, answered from the kept context: "
               f"TTFT {follow.breakdown.ttft_s:.2f} s (the first sparkv ask: {first[1]:.2f} s),"
@@ -194,7 +196,8 @@ def _ask_pressed(session: Any, cid: str, press: str, args: argparse.Namespace, r
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     if session.client.quality_warnings.get(pcid):
         print(f"  the server warns: {session.client.quality_warnings[pcid]}", flush=True)
-    res = _ask(session, pcid, args, AskOptions(strategy="sparkv", max_new_tokens=args.new_tokens,
+    res = _ask(session, pcid, args, AskOptions(strategy="sparkv",
+                                               max_new_tokens=args.max_new_tokens,
                                                use_cache=False))
     label = "sparkv+press"
     runs.append((f"{label} ({spec}): TTFT {res.breakdown.ttft_s:.2f} s", res))

@@ -10,8 +10,8 @@ from sparkv.bench.dynakv import _quality, _settings, _targets
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(quick=False, new_tokens=1024, prompt_tokens=None, budgets="0.25,0.1",
-                policies="local,dynakv")
+    base = dict(quick=False, max_new_tokens=1024, prompt_tokens=None,
+                decode_budgets="0.25,0.1", policies="local,dynakv")
     base.update(kw)
     return argparse.Namespace(**base)
 

@@ -106,7 +106,7 @@ def test_baselines_compute_as_sparkv_does(tiny_llama):
 
 
 def test_the_label_is_in_the_results_config(tiny_llama):
-    args = argparse.Namespace(model="rope-extended:16384", tokens="4096,16384", func=None)
+    args = argparse.Namespace(model="rope-extended:16384", sizes="4096,16384", func=None)
     tiny_llama.extra["label"] = "tiny [RoPE extended 8192 -> 16384 positions]"
     tiny_llama.extra["long_context"] = {"native_positions": 8192, "positions": 16384}
     try:
@@ -141,7 +141,7 @@ def test_bench_ttft_past_the_window_end_to_end(tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(ckpt)
     AutoTokenizer.from_pretrained(default_checkpoint()).save_pretrained(ckpt)
     out = tmp_path / "ttft.json"
-    assert main(["bench", "ttft", "--model", str(ckpt), "--tokens", "256,1024",
+    assert main(["bench", "ttft", "--model", str(ckpt), "--sizes", "256,1024",
                  "--chunk-tokens", "64", "--mbps", "20,50", "--trace", "none", "--runs", "1",
                  "--max-new-tokens", "4", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())

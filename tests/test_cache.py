@@ -54,7 +54,7 @@ def test_levels_only_go_down_from_fp_or_the_int8_base():
 
 
 # ---- the memory's account ----------------------------------------------------------------------
-def test_account_equals_the_tensors_held_through_random_operations(tmp_path):
+def test_account_equals_the_pages_held_through_random_operations(tmp_path):
     mem, _ = _random_memory(GEO)
     tier = FlashTier(tmp_path / "flash")
     rng = random.Random(3)
@@ -80,9 +80,9 @@ def test_account_equals_the_tensors_held_through_random_operations(tmp_path):
                         torch.randn(2, GEO.chunk_len(cid.t), 16), Source.COMPUTED)
         except KVMemoryError:
             pass   # e.g. swapping in a chunk with no flash copy: refused, nothing changes
-        assert mem.nbytes == mem.recount(), (step, op, cid)
-        held = sum(t.numel() * t.element_size() for t in mem.tensors())
-        assert mem.nbytes == held
+        assert mem.nbytes == mem.recount(), (step, op, cid)       # pages held, by the table
+        reserved = sum(t.numel() * t.element_size() for t in mem.tensors())
+        assert mem.nbytes <= mem.reserved_bytes == reserved        # the pools' capacity
 
 
 def test_quantizing_really_frees_memory():
@@ -92,7 +92,24 @@ def test_quantizing_really_frees_memory():
         mem.set_level(cid, "int4")
     # fp32 -> 4 bits + an fp16 scale and zero per 16 values (+ int32 positions)
     assert mem.nbytes < 0.25 * full
-    assert mem.account().resident == {"fp": 0, "int4": mem.nbytes}
+    assert mem.account().resident == {"fp": 0, "int8": 0, "int4": mem.nbytes, "int2": 0}
+
+
+def test_an_arena_set_layer_by_layer_keeps_the_account():
+    """``set_arena`` moves arena layers between memories (the device's layer-by-layer growth):
+    each memory's account equals the tensors it holds after every step."""
+    from sparkv.cache.layer import LayerStore
+
+    old, _ = _random_memory(GEO)
+    new = ContextKV(GEO, paged=True)
+    assert new.nbytes == 0
+    for l in range(GEO.num_layers):  # noqa: E741
+        store = LayerStore(GEO.num_kv_heads, GEO.head_dim, GEO.num_tokens + 8, torch.float32,
+                           "cpu")
+        new.set_arena(l, store)
+        old.set_arena(l, None)
+        assert new.nbytes == new.recount() and old.nbytes == old.recount()
+    assert old.nbytes == 0 and new.is_dense(0)
 
 
 # ---- pruning -----------------------------------------------------------------------------------

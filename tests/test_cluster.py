@@ -53,10 +53,10 @@ def _wait_job(c: httpx.Client, job_id: str, timeout: float = 240.0) -> dict:
 
 def _assert_consistent(store, tenant: str, cid: str) -> dict:
     """The manifest names only stored frames, each with its checksum."""
-    m = json.loads(store.get_manifest(tenant, cid))
+    m = json.loads(store.manifests.get(tenant, cid))
     for ch in m["chunks"]:
         for lv, e in ch["levels"].items():
-            data = store.get_chunk(tenant, cid, ChunkKey(ch["t"], ch["l"], ch["g"], lv))
+            data = store.chunks.get(tenant, cid, ChunkKey(ch["t"], ch["l"], ch["g"], lv))
             assert data is not None and checksum(data) == e["checksum"], (ch["t"], ch["l"], lv)
     return m
 
@@ -88,7 +88,7 @@ def test_cached_frame_is_byte_identical_and_per_tenant(cluster, context):
     alice = {"Authorization": f"Bearer {cluster.keys['alice']}"}
     bob = {"Authorization": f"Bearer {cluster.keys['bob']}"}
     ch = manifest["chunks"][1]
-    stored = store.get_chunk("alice", cid, ChunkKey(ch["t"], ch["l"], ch["g"], "q8"))
+    stored = store.chunks.get("alice", cid, ChunkKey(ch["t"], ch["l"], ch["g"], "q8"))
     first = httpx.get(cluster.url + _frame_url(cid, ch), headers=alice)
     second = httpx.get(cluster.url + _frame_url(cid, ch), headers=alice)
     assert first.status_code == second.status_code == 200
@@ -112,17 +112,17 @@ def test_damaged_frame_is_never_cached(cluster, context):
     alice = {"Authorization": f"Bearer {cluster.keys['alice']}"}
     ch = manifest["chunks"][2]
     key = ChunkKey(ch["t"], ch["l"], ch["g"], "q8")
-    good = store.get_chunk("alice", cid, key)
+    good = store.chunks.get("alice", cid, key)
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0x40
-    store.put_chunk("alice", cid, key, bytes(bad))
+    store.chunks.put("alice", cid, key, bytes(bad))
     try:
         for _ in range(3):
             r = httpx.get(cluster.url + _frame_url(cid, ch), headers=alice)
             assert r.status_code == 503 and r.json()["error"]["code"] == "frame_corrupt"
             assert r.headers.get("x-cache-status") != "HIT"
     finally:
-        store.put_chunk("alice", cid, key, good)
+        store.chunks.put("alice", cid, key, good)
     r = httpx.get(cluster.url + _frame_url(cid, ch), headers=alice)
     assert r.status_code == 200 and r.content == good  # nothing of the 503 was kept
 
@@ -145,7 +145,7 @@ def test_kill_worker_mid_encode(cluster):
                     m = w.get(f"/v1/contexts/{cid}")
                     if m.status_code == 200:
                         seen.append((200, "complete" if len(m.json()["chunks"]) == total and
-                                     all(store.get_chunk("alice", cid, ChunkKey(
+                                     all(store.chunks.get("alice", cid, ChunkKey(
                                          x["t"], x["l"], x["g"], "q8")) is not None
                                          for x in m.json()["chunks"]) else "partial"))
                     else:
@@ -161,9 +161,9 @@ def test_kill_worker_mid_encode(cluster):
                 break
             assert job["state"] in ("queued", "running"), job
             time.sleep(0.05)
-        rec = json.loads(store.get_job("alice", job_id))
+        rec = json.loads(store.jobs.get("alice", job_id))
         victim = rec["worker"]
-        stored_before = len(store.list_chunks("alice", cid))
+        stored_before = len(store.chunks.keys("alice", cid))
         cluster.kill(victim)  # SIGKILL mid-encode
         assert stored_before >= 10
         job = _wait_job(c, job_id)
@@ -172,7 +172,7 @@ def test_kill_worker_mid_encode(cluster):
     assert job["state"] == "done", job
     assert job["attempts"] >= 2 and job["resumed"]
     assert job["timings"]["frames_reused"] >= stored_before  # the dead worker's frames
-    final = json.loads(store.get_job("alice", job_id))
+    final = json.loads(store.jobs.get("alice", job_id))
     assert final["worker"] != victim
     _assert_consistent(store, "alice", cid)
     assert seen and all(s in ((404, "context_pending"), (200, "complete")) for s in seen), \

@@ -111,9 +111,9 @@ def test_worker_encodes_resumes_and_cancels(url, registry):
     res = api.submit(spec, cid, 3 * 30)
     job_id = res.job["job_id"]
     # a worker died during a first attempt (its record says so)
-    rec = json.loads(store.get_job("alice", job_id))
+    rec = json.loads(store.jobs.get("alice", job_id))
     rec["attempts"] = 1
-    store.put_job("alice", job_id, json.dumps(rec).encode())
+    store.jobs.put("alice", job_id, json.dumps(rec).encode())
     w = EncodeWorker(s, store, registry, name="w-test")
     got = w.queue.take(w.name, block_ms=100)
     assert got is not None
@@ -121,27 +121,27 @@ def test_worker_encodes_resumes_and_cancels(url, registry):
     final = api.get("alice", job_id)
     assert final["state"] == "done" and final["attempts"] == 2 and final["resumed"]
     assert final["worker"] == "w-test" and api.active_count() == 0
-    m = json.loads(store.get_manifest("alice", cid))
-    assert all(store.get_chunk("alice", cid, ChunkKey(c["t"], c["l"], c["g"], "q8"))
+    m = json.loads(store.manifests.get("alice", cid))
+    assert all(store.chunks.get("alice", cid, ChunkKey(c["t"], c["l"], c["g"], "q8"))
                for c in m["chunks"])
     # a resubmit of an existing context queues nothing
     assert api.submit(spec, cid, 90).status == "done"
     # encoding is deterministic: deleted and encoded again, every frame is the same
-    store.delete_job("alice", job_id)
+    store.jobs.delete("alice", job_id)
     spec2 = _spec(n=40)
-    manifest = store.get_manifest("alice", cid)
+    manifest = store.manifests.get("alice", cid)
     assert api.delete_context("alice", cid)
     res2 = api.submit(spec2, cid, 90)
     assert res2.status == "queued"
     assert w.run_entry(*w.queue.take(w.name, block_ms=100)) == "done"
-    again = json.loads(store.get_manifest("alice", cid))
+    again = json.loads(store.manifests.get("alice", cid))
     assert again["chunks"] == json.loads(manifest)["chunks"]  # the same frames, checksums
     # cancel: the context is deleted before a worker gets to it
     cid3 = "e" * 32
     res3 = api.submit(_spec(n=24), cid3, 60)
     assert api.delete_context("alice", cid3)
     assert w.run_entry(*w.queue.take(w.name, block_ms=100)) == "cancelled"
-    assert store.get_manifest("alice", cid3) is None and not store.list_chunks("alice", cid3)
+    assert store.manifests.get("alice", cid3) is None and not store.chunks.keys("alice", cid3)
     assert api.get("alice", res3.job["job_id"])["state"] == "cancelled"
 
 
@@ -159,14 +159,14 @@ def test_worker_reuses_frames_of_an_interrupted_attempt(url, registry):
     real = w.queue.is_cancelled
 
     def stop_midway(jid: str) -> bool:  # SIGTERM-like stop after some frames
-        if len(store.list_chunks("alice", cid)) >= 12:
+        if len(store.chunks.keys("alice", cid)) >= 12:
             w.stopping.set()
         return real(jid)
 
     w.queue.is_cancelled = stop_midway  # type: ignore[method-assign]
     assert w.run_entry(*entry) == "requeued"
-    partial = len(store.list_chunks("alice", cid))
-    assert partial >= 12 and store.get_manifest("alice", cid) is None  # nothing visible
+    partial = len(store.chunks.keys("alice", cid))
+    assert partial >= 12 and store.manifests.get("alice", cid) is None  # nothing visible
     assert api.get("alice", job_id)["state"] == "queued"
     w2 = EncodeWorker(s, store, registry, name="w2")
     assert w2.run_entry(*w2.queue.take(w2.name, block_ms=100)) == "done"

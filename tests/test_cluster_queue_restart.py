@@ -254,7 +254,7 @@ def test_the_queue_survives_a_redis_restart(tmp_path, redis_proc, tiny_registry)
             job(fresh["job_id"])))
         assert done["state"] == "done", done
         assert thread.is_alive()  # the worker that saw the restart ran it: no new worker
-        assert json.loads(app.state.sparkv.store.get_job("alice", fresh["job_id"]))[
+        assert json.loads(app.state.sparkv.store.jobs.get("alice", fresh["job_id"]))[
             "worker"] == "survivor"
         assert c.get(fresh["manifest_url"]).status_code == 200
         again = post(300, 16)  # the lost job, resubmitted: the same context, a new job

@@ -26,6 +26,11 @@ STATS = {"policy": "llms", "budget_bytes": 40000000, "used_bytes": 123, "peak_by
          "streamed_chunks": 0}
 
 
+HEALTH = {"ok": True, "contexts": 1,
+          "flash": {"state": "ok", "path": "/data/flash", "mount": "/data", "free_bytes": 10,
+                    "total_bytes": 20, "reason": None}}
+
+
 class ScriptedService:
     """What the app calls of a ContextService, answering fixed values."""
 
@@ -55,6 +60,9 @@ class ScriptedService:
 
     def stats(self) -> dict:
         return dict(STATS)
+
+    def health(self) -> dict:
+        return dict(HEALTH)
 
     def delete(self, ctx_id: str) -> None:
         self._known(ctx_id)
@@ -88,7 +96,7 @@ def _same_json(got, want) -> None:
 
 def test_routes_answer_what_the_service_returns(app_client):
     c, svc = app_client
-    _same_json(c.get("/healthz").json(), {"ok": True, "contexts": 1})
+    _same_json(c.get("/healthz").json(), HEALTH)
     r = c.post("/v1/contexts", json={"system_prompt": "be brief"})
     assert r.status_code == 201
     _same_json(r.json(), INFO)
@@ -133,11 +141,20 @@ def test_every_error_has_the_one_json_shape(app_client):
                  422, "invalid_request")
     assert err["message"].startswith("invalid request: body.max_new_tokens")
     assert err["details"][0]["loc"] == "body.max_new_tokens"
+    # the JSON-body policy both apps share: not JSON is 400, JSON off the schema 422
     _error(c.post("/v1/contexts", content=b"{not json", headers={"content-type":
                                                                   "application/json"}),
-           422, "invalid_request")
+           400, "malformed_json")
+    _error(c.post("/v1/contexts", content=b"[" * 60000, headers={"content-type":
+                                                                  "application/json"}),
+           400, "malformed_json")
     _error(c.get("/v1/nothing"), 404, "not_found")
-    _error(c.put("/v1/stats"), 405, "method_not_allowed")
+    r = c.put("/v1/stats")
+    _error(r, 405, "method_not_allowed")
+    assert r.headers["allow"] == "GET"
+    _error(c.request("TRACE", "/v1/stats"), 405, "method_not_allowed")
+    _error(c.get(f"/v1/contexts/{cid[:4]}%{ord(cid[4]):02X}{cid[5:]}"), 400,
+           "non_canonical_path")
 
 
 def test_openapi_names_a_model_for_every_answer(app_client):

@@ -9,7 +9,7 @@ import pytest
 
 from sparkv.device import ContextService
 from sparkv.device.config import FALLBACK_RATIO, ServiceConfig, resolved_ratio
-from sparkv.device.flashio import ServiceFlash, read_token_chunk_file
+from sparkv.device.flashio import ServiceFlash, read_token_chunk_record
 from sparkv.device.loader import token_chunk_ids, working_nbytes
 from sparkv.layout import ChunkGeometry
 from sparkv.predictor.quality import QualityEntry, QualityTable, RetrievalScore
@@ -104,7 +104,7 @@ def test_swap_out_and_back_is_exact_at_every_level(lm, doc, tmp_path, ratio, see
     tier: ServiceFlash = svc.contexts[cid].tier
     for t in range(C.geometry.num_token_chunks - 1):           # the full chunks
         ids = token_chunk_ids(C.geometry, t)
-        f = read_token_chunk_file(tier.read(C.state(ids[0]).flash), t)
+        f = read_token_chunk_record(tier.read(C.state(ids[0]).flash), t)
         assert f.level == svc.contexts[cid].levels[t]
         same_payloads({p.cid: (p.level, [s for x in (p.k, p.v) for s in (
             [x] if p.level == "fp" else [x.codes, x.scale, x.zero])]) for p in f.payloads},

@@ -135,6 +135,9 @@ class _Service:
     def damaged_list(self):
         return []
 
+    def health(self):
+        return {"ok": True, "contexts": 0}
+
 
 def test_a_foreign_host_gets_421_on_every_transport():
     for token in (None, "t0k3n-t0k3n-t0k3n-t0k3n-t0k3n-t0k3n-xx"):
@@ -171,10 +174,13 @@ def test_bad_inputs_are_4xx_json(tiny_llama, tmp_path):
     with TestClient(create_app(svc), base_url="http://localhost",
                     raise_server_exceptions=False) as c:
         call = f"/v1/contexts/{cid}/call"
-        for ids in ([vocab], [10 ** 6], [-1], [1, 2, 1 << 40]):
+        for ids in ([vocab], [10 ** 6]):  # outside the vocabulary: the service's 400
             err = _error(c.post(call, json={"prompt_ids": ids}), 400, "bad_request")
             assert "not a token id" in err["message"]
             _error(c.post("/v1/contexts", json={"system_ids": ids}), 400, "bad_request")
+        for ids in ([-1], [1, 2, 1 << 40], [True], ["5"]):  # not a JSON token id: 422, as the
+            _error(c.post(call, json={"prompt_ids": ids}), 422, "invalid_request")  # server
+            _error(c.post("/v1/contexts", json={"system_ids": ids}), 422, "invalid_request")
         r = c.post(call, json={"prompt_ids": [10 ** 30]})
         _error(r, 400 if r.status_code == 400 else 422)
         for t in ("1e308", "Infinity", "-Infinity", "NaN", "-1", "1e6"):
@@ -210,15 +216,15 @@ def test_a_refused_create_evicts_nothing(tiny_llama, tmp_path):
     svc.call(a, prompt_ids=[9, 10, 11], max_new_tokens=3)
     before = svc.describe(a)
     assert before["hot"] and before["chunks"]["resident"] > 0
-    used, counters = svc.used_bytes(), dict(svc.counters)
+    used, counters = svc.used_bytes(), svc.counters.snapshot()
     with pytest.raises(BudgetTooSmall):
         svc.new_context(system_ids=[(5 * i) % 120 + 1 for i in range(1500)])
     after = svc.describe(a)
     assert after["hot"] and after["chunks"] == before["chunks"]
     assert after["bytes"] == before["bytes"]
     assert svc.used_bytes() == used
-    assert svc.counters["hot_dropped"] == counters["hot_dropped"]
-    assert svc.counters["evicted_bytes"] == counters["evicted_bytes"]
+    assert svc.counters.hot_dropped == counters.hot_dropped
+    assert svc.counters.evicted_bytes == counters.evicted_bytes
     assert [d["id"] for d in svc.list()] == [a]
 
 

@@ -12,7 +12,7 @@ from sparkv.cache import ChunkPayload, PayloadError
 from sparkv.cache.payload import contiguous_positions
 from sparkv.device import ContextService
 from sparkv.device.density import plan_levels
-from sparkv.device.flashio import pack_token_chunk, read_token_chunk_file
+from sparkv.device.flashio import pack_token_chunk, read_token_chunk_record
 from sparkv.device.loader import dequantize_fast
 from sparkv.device.remote import RemoteSource, ServerStream
 from sparkv.layout import KVChunkId
@@ -37,7 +37,7 @@ def test_token_chunk_file_round_trips_and_refuses_damage(level):
                          k, v, torch.float32)
         ps.append(p if level == "fp" else p.at_level(level))
     data = pack_token_chunk(list(reversed(ps)))          # any order in, layer-major out
-    f = read_token_chunk_file(data, 7)
+    f = read_token_chunk_record(data, 7)
     assert [p.cid for p in f.payloads] == [p.cid for p in ps]
     for a, b in zip(ps, f.payloads):
         assert a.level == b.level and a.nbytes == b.nbytes and torch.equal(a.pos, b.pos)
@@ -47,9 +47,9 @@ def test_token_chunk_file_round_trips_and_refuses_damage(level):
     assert torch.equal(k_all.view(4, 48, 64)[2], ps[2].fp()[0])
     for cut in (data[:-1], data[:20], data[:100] + bytes([data[100] ^ 1]) + data[101:]):
         with pytest.raises(PayloadError):
-            read_token_chunk_file(cut, 7)
+            read_token_chunk_record(cut, 7)
     with pytest.raises(PayloadError):
-        read_token_chunk_file(data, 8)                    # another chunk's file
+        read_token_chunk_record(data, 8)                    # another chunk's file
 
 
 def test_levels_keep_sinks_and_the_densest_at_fp_within_the_ratio():

@@ -20,7 +20,7 @@ from sparkv.cache.payload import contiguous_positions
 from sparkv.device import ContextService
 from sparkv.device.config import ServiceConfig
 from sparkv.device.flashio import (IOProfile, ServiceFlash, plan_runs,
-                                   read_token_chunk_file, run_starts, walk_segment)
+                                   read_token_chunk_record, run_starts, walk_segment)
 from sparkv.device.loader import FileReads, LoadOptions, LoadRequest, load, token_chunk_ids
 from sparkv.device.planner import MissingChunk, RecomputeProfile, plan_split
 from sparkv.device.registry import DeviceContext
@@ -40,7 +40,7 @@ def _context(root: Path, contiguous: bool, seed: int = 0) -> tuple[SwapStore, De
     """A context of :data:`GEO` whose chunks cycle through every level, all modified."""
     swap = SwapStore(root, contiguous=contiguous)
     ctx = DeviceContext("c0ffee", list(range(GEO.num_tokens)), None, swap.tier("c0ffee"))
-    C = ContextKV(GEO, torch.float32, "cpu", segmented=True)
+    C = ContextKV(GEO, torch.float32, "cpu", paged=True)
     gen = torch.Generator().manual_seed(seed)
     for t in range(GEO.num_token_chunks):
         n = GEO.chunk_len(t)
@@ -305,10 +305,10 @@ def test_reopen_walks_past_a_damaged_header(tmp_path):
     # reopened: every other full chunk attached, 3 is not
     tier = ServiceFlash(ctx.tier.root)
     fresh = DeviceContext(ctx.id, ctx.tokens, None, tier)
-    C = ContextKV(GEO, torch.float32, "cpu", segmented=True)
+    C = ContextKV(GEO, torch.float32, "cpu", paged=True)
     assert swap.attach(fresh, C) == GEO.num_token_chunks - 2    # 3 and the partial last
     assert C.residency(token_chunk_ids(GEO, 3)[0]) == Residency.ABSENT
-    f = read_token_chunk_file(tier.read(C.state(token_chunk_ids(GEO, 5)[0]).flash), 5)
+    f = read_token_chunk_record(tier.read(C.state(token_chunk_ids(GEO, 5)[0]).flash), 5)
     assert f.level == LEVELS[5 % 4]
 
 

@@ -65,7 +65,7 @@ def test_swapped_out_and_back_answers_exactly_as_never_swapped(lm, doc, tmp_path
         assert 1 <= rb.load["files_read"] <= rb.load["reads"] < rb.load["read_chunks"]
         assert written == 0          # ahead-of-time swap-out: every chunk was already on flash
     assert ref.describe(a)["tokens"] == swp.describe(b)["tokens"]
-    assert ref.counters["read_chunks"] == 0
+    assert ref.counters.read_chunks == 0
 
 
 # ---- 2. partial recomputation of interleaved chunks == full prefill --------------------------------
@@ -89,7 +89,7 @@ def test_partial_recompute_of_interleaved_chunks_equals_full_prefill(lm, doc, tm
         torch.testing.assert_close(st.v[:, :, :len(tokens)], ref[l][1], atol=2e-4, rtol=1e-4)
 
     # a context missing interleaved chunks (first, middle ones, the partial last), recomputed
-    C = ContextKV(g, lm.dtype, lm.device, segmented=True)
+    C = ContextKV(g, lm.dtype, lm.device, paged=True)
     missing = [0, 2, 3, 5, 7]
     for t in range(g.num_token_chunks):
         if t not in missing:

@@ -25,6 +25,7 @@ from sparkv.runtime.stepper import LayerStepper
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.planners import get_planner
+from sparkv.scheduler.rules import Rebalance, RecomputeColumns, ToCompute, ToStream
 
 N_TOKENS, T = 96, 16
 
@@ -477,7 +478,7 @@ def test_a_cancelled_chunk_later_in_a_batch_does_not_stop_the_chunks_before_it(w
         first = src.opened[0]
         if not injected and 0 < sent < first[0].nbytes:
             injected.append(first[2].cid)       # while chunk 0 flows: cancel the batch's third
-            src_holder["engine"].ctl._cancel.append(first[2].cid)
+            src_holder["engine"].ctl.state.link.cancels.append(first[2].cid)
         return asyncio.sleep(0.002)
 
     src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace) if n == 0
@@ -550,7 +551,8 @@ def test_a_column_locked_by_streamed_layers_is_recomputed(world):
 
     src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=512))
     stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
-    engine = Engine(stepper, plan, inst, ControllerConfig(recompute=True), source=src,
+    recompute = ControllerConfig(rebalance=Rebalance(RecomputeColumns(ToCompute()), ToStream()))
+    engine = Engine(stepper, plan, inst, recompute, source=src,
                     config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=600.0))
     load = _run_exact(engine, world)
     columns = [m for m in load.migrations if m.direction == "to_compute" and len(m.steps) > 1]

@@ -20,6 +20,7 @@ from sparkv.protocol.stream import RecordPiece
 from sparkv.runtime.attention import get_backend
 from sparkv.runtime.stepper import LayerStepper, MissingDependencyError
 from sparkv.scheduler.controller import ControllerConfig
+from sparkv.scheduler.rules import ProbeIdleLink
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.planners import get_planner
 from sparkv.scheduler.trace import Trace
@@ -138,7 +139,8 @@ def test_an_all_local_plan_hands_work_back_to_a_link_that_recovers(world):
 def test_the_probe_stays_within_its_bound_while_the_link_is_dead(world):
     """The link never recovers (0.02 Mbit/s throughout): one probe request open at a time and
     the bytes asked for within the probe's bucket; the load is the all-local one."""
-    cfg = ControllerConfig(probe_rate_Bps=4_000.0, probe_burst_bytes=5_000.0)
+    probe = ProbeIdleLink(rate_Bps=4_000.0, burst_bytes=5_000.0)
+    cfg = ControllerConfig(probe=probe)
     dead = Trace.from_rows([0.0], [0.02], [30.0], loop=False)
     load, src = _run(world, dead, cfg)
     assert src.opened, "the idle link was never probed"
@@ -146,7 +148,7 @@ def test_the_probe_stays_within_its_bound_while_the_link_is_dead(world):
     asked = 0
     for t, items in src.opened:
         asked += sum(i.nbytes for i in items)
-        assert asked <= max(first, cfg.probe_burst_bytes + cfg.probe_rate_Bps * (t + 0.05))
+        assert asked <= max(first, probe.burst_bytes + probe.rate_Bps * (t + 0.05))
     assert load.sources.get("computed", 0) >= len(world["frames"]) - 1
 
 

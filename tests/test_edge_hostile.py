@@ -466,3 +466,128 @@ def test_a_job_poll_that_times_out_is_retried_and_a_silent_server_is_an_error(mo
     with pytest.raises(ServerUnavailable):
         client._poll_job("j1", time.monotonic() - 1)        # the deadline has passed
     assert len(answers) == 2                                  # one try, no wait
+
+
+# ---- what the edge refuses to paper over (issue 42: M7, L7, L8) --------------------------------
+STREAM_PATH = f"/v1/contexts/{CID}/stream"
+
+
+def _error(status: int, code: str) -> Behaviour:
+    body = json.dumps({"error": {"status": status, "code": code, "message": "no"}}).encode()
+    return answer(body, status)
+
+
+def _cached_then(hostile: Hostile, client: EdgeClient, lm, then: Behaviour) -> None:
+    """The server answers the manifest and the token ids (``client`` caches them), then
+    answers every request with ``then``."""
+    hostile.routes[MANIFEST_PATH] = answer(crafted_manifest(TOKENS, fingerprint=lm.fingerprint))
+    hostile.routes[TOKENS_PATH] = answer(tokens_bytes(TOKENS))
+    client.manifest(CID)
+    client.tokens(CID)
+    for path in (MANIFEST_PATH, TOKENS_PATH, STREAM_PATH):
+        hostile.routes[path] = then
+
+
+@pytest.mark.parametrize("status, code", [(401, "invalid_api_key"), (403, "forbidden")])
+def test_a_refused_key_ends_the_ask_whatever_is_cached(hostile, tiny, status, code):
+    """M7: a 401/403 is a configuration error, not a link fault: the cached manifest and token
+    ids must not turn it into a slower all-local answer."""
+    lm, _ = tiny
+    with _session(hostile, lm) as session:
+        _cached_then(hostile, session.client, lm, _error(status, code))
+        with pytest.raises(ApiError) as e:
+            session.ask(CID, QUESTION, max_new_tokens=2, stop_at_eos=False, strategy="stream")
+    assert e.value.status == status and e.value.code == code
+    assert hostile.hits[STREAM_PATH] == 1           # refused once: not retried, not fallen back
+
+
+def test_a_link_fault_still_falls_back(hostile, tiny):
+    """M7's other side: a 503 on the stream is the link's fault: the answer is computed."""
+    lm, _ = tiny
+    with _session(hostile, lm) as session:
+        _cached_then(hostile, session.client, lm, _error(503, "store_unavailable"))
+        res = session.ask(CID, QUESTION, max_new_tokens=2, stop_at_eos=False, strategy="stream")
+    assert res.tokens and res.breakdown.chunks_streamed == 0
+    assert "503" in res.breakdown.fallback["link"]
+
+
+def test_the_cli_exits_2_on_a_wrong_api_key_with_a_cached_context(hostile, tiny, tmp_path,
+                                                                  monkeypatch, capsys):
+    """M7 as the probe met it: ``sparkv ask --api-key WRONG`` with the manifest and the token
+    ids in the edge's disk cache: one line naming the flag, exit 2 (was: exit 0 and a
+    ``FELL BACK ... 401`` line)."""
+    from sparkv.cli import main
+    from sparkv.runtime.model import CACHE_ENV
+
+    lm, path = tiny
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    with EdgeClient(hostile.url, cache_dir=tmp_path / "edge") as client:   # sparkv ask's
+        _cached_then(hostile, client, lm, _error(401, "invalid_api_key"))
+    rc = main(["ask", QUESTION, "--server", hostile.url, "--context", CID, "--model", path,
+               "--api-key", "sk-wrong", "--strategy", "stream", "--no-prelude",
+               "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    last = err.splitlines()[-1]
+    assert rc == 2 and last.startswith("sparkv: error:") and "Traceback" not in err, err
+    assert "401" in last and "--api-key" in last
+    assert hostile.hits[STREAM_PATH] == 1 and hostile.hits[MANIFEST_PATH] == 1   # from cache
+
+
+def test_out_of_vocabulary_token_ids_are_a_manifest_error(hostile, tiny):
+    """L7: token ids the model has no embedding for (with a digest that matches them) are
+    refused when they arrive, naming the id; nothing is cached, nothing indexes out of range."""
+    lm, _ = tiny
+    vocab = lm.model.get_input_embeddings().num_embeddings
+    bad = TOKENS[:10] + [vocab + 7] + TOKENS[11:]
+    hostile.routes[MANIFEST_PATH] = answer(crafted_manifest(bad, fingerprint=lm.fingerprint))
+    hostile.routes[TOKENS_PATH] = answer(tokens_bytes(bad))
+    with _session(hostile, lm) as session:
+        with pytest.raises(ManifestError) as e:
+            _ask(session, strategy="local")
+        assert session.client.known_tokens(CID) is None
+    assert f"{vocab + 7}" in str(e.value) and "position 10" in str(e.value)
+    assert f"{vocab}" in str(e.value)
+
+
+def test_out_of_vocabulary_token_ids_given_by_the_caller_are_an_ask_error(hostile, tiny):
+    lm, _ = tiny
+    vocab = lm.model.get_input_embeddings().num_embeddings
+    with _session(hostile, lm) as session, pytest.raises(AskError) as e:
+        _ask(session, token_ids=TOKENS[:-1] + [vocab], strategy="local")
+    assert f"{vocab}" in str(e.value) and "vocabulary" in str(e.value)
+    assert hostile.hits[MANIFEST_PATH] == 0 and hostile.hits[TOKENS_PATH] == 0
+
+
+def _redirect(out: _Out) -> bool:
+    return out.send(_head(307, {"Location": "https://elsewhere.example/v1/x",
+                                "Content-Length": "0"}))
+
+
+def test_a_redirected_manifest_is_reported_as_a_redirect(hostile, tiny):
+    """L8: a 307 on the manifest was 'malformed manifest: Invalid JSON: EOF'. The client does
+    not follow redirects: the error says so, with the status and where it points."""
+    lm, _ = tiny
+    hostile.routes[MANIFEST_PATH] = _redirect
+    with _client(hostile) as client, pytest.raises(ApiError) as e:
+        client.manifest(CID)
+    assert e.value.status == 307 and e.value.code == "redirect"
+    assert "https://elsewhere.example/v1/x" in str(e.value)
+    assert "does not follow redirects" in str(e.value)
+    with _session(hostile, lm) as session, pytest.raises(ApiError) as e:
+        _ask(session, token_ids=TOKENS)      # a configuration error: not a fallback
+    assert e.value.status == 307
+
+
+def test_a_redirected_stream_is_reported_as_a_redirect(hostile):
+    hostile.routes[STREAM_PATH] = _redirect
+    source = HttpChunkSource(hostile.url, CID)
+
+    async def run() -> None:
+        try:
+            await source.open([FetchItem(KVChunkId(0, 0, 0), "q8", 1000)])
+        finally:
+            await source.aclose()
+
+    with pytest.raises(SourceError) as e:
+        asyncio.run(run())
+    assert e.value.fatal and "307" in str(e.value) and "does not follow redirects" in str(e.value)

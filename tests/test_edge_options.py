@@ -22,6 +22,18 @@ def test_defaults_are_what_ask_did_with_no_arguments():
     assert not o.uses_decode_policy and AskOptions(ram_budget=0.5).uses_decode_policy
 
 
+def test_the_asks_time_limit_defaults_to_a_multiple_of_the_local_estimate():
+    from sparkv.edge.options import ASK_DEADLINE_FACTOR, ASK_DEADLINE_SLACK_S
+
+    assert AskOptions().ask_deadline_s is None
+    assert AskOptions().time_limit_s(15.0) == ASK_DEADLINE_FACTOR * 15.0 + ASK_DEADLINE_SLACK_S
+    assert AskOptions(ask_deadline_s=5.0).time_limit_s(100.0) == 5.0
+    assert AskOptions(ask_deadline_s=float("inf")).time_limit_s(1.0) == float("inf")
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(AskError, match="ask_deadline_s"):
+            AskOptions(ask_deadline_s=bad)
+
+
 def test_resolve_applies_overrides_and_names_unknown_keywords():
     base = AskOptions(strategy="stream", level="q8")
     got = AskOptions.resolve(base, {"level": "raw", "max_new_tokens": 4})

@@ -30,7 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ABSENT = ("fastapi", "starlette", "uvicorn", "redis", "prometheus_client", "pulp", "sklearn",
           "matplotlib", "aiohttp")
 #: the modules that belong to another profile (they may raise MissingExtra there)
-NOT_EDGE = ("sparkv.server", "sparkv.bench", "sparkv.demo", "sparkv.device.app")
+# the HTTP apps and the plumbing only they use (sparkv.rest's limits, fields and listen are
+# plain Python, used by the edge-side commands too)
+NOT_EDGE = ("sparkv.server", "sparkv.bench", "sparkv.demo", "sparkv.device.app",
+            "sparkv.rest.handlers", "sparkv.rest.middleware", "sparkv.rest.routing")
 
 BLOCKED_RUN = r"""
 import contextlib, importlib, importlib.abc, io, json, pkgutil, sys
@@ -55,10 +58,11 @@ for info in pkgutil.walk_packages(sparkv.__path__, "sparkv.", onerror=lambda nam
     except Exception as exc:
         out["other"][info.name] = repr(exc)
 for name in ("EdgeSession", "AskOptions", "ContextService", "ServiceConfig", "SparkvCache",
-             "load_model", "generate", "SnapKV"):
+             "load_model", "generate", "SnapKVPress"):
     getattr(sparkv, name)
 runs = {}
-for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--budget-mb", "64"], ["demo"]):
+for argv in (["ask", "--help"], ["serve"], ["device", "serve", "--memory-budget-mb", "64"],
+             ["demo"]):
     err, stdout = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
         try:

@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parent.parent / "sparkv"
 LAYERS = {
     "__init__": 0.0, "errors": 0.0, "extras": 0.05, "generation": 0.0, "layout": 0.1, "tables": 0.1, "fileio": 0.1,
     "cliflags": 0.1, "logs": 0.1,
-    "protocol": 1.0,
+    "protocol": 1.0, "rest": 1.5,
     "codec": 2.0, "cache": 2.1, "runtime": 2.2, "scheduler": 2.3, "predictor": 2.4,
     "presses": 2.5, "decode": 2.6,
     "server": 3.0, "device": 3.1, "edge": 3.2,
@@ -142,3 +142,52 @@ def test_the_wire_needs_no_torch_model_code(part):
     bad = sorted(f"{m} -> {d}" for m in GRAPH if _part(m) == part for d in GRAPH[m]
                  if _part(d) in ("runtime", "server", "edge", "scheduler", "predictor"))
     assert bad == []
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """``module: from other import _name`` for every import of another module's private name
+    (``__version__`` and other dunders aside)."""
+    bad = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sparkv"):
+                bad += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                        and node.module != name]
+    return sorted(bad)
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name shared across modules is public (``runtime.attention.check_shapes``); a private
+    one is its module's own business."""
+    assert private_imports(MODS) == []
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    (tmp_path / "a.py").write_text("from sparkv.runtime.attention import _hidden, shown\n"
+                                   "from sparkv.server.version import __version__\n")
+    assert private_imports({"a": tmp_path / "a.py"}) == [
+        "a: from sparkv.runtime.attention import _hidden"]
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``line: obj._name`` for every private attribute read on something other than ``self``
+    or ``cls``: a reach into another object's state instead of its public accessors."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            out.append(f"{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+@pytest.mark.parametrize("module", ["runtime/stepper.py"])
+def test_owners_give_public_accessors(module):
+    """The stepper uses the public API of what it drives (ContextKV, its own step cache)."""
+    assert private_reaches(PKG / module) == []
+
+
+def test_the_reach_check_sees_one(tmp_path):
+    (tmp_path / "a.py").write_text("def f(st):\n    return st._tokens(0, 1), self._ok\n")
+    assert private_reaches(tmp_path / "a.py") == ["2: st._tokens"]

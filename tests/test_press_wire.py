@@ -312,8 +312,8 @@ def test_offline_encoder_takes_a_press(tmp_path, smollm2, capsys):
     assert out[None]["context_id"] != out["SnapKV:25%"]["context_id"]
     st = open_store(store)
     tenant = out[None]["tenant"]
-    m = Manifest.parse(st.get_manifest(tenant, out["SnapKV:25%"]["context_id"]))
+    m = Manifest.parse(st.manifests.get(tenant, out["SnapKV:25%"]["context_id"]))
     assert m.press.spec == "snapkv:0.25" and m.press.kept_fraction == 0.25
-    assert Manifest.parse(st.get_manifest(tenant, out[None]["context_id"])).press is None
+    assert Manifest.parse(st.manifests.get(tenant, out[None]["context_id"])).press is None
     assert main(["encode", str(src), "--store", store, "--token-ids", "--press", "x:1"]) == 2
     assert "--press" in capsys.readouterr().err

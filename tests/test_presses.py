@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from sparkv.cache import ragged_attention, to_bytes
-from sparkv.presses import (PRESSES, AdaKV, Budget, DynamicKV, PressError, PyramidKV, SnapKV,
-                            adaptive_head_budgets, compress, make_press, parse_press, prefill,
-                            question_window, round_to_total, score_layers, split_spec, to_memory)
+from sparkv.presses import (PRESSES, AdaKVPress, Budget, DynamicKVPress, PressError,
+                            PyramidKVPress, SnapKVPress, adaptive_head_budgets, compress,
+                            make_press, parse_press, prefill, question_window, round_to_total,
+                            score_layers, split_spec, to_memory)
 from sparkv.runtime.generate import greedy_generate, sample_context_ids
 
 
@@ -55,15 +56,15 @@ def test_uniform_pyramid_and_dynamic_shapes():
     n, L, H = 400, 12, 3
     att = _attention(L, H, n, seed=1)
     b = 40
-    assert SnapKV().layer_budgets(att, b, n) == [b] * L
-    pyr = PyramidKV().layer_budgets(att, b, n)
+    assert SnapKVPress().layer_budgets(att, b, n) == [b] * L
+    pyr = PyramidKVPress().layer_budgets(att, b, n)
     assert sum(pyr) == b * L and pyr[0] > pyr[-1] and pyr == sorted(pyr, reverse=True)
     # DynamicKV: layers whose attention holds more of the global top-k get more, within the
     # r_max buffer; concentrate the signal in layers 3 and 7
     att = [a.clone() for a in att]
     for l in (3, 7):
         att[l] = torch.full((H, n), 0.25)      # flat and high: every entry is a top score
-    dyn = DynamicKV(r_max=3).layer_budgets(att, b, n)
+    dyn = DynamicKVPress(r_max=3).layer_budgets(att, b, n)
     assert sum(dyn) == b * L
     assert max(dyn) <= 3 * b
     assert dyn[3] == max(dyn) or dyn[7] == max(dyn)
@@ -86,15 +87,16 @@ def test_adakv_alpha_one_equals_uniform_snapkv():
     for budget in (Budget(ratio=0.1), Budget(ratio=0.25), Budget(tokens=50)):
         for forced in (0, 32):
             s = [a[:, :n - forced] for a in att]
-            snap = SnapKV().plan([SnapKV().score(l, x) for l, x in enumerate(s)], n, budget, forced)
-            ada = AdaKV(SnapKV(), alpha=1.0)
+            snap = SnapKVPress().plan([SnapKVPress().score(l, x) for l, x in enumerate(s)], n,
+                                      budget, forced)
+            ada = AdaKVPress(SnapKVPress(), alpha=1.0)
             plan = ada.plan([ada.score(l, x) for l, x in enumerate(s)], n, budget, forced)
             assert plan.budgets == snap.budgets
             for l in range(L):
                 for h in range(H):
                     assert torch.equal(plan.keep[l][h], snap.keep[l][h])
             # and alpha = 0.2 does move budgets between heads
-            ada2 = AdaKV(SnapKV(), alpha=0.2)
+            ada2 = AdaKVPress(SnapKVPress(), alpha=0.2)
             p2 = ada2.plan([ada2.score(l, x) for l, x in enumerate(s)], n, budget, forced)
             assert p2.kept_entries == snap.kept_entries
             if snap.info["layer_budgets"][0] > 4:   # room beyond the window
@@ -245,7 +247,7 @@ def test_keeping_everything_is_exact(smol_context):
     n = len(ids)
     ref = greedy_generate(lm, to_memory(lm, layers), n, question, max_new_tokens=2)
     mem = to_memory(lm, layers)
-    compress(mem, AdaKV(), Budget(ratio=1.0), window)
+    compress(mem, AdaKVPress(), Budget(ratio=1.0), window)
     assert all(mem.layers[l].ragged for l in range(len(layers)))
     out = greedy_generate(lm, mem, n, question, max_new_tokens=2)
     assert torch.allclose(out.first_logits, ref.first_logits, atol=1e-3)
@@ -255,12 +257,12 @@ def test_keeping_everything_is_exact(smol_context):
 def test_adakv_alpha_one_equals_snapkv_on_the_model(smol_context):
     lm, ids, question, layers, window = smol_context
     a, b = to_memory(lm, layers), to_memory(lm, layers)
-    pa = compress(a, AdaKV(SnapKV(), alpha=1.0), Budget(ratio=0.2), window).plan
-    pb = compress(b, SnapKV(), Budget(ratio=0.2), window).plan
+    pa = compress(a, AdaKVPress(SnapKVPress(), alpha=1.0), Budget(ratio=0.2), window).plan
+    pb = compress(b, SnapKVPress(), Budget(ratio=0.2), window).plan
     assert pa.budgets == pb.budgets
     assert all(torch.equal(x, y) for ra, rb in zip(pa.keep, pb.keep) for x, y in zip(ra, rb))
     # and the scores are GQA group means: one row per KV head
-    scores, forced = score_layers(to_memory(lm, layers), SnapKV(), window)
+    scores, forced = score_layers(to_memory(lm, layers), SnapKVPress(), window)
     assert forced == 32 and scores[0].shape == (lm.config.num_key_value_heads, len(ids) - 32)
 
 
@@ -293,20 +295,20 @@ def test_bad_press_specs(spec):
 
 def test_parse_press_specs():
     p, b = parse_press("AdaKV:20%")
-    assert isinstance(p, AdaKV) and b.ratio == pytest.approx(0.2)
+    assert isinstance(p, AdaKVPress) and b.ratio == pytest.approx(0.2)
     p, b = parse_press("dynamickv:256t")
-    assert isinstance(p, DynamicKV) and b.tokens == 256
+    assert isinstance(p, DynamicKVPress) and b.tokens == 256
     # every spec the server and `sparkv ask --press` take, the window included (and checked)
     p, b = parse_press("adakv:0.5@repeat")
-    assert isinstance(p, AdaKV) and b.ratio == pytest.approx(0.5)
+    assert isinstance(p, AdaKVPress) and b.ratio == pytest.approx(0.5)
     assert split_spec("adakv:0.5@Repeat")[2] == "repeat"
     with pytest.raises(PressError, match="window"):
         parse_press("adakv:0.5@nope")
     with pytest.raises(PressError):
         make_press("snapkv", bogus=1)
     with pytest.raises(PressError):
-        SnapKV(kernel=4)
+        SnapKVPress(kernel=4)
     with pytest.raises(PressError):
         adaptive_head_budgets(torch.rand(2, 10), 5, alpha=2.0)
     with pytest.raises(PressError):
-        SnapKV().plan([torch.rand(2, 10)], 12, Budget(ratio=0.5), forced=0)   # wrong shape
+        SnapKVPress().plan([torch.rand(2, 10)], 12, Budget(ratio=0.5), forced=0)   # wrong shape

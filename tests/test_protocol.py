@@ -144,6 +144,55 @@ def test_manifest_json_schema_is_the_openapi_one():
     assert schema["properties"]["context_id"]["pattern"] == "^[0-9a-f]{32}$"
 
 
+_HOSTILE_MANIFEST = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a regression fails, bounded
+from sparkv.protocol import Manifest
+from sparkv.protocol.errors import ManifestError
+geometry = dict(num_tokens=32, chunk_tokens=32, num_layers=1, num_kv_heads=1, head_dim=1,
+                heads_per_group=1, num_token_chunks=1, num_groups=1, num_chunks=1)
+head = json.dumps(dict(context_id="0" * 32, created_unix=0, model=dict(name="m", fingerprint="f"),
+                       num_tokens=32, tokens_sha256="0" * 64, geometry=geometry, levels=["raw"],
+                       frame_version=1, total_bytes=dict(raw=1)))[:-1]
+chunk = '{"t":0,"l":0,"g":0,"token_start":0,"num_tokens":32,'
+bodies = {  # 13-18 MiB each, every entry invalid
+    "chunks": ",".join(['{"t":0,"l":0,"g":0,"token_start":0}'] * 416_000),
+    "levels": chunk + '"levels":{' + ",".join(f'"{i}":{{}}' for i in range(1_500_000)) + "}}",
+    "counts": chunk + '"levels":{},"kept":{"coding":"bitmap","positions":"","counts":['
+              + ",".join(['"x"'] * 3_500_000) + "]}}",
+}
+out = {}
+for name, body in bodies.items():
+    data = (head + ',"chunks":[' + body + "]}").encode()
+    del body
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        Manifest.parse(data)
+    except ManifestError as exc:
+        out[name] = [len(data), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
+                     str(exc)]
+print(json.dumps(out))
+"""
+
+
+def test_a_huge_invalid_manifest_is_rejected_cheaply():
+    """Issue 42 L2: every list and mapping stops at its first bad item, so rejecting a hostile
+    manifest costs its parse (a 14 MiB one of 416K invalid entries took 1.5 GB before)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _HOSTILE_MANIFEST], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout)
+    assert set(got) == {"chunks", "levels", "counts"}
+    for name, (size, grew_kb, message) in got.items():
+        assert size > 13 << 20
+        assert grew_kb < 300 * 1024, (name, grew_kb)  # ~0.1 GB; was 1.5 to 13 GB
+        assert message.startswith("malformed manifest: chunks.0."), message
+        assert "more)" not in message or int(message.rsplit("and ", 1)[1].split()[0]) < 10
+
+
 def test_chunk_entry_id():
     e = ChunkEntry.model_validate(_chunks(G)[5])
     assert e.id == list(G.chunk_ids())[5]

@@ -5,6 +5,7 @@ one shape ``text``, ``tokens``, ``stats`` (:class:`sparkv.generation.Generation`
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,25 +19,27 @@ from sparkv.generation import COMMON_STATS, Generation
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_import_sparkv_is_cheap():
-    code = ("import json, sys, sparkv; print(json.dumps(sorted(m for m in sys.modules "
-            "if m.split('.')[0] in ('torch', 'transformers', 'fastapi') or m.startswith('sparkv.'))))")
+def test_import_sparkv_is_cheap_and_changes_no_environment():
+    code = ("import json, os, sys; env = dict(os.environ); import sparkv; print(json.dumps(["
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', "
+            "'fastapi') or m.startswith('sparkv.')), dict(os.environ) == env]))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+                          timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == []
+    assert json.loads(proc.stdout) == [[], True]
 
 
 def test_every_top_level_name_resolves_to_its_part():
     from sparkv.device.service import ContextService
     from sparkv.edge.session import EdgeSession
-    from sparkv.presses import SnapKV
+    from sparkv.presses import SnapKVPress
     from sparkv.runtime.model import load_model
 
     for name in sparkv.__all__:
         assert getattr(sparkv, name) is not None, name
     assert sparkv.EdgeSession is EdgeSession and sparkv.ContextService is ContextService
-    assert sparkv.load_model is load_model and sparkv.SnapKV is SnapKV
+    assert sparkv.load_model is load_model and sparkv.SnapKVPress is SnapKVPress
     from sparkv.decode import generate
     assert sparkv.generate is generate
     assert set(sparkv.__all__) <= set(dir(sparkv))

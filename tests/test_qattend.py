@@ -1,36 +1,42 @@
-"""The fused quantized attention (sparkv/cache/qattend.py) equals dequantize-then-attend within
-float32 rounding, at every level, with ragged heads, masks and a fp tail; SparkvCache decodes a
-quantized memory with it; the memory stays within its bound."""
+"""The paged attention (sparkv/cache/qattend.py: one numba call per layer over fp, int8, int4 and
+int2 pages) equals dequantize-then-attend within float32 rounding, with ragged and partly filled
+pages, empty heads, mixed levels, masks and a fp tail; the torch path (a GPU's) too; SparkvCache
+decodes a quantized memory with it; the memory stays within its bound."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sparkv.cache import ragged_attention
+from sparkv.cache import ContextKV, ragged_attention
 from sparkv.cache.levels import quantize
 from sparkv.cache.payload import ChunkPayload
-from sparkv.cache.qattend import (DequantizedRows, QuantizedRows, attend_entries,
-                                  attend_stacked, merge_partials)
+from sparkv.cache.qattend import TorchPagedAttention, attend_entries, attend_stacked
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 D = 64
+T = 400
 
 
-def _payloads(level: str, counts: list[list[int]], seed: int) -> tuple[list, list]:
-    """Chunks of one group of 2 heads each, quantized, with their fp (dequantized) entries."""
+def _payloads(levels: list[str], counts: list[list[int]], seed: int) -> list[ChunkPayload]:
+    """Token chunks of one layer, one group of 2 heads each keeping ``counts[t][h]`` random
+    positions of its 400, at ``levels[t]``."""
     g = torch.Generator().manual_seed(seed)
-    bits = {"int8": 8, "int4": 4, "int2": 2}[level]
-    out, start = [], 0
-    for t, cs in enumerate(counts):
-        pos = torch.cat([torch.sort(torch.randperm(400, generator=g)[:n]).values + start
+    out = []
+    for t, (level, cs) in enumerate(zip(levels, counts)):
+        pos = torch.cat([torch.sort(torch.randperm(T, generator=g)[:n]).values + t * T
                          for n in cs]).to(torch.int32)
         n = sum(cs)
         k, v = torch.randn(n, D, generator=g) * 2, torch.randn(n, D, generator=g)
-        out.append(ChunkPayload(KVChunkId(t, 0, 0), level, list(cs), pos, quantize(k, bits),
-                                quantize(v, bits)))
-        start += 400
-    return out, [0] * len(out)
+        p = ChunkPayload(KVChunkId(t, 0, 0), "fp", list(cs), pos, k, v)
+        out.append(p.at_level(level))
+    return out
+
+
+def _memory(payloads: list[ChunkPayload]) -> ContextKV:
+    mem = ContextKV(ChunkGeometry(T * len(payloads), T, 1, 2, D), paged=True)
+    mem.put_payloads(payloads)
+    return mem
 
 
 def _reference(q, payloads, q_pos, tail=None):
@@ -45,44 +51,47 @@ def _reference(q, payloads, q_pos, tail=None):
             heads[i].append(tail[i])
     cat = [(torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
             torch.cat([x[2] for x in hs])) for hs in heads]
-    return ragged_attention(q, cat, q_pos, None)[0]
+    return ragged_attention(q, cat, q_pos, None)
 
 
-@pytest.mark.parametrize("rows_class", [QuantizedRows, DequantizedRows])
-@pytest.mark.parametrize("level", ["int8", "int4", "int2"])
-def test_fused_equals_dequantize_then_attend(level, rows_class):
-    payloads, h0 = _payloads(level, [[30, 17], [0, 40], [300, 5]], seed=1)
-    rows = rows_class(payloads, h0, num_kv_heads=2)
+def _torch_path(mem: ContextKV) -> TorchPagedAttention:
+    return TorchPagedAttention(lambda: [(e.k, e.v, e.pos) for e in mem.layer_entries(0)])
+
+
+@pytest.mark.parametrize("levels", [["int8"] * 3, ["int4"] * 3, ["int2"] * 3, ["fp"] * 3,
+                                    ["int8", "int4", "fp"], ["int2", "fp", "int8"]])
+def test_paged_equals_dequantize_then_attend(levels):
+    # ragged heads: partly filled pages, an empty head, a head of 300 (19 pages, two units)
+    payloads = _payloads(levels, [[30, 17], [0, 40], [300, 5]], seed=1)
+    mem = _memory(payloads)
     q = torch.randn(1, 6, 1, D)
-    q_pos = torch.tensor([1000])
-    got = rows.attend(q, q_pos, None).out
-    torch.testing.assert_close(got, _reference(q, payloads, q_pos), atol=2e-5, rtol=1e-4)
+    q_pos = torch.tensor([1200])
+    want = _reference(q, payloads, q_pos)
+    for att in (mem.resident_attention(0), _torch_path(mem)):
+        torch.testing.assert_close(att.attend(q, q_pos, None), want, atol=2e-5, rtol=1e-4)
 
 
 def test_masked_queries_and_fp_tail():
-    payloads, h0 = _payloads("int8", [[30, 17], [12, 40]], seed=2)
-    rows = QuantizedRows(payloads, h0, num_kv_heads=2)
+    payloads = _payloads(["int8", "int4"], [[30, 17], [12, 40]], seed=2)
+    mem = _memory(payloads)
     q = torch.randn(1, 6, 3, D)
     q_pos = torch.tensor([200, 600, 801])    # the first sees part of chunk 0 only
     tail = [(torch.randn(3, D), torch.randn(3, D), torch.tensor([799, 800, 801])) for _ in range(2)]
-    got = merge_partials([rows.attend(q, q_pos, None),
-                          attend_entries(q, tail, q_pos, None)]).out
     stacked = attend_stacked(q, torch.stack([t[0] for t in tail]),
                              torch.stack([t[1] for t in tail]), tail[0][2], q_pos, None)
     torch.testing.assert_close(stacked.out, attend_entries(q, tail, q_pos, None).out)
     stacked_tail = (torch.stack([t[0] for t in tail]), torch.stack([t[1] for t in tail]),
                     tail[0][2])
-    for fused in (rows.attend(q, q_pos, None, stacked_tail),
-                  DequantizedRows(payloads, h0, 2).attend(q, q_pos, None, stacked_tail)):
-        torch.testing.assert_close(fused.out, got, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(got, _reference(q, payloads, q_pos, tail), atol=2e-5, rtol=1e-4)
+    want = _reference(q, payloads, q_pos, tail)
+    for att in (mem.resident_attention(0), _torch_path(mem)):
+        torch.testing.assert_close(att.attend(q, q_pos, None, stacked_tail), want, atol=2e-5,
+                                   rtol=1e-4)
 
 
 def test_query_seeing_nothing_gets_zeros():
-    payloads, h0 = _payloads("int4", [[10, 10]], seed=3)
-    part = QuantizedRows([p for p in payloads], h0, 2).attend(torch.randn(1, 2, 1, D),
-                                                              torch.tensor([-1]), None)
-    assert torch.all(part.out == 0) and torch.all(torch.isinf(part.lse))
+    mem = _memory(_payloads(["int4"], [[10, 10]], seed=3))
+    out = mem.resident_attention(0).attend(torch.randn(1, 2, 1, D), torch.tensor([-1]), None)
+    assert torch.all(out == 0)
 
 
 @pytest.fixture(scope="module")

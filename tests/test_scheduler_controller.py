@@ -8,9 +8,13 @@ from collections import Counter
 import pytest
 
 from sparkv.layout import KVChunkId, StepId
-from sparkv.scheduler import (ComputeNoise, Controller, ControllerConfig, Greedy, StreamOnly,
-                              StrongHybrid, Trace, simulate, synthetic_instance)
+from sparkv.scheduler import (ComputeNoise, Controller, ControllerConfig, Greedy, ProbeIdleLink,
+                              Rebalance, RecomputeColumns, StreamOnly, StrongHybrid, ToCompute,
+                              ToStream, Trace, simulate, synthetic_instance)
 from sparkv.scheduler.instance import MBPS
+
+#: sparkv's controller with locked columns recomputed
+RECOMPUTE = ControllerConfig(rebalance=Rebalance(RecomputeColumns(ToCompute()), ToStream()))
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +69,10 @@ def test_no_adaptation_when_the_plan_holds(inst8k):
 
 def test_migration_cap_per_stage(inst8k):
     """A small imbalance moves at most the cap per stage (bulk moves, for large ones, are
-    tested below)."""
+    tested below; the dead-link verdict, which a deep fade reaches, is left out)."""
     plan = Greedy().plan(inst8k)
-    cfg = ControllerConfig(max_migrations_per_stage=1, stage_s=0.5, bulk_ratio=math.inf)
+    cfg = ControllerConfig(rebalance=Rebalance(max_per_stage=1, stage_s=0.5, bulk_ratio=math.inf),
+                           dead_link=None)
     tl = simulate(plan, inst8k, Trace.sample("deep-fade"), controller=cfg)
     per_stage = Counter(math.floor(m.time_s / 0.5) for m in tl.migrations)
     assert tl.migrations and max(per_stage.values()) == 1
@@ -171,17 +176,17 @@ def test_an_idle_link_probes_and_bulk_moves_skip_the_stage_cap():
     # a prior so low that no chunk is worth streaming: the link has nothing to do
     inst = _inst(4096).with_bandwidth(0.01 * MBPS)
     plan = LocalOnly().plan(inst)
-    cfg = ControllerConfig(max_migrations_per_stage=2)
+    cfg = ControllerConfig(rebalance=Rebalance(max_per_stage=2))
     fast = Trace.constant(200.0)
     adaptive = simulate(plan, inst, fast, controller=cfg)
     kinds = Counter(m.direction for m in adaptive.migrations)
-    assert kinds["probe"] >= 1 and kinds["to_stream"] > 2 * cfg.max_migrations_per_stage
+    assert kinds["probe"] >= 1 and kinds["to_stream"] > 2 * cfg.rebalance.max_per_stage
     first_stage = [m for m in adaptive.migrations if m.direction == "to_stream"
                    and m.time_s < adaptive.migrations[0].time_s + 1e-3 + 0.5]
-    assert len(first_stage) > cfg.max_migrations_per_stage   # in bulk, not a few per stage
+    assert len(first_stage) > cfg.rebalance.max_per_stage   # in bulk, not a few per stage
     static = simulate(plan, inst, fast)
     assert adaptive.ttft_s < 0.5 * static.ttft_s
-    no_probe = simulate(plan, inst, fast, controller=ControllerConfig(probe=False))
+    no_probe = simulate(plan, inst, fast, controller=ControllerConfig(probe=None))
     assert no_probe.ttft_s == pytest.approx(static.ttft_s, rel=0.02)   # nothing measured it
 
 
@@ -217,8 +222,8 @@ def _first_cancel_after_fade(fast_window_s: float) -> float:
     fade (nothing in flight completes): when (after the fade began) the first in-flight fetch
     is cancelled."""
     inst = synthetic_instance(2048, chunk_tokens=512, num_layers=4, bandwidth_mbps=400, seed=0)
-    cfg = ControllerConfig(window_s=0.5, fast_window_s=fast_window_s, probe=False,
-                           migrate_to_stream=False)
+    cfg = ControllerConfig(window_s=0.5, fast_window_s=fast_window_s, probe=None,
+                           rebalance=Rebalance(to_stream=None))
     ctl = Controller(StreamOnly().plan(inst), inst, cfg)
     ctl.start(0.0)
     inflight = []
@@ -256,12 +261,12 @@ def test_a_slowed_batch_gives_its_tail_back_to_compute():
     steps are computed, its fetches cancelled) and leaves the head, which arrives soon."""
     inst = synthetic_instance(2048, chunk_tokens=512, num_layers=4, bandwidth_mbps=100, seed=0)
     ctl = Controller(StrongHybrid().plan(inst), inst,
-                     ControllerConfig(probe=False, migrate_to_stream=False))
+                     ControllerConfig(probe=None, rebalance=Rebalance(to_stream=None)))
     ctl.start(0.0)
     inflight = []
     while (f := ctl.next_fetch(0.0)) is not None:
         inflight.append(f.cid)
-    assert len(inflight) == 12 and not ctl.lq
+    assert len(inflight) == 12 and not ctl.state.link.order
     own = max(inst.bytes_of(c, inst.levels[inst.cheapest_level[inst.chunk_index(c)]].name)
               for c in inflight) / (24 * MBPS)
     assert own < 2 * min(inst.comp_time(StepId(c.t, c.l)) for c in inflight if c.l < inst.L - 1)
@@ -281,16 +286,16 @@ def test_locked_columns_are_recomputed():
     """A plan that streams layer by layer locks every column once the bottom layers arrived: no
     step can be computed without the hidden state below it. When the link collapses, the
     controller recomputes columns (the streamed steps below a locked one run again) instead of
-    leaving the compute thread idle; without ``recompute`` (the default) it can move almost
-    nothing."""
+    leaving the compute thread idle; without :class:`RecomputeColumns` (the default) it can
+    move almost nothing."""
     from sparkv.scheduler.planners.base import make_plan
 
     inst = synthetic_instance(4096, chunk_tokens=512, num_layers=8, bandwidth_mbps=100, seed=0)
     order = sorted(range(inst.num_chunks), key=lambda c: (inst.chunk_id(c).l, inst.chunk_id(c).t))
     plan = make_plan(inst, [], order)
     collapse = Trace.from_rows([0.0, 0.3], [100.0, 2.0], loop=False)
-    locked = simulate(plan, inst, collapse, controller=ControllerConfig(recompute=False))
-    free = simulate(plan, inst, collapse, controller=ControllerConfig(recompute=True))
+    locked = simulate(plan, inst, collapse, controller=ControllerConfig())
+    free = simulate(plan, inst, collapse, controller=RECOMPUTE)
     columns = [m for m in free.migrations if m.direction == "to_compute" and len(m.steps) > 1]
     assert columns and not any(len(m.steps) > 1 for m in locked.migrations)
     for m in columns:   # bottom up, one token chunk, consecutive layers
@@ -328,7 +333,8 @@ def test_the_probe_stays_within_its_bound_while_the_link_is_dead():
 
     inst = _inst(4096).with_bandwidth(0.01 * MBPS)
     plan = LocalOnly().plan(inst)
-    cfg = ControllerConfig(probe_rate_Bps=50_000.0, probe_burst_bytes=100_000.0)
+    probe = ProbeIdleLink(rate_Bps=50_000.0, burst_bytes=100_000.0)
+    cfg = ControllerConfig(probe=probe)
     dead = Trace.from_rows([0.0], [0.01], [300.0], loop=False)
     sim = simulate(plan, inst, dead, controller=cfg)
     probes = [r for r in sim.transfers]
@@ -336,7 +342,7 @@ def test_the_probe_stays_within_its_bound_while_the_link_is_dead():
     first_chunk = probes[0].nbytes
     for r in probes:
         assert (sum(x.nbytes for x in probes if x.requested_s <= r.requested_s)
-                <= max(first_chunk, cfg.probe_burst_bytes + cfg.probe_rate_Bps * r.requested_s))
+                <= max(first_chunk, probe.burst_bytes + probe.rate_Bps * r.requested_s))
     spans = sorted((r.requested_s, r.end_s) for r in probes)
     assert all(b[0] >= a[1] - 1e-9 for a, b in zip(spans, spans[1:]))   # one at a time
     assert sim.ttft_s < 1.05 * simulate(plan, inst, dead).ttft_s
@@ -348,7 +354,7 @@ def test_columns_run_back_to_back_when_the_link_is_quiet():
     from sparkv.scheduler.planners import LocalOnly
 
     inst = _inst(2048).with_bandwidth(0.01 * MBPS)     # nothing worth moving to the link
-    ctl = Controller(LocalOnly().plan(inst), inst, ControllerConfig(probe=False))
+    ctl = Controller(LocalOnly().plan(inst), inst, ControllerConfig(probe=None))
     ctl.start(0.0)
     steps = ctl.next_steps(0.0)
     assert len(steps) > 1 and [s.l for s in steps] == list(range(len(steps)))
@@ -362,3 +368,46 @@ def test_columns_run_back_to_back_when_the_link_is_quiet():
     busy.start(0.0)
     assert busy.next_fetch(0.0) is not None
     assert len(busy.next_steps(0.0)) == 1
+
+
+def test_a_load_factor_on_the_compute_path_hands_work_to_the_link():
+    """Another ask sharing the compute path (the compute estimator's ``load``: this load gets
+    half of it) makes the same plan's compute path the slower one: the controller hands the
+    link work it gives nobody alone. The device's own measured speed (``compute_ratio``, what
+    the session learns) does not include the load."""
+    inst = synthetic_instance(8 * 1024, bandwidth_mbps=25, seed=1)
+    plan = Greedy().plan(inst)
+    alone = Controller(plan, inst, ControllerConfig())
+    shared = Controller(plan, inst, ControllerConfig())
+    shared.state.compute_estimator.load = 2.0
+    a, s = simulate(plan, inst, controller=alone), simulate(plan, inst, controller=shared)
+    assert not a.migrations
+    assert any(m.direction == "to_stream" for m in s.migrations)
+    assert shared.compute_ratio() == pytest.approx(1.0) == alone.compute_ratio()
+    assert shared.state.compute_estimator.factor() == pytest.approx(2.0)
+
+
+def test_a_link_far_below_its_estimate_is_dead_and_its_work_computed():
+    """A stream-only plan made at 100 Mbit/s on a link that collapses to 0.2 Mbit/s at 0.5 s:
+    CacheGen's controller alone waits for the link (204 s); with the dead-link verdict (4 s
+    under 1/20 of the estimate, computing 4x sooner) everything the link holds goes to the
+    compute path in one migration, the streamed layers below recomputed, and the load ends in
+    seconds. A link as slow as the plan's estimate is never dead."""
+    from dataclasses import replace
+
+    inst = synthetic_instance(4096, chunk_tokens=512, num_layers=8, bandwidth_mbps=100, seed=0)
+    plan = StreamOnly().plan(inst)
+    collapse = Trace.from_rows([0.0, 0.5], [100.0, 0.2], loop=False)
+    waits = simulate(plan, inst, collapse,
+                     controller=replace(ControllerConfig.cachegen(), dead_link=None))
+    ctl = Controller(plan, inst, ControllerConfig.cachegen())
+    dead = simulate(plan, inst, collapse, controller=ctl)
+    [m] = [m for m in dead.migrations if m.direction == "dead_link"]
+    assert m.time_s >= 0.5 + 4.0 and m.cancelled
+    assert ctl.link_dead is not None and "against the plan's 100 Mbit/s" in ctl.link_dead
+    assert dead.ttft_s < 0.1 * waits.ttft_s
+    assert dead.computed_steps >= len(m.steps)
+    slow = inst.with_bandwidth(0.2 * MBPS)
+    honest = Controller(StreamOnly().plan(slow), slow, ControllerConfig.cachegen())
+    simulate(honest.plan, slow, Trace.constant(0.2), controller=honest)
+    assert honest.link_dead is None and not honest.migrations

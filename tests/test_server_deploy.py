@@ -133,6 +133,21 @@ def test_example_config_is_valid():
     assert s.default_model in s.models
 
 
+def test_example_config_stores_beside_the_server_and_the_containers_in_their_volume(compose):
+    """Issue 42 L12: outside a container the example config stores under the working directory
+    (it stored under /data/store, at the filesystem root); a container's store is set by its
+    environment, which wins over the file: the image's volume, or compose's Redis."""
+    from sparkv.server.stores import file_path_of
+
+    store = load_settings(EXAMPLE_CONFIG).store
+    assert not os.path.isabs(file_path_of(store)), store
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "SPARKV_STORE=file:///data/store" in dockerfile and 'VOLUME ["/data"]' in dockerfile
+    for name in ("api", "worker", "server"):
+        env = compose["services"][name]["environment"]
+        assert env["SPARKV_STORE"].startswith("redis://"), (name, env)
+
+
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization

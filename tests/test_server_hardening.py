@@ -37,8 +37,8 @@ import pytest
 from sparkv.protocol import split_records
 from sparkv.protocol.digests import checksum
 from sparkv.server.process import HOST, ServerProcess
-from helpers import (api_client, assert_error, create_context, start_tiny_server, stop_checked,
-                     tenant_fixture)
+from helpers import (api_client, assert_error, create_context, shared_tiny_checkpoint,
+                     start_tiny_server, stop_checked, tenant_fixture)
 
 GUARD_S = 30.0
 """Hang guard for anything that waits (never a performance bound)."""
@@ -363,11 +363,14 @@ def test_trailing_slashes_are_404_not_redirects(alice, ctx):
 def test_path_integers_are_canonical_decimal(alice, ctx):
     cid, _ = ctx
     assert alice.get(chunk_url(cid, 0, 1, 0), params={"level": "raw"}).status_code == 200
-    for bad in ("+1", "01", "00", "%201", "1%20", "1.0", "1e0", "0x1", "-0", "%D9%A1",
-                "2147483648", "99999999999999999999"):
+    for bad in ("+1", "01", "00", "1.0", "1e0", "0x1", "-0", "2147483648",
+                "99999999999999999999"):
         for url in (chunk_url(cid, bad, 0), chunk_url(cid, 0, bad), chunk_url(cid, 0, 0, bad)):
             err = assert_error(alice.get(url, params={"level": "raw"}), 422, "invalid_request")
             assert err["details"][0]["loc"].startswith("path."), err
+    for bad in ("%201", "1%20", "%D9%A1"):  # percent-encoded: no second spelling of a URL
+        for url in (chunk_url(cid, bad, 0), chunk_url(cid, 0, bad), chunk_url(cid, 0, 0, bad)):
+            assert_error(alice.get(url, params={"level": "raw"}), 400, "non_canonical_path")
     # the largest index is a valid URL (and out of this context's range)
     assert_error(alice.get(chunk_url(cid, 2**31 - 1, 0)), 404, "chunk_out_of_range")
 
@@ -444,10 +447,17 @@ def test_openapi_bounds_are_minimum_and_maximum(server):
     ct = schemas["CreateContext"]["properties"]["chunk_tokens"]
     ints = [s for s in ct.get("anyOf", [ct]) if s.get("type") == "integer"]
     assert len(ints) == 1 and ints[0]["minimum"] == 16 and ints[0]["maximum"] == 65536
-    hpg = schemas["CreateContext"]["properties"]["heads_per_group"]
-    assert (hpg["minimum"], hpg["maximum"]) == (0, 4096)
-    tok = schemas["CreateContext"]["properties"]["token_ids"]["anyOf"][0]["items"]
-    assert (tok["minimum"], tok["maximum"]) == (0, 2**31 - 1)
+    # what the one configured model (tiny: 2 KV heads, SmolLM2's vocabulary, 4096 positions)
+    # allows is stated, so a request the document allows is one the server takes (issue 42 L9)
+    props = schemas["CreateContext"]["properties"]
+    hpg = props["heads_per_group"]
+    assert (hpg["minimum"], hpg["maximum"], hpg["enum"]) == (0, 4096, [0, 1, 2])
+    ids = props["token_ids"]["anyOf"][0]
+    config = json.loads((shared_tiny_checkpoint() / "config.json").read_text())
+    assert (ids["items"]["minimum"], ids["items"]["maximum"]) == (0, config["vocab_size"] - 1)
+    assert ids["maxItems"] == config["max_position_embeddings"] == 4096
+    assert props["model"]["anyOf"][0]["enum"] == ["tiny"]
+    assert "adakv" in props["press"]["anyOf"][0]["pattern"]
     for name in ("t", "l", "g"):
         item = schemas["StreamItem"]["properties"][name]
         assert (item["type"], item["minimum"], item["maximum"]) == ("integer", 0, 2**31 - 1)
@@ -714,7 +724,7 @@ def test_both_http_parsers_have_the_header_deadline(parser):
 
     import uvicorn
 
-    from sparkv.server import http_protocol
+    from sparkv.rest import http_protocol
     from sparkv.server.process import free_port
 
     async def app(scope, receive, send):

@@ -38,11 +38,11 @@ def _assert_store_consistent(store_url: str, tenant: str) -> None:
     import json
 
     store = open_store(store_url)
-    for cid in store.list_contexts(tenant):
-        m = json.loads(store.get_manifest(tenant, cid))
+    for cid in store.manifests.contexts(tenant):
+        m = json.loads(store.manifests.get(tenant, cid))
         for c in m["chunks"]:
             for lv, e in c["levels"].items():
-                data = store.get_chunk(tenant, cid, ChunkKey(c["t"], c["l"], c["g"], lv))
+                data = store.chunks.get(tenant, cid, ChunkKey(c["t"], c["l"], c["g"], lv))
                 assert data is not None, (cid, c["t"], c["l"], lv)
                 assert checksum(data) == e["checksum"]
 
@@ -89,9 +89,9 @@ def test_kill_mid_encode_then_restart(tmp_path):
 
         # half-encoded contexts are invisible in the store
         store = open_store(store_url)
-        assert store.list_contexts("alice") == []
-        assert store.get_manifest("alice", plain["context_id"]) is None
-        assert 0 < len(store.list_chunks("alice", plain["context_id"])) < total
+        assert store.manifests.contexts("alice") == []
+        assert store.manifests.get("alice", plain["context_id"]) is None
+        assert 0 < len(store.chunks.keys("alice", plain["context_id"])) < total
 
         server = ServerProcess(tmp_path / "s.yaml", store_url,
                                log_path=tmp_path / "log2").start()
@@ -118,7 +118,7 @@ def test_kill_mid_encode_then_restart(tmp_path):
             err = r.json()["error"]
             assert err["code"] == "context_not_found" and err["job_state"] == "failed"
             assert "encryption key" in err["job_error"]
-            assert store.list_chunks("alice", secret["context_id"]) == set()
+            assert store.chunks.keys("alice", secret["context_id"]) == set()
 
             # creating it again works, with a new key
             again = c.post("/v1/contexts", json={"text": TEXT, "encrypt": True}).json()
@@ -143,7 +143,7 @@ def test_kill_mid_encode_then_restart(tmp_path):
                 _wait(c, busy.json()["job_id"])
             else:
                 assert c.get(other["manifest_url"]).status_code == 404
-                assert store.list_chunks("alice", other["context_id"]) == set()
+                assert store.chunks.keys("alice", other["context_id"]) == set()
             # a graceful stop (SIGTERM) mid-encode leaves the job queued for the next start
             last = c.post("/v1/contexts", json={"text": TEXT + " last"}).json()
             while _job(c, last["job_id"])["progress"]["done"] < 2:
@@ -151,9 +151,9 @@ def test_kill_mid_encode_then_restart(tmp_path):
         server.stop()
         assert "Application shutdown complete" in server.log()  # graceful, not killed
         import json
-        rec = json.loads(store.get_job("alice", last["job_id"]))
+        rec = json.loads(store.jobs.get("alice", last["job_id"]))
         assert rec["state"] == "queued" and rec["phase"] == "interrupted"
-        assert store.get_manifest("alice", last["context_id"]) is None
+        assert store.manifests.get("alice", last["context_id"]) is None
         server = ServerProcess(tmp_path / "s.yaml", store_url,
                                log_path=tmp_path / "log3").start()
         with httpx.Client(base_url=server.url, headers=headers, timeout=30) as c:

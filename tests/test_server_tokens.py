@@ -146,12 +146,12 @@ def test_delete_removes_the_tokens(alice, server):
     # the token ids are beside the chunks, not among them
     store = open_store(f"file://{server.store_dir}")
     m = alice.get(out["manifest_url"]).json()
-    assert store.list_chunks("alice", out["context_id"]) == {
+    assert store.chunks.keys("alice", out["context_id"]) == {
         ChunkKey(c["t"], c["l"], c["g"], lv) for c in m["chunks"] for lv in m["levels"]}
     assert alice.delete(out["manifest_url"]).status_code == 204
     assert_error(alice.get(url), 404, "context_not_found")
     assert not cdir.exists()
-    assert store.get_tokens("alice", out["context_id"]) is None
+    assert store.chunks.get_tokens("alice", out["context_id"]) is None
 
 
 def test_context_without_tokens_then_backfilled_by_the_same_request(alice, server):
@@ -361,24 +361,27 @@ def test_gzip_middleware_only_touches_whole_json_bodies():
 # ------------------------------------------------------------------------------------------------
 def test_store_tokens_contract(store):
     data = np.arange(1000, dtype="<u4").tobytes()
-    assert store.get_tokens("alice", CID) is None and not store.has_tokens("alice", CID)
-    store.put_chunk("alice", CID, ChunkKey(0, 0, 0, "q5"), b"frame")
-    store.put_tokens("alice", CID, data)
-    assert store.get_tokens("alice", CID) == data and store.has_tokens("alice", CID)
-    store.put_tokens("alice", CID, data[:8])  # replace
-    assert store.get_tokens("alice", CID) == data[:8]
-    assert store.list_chunks("alice", CID) == {ChunkKey(0, 0, 0, "q5")}  # not a chunk
-    assert store.list_contexts("alice") == []  # not visible before the manifest
-    assert store.get_tokens("bob", CID) is None and not store.has_tokens("bob", CID)
-    store.put_manifest("alice", CID, b"{}")
-    assert store.list_contexts("alice") == [CID]
-    assert store.delete("alice", CID) is True
-    assert store.get_tokens("alice", CID) is None and not store.has_tokens("alice", CID)
-    assert store.list_chunks("alice", CID) == set()
+    assert store.chunks.get_tokens("alice", CID) is None
+    assert not store.chunks.has_tokens("alice", CID)
+    store.chunks.put("alice", CID, ChunkKey(0, 0, 0, "q5"), b"frame")
+    store.chunks.put_tokens("alice", CID, data)
+    assert store.chunks.get_tokens("alice", CID) == data and store.chunks.has_tokens("alice", CID)
+    store.chunks.put_tokens("alice", CID, data[:8])  # replace
+    assert store.chunks.get_tokens("alice", CID) == data[:8]
+    assert store.chunks.keys("alice", CID) == {ChunkKey(0, 0, 0, "q5")}  # not a chunk
+    assert store.manifests.contexts("alice") == []  # not visible before the manifest
+    assert store.chunks.get_tokens("bob", CID) is None and not store.chunks.has_tokens("bob", CID)
+    store.manifests.put("alice", CID, b"{}")
+    assert store.manifests.contexts("alice") == [CID]
+    assert store.delete_context("alice", CID) is True
+    assert store.chunks.get_tokens("alice", CID) is None
+    assert not store.chunks.has_tokens("alice", CID)
+    assert store.chunks.keys("alice", CID) == set()
     # a context with nothing but its token ids is still deletable
-    store.put_tokens("alice", CID, data)
-    assert store.delete("alice", CID) is True and store.get_tokens("alice", CID) is None
-    assert store.delete("alice", CID) is False
+    store.chunks.put_tokens("alice", CID, data)
+    assert store.delete_context("alice", CID) is True
+    assert store.chunks.get_tokens("alice", CID) is None
+    assert store.delete_context("alice", CID) is False
 
 
 def test_store_tokens_names_are_checked(store):
@@ -386,9 +389,9 @@ def test_store_tokens_names_are_checked(store):
 
     for tenant, cid in (("../x", CID), ("alice", "../../etc"), ("alice", "ABC")):
         with pytest.raises(StoreError):
-            store.put_tokens(tenant, cid, b"1234")
+            store.chunks.put_tokens(tenant, cid, b"1234")
         with pytest.raises(StoreError):
-            store.get_tokens(tenant, cid)
+            store.chunks.get_tokens(tenant, cid)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -301,7 +301,7 @@ def test_stream_batches_and_slots():
 def test_http_parse_error_bodies(reason, code):
     import json
 
-    from sparkv.server.http_protocol import json_error_protocol, parse_error_body
+    from sparkv.rest.http_protocol import json_error_protocol, parse_error_body
 
     err = json.loads(parse_error_body(ValueError(reason) if reason else None))["error"]
     assert err["status"] == 400 and err["code"] == code and err["message"]
@@ -322,3 +322,21 @@ def test_path_indices_and_openapi_bounds_of_schemas():
     assert props["chunk_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 16,
                                                  "maximum": 65536}
     assert "'ge'" not in str(props) and "'le'" not in str(props)
+
+
+@pytest.mark.parametrize("url,connect,public,prefix", [
+    ("redis://h:6379/0", "redis://h:6379/0", "redis://h:6379/0", "sparkv"),
+    ("redis://u:secret@h:6379/2?prefix=p1&socket_timeout=3",
+     "redis://u:secret@h:6379/2?socket_timeout=3", "redis://h:6379/2", "p1"),
+    ("rediss://:pw@h/1?prefix=", "rediss://:pw@h/1", "rediss://h/1", "sparkv"),
+])
+def test_a_redis_url_is_parsed_once_for_the_store_and_the_queue(url, connect, public, prefix):
+    from sparkv.server.queue import RedisJobQueue
+    from sparkv.server.stores.redis_store import RedisStore
+    from sparkv.server.stores.redis_url import parse_redis_url
+
+    assert parse_redis_url(url) == (connect, public, prefix)
+    for kind in (RedisStore, RedisJobQueue):  # connects lazily: nothing is reached here
+        made = kind(url)
+        assert (made.url, made.prefix) == (public, prefix)
+        assert "secret" not in repr(made) and "pw" not in made.url

@@ -292,7 +292,7 @@ def compressed_manifest(tiny_llama, tmp_path_factory):
     spec = ContextSpec("t", "tiny", ids, 32, ("raw", "q8", "q4"), 0, False,
                        canonical_spec("snapkv:0.25"))
     cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
-    data, _ = encode_context(entry, spec, cid, store)
+    data, _ = encode_context(entry, spec, cid, store.chunks)
     return Manifest.parse(data), store, spec
 
 
@@ -307,7 +307,7 @@ def test_bits_per_value_of_a_compressed_manifest(compressed_manifest):
 
     for c in m.chunks:
         for lv, e in c.levels.items():
-            hdr = peek_header(store.get_chunk(spec.tenant, m.context_id,
+            hdr = peek_header(store.chunks.get(spec.tenant, m.context_id,
                                               ChunkKey(c.t, c.l, c.g, lv)))
             assert (hdr.num_heads, hdr.num_tokens, hdr.head_dim) == (1, c.kept.frame_rows,
                                                                        g.head_dim)

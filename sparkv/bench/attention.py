@@ -56,12 +56,12 @@ def _meansim_ms(device: Any, hq: int, hkv: int, d: int, keys: int, queries: int,
     import torch
 
     from sparkv.runtime import BlockSparseAttention, SparsityConfig
-    from sparkv.runtime.autoattn import _timed
+    from sparkv.runtime.autoattn import median_time_s
 
     q = torch.randn(1, hq, queries, d, device=device, dtype=torch.bfloat16)
     k = torch.randn(1, hkv, keys, d, device=device, dtype=torch.bfloat16)
     pred = BlockSparseAttention(SparsityConfig(estimator="meansim"))
-    return 1e3 * _timed(lambda: pred.predict_mask(q, k, keys - queries), device, repeats)
+    return 1e3 * median_time_s(lambda: pred.predict_mask(q, k, keys - queries), device, repeats)
 
 
 def run(args: argparse.Namespace) -> int:

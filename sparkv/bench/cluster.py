@@ -36,7 +36,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                                        "cache, encode workers, recovery")
     p.add_argument("--replicas", default="1,2,4", help="API replica counts")
     p.add_argument("--clients", default="32,256", help="concurrent clients")
-    p.add_argument("--duration-s", type=float, default=3.0, dest="duration",
+    p.add_argument("--duration-s", type=float, default=3.0,
                    help="seconds per configuration")
     p.add_argument("--tokens", type=int, default=1024, help="tokens of the served context")
     p.add_argument("--encode-tokens", type=int, default=512,
@@ -321,12 +321,12 @@ def _worker_kill(cluster: Any, headers: dict[str, str], tokens: int, seed: list[
             if job["state"] not in ("queued", "running"):
                 raise RuntimeError(f"the job ended before the kill: {job}")
             time.sleep(0.02)
-        victim = json.loads(store.get_job("bench", job_id))["worker"]
+        victim = json.loads(store.jobs.get("bench", job_id))["worker"]
         kill_t = time.time()
         cluster.kill(victim)
         taken = None
         while True:
-            rec = json.loads(store.get_job("bench", job_id))
+            rec = json.loads(store.jobs.get("bench", job_id))
             if taken is None and rec.get("worker") != victim:
                 taken = time.time()
             if rec["state"] not in ("queued", "running"):
@@ -431,7 +431,7 @@ def _replica_runs(args: argparse.Namespace, tmpd: Path, key: str, n: int, replic
                    else cluster.url)
             headers = {"X-Sparkv-Cache-Bypass": "1"} if mode == "cold" else {}
             cfg = {"url": url, "key": key, "items": items, "clients": k,
-                   "duration": args.duration, "headers": headers}
+                   "duration": args.duration_s, "headers": headers}
             res = (_wrk(cfg, args.loadgen_procs, tmpd) if use_wrk else
                    _loadgen(cfg, args.loadgen_procs))
             if not res["errors"]:
@@ -440,7 +440,7 @@ def _replica_runs(args: argparse.Namespace, tmpd: Path, key: str, n: int, replic
         if n == max(2, min(replicas)) and n > 1:  # a replica killed under load
             print("bench cluster: SIGKILL of api-1 under load (cache bypassed) ...", flush=True)
             res = _loadgen({"url": cluster.url, "key": key, "items": items,
-                            "clients": 32, "duration": args.duration + 1,
+                            "clients": 32, "duration": args.duration_s + 1,
                             "headers": {"X-Sparkv-Cache-Bypass": "1"},
                             "kill_pid": cluster.pid("api-1"),
                             "kill_at": 1.5}, args.loadgen_procs)

@@ -310,12 +310,12 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         f"{','.join(SYSTEMS)}; lmk recomputes a 1-4K context per switch)")
     p.add_argument("--context-tokens", default="1024-4096",
                    help="context text lengths LO-HI in tokens (uniform; the issue's 1K-4K)")
-    p.add_argument("--max-new-tokens", type=int, default=8, dest="new_tokens",
+    p.add_argument("--max-new-tokens", type=int, default=8,
                    help="answer tokens per call")
-    p.add_argument("--memory-budget-fraction", type=float, default=0.25, dest="budget_fraction",
+    p.add_argument("--memory-budget-fraction", type=float, default=0.25,
                    help="the budget as a share of the contexts' total KV (fp, final lengths); "
                         "never below one working memory of the longest context and its int8 KV")
-    p.add_argument("--memory-budget-mb", type=float, default=None, dest="budget_mb",
+    p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="the budget in MB (10^6 bytes), instead of --memory-budget-fraction")
     p.add_argument("--ratio", type=float, default=None,
                    help="LLMS's global compression ratio (bytes relative to int8; the first "
@@ -359,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"patterns": {}, "sweep": {}}
     protos = Prototypes(lm, work)
     run_one = functools.partial(run_system, lm, budget=budget["budget_bytes"],
-                                new_tokens=args.new_tokens, ratio=args.ratio, work=work,
+                                new_tokens=args.max_new_tokens, ratio=args.ratio, work=work,
                                 protos=protos, bar=bar)
     try:
         for pattern in patterns:
@@ -393,10 +393,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _budget(lm: Any, contexts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, int]:
     """The run's budget (:func:`budget_for`), or ``--memory-budget-mb``."""
-    b = budget_for(lm, contexts, args.calls / args.contexts, args.new_tokens,
-                   args.budget_fraction)
-    if args.budget_mb:
-        b["budget_bytes"] = int(args.budget_mb * 1e6)
+    b = budget_for(lm, contexts, args.calls / args.contexts, args.max_new_tokens,
+                   args.memory_budget_fraction)
+    if args.memory_budget_mb:
+        b["budget_bytes"] = int(args.memory_budget_mb * 1e6)
     return b
 
 
@@ -406,7 +406,7 @@ def _workload(contexts: list[dict[str, Any]], budget: dict[str, int],
     lengths = [c["tokens"] for c in contexts]
     return {"contexts": args.contexts, "calls": args.calls, "context_tokens": args.context_tokens,
             "text_tokens": lengths, "mean_text_tokens": sum(lengths) / len(lengths),
-            "max_new_tokens": args.new_tokens, "budget_fraction": args.budget_fraction,
+            "max_new_tokens": args.max_new_tokens, "budget_fraction": args.memory_budget_fraction,
             "budget_of_total_kv": budget["budget_bytes"] / max(1, budget["total_kv_bytes"]),
             "budget_floor_applied": budget["budget_bytes"] == budget["floor_bytes"],
             "ratio": args.ratio if args.ratio is not None else "the quality table's (else 1.0)",
@@ -429,7 +429,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]
             raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
     if args.contexts < 1 or args.calls < 1:
         raise SystemExit("--contexts and --calls must be >= 1")
-    if not 0.0 < args.budget_fraction <= 1.0:
+    if not 0.0 < args.memory_budget_fraction <= 1.0:
         raise SystemExit("--memory-budget-fraction must be in (0, 1]")
     sweep = [int(x) for x in args.sweep.split(",") if x]
     sweep_systems = [s for s in args.sweep_systems.split(",") if s]

@@ -50,9 +50,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--prompt-tokens", default=None,
                    help="document tokens, comma-separated: one workload each (the pass key is "
                         "hidden in them; default 4096,8192, 1024 with --quick)")
-    p.add_argument("--max-new-tokens", type=int, default=1024, dest="new_tokens",
+    p.add_argument("--max-new-tokens", type=int, default=1024,
                    help="tokens the full-KV reference generates (64 with --quick)")
-    p.add_argument("--decode-budgets", default="0.25,0.1", dest="budgets",
+    p.add_argument("--decode-budgets", default="0.25,0.1",
                    help="RAM budgets, fractions of the final KV")
     p.add_argument("--retrieval", type=float, default=0.1,
                    help="entries retrieved per KV head per step, fraction of what it holds")
@@ -263,7 +263,7 @@ def _quality(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]
 
 def _settings(args: argparse.Namespace) -> tuple[list[int], int, list[float], list[str]]:
     """``(prompt sizes, new tokens, RAM budgets, policies other than full)``, checked."""
-    new_tokens = 64 if args.quick else args.new_tokens
+    new_tokens = 64 if args.quick else args.max_new_tokens
     raw = args.prompt_tokens or ("1024" if args.quick else "4096,8192")
     try:
         prompts = [int(x) for x in str(raw).split(",") if x]
@@ -271,7 +271,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[int], int, list[float], li
         raise SystemExit(f"--prompt-tokens takes integers, got {raw!r}") from None
     if new_tokens < 2 or not prompts or min(prompts) < 64:
         raise SystemExit("need --max-new-tokens >= 2 and --prompt-tokens >= 64")
-    budgets = [float(x) for x in args.budgets.split(",") if x]
+    budgets = [float(x) for x in args.decode_budgets.split(",") if x]
     if any(not 0 < b <= 1 for b in budgets):
         raise SystemExit("--decode-budgets are fractions in (0, 1]")
     policies = [p for p in args.policies.split(",") if p and p != "full"]

@@ -39,7 +39,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("predictor", help="MLP latency model vs Roofline on real profiled steps")
     p.add_argument("--quick", action="store_true", help="small profile (under 2 minutes)")
     add_device_args(p)
-    p.add_argument("--time-budget-s", type=float, default=None, dest="budget",
+    p.add_argument("--time-budget-s", type=float, default=None,
                    help="profiling time budget in seconds (default 420, quick 60)")
     p.add_argument("--samples", default=None,
                    help="train and evaluate on an existing samples file instead of profiling")
@@ -61,8 +61,8 @@ def _profile(args: argparse.Namespace):
     cfg = ProfileConfig.quick() if args.quick else ProfileConfig()
     cfg.threads = args.threads
     cfg.seed = args.seed
-    cfg.time_budget_s = args.budget if args.budget is not None else (60.0 if args.quick
-                                                                     else 420.0)
+    cfg.time_budget_s = (args.time_budget_s if args.time_budget_s is not None
+                         else 60.0 if args.quick else 420.0)
     profiler = Profiler(lm, cfg, progress=not args.no_progress)
     samples = profiler.run()
     return lm, samples, profiler.metadata()

@@ -50,7 +50,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--cdf", type=float, default=None, help="override the cdf threshold")
     p.add_argument("--estimator", default=None, choices=["qpool", "meansim"],
                    help="block-sparse attention's block estimator (default: the backend's, qpool)")
-    p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
+    p.add_argument("--max-new-tokens", type=int, default=32,
                    help="tokens generated after the question (the agreement with the reference)")
     add_device_args(p)
     add_run_args(p, "prefill",
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append({"tokens": n, "variant": v.name, "error": repr(exc)[:800]})
                 bar.update(1)
                 continue
-            gen = greedy_generate(lm, kv, n, question, args.new_tokens, stop_at_eos=False)
+            gen = greedy_generate(lm, kv, n, question, args.max_new_tokens, stop_at_eos=False)
             del kv
             row = {"tokens": n, "variant": v.name, "wall_s": statistics.median(walls),
                    "walls_s": walls, "density": _density(results), "answer": gen.text}
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
               "gpu": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else None,
               "chunk_tokens": args.chunk_tokens, "sparsity": vars(cfg or SparsityConfig()),
               "sparse_thresholds": _thresholds_file(lm) if cfg is None else None,
-              "torch_threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+              "torch_threads": torch.get_num_threads(), "new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "variants": [v.name for v in variants],
               "lse_kernel": _lse_kernel_name(lm)}
     target = {"sparse_speedup_at_8k_cpu": 1.5, "greedy_agreement": 0.9,

@@ -51,7 +51,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--presses", default=",".join(PRESS_NAMES),
                    help="presses to compare (docs/presses.md)")
     p.add_argument("--window", type=int, default=32, help="question-agnostic window (tokens)")
-    p.add_argument("--max-new-tokens", type=int, default=12, dest="new_tokens",
+    p.add_argument("--max-new-tokens", type=int, default=12,
                    help="answer tokens per question")
     p.add_argument("--seed", type=int, default=0, help="seed of the pass-key tasks")
     p.add_argument("--kvpress", action="store_true",
@@ -242,13 +242,13 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in presses if p not in PRESSES]
     if unknown:
         raise SystemExit(f"unknown presses {unknown}; known: {', '.join(PRESSES)}")
-    if not sizes or min(sizes) < 64 or args.trials < 1 or args.new_tokens < 1:
+    if not sizes or min(sizes) < 64 or args.trials < 1 or args.max_new_tokens < 1:
         raise SystemExit("need sizes >= 64 tokens, --trials >= 1 and --max-new-tokens >= 1")
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     tasks = task_suite(("passkey",), tuple(sizes), args.trials,
                        lambda s: len(lm.encode_text(s)), seed=args.seed)
     t0 = time.perf_counter()
-    rows, prompts = measure(lm, tasks, presses, ratios, modes, args.window, args.new_tokens)
+    rows, prompts = measure(lm, tasks, presses, ratios, modes, args.window, args.max_new_tokens)
     kv_error = None
     if args.kvpress and (args.json or args.out):   # ours first: the peer run is long
         _bucket(rows, sizes)
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         model_path = args.model or str(default_checkpoint(progress=False))
         python = args.kvpress_python or str(KVPRESS_VENV / "bin" / "python")
         kv_rows, kv_error = run_kvpress(python, model_path, prompts, ratios, modes,
-                                        args.new_tokens, args.threads)
+                                        args.max_new_tokens, args.threads)
         for r in kv_rows:
             p = prompts[r["task"]]
             r.update({"tokens": p["tokens"], "depth": p["depth"],
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     for name, v in verdict.items():
         print(f"target {name}: {'met' if v['met'] else ('n/a' if v['met'] is None else 'MISSED')}")
     config = {"sizes": sizes, "trials": args.trials, "ratios": ratios, "modes": modes,
-              "presses": presses, "window": args.window, "new_tokens": args.new_tokens,
+              "presses": presses, "window": args.window, "new_tokens": args.max_new_tokens,
               "seed": args.seed, "model": lm.name, "kvpress": args.kvpress,
               "kvpress_error": kv_error, "wall_s": time.perf_counter() - t0,
               "note": "2-core CPU shared with other jobs (loaded): seconds are pessimistic"}

@@ -57,7 +57,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--milp-sweep-tokens", type=int, default=None,
                    help="context of the sweep with the MILP (default 4096; quick 2048)")
     p.add_argument("--milp-stages", type=int, default=2, help="MILP stages K (default 2)")
-    p.add_argument("--milp-time-limit-s", type=float, default=None, dest="milp_time_limit",
+    p.add_argument("--milp-time-limit-s", type=float, default=None,
                    help="CBC time limit per solve, s (default 120; quick 20)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the compute noise and the traces' instances")
@@ -102,7 +102,7 @@ class _Settings:
                    sweep_tokens=args.sweep_tokens or (4096 if quick else 16384),
                    milp_sweep_tokens=args.milp_sweep_tokens or (2048 if quick else 4096),
                    trace_tokens=4096 if quick else 8192, stages=args.milp_stages,
-                   limit=args.milp_time_limit or (20.0 if quick else 120.0), seed=args.seed)
+                   limit=args.milp_time_limit_s or (20.0 if quick else 120.0), seed=args.seed)
 
     def config(self) -> dict[str, Any]:
         """The JSON's ``config``."""

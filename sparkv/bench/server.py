@@ -52,7 +52,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "latency while streams are stalled)")
     p.add_argument("--stalled-streams", type=int, default=16,
                    help="stream responses kept open to clients that never read (mode stalled)")
-    p.add_argument("--duration-s", type=float, default=3.0, dest="duration",
+    p.add_argument("--duration-s", type=float, default=3.0,
                    help="seconds per configuration")
     p.add_argument("--stream-frames", type=int, default=60, help="frames per stream request")
     p.add_argument("--threads", type=int, default=0,
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                 for mode in [m for m in modes if m in ("get", "stream")]:
                     for n in clients:
                         cfg = {"url": server.url, "key": keys["bench"], "mode": mode,
-                               "level": level, "clients": n, "duration": args.duration,
+                               "level": level, "clients": n, "duration": args.duration_s,
                                "stream_frames": args.stream_frames,
                                "context_id": encode["context_id"],
                                "items": [[ch["t"], ch["l"], ch["g"], ch["levels"][level]["bytes"]]

@@ -53,7 +53,7 @@ QUESTION = "What does this text say about warranty? Answer in one sentence."
 def register(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("ttft", help="end-to-end TTFT of every strategy over emulated links")
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--sizes", default="2048,4096,8192", dest="tokens",
+    p.add_argument("--sizes", default="2048,4096,8192",
                    help="context sizes in tokens, comma-separated (past the model's window: "
                         "see --long-context)")
     p.add_argument("--long-context", choices=LONG_CONTEXT_MODES, default="auto",
@@ -81,7 +81,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="off: sparkv waits for the manifest and the plan before computing, as "
                         "the baselines do (the start-up overlap's ablation)")
     p.add_argument("--runs", type=int, default=3, help="questions per size, link and strategy")
-    p.add_argument("--max-new-tokens", type=int, default=32, dest="new_tokens",
+    p.add_argument("--max-new-tokens", type=int, default=32,
                    help="answer tokens compared with the dense reference (agreement)")
     add_device_args(p)
     p.add_argument("--backend", default="auto",
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.press:
         return run_press(args)
-    sizes = _csv(args.tokens, int)
+    sizes = _csv(args.sizes, int)
     strategies = [s for s in _csv(args.strategies, str)]
     links = _links(args)
     lm = _sweep_model(args, sizes)
@@ -356,7 +356,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
                 suffix = question_suffix(lm, QUESTION)
                 ref_kv = reference_prefill(lm, context)
-                ref = greedy_generate(lm, ref_kv, len(context), suffix, args.new_tokens,
+                ref = greedy_generate(lm, ref_kv, len(context), suffix, args.max_new_tokens,
                                       stop_at_eos=False)
                 del ref_kv
                 # warm-up, unshaped: calibrates the client's compute scale and loads kernels,
@@ -371,7 +371,7 @@ def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies
                         if (strat == "local") != (link_label is None):
                             continue
                         opts = AskOptions(strategy=strat, use_cache=False, prelude=_prelude(args),
-                                          max_new_tokens=args.new_tokens, stop_at_eos=False,
+                                          max_new_tokens=args.max_new_tokens, stop_at_eos=False,
                                           backend=fair["option"])
                         for r in range(args.runs):
                             session.priors.bandwidth_Bps = None   # every run probes afresh
@@ -722,7 +722,7 @@ def run_press(args: argparse.Namespace) -> int:
         raise SystemExit(f"--press: {e}") from None
     if args.link != "shaper" or args.traces:
         raise SystemExit("--press runs on the loopback shaper with constant links only")
-    sizes = _csv(args.tokens, int)
+    sizes = _csv(args.sizes, int)
     mbps = _csv(args.mbps or "10,20,40")
     lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     t0 = time.perf_counter()
@@ -799,7 +799,7 @@ def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int
                         client.shaper = path.shaper(trace)
                         res = session.ask(cids[variant], QUESTION,
                                           AskOptions(strategy=strat, use_cache=False,
-                                                     max_new_tokens=args.new_tokens,
+                                                     max_new_tokens=args.max_new_tokens,
                                                      stop_at_eos=False))
                         row = _row(args, n, m, strat, r, res, None, trace)
                         row["context"] = variant

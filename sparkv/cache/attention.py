@@ -10,8 +10,8 @@ is ``<= q_pos[i]``: a pruned, ragged or partly quantized cache is attended corre
 whose heads keep different numbers of entries runs one SDPA per KV head (its GQA query group),
 over only what that head holds: no padding.
 
-A view may instead carry a ``resident`` attention (a segmented layer's chunks as held, quantized
-ones read in place: :class:`~sparkv.cache.qattend.ResidentAttention`) and an fp ``tail``
+A view may instead carry a ``resident`` attention (a paged layer's pages as held, read in place at
+every level: :class:`~sparkv.cache.qattend.PagedAttention`) and an fp ``tail``
 ``(k [Hkv, n, D], v, pos [n])``; it is called as ``resident.attend(q, q_pos, scale, tail)``.
 
 A view may also carry a ``backend`` (the layer stepper's dense or block-sparse attention) for
@@ -41,7 +41,7 @@ class AttentionView:
         stats: filled by the backend (the stepper reads it).
         q_offset: the first query's position as an int, when the caller knows it (dense form):
             reading it from ``q_pos`` on a GPU would wait for every kernel queued before it.
-        resident: a segmented layer's resident attention (resident form), or ``None``.
+        resident: a paged layer's attention (resident form), or ``None``.
         tail: with ``resident``, fp entries ``(k [Hkv, n, D], v, pos [n])`` not in the memory
             yet (the decode tail), or ``None``.
     """

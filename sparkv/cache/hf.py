@@ -5,16 +5,16 @@ Built on transformers' own per-layer API (``Cache(layers=[...])`` of ``CacheLaye
 transformers: :func:`sparkv.runtime.hfcache.model_call` picks the keyword) and a plain forward
 both decode over a :class:`~sparkv.cache.memory.ContextKV`:
 
-* a **dense arena** layer appends the new token's K/V in place (preallocated, doubling when full,
-  as gpt-fast does) and hands attention a view of its slots: no per-token copy of the layer, and
+* a **dense arena** layer appends the new token's K/V in place (preallocated as gpt-fast does; a
+  full arena grows by an eighth, at least 64 slots) and hands attention a view of its slots: no per-token copy of the layer, and
   exactly the tensors (and transformers' own mask and SDPA) a ``DynamicCache`` would give;
 * a **ragged** layer (pruned per head) appends in place too, and hands attention an
   :class:`~sparkv.cache.attention.AttentionView` (one SDPA per KV head over what it keeps);
-* a **segmented** layer (chunks at quantized levels) is attended as held: the fused kernel of
-  :mod:`sparkv.cache.qattend` reads the quantized chunks in place (nothing is expanded to floats;
-  the layer's :class:`~sparkv.cache.qattend.ResidentAttention` is built once and rebuilt only when
-  the memory's :meth:`~sparkv.cache.memory.ContextKV.layer_version` changes); its new tokens wait
-  in a small fp tail until :meth:`SparkvCache.commit`.
+* a **paged** layer (chunks in pages, at any levels) is attended as held: the paged kernel of
+  :mod:`sparkv.cache.qattend` reads the pages in place, one call per layer (nothing is expanded to
+  floats; the layer's :class:`~sparkv.cache.qattend.PagedAttention` is built once and rebuilt
+  only when the memory's :meth:`~sparkv.cache.memory.ContextKV.layer_version` changes); its new
+  tokens wait in a small fp tail, attended in the same call, until :meth:`SparkvCache.commit`.
 
 The model must use the ``"sparkv"`` attention implementation
 (:func:`~sparkv.cache.attention.use_sparkv_attention`; :func:`sparkv.runtime.load_model` sets it):
@@ -30,7 +30,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparkv.cache.attention import AttentionView
-from sparkv.cache.memory import ARENA, ContextKV
+from sparkv.cache.chunks import ARENA
+from sparkv.cache.memory import ContextKV
 
 
 class SparkvLayer(CacheLayerMixin):
@@ -44,10 +45,10 @@ class SparkvLayer(CacheLayerMixin):
         self.memory, self.layer = memory, layer
         self.is_initialized = True
         self.dtype, self.device = memory.dtype, memory.device
-        self._tail_k: torch.Tensor | None = None   # [H, n, D], segmented layers only
+        self._tail_k: torch.Tensor | None = None   # [H, n, D], paged layers only
         self._tail_v: torch.Tensor | None = None
         self._tail_n = 0
-        self._resident: Any = None                  # (layer version, ResidentAttention)
+        self._resident: Any = None                  # (layer version, PagedAttention)
         self.keys = torch.zeros(0, dtype=memory.dtype)
         self.values = torch.zeros(0, dtype=memory.dtype)
 
@@ -82,7 +83,7 @@ class SparkvLayer(CacheLayerMixin):
             view = AttentionView(positions, heads=[(e.k, e.v, e.pos)
                                                    for e in mem.layer_entries(l)])
             return view, view
-        # segmented: dequantize on read, new tokens in the tail
+        # paged: attended as held, new tokens in the tail
         start = mem.positions[l] + self._tail_n
         q = int(k.shape[1])
         self._grow_tail(q)
@@ -97,7 +98,7 @@ class SparkvLayer(CacheLayerMixin):
         return view, view
 
     def _resident_attention(self) -> Any:
-        """The segmented layer's resident attention, rebuilt when the memory changed it."""
+        """The paged layer's attention, rebuilt when the memory changed it."""
         version = self.memory.layer_version(self.layer)
         if self._resident is None or self._resident[0] != version:
             self._resident = (version, self.memory.resident_attention(self.layer))
@@ -123,7 +124,7 @@ class SparkvLayer(CacheLayerMixin):
         return 2 * self._tail_k.numel() * self._tail_k.element_size()
 
     def commit(self) -> None:
-        """Moves the tail of a segmented layer into the memory."""
+        """Moves the tail of a paged layer into the memory."""
         if self._tail_n and self._tail_k is not None and self._tail_v is not None:
             self.memory.append(self.layer, self._tail_k[:, :self._tail_n],
                                self._tail_v[:, :self._tail_n])
@@ -155,5 +156,5 @@ class SparkvCache(Cache):
         return self.memory.commit_appended()
 
     def extra_nbytes(self) -> int:
-        """Bytes held outside the memory's account (the segmented layers' tails)."""
+        """Bytes held outside the memory's account (the paged layers' tails)."""
         return sum(layer.tail_nbytes() for layer in self.layers)  # type: ignore[attr-defined]

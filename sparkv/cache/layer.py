@@ -10,7 +10,8 @@ Two layouts, one layer at a time:
   ``[capacity_h, D]`` and ``pos[h]`` (int64 positions, ascending), ``length[h]`` entries used.
   A head keeps only what it keeps: real memory, not masks.
 
-Both layouts keep spare capacity for decoded tokens (appended in place, amortised doubling).
+Both layouts keep spare capacity for decoded tokens (appended in place; a full layer grows by
+an eighth, at least 64 entries).
 Quantized chunks, flash chunks and absent chunks are not here: :class:`~sparkv.cache.memory.ContextKV`
 owns those.
 """
@@ -126,6 +127,20 @@ class LayerStore:
         """Keeps, per head, the entries at positions ``keep[h]`` (any order, unique), and
         switches to the ragged layout (the dense arena is freed). From a ragged layer, ``keep``
         must be a subset of each head's positions."""
+        self.hk, self.hv, self.hpos, self.length = self._ragged(keep, spare)
+        self.k = self.v = None
+        self.ragged = True
+
+    def pruned(self, keep: list[torch.Tensor], spare: int = 0) -> "LayerStore":
+        """A new ragged store of the entries at positions ``keep[h]`` (as :meth:`to_ragged`);
+        this one is left as it is."""
+        new = LayerStore(self.num_heads, self.head_dim, 0, self.dtype, self.device)
+        new.to_ragged([torch.zeros(0, dtype=torch.long)] * self.num_heads)
+        new.hk, new.hv, new.hpos, new.length = self._ragged(keep, spare)
+        return new
+
+    def _ragged(self, keep: list[torch.Tensor], spare: int
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]]:
         if len(keep) != self.num_heads:
             raise KVMemoryError(f"keep lists {len(keep)} heads; the layer has {self.num_heads}")
         new_k, new_v, new_pos, lengths = [], [], [], []
@@ -144,9 +159,7 @@ class LayerStore:
             new_v.append(hv)
             new_pos.append(hp)
             lengths.append(n)
-        self.k = self.v = None
-        self.hk, self.hv, self.hpos, self.length = new_k, new_v, new_pos, lengths
-        self.ragged = True
+        return new_k, new_v, new_pos, lengths
 
     def _head_entries(self, h: int, positions: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,6 +217,15 @@ class LayerStore:
                 t[a:n - (b - a)] = t[b:n].clone()
             self.length[h] = n - (b - a)
         return b - a
+
+    def write_ragged(self, h0: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Heads ``h0 ..`` hold ``k``, ``v`` ``[heads, n, D]`` at positions ``start .. start+n``
+        (ragged layout), in place of what they held there."""
+        n = int(k.shape[1])
+        pos = torch.arange(start, start + n, device=self.device)
+        for x in range(int(k.shape[0])):
+            self.remove_range(h0 + x, start, start + n)
+            self.insert(h0 + x, HeadEntries(k[x], v[x], pos))
 
     def insert(self, h: int, entries: HeadEntries) -> None:
         """Adds entries to head ``h`` (ragged layout), keeping positions ascending; none of the

@@ -103,7 +103,7 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-d) % per
     if pad:
         q = torch.nn.functional.pad(q, (0, pad))
-    q = q.view(n, -1, per).to(torch.int32)
+    q = q.view(n, (d + pad) // per, per).to(torch.int32)
     shifts = torch.arange(per, dtype=torch.int32, device=q.device) * bits
     return (q << shifts).sum(-1).to(torch.uint8)
 
@@ -114,7 +114,7 @@ def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     per = 8 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     q = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return q.reshape(packed.shape[0], -1)[:, :dim].to(torch.uint8)
+    return q.reshape(packed.shape[0], packed.shape[1] * per)[:, :dim].to(torch.uint8)
 
 
 def quantize(x: torch.Tensor, bits: int = 8) -> QuantizedTensor:

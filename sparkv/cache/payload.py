@@ -91,21 +91,95 @@ class ChunkPayload:
         ``fp`` dequantizes (the error of the quantized level stays)."""
         if level == self.level:
             return self
-        if level == "fp":
-            k, v = self.fp()
-            return ChunkPayload(self.cid, "fp", list(self.counts), self.pos, k, v, self.dtype)
-        bits = BITS.get(level)
-        if bits is None:
-            raise PayloadError(f"unknown level {level!r}")
-        if self.level == "fp":
-            k8, v8 = quantize(self.k, 8), quantize(self.v, 8)  # type: ignore[arg-type]
-        elif self.level == "int8":
-            k8, v8 = self.k, self.v  # type: ignore[assignment]
-        else:
-            raise PayloadError(f"cannot go from {self.level} to {level}: lower levels come from "
-                               "fp or the int8 base")
-        k, v = requantize(k8, bits), requantize(v8, bits)  # type: ignore[arg-type]
+        k, v = values_at_level(self.k, self.v, self.level, level, self.dtype)
         return ChunkPayload(self.cid, level, list(self.counts), self.pos, k, v, self.dtype)
+
+
+def values_at_level(k: "torch.Tensor | QuantizedTensor", v: "torch.Tensor | QuantizedTensor",
+                    src: str, level: str, dtype: torch.dtype
+                    ) -> tuple["torch.Tensor | QuantizedTensor", "torch.Tensor | QuantizedTensor"]:
+    """Rows ``k``, ``v`` held at ``src``, at ``level`` (row by row, so a run converts as its
+    chunks would one by one); raises :class:`PayloadError` for a conversion levels cannot make."""
+    if level == src:
+        return k, v
+    if level == "fp":
+        if src == "fp":
+            return k, v
+        return dequantize(k, dtype), dequantize(v, dtype)  # type: ignore[arg-type]
+    bits = BITS.get(level)
+    if bits is None:
+        raise PayloadError(f"unknown level {level!r}")
+    if src == "fp":
+        k8, v8 = quantize(k, 8), quantize(v, 8)  # type: ignore[arg-type]
+    elif src == "int8":
+        k8, v8 = k, v  # type: ignore[assignment]
+    else:
+        raise PayloadError(f"cannot go from {src} to {level}: lower levels come from fp or the "
+                           "int8 base")
+    return requantize(k8, bits), requantize(v8, bits)  # type: ignore[arg-type]
+
+
+def _rows(x: "torch.Tensor | QuantizedTensor", a: int, b: int) -> "torch.Tensor | QuantizedTensor":
+    if isinstance(x, QuantizedTensor):
+        return QuantizedTensor(x.codes[a:b], x.scale[a:b], x.zero[a:b], x.bits, x.dim)
+    return x[a:b]
+
+
+def _cat(parts: Sequence["torch.Tensor | QuantizedTensor"]) -> "torch.Tensor | QuantizedTensor":
+    q = parts[0]
+    if isinstance(q, QuantizedTensor):
+        return QuantizedTensor(torch.cat([p.codes for p in parts]),  # type: ignore[union-attr]
+                               torch.cat([p.scale for p in parts]),  # type: ignore[union-attr]
+                               torch.cat([p.zero for p in parts]),  # type: ignore[union-attr]
+                               q.bits, q.dim)
+    return torch.cat(list(parts))  # type: ignore[arg-type]
+
+
+@dataclass
+class ChunkRun:
+    """Several chunks' entries at one level, one after the other in payload order: chunk after
+    chunk, each chunk's heads in order (``counts [m, Hg]``), so rows ``[R, D]`` with
+    ``R = counts.sum()``. What bulk operations of the memory take and give (one array operation
+    per run and level); :meth:`payloads` splits it into :class:`ChunkPayload` views."""
+
+    cids: list[KVChunkId]
+    level: str
+    counts: np.ndarray
+    pos: torch.Tensor
+    k: "torch.Tensor | QuantizedTensor"
+    v: "torch.Tensor | QuantizedTensor"
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def join(cls, payloads: Sequence[ChunkPayload]) -> "ChunkRun":
+        """The run of ``payloads`` (all at one level, the same number of heads)."""
+        p0 = payloads[0]
+        if any(p.level != p0.level for p in payloads):
+            raise PayloadError("a run holds chunks of one level")
+        return cls([p.cid for p in payloads], p0.level,
+                   np.array([p.counts for p in payloads], dtype=np.int64).reshape(
+                       len(payloads), len(p0.counts)),
+                   torch.cat([p.pos.to(torch.int32) for p in payloads]),
+                   _cat([p.k for p in payloads]), _cat([p.v for p in payloads]), p0.dtype)
+
+    @property
+    def rows(self) -> int:
+        return int(self.counts.sum())
+
+    def at_level(self, level: str) -> "ChunkRun":
+        """The same entries at ``level`` (:func:`values_at_level`, one conversion for the run)."""
+        k, v = values_at_level(self.k, self.v, self.level, level, self.dtype)
+        return ChunkRun(self.cids, level, self.counts, self.pos, k, v, self.dtype)
+
+    def payloads(self) -> list[ChunkPayload]:
+        """One payload per chunk (views of the run's tensors)."""
+        out, a = [], 0
+        for cid, counts in zip(self.cids, self.counts.tolist()):
+            b = a + int(sum(counts))
+            out.append(ChunkPayload(cid, self.level, [int(c) for c in counts], self.pos[a:b],
+                                    _rows(self.k, a, b), _rows(self.v, a, b), self.dtype))
+            a = b
+        return out
 
 
 def contiguous_positions(counts: Sequence[int], start: int) -> torch.Tensor:

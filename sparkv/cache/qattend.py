@@ -1,43 +1,57 @@
-"""Attention that reads quantized resident entries where they lie (docs/kv-memory.md).
+"""Attention that reads a layer's pages where they lie, at every level (docs/kv-memory.md).
 
-A segmented layer holds its chunks as :class:`~sparkv.cache.payload.ChunkPayload` objects, each at
-its own level. :class:`QuantizedRows` gathers, once, *references* to the quantized payloads of a
-layer (no copy: the same tensors the memory accounts for) and attends over them with a fused
-numba kernel: per row it unpacks the codes (8, 4 or 2 bits) into 64 floats in registers and uses
-the per-row scale and zero directly,
+:class:`PagedAttention` attends over a paged layer - its fp, int8, int4 and int2 pages
+(:mod:`sparkv.cache.pages`), listed per KV head by the block table - and an optional fp tail
+(the decode's new tokens), for every head, in **one numba call per layer** (``parallel=True``).
+Work is split into units of at most :data:`UNIT_PAGES` pages of one head at one level (and one
+unit per head for the tail); each unit returns a partial softmax (max, sum, weighted values); the
+same call merges them per head. Quantized rows are never expanded to a float tensor; per row the
+kernel uses the row's float16 scale and zero directly::
 
-    q . k^ = scale_k * (q . c_k) + zero_k * sum(q)          sum_r w_r v^_r = sum_r (w_r scale_v) c_v + sum_r w_r zero_v
+    q . k^ = scale_k (q . c_k) + zero_k sum(q)
+    sum_r w_r v^_r = sum_r (w_r scale_v) c_v + sum_r w_r zero_v
 
-so the context is never expanded to floats. Work is split into runs of at most
-:data:`RUN_ROWS` rows of one head (a chunk's head slice), run in parallel, each returning a partial
-softmax (max, sum, weighted values), merged per head. Entries held in fp (a mixed layer, the
-decode tail) are attended with torch (:func:`attend_entries`) and merged with
-:func:`merge_partials` (log-sum-exp weights): the result equals dequantize-then-attend up to
-float32 rounding (tested).
+**Packed codes without unpacking** (int4, int2). A byte ``c`` holds ``per = 8 / bits`` codes
+``x_0 .. x_{per-1}`` (``x_j`` at bits ``j*bits``). With the prefix masks
+``y_j = c & (2^(bits (j+1)) - 1)`` (``y_{per-1} = c``), ``x_j = (y_j - y_{j-1}) / 2^(bits j)``,
+so a dot product is ``q . x = sum_j y_j a_j`` with ``a_j = q_j / 2^(bits j) - q_{j+1} /
+2^(bits (j+1))`` computed once per call, and the V side accumulates ``Y_j = sum_r w_r y_j`` and
+recovers the values at the end. Per value that is a mask, a conversion and a multiply-add - what
+int8 costs - instead of a shift, a mask, a conversion and a multiply-add. Rows go four at a time
+(four independent sums), and ``exp`` is a vectorizable polynomial (Cephes' ``expf``, within
+2 ulp), since numba has no vector ``exp`` here.
 
-Shapes: ``q [1, Hq, nq, D]``, ``q_pos [nq]``; a :class:`Partial` is ``out [Hq, nq, D]`` (float32,
-normalized) and ``lse [Hq, nq]`` (``-inf`` for a query that sees no entry).
+**Error.** The result equals dequantize-then-attend (``ragged_attention`` over
+``ContextKV.layer_entries``) up to float32 rounding (tested at ``atol 2e-5, rtol 1e-4`` for
+every level, ragged and partly filled pages, masks, mixed layers and a tail); the level's own
+error (``levels.error_bound``) is the only quantization error.
+
+**Elsewhere** (tensors on a GPU, or a model dtype other than float32): :class:`TorchPagedAttention`
+dequantizes the layer's pages with torch at each call and attends (nothing is cached, so the
+memory stays quantized between calls).
+
+Shapes: ``q [1, Hq, nq, D]``, ``q_pos [nq]``; a :class:`Partial` is ``out [Hq, nq, D]``
+(float32, normalized) and ``lse [Hq, nq]`` (``-inf`` for a query that sees no entry).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numba as nb
 import numpy as np
 import torch
-from numba.typed import List as NumbaList
 
-from sparkv.cache.levels import QuantizedTensor
-from sparkv.cache.payload import ChunkPayload
+from sparkv.cache.pages import PAGE_TOKENS, PagePools
 
-#: most rows of one head in one parallel work item
-RUN_ROWS = 256
-
-# 2^(e - 25) for the 32 float16 exponents (e = 0: subnormal, handled as 2^-24)
-_EXP2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
+#: most pages of one head in one parallel work unit
+UNIT_PAGES = 16
+P = PAGE_TOKENS
+_LOG2E = np.float32(1.4426950408889634)
+#: LLVM's fast-math flags but "no NaN" and "no infinity": the kernel masks with -inf
+_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
 @dataclass
@@ -48,266 +62,420 @@ class Partial:
     lse: torch.Tensor
 
 
-@nb.njit(inline="always", boundscheck=False)
-def _half(h, tab):  # pragma: no cover - numba
-    """float16 bits (uint16) -> float32 (finite values: scales and zeros are)."""
-    e = (h >> 10) & 31
-    f = h & 1023
-    mag = np.float32(f if e == 0 else f + 1024) * tab[e]
-    return -mag if h >> 15 else mag
-
-
-@nb.njit(inline="always", boundscheck=False, fastmath=True)
-def _unpack(c, r, bits, cf):  # pragma: no cover - numba
-    """Row ``r`` of packed codes ``c [R, W]`` -> ``cf [W * 8 / bits]`` float32, in *plane* order:
-    the codes of bit plane ``j`` (bits ``j*bits ..`` of every byte) at ``j*W .. (j+1)*W``, so
-    every loop is contiguous (the caller permutes the query and the output to match)."""
-    w = c.shape[1]
-    if bits == 8:
-        for i in range(w):
-            cf[i] = np.float32(np.int32(c[r, i]))
-    else:
-        mask = np.int32((1 << bits) - 1)
-        for j in range(8 // bits):
-            shift = np.int32(j * bits)
-            for b in range(w):
-                cf[j * w + b] = np.float32((np.int32(c[r, b]) >> shift) & mask)
-
-
-@nb.njit(inline="always", boundscheck=False, fastmath=True)
-def _tail_unit(q, mpos, tk, tv, tpos, perm, h, scale, u, pm, pl, pacc):  # pragma: no cover
-    """Partial attention of KV head ``h`` over the fp tail ``tk``, ``tv [Hkv, n, D]`` in natural
-    order, read through ``perm`` (slot -> value index, ``>= D`` for padding) into the plane order
-    of ``q`` and ``pacc``."""
-    m_rows, dim, n, d = q.shape[1], q.shape[2], tk.shape[1], tk.shape[2]
-    s = np.empty((n, m_rows), dtype=np.float32)
+# ---- numba building blocks -----------------------------------------------------------------------
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _exp_from(s, mx, w, ti, n):  # pragma: no cover - numba
+    """``w[j] = exp(s[j] - mx)`` (0 where ``s[j]`` is ``-inf``), vectorizable; ``mx`` finite."""
     for j in range(n):
-        for m in range(m_rows):
-            acc = np.float32(0.0)
-            for i in range(dim):
-                p = perm[i]
-                if p < d:
-                    acc += q[h, m, i] * tk[h, j, p]
-            s[j, m] = scale * acc if tpos[j] <= mpos[m] else -np.inf
-    for m in range(m_rows):
+        x = max(s[j] - mx, np.float32(-87.0))
+        t = np.floor(x * _LOG2E + np.float32(0.5))
+        y = x - t * np.float32(0.693359375) + t * np.float32(2.12194440e-4)
+        p = ((((np.float32(1.9875691500e-4) * y + np.float32(1.3981999507e-3)) * y
+               + np.float32(8.3334519073e-3)) * y + np.float32(4.1665795894e-2)) * y
+             + np.float32(1.6666665459e-1)) * y + np.float32(5.0000001201e-1)
+        w[j] = p * (y * y) + y + np.float32(1.0)
+        ti[j] = (np.int32(t) + np.int32(127)) << np.int32(23)
+    f = ti.view(np.float32)
+    for j in range(n):
+        w[j] = w[j] * f[j] if s[j] - mx > np.float32(-87.0) else np.float32(0.0)
+
+
+@nb.njit(boundscheck=False, error_model="numpy")
+def _halfs(h, out, ti):  # pragma: no cover - numba
+    """float16 bits ``h`` (uint16 ``[16]``) -> float32 ``out`` (finite values: scales, zeros)."""
+    for r in range(h.shape[0]):
+        b = np.int32(h[r])
+        ti[r] = ((b >> 15) << 31) | ((((b >> 10) & 31) + 112) << 23) | ((b & 1023) << 13)
+    f = ti.view(np.float32)
+    for r in range(h.shape[0]):
+        b = np.int32(h[r])
+        sub = np.float32(b & 1023) * np.float32(5.960464477539063e-08)
+        out[r] = f[r] if (b >> 10) & 31 else (-sub if b >> 15 else sub)
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _softmax(s, w, ti, R, u, pm, pl):  # pragma: no cover - numba
+    """Per query row ``m``: ``pm[u, m]`` the max of ``s[m, :R]``, ``w[m]`` the weights, ``pl``
+    their sum (a row that sees nothing: ``-inf``, zeros)."""
+    for m in range(s.shape[0]):
         mx = -np.inf
-        for j in range(n):
-            mx = max(mx, s[j, m])
-        tot = np.float32(0.0)
-        for i in range(dim):
-            pacc[u, m, i] = 0.0
-        if mx > -np.inf:
-            for j in range(n):
-                w = np.exp(s[j, m] - mx)
-                tot += w
-                for i in range(dim):
-                    p = perm[i]
-                    if p < d:
-                        pacc[u, m, i] += w * tv[h, j, p]
+        for j in range(R):
+            mx = max(mx, s[m, j])
         pm[u, m] = mx
+        tot = np.float32(0.0)
+        if mx == -np.inf:
+            for j in range(R):
+                w[m, j] = 0.0
+        else:
+            _exp_from(s[m], mx, w[m], ti, R)
+            for j in range(R):
+                tot += w[m, j]
         pl[u, m] = tot
 
 
-@nb.njit(nogil=True, cache=True, boundscheck=False, fastmath=True, parallel=True)
-def _runs(q, qsum, mpos, kc, ks, kz, vc, vs, vz, pos, bits, run_chunk, run_head, run_start,
-          run_len, scale, tab, tk, tv, tpos, perm, pm, pl, pacc):  # pragma: no cover - numba
-    """Partial softmax attention of every run (see the module docstring), then of each KV
-    head's fp tail ``tk``/``tv`` ``[Hkv, n, D]`` (natural order, read through ``perm``; units
-    ``runs .. runs + Hkv``, when ``n``)."""
-    m_rows = q.shape[1]
-    dim = q.shape[2]
-    n_runs = run_chunk.shape[0]
-    n_tail = tk.shape[0] if tk.shape[1] > 0 else 0
-    for u in nb.prange(n_runs + n_tail):
-        if u >= n_runs:
-            _tail_unit(q, mpos, tk, tv, tpos, perm, u - n_runs, scale, u, pm, pl, pacc)
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _mask_scores(s, off, sk, zk, qs, pos, n, mpos, scale):  # pragma: no cover - numba
+    """A page's raw dot products ``s[:, off:off+16]`` -> scaled scores, ``-inf`` for rows past
+    ``n`` or after the query (branch-free)."""
+    for m in range(s.shape[0]):
+        for r in range(P):
+            val = scale * (sk[r] * s[m, off + r] + zk[r] * qs[m])
+            s[m, off + r] = val if (r < n) & (pos[r] <= mpos[m]) else np.float32(-np.inf)
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _value_weights(w, off, sv, zv, n, ws, wz):  # pragma: no cover - numba
+    """A page's softmax weights times the rows' V scales (``ws [M, 16]``, 0 past ``n``), and
+    ``wz[m] += sum_r w zero_v``."""
+    for m in range(ws.shape[0]):
+        z = np.float32(0.0)
+        for r in range(P):
+            x = w[m, off + r] if r < n else np.float32(0.0)
+            ws[m, r] = x * sv[r] if r < n else np.float32(0.0)
+            z += x * zv[r] if r < n else np.float32(0.0)
+        wz[m] += z
+
+
+def _make_quantized_unit(bits: int) -> Any:
+    """The unit function of one quantized level (``bits`` and the plane count are constants)."""
+    per = 8 // bits
+
+    @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+    def unit(pool, upages, a, npg, qc, qs, mpos, scale, D, u, pm, pl, pacc):  # pragma: no cover
+        kc, ks, kz, vc, vs, vz, pos, fill = pool
+        M, W = qc.shape[0], kc.shape[2]
+        R = npg * P
+        s = np.empty((M, R), dtype=np.float32)
+        w = np.empty((M, R), dtype=np.float32)
+        ti = np.empty(R, dtype=np.int32)
+        f1 = np.empty(P, dtype=np.float32)
+        f2 = np.empty(P, dtype=np.float32)
+        for pi in range(npg):
+            p = upages[a + pi]
+            pg = kc[p]
+            for r in range(0, P, 4):
+                for m in range(M):
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    for b in range(W):
+                        c0, c1 = np.int32(pg[r, b]), np.int32(pg[r + 1, b])
+                        c2, c3 = np.int32(pg[r + 2, b]), np.int32(pg[r + 3, b])
+                        for j in range(per):
+                            mk = np.int32((1 << (bits * (j + 1))) - 1)
+                            qv = qc[m, j, b]
+                            a0 += qv * np.float32(c0 & mk)
+                            a1 += qv * np.float32(c1 & mk)
+                            a2 += qv * np.float32(c2 & mk)
+                            a3 += qv * np.float32(c3 & mk)
+                    j0 = pi * P + r
+                    s[m, j0], s[m, j0 + 1], s[m, j0 + 2], s[m, j0 + 3] = a0, a1, a2, a3
+            _halfs(ks[p], f1, ti)
+            _halfs(kz[p], f2, ti)
+            _mask_scores(s, pi * P, f1, f2, qs, pos[p], fill[p], mpos, scale)
+        _softmax(s, w, ti, R, u, pm, pl)
+        acc = np.zeros((M, per, W), dtype=np.float32)
+        wz = np.zeros(M, dtype=np.float32)
+        ws = np.empty((M, P), dtype=np.float32)
+        for pi in range(npg):
+            p = upages[a + pi]
+            pg = vc[p]
+            _halfs(vs[p], f1, ti)
+            _halfs(vz[p], f2, ti)
+            _value_weights(w, pi * P, f1, f2, fill[p], ws, wz)
+            # every row of the page: the unused ones weigh 0 (and hold finite codes)
+            for r in range(0, P, 4):
+                for m in range(M):
+                    w0, w1, w2, w3 = ws[m, r], ws[m, r + 1], ws[m, r + 2], ws[m, r + 3]
+                    for j in range(per):
+                        mk = np.int32((1 << (bits * (j + 1))) - 1)
+                        am = acc[m, j]
+                        for b in range(W):
+                            am[b] += ((w0 * np.float32(np.int32(pg[r, b]) & mk)
+                                       + w1 * np.float32(np.int32(pg[r + 1, b]) & mk))
+                                      + (w2 * np.float32(np.int32(pg[r + 2, b]) & mk)
+                                         + w3 * np.float32(np.int32(pg[r + 3, b]) & mk)))
+        for m in range(M):
+            for b in range(W):
+                prev = np.float32(0.0)
+                for j in range(per):
+                    d = b * per + j
+                    if d < D:
+                        pacc[u, m, d] = (acc[m, j, b] - prev) / np.float32(1 << (bits * j)) \
+                            + wz[m]
+                    prev = acc[m, j, b]
+
+    return unit
+
+
+_unit8 = _make_quantized_unit(8)
+_unit4 = _make_quantized_unit(4)
+_unit2 = _make_quantized_unit(2)
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _fp_scores(kr, pr, n, off, qh, mpos, scale, s):  # pragma: no cover - numba
+    """Scores of fp rows ``kr [>= n rounded up to 4, D]`` (positions ``pr``) into ``s[:, off:]``."""
+    M, D = qh.shape
+    for r in range(0, n, 4):
+        r1, r2, r3 = min(r + 1, n - 1), min(r + 2, n - 1), min(r + 3, n - 1)
+        for m in range(M):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for i in range(D):
+                qv = qh[m, i]
+                a0 += qv * kr[r, i]
+                a1 += qv * kr[r1, i]
+                a2 += qv * kr[r2, i]
+                a3 += qv * kr[r3, i]
+            for x, val in enumerate((a0, a1, a2, a3)):
+                if r + x < n:
+                    s[m, off + r + x] = scale * val if pr[r + x] <= mpos[m] else -np.inf
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _fp_values(vr, n, off, w, acc):  # pragma: no cover - numba
+    """``acc[m] += sum_r w[m, off + r] vr[r]`` over fp rows ``vr [n, D]``."""
+    M, D = acc.shape
+    for r in range(n):
+        for m in range(M):
+            ww = w[m, off + r]
+            am = acc[m]
+            for i in range(D):
+                am[i] += ww * vr[r, i]
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _fp_unit(pool, upages, a, npg, qh, mpos, scale, u, pm, pl, pacc):  # pragma: no cover
+    k, v, pos, fill = pool
+    M, D = qh.shape
+    R = npg * P
+    s = np.full((M, R), -np.inf, dtype=np.float32)
+    w = np.empty((M, R), dtype=np.float32)
+    ti = np.empty(R, dtype=np.int32)
+    for pi in range(npg):
+        p = upages[a + pi]
+        _fp_scores(k[p], pos[p], fill[p], pi * P, qh, mpos, scale, s)
+    _softmax(s, w, ti, R, u, pm, pl)
+    acc = np.zeros((M, D), dtype=np.float32)
+    for pi in range(npg):
+        p = upages[a + pi]
+        _fp_values(v[p], fill[p], pi * P, w, acc)
+    pacc[u, :M, :D] = acc
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _tail_unit(tk, tv, tpos, n, qh, mpos, scale, u, pm, pl, pacc):  # pragma: no cover
+    M, D = qh.shape
+    s = np.full((M, n), -np.inf, dtype=np.float32)
+    w = np.empty((M, n), dtype=np.float32)
+    ti = np.empty(n, dtype=np.int32)
+    _fp_scores(tk, tpos, n, 0, qh, mpos, scale, s)
+    _softmax(s, w, ti, n, u, pm, pl)
+    acc = np.zeros((M, D), dtype=np.float32)
+    _fp_values(tv, n, 0, w, acc)
+    pacc[u, :M, :D] = acc
+
+
+@nb.njit(boundscheck=False, error_model="numpy")
+def _coefficients(q, bits):  # pragma: no cover - numba
+    """``a [Hkv, M, per, W]``: the prefix-plane coefficients of ``q [Hkv, M, D]`` (module doc)."""
+    H, M, D = q.shape
+    per = 8 // bits
+    W = (D + per - 1) // per
+    out = np.zeros((H, M, per, W), dtype=np.float32)
+    for h in range(H):
+        for m in range(M):
+            for b in range(W):
+                for j in range(per):
+                    d = b * per + j
+                    qj = q[h, m, d] if d < D else np.float32(0.0)
+                    qn = q[h, m, d + 1] if j + 1 < per and d + 1 < D else np.float32(0.0)
+                    out[h, m, j, b] = qj / np.float32(1 << (bits * j)) \
+                        - qn / np.float32(1 << (bits * (j + 1)))
+    return out
+
+
+@nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
+         boundscheck=False)
+def _attend(q, qpos, scale, pf, p8, p4, p2, units, upages, tk, tv, tpos, ntail,
+            out):  # pragma: no cover - numba
+    """Every unit (``units [U, 4]``: level index, head, first of ``upages``, pages), then each
+    head's tail rows, then the merge per head into ``out [Hkv, M, D]`` (see the module doc).
+    Query row ``m`` of a head is at position ``qpos[m % nq]``."""
+    H, M, D = q.shape
+    mpos = np.empty(M, dtype=np.int64)
+    for m in range(M):
+        mpos[m] = qpos[m % qpos.shape[0]]
+    a8, a4, a2 = _coefficients(q, 8), _coefficients(q, 4), _coefficients(q, 2)
+    qs = np.zeros((H, M), dtype=np.float32)
+    for h in range(H):
+        for m in range(M):
+            for i in range(D):
+                qs[h, m] += q[h, m, i]
+    U = units.shape[0]
+    T = H if ntail > 0 else 0
+    if T:
+        assert tk.shape[0] == H and tk.shape[2] == D
+    pm = np.empty((U + T, M), dtype=np.float32)
+    pl = np.empty((U + T, M), dtype=np.float32)
+    pacc = np.zeros((U + T, M, D), dtype=np.float32)
+    for u in nb.prange(U + T):
+        if u >= U:
+            h = u - U
+            _tail_unit(tk[h], tv[h], tpos, ntail, q[h], mpos, scale, u, pm, pl, pacc)
             continue
-        c, h, a, n = run_chunk[u], run_head[u], run_start[u], run_len[u]
-        b = bits[c]
-        kcc, kss, kzz, vcc, vss, vzz, pp = kc[c], ks[c], kz[c], vc[c], vs[c], vz[c], pos[c]
-        s = np.empty((n, m_rows), dtype=np.float32)
-        cf = np.empty(dim, dtype=np.float32)
-        qh = q[h]
-        for j in range(n):
-            r = a + j
-            _unpack(kcc, r, b, cf)
-            sk = scale * _half(kss[r], tab)
-            zk = scale * _half(kzz[r], tab)
-            p = pp[r]
-            for m in range(m_rows):
-                acc = np.float32(0.0)
-                for i in range(dim):
-                    acc += qh[m, i] * cf[i]
-                s[j, m] = sk * acc + zk * qsum[h, m] if p <= mpos[m] else -np.inf
-        mx = np.full(m_rows, -np.inf, dtype=np.float32)
-        for j in range(n):
-            for m in range(m_rows):
-                mx[m] = max(mx[m], s[j, m])
-        tot = np.zeros(m_rows, dtype=np.float32)
-        wz = np.zeros(m_rows, dtype=np.float32)
-        acc2 = np.zeros((m_rows, dim), dtype=np.float32)
-        for j in range(n):
-            r = a + j
-            _unpack(vcc, r, b, cf)
-            sv = _half(vss[r], tab)
-            zv = _half(vzz[r], tab)
-            for m in range(m_rows):
-                w = np.float32(0.0) if mx[m] == -np.inf else np.exp(s[j, m] - mx[m])
-                tot[m] += w
-                wz[m] += w * zv
-                ws = w * sv
-                for i in range(dim):
-                    acc2[m, i] += ws * cf[i]
-        for m in range(m_rows):
-            pm[u, m] = mx[m]
-            pl[u, m] = tot[m]
-            for i in range(dim):
-                pacc[u, m, i] = acc2[m, i] + wz[m]
-
-
-@nb.njit(nogil=True, cache=True, boundscheck=False)
-def _merge_runs(run_head, pm, pl, pacc, perm, out, lse):  # pragma: no cover - numba
-    """Per KV head, the runs' partials (plane order) -> normalized ``out [Hkv, M, D]`` in
-    natural order (slot ``i`` is value ``perm[i]``; slots ``>= D`` are padding) and
-    ``lse [Hkv, M]``."""
-    hkv, m_rows, d = out.shape
-    dim = pacc.shape[2]
-    acc = np.empty(dim, dtype=np.float64)
-    for h in range(hkv):
-        for m in range(m_rows):
+        lv, h, a, npg = units[u, 0], units[u, 1], units[u, 2], units[u, 3]
+        if lv == 1:
+            _unit8(p8, upages, a, npg, a8[h], qs[h], mpos, scale, D, u, pm, pl, pacc)
+        elif lv == 2:
+            _unit4(p4, upages, a, npg, a4[h], qs[h], mpos, scale, D, u, pm, pl, pacc)
+        elif lv == 3:
+            _unit2(p2, upages, a, npg, a2[h], qs[h], mpos, scale, D, u, pm, pl, pacc)
+        else:
+            _fp_unit(pf, upages, a, npg, q[h], mpos, scale, u, pm, pl, pacc)
+    for h in range(H):
+        for m in range(M):
             mx = -np.inf
-            for u in range(run_head.shape[0]):
-                if run_head[u] == h and pm[u, m] > mx:
-                    mx = pm[u, m]
-            for i in range(d):
+            for u in range(U + T):
+                uh = units[u, 1] if u < U else u - U
+                if uh == h:
+                    mx = max(mx, pm[u, m])
+            for i in range(D):
                 out[h, m, i] = 0.0
             if mx == -np.inf:
-                lse[h, m] = -np.inf
                 continue
-            tot = 0.0
-            acc[:] = 0.0
-            for u in range(run_head.shape[0]):
-                if run_head[u] == h and pm[u, m] > -np.inf:
-                    w = np.exp(pm[u, m] - mx)
-                    tot += w * pl[u, m]
-                    for i in range(dim):
-                        acc[i] += w * pacc[u, m, i]
-            for i in range(dim):
-                if perm[i] < d:
-                    out[h, m, perm[i]] = acc[i] / tot
-            lse[h, m] = mx + np.log(tot)
+            tot = np.float32(0.0)
+            for u in range(U + T):
+                uh = units[u, 1] if u < U else u - U
+                if uh == h and pm[u, m] > -np.inf:
+                    e = np.exp(pm[u, m] - mx)
+                    tot += e * pl[u, m]
+                    for i in range(D):
+                        out[h, m, i] += e * pacc[u, m, i]
+            for i in range(D):
+                out[h, m, i] /= tot
 
 
+# ---- the layer's attention -----------------------------------------------------------------------
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().numpy()
+    a = t.detach().numpy()
+    return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
-def plane_order(dim: int, bits: int) -> torch.Tensor:
-    """``perm [Dp]``: the value index of each slot of :func:`_unpack`'s plane order (``Dp`` =
-    ``dim`` rounded up to whole bytes; slots past ``dim`` are padding)."""
-    per = 8 // bits
-    width = -(-dim // per)
-    return torch.tensor([b * per + j for j in range(per) for b in range(width)])
+def _f16(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
-class QuantizedRows:
-    """The quantized entries of some chunk payloads of one layer, ready to attend (references,
-    not copies: building it costs a pass over the chunk list, attending reads the codes).
+def _pool_arrays(pools: PagePools) -> tuple[Any, ...]:
+    """The pools' arrays as the kernel takes them: ``(fp, int8, int4, int2)`` tuples."""
+    out: list[Any] = []
+    for level in ("fp", "int8", "int4", "int2"):
+        pool = pools[level]
+        a = pool.array
+        if level == "fp":
+            out.append((_np(a("k")), _np(a("v")), _np(a("pos")), _np(a("fill"))))
+        else:
+            out.append((_np(a("k")), _f16(a("k_scale")), _f16(a("k_zero")), _np(a("v")),
+                        _f16(a("v_scale")), _f16(a("v_zero")), _np(a("pos")), _np(a("fill"))))
+    return tuple(out)
+
+
+def plan_units(heads: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(units [U, 4], pages)`` of a layer whose head ``h`` has pages ``heads[h] = (ids,
+    levels)`` in position order: runs of at most :data:`UNIT_PAGES` pages of one level."""
+    units, pages, start = [], [], 0
+    for h, (ids, lv) in enumerate(heads):
+        if ids.size == 0:
+            continue
+        cut = np.flatnonzero(np.diff(lv)) + 1
+        bounds = np.concatenate([[0], cut, [ids.size]])
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            for x in range(int(a), int(b), UNIT_PAGES):
+                n = min(UNIT_PAGES, int(b) - x)
+                units.append((int(lv[x]), h, start + x, n))
+        pages.append(ids)
+        start += ids.size
+    u = np.array(units, dtype=np.int32).reshape(-1, 4)
+    return u, (np.concatenate(pages).astype(np.int32) if pages else np.zeros(0, np.int32))
+
+
+class PagedAttention:
+    """Attention over one paged layer as held (module docstring): built from the layer's pages
+    per head (:meth:`BlockTable.layer_pages <sparkv.cache.blocks.BlockTable.layer_pages>`); it
+    references the pools' tensors (no copy) and is stale once the memory's
+    :meth:`~sparkv.cache.memory.ContextKV.layer_version` changes.
 
     Args:
-        payloads: chunk payloads all at one level, ``int8``/``int4``/``int2`` (fp payloads are
-            refused: attend them with :func:`attend_entries`), each with ``counts`` per head of
-            its group.
-        head0: per payload, the model KV head of its first head (its group's first head).
-        num_kv_heads: of the layer.
+        pools: the page pools (float32 fp pages, on the CPU).
+        heads: per KV head, ``(page ids, their levels)`` in position order.
+        head_dim: D.
     """
 
-    def __init__(self, payloads: Sequence[ChunkPayload], head0: Sequence[int],
-                 num_kv_heads: int) -> None:
-        if len(payloads) != len(head0):
-            raise ValueError("one first head per payload")
-        self.num_kv_heads = num_kv_heads
-        lists = [NumbaList() for _ in range(7)]
-        bits, runs = [], []
-        for c, (p, h0) in enumerate(zip(payloads, head0)):
-            if not isinstance(p.k, QuantizedTensor) or not isinstance(p.v, QuantizedTensor):
-                raise ValueError(f"{p.cid} is at level {p.level}: not quantized")
-            if p.level != payloads[0].level:
-                raise ValueError(f"{p.cid} is at {p.level}, not {payloads[0].level}: one "
-                                 "QuantizedRows per level")
-            for lst, t in zip(lists, (p.k.codes, p.k.scale, p.k.zero, p.v.codes, p.v.scale,
-                                      p.v.zero, p.pos)):
-                arr = _np(t)
-                lst.append(arr.view(np.uint16) if arr.dtype == np.float16 else arr)
-            bits.append(p.k.bits)
-            start = 0
-            for i, n in enumerate(p.counts):
-                for a in range(0, n, RUN_ROWS):
-                    runs.append((c, h0 + i, start + a, min(RUN_ROWS, n - a)))
-                start += n
-        self._lists = lists
-        self.dim = payloads[0].k.dim if payloads else 0  # type: ignore[union-attr]
-        self.bits = payloads[0].k.bits if payloads else 8  # type: ignore[union-attr]
-        self._perm = plane_order(self.dim, self.bits) if payloads else None
-        self._perm_np = self._perm.numpy() if self._perm is not None else np.zeros(0, np.int64)
-        self._slots = self._perm_np < self.dim         # the slots holding a value, not padding
-        self._bits = np.array(bits, dtype=np.int32)
-        r = np.array(runs, dtype=np.int32).reshape(-1, 4)
-        self._run = [np.ascontiguousarray(r[:, i]) for i in range(4)]
-        self.rows = int(r[:, 3].sum()) if len(runs) else 0
+    def __init__(self, pools: PagePools, heads: Sequence[tuple[np.ndarray, np.ndarray]],
+                 head_dim: int) -> None:
+        self.num_kv_heads, self.head_dim = len(heads), head_dim
+        self.units, self.pages = plan_units(heads)
+        self._pools = _pool_arrays(pools)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
-               tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Partial:
-        """``q [1, Hq, nq, D]`` over these entries (query ``i`` sees positions ``<= q_pos[i]``)
-        and, in the same kernel call, the fp ``tail`` ``(k [Hkv, n, D], v, pos [n])``."""
+               tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        """``q [1, Hq, nq, D]`` -> ``[1, Hq, nq, D]`` in ``q``'s dtype; query ``i`` sees the
+        positions ``<= q_pos[i]``; ``tail``: fp entries ``(k [Hkv, n, D], v, pos [n])`` every
+        head holds (the decode tail), or ``None``."""
         _, hq, nq, d = q.shape
         hkv = self.num_kv_heads
-        group = hq // hkv
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        qf = q[0].float().reshape(hkv, group * nq, d)
-        m_rows = group * nq
-        if not self.rows or self._perm is None:
-            if tail is not None:
-                return attend_stacked(q, *tail, q_pos, scale)
-            return Partial(torch.zeros(hq, nq, d), torch.full((hq, nq), float("-inf")))
-        dp = int(self._perm.numel())
-        qnat = _np(qf)
-        qsum = qnat.sum(-1)
-        qn = np.zeros((hkv, m_rows, dp), dtype=np.float32)
-        qn[:, :, self._slots] = qnat[:, :, self._perm_np[self._slots]]
-        tk, tv, tpos = _tail_arrays(tail, hkv, d)
-        mpos = np.tile(q_pos.to(torch.int64).cpu().numpy(), group)
-        units = self._run[0].shape[0] + (hkv if tk.shape[1] else 0)
-        pm = np.empty((units, m_rows), dtype=np.float32)
-        pl = np.empty((units, m_rows), dtype=np.float32)
-        pacc = np.empty((units, m_rows, dp), dtype=np.float32)
-        k_c, k_s, k_z, v_c, v_s, v_z, pos = self._lists
-        _runs(qn, qsum, mpos, k_c, k_s, k_z, v_c, v_s, v_z, pos, self._bits, *self._run,
-              np.float32(scale), _EXP2, tk, tv, tpos, self._perm_np, pm, pl, pacc)
-        out = np.empty((hkv, m_rows, d), dtype=np.float32)
-        lse = np.empty((hkv, m_rows), dtype=np.float32)
-        heads = self._run[1] if units == self._run[1].shape[0] else \
-            np.concatenate([self._run[1], np.arange(hkv, dtype=np.int32)])
-        _merge_runs(heads, pm, pl, pacc, self._perm_np, out, lse)
-        return Partial(torch.from_numpy(out).view(hq, nq, d), torch.from_numpy(lse).view(hq, nq))
+        qn = _f32(q[0].reshape(hkv, hq // hkv * nq, d))
+        tk, tv, tpos, n = _tail_arrays(tail, hkv, d)
+        out = np.empty(qn.shape, dtype=np.float32)
+        _attend(qn, q_pos.to(torch.int64).numpy(), np.float32(scale), *self._pools,  # type: ignore
+                self.units, self.pages, tk, tv, tpos, n, out)
+        res = torch.from_numpy(out).view(1, hq, nq, d)
+        return res if q.dtype == torch.float32 else res.to(q.dtype)
 
 
-def _tail_arrays(tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, hkv: int,
-                 d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The tail's K and V as float32 ``[Hkv, n, D]`` arrays (natural order: the kernel reads them
-    through the plane permutation) and its positions."""
+def _f32(t: torch.Tensor) -> np.ndarray:
+    """A float32 C-contiguous array of ``t`` (a view when it already is one)."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def _tail_arrays(tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, hkv: int, d: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The tail's K and V as float32 ``[Hkv, n, D]`` arrays, its positions and ``n``."""
     if tail is None or tail[0].shape[1] == 0:
-        z = np.zeros((hkv, 0, d), dtype=np.float32)
-        return z, z, np.zeros(0, dtype=np.int64)
+        return _NO_TAIL[0], _NO_TAIL[0], _NO_TAIL[1], 0
     k, v, pos = tail
-    return (_np(k.float()), _np(v.float()), pos.to(torch.int64).cpu().numpy())
+    return _f32(k), _f32(v), pos.to(torch.int64).numpy(), int(k.shape[1])
 
 
+_NO_TAIL = (np.zeros((0, 0, 0), dtype=np.float32), np.zeros(0, dtype=np.int64))
+
+
+class TorchPagedAttention:
+    """:class:`PagedAttention`'s contract with torch, for pages on a GPU (or fp pages not in
+    float32): each call dequantizes the layer's entries (``entries()``: per KV head ``(k, v,
+    pos)``, :meth:`ContextKV.layer_entries <sparkv.cache.memory.ContextKV.layer_entries>`) on
+    their device and attends; nothing is cached."""
+
+    def __init__(self, entries: Callable[[], Sequence[tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]]]) -> None:
+        self.entries = entries
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
+               tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        parts = [attend_entries(q, self.entries(), q_pos, scale)]
+        if tail is not None and tail[0].shape[1]:
+            parts.append(attend_stacked(q, *tail, q_pos, scale))
+        return merge_partials(parts).out.unsqueeze(0).to(q.dtype)
+
+
+# ---- torch partials ------------------------------------------------------------------------------
 def attend_entries(q: torch.Tensor, heads: Sequence[tuple[torch.Tensor, torch.Tensor,
                                                             torch.Tensor]],
                    q_pos: torch.Tensor, scale: float | None) -> Partial:
-    """``q [1, Hq, nq, D]`` over fp entries given per KV head as ``(k [n_h, D], v, pos [n_h])``
-    (torch; for the decode tail and fp chunks of a mixed layer)."""
+    """``q [1, Hq, nq, D]`` over fp entries given per KV head as ``(k [n_h, D], v, pos [n_h])``."""
     _, hq, nq, d = q.shape
     group = hq // len(heads)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -319,7 +487,7 @@ def attend_entries(q: torch.Tensor, heads: Sequence[tuple[torch.Tensor, torch.Te
             continue
         qs = q[0, h * group:(h + 1) * group].float()                        # [G, nq, D]
         s = (qs @ k.float().T) * scale                                     # [G, nq, n]
-        s = s.masked_fill(pos.to(torch.long).view(1, 1, -1) > qp, float("-inf"))
+        s = s.masked_fill(pos.to(q.device, torch.long).view(1, 1, -1) > qp, float("-inf"))
         lo = torch.logsumexp(s, dim=-1)                                    # [G, nq]
         w = torch.exp(s - torch.where(torch.isinf(lo), torch.zeros_like(lo), lo).unsqueeze(-1))
         out[h * group:(h + 1) * group] = w @ v.float()
@@ -362,92 +530,18 @@ def merge_partials(parts: Sequence[Partial]) -> Partial:
     return Partial(out, safe + torch.log(tot))
 
 
-class DequantizedRows:
-    """:class:`QuantizedRows`' contract on a device the numba kernel cannot read (a GPU): each
-    call dequantizes the payloads on their device (a bandwidth-bound pass, no Python per row)
-    and attends with torch. Nothing is cached, so the memory stays quantized between calls."""
-
-    def __init__(self, payloads: Sequence[ChunkPayload], head0: Sequence[int],
-                 num_kv_heads: int) -> None:
-        if len(payloads) != len(head0):
-            raise ValueError("one first head per payload")
-        for p in payloads:
-            if not isinstance(p.k, QuantizedTensor) or not isinstance(p.v, QuantizedTensor):
-                raise ValueError(f"{p.cid} is at level {p.level}: not quantized")
-        self.payloads, self.head0, self.num_kv_heads = list(payloads), list(head0), num_kv_heads
-
-    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
-               tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Partial:
-        """As :meth:`QuantizedRows.attend`, on ``q``'s device."""
-        heads = entries_per_head(self.payloads, self.head0, self.num_kv_heads)
-        parts = [attend_entries(q, heads, q_pos, scale)] if self.payloads else []
-        if tail is not None and tail[0].shape[1]:
-            parts.append(attend_stacked(q, *tail, q_pos, scale))
-        if not parts:
-            _, hq, nq, d = q.shape
-            return Partial(torch.zeros(hq, nq, d, device=q.device),
-                           torch.full((hq, nq), float("-inf"), device=q.device))
-        return merge_partials(parts)
-
-
-def entries_per_head(payloads: Sequence[ChunkPayload], head0: Sequence[int], num_kv_heads: int
-                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per KV head, the payloads' entries in fp (dequantized where quantized) as
-    ``(k [n_h, D], v, pos [n_h])``, in payload order; a head with none gets empty tensors
-    (:func:`attend_entries` skips it). ``head0``: each payload's first model KV head."""
-    per: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
-        [] for _ in range(num_kv_heads)]
-    for p, h0 in zip(payloads, head0):
-        k, v = p.fp()
-        for i, sl in enumerate(p.head_slices()):
-            per[h0 + i].append((k[sl], v[sl], p.pos[sl].long()))
-    empty = (torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, dtype=torch.long))
-    return [(torch.cat([x[0] for x in hs]), torch.cat([x[1] for x in hs]),
-             torch.cat([x[2] for x in hs])) if hs else empty for hs in per]
-
-
-def rows_for(device: torch.device) -> type:
-    """The quantized-rows reader for KV held on ``device``: the fused numba kernel on the CPU,
-    dequantize-then-attend with torch elsewhere."""
-    return QuantizedRows if device.type == "cpu" else DequantizedRows
-
-
-class ResidentAttention:
-    """Attention over one layer's resident entries as held: its quantized chunks read in place
-    (one :class:`QuantizedRows` per level) and its fp chunks (per KV head ``(k, v, pos)``), plus an optional
-    fp tail per call. What :meth:`ContextKV.resident_attention
-    <sparkv.cache.memory.ContextKV.resident_attention>` builds and decoders call.
-    """
-
-    def __init__(self, rows: Sequence[QuantizedRows | DequantizedRows],
-                 fp_heads: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
-                 ) -> None:
-        self.rows = list(rows)
-        self.fp_heads = fp_heads
-
-    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
-               tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-               ) -> torch.Tensor:
-        """``q [1, Hq, nq, D]`` -> ``[1, Hq, nq, D]`` in ``q``'s dtype; ``tail``: fp entries
-        ``(k [Hkv, n, D], v, pos [n])`` every head holds (the decode tail), or ``None``."""
-        parts = [r.attend(q, q_pos, scale, tail if i == 0 else None)
-                 for i, r in enumerate(self.rows)]
-        if self.fp_heads is not None:
-            parts.append(attend_entries(q, self.fp_heads, q_pos, scale))
-        if tail is not None and not self.rows:
-            parts.append(attend_stacked(q, *tail, q_pos, scale))
-        if not parts:
-            return torch.zeros_like(q)
-        return merge_partials(parts).out.unsqueeze(0).to(q.dtype)
-
-
 def warm_up() -> None:
-    """Compiles (or loads from numba's cache) the kernel for every level: a benchmark calls it
-    before timing."""
-    from sparkv.cache.levels import quantize
-    from sparkv.layout import KVChunkId
+    """Compiles (or loads from numba's cache) the kernel: a benchmark calls it before timing."""
+    from sparkv.cache.paged import PagedChunks
+    from sparkv.cache.payload import ChunkRun
+    from sparkv.layout import ChunkGeometry, KVChunkId
 
-    for bits, level in ((8, "int8"), (4, "int4"), (2, "int2")):
-        k = quantize(torch.randn(4, 64), bits)
-        p = ChunkPayload(KVChunkId(0, 0, 0), level, [4], torch.arange(4, dtype=torch.int32), k, k)
-        QuantizedRows([p], [0], 1).attend(torch.randn(1, 1, 1, 64), torch.tensor([4]), None)
+    paged = PagedChunks(ChunkGeometry(64, 16, 1, 1, 64))
+    for t, level in enumerate(("fp", "int8", "int4", "int2")):
+        run = ChunkRun([KVChunkId(t, 0, 0)], "fp", np.array([[16]]),
+                       torch.arange(16 * t, 16 * t + 16, dtype=torch.int32), torch.randn(16, 64),
+                       torch.randn(16, 64))
+        paged.write(np.array([t]), np.array([0]), np.array([0]), run.at_level(level))
+    tail = (torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.tensor([64, 65]))
+    att = PagedAttention(paged.pools, paged.layer_pages(0), 64)
+    att.attend(torch.randn(1, 1, 1, 64), torch.tensor([65]), None, tail)

@@ -170,7 +170,11 @@ class DecodeSession:
 
     # ---- results -----------------------------------------------------------------------------------
     def stats(self) -> DecodeStats:
-        """The decode's counters so far (:class:`~sparkv.decode.stats.DecodeStats`)."""
+        """The decode's counters so far (:class:`~sparkv.decode.stats.DecodeStats`), once every
+        page write it queued on the I/O thread has finished (so the written bytes it reports
+        are the bytes on flash, and a write that failed raises here)."""
+        if self.kv is not None:
+            self.kv.flush()
         st = DecodeStats(self.policy, steps=self.forwards, tokens=self.tokens_fed,
                          decode_s=self.decode_s)
         per = max(1, self.tokens_fed)

@@ -7,22 +7,28 @@ budget, switched in milliseconds (docs/device-service.md).
     print(svc.call(cid, "Hello!").text)
 
 Modules: ``service`` (the public API, the order of a call), ``config`` (the policies and the
-benchmark's presets), ``registry`` (contexts, ids, locks), ``budget`` (the account, reservations,
-the eviction policies), ``keeper`` / ``chunked`` / ``baselines`` (how a context's KV is kept:
-chunks at levels for LLMS; whole arenas killed or swapped for LMK and whole-context swapping),
-``levels`` (the chunks' levels), ``swap`` (every context's flash files), ``journal`` (crash
-recovery), ``prompts`` (chat formatting), ``loader`` (working memory, batched chunk recomputation
-at global positions, the IO-recompute pipeline), ``planner`` (the IO/recompute split), ``density``
-(information density from attention, the level mix), ``flashio`` (grouped durable writes, the I/O
-profile), ``restore`` (SparKV's planner with flash as one more link), ``app`` / ``client`` /
-``schemas`` / ``commands`` (the local REST service, its bodies, and ``sparkv device``),
-``access`` (loopback Host names and the TCP bearer token), ``private`` (the modes of the swap
-dir, its files and the socket), ``inputs`` (token id, text and timeout checks).
+benchmark's presets), ``registry`` (contexts, ids, locks, damaged ones), ``budget`` (the account,
+reservations, the eviction policies), ``keeper`` / ``chunked`` / ``baselines`` (how a context's
+KV is kept, by the only owner of its memory: chunks at levels for LLMS; whole arenas killed or
+swapped for LMK and whole-context swapping), ``counters`` (what the service counts), ``calls``
+(a call's model turn and its result), ``levels`` (the chunks' levels), ``swap`` (every context's
+flash files), ``journal`` (crash recovery), ``prompts`` (chat formatting), ``loader`` (working
+memory, batched chunk recomputation at global positions, the IO-recompute pipeline),
+``planner`` (the IO/recompute split), ``density`` (information density from attention, the
+level mix), ``flashio`` (grouped durable writes, the I/O profile, a full flash), ``restore``
+(SparKV's planner with flash as one more link), ``app`` / ``client`` / ``schemas`` /
+``commands`` (the local REST service, its bodies, and ``sparkv device``), ``access`` (loopback
+Host names and the TCP bearer token), ``private`` (the modes of the swap dir, its files and the
+socket; the whole path's owners), ``flashlock`` (one service per flash dir), ``inputs`` (token
+id, text and timeout checks).
 """
 
-from sparkv.device.errors import (BudgetTooSmall, ContextBusy, ContextDamaged, DeviceError,
-                                  PromptTooLong, UnknownContext)
-from sparkv.device.service import CallResult, ContextService, ServiceConfig
+from sparkv.device.calls import CallResult
+from sparkv.device.errors import (BudgetBusy, BudgetTooSmall, ContextBusy, ContextDamaged,
+                                  DeviceError, FlashFull, FlashInUse, PromptTooLong,
+                                  UnknownContext)
+from sparkv.device.service import ContextService, ServiceConfig
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult", "DeviceError", "UnknownContext",
-           "ContextBusy", "ContextDamaged", "PromptTooLong", "BudgetTooSmall"]
+           "ContextBusy", "ContextDamaged", "PromptTooLong", "BudgetTooSmall", "BudgetBusy",
+           "FlashFull", "FlashInUse"]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkv.fileio import atomic_write
-from sparkv.device.private import FILE_MODE, existing
+from sparkv.device.private import FILE_MODE, check_path, existing
 from sparkv.protocol.errors import error_body
 
 if TYPE_CHECKING:   # the guard runs inside the HTTP app (the server extra); the token helpers don't
@@ -91,6 +91,7 @@ def ensure_token(path: str | os.PathLike[str] | None = None) -> str:
     replaced: its token may be known). :class:`DeviceError` if ``path`` is another user's or not a
     regular file."""
     p = Path(path or default_token_file())
+    check_path(p.parent, "the token file's directory")
     st = existing(p, stat.S_ISREG, "regular file")
     if st is not None and not stat.S_IMODE(st.st_mode) & 0o077:
         token = read_token(p)

@@ -15,18 +15,23 @@ GET      ``/healthz``                      ``ServiceHealth``
 
 The app is assembled like the REST server's (:mod:`sparkv.server.app`): one ``APIRouter`` per
 resource, the service reaching the routes as a dependency (:func:`get_service`, from
-``app.state.service``), and every error in the wire's one JSON shape
-(:func:`sparkv.protocol.error_body`)::
+``app.state.service``), and the HTTP plumbing both apps share (:mod:`sparkv.rest`): every error
+in the wire's one JSON shape (:func:`sparkv.protocol.error_body`)::
 
     {"error": {"status": 404, "code": "unknown_context", "message": "..."}}
 
 with the status and code of the :mod:`sparkv.device.errors` class: 404 unknown context, 409 busy
 (a call with ``timeout_s`` that could not get the lock) or damaged (a context that could not be
-reopened), 413 prompt too long, 507 budget too small for the context, 400 anything else the
-service refuses (a token id outside the vocabulary, ...); a body that does not match the schema
-(or is not JSON, or holds a lone surrogate, an infinite or too long timeout) is a 422
-``invalid_request`` with ``details`` (``[{loc, msg, type}]``); an unknown path a 404
-``not_found``; anything unexpected a 500 ``internal_error``.
+reopened), 413 prompt too long, 503 ``budget_busy`` with ``Retry-After`` (the context fits the
+budget, but the memory it needs is held by contexts in use now), 507 ``budget_too_small`` (it
+never fits) or ``flash_full`` (the flash had no room: nothing was kept, nothing kept was lost),
+400 anything else the service refuses (a token id outside the vocabulary, ...). The shared
+plumbing answers the rest as the server does: a body that is not JSON is a 400
+``malformed_json``; one that does not match the schema (a lone surrogate, an infinite or too long
+timeout) a 422 ``invalid_request`` with ``details`` (``[{loc, msg, type}]``); a percent-encoded
+path a 400 ``non_canonical_path``; a body over ``max_body_bytes`` a 413 ``body_too_large``, one
+slower than ``body_timeout_s`` a 408 ``body_timeout``; an unknown path a 404 ``not_found``, a
+method a path lacks a 405 with ``Allow``; anything unexpected a 500 ``internal_error``.
 
 Before any route, :class:`~sparkv.device.access.AccessGuard` answers 421 to a Host that is not
 loopback and, when the app has a ``token`` (``serve --port``), 401 to a request without
@@ -38,25 +43,30 @@ holds its context's lock while it generates).
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from sparkv.extras import require_all
 
 require_all(("fastapi",), feature="the device service's HTTP app (sparkv.device.app)")
 
-from fastapi import APIRouter, Depends, FastAPI, Request  # noqa: E402 - after the extra's check
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, FastAPI, Path, Request  # noqa: E402 - after the check
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparkv.device.access import AccessGuard
 from sparkv.device.errors import DeviceError
 from sparkv.device.schemas import (CallBody, CallReply, ContextInfo, DeviceContextList, ErrorResponse,
                                    ServiceHealth, NewContext, ServiceStats)
 from sparkv.device.service import ContextService
-from sparkv.protocol.errors import error_body
+from sparkv.rest.handlers import error_response, install_error_handlers as install_shared
+from sparkv.rest.limits import BodyLimits
+from sparkv.rest.middleware import install_request_policy
+from sparkv.rest.openapi import declare_plumbing_errors
 
 __all__ = ["create_app", "get_service", "ServiceDep", "ROUTERS"]
+
+log = logging.getLogger("sparkv.device")
 
 
 # ---- the dependency ------------------------------------------------------------------------------
@@ -66,6 +76,7 @@ def get_service(request: Request) -> ContextService:
 
 
 ServiceDep = Annotated[ContextService, Depends(get_service)]
+ContextId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="a context's id")]
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -79,7 +90,7 @@ service_router = APIRouter(tags=["service"])
 
 
 @contexts_router.post("/v1/contexts", status_code=201, response_model=ContextInfo,
-                      responses=_errors(400, 413, 422, 507))
+                      responses=_errors(400, 413, 422, 503, 507))
 def new_context(body: NewContext, service: ServiceDep) -> ContextInfo:
     """Makes a context holding the system prompt (its KV computed now)."""
     if body.system_prompt is not None and body.system_ids is not None:
@@ -89,13 +100,13 @@ def new_context(body: NewContext, service: ServiceDep) -> ContextInfo:
 
 
 @contexts_router.post("/v1/contexts/{ctx_id}/call", response_model=CallReply,
-                      responses=_errors(400, 404, 409, 413, 422, 507))
-def call_context(ctx_id: str, body: CallBody, service: ServiceDep) -> CallReply:
+                      responses=_errors(400, 404, 409, 413, 422, 503, 507))
+def call_context(ctx_id: ContextId, body: CallBody, service: ServiceDep) -> CallReply:
     """Answers a prompt in the context (which grows by the prompt and the answer)."""
     if (body.prompt is None) == (body.prompt_ids is None):
         raise DeviceError("give exactly one of prompt and prompt_ids")
-    res = service.call(ctx_id, body.prompt, body.max_new_tokens, prompt_ids=body.prompt_ids,
-                       grow=body.grow, timeout_s=body.timeout_s)
+    res = service.call(ctx_id, body.prompt, body.max_new_tokens,
+                       prompt_ids=body.prompt_ids, grow=body.grow, timeout_s=body.timeout_s)
     return CallReply.model_validate({
         **res.to_dict(), "switch_ms": res.switch_s * 1e3,
         "first_token_ms": res.first_token_s * 1e3, "total_ms": res.total_s * 1e3})
@@ -103,7 +114,7 @@ def call_context(ctx_id: str, body: CallBody, service: ServiceDep) -> CallReply:
 
 @contexts_router.delete("/v1/contexts/{ctx_id}", status_code=204, response_class=Response,
                         responses=_errors(404))
-def delete_context(ctx_id: str, service: ServiceDep) -> Response:
+def delete_context(ctx_id: ContextId, service: ServiceDep) -> Response:
     """Deletes the context: its memory, its flash files and its journal record (of a damaged
     context, what is left of them)."""
     service.delete(ctx_id)
@@ -119,7 +130,7 @@ def list_contexts(service: ServiceDep) -> DeviceContextList:
 
 @contexts_router.get("/v1/contexts/{ctx_id}", response_model=ContextInfo,
                      responses=_errors(404, 409))
-def describe_context(ctx_id: str, service: ServiceDep) -> ContextInfo:
+def describe_context(ctx_id: ContextId, service: ServiceDep) -> ContextInfo:
     """One context: tokens, bytes, chunks by residency, level mix, busy."""
     return ContextInfo.model_validate(service.describe(ctx_id))
 
@@ -132,59 +143,64 @@ def get_stats(service: ServiceDep) -> ServiceStats:
 
 @service_router.get("/healthz", response_model=ServiceHealth)
 def healthz(service: ServiceDep) -> ServiceHealth:
-    """Liveness, and how many contexts the service holds."""
-    return ServiceHealth(ok=True, contexts=len(service.contexts))
+    """Liveness, how many contexts the service holds, and the flash's state (``degraded``
+    since a write found it full)."""
+    return ServiceHealth.model_validate(service.health())
 
 
 ROUTERS = (contexts_router, service_router)
 
 
-# ---- errors --------------------------------------------------------------------------------------
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
-"""Codes of the framework's own HTTP errors (routing)."""
+GUARDED = {421: "the Host header is not loopback (misdirected_request)",
+           401: "over TCP: no or a wrong bearer token (missing_token, invalid_token)"}
+"""What :class:`~sparkv.device.access.AccessGuard` answers before any route."""
 
 
-def error_response(status: int, code: str, message: str, **details: Any) -> JSONResponse:
-    """A JSON error response (:func:`sparkv.protocol.error_body`)."""
-    return JSONResponse(error_body(status, code, message, **details), status_code=status)
-
-
+# ---- errors and the app --------------------------------------------------------------------------
 def install_error_handlers(app: FastAPI) -> None:
-    """Renders :class:`DeviceError`, validation errors, the framework's HTTP errors and anything
-    unexpected (500) in the one JSON error shape."""
+    """The handlers both apps share (:mod:`sparkv.rest.handlers`: the JSON-body policy, the
+    framework's HTTP errors, 500) and :class:`DeviceError`'s (its class's status, code and
+    headers: ``Retry-After`` of a 503 ``budget_busy``)."""
+    install_shared(app, log)
 
     @app.exception_handler(DeviceError)
     async def _device(request: Request, exc: DeviceError) -> JSONResponse:
-        return error_response(exc.status, exc.code, str(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [{"loc": ".".join(str(x) for x in e.get("loc", ())), "msg": e.get("msg", ""),
-                     "type": e.get("type", "")} for e in exc.errors()]
-        said = "; ".join(f"{p['loc']}: {p['msg']}" for p in problems[:3])
-        return error_response(422, "invalid_request", f"invalid request: {said}",
-                              details=problems)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        status = exc.status_code
-        return error_response(status, _HTTP_CODES.get(status, f"http_{status}"), str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette raises the exception again after this answer: the server logs its traceback
-        return error_response(500, "internal_error", f"internal error ({type(exc).__name__})")
+        return error_response(exc.status, exc.code, str(exc), headers=exc.headers or None)
 
 
-# ---- the app -------------------------------------------------------------------------------------
-def create_app(service: ContextService, token: str | None = None) -> FastAPI:
+def state_vocabulary(schema: dict[str, Any], vocab: int | None) -> dict[str, Any]:
+    """Writes the model's vocabulary into the schema: every token id of a request body is
+    below ``vocab`` (nothing when it is unknown). Returns ``schema``."""
+    if not isinstance(vocab, int):
+        return schema
+    for model, field in (("NewContext", "system_ids"), ("CallBody", "prompt_ids")):
+        prop = schema["components"]["schemas"][model]["properties"][field]
+        for branch in prop.get("anyOf", [prop]):
+            if branch.get("type") == "array":
+                branch["items"]["maximum"] = vocab - 1
+    return schema
+
+
+def create_app(service: ContextService, token: str | None = None,
+               limits: BodyLimits = BodyLimits()) -> FastAPI:
     """The device service's app over ``service``: loopback Host names only, and with ``token``
     (TCP) every request must carry ``Authorization: Bearer <token>``
-    (:class:`~sparkv.device.access.AccessGuard`)."""
+    (:class:`~sparkv.device.access.AccessGuard`); request bodies within ``limits`` (the shared
+    request policy, :func:`~sparkv.rest.middleware.install_request_policy`)."""
     app = FastAPI(title="sparkv device context service", version="1")
     app.state.service = service
     for router in ROUTERS:
         app.include_router(router)
     install_error_handlers(app)
     app.add_middleware(AccessGuard, token=token)  # type: ignore[arg-type]
+    install_request_policy(app, limits)
+
+    def openapi() -> dict[str, Any]:
+        if not app.openapi_schema:
+            schema = declare_plumbing_errors(get_openapi(
+                title=app.title, version=app.version, routes=app.routes), GUARDED)
+            app.openapi_schema = state_vocabulary(schema, getattr(service, "vocab", None))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
 from sparkv.cache import ContextKV
+from sparkv.device.errors import DeviceError
 from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, grow_arena, load,
                                   working_nbytes)
@@ -163,8 +164,7 @@ class WholeKeeper(Keeper):
         else:
             W, stats, reclaim_s = self._bring_back(ctx, g, spare)
         stats.total_s = time.perf_counter() - t0
-        self.counters["recomputed_chunks"] += stats.recomputed_chunks
-        self.counters["read_bytes"] += stats.bytes_read
+        self.counters.brought_back(stats)
         return SwitchIn(W, stats, None, reclaim_s)
 
     def _bring_back(self, ctx: DeviceContext, g: ChunkGeometry, spare: int
@@ -186,20 +186,29 @@ class WholeKeeper(Keeper):
     def release(self, ctx: DeviceContext, W: ContextKV) -> None:
         self.fold_back(ctx, W, len(ctx.tokens))
 
-    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> None:
+    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> int:
         """Evicts the whole context (``ts`` aside): put away, then freed."""
         mem = ctx.memory
         assert mem is not None
         freed = mem.nbytes
-        self.counters["reclaim_written_bytes"] += self.bring_back.put_away(ctx, mem)
+        written = self.bring_back.put_away(ctx, mem)
         with self.registry.lock:
             ctx.memory = None
-        self.counters["evicted_chunks"] += 1
-        self.counters["evicted_bytes"] += freed
+        self.counters.evicted(1, freed, written)
+        return written
 
     def write_ahead(self, ctx: DeviceContext) -> int:
         """Nothing: a whole context is written when it is evicted."""
         return 0
+
+    def drop_flash(self, ctx: DeviceContext) -> None:
+        """The arena freed and its whole-context file forgotten: the next call recomputes it."""
+        with self.registry.lock:
+            ctx.memory = None
+        self.swap.forget_whole(ctx)
+
+    def reopen(self, ctx: DeviceContext, levels: list[str]) -> None:
+        raise DeviceError("whole contexts are not journaled: nothing to reopen")
 
 
 def _capacity(mem: ContextKV) -> int:

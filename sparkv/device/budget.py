@@ -6,11 +6,14 @@ is reserved first (:meth:`MemoryBudget.reserve`), and the owner checks the accou
 (:meth:`MemoryBudget.check`: the sum of the KV memories' own ``nbytes``, working memories included)
 after every layer and chunk it adds, keeping the high-water mark.
 
-A reservation first checks that what it may reclaim is enough (else :class:`BudgetTooSmall`, and
-nothing is reclaimed: a refused request costs the other contexts nothing), then reclaims, in
-order: kept working memories of other contexts (least recently used first; dropping one writes
-nothing, the context's chunks hold everything), then what the :class:`EvictionPolicy` lists,
-until the allocation fits. The policies (one class each, by name in
+A reservation first checks that what it may reclaim is enough, and nothing is reclaimed when it
+is not (a refused request costs the other contexts nothing): :class:`BudgetTooSmall` (507) when
+the context cannot run even with every other context's memory freed, :class:`BudgetBusy` (503,
+try again) when it could but the rest is held by contexts in use (a running call, a locked
+context; a call waiting for the model holds nothing). Then it reclaims, in order: kept
+working memories of other contexts (least recently used first; dropping one writes nothing, the
+context's chunks hold everything), then what the :class:`EvictionPolicy` lists, until the
+allocation fits. The policies (one class each, by name in
 :data:`EVICTION_POLICIES`):
 
 * ``lctru`` (:class:`LCTRU`, LLMS): resident token chunks, fp and int8 first, then int4, then
@@ -19,18 +22,19 @@ until the allocation fits. The policies (one class each, by name in
 * ``whole`` (:class:`WholeContextLRU`, the LMK and whole-swap baselines): whole contexts, least
   recently used first.
 
-What an evicted chunk or context becomes (written to flash, dropped, killed) is the owner's
-``evict`` callable (:meth:`sparkv.device.keeper.Keeper.evict`).
+What an evicted chunk or context becomes (written to flash, dropped, killed) is the
+:class:`Evictor`'s, passed to the budget when it is made: the service's keeper, which makes its
+budget (:class:`sparkv.device.keeper.Keeper`) and alone changes a context's memory.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Iterable, NamedTuple, Sequence
+from typing import ClassVar, Iterable, NamedTuple, Protocol, Sequence
 
 from sparkv.cache import ContextKV
-from sparkv.device.errors import BudgetTooSmall
+from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.registry import ContextRegistry, DeviceContext
 
 #: the LCTRU sub-queue of each level (fp and int8 chunks first)
@@ -46,6 +50,17 @@ class Victim(NamedTuple):
     ctx: DeviceContext
     t: int
     nbytes: int
+
+
+class Evictor(Protocol):
+    """What a reservation reclaims through (the service's keeper); called with the registry's
+    lock held, on a context nobody holds."""
+
+    def drop_hot(self, ctx: DeviceContext) -> int:
+        """Frees ``ctx``'s kept working memory; returns the bytes freed."""
+
+    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> int:
+        """Reclaims token chunks ``ts`` of ``ctx`` (or all of it); returns the bytes written."""
 
 
 class EvictionPolicy(ABC):
@@ -127,21 +142,17 @@ class MemoryBudget:
     the same free bytes.
 
     Args:
-        evict: reclaims token chunks ``ts`` of a context (or the whole context) by the
-            service's put-away policy; called with the registry's lock held.
-        counters: the service's counters (``hot_dropped`` is counted here).
+        evictor: what a reservation reclaims through (the keeper that makes this budget).
     """
 
     def __init__(self, limit: int, registry: ContextRegistry, policy: EvictionPolicy,
-                 evict: Callable[[DeviceContext, Sequence[int]], None],
-                 counters: dict[str, float]) -> None:
+                 evictor: Evictor) -> None:
         if int(limit) <= 0:
             raise BudgetTooSmall("the memory budget must be a positive number of bytes")
         self.limit = int(limit)
         self.registry = registry
         self.policy = policy
-        self.evict = evict
-        self.counters = counters
+        self.evictor = evictor
         self.working: dict[str, ContextKV] = {}
         self.peak_bytes = 0
         self.violations = 0
@@ -177,19 +188,18 @@ class MemoryBudget:
             if W is None or self.working.get(key) is W:
                 self.working.pop(key, None)
 
-    def drop_hot(self, ctx: DeviceContext) -> int:
-        """Frees a context's kept working memory (its chunks hold everything: nothing to write);
-        returns the bytes freed."""
-        W = ctx.hot
-        if W is None:
-            return 0
+    def stats(self) -> dict[str, int | dict[str, int]]:
+        """``budget_bytes``, ``used_bytes``, ``peak_bytes``, ``budget_violations`` and
+        ``resident_bytes_by_level`` (every context's resident chunk bytes by level)."""
+        levels: dict[str, int] = {}
         with self.registry.lock:
-            ctx.hot = None
-            self.release(ctx.id, W)
-        b = W.nbytes
-        del W
-        self.counters["hot_dropped"] += 1
-        return b
+            for c in self.registry.contexts.values():
+                if c.memory is not None:
+                    for lv, b in c.memory.account().resident.items():
+                        levels[lv] = levels.get(lv, 0) + b
+            return {"budget_bytes": self.limit, "used_bytes": self.used(),
+                    "peak_bytes": self.peak_bytes, "budget_violations": self.violations,
+                    "resident_bytes_by_level": levels}
 
     # ---- reservation -----------------------------------------------------------------------------
     def victims(self, active: DeviceContext) -> list[Victim]:
@@ -197,9 +207,10 @@ class MemoryBudget:
         return self.policy.victims(self.registry.evictable(active))
 
     def reserve(self, need: int, active: DeviceContext) -> float:
-        """Reclaims (module docstring) until ``need`` more bytes fit the budget; returns the
-        seconds spent. Raises :class:`BudgetTooSmall` when even reclaiming everything it may is
-        not enough, and then reclaims nothing: the check comes before any eviction."""
+        """Reclaims (module docstring) through the evictor until ``need`` more bytes fit the
+        budget; returns the seconds spent. Raises :class:`BudgetTooSmall` (or
+        :class:`BudgetBusy`) when even reclaiming everything it may is not enough, and then
+        reclaims nothing: the check comes before any eviction."""
         t0 = time.perf_counter()
         with self.registry.lock:
             if self.fits(need):
@@ -210,20 +221,31 @@ class MemoryBudget:
             victims = self.victims(active) if after_hot > self.limit else []
             freeable = sum(v.nbytes for v in victims)
             if after_hot - freeable > self.limit:
-                raise BudgetTooSmall(
-                    f"context {active.id} needs {need / 1e6:.1f} MB more to run "
-                    f"({len(active.tokens)} tokens); the budget is {self.limit / 1e6:.1f} MB "
-                    f"and only {(freeable + hot_bytes) / 1e6:.1f} MB can be reclaimed from other "
-                    f"contexts")
+                raise self._refusal(need, active, freeable + hot_bytes)
             for c in hot:
                 if self.fits(need):
                     return time.perf_counter() - t0
-                self.drop_hot(c)
+                self.evictor.drop_hot(c)
             if self.fits(need):
                 return time.perf_counter() - t0
             for ctx, ts in self._choose(victims, self.used() + need - self.limit):
-                self.evict(ctx, ts)
+                self.evictor.evict(ctx, ts)
         return time.perf_counter() - t0
+
+    def _refusal(self, need: int, active: DeviceContext, reclaimable: int
+                 ) -> BudgetTooSmall | BudgetBusy:
+        """Why ``need`` more bytes for ``active`` do not fit (module docstring): busy if they
+        would with every other context's memory freed."""
+        own = sum(w.nbytes for k, w in self.working.items() if k.split("#")[0] == active.id)
+        own += active.memory.nbytes if active.memory is not None else 0
+        said = (f"context {active.id} needs {need / 1e6:.1f} MB more to run "
+                f"({len(active.tokens)} tokens); the budget is {self.limit / 1e6:.1f} MB and "
+                f"only {reclaimable / 1e6:.1f} MB can be reclaimed from other contexts")
+        if own + need > self.limit:
+            return BudgetTooSmall(said)
+        busy = len(self.registry.in_use(active))
+        return BudgetBusy(f"{said} now: the rest is held by {busy} context(s) in use; try "
+                          f"again")
 
     @staticmethod
     def _choose(victims: Sequence[Victim], over: int

@@ -1,4 +1,4 @@
-"""LLMS's way of keeping a context: a segmented :class:`~sparkv.cache.ContextKV` cut into token
+"""LLMS's way of keeping a context: a paged :class:`~sparkv.cache.ContextKV` cut into token
 chunks (16 tokens across all layers, one KV group), each at its own level, resident, on flash or
 absent.
 
@@ -32,7 +32,8 @@ import numpy as np
 
 from sparkv.cache import ContextKV, FlashRef, Residency, Source
 from sparkv.cache.payload import ChunkPayload, contiguous_positions
-from sparkv.device.errors import BudgetTooSmall
+from sparkv.device.config import longest_context
+from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
 from sparkv.device.levels import LevelPolicy
@@ -71,7 +72,7 @@ class ChunkKeeper(Keeper):
         working memory freed as soon as its chunks are in), at the chunks' levels."""
         g = W.geometry
         ctx.levels = self.levels.assign(ctx, g)
-        C = ContextKV(g, self.lm.dtype, self.lm.device, segmented=True)
+        C = ContextKV(g, self.lm.dtype, self.lm.device, paged=True)
         with self.registry.lock:
             ctx.memory = C
         for l in range(g.num_layers):  # noqa: E741
@@ -80,7 +81,7 @@ class ChunkKeeper(Keeper):
                     C.put_payload(chunk_payload(W, KVChunkId(t, l, gg), ctx.levels[t]),
                                   Source.COMPUTED)
             self.budget.check()
-            W.segment(l)         # W's chunk table is empty: this frees the layer's arena
+            W.to_pages(l)    # W's chunk table is empty: this frees the layer's arena
         ctx.modified.update(range(g.num_token_chunks))
         self._discard(ctx, W)
 
@@ -88,8 +89,9 @@ class ChunkKeeper(Keeper):
         g = self.geometry(len(ctx.tokens))
         levels = self.levels.assign(ctx, g)
         self.budget.reserve(self.levels.chunks_nbytes(g, levels), ctx)
-        C = ContextKV(g, self.lm.dtype, self.lm.device, segmented=True)
-        ctx.memory = C
+        C = ContextKV(g, self.lm.dtype, self.lm.device, paged=True)
+        with self.registry.lock:
+            ctx.memory = C
         ctx.levels = levels
         hh, dtype = g.num_kv_heads, self.lm.dtype
         for t in range(g.num_token_chunks):
@@ -139,7 +141,6 @@ class ChunkKeeper(Keeper):
         stats.predicted_s = split.predicted_s
         if rp is not None:
             stats.notes.append(f"restore plan: {rp.counts()}")
-            self.counters["streamed_chunks"] += stats.streamed_chunks
         ctx.modified.update(split.recompute)
         ctx.modified.update(rp.stream if rp else ())
         if stats.faults:
@@ -149,10 +150,7 @@ class ChunkKeeper(Keeper):
 
     def _learn(self, g: ChunkGeometry, resident: int, stats: LoadStats) -> None:
         """Counts what a load did and folds its timings into the recompute profile."""
-        self.counters["read_bytes"] += stats.bytes_read
-        self.counters["read_chunks"] += stats.read_chunks
-        self.counters["recomputed_chunks"] += stats.recomputed_chunks
-        self.counters["faults"] += stats.faults
+        self.counters.loaded(stats)
         if stats.recomputed_chunks and not stats.faults:
             self.recompute.learn(stats.recomputed_chunks, g.num_tokens, stats.recompute_s)
         self.recompute.learn_fill(resident + stats.read_chunks * g.num_layers * g.num_groups,
@@ -184,7 +182,7 @@ class ChunkKeeper(Keeper):
         n = len(ctx.tokens)
         g = W.geometry
         if not _whole_working(W, n):
-            self.budget.drop_hot(ctx)
+            self.drop_hot(ctx)
             return None
         t0 = time.perf_counter()
         ctx.hot = None                    # in use: the working memory of this call
@@ -199,13 +197,13 @@ class ChunkKeeper(Keeper):
             extra, need = self._with_margin(g, spare, need)
             try:
                 reclaim_s = self.budget.reserve(need, ctx)
-            except BudgetTooSmall:
+            except (BudgetTooSmall, BudgetBusy):
                 ctx.hot = W
-                self.budget.drop_hot(ctx)
+                self.drop_hot(ctx)
                 return None
             W = self._grow(ctx, W, extra)
             stats.notes.append("grown")
-        self.counters["hot_hits"] += 1
+        self.counters.hot_hit()
         stats.total_s = time.perf_counter() - t0
         return SwitchIn(W, stats, None, reclaim_s)
 
@@ -268,14 +266,42 @@ class ChunkKeeper(Keeper):
         del W
         self.budget.check()
 
-    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> None:
+    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> int:
         freed, written = self.swap.put_away(ctx, list(ts))
-        self.counters["evicted_chunks"] += len(ts)
-        self.counters["evicted_bytes"] += freed
-        self.counters["reclaim_written_bytes"] += written
+        self.counters.evicted(len(ts), freed, written)
+        return written
 
     def write_ahead(self, ctx: DeviceContext) -> int:
-        return self.swap.write_ahead(ctx) if self.config.aot else 0
+        if not self.config.aot or ctx.memory is None or not ctx.modified:
+            return 0
+        written = self.swap.write_ahead(ctx)
+        ctx.modified.clear()
+        return written
+
+    def drop_flash(self, ctx: DeviceContext) -> None:
+        """Every chunk of ``ctx`` absent (dropped from RAM, its flash copies forgotten) and
+        modified: the next call recomputes or restores them."""
+        with self.registry.lock:
+            self.drop_hot(ctx)
+            if ctx.memory is None:
+                return
+            self.swap.forget(ctx)
+            ctx.modified.update(range(ctx.memory.geometry.num_token_chunks))
+            self.budget.check()
+
+    def reopen(self, ctx: DeviceContext, levels: list[str]) -> None:
+        """A memory of ``ctx``'s geometry holding its full token chunks' records on flash as
+        clean copies (:meth:`~sparkv.device.swap.SwapStore.attach`; its partial last chunk
+        absent), at ``levels`` (assigned by the policy when they are fewer than its chunks)."""
+        g = self.geometry(len(ctx.tokens))
+        ctx.levels = list(levels)
+        ctx.modified.clear()
+        if len(ctx.levels) < g.num_token_chunks:
+            ctx.levels = self.levels.assign(ctx, g)
+        C = ContextKV(g, self.lm.dtype, self.lm.device, paged=True)
+        self.swap.attach(ctx, C, longest_context(self.config, self.lm.max_positions))
+        with self.registry.lock:
+            ctx.memory = C
 
 
 def _whole_working(W: ContextKV, n: int) -> bool:

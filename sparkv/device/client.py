@@ -18,12 +18,13 @@ from typing import Any, Sequence
 import httpx
 
 from sparkv.device.access import read_token
-from sparkv.device.errors import (BudgetTooSmall, ContextBusy, ContextDamaged, DeviceError,
-                                  PromptTooLong, UnknownContext)
+from sparkv.device.errors import (BudgetBusy, BudgetTooSmall, ContextBusy, ContextDamaged,
+                                  DeviceError, FlashFull, PromptTooLong, UnknownContext)
 from sparkv.protocol.errors import ApiError
 
-_BY_STATUS = {404: UnknownContext, 409: ContextBusy, 413: PromptTooLong, 507: BudgetTooSmall}
-_BY_CODE = {ContextDamaged.code: ContextDamaged}
+_BY_STATUS = {404: UnknownContext, 409: ContextBusy, 413: PromptTooLong, 503: BudgetBusy,
+              507: BudgetTooSmall}
+_BY_CODE = {ContextDamaged.code: ContextDamaged, FlashFull.code: FlashFull}
 
 
 def response_error(status: int, body: bytes) -> DeviceError:
@@ -84,7 +85,10 @@ class DeviceClient:
     def _req(self, method: str, path: str, **kw: Any) -> Any:
         r = self._http.request(method, path, **kw)
         if r.status_code >= 400:
-            raise response_error(r.status_code, r.content)
+            exc = response_error(r.status_code, r.content)
+            if isinstance(exc, BudgetBusy) and r.headers.get("retry-after", "").isdigit():
+                exc.retry_after_s = int(r.headers["retry-after"])
+            raise exc
         return None if r.status_code == 204 else r.json()
 
     # ---- the API ---------------------------------------------------------------------------------

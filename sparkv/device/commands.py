@@ -29,12 +29,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from sparkv.errors import SparkvError
+from sparkv.rest.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                DEFAULT_MAX_BODY_BYTES)
 
 log = logging.getLogger("sparkv.device")
 
 if TYPE_CHECKING:
     from sparkv.device.client import DeviceClient
     from sparkv.device.config import ServiceConfig
+    from sparkv.device.flashlock import FlashDirLock
     from sparkv.device.service import ContextService
 
 POLICIES = ("llms", "llms-no-compression", "llms-no-pipeline", "llms-no-lifecycle", "vllm-s",
@@ -88,9 +91,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 def _add_serve(dsub: "argparse._SubParsersAction") -> None:
     s = dsub.add_parser("serve", help="run the context service on a Unix socket (or loopback)")
-    s.add_argument("--flash-dir", default=None, dest="swap_dir",
+    s.add_argument("--flash-dir", default=None,
                    help="flash tier + journal (default: <sparkv cache>/device/swap)")
-    s.add_argument("--memory-budget-mb", type=float, required=True, dest="budget_mb",
+    s.add_argument("--memory-budget-mb", type=float, required=True,
                    help="KV memory budget, MB (10^6 bytes)")
     s.add_argument("--socket", default=None,
                    help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
@@ -113,6 +116,14 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                    help="tokens per chunk of a context, across all layers: the unit of "
                         "compression, swapping and eviction (LLMS's 16; docs/device-service.md)")
     s.add_argument("--threads", type=int, default=None, help="torch threads")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 body_too_large, unread (default 4 MiB)")
+    s.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="a request body must arrive within this many seconds of its headers, "
+                        "else 408 body_timeout")
+    s.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="a request's headers must arrive within this many seconds, else the "
+                        "connection is closed (after a 408 header_timeout)")
     s.set_defaults(func=_serve)
 
 
@@ -137,32 +148,93 @@ def _serve(args: argparse.Namespace) -> int:
     from sparkv.extras import require_all
 
     require_all(("fastapi", "uvicorn"), feature="sparkv device serve (the HTTP app)")
+    os.umask(0o077)              # whatever this process creates is its user's only
+    _check_limits(args)
+    sockets = None
+    if args.port:                # a port in use is one line before anything loads
+        from sparkv.rest.listen import bind_tcp
+
+        sockets = bind_tcp("127.0.0.1", args.port)
+    from sparkv.runtime.model import cache_dir
+
+    swap = Path(args.flash_dir) if args.flash_dir else cache_dir() / "device" / "swap"
+    lock = _claim(args, swap)    # before the model loads: a refusal is one line, at once
+    try:
+        return _run_service(args, swap, sockets)
+    finally:
+        lock.release()
+
+
+def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> int:
+    """Loads the model, opens the service over ``swap`` and answers until stopped."""
     import torch
 
     from sparkv.device.service import ContextService, ServiceConfig
-    from sparkv.runtime.model import cache_dir, load_model
+    from sparkv.runtime.model import load_model
 
-    os.umask(0o077)              # whatever this process creates is its user's only
     if args.threads:
         torch.set_num_threads(args.threads)
-    swap = Path(args.swap_dir) if args.swap_dir else cache_dir() / "device" / "swap"
-    budget = int(args.budget_mb * 1e6)
+    budget = int(args.memory_budget_mb * 1e6)
     lm = load_model(args.model)
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens)
     ratio = args.ratio if args.ratio is not None else default_ratio(lm.fingerprint, config)
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens, ratio=ratio)
     service = ContextService(lm, budget, swap, config=config)
-    need = service.min_budget()
-    if budget < need:
-        raise SparkvError(f"a {args.budget_mb:g} MB budget cannot hold even one small context "
-                          f"while it runs (needs at least {need / 1e6:.2f} MB)")
-    damaged = f", {len(service.damaged)} damaged" if service.damaged else ""
-    log.info("sparkv device: %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
-             "%d contexts reopened%s", lm.name, budget / 1e6, config.name, config.ratio, swap,
-             service.reopened, damaged)
+    try:
+        need = service.min_budget()
+        if budget < need:
+            raise SparkvError(f"a {args.memory_budget_mb:g} MB budget cannot hold even one small "
+                              f"context while it runs (needs at least {need / 1e6:.2f} MB)")
+        damaged = f", {len(service.damaged)} damaged" if service.damaged else ""
+        log.info("sparkv device: %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
+                 "%d contexts reopened%s", lm.name, budget / 1e6, config.name, config.ratio,
+                 swap, service.reopened, damaged)
+        if sockets is not None:
+            return _listen_tcp(service, args, sockets)
+        return _listen_unix(service, args)
+    finally:
+        service.close()
+
+
+def _claim(args: argparse.Namespace, swap: Path) -> "FlashDirLock":
+    """Checks every path ``serve`` uses (the flash dir, the socket's or the token file's
+    directory: :func:`~sparkv.device.private.check_path`) and takes the flash dir's lock
+    (:mod:`sparkv.device.flashlock`); :class:`~sparkv.device.errors.DeviceError` if another
+    user controls a path or another service holds the flash dir."""
+    from sparkv.device.access import default_token_file
+    from sparkv.device.client import default_socket
+    from sparkv.device.flashlock import FlashDirLock
+    from sparkv.device.private import check_path, private_dir
+
+    check_path(swap, "the flash dir", leaf_mode=False)
     if args.port:
-        return _listen_tcp(service, args)
-    return _listen_unix(service, args)
+        token = Path(args.token_file) if args.token_file else default_token_file()
+        check_path(token.parent, "the token file's directory")
+    else:
+        sock = Path(args.socket) if args.socket else default_socket()
+        check_path(sock.parent, "the socket's directory")
+    return FlashDirLock(private_dir(swap))
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    """The HTTP limits are positive (:class:`SparkvError` naming the flag otherwise)."""
+    for flag, value in (("--max-body-bytes", args.max_body_bytes),
+                        ("--body-timeout-s", args.body_timeout_s),
+                        ("--header-timeout-s", args.header_timeout_s)):
+        if not value > 0:
+            raise SparkvError(f"{flag} must be positive (got {value})")
+
+
+def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: list,
+               token: str | None = None) -> None:
+    """Runs the app on ``sockets`` with the request limits of ``args``."""
+    from sparkv.device.app import create_app
+    from sparkv.rest.listen import serve
+    from sparkv.rest.limits import BodyLimits
+
+    app = create_app(service, token=token,
+                     limits=BodyLimits(args.max_body_bytes, args.body_timeout_s))
+    serve(app, sockets, header_timeout_s=args.header_timeout_s, log_level="warning")
 
 
 def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:
@@ -175,25 +247,20 @@ def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:
     return resolved_ratio(config, model_fingerprint)
 
 
-def _listen_tcp(service: "ContextService", args: argparse.Namespace) -> int:
-    """Serves on ``127.0.0.1:port``, every request with the bearer token of the token file."""
-    import uvicorn
-
+def _listen_tcp(service: "ContextService", args: argparse.Namespace, sockets: list) -> int:
+    """Serves on ``127.0.0.1:port`` (``sockets``, bound), every request with the bearer token of
+    the token file."""
     from sparkv.device.access import default_token_file, ensure_token
-    from sparkv.device.app import create_app
 
     path = Path(args.token_file) if args.token_file else default_token_file()
-    app = create_app(service, token=ensure_token(path))
+    token = ensure_token(path)
     log.info("listening on 127.0.0.1:%s (bearer token in %s)", args.port, path)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    _serve_app(service, args, sockets, token)
     return 0
 
 
 def _listen_unix(service: "ContextService", args: argparse.Namespace) -> int:
     """Serves on the Unix socket, ``0600`` (``0660`` for ``--socket-group``)."""
-    import uvicorn
-
-    from sparkv.device.app import create_app
     from sparkv.device.client import default_socket
     from sparkv.device.private import bind_unix_socket
 
@@ -201,10 +268,7 @@ def _listen_unix(service: "ContextService", args: argparse.Namespace) -> int:
     sock_path.parent.mkdir(parents=True, exist_ok=True)
     sock = bind_unix_socket(sock_path, args.socket_group)
     log.info("listening on %s", sock_path)
-    try:
-        uvicorn.run(create_app(service), fd=sock.fileno(), log_level="warning")
-    finally:
-        sock.close()
+    _serve_app(service, args, [sock])
     return 0
 
 

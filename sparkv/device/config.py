@@ -102,6 +102,12 @@ class ServiceConfig:
         return cls(name=name, **{**presets[name], **kw})
 
 
+def longest_context(config: ServiceConfig, model_positions: int | None) -> int:
+    """The most tokens a context may hold: ``config.max_context_tokens``, else the model's
+    positions, else 32768."""
+    return config.max_context_tokens or model_positions or (1 << 15)
+
+
 def resolved_ratio(config: ServiceConfig, model_fingerprint: str,
                    table: str | None = None) -> float:
     """The tolerance ratio a service runs: ``config.ratio`` when set; else (``None``, the

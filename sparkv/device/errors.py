@@ -22,6 +22,11 @@ class DeviceError(SparkvError):
         cls.status = status
         cls.code = code
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers its answer carries (``Retry-After`` for :class:`BudgetBusy`)."""
+        return {}
+
 
 class UnknownContext(DeviceError, status=404, code="unknown_context"):
     """No context with this id (never made, or deleted)."""
@@ -43,3 +48,24 @@ class BudgetTooSmall(DeviceError, status=507, code="budget_too_small"):
 class ContextDamaged(DeviceError, status=409, code="context_damaged"):
     """The context could not be reopened (its journal record or its files are damaged): it takes
     no call; deleting it removes what is left of it."""
+
+
+class BudgetBusy(DeviceError, status=503, code="budget_busy"):
+    """The context fits the budget, but not now: the memory it needs is held by contexts that
+    are in use (a running call, a ``locked`` context). Try again after ``retry_after_s``
+    (the ``Retry-After`` header)."""
+
+    retry_after_s = 1
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class FlashFull(DeviceError, status=507, code="flash_full"):
+    """The flash file system holding the service's flash dir has no room left (``ENOSPC`` or a
+    quota): what the request would have kept was not kept, and nothing already kept was lost."""
+
+
+class FlashInUse(DeviceError, status=409, code="flash_in_use"):
+    """Another process holds the flash dir's lock: one service per flash dir."""

@@ -40,14 +40,27 @@ install-time one-shot profile) and kept in ``<swap_dir>/io-profile.json``.
 
 Every file here is private to the service's user (:mod:`sparkv.device.private`): a
 :class:`ServiceFlash` directory is ``0700`` and its files ``0600``, as is ``io-profile.json``.
+
+**A full disk.** A write that finds no space (``ENOSPC``, ``EDQUOT``) raises
+:class:`~sparkv.device.errors.FlashFull`, naming the file system and its free bytes
+(:func:`writing`); the service keeps the flash's state in a :class:`FlashHealth`.
+
+**What a reopen trusts.** Before a file is read as records, it must be a regular file (``lstat``:
+not a symlink, a FIFO, a device) whose size its records can have: a chunk file exactly its one
+record's bytes, a segment at most ``max_segment_bytes`` (every token chunk of the longest context
+at fp). Anything else is skipped with a logged reason (a FIFO would block the reopen for ever, a
+20 GB sparse file would be walked 4 KiB at a time) and pruned like a dead segment.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -63,14 +76,86 @@ import xxhash
 from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
                           flash_profile_path, load_flash_profile)
 from sparkv.cache.payload import contiguous_positions
+from sparkv.device.errors import FlashFull
 from sparkv.device.private import FILE_MODE, private_dir, tighten
-from sparkv.fileio import atomic_write, sync_files
+from sparkv.fileio import FlashError, atomic_write, sync_files
 from sparkv.fileio import delete as delete_file
 from sparkv.layout import KVChunkId
 
 DEFAULT_READ_MBPS = 500.0
+log = logging.getLogger("sparkv.device")
+#: the errors of a file system with no room left
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
-# ---- one file per token chunk ----------------------------------------------------------------------
+
+# ---- a full disk ---------------------------------------------------------------------------------
+def no_space(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is a file system out of room."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def disk_of(path: str | os.PathLike[str]) -> dict[str, int | str]:
+    """The file system holding ``path``: its mount point, free and total bytes."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    mount = p
+    with contextlib.suppress(OSError):
+        dev = os.stat(p).st_dev
+        while mount != mount.parent and os.stat(mount.parent).st_dev == dev:
+            mount = mount.parent
+    try:
+        fs = os.statvfs(p)
+        free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    except OSError:
+        free = total = -1
+    return {"mount": str(mount), "free_bytes": free, "total_bytes": total}
+
+
+@contextlib.contextmanager
+def writing(root: str | os.PathLike[str], what: str) -> Iterator[None]:
+    """Raises :class:`FlashFull` for a write in the block that found no space on ``root``'s
+    file system, naming it, its free bytes and ``what`` was not kept."""
+    try:
+        yield
+    except (OSError, FlashError) as e:
+        if not no_space(e):
+            raise
+        d = disk_of(root)
+        raise FlashFull(f"the flash is full: no space left on the file system at {d['mount']} "
+                        f"(holding {root}; {d['free_bytes']} of {d['total_bytes']} bytes free): "
+                        f"{what}; free space on it, or delete contexts") from e
+
+
+class FlashHealth:
+    """Whether the flash took the service's last write: ``ok``, or ``degraded`` since a write
+    found it full (until one succeeds again). State: ``reason``, under ``_lock``."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.reason: str | None = None
+        self._lock = threading.Lock()
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.reason = str(exc)
+
+    def ok(self) -> None:
+        with self._lock:
+            self.reason = None
+
+    def to_dict(self) -> dict[str, int | str | None]:
+        """``{state: ok | degraded, path, mount, free_bytes, total_bytes, reason}``."""
+        with self._lock:
+            reason = self.reason
+        return {"state": "ok" if reason is None else "degraded", "path": str(self.root),
+                **disk_of(self.root), "reason": reason}
+
+# ---- token chunk records (a chunk file, or one record of a segment) ------------------------------
 TC_MAGIC = b"SKVT"
 TC_VERSION = 1
 #: magic, version, level, dtype, t, first position, tokens, layers, groups, heads per group, D
@@ -122,7 +207,7 @@ def _raw(x: torch.Tensor) -> bytes:
 
 
 def pack_token_chunk(payloads: Sequence[ChunkPayload]) -> bytes:
-    """One token chunk's payloads (every ``(l, g)``, one level, every token kept) as one file::
+    """One token chunk's payloads (every ``(l, g)``, one level, every token kept) as one record::
 
         "SKVT" | version u16 | level u8 | dtype u8 | t u32 | first position u32 | tokens u32
         | layers u16 | groups u16 | heads per group u16 | D u16
@@ -133,7 +218,7 @@ def pack_token_chunk(payloads: Sequence[ChunkPayload]) -> bytes:
     ``(l, g)`` in layer-major order. Read back with :func:`unpack_token_chunk` as views of the
     one buffer: a switch pays one read and a few array operations per token chunk."""
     if not payloads:
-        raise PayloadError("a token chunk file needs at least one payload")
+        raise PayloadError("a token chunk record needs at least one payload")
     ps = sorted(payloads, key=lambda p: (p.cid.l, p.cid.g))
     p0 = ps[0]
     t, level, dtype = p0.cid.t, p0.level, p0.dtype
@@ -166,12 +251,12 @@ def pack_token_chunk(payloads: Sequence[ChunkPayload]) -> bytes:
 
 
 def token_chunk_header(head: bytes) -> dict[str, int | str]:
-    """The header of a token chunk file (its first bytes), checked."""
+    """The header of a token chunk record (its first bytes), checked."""
     if len(head) < _TC_HEAD.size:
-        raise PayloadError("token chunk file cut short")
+        raise PayloadError("token chunk record cut short")
     magic, version, lv, dt, t, start, n, L, G, hg, d = _TC_HEAD.unpack_from(head, 0)
     if magic != TC_MAGIC or version != TC_VERSION or lv >= len(LEVELS) or dt not in _DTYPE_OF:
-        raise PayloadError("not a token chunk file")
+        raise PayloadError("not a token chunk record")
     return {"level": LEVELS[lv], "t": t, "start": start, "tokens": n, "layers": L, "groups": G,
             "heads": hg, "head_dim": d, "dtype": dt}
 
@@ -188,15 +273,28 @@ def token_chunk_record_bytes(h: Mapping[str, int | str]) -> int:
     return _TC_HEAD.size + 2 * side + 8
 
 
+def max_segment_bytes(layers: int, groups: int, heads: int, head_dim: int, chunk_tokens: int,
+                      dtype: torch.dtype, max_tokens: int, align: int) -> int:
+    """The largest segment a context of at most ``max_tokens`` tokens writes: a record of every
+    token chunk, each at fp (the largest level), padded to ``align``."""
+    rec = token_chunk_record_bytes({"layers": layers, "groups": groups, "heads": heads,
+                                    "tokens": chunk_tokens, "head_dim": head_dim, "level": "fp",
+                                    "dtype": _DTYPE_CODE.get(dtype, 1)})
+    return -(-max_tokens // chunk_tokens) * round_up(rec, align)
+
+
 def walk_segment(path: str | os.PathLike[str], align: int
                  ) -> Iterator[tuple[FlashRef, dict[str, int | str]]]:
     """The records of a segment file, in file order, by their headers (not checksum-checked:
     that is done when they are read): a record starts at a multiple of ``align``; a damaged
     header, or one whose record would run past the file's end (a torn tail), is skipped and
     the walk goes on at the next aligned offset."""
-    with open(path, "rb") as f:
+    with open(path, "rb", opener=_no_follow) as f:
         fd = f.fileno()
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        size = st.st_size
         off = 0
         while off + _TC_HEAD.size <= size:
             try:
@@ -275,8 +373,8 @@ def run_starts(refs: Sequence[FlashRef | None], align: int, cap: int = RUN_BYTES
 
 
 @dataclass
-class TokenChunkFile:
-    """A token chunk file read back: its payloads (layer-major, views of one buffer) and its K/V
+class TokenChunkRecord:
+    """A token chunk record read back: its payloads (layer-major, views of one buffer) and its K/V
     values stacked over every ``(l, g)``: ``[layers * groups * heads * tokens, D]`` (``fp``) or a
     :class:`~sparkv.cache.QuantizedTensor` of as many rows (one dequantization for the chunk)."""
 
@@ -292,21 +390,21 @@ class TokenChunkFile:
 
 
 def unpack_token_chunk(data: bytes | memoryview, t: int | None = None) -> list[ChunkPayload]:
-    """The payloads of a token chunk file (:func:`pack_token_chunk`), checksum-checked, as views
+    """The payloads of a token chunk record (:func:`pack_token_chunk`), checksum-checked, as views
     of ``data``'s arrays (layer-major). Raises :class:`PayloadError` on any damage."""
-    return read_token_chunk_file(data, t).payloads
+    return read_token_chunk_record(data, t).payloads
 
 
-def read_token_chunk_file(data: bytes | memoryview, t: int | None = None) -> TokenChunkFile:
-    """A token chunk record's payloads and stacked values (:class:`TokenChunkFile`),
+def read_token_chunk_record(data: bytes | memoryview, t: int | None = None) -> TokenChunkRecord:
+    """A token chunk record's payloads and stacked values (:class:`TokenChunkRecord`),
     checksum-checked (``data``: exactly the record, a chunk file or a slice of a segment).
     Raises :class:`PayloadError` on any damage."""
     buf = memoryview(data)
     if len(buf) < _TC_HEAD.size + 8:
-        raise PayloadError("token chunk file cut short")
+        raise PayloadError("token chunk record cut short")
     body = buf[:-8]
     if xxhash.xxh64_intdigest(body) != struct.unpack("<Q", buf[-8:])[0]:
-        raise PayloadError("token chunk file checksum mismatch (damaged, cut short or grown)")
+        raise PayloadError("token chunk record checksum mismatch (damaged, cut short or grown)")
     h = token_chunk_header(bytes(body[:_TC_HEAD.size]))
     if t is not None and h["t"] != t:
         raise PayloadError(f"the file holds token chunk {h['t']}, expected {t}")
@@ -321,7 +419,7 @@ def read_token_chunk_file(data: bytes | memoryview, t: int | None = None) -> Tok
     def take(nbytes: int, tdtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nonlocal pos
         if pos + nbytes > flat.numel():
-            raise PayloadError("token chunk file cut short")
+            raise PayloadError("token chunk record cut short")
         x = flat[pos:pos + nbytes]
         pos += nbytes
         if tdtype in (torch.float16, torch.bfloat16):
@@ -339,7 +437,7 @@ def read_token_chunk_file(data: bytes | memoryview, t: int | None = None) -> Tok
                           take(m * rows * 2, torch.float16, (m, rows)),
                           take(m * rows * 2, torch.float16, (m, rows))))
     if pos != flat.numel():
-        raise PayloadError("token chunk file has trailing bytes")
+        raise PayloadError("token chunk record has trailing bytes")
     counts = [int(h["tokens"])] * int(h["heads"])
     positions = contiguous_positions(counts, int(h["start"]))
     out = []
@@ -356,7 +454,7 @@ def read_token_chunk_file(data: bytes | memoryview, t: int | None = None) -> Tok
         stacked.append(codes.reshape(m * rows, d) if scale is None else
                        QuantizedTensor(codes.reshape(m * rows, -1), scale.reshape(-1),
                                        zero.reshape(-1), _BITS[level], d))
-    return TokenChunkFile(int(h["t"]), level, int(h["layers"]), G, int(h["heads"]),
+    return TokenChunkRecord(int(h["t"]), level, int(h["layers"]), G, int(h["heads"]),
                           int(h["tokens"]), out, stacked[0], stacked[1])
 
 
@@ -409,7 +507,8 @@ class ServiceFlash(FlashTier):
             written, self._batch = self._batch, None
             if written:
                 t0 = time.perf_counter()
-                sync_files(self.root, written)
+                with writing(self.root, "the grouped write was not made durable"):
+                    sync_files(self.root, written)
                 self.syncs += 1
                 self.write_s += time.perf_counter() - t0
             with self._lock:
@@ -418,10 +517,12 @@ class ServiceFlash(FlashTier):
                 delete_file(path)
 
     def write_parts(self, name: str, parts: Iterable[bytes], *, durable: bool = True) -> int:
-        """:meth:`FlashTier.write_parts`; inside a batch, made durable when the batch ends."""
-        if self._batch is None:
-            return super().write_parts(name, parts, durable=durable)
-        n = super().write_parts(name, parts, durable=False)
+        """:meth:`FlashTier.write_parts`; inside a batch, made durable when the batch ends.
+        :class:`FlashFull` if the file system has no room (nothing is replaced)."""
+        with writing(self.root, f"{self.root.name}/{name} was not written"):
+            if self._batch is None:
+                return super().write_parts(name, parts, durable=durable)
+            n = super().write_parts(name, parts, durable=False)
         self._batch.append(self.path_for(name))
         return n
 
@@ -533,30 +634,60 @@ class ServiceFlash(FlashTier):
         return [p for seq, p in sorted((x for x in found if x[0] is not None),
                                        key=lambda x: x[0])]
 
-    def records(self) -> Iterator[tuple[FlashRef, dict[str, int | str]]]:
+    def records(self, max_segment_bytes: int | None = None
+                ) -> Iterator[tuple[FlashRef, dict[str, int | str]]]:
         """Every token chunk record on flash with its header, oldest first: the chunk files
         (in the order of their token chunk), then each segment's records (oldest segment
         first), so that a later record of a token chunk supersedes an earlier one. A chunk file
-        whose header is damaged or names another token chunk is skipped; files are narrowed to
-        ``0600`` (an older version wrote ``0644``)."""
+        whose header is damaged, names another token chunk or whose size is not its record's
+        is skipped; a file that is not a regular file, or a segment over ``max_segment_bytes``,
+        is skipped with a logged reason (module docstring); files are narrowed to ``0600`` (an
+        older version wrote ``0644``)."""
         files = sorted((int(m.group(1)), p) for p in self.root.iterdir()
                        if (m := _CHUNK_FILE.fullmatch(p.name)))
         for t, path in files:
+            st = _regular(path, None)
+            if st is None:
+                continue
             try:
-                with open(path, "rb") as f:
+                with open(path, "rb", opener=_no_follow) as f:
                     head = token_chunk_header(f.read(_TC_HEAD.size))
-                st = path.stat()
-            except (OSError, PayloadError):
+                size = token_chunk_record_bytes(head)
+            except (OSError, PayloadError, KeyError):
                 continue
             tighten(path, st)
-            if head["t"] == t:
+            if head["t"] == t and size == st.st_size:
                 yield FlashRef(str(path), st.st_size), head
         for path in self.segments():
+            if _regular(path, max_segment_bytes) is None:
+                continue
             tighten(path)
             try:
                 yield from walk_segment(path, self.align)
             except OSError:
                 continue
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _regular(path: Path, max_bytes: int | None) -> os.stat_result | None:
+    """``path``'s ``lstat`` if it is a regular file of at most ``max_bytes`` (when given); else
+    ``None``, with the reason logged."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        log.warning("skipping %s: %s", path, e)
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        log.warning("skipping %s: not a regular file (mode %o)", path, st.st_mode)
+        return None
+    if max_bytes is not None and st.st_size > max_bytes:
+        log.warning("skipping %s: %d bytes, more than the records of the longest context "
+                    "(%d)", path, st.st_size, max_bytes)
+        return None
+    return st
 
 
 @dataclass
@@ -623,8 +754,12 @@ def load_io_profile(swap_dir: str | os.PathLike[str], tier: FlashTier, threads: 
     except (OSError, ValueError, KeyError):
         pass
     if per_file is None and measure:
-        per_file = measure_per_file(tier, threads=threads)
-        atomic_write(path, json.dumps({"per_file_s": per_file, "threads": threads,
-                                       "measured_unix": time.time()}).encode(), mode=FILE_MODE)
+        try:
+            per_file = measure_per_file(tier, threads=threads)
+            atomic_write(path, json.dumps({"per_file_s": per_file, "threads": threads,
+                                           "measured_unix": time.time()}).encode(),
+                         mode=FILE_MODE)
+        except (OSError, FlashError) as e:       # a full flash: the default latency for now
+            log.warning("cannot measure the flash's per-file latency (%s): using the default", e)
     return IOProfile(read_Bps, per_file if per_file is not None else 2e-4, threads,
                      source + (" + measured per-file latency" if per_file is not None else ""))

@@ -17,7 +17,7 @@ import operator
 import threading
 from typing import Any, Sequence
 
-from sparkv.device.errors import DeviceError
+from sparkv.device.errors import DeviceError, PromptTooLong
 
 #: the longest a call may wait for a busy context's lock (seconds; ``None`` waits for ever)
 MAX_TIMEOUT_S = 86400.0
@@ -73,3 +73,24 @@ def check_timeout(timeout_s: float | None) -> float | None:
         raise DeviceError(f"timeout_s must be a number of seconds from 0 to {MAX_TIMEOUT_S:g} "
                           f"(or none, to wait), not {timeout_s!r}")
     return t
+
+
+def check_call(prompt: str | None, prompt_ids: Sequence[Any] | None, max_new_tokens: int,
+               timeout_s: float | None, *, vocab: int, most: int
+               ) -> tuple[list[int] | None, float | None]:
+    """A call's arguments checked: ``prompt`` valid Unicode, ``prompt_ids`` token ids of the
+    model (returned as ints), ``max_new_tokens`` in ``[0, most]``, the lock timeout
+    (:func:`check_timeout`, returned as a float); :class:`DeviceError` otherwise."""
+    if max_new_tokens < 0 or max_new_tokens > most:
+        raise DeviceError(f"max_new_tokens must be in [0, {most}]")
+    check_text(prompt)
+    ids = check_token_ids(prompt_ids, vocab, "prompt_ids") if prompt_ids is not None else None
+    return ids, check_timeout(timeout_s)
+
+
+def check_length(held: int, more: int, longest: int, what: str) -> None:
+    """:class:`PromptTooLong` if ``what``, holding ``held`` tokens, would exceed the longest
+    context allowed (``longest`` tokens) with ``more``."""
+    if held + more > longest:
+        raise PromptTooLong(f"{what} would hold {held + more} tokens; contexts hold at most "
+                            f"{longest}")

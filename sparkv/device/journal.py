@@ -18,10 +18,11 @@ during a call leaves the previous record, and the token chunk records that call 
 ignored (past the record's tokens) or full chunks whose content the record's tokens determine.
 
 :func:`reopen` makes the contexts of a restarted service from its records: each record of this
-model and chunk size becomes a context whose full token chunks are its records on flash (in
-segments or chunk files, the newest of each chunk), attached as clean flash copies
-(:meth:`~sparkv.device.swap.SwapStore.attach`: a missing or damaged record is recomputed when the
-context is called), its partial last chunk absent. Records of another model
+model and chunk size becomes a context, and the service's keeper gives it its memory
+(:meth:`~sparkv.device.keeper.Keeper.reopen`: its full token chunks are its records on flash, in
+segments or chunk files, the newest of each chunk, attached as clean flash copies by
+:meth:`~sparkv.device.swap.SwapStore.attach`; a missing or damaged record is recomputed when the
+context is called; its partial last chunk absent). Records of another model
 or chunk size are left alone (not this service's to reopen). A context that cannot be reopened is
 never dropped silently: a record that cannot be read (cut short, not JSON, another format or id)
 or that does not make a context (token ids outside the model's vocabulary, unknown levels, no
@@ -41,33 +42,25 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sparkv.cache import ContextKV
 from sparkv.device.density import LEVEL_STEP
-from sparkv.device.errors import DeviceError
+from sparkv.device.errors import DeviceError, FlashFull
+from sparkv.device.flashio import FlashHealth, writing
 from sparkv.device.inputs import check_token_ids, vocab_size
-from sparkv.device.levels import LevelPolicy
 from sparkv.device.private import FILE_MODE, private_dir, tighten
-from sparkv.device.registry import CONTEXT_ID, DeviceContext
+from sparkv.device.registry import CONTEXT_ID, ContextRegistry, DamagedContext, DeviceContext
 from sparkv.device.swap import SwapStore
 from sparkv.fileio import atomic_write, delete
-from sparkv.layout import ChunkGeometry
+
+if TYPE_CHECKING:
+    from sparkv.device.keeper import Keeper
 
 FORMAT = "sparkv-device-journal/1"
-
-
-@dataclass(frozen=True)
-class DamagedContext:
-    """A context the service could not reopen, and why."""
-
-    id: str
-    reason: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"id": self.id, "state": "damaged", "reason": self.reason}
+#: the largest record read back (a context of 32K tokens writes about 2 MB)
+MAX_RECORD_BYTES = 64 << 20
 
 
 class Journal:
@@ -82,10 +75,34 @@ class Journal:
         return self.root / f"{ctx_id}.json"
 
     def write(self, ctx_id: str, record: dict[str, Any]) -> None:
+        """Replaces ``ctx_id``'s record atomically; :class:`~sparkv.device.errors.FlashFull`
+        (the old record left as it was) if the flash has no room."""
         doc = {"format": FORMAT, "id": ctx_id, **record}
-        atomic_write(self.path(ctx_id), json.dumps(doc, separators=(",", ":")).encode(),
-                     mode=FILE_MODE)
+        with writing(self.root, f"context {ctx_id}'s journal record was not written"):
+            atomic_write(self.path(ctx_id), json.dumps(doc, separators=(",", ":")).encode(),
+                         mode=FILE_MODE)
         self.writes += 1
+
+    def read(self, ctx_id: str) -> dict[str, Any]:
+        """``ctx_id``'s record; :class:`DeviceError` if it cannot be read (not a regular file,
+        larger than :data:`MAX_RECORD_BYTES`, not JSON) or is not a record of this format and
+        id."""
+        p = self.path(ctx_id)
+        tighten(p)               # a record an older version wrote 0644
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
+                    raise DeviceError(f"its journal record is not a regular file of at most "
+                                      f"{MAX_RECORD_BYTES} bytes")
+                doc = json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise DeviceError(f"its journal record cannot be read ({type(e).__name__}: {e})"
+                              ) from e
+        if isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("id") == ctx_id:
+            return doc
+        raise DeviceError(f"its journal record is not a {FORMAT} record of this id")
 
     def remove(self, ctx_id: str) -> None:
         delete(self.path(ctx_id), sync_dir=True)
@@ -102,26 +119,18 @@ class Journal:
         for p in sorted(self.root.glob("*.json")):
             if not CONTEXT_ID.fullmatch(p.stem):
                 continue
-            tighten(p)               # a record an older version wrote 0644
             try:
-                doc = json.loads(p.read_text())
-            except (OSError, ValueError) as e:
-                self.damaged.append(DamagedContext(
-                    p.stem, f"its journal record cannot be read ({type(e).__name__}: {e})"))
-                continue
-            if isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("id") == p.stem:
-                out.append(doc)
-            else:
-                self.damaged.append(DamagedContext(
-                    p.stem, f"its journal record is not a {FORMAT} record of this id"))
+                out.append(self.read(p.stem))
+            except DeviceError as e:
+                self.damaged.append(DamagedContext(p.stem, str(e)))
         return out
 
 
 def reopen(journal: Journal, lm: Any, chunk_tokens: int, swap: SwapStore,
-           levels: LevelPolicy) -> list[DeviceContext]:
+           keeper: "Keeper") -> list[DeviceContext]:
     """The contexts journaled for model ``lm`` with chunks of ``chunk_tokens`` (module
-    docstring), their memories holding their records on flash; what cannot be reopened goes to
-    ``journal.damaged``."""
+    docstring), their memories given by ``keeper`` (their records on flash); what cannot be
+    reopened goes to ``journal.damaged``."""
     out = []
     vocab = vocab_size(lm)
     for doc in journal.records():
@@ -129,7 +138,9 @@ def reopen(journal: Journal, lm: Any, chunk_tokens: int, swap: SwapStore,
                 None, 0, chunk_tokens):
             continue                # another model's or chunk size's: not ours to reopen
         try:
-            out.append(_reopen_one(doc, lm, chunk_tokens, swap, levels, vocab))
+            ctx = context_of(doc, vocab, swap)
+            keeper.reopen(ctx, [str(lv) for lv in doc.get("levels") or []])
+            out.append(ctx)
         except Exception as e:  # noqa: BLE001 - any record that makes no context is damaged
             journal.damaged.append(DamagedContext(
                 doc["id"], f"its journal record does not make a context ({type(e).__name__}: "
@@ -141,21 +152,60 @@ def reopen(journal: Journal, lm: Any, chunk_tokens: int, swap: SwapStore,
     return out
 
 
-def _reopen_one(doc: dict[str, Any], lm: Any, chunk_tokens: int, swap: SwapStore,
-                levels: LevelPolicy, vocab: int) -> DeviceContext:
-    """The context of one record of this model (:func:`reopen`); raises if the record does not
-    make one."""
+def commit(ctx: DeviceContext, keeper: "Keeper", journal: Journal | None, health: FlashHealth,
+           fingerprint: str) -> int:
+    """Makes a returned call (or a new context) durable: its modified token chunks written
+    ahead of time (one grouped write), then its record; returns the bytes written ahead.
+    :class:`~sparkv.device.errors.FlashFull` if the flash had no room (``health`` marked
+    degraded; the old record, and every record on flash it names, left as they were). Without a
+    journal nothing is durable anyway: chunks the flash had no room for stay modified (written
+    at reclaim, or dropped and recomputed) and the call stands."""
+    try:
+        written = keeper.write_ahead(ctx)
+        if journal is not None:
+            journal.write(ctx.id, ctx.record(fingerprint))
+    except FlashFull as e:
+        health.failed(e)
+        if journal is None:
+            return 0
+        raise
+    health.ok()
+    return written
+
+
+def revert(ctx: DeviceContext, journal: Journal, registry: ContextRegistry, keeper: "Keeper",
+           swap: SwapStore, vocab: int) -> None:
+    """Puts ``ctx`` (locked, registered) back as its journal record has it, after a call whose
+    changes could not be kept (the flash was full): what a crash would have left, reopened the
+    same way (its memory from its records on flash, a fresh tier counting them). If the record
+    cannot be read back, ``ctx`` becomes a damaged context."""
+    keeper.discard(ctx)
+    try:
+        ctx.tier = swap.tier(ctx.id)
+        doc = journal.read(ctx.id)
+        check_record(doc, vocab)
+        ctx.restore(doc)
+        keeper.reopen(ctx, [str(lv) for lv in doc.get("levels") or []])
+    except Exception as e:  # noqa: BLE001 - a record that makes no context: damaged
+        registry.remove(ctx.id)
+        registry.add_damaged([DamagedContext(
+            ctx.id, "a call could not be kept and its journal record could not be read back "
+            f"({type(e).__name__}: {e})")])
+
+
+def context_of(doc: dict[str, Any], vocab: int, swap: SwapStore) -> DeviceContext:
+    """The context of one record of this model, without its memory (:func:`reopen`); raises if
+    the record does not make one."""
+    check_record(doc, vocab)
+    return DeviceContext.from_record(doc, swap.tier(doc["id"]))
+
+
+def check_record(doc: dict[str, Any], vocab: int) -> None:
+    """Raises :class:`DeviceError` if record ``doc`` does not make a context: no tokens, token
+    ids outside the vocabulary, unknown levels."""
     if not check_token_ids(doc.get("tokens") or [], vocab, "tokens"):
         raise DeviceError("it holds no tokens")
     check_token_ids(doc.get("pending") or [], vocab, "pending")
     unknown = sorted({str(lv) for lv in doc.get("levels") or []} - set(LEVEL_STEP))
     if unknown:
         raise DeviceError(f"unknown levels {unknown}")
-    ctx = DeviceContext.from_record(doc, swap.tier(doc["id"]))
-    g = ChunkGeometry.from_config(lm.config, len(ctx.tokens), chunk_tokens)
-    if len(ctx.levels) < g.num_token_chunks:
-        ctx.levels = levels.assign(ctx, g)
-    C = ContextKV(g, lm.dtype, lm.device, segmented=True)
-    swap.attach(ctx, C)
-    ctx.memory = C
-    return ctx

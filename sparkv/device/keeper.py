@@ -1,28 +1,37 @@
 """How the context service keeps a context's KV between calls: the interface its two forms share.
 
 * :class:`~sparkv.device.chunked.ChunkKeeper` (LLMS, its ablations, VLLM-S / VLLM-SQ): a context
-  is a segmented :class:`~sparkv.cache.ContextKV` of 16-token chunks at their levels, evicted
+  is a paged :class:`~sparkv.cache.ContextKV` of 16-token chunks at their levels, evicted
   chunk by chunk, written as token chunk records, loaded back by reads and recomputation;
 * :class:`~sparkv.device.baselines.WholeKeeper` (LMK, whole-context swapping): a context is one
   dense fp arena, evicted whole, killed or written as one file, brought back whole.
 
+The keeper alone changes a context's ``memory``, ``hot`` (its kept working memory), ``levels``
+and ``modified`` (the token chunks whose flash copy is stale or missing): the service, the swap
+store and the journal read them. It makes the service's
+:class:`~sparkv.device.budget.MemoryBudget` with itself as the budget's
+:class:`~sparkv.device.budget.Evictor` (what a reservation reclaims through), and it counts what
+it does in the service's :class:`~sparkv.device.counters.ServiceCounters`.
+
 A keeper is given a context locked by its caller (its lock held for the whole operation) and
 allocates only what it has reserved from the :class:`~sparkv.device.budget.MemoryBudget`
-first, checking the account after every layer and chunk it adds. :meth:`Keeper.evict` is called
-by a reservation with the registry's lock held, on a context nobody holds.
+first, checking the account after every layer and chunk it adds. :meth:`Keeper.evict` and
+:meth:`Keeper.drop_hot` are called by a reservation with the registry's lock held, on a context
+nobody holds.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from sparkv.cache import ContextKV
-from sparkv.device.budget import MemoryBudget
+from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.config import ServiceConfig
+from sparkv.device.counters import ServiceCounters
 from sparkv.device.density import DensityRecorder, recording
 from sparkv.device.errors import DeviceError
 from sparkv.device.loader import LoadOptions, LoadRequest, LoadStats, load
@@ -50,20 +59,58 @@ class Keeper(ABC):
     Args:
         lm: the :class:`~sparkv.runtime.model.LoadedModel`.
         config: the service's policies (``chunk_tokens``: a context's geometry).
-        registry, budget, swap: the service's contexts, budget and swap space.
+        registry, swap: the service's contexts and swap space.
         counters: the service's counters (what was evicted, written, read, recomputed).
+        budget_bytes: the memory budget's limit; the keeper makes the budget (``budget``,
+            evicting by ``config.eviction`` through this keeper).
     """
 
     lm: Any
     config: ServiceConfig
     registry: ContextRegistry
-    budget: MemoryBudget
     swap: SwapStore
-    counters: dict[str, float]
+    counters: ServiceCounters
+    budget_bytes: int
+    budget: MemoryBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.budget = MemoryBudget(self.budget_bytes, self.registry,
+                                   eviction_policy(self.config.eviction), self)
 
     def geometry(self, n: int) -> ChunkGeometry:
         """The geometry of a context of ``n`` tokens."""
         return ChunkGeometry.from_config(self.lm.config, n, self.config.chunk_tokens)
+
+    def drop_hot(self, ctx: DeviceContext) -> int:
+        """Frees ``ctx``'s kept working memory (its chunks hold everything: nothing to write);
+        returns the bytes freed."""
+        W = ctx.hot
+        if W is None:
+            return 0
+        with self.registry.lock:
+            ctx.hot = None
+            self.budget.release(ctx.id, W)
+        self.counters.hot_freed()
+        return W.nbytes
+
+    def discard(self, ctx: DeviceContext) -> None:
+        """Frees everything ``ctx`` holds in RAM, working memories included (it is deleted, not
+        made, or put back to its journal record; its files are the swap store's)."""
+        with self.registry.lock:
+            self.drop_hot(ctx)
+            self.budget.release(ctx.id)
+            ctx.memory = None
+
+    def swap_out(self, ctx: DeviceContext) -> int:
+        """Reclaims all of ``ctx`` now (its kept working memory first); returns the bytes
+        written."""
+        with self.registry.lock:
+            self.drop_hot(ctx)
+            if ctx.memory is None:
+                return 0
+            written = self.evict(ctx, range(ctx.memory.geometry.num_token_chunks))
+            self.budget.check()
+            return written
 
     @abstractmethod
     def create(self, ctx: DeviceContext) -> None:
@@ -87,12 +134,21 @@ class Keeper(ABC):
         """After a call that left ``ctx`` as it was: releases the working memory."""
 
     @abstractmethod
-    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> None:
-        """Reclaims token chunks ``ts`` of ``ctx`` (or all of it)."""
+    def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> int:
+        """Reclaims token chunks ``ts`` of ``ctx`` (or all of it); returns the bytes written."""
 
     @abstractmethod
     def write_ahead(self, ctx: DeviceContext) -> int:
         """After a call: writes what a later reclaim would have to (bytes written)."""
+
+    @abstractmethod
+    def drop_flash(self, ctx: DeviceContext) -> None:
+        """Drops ``ctx``'s KV from RAM and flash: the next call recomputes (or restores) it."""
+
+    @abstractmethod
+    def reopen(self, ctx: DeviceContext, levels: list[str]) -> None:
+        """Gives ``ctx``, made from its journal record, the ``levels`` the record names and its
+        memory: the records on flash it can attach (:func:`sparkv.device.journal.reopen`)."""
 
     def _prefill(self, ctx: DeviceContext, g: ChunkGeometry, spare: int,
                  reserve: int) -> ContextKV:
@@ -104,7 +160,8 @@ class Keeper(ABC):
         self.budget.check()
         rec = DensityRecorder(g.num_tokens)
         with recording(rec):
-            load(self.lm, ctx.tokens, W, W, ctx.tier, LoadRequest(recompute=range(g.num_token_chunks)),
+            load(self.lm, ctx.tokens, W, W, ctx.tier,
+                 LoadRequest(recompute=range(g.num_token_chunks)),
                  LoadOptions(on_layer=self.budget.check, store_recomputed=False))
         ctx.add_density(rec, g.num_tokens)
         return W
@@ -113,7 +170,7 @@ class Keeper(ABC):
 def layer_kv(layers: Any, l: int, t0: int, t1: int  # noqa: E741
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[H, t1-t0, D]`` K/V of positions ``t0..t1`` of layer ``l`` of ``layers``: a
-    :class:`ContextKV` holding every chunk (any chunk size, dense or segmented, never pruned), or
+    :class:`ContextKV` holding every chunk (any chunk size, dense or paged, never pruned), or
     per layer ``(K, V)`` ``[1, H, N, D]``."""
     if not isinstance(layers, ContextKV):
         return layers[l][0][0, :, t0:t1], layers[l][1][0, :, t0:t1]

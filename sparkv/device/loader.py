@@ -1,7 +1,7 @@
 """Loading a context for a call: the working memory, chunk recomputation at global positions, and
 the IO-recompute pipeline (LLMS section 3.3).
 
-A context's long-lived memory ``C`` is a segmented :class:`~sparkv.cache.ContextKV` (each chunk at
+A context's long-lived memory ``C`` is a paged :class:`~sparkv.cache.ContextKV` (each chunk at
 its own level, on flash, or absent). A call runs over a **working memory** ``W``: a dense fp
 ``ContextKV`` of the same geometry with spare slots for the prompt and the answer, so that
 generation appends in place and attends over views (the KV memory's fast path; decoding over
@@ -66,7 +66,7 @@ import torch
 from sparkv.cache import (AttentionView, ChunkPayload, ContextKV, FlashError, KVMemoryError,
                           PayloadError, QuantizedTensor, Residency, Source)
 from sparkv.cache.payload import contiguous_positions
-from sparkv.device.flashio import RUN_BYTES, ReadRun, plan_runs, read_token_chunk_file
+from sparkv.device.flashio import RUN_BYTES, ReadRun, plan_runs, read_token_chunk_record
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
 
@@ -100,11 +100,10 @@ def grow_arena(old: ContextKV, spare_tokens: int,
     without twice its bytes). ``adopt`` is called with the new memory before the first layer is
     allocated (the caller registers it in its account); ``on_layer`` after each layer."""
     from sparkv.cache.layer import LayerStore
-    from sparkv.cache.memory import ARENA
 
     g = old.geometry
     n = g.num_tokens
-    W = ContextKV(g, old.dtype, old.device, segmented=True)
+    W = ContextKV(g, old.dtype, old.device, paged=True)
     if adopt is not None:
         adopt(W)
     cap = n + max(0, spare_tokens)
@@ -117,13 +116,8 @@ def grow_arena(old: ContextKV, spare_tokens: int,
         dst.k[:, :, :n] = src.k[:, :, :n]
         dst.v[:, :, :n] = src.v[:, :, :n]
         dst.end = n
-        with W._lock:
-            W.layers[l] = dst
-            W.mode[l] = ARENA
-            W._arena_bytes += dst.nbytes
-        with old._lock:
-            old._arena_bytes -= src.nbytes
-            old.layers[l] = None
+        W.set_arena(l, dst)
+        old.set_arena(l, None)
         del src
         if on_layer is not None:
             on_layer()
@@ -265,7 +259,7 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
 
 def fill_token_chunk(W: ContextKV, f: Any) -> None:
     """Writes every layer of a token chunk record (a
-    :class:`~sparkv.device.flashio.TokenChunkFile`) into ``W``'s dense arena: one
+    :class:`~sparkv.device.flashio.TokenChunkRecord`) into ``W``'s dense arena: one
     dequantization of the whole record (the same values as :func:`fill_layers`, bit for bit), then
     one copy per layer and group."""
     g = W.geometry
@@ -563,7 +557,7 @@ class FileReads:
         into ``W``; False if it fails."""
         g = self.C.geometry
         try:
-            f = read_token_chunk_file(record, t)
+            f = read_token_chunk_record(record, t)
             if f.layers != g.num_layers or f.groups != g.num_groups:
                 raise PayloadError(f"token chunk {t}'s record has another geometry")
             for p in f.payloads:

@@ -11,7 +11,13 @@ records are their KV), so by default only the service's own user can reach any o
   others, not even between its creation and a ``chmod``); :func:`tighten` narrows a file an older
   version left wider;
 * the Unix socket: ``0600`` (:func:`bind_unix_socket`: bound under a ``umask`` that makes it so,
-  never ``0666`` for a moment), or ``0660`` for one group (``--socket-group``).
+  never ``0666`` for a moment), or ``0660`` for one group (``--socket-group``);
+* the whole path, as OpenSSH's ``StrictModes`` checks it (:func:`check_path`): every directory
+  from the flash dir, the socket's directory or the token file's directory up to ``/`` (and, for
+  a path through a symlink, every directory up to ``/`` of where it leads) must belong to this
+  user or root and not be writable by its group or others (unless sticky, as ``/tmp``); a
+  symlink on the way must belong to this user or root. Otherwise another user could replace a
+  directory on the way, unlink the socket and bind their own, or point the flash dir elsewhere.
 
 No state, no locks (functions).
 """
@@ -42,6 +48,37 @@ def check_owner(path: str | os.PathLike[str], st: os.stat_result | None = None) 
         raise DeviceError(f"{path} belongs to uid {st.st_uid}, not to this user "
                           f"(uid {os.geteuid()}): the device service keeps its files private")
     return st
+
+
+def check_path(path: str | os.PathLike[str], what: str, *, leaf_mode: bool = True) -> None:
+    """:class:`DeviceError` (naming ``what`` and the component) if another user controls a
+    component of ``path`` (module docstring): an existing directory or symlink on the way up to
+    ``/`` that belongs to a user other than this one and root, or a directory writable by its
+    group or others without the sticky bit (``path`` itself only if ``leaf_mode``: the flash
+    dir is narrowed to ``0700`` instead); the same for the path a symlink on the way leads to.
+    Components that do not exist yet are skipped (the service makes them, its own)."""
+    p = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(p))
+    for chain in (p,) if real == p else (p, real):
+        for part in (chain, *chain.parents):
+            _check_component(part, what, path, mode=leaf_mode or part != chain)
+
+
+def _check_component(part: Path, what: str, path: str | os.PathLike[str], mode: bool) -> None:
+    try:
+        st = os.lstat(part)
+    except FileNotFoundError:
+        return
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise DeviceError(f"{what} {path}: {part} belongs to uid {st.st_uid}, not to this user "
+                          f"(uid {me}) or root, who could replace it: the device service "
+                          "refuses a path another user controls")
+    bits = st.st_mode
+    if mode and stat.S_ISDIR(bits) and bits & 0o022 and not bits & stat.S_ISVTX:
+        raise DeviceError(f"{what} {path}: {part} is writable by its group or others (mode "
+                          f"{stat.S_IMODE(bits):04o}), who could replace what is in it: the "
+                          "device service refuses a path another user controls")
 
 
 def existing(path: str | os.PathLike[str], is_kind: Callable[[int], bool],
@@ -103,6 +140,7 @@ def bind_unix_socket(path: str | os.PathLike[str], group: str | None = None) -> 
     binds once, before it starts any thread)."""
     p = Path(path)
     gid = group_id(group) if group is not None else None
+    check_path(p.parent, "the socket's directory")
     if existing(p, stat.S_ISSOCK, "socket") is not None:
         p.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

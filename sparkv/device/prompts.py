@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Collection, Sequence
 
 from sparkv.device.errors import DeviceError
+from sparkv.device.inputs import check_text, check_token_ids
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -24,6 +25,22 @@ def system_text(system_prompt: str | None, chatml: bool) -> str:
     """A context's first text: its system turn (the default prompt when ``None``)."""
     sp = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
     return f"<|im_start|>system\n{sp}<|im_end|>\n" if chatml else sp
+
+
+def system_turn_ids(lm: Any, system_prompt: str | None, ids: Sequence[int] | None, *,
+                    vocab: int, chatml: bool) -> list[int]:
+    """A new context's first ids: ``ids`` as they are (checked against the vocabulary), else the
+    system turn of ``system_prompt``; :class:`DeviceError` if that makes no token."""
+    check_text(system_prompt, "the system prompt")
+    if ids is not None:
+        out = check_token_ids(ids, vocab, "system_ids")
+    elif lm.tokenizer is None:
+        raise DeviceError("this model has no tokenizer: pass system_ids")
+    else:
+        out = lm.encode_text(system_text(system_prompt, chatml))
+    if not out:
+        raise DeviceError("a context needs at least one token (give a system prompt)")
+    return out
 
 
 def turn_ids(lm: Any, pending: Sequence[int], prompt: str | None,

@@ -1,15 +1,23 @@
-"""The context service's contexts: their records, their ids, their locks and the logical clock.
+"""The context service's contexts: their records, their ids, their locks, the logical clock and
+the contexts that could not be reopened.
 
 No I/O: a :class:`DeviceContext` holds its flash tier (made by
 :class:`~sparkv.device.swap.SwapStore`) and its KV memory, but nothing here reads or writes them.
+
+One owner per field of a :class:`DeviceContext`: ``memory``, ``hot``, ``levels`` and ``modified``
+are the keeper's (:mod:`~sparkv.device.keeper`: only a keeper changes them); ``tokens``,
+``pending``, the densities, ``calls`` and ``last_used`` change through this module's methods,
+called by the service in the order of a call.
 
 Locks (the service's whole discipline, stated once):
 
 * each context's ``lock`` is held by a call on it for the whole call (switch in, run, fold back,
   swap out ahead of time), by ``delete``, ``swap_out``, ``drop_flash`` and ``locked``; the
-  eviction never touches a context whose lock is held (it tests ``lock.locked()``, never waits);
+  eviction never touches a context whose lock is held (it tests ``lock.locked()``, never waits),
+  unless the holder is a call ``waiting`` for the model (:meth:`ContextRegistry.running`: every
+  eviction runs under the model's run lock, while such a call reads only its tokens);
 * the registry's ``lock`` (an ``RLock``) guards the registry's dict and clock, every context's
-  ``memory`` and ``hot`` fields and the budget's working memories; it is held only for
+  ``memory``, ``hot`` and ``waiting`` fields and the budget's working memories; it is held only for
   bookkeeping and for a reclaim (:meth:`~sparkv.device.budget.MemoryBudget.reserve`), never across
   a load or a model run;
 * order: a context's lock, then the registry's lock (never the reverse).
@@ -17,21 +25,35 @@ Locks (the service's whole discipline, stated once):
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
-from sparkv.cache import ContextKV
+from sparkv.cache import ContextKV, Residency
 from sparkv.device.density import DensityRecorder
-from sparkv.device.errors import UnknownContext
+from sparkv.device.errors import ContextBusy, ContextDamaged, UnknownContext
 from sparkv.device.flashio import ServiceFlash
+from sparkv.device.loader import token_chunk_ids
 
 #: a context id: the service makes 16 hex digits; a name outside this pattern (``.``, ``..``, a
 #: path) is never taken for a context's directory or journal record
 CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class DamagedContext:
+    """A context the service could not reopen, and why."""
+
+    id: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"id": self.id, "state": "damaged", "reason": self.reason}
 
 
 class DeviceContext:
@@ -39,6 +61,7 @@ class DeviceContext:
     (``memory``: chunks at levels, or a whole arena for the baselines), the per-token attention
     statistics its chunks' levels come from, and its kept working memory (``hot``).
 
+    Owners (module docstring): ``memory``, ``hot``, ``levels``, ``modified`` are the keeper's.
     State guarded by the registry's lock: ``memory``, ``hot``; the rest is written only by the
     holder of ``lock`` (or before the context is registered)."""
 
@@ -61,6 +84,19 @@ class DeviceContext:
         self.tier = tier
         self.label: str | None = None     # a caller's name for it (the edge: server + context id)
         self.hot: ContextKV | None = None  # its last working memory, kept while it fits
+        self.waiting = False              # a call holds its lock, not running the model now
+
+    def grow(self, added: list[int], pending: list[int]) -> None:
+        """A call kept its prompt and answer: ``added`` ids now hold KV, ``pending`` are decoded
+        but not yet run through the model."""
+        self.tokens = self.tokens + added
+        self.pending = pending
+
+    def set_density(self, mass: torch.Tensor, rows: torch.Tensor) -> None:
+        """Per-token attention statistics measured elsewhere (an imported context)."""
+        n = len(self.tokens)
+        self.mass = mass.double()[:n].clone()
+        self.rows = rows.double()[:n].clone()
 
     def add_density(self, rec: DensityRecorder, upto: int) -> None:
         """Adds a call's recorded attention statistics of the first ``upto`` tokens."""
@@ -84,35 +120,74 @@ class DeviceContext:
 
     @classmethod
     def from_record(cls, doc: dict[str, Any], tier: ServiceFlash) -> "DeviceContext":
-        """The context a journal record describes, without its memory."""
-        ctx = cls(doc["id"], [int(x) for x in doc.get("tokens", [])], doc.get("system_prompt"),
-                  tier)
-        ctx.pending = [int(x) for x in doc.get("pending", [])]
-        ctx.levels = list(doc.get("levels", []))
-        ctx.mass = torch.tensor(doc.get("mass", []), dtype=torch.float64)
-        ctx.rows = torch.tensor(doc.get("rows", []), dtype=torch.float64)
-        ctx.calls = int(doc.get("calls", 0))
-        ctx.label = doc.get("label")
-        ctx.created_unix = float(doc.get("created_unix", time.time()))
-        ctx.last_used = int(doc.get("last_used", 0))
+        """The context a journal record describes, without its memory (its keeper's
+        ``reopen`` attaches it)."""
+        ctx = cls(doc["id"], [], doc.get("system_prompt"), tier)
+        ctx.restore(doc)
         return ctx
+
+    def restore(self, doc: dict[str, Any]) -> None:
+        """Its tokens, densities, calls and names as journal record ``doc`` has them (a new
+        context from a record, or one put back to its last record); ``levels`` and the memory
+        are its keeper's."""
+        self.tokens = [int(x) for x in doc.get("tokens", [])]
+        self.pending = [int(x) for x in doc.get("pending", [])]
+        self.mass = torch.tensor(doc.get("mass", []), dtype=torch.float64)
+        self.rows = torch.tensor(doc.get("rows", []), dtype=torch.float64)
+        self.calls = int(doc.get("calls", 0))
+        self.label = doc.get("label")
+        self.created_unix = float(doc.get("created_unix", time.time()))
+        self.last_used = int(doc.get("last_used", 0))
+
+    def describe(self) -> dict[str, Any]:
+        """``{id, tokens, calls, bytes, chunks: {resident, flash, absent}, levels: {level:
+        token chunks}, last_used, busy, hot, system_prompt, label}`` (``GET
+        /v1/contexts/{id}``)."""
+        res = fl = ab = 0
+        C = self.memory
+        if C is not None:
+            g = C.geometry
+            for t in range(g.num_token_chunks):
+                r = [C.residency(cid) for cid in token_chunk_ids(g, t)]
+                if all(x == Residency.RESIDENT for x in r):
+                    res += 1
+                elif any(x == Residency.ABSENT for x in r):
+                    ab += 1
+                else:
+                    fl += 1
+        mix: dict[str, int] = {}
+        for lv in self.levels:
+            mix[lv] = mix.get(lv, 0) + 1
+        return {"id": self.id, "tokens": len(self.tokens), "calls": self.calls,
+                "bytes": C.nbytes if C is not None else 0,
+                "chunks": {"resident": res, "flash": fl, "absent": ab}, "levels": mix,
+                "last_used": self.last_used, "busy": self.lock.locked(),
+                "hot": self.hot is not None, "system_prompt": self.system_prompt,
+                "label": self.label}
 
 
 class ContextRegistry:
-    """The contexts by id and the logical clock their ``last_used`` comes from.
+    """The contexts by id, the logical clock their ``last_used`` comes from, and the contexts
+    that could not be reopened.
 
-    State: ``contexts`` (id -> :class:`DeviceContext`), ``clock``. Lock: ``lock`` (module
-    docstring) guards both."""
+    State: ``contexts`` (id -> :class:`DeviceContext`), ``clock``, ``damaged`` (id ->
+    :class:`DamagedContext`). Lock: ``lock`` (module docstring) guards all three."""
 
     def __init__(self) -> None:
         self.contexts: dict[str, DeviceContext] = {}
+        self.damaged: dict[str, DamagedContext] = {}
         self.lock = threading.RLock()
         self.clock = 0
 
     def get(self, ctx_id: str) -> DeviceContext:
-        """The live context ``ctx_id``; :class:`UnknownContext` if none (or deleted)."""
+        """The live context ``ctx_id``: :class:`ContextDamaged` if it could not be reopened,
+        :class:`UnknownContext` if there is none (or it was deleted)."""
         with self.lock:
             ctx = self.contexts.get(ctx_id)
+            damaged = self.damaged.get(ctx_id)
+        if damaged is not None:
+            raise ContextDamaged(f"context {ctx_id} could not be reopened: {damaged.reason}; "
+                                 "delete it")
         if ctx is None or ctx.deleted:
             raise UnknownContext(f"no context {ctx_id!r}")
         return ctx
@@ -124,13 +199,68 @@ class ContextRegistry:
 
     def remove(self, ctx_id: str) -> None:
         with self.lock:
-            self.contexts.pop(ctx_id, None)
+            ctx = self.contexts.pop(ctx_id, None)
+            if ctx is not None:
+                ctx.deleted = True
+
+    def add_damaged(self, found: list[DamagedContext]) -> None:
+        with self.lock:
+            self.damaged.update((d.id, d) for d in found)
+
+    def pop_damaged(self, ctx_id: str) -> bool:
+        """Forgets damaged context ``ctx_id``; whether there was one."""
+        with self.lock:
+            return self.damaged.pop(ctx_id, None) is not None
+
+    def damaged_list(self) -> list[dict[str, str]]:
+        with self.lock:
+            return [d.to_dict() for d in self.damaged.values()]
+
+    @contextlib.contextmanager
+    def holding(self, ctx: DeviceContext, timeout_s: float | None) -> Iterator[DeviceContext]:
+        """Holds ``ctx``'s lock for the block (waiting at most ``timeout_s``, ``None``: for
+        ever): :class:`ContextBusy` if it could not be had, :class:`UnknownContext` if ``ctx``
+        was deleted meanwhile."""
+        if not ctx.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise ContextBusy(f"context {ctx.id} is running another call")
+        try:
+            if ctx.deleted:
+                raise UnknownContext(f"no context {ctx.id!r}")
+            self._waiting(ctx, True)
+            yield ctx
+        finally:
+            self._waiting(ctx, False)
+            ctx.lock.release()
+
+    @contextlib.contextmanager
+    def running(self, ctx: DeviceContext, run: threading.Lock) -> Iterator[None]:
+        """Holds ``run`` (the service's model) for the block, for a call :meth:`holding`
+        ``ctx``. Until it has ``run``, and once it gives it back, the call is ``waiting``: it
+        reads its context's tokens but not its memory, so the reservation of the call that runs
+        meanwhile (every reservation runs under ``run``) may reclaim it (:meth:`evictable`)."""
+        run.acquire()
+        self._waiting(ctx, False)
+        try:
+            yield
+        finally:
+            self._waiting(ctx, True)
+            run.release()
+
+    def _waiting(self, ctx: DeviceContext, waiting: bool) -> None:
+        with self.lock:
+            ctx.waiting = waiting
 
     def tick(self) -> int:
         """The next instant of the clock (a context's ``last_used``)."""
         with self.lock:
             self.clock += 1
             return self.clock
+
+    def touch(self, ctx: DeviceContext, called: bool = True) -> None:
+        """``ctx`` was just used: the most recently used (and one more call, if ``called``)."""
+        if called:
+            ctx.calls += 1
+        ctx.last_used = self.tick()
 
     def live(self) -> list[DeviceContext]:
         with self.lock:
@@ -143,16 +273,27 @@ class ContextRegistry:
 
     def evictable(self, active: DeviceContext) -> list[DeviceContext]:
         """Contexts whose memory may be reclaimed for ``active``: live, holding memory, and not
-        locked (a call holds it, or someone locked it: never evicted)."""
+        in use (unlocked, or locked by a call waiting for the model: :meth:`running`; a running
+        call, or a context someone locked, is never evicted)."""
         with self.lock:
             return [c for c in self.contexts.values()
                     if c is not active and c.memory is not None and not c.deleted
-                    and not c.lock.locked()]
+                    and not _in_use(c)]
+
+    def in_use(self, active: DeviceContext) -> list[DeviceContext]:
+        """Contexts other than ``active`` whose memory may not be reclaimed now (in use)."""
+        with self.lock:
+            return [c for c in self.contexts.values() if c is not active and _in_use(c)]
 
     def hot(self, active: DeviceContext) -> list[DeviceContext]:
-        """Unlocked contexts other than ``active`` keeping a working memory, least recently used
-        first."""
+        """Contexts other than ``active`` keeping a working memory and not in use, least
+        recently used first."""
         with self.lock:
             return sorted((c for c in self.contexts.values()
-                           if c.hot is not None and c is not active and not c.lock.locked()),
+                           if c.hot is not None and c is not active and not _in_use(c)),
                           key=lambda c: c.last_used)
+
+
+def _in_use(ctx: DeviceContext) -> bool:
+    """Locked, and not by a call waiting for the model (:meth:`ContextRegistry.running`)."""
+    return ctx.lock.locked() and not ctx.waiting

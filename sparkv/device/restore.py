@@ -201,18 +201,3 @@ def _assign(out: RestorePlan, plan: Any, gs: ChunkGeometry, gd: ChunkGeometry,
     out.recompute = sorted(recompute)
     out.read = sorted(read)
     out.stream = sorted(stream)
-
-
-def provided_chunks(service_geometry: ChunkGeometry, layer: int, token_start: int, k: Any,
-                    v: Any) -> dict[tuple[int, int], tuple[Any, Any]]:
-    """Cuts a server chunk's decoded K/V ``[H, n, D]`` into the service's 16-token chunks:
-    ``{(t, l): (k, v)}``."""
-    out = {}
-    T = service_geometry.chunk_tokens
-    n = int(k.shape[1])
-    for a in range(0, n, T):
-        t = (token_start + a) // T
-        b = min(a + T, n)
-        out[(t, layer)] = (k[:, a:b], v[:, a:b])
-    return out
-

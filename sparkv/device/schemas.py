@@ -13,13 +13,15 @@ from typing import Any
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
+from sparkv.rest.fields import at_most_one_of, json_int, one_of
 
 __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "ServiceHealth",
-           "ChunkCounts", "ContextInfo", "DamagedContextInfo", "DeviceContextList", "CallReply",
+           "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
+           "CallReply",
            "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -37,14 +39,19 @@ def _unicode(text: str) -> str:
 
 #: prompt text: at most :data:`MAX_PROMPT_CHARS` characters of valid Unicode (no lone surrogate)
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(_unicode)]
-#: token ids: at most :data:`MAX_PROMPT_IDS` (their range is the model's: the service checks it)
-TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]
+#: token ids: at most :data:`MAX_PROMPT_IDS` JSON integers, none negative (never a bool or a
+#: string: the server's JSON policy, :mod:`sparkv.rest.fields`); their upper bound is the
+#: model's vocabulary (the service checks it; the app's OpenAPI states it)
+TokenIds = Annotated[list[json_int(0, 2**31 - 1)], Field(max_length=MAX_PROMPT_IDS)]  # type: ignore[misc]
 
 
 # ---- requests ------------------------------------------------------------------------------------
 class NewContext(BaseModel):
     """``POST /v1/contexts``: the system prompt as text or token ids (at most one; neither: the
     service's default system prompt)."""
+
+    model_config = ConfigDict(json_schema_extra=at_most_one_of(
+        {"system_prompt": "string", "system_ids": "array"}))
 
     system_prompt: PromptText | None = None
     system_ids: TokenIds | None = None
@@ -53,10 +60,14 @@ class NewContext(BaseModel):
 class CallBody(BaseModel):
     """``POST /v1/contexts/{id}/call``: exactly one of ``prompt`` and ``prompt_ids``."""
 
+    model_config = ConfigDict(json_schema_extra=one_of({"prompt": "string",
+                                                        "prompt_ids": "array"}))
+
     prompt: PromptText | None = None
     prompt_ids: TokenIds | None = None
-    max_new_tokens: int = Field(default=32, ge=0)
-    grow: bool = Field(default=True, description="keep the prompt and the answer in the context")
+    max_new_tokens: json_int(0, 2**31 - 1) = Field(default=32)  # type: ignore[valid-type]
+    grow: StrictBool = Field(default=True,
+                             description="keep the prompt and the answer in the context")
     timeout_s: float | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
                                     description=("wait at most this long for the context's lock "
                                                  "(else 409 context_busy); none: wait"))
@@ -67,11 +78,23 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class FlashInfo(_Reply):
+    """The flash's state: ``degraded`` since a write found it full (until one succeeds)."""
+
+    state: str = Field(description="ok | degraded")
+    path: str = Field(description="the flash dir")
+    mount: str = Field(description="the mount point of its file system")
+    free_bytes: int
+    total_bytes: int
+    reason: str | None = Field(default=None, description="why it is degraded")
+
+
 class ServiceHealth(_Reply):
     """``GET /healthz``."""
 
     ok: bool
     contexts: int = Field(description="contexts the service holds")
+    flash: FlashInfo | None = None
 
 
 class ChunkCounts(_Reply):

@@ -6,49 +6,39 @@
     print(out.text, out.switch_s)
     svc.delete(cid)
 
-A **context** is its token ids (kept resident: recomputation needs them) and its KV memory ``C``, a
-segmented :class:`~sparkv.cache.ContextKV` cut into chunks of 16 tokens across all layers (one KV
-group), each token chunk at its own level (int8 / int4 / int2 from an int8 base, or fp), resident,
-on flash, or absent. A call:
+A **context** is its token ids (kept resident: recomputation needs them) and its KV memory ``C``,
+a paged :class:`~sparkv.cache.ContextKV` cut into token chunks of 16 tokens across all layers,
+each at its own level (int8 / int4 / int2 from an int8 base, or fp), resident, on flash, or
+absent. A call:
 
 1. **locks** the context (a second call on it waits; the eviction never touches a locked context);
-2. **switches it in** (the switching latency, timed): reclaims memory from other contexts by the
-   eviction policy until its missing chunks, its working memory and its new chunks fit the
-   budget, then loads it (:mod:`sparkv.device.loader`): resident chunks dequantized into the
-   working memory, flash chunks read and some recomputed, pipelined layer by layer, the split
-   chosen by :mod:`sparkv.device.planner` from this device's I/O and recompute profiles;
-3. **runs** the prompt and decodes the answer over the working memory (a dense fp arena with
-   spare slots: generation appends in place), with the attention hooks recording the density
-   of every key the new rows attend (:mod:`sparkv.device.density`);
-4. **folds** the new tokens back: the context grows by the prompt and the answer, its new chunks
-   enter ``C`` at the levels their densities earn (the densest keep the most bits, the mix meets
-   the global ratio);
-5. **swaps out ahead of time** every chunk it modified (one file per token chunk holding every
-   layer, :mod:`sparkv.device.flashio`; one grouped, durable write), so that a later reclaim of
-   this context writes nothing; then journals the context and returns.
+2. **switches it in** (the switching latency, timed): its keeper reserves what it needs, reclaiming
+   other contexts' memory by the eviction policy, and fills a working memory (a dense fp arena
+   with spare slots) from resident chunks, flash reads and recomputation
+   (:mod:`sparkv.device.loader`, the split from :mod:`sparkv.device.planner`);
+3. **runs** the prompt and decodes the answer over the working memory, recording the density of
+   every key the new rows attend (:mod:`sparkv.device.calls`);
+4. **folds** the new tokens back: its new chunks enter ``C`` at the levels their densities earn;
+5. **swaps out ahead of time** every chunk it modified (token chunk records, one grouped durable
+   write: one segment file, or one file per token chunk for the chunk-swapping baselines;
+   :mod:`sparkv.device.flashio`), so that a later reclaim writes nothing; then journals the
+   context and returns.
 
-With ``keep_working`` (LLMS's presets) the call's working memory is kept after it returns while
-the budget has room: a later call on the same context uses it as it is (no load, no
-dequantization). Kept working memories are reclaimed before any chunk, least recently used first;
-dropping one writes nothing (the context's chunks hold everything).
+With ``keep_working`` the call's working memory is kept after it returns while the budget has
+room: a later call on the same context uses it as it is. Kept working memories are reclaimed
+before any chunk; dropping one writes nothing.
 
 This module is the service's public API and the order of a call; the work is done by its parts:
-
-* :mod:`~sparkv.device.registry`: the contexts, their ids, locks and clock (the lock discipline);
-* :mod:`~sparkv.device.budget`: the budget's account, reservations and the eviction policies;
-* :mod:`~sparkv.device.keeper`: how a context's KV is kept between calls, in two forms:
-  :mod:`~sparkv.device.chunked` (LLMS: chunks at levels; steps 2, 4 and 5 above) and
-  :mod:`~sparkv.device.baselines` (whole arenas, killed or swapped whole);
-* :mod:`~sparkv.device.levels`: the chunks' levels (``compression``);
-* :mod:`~sparkv.device.swap`: every context's flash files;
-* :mod:`~sparkv.device.journal`: the crash journal and the reopening of its contexts;
-* :mod:`~sparkv.device.prompts`: chat formatting;
-* :mod:`~sparkv.device.config`: the policies (:class:`ServiceConfig`, its presets: LLMS, its
-  ablations and every baseline of the benchmark).
-
-A call given a ``remote`` (the server's copy, :mod:`sparkv.device.remote`) restores missing
-chunks from flash, the server or by recompute, planned by
-:func:`sparkv.device.restore.restore_plan`.
+:mod:`~sparkv.device.registry` (contexts, ids, locks, clock, damaged ones),
+:mod:`~sparkv.device.budget` (the account, reservations, eviction policies),
+:mod:`~sparkv.device.keeper` (the only owner of a context's memory: :mod:`~sparkv.device.chunked`
+for LLMS, :mod:`~sparkv.device.baselines` for whole arenas), :mod:`~sparkv.device.counters`,
+:mod:`~sparkv.device.levels`, :mod:`~sparkv.device.swap` (flash files),
+:mod:`~sparkv.device.journal` (crash recovery), :mod:`~sparkv.device.calls` (the model run and
+the result), :mod:`~sparkv.device.prompts` and :mod:`~sparkv.device.inputs` (turns and checks),
+:mod:`~sparkv.device.config` (the policies: LLMS, its ablations, every baseline). A call given a
+``remote`` (the server's copy, :mod:`sparkv.device.remote`) may restore missing chunks from it
+too (:func:`sparkv.device.restore.restore_plan`).
 """
 
 from __future__ import annotations
@@ -57,69 +47,37 @@ import contextlib
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from sparkv.cache import ContextKV, Residency
+from sparkv.cache import ContextKV
 from sparkv.device.baselines import BRING_BACK, WholeKeeper
-from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.chunked import ChunkKeeper
-from sparkv.device.config import ServiceConfig, resolved_ratio
-from sparkv.device.density import DensityRecorder, install_hooks, recording
-from sparkv.device.errors import (ContextBusy, ContextDamaged, DeviceError, PromptTooLong,
-                                  UnknownContext)
+from sparkv.device.config import ServiceConfig, longest_context, resolved_ratio
+from sparkv.device.counters import ServiceCounters
+from sparkv.device.density import install_hooks
+from sparkv.device.errors import DeviceError, FlashFull
 from sparkv.device.flashio import IOProfile, ServiceFlash, load_io_profile
-from sparkv.device.inputs import check_text, check_timeout, check_token_ids, vocab_size
-from sparkv.device.journal import DamagedContext, Journal, reopen
+from sparkv.device.inputs import check_call, check_length, check_token_ids, vocab_size
+from sparkv.device.flashlock import FlashDirLock
+from sparkv.device.journal import Journal, commit, reopen, revert
 from sparkv.device.keeper import Keeper
 from sparkv.device.levels import LevelPolicy
-from sparkv.device.loader import token_chunk_ids, working_nbytes
+from sparkv.device.loader import working_nbytes
 from sparkv.device.planner import RecomputeProfile, recompute_cost_model
-from sparkv.device.private import private_dir
-from sparkv.device.prompts import system_text, turn_ids, uses_chatml
+from sparkv.device.private import check_path, private_dir
+from sparkv.device.prompts import system_turn_ids, turn_ids, uses_chatml
 from sparkv.device.registry import ContextRegistry, DeviceContext
 from sparkv.device.swap import SwapStore
-from sparkv.generation import base_stats
+from sparkv.device.calls import CallResult, run_turn
 from sparkv.layout import ChunkGeometry
-from sparkv.runtime.hfcache import model_call
+from sparkv.runtime.generate import eos_ids
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
-
-
-@dataclass
-class CallResult:
-    """What one call returned and what it cost (seconds); a
-    :class:`~sparkv.generation.Generation` (``text``, ``tokens``, ``stats``)."""
-
-    context_id: str
-    text: str
-    tokens: list[int]
-    switch_s: float               # switching latency: reclaim + load, until the context is ready
-    reclaim_s: float = 0.0
-    load_s: float = 0.0
-    first_token_s: float = 0.0    # from the call to the first answer token
-    total_s: float = 0.0
-    aot_s: float = 0.0            # the ahead-of-time swap-out after the answer
-    context_tokens: int = 0       # after the call
-    bytes_evicted: int = 0
-    bytes_written_at_reclaim: int = 0
-    bytes_written_aot: int = 0
-    load: dict[str, Any] = field(default_factory=dict)
-    plan: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """``ttft_s`` (= ``first_token_s``), ``new_tokens``, then every cost of :meth:`to_dict`
-        (``switch_s``, ``load_s``, ``total_s``, bytes, the load and plan records)."""
-        costs = {k: v for k, v in self.to_dict().items() if k not in ("text", "tokens")}
-        return {**base_stats(self.first_token_s, self.tokens), **costs}
 
 
 class ContextService:
@@ -135,12 +93,14 @@ class ContextService:
         io_profile: ``T_IO`` (default: the flash profile + a per-file latency measured once).
 
     Parts (public, for tests and tools): ``registry``, ``account`` (the
-    :class:`~sparkv.device.budget.MemoryBudget`), ``keeper``, ``swap``, ``journal``.
+    :class:`~sparkv.device.budget.MemoryBudget`), ``keeper``, ``swap``, ``journal``,
+    ``counters`` (:class:`~sparkv.device.counters.ServiceCounters`).
 
     ``swap_dir`` is private to this user (``0700``, its files ``0600``:
-    :mod:`sparkv.device.private`); one another user owns is refused. Contexts that cannot be
-    reopened from it are kept in ``damaged`` (id -> :class:`~sparkv.device.journal.
-    DamagedContext`): listed by :meth:`damaged_list`, refused by :meth:`call` and
+    :mod:`sparkv.device.private`); one that another user controls (it, or a directory on its
+    path) is refused, and so is one another process serves (:mod:`sparkv.device.flashlock`:
+    :meth:`close` gives it back). Contexts that cannot be
+    reopened from it are listed by :meth:`damaged_list`, refused by :meth:`call` and
     :meth:`describe` (:class:`~sparkv.device.errors.ContextDamaged`), removed by :meth:`delete`.
 
     Locks: each context's lock for a call on it (:mod:`sparkv.device.registry`); ``_run`` makes
@@ -157,21 +117,18 @@ class ContextService:
         cfg = config or ServiceConfig()
         cfg = replace(cfg, **overrides) if overrides else cfg
         self.config = replace(cfg, ratio=resolved_ratio(cfg, self.lm.fingerprint))
-        self.counters: dict[str, float] = {
-            "calls": 0, "evicted_chunks": 0, "evicted_bytes": 0, "reclaim_written_bytes": 0,
-            "aot_written_bytes": 0, "read_bytes": 0, "recomputed_chunks": 0, "read_chunks": 0,
-            "faults": 0, "hot_hits": 0, "hot_dropped": 0, "streamed_chunks": 0}
+        self.counters = ServiceCounters()
         self.registry = ContextRegistry()
         self.contexts = self.registry.contexts
-        self.account = MemoryBudget(memory_budget_bytes, self.registry,
-                                    eviction_policy(self.config.eviction),
-                                    lambda ctx, ts: self.keeper.evict(ctx, ts), self.counters)
+        self.damaged = self.registry.damaged
+        check_path(swap_dir, "the flash dir", leaf_mode=False)
         self.swap_dir = private_dir(swap_dir)
+        self.flash_lock = FlashDirLock(self.swap_dir)
         self.swap = SwapStore(self.swap_dir, contiguous=self.config.contiguous)
         self.journal = Journal(self.swap_dir / "journal") if self.config.journal else None
         install_hooks(self.lm.model)
         self.vocab = vocab_size(self.lm)
-        self.max_tokens = self.config.max_context_tokens or self.lm.max_positions or (1 << 15)
+        self.max_tokens = longest_context(self.config, self.lm.max_positions)
         probe = ServiceFlash(self.swap_dir / "probe")
         self.io = io_profile or load_io_profile(self.swap_dir, probe, self.config.io_threads,
                                                 measure=self.config.measure_io)
@@ -180,14 +137,15 @@ class ContextService:
                                           g1.num_layers, self.config.chunk_tokens)
         self.levels = LevelPolicy(self.config.compression, self.config.ratio,
                                   self.config.fp_fraction, self.config.fp_protect, self.lm.dtype)
-        self.keeper = self._keeper()
+        self.keeper = self._keeper(memory_budget_bytes)
+        self.account = self.keeper.budget
         self._run = threading.Lock()
-        self.damaged: dict[str, DamagedContext] = {}
         self.reopened = self._reopen()
 
-    def _keeper(self) -> Keeper:
-        """The keeper of ``config.put_away`` (chunks, or whole contexts killed or swapped)."""
-        parts = (self.lm, self.config, self.registry, self.account, self.swap, self.counters)
+    def _keeper(self, budget_bytes: int) -> Keeper:
+        """The keeper of ``config.put_away`` (chunks, or whole contexts killed or swapped), with
+        its budget."""
+        parts = (self.lm, self.config, self.registry, self.swap, self.counters, budget_bytes)
         if self.config.put_away == "chunks":
             return ChunkKeeper(*parts, levels=self.levels, io=self.io, recompute=self.recompute)
         return WholeKeeper(*parts, bring_back=BRING_BACK[self.config.put_away](self.swap))
@@ -195,19 +153,25 @@ class ContextService:
     def _reopen(self) -> int:
         if self.journal is None:
             return 0
-        found = reopen(self.journal, self.lm, self.config.chunk_tokens, self.swap, self.levels)
+        found = reopen(self.journal, self.lm, self.config.chunk_tokens, self.swap, self.keeper)
         for ctx in found:
             self.registry.add(ctx)
-        self.damaged = {d.id: d for d in self.journal.damaged}
+        self.registry.add_damaged(self.journal.damaged)
         return len(found)
+
+    def close(self) -> None:
+        """Gives the flash dir's lock back (:mod:`sparkv.device.flashlock`): once done with the
+        service, so that another process may serve the flash dir."""
+        self.flash_lock.release()
+
+    def health(self) -> dict[str, Any]:
+        """``{ok, contexts, flash}`` (``GET /healthz``; ``flash``: :class:`~sparkv.device.
+        flashio.FlashHealth`, degraded since a write found the flash full)."""
+        return {"ok": True, "contexts": len(self.contexts), "flash": self.swap.health.to_dict()}
 
     @cached_property
     def _chatml(self) -> bool:
         return uses_chatml(self.lm.tokenizer)
-
-    def _eos(self) -> set[int]:
-        from sparkv.runtime.generate import eos_ids
-        return eos_ids(self.lm)
 
     # ---- accounting ------------------------------------------------------------------------------
     @property
@@ -233,18 +197,10 @@ class ContextService:
     def new_context(self, system_prompt: str | None = None, *,
                     system_ids: Sequence[int] | None = None) -> str:
         """Makes a context holding the system prompt (its KV computed now); returns its id."""
-        check_text(system_prompt, "the system prompt")
-        if system_ids is not None:
-            ids = check_token_ids(system_ids, self.vocab, "system_ids")
-        elif self.lm.tokenizer is None:
-            raise DeviceError("this model has no tokenizer: pass system_ids")
-        else:
-            ids = self.lm.encode_text(system_text(system_prompt, self._chatml))
-        if not ids:
-            raise DeviceError("a context needs at least one token (give a system prompt)")
-        if len(ids) + 1 > self.max_tokens:
-            raise PromptTooLong(f"the system prompt has {len(ids)} tokens; contexts hold at most "
-                                f"{self.max_tokens}")
+        ids = system_turn_ids(self.lm, system_prompt, system_ids, vocab=self.vocab,
+                              chatml=self._chatml)
+        check_length(0, len(ids) + 1, self.max_tokens,
+                     f"a context of this {len(ids)}-token system prompt")
         ctx = self._new(ids, system_prompt)
         with ctx.lock, self._run, self._adding(ctx):
             self.keeper.create(ctx)
@@ -256,18 +212,19 @@ class ContextService:
 
     @contextlib.contextmanager
     def _adding(self, ctx: DeviceContext) -> Iterator[None]:
-        """Registers a new context for the block. On any failure it is unregistered and its
-        flash directory removed; on success it becomes the most recently used and is swapped
-        out ahead of time like any returned call."""
+        """Registers a new context for the block; then it becomes the most recently used and is
+        swapped out ahead of time and journaled like any returned call. On any failure (a full
+        flash too) it is unregistered, its memory freed and its flash directory removed."""
         self.registry.add(ctx)
         try:
             yield
+            self.registry.touch(ctx, called=False)
+            self._after_call(ctx)
         except BaseException:
             self.registry.remove(ctx.id)
+            self.keeper.discard(ctx)
             self.swap.remove(ctx)
             raise
-        ctx.last_used = self.registry.tick()
-        self._after_call(ctx)
 
     def import_context(self, token_ids: Sequence[int], layers: Any, *,
                        density: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -278,16 +235,14 @@ class ContextService:
         the levels assume equal densities until calls measure them). ``label``: a name to find it
         by later (:meth:`find`; journaled, so it survives a restart)."""
         ids = check_token_ids(token_ids, self.vocab, "token_ids")
-        n = len(ids)
-        if isinstance(layers, ContextKV) and layers.geometry.num_tokens != n:
+        if isinstance(layers, ContextKV) and layers.geometry.num_tokens != len(ids):
             raise DeviceError(f"the memory holds {layers.geometry.num_tokens} tokens, "
-                              f"the context has {n}")
+                              f"the context has {len(ids)}")
         ctx = self._new(ids, system_prompt)
         ctx.label = label
         with ctx.lock, self._run, self._adding(ctx):
             if density is not None:
-                ctx.mass = density[0].double()[:n].clone()
-                ctx.rows = density[1].double()[:n].clone()
+                ctx.set_density(*density)
             self.keeper.adopt(ctx, layers)
         return ctx.id
 
@@ -310,52 +265,36 @@ class ContextService:
                 chunk, by predicted cost). Used only while the context holds exactly the
                 remote's tokens (``grow=False`` calls, as ``ask`` makes).
         """
-        ctx = self._context(ctx_id)
-        if max_new_tokens < 0 or max_new_tokens > self.config.max_new_tokens:
-            raise DeviceError(f"max_new_tokens must be in [0, {self.config.max_new_tokens}]")
-        check_text(prompt)
-        if prompt_ids is not None:
-            prompt_ids = check_token_ids(prompt_ids, self.vocab, "prompt_ids")
-        timeout_s = check_timeout(timeout_s)
-        if not ctx.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
-            raise ContextBusy(f"context {ctx_id} is running another call")
-        try:
-            if ctx.deleted:
-                raise UnknownContext(f"no context {ctx_id!r}")
+        ctx = self.registry.get(ctx_id)
+        prompt_ids, timeout_s = check_call(prompt, prompt_ids, max_new_tokens, timeout_s,
+                                           vocab=self.vocab, most=self.config.max_new_tokens)
+        with self.registry.holding(ctx, timeout_s):
             ids = turn_ids(self.lm, ctx.pending, prompt, prompt_ids, chatml=self._chatml,
-                           eos=self._eos() if ctx.pending else ())
+                           eos=eos_ids(self.lm) if ctx.pending else ())
             if not ids:
                 raise DeviceError("the prompt is empty")
-            if len(ctx.tokens) + len(ids) + max_new_tokens > self.max_tokens:
-                raise PromptTooLong(
-                    f"context {ctx_id} holds {len(ctx.tokens)} tokens; with a {len(ids)}-token "
-                    f"prompt and {max_new_tokens} new tokens it would exceed the longest context "
-                    f"allowed ({self.max_tokens} tokens)")
-            with self._run:
+            check_length(len(ctx.tokens), len(ids) + max_new_tokens, self.max_tokens,
+                         f"context {ctx_id}, with a {len(ids)}-token prompt and "
+                         f"{max_new_tokens} new tokens,")
+            with self.registry.running(ctx, self._run):
                 return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote)
-        finally:
-            ctx.lock.release()
 
     def delete(self, ctx_id: str) -> None:
         """Deletes a context: its memory, its flash files and its journal record (of a damaged
         context, whatever is left of them)."""
-        with self.registry.lock:
-            damaged = self.damaged.pop(ctx_id, None)
-        if damaged is not None:
-            self.swap.remove_id(ctx_id)
-            if self.journal is not None:
-                self.journal.remove(ctx_id)
+        if self.registry.pop_damaged(ctx_id):
+            self._remove_files(ctx_id)
             return
         ctx = self.registry.get(ctx_id)
         with ctx.lock:
-            with self.registry.lock:
-                ctx.deleted = True
-                self.account.drop_hot(ctx)
-                self.registry.remove(ctx_id)
-                ctx.memory = None
-            self.swap.remove(ctx)
-            if self.journal is not None:
-                self.journal.remove(ctx_id)
+            self.registry.remove(ctx_id)
+            self.keeper.discard(ctx)
+            self._remove_files(ctx_id)
+
+    def _remove_files(self, ctx_id: str) -> None:
+        self.swap.remove_id(ctx_id)
+        if self.journal is not None:
+            self.journal.remove(ctx_id)
 
     @staticmethod
     def server_stream(client: Any, context_id: str, **kwargs: Any) -> Any:
@@ -373,98 +312,49 @@ class ContextService:
     def swap_out(self, ctx_id: str) -> int:
         """Reclaims every resident chunk of a context now (an app sent to the background, a
         test): clean chunks are dropped, modified ones written. Returns the bytes written."""
-        ctx = self._context(ctx_id)
-        with ctx.lock, self.registry.lock:
-            self.account.drop_hot(ctx)
-            if ctx.memory is None:
-                return 0
-            before = self.counters["reclaim_written_bytes"]
-            self.keeper.evict(ctx, range(ctx.memory.geometry.num_token_chunks))
-            self.account.check()
-            return int(self.counters["reclaim_written_bytes"] - before)
+        ctx = self.registry.get(ctx_id)
+        with ctx.lock:
+            return self.keeper.swap_out(ctx)
 
     def drop_flash(self, ctx_id: str) -> None:
         """Drops a context's chunks from RAM **and** flash (a device reclaiming flash space, or
         flash lost): every chunk is absent; the next call recomputes them, or restores them
         from a remote source (:meth:`call`'s ``remote``). Its tokens and journal stay."""
-        ctx = self._context(ctx_id)
-        with ctx.lock, self.registry.lock:
-            self.account.drop_hot(ctx)
-            if ctx.memory is None:
-                return
-            self.swap.forget(ctx)
-            self.account.check()
+        ctx = self.registry.get(ctx_id)
+        with ctx.lock:
+            self.keeper.drop_flash(ctx)
 
     @contextlib.contextmanager
     def locked(self, ctx_id: str) -> Iterator[DeviceContext]:
         """Holds a context's lock (as a running call does): nothing of it is evicted meanwhile."""
-        ctx = self._context(ctx_id)
+        ctx = self.registry.get(ctx_id)
         with ctx.lock:
             yield ctx
 
     def list(self) -> list[dict[str, Any]]:
         with self.registry.lock:
-            return [self._describe(c) for c in self.registry.live()]
+            return [c.describe() for c in self.registry.live()]
 
     def damaged_list(self) -> list[dict[str, str]]:
         """The contexts that could not be reopened: ``{id, state: "damaged", reason}`` each
         (:meth:`delete` removes one)."""
-        with self.registry.lock:
-            return [d.to_dict() for d in self.damaged.values()]
+        return self.registry.damaged_list()
 
     def describe(self, ctx_id: str) -> dict[str, Any]:
-        return self._describe(self._context(ctx_id))
-
-    def _context(self, ctx_id: str) -> DeviceContext:
-        """The live context ``ctx_id``: :class:`ContextDamaged` if it could not be reopened,
-        :class:`UnknownContext` if there is none."""
-        with self.registry.lock:
-            damaged = self.damaged.get(ctx_id)
-        if damaged is not None:
-            raise ContextDamaged(f"context {ctx_id} could not be reopened: {damaged.reason}; "
-                                 "delete it")
-        return self.registry.get(ctx_id)
-
-    def _describe(self, c: DeviceContext) -> dict[str, Any]:
-        res = fl = ab = 0
-        if c.memory is not None:
-            g = c.memory.geometry
-            for t in range(g.num_token_chunks):
-                r = [c.memory.residency(cid) for cid in token_chunk_ids(g, t)]
-                if all(x == Residency.RESIDENT for x in r):
-                    res += 1
-                elif any(x == Residency.ABSENT for x in r):
-                    ab += 1
-                else:
-                    fl += 1
-        mix: dict[str, int] = {}
-        for lv in c.levels:
-            mix[lv] = mix.get(lv, 0) + 1
-        return {"id": c.id, "tokens": len(c.tokens), "calls": c.calls,
-                "bytes": c.memory.nbytes if c.memory is not None else 0,
-                "chunks": {"resident": res, "flash": fl, "absent": ab}, "levels": mix,
-                "last_used": c.last_used, "busy": c.lock.locked(), "hot": c.hot is not None,
-                "system_prompt": c.system_prompt, "label": c.label}
+        return self.registry.get(ctx_id).describe()
 
     def stats(self) -> dict[str, Any]:
+        """The budget's account, the contexts, the profiles and the counters (``GET
+        /v1/stats``)."""
         with self.registry.lock:
-            levels: dict[str, int] = {}
-            for c in self.contexts.values():
-                if c.memory is not None:
-                    for lv, b in c.memory.account().resident.items():
-                        levels[lv] = levels.get(lv, 0) + b
-            return {"policy": self.config.name, "budget_bytes": self.budget,
-                    "used_bytes": self.account.used(), "peak_bytes": self.account.peak_bytes,
-                    "budget_violations": self.account.violations,
-                    "contexts": len(self.contexts), "damaged": len(self.damaged),
-                    "resident_bytes_by_level": levels,
-                    "io_profile": self.io.to_dict(),
-                    "recompute_scale": self.recompute.scale, "reopened": self.reopened,
-                    **self.counters}
+            return {"policy": self.config.name, **self.account.stats(),
+                    "contexts": len(self.contexts), "damaged": len(self.registry.damaged),
+                    "io_profile": self.io.to_dict(), "recompute_scale": self.recompute.scale,
+                    "reopened": self.reopened, **self.counters.to_dict()}
 
     def text(self, ctx_id: str) -> str:
         """The context's text so far (its token ids decoded)."""
-        ctx = self._context(ctx_id)
+        ctx = self.registry.get(ctx_id)
         return self.lm.decode_tokens(ctx.tokens + ctx.pending)
 
     # ---- one call --------------------------------------------------------------------------------
@@ -472,69 +362,38 @@ class ContextService:
               stop_at_eos: bool, remote: Any = None) -> CallResult:
         t0 = time.perf_counter()
         n = len(ctx.tokens)
-        spare = len(ids) + max_new + 1
-        before = dict(self.counters)
-        sw = self.keeper.switch_in(ctx, spare, remote)
+        before = self.counters.snapshot()
+        sw = self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote)
         switch_s = time.perf_counter() - t0
-        rec = DensityRecorder(n + spare)
-        with recording(rec):
-            tokens, first_s = self._generate(sw.working, n, ids, max_new, grow, stop_at_eos)
-        first_s = switch_s + first_s if max_new > 0 else time.perf_counter() - t0
+        turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow, stop_at_eos=stop_at_eos)
+        first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
+        tokens = turn.tokens
         if grow:
-            added = ids + (tokens[:-1] if tokens else [])
-            ctx.add_density(rec, n + len(added))
-            ctx.tokens = ctx.tokens + added
-            ctx.pending = tokens[-1:] if tokens else []
+            added = ids + tokens[:-1]
+            ctx.add_density(turn.density, n + len(added))
+            ctx.grow(added, tokens[-1:])
             self.keeper.fold_back(ctx, sw.working, n)
         else:
-            ctx.add_density(rec, n)
+            ctx.add_density(turn.density, n)
             self.keeper.release(ctx, sw.working)
-        ctx.calls += 1
-        ctx.last_used = self.registry.tick()
+        self.registry.touch(ctx)
         t_aot = time.perf_counter()
-        aot_bytes = self._after_call(ctx)
+        try:
+            aot_bytes = self._after_call(ctx)
+        except FlashFull:
+            assert self.journal is not None          # commit() raises only with a journal
+            revert(ctx, self.journal, self.registry, self.keeper, self.swap, self.vocab)
+            raise
         aot_s = time.perf_counter() - t_aot
-        self.counters["calls"] += 1
-        eos = self._eos()
-        text = self.lm.decode_tokens([t for t in tokens if t not in eos]) if tokens else ""
-        return CallResult(
-            ctx.id, text, tokens, switch_s, reclaim_s=sw.reclaim_s,
-            load_s=sw.stats.total_s if sw.stats else 0.0, first_token_s=first_s,
-            total_s=time.perf_counter() - t0, aot_s=aot_s, context_tokens=len(ctx.tokens),
-            bytes_evicted=int(self.counters["evicted_bytes"] - before["evicted_bytes"]),
-            bytes_written_at_reclaim=int(self.counters["reclaim_written_bytes"]
-                                         - before["reclaim_written_bytes"]),
-            bytes_written_aot=aot_bytes, load=sw.stats.to_dict() if sw.stats else {},
-            plan=sw.split.__dict__ if sw.split else {})
-
-    def _generate(self, W: ContextKV, n: int, ids: list[int], max_new: int, grow: bool,
-                  stop_at_eos: bool) -> tuple[list[int], float]:
-        """Runs ``ids`` after the ``n`` tokens of working memory ``W`` and decodes up to
-        ``max_new`` tokens (``W`` keeps them if ``grow``); returns them and the seconds to the
-        first one (0 when nothing is decoded)."""
-        from sparkv.cache import SparkvCache
-        from sparkv.runtime.generate import greedy_generate
-
-        if max_new > 0:
-            gen = greedy_generate(self.lm, W, n, ids, max_new, stop_at_eos=stop_at_eos, keep=grow)
-            return gen.tokens, gen.first_token_s
-        with torch.inference_mode():
-            cache = SparkvCache(W)
-            x = torch.tensor([ids], dtype=torch.long, device=self.lm.device)
-            pos = torch.arange(n, n + len(ids), device=self.lm.device)
-            model_call(self.lm.model, input_ids=x, cache=cache, position_ids=pos[None],
-                          cache_position=pos, use_cache=True, logits_to_keep=1)
-            if grow:
-                cache.commit()
-            else:
-                W.truncate()
-        return [], 0.0
+        self.counters.called()
+        return CallResult.of(self.lm, ctx.id, tokens, sw, len(ctx.tokens),
+                             self.counters.since(before), switch_s=switch_s,
+                             first_token_s=first_s, total_s=time.perf_counter() - t0,
+                             aot_s=aot_s, aot_bytes=aot_bytes)
 
     def _after_call(self, ctx: DeviceContext) -> int:
-        """Swaps the context out ahead of time (``aot``) and journals it; returns the bytes
-        written ahead of time."""
-        written = self.keeper.write_ahead(ctx)
-        self.counters["aot_written_bytes"] += written
-        if self.journal is not None:
-            self.journal.write(ctx.id, ctx.record(self.lm.fingerprint))
+        """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.
+        commit`); returns the bytes written ahead of time."""
+        written = commit(ctx, self.keeper, self.journal, self.swap.health, self.lm.fingerprint)
+        self.counters.wrote_ahead(written)
         return written

@@ -17,8 +17,10 @@ Every directory is ``0700`` and every file ``0600`` (:mod:`sparkv.device.private
 
 State: the root, ``contiguous`` (the layout, fixed), and ``whole`` (context id -> its
 whole-context file); everything else lives in the contexts (their tier with its segments' live
-records, their memory's flash references, their ``modified`` chunks). Locks: none of its own; a
-caller holds the context's lock, or the registry's lock during a reclaim.
+records, their memory's flash references). It reads a context's ``modified`` chunks and changes
+none of its fields: which chunks are modified is the keeper's (:mod:`~sparkv.device.keeper`).
+Locks: none of its own; a caller holds the context's lock, or the registry's lock during a
+reclaim.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from sparkv.cache import ContextKV, FlashRef, PayloadError, Residency
-from sparkv.device.errors import BudgetTooSmall
-from sparkv.device.flashio import ServiceFlash, is_segment
+from sparkv.device.errors import BudgetTooSmall, FlashFull
+from sparkv.device.flashio import (FlashHealth, ServiceFlash, is_segment, max_segment_bytes,
+                                   writing)
 from sparkv.device.loader import LoadStats, token_chunk_ids
 from sparkv.device.private import private_dir
 from sparkv.device.registry import CONTEXT_ID, DeviceContext
@@ -50,10 +53,13 @@ class SwapStore:
         self.root = private_dir(Path(swap_dir) / "contexts")
         self.contiguous = contiguous
         self.whole: dict[str, FlashRef] = {}
+        self.health = FlashHealth(swap_dir)
 
     def tier(self, ctx_id: str) -> ServiceFlash:
-        """The flash tier of context ``ctx_id`` (its directory is made)."""
-        return ServiceFlash(self.root / ctx_id)
+        """The flash tier of context ``ctx_id`` (its directory is made;
+        :class:`~sparkv.device.errors.FlashFull` if the flash has no room for it)."""
+        with writing(self.root, f"context {ctx_id}'s directory was not made"):
+            return ServiceFlash(self.root / ctx_id)
 
     def remove(self, ctx: DeviceContext) -> None:
         """Removes every file of a context (deleted, or never made)."""
@@ -124,32 +130,33 @@ class SwapStore:
         """Ahead-of-time swap-out: writes every modified token chunk of ``ctx`` (one grouped,
         durable write; one segment), so that a later reclaim of it writes nothing; returns the
         bytes written."""
-        C = ctx.memory
-        if C is None or not ctx.modified:
+        if ctx.memory is None or not ctx.modified:
             return 0
         with ctx.tier.batch():
-            written = self.write_token_chunks(ctx, ctx.modified)
-        ctx.modified.clear()
-        return written
+            return self.write_token_chunks(ctx, ctx.modified)
 
     def put_away(self, ctx: DeviceContext, ts: list[int] | range) -> tuple[int, int]:
         """Reclaims token chunks ``ts`` of ``ctx``: a clean chunk (its flash copy up to date) is
-        just dropped; the modified ones are written first (one grouped write; one segment).
-        Returns the bytes freed and the bytes written."""
+        just dropped; the modified ones are written first (one grouped write; one segment). On
+        a full flash they are dropped unwritten (absent: recomputed from the tokens when called)
+        and the flash marked degraded. Returns the bytes freed and the bytes written."""
         C = ctx.memory
         assert C is not None
-        g = C.geometry
+        written = 0
+        try:
+            with ctx.tier.batch():
+                written = self.write_token_chunks(ctx, ts)
+        except FlashFull as e:
+            self.health.failed(e)
         freed = 0
-        with ctx.tier.batch():
-            written = self.write_token_chunks(ctx, ts)
-            for t in ts:
-                for cid in token_chunk_ids(g, t):
-                    freed += C.drop(cid)
+        for t in ts:
+            for cid in token_chunk_ids(C.geometry, t):
+                freed += C.drop(cid)
         return freed, written
 
     def forget(self, ctx: DeviceContext) -> None:
         """Drops every chunk of ``ctx`` from RAM and forgets its flash copies (every chunk
-        absent, modified)."""
+        absent)."""
         C = ctx.memory
         if C is None:
             return
@@ -157,7 +164,6 @@ class SwapStore:
         for t in range(g.num_token_chunks):
             for cid in token_chunk_ids(g, t):
                 C.drop(cid)
-            ctx.modified.add(t)
         self.forget_flash(ctx, range(g.num_token_chunks))
 
     def forget_flash(self, ctx: DeviceContext, ts: Iterable[int]) -> None:
@@ -169,20 +175,26 @@ class SwapStore:
             for cid in token_chunk_ids(C.geometry, t):
                 C.forget_flash(cid, ctx.tier)
 
-    def attach(self, ctx: DeviceContext, C: ContextKV) -> int:
+    def attach(self, ctx: DeviceContext, C: ContextKV, max_tokens: int | None = None) -> int:
         """Attaches the token chunk records on flash of ``ctx``'s full chunks to ``C`` (empty,
-        segmented) as clean flash copies, at the level their headers give: per token chunk the
+        paged) as clean flash copies, at the level their headers give: per token chunk the
         latest record whose header fits the geometry (chunk files, then segments oldest first:
         :meth:`~sparkv.device.flashio.ServiceFlash.records`). A missing, damaged or mismatched
         record is skipped (its chunk is recomputed when called; a damaged body fails its
         checksum when read, and is recomputed then). The attached segment records are live;
         segments with none are deleted, and chunk files a segment record superseded too.
-        Returns the token chunks attached."""
+        A file that is not a regular one, or a segment larger than the records of a
+        ``max_tokens``-token context (when given), is skipped
+        (:meth:`~sparkv.device.flashio.ServiceFlash.records`) and pruned. Returns the token
+        chunks attached."""
         g = C.geometry
         full = min(g.num_tokens // g.chunk_tokens, g.num_token_chunks)
         found: dict[int, tuple[FlashRef, str]] = {}
         stale: list[FlashRef] = []
-        for ref, head in ctx.tier.records():
+        limit = None if max_tokens is None else max_segment_bytes(
+            g.num_layers, g.num_groups, g.heads_per_group, g.head_dim, g.chunk_tokens, C.dtype,
+            max_tokens, ctx.tier.align)
+        for ref, head in ctx.tier.records(limit):
             t = int(head["t"])
             if (t >= full or head["layers"] != g.num_layers or head["groups"] != g.num_groups
                     or head["tokens"] != g.chunk_len(t)):
@@ -217,6 +229,12 @@ class SwapStore:
             ctx.tier.delete(old)
         self.whole[ctx.id] = ctx.tier.write(WHOLE_NAME, blob)
         return len(blob)
+
+    def forget_whole(self, ctx: DeviceContext) -> None:
+        """Deletes a context's whole-context file, if it has one."""
+        ref = self.whole.pop(ctx.id, None)
+        if ref is not None:
+            ctx.tier.delete(ref)
 
     def read_whole(self, ctx: DeviceContext, W: ContextKV,
                    on_layer: Callable[[], object]) -> LoadStats | None:

@@ -14,6 +14,12 @@ a size limit derived from what it must hold, and every request a total deadline.
 * :class:`ResponseTooLarge`, :class:`DeadlineExceeded` and :class:`BadEncoding`: all are
   :class:`~sparkv.protocol.errors.ServerUnavailable` (the server gave no usable answer), so an ask
   falls back to local compute wherever it would for a server out of reach.
+* :func:`answer_error`: the :class:`~sparkv.protocol.errors.ApiError` of an answer that is not a
+  2xx: the server's error, or a redirect, which the edge never follows (it says so and where the
+  redirect points). :func:`refuses_credentials`: a 401 or 403, a configuration error that an ask
+  ends with, whatever the device holds (never a fallback).
+* :func:`out_of_vocabulary`: token ids the model has no embedding for (the client refuses a
+  server's, the session a caller's, before anything indexes an embedding table with them).
 """
 
 from __future__ import annotations
@@ -23,15 +29,17 @@ import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import httpcore
 import httpx
+import numpy as np
 
-from sparkv.protocol.errors import ServerUnavailable
+from sparkv.protocol.errors import ApiError, ServerUnavailable
 
 __all__ = ["ClientLimits", "BoundedBody", "DeadlineBackend", "Deadline", "DeadlineExceeded",
-           "ResponseTooLarge", "BadEncoding", "deadline_transport", "tokens_limit"]
+           "ResponseTooLarge", "BadEncoding", "deadline_transport", "tokens_limit",
+           "answer_error", "refuses_credentials", "out_of_vocabulary"]
 
 MiB = 1 << 20
 #: bytes a token-id body may carry beyond its ``4 * num_tokens`` (framing slack)
@@ -320,3 +328,35 @@ def _httpx_errors() -> Iterator[None]:
 def deadline_transport(backend: DeadlineBackend) -> httpx.BaseTransport:
     """The ``httpx`` transport whose connections use ``backend``."""
     return _Transport(backend)
+
+
+def answer_error(status: int, body: bytes, location: str | None, what: str) -> ApiError:
+    """The error of an answer to ``what`` (``"GET /v1/..."``) that is not the one expected: for a
+    3xx, a ``redirect`` error naming the status and its ``Location`` (the edge never follows a
+    redirect: a moved server is a configuration to fix, not a document to parse); else the
+    server's own (its JSON error body)."""
+    if not 300 <= status < 400:
+        return ApiError.from_response(status, body)
+    where = f" to {location}" if location else " (no Location)"
+    return ApiError(status, "redirect",
+                    f"{what} was redirected{where}; the edge does not follow redirects: give the "
+                    "server's own URL (--server)", location=location)
+
+
+def refuses_credentials(err: ApiError) -> bool:
+    """Whether ``err`` refuses this client's credentials (401: a missing or unknown key; 403: a
+    key not allowed the request): a configuration error, never a reason to fall back."""
+    return err.status in (401, 403)
+
+
+def out_of_vocabulary(token_ids: Sequence[int], vocab_size: int) -> str | None:
+    """``None`` when every id is in ``0 .. vocab_size - 1``; else what the first one outside is
+    (``"token id 49159 at position 10 is outside the model's vocabulary of 49152 ids"``)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size == 0:
+        return None
+    i = int(bad[0])
+    more = f" (and {bad.size - 1} more)" if bad.size > 1 else ""
+    return (f"token id {int(ids[i])} at position {i} is outside the model's vocabulary of "
+            f"{vocab_size} ids{more}")

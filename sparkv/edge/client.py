@@ -18,8 +18,10 @@ The client remembers, per context, the manifest and the token ids (in memory, an
 about it (computing everything locally) when the server is unreachable.
 
 Errors: :class:`~sparkv.protocol.errors.ApiError` (the server answered an error: ``status``,
-``code``, ``message``), :class:`~sparkv.protocol.errors.ServerUnavailable` (no answer), and
-:class:`~sparkv.protocol.errors.ManifestError` (a manifest that breaks the contract).
+``code``, ``message``; a redirect, which the client never follows, is one too: code
+``redirect``), :class:`~sparkv.protocol.errors.ServerUnavailable` (no answer), and
+:class:`~sparkv.protocol.errors.ManifestError` (a manifest that breaks the contract, or token ids
+outside the model's vocabulary).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import httpx
 
 from sparkv.edge.bounds import (BadEncoding, BoundedBody, ClientLimits, Deadline,
                                 DeadlineBackend, DeadlineExceeded, ResponseTooLarge,
-                                deadline_transport, tokens_limit)
+                                answer_error, deadline_transport, out_of_vocabulary,
+                                tokens_limit)
 from sparkv.edge.http_source import HttpChunkSource
 from sparkv.edge.shaper import LinkShaper
 from sparkv.protocol import Manifest
@@ -146,8 +149,8 @@ class EdgeClient:
                     raise self._late(what, deadline) from e
                 raise ServerUnavailable(f"cannot reach the server at {self.base_url}: "
                                         f"{type(e).__name__}: {e}") from e
-        if r.status_code >= 400:
-            raise ApiError.from_response(r.status_code, body.body())
+        if r.status_code >= 300:
+            raise answer_error(r.status_code, body.body(), r.headers.get("location"), what)
         total = time.perf_counter() - start
         first = first if first is not None else total
         fetched = Fetched(body.body(), total, first, dict(r.headers), body.wire_bytes)
@@ -165,7 +168,7 @@ class EdgeClient:
         if encoding not in ("gzip", "identity", ""):
             raise ApiError(r.status_code, "bad_encoding",
                            f"unsupported Content-Encoding {encoding!r}")
-        error = r.status_code >= 400
+        error = r.status_code >= 300     # an error's or a redirect's body: its start only
         body = BoundedBody(self.limits.error_bytes if error else limit, what,
                            gzip=encoding == "gzip", truncate=error)
         first = None
@@ -344,10 +347,13 @@ class EdgeClient:
                 time.sleep(min(1.0, 0.05 * 2 ** attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def tokens(self, context_id: str, *, use_cache: bool = True) -> list[int]:
+    def tokens(self, context_id: str, *, use_cache: bool = True,
+               vocab_size: int | None = None) -> list[int]:
         """The context's token ids (needed to compute chunks locally): a body of at most
         ``4 * num_tokens`` bytes (plus slack) of the context's manifest, fetched first if this
-        client does not hold it."""
+        client does not hold it. With ``vocab_size`` (the model's), a server's ids outside
+        ``0 .. vocab_size - 1`` are a :class:`ManifestError` and are not kept (a disk cache entry
+        with such ids is fetched again)."""
         if use_cache and context_id in self._tokens:
             return self._tokens[context_id]
         path = self._cache_path(context_id)
@@ -356,7 +362,8 @@ class EdgeClient:
                 ids = tokens_from_bytes((path / "tokens.u32").read_bytes())
             except ValueError:
                 ids = None   # a damaged cache entry: fetch them again
-            if ids is not None:
+            if ids is not None and (vocab_size is None
+                                    or out_of_vocabulary(ids, vocab_size) is None):
                 self._tokens[context_id] = ids
                 return ids
         limit = tokens_limit(self.manifest(context_id).num_tokens)
@@ -368,6 +375,10 @@ class EdgeClient:
         want = f.headers.get("x-sparkv-tokens-sha256")
         if want and tokens_digest(ids) != want:
             raise ManifestError("the token ids do not match their digest")
+        outside = out_of_vocabulary(ids, vocab_size) if vocab_size is not None else None
+        if outside is not None:
+            raise ManifestError(f"the server's token ids of context {context_id} are not this "
+                                f"model's: {outside}")
         self._tokens[context_id] = ids
         if path is not None:
             _write_atomic(path / "tokens.u32", f.body)

@@ -97,7 +97,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     a.add_argument("--decode", default="full", metavar="POLICY",
                    help="decode-time KV policy: full, dynakv, static, local, nocluster, "
                         "dynakv-eager, dynakv-packed, dynakv-lru (docs/dynakv.md)")
-    a.add_argument("--decode-budget", type=float, default=None, dest="ram_budget",
+    a.add_argument("--decode-budget", type=float, default=None,
                    metavar="BYTES|FRACTION",
                    help="KV bytes the decode policy may keep in RAM, or a fraction <= 1 of the "
                         "final KV (needs --decode other than full; default: the policy's)")
@@ -107,7 +107,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "@repeat: a fixed probe question as the window): its "
                         "token ids are posted again with the press (encoded once, then found "
                         "by id); only the kept entries stream and are attended (docs/presses.md)")
-    a.add_argument("--encryption-key", default=None, dest="key",
+    a.add_argument("--encryption-key", default=None,
                    help="the encryption key of an encrypted context (printed once when it was "
                         "created; not the API key)")
     a.add_argument("--no-prelude", action="store_true",
@@ -127,6 +127,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     a.add_argument("--deadline-s", type=_positive, default=None,
                    help="the longest any request to the server may take, connecting to its "
                         "last byte (default 60; docs/edge.md, Bounds)")
+    a.add_argument("--ask-deadline-s", type=_positive, default=None,
+                   help="the ask's own time limit, from the start: past it the link is given up "
+                        "and what is missing is computed locally (default: 3x the local-prefill "
+                        "estimate + 10 s; docs/edge.md, Bounds)")
     a.add_argument("--max-manifest-mb", type=_positive, default=None,
                    help="the largest manifest accepted, MiB (2^20 bytes; default 16)")
     add_link_args(a)
@@ -139,7 +143,7 @@ def check_ask_args(args: argparse.Namespace) -> str | None:
     from sparkv.edge.options import FULL_DECODE
     from sparkv.presses import PressError, canonical_spec
 
-    if args.ram_budget is not None and args.decode == FULL_DECODE:
+    if args.decode_budget is not None and args.decode == FULL_DECODE:
         raise SparkvError("--decode-budget needs --decode POLICY (dynakv, static, local, ...): "
                           "the full policy keeps the whole KV in RAM")
     if args.press is None:
@@ -162,8 +166,8 @@ def _ask(args: argparse.Namespace) -> int:
     with _api_key_hint(), EdgeSession.connect(
             args.server, args.api_key, args.model, shaper=shaper, cache_dir=cache,
             limits=limits, device=args.device, dtype=args.dtype) as session:
-        if args.key:
-            session.client.encryption_keys[args.context] = args.key
+        if args.encryption_key:
+            session.client.encryption_keys[args.context] = args.encryption_key
         context = args.context
         if spec is not None:
             context = session.client.pressed_context(args.context, spec, progress=not args.json)
@@ -174,8 +178,9 @@ def _ask(args: argparse.Namespace) -> int:
                 args.keep_dir or cache_dir() / "device" / "kept")
         options = AskOptions(strategy=args.strategy, level=args.level, backend=args.backend,
                              max_new_tokens=args.max_new_tokens, decode=args.decode,
-                             ram_budget=args.ram_budget, keep=args.keep,
-                             prelude=False if args.no_prelude else None)
+                             ram_budget=args.decode_budget, keep=args.keep,
+                             prelude=False if args.no_prelude else None,
+                             ask_deadline_s=args.ask_deadline_s)
         res = session.ask(context, args.question, options)
     if args.json:
         print(json.dumps({"answer": res.answer, "tokens": res.tokens,
@@ -193,16 +198,20 @@ def _ask(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _api_key_hint() -> Iterator[None]:
-    """A 401 from the server says how this command sends a key (the server names headers)."""
+    """A 401 or 403 from the server (on any request of the ask, whatever the device has
+    cached: docs/edge.md) says which key this command sent (the server names headers)."""
     from sparkv.protocol.errors import ApiError
 
     try:
         yield
     except ApiError as e:
-        if e.status != 401:
-            raise
-        raise SparkvError(f"{e} (sparkv ask sends the key of --api-key or $SPARKV_API_KEY as "
-                          "that header; `sparkv apikey` makes one)") from None
+        if e.status == 401:
+            raise SparkvError(f"{e} (sparkv ask sends the key of --api-key or $SPARKV_API_KEY "
+                              "as that header; `sparkv apikey` makes one)") from None
+        if e.status == 403:
+            raise SparkvError(f"{e} (the key of --api-key or $SPARKV_API_KEY is not allowed "
+                              "this request)") from None
+        raise
 
 
 def kept_note(res: Any) -> str:

@@ -1,7 +1,8 @@
 """The engine's compute path: one thread that asks the controller for the next layer step, runs
 it on the :class:`~sparkv.runtime.stepper.LayerStepper` (PyTorch releases the GIL in its
 kernels) and reports ``step_done``; when the controller has nothing for it, it computes what the
-link failed to deliver, and applies the stall and idle rules (docs/edge.md).
+link failed to deliver, and applies the stall and idle rules and the ask's time limit
+(docs/edge.md).
 """
 
 from __future__ import annotations
@@ -45,14 +46,18 @@ class ComputeWorker:
         prelude: the prelude still finishing steps on ``stepper``; its steps are joined before
             the first step here.
         stall_fallback_s: the stall and the idle rules' threshold (seconds of credited time).
+        deadline_s: the ask's time limit on the load's clock (``None``: none): once it passed,
+            the link is stopped and everything missing is computed.
     """
 
     def __init__(self, hub: Hub, stepper: LayerStepper, stats: EngineStats, link: Link | None,
-                 decoder: FrameDecoder, prelude: Prelude | None, stall_fallback_s: float) -> None:
+                 decoder: FrameDecoder, prelude: Prelude | None, stall_fallback_s: float,
+                 deadline_s: float | None = None) -> None:
         self._hub, self._stepper, self._kv = hub, stepper, stepper.kv
         self._stats, self._link, self._decoder = stats, link, decoder
         self._prelude = prelude
         self._stall_fallback_s = stall_fallback_s
+        self._deadline_s = deadline_s
         self._idle_s = 0.0              # credited time with nothing scheduled on either path
         self._idle_at: float | None = None
         self._threads = 1
@@ -127,8 +132,11 @@ class ComputeWorker:
         """The next steps to run (one, or a column), waiting for events; empty when the cache
         is complete."""
         while True:
+            if self._stats.refused is not None:   # a configuration error: never a fallback
+                raise self._stats.refused
             if self._kv.is_complete():
                 return []
+            self._past_deadline()
             steps = self._planned_steps()
             if steps:
                 return steps
@@ -161,7 +169,7 @@ class ComputeWorker:
         """A ready step that recomputes chunks the link failed to deliver (or everything missing
         once the link is dead or stalled)."""
         stats, stepper = self._stats, self._stepper
-        if stats.link_dead is not None or stats.stall is not None:
+        if stats.link_dead is not None or stats.stall is not None or stats.deadline is not None:
             candidates = stepper.steps_needed()
         elif stats.failed:
             done = stepper.done
@@ -178,6 +186,19 @@ class ComputeWorker:
             if stepper.ready(s):
                 return s
         return None
+
+    def _past_deadline(self) -> None:
+        """The ask's time limit: once it passed (and the link is still wanted), the link is
+        stopped and everything missing is computed, whatever the link would still deliver."""
+        stats = self._stats
+        if (self._deadline_s is None or self._link is None or stats.deadline is not None
+                or stats.link_dead is not None or self._hub.now() < self._deadline_s):
+            return
+        stats.deadline = (f"the ask's time limit passed {self._deadline_s:.3g} s into loading: "
+                          "the link was stopped and every missing chunk computed locally")
+        stats.link_errors.append(stats.deadline)
+        self._link.stop()
+        self._hub.progress()
 
     def _stall(self) -> bool:
         """The stall and the idle rules: whether everything missing is to be computed from now

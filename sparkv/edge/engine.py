@@ -32,7 +32,11 @@ Faults never lose the answer:
   path delivers a chunk first wins;
 * **the idle rule**: when nothing runs on either path (no step, no request, no decode) for
   ``stall_fallback_s`` of awake time while chunks are still missing, the schedule has lost them:
-  the compute thread computes what is missing rather than wait forever.
+  the compute thread computes what is missing rather than wait forever;
+* **the ask's time limit** (``deadline_s``): once it passed, the link is stopped and the compute
+  thread computes everything missing, however the link is doing;
+* **a dead link** (the controller's verdict, :class:`~sparkv.scheduler.rules.DeadLink`): a link
+  far below the plan's estimate gives all its work to the compute path.
 
 :class:`~sparkv.edge.results.LoadResult` says what fell back and why.
 """
@@ -79,14 +83,17 @@ class Engine:
         prelude, prelude_done: steps the stepper already ran, and those the prelude is finishing
             on ``stepper`` (sparkv.edge.prelude), are done for the controller; the compute
             thread waits for the prelude before its first step, the link starts at once.
+        deadline_s: the ask's time limit, seconds from the start of :meth:`run` (``None``:
+            none); past it the link is stopped and everything missing computed
+            (``LoadResult.fallback["deadline"]``).
     """
 
     def __init__(self, stepper: LayerStepper, plan: Plan, inst: Instance,
                  controller: ControllerConfig | None = None, *, source: ChunkSource | None = None,
                  config: EngineConfig | None = None, open_frame: FrameOpener | None = None,
                  kept: Mapping[KVChunkId, tuple[Sequence[int], Sequence[Any]]] | None = None,
-                 prelude: Prelude | None = None, prelude_done: Iterable[StepId] = ()
-                 ) -> None:
+                 prelude: Prelude | None = None, prelude_done: Iterable[StepId] = (),
+                 deadline_s: float | None = None) -> None:
         if stepper.geometry != inst.geometry:
             raise EngineError("the stepper and the instance have different geometries")
         if plan.stream_order and source is None:
@@ -109,7 +116,7 @@ class Engine:
         self._link = (Link(self._hub, source, inst, self.kv, self._stats, self._decoder, cfg)
                       if source is not None else None)
         self._compute = ComputeWorker(self._hub, stepper, self._stats, self._link, self._decoder,
-                                      prelude, cfg.stall_fallback_s)
+                                      prelude, cfg.stall_fallback_s, deadline_s)
 
     def run(self) -> LoadResult:
         """Loads every chunk; returns when the KV buffers are complete."""

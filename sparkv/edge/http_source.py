@@ -17,9 +17,10 @@ from typing import AsyncIterator, Sequence
 
 import httpx
 
+from sparkv.edge.bounds import answer_error, refuses_credentials
 from sparkv.edge.shaper import LinkShaper
 from sparkv.edge.transport import ChunkStream, FetchItem, SourceError
-from sparkv.protocol.errors import ApiError, RecordError
+from sparkv.protocol.errors import RecordError
 from sparkv.protocol.stream import RecordPiece, RecordReader
 
 MIN_PIECE = 4 << 10
@@ -75,8 +76,10 @@ class HttpChunkSource:
         except (httpx.TransportError, OSError) as e:
             raise SourceError(f"request failed: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
-            err = ApiError.from_response(resp.status_code, await _error_body(resp))
-            raise SourceError(str(err), fatal=not err.retryable)
+            err = answer_error(resp.status_code, await _error_body(resp),
+                               resp.headers.get("location"), f"POST {self.url}")
+            raise SourceError(str(err), fatal=not err.retryable,
+                              refused=err if refuses_credentials(err) else None) from err
         return _HttpStream(resp, RecordReader([it.nbytes for it in items]), self.shaper,
                            not_before)
 

@@ -37,11 +37,14 @@ WAIT_S = 0.05
 
 
 class _LinkFailure(Exception):
-    """A request failed; ``unreceived`` are the fetches of it that never arrived."""
+    """A request failed; ``unreceived`` are the fetches of it that never arrived; ``refused``:
+    the source refused this client's credentials (:class:`SourceError`)."""
 
-    def __init__(self, reason: str, unreceived: Sequence[Fetch], fatal: bool = False) -> None:
+    def __init__(self, reason: str, unreceived: Sequence[Fetch], fatal: bool = False,
+                 refused: Exception | None = None) -> None:
         super().__init__(reason)
         self.reason, self.unreceived, self.fatal = reason, list(unreceived), fatal
+        self.refused = refused
 
 
 @dataclass
@@ -241,7 +244,7 @@ class Link:
                 failures += 1
                 leftover = await self._after_failure(e, leftover)
                 if e.fatal or failures > self._cfg.retries:
-                    self._die(e.reason, leftover)
+                    self._die(e.reason, leftover, e.refused)
                     return
                 await asyncio.sleep(self._cfg.retry_backoff_s * (2 ** (failures - 1)))
 
@@ -277,10 +280,12 @@ class Link:
             self._stats.link_errors.append(e.reason)
         return leftover + e.unreceived + (nxt.batch if nxt is not None else [])
 
-    def _die(self, reason: str, leftover: list[Fetch]) -> None:
-        """Declares the link dead: the compute worker computes everything missing."""
+    def _die(self, reason: str, leftover: list[Fetch], refused: Exception | None = None) -> None:
+        """Declares the link dead: the compute worker computes everything missing, or, when the
+        source ``refused`` this client's credentials, ends the load with that error."""
         with self._hub.cv:
             self._stats.link_dead = reason
+            self._stats.refused = refused
             self._stats.lost(leftover)
             self._hub.progress()
 
@@ -401,7 +406,7 @@ class Link:
             return await req.task
         except SourceError as e:
             self._finished_request()
-            raise _LinkFailure(e.reason, req.batch, e.fatal) from e
+            raise _LinkFailure(e.reason, req.batch, e.fatal, e.refused) from e
         except asyncio.TimeoutError as e:
             self._finished_request()
             raise _LinkFailure(f"no response within {self._cfg.open_timeout_s:g} s",
@@ -422,7 +427,7 @@ class Link:
                                r.rest) from e
         except SourceError as e:
             self._count(len(r.data), 0)
-            raise _LinkFailure(f"{e.reason} (in {cid})", r.rest, e.fatal) from e
+            raise _LinkFailure(f"{e.reason} (in {cid})", r.rest, e.fatal, e.refused) from e
         if piece.index != r.i:
             raise _LinkFailure(f"the source sent item {piece.index} while {r.i} was due",
                                r.rest, fatal=True)

@@ -21,6 +21,10 @@ from sparkv.scheduler.controller import ControllerConfig
 
 #: the decode-time KV policy that keeps everything in RAM (no :mod:`sparkv.decode` policy)
 FULL_DECODE = "full"
+#: the default time limit of an ask: this many times the local-prefill estimate, plus
+#: :data:`ASK_DEADLINE_SLACK_S` (docs/edge.md, "Bounds")
+ASK_DEADLINE_FACTOR = 3.0
+ASK_DEADLINE_SLACK_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,17 @@ class AskOptions:
     (:mod:`sparkv.edge.prelude`; needs the context's tokens on the device). ``None``: on for
     the strategies in :data:`~sparkv.edge.planning.PRELUDE_STRATEGIES` (``sparkv``)."""
 
+    ask_deadline_s: float | None = None
+    """The ask's own time limit, seconds from the call: once it passes, the link is given up
+    and every chunk still missing is computed locally (``breakdown.fallback["deadline"]``).
+    ``None``: :data:`ASK_DEADLINE_FACTOR` x the local-prefill estimate (this device's cost
+    model of the whole context and the question) + :data:`ASK_DEADLINE_SLACK_S`;
+    ``math.inf``: no limit. Each request still has its own deadline (``ClientLimits``)."""
+
     def __post_init__(self) -> None:
+        if self.ask_deadline_s is not None and not self.ask_deadline_s > 0:
+            raise AskError(f"ask_deadline_s must be a positive number of seconds, "
+                           f"not {self.ask_deadline_s!r}")
         if self.strategy not in STRATEGIES:
             raise AskError(f"unknown strategy {self.strategy!r}; "
                            f"choose one of {sorted(STRATEGIES)}")
@@ -110,6 +124,13 @@ class AskOptions:
         """Whether generation goes through a :mod:`sparkv.decode` policy (anything but
         ``full`` without a RAM budget)."""
         return self.decode != FULL_DECODE or self.ram_budget is not None
+
+    def time_limit_s(self, local_s: float) -> float:
+        """The ask's time limit (s from the call) given the local-prefill estimate
+        ``local_s`` (:attr:`ask_deadline_s`, its ``None`` resolved)."""
+        if self.ask_deadline_s is not None:
+            return float(self.ask_deadline_s)
+        return ASK_DEADLINE_FACTOR * local_s + ASK_DEADLINE_SLACK_S
 
     @property
     def runs_prelude(self) -> bool:

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sparkv.edge.answer import AskResult, Breakdown
-from sparkv.edge.bounds import ClientLimits
+from sparkv.edge.bounds import ClientLimits, out_of_vocabulary
 from sparkv.edge.client import EdgeClient
-from sparkv.edge.engine import Engine, EngineConfig
+from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.options import AskOptions
 from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
                                   FloorNotEncoded, build_instance, default_backend,
@@ -128,6 +128,7 @@ class _Planned:
     prelude_usable: bool           # the prelude ran on this geometry and these tokens
     prelude_done: frozenset[StepId]    # the steps it finished or promised (priced ~0)
     seconds: float                 # ``Breakdown.planning_s``
+    local_s: float                 # the local-prefill estimate (every step + the question)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,13 @@ def _claim_prelude(pre: Prelude | None, tokens: list[int],
     if pre is not None:
         pre.request_stop(promise_first=False)
     return False, frozenset()
+
+
+def _time_left(ask: _Ask, limit_s: float) -> float | None:
+    """Seconds left of the ask's time limit ``limit_s`` (at least 0; ``None``: no limit)."""
+    if math.isinf(limit_s):
+        return None
+    return max(0.0, limit_s - (time.perf_counter() - ask.t_start))
 
 
 def _default_geometry(lm: Any, num_tokens: int) -> ChunkGeometry:
@@ -220,6 +228,11 @@ class EdgeSession:
                         else load_model_in_dtype(self._model_arg, dtype=self.dtype,
                                                  device=self.device))
         return self._lm
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the model has embeddings for (``0 .. vocab_size - 1``)."""
+        return int(self.lm.decoder.embed_tokens.num_embeddings)
 
     @property
     def cost_model(self) -> Any:
@@ -355,7 +368,7 @@ class EdgeSession:
         ctl_cfg = (controller if controller is not None and effective == ask.options.strategy
                    else ctl_factory())
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
-                        time.perf_counter() - t_plan)
+                        time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix)
 
     def _instance(self, ask: _Ask, manifest: Manifest | None, geometry: ChunkGeometry,
                   t_comp: Any, t_suffix: float) -> tuple[Instance, str]:
@@ -394,13 +407,23 @@ class EdgeSession:
         # a link whenever the plan streams or its controller may move work onto the link later
         linked = bool(plan.stream_order) or (planned.strategy != "local" and ctl_cfg.may_stream)
         source = self.client.chunk_source(ask.context_id) if linked else None
+        limit = ask.options.time_limit_s(planned.local_s)
         engine = Engine(stepper, plan, planned.instance, ctl_cfg, source=source,
                         config=ask.options.engine_config or self.engine_config,
                         open_frame=self._frame_opener(fetched.manifest),
                         kept=pressed.kept_positions if pressed is not None else None,
                         prelude=pre if reuse else None,
-                        prelude_done=planned.prelude_done if reuse else frozenset())
-        load = engine.run()
+                        prelude_done=planned.prelude_done if reuse else frozenset(),
+                        deadline_s=_time_left(ask, limit))
+        try:
+            load = engine.run()
+        except EngineError as e:
+            if isinstance(e.__cause__, ApiError):   # the server refused this client's key
+                raise e.__cause__ from None
+            raise
+        if "deadline" in load.fallback:
+            load.fallback["deadline"] = (f"the ask's {limit:.3g} s time limit passed: the link "
+                                         "was stopped and every missing chunk computed locally")
         pre_res = pre.join() if pre is not None else None
         if pre_res is not None and not pre_res.ok:
             ask.fallback["prelude"] = (f"{type(pre_res.error).__name__}: {pre_res.error}"
@@ -500,7 +523,7 @@ class EdgeSession:
                 manifest = client.manifest(context_id, use_cache=ask.options.use_cache)
                 self._check_manifest(manifest)   # before its token ids: it sizes their body
                 if tokens is None:
-                    tokens = client.tokens(context_id)
+                    tokens = client.tokens(context_id, vocab_size=self.vocab_size)
             except (ServerUnavailable, ApiError) as e:
                 if isinstance(e, ApiError) and not e.retryable:
                     raise
@@ -512,6 +535,10 @@ class EdgeSession:
                 ask.fallback["server"] = f"unreachable at the start ({type(e).__name__})"
         if tokens is None:  # pragma: no cover - every branch above sets them or raises
             raise AskError(f"no token ids for context {context_id}")
+        outside = out_of_vocabulary(tokens, self.vocab_size)
+        if outside is not None:   # given by the caller (the server's are checked on arrival)
+            raise AskError(f"the token ids of context {context_id} are not this model's: "
+                           f"{outside}")
         return manifest, tokens
 
     def _check_manifest(self, manifest: Manifest) -> None:

@@ -2,8 +2,8 @@
 :class:`~sparkv.edge.results.LoadResult` made of it.
 
 :class:`EngineStats` only records; the rules that act on faults live in the parts that apply
-them (:mod:`sparkv.edge.compute` reads :attr:`EngineStats.failed`, :attr:`EngineStats.link_dead`
-and :attr:`EngineStats.stall` to choose fallback steps).
+them (:mod:`sparkv.edge.compute` reads :attr:`EngineStats.failed`, :attr:`EngineStats.link_dead`,
+:attr:`EngineStats.stall` and :attr:`EngineStats.deadline` to choose fallback steps).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ class EngineStats:
     Who writes what:
 
     * the compute worker: ``steps``, ``compute_busy_s``, ``fallback_steps``, ``stall``,
-      ``ready_s``;
+      ``deadline``, ``ready_s``;
     * the link loop: ``transfers`` (a log per requested chunk), ``requests``,
-      ``bytes_received``, the first and last byte, ``silence_s``, ``link_dead``;
+      ``bytes_received``, the first and last byte, ``silence_s``, ``link_dead``, ``refused``;
     * a decode worker: each log's decode time and outcome, ``bytes_used``, ``decode_busy_s``,
       ``failed``;
     * all three: ``link_errors``.
@@ -44,16 +44,22 @@ class EngineStats:
             goes to ``LoadResult.transfers``).
         failed: chunk -> why the link's frame of it cannot be used (it is computed locally).
         link_dead: why the link was given up (everything missing is computed), or ``None``.
+        refused: the error with which the source refused this client's credentials (a 401 or
+            403): the compute worker ends the load with it (no fallback), or ``None``.
         stall: what ``LoadResult.fallback["stalled"]`` says once the stall or the idle rule
             fired, or a prelude failed (everything missing is computed while the link goes
             on), or ``None``.
+        deadline: why the link was given up at the ask's time limit (everything missing is
+            computed), or ``None``.
     """
 
     steps: dict[StepId, tuple[float, float]] = field(default_factory=dict)
     transfers: dict[KVChunkId, TransferLog] = field(default_factory=dict)
     failed: dict[KVChunkId, str] = field(default_factory=dict)
     link_dead: str | None = None
+    refused: Exception | None = None
     stall: str | None = None
+    deadline: str | None = None
     link_errors: list[str] = field(default_factory=list)
     fallback_steps: int = 0
     compute_busy_s: float = 0.0
@@ -138,6 +144,8 @@ class EngineStats:
             out["link"] = self.link_dead
         if self.stall:
             out["stalled"] = self.stall
+        if self.deadline:
+            out["deadline"] = self.deadline
         if self.fallback_steps:
             out["steps_computed"] = self.fallback_steps
         return out
@@ -150,12 +158,15 @@ class EngineStats:
             counts[src] = counts.get(src, 0) + 1
         link_active = (self._last_byte - self._first_byte) if self._first_byte is not None else 0.0
         estimate = ctl.run_bandwidth() if self.bytes_received >= MIN_BYTES_FOR_ESTIMATE else None
+        fallback = self.fallback()
+        if ctl.link_dead is not None:
+            fallback["slow_link"] = f"{ctl.link_dead}: its work was computed locally"
         return LoadResult(
             ready_s=self.ready_s, steps=dict(self.steps), transfers=list(self._transfer_list),
             compute_busy_s=self.compute_busy_s, decode_busy_s=self.decode_busy_s,
             link_active_s=link_active, bytes_streamed=self.bytes_used,
             bytes_received=self.bytes_received, requests=self.requests,
-            migrations=list(ctl.migrations), sources=counts, fallback=self.fallback(),
+            migrations=list(ctl.migrations), sources=counts, fallback=fallback,
             link_errors=list(self.link_errors), kv=kv, link_estimate_Bps=estimate,
             compute_ratio=ctl.compute_ratio(), compute_samples=ctl.compute_samples,
             silence_s=self.silence_s)

@@ -8,7 +8,8 @@ HTTP implementation (:class:`~sparkv.edge.http_source.HttpChunkSource`) parses t
 
 Failures are :class:`SourceError`. ``fatal`` says that asking again cannot help (a 4xx, a record
 that contradicts the manifest); anything else (a refused or cut connection, a 5xx, a timeout) may
-succeed on a retry.
+succeed on a retry. ``refused`` (a 401 or 403: the server refuses this client's key) is a
+configuration error, not a link fault: the load ends with it instead of falling back.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ class FetchItem:
 
 
 class SourceError(Exception):
-    """A request to a source failed; ``fatal``: retrying cannot help."""
+    """A request to a source failed; ``fatal``: retrying cannot help; ``refused``: the error
+    that refused this client's credentials (the load ends with it), else ``None``."""
 
-    def __init__(self, reason: str, fatal: bool = False) -> None:
+    def __init__(self, reason: str, fatal: bool = False,
+                 refused: Exception | None = None) -> None:
         super().__init__(reason)
-        self.reason, self.fatal = reason, fatal
+        self.reason, self.fatal, self.refused = reason, fatal or refused is not None, refused
 
 
 @runtime_checkable

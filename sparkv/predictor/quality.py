@@ -39,7 +39,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from sparkv.errors import SparkvError
 from sparkv.fileio import atomic_write
@@ -472,11 +472,6 @@ def quality_floor_for(model_fingerprint: str, fallback: str = FALLBACK_FLOOR,
 
 def _opt(x: Any) -> float | None:
     return None if x is None else float(x)
-
-
-def entries_by_name(entries: Iterable[QualityEntry]) -> dict[str, QualityEntry]:
-    """``{entry.name: entry}``."""
-    return {e.name: e for e in entries}
 
 
 # ---- the other sections: one verdict per configuration ------------------------------------------

@@ -93,7 +93,3 @@ class AdaPyramidPress(AdaKVPress):
     def __init__(self, inner: Press | None = None, alpha: float = 0.2,
                  compression_ratio: float | None = None) -> None:
         super().__init__(PyramidKVPress() if inner is None else inner, alpha, compression_ratio)
-
-
-AdaKV = AdaKVPress            # the names before kvpress's; kept as aliases
-AdaPyramid = AdaPyramidPress

@@ -52,6 +52,3 @@ class StreamingLLMPress(Press):
         s = torch.arange(n, dtype=torch.float32) / max(1, n)     # recency
         s[:self.sinks] = 2.0                                      # sinks first
         return s.expand(h, n).clone()
-
-
-StreamingLLM = StreamingLLMPress    # the name before kvpress's; kept as an alias

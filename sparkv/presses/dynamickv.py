@@ -70,6 +70,3 @@ class DynamicKVPress(SnapKVPress):
         if sum(room) < total:
             room = [cap] * num_layers
         return round_to_total([max(x, 1e-9) for x in last], total, room)
-
-
-DynamicKV = DynamicKVPress    # the name before kvpress's; kept as an alias

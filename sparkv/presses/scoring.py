@@ -215,11 +215,6 @@ def layer_kv(memory: Any, layer: int, stop: int) -> tuple[torch.Tensor, torch.Te
     return torch.stack(ks), torch.stack(vs)
 
 
-def layer_keys(memory: Any, layer: int, stop: int) -> torch.Tensor:
-    """``[H, stop, D]`` keys of positions ``0 .. stop-1`` of a full (unpruned) memory layer."""
-    return layer_kv(memory, layer, stop)[0]
-
-
 def layer_inputs(layer: int, keys: torch.Tensor, values: torch.Tensor, window: Window | None,
                  candidates: int, attend: bool) -> ScoreInputs:
     """One layer's :class:`ScoreInputs` from its full ``keys, values [H, N, D]`` (positions

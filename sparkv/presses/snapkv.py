@@ -38,7 +38,3 @@ class PyramidKVPress(SnapKVPress):
         hi = 2 * per_head - lo
         weights = [hi - (hi - lo) * l / max(1, n - 1) for l in range(n)]  # noqa: E741
         return round_to_total(weights, per_head * n, candidates)
-
-
-SnapKV = SnapKVPress          # the names before kvpress's; kept as aliases
-PyramidKV = PyramidKVPress

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Sequence
 
 import numpy as np
@@ -18,16 +17,11 @@ import xxhash
 
 CHECKSUM_ALGORITHM = "xxh3_128"
 CHECKSUM_PATTERN = r"^xxh3_128:[0-9a-f]{32}$"
-_CHECKSUM_RE = re.compile(CHECKSUM_PATTERN)
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
     """``xxh3_128:<hex>`` of stored bytes: the manifest's checksum and the frame's ETag."""
     return f"{CHECKSUM_ALGORITHM}:" + xxhash.xxh3_128_hexdigest(data)
-
-
-def is_checksum(text: str) -> bool:
-    return bool(_CHECKSUM_RE.match(text))
 
 
 def verify(data: bytes | bytearray | memoryview, checksum_text: str) -> bool:

@@ -67,7 +67,10 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> None:
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> None:
+    """Raises ``ValueError`` unless ``q`` is ``[B, Hq, nq, D]``, ``k`` and ``v`` are
+    ``[B, Hkv, nk, D]`` with ``Hq`` a multiple of ``Hkv``, and the keys cover ``q_offset + nq``
+    positions: what every :class:`AttentionBackend`'s ``attend`` checks first."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q [B,Hq,nq,D], k/v [B,Hkv,nk,D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -135,7 +138,7 @@ class DenseAttention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                scale: float | None = None) -> tuple[torch.Tensor, AttentionStats]:
-        _check_shapes(q, k, v, q_offset)
+        check_shapes(q, k, v, q_offset)
         out = _sdpa_causal(q, k, v, q_offset, scale, self.split)
         blocks = causal_block_count(q.shape[2], k.shape[2], q_offset)
         stats = AttentionStats(self.name, torch.full((q.shape[1],), blocks * q.shape[0]), blocks)
@@ -411,7 +414,7 @@ class BlockSparseAttention:
         * Diagonal blocks (cut by the causal boundary): one masked call per distinct shape, over a
           contiguous key window.
         """
-        _check_shapes(q, k, v, q_offset)
+        check_shapes(q, k, v, q_offset)
         cfg = self.config
         if mask is None and not cfg.force_dense:
             if q_offset + q.shape[2] <= cfg.dense_below or _all_dense(cfg.cdf_threshold, cfg.topk):
@@ -556,7 +559,7 @@ class SpasSageAttention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                scale: float | None = None) -> tuple[torch.Tensor, AttentionStats]:
-        _check_shapes(q, k, v, q_offset)
+        check_shapes(q, k, v, q_offset)
         nq, nk, d = q.shape[2], k.shape[2], q.shape[3]
         if not (q.is_cuda and q_offset == 0 and nk == nq and d in (64, 128)):
             return self._fallback.attend(q, k, v, q_offset, scale)

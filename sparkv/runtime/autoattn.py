@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from sparkv.runtime.attention import (AttentionStats, BlockSparseAttention, DenseAttention,
-                                      SparsityConfig, _check_shapes, register_backend)
+                                      SparsityConfig, check_shapes, register_backend)
 
 
 @dataclass
@@ -149,7 +149,7 @@ class AutoAttention:
                scale: float | None = None) -> tuple[torch.Tensor, AttentionStats]:
         if not q.is_cuda:
             return self.cpu.attend(q, k, v, q_offset, scale)
-        _check_shapes(q, k, v, q_offset)
+        check_shapes(q, k, v, q_offset)
         if self.profile is None:
             self.profile = load_profile(q.device)
         keys = q_offset + q.shape[2]
@@ -168,8 +168,9 @@ class AutoAttention:
             return self.dense.attend(q, k, v, q_offset, scale)
 
 
-def _timed(fn: Any, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` synchronized runs, after one warm-up."""
+def median_time_s(fn: Any, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs on ``device`` (CUDA synchronized after
+    each), after one warm-up."""
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -203,12 +204,13 @@ def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, k
     k = torch.randn(1, hkv, keys, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
     dense = DenseAttention()
+    dense_s = median_time_s(lambda: dense.attend(q, k, v, off), device, repeats)
     row: dict[str, Any] = {"heads": f"{hq}/{hkv}/{head_dim}", "keys": keys, "queries": queries,
-                           "dense_ms": 1e3 * _timed(lambda: dense.attend(q, k, v, off), device,
-                                                    repeats), "sparse": []}
+                           "dense_ms": 1e3 * dense_s, "sparse": []}
     base = config or SparsityConfig()
     predictor = BlockSparseAttention(base)
-    row["predict_ms"] = 1e3 * _timed(lambda: predictor.predict_mask(q, k, off), device, repeats)
+    row["predict_ms"] = 1e3 * median_time_s(lambda: predictor.predict_mask(q, k, off), device,
+                                            repeats)
     _, _, _, visible, _ = predictor._geometry(queries, keys, off, q.device)
     for d in densities:
         # random data is never self-similar: with the filter on, every mask would be dense;
@@ -218,8 +220,9 @@ def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, k
         mask = sp._predictor.predict_mask(q, k, off)
         real = float(mask.sum()) / max(1, int(visible.sum()) * hq)
         try:
-            kernel = 1e3 * _timed(lambda: sp.attend(q, k, v, off, mask=mask), device, repeats)
-            total = 1e3 * _timed(lambda: sp.attend(q, k, v, off), device, repeats)
+            kernel = 1e3 * median_time_s(lambda: sp.attend(q, k, v, off, mask=mask), device,
+                                         repeats)
+            total = 1e3 * median_time_s(lambda: sp.attend(q, k, v, off), device, repeats)
         except Exception as exc:  # noqa: BLE001 - a kernel that fails: never sparse here
             row["error"] = repr(exc)[:800]
             kernel = total = math.inf
@@ -228,7 +231,7 @@ def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, k
         if static:
             fixed = FlexAttention(sparse=True, config=cfg, dynamic=False)
             try:
-                point["kernel_static_ms"] = 1e3 * _timed(
+                point["kernel_static_ms"] = 1e3 * median_time_s(
                     lambda: fixed.attend(q, k, v, off, mask=mask), device, repeats)
             except Exception as exc:  # noqa: BLE001
                 point["static_error"] = repr(exc)[:400]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from sparkv.runtime.attention import (K_BLOCK, Q_BLOCK, AttentionStats, BackendUnavailableError,
-                                      BlockSparseAttention, SparsityConfig, _check_shapes,
+                                      BlockSparseAttention, SparsityConfig, check_shapes,
                                       causal_block_count, register_backend)
 
 _COMPILED: dict[str, Any] = {}
@@ -135,7 +135,7 @@ class FlexAttention:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                scale: float | None = None, mask: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, AttentionStats]:
-        _check_shapes(q, k, v, q_offset)
+        check_shapes(q, k, v, q_offset)
         b, hq, nq, d = q.shape
         nk = q_offset + nq                      # keys past the last query are never seen
         k, v = k[:, :, :nk], v[:, :, :nk]

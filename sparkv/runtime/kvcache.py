@@ -15,18 +15,15 @@ import torch
 from sparkv.cache import ContextKV, KVMemoryError, LayerKV, Source
 from sparkv.layout import ChunkGeometry, KVChunkId
 
-__all__ = ["LayerKV", "KVLayoutError", "split_chunks", "assemble_layers", "memory_from_layers",
+__all__ = ["LayerKV", "split_chunks", "assemble_layers", "memory_from_layers",
            "to_dynamic_cache", "from_dynamic_cache"]
-
-KVLayoutError = KVMemoryError
-"""A chunk's shape, dtype or coordinates do not match the context's geometry."""
 
 
 def split_chunks(layers: LayerKV, geometry: ChunkGeometry
                  ) -> dict[KVChunkId, tuple[torch.Tensor, torch.Tensor]]:
     """Cuts per-layer K/V into chunks ``(t, l, g) -> (K, V)``, each ``[Hg, n_t, D]`` (views)."""
     if len(layers) != geometry.num_layers:
-        raise KVLayoutError(f"expected {geometry.num_layers} layers, got {len(layers)}")
+        raise KVMemoryError(f"expected {geometry.num_layers} layers, got {len(layers)}")
     out: dict[KVChunkId, tuple[torch.Tensor, torch.Tensor]] = {}
     for cid in geometry.chunk_ids():
         k, v = layers[cid.l]

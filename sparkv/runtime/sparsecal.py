@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sparkv.runtime.attention import (AttentionStats, BlockSparseAttention, DenseAttention,
-                                      SparsityConfig, _check_shapes, causal_block_count)
+                                      SparsityConfig, check_shapes, causal_block_count)
 from sparkv.runtime.model import LoadedModel
 from sparkv.runtime.stepper import LayerStepper
 from sparkv.runtime.thresholds import LayerThresholds, SparseThresholds
@@ -91,7 +91,7 @@ class _Calibration:
 
     def measure(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 q_offset: int, scale: float | None, ref: torch.Tensor) -> None:
-        _check_shapes(q, k, v, q_offset)
+        check_shapes(q, k, v, q_offset)
         if q_offset + q.shape[2] <= self.base.dense_below:
             return  # the runtime computes these calls densely: nothing to calibrate
         tally = self.tallies.setdefault(layer, _Tally())

@@ -127,7 +127,7 @@ class LayerStepper:
         return frozenset(self._done)
 
     # ---- execution -----------------------------------------------------------------------------
-    def _tokens(self, t0: int, t1: int) -> tuple[int, int]:
+    def token_span(self, t0: int, t1: int) -> tuple[int, int]:
         """Token positions ``[a, b)`` of token chunks ``t0 .. t1-1``."""
         return self.geometry.token_range(t0)[0], self.geometry.token_range(t1 - 1)[1]
 
@@ -135,7 +135,7 @@ class LayerStepper:
         """cos/sin of token chunks ``t0 .. t1-1`` (cached per span)."""
         key = (t0, t1)
         if key not in self._rope:
-            a, b = self._tokens(*key)
+            a, b = self.token_span(*key)
             pos = torch.arange(a, b, device=ref.device).unsqueeze(0)
             cos, sin = self.lm.decoder.rotary_emb(ref, pos)
             self._rope[key] = (cos.to(ref.dtype), sin.to(ref.dtype))
@@ -143,13 +143,13 @@ class LayerStepper:
 
     def _input(self, t0: int, t1: int, l: int) -> torch.Tensor:  # noqa: E741
         if l == 0:
-            a, b = self._tokens(t0, t1)
+            a, b = self.token_span(t0, t1)
             return self.lm.decoder.embed_tokens(self.token_ids[:, a:b])
         parts = [self._hidden.pop(StepId(t, l - 1)) for t in range(t0, t1)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _keep_hidden(self, x: torch.Tensor, t0: int, t1: int, l: int) -> None:  # noqa: E741
-        a = self._tokens(t0, t1)[0]
+        a = self.token_span(t0, t1)[0]
         for t in range(t0, t1):
             ta, tb = self.geometry.token_range(t)
             self._hidden[StepId(t, l)] = x[:, ta - a:tb - a]
@@ -168,9 +168,11 @@ class LayerStepper:
         cos, sin = self._rope_for(t0, t1, h)
         return apply_rope(k.transpose(1, 2), cos, sin), v
 
-    def _put_span(self, t0: int, t1: int, l: int, k: torch.Tensor,  # noqa: E741
-                  v: torch.Tensor) -> None:
-        a = self._tokens(t0, t1)[0]
+    def put_span(self, t0: int, t1: int, l: int, k: torch.Tensor,  # noqa: E741
+                 v: torch.Tensor) -> None:
+        """Writes the K/V ``[1, H, n, D]`` that steps ``(t0 .. t1-1, l)`` computed (``n`` their
+        tokens) into the KV memory, chunk by chunk (source: computed)."""
+        a = self.token_span(t0, t1)[0]
         for t in range(t0, t1):
             ta, tb = self.geometry.token_range(t)
             self.kv.put_step_output(t, l, k[:, :, ta - a:tb - a], v[:, :, ta - a:tb - a])
@@ -217,7 +219,7 @@ class LayerStepper:
         last = l == self.geometry.num_layers - 1
         if last and not self.full_last_layer:
             k, v = self._project_kv(layer, h, t0, t1)
-            self._put_span(t0, t1, l, k, v)
+            self.put_span(t0, t1, l, k, v)
             return x, None
         cache = _StepCache(self, t0, t1, l)
         attn_out, _ = model_call(layer.self_attn, hidden_states=h,
@@ -331,8 +333,8 @@ class _StepCache:
                *args: object, **kwargs: object) -> tuple[AttentionView, AttentionView]:
         st = self.stepper
         kv, g, l = st.kv, st.geometry, self.l  # noqa: E741
-        a, b = st._tokens(self.t0, self.t1)
-        st._put_span(self.t0, self.t1, l, key_states, value_states)
+        a, b = st.token_span(self.t0, self.t1)
+        st.put_span(self.t0, self.t1, l, key_states, value_states)
         q_pos = torch.arange(a, b, device=key_states.device)
         if kv.is_dense(l):
             store = kv.layers[l]

@@ -13,7 +13,8 @@ Typical use on the device::
 """
 
 from sparkv.scheduler.bounds import lp_bound, lp_dep_bound
-from sparkv.scheduler.controller import Controller, ControllerConfig, Fetch, Migration
+from sparkv.scheduler.controller import Controller, ControllerConfig, Fetch
+from sparkv.scheduler.estimators import ComputeEstimator, LinkEstimator
 from sparkv.scheduler.graph import (DepState, PlanError, layer_dependency, plan_problems,
                                     token_dependencies, validate_plan)
 from sparkv.scheduler.instance import (DEFAULT_LEVELS, MBPS, SMOLLM2_135M_CPU, CostProfile, Instance,
@@ -21,15 +22,21 @@ from sparkv.scheduler.instance import (DEFAULT_LEVELS, MBPS, SMOLLM2_135M_CPU, C
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.planners import (PLANNERS, Greedy, LocalOnly, Milp, Planner, PlannerError,
                                        StreamOnly, StrongHybrid, get_planner)
+from sparkv.scheduler.rules import (CommitColumns, DeadLink, PlanOrder, Prefetch, ProbeIdleLink,
+                                    ReadyFirst, Rebalance, RecomputeColumns, SloLevels, ToCompute,
+                                    ToStream)
 from sparkv.scheduler.simulator import (ComputeNoise, SimulationError, Timeline, TransferRecord,
                                         estimate_ttft, simulate)
+from sparkv.scheduler.state import LoadState, Migration
 from sparkv.scheduler.trace import SAMPLE_TRACES, Trace, TraceError, make_sample_trace
 
 __all__ = [
-    "DEFAULT_LEVELS", "MBPS", "PLANNERS", "SAMPLE_TRACES", "SMOLLM2_135M_CPU", "ComputeNoise",
-    "Controller", "ControllerConfig", "CostProfile", "DepState", "Fetch", "Greedy", "Instance",
-    "InstanceError", "StreamLevel", "LocalOnly", "Migration", "Milp", "Plan", "PlanError", "Planner",
-    "PlannerError", "SimulationError", "StreamOnly", "StrongHybrid", "Timeline", "Trace",
+    "DEFAULT_LEVELS", "MBPS", "PLANNERS", "SAMPLE_TRACES", "SMOLLM2_135M_CPU", "CommitColumns",
+    "ComputeEstimator", "ComputeNoise", "Controller", "ControllerConfig", "CostProfile", "DeadLink",
+    "DepState", "Fetch", "Greedy", "Instance", "InstanceError", "LinkEstimator", "LoadState",
+    "LocalOnly", "Migration", "Milp", "Plan", "PlanError", "PlanOrder", "Planner", "PlannerError", "Prefetch",
+    "ProbeIdleLink", "ReadyFirst", "Rebalance", "RecomputeColumns", "SimulationError", "SloLevels",
+    "StreamLevel", "StreamOnly", "StrongHybrid", "Timeline", "ToCompute", "ToStream", "Trace",
     "TraceError", "TransferRecord", "estimate_ttft", "get_planner", "layer_dependency",
     "lp_bound", "lp_dep_bound", "make_sample_trace", "plan_problems", "simulate",
     "synthetic_instance", "token_dependencies", "validate_plan",

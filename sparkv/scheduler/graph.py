@@ -18,7 +18,7 @@ it); :func:`validate_plan` rejects a plan the engine could not execute, naming t
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from sparkv.errors import SparkvError
 from sparkv.layout import ChunkGeometry, KVChunkId, StepId
@@ -284,9 +284,3 @@ def validate_plan(plan: Plan, inst: Instance) -> None:
     problems = plan_problems(plan, inst)
     if problems:
         raise PlanError(problems)
-
-
-def topological_compute_order(steps: Iterable[StepId]) -> list[StepId]:
-    """Sorts computed steps column by column (``(t, l)``), which satisfies every dependency among
-    computed steps (``(t, l-1)`` and ``(t' < t, l)`` both come first)."""
-    return sorted(steps, key=lambda s: (s[0], s[1]))

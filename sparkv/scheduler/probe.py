@@ -14,10 +14,12 @@ hand-back"):
   per second of the load (the first probe is always allowed, whatever its size). On a dead link
   this bounds what the probes ask for, including probes cancelled and sent again;
 * once a probe's bytes flow at a good rate, the controller's ordinary rebalancing hands work
-  back to the link (whole token-chunk columns from the tail: ``Controller._to_stream``).
+  back to the link (whole token-chunk columns from the tail:
+  :class:`~sparkv.scheduler.rules.ToStream`).
 
-The :class:`~sparkv.scheduler.controller.Controller` owns one; the simulator and the edge engine
-both drive that controller, so the policy is the same in both.
+The rule that makes probes is :class:`~sparkv.scheduler.rules.ProbeIdleLink`; this module is its
+state, one per load (:attr:`LoadState.probe <sparkv.scheduler.state.LoadState>`). The simulator
+and the edge engine both drive the same controller, so the policy is the same in both.
 """
 
 from __future__ import annotations

@@ -32,10 +32,11 @@ import numpy as np
 
 from sparkv.errors import SparkvError
 from sparkv.layout import KVChunkId, StepId
-from sparkv.scheduler.controller import Controller, ControllerConfig, Migration
+from sparkv.scheduler.controller import Controller, ControllerConfig
 from sparkv.scheduler.graph import DepState
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.plan import Plan
+from sparkv.scheduler.state import Migration
 from sparkv.scheduler.trace import Trace
 
 
@@ -394,12 +395,13 @@ class Simulation:
 
     # ------------------------------------------------------------------ outcome
     def _deadlock(self, now: float) -> SimulationError:
-        inst, ctl = self.inst, self.ctl
+        inst, st = self.inst, self.ctl.state
+        cq, lq = st.compute.order, st.link.order
         blocked = [f"{inst.step_id(s)} waits for " + ", ".join(self.dep.missing_for(s)[:4])
-                   for s in ctl.cq[:3]]
+                   for s in cq[:3]]
         return SimulationError(
             f"deadlock at t={now:.4f}s: {len(self.avail_at)}/{inst.num_chunks} chunks available, "
-            f"link queue {len(ctl.lq)} chunks, compute queue {len(ctl.cq)} steps"
+            f"link queue {len(lq)} chunks, compute queue {len(cq)} steps"
             + (": " + "; ".join(blocked) if blocked else ""))
 
     def _timeline(self) -> Timeline:

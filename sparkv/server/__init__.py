@@ -10,7 +10,7 @@ container).
 
 from sparkv.server.config import Settings, hash_api_key, load_settings, new_api_key
 from sparkv.server.errors import ApiError, ConfigError, ServerError, StoreError
-from sparkv.server.stores import ChunkKey, ChunkStore, FileStore, open_store
+from sparkv.server.stores import ChunkKey, FileStore, Store, open_store
 
 
 def create_app(settings: Settings, **kwargs):  # noqa: ANN001, ANN201 - lazy: FastAPI + torch
@@ -21,5 +21,5 @@ def create_app(settings: Settings, **kwargs):  # noqa: ANN001, ANN201 - lazy: Fa
 
 
 __all__ = ["create_app", "Settings", "load_settings", "hash_api_key", "new_api_key", "ApiError",
-           "ConfigError", "ServerError", "StoreError", "ChunkKey", "ChunkStore", "FileStore",
+           "ConfigError", "ServerError", "StoreError", "ChunkKey", "Store", "FileStore",
            "open_store"]

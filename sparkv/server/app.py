@@ -33,7 +33,7 @@ from sparkv.server.models import ModelRegistry
 from sparkv.server.openapi import install_openapi, operation_id
 from sparkv.server.routes import ROUTERS
 from sparkv.server.state import ServerState
-from sparkv.server.stores import ChunkStore
+from sparkv.server.stores import Store
 from sparkv.server.version import __version__
 
 __all__ = ["create_app", "__version__"]
@@ -59,7 +59,7 @@ def lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextMana
     return run
 
 
-def create_app(settings: Settings, store: ChunkStore | None = None,
+def create_app(settings: Settings, store: Store | None = None,
                registry: ModelRegistry | None = None) -> FastAPI:
     """The sparkv server app.
 

@@ -195,8 +195,6 @@ def serve(args: argparse.Namespace) -> int:
     from sparkv.extras import SERVER_MODULES, require_all
 
     require_all(SERVER_MODULES, feature="sparkv serve")
-    import uvicorn
-
     settings = _settings(args.config, args.store, torch_threads=args.threads,
                          log_level=args.log_level,
                          allow_anonymous=True if args.allow_anonymous else None,
@@ -215,6 +213,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.ssl_require_client_cert and not (args.ssl_certfile and args.ssl_ca_certs):
         raise ConfigError("--ssl-require-client-cert needs --ssl-certfile, --ssl-keyfile and "
                           "--ssl-ca-certs")
+    from sparkv.rest.listen import bind_tcp, serve as serve_app
+
+    sockets = bind_tcp(args.host, args.port)  # a port in use is one line before anything loads
     import ssl
     import torch
 
@@ -222,20 +223,18 @@ def serve(args: argparse.Namespace) -> int:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     from sparkv.server.app import create_app
-    from sparkv.server.http_protocol import json_error_protocol
 
     app = create_app(settings)
     scheme = "https" if args.ssl_certfile else "http"
     log.info("sparkv serve: %s://%s:%s store=%s tenants=%d models=%s", scheme, args.host,
              args.port, app.state.sparkv.store.url, len(settings.tenants),
              ",".join(settings.models))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level,
-                access_log=args.access_log, ssl_certfile=args.ssl_certfile,
-                ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
-                ssl_ca_certs=args.ssl_ca_certs,
-                ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
-                timeout_keep_alive=30, server_header=False,
-                http=json_error_protocol(settings.header_timeout_s))
+    serve_app(app, sockets, header_timeout_s=settings.header_timeout_s,
+              log_level=settings.log_level, access_log=args.access_log,
+              ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+              ssl_keyfile_password=args.ssl_keyfile_password, ssl_ca_certs=args.ssl_ca_certs,
+              ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_require_client_cert else ssl.CERT_NONE,
+              timeout_keep_alive=30, server_header=False)
     return 0
 
 
@@ -276,13 +275,11 @@ def worker(args: argparse.Namespace) -> int:
 def encode(args: argparse.Namespace) -> int:
     """``sparkv encode``: encodes a file's context into a store (nothing when it is there)."""
     from sparkv.protocol.crypto import key_to_text, new_key
-    from sparkv.server.config import ANONYMOUS_TENANT
     from sparkv.server.encoder import backfill_tokens, derive_context_id
     from sparkv.server.stores import open_store
 
     settings = _encode_settings(args)
-    tenant = args.tenant or (next(iter(settings.tenants)) if len(settings.tenants) == 1
-                             else ANONYMOUS_TENANT)
+    tenant = _encode_tenant(args.tenant, settings)
     text = sys.stdin.read() if args.file == "-" else _read_text(args.file)
     entry, ids = _token_ids(args, settings, text)
     spec = _context_spec(args, settings, tenant, entry, ids)
@@ -290,9 +287,9 @@ def encode(args: argparse.Namespace) -> int:
     store = open_store(settings.store)
     result: dict[str, Any] = {"context_id": cid, "tenant": tenant, "store": store.url,
                               "num_tokens": len(ids), "levels": list(spec.levels)}
-    if store.get_manifest(tenant, cid) is not None:
+    if store.manifests.get(tenant, cid) is not None:
         # encoded before token ids were kept: add them (GET .../tokens serves them)
-        added = backfill_tokens(store, spec, cid)
+        added = backfill_tokens(store.chunks, spec, cid)
         result.update(status="exists", tokens_added=added)
         _report(args, result, f"context {cid} is already in {store.url} ("
                 f"{'its token ids were added' if added else 'nothing to do'})")
@@ -311,6 +308,26 @@ def encode(args: argparse.Namespace) -> int:
         msg += f"\nencryption key (shown once, stored nowhere): {result['encryption_key']}"
     _report(args, result, msg)
     return 0
+
+
+def _encode_tenant(asked: str | None, settings: Any) -> str:
+    """The tenant ``sparkv encode`` stores under: ``--tenant``, else the config's only tenant,
+    else ``anonymous``. A tenant the server could not map a request to (not in the config, or
+    ``anonymous`` while the config has tenants and no ``allow_anonymous``) is a
+    :class:`ConfigError`: its contexts would be reachable by no key."""
+    from sparkv.server.config import ANONYMOUS_TENANT
+
+    reachable = set(settings.tenants)
+    if settings.allow_anonymous or not settings.tenants:
+        reachable.add(ANONYMOUS_TENANT)
+    tenant = asked or (next(iter(settings.tenants)) if len(settings.tenants) == 1
+                       else ANONYMOUS_TENANT)
+    if tenant not in reachable:
+        raise ConfigError(f"tenant {tenant!r} is not in the config, so no API key reaches its "
+                          f"contexts: use one of {', '.join(sorted(reachable))} "
+                          "(--tenant), or add it (`sparkv apikey --tenant NAME` prints its "
+                          "lines)")
+    return tenant
 
 
 def _encode_settings(args: argparse.Namespace) -> Any:
@@ -421,13 +438,13 @@ def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes 
         bar.update(done - bar.n)  # tqdm rate-limits the redraws
 
     try:
-        manifest, stats = encode_context(entry, spec, cid, store, cipher=cipher,
+        manifest, stats = encode_context(entry, spec, cid, store.chunks, cipher=cipher,
                                          progress=progress, reuse_stored=not spec.encrypted)
-        store.put_manifest(spec.tenant, cid, manifest)
+        store.manifests.put(spec.tenant, cid, manifest)
     except BaseException:
         bar.close()
-        if store.get_manifest(spec.tenant, cid) is None:
-            store.delete(spec.tenant, cid)  # no half-encoded leftovers
+        if store.manifests.get(spec.tenant, cid) is None:
+            store.delete_context(spec.tenant, cid)  # no half-encoded leftovers
         raise
     bar.close()
     return manifest, stats

@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from sparkv.rest.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                DEFAULT_MAX_BODY_BYTES)
 from sparkv.server.errors import ConfigError
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -73,7 +75,7 @@ class Settings(BaseModel):
     default_chunk_tokens: int = Field(256, ge=16, le=65536)
     max_context_tokens: int = Field(32768, ge=1)
     """Upper bound on a context's tokens (the model's own maximum applies as well)."""
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     max_stream_items: int = Field(1 << 16, ge=1)
     """Items (frames) per stream request; beyond, 400 ``too_many_items``."""
     max_stream_bytes: int = Field(256 * 1024 * 1024, ge=4096)
@@ -91,10 +93,10 @@ class Settings(BaseModel):
     max_streams_per_tenant: int = Field(8, ge=1, le=4096)
     """Stream responses one tenant may have in progress at once; beyond, 429
     ``too_many_streams`` with ``Retry-After``."""
-    body_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    body_timeout_s: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0.0, le=3600.0)
     """A request body must arrive completely within this many seconds of the request's headers;
     otherwise 408 ``body_timeout`` and the connection is closed."""
-    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    header_timeout_s: float = Field(DEFAULT_HEADER_TIMEOUT_S, gt=0.0, le=3600.0)
     """A request's headers must arrive completely within this many seconds of its first byte
     (of the connection, for its first request); otherwise the connection is closed (after a 408
     ``header_timeout`` when part of a request arrived). ``sparkv serve`` only (the HTTP layer)."""

@@ -35,7 +35,7 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.protocol import ChunkEntry, FrameCipher, Manifest, ModelInfo, kept_entry
 from sparkv.protocol.digests import checksum, tokens_bytes, tokens_digest
 from sparkv.server.errors import StoreError
-from sparkv.server.stores.base import ChunkKey, ChunkStore
+from sparkv.server.stores.base import ChunkKey, ChunkStore, Store
 
 log = logging.getLogger("sparkv.server.encoder")
 
@@ -368,10 +368,10 @@ class _ContextEncoder:
     thread: no lock.
     """
 
-    def __init__(self, entry: Any, spec: ContextSpec, context_id: str, store: ChunkStore,
+    def __init__(self, entry: Any, spec: ContextSpec, context_id: str, chunks: ChunkStore,
                  cipher: FrameCipher | None) -> None:
         self.entry, self.spec, self.context_id = entry, spec, context_id
-        self.store, self.cipher = store, cipher
+        self.chunks, self.cipher = chunks, cipher
         self.geometry = ChunkGeometry.from_config(entry.lm.config, spec.num_tokens,
                                                   spec.chunk_tokens, spec.heads_per_group)
         self.stats = EncodeStats()
@@ -383,7 +383,7 @@ class _ContextEncoder:
         """Every ``(chunk, level, needed)`` in encoding order: ``needed`` is false for a frame
         already stored (reused only when ``reuse_stored`` and not encrypting)."""
         spec = self.spec
-        existing = (self.store.list_chunks(spec.tenant, self.context_id)
+        existing = (self.chunks.keys(spec.tenant, self.context_id)
                     if reuse_stored and not self.cipher else set())
         return [(cid, lv, ChunkKey(*cid, lv) not in existing)
                 for cid in self.geometry.chunk_ids() for lv in spec.levels]
@@ -428,7 +428,7 @@ class _ContextEncoder:
 
         stats = self.stats
         t0 = time.perf_counter()
-        stored = self.store.get_chunk(self.spec.tenant, self.context_id, key)
+        stored = self.chunks.get(self.spec.tenant, self.context_id, key)
         stats.store_s += time.perf_counter() - t0
         if stored is None:
             return None
@@ -461,7 +461,7 @@ class _ContextEncoder:
         stats.describe_s += t2 - t1
         stats.encrypt_s += time.perf_counter() - t2
         t0 = time.perf_counter()
-        self.store.put_chunk(self.spec.tenant, self.context_id, key, stored)
+        self.chunks.put(self.spec.tenant, self.context_id, key, stored)
         stats.store_s += time.perf_counter() - t0
         stats.frames_encoded += 1
         stats.frames_by_level[level] = stats.frames_by_level.get(level, 0) + 1
@@ -487,21 +487,22 @@ class _ContextEncoder:
         """Stores the token ids and returns the manifest's JSON (not published)."""
         spec = self.spec
         t0 = time.perf_counter()
-        self.store.put_tokens(spec.tenant, self.context_id, tokens_bytes(spec.token_ids))
+        self.chunks.put_tokens(spec.tenant, self.context_id, tokens_bytes(spec.token_ids))
         self.stats.store_s += time.perf_counter() - t0
         press = self.pressed.info if self.pressed is not None else None
         return _manifest(spec, self.context_id, self.entry, self.geometry,
                          list(self.entries.values()), press).to_json()
 
 
-def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkStore, *,
+def encode_context(entry: Any, spec: ContextSpec, context_id: str, chunks: ChunkStore, *,
                    cipher: FrameCipher | None = None, progress: ProgressFn | None = None,
                    should_stop: Callable[[], bool] | None = None, pause_s: float = 0.0,
                    reuse_stored: bool = True) -> tuple[bytes, EncodeStats]:
-    """Encodes every chunk of a context at every level into ``store``, stores its token ids
-    (``store.put_tokens``, after the last frame) and returns the manifest.
+    """Encodes every chunk of a context at every level into ``chunks`` (a store's
+    :class:`~sparkv.server.stores.base.ChunkStore`), stores its token ids (``put_tokens``, after
+    the last frame) and returns the manifest.
 
-    The caller publishes the manifest (``store.put_manifest``) after this returns, so a crash or a
+    The caller publishes the manifest (``store.manifests.put``) after this returns, so a crash or a
     cancellation before then leaves no visible context.
 
     Args:
@@ -520,7 +521,7 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     t_start = time.perf_counter()
     report = progress or (lambda phase, done, tot: None)
     stop = should_stop or (lambda: False)
-    run = _ContextEncoder(entry, spec, context_id, store, cipher)
+    run = _ContextEncoder(entry, spec, context_id, chunks, cipher)
     todo = run.todo(reuse_stored)
     total = len(todo)
     report("prefill", 0, total)
@@ -541,24 +542,24 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, store: ChunkS
     return data, run.stats
 
 
-def backfill_tokens(store: ChunkStore, spec: ContextSpec, context_id: str) -> bool:
+def backfill_tokens(chunks: ChunkStore, spec: ContextSpec, context_id: str) -> bool:
     """Stores the token ids of a published context encoded before they were stored.
 
     The context id is derived from the token ids (see :func:`derive_context_id`), so a request
     that names an existing context carries exactly its tokens. Returns ``True`` when they were
     missing and are now stored.
     """
-    if store.has_tokens(spec.tenant, context_id):
+    if chunks.has_tokens(spec.tenant, context_id):
         return False
-    store.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
+    chunks.put_tokens(spec.tenant, context_id, tokens_bytes(spec.token_ids))
     return True
 
 
-def discard_unpublished(store: ChunkStore, tenant: str, context_id: str) -> None:
+def discard_unpublished(store: Store, tenant: str, context_id: str) -> None:
     """Removes what a failed or cancelled encode left of a context (frames, token ids) unless its
     manifest was published. A store error is logged, not raised (the job's outcome stands)."""
     try:
-        if store.get_manifest(tenant, context_id) is None:
-            store.delete(tenant, context_id)
+        if store.manifests.get(tenant, context_id) is None:
+            store.delete_context(tenant, context_id)
     except StoreError:
         log.exception("cannot clean up context %s", context_id)

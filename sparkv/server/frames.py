@@ -6,9 +6,11 @@ immutable. :func:`read_verified_frame` reads the whole frame and checks its size
 ``xxh3_128`` checksum before anything is sent (also for a range: a slice of a damaged frame is
 never served). One xxh3 pass costs far less than reading the bytes.
 
-A damaged store path is a damaged frame too: a frame the manifest names that is missing, or that
-cannot be read at all (a directory where its file should be, an I/O error), is
-:class:`FrameCorrupt`, never an ``OSError`` reaching the app (a 500) or a cut connection.
+A damaged store path is a damaged frame too: a frame the manifest names that is missing, that
+cannot be read at all (a directory, a FIFO or a symlink where its file should be, an I/O error),
+or whose stored size exceeds the manifest's (not read: a 3 GB file in a frame's place costs
+nothing) is :class:`FrameCorrupt`, never an ``OSError`` reaching the app (a 500), a hung request
+or a cut connection.
 :func:`corrupt_frame_error` turns it into the answer: 404 when the context was deleted meanwhile
 (its manifest, read afresh, is gone too), else 503 ``frame_corrupt``.
 """
@@ -22,7 +24,7 @@ from sparkv.protocol.digests import verify
 from sparkv.server.deps import require_manifest
 from sparkv.server.errors import ApiError
 from sparkv.server.state import FrameEntry, ServerState
-from sparkv.server.stores import ChunkKey, ChunkStore
+from sparkv.server.stores import ChunkKey, ChunkStore, ValueTooLarge
 
 log = logging.getLogger("sparkv.server")
 
@@ -45,33 +47,46 @@ def _unreadable(key: ChunkKey, exc: OSError) -> FrameCorrupt:
     return FrameCorrupt(key, f"it cannot be read from the store ({type(exc).__name__})")
 
 
-def read_frames(store: ChunkStore, tenant: str, context_id: str,
-                keys: Sequence[ChunkKey]) -> list[bytes | None]:
+def _too_large(exc: ValueTooLarge) -> FrameCorrupt:
+    return FrameCorrupt(exc.key, f"{exc.size} bytes stored, the manifest says at most "
+                                 f"{exc.max_bytes}")
+
+
+def read_frames(chunks: ChunkStore, tenant: str, context_id: str,
+                keys: Sequence[ChunkKey], max_bytes: int) -> list[bytes | None]:
     """Several stored frames in one store call (``None`` where one is absent; runs in a worker
-    thread). Raises :class:`FrameCorrupt` naming the first frame that cannot be read (an
-    ``OSError`` of the store: a damaged path), never the ``OSError`` itself."""
+    thread), none read if larger than ``max_bytes``. Raises :class:`FrameCorrupt` naming the
+    first frame that is larger or cannot be read (an ``OSError`` of the store: a damaged path,
+    a symlink, a FIFO), never the ``OSError`` itself."""
     try:
-        return store.get_chunks(tenant, context_id, keys)
+        return chunks.get_many(tenant, context_id, keys, max_bytes)
+    except ValueTooLarge as exc:
+        raise _too_large(exc) from None
     except OSError:
         pass
     out: list[bytes | None] = []
     for key in keys:  # one at a time, to name the frame that cannot be read
         try:
-            out.append(store.get_chunk(tenant, context_id, key))
+            out.append(chunks.get(tenant, context_id, key, max_bytes))
+        except ValueTooLarge as exc:
+            raise _too_large(exc) from None
         except OSError as exc:
             raise _unreadable(key, exc) from None
     return out
 
 
-def read_verified_frame(store: ChunkStore, tenant: str, context_id: str, key: ChunkKey,
+def read_verified_frame(chunks: ChunkStore, tenant: str, context_id: str, key: ChunkKey,
                         entry: FrameEntry) -> bytes:
-    """The stored frame, checked against ``entry`` (runs in a worker thread).
+    """The stored frame, checked against ``entry`` (runs in a worker thread); a stored file
+    larger than the manifest's size is never read.
 
-    Raises :class:`FrameCorrupt` when it is absent (``missing``), cannot be read, or its size or
-    checksum differs from the manifest's.
+    Raises :class:`FrameCorrupt` when it is absent (``missing``), cannot be read (not a regular
+    file inside the store), or its size or checksum differs from the manifest's.
     """
     try:
-        data = store.get_chunk(tenant, context_id, key)
+        data = chunks.get(tenant, context_id, key, entry.size)
+    except ValueTooLarge as exc:
+        raise _too_large(exc) from None
     except OSError as exc:
         raise _unreadable(key, exc) from None
     if data is None:

@@ -1,6 +1,6 @@
 """Background encode jobs: a thread pool off the event loop, progress, persistence and resume.
 
-Every job is a record in the store (``put_job``), written when it is queued, when its phase
+Every job is a record in the store (``store.jobs.put``), written when it is queued, when its phase
 changes, every couple of seconds while it runs, and when it ends. When the server starts,
 :meth:`JobManager.start` looks at every unfinished record left by a previous process:
 
@@ -35,7 +35,7 @@ from sparkv.server.encoder import (ContextSpec, JobCancelled, backfill_tokens,
 from sparkv.server.errors import ApiError, StoreError
 from sparkv.server.metrics import ServerMetrics
 from sparkv.server.models import ModelRegistry
-from sparkv.server.stores.base import ChunkStore
+from sparkv.server.stores.base import Store
 
 log = logging.getLogger("sparkv.server.jobs")
 
@@ -106,7 +106,7 @@ class _Job:
 class JobManager:
     """Runs encode jobs on ``settings.encode_workers`` threads. See the module docstring."""
 
-    def __init__(self, store: ChunkStore, registry: ModelRegistry, settings: Settings,
+    def __init__(self, store: Store, registry: ModelRegistry, settings: Settings,
                  metrics: ServerMetrics | None = None) -> None:
         self.store = store
         self.registry = registry
@@ -125,13 +125,13 @@ class JobManager:
         rec = job.record
         rec["updated_unix"] = time.time()
         try:
-            self.store.put_job(rec["tenant"], rec["job_id"], json.dumps(rec).encode())
+            self.store.jobs.put(rec["tenant"], rec["job_id"], json.dumps(rec).encode())
         except StoreError:
             log.exception("cannot persist job %s", rec["job_id"])
         job.last_persist = time.monotonic()
 
     def _load(self, tenant: str, job_id: str) -> dict[str, Any] | None:
-        raw = self.store.get_job(tenant, job_id)
+        raw = self.store.jobs.get(tenant, job_id)
         if raw is None:
             return None
         try:
@@ -150,31 +150,31 @@ class JobManager:
     def start(self) -> None:
         """Recovers the jobs a previous process left unfinished (see the module docstring)."""
         now = time.time()
-        for tenant, job_id in self.store.list_jobs():
+        for tenant, job_id in self.store.jobs.ids():
             rec = self._load(tenant, job_id)
             if rec is None:
                 continue
             if rec.get("state") in FINAL_STATES:
                 finished = float(rec.get("finished_unix") or rec.get("created_unix") or now)
                 if now - finished > self.settings.job_retention_s:
-                    self.store.delete_job(tenant, job_id)
+                    self.store.jobs.delete(tenant, job_id)
                 else:
                     self._remember(rec)
                 continue
             self._remember(rec)
             job = _Job(rec, None)
             cid = rec["context_id"]
-            if self.store.get_manifest(tenant, cid) is not None:
+            if self.store.manifests.get(tenant, cid) is not None:
                 self._finish(job, "done", None)
             elif rec["spec"].get("encrypted"):
-                self.store.delete(tenant, cid)
+                self.store.delete_context(tenant, cid)
                 self._finish(job, "failed", KEY_LOST)
             elif not self.settings.resume_jobs:
-                self.store.delete(tenant, cid)
+                self.store.delete_context(tenant, cid)
                 self._finish(job, "failed", "the server restarted during this job and "
                                             "resume_jobs is off; create the context again")
             elif int(rec.get("attempts", 0)) >= self.settings.max_job_attempts:
-                self.store.delete(tenant, cid)
+                self.store.delete_context(tenant, cid)
                 self._finish(job, "failed", f"gave up after {rec.get('attempts')} attempts: the "
                                             "server stopped during each of them")
             else:
@@ -252,8 +252,8 @@ class JobManager:
                     raise ApiError(409, "context_busy", "this context is being deleted; retry in "
                                    "a moment", headers={"Retry-After": "1"})
                 return SubmitResult(job.record["state"], dict(job.record), False)
-            if self.store.get_manifest(tenant, context_id) is not None:
-                backfill_tokens(self.store, spec, context_id)
+            if self.store.manifests.get(tenant, context_id) is not None:
+                backfill_tokens(self.store.chunks, spec, context_id)
                 latest = self._latest.get((tenant, context_id))
                 rec = self._load(tenant, latest[1]) if latest else None
                 return SubmitResult("done", rec, False)
@@ -286,7 +286,7 @@ class JobManager:
             job = self._active.get((tenant, context_id))
             if job is not None:
                 job.cancel.set()  # under the lock: the job cannot publish after this
-        existed = self.store.delete(tenant, context_id)
+        existed = self.store.delete_context(tenant, context_id)
         return existed or job is not None
 
     # --- running ------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ class JobManager:
             if spec.encrypted and cipher is None:
                 raise RuntimeError(KEY_LOST)
             manifest, stats = encode_context(
-                entry, spec, cid, self.store, cipher=cipher,
+                entry, spec, cid, self.store.chunks, cipher=cipher,
                 progress=lambda phase, d, t: self._progress(job, phase, d, t),
                 should_stop=lambda: job.cancel.is_set() or self._stopping.is_set(),
                 pause_s=self.settings.encode_pause_s,
@@ -331,7 +331,7 @@ class JobManager:
             with self._lock:
                 if job.cancel.is_set():
                     raise JobCancelled()
-                self.store.put_manifest(tenant, cid, manifest)
+                self.store.manifests.put(tenant, cid, manifest)
             m = self.metrics
             m.encode_tokens.inc(spec.num_tokens if stats.prefill_s else 0)
             for lv, n in stats.frames_by_level.items():

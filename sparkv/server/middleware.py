@@ -1,6 +1,7 @@
-"""Pure ASGI middleware: metrics, gzip for JSON, the request body deadline and size limit,
-API-key authentication and the strict query check (:func:`install_middleware` adds them in
-order).
+"""Pure ASGI middleware of the server: metrics, gzip for JSON, API-key authentication and the
+strict query check, around the plumbing both apps share (:mod:`sparkv.rest.middleware`: the
+canonical path, the request body's deadline and size limit); :func:`install_middleware` adds
+them in order.
 
 Pure ASGI (no ``BaseHTTPMiddleware``) so that streamed responses pass through untouched and the
 per-request cost stays a few microseconds.
@@ -9,52 +10,31 @@ per-request cost stays a few microseconds.
 from __future__ import annotations
 
 import gzip
-import json
 import time
 from collections import OrderedDict
 from urllib.parse import parse_qsl
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable
 
 from sparkv.extras import SERVER_MODULES, require_all
 
 require_all(SERVER_MODULES, feature="the REST server (sparkv.server.middleware)")
 
-import anyio
 from anyio import to_thread
 from fastapi import FastAPI
-from fastapi.exceptions import HTTPException
 from fastapi.routing import APIRoute
 from starlette.datastructures import MutableHeaders
 from starlette.routing import BaseRoute, Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sparkv.protocol.errors import error_body
+from sparkv.rest.limits import BodyLimits
+from sparkv.rest.middleware import header, header_values, install_request_policy, send_json
+from sparkv.rest.routing import flat_routes
 from sparkv.server.config import ANONYMOUS_TENANT, Settings, hash_api_key
 from sparkv.server.metrics import ServerMetrics
 
 TENANT_SCOPE_KEY = "sparkv.tenant"
 PROTECTED_PREFIX = "/v1/"
-
-
-async def send_json(send: Send, status: int, body: dict[str, Any],
-                    headers: dict[str, str] | None = None) -> None:
-    """Sends a whole JSON response."""
-    data = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": data, "more_body": False})
-
-
-def error_body(status: int, code: str, message: str, **details: Any) -> dict[str, Any]:
-    """The one JSON shape of an error response."""
-    return {"error": {"status": status, "code": code, "message": message, **details}}
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope.get("headers", ()):
-        if k == name:
-            return v.decode("latin-1")
-    return None
 
 
 class MetricsMiddleware:
@@ -198,7 +178,7 @@ class GZipMiddleware:
         if scope["type"] != "http" or self.minimum_size <= 0:
             await self.app(scope, receive, send)
             return
-        accepts = accepts_gzip(_header(scope, b"accept-encoding"))
+        accepts = accepts_gzip(header(scope, b"accept-encoding"))
         held: Message | None = None
         passthrough = False
 
@@ -239,102 +219,6 @@ class GZipMiddleware:
         await self.app(scope, receive, gzip_send)
 
 
-class BodyTooLarge(HTTPException):
-    """Raised from ``receive`` when a streamed body crosses the limit (413 ``body_too_large``)."""
-
-    code = "body_too_large"
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than the server's limit of {limit} "
-                              "bytes")
-        self.limit = limit
-        self.details = {"limit": limit}
-
-
-class BodyTimeout(HTTPException):
-    """Raised from ``receive`` when the body has not arrived within the deadline (408
-    ``body_timeout``; ``Connection: close`` makes the HTTP server close the connection)."""
-
-    code = "body_timeout"
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(408, f"the request body did not arrive completely within "
-                              f"{timeout_s:g} s", headers={"Connection": "close"})
-        self.details = {"timeout_s": timeout_s}
-
-
-class BodyTimeoutMiddleware:
-    """Gives every request body a deadline: ``timeout_s`` from the moment the request's headers
-    reached the app. A read of the body that would wait past it raises :class:`BodyTimeout`
-    (rendered as 408 ``body_timeout``, and the connection is closed), so a client that sends a
-    partial body (or none, after announcing one) cannot hold a request open. Once the body is
-    complete, ``receive`` is not timed (a stream response waits on it for the disconnect)."""
-
-    def __init__(self, app: ASGIApp, timeout_s: float, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.timeout_s = timeout_s
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        deadline = anyio.current_time() + self.timeout_s
-        complete = False
-
-        async def timed_receive() -> Message:
-            nonlocal complete
-            if complete:
-                return await receive()
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                message = await receive()
-                if message["type"] != "http.request" or not message.get("more_body", False):
-                    complete = True
-                return message
-            self.metrics.body_timeouts.inc()
-            raise BodyTimeout(self.timeout_s)
-
-        await self.app(scope, timed_receive, send)
-
-
-class BodyLimitMiddleware:
-    """Refuses request bodies over ``limit`` bytes with 413: at once when ``Content-Length`` says
-    so, otherwise as soon as the streamed body crosses the limit."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = _header(scope, b"content-length")
-        if declared is not None:
-            if not declared.strip().isdigit():
-                await send_json(send, 400, error_body(400, "bad_content_length",
-                                                      "Content-Length is not a number"))
-                return
-            if int(declared) > self.limit:
-                await send_json(send, 413, error_body(
-                    413, "body_too_large", f"the request body ({int(declared)} bytes) is larger "
-                    f"than the server's limit of {self.limit} bytes", limit=self.limit))
-                return
-        seen = 0
-        limit = self.limit
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge(limit)
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
 def bearer_key(authorization: str) -> str | None:
     """The key of an ``Authorization: Bearer <key>`` value, or ``None`` unless the value is
     exactly the scheme (case-insensitive, RFC 9110 11.1), one space and a key of printable ASCII
@@ -347,15 +231,42 @@ def bearer_key(authorization: str) -> str | None:
     return key
 
 
+Refusal = tuple[str, str]
+"""``(code, message)`` of a 401."""
+
+
+def request_key(scope: Scope) -> tuple[str | None, Refusal | None]:
+    """The API key a request carries (``None``: none), or why it is refused: an
+    ``Authorization`` that is not exactly ``Bearer <key>`` (``invalid_api_key``), or more than
+    one key (``conflicting_api_keys``: two ``Authorization`` or two ``X-API-Key`` headers, even
+    equal ones, or both headers with different keys). Which of two keys counts is never
+    guessed."""
+    auths = header_values(scope, b"authorization")
+    header_keys = header_values(scope, b"x-api-key")
+    if len(auths) > 1 or len(header_keys) > 1:
+        return None, ("conflicting_api_keys", "the request carries more than one "
+                      "Authorization or X-API-Key header; send the key once")
+    header_key = header_keys[0].strip() if header_keys else None
+    if not auths:
+        return header_key or None, None
+    key = bearer_key(auths[0])
+    if key is None:
+        return None, ("invalid_api_key", "the Authorization header must be 'Bearer <api key>' "
+                      "with one space and nothing else (or send the key in X-API-Key)")
+    if header_key and header_key != key:
+        return None, ("conflicting_api_keys", "the request carries two different API keys "
+                      "(Authorization: Bearer and X-API-Key); send one")
+    return key, None
+
+
 class AuthMiddleware:
     """Maps the API key of every ``/v1/`` request to its tenant, or answers 401.
 
     The key comes from ``Authorization: Bearer <key>`` (exactly: :func:`bearer_key`) or
-    ``X-API-Key: <key>`` (both may be sent
-    only if they carry the same key: two different keys are ``conflicting_api_keys``, never a
-    guess at which one counts); it is hashed and looked up among the configured hashes. Without a key the request is refused unless anonymous
-    access is on (then it acts as tenant ``anonymous``). The tenant is put in the ASGI scope for
-    the routes (``request.scope["sparkv.tenant"]``).
+    ``X-API-Key: <key>``, once (:func:`request_key`: both headers only with the same key, never
+    a header twice); it is hashed and looked up among the configured hashes. Without a key the
+    request is refused unless anonymous access is on (then it acts as tenant ``anonymous``). The
+    tenant is put in the ASGI scope for the routes (``request.scope["sparkv.tenant"]``).
     """
 
     def __init__(self, app: ASGIApp, key_index: Callable[[], dict[str, str]],
@@ -374,23 +285,10 @@ class AuthMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
             await self.app(scope, receive, send)
             return
-        key = None
-        auth = _header(scope, b"authorization")
-        header_key = _header(scope, b"x-api-key")
-        if auth is not None:
-            key = bearer_key(auth)
-            if key is None:
-                await self._refuse(send, "invalid_api_key", "the Authorization header must be "
-                                   "'Bearer <api key>' with one space and nothing else (or send "
-                                   "the key in X-API-Key)")
-                return
-            if header_key is not None and header_key.strip() and header_key.strip() != key:
-                await self._refuse(send, "conflicting_api_keys", "the request carries two "
-                                   "different API keys (Authorization: Bearer and X-API-Key); "
-                                   "send one")
-                return
-        else:
-            key = header_key.strip() if header_key is not None else None
+        key, refusal = request_key(scope)
+        if refusal is not None:
+            await self._refuse(send, *refusal)
+            return
         if not key:
             if self.allow_anonymous():
                 scope[TENANT_SCOPE_KEY] = ANONYMOUS_TENANT
@@ -405,18 +303,6 @@ class AuthMiddleware:
             return
         scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
-
-
-def flat_routes(routes: Iterable[BaseRoute]) -> Iterator[BaseRoute]:
-    """Every route, with those of included routers in place of their inclusion (FastAPI wraps
-    an ``include_router`` in an object that keeps the router as ``original_router``; the
-    app's routers are included without a prefix)."""
-    for route in routes:
-        inner = getattr(route, "original_router", None)
-        if inner is not None:
-            yield from flat_routes(inner.routes)
-        else:
-            yield route
 
 
 def query_names(route: BaseRoute) -> frozenset[str]:
@@ -483,14 +369,15 @@ class QueryMiddleware:
 
 def install_middleware(app: FastAPI, settings: Settings, metrics: ServerMetrics) -> None:
     """Adds the middleware, outermost first: metrics (which counts the bytes sent, compressed),
-    gzip (JSON only), the body deadline, the body size limit, authentication, the query check."""
+    gzip (JSON only), the shared request policy (the canonical path, the body deadline and size
+    limit: :func:`~sparkv.rest.middleware.install_request_policy`), authentication, the query
+    check."""
     app.add_middleware(QueryMiddleware, router=app.router)  # type: ignore[arg-type]
     index = settings.key_index()
     app.add_middleware(AuthMiddleware, key_index=lambda: index,  # type: ignore[arg-type]
                        allow_anonymous=lambda: settings.allow_anonymous, metrics=metrics)
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)  # type: ignore[arg-type]
-    app.add_middleware(BodyTimeoutMiddleware,  # type: ignore[arg-type]
-                       timeout_s=settings.body_timeout_s, metrics=metrics)
+    install_request_policy(app, BodyLimits(settings.max_body_bytes, settings.body_timeout_s),
+                           on_body_timeout=metrics.body_timeouts.inc)
     app.add_middleware(GZipMiddleware,  # type: ignore[arg-type]
                        minimum_size=settings.gzip_min_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # type: ignore[arg-type]

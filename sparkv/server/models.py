@@ -10,6 +10,7 @@ import hashlib
 import json
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sparkv.server.errors import ApiError
@@ -49,6 +50,39 @@ class ModelEntry:
         return cls(name, lm, tok_id, int(lm.config.vocab_size), min(positions, max_context_tokens))
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a request for one model must respect (the OpenAPI document states them)."""
+
+    vocab_size: int
+    """Token ids are below it."""
+    kv_heads: int
+    """``heads_per_group`` divides it (or is 0)."""
+    max_tokens: int
+    """The longest context (the model's positions and the server's limit)."""
+
+
+def _config_facts(path: str | None, max_context_tokens: int) -> ModelFacts | None:
+    """:class:`ModelFacts` from a checkpoint's ``config.json`` without loading the model
+    (``None``: the bundled model not converted yet, a ``random:`` or ``rope-extended:`` spec,
+    an unreadable config)."""
+    from sparkv.runtime.model import DEFAULT_MODEL, converted_dir
+
+    if path is None or str(path).lower() in (DEFAULT_MODEL, "smollm2"):
+        config = converted_dir() / "config.json"
+    elif ":" in str(path):
+        return None
+    else:
+        config = Path(path).expanduser() / "config.json"
+    try:
+        doc = json.loads(config.read_text())
+        heads = int(doc.get("num_key_value_heads") or doc["num_attention_heads"])
+        positions = int(doc.get("max_position_embeddings") or 0) or max_context_tokens
+        return ModelFacts(int(doc["vocab_size"]), heads, min(positions, max_context_tokens))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class ModelRegistry:
     """Configured models by name; ``get`` loads on first use (thread-safe, once per name)."""
 
@@ -65,6 +99,16 @@ class ModelRegistry:
 
     def is_loaded(self, name: str) -> bool:
         return name in self._loaded
+
+    def facts(self, name: str) -> ModelFacts | None:
+        """The limits of model ``name`` from the loaded model, else from its checkpoint's
+        ``config.json`` (never loads it); ``None`` when neither can be read."""
+        entry = self._loaded.get(name)
+        if entry is None:
+            return _config_facts(self._paths[name], self._max)
+        cfg = entry.lm.config
+        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        return ModelFacts(entry.vocab_size, heads, entry.max_tokens)
 
     def add(self, entry: ModelEntry) -> None:
         """Registers an already loaded model (tests, the offline encoder)."""

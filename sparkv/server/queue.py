@@ -30,7 +30,7 @@ heartbeat fails with :class:`QueueReset` once the epoch changed. A Redis that ke
 (``appendonly yes``) keeps its epoch: nothing is lost, nothing is reported lost.
 
 The job records themselves (state, phase, progress) stay where the single-process server keeps
-them, in the store (``put_job``), so any replica answers ``GET /v1/jobs/{id}`` with what the
+them, in the store (``store.jobs.put``), so any replica answers ``GET /v1/jobs/{id}`` with what the
 worker wrote last (at least every :data:`PERSIST_EVERY_S` seconds).
 """
 
@@ -39,10 +39,10 @@ from __future__ import annotations
 import secrets
 import time
 from typing import Any, NamedTuple
-from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from sparkv.server.config import Settings
 from sparkv.server.errors import StoreError
+from sparkv.server.stores.redis_url import parse_redis_url
 
 GROUP = "workers"
 PERSIST_EVERY_S = 0.5
@@ -158,17 +158,14 @@ class RedisJobQueue:
         from redis.retry import Retry
 
         self._redis = redis
-        parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        self.prefix = (query.pop("prefix", ["sparkv"]) or ["sparkv"])[0]
-        rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
-        clean = urlunsplit((parts.scheme, parts.netloc, parts.path, rest, ""))
-        self.url = urlunsplit((parts.scheme, (parts.hostname or "") +
-                               (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
+        target = parse_redis_url(url)
+        self.prefix = target.prefix
+        self.url = target.public  # no password
         self.claim_idle_ms = int(claim_idle_s * 1000)
         try:  # one quick retry (a connection the server closed); outages are the callers' backoff
             self.client = client or redis.Redis.from_url(
-                clean, socket_connect_timeout=5, socket_timeout=30, retry=Retry(NoBackoff(), 1))
+                target.connect, socket_connect_timeout=5, socket_timeout=30,
+                retry=Retry(NoBackoff(), 1))
         except (ValueError, redis.RedisError) as exc:
             raise QueueError(f"bad queue URL {self.url}: {exc}") from exc
         self.stream = f"{self.prefix}:q:stream"

@@ -39,7 +39,7 @@ from sparkv.server.metrics import ServerMetrics
 from sparkv.server.models import ModelRegistry
 from sparkv.server.queue import (ENCRYPTED_REFUSED, LOST_IN_QUEUE, RESUBMIT, QueueError,
                                  QueueReset, RedisJobQueue, queue_url)
-from sparkv.server.stores.base import ChunkStore
+from sparkv.server.stores.base import Store
 
 log = logging.getLogger("sparkv.server.queue")
 
@@ -123,7 +123,7 @@ class QueuedJobManager:
     seeing a new epoch at once may both reconcile: writing a ``lost`` record twice is harmless.
     """
 
-    def __init__(self, store: ChunkStore, registry: ModelRegistry, settings: Settings,
+    def __init__(self, store: Store, registry: ModelRegistry, settings: Settings,
                  metrics: ServerMetrics | None = None, queue: RedisJobQueue | None = None) -> None:
         self.store = store
         self.registry = registry
@@ -135,7 +135,7 @@ class QueuedJobManager:
         self._closed = False
 
     def _load(self, tenant: str, job_id: str) -> dict[str, Any] | None:
-        raw = self.store.get_job(tenant, job_id)
+        raw = self.store.jobs.get(tenant, job_id)
         if raw is None:
             return None
         try:
@@ -172,7 +172,7 @@ class QueuedJobManager:
         return epoch
 
     def _write(self, rec: dict[str, Any]) -> None:
-        self.store.put_job(rec["tenant"], rec["job_id"], json.dumps(rec).encode())
+        self.store.jobs.put(rec["tenant"], rec["job_id"], json.dumps(rec).encode())
 
     def queue_health(self) -> QueueHealth:
         """``degraded`` while no worker's heartbeat is live (``no_worker``) or the queue cannot
@@ -251,8 +251,8 @@ class QueuedJobManager:
             if res.status != "lost":
                 return res
             self.queue.release_context(tenant, context_id, active)  # a lost job holds no slot
-        if self.store.get_manifest(tenant, context_id) is not None:
-            backfill_tokens(self.store, spec, context_id)
+        if self.store.manifests.get(tenant, context_id) is not None:
+            backfill_tokens(self.store.chunks, spec, context_id)
             latest = self.queue.latest_job(tenant, context_id)
             return SubmitResult("done", self.get(tenant, latest) if latest else None, False)
         depth = self.queue.depth()
@@ -276,7 +276,7 @@ class QueuedJobManager:
         else:
             raise QueueError("the job queue's epoch keeps changing (its Redis restarts); retry")
         if winner is not None:  # another replica queued it a moment ago
-            self.store.delete_job(tenant, job_id)
+            self.store.jobs.delete(tenant, job_id)
             return self._existing(tenant, winner)
         self.ledger.add(rec)
         self.metrics.jobs.labels("submitted").inc()
@@ -295,5 +295,5 @@ class QueuedJobManager:
         job_id = self.queue.active_job(tenant, context_id)
         if job_id is not None:
             self.queue.cancel(job_id)
-        existed = self.store.delete(tenant, context_id)
+        existed = self.store.delete_context(tenant, context_id)
         return existed or job_id is not None

@@ -12,6 +12,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from sparkv.codec import DEFAULT_LEVEL, LEVEL_ORDER
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 from sparkv.protocol.manifest import Manifest
+from sparkv.rest.fields import json_int, one_of
 
 __all__ = ["ErrorDetail", "ErrorResponse", "Manifest"]  # the wire's own models, shown in OpenAPI
 
@@ -23,18 +24,6 @@ MAX_INDEX = 2**31 - 1
 _CANONICAL_DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
-def _json_int(value: Any) -> int:
-    """JSON Schema's integer: an int, or a float with no fraction (``3.0``); never a bool or a
-    string (``"3"`` is malformed, not coerced)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("must be an integer")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError("must be an integer")
-        return int(value)
-    return value
-
-
 def _canonical_decimal(value: Any) -> Any:
     """A path segment as a plain decimal: ``0`` or ``[1-9][0-9]*`` (no sign, no leading zeros,
     no spaces, no fraction), so that one frame has exactly one URL (one cache key)."""
@@ -44,17 +33,6 @@ def _canonical_decimal(value: Any) -> Any:
     return int(value) if isinstance(value, str) else value
 
 
-def json_int(minimum: int, maximum: int) -> Any:
-    """A JSON integer in ``[minimum, maximum]`` (see :func:`_json_int`).
-
-    The bounds sit on the inner ``int`` so that JSON Schema (and OpenAPI) shows them as
-    ``minimum``/``maximum``; put on the outer, validator-wrapped type (or on an ``Optional``)
-    pydantic would emit non-standard ``ge``/``le`` keywords.
-    """
-    return Annotated[int, Field(ge=minimum, le=maximum), BeforeValidator(_json_int)]
-
-
-JsonInt = Annotated[int, BeforeValidator(_json_int)]
 TokenId = json_int(0, MAX_INDEX)
 ChunkTokens = json_int(16, 65536)
 HeadsPerGroup = json_int(0, 4096)
@@ -67,8 +45,8 @@ PathIndex = Annotated[Annotated[int, Field(ge=0, le=MAX_INDEX)],
 class CreateContext(BaseModel):
     """``POST /v1/contexts``: exactly one of ``text`` and ``token_ids``."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "oneOf": [{"required": ["text"]}, {"required": ["token_ids"]}]})
+    model_config = ConfigDict(extra="forbid",
+                              json_schema_extra=one_of({"text": "string", "token_ids": "array"}))
 
     text: Optional[str] = Field(None, min_length=1, description="the context as text (tokenized "
                                 "with the model's tokenizer, no special tokens added)")

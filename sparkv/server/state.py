@@ -23,7 +23,7 @@ from sparkv.server.errors import ApiError
 from sparkv.server.jobs import JobManager
 from sparkv.server.metrics import ServerMetrics
 from sparkv.server.models import ModelRegistry
-from sparkv.server.stores import ChunkStore, open_store
+from sparkv.server.stores import Store, open_store
 
 IMMUTABLE = "max-age=31536000, immutable"
 MANIFEST_CACHE_ENTRIES = 256
@@ -143,7 +143,7 @@ class ServerState:
     """What the routes need; one per app (``app.state.sparkv``)."""
 
     settings: Settings
-    store: ChunkStore
+    store: Store
     registry: ModelRegistry
     jobs: JobManager
     metrics: ServerMetrics
@@ -152,7 +152,7 @@ class ServerState:
         default_factory=OrderedDict)
 
     @classmethod
-    def build(cls, settings: Settings, store: ChunkStore | None = None,
+    def build(cls, settings: Settings, store: Store | None = None,
               registry: ModelRegistry | None = None) -> "ServerState":
         """Opens the store (unless given), builds the model registry and the job manager."""
         metrics = ServerMetrics()
@@ -175,7 +175,7 @@ class ServerState:
         now = time.monotonic()
         if hit is not None and hit[0] > now:
             return hit[1]
-        raw = await to_thread.run_sync(self.store.get_manifest, tenant, context_id)
+        raw = await to_thread.run_sync(self.store.manifests.get, tenant, context_id)
         if raw is None:
             self.manifests.pop(key, None)
             return None

@@ -181,8 +181,9 @@ def build_plan(parsed: ParsedManifest, items: list[Item], cap: ResponseCap, body
     batches of about ``batch_bytes`` (runs in a worker thread).
 
     Raises:
-        ApiError: 400 naming the first bad item (``chunk_out_of_range``,
-            ``level_not_available``, with its ``index``); 413 ``response_too_large`` when the
+        ApiError: 404 naming the first item this context does not have (``chunk_out_of_range``,
+            ``level_not_available``, with its ``index``: the status ``GET .../chunks/...`` gives
+            the same chunk); 413 ``response_too_large`` when the
             response would be larger than ``cap`` allows.
     """
     index = parsed.index
@@ -194,7 +195,7 @@ def build_plan(parsed: ParsedManifest, items: list[Item], cap: ResponseCap, body
             try:
                 entry = chunk_entry(parsed, t, l, g, lv)
             except ApiError as exc:
-                raise ApiError(400, exc.code, f"chunks[{i}]: {exc.message}", index=i,
+                raise ApiError(404, exc.code, f"chunks[{i}]: {exc.message}", index=i,
                                **exc.details) from None
         append((ChunkKey(t, l, g, lv), entry.size))
     total = stream_length(size for _, size in frames)

@@ -117,8 +117,8 @@ class FrameStream(Response):
 
     # --- reading ------------------------------------------------------------------------------
     def _read(self, batch: Batch) -> list[bytes | None]:
-        return read_frames(self.state.store, self.tenant, self.context_id,
-                           [k for k, _ in batch])
+        return read_frames(self.state.store.chunks, self.tenant, self.context_id,
+                           [k for k, _ in batch], max(size for _, size in batch))
 
     def _hold(self, frames: list[bytes | None]) -> list[bytes | None]:
         n = sum(len(f) for f in frames if f is not None)

@@ -54,7 +54,7 @@ from sparkv.server.jobs import FINAL_STATES
 from sparkv.server.models import ModelRegistry
 from sparkv.server.queue import (ENCRYPTED_REFUSED, LOST_IN_QUEUE, PERSIST_EVERY_S, WORKER_TTL_S,
                                  QueueEntry, QueueError, QueueReset, RedisJobQueue, queue_url)
-from sparkv.server.stores.base import ChunkStore
+from sparkv.server.stores.base import Store
 
 log = logging.getLogger("sparkv.server.worker")
 
@@ -81,7 +81,7 @@ class EncodeWorker:
             the wait); tests pass a fake.
     """
 
-    def __init__(self, settings: Settings, store: ChunkStore, registry: ModelRegistry,
+    def __init__(self, settings: Settings, store: Store, registry: ModelRegistry,
                  queue: RedisJobQueue | None = None, name: str | None = None,
                  sleep: Callable[[float], object] | None = None) -> None:
         self.settings = settings
@@ -110,7 +110,7 @@ class EncodeWorker:
     # --- records ------------------------------------------------------------------------------
     def _load(self, tenant: str, job_id: str) -> dict[str, Any] | None:
         try:
-            raw = self.store.get_job(tenant, job_id)
+            raw = self.store.jobs.get(tenant, job_id)
             rec = json.loads(raw) if raw is not None else None
         except ValueError:
             log.exception("cannot read job %s/%s", tenant, job_id)
@@ -120,7 +120,7 @@ class EncodeWorker:
     def _persist(self, rec: dict[str, Any]) -> None:
         rec["updated_unix"] = time.time()
         rec["worker"] = self.name
-        self.store.put_job(rec["tenant"], rec["job_id"], json.dumps(rec).encode())
+        self.store.jobs.put(rec["tenant"], rec["job_id"], json.dumps(rec).encode())
 
     def _finish(self, rec: dict[str, Any], state: str, error: str | None) -> None:
         rec.update(state=state, phase="finished", error=error, finished_unix=time.time())
@@ -199,7 +199,7 @@ class EncodeWorker:
             self._finish(rec, "cancelled", "the context was deleted before it was encoded")
             self.queue.ack(entry_id)
             return "cancelled"
-        if self.store.get_manifest(tenant, cid) is not None:
+        if self.store.manifests.get(tenant, cid) is not None:
             self._finish(rec, "done", None)
             self.queue.ack(entry_id)
             return "done"
@@ -258,7 +258,7 @@ class EncodeWorker:
                    attempts=int(rec.get("attempts", 0)) + 1, resumed=bool(rec.get("attempts")))
         self._persist(rec)
         entry = self.registry.get(spec.model)
-        manifest, stats = encode_context(entry, spec, cid, self.store,
+        manifest, stats = encode_context(entry, spec, cid, self.store.chunks,
                                          progress=self._progress_writer(rec),
                                          should_stop=watch.should_stop,
                                          pause_s=self.settings.encode_pause_s, reuse_stored=True)
@@ -268,12 +268,12 @@ class EncodeWorker:
             raise _EpochChanged()
         if self.queue.is_cancelled(job_id):
             raise JobCancelled()
-        self.store.put_manifest(tenant, cid, manifest)  # last: the context becomes visible
+        self.store.manifests.put(tenant, cid, manifest)  # last: the context becomes visible
         if self.queue.is_cancelled(job_id):  # a delete raced with the publish
-            self.store.delete(tenant, cid)
+            self.store.delete_context(tenant, cid)
             raise JobCancelled()
         if not self._same_epoch(rec):  # Redis restarted during the publish: frames may be gone
-            self.store.delete(tenant, cid)
+            self.store.delete_context(tenant, cid)
             raise _EpochChanged()
         rec["timings"] = {"prefill_s": stats.prefill_s, "codec_s": stats.codec_s,
                           "describe_s": stats.describe_s, "store_s": stats.store_s,

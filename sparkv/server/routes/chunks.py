@@ -54,8 +54,8 @@ async def get_chunk(context_id: ContextIdPath, t: IndexPath, l: IndexPath,  # no
     span = parse_range(range, entry.size) if if_range_allows(if_range, entry.etag) else None
     key = ChunkKey(t, l, g, level)
     try:
-        data = await to_thread.run_sync(read_verified_frame, state.store, tenant, context_id,
-                                        key, entry)
+        data = await to_thread.run_sync(read_verified_frame, state.store.chunks, tenant,
+                                        context_id, key, entry)
     except FrameCorrupt as exc:
         raise await corrupt_frame_error(state, "get", tenant, context_id, exc) from None
     status = 200

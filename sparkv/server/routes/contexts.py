@@ -67,7 +67,7 @@ async def create_context(body: schemas.CreateContext, state: StateDep,
 @router.get("/v1/contexts", response_model=schemas.ContextList, responses=error_responses())
 async def list_contexts(state: StateDep, tenant: TenantDep) -> Any:
     """The tenant's complete contexts, and those with a queued or running job."""
-    ids = await to_thread.run_sync(state.store.list_contexts, tenant)
+    ids = await to_thread.run_sync(state.store.manifests.contexts, tenant)
     pending = [{"context_id": j["context_id"], "job_id": j["job_id"], "state": j["state"]}
                for j in state.jobs.active_jobs(tenant)]
     return {"contexts": ids, "pending": pending}
@@ -102,7 +102,7 @@ async def get_tokens(context_id: ContextIdPath, state: StateDep, tenant: TenantD
                      if_none_match: Annotated[str | None, Header()] = None) -> Response:
     """The context's token ids, checked against the manifest's ``tokens_sha256``."""
     parsed = await require_manifest(state, tenant, context_id)
-    found = await to_thread.run_sync(read_tokens, state.store, tenant, context_id)
+    found = await to_thread.run_sync(read_tokens, state.store.chunks, tenant, context_id)
     if found is None:
         state.forget(tenant, context_id)
         await require_manifest(state, tenant, context_id)  # 404 if it was deleted meanwhile
@@ -141,9 +141,9 @@ async def delete_context(context_id: ContextIdPath, state: StateDep,
 # ------------------------------------------------------------------------------------------------
 # helpers (run in the thread pool)
 # ------------------------------------------------------------------------------------------------
-def read_tokens(store: ChunkStore, tenant: str, context_id: str) -> tuple[bytes, str] | None:
+def read_tokens(chunks: ChunkStore, tenant: str, context_id: str) -> tuple[bytes, str] | None:
     """The stored token ids and their SHA-256 (hex), or ``None``."""
-    data = store.get_tokens(tenant, context_id)
+    data = chunks.get_tokens(tenant, context_id)
     return None if data is None else (data, hashlib.sha256(data).hexdigest())
 
 

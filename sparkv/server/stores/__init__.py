@@ -1,4 +1,6 @@
-"""Chunk stores, chosen by URL: ``file:///path`` (default) or ``redis://host:port/db``."""
+"""Stores, chosen by URL: ``file:///path`` (default) or ``redis://host:port/db``; each is a
+:class:`Store` of three parts split by what they store (:class:`ChunkStore`: frames and token
+ids; :class:`ManifestStore`; :class:`JobStore`), docs/server.md "The store"."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import os
 from urllib.parse import unquote, urlsplit
 
 from sparkv.server.errors import StoreError
-from sparkv.server.stores.base import ChunkKey, ChunkStore
+from sparkv.server.stores.base import (ChunkKey, ChunkStore, JobStore, ManifestStore, Store,
+                                       ValueTooLarge)
 from sparkv.server.stores.file_store import FileStore
 
 SCHEMES = ("file", "redis", "rediss")
@@ -28,7 +31,7 @@ def file_path_of(url: str) -> str:
     return os.path.expanduser(path)
 
 
-def open_store(url: str) -> ChunkStore:
+def open_store(url: str) -> Store:
     """Opens the store a URL names. Raises :class:`StoreError` for unknown schemes or bad URLs."""
     scheme = urlsplit(url).scheme
     if scheme in ("", "file"):
@@ -41,4 +44,5 @@ def open_store(url: str) -> ChunkStore:
                      f"{', '.join(s + '://' for s in SCHEMES)}")
 
 
-__all__ = ["ChunkKey", "ChunkStore", "FileStore", "open_store", "file_path_of", "SCHEMES"]
+__all__ = ["ChunkKey", "ChunkStore", "ManifestStore", "JobStore", "Store", "ValueTooLarge",
+           "FileStore", "open_store", "file_path_of", "SCHEMES"]

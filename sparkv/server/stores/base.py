@@ -1,21 +1,23 @@
-"""The chunk store interface: encoded frames, token ids, manifests and job records, per tenant.
+"""The store, split by what it stores: frames and token ids (:class:`ChunkStore`), manifests
+(:class:`ManifestStore`) and job records (:class:`JobStore`), per tenant; :class:`Store` is the
+three over one backend (a directory, a Redis database), with the one operation that spans them
+(:meth:`Store.delete_context`). The contracts (docs/server.md, "The store") are tested against
+every implementation by tests/test_server_store.py (token ids: tests/test_server_tokens.py).
 
-A store holds, for each tenant and context id, one frame per ``(t, l, g, level)``, the context's
-token ids (one blob, little-endian ``u32`` each) and one manifest. The contract (tested against
-every implementation by tests/test_server_store.py, and for token ids tests/test_server_tokens.py):
+What every part promises:
 
-* ``put_chunk`` is atomic: a reader sees the whole frame or nothing, never a prefix.
-* ``put_manifest`` is called last, after every chunk and the token ids of the context are
-  durable; a context is *visible* (listed, servable) only once its manifest exists, so a
-  half-encoded context never is.
-* The token ids are kept beside the chunks, never among them: ``list_chunks`` does not see them
-  (so resuming a job or checking a manifest against its chunks is unaffected).
-* ``delete`` hides the context first (the manifest goes before the chunks), then removes the rest,
-  token ids included.
-* Tenants are separate namespaces: nothing of tenant A is reachable through tenant B's name.
-* Values are opaque bytes; the store neither parses nor checks them.
+* Tenants are separate namespaces: nothing of tenant A is reachable through tenant B's name, and
+  names that could escape their namespace are refused (:func:`check_names`, a
+  :class:`~sparkv.server.errors.StoreError`).
+* Every write is atomic: a reader sees the whole value or nothing, never a prefix.
+* Values are opaque bytes; a part neither parses nor checks them (the server checks frames
+  against their manifest, :mod:`sparkv.server.frames`).
+* Implementations are synchronous and thread-safe; the app calls them from a thread pool. A
+  backend that cannot be reached raises :class:`~sparkv.server.errors.StoreError` (a 503).
 
-Implementations are synchronous and thread-safe; the app calls them from a thread pool.
+The order that makes a context visible only when it is whole: every frame and the token ids are
+written (and durable) before the manifest, so a half-encoded context is never listed or served;
+a delete hides the manifest first, then removes the rest.
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ class ChunkKey(NamedTuple):
         return cls(int(t), int(l), int(g), level)
 
 
+class ValueTooLarge(Exception):
+    """A stored frame is larger than the reader allowed (``max_bytes``): it was not read."""
+
+    def __init__(self, key: ChunkKey, size: int, max_bytes: int) -> None:
+        super().__init__(f"frame {key.name()}: {size} bytes stored, at most {max_bytes} allowed")
+        self.key = key
+        self.size = size
+        self.max_bytes = max_bytes
+
+
 def check_names(tenant: str, context_id: str | None = None, key: ChunkKey | None = None,
                 job_id: str | None = None) -> None:
     """Rejects names that could escape their namespace (defence in depth: the app validates too)."""
@@ -65,39 +77,49 @@ def check_names(tenant: str, context_id: str | None = None, key: ChunkKey | None
 
 
 class ChunkStore(ABC):
-    """Frames, manifests and job records of every tenant. See the module docstring."""
+    """A context's frames (one per :class:`ChunkKey`) and its token ids (one blob, little-endian
+    ``u32`` each), with or without a manifest.
 
-    url: str
+    * ``put`` and ``put_tokens`` are atomic and replace; both are durable before they return
+      (the manifest is written after them).
+    * A read with ``max_bytes`` never reads more: a larger frame raises :class:`ValueTooLarge`
+      (a reader that knows a frame's size from its manifest cannot be made to hold gigabytes by
+      what is in the store). A file store reads only regular files inside its root: a symlink,
+      a directory or a FIFO where a value should be is an ``OSError``, never followed, never
+      waited on.
+    * The token ids are kept beside the frames, never among them: :meth:`keys` does not see them.
+    * :meth:`delete` removes every frame and the token ids of a context; call it once the
+      manifest is gone (:meth:`Store.delete_context` orders the two).
+    """
 
-    # --- chunks -------------------------------------------------------------------------------
     @abstractmethod
-    def put_chunk(self, tenant: str, context_id: str, key: ChunkKey, data: bytes) -> None:
+    def put(self, tenant: str, context_id: str, key: ChunkKey, data: bytes) -> None:
         """Stores one frame atomically (replacing an existing one)."""
 
     @abstractmethod
-    def get_chunk(self, tenant: str, context_id: str, key: ChunkKey) -> bytes | None:
-        """The frame, or ``None`` when absent."""
+    def get(self, tenant: str, context_id: str, key: ChunkKey,
+            max_bytes: int | None = None) -> bytes | None:
+        """The frame, or ``None`` when absent (:class:`ValueTooLarge` over ``max_bytes``)."""
 
-    def get_chunks(self, tenant: str, context_id: str, keys: Iterable[ChunkKey]
-                   ) -> list[bytes | None]:
-        """Several frames in one call (one round trip where the backend allows)."""
-        return [self.get_chunk(tenant, context_id, k) for k in keys]
+    def get_many(self, tenant: str, context_id: str, keys: Iterable[ChunkKey],
+                 max_bytes: int | None = None) -> list[bytes | None]:
+        """Several frames in one call (one round trip where the backend allows), each at most
+        ``max_bytes``."""
+        return [self.get(tenant, context_id, k, max_bytes) for k in keys]
 
-    def get_chunk_range(self, tenant: str, context_id: str, key: ChunkKey, start: int,
-                        end: int) -> bytes | None:
+    def get_range(self, tenant: str, context_id: str, key: ChunkKey, start: int,
+                  end: int) -> bytes | None:
         """Bytes ``[start, end)`` of a frame (clipped to its length), ``None`` when absent."""
-        data = self.get_chunk(tenant, context_id, key)
+        data = self.get(tenant, context_id, key)
         return None if data is None else data[start:end]
 
     @abstractmethod
-    def list_chunks(self, tenant: str, context_id: str) -> set[ChunkKey]:
-        """Every stored frame of a context, with or without a manifest."""
+    def keys(self, tenant: str, context_id: str) -> set[ChunkKey]:
+        """Every stored frame of a context."""
 
-    # --- token ids ----------------------------------------------------------------------------
     @abstractmethod
     def put_tokens(self, tenant: str, context_id: str, data: bytes) -> None:
-        """Stores the context's token ids (little-endian ``u32`` each) atomically, replacing
-        them. Call it before ``put_manifest``: implementations make them durable before it."""
+        """Stores the context's token ids atomically, replacing them, durable on return."""
 
     @abstractmethod
     def get_tokens(self, tenant: str, context_id: str) -> bytes | None:
@@ -108,45 +130,82 @@ class ChunkStore(ABC):
         """Whether the context's token ids are stored (without reading them where possible)."""
         return self.get_tokens(tenant, context_id) is not None
 
-    # --- manifests ----------------------------------------------------------------------------
     @abstractmethod
-    def put_manifest(self, tenant: str, context_id: str, data: bytes) -> None:
-        """Makes the context visible. Call it last: every chunk it names (and the token ids) must
-        already be stored; implementations make them durable before the manifest."""
+    def delete(self, tenant: str, context_id: str) -> bool:
+        """Removes every frame and the token ids of a context. ``True`` if any existed."""
+
+
+class ManifestStore(ABC):
+    """One manifest per context: its presence is what makes the context visible.
+
+    * ``put`` is called last, after every frame and the token ids it names are durable; it is
+      atomic, and durable on return.
+    * :meth:`contexts` names exactly the contexts that have a manifest.
+    * :meth:`delete` hides the context (durably) before anything else of it is removed.
+    """
 
     @abstractmethod
-    def get_manifest(self, tenant: str, context_id: str) -> bytes | None:
+    def put(self, tenant: str, context_id: str, data: bytes) -> None:
+        """Makes the context visible (its frames and token ids must already be stored)."""
+
+    @abstractmethod
+    def get(self, tenant: str, context_id: str) -> bytes | None:
         """The manifest, or ``None`` when the context is not (or not yet) visible."""
 
     @abstractmethod
-    def list_contexts(self, tenant: str) -> list[str]:
+    def contexts(self, tenant: str) -> list[str]:
         """Context ids of the tenant that have a manifest, sorted."""
 
     @abstractmethod
     def delete(self, tenant: str, context_id: str) -> bool:
-        """Removes the manifest first, then every chunk and the token ids. ``True`` if anything
-        existed."""
+        """Removes the manifest (the context is invisible on return). ``True`` if it existed."""
 
-    # --- jobs ---------------------------------------------------------------------------------
+
+class JobStore(ABC):
+    """Encode job records (JSON bytes the job managers write), per tenant: what any replica
+    answers ``GET /v1/jobs/{id}`` with.
+
+    * ``put`` is atomic and replaces.
+    * :meth:`ids` spans every tenant (resuming jobs at startup).
+    """
+
     @abstractmethod
-    def put_job(self, tenant: str, job_id: str, data: bytes) -> None:
+    def put(self, tenant: str, job_id: str, data: bytes) -> None:
         """Stores (replaces) a job record atomically."""
 
     @abstractmethod
-    def get_job(self, tenant: str, job_id: str) -> bytes | None:
+    def get(self, tenant: str, job_id: str) -> bytes | None:
         """A job record or ``None``."""
 
     @abstractmethod
-    def list_jobs(self) -> list[tuple[str, str]]:
+    def ids(self) -> list[tuple[str, str]]:
         """``(tenant, job_id)`` of every stored job record, every tenant."""
 
     @abstractmethod
-    def delete_job(self, tenant: str, job_id: str) -> None:
+    def delete(self, tenant: str, job_id: str) -> None:
         """Removes a job record (absent is fine)."""
 
-    # --- lifecycle ----------------------------------------------------------------------------
+
+class Store:
+    """The three parts over one backend, named by ``url`` (what :func:`open_store` opened; no
+    credentials), and the operation that spans parts: :meth:`delete_context`."""
+
+    def __init__(self, chunks: ChunkStore, manifests: ManifestStore, jobs: JobStore,
+                 url: str) -> None:
+        self.chunks = chunks
+        self.manifests = manifests
+        self.jobs = jobs
+        self.url = url
+
+    def delete_context(self, tenant: str, context_id: str) -> bool:
+        """Hides the context (its manifest goes first), then removes its frames and token ids.
+        ``True`` if anything of it existed."""
+        hidden = self.manifests.delete(tenant, context_id)
+        removed = self.chunks.delete(tenant, context_id)
+        return hidden or removed
+
     def ping(self) -> None:
-        """Raises :class:`StoreError` when the store cannot be reached."""
+        """Raises :class:`StoreError` when the backend cannot be reached."""
 
     def close(self) -> None:
         """Releases connections and files."""

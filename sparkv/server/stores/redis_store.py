@@ -1,4 +1,5 @@
-"""``redis://host:port/db``: frames and manifests in a Redis database.
+"""``redis://host:port/db``: the store's three parts (:class:`RedisChunks`,
+:class:`RedisManifests`, :class:`RedisJobs`) in one Redis database, over one :class:`RedisKeys`.
 
 Keys (``P`` is the prefix, ``sparkv`` unless the URL says ``?prefix=...``)::
 
@@ -12,25 +13,27 @@ Keys (``P`` is the prefix, ``sparkv`` unless the URL says ``?prefix=...``)::
 
 A Redis ``SET`` is atomic, so a frame is seen whole or not at all; a frame and its index entry are
 written in one ``MULTI`` transaction. The token ids are one string outside the frame index (so
-``list_chunks`` does not see them). The manifest is written after every chunk and the token ids
+``keys`` does not see them). The manifest is written after every chunk and the token ids
 (the encoder's order); durability across a Redis restart is Redis's own (use ``appendonly yes``,
-as docker-compose.yml does). ``delete`` removes the manifest, the visibility entry and the token
-ids in one transaction, then the frames.
+as docker-compose.yml does). Deleting a context removes the manifest and the visibility entry in
+one transaction, then the token ids and the frames. A read with ``max_bytes`` asks for the
+value's length and at most ``max_bytes + 1`` of its bytes in one round trip (``STRLEN``,
+``GETRANGE``): a larger value is never transferred.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
-from urllib.parse import parse_qs, urlsplit, urlunsplit
-
 from sparkv.server.errors import StoreError
-from sparkv.server.stores.base import ChunkKey, ChunkStore, check_names
+from sparkv.server.stores.base import (ChunkKey, ChunkStore, JobStore, ManifestStore, Store,
+                                       ValueTooLarge, check_names)
+from sparkv.server.stores.redis_url import parse_redis_url
 
 _DELETE_BATCH = 512
 
 
-class RedisStore(ChunkStore):
-    """A :class:`ChunkStore` in Redis. See the module docstring.
+class RedisKeys:
+    """The connection, the key prefix and the key names the three parts share.
 
     Args:
         url: ``redis://[user:password@]host:port/db[?prefix=NAME]`` (``rediss://`` for TLS).
@@ -42,76 +45,110 @@ class RedisStore(ChunkStore):
         redis = require("redis", feature="the Redis store and queue")
 
         self._redis = redis
-        parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        self.prefix = (query.pop("prefix", ["sparkv"]) or ["sparkv"])[0]
-        rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
-        clean = urlunsplit((parts.scheme, parts.netloc, parts.path, rest, ""))
-        netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-        self.url = urlunsplit((parts.scheme, netloc, parts.path, "", ""))  # no password
+        target = parse_redis_url(url)
+        self.prefix = target.prefix
+        self.url = target.public  # no password
         try:
             self.client = client or redis.Redis.from_url(
-                clean, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30)
+                target.connect, socket_connect_timeout=5, socket_timeout=30,
+                health_check_interval=30)
         except (ValueError, redis.RedisError) as exc:
             raise StoreError(f"bad Redis URL {self.url}: {exc}") from exc
 
-    # --- keys ---------------------------------------------------------------------------------
-    def _ctx(self, tenant: str, context_id: str) -> str:
+    def context(self, tenant: str, context_id: str) -> str:
         return f"{self.prefix}:t:{tenant}:c:{context_id}"
 
-    def _call(self, what: str, fn, *args):  # type: ignore[no-untyped-def]
+    def visible(self, tenant: str) -> str:
+        return f"{self.prefix}:t:{tenant}:ctx"
+
+    def job(self, tenant: str, job_id: str) -> str:
+        return f"{self.prefix}:t:{tenant}:j:{job_id}"
+
+    def call(self, what: str, fn, *args):  # type: ignore[no-untyped-def]
+        """``fn(*args)``; a Redis error is a :class:`StoreError` naming ``what``."""
         try:
             return fn(*args)
         except self._redis.RedisError as exc:
             raise StoreError(f"Redis {self.url}: cannot {what}: {exc}") from exc
 
-    # --- chunks -------------------------------------------------------------------------------
-    def put_chunk(self, tenant: str, context_id: str, key: ChunkKey, data: bytes) -> None:
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except self._redis.RedisError:
+            pass
+
+
+class RedisChunks(ChunkStore):
+    """Frames (one string each, and an index set per context) and token ids (module
+    docstring)."""
+
+    def __init__(self, keys: RedisKeys) -> None:
+        self.k = keys
+
+    def put(self, tenant: str, context_id: str, key: ChunkKey, data: bytes) -> None:
         check_names(tenant, context_id, key)
-        base = self._ctx(tenant, context_id)
+        base = self.k.context(tenant, context_id)
 
         def run() -> None:
-            pipe = self.client.pipeline(transaction=True)
+            pipe = self.k.client.pipeline(transaction=True)
             pipe.set(f"{base}:k:{key.name()}", bytes(data))
             pipe.sadd(f"{base}:idx", key.name())
             pipe.execute()
 
-        self._call(f"write chunk {key.name()}", run)
+        self.k.call(f"write chunk {key.name()}", run)
 
-    def get_chunk(self, tenant: str, context_id: str, key: ChunkKey) -> bytes | None:
-        check_names(tenant, context_id, key)
-        return self._call("read a chunk", self.client.get,
-                          f"{self._ctx(tenant, context_id)}:k:{key.name()}")
+    def get(self, tenant: str, context_id: str, key: ChunkKey,
+            max_bytes: int | None = None) -> bytes | None:
+        return self.get_many(tenant, context_id, [key], max_bytes)[0]
 
-    def get_chunks(self, tenant: str, context_id: str, keys: Iterable[ChunkKey]
-                   ) -> list[bytes | None]:
+    def get_many(self, tenant: str, context_id: str, keys: Iterable[ChunkKey],
+                 max_bytes: int | None = None) -> list[bytes | None]:
         check_names(tenant, context_id)
         keys = list(keys)
         if not keys:
             return []
         for k in keys:
             check_names(tenant, None, k)
-        base = self._ctx(tenant, context_id)
-        return self._call("read chunks", self.client.mget, [f"{base}:k:{k.name()}" for k in keys])
+        base = self.k.context(tenant, context_id)
+        names = [f"{base}:k:{k.name()}" for k in keys]
+        if max_bytes is None:
+            got: list[bytes | None] = self.k.call("read chunks", self.k.client.mget, names)
+            return got
 
-    def get_chunk_range(self, tenant: str, context_id: str, key: ChunkKey, start: int,
-                        end: int) -> bytes | None:
+        def run() -> list[tuple[int, int, bytes]]:
+            pipe = self.k.client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+                pipe.strlen(name)
+                pipe.getrange(name, 0, max_bytes)
+            got = pipe.execute()
+            return [tuple(got[i:i + 3]) for i in range(0, len(got), 3)]  # type: ignore[misc]
+
+        out: list[bytes | None] = []
+        for key, (exists, size, data) in zip(keys, self.k.call("read chunks", run)):
+            if exists and size > max_bytes:
+                raise ValueTooLarge(key, size, max_bytes)
+            out.append(data if exists else None)
+        return out
+
+    def get_range(self, tenant: str, context_id: str, key: ChunkKey, start: int,
+                  end: int) -> bytes | None:
         check_names(tenant, context_id, key)
-        name = f"{self._ctx(tenant, context_id)}:k:{key.name()}"
+        name = f"{self.k.context(tenant, context_id)}:k:{key.name()}"
 
         def run() -> bytes | None:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.k.client.pipeline(transaction=False)
             pipe.exists(name)
             pipe.getrange(name, max(0, start), end - 1)
             exists, data = pipe.execute()
             return data if exists and end > start else (b"" if exists else None)
 
-        return self._call("read a chunk range", run)
+        return self.k.call("read a chunk range", run)  # type: ignore[no-any-return]
 
-    def list_chunks(self, tenant: str, context_id: str) -> set[ChunkKey]:
+    def keys(self, tenant: str, context_id: str) -> set[ChunkKey]:
         check_names(tenant, context_id)
-        names = self._call("list chunks", self.client.smembers,
-                           f"{self._ctx(tenant, context_id)}:idx")
+        names = self.k.call("list chunks", self.k.client.smembers,
+                            f"{self.k.context(tenant, context_id)}:idx")
         out = set()
         for n in names:
             try:
@@ -120,105 +157,144 @@ class RedisStore(ChunkStore):
                 continue
         return out
 
-    # --- token ids ----------------------------------------------------------------------------
     def put_tokens(self, tenant: str, context_id: str, data: bytes) -> None:
         check_names(tenant, context_id)
-        self._call("write the token ids", self.client.set,
-                   f"{self._ctx(tenant, context_id)}:tok", bytes(data))
+        self.k.call("write the token ids", self.k.client.set,
+                    f"{self.k.context(tenant, context_id)}:tok", bytes(data))
 
     def get_tokens(self, tenant: str, context_id: str) -> bytes | None:
         check_names(tenant, context_id)
-        return self._call("read the token ids", self.client.get,
-                          f"{self._ctx(tenant, context_id)}:tok")
+        return self.k.call("read the token ids", self.k.client.get,  # type: ignore[no-any-return]
+                           f"{self.k.context(tenant, context_id)}:tok")
 
     def has_tokens(self, tenant: str, context_id: str) -> bool:
         check_names(tenant, context_id)
-        return bool(self._call("look up the token ids", self.client.exists,
-                               f"{self._ctx(tenant, context_id)}:tok"))
+        return bool(self.k.call("look up the token ids", self.k.client.exists,
+                                f"{self.k.context(tenant, context_id)}:tok"))
 
-    # --- manifests ----------------------------------------------------------------------------
-    def put_manifest(self, tenant: str, context_id: str, data: bytes) -> None:
+    def delete(self, tenant: str, context_id: str) -> bool:
+        check_names(tenant, context_id)
+        base = self.k.context(tenant, context_id)
+        client = self.k.client
+
+        def run() -> bool:
+            removed_tokens = client.delete(f"{base}:tok")
+            names = [n.decode() for n in client.smembers(f"{base}:idx")]
+            for i in range(0, len(names), _DELETE_BATCH):
+                batch = names[i:i + _DELETE_BATCH]
+                pipe = client.pipeline(transaction=True)
+                pipe.delete(*[f"{base}:k:{n}" for n in batch])
+                pipe.srem(f"{base}:idx", *batch)
+                pipe.execute()
+            client.delete(f"{base}:idx")
+            return bool(removed_tokens or names)
+
+        return self.k.call(f"delete {context_id}", run)  # type: ignore[no-any-return]
+
+
+class RedisManifests(ManifestStore):
+    """Manifests (one string each) and each tenant's set of visible contexts."""
+
+    def __init__(self, keys: RedisKeys) -> None:
+        self.k = keys
+
+    def put(self, tenant: str, context_id: str, data: bytes) -> None:
         check_names(tenant, context_id)
 
         def run() -> None:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.set(f"{self._ctx(tenant, context_id)}:m", bytes(data))
-            pipe.sadd(f"{self.prefix}:t:{tenant}:ctx", context_id)
+            pipe = self.k.client.pipeline(transaction=True)
+            pipe.set(f"{self.k.context(tenant, context_id)}:m", bytes(data))
+            pipe.sadd(self.k.visible(tenant), context_id)
             pipe.execute()
 
-        self._call("write a manifest", run)
+        self.k.call("write a manifest", run)
 
-    def get_manifest(self, tenant: str, context_id: str) -> bytes | None:
+    def get(self, tenant: str, context_id: str) -> bytes | None:
         check_names(tenant, context_id)
-        return self._call("read a manifest", self.client.get, f"{self._ctx(tenant, context_id)}:m")
+        return self.k.call("read a manifest", self.k.client.get,  # type: ignore[no-any-return]
+                           f"{self.k.context(tenant, context_id)}:m")
 
-    def list_contexts(self, tenant: str) -> list[str]:
+    def contexts(self, tenant: str) -> list[str]:
         check_names(tenant)
-        ids = self._call("list contexts", self.client.smembers, f"{self.prefix}:t:{tenant}:ctx")
+        ids = self.k.call("list contexts", self.k.client.smembers, self.k.visible(tenant))
         return sorted(i.decode() for i in ids)
 
     def delete(self, tenant: str, context_id: str) -> bool:
         check_names(tenant, context_id)
-        base = self._ctx(tenant, context_id)
 
         def run() -> bool:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(f"{base}:m")
-            pipe.srem(f"{self.prefix}:t:{tenant}:ctx", context_id)
-            pipe.delete(f"{base}:tok")
-            removed, _, removed_tokens = pipe.execute()
-            names = [n.decode() for n in self.client.smembers(f"{base}:idx")]
-            for i in range(0, len(names), _DELETE_BATCH):
-                batch = names[i:i + _DELETE_BATCH]
-                pipe = self.client.pipeline(transaction=True)
-                pipe.delete(*[f"{base}:k:{n}" for n in batch])
-                pipe.srem(f"{base}:idx", *batch)
-                pipe.execute()
-            self.client.delete(f"{base}:idx")
-            return bool(removed or removed_tokens or names)
+            pipe = self.k.client.pipeline(transaction=True)
+            pipe.delete(f"{self.k.context(tenant, context_id)}:m")
+            pipe.srem(self.k.visible(tenant), context_id)
+            removed, _ = pipe.execute()
+            return bool(removed)
 
-        return self._call(f"delete {context_id}", run)
+        return self.k.call(f"hide {context_id}", run)  # type: ignore[no-any-return]
 
-    # --- jobs ---------------------------------------------------------------------------------
-    def put_job(self, tenant: str, job_id: str, data: bytes) -> None:
+
+class RedisJobs(JobStore):
+    """Job records (one string each) and the set of every ``<tenant>/<job_id>``."""
+
+    def __init__(self, keys: RedisKeys) -> None:
+        self.k = keys
+        self.index = f"{keys.prefix}:jobs"
+
+    def put(self, tenant: str, job_id: str, data: bytes) -> None:
         check_names(tenant, job_id=job_id)
 
         def run() -> None:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.set(f"{self.prefix}:t:{tenant}:j:{job_id}", bytes(data))
-            pipe.sadd(f"{self.prefix}:jobs", f"{tenant}/{job_id}")
+            pipe = self.k.client.pipeline(transaction=True)
+            pipe.set(self.k.job(tenant, job_id), bytes(data))
+            pipe.sadd(self.index, f"{tenant}/{job_id}")
             pipe.execute()
 
-        self._call("write a job", run)
+        self.k.call("write a job", run)
 
-    def get_job(self, tenant: str, job_id: str) -> bytes | None:
+    def get(self, tenant: str, job_id: str) -> bytes | None:
         check_names(tenant, job_id=job_id)
-        return self._call("read a job", self.client.get, f"{self.prefix}:t:{tenant}:j:{job_id}")
+        return self.k.call("read a job", self.k.client.get,  # type: ignore[no-any-return]
+                           self.k.job(tenant, job_id))
 
-    def list_jobs(self) -> list[tuple[str, str]]:
-        names = self._call("list jobs", self.client.smembers, f"{self.prefix}:jobs")
+    def ids(self) -> list[tuple[str, str]]:
+        names = self.k.call("list jobs", self.k.client.smembers, self.index)
         out = []
         for n in sorted(x.decode() for x in names):
             tenant, _, job_id = n.partition("/")
             out.append((tenant, job_id))
         return out
 
-    def delete_job(self, tenant: str, job_id: str) -> None:
+    def delete(self, tenant: str, job_id: str) -> None:
         check_names(tenant, job_id=job_id)
 
         def run() -> None:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(f"{self.prefix}:t:{tenant}:j:{job_id}")
-            pipe.srem(f"{self.prefix}:jobs", f"{tenant}/{job_id}")
+            pipe = self.k.client.pipeline(transaction=True)
+            pipe.delete(self.k.job(tenant, job_id))
+            pipe.srem(self.index, f"{tenant}/{job_id}")
             pipe.execute()
 
-        self._call("delete a job", run)
+        self.k.call("delete a job", run)
+
+
+class RedisStore(Store):
+    """A :class:`~sparkv.server.stores.base.Store` in Redis: its three parts over one
+    :class:`RedisKeys`. See the module docstring.
+
+    Args:
+        url: ``redis://[user:password@]host:port/db[?prefix=NAME]`` (``rediss://`` for TLS).
+        client: a redis-py client to use instead of connecting to ``url``.
+    """
+
+    def __init__(self, url: str, client: object | None = None) -> None:
+        self.keys = RedisKeys(url, client)
+        super().__init__(RedisChunks(self.keys), RedisManifests(self.keys),
+                         RedisJobs(self.keys), self.keys.url)
+
+    @property
+    def prefix(self) -> str:
+        return self.keys.prefix
 
     def ping(self) -> None:
-        self._call("ping", self.client.ping)
+        self.keys.call("ping", self.keys.client.ping)
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except self._redis.RedisError:
-            pass
+        self.keys.close()

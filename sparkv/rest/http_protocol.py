@@ -28,9 +28,11 @@ import json
 import sys
 from typing import Any, Iterable
 
+from sparkv.protocol.errors import error_body
+from sparkv.rest.limits import DEFAULT_HEADER_TIMEOUT_S
+
 STATUS_LINE_400 = b"HTTP/1.1 400 Bad Request\r\n"
 STATUS_LINE_408 = b"HTTP/1.1 408 Request Timeout\r\n"
-DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
 def parse_error_body(exc: BaseException | None) -> bytes:
@@ -42,15 +44,15 @@ def parse_error_body(exc: BaseException | None) -> bytes:
     else:
         code = "malformed_http"
         message = "the request is not valid HTTP/1.1" + (f": {reason}" if reason else "")
-    return json.dumps({"error": {"status": 400, "code": code, "message": message}}).encode()
+    return json.dumps(error_body(400, code, message)).encode()
 
 
 def header_timeout_body(timeout_s: float) -> bytes:
     """The JSON body of a 408 ``header_timeout``."""
-    return json.dumps({"error": {
-        "status": 408, "code": "header_timeout", "timeout_s": timeout_s,
-        "message": f"the request's headers did not arrive completely within {timeout_s:g} s"},
-    }).encode()
+    return json.dumps(error_body(
+        408, "header_timeout",
+        f"the request's headers did not arrive completely within {timeout_s:g} s",
+        timeout_s=timeout_s)).encode()
 
 
 def raw_json_response(status_line: bytes, body: bytes,

@@ -1,0 +1,274 @@
+"""Fixed-size pages of KV entries, one pool per resident level: :class:`PagePool`,
+:class:`PagePools`.
+
+A **page** holds up to :data:`PAGE_TOKENS` entries (rows) of one KV head of one layer at one level,
+each row one token's ``head_dim`` values of K and of V, with its position; a page belongs to one
+chunk ``(t, l, g)`` and one head of its group (:mod:`sparkv.cache.blocks` says which). A pool keeps
+every page of its level in a few large tensors, indexed by page id::
+
+    fp    k, v     [capacity, 16, D]  model dtype
+    intB  k, v     [capacity, 16, W]  uint8 codes (W = ceil(D * B / 8), packed as levels.py packs)
+          k_scale, k_zero, v_scale, v_zero  [capacity, 16]  float16
+    all   pos      [capacity, 16]     int32 (the rows' positions; ascending within a page)
+          fill     [capacity]         int32 (rows used: 16 but in a head's last page)
+
+**The page size.** 16 tokens: a 16-token chunk (the smallest ``T``, ``MIN_CHUNK_TOKENS``) is one
+page per head and every ``T`` the layout allows (multiples of 16: 64, 256, 1024) fills whole pages;
+a pruned head (any count) wastes less than one page, 15 rows at most; a fp32 page of ``D = 64``
+is 4 KiB of K, and 16 rows are 4 groups of the attention kernel's 4-row step.
+
+**Allocation** is a free list (lowest free ids first, so held pages stay packed at the bottom); a
+pool grows by whole blocks of :data:`BLOCK_PAGES` pages (an eighth of its capacity, at least one
+block), never per page; a grown pool copies its pages into the larger tensors once, and its
+``generation`` changes (views of the old tensors are stale). ``limit_pages`` (``PagePools``'
+``limit_bytes``) bounds the pages held: an allocation past it raises :class:`PagePoolFull` and
+changes nothing. :meth:`PagePool.compact` moves held pages into the lowest free ids and releases
+the capacity above them (its owner renumbers its block table with the moves).
+
+The account of a pool is the pages it holds (``held``, ``held * page_bytes``); its capacity
+(``reserved_bytes``) is what the tensors take.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparkv.cache.layer import KVMemoryError
+from sparkv.cache.levels import BITS, LEVELS, QuantizedTensor
+
+#: rows (tokens of one KV head) per page
+PAGE_TOKENS = 16
+#: pages per growth step (and the granularity of a pool's capacity)
+BLOCK_PAGES = 64
+
+_Q_FIELDS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero", "pos", "fill")
+_FP_FIELDS = ("k", "v", "pos", "fill")
+
+
+class PagePoolFull(KVMemoryError):
+    """An allocation would hold more pages than the pool's limit."""
+
+
+def _blocks(pages: int) -> int:
+    return -(-pages // BLOCK_PAGES) * BLOCK_PAGES
+
+
+class PagePool:
+    """The pages of one resident level (see the module docstring).
+
+    Args:
+        level: ``fp``, ``int8``, ``int4`` or ``int2``.
+        head_dim: D.
+        dtype: of fp values (``level == "fp"``); quantized pools hold uint8 codes.
+        device: where the tensors live.
+        limit_pages: the most pages it may hold (``None``: no limit).
+    """
+
+    def __init__(self, level: str, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", limit_pages: int | None = None) -> None:
+        if level not in LEVELS:
+            raise KVMemoryError(f"unknown level {level!r}; known: {', '.join(LEVELS)}")
+        self.level, self.head_dim = level, int(head_dim)
+        self.dtype = dtype if level == "fp" else torch.uint8
+        self.device = torch.device(device)
+        self.bits = BITS.get(level, 0)
+        self.width = self.head_dim if level == "fp" else -(-self.head_dim * self.bits // 8)
+        self.limit_pages = limit_pages
+        self.capacity = 0
+        self.held = 0
+        self.generation = 0
+        self._used = np.zeros(0, dtype=bool)
+        self.fields = _FP_FIELDS if level == "fp" else _Q_FIELDS
+        self._arrays: dict[str, torch.Tensor] = {f: self._empty(f, 0) for f in self.fields}
+        #: bytes one page takes in the pool's tensors (K, V, scales, zeros, positions, fill)
+        self.page_bytes = sum(self._empty(f, 1).numel() * self._empty(f, 1).element_size()
+                              for f in self.fields)
+
+    # ---- the tensors -----------------------------------------------------------------------------
+    def _empty(self, field: str, cap: int) -> torch.Tensor:
+        P = PAGE_TOKENS
+        shape: tuple[int, ...] = {"k": (cap, P, self.width), "v": (cap, P, self.width),
+                                  "fill": (cap,)}.get(field, (cap, P))
+        dtype = {"pos": torch.int32, "fill": torch.int32, "k": self.dtype,
+                 "v": self.dtype}.get(field, torch.float16)
+        # never an inference tensor: the pool is written in place in and outside inference mode
+        with torch.inference_mode(False):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def array(self, field: str) -> torch.Tensor:
+        """The pool's tensor ``field`` (``k``, ``v``, ``pos``, ``fill`` and, quantized, the
+        scales and zeros), every page of the capacity."""
+        return self._arrays[field]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._arrays.values())
+
+    @property
+    def held_bytes(self) -> int:
+        return self.held * self.page_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.capacity * self.page_bytes
+
+    # ---- the free list ---------------------------------------------------------------------------
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` free page ids (lowest first, int64), now held. Grows by whole blocks when needed;
+        raises :class:`PagePoolFull` past ``limit_pages`` (nothing allocated)."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        if self.limit_pages is not None and self.held + n > self.limit_pages:
+            raise PagePoolFull(f"the {self.level} pool holds {self.held} of its {self.limit_pages} "
+                               f"pages: {n} more do not fit")
+        free = np.flatnonzero(~self._used)
+        if free.size < n:
+            self._resize(max(self.capacity + n - free.size,
+                             self.capacity + max(self.capacity // 8, BLOCK_PAGES)))
+            free = np.flatnonzero(~self._used)
+        ids = free[:n].astype(np.int64)
+        self._used[ids] = True
+        self.held += n
+        return ids
+
+    def free(self, ids: np.ndarray) -> None:
+        """Returns pages to the free list (their contents are left as they are)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size == 0:
+            return
+        if not bool(self._used[ids].all()) or np.unique(ids).size != ids.size:
+            raise KVMemoryError(f"the {self.level} pool was asked to free pages it does not hold")
+        self._used[ids] = False
+        self.held -= int(ids.size)
+
+    def holds(self, ids: np.ndarray) -> bool:
+        ids = np.asarray(ids, dtype=np.int64)
+        return bool(ids.size == 0 or (ids.max() < self.capacity and self._used[ids].all()))
+
+    def _resize(self, pages: int) -> None:
+        """Capacity -> ``pages`` rounded up to whole blocks; pages below both are kept."""
+        cap = _blocks(pages)
+        keep = min(cap, self.capacity)
+        for f, old in self._arrays.items():
+            new = self._empty(f, cap)
+            new[:keep] = old[:keep]
+            self._arrays[f] = new
+        used = np.zeros(cap, dtype=bool)
+        used[:keep] = self._used[:keep]
+        self._used = used
+        self.capacity = cap
+        self.generation += 1
+
+    def compact(self) -> tuple[np.ndarray, np.ndarray]:
+        """Moves the held pages above ``held`` (rounded up to a block) into free ids below it and
+        releases the capacity above. Returns ``(old ids, new ids)`` of the pages moved, for the
+        owner's block table."""
+        target = _blocks(self.held)
+        src = np.flatnonzero(self._used[target:]) + target
+        dst = np.flatnonzero(~self._used[:target])[:src.size]
+        if src.size:
+            s = torch.from_numpy(src).to(self.device)
+            d = torch.from_numpy(dst).to(self.device)
+            for t in self._arrays.values():
+                t.index_copy_(0, d, t.index_select(0, s))
+            self._used[dst] = True
+            self._used[src] = False
+        if target < self.capacity:
+            self._resize(target)
+        return src, dst
+
+    # ---- rows ------------------------------------------------------------------------------------
+    def write_rows(self, slots: torch.Tensor, k: torch.Tensor | QuantizedTensor,
+                   v: torch.Tensor | QuantizedTensor, pos: torch.Tensor) -> None:
+        """Rows ``k``, ``v`` (``[R, D]`` fp, or quantized at this level) and ``pos`` ``[R]`` into
+        the row slots ``slots`` (``page * 16 + row``, int64 ``[R]``): one copy per tensor."""
+        a = self._arrays
+        slots = slots.to(self.device)
+        a["pos"].view(-1).index_copy_(0, slots, pos.to(self.device, torch.int32))
+        for side, x in (("k", k), ("v", v)):
+            if isinstance(x, QuantizedTensor):
+                if x.bits != self.bits:
+                    raise KVMemoryError(f"int{x.bits} rows do not go into the {self.level} pool")
+                a[side].view(-1, self.width).index_copy_(0, slots, x.codes.to(self.device))
+                a[f"{side}_scale"].view(-1).index_copy_(0, slots, x.scale.to(self.device))
+                a[f"{side}_zero"].view(-1).index_copy_(0, slots, x.zero.to(self.device))
+            elif self.bits:
+                raise KVMemoryError(f"fp rows do not go into the {self.level} pool")
+            else:
+                a[side].view(-1, self.width).index_copy_(0, slots, x.to(self.device, self.dtype))
+
+    def read_rows(self, slots: torch.Tensor
+                  ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor,
+                             torch.Tensor]:
+        """Copies of the rows at ``slots``: ``(k, v, pos)`` in the layout of
+        :class:`~sparkv.cache.payload.ChunkPayload` (``[R, D]`` fp or quantized, int32 ``[R]``)."""
+        a = self._arrays
+        slots = slots.to(self.device)
+        pos = a["pos"].view(-1).index_select(0, slots)
+        out: list[torch.Tensor | QuantizedTensor] = []
+        for side in ("k", "v"):
+            codes = a[side].view(-1, self.width).index_select(0, slots)
+            if not self.bits:
+                out.append(codes)
+                continue
+            out.append(QuantizedTensor(codes, a[f"{side}_scale"].view(-1).index_select(0, slots),
+                                       a[f"{side}_zero"].view(-1).index_select(0, slots),
+                                       self.bits, self.head_dim))
+        return out[0], out[1], pos
+
+    def set_fill(self, ids: np.ndarray, fill: np.ndarray) -> None:
+        self._arrays["fill"].index_copy_(0, torch.from_numpy(np.asarray(ids, np.int64))
+                                         .to(self.device),
+                                         torch.from_numpy(np.asarray(fill, np.int32))
+                                         .to(self.device))
+
+
+class PagePools:
+    """One :class:`PagePool` per resident level, for one context or shared by several (the
+    device service's, as vLLM's block manager is). ``limit_bytes`` bounds the bytes of the pages
+    held over every level: an allocation past it raises :class:`PagePoolFull`.
+
+    Args:
+        head_dim: D.
+        dtype, device: of the fp pages (the model's).
+        limit_bytes: the budget of pages held, all levels (``None``: none).
+    """
+
+    def __init__(self, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", limit_bytes: int | None = None) -> None:
+        self.head_dim, self.dtype, self.device = int(head_dim), dtype, torch.device(device)
+        self.limit_bytes = limit_bytes
+        self.pools = {lv: PagePool(lv, head_dim, dtype, device) for lv in LEVELS}
+
+    def __getitem__(self, level: str) -> PagePool:
+        try:
+            return self.pools[level]
+        except KeyError:
+            raise KVMemoryError(f"unknown level {level!r}; known: {', '.join(LEVELS)}") from None
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(p.held_bytes for p in self.pools.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(p.reserved_bytes for p in self.pools.values())
+
+    def check(self, level: str, n: int, freed: dict[str, int] | None = None) -> None:
+        """Raises :class:`PagePoolFull` unless ``n`` more pages of ``level`` fit the budget once
+        the pages ``freed`` (level -> pages) are returned."""
+        pool = self[level]
+        back = sum(self[lv].page_bytes * k for lv, k in (freed or {}).items())
+        if self.limit_bytes is not None and self.held_bytes - back + n * pool.page_bytes \
+                > self.limit_bytes:
+            raise PagePoolFull(f"{n} {level} pages ({n * pool.page_bytes} bytes) do not fit: "
+                               f"{self.held_bytes - back} of {self.limit_bytes} bytes are held")
+
+    def alloc(self, level: str, n: int) -> np.ndarray:
+        """``n`` pages of ``level`` (:meth:`PagePool.alloc`), within ``limit_bytes``."""
+        self.check(level, n)
+        return self[level].alloc(n)
+
+    def generation(self) -> int:
+        """Changes whenever any pool's tensors are reallocated."""
+        return sum(p.generation for p in self.pools.values())

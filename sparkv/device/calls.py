@@ -1,0 +1,120 @@
+"""One call of the context service: its turn through the model and what it returns.
+
+* :func:`run_turn`: the prompt run after a context's tokens in its working memory, the answer
+  decoded, and the attention statistics of every key the new rows attend recorded
+  (:mod:`sparkv.device.density`), which the context's chunks' levels come from;
+* :class:`CallResult`: what the call returned and what it cost.
+
+No state, no locks: the service runs one turn at a time (its run lock), over a working memory
+its keeper switched in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sparkv.cache import ContextKV
+from sparkv.device.density import DensityRecorder, recording
+from sparkv.generation import base_stats
+from sparkv.runtime.hfcache import model_call
+
+if TYPE_CHECKING:
+    from sparkv.device.counters import ServiceCounters
+    from sparkv.device.keeper import SwitchIn
+
+
+@dataclass
+class CallResult:
+    """What one call returned and what it cost (seconds); a
+    :class:`~sparkv.generation.Generation` (``text``, ``tokens``, ``stats``)."""
+
+    context_id: str
+    text: str
+    tokens: list[int]
+    switch_s: float               # switching latency: reclaim + load, until the context is ready
+    reclaim_s: float = 0.0
+    load_s: float = 0.0
+    first_token_s: float = 0.0    # from the call to the first answer token
+    total_s: float = 0.0
+    aot_s: float = 0.0            # the ahead-of-time swap-out after the answer
+    context_tokens: int = 0       # after the call
+    bytes_evicted: int = 0
+    bytes_written_at_reclaim: int = 0
+    bytes_written_aot: int = 0
+    load: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``ttft_s`` (= ``first_token_s``), ``new_tokens``, then every cost of :meth:`to_dict`
+        (``switch_s``, ``load_s``, ``total_s``, bytes, the load and plan records)."""
+        costs = {k: v for k, v in self.to_dict().items() if k not in ("text", "tokens")}
+        return {**base_stats(self.first_token_s, self.tokens), **costs}
+
+    @classmethod
+    def of(cls, lm: Any, ctx_id: str, tokens: list[int], sw: "SwitchIn", context_tokens: int,
+           counted: "ServiceCounters", *, switch_s: float, first_token_s: float,
+           total_s: float, aot_s: float, aot_bytes: int) -> "CallResult":
+        """The result of a call that decoded ``tokens`` (its text: them decoded by ``lm``, end
+        of sequence tokens left out), switched in by ``sw`` and counted ``counted`` (the
+        service's counters during the call)."""
+        from sparkv.runtime.generate import eos_ids
+
+        eos = eos_ids(lm)
+        text = lm.decode_tokens([t for t in tokens if t not in eos]) if tokens else ""
+        return cls(ctx_id, text, tokens, switch_s, reclaim_s=sw.reclaim_s,
+                   load_s=sw.stats.total_s if sw.stats else 0.0, first_token_s=first_token_s,
+                   total_s=total_s, aot_s=aot_s, context_tokens=context_tokens,
+                   bytes_evicted=counted.evicted_bytes,
+                   bytes_written_at_reclaim=counted.reclaim_written_bytes,
+                   bytes_written_aot=aot_bytes, load=sw.stats.to_dict() if sw.stats else {},
+                   plan=sw.split.__dict__ if sw.split else {})
+
+
+
+@dataclass
+class Turn:
+    """What a turn decoded (``tokens``, the seconds to the first one: 0 when nothing was
+    decoded) and the densities it recorded."""
+
+    tokens: list[int]
+    first_token_s: float
+    density: DensityRecorder
+
+
+def run_turn(lm: Any, W: ContextKV, n: int, ids: list[int], max_new: int, *, grow: bool,
+             stop_at_eos: bool) -> Turn:
+    """Runs ``ids`` after the ``n`` tokens of working memory ``W`` (which has room for them and
+    ``max_new`` more) and decodes up to ``max_new`` tokens greedily; ``W`` keeps the new tokens
+    if ``grow``, else is left holding its ``n``."""
+    rec = DensityRecorder(n + len(ids) + max_new + 1)
+    with recording(rec):
+        tokens, first_s = _generate(lm, W, n, ids, max_new, grow, stop_at_eos)
+    return Turn(tokens, first_s, rec)
+
+
+def _generate(lm: Any, W: ContextKV, n: int, ids: list[int], max_new: int, grow: bool,
+              stop_at_eos: bool) -> tuple[list[int], float]:
+    from sparkv.cache import SparkvCache
+    from sparkv.runtime.generate import greedy_generate
+
+    if max_new > 0:
+        gen = greedy_generate(lm, W, n, ids, max_new, stop_at_eos=stop_at_eos, keep=grow)
+        return gen.tokens, gen.first_token_s
+    with torch.inference_mode():
+        cache = SparkvCache(W)
+        x = torch.tensor([ids], dtype=torch.long, device=lm.device)
+        pos = torch.arange(n, n + len(ids), device=lm.device)
+        model_call(lm.model, input_ids=x, cache=cache, position_ids=pos[None],
+                   cache_position=pos, use_cache=True, logits_to_keep=1)
+        if grow:
+            cache.commit()
+        else:
+            W.truncate()
+    return [], 0.0

@@ -1,0 +1,110 @@
+"""What the runtime controller believes about its two paths: :class:`LinkEstimator` (the link's
+throughput, from rate samples) and :class:`ComputeEstimator` (the compute path's speed against
+the cost model, from timed layer steps).
+
+The :class:`~sparkv.scheduler.controller.Controller` owns one of each; every rule reads them
+through it, and the drivers (the simulator, the edge engine) feed them through the controller's
+events (``rate_sample``, ``step_done``). Times in seconds, rates in bytes per second.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+#: layer steps in the compute-speed window
+COMPUTE_WINDOW = 8
+
+
+class LinkEstimator:
+    """The link's throughput from rate samples ``(time, bytes, seconds)``.
+
+    Args:
+        prior_Bps: the rate the plan was made with (the estimate before any sample).
+        window_s: the sliding window of :meth:`window` (s).
+        fast_window_s: the recent window of :meth:`recent` (s; 0: off).
+    """
+
+    def __init__(self, prior_Bps: float, window_s: float = 0.5,
+                 fast_window_s: float = 0.15) -> None:
+        self.prior_Bps = prior_Bps
+        self.window_s, self.fast_window_s = window_s, fast_window_s
+        self._samples: deque[tuple[float, float, float]] = deque()
+        self._total = [0.0, 0.0]          # bytes, seconds of every sample of the run
+
+    def add(self, now: float, nbytes: float, seconds: float) -> None:
+        """``nbytes`` arrived over the ``seconds`` before ``now`` (0 bytes: a silence)."""
+        if seconds > 0:
+            self._samples.append((now, float(nbytes), float(seconds)))
+            self._total[0] += float(nbytes)
+            self._total[1] += float(seconds)
+
+    def window(self, now: float) -> float:
+        """Throughput over the sliding window (at least the newest sample); the prior before
+        any sample."""
+        while len(self._samples) > 1 and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        if not self._samples:
+            return self.prior_Bps
+        b = sum(x[1] for x in self._samples)
+        s = sum(x[2] for x in self._samples)
+        return max(b / s, 1.0) if s > 0 else self.prior_Bps
+
+    def recent(self, now: float) -> float:
+        """Throughput over the last ``fast_window_s`` of samples (at least the newest one); the
+        window's when there are none or the fast window is off."""
+        long = self.window(now)
+        if self.fast_window_s <= 0 or not self._samples:
+            return long
+        b = s = 0.0
+        for t, nb, sec in reversed(self._samples):
+            if s > 0 and t < now - self.fast_window_s:
+                break
+            b, s = b + nb, s + sec
+        return max(b / s, 1.0) if s > 0 else long
+
+    def estimate(self, now: float) -> float:
+        """The rate the link's remaining work is planned with: the slower of :meth:`window` and
+        :meth:`recent`. A fade shows within a sample or two, a recovery once the window sees it;
+        both directions of migration use this one estimate, so they never disagree about the
+        same link (no ping-pong)."""
+        return min(self.window(now), self.recent(now))
+
+    def run_rate(self) -> float | None:
+        """Throughput over every sample of the run (silences included), or ``None`` before
+        any: the link's goodput, a prior for the next load."""
+        b, s = self._total
+        return b / s if s > 0 and b > 0 else None
+
+
+class ComputeEstimator:
+    """The compute path's speed: measured / predicted step time over the last ``window`` steps.
+
+    Attributes:
+        load: an external load factor on the compute path (other asks sharing it: 2.0 = this
+            load gets half of it). It scales :meth:`factor`, what the rules plan remaining
+            compute time with, and not :meth:`ratio`, this device's own speed (what the session
+            learns). 1.0: no other load.
+    """
+
+    def __init__(self, window: int = COMPUTE_WINDOW, load: float = 1.0) -> None:
+        self._ratios: deque[float] = deque(maxlen=max(1, window))
+        self.load = load
+
+    def add(self, predicted_s: float, seconds: float) -> None:
+        """A step predicted to take ``predicted_s`` took ``seconds``."""
+        if predicted_s > 0 and seconds > 0:
+            self._ratios.append(seconds / predicted_s)
+
+    @property
+    def samples(self) -> int:
+        """Layer steps in the window."""
+        return len(self._ratios)
+
+    def ratio(self) -> float:
+        """Measured / predicted step time over the window (1.0 before any step)."""
+        return sum(self._ratios) / len(self._ratios) if self._ratios else 1.0
+
+    def factor(self) -> float:
+        """Predicted step seconds x this = seconds of the compute path: :meth:`ratio` x
+        :attr:`load`."""
+        return self.ratio() * self.load

@@ -237,7 +237,7 @@ def _encoded(lm, tmp_path):
                                                .manual_seed(3)))
     spec = ContextSpec("t", "tiny", ids, 32, ("raw",), 0, False, None)
     cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
-    data, _ = encode_context(entry, spec, cid, store)
+    data, _ = encode_context(entry, spec, cid, store.chunks)
     return data, store, spec, cid
 
 
@@ -259,7 +259,7 @@ def test_a_context_made_under_one_configuration_is_read_under_another(tiny_llama
     src = LayerStepper(server, list(spec.token_ids), 32)
     src.complete()
     c = manifest.chunks[0]
-    chunk = decode(store.get_chunk(spec.tenant, cid, ChunkKey(c.t, c.l, c.g, "raw")))
+    chunk = decode(store.chunks.get(spec.tenant, cid, ChunkKey(c.t, c.l, c.g, "raw")))
     k = src.kv.layer_kv()[c.l][0][0, :, c.token_start:c.token_start + c.num_tokens]
     assert torch.equal(chunk.k.to(tiny_llama.dtype), k)
     doc = json.loads(data)

@@ -232,3 +232,49 @@ def test_a_dtype_mismatch_stream_decodes_right(tiny_llama, server, edge):
         for x, y in ((k1, k2), (v1, v2)):
             assert float((x.float() - y.float()).abs().max()) <= 0.05 * float(
                 y.float().abs().max()) + 0.05
+
+
+def _dtype_rows(config: str, teacher_forced: float, n: int = 25) -> list[dict]:
+    """``n`` QA answers of ``local/dense@config`` (the dtype group) paired with dense's, in the
+    bench's row format (what ``sparkv bench quality --rows`` writes)."""
+    rows = []
+    for i in range(n):
+        for name, group, tf, dtype in (("dense", "dense", 1.0, None),
+                                       (f"local/dense@{config}", "dtype", teacher_forced, config)):
+            rows.append({"family": "qa", "size": None, "tokens": 2000, "probe": f"qa/{i}",
+                         "config": name, "group": group, "strategy": None, "level": None,
+                         "backend": None, "link": None, "dtype": dtype, "error": None,
+                         "correct": False, "score": 0.0, "greedy_agreement": tf,
+                         "teacher_forced": tf, "first_token_kl": (1.0 - tf) / 4, "mb": 0.0,
+                         "ttft_s": None, "fallback": {}})
+    return rows
+
+
+@pytest.mark.parametrize("mixed_tf, want_bf16_cpu", [(1.0, "mixed"), (0.95, "float32")])
+def test_configuration_rows_decide_auto_through_the_tables_rule(tmp_path, cpuinfo, mixed_tf,
+                                                                 want_bf16_cpu):
+    """A configuration's answers become a ``dtypes`` entry by the rule and the table code every
+    group uses (``quality_table``, what ``--save-table`` writes); ``auto`` reads that entry.
+    bfloat16 and int4-kernel fail (a teacher-forced drop of 0.05), so ``auto`` takes ``mixed``
+    on a bf16 CPU only when its own rows pass, float32 when they fail, and float32 on a CPU
+    without bf16 hardware either way."""
+    from types import SimpleNamespace
+
+    from sparkv.bench.quality import Config, quality_table
+    from sparkv.predictor.dtypes import choose_dtype
+
+    answers = (_dtype_rows("bfloat16", 0.95) + _dtype_rows("int4-kernel", 0.95)
+               + _dtype_rows("mixed", mixed_tf))
+    rows = list({(r["probe"], r["config"]): r for r in answers}.values())   # dense's once
+    configs = [Config("dense", "dense")] + [Config(f"local/dense@{n}", "dtype")
+                                            for n in ("bfloat16", "int4-kernel", "mixed")]
+    lm = SimpleNamespace(fingerprint="fp-tiny", name="tiny",
+                         config=SimpleNamespace(num_hidden_layers=2))
+    path = tmp_path / "table.json"
+    table = quality_table(rows, configs, lm, {"benchmark": "test"})
+    table.save(path)
+    verdicts = {e.name: e.verdict_name for e in table.section("dtypes")}
+    assert verdicts == {"bfloat16": "fail", "int4-kernel": "fail",
+                        "mixed": "pass" if mixed_tf == 1.0 else "fail"}
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"]).compute == want_bf16_cpu
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["none"]).compute == "float32"

@@ -23,13 +23,17 @@ def test_configurations_are_timed_side_by_side(tmp_path, capsys):
     for r in rows.values():
         assert r["tokens"] == 96 and len(r["walls_s"]) == 2 == len(r["speedups_vs_float32"])
         assert len(r["load_avg"]) == 2 and r["wall_s"] > 0
+        assert len(r["cpus_s"]) == 2 and r["cpu_s"] > 0          # the CPU time beside the wall
+        assert r["cpu_speedups_vs_float32"] == [f / c for f, c in
+                                                zip(rows["float32"]["cpus_s"], r["cpus_s"])]
         assert r["predicted_s"] > 0 and r["roofline_s"] > 0       # predicted beside measured
         assert r["predicted_error"] == r["predicted_s"] / r["wall_s"] - 1
     assert rows["float32"]["speedups_vs_float32"] == [1.0, 1.0]
     assert rows["float32"]["first_token_kl_vs_float32"] == 0.0
     assert set(doc["profile"]) == {"float32", "float32/transformers-ops"}
     assert doc["profile"]["float32"]["top"] and doc["config"]["repeats"] == 2
-    assert "x float32 (paired)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "x float32 (paired)" in printed and "x float32 CPU" in printed
 
 
 def test_layer_precision_is_measured_and_saved(tmp_path, monkeypatch):

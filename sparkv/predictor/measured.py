@@ -100,6 +100,7 @@ class MeasuredSteps(StepCostModel):
         import torch
 
         from sparkv.runtime import LayerStepper, sample_context_ids
+        from sparkv.layout import StepId
 
         start = time.perf_counter()
         c_pair = _pair_ms(lm, max(chunk_sizes), attention_keys, repeats)
@@ -111,7 +112,7 @@ class MeasuredSteps(StepCostModel):
             g = stepper.geometry
             for t in range(g.num_token_chunks):
                 for layer in range(min(2, g.num_layers - 1)):
-                    ms = stepper.run_step((t, layer)).seconds * 1e3
+                    ms = stepper.run_step(StepId(t, layer)).seconds * 1e3
                     a, b = g.token_range(t)
                     times.setdefault((b - a, b), []).append(ms)
         rows = [(n, float(np.median(ms)) - c_pair * float(visible_pairs(n, k)))

@@ -225,7 +225,7 @@ def resolve_compute(name: str | torch.dtype | ComputeConfig | None,
     elif (name or "auto").strip().lower() == "auto":
         return auto_compute(device)[0]
     else:
-        config = get_compute(name)
+        config = get_compute(str(name))
     check_device(config, device)
     return config
 
@@ -253,7 +253,8 @@ def apply_compute(lm: Any, config: ComputeConfig | str,
     config = get_compute(config)
     check_device(config, lm.device)
     info: dict[str, Any] = {"name": config.name}
-    if config.plain:
+    linear = config.linear
+    if linear is None:                                     # a plain configuration
         if lm.dtype != config.dtype:
             lm.model.to(config.dtype)
     else:
@@ -266,11 +267,11 @@ def apply_compute(lm: Any, config: ComputeConfig | str,
                                "sensitivity allows: pass them (sparkv.predictor.dtypes."
                                "load_model_in_dtype reads the model's, docs/dtypes.md)")
         chosen = list(range(len(decoder_layers))) if layers is None else list(layers)
-        replaced = [replace_linears(decoder_layers[i], config.linear) for i in chosen]
+        replaced = [replace_linears(decoder_layers[i], linear) for i in chosen]
         flat = [m for layer in replaced for m in layer]
         info["layers"] = sorted(chosen)
         info["weight_bytes"] = sum(m.weight_nbytes() for m in flat)
-        if config.linear is Q41Linear:
+        if linear is Q41Linear:
             info["exact"] = all(m.exact for m in flat)
     lm.extra["compute"] = config.name
     lm.extra["compute_info"] = info

@@ -49,7 +49,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out
 
 
-def _rms_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _rms_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     dtype = hidden_states.dtype
     eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
     normed = F.rms_norm(hidden_states.to(torch.float32), hidden_states.shape[-1:], eps=eps)
@@ -58,7 +58,7 @@ def _rms_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * normed.to(dtype)
 
 
-def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     gate = self.gate_proj(x)
     if isinstance(self.act_fn, nn.SiLU):
         F.silu(gate, inplace=True)
@@ -67,7 +67,7 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
-def _attention_forward(self: nn.Module, hidden_states: torch.Tensor,
+def _attention_forward(self: Any, hidden_states: torch.Tensor,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                        attention_mask: torch.Tensor | None = None, cache: Any = None,
                        past_key_values: Any = None, **kwargs: Any

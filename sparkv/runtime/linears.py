@@ -63,6 +63,8 @@ class Bf16Linear(WeightLinear):
     """bfloat16 weight and matmul: the input is rounded to bf16; the output (bf16) is cast back
     to the input's dtype (``mixed``)."""
 
+    weight: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
@@ -73,6 +75,8 @@ class Bf16Linear(WeightLinear):
 
 class Bf16WeightLinear(WeightLinear):
     """bfloat16 weight, float32 matmul: only the weight is rounded (``bf16-weights``)."""
+
+    weight: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -85,6 +89,9 @@ class Bf16WeightLinear(WeightLinear):
 class Int8Linear(WeightLinear):
     """int8 weight, symmetric per output channel (``scale = max |w| / 127``), dequantized to the
     input's dtype at each call (``int8``)."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -117,6 +124,10 @@ class Q41Linear(WeightLinear):
         exact: whether the blocks are the original weight bit for bit (SmolLM2's are).
     """
 
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         q = quantize_q41(linear.weight)
@@ -140,6 +151,8 @@ class Int4KernelLinear(WeightLinear):
     output are bf16."""
 
     INNER_K_TILES = 2
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)

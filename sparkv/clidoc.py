@@ -107,7 +107,7 @@ def _subcommand_helps(parser: argparse.ArgumentParser) -> dict[tuple[str, ...], 
         for action in p._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for choice in action._choices_actions:
-                    out[(*path, choice.dest)] = choice.help or ""
+                    out[path + (choice.dest,)] = choice.help or ""
     return out
 
 

@@ -18,12 +18,15 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkv.cliflags import PRESS_METAVAR
 from sparkv.edge.commands import add_link_args, shaper_from_args
 from sparkv.edge.planning import STRATEGIES
 from sparkv.runtime.device import add_device_args
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 log = logging.getLogger("sparkv.demo")
 
@@ -122,8 +125,9 @@ def _server(args: argparse.Namespace, tmp: str) -> Any:
                          extra_args=["--device", str(args.device), "--dtype", str(args.dtype)])
 
 
-def _ask_everything(args: argparse.Namespace, lm: Any, context: list[int], url: str, tmp: str,
-                    strategies: list[str], link: str) -> tuple[list[int], list, list, Any]:
+def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int], url: str,
+                    tmp: str, strategies: list[str], link: str
+                    ) -> tuple[list[int], list, list, Any]:
     """Has the server encode the context, then asks the question with every strategy (and the
     pressed variant, and the follow-up, when sparkv is among them): ``(reference tokens,
     [(label, result)], table rows, follow-up result or None)``."""
@@ -250,7 +254,7 @@ def _row(label: str, res: Any, ref: list[int]) -> list[Any]:
             greedy_agreement(ref, res.tokens)]
 
 
-def _print_summary(lm: Any, ref: list[int], rows: list[list[Any]]) -> None:
+def _print_summary(lm: LoadedModel, ref: list[int], rows: list[list[Any]]) -> None:
     from sparkv.tables import format_table
 
     print(f"[reference, dense full prefill] {lm.decode_tokens(ref).strip()}\n")

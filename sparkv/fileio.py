@@ -313,12 +313,9 @@ class FlashIO:
         released when the block ends."""
         need = nbytes + self.align
         own = need > _KEEP_BUFFER + MAX_ALIGN
-        if own:
-            buf = mmap.mmap(-1, need)
-        else:
-            buf = getattr(_local, "buf", None)
-            if buf is None:
-                buf = _local.buf = mmap.mmap(-1, _KEEP_BUFFER + MAX_ALIGN)
+        buf: mmap.mmap | None = mmap.mmap(-1, need) if own else getattr(_local, "buf", None)
+        if buf is None:
+            buf = _local.buf = mmap.mmap(-1, _KEEP_BUFFER + MAX_ALIGN)
         skip = -_address(buf) % self.align
         whole = memoryview(buf)
         view = whole[skip:skip + nbytes]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 DEFAULT_CHUNK_TOKENS = 1024
 MIN_CHUNK_TOKENS = 16
@@ -84,7 +84,7 @@ class ChunkGeometry:
 
     @classmethod
     def from_config(
-        cls, config: object, num_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        cls, config: Any, num_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         heads_per_group: int = 0,
     ) -> "ChunkGeometry":
         """Derives the geometry from a Hugging Face model config (Llama/Qwen2/Qwen3/Mistral)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 LOGGER = "sparkv"
 
@@ -41,11 +42,11 @@ class _StderrHandler(logging.StreamHandler):
         super().__init__(sys.stderr)
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+    def stream(self, value: object) -> None:  # StreamHandler.__init__ assigns it
         pass
 
 

@@ -12,8 +12,14 @@ from fastapi.testclient import TestClient
 from sparkv.device import BudgetTooSmall, ContextBusy, DeviceError, UnknownContext
 from sparkv.device.app import create_app
 from sparkv.device.client import response_error
+from sparkv.device.loader import LoadStats
+from sparkv.device.registry import ContextSummary, ResidencyCounts
 from sparkv.device.service import CallResult
 
+SUMMARY = ContextSummary("0123456789abcdef", tokens=40, calls=2, bytes=12345,
+                         chunks=ResidencyCounts(resident=2, flash=1, absent=0),
+                         levels={"fp": 1, "int8": 2}, last_used=7, busy=False, hot=True,
+                         system_prompt=None, label="s/c")
 INFO = {"id": "0123456789abcdef", "tokens": 40, "calls": 2, "bytes": 12345,
         "chunks": {"resident": 2, "flash": 1, "absent": 0}, "levels": {"fp": 1, "int8": 2},
         "last_used": 7, "busy": False, "hot": True, "system_prompt": None, "label": "s/c"}
@@ -48,14 +54,14 @@ class ScriptedService:
         self.seen.append(("new", system_prompt, system_ids))
         return INFO["id"]
 
-    def describe(self, ctx_id: str) -> dict:
+    def describe(self, ctx_id: str) -> ContextSummary:
         self._known(ctx_id)
-        return dict(INFO)
+        return SUMMARY
 
-    def list(self) -> list[dict]:
-        return [dict(INFO)]
+    def list(self) -> list[ContextSummary]:
+        return [SUMMARY]
 
-    def damaged_list(self) -> list[dict]:
+    def damaged_list(self) -> list:
         return []
 
     def stats(self) -> dict:
@@ -77,7 +83,7 @@ class ScriptedService:
         return CallResult(ctx_id, "Paris.", [11, 12], 0.002, reclaim_s=0.0005, load_s=0.0015,
                           first_token_s=0.25, total_s=0.5, aot_s=0.01, context_tokens=60,
                           bytes_evicted=0, bytes_written_at_reclaim=0, bytes_written_aot=64,
-                          load={"read_chunks": 1, "notes": ["x"]}, plan={})
+                          load=LoadStats(read_chunks=1, notes=["x"]), plan=None)
 
 
 @pytest.fixture
@@ -108,7 +114,7 @@ def test_routes_answer_what_the_service_returns(app_client):
     want = CallResult(INFO["id"], "Paris.", [11, 12], 0.002, reclaim_s=0.0005, load_s=0.0015,
                       first_token_s=0.25, total_s=0.5, aot_s=0.01, context_tokens=60,
                       bytes_evicted=0, bytes_written_at_reclaim=0, bytes_written_aot=64,
-                      load={"read_chunks": 1, "notes": ["x"]}, plan={}).to_dict()
+                      load=LoadStats(read_chunks=1, notes=["x"]), plan=None).to_dict()
     want.update(switch_ms=2.0, first_token_ms=250.0, total_ms=500.0)
     _same_json(r.json(), want)
     r = c.delete(f"/v1/contexts/{INFO['id']}")

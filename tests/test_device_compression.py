@@ -115,7 +115,7 @@ def test_swap_out_and_back_is_exact_at_every_level(lm, doc, tmp_path, ratio, see
     # make recomputing dear, so that the chunks come back from their files
     svc.recompute.scale = 1e6
     r = svc.call(cid, prompt_ids=doc[350:356], max_new_tokens=1, grow=False)
-    assert r.load["read_chunks"] > 0, r.load
+    assert r.load.read_chunks > 0, r.load
     same_payloads(_payloads(svc, cid), before)                         # back, exactly
 
 
@@ -134,7 +134,7 @@ def test_restart_reopens_every_returned_context_at_its_levels(lm, doc, tmp_path)
         ctx = again.contexts[cid]
         assert ctx.tokens == tokens and ctx.levels == levels
         r = again.call(cid, prompt_ids=doc[360:364], max_new_tokens=1, grow=False)
-        assert r.load["faults"] == 0
+        assert r.load.faults == 0
         full = {c: p for c, p in payloads.items()
                 if c.t < ctx.memory.geometry.num_token_chunks - 1}
         same_payloads({c: p for c, p in _payloads(again, cid).items() if c in full}, full)

@@ -34,7 +34,7 @@ def test_second_ask_about_a_kept_context_streams_nothing(lm, tmp_path):
                             max_new_tokens=12, keep=True)
         taken = shaper.bytes_taken
         assert taken > 0 and first.breakdown.bytes_streamed > 0 and first.kept_id
-        assert service.describe(first.kept_id)["tokens"] == len(ids)
+        assert service.describe(first.kept_id).tokens == len(ids)
         # lost from RAM and flash while the server still holds it: the kept ask restores the
         # missing chunks from the server (or recomputes them, by predicted cost), same answer
         service.drop_flash(first.kept_id)

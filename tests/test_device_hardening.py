@@ -309,7 +309,7 @@ def test_a_full_flash_is_a_507_naming_it_and_loses_nothing_kept(tiny_llama, smal
                                                           "max_new_tokens": 3})
         assert r.status_code == 507 and r.json()["error"]["code"] == "flash_full"
         after = http.get(f"/v1/contexts/{kept}").json()
-        assert after["tokens"] == before["tokens"] and after["calls"] == before["calls"] + 1
+        assert after["tokens"] == before.tokens and after["calls"] == before.calls + 1
         filler.unlink()                                # room again: nothing kept was lost
         r = http.post(f"/v1/contexts/{kept}/call", json={"prompt_ids": [9, 10],
                                                           "max_new_tokens": 4, "grow": False})
@@ -319,6 +319,6 @@ def test_a_full_flash_is_a_507_naming_it_and_loses_nothing_kept(tiny_llama, smal
     svc.close()
     again = ContextService(tiny_llama, 8 << 20, small_disk / "swap", io_profile=flash_profile(),
                            compression="fp")
-    assert kept in {d["id"] for d in again.list()} and again.damaged_list() == []
-    assert again.describe(kept)["tokens"] == before["tokens"]
+    assert kept in {d.id for d in again.list()} and again.damaged_list() == []
+    assert again.describe(kept).tokens == before.tokens
     again.close()

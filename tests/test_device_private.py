@@ -206,7 +206,7 @@ def test_bad_inputs_are_4xx_json(tiny_llama, tmp_path):
         svc.new_context(system_ids=[vocab + 5])
     with pytest.raises(DeviceError):
         svc.import_context([vocab], [])
-    assert [d["id"] for d in svc.list()] == [cid]
+    assert [d.id for d in svc.list()] == [cid]
 
 
 # ---- a refused create evicts nothing -------------------------------------------------------------
@@ -215,17 +215,17 @@ def test_a_refused_create_evicts_nothing(tiny_llama, tmp_path):
     a = svc.new_context(system_ids=DOC)
     svc.call(a, prompt_ids=[9, 10, 11], max_new_tokens=3)
     before = svc.describe(a)
-    assert before["hot"] and before["chunks"]["resident"] > 0
+    assert before.hot and before.chunks.resident > 0
     used, counters = svc.used_bytes(), svc.counters.snapshot()
     with pytest.raises(BudgetTooSmall):
         svc.new_context(system_ids=[(5 * i) % 120 + 1 for i in range(1500)])
     after = svc.describe(a)
-    assert after["hot"] and after["chunks"] == before["chunks"]
-    assert after["bytes"] == before["bytes"]
+    assert after.hot and after.chunks == before.chunks
+    assert after.bytes == before.bytes
     assert svc.used_bytes() == used
     assert svc.counters.hot_dropped == counters.hot_dropped
     assert svc.counters.evicted_bytes == counters.evicted_bytes
-    assert [d["id"] for d in svc.list()] == [a]
+    assert [d.id for d in svc.list()] == [a]
 
 
 # ---- a context that cannot be reopened is listed as damaged and deletable ------------------------
@@ -247,12 +247,12 @@ def test_a_truncated_journal_is_listed_as_damaged_and_deletable(tiny_llama, tmp_
     del svc
 
     again = _svc(tiny_llama, swap)
-    assert [d["id"] for d in again.list()] == [good]
-    damaged = {d["id"]: d for d in again.damaged_list()}
+    assert [d.id for d in again.list()] == [good]
+    damaged = {d.id: d for d in again.damaged_list()}
     assert set(damaged) == {cut, bad_ids, orphan.name}
-    assert all(d["state"] == "damaged" and d["reason"] for d in damaged.values())
-    assert "cannot be read" in damaged[cut]["reason"]
-    assert "not a token id" in damaged[bad_ids]["reason"]
+    assert all(d.to_dict()["state"] == "damaged" and d.reason for d in damaged.values())
+    assert "cannot be read" in damaged[cut].reason
+    assert "not a token id" in damaged[bad_ids].reason
     assert again.stats()["damaged"] == 3
     with pytest.raises(ContextDamaged):
         again.call(cut, prompt_ids=[3], max_new_tokens=1)
@@ -272,7 +272,7 @@ def test_a_truncated_journal_is_listed_as_damaged_and_deletable(tiny_llama, tmp_
         assert not (swap / "contexts" / cid).exists()
     assert (swap / "contexts" / good).is_dir()
     third = _svc(tiny_llama, swap)
-    assert third.damaged_list() == [] and [d["id"] for d in third.list()] == [good]
+    assert third.damaged_list() == [] and [d.id for d in third.list()] == [good]
     assert third.call(good, prompt_ids=[3], max_new_tokens=1).context_tokens > 0
 
 
@@ -291,4 +291,4 @@ def test_service_chunks_at_ratio_one_are_fp_or_int8(tiny_llama, tmp_path):
     cid = svc.new_context(system_ids=DOC)
     for i in range(3):
         svc.call(cid, prompt_ids=[11 + i, 12, 13], max_new_tokens=5)
-    assert set(svc.describe(cid)["levels"]) <= {"fp", "int8"}
+    assert set(svc.describe(cid).levels) <= {"fp", "int8"}

@@ -14,6 +14,7 @@ from sparkv.device import ContextService
 from sparkv.device.density import plan_levels
 from sparkv.device.flashio import pack_token_chunk, read_token_chunk_record
 from sparkv.device.loader import dequantize_fast
+from sparkv.device.registry import ResidencyCounts
 from sparkv.device.remote import RemoteSource, ServerStream
 from sparkv.layout import KVChunkId
 from sparkv.runtime.generate import sample_context_ids
@@ -105,17 +106,17 @@ def test_a_lost_context_is_restored_from_the_server_exactly(lm, tmp_path):
             ref = svc.import_context(ids, layers)            # never evicted
             lost = svc.import_context(ids, layers)
             want = svc.call(ref, prompt_ids=q, max_new_tokens=12, grow=False)
-            nt = svc.describe(lost)["chunks"]["resident"]
+            nt = svc.describe(lost).chunks.resident
 
             # lost entirely (RAM and flash): restored from the server, the same answer
             svc.drop_flash(lost)
-            assert svc.describe(lost)["chunks"] == {"resident": 0, "flash": 0, "absent": nt}
+            assert svc.describe(lost).chunks == ResidencyCounts(resident=0, flash=0, absent=nt)
             tier = svc.contexts[lost].tier
             assert not list(tier.root.iterdir()) and not tier.live_records()
             frames = fast.stats.frames
             got = svc.call(lost, prompt_ids=q, max_new_tokens=12, grow=False, remote=fast)
-            assert got.load["streamed_chunks"] == nt
-            assert got.load["recomputed_chunks"] == 0 and got.load["read_chunks"] == 0
+            assert got.load.streamed_chunks == nt
+            assert got.load.recomputed_chunks == 0 and got.load.read_chunks == 0
             assert got.tokens == want.tokens
             assert fast.stats.frames - frames == len(fast.sizes)     # every server chunk, once
             # streamed chunks are swapped out ahead of time like any other (one segment)
@@ -125,18 +126,18 @@ def test_a_lost_context_is_restored_from_the_server_exactly(lm, tmp_path):
             svc.drop_flash(lost)
             slow = ServerStream(client, cid, levels=["raw"], link_Bps=1e3)
             res = svc.call(lost, prompt_ids=q, max_new_tokens=4, grow=False, remote=slow)
-            assert res.load["recomputed_chunks"] == nt and res.load["streamed_chunks"] == 0
+            assert res.load.recomputed_chunks == nt and res.load.streamed_chunks == 0
             assert slow.stats.frames == 0
             # swapped out (a clean flash copy): flash beats a slow link
             svc.swap_out(lost)
             res = svc.call(lost, prompt_ids=q, max_new_tokens=4, grow=False, remote=slow)
-            assert res.load["read_chunks"] == nt and res.load["streamed_chunks"] == 0, res.load
+            assert res.load.read_chunks == nt and res.load.streamed_chunks == 0, res.load
     finally:
         srv.stop()
     # the server is gone: a restore that planned to stream recomputes what did not arrive
     svc.drop_flash(lost)
     res = svc.call(lost, prompt_ids=q, max_new_tokens=12, grow=False, remote=fast)
-    assert res.load["faults"] == nt and res.load["recomputed_chunks"] == nt, res.load
+    assert res.load.faults == nt and res.load.recomputed_chunks == nt, res.load
     assert svc.stats()["budget_violations"] == 0
 
 
@@ -158,7 +159,7 @@ def test_a_server_frame_with_non_finite_values_is_refused():
     manifest = SimpleNamespace(compressed=False, encrypted=False, chunk_geometry=geo,
                                sizes={cid: {"raw": len(frame)}}, levels=["raw"])
     client = SimpleNamespace(manifest=lambda _id: manifest, tokens=lambda _id: [1] * 16,
-                             frame=lambda *a: frame, last_download=None)
+                             frame=lambda *a: frame, last_download=None, last_first_byte_s=0.0)
     src = ServerStream(client, "ab" * 16, link_Bps=1e6)
     with pytest.raises(DeviceError, match="non-finite"):
         list(src.fetch([(cid, "raw")]))

@@ -248,8 +248,8 @@ def test_damaged_segment_records_are_recomputed_and_answers_unchanged(tiny_llama
     seg.write_bytes(bytes(data))
     svc.recompute.scale = 1e6                # read what can be read
     got = svc.call(b, prompt_ids=[9, 10, 11], max_new_tokens=5, grow=False)
-    assert got.load["faults"] == len(bad), got.load
-    assert got.load["read_chunks"] == n - len(bad)
+    assert got.load.faults == len(bad), got.load
+    assert got.load.read_chunks == n - len(bad)
     assert got.tokens == want[0]
     assert svc.stats()["budget_violations"] == 0
 
@@ -287,8 +287,8 @@ def test_reopen_reattaches_every_segments_records(tiny_llama, tmp_path):
     assert sum(again.contexts[cid].tier.live_records().values()) == full
     again.recompute.scale = 1e6
     got = again.call(cid, prompt_ids=[9, 10, 11], max_new_tokens=5, grow=False)
-    assert got.load["faults"] == 0 and got.load["read_chunks"] == full
-    assert got.load["reads"] == 3            # chunk 0; 2-5 (1 died between); 1 (the newest)
+    assert got.load.faults == 0 and got.load.read_chunks == full
+    assert got.load.reads == 3            # chunk 0; 2-5 (1 died between); 1 (the newest)
     assert got.tokens == want[0]
 
 
@@ -321,4 +321,4 @@ def test_the_baselines_keep_one_file_per_chunk(tiny_llama, tmp_path):
     names = sorted(p.name for p in svc.contexts[cid].tier.root.iterdir())
     assert names == [f"{t}.skvt" for t in range(4)]
     got = svc.call(cid, prompt_ids=[5, 6, 7], max_new_tokens=2, grow=False)
-    assert got.load["reads"] == got.load["files_read"] == got.load["read_chunks"] == 4
+    assert got.load.reads == got.load.files_read == got.load.read_chunks == 4

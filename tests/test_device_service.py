@@ -43,7 +43,7 @@ def _svc(lm, tmp_path, budget=256 << 20, name="svc", **kw):
 
 
 def _resident(svc, cid):
-    return svc.describe(cid)["chunks"]
+    return svc.describe(cid).chunks
 
 
 # ---- 1. swapped out and back == never swapped ------------------------------------------------------
@@ -55,16 +55,16 @@ def test_swapped_out_and_back_answers_exactly_as_never_swapped(lm, doc, tmp_path
         ra = ref.call(a, turn, max_new_tokens=12)
         written = swp.swap_out(b)
         chunks = _resident(swp, b)
-        assert chunks["resident"] == 0 and chunks["flash"] > 0
+        assert chunks.resident == 0 and chunks.flash > 0
         assert swp.used_bytes() == 0
         rb = swp.call(b, turn, max_new_tokens=12)
         assert rb.tokens == ra.tokens, (i, turn)
-        assert rb.load["read_chunks"] > 0 and rb.load["recomputed_chunks"] == 0
+        assert rb.load.read_chunks > 0 and rb.load.recomputed_chunks == 0
         # LLMS's segments: adjacent records are read together (fewer reads than chunks; the
         # chunk-file layout of the baselines read one file per chunk)
-        assert 1 <= rb.load["files_read"] <= rb.load["reads"] < rb.load["read_chunks"]
+        assert 1 <= rb.load.files_read <= rb.load.reads < rb.load.read_chunks
         assert written == 0          # ahead-of-time swap-out: every chunk was already on flash
-    assert ref.describe(a)["tokens"] == swp.describe(b)["tokens"]
+    assert ref.describe(a).tokens == swp.describe(b).tokens
     assert ref.counters.read_chunks == 0
 
 
@@ -125,7 +125,7 @@ def test_service_recomputes_interleaved_chunks_when_flash_is_slow(lm, doc, tmp_p
     with svc.registry.lock:
         svc.keeper.evict(ctx, [1, 3, 4, 6])                       # interleaved holes
     res = svc.call(b, TURNS[1], max_new_tokens=12)
-    assert res.load["recomputed_chunks"] == 4 and res.load["read_chunks"] == 0
+    assert res.load.recomputed_chunks == 4 and res.load.read_chunks == 0
     assert res.tokens == ref.call(a, TURNS[1], max_new_tokens=12).tokens
     assert g.num_token_chunks > 6
 
@@ -253,9 +253,9 @@ def test_a_restarted_service_reopens_its_contexts(lm, doc, tmp_path):
     svc = _svc(lm, tmp_path, name="j")
     cid = svc.new_context(system_ids=doc[:70])
     svc.call(cid, TURNS[0], max_new_tokens=6)
-    n = svc.describe(cid)["tokens"]
+    n = svc.describe(cid).tokens
     again = _svc(lm, tmp_path, name="j")                # same swap dir, nothing in RAM
-    assert again.reopened == 1 and again.describe(cid)["tokens"] == n
-    assert again.describe(cid)["chunks"]["resident"] == 0
+    assert again.reopened == 1 and again.describe(cid).tokens == n
+    assert again.describe(cid).chunks.resident == 0
     res = again.call(cid, TURNS[3], max_new_tokens=6)
-    assert res.load["read_chunks"] > 0 and res.tokens
+    assert res.load.read_chunks > 0 and res.tokens

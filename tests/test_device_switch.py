@@ -92,5 +92,5 @@ def test_eviction_is_chunk_granular(lm, doc, tmp_path):
         == svc.contexts[b].memory.geometry.num_token_chunks  # b (the caller) untouched
     svc.budget = 256 << 20
     r = svc.call(a, "Say OK.", max_new_tokens=2)
-    assert r.load["read_chunks"] + r.load["recomputed_chunks"] == nt - len(res)
+    assert r.load.read_chunks + r.load.recomputed_chunks == nt - len(res)
     assert svc.stats()["budget_violations"] == 0

@@ -9,7 +9,10 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 #: the floor the ``sparkv``/``stream``/``hybrid`` strategy rows pin (the fixed floor the measured
 #: table replaces); ``default`` rows pass nothing and follow whatever ``ask()`` does
@@ -124,7 +127,7 @@ class QualityContext:
     probes: list[Probe] = field(default_factory=list)
     trial: int | None = None
 
-def score_answer(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: Any,
+def score_answer(lm: LoadedModel, ctx: QualityContext, probe: Probe, config: Config, ref: Any,
                  suffix: Sequence[int], answer: str, tokens: Sequence[int], first_logits: Any,
                  kv: Any, breakdown: Any, ttft_s: float | None,
                  ref_margins: Sequence[float] | None = None) -> dict[str, Any]:
@@ -166,7 +169,7 @@ def divergence(ref_tokens: Sequence[int], tokens: Sequence[int],
             "near_tie": bool(margin is not None and margin < NEAR_TIE_LOGITS)}
 
 
-def reference_margins(lm: Any, kv: Any, context_len: int, question_ids: Sequence[int],
+def reference_margins(lm: LoadedModel, kv: Any, context_len: int, question_ids: Sequence[int],
                       ref_tokens: Sequence[int]) -> list[float]:
     """The dense reference's top-1 minus top-2 logit at each of its own answer positions (one
     teacher-forced forward over the reference cache ``kv``; the cache is left as it was)."""
@@ -213,7 +216,7 @@ def use_codec(signature: str) -> None:
     :func:`base_row` makes from now on."""
     _CODEC["signature"] = signature
 
-def reference_answers(lm: Any, ctx: QualityContext, ref_mem: Any, dense: Config,
+def reference_answers(lm: LoadedModel, ctx: QualityContext, ref_mem: Any, dense: Config,
                       emit: Callable[[dict[str, Any]], None] | None
                       ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[float]]]:
     """Every probe answered over the dense reference's KV memory ``ref_mem`` (rows of the

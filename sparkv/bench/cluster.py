@@ -74,11 +74,11 @@ def _loadgen(cfg: dict[str, Any], procs: int) -> dict[str, Any]:
              "seed": i, "out": out_path}
         p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        p.out_path = out_path  # type: ignore[attr-defined]
-        p.stdin.write(json.dumps(c))  # type: ignore[union-attr]
-        p.stdin.close()  # type: ignore[union-attr]
+        assert p.stdin is not None                  # stdin=PIPE
+        p.stdin.write(json.dumps(c))
+        p.stdin.close()
         p.stdin = None  # communicate() must not touch it again
-        ps.append(p)
+        ps.append((p, Path(out_path)))
     if cfg.get("kill_pid"):
         time.sleep(cfg["kill_at"])
         os.kill(cfg["kill_pid"], signal.SIGKILL)
@@ -86,9 +86,8 @@ def _loadgen(cfg: dict[str, Any], procs: int) -> dict[str, Any]:
     else:
         kill_t = None
     outs = []
-    for p in ps:
+    for p, path in ps:
         _, err = p.communicate(timeout=cfg["duration"] + 120)
-        path = Path(p.out_path)  # type: ignore[attr-defined]
         try:
             if p.returncode != 0:
                 raise RuntimeError(f"load generator failed:\n{err[-3000:]}")
@@ -187,13 +186,14 @@ async def _load(cfg: dict[str, Any]) -> dict[str, Any]:
 
     async def client(i: int, deadline: float) -> None:
         rng = random.Random(cfg["seed"] * 100003 + i)
-        reader = writer = None
+        reader: asyncio.StreamReader | None = None
+        writer: asyncio.StreamWriter | None = None
         n = 0
         while time.perf_counter() < deadline:
             path, size, digest = items[rng.randrange(len(items))]
             t0 = time.perf_counter()
             try:
-                if writer is None:
+                if reader is None or writer is None:
                     reader, writer = await asyncio.open_connection(host, port)
                 writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
                              f"Authorization: Bearer {cfg['key']}\r\n{extra}\r\n".encode())
@@ -297,6 +297,14 @@ def _encode_batch(url: str, headers: dict[str, str], tokens: int, seed: list[int
             "job_s_mean": sum(job_s) / len(job_s) if job_s else 0.0, "failed": len(bad)}
 
 
+def _job_record(store: Any, job_id: str) -> dict[str, Any]:
+    """The store's record of the benchmark tenant's job ``job_id``."""
+    raw = store.jobs.get("bench", job_id)
+    if raw is None:
+        raise RuntimeError(f"job {job_id} is not in the store")
+    return json.loads(raw)
+
+
 def _worker_kill(cluster: Any, headers: dict[str, str], tokens: int, seed: list[int]
                  ) -> dict[str, Any]:
     """A worker SIGKILLed mid-job: the other takes the job over and finishes it. Returns the
@@ -321,12 +329,12 @@ def _worker_kill(cluster: Any, headers: dict[str, str], tokens: int, seed: list[
             if job["state"] not in ("queued", "running"):
                 raise RuntimeError(f"the job ended before the kill: {job}")
             time.sleep(0.02)
-        victim = json.loads(store.jobs.get("bench", job_id))["worker"]
+        victim = _job_record(store, job_id)["worker"]
         kill_t = time.time()
         cluster.kill(victim)
         taken = None
         while True:
-            rec = json.loads(store.jobs.get("bench", job_id))
+            rec = _job_record(store, job_id)
             if taken is None and rec.get("worker") != victim:
                 taken = time.time()
             if rec["state"] not in ("queued", "running"):

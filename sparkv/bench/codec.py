@@ -25,11 +25,14 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from sparkv.bench.common import add_run_args, format_table, write_result
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 QUESTIONS = [
     "\nQuestion: What is this document about? Answer:",
@@ -122,7 +125,7 @@ def _entropy(values: np.ndarray) -> float:
     return entropy_bits(np.bincount(values, minlength=256)) * values.size
 
 
-def _teacher_forced(lm: Any, kv: list, n_ctx: int, question: list[int], ref: list[int]
+def _teacher_forced(lm: LoadedModel, kv: list, n_ctx: int, question: list[int], ref: list[int]
                     ) -> float:
     """Share of the reference continuation's tokens that are the argmax given the reference
     prefix (no divergence cascade), over this cache."""
@@ -361,7 +364,7 @@ def _cachegen_style(frames: list[bytes], n_values: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # Pass key: retrieval with a cache streamed entirely at one level
 # ------------------------------------------------------------------------------------------------
-def _passkey(lm: Any, levels: Sequence[str], sizes: Sequence[int], trials: Sequence[int],
+def _passkey(lm: LoadedModel, levels: Sequence[str], sizes: Sequence[int], trials: Sequence[int],
              chunk_tokens: int, new_tokens: int = 16) -> dict[str, Any]:
     """Seeded pass-key tasks (:mod:`sparkv.bench.tasks`) answered over the full dense KV and
     over the same KV encoded and decoded chunk by chunk at each level (the whole cache at that
@@ -451,7 +454,7 @@ def _noise_var(x: Any, bits: int, chunk_tokens: int, exact_first: bool) -> Any:
     return var
 
 
-def _fisher_noise(lm: Any, layers: list, question: list[int], target: list[int], bits: int,
+def _fisher_noise(lm: LoadedModel, layers: list, question: list[int], target: list[int], bits: int,
                   chunk_tokens: int) -> tuple[list[float], list[float]]:
     """Per layer, ``sum over elements of E_t[g_t**2] * noise_var``, for K and for V: the empirical
     Fisher information of the next-token loss of each target token ``t`` (teacher-forced after
@@ -484,7 +487,7 @@ def _fisher_noise(lm: Any, layers: list, question: list[int], target: list[int],
     return acc[0::2], acc[1::2]
 
 
-def measure_profile(lm: Any, tokens: int = 4096, chunk_tokens: int = 1024, bits: int = 4,
+def measure_profile(lm: LoadedModel, tokens: int = 4096, chunk_tokens: int = 1024, bits: int = 4,
                     questions: int = len(QUESTIONS), new_tokens: int = 32, passkeys: int = 3,
                     passkey_tokens: int = 2048) -> dict[str, Any]:
     """Measures each layer's K and V sensitivity and allocates the levels' bit offsets.
@@ -525,7 +528,8 @@ def measure_profile(lm: Any, tokens: int = 4096, chunk_tokens: int = 1024, bits:
     }
 
 
-def _sensitivity(lm: Any, contexts: list[tuple[str, list[int], list[tuple[list[int], Any]]]],
+def _sensitivity(lm: LoadedModel,
+                 contexts: list[tuple[str, list[int], list[tuple[list[int], Any]]]],
                  bits: int, chunk_tokens: int, new_tokens: int
                  ) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, int]]:
     """Per kind of context, the per-layer K and V sensitivities (:func:`_fisher_noise`) summed
@@ -610,7 +614,7 @@ class _Context:
     """The measured context: the model, its prefilled KV (``layers``, ``[1, H, N, D]`` per layer),
     the KV cut into codec chunks, and the questions asked over the decoded caches."""
 
-    lm: Any
+    lm: LoadedModel
     n_ctx: int
     layers: list
     geo: Any

@@ -40,9 +40,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import add_run_args, format_table, write_result
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 DEFAULT_SYSTEMS = ("swap", "vllm-sq", "llms")
 SYSTEMS = ("lmk", "swap", "vllm-s", "vllm-sq", "llms", "llms-no-compression",
@@ -79,7 +82,8 @@ def parse_token_range(spec: str) -> tuple[int, int]:
     return lo, hi
 
 
-def make_contexts(lm: Any, count: int, tokens: tuple[int, int], seed: int) -> list[dict[str, Any]]:
+def make_contexts(lm: LoadedModel, count: int, tokens: tuple[int, int],
+                  seed: int) -> list[dict[str, Any]]:
     """``count`` contexts: a slice of the bundled text (length uniform in ``tokens``, both ends
     included) and a pass key. The first ``n`` contexts of a larger ``count`` are the same."""
     from sparkv.runtime.generate import sample_context_ids
@@ -105,7 +109,7 @@ class Prototypes:
     it (:meth:`ContextService.import_context`), so a run times its calls, not a prefill of
     1-4K tokens per context and system. Kept at fp in an unlimited service."""
 
-    def __init__(self, lm: Any, work: Path) -> None:
+    def __init__(self, lm: LoadedModel, work: Path) -> None:
         from sparkv.device.service import ContextService, ServiceConfig
 
         self.lm = lm
@@ -129,9 +133,10 @@ class Prototypes:
                                     "<|im_start|>assistant\nOK<|im_end|>\n")
         self.svc.call(cid, prompt_ids=plant, max_new_tokens=0)
         ctx = self.svc.registry.get(cid)
-        n = len(ctx.tokens)
-        layers = [tuple(x.unsqueeze(0).clone() for x in layer_kv(ctx.memory, l, 0, n))
-                  for l in range(ctx.memory.geometry.num_layers)]  # noqa: E741
+        n, C = len(ctx.tokens), ctx.memory
+        assert C is not None                         # a context between calls holds its memory
+        layers = [tuple(x.unsqueeze(0).clone() for x in layer_kv(C, l, 0, n))
+                  for l in range(C.geometry.num_layers)]  # noqa: E741
         out = (list(ctx.tokens), layers, (ctx.mass.clone(), ctx.rows.clone()))
         self.svc.delete(cid)
         return out
@@ -146,7 +151,9 @@ def make_trace(contexts: list[dict[str, Any]], calls: int, pattern: str, seed: i
     n = len(contexts)
     order = sorted(range(n), key=lambda i: contexts[i]["tokens"])
     weights = [math.exp(-0.5 * ((r - (n - 1) / 2) / max(n / 4, 0.5)) ** 2) for r in range(n)]
-    t, out, recent = 0.0, [], []
+    t = 0.0
+    out: list[tuple[float, int]] = []
+    recent: list[int] = []
     for _ in range(calls):
         t += rng.expovariate(rate_hz)
         if pattern == "random" or (pattern == "markov" and (len(recent) < 2
@@ -161,7 +168,8 @@ def make_trace(contexts: list[dict[str, Any]], calls: int, pattern: str, seed: i
     return out
 
 
-def make_service(lm: Any, system: str, budget: int, swap_dir: Path, ratio: float | None) -> Any:
+def make_service(lm: LoadedModel, system: str, budget: int, swap_dir: Path,
+                 ratio: float | None) -> Any:
     from sparkv.device.service import ContextService, ServiceConfig
 
     if system == "unlimited":
@@ -171,7 +179,7 @@ def make_service(lm: Any, system: str, budget: int, swap_dir: Path, ratio: float
                           config=ServiceConfig.preset(system, ratio=ratio, journal=False))
 
 
-def run_system(lm: Any, system: str, contexts: list[dict[str, Any]],
+def run_system(lm: LoadedModel, system: str, contexts: list[dict[str, Any]],
                trace: list[tuple[float, int]], budget: int, new_tokens: int,
                ratio: float | None, work: Path, protos: Prototypes,
                bar: Any = None) -> dict[str, Any]:
@@ -247,7 +255,7 @@ def final_tokens(contexts: list[dict[str, Any]], calls_per_context: float,
     return [c["tokens"] + 40 + int(turn * (1 + calls_per_context)) for c in contexts]
 
 
-def budget_for(lm: Any, contexts: list[dict[str, Any]], calls_per_context: float,
+def budget_for(lm: LoadedModel, contexts: list[dict[str, Any]], calls_per_context: float,
                new_tokens: int, fraction: float) -> dict[str, int]:
     """The budget every system gets: ``fraction`` of the contexts' total KV (fp, the model's
     dtype, at their final lengths), but never less than the **floor** a chunked system needs to
@@ -271,7 +279,7 @@ def budget_for(lm: Any, contexts: list[dict[str, Any]], calls_per_context: float
 
 
 # ---- the resident ask vs the first ask -------------------------------------------------------------
-def resident_ask(lm: Any, tokens: int, work: Path, new_tokens: int) -> dict[str, Any]:
+def resident_ask(lm: LoadedModel, tokens: int, work: Path, new_tokens: int) -> dict[str, Any]:
     """TTFT of a first ``ask`` (local prefill: the device holds the document) against a second
     one about the same context kept in a context service."""
     from sparkv.device import ContextService
@@ -286,6 +294,7 @@ def resident_ask(lm: Any, tokens: int, work: Path, new_tokens: int) -> dict[str,
         opts = AskOptions(strategy="local", backend="dense", max_new_tokens=new_tokens, keep=True)
         a = s.ask("bench-doc", q, opts, token_ids=ids)
         b = s.ask("bench-doc", q, opts, token_ids=ids)
+        assert b.kept_id is not None                  # keep=True
         svc.swap_out(b.kept_id)
         c = s.ask("bench-doc", q, opts, token_ids=ids)
     out.update(first_ttft_s=a.ttft_s, resident_ttft_s=b.ttft_s, swapped_ttft_s=c.ttft_s,
@@ -391,7 +400,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(lm: Any, contexts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, int]:
+def _budget(lm: LoadedModel, contexts: list[dict[str, Any]],
+            args: argparse.Namespace) -> dict[str, int]:
     """The run's budget (:func:`budget_for`), or ``--memory-budget-mb``."""
     b = budget_for(lm, contexts, args.calls / args.contexts, args.max_new_tokens,
                    args.memory_budget_fraction)

@@ -170,9 +170,10 @@ def _measure_size(lm: Any, n: int, configs: list[str], args: argparse.Namespace,
         del caches
     for cfg in configs:
         speeds = [r[0] for r in runs[cfg]]
-        row = {"tokens": n, "config": cfg, "tokens_per_s": statistics.median(speeds),
-               "tokens_per_s_all": speeds, "peak_kv_bytes": max(r[1] for r in runs[cfg]),
-               "end_kv_bytes": max(r[2] for r in runs[cfg])}
+        row: dict[str, Any] = {
+            "tokens": n, "config": cfg, "tokens_per_s": statistics.median(speeds),
+            "tokens_per_s_all": speeds, "peak_kv_bytes": max(r[1] for r in runs[cfg]),
+            "end_kv_bytes": max(r[2] for r in runs[cfg])}
         for base, key in (("dynamic", "speed_vs_dynamic"), ("memory", "speed_vs_memory")):
             if base in runs:
                 row[key] = statistics.median(a[0] / b[0] for a, b in zip(runs[cfg], runs[base]))

@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import add_run_args, format_table, result_path, write_result
 from sparkv.runtime.device import add_device_args
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 POLICIES = ("nocluster", "static", "local", "dynakv", "dynakv-eager", "dynakv-packed",
             "dynakv-lru")
@@ -73,7 +76,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=run)
 
 
-def _session_run(lm: Any, layers: Any, ctx: list[int], q: list[int], ref: list[int],
+def _session_run(lm: LoadedModel, layers: Any, ctx: list[int], q: list[int], ref: list[int],
                  follow: list[int], task: Any, policy: str, ram_budget: float | None,
                  retrieval: float, flash_dir: str | None) -> dict[str, Any]:
     """One policy over the reference stream; returns its row."""
@@ -281,7 +284,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[int], int, list[float], li
     return prompts, new_tokens, budgets, policies
 
 
-def _workload(lm: Any, args: argparse.Namespace, prompt_tokens: int
+def _workload(lm: LoadedModel, args: argparse.Namespace, prompt_tokens: int
               ) -> tuple[Any, list[int], list[int], list[int], Any]:
     """The seeded pass-key task and its token ids: ``(task, context, the "continue" question,
     the pass-key turn, the context's prefilled KV)``."""
@@ -298,9 +301,9 @@ def _workload(lm: Any, args: argparse.Namespace, prompt_tokens: int
     return task, ctx, q, follow, layers
 
 
-def _measure(lm: Any, layers: Any, ctx: list[int], q: list[int], follow: list[int], task: Any,
-             new_tokens: int, budgets: list[float], policies: list[str], retrieval: float,
-             flash_dir: str) -> list[dict[str, Any]]:
+def _measure(lm: LoadedModel, layers: Any, ctx: list[int], q: list[int], follow: list[int],
+             task: Any, new_tokens: int, budgets: list[float], policies: list[str],
+             retrieval: float, flash_dir: str) -> list[dict[str, Any]]:
     """Full KV decodes the reference stream (free-running greedy), then every policy at every
     budget is fed it (:func:`_session_run`): one row each, ``full`` first."""
     from tqdm import tqdm

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from sparkv.bench.answers import (Config, QualityContext, base_row, context_line,
                                   reference_answers, score_answer, use_codec)
 from sparkv.bench.variants import SPARE_TOKENS, Reference, Variant, prefill_reference
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 DENSE = Config("dense", "dense")
 
@@ -42,7 +45,7 @@ def pending(ctx: QualityContext, names: Iterable[str], done: set[tuple[str, str]
     return [n for n in names if any((p.id, n) not in done for p in ctx.probes)]
 
 
-def evaluate(lm: Any, contexts: Sequence[QualityContext], variants: Sequence[Variant], *,
+def evaluate(lm: LoadedModel, contexts: Sequence[QualityContext], variants: Sequence[Variant], *,
              emit: Emit, done: set[tuple[str, str]] | None = None,
              max_trials: dict[Any, int] | None = None, chunk_tokens: int = 512,
              progress: bool = True) -> None:
@@ -84,7 +87,7 @@ def evaluate(lm: Any, contexts: Sequence[QualityContext], variants: Sequence[Var
         bar.close()
 
 
-def context_rows(lm: Any, ctx: QualityContext, variants: Sequence[Variant], emit: Emit,
+def context_rows(lm: LoadedModel, ctx: QualityContext, variants: Sequence[Variant], emit: Emit,
                  chunk_tokens: int = 512, status: Callable[[str], Any] | None = None) -> None:
     """The dense rows and every variant's rows of one context (one prefill)."""
     ref = prefill_reference(lm, ctx.token_ids, density=any(v.needs_density() for v in variants),
@@ -96,7 +99,7 @@ def context_rows(lm: Any, ctx: QualityContext, variants: Sequence[Variant], emit
         variant_rows(ctx, variant, ref, refs, suffixes, margins, emit)
 
 
-def _reference(lm: Any, ctx: QualityContext, ref: Reference, emit: Emit
+def _reference(lm: LoadedModel, ctx: QualityContext, ref: Reference, emit: Emit
                ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[float]]]:
     """The dense reference's answers over the reference prefill (the ``dense`` rows, with the
     prefill's seconds as their ``load_s``)."""

@@ -25,14 +25,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from sparkv.bench.common import add_run_args, format_table, result_path, write_result
 from sparkv.runtime.device import add_device_args
 
-TARGETS = {"mape_ratio_min": 4.0, "paper_mape_ratio": [4.8, 5.6], "prediction_ms_max": 0.5}
+if TYPE_CHECKING:
+    from sparkv.predictor import LatencyModel, Roofline
+    from sparkv.predictor.profiler import Sample
+    from sparkv.predictor.roofline import ModelArch
+    from sparkv.runtime.model import LoadedModel
+
+TARGETS: dict[str, Any] = {"mape_ratio_min": 4.0, "paper_mape_ratio": [4.8, 5.6],
+                           "prediction_ms_max": 0.5}
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -53,7 +61,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=run)
 
 
-def _profile(args: argparse.Namespace):
+def _profile(args: argparse.Namespace
+             ) -> tuple[LoadedModel, list[Sample], dict[str, Any]]:
     from sparkv.predictor import ProfileConfig, Profiler
     from sparkv.predictor.dtypes import load_model_in_dtype
 
@@ -68,7 +77,8 @@ def _profile(args: argparse.Namespace):
     return lm, samples, profiler.metadata()
 
 
-def _deep_layer_check(lm, model, roof, threads: int, progress: bool) -> dict[str, Any]:
+def _deep_layer_check(lm: LoadedModel, model: LatencyModel, roof: Roofline, threads: int,
+                      progress: bool) -> dict[str, Any]:
     """Every non-final layer of one 2048-token context (another part of the sample text than the
     profile's), T = 512, dense and block-sparse (cdf 0.9), no induced load: does a model trained
     on layers 0-1 predict layers 2..L-2 as well? (The profiler's "a few layers" assumption.)"""
@@ -100,6 +110,7 @@ def _deep_layer_check(lm, model, roof, threads: int, progress: bool) -> dict[str
                     t0 = time.perf_counter()
                     res = stepper.run_step(StepId(t, layer))
                     ms = (time.perf_counter() - t0) * 1e3
+                    assert res.stats is not None         # an attention layer (not the last)
                     rows.append((layer, end - start, end,
                                  float(res.stats.active_blocks.float().mean()), u, sparse, ms))
                     bar.update(1)
@@ -117,7 +128,7 @@ def _deep_layer_check(lm, model, roof, threads: int, progress: bool) -> dict[str
     return out
 
 
-def _time_per_call(fn, calls: int) -> float:
+def _time_per_call(fn: Callable[[], object], calls: int) -> float:
     """Median milliseconds of ``fn()`` over ``calls`` calls, in 5 batches."""
     per_batch = max(1, calls // 5)
     best = []
@@ -129,7 +140,8 @@ def _time_per_call(fn, calls: int) -> float:
     return float(np.median(best) * 1e3)
 
 
-def _prediction_times(model, roof, arch) -> dict[str, float]:
+def _prediction_times(model: LatencyModel, roof: Roofline, arch: ModelArch
+                      ) -> dict[str, float]:
     from sparkv.layout import ChunkGeometry
     from sparkv.predictor import StepFeatures
 
@@ -222,6 +234,7 @@ def _fit_and_evaluate(samples: list[Any], meta: dict[str, Any], threads_arg: int
     model = LatencyModel(random_state=seed).fit(samples, meta, roof)
     roof.density_prior = model.density_prior
 
+    assert model.train_index is not None and model.test_index is not None    # fitted
     train = [samples[i] for i in model.train_index]
     test = [samples[i] for i in model.test_index]
     att_test = [s for s in test if s.kind == "attention"]
@@ -236,6 +249,7 @@ def _fit_and_evaluate(samples: list[Any], meta: dict[str, Any], threads_arg: int
     # afterwards): how much error the load changing within a second costs
     during = [dataclasses.replace(s, utilisation=s.utilisation_during) for s in samples]
     oracle = LatencyModel(random_state=seed).fit(during, meta)
+    assert oracle.test_index is not None
     oracle_test = [during[i] for i in oracle.test_index if during[i].kind == "attention"]
     oracle_mape = mape(oracle.predict_ms(StepFeatures.from_samples(oracle_test)),
                        [s.ms for s in oracle_test])
@@ -350,7 +364,7 @@ def _mape_optimal_scale(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(v[order][np.searchsorted(cum, cum[-1] / 2.0)])
 
 
-def _plot(att: dict[str, Any], scaled_mape: float, path) -> None:
+def _plot(att: dict[str, Any], scaled_mape: float, path: Path) -> None:
     try:
         import matplotlib
 

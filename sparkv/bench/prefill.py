@@ -26,10 +26,13 @@ import statistics
 import time
 from operator import attrgetter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import add_run_args, format_table, results_dir, write_result
 from sparkv.runtime.device import add_device_args
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 QUESTION = "\n\nQuestion: In one sentence, what is this document about?\nAnswer:"
 BACKENDS = ("dense", "dense_mask", "block_sparse", "flex_dense", "flex_sparse", "auto")
@@ -86,14 +89,14 @@ def _backend(name: str, cfg: Any) -> Any:
     return get_backend(name, cfg)
 
 
-def _sync(lm: Any) -> None:
+def _sync(lm: LoadedModel) -> None:
     import torch
 
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
 
 
-def _run_once(lm: Any, ids: list[int], v: PrefillVariant, chunk: int, backend: Any
+def _run_once(lm: LoadedModel, ids: list[int], v: PrefillVariant, chunk: int, backend: Any
               ) -> tuple[float, Any, list[Any]]:
     """One prefill: ``(seconds, per-layer KV, step results)``."""
     import torch
@@ -116,7 +119,7 @@ def _run_once(lm: Any, ids: list[int], v: PrefillVariant, chunk: int, backend: A
     return time.perf_counter() - start, stepper.kv.layer_kv(), results
 
 
-def _measure(lm: Any, ids: list[int], v: PrefillVariant, args: argparse.Namespace, cfg: Any
+def _measure(lm: LoadedModel, ids: list[int], v: PrefillVariant, args: argparse.Namespace, cfg: Any
              ) -> tuple[list[float], Any, list[Any]]:
     backend = None if v.backend == "full" else _backend(v.backend, cfg)
     if lm.device.type == "cuda":                 # compile / load kernels at this shape first
@@ -134,7 +137,7 @@ def _density(results: list[Any]) -> float:
     return active / causal if causal else 1.0
 
 
-def _question(lm: Any) -> list[int]:
+def _question(lm: LoadedModel) -> list[int]:
     if lm.tokenizer is None:
         return list(range(1, 17))
     return lm.encode_text(QUESTION)
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile(lm: Any, ids: list[int], args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+def _profile(lm: LoadedModel, ids: list[int], args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
     """One profiled run of ``args.profile``: wall time, summed kernel time (the GPU's busy time,
     at most; on the CPU the operators' self CPU time), and the kernels (operators) that took
     most of it."""
@@ -256,7 +259,7 @@ def _profile(lm: Any, ids: list[int], args: argparse.Namespace, cfg: Any) -> dic
     return out
 
 
-def _thresholds_file(lm: Any) -> str | None:
+def _thresholds_file(lm: LoadedModel) -> str | None:
     """The model's calibrated block-sparse thresholds file, when one is stored."""
     from sparkv.runtime.thresholds import load_thresholds, thresholds_path
 
@@ -264,7 +267,7 @@ def _thresholds_file(lm: Any) -> str | None:
     return str(thresholds_path(found.fingerprint)) if found is not None else None
 
 
-def _lse_kernel_name(lm: Any) -> str | None:
+def _lse_kernel_name(lm: LoadedModel) -> str | None:
     """Which LSE kernel the dense split runs on this device (None: the masked path)."""
     from sparkv.runtime.split import lse_kernel
 

@@ -29,10 +29,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from sparkv.bench.common import add_run_args, format_table, write_result
 from sparkv.runtime.device import add_device_args
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 PRESS_NAMES = ("snapkv", "pyramidkv", "dynamickv", "adakv", "adapyramid", "random",
                "streamingllm")
@@ -74,7 +77,7 @@ def _floats(text: str) -> list[float]:
     return out
 
 
-def measure(lm: Any, tasks: Sequence[Any], presses: Sequence[str], ratios: Sequence[float],
+def measure(lm: LoadedModel, tasks: Sequence[Any], presses: Sequence[str], ratios: Sequence[float],
             modes: Sequence[str], window: int, new_tokens: int) -> tuple[list[dict[str, Any]],
                                                                          list[dict[str, Any]]]:
     """Rows (one per task x config) and the prompts (token ids, for the kvpress runner)."""
@@ -97,7 +100,7 @@ def measure(lm: Any, tasks: Sequence[Any], presses: Sequence[str], ratios: Seque
         mem = to_memory(lm, layers)
         full_bytes = mem.nbytes
         t0 = time.perf_counter()
-        qwin = question_window(lm, mem, q) if "aware" in modes else None
+        qwin = question_window(lm, mem, q) if "aware" in modes else win
         qwin_s = time.perf_counter() - t0
         out = greedy_generate(lm, mem, len(ctx), q, new_tokens)
         rows.append({**base, "press": "full", "mode": "-", "ratio": 1.0,

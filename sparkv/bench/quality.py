@@ -53,13 +53,16 @@ import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from sparkv.bench.answers import (NEAR_TIE_LOGITS, PINNED_FLOOR, Config, Probe,  # noqa: F401
                                   QualityContext, base_row, context_line, divergence, use_codec,
                                   reference_answers, reference_margins, score_answer)
 from sparkv.bench.common import (MODEL_HELP, add_output_args, format_table, result_path,
                                  write_result)
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 #: retrieval families (sparkv.bench.tasks) and the QA set
 RETRIEVAL = ("passkey", "multikey", "multivalue")
@@ -263,7 +266,7 @@ def parse_trials(text: str) -> Callable[[str, int], int]:
     return trials
 
 
-def build_contexts(lm: Any, tasks: Sequence[str], sizes: Sequence[int],
+def build_contexts(lm: LoadedModel, tasks: Sequence[str], sizes: Sequence[int],
                    trials: Callable[[str, int], int], qa_questions: int | None = None,
                    seed: int = 0, qa_path: str | Path | None = None) -> list[QualityContext]:
     """Retrieval contexts (``trials(family, size)`` per family and size, depths spread over
@@ -325,8 +328,8 @@ REUSED_GROUPS = ("level", "backend")
 FALLBACK_RETRIES = 2
 
 
-def score_row(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: Any, res: Any,
-              suffix: Sequence[int], ref_margins: Sequence[float] | None = None
+def score_row(lm: LoadedModel, ctx: QualityContext, probe: Probe, config: Config, ref: Any,
+              res: Any, suffix: Sequence[int], ref_margins: Sequence[float] | None = None
               ) -> dict[str, Any]:
     """:func:`score_answer` of one ``EdgeSession.ask`` result."""
     return score_answer(lm, ctx, probe, config, ref, suffix, res.answer, res.tokens,
@@ -334,7 +337,7 @@ def score_row(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: A
                         ref_margins)
 
 
-def answer_over_load(lm: Any, ctx: QualityContext, probe: Probe, config: Config, ref: Any,
+def answer_over_load(lm: LoadedModel, ctx: QualityContext, probe: Probe, config: Config, ref: Any,
                      suffix: Sequence[int], res: Any,
                      ref_margins: Sequence[float] | None = None) -> dict[str, Any]:
     """Answers ``probe`` over the cache an earlier ask of the same context and configuration
@@ -367,7 +370,8 @@ def _create_context(client: Any, ctx: QualityContext, chunk_tokens: int,
     raise AssertionError("unreachable")
 
 
-def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequence[Config], *,
+def measure(lm: LoadedModel, url: str, contexts: Sequence[QualityContext],
+            configs: Sequence[Config], *,
             encode_levels: Sequence[str], chunk_tokens: int = 512, rtt_ms: float = 20.0,
             rows_path: str | Path | None = None, progress: bool = True,
             emit_dense: bool = True) -> list[dict[str, Any]]:
@@ -428,7 +432,7 @@ def measure(lm: Any, url: str, contexts: Sequence[QualityContext], configs: Sequ
     return rows
 
 
-def _dense_reference(lm: Any, ctx: QualityContext, dense: Config,
+def _dense_reference(lm: LoadedModel, ctx: QualityContext, dense: Config,
                      emit: Callable[[dict[str, Any]], None] | None
                      ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[float]]]:
     """The dense reference answer of every probe (full prefill on this device), emitted as the
@@ -449,7 +453,7 @@ def _dense_reference(lm: Any, ctx: QualityContext, dense: Config,
     return reference_answers(lm, ctx, ref_mem, dense, emit)
 
 
-def _config_rows(lm: Any, session: Any, cid: str, ctx: QualityContext, config: Config,
+def _config_rows(lm: LoadedModel, session: Any, cid: str, ctx: QualityContext, config: Config,
                  refs: dict[str, Any], suffixes: dict[str, list[int]],
                  margins: dict[str, list[float]], rtt_ms: float,
                  emit: Callable[[dict[str, Any]], None]) -> None:
@@ -648,7 +652,7 @@ NOT_IN_TABLE = ("dense", "strategy")
 PARAM_KEYS = ("level", "backend", "dtype", "press", "ratio")
 
 
-def quality_table(rows: Sequence[dict[str, Any]], configs: Sequence[Config], lm: Any,
+def quality_table(rows: Sequence[dict[str, Any]], configs: Sequence[Config], lm: LoadedModel,
                   source: dict[str, Any], seed: int = 0) -> Any:
     """The :class:`~sparkv.predictor.quality.QualityTable` (version 2) from the answer rows: one
     section per group present (``level`` -> ``levels`` in the codec's order, ``backend`` ->
@@ -828,8 +832,8 @@ def resolve_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick and getattr(args, "table", False):
         raise ValueError("--quick and --table are two presets: choose one")
     base = QUICK if args.quick else TABLE if getattr(args, "table", False) else FULL
-    opts = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
-            for k, v in base.items()}
+    opts: dict[str, Any] = {k: getattr(args, k, None) if getattr(args, k, None) is not None
+                            else v for k, v in base.items()}
     strategies = _csv(opts["strategies"])
     return {"tasks": _csv(opts["tasks"]), "sizes": [int(x) for x in _csv(opts["sizes"])],
             "trials": opts["trials"], "qa_questions": opts["qa_questions"],
@@ -921,7 +925,7 @@ def run(args: argparse.Namespace) -> int:
     return report(args, opts, lm, rows, configs, wall_s)
 
 
-def _measure_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any
+def _measure_run(args: argparse.Namespace, opts: dict[str, Any], lm: LoadedModel
                  ) -> tuple[list[dict[str, Any]], list[Config]]:
     """The in-process groups (:func:`sparkv.bench.paired.evaluate`), then the strategy group
     through a server; with ``--rows``, answers already in that file are kept, not measured."""
@@ -957,7 +961,7 @@ def _measure_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any
     return [r for r in earlier if (r["probe"], r["config"]) not in fresh] + rows, configs
 
 
-def _server_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
+def _server_run(args: argparse.Namespace, opts: dict[str, Any], lm: LoadedModel,
                 contexts: Sequence[QualityContext], configs: Sequence[Config]
                 ) -> list[dict[str, Any]]:
     """The strategy group's answers through a ``sparkv serve`` process on loopback (the dense
@@ -986,7 +990,7 @@ def _server_run(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
             server.stop()
 
 
-def report(args: argparse.Namespace, opts: dict[str, Any], lm: Any,
+def report(args: argparse.Namespace, opts: dict[str, Any], lm: LoadedModel,
            rows: list[dict[str, Any]], configs: list[Config], wall_s: float) -> int:
     """Prints the table and the verdicts; writes the JSON, the plot and the quality table as
     asked; returns the exit status (``--check``)."""

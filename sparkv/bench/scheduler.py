@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sparkv.bench.common import add_output_args, format_table, result_path, write_result
 
@@ -71,7 +71,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=run)
 
 
-def _csv(text: str | None, default: tuple, cast=float) -> list:
+def _csv(text: str | None, default: tuple, cast: Callable[[str], Any] = float) -> list:
     if not text:
         return list(default)
     return [cast(x) for x in text.split(",") if x.strip()]

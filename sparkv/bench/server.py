@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
                                "context_id": encode["context_id"],
                                "items": [[ch["t"], ch["l"], ch["g"], ch["levels"][level]["bytes"]]
                                          for ch in manifest["chunks"]]}
+                        assert server.proc is not None          # started above
                         cpu0 = _cpu_seconds(server.proc.pid)
                         res = _loadgen(cfg)
                         res["server_cpu_s"] = _cpu_seconds(server.proc.pid) - cpu0

@@ -39,12 +39,15 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import MODEL_HELP, add_output_args, format_table, write_result
 from sparkv.bench.longctx import LONG_CONTEXT_MODES, growth_lines, growth_report, plot_growth
 from sparkv.cliflags import PRESS_METAVAR
 from sparkv.runtime.device import add_device_args
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 STRATEGY_ORDER = ("local", "stream", "hybrid", "sparkv")
 QUESTION = "What does this text say about warranty? Answer in one sentence."
@@ -184,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def result_config(args: argparse.Namespace, lm: Any, fair: dict[str, Any]) -> dict[str, Any]:
+def result_config(args: argparse.Namespace, lm: LoadedModel,
+                  fair: dict[str, Any]) -> dict[str, Any]:
     """The JSON's ``config``: the flags, plus the model as results label it (``model_label``;
     ``long_context``: what extending its RoPE did, null for the model as trained), and what
     every strategy computed with (``fair_baselines``)."""
@@ -218,7 +222,7 @@ def _sweep_model(args: argparse.Namespace, sizes: list[int]) -> Any:
     return lm
 
 
-def fair_baselines(lm: Any, backend: str = "auto") -> dict[str, Any]:
+def fair_baselines(lm: LoadedModel, backend: str = "auto") -> dict[str, Any]:
     """What every strategy computes with, the baselines as sparkv (the paper's fair baselines):
     the model's dtype and one attention backend, ``auto`` resolved as sparkv resolves it for the
     model (:func:`sparkv.edge.planning.default_backend`). ``option`` is what each ask passes
@@ -327,7 +331,7 @@ class _Netns:
             self.link.close()
 
 
-def _measure_all(args: argparse.Namespace, lm: Any, sizes: list[int], strategies: list[str],
+def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], strategies: list[str],
                  links: list[tuple[Any, Any]], fair: dict[str, Any]
                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from sparkv.edge.options import AskOptions
@@ -571,7 +575,7 @@ def _distribution(points: list[dict[str, Any]], sizes: list[int],
                     if (n, label, s) in by}
             if not base or (n, label, "sparkv") not in by:
                 continue
-            best = min(base, key=base.get)  # type: ignore[arg-type]
+            best = min(base, key=lambda s: base[s])
             sp = by[(n, label, "sparkv")]
             rows.append({"trace": str(label), "sparkv_s": sp, "best": best,
                          "best_s": base[best], "ratio": sp / base[best], **{
@@ -739,13 +743,13 @@ def run_press(args: argparse.Namespace) -> int:
     print(format_table(["tokens", "context", "trials", "pass-key accuracy"],
                        [[r["tokens"], r["context"], r["n"], r["accuracy"]] for r in passkey]))
     print()
-    for e in targets["per_size"]:
-        print(f"{e['tokens']} tokens, crossover {e['crossover_mbps']} Mbit/s: sparkv+press / "
-              f"hybrid = {e.get('sparkv_press_vs_hybrid', float('nan')):.2f} (target <= 0.7); "
-              f"hybrid+press / hybrid = {e.get('hybrid_press_vs_hybrid', float('nan')):.2f}; "
-              f"sparkv / hybrid = {e.get('sparkv_vs_hybrid', float('nan')):.2f}; pass key "
-              f"{e.get('passkey_press')} vs full {e.get('passkey_full')} "
-              f"({'parity' if e.get('passkey_parity') else 'BELOW full KV'})")
+    for r in targets["per_size"]:
+        print(f"{r['tokens']} tokens, crossover {r['crossover_mbps']} Mbit/s: sparkv+press / "
+              f"hybrid = {r.get('sparkv_press_vs_hybrid', float('nan')):.2f} (target <= 0.7); "
+              f"hybrid+press / hybrid = {r.get('hybrid_press_vs_hybrid', float('nan')):.2f}; "
+              f"sparkv / hybrid = {r.get('sparkv_vs_hybrid', float('nan')):.2f}; pass key "
+              f"{r.get('passkey_press')} vs full {r.get('passkey_full')} "
+              f"({'parity' if r.get('passkey_parity') else 'BELOW full KV'})")
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update({"press": spec, "mbps": mbps, "torch_threads": torch.get_num_threads(),
                    "question": QUESTION, "wall_s": time.perf_counter() - t0,
@@ -758,7 +762,7 @@ def run_press(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_press(args: argparse.Namespace, lm: Any, spec: str, sizes: list[int],
+def _measure_press(args: argparse.Namespace, lm: LoadedModel, spec: str, sizes: list[int],
                    mbps: list[float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from tqdm import tqdm
 
@@ -892,7 +896,7 @@ def _press_targets(points: list[dict[str, Any]], passkey: list[dict[str, Any]],
     return out
 
 
-def _sample_session(lm: Any, path: Any, n: int) -> tuple[Any, list[int]]:
+def _sample_session(lm: LoadedModel, path: Any, n: int) -> tuple[Any, list[int]]:
     """An edge session on the bench's server (through its link) and the ``n``-token sample
     context as a chat context (40 tokens left for the question)."""
     from sparkv.edge.prompts import chat_context

@@ -36,11 +36,14 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
 from sparkv.bench.answers import Config
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 #: dense slots every assembled cache keeps for the question and the answer
 SPARE_TOKENS = 128
@@ -64,7 +67,7 @@ class Reference:
         prefill_s, prefill_cpu_s: seconds (wall, CPU) the prefill took.
     """
 
-    lm: Any
+    lm: LoadedModel
     token_ids: list[int]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     window: Any
@@ -79,7 +82,7 @@ class Reference:
         return len(self.token_ids)
 
 
-def prefill_reference(lm: Any, token_ids: Sequence[int], *, density: bool = False,
+def prefill_reference(lm: LoadedModel, token_ids: Sequence[int], *, density: bool = False,
                       chunk_tokens: int = SERVER_CHUNK_TOKENS) -> Reference:
     """The model's own full fp32 prefill of the context (the K/V of
     :func:`~sparkv.runtime.generate.reference_prefill`, logits of the last position only), with
@@ -117,7 +120,7 @@ class VariantLoad:
             a shared machine, where wall time measures the other jobs too.
     """
 
-    lm: Any
+    lm: LoadedModel
     kv: Any
     bytes_streamed: int = 0
     chunks_streamed: int = 0
@@ -167,7 +170,7 @@ class Variant:
         return f"{type(self).__name__}({self.value!r})"
 
 
-def server_geometry(lm: Any, n: int, chunk_tokens: int) -> Any:
+def server_geometry(lm: LoadedModel, n: int, chunk_tokens: int) -> Any:
     """The chunk geometry the server encodes a context of ``n`` tokens with."""
     from sparkv.layout import ChunkGeometry
 
@@ -210,7 +213,7 @@ class LevelVariant(Variant):
         return VariantLoad(ref.lm, kv, nbytes, n, 0, {self.value: n})
 
 
-def local_cache(lm: Any, ref: Reference, backend: Any) -> Any:
+def local_cache(lm: LoadedModel, ref: Reference, backend: Any) -> Any:
     """The edge's local path: every chunk of the server's geometry computed by a
     :class:`~sparkv.runtime.stepper.LayerStepper` with ``backend``; its KV memory."""
     from sparkv.runtime.stepper import LayerStepper
@@ -252,7 +255,7 @@ class BackendVariant(Variant):
 _CONVERTED: dict[tuple[int, str], Any] = {}
 
 
-def model_in_compute(lm: Any, name: str) -> Any:
+def model_in_compute(lm: LoadedModel, name: str) -> Any:
     """``lm`` itself when it already computes in configuration ``name``, else a copy of it in
     that configuration (made once; :func:`sparkv.predictor.dtypes.convert`)."""
     from sparkv.predictor.dtypes import convert
@@ -338,6 +341,16 @@ class PressVariant(Variant):
                            info={"kept_fraction": pressed.info["kept_fraction"]})
 
 
+@dataclass
+class _Measured:
+    """A reference prefill's densities, as the service's level policy reads a context's
+    (:class:`~sparkv.device.levels.LevelInputs`; no chunk has a level yet)."""
+
+    mass: torch.Tensor
+    rows: torch.Tensor
+    levels: list[str] = field(default_factory=list)
+
+
 class DeviceVariant(Variant):
     """The device service's tolerance compression at a global ratio (bytes relative to int8)."""
 
@@ -365,18 +378,16 @@ class DeviceVariant(Variant):
         (:meth:`LevelPolicy.assign <sparkv.device.levels.LevelPolicy.assign>` on the densities
         recorded on the reference prefill)."""
         from sparkv.device.levels import LevelPolicy
-        from sparkv.device.registry import DeviceContext
         from sparkv.layout import ChunkGeometry
 
         if ref.mass is None or ref.rows is None:
             raise ValueError("the reference was prefilled without densities (density=True)")
         cfg = self.service
-        policy = LevelPolicy(cfg.compression, cfg.ratio, cfg.fp_fraction, cfg.fp_protect,
+        policy = LevelPolicy(cfg.compression, self.ratio, cfg.fp_fraction, cfg.fp_protect,
                              ref.lm.dtype)
         g = ChunkGeometry.from_config(ref.lm.config, ref.num_tokens, cfg.chunk_tokens)
-        ctx = DeviceContext("quality-bench", ref.token_ids, None, None)
-        ctx.mass, ctx.rows = ref.mass.clone(), ref.rows.clone()
-        return policy, g, policy.assign(ctx, g)
+        measured = _Measured(ref.mass.clone(), ref.rows.clone())
+        return policy, g, policy.assign(measured, g)
 
     def _load(self, ref: Reference) -> VariantLoad:
         from sparkv.cache.payload import ChunkPayload, contiguous_positions

@@ -267,7 +267,7 @@ def _retrieval_need(kept: int, n: int, margin: float) -> int | None:
 
 
 # ---- paired bootstrap for QA ----------------------------------------------------------------------
-def bootstrap_mean_interval(values: Sequence[float], seed: int = 0,
+def bootstrap_mean_interval(values: Sequence[float] | np.ndarray, seed: int = 0,
                             resamples: int = RESAMPLES,
                             confidence: float = CONFIDENCE) -> tuple[float, float]:
     """Percentile bootstrap of the mean of ``values`` (paired differences, one per task): the
@@ -344,7 +344,8 @@ def _qa_diffs(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], key:
         if key == "first_token_kl":
             out.append(float(cv))
         else:
-            out.append(float(d.get(key) if d.get(key) is not None else 1.0) - float(cv))
+            dv = d.get(key)
+            out.append(float(dv if dv is not None else 1.0) - float(cv))
     return out
 
 
@@ -386,7 +387,8 @@ def combine(config: str, group: str, metrics: Mapping[str, MetricVerdict],
     if gating and all(m.verdict == PASS for m in gating):
         return Verdict(config, group, PASS, dict(metrics), None, errors)
     needs = [m.need_more for m in gating if m.verdict == UNDECIDED]
-    need = None if not needs or any(x is None for x in needs) else max(needs)  # type: ignore
+    known = [x for x in needs if x is not None]
+    need = max(known) if needs and len(known) == len(needs) else None
     return Verdict(config, group, UNDECIDED, dict(metrics), need, errors)
 
 

@@ -141,7 +141,7 @@ def register() -> str:
     return IMPLEMENTATION
 
 
-def use_sparkv_attention(model: torch.nn.Module) -> None:
+def use_sparkv_attention(model: Any) -> None:
     """Switches ``model`` to the ``"sparkv"`` implementation (identical to SDPA for every cache
     but the KV memory's)."""
     register()

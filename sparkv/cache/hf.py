@@ -152,9 +152,10 @@ class SparkvCache(Cache):
         """After generation: every layer's new tokens are part of the context's memory (the
         geometry grows); returns the context's new token count."""
         for layer in self.layers:
-            layer.commit()  # type: ignore[attr-defined]
+            layer.commit()  # type: ignore[union-attr]  # SparkvLayers, as built in __init__
         return self.memory.commit_appended()
 
     def extra_nbytes(self) -> int:
         """Bytes held outside the memory's account (the paged layers' tails)."""
-        return sum(layer.tail_nbytes() for layer in self.layers)  # type: ignore[attr-defined]
+        return sum(layer.tail_nbytes()  # type: ignore[union-attr]  # SparkvLayers
+                   for layer in self.layers)

@@ -116,7 +116,7 @@ def values_at_level(k: "torch.Tensor | QuantizedTensor", v: "torch.Tensor | Quan
     else:
         raise PayloadError(f"cannot go from {src} to {level}: lower levels come from fp or the "
                            "int8 base")
-    return requantize(k8, bits), requantize(v8, bits)  # type: ignore[arg-type]
+    return requantize(k8, bits), requantize(v8, bits)
 
 
 def _rows(x: "torch.Tensor | QuantizedTensor", a: int, b: int) -> "torch.Tensor | QuantizedTensor":

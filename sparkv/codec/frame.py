@@ -419,6 +419,7 @@ def _decode_symbols(mv: memoryview, hdr: FrameHeader, parallel: bool
         spans.append((i, sym_base, sym_base + nsym))
         sym_base += nsym
         first += th.num_streams
+        assert th.code_lengths is not None       # every Huffman tensor has its code lengths
         lengths[j, :th.code_lengths.size] = th.code_lengths
         huffman.build_decode_table(lengths[j], tables[j])
     symbols = np.empty(sym_base, dtype=np.uint8)
@@ -494,6 +495,7 @@ def _write_tensor(mv: memoryview, hdr: FrameHeader, th: TensorHeader,
         exact = _raw_values(mv, hdr, th.payload_offset, h * e * d).reshape(h, e, d)
         target[:, :e, :] = exact.to(torch.float32).numpy()
     if symbols is not None:
+        assert th.mins is not None and th.steps is not None  # quantized tokens have parameters
         quant.reconstruct(symbols, th.bits, th.mins, th.steps, th.axis, target[:, e:, :],
                           th.alpha, th.center, _finite_limit(hdr, out.dtype))
     if not direct:
@@ -622,6 +624,7 @@ def _encode_quant(t: torch.Tensor, bits: int, axis: int, exact: int, predictor: 
         cost += 8 * len(pred_params)
         if best is None or cost < best[0]:
             best = (cost, pred, pred_params, syms, hist, lengths)
+    assert best is not None                      # one candidate at least
     _, pred, pred_params, syms, hist, lengths = best
     params += pred_params
     if lengths is None:
@@ -735,11 +738,13 @@ def quantized_values(data: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
     syms = _decode_symbols(mv, hdr, False)
     out: list[np.ndarray | None] = [None, None]
     for i, th in enumerate((hdr.k, hdr.v)):
-        if syms[i] is None:
+        coded = syms[i]
+        if coded is None:
             continue
         nq, _ = _num_symbols(hdr, th)
-        values = quant.unpack(syms[i], th.bits, nq).copy()
+        values = quant.unpack(coded, th.bits, nq).copy()
         if th.predictor == PRED_CHANNEL:
+            assert th.alpha is not None and th.center is not None  # parsed with the predictor
             quant.undo_prediction(values.reshape(hdr.num_heads, hdr.num_tokens - th.exact_tokens,
                                                  hdr.head_dim), th.bits, th.alpha, th.center)
         out[i] = values

@@ -38,7 +38,7 @@ AXIS_NAMES = {AXIS_TOKEN: "token", AXIS_CHANNEL: "channel"}
 
 PARAM_FP16 = 1
 PARAM_FP32 = 2
-PARAM_DTYPES = {PARAM_FP16: np.dtype("<f2"), PARAM_FP32: np.dtype("<f4")}
+PARAM_DTYPES: dict[int, np.dtype] = {PARAM_FP16: np.dtype("<f2"), PARAM_FP32: np.dtype("<f4")}
 
 MIN_BITS = 2
 MAX_BITS = 8

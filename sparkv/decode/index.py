@@ -34,7 +34,7 @@ import torch
 
 from sparkv.decode.config import DecodeConfig
 from sparkv.decode.kmeans import kmeans, stats, two_means
-from sparkv.decode.store import ClusterStore, FlushedData, TokenStore
+from sparkv.decode.store import ClusterStore, FlushedData, TokenStore, Unit
 
 
 class StepContext(Protocol):
@@ -483,7 +483,7 @@ class ClusterIndex:
                 ctx.adopt(nu.uid, self._flushed_data(nu, k_all, v_all, p_all))
             ctx.updated(nu.uid)
 
-    def _flushed_data(self, u, k_all: torch.Tensor, v_all: torch.Tensor, p_all: np.ndarray
+    def _flushed_data(self, u: Unit, k_all: torch.Tensor, v_all: torch.Tensor, p_all: np.ndarray
                       ) -> FlushedData:
         """``u``'s flushed entries, in its address order, from RAM copies."""
         order = {int(p): i for i, p in enumerate(p_all)}

@@ -194,7 +194,7 @@ class LayerState:
         self.last_selected: list[list[int]] = [[] for _ in range(eng.H)]
         path = eng.dir / f"layer{l:03d}.pages"
         self.indexes: list[ClusterIndex | TokenIndex] = []
-        self.table = None
+        self.table: CentroidTable | None = None
         #: uid -> how often the prompt's last queries retrieved the cluster (prefill clusters)
         self.prefill_freq: dict[int, float] = {}
         #: uid -> its entries as placed (RAM at prefill; the cache's warm-up, then dropped)
@@ -213,7 +213,7 @@ class LayerState:
                                       direct=cfg.direct, executor=eng.prefetcher.io,
                                       pack_tails=cfg.pack_tails)
             self._build_clusters(k_all, v_all, queries)
-            self.table: CentroidTable | None = CentroidTable(self.indexes)  # type: ignore[arg-type]
+            self.table = CentroidTable(self.indexes)  # type: ignore[arg-type]
             self.store.ram_lookup = self.ram
             self.store.on_flushed = self._on_flushed
         if eng.probe:
@@ -255,8 +255,8 @@ class LayerState:
             freq = prefill_frequency(means, sizes, qg, budget)[0]
             ordered = []
             for i in order:
-                g = torch.from_numpy(final[i])
-                ordered.append((k_all[h][g], v_all[h][g], pos[final[i]]))
+                rows = torch.from_numpy(final[i])
+                ordered.append((k_all[h][rows], v_all[h][rows], pos[final[i]]))
             idx = ClusterIndex(self.l, h, self.store, cfg, tau)  # type: ignore[arg-type]
             idx.win = (self.sink_n, self.rec_start)
             uids = idx.build(ordered)
@@ -687,8 +687,8 @@ class ClusteredKV:
                                   reserve_frac=cfg.reserve_frac)
         self.cache_capacity = cap
         self.warmed = self._warm() if cfg.warm else 0
-        for layer in self.layers:
-            layer.warm_data = {}
+        for state in self.layers:
+            state.warm_data = {}
 
     def _warm(self) -> int:
         """Fills the cache at prefill (the entries are in RAM then, so it costs no read), by one

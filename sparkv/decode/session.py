@@ -24,6 +24,7 @@ from sparkv.cache import AttentionView, ContextKV, SparkvCache
 from sparkv.cache.hf import SparkvLayer
 from sparkv.decode.config import DecodeConfig, policy_config
 from sparkv.decode.hf import DynaKVCache
+from sparkv.decode.index import ClusterIndex
 from sparkv.decode.policy import ClusteredKV
 from sparkv.decode.stats import DecodeStats
 from sparkv.runtime.generate import GenerationResult, context_memory, eos_ids
@@ -285,7 +286,7 @@ def _cluster_stats(st: DecodeStats, kv: ClusteredKV) -> None:
             clusters += idx.clusters
             buffered += idx.buffered
             peak = max(peak, idx.buffer_peak)
-            if hasattr(idx, "flag"):
+            if isinstance(idx, ClusterIndex):
                 flagged += int((idx.flag[:idx.size] & idx.alive[:idx.size]).sum())
                 sizes += int(idx.n[:idx.size][idx.alive[:idx.size]].sum())
     splits["prefill"] = kv.prefill_splits

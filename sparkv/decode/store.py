@@ -44,6 +44,7 @@ is their ratio.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -51,7 +52,7 @@ from collections import defaultdict
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -100,7 +101,7 @@ class IOStats:
         with self._lock:
             self.logical_bytes[reason] += nbytes
 
-    def snapshot(self) -> dict[str, dict[str, float]]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"read_calls": dict(self.read_calls), "read_ops": dict(self.read_ops), "read_bytes": dict(self.read_bytes),
                     "read_entries": dict(self.read_entries), "read_s": dict(self.read_s),
@@ -172,7 +173,7 @@ class PageFile:
         with self._plock:
             for p in span:
                 self._pending[p] = fut
-        fut.add_done_callback(lambda f, span=span: self._done(span, f))
+        fut.add_done_callback(functools.partial(self._done, span))
 
     def _done(self, span: range, fut: Future) -> None:
         with self._plock:
@@ -508,7 +509,7 @@ class ClusterStore:
         pos = np.asarray(pos, dtype=np.int64)
         k = k.to(self.dtype).reshape(n, self.d)
         v = v.to(self.dtype).reshape(n, self.d)
-        if u.tail_k is None or u.tail == 0:
+        if u.tail_k is None or u.tail_v is None or u.tail == 0:
             tk, tv, tp = k, v, pos
         else:
             tk, tv, tp = torch.cat([u.tail_k, k]), torch.cat([u.tail_v, v]), \

@@ -72,7 +72,7 @@ log = logging.getLogger("sparkv.device")
 # ---- the dependency ------------------------------------------------------------------------------
 def get_service(request: Request) -> ContextService:
     """The app's service (``app.state.service``)."""
-    return request.app.state.service  # type: ignore[no-any-return]
+    return request.app.state.service
 
 
 ServiceDep = Annotated[ContextService, Depends(get_service)]
@@ -96,7 +96,7 @@ def new_context(body: NewContext, service: ServiceDep) -> ContextInfo:
     if body.system_prompt is not None and body.system_ids is not None:
         raise DeviceError("give system_prompt or system_ids, not both")
     cid = service.new_context(body.system_prompt, system_ids=body.system_ids)
-    return ContextInfo.model_validate({"id": cid, **service.describe(cid)})
+    return ContextInfo.model_validate(service.describe(cid).to_dict())
 
 
 @contexts_router.post("/v1/contexts/{ctx_id}/call", response_model=CallReply,
@@ -124,15 +124,16 @@ def delete_context(ctx_id: ContextId, service: ServiceDep) -> Response:
 @contexts_router.get("/v1/contexts", response_model=DeviceContextList)
 def list_contexts(service: ServiceDep) -> DeviceContextList:
     """Every context, and those that could not be reopened (``damaged``)."""
-    return DeviceContextList.model_validate({"contexts": service.list(),
-                                             "damaged": service.damaged_list()})
+    return DeviceContextList.model_validate({
+        "contexts": [c.to_dict() for c in service.list()],
+        "damaged": [d.to_dict() for d in service.damaged_list()]})
 
 
 @contexts_router.get("/v1/contexts/{ctx_id}", response_model=ContextInfo,
                      responses=_errors(404, 409))
 def describe_context(ctx_id: ContextId, service: ServiceDep) -> ContextInfo:
     """One context: tokens, bytes, chunks by residency, level mix, busy."""
-    return ContextInfo.model_validate(service.describe(ctx_id))
+    return ContextInfo.model_validate(service.describe(ctx_id).to_dict())
 
 
 @service_router.get("/v1/stats", response_model=ServiceStats)
@@ -192,7 +193,7 @@ def create_app(service: ContextService, token: str | None = None,
     for router in ROUTERS:
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(AccessGuard, token=token)  # type: ignore[arg-type]
+    app.add_middleware(AccessGuard, token=token)
     install_request_policy(app, limits)
 
     def openapi() -> dict[str, Any]:

@@ -28,9 +28,9 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
-from sparkv.cache import ContextKV
+from sparkv.cache import ContextKV, LayerKV
 from sparkv.device.errors import DeviceError
 from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, grow_arena, load,
@@ -38,6 +38,10 @@ from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, grow_aren
 from sparkv.device.registry import DeviceContext
 from sparkv.device.swap import SwapStore
 from sparkv.layout import ChunkGeometry
+
+if TYPE_CHECKING:
+    from sparkv.device.remote import RemoteSource
+    from sparkv.runtime.model import LoadedModel
 
 
 def _margin(n: int) -> int:
@@ -58,12 +62,12 @@ class BringBack(ABC):
         """``ctx``'s arena ``mem`` is about to be freed; returns the bytes written."""
 
     @abstractmethod
-    def bring_back(self, lm: Any, ctx: DeviceContext, W: ContextKV,
+    def bring_back(self, lm: LoadedModel, ctx: DeviceContext, W: ContextKV,
                    on_layer: Callable[[], object]) -> LoadStats:
         """Fills arena ``W`` with ``ctx``'s tokens' K/V (``on_layer`` after each layer)."""
 
 
-def recompute_all(lm: Any, ctx: DeviceContext, W: ContextKV,
+def recompute_all(lm: LoadedModel, ctx: DeviceContext, W: ContextKV,
                   on_layer: Callable[[], object]) -> LoadStats:
     """Every chunk of ``ctx`` recomputed from its tokens into arena ``W``."""
     return load(lm, ctx.tokens, W, W, ctx.tier,
@@ -79,7 +83,7 @@ class Kill(BringBack):
     def put_away(self, ctx: DeviceContext, mem: ContextKV) -> int:
         return 0
 
-    def bring_back(self, lm: Any, ctx: DeviceContext, W: ContextKV,
+    def bring_back(self, lm: LoadedModel, ctx: DeviceContext, W: ContextKV,
                    on_layer: Callable[[], object]) -> LoadStats:
         return recompute_all(lm, ctx, W, on_layer)
 
@@ -93,7 +97,7 @@ class WholeFile(BringBack):
     def put_away(self, ctx: DeviceContext, mem: ContextKV) -> int:
         return self.swap.write_whole(ctx, mem)
 
-    def bring_back(self, lm: Any, ctx: DeviceContext, W: ContextKV,
+    def bring_back(self, lm: LoadedModel, ctx: DeviceContext, W: ContextKV,
                    on_layer: Callable[[], object]) -> LoadStats:
         stats = self.swap.read_whole(ctx, W, on_layer)
         return stats if stats is not None else recompute_all(lm, ctx, W, on_layer)
@@ -117,7 +121,7 @@ class WholeKeeper(Keeper):
         W = self._prefill(ctx, g, _margin(n), working_nbytes(g, _margin(n), self.lm.dtype))
         self.fold_back(ctx, W, n)
 
-    def adopt(self, ctx: DeviceContext, layers: Any) -> None:
+    def adopt(self, ctx: DeviceContext, layers: ContextKV | LayerKV) -> None:
         n = len(ctx.tokens)
         g = self.geometry(n)
         extra = _margin(n)
@@ -134,7 +138,8 @@ class WholeKeeper(Keeper):
             ctx.memory = W
         self.budget.check()
 
-    def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:
+    def switch_in(self, ctx: DeviceContext, spare: int,
+                  remote: RemoteSource | None = None) -> SwitchIn:
         """The context's arena as the working memory: as it is if it has ``spare`` free slots,
         grown layer by layer if not, brought back (:class:`BringBack`) if it was evicted."""
         n = len(ctx.tokens)

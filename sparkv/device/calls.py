@@ -11,7 +11,7 @@ its keeper switched in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,12 +24,20 @@ from sparkv.runtime.hfcache import model_call
 if TYPE_CHECKING:
     from sparkv.device.counters import ServiceCounters
     from sparkv.device.keeper import SwitchIn
+    from sparkv.device.loader import LoadStats
+    from sparkv.device.planner import Split
+    from sparkv.runtime.model import LoadedModel
 
 
 @dataclass
 class CallResult:
     """What one call returned and what it cost (seconds); a
-    :class:`~sparkv.generation.Generation` (``text``, ``tokens``, ``stats``)."""
+    :class:`~sparkv.generation.Generation` (``text``, ``tokens``, ``stats``).
+
+    ``load``: what loading the context did (``None`` when nothing was loaded: a kept working
+    memory, a whole-context keeper); ``plan``: the IO/recompute split of that load (``None``
+    without one). :meth:`to_dict` gives both as dicts (empty for ``None``), as ``POST
+    /v1/contexts/{id}/call`` returns them."""
 
     context_id: str
     text: str
@@ -44,11 +52,12 @@ class CallResult:
     bytes_evicted: int = 0
     bytes_written_at_reclaim: int = 0
     bytes_written_aot: int = 0
-    load: dict[str, Any] = field(default_factory=dict)
-    plan: dict[str, Any] = field(default_factory=dict)
+    load: LoadStats | None = None
+    plan: Split | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "load": {} if self.load is None else self.load.to_dict(),
+                "plan": {} if self.plan is None else asdict(self.plan)}
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -58,8 +67,8 @@ class CallResult:
         return {**base_stats(self.first_token_s, self.tokens), **costs}
 
     @classmethod
-    def of(cls, lm: Any, ctx_id: str, tokens: list[int], sw: "SwitchIn", context_tokens: int,
-           counted: "ServiceCounters", *, switch_s: float, first_token_s: float,
+    def of(cls, lm: LoadedModel, ctx_id: str, tokens: list[int], sw: SwitchIn,
+           context_tokens: int, counted: ServiceCounters, *, switch_s: float, first_token_s: float,
            total_s: float, aot_s: float, aot_bytes: int) -> "CallResult":
         """The result of a call that decoded ``tokens`` (its text: them decoded by ``lm``, end
         of sequence tokens left out), switched in by ``sw`` and counted ``counted`` (the
@@ -73,8 +82,7 @@ class CallResult:
                    total_s=total_s, aot_s=aot_s, context_tokens=context_tokens,
                    bytes_evicted=counted.evicted_bytes,
                    bytes_written_at_reclaim=counted.reclaim_written_bytes,
-                   bytes_written_aot=aot_bytes, load=sw.stats.to_dict() if sw.stats else {},
-                   plan=sw.split.__dict__ if sw.split else {})
+                   bytes_written_aot=aot_bytes, load=sw.stats, plan=sw.split)
 
 
 
@@ -88,7 +96,7 @@ class Turn:
     density: DensityRecorder
 
 
-def run_turn(lm: Any, W: ContextKV, n: int, ids: list[int], max_new: int, *, grow: bool,
+def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, *, grow: bool,
              stop_at_eos: bool) -> Turn:
     """Runs ``ids`` after the ``n`` tokens of working memory ``W`` (which has room for them and
     ``max_new`` more) and decodes up to ``max_new`` tokens greedily; ``W`` keeps the new tokens
@@ -99,7 +107,7 @@ def run_turn(lm: Any, W: ContextKV, n: int, ids: list[int], max_new: int, *, gro
     return Turn(tokens, first_s, rec)
 
 
-def _generate(lm: Any, W: ContextKV, n: int, ids: list[int], max_new: int, grow: bool,
+def _generate(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, grow: bool,
               stop_at_eos: bool) -> tuple[list[int], float]:
     from sparkv.cache import SparkvCache
     from sparkv.runtime.generate import greedy_generate

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from sparkv.cache import ContextKV, FlashRef, Residency, Source
+from sparkv.cache import ContextKV, FlashRef, LayerKV, Residency, Source
 from sparkv.cache.payload import ChunkPayload, contiguous_positions
 from sparkv.device.config import longest_context
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
@@ -42,6 +42,10 @@ from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_pay
 from sparkv.device.planner import MissingChunk, RecomputeProfile, Split, plan_split
 from sparkv.device.registry import DeviceContext
 from sparkv.layout import ChunkGeometry, KVChunkId
+
+if TYPE_CHECKING:
+    from sparkv.device.remote import RemoteSource
+    from sparkv.device.restore import RestorePlan
 
 
 @dataclass(eq=False)
@@ -85,7 +89,7 @@ class ChunkKeeper(Keeper):
         ctx.modified.update(range(g.num_token_chunks))
         self._discard(ctx, W)
 
-    def adopt(self, ctx: DeviceContext, layers: Any) -> None:
+    def adopt(self, ctx: DeviceContext, layers: ContextKV | LayerKV) -> None:
         g = self.geometry(len(ctx.tokens))
         levels = self.levels.assign(ctx, g)
         self.budget.reserve(self.levels.chunks_nbytes(g, levels), ctx)
@@ -107,10 +111,11 @@ class ChunkKeeper(Keeper):
             self.budget.check()
 
     # ---- switching in ----------------------------------------------------------------------------
-    def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:
+    def switch_in(self, ctx: DeviceContext, spare: int,
+                  remote: RemoteSource | None = None) -> SwitchIn:
         return self._take_hot(ctx, spare) or self._load(ctx, spare, remote)
 
-    def _load(self, ctx: DeviceContext, spare: int, remote: Any) -> SwitchIn:
+    def _load(self, ctx: DeviceContext, spare: int, remote: RemoteSource | None) -> SwitchIn:
         """Reserves, then loads the context's chunks into a new working memory."""
         C = ctx.memory
         assert C is not None
@@ -156,7 +161,7 @@ class ChunkKeeper(Keeper):
         self.recompute.learn_fill(resident + stats.read_chunks * g.num_layers * g.num_groups,
                                   stats.fill_s)
 
-    def _restore_plan(self, ctx: DeviceContext, remote: Any) -> Any:
+    def _restore_plan(self, ctx: DeviceContext, remote: RemoteSource) -> RestorePlan:
         """The three-source restore plan of ``ctx`` from ``remote`` (server chunks), flash and
         recompute (:func:`sparkv.device.restore.restore_plan`)."""
         from sparkv.device.restore import restore_plan

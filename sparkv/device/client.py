@@ -7,6 +7,7 @@ than the URL. Every request names ``localhost`` as its Host (the service answers
 
 from __future__ import annotations
 
+import builtins
 import os
 import signal
 import subprocess
@@ -122,7 +123,7 @@ class DeviceClient:
     def list(self) -> list[dict[str, Any]]:
         return self._req("GET", "/v1/contexts")["contexts"]
 
-    def damaged(self) -> list[dict[str, Any]]:
+    def damaged(self) -> builtins.list[dict[str, Any]]:
         """The contexts the service could not reopen (``{id, state, reason}``)."""
         return self._req("GET", "/v1/contexts").get("damaged", [])
 

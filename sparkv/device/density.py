@@ -135,9 +135,10 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
     with torch.no_grad():
         b, n, _ = hidden.shape
         d = int(getattr(module, "head_dim", keys.shape[-1]))
-        q = module.q_proj(hidden).view(b, n, -1, d)
-        if getattr(module, "q_norm", None) is not None:  # Qwen3
-            q = module.q_norm(q)
+        q = module.get_submodule("q_proj")(hidden).view(b, n, -1, d)
+        q_norm = getattr(module, "q_norm", None)
+        if q_norm is not None:  # Qwen3
+            q = q_norm(q)
         q = q.transpose(1, 2)
         cos, sin = pe
         q = q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
@@ -238,7 +239,7 @@ def _int_mix(ds: np.ndarray, budget: float, st: dict[str, float]) -> tuple[float
     return best if best is not None else (float((pre[n]) * st["int2"]), 0, 0)
 
 
-def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
+def plan_levels(densities: Sequence[float] | np.ndarray, ratio_global: float = 0.5,
                 steps: dict[str, float] | None = None, *, fp_fraction: float = 0.0,
                 protect: Sequence[int] = (), fp_ratio: float = 4.0) -> LevelMix:
     """Levels for chunks of the given densities meeting ``ratio_global`` (module docstring).

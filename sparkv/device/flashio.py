@@ -426,7 +426,7 @@ def read_token_chunk_record(data: bytes | memoryview, t: int | None = None) -> T
             return x.view(torch.int16).view(tdtype).view(shape)
         return x.view(tdtype).view(shape)
 
-    sides = []
+    sides: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
     for _ in ("k", "v"):
         if level == "fp":
             el = torch.tensor([], dtype=dtype).element_size()
@@ -445,13 +445,13 @@ def read_token_chunk_record(data: bytes | memoryview, t: int | None = None) -> T
     for i in range(m):
         vals = []
         for codes, scale, zero in sides:
-            vals.append(codes[i] if scale is None else
+            vals.append(codes[i] if scale is None or zero is None else
                         QuantizedTensor(codes[i], scale[i], zero[i], _BITS[level], d))
         out.append(ChunkPayload(KVChunkId(int(h["t"]), i // G, i % G), level, list(counts),
                                 positions, vals[0], vals[1], dtype))
     stacked = []
     for codes, scale, zero in sides:
-        stacked.append(codes.reshape(m * rows, d) if scale is None else
+        stacked.append(codes.reshape(m * rows, d) if scale is None or zero is None else
                        QuantizedTensor(codes.reshape(m * rows, -1), scale.reshape(-1),
                                        zero.reshape(-1), _BITS[level], d))
     return TokenChunkRecord(int(h["t"]), level, int(h["layers"]), G, int(h["heads"]),
@@ -630,9 +630,9 @@ class ServiceFlash(FlashTier):
 
     def segments(self) -> list[Path]:
         """The segment files, oldest first."""
-        found = [(segment_seq(p.name), p) for p in self.root.iterdir()]
-        return [p for seq, p in sorted((x for x in found if x[0] is not None),
-                                       key=lambda x: x[0])]
+        found = [(seq, p) for p in self.root.iterdir()
+                 if (seq := segment_seq(p.name)) is not None]
+        return [p for _, p in sorted(found, key=lambda x: x[0])]
 
     def records(self, max_segment_bytes: int | None = None
                 ) -> Iterator[tuple[FlashRef, dict[str, int | str]]]:

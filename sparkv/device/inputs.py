@@ -15,15 +15,18 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from sparkv.device.errors import DeviceError, PromptTooLong
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 #: the longest a call may wait for a busy context's lock (seconds; ``None`` waits for ever)
 MAX_TIMEOUT_S = 86400.0
 
 
-def vocab_size(lm: Any) -> int:
+def vocab_size(lm: LoadedModel) -> int:
     """The number of token ids ``lm`` can embed (its input embedding's rows)."""
     emb = lm.model.get_input_embeddings() if hasattr(lm.model, "get_input_embeddings") else None
     rows = getattr(emb, "num_embeddings", None)

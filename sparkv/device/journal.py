@@ -57,6 +57,7 @@ from sparkv.fileio import atomic_write, delete
 
 if TYPE_CHECKING:
     from sparkv.device.keeper import Keeper
+    from sparkv.runtime.model import LoadedModel
 
 FORMAT = "sparkv-device-journal/1"
 #: the largest record read back (a context of 32K tokens writes about 2 MB)
@@ -126,7 +127,7 @@ class Journal:
         return out
 
 
-def reopen(journal: Journal, lm: Any, chunk_tokens: int, swap: SwapStore,
+def reopen(journal: Journal, lm: LoadedModel, chunk_tokens: int, swap: SwapStore,
            keeper: "Keeper") -> list[DeviceContext]:
     """The contexts journaled for model ``lm`` with chunks of ``chunk_tokens`` (module
     docstring), their memories given by ``keeper`` (their records on flash); what cannot be

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from sparkv.cache import ContextKV
+from sparkv.cache import ContextKV, LayerKV
 from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.config import ServiceConfig
 from sparkv.device.counters import ServiceCounters
@@ -39,6 +39,10 @@ from sparkv.device.planner import Split
 from sparkv.device.registry import ContextRegistry, DeviceContext
 from sparkv.device.swap import SwapStore
 from sparkv.layout import ChunkGeometry
+
+if TYPE_CHECKING:
+    from sparkv.device.remote import RemoteSource
+    from sparkv.runtime.model import LoadedModel
 
 
 @dataclass
@@ -65,7 +69,7 @@ class Keeper(ABC):
             evicting by ``config.eviction`` through this keeper).
     """
 
-    lm: Any
+    lm: LoadedModel
     config: ServiceConfig
     registry: ContextRegistry
     swap: SwapStore
@@ -117,11 +121,12 @@ class Keeper(ABC):
         """A new context's first prefill (its densities recorded), kept in this form."""
 
     @abstractmethod
-    def adopt(self, ctx: DeviceContext, layers: Any) -> None:
+    def adopt(self, ctx: DeviceContext, layers: ContextKV | LayerKV) -> None:
         """A new context's KV made elsewhere (:func:`layer_kv`'s ``layers``), kept in this form."""
 
     @abstractmethod
-    def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:
+    def switch_in(self, ctx: DeviceContext, spare: int,
+                  remote: RemoteSource | None = None) -> SwitchIn:
         """The working memory a call on ``ctx`` runs over, with ``spare`` free slots."""
 
     @abstractmethod
@@ -167,7 +172,7 @@ class Keeper(ABC):
         return W
 
 
-def layer_kv(layers: Any, l: int, t0: int, t1: int  # noqa: E741
+def layer_kv(layers: ContextKV | LayerKV, l: int, t0: int, t1: int  # noqa: E741
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[H, t1-t0, D]`` K/V of positions ``t0..t1`` of layer ``l`` of ``layers``: a
     :class:`ContextKV` holding every chunk (any chunk size, dense or paged, never pruned), or

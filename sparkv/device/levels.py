@@ -13,15 +13,29 @@ No state beyond the policy's fields; no locks.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
 from sparkv.device.density import chunk_densities, plan_levels
 from sparkv.device.loader import payload_nbytes
-from sparkv.device.registry import DeviceContext
 from sparkv.layout import ChunkGeometry
+
+
+class LevelInputs(Protocol):
+    """What a context's levels come from (a :class:`~sparkv.device.registry.DeviceContext`'s
+    fields): its measured densities (``mass``, ``rows``: per token, float64) and the levels its
+    token chunks already have."""
+
+    @property
+    def mass(self) -> torch.Tensor: ...
+
+    @property
+    def rows(self) -> torch.Tensor: ...
+
+    @property
+    def levels(self) -> list[str]: ...
 
 
 class LevelPolicy:
@@ -36,7 +50,7 @@ class LevelPolicy:
         self.fp_protect = fp_protect
         self.dtype = dtype
 
-    def assign(self, ctx: DeviceContext, g: ChunkGeometry) -> list[str]:
+    def assign(self, ctx: LevelInputs, g: ChunkGeometry) -> list[str]:
         """The level of every token chunk of geometry ``g``: the full chunks already assigned
         keep theirs, the others by the policy."""
         nt = g.num_token_chunks

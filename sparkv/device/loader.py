@@ -59,7 +59,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -69,6 +69,10 @@ from sparkv.cache.payload import contiguous_positions
 from sparkv.device.flashio import RUN_BYTES, ReadRun, plan_runs, read_token_chunk_record
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
+
+if TYPE_CHECKING:
+    from sparkv.device.remote import RemoteSource
+    from sparkv.runtime.model import LoadedModel
 
 _ELEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
@@ -92,7 +96,7 @@ def working_nbytes(geometry: ChunkGeometry, spare_tokens: int, dtype: torch.dtyp
 
 
 def grow_arena(old: ContextKV, spare_tokens: int,
-               on_layer: Callable[[], None] | None = None,
+               on_layer: Callable[[], object] | None = None,
                adopt: Callable[[ContextKV], None] | None = None) -> ContextKV:
     """A dense fp working memory holding ``old``'s tokens with ``spare_tokens`` spare slots, made
     **layer by layer**: each new layer is allocated, copied, and ``old``'s layer freed before the
@@ -334,7 +338,8 @@ class Recompute:
         chunks: token chunks to recompute.
     """
 
-    def __init__(self, lm: Any, tokens: Sequence[int], W: ContextKV, chunks: Sequence[int]) -> None:
+    def __init__(self, lm: LoadedModel, tokens: Sequence[int], W: ContextKV,
+                 chunks: Sequence[int]) -> None:
         g = W.geometry
         self.lm, self.W, self.g = lm, W, g
         self.chunks = sorted(set(int(t) for t in chunks))
@@ -423,7 +428,7 @@ class LoadRequest:
     read: Sequence[int] = ()
     recompute: Sequence[int] = ()
     stream: Sequence[int] = ()
-    remote: Any = None
+    remote: RemoteSource | None = None
     remote_chunks: Sequence[tuple[KVChunkId, str]] = ()
 
 
@@ -448,7 +453,7 @@ class LoadOptions:
 
     pipeline: bool = True
     io_threads: int = 4
-    on_layer: Callable[[], None] | None = None
+    on_layer: Callable[[], object] | None = None
     level_of: Callable[[int], str] | None = None
     store_recomputed: bool = True
 
@@ -581,10 +586,10 @@ class RemoteFetch:
     ``_done`` event orders them). No lock is needed.
     """
 
-    def __init__(self, W: ContextKV, remote: Any, want: Sequence[int],
+    def __init__(self, W: ContextKV, remote: RemoteSource | None, want: Sequence[int],
                  chunks: Sequence[tuple[KVChunkId, str]]) -> None:
         self.W, self.remote, self.chunks = W, remote, chunks
-        self.want = sorted(want)
+        self.want = sorted(want) if remote is not None else []
         self.failed: set[int] = set()
         self.nbytes = 0
         self.busy_s = 0.0
@@ -605,11 +610,13 @@ class RemoteFetch:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
+        remote = self.remote
+        assert remote is not None      # nothing is wanted without one (start runs nothing)
         got: dict[int, int] = {}       # token chunk -> (layer, group) pieces written
-        need = self.W.geometry.num_layers * int(self.remote.geometry.num_groups)
+        need = self.W.geometry.num_layers * int(remote.geometry.num_groups)
         try:
-            for cid, start, k, v in self.remote.fetch(self.chunks):
-                self._write(cid, start, k, v, got)
+            for cid, start, k, v in remote.fetch(self.chunks):
+                self._write(remote.geometry, cid, start, k, v, got)
         except Exception as e:  # noqa: BLE001 - a remote that fails: recompute what is missing
             self.notes.append(f"remote: {e}")
         finally:
@@ -617,14 +624,14 @@ class RemoteFetch:
             self.busy_s = time.perf_counter() - t0
             self._done.set()
 
-    def _write(self, cid: KVChunkId, start: int, k: torch.Tensor, v: torch.Tensor,
-               got: dict[int, int]) -> None:
+    def _write(self, rg: ChunkGeometry, cid: KVChunkId, start: int, k: torch.Tensor,
+               v: torch.Tensor, got: dict[int, int]) -> None:
         """Writes the wanted token chunks of one fetched piece (``k``, ``v``: heads x tokens
-        x head_dim from position ``start``) into ``W``."""
+        x head_dim from position ``start``; ``rg``: the remote's chunking) into ``W``."""
         g = self.W.geometry
         T = g.chunk_tokens
         n = int(k.shape[1])
-        h0, h1 = self.remote.geometry.head_range(cid.g)
+        h0, h1 = rg.head_range(cid.g)
         store = self.W.layers[cid.l]
         assert store is not None and store.k is not None and store.v is not None
         for t in range(start // T, -(-(start + n) // T)):
@@ -645,8 +652,8 @@ class Load:
     counts are copied in after they are joined).
     """
 
-    def __init__(self, lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
-                 options: LoadOptions) -> None:
+    def __init__(self, lm: LoadedModel, tokens: Sequence[int], C: ContextKV, W: ContextKV,
+                 tier: Any, options: LoadOptions) -> None:
         self.lm, self.tokens, self.C, self.W, self.tier = lm, tokens, C, W, tier
         self.options = options
         self.stats = LoadStats(pipelined=options.pipeline)
@@ -749,7 +756,7 @@ class Load:
             self._layer_done()
 
 
-def load(lm: Any, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
+def load(lm: LoadedModel, tokens: Sequence[int], C: ContextKV, W: ContextKV, tier: Any,
          request: LoadRequest, options: LoadOptions | None = None) -> LoadStats:
     """Fills ``W`` with every layer of the context ``C`` (module docstring).
 

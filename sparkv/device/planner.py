@@ -29,16 +29,22 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from sparkv.device.flashio import IOProfile
 
-_COST_MODELS: dict[tuple[str, int], Any] = {}
+if TYPE_CHECKING:
+    import torch
+
+    from sparkv.predictor.cost import StepCostModel
+    from sparkv.runtime.model import LoadedModel
+
+_COST_MODELS: dict[tuple[str, torch.dtype, int], StepCostModel] = {}
 
 
-def recompute_cost_model(lm: Any) -> Any:
+def recompute_cost_model(lm: LoadedModel) -> StepCostModel:
     """This device's step-cost model (the same choice as the edge's ``device_cost_model``: the
     profiled latency model if there is one for this model, else a measured roofline); made once
     per model and thread count."""
@@ -68,7 +74,7 @@ def recompute_cost_model(lm: Any) -> Any:
 class RecomputeProfile:
     """``T_re(x)`` for ``x`` token chunks over ``N`` context tokens (module docstring)."""
 
-    def __init__(self, cost_model: Any, num_layers: int, chunk_tokens: int) -> None:
+    def __init__(self, cost_model: StepCostModel, num_layers: int, chunk_tokens: int) -> None:
         self.cost_model = cost_model
         self.num_layers = num_layers
         self.chunk_tokens = chunk_tokens

@@ -7,10 +7,13 @@ Functions only, no state: the service decides once whether its model speaks Chat
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 from sparkv.device.errors import DeviceError
 from sparkv.device.inputs import check_text, check_token_ids
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -27,7 +30,7 @@ def system_text(system_prompt: str | None, chatml: bool) -> str:
     return f"<|im_start|>system\n{sp}<|im_end|>\n" if chatml else sp
 
 
-def system_turn_ids(lm: Any, system_prompt: str | None, ids: Sequence[int] | None, *,
+def system_turn_ids(lm: LoadedModel, system_prompt: str | None, ids: Sequence[int] | None, *,
                     vocab: int, chatml: bool) -> list[int]:
     """A new context's first ids: ``ids`` as they are (checked against the vocabulary), else the
     system turn of ``system_prompt``; :class:`DeviceError` if that makes no token."""
@@ -43,7 +46,7 @@ def system_turn_ids(lm: Any, system_prompt: str | None, ids: Sequence[int] | Non
     return out
 
 
-def turn_ids(lm: Any, pending: Sequence[int], prompt: str | None,
+def turn_ids(lm: LoadedModel, pending: Sequence[int], prompt: str | None,
              prompt_ids: Sequence[int] | None, *, chatml: bool,
              eos: Collection[int]) -> list[int]:
     """The ids a call appends to a context: its ``pending`` ids (the last answer token, not yet run

@@ -29,7 +29,7 @@ import contextlib
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 import torch
@@ -54,6 +54,43 @@ class DamagedContext:
 
     def to_dict(self) -> dict[str, str]:
         return {"id": self.id, "state": "damaged", "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ResidencyCounts:
+    """A context's token chunks by residency: every layer resident, some layer absent (neither
+    in RAM nor on flash), else on flash."""
+
+    resident: int
+    flash: int
+    absent: int
+
+
+@dataclass(frozen=True)
+class ContextSummary:
+    """One context as the service describes it (``GET /v1/contexts/{id}``: :meth:`to_dict`).
+
+    Attributes:
+        tokens: tokens in the context; ``bytes``: its KV memory's bytes in RAM.
+        chunks: its token chunks by residency; ``levels``: token chunks per level.
+        last_used: the service's clock at its last use; ``busy``: a call holds its lock;
+            ``hot``: its working memory from the last call is kept.
+    """
+
+    id: str
+    tokens: int
+    calls: int
+    bytes: int
+    chunks: ResidencyCounts
+    levels: dict[str, int]
+    last_used: int
+    busy: bool
+    hot: bool
+    system_prompt: str | None
+    label: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class DeviceContext:
@@ -139,10 +176,8 @@ class DeviceContext:
         self.created_unix = float(doc.get("created_unix", time.time()))
         self.last_used = int(doc.get("last_used", 0))
 
-    def describe(self) -> dict[str, Any]:
-        """``{id, tokens, calls, bytes, chunks: {resident, flash, absent}, levels: {level:
-        token chunks}, last_used, busy, hot, system_prompt, label}`` (``GET
-        /v1/contexts/{id}``)."""
+    def describe(self) -> ContextSummary:
+        """What the context holds now (``GET /v1/contexts/{id}``)."""
         res = fl = ab = 0
         C = self.memory
         if C is not None:
@@ -158,12 +193,10 @@ class DeviceContext:
         mix: dict[str, int] = {}
         for lv in self.levels:
             mix[lv] = mix.get(lv, 0) + 1
-        return {"id": self.id, "tokens": len(self.tokens), "calls": self.calls,
-                "bytes": C.nbytes if C is not None else 0,
-                "chunks": {"resident": res, "flash": fl, "absent": ab}, "levels": mix,
-                "last_used": self.last_used, "busy": self.lock.locked(),
-                "hot": self.hot is not None, "system_prompt": self.system_prompt,
-                "label": self.label}
+        return ContextSummary(self.id, len(self.tokens), self.calls,
+                              C.nbytes if C is not None else 0, ResidencyCounts(res, fl, ab),
+                              mix, self.last_used, self.lock.locked(), self.hot is not None,
+                              self.system_prompt, self.label)
 
 
 class ContextRegistry:
@@ -212,9 +245,9 @@ class ContextRegistry:
         with self.lock:
             return self.damaged.pop(ctx_id, None) is not None
 
-    def damaged_list(self) -> list[dict[str, str]]:
+    def damaged_list(self) -> list[DamagedContext]:
         with self.lock:
-            return [d.to_dict() for d in self.damaged.values()]
+            return list(self.damaged.values())
 
     @contextlib.contextmanager
     def holding(self, ctx: DeviceContext, timeout_s: float | None) -> Iterator[DeviceContext]:

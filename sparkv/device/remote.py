@@ -12,10 +12,10 @@ of measured bandwidth) finds cheapest::
     svc.call(kept_id, prompt_ids=question, max_new_tokens=32, grow=False, remote=remote)
 
 Layering: the device service sits below the edge (``tests/test_layers.py``), so this module does
-not import :mod:`sparkv.edge`. :class:`ServerStream` takes any object with the public
-:class:`~sparkv.edge.client.EdgeClient` methods it uses (``manifest(id)``, ``frame(id, t, l, g,
-level)``, ``last_download``, ``last_first_byte_s``) and decodes frames with :mod:`sparkv.codec`;
-the caller above (the edge, a benchmark, a test) passes the client in.
+not import :mod:`sparkv.edge`. :class:`ServerStream` takes any :class:`ServerClient` (what it
+uses of the public :class:`~sparkv.edge.client.EdgeClient`: ``manifest(id)``, ``tokens(id)``,
+``frame(id, t, l, g, level)``, ``last_download``, ``last_first_byte_s``) and decodes frames with
+:mod:`sparkv.codec`; the caller above (the edge, a benchmark, a test) passes the client in.
 
 The link estimate (bytes/s) is the caller's (``link_Bps``), else the client's last shaped
 download, else 50 Mbit/s; the round trip is the client's last time to first byte.
@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from sparkv.device.errors import DeviceError
 from sparkv.layout import ChunkGeometry, KVChunkId
+
+if TYPE_CHECKING:
+    from sparkv.protocol import Manifest
 
 DEFAULT_LINK_MBPS = 50.0
 
@@ -46,16 +49,56 @@ class RemoteSource(Protocol):
         link_Bps: the expected bandwidth (bytes/s); ``rtt_s``: the round trip of a request.
     """
 
-    geometry: ChunkGeometry
-    token_ids: list[int]
-    sizes: dict[KVChunkId, dict[str, int]]
-    link_Bps: float
-    rtt_s: float
+    @property
+    def geometry(self) -> ChunkGeometry: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def sizes(self) -> dict[KVChunkId, dict[str, int]]: ...
+
+    @property
+    def link_Bps(self) -> float: ...
+
+    @property
+    def rtt_s(self) -> float: ...
 
     def fetch(self, chunks: Sequence[tuple[KVChunkId, str]]
               ) -> Iterator[tuple[KVChunkId, int, torch.Tensor, torch.Tensor]]:
         """Yields ``(cid, token_start, k, v)`` (``[heads of the group, tokens, D]``, fp) for each
         remote chunk, in the order given; raises :class:`DeviceError` when it cannot."""
+        ...
+
+
+class Download(Protocol):
+    """A shaped download's timings (the edge's ``Fetched``): bytes on the wire, seconds."""
+
+    @property
+    def wire_bytes(self) -> int: ...
+
+    @property
+    def seconds(self) -> float: ...
+
+    @property
+    def first_byte_s(self) -> float: ...
+
+
+class ServerClient(Protocol):
+    """What :class:`ServerStream` uses of the edge's ``EdgeClient`` (this layer does not import
+    the edge): a context's manifest, token ids and frames, and the last download's timings."""
+
+    @property
+    def last_download(self) -> Download | None: ...
+
+    @property
+    def last_first_byte_s(self) -> float: ...
+
+    def manifest(self, context_id: str) -> Manifest: ...
+
+    def tokens(self, context_id: str) -> list[int]: ...
+
+    def frame(self, context_id: str, t: int, l: int, g: int, level: str) -> bytes:  # noqa: E741
         ...
 
 
@@ -73,8 +116,7 @@ class ServerStream:
     """A sparkv server's encoding of one context, reached through an ``EdgeClient``.
 
     Args:
-        client: an :class:`~sparkv.edge.client.EdgeClient` (or anything with its ``manifest``
-            and ``frame`` methods).
+        client: an :class:`~sparkv.edge.client.EdgeClient` (any :class:`ServerClient`).
         context_id: the server's id of the context.
         levels: the codec levels that may be fetched (default: every encoded level; ``["raw"]``
             restores exactly what the server computed).
@@ -84,35 +126,34 @@ class ServerStream:
             context.
     """
 
-    def __init__(self, client: Any, context_id: str, *, levels: Sequence[str] | None = None,
-                 link_Bps: float | None = None,
+    def __init__(self, client: ServerClient, context_id: str, *,
+                 levels: Sequence[str] | None = None, link_Bps: float | None = None,
                  open_frame: Callable[[bytes, KVChunkId, str], bytes] | None = None) -> None:
         self.client = client
         self.context_id = context_id
         manifest = client.manifest(context_id)
-        if getattr(manifest, "compressed", False):
+        if manifest.compressed:
             raise DeviceError(f"context {context_id} is stored compressed (pruned entries): it "
                               "cannot restore whole chunks")
-        if getattr(manifest, "encrypted", False) and open_frame is None:
+        if manifest.encrypted and open_frame is None:
             raise DeviceError(f"context {context_id} is encrypted: pass open_frame")
         self.manifest = manifest
         self.geometry: ChunkGeometry = manifest.chunk_geometry
         self.token_ids = [int(x) for x in client.tokens(context_id)]
         allowed = set(levels) if levels is not None else None
-        sizes = manifest.sizes
         self.sizes: dict[KVChunkId, dict[str, int]] = {
             cid: {lv: b for lv, b in per.items() if allowed is None or lv in allowed}
-            for cid, per in (sizes() if callable(sizes) else sizes).items()}
+            for cid, per in manifest.sizes.items()}
         if allowed is not None and not any(self.sizes.values()):
             raise DeviceError(f"context {context_id} has none of the levels {sorted(allowed)} "
                               f"(it has {list(manifest.levels)})")
         self.link_Bps = float(link_Bps) if link_Bps else self._link_estimate()
-        self.rtt_s = float(getattr(client, "last_first_byte_s", 0.0) or 0.0)
+        self.rtt_s = float(client.last_first_byte_s or 0.0)
         self.open_frame = open_frame
         self.stats = FetchStats()
 
     def _link_estimate(self) -> float:
-        d = getattr(self.client, "last_download", None)
+        d = self.client.last_download
         if d is not None and d.seconds > d.first_byte_s:
             return d.wire_bytes / (d.seconds - d.first_byte_s)
         return DEFAULT_LINK_MBPS * 1e6 / 8
@@ -142,20 +183,20 @@ class ServerStream:
 
 
 class LazyRemote:
-    """A remote source made on first use: nothing is fetched (no manifest, no tokens) unless a
-    call finds chunks missing and asks for the remote's tokens.
+    """A :class:`RemoteSource` made on first use: nothing is fetched (no manifest, no tokens)
+    unless a call finds chunks missing and asks for the remote's tokens.
 
     When the source cannot be made (the server is down, the context is compressed or encrypted,
     the id is unknown) it holds no tokens, so :meth:`ContextService.call` restores from flash or
     recomputes instead; :attr:`error` keeps the reason.
     """
 
-    def __init__(self, make: Callable[[], Any]) -> None:
+    def __init__(self, make: Callable[[], ServerStream]) -> None:
         self._make = make
-        self._remote: Any = None
+        self._remote: ServerStream | None = None
         self.error: Exception | None = None
 
-    def _get(self) -> Any:
+    def _get(self) -> ServerStream | None:
         if self._remote is None and self.error is None:
             try:
                 self._remote = self._make()
@@ -163,20 +204,47 @@ class LazyRemote:
                 self.error = e
         return self._remote
 
+    def _made(self) -> ServerStream:
+        remote = self._get()
+        if remote is None:
+            raise DeviceError(f"no server copy: {self.error}")
+        return remote
+
     @property
     def token_ids(self) -> Sequence[int]:
         remote = self._get()
         return remote.token_ids if remote is not None else ()
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        remote = self._get()
-        if remote is None:
-            raise DeviceError(f"no server copy: {self.error}")
-        return getattr(remote, name)
+    @property
+    def stats(self) -> FetchStats:
+        """What the stream fetched (nothing when it was never made)."""
+        return self._remote.stats if self._remote is not None else FetchStats()
+
+    @property
+    def geometry(self) -> ChunkGeometry:
+        return self._made().geometry
+
+    @property
+    def sizes(self) -> dict[KVChunkId, dict[str, int]]:
+        return self._made().sizes
+
+    @property
+    def link_Bps(self) -> float:
+        return self._made().link_Bps
+
+    @property
+    def rtt_s(self) -> float:
+        return self._made().rtt_s
+
+    def fetch(self, chunks: Sequence[tuple[KVChunkId, str]]
+              ) -> Iterator[tuple[KVChunkId, int, torch.Tensor, torch.Tensor]]:
+        return self._made().fetch(chunks)
 
 
-def server_stream(client: Any, context_id: str, **kwargs: Any) -> LazyRemote:
+def server_stream(client: ServerClient, context_id: str, *, levels: Sequence[str] | None = None,
+                  link_Bps: float | None = None,
+                  open_frame: Callable[[bytes, KVChunkId, str], bytes] | None = None
+                  ) -> LazyRemote:
     """A lazily made :class:`ServerStream` of ``context_id`` (see :class:`LazyRemote`)."""
-    return LazyRemote(lambda: ServerStream(client, context_id, **kwargs))
+    return LazyRemote(lambda: ServerStream(client, context_id, levels=levels, link_Bps=link_Bps,
+                                           open_frame=open_frame))

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
-from sparkv.rest.fields import at_most_one_of, json_int, one_of
+from sparkv.rest.fields import JSON_INT, at_most_one_of, one_of
 
 __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "ServiceHealth",
            "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
@@ -42,7 +42,8 @@ PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(_
 #: token ids: at most :data:`MAX_PROMPT_IDS` JSON integers, none negative (never a bool or a
 #: string: the server's JSON policy, :mod:`sparkv.rest.fields`); their upper bound is the
 #: model's vocabulary (the service checks it; the app's OpenAPI states it)
-TokenIds = Annotated[list[json_int(0, 2**31 - 1)], Field(max_length=MAX_PROMPT_IDS)]  # type: ignore[misc]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1), JSON_INT]],
+                     Field(max_length=MAX_PROMPT_IDS)]
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ class CallBody(BaseModel):
 
     prompt: PromptText | None = None
     prompt_ids: TokenIds | None = None
-    max_new_tokens: json_int(0, 2**31 - 1) = Field(default=32)  # type: ignore[valid-type]
+    max_new_tokens: Annotated[int, Field(ge=0, le=2**31 - 1), JSON_INT] = Field(default=32)
     grow: StrictBool = Field(default=True,
                              description="keep the prompt and the answer in the context")
     timeout_s: float | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,

@@ -43,6 +43,7 @@ too (:func:`sparkv.device.restore.restore_plan`).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import threading
 import time
@@ -50,11 +51,11 @@ import uuid
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
-from sparkv.cache import ContextKV
+from sparkv.cache import ContextKV, LayerKV
 from sparkv.device.baselines import BRING_BACK, WholeKeeper
 from sparkv.device.chunked import ChunkKeeper
 from sparkv.device.config import ServiceConfig, longest_context, resolved_ratio
@@ -71,11 +72,16 @@ from sparkv.device.loader import working_nbytes
 from sparkv.device.planner import RecomputeProfile, recompute_cost_model
 from sparkv.device.private import check_path, private_dir
 from sparkv.device.prompts import system_turn_ids, turn_ids, uses_chatml
-from sparkv.device.registry import ContextRegistry, DeviceContext
+from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedContext, DeviceContext
 from sparkv.device.swap import SwapStore
 from sparkv.device.calls import CallResult, run_turn
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.generate import eos_ids
+
+if TYPE_CHECKING:
+    from sparkv.device.remote import RemoteSource
+    from sparkv.predictor.cost import StepCostModel
+    from sparkv.runtime.model import LoadedModel
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
 
@@ -108,15 +114,17 @@ class ContextService:
     concurrently).
     """
 
-    def __init__(self, model: Any, memory_budget_bytes: int, swap_dir: str | Path, *,
-                 config: ServiceConfig | None = None, io_profile: IOProfile | None = None,
-                 cost_model: Any = None, **overrides: Any) -> None:
+    def __init__(self, model: LoadedModel | str | None, memory_budget_bytes: int,
+                 swap_dir: str | Path, *, config: ServiceConfig | None = None,
+                 io_profile: IOProfile | None = None, cost_model: StepCostModel | None = None,
+                 **overrides: Any) -> None:
         from sparkv.runtime.model import LoadedModel, load_model
 
         self.lm = model if isinstance(model, LoadedModel) else load_model(model)
         cfg = config or ServiceConfig()
         cfg = replace(cfg, **overrides) if overrides else cfg
-        self.config = replace(cfg, ratio=resolved_ratio(cfg, self.lm.fingerprint))
+        ratio = resolved_ratio(cfg, self.lm.fingerprint)
+        self.config = replace(cfg, ratio=ratio)
         self.counters = ServiceCounters()
         self.registry = ContextRegistry()
         self.contexts = self.registry.contexts
@@ -135,7 +143,7 @@ class ContextService:
         g1 = ChunkGeometry.from_config(self.lm.config, 1, self.config.chunk_tokens)
         self.recompute = RecomputeProfile(cost_model or recompute_cost_model(self.lm),
                                           g1.num_layers, self.config.chunk_tokens)
-        self.levels = LevelPolicy(self.config.compression, self.config.ratio,
+        self.levels = LevelPolicy(self.config.compression, ratio,
                                   self.config.fp_fraction, self.config.fp_protect, self.lm.dtype)
         self.keeper = self._keeper(memory_budget_bytes)
         self.account = self.keeper.budget
@@ -226,7 +234,7 @@ class ContextService:
             self.swap.remove(ctx)
             raise
 
-    def import_context(self, token_ids: Sequence[int], layers: Any, *,
+    def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
                        density: tuple[torch.Tensor, torch.Tensor] | None = None,
                        system_prompt: str | None = None, label: str | None = None) -> str:
         """Adopts a context whose KV was made elsewhere (the edge's loaded cache, a benchmark's
@@ -248,7 +256,7 @@ class ContextService:
 
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
              prompt_ids: Sequence[int] | None = None, grow: bool = True, stop_at_eos: bool = True,
-             timeout_s: float | None = None, remote: Any = None) -> CallResult:
+             timeout_s: float | None = None, remote: RemoteSource | None = None) -> CallResult:
         """Runs ``prompt`` in context ``ctx_id`` and returns the answer.
 
         Args:
@@ -296,14 +304,6 @@ class ContextService:
         if self.journal is not None:
             self.journal.remove(ctx_id)
 
-    @staticmethod
-    def server_stream(client: Any, context_id: str, **kwargs: Any) -> Any:
-        """The server's copy of ``context_id`` through ``client`` (an ``EdgeClient``), made
-        lazily, for :meth:`call`'s ``remote`` (:func:`sparkv.device.remote.server_stream`)."""
-        from sparkv.device.remote import server_stream
-
-        return server_stream(client, context_id, **kwargs)
-
     def find(self, label: str) -> str | None:
         """The id of the (most recently used) context imported with ``label``, or ``None``."""
         ctx = self.registry.find(label)
@@ -331,16 +331,15 @@ class ContextService:
         with ctx.lock:
             yield ctx
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self) -> builtins.list[ContextSummary]:
         with self.registry.lock:
             return [c.describe() for c in self.registry.live()]
 
-    def damaged_list(self) -> list[dict[str, str]]:
-        """The contexts that could not be reopened: ``{id, state: "damaged", reason}`` each
-        (:meth:`delete` removes one)."""
+    def damaged_list(self) -> builtins.list[DamagedContext]:
+        """The contexts that could not be reopened (:meth:`delete` removes one)."""
         return self.registry.damaged_list()
 
-    def describe(self, ctx_id: str) -> dict[str, Any]:
+    def describe(self, ctx_id: str) -> ContextSummary:
         return self.registry.get(ctx_id).describe()
 
     def stats(self) -> dict[str, Any]:
@@ -358,8 +357,8 @@ class ContextService:
         return self.lm.decode_tokens(ctx.tokens + ctx.pending)
 
     # ---- one call --------------------------------------------------------------------------------
-    def _call(self, ctx: DeviceContext, ids: list[int], max_new: int, grow: bool,
-              stop_at_eos: bool, remote: Any = None) -> CallResult:
+    def _call(self, ctx: DeviceContext, ids: builtins.list[int], max_new: int, grow: bool,
+              stop_at_eos: bool, remote: RemoteSource | None = None) -> CallResult:
         t0 = time.perf_counter()
         n = len(ctx.tokens)
         before = self.counters.snapshot()

@@ -97,8 +97,8 @@ class SwapStore:
                 continue
             if any(st.residency != Residency.RESIDENT or st.payload is None for st in states):
                 continue
-            old = {st.flash for st in states if st.flash is not None}
-            todo.append((t, cids, [(st.payload, st.level) for st in states], old))
+            stale = {st.flash for st in states if st.flash is not None}
+            todo.append((t, cids, [(st.payload, st.level) for st in states], stale))
         if not todo:
             return 0
         before = ctx.tier.bytes_written

@@ -116,7 +116,7 @@ class _HttpStream:
             return MAX_PIECE
         return int(min(MAX_PIECE, max(MIN_PIECE, rate * PIECE_SECONDS)))
 
-    async def __aiter__(self) -> AsyncIterator[RecordPiece]:  # type: ignore[override]
+    async def __aiter__(self) -> AsyncIterator[RecordPiece]:
         try:
             async for raw in self.resp.aiter_raw():
                 pos = 0

@@ -46,7 +46,7 @@ SCRIPT = Path(os.environ.get("SPARKV_NETNS_SCRIPT")
 NAME_PREFIX = "sparkv-"
 
 #: the private range the links take their /30 subnets from
-SUBNET_POOL = ipaddress.ip_network("10.213.0.0/16")
+SUBNET_POOL = ipaddress.IPv4Network("10.213.0.0/16")
 
 #: a rate change smaller than this fraction is not applied (it would only cost a tc call)
 RATE_TOLERANCE = 0.01
@@ -130,7 +130,7 @@ def _used_subnets() -> list[ipaddress.IPv4Network]:
         parts = line.split()
         if "inet" in parts:
             try:
-                nets.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
+                nets.append(ipaddress.IPv4Interface(parts[parts.index("inet") + 1]).network)
             except (ValueError, IndexError):
                 continue
     return nets
@@ -339,9 +339,9 @@ class ShapedLink:
             atexit.unregister(self.close)
         except Exception:  # noqa: BLE001 - interpreter shutting down
             pass
-        proc = _run_script("down", self.name)
-        if proc.returncode != 0:
-            raise NetnsError(f"netns-link.sh down {self.name} failed: {proc.stderr.strip()}")
+        down = _run_script("down", self.name)
+        if down.returncode != 0:
+            raise NetnsError(f"netns-link.sh down {self.name} failed: {down.stderr.strip()}")
 
     def __enter__(self) -> "ShapedLink":
         return self

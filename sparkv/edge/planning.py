@@ -17,7 +17,7 @@ hybrid     ``StrongHybrid`` (Cake)          adaptive (the meeting point moves)
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -26,6 +26,12 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.protocol import Manifest
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import DEFAULT_LEVELS, MBPS, Instance
+
+if TYPE_CHECKING:
+    import torch
+
+    from sparkv.predictor.cost import StepCostModel
+    from sparkv.runtime.model import LoadedModel
 
 #: strategy -> (planner registry name, controller configuration factory)
 STRATEGIES: dict[str, tuple[str, Callable[[], ControllerConfig]]] = {
@@ -113,10 +119,10 @@ def effective_floor(present: Any, quality_floor: str | None) -> str | None:
     return min(ok, key=lambda lv: rank[lv])
 
 
-_COST_MODELS: dict[tuple[str, str, int], Any] = {}
+_COST_MODELS: dict[tuple[str, str, str, int], StepCostModel] = {}
 
 
-def device_cost_model(lm: Any) -> Any:
+def device_cost_model(lm: LoadedModel) -> StepCostModel:
     """The step-cost model for this device: the profiled :class:`LatencyModel` when
     ``sparkv profile`` has been run here, else a :class:`Roofline` from measured peaks. Made once
     per model and thread count in a process (measuring peaks takes a moment)."""
@@ -130,7 +136,7 @@ def device_cost_model(lm: Any) -> Any:
     return _COST_MODELS[key]
 
 
-def _load_cost_model(lm: Any) -> Any:
+def _load_cost_model(lm: LoadedModel) -> StepCostModel:
     """This device's latency profile for ``lm``'s configuration and thread count when one
     matches; otherwise the model's own steps measured now (:class:`~sparkv.predictor.measured.
     MeasuredSteps`: a Roofline from a synthetic matmul's peak predicted SmolLM2's local

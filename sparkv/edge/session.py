@@ -27,7 +27,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.bounds import ClientLimits, out_of_vocabulary
@@ -49,6 +49,12 @@ from sparkv.protocol.errors import ApiError, ServerUnavailable
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.plan import Plan
+
+if TYPE_CHECKING:
+    from sparkv.cache import ContextKV
+    from sparkv.device.contract import KeptContexts
+    from sparkv.predictor.cost import StepCostModel
+    from sparkv.runtime.model import LoadedModel
 
 __all__ = ["AskOptions", "AskResult", "Breakdown", "EdgeSession", "Priors", "apply_kept"]
 
@@ -162,7 +168,7 @@ def _time_left(ask: _Ask, limit_s: float) -> float | None:
     return max(0.0, limit_s - (time.perf_counter() - ask.t_start))
 
 
-def _default_geometry(lm: Any, num_tokens: int) -> ChunkGeometry:
+def _default_geometry(lm: LoadedModel, num_tokens: int) -> ChunkGeometry:
     """The chunking of a context without a manifest: the default chunk size."""
     return ChunkGeometry.from_config(lm.config, num_tokens,
                                      min(DEFAULT_CHUNK_TOKENS, num_tokens))
@@ -179,33 +185,37 @@ class EdgeSession:
         engine_config: the engine's knobs for every load (default :class:`EngineConfig`).
         device, dtype: where the model runs when the session loads it (``cpu``, ``cuda[:N]``,
             ``auto``; see :mod:`sparkv.runtime.device`); a model given loaded keeps its own.
-        context_service: a :class:`~sparkv.device.ContextService` of the same model: ``ask(...,
-            keep=True)`` keeps the loaded cache there as a managed context, and a later question
-            about it is answered from the service (no load; docs/device-service.md).
+        context_service: a :class:`~sparkv.device.contract.KeptContexts` of the same model (a
+            :class:`~sparkv.device.ContextService`): ``ask(..., keep=True)`` keeps the loaded
+            cache there as a managed context, and a later question about it is answered from the
+            service (no load; docs/device-service.md).
 
     One ask at a time: ``ask`` updates :attr:`priors` without a lock (its engine's threads end
     within the call).
     """
 
-    def __init__(self, client: EdgeClient, model: Any = None, *, priors: Priors | None = None,
-                 engine_config: EngineConfig | None = None, device: str = "cpu",
-                 dtype: str = "auto", context_service: Any = None) -> None:
+    def __init__(self, client: EdgeClient, model: LoadedModel | str | None = None, *,
+                 priors: Priors | None = None, engine_config: EngineConfig | None = None,
+                 device: str = "cpu", dtype: str = "auto",
+                 context_service: KeptContexts | None = None) -> None:
         self.client = client
         self.context_service = context_service
         self._model_arg = model
         self.device, self.dtype = device, dtype
-        self._lm: Any = None
-        self._cost: Any = None
+        self._lm: LoadedModel | None = None
+        self._cost: StepCostModel | None = None
         self.priors = priors or Priors()
         self.engine_config = engine_config
 
     @classmethod
-    def connect(cls, server_url: str, api_key: str | None = None, model: Any = None, *,
+    def connect(cls, server_url: str, api_key: str | None = None,
+                model: LoadedModel | str | None = None, *,
                 shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                 cache_dir: str | os.PathLike[str] | None = None,
                 limits: ClientLimits | None = None,
                 engine_config: EngineConfig | None = None, device: str = "cpu",
-                dtype: str = "auto", context_service: Any = None) -> "EdgeSession":
+                dtype: str = "auto", context_service: KeptContexts | None = None
+                ) -> "EdgeSession":
         """A session with its own :class:`EdgeClient` of ``server_url`` (``limits``: its
         bounds, default :class:`ClientLimits`)."""
         from sparkv.runtime.compute import resolve_dtype
@@ -219,7 +229,7 @@ class EdgeSession:
 
     # ---- what the session owns ---------------------------------------------------------------
     @property
-    def lm(self) -> Any:
+    def lm(self) -> LoadedModel:
         """The device's model (loaded on first use)."""
         if self._lm is None:
             from sparkv.predictor.dtypes import load_model_in_dtype
@@ -235,7 +245,7 @@ class EdgeSession:
         return int(self.lm.decoder.embed_tokens.num_embeddings)
 
     @property
-    def cost_model(self) -> Any:
+    def cost_model(self) -> StepCostModel:
         """The step-cost model of this device (profiled, else a roofline; made on first use)."""
         if self._cost is None:
             self._cost = device_cost_model(self.lm)
@@ -469,9 +479,7 @@ class EdgeSession:
         ttft = (time.perf_counter() - ask.t_start) - (gen.total_s - gen.first_token_s)
         self.priors.question_prefill_s = gen.first_token_s
         ask.fallback.update(loaded.load.fallback)
-        kept_id = (self.context_service.import_context(tokens, kv,
-                                                       label=self._kept_label(ask.context_id))
-                   if opts.keep else None)
+        kept_id = self._keep(ask, tokens, kv) if opts.keep else None
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
         return AskResult(gen.text, gen.tokens, breakdown, planned.plan, planned.instance,
@@ -481,11 +489,22 @@ class EdgeSession:
     def _kept_label(self, context_id: str) -> str:
         return f"{self.client.base_url}#{context_id}"
 
-    def _ask_kept(self, ask: _Ask) -> AskResult | None:
-        """The answer from the context service if it holds the context (else ``None``)."""
+    def _kept_service(self) -> KeptContexts:
         svc = self.context_service
         if svc is None:
             raise AskError("keep=True needs a context service (EdgeSession(context_service=...))")
+        return svc
+
+    def _keep(self, ask: _Ask, tokens: list[int], kv: ContextKV) -> str:
+        """Keeps the loaded cache in the context service; returns its id there."""
+        return self._kept_service().import_context(tokens, kv,
+                                                   label=self._kept_label(ask.context_id))
+
+    def _ask_kept(self, ask: _Ask) -> AskResult | None:
+        """The answer from the context service if it holds the context (else ``None``)."""
+        from sparkv.device.remote import server_stream
+
+        svc = self._kept_service()
         if svc.lm.fingerprint != self.lm.fingerprint:
             raise AskError("the context service runs another model than this session")
         sid = svc.find(self._kept_label(ask.context_id))
@@ -493,22 +512,19 @@ class EdgeSession:
             return None
         # chunks the service evicted entirely may come back from the server (made lazily: a
         # resident context fetches nothing)
-        make_remote = getattr(svc, "server_stream", None)
-        remote = make_remote(self.client, ask.context_id) if make_remote is not None else None
+        remote = server_stream(self.client, ask.context_id)
         res = svc.call(sid, prompt_ids=list(ask.suffix), max_new_tokens=ask.options.max_new_tokens,
                        grow=False, stop_at_eos=ask.options.stop_at_eos, remote=remote)
         ttft = (time.perf_counter() - ask.t_start) - (res.total_s - res.first_token_s)
-        streamed = res.load.get("streamed_chunks")
-        streamed_bytes = (int(getattr(getattr(remote, "stats", None), "bytes", 0))
-                          if remote is not None and getattr(remote, "error", None) is None
-                          and streamed else 0)
+        load = res.load
+        streamed = load.streamed_chunks if load is not None else 0
         bd = Breakdown("kept", ttft, loading_s=res.switch_s,
                        question_prefill_s=res.first_token_s - res.switch_s,
-                       chunks_computed=int(res.load.get("recomputed_chunks", 0)),
-                       chunks_streamed=int(res.load.get("streamed_chunks", 0)),
-                       bytes_streamed=streamed_bytes)
-        n = svc.describe(sid)["tokens"]
-        return AskResult(res.text, res.tokens, bd, None, None, None, None, n, sid)
+                       chunks_computed=load.recomputed_chunks if load is not None else 0,
+                       chunks_streamed=streamed,
+                       bytes_streamed=remote.stats.bytes if streamed else 0)
+        return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
+                         sid)
 
     # ---- pieces of ask -----------------------------------------------------------------------
     def _context(self, ask: _Ask) -> tuple[Manifest | None, list[int]]:

@@ -26,6 +26,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from sparkv.scheduler.trace import Trace
 
@@ -44,7 +45,7 @@ class LinkShaper:
     trace: Trace | None = None
     rtt_s: float = 0.0
     burst_s: float = 0.005
-    clock: object = time.perf_counter
+    clock: Callable[[], float] = time.perf_counter
     _t0: float | None = field(default=None, init=False, repr=False)
     _virtual: float = field(default=0.0, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -64,7 +65,7 @@ class LinkShaper:
         return self.trace is not None
 
     def _now(self) -> float:
-        return float(self.clock())  # type: ignore[operator]
+        return float(self.clock())
 
     def start(self) -> None:
         """Trace time 0 is now (called once when a request begins; later calls are no-ops)."""

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from sparkv.predictor.features import StepFeatures, causal_blocks
 
@@ -105,7 +106,7 @@ class StepCostModel:
         return np.maximum(out, 1e-6)
 
 
-def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+def mape(predicted: ArrayLike, measured: ArrayLike) -> float:
     """Mean absolute percentage error, in percent."""
     predicted = np.asarray(predicted, dtype=np.float64)
     measured = np.asarray(measured, dtype=np.float64)

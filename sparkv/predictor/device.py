@@ -143,6 +143,12 @@ class _WindowedMonitor:
         self._last = self.snapshot()
         return value
 
+    def snapshot(self) -> Any:
+        raise NotImplementedError
+
+    def since(self, mark: Any) -> float:
+        raise NotImplementedError
+
 
 class CpuUtilisation(_WindowedMonitor):
     """Share of all CPU cores used by other processes (psutil), in ``[0, 1]``.
@@ -218,9 +224,10 @@ class NvidiaSmiUtilisation(_WindowedMonitor):
 
     def __init__(self, index: int = 0) -> None:
         super().__init__()
-        self._exe = shutil.which("nvidia-smi")
-        if not self._exe:
+        exe = shutil.which("nvidia-smi")
+        if not exe:
             raise FileNotFoundError("nvidia-smi is not on PATH")
+        self._exe = exe
         self._index = index
 
     def snapshot(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 Q_BLOCK = 128  # query tokens per block (sparkv.runtime.attention.Q_BLOCK)
 K_BLOCK = 64   # key tokens per block (sparkv.runtime.attention.K_BLOCK)
@@ -52,7 +53,7 @@ def visible_pairs(query_tokens: np.ndarray | float, key_tokens: np.ndarray | flo
     return n * (k - n) + n * (n + 1) / 2
 
 
-@dataclass
+@dataclass(init=False)
 class StepFeatures:
     """Features of ``m`` steps, each attribute an ``[m]`` float64 array.
 
@@ -75,10 +76,13 @@ class StepFeatures:
     projection: np.ndarray
     t: np.ndarray
 
-    def __post_init__(self) -> None:
-        cols = [np.atleast_1d(np.asarray(getattr(self, f.name), dtype=np.float64))
-                for f in fields(self)]
-        cols = np.broadcast_arrays(*cols)
+    def __init__(self, query_tokens: ArrayLike, key_tokens: ArrayLike, active_blocks: ArrayLike,
+                 utilisation: ArrayLike, sparse: ArrayLike, projection: ArrayLike,
+                 t: ArrayLike) -> None:
+        """Each argument an ``[m]`` array or a scalar (broadcast to the others' length)."""
+        given = (query_tokens, key_tokens, active_blocks, utilisation, sparse, projection, t)
+        cols = np.broadcast_arrays(*(np.atleast_1d(np.asarray(x, dtype=np.float64))
+                                     for x in given))
         for f, c in zip(fields(self), cols):
             setattr(self, f.name, np.array(c, dtype=np.float64))
 

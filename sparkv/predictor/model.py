@@ -250,7 +250,7 @@ class LatencyModel(StepCostModel):
 
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        if not self.fitted:
+        if not self.fitted or self.x_mean is None or self.x_scale is None:
             raise RuntimeError("the latency model is not fitted")
         return {
             "format": MODEL_FORMAT,

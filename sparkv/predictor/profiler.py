@@ -278,6 +278,8 @@ class Profiler:
 
         if backend == "dense":
             return DenseAttention()
+        if cdf is None:
+            raise ValueError(f"the {backend} backend needs a CDF threshold")
         return BlockSparseAttention(SparsityConfig(cdf_threshold=float(cdf)))
 
     def _sync(self) -> None:

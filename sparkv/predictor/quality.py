@@ -39,7 +39,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypedDict
 
 from sparkv.errors import SparkvError
 from sparkv.fileio import atomic_write
@@ -65,9 +65,17 @@ POLICY_MIN_TEACHER_FORCED = 0.99
 #: the thresholds of the default policy (what ``sparkv ask`` does with no flags): pass-key parity
 #: and QA teacher-forced agreement >= 0.99 (``sparkv.edge.planning.default_quality_floor``,
 #: ``default_backend``)
-POLICY_THRESHOLDS: dict[str, float | None] = {"min_passkey": DEFAULT_MIN_PASSKEY,
-                                              "min_teacher_forced": POLICY_MIN_TEACHER_FORCED,
-                                              "min_greedy": None}
+class PolicyThresholds(TypedDict):
+    """The keyword thresholds of :func:`allowed_levels` / :func:`allowed_backends` a policy sets."""
+
+    min_passkey: float | None
+    min_teacher_forced: float | None
+    min_greedy: float | None
+
+
+POLICY_THRESHOLDS: PolicyThresholds = {"min_passkey": DEFAULT_MIN_PASSKEY,
+                                       "min_teacher_forced": POLICY_MIN_TEACHER_FORCED,
+                                       "min_greedy": None}
 #: the floor the edge used before the table existed (kept as the fallback)
 FALLBACK_FLOOR = "q5"
 

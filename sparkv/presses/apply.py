@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -26,6 +26,9 @@ from sparkv.presses.base import Budget, PressPlan, Press, PressError
 from sparkv.presses.scoring import Window, WindowCapture, layer_inputs, layer_kv
 from sparkv.runtime.hfcache import model_call, output_cache
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 
 @dataclass
@@ -46,7 +49,7 @@ class CompressResult:
 
 
 @torch.inference_mode()
-def prefill(lm: Any, context_ids: Sequence[int], window: int = 32
+def prefill(lm: LoadedModel, context_ids: Sequence[int], window: int = 32
             ) -> tuple[LayerKV, Window, float]:
     """The model's full prefill of the context: per-layer ``(K, V)`` ``[1, H, N, D]`` (after
     RoPE), the question-agnostic window (the last ``window`` tokens' queries and keys, per layer)
@@ -62,7 +65,7 @@ def prefill(lm: Any, context_ids: Sequence[int], window: int = 32
     return layers, cap.window, time.perf_counter() - t0
 
 
-def to_memory(lm: Any, layers: LayerKV, chunk_tokens: int = 256, spare_tokens: int = 0
+def to_memory(lm: LoadedModel, layers: LayerKV, chunk_tokens: int = 256, spare_tokens: int = 0
               ) -> ContextKV:
     """A :class:`ContextKV` holding a copy of ``layers`` (dense arenas)."""
     n = int(layers[0][0].shape[2])
@@ -71,7 +74,7 @@ def to_memory(lm: Any, layers: LayerKV, chunk_tokens: int = 256, spare_tokens: i
 
 
 @torch.inference_mode()
-def question_window(lm: Any, memory: ContextKV, question_ids: Sequence[int]) -> Window:
+def question_window(lm: LoadedModel, memory: ContextKV, question_ids: Sequence[int]) -> Window:
     """The question-aware window: the question's queries and keys per layer, run over the full
     memory (which is left as it was)."""
     ids = list(question_ids)

@@ -68,6 +68,7 @@ class PressHooks:
         self.layers = decoder_layers(model)
         self.plans: list[Any] = []
         self._scores: list[list[torch.Tensor]] = []
+        self._layer_plans: list[list[Any]] = []
         self._forced = 0
         self._handles: list[Any] = []
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import os
+from typing import Final
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -23,10 +24,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sparkv.protocol.errors import DecryptionError
 
 KEY_BYTES = 32
-NONCE_BYTES = 12
-TAG_BYTES = 16
+NONCE_BYTES: Final = 12
+TAG_BYTES: Final = 16
 OVERHEAD = NONCE_BYTES + TAG_BYTES
-ALGORITHM = "AES-256-GCM"
+ALGORITHM: Final = "AES-256-GCM"
 AAD_FORMAT = "sparkv/v1/{context_id}/{t}/{l}/{g}/{level}"
 LAYOUT = "nonce | ciphertext | tag"
 

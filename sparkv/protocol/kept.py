@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Sequence
+from typing import Final, Literal, Sequence
 
 import numpy as np
 
-BITMAP = "bitmap"
-DELTA = "delta"
+BITMAP: Final = "bitmap"
+DELTA: Final = "delta"
 CODINGS = (BITMAP, DELTA)
 MAX_VARINT_BYTES = 5
 """Longest delta varint: 5 bytes hold 35 bits, enough for any gap in a chunk of a frame's ``u32``
@@ -75,7 +75,7 @@ def _delta(rel: Sequence[np.ndarray]) -> bytes:
 
 
 def encode_kept(positions: Sequence[Sequence[int] | np.ndarray], token_start: int,
-                num_tokens: int) -> tuple[list[int], str, str]:
+                num_tokens: int) -> tuple[list[int], Literal["bitmap", "delta"], str]:
     """Per head, the absolute positions kept in ``[token_start, token_start + num_tokens)``
     (ascending, unique) -> ``(counts, coding, base64 text)``. Raises ``ValueError`` on positions
     outside the chunk or not strictly ascending."""
@@ -88,8 +88,9 @@ def encode_kept(positions: Sequence[Sequence[int] | np.ndarray], token_start: in
         rel.append(r)
     counts = [int(r.size) for r in rel]
     bm, dl = _bitmap(rel, num_tokens), _delta(rel)
-    coding, raw = (BITMAP, bm) if len(bm) <= len(dl) else (DELTA, dl)
-    return counts, coding, base64.b64encode(raw).decode("ascii")
+    if len(bm) <= len(dl):
+        return counts, BITMAP, base64.b64encode(bm).decode("ascii")
+    return counts, DELTA, base64.b64encode(dl).decode("ascii")
 
 
 def _strict_b64decode(text: str) -> bytes:

@@ -34,7 +34,7 @@ import json
 import re
 import time
 from functools import cached_property
-from typing import Any, Collection, Literal, Mapping, Optional, Sequence
+from typing import Any, Collection, Final, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
@@ -44,7 +44,7 @@ from sparkv.protocol.digests import CHECKSUM_PATTERN, tokens_digest
 from sparkv.protocol.errors import ManifestError
 from sparkv.protocol.kept import CODINGS, decode_kept, encode_kept
 
-MANIFEST_FORMAT = "sparkv-manifest/1"
+MANIFEST_FORMAT: Final = "sparkv-manifest/1"
 CONTEXT_ID_PATTERN = r"^[0-9a-f]{32}$"
 LEVEL_PATTERN = r"^[a-z0-9_]{1,16}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
@@ -260,11 +260,11 @@ class Manifest(BaseModel):
                     decode_kept(c.kept.counts, c.kept.coding, c.kept.positions, c.num_tokens)
                 except ValueError as e:
                     raise ValueError(f"chunk {key}: kept positions: {e}") from None
-            for lv, e in c.levels.items():
-                if e.bytes != e.frame_bytes + overhead:
-                    raise ValueError(f"chunk {key} level {lv}: {e.bytes} stored bytes for a "
-                                     f"{e.frame_bytes}-byte frame (expected +{overhead})")
-                totals[lv] += e.bytes
+            for lv, entry in c.levels.items():
+                if entry.bytes != entry.frame_bytes + overhead:
+                    raise ValueError(f"chunk {key} level {lv}: {entry.bytes} stored bytes for a "
+                                     f"{entry.frame_bytes}-byte frame (expected +{overhead})")
+                totals[lv] += entry.bytes
         if self.press is not None:
             kept = sum(sum(c.kept.counts) for c in self.chunks if c.kept is not None)
             if kept != self.press.kept_entries:
@@ -488,7 +488,7 @@ def _first_error(e: ValidationError) -> str:
 def kept_entry(positions: Sequence[Any], token_start: int, num_tokens: int) -> KeptInfo:
     """The manifest's :class:`KeptInfo` of one chunk from its heads' absolute positions."""
     counts, coding, text = encode_kept(positions, token_start, num_tokens)
-    return KeptInfo(counts=counts, coding=coding, positions=text)  # type: ignore[arg-type]
+    return KeptInfo(counts=counts, coding=coding, positions=text)
 
 
 __all__ = ["MANIFEST_FORMAT", "CONTEXT_ID_PATTERN", "Manifest", "ChunkEntry", "LevelEntry",

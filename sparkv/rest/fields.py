@@ -1,7 +1,7 @@
 """JSON body fields both apps read the same way (pydantic only: importable without the HTTP
 extra), so the same value gets the same answer from the server and the device service.
 
-* :data:`JsonInt`, :func:`json_int`: JSON Schema's integer, an int or a float with no fraction
+* :data:`JsonInt`, :data:`JSON_INT`: JSON Schema's integer, an int or a float with no fraction
   (``3.0``), never a bool or a string (``true`` and ``"3"`` are 422, not coerced);
 * :func:`one_of`, :func:`at_most_one_of`: the JSON Schema of "exactly one of these fields" and
   "not both", stated in the schema as the route enforces it (a field that is ``null`` counts as
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator
 
 
 def _json_int(value: Any) -> int:
@@ -25,18 +25,15 @@ def _json_int(value: Any) -> int:
     return value
 
 
-JsonInt = Annotated[int, BeforeValidator(_json_int)]
+JSON_INT = BeforeValidator(_json_int)
+"""The validator of JSON Schema's integer (module docstring). A bounded one is
+``Annotated[int, Field(ge=minimum, le=maximum), JSON_INT]``: the bounds sit on the inner ``int``
+so that JSON Schema (and OpenAPI) shows them as ``minimum``/``maximum``; put on the outer,
+validator-wrapped type (or on an ``Optional``) pydantic would emit non-standard ``ge``/``le``
+keywords."""
+
+JsonInt = Annotated[int, JSON_INT]
 """JSON Schema's integer (module docstring)."""
-
-
-def json_int(minimum: int, maximum: int) -> Any:
-    """A JSON integer in ``[minimum, maximum]``.
-
-    The bounds sit on the inner ``int`` so that JSON Schema (and OpenAPI) shows them as
-    ``minimum``/``maximum``; put on the outer, validator-wrapped type (or on an ``Optional``)
-    pydantic would emit non-standard ``ge``/``le`` keywords.
-    """
-    return Annotated[int, Field(ge=minimum, le=maximum), BeforeValidator(_json_int)]
 
 
 def _given(fields: dict[str, str]) -> dict[str, Any]:

@@ -191,7 +191,7 @@ def install_request_policy(app: FastAPI, limits: BodyLimits,
     """Adds, outermost first: the canonical-path check, the body deadline, the body size limit.
     Each ``add_middleware`` wraps what was added before it, so an app adds its own inner
     middleware (authentication) first, then calls this, then its outer middleware."""
-    app.add_middleware(BodyLimitMiddleware, limit=limits.max_body_bytes)  # type: ignore[arg-type]
-    app.add_middleware(BodyTimeoutMiddleware, timeout_s=limits.body_timeout_s,  # type: ignore[arg-type]
+    app.add_middleware(BodyLimitMiddleware, limit=limits.max_body_bytes)
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=limits.body_timeout_s,
                        on_timeout=on_body_timeout)
-    app.add_middleware(CanonicalPathMiddleware)  # type: ignore[arg-type]
+    app.add_middleware(CanonicalPathMiddleware)

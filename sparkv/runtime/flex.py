@@ -103,7 +103,8 @@ def block_mask(keep: torch.Tensor, diagonal: torch.Tensor, nq: int, nk: int, q_o
     full = keep & ~diagonal
     num, idx = _indices(partial)
     fnum, fidx = _indices(full)
-    kwargs = {"BLOCK_SIZE": (q_block, k_block), "mask_mod": causal, "seq_lengths": (nq, nk)}
+    kwargs: dict[str, Any] = {"BLOCK_SIZE": (q_block, k_block), "mask_mod": causal,
+                              "seq_lengths": (nq, nk)}
     try:   # forward only: no transposed (query-block) indices, which cost two sorts per call
         return BlockMask.from_kv_blocks(num, idx, fnum, fidx, compute_q_blocks=False, **kwargs)
     except TypeError:   # a PyTorch without the option

@@ -58,7 +58,7 @@ def cache_keyword(fn: Callable[..., Any]) -> str:
     import torch
 
     if isinstance(fn, torch.nn.Module):
-        return _class_keyword(type(fn))
+        return _class_keyword(type(fn))  # type: ignore[arg-type]  # torch's __hash__ stub
     return default_keyword()
 
 

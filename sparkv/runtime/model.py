@@ -298,7 +298,7 @@ def _load(name_or_path: str | os.PathLike[str] | None, dtype: torch.dtype, devic
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load the weights at {path}: {exc}") from exc
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types `to` as unbound
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):

@@ -278,7 +278,7 @@ class LayerStepper:
         """Steps still needed so that every chunk is available: for each token chunk, layers up to
         the deepest layer with a missing chunk (earlier layers feed it their hidden states)."""
         g = self.geometry
-        needed = []
+        needed: list[StepId] = []
         for t in range(g.num_token_chunks):
             deepest = -1
             for l in range(g.num_layers):  # noqa: E741
@@ -299,8 +299,8 @@ class LayerStepper:
         for l in sorted({s.l for s in needed}):  # noqa: E741
             ts = sorted(s.t for s in needed if s.l == l)
             first = ts[0]
-            for prev, t in zip(ts, ts[1:] + [None]):
-                if t is None or t != prev + 1:
+            for prev, t in zip(ts, ts[1:] + [-1]):       # -1: the last run ends
+                if t != prev + 1:
                     results.extend(self.run_span(first, prev + 1, l))
                     first = t
         return results

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from sparkv.errors import SparkvError
 from sparkv.layout import ChunkGeometry, KVChunkId, StepId
 
 MBPS = 1e6 / 8  # bytes per second in one Mbit/s
+_T = TypeVar("_T")
 
 
 class InstanceError(SparkvError):
@@ -180,7 +181,7 @@ class Instance:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name != "_cache"}
         fields.update(changes)
-        return Instance(**fields)  # type: ignore[arg-type]
+        return Instance(**fields)
 
     def with_bandwidth(self, bandwidth_Bps: float) -> "Instance":
         return self.replace(bandwidth_Bps=float(bandwidth_Bps))
@@ -226,7 +227,7 @@ class Instance:
         raise InstanceError(f"unknown level {name!r}; levels are {[lv.name for lv in self.levels]}")
 
     # --- derived costs ----------------------------------------------------------------------
-    def _cached(self, key: str, build):  # type: ignore[no-untyped-def]
+    def _cached(self, key: str, build: Callable[[], _T]) -> _T:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]

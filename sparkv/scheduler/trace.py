@@ -74,8 +74,8 @@ class Trace:
                    math.inf, False, f"const-{mbps:g}mbps")
 
     @classmethod
-    def from_rows(cls, times_s: Sequence[float], mbps: Sequence[float],
-                  rtt_ms: Sequence[float] | None = None, *, loop: bool = True,
+    def from_rows(cls, times_s: Sequence[float] | np.ndarray, mbps: Sequence[float] | np.ndarray,
+                  rtt_ms: Sequence[float] | np.ndarray | None = None, *, loop: bool = True,
                   name: str = "") -> "Trace":
         times = tuple(float(t) for t in times_s)
         if len(times) >= 2:

@@ -8,13 +8,19 @@ docs/rest-api.md (the HTTP contract) and docs/server.md (stores, configuration, 
 container).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from sparkv.server.config import Settings, hash_api_key, load_settings, new_api_key
 from sparkv.server.errors import ApiError, ConfigError, ServerError, StoreError
 from sparkv.server.stores import ChunkKey, FileStore, Store, open_store
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
-def create_app(settings: Settings, **kwargs):  # noqa: ANN001, ANN201 - lazy: FastAPI + torch
-    """The FastAPI app (see :func:`sparkv.server.app.create_app`)."""
+
+def create_app(settings: Settings, **kwargs: Any) -> "FastAPI":
+    """The FastAPI app (see :func:`sparkv.server.app.create_app`; imported lazily: FastAPI and
+    torch load on the first call)."""
     from sparkv.server.app import create_app as _create
 
     return _create(settings, **kwargs)

@@ -68,7 +68,8 @@ class Settings(BaseModel):
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     allow_anonymous: bool = False
     """Requests without a key act as tenant ``anonymous`` (only for loopback demos)."""
-    models: dict[str, str | None] = Field(default_factory=lambda: {DEFAULT_MODEL_NAME: None})
+    models: dict[str, str | None] = Field(
+        default_factory=lambda: dict[str, str | None]({DEFAULT_MODEL_NAME: None}))
     """Model name -> local checkpoint path (``null``: the bundled SmolLM2)."""
     default_model: str = DEFAULT_MODEL_NAME
     default_levels: list[str] = Field(default_factory=lambda: ["q8", "q6", "q5", "q4", "q3"])

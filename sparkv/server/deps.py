@@ -26,7 +26,7 @@ __all__ = ["get_state", "get_tenant", "StateDep", "TenantDep", "ContextIdPath", 
 
 def get_state(request: Request) -> ServerState:
     """The app's state (``app.state.sparkv``)."""
-    return request.app.state.sparkv  # type: ignore[no-any-return]
+    return request.app.state.sparkv
 
 
 def get_tenant(request: Request) -> str:
@@ -43,7 +43,7 @@ ContextIdPath = Annotated[str, Path(pattern=schemas.CONTEXT_ID_PATTERN,
                                     description="context id (32 hex digits)")]
 JobIdPath = Annotated[str, Path(pattern=schemas.JOB_ID_PATTERN,
                                 description="job id (32 hex digits)")]
-IndexPath = Annotated[schemas.PathIndex, Path(  # type: ignore[valid-type]
+IndexPath = Annotated[schemas.PathIndex, Path(
     description="0-based index in [0, 2^31), plain decimal (0 or [1-9][0-9]*)")]
 
 

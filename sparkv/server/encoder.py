@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from sparkv.protocol import ChunkEntry, FrameCipher, Manifest, ModelInfo, kept_e
 from sparkv.protocol.digests import checksum, tokens_bytes, tokens_digest
 from sparkv.server.errors import StoreError
 from sparkv.server.stores.base import ChunkKey, ChunkStore, Store
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 log = logging.getLogger("sparkv.server.encoder")
 
@@ -269,7 +272,7 @@ def _manifest(spec: ContextSpec, context_id: str, entry: Any, geometry: ChunkGeo
                           encrypted=spec.encrypted, press=press)
 
 
-def prefill_kv(lm: Any, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:
+def prefill_kv(lm: LoadedModel, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:
     """The model's own full prefill, per layer ``(K, V)`` ``[1, kv_heads, N, head_dim]``.
 
     The same forward as :func:`sparkv.runtime.reference_prefill` (and bit-identical K/V, tested),
@@ -300,7 +303,7 @@ class PressedContext:
     info: dict[str, Any]
 
 
-def press_context(lm: Any, spec: str, token_ids: Sequence[int]) -> PressedContext:
+def press_context(lm: LoadedModel, spec: str, token_ids: Sequence[int]) -> PressedContext:
     """Prefills the context and runs the press ``spec`` question-agnostically: the window is the
     context's last :data:`PRESS_WINDOW` tokens, kept by every head, or with ``@repeat`` a fixed
     probe question (:data:`sparkv.presses.PROBES`) run after the context, nothing forced."""
@@ -311,7 +314,7 @@ def press_context(lm: Any, spec: str, token_ids: Sequence[int]) -> PressedContex
     return press_layers(lm, spec, layers, window)
 
 
-def press_layers(lm: Any, spec: str, layers: list[tuple[Any, Any]], window: Any
+def press_layers(lm: LoadedModel, spec: str, layers: list[tuple[Any, Any]], window: Any
                  ) -> PressedContext:
     """:func:`press_context` of an already prefilled context: ``layers`` its per-layer K/V and
     ``window`` the question-agnostic window :func:`sparkv.presses.prefill` captured with

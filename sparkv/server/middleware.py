@@ -372,12 +372,12 @@ def install_middleware(app: FastAPI, settings: Settings, metrics: ServerMetrics)
     gzip (JSON only), the shared request policy (the canonical path, the body deadline and size
     limit: :func:`~sparkv.rest.middleware.install_request_policy`), authentication, the query
     check."""
-    app.add_middleware(QueryMiddleware, router=app.router)  # type: ignore[arg-type]
+    app.add_middleware(QueryMiddleware, router=app.router)
     index = settings.key_index()
-    app.add_middleware(AuthMiddleware, key_index=lambda: index,  # type: ignore[arg-type]
+    app.add_middleware(AuthMiddleware, key_index=lambda: index,
                        allow_anonymous=lambda: settings.allow_anonymous, metrics=metrics)
     install_request_policy(app, BodyLimits(settings.max_body_bytes, settings.body_timeout_s),
                            on_body_timeout=metrics.body_timeouts.inc)
-    app.add_middleware(GZipMiddleware,  # type: ignore[arg-type]
+    app.add_middleware(GZipMiddleware,
                        minimum_size=settings.gzip_min_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # type: ignore[arg-type]
+    app.add_middleware(MetricsMiddleware, metrics=metrics)

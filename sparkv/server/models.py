@@ -11,9 +11,12 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sparkv.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from sparkv.runtime.model import LoadedModel
 
 
 @dataclass
@@ -29,7 +32,7 @@ class ModelEntry:
     """
 
     name: str
-    lm: Any
+    lm: LoadedModel
     tokenizer_id: str
     vocab_size: int
     max_tokens: int
@@ -39,7 +42,7 @@ class ModelEntry:
         return str(self.lm.fingerprint)
 
     @classmethod
-    def from_loaded(cls, name: str, lm: Any, max_context_tokens: int) -> "ModelEntry":
+    def from_loaded(cls, name: str, lm: LoadedModel, max_context_tokens: int) -> "ModelEntry":
         tok = lm.tokenizer
         if tok is None:
             tok_id = "none"

@@ -72,7 +72,7 @@ def _string_branch(prop: dict[str, Any]) -> dict[str, Any]:
     """The non-null branch of an ``Optional`` property's schema (``anyOf: [X, null]``)."""
     for branch in prop.get("anyOf", [prop]):
         if branch.get("type") != "null":
-            return branch  # type: ignore[no-any-return]
+            return branch
     return prop
 
 

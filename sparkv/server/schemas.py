@@ -4,7 +4,7 @@ docs/rest-api.md for the prose)."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator,
                       model_validator)
@@ -12,11 +12,14 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from sparkv.codec import DEFAULT_LEVEL, LEVEL_ORDER
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 from sparkv.protocol.manifest import Manifest
-from sparkv.rest.fields import json_int, one_of
+from sparkv.rest.fields import JSON_INT, one_of
 
 __all__ = ["ErrorDetail", "ErrorResponse", "Manifest"]  # the wire's own models, shown in OpenAPI
 
-LevelName = Literal[tuple(LEVEL_ORDER)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    LevelName = str           # a Literal of LEVEL_ORDER, made at run time (no static spelling)
+else:
+    LevelName = Literal[tuple(LEVEL_ORDER)]
 LEVEL_NAMES = frozenset(LEVEL_ORDER)
 CONTEXT_ID_PATTERN = r"^[0-9a-f]{32}$"
 JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
@@ -33,10 +36,10 @@ def _canonical_decimal(value: Any) -> Any:
     return int(value) if isinstance(value, str) else value
 
 
-TokenId = json_int(0, MAX_INDEX)
-ChunkTokens = json_int(16, 65536)
-HeadsPerGroup = json_int(0, 4096)
-ChunkIndex = json_int(0, MAX_INDEX)
+TokenId = Annotated[int, Field(ge=0, le=MAX_INDEX), JSON_INT]
+ChunkTokens = Annotated[int, Field(ge=16, le=65536), JSON_INT]
+HeadsPerGroup = Annotated[int, Field(ge=0, le=4096), JSON_INT]
+ChunkIndex = Annotated[int, Field(ge=0, le=MAX_INDEX), JSON_INT]
 PathIndex = Annotated[Annotated[int, Field(ge=0, le=MAX_INDEX)],
                       BeforeValidator(_canonical_decimal)]
 """``t``, ``l``, ``g`` in a URL path: canonical decimal in ``[0, 2^31)``."""
@@ -55,12 +58,12 @@ class CreateContext(BaseModel):
     model: Optional[str] = Field(None, min_length=1, max_length=200,
                                  description="a model name from GET /v1/models (default: the "
                                              "server's default model)")
-    levels: Optional[list[LevelName]] = Field(  # type: ignore[valid-type]
+    levels: Optional[list[LevelName]] = Field(
         None, min_length=1, max_length=32,
         description="bitrate levels to encode (default: the server's default levels)")
-    chunk_tokens: Optional[ChunkTokens] = Field(  # type: ignore[valid-type]
+    chunk_tokens: Optional[ChunkTokens] = Field(
         None, description="T, tokens per token chunk")
-    heads_per_group: HeadsPerGroup = Field(  # type: ignore[valid-type]
+    heads_per_group: HeadsPerGroup = Field(
         0, description="KV heads per group (0: every KV head in one group)")
     encrypt: StrictBool = Field(False, description="AES-256-GCM-encrypt the stored frames with a "
                                 "new per-context key, returned once in this response")
@@ -143,10 +146,10 @@ class JobInfo(BaseModel):
 class StreamItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    t: ChunkIndex  # type: ignore[valid-type]
-    l: ChunkIndex  # type: ignore[valid-type]  # noqa: E741
-    g: ChunkIndex = 0  # type: ignore[valid-type]
-    level: Optional[LevelName] = Field(None, description="default: the request's level")  # type: ignore[valid-type]
+    t: ChunkIndex
+    l: ChunkIndex  # noqa: E741
+    g: ChunkIndex = 0
+    level: Optional[LevelName] = Field(None, description="default: the request's level")
 
 
 class StreamRequest(BaseModel):
@@ -155,7 +158,7 @@ class StreamRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     chunks: list[StreamItem] = Field(min_length=1)
-    level: LevelName = Field(DEFAULT_LEVEL, description="level of items that name none")  # type: ignore[valid-type]
+    level: LevelName = Field(DEFAULT_LEVEL, description="level of items that name none")
 
 
 class ContextList(BaseModel):

@@ -156,7 +156,7 @@ class FrameStream(Response):
         bad = broken_frame(batch, frames)
         if bad is not None:
             raise StreamBroken(f"{bad} (context {self.context_id})")
-        for piece in record_pieces(batch, frames):  # type: ignore[arg-type]
+        for piece in record_pieces(batch, [f for f in frames if f is not None]):  # all, checked
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         self._drop(sum(len(f) for f in frames if f is not None))
         metrics = self.state.metrics

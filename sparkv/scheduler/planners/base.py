@@ -6,6 +6,8 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Iterable, Sequence
 
+import numpy as np
+
 from sparkv.errors import SparkvError
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
@@ -67,7 +69,8 @@ def stream_order_for_compute(inst: Instance, compute: Sequence[int],
 
 
 def make_plan(inst: Instance, compute: Sequence[int], stream: Sequence[int],
-              level_idx: Sequence[int] | dict[int, int] | None = None, **kw: Any) -> Plan:
+              level_idx: Sequence[int] | np.ndarray | dict[int, int] | None = None,
+              **kw: Any) -> Plan:
     """Builds a :class:`Plan` from dense ids (steps, chunks, level indices per chunk id)."""
     if level_idx is None:
         level_idx = inst.cheapest_level

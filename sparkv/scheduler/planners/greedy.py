@@ -48,10 +48,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from sparkv.layout import KVChunkId
 from sparkv.scheduler.graph import DepState
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
@@ -84,14 +85,14 @@ class Greedy(Planner):
         self.max_polish_moves = max_polish_moves
 
     @classmethod
-    def privacy(cls, strength: float = 2.0, **kw: object) -> "Greedy":
+    def privacy(cls, strength: float = 2.0, **kw: Any) -> "Greedy":
         """Prefers local compute: the compute path gets ``strength`` x the stage budget."""
-        return cls(compute_share=strength, **kw)  # type: ignore[arg-type]
+        return cls(compute_share=strength, **kw)
 
     @classmethod
-    def energy(cls, strength: float = 2.0, **kw: object) -> "Greedy":
+    def energy(cls, strength: float = 2.0, **kw: Any) -> "Greedy":
         """Prefers streaming: the link gets ``strength`` x the stage budget."""
-        return cls(stream_share=strength, **kw)  # type: ignore[arg-type]
+        return cls(stream_share=strength, **kw)
 
     # ------------------------------------------------------------------ planning
     def _plan(self, inst: Instance) -> Plan:
@@ -387,7 +388,7 @@ class Greedy(Planner):
         cur = {c: names.index(plan.levels[c]) for c in plan.stream_order}
         # candidate single-level upgrades: round r raises every chunk by one more level;
         # within a round, earlier layers first (they matter most for quality), then smaller growth
-        cands: list[tuple[object, ...]] = []
+        cands: list[tuple[int, int, int, KVChunkId, int]] = []
         level = dict(cur)
         for rnd in range(len(names)):
             for cid in plan.stream_order:

@@ -36,7 +36,7 @@ router = APIRouter(tags=["chunks"], generate_unique_id_function=operation_id)
                        304: {"description": "not modified"}})
 async def get_chunk(context_id: ContextIdPath, t: IndexPath, l: IndexPath,  # noqa: E741
                     g: IndexPath, state: StateDep, tenant: TenantDep,
-                    level: Annotated[schemas.LevelName, Query()] = DEFAULT_LEVEL,  # type: ignore[valid-type]
+                    level: Annotated[schemas.LevelName, Query()] = DEFAULT_LEVEL,
                     if_none_match: Annotated[str | None, Header()] = None,
                     range: Annotated[str | None, Header()] = None,  # noqa: A002
                     if_range: Annotated[str | None, Header()] = None) -> Response:

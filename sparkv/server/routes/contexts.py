@@ -58,7 +58,7 @@ async def create_context(body: schemas.CreateContext, state: StateDep,
     if result.key is not None:
         out["encryption_key"] = key_to_text(result.key)
     status = 200 if result.status == "done" else 202
-    headers = {"Location": out["manifest_url"], "Cache-Control": "no-store"}
+    headers = {"Location": f"/v1/contexts/{cid}", "Cache-Control": "no-store"}
     if warning is not None:
         headers[QUALITY_WARNING_HEADER] = warning
     return JSONResponse(out, status_code=status, headers=headers)

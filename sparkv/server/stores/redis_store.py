@@ -23,13 +23,14 @@ value's length and at most ``max_bytes + 1`` of its bytes in one round trip (``S
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable, TypeVar
 from sparkv.server.errors import StoreError
 from sparkv.server.stores.base import (ChunkKey, ChunkStore, JobStore, ManifestStore, Store,
                                        ValueTooLarge, check_names)
 from sparkv.server.stores.redis_url import parse_redis_url
 
 _DELETE_BATCH = 512
+_T = TypeVar("_T")
 
 
 class RedisKeys:
@@ -39,7 +40,7 @@ class RedisKeys:
         url: ``redis://[user:password@]host:port/db[?prefix=NAME]`` (``rediss://`` for TLS).
     """
 
-    def __init__(self, url: str, client: object | None = None) -> None:
+    def __init__(self, url: str, client: Any = None) -> None:
         from sparkv.extras import require
 
         redis = require("redis", feature="the Redis store and queue")
@@ -49,7 +50,7 @@ class RedisKeys:
         self.prefix = target.prefix
         self.url = target.public  # no password
         try:
-            self.client = client or redis.Redis.from_url(
+            self.client: Any = client or redis.Redis.from_url(
                 target.connect, socket_connect_timeout=5, socket_timeout=30,
                 health_check_interval=30)
         except (ValueError, redis.RedisError) as exc:
@@ -64,7 +65,7 @@ class RedisKeys:
     def job(self, tenant: str, job_id: str) -> str:
         return f"{self.prefix}:t:{tenant}:j:{job_id}"
 
-    def call(self, what: str, fn, *args):  # type: ignore[no-untyped-def]
+    def call(self, what: str, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``; a Redis error is a :class:`StoreError` naming ``what``."""
         try:
             return fn(*args)
@@ -122,7 +123,7 @@ class RedisChunks(ChunkStore):
                 pipe.strlen(name)
                 pipe.getrange(name, 0, max_bytes)
             got = pipe.execute()
-            return [tuple(got[i:i + 3]) for i in range(0, len(got), 3)]  # type: ignore[misc]
+            return [tuple(got[i:i + 3]) for i in range(0, len(got), 3)]
 
         out: list[bytes | None] = []
         for key, (exists, size, data) in zip(keys, self.k.call("read chunks", run)):
@@ -143,7 +144,7 @@ class RedisChunks(ChunkStore):
             exists, data = pipe.execute()
             return data if exists and end > start else (b"" if exists else None)
 
-        return self.k.call("read a chunk range", run)  # type: ignore[no-any-return]
+        return self.k.call("read a chunk range", run)
 
     def keys(self, tenant: str, context_id: str) -> set[ChunkKey]:
         check_names(tenant, context_id)
@@ -164,7 +165,7 @@ class RedisChunks(ChunkStore):
 
     def get_tokens(self, tenant: str, context_id: str) -> bytes | None:
         check_names(tenant, context_id)
-        return self.k.call("read the token ids", self.k.client.get,  # type: ignore[no-any-return]
+        return self.k.call("read the token ids", self.k.client.get,
                            f"{self.k.context(tenant, context_id)}:tok")
 
     def has_tokens(self, tenant: str, context_id: str) -> bool:
@@ -189,7 +190,7 @@ class RedisChunks(ChunkStore):
             client.delete(f"{base}:idx")
             return bool(removed_tokens or names)
 
-        return self.k.call(f"delete {context_id}", run)  # type: ignore[no-any-return]
+        return self.k.call(f"delete {context_id}", run)
 
 
 class RedisManifests(ManifestStore):
@@ -211,7 +212,7 @@ class RedisManifests(ManifestStore):
 
     def get(self, tenant: str, context_id: str) -> bytes | None:
         check_names(tenant, context_id)
-        return self.k.call("read a manifest", self.k.client.get,  # type: ignore[no-any-return]
+        return self.k.call("read a manifest", self.k.client.get,
                            f"{self.k.context(tenant, context_id)}:m")
 
     def contexts(self, tenant: str) -> list[str]:
@@ -229,7 +230,7 @@ class RedisManifests(ManifestStore):
             removed, _ = pipe.execute()
             return bool(removed)
 
-        return self.k.call(f"hide {context_id}", run)  # type: ignore[no-any-return]
+        return self.k.call(f"hide {context_id}", run)
 
 
 class RedisJobs(JobStore):
@@ -252,7 +253,7 @@ class RedisJobs(JobStore):
 
     def get(self, tenant: str, job_id: str) -> bytes | None:
         check_names(tenant, job_id=job_id)
-        return self.k.call("read a job", self.k.client.get,  # type: ignore[no-any-return]
+        return self.k.call("read a job", self.k.client.get,
                            self.k.job(tenant, job_id))
 
     def ids(self) -> list[tuple[str, str]]:
@@ -284,7 +285,7 @@ class RedisStore(Store):
         client: a redis-py client to use instead of connecting to ``url``.
     """
 
-    def __init__(self, url: str, client: object | None = None) -> None:
+    def __init__(self, url: str, client: Any = None) -> None:
         self.keys = RedisKeys(url, client)
         super().__init__(RedisChunks(self.keys), RedisManifests(self.keys),
                          RedisJobs(self.keys), self.keys.url)

@@ -1,0 +1,51 @@
+"""What the edge needs from the on-device context service: :class:`KeptContexts`.
+
+``EdgeSession(context_service=...)`` keeps a loaded cache there (``ask(keep=True)``) and answers a
+later question about the same context from it (docs/device-service.md, "SparKV joins"): it
+imports the cache under a label, finds it by that label, and calls it with the question's token
+ids, a server copy (a :class:`~sparkv.device.remote.RemoteSource`) to restore missing chunks
+from, and ``grow=False``. The answer is a :class:`~sparkv.device.calls.CallResult`, whose
+``load`` (:class:`~sparkv.device.loader.LoadStats`) says what was restored and whose
+``context_tokens`` is the context's length.
+
+:class:`~sparkv.device.service.ContextService` implements it (mypy checks the service against it
+where the CLI and the demo give a session one); the session depends on nothing else of the
+service.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from sparkv.cache import ContextKV, LayerKV
+    from sparkv.device.calls import CallResult
+    from sparkv.device.remote import RemoteSource
+    from sparkv.runtime.model import LoadedModel
+
+
+class KeptContexts(Protocol):
+    """The contexts a device service keeps, as the edge uses them (module docstring)."""
+
+    @property
+    def lm(self) -> LoadedModel:
+        """The service's model (a session keeps contexts only in a service of its own model)."""
+        ...
+
+    def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
+                       label: str | None = None) -> str:
+        """Adopts a context whose KV was loaded elsewhere; returns its id."""
+        ...
+
+    def find(self, label: str) -> str | None:
+        """The id of the context imported with ``label``, or ``None``."""
+        ...
+
+    def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,
+             stop_at_eos: bool, remote: RemoteSource | None) -> CallResult:
+        """Answers ``prompt_ids`` in context ``ctx_id`` (restoring its missing chunks from
+        flash, by recomputation or from ``remote``)."""
+        ...
+
+
+__all__ = ["KeptContexts"]

@@ -86,8 +86,28 @@ def test_bfloat16_computes_and_answers_in_bfloat16(tiny_llama):
     assert load.lm.dtype == torch.bfloat16 and load.kv.dtype == torch.bfloat16
     assert tiny_llama.dtype == torch.float32              # the reference model is untouched
     assert make_variant("dtype", "bfloat16").load(ref).lm is load.lm   # one copy per process
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown compute configuration"):
         make_variant("dtype", "float8")
+
+
+@pytest.mark.parametrize("name", ["mixed", "int4", "mixed-layers"])
+def test_a_compute_configuration_is_a_dtype_row(tiny_llama, name, tmp_path, monkeypatch):
+    """Every compute configuration is a value of the dtype group (docs/dtypes.md): a copy of the
+    model in it computes the cache and answers (mixed-layers with the model's stored
+    selection)."""
+    from sparkv.runtime.layerprec import LayerPrecision, save_precision
+
+    monkeypatch.setenv("SPARKV_CACHE_DIR", str(tmp_path))
+    save_precision(LayerPrecision(tiny_llama.base_fingerprint, [1], [0.1, 0.0, 0.2],
+                                  [1.0, 1.0, 1.0], 0.05))
+    ref = prefill_reference(tiny_llama, _tiny_context().token_ids, chunk_tokens=32)
+    variant = make_variant("dtype", name)
+    load = variant.load(ref)
+    assert load.lm.compute.name == name and load.kv.dtype == torch.float32
+    assert tiny_llama.compute.name == "float32"            # the reference model is untouched
+    assert variant.config().dtype == name and variant.name == f"local/dense@{name}"
+    if name == "mixed-layers":
+        assert load.lm.extra["compute_info"]["layers"] == [1]
 
 
 @pytest.mark.parametrize("ratio", [0.75, 0.5, 0.25])

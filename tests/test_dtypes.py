@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sparkv.predictor.quality import QualityEntry, QualityTable, RetrievalScore
-from sparkv.runtime.device import (DeviceUnavailable, auto_dtype, cpu_bf16_flags, resolve_dtype)
+from sparkv.runtime.compute import auto_compute, resolve_dtype
+from sparkv.runtime.device import DeviceUnavailable, cpu_bf16_flags
 
 CPU = torch.device("cpu")
 
@@ -29,30 +30,74 @@ def cpuinfo(tmp_path):
     return out
 
 
-def _table(fingerprint: str, verdict: str) -> QualityTable:
-    entry = QualityEntry("bfloat16", {"passkey": RetrievalScore(8, 8, 8, 8)}, 20, 0.95, 0.995,
-                         1e-4, 0.0, {"verdict": verdict, "summary": verdict, "metrics": {}},
-                         {"dtype": "bfloat16"})
-    return QualityTable(fingerprint, "tiny", 1.0, [], [], {}, sections={"dtypes": [entry]})
+def _table(fingerprint: str, verdict: str, name: str = "bfloat16",
+           **others: str) -> QualityTable:
+    entries = [QualityEntry(n, {"passkey": RetrievalScore(8, 8, 8, 8)}, 20, 0.95, 0.995, 1e-4,
+                            0.0, {"verdict": v, "summary": v, "metrics": {}}, {"dtype": n})
+               for n, v in {name: verdict, **others}.items()]
+    return QualityTable(fingerprint, "tiny", 1.0, [], [], {}, sections={"dtypes": entries})
 
 
-def test_auto_dtype_needs_bf16_hardware_and_a_passing_table(cpuinfo):
+def test_auto_needs_bf16_hardware_and_a_passing_table(cpuinfo):
     assert cpu_bf16_flags(cpuinfo["avx512"]) == ["avx512_bf16"]
     assert cpu_bf16_flags(cpuinfo["amx"]) == ["amx_bf16"]
     assert cpu_bf16_flags(cpuinfo["arm"]) == [] == cpu_bf16_flags(cpuinfo["none"])
     assert cpu_bf16_flags(cpuinfo["missing"]) == []
     for hw in ("avx512", "amx"):
-        assert auto_dtype(CPU, True, cpuinfo[hw])[0] == torch.bfloat16
-        assert auto_dtype(CPU, False, cpuinfo[hw])[0] == torch.float32      # the table fails it
-        dtype, why = auto_dtype(CPU, None, cpuinfo[hw])                     # no verdict
-        assert dtype == torch.float32 and "no bfloat16 verdict" in why
-    dtype, why = auto_dtype(CPU, True, cpuinfo["none"])                     # no hardware
-    assert dtype == torch.float32 and "without bfloat16 hardware" in why
+        assert auto_compute(CPU, {"bfloat16": True}, cpuinfo[hw])[0].dtype == torch.bfloat16
+        config, why = auto_compute(CPU, {"bfloat16": False}, cpuinfo[hw])  # the table fails it
+        assert config.name == "float32" and "bfloat16 does not pass" in why
+        config, why = auto_compute(CPU, {}, cpuinfo[hw])                    # no verdict
+        assert config.name == "float32" and "bfloat16 has no verdict" in why
+    config, why = auto_compute(CPU, {"bfloat16": True}, cpuinfo["none"])  # no hardware
+    assert config.name == "float32" and "without bfloat16 hardware" in why
     # forcing: an explicit dtype is taken as given, whatever the table says
-    assert resolve_dtype("float32", CPU, bf16_quality=True) == torch.float32
+    assert resolve_dtype("float32", CPU) == torch.float32
     assert resolve_dtype("auto", CPU) == torch.float32                      # no verdict: fp32
+    assert resolve_dtype("mixed", CPU) == torch.float32      # a configuration's activations
     with pytest.raises(DeviceUnavailable):
         resolve_dtype("float16", CPU)
+    with pytest.raises(DeviceUnavailable, match="unknown compute configuration"):
+        resolve_dtype("int3", CPU)
+
+
+VERDICTS = (True, False, None)
+
+
+def test_auto_never_picks_a_configuration_that_does_not_pass(cpuinfo):
+    """Every combination of pass / fail-or-undecided / no verdict over the candidates, on every
+    kind of CPU: auto takes float32 or a configuration whose verdict passes, and on a CPU with
+    bf16 hardware the first passing one of its order."""
+    import itertools
+
+    from sparkv.runtime.compute import CPU_BF16_ORDER
+
+    for combo in itertools.product(VERDICTS, repeat=len(CPU_BF16_ORDER)):
+        verdicts = dict(zip(CPU_BF16_ORDER, combo))
+        for hw in ("amx", "avx512", "none"):
+            config, _ = auto_compute(CPU, verdicts, cpuinfo[hw])
+            assert config.name == "float32" or verdicts[config.name] is True
+            passing = [n for n in CPU_BF16_ORDER if verdicts[n]]
+            want = passing[0] if passing and hw != "none" else "float32"
+            assert config.name == want
+
+
+def test_auto_with_a_table_that_fails_it_stays_float32(tmp_path, cpuinfo):
+    from sparkv.predictor.dtypes import choose_dtype
+    from sparkv.predictor.quality import table_cpu_dtype
+
+    path = tmp_path / "table.json"
+    _table("fp-tiny", "fail", "bfloat16", mixed="fail", **{"int4-kernel": "undecided"}).save(path)
+    for hw in ("amx", "none"):
+        choice = choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo[hw])
+        assert choice.compute == "float32" and choice.dtype == torch.float32
+        assert table_cpu_dtype("fp-tiny", path, cpuinfo[hw]) == "float32"
+    _table("fp-tiny", "fail", "bfloat16", mixed="pass").save(path)
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"]).compute == "mixed"
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["none"]).compute == "float32"
+    # mixed-layers passes, but without the model's per-layer selection it cannot be built
+    _table("fp-tiny", "fail", "bfloat16", **{"mixed-layers": "pass"}).save(path)
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"]).compute == "float32"
 
 
 def test_choose_dtype_reads_the_models_table(tmp_path, cpuinfo):
@@ -68,7 +113,7 @@ def test_choose_dtype_reads_the_models_table(tmp_path, cpuinfo):
             torch.float32
     _table("fp-tiny", "fail").save(path)
     choice = choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"])
-    assert choice.dtype == torch.float32 and "fails bfloat16" in choice.reason
+    assert choice.dtype == torch.float32 and "bfloat16 does not pass" in choice.reason
     # a GPU follows the same measured loss: a failed bf16 verdict means float32 there too
     choice = choose_dtype("auto", torch.device("cuda"), "fp-tiny", path, cpuinfo["amx"])
     assert choice.dtype == torch.float32 and "CUDA" in choice.reason
@@ -187,3 +232,49 @@ def test_a_dtype_mismatch_stream_decodes_right(tiny_llama, server, edge):
         for x, y in ((k1, k2), (v1, v2)):
             assert float((x.float() - y.float()).abs().max()) <= 0.05 * float(
                 y.float().abs().max()) + 0.05
+
+
+def _dtype_rows(config: str, teacher_forced: float, n: int = 25) -> list[dict]:
+    """``n`` QA answers of ``local/dense@config`` (the dtype group) paired with dense's, in the
+    bench's row format (what ``sparkv bench quality --rows`` writes)."""
+    rows = []
+    for i in range(n):
+        for name, group, tf, dtype in (("dense", "dense", 1.0, None),
+                                       (f"local/dense@{config}", "dtype", teacher_forced, config)):
+            rows.append({"family": "qa", "size": None, "tokens": 2000, "probe": f"qa/{i}",
+                         "config": name, "group": group, "strategy": None, "level": None,
+                         "backend": None, "link": None, "dtype": dtype, "error": None,
+                         "correct": False, "score": 0.0, "greedy_agreement": tf,
+                         "teacher_forced": tf, "first_token_kl": (1.0 - tf) / 4, "mb": 0.0,
+                         "ttft_s": None, "fallback": {}})
+    return rows
+
+
+@pytest.mark.parametrize("mixed_tf, want_bf16_cpu", [(1.0, "mixed"), (0.95, "float32")])
+def test_configuration_rows_decide_auto_through_the_tables_rule(tmp_path, cpuinfo, mixed_tf,
+                                                                 want_bf16_cpu):
+    """A configuration's answers become a ``dtypes`` entry by the rule and the table code every
+    group uses (``quality_table``, what ``--save-table`` writes); ``auto`` reads that entry.
+    bfloat16 and int4-kernel fail (a teacher-forced drop of 0.05), so ``auto`` takes ``mixed``
+    on a bf16 CPU only when its own rows pass, float32 when they fail, and float32 on a CPU
+    without bf16 hardware either way."""
+    from types import SimpleNamespace
+
+    from sparkv.bench.quality import Config, quality_table
+    from sparkv.predictor.dtypes import choose_dtype
+
+    answers = (_dtype_rows("bfloat16", 0.95) + _dtype_rows("int4-kernel", 0.95)
+               + _dtype_rows("mixed", mixed_tf))
+    rows = list({(r["probe"], r["config"]): r for r in answers}.values())   # dense's once
+    configs = [Config("dense", "dense")] + [Config(f"local/dense@{n}", "dtype")
+                                            for n in ("bfloat16", "int4-kernel", "mixed")]
+    lm = SimpleNamespace(fingerprint="fp-tiny", name="tiny",
+                         config=SimpleNamespace(num_hidden_layers=2))
+    path = tmp_path / "table.json"
+    table = quality_table(rows, configs, lm, {"benchmark": "test"})
+    table.save(path)
+    verdicts = {e.name: e.verdict_name for e in table.section("dtypes")}
+    assert verdicts == {"bfloat16": "fail", "int4-kernel": "fail",
+                        "mixed": "pass" if mixed_tf == 1.0 else "fail"}
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["amx"]).compute == want_bf16_cpu
+    assert choose_dtype("auto", CPU, "fp-tiny", path, cpuinfo["none"]).compute == "float32"

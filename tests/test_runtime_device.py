@@ -38,7 +38,7 @@ def test_dtypes_resolve():
     assert resolve_dtype("bf16", cpu) == torch.bfloat16
     with pytest.raises(DeviceUnavailable, match="float16 on the CPU"):
         resolve_dtype("float16", cpu)
-    with pytest.raises(DeviceUnavailable, match="unknown dtype"):
+    with pytest.raises(DeviceUnavailable, match="unknown compute configuration"):
         resolve_dtype("int3", cpu)
 
 

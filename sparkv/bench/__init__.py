@@ -29,6 +29,8 @@ BENCH_MODULES: list[str] = [
     "sparkv.bench.presses",
     "sparkv.bench.sparsecal",
     "sparkv.bench.concurrency",
+    "sparkv.bench.layerprec",
+    "sparkv.bench.compute",
 ]
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -228,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _profile(lm: LoadedModel, ids: list[int], args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
     """One profiled run of ``args.profile``: wall time, summed kernel time (the GPU's busy time,
-    at most), and the kernels that took most of it."""
+    at most; on the CPU the operators' self CPU time), and the kernels (operators) that took
+    most of it."""
     from torch.profiler import ProfilerActivity, profile
 
     v = parse_variants(args.profile)[0]
@@ -239,11 +241,14 @@ def _profile(lm: LoadedModel, ids: list[int], args: argparse.Namespace, cfg: Any
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         wall, _, _ = _run_once(lm, ids, v, args.chunk_tokens, backend)
-    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0
-              and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset"))]
-    kernels = sorted(events, key=lambda e: e.device_time_total, reverse=True)
-    busy = sum(e.device_time_total for e in kernels) / 1e6
-    top = [{"kernel": e.key[:120], "calls": e.count, "ms": e.device_time_total / 1e3}
+    # the GPU's kernels by device time; on the CPU the operators by self CPU time
+    cuda = lm.device.type == "cuda"
+    spent = attrgetter("device_time_total" if cuda else "self_cpu_time_total")
+    events = [e for e in prof.key_averages() if not cuda or (
+        e.device_time_total > 0 and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")))]
+    kernels = sorted(events, key=spent, reverse=True)
+    busy = sum(spent(e) for e in kernels) / 1e6
+    top = [{"kernel": e.key[:120], "calls": e.count, "ms": spent(e) / 1e3}
            for e in kernels[:15]]
     out = {"variant": v.name, "tokens": len(ids), "wall_s": wall, "kernel_busy_s": busy,
            "kernel_launches": sum(e.count for e in kernels), "top_kernels": top}

@@ -14,8 +14,9 @@ level      ``q8``, ``q6``, ... ``raw``   every chunk of the dense K/V (the serve
                                          delivers (tested against the server and the edge)
 backend    ``dense``, ``block_sparse``   the edge's local path: a :class:`LayerStepper` with
                                          that attention backend computes every chunk
-dtype      ``bfloat16``, ``float32``     the edge's local path (dense attention) on a copy of
-                                         the model in that dtype; the answer in that dtype too
+dtype      ``bfloat16``, ``mixed``, ...  the edge's local path (dense attention) on a copy of
+                                         the model in that compute configuration
+                                         (:mod:`sparkv.runtime.compute`); the answer in it too
 press      a spec, ``adakv:0.5@repeat``  the server's question-agnostic press
                                          (:func:`sparkv.server.encoder.press_layers`) on the
                                          dense K/V, pruned as the edge prunes a compressed
@@ -249,36 +250,46 @@ class BackendVariant(Variant):
         return VariantLoad(ref.lm, kv, chunks_computed=n)
 
 
-#: the reference model in another dtype, by (model id, dtype): one copy per process
-_CAST: dict[tuple[int, torch.dtype], Any] = {}
+#: the reference model in another compute configuration, by (model id, name): one copy per
+#: process
+_CONVERTED: dict[tuple[int, str], Any] = {}
 
 
-def model_in_dtype(lm: LoadedModel, dtype: torch.dtype) -> Any:
-    """``lm`` itself when it already has ``dtype``, else a copy of it in ``dtype`` (made once)."""
+def model_in_compute(lm: LoadedModel, name: str) -> Any:
+    """``lm`` itself when it already computes in configuration ``name``, else a copy of it in
+    that configuration (made once; :func:`sparkv.predictor.dtypes.convert`)."""
+    from sparkv.predictor.dtypes import convert
+    from sparkv.runtime.compute import get_compute
     from sparkv.runtime.model import LoadedModel
 
-    if lm.dtype == dtype:
+    config = get_compute(name)
+    if lm.compute == config:
         return lm
-    key = (id(lm), dtype)
-    if key not in _CAST:
-        model = copy.deepcopy(lm.model).to(dtype)
+    key = (id(lm), config.name)
+    if key not in _CONVERTED:
+        model = copy.deepcopy(lm.model)
         model.eval()
-        _CAST[key] = LoadedModel(model, lm.tokenizer, lm.name, lm.fingerprint)
-    return _CAST[key]
+        other = LoadedModel(model, lm.tokenizer, lm.name, lm.fingerprint,
+                            {"base_fingerprint": lm.base_fingerprint})
+        convert(other, config.name)       # mixed-layers: with the model's stored selection
+        _CONVERTED[key] = other
+    return _CONVERTED[key]
 
 
 class DtypeVariant(Variant):
-    """The local path (dense attention) in another compute dtype; answered in that dtype."""
+    """The local path (dense attention) in another compute configuration (a dtype, or
+    ``mixed``, ``int4``, ...: :mod:`sparkv.runtime.compute`); answered in it too."""
 
     group = "dtype"
 
     def __init__(self, value: str) -> None:
-        from sparkv.runtime.device import DTYPES
+        from sparkv.runtime.compute import ComputeError, get_compute
 
         super().__init__(value)
-        if self.value not in DTYPES:
-            raise ValueError(f"unknown dtype {self.value!r}; choose from {sorted(DTYPES)}")
-        self.dtype = DTYPES[self.value]
+        try:
+            self.compute = get_compute(self.value)
+        except ComputeError as exc:                 # a bad value, as every group reports it
+            raise ValueError(str(exc)) from None
 
     @property
     def name(self) -> str:
@@ -290,7 +301,7 @@ class DtypeVariant(Variant):
     def _load(self, ref: Reference) -> VariantLoad:
         from sparkv.runtime.attention import DenseAttention
 
-        lm = model_in_dtype(ref.lm, self.dtype)
+        lm = model_in_compute(ref.lm, self.value)
         kv = local_cache(lm, ref, DenseAttention())
         return VariantLoad(lm, kv, chunks_computed=kv.geometry.num_chunks)
 

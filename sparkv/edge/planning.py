@@ -119,7 +119,7 @@ def effective_floor(present: Any, quality_floor: str | None) -> str | None:
     return min(ok, key=lambda lv: rank[lv])
 
 
-_COST_MODELS: dict[tuple[str, str, torch.dtype, int], StepCostModel] = {}
+_COST_MODELS: dict[tuple[str, str, str, int], StepCostModel] = {}
 
 
 def device_cost_model(lm: LoadedModel) -> StepCostModel:
@@ -128,27 +128,35 @@ def device_cost_model(lm: LoadedModel) -> StepCostModel:
     per model and thread count in a process (measuring peaks takes a moment)."""
     import torch
 
-    key = (lm.fingerprint, str(lm.device), lm.dtype, torch.get_num_threads())
+    from sparkv.predictor.device import compute_name
+
+    key = (lm.fingerprint, str(lm.device), compute_name(lm), torch.get_num_threads())
     if key not in _COST_MODELS:
         _COST_MODELS[key] = _load_cost_model(lm)
     return _COST_MODELS[key]
 
 
 def _load_cost_model(lm: LoadedModel) -> StepCostModel:
+    """This device's latency profile for ``lm``'s configuration and thread count when one
+    matches; otherwise the model's own steps measured now (:class:`~sparkv.predictor.measured.
+    MeasuredSteps`: a Roofline from a synthetic matmul's peak predicted SmolLM2's local
+    prefill 2.8-3.1x too slow, docs/predictor.md)."""
     from sparkv.predictor.commands import default_model_path
-    from sparkv.predictor.model import load_predictor
-    from sparkv.predictor.roofline import ModelArch, Roofline
+    from sparkv.predictor.device import compute_name
+    from sparkv.predictor.measured import MeasuredSteps
+    from sparkv.predictor.model import LatencyModel, load_predictor
 
-    path = default_model_path(lm.base_fingerprint, lm.device, lm.dtype)
+    path = default_model_path(lm.base_fingerprint, lm.device, compute_name(lm))
     if path.is_file():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return load_predictor(path, lm=lm)
+                model = load_predictor(path, lm=lm)
+            if isinstance(model, LatencyModel):
+                return model
         except SparkvError:
             pass
-    return Roofline.measure(ModelArch.from_model(lm), str(lm.device),
-                            quick=True, dtype=lm.dtype)
+    return MeasuredSteps.measure(lm)
 
 
 def decode_seconds(geometry: ChunkGeometry, cid: KVChunkId, level: str) -> float:

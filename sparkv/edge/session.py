@@ -220,7 +220,8 @@ class EdgeSession:
                 ) -> "EdgeSession":
         """A session with its own :class:`EdgeClient` of ``server_url`` (``limits``: its
         bounds, default :class:`ClientLimits`)."""
-        from sparkv.runtime.device import resolve_device, resolve_dtype
+        from sparkv.runtime.compute import resolve_dtype
+        from sparkv.runtime.device import resolve_device
 
         resolve_dtype(dtype, resolve_device(device))     # a clear error before any request
         client = EdgeClient(server_url, api_key, shaper=shaper, timeout_s=timeout_s,
@@ -568,8 +569,11 @@ class EdgeSession:
         """Raises :class:`ManifestError` unless ``manifest`` is of this device's model: its
         fingerprint, its geometry, at most the model's positions (and the client's bound) in
         tokens, frames no larger than their chunks could need."""
+        from sparkv.runtime.compute import CONFIGS
+
         lm = self.lm
         manifest.check_model(lm.fingerprint, lm.name)
+        manifest.check_compute(CONFIGS)      # a known one is cast once, at the KV memory
         ref = ChunkGeometry.from_config(lm.config, DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS)
         bound = self.client.limits.max_context_tokens
         manifest.check_geometry(num_layers=ref.num_layers, num_kv_heads=ref.num_kv_heads,

@@ -19,9 +19,10 @@ from sparkv.errors import SparkvError
 def default_model_path(model_fingerprint: str, device: object = "cpu",
                        dtype: object = None) -> Path:
     """``<sparkv cache>/predictor/<model fingerprint>.json`` for the CPU in float32,
-    ``...-cuda.json`` for a GPU, ``...-bfloat16.json`` (``...-cuda-bfloat16.json``) for another
-    dtype: profiles of different devices and dtypes are kept apart (see
-    ``sparkv.runtime.model``, docs/dtypes.md)."""
+    ``...-cuda.json`` for a GPU, ``...-bfloat16.json`` (``...-cuda-bfloat16.json``, ``-mixed``,
+    ...) for another compute configuration (``dtype``: a dtype or a configuration's name,
+    :func:`sparkv.predictor.device.compute_name`): profiles of different devices and
+    configurations are kept apart (docs/dtypes.md)."""
     from sparkv.predictor.device import DEFAULT_PROFILE_DTYPE, dtype_name
     from sparkv.runtime.model import cache_dir
 
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {len(samples)} samples ({len(att)} attention steps, "
           f"{len(samples) - len(att)} projection-only) in {profiler.elapsed_s:.0f} s to {path}")
     if args.train is not None:
+        from sparkv.predictor.device import compute_name
         from sparkv.predictor.model import LatencyModel
         from sparkv.predictor.roofline import ModelArch, Roofline
 
@@ -108,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
                                 dtype=lm.dtype)
         model = LatencyModel().fit(samples, meta, roof)
         out = Path(args.train) if args.train else default_model_path(lm.fingerprint,
-                                                                       lm.device, lm.dtype)
+                                                                       lm.device,
+                                                                       compute_name(lm))
         model.save(out)
         mape = model.info.get("test_mape_attention")
         print(f"trained the latency model on {model.info['train']} samples "

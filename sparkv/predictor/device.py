@@ -70,7 +70,8 @@ def device_fingerprint(device: str = "cpu", threads: int | None = None,
     Args:
         device: the torch device the layer steps run on (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         threads: torch intra-op threads the steps use (default: ``torch.get_num_threads()``).
-        dtype: the steps' compute dtype (a ``torch.dtype`` or its name; default float32).
+        dtype: the steps' compute configuration (:func:`compute_name`; a ``torch.dtype`` or a
+            name; default float32).
     """
     import torch
 
@@ -85,6 +86,14 @@ def device_fingerprint(device: str = "cpu", threads: int | None = None,
         "cuda": cuda,
         "dtype": dtype_name(dtype),
     }
+
+
+def compute_name(lm: Any) -> str:
+    """What a profile of ``lm``'s steps is kept and matched by: its compute configuration
+    (``float32``, ``bfloat16``, ``mixed``, ...: :mod:`sparkv.runtime.compute`; the plain ones
+    are named as their dtypes, so profiles made before configurations existed still match)."""
+    compute = getattr(lm, "compute", None)
+    return str(getattr(compute, "name", None) or dtype_name(getattr(lm, "dtype", None)))
 
 
 def dtype_name(dtype: Any) -> str:

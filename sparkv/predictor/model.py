@@ -36,7 +36,7 @@ import numpy as np
 from sparkv.errors import SparkvError
 from sparkv.fileio import atomic_write
 from sparkv.predictor.cost import StepCostModel, mape
-from sparkv.predictor.device import device_fingerprint, fingerprint_differences
+from sparkv.predictor.device import compute_name, device_fingerprint, fingerprint_differences
 from sparkv.predictor.features import StepFeatures
 from sparkv.predictor.roofline import ModelArch, Roofline
 
@@ -336,7 +336,7 @@ def load_predictor(path: str | os.PathLike[str], lm: Any = None, device: str | N
     """
     model = LatencyModel.load(path)
     dev = device or model.info.get("device") or "cpu"
-    dtype = lm.dtype if lm is not None else model.fingerprint.get("dtype")
+    dtype = compute_name(lm) if lm is not None else model.fingerprint.get("dtype")
     current = device_fingerprint(dev, threads, dtype)
     diffs = fingerprint_differences(model.fingerprint, current)
     # a model with its RoPE extended (the long-context mode) runs its base's steps: its profile

@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from sparkv.predictor.device import (UtilisationMonitor, UtilisationWindow, detect_monitor,
-                                     device_fingerprint)
+from sparkv.predictor.device import (UtilisationMonitor, UtilisationWindow, compute_name,
+                                     detect_monitor, device_fingerprint)
 from sparkv.predictor.load import LoadGenerator
 
 SAMPLES_FORMAT = "sparkv-step-samples/1"
@@ -219,7 +219,7 @@ class Profiler:
             "num_layers": int(self.lm.config.num_hidden_layers),
             "device": self.device,
             "fingerprint": self.fingerprint or device_fingerprint(
-                self.device, self.config.threads, self.lm.dtype),
+                self.device, self.config.threads, compute_name(self.lm)),
             "utilisation_source": self.monitor.source,
             "config": asdict(self.config),
             "elapsed_s": self.elapsed_s,
@@ -235,7 +235,7 @@ class Profiler:
         cfg = self.config
         old_threads = torch.get_num_threads()
         torch.set_num_threads(cfg.threads)
-        self.fingerprint = device_fingerprint(self.device, cfg.threads, self.lm.dtype)
+        self.fingerprint = device_fingerprint(self.device, cfg.threads, compute_name(self.lm))
         num_layers = int(self.lm.config.num_hidden_layers)
         bar = tqdm(total=cfg.planned_steps(num_layers), desc="profiling layer steps",
                    unit="step", disable=not self.progress)
@@ -343,7 +343,7 @@ class Profiler:
         """The last layer's projection-only step on a random hidden state of T tokens."""
         import torch
 
-        from sparkv.runtime.stepper import apply_rope
+        from sparkv.runtime.fastops import apply_rope
 
         cfg = self.config
         lm = self.lm

@@ -501,10 +501,30 @@ def verdict_for(model_fingerprint: str, section: str, name: str,
 
 def table_dtype_passes(model_fingerprint: str, dtype: str,
                        path: str | os.PathLike[str] | None = None) -> bool | None:
-    """Whether the table's ``dtypes`` entry of ``dtype`` (``bfloat16``, ``float32``) passes:
+    """Whether the table's ``dtypes`` entry of ``dtype`` (a compute configuration: ``bfloat16``,
+    ``mixed``, ...) passes:
     ``True``/``False``, or ``None`` when it has no verdict for it (then behave as today)."""
     v = verdict_for(model_fingerprint, "dtypes", dtype, path)
     return None if v is None else v == PASS
+
+
+def table_verdicts(model_fingerprint: str, table_path: str | os.PathLike[str] | None = None
+                   ) -> dict[str, bool | None]:
+    """Per configuration ``auto`` may take, whether the model's table passes it (``None``: no
+    verdict). ``mixed-layers`` counts only where its per-layer selection is stored for the
+    model (without one it cannot be built)."""
+    from sparkv.runtime.compute import CONFIGS
+    from sparkv.runtime.layerprec import load_precision
+
+    out: dict[str, bool | None] = {}
+    for name, config in CONFIGS.items():
+        if name == "float32":
+            continue
+        verdict = table_dtype_passes(model_fingerprint, name, table_path)
+        if verdict and config.per_layer and load_precision(model_fingerprint) is None:
+            verdict = None
+        out[name] = verdict
+    return out
 
 
 def device_ratio_for(model_fingerprint: str, fallback: float = 1.0,
@@ -549,17 +569,17 @@ def press_warning(model_fingerprint: str, spec: str,
 
 def table_cpu_dtype(model_fingerprint: str, path: str | os.PathLike[str] | None = None,
                     cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> str:
-    """What ``--dtype auto`` computes with on a CPU: ``bfloat16`` when the model's table
-    passes it (:func:`table_dtype_passes`) **and** the CPU has bf16 hardware
-    (:func:`sparkv.runtime.device.auto_dtype`), else ``float32``. The loaders use it through
-    :func:`sparkv.predictor.dtypes.choose_dtype` (docs/dtypes.md)."""
+    """The compute configuration ``--dtype auto`` takes on a CPU: the first of
+    :data:`~sparkv.runtime.compute.CPU_BF16_ORDER` the model's table passes when the CPU has
+    bf16 hardware, else ``float32`` (:func:`sparkv.runtime.compute.auto_compute`). The loaders
+    use it through :func:`sparkv.predictor.dtypes.choose_dtype` (docs/dtypes.md)."""
     import torch
 
-    from sparkv.runtime.device import auto_dtype
+    from sparkv.runtime.compute import auto_compute
 
-    verdict = table_dtype_passes(model_fingerprint, "bfloat16", path)
-    chosen = auto_dtype(torch.device("cpu"), verdict, cpuinfo)[0]
-    return "bfloat16" if chosen == torch.bfloat16 else "float32"
+    config, _ = auto_compute(torch.device("cpu"), table_verdicts(model_fingerprint, path),
+                             cpuinfo)
+    return config.name
 
 
 def describe_table(table: QualityTable) -> list[str]:

@@ -34,7 +34,7 @@ import json
 import re
 import time
 from functools import cached_property
-from typing import Any, Final, Literal, Mapping, Optional, Sequence
+from typing import Any, Collection, Final, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
@@ -157,13 +157,22 @@ class GeometryInfo(BaseModel):
 
 
 class ModelInfo(BaseModel):
-    """The model whose KV this is."""
+    """The model whose KV this is, and how the server computed it: ``dtype`` (the KV's) and
+    ``compute`` (its compute configuration, docs/dtypes.md; absent in manifests written before
+    configurations existed: ``dtype``'s plain configuration)."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
     name: str
     fingerprint: str
     tokenizer: Optional[str] = None
     dtype: Optional[str] = None
+    compute: Optional[str] = Field(None, pattern=r"^[a-z0-9][a-z0-9_.+-]{0,31}$")
+
+    @property
+    def compute_name(self) -> str:
+        """``compute``, else the plain configuration of ``dtype`` (float32 when neither is
+        given)."""
+        return self.compute or self.dtype or "float32"
 
 
 class EncryptionInfo(BaseModel):
@@ -429,6 +438,20 @@ class Manifest(BaseModel):
                 f"context {self.context_id} was encoded with model {self.model.name!r} "
                 f"(fingerprint {self.model.fingerprint}); this device runs {name or 'a model'} "
                 f"(fingerprint {fingerprint}): its KV cache cannot be used")
+
+    def check_compute(self, known: Collection[str]) -> str:
+        """The compute configuration that made the context's KV (:attr:`ModelInfo.compute_name`);
+        raises :class:`ManifestError` when it is not one of ``known`` (a newer server's). A known
+        one is used as it is: its frames are cast once, at the edge's KV memory
+        (docs/dtypes.md)."""
+        name = self.model.compute_name
+        if name not in known:
+            raise ManifestError(
+                f"context {self.context_id} was computed with compute configuration {name!r}, "
+                f"which this device does not know ({', '.join(sorted(known))}): its KV values "
+                "cannot be interpreted; upgrade the device or re-encode the context with a "
+                "known configuration (docs/dtypes.md)")
+        return name
 
     def check_tokens(self, token_ids: Sequence[int]) -> None:
         """Raises :class:`ManifestError` when ``token_ids`` are not the context's tokens."""

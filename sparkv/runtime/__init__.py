@@ -5,7 +5,8 @@ from sparkv.runtime.attention import (
     get_backend, spas_sage_available,
 )
 from sparkv.runtime.autoattn import AttentionProfile, AutoAttention
-from sparkv.runtime.device import DeviceUnavailable, resolve_device, resolve_dtype
+from sparkv.runtime.compute import resolve_dtype
+from sparkv.runtime.device import DeviceUnavailable, resolve_device
 from sparkv.runtime.flex import FlexAttention, flex_available
 from sparkv.runtime.generate import (
     GenerationResult, first_token_kl, greedy_agreement, greedy_generate, reference_generate,

@@ -106,6 +106,10 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: in
     nq, nk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if q_offset == 0 and nk == nq:
+        if gqa and q.device.type == "cpu":   # SDPA would copy K/V to every query head first;
+            # the CPU flash kernel reads the group's KV head itself (the same result, bit for bit)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, True, scale=scale)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if split and q_offset > 0 and nq > 1:
         from sparkv.runtime.split import lse_kernel, split_attention

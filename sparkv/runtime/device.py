@@ -5,11 +5,13 @@
   no driver, no GPU), never a traceback from deep inside a kernel.
 * ``auto``: CUDA when available, else the CPU.
 
-Dtypes: ``float32``, ``bfloat16``, ``float16``, or ``auto`` (:func:`auto_dtype`): bfloat16 on a
-CUDA device that supports it (float16 otherwise); on the CPU bfloat16 when the CPU computes it in
-hardware (AVX512-BF16 or AMX, :func:`cpu_bf16_flags`) **and** the model's quality table passes
-bfloat16 (the caller says so: this layer does not read tables, see
-:mod:`sparkv.predictor.dtypes`), else float32. ``--dtype float32`` forces fp32 anywhere. The codec
+``--dtype``: ``float32``, ``bfloat16``, ``float16``, a compute configuration
+(:mod:`sparkv.runtime.compute`: ``mixed``, ``int4``, ...) or ``auto``
+(:func:`sparkv.runtime.compute.auto_compute`): bfloat16 on a CUDA device that supports it (float16
+otherwise); on the CPU a configuration with bf16 matmuls only when the CPU computes bf16 in
+hardware (AVX512-BF16 or AMX, :func:`cpu_bf16_flags`) **and** the model's quality table passes it
+(the caller says so: this layer does not read tables, see :mod:`sparkv.predictor.dtypes`), else
+float32. ``--dtype float32`` forces fp32 anywhere. The codec
 and the server's stores stay on the CPU whatever the device; docs/dtypes.md says what crosses the
 wire when the two ends compute in different dtypes.
 
@@ -66,53 +68,21 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
                       "(or cuda:N)")
 
 
-def auto_dtype(device: torch.device, bf16_quality: bool | None = None,
-               cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> tuple[torch.dtype, str]:
-    """What ``--dtype auto`` computes with on ``device``, and why (one line).
-
-    Args:
-        bf16_quality: whether the model's quality table passes bfloat16 (``None``: no verdict).
-            On the CPU bfloat16 needs a pass *and* bf16 hardware; on CUDA half precision is
-            the default unless the table *fails* bfloat16 (then float32: the same measured
-            loss would follow a model to the GPU).
-        cpuinfo: the file :func:`cpu_bf16_flags` reads (tests pass a fake one).
-    """
-    if device.type == "cuda":
-        if bf16_quality is False:
-            return torch.float32, "CUDA device, but the model's quality table fails bfloat16"
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "CUDA device with bfloat16"
-        return torch.float16, "CUDA device without bfloat16"
-    if device.type != "cpu":
-        return torch.float32, f"{device.type}: float32"
-    flags = cpu_bf16_flags(cpuinfo)
-    if not flags:
-        return torch.float32, "CPU without bfloat16 hardware (no AVX512-BF16 or AMX)"
-    hw = "+".join(flags)
-    if bf16_quality is None:
-        return torch.float32, f"CPU has {hw}, but the model's quality table has no bfloat16 verdict"
-    if not bf16_quality:
-        return torch.float32, f"CPU has {hw}, but the model's quality table fails bfloat16"
-    return torch.bfloat16, f"CPU has {hw} and the model's quality table passes bfloat16"
-
-
-def resolve_dtype(name: str | torch.dtype | None, device: torch.device,
-                  bf16_quality: bool | None = None) -> torch.dtype:
-    """The dtype for ``name`` on ``device`` (``auto``: :func:`auto_dtype`, with the model's
-    bfloat16 verdict ``bf16_quality`` when the caller knows it)."""
+def plain_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``name`` as a plain dtype (a ``torch.dtype`` or a key of :data:`DTYPES`); raises
+    :class:`DeviceUnavailable` for another name and for float16 on the CPU. Compute
+    configurations and ``auto``: :func:`sparkv.runtime.compute.resolve_dtype`."""
     if isinstance(name, torch.dtype):
         dtype = name
     else:
-        key = (name or "auto").strip().lower()
-        if key == "auto":
-            return auto_dtype(device, bf16_quality)[0]
+        key = name.strip().lower()
         if key not in DTYPES:
             raise DeviceUnavailable(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or "
-                              "float16")
+                                    "float16, or a compute configuration (docs/dtypes.md)")
         dtype = DTYPES[key]
     if device.type == "cpu" and dtype == torch.float16:
         raise DeviceUnavailable("float16 on the CPU is not supported (slow and inexact kernels); use "
-                          "float32 or bfloat16")
+                                "float32 or bfloat16")
     return dtype
 
 
@@ -150,6 +120,8 @@ def add_device_args(parser: object) -> None:
     parser.add_argument("--device", default="auto",  # type: ignore[attr-defined]
                         help="cpu, cuda[:N] or auto (CUDA when available)")
     parser.add_argument("--dtype", default="auto",  # type: ignore[attr-defined]
-                        help="auto (bf16 on CUDA; on the CPU bf16 with AVX512-BF16/AMX where the "
-                             "model's quality table passes it, else fp32), float32 (forces "
-                             "fp32), bfloat16, float16 (docs/dtypes.md)")
+                        help="auto (bf16 on CUDA; on the CPU a bf16 configuration with "
+                             "AVX512-BF16/AMX where the model's quality table passes it, else "
+                             "fp32), float32 (forces fp32), bfloat16, float16, or a compute "
+                             "configuration: mixed, mixed-layers, bf16-weights, int8, int4, "
+                             "int4-kernel (docs/dtypes.md)")

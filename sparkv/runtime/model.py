@@ -84,8 +84,10 @@ class LoadedModel:
         # the "sparkv" attention implementation: transformers' SDPA for every cache, plus
         # attention over the KV memory's views (explicit positions, ragged heads)
         from sparkv.cache.attention import use_sparkv_attention
+        from sparkv.runtime.fastops import install_fast_ops
 
         use_sparkv_attention(self.model)
+        install_fast_ops(self.model)      # RMSNorm, RoPE, the MLP's gate in fewer passes
 
     @property
     def config(self) -> Any:
@@ -94,6 +96,13 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def compute(self) -> Any:
+        """The :class:`~sparkv.runtime.compute.ComputeConfig` the model computes in."""
+        from sparkv.runtime.compute import compute_of
+
+        return compute_of(self)
 
     @property
     def device(self) -> torch.device:
@@ -227,27 +236,42 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None,
     :mod:`sparkv.runtime.longctx`).
 
     Args:
-        dtype: a ``torch.dtype`` or a name (``auto``, ``float32``, ``bfloat16``, ``float16``).
+        dtype: a ``torch.dtype``, a dtype's name (``auto``, ``float32``, ``bfloat16``,
+            ``float16``) or a compute configuration's (``mixed``, ``int4``, ...:
+            :mod:`sparkv.runtime.compute`; the model is loaded in float32 and converted).
         device: ``cpu``, ``cuda[:N]`` or ``auto`` (see :mod:`sparkv.runtime.device`).
 
     Raises:
         ModelNotFoundError: the path does not exist or holds no ``config.json``; a malformed
             ``random:`` or ``rope-extended:`` spec.
         UnsupportedModelError: the architecture is not Llama/Qwen2/Qwen3/Mistral.
-        DeviceUnavailable: the device or dtype cannot be used here (``--device cuda`` without CUDA).
+        DeviceUnavailable: the device, dtype or configuration cannot be used here (``--device
+            cuda`` without CUDA, an unknown name, ``mixed-layers`` without a measured selection).
     """
-    from sparkv.runtime.device import resolve_device, resolve_dtype
+    from sparkv.runtime.compute import ComputeError, apply_compute, resolve_compute
+    from sparkv.runtime.device import DeviceUnavailable, resolve_device
     from sparkv.runtime.longctx import LongContextSpec, is_long_spec
 
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    if not is_long_spec(name_or_path):
-        return _load(name_or_path, dtype, device, progress)
     try:
-        spec = LongContextSpec.parse(str(name_or_path))
-    except ValueError as exc:
-        raise ModelNotFoundError(str(exc)) from exc
-    return _load(spec.base, dtype, device, progress, rope_positions=spec.positions)
+        config = resolve_compute(dtype, device)
+    except ComputeError as exc:
+        raise DeviceUnavailable(str(exc)) from None
+    load_dtype = config.dtype if config.plain else torch.float32
+    if not is_long_spec(name_or_path):
+        lm = _load(name_or_path, load_dtype, device, progress)
+    else:
+        try:
+            spec = LongContextSpec.parse(str(name_or_path))
+        except ValueError as exc:
+            raise ModelNotFoundError(str(exc)) from exc
+        lm = _load(spec.base, load_dtype, device, progress, rope_positions=spec.positions)
+    if not config.plain:
+        try:
+            apply_compute(lm, config)
+        except ComputeError as exc:
+            raise DeviceUnavailable(str(exc)) from None
+    return lm
 
 
 def _load(name_or_path: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device,

@@ -35,6 +35,7 @@ from sparkv.errors import SparkvError
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
 from sparkv.runtime.attention import (AttentionBackend, AttentionStats, DenseAttention, bind_model,
                                       layer_backend)
+from sparkv.runtime.fastops import apply_rope
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.model import LoadedModel
 
@@ -48,16 +49,6 @@ class StepResult:
     step: StepId
     seconds: float
     stats: AttentionStats | None  # None for projection-only steps
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as the Llama family applies it; ``x [B, H, n, D]``, ``cos/sin [B, n, D]``."""
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
 class LayerStepper:
@@ -234,9 +225,9 @@ class LayerStepper:
         attn_out, _ = model_call(layer.self_attn, hidden_states=h,
                                  position_embeddings=self._rope_for(t0, t1, h),
                                  attention_mask=None, cache=cache)
-        if not last:
-            x = x + attn_out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not last:   # the residual added into the fresh outputs: no new tensor per add
+            x = attn_out.add_(x)
+            x = layer.mlp(layer.post_attention_layernorm(x)).add_(x)
         return x, cache.stats
 
     @torch.inference_mode()

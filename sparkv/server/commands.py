@@ -169,7 +169,8 @@ def _int_or_none(value: Any) -> int | None:
 
 def _check_device(settings: Any) -> None:
     """Fails at startup (not at the first encode) on a device or dtype this machine lacks."""
-    from sparkv.runtime.device import DeviceUnavailable, resolve_device, resolve_dtype
+    from sparkv.runtime.compute import resolve_dtype
+    from sparkv.runtime.device import DeviceUnavailable, resolve_device
 
     try:
         resolve_dtype(settings.dtype, resolve_device(settings.device))

@@ -109,9 +109,9 @@ class Settings(BaseModel):
     """Where models prefill: ``cpu``, ``cuda[:N]`` or ``auto`` (the GPU when there is one). The
     codec and the stores always run on the CPU."""
     dtype: str = "auto"
-    """Model dtype: ``auto`` (bfloat16 on a GPU; on the CPU bfloat16 with AVX512-BF16/AMX where the model's quality
-    table passes it, else float32: docs/dtypes.md), ``float32``, ``bfloat16``,
-    ``float16``."""
+    """Compute configuration: ``auto`` (bfloat16 on a GPU; on the CPU a bf16 configuration with
+    AVX512-BF16/AMX where the model's quality table passes it, else float32: docs/dtypes.md),
+    ``float32``, ``bfloat16``, ``float16``, or ``mixed``, ``int4``, ... (the manifest names it)."""
     encode_pause_s: float = Field(0.0, ge=0.0, le=10.0)
     """Sleep after each encoded frame, leaving CPU to serving (and making crash tests slow enough)."""
     resume_jobs: bool = True

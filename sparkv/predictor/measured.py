@@ -1,0 +1,202 @@
+"""A step-cost model measured on the model's own layer steps, in a second: the fallback when no
+latency profile of this device, thread count and compute configuration exists.
+
+The Roofline fallback it replaces predicted ``max(W / P, Q / B)`` with ``P`` from a synthetic
+512^3 (``quick``) fp32 matmul measured the moment the edge first planned. That rate is not the
+rate of a layer step (other shapes, the norms, RoPE, softmax and the attention kernel, another
+configuration's kernels: ``int4`` dequantizes, ``mixed`` runs bf16), and whatever else the CPU
+was doing at that moment went into it: the local prefill of SmolLM2 at 4K was predicted at
+30.4 s while it took 10.77 s (2K: 10.2 s against 3.2 s; docs/predictor.md, "The local prefill's
+miss").
+
+:meth:`MeasuredSteps.measure` times the model's own work instead, in its configuration, on its
+device and thread count, and predicts
+
+    ms = c_step + c_token * n + c_pair * pairs
+
+per step (``n`` query tokens, ``pairs`` the (query, key) pairs attention computes: every causally
+visible pair for dense, ``s * 128 * 64`` for block-sparse). ``c_pair`` comes from the dense
+attention kernel of one chunk after a long prefix (4K keys: what grows with the context);
+``c_step`` and ``c_token`` from real steps, layers 0-1 of a 768-token context cut at 128 and 256
+tokens (the profiler's shortcut: a layer's cost depends on its shapes, not its depth), less
+their attention, by least squares. The projection-only last layer costs ``c_token * n`` scaled
+by its share of a step's matmul work (the K and V projections: 6% for SmolLM2). Each shape is
+timed a few times and the median kept: the model's own cost on this CPU under the load of the
+moment, in about a second (the edge session's online correction, ``compute_scale``, follows
+later changes of the load). For block-sparse steps whose active blocks are unknown the
+density prior applies: the mean of the model's calibrated per-layer densities when stored
+(:mod:`sparkv.runtime.thresholds`), all causal blocks up to ``dense_below`` keys.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from sparkv.predictor.cost import StepCostModel
+from sparkv.predictor.features import K_BLOCK, Q_BLOCK, StepFeatures, visible_pairs
+
+#: calibration: a context of CAL_TOKENS cut at each of CAL_CHUNKS tokens (two sizes separate the
+#: per-step and per-token costs), each step timed CAL_REPEATS times; the attention kernel timed
+#: over CAL_KEYS keys (a long prefix: attention's per-pair cost is what grows with the context)
+CAL_TOKENS = 768
+CAL_CHUNKS = (128, 256)
+CAL_REPEATS = 3
+CAL_KEYS = 4096
+
+
+@dataclass
+class MeasuredSteps(StepCostModel):
+    """``ms = c_step + c_token * n + c_pair * pairs`` per attention step, ``p_step + p_token * n``
+    per projection-only step (module docstring).
+
+    Attributes:
+        coef: ``(c_step, c_token, c_pair)`` in ms, ms per token, ms per (query, key) pair.
+        projection: ``(p_step, p_token)``.
+        density: the share of causally visible blocks block-sparse computes past
+            ``dense_below`` keys (``None``: all of them).
+        dense_below: keys at or under which block-sparse runs dense.
+        info: how it was measured (threads, configuration, steps, seconds, fit error).
+    """
+
+    coef: tuple[float, float, float]
+    projection: tuple[float, float]
+    density: float | None = None
+    dense_below: int = 2048
+    info: dict[str, Any] | None = None
+    name = "measured"
+
+    def predict_ms(self, f: StepFeatures) -> np.ndarray:
+        dense = visible_pairs(f.query_tokens, f.key_tokens)
+        pairs = np.where(f.sparse > 0,
+                         np.minimum(f.active_blocks * Q_BLOCK * K_BLOCK, dense), dense)
+        c0, c1, c2 = self.coef
+        att = c0 + c1 * f.query_tokens + c2 * pairs
+        proj = self.projection[0] + self.projection[1] * f.query_tokens
+        return np.maximum(np.where(f.projection > 0, proj, att), 1e-3)
+
+    def expected_active_blocks(self, query_tokens: np.ndarray, key_tokens: np.ndarray
+                               ) -> np.ndarray:
+        """All causal blocks at or under ``dense_below`` keys; the stored density past it."""
+        causal = super().expected_active_blocks(query_tokens, key_tokens)
+        if self.density is None:
+            return causal
+        k = np.asarray(key_tokens, dtype=np.float64)
+        return np.where(k <= self.dense_below, causal, np.maximum(1.0, self.density * causal))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def measure(cls, lm: Any, tokens: int = CAL_TOKENS, chunk_sizes: Sequence[int] = CAL_CHUNKS,
+                repeats: int = CAL_REPEATS, attention_keys: int = CAL_KEYS) -> "MeasuredSteps":
+        """Measures ``lm`` as it is (configuration, device, torch's current threads): the dense
+        attention kernel of one chunk after ``attention_keys - chunk`` keys gives ``c_pair``;
+        the real steps ``(t, 0)``, ``(t, 1)`` of a ``tokens``-token context cut at each of
+        ``chunk_sizes``, less their attention, give ``c_step`` and ``c_token``."""
+        import torch
+
+        from sparkv.runtime import LayerStepper, sample_context_ids
+        from sparkv.layout import StepId
+
+        start = time.perf_counter()
+        c_pair = _pair_ms(lm, max(chunk_sizes), attention_keys, repeats)
+        n_ctx = min(tokens, lm.max_positions or tokens)
+        ids = sample_context_ids(lm, n_ctx)
+        times: dict[tuple[int, int], list[float]] = {}     # (n, keys) -> ms of each run
+        for _, chunk in ((r, c) for r in range(repeats) for c in chunk_sizes):
+            stepper = LayerStepper(lm, ids, chunk)
+            g = stepper.geometry
+            for t in range(g.num_token_chunks):
+                for layer in range(min(2, g.num_layers - 1)):
+                    ms = stepper.run_step(StepId(t, layer)).seconds * 1e3
+                    a, b = g.token_range(t)
+                    times.setdefault((b - a, b), []).append(ms)
+        rows = [(n, float(np.median(ms)) - c_pair * float(visible_pairs(n, k)))
+                for (n, k), ms in times.items()]
+        c_step, c_token = _fit_line(rows)
+        model = cls((c_step, c_token, c_pair), (0.0, c_token * _projection_share(lm)),
+                    *_density(lm))
+        model.info = {"threads": torch.get_num_threads(), "compute": _compute_name(lm),
+                      "steps": sum(len(v) for v in times.values()), "context_tokens": n_ctx,
+                      "chunk_sizes": list(chunk_sizes), "attention_keys": attention_keys,
+                      "seconds": time.perf_counter() - start}
+        return model
+
+
+def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:
+    """Milliseconds per causally visible (query, key) pair of the dense attention of ``n``
+    queries after ``keys - n`` keys, in the model's head shapes and activations' dtype (the
+    median of ``repeats``, after one call that allocates)."""
+    import torch
+
+    from sparkv.runtime.attention import DenseAttention
+
+    cfg = lm.config
+    hq = int(cfg.num_attention_heads)
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(1, hq, n, d, generator=gen).to(lm.device, lm.dtype)
+    k = torch.randn(1, hkv, keys, d, generator=gen).to(lm.device, lm.dtype)
+    v = torch.randn(1, hkv, keys, d, generator=gen).to(lm.device, lm.dtype)
+    backend = DenseAttention()
+    runs = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):                      # the first call allocates
+            t0 = time.perf_counter()
+            backend.attend(q, k, v, keys - n, d ** -0.5)
+            if lm.device.type == "cuda":
+                torch.cuda.synchronize(lm.device)
+            runs.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(runs[1:])) / float(visible_pairs(n, keys))
+
+
+def _fit_line(rows: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``ms = c0 + c1 * n`` by least squares, both clipped at 0 (one distinct ``n``: a line
+    through the origin)."""
+    ns = np.array([r[0] for r in rows], dtype=np.float64)
+    ys = np.array([r[1] for r in rows], dtype=np.float64)
+    if len(set(ns.tolist())) < 2:
+        return 0.0, float(max(np.sum(ys * ns) / np.sum(ns * ns), 0.0))
+    c, *_ = np.linalg.lstsq(np.stack([np.ones_like(ns), ns], 1), ys, rcond=None)
+    if c[0] < 0:
+        return 0.0, float(max(np.sum(ys * ns) / np.sum(ns * ns), 0.0))
+    return float(c[0]), float(max(c[1], 0.0))
+
+
+def _compute_name(lm: Any) -> str:
+    from sparkv.predictor.device import compute_name
+
+    return compute_name(lm)
+
+
+def _projection_share(lm: Any) -> float:
+    """The projection-only step's matmul FLOPs per token (K and V projections) over a full
+    step's (every projection and the MLP): its per-token cost relative to ``c_token``."""
+    from sparkv.predictor.roofline import ModelArch
+
+    a = ModelArch.from_model(lm)
+    kv = 4.0 * a.hidden * a.kv_heads * a.head_dim
+    full = (2.0 * a.hidden * a.heads * a.head_dim * 2 + kv + 6.0 * a.hidden * a.intermediate)
+    return kv / full
+
+
+def _density(lm: Any) -> tuple[float | None, int]:
+    """The block-sparse density prior: the mean over layers of the model's calibrated densities
+    (:mod:`sparkv.runtime.thresholds`) past ``SparsityConfig.dense_below`` keys; ``None`` (all
+    causal blocks) without stored thresholds."""
+    from sparkv.runtime.attention import SparsityConfig
+    from sparkv.runtime.thresholds import load_thresholds
+
+    below = int(SparsityConfig().dense_below)
+    th = load_thresholds(getattr(lm, "base_fingerprint", lm.fingerprint))
+    if th is None or not th.layers:
+        return None, below
+    return float(np.mean([lt.density for lt in th.layers])), below
+
+
+__all__ = ["MeasuredSteps"]

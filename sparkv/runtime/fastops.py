@@ -1,0 +1,175 @@
+"""The work around the matmuls, with fewer passes over memory: RMSNorm, RoPE, the MLP's gate.
+
+On a 2-core CPU the elementwise work of a layer step (RMSNorm's upcast, square, mean, scale;
+RoPE's two products, negation and concatenation; SiLU and the gate product) took about a third
+of a float32 prefill at 2K tokens, as much as half the weights' matmuls (docs/runtime.md,
+"Overheads around the matmuls"). :func:`install_fast_ops` switches a model's modules to versions
+that compute the same thing in fewer passes:
+
+* **RMSNorm**: ``torch.nn.functional.rms_norm`` (one fused kernel) in float32, then the weight in
+  the activations' dtype, as transformers orders it (bit for bit its float32 result).
+* **RoPE** (:func:`apply_rope`): ``x * cos`` and two in-place ``addcmul_`` on its halves
+  (``- x2 * sin1``, ``+ x1 * sin2``): no ``rotate_half`` copy, no negation, no concatenation.
+* **MLP**: SiLU in place on the gate's output, then the up projection multiplied into it.
+
+The modules keep their class (a subclass with another ``forward``: ``isinstance`` checks, hooks
+and state dicts are unchanged) and their parameters. The attention module's forward is the Llama
+family's (projections, Qwen3's ``q_norm``/``k_norm``, RoPE, the cache's ``update``, the
+attention implementation, ``o_proj``) with :func:`apply_rope`. Every path runs these modules, so
+the layer stepper and the model's own forward stay equal (tested).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: the modules of the supported families (``sparkv.runtime.model.SUPPORTED_MODEL_TYPES``) whose
+#: forward is replaced, by class-name suffix
+RMSNORM_SUFFIX = "RMSNorm"
+ATTENTION_SUFFIX = "Attention"
+MLP_SUFFIX = "MLP"
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the Llama family applies it (``x * cos + rotate_half(x) * sin``); ``x [B, H, n,
+    D]``, ``cos/sin [B, n, D]``. A new tensor; ``x`` is not modified."""
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    if c.shape[-1] != x.shape[-1]:         # a partial rotary dimension: the plain formula
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * c + torch.cat((-x2, x1), dim=-1) * s
+    h = x.shape[-1] // 2
+    out = x * c
+    out[..., :h].addcmul_(x[..., h:], s[..., :h], value=-1.0)
+    out[..., h:].addcmul_(x[..., :h], s[..., h:])
+    return out
+
+
+def _rms_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    dtype = hidden_states.dtype
+    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+    normed = F.rms_norm(hidden_states.to(torch.float32), hidden_states.shape[-1:], eps=eps)
+    if dtype == torch.float32 and self.weight.dtype == torch.float32:
+        return normed.mul_(self.weight)
+    return self.weight * normed.to(dtype)
+
+
+def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    gate = self.gate_proj(x)
+    if isinstance(self.act_fn, nn.SiLU):
+        F.silu(gate, inplace=True)
+    else:
+        gate = self.act_fn(gate)
+    return self.down_proj(gate.mul_(self.up_proj(x)))
+
+
+def _attention_forward(self: Any, hidden_states: torch.Tensor,
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       attention_mask: torch.Tensor | None = None, cache: Any = None,
+                       past_key_values: Any = None, **kwargs: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(shape)
+    k = self.k_proj(hidden_states).view(shape)
+    if getattr(self, "q_norm", None) is not None:           # Qwen3
+        q, k = self.q_norm(q), self.k_norm(k)
+    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    cos, sin = position_embeddings                          # type: ignore[misc]
+    q = apply_rope(q.transpose(1, 2), cos, sin)
+    k = apply_rope(k.transpose(1, 2), cos, sin)
+    store = cache if cache is not None else past_key_values
+    if store is not None:
+        k, v = _update(store, k, v, self.layer_idx, cos, sin, kwargs)
+    window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
+    if window is not None:
+        kwargs["sliding_window"] = window
+    out, weights = _attention_function(self)(self, q, k, v, attention_mask, dropout=0.0,
+                                             scaling=self.scaling, **kwargs)
+    out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _update(store: Any, k: torch.Tensor, v: torch.Tensor, layer: int, cos: torch.Tensor,
+            sin: torch.Tensor, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``cache.update`` as the installed transformers' attention calls it (5.x passes its
+    keyword arguments; 4.x a ``cache_kwargs`` dict)."""
+    if _TRANSFORMERS_MAJOR >= 5:
+        return store.update(k, v, layer, kwargs=kwargs)
+    return store.update(k, v, layer, {"sin": sin, "cos": cos,
+                                      "cache_position": kwargs.get("cache_position")})
+
+
+def _attention_function(module: nn.Module) -> Any:
+    """The attention implementation the model is configured with (``sparkv`` for a loaded
+    model), or its modeling file's eager one."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = getattr(module.config, "_attn_implementation", None) or "eager"
+    if impl != "eager" and impl in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[impl]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+_TRANSFORMERS_MAJOR = _transformers_major()
+_FORWARDS = {RMSNORM_SUFFIX: _rms_forward, ATTENTION_SUFFIX: _attention_forward,
+             MLP_SUFFIX: _mlp_forward}
+_FAST: dict[type, type] = {}
+
+
+def _fast_class(cls: type, forward: Any) -> type:
+    if cls not in _FAST:
+        _FAST[cls] = type(f"Fast{cls.__name__}", (cls,), {"forward": forward,
+                                                          "__module__": cls.__module__})
+    return _FAST[cls]
+
+
+def _kind(module: nn.Module) -> str | None:
+    name = type(module).__name__
+    if name.startswith("Fast"):
+        return None
+    for suffix in _FORWARDS:
+        if name.endswith(suffix) and name[:-len(suffix)] in _FAMILIES:
+            return suffix
+    return None
+
+
+#: the class-name prefixes of the supported families
+_FAMILIES = ("Llama", "Qwen2", "Qwen3", "Mistral")
+
+
+def install_fast_ops(model: nn.Module) -> int:
+    """Switches ``model``'s RMSNorm, attention and MLP modules of the supported families to
+    the fast forwards (module docstring), once; returns how many modules it switched."""
+    n = 0
+    for module in model.modules():
+        kind = _kind(module)
+        if kind is None:
+            continue
+        module.__class__ = _fast_class(type(module), _FORWARDS[kind])
+        n += 1
+    return n
+
+
+def uninstall_fast_ops(model: nn.Module) -> int:
+    """Puts ``model``'s modules back on transformers' own forwards (the measurement of what
+    :func:`install_fast_ops` buys: ``sparkv bench compute --compare-ops``); returns how many."""
+    n = 0
+    for module in model.modules():
+        cls = type(module)
+        if cls in _FAST.values():
+            module.__class__ = cls.__mro__[1]
+            n += 1
+    return n
+
+
+__all__ = ["apply_rope", "install_fast_ops", "uninstall_fast_ops"]

@@ -1,0 +1,198 @@
+"""The linear layers of the compute configurations (:mod:`sparkv.runtime.compute`).
+
+Each replaces one ``nn.Linear`` of a decoder layer (the attention's and the MLP's projections),
+stores its weight its own way, and returns its output in the activations' dtype (the input's):
+the residual stream, the norms, RoPE and attention around it are untouched.
+
+=====================  ==========================  ===============================================
+class                  weight stored as            the matmul
+=====================  ==========================  ===============================================
+:class:`Bf16Linear`    bfloat16                    bfloat16 (input rounded to bf16; the kernel
+                                                   accumulates in fp32 and writes bf16)
+:class:`Bf16WeightLinear`  bfloat16                float32 (the weight upcast at each call)
+:class:`Int8Linear`    int8, one fp32 scale per    float32 (the weight dequantized at each call)
+                       output channel (symmetric)
+:class:`Q41Linear`     Q4_1 blocks (4-bit codes,   float32 (dequantized at each call, bit for bit
+                       fp16 scale and min per 32)  the converted checkpoint's weight)
+:class:`Int4KernelLinear`  torch's int4 pack, the  torch's CPU int4 kernel
+                       Q4_1 blocks' scale and      (``_weight_int4pack_mm_for_cpu``): on x86 it is
+                       zero in bf16                vectorized for bfloat16 only, so the input,
+                                                   the scales and zeros and the output are bf16
+=====================  ==========================  ===============================================
+
+A bias (Qwen2's projections) stays float32 and is added to the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkv.runtime.q41 import BLOCK, Q41Weight, quantize_q41
+
+
+class WeightLinear(nn.Module):
+    """A linear layer whose weight is stored some other way than ``nn.Linear``'s; subclasses
+    implement :meth:`matmul` (``x [..., in] -> [..., out]``, any dtype)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = int(linear.in_features)
+        self.out_features = int(linear.out_features)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def weight_nbytes(self) -> int:
+        """Bytes the stored weight takes (buffers, the bias left out)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Bf16Linear(WeightLinear):
+    """bfloat16 weight and matmul: the input is rounded to bf16; the output (bf16) is cast back
+    to the input's dtype (``mixed``)."""
+
+    weight: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight)
+
+
+class Bf16WeightLinear(WeightLinear):
+    """bfloat16 weight, float32 matmul: only the weight is rounded (``bf16-weights``)."""
+
+    weight: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class Int8Linear(WeightLinear):
+    """int8 weight, symmetric per output channel (``scale = max |w| / 127``), dequantized to the
+    input's dtype at each call (``int8``)."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        w = linear.weight.detach().to(torch.float32)
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127)
+                             .to(torch.int8))
+        self.register_buffer("scale", scale)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+        return F.linear(x, w)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``uint8 [out, in]`` codes 0..15 -> ``uint8 [out, in / 2]``, two per byte (even index in
+    the low nibble)."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+class Q41Linear(WeightLinear):
+    """Q4_1 blocks (:mod:`sparkv.runtime.q41`), dequantized to float32 at each call: on SmolLM2
+    exactly the weights float32 computes with, at 5 bits a weight instead of 32 (``int4``).
+
+    Attributes:
+        exact: whether the blocks are the original weight bit for bit (SmolLM2's are).
+    """
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q = quantize_q41(linear.weight)
+        self.exact = q.exact(linear.weight.detach().to(torch.float32))
+        self.register_buffer("codes", _pack_nibbles(q.codes))
+        self.register_buffer("d", q.d)
+        self.register_buffer("m", q.m)
+
+    def blocks(self) -> Q41Weight:
+        return Q41Weight(_unpack_nibbles(self.codes), self.d, self.m)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.blocks().dequantize(x.dtype))
+
+
+class Int4KernelLinear(WeightLinear):
+    """The Q4_1 blocks through torch's CPU int4 kernel (``int4-kernel``). The kernel computes
+    ``w = (q - 8) * scale + zero``, so a block's ``d`` is the scale and ``m + 8 d`` the zero; on
+    x86 it is vectorized only for bfloat16 (float32 runs a scalar loop, ~50x slower), so the
+    scale and zero are rounded to bf16 (a second rounding of the weights) and the input and
+    output are bf16."""
+
+    INNER_K_TILES = 2
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q = quantize_q41(linear.weight)
+        if self.out_features % 32:
+            raise ValueError(f"torch's int4 kernel needs out_features a multiple of 32, got "
+                             f"{self.out_features}")
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.codes.to(torch.int32), self.INNER_K_TILES))
+        d, m = q.d.to(torch.float32), q.m.to(torch.float32)
+        sz = torch.stack((d, m + 8 * d), dim=-1)              # [out, in / 32, 2]
+        self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous()
+                             .to(torch.bfloat16))            # [in / 32, out, 2]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK,
+                                                       self.scales_zeros)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+#: the children of a decoder layer whose ``nn.Linear`` modules a configuration replaces
+LINEAR_PARENTS = ("self_attn", "mlp")
+
+
+def replace_linears(layer: nn.Module, cls: type[WeightLinear]) -> list[WeightLinear]:
+    """Replaces every ``nn.Linear`` child of ``layer``'s :data:`LINEAR_PARENTS` by ``cls`` made
+    from it; returns the new modules."""
+    out = []
+    for parent_name in LINEAR_PARENTS:
+        parent = getattr(layer, parent_name, None)
+        if parent is None:
+            continue
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                new = cls(child).to(child.weight.device)
+                setattr(parent, name, new)
+                out.append(new)
+    return out
+
+
+__all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear", "Int4KernelLinear", "Int8Linear", "Q41Linear",
+           "WeightLinear"]

@@ -1,0 +1,49 @@
+"""The step-cost model measured on the model's own steps (sparkv/predictor/measured.py): the
+edge's fallback when no latency profile matches. Shapes of its predictions, never their speed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparkv.layout import ChunkGeometry
+from sparkv.predictor.features import StepFeatures, causal_blocks
+from sparkv.predictor.measured import MeasuredSteps
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama):
+    return MeasuredSteps.measure(tiny_llama, tokens=256, chunk_sizes=(32, 64), repeats=2,
+                                 attention_keys=512)
+
+
+def test_it_is_fitted_on_the_models_own_steps(measured, tiny_llama):
+    c_step, c_token, c_pair = measured.coef
+    assert min(c_step, c_token, c_pair) >= 0 and c_token + c_pair > 0
+    assert measured.info["compute"] == "float32" and measured.info["steps"] > 0
+    g = ChunkGeometry.from_config(tiny_llama.config, 1024, 128)
+    t = measured.t_comp(g, sparse=False, utilisation=0.0)
+    assert t.shape == (g.num_token_chunks, g.num_layers) and np.all(np.isfinite(t))
+    attention = t[:, :-1]
+    assert np.all(np.diff(attention[:, 0]) >= 0)          # later chunks see more keys
+    assert np.all(t[:, -1] <= attention[:, 0])            # projection-only is the cheapest
+
+
+def test_block_sparse_uses_the_density_prior_past_dense_below():
+    model = MeasuredSteps((1.0, 0.01, 1e-6), (0.0, 0.001), density=0.5, dense_below=2048)
+    n, short, long_ = np.array([512.0]), np.array([2048.0]), np.array([8192.0])
+    assert model.expected_active_blocks(n, short)[0] == causal_blocks(512, 2048)[0]
+    assert model.expected_active_blocks(n, long_)[0] == pytest.approx(
+        0.5 * causal_blocks(512, 8192)[0])
+    dense = model.predict_ms(StepFeatures.single(512, 8192, sparse=False))[0]
+    s = float(model.expected_active_blocks(n, long_)[0])
+    sparse = model.predict_ms(StepFeatures.single(512, 8192, s, sparse=True))[0]
+    assert sparse < dense
+
+
+def test_the_edge_falls_back_to_it_without_a_profile(tiny_llama, tmp_path, monkeypatch):
+    from sparkv.edge import planning
+
+    monkeypatch.setenv("SPARKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(planning, "_COST_MODELS", {})
+    assert isinstance(planning.device_cost_model(tiny_llama), MeasuredSteps)

@@ -35,7 +35,7 @@ from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.cache.pages import PagePools
 from sparkv.cache.paged import PagedChunks, run_of
 from sparkv.cache.payload import ChunkPayload, ChunkRun, contiguous_positions
-from sparkv.cache.table import RESIDENT, ChunkState, ChunkTable
+from sparkv.cache.table import RESIDENT, ChunkState, ChunkTable, TokenRows
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -131,6 +131,11 @@ class ChunkMemory:
     def sources(self) -> dict[KVChunkId, str]:
         with self._lock:
             return self.table.sources()
+
+    def by_token(self) -> TokenRows:
+        """The chunk table's rows by token chunk (a copy: residency, level, dirty, flash copy)."""
+        with self._lock:
+            return self.table.by_token()
 
     def kept(self, cid: KVChunkId) -> tuple[int, ...]:
         """Entries kept per head of the chunk's group."""
@@ -298,6 +303,15 @@ class ChunkMemory:
                 runs.append(arena_run(store, self.geometry, l,
                                       [(c.t, c.g) for c in cids if c.l == l]))
             return runs + [run for _, run in self.paged.read(*run_of(paged))] if paged else runs
+
+    def read_paged(self, t: np.ndarray, l: np.ndarray, g: np.ndarray  # noqa: E741
+                   ) -> list[tuple[np.ndarray, ChunkRun]]:
+        """Copies of paged chunks' entries, given as ``t, l, g`` arrays: per level held,
+        ``(which, run)`` with ``which`` the positions in ``t, l, g`` of the run's chunks (one
+        gather per pool tensor; chunks without pages - not resident, or in an arena - left
+        out)."""
+        with self._lock:
+            return self.paged.read(np.asarray(t), np.asarray(l), np.asarray(g))
 
     def resident_payloads(self) -> dict[KVChunkId, ChunkPayload]:
         """Copies of every resident paged chunk's entries (one gather per level)."""

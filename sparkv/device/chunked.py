@@ -30,15 +30,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sparkv.cache import ContextKV, FlashRef, Residency, Source
+from sparkv.cache import ContextKV, FlashRef, Source
+from sparkv.cache.table import FLASH, RESIDENT
 from sparkv.cache.payload import ChunkPayload, contiguous_positions
 from sparkv.device.config import longest_context
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
 from sparkv.device.levels import LevelPolicy
-from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena, load, payload_nbytes,
-                                  token_chunk_ids, working_nbytes)
+from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
+                                  load, payload_nbytes, token_chunk_run, working_nbytes)
 from sparkv.device.planner import MissingChunk, RecomputeProfile, Split, plan_split
 from sparkv.device.registry import DeviceContext
 from sparkv.layout import ChunkGeometry, KVChunkId
@@ -243,10 +244,7 @@ class ChunkKeeper(Keeper):
             C.extend(g_new.num_tokens)
             ctx.levels = self.levels.assign(ctx, g_new)
             for t in range(n_old // g_new.chunk_tokens, g_new.num_token_chunks):
-                for l in range(g_new.num_layers):  # noqa: E741
-                    for gg in range(g_new.num_groups):
-                        cid = KVChunkId(t, l, gg)
-                        C.put_payload(chunk_payload(W, cid, ctx.levels[t]), Source.APPENDED)
+                C.hold([token_chunk_run(W, t, ctx.levels[t])], Source.APPENDED)
                 ctx.modified.add(t)
                 self.budget.check()
         self.release(ctx, W)
@@ -313,35 +311,28 @@ def _whole_working(W: ContextKV, n: int) -> bool:
 def missing_chunks(ctx: DeviceContext, dtype: Any) -> tuple[list[MissingChunk], int, int]:
     """The token chunks of ``ctx`` not wholly resident (with the reads their records add, their
     bytes and whether they are readable), the resident ``(t, l)`` chunks, and the bytes
-    restoring the missing ones takes."""
+    restoring the missing ones takes (from the chunk table by token chunk: no object per
+    chunk)."""
     C = ctx.memory
     assert C is not None
     g = C.geometry
+    rows = C.by_token()
+    res = rows.residency == RESIDENT
+    readable_chunk = (rows.residency == FLASH) & (rows.flash >= 0) & ~rows.dirty
     out: list[MissingChunk] = []
-    refs: list[FlashRef | None] = []
-    resident = restore = 0
-    for t in range(g.num_token_chunks):
-        ref: FlashRef | None = None
-        readable = True
-        miss = 0
-        for cid in token_chunk_ids(g, t):
-            st = C.state(cid)
-            if st.residency == Residency.RESIDENT:
-                resident += 1
-                continue
-            miss += 1
-            if st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
-                ref = st.flash
-            else:
-                readable = False
-        if miss:
-            lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
-            out.append(MissingChunk(t, lv, 1, ref.nbytes if ref and readable else 0, readable,
-                                    miss))
-            restore += miss * payload_nbytes(lv, g.heads_per_group * g.chunk_len(t),
-                                             g.head_dim, dtype)
-        refs.append(ref if miss and readable else None)
+    refs: list[FlashRef | None] = [None] * g.num_token_chunks
+    restore = 0
+    for t in np.flatnonzero(~res.all(axis=1)).tolist():
+        away = np.flatnonzero(~res[t])
+        readable = bool(readable_chunk[t, away].all())
+        ref = rows.ref(t, int(away[-1])) if readable else None
+        miss = int(away.size)
+        lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
+        out.append(MissingChunk(t, lv, 1, ref.nbytes if ref is not None else 0, readable, miss))
+        restore += miss * payload_nbytes(lv, g.heads_per_group * g.chunk_len(t),
+                                         g.head_dim, dtype)
+        refs[t] = ref
     starts = run_starts(refs, ctx.tier.align)
     for m in out:
         m.reads = starts[m.t] if m.readable else 1
-    return out, resident, restore
+    return out, int(res.sum()), restore

@@ -68,6 +68,7 @@ from sparkv.cache import (AttentionView, ChunkPayload, ContextKV, FlashError, KV
                           PayloadError, QuantizedTensor, Source)
 from sparkv.cache.payload import ChunkRun, contiguous_positions
 from sparkv.cache.table import RESIDENT
+from sparkv.device import dequant
 from sparkv.device.flashio import RUN_BYTES, ReadRun, plan_runs, read_token_chunk_record
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
@@ -209,12 +210,17 @@ def _values(x: Any, dtype: torch.dtype) -> torch.Tensor:
 def _scatter_run(W: ContextKV, run: Any, tt: np.ndarray, ll: np.ndarray, gg: np.ndarray,
                  n: np.ndarray, index: dict[tuple[int, ...], torch.Tensor]) -> None:
     """Writes ``run`` (whole chunks ``tt, ll, gg`` of ``n`` tokens, at one level, ordered so
-    that each (layer, group)'s chunks are adjacent) into ``W``'s dense arena: one
-    dequantization of the run, then one copy per block of chunks of one (layer, group, length)
-    and side."""
+    that each (layer, group)'s chunks are adjacent) into ``W``'s dense arena: per block of
+    chunks of one (layer, group, length) and side, quantized rows are dequantized straight into
+    the arena's slots (:func:`~sparkv.device.dequant.dequantize_into`: one pass, no temporary),
+    fp rows copied (one slice copy or ``index_copy_``)."""
     g = W.geometry
     hg, d, T = g.heads_per_group, g.head_dim, g.chunk_tokens
-    ks, vs = _values(run.k, W.dtype), _values(run.v, W.dtype)
+    fused = isinstance(run.k, QuantizedTensor) and dequant.supported(W.layers[int(ll[0])].k)
+    if fused:
+        sides = [(x, x.scale.float().numpy(), x.zero.float().numpy()) for x in (run.k, run.v)]
+    else:
+        vals = (_values(run.k, W.dtype), _values(run.v, W.dtype))
     starts = np.concatenate([[0], np.cumsum(n * hg)])
     key = (ll * g.num_groups + gg) * (T + 1) + n
     cuts = np.flatnonzero(np.diff(key)) + 1
@@ -225,8 +231,13 @@ def _scatter_run(W: ContextKV, run: Any, tt: np.ndarray, ll: np.ndarray, gg: np.
         h0, h1 = g.head_range(grp)
         r0, r1 = int(starts[a]), int(starts[b])
         ts = tt[a:b].tolist()
-        for dst, src in ((store.k[0, h0:h1], ks), (store.v[0, h0:h1], vs)):
-            _write_chunks(dst, src[r0:r1].view(b - a, hg, m, d).transpose(0, 1), ts, m, T, index)
+        for i, dst in enumerate((store.k[0, h0:h1], store.v[0, h0:h1])):
+            if fused:
+                x, sc, ze = sides[i]
+                dequant.dequantize_into(dst, x, r0, ts, m, T, sc, ze)
+            else:
+                src = vals[i][r0:r1].view(b - a, hg, m, d).transpose(0, 1)
+                _write_chunks(dst, src, ts, m, T, index)
 
 
 def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: int, T: int,
@@ -264,9 +275,13 @@ def fill_records(W: ContextKV, records: Sequence[Any]) -> None:
     index: dict[tuple[int, ...], torch.Tensor] = {}
     for (_, n), fs in groups.items():
         run = ChunkRun.cat([f.run() for f in fs])
-        m, ts = len(fs), [f.t for f in fs]
+        m = len(fs)
+        if isinstance(run.k, QuantizedTensor) and dequant.supported(W.layers[0].k):
+            _fill_records_fused(W, run, [f.t for f in fs], n)
+            continue
         ks = _values(run.k, W.dtype).view(m, L, G, hg, n, d)
         vs = _values(run.v, W.dtype).view(m, L, G, hg, n, d)
+        ts = [f.t for f in fs]
         for l in range(L):  # noqa: E741
             store = W.layers[l]
             assert store is not None and store.k is not None and store.v is not None
@@ -274,6 +289,23 @@ def fill_records(W: ContextKV, records: Sequence[Any]) -> None:
                 h0, h1 = g.head_range(grp)
                 _write_chunks(store.k[0, h0:h1], ks[:, l, grp].transpose(0, 1), ts, n, T, index)
                 _write_chunks(store.v[0, h0:h1], vs[:, l, grp].transpose(0, 1), ts, n, T, index)
+
+
+def _fill_records_fused(W: ContextKV, run: ChunkRun, ts: list[int], n: int) -> None:
+    """:func:`fill_records` of quantized records of ``n`` tokens (``run``: record after record,
+    each layer-major): one numba call per (layer, group) and side for all the records."""
+    g = W.geometry
+    L, G, hg = g.num_layers, g.num_groups, g.heads_per_group
+    per = hg * n
+    sides = [(x, x.scale.float().numpy(), x.zero.float().numpy()) for x in (run.k, run.v)]
+    for l in range(L):  # noqa: E741
+        store = W.layers[l]
+        assert store is not None and store.k is not None and store.v is not None
+        for grp in range(G):
+            h0, h1 = g.head_range(grp)
+            for (x, sc, ze), dst in zip(sides, (store.k[0, h0:h1], store.v[0, h0:h1])):
+                dequant.dequantize_into(dst, x, (l * G + grp) * per, ts, n, g.chunk_tokens,
+                                        sc, ze, stride=L * G * per)
 
 
 def chunk_payload(W: ContextKV, cid: KVChunkId, level: str) -> ChunkPayload:

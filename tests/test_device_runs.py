@@ -7,6 +7,7 @@ against the chunks' own payloads."""
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ from sparkv.cache import ChunkPayload, ContextKV, KVMemoryError, Residency, Sour
 from sparkv.cache.payload import contiguous_positions
 from sparkv.device.flashio import (pack_token_chunk, pack_token_chunk_run,
                                    read_token_chunk_record)
-from sparkv.device.loader import (FileReads, fill_layers, flash_refs, put_token_chunk,
-                                  token_chunk_ids)
+from sparkv.cache.pages import BLOCK_PAGES
+from sparkv.device.loader import (FileReads, LoadOptions, LoadRequest, fill_layers, flash_refs,
+                                  load, pages_to_read, put_token_chunk, token_chunk_ids)
 from sparkv.device.registry import DeviceContext
 from sparkv.device.swap import SwapStore
 from sparkv.layout import ChunkGeometry, KVChunkId
@@ -26,6 +28,7 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 #: 10 token chunks (the last partial) of 3 layers, 4 KV heads of 32 dims in 2 groups
 GEO = ChunkGeometry(16 * 9 + 7, 16, 3, 4, 32, 2)
 LEVELS = ["fp", "int8", "int4", "int2"]
+NO_MODEL = types.SimpleNamespace(device=torch.device("cpu"))   # loads that recompute nothing
 
 
 def _payload(cid: KVChunkId, gen: torch.Generator, level: str) -> ChunkPayload:
@@ -223,3 +226,24 @@ def test_recomputed_token_chunks_enter_the_memory_at_their_level(tmp_path):
         assert got.level == "int8" and torch.equal(got.k.codes, want.k.codes)
         assert torch.equal(got.k.scale, want.k.scale)
     assert D.read(token_chunk_ids(GEO, 2)[0]).level == C.level(token_chunk_ids(GEO, 2)[0])
+
+
+def test_a_load_reallocates_each_pool_once_at_most(tmp_path):
+    swap, ctx = _context(tmp_path)
+    C = ctx.memory
+    swap.write_ahead(ctx)
+    swap.put_away(ctx, range(GEO.num_token_chunks))
+    assert C.paged.pools.reserved_bytes <= 4 * BLOCK_PAGES * max(
+        p.page_bytes for p in C.paged.pools.pools.values())     # compacted after the drops
+    refs, _ = flash_refs(C, range(GEO.num_token_chunks), [])
+    want = pages_to_read(C, refs)
+    assert sum(want.values()) == GEO.num_chunks * GEO.heads_per_group
+    gens = {lv: p.generation for lv, p in C.paged.pools.pools.items()}
+    W = ContextKV(GEO, torch.float32, "cpu")
+    load(NO_MODEL, ctx.tokens, C, W, ctx.tier, LoadRequest(read=range(GEO.num_token_chunks)),
+         LoadOptions(pipeline=False, io_threads=4))
+    for lv, p in C.paged.pools.pools.items():
+        assert p.generation - gens[lv] <= 1 and p.expect == 0
+        assert p.held == want.get(lv, 0)
+    assert C.nbytes == C.recount()
+    _expect_working(C, W, list(range(GEO.num_token_chunks)))

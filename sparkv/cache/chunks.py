@@ -176,6 +176,14 @@ class ChunkMemory:
         with self._lock:
             return sum(x.nbytes for x in self.layers if x is not None) + self.paged.recount()
 
+    def reserve_pages(self, pages: dict[str, int] | None) -> None:
+        """Room in the page pools for ``pages`` (level -> pages) more than held now, each pool
+        reallocated once at most (a load about to swap in many runs), kept until
+        ``reserve_pages(None)``; the account (pages held) is unchanged."""
+        with self._lock:
+            for level, pool in self.paged.pools.pools.items():
+                pool.reserve((pages or {}).get(level, 0))
+
     def arena_resized(self, l: int, before: int) -> None:  # noqa: E741
         """Layer ``l``'s arena, ``before`` bytes, may have grown: the account follows."""
         with self._lock:

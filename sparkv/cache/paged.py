@@ -182,7 +182,8 @@ class PagedChunks:
             return
         for level in LEVELS:
             pool = self.pools[level]
-            if pool.capacity - pool.held >= max(BLOCK_PAGES, pool.capacity // 4):
+            if pool.capacity - max(pool.held, pool.expect) >= max(BLOCK_PAGES,
+                                                                  pool.capacity // 4):
                 src, dst = pool.compact()
                 self.table.remap(level, src, dst)
 

@@ -66,6 +66,8 @@ import torch
 
 from sparkv.cache import (AttentionView, ChunkPayload, ContextKV, FlashError, KVMemoryError,
                           PayloadError, QuantizedTensor, Source)
+from sparkv.cache.levels import LEVELS
+from sparkv.cache.pages import PAGE_TOKENS
 from sparkv.cache.payload import ChunkRun, contiguous_positions
 from sparkv.cache.table import RESIDENT
 from sparkv.device import dequant
@@ -534,6 +536,21 @@ def flash_refs(C: ContextKV, read: Sequence[int],
     return refs, absent
 
 
+def pages_to_read(C: ContextKV, refs: dict[int, Any]) -> dict[str, int]:
+    """Pages the records of token chunks ``refs`` take once swapped in (their chunks not
+    resident, at their stored levels), per level."""
+    g = C.geometry
+    rows = C.by_token()
+    out: dict[str, int] = {}
+    for t in refs:
+        away = rows.level[t][rows.residency[t] != RESIDENT]
+        per = g.heads_per_group * -(-g.chunk_len(t) // PAGE_TOKENS)
+        for code, k in zip(*np.unique(away[away >= 0], return_counts=True)):
+            lv = LEVELS[int(code)]
+            out[lv] = out.get(lv, 0) + int(k) * per
+    return out
+
+
 class FileReads:
     """The reader pool of one load: reads the token chunk records ``refs`` (``threads`` reads at
     a time), swaps each one's payloads into ``C`` and, when ``W`` is another memory, writes the
@@ -769,10 +786,14 @@ class Load:
         fetch = RemoteFetch(self.W, request.remote, sorted(stream), request.remote_chunks)
         fetch.start()
         rec = Recompute(self.lm, self.tokens, self.W, sorted(set(request.recompute) | absent))
+        if self.C is not self.W and refs:
+            self.C.reserve_pages(pages_to_read(self.C, refs))
         try:
             self._overlap(rec, reads, fetch)
         finally:
             reads.close()
+            if self.C is not self.W and refs:
+                self.C.reserve_pages(None)
         if self.C is not self.W:
             for store in self.W.layers:
                 if store is not None:

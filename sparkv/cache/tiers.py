@@ -97,9 +97,9 @@ def swap_in_runs(mem: ChunkMemory, runs: Sequence[ChunkRun],
     cids = [c for run in runs for c in run.cids]
     if refs is not None and len(refs) != len(cids):
         raise KVMemoryError("one flash ref per chunk")
-    for c in cids:
-        mem.geometry.check(c)
     idx = mem.table.indices(cids)
+    if (idx < 0).any():
+        mem.geometry.check(cids[int(np.flatnonzero(idx < 0)[0])])   # raises, naming it
     if refs is None:
         nocopy = np.flatnonzero(mem.table.flash[idx] < 0)
         if nocopy.size:

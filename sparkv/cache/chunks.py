@@ -35,7 +35,7 @@ from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.cache.pages import PagePools
 from sparkv.cache.paged import PagedChunks, run_of
 from sparkv.cache.payload import ChunkPayload, ChunkRun, contiguous_positions
-from sparkv.cache.table import RESIDENT, ChunkState, ChunkTable
+from sparkv.cache.table import RESIDENT, ChunkState, ChunkTable, TokenRows
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -132,6 +132,11 @@ class ChunkMemory:
         with self._lock:
             return self.table.sources()
 
+    def by_token(self) -> TokenRows:
+        """The chunk table's rows by token chunk (a copy: residency, level, dirty, flash copy)."""
+        with self._lock:
+            return self.table.by_token()
+
     def kept(self, cid: KVChunkId) -> tuple[int, ...]:
         """Entries kept per head of the chunk's group."""
         with self._lock:
@@ -170,6 +175,14 @@ class ChunkMemory:
         """:attr:`nbytes` recounted: the arenas' tensors plus the block table's pages."""
         with self._lock:
             return sum(x.nbytes for x in self.layers if x is not None) + self.paged.recount()
+
+    def reserve_pages(self, pages: dict[str, int] | None) -> None:
+        """Room in the page pools for ``pages`` (level -> pages) more than held now, each pool
+        reallocated once at most (a load about to swap in many runs), kept until
+        ``reserve_pages(None)``; the account (pages held) is unchanged."""
+        with self._lock:
+            for level, pool in self.paged.pools.pools.items():
+                pool.reserve((pages or {}).get(level, 0))
 
     def arena_resized(self, l: int, before: int) -> None:  # noqa: E741
         """Layer ``l``'s arena, ``before`` bytes, may have grown: the account follows."""
@@ -298,6 +311,15 @@ class ChunkMemory:
                 runs.append(arena_run(store, self.geometry, l,
                                       [(c.t, c.g) for c in cids if c.l == l]))
             return runs + [run for _, run in self.paged.read(*run_of(paged))] if paged else runs
+
+    def read_paged(self, t: np.ndarray, l: np.ndarray, g: np.ndarray  # noqa: E741
+                   ) -> list[tuple[np.ndarray, ChunkRun]]:
+        """Copies of paged chunks' entries, given as ``t, l, g`` arrays: per level held,
+        ``(which, run)`` with ``which`` the positions in ``t, l, g`` of the run's chunks (one
+        gather per pool tensor; chunks without pages - not resident, or in an arena - left
+        out)."""
+        with self._lock:
+            return self.paged.read(np.asarray(t), np.asarray(l), np.asarray(g))
 
     def resident_payloads(self) -> dict[KVChunkId, ChunkPayload]:
         """Copies of every resident paged chunk's entries (one gather per level)."""

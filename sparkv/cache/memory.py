@@ -128,8 +128,14 @@ class ContextKV(ChunkMemory):
                      source: Source | str = Source.RESTORED) -> None:
         """Records a clean copy of ``cid`` (every token, at ``level``) in ``ref`` (a context
         reopened after a restart): a chunk not resident becomes ``flash``."""
+        self.attach_flash_many([cid], [ref], [level], source)
+
+    def attach_flash_many(self, cids: Sequence[KVChunkId], refs: Sequence[FlashRef],
+                          levels: Sequence[str], source: Source | str = Source.RESTORED) -> None:
+        """:meth:`attach_flash` for many chunks (one table update per level: a token chunk
+        record's chunks share its ref)."""
         with self._lock:
-            tiers.attach_flash(self, cid, ref, level, source)
+            tiers.attach_flash(self, cids, refs, levels, source)
 
     def forget_flash(self, cid: KVChunkId, tier: FlashTier | None = None) -> None:
         """Deletes the chunk's flash copy (if any)."""

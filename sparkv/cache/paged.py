@@ -114,8 +114,8 @@ class PagedChunks:
             which = np.flatnonzero(lv == code)
             counts, ids = self.table.page_ids(t[which], l[which], g[which])
             k, v, pos = self.pools[LEVELS[int(code)]].read_rows(row_slots(counts, ids))
-            cids = [KVChunkId(int(a), int(b), int(c))
-                    for a, b, c in zip(t[which], l[which], g[which])]
+            cids = list(map(KVChunkId, t[which].tolist(), l[which].tolist(),
+                            g[which].tolist()))
             out.append((which, ChunkRun(cids, LEVELS[int(code)], counts.astype(np.int64), pos,
                                         k, v, self.dtype)))
         return out
@@ -182,7 +182,8 @@ class PagedChunks:
             return
         for level in LEVELS:
             pool = self.pools[level]
-            if pool.capacity - pool.held >= max(BLOCK_PAGES, pool.capacity // 4):
+            if pool.capacity - max(pool.held, pool.expect) >= max(BLOCK_PAGES,
+                                                                  pool.capacity // 4):
                 src, dst = pool.compact()
                 self.table.remap(level, src, dst)
 

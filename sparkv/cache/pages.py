@@ -77,6 +77,7 @@ class PagePool:
         self.limit_pages = limit_pages
         self.capacity = 0
         self.held = 0
+        self.expect = 0          # pages the owner expects to hold soon (reserve): kept by compact
         self.generation = 0
         self._used = np.zeros(0, dtype=bool)
         self.fields = _FP_FIELDS if level == "fp" else _Q_FIELDS
@@ -141,6 +142,15 @@ class PagePool:
         self._used[ids] = False
         self.held -= int(ids.size)
 
+    def reserve(self, pages: int) -> None:
+        """Room for ``pages`` more pages than are held now, made with one reallocation at most
+        (a load about to write many runs), and kept by :meth:`compact` until ``reserve(0)``."""
+        pages = max(0, int(pages))
+        self.expect = self.held + pages if pages else 0
+        free = self.capacity - self.held
+        if pages > free:
+            self._resize(self.capacity + pages - free)
+
     def holds(self, ids: np.ndarray) -> bool:
         ids = np.asarray(ids, dtype=np.int64)
         return bool(ids.size == 0 or (ids.max() < self.capacity and self._used[ids].all()))
@@ -163,7 +173,7 @@ class PagePool:
         """Moves the held pages above ``held`` (rounded up to a block) into free ids below it and
         releases the capacity above. Returns ``(old ids, new ids)`` of the pages moved, for the
         owner's block table."""
-        target = _blocks(self.held)
+        target = _blocks(max(self.held, self.expect))
         src = np.flatnonzero(self._used[target:]) + target
         dst = np.flatnonzero(~self._used[:target])[:src.size]
         if src.size:

@@ -162,6 +162,18 @@ class ChunkRun:
                    torch.cat([p.pos.to(torch.int32) for p in payloads]),
                    _cat([p.k for p in payloads]), _cat([p.v for p in payloads]), p0.dtype)
 
+    @classmethod
+    def cat(cls, runs: Sequence["ChunkRun"]) -> "ChunkRun":
+        """One run of ``runs`` (all at one level), one after the other."""
+        r0 = runs[0]
+        if len(runs) == 1:
+            return r0
+        if any(r.level != r0.level for r in runs):
+            raise PayloadError("a run holds chunks of one level")
+        return cls([c for r in runs for c in r.cids], r0.level,
+                   np.concatenate([r.counts for r in runs]), torch.cat([r.pos for r in runs]),
+                   _cat([r.k for r in runs]), _cat([r.v for r in runs]), r0.dtype)
+
     @property
     def rows(self) -> int:
         return int(self.counts.sum())
@@ -170,6 +182,13 @@ class ChunkRun:
         """The same entries at ``level`` (:func:`values_at_level`, one conversion for the run)."""
         k, v = values_at_level(self.k, self.v, self.level, level, self.dtype)
         return ChunkRun(self.cids, level, self.counts, self.pos, k, v, self.dtype)
+
+    def piece(self, i: int, j: int) -> "ChunkRun":
+        """Chunks ``i .. j - 1`` of the run (views of its tensors)."""
+        starts = np.concatenate([[0], np.cumsum(self.counts.sum(axis=1))])
+        a, b = int(starts[i]), int(starts[j])
+        return ChunkRun(self.cids[i:j], self.level, self.counts[i:j], self.pos[a:b],
+                        _rows(self.k, a, b), _rows(self.v, a, b), self.dtype)
 
     def payloads(self) -> list[ChunkPayload]:
         """One payload per chunk (views of the run's tensors)."""

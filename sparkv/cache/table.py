@@ -67,6 +67,26 @@ class ChunkState:
         return self.read()
 
 
+@dataclass
+class TokenRows:
+    """The chunk table's rows by token chunk (:meth:`ChunkTable.by_token`): per token chunk
+    ``t``, its chunks ``(l, g)`` layer-major, ``[Tc, L * G]`` each (copies)."""
+
+    residency: np.ndarray
+    level: np.ndarray
+    dirty: np.ndarray
+    flash: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+    files: list[str]
+
+    def ref(self, t: int, j: int) -> FlashRef | None:
+        """The flash copy of chunk ``j`` (layer-major) of token chunk ``t``."""
+        f = int(self.flash[t, j])
+        return None if f < 0 else FlashRef(self.files[f], int(self.nbytes[t, j]),
+                                           int(self.offset[t, j]))
+
+
 def lower_quality(a: int, b: int) -> int:
     """The lower of two levels (indices in LEVELS)."""
     return max(a, b)
@@ -93,7 +113,12 @@ class ChunkTable:
 
     @staticmethod
     def _full_counts(g: ChunkGeometry, a: int, b: int) -> np.ndarray:
-        t = np.arange(a, b) // (g.num_layers * g.num_groups)
+        return ChunkTable._counts_at(g, np.arange(a, b))
+
+    @staticmethod
+    def _counts_at(g: ChunkGeometry, idx: np.ndarray) -> np.ndarray:
+        """Every token of rows ``idx``, per head (``[len(idx), Hg]``)."""
+        t = np.asarray(idx, dtype=np.int64) // (g.num_layers * g.num_groups)
         length = np.minimum(g.chunk_tokens, g.num_tokens - t * g.chunk_tokens)
         return np.repeat(length[:, None], g.heads_per_group, axis=1).astype(np.int32)
 
@@ -154,6 +179,16 @@ class ChunkTable:
             return None
         return FlashRef(self.files[f], int(self.nbytes[i]), int(self.offset[i]))
 
+    def by_token(self) -> "TokenRows":
+        """A copy of the columns a token chunk's records need, ``[Tc, L * G]`` each."""
+        g = self.geometry
+        shape = (g.num_token_chunks, g.num_layers * g.num_groups)
+        def rows(a: np.ndarray) -> np.ndarray:
+            return a.reshape(shape).copy()
+
+        return TokenRows(rows(self.residency), rows(self.level), rows(self.dirty),
+                         rows(self.flash), rows(self.offset), rows(self.nbytes), list(self.files))
+
     def sources(self) -> dict[KVChunkId, str]:
         """The source of every resident chunk that has one."""
         idx = np.flatnonzero((self.residency == RESIDENT) & (self.source >= 0))
@@ -185,8 +220,7 @@ class ChunkTable:
             self.source[none] = SOURCES.index(Source.RESTORED)
         self.quality[idx] = np.maximum(self.quality[idx], lv)
         self.dirty[idx] = True
-        self.counts[idx] = (self._full_counts(self.geometry, 0, self.geometry.num_chunks)[idx]
-                            if counts is None else counts)
+        self.counts[idx] = self._counts_at(self.geometry, idx) if counts is None else counts
 
     def set_counts(self, idx: np.ndarray, counts: np.ndarray) -> None:
         self.counts[idx] = counts
@@ -224,7 +258,7 @@ class ChunkTable:
         self.level[idx] = lv
         self.source[idx] = SOURCES.index(source)
         self.quality[idx] = lv
-        self.counts[idx] = self._full_counts(self.geometry, 0, self.geometry.num_chunks)[idx]
+        self.counts[idx] = self._counts_at(self.geometry, idx)
 
     def evict(self, idx: np.ndarray) -> None:
         """Rows ``idx`` no longer resident: ``flash`` where a clean copy exists, else absent."""
@@ -246,4 +280,4 @@ class ChunkTable:
         self.quality[idx] = 0
         self.dirty[idx] = True
         self.flash[idx] = -1
-        self.counts[idx] = self._full_counts(self.geometry, 0, self.geometry.num_chunks)[idx]
+        self.counts[idx] = self._counts_at(self.geometry, idx)

@@ -97,9 +97,9 @@ def swap_in_runs(mem: ChunkMemory, runs: Sequence[ChunkRun],
     cids = [c for run in runs for c in run.cids]
     if refs is not None and len(refs) != len(cids):
         raise KVMemoryError("one flash ref per chunk")
-    for c in cids:
-        mem.geometry.check(c)
     idx = mem.table.indices(cids)
+    if (idx < 0).any():
+        mem.geometry.check(cids[int(np.flatnonzero(idx < 0)[0])])   # raises, naming it
     if refs is None:
         nocopy = np.flatnonzero(mem.table.flash[idx] < 0)
         if nocopy.size:
@@ -125,16 +125,25 @@ def drop(mem: ChunkMemory, cids: Sequence[KVChunkId]) -> int:
     return freed
 
 
-def attach_flash(mem: ChunkMemory, cid: KVChunkId, ref: FlashRef, level: str,
-                 source: Source | str) -> None:
-    """:meth:`ContextKV.attach_flash <sparkv.cache.memory.ContextKV.attach_flash>`."""
-    if level not in LEVELS:
-        raise KVMemoryError(f"unknown level {level!r}; known: {', '.join(LEVELS)}")
-    mem.geometry.check(cid)
-    idx = np.array([mem.table.index(cid)])
-    mem.table.set_flash(idx, [ref])
-    if not mem.table.is_resident(idx)[0]:
-        mem.table.set_on_flash(idx, level, Source(source))
+def attach_flash(mem: ChunkMemory, cids: Sequence[KVChunkId], refs: Sequence[FlashRef],
+                 levels: Sequence[str], source: Source | str) -> None:
+    """:meth:`ContextKV.attach_flash_many <sparkv.cache.memory.ContextKV.attach_flash_many>`:
+    one table update per level."""
+    if not (len(cids) == len(refs) == len(levels)):
+        raise KVMemoryError("one flash ref and one level per chunk")
+    for level in set(levels):
+        if level not in LEVELS:
+            raise KVMemoryError(f"unknown level {level!r}; known: {', '.join(LEVELS)}")
+    for cid in cids:
+        mem.geometry.check(cid)
+    idx = mem.table.indices(cids)
+    mem.table.set_flash(idx, list(refs))
+    away = ~mem.table.is_resident(idx)
+    lv = np.array(levels, dtype=object)
+    for level in set(levels):
+        sel = away & (lv == level)
+        if sel.any():
+            mem.table.set_on_flash(idx[sel], level, Source(source))
 
 
 def forget_flash(mem: ChunkMemory, cid: KVChunkId, tier: FlashTier | None) -> None:

@@ -26,26 +26,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from sparkv.cache import ContextKV, FlashRef, LayerKV, Residency, Source
+from sparkv.cache import ContextKV, FlashRef, Source
+from sparkv.cache.table import FLASH, RESIDENT
 from sparkv.cache.payload import ChunkPayload, contiguous_positions
 from sparkv.device.config import longest_context
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
 from sparkv.device.levels import LevelPolicy
-from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena, load, payload_nbytes,
-                                  token_chunk_ids, working_nbytes)
+from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
+                                  load, payload_nbytes, token_chunk_run, working_nbytes)
 from sparkv.device.planner import MissingChunk, RecomputeProfile, Split, plan_split
 from sparkv.device.registry import DeviceContext
 from sparkv.layout import ChunkGeometry, KVChunkId
-
-if TYPE_CHECKING:
-    from sparkv.device.remote import RemoteSource
-    from sparkv.device.restore import RestorePlan
 
 
 @dataclass(eq=False)
@@ -89,7 +86,7 @@ class ChunkKeeper(Keeper):
         ctx.modified.update(range(g.num_token_chunks))
         self._discard(ctx, W)
 
-    def adopt(self, ctx: DeviceContext, layers: ContextKV | LayerKV) -> None:
+    def adopt(self, ctx: DeviceContext, layers: Any) -> None:
         g = self.geometry(len(ctx.tokens))
         levels = self.levels.assign(ctx, g)
         self.budget.reserve(self.levels.chunks_nbytes(g, levels), ctx)
@@ -111,11 +108,10 @@ class ChunkKeeper(Keeper):
             self.budget.check()
 
     # ---- switching in ----------------------------------------------------------------------------
-    def switch_in(self, ctx: DeviceContext, spare: int,
-                  remote: RemoteSource | None = None) -> SwitchIn:
+    def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:
         return self._take_hot(ctx, spare) or self._load(ctx, spare, remote)
 
-    def _load(self, ctx: DeviceContext, spare: int, remote: RemoteSource | None) -> SwitchIn:
+    def _load(self, ctx: DeviceContext, spare: int, remote: Any) -> SwitchIn:
         """Reserves, then loads the context's chunks into a new working memory."""
         C = ctx.memory
         assert C is not None
@@ -161,7 +157,7 @@ class ChunkKeeper(Keeper):
         self.recompute.learn_fill(resident + stats.read_chunks * g.num_layers * g.num_groups,
                                   stats.fill_s)
 
-    def _restore_plan(self, ctx: DeviceContext, remote: RemoteSource) -> RestorePlan:
+    def _restore_plan(self, ctx: DeviceContext, remote: Any) -> Any:
         """The three-source restore plan of ``ctx`` from ``remote`` (server chunks), flash and
         recompute (:func:`sparkv.device.restore.restore_plan`)."""
         from sparkv.device.restore import restore_plan
@@ -248,10 +244,7 @@ class ChunkKeeper(Keeper):
             C.extend(g_new.num_tokens)
             ctx.levels = self.levels.assign(ctx, g_new)
             for t in range(n_old // g_new.chunk_tokens, g_new.num_token_chunks):
-                for l in range(g_new.num_layers):  # noqa: E741
-                    for gg in range(g_new.num_groups):
-                        cid = KVChunkId(t, l, gg)
-                        C.put_payload(chunk_payload(W, cid, ctx.levels[t]), Source.APPENDED)
+                C.hold([token_chunk_run(W, t, ctx.levels[t])], Source.APPENDED)
                 ctx.modified.add(t)
                 self.budget.check()
         self.release(ctx, W)
@@ -318,35 +311,28 @@ def _whole_working(W: ContextKV, n: int) -> bool:
 def missing_chunks(ctx: DeviceContext, dtype: Any) -> tuple[list[MissingChunk], int, int]:
     """The token chunks of ``ctx`` not wholly resident (with the reads their records add, their
     bytes and whether they are readable), the resident ``(t, l)`` chunks, and the bytes
-    restoring the missing ones takes."""
+    restoring the missing ones takes (from the chunk table by token chunk: no object per
+    chunk)."""
     C = ctx.memory
     assert C is not None
     g = C.geometry
+    rows = C.by_token()
+    res = rows.residency == RESIDENT
+    readable_chunk = (rows.residency == FLASH) & (rows.flash >= 0) & ~rows.dirty
     out: list[MissingChunk] = []
-    refs: list[FlashRef | None] = []
-    resident = restore = 0
-    for t in range(g.num_token_chunks):
-        ref: FlashRef | None = None
-        readable = True
-        miss = 0
-        for cid in token_chunk_ids(g, t):
-            st = C.state(cid)
-            if st.residency == Residency.RESIDENT:
-                resident += 1
-                continue
-            miss += 1
-            if st.residency == Residency.FLASH and st.flash is not None and not st.dirty:
-                ref = st.flash
-            else:
-                readable = False
-        if miss:
-            lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
-            out.append(MissingChunk(t, lv, 1, ref.nbytes if ref and readable else 0, readable,
-                                    miss))
-            restore += miss * payload_nbytes(lv, g.heads_per_group * g.chunk_len(t),
-                                             g.head_dim, dtype)
-        refs.append(ref if miss and readable else None)
+    refs: list[FlashRef | None] = [None] * g.num_token_chunks
+    restore = 0
+    for t in np.flatnonzero(~res.all(axis=1)).tolist():
+        away = np.flatnonzero(~res[t])
+        readable = bool(readable_chunk[t, away].all())
+        ref = rows.ref(t, int(away[-1])) if readable else None
+        miss = int(away.size)
+        lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
+        out.append(MissingChunk(t, lv, 1, ref.nbytes if ref is not None else 0, readable, miss))
+        restore += miss * payload_nbytes(lv, g.heads_per_group * g.chunk_len(t),
+                                         g.head_dim, dtype)
+        refs[t] = ref
     starts = run_starts(refs, ctx.tier.align)
     for m in out:
         m.reads = starts[m.t] if m.readable else 1
-    return out, resident, restore
+    return out, int(res.sum()), restore

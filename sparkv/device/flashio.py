@@ -75,7 +75,7 @@ import xxhash
 
 from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
                           flash_profile_path, load_flash_profile)
-from sparkv.cache.payload import contiguous_positions
+from sparkv.cache.payload import ChunkRun
 from sparkv.device.errors import FlashFull
 from sparkv.device.private import FILE_MODE, private_dir, tighten
 from sparkv.fileio import FlashError, atomic_write, sync_files
@@ -207,7 +207,24 @@ def _raw(x: torch.Tensor) -> bytes:
 
 
 def pack_token_chunk(payloads: Sequence[ChunkPayload]) -> bytes:
-    """One token chunk's payloads (every ``(l, g)``, one level, every token kept) as one record::
+    """One token chunk's payloads (every ``(l, g)``, one level, every token kept; any order) as
+    one record (:func:`pack_token_chunk_run`)."""
+    if not payloads:
+        raise PayloadError("a token chunk record needs at least one payload")
+    ps = sorted(payloads, key=lambda p: (p.cid.l, p.cid.g))
+    try:
+        run = ChunkRun.join(ps)
+    except PayloadError:
+        raise PayloadError(f"token chunk {ps[0].cid.t}: payloads differ in level, dtype or "
+                           "kept entries (the file holds whole chunks at one level)") from None
+    if any(p.dtype != ps[0].dtype for p in ps):
+        raise PayloadError(f"token chunk {ps[0].cid.t}: payloads differ in dtype")
+    return pack_token_chunk_run(run)
+
+
+def pack_token_chunk_run(run: ChunkRun) -> bytes:
+    """One token chunk's chunks as one record, from a run of them in layer-major order (every
+    ``(l, g)`` once, one level, every token kept: the run's rows are the record's)::
 
         "SKVT" | version u16 | level u8 | dtype u8 | t u32 | first position u32 | tokens u32
         | layers u16 | groups u16 | heads per group u16 | D u16
@@ -215,37 +232,34 @@ def pack_token_chunk(payloads: Sequence[ChunkPayload]) -> bytes:
 
     ``K``/``V``: the raw values ``[layers * groups, heads * tokens, D]`` (``fp``) or their codes
     ``[layers * groups, heads * tokens, bytes per row]``, then scale and zero (fp16, per row);
-    ``(l, g)`` in layer-major order. Read back with :func:`unpack_token_chunk` as views of the
-    one buffer: a switch pays one read and a few array operations per token chunk."""
-    if not payloads:
-        raise PayloadError("a token chunk record needs at least one payload")
-    ps = sorted(payloads, key=lambda p: (p.cid.l, p.cid.g))
-    p0 = ps[0]
-    t, level, dtype = p0.cid.t, p0.level, p0.dtype
-    hg = len(p0.counts)
-    n = p0.counts[0]
-    layers = sorted({p.cid.l for p in ps})
-    groups = sorted({p.cid.g for p in ps})
-    if (len(ps) != len(layers) * len(groups) or layers != list(range(len(layers)))
-            or groups != list(range(len(groups)))):
-        raise PayloadError(f"token chunk {t}: the payloads are not every (layer, group)")
-    for p in ps:
-        if p.cid.t != t or p.level != level or p.dtype != dtype or list(p.counts) != [n] * hg:
-            raise PayloadError(f"token chunk {t}: payloads differ in level, dtype or kept "
-                               "entries (the file holds whole chunks at one level)")
-    d = p0.k.dim if isinstance(p0.k, QuantizedTensor) else int(p0.k.shape[1])
-    start = int(p0.pos[0]) if p0.pos.numel() else 0
-    head = _TC_HEAD.pack(TC_MAGIC, TC_VERSION, LEVELS.index(level), _DTYPE_CODE[dtype], t, start,
-                         n, len(layers), len(groups), hg, d)
+    ``(l, g)`` in layer-major order. Read back with :func:`read_token_chunk_record` as views of
+    the one buffer (:meth:`TokenChunkRecord.run`): a switch pays one read and a few array
+    operations per run of records."""
+    if not run.cids:
+        raise PayloadError("a token chunk record needs at least one chunk")
+    t = run.cids[0].t
+    groups = max(c.g for c in run.cids) + 1
+    layers = len(run.cids) // groups
+    want = [KVChunkId(t, i // groups, i % groups) for i in range(layers * groups)]
+    if list(run.cids) != want:
+        raise PayloadError(f"token chunk {t}: the chunks are not every (layer, group), "
+                           "layer-major")
+    counts = np.asarray(run.counts)
+    n = int(counts.flat[0]) if counts.size else 0
+    if counts.size == 0 or (counts != n).any():
+        raise PayloadError(f"token chunk {t}: payloads differ in level, dtype or kept "
+                           "entries (the file holds whole chunks at one level)")
+    hg = counts.shape[1]
+    d = run.k.dim if isinstance(run.k, QuantizedTensor) else int(run.k.shape[1])
+    start = int(run.pos[0]) if run.pos.numel() else 0
+    head = _TC_HEAD.pack(TC_MAGIC, TC_VERSION, LEVELS.index(run.level), _DTYPE_CODE[run.dtype],
+                         t, start, n, layers, groups, hg, d)
     parts = [head]
-    for side in ("k", "v"):
-        xs = [getattr(p, side) for p in ps]
-        if level == "fp":
-            parts.append(_raw(torch.stack(xs)))
+    for x in (run.k, run.v):
+        if isinstance(x, QuantizedTensor):
+            parts += [_raw(x.codes), _raw(x.scale), _raw(x.zero)]
         else:
-            parts.append(_raw(torch.stack([x.codes for x in xs])))
-            parts.append(_raw(torch.stack([x.scale for x in xs])))
-            parts.append(_raw(torch.stack([x.zero for x in xs])))
+            parts.append(_raw(x.to(run.dtype)))
     body = b"".join(parts)
     return body + struct.pack("<Q", xxhash.xxh64_intdigest(body))
 
@@ -374,9 +388,11 @@ def run_starts(refs: Sequence[FlashRef | None], align: int, cap: int = RUN_BYTES
 
 @dataclass
 class TokenChunkRecord:
-    """A token chunk record read back: its payloads (layer-major, views of one buffer) and its K/V
-    values stacked over every ``(l, g)``: ``[layers * groups * heads * tokens, D]`` (``fp``) or a
-    :class:`~sparkv.cache.QuantizedTensor` of as many rows (one dequantization for the chunk)."""
+    """A token chunk record read back: its K/V values stacked over every ``(l, g)`` (layer-major),
+    ``[layers * groups * heads * tokens, D]`` (``fp``) or a
+    :class:`~sparkv.cache.QuantizedTensor` of as many rows: views of one buffer, the row order
+    of a :class:`~sparkv.cache.payload.ChunkRun` of the token chunk's chunks (:meth:`run`, no
+    object per chunk)."""
 
     t: int
     level: str
@@ -384,9 +400,28 @@ class TokenChunkRecord:
     groups: int
     heads: int
     tokens: int
-    payloads: list[ChunkPayload]
+    start: int
+    dtype: torch.dtype
     k: "torch.Tensor | QuantizedTensor"
     v: "torch.Tensor | QuantizedTensor"
+
+    def cids(self) -> list[KVChunkId]:
+        """Its chunks, layer-major (the rows' order)."""
+        return [KVChunkId(self.t, i // self.groups, i % self.groups)
+                for i in range(self.layers * self.groups)]
+
+    def run(self) -> ChunkRun:
+        """The record as a run of its chunks (views of its values)."""
+        m = self.layers * self.groups
+        pos = torch.arange(self.start, self.start + self.tokens, dtype=torch.int32)
+        return ChunkRun(self.cids(), self.level,
+                        np.full((m, self.heads), self.tokens, dtype=np.int64),
+                        pos.repeat(m * self.heads), self.k, self.v, self.dtype)
+
+    @property
+    def payloads(self) -> list[ChunkPayload]:
+        """One payload per ``(l, g)``, layer-major (views of the values)."""
+        return self.run().payloads()
 
 
 def unpack_token_chunk(data: bytes | memoryview, t: int | None = None) -> list[ChunkPayload]:
@@ -395,9 +430,11 @@ def unpack_token_chunk(data: bytes | memoryview, t: int | None = None) -> list[C
     return read_token_chunk_record(data, t).payloads
 
 
-def read_token_chunk_record(data: bytes | memoryview, t: int | None = None) -> TokenChunkRecord:
-    """A token chunk record's payloads and stacked values (:class:`TokenChunkRecord`),
-    checksum-checked (``data``: exactly the record, a chunk file or a slice of a segment).
+def read_token_chunk_record(data: bytes | memoryview | bytearray, t: int | None = None
+                            ) -> TokenChunkRecord:
+    """A token chunk record's stacked values (:class:`TokenChunkRecord`), checksum-checked
+    (``data``: exactly the record, a chunk file or a slice of a segment). The values are views
+    of ``data`` when it is writable (a ``bytearray`` or a view of one), else of a copy.
     Raises :class:`PayloadError` on any damage."""
     buf = memoryview(data)
     if len(buf) < _TC_HEAD.size + 8:
@@ -408,54 +445,37 @@ def read_token_chunk_record(data: bytes | memoryview, t: int | None = None) -> T
     h = token_chunk_header(bytes(body[:_TC_HEAD.size]))
     if t is not None and h["t"] != t:
         raise PayloadError(f"the file holds token chunk {h['t']}, expected {t}")
+    if token_chunk_record_bytes(h) != len(buf):
+        raise PayloadError("token chunk record has trailing bytes or is cut short")
     level, dtype = str(h["level"]), _DTYPE_OF[int(h["dtype"])]
     m = int(h["layers"]) * int(h["groups"])
-    rows = int(h["heads"]) * int(h["tokens"])
+    rows = m * int(h["heads"]) * int(h["tokens"])
     d = int(h["head_dim"])
-    arr = np.frombuffer(body, dtype=np.uint8, offset=_TC_HEAD.size).copy()
-    flat = torch.from_numpy(arr)
+    arr = np.frombuffer(body, dtype=np.uint8, offset=_TC_HEAD.size)
+    flat = torch.from_numpy(arr if not buf.readonly else arr.copy())
     pos = 0
 
     def take(nbytes: int, tdtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nonlocal pos
-        if pos + nbytes > flat.numel():
-            raise PayloadError("token chunk record cut short")
         x = flat[pos:pos + nbytes]
         pos += nbytes
         if tdtype in (torch.float16, torch.bfloat16):
             return x.view(torch.int16).view(tdtype).view(shape)
         return x.view(tdtype).view(shape)
 
-    sides: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    sides: list[torch.Tensor | QuantizedTensor] = []
     for _ in ("k", "v"):
         if level == "fp":
             el = torch.tensor([], dtype=dtype).element_size()
-            sides.append((take(m * rows * d * el, dtype, (m, rows, d)), None, None))
+            sides.append(take(rows * d * el, dtype, (rows, d)))
         else:
             width = (d * _BITS[level] + 7) // 8
-            sides.append((take(m * rows * width, torch.uint8, (m, rows, width)),
-                          take(m * rows * 2, torch.float16, (m, rows)),
-                          take(m * rows * 2, torch.float16, (m, rows))))
-    if pos != flat.numel():
-        raise PayloadError("token chunk record has trailing bytes")
-    counts = [int(h["tokens"])] * int(h["heads"])
-    positions = contiguous_positions(counts, int(h["start"]))
-    out = []
-    G = int(h["groups"])
-    for i in range(m):
-        vals = []
-        for codes, scale, zero in sides:
-            vals.append(codes[i] if scale is None or zero is None else
-                        QuantizedTensor(codes[i], scale[i], zero[i], _BITS[level], d))
-        out.append(ChunkPayload(KVChunkId(int(h["t"]), i // G, i % G), level, list(counts),
-                                positions, vals[0], vals[1], dtype))
-    stacked = []
-    for codes, scale, zero in sides:
-        stacked.append(codes.reshape(m * rows, d) if scale is None or zero is None else
-                       QuantizedTensor(codes.reshape(m * rows, -1), scale.reshape(-1),
-                                       zero.reshape(-1), _BITS[level], d))
-    return TokenChunkRecord(int(h["t"]), level, int(h["layers"]), G, int(h["heads"]),
-                          int(h["tokens"]), out, stacked[0], stacked[1])
+            sides.append(QuantizedTensor(take(rows * width, torch.uint8, (rows, width)),
+                                         take(rows * 2, torch.float16, (rows,)),
+                                         take(rows * 2, torch.float16, (rows,)), _BITS[level], d))
+    return TokenChunkRecord(int(h["t"]), level, int(h["layers"]), int(h["groups"]),
+                            int(h["heads"]), int(h["tokens"]), int(h["start"]), dtype,
+                            sides[0], sides[1])
 
 
 class ServiceFlash(FlashTier):
@@ -527,15 +547,16 @@ class ServiceFlash(FlashTier):
         return n
 
     # ---- token chunk records ---------------------------------------------------------------------
-    def write_token_chunk(self, payloads: Sequence[ChunkPayload]) -> FlashRef:
-        """Writes one token chunk's payloads as one file (:func:`pack_token_chunk`)."""
-        return self.write(token_chunk_name(payloads[0].cid.t), pack_token_chunk(payloads))
+    def write_token_chunk(self, run: ChunkRun) -> FlashRef:
+        """Writes one token chunk (a run of its chunks, layer-major) as one file
+        (:func:`pack_token_chunk_run`)."""
+        return self.write(token_chunk_name(run.cids[0].t), pack_token_chunk_run(run))
 
-    def write_segment(self, chunks: Sequence[Sequence[ChunkPayload]]) -> dict[int, FlashRef]:
-        """Writes token chunks (each its payloads, every ``(l, g)``) as one segment file: their
-        records in ascending token-chunk order, each at an aligned offset, packed one at a time
-        as the file is written. A chunk that cannot be packed is left out. Returns each written
-        chunk's ref (its records are live)."""
+    def write_segment(self, chunks: Sequence[ChunkRun]) -> dict[int, FlashRef]:
+        """Writes token chunks (each a run of its chunks, every ``(l, g)`` layer-major) as one
+        segment file: their records in ascending token-chunk order, each at an aligned offset,
+        packed one at a time as the file is written. A chunk that cannot be packed is left out.
+        Returns each written chunk's ref (its records are live)."""
         name = self._next_segment()
         path = str(self.path_for(name))
         refs: dict[int, FlashRef] = {}
@@ -543,12 +564,12 @@ class ServiceFlash(FlashTier):
 
         def records() -> Iterator[bytes]:
             off = 0
-            for payloads in sorted(chunks, key=lambda ps: ps[0].cid.t):
+            for run in sorted(chunks, key=lambda r: r.cids[0].t):
                 try:
-                    rec = pack_token_chunk(payloads)
+                    rec = pack_token_chunk_run(run)
                 except PayloadError:
                     continue
-                refs[payloads[0].cid.t] = FlashRef(path, len(rec), off)
+                refs[run.cids[0].t] = FlashRef(path, len(rec), off)
                 pad = -len(rec) % align
                 yield rec
                 if pad:
@@ -630,9 +651,9 @@ class ServiceFlash(FlashTier):
 
     def segments(self) -> list[Path]:
         """The segment files, oldest first."""
-        found = [(seq, p) for p in self.root.iterdir()
-                 if (seq := segment_seq(p.name)) is not None]
-        return [p for _, p in sorted(found, key=lambda x: x[0])]
+        found = [(segment_seq(p.name), p) for p in self.root.iterdir()]
+        numbered = [(seq, p) for seq, p in found if seq is not None]
+        return [p for _, p in sorted(numbered, key=lambda x: x[0])]
 
     def records(self, max_segment_bytes: int | None = None
                 ) -> Iterator[tuple[FlashRef, dict[str, int | str]]]:

@@ -61,11 +61,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from sparkv.cache import (AttentionView, ChunkPayload, ContextKV, FlashError, KVMemoryError,
-                          PayloadError, QuantizedTensor, Residency, Source)
-from sparkv.cache.payload import contiguous_positions
+                          PayloadError, QuantizedTensor, Source)
+from sparkv.cache.levels import LEVELS
+from sparkv.cache.pages import PAGE_TOKENS
+from sparkv.cache.payload import ChunkRun, contiguous_positions
+from sparkv.cache.table import RESIDENT
+from sparkv.device import dequant
 from sparkv.device.flashio import RUN_BYTES, ReadRun, plan_runs, read_token_chunk_record
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
@@ -134,15 +139,6 @@ def token_chunk_ids(geometry: ChunkGeometry, t: int) -> list[KVChunkId]:
 
 
 # ---- the working memory --------------------------------------------------------------------------
-def _stack_values(parts: list[Any]) -> Any:
-    if isinstance(parts[0], QuantizedTensor):
-        q0 = parts[0]
-        return QuantizedTensor(torch.cat([p.codes for p in parts]),
-                               torch.cat([p.scale for p in parts]),
-                               torch.cat([p.zero for p in parts]), q0.bits, q0.dim)
-    return torch.cat(parts)
-
-
 def _codes_u8(t: QuantizedTensor) -> torch.Tensor:
     """The codes of ``t`` as one uint8 per value ``[rows, dim]`` (int4 / int2 unpacked in uint8,
     no int32 temporaries)."""
@@ -164,96 +160,48 @@ def dequantize_fast(t: QuantizedTensor, dtype: torch.dtype = torch.float32) -> t
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def _arena_order(parts: list[Any], hg: int, n: int, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """The values of ``m`` chunk payload sides (each ``[hg x n, d]``, fp or quantized, one level)
-    as one ``[hg, m, n, d]`` tensor in ``dtype``: the arena's head-major order, so that the
-    chunks of one layer are a view ``[hg, c x n, d]`` (no temporary per copy). Quantized sides
-    are dequantized straight into that order, bit for bit :func:`dequantize_fast`."""
-    m = len(parts)
-    if not isinstance(parts[0], QuantizedTensor):
-        return torch.stack([p.reshape(hg, n, d) for p in parts], dim=1).to(dtype)
-    st = _stack_values(parts)
-    q = _codes_u8(st)
-    buf = torch.empty(hg, m, n, d, dtype=torch.float32, device=q.device)
-    view = buf.permute(1, 0, 2, 3)
-    view.copy_(q.view(m, hg, n, d))
-    view.mul_(st.scale.float().view(m, hg, n, 1)).add_(st.zero.float().view(m, hg, n, 1))
-    return buf if dtype == torch.float32 else buf.to(dtype)
-
-
-def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: int, T: int,
-                  index: dict[tuple[int, ...], torch.Tensor]) -> None:
-    """Writes ``src`` ``[hg, c, n, d]`` (chunks ``ts`` of one layer, ``n`` tokens each) into the
-    arena slice ``dst`` ``[hg, tokens, d]``: one slice copy when they are consecutive whole
-    chunks, else one ``index_copy_`` (the positions cached in ``index`` by ``ts``)."""
-    hg, c, _, d = src.shape
-    flat = src.reshape(hg, c * n, d)           # a view: chunks of one layer are adjacent
-    if n == T and ts[-1] - ts[0] == c - 1:
-        dst[:, ts[0] * T:ts[0] * T + c * n].copy_(flat)
-        return
-    key = tuple(ts)
-    idx = index.get(key)
-    if idx is None:
-        idx = (torch.tensor(key, dtype=torch.long)[:, None] * T
-               + torch.arange(n, dtype=torch.long)).reshape(-1).to(dst.device)
-        index[key] = idx
-    dst.index_copy_(1, idx, flat)
-
-
 def fill_layer(C: ContextKV, W: ContextKV, l: int, skip: set[int] | None = None) -> int:  # noqa: E741
     """Writes every resident chunk of layer ``l`` of ``C`` (except token chunks in ``skip``) into
     ``W``'s dense arena (:func:`fill_layers`). Returns the number of chunks written."""
     return fill_layers(C, W, [l], skip)
 
 
+def _dense_stores(W: ContextKV, layers: Sequence[int]) -> None:
+    for l in layers:  # noqa: E741
+        store = W.layers[l]
+        if store is None or store.ragged or store.k is None or store.v is None:
+            raise KVMemoryError(f"the working memory's layer {l} is not a dense arena")
+
+
 def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int] | None = None,
                 only: set[int] | None = None) -> int:
     """Writes every resident chunk of ``layers`` of ``C`` (token chunks in ``only`` if given,
-    except those in ``skip``) into ``W``'s dense arena, dequantized **once per (level, length,
-    group) over all the layers** (one unpack and one affine map for all of them, straight into
-    the arena's head-major order; then one write per layer: a slice copy for a run of
-    consecutive chunks, else one ``index_copy_``, however the levels interleave): int4 and int2
-    cost one more shift and mask, not more operations per chunk.
+    except those in ``skip``) into ``W``'s dense arena, **straight from the pages**: per level,
+    one gather of the pages' rows (:meth:`ContextKV.read_paged`) and one dequantization of all
+    of them, then one copy per (layer, group) and side (a slice copy for consecutive chunks,
+    else one ``index_copy_``), however finely the levels interleave. No object per chunk.
     Returns the number of chunks written."""
     g = C.geometry
-    for l in layers:  # noqa: E741
-        store = W.layers[l]
-        if store is None or store.ragged:
-            raise KVMemoryError(f"the working memory's layer {l} is not a dense arena")
-    groups: dict[tuple[str, int, int], list[tuple[int, int, ChunkPayload]]] = {}
-    ts = [t for t in (range(g.num_token_chunks) if only is None else sorted(only))
-          if not (skip and t in skip)]
-    lens = [g.chunk_len(t) for t in ts]
-    resident = C.resident_payloads()
-    for l in layers:  # noqa: E741
-        for t, n in zip(ts, lens):
-            for gg in range(g.num_groups):
-                p = resident.get(KVChunkId(t, l, gg))
-                if p is None:
-                    continue
-                if any(c != n for c in p.counts):
-                    raise KVMemoryError(f"chunk {KVChunkId(t, l, gg)} is pruned; the context "
-                                        "service keeps whole chunks")
-                groups.setdefault((p.level, n, gg), []).append((l, t, p))
+    _dense_stores(W, layers)
+    ts = np.array([t for t in (range(g.num_token_chunks) if only is None else sorted(only))
+                   if not (skip and t in skip) and t < g.num_token_chunks], dtype=np.int64)
+    ls = np.asarray(list(layers), dtype=np.int64)
+    if not ts.size or not ls.size:
+        return 0
+    G = g.num_groups
+    # chunk order (l, g, t): each (layer, group)'s chunks of one level are adjacent in a run
+    l_, g_, t_ = (a.reshape(-1) for a in np.meshgrid(ls, np.arange(G), ts, indexing="ij"))
     written = 0
     index: dict[tuple[int, ...], torch.Tensor] = {}
-    for (level, n, gg), items in groups.items():
-        ks = _arena_order([p.k for _, _, p in items], g.heads_per_group, n, g.head_dim, W.dtype)
-        vs = _arena_order([p.v for _, _, p in items], g.heads_per_group, n, g.head_dim, W.dtype)
-        h0, h1 = g.head_range(gg)
-        i = 0
-        while i < len(items):          # items are layer-major, t ascending: one write per
-            l = items[i][0]  # noqa: E741   # layer (a slice copy or one index_copy_)
-            j = i
-            while j < len(items) and items[j][0] == l:
-                j += 1
-            ts = [t for _, t, _ in items[i:j]]
-            store = W.layers[l]
-            assert store is not None and store.k is not None and store.v is not None
-            _write_chunks(store.k[0, h0:h1], ks[:, i:j], ts, n, g.chunk_tokens, index)
-            _write_chunks(store.v[0, h0:h1], vs[:, i:j], ts, n, g.chunk_tokens, index)
-            written += j - i
-            i = j
+    for which, run in C.read_paged(t_, l_, g_):
+        tt, ll, gg = t_[which], l_[which], g_[which]
+        n = np.minimum(g.chunk_tokens, g.num_tokens - tt * g.chunk_tokens)
+        if (run.counts != n[:, None]).any():
+            bad = int(np.flatnonzero((run.counts != n[:, None]).any(axis=1))[0])
+            raise KVMemoryError(f"chunk {KVChunkId(int(tt[bad]), int(ll[bad]), int(gg[bad]))} "
+                                "is pruned; the context service keeps whole chunks")
+        _scatter_run(W, run, tt, ll, gg, n, index)
+        written += int(which.size)
     for l in layers:  # noqa: E741
         store = W.layers[l]
         assert store is not None
@@ -261,27 +209,114 @@ def fill_layers(C: ContextKV, W: ContextKV, layers: Sequence[int], skip: set[int
     return written
 
 
-def fill_token_chunk(W: ContextKV, f: Any) -> None:
-    """Writes every layer of a token chunk record (a
-    :class:`~sparkv.device.flashio.TokenChunkRecord`) into ``W``'s dense arena: one
-    dequantization of the whole record (the same values as :func:`fill_layers`, bit for bit), then
-    one copy per layer and group."""
+def _values(x: Any, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_fast(x, dtype) if isinstance(x, QuantizedTensor) else x.to(dtype)
+
+
+def _scatter_run(W: ContextKV, run: Any, tt: np.ndarray, ll: np.ndarray, gg: np.ndarray,
+                 n: np.ndarray, index: dict[tuple[int, ...], torch.Tensor]) -> None:
+    """Writes ``run`` (whole chunks ``tt, ll, gg`` of ``n`` tokens, at one level, ordered so
+    that each (layer, group)'s chunks are adjacent) into ``W``'s dense arena: per block of
+    chunks of one (layer, group, length) and side, quantized rows are dequantized straight into
+    the arena's slots (:func:`~sparkv.device.dequant.dequantize_into`: one pass, no temporary),
+    fp rows copied (one slice copy or ``index_copy_``)."""
     g = W.geometry
-    t0, t1 = g.token_range(f.t)
-    n = t1 - t0
-    k, v = f.k, f.v
-    if f.level != "fp":
-        k, v = dequantize_fast(k, W.dtype), dequantize_fast(v, W.dtype)
-    k = k.view(f.layers, f.groups, f.heads, n, -1)
-    v = v.view(f.layers, f.groups, f.heads, n, -1)
-    for l in range(f.layers):  # noqa: E741
+    hg, d, T = g.heads_per_group, g.head_dim, g.chunk_tokens
+    first = W.layers[int(ll[0])]
+    fused = (isinstance(run.k, QuantizedTensor) and first is not None and first.k is not None
+             and dequant.supported(first.k))
+    if fused:
+        sides = [(x, x.scale.float().numpy(), x.zero.float().numpy()) for x in (run.k, run.v)]
+    else:
+        vals = (_values(run.k, W.dtype), _values(run.v, W.dtype))
+    starts = np.concatenate([[0], np.cumsum(n * hg)])
+    key = (ll * g.num_groups + gg) * (T + 1) + n
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(key)]):
+        l, grp, m = int(ll[a]), int(gg[a]), int(n[a])  # noqa: E741
         store = W.layers[l]
-        if store is None or store.ragged or store.k is None or store.v is None:
-            raise KVMemoryError(f"the working memory's layer {l} is not a dense arena")
-        for gg in range(f.groups):
-            h0, h1 = g.head_range(gg)
-            store.k[0, h0:h1, t0:t1] = k[l, gg]
-            store.v[0, h0:h1, t0:t1] = v[l, gg]
+        assert store is not None and store.k is not None and store.v is not None
+        h0, h1 = g.head_range(grp)
+        r0, r1 = int(starts[a]), int(starts[b])
+        ts = tt[a:b].tolist()
+        for i, dst in enumerate((store.k[0, h0:h1], store.v[0, h0:h1])):
+            if fused:
+                x, sc, ze = sides[i]
+                dequant.dequantize_into(dst, x, r0, ts, m, T, sc, ze)
+            else:
+                src = vals[i][r0:r1].view(b - a, hg, m, d).transpose(0, 1)
+                _write_chunks(dst, src, ts, m, T, index)
+
+
+def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: int, T: int,
+                  index: dict[tuple[int, ...], torch.Tensor]) -> None:
+    """Writes ``src`` ``[hg, c, n, d]`` (chunks ``ts`` of one layer, ``n`` tokens each; a view
+    in any order) into the arena slice ``dst`` ``[hg, tokens, d]``: one slice copy when they are
+    consecutive (or one chunk), else one ``index_copy_`` (the positions cached in ``index`` by
+    ``ts``)."""
+    hg, c, _, d = src.shape
+    if ts[-1] - ts[0] == c - 1 and (n == T or c == 1):
+        t0 = ts[0] * T
+        dst[:, t0:t0 + c * n].view(hg, c, n, d).copy_(src)
+        return
+    key = (n, *ts)
+    idx = index.get(key)
+    if idx is None:
+        idx = (torch.tensor(list(ts), dtype=torch.long)[:, None] * T
+               + torch.arange(n, dtype=torch.long)).reshape(-1).to(dst.device)
+        index[key] = idx
+    dst.index_copy_(1, idx, src.reshape(hg, c * n, d))
+
+
+def fill_records(W: ContextKV, records: Sequence[Any]) -> None:
+    """Writes token chunk records (:class:`~sparkv.device.flashio.TokenChunkRecord`) into
+    ``W``'s dense arena: per (level, length), one dequantization of all of them, then one copy
+    per (layer, group) and side (a slice copy for consecutive token chunks, else one
+    ``index_copy_``)."""
+    g = W.geometry
+    L, G, hg, d, T = (g.num_layers, g.num_groups, g.heads_per_group, g.head_dim,
+                      g.chunk_tokens)
+    _dense_stores(W, range(L))
+    groups: dict[tuple[str, int], list[Any]] = {}
+    for f in sorted(records, key=lambda f: f.t):
+        groups.setdefault((f.level, f.tokens), []).append(f)
+    index: dict[tuple[int, ...], torch.Tensor] = {}
+    for (_, n), fs in groups.items():
+        run = ChunkRun.cat([f.run() for f in fs])
+        m = len(fs)
+        first = W.layers[0]
+        if (isinstance(run.k, QuantizedTensor) and first is not None and first.k is not None
+                and dequant.supported(first.k)):
+            _fill_records_fused(W, run, [f.t for f in fs], n)
+            continue
+        ks = _values(run.k, W.dtype).view(m, L, G, hg, n, d)
+        vs = _values(run.v, W.dtype).view(m, L, G, hg, n, d)
+        ts = [f.t for f in fs]
+        for l in range(L):  # noqa: E741
+            store = W.layers[l]
+            assert store is not None and store.k is not None and store.v is not None
+            for grp in range(G):
+                h0, h1 = g.head_range(grp)
+                _write_chunks(store.k[0, h0:h1], ks[:, l, grp].transpose(0, 1), ts, n, T, index)
+                _write_chunks(store.v[0, h0:h1], vs[:, l, grp].transpose(0, 1), ts, n, T, index)
+
+
+def _fill_records_fused(W: ContextKV, run: ChunkRun, ts: list[int], n: int) -> None:
+    """:func:`fill_records` of quantized records of ``n`` tokens (``run``: record after record,
+    each layer-major): one numba call per (layer, group) and side for all the records."""
+    g = W.geometry
+    L, G, hg = g.num_layers, g.num_groups, g.heads_per_group
+    per = hg * n
+    assert isinstance(run.k, QuantizedTensor) and isinstance(run.v, QuantizedTensor)
+    sides = [(x, x.scale.float().numpy(), x.zero.float().numpy()) for x in (run.k, run.v)]
+    for l in range(L):  # noqa: E741
+        store = W.layers[l]
+        assert store is not None and store.k is not None and store.v is not None
+        for grp in range(G):
+            h0, h1 = g.head_range(grp)
+            for (x, sc, ze), dst in zip(sides, (store.k[0, h0:h1], store.v[0, h0:h1])):
+                dequant.dequantize_into(dst, x, (l * G + grp) * per, ts, n, g.chunk_tokens,
+                                        sc, ze, stride=L * G * per)
 
 
 def chunk_payload(W: ContextKV, cid: KVChunkId, level: str) -> ChunkPayload:
@@ -297,6 +332,39 @@ def chunk_payload(W: ContextKV, cid: KVChunkId, level: str) -> ChunkPayload:
     p = ChunkPayload(cid, "fp", [n] * (h1 - h0), contiguous_positions([n] * (h1 - h0), t0), k, v,
                      W.dtype)
     return p if level == "fp" else p.at_level(level)
+
+
+def token_chunk_run(W: ContextKV, t: int, level: str) -> ChunkRun:
+    """Token chunk ``t``'s chunks (every ``(l, g)``, layer-major) from the working memory's
+    dense arena, at ``level``: one run, converted at once (the same bits as
+    :func:`chunk_payload` chunk by chunk)."""
+    g = W.geometry
+    t0, t1 = g.token_range(t)
+    n, hg = t1 - t0, g.heads_per_group
+    ks, vs = [], []
+    for l in range(g.num_layers):  # noqa: E741
+        store = W.layers[l]
+        assert store is not None and store.k is not None and store.v is not None
+        ks.append(store.k[0, :, t0:t1])
+        vs.append(store.v[0, :, t0:t1])
+    m = g.num_layers * g.num_groups
+    run = ChunkRun(token_chunk_ids(g, t), "fp", np.full((m, hg), n, dtype=np.int64),
+                   torch.arange(t0, t1, dtype=torch.int32).repeat(m * hg),
+                   torch.stack(ks).reshape(-1, g.head_dim).clone(),
+                   torch.stack(vs).reshape(-1, g.head_dim).clone(), W.dtype)
+    return run if level == "fp" else run.at_level(level)
+
+
+def put_token_chunk(C: ContextKV, W: ContextKV, t: int, level: str, source: Source) -> None:
+    """Puts token chunk ``t`` of ``W`` into ``C`` at ``level`` (only the chunks ``C`` does not
+    hold): one conversion and one page write."""
+    run = token_chunk_run(W, t, level)
+    away = set(C.missing(run.cids))
+    if len(away) == len(run.cids):
+        C.hold([run], source)
+    elif away:
+        C.hold([ChunkRun.cat([run.piece(j, j + 1) for j, c in enumerate(run.cids)
+                              if c in away])], source)
 
 
 # ---- recomputation -------------------------------------------------------------------------------
@@ -397,6 +465,7 @@ class LoadStats:
     bytes_read: int = 0
     faults: int = 0               # token chunks whose file failed (then recomputed)
     io_s: float = 0.0             # the I/O thread busy
+    read_s: float = 0.0           # in the flash reads themselves (summed over the readers)
     recompute_s: float = 0.0
     fill_s: float = 0.0           # dequantizing into the working memory
     wait_io_s: float = 0.0        # compute thread waiting for the I/O thread
@@ -462,19 +531,34 @@ def flash_refs(C: ContextKV, read: Sequence[int],
                recompute: Sequence[int]) -> tuple[dict[int, Any], set[int]]:
     """Of the token chunks to ``read`` (less those to ``recompute``): the flash copy of each one
     not wholly resident, and those with nothing to read (absent: recomputed instead)."""
-    g = C.geometry
+    rows = C.by_token()
     refs: dict[int, Any] = {}
     absent: set[int] = set()
     for t in sorted(set(read) - set(recompute)):
-        for cid in token_chunk_ids(g, t):
-            st = C.state(cid)
-            if st.residency != Residency.RESIDENT:
-                if st.flash is None:
-                    absent.add(t)
-                else:
-                    refs[t] = st.flash
-                break
+        away = np.flatnonzero(rows.residency[t] != RESIDENT)
+        if not away.size:
+            continue
+        ref = rows.ref(t, int(away[0]))
+        if ref is None:
+            absent.add(t)
+        else:
+            refs[t] = ref
     return refs, absent
+
+
+def pages_to_read(C: ContextKV, refs: dict[int, Any]) -> dict[str, int]:
+    """Pages the records of token chunks ``refs`` take once swapped in (their chunks not
+    resident, at their stored levels), per level."""
+    g = C.geometry
+    rows = C.by_token()
+    out: dict[str, int] = {}
+    for t in refs:
+        away = rows.level[t][rows.residency[t] != RESIDENT]
+        per = g.heads_per_group * -(-g.chunk_len(t) // PAGE_TOKENS)
+        for code, k in zip(*np.unique(away[away >= 0], return_counts=True)):
+            lv = LEVELS[int(code)]
+            out[lv] = out.get(lv, 0) + int(k) * per
+    return out
 
 
 class FileReads:
@@ -507,6 +591,7 @@ class FileReads:
         self.reads = 0
         self.files: set[str] = set()
         self.nbytes = 0
+        self.read_s = 0.0
         self._window = [math.inf, 0.0]     # first read's start, last read's end
         self._lock = threading.Lock()
         self._pool = (ThreadPoolExecutor(max(1, min(threads, len(self.runs))))
@@ -543,36 +628,82 @@ class FileReads:
                 data = b""
             else:
                 with self._lock:
+                    self.read_s += time.perf_counter() - t0
                     self.reads += 1
                     self.files.add(run.path)
                     self.nbytes += len(data)
-            view = memoryview(data)
+            view = memoryview(bytearray(data))      # the records' values are views of it
+            records = []
             for t, ref in run.records:
                 a = ref.offset - run.offset
-                if not (a + ref.nbytes <= len(view) and self._fill(t, view[a:a + ref.nbytes])):
+                f = self._check(t, view[a:a + ref.nbytes]) if a + ref.nbytes <= len(view) \
+                    else None
+                if f is None:
                     with self._lock:
                         self.failed.add(t)
+                else:
+                    records.append(f)
+            self._fill(records)
         finally:
             with self._lock:
                 self._window[0] = min(self._window[0], t0)
                 self._window[1] = max(self._window[1], time.perf_counter())
 
-    def _fill(self, t: int, record: memoryview) -> bool:
-        """Checks and unpacks token chunk ``t``'s record, swaps it into ``C`` and writes it
-        into ``W``; False if it fails."""
+    def _check(self, t: int, record: memoryview) -> Any:
+        """Token chunk ``t``'s record, checked (its checksum, token chunk and geometry), or
+        ``None`` if it fails."""
         g = self.C.geometry
         try:
             f = read_token_chunk_record(record, t)
-            if f.layers != g.num_layers or f.groups != g.num_groups:
-                raise PayloadError(f"token chunk {t}'s record has another geometry")
-            for p in f.payloads:
-                if self.C.residency(p.cid) != Residency.RESIDENT:
-                    self.C.swap_in_payload(p)
-            if self.C is not self.W:
-                fill_token_chunk(self.W, f)
-        except (FlashError, PayloadError, KVMemoryError):
-            return False
-        return True
+        except PayloadError:
+            return None
+        if (f.layers, f.groups, f.heads, f.tokens, f.start) != (
+                g.num_layers, g.num_groups, g.heads_per_group, g.chunk_len(t),
+                g.token_range(t)[0]) or f.dtype != self.C.dtype:
+            return None
+        return f
+
+    def _fill(self, records: list[Any]) -> None:
+        """Swaps checked records into ``C`` (one page write per level: the chunk table updated
+        once) and writes them into ``W`` (one dequantization per level); a record that fails
+        (a memory error: no flash copy recorded, the pool full) is retried alone and, failing
+        again, counted failed."""
+        if not records:
+            return
+        try:
+            self._swap_in(records)
+        except (KVMemoryError, PayloadError):
+            ok = []
+            for f in records:
+                try:
+                    self._swap_in([f])
+                    ok.append(f)
+                except (KVMemoryError, PayloadError):
+                    with self._lock:
+                        self.failed.add(f.t)
+            records = ok
+        if self.C is not self.W and records:
+            try:
+                fill_records(self.W, records)
+            except KVMemoryError:
+                with self._lock:
+                    self.failed.update(f.t for f in records)
+
+    def _swap_in(self, records: list[Any]) -> None:
+        """The records' chunks not resident in ``C`` held there, resident and clean: one run per
+        level."""
+        by_level: dict[str, list[ChunkRun]] = {}
+        for f in records:
+            run = f.run()
+            away = self.C.missing(run.cids)
+            if len(away) == len(run.cids):
+                by_level.setdefault(f.level, []).append(run)
+            elif away:
+                miss = set(away)
+                by_level.setdefault(f.level, []).extend(
+                    run.piece(j, j + 1) for j, c in enumerate(run.cids) if c in miss)
+        if by_level:
+            self.C.swap_in_runs([ChunkRun.cat(rs) for rs in by_level.values()])
 
 
 class RemoteFetch:
@@ -667,17 +798,21 @@ class Load:
         fetch = RemoteFetch(self.W, request.remote, sorted(stream), request.remote_chunks)
         fetch.start()
         rec = Recompute(self.lm, self.tokens, self.W, sorted(set(request.recompute) | absent))
+        if self.C is not self.W and refs:
+            self.C.reserve_pages(pages_to_read(self.C, refs))
         try:
             self._overlap(rec, reads, fetch)
         finally:
             reads.close()
+            if self.C is not self.W and refs:
+                self.C.reserve_pages(None)
         if self.C is not self.W:
             for store in self.W.layers:
                 if store is not None:
                     store.end = max(store.end, self.W.geometry.num_tokens)
         s = self.stats
         s.files_read, s.reads = len(reads.files), reads.reads
-        s.bytes_read, s.io_s = reads.nbytes, reads.busy_s
+        s.bytes_read, s.io_s, s.read_s = reads.nbytes, reads.busy_s, reads.read_s
         s.bytes_streamed, s.stream_s = fetch.nbytes, fetch.busy_s
         s.notes.extend(fetch.notes)
         failed = reads.failed | fetch.failed
@@ -749,10 +884,8 @@ class Load:
             return
         level_of = self.options.level_of
         for t in chunks:
-            level = level_of(t) if level_of is not None else "int8"
-            for cid in token_chunk_ids(self.W.geometry, t):
-                if self.C.residency(cid) != Residency.RESIDENT:
-                    self.C.put_payload(chunk_payload(self.W, cid, level), source=Source.COMPUTED)
+            put_token_chunk(self.C, self.W, t, level_of(t) if level_of is not None else "int8",
+                            Source.COMPUTED)
             self._layer_done()
 
 

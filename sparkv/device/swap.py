@@ -29,11 +29,14 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
-from sparkv.cache import ContextKV, FlashRef, PayloadError, Residency
+from sparkv.cache import LEVELS, ContextKV, FlashRef, PayloadError
+from sparkv.cache.payload import ChunkRun
+from sparkv.cache.table import RESIDENT, TokenRows
 from sparkv.device.errors import BudgetTooSmall, FlashFull
 from sparkv.device.flashio import (FlashHealth, ServiceFlash, is_segment, max_segment_bytes,
                                    writing)
@@ -82,46 +85,45 @@ class SwapStore:
         """Writes the token chunks ``ts`` of ``ctx`` (every layer and group each) whose flash copy
         is stale or missing: one segment file (``contiguous``) or one file per chunk. A chunk not
         wholly resident, or not at one level, is not written (it stays modified: dropped, it is
-        recomputed). The old flash copy of each chunk written is deleted (its record dies).
-        Returns the bytes written."""
+        recomputed). The chunks are read from their pages at once (one gather per level) and
+        each record packed from its rows; the chunk table is updated once per record. The old
+        flash copy of each chunk written is deleted (its record dies). Returns the bytes
+        written."""
         C = ctx.memory
         assert C is not None
-        g = C.geometry
-        todo = []
-        for t in sorted(set(ts)):
-            if t >= g.num_token_chunks:
-                continue
-            cids = token_chunk_ids(g, t)
-            states = [C.state(cid) for cid in cids]
-            if all(st.flash is not None and not st.dirty for st in states):
-                continue
-            if any(st.residency != Residency.RESIDENT or st.payload is None for st in states):
-                continue
-            stale = {st.flash for st in states if st.flash is not None}
-            todo.append((t, cids, [(st.payload, st.level) for st in states], stale))
+        rows = C.by_token()
+        todo = writable_token_chunks(rows, ts)
         if not todo:
             return 0
         before = ctx.tier.bytes_written
-        refs = self._write(ctx.tier, [[p for p, _ in held] for _, _, held, _ in todo])
-        for t, cids, held, olds in todo:
+        refs = self._write(ctx.tier, token_chunk_runs(C, todo))
+        g = C.geometry
+        cids, crefs, levels, olds = [], [], [], set()
+        for t in todo:
             ref = refs.get(t)
             if ref is None:
                 continue
-            for cid, (_, level) in zip(cids, held):
-                C.attach_flash(cid, ref, level)
-            for old in olds:
-                if (old.path, old.offset) != (ref.path, ref.offset):
-                    ctx.tier.delete(old)
+            ids = token_chunk_ids(g, t)
+            cids += ids
+            crefs += [ref] * len(ids)
+            levels += [LEVELS[int(rows.level[t, 0])]] * len(ids)
+            olds |= {old for j in range(len(ids)) if (old := rows.ref(t, j)) is not None
+                     and (old.path, old.offset) != (ref.path, ref.offset)}
+        if cids:
+            C.attach_flash_many(cids, crefs, levels)
+        for old in olds:
+            ctx.tier.delete(old)
         return ctx.tier.bytes_written - before
 
-    def _write(self, tier: ServiceFlash, chunks: list[list[Any]]) -> dict[int, FlashRef]:
-        """Token chunks' payloads written in this store's layout; each written chunk's ref."""
+    def _write(self, tier: ServiceFlash, chunks: list[ChunkRun]) -> dict[int, FlashRef]:
+        """Token chunks (a run each) written in this store's layout; each written chunk's
+        ref."""
         if self.contiguous:
             return tier.write_segment(chunks)
         refs = {}
-        for payloads in chunks:
+        for run in chunks:
             try:
-                refs[payloads[0].cid.t] = tier.write_token_chunk(payloads)
+                refs[run.cids[0].t] = tier.write_token_chunk(run)
             except PayloadError:
                 continue
         return refs
@@ -148,10 +150,8 @@ class SwapStore:
                 written = self.write_token_chunks(ctx, ts)
         except FlashFull as e:
             self.health.failed(e)
-        freed = 0
-        for t in ts:
-            for cid in token_chunk_ids(C.geometry, t):
-                freed += C.drop(cid)
+        cids = [cid for t in ts for cid in token_chunk_ids(C.geometry, t)]
+        freed = C.drop_many(cids) if cids else 0
         return freed, written
 
     def forget(self, ctx: DeviceContext) -> None:
@@ -161,9 +161,7 @@ class SwapStore:
         if C is None:
             return
         g = C.geometry
-        for t in range(g.num_token_chunks):
-            for cid in token_chunk_ids(g, t):
-                C.drop(cid)
+        C.drop_many(list(g.chunk_ids()))
         self.forget_flash(ctx, range(g.num_token_chunks))
 
     def forget_flash(self, ctx: DeviceContext, ts: Iterable[int]) -> None:
@@ -202,10 +200,15 @@ class SwapStore:
             if t in found:
                 stale.append(found[t][0])
             found[t] = (ref, str(head["level"]))
+        cids, refs, levels = [], [], []
         for t, (ref, level) in found.items():
             ctx.tier.keep(ref)
-            for cid in token_chunk_ids(g, t):
-                C.attach_flash(cid, ref, level)
+            ids = token_chunk_ids(g, t)
+            cids += ids
+            refs += [ref] * len(ids)
+            levels += [level] * len(ids)
+        if cids:
+            C.attach_flash_many(cids, refs, levels)
         for ref in stale:
             if not is_segment(ref.path):
                 ctx.tier.delete(ref)
@@ -262,4 +265,39 @@ class SwapStore:
             st.end = n
             on_layer()
         return LoadStats(read_chunks=g.num_token_chunks, files_read=1, reads=1,
-                         bytes_read=len(data), io_s=read_s, pipelined=False)
+                         bytes_read=len(data), io_s=read_s, read_s=read_s,
+                         pipelined=False)
+
+
+def writable_token_chunks(rows: TokenRows, ts: Iterable[int]) -> list[int]:
+    """Of token chunks ``ts`` (sorted, within the table), those to write: a flash copy stale or
+    missing, every chunk resident at one level."""
+    n = rows.residency.shape[0]
+    want = np.array(sorted({t for t in ts if 0 <= t < n}), dtype=np.int64)
+    if not want.size:
+        return []
+    clean = ((rows.flash[want] >= 0) & ~rows.dirty[want]).all(axis=1)
+    whole = (rows.residency[want] == RESIDENT).all(axis=1)
+    one = (rows.level[want] == rows.level[want, :1]).all(axis=1)
+    return want[~clean & whole & one].tolist()
+
+
+def token_chunk_runs(C: ContextKV, ts: Sequence[int]) -> list[ChunkRun]:
+    """Token chunks ``ts`` of ``C`` (wholly resident, one level each), each as a run of its
+    chunks in layer-major order: read with one gather per level (:meth:`ContextKV.read_runs`),
+    cut into token chunks."""
+    g = C.geometry
+    pieces: dict[int, list[ChunkRun]] = {}
+    for run in C.read_runs([cid for t in ts for cid in token_chunk_ids(g, t)]):
+        tt = np.array([c.t for c in run.cids])
+        cuts = np.flatnonzero(np.diff(tt)) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(tt)]):
+            pieces.setdefault(int(tt[a]), []).append(run.piece(a, b))
+    out = []
+    for t in sorted(pieces):
+        ps = pieces[t]
+        if len(ps) > 1:              # arena layers: read layer by layer, joined in layer order
+            ps = [ChunkRun.join(sorted((p for r in ps for p in r.payloads()),
+                                       key=lambda p: (p.cid.l, p.cid.g)))]
+        out.append(ps[0])
+    return out

@@ -1,0 +1,64 @@
+"""Quantized rows dequantized straight into a dense working memory: one numba call per block of
+chunks of one (layer, group) and side, reading the codes and writing the arena's slots once (no
+fp temporary, no second pass), without the GIL (the reader threads fill in parallel).
+
+The values are bit for bit :func:`sparkv.cache.dequantize` (``float32(code) * scale + zero``,
+each step rounded to float32: no fused multiply-add), tested against it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numba as nb
+import numpy as np
+import torch
+
+from sparkv.cache import QuantizedTensor
+
+
+@nb.njit(boundscheck=False, error_model="numpy", nogil=True, cache=True)
+def _rows_into(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int, dim: int,
+               r0: int, stride: int, ts: np.ndarray, n: int, T: int, dst: np.ndarray
+               ) -> None:  # pragma: no cover - numba
+    """Rows of ``codes`` (chunk ``ci`` of ``ts`` from row ``r0 + ci * stride``: ``hg`` heads of
+    ``n`` tokens) into ``dst`` ``[hg, slots, dim]`` at slot ``t * T + k``."""
+    hg = dst.shape[0]
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    for ci in range(ts.shape[0]):
+        r = r0 + ci * stride
+        p0 = ts[ci] * T
+        for hh in range(hg):
+            for k in range(n):
+                s = scale[r]
+                z = zero[r]
+                row = dst[hh, p0 + k]
+                if bits == 8:
+                    for j in range(dim):
+                        row[j] = np.float32(codes[r, j]) * s + z
+                else:
+                    for j in range(dim):
+                        q = (codes[r, j // per] >> ((j % per) * bits)) & mask
+                        row[j] = np.float32(q) * s + z
+                r += 1
+
+
+def supported(dst: torch.Tensor) -> bool:
+    """Whether :func:`dequantize_into` can write ``dst`` (float32 on the CPU)."""
+    return dst.dtype == torch.float32 and dst.device.type == "cpu"
+
+
+def dequantize_into(dst: torch.Tensor, x: QuantizedTensor, r0: int, ts: Sequence[int], n: int,
+                    T: int, scale: np.ndarray | None = None, zero: np.ndarray | None = None,
+                    stride: int | None = None) -> None:
+    """Writes the rows of ``x`` of chunks ``ts`` (``n`` tokens, ``hg`` heads each, in payload
+    order; chunk ``i`` from row ``r0 + i * stride``, default one after the other) dequantized
+    into ``dst`` ``[hg, slots, D]`` (a float32 view of an arena) at slots ``t * T + k``.
+    ``scale`` / ``zero``: ``x``'s as float32 arrays (computed once by the caller for many
+    blocks)."""
+    sc = x.scale.float().numpy() if scale is None else scale
+    ze = x.zero.float().numpy() if zero is None else zero
+    step = int(dst.shape[0]) * n if stride is None else stride
+    _rows_into(x.codes.numpy(), sc, ze, x.bits, x.dim, r0, step, np.asarray(ts, dtype=np.int64),
+               n, T, dst.numpy())

@@ -38,7 +38,7 @@ from sparkv.bench.common import add_run_args, format_table, result_path, write_r
 from sparkv.runtime.device import add_device_args
 
 POLICIES = ("nocluster", "static", "local", "dynakv", "dynakv-eager", "dynakv-packed",
-            "dynakv-lru")
+            "dynakv-lru", "stream")
 #: what the issue's targets compare (full KV always runs first)
 DEFAULT_POLICIES = ("local", "dynakv")
 CONTINUE = "Continue the text above, writing as much as you can."

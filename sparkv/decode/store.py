@@ -56,6 +56,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from sparkv.decode.rows import RowArena
 from sparkv.fileio import FlashError, FlashIO, checksum, verify
 from sparkv.fileio import delete as delete_file
 
@@ -386,6 +387,8 @@ class ClusterStore:
         self.ram_lookup: Callable[[int], FlushedData | None] = lambda uid: None
         #: told when a unit's flushed part changes: (uid, data or None to forget)
         self.on_flushed: Callable[[int, FlushedData | None], None] = lambda uid, data: None
+        #: where read entries go (runs of rows, sparkv.decode.rows), or None: tensors of their own
+        self.arena: RowArena | None = None
 
     # ---- allocation --------------------------------------------------------------------------------
     def _alloc(self, pages: int) -> int:
@@ -731,8 +734,11 @@ class ClusterStore:
                 gidx, upos = gidx[o], u.pos[o]
             else:
                 upos = u.pos.copy()
-            recs = allrec[torch.from_numpy(gidx)]
-            out[uid] = (recs[:, :d], recs[:, d:], upos)
+            if self.arena is not None:
+                out[uid] = self.arena.put_records(allrec, torch.from_numpy(gidx), upos)
+            else:
+                recs = allrec[torch.from_numpy(gidx)]
+                out[uid] = (recs[:, :d], recs[:, d:], upos)
             entries += u.flushed
         self.io.count_read(reason, len(runs), sum(n for _, n in runs) * PAGE, entries, seconds)
         return out

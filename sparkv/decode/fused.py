@@ -2,8 +2,9 @@
 
 A clustered layer attends, per KV head, its window (the same positions in every head) and a
 list of **runs** of the row arena (:mod:`sparkv.decode.rows`): the selected clusters' flushed
-entries, their write-buffer tails, the RAM-only entries. One numba call (heads in parallel)
-reads the runs where they lie, scores every row, and accumulates the softmax-weighted values:
+entries, their write-buffer tails, the RAM-only entries. One numba call (serial: a layer's
+rows are about a thousand per head, and a parallel region's wake-ups cost more than that on a
+loaded 2-core machine) reads the runs where they lie, scores every row, and accumulates the softmax-weighted values:
 nothing is gathered, concatenated or padded first. It equals
 :func:`sparkv.decode.gather.padded_attention` over the same entries (tested at float32
 rounding):
@@ -28,13 +29,12 @@ import torch
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
-@nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
-         boundscheck=False)
+@nb.njit(fastmath=_FAST, error_model="numpy", nogil=True, cache=True, boundscheck=False)
 def _fused(q, mpos, scale, K, V, P, runs, hfirst, wk, wv, wpos, s_end, w0, out,
            kept):  # pragma: no cover - numba
     H, M, D = q.shape
     W = wk.shape[1]
-    for h in nb.prange(H):
+    for h in range(H):
         a, b = hfirst[h], hfirst[h + 1]
         tot = W
         for r in range(a, b):

@@ -85,7 +85,7 @@ def main() -> int:
                 for i in range(len(ref) - 1):
                     agree += int(int(s.feed([ref[i]]).argmax()) == ref[i + 1])
                 st = s.stats()
-            row = {"policy": pol, "budget_frac": b, **st.to_dict(), "agreement": agree / len(ref),
+            row = {**st.to_dict(), "policy": pol, "budget_frac": b, "agreement": agree / len(ref),
                    "wall_s": time.perf_counter() - t0, "load_avg": os.getloadavg()}
             if pol == "stream":
                 row["recall"] = 1.0

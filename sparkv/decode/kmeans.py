@@ -104,7 +104,7 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 12, seed: int = 0) -> torch.Ten
     x = x.to(torch.float32).contiguous()
     if n < _MEMO_POINTS:
         return _kmeans(x, k, iters, seed)
-    key = (checksum(memoryview(x.numpy()).cast("B")), b, n, d, k, iters, seed)
+    key = (checksum(x.numpy().tobytes()), b, n, d, k, iters, seed)
     hit = _MEMO.get(key)
     if hit is not None:
         _MEMO.move_to_end(key)

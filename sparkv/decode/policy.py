@@ -555,11 +555,11 @@ class LayerState:
             for uid in selected[h]:
                 data = step_data.get(uid)
                 if data is not None:
-                    if not isinstance(data, Rows) or data.arena is not arena:
-                        data = arena.put(*data)
-                        step_data[uid] = data
-                    if data.n:
-                        runs.append((h, data.start, data.n, 1))
+                    run = data if isinstance(data, Rows) and data.arena is arena \
+                        else arena.put(*data)
+                    step_data[uid] = run
+                    if run.n:
+                        runs.append((h, run.start, run.n, 1))
                 u = units[uid]
                 if u.tail:
                     sel[0].append(u.tail_k)

@@ -51,12 +51,12 @@ from collections import defaultdict
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from sparkv.decode.rows import RowArena
+from sparkv.decode.rows import RowArena, Rows
 from sparkv.fileio import FlashError, FlashIO, checksum, verify
 from sparkv.fileio import delete as delete_file
 
@@ -352,7 +352,8 @@ class Unit:
         return self.flushed + self.tail
 
 
-FlushedData = tuple[torch.Tensor, torch.Tensor, np.ndarray]      # k [n, D], v [n, D], pos [n]
+#: k [n, D], v [n, D], pos [n]: a tuple, or a run of the row arena that reads as one
+FlushedData = tuple[torch.Tensor, torch.Tensor, np.ndarray] | Rows
 
 
 class ClusterStore:
@@ -458,7 +459,7 @@ class ClusterStore:
         u.pos = np.concatenate([u.pos, np.asarray(pos, dtype=np.int64)])
         u.pages.extend(pages)
 
-    def place(self, head: int, groups: list[FlushedData]) -> list[int]:
+    def place(self, head: int, groups: Sequence[FlushedData]) -> list[int]:
         """Prefill placement of one head's clusters, in the given (co-retrieval) order: pairs
         share dual-head pools (or, packed, follow each other). Partial last pages are written
         padded. Returns the new units' ids."""

@@ -348,15 +348,16 @@ def test_a_layer_attends_exactly_what_it_retrieved(tmp_path):
                      flash_dir=tmp_path)
     try:
         layer = kv.layers[0]
+        assert kv.arena is not None                  # float32: the fused gather-attend
         captured = {}
-        orig = layer._gather
+        orig = layer._fused
 
-        def spy(selected):
-            gathered = orig(selected)
-            captured["heads"] = gathered.heads()
-            return gathered
+        def spy(selected, *args):
+            # the same entries, gathered per head (the padded path) before the fused call
+            captured["heads"] = layer._gather(selected).heads()
+            return orig(selected, *args)
 
-        layer._gather = spy
+        layer._fused = spy
         k, v = syn.new(0, 1)
         pos = layer.update(k, v)
         q = syn.query()
@@ -485,7 +486,7 @@ def test_coretrieval_order_puts_co_retrieved_clusters_side_by_side():
 
 def test_policy_names_and_knobs():
     assert set(POLICIES) == {"full", "dynakv", "dynakv-eager", "dynakv-packed", "dynakv-lru",
-                             "static", "local", "nocluster"}
+                             "static", "local", "nocluster", "stream"}
     assert policy_config("dynakv-eager").delayed_split is False
     assert policy_config("static", budget=7).budget == 7
     with pytest.raises(ValueError):

@@ -143,20 +143,21 @@ def test_every_write_buffer_tail_is_attended(tmp_path, policy):
     seen = {"checked": 0}
     try:
         layer = kv.layers[1]
-        orig = layer._gather
+        assert kv.arena is not None                  # float32: the fused gather-attend's runs
+        orig = layer._runs
 
         def spy(selected):
-            gathered = orig(selected)
-            heads = gathered.heads()
+            runs, scratch = orig(selected)
+            heads = layer.attended_positions(runs)
             for u in layer.store.tails():
-                attended = set(heads[u.head][2].tolist())
+                attended = set(heads[u.head].tolist())
                 assert set(u.tail_pos.tolist()) <= attended
                 seen["checked"] += 1
-            for _, _, hp in heads:
+            for hp in heads:
                 assert len(set(hp.tolist())) == len(hp), "each position once"
-            return gathered
+            return runs, scratch
 
-        layer._gather = spy
+        layer._runs = spy
         _drive(kv, syn, 30, lambda kv, t: kv.check())
         assert seen["checked"] > 0
     finally:

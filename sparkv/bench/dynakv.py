@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
 
 POLICIES = ("nocluster", "static", "local", "dynakv", "dynakv-eager", "dynakv-packed",
-            "dynakv-lru")
+            "dynakv-lru", "stream")
 #: what the issue's targets compare (full KV always runs first)
 DEFAULT_POLICIES = ("local", "dynakv")
 CONTINUE = "Continue the text above, writing as much as you can."

@@ -30,8 +30,12 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from sparkv.decode.rows import Rows
+
 
 def data_bytes(data: Any) -> int:
+    if isinstance(data, Rows):                     # n rows of k, v and an int64 position
+        return data.n * data.arena.row_bytes
     k, v, pos = data
     return (k.numel() * k.element_size() + v.numel() * v.element_size()
             + int(np.asarray(pos).nbytes))

@@ -17,6 +17,8 @@ One :class:`DecodeConfig` drives every clustered policy; a policy name
                     clustered on their own into new clusters
 ``nocluster``       no clustering: the exact top entries by ``q . k`` (keys kept in RAM as the
                     index), fetched page by page from a token-ordered file
+``stream``          no retrieval: every entry on flash, each layer read whole at every step (the
+                    baseline of a context whose full KV does not fit the RAM budget)
 ==================  ============================================================================
 
 The baselines share DynaKV's flash store, cache machinery and prefetcher; they use LRU
@@ -40,6 +42,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "static": {"update": "static", "replacement": "lru"},
     "local": {"update": "local", "replacement": "lru"},
     "nocluster": {"update": "nocluster", "replacement": "lru"},
+    "stream": {"update": "stream"},
 }
 
 
@@ -129,7 +132,7 @@ class DecodeConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.update not in ("dynakv", "static", "local", "nocluster", "full"):
+        if self.update not in ("dynakv", "static", "local", "nocluster", "full", "stream"):
             raise ValueError(f"unknown update policy {self.update!r}")
         if self.replacement not in ("dynakv", "lru"):
             raise ValueError(f"unknown replacement {self.replacement!r}; known: dynakv, lru")

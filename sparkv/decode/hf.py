@@ -12,13 +12,16 @@ their explicit positions (:func:`sparkv.cache.ragged_attention`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparkv.cache import AttentionView
 from sparkv.decode.policy import ClusteredKV, LayerState
+
+if TYPE_CHECKING:
+    from sparkv.decode.stream import StreamedKV
 
 
 @dataclass
@@ -76,6 +79,6 @@ class DynaKVLayer(CacheLayerMixin):
 class DynaKVCache(Cache):
     """``past_key_values`` for transformers over a :class:`ClusteredKV`."""
 
-    def __init__(self, kv: ClusteredKV) -> None:
+    def __init__(self, kv: "ClusteredKV | StreamedKV") -> None:
         self.kv = kv
-        super().__init__(layers=[DynaKVLayer(s) for s in kv.layers])
+        super().__init__(layers=[DynaKVLayer(s) for s in kv.layers])  # type: ignore[arg-type]

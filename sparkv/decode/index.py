@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -262,7 +262,7 @@ class ClusterIndex:
         return self.m2[:s] / np.maximum(self.n[:s], 1)
 
     # ---- prefill -----------------------------------------------------------------------------------
-    def build(self, groups: list[FlushedData]) -> list[int]:
+    def build(self, groups: Sequence[FlushedData]) -> list[int]:
         """Places prefill clusters (already in co-retrieval order) on flash and indexes them;
         returns their units' ids."""
         uids = self.store.place(self.head, groups)

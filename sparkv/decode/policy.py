@@ -40,9 +40,11 @@ import torch
 from sparkv.cache.layer import HeadEntries
 from sparkv.decode.cache import ClusterCache, data_bytes
 from sparkv.decode.config import DecodeConfig
+from sparkv.decode.fused import fused_attention
 from sparkv.decode.gather import Gathered, HeadParts, pad_heads, padded_attention
 from sparkv.decode.index import CentroidTable, ClusterIndex, TokenIndex, partition
 from sparkv.decode.kmeans import kmeans, stats
+from sparkv.decode.rows import RowArena, Rows
 from sparkv.decode.select import select_heads
 from sparkv.decode.store import ClusterStore, FlushedData, IOStats, TokenStore
 
@@ -215,6 +217,7 @@ class LayerState:
             self._build_clusters(k_all, v_all, queries)
             self.table = CentroidTable(self.indexes)  # type: ignore[arg-type]
             self.store.ram_lookup = self.ram
+            self.store.arena = eng.arena
             self.store.on_flushed = self._on_flushed
         if eng.probe:
             cap = eng.max_positions
@@ -284,10 +287,14 @@ class LayerState:
         self.eng.cache.reserve((self.l, uid))
 
     def adopt(self, uid: int, data: FlushedData) -> None:
+        data = self.eng.held(data)
         self.step_data[uid] = data
         self.eng.cache.put((self.l, uid), data)
 
     def refresh(self, uid: int, data: FlushedData) -> None:
+        key = (self.l, uid)
+        if uid in self.step_data or uid in self.staged or key in self.eng.cache:
+            data = self.eng.held(data)
         if uid in self.step_data:
             self.step_data[uid] = data
         if uid in self.staged:
@@ -380,12 +387,16 @@ class LayerState:
         nxt = eng.layers[(self.l + 1) % len(eng.layers)] if eng.layers else None
         if nxt is not None and nxt is not self:
             eng.prefetcher.submit(nxt)
-        gathered = self._gather(selected)
-        out = padded_attention(q, gathered, q_pos, scale)
+        if eng.arena is not None:
+            out, heads = self._fused(selected, q, q_pos, scale)
+        else:
+            gathered = self._gather(selected)
+            out = padded_attention(q, gathered, q_pos, scale)
+            heads = gathered.heads() if eng.probe else []
         t4 = time.perf_counter()
         cnt.attend_s += t4 - t3
         if eng.probe and q.shape[2] == 1:
-            self._probe(q, out, gathered.heads(), scale)
+            self._probe(q, out, heads, scale)
             t5 = time.perf_counter()
             cnt.probe_s += t5 - t4
             t4 = t5
@@ -495,6 +506,98 @@ class LayerState:
         if keep:
             self.rec_k, self.rec_v = self.rec_k[:, keep:].clone(), self.rec_v[:, keep:].clone()
             self.rec_start += keep
+
+    def _window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The always-resident window of every head: ``(k, v [H, W, D], pos [W])``."""
+        s_end, w0 = self.sink_n, self.rec_start
+        rec_n = int(self.rec_k.shape[1])
+        wpos = torch.cat([torch.arange(s_end), torch.arange(w0, w0 + rec_n)])
+        return (torch.cat([self.sink_k, self.rec_k], 1), torch.cat([self.sink_v, self.rec_v], 1),
+                wpos)
+
+    def _fused(self, selected: list[list[int]], q: torch.Tensor, q_pos: torch.Tensor,
+               scale: float | None) -> tuple[torch.Tensor, list]:
+        """Attention over the window and, per KV head, the arena runs of :meth:`_runs`, in one
+        :func:`~sparkv.decode.fused.fused_attention` call; also the per-head attended positions
+        when probing (else ``[]``)."""
+        eng, cnt = self.eng, self.eng.counters
+        arena = eng.arena
+        assert arena is not None
+        runs, scratch = self._runs(selected)
+        window = self._window()
+        out, kept = fused_attention(q, q_pos, scale, arena.k, arena.v, arena.pos, runs, window,
+                                    (self.sink_n, self.rec_start))
+        retrieved = int(kept[:, 1].sum())
+        cnt.retrieved_entries += retrieved
+        cnt.retrieved_bytes += retrieved * self.store.rec.entry_bytes
+        cnt.attended_entries += int(kept[:, 0].sum()) + eng.H * int(window[2].shape[0])
+        heads = [(None, None, torch.from_numpy(p)) for p in self.attended_positions(runs)] \
+            if eng.probe else []
+        del scratch
+        return out, heads
+
+    def _runs(self, selected: list[list[int]]) -> tuple[np.ndarray, list[Rows]]:
+        """``runs [N, 4]`` (head, first row, rows, selected) of the arena for the fused call: per
+        KV head, its selected clusters' runs, one scratch run of their tails (selected), one of
+        every other tail (``attend_tails``) and its RAM-only entries; and the scratch runs (held
+        until the call is over)."""
+        arena = self.eng.arena
+        assert arena is not None and isinstance(self.store, ClusterStore)
+        tails: dict[int, list] = {}
+        if self.eng.cfg.attend_tails:
+            for u in self.store.tails():
+                tails.setdefault(u.head, []).append(u)
+        step_data, units = self.step_data, self.store.units
+        runs: list[tuple[int, int, int, int]] = []
+        scratch: list[Rows] = []
+        for h, idx in enumerate(self.indexes):
+            sel: tuple[list, list, list] = ([], [], [])
+            for uid in selected[h]:
+                data = step_data.get(uid)
+                if data is not None:
+                    run = data if isinstance(data, Rows) and data.arena is arena \
+                        else arena.put(*data)
+                    step_data[uid] = run
+                    if run.n:
+                        runs.append((h, run.start, run.n, 1))
+                u = units[uid]
+                if u.tail:
+                    sel[0].append(u.tail_k)
+                    sel[1].append(u.tail_v)
+                    sel[2].append(u.tail_pos)
+            other: tuple[list, list, list] = ([], [], [])
+            if tails:
+                sel_set = set(selected[h])
+                for u in tails.get(h, ()):
+                    if u.uid not in sel_set:
+                        other[0].append(u.tail_k)
+                        other[1].append(u.tail_v)
+                        other[2].append(u.tail_pos)
+            rk, rv, rp = idx.resident()
+            if len(rp):
+                other[0].append(rk)
+                other[1].append(rv)
+                other[2].append(rp)
+            for (ks, vs, ps), flag in ((sel, 1), (other, 0)):
+                if ps:
+                    r = arena.put(torch.cat(ks), torch.cat(vs), np.concatenate(ps))
+                    scratch.append(r)
+                    runs.append((h, r.start, r.n, flag))
+        return np.array(runs, np.int64).reshape(-1, 4), scratch
+
+    def attended_positions(self, runs: np.ndarray) -> list[np.ndarray]:
+        """Per KV head, the positions a fused call over ``runs`` attends: the window, then the
+        runs' rows outside it (what :func:`~sparkv.decode.fused.fused_attention` reads)."""
+        arena = self.eng.arena
+        assert arena is not None
+        wpos = self._window()[2].numpy()
+        out = []
+        for h in range(self.eng.H):
+            ps = [arena.pos[a:a + n] for hh, a, n, _ in runs.tolist() if hh == h]
+            p = np.concatenate(ps) if ps else np.zeros(0, np.int64)
+            p = p[(p >= self.sink_n) & (p < self.rec_start)]
+            out.append(np.concatenate([wpos, p]))
+        return out
 
     def _gather(self, selected: list[list[int]]) -> Gathered:
         """Every KV head's attended entries in one padded tensor: the window, then its selected
@@ -666,6 +769,13 @@ class ClusteredKV:
         self.ram_budget = self._budget_bytes(cfg.ram_budget)
         self.cache = ClusterCache(None, cfg.replacement, op_cost_s=cfg.op_cost_s,
                                   byte_cost_s=cfg.byte_cost_s)
+        #: every clustered entry held in RAM, as runs of rows (float32 on the CPU: the fused
+        #: gather-attend reads them where they lie); None: per-cluster tensors, padded attention
+        self.arena: RowArena | None = None
+        if cfg.update != "nocluster" and self.dtype == torch.float32 and not first.k.is_cuda:
+            rows = n * self.H * self.L // 4 if self.ram_budget is None else \
+                self.ram_budget // (eb + 8)
+            self.arena = RowArena(self.D, self.dtype, capacity=max(4096, int(rows)))
         self.prefetcher = Prefetcher(cfg.prefetch)
         self.layers: list[LayerState] = []
         t0 = time.perf_counter()
@@ -718,8 +828,14 @@ class ClusteredKV:
                     if f > 0:
                         self.cache.freq[(layer.l, uid)] = 1 + int(f)
         for negf, l, uid in reversed(chosen):  # noqa: E741
-            self.cache.put((l, uid), self.layers[l].warm_data[uid])
+            self.cache.put((l, uid), self.held(self.layers[l].warm_data[uid]))
         return len(chosen)
+
+    def held(self, data: FlushedData) -> FlushedData:
+        """``data`` as it is held in RAM: a run of the row arena when there is one."""
+        if self.arena is None or (isinstance(data, Rows) and data.arena is self.arena):
+            return data
+        return self.arena.put(*data)
 
     def _budget_bytes(self, b: float | None) -> int | None:
         if b is None:

@@ -27,6 +27,7 @@ from sparkv.decode.hf import DynaKVCache
 from sparkv.decode.index import ClusterIndex
 from sparkv.decode.policy import ClusteredKV
 from sparkv.decode.stats import DecodeStats
+from sparkv.decode.stream import StreamedKV
 from sparkv.runtime.generate import GenerationResult, context_memory, eos_ids
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.kvcache import LayerKV
@@ -102,7 +103,7 @@ class DecodeSession:
         self.final_tokens = final_tokens or int(lm.max_positions)
         self.flash_dir, self.probe = flash_dir, probe
         self.cur = self.n
-        self.kv: ClusteredKV | None = None
+        self.kv: ClusteredKV | StreamedKV | None = None
         self.cache: Any = None
         self.decode_s = 0.0
         self.prefill_s = 0.0
@@ -132,6 +133,18 @@ class DecodeSession:
         if self.cfg.update == "full":
             self.cache = SparkvCache(self.memory)
             logits = self._forward(question_ids)
+        elif self.cfg.update == "stream":
+            self.cache = SparkvCache(self.memory)
+            try:
+                logits = self._forward(question_ids)
+                layers = self.memory.geometry.num_layers
+                self.kv = StreamedKV([self.memory.layer_entries(l) for l in range(layers)],
+                                     self.cfg, final_tokens=self.final_tokens,
+                                     max_positions=int(self.lm.max_positions),
+                                     flash_dir=self.flash_dir)
+            finally:
+                self.memory.truncate()
+            self.cache = DynaKVCache(self.kv)
         else:
             rec = _RecordingCache(self.memory)
             self.cache = rec
@@ -227,7 +240,7 @@ class DecodeSession:
 
 
 # ---- the stats of a clustered policy -----------------------------------------------------------------
-def _flash_stats(st: DecodeStats, kv: ClusteredKV, per: int) -> None:
+def _flash_stats(st: DecodeStats, kv: ClusteredKV | StreamedKV, per: int) -> None:
     """Reads and writes on flash (``per``: the tokens fed, at least 1), by reason."""
     io = kv.io.snapshot()
     eb = kv.entry_bytes
@@ -257,7 +270,7 @@ def _flash_stats(st: DecodeStats, kv: ClusteredKV, per: int) -> None:
                 "write_bytes": wb, "logical_bytes": lb}
 
 
-def _hit_stats(st: DecodeStats, kv: ClusteredKV) -> None:
+def _hit_stats(st: DecodeStats, kv: ClusteredKV | StreamedKV) -> None:
     """Where the selected clusters came from (cache, prefetch, flash) and the cache's
     evictions."""
     cnt = kv.counters
@@ -273,7 +286,7 @@ def _hit_stats(st: DecodeStats, kv: ClusteredKV) -> None:
     st.evictions, st.evicted_reserved = int(cs["evictions"]), int(cs["evicted_reserved"])
 
 
-def _cluster_stats(st: DecodeStats, kv: ClusteredKV) -> None:
+def _cluster_stats(st: DecodeStats, kv: ClusteredKV | StreamedKV) -> None:
     """Splits by kind, clusters, their mean size, buffered and flagged entries (every layer and
     KV head)."""
     splits: dict[str, int] = {"inline": 0, "delayed": 0, "overflow": 0, "eager": 0,

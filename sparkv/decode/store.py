@@ -52,11 +52,12 @@ from collections import defaultdict
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
+from sparkv.decode.rows import RowArena, Rows
 from sparkv.fileio import FlashError, FlashIO, checksum, verify
 from sparkv.fileio import delete as delete_file
 
@@ -352,7 +353,8 @@ class Unit:
         return self.flushed + self.tail
 
 
-FlushedData = tuple[torch.Tensor, torch.Tensor, np.ndarray]      # k [n, D], v [n, D], pos [n]
+#: k [n, D], v [n, D], pos [n]: a tuple, or a run of the row arena that reads as one
+FlushedData = tuple[torch.Tensor, torch.Tensor, np.ndarray] | Rows
 
 
 class ClusterStore:
@@ -387,6 +389,8 @@ class ClusterStore:
         self.ram_lookup: Callable[[int], FlushedData | None] = lambda uid: None
         #: told when a unit's flushed part changes: (uid, data or None to forget)
         self.on_flushed: Callable[[int, FlushedData | None], None] = lambda uid, data: None
+        #: where read entries go (runs of rows, sparkv.decode.rows), or None: tensors of their own
+        self.arena: RowArena | None = None
 
     # ---- allocation --------------------------------------------------------------------------------
     def _alloc(self, pages: int) -> int:
@@ -456,7 +460,7 @@ class ClusterStore:
         u.pos = np.concatenate([u.pos, np.asarray(pos, dtype=np.int64)])
         u.pages.extend(pages)
 
-    def place(self, head: int, groups: list[FlushedData]) -> list[int]:
+    def place(self, head: int, groups: Sequence[FlushedData]) -> list[int]:
         """Prefill placement of one head's clusters, in the given (co-retrieval) order: pairs
         share dual-head pools (or, packed, follow each other). Partial last pages are written
         padded. Returns the new units' ids."""
@@ -732,8 +736,11 @@ class ClusterStore:
                 gidx, upos = gidx[o], u.pos[o]
             else:
                 upos = u.pos.copy()
-            recs = allrec[torch.from_numpy(gidx)]
-            out[uid] = (recs[:, :d], recs[:, d:], upos)
+            if self.arena is not None:
+                out[uid] = self.arena.put_records(allrec, torch.from_numpy(gidx), upos)
+            else:
+                recs = allrec[torch.from_numpy(gidx)]
+                out[uid] = (recs[:, :d], recs[:, d:], upos)
             entries += u.flushed
         self.io.count_read(reason, len(runs), sum(n for _, n in runs) * PAGE, entries, seconds)
         return out

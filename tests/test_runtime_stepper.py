@@ -74,7 +74,11 @@ def test_random_orders_match_full_prefill(request, model_name, chunk_tokens):
     ids, ref, question, expected = _random_order_reference(lm, n)
     rng = random.Random(chunk_tokens)
     orders_seen = set()
-    for _ in range(3):
+    # three random orders per chunk size on the tiny model; one per chunk size on SmolLM2 (a
+    # random order is 200-270 layer steps of the real model plus a 32-token answer: the slowest
+    # test of the suite at three)
+    runs = 3 if model_name == "tiny_llama" else 1
+    for _ in range(runs):
         stepper = LayerStepper(lm, ids, chunk_tokens)
         order = random_topological_order(stepper.geometry, rng)
         orders_seen.add(tuple(order))
@@ -84,7 +88,7 @@ def test_random_orders_match_full_prefill(request, model_name, chunk_tokens):
         out = greedy_generate(lm, kv, n, question, 32, stop_at_eos=True)
         assert out.tokens == expected[: len(out.tokens)]
         assert len(out.tokens) == len(expected)
-    assert len(orders_seen) == 3, "the three orders should differ"
+    assert len(orders_seen) == runs, "the orders should differ"
 
 
 @pytest.mark.parametrize("model_name", ["tiny_llama", "smollm2"])

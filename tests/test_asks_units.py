@@ -255,3 +255,24 @@ def test_in_oldest_order_the_oldest_asks_unit_goes_first_and_its_load_ignores_yo
     assert order == ["old", "young"]          # in turns it would be young, old
     with pytest.raises(ValueError):
         CoreGate(order="random")
+
+
+def test_a_server_url_no_client_can_reach_is_refused_by_the_schema_or_as_a_bad_ask():
+    """The fuzzer found it: a host IDNA refuses made the ask's client constructor raise deep in
+    httpx (a 500 and a traceback). The schema takes ASCII hosts only; what passes it and httpx
+    still refuses (an IPv6 literal that is not one, a port that is not a number) is a 400 ``bad_server_url``."""
+    from pydantic import ValidationError
+
+    from sparkv.asks.schemas import AskBody
+    from sparkv.asks.service import BadServerUrl, ask_error
+    from sparkv.edge.client import EdgeClient
+
+    for url in ("http://a\U000e6ced\U0002c00f", "http://exa mple", "ftp://x", "http://x/?q"):
+        with pytest.raises(ValidationError):
+            AskBody(context_id="a" * 32, question="q", server=url)
+    AskBody(context_id="a" * 32, question="q", server="http://xn--bcher-kva.example:8080/api")
+    for url in ("http://[zz]", "http://x:abc"):          # pass the schema, not httpx
+        AskBody(context_id="a" * 32, question="q", server=url)
+        with pytest.raises(ValueError, match="not a server URL"):
+            EdgeClient(url)
+    assert ask_error(BadServerUrl("not a server URL"))[:2] == (400, "bad_server_url")

@@ -25,8 +25,9 @@ __all__ = ["AskFields", "AskBody", "SparkvFields", "ChatMessage", "ChatBody", "Q
 
 #: the longest answer an ask may ask for (tokens)
 MAX_ANSWER_TOKENS = 4096
-#: a server URL: http(s), at most 2 KiB
-ServerUrl = Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$", max_length=2048)]
+#: a server URL: http(s), an ASCII host (an IDN in its punycode form), at most 2 KiB
+_URL = r"^https?://[A-Za-z0-9._~%:@\[\]-]+(/[A-Za-z0-9._~%!$&'()*+,;=:@/-]*)?$"
+ServerUrl = Annotated[str, Field(pattern=_URL, max_length=2048)]
 #: a name of a codec level, attention backend or decode policy
 Name = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$")]
 #: an answer's length (tokens)

@@ -55,7 +55,7 @@ from sparkv.edge.lane import AskCancelled
 from sparkv.edge.shaper import LinkShaper
 from sparkv.protocol.errors import ApiError, ManifestError, ServerUnavailable
 
-__all__ = ["AskService", "ask_error"]
+__all__ = ["AskService", "BadServerUrl", "ask_error"]
 
 log = logging.getLogger("sparkv.asks")
 
@@ -71,6 +71,10 @@ def _cancelled(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__
     return False
+
+
+class BadServerUrl(DeviceError, status=400, code="bad_server_url"):
+    """The ask's server URL is not one a client can reach (its host or port is invalid)."""
 
 
 def ask_error(exc: BaseException) -> tuple[int, str, str]:
@@ -300,8 +304,12 @@ class AskService:
         with self._lock:
             client = self._clients.get(key)
             if client is None:
-                client = self._clients[key] = EdgeClient(key[0], api_key, shaper=self.shaper,
-                                                         timeout_s=self.timeout_s)
+                try:
+                    client = EdgeClient(key[0], api_key, shaper=self.shaper,
+                                        timeout_s=self.timeout_s)
+                except ValueError as e:
+                    raise BadServerUrl(str(e)) from None
+                self._clients[key] = client
             return client
 
     def _detokenize(self, tokens: list[int]) -> str:

@@ -92,10 +92,14 @@ class EdgeClient:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.limits = limits or ClientLimits()
         self._backend = DeadlineBackend()
-        self._http = httpx.Client(base_url=self.base_url,
-                                  headers={**self.auth_headers(), "Accept-Encoding": "identity"},
-                                  timeout=httpx.Timeout(self.timeout_s, connect=self.timeout_s),
-                                  transport=deadline_transport(self._backend))
+        try:
+            self._http = httpx.Client(
+                base_url=self.base_url,
+                headers={**self.auth_headers(), "Accept-Encoding": "identity"},
+                timeout=httpx.Timeout(self.timeout_s, connect=self.timeout_s),
+                transport=deadline_transport(self._backend))
+        except httpx.InvalidURL as e:   # a host IDNA refuses, a port out of range, ...
+            raise ValueError(f"not a server URL: {server_url!r} ({e})") from None
         self._manifests: dict[str, Manifest] = {}
         self._tokens: dict[str, list[int]] = {}
         #: the last shaped download of at least 64 KiB (what the link did then; not an estimator)

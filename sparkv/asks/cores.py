@@ -35,6 +35,7 @@ guards all of it. A unit runs outside the lock.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import threading
 import time
@@ -107,7 +108,11 @@ class CoreGate:
 
     def held(self) -> tuple[int, int]:
         """``(memories, bytes)``: the asks' KV memories still alive (an ended ask's are freed
-        with it: a memory still counted after its ask ended is a leak) and their bytes."""
+        with it: a memory still counted after its ask ended is a leak) and their bytes. A full
+        collection runs first: an ended ask's memory can sit in a reference cycle (its engine's
+        threads ended after the ask's own collection, which moved it to the oldest generation),
+        garbage that an idle service would otherwise count for a long time."""
+        gc.collect()
         with self._cv:
             memories = list(self._memories)
         return len(memories), sum(int(getattr(m, "nbytes", 0)) for m in memories)

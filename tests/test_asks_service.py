@@ -306,11 +306,14 @@ def test_a_cancelled_ask_stops_within_one_unit_and_frees_its_memory(world, tmp_p
             lane = ticket.lane
             ticket.cancel()
             at_cancel = lane.units + lane.holding
+            # the answer may have run ahead of this reader before the cancel (a loaded machine):
+            # what counts is what it makes after it
+            tokens_at_cancel = len(ticket.streamed)
             outcome = ticket.wait(GUARD_S)
             assert outcome["type"] == "error" and outcome["error"]["status"] == 499
             assert lane.units <= at_cancel + 1, (phase, lane.units, at_cancel)
             if phase == "answer":
-                assert len(ticket.streamed) <= 3 + 2
+                assert len(ticket.streamed) <= tokens_at_cancel + 2
             assert asks.wait_idle(GUARD_S)
             assert asks.gate.held() == (0, 0), phase          # freed by the service itself
         assert asks.stats()["cancelled"] == 2 and asks.stats()["running"] == 0

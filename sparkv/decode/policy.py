@@ -98,6 +98,18 @@ def coretrieval_order(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | Non
     return chain
 
 
+def drain(futures: dict[int, Future], pool: ThreadPoolExecutor) -> None:
+    """Waits for every read still in flight (its error ignored: the files are being removed),
+    forgets them and shuts the I/O pool down."""
+    for fut in futures.values():
+        try:
+            fut.result()
+        except Exception:  # noqa: BLE001 - the files are being removed anyway
+            pass
+    futures.clear()
+    pool.shutdown(wait=True)
+
+
 class Prefetcher:
     """Reads the next layer's predicted clusters on the I/O thread (``os.preadv`` releases the
     GIL, so the read overlaps this layer's compute). The same thread writes pages, in order."""
@@ -134,13 +146,7 @@ class Prefetcher:
         return out
 
     def close(self) -> None:
-        for fut in self.futures.values():
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001 - the files are being removed anyway
-                pass
-        self.futures.clear()
-        self.io.shutdown(wait=True)
+        drain(self.futures, self.io)
 
 
 class Counters:

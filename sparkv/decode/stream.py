@@ -29,7 +29,7 @@ from sparkv.cache.layer import HeadEntries
 from sparkv.decode.cache import ClusterCache
 from sparkv.decode.config import DecodeConfig
 from sparkv.decode.gather import Gathered, padded_attention
-from sparkv.decode.policy import Counters
+from sparkv.decode.policy import Counters, drain
 from sparkv.decode.store import PAGE, IOStats, TokenStore
 
 
@@ -195,13 +195,7 @@ class StreamedKV:
             layer.store.file.flush()
 
     def close(self) -> None:
-        for fut in self._futures.values():
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001 - the files are being removed anyway
-                pass
-        self._futures.clear()
-        self.io_pool.shutdown(wait=True)
+        drain(self._futures, self.io_pool)
         for layer in self.layers:
             layer.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -214,7 +214,7 @@ def summarize(info: dict[str, Any], tests: Step, groups: list[dict[str, Any]],
     for strategy, step in asks:
         got = answer_of(step) or {}
         answers.append({"strategy": strategy, "rc": step.rc, "seconds": step.seconds,
-                        "tokens": got.get("tokens"), "answer": got.get("answer"),
+                        "tokens": got.get("tokens"), "answer": got.get("text"),
                         "equal_to_x86_64_dense": got.get("tokens") == dense.get("tokens")})
     ok = (tests.rc == 0 and ran > 0 and bad == 0
           and bool(answers) and all(a["equal_to_x86_64_dense"] for a in answers))
@@ -224,7 +224,7 @@ def summarize(info: dict[str, Any], tests: Step, groups: list[dict[str, Any]],
                       "groups": groups},
             "context": {"tokens": context.get("num_tokens"), "chunks": context.get("num_chunks"),
                         "question": QUESTION, "new_tokens": NEW_TOKENS},
-            "x86_64_dense": {"tokens": dense.get("tokens"), "answer": dense.get("answer")},
+            "x86_64_dense": {"tokens": dense.get("tokens"), "answer": dense.get("text")},
             "aarch64_answers": answers}
 
 

@@ -107,8 +107,8 @@ def ask(url: str, key: str, cid: str) -> dict[str, Any]:
     result = json.loads(out.stdout)
     return {"command": "sparkv ask --server URL --context CID --device cpu --max-new-tokens 24 "
                        f"--json {shlex.quote(QUESTION)}",
-            "seconds": round(time.monotonic() - t0, 1), "answer": result.get("answer"),
-            "tokens": result.get("tokens"), "breakdown": result.get("breakdown"),
+            "seconds": round(time.monotonic() - t0, 1), "answer": result.get("text"),
+            "tokens": result.get("tokens"), "stats": result.get("stats"),
             "plan": result.get("plan")}
 
 

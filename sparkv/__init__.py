@@ -35,10 +35,12 @@ _EXPORTS: dict[str, str] = {
     "AskOptions": "sparkv.edge.options",
     "AskResult": "sparkv.edge.answer",
     "EdgeClient": "sparkv.edge.client",
+    "LinkShaper": "sparkv.edge.shaper",
     # the on-device context service
     "ContextService": "sparkv.device.service",
     "ServiceConfig": "sparkv.device.config",
     "CallResult": "sparkv.device.calls",
+    "DeviceClient": "sparkv.device.client",
     # DynaKV: long decoding with clustered KV on flash
     "generate": "sparkv.decode.session",
     "DecodeSession": "sparkv.decode.session",

@@ -159,7 +159,7 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
             keep=strat == "sparkv"))
         runs.append((f"{strat}: TTFT {res.breakdown.ttft_s:.2f} s", res))
         rows.append(_row(strat, res, ref))
-        print(f"[{strat:>6}] {res.answer.strip()}", flush=True)
+        print(f"[{strat:>6}] {res.text.strip()}", flush=True)
     press = (args.press or "").strip()
     if "sparkv" in strategies and press.lower() not in ("", "none"):
         _ask_pressed(session, cid, press, args, ref, runs, rows)
@@ -170,7 +170,7 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
         print(f"\nfollow-up {FOLLOW_UP!r}, answered from the kept context: "
               f"TTFT {follow.breakdown.ttft_s:.2f} s (the first sparkv ask: {first[1]:.2f} s),"
               f" {follow.breakdown.bytes_streamed} bytes streamed\n"
-              f"[kept] {follow.answer.strip()}", flush=True)
+              f"[kept] {follow.text.strip()}", flush=True)
     session.close()
     return ref, runs, rows, follow
 
@@ -206,7 +206,7 @@ def _ask_pressed(session: Any, cid: str, press: str, args: argparse.Namespace, r
     label = "sparkv+press"
     runs.append((f"{label} ({spec}): TTFT {res.breakdown.ttft_s:.2f} s", res))
     rows.append(_row(label, res, ref))
-    print(f"[{label}] {res.answer.strip()}\n  (quality table, {spec}: {note})", flush=True)
+    print(f"[{label}] {res.text.strip()}\n  (quality table, {spec}: {note})", flush=True)
     print(f"  {reference_note(ref, res.tokens)}", flush=True)
 
 
@@ -279,8 +279,8 @@ def _write_results(out: Path, args: argparse.Namespace, context: list[int], link
     (out / "demo.json").write_text(json.dumps({
         "context_tokens": len(context), "link": link, "question": args.question,
         "rows": [dict(zip(ROW_KEYS, r)) for r in rows],
-        "answers": {label: res.answer for label, res in runs},
+        "answers": {label: res.text for label, res in runs},
         "follow_up": None if follow is None else {
-            "question": FOLLOW_UP, "answer": follow.answer, "ttft_s": follow.breakdown.ttft_s,
+            "question": FOLLOW_UP, "answer": follow.text, "ttft_s": follow.breakdown.ttft_s,
             "bytes_streamed": follow.breakdown.bytes_streamed}}, indent=1))
     return png

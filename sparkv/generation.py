@@ -3,15 +3,19 @@
 Every API that generates an answer returns a record with this shape (docs/python-api.md):
 
 ==============================================  =================================================
-call                                            result (old names kept)
+call                                            result
 ==============================================  =================================================
 ``EdgeSession.ask(...)``                        :class:`~sparkv.edge.answer.AskResult`
-                                                (``.answer`` is ``.text``)
-``ContextService.call(...)``                    :class:`~sparkv.device.service.CallResult`
+``ContextService.call(...)``                    :class:`~sparkv.device.calls.CallResult`
+``DeviceClient.call(...)`` (HTTP)               :class:`~sparkv.device.schemas.CallReply`
+``DeviceClient.ask(...)`` (HTTP)                :class:`~sparkv.device.schemas.DoneEvent`
 ``sparkv.decode.generate(...)``                 :class:`~sparkv.decode.session.DecodeResult`
                                                 (still unpacks as ``result, stats``)
 ``greedy_generate(...)``                        :class:`~sparkv.runtime.generate.GenerationResult`
 ==============================================  =================================================
+
+``sparkv ask --json`` and the JSON of ``POST /v1/contexts/{id}/call`` and of an ask's ``done``
+event carry the same three keys.
 
 ``stats`` is a JSON-able ``dict``: always ``ttft_s`` (seconds from the call to the first generated
 token) and ``new_tokens`` (``len(tokens)``), then what that API measures (the edge's TTFT

@@ -65,7 +65,7 @@ def test_a_bad_argument_is_refused(tmp_path):
 
 
 def test_answers_and_junit_are_read(helper, tmp_path):
-    ans = {"answer": " Anyone", "tokens": [1, 2, 3]}
+    ans = {"text": " Anyone", "tokens": [1, 2, 3]}
     step = helper.Step("ask", [], 0, 1.0, "loading...\n" + json.dumps(ans, indent=1) + "\n")
     assert helper.answer_of(step) == ans
     assert helper.answer_of(helper.Step("ask", [], 1, 1.0, "Traceback ...")) is None
@@ -77,9 +77,9 @@ def test_answers_and_junit_are_read(helper, tmp_path):
 
 
 def test_the_verdict_needs_passing_tests_and_equal_tokens(helper):
-    dense = {"tokens": [5, 6], "answer": "x"}
-    good = helper.Step("ask", [], 0, 1.0, json.dumps({"tokens": [5, 6], "answer": "x"}, indent=1))
-    bad = helper.Step("ask", [], 0, 1.0, json.dumps({"tokens": [5, 7], "answer": "y"}, indent=1))
+    dense = {"tokens": [5, 6], "text": "x"}
+    good = helper.Step("ask", [], 0, 1.0, json.dumps({"tokens": [5, 6], "text": "x"}, indent=1))
+    bad = helper.Step("ask", [], 0, 1.0, json.dumps({"tokens": [5, 7], "text": "y"}, indent=1))
     tests = helper.Step("tests", [], 0, 1.0, "")
     groups = [{"tests": 3, "failures": 0, "errors": 0, "skipped": 0}]
     ok = helper.summarize({}, tests, groups, dense, [("stream", good)], {}, {})

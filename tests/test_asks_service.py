@@ -74,19 +74,20 @@ def test_an_ask_streams_its_tokens_then_its_breakdown_and_the_next_is_answered_f
     with dev.client() as c:
         first = _ask(world, c, "a", strategy="stream", level="raw", max_new_tokens=12,
                      stop_at_eos=False, on_token=streamed.append)
-        assert [e["token"] for e in streamed] == first["tokens"] and len(first["tokens"]) == 12
-        assert "".join(e["text"] for e in streamed) == first["answer"]
-        bd = first["breakdown"]
+        assert [e["token"] for e in streamed] == first.tokens and len(first.tokens) == 12
+        assert "".join(e["text"] for e in streamed) == first.text
+        bd = first.stats
+        assert bd["new_tokens"] == 12 and bd["context_tokens"] > 0
         assert bd["strategy"] == "stream" and bd["ttft_s"] > 0 and bd["bytes_streamed"] > 0
         assert bd["chunks_streamed"] > 0 and bd["levels"] == {"raw": bd["chunks_streamed"]}
-        assert bd["fallback"] == {} and first["first_token_s"] > 0
-        kept = first["kept_id"]
+        assert bd["fallback"] == {} and first.first_token_s > 0
+        kept = first.kept_id
         assert kept and c.describe(kept)["owner"] == "user"
         carried = c.ask_stats()["link_bytes"]
         again = _ask(world, c, "a", strategy="stream", level="raw", max_new_tokens=12,
                      stop_at_eos=False)
-        assert again["breakdown"]["strategy"] == "kept" and again["kept_id"] == kept
-        assert again["breakdown"]["bytes_streamed"] == 0
+        assert again.stats["strategy"] == "kept" and again.kept_id == kept
+        assert again.stats["bytes_streamed"] == 0
         assert c.ask_stats()["link_bytes"] == carried          # 0 bytes crossed the link
     # the CLI: the answer printed as it streams, the done event with --json
     out = subprocess.run([sys.executable, "-m", "sparkv.cli", "device", "ask", "--socket",
@@ -97,6 +98,8 @@ def test_an_ask_streams_its_tokens_then_its_breakdown_and_the_next_is_answered_f
     assert out.returncode == 0, out.stderr
     done = json.loads(out.stdout)
     assert done["type"] == "done" and done["kept_id"] == kept
+    assert done["text"] and done["stats"]["new_tokens"] == len(done["tokens"]) == 12
+    assert "answer" not in done and "breakdown" not in done
 
 
 # ---- apps ------------------------------------------------------------------------------------------
@@ -104,7 +107,7 @@ def test_an_app_cannot_read_call_or_delete_another_apps_kept_context_until_share
     dev = world["dev"]
     with dev.client(app="notes") as a, dev.client(app="mail") as b, dev.client() as user:
         mine = _ask(world, a, "b", max_new_tokens=4)
-        kept = mine["kept_id"]
+        kept = mine.kept_id
         assert kept and a.describe(kept)["owner"] == "app:notes"
         for peer in (b, user):
             with pytest.raises(UnknownContext):
@@ -115,16 +118,16 @@ def test_an_app_cannot_read_call_or_delete_another_apps_kept_context_until_share
                 peer.delete(kept)
             assert kept not in {x["id"] for x in peer.list()}
         theirs = _ask(world, b, "b", max_new_tokens=4)       # mail loads its own copy
-        assert theirs["breakdown"]["strategy"] != "kept" and theirs["kept_id"] != kept
+        assert theirs.stats["strategy"] != "kept" and theirs.kept_id != kept
         a.share(kept, ["app:mail"])
         assert b.describe(kept)["shared_with"] == ["app:mail"]
-        assert b.call(kept, "hi", max_new_tokens=2, grow=False)["context_id"] == kept
+        assert b.call(kept, "hi", max_new_tokens=2, grow=False).context_id == kept
         with pytest.raises(Exception) as err:                 # shared is not owned
             b.delete(kept)
         assert getattr(err.value, "status", None) == 403
-        b.delete(theirs["kept_id"])                           # its own copy it may delete
+        b.delete(theirs.kept_id)                           # its own copy it may delete
         follow = _ask(world, b, "b", max_new_tokens=4)        # now answered from notes' copy
-        assert follow["breakdown"]["strategy"] == "kept" and follow["kept_id"] == kept
+        assert follow.stats["strategy"] == "kept" and follow.kept_id == kept
         # an unknown or forged token is refused on the socket too
         r = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)),
                          base_url="http://localhost").get(
@@ -250,7 +253,7 @@ def test_a_server_that_dies_mid_ask_fails_over_only_that_ask(world, tmp_path):
         with dev.client() as c:
             alone = c.ask(cids["lives"], "What?", server=world["srv"].url, api_key=world["key"],
                           strategy="local", max_new_tokens=8, stop_at_eos=False, keep=False,
-                          backend="dense")["tokens"]
+                          backend="dense").tokens
         out: dict = {}
 
         def run(name: str, s) -> None:
@@ -268,10 +271,10 @@ def test_a_server_that_dies_mid_ask_fails_over_only_that_ask(world, tmp_path):
         other.kill()                                           # SIGKILL mid-ask
         for th in threads:
             th.join(GUARD_S)
-        assert out["dies"]["breakdown"]["fallback"] and out["dies"]["breakdown"]["chunks_computed"] > 0
-        assert out["lives"]["breakdown"]["fallback"] == {}
-        assert out["lives"]["breakdown"]["chunks_computed"] == 0
-        assert out["dies"]["tokens"] == alone == out["lives"]["tokens"]
+        assert out["dies"].stats["fallback"] and out["dies"].stats["chunks_computed"] > 0
+        assert out["lives"].stats["fallback"] == {}
+        assert out["lives"].stats["chunks_computed"] == 0
+        assert out["dies"].tokens == alone == out["lives"].tokens
     finally:
         dev.stop()
         other.stop()
@@ -339,15 +342,15 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         r = oa.chat.completions.create(model=cid, max_tokens=8, extra_body={"sparkv": sparkv},
                                        messages=[{"role": "user", "content": question}])
         assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"
-        assert r.choices[0].message.content == alone["answer"]
+        assert r.choices[0].message.content == alone.text
         assert r.usage.completion_tokens == 8
-        assert r.usage.prompt_tokens > alone["context_tokens"]          # the context + the question
+        assert r.usage.prompt_tokens > alone.stats["context_tokens"]   # + the question
         assert r.usage.total_tokens == r.usage.prompt_tokens + 8
         chunks = list(oa.chat.completions.create(
             model=cid, max_tokens=8, stream=True, stream_options={"include_usage": True},
             extra_body={"sparkv": sparkv}, messages=[{"role": "user", "content": question}]))
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-        assert text == alone["answer"]
+        assert text == alone.text
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == 8
         assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens

@@ -212,7 +212,7 @@ def test_the_concurrency_benchmark_summarizes_each_batch_and_its_ratios():
 
     def done(ttft: float, mb: float) -> dict:
         return {"first_token_s": ttft, "queued_s": 0.0,
-                "breakdown": {"bytes_streamed": int(mb * 1e6), "chunks_streamed": 1,
+                "stats": {"bytes_streamed": int(mb * 1e6), "chunks_streamed": 1,
                               "chunks_computed": 2, "fallback": {}, "local_compute_s": 1.0,
                               "ttft_s": ttft}}
 

@@ -139,7 +139,7 @@ def test_a_second_service_on_a_flash_dir_is_refused_and_a_killed_one_leaves_no_l
     try:
         with third.client() as c:
             assert [d["id"] for d in c.list()] == [cid]
-            assert c.call(cid, prompt_ids=[8], max_new_tokens=2)["context_tokens"] > 40
+            assert c.call(cid, prompt_ids=[8], max_new_tokens=2).stats["context_tokens"] > 40
     finally:
         third.stop()
 
@@ -164,7 +164,7 @@ def test_concurrent_clients_of_contexts_that_fit_alone_get_answers(tmp_path):
                 for turn in range(4):
                     try:
                         r = c.call(cid, prompt_ids=[3 + turn, 9, 27], max_new_tokens=3)
-                        answered.append(len(r["tokens"]))
+                        answered.append(len(r.tokens))
                     except DeviceError as e:
                         failures.append(f"{e.status} {e.code}: {e}")
 
@@ -240,7 +240,7 @@ def test_a_fifo_or_a_huge_sparse_segment_neither_hangs_nor_slows_the_reopen(tmp_
         with again.client() as c:
             assert [d["id"] for d in c.list()] == [cid]
             r = c.call(cid, prompt_ids=[9, 10], max_new_tokens=4, grow=False)
-            assert len(r["tokens"]) == 4 and r["context_tokens"] == want["context_tokens"]
+            assert len(r.tokens) == 4 and r.stats["context_tokens"] == want.stats["context_tokens"]
             damaged = {d["id"]: d["reason"] for d in c.damaged()}
             assert "not a regular file" in damaged["00ff00ff00ff00ff"]
     finally:

@@ -37,7 +37,7 @@ def test_killed_device_serve_reopens_every_returned_context(lm, tmp_path):
             ids.append(c.new_context("You are a terse assistant."))
             for i, cid in enumerate(ids):
                 r = c.call(cid, TURNS[i % 2], max_new_tokens=6)
-                assert r["context_tokens"] > 0
+                assert r.stats["context_tokens"] > 0 and r.stats["new_tokens"] == len(r.tokens)
             _private(proc)
             before = {d["id"]: d["tokens"] for d in c.list()}
             c.delete(ids[3])                              # a deleted one stays deleted
@@ -53,7 +53,7 @@ def test_killed_device_serve_reopens_every_returned_context(lm, tmp_path):
             assert c.stats()["reopened"] == 3
             for cid in before:
                 r = c.call(cid, TURNS[2], max_new_tokens=6)
-                assert r["text"] is not None and r["context_tokens"] > before[cid]
+                assert r.text is not None and r.stats["context_tokens"] > before[cid]
             assert c.stats()["read_chunks"] + c.stats()["recomputed_chunks"] > 0
             with pytest.raises(UnknownContext):
                 c.call(ids[3], "hi")

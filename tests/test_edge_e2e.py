@@ -281,8 +281,9 @@ def test_ask_cli(served, capsys):
     rc = main(["ask", "--server", url, "--context", cid, QUESTIONS[0], "--strategy", "hybrid",
                "--mbps", "100", "--max-new-tokens", "6", "--json", "--no-cache"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and out["answer"].strip()
-    assert out["breakdown"]["strategy"] == "hybrid" and out["breakdown"]["ttft_s"] > 0
+    assert rc == 0 and out["text"].strip() and "answer" not in out and "breakdown" not in out
+    assert out["stats"]["strategy"] == "hybrid" and out["stats"]["ttft_s"] > 0
+    assert out["stats"]["new_tokens"] == len(out["tokens"])
     rc = main(["ask", "--server", url, "--context", cid, QUESTIONS[0], "--strategy", "sparkv",
                "--max-new-tokens", "6", "--no-cache"])
     text = capsys.readouterr().out

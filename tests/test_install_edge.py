@@ -209,7 +209,7 @@ def test_an_edge_install_asks_a_server_of_the_full_install(smollm2, tmp_path):
         srv.stop()
     assert ask.returncode == 0, ask.stderr[-3000:]
     out = json.loads(ask.stdout)
-    assert out["answer"].strip() and out["breakdown"]["ttft_s"] > 0
+    assert out["text"].strip() and out["stats"]["ttft_s"] > 0
 
 
 def test_the_server_profile_needs_no_bench_stack():

@@ -266,7 +266,7 @@ def test_cli_ask_with_press(served):
     assert rc == 0
     doc = json.loads(out.getvalue())
     assert doc["context_id"] == served["pressed"]   # found by id, not encoded again
-    assert doc["breakdown"]["bytes_streamed"] == served["mp"].level_bytes("q8")
+    assert doc["stats"]["bytes_streamed"] == served["mp"].level_bytes("q8")
     # a bad press is a one-line error (exit 2) before the model loads
     assert main(["ask", "q", "--server", served["server"].url, "--context", served["full"],
                  "--press", "nope:0.5", "--no-cache"]) == 2

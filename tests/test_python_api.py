@@ -93,12 +93,36 @@ def test_the_context_services_call_has_the_shape(smollm2, tmp_path):
     assert "text" not in stats and "tokens" not in stats
 
 
-def test_an_ask_result_has_the_shape_with_answer_as_text():
+def test_an_ask_result_has_the_shape():
     from sparkv.edge.answer import AskResult, Breakdown
 
     res = AskResult("Paris", [5, 6], Breakdown("local", 0.25, chunks_computed=3), None, None,
                     None, context_tokens=100)
     stats = _check_shape(res, [5, 6])
-    assert res.text == res.answer == "Paris"
+    assert res.text == "Paris" and not hasattr(res, "answer")
     assert stats["ttft_s"] == 0.25 and stats["strategy"] == "local"
     assert stats["context_tokens"] == 100 and stats["chunks_computed"] == 3
+
+
+def test_the_http_replies_have_the_shape_and_no_old_keys():
+    from sparkv.device.calls import CallResult
+    from sparkv.device.client import DeviceClient
+    from sparkv.device.schemas import CallReply, DoneEvent
+    from sparkv.edge.answer import AskResult, Breakdown
+    from sparkv.edge.shaper import LinkShaper
+
+    assert sparkv.DeviceClient is DeviceClient and sparkv.LinkShaper is LinkShaper
+    wire = CallResult("0123456789abcdef", "Hi.", [7, 8], 0.002, first_token_s=0.1,
+                      context_tokens=30).to_dict()
+    assert set(wire) == {"context_id", "text", "tokens", "stats"}
+    reply = CallReply.model_validate(json.loads(json.dumps(wire)))
+    stats = _check_shape(reply, [7, 8])
+    assert stats["switch_s"] == 0.002 and stats["context_tokens"] == 30
+    assert not {"switch_ms", "first_token_ms", "total_ms"} & set(stats)
+    ask = AskResult("Paris", [5, 6], Breakdown("stream", 0.5), None, None, None,
+                    context_tokens=40)
+    done = DoneEvent.model_validate({"type": "done", "id": "a1", "text": ask.text,
+                                     "tokens": ask.tokens, "stats": ask.stats, "kept_id": None,
+                                     "started": 1, "queued_s": 0.0, "first_token_s": 0.6,
+                                     "total_s": 0.7})
+    assert _check_shape(done, [5, 6])["strategy"] == "stream"

@@ -22,7 +22,7 @@ A stock client asks about a server context unchanged::
   ``usage``), then ``data: [DONE]``; a failure once streaming is one ``data: {"error": ...}``
   event (what the ``openai`` client raises as an ``APIError``);
 * ``usage``: ``prompt_tokens`` (the context's tokens plus the question's), ``completion_tokens``
-  (the answer's), ``total_tokens``; ``sparkv`` in the answer: the ask's breakdown and kept id.
+  (the answer's), ``total_tokens``; ``sparkv`` in the answer: the ask's ``stats`` and kept id.
 
 Refusals before the answer starts are the service's errors (429 ``queue_full`` with
 ``Retry-After``, which the ``openai`` client retries; 401; 400; 404 ``unknown_model``; 422).
@@ -102,7 +102,7 @@ class _Completion:
         self.question_tokens = len(question_suffix(asks.lm, question, chat))
 
     def usage(self, done: dict[str, Any]) -> dict[str, int]:
-        prompt = int(done["context_tokens"]) + self.question_tokens
+        prompt = int(done["stats"]["context_tokens"]) + self.question_tokens
         completion = len(done["tokens"])
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
@@ -209,8 +209,8 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
         return JSONResponse(error_body(err["status"], err["code"], err["message"]),
                             status_code=err["status"] if err["status"] != 499 else 400)
     return {"id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": event["answer"]},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": event["text"]},
                          "finish_reason": c.finish_reason(event, eos)}],
             "usage": c.usage(event),
-            "sparkv": {"kept_id": event["kept_id"], "breakdown": event["breakdown"],
+            "sparkv": {"kept_id": event["kept_id"], "stats": event["stats"],
                        "first_token_s": event["first_token_s"]}}

@@ -13,7 +13,6 @@ it adds ``device ask``."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Callable
@@ -128,10 +127,10 @@ def _ask(args: argparse.Namespace) -> int:
                      max_new_tokens=args.max_new_tokens, keep=not args.no_keep,
                      share=args.share)
     if args.json:
-        print(json.dumps(done, indent=1))
+        print(done.model_dump_json(indent=1))
         return 0
-    bd = done["breakdown"]
-    print(f"\n({bd['strategy']}: TTFT {bd['ttft_s']:.2f} s, {bd['bytes_streamed'] / 1e6:.2f} MB "
-          f"streamed, {bd['chunks_streamed']} / {bd['chunks_computed']} chunks streamed / "
-          f"computed, kept as {done['kept_id']})", file=sys.stderr)
+    st = done.stats
+    print(f"\n({st['strategy']}: TTFT {st['ttft_s']:.2f} s, {st['bytes_streamed'] / 1e6:.2f} MB "
+          f"streamed, {st['chunks_streamed']} / {st['chunks_computed']} chunks streamed / "
+          f"computed, kept as {done.kept_id})", file=sys.stderr)
     return 0

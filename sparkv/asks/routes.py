@@ -84,7 +84,8 @@ asks_router = APIRouter(tags=["asks"])
 @asks_router.post("/v1/asks", responses=error_responses(*SERVED_STATUSES))
 async def post_ask(ticket: Annotated[AskTicket, Depends(submitted)]) -> AsyncIterator[AskEvent]:
     """Answers a question about a server context through the device's one model, link and
-    memory: the answer's tokens as they are generated, then the breakdown (JSON Lines)."""
+    memory: the answer's tokens as they are generated, then its ``done`` event (``text``,
+    ``tokens``, ``stats``), as JSON Lines."""
     async for event in ticket.aevents():
         yield EVENT.validate_python(event)
 

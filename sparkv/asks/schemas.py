@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from sparkv.device.schemas import AppId, PromptText
+from sparkv.device.schemas import AppId, DoneEvent, PromptText
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
@@ -150,24 +150,6 @@ class TokenEvent(_Event):
     type: Literal["token"]
     token: int
     text: str
-
-
-class DoneEvent(_Event):
-    """The ask's end: the answer and what it cost (the edge's breakdown: TTFT, streamed and
-    computed chunks, bytes, levels, fallbacks; seconds from the submission)."""
-
-    type: Literal["done"]
-    id: str
-    answer: str
-    tokens: list[int]
-    context_tokens: int
-    kept_id: str | None = Field(description="the service's id of the kept context")
-    not_kept: str | None = Field(default=None, description="why the context was not kept")
-    breakdown: dict[str, Any]
-    started: int = Field(description="its rank among the asks that ran (admission order)")
-    queued_s: float = Field(description="waiting for a slot")
-    first_token_s: float | None = Field(description="from the submission to the first token")
-    total_s: float
 
 
 class _ErrorInfo(BaseModel):

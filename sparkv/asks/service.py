@@ -25,7 +25,7 @@ for an app, on the service's one model, its one link and its kept contexts:
   default), under the service's memory budget; the next ask about it, from that app or one it
   shared it with, is answered from memory;
 * **events** (:class:`AskTicket`): ``queued`` (its place when it waits), ``token`` (each answer
-  token as generated: its id and the text it adds), then ``done`` (the answer, the breakdown)
+  token as generated: its id and the text it adds), then ``done`` (``text``, ``tokens``, ``stats``)
   or ``error`` (status, code, message). :meth:`AskTicket.cancel` (the route calls it when the
   client goes away) stops the ask within one unit of compute and frees its memory.
 
@@ -265,9 +265,8 @@ class AskService:
         finally:
             lane.close()
         self._learn(session, res, (sharers + self.admission.stats()["running"]) / 2)
-        return {"type": "done", "id": ticket.id, "answer": res.answer, "tokens": res.tokens,
-                "context_tokens": res.context_tokens, "kept_id": res.kept_id,
-                "not_kept": kept.not_kept, "breakdown": res.breakdown.to_dict(),
+        return {"type": "done", "id": ticket.id, "text": res.text, "tokens": res.tokens,
+                "stats": res.stats, "kept_id": res.kept_id, "not_kept": kept.not_kept,
                 "started": ticket.started,
                 "queued_s": t0 - ticket.submitted, "first_token_s": ticket.first_token_s,
                 "total_s": time.perf_counter() - ticket.submitted,

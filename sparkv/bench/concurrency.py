@@ -12,7 +12,7 @@ loads its context) and wait for its ``done`` event. Per (strategy, N):
 * the batch's makespan (the first submission to the last ``done``);
 * bytes and energy per request (the energy an ESTIMATE from the model of ``sparkv bench ttft``:
   ``E = P_compute * compute_busy + P_decode * decode_busy + P_radio * link_active + P_idle *
-  TTFT``, from each ask's own breakdown);
+  TTFT``, from each ask's own ``stats``);
 * the service's peak RSS during the batch (``VmRSS`` of its process, sampled every 50 ms).
 
 One warm-up ask per strategy runs first (not counted). The service's one link follows
@@ -135,7 +135,7 @@ def _batch(dev: Any, url: str, cids: list[str], strategy: str, n: int,
             try:
                 outs[i] = c.ask(cids[0 if args.shared else i], QUESTION, server=url,
                                 strategy=strategy, max_new_tokens=args.max_new_tokens,
-                                stop_at_eos=False, keep=False)
+                                stop_at_eos=False, keep=False).model_dump()
             except Exception as e:  # noqa: BLE001 - a failed ask is reported, the batch goes on
                 outs[i] = e
 
@@ -166,12 +166,12 @@ def _point(strategy: str, n: int, batch: dict[str, Any], args: argparse.Namespac
             "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
             "ttft_max_s": max(ttft, default=0.0), "ttft_s": ttft,
             "makespan_s": batch["makespan_s"],
-            "mb_per_ask": sum(d["breakdown"]["bytes_streamed"] for d in done) / 1e6 / max(1, len(done)),
-            "energy_j_per_ask": sum(_energy(d["breakdown"], args) for d in done) / max(1, len(done)),
+            "mb_per_ask": sum(d["stats"]["bytes_streamed"] for d in done) / 1e6 / max(1, len(done)),
+            "energy_j_per_ask": sum(_energy(d["stats"], args) for d in done) / max(1, len(done)),
             "queued_s": [float(d["queued_s"]) for d in done],
-            "streamed": [d["breakdown"]["chunks_streamed"] for d in done],
-            "computed": [d["breakdown"]["chunks_computed"] for d in done],
-            "fallback": [d["breakdown"]["fallback"] for d in done],
+            "streamed": [d["stats"]["chunks_streamed"] for d in done],
+            "computed": [d["stats"]["chunks_computed"] for d in done],
+            "fallback": [d["stats"]["fallback"] for d in done],
             "rss_peak_mb": batch["rss_peak_bytes"] / 2**20}
 
 

@@ -332,7 +332,7 @@ def score_row(lm: LoadedModel, ctx: QualityContext, probe: Probe, config: Config
               res: Any, suffix: Sequence[int], ref_margins: Sequence[float] | None = None
               ) -> dict[str, Any]:
     """:func:`score_answer` of one ``EdgeSession.ask`` result."""
-    return score_answer(lm, ctx, probe, config, ref, suffix, res.answer, res.tokens,
+    return score_answer(lm, ctx, probe, config, ref, suffix, res.text, res.tokens,
                         res.first_logits, res.load.kv, res.breakdown, res.breakdown.ttft_s,
                         ref_margins)
 

@@ -823,10 +823,10 @@ def _measure_press(args: argparse.Namespace, lm: LoadedModel, spec: str, sizes: 
                                          ("press", session.client.pressed_context(full, spec))):
                         res = session.ask(cid, task.question,
                                           AskOptions(strategy="sparkv", max_new_tokens=16))
-                        ok = task.correct(res.answer)
+                        ok = task.correct(res.text)
                         hits[variant] += int(ok)
                         rows.append({"tokens": n, "task": task.to_dict(), "context": variant,
-                                     "answer": res.answer, "correct": ok, "kind": "passkey"})
+                                     "answer": res.text, "correct": ok, "kind": "passkey"})
                 for variant, h in hits.items():
                     passkey.append({"tokens": n, "context": variant, "n": len(tasks),
                                     "accuracy": h / max(1, len(tasks))})

@@ -153,9 +153,7 @@ def call_context(ctx_id: ContextId, body: CallBody, service: ServiceDep, caller:
         raise DeviceError("give exactly one of prompt and prompt_ids")
     res = service.call(ctx_id, body.prompt, body.max_new_tokens,
                        prompt_ids=body.prompt_ids, grow=body.grow, timeout_s=body.timeout_s)
-    return CallReply.model_validate({
-        **res.to_dict(), "switch_ms": res.switch_s * 1e3,
-        "first_token_ms": res.first_token_s * 1e3, "total_ms": res.total_s * 1e3})
+    return CallReply.model_validate(res.to_dict())
 
 
 @contexts_router.delete("/v1/contexts/{ctx_id}", status_code=204, response_class=Response,

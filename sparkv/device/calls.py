@@ -36,8 +36,9 @@ class CallResult:
 
     ``load``: what loading the context did (``None`` when nothing was loaded: a kept working
     memory, a whole-context keeper); ``plan``: the IO/recompute split of that load (``None``
-    without one). :meth:`to_dict` gives both as dicts (empty for ``None``), as ``POST
-    /v1/contexts/{id}/call`` returns them."""
+    without one). :attr:`stats` gives both as dicts (empty for ``None``); :meth:`to_dict` is
+    what ``POST /v1/contexts/{id}/call`` returns: ``context_id``, ``text``, ``tokens``,
+    ``stats``."""
 
     context_id: str
     text: str
@@ -56,14 +57,18 @@ class CallResult:
     plan: Split | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "load": {} if self.load is None else self.load.to_dict(),
-                "plan": {} if self.plan is None else asdict(self.plan)}
+        return {"context_id": self.context_id, "text": self.text, "tokens": self.tokens,
+                "stats": self.stats}
 
     @property
     def stats(self) -> dict[str, Any]:
-        """``ttft_s`` (= ``first_token_s``), ``new_tokens``, then every cost of :meth:`to_dict`
-        (``switch_s``, ``load_s``, ``total_s``, bytes, the load and plan records)."""
-        costs = {k: v for k, v in self.to_dict().items() if k not in ("text", "tokens")}
+        """``ttft_s`` (= ``first_token_s``), ``new_tokens``, then every cost (``switch_s``,
+        ``reclaim_s``, ``load_s``, ``first_token_s``, ``total_s``, ``aot_s``,
+        ``context_tokens``, the bytes, and the ``load`` and ``plan`` records as dicts)."""
+        costs = {k: v for k, v in self.__dict__.items()
+                 if k not in ("context_id", "text", "tokens")}
+        costs.update(load={} if self.load is None else self.load.to_dict(),
+                     plan={} if self.plan is None else asdict(self.plan))
         return {**base_stats(self.first_token_s, self.tokens), **costs}
 
     @classmethod

@@ -28,6 +28,7 @@ from sparkv.device.access import read_token
 from sparkv.device.errors import (BudgetBusy, BudgetTooSmall, ContextBusy, ContextDamaged,
                                   DeviceError, FlashFull, NotOwner, PromptTooLong, QueueFull,
                                   ShuttingDown, UnknownContext)
+from sparkv.device.schemas import CallReply, DoneEvent
 from sparkv.protocol.errors import ApiError
 
 _BY_STATUS = {403: NotOwner, 404: UnknownContext, 409: ContextBusy, 413: PromptTooLong,
@@ -125,7 +126,9 @@ class DeviceClient:
 
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
              prompt_ids: Sequence[int] | None = None, grow: bool = True,
-             timeout_s: float | None = None) -> dict[str, Any]:
+             timeout_s: float | None = None) -> CallReply:
+        """``POST /v1/contexts/{id}/call``: the answer (``text``, ``tokens``, ``stats``: a
+        :class:`~sparkv.generation.Generation`, as ``ContextService.call`` returns)."""
         body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "grow": grow}
         if prompt is not None:
             body["prompt"] = prompt
@@ -133,7 +136,8 @@ class DeviceClient:
             body["prompt_ids"] = list(prompt_ids)
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
-        return self._req("POST", f"/v1/contexts/{ctx_id}/call", json=body)
+        return CallReply.model_validate(self._req("POST", f"/v1/contexts/{ctx_id}/call",
+                                                  json=body))
 
     def delete(self, ctx_id: str) -> None:
         self._req("DELETE", f"/v1/contexts/{ctx_id}")
@@ -175,15 +179,16 @@ class DeviceClient:
 
     def ask(self, context_id: str, question: str, *,
             on_token: Callable[[dict[str, Any]], None] | None = None,
-            **fields: Any) -> dict[str, Any]:
-        """Asks and waits: the ``done`` event (``answer``, ``tokens``, ``breakdown``,
-        ``kept_id``, ...); ``on_token`` gets each ``token`` event as it arrives. An ``error``
-        event raises its :class:`DeviceError` (``status``, ``code``)."""
+            **fields: Any) -> DoneEvent:
+        """Asks and waits: the ``done`` event (``text``, ``tokens``, ``stats``: a
+        :class:`~sparkv.generation.Generation`; ``kept_id``, ...); ``on_token`` gets each
+        ``token`` event as it arrives. An ``error`` event raises its :class:`DeviceError`
+        (``status``, ``code``)."""
         for event in self.ask_events(context_id, question, **fields):
             if event["type"] == "token" and on_token is not None:
                 on_token(event)
             elif event["type"] == "done":
-                return event
+                return DoneEvent.model_validate(event)
             elif event["type"] == "error":
                 raise event_error(event)
         raise DeviceError("the ask's stream ended without its done event")

@@ -302,11 +302,12 @@ def _call(args: argparse.Namespace) -> int:
     with device_client(args) as c:
         res = c.call(args.context, args.prompt, args.max_new_tokens, grow=not args.no_grow)
     if args.json:
-        print(json.dumps(res, indent=1))
+        print(res.model_dump_json(indent=1))
     else:
-        print(res["text"].strip())
-        print(f"\n(switch {res['switch_ms']:.1f} ms, first token {res['first_token_ms']:.0f} ms, "
-              f"context {res['context_tokens']} tokens)", file=sys.stderr)
+        st = res.stats
+        print(res.text.strip())
+        print(f"\n(switch {st['switch_s'] * 1e3:.1f} ms, first token {st['ttft_s'] * 1e3:.0f} ms, "
+              f"context {st['context_tokens']} tokens)", file=sys.stderr)
     return 0
 
 

@@ -20,7 +20,7 @@ from sparkv.rest.fields import JSON_INT, at_most_one_of, one_of
 
 __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "ServiceHealth",
            "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
-           "CallReply", "ShareBody", "AppId", "PromptText",
+           "CallReply", "DoneEvent", "ShareBody", "AppId", "PromptText",
            "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -152,28 +152,41 @@ class DeviceContextList(_Reply):
 
 
 class CallReply(_Reply):
-    """``POST /v1/contexts/{id}/call``: the answer and what it cost (seconds, and the same in
-    milliseconds for three of them)."""
+    """``POST /v1/contexts/{id}/call``: the answer (a :class:`~sparkv.generation.Generation`:
+    ``text``, ``tokens``, ``stats``), as :class:`~sparkv.device.calls.CallResult` gives it;
+    :meth:`~sparkv.device.client.DeviceClient.call` returns it."""
 
     context_id: str
-    text: str
+    text: str = Field(description="the answer, end of sequence left out")
     tokens: list[int] = Field(description="the answer's token ids")
-    switch_s: float = Field(description="reclaim + load, until the context is ready")
-    reclaim_s: float
-    load_s: float
-    first_token_s: float
+    stats: dict[str, Any] = Field(description=(
+        "what it cost: ttft_s (= first_token_s), new_tokens, switch_s (reclaim + load, until "
+        "the context is ready), reclaim_s, load_s, first_token_s, total_s, aot_s (the "
+        "ahead-of-time swap-out after the answer), context_tokens (after the call), "
+        "bytes_evicted, bytes_written_at_reclaim, bytes_written_aot, load (what the load did: "
+        "sparkv.device.loader.LoadStats; empty when nothing was loaded), plan (the "
+        "IO/recompute split; empty without one)"))
+
+
+class DoneEvent(_Reply):
+    """The end of an ask (``POST /v1/asks``, docs/asks.md): the answer in the one result shape
+    (a :class:`~sparkv.generation.Generation`: ``text``, ``tokens``, ``stats``: the edge's
+    ``AskResult.stats``), what became of the context, and the ask's times in the service
+    (seconds from the submission); :meth:`~sparkv.device.client.DeviceClient.ask` returns it."""
+
+    type: Literal["done"]
+    id: str
+    text: str
+    tokens: list[int]
+    stats: dict[str, Any] = Field(description=(
+        "ttft_s, new_tokens, context_tokens, then the edge's breakdown: strategy, "
+        "chunks_streamed, chunks_computed, bytes_streamed, levels, fallback, ..."))
+    kept_id: str | None = Field(description="the service's id of the kept context")
+    not_kept: str | None = Field(default=None, description="why the context was not kept")
+    started: int = Field(description="its rank among the asks that ran (admission order)")
+    queued_s: float = Field(description="waiting for a slot")
+    first_token_s: float | None = Field(description="from the submission to the first token")
     total_s: float
-    aot_s: float = Field(description="the ahead-of-time swap-out after the answer")
-    context_tokens: int = Field(description="tokens in the context after the call")
-    bytes_evicted: int
-    bytes_written_at_reclaim: int
-    bytes_written_aot: int
-    load: dict[str, Any] = Field(description=(
-        "what the load did (sparkv.device.loader.LoadStats; empty when nothing was loaded)"))
-    plan: dict[str, Any] = Field(description="the IO/recompute split (empty without one)")
-    switch_ms: float
-    first_token_ms: float
-    total_ms: float
 
 
 class IOProfileInfo(_Reply):

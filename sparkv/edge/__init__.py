@@ -7,7 +7,7 @@
     with EdgeSession.connect("http://127.0.0.1:8080", api_key=KEY) as session:
         result = session.ask(context_id, "What does it say about warranty?",
                              AskOptions(strategy="sparkv"))
-        print(result.answer)
+        print(result.text)
         print(result.breakdown.table())
 
 See docs/edge.md.

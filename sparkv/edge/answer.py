@@ -80,9 +80,10 @@ class Breakdown:
 @dataclass
 class AskResult:
     """The answer and everything measured on the way; a :class:`~sparkv.generation.Generation`
-    (``text`` is ``answer``, ``tokens``, ``stats``)."""
+    (``text``: the answer, ``tokens``, ``stats``), with the :class:`Breakdown`, the plan and the
+    load beside it."""
 
-    answer: str
+    text: str
     tokens: list[int]
     breakdown: Breakdown
     plan: Plan | None
@@ -95,11 +96,6 @@ class AskResult:
     @property
     def ttft_s(self) -> float:
         return self.breakdown.ttft_s
-
-    @property
-    def text(self) -> str:
-        """The answer (the name every generation result shares)."""
-        return self.answer
 
     @property
     def stats(self) -> dict[str, Any]:

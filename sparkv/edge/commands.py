@@ -183,12 +183,11 @@ def _ask(args: argparse.Namespace) -> int:
                              ask_deadline_s=args.ask_deadline_s)
         res = session.ask(context, args.question, options)
     if args.json:
-        print(json.dumps({"answer": res.answer, "tokens": res.tokens,
-                          "breakdown": res.breakdown.to_dict(),
+        print(json.dumps({"text": res.text, "tokens": res.tokens, "stats": res.stats,
                           "plan": res.plan.counts() if res.plan else None,
                           "kept_id": res.kept_id, "context_id": context}, indent=1))
     else:
-        print(res.answer.strip())
+        print(res.text.strip())
         print()
         print(res.breakdown.table())
         if res.kept_id is not None:

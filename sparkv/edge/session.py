@@ -2,7 +2,7 @@
 
     with EdgeSession.connect("http://127.0.0.1:8080", api_key=KEY) as session:
         result = session.ask(context_id, "What does it say about warranty?")
-        print(result.answer); print(result.breakdown.table())
+        print(result.text); print(result.breakdown.table())
 
 A session owns what outlives one question: the device's model, the cost model of its layer
 steps, and the :class:`Priors` learned from earlier loads (link throughput, compute speed,

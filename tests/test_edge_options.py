@@ -89,3 +89,38 @@ def test_options_and_keywords_give_the_same_answer(smollm2):
     assert a.breakdown.strategy == b.breakdown.strategy == "local"
     assert a.breakdown.to_dict().keys() == b.breakdown.to_dict().keys()
     assert a.context_tokens == len(ids) and not a.breakdown.fallback
+
+
+class _Started(Exception):
+    """The ask got past its checks to a load's first step."""
+
+
+def test_an_ask_past_the_models_positions_is_refused_before_any_work(monkeypatch):
+    """The device service's rule (PromptTooLong): context + question + answer within the model's
+    positions, checked on token counts before the prelude or the plan (no long prefill here)."""
+    from sparkv.device import PromptTooLong
+    from sparkv.edge import EdgeClient
+    from sparkv.edge.prelude import Prelude
+    from sparkv.runtime.model import load_model
+    from tests.helpers import shared_tiny_checkpoint
+
+    lm = load_model(str(shared_tiny_checkpoint()), progress=False)
+    limit, question, new = lm.max_positions, "What is it about?", 16
+    room = limit - len(question_suffix(lm, question, True)) - new   # the longest context asked
+
+    def started(*a, **k):
+        raise _Started()
+
+    monkeypatch.setattr(Prelude, "start", started)
+    monkeypatch.setattr(EdgeSession, "_plan", started)
+    with EdgeSession(EdgeClient("http://127.0.0.1:9"), lm) as session:   # never asked
+        for prelude in (None, False):   # refused before the prelude starts, or the plan
+            with pytest.raises(PromptTooLong, match=f"would hold {limit + 1} tokens; .* {limit}"):
+                session.ask("c1", question, token_ids=[5] * (room + 1), strategy="local",
+                            max_new_tokens=new, prelude=prelude)
+        with pytest.raises(_Started):   # exactly at the limit: the ask goes on
+            session.ask("c1", question, token_ids=[5] * room, strategy="local",
+                        max_new_tokens=new, prelude=False)
+        with pytest.raises(_Started):   # the prelude starts too
+            session.ask("c1", question, token_ids=[5] * room, strategy="local",
+                        max_new_tokens=new)

@@ -285,6 +285,8 @@ class EdgeSession:
                 (or an answer over its size limit or past its deadline) while the context is
                 not on this device; ``keep`` without a context service.
             ManifestError: a manifest of another model, or whose geometry is absurd for it.
+            PromptTooLong: the context, the question and ``max_new_tokens`` past the model's
+                positions (before any work).
         """
         opts = AskOptions.resolve(options, overrides)
         suffix = question_suffix(self.lm, question, opts.chat)
@@ -324,8 +326,7 @@ class EdgeSession:
         geo = (known.chunk_geometry if known is not None
                and known.chunk_geometry.num_tokens == len(tokens)
                else _default_geometry(self.lm, len(tokens)))
-        if self.lm.max_positions and len(tokens) > self.lm.max_positions:
-            return None   # too long for the model: the load says so with its own error
+        self._check_room(ask, len(tokens))
         lm, attn, spare, lane = self.lm, ask.attention, ask.spare, ask.lane
 
         def make() -> LayerStepper:
@@ -346,6 +347,7 @@ class EdgeSession:
     def _fetch(self, ask: _Ask) -> _Fetched:
         """The manifest and the token ids, checked against the device's model."""
         manifest, tokens = self._context(ask)
+        self._check_room(ask, len(tokens))
         if manifest is not None:
             self._check_manifest(manifest)
             manifest.check_tokens(tokens)
@@ -358,6 +360,19 @@ class EdgeSession:
             self._check_manifest(pressed)
             pressed.check_tokens(tokens)
         return _Fetched(manifest, tokens, pressed, time.perf_counter() - ask.t_start)
+
+    def _check_room(self, ask: _Ask, context_tokens: int) -> None:
+        """:class:`~sparkv.device.errors.PromptTooLong` when the context, the question and the
+        longest answer asked for would run past the model's positions: the device service's rule
+        (:func:`~sparkv.device.inputs.check_length`), checked before any load or prelude."""
+        from sparkv.device.inputs import check_length
+
+        if self.lm.max_positions:
+            check_length(context_tokens, len(ask.suffix) + ask.options.max_new_tokens,
+                         self.lm.max_positions,
+                         f"context {ask.context_id} ({context_tokens} tokens), with a "
+                         f"{len(ask.suffix)}-token question and {ask.options.max_new_tokens} "
+                         "new tokens,")
 
     def _plan(self, ask: _Ask, fetched: _Fetched) -> _Planned:
         """The instance (this device's step costs, the link prior), the strategy's plan and

@@ -26,6 +26,7 @@ import pytest
 
 from sparkv.device.client import DeviceProcess
 from sparkv.device.errors import QueueFull, UnknownContext
+from sparkv.device.schemas import DoneEvent
 from sparkv.edge.client import EdgeClient
 from sparkv.runtime.generate import sample_text
 from helpers import shared_tiny_checkpoint, start_tiny_server, stop_checked
@@ -142,7 +143,7 @@ def test_concurrent_asks_each_get_the_tokens_they_get_alone(world):
             ("c", "sparkv", "Summarize it."), ("a", "hybrid", "Name one thing in it.")]
     with dev.client() as c:
         alone = [_ask(world, c, n, q, strategy=s, max_new_tokens=10, stop_at_eos=False,
-                      keep=False, backend="dense", level="raw")["tokens"] for n, s, q in jobs]
+                      keep=False, backend="dense", level="raw").tokens for n, s, q in jobs]
     together: list = [None] * len(jobs)
 
     def run(i: int) -> None:
@@ -156,8 +157,8 @@ def test_concurrent_asks_each_get_the_tokens_they_get_alone(world):
         th.start()
     for th in threads:
         th.join(GUARD_S)
-    assert [r["tokens"] for r in together] == alone
-    assert max(r["started"] for r in together) > 2            # 2 slots: some waited
+    assert [r.tokens for r in together] == alone
+    assert max(r.started for r in together) > 2            # 2 slots: some waited
 
 
 def test_a_full_queue_answers_429_and_a_client_that_leaves_cancels_its_ask(world):
@@ -201,7 +202,7 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_cancels_its_ask(world
 def test_no_ask_starves_admission_is_first_come_first_served(world):
     dev = world["dev"]
     stop = threading.Event()
-    submitted: list[tuple[float, dict]] = []
+    submitted: list[tuple[float, DoneEvent]] = []
 
     def steady() -> None:                                     # asks back to back, all along
         with dev.client() as cs:
@@ -232,8 +233,8 @@ def test_no_ask_starves_admission_is_first_come_first_served(world):
         stop.set()
         for th in streams:
             th.join(GUARD_S)
-    later = [d["started"] for t, d in submitted if t > t_mine + 0.5]
-    assert mine["started"] < min(later, default=mine["started"] + 1)
+    later = [d.started for t, d in submitted if t > t_mine + 0.5]
+    assert mine.started < min(later, default=mine.started + 1)
 
 
 def test_a_server_that_dies_mid_ask_fails_over_only_that_ask(world, tmp_path):

@@ -146,3 +146,51 @@ def _rest_errors(c: DeviceClient, proc: DeviceProcess, cid: str, doc: list[int])
                    json={"prompt": "hi", "max_new_tokens": -1})
     assert r.status_code == 422
     assert len(c.list()) == n                          # nothing half-made stays
+
+
+# ---- a restart in another compute configuration recomputes the KV of the old one ------------------
+def test_a_restart_with_another_dtype_recomputes_the_contexts_kv(tmp_path):
+    """The journal names the compute configuration (--dtype) each context's KV was made in: a
+    service restarted in another drops that KV (every chunk absent, none read from flash) and
+    recomputes it at the next call, with a warning; a restart in the same one reopens it."""
+    from tests.helpers import shared_tiny_checkpoint
+
+    swap, model = tmp_path / "swap", str(shared_tiny_checkpoint())
+
+    def serve(dtype: str, log: str) -> DeviceProcess:
+        return DeviceProcess(swap, budget_mb=40, model=model, log_path=tmp_path / log,
+                             extra_args=["--chunk-tokens", "16", "--dtype", dtype]).start()
+
+    proc = serve("float32", "a.log")
+    try:
+        with proc.client() as c:
+            cid = c.new_context(system_ids=list(range(300, 400)))
+            c.call(cid, prompt_ids=list(range(500, 520)), max_new_tokens=4)
+            held = c.describe(cid)["tokens"]
+    finally:
+        proc.stop()
+    assert [p for p in (swap / "contexts" / cid).iterdir() if p.suffix in (".skvs", ".skvt")]
+    record = json.loads((swap / "journal" / f"{cid}.json").read_text())
+    assert record["compute"] == "float32"
+    again = serve("bf16-weights", "b.log")
+    try:
+        with again.client() as c:
+            assert [d["id"] for d in c.list()] == [cid] and c.damaged() == []
+            chunks = c.describe(cid)["chunks"]
+            assert chunks["resident"] == chunks["flash"] == 0 and chunks["absent"] > 0
+            r = c.call(cid, prompt_ids=[9, 10], max_new_tokens=3, grow=False)
+            assert len(r.tokens) == 3 and r.stats["context_tokens"] == held
+            stats = c.stats()
+            assert stats["read_chunks"] == 0 and stats["recomputed_chunks"] > 0
+    finally:
+        again.stop()
+    assert (f"context {cid}: its KV was made in compute configuration float32, this service "
+            "computes in bf16-weights") in again.log()
+    assert json.loads((swap / "journal" / f"{cid}.json").read_text())["compute"] == "bf16-weights"
+    third = serve("bf16-weights", "c.log")     # the same configuration: reopened as it is
+    try:
+        with third.client() as c:
+            assert c.describe(cid)["chunks"]["flash"] > 0
+    finally:
+        third.stop()
+    assert "its KV was made in compute configuration" not in third.log()

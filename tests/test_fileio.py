@@ -77,9 +77,10 @@ def test_atomic_write_temp_files_are_hidden_and_unique(tmp_path, monkeypatch):
 
 def test_users_keep_their_files_and_formats(tmp_path):
     """The journal and the service's tier write the same files as before (read back by name)."""
-    j = Journal(tmp_path / "journal")
+    j = Journal(tmp_path / "journal", "float32")
     j.write("ctx1", {"tokens": [1, 2, 3]})
-    assert json.loads((tmp_path / "journal" / "ctx1.json").read_text())["tokens"] == [1, 2, 3]
+    doc = json.loads((tmp_path / "journal" / "ctx1.json").read_text())
+    assert doc["tokens"] == [1, 2, 3] and doc["compute"] == "float32"
     assert [r["id"] for r in j.records()] == ["ctx1"]
     j.remove("ctx1")
     j.remove("ctx1")                                # twice: no error

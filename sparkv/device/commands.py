@@ -114,6 +114,10 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                    help="with --port: where the token is kept, made 0600 on the first start "
                         "(default: $SPARKV_DEVICE_TOKEN_FILE, else <sparkv cache>/device/token)")
     s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    s.add_argument("--dtype", default="auto",
+                   help="the compute configuration (docs/dtypes.md: auto, float32, bfloat16, "
+                        "mixed, int8, int4, ...); a context journaled in another has its KV "
+                        "recomputed")
     s.add_argument("--policy", choices=POLICIES, default="llms",
                    help="how contexts are kept: LLMS, an LLMS ablation, or a vLLM-style "
                         "swapping baseline (docs/device-service.md)")
@@ -180,12 +184,12 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
     import torch
 
     from sparkv.device.service import ContextService, ServiceConfig
-    from sparkv.runtime.model import load_model
+    from sparkv.predictor.dtypes import load_model_in_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = int(args.memory_budget_mb * 1e6)
-    lm = load_model(args.model)
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device="cpu")
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens)
     ratio = args.ratio if args.ratio is not None else default_ratio(lm.fingerprint, config)
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens, ratio=ratio)
@@ -196,9 +200,9 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
             raise SparkvError(f"a {args.memory_budget_mb:g} MB budget cannot hold even one small "
                               f"context while it runs (needs at least {need / 1e6:.2f} MB)")
         damaged = f", {len(service.damaged)} damaged" if service.damaged else ""
-        log.info("sparkv device: %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
-                 "%d contexts reopened%s", lm.name, budget / 1e6, config.name, config.ratio,
-                 swap, service.reopened, damaged)
+        log.info("sparkv device: %s in %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
+                 "%d contexts reopened%s", lm.name, lm.compute.name, budget / 1e6, config.name,
+                 config.ratio, swap, service.reopened, damaged)
         if sockets is not None:
             return _listen_tcp(service, args, sockets)
         return _listen_unix(service, args)

@@ -8,7 +8,7 @@ ahead-of-time swap-out), and removed when the context is deleted::
     {"format": "sparkv-device-journal/1", "id": ..., "tokens": [...], "pending": [...],
      "system_prompt": ..., "chunk_tokens": 16, "levels": ["int8", "int4", ...],
      "mass": [...], "rows": [...], "calls": 3, "last_used": 17, "created_unix": ...,
-     "model": <fingerprint>}
+     "model": <fingerprint>, "compute": "float32"}
 
 ``tokens`` are the ids whose KV the context holds (the resident text LLMS keeps for
 recomputation); ``pending`` the ids decoded but not yet run through the model (the last answer
@@ -23,7 +23,12 @@ model and chunk size becomes a context, and the service's keeper gives it its me
 segments or chunk files, the newest of each chunk, attached as clean flash copies by
 :meth:`~sparkv.device.swap.SwapStore.attach`; a missing or damaged record is recomputed when the
 context is called; its partial last chunk absent). Records of another model
-or chunk size are left alone (not this service's to reopen). A context that cannot be reopened is
+or chunk size are left alone (not this service's to reopen). ``compute`` names the compute
+configuration the context's KV was made in (``--dtype``, :mod:`sparkv.runtime.compute`; a record
+without it was made in ``float32``): a record of another configuration is reopened with its KV
+dropped (its flash copies deleted, every chunk recomputed in this configuration at its next
+call) and a warning naming both, since KV of one configuration means something else in another
+(docs/dtypes.md); its record then names this configuration. A context that cannot be reopened is
 never dropped silently: a record that cannot be read (cut short, not JSON, another format or id)
 or that does not make a context (token ids outside the model's vocabulary, unknown levels, no
 tokens), and a context directory with no record at all (the service stopped while the context
@@ -41,6 +46,7 @@ the service takes calls.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -59,7 +65,12 @@ if TYPE_CHECKING:
     from sparkv.device.keeper import Keeper
     from sparkv.runtime.model import LoadedModel
 
+log = logging.getLogger("sparkv.device")
+
 FORMAT = "sparkv-device-journal/1"
+#: the compute configuration of a record that names none (journals written before records
+#: named theirs: the service computed in float32)
+UNNAMED_COMPUTE = "float32"
 #: the largest record read back (a context of 32K tokens writes about 2 MB)
 MAX_RECORD_BYTES = 64 << 20
 
@@ -67,8 +78,9 @@ MAX_RECORD_BYTES = 64 << 20
 class Journal:
     """Per-context records under ``root`` (module docstring)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], compute: str) -> None:
         self.root = private_dir(root)
+        self.compute = compute                      # the configuration every record names
         self.writes = 0
         self.damaged: list[DamagedContext] = []    # what :func:`reopen` could not reopen
 
@@ -78,7 +90,7 @@ class Journal:
     def write(self, ctx_id: str, record: dict[str, Any]) -> None:
         """Replaces ``ctx_id``'s record atomically; :class:`~sparkv.device.errors.FlashFull`
         (the old record left as it was) if the flash has no room."""
-        doc = {"format": FORMAT, "id": ctx_id, **record}
+        doc = {"format": FORMAT, "id": ctx_id, **record, "compute": self.compute}
         with writing(self.root, f"context {ctx_id}'s journal record was not written"):
             atomic_write(self.path(ctx_id), json.dumps(doc, separators=(",", ":")).encode(),
                          mode=FILE_MODE)
@@ -141,6 +153,9 @@ def reopen(journal: Journal, lm: LoadedModel, chunk_tokens: int, swap: SwapStore
         try:
             ctx = context_of(doc, vocab, swap)
             keeper.reopen(ctx, [str(lv) for lv in doc.get("levels") or []])
+            made_in = str(doc.get("compute") or UNNAMED_COMPUTE)
+            if made_in != journal.compute:
+                _recompute(ctx, made_in, journal, keeper, lm.fingerprint)
             out.append(ctx)
         except Exception as e:  # noqa: BLE001 - any record that makes no context is damaged
             journal.damaged.append(DamagedContext(
@@ -151,6 +166,17 @@ def reopen(journal: Journal, lm: LoadedModel, chunk_tokens: int, swap: SwapStore
                                             "stopped while the context was being made)")
                         for cid in swap.context_ids() if cid not in recorded]
     return out
+
+
+def _recompute(ctx: DeviceContext, made_in: str, journal: Journal, keeper: "Keeper",
+               fingerprint: str) -> None:
+    """Drops the KV of ``ctx``, made in configuration ``made_in`` (not the journal's): every
+    chunk absent, recomputed at its next call; its record then names the journal's."""
+    keeper.drop_flash(ctx)
+    journal.write(ctx.id, ctx.record(fingerprint))
+    log.warning("context %s: its KV was made in compute configuration %s, this service computes "
+                "in %s (--dtype): its flash copies are dropped and its %d tokens recomputed at "
+                "its next call", ctx.id, made_in, journal.compute, len(ctx.tokens))
 
 
 def commit(ctx: DeviceContext, keeper: "Keeper", journal: Journal | None, health: FlashHealth,

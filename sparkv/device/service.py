@@ -133,7 +133,8 @@ class ContextService:
         self.swap_dir = private_dir(swap_dir)
         self.flash_lock = FlashDirLock(self.swap_dir)
         self.swap = SwapStore(self.swap_dir, contiguous=self.config.contiguous)
-        self.journal = Journal(self.swap_dir / "journal") if self.config.journal else None
+        self.journal = (Journal(self.swap_dir / "journal", self.lm.compute.name)
+                        if self.config.journal else None)
         install_hooks(self.lm.model)
         self.vocab = vocab_size(self.lm)
         self.max_tokens = longest_context(self.config, self.lm.max_positions)

@@ -603,6 +603,7 @@ class TurnLane:
 
         self.src, self.refusals = src, refusals
         self.asked = 0
+        self.pending: list[float] = []
         self.opened_while_refused: int | None = None
         self._lock = threading.Lock()
 
@@ -625,6 +626,7 @@ class TurnLane:
 
         with self._lock:
             self.asked += 1
+            self.pending.append(pending_bytes)
             if self.asked <= self.refusals:
                 return LinkTurn(1e6, False)
             if self.opened_while_refused is None:
@@ -648,3 +650,19 @@ def test_a_link_waiting_for_its_turn_sends_nothing_and_is_not_idle(world):
     load = _run_exact(engine, world)
     assert lane.opened_while_refused == 0
     assert load.sources == {"streamed": world["geo"].num_chunks} and not load.fallback
+
+
+def test_a_dead_link_stops_counting_its_bytes_against_the_other_asks(world):
+    """An ask whose link died computes everything missing: it reports nothing left to stream
+    from then on, so the asks behind it on the device's link plan do not wait for it."""
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(
+        fail_open=SourceError("server error 404 context_not_found: gone", fatal=True)))
+    lane = TurnLane(src, refusals=0)
+    inst = _instance(world)
+    plan = get_planner("stream").plan(inst)
+    stepper = SlowStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, plan, inst, ControllerConfig.static(), source=src,
+                    config=EngineConfig(retry_backoff_s=0.01), lane=lane)
+    load = _run_exact(engine, world)
+    assert "404" in load.fallback["link"]
+    assert lane.pending[0] > 0 and lane.pending[-1] == 0.0

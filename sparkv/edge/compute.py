@@ -205,8 +205,15 @@ class ComputeWorker:
             self._lane.check()
             st = self._hub.ctl.state
             st.compute_estimator.load = max(1.0, float(self._lane.load()))
-            turn = self._lane.link_turn(st.link.pending_bytes())
+            turn = self._lane.link_turn(self._link_pending())
             st.link_estimator.ahead_bytes = max(0.0, float(turn.ahead_bytes))
+
+    def _link_pending(self) -> float:
+        """The bytes this ask still wants from the link: none once the link is stopped, dead or
+        given up (what it still holds is computed: the other asks must not wait for it)."""
+        if self._link is None or self._stats.link_given_up:
+            return 0.0
+        return float(self._hub.ctl.state.link.pending_bytes())
 
     def _past_deadline(self) -> None:
         """The ask's time limit: once it passed (and the link is still wanted), the link is

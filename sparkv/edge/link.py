@@ -278,7 +278,8 @@ class Link:
         if self._lane is None:
             return True
         link = self._hub.ctl.state.link
-        go = self._lane.link_turn(link.pending_bytes()).go
+        pending = 0.0 if self._stats.link_given_up else link.pending_bytes()
+        go = self._lane.link_turn(pending).go
         self._awaiting_turn = not go and (leftover or bool(link.order))
         return go
 

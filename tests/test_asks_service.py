@@ -161,6 +161,33 @@ def test_concurrent_asks_each_get_the_tokens_they_get_alone(world):
     assert max(r.started for r in together) > 2            # 2 slots: some waited
 
 
+def test_concurrent_sparkv_asks_on_the_link_plan_get_the_tokens_they_get_alone(world):
+    """SparKV asks at once are planned on the one link (the default ``oldest`` link plan: each
+    streams on its turn, its controller computing what waiting would delay): each still gets
+    exactly the tokens it gets alone, and every seat leaves the plan with its ask."""
+    dev = world["dev"]
+    jobs = [("a", "Who wrote it?"), ("b", "Summarize it."), ("c", "What is it about?")]
+    fields = dict(strategy="sparkv", max_new_tokens=10, stop_at_eos=False, keep=False,
+                  backend="dense", level="raw")
+    with dev.client() as c:
+        alone = [_ask(world, c, n, q, **fields)["tokens"] for n, q in jobs]
+    together: list = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        with dev.client() as ci:
+            together[i] = _ask(world, ci, jobs[i][0], jobs[i][1], **fields)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(GUARD_S)
+    assert [r["tokens"] for r in together] == alone
+    with dev.client() as c:
+        plan = c.ask_stats()["link_plan"]
+    assert plan["policy"] == "oldest" and plan["asks"] == 0 and plan["pending_bytes"] == 0
+
+
 def test_a_full_queue_answers_429_and_a_client_that_leaves_cancels_its_ask(world):
     dev = world["dev"]
     with dev.client() as c:

@@ -591,3 +591,78 @@ def test_an_engine_without_a_link_never_migrates_to_it(world):
     load = _run_exact(engine, world)
     assert not load.fallback and load.sources == {"computed": len(list(world["geo"].chunk_ids()))}
     assert all(m.direction != "to_stream" and m.direction != "probe" for m in load.migrations)
+
+
+class TurnLane:
+    """A lane (sparkv.edge.lane.Lane) whose link turn stays refused until :attr:`go` is set:
+    what a device service's link plan says to an ask far back on the link. It counts the turns
+    asked for and the requests the source had opened when the turn came."""
+
+    def __init__(self, src: ScriptedSource, refusals: int) -> None:
+        import threading
+
+        self.src, self.refusals = src, refusals
+        self.asked = 0
+        self.pending: list[float] = []
+        self.opened_while_refused: int | None = None
+        self._lock = threading.Lock()
+
+    def hold(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def check(self) -> None:
+        pass
+
+    def load(self) -> float:
+        return 1.0
+
+    def attach(self, memory) -> None:
+        pass
+
+    def link_turn(self, pending_bytes: float):
+        from sparkv.edge.lane import LinkTurn
+
+        with self._lock:
+            self.asked += 1
+            self.pending.append(pending_bytes)
+            if self.asked <= self.refusals:
+                return LinkTurn(1e6, False)
+            if self.opened_while_refused is None:
+                self.opened_while_refused = len(self.src.opened)
+            return LinkTurn(0.0, True)
+
+
+def test_a_link_waiting_for_its_turn_sends_nothing_and_is_not_idle(world):
+    """Under a device's link plan the link sends a request only on the ask's turn. While it
+    waits with work queued it is busy, not idle: the idle rule (here 0.2 s of nothing scheduled)
+    does not compute what the link will deliver. Refused far longer than that rule's threshold
+    (the compute thread and the link loop each ask every 50 ms at most: 60 refusals are more
+    than 1.5 s of looking), the load then streams everything."""
+    src = ScriptedSource(world["frames"])
+    lane = TurnLane(src, refusals=60)
+    inst = _instance(world)
+    plan = get_planner("stream").plan(inst)
+    stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, plan, inst, ControllerConfig.static(), source=src,
+                    config=EngineConfig(stall_fallback_s=0.2, retry_backoff_s=0.01), lane=lane)
+    load = _run_exact(engine, world)
+    assert lane.opened_while_refused == 0
+    assert load.sources == {"streamed": world["geo"].num_chunks} and not load.fallback
+
+
+def test_a_dead_link_stops_counting_its_bytes_against_the_other_asks(world):
+    """An ask whose link died computes everything missing: it reports nothing left to stream
+    from then on, so the asks behind it on the device's link plan do not wait for it."""
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(
+        fail_open=SourceError("server error 404 context_not_found: gone", fatal=True)))
+    lane = TurnLane(src, refusals=0)
+    inst = _instance(world)
+    plan = get_planner("stream").plan(inst)
+    stepper = SlowStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, plan, inst, ControllerConfig.static(), source=src,
+                    config=EngineConfig(retry_backoff_s=0.01), lane=lane)
+    load = _run_exact(engine, world)
+    assert "404" in load.fallback["link"]
+    assert lane.pending[0] > 0 and lane.pending[-1] == 0.0

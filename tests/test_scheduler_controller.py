@@ -411,3 +411,22 @@ def test_a_link_far_below_its_estimate_is_dead_and_its_work_computed():
     honest = Controller(StreamOnly().plan(slow), slow, ControllerConfig.cachegen())
     simulate(honest.plan, slow, Trace.constant(0.2), controller=honest)
     assert honest.link_dead is None and not honest.migrations
+
+
+def test_bytes_of_other_asks_ahead_on_the_link_hand_work_to_the_compute_path():
+    """Other asks' bytes the link carries first (the link estimator's ``ahead_bytes``: a device
+    service's link plan) make the same plan's link the slower path: the controller computes work
+    it streams alone. Nothing ahead: no migration, the plan as alone."""
+    inst = synthetic_instance(8 * 1024, bandwidth_mbps=25, seed=1)
+    plan = Greedy().plan(inst)
+    alone = Controller(plan, inst, ControllerConfig())
+    behind = Controller(plan, inst, ControllerConfig())
+    ahead = 2.0 * sum(inst.bytes_of(c, plan.levels.get(c, inst.levels[0].name))
+                      for c in plan.stream_order)
+    behind.state.link_estimator.ahead_bytes = ahead
+    a, b = simulate(plan, inst, controller=alone), simulate(plan, inst, controller=behind)
+    assert not a.migrations
+    assert any(m.direction == "to_compute" for m in b.migrations)
+    assert b.computed_steps > a.computed_steps and b.bytes_streamed < a.bytes_streamed
+    _, link = behind.remaining(b.ready_s)      # the load's own link work is done
+    assert link == pytest.approx(ahead / behind.link_estimate(b.ready_s))

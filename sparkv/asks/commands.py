@@ -18,6 +18,7 @@ import sys
 from typing import Any, Callable
 
 from sparkv.asks.cores import GRANT_ORDERS
+from sparkv.asks.linkplan import LINK_PLANS
 
 __all__ = ["register", "install"]
 
@@ -42,6 +43,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="the order the cores go to the asks' units: turns (round robin: the asks "
                         "progress together) or oldest (the oldest ask's first; the others fill "
                         "the cores while it waits for its link)")
+    g.add_argument("--ask-link-plan", choices=tuple(LINK_PLANS), default="oldest",
+                   help="how the asks share the one link: oldest (the oldest SparKV ask's "
+                        "requests first; the others compute while they wait), shortest (the "
+                        "fewest bytes left first), even (no plan: every ask fetches freely "
+                        "with an even share), oldest-all (oldest, for every strategy's asks)")
     g.add_argument("--ask-server", default=None,
                    help="the server of asks that name none (its key: $SPARKV_API_KEY)")
     link = g.add_mutually_exclusive_group()
@@ -79,7 +85,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     asks = AskService(service, app.state.owners, slots=args.ask_slots, queue=args.ask_queue,
                       shaper=_shaper(args), default_server=args.ask_server,
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
-                      core_order=args.ask_core_order)
+                      core_order=args.ask_core_order, link_plan=args.ask_link_plan)
     app.state.asks = asks
     app.include_router(asks_router)
     app.include_router(chat_router)

@@ -42,7 +42,7 @@ import time
 import weakref
 from typing import Any, Iterator
 
-from sparkv.edge.lane import AskCancelled
+from sparkv.edge.lane import AskCancelled, LinkTurn
 
 __all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "GRANT_ORDERS"]
 
@@ -175,10 +175,12 @@ class AskLane:
     of compute, :meth:`cancel` from any thread. Made by :meth:`CoreGate.lane`.
 
     Its counters (``units``, ``waited_s``, ``waiting``, ``holding``, ``last_used``) change under
-    the gate's lock."""
+    the gate's lock. ``seat``: its seat in the service's link plan
+    (:class:`~sparkv.asks.linkplan.LinkSeat`; ``None``: the link is its own to use)."""
 
     def __init__(self, gate: CoreGate, lane_id: int) -> None:
         self.gate, self.id = gate, lane_id
+        self.seat: Any = None
         self.units = 0
         self.waited_s = 0.0
         self.waiting = 0
@@ -207,6 +209,10 @@ class AskLane:
 
     def load(self) -> float:
         return self.gate.load(self)
+
+    def link_turn(self, pending_bytes: float) -> LinkTurn:
+        """The ask's turn on the link (its seat's; always go without one)."""
+        return LinkTurn() if self.seat is None else self.seat.turn(pending_bytes)
 
     def attach(self, memory: Any) -> None:
         with self.gate._cv:

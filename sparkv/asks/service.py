@@ -19,6 +19,10 @@ for an app, on the service's one model, its one link and its kept contexts:
   running now (its compute share) and with the link's estimated rate over the asks on it (its
   link share); its controller follows the load as asks come and go
   (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`);
+* **the link's plan across asks** (:mod:`sparkv.asks.linkplan`): a planned ask (SparKV's, under
+  the default ``oldest`` policy) sends requests only on its turn, plans with the link's whole
+  rate from then on and with the bytes of the asks ranked before it, and its controller computes
+  what waiting for them would delay (its compute share: the asks older than it);
 * **one link**: every server client of the service reads through one
   :class:`~sparkv.edge.shaper.LinkShaper` (an emulated link when the service was given one);
 * **kept contexts** (:mod:`sparkv.asks.kept`): a loaded context is kept for the asking app (by
@@ -47,6 +51,7 @@ from sparkv.asks import forward
 from sparkv.asks.admission import Admission
 from sparkv.asks.cores import CoreGate
 from sparkv.asks.kept import AppContexts, KeepingTable
+from sparkv.asks.linkplan import LinkPlan, LinkSeat
 from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.errors import DeviceError
 from sparkv.device.owners import ContextOwners
@@ -129,18 +134,21 @@ class AskService:
         engine_config: the engines' knobs (``None``: their defaults).
         default_server, default_api_key: for asks that name no server or key.
         core_order: the order the cores are granted in (:data:`~sparkv.asks.cores.GRANT_ORDERS`).
+        link_plan: how the asks share the link (:data:`~sparkv.asks.linkplan.LINK_PLANS`).
     """
 
     def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
                  queue: int = 16, shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                  engine_config: Any = None, default_server: str | None = None,
-                 default_api_key: str | None = None, core_order: str = "oldest") -> None:
+                 default_api_key: str | None = None, core_order: str = "oldest",
+                 link_plan: str = "oldest") -> None:
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners
         self.lm = contexts.lm
         self.admission = Admission(slots, queue)
         self.gate = CoreGate(order=core_order)
+        self.link_plan = LinkPlan(link_plan)
         self.shaper = shaper or LinkShaper.unlimited()
         self.timeout_s = timeout_s
         self.engine_config = engine_config
@@ -183,12 +191,14 @@ class AskService:
 
     def stats(self) -> dict[str, Any]:
         """The admission's counts, the cores' (lanes, load, units, the KV memories the asks
-        hold), the counters, the link's estimated rate (bytes/s, ``None`` before any stream)
-        and the bytes it carried."""
+        hold), the counters, the link's estimated rate (bytes/s, ``None`` before any stream),
+        the bytes it carried and its plan's (:meth:`LinkPlan.stats
+        <sparkv.asks.linkplan.LinkPlan.stats>`)."""
         with self._lock:
             counters = dict(self.counters)
         return {**self.admission.stats(), "cores": self.gate.stats(), **counters,
-                "link_Bps": self._link.total_Bps, "link_bytes": self.shaper.bytes_taken}
+                "link_Bps": self._link.total_Bps, "link_bytes": self.shaper.bytes_taken,
+                "link_plan": self.link_plan.stats()}
 
     def close(self) -> None:
         """Takes no new ask, cancels the running ones and waits for their threads (at most
@@ -252,11 +262,12 @@ class AskService:
         req = ticket.request
         use_threads(torch.get_num_threads())
         lane = ticket.lane = self.gate.lane()
+        seat = lane.seat = self.link_plan.seat(lane.id, req.options.strategy)
         if ticket.cancelled.is_set():
             lane.cancel()
         sharers = self.admission.stats()["running"]
         session = EdgeSession(self._client(req.server, req.api_key), self.lm,
-                              priors=self._plan_priors(sharers),
+                              priors=self._plan_priors(sharers, seat),
                               engine_config=self.engine_config, context_service=kept)
         t0 = time.perf_counter()
         try:
@@ -264,7 +275,10 @@ class AskService:
                 res = session.ask(req.context_id, req.question, req.options, lane=lane)
         finally:
             lane.close()
-        self._learn(session, res, (sharers + self.admission.stats()["running"]) / 2)
+            seat.close()
+        # a planned ask streamed on its turn, the link mostly its own: its rate is the link's
+        self._learn(session, res, 1.0 if seat.planned
+                    else (sharers + self.admission.stats()["running"]) / 2)
         return {"type": "done", "id": ticket.id, "text": res.text, "tokens": res.tokens,
                 "stats": res.stats, "kept_id": res.kept_id, "not_kept": kept.not_kept,
                 "started": ticket.started,
@@ -272,14 +286,19 @@ class AskService:
                 "total_s": time.perf_counter() - ticket.submitted,
                 "lane": {"units": lane.units, "waited_s": lane.waited_s}}
 
-    def _plan_priors(self, sharers: int) -> Any:
+    def _plan_priors(self, sharers: int, seat: LinkSeat) -> Any:
         """This ask's starting point: the device's priors, its compute share (the learned
-        speed times the asks running now) and its link share."""
+        speed times the asks running now) and its link share (an even one). A planned ask
+        (``seat``) plans with the link's whole rate (the bytes of the asks before it come to
+        its controller as they change) and the cores' share of its rank (the asks before it
+        have them first)."""
         from sparkv.edge.session import Priors
 
         p = self.priors
-        return Priors(bandwidth_Bps=self._link.plan_Bps(sharers) or p.bandwidth_Bps,
-                      compute_scale=p.compute_scale * max(1, sharers),
+        share = 1 + seat.rank() if seat.planned else max(1, sharers)
+        return Priors(bandwidth_Bps=self._link.plan_Bps(1 if seat.planned else sharers)
+                      or p.bandwidth_Bps,
+                      compute_scale=p.compute_scale * share,
                       question_prefill_s=p.question_prefill_s)
 
     def _learn(self, session: Any, res: Any, sharers: float) -> None:

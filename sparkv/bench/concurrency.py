@@ -21,6 +21,10 @@ strategies are paired only over a constant link). Ratios at the largest N: SparK
 over Strong Hybrid's and local's; for every N >= 2, SparKV's p50 over N times its p50 at N = 1
 (the issue's targets: 1.3x, 5x, <= 0.75). With ``--json`` or ``--out``, a PNG beside the JSON:
 TTFT against N per strategy (the paper's Fig. 15).
+
+``--link-plans even,oldest`` runs every strategy under each of the service's link plans
+(``--ask-link-plan``, docs/asks.md), one service after the other over the same contexts: each
+point records its ``link_plan``, and the ratios are per plan (before and after in one run).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkv.asks.cores import GRANT_ORDERS
+from sparkv.asks.linkplan import LINK_PLANS
 from sparkv.bench.common import add_run_args, format_table, percentile, write_result
 
 STRATEGY_ORDER = ("local", "stream", "hybrid", "sparkv")
@@ -59,6 +64,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--link-rtt-ms", type=float, default=20.0, help="the link's round trip (ms)")
     p.add_argument("--core-order", choices=GRANT_ORDERS, default="oldest",
                    help="the service's --ask-core-order (docs/asks.md)")
+    p.add_argument("--link-plans", default="oldest",
+                   help="the service's --ask-link-plan, comma-separated: one service per plan, "
+                        "every strategy under each (e.g. even,oldest: before and after)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="T the server encodes with")
     p.add_argument("--levels", default="raw,q8,q5", help="levels the server encodes")
     p.add_argument("--max-new-tokens", type=int, default=8, help="answer tokens per ask")
@@ -203,10 +211,13 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for strategy in dict.fromkeys(p["strategy"] for p in points):
-        mine = sorted((p for p in points if p["strategy"] == strategy), key=lambda p: p["n"])
+    plans = set(p.get("link_plan") for p in points)
+    for key in dict.fromkeys((p["strategy"], p.get("link_plan")) for p in points):
+        mine = sorted((p for p in points if (p["strategy"], p.get("link_plan")) == key),
+                      key=lambda p: p["n"])
         ns = [p["n"] for p in mine]
-        line, = ax.plot(ns, [p["ttft_p50_s"] for p in mine], marker="o", label=strategy)
+        label = key[0] if len(plans) == 1 else f"{key[0]} ({key[1]} link plan)"
+        line, = ax.plot(ns, [p["ttft_p50_s"] for p in mine], marker="o", label=label)
         ax.fill_between(ns, [p["ttft_p50_s"] for p in mine], [p["ttft_p95_s"] for p in mine],
                         color=line.get_color(), alpha=0.15)
     ax.set_xlabel("simultaneous asks (N)")
@@ -219,10 +230,19 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _plans(args: argparse.Namespace) -> list[str]:
+    plans = _csv(args.link_plans)
+    bad = [x for x in plans if x not in LINK_PLANS]
+    if bad or not plans:
+        raise SystemExit(f"--link-plans: no plan {bad} (of {', '.join(LINK_PLANS)})")
+    return plans
+
+
 def run(args: argparse.Namespace) -> int:
     from sparkv.device.client import DeviceProcess
     from sparkv.server.process import ServerProcess, write_config
 
+    plans = _plans(args)
     ns = sorted(int(x) for x in _csv(args.n))
     load_before = os.getloadavg()
     strategies = _csv(args.strategies)
@@ -234,32 +254,38 @@ def run(args: argparse.Namespace) -> int:
         write_config(server_yaml, None, allow_anonymous=True, **models)
         server = ServerProcess(server_yaml, f"file://{tmp}/store", log_path=f"{tmp}/server.log").start()
         dev = None
+        points: list[dict[str, Any]] = []
         try:
             cids = _contexts(server.url, 1 if args.shared else ns[-1], args)
-            dev = DeviceProcess(Path(tmp) / "dev", args.budget_mb, model=args.model,
-                                torch_threads=args.threads or 2,
-                                extra_args=["--ask-slots", str(ns[-1]), "--ask-queue",
-                                            str(ns[-1]), *link, "--link-rtt-ms",
-                                            str(args.link_rtt_ms), "--ask-core-order",
-                                            args.core_order]).start()
-            points = []
-            for strategy in strategies:
-                _batch(dev, server.url, cids, strategy, 1, args)          # warm-up
-                for n in ns:
-                    points.append(_point(strategy, n, _batch(dev, server.url, cids, strategy,
-                                                             n, args), args))
-                    p = points[-1]
-                    print(f"{strategy} N={n}: TTFT p50 {p['ttft_p50_s']:.2f} s, makespan "
-                          f"{p['makespan_s']:.2f} s", flush=True)
+            for plan in plans:
+                dev = DeviceProcess(Path(tmp) / f"dev-{plan}", args.budget_mb, model=args.model,
+                                    torch_threads=args.threads or 2,
+                                    extra_args=["--ask-slots", str(ns[-1]), "--ask-queue",
+                                                str(ns[-1]), *link, "--link-rtt-ms",
+                                                str(args.link_rtt_ms), "--ask-core-order",
+                                                args.core_order, "--ask-link-plan",
+                                                plan]).start()
+                for strategy in strategies:
+                    _batch(dev, server.url, cids, strategy, 1, args)          # warm-up
+                    for n in ns:
+                        point = _point(strategy, n, _batch(dev, server.url, cids, strategy,
+                                                           n, args), args)
+                        points.append({**point, "link_plan": plan})
+                        print(f"[{plan}] {strategy} N={n}: TTFT p50 {point['ttft_p50_s']:.2f} "
+                              f"s, makespan {point['makespan_s']:.2f} s", flush=True)
+                dev.stop()
+                dev = None
         finally:
             if dev is not None:
                 dev.stop()
             server.stop()
-    ratios = _ratios(points)
+    ratios = {plan: _ratios([p for p in points if p["link_plan"] == plan]) for plan in plans}
+    if len(plans) == 1:
+        ratios = ratios[plans[0]]
     print(format_table(
-        ["strategy", "N", "TTFT p50 s", "p95 s", "max s", "makespan s", "MB/ask", "J/ask (est.)",
+        ["plan", "strategy", "N", "TTFT p50 s", "p95 s", "max s", "makespan s", "MB/ask", "J/ask (est.)",
          "RSS MB", "failed"],
-        [[p["strategy"], p["n"], f"{p['ttft_p50_s']:.2f}", f"{p['ttft_p95_s']:.2f}",
+        [[p["link_plan"], p["strategy"], p["n"], f"{p['ttft_p50_s']:.2f}", f"{p['ttft_p95_s']:.2f}",
           f"{p['ttft_max_s']:.2f}", f"{p['makespan_s']:.2f}", f"{p['mb_per_ask']:.2f}",
           f"{p['energy_j_per_ask']:.2f}", f"{p['rss_peak_mb']:.0f}", len(p["failed"])]
          for p in points]))

@@ -50,7 +50,8 @@ class ComputeWorker:
         deadline_s: the ask's time limit on the load's clock (``None``: none): once it passed,
             the link is stopped and everything missing is computed.
         lane: the ask's lane (:mod:`sparkv.edge.lane`): at every look for a step, its load is
-            the controller's compute load, and a cancelled ask raises
+            the controller's compute load, its link turn's bytes ahead the controller's
+            :attr:`~sparkv.scheduler.estimators.LinkEstimator.ahead_bytes`, and a cancelled ask raises
             :class:`~sparkv.edge.lane.AskCancelled` (the load ends with it).
     """
 
@@ -198,10 +199,21 @@ class ComputeWorker:
         return None
 
     def _share(self) -> None:
-        """The lane's news: cancelled (raises), and the other asks' load on the compute path."""
+        """The lane's news: cancelled (raises), the other asks' load on the compute path, and
+        the bytes of theirs the link carries before this ask's (the device's link plan)."""
         if self._lane is not None:
             self._lane.check()
-            self._hub.ctl.state.compute_estimator.load = max(1.0, float(self._lane.load()))
+            st = self._hub.ctl.state
+            st.compute_estimator.load = max(1.0, float(self._lane.load()))
+            turn = self._lane.link_turn(self._link_pending())
+            st.link_estimator.ahead_bytes = max(0.0, float(turn.ahead_bytes))
+
+    def _link_pending(self) -> float:
+        """The bytes this ask still wants from the link: none once the link is stopped, dead or
+        given up (what it still holds is computed: the other asks must not wait for it)."""
+        if self._link is None or self._stats.link_given_up:
+            return 0.0
+        return float(self._hub.ctl.state.link.pending_bytes())
 
     def _past_deadline(self) -> None:
         """The ask's time limit: once it passed (and the link is still wanted), the link is

@@ -88,8 +88,9 @@ class Engine:
             none); past it the link is stopped and everything missing computed
             (``LoadResult.fallback["deadline"]``).
         lane: the ask's share of a device serving several asks (:mod:`sparkv.edge.lane`): the
-            controller plans remaining compute with its load, and a cancelled ask ends the
-            load at the compute thread's next look (``None``: alone).
+            controller plans remaining compute with its load and the link's remaining time
+            with the others' bytes ahead, the link sends a request only on the ask's turn, and
+            a cancelled ask ends the load at the compute thread's next look (``None``: alone).
     """
 
     def __init__(self, stepper: LayerStepper, plan: Plan, inst: Instance,
@@ -117,7 +118,8 @@ class Engine:
         # the link runs whenever there is a source: a plan that streams nothing may still have
         # steps migrated to it (a device slower than its cost model said); without a running
         # link those chunks waited for the idle rule (1.5 s lost per ask, first seen on an H200)
-        self._link = (Link(self._hub, source, inst, self.kv, self._stats, self._decoder, cfg)
+        self._link = (Link(self._hub, source, inst, self.kv, self._stats, self._decoder, cfg,
+                           lane)
                       if source is not None else None)
         self._compute = ComputeWorker(self._hub, stepper, self._stats, self._link, self._decoder,
                                       prelude, cfg.stall_fallback_s, deadline_s, lane)

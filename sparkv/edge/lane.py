@@ -5,7 +5,11 @@ An ask alone owns the cores. Under a device service answering several apps at on
 layer steps run only while the lane holds the cores (one unit of compute at a time across every
 ask, granted in turn), the controller plans the ask's remaining compute with the load of the
 others (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`), and
-a cancelled ask stops at its next step.
+a cancelled ask stops at its next step. Its **link turn** (:meth:`Lane.link_turn`) is the
+service's plan of the one link across asks: whether the ask may send a request now, and how many
+bytes of the others the link carries before its own (the controller plans its remaining link
+time with them: :attr:`LinkEstimator.ahead_bytes
+<sparkv.scheduler.estimators.LinkEstimator.ahead_bytes>`).
 
 :class:`Lane` is the protocol :meth:`EdgeSession.ask <sparkv.edge.session.EdgeSession.ask>`
 takes (``ask(..., lane=...)``); :class:`LaneStepper` runs a stepper's steps on it. Without a lane
@@ -14,11 +18,24 @@ nothing changes: the steps run at once, the load is 1.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Protocol
+from typing import Any, ContextManager, NamedTuple, Protocol
 
 from sparkv.layout import StepId
 
-__all__ = ["AskCancelled", "Lane", "LaneStepper", "on_lane"]
+__all__ = ["AskCancelled", "Lane", "LaneStepper", "LinkTurn", "on_lane"]
+
+
+class LinkTurn(NamedTuple):
+    """What the device's link plan says to one ask now.
+
+    Attributes:
+        ahead_bytes: bytes of other asks the link carries before this ask's (0: none).
+        go: whether the ask may send a request now (``False``: wait for its turn; a request
+            already sent goes on).
+    """
+
+    ahead_bytes: float = 0.0
+    go: bool = True
 
 
 class AskCancelled(Exception):
@@ -40,6 +57,12 @@ class Lane(Protocol):
     def load(self) -> float:
         """How many asks share the compute path now, this one included (1.0: alone): the
         controller's :attr:`~sparkv.scheduler.estimators.ComputeEstimator.load`."""
+        ...
+
+    def link_turn(self, pending_bytes: float) -> LinkTurn:
+        """The ask has ``pending_bytes`` still to arrive over the link (queued and in flight):
+        its turn on the link now (:class:`LinkTurn`). Called by the compute thread at every
+        look for a step, and by the link thread before each request."""
         ...
 
     def attach(self, memory: Any) -> None:

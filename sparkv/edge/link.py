@@ -9,7 +9,10 @@ frames piece by piece and hands each whole frame to the decode workers.
   beyond the expected first-byte delay;
 * a cancelled chunk aborts the response at once and the rest of the batch is requested again;
 * a failed request (refused, reset or cut, a 5xx, no response within ``open_timeout_s``, no
-  byte within ``read_timeout_s``) is retried ``retries`` times; then the link is declared dead.
+  byte within ``read_timeout_s``) is retried ``retries`` times; then the link is declared dead;
+* under a device service, a request is sent only on the ask's turn
+  (:meth:`Lane.link_turn <sparkv.edge.lane.Lane.link_turn>`, the service's link plan); while it
+  waits for its turn with work queued the link counts as busy (not idle, not silent).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 from sparkv.cache import ContextKV
 from sparkv.edge.frames import FrameDecoder
 from sparkv.edge.hub import EngineConfig, Hub
+from sparkv.edge.lane import Lane
 from sparkv.edge.stats import EngineStats
 from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceError
 from sparkv.layout import KVChunkId
@@ -117,9 +121,12 @@ class Link:
     """
 
     def __init__(self, hub: Hub, source: ChunkSource, inst: Instance, kv: ContextKV,
-                 stats: EngineStats, decoder: FrameDecoder, cfg: EngineConfig) -> None:
+                 stats: EngineStats, decoder: FrameDecoder, cfg: EngineConfig,
+                 lane: Lane | None = None) -> None:
         self._hub, self._source, self._inst, self._kv = hub, source, inst, kv
         self._stats, self._decoder, self._cfg = stats, decoder, cfg
+        self._lane = lane
+        self._awaiting_turn = False   # work queued, waiting for the ask's turn on the link
         self._outstanding = 0
         self._quiet_since = 0.0
         self._silence = 0.0
@@ -172,8 +179,9 @@ class Link:
         return self._silence
 
     def busy(self) -> bool:
-        """Whether a request is outstanding (or opened ahead)."""
-        return bool(self._outstanding) or self._prestarted is not None
+        """Whether a request is outstanding (or opened ahead), or work waits for the ask's
+        turn on the link."""
+        return bool(self._outstanding) or self._prestarted is not None or self._awaiting_turn
 
     # ---- the loop ----------------------------------------------------------------------------
     def _main(self) -> None:
@@ -258,9 +266,22 @@ class Link:
             return req, leftover
         with self._hub.cv:
             batch = [f for f in leftover if not self._done_or_cancelled(f.cid)]
+            if not self._my_turn(bool(batch)):
+                return None, batch
             if not batch:
                 batch = self._pull_batch()
         return (self._send(batch) if batch else None), []
+
+    def _my_turn(self, leftover: bool) -> bool:
+        """Under the lock: whether the ask may send a request now (always, alone). Waiting for
+        its turn with work queued marks the link busy, so the idle rule does not fire."""
+        if self._lane is None:
+            return True
+        link = self._hub.ctl.state.link
+        pending = 0.0 if self._stats.link_given_up else link.pending_bytes()
+        go = self._lane.link_turn(pending).go
+        self._awaiting_turn = not go and (leftover or bool(link.order))
+        return go
 
     async def _wait_for_work(self) -> None:
         assert self._wake is not None
@@ -353,6 +374,8 @@ class Link:
         with hub.cv:
             bw = hub.ctl.bandwidth_estimate(hub.now())
             if remaining / max(bw, 1.0) > self._source.rtt_s() + self._cfg.lead_s:
+                return
+            if not self._my_turn(False):
                 return
             batch = self._pull_batch()
         if batch:

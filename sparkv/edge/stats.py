@@ -132,6 +132,12 @@ class EngineStats:
             self.link_errors.append(f"{log.cid}: {why}")
 
     # ---- the result --------------------------------------------------------------------------
+    @property
+    def link_given_up(self) -> bool:
+        """Whether everything missing is being computed (the link dead, stalled, or past the
+        ask's time limit): what the link still holds is no longer waited for."""
+        return self.link_dead is not None or self.stall is not None or self.deadline is not None
+
     def fallback(self) -> dict[str, Any]:
         """What fell back and why (``LoadResult.fallback``; empty when nothing did)."""
         out: dict[str, Any] = {}

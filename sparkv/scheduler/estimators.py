@@ -22,11 +22,18 @@ class LinkEstimator:
         prior_Bps: the rate the plan was made with (the estimate before any sample).
         window_s: the sliding window of :meth:`window` (s).
         fast_window_s: the recent window of :meth:`recent` (s; 0: off).
+
+    Attributes:
+        ahead_bytes: bytes of other loads the link carries before this load's remaining work
+            (a device service's link plan, :mod:`sparkv.asks.linkplan`: the asks ranked before
+            this one). The rules plan the link's remaining time as ``(ahead_bytes + pending) /
+            estimate``. 0: the link is this load's alone.
     """
 
     def __init__(self, prior_Bps: float, window_s: float = 0.5,
                  fast_window_s: float = 0.15) -> None:
         self.prior_Bps = prior_Bps
+        self.ahead_bytes = 0.0
         self.window_s, self.fast_window_s = window_s, fast_window_s
         self._samples: deque[tuple[float, float, float]] = deque()
         self._total = [0.0, 0.0]          # bytes, seconds of every sample of the run

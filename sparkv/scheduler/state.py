@@ -99,9 +99,15 @@ class LoadState:
 
     # ---- estimates -----------------------------------------------------------------------
     def remaining(self, now: float) -> tuple[float, float]:
-        """``(compute_remaining_s, link_remaining_s)`` from the current estimates."""
+        """``(compute_remaining_s, link_remaining_s)`` from the current estimates; the link's
+        includes the other loads' bytes it carries first
+        (:attr:`LinkEstimator.ahead_bytes <sparkv.scheduler.estimators.LinkEstimator.ahead_bytes>`)."""
         comp = self.compute.remaining(self.compute_estimator.factor(), now)
-        return comp, self.link.pending_bytes() / self.link_estimator.estimate(now)
+        est = self.link_estimator
+        pending = self.link.pending_bytes()
+        if est.ahead_bytes > 0:
+            pending += est.ahead_bytes
+        return comp, pending / est.estimate(now)
 
     # ---- events --------------------------------------------------------------------------
     def mark_computed(self, s: int) -> None:

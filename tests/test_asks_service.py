@@ -170,7 +170,7 @@ def test_concurrent_sparkv_asks_on_the_link_plan_get_the_tokens_they_get_alone(w
     fields = dict(strategy="sparkv", max_new_tokens=10, stop_at_eos=False, keep=False,
                   backend="dense", level="raw")
     with dev.client() as c:
-        alone = [_ask(world, c, n, q, **fields)["tokens"] for n, q in jobs]
+        alone = [_ask(world, c, n, q, **fields).tokens for n, q in jobs]
     together: list = [None] * len(jobs)
 
     def run(i: int) -> None:
@@ -182,7 +182,7 @@ def test_concurrent_sparkv_asks_on_the_link_plan_get_the_tokens_they_get_alone(w
         th.start()
     for th in threads:
         th.join(GUARD_S)
-    assert [r["tokens"] for r in together] == alone
+    assert [r.tokens for r in together] == alone
     with dev.client() as c:
         plan = c.ask_stats()["link_plan"]
     assert plan["policy"] == "oldest" and plan["asks"] == 0 and plan["pending_bytes"] == 0

@@ -173,3 +173,17 @@ def test_the_breakdown_accounts_for_every_second_and_says_when_tokens_may_differ
     full = Breakdown("local", 1.0, decode=generate(
         tiny_llama, prompt, N, QUESTION, 4, kv_policy="full").decode_stats.to_dict()).table()
     assert "decode (full)" in full and "note" not in full
+
+
+def test_what_comes_after_the_last_token_is_not_counted_before_the_first(tiny_llama, prompt,
+                                                                         tmp_path):
+    """The pending page writes and the removal of the flash files come after the answer: the
+    generation's total counts them, so an ask's TTFT (its time minus total - first token) does
+    not."""
+    r = generate(tiny_llama, prompt, N, QUESTION, 6, kv_policy="dynakv", stop_at_eos=False,
+                 flash_dir=tmp_path, full_steps=2, **SMALL)
+    g, st = r.generation, r.decode_stats
+    assert st.teardown_s > 0
+    assert g.total_s - g.first_token_s >= st.teardown_s + st.decode_s
+    assert "of pending page writes and file removal" in "\n".join(
+        b for _, b in decode_rows(st.to_dict()))

@@ -460,7 +460,12 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
         while len(tokens) < max_new_tokens and not (stop_at_eos and token in eos):
             token = int(torch.argmax(s.feed([token])))
             tokens.append(token)
-        text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""
-        result = GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text,
-                                  prefill_s)
-        return DecodeResult(result, s.stats())
+        last = time.perf_counter()
+        stats = s.stats()
+    stats.teardown_s = time.perf_counter() - last
+    # total_s counts the pending page writes (stats) and the flash files' removal (close): an
+    # ask's TTFT is its time minus what came after the first token
+    text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""
+    result = GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text,
+                              prefill_s)
+    return DecodeResult(result, stats)

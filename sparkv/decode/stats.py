@@ -54,6 +54,8 @@ class DecodeStats:
             (off the first token's path); 0 while it runs.
         build_wait_s: what the switch to the clusters waited for the build; switch_s: the full
             steps' entries joining their clusters (part of decode_s).
+        teardown_s (:func:`~sparkv.decode.session.generate` only): after the last token, the
+            pending page writes and the removal of the flash files.
         the policy's share of decode_s: select_s, io_s (critical-path reads and waiting for
             prefetch), attend_s, update_s.
     Per-token figures of retrieval and flash divide by the tokens fed since the switch.
@@ -116,6 +118,7 @@ class DecodeStats:
     full_s: float = 0.0
     build_wait_s: float = 0.0
     switch_s: float = 0.0
+    teardown_s: float = 0.0
     select_s: float = 0.0
     io_s: float = 0.0
     attend_s: float = 0.0
@@ -169,4 +172,6 @@ def _time_text(d: dict[str, Any]) -> str:
             + f", the model and the rest {rest:.2f})")
     if probe:
         text += f" + the recall probe {probe:.2f} s"
+    if d.get("teardown_s"):
+        text += f"; then {d['teardown_s']:.2f} s of pending page writes and file removal"
     return text

@@ -153,6 +153,8 @@ def test_a_build_that_fails_raises_at_the_switch(tiny_llama, prompt, tmp_path, m
         with pytest.raises(OSError, match="flash full"):
             s.feed([tok])
         assert s.memory.positions == [N] * len(s.memory.positions)
+        with pytest.raises(RuntimeError, match="build failed"):     # not a decode over nothing
+            s.feed([tok])
 
 
 def test_the_breakdown_accounts_for_every_second_and_says_when_tokens_may_differ(

@@ -141,6 +141,7 @@ class DecodeSession:
         self.kv: ClusteredKV | StreamedKV | None = None
         self.cache: Any = None
         self.building: BackgroundBuild | None = None    # until the switch
+        self.failed: BaseException | None = None         # the build's error, raised at the switch
         self.decode_s = 0.0
         self.prefill_s = 0.0
         self.full_steps = 0          # feeds over the full KV while the clusters were built
@@ -215,8 +216,9 @@ class DecodeSession:
         self.building = None
         try:
             kv = building.wait()
-        except BaseException:
+        except BaseException as e:
             self.memory.truncate()
+            self.failed = e
             raise
         self.kv = kv
         t0 = time.perf_counter()
@@ -238,6 +240,9 @@ class DecodeSession:
         """Feeds tokens (a decoded token, or a whole new turn); the last position's logits."""
         if self.cache is None:
             raise RuntimeError("prefill() first")
+        if self.failed is not None:
+            raise RuntimeError(f"the clusters' build failed ({self.failed!r}): this session "
+                               "cannot decode further") from self.failed
         t0 = time.perf_counter()
         full = self.building is not None and self.forwards < self.cfg.full_steps
         if self.building is not None and not full:

@@ -72,15 +72,16 @@ def main() -> int:
             t0 = time.perf_counter()
             try:
                 s = DecodeSession(lm, layers, len(ctx), name, final_tokens=final, probe=pol != "stream",
-                                  ram_budget=b, budget=0.1)
+                                  ram_budget=b, budget=0.1, full_steps=0)
             except ValueError as e:
                 doc["results"].append({"policy": pol, "budget_frac": b, "refused": str(e)})
                 save()
                 continue
             with s:
                 logits = s.prefill(q)
-                if pol == "dynakv-padded":
-                    s.kv.arena = None                     # the padded path of before
+                if pol == "dynakv-padded":                # the padded path of before
+                    assert s.building is not None
+                    s.building.wait().arena = None
                 agree = int(int(logits.argmax()) == ref[0])
                 for i in range(len(ref) - 1):
                     agree += int(int(s.feed([ref[i]]).argmax()) == ref[i + 1])

@@ -32,9 +32,6 @@ log = logging.getLogger("sparkv.demo")
 
 DEMO_QUESTION = "What does this text say about warranty? Answer in one sentence."
 FOLLOW_UP = "Who may copy and distribute this text? Answer in one sentence."
-#: ``--press auto`` without a press that passes the model's quality table: this one, answered with
-#: its verdict printed beside the answer (question-agnostic AdaKV at 50%, a fixed probe window)
-FALLBACK_PRESS = "adakv:0.5@repeat"
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -53,8 +50,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d.add_argument("--press", default="auto", metavar=PRESS_METAVAR,
                    help="also answer with sparkv from a variant of the context compressed on the "
                         "server by this KV press (docs/presses.md; 'none' to skip; 'auto': the "
-                        "most compressing press that passes the model's quality table, else "
-                        f"{FALLBACK_PRESS}; its verdict is printed beside the answer)")
+                        "most compressing press that passes the model's quality table, else the "
+                        "most compressing codec level that passes, for every streamed chunk; the "
+                        "verdict is printed beside the answer)")
     d.add_argument("--out-dir", default="sparkv-demo",
                    help="directory for the plot and JSON")
     d.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -162,7 +160,7 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
         print(f"[{strat:>6}] {res.text.strip()}", flush=True)
     press = (args.press or "").strip()
     if "sparkv" in strategies and press.lower() not in ("", "none"):
-        _ask_pressed(session, cid, press, args, ref, runs, rows)
+        _ask_variant(session, cid, press, args, ref, runs, rows)
     if "sparkv" in strategies:
         follow = session.ask(cid, FOLLOW_UP,
                              AskOptions(max_new_tokens=args.max_new_tokens, keep=True))
@@ -182,15 +180,46 @@ def _ask(session: Any, cid: str, args: argparse.Namespace, options: Any) -> Any:
     return session.ask(cid, args.question, options)
 
 
-def _ask_pressed(session: Any, cid: str, press: str, args: argparse.Namespace, ref: list[int],
+def _ask_variant(session: Any, cid: str, press: str, args: argparse.Namespace, ref: list[int],
                  runs: list[tuple[str, Any]], rows: list[list[Any]]) -> None:
-    """Has the server compress the context with the press ``press`` and asks sparkv over the
-    compressed variant (appended to ``runs`` and ``rows`` as ``sparkv+press``)."""
+    """The compressed variant: the press ``press`` (:func:`choose_press`); for ``auto`` without
+    a passing press, the most compressing codec level that passes (:func:`passing_level`), else
+    nothing. Says in one line why a press was not used."""
+    from sparkv.edge.options import AskOptions
+
+    spec, note = choose_press(session.lm.fingerprint, press)
+    if spec is not None:
+        _ask_pressed(session, cid, spec, note, args, ref, runs, rows)
+        return
+    levels = [x for x in args.levels.split(",") if x]
+    level = passing_level(session.lm.fingerprint, levels)
+    if level is None:
+        print(f"\n--press auto: {note}, nor does a codec level the server encoded "
+              f"({args.levels}): no compressed variant is shown", flush=True)
+        return
+    name, entry = level
+    print(f"\n--press auto: {note}; shown instead, the most compressing configuration that "
+          f"passes: every streamed chunk at {name} ({entry.bytes_per_token / 1e3:.1f} kB per "
+          f"token, quality table: {entry.verdict_summary})", flush=True)
+    res = _ask(session, cid, args, AskOptions(strategy="sparkv", level=name,
+                                              max_new_tokens=args.max_new_tokens,
+                                              use_cache=False))
+    label = f"sparkv@{name}"
+    runs.append((f"{label}: TTFT {res.breakdown.ttft_s:.2f} s", res))
+    rows.append(_row(label, res, ref))
+    print(f"[{label}] {res.answer.strip()}", flush=True)
+    print(f"  {reference_note(ref, res.tokens)}", flush=True)
+
+
+def _ask_pressed(session: Any, cid: str, spec: str, note: str, args: argparse.Namespace,
+                 ref: list[int], runs: list[tuple[str, Any]], rows: list[list[Any]]) -> None:
+    """Has the server compress the context with the press ``spec`` and asks sparkv over the
+    compressed variant (appended to ``runs`` and ``rows`` as ``sparkv+press``); ``note``: the
+    quality table's verdict on it."""
     from sparkv.edge.client import QualityWarning
     from sparkv.edge.options import AskOptions
     from sparkv.presses import canonical_spec
 
-    spec, note = choose_press(session.lm.fingerprint, press)
     spec = canonical_spec(spec)
     t0 = time.perf_counter()
     with warnings.catch_warnings():      # the demo prints the warning as its own line below
@@ -218,29 +247,62 @@ def reference_note(ref: list[int], tokens: list[int]) -> str:
     if list(tokens) == list(ref):
         return "the same tokens as the dense reference"
     return (f"NOT the dense reference's answer: greedy agreement {greedy_agreement(ref, tokens):.2f}"
-            " (this press changes what the model says; docs/quality.md)")
+            " (this configuration changes what the model says; docs/quality.md)")
 
 
-def choose_press(model_fingerprint: str, requested: str) -> tuple[str, str]:
+def _fewest_bytes(entries: list[Any]) -> Any:
+    """The entry that streams the fewest bytes per token (the first with equal or unknown
+    bytes), or ``None``."""
+    return min(entries, key=lambda e: e.bytes_per_token if e.bytes_per_token is not None
+               else float("inf"), default=None)
+
+
+def choose_press(model_fingerprint: str, requested: str) -> tuple[str | None, str]:
     """``(press spec, what the model's quality table says of it)``. ``auto``: the passing press
-    of the table's ``presses`` section that streams the fewest bytes per token (the first with
-    equal or unknown bytes), else :data:`FALLBACK_PRESS`; another spec is taken as given. The
-    note is the entry's verdict summary (``pass``, ``FAIL (...)``, ``undecided: ...``) or ``not
-    measured`` (no row, or a version 1 table)."""
+    of the table's ``presses`` section that streams the fewest bytes per token, else ``(None,
+    why no press is used)``; another spec is taken as given. The note is the entry's verdict
+    summary (``pass``, ``FAIL (...)``, ``undecided: ...``) or ``not measured`` (no row, or a
+    version 1 table)."""
     from sparkv.predictor.quality import passing_entries, usable_table
     from sparkv.presses import canonical_spec
 
     table = usable_table(model_fingerprint, check_codec=False)
     spec = requested
     if requested.strip().lower() == "auto":
-        passing = passing_entries(table, "presses") if table is not None else []
-        best = min(passing, key=lambda e: e.bytes_per_token if e.bytes_per_token is not None
-                   else float("inf"), default=None)
-        spec = best.name if best is not None else FALLBACK_PRESS
+        best = _fewest_bytes(passing_entries(table, "presses") if table is not None else [])
+        if best is None:
+            return None, _no_press_passes(table)
+        spec = best.name
     entry = table.entry("presses", canonical_spec(spec)) if table is not None else None
     if entry is None or not entry.verdict:
         return spec, "not measured"
     return spec, entry.verdict_summary
+
+
+def _no_press_passes(table: Any) -> str:
+    """Why ``--press auto`` uses no press (the table's press verdicts, when it has some)."""
+    if table is None:
+        return "this model has no quality table, so no KV press is known to pass"
+    judged = [e for e in table.section("presses") if e.verdict]
+    if not judged:
+        return "this model's quality table judged no KV press"
+    return ("no KV press passes this model's quality table ("
+            + ", ".join(f"{e.name} {e.verdict_summary}" for e in judged) + ")")
+
+
+def passing_level(model_fingerprint: str, encoded: list[str]) -> tuple[str, Any] | None:
+    """The most compressing codec level (fewest bytes per token) of those the server encoded
+    (``encoded``) that the model's quality table passes (:func:`allowed_levels
+    <sparkv.predictor.quality.allowed_levels>`), with its table entry; ``None`` when no lossy
+    one does (or there is no usable table)."""
+    from sparkv.predictor.quality import LOSSLESS, allowed_levels, usable_table
+
+    table = usable_table(model_fingerprint)
+    if table is None:
+        return None
+    allowed = set(allowed_levels(table)) & set(encoded) - {LOSSLESS}
+    best = _fewest_bytes([e for e in table.levels if e.name in allowed])
+    return None if best is None else (best.name, best)
 
 
 def _row(label: str, res: Any, ref: list[int]) -> list[Any]:
@@ -264,9 +326,9 @@ def _print_summary(lm: LoadedModel, ref: list[int], rows: list[list[Any]]) -> No
     sp = [r[1] for r in rows if r[0] == "sparkv"]
     if best and sp:
         print(f"\nsparkv TTFT / best baseline = {sp[0] / best:.2f}")
-    pressed = [r[1] for r in rows if r[0] == "sparkv+press"]
-    if best and pressed:
-        print(f"sparkv with the press, TTFT / best baseline = {pressed[0] / best:.2f}")
+    variant = [r for r in rows if r[0].startswith(("sparkv+", "sparkv@"))]
+    if best and variant:
+        print(f"{variant[0][0]}, TTFT / best baseline = {variant[0][1] / best:.2f}")
 
 
 def _write_results(out: Path, args: argparse.Namespace, context: list[int], link: str,

@@ -142,19 +142,44 @@ def test_press_warning_only_on_fail(tmp_path):
 
 def test_demo_press_choice(tmp_path, monkeypatch):
     import sparkv.predictor.quality as pq
-    from sparkv.demo import FALLBACK_PRESS, choose_press
+    from sparkv.demo import choose_press, passing_level
 
     path = tmp_path / "t.json"
     monkeypatch.setattr(pq, "quality_table_path", lambda fp: path)
     monkeypatch.setattr(pq, "bundled_quality_table_path", lambda fp: tmp_path / "none.json")
-    assert choose_press("fp123", "auto") == (FALLBACK_PRESS, "not measured")
+    spec, why = choose_press("fp123", "auto")
+    assert spec is None and "no quality table" in why          # no press is shown unjudged
+    assert passing_level("fp123", ["raw", "q8"]) is None
     big, small = _e("snapkv:0.2", "pass"), _e("adakv:0.5", "pass")
     small.bytes_per_token = 400.0
     _table(levels=[_e("raw")], presses=[big, small,
                                         _e("adakv:0.5@repeat", "fail")]).save(path)
     assert choose_press("fp123", "auto") == ("adakv:0.5", "pass")
-    spec, note = choose_press("fp123", "AdaKV:50%@repeat")
+    spec, note = choose_press("fp123", "AdaKV:50%@repeat")      # an explicit press: as given
     assert spec == "AdaKV:50%@repeat" and note.startswith("FAIL")
+    # no press passes: none is chosen, and the line says which failed
+    _table(levels=[_e("raw")], presses=[_e("adakv:0.5", "fail"),
+                                        _e("knorm:0.5", "undecided")]).save(path)
+    spec, why = choose_press("fp123", "auto")
+    assert spec is None
+    assert why == ("no KV press passes this model's quality table (adakv:0.5 FAIL "
+                   "(teacher_forced_drop), knorm:0.5 undecided: need 12 more QA questions)")
+
+
+def test_demo_shows_the_most_compressing_passing_level_of_the_shipped_table():
+    """The bundled SmolLM2's stored verdicts: every press fails, so ``--press auto`` shows no
+    press; the level variant is the passing level with the fewest bytes among those encoded
+    (q8 and q6 pass, q5 is undecided, q4 fails)."""
+    from sparkv.demo import choose_press, passing_level
+
+    fp = "6fac3bd521445dbb"
+    spec, why = choose_press(fp, "auto")
+    assert spec is None and why.startswith("no KV press passes this model's quality table")
+    assert "adakv:0.5@repeat FAIL" in why
+    level = passing_level(fp, ["raw", "q8", "q5"])              # the demo's default levels
+    assert level is not None and level[0] == "q8" and level[1].verdict_name == "pass"
+    assert passing_level(fp, ["raw", "q8", "q6", "q5", "q4"])[0] == "q6"
+    assert passing_level(fp, ["raw", "q5", "q4"]) is None        # none passes: left out
 
 
 # ---- the bench's wiring ---------------------------------------------------------------------------

@@ -84,8 +84,9 @@ def _session_run(lm: LoadedModel, layers: Any, ctx: list[int], q: list[int], ref
     from sparkv.runtime.generate import eos_ids
 
     final = len(ctx) + len(q) + len(ref) + len(follow) + 16
+    # full_steps=0: every step is the policy's (none over the full KV while the clusters build)
     kw: dict[str, Any] = {} if policy == "full" else {"ram_budget": ram_budget,
-                                                      "budget": retrieval}
+                                                      "budget": retrieval, "full_steps": 0}
     try:
         s = DecodeSession(lm, layers, len(ctx), policy, final_tokens=final, flash_dir=flash_dir,
                           probe=policy != "full", **kw)

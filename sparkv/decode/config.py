@@ -100,6 +100,12 @@ class DecodeConfig:
         op_cost_s, byte_cost_s: the flash cost model of the replacement policy (per read operation
             and per byte; this disk: ~80 us per 4-16 KiB read, ~0.55 ns/B at 1 MiB).
         seed: k-means seeding.
+        full_steps: the first decoding steps (forwards after the question) attend the full KV,
+            which is in RAM until the clusters are built anyway, while the clusters are built on
+            a thread: the build is off the first token's path. The step after them waits for the
+            build (if it is still running) and switches to the policy; a fixed count, so the
+            tokens do not depend on how fast the build ran. 0: every step is the policy's (the
+            first waits for the build). Clustered policies only (not ``stream``).
     """
 
     update: str = "dynakv"
@@ -130,6 +136,7 @@ class DecodeConfig:
     op_cost_s: float = 80e-6
     byte_cost_s: float = 0.55e-9
     seed: int = 0
+    full_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.update not in ("dynakv", "static", "local", "nocluster", "full", "stream"):
@@ -146,6 +153,8 @@ class DecodeConfig:
             raise ValueError("prefetch_margin must be >= 0")
         if not 0.0 < self.tau_quantile <= 1.0:
             raise ValueError("tau_quantile must be in (0, 1]")
+        if self.full_steps < 0:
+            raise ValueError("full_steps must be >= 0")
 
     def with_(self, **kw: Any) -> "DecodeConfig":
         return replace(self, **kw)

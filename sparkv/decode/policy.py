@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -96,6 +97,10 @@ def coretrieval_order(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | Non
         chain.append(nxt)
         placed[nxt] = True
     return chain
+
+
+class BuildStopped(Exception):
+    """A clustered memory's build was stopped (:meth:`ClusteredKV.build`'s ``stop``)."""
 
 
 def drain(futures: dict[int, Future], pool: ThreadPoolExecutor) -> None:
@@ -489,6 +494,13 @@ class LayerState:
                                            if u not in self.step_data)
         return misses + used_staged
 
+    def absorb(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Entries ``[H, q, D]`` at the next positions that were attended elsewhere (the full KV's
+        steps while the clusters were built) join their clusters as a step's new entries do,
+        with no attention and nothing selected (so no delayed split; a B_max overflow may read)."""
+        self.update(k, v)
+        self._end_step([[] for _ in self.indexes], [])
+
     def _end_step(self, selected: list[list[int]], read: list[int]) -> None:
         """Offers the clusters ``read`` to the cache, lets the new entries join their clusters
         (splits, buffers; :meth:`ClusterIndex.observe`, ``finish_step``) and slides the
@@ -738,12 +750,16 @@ class ClusteredKV:
         max_positions: the model's window (sizes ``nocluster``'s regions and the probe).
         flash_dir: where the layer files go (a temporary directory under it is made and removed).
         probe: measure attention-mass recall and output error against full attention.
+        deferred: only check the arguments (a ``ram_budget`` below the fixed parts is refused
+            here) and set up; the clusters are built by :meth:`build` (on a thread: the
+            session's background build, :mod:`sparkv.decode.background`).
     """
 
     def __init__(self, entries: Sequence[Sequence[HeadEntries]],
                  queries: Sequence[torch.Tensor | None] | None, num_query_heads: int,
                  cfg: DecodeConfig, *, final_tokens: int, max_positions: int,
-                 flash_dir: str | Path | None = None, probe: bool = False) -> None:
+                 flash_dir: str | Path | None = None, probe: bool = False,
+                 deferred: bool = False) -> None:
         if cfg.update == "full":
             raise ValueError("the full policy needs no clustered memory")
         self.cfg = cfg
@@ -773,6 +789,12 @@ class ClusteredKV:
         self.entry_bytes = eb
         self.final_kv_bytes = self.final_tokens * self.L * self.H * eb
         self.ram_budget = self._budget_bytes(cfg.ram_budget)
+        cap = None if self.ram_budget is None else self.ram_budget - self.fixed_ram_bytes()
+        if cap is not None and cap < 0:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise ValueError(f"ram_budget {self.ram_budget} B is below what the window, buffers and "
+                             f"write buffers take ({self.fixed_ram_bytes()} B)")
+        self.cache_capacity = cap
         self.cache = ClusterCache(None, cfg.replacement, op_cost_s=cfg.op_cost_s,
                                   byte_cost_s=cfg.byte_cost_s)
         #: every clustered entry held in RAM, as runs of rows (float32 on the CPU: the fused
@@ -784,27 +806,35 @@ class ClusteredKV:
             self.arena = RowArena(self.D, self.dtype, capacity=max(4096, int(rows)))
         self.prefetcher = Prefetcher(cfg.prefetch)
         self.layers: list[LayerState] = []
+        self.build_s = 0.0
+        self.warmed = 0
+        if not deferred:
+            self.build(entries, queries)
+
+    def build(self, entries: Sequence[Sequence[HeadEntries]],
+              queries: Sequence[torch.Tensor | None] | None,
+              stop: threading.Event | None = None) -> None:
+        """Clusters every layer's entries and places them on flash, then warms the cache (the
+        constructor's arguments). ``stop`` set: raises :class:`BuildStopped` at the next layer.
+        On an error the memory is closed (its files removed)."""
         t0 = time.perf_counter()
         try:
             for l, heads in enumerate(entries):  # noqa: E741
+                if stop is not None and stop.is_set():
+                    raise BuildStopped(f"the build stopped before layer {l}")
                 self.layers.append(LayerState(self, l, heads,
                                               None if queries is None else queries[l]))
+            cfg = self.cfg
+            self.cache = ClusterCache(self.cache_capacity, cfg.replacement,
+                                      op_cost_s=cfg.op_cost_s, byte_cost_s=cfg.byte_cost_s,
+                                      reserve_frac=cfg.reserve_frac)
+            self.warmed = self._warm() if cfg.warm else 0
         except BaseException:
             self.close()
             raise
-        self.build_s = time.perf_counter() - t0
-        cap = None if self.ram_budget is None else self.ram_budget - self.fixed_ram_bytes()
-        if cap is not None and cap < 0:
-            self.close()
-            raise ValueError(f"ram_budget {self.ram_budget} B is below what the window, buffers and "
-                             f"write buffers take ({self.fixed_ram_bytes()} B)")
-        self.cache = ClusterCache(cap, cfg.replacement, op_cost_s=cfg.op_cost_s,
-                                  byte_cost_s=cfg.byte_cost_s,
-                                  reserve_frac=cfg.reserve_frac)
-        self.cache_capacity = cap
-        self.warmed = self._warm() if cfg.warm else 0
         for state in self.layers:
             state.warm_data = {}
+        self.build_s = time.perf_counter() - t0
 
     def _warm(self) -> int:
         """Fills the cache at prefill (the entries are in RAM then, so it costs no read), by one

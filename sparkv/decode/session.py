@@ -22,6 +22,7 @@ import torch
 
 from sparkv.cache import AttentionView, ContextKV, SparkvCache
 from sparkv.cache.hf import SparkvLayer
+from sparkv.decode.background import BackgroundBuild
 from sparkv.decode.config import DecodeConfig, policy_config
 from sparkv.decode.hf import DynaKVCache
 from sparkv.decode.index import ClusterIndex
@@ -72,6 +73,36 @@ class _RecordingCache(SparkvCache):
                                      for l in range(memory.geometry.num_layers)])
 
 
+class _GrowingLayer(SparkvLayer):
+    """A :class:`SparkvLayer` that also keeps the entries it appends (the full KV's steps while
+    the clusters are built: they join the clusters at the switch)."""
+
+    def __init__(self, memory: ContextKV, layer: int) -> None:
+        super().__init__(memory, layer)
+        self.appended: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[Any, Any]:
+        self.appended.append((key_states[0].detach(), value_states[0].detach()))
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class _GrowingCache(SparkvCache):
+    def __init__(self, memory: ContextKV) -> None:
+        self.memory = memory
+        from transformers.cache_utils import Cache
+
+        self.growing = [_GrowingLayer(memory, l) for l in range(memory.geometry.num_layers)]
+        Cache.__init__(self, layers=list(self.growing))
+
+    def appended(self, l: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # noqa: E741
+        """Layer ``l``'s appended entries ``[H, q, D]`` (K, V), in order; None: none."""
+        parts = self.growing[l].appended
+        if not parts:
+            return None
+        return torch.cat([k for k, _ in parts], 1), torch.cat([v for _, v in parts], 1)
+
+
 class DecodeSession:
     """One decode over a context's KV under a policy.
 
@@ -89,6 +120,10 @@ class DecodeSession:
 
     ``prefill(question_ids)`` then ``feed(ids)`` (any number of tokens); each returns the last
     position's logits. ``stats()``; ``close()`` (also on ``with``).
+
+    A clustered policy builds its clusters on a thread from the end of ``prefill``: the first
+    ``full_steps`` feeds attend the full KV, the next one waits for the build and switches to the
+    policy (:class:`~sparkv.decode.config.DecodeConfig`, ``full_steps``).
     """
 
     def __init__(self, lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequence[int],
@@ -105,8 +140,14 @@ class DecodeSession:
         self.cur = self.n
         self.kv: ClusteredKV | StreamedKV | None = None
         self.cache: Any = None
+        self.building: BackgroundBuild | None = None    # until the switch
+        self.failed: BaseException | None = None         # the build's error, raised at the switch
         self.decode_s = 0.0
         self.prefill_s = 0.0
+        self.full_steps = 0          # feeds over the full KV while the clusters were built
+        self.full_s = 0.0
+        self.switch_s = 0.0          # the full steps' entries joining the clusters
+        self.build_wait_s = 0.0      # the switch's wait for the build
         self.tokens_fed = 0
         self.forwards = 0
         self._closed = False
@@ -153,26 +194,67 @@ class DecodeSession:
                 layers = self.memory.geometry.num_layers
                 entries = [self.memory.layer_entries(l) for l in range(layers)]
                 queries = [rec.queries.get(l) for l in range(layers)]
-                self.kv = ClusteredKV(entries, queries, int(self.lm.config.num_attention_heads),
-                                      self.cfg, final_tokens=self.final_tokens,
-                                      max_positions=int(self.lm.max_positions),
-                                      flash_dir=self.flash_dir, probe=self.probe)
-            finally:
+                kv = ClusteredKV(entries, queries, int(self.lm.config.num_attention_heads),
+                                 self.cfg, final_tokens=self.final_tokens,
+                                 max_positions=int(self.lm.max_positions),
+                                 flash_dir=self.flash_dir, probe=self.probe, deferred=True)
+            except BaseException:
                 self.memory.truncate()
-            self.cache = DynaKVCache(self.kv)
+                raise
+            # the clusters are built on a thread, off the first token's path; the full KV stays
+            # in RAM (and is attended) until the switch (feed)
+            self.building = BackgroundBuild(kv, entries, queries)
+            self.cache = _GrowingCache(self.memory)
         self.prefill_s = time.perf_counter() - t0
         return logits[-1].float()
+
+    def _switch(self) -> None:
+        """Waits for the clusters, lets the entries of the full KV's steps join them, gives the
+        memory back as it was and decodes over the clusters from now on."""
+        building, cache = self.building, self.cache
+        assert building is not None and isinstance(cache, _GrowingCache)
+        self.building = None
+        try:
+            kv = building.wait()
+        except BaseException as e:
+            self.memory.truncate()
+            self.failed = e
+            raise
+        self.kv = kv
+        t0 = time.perf_counter()
+        try:
+            for l, layer in enumerate(kv.layers):  # noqa: E741
+                new = cache.appended(l)
+                if new is not None:
+                    layer.absorb(*new)
+        finally:
+            self.memory.truncate()
+        if any(layer.end != self.cur for layer in kv.layers):
+            raise AssertionError("the clusters do not hold every position fed")
+        self.cache = DynaKVCache(kv)
+        self.switch_s = time.perf_counter() - t0
+        self.build_wait_s = building.wait_s
 
     @torch.inference_mode()
     def feed(self, ids: Sequence[int]) -> torch.Tensor:
         """Feeds tokens (a decoded token, or a whole new turn); the last position's logits."""
         if self.cache is None:
             raise RuntimeError("prefill() first")
+        if self.failed is not None:
+            raise RuntimeError(f"the clusters' build failed ({self.failed!r}): this session "
+                               "cannot decode further") from self.failed
         t0 = time.perf_counter()
+        full = self.building is not None and self.forwards < self.cfg.full_steps
+        if self.building is not None and not full:
+            self._switch()
         logits = self._forward(ids)
         if self.kv is not None:
             self.kv.end_step(len(ids))
-        self.decode_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.decode_s += dt
+        if full:
+            self.full_steps += 1
+            self.full_s += dt
         self.tokens_fed += len(ids)
         self.forwards += 1
         return logits[-1].float()
@@ -190,9 +272,11 @@ class DecodeSession:
         if self.kv is not None:
             self.kv.flush()
         st = DecodeStats(self.policy, steps=self.forwards, tokens=self.tokens_fed,
-                         decode_s=self.decode_s)
-        per = max(1, self.tokens_fed)
-        st.tokens_per_s = self.tokens_fed / self.decode_s if self.decode_s > 0 else 0.0
+                         decode_s=max(0.0, self.decode_s - self.build_wait_s))
+        st.budget = self.cfg.budget
+        st.full_steps, st.full_s = self.full_steps, self.full_s
+        st.build_wait_s, st.switch_s = self.build_wait_s, self.switch_s
+        st.tokens_per_s = self.tokens_fed / st.decode_s if st.decode_s > 0 else 0.0
         if self.kv is None:
             mem = self.memory
             st.ram_peak_bytes = mem.nbytes
@@ -201,7 +285,8 @@ class DecodeSession:
             st.hit_rate = st.ram_hit_rate = st.byte_hit_rate = 1.0
             return st
         kv, cnt = self.kv, self.kv.counters
-        st.decode_s = max(0.0, self.decode_s - cnt.probe_s)      # the probe is measurement only
+        per = max(1, cnt.tokens)                  # the tokens fed since the switch
+        st.decode_s = max(0.0, st.decode_s - cnt.probe_s)        # the probe is measurement only
         st.probe_s = cnt.probe_s
         st.tokens_per_s = self.tokens_fed / st.decode_s if st.decode_s > 0 else 0.0
         st.retrieved_entries, st.retrieved_bytes = cnt.retrieved_entries, cnt.retrieved_bytes
@@ -227,6 +312,9 @@ class DecodeSession:
         if self._closed:
             return
         self._closed = True
+        if self.building is not None:          # closed before the switch: the build stops
+            self.building.stop()
+            self.building = None
         if self.kv is not None:
             self.kv.close()
         else:
@@ -377,7 +465,12 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
         while len(tokens) < max_new_tokens and not (stop_at_eos and token in eos):
             token = int(torch.argmax(s.feed([token])))
             tokens.append(token)
-        text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""
-        result = GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text,
-                                  prefill_s)
-        return DecodeResult(result, s.stats())
+        last = time.perf_counter()
+        stats = s.stats()
+    stats.teardown_s = time.perf_counter() - last
+    # total_s counts the pending page writes (stats) and the flash files' removal (close): an
+    # ask's TTFT is its time minus what came after the first token
+    text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""
+    result = GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text,
+                              prefill_s)
+    return DecodeResult(result, stats)

@@ -46,8 +46,20 @@ class DecodeStats:
         staging), ram (the same at the end, by part), index_bytes (centroids and statistics;
         ``nocluster``: its keys), final_kv_bytes (every entry of every layer at the end).
     Time:
-        decode_s (without the recall probe's time, probe_s), tokens_per_s, build_s (clustering and placement), and the policy's share:
-        select_s, io_s (critical-path reads and waiting for prefetch), attend_s, update_s.
+        decode_s: every feed's time but the recall probe's (probe_s) and the wait for the
+            clusters (build_wait_s); tokens_per_s = tokens / decode_s.
+        full_steps / full_s: the first feeds, over the full KV while the clusters were built
+            (``DecodeConfig.full_steps``), and their time (part of decode_s).
+        build_s: clustering and placement, on a thread from the end of the question's prefill
+            (off the first token's path); 0 while it runs.
+        build_wait_s: what the switch to the clusters waited for the build; switch_s: the full
+            steps' entries joining their clusters (part of decode_s).
+        teardown_s (:func:`~sparkv.decode.session.generate` only): after the last token, the
+            pending page writes and the removal of the flash files.
+        the policy's share of decode_s: select_s, io_s (critical-path reads and waiting for
+            prefetch), attend_s, update_s.
+    Per-token figures of retrieval and flash divide by the tokens fed since the switch.
+    budget: the entries each KV head attends per step (a fraction <= 1 of what it holds).
     """
 
     policy: str
@@ -101,6 +113,12 @@ class DecodeStats:
     probe_s: float = 0.0
     tokens_per_s: float = 0.0
     build_s: float = 0.0
+    budget: float = 0.0
+    full_steps: int = 0
+    full_s: float = 0.0
+    build_wait_s: float = 0.0
+    switch_s: float = 0.0
+    teardown_s: float = 0.0
     select_s: float = 0.0
     io_s: float = 0.0
     attend_s: float = 0.0
@@ -109,3 +127,51 @@ class DecodeStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def decode_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
+    """A decode's rows of an ask's printed breakdown (``d``: :meth:`DecodeStats.to_dict`): what it
+    did, where every second went, and whether its tokens may differ from full KV's."""
+    rows = [(f"decode ({d['policy']})",
+             f"{d['tokens_per_s']:8.2f} tok/s, flash {d['flash_read_bytes_per_token'] / 1e3:.1f} "
+             f"kB/token in {d['flash_read_ops_per_token']:.1f} reads, hit rate "
+             f"{d['hit_rate']:.2f}, RAM peak {d['ram_peak_bytes'] / 1e6:.1f} MB")]
+    if d["policy"] == "full":
+        return rows
+    rows.append(("  decode time", _time_text(d)))
+    if d["policy"] == "stream":
+        rows.append(("  KV written to flash", f"{d['build_s']:8.3f} s, in the question's prefill"))
+        return rows
+    if d["build_s"]:
+        rows.append(("  cluster build", f"{d['build_s']:8.3f} s on a thread, off the first "
+                     f"token's path ({d['clusters']} clusters)"))
+    else:
+        rows.append(("  cluster build", "   not used: the answer ended within the steps over "
+                     "the full KV (the build was stopped)"))
+    b = d["budget"]
+    share = f"{b:.0%} of its entries" if b <= 1.0 else f"{b:g} entries"
+    first = d["full_steps"] + 2          # the question's token, then the full steps' tokens
+    rows.append(("  note", f"tokens 1-{first - 1} attend the full KV, as --decode full does; "
+                 f"from token {first} each KV head attends {share}, so the answer may leave "
+                 "full's from there: expected at a sparse budget (docs/dynakv.md)"))
+    return rows
+
+
+def _time_text(d: dict[str, Any]) -> str:
+    """Every second of a decode: the steps over the full KV, the wait for the clusters and
+    their catch-up, the policy's steps (by part) and the recall probe."""
+    wait, probe, full, switch = d["build_wait_s"], d["probe_s"], d["full_s"], d["switch_s"]
+    policy = d["decode_s"] - full - switch
+    parts = [("select", d["select_s"]), ("reads", d["io_s"]), ("attend", d["attend_s"]),
+             ("update", d["update_s"])]
+    rest = max(0.0, policy - sum(t for _, t in parts))
+    text = (f"{d['decode_s'] + wait + probe:8.3f} s = {d['full_steps']} steps over the full KV "
+            f"{full:.2f} s + waiting for the clusters {wait:.2f} s + their catch-up "
+            f"{switch:.2f} s + {d['steps'] - d['full_steps']} steps of the policy "
+            f"{policy:.2f} s (" + ", ".join(f"{n} {t:.2f}" for n, t in parts)
+            + f", the model and the rest {rest:.2f})")
+    if probe:
+        text += f" + the recall probe {probe:.2f} s"
+    if d.get("teardown_s"):
+        text += f"; then {d['teardown_s']:.2f} s of pending page writes and file removal"
+    return text

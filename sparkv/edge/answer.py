@@ -61,12 +61,9 @@ class Breakdown:
         if self.levels:
             r.append(("levels streamed", ", ".join(f"{k} x{v}" for k, v in self.levels.items())))
         if self.decode:
-            d = self.decode
-            r.append((f"decode ({d['policy']})",
-                      f"{d['tokens_per_s']:8.2f} tok/s, flash "
-                      f"{d['flash_read_bytes_per_token'] / 1e3:.1f} kB/token in "
-                      f"{d['flash_read_ops_per_token']:.1f} reads, hit rate {d['hit_rate']:.2f}, "
-                      f"RAM peak {d['ram_peak_bytes'] / 1e6:.1f} MB"))
+            from sparkv.decode.stats import decode_rows
+
+            r.extend(decode_rows(self.decode))
         if self.fallback:
             r.append(("FELL BACK to local compute", "; ".join(f"{k}: {v}"
                                                            for k, v in self.fallback.items())))

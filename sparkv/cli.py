@@ -26,7 +26,7 @@ import contextlib
 import importlib
 import os
 import sys
-from typing import Iterator, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 from sparkv.errors import SparkvError
 from sparkv.extras import as_missing_extra
@@ -37,6 +37,7 @@ COMMAND_MODULES: list[str] = [
     "sparkv.predictor.describe",
     "sparkv.server.commands",
     "sparkv.edge.commands",
+    "sparkv.edge.context_commands",
     "sparkv.device.commands",
     "sparkv.asks.commands",       # extends `device serve` (after sparkv.device.commands)
     "sparkv.demo",
@@ -68,8 +69,19 @@ def stated_default(action: argparse.Action) -> bool:
                 or isinstance(action, (argparse._HelpAction, argparse._VersionAction)))
 
 
+class Parser(argparse.ArgumentParser):
+    """Argparse's parser, whose usage error is one line (``sparkv ask: error: argument
+    --context: ...``, exit status 2) that names ``--help`` instead of printing the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """Every command's parser. Building it imports no heavy module (torch, transformers, the
+    server's FastAPI): a command module imports those in the function that runs the command,
+    so ``--help``, ``--version`` and a usage error cost no model load (tests/test_cli.py)."""
+    parser = Parser(
         prog="sparkv", description="Cloud-edge KV-cache streaming for on-device LLMs.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     add_output_args(parser)

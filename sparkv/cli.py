@@ -26,7 +26,8 @@ import contextlib
 import importlib
 import os
 import sys
-from typing import Iterator, NoReturn, Sequence
+import warnings
+from typing import Iterator, NoReturn, Sequence, TextIO
 
 from sparkv.errors import SparkvError
 from sparkv.extras import as_missing_extra
@@ -106,7 +107,7 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
                            "notes, no debug lines)")
     loud.add_argument("-q", "--quiet", action="store_true",
                       help="print only answers, tables, progress bars, warnings and errors (no "
-                           "notes such as 'loading the model')")
+                           "notes such as 'loading the model', no breakdown under ask's answer)")
     parser.add_argument("--no-progress", action="store_true", dest="no_progress_bars",
                         help="no progress bars, in any command (also: COMMAND --no-progress "
                              "where a command has it)")
@@ -122,8 +123,10 @@ def _output(args: argparse.Namespace) -> Iterator[None]:
     """Logging and progress bars as ``args`` say, for the duration of one command (the
     environment is restored after it: :func:`main` may run several times in one process)."""
     saved = dict(os.environ)
+    shown = warnings.showwarning
     args.verbosity = verbosity(args)
     setup_logging(args.verbosity)
+    warnings.showwarning = one_line_warning
     if args.no_progress_bars:
         disable_progress_bars()
         if hasattr(args, "no_progress"):      # the command's own --no-progress
@@ -131,8 +134,24 @@ def _output(args: argparse.Namespace) -> Iterator[None]:
     try:
         yield
     finally:
+        warnings.showwarning = shown
         os.environ.clear()
         os.environ.update(saved)
+
+
+def one_line_warning(message: Warning | str, category: type[Warning], filename: str,
+                     lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+    """How a command shows a warning: sparkv's own (a press that fails the quality table, ...)
+    as one line, ``sparkv: warning: ...``, without Python's source path and line of code;
+    another library's as Python shows it."""
+    if not category.__module__.startswith("sparkv"):
+        _SHOW_WARNING(message, category, filename, lineno, file, line)
+        return
+    text = " ".join(str(message).split())
+    print(f"sparkv: warning: {text}", file=file or sys.stderr)
+
+
+_SHOW_WARNING = warnings.showwarning
 
 
 def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("sparkv",)

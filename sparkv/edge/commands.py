@@ -196,8 +196,9 @@ def _ask(args: argparse.Namespace) -> int:
                           "kept_id": res.kept_id, "context_id": context}, indent=1))
     else:
         print(res.answer.strip())
-        print()
-        print(res.breakdown.table())
+        if getattr(args, "verbosity", 0) >= 0:       # -q: the answer only
+            print()
+            print(res.breakdown.table())
         if res.kept_id is not None:
             print(kept_note(res))
     return 0

@@ -144,14 +144,11 @@ def one_line_warning(message: Warning | str, category: type[Warning], filename: 
     """How a command shows a warning: sparkv's own (a press that fails the quality table, ...)
     as one line, ``sparkv: warning: ...``, without Python's source path and line of code;
     another library's as Python shows it."""
-    if not category.__module__.startswith("sparkv"):
-        _SHOW_WARNING(message, category, filename, lineno, file, line)
-        return
-    text = " ".join(str(message).split())
-    print(f"sparkv: warning: {text}", file=file or sys.stderr)
-
-
-_SHOW_WARNING = warnings.showwarning
+    if category.__module__.startswith("sparkv"):
+        text = "sparkv: warning: " + " ".join(str(message).split()) + "\n"
+    else:
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+    (file or sys.stderr).write(text)
 
 
 def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("sparkv",)

@@ -170,7 +170,7 @@ class StreamRequest(BaseModel):
     level: LevelName = Field(DEFAULT_LEVEL, description="level of items that name none")
 
 
-class ContextSummary(BaseModel):
+class ListedContext(BaseModel):
     """One complete context of ``GET /v1/contexts``: what its manifest says (every field but
     ``context_id`` is null when the stored manifest cannot be read)."""
 
@@ -196,7 +196,7 @@ class ContextList(BaseModel):
     """``GET /v1/contexts``: the tenant's complete contexts, sorted by id, and those being
     encoded."""
 
-    contexts: list[ContextSummary]
+    contexts: list[ListedContext]
     pending: list[PendingContext]
 
 

@@ -83,6 +83,8 @@ def test_ask_argument_errors_come_before_the_model(no_model, capsys):
     _fails(ask + ["--trace", "3g"], capsys, "'3g' is neither a bundled trace")
     _fails(ask + ["--decode-budget", "0.25"], capsys, "--decode-budget needs --decode")
     _fails(ask + ["--press", "nope:0.5"], capsys, "unknown press")
+    _fails(ask + ["--level", "q9"], capsys, "--level 'q9': choose auto or one of")
+    _fails(ask + ["--decode", "nope"], capsys, "unknown decode policy 'nope'")
     with pytest.raises(SystemExit) as e:                   # argparse: one link or the other
         main(ask + ["--trace", "lte", "--mbps", "20"])
     assert e.value.code == 2

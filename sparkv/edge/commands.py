@@ -153,6 +153,11 @@ def check_ask_args(args: argparse.Namespace) -> str | None:
     if args.decode_budget is not None and args.decode == FULL_DECODE:
         raise SparkvError("--decode-budget needs --decode POLICY (dynakv, static, local, ...): "
                           "the full policy keeps the whole KV in RAM")
+    from sparkv.codec import LEVEL_ORDER
+
+    if args.level != "auto" and args.level not in LEVEL_ORDER:
+        raise SparkvError(f"--level {args.level!r}: choose auto or one of "
+                          f"{', '.join(LEVEL_ORDER)}")
     if args.press is None:
         return None
     try:
@@ -170,6 +175,11 @@ def _ask(args: argparse.Namespace) -> int:
     shaper = shaper_from_args(args)    # a bad --trace fails here, before the model loads
     cache = None if args.no_cache else cache_dir() / "edge"
     limits = limits_from_args(args)
+    options = AskOptions(strategy=args.strategy, level=args.level, backend=args.backend,
+                         max_new_tokens=args.max_new_tokens, decode=args.decode,
+                         ram_budget=args.decode_budget, keep=args.keep,
+                         prelude=False if args.no_prelude else None,
+                         ask_deadline_s=args.ask_deadline_s)   # a bad --decode fails here too
     with _api_key_hint(), EdgeSession.connect(
             args.server, args.api_key, args.model, shaper=shaper, cache_dir=cache,
             limits=limits, device=args.device, dtype=args.dtype) as session:
@@ -183,11 +193,6 @@ def _ask(args: argparse.Namespace) -> int:
             session.context_service = ContextService(
                 session.lm, int(args.keep_budget_mb * 1e6),
                 args.keep_dir or cache_dir() / "device" / "kept")
-        options = AskOptions(strategy=args.strategy, level=args.level, backend=args.backend,
-                             max_new_tokens=args.max_new_tokens, decode=args.decode,
-                             ram_budget=args.decode_budget, keep=args.keep,
-                             prelude=False if args.no_prelude else None,
-                             ask_deadline_s=args.ask_deadline_s)
         res = session.ask(context, args.question, options)
     if args.json:
         print(json.dumps({"answer": res.answer, "tokens": res.tokens,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import time
 
@@ -663,3 +664,32 @@ def test_a_context_keeps_its_first_name_and_the_list_reports_it(alice, bob):
     for bad in ("", "x" * 101, "line\nbreak"):
         assert_error(alice.post("/v1/contexts", json={"token_ids": ids, "name": bad}), 422)
     assert alice.delete(f"/v1/contexts/{out['context_id']}").status_code == 204
+
+
+def test_the_context_commands_create_list_describe_and_delete(tiny_server, tmp_path, capsys):
+    """``sparkv context create FILE --name``, ``list``, ``describe``, ``delete`` against the
+    server: the id alone on stdout, the list's name and token count, a second delete one line."""
+    from sparkv.cli import main
+
+    key = tiny_server.keys["alice"]
+    where = ["--server", tiny_server.url, "--api-key", key]
+    (tmp_path / "notes.txt").write_text("The warranty covers two years of repairs. " * 3)
+    assert main(["context", "create", str(tmp_path / "notes.txt"), "--name", "notes",
+                 *where]) == 0
+    cid = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", cid)
+    assert main(["context", "list", *where]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(cid))
+    tokens = row.split()[2]
+    assert row.split()[1] == "notes" and int(tokens) > 0 and row.split()[3] == "tiny"
+    assert main(["context", "describe", cid, *where]) == 0
+    described = capsys.readouterr().out
+    assert f"name: notes\nnum_tokens: {tokens}\n" in described
+    assert "levels: raw, q5\n" in described
+    assert main(["context", "delete", cid, *where]) == 0
+    assert capsys.readouterr().out == f"deleted {cid}\n"
+    assert main(["context", "delete", cid, *where]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "context_not_found" in err, err
+    assert main(["context", "list", "--server", tiny_server.url, "--api-key", "skv_wrong"]) == 2
+    assert "401" in capsys.readouterr().err

@@ -72,9 +72,11 @@ A press spec is `NAME:BUDGET[@WINDOW]`: `adakv:0.2` keeps 20% of the entries (al
 question-agnostic window ([presses.md](presses.md)).
 
 Two spellings mean different things on purpose: `--json` prints the result as JSON in `encode`,
-`ask` and `device call`, but writes `bench/results/NAME.json` in a benchmark (`--out FILE`
-writes it elsewhere); `--server` is the sparkv server's URL (`ask`), `--url` the device
-service's (`device ...`). `encode --model` and `serve`'s config name a model of the server's
+`ask`, `context ...` and `device call|list|describe`, but writes `bench/results/NAME.json` in a
+benchmark (`--out FILE` writes it elsewhere); `--server` is the sparkv server's URL (`ask`,
+`context ...`), `--url` the device service's (`device ...`). A context's `--name` (`context
+create`, `encode`) labels a context on the server; a `--label` (`device create`) one in the
+device service. `encode --model` and `serve`'s config name a model of the server's
 config; elsewhere `--model` is a local checkpoint.
 """
 

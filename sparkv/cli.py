@@ -26,7 +26,8 @@ import contextlib
 import importlib
 import os
 import sys
-from typing import Iterator, Sequence
+import warnings
+from typing import Iterator, NoReturn, Sequence, TextIO
 
 from sparkv.errors import SparkvError
 from sparkv.extras import as_missing_extra
@@ -37,6 +38,7 @@ COMMAND_MODULES: list[str] = [
     "sparkv.predictor.describe",
     "sparkv.server.commands",
     "sparkv.edge.commands",
+    "sparkv.edge.context_commands",
     "sparkv.device.commands",
     "sparkv.asks.commands",       # extends `device serve` (after sparkv.device.commands)
     "sparkv.demo",
@@ -68,8 +70,19 @@ def stated_default(action: argparse.Action) -> bool:
                 or isinstance(action, (argparse._HelpAction, argparse._VersionAction)))
 
 
+class Parser(argparse.ArgumentParser):
+    """Argparse's parser, whose usage error is one line (``sparkv ask: error: argument
+    --context: ...``, exit status 2) that names ``--help`` instead of printing the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """Every command's parser. Building it imports no heavy module (torch, transformers, the
+    server's FastAPI): a command module imports those in the function that runs the command,
+    so ``--help``, ``--version`` and a usage error cost no model load (tests/test_cli.py)."""
+    parser = Parser(
         prog="sparkv", description="Cloud-edge KV-cache streaming for on-device LLMs.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     add_output_args(parser)
@@ -94,7 +107,7 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
                            "notes, no debug lines)")
     loud.add_argument("-q", "--quiet", action="store_true",
                       help="print only answers, tables, progress bars, warnings and errors (no "
-                           "notes such as 'loading the model')")
+                           "notes such as 'loading the model', no breakdown under ask's answer)")
     parser.add_argument("--no-progress", action="store_true", dest="no_progress_bars",
                         help="no progress bars, in any command (also: COMMAND --no-progress "
                              "where a command has it)")
@@ -110,8 +123,10 @@ def _output(args: argparse.Namespace) -> Iterator[None]:
     """Logging and progress bars as ``args`` say, for the duration of one command (the
     environment is restored after it: :func:`main` may run several times in one process)."""
     saved = dict(os.environ)
+    shown = warnings.showwarning
     args.verbosity = verbosity(args)
     setup_logging(args.verbosity)
+    warnings.showwarning = one_line_warning
     if args.no_progress_bars:
         disable_progress_bars()
         if hasattr(args, "no_progress"):      # the command's own --no-progress
@@ -119,8 +134,21 @@ def _output(args: argparse.Namespace) -> Iterator[None]:
     try:
         yield
     finally:
+        warnings.showwarning = shown
         os.environ.clear()
         os.environ.update(saved)
+
+
+def one_line_warning(message: Warning | str, category: type[Warning], filename: str,
+                     lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+    """How a command shows a warning: sparkv's own (a press that fails the quality table, ...)
+    as one line, ``sparkv: warning: ...``, without Python's source path and line of code;
+    another library's as Python shows it."""
+    if category.__module__.startswith("sparkv"):
+        text = "sparkv: warning: " + " ".join(str(message).split()) + "\n"
+    else:
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+    (file or sys.stderr).write(text)
 
 
 def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("sparkv",)

@@ -40,11 +40,15 @@ per second. Chunk sizes (`--chunk-tokens`, T) differ per command on purpose:
 [architecture.md](architecture.md#conventions) says why.
 
 Output: answers and tables go to stdout; one-line notes ("loading the model", "listening on",
-"wrote X") go to stderr. `sparkv -q COMMAND` hides the notes and keeps answers, tables, progress
-bars, warnings and errors; `sparkv -v COMMAND` adds debug lines and transformers' own warnings
-(hidden by default). Progress bars stay unless `sparkv --no-progress COMMAND` (or the command's
-own `--no-progress` where it has one). `serve` and `worker` log with timestamps at `--log-level`
-(`-v`/`-q` override it).
+"wrote X") go to stderr. `sparkv -q COMMAND` hides the notes (and `ask`'s breakdown table under
+its answer) and keeps answers, tables, progress bars, warnings and errors; `sparkv -v COMMAND`
+adds debug lines and transformers' own warnings (hidden by default). A warning of sparkv's own
+(a press that fails the model's quality table) is one line, `sparkv: warning: ...`. Progress
+bars stay unless `sparkv --no-progress COMMAND` (or the command's own `--no-progress` where it
+has one); into a pipe or a log file a bar is redrawn at most every 30 s. `serve` and `worker` log
+with timestamps at `--log-level` (`-v`/`-q` override it). A usage error (an unknown flag, a
+malformed value such as a `--context` that is not 32 hex digits, `--mbps 0`) is caught before
+anything loads.
 """
 
 NAMES = f"""## One name per idea
@@ -68,9 +72,11 @@ A press spec is `NAME:BUDGET[@WINDOW]`: `adakv:0.2` keeps 20% of the entries (al
 question-agnostic window ([presses.md](presses.md)).
 
 Two spellings mean different things on purpose: `--json` prints the result as JSON in `encode`,
-`ask` and `device call`, but writes `bench/results/NAME.json` in a benchmark (`--out FILE`
-writes it elsewhere); `--server` is the sparkv server's URL (`ask`), `--url` the device
-service's (`device ...`). `encode --model` and `serve`'s config name a model of the server's
+`ask`, `context ...` and `device call|list|describe`, but writes `bench/results/NAME.json` in a
+benchmark (`--out FILE` writes it elsewhere); `--server` is the sparkv server's URL (`ask`,
+`context ...`), `--url` the device service's (`device ...`). A context's `--name` (`context
+create`, `encode`) labels a context on the server; a `--label` (`device create`) one in the
+device service. `encode --model` and `serve`'s config name a model of the server's
 config; elsewhere `--model` is a local checkpoint.
 """
 

@@ -9,6 +9,7 @@ option is stored under its own name (``--encryption-key`` into ``args.encryption
 from __future__ import annotations
 
 import argparse
+import re
 
 #: the ``--press`` spec: a press name, a budget (kept fraction ``0.2``, percentage ``20%`` or
 #: tokens per KV head ``256t``) and an optional question-agnostic window (docs/presses.md)
@@ -18,3 +19,88 @@ PRESS_METAVAR = "NAME:RATIO|PCT%|Nt[@repeat]"
 def is_hidden(action: argparse.Action) -> bool:
     """Whether ``--help`` leaves ``action`` out (a suppressed option)."""
     return action.help == argparse.SUPPRESS
+
+
+#: ``ask``/``demo``/``device ask --strategy``: the edge's strategies (the keys of
+#: :data:`sparkv.edge.planning.STRATEGIES`, kept equal by tests/test_cli.py)
+STRATEGY_NAMES: tuple[str, ...] = ("hybrid", "local", "sparkv", "stream")
+
+#: ``--trace NAME``: the bundled link traces (the keys of
+#: :data:`sparkv.scheduler.trace.SAMPLE_TRACES`, kept equal by tests/test_cli.py)
+TRACE_NAMES: tuple[str, ...] = ("wifi", "lte", "deep-fade", "fade-start")
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` on a command that runs the model."""
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda[:N] or auto (CUDA when available)")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (bf16 on CUDA; on the CPU a bf16 configuration with "
+                             "AVX512-BF16/AMX where the model's quality table passes it, else "
+                             "fp32), float32 (forces fp32), bfloat16, float16, or a compute "
+                             "configuration: mixed, mixed-layers, bf16-weights, int8, int4, "
+                             "int4-kernel (docs/dtypes.md)")
+
+
+# ---- argparse types: a bad value is a usage error (one line, exit 2) before anything loads ----
+CONTEXT_ID = re.compile(r"[0-9a-f]{32}")
+#: what the device service's ask schema accepts too: http(s), an ASCII host (an IDN in its
+#: punycode form), an optional path
+SERVER_URL = re.compile(r"https?://[A-Za-z0-9._~%:@\[\]-]+(/[A-Za-z0-9._~%!$&'()*+,;=:@/-]*)?")
+
+
+def context_id(text: str) -> str:
+    """A server context's id: 32 lowercase hex digits (as ``sparkv context list`` prints)."""
+    if not CONTEXT_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a context id (32 lowercase hex "
+                                         "digits, as `sparkv context list` prints them)")
+    return text
+
+
+def context_name(text: str) -> str:
+    """A context's label: 1-100 characters, none a control character (the server's rule)."""
+    if not 1 <= len(text) <= 100 or any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise argparse.ArgumentTypeError(f"{text[:120]!r} is not a context name (1-100 "
+                                         "characters, no control character)")
+    return text
+
+
+def server_url(text: str) -> str:
+    """A server's URL: ``http://`` or ``https://``, an ASCII host, an optional port and path."""
+    if len(text) > 2048 or not SERVER_URL.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a server URL (e.g. "
+                                         "http://127.0.0.1:8080)")
+    return text.rstrip("/")
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value

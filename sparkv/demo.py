@@ -20,10 +20,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkv.cliflags import PRESS_METAVAR
+from sparkv.cliflags import PRESS_METAVAR, STRATEGY_NAMES, add_device_args
 from sparkv.edge.commands import add_link_args, shaper_from_args
-from sparkv.edge.planning import STRATEGIES
-from sparkv.runtime.device import add_device_args
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
@@ -82,10 +80,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in strategies if s not in STRATEGIES]
+    bad = [s for s in strategies if s not in STRATEGY_NAMES]
     if bad:
         from sparkv.errors import SparkvError
-        raise SparkvError(f"unknown strategies {bad}; choose from {sorted(STRATEGIES)}")
+        raise SparkvError(f"unknown strategies {bad}; choose from {list(STRATEGY_NAMES)}")
     shaper_from_args(args)          # a bad --trace fails now, before the model loads
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,7 +205,7 @@ def _ask_variant(session: Any, cid: str, press: str, args: argparse.Namespace, r
     label = f"sparkv@{name}"
     runs.append((f"{label}: TTFT {res.breakdown.ttft_s:.2f} s", res))
     rows.append(_row(label, res, ref))
-    print(f"[{label}] {res.answer.strip()}", flush=True)
+    print(f"[{label}] {res.text.strip()}", flush=True)
     print(f"  {reference_note(ref, res.tokens)}", flush=True)
 
 

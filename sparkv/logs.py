@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 LOGGER = "sparkv"
 
@@ -89,3 +89,29 @@ def disable_progress_bars() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+
+
+#: seconds between a bar's redraws when stderr is not a terminal (a pipe, a log file): a
+#: two-minute run writes a few lines, not one per update
+PIPED_BAR_INTERVAL_S = 30.0
+
+
+def progress_bar(iterable: Any = None, **kwargs: Any) -> Any:
+    """A tqdm progress bar on stderr, as every sparkv command draws one: none after
+    ``--no-progress`` (:func:`disable_progress_bars`; read here, whenever tqdm was imported) or with
+    ``disable=True``; redrawn at most every :data:`PIPED_BAR_INTERVAL_S` into a pipe or a log."""
+    from tqdm import tqdm
+
+    kwargs.setdefault("file", sys.stderr)
+    disable = kwargs.pop("disable", False)
+    kwargs["disable"] = bool(disable) or bars_disabled()
+    stream = kwargs["file"]
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        kwargs.setdefault("mininterval", PIPED_BAR_INTERVAL_S)
+        kwargs.setdefault("maxinterval", max(PIPED_BAR_INTERVAL_S, kwargs["mininterval"]))
+    return tqdm(iterable, **kwargs)
+
+
+def bars_disabled() -> bool:
+    """Whether progress bars are off in this process (``--no-progress``, ``TQDM_DISABLE``)."""
+    return os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes")

@@ -83,6 +83,8 @@ def test_ask_argument_errors_come_before_the_model(no_model, capsys):
     _fails(ask + ["--trace", "3g"], capsys, "'3g' is neither a bundled trace")
     _fails(ask + ["--decode-budget", "0.25"], capsys, "--decode-budget needs --decode")
     _fails(ask + ["--press", "nope:0.5"], capsys, "unknown press")
+    _fails(ask + ["--level", "q9"], capsys, "--level 'q9': choose auto or one of")
+    _fails(ask + ["--decode", "nope"], capsys, "unknown decode policy 'nope'")
     with pytest.raises(SystemExit) as e:                   # argparse: one link or the other
         main(ask + ["--trace", "lte", "--mbps", "20"])
     assert e.value.code == 2
@@ -200,3 +202,149 @@ def test_quiet_and_verbose_set_the_one_logging_setup(capsys):
     log.info("another note")
     err = capsys.readouterr().err
     assert "a note" not in err and "a warning" in err and "another note" in err
+
+
+# ---- issue 47: nothing heavy before the command runs; bad flags caught first; less noise ----------
+HEAVY = ("torch", "transformers", "fastapi", "sparkv.runtime.model", "sparkv.server.app")
+
+
+def _loaded_after(code: str) -> tuple[list[str], str]:
+    """Runs ``code`` in a fresh interpreter; the :data:`HEAVY` modules it left loaded, and its
+    stderr."""
+    probe = ("import sys\ntry:\n" + "".join(f"    {line}\n" for line in code.splitlines())
+             + "except SystemExit:\n    pass\n"
+             f"print('LOADED', *(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()[-1].split()[1:], out.stderr
+
+
+@pytest.mark.parametrize("code", [
+    "from sparkv.cli import build_parser\nbuild_parser()",
+    "from sparkv.cli import main\nmain(['--help'])",
+    "from sparkv.cli import main\nmain(['--version'])",
+    "from sparkv.cli import main\nmain(['ask', '--help'])",
+    "from sparkv.clidoc import render\nrender()",
+])
+def test_the_parsers_and_help_import_neither_torch_nor_transformers(code):
+    """``sparkv --help``, ``--version`` and a command's ``--help`` build every parser without
+    loading torch, transformers or the server (issue 47: they took 2.3 s)."""
+    loaded, _ = _loaded_after(code)
+    assert loaded == []
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["ask", "--server", NO_SERVER, "--context", "not-an-id", "q"], "is not a context id"),
+    (["ask", "--server", "127.0.0.1:8080", "--context", CID, "q"], "is not a server URL"),
+    (["ask", "--server", NO_SERVER, "--context", CID, "--mbps", "0", "q"],
+     "for an unshaped link give neither --mbps nor --trace"),
+    (["ask", "--server", NO_SERVER, "--context", CID, "--max-new-tokens", "0", "q"],
+     "is not a positive integer"),
+    (["ask", "--server", NO_SERVER, "--context", CID, "--rtt-ms", "-5", "q"], "number >= 0"),
+    (["context", "describe", "abc", "--server", NO_SERVER], "is not a context id"),
+    (["context", "create", "f.txt", "--name", "a\nb", "--server", NO_SERVER],
+     "is not a context name"),
+])
+def test_a_bad_flag_is_one_line_before_anything_loads(argv, what):
+    """A malformed value is argparse's usage error: one line naming the flag and ``--help``,
+    exit status 2, with neither torch nor the model loaded (not the server's 422)."""
+    loaded, err = _loaded_after(f"from sparkv.cli import main\nmain({argv!r})")
+    assert loaded == []
+    assert err.count("\n") == 1 and what in err and "--help" in err, err
+    assert err.startswith(f"sparkv {argv[0]}") and "usage:" not in err, err
+
+
+def test_the_cli_names_match_the_code_they_name():
+    """The parsers' light copies of the edge's strategies and the bundled traces."""
+    from sparkv.cliflags import STRATEGY_NAMES, TRACE_NAMES
+    from sparkv.edge.planning import STRATEGIES
+    from sparkv.scheduler.trace import SAMPLE_TRACES
+
+    assert sorted(STRATEGY_NAMES) == sorted(STRATEGIES)
+    assert sorted(TRACE_NAMES) == sorted(SAMPLE_TRACES)
+
+
+def test_a_sparkv_warning_is_one_line(capsys):
+    """A press that fails the quality table (``QualityWarning``) prints as one line, without
+    Python's source path and line of code; another library's warning as Python shows it."""
+    import io
+    import warnings
+
+    from sparkv.cli import one_line_warning
+    from sparkv.edge.client import QualityWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = one_line_warning
+        warnings.warn(QualityWarning("press adakv:0.5 fails this model's\nquality table"))
+    err = capsys.readouterr().err
+    assert err == "sparkv: warning: press adakv:0.5 fails this model's quality table\n"
+    other = io.StringIO()
+    one_line_warning(UserWarning("theirs"), UserWarning, "/lib/their.py", 7, other)
+    assert "/lib/their.py:7: UserWarning: theirs" in other.getvalue()
+
+
+def test_quiet_prints_the_answer_without_the_breakdown(monkeypatch, capsys):
+    """``sparkv -q ask`` prints the answer only; without ``-q`` the breakdown follows it."""
+    from types import SimpleNamespace as NS
+
+    from sparkv.edge.session import EdgeSession
+
+    class Session:
+        client = NS(encryption_keys={})
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def ask(self, *args, **kwargs):
+            return NS(answer=" the answer ", breakdown=NS(table=lambda: "THE TABLE"),
+                      kept_id=None)
+
+    monkeypatch.setattr(EdgeSession, "connect", lambda *a, **k: Session())
+    ask = ["ask", "--server", NO_SERVER, "--context", CID, "--no-cache", "q"]
+    assert main(["-q", *ask]) == 0
+    assert capsys.readouterr().out == "the answer\n"
+    assert main(ask) == 0
+    assert capsys.readouterr().out == "the answer\n\nTHE TABLE\n"
+
+
+def test_progress_bars_into_a_pipe_write_a_few_lines_and_none_after_no_progress(monkeypatch):
+    """Into a pipe or a log, a bar is redrawn at most every 30 s (``bench contexts --quick``
+    wrote 168 lines in 2 minutes); after ``--no-progress`` there is none, even though tqdm was
+    imported before the flag was read."""
+    import io
+
+    import tqdm  # noqa: F401 - imported before the flag, as a command module may
+
+    from sparkv.logs import disable_progress_bars, progress_bar
+
+    sink = io.StringIO()
+    bar = progress_bar(total=500, desc="bench", file=sink)
+    for _ in range(500):
+        bar.update(1)
+    bar.close()
+    drawn = sink.getvalue().replace("\r", "\n").strip().splitlines()
+    assert 1 <= len([d for d in drawn if d.strip()]) <= 3 and "500/500" in drawn[-1]
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    disable_progress_bars()
+    sink = io.StringIO()
+    for _ in progress_bar(range(100), file=sink):
+        pass
+    assert sink.getvalue() == ""
+
+
+def test_loading_the_model_draws_no_loading_weights_bar():
+    """transformers' ``Loading weights`` bar is not drawn (it was, on every command that loads
+    the model); run in a fresh interpreter, as a command is."""
+    from helpers import shared_tiny_checkpoint
+
+    code = ("import sys\nfrom sparkv.runtime.model import load_model\n"
+            f"load_model({str(shared_tiny_checkpoint())!r})\nprint('loaded')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout == "loaded\n", out.stderr
+    assert "Loading weights" not in out.stderr, out.stderr

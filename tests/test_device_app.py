@@ -51,10 +51,10 @@ class ScriptedService:
         if ctx_id not in self.contexts:
             raise UnknownContext(f"no context {ctx_id!r}")
 
-    def new_context(self, system_prompt=None, *, system_ids=None) -> str:
+    def new_context(self, system_prompt=None, *, system_ids=None, label=None) -> str:
         if system_ids is not None and len(system_ids) > 100:
             raise BudgetTooSmall("too big for the budget")
-        self.seen.append(("new", system_prompt, system_ids))
+        self.seen.append(("new", system_prompt, system_ids) + ((label,) if label else ()))
         return INFO["id"]
 
     def describe(self, ctx_id: str) -> ContextSummary:
@@ -108,6 +108,10 @@ def test_routes_answer_what_the_service_returns(app_client):
     _same_json(c.get("/healthz").json(), HEALTH)
     r = c.post("/v1/contexts", json={"system_prompt": "be brief"})
     assert r.status_code == 201
+    assert c.post("/v1/contexts", json={"label": "mine"}).status_code == 201
+    assert svc.seen.pop() == ("new", None, None, "mine")
+    for bad in ("", "a#b", "x" * 101, "tab\there"):            # 422 before the service
+        assert c.post("/v1/contexts", json={"label": bad}).status_code == 422
     _same_json(r.json(), OWNED)
     _same_json(c.get("/v1/contexts").json(), {"contexts": [OWNED], "damaged": []})
     _same_json(c.get(f"/v1/contexts/{INFO['id']}").json(), OWNED)

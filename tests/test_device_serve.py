@@ -96,8 +96,12 @@ def _free_port() -> int:
 
 
 def test_tcp_serve_needs_the_token_its_clients_find(lm, tmp_path):
+    """Over its port a request needs the token; the same service on its Unix socket as well
+    (``--socket`` and ``--port`` at once) needs none: the socket's mode guards it."""
+    sock = tmp_path / "run" / "device.sock"
     proc = DeviceProcess(tmp_path / "swap", budget_mb=40, port=_free_port(),
-                         token_file=tmp_path / "conf" / "token").start()
+                         token_file=tmp_path / "conf" / "token",
+                         extra_args=["--socket", str(sock)]).start()
     try:
         assert _mode(proc.token_file) == 0o600
         token = proc.token_file.read_text().strip()
@@ -118,12 +122,43 @@ def test_tcp_serve_needs_the_token_its_clients_find(lm, tmp_path):
                 c.list()
         assert e.value.status == 401
         env = {**os.environ, "SPARKV_DEVICE_TOKEN_FILE": str(proc.token_file)}
-        out = subprocess.run([sys.executable, "-m", "sparkv.cli", "device", "list", "--url",
-                              proc.url], env=env, capture_output=True, timeout=300)
+        out = subprocess.run([sys.executable, "-m", "sparkv.cli", "device", "list", "--json",
+                              "--url", proc.url], env=env, capture_output=True, timeout=300)
         assert out.returncode == 0, out.stderr.decode()
         assert [d["id"] for d in json.loads(out.stdout)] == [cid]
+        _cli_on_the_socket(sock, tmp_path, cid)
     finally:
         proc.stop()
+
+
+def _sparkv(*argv: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "sparkv.cli", *argv], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _cli_on_the_socket(sock, tmp_path, first: str) -> None:
+    """``device create --system-file --label``, ``list`` (one line each: a long system prompt
+    cut), ``describe`` (the whole prompt) through the socket, without a token."""
+    with DeviceClient(sock) as c:
+        assert [d["id"] for d in c.list()] == [first]
+    prompt = "You are a careful assistant.\nAnswer in one short line, " + "always " * 30 + "."
+    (tmp_path / "system.txt").write_text(prompt)
+    cid = _sparkv("device", "create", "--system-file", str(tmp_path / "system.txt"),
+                  "--label", "my notes", "--socket", str(sock)).strip()
+    listed = _sparkv("device", "list", "--socket", str(sock)).splitlines()
+    assert len(listed) == 4 and "always always" not in listed[0]     # header, rule, two rows
+    row = next(line for line in listed if line.startswith(cid))
+    assert "my notes" in row and "You are a careful assistant. Answer in one sh..." in row
+    assert all(len(line) < 160 for line in listed)
+    described = _sparkv("device", "describe", cid, "--socket", str(sock))
+    assert f"id: {cid}\n" in described and "label: my notes\n" in described
+    assert described.endswith(f"system_prompt:\n{prompt}\n")
+    bad = subprocess.run([sys.executable, "-m", "sparkv.cli", "device", "create", "--label",
+                          "a#b", "--socket", str(sock)], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "is not a label" in bad.stderr
 
 
 def _rest_errors(c: DeviceClient, proc: DeviceProcess, cid: str, doc: list[int]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import time
 
@@ -207,10 +208,19 @@ def test_manifest_lists_every_chunk_with_sizes_entropy_quant_and_checksums(ctx):
     assert m["encryption"] is None
 
 
+def listed_ids(c: httpx.Client) -> list[str]:
+    return [x["context_id"] for x in c.get("/v1/contexts").json()["contexts"]]
+
+
 def test_list_contexts_and_models(alice, bob, ctx):
-    created, _ = ctx
-    assert created["context_id"] in alice.get("/v1/contexts").json()["contexts"]
-    assert created["context_id"] not in bob.get("/v1/contexts").json()["contexts"]
+    created, m = ctx
+    assert created["context_id"] in listed_ids(alice)
+    assert created["context_id"] not in listed_ids(bob)
+    entry = next(x for x in alice.get("/v1/contexts").json()["contexts"]
+                 if x["context_id"] == created["context_id"])
+    assert entry == {"context_id": created["context_id"], "name": None,
+                     "num_tokens": m["num_tokens"], "model": "tiny", "levels": ["raw", "q8", "q5"],
+                     "press": None, "encrypted": False, "created_unix": m["created_unix"]}
     models = alice.get("/v1/models").json()["models"]
     assert models == [{"name": "tiny", "default": True, "loaded": True}]
 
@@ -502,7 +512,7 @@ def test_delete(alice):
     assert_error(alice.get(f"/v1/contexts/{cid}"), 404, "context_not_found")
     assert_error(alice.get(chunk_url(cid, 0, 0)), 404, "context_not_found")
     assert_error(alice.delete(f"/v1/contexts/{cid}"), 404)
-    assert cid not in alice.get("/v1/contexts").json()["contexts"]
+    assert cid not in listed_ids(alice)
     again = create(alice, token_ids=list(range(100, 170)), levels=["q5"])  # encodes anew
     assert again["context_id"] == cid and again["job_id"] != out["job_id"]
     assert alice.get(chunk_url(cid, 0, 0)).status_code == 200
@@ -634,3 +644,52 @@ def test_server_on_redis(tmp_path):
             assert_error(c.get(out["manifest_url"]), 404)
     finally:
         redis.stop()
+
+
+def test_a_context_keeps_its_first_name_and_the_list_reports_it(alice, bob):
+    """``name`` labels a context (the manifest's, the list's); it is not part of the id: the same
+    tokens under another name are the same context and keep the first name."""
+    ids = list(range(300, 340))
+    out = create(alice, token_ids=ids, levels=["q5"], name="warranty manual")
+    assert out["name"] == "warranty manual"
+    assert alice.get(out["manifest_url"]).json()["name"] == "warranty manual"
+    again = alice.post("/v1/contexts", json={"token_ids": ids, "levels": ["q5"],
+                                             "name": "another"})
+    assert again.status_code == 200 and again.json()["context_id"] == out["context_id"]
+    assert again.json()["name"] == "warranty manual"
+    listed = {x["context_id"]: x for x in alice.get("/v1/contexts").json()["contexts"]}
+    assert listed[out["context_id"]]["name"] == "warranty manual"
+    assert listed[out["context_id"]]["num_tokens"] == 40
+    assert out["context_id"] not in listed_ids(bob)
+    for bad in ("", "x" * 101, "line\nbreak"):
+        assert_error(alice.post("/v1/contexts", json={"token_ids": ids, "name": bad}), 422)
+    assert alice.delete(f"/v1/contexts/{out['context_id']}").status_code == 204
+
+
+def test_the_context_commands_create_list_describe_and_delete(tiny_server, tmp_path, capsys):
+    """``sparkv context create FILE --name``, ``list``, ``describe``, ``delete`` against the
+    server: the id alone on stdout, the list's name and token count, a second delete one line."""
+    from sparkv.cli import main
+
+    key = tiny_server.keys["alice"]
+    where = ["--server", tiny_server.url, "--api-key", key]
+    (tmp_path / "notes.txt").write_text("The warranty covers two years of repairs. " * 3)
+    assert main(["context", "create", str(tmp_path / "notes.txt"), "--name", "notes",
+                 *where]) == 0
+    cid = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", cid)
+    assert main(["context", "list", *where]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(cid))
+    tokens = row.split()[2]
+    assert row.split()[1] == "notes" and int(tokens) > 0 and row.split()[3] == "tiny"
+    assert main(["context", "describe", cid, *where]) == 0
+    described = capsys.readouterr().out
+    assert f"name: notes\nnum_tokens: {tokens}\n" in described
+    assert "levels: raw, q5\n" in described
+    assert main(["context", "delete", cid, *where]) == 0
+    assert capsys.readouterr().out == f"deleted {cid}\n"
+    assert main(["context", "delete", cid, *where]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "context_not_found" in err, err
+    assert main(["context", "list", "--server", tiny_server.url, "--api-key", "skv_wrong"]) == 2
+    assert "401" in capsys.readouterr().err

@@ -18,7 +18,20 @@ Layering: above the edge (an ask is an :class:`~sparkv.edge.session.EdgeSession`
 device (its context service keeps what asks load); below the benchmarks and the CLI.
 """
 
-from sparkv.asks.service import AskService
-from sparkv.asks.tickets import AskRequest, AskTicket
+from typing import TYPE_CHECKING
+
+from sparkv.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from sparkv.asks.service import AskService
+    from sparkv.asks.tickets import AskRequest, AskTicket
+
+#: name -> the module that defines it (imported on first use: :mod:`sparkv.lazy`)
+_EXPORTS: dict[str, str] = {
+    "AskService": "sparkv.asks.service",
+    "AskRequest": "sparkv.asks.tickets",
+    "AskTicket": "sparkv.asks.tickets",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = ["AskRequest", "AskService", "AskTicket"]

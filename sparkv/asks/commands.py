@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from sparkv.asks.cores import GRANT_ORDERS
 from sparkv.asks.linkplan import LINK_PLANS
+from sparkv.cliflags import STRATEGY_NAMES, context_id, positive_int, server_url
 
 __all__ = ["register", "install"]
 
@@ -94,19 +95,20 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
 
 def _add_ask(dsub: "argparse._SubParsersAction") -> None:
     from sparkv.device.commands import client_args
-    from sparkv.edge.planning import STRATEGIES
 
     a = dsub.add_parser("ask", help="ask about a server context through the service: the answer "
                                     "streamed, the context kept in its memory")
     a.add_argument("question", help="the question")
-    a.add_argument("--context", required=True, help="the context's id on the server")
-    a.add_argument("--server", default=None,
+    a.add_argument("--context", required=True, type=context_id,
+                   help="the context's id on the server")
+    a.add_argument("--server", default=None, type=server_url,
                    help="the server's URL (default: the service's --ask-server)")
     a.add_argument("--api-key", default=os.environ.get("SPARKV_API_KEY"),
                    help="the server's API key (default: $SPARKV_API_KEY, else the service's)")
-    a.add_argument("--strategy", choices=sorted(STRATEGIES), default="sparkv",
+    a.add_argument("--strategy", choices=STRATEGY_NAMES, default="sparkv",
                    help="how the context is loaded (docs/edge.md)")
-    a.add_argument("--max-new-tokens", type=int, default=64, help="answer length, tokens")
+    a.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="answer length, tokens")
     a.add_argument("--no-keep", action="store_true",
                    help="do not keep the loaded context in the service")
     a.add_argument("--share", action="append", default=None, metavar="APP",

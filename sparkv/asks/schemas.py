@@ -11,7 +11,7 @@ extension: :class:`SparkvFields`) and answers a ``chat.completion`` or, streamed
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 

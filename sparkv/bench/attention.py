@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from sparkv.logs import progress_bar
+
     from sparkv.runtime.autoattn import measure_point, profile_from, save_profile
     from sparkv.runtime.device import DeviceUnavailable, resolve_device
 
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     densities = tuple(float(x) for x in args.densities.split(",") if x)
     shapes = [s for s in args.shapes.split(",") if s in ("square", "chunk")]
     rows: list[dict[str, Any]] = []
-    bar = tqdm(total=len(heads) * len(lengths) * len(shapes), desc="attention bench")
+    bar = progress_bar(total=len(heads) * len(lengths) * len(shapes), desc="attention bench")
     for hq, hkv, d in heads:
         for n in lengths:
             for shape in shapes:

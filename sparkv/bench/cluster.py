@@ -416,7 +416,7 @@ def _replica_runs(args: argparse.Namespace, tmpd: Path, key: str, n: int, replic
     the served context: ``items`` is empty until then), warms the cache, appends one row per
     (cache mode, clients) to ``rows`` and, at the second replica count, the replica-kill run to
     ``extra``. Returns the frames read: ``[path, bytes, checksum]`` each."""
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.server.cluster import LocalCluster
 
@@ -434,7 +434,7 @@ def _replica_runs(args: argparse.Namespace, tmpd: Path, key: str, n: int, replic
             confs = [("direct", k) for k in clients] + confs
         # warm the cache: every frame once, checked
         _warm(cluster.url, key, items)
-        for mode, k in tqdm(confs, desc=f"{n} replicas", unit="run", file=sys.stderr):
+        for mode, k in progress_bar(confs, desc=f"{n} replicas", unit="run", file=sys.stderr):
             url = (f"http://127.0.0.1:{cluster.api_ports[0]}" if mode == "direct"
                    else cluster.url)
             headers = {"X-Sparkv-Cache-Bypass": "1"} if mode == "cold" else {}

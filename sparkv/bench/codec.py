@@ -378,13 +378,13 @@ def _passkey(lm: LoadedModel, levels: Sequence[str], sizes: Sequence[int], trial
     from sparkv.layout import ChunkGeometry
     from sparkv.runtime import greedy_generate, reference_prefill, split_chunks
 
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     def count(text: str) -> int:
         return len(lm.encode_text(text))
 
     per_size: list[dict[str, Any]] = []
-    bar = tqdm(total=sum(max(0, t) for t in trials), desc="pass key", unit="task")
+    bar = progress_bar(total=sum(max(0, t) for t in trials), desc="pass key", unit="task")
     for size, n_trials in zip(sizes, trials):
         if n_trials <= 0:
             continue
@@ -534,14 +534,14 @@ def _sensitivity(lm: LoadedModel,
                  ) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, int]]:
     """Per kind of context, the per-layer K and V sensitivities (:func:`_fisher_noise`) summed
     over its questions, and how many questions gave a usable target: ``(per_kind, used)``."""
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.runtime import greedy_generate, reference_prefill
 
     num_layers = lm.config.num_hidden_layers
     per_kind: dict[str, tuple[list[float], list[float]]] = {}
     used = {"natural": 0, "passkey": 0}
-    bar = tqdm(total=sum(len(c[2]) for c in contexts), desc="sensitivity", unit="question")
+    bar = progress_bar(total=sum(len(c[2]) for c in contexts), desc="sensitivity", unit="question")
     for kind, ctx, items in contexts:
         layers = reference_prefill(lm, ctx)
         for q, task in items:
@@ -626,7 +626,7 @@ class _Context:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     if args.measure_profile:
         return _run_profile(args)
@@ -635,7 +635,7 @@ def run(args: argparse.Namespace) -> int:
     workers = os.cpu_count() or 1
     rows: list[dict[str, Any]] = []
     reference: list[Any] = []
-    bar = tqdm(total=len(levels), desc="codec bench", unit="level")
+    bar = progress_bar(total=len(levels), desc="codec bench", unit="level")
     for name in levels:
         bar.set_postfix_str(name)
         row, reference = _measure_level(ctx, name, args, workers, reference)

@@ -349,7 +349,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.runtime.model import load_model
 
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
     per_run = 2 * args.contexts + args.calls
     total = len(patterns) * (len(systems) + 1) * per_run
     total += sum(len(sweep_systems) * (2 * n + args.calls) for n in sweep)
-    bar = tqdm(total=total, desc="contexts bench", unit="call")
+    bar = progress_bar(total=total, desc="contexts bench", unit="call")
     results: dict[str, Any] = {"patterns": {}, "sweep": {}}
     protos = Prototypes(lm, work)
     run_one = functools.partial(run_system, lm, budget=budget["budget_bytes"],

@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import add_run_args, format_table, write_result
-from sparkv.runtime.device import add_device_args
+from sparkv.cliflags import add_device_args
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
@@ -114,7 +114,7 @@ def _decode(lm: LoadedModel, caches: dict[str, tuple[Any, Any]], n: int, first: 
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.runtime import load_model
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     configs = [c for c in args.configs.split(",") if c]
     rows: list[dict[str, Any]] = []
     load = {"start": os.getloadavg()}
-    bar = tqdm(total=len(sizes) * len(configs) * args.repeats, desc="decode bench", unit="run")
+    bar = progress_bar(total=len(sizes) * len(configs) * args.repeats, desc="decode bench", unit="run")
     for n in sizes:
         _measure_size(lm, n, configs, args, rows, bar)
     bar.close()

@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import add_run_args, format_table, result_path, write_result
-from sparkv.runtime.device import add_device_args
+from sparkv.cliflags import add_device_args
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
@@ -307,11 +307,11 @@ def _measure(lm: LoadedModel, layers: Any, ctx: list[int], q: list[int], follow:
              retrieval: float, flash_dir: str) -> list[dict[str, Any]]:
     """Full KV decodes the reference stream (free-running greedy), then every policy at every
     budget is fed it (:func:`_session_run`): one row each, ``full`` first."""
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.decode import DecodeSession
 
-    bar = tqdm(total=1 + len(policies) * len(budgets), desc="dynakv bench", unit="run")
+    bar = progress_bar(total=1 + len(policies) * len(budgets), desc="dynakv bench", unit="run")
     with DecodeSession(lm, layers, len(ctx), "full") as s:
         ref = [int(s.prefill(q).argmax())]
         for _ in range(new_tokens - 1):

@@ -51,7 +51,7 @@ def evaluate(lm: LoadedModel, contexts: Sequence[QualityContext], variants: Sequ
              progress: bool = True) -> None:
     """Every probe of ``contexts`` under the dense reference and every variant (module
     docstring); each row goes to ``emit`` as soon as it is judged."""
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.predictor.quality import codec_signature
 
@@ -61,7 +61,7 @@ def evaluate(lm: LoadedModel, contexts: Sequence[QualityContext], variants: Sequ
     by_name = {v.name: v for v in variants}
     total = sum(len(c.probes) * (1 + sum(applies(v, c, limits) for v in variants))
                 for c in contexts)
-    bar = tqdm(total=total, desc="quality", unit="answer", disable=not progress,
+    bar = progress_bar(total=total, desc="quality", unit="answer", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, mininterval=2.0)
     try:
         for ctx in contexts:

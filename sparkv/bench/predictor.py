@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from sparkv.bench.common import add_run_args, format_table, result_path, write_result
-from sparkv.runtime.device import add_device_args
+from sparkv.cliflags import add_device_args
 
 if TYPE_CHECKING:
     from sparkv.predictor import LatencyModel, Roofline
@@ -83,7 +83,7 @@ def _deep_layer_check(lm: LoadedModel, model: LatencyModel, roof: Roofline, thre
     profile's), T = 512, dense and block-sparse (cdf 0.9), no induced load: does a model trained
     on layers 0-1 predict layers 2..L-2 as well? (The profiler's "a few layers" assumption.)"""
     import torch
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.layout import StepId
     from sparkv.predictor import StepFeatures, detect_monitor, mape
@@ -97,7 +97,7 @@ def _deep_layer_check(lm: LoadedModel, model: LatencyModel, roof: Roofline, thre
     ids = sample_context_ids(lm, 3048)[1000:3048]
     layers = int(lm.config.num_hidden_layers) - 1
     rows: list[tuple[float, ...]] = []
-    bar = tqdm(total=2 * 4 * layers, desc="all-layers check", unit="step", disable=not progress)
+    bar = progress_bar(total=2 * 4 * layers, desc="all-layers check", unit="step", disable=not progress)
     try:
         for backend, sparse in ((DenseAttention(), 0.0),
                                 (BlockSparseAttention(SparsityConfig(cdf_threshold=0.9)), 1.0)):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sparkv.bench.common import add_run_args, format_table, results_dir, write_result
-from sparkv.runtime.device import add_device_args
+from sparkv.cliflags import add_device_args
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from sparkv.logs import progress_bar
+
     from sparkv.runtime import (LayerStepper, SparsityConfig, first_token_kl, greedy_agreement,
                                 greedy_generate, sample_context_ids)
     from sparkv.predictor.dtypes import load_model_in_dtype
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                              _backend(v.backend, cfg)).complete(v.fused)
     rows: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
-    bar = tqdm(total=len(sizes) * len(variants), desc="prefill bench", unit="run")
+    bar = progress_bar(total=len(sizes) * len(variants), desc="prefill bench", unit="run")
     for n in sizes:
         ids = sample_context_ids(lm, n)
         ref = None

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from sparkv.bench.common import add_run_args, format_table, write_result
-from sparkv.runtime.device import add_device_args
+from sparkv.cliflags import add_device_args
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
@@ -82,14 +82,14 @@ def measure(lm: LoadedModel, tasks: Sequence[Any], presses: Sequence[str], ratio
                                                                          list[dict[str, Any]]]:
     """Rows (one per task x config) and the prompts (token ids, for the kvpress runner)."""
     import torch
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.presses import Budget, compress, make_press, prefill, question_window, to_memory
     from sparkv.runtime.generate import greedy_generate, prompt_parts
 
     rows: list[dict[str, Any]] = []
     prompts: list[dict[str, Any]] = []
-    bar = tqdm(total=len(tasks) * (1 + len(presses) * len(ratios) * len(modes)),
+    bar = progress_bar(total=len(tasks) * (1 + len(presses) * len(ratios) * len(modes)),
                desc="presses bench", unit="answer")
     for i, task in enumerate(tasks):
         ctx, q = prompt_parts(lm, lm.encode_text(task.document), task.question)

@@ -387,7 +387,7 @@ def measure(lm: LoadedModel, url: str, contexts: Sequence[QualityContext],
     ``emit_dense`` the dense reference answers are computed (every row is judged by them) but
     not emitted (the in-process run already has them)."""
     import httpx
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.edge.session import EdgeSession
     from sparkv.predictor.quality import codec_signature
@@ -398,7 +398,7 @@ def measure(lm: LoadedModel, url: str, contexts: Sequence[QualityContext],
     rows: list[dict[str, Any]] = []
     sink = open(rows_path, "a") if rows_path else None
     total = sum(len(c.probes) for c in contexts) * (len(configs) - (not emit_dense))
-    bar = tqdm(total=total, desc="quality", unit="answer", disable=not progress,
+    bar = progress_bar(total=total, desc="quality", unit="answer", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, mininterval=2.0)
 
     def emit(row: dict[str, Any]) -> None:

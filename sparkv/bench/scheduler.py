@@ -126,7 +126,7 @@ class _Settings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     if args.adversarial:
         return _adversarial(args)
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     wanted = args.json or args.out
     out_path = result_path("scheduler", args.out, quick=s.quick) if wanted else None
     total = len(s.sizes_k) + len(s.bws) * 2 + len(TRACES)
-    bar = tqdm(total=total, desc="scheduler bench", file=sys.stderr, disable=None)
+    bar = progress_bar(total=total, desc="scheduler bench", file=sys.stderr, disable=None)
     t_start = time.perf_counter()
     table2 = _table2(s, bar)
     sweep = _sweep(s, bar)
@@ -420,13 +420,13 @@ def _adversarial(args: argparse.Namespace) -> int:
     traces that start in a deep fade and recover, simulated end to end
     (:mod:`sparkv.scheduler.whatif`): the quick look before ``sparkv bench ttft --traces
     adversarial:N`` measures it for real."""
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.scheduler.trace import adversarial_traces, fade_start_traces
 
     families = {"adversarial": adversarial_traces(args.adversarial, args.seed),
                 "fade_start": fade_start_traces(max(0, args.fade_start), args.seed)}
-    bar = tqdm(total=2 * sum(len(v) for v in families.values()),
+    bar = progress_bar(total=2 * sum(len(v) for v in families.values()),
                desc="adversarial (simulated)", file=sys.stderr, disable=None)
     out: dict[str, Any] = {}
     for name, traces in families.items():

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from sparkv.bench.common import add_run_args, format_table, write_result
-from sparkv.runtime.device import add_device_args
+from sparkv.cliflags import add_device_args
 
 
 def register(sub: "argparse._SubParsersAction") -> None:

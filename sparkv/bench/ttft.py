@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from sparkv.bench.common import MODEL_HELP, add_output_args, format_table, write_result
 from sparkv.bench.longctx import LONG_CONTEXT_MODES, growth_lines, growth_report, plot_growth
 from sparkv.cliflags import PRESS_METAVAR
-from sparkv.runtime.device import add_device_args
+from sparkv.cliflags import add_device_args
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
@@ -764,7 +764,7 @@ def run_press(args: argparse.Namespace) -> int:
 
 def _measure_press(args: argparse.Namespace, lm: LoadedModel, spec: str, sizes: list[int],
                    mbps: list[float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.bench.tasks import task_suite
     from sparkv.edge.options import AskOptions
@@ -796,7 +796,7 @@ def _measure_press(args: argparse.Namespace, lm: LoadedModel, spec: str, sizes: 
                                                               use_cache=False))
                 work = [(None, "full", "local")] + [(m, c, s) for m in mbps for c in cids
                                                      for s in PRESS_STRATEGIES]
-                for m, variant, strat in tqdm(work, desc=f"ttft --press {n} tok"):
+                for m, variant, strat in progress_bar(work, desc=f"ttft --press {n} tok"):
                     trace = Trace.constant(m) if m is not None else None
                     for r in range(args.runs):
                         session.priors.bandwidth_Bps = None
@@ -814,7 +814,7 @@ def _measure_press(args: argparse.Namespace, lm: LoadedModel, spec: str, sizes: 
                                    lambda s: len(lm.encode_text(s)))
                 session = EdgeSession.connect(path.url, model=lm, shaper=path.shaper(None))
                 hits = {"full": 0, "press": 0}
-                for task in tqdm(tasks, desc=f"pass key {n} tok"):
+                for task in progress_bar(tasks, desc=f"pass key {n} tok"):
                     ids = chat_context(lm, lm.encode_text(task.document))
                     full = session.client.create_context(token_ids=ids,
                                                          chunk_tokens=args.chunk_tokens,

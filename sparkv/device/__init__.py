@@ -23,11 +23,33 @@ socket; the whole path's owners), ``flashlock`` (one service per flash dir), ``i
 id, text and timeout checks), ``contract`` (what the edge uses of the service: ``KeptContexts``).
 """
 
-from sparkv.device.calls import CallResult
-from sparkv.device.errors import (BudgetBusy, BudgetTooSmall, ContextBusy, ContextDamaged,
-                                  DeviceError, FlashFull, FlashInUse, PromptTooLong,
-                                  UnknownContext)
-from sparkv.device.service import ContextService, ServiceConfig
+from typing import TYPE_CHECKING
+
+from sparkv.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from sparkv.device.calls import CallResult
+    from sparkv.device.errors import (BudgetBusy, BudgetTooSmall, ContextBusy, ContextDamaged,
+                                      DeviceError, FlashFull, FlashInUse, PromptTooLong,
+                                      UnknownContext)
+    from sparkv.device.service import ContextService, ServiceConfig
+
+#: name -> the module that defines it (imported on first use: :mod:`sparkv.lazy`)
+_EXPORTS: dict[str, str] = {
+    "CallResult": "sparkv.device.calls",
+    "BudgetBusy": "sparkv.device.errors",
+    "BudgetTooSmall": "sparkv.device.errors",
+    "ContextBusy": "sparkv.device.errors",
+    "ContextDamaged": "sparkv.device.errors",
+    "DeviceError": "sparkv.device.errors",
+    "FlashFull": "sparkv.device.errors",
+    "FlashInUse": "sparkv.device.errors",
+    "PromptTooLong": "sparkv.device.errors",
+    "UnknownContext": "sparkv.device.errors",
+    "ContextService": "sparkv.device.service",
+    "ServiceConfig": "sparkv.device.service",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult", "DeviceError", "UnknownContext",
            "ContextBusy", "ContextDamaged", "PromptTooLong", "BudgetTooSmall", "BudgetBusy",

@@ -4,8 +4,9 @@
   port (:func:`loopback_host`). Any other Host (or none) is answered ``421 misdirected_request``:
   a web page that rebinds its own DNS name to 127.0.0.1 sends its own name, so it never reaches a
   route.
-* **Token** (``--port`` only; the Unix socket's file mode is its access control): every request
-  carries ``Authorization: Bearer <token>``, exactly that (the scheme ``Bearer``, one space, the
+* **Token** (over TCP, ``--port``; the Unix socket's file mode is its access control, also when
+  one service listens on both: a request with the socket's peer credentials needs no token):
+  every TCP request carries ``Authorization: Bearer <token>``, exactly that (the scheme ``Bearer``, one space, the
   token), compared in constant time; anything else is ``401 missing_token`` or
   ``401 invalid_token`` with ``WWW-Authenticate: Bearer``.
 * **The token file** (:func:`ensure_token`, :func:`read_token`): made on the first start with
@@ -150,7 +151,7 @@ class AccessGuard:
                     "localhost, 127.0.0.1 or [::1] (Host header)")
         values = _headers(scope, b"authorization")
         if not values:
-            if self.token is None:
+            if self.token is None or scope_peer(scope) is not None:   # no token, or the socket
                 return None
             return (401, "missing_token", "send 'Authorization: Bearer <token>' (the token is in "
                     "the service's token file, docs/device-service.md)")

@@ -138,7 +138,7 @@ def new_context(body: NewContext, service: ServiceDep, caller: CallerDep,
     """Makes a context holding the system prompt (its KV computed now), the caller's."""
     if body.system_prompt is not None and body.system_ids is not None:
         raise DeviceError("give system_prompt or system_ids, not both")
-    cid = service.new_context(body.system_prompt, system_ids=body.system_ids)
+    cid = service.new_context(body.system_prompt, system_ids=body.system_ids, label=body.label)
     owners.claim(cid, caller)
     return _info(service, owners, cid)
 

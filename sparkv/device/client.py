@@ -116,8 +116,8 @@ class DeviceClient:
         return self._req("GET", "/healthz")
 
     def new_context(self, system_prompt: str | None = None,
-                    system_ids: Sequence[int] | None = None) -> str:
-        body: dict[str, Any] = {}
+                    system_ids: Sequence[int] | None = None, label: str | None = None) -> str:
+        body: dict[str, Any] = {} if label is None else {"label": label}
         if system_prompt is not None:
             body["system_prompt"] = system_prompt
         if system_ids is not None:

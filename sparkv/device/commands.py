@@ -1,12 +1,15 @@
 """``sparkv device``: the local context service and its command-line client.
 
-    sparkv device serve --flash-dir DIR --memory-budget-mb 256 [--socket PATH [--socket-group GROUP]
-                        | --port N [--token-file PATH]] [--model PATH] [--policy llms]
-                        [--ratio 0.75]
-    sparkv device create [--system "You are ..."]          # prints the new context's id
+    sparkv device serve --flash-dir DIR --memory-budget-mb 256 [--socket PATH [--socket-group GROUP]]
+                        [--port N [--token-file PATH]] [--model PATH] [--policy llms]
+                        [--ratio 0.75]                     # --socket and --port: both at once
+    sparkv device create [--system "You are ..." | --system-file FILE] [--label NAME]
+                                                           # prints the new context's id
     sparkv device call ID "prompt" [--max-new-tokens 32] [--no-grow] [--json]
     sparkv device delete ID
-    sparkv device list | stats                             # JSON
+    sparkv device list [--json]                            # one line each
+    sparkv device describe ID [--json]                     # every field, the whole prompt
+    sparkv device stats                                    # JSON
     sparkv device app-token NAME [--flash-dir DIR]         # an app's token (docs: "Apps")
 
 The client commands find the service at ``--socket`` (default ``$SPARKV_DEVICE_SOCKET``, else
@@ -55,12 +58,17 @@ def client_args(p: argparse.ArgumentParser) -> None:
 
 def register(sub: "argparse._SubParsersAction") -> None:
     d = sub.add_parser("device", help="the on-device context service (LLMS): serve, create, "
-                                      "call, delete, list, stats")
+                                      "call, delete, list, describe, stats")
     dsub = d.add_subparsers(dest="device_command", metavar="ACTION")
     _add_serve(dsub)
 
     c = dsub.add_parser("create", help="make a context; prints its id")
-    c.add_argument("--system", default=None, help="system prompt")
+    system = c.add_mutually_exclusive_group()
+    system.add_argument("--system", default=None, help="system prompt")
+    system.add_argument("--system-file", default=None,
+                        help="read the system prompt from this UTF-8 file ('-': stdin)")
+    c.add_argument("--label", type=device_label, default=None,
+                   help="a name for the context, listed with it (1-100 characters, no '#')")
     client_args(c)
     c.set_defaults(func=_create)
 
@@ -80,9 +88,17 @@ def register(sub: "argparse._SubParsersAction") -> None:
     client_args(x)
     x.set_defaults(func=_delete)
 
-    ls = dsub.add_parser("list", help="the contexts (JSON)")
+    ls = dsub.add_parser("list", help="the contexts, one line each (system prompts cut to a line)")
+    ls.add_argument("--json", action="store_true",
+                    help="print the service's whole list as JSON (whole system prompts)")
     client_args(ls)
     ls.set_defaults(func=_list)
+
+    de = dsub.add_parser("describe", help="one context: every field, its whole system prompt")
+    de.add_argument("context", help="the context's id")
+    de.add_argument("--json", action="store_true", help="print it as JSON")
+    client_args(de)
+    de.set_defaults(func=_describe)
 
     st = dsub.add_parser("stats", help="budget, bytes, evictions, I/O (JSON)")
     client_args(st)
@@ -109,7 +125,8 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
     s.add_argument("--socket-group", default=None,
                    help="let this group use the socket too (mode 0660, owned by GROUP)")
     s.add_argument("--port", type=int, default=None,
-                   help="listen on 127.0.0.1:PORT instead (every request needs the bearer token)")
+                   help="listen on 127.0.0.1:PORT instead (every request needs the bearer "
+                        "token); with --socket as well: both at once")
     s.add_argument("--token-file", default=None,
                    help="with --port: where the token is kept, made 0600 on the first start "
                         "(default: $SPARKV_DEVICE_TOKEN_FILE, else <sparkv cache>/device/token)")
@@ -203,9 +220,8 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
         log.info("sparkv device: %s in %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
                  "%d contexts reopened%s", lm.name, lm.compute.name, budget / 1e6, config.name,
                  config.ratio, swap, service.reopened, damaged)
-        if sockets is not None:
-            return _listen_tcp(service, args, sockets)
-        return _listen_unix(service, args)
+        _listen(service, args, sockets)
+        return 0
     finally:
         service.close()
 
@@ -224,7 +240,7 @@ def _claim(args: argparse.Namespace, swap: Path) -> "FlashDirLock":
     if args.port:
         token = Path(args.token_file) if args.token_file else default_token_file()
         check_path(token.parent, "the token file's directory")
-    else:
+    if args.socket or not args.port:
         sock = Path(args.socket) if args.socket else default_socket()
         check_path(sock.parent, "the socket's directory")
     return FlashDirLock(private_dir(swap))
@@ -271,35 +287,51 @@ def default_ratio(model_fingerprint: str, config: "ServiceConfig") -> float:
     return resolved_ratio(config, model_fingerprint)
 
 
-def _listen_tcp(service: "ContextService", args: argparse.Namespace, sockets: list) -> int:
-    """Serves on ``127.0.0.1:port`` (``sockets``, bound), every request with the bearer token of
-    the token file."""
+def _listen(service: "ContextService", args: argparse.Namespace, tcp: list | None) -> None:
+    """Serves on the Unix socket (``0600``, ``0660`` for ``--socket-group``) unless only
+    ``--port`` is given, and on ``127.0.0.1:port`` (``tcp``, bound) with ``--port``: there every
+    request carries the bearer token of the token file (the socket's need none)."""
     from sparkv.device.access import default_token_file, ensure_token
-
-    path = Path(args.token_file) if args.token_file else default_token_file()
-    token = ensure_token(path)
-    log.info("listening on 127.0.0.1:%s (bearer token in %s)", args.port, path)
-    _serve_app(service, args, sockets, token)
-    return 0
-
-
-def _listen_unix(service: "ContextService", args: argparse.Namespace) -> int:
-    """Serves on the Unix socket, ``0600`` (``0660`` for ``--socket-group``)."""
     from sparkv.device.client import default_socket
     from sparkv.device.private import bind_unix_socket
 
-    sock_path = Path(args.socket) if args.socket else default_socket()
-    sock_path.parent.mkdir(parents=True, exist_ok=True)
-    sock = bind_unix_socket(sock_path, args.socket_group)
-    log.info("listening on %s", sock_path)
-    _serve_app(service, args, [sock])
-    return 0
+    sockets, token = [], None
+    if args.socket or tcp is None:
+        sock_path = Path(args.socket) if args.socket else default_socket()
+        sock_path.parent.mkdir(parents=True, exist_ok=True)
+        sockets.append(bind_unix_socket(sock_path, args.socket_group))
+        log.info("listening on %s", sock_path)
+    if tcp is not None:
+        path = Path(args.token_file) if args.token_file else default_token_file()
+        token = ensure_token(path)
+        sockets.extend(tcp)
+        log.info("listening on 127.0.0.1:%s (bearer token in %s)", args.port, path)
+    _serve_app(service, args, sockets, token)
+
+
+def device_label(text: str) -> str:
+    """``--label``: 1-100 characters, no control character, no ``#`` (the service's rule)."""
+    if not 1 <= len(text) <= 100 or "#" in text or any(ord(c) < 32 or ord(c) == 127
+                                                        for c in text):
+        raise argparse.ArgumentTypeError(f"{text[:120]!r} is not a label (1-100 characters, "
+                                         "no control character, no '#')")
+    return text
 
 
 def _create(args: argparse.Namespace) -> int:
+    system = args.system
+    if args.system_file is not None:
+        system = _read_system_file(args.system_file)
     with device_client(args) as c:
-        print(c.new_context(args.system))
+        print(c.new_context(system, label=args.label))
     return 0
+
+
+def _read_system_file(path: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SparkvError(f"--system-file {path}: cannot read it ({exc})") from None
 
 
 def _call(args: argparse.Namespace) -> int:
@@ -321,12 +353,53 @@ def _delete(args: argparse.Namespace) -> int:
     return 0
 
 
+#: characters of a system prompt ``device list`` shows (``device describe`` shows it whole)
+PROMPT_COLUMN = 48
+
+
 def _list(args: argparse.Namespace) -> int:
+    from sparkv.tables import format_table
+
     with device_client(args) as c:
-        print(json.dumps(c.list(), indent=1))
+        listed = c.list()
+        if args.json:
+            print(json.dumps(listed, indent=1))
+        elif listed:
+            print(format_table(["id", "label", "tokens", "calls", "MB", "system prompt"],
+                               [[x["id"], x.get("label") or "-", x["tokens"], x["calls"],
+                                 f"{x['bytes'] / 1e6:.2f}", one_line(x.get("system_prompt"))]
+                                for x in listed]))
+        else:
+            print("no contexts")
         for d in c.damaged():
             print(f"damaged context {d['id']}: {d['reason']} (sparkv device delete {d['id']})",
                   file=sys.stderr)
+    return 0
+
+
+def one_line(text: str | None, width: int = PROMPT_COLUMN) -> str:
+    """``text`` on one line of at most ``width`` characters (white space runs made one space;
+    cut with '...'); ``-`` for none."""
+    if not text:
+        return "-"
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[:width - 3] + "..."
+
+
+def _describe(args: argparse.Namespace) -> int:
+    with device_client(args) as c:
+        info = c.describe(args.context)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    for key, value in info.items():
+        if key == "system_prompt":
+            continue
+        shown = ", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict) \
+            else ", ".join(map(str, value)) if isinstance(value, list) else value
+        print(f"{key}: {'-' if shown is None or shown == '' else shown}")
+    print("system_prompt:")
+    print(info.get("system_prompt") or "-")
     return 0
 
 

@@ -38,6 +38,9 @@ def _unicode(text: str) -> str:
 
 #: prompt text: at most :data:`MAX_PROMPT_CHARS` characters of valid Unicode (no lone surrogate)
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(_unicode)]
+#: a caller's label of a context: 1-100 characters, no control character and no '#' (the edge's
+#: kept contexts are labelled SERVER#CONTEXT_ID: a label never looks like one)
+Label = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f#]+$")]
 #: token ids: at most :data:`MAX_PROMPT_IDS` JSON integers, none negative (never a bool or a
 #: string: the server's JSON policy, :mod:`sparkv.rest.fields`); their upper bound is the
 #: model's vocabulary (the service checks it; the app's OpenAPI states it)
@@ -59,6 +62,8 @@ class NewContext(BaseModel):
 
     system_prompt: PromptText | None = None
     system_ids: TokenIds | None = None
+    label: Label | None = Field(None, description="a name for it, listed with it "
+                                "(`sparkv device create --label`)")
 
 
 class CallBody(BaseModel):

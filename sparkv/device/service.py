@@ -204,13 +204,15 @@ class ContextService:
 
     # ---- the API ---------------------------------------------------------------------------------
     def new_context(self, system_prompt: str | None = None, *,
-                    system_ids: Sequence[int] | None = None) -> str:
-        """Makes a context holding the system prompt (its KV computed now); returns its id."""
+                    system_ids: Sequence[int] | None = None, label: str | None = None) -> str:
+        """Makes a context holding the system prompt (its KV computed now); returns its id.
+        ``label``: a name listed with it (journaled, so it survives a restart)."""
         ids = system_turn_ids(self.lm, system_prompt, system_ids, vocab=self.vocab,
                               chatml=self._chatml)
         check_length(0, len(ids) + 1, self.max_tokens,
                      f"a context of this {len(ids)}-token system prompt")
         ctx = self._new(ids, system_prompt)
+        ctx.label = label
         with ctx.lock, self._run, self._adding(ctx):
             self.keeper.create(ctx)
         return ctx.id

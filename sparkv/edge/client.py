@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -207,7 +208,8 @@ class EdgeClient:
                        levels: Sequence[str] | None = None, chunk_tokens: int | None = None,
                        heads_per_group: int = 0, model: str | None = None, wait: bool = True,
                        encrypt: bool = False, timeout_s: float = 900.0,
-                       progress: bool = False, press: str | None = None) -> str:
+                       progress: bool = False, press: str | None = None,
+                       name: str | None = None) -> str:
         """Asks the server to encode a context; with ``wait``, polls its job until it is done.
         With ``encrypt`` the frames are stored AES-GCM-encrypted; the key the server returns
         (once) is kept in :attr:`encryption_keys`. With ``press`` (``NAME:RATIO``,
@@ -215,8 +217,11 @@ class EdgeClient:
         and stores only the kept entries: a different context id from the uncompressed one
         (docs/presses.md, "On the server"). A press that fails the model's quality table is
         stored anyway: the server's warning is kept in :attr:`quality_warnings` and raised as a
-        :class:`QualityWarning` (docs/quality.md)."""
+        :class:`QualityWarning` (docs/quality.md). ``name`` labels the context (listed by
+        :meth:`list_contexts`; not part of its id)."""
         body: dict[str, Any] = {"heads_per_group": heads_per_group, "encrypt": bool(encrypt)}
+        if name is not None:
+            body["name"] = name
         if press is not None:
             body["press"] = str(press)
         if text is not None:
@@ -255,6 +260,23 @@ class EdgeClient:
                 last = frac
             time.sleep(0.2)
         raise ApiError(504, "job_timeout", f"context {cid} was not encoded in {timeout_s:.0f} s")
+
+    def list_contexts(self) -> dict[str, Any]:
+        """``GET /v1/contexts``: ``{"contexts": [...], "pending": [...]}``, each complete context
+        with its ``context_id``, ``name``, ``num_tokens``, ``model``, ``levels``, ``press``,
+        ``encrypted`` and ``created_unix`` (docs/rest-api.md)."""
+        return dict(self._json("GET", "/v1/contexts", shaped=False))
+
+    def delete_context(self, context_id: str) -> None:
+        """``DELETE /v1/contexts/{id}`` (its encode job cancelled); an :class:`ApiError` 404
+        ``context_not_found`` when there is none. Forgets what this client cached of it."""
+        self._request("DELETE", f"/v1/contexts/{context_id}", limit=self.limits.json_bytes,
+                      shaped=False)
+        self._tokens.pop(context_id, None)
+        self._manifests.pop(context_id, None)
+        cached = self._cache_path(context_id)
+        if cached is not None:
+            shutil.rmtree(cached, ignore_errors=True)
 
     def _poll_job(self, job_id: str, deadline: float) -> dict[str, Any]:
         """The job's state. A poll that times out or finds the server unreachable is retried

@@ -9,10 +9,10 @@ import json
 import os
 from typing import Any, Iterator
 
-from sparkv.cliflags import PRESS_METAVAR
-from sparkv.edge.planning import STRATEGIES
+from sparkv.cliflags import (PRESS_METAVAR, STRATEGY_NAMES, TRACE_NAMES, add_device_args,
+                             context_id, non_negative_float, positive_float, positive_int,
+                             server_url)
 from sparkv.errors import SparkvError
-from sparkv.runtime.device import add_device_args
 
 
 def add_link_args(p: argparse.ArgumentParser, default: str = "an unshaped link") -> None:
@@ -20,11 +20,27 @@ def add_link_args(p: argparse.ArgumentParser, default: str = "an unshaped link")
     what the help says happens with neither."""
     link = p.add_mutually_exclusive_group()
     link.add_argument("--trace", default=None,
-                      help="emulate a link following this CSV trace (time_s,mbps[,rtt_ms]) or a "
-                           f"bundled one: wifi, lte, deep-fade (default: {default})")
-    link.add_argument("--mbps", type=float, default=None,
-                      help="emulate a constant link (Mbit/s) instead")
-    p.add_argument("--rtt-ms", type=float, default=20.0, help="emulated round trip (ms)")
+                      help="emulate a link following a bundled trace ("
+                           f"{', '.join(TRACE_NAMES)}) or a CSV file whose first line is the "
+                           "header time_s,mbps or time_s,mbps,rtt_ms, then one row per step: its "
+                           "start (s, the first 0), the rate from then (Mbit/s) and optionally "
+                           "the round trip (ms); '#' lines are comments; the trace loops "
+                           f"(default: {default})")
+    link.add_argument("--mbps", type=link_mbps, default=None,
+                      help="emulate a constant link (Mbit/s, > 0) instead")
+    p.add_argument("--rtt-ms", type=non_negative_float, default=20.0,
+                   help="emulated round trip (ms)")
+
+
+def link_mbps(text: str) -> float:
+    """``--mbps``: a rate > 0. Zero is refused, as a trace of zeros is: a link that carries
+    nothing is no link; an unshaped link is the one with neither ``--mbps`` nor ``--trace``."""
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a rate > 0 (Mbit/s); for an unshaped link give neither --mbps nor "
+            "--trace") from None
 
 
 def read_trace(name: str) -> Any:
@@ -47,7 +63,7 @@ def shaper_from_args(args: argparse.Namespace) -> Any:
     else ``--trace`` (the parser lets only one be given), else an unshaped link."""
     from sparkv.edge.shaper import LinkShaper
 
-    if args.mbps:
+    if args.mbps is not None:
         return LinkShaper.constant(args.mbps, args.rtt_ms)
     if args.trace:
         return LinkShaper(read_trace(args.trace), rtt_s=args.rtt_ms / 1e3)
@@ -67,33 +83,24 @@ def limits_from_args(args: argparse.Namespace) -> Any:
     return ClientLimits(**given)
 
 
-def _positive(text: str) -> float:
-    """An argparse type: a number > 0 (anything else is a usage error, exit 2)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
-
-
 def register(sub: "argparse._SubParsersAction") -> None:
     a = sub.add_parser("ask", help="answer a question about a context stored on a server")
     a.add_argument("question", help="the question, as text")
-    a.add_argument("--server", required=True, help="e.g. http://127.0.0.1:8080")
-    a.add_argument("--context", required=True, help="context id (32 hex digits)")
+    a.add_argument("--server", required=True, type=server_url, help="e.g. http://127.0.0.1:8080")
+    a.add_argument("--context", required=True, type=context_id,
+                   help="context id (32 hex digits: `sparkv context list`)")
     a.add_argument("--api-key", default=os.environ.get("SPARKV_API_KEY"),
                    help="the tenant's API key, sent as 'Authorization: Bearer <key>' (default: "
                         "$SPARKV_API_KEY; `sparkv apikey` makes one)")
-    a.add_argument("--strategy", choices=sorted(STRATEGIES), default="sparkv",
+    a.add_argument("--strategy", choices=STRATEGY_NAMES, default="sparkv",
                    help="sparkv (plan stream + compute), local (prefill here), stream (fetch "
                         "every chunk), hybrid (Strong Hybrid)")
     a.add_argument("--level", default="auto", help="auto, or one codec level (raw, q8, q5, ...)")
     a.add_argument("--backend", default="auto", help="attention: auto, block_sparse, dense")
     a.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
     add_device_args(a)
-    a.add_argument("--max-new-tokens", type=int, default=64, help="answer length, tokens")
+    a.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="answer length, tokens")
     a.add_argument("--decode", default="full", metavar="POLICY",
                    help="decode-time KV policy: full, dynakv, static, local, nocluster, "
                         "dynakv-eager, dynakv-packed, dynakv-lru (docs/dynakv.md)")
@@ -124,14 +131,14 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "(default: <sparkv cache>/device/kept)")
     a.add_argument("--keep-budget-mb", type=float, default=256.0,
                    help="KV memory budget of the kept contexts, MB (10^6 bytes)")
-    a.add_argument("--deadline-s", type=_positive, default=None,
+    a.add_argument("--deadline-s", type=positive_float, default=None,
                    help="the longest any request to the server may take, connecting to its "
                         "last byte (default 60; docs/edge.md, Bounds)")
-    a.add_argument("--ask-deadline-s", type=_positive, default=None,
+    a.add_argument("--ask-deadline-s", type=positive_float, default=None,
                    help="the ask's own time limit, from the start: past it the link is given up "
                         "and what is missing is computed locally (default: 3x the local-prefill "
                         "estimate + 10 s; docs/edge.md, Bounds)")
-    a.add_argument("--max-manifest-mb", type=_positive, default=None,
+    a.add_argument("--max-manifest-mb", type=positive_float, default=None,
                    help="the largest manifest accepted, MiB (2^20 bytes; default 16)")
     add_link_args(a)
     a.set_defaults(func=_ask)
@@ -146,6 +153,11 @@ def check_ask_args(args: argparse.Namespace) -> str | None:
     if args.decode_budget is not None and args.decode == FULL_DECODE:
         raise SparkvError("--decode-budget needs --decode POLICY (dynakv, static, local, ...): "
                           "the full policy keeps the whole KV in RAM")
+    from sparkv.codec import LEVEL_ORDER
+
+    if args.level != "auto" and args.level not in LEVEL_ORDER:
+        raise SparkvError(f"--level {args.level!r}: choose auto or one of "
+                          f"{', '.join(LEVEL_ORDER)}")
     if args.press is None:
         return None
     try:
@@ -163,6 +175,11 @@ def _ask(args: argparse.Namespace) -> int:
     shaper = shaper_from_args(args)    # a bad --trace fails here, before the model loads
     cache = None if args.no_cache else cache_dir() / "edge"
     limits = limits_from_args(args)
+    options = AskOptions(strategy=args.strategy, level=args.level, backend=args.backend,
+                         max_new_tokens=args.max_new_tokens, decode=args.decode,
+                         ram_budget=args.decode_budget, keep=args.keep,
+                         prelude=False if args.no_prelude else None,
+                         ask_deadline_s=args.ask_deadline_s)   # a bad --decode fails here too
     with _api_key_hint(), EdgeSession.connect(
             args.server, args.api_key, args.model, shaper=shaper, cache_dir=cache,
             limits=limits, device=args.device, dtype=args.dtype) as session:
@@ -176,11 +193,6 @@ def _ask(args: argparse.Namespace) -> int:
             session.context_service = ContextService(
                 session.lm, int(args.keep_budget_mb * 1e6),
                 args.keep_dir or cache_dir() / "device" / "kept")
-        options = AskOptions(strategy=args.strategy, level=args.level, backend=args.backend,
-                             max_new_tokens=args.max_new_tokens, decode=args.decode,
-                             ram_budget=args.decode_budget, keep=args.keep,
-                             prelude=False if args.no_prelude else None,
-                             ask_deadline_s=args.ask_deadline_s)
         res = session.ask(context, args.question, options)
     if args.json:
         print(json.dumps({"text": res.text, "tokens": res.tokens, "stats": res.stats,
@@ -188,8 +200,9 @@ def _ask(args: argparse.Namespace) -> int:
                           "kept_id": res.kept_id, "context_id": context}, indent=1))
     else:
         print(res.text.strip())
-        print()
-        print(res.breakdown.table())
+        if getattr(args, "verbosity", 0) >= 0:       # -q: the answer only
+            print()
+            print(res.breakdown.table())
         if res.kept_id is not None:
             print(kept_note(res))
     return 0

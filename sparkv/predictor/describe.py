@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from sparkv.layout import DEFAULT_CHUNK_TOKENS
-from sparkv.runtime.device import add_device_args
+from sparkv.cliflags import add_device_args
 
 
 def register(sub: "argparse._SubParsersAction") -> None:

@@ -230,14 +230,14 @@ class Profiler:
     def run(self) -> list[Sample]:
         """Profiles every combination; returns the samples (in execution order)."""
         import torch
-        from tqdm import tqdm
+        from sparkv.logs import progress_bar
 
         cfg = self.config
         old_threads = torch.get_num_threads()
         torch.set_num_threads(cfg.threads)
         self.fingerprint = device_fingerprint(self.device, cfg.threads, compute_name(self.lm))
         num_layers = int(self.lm.config.num_hidden_layers)
-        bar = tqdm(total=cfg.planned_steps(num_layers), desc="profiling layer steps",
+        bar = progress_bar(total=cfg.planned_steps(num_layers), desc="profiling layer steps",
                    unit="step", disable=not self.progress)
         rng = random.Random(cfg.seed)
         samples: list[Sample] = []

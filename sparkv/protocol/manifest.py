@@ -48,6 +48,9 @@ MANIFEST_FORMAT: Final = "sparkv-manifest/1"
 CONTEXT_ID_PATTERN = r"^[0-9a-f]{32}$"
 LEVEL_PATTERN = r"^[a-z0-9_]{1,16}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+#: a context's name: printable, no control character, at most :data:`MAX_NAME_CHARS`
+CONTEXT_NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+MAX_NAME_CHARS = 100
 MAX_LEVELS = 16
 """Levels a manifest may name (the codec has seven)."""
 
@@ -200,6 +203,10 @@ class Manifest(BaseModel):
     frame_version: int = Field(ge=1)
     encryption: Optional[EncryptionInfo] = None
     press: Optional[PressInfo] = None
+    name: Optional[str] = Field(None, min_length=1, max_length=MAX_NAME_CHARS,
+                                pattern=CONTEXT_NAME_PATTERN)
+    """The label given when the context was created (``POST /v1/contexts``'s ``name``); not part
+    of its id: the first name given to a text stays."""
     total_bytes: dict[str, int] = Field(fail_fast=True)
     chunks: list[ChunkEntry] = Field(fail_fast=True)
 
@@ -281,7 +288,8 @@ class Manifest(BaseModel):
               token_ids: Sequence[int], geometry: ChunkGeometry, levels: Sequence[str],
               frame_version: int, chunks: Sequence[ChunkEntry | Mapping[str, Any]],
               encrypted: bool = False, created_unix: float | None = None,
-              press: PressInfo | Mapping[str, Any] | None = None) -> "Manifest":
+              press: PressInfo | Mapping[str, Any] | None = None,
+              name: str | None = None) -> "Manifest":
         """The manifest of a freshly encoded context (``total_bytes`` is computed). Raises
         :class:`ManifestError` when the pieces do not fit together."""
         entries = [c if isinstance(c, ChunkEntry) else ChunkEntry.model_validate(c)
@@ -298,7 +306,7 @@ class Manifest(BaseModel):
                        encryption=EncryptionInfo() if encrypted else None,
                        press=(None if press is None else press if isinstance(press, PressInfo)
                               else PressInfo(**press)),
-                       total_bytes=totals, chunks=entries)
+                       name=name, total_bytes=totals, chunks=entries)
         except ValidationError as e:
             raise ManifestError(f"cannot build the manifest: {_first_error(e)}") from None
 

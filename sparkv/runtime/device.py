@@ -113,15 +113,3 @@ def cpu_has_bf16(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> bool:
 def unified_memory() -> bool:
     """Whether the device shares the CPU's memory (``SPARKV_UNIFIED_MEMORY=1``)."""
     return os.environ.get("SPARKV_UNIFIED_MEMORY", "").strip() in ("1", "true", "yes")
-
-
-def add_device_args(parser: object) -> None:
-    """``--device`` and ``--dtype`` on a command that runs the model."""
-    parser.add_argument("--device", default="auto",  # type: ignore[attr-defined]
-                        help="cpu, cuda[:N] or auto (CUDA when available)")
-    parser.add_argument("--dtype", default="auto",  # type: ignore[attr-defined]
-                        help="auto (bf16 on CUDA; on the CPU a bf16 configuration with "
-                             "AVX512-BF16/AMX where the model's quality table passes it, else "
-                             "fp32), float32 (forces fp32), bfloat16, float16, or a compute "
-                             "configuration: mixed, mixed-layers, bf16-weights, int8, int4, "
-                             "int4-kernel (docs/dtypes.md)")

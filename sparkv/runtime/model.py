@@ -17,6 +17,7 @@ positions (any base: ``rope-extended:POSITIONS:BASE``), the long-context timing 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -27,7 +28,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -52,6 +53,21 @@ class ModelNotFoundError(ModelError):
 
 class UnsupportedModelError(ModelError):
     """The checkpoint is of an architecture sparkv cannot run layer by layer."""
+
+
+@contextlib.contextmanager
+def _no_loading_bar() -> Iterator[None]:
+    """Without transformers' ``Loading weights`` bar: a converted local checkpoint loads in about
+    a second, and the bar was noise on every command (the first conversion keeps its notes)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def cache_dir() -> Path:
@@ -295,7 +311,8 @@ def _load(name_or_path: str | os.PathLike[str] | None, dtype: torch.dtype, devic
     base_fp = _fingerprint(config, name)
     info = _extend(config, rope_positions)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        with _no_loading_bar():
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load the weights at {path}: {exc}") from exc
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types `to` as unbound

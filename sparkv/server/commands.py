@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sparkv.cliflags import PRESS_METAVAR
+from sparkv.cliflags import PRESS_METAVAR, context_name
 from sparkv.logs import STAMPED, setup_logging
-from sparkv.server.errors import ConfigError
 
 log = logging.getLogger("sparkv.server")
 
@@ -55,6 +54,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     k = sub.add_parser("apikey", help="make a new API key and its hash for the config file")
     k.add_argument("--tenant", default="my-tenant",
                    help="the tenant the key belongs to (names its config lines)")
+    k.add_argument("--config", default=None,
+                   help="write a new server config FILE holding the tenant and its key's hash, "
+                        "and print only the key (an existing FILE is refused: add the lines to "
+                        "it yourself)")
     k.set_defaults(func=apikey)
 
 
@@ -127,6 +130,9 @@ def _add_encode(sub: "argparse._SubParsersAction") -> None:
     e.add_argument("--heads-per-group", type=int, default=0,
                    help="KV heads per group; must divide the model's KV heads (0: all in one)")
     e.add_argument("--token-ids", action="store_true", help="FILE holds a JSON list of token ids")
+    e.add_argument("--name", type=context_name, default=None,
+                   help="a label for the context (listed by `sparkv context list`; not part of "
+                        "its id)")
     e.add_argument("--press", default=None, metavar=PRESS_METAVAR,
                    help="compress with a KV press first, question-agnostically (adakv:0.5; "
                         "docs/presses.md): only the kept entries are stored")
@@ -171,6 +177,7 @@ def _check_device(settings: Any) -> None:
     """Fails at startup (not at the first encode) on a device or dtype this machine lacks."""
     from sparkv.runtime.compute import resolve_dtype
     from sparkv.runtime.device import DeviceUnavailable, resolve_device
+    from sparkv.server.errors import ConfigError
 
     try:
         resolve_dtype(settings.dtype, resolve_device(settings.device))
@@ -193,6 +200,7 @@ def _log_level(args: argparse.Namespace, configured: str) -> str:
 # ------------------------------------------------------------------------------------------------
 def serve(args: argparse.Namespace) -> int:
     from sparkv.extras import SERVER_MODULES, require_all
+    from sparkv.server.errors import ConfigError
 
     require_all(SERVER_MODULES, feature="sparkv serve")
     settings = _settings(args.config, args.store, torch_threads=args.threads,
@@ -241,6 +249,7 @@ def serve(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> int:
     from sparkv.extras import SERVER_MODULES, require_all
+    from sparkv.server.errors import ConfigError
 
     require_all(SERVER_MODULES + ("redis",), feature="sparkv worker")
     from sparkv.server.models import ModelRegistry
@@ -316,6 +325,7 @@ def _encode_tenant(asked: str | None, settings: Any) -> str:
     ``anonymous`` while the config has tenants and no ``allow_anonymous``) is a
     :class:`ConfigError`: its contexts would be reachable by no key."""
     from sparkv.server.config import ANONYMOUS_TENANT
+    from sparkv.server.errors import ConfigError
 
     reachable = set(settings.tenants)
     if settings.allow_anonymous or not settings.tenants:
@@ -347,7 +357,7 @@ def _token_ids(args: argparse.Namespace, settings: Any, text: str) -> tuple[Any,
     """The model's entry and the context's token ids: ``text`` tokenized, or read as a JSON
     list with ``--token-ids``. Raises :class:`ConfigError` for no tokens, too many, or ids
     outside the vocabulary."""
-    from sparkv.server.errors import ApiError
+    from sparkv.server.errors import ApiError, ConfigError
     from sparkv.server.models import ModelRegistry
 
     registry = ModelRegistry(settings.models, settings.max_context_tokens,
@@ -380,6 +390,7 @@ def _context_spec(args: argparse.Namespace, settings: Any, tenant: str, entry: A
     """The :class:`~sparkv.server.encoder.ContextSpec` the options ask for (levels and chunk
     size default to the config's). Raises :class:`ConfigError` for unknown levels or presses."""
     from sparkv.server.encoder import ContextSpec, canonical_levels
+    from sparkv.server.errors import ConfigError
 
     try:
         levels = canonical_levels(args.levels.split(",") if args.levels
@@ -396,7 +407,7 @@ def _context_spec(args: argparse.Namespace, settings: Any, tenant: str, entry: A
             raise ConfigError(f"--press: {exc}") from None
     spec = ContextSpec(tenant, entry.name, tuple(ids), args.chunk_tokens or
                        settings.default_chunk_tokens, levels, args.heads_per_group, args.encrypt,
-                       press)
+                       press, args.name)
     _check_frame_cap(settings, entry, spec)
     return spec
 
@@ -406,6 +417,7 @@ def _check_frame_cap(settings: Any, entry: Any, spec: Any) -> None:
     ``max_frame_bytes``, as ``POST /v1/contexts`` does, or whose geometry is invalid."""
     from sparkv.layout import ChunkGeometry
     from sparkv.server.encoder import frame_cap_error
+    from sparkv.server.errors import ConfigError
 
     try:
         geometry = ChunkGeometry.from_config(entry.lm.config, spec.num_tokens, spec.chunk_tokens,
@@ -422,13 +434,13 @@ def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes 
                         ) -> tuple[bytes, Any]:
     """Encodes the context (a progress bar on stderr; frames encrypted with ``key``) and
     publishes its manifest; on any failure removes what was stored. ``(manifest, stats)``."""
-    from tqdm import tqdm
+    from sparkv.logs import progress_bar
 
     from sparkv.protocol.crypto import FrameCipher
     from sparkv.server.encoder import encode_context
 
     cipher = FrameCipher(key, cid) if key else None
-    bar = tqdm(total=None, unit="frame", desc="prefill", file=sys.stderr)
+    bar = progress_bar(total=None, unit="frame", desc="prefill", file=sys.stderr)
 
     def progress(phase: str, done: int, total: int) -> None:
         if bar.total != total:
@@ -450,7 +462,25 @@ def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes 
     return manifest, stats
 
 
+def _write_new_config(path: Path, lines: str) -> None:
+    """Creates ``path`` holding ``lines`` (a server config); refuses an existing file."""
+    from sparkv.server.errors import ConfigError
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise ConfigError(f"{path} exists: run `sparkv apikey --tenant NAME` without --config "
+                          "and add the lines it prints under tenants: yourself") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("# a sparkv server config written by `sparkv apikey` (docs/server.md, "
+                "\"Configuration file\")\n" + lines)
+
+
 def _read_text(path: str) -> str:
+    from sparkv.server.errors import ConfigError
+
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -463,10 +493,18 @@ def _report(args: argparse.Namespace, result: dict[str, Any], message: str) -> N
 
 def apikey(args: argparse.Namespace) -> int:
     from sparkv.server.config import TENANT_NAME, hash_api_key, new_api_key
+    from sparkv.server.errors import ConfigError
 
     if not TENANT_NAME.match(args.tenant):
         raise ConfigError(f"tenant name must match {TENANT_NAME.pattern}")
     key = new_api_key()
+    lines = f"tenants:\n  {args.tenant}:\n    keys:\n      - {hash_api_key(key)}\n"
+    if args.config:
+        _write_new_config(Path(args.config), lines)
+        log.info("wrote %s: tenant %s and the hash of its key (the key is printed, not "
+                 "stored)", args.config, args.tenant)
+        print(key)
+        return 0
     print(f"API key (give it to the client; it is not stored): {key}")
     print("config file lines:")
     print(f"tenants:\n  {args.tenant}:\n    keys:\n      - {hash_api_key(key)}")

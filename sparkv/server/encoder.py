@@ -67,6 +67,8 @@ class ContextSpec:
     encrypted: bool = False
     press: str | None = None
     """A canonical press spec (:func:`sparkv.presses.canonical_spec`), or ``None``."""
+    name: str | None = None
+    """The context's label (the manifest's ``name``); not part of its id."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +84,8 @@ class ContextSpec:
     def from_record(cls, d: dict[str, Any]) -> "ContextSpec":
         return cls(d["tenant"], d["model"], tuple(int(x) for x in d["token_ids"]),
                    int(d["chunk_tokens"]), tuple(d["levels"]), int(d.get("heads_per_group", 0)),
-                   bool(d.get("encrypted", False)), d.get("press") or None)
+                   bool(d.get("encrypted", False)), d.get("press") or None,
+                   d.get("name") or None)
 
 
 def canonical_levels(levels: Sequence[str]) -> tuple[str, ...]:
@@ -269,7 +272,7 @@ def _manifest(spec: ContextSpec, context_id: str, entry: Any, geometry: ChunkGeo
     return Manifest.build(context_id=context_id, model=model, token_ids=spec.token_ids,
                           geometry=geometry, levels=spec.levels, frame_version=FRAME_VERSION,
                           chunks=[ChunkEntry.model_validate(c) for c in chunks],
-                          encrypted=spec.encrypted, press=press)
+                          encrypted=spec.encrypted, press=press, name=spec.name)
 
 
 def prefill_kv(lm: LoadedModel, token_ids: Sequence[int]) -> list[tuple[Any, Any]]:

@@ -11,7 +11,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 
 from sparkv.codec import DEFAULT_LEVEL, LEVEL_ORDER
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
-from sparkv.protocol.manifest import Manifest
+from sparkv.protocol.manifest import CONTEXT_NAME_PATTERN, MAX_NAME_CHARS, Manifest
 from sparkv.rest.fields import JSON_INT, one_of
 
 __all__ = ["ErrorDetail", "ErrorResponse", "Manifest"]  # the wire's own models, shown in OpenAPI
@@ -75,6 +75,13 @@ class CreateContext(BaseModel):
                     "docs/presses.md); the frames then hold only the kept entries and the "
                     "manifest their positions")
 
+    name: Optional[str] = Field(
+        None, min_length=1, max_length=MAX_NAME_CHARS, pattern=CONTEXT_NAME_PATTERN,
+        examples=["warranty manual"],
+        description="a label for the context, listed by GET /v1/contexts; not part of its id "
+                    "(the same text under another name is the same context, and keeps its first "
+                    "name)")
+
     @model_validator(mode="after")
     def _one_source(self) -> "CreateContext":
         if (self.text is None) == (self.token_ids is None):
@@ -96,6 +103,8 @@ class CreateContext(BaseModel):
 
 class ContextCreated(BaseModel):
     context_id: str
+    name: Optional[str] = Field(None, description="the context's name: the one given when it was "
+                                "first created (null: none)")
     job_id: Optional[str]
     status: Literal["queued", "running", "done"]
     model: str
@@ -161,9 +170,34 @@ class StreamRequest(BaseModel):
     level: LevelName = Field(DEFAULT_LEVEL, description="level of items that name none")
 
 
+class ListedContext(BaseModel):
+    """One complete context of ``GET /v1/contexts``: what its manifest says (every field but
+    ``context_id`` is null when the stored manifest cannot be read)."""
+
+    context_id: str
+    name: Optional[str] = Field(description="the label given when it was created, or null")
+    num_tokens: Optional[int]
+    model: Optional[str] = Field(description="the server's model name")
+    levels: Optional[list[str]]
+    press: Optional[str] = Field(None, description="the press spec, if compressed")
+    encrypted: Optional[bool]
+    created_unix: Optional[float]
+
+
+class PendingContext(BaseModel):
+    """A context whose encode job is queued or running."""
+
+    context_id: str
+    job_id: str
+    state: str = Field(description="queued or running")
+
+
 class ContextList(BaseModel):
-    contexts: list[str]
-    pending: list[dict[str, Any]]
+    """``GET /v1/contexts``: the tenant's complete contexts, sorted by id, and those being
+    encoded."""
+
+    contexts: list[ListedContext]
+    pending: list[PendingContext]
 
 
 class ServedModel(BaseModel):

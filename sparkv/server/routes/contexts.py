@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sparkv.layout import ChunkGeometry
 from sparkv.protocol.crypto import key_to_text
+from sparkv.protocol.errors import ManifestError
 from sparkv.server import schemas
 from sparkv.server.deps import ContextIdPath, StateDep, TenantDep, require_manifest
 from sparkv.server.encoder import (ContextSpec, canonical_levels, derive_context_id,
@@ -46,8 +47,14 @@ async def create_context(body: schemas.CreateContext, state: StateDep,
                                                                       tenant, body)
     rec = result.job
     job_id = rec["job_id"] if rec else None
+    name = spec.name
+    if result.status == "done":           # named when it was first created
+        parsed = await state.manifest(tenant, cid)
+        name = parsed.manifest.name if parsed is not None else name
+    elif rec is not None:                 # a job already under way keeps its own name
+        name = rec.get("spec", {}).get("name") or name
     out = {
-        "context_id": cid, "job_id": job_id, "status": result.status,
+        "context_id": cid, "name": name, "job_id": job_id, "status": result.status,
         "model": spec.model, "num_tokens": spec.num_tokens, "num_chunks": num_chunks,
         "levels": list(spec.levels), "chunk_tokens": spec.chunk_tokens,
         "encrypted": spec.encrypted, "press": spec.press, "quality_warning": warning,
@@ -66,11 +73,34 @@ async def create_context(body: schemas.CreateContext, state: StateDep,
 
 @router.get("/v1/contexts", response_model=schemas.ContextList, responses=error_responses())
 async def list_contexts(state: StateDep, tenant: TenantDep) -> Any:
-    """The tenant's complete contexts, and those with a queued or running job."""
+    """The tenant's complete contexts (id, name, token count, ... from each manifest, sorted by
+    id), and those with a queued or running job."""
     ids = await to_thread.run_sync(state.store.manifests.contexts, tenant)
+    contexts = [await context_summary(state, tenant, cid) for cid in ids]
     pending = [{"context_id": j["context_id"], "job_id": j["job_id"], "state": j["state"]}
                for j in state.jobs.active_jobs(tenant)]
-    return {"contexts": ids, "pending": pending}
+    return {"contexts": [c for c in contexts if c is not None], "pending": pending}
+
+
+async def context_summary(state: ServerState, tenant: str, context_id: str
+                          ) -> dict[str, Any] | None:
+    """What ``GET /v1/contexts`` lists of one context: its manifest's id, name, token count,
+    model, levels, press, encryption and creation time; only the id when the stored manifest
+    cannot be read (logged); ``None`` when it was deleted meanwhile."""
+    try:
+        parsed = await state.manifest(tenant, context_id)
+    except ManifestError as e:
+        log.error("context %s of tenant %s: its stored manifest is unreadable (%s)", context_id,
+                  tenant, e)
+        return {"context_id": context_id, "name": None, "num_tokens": None, "model": None,
+                "levels": None, "press": None, "encrypted": None, "created_unix": None}
+    if parsed is None:
+        return None
+    m = parsed.manifest
+    return {"context_id": context_id, "name": m.name, "num_tokens": m.num_tokens,
+            "model": m.model.name, "levels": list(m.levels),
+            "press": m.press.spec if m.press is not None else None,
+            "encrypted": m.encrypted, "created_unix": m.created_unix}
 
 
 @router.get("/v1/contexts/{context_id}", response_class=Response,
@@ -191,7 +221,7 @@ def submit_context(state: ServerState, tenant: str, body: schemas.CreateContext
     if body.press and len(ids) < 2:
         raise ApiError(400, "context_too_short", "a press needs a context of at least 2 tokens")
     spec = ContextSpec(tenant, entry.name, tuple(ids), chunk_tokens, levels,
-                       body.heads_per_group, body.encrypt, body.press)
+                       body.heads_per_group, body.encrypt, body.press, body.name)
     cid = derive_context_id(spec, entry.fingerprint, entry.tokenizer_id)
     result = state.jobs.submit(spec, cid, geometry.num_chunks * len(levels))
     return result, spec, cid, geometry.num_chunks, press_quality_warning(entry.fingerprint,

@@ -301,7 +301,7 @@ def test_quiet_prints_the_answer_without_the_breakdown(monkeypatch, capsys):
             return False
 
         def ask(self, *args, **kwargs):
-            return NS(answer=" the answer ", breakdown=NS(table=lambda: "THE TABLE"),
+            return NS(text=" the answer ", breakdown=NS(table=lambda: "THE TABLE"),
                       kept_id=None)
 
     monkeypatch.setattr(EdgeSession, "connect", lambda *a, **k: Session())

@@ -251,6 +251,8 @@ class JobManager:
                 if job.cancel.is_set():
                     raise ApiError(409, "context_busy", "this context is being deleted; retry in "
                                    "a moment", headers={"Retry-After": "1"})
+                if job.record["state"] == "done":      # published, its job not yet let go
+                    backfill_tokens(self.store.chunks, spec, context_id)
                 return SubmitResult(job.record["state"], dict(job.record), False)
             if self.store.manifests.get(tenant, context_id) is not None:
                 backfill_tokens(self.store.chunks, spec, context_id)

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 bash deploy/setup.sh
 case "${1:-}" in
   demo) shift; exec .venv/bin/sparkv demo "$@" ;;
-  # the suite on every core (pytest-xdist, a test file per worker: its module fixtures built once)
-  test) shift; exec .venv/bin/python -m pytest -q -n "${SPARKV_TEST_WORKERS:-auto}" --dist loadfile "$@" ;;
+  # the suite on every core (pytest-xdist, a test file per worker: its module fixtures built once;
+  # the longest files first, tests/conftest.py)
+  test) shift; exec .venv/bin/python -m pytest -q -n "${SPARKV_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder "$@" ;;
   *) echo "usage: bash deploy/run.sh demo|test [ARGS...]" >&2; exit 2 ;;
 esac

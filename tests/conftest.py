@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,23 @@ def _test_threads() -> int:
 
 # one thread where the machine is shared (SPARKV_TEST_THREADS=1) avoids OpenMP spin-waits
 torch.set_num_threads(_test_threads())
+
+
+def _file_seconds() -> dict[str, float]:
+    """Each test file's measured seconds (tests/durations.json: a quiet whole-suite run on 2
+    cores, files under 3 s left out)."""
+    try:
+        return json.loads((Path(__file__).parent / "durations.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest files first (stable within a file): pytest-xdist's ``--dist loadfile`` hands
+    files out in this order (deploy/run.sh passes ``--no-loadscope-reorder``), so the last file a
+    worker takes is a short one and no worker idles while another finishes a long one."""
+    seconds = _file_seconds()
+    items.sort(key=lambda item: -seconds.get(item.path.name, 1.0))
 
 
 @pytest.fixture(scope="session")

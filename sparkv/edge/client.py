@@ -101,6 +101,7 @@ class EdgeClient:
                 transport=deadline_transport(self._backend))
         except httpx.InvalidURL as e:   # a host IDNA refuses, a port out of range, ...
             raise ValueError(f"not a server URL: {server_url!r} ({e})") from None
+        _check_host(self._http.base_url.host, server_url)
         self._manifests: dict[str, Manifest] = {}
         self._tokens: dict[str, list[int]] = {}
         #: the last shaped download of at least 64 KiB (what the link did then; not an estimator)
@@ -437,3 +438,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
+
+
+def _check_host(host: str, server_url: str) -> None:
+    """A :class:`ValueError` for a host no resolver takes: a label over 63 characters or empty
+    (the IDNA codec refuses it only when the first connection resolves it, mid-ask)."""
+    if host.startswith("[") or not host:
+        return
+    try:
+        host.encode("idna")
+    except UnicodeError as e:
+        raise ValueError(f"not a server URL: {server_url!r} ({e})") from None

@@ -288,7 +288,7 @@ def test_quality_floor_when_nothing_lossy_passes(tmp_path):
 
 # ---- a tiny real run: JSON shape -----------------------------------------------------------------
 def test_tiny_run_writes_json_plot_and_table(smollm2, tmp_path):
-    """A 300-token pass key and two questions about a 300-token license passage: dense, raw and
+    """A 300-token pass key and a question about a 300-token license passage: dense, raw and
     q4 streamed, block-sparse local (in process, sparkv/bench/paired.py), the default policy at
     20 Mbit/s through a real server. Raw frames are bit-exact, so stream@raw must answer exactly
     as the dense reference does."""
@@ -299,9 +299,7 @@ def test_tiny_run_writes_json_plot_and_table(smollm2, tmp_path):
     (tmp_path / "qa.json").write_text(json.dumps({
         "source": "sample_context.txt", "slices": [{"id": "s", "lines": [589, 620]}],
         "questions": [{"id": "w", "slice": "s", "passage": [591, 598], "keywords": ["AS IS"],
-                       "question": "On what basis is the program provided?"},
-                      {"id": "r", "slice": "s", "passage": [591, 598], "keywords": ["you"],
-                       "question": "Who bears the risk as to the quality of the program?"}]}))
+                       "question": "On what basis is the program provided?"}]}))
     out = tmp_path / "quality.json"
     table = tmp_path / "table.json"
     rc = main(["bench", "quality", "--tasks", "passkey,qa", "--sizes", "428", "--trials", "1",
@@ -320,11 +318,11 @@ def test_tiny_run_writes_json_plot_and_table(smollm2, tmp_path):
     assert [c["name"] for c in doc["configs"]] == ["dense", "stream@raw", "stream@q4",
                                                    "local/block_sparse", "default@20mbps"]
     answers = doc["answers"]
-    assert len(answers) == 15 and not any(a["error"] for a in answers)
+    assert len(answers) == 10 and not any(a["error"] for a in answers)
     by = {(r["family"], r["config"]): r for r in doc["results"]}
     assert set(by) == {(f, c["name"]) for f in ("passkey", "qa") for c in doc["configs"]}
     for r in doc["results"]:
-        assert r["n"] == (1 if r["family"] == "passkey" else 2)
+        assert r["n"] == 1
         for k in ("correct", "accuracy", "dense_correct", "kept", "relative", "greedy_agreement",
                   "teacher_forced", "first_token_kl", "mb", "errors", "tokens_min"):
             assert k in r, k
@@ -344,11 +342,11 @@ def test_tiny_run_writes_json_plot_and_table(smollm2, tmp_path):
     assert all(a["load_s"] > 0 for a in qa_rows if a["group"] in ("level", "backend"))
     assert not any(a["reused_load"] for a in qa_rows)
     assert (tmp_path / "quality.png").stat().st_size > 0
-    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 15
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 10
     t = QualityTable.load(table)
     assert [e.name for e in t.levels] == ["raw", "q4"]
     assert [e.name for e in t.backends] == ["block_sparse"]
-    assert t.level("raw").retrieval["passkey"].n == 1 and t.level("raw").qa_questions == 2
+    assert t.level("raw").retrieval["passkey"].n == 1 and t.level("raw").qa_questions == 1
     assert t.level("raw").qa_teacher_forced == 1.0
     assert t.num_layers == 30 and t.matches_codec()
     assert {a["codec"] for a in answers} == {t.codec_signature}

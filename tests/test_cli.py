@@ -111,18 +111,44 @@ def test_the_kept_note_says_where_the_answer_came_from():
 
 
 def test_a_401_names_the_flag_not_only_the_header():
-    from sparkv.edge.commands import _api_key_hint
+    from sparkv.edge.commands import api_key_hint
     from sparkv.errors import SparkvError
     from sparkv.protocol.errors import ApiError
 
-    with pytest.raises(SparkvError) as e, _api_key_hint():
+    with pytest.raises(SparkvError) as e, api_key_hint():
         raise ApiError(401, "missing_api_key", "send 'Authorization: Bearer <key>'")
     assert "--api-key" in str(e.value) and "SPARKV_API_KEY" in str(e.value)
-    with pytest.raises(SparkvError) as e, _api_key_hint():
+    with pytest.raises(SparkvError) as e, api_key_hint():
         raise ApiError(403, "forbidden", "not this one")
     assert "403" in str(e.value) and "--api-key" in str(e.value)
-    with pytest.raises(ApiError), _api_key_hint():        # other errors pass unchanged
+    with pytest.raises(ApiError), api_key_hint():        # other errors pass unchanged
         raise ApiError(404, "context_not_found", "no context")
+
+
+def test_context_commands_name_the_key_flag_on_a_401(monkeypatch, capsys):
+    """``sparkv context ...`` with a key the server refuses says which flag sent it, as ``ask``
+    does (the first-hour path printed the server's 401 alone)."""
+    import sparkv.edge.client as client_mod
+    from sparkv.cli import main
+    from sparkv.protocol.errors import ApiError
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def list_contexts(self):
+            raise ApiError(401, "invalid_api_key", "this key is not known")
+
+    monkeypatch.setattr(client_mod, "EdgeClient", Refused)
+    rc = main(["context", "list", "--server", "http://127.0.0.1:9", "--api-key", "skv_x"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "invalid_api_key" in err and "sparkv context sends the key of --api-key" in err
 
 
 def test_system_exit_messages_exit_2(capsys):

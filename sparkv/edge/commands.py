@@ -180,7 +180,7 @@ def _ask(args: argparse.Namespace) -> int:
                          ram_budget=args.decode_budget, keep=args.keep,
                          prelude=False if args.no_prelude else None,
                          ask_deadline_s=args.ask_deadline_s)   # a bad --decode fails here too
-    with _api_key_hint(), EdgeSession.connect(
+    with api_key_hint(), EdgeSession.connect(
             args.server, args.api_key, args.model, shaper=shaper, cache_dir=cache,
             limits=limits, device=args.device, dtype=args.dtype) as session:
         if args.encryption_key:
@@ -209,16 +209,16 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _api_key_hint() -> Iterator[None]:
-    """A 401 or 403 from the server (on any request of the ask, whatever the device has
-    cached: docs/edge.md) says which key this command sent (the server names headers)."""
+def api_key_hint(command: str = "sparkv ask") -> Iterator[None]:
+    """A 401 or 403 from the server (on any request of ``command``, whatever the device has
+    cached: docs/edge.md) says which key the command sent (the server names headers)."""
     from sparkv.protocol.errors import ApiError
 
     try:
         yield
     except ApiError as e:
         if e.status == 401:
-            raise SparkvError(f"{e} (sparkv ask sends the key of --api-key or $SPARKV_API_KEY "
+            raise SparkvError(f"{e} ({command} sends the key of --api-key or $SPARKV_API_KEY "
                               "as that header; `sparkv apikey` makes one)") from None
         if e.status == 403:
             raise SparkvError(f"{e} (the key of --api-key or $SPARKV_API_KEY is not allowed "

@@ -10,13 +10,15 @@ its notes on stderr; ``list`` a table (``--json``: the server's list); ``describ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 from sparkv.cliflags import PRESS_METAVAR, context_id, context_name, server_url
+from sparkv.edge.commands import api_key_hint
 from sparkv.errors import SparkvError
 
 log = logging.getLogger("sparkv.edge")
@@ -59,10 +61,13 @@ def register(sub: "argparse._SubParsersAction") -> None:
     c.set_defaults(func=lambda args: (c.print_help(), 2)[1])
 
 
-def _open(args: argparse.Namespace) -> Any:
+@contextlib.contextmanager
+def _open(args: argparse.Namespace) -> Iterator[Any]:
+    """The server's client; a 401 or 403 says which key was sent (as ``sparkv ask`` does)."""
     from sparkv.edge.client import EdgeClient
 
-    return EdgeClient(args.server, args.api_key)
+    with api_key_hint("sparkv context"), EdgeClient(args.server, args.api_key) as client:
+        yield client
 
 
 def read_text(path: str) -> str:

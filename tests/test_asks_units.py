@@ -233,6 +233,30 @@ def test_the_concurrency_benchmark_summarizes_each_batch_and_its_ratios():
     assert r["rss_top_over_rss_1"] == 2.0
 
 
+def test_the_naive_comparison_summarizes_the_processes_and_compares_with_the_service():
+    import argparse
+
+    from sparkv.bench.naive import ask_argv, compare, naive_point
+
+    outs = [{"stats": {"ttft_s": t, "bytes_streamed": 3_000_000}} for t in (2.0, 4.0, 3.0)]
+    nav = naive_point("sparkv", 4, {"outs": outs + ["Traceback: model load failed"],
+                                    "makespan_s": 12.0, "rss_peak_bytes": 4 * 2**30})
+    assert nav["ttft_p50_s"] == 3.0 and nav["ttft_max_s"] == 4.0
+    assert nav["failed"] == ["Traceback: model load failed"]
+    assert nav["mb_per_ask"] == 3.0 and nav["rss_peak_mb"] == 4096
+    svc = {"strategy": "sparkv", "n": 4, "makespan_s": 6.0, "ttft_p50_s": 1.5,
+           "rss_peak_mb": 1024.0}
+    c = compare(svc, nav)
+    assert c["naive_over_service_makespan"] == 2.0 and c["naive_over_service_ttft_p50"] == 2.0
+    assert c["naive_over_service_rss"] == 4.0
+    assert compare({**svc, "makespan_s": 0.0}, nav)["naive_over_service_makespan"] is None
+    # each naive app emulates no link of its own: the one veth shapes them all
+    argv = ask_argv("http://10.213.0.2:18080", "a" * 32, "q?", "sparkv",
+                    argparse.Namespace(max_new_tokens=8, model=None))
+    assert "--mbps" not in argv and "--trace" not in argv
+    assert argv[argv.index("--context") + 1] == "a" * 32
+
+
 def test_in_oldest_order_the_oldest_asks_unit_goes_first_and_its_load_ignores_younger_asks():
     gate = CoreGate(window_s=3600, order="oldest")
     holder, old, young = gate.lane(), gate.lane(), gate.lane()

@@ -25,6 +25,9 @@ TTFT against N per strategy (the paper's Fig. 15).
 ``--link-plans even,oldest`` runs every strategy under each of the service's link plans
 (``--ask-link-plan``, docs/asks.md), one service after the other over the same contexts: each
 point records its ``link_plan``, and the ratios are per plan (before and after in one run).
+
+``--naive`` compares the service with N separate ``sparkv ask`` processes over one real shaped
+link instead (:mod:`sparkv.bench.naive`).
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--watts-decode", type=float, default=1.5, help="energy model: decoding, W")
     p.add_argument("--watts-radio", type=float, default=1.2, help="energy model: link active, W")
     p.add_argument("--watts-idle", type=float, default=0.3, help="energy model: idle, W")
+    p.add_argument("--naive", action="store_true",
+                   help="instead, each strategy and N through the service and as N separate "
+                        "`sparkv ask` processes (each loads its own model), both over one "
+                        "tc-shaped veth at --link-mbps (root only; concurrency_naive.json)")
     add_run_args(p, "concurrency", threads=2, threads_help="the service's torch threads")
     p.set_defaults(func=run)
 
@@ -243,6 +250,14 @@ def run(args: argparse.Namespace) -> int:
     from sparkv.server.process import ServerProcess, write_config
 
     plans = _plans(args)
+    if args.naive:
+        from sparkv.bench.naive import ServiceSide, run_naive
+
+        def service_point(dev: Any, url: str, cids: list[str], strategy: str, n: int
+                          ) -> dict[str, Any]:
+            return _point(strategy, n, _batch(dev, url, cids, strategy, n, args), args)
+
+        return run_naive(args, ServiceSide(_contexts, service_point, QUESTION))
     ns = sorted(int(x) for x in _csv(args.n))
     load_before = os.getloadavg()
     strategies = _csv(args.strategies)

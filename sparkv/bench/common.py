@@ -21,7 +21,7 @@ from sparkv.tables import format_table
 
 __all__ = ["RESULTS_DIR_ENV", "OUT_HELP", "QUICK_SUFFIX", "results_dir", "result_path",
            "machine_info", "write_result", "format_table", "add_output_args", "add_run_args",
-           "percentile", "wait_job"]
+           "percentile", "wait_job", "NetnsServer"]
 
 RESULTS_DIR_ENV = "SPARKV_BENCH_DIR"
 
@@ -179,3 +179,51 @@ def run_event_loop(main: Any) -> Any:
     except ImportError:  # pragma: no cover
         pass
     return asyncio.run(main)
+
+
+class NetnsServer:
+    """``sparkv serve`` inside a :class:`~sparkv.edge.netns.ShapedLink`'s namespace (docs/netns.md),
+    its link at ``setup_mbps`` until the caller shapes it; ``model``: the model the server encodes
+    with (``None``: its default). :class:`SparkvError` when it does not answer /healthz in 2 min."""
+
+    def __init__(self, tmp: str, model: str | None = None, *, port: int = 18080,
+                 setup_mbps: float = 1000.0) -> None:
+        import subprocess
+        import sys
+
+        import httpx
+
+        from sparkv.edge.netns import ShapedLink
+        from sparkv.server.process import write_config
+
+        self.link = ShapedLink()
+        cfg = f"{tmp}/server.yaml"
+        models = {"models": {"bench": str(model)}, "default_model": "bench"} if model else {}
+        write_config(cfg, None, allow_anonymous=True, **models)
+        self.log = open(f"{tmp}/server.log", "ab")
+        self.proc = self.link.popen(
+            [sys.executable, "-m", "sparkv.cli", "serve", "--host", self.link.ns_ip, "--port",
+             str(port), "--store", f"file://{tmp}/store", "--threads", "1", "--config", cfg],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://{self.link.ns_ip}:{port}"
+        self.link.set_rate(setup_mbps)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise SparkvError(f"the server in the namespace did not start (see {tmp})")
+            time.sleep(0.3)
+
+    def close(self) -> None:
+        from sparkv.server.process import terminate
+
+        try:
+            terminate(self.proc)
+        finally:
+            self.log.close()
+            self.link.close()

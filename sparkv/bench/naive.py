@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from sparkv.bench.common import format_table, percentile, write_result
+from sparkv.bench.common import NetnsServer, format_table, percentile, write_result
 
 #: the port the server listens on inside its namespace (the namespace has nothing else)
 NETNS_PORT = 18080
@@ -131,49 +131,6 @@ def compare(service: dict[str, Any], naive: dict[str, Any]) -> dict[str, Any]:
             "naive_over_service_rss": over("rss_peak_mb")}
 
 
-class NetnsServer:
-    """``sparkv serve`` inside a :class:`~sparkv.edge.netns.ShapedLink`'s namespace."""
-
-    def __init__(self, tmp: str, args: argparse.Namespace) -> None:
-        import httpx
-
-        from sparkv.edge.netns import ShapedLink
-        from sparkv.server.process import write_config
-
-        self.link = ShapedLink()
-        cfg = f"{tmp}/server.yaml"
-        models = ({"models": {"bench": str(args.model)}, "default_model": "bench"}
-                  if args.model else {})
-        write_config(cfg, None, allow_anonymous=True, **models)
-        self.log = open(f"{tmp}/server.log", "ab")
-        self.proc = self.link.popen(
-            [sys.executable, "-m", "sparkv.cli", "serve", "--host", self.link.ns_ip, "--port",
-             str(NETNS_PORT), "--store", f"file://{tmp}/store", "--threads", "1", "--config",
-             cfg], stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://{self.link.ns_ip}:{NETNS_PORT}"
-        self.link.set_rate(SETUP_MBPS)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise SystemExit(f"the server in the namespace did not start (see {tmp})")
-            time.sleep(0.3)
-
-    def close(self) -> None:
-        from sparkv.server.process import terminate
-
-        try:
-            terminate(self.proc)
-        finally:
-            self.log.close()
-            self.link.close()
-
-
 @dataclass(frozen=True)
 class ServiceSide:
     """What ``sparkv bench concurrency`` gives the comparison (no import back into it):
@@ -203,7 +160,7 @@ def run_naive(args: argparse.Namespace, side: ServiceSide) -> int:
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sparkv-bench-naive-") as tmp:
-        server = NetnsServer(tmp, args)
+        server = NetnsServer(tmp, args.model, port=NETNS_PORT, setup_mbps=SETUP_MBPS)
         dev = None
         try:
             cids = side.contexts(server.url, 1 if args.shared else ns[-1], args)

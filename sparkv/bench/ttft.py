@@ -276,37 +276,11 @@ class _Netns:
     is the veth's own (microseconds) unless netem exists."""
 
     def __init__(self, args: argparse.Namespace, tmp: str) -> None:
-        import subprocess
-        import sys
-
-        import httpx
-
-        from sparkv.edge.netns import ShapedLink
-        from sparkv.server.process import write_config
+        from sparkv.bench.common import NetnsServer
 
         self.args = args
-        self.link = ShapedLink()
-        cfg = f"{tmp}/server.yaml"
-        write_config(cfg, None, allow_anonymous=True)
-        port = 18080
-        self.log = open(f"{tmp}/server.log", "ab")
-        self.proc = self.link.popen(
-            [sys.executable, "-m", "sparkv.cli", "serve", "--host", self.link.ns_ip, "--port",
-             str(port), "--store", f"file://{tmp}/store", "--threads", "1",
-             "--config", cfg], stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://{self.link.ns_ip}:{port}"
-        self.link.set_rate(1000.0)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the server in the namespace did not start (see {tmp})")
-            time.sleep(0.3)
+        self.server = NetnsServer(tmp)
+        self.link, self.url = self.server.link, self.server.url
 
     def shaper(self, trace: Any) -> Any:
         from sparkv.edge.shaper import LinkShaper
@@ -322,13 +296,7 @@ class _Netns:
         self.link.set_rate(1000.0)
 
     def close(self) -> None:
-        from sparkv.server.process import terminate
-
-        try:
-            terminate(self.proc)
-        finally:
-            self.log.close()
-            self.link.close()
+        self.server.close()
 
 
 def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], strategies: list[str],

@@ -468,6 +468,41 @@ def test_a_job_poll_that_times_out_is_retried_and_a_silent_server_is_an_error(mo
     assert len(answers) == 2                                  # one try, no wait
 
 
+def test_a_busy_server_is_polled_longer_than_a_down_one(monkeypatch):
+    """A server that takes the poll but answers late (a read timeout: busy encoding on a
+    loaded machine) is polled up to ``SILENT_POLL_S``; one that refuses the connection is
+    reported down after three request timeouts (at least 30 s). A fake clock: no waiting."""
+    import sparkv.edge.client as mod
+
+    clock = [0.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(mod.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    client = EdgeClient("http://127.0.0.1:9", timeout_s=0.5)
+    calls = []
+
+    def silent_until(t_ok, silent):
+        def fake_json(method, path, **kw):
+            calls.append(clock[0])
+            clock[0] += 0.5                                   # each poll waits its timeout
+            if clock[0] < t_ok:
+                raise mod.ServerUnavailable("ReadTimeout", silent=silent)
+            return {"state": "running"}
+        return fake_json
+
+    monkeypatch.setattr(client, "_json", silent_until(200.0, silent=True))
+    assert client._poll_job("j1", 1000.0) == {"state": "running"}   # 200 s late: still polled
+    clock[0], calls[:] = 0.0, []
+    monkeypatch.setattr(client, "_json", silent_until(200.0, silent=False))
+    with pytest.raises(mod.ServerUnavailable):
+        client._poll_job("j1", 1000.0)
+    assert 30.0 <= calls[-1] < 32.0                           # down: given up after 30 s
+    clock[0], calls[:] = 0.0, []
+    monkeypatch.setattr(client, "_json", silent_until(1e9, silent=True))
+    with pytest.raises(mod.ServerUnavailable):
+        client._poll_job("j1", 1000.0)
+    assert mod.SILENT_POLL_S <= calls[-1] < mod.SILENT_POLL_S + 2   # silent for good: bounded
+
+
 # ---- what the edge refuses to paper over (issue 42: M7, L7, L8) --------------------------------
 STREAM_PATH = f"/v1/contexts/{CID}/stream"
 

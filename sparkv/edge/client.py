@@ -52,6 +52,10 @@ __all__ = ["EdgeClient", "Fetched", "ClientLimits", "ApiError", "ServerUnavailab
            "ResponseTooLarge", "DeadlineExceeded", "BadEncoding"]
 
 
+#: how long a job poll is retried while the server takes it but answers late (seconds)
+SILENT_POLL_S = 300.0
+
+
 @dataclass
 class Fetched:
     """A body read through the shaper, with its timings (seconds)."""
@@ -154,7 +158,8 @@ class EdgeClient:
                                           and deadline.binding):
                     raise self._late(what, deadline) from e
                 raise ServerUnavailable(f"cannot reach the server at {self.base_url}: "
-                                        f"{type(e).__name__}: {e}") from e
+                                        f"{type(e).__name__}: {e}",
+                                        silent=isinstance(e, httpx.ReadTimeout)) from e
         if r.status_code >= 300:
             raise answer_error(r.status_code, body.body(), r.headers.get("location"), what)
         total = time.perf_counter() - start
@@ -280,16 +285,20 @@ class EdgeClient:
             shutil.rmtree(cached, ignore_errors=True)
 
     def _poll_job(self, job_id: str, deadline: float) -> dict[str, Any]:
-        """The job's state. A poll that times out or finds the server unreachable is retried
-        for up to three request timeouts (at least 30 s) in a row, within ``deadline``: a
-        server busy encoding (seen: a GPU server's first prefill) may answer a poll late while
-        the job goes on; one that stays silent that long is down (the error is raised)."""
-        give_up = min(deadline, time.monotonic() + max(30.0, 3 * self.timeout_s))
+        """The job's state. A poll the server does not answer is retried within ``deadline``:
+        for up to three request timeouts (at least 30 s) in a row while the server cannot be
+        reached (refused, reset: it is down), and for up to :data:`SILENT_POLL_S` while it takes
+        the poll but answers late (a read timeout: a server busy encoding on a loaded machine, or
+        a GPU server's first prefill, answers polls late while the job goes on)."""
+        start = time.monotonic()
+        down_s = max(30.0, 3 * self.timeout_s)
         while True:
             try:
                 return self._json("GET", f"/v1/jobs/{job_id}", shaped=False)
-            except ServerUnavailable:
-                if time.monotonic() >= give_up:
+            except ServerUnavailable as e:
+                waited = time.monotonic() - start
+                if time.monotonic() >= deadline or waited >= (
+                        max(SILENT_POLL_S, down_s) if e.silent else down_s):
                     raise
                 time.sleep(0.5)
 

@@ -41,7 +41,16 @@ class DecryptionError(ProtocolError):
 
 
 class ServerUnavailable(SparkvError):
-    """The server cannot be reached (connection refused, reset, timed out): no HTTP answer."""
+    """The server cannot be reached (connection refused, reset, timed out): no HTTP answer.
+
+    Attributes:
+        silent: the server took the request but sent nothing back in time (a read timeout): it
+            may be alive and busy, where a refused or reset connection says it is down.
+    """
+
+    def __init__(self, message: str, *, silent: bool = False) -> None:
+        super().__init__(message)
+        self.silent = silent
 
 
 class ApiError(SparkvError):

@@ -59,6 +59,7 @@ from sparkv.device.service import ContextService
 from sparkv.edge.lane import AskCancelled
 from sparkv.edge.shaper import LinkShaper
 from sparkv.protocol.errors import ApiError, ManifestError, ServerUnavailable
+from sparkv.runtime.heap import trim_heap
 
 __all__ = ["AskService", "BadServerUrl", "ask_error"]
 
@@ -251,6 +252,7 @@ class AskService:
             with self._lock:
                 self._tickets.pop(ticket.id, None)
                 self._threads.pop(ticket.id, None)
+            trim_heap()   # what the ask's thread freed goes back to the system (its RSS)
 
     def _answer(self, ticket: AskTicket, kept: AppContexts) -> dict[str, Any]:
         """Runs the ask on a lane; the ``done`` event."""

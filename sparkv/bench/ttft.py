@@ -279,7 +279,7 @@ class _Netns:
         from sparkv.bench.common import NetnsServer
 
         self.args = args
-        self.server = NetnsServer(tmp)
+        self.server = NetnsServer(tmp, args.model)   # the server encodes with the edge's model
         self.link, self.url = self.server.link, self.server.url
 
     def shaper(self, trace: Any) -> Any:

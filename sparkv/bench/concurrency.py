@@ -17,7 +17,9 @@ loads its context) and wait for its ``done`` event. Per (strategy, N):
 
 One warm-up ask per strategy runs first (not counted). The service's one link follows
 ``--link-trace`` from its first byte on, so with a trace each batch sees another part of it (the
-strategies are paired only over a constant link). Ratios at the largest N: SparKV's p50
+strategies are paired only over a constant link), unless ``--trace-per-batch`` starts a fresh
+service for each (strategy, N) batch (its warm-up a ``local`` ask, which sends no byte): then
+every batch sees the trace from its start, and the strategies are paired under it too. Ratios at the largest N: SparKV's p50
 over Strong Hybrid's and local's; for every N >= 2, SparKV's p50 over N times its p50 at N = 1
 (the issue's targets: 1.3x, 5x, <= 0.75). With ``--json`` or ``--out``, a PNG beside the JSON:
 TTFT against N per strategy (the paper's Fig. 15).
@@ -65,6 +67,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     link.add_argument("--link-trace", default=None,
                       help="the one link follows this trace instead (CSV or wifi, lte, ...)")
     p.add_argument("--link-rtt-ms", type=float, default=20.0, help="the link's round trip (ms)")
+    p.add_argument("--trace-per-batch", action="store_true",
+                   help="with --link-trace: a fresh service per (strategy, N), its warm-up a local "
+                        "ask, so every batch sees the trace from its start (paired strategies)")
     p.add_argument("--core-order", choices=GRANT_ORDERS, default="oldest",
                    help="the service's --ask-core-order (docs/asks.md)")
     p.add_argument("--link-plans", default="oldest",
@@ -263,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
     strategies = _csv(args.strategies)
     link = (["--link-trace", args.link_trace] if args.link_trace
             else ["--link-mbps", str(args.link_mbps)])
+    fresh = bool(args.link_trace) and args.trace_per_batch
     with tempfile.TemporaryDirectory(prefix="sparkv-bench-concurrency-") as tmp:
         server_yaml = f"{tmp}/server.yaml"
         models = {"models": {"bench": str(args.model)}, "default_model": "bench"} if args.model else {}
@@ -273,23 +279,34 @@ def run(args: argparse.Namespace) -> int:
         try:
             cids = _contexts(server.url, 1 if args.shared else ns[-1], args)
             for plan in plans:
-                dev = DeviceProcess(Path(tmp) / f"dev-{plan}", args.budget_mb, model=args.model,
-                                    torch_threads=args.threads or 2,
-                                    extra_args=["--ask-slots", str(ns[-1]), "--ask-queue",
-                                                str(ns[-1]), *link, "--link-rtt-ms",
-                                                str(args.link_rtt_ms), "--ask-core-order",
-                                                args.core_order, "--ask-link-plan",
-                                                plan]).start()
+                def service(tag: str) -> Any:
+                    return DeviceProcess(Path(tmp) / f"dev-{plan}-{tag}", args.budget_mb,
+                                         model=args.model, torch_threads=args.threads or 2,
+                                         extra_args=["--ask-slots", str(ns[-1]), "--ask-queue",
+                                                     str(ns[-1]), *link, "--link-rtt-ms",
+                                                     str(args.link_rtt_ms), "--ask-core-order",
+                                                     args.core_order, "--ask-link-plan",
+                                                     plan]).start()
+
+                dev = None if fresh else service("all")
                 for strategy in strategies:
-                    _batch(dev, server.url, cids, strategy, 1, args)          # warm-up
+                    if dev is not None:
+                        _batch(dev, server.url, cids, strategy, 1, args)      # warm-up
                     for n in ns:
+                        if fresh:      # a service whose trace starts at this batch's first byte
+                            dev = service(f"{strategy}-{n}")
+                            _batch(dev, server.url, cids, "local", 1, args)   # warm-up, no link
                         point = _point(strategy, n, _batch(dev, server.url, cids, strategy,
                                                            n, args), args)
                         points.append({**point, "link_plan": plan})
                         print(f"[{plan}] {strategy} N={n}: TTFT p50 {point['ttft_p50_s']:.2f} "
                               f"s, makespan {point['makespan_s']:.2f} s", flush=True)
-                dev.stop()
-                dev = None
+                        if fresh:
+                            dev.stop()
+                            dev = None
+                if dev is not None:
+                    dev.stop()
+                    dev = None
         finally:
             if dev is not None:
                 dev.stop()

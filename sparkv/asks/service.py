@@ -222,7 +222,6 @@ class AskService:
     # ---- one ask ---------------------------------------------------------------------------
     def _run(self, ticket: AskTicket) -> None:
         kept: AppContexts | None = None
-        failed = False
         try:
             if not ticket.place.running:
                 ticket.put({"type": "queued", "position": ticket.place.position()})
@@ -240,19 +239,14 @@ class AskService:
             ticket.finish({"type": "error", "error": {"status": status, "code": code,
                                                       "message": message}})
             self._count("cancelled" if status == 499 else "failed")
-            failed = True
         finally:
             if kept is not None:
                 kept.done()
-            if failed:
-                # a failed load's error holds its traceback, whose frames hold the engine and
-                # its KV memory in a reference cycle: free it now, not at some later collection
-                gc.collect()
             ticket.place.leave()
             with self._lock:
                 self._tickets.pop(ticket.id, None)
                 self._threads.pop(ticket.id, None)
-            trim_heap()   # what the ask's thread freed goes back to the system (its RSS)
+            _free_now()
 
     def _answer(self, ticket: AskTicket, kept: AppContexts) -> dict[str, Any]:
         """Runs the ask on a lane; the ``done`` event."""
@@ -349,3 +343,12 @@ class AskService:
             time.sleep(0.02)
         return False
 
+
+def _free_now() -> None:
+    """Frees what an ended ask held, now: its engine and KV memory sit in reference cycles (a
+    failed load's traceback, the engine's threads), which Python's collector reaches only at
+    some later full collection, and what its thread freed stays in glibc's arenas. Measured
+    (SmolLM2, 1,024-token contexts, asks one after another): the service's RSS grew ~50 MB per
+    SparKV ask (1,147 -> 1,392 MB over six batches) without it, and stays at 1,100-1,200 MB."""
+    gc.collect()
+    trim_heap()

@@ -302,3 +302,38 @@ def test_a_server_url_no_client_can_reach_is_refused_by_the_schema_or_as_a_bad_a
         with pytest.raises(ValueError, match="not a server URL"):
             EdgeClient(url)
     assert ask_error(BadServerUrl("not a server URL"))[:2] == (400, "bad_server_url")
+
+
+def test_a_quiet_ask_is_waited_for_past_the_disconnect_poll():
+    """The non-streamed chat completion looks for a gone client every DISCONNECT_POLL_S; an ask
+    quiet for longer (loading, a loaded machine) must still be waited for. Found at load 8:
+    ``wait_for(anext(...))`` cancelled the wait, which closed the event generator, and the next
+    look raised StopAsyncIteration (a 500). The ticket's events come from another thread, 3
+    polls apart (a fake clock is not possible across threads: the gap is what is tested, not
+    its length)."""
+    import asyncio
+    import threading
+
+    from sparkv.asks import chat
+    from sparkv.asks.tickets import AskTicket
+
+    class Request:
+        looks = 0
+
+        async def is_disconnected(self) -> bool:
+            Request.looks += 1
+            return False
+
+    ticket = AskTicket("a1", "app", None, None, lambda ids: "")   # type: ignore[arg-type]
+    gap = 3 * chat.DISCONNECT_POLL_S
+
+    def later() -> None:
+        threading.Event().wait(gap)
+        ticket.put({"type": "token", "text": "x"})
+        threading.Event().wait(gap)
+        ticket.finish({"type": "done", "text": "x"})
+
+    threading.Thread(target=later, daemon=True).start()
+    event = asyncio.run(chat._outcome(ticket, Request()))      # type: ignore[arg-type]
+    assert event == {"type": "done", "text": "x"}
+    assert Request.looks >= 2                                  # it looked, and kept waiting

@@ -160,21 +160,30 @@ async def _stream(ticket: AskTicket, c: _Completion, eos: set[int],
 
 
 async def _outcome(ticket: AskTicket, request: Request) -> dict[str, Any]:
-    """The ask's last event; a client that goes away meanwhile cancels it."""
+    """The ask's last event; a client that goes away meanwhile cancels it. The wait for the next
+    event is looked at every :data:`DISCONNECT_POLL_S` without being cancelled: cancelling it
+    (``asyncio.wait_for``) would close the event generator, and the next look would find it
+    ended (a 500 for every ask that went quiet that long)."""
     import asyncio
 
     events = ticket.aevents()
+    pending: asyncio.Future[dict[str, Any]] | None = None
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(anext(events), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+            if not done:
                 if await request.is_disconnected():
                     ticket.cancel()
                 continue
+            event, pending = pending.result(), None
             if event["type"] in ("done", "error"):
                 return event
     finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
         await events.aclose()
 
 

@@ -626,3 +626,27 @@ def test_a_redirected_stream_is_reported_as_a_redirect(hostile):
     with pytest.raises(SourceError) as e:
         asyncio.run(run())
     assert e.value.fatal and "307" in str(e.value) and "does not follow redirects" in str(e.value)
+
+
+def test_a_create_answered_after_the_request_timeout_but_within_the_deadline_is_taken():
+    """A server loads its model at its first use, inside ``POST /v1/contexts``: silence longer
+    than the client's request timeout (seen: > 10 s on a loaded 2-core machine) is waited for up
+    to the request's deadline; a GET stays bound by the timeout."""
+    from sparkv.edge.client import ServerUnavailable
+
+    srv = Hostile()
+    body = json.dumps({"context_id": "c" * 64, "status": "done"}).encode()
+
+    def slow(out: _Out) -> bool:
+        threading.Event().wait(1.5)                  # 3 timeouts of silence, then the answer
+        return answer(body)(out)
+
+    srv.routes["/v1/contexts"] = slow
+    try:
+        with EdgeClient(srv.url, None, timeout_s=0.5,
+                        limits=ClientLimits(deadline_s=30.0)) as client:
+            assert client.create_context(token_ids=[1, 2, 3]) == "c" * 64
+            with pytest.raises(ServerUnavailable):
+                client.list_contexts()               # the same silence on a GET: an error
+    finally:
+        srv.close()

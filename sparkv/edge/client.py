@@ -240,7 +240,10 @@ class EdgeClient:
             body["chunk_tokens"] = int(chunk_tokens)
         if model is not None:
             body["model"] = model
-        r = self._json("POST", "/v1/contexts", json=body, shaped=False)
+        # the server loads the model at its first use, within this request: silence up to the
+        # request's deadline is not a dead server (seen: > 10 s on a loaded 2-core machine)
+        r = self._json("POST", "/v1/contexts", json=body, shaped=False,
+                       timeout=httpx.Timeout(self.timeout_s, read=self.limits.deadline_s))
         cid = str(r["context_id"])
         if r.get("encryption_key"):
             self.encryption_keys[cid] = str(r["encryption_key"])

@@ -73,7 +73,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "--trace links only)")
     p.add_argument("--trace", action="append", default=None,
                    help="trace CSV or bundled name (repeatable; default: wifi, lte, deep_fade; "
-                        "none: constant links only)")
+                        "none or an empty name: constant links only)")
     p.add_argument("--traces", default=None,
                    help="adversarial:N[:SEED] - N seeded adversarial traces instead of the "
                         "default links (constant links only if --mbps is given explicitly)")
@@ -135,7 +135,7 @@ def _links(args: argparse.Namespace) -> list[tuple[Any, Any]]:
     out = [(m, Trace.constant(m))
            for m in _csv("5,20,50,100,500" if args.mbps is None else args.mbps)]
     for t in (args.trace or ["wifi", "lte", "deep-fade"]):
-        if t == "none":
+        if t in ("none", ""):
             continue
         if t in ("wifi", "lte", "deep-fade"):
             out.append((t, Trace.sample(t)))

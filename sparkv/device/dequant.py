@@ -44,6 +44,23 @@ def _rows_into(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int
                 r += 1
 
 
+class Rows:
+    """A quantized tensor's rows ready for many :meth:`into` calls (its codes, scales and zeros
+    as arrays, made once)."""
+
+    def __init__(self, x: QuantizedTensor) -> None:
+        self.codes = x.codes.numpy()
+        self.scale = x.scale.float().numpy()
+        self.zero = x.zero.float().numpy()
+        self.bits, self.dim = x.bits, x.dim
+
+    def into(self, dst: np.ndarray, r0: int, ts: np.ndarray, n: int, T: int, stride: int) -> None:
+        """:func:`dequantize_into` of chunks ``ts`` (int64) from row ``r0``, ``stride`` rows
+        apart, into ``dst`` (a float32 array ``[hg, slots, D]``)."""
+        _rows_into(self.codes, self.scale, self.zero, self.bits, self.dim, r0, stride, ts, n, T,
+                   dst)
+
+
 def supported(dst: torch.Tensor) -> bool:
     """Whether :func:`dequantize_into` can write ``dst`` (float32 on the CPU)."""
     return dst.dtype == torch.float32 and dst.device.type == "cpu"

@@ -75,7 +75,7 @@ import xxhash
 
 from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
                           flash_profile_path, load_flash_profile)
-from sparkv.cache.payload import ChunkRun
+from sparkv.cache.payload import ChunkRun, cat_values
 from sparkv.device.errors import FlashFull
 from sparkv.device.private import FILE_MODE, private_dir, tighten
 from sparkv.fileio import FlashError, atomic_write, sync_files
@@ -422,6 +422,34 @@ class TokenChunkRecord:
     def payloads(self) -> list[ChunkPayload]:
         """One payload per ``(l, g)``, layer-major (views of the values)."""
         return self.run().payloads()
+
+
+def records_run(records: Sequence[TokenChunkRecord]) -> ChunkRun:
+    """Records of one level (one geometry) as one run of their chunks, record after record (each
+    layer-major): the run ``ChunkRun.cat([f.run() for f in records])``, bit for bit, made with one
+    concatenation per tensor and no object per record (what a reader swaps into pages and fills
+    the working memory from)."""
+    f0 = records[0]
+    if any((f.level, f.layers, f.groups, f.heads, f.dtype) != (f0.level, f0.layers, f0.groups,
+                                                                f0.heads, f0.dtype)
+           for f in records):
+        raise PayloadError("a run holds chunks of one level, geometry and dtype")
+    G, m, hg = f0.groups, f0.layers * f0.groups, f0.heads
+    ts = [f.t for f in records]
+    cids = [KVChunkId(t, i // G, i % G) for t in ts for i in range(m)]
+    tokens = np.array([f.tokens for f in records], dtype=np.int64)
+    counts = np.repeat(tokens, m)[:, None].repeat(hg, axis=1)
+    starts = np.array([f.start for f in records], dtype=np.int64)
+    if (tokens == tokens[0]).all():
+        n = int(tokens[0])
+        pos = np.broadcast_to((starts[:, None] + np.arange(n))[:, None, :],
+                              (len(records), m * hg, n))
+        pos_t = torch.from_numpy(pos.astype(np.int32).reshape(-1))
+    else:
+        pos_t = torch.cat([torch.arange(f.start, f.start + f.tokens, dtype=torch.int32)
+                           .repeat(m * hg) for f in records])
+    return ChunkRun(cids, f0.level, counts, pos_t, cat_values([f.k for f in records]),
+                    cat_values([f.v for f in records]), f0.dtype)
 
 
 def unpack_token_chunk(data: bytes | memoryview, t: int | None = None) -> list[ChunkPayload]:

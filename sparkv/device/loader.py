@@ -71,7 +71,8 @@ from sparkv.cache.pages import PAGE_TOKENS
 from sparkv.cache.payload import ChunkRun, contiguous_positions
 from sparkv.cache.table import RESIDENT
 from sparkv.device import dequant
-from sparkv.device.flashio import RUN_BYTES, ReadRun, plan_runs, read_token_chunk_record
+from sparkv.device.flashio import (RUN_BYTES, ReadRun, plan_runs, read_token_chunk_record,
+                                   records_run)
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
 
@@ -255,7 +256,7 @@ def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: in
     consecutive (or one chunk), else one ``index_copy_`` (the positions cached in ``index`` by
     ``ts``)."""
     hg, c, _, d = src.shape
-    if ts[-1] - ts[0] == c - 1 and (n == T or c == 1):
+    if (n == T or c == 1) and list(ts) == list(range(ts[0], ts[0] + c)):
         t0 = ts[0] * T
         dst[:, t0:t0 + c * n].view(hg, c, n, d).copy_(src)
         return
@@ -270,35 +271,43 @@ def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: in
 
 def fill_records(W: ContextKV, records: Sequence[Any]) -> None:
     """Writes token chunk records (:class:`~sparkv.device.flashio.TokenChunkRecord`) into
-    ``W``'s dense arena: per (level, length), one dequantization of all of them, then one copy
-    per (layer, group) and side (a slice copy for consecutive token chunks, else one
-    ``index_copy_``)."""
+    ``W``'s dense arena: per (level, length), one run of them (:func:`fill_run`)."""
+    groups: dict[tuple[str, int], list[Any]] = {}
+    for f in records:
+        groups.setdefault((f.level, f.tokens), []).append(f)
+    for (_, n), fs in groups.items():
+        fill_run(W, records_run(fs), [f.t for f in fs], n)
+
+
+def fill_run(W: ContextKV, run: ChunkRun, ts: Sequence[int], n: int) -> None:
+    """Writes ``run`` (the records of token chunks ``ts``, ``n`` tokens each, one level, record
+    after record: :func:`~sparkv.device.flashio.records_run`) into ``W``'s dense arena:
+    quantized into float32, one numba call per (layer, group) and side for all of them
+    (:func:`_fill_records_fused`); else one dequantization, then one copy per (layer, group)
+    and side (a slice copy for consecutive token chunks, else one ``index_copy_``)."""
     g = W.geometry
     L, G, hg, d, T = (g.num_layers, g.num_groups, g.heads_per_group, g.head_dim,
                       g.chunk_tokens)
     _dense_stores(W, range(L))
-    groups: dict[tuple[str, int], list[Any]] = {}
-    for f in sorted(records, key=lambda f: f.t):
-        groups.setdefault((f.level, f.tokens), []).append(f)
+    ts = list(ts)
+    if not ts:
+        return
+    first = W.layers[0]
+    if (isinstance(run.k, QuantizedTensor) and first is not None and first.k is not None
+            and dequant.supported(first.k)):
+        _fill_records_fused(W, run, ts, n)
+        return
+    m = len(ts)
     index: dict[tuple[int, ...], torch.Tensor] = {}
-    for (_, n), fs in groups.items():
-        run = ChunkRun.cat([f.run() for f in fs])
-        m = len(fs)
-        first = W.layers[0]
-        if (isinstance(run.k, QuantizedTensor) and first is not None and first.k is not None
-                and dequant.supported(first.k)):
-            _fill_records_fused(W, run, [f.t for f in fs], n)
-            continue
-        ks = _values(run.k, W.dtype).view(m, L, G, hg, n, d)
-        vs = _values(run.v, W.dtype).view(m, L, G, hg, n, d)
-        ts = [f.t for f in fs]
-        for l in range(L):  # noqa: E741
-            store = W.layers[l]
-            assert store is not None and store.k is not None and store.v is not None
-            for grp in range(G):
-                h0, h1 = g.head_range(grp)
-                _write_chunks(store.k[0, h0:h1], ks[:, l, grp].transpose(0, 1), ts, n, T, index)
-                _write_chunks(store.v[0, h0:h1], vs[:, l, grp].transpose(0, 1), ts, n, T, index)
+    ks = _values(run.k, W.dtype).view(m, L, G, hg, n, d)
+    vs = _values(run.v, W.dtype).view(m, L, G, hg, n, d)
+    for l in range(L):  # noqa: E741
+        store = W.layers[l]
+        assert store is not None and store.k is not None and store.v is not None
+        for grp in range(G):
+            h0, h1 = g.head_range(grp)
+            _write_chunks(store.k[0, h0:h1], ks[:, l, grp].transpose(0, 1), ts, n, T, index)
+            _write_chunks(store.v[0, h0:h1], vs[:, l, grp].transpose(0, 1), ts, n, T, index)
 
 
 def _fill_records_fused(W: ContextKV, run: ChunkRun, ts: list[int], n: int) -> None:
@@ -308,15 +317,16 @@ def _fill_records_fused(W: ContextKV, run: ChunkRun, ts: list[int], n: int) -> N
     L, G, hg = g.num_layers, g.num_groups, g.heads_per_group
     per = hg * n
     assert isinstance(run.k, QuantizedTensor) and isinstance(run.v, QuantizedTensor)
-    sides = [(x, x.scale.float().numpy(), x.zero.float().numpy()) for x in (run.k, run.v)]
+    sides = [dequant.Rows(x) for x in (run.k, run.v)]
+    tsa = np.asarray(ts, dtype=np.int64)
     for l in range(L):  # noqa: E741
         store = W.layers[l]
         assert store is not None and store.k is not None and store.v is not None
         for grp in range(G):
             h0, h1 = g.head_range(grp)
-            for (x, sc, ze), dst in zip(sides, (store.k[0, h0:h1], store.v[0, h0:h1])):
-                dequant.dequantize_into(dst, x, (l * G + grp) * per, ts, n, g.chunk_tokens,
-                                        sc, ze, stride=L * G * per)
+            for rows, dst in zip(sides, (store.k[0, h0:h1], store.v[0, h0:h1])):
+                rows.into(dst.numpy(), (l * G + grp) * per, tsa, n, g.chunk_tokens,
+                          L * G * per)
 
 
 def chunk_payload(W: ContextKV, cid: KVChunkId, level: str) -> ChunkPayload:
@@ -664,46 +674,63 @@ class FileReads:
         return f
 
     def _fill(self, records: list[Any]) -> None:
-        """Swaps checked records into ``C`` (one page write per level: the chunk table updated
-        once) and writes them into ``W`` (one dequantization per level); a record that fails
-        (a memory error: no flash copy recorded, the pool full) is retried alone and, failing
-        again, counted failed."""
-        if not records:
-            return
-        try:
-            self._swap_in(records)
-        except (KVMemoryError, PayloadError):
-            ok = []
-            for f in records:
-                try:
-                    self._swap_in([f])
-                    ok.append(f)
-                except (KVMemoryError, PayloadError):
-                    with self._lock:
-                        self.failed.add(f.t)
-            records = ok
-        if self.C is not self.W and records:
+        """Swaps checked records into ``C`` and writes them into ``W``: per level, one run of
+        them (:func:`~sparkv.device.flashio.records_run`), one page write (the chunk table
+        updated once) and one fill of ``W`` per length (:func:`fill_run`, views of the run); a
+        run whose swap-in fails (a memory error: no flash copy recorded, the pool full) is
+        retried record by record, and a record failing again is counted failed."""
+        levels: dict[str, list[Any]] = {}
+        for f in sorted(records, key=lambda f: -f.tokens):     # equal lengths adjacent
+            levels.setdefault(f.level, []).append(f)
+        for fs in levels.values():
+            run = records_run(fs)
             try:
-                fill_records(self.W, records)
+                self._swap_in(run)
+            except (KVMemoryError, PayloadError):
+                fs = [f for f in fs if self._swap_in_one(f)]
+                if not fs:
+                    continue
+                run = records_run(fs)
+            if self.C is not self.W:
+                self._fill_working(run, fs)
+
+    def _fill_working(self, run: ChunkRun, fs: list[Any]) -> None:
+        """Writes ``run`` (the records ``fs``, equal lengths adjacent) into ``W``: one
+        :func:`fill_run` per length."""
+        m = len(run.cids) // len(fs)
+        a = 0
+        while a < len(fs):
+            b = a
+            while b < len(fs) and fs[b].tokens == fs[a].tokens:
+                b += 1
+            piece = run if (a, b) == (0, len(fs)) else run.piece(a * m, b * m)
+            try:
+                fill_run(self.W, piece, [f.t for f in fs[a:b]], fs[a].tokens)
             except KVMemoryError:
                 with self._lock:
-                    self.failed.update(f.t for f in records)
+                    self.failed.update(f.t for f in fs[a:b])
+            a = b
 
-    def _swap_in(self, records: list[Any]) -> None:
-        """The records' chunks not resident in ``C`` held there, resident and clean: one run per
-        level."""
-        by_level: dict[str, list[ChunkRun]] = {}
-        for f in records:
-            run = f.run()
-            away = self.C.missing(run.cids)
-            if len(away) == len(run.cids):
-                by_level.setdefault(f.level, []).append(run)
-            elif away:
-                miss = set(away)
-                by_level.setdefault(f.level, []).extend(
-                    run.piece(j, j + 1) for j, c in enumerate(run.cids) if c in miss)
-        if by_level:
-            self.C.swap_in_runs([ChunkRun.cat(rs) for rs in by_level.values()])
+    def _swap_in_one(self, f: Any) -> bool:
+        """Record ``f`` swapped in alone; ``False`` (counted failed) when that fails too."""
+        try:
+            self._swap_in(records_run([f]))
+            return True
+        except (KVMemoryError, PayloadError):
+            with self._lock:
+                self.failed.add(f.t)
+            return False
+
+    def _swap_in(self, run: ChunkRun) -> None:
+        """The run's chunks not resident in ``C`` held there, resident and clean: one page
+        write."""
+        away = self.C.missing(run.cids)
+        if len(away) == len(run.cids):
+            self.C.swap_in_runs([run])
+        elif away:
+            miss = set(away)
+            self.C.swap_in_runs([ChunkRun.cat([run.piece(j, j + 1)
+                                               for j, c in enumerate(run.cids) if c in miss])])
 
 
 class RemoteFetch:

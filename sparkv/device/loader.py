@@ -279,12 +279,14 @@ def fill_records(W: ContextKV, records: Sequence[Any]) -> None:
         fill_run(W, records_run(fs), [f.t for f in fs], n)
 
 
-def fill_run(W: ContextKV, run: ChunkRun, ts: Sequence[int], n: int) -> None:
+def fill_run(W: ContextKV, run: ChunkRun, ts: Sequence[int], n: int,
+             arena: dequant.Arena | None = None) -> None:
     """Writes ``run`` (the records of token chunks ``ts``, ``n`` tokens each, one level, record
     after record: :func:`~sparkv.device.flashio.records_run`) into ``W``'s dense arena:
-    quantized into float32, one numba call per (layer, group) and side for all of them
-    (:func:`_fill_records_fused`); else one dequantization, then one copy per (layer, group)
-    and side (a slice copy for consecutive token chunks, else one ``index_copy_``)."""
+    quantized into float32, one numba call per side for all of them and every layer
+    (:meth:`~sparkv.device.dequant.Arena.records_into`; ``arena``: ``W``'s, made once per load
+    by the caller, else here); else one dequantization, then one copy per (layer, group) and
+    side (a slice copy for consecutive token chunks, else one ``index_copy_``)."""
     g = W.geometry
     L, G, hg, d, T = (g.num_layers, g.num_groups, g.heads_per_group, g.head_dim,
                       g.chunk_tokens)
@@ -292,10 +294,9 @@ def fill_run(W: ContextKV, run: ChunkRun, ts: Sequence[int], n: int) -> None:
     ts = list(ts)
     if not ts:
         return
-    first = W.layers[0]
-    if (isinstance(run.k, QuantizedTensor) and first is not None and first.k is not None
-            and dequant.supported(first.k)):
-        _fill_records_fused(W, run, ts, n)
+    if fused(W, run):
+        assert isinstance(run.k, QuantizedTensor) and isinstance(run.v, QuantizedTensor)
+        (arena or dequant.Arena(W.layers)).records_into(run.k, run.v, ts, n, T, G)
         return
     m = len(ts)
     index: dict[tuple[int, ...], torch.Tensor] = {}
@@ -310,23 +311,12 @@ def fill_run(W: ContextKV, run: ChunkRun, ts: Sequence[int], n: int) -> None:
             _write_chunks(store.v[0, h0:h1], vs[:, l, grp].transpose(0, 1), ts, n, T, index)
 
 
-def _fill_records_fused(W: ContextKV, run: ChunkRun, ts: list[int], n: int) -> None:
-    """:func:`fill_records` of quantized records of ``n`` tokens (``run``: record after record,
-    each layer-major): one numba call per (layer, group) and side for all the records."""
-    g = W.geometry
-    L, G, hg = g.num_layers, g.num_groups, g.heads_per_group
-    per = hg * n
-    assert isinstance(run.k, QuantizedTensor) and isinstance(run.v, QuantizedTensor)
-    sides = [dequant.Rows(x) for x in (run.k, run.v)]
-    tsa = np.asarray(ts, dtype=np.int64)
-    for l in range(L):  # noqa: E741
-        store = W.layers[l]
-        assert store is not None and store.k is not None and store.v is not None
-        for grp in range(G):
-            h0, h1 = g.head_range(grp)
-            for rows, dst in zip(sides, (store.k[0, h0:h1], store.v[0, h0:h1])):
-                rows.into(dst.numpy(), (l * G + grp) * per, tsa, n, g.chunk_tokens,
-                          L * G * per)
+def fused(W: ContextKV, run: ChunkRun) -> bool:
+    """Whether ``run``'s rows are dequantized straight into ``W`` (quantized rows, a float32
+    arena on the CPU)."""
+    first = W.layers[0]
+    return (isinstance(run.k, QuantizedTensor) and first is not None and first.k is not None
+            and dequant.supported(first.k))
 
 
 def chunk_payload(W: ContextKV, cid: KVChunkId, level: str) -> ChunkPayload:
@@ -607,6 +597,7 @@ class FileReads:
         self._pool = (ThreadPoolExecutor(max(1, min(threads, len(self.runs))))
                       if self.runs else None)
         self._futures: list[Future[None]] = []
+        self._targets: dequant.Arena | None = None
 
     def start(self) -> None:
         if self._pool is not None:
@@ -705,11 +696,20 @@ class FileReads:
                 b += 1
             piece = run if (a, b) == (0, len(fs)) else run.piece(a * m, b * m)
             try:
-                fill_run(self.W, piece, [f.t for f in fs[a:b]], fs[a].tokens)
+                fill_run(self.W, piece, [f.t for f in fs[a:b]], fs[a].tokens,
+                         self._arena() if fused(self.W, piece) else None)
             except KVMemoryError:
                 with self._lock:
                     self.failed.update(f.t for f in fs[a:b])
             a = b
+
+    def _arena(self) -> dequant.Arena:
+        """``W``'s layers as the dequantization's targets, made once per load."""
+        with self._lock:
+            if self._targets is None:
+                _dense_stores(self.W, range(self.W.geometry.num_layers))
+                self._targets = dequant.Arena(self.W.layers)
+            return self._targets
 
     def _swap_in_one(self, f: Any) -> bool:
         """Record ``f`` swapped in alone; ``False`` (counted failed) when that fails too."""

@@ -125,9 +125,7 @@ def _rows(x: "torch.Tensor | QuantizedTensor", a: int, b: int) -> "torch.Tensor 
     return x[a:b]
 
 
-def cat_values(parts: Sequence["torch.Tensor | QuantizedTensor"]
-               ) -> "torch.Tensor | QuantizedTensor":
-    """Rows of values at one level one after the other (one concatenation per tensor)."""
+def _cat(parts: Sequence["torch.Tensor | QuantizedTensor"]) -> "torch.Tensor | QuantizedTensor":
     q = parts[0]
     if isinstance(q, QuantizedTensor):
         return QuantizedTensor(torch.cat([p.codes for p in parts]),  # type: ignore[union-attr]
@@ -162,7 +160,7 @@ class ChunkRun:
                    np.array([p.counts for p in payloads], dtype=np.int64).reshape(
                        len(payloads), len(p0.counts)),
                    torch.cat([p.pos.to(torch.int32) for p in payloads]),
-                   cat_values([p.k for p in payloads]), cat_values([p.v for p in payloads]), p0.dtype)
+                   _cat([p.k for p in payloads]), _cat([p.v for p in payloads]), p0.dtype)
 
     @classmethod
     def cat(cls, runs: Sequence["ChunkRun"]) -> "ChunkRun":
@@ -174,7 +172,7 @@ class ChunkRun:
             raise PayloadError("a run holds chunks of one level")
         return cls([c for r in runs for c in r.cids], r0.level,
                    np.concatenate([r.counts for r in runs]), torch.cat([r.pos for r in runs]),
-                   cat_values([r.k for r in runs]), cat_values([r.v for r in runs]), r0.dtype)
+                   _cat([r.k for r in runs]), _cat([r.v for r in runs]), r0.dtype)
 
     @property
     def rows(self) -> int:

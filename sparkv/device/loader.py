@@ -71,8 +71,8 @@ from sparkv.cache.pages import PAGE_TOKENS
 from sparkv.cache.payload import ChunkRun, contiguous_positions
 from sparkv.cache.table import RESIDENT
 from sparkv.device import dequant
-from sparkv.device.flashio import (RUN_BYTES, ReadRun, plan_runs, read_token_chunk_record,
-                                   records_run)
+from sparkv.device.flashio import (RUN_BYTES, ReadRun, RecordHead, check_records,
+                                   join_records, plan_runs)
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
 
@@ -269,20 +269,10 @@ def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: in
     dst.index_copy_(1, idx, src.reshape(hg, c * n, d))
 
 
-def fill_records(W: ContextKV, records: Sequence[Any]) -> None:
-    """Writes token chunk records (:class:`~sparkv.device.flashio.TokenChunkRecord`) into
-    ``W``'s dense arena: per (level, length), one run of them (:func:`fill_run`)."""
-    groups: dict[tuple[str, int], list[Any]] = {}
-    for f in records:
-        groups.setdefault((f.level, f.tokens), []).append(f)
-    for (_, n), fs in groups.items():
-        fill_run(W, records_run(fs), [f.t for f in fs], n)
-
-
 def fill_run(W: ContextKV, run: ChunkRun, ts: Sequence[int], n: int,
              arena: dequant.Arena | None = None) -> None:
     """Writes ``run`` (the records of token chunks ``ts``, ``n`` tokens each, one level, record
-    after record: :func:`~sparkv.device.flashio.records_run`) into ``W``'s dense arena:
+    after record: :func:`~sparkv.device.flashio.join_records`) into ``W``'s dense arena:
     quantized into float32, one numba call per side for all of them and every layer
     (:meth:`~sparkv.device.dequant.Arena.records_into`; ``arena``: ``W``'s, made once per load
     by the caller, else here); else one dequantization, then one copy per (layer, group) and
@@ -633,59 +623,49 @@ class FileReads:
                     self.reads += 1
                     self.files.add(run.path)
                     self.nbytes += len(data)
-            view = memoryview(bytearray(data))      # the records' values are views of it
-            records = []
-            for t, ref in run.records:
-                a = ref.offset - run.offset
-                f = self._check(t, view[a:a + ref.nbytes]) if a + ref.nbytes <= len(view) \
-                    else None
-                if f is None:
-                    with self._lock:
-                        self.failed.add(t)
-                else:
-                    records.append(f)
-            self._fill(records)
+            heads, bad = check_records(data, [(t, ref.offset - run.offset, ref.nbytes)
+                                              for t, ref in run.records])
+            ok = [h for h in heads if self._fits(h)]
+            bad += [h.t for h in heads if not self._fits(h)]
+            if bad:
+                with self._lock:
+                    self.failed.update(bad)
+            self._fill(data, ok)
         finally:
             with self._lock:
                 self._window[0] = min(self._window[0], t0)
                 self._window[1] = max(self._window[1], time.perf_counter())
 
-    def _check(self, t: int, record: memoryview) -> Any:
-        """Token chunk ``t``'s record, checked (its checksum, token chunk and geometry), or
-        ``None`` if it fails."""
+    def _fits(self, h: RecordHead) -> bool:
+        """Whether record ``h`` is its token chunk's in ``C``'s geometry and dtype."""
         g = self.C.geometry
-        try:
-            f = read_token_chunk_record(record, t)
-        except PayloadError:
-            return None
-        if (f.layers, f.groups, f.heads, f.tokens, f.start) != (
-                g.num_layers, g.num_groups, g.heads_per_group, g.chunk_len(t),
-                g.token_range(t)[0]) or f.dtype != self.C.dtype:
-            return None
-        return f
+        return (h.layers, h.groups, h.heads, h.head_dim, h.tokens, h.start) == (
+            g.num_layers, g.num_groups, g.heads_per_group, g.head_dim, g.chunk_len(h.t),
+            g.token_range(h.t)[0]) and h.dtype == self.C.dtype
 
-    def _fill(self, records: list[Any]) -> None:
-        """Swaps checked records into ``C`` and writes them into ``W``: per level, one run of
-        them (:func:`~sparkv.device.flashio.records_run`), one page write (the chunk table
-        updated once) and one fill of ``W`` per length (:func:`fill_run`, views of the run); a
-        run whose swap-in fails (a memory error: no flash copy recorded, the pool full) is
-        retried record by record, and a record failing again is counted failed."""
-        levels: dict[str, list[Any]] = {}
-        for f in sorted(records, key=lambda f: -f.tokens):     # equal lengths adjacent
-            levels.setdefault(f.level, []).append(f)
-        for fs in levels.values():
-            run = records_run(fs)
+    def _fill(self, data: bytes, heads: list[RecordHead]) -> None:
+        """Swaps the checked records ``heads`` of ``data`` into ``C`` and writes them into
+        ``W``: per level, one run of them (:func:`~sparkv.device.flashio.join_records`), one
+        page write (the chunk table updated once) and one fill of ``W`` per length
+        (:func:`fill_run`, views of the run); a run whose swap-in fails (a memory error: no
+        flash copy recorded, the pool full) is retried record by record, and a record failing
+        again is counted failed."""
+        levels: dict[str, list[RecordHead]] = {}
+        for h in sorted(heads, key=lambda h: -h.tokens):       # equal lengths adjacent
+            levels.setdefault(h.level, []).append(h)
+        for hs in levels.values():
+            run = join_records(data, hs)
             try:
                 self._swap_in(run)
             except (KVMemoryError, PayloadError):
-                fs = [f for f in fs if self._swap_in_one(f)]
-                if not fs:
+                hs = [h for h in hs if self._swap_in_one(data, h)]
+                if not hs:
                     continue
-                run = records_run(fs)
+                run = join_records(data, hs)
             if self.C is not self.W:
-                self._fill_working(run, fs)
+                self._fill_working(run, hs)
 
-    def _fill_working(self, run: ChunkRun, fs: list[Any]) -> None:
+    def _fill_working(self, run: ChunkRun, fs: list[RecordHead]) -> None:
         """Writes ``run`` (the records ``fs``, equal lengths adjacent) into ``W``: one
         :func:`fill_run` per length."""
         m = len(run.cids) // len(fs)
@@ -711,14 +691,14 @@ class FileReads:
                 self._targets = dequant.Arena(self.W.layers)
             return self._targets
 
-    def _swap_in_one(self, f: Any) -> bool:
-        """Record ``f`` swapped in alone; ``False`` (counted failed) when that fails too."""
+    def _swap_in_one(self, data: bytes, h: RecordHead) -> bool:
+        """Record ``h`` swapped in alone; ``False`` (counted failed) when that fails too."""
         try:
-            self._swap_in(records_run([f]))
+            self._swap_in(join_records(data, [h]))
             return True
         except (KVMemoryError, PayloadError):
             with self._lock:
-                self.failed.add(f.t)
+                self.failed.add(h.t)
             return False
 
     def _swap_in(self, run: ChunkRun) -> None:

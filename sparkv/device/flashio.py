@@ -475,8 +475,9 @@ def check_records(data: bytes | bytearray | memoryview, spans: Sequence[tuple[in
 def join_records(data: bytes | bytearray | memoryview, heads: Sequence[RecordHead]) -> ChunkRun:
     """The checked records ``heads`` of ``data`` (one level, geometry and dtype:
     :func:`check_records`) as one run of their chunks, record after record (each layer-major):
-    bit for bit ``ChunkRun.cat`` of the records' own runs (:meth:`TokenChunkRecord.run`), made with one gather of the
-    buffer's bytes per tensor (copies: ``data`` may be read-only) and no object per record."""
+    bit for bit ``ChunkRun.cat`` of the records' own runs (:meth:`TokenChunkRecord.run`), made
+    with one gather of the buffer's bytes per tensor (copies: ``data`` may be read-only) and no
+    object per record."""
     h0 = heads[0]
     if any((h.level, h.layers, h.groups, h.heads, h.head_dim, h.dtype) != (
             h0.level, h0.layers, h0.groups, h0.heads, h0.head_dim, h0.dtype) for h in heads):
@@ -493,7 +494,7 @@ def join_records(data: bytes | bytearray | memoryview, heads: Sequence[RecordHea
     at = [h.offset + _TC_HEAD.size for h in heads]
     sides: list[torch.Tensor | QuantizedTensor] = []
     for _ in ("k", "v"):
-        got = []
+        got: list[torch.Tensor] = []
         for width, dtype in parts:          # values (or codes) [R, width], then per-row fields
             raw = np.concatenate([buf[a:a + r * width] for a, r in zip(at, rows)])
             at = [a + r * width for a, r in zip(at, rows)]

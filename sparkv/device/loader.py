@@ -11,8 +11,8 @@ fills ``W`` layer by layer:
 * chunks resident in ``C`` are dequantized into ``W`` in a few batched tensor operations per level;
 * chunks on flash are swapped into ``C`` (at their level, checksum-checked, ``O_DIRECT``) by a
   small pool of reader threads while the compute thread works: one read per run of records
-  adjacent in a segment file (or per chunk file), each record (every layer of a token chunk)
-  then checked and written into ``W`` by the reader;
+  adjacent in a segment file (or per chunk file), its records (every layer of a token chunk
+  each) then checked, joined per level, swapped into ``C`` and written into ``W`` by the reader;
 * chunks restored from a remote source (the server's stream) are written into ``W`` by a thread
   of their own, beside the readers;
 * chunks chosen for recomputation (and absent ones, which have nothing to read) are recomputed
@@ -36,8 +36,8 @@ Threads (one load):
   recomputed chunk, then recomputes layer by layer, then waits for the remaining reads and the
   remote; it calls ``on_layer`` after each layer and each wait;
 * the **readers** (:class:`FileReads`, ``io_threads`` of them) each read one run of records
-  (a few MiB of a segment, or one chunk file), check and unpack each record, swap its payloads
-  into ``C`` and write it into ``W``; the planner recomputes
+  (a few MiB of a segment, or one chunk file), check its records, join them per level, swap
+  them into ``C`` and write them into ``W``; the planner recomputes
   the *earliest* missing chunks, so the reads of the later ones overlap the whole recomputation;
 * the **remote thread** (:class:`RemoteFetch`) writes the streamed chunks into ``W``.
 
@@ -553,13 +553,16 @@ def pages_to_read(C: ContextKV, refs: dict[int, Any]) -> dict[str, int]:
 
 class FileReads:
     """The reader pool of one load: reads the token chunk records ``refs`` (``threads`` reads at
-    a time), swaps each one's payloads into ``C`` and, when ``W`` is another memory, writes the
-    chunk into ``W`` (one dequantization per record, on the reader's thread).
+    a time), swaps them into ``C`` and, when ``W`` is another memory, writes them into ``W``
+    (on the reader's thread).
 
     The records are read in **runs** (:func:`~sparkv.device.flashio.plan_runs`): records adjacent
     in one file (a segment's) are read with one request of at most ``run_bytes`` (a chunk file is
-    a run of its own), then each record is checked (its checksum, its token chunk, its geometry)
-    and filled on its own. A run that cannot be read, or a record that fails its check or lies
+    a run of its own), then each record is checked (its checksum, header, length, token chunk
+    and geometry: :func:`~sparkv.device.flashio.check_records`) and the good ones are joined
+    per level (:func:`~sparkv.device.flashio.join_records`), swapped in with one page write and
+    filled with one call per side (:func:`fill_run`). A run that cannot be read, or a record
+    that fails its check or lies
     past what was read, fails only its own chunks: they are recomputed.
 
     State and locks: :meth:`start`, :meth:`wait` and :meth:`close` belong to the compute

@@ -16,8 +16,9 @@ import torch
 
 from sparkv.cache import ChunkPayload, ContextKV, KVMemoryError, Residency, Source, dequantize
 from sparkv.cache.payload import contiguous_positions
-from sparkv.device.flashio import (pack_token_chunk, pack_token_chunk_run,
-                                   read_token_chunk_record)
+from sparkv.cache.payload import ChunkRun
+from sparkv.device.flashio import (check_records, join_records, pack_token_chunk,
+                                   pack_token_chunk_run, read_token_chunk_record)
 from sparkv.cache.pages import BLOCK_PAGES
 from sparkv.device.loader import (FileReads, LoadOptions, LoadRequest, fill_layers, flash_refs,
                                   load, pages_to_read, put_token_chunk, token_chunk_ids)
@@ -101,6 +102,50 @@ def test_records_round_trip_as_runs_bit_for_bit():
                 else:
                     assert torch.equal(x.codes, y.codes) and torch.equal(x.scale, y.scale)
                     assert torch.equal(x.zero, y.zero)
+
+
+def _same_run(a: ChunkRun, b: ChunkRun) -> None:
+    assert a.cids == b.cids and a.level == b.level and a.dtype == b.dtype
+    assert np.array_equal(a.counts, b.counts) and torch.equal(a.pos, b.pos)
+    for x, y in ((a.k, b.k), (a.v, b.v)):
+        if a.level == "fp":
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            assert (x.bits, x.dim) == (y.bits, y.dim)
+            assert torch.equal(x.codes, y.codes) and torch.equal(x.scale, y.scale)
+            assert torch.equal(x.zero, y.zero)
+
+
+def test_a_run_of_records_joins_bit_for_bit_and_bad_ones_fail_alone():
+    """A run read into one buffer (records padded to 512 bytes, the last token chunk partial):
+    ``check_records`` + ``join_records`` equal the records unpacked one by one and joined, at
+    every level and for fp16 values; a damaged record, one of another token chunk and one past
+    the buffer fail alone."""
+    gen = torch.Generator().manual_seed(2)
+    for level in LEVELS:
+        for dtype in ([torch.float32, torch.float16] if level == "fp" else [torch.float32]):
+            buf, spans = bytearray(), []
+            for t in (6, 7, 8, 9):
+                ps = [_payload(cid, gen, level) for cid in token_chunk_ids(GEO, t)]
+                if dtype != torch.float32:
+                    ps = [ChunkPayload(p.cid, p.level, p.counts, p.pos, p.k.to(dtype),
+                                       p.v.to(dtype), dtype) for p in ps]
+                rec = pack_token_chunk(ps)
+                spans.append((t, len(buf), len(rec)))
+                buf += rec + bytes(-len(rec) % 512)
+            heads, bad = check_records(bytes(buf), spans)
+            assert [h.t for h in heads] == [6, 7, 8, 9] and not bad
+            one = [read_token_chunk_record(bytearray(buf[a:a + n]), t).run() for t, a, n in spans]
+            # a run joins records of one length: the full ones, then the partial last one
+            _same_run(join_records(bytes(buf), heads[:3]), ChunkRun.cat(one[:3]))
+            _same_run(join_records(bytes(buf), heads[3:]), one[3])
+            damaged = bytearray(buf)
+            damaged[spans[1][1] + 100] ^= 0xFF
+            t2, a2, n2 = spans[2]
+            heads, bad = check_records(bytes(damaged), [spans[0], spans[1], (5, a2, n2),
+                                                        (t2, a2, n2 - 1),
+                                                        (9, len(buf), spans[3][2])])
+            assert [h.t for h in heads] == [6] and bad == [7, 5, t2, 9]
 
 
 def test_a_run_of_records_is_one_page_write_per_level(tmp_path, monkeypatch):

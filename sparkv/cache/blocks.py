@@ -40,6 +40,9 @@ def row_slots(counts: np.ndarray, ids: np.ndarray) -> torch.Tensor:
     total = int(counts.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.long)
+    if not (counts % P).any():                      # whole pages: every row of each, in order
+        return torch.from_numpy((np.asarray(ids, dtype=np.int64)[:, None] * P
+                                 + np.arange(P)).reshape(-1))
     npg = pages_for(counts)
     seg = np.repeat(np.arange(counts.size), counts)
     e = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -31,6 +31,8 @@ The account of a pool is the pages it holds (``held``, ``held * page_bytes``); i
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -87,7 +89,7 @@ class PagePool:
                               for f in self.fields)
 
     # ---- the tensors -----------------------------------------------------------------------------
-    def _empty(self, field: str, cap: int) -> torch.Tensor:
+    def _empty(self, field: str, cap: int, zero: bool = True) -> torch.Tensor:
         P = PAGE_TOKENS
         shape: tuple[int, ...] = {"k": (cap, P, self.width), "v": (cap, P, self.width),
                                   "fill": (cap,)}.get(field, (cap, P))
@@ -95,7 +97,8 @@ class PagePool:
                  "v": self.dtype}.get(field, torch.float16)
         # never an inference tensor: the pool is written in place in and outside inference mode
         with torch.inference_mode(False):
-            return torch.zeros(shape, dtype=dtype, device=self.device)
+            make = torch.zeros if zero else torch.empty
+            return make(shape, dtype=dtype, device=self.device)
 
     def array(self, field: str) -> torch.Tensor:
         """The pool's tensor ``field`` (``k``, ``v``, ``pos``, ``fill`` and, quantized, the
@@ -156,11 +159,14 @@ class PagePool:
         return bool(ids.size == 0 or (ids.max() < self.capacity and self._used[ids].all()))
 
     def _resize(self, pages: int) -> None:
-        """Capacity -> ``pages`` rounded up to whole blocks; pages below both are kept."""
+        """Capacity -> ``pages`` rounded up to whole blocks; pages below both are kept, the new
+        ones left unwritten (a free page's contents are undefined, as a freed one's are: nothing
+        reads a row past a page's fill - the attention kernels mask them, and codes are always
+        finite - and alloc sets the fill)."""
         cap = _blocks(pages)
         keep = min(cap, self.capacity)
         for f, old in self._arrays.items():
-            new = self._empty(f, cap)
+            new = self._empty(f, cap, zero=False)
             new[:keep] = old[:keep]
             self._arrays[f] = new
         used = np.zeros(cap, dtype=bool)
@@ -191,21 +197,24 @@ class PagePool:
     def write_rows(self, slots: torch.Tensor, k: torch.Tensor | QuantizedTensor,
                    v: torch.Tensor | QuantizedTensor, pos: torch.Tensor) -> None:
         """Rows ``k``, ``v`` (``[R, D]`` fp, or quantized at this level) and ``pos`` ``[R]`` into
-        the row slots ``slots`` (``page * 16 + row``, int64 ``[R]``): one copy per tensor."""
+        the row slots ``slots`` (``page * 16 + row``, int64 ``[R]``): one copy per tensor (a
+        slice copy when the slots are consecutive, as freshly allocated whole pages are, else an
+        ``index_copy_``)."""
         a = self._arrays
         slots = slots.to(self.device)
-        a["pos"].view(-1).index_copy_(0, slots, pos.to(self.device, torch.int32))
+        put = _writer(slots)
+        put(a["pos"].view(-1), pos.to(self.device, torch.int32))
         for side, x in (("k", k), ("v", v)):
             if isinstance(x, QuantizedTensor):
                 if x.bits != self.bits:
                     raise KVMemoryError(f"int{x.bits} rows do not go into the {self.level} pool")
-                a[side].view(-1, self.width).index_copy_(0, slots, x.codes.to(self.device))
-                a[f"{side}_scale"].view(-1).index_copy_(0, slots, x.scale.to(self.device))
-                a[f"{side}_zero"].view(-1).index_copy_(0, slots, x.zero.to(self.device))
+                put(a[side].view(-1, self.width), x.codes.to(self.device))
+                put(a[f"{side}_scale"].view(-1), x.scale.to(self.device))
+                put(a[f"{side}_zero"].view(-1), x.zero.to(self.device))
             elif self.bits:
                 raise KVMemoryError(f"fp rows do not go into the {self.level} pool")
             else:
-                a[side].view(-1, self.width).index_copy_(0, slots, x.to(self.device, self.dtype))
+                put(a[side].view(-1, self.width), x.to(self.device, self.dtype))
 
     def read_rows(self, slots: torch.Tensor
                   ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor,
@@ -231,6 +240,17 @@ class PagePool:
                                          .to(self.device),
                                          torch.from_numpy(np.asarray(fill, np.int32))
                                          .to(self.device))
+
+
+def _writer(slots: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], object]:
+    """How rows go into the slots ``slots`` of a pool tensor's rows: one slice copy when they
+    are consecutive and ascending (the same bits as the ``index_copy_`` otherwise used)."""
+    n = int(slots.numel())
+    if n and int(slots[-1]) - int(slots[0]) == n - 1 and (
+            n == 1 or bool((slots[1:] - slots[:-1] == 1).all())):
+        a = int(slots[0])
+        return lambda dst, src: dst[a:a + n].copy_(src)
+    return lambda dst, src: dst.index_copy_(0, slots, src)
 
 
 class PagePools:

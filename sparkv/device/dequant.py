@@ -8,9 +8,10 @@ each step rounded to float32: no fused multiply-add), tested against it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numba as nb
+from numba.typed import List
 import numpy as np
 import torch
 
@@ -42,6 +43,57 @@ def _rows_into(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int
                         q = (codes[r, j // per] >> ((j % per) * bits)) & mask
                         row[j] = np.float32(q) * s + z
                 r += 1
+
+
+@nb.njit(boundscheck=False, error_model="numpy", nogil=True, cache=True)
+def _records_into(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int, dim: int,
+                  ts: np.ndarray, n: int, T: int, groups: int, dsts: Any
+                  ) -> None:  # pragma: no cover - numba
+    """Rows of whole token chunk records (record ``ci`` holds token chunk ``ts[ci]``: every
+    ``(layer, group)``, layer-major, ``hg`` heads of ``n`` tokens each) into the layers' arenas
+    ``dsts[l]`` ``[H, slots, dim]`` at slot ``t * T + k``."""
+    L = len(dsts)
+    hg = dsts[0].shape[0] // groups
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    r = 0
+    for ci in range(ts.shape[0]):
+        p0 = ts[ci] * T
+        for l in range(L):
+            dst = dsts[l]
+            for h in range(groups * hg):
+                for k in range(n):
+                    s = scale[r]
+                    z = zero[r]
+                    row = dst[h, p0 + k]
+                    if bits == 8:
+                        for j in range(dim):
+                            row[j] = np.float32(codes[r, j]) * s + z
+                    else:
+                        for j in range(dim):
+                            q = (codes[r, j // per] >> ((j % per) * bits)) & mask
+                            row[j] = np.float32(q) * s + z
+                    r += 1
+
+
+class Arena:
+    """A dense float32 working memory's layers as the arrays :meth:`records_into` writes (made
+    once per load: every layer's K and V ``[H, slots, D]``)."""
+
+    def __init__(self, stores: Sequence[Any]) -> None:
+        self.k, self.v = List(), List()
+        for store in stores:
+            self.k.append(store.k[0].numpy())
+            self.v.append(store.v[0].numpy())
+
+    def records_into(self, k: QuantizedTensor, v: QuantizedTensor, ts: Sequence[int], n: int,
+                     T: int, groups: int) -> None:
+        """Whole token chunk records' rows (``k``, ``v``: record after record, each layer-major;
+        token chunks ``ts`` of ``n`` tokens) dequantized into every layer: one call per side."""
+        tsa = np.asarray(ts, dtype=np.int64)
+        for x, dsts in ((k, self.k), (v, self.v)):
+            _records_into(x.codes.numpy(), x.scale.float().numpy(), x.zero.float().numpy(),
+                          x.bits, x.dim, tsa, n, T, groups, dsts)
 
 
 def supported(dst: torch.Tensor) -> bool:

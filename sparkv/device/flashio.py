@@ -67,7 +67,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -422,6 +422,105 @@ class TokenChunkRecord:
     def payloads(self) -> list[ChunkPayload]:
         """One payload per ``(l, g)``, layer-major (views of the values)."""
         return self.run().payloads()
+
+
+class RecordHead(NamedTuple):
+    """A token chunk record's header, checked with its checksum (:func:`check_records`), and
+    where it lies in the buffer read."""
+
+    t: int
+    level: str
+    start: int
+    tokens: int
+    layers: int
+    groups: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    offset: int
+
+
+def check_records(data: bytes | bytearray | memoryview, spans: Sequence[tuple[int, int, int]]
+                  ) -> tuple[list[RecordHead], list[int]]:
+    """The records of a run read into ``data``, each ``(t, offset, nbytes)`` of ``spans``
+    checked as :func:`read_token_chunk_record` checks it (cut short, checksum, header, token
+    chunk, length) without unpacking its values: the heads of the good ones and the token
+    chunks of the others (a span past the end of ``data`` fails)."""
+    buf = memoryview(data)
+    good: list[RecordHead] = []
+    bad: list[int] = []
+    size: dict[tuple[int, ...], int] = {}
+    for t, a, n in spans:
+        if n < _TC_HEAD.size + 8 or a + n > len(buf) or xxhash.xxh64_intdigest(
+                buf[a:a + n - 8]) != struct.unpack_from("<Q", buf, a + n - 8)[0]:
+            bad.append(t)
+            continue
+        magic, version, lv, dt, rt, start, tok, L, G, hg, d = _TC_HEAD.unpack_from(buf, a)
+        key = (lv, dt, tok, L, G, hg, d)
+        if magic != TC_MAGIC or version != TC_VERSION or lv >= len(LEVELS) \
+                or dt not in _DTYPE_OF or rt != t:
+            bad.append(t)
+            continue
+        if key not in size:
+            size[key] = token_chunk_record_bytes({"level": LEVELS[lv], "tokens": tok, "layers": L,
+                                                  "groups": G, "heads": hg, "head_dim": d,
+                                                  "dtype": dt})
+        if size[key] != n:
+            bad.append(t)
+            continue
+        good.append(RecordHead(t, LEVELS[lv], start, tok, L, G, hg, d, _DTYPE_OF[dt], a))
+    return good, bad
+
+
+def join_records(data: bytes | bytearray | memoryview, heads: Sequence[RecordHead]) -> ChunkRun:
+    """The checked records ``heads`` of ``data`` (one level, geometry and dtype:
+    :func:`check_records`) as one run of their chunks, record after record (each layer-major):
+    bit for bit ``ChunkRun.cat`` of the records' own runs (:meth:`TokenChunkRecord.run`), made
+    with one gather of the buffer's bytes per tensor (copies: ``data`` may be read-only) and no
+    object per record."""
+    h0 = heads[0]
+    if any((h.level, h.layers, h.groups, h.heads, h.head_dim, h.dtype) != (
+            h0.level, h0.layers, h0.groups, h0.heads, h0.head_dim, h0.dtype) for h in heads):
+        raise PayloadError("a run holds chunks of one level, geometry and dtype")
+    buf = np.frombuffer(data, dtype=np.uint8)
+    d, m, hg = h0.head_dim, h0.layers * h0.groups, h0.heads
+    rows = [m * hg * h.tokens for h in heads]
+    if h0.level == "fp":
+        el = torch.tensor([], dtype=h0.dtype).element_size()
+        parts = [(d * el, h0.dtype)]
+    else:
+        parts = [((d * _BITS[h0.level] + 7) // 8, torch.uint8), (2, torch.float16),
+                 (2, torch.float16)]
+    at = [h.offset + _TC_HEAD.size for h in heads]
+    sides: list[torch.Tensor | QuantizedTensor] = []
+    for _ in ("k", "v"):
+        got: list[torch.Tensor] = []
+        for width, dtype in parts:          # values (or codes) [R, width], then per-row fields
+            raw = np.concatenate([buf[a:a + r * width] for a, r in zip(at, rows)])
+            at = [a + r * width for a, r in zip(at, rows)]
+            x = torch.from_numpy(raw).view(dtype)
+            got.append(x.view(sum(rows), -1) if not got else x)
+        sides.append(got[0] if h0.level == "fp" else
+                     QuantizedTensor(got[0], got[1], got[2], _BITS[h0.level], d))
+    ts = [h.t for h in heads]
+    G = h0.groups
+    cids = [KVChunkId(t, i // G, i % G) for t in ts for i in range(m)]
+    tokens = np.array([h.tokens for h in heads], dtype=np.int64)
+    counts = np.repeat(tokens, m)[:, None].repeat(hg, axis=1)
+    return ChunkRun(cids, h0.level, counts, _positions(heads, m * hg), sides[0], sides[1],
+                    h0.dtype)
+
+
+def _positions(heads: Sequence[Any], per: int) -> torch.Tensor:
+    """Positions of records' rows: each record's tokens from its start, ``per`` times."""
+    tokens = np.array([h.tokens for h in heads], dtype=np.int64)
+    starts = np.array([h.start for h in heads], dtype=np.int64)
+    if (tokens == tokens[0]).all():
+        n = int(tokens[0])
+        pos = np.broadcast_to((starts[:, None] + np.arange(n))[:, None, :], (len(heads), per, n))
+        return torch.from_numpy(pos.astype(np.int32).reshape(-1))
+    return torch.cat([torch.arange(h.start, h.start + h.tokens, dtype=torch.int32).repeat(per)
+                      for h in heads])
 
 
 def unpack_token_chunk(data: bytes | memoryview, t: int | None = None) -> list[ChunkPayload]:

@@ -11,8 +11,8 @@ fills ``W`` layer by layer:
 * chunks resident in ``C`` are dequantized into ``W`` in a few batched tensor operations per level;
 * chunks on flash are swapped into ``C`` (at their level, checksum-checked, ``O_DIRECT``) by a
   small pool of reader threads while the compute thread works: one read per run of records
-  adjacent in a segment file (or per chunk file), each record (every layer of a token chunk)
-  then checked and written into ``W`` by the reader;
+  adjacent in a segment file (or per chunk file), its records (every layer of a token chunk
+  each) then checked, joined per level, swapped into ``C`` and written into ``W`` by the reader;
 * chunks restored from a remote source (the server's stream) are written into ``W`` by a thread
   of their own, beside the readers;
 * chunks chosen for recomputation (and absent ones, which have nothing to read) are recomputed
@@ -36,8 +36,8 @@ Threads (one load):
   recomputed chunk, then recomputes layer by layer, then waits for the remaining reads and the
   remote; it calls ``on_layer`` after each layer and each wait;
 * the **readers** (:class:`FileReads`, ``io_threads`` of them) each read one run of records
-  (a few MiB of a segment, or one chunk file), check and unpack each record, swap its payloads
-  into ``C`` and write it into ``W``; the planner recomputes
+  (a few MiB of a segment, or one chunk file), check its records, join them per level, swap
+  them into ``C`` and write them into ``W``; the planner recomputes
   the *earliest* missing chunks, so the reads of the later ones overlap the whole recomputation;
 * the **remote thread** (:class:`RemoteFetch`) writes the streamed chunks into ``W``.
 
@@ -71,7 +71,8 @@ from sparkv.cache.pages import PAGE_TOKENS
 from sparkv.cache.payload import ChunkRun, contiguous_positions
 from sparkv.cache.table import RESIDENT
 from sparkv.device import dequant
-from sparkv.device.flashio import RUN_BYTES, ReadRun, plan_runs, read_token_chunk_record
+from sparkv.device.flashio import (RUN_BYTES, ReadRun, RecordHead, check_records,
+                                   join_records, plan_runs)
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
 
@@ -255,7 +256,7 @@ def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: in
     consecutive (or one chunk), else one ``index_copy_`` (the positions cached in ``index`` by
     ``ts``)."""
     hg, c, _, d = src.shape
-    if ts[-1] - ts[0] == c - 1 and (n == T or c == 1):
+    if (n == T or c == 1) and list(ts) == list(range(ts[0], ts[0] + c)):
         t0 = ts[0] * T
         dst[:, t0:t0 + c * n].view(hg, c, n, d).copy_(src)
         return
@@ -268,55 +269,44 @@ def _write_chunks(dst: torch.Tensor, src: torch.Tensor, ts: Sequence[int], n: in
     dst.index_copy_(1, idx, src.reshape(hg, c * n, d))
 
 
-def fill_records(W: ContextKV, records: Sequence[Any]) -> None:
-    """Writes token chunk records (:class:`~sparkv.device.flashio.TokenChunkRecord`) into
-    ``W``'s dense arena: per (level, length), one dequantization of all of them, then one copy
-    per (layer, group) and side (a slice copy for consecutive token chunks, else one
-    ``index_copy_``)."""
+def fill_run(W: ContextKV, run: ChunkRun, ts: Sequence[int], n: int,
+             arena: dequant.Arena | None = None) -> None:
+    """Writes ``run`` (the records of token chunks ``ts``, ``n`` tokens each, one level, record
+    after record: :func:`~sparkv.device.flashio.join_records`) into ``W``'s dense arena:
+    quantized into float32, one numba call per side for all of them and every layer
+    (:meth:`~sparkv.device.dequant.Arena.records_into`; ``arena``: ``W``'s, made once per load
+    by the caller, else here); else one dequantization, then one copy per (layer, group) and
+    side (a slice copy for consecutive token chunks, else one ``index_copy_``)."""
     g = W.geometry
     L, G, hg, d, T = (g.num_layers, g.num_groups, g.heads_per_group, g.head_dim,
                       g.chunk_tokens)
     _dense_stores(W, range(L))
-    groups: dict[tuple[str, int], list[Any]] = {}
-    for f in sorted(records, key=lambda f: f.t):
-        groups.setdefault((f.level, f.tokens), []).append(f)
+    ts = list(ts)
+    if not ts:
+        return
+    if fused(W, run):
+        assert isinstance(run.k, QuantizedTensor) and isinstance(run.v, QuantizedTensor)
+        (arena or dequant.Arena(W.layers)).records_into(run.k, run.v, ts, n, T, G)
+        return
+    m = len(ts)
     index: dict[tuple[int, ...], torch.Tensor] = {}
-    for (_, n), fs in groups.items():
-        run = ChunkRun.cat([f.run() for f in fs])
-        m = len(fs)
-        first = W.layers[0]
-        if (isinstance(run.k, QuantizedTensor) and first is not None and first.k is not None
-                and dequant.supported(first.k)):
-            _fill_records_fused(W, run, [f.t for f in fs], n)
-            continue
-        ks = _values(run.k, W.dtype).view(m, L, G, hg, n, d)
-        vs = _values(run.v, W.dtype).view(m, L, G, hg, n, d)
-        ts = [f.t for f in fs]
-        for l in range(L):  # noqa: E741
-            store = W.layers[l]
-            assert store is not None and store.k is not None and store.v is not None
-            for grp in range(G):
-                h0, h1 = g.head_range(grp)
-                _write_chunks(store.k[0, h0:h1], ks[:, l, grp].transpose(0, 1), ts, n, T, index)
-                _write_chunks(store.v[0, h0:h1], vs[:, l, grp].transpose(0, 1), ts, n, T, index)
-
-
-def _fill_records_fused(W: ContextKV, run: ChunkRun, ts: list[int], n: int) -> None:
-    """:func:`fill_records` of quantized records of ``n`` tokens (``run``: record after record,
-    each layer-major): one numba call per (layer, group) and side for all the records."""
-    g = W.geometry
-    L, G, hg = g.num_layers, g.num_groups, g.heads_per_group
-    per = hg * n
-    assert isinstance(run.k, QuantizedTensor) and isinstance(run.v, QuantizedTensor)
-    sides = [(x, x.scale.float().numpy(), x.zero.float().numpy()) for x in (run.k, run.v)]
+    ks = _values(run.k, W.dtype).view(m, L, G, hg, n, d)
+    vs = _values(run.v, W.dtype).view(m, L, G, hg, n, d)
     for l in range(L):  # noqa: E741
         store = W.layers[l]
         assert store is not None and store.k is not None and store.v is not None
         for grp in range(G):
             h0, h1 = g.head_range(grp)
-            for (x, sc, ze), dst in zip(sides, (store.k[0, h0:h1], store.v[0, h0:h1])):
-                dequant.dequantize_into(dst, x, (l * G + grp) * per, ts, n, g.chunk_tokens,
-                                        sc, ze, stride=L * G * per)
+            _write_chunks(store.k[0, h0:h1], ks[:, l, grp].transpose(0, 1), ts, n, T, index)
+            _write_chunks(store.v[0, h0:h1], vs[:, l, grp].transpose(0, 1), ts, n, T, index)
+
+
+def fused(W: ContextKV, run: ChunkRun) -> bool:
+    """Whether ``run``'s rows are dequantized straight into ``W`` (quantized rows, a float32
+    arena on the CPU)."""
+    first = W.layers[0]
+    return (isinstance(run.k, QuantizedTensor) and first is not None and first.k is not None
+            and dequant.supported(first.k))
 
 
 def chunk_payload(W: ContextKV, cid: KVChunkId, level: str) -> ChunkPayload:
@@ -563,13 +553,16 @@ def pages_to_read(C: ContextKV, refs: dict[int, Any]) -> dict[str, int]:
 
 class FileReads:
     """The reader pool of one load: reads the token chunk records ``refs`` (``threads`` reads at
-    a time), swaps each one's payloads into ``C`` and, when ``W`` is another memory, writes the
-    chunk into ``W`` (one dequantization per record, on the reader's thread).
+    a time), swaps them into ``C`` and, when ``W`` is another memory, writes them into ``W``
+    (on the reader's thread).
 
     The records are read in **runs** (:func:`~sparkv.device.flashio.plan_runs`): records adjacent
     in one file (a segment's) are read with one request of at most ``run_bytes`` (a chunk file is
-    a run of its own), then each record is checked (its checksum, its token chunk, its geometry)
-    and filled on its own. A run that cannot be read, or a record that fails its check or lies
+    a run of its own), then each record is checked (its checksum, header, length, token chunk
+    and geometry: :func:`~sparkv.device.flashio.check_records`) and the good ones are joined
+    per level (:func:`~sparkv.device.flashio.join_records`), swapped in with one page write and
+    filled with one call per side (:func:`fill_run`). A run that cannot be read, or a record
+    that fails its check or lies
     past what was read, fails only its own chunks: they are recomputed.
 
     State and locks: :meth:`start`, :meth:`wait` and :meth:`close` belong to the compute
@@ -597,6 +590,7 @@ class FileReads:
         self._pool = (ThreadPoolExecutor(max(1, min(threads, len(self.runs))))
                       if self.runs else None)
         self._futures: list[Future[None]] = []
+        self._targets: dequant.Arena | None = None
 
     def start(self) -> None:
         if self._pool is not None:
@@ -632,78 +626,94 @@ class FileReads:
                     self.reads += 1
                     self.files.add(run.path)
                     self.nbytes += len(data)
-            view = memoryview(bytearray(data))      # the records' values are views of it
-            records = []
-            for t, ref in run.records:
-                a = ref.offset - run.offset
-                f = self._check(t, view[a:a + ref.nbytes]) if a + ref.nbytes <= len(view) \
-                    else None
-                if f is None:
-                    with self._lock:
-                        self.failed.add(t)
-                else:
-                    records.append(f)
-            self._fill(records)
+            heads, bad = check_records(data, [(t, ref.offset - run.offset, ref.nbytes)
+                                              for t, ref in run.records])
+            ok = [h for h in heads if self._fits(h)]
+            bad += [h.t for h in heads if not self._fits(h)]
+            if bad:
+                with self._lock:
+                    self.failed.update(bad)
+            self._fill(data, ok)
         finally:
             with self._lock:
                 self._window[0] = min(self._window[0], t0)
                 self._window[1] = max(self._window[1], time.perf_counter())
 
-    def _check(self, t: int, record: memoryview) -> Any:
-        """Token chunk ``t``'s record, checked (its checksum, token chunk and geometry), or
-        ``None`` if it fails."""
+    def _fits(self, h: RecordHead) -> bool:
+        """Whether record ``h`` is its token chunk's in ``C``'s geometry and dtype."""
         g = self.C.geometry
-        try:
-            f = read_token_chunk_record(record, t)
-        except PayloadError:
-            return None
-        if (f.layers, f.groups, f.heads, f.tokens, f.start) != (
-                g.num_layers, g.num_groups, g.heads_per_group, g.chunk_len(t),
-                g.token_range(t)[0]) or f.dtype != self.C.dtype:
-            return None
-        return f
+        return (h.layers, h.groups, h.heads, h.head_dim, h.tokens, h.start) == (
+            g.num_layers, g.num_groups, g.heads_per_group, g.head_dim, g.chunk_len(h.t),
+            g.token_range(h.t)[0]) and h.dtype == self.C.dtype
 
-    def _fill(self, records: list[Any]) -> None:
-        """Swaps checked records into ``C`` (one page write per level: the chunk table updated
-        once) and writes them into ``W`` (one dequantization per level); a record that fails
-        (a memory error: no flash copy recorded, the pool full) is retried alone and, failing
-        again, counted failed."""
-        if not records:
-            return
-        try:
-            self._swap_in(records)
-        except (KVMemoryError, PayloadError):
-            ok = []
-            for f in records:
-                try:
-                    self._swap_in([f])
-                    ok.append(f)
-                except (KVMemoryError, PayloadError):
-                    with self._lock:
-                        self.failed.add(f.t)
-            records = ok
-        if self.C is not self.W and records:
+    def _fill(self, data: bytes, heads: list[RecordHead]) -> None:
+        """Swaps the checked records ``heads`` of ``data`` into ``C`` and writes them into
+        ``W``: per level, one run of them (:func:`~sparkv.device.flashio.join_records`), one
+        page write (the chunk table updated once) and one fill of ``W`` per length
+        (:func:`fill_run`, views of the run); a run whose swap-in fails (a memory error: no
+        flash copy recorded, the pool full) is retried record by record, and a record failing
+        again is counted failed."""
+        levels: dict[str, list[RecordHead]] = {}
+        for h in sorted(heads, key=lambda h: -h.tokens):       # equal lengths adjacent
+            levels.setdefault(h.level, []).append(h)
+        for hs in levels.values():
+            run = join_records(data, hs)
             try:
-                fill_records(self.W, records)
+                self._swap_in(run)
+            except (KVMemoryError, PayloadError):
+                hs = [h for h in hs if self._swap_in_one(data, h)]
+                if not hs:
+                    continue
+                run = join_records(data, hs)
+            if self.C is not self.W:
+                self._fill_working(run, hs)
+
+    def _fill_working(self, run: ChunkRun, fs: list[RecordHead]) -> None:
+        """Writes ``run`` (the records ``fs``, equal lengths adjacent) into ``W``: one
+        :func:`fill_run` per length."""
+        m = len(run.cids) // len(fs)
+        a = 0
+        while a < len(fs):
+            b = a
+            while b < len(fs) and fs[b].tokens == fs[a].tokens:
+                b += 1
+            piece = run if (a, b) == (0, len(fs)) else run.piece(a * m, b * m)
+            try:
+                fill_run(self.W, piece, [f.t for f in fs[a:b]], fs[a].tokens,
+                         self._arena() if fused(self.W, piece) else None)
             except KVMemoryError:
                 with self._lock:
-                    self.failed.update(f.t for f in records)
+                    self.failed.update(f.t for f in fs[a:b])
+            a = b
 
-    def _swap_in(self, records: list[Any]) -> None:
-        """The records' chunks not resident in ``C`` held there, resident and clean: one run per
-        level."""
-        by_level: dict[str, list[ChunkRun]] = {}
-        for f in records:
-            run = f.run()
-            away = self.C.missing(run.cids)
-            if len(away) == len(run.cids):
-                by_level.setdefault(f.level, []).append(run)
-            elif away:
-                miss = set(away)
-                by_level.setdefault(f.level, []).extend(
-                    run.piece(j, j + 1) for j, c in enumerate(run.cids) if c in miss)
-        if by_level:
-            self.C.swap_in_runs([ChunkRun.cat(rs) for rs in by_level.values()])
+    def _arena(self) -> dequant.Arena:
+        """``W``'s layers as the dequantization's targets, made once per load."""
+        with self._lock:
+            if self._targets is None:
+                _dense_stores(self.W, range(self.W.geometry.num_layers))
+                self._targets = dequant.Arena(self.W.layers)
+            return self._targets
+
+    def _swap_in_one(self, data: bytes, h: RecordHead) -> bool:
+        """Record ``h`` swapped in alone; ``False`` (counted failed) when that fails too."""
+        try:
+            self._swap_in(join_records(data, [h]))
+            return True
+        except (KVMemoryError, PayloadError):
+            with self._lock:
+                self.failed.add(h.t)
+            return False
+
+    def _swap_in(self, run: ChunkRun) -> None:
+        """The run's chunks not resident in ``C`` held there, resident and clean: one page
+        write."""
+        away = self.C.missing(run.cids)
+        if len(away) == len(run.cids):
+            self.C.swap_in_runs([run])
+        elif away:
+            miss = set(away)
+            self.C.swap_in_runs([ChunkRun.cat([run.piece(j, j + 1)
+                                               for j, c in enumerate(run.cids) if c in miss])])
 
 
 class RemoteFetch:

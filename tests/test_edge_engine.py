@@ -666,3 +666,32 @@ def test_a_dead_link_stops_counting_its_bytes_against_the_other_asks(world):
     load = _run_exact(engine, world)
     assert "404" in load.fallback["link"]
     assert lane.pending[0] > 0 and lane.pending[-1] == 0.0
+
+
+def test_a_stop_that_cancels_the_link_while_it_closes_is_not_a_link_error():
+    """A cancellation that escapes the link's loop after the ask asked it to stop is the stop,
+    not a dead link (seen: a Strong Hybrid ask reported ``link error: CancelledError`` as a
+    fallback at its end); one before the stop still is."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from sparkv.edge.link import Link
+
+    def outcome(finished: bool) -> object:
+        link = Link.__new__(Link)
+        link._finished = threading.Event()
+        if finished:
+            link._finished.set()
+        link._stats = SimpleNamespace(link_dead=None, link_errors=[])
+        link._hub = SimpleNamespace(cv=threading.Condition())
+
+        async def serve() -> None:
+            raise asyncio.CancelledError()
+
+        link._serve = serve        # type: ignore[method-assign]
+        link._main()
+        return link._stats.link_dead
+
+    assert outcome(finished=True) is None
+    assert "CancelledError" in str(outcome(finished=False))

@@ -188,6 +188,8 @@ class Link:
         try:
             asyncio.run(self._serve())
         except BaseException as e:  # noqa: BLE001 - any link bug falls back to local compute
+            if isinstance(e, asyncio.CancelledError) and self._finished.is_set():
+                return   # a stop that reached the loop while it closed: the ask ended, no error
             stats = self._stats
             with self._hub.cv:
                 if stats.link_dead is None:

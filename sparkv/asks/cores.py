@@ -220,7 +220,7 @@ class CoreGate:
         """The waiting layer steps that go along with ``ride`` (under the lock): the same
         :func:`~sparkv.runtime.stepper.together_key`, other lanes not cancelled, steps that can
         run now; at most ``batch - 1``, in grant order. Each leaves the queue."""
-        if not ride.stepper.ready(ride.step):
+        if not _ready(ride):
             return []   # the holder's own step raises, alone
         riders: list[_Ride] = []
         for unit in self._in_order():
@@ -229,7 +229,7 @@ class CoreGate:
             other = self._rides.get(unit[0])
             if (other is None or other.key != ride.key or other.lane is ride.lane
                     or other.lane.cancelled or any(r.lane is other.lane for r in riders)
-                    or not other.stepper.ready(other.step)):
+                    or not _ready(other)):
                 continue
             self._queue.remove(unit)
             del self._rides[unit[0]]
@@ -332,6 +332,15 @@ class AskLane:
     def close(self) -> None:
         """The ask ended: the lane no longer counts in the load."""
         self.gate._close(self)
+
+
+def _ready(ride: "_Ride") -> bool:
+    """Whether the ride's step can run now (a stepper that cannot say: no; its own call
+    raises, alone)."""
+    try:
+        return bool(ride.stepper.ready(ride.step))
+    except Exception:  # noqa: BLE001 - it runs alone and raises there
+        return False
 
 
 class _Ride:

@@ -225,3 +225,13 @@ def test_a_rider_cancelled_while_waiting_or_during_the_call_raises_only_in_its_o
     assert gate.stats()["batched_units"] == 1
     alone[0].run_step(StepId(0, 0))
     assert float((a._hidden[StepId(0, 0)] - alone[0]._hidden[StepId(0, 0)]).abs().max()) <= TOL
+
+
+def test_a_call_takes_riders_only_up_to_its_rows(tiny_llama):
+    """Chunks of 32 rows, a cap of 64: the holder takes one rider, the third step runs alone."""
+    gate = CoreGate(batch_rows=2 * T)
+    blocker = gate.lane()
+    _, _, steppers = _contexts(tiny_llama)
+    out = _queue_steps(gate, blocker, [(gate.lane(), st, StepId(0, 0)) for st in steppers])
+    assert [r.step for r in out] == [StepId(0, 0)] * 3
+    assert gate.stats()["batched_units"] == 1 and gate.stats()["units"] == 4

@@ -24,8 +24,8 @@ ask's plan knows the others exist. Here:
 * **batching** (``sparkv device serve --ask-batch on``): a unit that is one layer step
   (:meth:`AskLane.run_step`) takes along, in the same call, the layer steps other asks are
   waiting with at the same layer of the same model (:func:`~sparkv.runtime.stepper.together_key`;
-  at most ``batch`` steps a call, the riders picked in grant order): one set of GEMMs over all
-  their rows, the attention of each over its own KV memory
+  at most ``batch`` steps and ``batch_rows`` token rows a call, the riders picked in grant
+  order): one set of GEMMs over all their rows, the attention of each over its own KV memory
   (:func:`~sparkv.runtime.stepper.run_steps_together`). The holder is the unit the order picks;
   riders only join it. Each rider's thread gets its own :class:`StepResult
   <sparkv.runtime.stepper.StepResult>` (seconds: the call's, shared) or the call's error; a
@@ -68,6 +68,11 @@ WAIT_S = 0.05
 GRANT_ORDERS = ("turns", "oldest")
 #: the most layer steps one call runs with batching on (the holder's and up to 3 riders')
 BATCH_STEPS = 4
+#: the most token rows one batched call runs: measured on SmolLM2 (bench/batch_layer.py, 2-core
+#: CPU), two steps as one call cost 0.78x two calls of 32 rows, 0.87-0.89x of 64, 0.92-0.95x of
+#: 128, 0.93-0.99x of 256: past 256 rows a rider gains the cores little and delays the holder
+#: by about its whole step
+BATCH_ROWS = 256
 
 
 class CoreGate:
@@ -78,15 +83,17 @@ class CoreGate:
         window_s: how recently an ask must have used the cores to count in :meth:`load`.
         order: ``oldest`` (the oldest ask's unit first) or ``turns`` (arrival order).
         batch: the most layer steps one call runs (module docstring; 1: no batching).
+        batch_rows: the most token rows a call with riders runs.
     """
 
     def __init__(self, window_s: float = LOAD_WINDOW_S, order: str = "oldest",
-                 batch: int = BATCH_STEPS) -> None:
+                 batch: int = BATCH_STEPS, batch_rows: int = BATCH_ROWS) -> None:
         if order not in GRANT_ORDERS:
             raise ValueError(f"no grant order {order!r} (one of {', '.join(GRANT_ORDERS)})")
         if batch < 1:
             raise ValueError(f"a call runs at least one layer step (batch={batch})")
         self.window_s, self.order, self.batch = window_s, order, batch
+        self.batch_rows = batch_rows
         self._cv = threading.Condition()
         self._queue: list[tuple[int, int]] = []    # waiting units: (ticket, lane id), arrival order
         self._holder: int | None = None            # the running unit's ticket
@@ -219,18 +226,21 @@ class CoreGate:
     def _take_riders(self, ride: "_Ride") -> list["_Ride"]:
         """The waiting layer steps that go along with ``ride`` (under the lock): the same
         :func:`~sparkv.runtime.stepper.together_key`, other lanes not cancelled, steps that can
-        run now; at most ``batch - 1``, in grant order. Each leaves the queue."""
+        run now; at most ``batch - 1``, and ``batch_rows`` rows in all, in grant order. Each
+        leaves the queue."""
         if not _ready(ride):
             return []   # the holder's own step raises, alone
         riders: list[_Ride] = []
+        rows = ride.rows
         for unit in self._in_order():
             if len(riders) == self.batch - 1:
                 break
             other = self._rides.get(unit[0])
             if (other is None or other.key != ride.key or other.lane is ride.lane
-                    or other.lane.cancelled or any(r.lane is other.lane for r in riders)
-                    or not _ready(other)):
+                    or rows + other.rows > self.batch_rows or other.lane.cancelled
+                    or any(r.lane is other.lane for r in riders) or not _ready(other)):
                 continue
+            rows += other.rows
             self._queue.remove(unit)
             del self._rides[unit[0]]
             other.taken = True
@@ -349,6 +359,8 @@ class _Ride:
 
     def __init__(self, lane: AskLane, stepper: Any, step: StepId, key: Any) -> None:
         self.lane, self.stepper, self.step, self.key = lane, stepper, step, key
+        g = stepper.geometry       # the step's token rows (a step outside: runs alone, raises)
+        self.rows = g.chunk_len(step.t) if 0 <= step.t < g.num_token_chunks else 1 << 30
         self.taken = False
         self.finished = False
         self.result: StepResult | None = None

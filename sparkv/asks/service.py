@@ -143,7 +143,7 @@ class AskService:
                  queue: int = 16, shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                  engine_config: Any = None, default_server: str | None = None,
                  default_api_key: str | None = None, core_order: str = "oldest",
-                 link_plan: str = "oldest", batch: bool = True) -> None:
+                 link_plan: str = "oldest", batch: bool = False) -> None:
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners

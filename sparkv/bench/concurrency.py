@@ -67,7 +67,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--link-rtt-ms", type=float, default=20.0, help="the link's round trip (ms)")
     p.add_argument("--core-order", choices=GRANT_ORDERS, default="oldest",
                    help="the service's --ask-core-order (docs/asks.md)")
-    p.add_argument("--ask-batch", choices=("on", "off"), default="on",
+    p.add_argument("--ask-batch", choices=("on", "off"), default="off",
                    help="the service's --ask-batch (docs/asks.md)")
     p.add_argument("--link-plans", default="oldest",
                    help="the service's --ask-link-plan, comma-separated: one service per plan, "

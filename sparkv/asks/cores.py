@@ -50,11 +50,13 @@ import itertools
 import threading
 import time
 import weakref
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from sparkv.edge.lane import AskCancelled, LinkTurn
 from sparkv.layout import StepId
-from sparkv.runtime.stepper import StepResult, run_steps_together, together_key
+
+if TYPE_CHECKING:   # the runtime (torch) is imported on the first step: the CLI's parsers import
+    from sparkv.runtime.stepper import StepResult   # this module and never torch
 
 __all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "GRANT_ORDERS", "BATCH_STEPS"]
 
@@ -166,6 +168,8 @@ class CoreGate:
     def _run_step(self, lane: "AskLane", stepper: Any, step: StepId) -> Any:
         """``stepper.run_step(step)`` on ``lane``'s turn, in one call with the riders it takes
         along, or as a rider in another lane's call (module docstring)."""
+        from sparkv.runtime.stepper import run_steps_together, together_key
+
         key = together_key(stepper, step) if self.batch > 1 else None
         if key is None:
             with lane.hold():

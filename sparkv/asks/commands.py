@@ -44,6 +44,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="the order the cores go to the asks' units: turns (round robin: the asks "
                         "progress together) or oldest (the oldest ask's first; the others fill "
                         "the cores while it waits for its link)")
+    g.add_argument("--ask-batch", choices=("on", "off"), default="off",
+                   help="run the layer steps several asks wait with at the same layer as one "
+                        "call (one set of GEMMs over their rows: up to 4 steps, 256 rows), or "
+                        "each alone")
     g.add_argument("--ask-link-plan", choices=tuple(LINK_PLANS), default="oldest",
                    help="how the asks share the one link: oldest (the oldest SparKV ask's "
                         "requests first; the others compute while they wait), shortest (the "
@@ -86,7 +90,8 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     asks = AskService(service, app.state.owners, slots=args.ask_slots, queue=args.ask_queue,
                       shaper=_shaper(args), default_server=args.ask_server,
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
-                      core_order=args.ask_core_order, link_plan=args.ask_link_plan)
+                      core_order=args.ask_core_order, link_plan=args.ask_link_plan,
+                      batch=args.ask_batch == "on")
     app.state.asks = asks
     app.include_router(asks_router)
     app.include_router(chat_router)

@@ -21,6 +21,16 @@ ask's plan knows the others exist. Here:
   ``window_s``; each ask's controller plans its remaining compute with it
   (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`, fed by the
   engine at every look for a step: :mod:`sparkv.edge.lane`), and its plan starts from it;
+* **batching** (``sparkv device serve --ask-batch on``): a unit that is one layer step
+  (:meth:`AskLane.run_step`) takes along, in the same call, the layer steps other asks are
+  waiting with at the same layer of the same model (:func:`~sparkv.runtime.stepper.together_key`;
+  at most ``batch`` steps and ``batch_rows`` token rows a call, the riders picked in grant
+  order): one set of GEMMs over all their rows, the attention of each over its own KV memory
+  (:func:`~sparkv.runtime.stepper.run_steps_together`). The holder is the unit the order picks;
+  riders only join it. Each rider's thread gets its own :class:`StepResult
+  <sparkv.runtime.stepper.StepResult>` (seconds: the call's, shared) or the call's error; a
+  rider whose ask was cancelled is not taken, and one cancelled during the call raises
+  :class:`~sparkv.edge.lane.AskCancelled` in its own thread when the call ends;
 * **cancellation**: :meth:`AskLane.cancel` makes the ask's next request for the cores raise
   :class:`~sparkv.edge.lane.AskCancelled` (a waiting request at once): the ask stops within one
   unit.
@@ -28,8 +38,8 @@ ask's plan knows the others exist. Here:
 A unit's own time (what the controller learns the device's speed from) excludes the wait for the
 gate; the wait is counted per lane (``waited_s``).
 
-State: the queue of waiting units, the holder, the lanes' last use; one condition variable
-guards all of it. A unit runs outside the lock.
+State: the queue of waiting units (and the layer steps they carry), the holder, the lanes' last
+use; one condition variable guards all of it. A unit runs outside the lock.
 """
 
 from __future__ import annotations
@@ -40,11 +50,15 @@ import itertools
 import threading
 import time
 import weakref
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from sparkv.edge.lane import AskCancelled, LinkTurn
+from sparkv.layout import StepId
 
-__all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "GRANT_ORDERS"]
+if TYPE_CHECKING:   # the runtime (torch) is imported on the first step: the CLI's parsers import
+    from sparkv.runtime.stepper import StepResult   # this module and never torch
+
+__all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "GRANT_ORDERS", "BATCH_STEPS"]
 
 #: an ask that used the cores this recently counts in the load (seconds)
 LOAD_WINDOW_S = 1.0
@@ -54,6 +68,13 @@ WAIT_S = 0.05
 #: progress together, round robin) or ``oldest`` (the unit of the oldest ask first, by lane:
 #: the others fill the cores while it waits for its link; its first token comes first)
 GRANT_ORDERS = ("turns", "oldest")
+#: the most layer steps one call runs with batching on (the holder's and up to 3 riders')
+BATCH_STEPS = 4
+#: the most token rows one batched call runs: measured on SmolLM2 (bench/batch_layer.py, 2-core
+#: CPU), two steps as one call cost 0.78x two calls of 32 rows, 0.87-0.89x of 64, 0.92-0.95x of
+#: 128, 0.93-0.99x of 256: past 256 rows a rider gains the cores little and delays the holder
+#: by about its whole step
+BATCH_ROWS = 256
 
 
 class CoreGate:
@@ -63,19 +84,27 @@ class CoreGate:
     Args:
         window_s: how recently an ask must have used the cores to count in :meth:`load`.
         order: ``oldest`` (the oldest ask's unit first) or ``turns`` (arrival order).
+        batch: the most layer steps one call runs (module docstring; 1: no batching).
+        batch_rows: the most token rows a call with riders runs.
     """
 
-    def __init__(self, window_s: float = LOAD_WINDOW_S, order: str = "oldest") -> None:
+    def __init__(self, window_s: float = LOAD_WINDOW_S, order: str = "oldest",
+                 batch: int = BATCH_STEPS, batch_rows: int = BATCH_ROWS) -> None:
         if order not in GRANT_ORDERS:
             raise ValueError(f"no grant order {order!r} (one of {', '.join(GRANT_ORDERS)})")
-        self.window_s, self.order = window_s, order
+        if batch < 1:
+            raise ValueError(f"a call runs at least one layer step (batch={batch})")
+        self.window_s, self.order, self.batch = window_s, order, batch
+        self.batch_rows = batch_rows
         self._cv = threading.Condition()
         self._queue: list[tuple[int, int]] = []    # waiting units: (ticket, lane id), arrival order
         self._holder: int | None = None            # the running unit's ticket
         self._tickets = itertools.count()
         self._lanes: dict[int, AskLane] = {}       # open lanes by id
         self._ids = itertools.count()
-        self.units = 0                             # units granted since the start
+        self._rides: dict[int, _Ride] = {}         # the layer steps waiting units carry
+        self.units = 0                             # units run since the start
+        self.batched_units = 0                     # of them, run in another lane's call
         self._memories: weakref.WeakSet[Any] = weakref.WeakSet()   # the asks' KV memories
 
     def lane(self) -> "AskLane":
@@ -106,6 +135,12 @@ class CoreGate:
             return min(self._queue, key=lambda unit: (unit[1], unit[0]))[0]
         return self._queue[0][0]
 
+    def _in_order(self) -> list[tuple[int, int]]:
+        """The waiting units in the order they would be granted."""
+        if self.order == "oldest":
+            return sorted(self._queue, key=lambda unit: (unit[1], unit[0]))
+        return list(self._queue)
+
     def held(self) -> tuple[int, int]:
         """``(memories, bytes)``: the asks' KV memories still alive (an ended ask's are freed
         with it: a memory still counted after its ask ended is a leak) and their bytes. A full
@@ -118,46 +153,122 @@ class CoreGate:
         return len(memories), sum(int(getattr(m, "nbytes", 0)) for m in memories)
 
     def stats(self) -> dict[str, float | int]:
-        """``lanes`` (open), ``waiting`` (units), ``units`` (granted so far), ``load``,
+        """``lanes`` (open), ``waiting`` (units), ``units`` (run so far), ``batched_units`` (of
+        them, run in another lane's call), ``batch`` (the most steps a call runs), ``load``,
         ``held_memories`` and ``held_bytes`` (:meth:`held`)."""
         with self._cv:
             lanes, waiting, units = len(self._lanes), len(self._queue), self.units
+            batched = self.batched_units
         memories, nbytes = self.held()
-        return {"lanes": lanes, "waiting": waiting, "units": units, "load": self.load(),
-                "held_memories": memories, "held_bytes": nbytes}
+        return {"lanes": lanes, "waiting": waiting, "units": units, "batched_units": batched,
+                "batch": self.batch, "load": self.load(), "held_memories": memories,
+                "held_bytes": nbytes}
 
     # ---- the lanes' side -------------------------------------------------------------------
-    def _acquire(self, lane: "AskLane") -> None:
+    def _run_step(self, lane: "AskLane", stepper: Any, step: StepId) -> Any:
+        """``stepper.run_step(step)`` on ``lane``'s turn, in one call with the riders it takes
+        along, or as a rider in another lane's call (module docstring)."""
+        from sparkv.runtime.stepper import run_steps_together, together_key
+
+        key = together_key(stepper, step) if self.batch > 1 else None
+        if key is None:
+            with lane.hold():
+                return stepper.run_step(step)
+        ride = _Ride(lane, stepper, StepId(*step), key)
+        riders = self._acquire(lane, ride)
+        if ride.taken:
+            return ride.outcome()
+        try:
+            if riders:
+                results = run_steps_together([(r.stepper, r.step) for r in [ride, *riders]])
+            else:
+                results = [stepper.run_step(step)]
+        except BaseException as exc:
+            self._release(lane, riders, error=exc)
+            raise
+        self._release(lane, riders, results[1:])
+        return results[0]
+
+    def _acquire(self, lane: "AskLane", ride: "_Ride | None" = None) -> list["_Ride"]:
+        """Waits for ``lane``'s turn and takes the cores; returns the riders taken along (for a
+        ``ride``). A ride another lane's call took returns once that call ended
+        (``ride.taken``)."""
         with self._cv:
             lane.check()
             ticket = next(self._tickets)
             unit = (ticket, lane.id)
             self._queue.append(unit)
+            if ride is not None:
+                self._rides[ticket] = ride
             lane.waiting += 1
             t0 = time.monotonic()
             try:
-                while self._holder is not None or self._next() != ticket:
+                while not (ride is not None and ride.taken) and (
+                        self._holder is not None or self._next() != ticket):
                     if lane.cancelled:
                         raise AskCancelled("the ask was cancelled")
                     self._cv.wait(WAIT_S)
             except BaseException:
                 self._queue.remove(unit)
+                self._rides.pop(ticket, None)
                 self._cv.notify_all()
                 raise
             finally:
                 lane.waiting -= 1
+            lane.waited_s += time.monotonic() - t0
+            if ride is not None and ride.taken:
+                while not ride.finished:
+                    self._cv.wait(WAIT_S)
+                return []
             self._queue.remove(unit)
+            self._rides.pop(ticket, None)
             self._holder = ticket
             lane.holding = True
-            lane.waited_s += time.monotonic() - t0
             self.units += 1
+            return self._take_riders(ride) if ride is not None else []
 
-    def _release(self, lane: "AskLane") -> None:
+    def _take_riders(self, ride: "_Ride") -> list["_Ride"]:
+        """The waiting layer steps that go along with ``ride`` (under the lock): the same
+        :func:`~sparkv.runtime.stepper.together_key`, other lanes not cancelled, steps that can
+        run now; at most ``batch - 1``, and ``batch_rows`` rows in all, in grant order. Each
+        leaves the queue."""
+        if not _ready(ride):
+            return []   # the holder's own step raises, alone
+        riders: list[_Ride] = []
+        rows = ride.rows
+        for unit in self._in_order():
+            if len(riders) == self.batch - 1:
+                break
+            other = self._rides.get(unit[0])
+            if (other is None or other.key != ride.key or other.lane is ride.lane
+                    or rows + other.rows > self.batch_rows or other.lane.cancelled
+                    or any(r.lane is other.lane for r in riders) or not _ready(other)):
+                continue
+            rows += other.rows
+            self._queue.remove(unit)
+            del self._rides[unit[0]]
+            other.taken = True
+            other.lane.holding = True
+            riders.append(other)
+        self.units += len(riders)
+        self.batched_units += len(riders)
+        return riders
+
+    def _release(self, lane: "AskLane", riders: "list[_Ride] | tuple[()]" = (),
+                 results: list[StepResult] | None = None,
+                 error: BaseException | None = None) -> None:
         with self._cv:
             self._holder = None
+            now = time.monotonic()
+            for i, r in enumerate(riders):
+                r.result = results[i] if results is not None and error is None else None
+                r.error, r.finished = error, True
+                r.lane.holding = False
+                r.lane.units += 1
+                r.lane.last_used = now
             lane.holding = False
             lane.units += 1
-            lane.last_used = time.monotonic()
+            lane.last_used = now
             self._cv.notify_all()
 
     def _close(self, lane: "AskLane") -> None:
@@ -196,6 +307,11 @@ class AskLane:
         finally:
             self.gate._release(self)
 
+    def run_step(self, stepper: Any, step: StepId) -> Any:
+        """``stepper.run_step(step)`` on the lane's turn, perhaps in one call with other asks'
+        steps at the same layer (:class:`CoreGate`'s batching)."""
+        return self.gate._run_step(self, stepper, step)
+
     def acquire(self) -> None:
         """The cores, for a unit that ends with :meth:`release` (a forward hook's pair)."""
         self.gate._acquire(self)
@@ -230,3 +346,35 @@ class AskLane:
     def close(self) -> None:
         """The ask ended: the lane no longer counts in the load."""
         self.gate._close(self)
+
+
+def _ready(ride: "_Ride") -> bool:
+    """Whether the ride's step can run now (a stepper that cannot say: no; its own call
+    raises, alone)."""
+    try:
+        return bool(ride.stepper.ready(ride.step))
+    except Exception:  # noqa: BLE001 - it runs alone and raises there
+        return False
+
+
+class _Ride:
+    """A layer step a waiting unit carries: it may run in another lane's call (a rider), which
+    hands it its ``result`` or ``error`` and sets ``finished`` (under the gate's lock)."""
+
+    def __init__(self, lane: AskLane, stepper: Any, step: StepId, key: Any) -> None:
+        self.lane, self.stepper, self.step, self.key = lane, stepper, step, key
+        g = stepper.geometry       # the step's token rows (a step outside: runs alone, raises)
+        self.rows = g.chunk_len(step.t) if 0 <= step.t < g.num_token_chunks else 1 << 30
+        self.taken = False
+        self.finished = False
+        self.result: StepResult | None = None
+        self.error: BaseException | None = None
+
+    def outcome(self) -> StepResult:
+        """The rider's result in its own thread: the call's error, or ``AskCancelled`` when its
+        ask was cancelled meanwhile."""
+        if self.error is not None:
+            raise self.error
+        self.lane.check()
+        assert self.result is not None
+        return self.result

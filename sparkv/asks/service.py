@@ -49,7 +49,7 @@ from typing import Any
 
 from sparkv.asks import forward
 from sparkv.asks.admission import Admission
-from sparkv.asks.cores import CoreGate
+from sparkv.asks.cores import BATCH_STEPS, CoreGate
 from sparkv.asks.kept import AppContexts, KeepingTable
 from sparkv.asks.linkplan import LinkPlan, LinkSeat
 from sparkv.asks.tickets import AskRequest, AskTicket
@@ -136,19 +136,21 @@ class AskService:
         default_server, default_api_key: for asks that name no server or key.
         core_order: the order the cores are granted in (:data:`~sparkv.asks.cores.GRANT_ORDERS`).
         link_plan: how the asks share the link (:data:`~sparkv.asks.linkplan.LINK_PLANS`).
+        batch: run the layer steps asks wait with at the same layer as one call
+            (:class:`~sparkv.asks.cores.CoreGate`, up to :data:`~sparkv.asks.cores.BATCH_STEPS`).
     """
 
     def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
                  queue: int = 16, shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                  engine_config: Any = None, default_server: str | None = None,
                  default_api_key: str | None = None, core_order: str = "oldest",
-                 link_plan: str = "oldest") -> None:
+                 link_plan: str = "oldest", batch: bool = False) -> None:
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners
         self.lm = contexts.lm
         self.admission = Admission(slots, queue)
-        self.gate = CoreGate(order=core_order)
+        self.gate = CoreGate(order=core_order, batch=BATCH_STEPS if batch else 1)
         self.link_plan = LinkPlan(link_plan)
         self.shaper = shaper or LinkShaper.unlimited()
         self.timeout_s = timeout_s

@@ -72,6 +72,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "ask, so every batch sees the trace from its start (paired strategies)")
     p.add_argument("--core-order", choices=GRANT_ORDERS, default="oldest",
                    help="the service's --ask-core-order (docs/asks.md)")
+    p.add_argument("--ask-batch", choices=("on", "off"), default="off",
+                   help="the service's --ask-batch (docs/asks.md)")
     p.add_argument("--link-plans", default="oldest",
                    help="the service's --ask-link-plan, comma-separated: one service per plan, "
                         "every strategy under each (e.g. even,oldest: before and after)")
@@ -160,6 +162,7 @@ def _batch(dev: Any, url: str, cids: list[str], strategy: str, n: int,
                 outs[i] = e
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    units_before = _units(dev)
     with _RssPeak(dev.proc.pid) as rss:
         t0 = time.perf_counter()
         for th in threads:
@@ -167,7 +170,15 @@ def _batch(dev: Any, url: str, cids: list[str], strategy: str, n: int,
         for th in threads:
             th.join()
         makespan = time.perf_counter() - t0
-    return {"outs": outs, "makespan_s": makespan, "rss_peak_bytes": rss.peak}
+    units = {k: v - units_before[k] for k, v in _units(dev).items()}
+    return {"outs": outs, "makespan_s": makespan, "rss_peak_bytes": rss.peak, **units}
+
+
+def _units(dev: Any) -> dict[str, int]:
+    """The service's compute units so far, and those run in another ask's call."""
+    with dev.client() as c:
+        cores = c.ask_stats()["cores"]
+    return {"units": int(cores["units"]), "batched_units": int(cores["batched_units"])}
 
 
 def _energy(bd: dict[str, Any], args: argparse.Namespace) -> float:
@@ -192,7 +203,8 @@ def _point(strategy: str, n: int, batch: dict[str, Any], args: argparse.Namespac
             "streamed": [d["stats"]["chunks_streamed"] for d in done],
             "computed": [d["stats"]["chunks_computed"] for d in done],
             "fallback": [d["stats"]["fallback"] for d in done],
-            "rss_peak_mb": batch["rss_peak_bytes"] / 2**20}
+            "rss_peak_mb": batch["rss_peak_bytes"] / 2**20,
+            "units": batch.get("units"), "batched_units": batch.get("batched_units")}
 
 
 def _ratios(points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -286,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
                                                      str(ns[-1]), *link, "--link-rtt-ms",
                                                      str(args.link_rtt_ms), "--ask-core-order",
                                                      args.core_order, "--ask-link-plan",
-                                                     plan]).start()
+                                                     plan, "--ask-batch",
+                                                     args.ask_batch]).start()
 
                 dev = None if fresh else service("all")
                 for strategy in strategies:

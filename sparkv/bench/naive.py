@@ -169,7 +169,8 @@ def run_naive(args: argparse.Namespace, side: ServiceSide) -> int:
                                 torch_threads=args.threads or 2,
                                 extra_args=["--ask-slots", str(ns[-1]), "--ask-queue",
                                             str(ns[-1]), "--ask-link-plan",
-                                            _csv(args.link_plans)[0]]).start()
+                                            _csv(args.link_plans)[0], "--ask-batch",
+                                            args.ask_batch]).start()
             for strategy in _csv(args.strategies):
                 side.point(dev, server.url, cids, strategy, 1)          # warm-up
                 for n in ns:

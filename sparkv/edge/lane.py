@@ -50,6 +50,13 @@ class Lane(Protocol):
         waiting for the ask's turn; raises :class:`AskCancelled` once the ask was cancelled."""
         ...
 
+    def run_step(self, stepper: Any, step: StepId) -> Any:
+        """``stepper.run_step(step)`` while the lane holds the cores (one unit), waiting for
+        the ask's turn; a device service may run it in one call with other asks' steps at the
+        same layer (:func:`~sparkv.runtime.stepper.run_steps_together`). Raises
+        :class:`AskCancelled` once the ask was cancelled."""
+        ...
+
     def check(self) -> None:
         """Raises :class:`AskCancelled` once the ask was cancelled."""
         ...
@@ -83,8 +90,7 @@ class LaneStepper:
         lane.attach(stepper.kv)
 
     def run_step(self, step: StepId) -> Any:
-        with self._lane.hold():
-            return self._stepper.run_step(step)
+        return self._lane.run_step(self._stepper, step)
 
     def run_column(self, t: int, l0: int, l1: int) -> list[Any]:  # noqa: E741
         """The column as one call while the ask is alone; beside other asks, layer by layer

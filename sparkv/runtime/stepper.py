@@ -25,8 +25,8 @@ Usage::
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -154,20 +154,6 @@ class LayerStepper:
             ta, tb = self.geometry.token_range(t)
             self._hidden[StepId(t, l)] = x[:, ta - a:tb - a]
 
-    def _project_kv(self, layer, h: torch.Tensor, t0: int, t1: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (after RoPE) and V ``[1, H, n, D]`` of token chunks ``t0 .. t1-1``, through the
-        attention module's own projections (and Qwen3's ``k_norm``)."""
-        attn = layer.self_attn
-        b, n, _ = h.shape
-        d = self.geometry.head_dim
-        k = attn.k_proj(h).view(b, n, -1, d)
-        v = attn.v_proj(h).view(b, n, -1, d).transpose(1, 2)
-        if getattr(attn, "k_norm", None) is not None:  # Qwen3
-            k = attn.k_norm(k)
-        cos, sin = self._rope_for(t0, t1, h)
-        return apply_rope(k.transpose(1, 2), cos, sin), v
-
     def put_span(self, t0: int, t1: int, l: int, k: torch.Tensor,  # noqa: E741
                  v: torch.Tensor) -> None:
         """Writes the K/V ``[1, H, n, D]`` that steps ``(t0 .. t1-1, l)`` computed (``n`` their
@@ -214,21 +200,8 @@ class LayerStepper:
         """Layer ``l`` over token chunks ``t0 .. t1-1`` from its input ``x``: writes their K/V
         into the KV memory; returns the layer's output hidden states (``x`` itself for the
         projection-only last layer) and the attention's statistics."""
-        layer = self.lm.decoder.layers[l]
-        h = layer.input_layernorm(x)
-        last = l == self.geometry.num_layers - 1
-        if last and not self.full_last_layer:
-            k, v = self._project_kv(layer, h, t0, t1)
-            self.put_span(t0, t1, l, k, v)
-            return x, None
-        cache = _StepCache(self, t0, t1, l)
-        attn_out, _ = model_call(layer.self_attn, hidden_states=h,
-                                 position_embeddings=self._rope_for(t0, t1, h),
-                                 attention_mask=None, cache=cache)
-        if not last:   # the residual added into the fresh outputs: no new tensor per add
-            x = attn_out.add_(x)
-            x = layer.mlp(layer.post_attention_layernorm(x)).add_(x)
-        return x, cache.stats
+        x, stats = _layer_call([_Span(self, t0, t1)], x, l)
+        return x, stats[0]
 
     @torch.inference_mode()
     def run_column(self, t: int, l0: int, l1: int) -> list[StepResult]:  # noqa: E741
@@ -356,3 +329,134 @@ class _StepCache:
                               torch.cat([e.pos.to(q_pos.device), q_pos])))
             self.view = AttentionView(q_pos, heads=heads)
         return self.view, self.view
+
+
+# ---- one layer call over the rows of several contexts -----------------------------------------
+class _Span(NamedTuple):
+    """Token chunks ``t0 .. t1-1`` of one stepper: its rows in a layer call."""
+
+    stepper: LayerStepper
+    t0: int
+    t1: int
+
+    @property
+    def rows(self) -> int:
+        a, b = self.stepper.token_span(self.t0, self.t1)
+        return b - a
+
+
+def _layer_call(spans: Sequence[_Span], x: torch.Tensor, l: int  # noqa: E741
+                ) -> tuple[torch.Tensor, list[AttentionStats | None]]:
+    """Layer ``l`` over the rows of ``spans`` (steppers of one model; ``x`` ``[1, n, hidden]``
+    their inputs concatenated in order): the norms, projections and MLP as one call over all the
+    rows, the attention per span over its own stepper's KV memory (each span's K/V written
+    there). Returns the output hidden states (``x`` itself for the projection-only last layer)
+    and each span's attention statistics."""
+    first = spans[0].stepper
+    layer = first.lm.decoder.layers[l]
+    h = layer.input_layernorm(x)
+    ropes = [s.stepper._rope_for(s.t0, s.t1, h) for s in spans]
+    rope = ropes[0] if len(spans) == 1 else (torch.cat([c for c, _ in ropes], dim=1),
+                                              torch.cat([s for _, s in ropes], dim=1))
+    rows = [s.rows for s in spans]
+    last = l == first.geometry.num_layers - 1
+    if last and not first.full_last_layer:
+        k, v = _project_kv(layer, h, rope, first.geometry.head_dim)
+        for s, ks, vs in zip(spans, k.split(rows, dim=2), v.split(rows, dim=2)):
+            s.stepper.put_span(s.t0, s.t1, l, ks, vs)
+        return x, [None] * len(spans)
+    caches = [_StepCache(s.stepper, s.t0, s.t1, l) for s in spans]
+    cache = caches[0] if len(caches) == 1 else _SplitCache(caches, rows)
+    attn_out, _ = model_call(layer.self_attn, hidden_states=h, position_embeddings=rope,
+                             attention_mask=None, cache=cache)
+    if not last:   # the residual added into the fresh outputs: no new tensor per add
+        x = attn_out.add_(x)
+        x = layer.mlp(layer.post_attention_layernorm(x)).add_(x)
+    return x, [c.stats for c in caches]
+
+
+def _project_kv(layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], head_dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K (after RoPE) and V ``[1, H, n, D]`` of the rows ``h``, through the attention module's own
+    projections (and Qwen3's ``k_norm``)."""
+    attn = layer.self_attn
+    b, n, _ = h.shape
+    k = attn.k_proj(h).view(b, n, -1, head_dim)
+    v = attn.v_proj(h).view(b, n, -1, head_dim).transpose(1, 2)
+    if getattr(attn, "k_norm", None) is not None:  # Qwen3
+        k = attn.k_norm(k)
+    cos, sin = rope
+    return apply_rope(k.transpose(1, 2), cos, sin), v
+
+
+class _SplitCache:
+    """The cache a layer call over several spans hands the attention module: ``update`` splits
+    the K/V rows by span, hands each to its span's :class:`_StepCache`, and returns a view that
+    attends each span's queries over its own view."""
+
+    def __init__(self, caches: list[_StepCache], rows: list[int]) -> None:
+        self.caches, self.rows = caches, rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[AttentionView, AttentionView]:
+        views = [c.update(k, v, layer_idx)[0] for c, k, v in
+                 zip(self.caches, key_states.split(self.rows, dim=2),
+                     value_states.split(self.rows, dim=2))]
+        view = _SplitView(torch.cat([v.q_pos for v in views]), parts=views, rows=self.rows)
+        return view, view
+
+
+@dataclass
+class _SplitView(AttentionView):
+    """Per span, its queries' rows over its own view (:class:`_SplitCache`)."""
+
+    parts: list[AttentionView] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        return torch.cat([view.attend(qs, scale)
+                          for view, qs in zip(self.parts, q.split(self.rows, dim=2))], dim=2)
+
+
+def together_key(stepper: object, step: StepId) -> tuple[int, int, bool] | None:
+    """Steps whose keys are equal may run as one call (:func:`run_steps_together`): the same
+    model (its object), the same layer, the same kind of last-layer step. ``None`` for a
+    stepper that is not a plain :class:`LayerStepper` (a subclass may change what a step does):
+    its steps run alone."""
+    if type(stepper) is not LayerStepper:
+        return None
+    return id(stepper.lm), int(step[1]), stepper.full_last_layer
+
+
+@torch.inference_mode()
+def run_steps_together(pairs: Sequence[tuple[LayerStepper, StepId]]) -> list[StepResult]:
+    """Runs step ``(t_i, l)`` of each stepper ``i`` (distinct steppers of one model, one layer
+    ``l``: equal :func:`together_key`) as one call: the norms, the q/k/v and o projections and
+    the MLP over all their rows at once, the attention of each over its own KV memory. Each
+    stepper's K/V and hidden state are the ones its own :meth:`LayerStepper.run_step` gives
+    (within fp32 rounding: the GEMMs see more rows); each :class:`StepResult`'s seconds are the
+    call's, shared. Raises ``ValueError`` for steps that cannot go together and
+    :class:`MissingDependencyError` (before running anything) when one of them cannot run."""
+    pairs = [(st, StepId(*s)) for st, s in pairs]
+    if not pairs:
+        return []
+    if len({together_key(st, s) for st, s in pairs}) > 1:
+        raise ValueError("steps of different models, layers or last-layer kinds cannot run "
+                         "together")
+    if len({id(st) for st, _ in pairs}) < len(pairs):
+        raise ValueError("two steps of one stepper cannot run together (run_span runs a span)")
+    for st, s in pairs:
+        missing = st.missing_dependencies(s)
+        if missing:
+            raise MissingDependencyError(f"{s} cannot run: missing {', '.join(missing[:5])}")
+    start = time.perf_counter()
+    l = pairs[0][1].l  # noqa: E741
+    spans = [_Span(st, s.t, s.t + 1) for st, s in pairs]
+    x = torch.cat([st._input(s.t, s.t + 1, l) for st, s in pairs], dim=1)
+    x, stats = _layer_call(spans, x, l)
+    for span, out in zip(spans, x.split([s.rows for s in spans], dim=1)):
+        if l < span.stepper.geometry.num_layers - 1:
+            span.stepper._keep_hidden(out, span.t0, span.t1, l)
+        span.stepper._done.add(StepId(span.t0, l))
+    seconds = (time.perf_counter() - start) / len(pairs)
+    return [StepResult(s, seconds, st_stats) for (_, s), st_stats in zip(pairs, stats)]

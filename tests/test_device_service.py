@@ -259,3 +259,21 @@ def test_a_restarted_service_reopens_its_contexts(lm, doc, tmp_path):
     assert again.describe(cid).chunks.resident == 0
     res = again.call(cid, TURNS[3], max_new_tokens=6)
     assert res.load.read_chunks > 0 and res.tokens
+
+
+def test_an_imported_context_takes_no_more_than_its_reservation(lm, tmp_path):
+    """``adopt`` reserves what the context's chunks take, then fills them: the reservation must
+    count whole pages (a partial last chunk, odd token counts), or a budget just fitting it is
+    exceeded (seen: ``bench contexts`` at 25%, 145 KB over an 80 MB budget at an import)."""
+    from sparkv.runtime.generate import reference_prefill
+
+    for n in (37, 100, 131):                          # partial pages and a partial last chunk
+        ids = sample_context_ids(lm, n)
+        layers = reference_prefill(lm, ids)
+        probe = _svc(lm, tmp_path, name=f"probe{n}", compression="fp")
+        g = probe.keeper.geometry(len(ids))
+        need = probe.keeper.levels.chunks_nbytes(g, ["fp"] * g.num_token_chunks)
+        svc = _svc(lm, tmp_path, budget=need, name=f"tight{n}", compression="fp")
+        svc.import_context(ids, layers)
+        st = svc.stats()
+        assert st["budget_violations"] == 0 and st["peak_bytes"] <= need, (n, st["peak_bytes"], need)

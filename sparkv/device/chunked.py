@@ -39,7 +39,7 @@ from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
-                                  load, payload_nbytes, token_chunk_run, working_nbytes)
+                                  load, paged_nbytes, token_chunk_run, working_nbytes)
 from sparkv.device.planner import MissingChunk, RecomputeProfile, Split, plan_split
 from sparkv.device.registry import DeviceContext
 from sparkv.layout import ChunkGeometry, KVChunkId
@@ -329,8 +329,8 @@ def missing_chunks(ctx: DeviceContext, dtype: Any) -> tuple[list[MissingChunk], 
         miss = int(away.size)
         lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
         out.append(MissingChunk(t, lv, 1, ref.nbytes if ref is not None else 0, readable, miss))
-        restore += miss * payload_nbytes(lv, g.heads_per_group * g.chunk_len(t),
-                                         g.head_dim, dtype)
+        restore += miss * paged_nbytes(lv, g.chunk_len(t), g.heads_per_group, g.head_dim,
+                                       dtype)
         refs[t] = ref
     starts = run_starts(refs, ctx.tier.align)
     for m in out:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from sparkv.device.density import chunk_densities, plan_levels
-from sparkv.device.loader import payload_nbytes
+from sparkv.device.loader import paged_nbytes, payload_nbytes
 from sparkv.layout import ChunkGeometry
 
 
@@ -73,9 +73,10 @@ class LevelPolicy:
                 / payload_nbytes("int8", rows, g.head_dim, self.dtype))
 
     def chunks_nbytes(self, g: ChunkGeometry, levels: Sequence[str]) -> int:
-        """The bytes of every token chunk of ``g`` (all layers) at ``levels``."""
-        return sum(payload_nbytes(levels[t], g.num_kv_heads * g.chunk_len(t), g.head_dim,
-                                  self.dtype) * g.num_layers
+        """The bytes of every token chunk of ``g`` (all layers) at ``levels``, as the memory
+        account counts them (whole pages: :func:`~sparkv.device.loader.paged_nbytes`)."""
+        return sum(paged_nbytes(levels[t], g.chunk_len(t), g.num_kv_heads, g.head_dim,
+                                self.dtype) * g.num_layers
                    for t in range(g.num_token_chunks))
 
     def new_chunk_bytes(self, g: ChunkGeometry, spare: int) -> int:
@@ -86,5 +87,5 @@ class LevelPolicy:
             or g.num_tokens + spare > self.fp_protect * g.chunk_tokens > g.num_tokens))
         lv = "fp" if fp else "int8"
         chunks = math.ceil(spare / g.chunk_tokens) + 1
-        return chunks * g.num_layers * payload_nbytes(lv, g.num_kv_heads * g.chunk_tokens,
-                                                      g.head_dim, self.dtype)
+        return chunks * g.num_layers * paged_nbytes(lv, g.chunk_tokens, g.num_kv_heads,
+                                                    g.head_dim, self.dtype)

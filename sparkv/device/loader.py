@@ -94,6 +94,14 @@ def payload_nbytes(level: str, entries: int, head_dim: int, dtype: torch.dtype) 
     return pos + 2 * entries * (width + 4)
 
 
+def paged_nbytes(level: str, tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes the memory account counts for ``heads`` KV heads of ``tokens`` tokens each at
+    ``level``: whole :data:`PAGE_TOKENS`-token pages (each with its int32 fill), an upper bound
+    of what :func:`payload_nbytes` counts row by row (a partial page counts whole)."""
+    pages = heads * -(-int(tokens) // PAGE_TOKENS)
+    return pages * (payload_nbytes(level, PAGE_TOKENS, head_dim, dtype) + 4)
+
+
 def working_nbytes(geometry: ChunkGeometry, spare_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of a dense fp working memory for ``geometry`` with ``spare_tokens`` spare slots."""
     cap = geometry.num_tokens + max(0, spare_tokens)

@@ -8,7 +8,8 @@ policy is teacher-forced on it: ``stream`` (full KV streamed from flash every to
 ``dynakv``, ``dynakv-padded`` (DynaKV with the per-cluster tensors and padded attention of
 before the row arena: ``ClusteredKV.arena = None``) and ``dynakv-inline`` (DynaKV with its
 cluster upkeep inline, on the token's path, as before ``background_upkeep``; ``local-inline``
-likewise) at each RAM budget, recall probed. The
+likewise; ``+field=value`` sets a ``DecodeConfig`` field, e.g. ``dynakv+merge_gap=1``) at each
+RAM budget, recall probed. The
 prefill k-means is computed once (remembered in the process). A row is written to ``--out``
 as soon as it is measured.
 
@@ -73,9 +74,7 @@ def main() -> int:
     print("full", st.tokens_per_s, flush=True)
     for b in [float(x) for x in a.budgets.split(",")]:
         for pol in a.policies.split(","):
-            name = pol.split("-")[0] if pol in ("dynakv-padded", "dynakv-inline",
-                                                "local-inline") else pol
-            extra = {"background_upkeep": False} if pol.endswith("-inline") else {}
+            name, extra = _variant(pol)
             t0 = time.perf_counter()
             try:
                 s = DecodeSession(lm, layers, len(ctx), name, final_tokens=final, probe=pol != "stream",
@@ -86,7 +85,7 @@ def main() -> int:
                 continue
             with s:
                 logits = s.prefill(q)
-                if pol == "dynakv-padded":                # the padded path of before
+                if pol.startswith("dynakv-padded"):       # the padded path of before
                     assert s.building is not None
                     s.building.wait().arena = None
                 agree = int(int(logits.argmax()) == ref[0])
@@ -106,6 +105,21 @@ def main() -> int:
     doc["config"]["load_avg_end"] = os.getloadavg()
     save()
     return 0
+
+
+def _variant(pol: str) -> tuple[str, dict]:
+    """``--policies`` item -> (policy name, DecodeConfig overrides): ``dynakv-padded``,
+    ``*-inline`` (``background_upkeep=False``) and ``+field=value`` suffixes (``dynakv+merge_gap=1``)."""
+    base, *sets = pol.split("+")
+    extra: dict = {}
+    for kv in sets:
+        key, value = kv.split("=", 1)
+        extra[key] = json.loads(value)
+    if base.endswith("-inline"):
+        base, extra["background_upkeep"] = base[:-len("-inline")], False
+    if base == "dynakv-padded":
+        base = "dynakv"
+    return base, extra
 
 
 def _warm_up() -> None:

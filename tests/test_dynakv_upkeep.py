@@ -164,12 +164,3 @@ def test_closing_mid_upkeep_leaves_no_thread_and_no_file(tmp_path, monkeypatch):
     assert not _upkeep_threads()
     assert not kv.dir.exists()
 
-
-# ---- the read gap ----------------------------------------------------------------------------------
-def test_the_default_read_gap_spans_a_pool_up_to_the_cost_models_break_even():
-    cfg = policy_config("dynakv")
-    assert cfg.merge_gap is None
-    assert cfg.read_gap(512) == 16            # SmolLM2 fp32: 8 entries a page, pools of 2 x 8
-    assert cfg.read_gap(128) == 4             # 32 a page: 64 entries fit 2 pages, pools of 4
-    assert cfg.with_(max_cluster=1024).read_gap(512) == 35     # 80 us / (0.55 ns x 4 KiB)
-    assert cfg.with_(merge_gap=1).read_gap(512) == 1

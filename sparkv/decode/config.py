@@ -32,9 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-#: a flash page (sparkv.decode.store.PAGE)
-PAGE_BYTES = 4096
-
 #: policy name -> field overrides of DecodeConfig
 POLICIES: dict[str, dict[str, Any]] = {
     "full": {"update": "full"},
@@ -98,12 +95,7 @@ class DecodeConfig:
             retrieve most often (the same rule for every policy; see ``ClusteredKV._warm``).
         local_every: ``local`` update: cluster the new entries every this many of them.
         local_cluster: ``local`` update: target entries per new cluster.
-        merge_gap: pages of gap a read may span to join two runs into one operation. None: a
-            dual-head pool's span (``2 * pages(max_cluster)``: the two clusters of one pool, which
-            the co-retrieval order made neighbours, and the next pool's first are one read),
-            capped at the cost model's break-even ``op_cost_s / (byte_cost_s * 4 KiB)`` pages
-            (35 here), where reading the gap costs what one more operation would
-            (:meth:`read_gap`).
+        merge_gap: pages of gap a read may span to join two runs into one operation.
         direct: ``O_DIRECT`` reads and writes (falls back to ``posix_fadvise`` where refused).
         op_cost_s, byte_cost_s: the flash cost model of the replacement policy (per read operation
             and per byte; this disk: ~80 us per 4-16 KiB read, ~0.55 ns/B at 1 MiB).
@@ -144,7 +136,7 @@ class DecodeConfig:
     budget_outside_window: bool = False
     local_every: int = 32
     local_cluster: int = 8
-    merge_gap: int | None = None
+    merge_gap: int = 1
     direct: bool = True
     op_cost_s: float = 80e-6
     byte_cost_s: float = 0.55e-9
@@ -169,15 +161,6 @@ class DecodeConfig:
             raise ValueError("tau_quantile must be in (0, 1]")
         if self.full_steps < 0:
             raise ValueError("full_steps must be >= 0")
-
-    def read_gap(self, entry_bytes: int) -> int:
-        """The pages of gap a read spans to join two runs (``merge_gap``; None: the pool's
-        span, at most the cost model's break-even), for entries of ``entry_bytes``."""
-        if self.merge_gap is not None:
-            return self.merge_gap
-        per_page = max(1, PAGE_BYTES // entry_bytes)
-        pool = 2 * -(-self.max_cluster // per_page)
-        return max(1, min(pool, int(self.op_cost_s / (self.byte_cost_s * PAGE_BYTES))))
 
     def with_(self, **kw: Any) -> "DecodeConfig":
         return replace(self, **kw)

@@ -216,14 +216,14 @@ class LayerState:
         if cfg.update == "nocluster":
             self.store: ClusterStore | TokenStore = TokenStore(
                 path, eng.H, eng.D, eng.dtype, eng.io, max_positions=eng.max_positions,
-                merge_gap=cfg.read_gap(eng.entry_bytes), direct=cfg.direct, executor=eng.prefetcher.io)
+                merge_gap=cfg.merge_gap, direct=cfg.direct, executor=eng.prefetcher.io)
             for h in range(eng.H):
                 self.store.add(h, k_all[h], v_all[h], reason="prefill")
                 self.indexes.append(TokenIndex(l, h, self.store, k_all[h]))
         else:
             self.store = ClusterStore(path, eng.H, eng.D, eng.dtype, eng.io,
                                       max_cluster=cfg.max_cluster, dual_head=cfg.dual_head,
-                                      write_buffer=cfg.write_buffer, merge_gap=cfg.read_gap(eng.entry_bytes),
+                                      write_buffer=cfg.write_buffer, merge_gap=cfg.merge_gap,
                                       direct=cfg.direct, executor=eng.prefetcher.io,
                                       pack_tails=cfg.pack_tails)
             self._build_clusters(k_all, v_all, queries)

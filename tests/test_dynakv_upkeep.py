@@ -16,10 +16,9 @@ import pytest
 import torch
 from test_dynakv import G, H, Synthetic
 
-from sparkv.decode import ClusteredKV, policy_config
+from sparkv.decode import ClusteredKV, UpkeepError, policy_config
 from sparkv.decode.index import ClusterIndex
 from sparkv.decode.policy import LayerState
-from sparkv.decode.upkeep import UpkeepError
 
 BASE = {"budget": 24, "ram_budget": 60_000, "sinks": 2, "recent": 8, "avg_cluster": 8,
         "max_cluster": 24, "buffer_max": 6, "write_buffer": 8, "local_every": 8,

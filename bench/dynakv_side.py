@@ -5,12 +5,18 @@ prefill, reference decode and four builds do not fit the time).
 The prompt's KV (``sparkv bench dynakv``'s 8K pass-key workload, saved by ``--save`` or a
 previous run) is loaded, full KV decodes ``--tokens`` greedily (the reference stream), and every
 policy is teacher-forced on it: ``stream`` (full KV streamed from flash every token), ``local``,
-``dynakv`` and ``dynakv-padded`` (DynaKV with the per-cluster tensors and padded attention of
-before the row arena: ``ClusteredKV.arena = None``) at each RAM budget, recall probed. The
+``dynakv``, ``dynakv-padded`` (DynaKV with the per-cluster tensors and padded attention of
+before the row arena: ``ClusteredKV.arena = None``) and ``dynakv-inline`` (DynaKV with its
+cluster upkeep inline, on the token's path, as before ``background_upkeep``; ``local-inline``
+likewise; ``+field=value`` sets a ``DecodeConfig`` field, e.g. ``dynakv+merge_gap=1``) at each
+RAM budget, recall probed. The
 prefill k-means is computed once (remembered in the process). A row is written to ``--out``
 as soon as it is measured.
 
     python bench/dynakv_side.py --ctx /tmp/ctx8192.pt --tokens 16 --out bench/results/dynakv_8k_side.json
+
+``--ctx`` is made from ``sparkv bench dynakv``'s workload (``sparkv.bench.dynakv._workload``):
+``torch.save(_workload(lm, argparse.Namespace(depth=0.3, seed=0), 8192), path)``.
 """
 
 from __future__ import annotations
@@ -68,18 +74,18 @@ def main() -> int:
     print("full", st.tokens_per_s, flush=True)
     for b in [float(x) for x in a.budgets.split(",")]:
         for pol in a.policies.split(","):
-            name = "dynakv" if pol == "dynakv-padded" else pol
+            name, extra = _variant(pol)
             t0 = time.perf_counter()
             try:
                 s = DecodeSession(lm, layers, len(ctx), name, final_tokens=final, probe=pol != "stream",
-                                  ram_budget=b, budget=0.1, full_steps=0)
+                                  ram_budget=b, budget=0.1, full_steps=0, **extra)
             except ValueError as e:
                 doc["results"].append({"policy": pol, "budget_frac": b, "refused": str(e)})
                 save()
                 continue
             with s:
                 logits = s.prefill(q)
-                if pol == "dynakv-padded":                # the padded path of before
+                if pol.startswith("dynakv-padded"):       # the padded path of before
                     assert s.building is not None
                     s.building.wait().arena = None
                 agree = int(int(logits.argmax()) == ref[0])
@@ -93,11 +99,27 @@ def main() -> int:
             doc["results"].append(row)
             save()
             print(pol, b, f"tok/s {st.tokens_per_s:.3f} recall {row.get('recall')} io {st.io_s:.1f} "
-                  f"att {st.attend_s:.1f} upd {st.update_s:.1f} sel {st.select_s:.1f} "
+                  f"att {st.attend_s:.1f} upd {st.update_s:.1f} (upkeep {st.upkeep_s:.1f}, "
+                  f"waited {st.upkeep_wait_s:.1f}) sel {st.select_s:.1f} "
                   f"build {st.build_s:.1f}", flush=True)
     doc["config"]["load_avg_end"] = os.getloadavg()
     save()
     return 0
+
+
+def _variant(pol: str) -> tuple[str, dict]:
+    """``--policies`` item -> (policy name, DecodeConfig overrides): ``dynakv-padded``,
+    ``*-inline`` (``background_upkeep=False``) and ``+field=value`` suffixes (``dynakv+merge_gap=1``)."""
+    base, *sets = pol.split("+")
+    extra: dict = {}
+    for kv in sets:
+        key, value = kv.split("=", 1)
+        extra[key] = json.loads(value)
+    if base.endswith("-inline"):
+        base, extra["background_upkeep"] = base[:-len("-inline")], False
+    if base == "dynakv-padded":
+        base = "dynakv"
+    return base, extra
 
 
 def _warm_up() -> None:

@@ -86,6 +86,7 @@ def _run(tmp_path, policy: str, steps: int = 60, check_every: int = 1, d: int = 
                 pos = layer.update(k, v)
                 layer.attend(syn.query(), None, pos)
             kv.end_step(1)
+            kv.settle()                  # the last layers' upkeep may still be running
             if t % check_every == 0:
                 kv.check()
             trace.append({"buffered": sum(i.buffered for lay in kv.layers for i in lay.indexes),

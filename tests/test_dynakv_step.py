@@ -36,6 +36,7 @@ def _drive(kv: ClusteredKV, syn: Synthetic, steps: int, each=None) -> None:
             layer.attend(syn.query(), None, pos)
         kv.end_step(1)
         if each is not None:
+            kv.settle()                  # the last layers' upkeep may still be running
             each(kv, t)
 
 

@@ -9,6 +9,7 @@ and its baselines, behind one switch.
   RAM, entries on flash in cluster order (dual-head pools, co-retrieval placement), retrieval of
   the top clusters within a per-step entry budget, migration-free adaptation (variance-bounded
   clusters, delayed split, B_max), a cluster cache across RAM and flash, per-layer prefetch.
+* :class:`UpkeepError` - the clusters' upkeep (on its thread, off the token's path) failed.
 * :class:`DynaKVCache` - a transformers ``Cache`` over it (explicit positions, ragged attention).
 
 Policies (:data:`POLICIES`): ``full``, ``dynakv``, ``dynakv-eager``, ``dynakv-packed``,
@@ -21,7 +22,8 @@ from sparkv.decode.hf import DynaKVCache, DynaKVLayer, DynaKVView
 from sparkv.decode.policy import ClusteredKV, coretrieval_order
 from sparkv.decode.session import DecodeResult, DecodeSession, generate
 from sparkv.decode.stats import DecodeStats
+from sparkv.decode.upkeep import UpkeepError
 
 __all__ = ["ClusterCache", "POLICIES", "DecodeConfig", "policy_config", "DynaKVCache",
            "DynaKVLayer", "DynaKVView", "ClusteredKV", "coretrieval_order", "DecodeSession",
-           "DecodeResult", "generate", "DecodeStats"]
+           "DecodeResult", "generate", "DecodeStats", "UpkeepError"]

@@ -17,16 +17,20 @@ Two replacement policies over the same store:
   updated clusters are retrieved again soon.
 * ``lru`` - least recently used, nothing reserved, sizes ignored.
 
-Keys are ``(layer, uid)``; values ``(k, v, pos)`` of a cluster's flushed entries.
+Keys are ``(layer, uid)``; values ``(k, v, pos)`` of a cluster's flushed entries. The cache is
+shared by the decoding thread and the upkeep thread (:mod:`sparkv.decode.upkeep`): every method
+that reads or changes more than one field holds the cache's lock.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
+import threading
 from collections import OrderedDict
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
@@ -39,6 +43,14 @@ def data_bytes(data: Any) -> int:
     k, v, pos = data
     return (k.numel() * k.element_size() + v.numel() * v.element_size()
             + int(np.asarray(pos).nbytes))
+
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def run(self: "ClusterCache", *args: Any, **kw: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kw)
+    return run
 
 
 class ClusterCache:
@@ -71,6 +83,7 @@ class ClusterCache:
         self.evictions = 0
         self.evicted_reserved = 0            # must stay 0 (tested)
         self.rejected = 0
+        self.lock = threading.RLock()
 
     # ---- queries ---------------------------------------------------------------------------------
     def __contains__(self, key: Hashable) -> bool:
@@ -83,6 +96,7 @@ class ClusterCache:
         item = self.items.get(key)
         return None if item is None else item[0]
 
+    @_locked
     def get(self, key: Hashable) -> Any:
         """The cached value (a hit refreshes its priority), or None."""
         item = self.items.get(key)
@@ -92,6 +106,7 @@ class ClusterCache:
         self._touch(key, item[1])
         return item[0]
 
+    @_locked
     def get_sized(self, key: Hashable) -> tuple[Any, int] | None:
         """:meth:`get`, with the value's size: ``(value, nbytes)`` or None."""
         item = self.items.get(key)
@@ -119,6 +134,7 @@ class ClusterCache:
             heapq.heapify(self._heap)
 
     # ---- changes ---------------------------------------------------------------------------------
+    @_locked
     def put(self, key: Hashable, value: Any, nbytes: int | None = None) -> bool:
         """Caches ``value`` (replacing an older one), evicting as needed. Returns whether it is
         cached (a value that cannot fit beside the reserved ones is not)."""
@@ -139,6 +155,7 @@ class ClusterCache:
         self._touch(key, nbytes)
         return True
 
+    @_locked
     def update(self, key: Hashable, value: Any) -> None:
         """Replaces a cached value in place (its cluster changed); no-op if not cached."""
         if key not in self.items:
@@ -148,6 +165,7 @@ class ClusterCache:
         if reserved and key not in self.items:
             self.reserved.pop(key, None)
 
+    @_locked
     def remove(self, key: Hashable) -> None:
         """Forgets ``key`` (its cluster is gone or changed identity)."""
         if key in self.items:
@@ -155,6 +173,7 @@ class ClusterCache:
         self.reserved.pop(key, None)
         self.freq.pop(key, None)
 
+    @_locked
     def reserve(self, key: Hashable) -> None:
         """Marks a cached cluster as just updated (dynakv only): never evicted while reserved."""
         if self.policy != "dynakv" or key not in self.items:
@@ -217,6 +236,7 @@ class ClusterCache:
             return key
         return None
 
+    @_locked
     def stats(self) -> dict[str, float]:
         return {"bytes": self.bytes, "peak_bytes": self.peak_bytes, "items": len(self.items),
                 "evictions": self.evictions, "evicted_reserved": self.evicted_reserved,

@@ -106,6 +106,11 @@ class DecodeConfig:
             build (if it is still running) and switches to the policy; a fixed count, so the
             tokens do not depend on how fast the build ran. 0: every step is the policy's (the
             first waits for the build). Clustered policies only (not ``stream``).
+        background_upkeep: a step's cluster upkeep (new entries joining their clusters, splits,
+            the cache's offers and reservations) runs on a worker thread, off the token's path,
+            settled before the layer is used again (a lag of at most one step per layer; the
+            entries not yet clustered are in the window: :mod:`sparkv.decode.upkeep`). False:
+            inline, at the end of each layer's step.
     """
 
     update: str = "dynakv"
@@ -137,6 +142,7 @@ class DecodeConfig:
     byte_cost_s: float = 0.55e-9
     seed: int = 0
     full_steps: int = 16
+    background_upkeep: bool = True
 
     def __post_init__(self) -> None:
         if self.update not in ("dynakv", "static", "local", "nocluster", "full", "stream"):

@@ -48,6 +48,7 @@ from sparkv.decode.kmeans import kmeans, stats
 from sparkv.decode.rows import RowArena, Rows
 from sparkv.decode.select import select_heads
 from sparkv.decode.store import ClusterStore, FlushedData, IOStats, TokenStore
+from sparkv.decode.upkeep import Upkeep
 
 
 def prefill_frequency(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | None,
@@ -380,11 +381,21 @@ class LayerState:
 
         The steps of the module docstring, each timed into its counter: collect the prefetched
         clusters (``io_s``), select (``select_s``), read what is missing (``io_s``), hand the
-        next layer to the prefetcher and attend (``attend_s``), probe (``probe_s``), update
-        (``update_s``)."""
+        next layer to the prefetcher and attend (``attend_s``), probe (``probe_s``), hand the
+        upkeep to its thread (``update_s``, with the waits for this layer's and the next one's
+        last upkeep, :mod:`sparkv.decode.upkeep`)."""
         eng, cnt = self.eng, self.eng.counters
         assert self.new is not None, "update() first"
+        nxt = eng.layers[(self.l + 1) % len(eng.layers)] if eng.layers else None
         t0 = time.perf_counter()
+        # the last step's upkeep of this layer (settled already, as a rule) and of the next one,
+        # whose reads the prefetcher plans below on its clusters
+        eng.upkeep.settle(self.l)
+        if nxt is not None:
+            eng.upkeep.settle(nxt.l)
+        tw = time.perf_counter()
+        cnt.update_s += tw - t0
+        t0 = tw
         self.staged = eng.prefetcher.take(self.l)
         t1 = time.perf_counter()
         cnt.io_s += t1 - t0
@@ -395,7 +406,6 @@ class LayerState:
         t3 = time.perf_counter()
         cnt.io_s += t3 - t2
         # the next layer's reads go on while this one computes
-        nxt = eng.layers[(self.l + 1) % len(eng.layers)] if eng.layers else None
         if nxt is not None and nxt is not self:
             eng.prefetcher.submit(nxt)
         if eng.arena is not None:
@@ -411,7 +421,9 @@ class LayerState:
             t5 = time.perf_counter()
             cnt.probe_s += t5 - t4
             t4 = t5
-        self._end_step(selected, read)
+        new, self.new = self.new, None
+        self._slide_window()
+        eng.upkeep.submit(self.l, self._end_step, selected, read, new)
         cnt.update_s += time.perf_counter() - t4
         return out
 
@@ -498,18 +510,22 @@ class LayerState:
         """Entries ``[H, q, D]`` at the next positions that were attended elsewhere (the full KV's
         steps while the clusters were built) join their clusters as a step's new entries do,
         with no attention and nothing selected (so no delayed split; a B_max overflow may read)."""
+        self.eng.upkeep.settle(self.l)
         self.update(k, v)
-        self._end_step([[] for _ in self.indexes], [])
+        new, self.new = self.new, None
+        self._end_step([[] for _ in self.indexes], [], new)
+        self._slide_window()
 
-    def _end_step(self, selected: list[list[int]], read: list[int]) -> None:
-        """Offers the clusters ``read`` to the cache, lets the new entries join their clusters
-        (splits, buffers; :meth:`ClusterIndex.observe`, ``finish_step``) and slides the
-        window to the last ``recent`` positions."""
+    def _end_step(self, selected: list[list[int]], read: list[int],
+                  new: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The step's upkeep (on the upkeep thread, :mod:`sparkv.decode.upkeep`): offers the
+        clusters ``read`` to the cache and lets the ``new`` entries join their clusters (splits,
+        buffers; :meth:`ClusterIndex.observe`, ``finish_step``)."""
         eng = self.eng
         for uid in read:
             if uid in self.step_data:
                 eng.cache.put((self.l, uid), self.step_data[uid])
-        k_new, v_new, pos_new = self.new  # type: ignore[misc]
+        k_new, v_new, pos_new = new
         for j in range(int(pos_new.shape[0])):
             p = int(pos_new[j])
             for h, idx in enumerate(self.indexes):
@@ -519,8 +535,11 @@ class LayerState:
         self.last_selected = selected
         self.staged = {}
         self.step_data = {}
-        self.new = None
-        keep = max(0, int(self.rec_k.shape[1]) - eng.cfg.recent)
+
+    def _slide_window(self) -> None:
+        """Slides the window to the last ``recent`` positions (the decoding thread's part of a
+        step's end: the window is never touched by the upkeep)."""
+        keep = max(0, int(self.rec_k.shape[1]) - self.eng.cfg.recent)
         if keep:
             self.rec_k, self.rec_v = self.rec_k[:, keep:].clone(), self.rec_v[:, keep:].clone()
             self.rec_start += keep
@@ -805,6 +824,7 @@ class ClusteredKV:
                 self.ram_budget // (eb + 8)
             self.arena = RowArena(self.D, self.dtype, capacity=max(4096, int(rows)))
         self.prefetcher = Prefetcher(cfg.prefetch)
+        self.upkeep = Upkeep(cfg.background_upkeep)
         self.layers: list[LayerState] = []
         self.build_s = 0.0
         self.warmed = 0
@@ -910,13 +930,25 @@ class ClusteredKV:
         return total
 
     # ---- per step ----------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Waits for every layer's pending upkeep (:mod:`sparkv.decode.upkeep`; raises its
+        error): the clusters, buffers, store and cache are then as the steps so far left them."""
+        self.upkeep.settle_all()
+
     def end_step(self, tokens: int) -> None:
         cnt = self.counters
         cnt.steps += 1
         cnt.tokens += tokens
-        cnt.ram_peak = max(cnt.ram_peak, self.ram_bytes()["total"])
+        # the upkeep may be running: its parts are counters read as they are (a step's new
+        # entries are in the window until settled, so they are counted there meanwhile)
+        cnt.ram_peak = max(cnt.ram_peak, self._ram_bytes()["total"])
 
     def ram_bytes(self) -> dict[str, int]:
+        """RAM by part, every layer's upkeep settled."""
+        self.settle()
+        return self._ram_bytes()
+
+    def _ram_bytes(self) -> dict[str, int]:
         out = {"cache": self.cache.bytes, "window": 0, "buffers": 0, "write_buffers": 0,
                "staging": self.counters.staging_peak}
         for layer in self.layers:
@@ -932,6 +964,7 @@ class ClusteredKV:
         """Invariants (tests): per head, clusters, buffers and waiting entries partition every
         position; dynakv clusters without a flag are under their threshold; the cache never
         evicted a reserved cluster."""
+        self.settle()
         for layer in self.layers:
             for idx in layer.indexes:
                 if isinstance(idx, TokenIndex):
@@ -953,11 +986,13 @@ class ClusteredKV:
             raise AssertionError("a reserved cluster was evicted")
 
     def flush(self) -> None:
-        """Waits for every pending page write."""
+        """Waits for every layer's upkeep, then for every pending page write."""
+        self.settle()
         for layer in self.layers:
             layer.store.file.flush()
 
     def close(self) -> None:
+        self.upkeep.close()
         self.prefetcher.close()
         for layer in self.layers:
             layer.close()

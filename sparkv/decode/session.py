@@ -306,6 +306,8 @@ class DecodeSession:
         st.build_s = kv.build_s
         st.select_s, st.io_s = cnt.select_s, cnt.io_s
         st.attend_s, st.update_s = cnt.attend_s, cnt.update_s
+        if isinstance(kv, ClusteredKV):
+            st.upkeep_s, st.upkeep_wait_s = kv.upkeep.work_s, kv.upkeep.wait_s
         return st
 
     def close(self) -> None:

@@ -57,7 +57,12 @@ class DecodeStats:
         teardown_s (:func:`~sparkv.decode.session.generate` only): after the last token, the
             pending page writes and the removal of the flash files.
         the policy's share of decode_s: select_s, io_s (critical-path reads and waiting for
-            prefetch), attend_s, update_s.
+            prefetch), attend_s, update_s (the step's end on the decoding thread and the waits
+            for the cluster upkeep; with ``background_upkeep=False`` the upkeep itself).
+        upkeep_s: the cluster upkeep's own seconds (new entries joining clusters, splits, the
+            cache's offers and reservations), on its thread off the token's path
+            (``background_upkeep``; inline: part of update_s); upkeep_wait_s: what the decoding
+            thread waited for it (part of update_s).
     Per-token figures of retrieval and flash divide by the tokens fed since the switch.
     budget: the entries each KV head attends per step (a fraction <= 1 of what it holds).
     """
@@ -123,6 +128,8 @@ class DecodeStats:
     io_s: float = 0.0
     attend_s: float = 0.0
     update_s: float = 0.0
+    upkeep_s: float = 0.0
+    upkeep_wait_s: float = 0.0
     reads: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
                         points.append({**point, "link_plan": plan})
                         print(f"[{plan}] {strategy} N={n}: TTFT p50 {point['ttft_p50_s']:.2f} "
                               f"s, makespan {point['makespan_s']:.2f} s", flush=True)
-                        if fresh:
+                        if fresh and dev is not None:
                             dev.stop()
                             dev = None
                 if dev is not None:

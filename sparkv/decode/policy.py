@@ -513,6 +513,7 @@ class LayerState:
         self.eng.upkeep.settle(self.l)
         self.update(k, v)
         new, self.new = self.new, None
+        assert new is not None      # update() just made it
         self._end_step([[] for _ in self.indexes], [], new)
         self._slide_window()
 

@@ -131,8 +131,8 @@ class LayerStepper:
         """Token positions ``[a, b)`` of token chunks ``t0 .. t1-1``."""
         return self.geometry.token_range(t0)[0], self.geometry.token_range(t1 - 1)[1]
 
-    def _rope_for(self, t0: int, t1: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of token chunks ``t0 .. t1-1`` (cached per span)."""
+    def rope_for(self, t0: int, t1: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of token chunks ``t0 .. t1-1`` (cached per span), in ``ref``'s dtype."""
         key = (t0, t1)
         if key not in self._rope:
             a, b = self.token_span(*key)
@@ -141,7 +141,10 @@ class LayerStepper:
             self._rope[key] = (cos.to(ref.dtype), sin.to(ref.dtype))
         return self._rope[key]
 
-    def _input(self, t0: int, t1: int, l: int) -> torch.Tensor:  # noqa: E741
+    def span_input(self, t0: int, t1: int, l: int) -> torch.Tensor:  # noqa: E741
+        """The input hidden states ``[1, n, hidden]`` of steps ``(t0 .. t1-1, l)``: the token
+        embeddings at layer 0, else the kept outputs of layer ``l - 1`` (taken: each is used
+        once)."""
         if l == 0:
             a, b = self.token_span(t0, t1)
             return self.lm.decoder.embed_tokens(self.token_ids[:, a:b])
@@ -181,17 +184,23 @@ class LayerStepper:
                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
     @torch.inference_mode()
+    def span_done(self, x: torch.Tensor, t0: int, t1: int, l: int) -> list[StepId]:  # noqa: E741
+        """Steps ``(t0 .. t1-1, l)`` ran with output hidden states ``x``: keeps them for layer
+        ``l + 1`` (below the last layer) and marks the steps done; returns them."""
+        if l < self.geometry.num_layers - 1:
+            self._keep_hidden(x, t0, t1, l)
+        steps = [StepId(t, l) for t in range(t0, t1)]
+        self._done.update(steps)
+        return steps
+
     def run_span(self, t0: int, t1: int, l: int) -> list[StepResult]:  # noqa: E741
         """Runs steps ``(t0 .. t1-1, l)`` as one call (one set of GEMMs and one attention over
         the span's queries): the same K/V and hidden states as running them one by one, with
         fewer, larger kernels. Raises :class:`MissingDependencyError` naming what is missing."""
         self._check_span(t0, t1, l)
         start = time.perf_counter()
-        x, stats = self._layer(self._input(t0, t1, l), t0, t1, l)
-        if l < self.geometry.num_layers - 1:
-            self._keep_hidden(x, t0, t1, l)
-        steps = [StepId(t, l) for t in range(t0, t1)]
-        self._done.update(steps)
+        x, stats = self._layer(self.span_input(t0, t1, l), t0, t1, l)
+        steps = self.span_done(x, t0, t1, l)
         seconds = (time.perf_counter() - start) / len(steps)
         return [StepResult(s, seconds, stats) for s in steps]
 
@@ -223,7 +232,7 @@ class LayerStepper:
         if missing:
             raise MissingDependencyError(
                 f"step(t={t}, l={l0}..{l1 - 1}) cannot run: missing {', '.join(missing[:5])}")
-        x = self._input(t, t + 1, l0)
+        x = self.span_input(t, t + 1, l0)
         out: list[StepResult] = []
         for l in range(l0, l1):  # noqa: E741
             start = time.perf_counter()
@@ -355,7 +364,7 @@ def _layer_call(spans: Sequence[_Span], x: torch.Tensor, l: int  # noqa: E741
     first = spans[0].stepper
     layer = first.lm.decoder.layers[l]
     h = layer.input_layernorm(x)
-    ropes = [s.stepper._rope_for(s.t0, s.t1, h) for s in spans]
+    ropes = [s.stepper.rope_for(s.t0, s.t1, h) for s in spans]
     rope = ropes[0] if len(spans) == 1 else (torch.cat([c for c, _ in ropes], dim=1),
                                               torch.cat([s for _, s in ropes], dim=1))
     rows = [s.rows for s in spans]
@@ -452,11 +461,9 @@ def run_steps_together(pairs: Sequence[tuple[LayerStepper, StepId]]) -> list[Ste
     start = time.perf_counter()
     l = pairs[0][1].l  # noqa: E741
     spans = [_Span(st, s.t, s.t + 1) for st, s in pairs]
-    x = torch.cat([st._input(s.t, s.t + 1, l) for st, s in pairs], dim=1)
+    x = torch.cat([st.span_input(s.t, s.t + 1, l) for st, s in pairs], dim=1)
     x, stats = _layer_call(spans, x, l)
     for span, out in zip(spans, x.split([s.rows for s in spans], dim=1)):
-        if l < span.stepper.geometry.num_layers - 1:
-            span.stepper._keep_hidden(out, span.t0, span.t1, l)
-        span.stepper._done.add(StepId(span.t0, l))
+        span.stepper.span_done(out, span.t0, span.t1, l)
     seconds = (time.perf_counter() - start) / len(pairs)
     return [StepResult(s, seconds, st_stats) for (_, s), st_stats in zip(pairs, stats)]

@@ -183,7 +183,6 @@ class LayerStepper:
                 f"step(t={t0}..{t1 - 1}, l={l}) cannot run: missing {', '.join(missing[:5])}"
                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
-    @torch.inference_mode()
     def span_done(self, x: torch.Tensor, t0: int, t1: int, l: int) -> list[StepId]:  # noqa: E741
         """Steps ``(t0 .. t1-1, l)`` ran with output hidden states ``x``: keeps them for layer
         ``l + 1`` (below the last layer) and marks the steps done; returns them."""
@@ -193,6 +192,7 @@ class LayerStepper:
         self._done.update(steps)
         return steps
 
+    @torch.inference_mode()
     def run_span(self, t0: int, t1: int, l: int) -> list[StepResult]:  # noqa: E741
         """Runs steps ``(t0 .. t1-1, l)`` as one call (one set of GEMMs and one attention over
         the span's queries): the same K/V and hidden states as running them one by one, with

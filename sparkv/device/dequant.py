@@ -18,6 +18,21 @@ import torch
 from sparkv.cache import QuantizedTensor
 
 
+@nb.njit(boundscheck=False, error_model="numpy", nogil=True, cache=True, inline="always")
+def _row_into(row: np.ndarray, codes: np.ndarray, r: int, s: Any, z: Any, bits: int,
+              dim: int) -> None:  # pragma: no cover - numba
+    """Row ``r`` of ``codes`` dequantized into ``row`` (``float32(code) * s + z``)."""
+    if bits == 8:
+        for j in range(dim):
+            row[j] = np.float32(codes[r, j]) * s + z
+    else:
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        for j in range(dim):
+            q = (codes[r, j // per] >> ((j % per) * bits)) & mask
+            row[j] = np.float32(q) * s + z
+
+
 @nb.njit(boundscheck=False, error_model="numpy", nogil=True, cache=True)
 def _rows_into(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int, dim: int,
                r0: int, stride: int, ts: np.ndarray, n: int, T: int, dst: np.ndarray
@@ -25,23 +40,12 @@ def _rows_into(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int
     """Rows of ``codes`` (chunk ``ci`` of ``ts`` from row ``r0 + ci * stride``: ``hg`` heads of
     ``n`` tokens) into ``dst`` ``[hg, slots, dim]`` at slot ``t * T + k``."""
     hg = dst.shape[0]
-    per = 8 // bits
-    mask = (1 << bits) - 1
     for ci in range(ts.shape[0]):
         r = r0 + ci * stride
         p0 = ts[ci] * T
         for hh in range(hg):
             for k in range(n):
-                s = scale[r]
-                z = zero[r]
-                row = dst[hh, p0 + k]
-                if bits == 8:
-                    for j in range(dim):
-                        row[j] = np.float32(codes[r, j]) * s + z
-                else:
-                    for j in range(dim):
-                        q = (codes[r, j // per] >> ((j % per) * bits)) & mask
-                        row[j] = np.float32(q) * s + z
+                _row_into(dst[hh, p0 + k], codes, r, scale[r], zero[r], bits, dim)
                 r += 1
 
 
@@ -54,8 +58,6 @@ def _records_into(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: 
     ``dsts[l]`` ``[H, slots, dim]`` at slot ``t * T + k``."""
     L = len(dsts)
     hg = dsts[0].shape[0] // groups
-    per = 8 // bits
-    mask = (1 << bits) - 1
     r = 0
     for ci in range(ts.shape[0]):
         p0 = ts[ci] * T
@@ -63,16 +65,7 @@ def _records_into(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: 
             dst = dsts[l]
             for h in range(groups * hg):
                 for k in range(n):
-                    s = scale[r]
-                    z = zero[r]
-                    row = dst[h, p0 + k]
-                    if bits == 8:
-                        for j in range(dim):
-                            row[j] = np.float32(codes[r, j]) * s + z
-                    else:
-                        for j in range(dim):
-                            q = (codes[r, j // per] >> ((j % per) * bits)) & mask
-                            row[j] = np.float32(q) * s + z
+                    _row_into(dst[h, p0 + k], codes, r, scale[r], zero[r], bits, dim)
                     r += 1
 
 

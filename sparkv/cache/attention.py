@@ -118,10 +118,32 @@ def sparkv_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, val
     if isinstance(key, AttentionView):
         out = key.attend(query, scaling)
         return out.transpose(1, 2).contiguous(), None
+    if _masked_gqa_on_cpu(query, key, value, attention_mask, dropout, kwargs):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
+
+
+def _masked_gqa_on_cpu(query: torch.Tensor, key: Any, value: Any,
+                       attention_mask: torch.Tensor | None, dropout: float,
+                       kwargs: dict[str, Any]) -> bool:
+    """Whether a masked multi-query call (a question's prefill over a dense arena) can run SDPA
+    with ``enable_gqa`` on the CPU instead of transformers' path, which copies K and V once per
+    query head group (``repeat_kv``) whenever a mask is given: 43-48% of a 4K question's prefill
+    was those copies. The CPU kernel takes the mask with ``enable_gqa`` (same values, bit for
+    bit); on CUDA a mask with ``enable_gqa`` falls back to the math kernel, so CUDA keeps
+    transformers' path, as does anything that path handles specially (dropout, a position bias,
+    a softcap, one query)."""
+    return (attention_mask is not None and isinstance(key, torch.Tensor)
+            and isinstance(value, torch.Tensor) and query.device.type == "cpu"
+            and query.shape[2] > 1 and query.shape[1] != key.shape[1]
+            and query.shape[1] % key.shape[1] == 0 and key.shape[-1] == value.shape[-1]
+            and not dropout and kwargs.get("position_bias") is None
+            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
 
 
 _REGISTERED = False

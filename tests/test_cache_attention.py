@@ -1,0 +1,84 @@
+"""sparkv.cache.attention: a masked multi-query call with GQA on the CPU runs SDPA's own GQA (no
+copy of K and V per query head) and gives transformers' values bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparkv.cache.attention as attention
+from sparkv.cache.attention import sparkv_attention
+
+
+class _Layer(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def _inputs(dtype: torch.dtype, bool_mask: bool) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(1)
+    n, nq = 300, 17
+    q = torch.randn(1, 9, nq, 64, dtype=dtype)
+    # a dense arena's slice: slot = position, spare room past the question (not contiguous)
+    k = torch.randn(1, 3, n + nq + 40, 64, dtype=dtype)[:, :, :n + nq]
+    v = torch.randn(1, 3, n + nq + 40, 64, dtype=dtype)[:, :, :n + nq]
+    visible = (torch.arange(n + nq).view(1, -1) <= (torch.arange(nq) + n).view(-1, 1))
+    mask = visible.view(1, 1, nq, n + nq)
+    if not bool_mask:
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bool_mask", [True, False])
+def test_masked_gqa_equals_transformers_without_copying_kv(monkeypatch, dtype, bool_mask):
+    from transformers.integrations import sdpa_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v, mask = _inputs(dtype, bool_mask)
+    expected, _ = sdpa_attention_forward(_Layer(), q, k, v, mask, scaling=0.125)
+
+    def no_copy(*a, **kw):
+        raise AssertionError("K and V were copied per query head (repeat_kv)")
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", no_copy)
+    got, _ = sparkv_attention(_Layer(), q, k, v, mask, scaling=0.125)
+    assert got.shape == expected.shape and torch.equal(got, expected)
+
+
+def test_calls_the_fast_path_does_not_take_go_to_transformers():
+    q, k, v, mask = _inputs(torch.float32, True)
+    take = attention._masked_gqa_on_cpu
+    assert take(q, k, v, mask, 0.0, {})
+    assert not take(q, k, v, None, 0.0, {})                       # transformers' GQA already
+    assert not take(q[:, :, :1], k, v, mask[:, :, :1], 0.0, {})   # one query: pack_gqa
+    assert not take(q[:, :3], k[:, :3], v[:, :3], mask, 0.0, {})  # no GQA
+    assert not take(q, k, v, mask, 0.1, {})                       # dropout
+    assert not take(q, k, v, mask, 0.0, {"position_bias": torch.zeros(1)})
+    assert not take(q, k, v, mask, 0.0, {"softcap": 30.0})
+
+
+def test_a_question_over_the_kv_memory_is_unchanged_by_the_fast_path(tiny_llama, monkeypatch):
+    """A real model's question prefill and answer over a context's memory: the same logits and
+    tokens with and without the fast path."""
+    from sparkv.runtime.generate import greedy_generate, reference_prefill
+
+    gen = torch.Generator().manual_seed(3)
+    context = [int(x) for x in torch.randint(1, 120, (200,), generator=gen)]
+    question = [5, 6, 7, 8, 9, 10, 11]
+    calls = []
+    real = attention._masked_gqa_on_cpu
+
+    def spy(*a, **kw):
+        calls.append(real(*a, **kw))
+        return calls[-1]
+
+    monkeypatch.setattr(attention, "_masked_gqa_on_cpu", spy)
+    fast = greedy_generate(tiny_llama, reference_prefill(tiny_llama, context), len(context),
+                           question, 4, stop_at_eos=False)
+    assert any(calls)
+    monkeypatch.setattr(attention, "_masked_gqa_on_cpu", lambda *a, **kw: False)
+    slow = greedy_generate(tiny_llama, reference_prefill(tiny_llama, context), len(context),
+                           question, 4, stop_at_eos=False)
+    assert fast.tokens == slow.tokens
+    assert torch.equal(fast.first_logits, slow.first_logits)

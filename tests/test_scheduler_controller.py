@@ -147,6 +147,21 @@ def test_estimates_follow_the_samples():
     assert MBPS == 125000
 
 
+def test_the_runs_compute_ratio_is_the_median_of_every_step():
+    """What the next plan learns is the load's median step ratio: one step that waited for a
+    core (49x its prediction) moves the recent window's mean, not the run's ratio."""
+    inst = synthetic_instance(2 * 1024, bandwidth_mbps=50)
+    ctl = Controller(Greedy().plan(inst), inst, ControllerConfig(window_s=0.5))
+    assert ctl.run_compute_ratio() == 1.0 and ctl.run_compute_samples == 0
+    steps = [StepId(t, l) for t in range(inst.geometry.num_token_chunks)
+             for l in range(inst.geometry.num_layers)][:12]
+    for i, step in enumerate(steps):
+        ctl.step_done(step, float(i), (49.0 if i == 11 else 1.2) * inst.comp_time(step))
+    assert ctl.run_compute_samples == 12
+    assert ctl.run_compute_ratio() == pytest.approx(1.2)
+    assert ctl.compute_ratio() > 6.0          # the window's mean sees the outlier
+
+
 # ---- the worst case: links that break the plan's assumptions (simulated time) -----------------
 def _inst(n: int):
     from sparkv.scheduler.instance import DEFAULT_LEVELS

@@ -56,8 +56,8 @@ class LoadResult:
         fallback: reason -> details (empty when nothing fell back).
         link_estimate_Bps: the controller's link throughput over the run (silences included),
             ``None`` when too little was streamed to tell: the next plan's prior.
-        compute_ratio: the controller's measured / predicted layer-step time (1.0 when no step
-            ran); ``compute_samples`` steps measured it.
+        compute_ratio: the median measured / predicted layer-step time over the load's steps
+            (1.0 when no step ran); ``compute_samples`` steps measured it.
     """
 
     ready_s: float

@@ -61,6 +61,11 @@ __all__ = ["AskOptions", "AskResult", "Breakdown", "EdgeSession", "Priors", "app
 
 #: layer steps the controller must have timed before its compute ratio moves the prior
 MIN_COMPUTE_SAMPLES = 4
+#: the most one load may move the compute prior (either way): a load that ran beside a burst
+#: of other work moves the next plan by at most this factor, and a lasting change of the
+#: device's speed is followed within a few loads (the running load's controller follows it at
+#: once)
+MAX_COMPUTE_STEP = 2.0
 
 
 @dataclass
@@ -70,8 +75,9 @@ class Priors:
     Attributes:
         bandwidth_Bps: the controller's link throughput over the last load that streamed enough
             to tell (``None``: plan with the manifest download's rate, else 50 Mbit/s).
-        compute_scale: measured / predicted layer-step time (the controller's ratio, compounded
-            over loads; 1.0: the cost model as it is).
+        compute_scale: measured / predicted layer-step time (each load's median ratio,
+            compounded over loads, at most :data:`MAX_COMPUTE_STEP` either way per load; 1.0:
+            the cost model as it is).
         question_prefill_s: the last question's prefill + first token (seconds).
     """
 
@@ -85,6 +91,7 @@ class Priors:
             self.bandwidth_Bps = float(load.link_estimate_Bps)
         r = load.compute_ratio
         if load.compute_samples >= MIN_COMPUTE_SAMPLES and math.isfinite(r) and r > 0:
+            r = min(max(r, 1.0 / MAX_COMPUTE_STEP), MAX_COMPUTE_STEP)
             self.compute_scale = float(min(max(self.compute_scale * r, 0.05), 20.0))
 
 

@@ -298,6 +298,16 @@ class Controller:
         """Measured / predicted step time over the window (1.0 before any step)."""
         return self.state.compute_estimator.ratio()
 
+    @property
+    def run_compute_samples(self) -> int:
+        """Layer steps timed over the whole run."""
+        return self.state.compute_estimator.run_samples
+
+    def run_compute_ratio(self) -> float:
+        """The median measured / predicted step time over the run's steps (1.0 before any):
+        the load's own speed against the cost model, the next plan's prior."""
+        return self.state.compute_estimator.run_ratio()
+
     def remaining(self, now: float) -> tuple[float, float]:
         """``(compute_remaining_s, link_remaining_s)`` from the current estimates."""
         return self.state.remaining(now)

@@ -95,12 +95,14 @@ class ComputeEstimator:
 
     def __init__(self, window: int = COMPUTE_WINDOW, load: float = 1.0) -> None:
         self._ratios: deque[float] = deque(maxlen=max(1, window))
+        self._run: list[float] = []      # every step's ratio of the run
         self.load = load
 
     def add(self, predicted_s: float, seconds: float) -> None:
         """A step predicted to take ``predicted_s`` took ``seconds``."""
         if predicted_s > 0 and seconds > 0:
             self._ratios.append(seconds / predicted_s)
+            self._run.append(seconds / predicted_s)
 
     @property
     def samples(self) -> int:
@@ -110,6 +112,23 @@ class ComputeEstimator:
     def ratio(self) -> float:
         """Measured / predicted step time over the window (1.0 before any step)."""
         return sum(self._ratios) / len(self._ratios) if self._ratios else 1.0
+
+    @property
+    def run_samples(self) -> int:
+        """Layer steps timed over the whole run."""
+        return len(self._run)
+
+    def run_ratio(self) -> float:
+        """The median measured / predicted step time over every step of the run (1.0 before
+        any): the device's speed against the cost model, what the next plan starts from. The
+        median, not :meth:`ratio`'s recent mean: one step that waited for a core (measured here:
+        a single step at 49x its prediction while another process held a core) must not move
+        the next plan's whole compute estimate."""
+        if not self._run:
+            return 1.0
+        xs = sorted(self._run)
+        m = len(xs) // 2
+        return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
     def factor(self) -> float:
         """Predicted step seconds x this = seconds of the compute path: :meth:`ratio` x

@@ -165,3 +165,15 @@ def test_links_empty_mbps_keeps_only_the_traces():
     assert [label for label, _ in _links(only_trace)] == ["lte"]
     default = argparse.Namespace(traces=None, mbps=None, trace=["none"])
     assert [label for label, _ in _links(default)] == [5.0, 20.0, 50.0, 100.0, 500.0]
+
+
+def test_the_strategies_runs_are_interleaved_and_rotated():
+    """Side by side under a drifting load: run by run, every strategy once, the order rotated;
+    ``local`` alone where there is no link, never on a link."""
+    from sparkv.bench.ttft import _interleaved
+
+    order = _interleaved(["local", "hybrid", "sparkv"], False, 3)
+    assert order == [(0, "hybrid"), (0, "sparkv"), (1, "sparkv"), (1, "hybrid"),
+                     (2, "hybrid"), (2, "sparkv")]
+    assert _interleaved(["local", "hybrid"], True, 2) == [(0, "local"), (1, "local")]
+    assert _interleaved(["hybrid"], True, 2) == []

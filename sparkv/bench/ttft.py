@@ -339,46 +339,56 @@ def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], st
                                                           use_cache=False, prelude=_prelude(args),
                                                           backend=fair["option"]))
                 for link_label, trace in [(None, None)] + links:
-                    for strat in strategies:
-                        if (strat == "local") != (link_label is None):
-                            continue
+                    for r, strat in _interleaved(strategies, link_label is None, args.runs):
                         opts = AskOptions(strategy=strat, use_cache=False, prelude=_prelude(args),
                                           max_new_tokens=args.max_new_tokens, stop_at_eos=False,
                                           backend=fair["option"])
-                        for r in range(args.runs):
-                            session.priors.bandwidth_Bps = None   # every run probes afresh
-                            client.shaper = path.shaper(trace)
-                            # no strategy pays for the bench's garbage: a full collection
-                            # between runs, none during one (the timelines this loop keeps made
-                            # a gen-2 collection of ~0.35 s land inside whichever ask crossed
-                            # the threshold: adversarial-18, every run)
-                            gc.collect()
-                            gc.disable()
-                            try:
-                                res = session.ask(cid, QUESTION, opts)
-                            finally:
-                                gc.enable()
-                                path.done()
-                            row = _row(args, n, link_label, strat, r, res, ref, trace)
-                            row.update(_computed_with(res, fair))
-                            row["agreement"] = greedy_agreement(ref.tokens, res.tokens)
-                            row["first_token_kl"] = first_token_kl(ref.first_logits,
-                                                                   res.first_logits)
-                            runs_raw.append(row)
-                            done += 1
-                            if r == 0:
-                                timelines[f"{n}/{link_label}/{strat}"] = timeline_of(res)
-                            print(f"  [{done}/{n_total} {time.perf_counter() - t_bench:6.0f}s] "
-                                  f"{n} tok  {str(link_label or 'any'):>9}  {strat:>6}  run {r}: "
-                                  f"TTFT {row['ttft_s']:6.2f} s (sim {row['sim_ttft_s']:6.2f})  "
-                                  f"agree {row['agreement']:.2f}  MB {row['mb']:.1f}  "
-                                  f"{row['streamed']}/{row['computed']}"
-                                  + (f"  FALLBACK {row['fallback']}" if row["fallback"] else ""),
-                                  flush=True)
+                        session.priors.bandwidth_Bps = None   # every run probes afresh
+                        client.shaper = path.shaper(trace)
+                        # no strategy pays for the bench's garbage: a full collection
+                        # between runs, none during one (the timelines this loop keeps made
+                        # a gen-2 collection of ~0.35 s land inside whichever ask crossed
+                        # the threshold: adversarial-18, every run)
+                        gc.collect()
+                        gc.disable()
+                        try:
+                            res = session.ask(cid, QUESTION, opts)
+                        finally:
+                            gc.enable()
+                            path.done()
+                        row = _row(args, n, link_label, strat, r, res, ref, trace)
+                        row.update(_computed_with(res, fair))
+                        row["agreement"] = greedy_agreement(ref.tokens, res.tokens)
+                        row["first_token_kl"] = first_token_kl(ref.first_logits,
+                                                               res.first_logits)
+                        runs_raw.append(row)
+                        done += 1
+                        if r == 0:
+                            timelines[f"{n}/{link_label}/{strat}"] = timeline_of(res)
+                        print(f"  [{done}/{n_total} {time.perf_counter() - t_bench:6.0f}s] "
+                              f"{n} tok  {str(link_label or 'any'):>9}  {strat:>6}  run {r}: "
+                              f"TTFT {row['ttft_s']:6.2f} s (sim {row['sim_ttft_s']:6.2f})  "
+                              f"agree {row['agreement']:.2f}  MB {row['mb']:.1f}  "
+                              f"{row['streamed']}/{row['computed']}"
+                              + (f"  FALLBACK {row['fallback']}" if row["fallback"] else ""),
+                              flush=True)
                 session.close()
         finally:
             path.close()
     return runs_raw, timelines
+
+
+def _interleaved(strategies: list[str], local: bool, runs: int) -> list[tuple[int, str]]:
+    """``(run, strategy)`` in the order they are asked: run by run, each run every strategy of
+    the link (``local`` alone without one), the order rotated each run. Side by side under a
+    load that drifts (another process, the machine's clock): every strategy's runs spread over
+    the same minutes, and none always follows the same one."""
+    strats = [s for s in strategies if (s == "local") == local]
+    out = []
+    for r in range(runs):
+        k = r % max(1, len(strats))
+        out += [(r, s) for s in strats[k:] + strats[:k]]
+    return out
 
 
 def _computed_with(res: Any, fair: dict[str, Any]) -> dict[str, str]:

@@ -60,6 +60,14 @@ from sparkv.scheduler.planners.base import Planner, make_plan, stream_order_for_
 from sparkv.scheduler.simulator import estimate_ttft, ttft_of
 
 
+def _stale(pots: list[float | None], l: int, L: int) -> None:  # noqa: E741, N803
+    """Layer ``l``'s state changed: its cached potential and that of the layer above (whose
+    steps wait for ``l``'s outputs) are stale."""
+    pots[l] = None
+    if l + 1 < L:
+        pots[l + 1] = None
+
+
 class Greedy(Planner):
     """Potential-aware greedy with a stage budget (module docstring)."""
 
@@ -253,6 +261,34 @@ class Greedy(Planner):
                 pot += inv[s2]
         return pot
 
+    def _frontier_best(self, fut: DepState, streamed: list[bool], covered: list[bool],
+                       inv: list[float], base: list[float], top: int, best_c: int,
+                       best_w: float, pots: list[float | None]) -> tuple[int, float]:
+        """The best stream candidate among the frontier chunks (they carry potential) against
+        ``(best_c, best_w)``, the heap's top. A chunk's potential is 0 unless its step misses
+        only it (``kv_count == G - 1``); ``pots[l]`` caches layer ``l``'s frontier potential
+        (``None``: stale; :meth:`_run` clears a layer whenever its state changes)."""
+        L, G, n_t = fut.L, fut.G, fut.n_t
+        kv_count, avail, frontier = fut.kv_count, fut.chunk_avail, fut.frontier
+        for l in range(L - 1):  # noqa: E741 - frontier chunks carry potential
+            t = frontier[l]
+            if t >= n_t:
+                continue
+            s = t * L + l
+            has_potential = kv_count[s] == G - 1
+            for c in range(s * G, s * G + G):
+                if streamed[c] or avail[c] or c == top:
+                    continue
+                w = base[c]
+                if has_potential:
+                    pot = pots[l]
+                    if pot is None:
+                        pot = pots[l] = self._ws_potential(c, fut, covered, inv)
+                    w += self.w_potential * pot
+                if w > best_w or (w == best_w and c < best_c):
+                    best_c, best_w = c, w
+        return best_c, best_w
+
     def _tail(self, inst: Instance) -> np.ndarray:
         """Per chunk: position in [0, 1] of its step in a compute-only dry run of ``w_c``."""
         L, G, n_t = inst.L, inst.G, inst.n_t
@@ -295,6 +331,7 @@ class Greedy(Planner):
             base = [b + k * float(x) for b, x in zip(base, tail)]
         heap = [(-base[c], c) for c in range(n_c)]
         heapq.heapify(heap)
+        pots: list[float | None] = [None] * L    # per layer: its frontier chunk's potential
         compute: list[int] = []
         stream: list[int] = []
         stages = 0
@@ -316,6 +353,7 @@ class Greedy(Planner):
                     if not covered[s2] and dep.ready(s2):
                         ready.add(s2)
                 fut.mark_computed(s)
+                _stale(pots, s % L, L)          # its layer, and the layer above reads it
             # --- stream phase
             pending: list[int] = []
             while s_used < stages * s_budget and uncovered:
@@ -325,18 +363,8 @@ class Greedy(Planner):
                 best_c = top
                 best_w = base[top] + self.w_potential * self._ws_potential(top, fut, covered, inv)
                 if self.w_potential:
-                    for l in range(L - 1):  # noqa: E741 - frontier chunks carry potential
-                        t = fut.frontier[l]
-                        if t >= n_t:
-                            continue
-                        s = t * L + l
-                        for g in range(G):
-                            c = s * G + g
-                            if streamed[c] or fut.chunk_avail[c] or c == top:
-                                continue
-                            w = base[c] + self.w_potential * self._ws_potential(c, fut, covered, inv)
-                            if w > best_w or (w == best_w and c < best_c):
-                                best_c, best_w = c, w
+                    best_c, best_w = self._frontier_best(fut, streamed, covered, inv, base,
+                                                         top, best_c, best_w, pots)
                 c = best_c
                 streamed[c] = True
                 uncovered -= 1
@@ -348,6 +376,7 @@ class Greedy(Planner):
                 pending.append(c)
                 s_used += ts[c]
                 fut.add_chunk(c)
+                _stale(pots, s % L, L)
             for c in pending:
                 for s2 in dep.add_chunk(c):
                     if not covered[s2] and dep.ready(s2):

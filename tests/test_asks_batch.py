@@ -110,6 +110,24 @@ def test_steps_that_cannot_go_together_are_refused_before_anything_runs(tiny_lla
     assert together_key(Slow(lm, [1, 2, 3], T), StepId(0, 0)) is None   # runs alone
 
 
+def test_a_layer_with_forward_hooks_runs_its_steps_alone(tiny_llama):
+    """A press's hooks on a layer would see several contexts' rows as one: that layer's steps get
+    no key (they run alone); the other layers still go together, and removing the hook brings
+    the key back."""
+    lm = tiny_llama
+    _, _, (a, b, _) = _contexts(lm)
+    attn = lm.decoder.layers[1].self_attn
+    for add_hook in (lambda: attn.register_forward_hook(lambda *args: None),
+                     lambda: attn.register_forward_pre_hook(lambda *args: None)):
+        handle = add_hook()
+        try:
+            assert together_key(a, StepId(0, 1)) is None
+            assert together_key(a, StepId(0, 0)) == together_key(b, StepId(0, 0)) is not None
+        finally:
+            handle.remove()
+        assert together_key(a, StepId(0, 1)) == together_key(b, StepId(0, 1)) is not None
+
+
 # ---- the gate: riders join the holder's call ------------------------------------------------------
 def _queue_steps(gate, blocker, jobs):
     """Starts one thread per ``(lane, stepper, step)`` while ``blocker`` holds the cores, waits
@@ -190,7 +208,7 @@ def test_with_batching_off_every_step_runs_alone(tiny_llama):
 def test_a_rider_cancelled_while_waiting_or_during_the_call_raises_only_in_its_own_thread(
         tiny_llama):
     """Lane 1 is cancelled while it waits: it is not taken and raises. Lane 2 rides and is
-    cancelled during the call (by a hook on the layer's attention): its step runs, its thread
+    cancelled during the call (by the layer's attention): its step runs, its thread
     raises AskCancelled when the call ends. The holder (lane 0) gets its result."""
     lm = tiny_llama
     gate = CoreGate()
@@ -198,7 +216,14 @@ def test_a_rider_cancelled_while_waiting_or_during_the_call_raises_only_in_its_o
     _, alone, (a, b, c) = _contexts(lm)
     lanes = [gate.lane() for _ in range(3)]
     attn = lm.decoder.layers[0].self_attn
-    handle = attn.register_forward_pre_hook(lambda *args: lanes[2].cancel())
+    real_forward = attn.forward     # cancelled during the call: an instance forward, not a
+                                    # hook (a layer with hooks runs its steps alone)
+
+    def cancelling(*args, **kwargs):
+        lanes[2].cancel()
+        return real_forward(*args, **kwargs)
+
+    attn.forward = cancelling
     out: list = [None] * 3
 
     def run(i: int, stepper) -> None:
@@ -218,7 +243,7 @@ def test_a_rider_cancelled_while_waiting_or_during_the_call_raises_only_in_its_o
         for th in threads:
             th.join(GUARD_S)
     finally:
-        handle.remove()
+        del attn.forward
     assert out[0].step == StepId(0, 0)
     assert isinstance(out[1], AskCancelled) and isinstance(out[2], AskCancelled)
     assert StepId(0, 0) not in b.done and StepId(0, 0) in c.done      # c rode, b did not

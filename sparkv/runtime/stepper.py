@@ -37,6 +37,7 @@ from sparkv.runtime.attention import (AttentionBackend, AttentionStats, DenseAtt
                                       layer_backend)
 from sparkv.runtime.fastops import apply_rope
 from sparkv.runtime.hfcache import model_call
+from sparkv.runtime.hooks import has_forward_hooks
 from sparkv.runtime.model import LoadedModel
 
 
@@ -431,10 +432,14 @@ def together_key(stepper: object, step: StepId) -> tuple[int, int, bool] | None:
     """Steps whose keys are equal may run as one call (:func:`run_steps_together`): the same
     model (its object), the same layer, the same kind of last-layer step. ``None`` for a
     stepper that is not a plain :class:`LayerStepper` (a subclass may change what a step does):
-    its steps run alone."""
+    its steps run alone, as do the steps of a layer with forward hooks (a press's hooks would see
+    the rows of several contexts as one)."""
     if type(stepper) is not LayerStepper:
         return None
-    return id(stepper.lm), int(step[1]), stepper.full_last_layer
+    l = int(step[1])  # noqa: E741
+    if has_forward_hooks(stepper.lm.decoder.layers[l]):
+        return None
+    return id(stepper.lm), l, stepper.full_last_layer
 
 
 @torch.inference_mode()

@@ -33,7 +33,7 @@ from sparkv.cache.arena import arena_run
 from sparkv.cache.layer import KVMemoryError, LayerStore
 from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.cache.pages import PagePools
-from sparkv.cache.paged import Fill, PagedChunks, run_of
+from sparkv.cache.paged import PagedChunks, run_of
 from sparkv.cache.payload import ChunkPayload, ChunkRun, contiguous_positions
 from sparkv.cache.table import RESIDENT, ChunkState, ChunkTable, TokenRows
 from sparkv.layout import ChunkGeometry, KVChunkId
@@ -282,24 +282,6 @@ class ChunkMemory:
                 if clean:
                     self.table.mark_clean(idx)
                 self.mark_changed(l.tolist())
-
-    def hold_placed(self, cids: Sequence[KVChunkId], level: str, counts: np.ndarray,
-                    pos: torch.Tensor, fill: Fill, clean: bool = False) -> ChunkRun:
-        """:meth:`hold` of one run (chunks ``cids`` at ``level``, ``counts`` per head, positions
-        ``pos``) whose rows ``fill(k, v)`` writes straight into the new pages
-        (:meth:`~sparkv.cache.paged.PagedChunks.place`). Returns the run as held (its rows are
-        views of the pages: valid until the chunks' pages change)."""
-        with self._lock:
-            t, l, g = run_of(cids)  # noqa: E741
-            for layer in sorted(set(l.tolist())):
-                self.to_pages(layer)
-            idx = self.table.indices(cids)
-            k, v = self.paged.place(t, l, g, level, counts, pos, fill)
-            self.table.set_resident(idx, level, None, counts)
-            if clean:
-                self.table.mark_clean(idx)
-            self.mark_changed(l.tolist())
-            return ChunkRun(list(cids), level, counts, pos, k, v, self.dtype)
 
     def put_step_output(self, t: int, l: int, k: torch.Tensor, v: torch.Tensor,  # noqa: E741
                         source: Source | str = Source.COMPUTED) -> None:

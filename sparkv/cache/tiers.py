@@ -117,9 +117,18 @@ def _flash_copies(mem: ChunkMemory, cids: Sequence[KVChunkId],
 
 def swap_in_placed(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str, counts: np.ndarray,
                    pos: torch.Tensor, fill: Fill) -> ChunkRun:
-    """:meth:`ContextKV.swap_in_placed <sparkv.cache.memory.ContextKV.swap_in_placed>`."""
+    """:meth:`ContextKV.swap_in_placed <sparkv.cache.memory.ContextKV.swap_in_placed>`:
+    :meth:`~sparkv.cache.chunks.ChunkMemory.hold` of one run, its rows written by ``fill``."""
     _flash_copies(mem, cids, None)
-    return mem.hold_placed(cids, level, counts, pos, fill, clean=True)
+    t, l, g = run_of(cids)  # noqa: E741
+    for layer in sorted(set(l.tolist())):
+        mem.to_pages(layer)
+    idx = mem.table.indices(cids)
+    k, v = mem.paged.place(t, l, g, level, counts, pos, fill)
+    mem.table.set_resident(idx, level, None, counts)
+    mem.table.mark_clean(idx)
+    mem.mark_changed(l.tolist())
+    return ChunkRun(list(cids), level, counts, pos, k, v, mem.dtype)
 
 
 def drop(mem: ChunkMemory, cids: Sequence[KVChunkId]) -> int:

@@ -73,17 +73,25 @@ def _expect_working(C: ContextKV, W: ContextKV, ts: list[int]) -> None:
 
 
 class _Writes:
-    """Counts the page writes of a memory (``C.paged.write``)."""
+    """Counts the page writes of a memory (``C.paged.write`` and ``C.paged.place``): the
+    chunks of each."""
 
     def __init__(self, C: ContextKV, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[int] = []
-        inner = C.paged.write
+        self.placed = 0
+        write, place = C.paged.write, C.paged.place
 
-        def write(t, l, g, run):  # noqa: E741
+        def counted_write(t, l, g, run):  # noqa: E741
             self.calls.append(len(run.cids))
-            return inner(t, l, g, run)
+            return write(t, l, g, run)
 
-        monkeypatch.setattr(C.paged, "write", write)
+        def counted_place(t, l, g, *rest):  # noqa: E741
+            self.calls.append(len(t))
+            self.placed += 1
+            return place(t, l, g, *rest)
+
+        monkeypatch.setattr(C.paged, "write", counted_write)
+        monkeypatch.setattr(C.paged, "place", counted_place)
 
 
 def test_records_round_trip_as_runs_bit_for_bit():
@@ -165,9 +173,11 @@ def test_a_run_of_records_is_one_page_write_per_level(tmp_path, monkeypatch):
     reads.close()
     assert not reads.failed and reads.reads == 1
     per_chunk = GEO.num_layers * GEO.num_groups
-    # one page write per level present (4), not one per chunk (60)
+    # one page write per level present (4), not one per chunk (60), each straight from the
+    # read buffer into the pages
     assert sorted(writes.calls) == sorted(
         per_chunk * sum(1 for t in range(GEO.num_token_chunks) if t % 4 == i) for i in range(4))
+    assert writes.placed == 4
     for cid, p in before.items():
         st = C.state(cid)
         assert st.residency == Residency.RESIDENT and not st.dirty and st.level == p.level

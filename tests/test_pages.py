@@ -266,3 +266,57 @@ def test_a_token_chunk_exports_and_imports_as_one_run(tmp_path):
         assert mem.swap_out(c, tier) == 0                        # clean: nothing to write
     with pytest.raises(KVMemoryError, match="one flash ref per chunk"):
         mem.swap_in_runs([run], refs[:1])
+
+
+@pytest.mark.parametrize("level", ["fp", "int8", "int4"])
+def test_a_run_placed_straight_into_the_pages_equals_its_write(tmp_path, monkeypatch, level):
+    """``swap_in_placed`` (rows written by the caller into the new pages: views of the pool's
+    rows when the pages are consecutive, else a temporary copied in) holds the chunks exactly
+    as they were; a fill that raises holds nothing and frees its pages."""
+    mem = ContextKV(GEO, paged=True)
+    mem.put_payloads([_payload(cid, level, seed=i, counts=[GEO.chunk_len(cid.t)] * 2)
+                      for i, cid in enumerate(GEO.chunk_ids())])
+    tier = FlashTier(tmp_path)
+    every = list(GEO.chunk_ids())
+    before = {c: mem.read(c) for c in every}
+    by_t = {t: [KVChunkId(t, l, g) for l in range(GEO.num_layers)  # noqa: E741
+                for g in range(GEO.num_groups)] for t in range(GEO.num_token_chunks)}
+    for c in every:
+        mem.swap_out(c, tier, keep_resident=True)
+    runs = {t: mem.read_runs(cids)[0] for t, cids in by_t.items()}
+    mem.drop_many(every)
+    pool = mem.paged.pools[level]
+    views: list[bool] = []
+    row_views = pool.row_views
+    monkeypatch.setattr(pool, "row_views", lambda s: views.append(row_views(s) is not None)
+                        or row_views(s))
+
+    def place(t: int) -> None:
+        run, cids = runs[t], by_t[t]
+        held = mem.nbytes
+        with pytest.raises(RuntimeError, match="refused"):
+            mem.swap_in_placed(cids, level, run.counts, run.pos,
+                               lambda k, v: (_ for _ in ()).throw(RuntimeError("refused")))
+        assert mem.nbytes == held == mem.recount() and mem.missing(cids) == cids
+
+        def fill(k, v):
+            for dst, src in ((k, run.k), (v, run.v)):
+                for a, b in zip(dst.tensors() if level != "fp" else [dst],
+                                src.tensors() if level != "fp" else [src]):
+                    a.copy_(b)
+
+        got = mem.swap_in_placed(cids, level, run.counts, run.pos, fill)
+        assert got.cids == cids and got.rows == run.rows
+        for c in cids:
+            _same(mem.read(c), before[c])
+            assert mem.swap_out(c, tier) == 0                    # clean: nothing to write
+        assert mem.nbytes == mem.recount()
+
+    for t in range(GEO.num_token_chunks):       # an empty pool: consecutive pages, the last
+        place(t)                                # chunk short (partial pages: a temporary)
+    assert views[-1] is False and any(views)
+    mem.drop_many(by_t[2])
+    pool.free(pool.alloc(3)[1:2])               # free pages apart: not consecutive
+    views.clear()
+    place(2)
+    assert not any(views)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from sparkv.cache import forms, growth, tiers
@@ -33,6 +34,7 @@ from sparkv.cache.chunks import ARENA, PAGED, ChunkMemory, LayerKV
 from sparkv.cache.flash import FlashRef, FlashTier
 from sparkv.cache.layer import HeadEntries, KVMemoryError
 from sparkv.cache.levels import Source
+from sparkv.cache.paged import Fill
 from sparkv.cache.payload import ChunkPayload, ChunkRun
 from sparkv.cache.qattend import PagedAttention, TorchPagedAttention
 from sparkv.layout import KVChunkId
@@ -113,6 +115,17 @@ class ContextKV(ChunkMemory):
         run (a run of token chunk records at one level is one)."""
         with self._lock:
             tiers.swap_in_runs(self, runs, refs)
+
+    def swap_in_placed(self, cids: Sequence[KVChunkId], level: str, counts: np.ndarray,
+                       pos: torch.Tensor, fill: Fill) -> ChunkRun:
+        """:meth:`swap_in_runs` of one run (chunks ``cids`` at ``level``, ``counts`` per head,
+        positions ``pos``, each with its flash copy recorded) whose rows ``fill(k, v)`` writes
+        straight into the new pages (a read buffer's records: no copy of the run first; ``k``,
+        ``v`` are views of the pool's rows, or new tensors copied in after when the pages are
+        not consecutive). Returns the run as held (views of the pages: valid until the chunks'
+        pages change)."""
+        with self._lock:
+            return tiers.swap_in_placed(self, cids, level, counts, pos, fill)
 
     def drop(self, cid: KVChunkId) -> int:
         """Frees the chunk's RAM copy: ``flash`` when a clean flash copy exists, else ``absent``

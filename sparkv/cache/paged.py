@@ -7,6 +7,8 @@ in a run, each operation is a fixed number of tensor operations, whatever the nu
 
 * :meth:`PagedChunks.write` (put many chunks): allocate the pages, one ``index_copy_`` per pool
   tensor (rows -> page slots, :func:`~sparkv.cache.blocks.row_slots`), one table assignment;
+* :meth:`PagedChunks.place`: :meth:`~PagedChunks.write` of a run whose rows its caller writes
+  straight into the new pages (a swap-in from a read buffer: no copy of the run first);
 * :meth:`PagedChunks.read` (get many chunks, export): one ``index_select`` per pool tensor;
 * :meth:`PagedChunks.relevel` (compress / decompress): read, convert the run's rows at once
   (:func:`~sparkv.cache.payload.values_at_level`), write;
@@ -21,23 +23,28 @@ The account is the pages this context holds (``nbytes``), per level.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from sparkv.cache.blocks import BlockTable, page_fill, pages_for, row_slots
 from sparkv.cache.levels import LEVELS, QuantizedTensor
-from sparkv.cache.pages import BLOCK_PAGES, PagePools
+from sparkv.cache.pages import BLOCK_PAGES, PagePool, PagePools
 from sparkv.cache.payload import ChunkRun
+from sparkv.cache.table import chunk_array
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 Run = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: a run's rows: ``[R, D]`` fp values or quantized rows
+Rows = torch.Tensor | QuantizedTensor
+#: writes a run's rows into the ``(k, v)`` it is given (:meth:`PagedChunks.place`)
+Fill = Callable[[Rows, Rows], None]
 
 
 def run_of(cids: Sequence[KVChunkId]) -> Run:
     """``(t, l, g)`` arrays of a list of chunk ids."""
-    a = np.array([tuple(c) for c in cids], dtype=np.int64).reshape(-1, 3)
+    a = chunk_array(cids)
     return a[:, 0], a[:, 1], a[:, 2]
 
 
@@ -92,16 +99,48 @@ class PagedChunks:
         """Holds ``run`` (its chunks are ``t, l, g``) in new pages of its level, in place of
         whatever pages those chunks had. Raises
         :class:`~sparkv.cache.pages.PagePoolFull` (changing nothing) past the pools' budget."""
-        counts = np.asarray(run.counts, dtype=np.int64).reshape(-1)
-        n = int(pages_for(counts).sum())
-        self.pools.check(run.level, n, self._pages_of(t, l, g))
+        self._place(t, l, g, run.level, run.counts,
+                    lambda pool, slots: pool.write_rows(slots, run.k, run.v, run.pos))
+
+    def place(self, t: np.ndarray, l: np.ndarray, g: np.ndarray, level: str,  # noqa: E741
+              counts: np.ndarray, pos: torch.Tensor, fill: Fill) -> tuple[Rows, Rows]:
+        """:meth:`write` of a run whose values ``fill(k, v)`` writes straight into the new pages
+        (``k``, ``v``: views of the pool's rows, or new tensors copied in after when the pages
+        are not consecutive): no copy of the run before. Returns ``(k, v)`` as written (views:
+        valid until the chunks' pages change)."""
+        out: list[tuple[Rows, Rows]] = []
+
+        def put(pool: PagePool, slots: torch.Tensor) -> None:
+            views = pool.row_views(slots)
+            k, v = views if views is not None else pool.empty_rows(int(slots.numel()))
+            fill(k, v)
+            if views is None:
+                pool.write_rows(slots, k, v, pos)
+            else:
+                pool.write_pos(slots, pos)
+            out.append((k, v))
+
+        self._place(t, l, g, level, counts, put)
+        return out[0]
+
+    def _place(self, t: np.ndarray, l: np.ndarray, g: np.ndarray, level: str,  # noqa: E741
+               counts: np.ndarray, put: Callable[[PagePool, torch.Tensor], None]) -> None:
+        """New pages of ``level`` for the chunks ``t, l, g`` (in place of theirs), their rows
+        written by ``put(pool, slots)``; a ``put`` that raises frees them again."""
+        flat = np.asarray(counts, dtype=np.int64).reshape(-1)
+        n = int(pages_for(flat).sum())
+        self.pools.check(level, n, self._pages_of(t, l, g))
         self.free(t, l, g, compact=False)
-        ids = self.pools.alloc(run.level, n)
-        pool = self.pools[run.level]
-        pool.write_rows(row_slots(counts, ids), run.k, run.v, run.pos)
-        pool.set_fill(ids, page_fill(counts))
-        self.table.assign(t, l, g, run.level, run.counts, ids)
-        self.held[run.level] += n
+        ids = self.pools.alloc(level, n)
+        pool = self.pools[level]
+        try:
+            put(pool, row_slots(flat, ids))
+        except BaseException:
+            pool.free(ids)
+            raise
+        pool.set_fill(ids, page_fill(flat))
+        self.table.assign(t, l, g, level, counts, ids)
+        self.held[level] += n
         self._compact()
 
     def read(self, t: np.ndarray, l: np.ndarray, g: np.ndarray  # noqa: E741

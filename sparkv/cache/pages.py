@@ -216,6 +216,42 @@ class PagePool:
             else:
                 put(a[side].view(-1, self.width), x.to(self.device, self.dtype))
 
+    def row_views(self, slots: torch.Tensor
+                  ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor] | None:
+        """Writable views ``(k, v)`` of the rows at ``slots`` in the layout :meth:`write_rows`
+        takes, when the slots are consecutive and ascending (freshly allocated whole pages);
+        else ``None``. Valid until the pool is reallocated (:attr:`generation`)."""
+        a = _first(slots)
+        if a is None:
+            return None
+        a1 = a + int(slots.numel())
+        out: list[torch.Tensor | QuantizedTensor] = []
+        for side in ("k", "v"):
+            codes = self._arrays[side].view(-1, self.width)[a:a1]
+            out.append(codes if not self.bits else QuantizedTensor(
+                codes, self._arrays[f"{side}_scale"].view(-1)[a:a1],
+                self._arrays[f"{side}_zero"].view(-1)[a:a1], self.bits, self.head_dim))
+        return out[0], out[1]
+
+    def empty_rows(self, n: int
+                   ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor]:
+        """New ``(k, v)`` of ``n`` rows in the layout :meth:`write_rows` takes (unwritten)."""
+        with torch.inference_mode(False):
+            out: list[torch.Tensor | QuantizedTensor] = []
+            for _ in ("k", "v"):
+                codes = torch.empty((n, self.width), dtype=self.dtype, device=self.device)
+                out.append(codes if not self.bits else QuantizedTensor(
+                    codes, torch.empty(n, dtype=torch.float16, device=self.device),
+                    torch.empty(n, dtype=torch.float16, device=self.device), self.bits,
+                    self.head_dim))
+        return out[0], out[1]
+
+    def write_pos(self, slots: torch.Tensor, pos: torch.Tensor) -> None:
+        """Positions ``pos`` ``[R]`` into the row slots ``slots`` (the rows' values written in
+        place through :meth:`row_views`)."""
+        slots = slots.to(self.device)
+        _writer(slots)(self._arrays["pos"].view(-1), pos.to(self.device, torch.int32))
+
     def read_rows(self, slots: torch.Tensor
                   ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor,
                              torch.Tensor]:
@@ -242,13 +278,22 @@ class PagePool:
                                          .to(self.device))
 
 
+def _first(slots: torch.Tensor) -> int | None:
+    """The first of ``slots`` when they are consecutive and ascending, else ``None``."""
+    n = int(slots.numel())
+    if not n:
+        return None
+    s = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
+    if int(s[-1]) - int(s[0]) == n - 1 and (n == 1 or bool((np.diff(s) == 1).all())):
+        return int(s[0])
+    return None
+
+
 def _writer(slots: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], object]:
     """How rows go into the slots ``slots`` of a pool tensor's rows: one slice copy when they
     are consecutive and ascending (the same bits as the ``index_copy_`` otherwise used)."""
-    n = int(slots.numel())
-    if n and int(slots[-1]) - int(slots[0]) == n - 1 and (
-            n == 1 or bool((slots[1:] - slots[:-1] == 1).all())):
-        a = int(slots[0])
+    a, n = _first(slots), int(slots.numel())
+    if a is not None:
         return lambda dst, src: dst[a:a + n].copy_(src)
     return lambda dst, src: dst.index_copy_(0, slots, src)
 

@@ -19,6 +19,7 @@ thread safe by itself: :class:`~sparkv.cache.memory.ContextKV` calls it under it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -92,6 +93,11 @@ def lower_quality(a: int, b: int) -> int:
     return max(a, b)
 
 
+def chunk_array(cids: Iterable[KVChunkId]) -> np.ndarray:
+    """``[n, 3]`` int64 ``(t, l, g)`` of chunk ids (one pass, no tuple per chunk)."""
+    return np.fromiter(itertools.chain.from_iterable(cids), dtype=np.int64).reshape(-1, 3)
+
+
 class ChunkTable:
     """The chunk table of one context (module docstring)."""
 
@@ -130,7 +136,7 @@ class ChunkTable:
     def indices(self, cids: Iterable[KVChunkId]) -> np.ndarray:
         """Row indices of ``cids``; -1 for a chunk outside the geometry."""
         g = self.geometry
-        a = np.array([(c.t, c.l, c.g) for c in cids], dtype=np.int64).reshape(-1, 3)
+        a = chunk_array(cids)
         ok = ((a >= 0).all(axis=1) & (a[:, 0] < g.num_token_chunks) & (a[:, 1] < g.num_layers)
               & (a[:, 2] < g.num_groups))
         return np.where(ok, (a[:, 0] * g.num_layers + a[:, 1]) * g.num_groups + a[:, 2], -1)

@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from sparkv.cache.chunks import ChunkMemory
 from sparkv.cache.flash import FlashRef, FlashTier
 from sparkv.cache.layer import KVMemoryError
 from sparkv.cache.levels import LEVELS, Source
-from sparkv.cache.paged import run_of
+from sparkv.cache.paged import Fill, run_of
 from sparkv.cache.payload import ChunkRun, PayloadError, from_bytes, to_bytes
 from sparkv.cache.table import RESIDENT
 from sparkv.layout import KVChunkId
@@ -94,7 +95,13 @@ def swap_in(mem: ChunkMemory, cid: KVChunkId, tier: FlashTier) -> int:
 def swap_in_runs(mem: ChunkMemory, runs: Sequence[ChunkRun],
                  refs: Sequence[FlashRef] | None = None) -> None:
     """:meth:`ContextKV.swap_in_runs <sparkv.cache.memory.ContextKV.swap_in_runs>`."""
-    cids = [c for run in runs for c in run.cids]
+    _flash_copies(mem, [c for run in runs for c in run.cids], refs)
+    mem.hold(runs, None, clean=True)
+
+
+def _flash_copies(mem: ChunkMemory, cids: Sequence[KVChunkId],
+                  refs: Sequence[FlashRef] | None) -> None:
+    """Records ``refs`` as the chunks' flash copies, or (``None``) checks that each has one."""
     if refs is not None and len(refs) != len(cids):
         raise KVMemoryError("one flash ref per chunk")
     idx = mem.table.indices(cids)
@@ -106,7 +113,22 @@ def swap_in_runs(mem: ChunkMemory, runs: Sequence[ChunkRun],
             raise KVMemoryError(f"{cids[int(nocopy[0])]} has no flash copy")
     else:
         mem.table.set_flash(idx, list(refs))
-    mem.hold(runs, None, clean=True)
+
+
+def swap_in_placed(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str, counts: np.ndarray,
+                   pos: torch.Tensor, fill: Fill) -> ChunkRun:
+    """:meth:`ContextKV.swap_in_placed <sparkv.cache.memory.ContextKV.swap_in_placed>`:
+    :meth:`~sparkv.cache.chunks.ChunkMemory.hold` of one run, its rows written by ``fill``."""
+    _flash_copies(mem, cids, None)
+    t, l, g = run_of(cids)  # noqa: E741
+    for layer in sorted(set(l.tolist())):
+        mem.to_pages(layer)
+    idx = mem.table.indices(cids)
+    k, v = mem.paged.place(t, l, g, level, counts, pos, fill)
+    mem.table.set_resident(idx, level, None, counts)
+    mem.table.mark_clean(idx)
+    mem.mark_changed(l.tolist())
+    return ChunkRun(list(cids), level, counts, pos, k, v, mem.dtype)
 
 
 def drop(mem: ChunkMemory, cids: Sequence[KVChunkId]) -> int:

@@ -478,37 +478,68 @@ def join_records(data: bytes | bytearray | memoryview, heads: Sequence[RecordHea
     bit for bit ``ChunkRun.cat`` of the records' own runs (:meth:`TokenChunkRecord.run`), made
     with one gather of the buffer's bytes per tensor (copies: ``data`` may be read-only) and no
     object per record."""
+    shape = record_run(heads)
+    k, v = (_empty_rows(shape.level, shape.rows, heads[0]) for _ in range(2))
+    records_into(data, heads, k, v)
+    return ChunkRun(shape.cids, shape.level, shape.counts, shape.pos, k, v, heads[0].dtype)
+
+
+class RunShape(NamedTuple):
+    """What a run of records holds, without its values (:func:`record_run`)."""
+
+    cids: list[KVChunkId]
+    level: str
+    counts: np.ndarray
+    pos: torch.Tensor
+    rows: int
+
+
+def record_run(heads: Sequence[RecordHead]) -> RunShape:
+    """The chunks, per-head counts, positions and rows of the run of the checked records
+    ``heads`` (one level, geometry and dtype; raises :class:`PayloadError` otherwise): what
+    :func:`join_records` makes, less the values (:func:`records_into` writes those)."""
     h0 = heads[0]
     if any((h.level, h.layers, h.groups, h.heads, h.head_dim, h.dtype) != (
             h0.level, h0.layers, h0.groups, h0.heads, h0.head_dim, h0.dtype) for h in heads):
         raise PayloadError("a run holds chunks of one level, geometry and dtype")
-    buf = np.frombuffer(data, dtype=np.uint8)
-    d, m, hg = h0.head_dim, h0.layers * h0.groups, h0.heads
-    rows = [m * hg * h.tokens for h in heads]
-    if h0.level == "fp":
-        el = torch.tensor([], dtype=h0.dtype).element_size()
-        parts = [(d * el, h0.dtype)]
-    else:
-        parts = [((d * _BITS[h0.level] + 7) // 8, torch.uint8), (2, torch.float16),
-                 (2, torch.float16)]
-    at = [h.offset + _TC_HEAD.size for h in heads]
-    sides: list[torch.Tensor | QuantizedTensor] = []
-    for _ in ("k", "v"):
-        got: list[torch.Tensor] = []
-        for width, dtype in parts:          # values (or codes) [R, width], then per-row fields
-            raw = np.concatenate([buf[a:a + r * width] for a, r in zip(at, rows)])
-            at = [a + r * width for a, r in zip(at, rows)]
-            x = torch.from_numpy(raw).view(dtype)
-            got.append(x.view(sum(rows), -1) if not got else x)
-        sides.append(got[0] if h0.level == "fp" else
-                     QuantizedTensor(got[0], got[1], got[2], _BITS[h0.level], d))
-    ts = [h.t for h in heads]
-    G = h0.groups
-    cids = [KVChunkId(t, i // G, i % G) for t in ts for i in range(m)]
+    m, hg, G = h0.layers * h0.groups, h0.heads, h0.groups
+    cids = [KVChunkId(h.t, i // G, i % G) for h in heads for i in range(m)]
     tokens = np.array([h.tokens for h in heads], dtype=np.int64)
     counts = np.repeat(tokens, m)[:, None].repeat(hg, axis=1)
-    return ChunkRun(cids, h0.level, counts, _positions(heads, m * hg), sides[0], sides[1],
-                    h0.dtype)
+    return RunShape(cids, h0.level, counts, _positions(heads, m * hg), int(counts.sum()))
+
+
+def _empty_rows(level: str, rows: int, h: RecordHead) -> torch.Tensor | QuantizedTensor:
+    if level == "fp":
+        return torch.empty((rows, h.head_dim), dtype=h.dtype)
+    w = (h.head_dim * _BITS[level] + 7) // 8
+    return QuantizedTensor(torch.empty((rows, w), dtype=torch.uint8),
+                           torch.empty(rows, dtype=torch.float16),
+                           torch.empty(rows, dtype=torch.float16), _BITS[level], h.head_dim)
+
+
+def records_into(data: bytes | bytearray | memoryview, heads: Sequence[RecordHead],
+                 k: torch.Tensor | QuantizedTensor, v: torch.Tensor | QuantizedTensor) -> None:
+    """Writes the values of the checked records ``heads`` of ``data`` (one level, geometry and
+    dtype) into ``k`` and ``v``: rows ``[R, D]`` (fp) or quantized rows (codes, scales, zeros) of
+    the run :func:`record_run` describes, contiguous tensors (views of page pool rows, or new
+    ones): one copy of the buffer's bytes per (record, tensor), no temporary."""
+    h0 = heads[0]
+    buf = np.frombuffer(data, dtype=np.uint8)
+    rows = [h0.layers * h0.groups * h0.heads * h.tokens for h in heads]
+    at = [h.offset + _TC_HEAD.size for h in heads]
+    for x in (k, v):
+        parts = [x] if isinstance(x, torch.Tensor) else [x.codes, x.scale, x.zero]
+        for dst in parts:                   # values (or codes) [R, width], then per-row fields
+            if not dst.is_contiguous() or dst.shape[0] != sum(rows):
+                raise PayloadError("records are written into contiguous rows of the run's size")
+            out = dst.view(torch.uint8).numpy().reshape(sum(rows), -1)
+            width = out.shape[1]
+            r0 = 0
+            for i, r in enumerate(rows):
+                out[r0:r0 + r] = buf[at[i]:at[i] + r * width].reshape(r, width)
+                at[i] += r * width
+                r0 += r
 
 
 def _positions(heads: Sequence[Any], per: int) -> torch.Tensor:

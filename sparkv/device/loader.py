@@ -72,7 +72,7 @@ from sparkv.cache.payload import ChunkRun, contiguous_positions
 from sparkv.cache.table import RESIDENT
 from sparkv.device import dequant
 from sparkv.device.flashio import (RUN_BYTES, ReadRun, RecordHead, check_records,
-                                   join_records, plan_runs)
+                                   join_records, plan_runs, record_run, records_into)
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
 
@@ -567,9 +567,10 @@ class FileReads:
     The records are read in **runs** (:func:`~sparkv.device.flashio.plan_runs`): records adjacent
     in one file (a segment's) are read with one request of at most ``run_bytes`` (a chunk file is
     a run of its own), then each record is checked (its checksum, header, length, token chunk
-    and geometry: :func:`~sparkv.device.flashio.check_records`) and the good ones are joined
-    per level (:func:`~sparkv.device.flashio.join_records`), swapped in with one page write and
-    filled with one call per side (:func:`fill_run`). A run that cannot be read, or a record
+    and geometry: :func:`~sparkv.device.flashio.check_records`) and the good ones are, per
+    level, copied straight from the read buffer into new pages with one page write
+    (:func:`~sparkv.device.flashio.records_into`) and filled from those pages with one call per
+    side (:func:`fill_run`). A run that cannot be read, or a record
     that fails its check or lies
     past what was read, fails only its own chunks: they are recomputed.
 
@@ -656,18 +657,18 @@ class FileReads:
 
     def _fill(self, data: bytes, heads: list[RecordHead]) -> None:
         """Swaps the checked records ``heads`` of ``data`` into ``C`` and writes them into
-        ``W``: per level, one run of them (:func:`~sparkv.device.flashio.join_records`), one
-        page write (the chunk table updated once) and one fill of ``W`` per length
-        (:func:`fill_run`, views of the run); a run whose swap-in fails (a memory error: no
+        ``W``: per level, one run of them written straight from ``data`` into the new pages
+        (:meth:`_swap_in_records`: one copy, the chunk table updated once) and one fill of ``W``
+        per length from those pages (:func:`fill_run`, views of the run); a run whose swap-in
+        fails (a memory error: no
         flash copy recorded, the pool full) is retried record by record, and a record failing
         again is counted failed."""
         levels: dict[str, list[RecordHead]] = {}
         for h in sorted(heads, key=lambda h: -h.tokens):       # equal lengths adjacent
             levels.setdefault(h.level, []).append(h)
         for hs in levels.values():
-            run = join_records(data, hs)
             try:
-                self._swap_in(run)
+                run = self._swap_in_records(data, hs)
             except (KVMemoryError, PayloadError):
                 hs = [h for h in hs if self._swap_in_one(data, h)]
                 if not hs:
@@ -711,6 +712,19 @@ class FileReads:
             with self._lock:
                 self.failed.add(h.t)
             return False
+
+    def _swap_in_records(self, data: bytes, hs: list[RecordHead]) -> ChunkRun:
+        """The records ``hs`` (one level) swapped into ``C``: when none of their chunks is
+        resident, written straight from ``data`` into the new pages
+        (:meth:`~sparkv.cache.memory.ContextKV.swap_in_placed`: one copy); else joined first
+        (:meth:`_swap_in`). Returns their run (for ``W``)."""
+        shape = record_run(hs)
+        if len(self.C.missing(shape.cids)) < len(shape.cids):
+            run = join_records(data, hs)
+            self._swap_in(run)
+            return run
+        return self.C.swap_in_placed(shape.cids, shape.level, shape.counts, shape.pos,
+                                     lambda k, v: records_into(data, hs, k, v))
 
     def _swap_in(self, run: ChunkRun) -> None:
         """The run's chunks not resident in ``C`` held there, resident and clean: one page

@@ -126,6 +126,15 @@ def test_a_layer_with_forward_hooks_runs_its_steps_alone(tiny_llama):
         finally:
             handle.remove()
         assert together_key(a, StepId(0, 1)) == together_key(b, StepId(0, 1)) is not None
+    # a hook marked rows-safe (the device service's density hook: a no-op on every thread but
+    # a recording one) leaves batching on
+    from sparkv.runtime.hooks import rows_safe
+
+    handle = attn.register_forward_hook(rows_safe(lambda *args: None))
+    try:
+        assert together_key(a, StepId(0, 1)) == together_key(b, StepId(0, 1)) is not None
+    finally:
+        handle.remove()
 
 
 # ---- the gate: riders join the holder's call ------------------------------------------------------

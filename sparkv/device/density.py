@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from sparkv.runtime.hfcache import hook_cache
+from sparkv.runtime.hooks import rows_safe
 
 #: ratio of each level's bytes to the int8 base (the paper's {8/8, 4/8, 2/8})
 LEVEL_RATIO = {"int8": 1.0, "int4": 0.5, "int2": 0.25}  # fp: its real bytes, plan_levels
@@ -121,6 +122,7 @@ def _keys_of(cache: Any, layer_idx: int) -> torch.Tensor | None:
     return None
 
 
+@rows_safe   # a no-op on every thread but a recording one (batched steps never record)
 def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     rec = getattr(_active, "recorder", None)
     if rec is None:

@@ -9,6 +9,7 @@ events (``rate_sample``, ``step_done``). Times in seconds, rates in bytes per se
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 #: layer steps in the compute-speed window
@@ -124,11 +125,7 @@ class ComputeEstimator:
         median, not :meth:`ratio`'s recent mean: one step that waited for a core (measured here:
         a single step at 49x its prediction while another process held a core) must not move
         the next plan's whole compute estimate."""
-        if not self._run:
-            return 1.0
-        xs = sorted(self._run)
-        m = len(xs) // 2
-        return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+        return statistics.median(self._run) if self._run else 1.0
 
     def factor(self) -> float:
         """Predicted step seconds x this = seconds of the compute path: :meth:`ratio` x

@@ -45,6 +45,7 @@ from sparkv.decode.fused import fused_attention
 from sparkv.decode.gather import Gathered, HeadParts, pad_heads, padded_attention
 from sparkv.decode.index import CentroidTable, ClusterIndex, TokenIndex, partition
 from sparkv.decode.kmeans import kmeans, stats
+from sparkv.decode.residency import ClusterResidency
 from sparkv.decode.rows import RowArena, Rows
 from sparkv.decode.select import select_heads
 from sparkv.decode.stats import Counters
@@ -133,8 +134,9 @@ class Prefetcher:
         if self.pool is None or layer.l in self.futures:
             return
         cache = layer.eng.cache
-        uids = [u for u in layer.predicted() if (layer.l, u) not in cache]
-        uids += [u for u in layer.near_cutoff(layer.eng.cfg.prefetch_margin)
+        plan = layer.residency
+        uids = [u for u in plan.predicted() if (layer.l, u) not in cache]
+        uids += [u for u in plan.near_cutoff(layer.eng.cfg.prefetch_margin)
                  if (layer.l, u) not in cache]
         uids = list(dict.fromkeys(uids))
         if not uids:
@@ -174,9 +176,6 @@ class LayerState:
         self.rec_start = r0
         self.rec_k, self.rec_v = k_all[:, r0:].clone(), v_all[:, r0:].clone()
         self.new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.step_data: dict[int, FlushedData] = {}
-        self.staged: dict[int, FlushedData] = {}
-        self.last_selected: list[list[int]] = [[] for _ in range(eng.H)]
         path = eng.dir / f"layer{l:03d}.pages"
         self.indexes: list[ClusterIndex | TokenIndex] = []
         self.table: CentroidTable | None = None
@@ -199,9 +198,11 @@ class LayerState:
                                       pack_tails=cfg.pack_tails)
             self._build_clusters(k_all, v_all, queries)
             self.table = CentroidTable(self.indexes)  # type: ignore[arg-type]
-            self.store.ram_lookup = self.ram
+        self.residency = ClusterResidency(eng, l, self.store, self.indexes, eng.H)
+        if isinstance(self.store, ClusterStore):
+            self.store.ram_lookup = self.residency.ram
             self.store.arena = eng.arena
-            self.store.on_flushed = self._on_flushed
+            self.store.on_flushed = self.residency.on_flushed
         if eng.probe:
             cap = eng.max_positions
             self.shadow_k = torch.zeros(eng.H, cap, eng.D, dtype=eng.dtype)
@@ -251,87 +252,6 @@ class LayerState:
                 self.warm_data[uid] = data
             self.indexes.append(idx)
 
-    # ---- the step context (sparkv.decode.index.StepContext) ---------------------------------------
-    def ram(self, uid: int) -> FlushedData | None:
-        d = self.step_data.get(uid)
-        if d is None:
-            d = self.eng.cache.peek((self.l, uid))
-        if d is None:
-            d = self.staged.get(uid)
-        return d
-
-    def load(self, uid: int, reason: str) -> FlushedData:
-        data = self.store.fetch([uid], reason)[uid]
-        self.step_data[uid] = data
-        self.eng.cache.put((self.l, uid), data)
-        return data
-
-    def updated(self, uid: int) -> None:
-        self.eng.cache.reserve((self.l, uid))
-
-    def adopt(self, uid: int, data: FlushedData) -> None:
-        data = self.eng.held(data)
-        self.step_data[uid] = data
-        self.eng.cache.put((self.l, uid), data)
-
-    def refresh(self, uid: int, data: FlushedData) -> None:
-        key = (self.l, uid)
-        if uid in self.step_data or uid in self.staged or key in self.eng.cache:
-            data = self.eng.held(data)
-        if uid in self.step_data:
-            self.step_data[uid] = data
-        if uid in self.staged:
-            self.staged[uid] = data
-        self.eng.cache.update((self.l, uid), data)
-
-    def forget(self, uid: int) -> None:
-        self.step_data.pop(uid, None)
-        self.staged.pop(uid, None)
-        self.eng.cache.remove((self.l, uid))
-
-    def _on_flushed(self, uid: int, data: FlushedData | None) -> None:
-        if data is None:
-            self.forget(uid)
-        else:
-            self.refresh(uid, data)
-
-    def predicted(self) -> list[int]:
-        """What the next step will probably read here: the clusters it used this step."""
-        out = []
-        for sel in self.last_selected:
-            for uid in sel:
-                if self._flushed(uid):
-                    out.append(uid)
-        return out
-
-    def near_cutoff(self, margin: int) -> list[int]:
-        """The prefetch margin: per KV head, the best-scored clusters the last selection left out
-        (best first), taken whole while their flushed entries fit ``margin`` entries; clusters
-        with nothing on flash or already cached are skipped (tested: within the margin)."""
-        if margin <= 0 or isinstance(self.store, TokenStore):
-            return []
-        out = []
-        units = self.store.units
-        cache, layer = self.eng.cache, self.l
-        for idx in self.indexes:
-            left = margin
-            for uid in getattr(idx, "next_up", ()):
-                u = units.get(uid)
-                if u is None or not u.flushed or (layer, uid) in cache:
-                    continue
-                if u.flushed <= left:
-                    out.append(uid)
-                    left -= u.flushed
-                    if not left:
-                        break
-        return out
-
-    def _flushed(self, uid: int) -> bool:
-        if isinstance(self.store, TokenStore):
-            return True
-        u = self.store.units.get(uid)
-        return u is not None and u.flushed > 0
-
     # ---- a step ------------------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """New entries ``[H, q, D]`` at the next positions; returns the positions."""
@@ -367,13 +287,13 @@ class LayerState:
         tw = time.perf_counter()
         cnt.update_s += tw - t0
         t0 = tw
-        self.staged = eng.prefetcher.take(self.l)
+        self.residency.stage(eng.prefetcher.take(self.l))
         t1 = time.perf_counter()
         cnt.io_s += t1 - t0
         selected = self._select(q)
         t2 = time.perf_counter()
         cnt.select_s += t2 - t1
-        read = self._read_selected(selected)
+        read = self.residency.read_selected(selected)
         t3 = time.perf_counter()
         cnt.io_s += t3 - t2
         # the next layer's reads go on while this one computes
@@ -429,54 +349,6 @@ class LayerState:
             selected.append(idx.select(qg, budget, window))  # type: ignore[call-arg]
         return selected
 
-    def _read_selected(self, selected: list[list[int]]) -> list[int]:
-        """Fills :attr:`step_data` with the selected clusters' flushed entries, from the cache,
-        the prefetch staging or flash (one read for every miss), counting each source. Returns
-        the clusters read (misses) and then those taken from the staging: the cache's new
-        candidates."""
-        cnt = self.eng.counters
-        self.step_data = step_data = {}
-        misses = []
-        used_staged = []
-        cache, staged, layer = self.eng.cache, self.staged, self.l
-        units = None if isinstance(self.store, TokenStore) else self.store.units
-        ever = cache.ever
-        for sel in selected:
-            for uid in sel:
-                if uid in step_data:
-                    continue
-                if units is not None:
-                    u = units.get(uid)
-                    if u is None or not u.addr.shape[0]:
-                        continue
-                key = (layer, uid)
-                hit = cache.get_sized(key)
-                if hit is not None:
-                    cnt.hits += 1
-                    cnt.hit_bytes += hit[1]
-                    step_data[uid] = hit[0]
-                    continue
-                if key not in ever:
-                    cnt.first_uses += 1
-                data = staged.get(uid)
-                if data is not None:
-                    cnt.prefetch_hits += 1
-                    cnt.prefetch_hit_bytes += data_bytes(data)
-                    step_data[uid] = data
-                    used_staged.append(uid)
-                    continue
-                misses.append(uid)
-        if misses:
-            got = self.store.fetch(misses, "retrieve")
-            for uid, data in got.items():
-                cnt.misses += 1
-                cnt.miss_bytes += data_bytes(data)
-                step_data[uid] = data
-        cnt.staging_peak = max(cnt.staging_peak, sum(data_bytes(x) for x in self.staged.values()))
-        cnt.prefetched_unused_bytes += sum(data_bytes(x) for u, x in self.staged.items()
-                                           if u not in self.step_data)
-        return misses + used_staged
-
     def absorb(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Entries ``[H, q, D]`` at the next positions that were attended elsewhere (the full KV's
         steps while the clusters were built) join their clusters as a step's new entries do,
@@ -493,20 +365,16 @@ class LayerState:
         """The step's upkeep (on the upkeep thread, :mod:`sparkv.decode.upkeep`): offers the
         clusters ``read`` to the cache and lets the ``new`` entries join their clusters (splits,
         buffers; :meth:`ClusterIndex.observe`, ``finish_step``)."""
-        eng = self.eng
-        for uid in read:
-            if uid in self.step_data:
-                eng.cache.put((self.l, uid), self.step_data[uid])
+        ctx = self.residency
+        ctx.offer(read)
         k_new, v_new, pos_new = new
         for j in range(int(pos_new.shape[0])):
             p = int(pos_new[j])
             for h, idx in enumerate(self.indexes):
-                idx.observe(k_new[h, j], v_new[h, j], p, self)
+                idx.observe(k_new[h, j], v_new[h, j], p, ctx)
         for h, idx in enumerate(self.indexes):
-            idx.finish_step(selected[h], self)
-        self.last_selected = selected
-        self.staged = {}
-        self.step_data = {}
+            idx.finish_step(selected[h], ctx)
+        ctx.end_step(selected)
 
     def _slide_window(self) -> None:
         """Slides the window to the last ``recent`` positions (the decoding thread's part of a
@@ -556,7 +424,7 @@ class LayerState:
         if self.eng.cfg.attend_tails:
             for u in self.store.tails():
                 tails.setdefault(u.head, []).append(u)
-        step_data, units = self.step_data, self.store.units
+        step_data, units = self.residency.step_data, self.store.units
         runs: list[tuple[int, int, int, int]] = []
         scratch: list[Rows] = []
         for h, idx in enumerate(self.indexes):
@@ -642,7 +510,7 @@ class LayerState:
         if self.eng.cfg.attend_tails and isinstance(self.store, ClusterStore):
             for u in self.store.tails():
                 tails.setdefault(u.head, []).append(u)
-        step_data = self.step_data
+        step_data = self.residency.step_data
         out = []
         for h, idx in enumerate(self.indexes):
             ks: list = []

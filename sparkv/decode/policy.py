@@ -108,6 +108,30 @@ def coretrieval_order(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | Non
     return chain
 
 
+def prefill_clusters(x: np.ndarray, labels: np.ndarray, c: int,
+                     cfg: DecodeConfig) -> tuple[list[np.ndarray], float, int]:
+    """One head's prompt clusters from its k-means ``labels [n]`` (``c`` clusters) of its keys
+    ``x [n, D]``: the variance threshold ``tau`` (the ``tau_quantile`` of the clusters' mean
+    variances, those of 4 entries or more), each cluster over ``tau`` or ``max_cluster`` split
+    (:func:`~sparkv.decode.index.partition`). Returns the clusters' rows, ``tau`` and the splits
+    made."""
+    groups = [np.nonzero(labels == j)[0] for j in range(c)]
+    groups = [g for g in groups if len(g)]
+    var = np.array([stats(x[g])[2] / len(g) for g in groups if len(g) >= 4])
+    tau = float(np.quantile(var, cfg.tau_quantile)) if len(var) else \
+        float(max(stats(x[g])[2] / len(g) for g in groups))
+    final: list[np.ndarray] = []
+    splits = 0
+    for g in groups:
+        if stats(x[g])[2] / len(g) > tau or len(g) > cfg.max_cluster:
+            parts = partition(x[g], tau, cfg.max_cluster, cfg.kmeans_iters)
+            final.extend(g[p] for p in parts)
+            splits += len(parts) - 1
+        else:
+            final.append(g)
+    return final, tau, splits
+
+
 class BuildStopped(Exception):
     """A clustered memory's build was stopped (:meth:`ClusteredKV.build`'s ``stop``)."""
 
@@ -184,12 +208,7 @@ class LayerState:
         #: uid -> its entries as placed (RAM at prefill; the cache's warm-up, then dropped)
         self.warm_data: dict[int, FlushedData] = {}
         if cfg.update == "nocluster":
-            self.store: ClusterStore | TokenStore = TokenStore(
-                path, eng.H, eng.D, eng.dtype, eng.io, max_positions=eng.max_positions,
-                merge_gap=cfg.merge_gap, direct=cfg.direct, executor=eng.prefetcher.io)
-            for h in range(eng.H):
-                self.store.add(h, k_all[h], v_all[h], reason="prefill")
-                self.indexes.append(TokenIndex(l, h, self.store, k_all[h]))
+            self.store: ClusterStore | TokenStore = self._token_store(path, k_all, v_all)
         else:
             self.store = ClusterStore(path, eng.H, eng.D, eng.dtype, eng.io,
                                       max_cluster=cfg.max_cluster, dual_head=cfg.dual_head,
@@ -210,6 +229,16 @@ class LayerState:
             self.attention.record(k_all, v_all, 0)
 
     # ---- prefill clustering ------------------------------------------------------------------------
+    def _token_store(self, path: Path, k_all: torch.Tensor, v_all: torch.Tensor) -> TokenStore:
+        """``nocluster``: every head's entries on flash in position order, one token index each."""
+        eng, cfg = self.eng, self.eng.cfg
+        store = TokenStore(path, eng.H, eng.D, eng.dtype, eng.io, max_positions=eng.max_positions,
+                           merge_gap=cfg.merge_gap, direct=cfg.direct, executor=eng.prefetcher.io)
+        for h in range(eng.H):
+            store.add(h, k_all[h], v_all[h], reason="prefill")
+            self.indexes.append(TokenIndex(self.l, h, store, k_all[h]))
+        return store
+
     def _build_clusters(self, k_all: torch.Tensor, v_all: torch.Tensor,
                         queries: torch.Tensor | None) -> None:
         eng, cfg = self.eng, self.eng.cfg
@@ -220,19 +249,8 @@ class LayerState:
         budget = eng.budget_for(n)
         for h in range(eng.H):
             x = k_all[h].double().numpy()
-            groups = [np.nonzero(labels[h] == j)[0] for j in range(c)]
-            groups = [g for g in groups if len(g)]
-            var = np.array([stats(x[g])[2] / len(g) for g in groups if len(g) >= 4])
-            tau = float(np.quantile(var, cfg.tau_quantile)) if len(var) else \
-                float(max(stats(x[g])[2] / len(g) for g in groups))
-            final: list[np.ndarray] = []
-            for g in groups:
-                if stats(x[g])[2] / len(g) > tau or len(g) > cfg.max_cluster:
-                    parts = partition(x[g], tau, cfg.max_cluster, cfg.kmeans_iters)
-                    final.extend(g[p] for p in parts)
-                    eng.prefill_splits += len(parts) - 1
-                else:
-                    final.append(g)
+            final, tau, splits = prefill_clusters(x, labels[h], c, cfg)
+            eng.prefill_splits += splits
             means = np.stack([x[g].mean(0) for g in final])
             sizes = np.array([len(g) for g in final])
             qg = None

@@ -35,7 +35,7 @@ class ClusterResidency:
     """Layer ``l``'s clusters in RAM (module docstring).
 
     Args:
-        eng: the model's clustered memory (its cache, counters and arena).
+        eng: the model's clustered memory (its cache, counters and ``held``).
         l: the layer.
         store: the layer's flash file.
         indexes: the layer's index per KV head (the list it fills).

@@ -351,14 +351,14 @@ def test_a_layer_attends_exactly_what_it_retrieved(tmp_path):
         layer = kv.layers[0]
         assert kv.arena is not None                  # float32: the fused gather-attend
         captured = {}
-        orig = layer._fused
+        orig = layer.attention.fused
 
-        def spy(selected, *args):
+        def spy(selected, step_data, *args):
             # the same entries, gathered per head (the padded path) before the fused call
-            captured["heads"] = layer._gather(selected).heads()
-            return orig(selected, *args)
+            captured["heads"] = layer.attention.gather(selected, step_data).heads()
+            return orig(selected, step_data, *args)
 
-        layer._fused = spy
+        layer.attention.fused = spy
         k, v = syn.new(0, 1)
         pos = layer.update(k, v)
         q = syn.query()

@@ -145,11 +145,11 @@ def test_every_write_buffer_tail_is_attended(tmp_path, policy):
     try:
         layer = kv.layers[1]
         assert kv.arena is not None                  # float32: the fused gather-attend's runs
-        orig = layer._runs
+        orig = layer.attention.runs
 
-        def spy(selected):
-            runs, scratch = orig(selected)
-            heads = layer.attended_positions(runs)
+        def spy(selected, step_data):
+            runs, scratch = orig(selected, step_data)
+            heads = layer.attention.attended_positions(runs)
             for u in layer.store.tails():
                 attended = set(heads[u.head].tolist())
                 assert set(u.tail_pos.tolist()) <= attended
@@ -158,7 +158,7 @@ def test_every_write_buffer_tail_is_attended(tmp_path, policy):
                 assert len(set(hp.tolist())) == len(hp), "each position once"
             return runs, scratch
 
-        layer._runs = spy
+        layer.attention.runs = spy
         _drive(kv, syn, 30, lambda kv, t: kv.check())
         assert seen["checked"] > 0
     finally:
@@ -179,7 +179,7 @@ def test_window_counts_equal_a_recount_and_the_budget_holds(tmp_path):
             sel = orig(sc, sizes, budget, inwin)
             if sc.shape[0] == len(layer.indexes) and sizes.base is layer.table.n:
                 assert inwin is not None
-                s_end, w0 = layer.sink_n, layer.rec_start
+                s_end, w0 = layer.window.bounds()
                 for h, idx in enumerate(layer.indexes):
                     # the counts equal a recount of the live clusters' members
                     for uid, pos in idx.members().items():

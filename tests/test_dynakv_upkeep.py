@@ -75,7 +75,8 @@ def test_every_entry_is_clustered_or_in_the_window_when_a_layer_selects(tmp_path
         assert not self.eng.upkeep.pending(self.l), "a layer selected with its upkeep pending"
         for idx in self.indexes:
             held = np.concatenate(list(idx.members().values()) + [idx.buffered_positions()])
-            window = np.r_[0:self.sink_n, self.rec_start:self.end]
+            s_end, w0 = self.window.bounds()
+            window = np.r_[0:s_end, w0:self.end]
             missing = np.setdiff1d(np.arange(self.end), np.union1d(held, window))
             assert not len(missing), f"layer {self.l} head {idx.head} misses {missing.tolist()}"
         seen.append(self.l)

@@ -135,14 +135,14 @@ def test_the_prefetch_margin_stays_within_its_budget(tmp_path):
 
     def each(kv: ClusteredKV, t: int) -> None:
         for layer in kv.layers:
-            near = layer.near_cutoff(margin)
+            near = layer.residency.near_cutoff(margin)
             by_head: dict[int, int] = {}
             for uid in near:
                 u = layer.store.units[uid]
                 assert u.flushed > 0 and (layer.l, uid) not in kv.cache
                 by_head[u.head] = by_head.get(u.head, 0) + u.flushed
                 # below the cut-off: not what that head selected
-                assert uid not in layer.last_selected[u.head]
+                assert uid not in layer.residency.last_selected[u.head]
             assert all(n <= margin for n in by_head.values())
             checked[0] += len(near)
 

@@ -34,7 +34,8 @@ import torch
 
 from sparkv.decode.config import DecodeConfig
 from sparkv.decode.kmeans import kmeans, stats, two_means
-from sparkv.decode.store import ClusterStore, FlushedData, TokenStore, Unit
+from sparkv.decode.store import ClusterStore, FlushedData, TokenStore
+from sparkv.decode.units import Unit
 
 
 class StepContext(Protocol):

@@ -22,6 +22,12 @@ counters. At each decoding step, layer by layer (:meth:`LayerState.attend`):
 
 The cache is warmed at prefill (``warm``): the clusters the prompt's last queries retrieve most
 often, by one rule for every policy (:meth:`ClusteredKV._warm`).
+
+A :class:`LayerState` builds its clusters, selects (step 2) and runs the step's upkeep; it owns
+three parts: its :class:`~sparkv.decode.window.Window`, its
+:class:`~sparkv.decode.residency.ClusterResidency` (where its clusters are in RAM: steps 1 and 3,
+the prefetcher's plan of step 4, the cache's side of step 6) and its
+:class:`~sparkv.decode.attend.LayerAttention` (step 5, and the recall probe).
 """
 
 from __future__ import annotations
@@ -40,15 +46,17 @@ import torch
 
 from sparkv.cache.layer import HeadEntries
 from sparkv.decode.cache import ClusterCache, data_bytes
+from sparkv.decode.attend import LayerAttention
 from sparkv.decode.config import DecodeConfig
-from sparkv.decode.fused import fused_attention
-from sparkv.decode.gather import Gathered, HeadParts, pad_heads, padded_attention
 from sparkv.decode.index import CentroidTable, ClusterIndex, TokenIndex, partition
 from sparkv.decode.kmeans import kmeans, stats
+from sparkv.decode.residency import ClusterResidency
 from sparkv.decode.rows import RowArena, Rows
 from sparkv.decode.select import select_heads
+from sparkv.decode.stats import Counters
 from sparkv.decode.store import ClusterStore, FlushedData, IOStats, TokenStore
 from sparkv.decode.upkeep import Upkeep
+from sparkv.decode.window import Window
 
 
 def prefill_frequency(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | None,
@@ -100,6 +108,30 @@ def coretrieval_order(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | Non
     return chain
 
 
+def prefill_clusters(x: np.ndarray, labels: np.ndarray, c: int,
+                     cfg: DecodeConfig) -> tuple[list[np.ndarray], float, int]:
+    """One head's prompt clusters from its k-means ``labels [n]`` (``c`` clusters) of its keys
+    ``x [n, D]``: the variance threshold ``tau`` (the ``tau_quantile`` of the clusters' mean
+    variances, those of 4 entries or more), each cluster over ``tau`` or ``max_cluster`` split
+    (:func:`~sparkv.decode.index.partition`). Returns the clusters' rows, ``tau`` and the splits
+    made."""
+    groups = [np.nonzero(labels == j)[0] for j in range(c)]
+    groups = [g for g in groups if len(g)]
+    var = np.array([stats(x[g])[2] / len(g) for g in groups if len(g) >= 4])
+    tau = float(np.quantile(var, cfg.tau_quantile)) if len(var) else \
+        float(max(stats(x[g])[2] / len(g) for g in groups))
+    final: list[np.ndarray] = []
+    splits = 0
+    for g in groups:
+        if stats(x[g])[2] / len(g) > tau or len(g) > cfg.max_cluster:
+            parts = partition(x[g], tau, cfg.max_cluster, cfg.kmeans_iters)
+            final.extend(g[p] for p in parts)
+            splits += len(parts) - 1
+        else:
+            final.append(g)
+    return final, tau, splits
+
+
 class BuildStopped(Exception):
     """A clustered memory's build was stopped (:meth:`ClusteredKV.build`'s ``stop``)."""
 
@@ -132,8 +164,9 @@ class Prefetcher:
         if self.pool is None or layer.l in self.futures:
             return
         cache = layer.eng.cache
-        uids = [u for u in layer.predicted() if (layer.l, u) not in cache]
-        uids += [u for u in layer.near_cutoff(layer.eng.cfg.prefetch_margin)
+        plan = layer.residency
+        uids = [u for u in plan.predicted() if (layer.l, u) not in cache]
+        uids += [u for u in plan.near_cutoff(layer.eng.cfg.prefetch_margin)
                  if (layer.l, u) not in cache]
         uids = list(dict.fromkeys(uids))
         if not uids:
@@ -155,36 +188,6 @@ class Prefetcher:
         drain(self.futures, self.io)
 
 
-class Counters:
-    """Per-step counters (summed over layers and heads)."""
-
-    def __init__(self) -> None:
-        self.steps = 0                 # decoding forwards (all layers)
-        self.tokens = 0                # tokens those forwards fed
-        self.retrieved_entries = 0     # attended entries from selected clusters (window excluded)
-        self.retrieved_bytes = 0
-        self.attended_entries = 0      # everything attended (window, buffers included)
-        self.selected_units = 0
-        self.hits = 0                  # selected clusters found in the cache
-        self.hit_bytes = 0
-        self.prefetch_hits = 0         # ... found in the prefetch staging
-        self.prefetch_hit_bytes = 0
-        self.misses = 0                # ... read on the critical path
-        self.first_uses = 0            # selected clusters never cached before (no cache could hit)
-        self.miss_bytes = 0
-        self.prefetched_unused_bytes = 0
-        self.recall_sum = 0.0
-        self.error_sum = 0.0
-        self.recall_n = 0
-        self.select_s = 0.0
-        self.io_s = 0.0
-        self.update_s = 0.0
-        self.attend_s = 0.0
-        self.probe_s = 0.0             # measurement only (recall probe): excluded from decode_s
-        self.ram_peak = 0
-        self.staging_peak = 0
-
-
 class LayerState:
     """One layer of a :class:`ClusteredKV` (module docstring)."""
 
@@ -194,18 +197,9 @@ class LayerState:
         cfg = eng.cfg
         k_all = torch.stack([e.k for e in heads]).to(eng.dtype)          # [H, n, D]
         v_all = torch.stack([e.v for e in heads]).to(eng.dtype)
-        n = int(k_all.shape[1])
-        self.end = n
-        s = min(cfg.sinks, n)
-        self.sink_n = s
-        self.sink_k, self.sink_v = k_all[:, :s].clone(), v_all[:, :s].clone()
-        r0 = max(s, n - cfg.recent)
-        self.rec_start = r0
-        self.rec_k, self.rec_v = k_all[:, r0:].clone(), v_all[:, r0:].clone()
+        self.end = int(k_all.shape[1])
+        self.window = Window(k_all, v_all, cfg.sinks, cfg.recent)
         self.new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.step_data: dict[int, FlushedData] = {}
-        self.staged: dict[int, FlushedData] = {}
-        self.last_selected: list[list[int]] = [[] for _ in range(eng.H)]
         path = eng.dir / f"layer{l:03d}.pages"
         self.indexes: list[ClusterIndex | TokenIndex] = []
         self.table: CentroidTable | None = None
@@ -214,12 +208,7 @@ class LayerState:
         #: uid -> its entries as placed (RAM at prefill; the cache's warm-up, then dropped)
         self.warm_data: dict[int, FlushedData] = {}
         if cfg.update == "nocluster":
-            self.store: ClusterStore | TokenStore = TokenStore(
-                path, eng.H, eng.D, eng.dtype, eng.io, max_positions=eng.max_positions,
-                merge_gap=cfg.merge_gap, direct=cfg.direct, executor=eng.prefetcher.io)
-            for h in range(eng.H):
-                self.store.add(h, k_all[h], v_all[h], reason="prefill")
-                self.indexes.append(TokenIndex(l, h, self.store, k_all[h]))
+            self.store: ClusterStore | TokenStore = self._token_store(path, k_all, v_all)
         else:
             self.store = ClusterStore(path, eng.H, eng.D, eng.dtype, eng.io,
                                       max_cluster=cfg.max_cluster, dual_head=cfg.dual_head,
@@ -228,16 +217,28 @@ class LayerState:
                                       pack_tails=cfg.pack_tails)
             self._build_clusters(k_all, v_all, queries)
             self.table = CentroidTable(self.indexes)  # type: ignore[arg-type]
-            self.store.ram_lookup = self.ram
+        self.residency = ClusterResidency(eng, l, self.store, self.indexes, eng.H)
+        if isinstance(self.store, ClusterStore):
+            self.store.ram_lookup = self.residency.ram
             self.store.arena = eng.arena
-            self.store.on_flushed = self._on_flushed
+            self.store.on_flushed = self.residency.on_flushed
+        self.attention = LayerAttention(
+            self.store, self.indexes, self.window, eng.arena, eng.counters, group=eng.group,
+            attend_tails=cfg.attend_tails, probe_capacity=eng.max_positions if eng.probe else None)
         if eng.probe:
-            cap = eng.max_positions
-            self.shadow_k = torch.zeros(eng.H, cap, eng.D, dtype=eng.dtype)
-            self.shadow_v = torch.zeros_like(self.shadow_k)
-            self.shadow_k[:, :n], self.shadow_v[:, :n] = k_all, v_all
+            self.attention.record(k_all, v_all, 0)
 
     # ---- prefill clustering ------------------------------------------------------------------------
+    def _token_store(self, path: Path, k_all: torch.Tensor, v_all: torch.Tensor) -> TokenStore:
+        """``nocluster``: every head's entries on flash in position order, one token index each."""
+        eng, cfg = self.eng, self.eng.cfg
+        store = TokenStore(path, eng.H, eng.D, eng.dtype, eng.io, max_positions=eng.max_positions,
+                           merge_gap=cfg.merge_gap, direct=cfg.direct, executor=eng.prefetcher.io)
+        for h in range(eng.H):
+            store.add(h, k_all[h], v_all[h], reason="prefill")
+            self.indexes.append(TokenIndex(self.l, h, store, k_all[h]))
+        return store
+
     def _build_clusters(self, k_all: torch.Tensor, v_all: torch.Tensor,
                         queries: torch.Tensor | None) -> None:
         eng, cfg = self.eng, self.eng.cfg
@@ -248,19 +249,8 @@ class LayerState:
         budget = eng.budget_for(n)
         for h in range(eng.H):
             x = k_all[h].double().numpy()
-            groups = [np.nonzero(labels[h] == j)[0] for j in range(c)]
-            groups = [g for g in groups if len(g)]
-            var = np.array([stats(x[g])[2] / len(g) for g in groups if len(g) >= 4])
-            tau = float(np.quantile(var, cfg.tau_quantile)) if len(var) else \
-                float(max(stats(x[g])[2] / len(g) for g in groups))
-            final: list[np.ndarray] = []
-            for g in groups:
-                if stats(x[g])[2] / len(g) > tau or len(g) > cfg.max_cluster:
-                    parts = partition(x[g], tau, cfg.max_cluster, cfg.kmeans_iters)
-                    final.extend(g[p] for p in parts)
-                    eng.prefill_splits += len(parts) - 1
-                else:
-                    final.append(g)
+            final, tau, splits = prefill_clusters(x, labels[h], c, cfg)
+            eng.prefill_splits += splits
             means = np.stack([x[g].mean(0) for g in final])
             sizes = np.array([len(g) for g in final])
             qg = None
@@ -273,93 +263,12 @@ class LayerState:
                 rows = torch.from_numpy(final[i])
                 ordered.append((k_all[h][rows], v_all[h][rows], pos[final[i]]))
             idx = ClusterIndex(self.l, h, self.store, cfg, tau)  # type: ignore[arg-type]
-            idx.win = (self.sink_n, self.rec_start)
+            idx.win = self.window.bounds()
             uids = idx.build(ordered)
             for uid, i, data in zip(uids, order, ordered):
                 self.prefill_freq[uid] = float(freq[i])
                 self.warm_data[uid] = data
             self.indexes.append(idx)
-
-    # ---- the step context (sparkv.decode.index.StepContext) ---------------------------------------
-    def ram(self, uid: int) -> FlushedData | None:
-        d = self.step_data.get(uid)
-        if d is None:
-            d = self.eng.cache.peek((self.l, uid))
-        if d is None:
-            d = self.staged.get(uid)
-        return d
-
-    def load(self, uid: int, reason: str) -> FlushedData:
-        data = self.store.fetch([uid], reason)[uid]
-        self.step_data[uid] = data
-        self.eng.cache.put((self.l, uid), data)
-        return data
-
-    def updated(self, uid: int) -> None:
-        self.eng.cache.reserve((self.l, uid))
-
-    def adopt(self, uid: int, data: FlushedData) -> None:
-        data = self.eng.held(data)
-        self.step_data[uid] = data
-        self.eng.cache.put((self.l, uid), data)
-
-    def refresh(self, uid: int, data: FlushedData) -> None:
-        key = (self.l, uid)
-        if uid in self.step_data or uid in self.staged or key in self.eng.cache:
-            data = self.eng.held(data)
-        if uid in self.step_data:
-            self.step_data[uid] = data
-        if uid in self.staged:
-            self.staged[uid] = data
-        self.eng.cache.update((self.l, uid), data)
-
-    def forget(self, uid: int) -> None:
-        self.step_data.pop(uid, None)
-        self.staged.pop(uid, None)
-        self.eng.cache.remove((self.l, uid))
-
-    def _on_flushed(self, uid: int, data: FlushedData | None) -> None:
-        if data is None:
-            self.forget(uid)
-        else:
-            self.refresh(uid, data)
-
-    def predicted(self) -> list[int]:
-        """What the next step will probably read here: the clusters it used this step."""
-        out = []
-        for sel in self.last_selected:
-            for uid in sel:
-                if self._flushed(uid):
-                    out.append(uid)
-        return out
-
-    def near_cutoff(self, margin: int) -> list[int]:
-        """The prefetch margin: per KV head, the best-scored clusters the last selection left out
-        (best first), taken whole while their flushed entries fit ``margin`` entries; clusters
-        with nothing on flash or already cached are skipped (tested: within the margin)."""
-        if margin <= 0 or isinstance(self.store, TokenStore):
-            return []
-        out = []
-        units = self.store.units
-        cache, layer = self.eng.cache, self.l
-        for idx in self.indexes:
-            left = margin
-            for uid in getattr(idx, "next_up", ()):
-                u = units.get(uid)
-                if u is None or not u.flushed or (layer, uid) in cache:
-                    continue
-                if u.flushed <= left:
-                    out.append(uid)
-                    left -= u.flushed
-                    if not left:
-                        break
-        return out
-
-    def _flushed(self, uid: int) -> bool:
-        if isinstance(self.store, TokenStore):
-            return True
-        u = self.store.units.get(uid)
-        return u is not None and u.flushed > 0
 
     # ---- a step ------------------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -368,11 +277,9 @@ class LayerState:
         pos = torch.arange(self.end, self.end + q)
         k, v = k.to(self.eng.dtype), v.to(self.eng.dtype)
         self.new = (k, v, pos)
-        self.rec_k = torch.cat([self.rec_k, k], 1)
-        self.rec_v = torch.cat([self.rec_v, v], 1)
+        self.window.append(k, v)
         if self.eng.probe:
-            self.shadow_k[:, self.end:self.end + q] = k
-            self.shadow_v[:, self.end:self.end + q] = v
+            self.attention.record(k, v, self.end)
         self.end += q
         return pos
 
@@ -396,33 +303,28 @@ class LayerState:
         tw = time.perf_counter()
         cnt.update_s += tw - t0
         t0 = tw
-        self.staged = eng.prefetcher.take(self.l)
+        self.residency.stage(eng.prefetcher.take(self.l))
         t1 = time.perf_counter()
         cnt.io_s += t1 - t0
         selected = self._select(q)
         t2 = time.perf_counter()
         cnt.select_s += t2 - t1
-        read = self._read_selected(selected)
+        read = self.residency.read_selected(selected)
         t3 = time.perf_counter()
         cnt.io_s += t3 - t2
         # the next layer's reads go on while this one computes
         if nxt is not None and nxt is not self:
             eng.prefetcher.submit(nxt)
-        if eng.arena is not None:
-            out, heads = self._fused(selected, q, q_pos, scale)
-        else:
-            gathered = self._gather(selected)
-            out = padded_attention(q, gathered, q_pos, scale)
-            heads = gathered.heads() if eng.probe else []
+        out, heads = self.attention.attend(q, q_pos, scale, selected, self.residency.step_data)
         t4 = time.perf_counter()
         cnt.attend_s += t4 - t3
         if eng.probe and q.shape[2] == 1:
-            self._probe(q, out, heads, scale)
+            self.attention.probe(q, out, heads, scale, self.end)
             t5 = time.perf_counter()
             cnt.probe_s += t5 - t4
             t4 = t5
         new, self.new = self.new, None
-        self._slide_window()
+        self.window.slide()
         eng.upkeep.submit(self.l, self._end_step, selected, read, new)
         cnt.update_s += time.perf_counter() - t4
         return out
@@ -433,7 +335,7 @@ class LayerState:
         qn = q[0].detach().float().numpy()                              # [Hq, nq, D]
         g, d = eng.group, eng.D
         budget = eng.budget_for(self.end)
-        window = (self.sink_n, self.rec_start)
+        window = self.window.bounds()
         selected: list[list[int]] = []
         if self.table is not None:
             # every head's centroids scored in one batched matmul ([H, G*nq, D] x [H, D, S]) and
@@ -458,54 +360,6 @@ class LayerState:
             selected.append(idx.select(qg, budget, window))  # type: ignore[call-arg]
         return selected
 
-    def _read_selected(self, selected: list[list[int]]) -> list[int]:
-        """Fills :attr:`step_data` with the selected clusters' flushed entries, from the cache,
-        the prefetch staging or flash (one read for every miss), counting each source. Returns
-        the clusters read (misses) and then those taken from the staging: the cache's new
-        candidates."""
-        cnt = self.eng.counters
-        self.step_data = step_data = {}
-        misses = []
-        used_staged = []
-        cache, staged, layer = self.eng.cache, self.staged, self.l
-        units = None if isinstance(self.store, TokenStore) else self.store.units
-        ever = cache.ever
-        for sel in selected:
-            for uid in sel:
-                if uid in step_data:
-                    continue
-                if units is not None:
-                    u = units.get(uid)
-                    if u is None or not u.addr.shape[0]:
-                        continue
-                key = (layer, uid)
-                hit = cache.get_sized(key)
-                if hit is not None:
-                    cnt.hits += 1
-                    cnt.hit_bytes += hit[1]
-                    step_data[uid] = hit[0]
-                    continue
-                if key not in ever:
-                    cnt.first_uses += 1
-                data = staged.get(uid)
-                if data is not None:
-                    cnt.prefetch_hits += 1
-                    cnt.prefetch_hit_bytes += data_bytes(data)
-                    step_data[uid] = data
-                    used_staged.append(uid)
-                    continue
-                misses.append(uid)
-        if misses:
-            got = self.store.fetch(misses, "retrieve")
-            for uid, data in got.items():
-                cnt.misses += 1
-                cnt.miss_bytes += data_bytes(data)
-                step_data[uid] = data
-        cnt.staging_peak = max(cnt.staging_peak, sum(data_bytes(x) for x in self.staged.values()))
-        cnt.prefetched_unused_bytes += sum(data_bytes(x) for u, x in self.staged.items()
-                                           if u not in self.step_data)
-        return misses + used_staged
-
     def absorb(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Entries ``[H, q, D]`` at the next positions that were attended elsewhere (the full KV's
         steps while the clusters were built) join their clusters as a step's new entries do,
@@ -515,232 +369,28 @@ class LayerState:
         new, self.new = self.new, None
         assert new is not None      # update() just made it
         self._end_step([[] for _ in self.indexes], [], new)
-        self._slide_window()
+        self.window.slide()
 
     def _end_step(self, selected: list[list[int]], read: list[int],
                   new: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """The step's upkeep (on the upkeep thread, :mod:`sparkv.decode.upkeep`): offers the
         clusters ``read`` to the cache and lets the ``new`` entries join their clusters (splits,
         buffers; :meth:`ClusterIndex.observe`, ``finish_step``)."""
-        eng = self.eng
-        for uid in read:
-            if uid in self.step_data:
-                eng.cache.put((self.l, uid), self.step_data[uid])
+        ctx = self.residency
+        ctx.offer(read)
         k_new, v_new, pos_new = new
         for j in range(int(pos_new.shape[0])):
             p = int(pos_new[j])
             for h, idx in enumerate(self.indexes):
-                idx.observe(k_new[h, j], v_new[h, j], p, self)
+                idx.observe(k_new[h, j], v_new[h, j], p, ctx)
         for h, idx in enumerate(self.indexes):
-            idx.finish_step(selected[h], self)
-        self.last_selected = selected
-        self.staged = {}
-        self.step_data = {}
-
-    def _slide_window(self) -> None:
-        """Slides the window to the last ``recent`` positions (the decoding thread's part of a
-        step's end: the window is never touched by the upkeep)."""
-        keep = max(0, int(self.rec_k.shape[1]) - self.eng.cfg.recent)
-        if keep:
-            self.rec_k, self.rec_v = self.rec_k[:, keep:].clone(), self.rec_v[:, keep:].clone()
-            self.rec_start += keep
-
-    def _window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The always-resident window of every head: ``(k, v [H, W, D], pos [W])``."""
-        s_end, w0 = self.sink_n, self.rec_start
-        rec_n = int(self.rec_k.shape[1])
-        wpos = torch.cat([torch.arange(s_end), torch.arange(w0, w0 + rec_n)])
-        return (torch.cat([self.sink_k, self.rec_k], 1), torch.cat([self.sink_v, self.rec_v], 1),
-                wpos)
-
-    def _fused(self, selected: list[list[int]], q: torch.Tensor, q_pos: torch.Tensor,
-               scale: float | None) -> tuple[torch.Tensor, list]:
-        """Attention over the window and, per KV head, the arena runs of :meth:`_runs`, in one
-        :func:`~sparkv.decode.fused.fused_attention` call; also the per-head attended positions
-        when probing (else ``[]``)."""
-        eng, cnt = self.eng, self.eng.counters
-        arena = eng.arena
-        assert arena is not None
-        runs, scratch = self._runs(selected)
-        window = self._window()
-        out, kept = fused_attention(q, q_pos, scale, arena.k, arena.v, arena.pos, runs, window,
-                                    (self.sink_n, self.rec_start))
-        retrieved = int(kept[:, 1].sum())
-        cnt.retrieved_entries += retrieved
-        cnt.retrieved_bytes += retrieved * self.store.rec.entry_bytes
-        cnt.attended_entries += int(kept[:, 0].sum()) + eng.H * int(window[2].shape[0])
-        heads = [(None, None, torch.from_numpy(p)) for p in self.attended_positions(runs)] \
-            if eng.probe else []
-        del scratch
-        return out, heads
-
-    def _runs(self, selected: list[list[int]]) -> tuple[np.ndarray, list[Rows]]:
-        """``runs [N, 4]`` (head, first row, rows, selected) of the arena for the fused call: per
-        KV head, its selected clusters' runs, one scratch run of their tails (selected), one of
-        every other tail (``attend_tails``) and its RAM-only entries; and the scratch runs (held
-        until the call is over)."""
-        arena = self.eng.arena
-        assert arena is not None and isinstance(self.store, ClusterStore)
-        tails: dict[int, list] = {}
-        if self.eng.cfg.attend_tails:
-            for u in self.store.tails():
-                tails.setdefault(u.head, []).append(u)
-        step_data, units = self.step_data, self.store.units
-        runs: list[tuple[int, int, int, int]] = []
-        scratch: list[Rows] = []
-        for h, idx in enumerate(self.indexes):
-            sel: tuple[list, list, list] = ([], [], [])
-            for uid in selected[h]:
-                data = step_data.get(uid)
-                if data is not None:
-                    run = data if isinstance(data, Rows) and data.arena is arena \
-                        else arena.put(*data)
-                    step_data[uid] = run
-                    if run.n:
-                        runs.append((h, run.start, run.n, 1))
-                u = units[uid]
-                if u.tail:
-                    sel[0].append(u.tail_k)
-                    sel[1].append(u.tail_v)
-                    sel[2].append(u.tail_pos)
-            other: tuple[list, list, list] = ([], [], [])
-            if tails:
-                sel_set = set(selected[h])
-                for u in tails.get(h, ()):
-                    if u.uid not in sel_set:
-                        other[0].append(u.tail_k)
-                        other[1].append(u.tail_v)
-                        other[2].append(u.tail_pos)
-            rk, rv, rp = idx.resident()
-            if len(rp):
-                other[0].append(rk)
-                other[1].append(rv)
-                other[2].append(rp)
-            for (ks, vs, ps), flag in ((sel, 1), (other, 0)):
-                if ps:
-                    r = arena.put(torch.cat(ks), torch.cat(vs), np.concatenate(ps))
-                    scratch.append(r)
-                    runs.append((h, r.start, r.n, flag))
-        return np.array(runs, np.int64).reshape(-1, 4), scratch
-
-    def attended_positions(self, runs: np.ndarray) -> list[np.ndarray]:
-        """Per KV head, the positions a fused call over ``runs`` attends: the window, then the
-        runs' rows outside it (what :func:`~sparkv.decode.fused.fused_attention` reads)."""
-        arena = self.eng.arena
-        assert arena is not None
-        wpos = self._window()[2].numpy()
-        out = []
-        for h in range(self.eng.H):
-            ps = [arena.pos[a:a + n] for hh, a, n, _ in runs.tolist() if hh == h]
-            p = np.concatenate(ps) if ps else np.zeros(0, np.int64)
-            p = p[(p >= self.sink_n) & (p < self.rec_start)]
-            out.append(np.concatenate([wpos, p]))
-        return out
-
-    def _gather(self, selected: list[list[int]]) -> Gathered:
-        """Every KV head's attended entries in one padded tensor: the window, then its selected
-        entries (flushed + write buffer), its RAM-only entries, each position once."""
-        cnt = self.eng.counters
-        s_end, w0 = self.sink_n, self.rec_start
-        parts: list[HeadParts] = []
-        retrieved = 0
-        for ks, vs, ps, n_sel in self._pieces(selected):
-            if not ps:
-                parts.append(([], [], np.zeros(0, np.int64), None))
-                continue
-            pk = np.concatenate(ps) if len(ps) > 1 else ps[0]
-            m = (pk >= s_end) & (pk < w0)
-            retrieved += int(m[:n_sel].sum())
-            parts.append((ks, vs, pk, None if m.all() else m))
-        cnt.retrieved_entries += retrieved
-        cnt.retrieved_bytes += retrieved * self.store.rec.entry_bytes
-        rec_n = int(self.rec_k.shape[1])
-        wpos = torch.cat([torch.arange(s_end), torch.arange(w0, w0 + rec_n)])
-        g = pad_heads(torch.cat([self.sink_k, self.rec_k], 1),
-                      torch.cat([self.sink_v, self.rec_v], 1), wpos, parts)
-        cnt.attended_entries += int(g.lengths.sum())
-        return g
-
-    def _pieces(self, selected: list[list[int]]) -> list[tuple[list, list, list, int]]:
-        """Per head: the selected clusters' flushed entries and tails, every other write-buffer
-        tail (``attend_tails``), then the head's RAM-only entries, as ``(k pieces, v pieces,
-        pos pieces, entries of the selected pieces)``."""
-        # every write-buffer tail is in RAM: attended whether its cluster is selected or not
-        # (like the buffers and the window; it costs no read)
-        tails: dict[int, list] = {}
-        if self.eng.cfg.attend_tails and isinstance(self.store, ClusterStore):
-            for u in self.store.tails():
-                tails.setdefault(u.head, []).append(u)
-        step_data = self.step_data
-        out = []
-        for h, idx in enumerate(self.indexes):
-            ks: list = []
-            vs: list = []
-            ps: list = []
-            if isinstance(idx, TokenIndex):
-                for uid in selected[h]:
-                    data = step_data.get(uid)
-                    if data is not None:
-                        kt = torch.from_numpy(idx.last_keep[uid] - int(data[2][0]))
-                        ks.append(data[0][kt])
-                        vs.append(data[1][kt])
-                        ps.append(idx.last_keep[uid])
-            else:
-                units = self.store.units  # type: ignore[union-attr]
-                for uid in selected[h]:
-                    data = step_data.get(uid)
-                    if data is not None:
-                        ks.append(data[0])
-                        vs.append(data[1])
-                        ps.append(data[2])
-                    u = units[uid]
-                    if u.tail:
-                        ks.append(u.tail_k)
-                        vs.append(u.tail_v)
-                        ps.append(u.tail_pos)
-            n_sel = sum(len(p) for p in ps)
-            if tails:
-                sel_set = set(selected[h])
-                for u in tails.get(h, ()):
-                    if u.uid not in sel_set:
-                        ks.append(u.tail_k)
-                        vs.append(u.tail_v)
-                        ps.append(u.tail_pos)
-            rk, rv, rp = idx.resident()
-            if len(rp):
-                ks.append(rk)
-                vs.append(rv)
-                ps.append(rp)
-            out.append((ks, vs, ps, n_sel))
-        return out
-
-    def _probe(self, q: torch.Tensor, out: torch.Tensor,
-               heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-               scale: float | None) -> None:
-        """Attention-mass recall of what was attended, and the output's relative error against
-        full attention over every entry (measurement only; not part of the policy)."""
-        eng, cnt = self.eng, self.eng.counters
-        g = eng.group
-        n = self.end
-        sc = scale if scale is not None else eng.D ** -0.5
-        for h, (_, _, pos) in enumerate(heads):
-            qg = q[0, h * g:(h + 1) * g, 0].float()                         # [G, D]
-            logits = qg @ self.shadow_k[h, :n].float().T * sc
-            p = torch.softmax(logits, -1)
-            mask = torch.zeros(n, dtype=torch.bool)
-            mask[pos.long()] = True
-            recall = p[:, mask].sum(-1)                                     # [G]
-            full = p @ self.shadow_v[h, :n].float()
-            approx = out[0, h * g:(h + 1) * g, 0].float()
-            err = (approx - full).norm(dim=-1) / full.norm(dim=-1).clamp_min(1e-12)
-            cnt.recall_sum += float(recall.sum())
-            cnt.error_sum += float(err.sum())
-            cnt.recall_n += g
+            idx.finish_step(selected[h], ctx)
+        ctx.end_step(selected)
 
     # ---- accounting --------------------------------------------------------------------------------
     def ram_bytes(self) -> dict[str, int]:
         eb = self.store.rec.entry_bytes
-        window = (self.sink_n + int(self.rec_k.shape[1])) * self.eng.H * eb
+        window = self.window.entries() * self.eng.H * eb
         buffers = sum(i.resident_entries for i in self.indexes) * eb
         return {"window": window, "buffers": buffers, "write_buffers": self.store.tail_entries * eb}
 

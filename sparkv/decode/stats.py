@@ -1,4 +1,5 @@
-"""What a decode policy reports: :class:`DecodeStats` (docs/dynakv.md, "The stats")."""
+"""What a decode policy reports: :class:`DecodeStats` (docs/dynakv.md, "The stats"), summed from
+the :class:`Counters` its layers count into at every step."""
 
 from __future__ import annotations
 
@@ -182,3 +183,33 @@ def _time_text(d: dict[str, Any]) -> str:
     if d.get("teardown_s"):
         text += f"; then {d['teardown_s']:.2f} s of pending page writes and file removal"
     return text
+
+
+class Counters:
+    """Per-step counters (summed over layers and heads)."""
+
+    def __init__(self) -> None:
+        self.steps = 0                 # decoding forwards (all layers)
+        self.tokens = 0                # tokens those forwards fed
+        self.retrieved_entries = 0     # attended entries from selected clusters (window excluded)
+        self.retrieved_bytes = 0
+        self.attended_entries = 0      # everything attended (window, buffers included)
+        self.selected_units = 0
+        self.hits = 0                  # selected clusters found in the cache
+        self.hit_bytes = 0
+        self.prefetch_hits = 0         # ... found in the prefetch staging
+        self.prefetch_hit_bytes = 0
+        self.misses = 0                # ... read on the critical path
+        self.first_uses = 0            # selected clusters never cached before (no cache could hit)
+        self.miss_bytes = 0
+        self.prefetched_unused_bytes = 0
+        self.recall_sum = 0.0
+        self.error_sum = 0.0
+        self.recall_n = 0
+        self.select_s = 0.0
+        self.io_s = 0.0
+        self.update_s = 0.0
+        self.attend_s = 0.0
+        self.probe_s = 0.0             # measurement only (recall probe): excluded from decode_s
+        self.ram_peak = 0
+        self.staging_peak = 0

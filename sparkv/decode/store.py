@@ -36,6 +36,9 @@ which is where write amplification came from.
 is relocated whole (its live entries and the new page rewritten at the end of the file; read first
 if not in RAM) - the "strictly contiguous layout" the dual-head layout avoids.
 
+The pages themselves (pools, heads, extents) are handed out by
+:class:`~sparkv.decode.units.PageLayout`; :class:`ClusterStore` writes and reads them.
+
 **Accounting** (:class:`IOStats`): read operations, bytes (including dead slots and padding of
 the pages read) and the live entries they carried, by reason; pages written (physical bytes) and
 the logical bytes the policy asked to write (new entries, split migrations): write amplification
@@ -50,7 +53,6 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -58,6 +60,7 @@ import numpy as np
 import torch
 
 from sparkv.decode.rows import RowArena, Rows
+from sparkv.decode.units import PageLayout, Unit
 from sparkv.fileio import FlashError, FlashIO, checksum, verify
 from sparkv.fileio import delete as delete_file
 
@@ -286,73 +289,6 @@ def runs_of(pages: Iterable[int], gap: int = 0) -> list[tuple[int, int]]:
     return out
 
 
-# ---- units and pools ---------------------------------------------------------------------------------
-@dataclass
-class Pool:
-    """``size`` pages from ``first``: the left head grows up from ``first``, the right head down
-    from ``first + size - 1``."""
-
-    first: int
-    size: int
-    lnext: int = 0
-    rnext: int = 0
-    owners: list[int | None] = field(default_factory=lambda: [None, None])
-
-    def __post_init__(self) -> None:
-        self.lnext = self.first
-        self.rnext = self.first + self.size - 1
-
-    def free(self) -> int:
-        return self.rnext - self.lnext + 1
-
-    def take(self, side: int, n: int) -> list[int] | None:
-        """``n`` pages at ``side``'s head (ascending), or None when they do not fit."""
-        if n > self.free():
-            return None
-        if side == 0:
-            pages = list(range(self.lnext, self.lnext + n))
-            self.lnext += n
-        else:
-            pages = list(range(self.rnext - n + 1, self.rnext + 1))
-            self.rnext -= n
-        return pages
-
-
-@dataclass
-class Unit:
-    """One retrievable unit (a cluster) of one head.
-
-    ``addr``/``pos``: the flushed live entries (slot address ``page * per_page + slot`` and
-    position); ``tail_*``: entries not yet on flash (the write buffer); ``pages``: every page
-    written for it (dead slots included).
-    """
-
-    uid: int
-    head: int
-    addr: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    tail_k: torch.Tensor | None = None
-    tail_v: torch.Tensor | None = None
-    tail_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    pool: Pool | None = None
-    side: int = 0
-    pages: list[int] = field(default_factory=list)
-    last_append: int = 0
-    alive: bool = True
-
-    @property
-    def flushed(self) -> int:
-        return int(self.addr.shape[0])
-
-    @property
-    def tail(self) -> int:
-        return int(self.tail_pos.shape[0])
-
-    @property
-    def size(self) -> int:
-        return self.flushed + self.tail
-
-
 #: k [n, D], v [n, D], pos [n]: a tuple, or a run of the row arena that reads as one
 FlushedData = tuple[torch.Tensor, torch.Tensor, np.ndarray] | Rows
 
@@ -373,13 +309,11 @@ class ClusterStore:
         #: of writing the fullest tail as a padded page
         self.pack_tails = pack_tails
         self.tail_pages = 0
-        self.pool_pages = 2 * self.rec.pages_for(max_cluster)
+        self.layout = PageLayout(dual_head, 2 * self.rec.pages_for(max_cluster))
         self.tail_cap = max(1, write_buffer) * heads
         self.merge_gap = merge_gap
         self.units: dict[int, Unit] = {}
-        self.next_page = 0
         self._next_uid = 0
-        self._open: dict[int, Pool] = {}       # head -> pool whose right head awaits a migrant
         self.tail_entries = 0
         self.clock = 0
         #: units that may hold a tail (a superset: pruned lazily), so capping the write buffers
@@ -392,48 +326,12 @@ class ClusterStore:
         #: where read entries go (runs of rows, sparkv.decode.rows), or None: tensors of their own
         self.arena: RowArena | None = None
 
-    # ---- allocation --------------------------------------------------------------------------------
-    def _alloc(self, pages: int) -> int:
-        first = self.next_page
-        self.next_page += pages
-        return first
-
+    # ---- units -------------------------------------------------------------------------------------
     def new_unit(self, head: int) -> Unit:
         u = Unit(self._next_uid, head)
         self._next_uid += 1
         self.units[u.uid] = u
         return u
-
-    def _migrant_home(self, u: Unit) -> None:
-        """Gives ``u`` a fresh head: the free right head of its head's open pool, else the left
-        head of a new pool (which becomes the open one)."""
-        if not self.dual_head:
-            u.pool, u.side = None, 0
-            return
-        pool = self._open.get(u.head)
-        if pool is not None and pool.owners[1] is None and pool.rnext == pool.first + pool.size - 1:
-            pool.owners[1] = u.uid
-            u.pool, u.side = pool, 1
-            self._open.pop(u.head, None)
-            return
-        pool = Pool(self._alloc(self.pool_pages), self.pool_pages)
-        pool.owners[0] = u.uid
-        u.pool, u.side = pool, 0
-        self._open[u.head] = pool
-
-    def _take_pages(self, u: Unit, n: int) -> list[int]:
-        """``n`` pages for ``u`` at its head (dual-head layout)."""
-        if u.pool is None:
-            self._migrant_home(u)
-        assert u.pool is not None
-        pages = u.pool.take(u.side, n)
-        if pages is None:            # met its partner: continue in a migrant pool
-            self._migrant_home(u)
-            pages = u.pool.take(u.side, n)
-            if pages is None:        # bigger than a whole pool: an extent of its own
-                first = self._alloc(n)
-                pages = list(range(first, first + n))
-        return pages
 
     # ---- writes ------------------------------------------------------------------------------------
     def _write(self, u: Unit, k: torch.Tensor, v: torch.Tensor, pos: np.ndarray, reason: str,
@@ -444,7 +342,7 @@ class ClusterStore:
             return
         npages = self.rec.pages_for(n)
         if pages is None:
-            pages = self._take_pages(u, npages)
+            pages = self.layout.take(u, npages)
         data = self.rec.pack(k, v)
         # pages are ascending; write each contiguous run in one operation
         i = 0
@@ -464,41 +362,18 @@ class ClusterStore:
         """Prefill placement of one head's clusters, in the given (co-retrieval) order: pairs
         share dual-head pools (or, packed, follow each other). Partial last pages are written
         padded. Returns the new units' ids."""
-        uids = []
-        pool: Pool | None = None
-        for i, (k, v, pos) in enumerate(groups):
-            u = self.new_unit(head)
-            npages = self.rec.pages_for(int(k.shape[0]))
-            if self.dual_head:
-                if i % 2 == 0:
-                    nxt = self.rec.pages_for(int(groups[i + 1][0].shape[0])) \
-                        if i + 1 < len(groups) else 0
-                    size = max(self.pool_pages, npages + nxt)
-                    pool = Pool(self._alloc(size), size)
-                    pool.owners[0] = u.uid
-                    u.pool, u.side = pool, 0
-                    if i + 1 == len(groups):
-                        self._open[head] = pool      # its right head awaits a migrant
-                else:
-                    assert pool is not None
-                    pool.owners[1] = u.uid
-                    u.pool, u.side = pool, 1
-                assert u.pool is not None
-                pages = u.pool.take(u.side, npages)
-                assert pages is not None
-            else:
-                first = self._alloc(npages)
-                pages = list(range(first, first + npages))
-            self._write(u, k, v, pos, "prefill", pages)
-            uids.append(u.uid)
-        return uids
+        units = [self.new_unit(head) for _ in groups]
+        pages = self.layout.prefill(units, [self.rec.pages_for(int(g[0].shape[0])) for g in groups])
+        for u, (k, v, pos), p in zip(units, groups, pages):
+            self._write(u, k, v, pos, "prefill", p)
+        return [u.uid for u in units]
 
     def create(self, head: int, k: torch.Tensor, v: torch.Tensor, pos: np.ndarray,
                reason: str = "migrate") -> Unit:
         """A new unit from entries in RAM (a split half, a local cluster): whole pages written now
         (logical bytes: ``reason``), the rest kept as its tail."""
         u = self.new_unit(head)
-        self._migrant_home(u)
+        self.layout.home(u)
         self.add(u, k, v, pos, reason)
         return u
 
@@ -567,7 +442,7 @@ class ClusterStore:
         u.pos = np.zeros(0, np.int64)
         u.pages = []
         npages = self.rec.pages_for(int(k.shape[0]))
-        first = self._alloc(npages)
+        first = self.layout.alloc(npages)
         self._write(u, k, v, pos, "relocate", list(range(first, first + npages)))
         if in_ram:
             self.on_flushed(u.uid, (k, v, pos))
@@ -615,7 +490,7 @@ class ClusterStore:
             left -= n
             if not left:
                 break
-        page = self._alloc(1)
+        page = self.layout.alloc(1)
         k = torch.cat([u.tail_k[:n] for u, n in take])  # type: ignore[index]
         v = torch.cat([u.tail_v[:n] for u, n in take])  # type: ignore[index]
         self.file.write(page, self.rec.pack(k, v), reason)
@@ -683,7 +558,7 @@ class ClusterStore:
         pages are dead (nothing is rewritten in place)."""
         if self.dual_head:
             u.pool = None
-            self._migrant_home(u)
+            self.layout.home(u)
             k, v, pos = data
             u.addr = np.zeros(0, np.int64)
             u.pos = np.zeros(0, np.int64)

@@ -29,7 +29,8 @@ from sparkv.cache.layer import HeadEntries
 from sparkv.decode.cache import ClusterCache
 from sparkv.decode.config import DecodeConfig
 from sparkv.decode.gather import Gathered, padded_attention
-from sparkv.decode.policy import Counters, drain
+from sparkv.decode.policy import drain
+from sparkv.decode.stats import Counters
 from sparkv.decode.store import PAGE, IOStats, TokenStore
 
 

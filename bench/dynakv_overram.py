@@ -125,10 +125,11 @@ def main() -> int:
     table = [[r["policy"], r.get("budget_frac"), "refused" if "refused" in r else
               f"{r['tokens_per_s']:.3f}", r.get("recall"), r.get("critical_read_ops_per_token"),
               (r.get("flash_read_bytes_per_token") or 0) / 1e6, r.get("ram_hit_rate"),
-              r.get("io_s"), r.get("attend_s"), r.get("update_s"), r.get("select_s")]
+              r.get("io_s"), r.get("attend_s"), r.get("update_s"), r.get("select_s"),
+              (r.get("rss_peak_bytes") or float("nan")) / 1e6, r.get("wall_s")]
              for r in rows]
     print(format_table(["policy", "RAM", "tok/s", "recall", "crit ops/tok", "MB/tok", "ram hit",
-                        "io s", "attend s", "update s", "select s"], table))
+                        "io s", "attend s", "update s", "select s", "RSS MB", "wall s"], table))
     for b, t in targets.items():
         print(f"targets @ {b}: {t}")
     print(f"wrote {path}")

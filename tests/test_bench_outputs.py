@@ -89,3 +89,19 @@ def test_a_config_with_tuple_keys_is_written(tmp_path):
                         tmp_path / "x.json")
     assert json.loads(path.read_text())["config"]["group_trials"] == {"backend@8192": 10,
                                                                       "press": 5}
+
+
+def test_peak_rss_counts_what_its_block_held_and_not_what_an_earlier_one_freed():
+    import pytest
+    import torch
+
+    from sparkv.bench.common import PeakRss
+
+    with PeakRss() as held:
+        x = torch.ones(40_000_000)      # 160 MB, touched
+        del x
+    if held.bytes is None:
+        pytest.skip("no /proc/self/clear_refs here")
+    with PeakRss() as after:
+        torch.ones(1000)
+    assert held.bytes - after.bytes > 120e6

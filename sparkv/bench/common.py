@@ -227,3 +227,43 @@ class NetnsServer:
         finally:
             self.log.close()
             self.link.close()
+
+
+class PeakRss:
+    """This process's peak resident memory over a block, in bytes (Linux: the kernel's
+    high-water mark, ``VmHWM``, reset on entry through ``/proc/self/clear_refs``; ``None``
+    elsewhere). On entry the collector runs and the C heap's free pages go back to the system
+    (:func:`~sparkv.runtime.heap.trim_heap`), so what an earlier run freed is not counted::
+
+        with PeakRss() as peak:
+            run()
+        row["rss_peak_bytes"] = peak.bytes
+    """
+
+    def __init__(self) -> None:
+        self.bytes: int | None = None
+        self._reset = False
+
+    def __enter__(self) -> "PeakRss":
+        import gc
+
+        from sparkv.runtime.heap import trim_heap
+
+        gc.collect()
+        trim_heap()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self._reset = True
+        except OSError:
+            self._reset = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._reset:
+            return
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    self.bytes = int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            self.bytes = None

@@ -34,7 +34,8 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from sparkv.bench.common import add_run_args, format_table, result_path, write_result
+from sparkv.bench.common import (PeakRss, add_run_args, format_table, result_path,
+                                 write_result)
 from sparkv.cliflags import add_device_args
 
 if TYPE_CHECKING:
@@ -316,16 +317,20 @@ def _measure(lm: LoadedModel, layers: Any, ctx: list[int], q: list[int], follow:
         ref = [int(s.prefill(q).argmax())]
         for _ in range(new_tokens - 1):
             ref.append(int(s.feed([ref[-1]]).argmax()))
-    rows = [_session_run(lm, layers, ctx, q, ref, follow, task, "full", None, retrieval,
-                         flash_dir)]
+    with PeakRss() as peak:
+        rows = [_session_run(lm, layers, ctx, q, ref, follow, task, "full", None, retrieval,
+                             flash_dir)]
+    rows[0]["rss_peak_bytes"] = peak.bytes
     bar.update(1)
     for b in budgets:
         for pol in policies:
             bar.set_postfix_str(f"{pol} @ {b:g}")
             t0 = time.perf_counter()
-            row = _session_run(lm, layers, ctx, q, ref, follow, task, pol, b, retrieval,
-                               flash_dir)
+            with PeakRss() as peak:
+                row = _session_run(lm, layers, ctx, q, ref, follow, task, pol, b, retrieval,
+                                   flash_dir)
             row["wall_s"] = time.perf_counter() - t0
+            row["rss_peak_bytes"] = peak.bytes     # the whole process: model and prompt KV too
             rows.append(row)
             bar.update(1)
     bar.close()
@@ -344,9 +349,10 @@ def _print(rows: list[dict[str, Any]], targets: dict[str, Any]) -> None:
                       r["flash_read_bytes_per_token"] / 1e3, r["flash_read_ops_per_token"],
                       r["critical_read_ops_per_token"],
                       r["mean_run_entries"], r["write_amplification"], r["hit_rate"],
-                      r["split_read_bytes"] / 1e3, r["tokens_per_s"]])
+                      r["split_read_bytes"] / 1e3, r["tokens_per_s"],
+                      (r.get("rss_peak_bytes") or float("nan")) / 1e6])
     print(format_table(["policy", "RAM", "recall", "agree", "passkey", "rd kB/tok", "ops/tok",
-                        "crit ops", "run", "WA", "hit", "split kB", "tok/s"], table))
+                        "crit ops", "run", "WA", "hit", "split kB", "tok/s", "RSS MB"], table))
     for b, t in targets.items():
         print(f"targets @ {b}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else
                                             f"{k}={v}" for k, v in t.items()))

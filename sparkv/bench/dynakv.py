@@ -341,7 +341,7 @@ def _print(rows: list[dict[str, Any]], targets: dict[str, Any]) -> None:
     table = []
     for r in rows:
         if "refused" in r:
-            table.append([r["policy"], r["budget_frac"], "refused"] + [""] * 10)
+            table.append([r["policy"], r["budget_frac"], "refused"] + [""] * 11)
             continue
         table.append([r["policy"], "-" if r["budget_frac"] is None else r["budget_frac"],
                       r["recall"] if r["recall"] is not None else float("nan"),

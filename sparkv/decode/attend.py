@@ -23,7 +23,7 @@ from sparkv.decode.index import ClusterIndex, TokenIndex
 from sparkv.decode.rows import RowArena, Rows
 from sparkv.decode.stats import Counters
 from sparkv.decode.store import ClusterStore, FlushedData, TokenStore
-from sparkv.decode.window import Window
+from sparkv.decode.window import RecentWindow
 
 
 class LayerAttention:
@@ -39,7 +39,7 @@ class LayerAttention:
     """
 
     def __init__(self, store: ClusterStore | TokenStore,
-                 indexes: Sequence[ClusterIndex | TokenIndex], window: Window,
+                 indexes: Sequence[ClusterIndex | TokenIndex], window: RecentWindow,
                  arena: RowArena | None, counters: Counters, *, group: int, attend_tails: bool,
                  probe_capacity: int | None) -> None:
         self.store, self.indexes, self.window = store, indexes, window

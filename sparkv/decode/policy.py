@@ -24,7 +24,7 @@ The cache is warmed at prefill (``warm``): the clusters the prompt's last querie
 often, by one rule for every policy (:meth:`ClusteredKV._warm`).
 
 A :class:`LayerState` builds its clusters, selects (step 2) and runs the step's upkeep; it owns
-three parts: its :class:`~sparkv.decode.window.Window`, its
+three parts: its :class:`~sparkv.decode.window.RecentWindow`, its
 :class:`~sparkv.decode.residency.ClusterResidency` (where its clusters are in RAM: steps 1 and 3,
 the prefetcher's plan of step 4, the cache's side of step 6) and its
 :class:`~sparkv.decode.attend.LayerAttention` (step 5, and the recall probe).
@@ -56,7 +56,7 @@ from sparkv.decode.select import select_heads
 from sparkv.decode.stats import Counters
 from sparkv.decode.store import ClusterStore, FlushedData, IOStats, TokenStore
 from sparkv.decode.upkeep import Upkeep
-from sparkv.decode.window import Window
+from sparkv.decode.window import RecentWindow
 
 
 def prefill_frequency(means: np.ndarray, sizes: np.ndarray, qg: np.ndarray | None,
@@ -198,7 +198,7 @@ class LayerState:
         k_all = torch.stack([e.k for e in heads]).to(eng.dtype)          # [H, n, D]
         v_all = torch.stack([e.v for e in heads]).to(eng.dtype)
         self.end = int(k_all.shape[1])
-        self.window = Window(k_all, v_all, cfg.sinks, cfg.recent)
+        self.window = RecentWindow(k_all, v_all, cfg.sinks, cfg.recent)
         self.new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         path = eng.dir / f"layer{l:03d}.pages"
         self.indexes: list[ClusterIndex | TokenIndex] = []

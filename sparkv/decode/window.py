@@ -1,9 +1,10 @@
-"""A clustered layer's always-resident window: :class:`Window`.
+"""A clustered layer's always-resident window: :class:`RecentWindow`.
 
 Every KV head keeps its first ``sinks`` positions (the attention sinks) and its last ``recent``
 positions in RAM, attended at every step whatever the selection. The decoding thread owns it:
-a step's new entries join the recent part (:meth:`Window.append`) and the step's end slides it
-back to ``recent`` entries (:meth:`Window.slide`); the upkeep thread never touches it.
+a step's new entries join the recent part (:meth:`RecentWindow.append`) and the step's end
+slides it back to ``recent`` entries (:meth:`RecentWindow.slide`); the upkeep thread never
+touches it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 
-class Window:
+class RecentWindow:
     """The sinks ``[0, sink_n)`` and the recent positions ``[rec_start, rec_start + R)`` of
     every KV head: ``sink_k, sink_v [H, sink_n, D]`` and ``rec_k, rec_v [H, R, D]``.
 

@@ -189,3 +189,19 @@ def test_what_comes_after_the_last_token_is_not_counted_before_the_first(tiny_ll
     assert g.total_s - g.first_token_s >= st.teardown_s + st.decode_s
     assert "of pending page writes and file removal" in "\n".join(
         b for _, b in decode_rows(st.to_dict()))
+
+
+def test_the_build_hands_the_c_heap_back_after_every_layer(tiny_llama, prompt, tmp_path,
+                                                            monkeypatch):
+    """On the build's thread glibc keeps what a layer's clustering freed in that thread's arena
+    (measured: +55 MB per layer, a SmolLM2-shape build at 4K held 4.5x its KV): the build trims
+    the heap after each layer, on its own thread."""
+    import sparkv.decode.policy as policy
+
+    calls: list[str] = []
+    monkeypatch.setattr(policy, "trim_heap",
+                        lambda: calls.append(threading.current_thread().name) or True)
+    tokens, s = _decode(tiny_llama, prompt, 3, tmp_path, full_steps=0, **SMALL)
+    with s:
+        assert s.kv is not None
+        assert calls == ["dynakv-build"] * len(s.kv.layers)

@@ -494,9 +494,9 @@ def _ratios(results: dict[str, Any], active: dict[str, int]) -> dict[str, Any]:
         m = by["llms"]["mean_switch_ms"]
         out[pattern] = {f"mean_switch_{b}_over_llms": by[b]["mean_switch_ms"] / max(m, 1e-9)
                         for b in ("lmk", "swap", "vllm-s", "vllm-sq") if b in by}
-        med = by["llms"].get("median_switch_ms", math.nan)
+        med = by["llms"]["median_switch_ms"]
         out[pattern].update({f"median_switch_{b}_over_llms":
-                             by[b].get("median_switch_ms", math.nan) / max(med, 1e-9)
+                             by[b]["median_switch_ms"] / max(med, 1e-9)
                              for b in ("lmk", "swap", "vllm-s", "vllm-sq") if b in by})
         out[pattern]["llms_identical_answers"] = by["llms"].get("identical_answers")
         out[pattern]["llms_passkey_acc"] = by["llms"]["passkey_acc"]

@@ -97,6 +97,134 @@ def test_the_load_counts_the_asks_using_the_cores_and_forgets_closed_ones():
     assert a.load() == 1.0
 
 
+class _Clock:
+    """A clock a test moves by hand (the gate's load reads its window on it)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_busy_load_is_the_share_of_the_window_the_asks_before_one_ran():
+    clock = _Clock()
+    gate = CoreGate(window_s=1.0, order="oldest", clock=clock)
+    old, young = gate.lane(), gate.lane()
+    assert young.gate.busy_load(young) == 1.0          # nothing ran: the cores are free
+    with old.hold():
+        clock.now += 0.5                                # the old ask ran half the window
+    assert gate.busy_load(young) == pytest.approx(2.0)
+    assert gate.busy_load(old) == 1.0                   # the young ask ran nothing before it
+    with young.hold():
+        clock.now += 0.25
+    assert gate.busy_load(old) == 1.0                   # younger units never count for the old
+    assert gate.busy_load(young) == pytest.approx(1 / (1 - 0.5))   # its own do not count
+    assert gate.busy_load() == pytest.approx(1 / (1 - 0.75))       # every unit, without a lane
+    with old.hold():                                    # the running unit counts as it runs
+        clock.now += 0.25
+        assert gate.busy_load(young) == pytest.approx(1 / (1 - 0.75))
+    clock.now += 5.0                                    # the window forgets
+    assert gate.busy_load(young) == 1.0
+    with old.hold():
+        clock.now += 10.0                               # the cores all but never the young's
+    assert gate.busy_load(young) == pytest.approx(1 / (1 - 0.95))
+
+
+def test_in_turns_every_other_asks_units_count_in_the_busy_load():
+    clock = _Clock()
+    gate = CoreGate(window_s=2.0, order="turns", clock=clock)
+    a, b = gate.lane(), gate.lane()
+    with b.hold():
+        clock.now += 1.0
+    assert gate.busy_load(a) == pytest.approx(2.0) and gate.busy_load(b) == 1.0
+
+
+def test_a_planned_ask_plans_with_the_busy_load_the_others_with_the_count():
+    from sparkv.asks.linkplan import LinkPlan
+
+    clock = _Clock()
+    gate, plan = CoreGate(window_s=1.0, order="oldest", clock=clock), LinkPlan("oldest")
+    old, planned, unplanned = gate.lane(), gate.lane(), gate.lane()
+    planned.seat = plan.seat(planned.id, "sparkv")      # the link plan schedules it
+    unplanned.seat = plan.seat(unplanned.id, "hybrid")  # not planned: an even share
+    with old.hold():
+        clock.now += 0.1                                # the old ask ran a tenth of the window
+    assert planned.load() == pytest.approx(1 / 0.9)
+    assert unplanned.load() == 2.0                      # itself and the old ask, counted
+
+
+def test_only_the_first_ask_runs_a_column_of_layer_steps_as_one_unit():
+    gate = CoreGate(order="oldest")
+    old, young = gate.lane(), gate.lane()
+    assert old.first() and not young.first()
+    old.close()
+    assert young.first()
+    turns = CoreGate(order="turns")
+    a, b = turns.lane(), turns.lane()
+    assert not a.first() and not b.first()
+
+
+def test_in_first_tokens_order_loading_asks_go_before_answering_ones_until_an_answer_waited():
+    clock = _Clock()
+    gate = CoreGate(window_s=3600, order="first-tokens", clock=clock)
+    holder, answering, loading = gate.lane(), gate.lane(), gate.lane()
+    answering.answered()                      # the older ask has its first token
+    order: list[str] = []
+
+    def unit(name: str, lane) -> None:
+        with lane.hold():
+            order.append(name)
+
+    def queue_both() -> list[threading.Thread]:
+        threads = []
+        for name, lane in (("answering", answering), ("loading", loading)):
+            th = threading.Thread(target=unit, args=(name, lane))
+            th.start()
+            threads.append(th)
+            _until(lambda: gate.stats()["waiting"] == len(threads), f"{name} waits")
+        return threads
+
+    with holder.hold():
+        threads = queue_both()
+        assert loading.load() == 2.0 and answering.load() == 3.0   # holder and loading first
+        assert not loading.first() and not answering.first()
+    for th in threads:
+        th.join(GUARD_S)
+    assert order == ["loading", "answering"]  # in oldest order: answering, loading
+    order.clear()
+    with holder.hold():
+        threads = queue_both()
+        clock.now += 1.0                      # the answer's unit waited its limit: it goes first
+    for th in threads:
+        th.join(GUARD_S)
+    assert order == ["answering", "loading"]
+    holder.close()
+    assert loading.first() and not answering.first()
+
+
+def test_an_asks_first_forward_pass_makes_it_answering():
+    import torch
+
+    from sparkv.asks import forward
+
+    class Out:
+        def __init__(self) -> None:
+            self.logits = torch.tensor([[[0.0, 3.0, 1.0]]])
+
+    model = torch.nn.Module()
+    model.forward = lambda *a, **k: Out()      # type: ignore[method-assign]
+    forward.install(model)
+    gate = CoreGate(order="first-tokens")
+    lane, tokens = gate.lane(), []
+    with forward.bound(lane, tokens.append):
+        assert not lane.answering
+        model()
+        assert lane.answering and tokens == [1]
+        model()
+    assert tokens == [1, 1] and lane.units == 2
+
+
 def test_a_lane_stepper_runs_each_step_on_the_lane_and_counts_its_memory():
     gate = CoreGate()
     lane = gate.lane()

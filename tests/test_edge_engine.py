@@ -618,6 +618,9 @@ class TurnLane:
     def load(self) -> float:
         return 1.0
 
+    def first(self) -> bool:
+        return True
+
     def attach(self, memory) -> None:
         pass
 

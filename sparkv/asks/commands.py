@@ -42,8 +42,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="asks waiting beyond the slots; past them an ask gets 429 queue_full")
     g.add_argument("--ask-core-order", choices=GRANT_ORDERS, default="oldest",
                    help="the order the cores go to the asks' units: turns (round robin: the asks "
-                        "progress together) or oldest (the oldest ask's first; the others fill "
-                        "the cores while it waits for its link)")
+                        "progress together), oldest (the oldest ask's first; the others fill "
+                        "the cores while it waits for its link) or first-tokens (as oldest, "
+                        "the asks still loading before those already answering; an answer "
+                        "token that waited 1 s goes first)")
     g.add_argument("--ask-batch", choices=("on", "off"), default="off",
                    help="run the layer steps several asks wait with at the same layer as one "
                         "call (one set of GEMMs over their rows: up to 4 steps, 256 rows), or "

@@ -7,20 +7,25 @@ ask's plan knows the others exist. Here:
 
 * **one unit of compute at a time**: a unit is a layer step (or a column of them), a forward pass
   of the question or of one answer token. The gate grants the cores to one unit at a time, in
-  one of two orders (:data:`GRANT_ORDERS`, ``sparkv device serve --ask-core-order``):
-
-  - ``turns``: the order the units asked for them. An ask that finished a unit and wants the
-    next goes to the back, behind the others waiting: the asks running at once **interleave
-    their steps** (round robin), none waits more than one unit of each of the others per unit of
-    its own, and they progress together (each one's first token comes near the end of the
-    whole batch's work);
-  - ``oldest``: the waiting unit of the oldest ask (the first to start) first. Work-conserving:
-    while it waits for its link, the younger asks' units fill the cores; its first token comes
-    first, then the next one's, as serving them one by one would, without idling the cores;
-* **the load**: :meth:`CoreGate.load` counts the asks that used the cores in the last
-  ``window_s``; each ask's controller plans its remaining compute with it
+  the order a policy ranks the waiting units (:mod:`sparkv.asks.orders`, ``sparkv device serve
+  --ask-core-order``): ``turns`` (the order they asked: the asks **interleave their steps**,
+  round robin, and progress together), ``oldest`` (the default: the oldest ask's unit first;
+  work-conserving, the younger asks' units fill the cores while it waits for its link) or
+  ``first-tokens`` (as ``oldest``, the asks still loading before those already answering);
+* **the load**: what each ask's controller plans its remaining compute with
   (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`, fed by the
-  engine at every look for a step: :mod:`sparkv.edge.lane`), and its plan starts from it;
+  engine at every look for a step: :mod:`sparkv.edge.lane`). Two measures (:meth:`AskLane.load`):
+
+  - :meth:`CoreGate.busy_load`, for an ask the service's link plan schedules (its seat is
+    planned): ``1 / (1 - U)``, ``U`` the share of the last ``window_s`` the cores ran units of
+    the asks that go before it (:meth:`GrantOrder.before
+    <sparkv.asks.orders.GrantOrder.before>`; ``oldest``: the older asks), at most
+    :data:`MAX_BUSY`. Asks waiting for their link leave the cores idle, and an ask behind them
+    sees it: it computes chunks rather than wait for the link (the device-wide split). The asks
+    before it that compute raise its ``U``, so the next ask in line computes less;
+  - :meth:`CoreGate.load`, for the other asks (an even share of everything, their plan starting
+    from the asks running): the asks before it that used the cores in the last ``window_s``,
+    counted, itself included;
 * **batching** (``sparkv device serve --ask-batch on``): a unit that is one layer step
   (:meth:`AskLane.run_step`) takes along, in the same call, the layer steps other asks are
   waiting with at the same layer of the same model (:func:`~sparkv.runtime.stepper.together_key`;
@@ -44,30 +49,31 @@ use; one condition variable guards all of it. A unit runs outside the lock.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import itertools
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from sparkv.asks.orders import GRANT_ORDERS, GrantOrder, Waiting
 from sparkv.edge.lane import AskCancelled, LinkTurn
 from sparkv.layout import StepId
 
 if TYPE_CHECKING:   # the runtime (torch) is imported on the first step: the CLI's parsers import
     from sparkv.runtime.stepper import StepResult   # this module and never torch
 
-__all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "GRANT_ORDERS", "BATCH_STEPS"]
+__all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "MAX_BUSY", "GRANT_ORDERS", "BATCH_STEPS"]
 
 #: an ask that used the cores this recently counts in the load (seconds)
 LOAD_WINDOW_S = 1.0
+#: the largest share of the cores the asks before one can be seen to take in :meth:`CoreGate.
+#: busy_load` (its load then 20: the cores all but never its)
+MAX_BUSY = 0.95
 #: how often a waiting unit looks at its lane's cancellation (seconds)
 WAIT_S = 0.05
-#: the orders the gate grants waiting units in: ``turns`` (the order they asked: the asks
-#: progress together, round robin) or ``oldest`` (the unit of the oldest ask first, by lane:
-#: the others fill the cores while it waits for its link; its first token comes first)
-GRANT_ORDERS = ("turns", "oldest")
 #: the most layer steps one call runs with batching on (the holder's and up to 3 riders')
 BATCH_STEPS = 4
 #: the most token rows one batched call runs: measured on SmolLM2 (bench/batch_layer.py, 2-core
@@ -83,21 +89,27 @@ class CoreGate:
 
     Args:
         window_s: how recently an ask must have used the cores to count in :meth:`load`.
-        order: ``oldest`` (the oldest ask's unit first) or ``turns`` (arrival order).
+        order: a name in :data:`~sparkv.asks.orders.GRANT_ORDERS` (``oldest``, ``turns``,
+            ``first-tokens``), or an order.
         batch: the most layer steps one call runs (module docstring; 1: no batching).
         batch_rows: the most token rows a call with riders runs.
+        clock: the seconds the load's window and the units' spans are read on (a test's own).
     """
 
-    def __init__(self, window_s: float = LOAD_WINDOW_S, order: str = "oldest",
-                 batch: int = BATCH_STEPS, batch_rows: int = BATCH_ROWS) -> None:
-        if order not in GRANT_ORDERS:
-            raise ValueError(f"no grant order {order!r} (one of {', '.join(GRANT_ORDERS)})")
+    def __init__(self, window_s: float = LOAD_WINDOW_S, order: str | GrantOrder = "oldest",
+                 batch: int = BATCH_STEPS, batch_rows: int = BATCH_ROWS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if isinstance(order, str):
+            if order not in GRANT_ORDERS:
+                raise ValueError(f"no grant order {order!r} (one of {', '.join(GRANT_ORDERS)})")
+            order = GRANT_ORDERS[order]
         if batch < 1:
             raise ValueError(f"a call runs at least one layer step (batch={batch})")
         self.window_s, self.order, self.batch = window_s, order, batch
         self.batch_rows = batch_rows
+        self._clock = clock
         self._cv = threading.Condition()
-        self._queue: list[tuple[int, int]] = []    # waiting units: (ticket, lane id), arrival order
+        self._queue: list[Waiting] = []            # waiting units, arrival order
         self._holder: int | None = None            # the running unit's ticket
         self._tickets = itertools.count()
         self._lanes: dict[int, AskLane] = {}       # open lanes by id
@@ -106,6 +118,9 @@ class CoreGate:
         self.units = 0                             # units run since the start
         self.batched_units = 0                     # of them, run in another lane's call
         self._memories: weakref.WeakSet[Any] = weakref.WeakSet()   # the asks' KV memories
+        # the units run in the last window: (start, end, the lane holding, whether answering)
+        self._spans: collections.deque[tuple[float, float, int, bool]] = collections.deque()
+        self._held: tuple[float, int, bool] = (0.0, -1, False)   # the running unit's, alike
 
     def lane(self) -> "AskLane":
         """A new ask's lane (close it when the ask ends)."""
@@ -116,30 +131,51 @@ class CoreGate:
 
     def load(self, lane: "AskLane | None" = None) -> float:
         """The asks sharing the cores now: those holding or waiting for them, or that used them
-        in the last ``window_s``; ``lane`` counts as one of them in any case (at least 1). In
-        ``oldest`` order, ``lane``'s load counts only the asks older than it (the others yield
-        to it)."""
-        now = time.monotonic()
+        in the last ``window_s``. ``lane``'s load counts only the asks whose units go before
+        its own (:meth:`GrantOrder.before <sparkv.asks.orders.GrantOrder.before>`; in
+        ``oldest`` order the older asks), and itself (at least 1)."""
+        now = self._clock()
         with self._cv:
-            busy = {i for i, x in self._lanes.items()
-                    if x.waiting or x.holding or now - x.last_used <= self.window_s}
-            if lane is not None:
-                busy.add(lane.id)
-                if self.order == "oldest":
-                    busy = {i for i in busy if i <= lane.id}
-            return float(max(1, len(busy)))
+            busy = [x for x in self._lanes.values()
+                    if x.waiting or x.holding or now - x.last_used <= self.window_s]
+            if lane is None:
+                return float(max(1, len(busy)))
+            return float(1 + sum(1 for x in busy if self._before(x.id, x.answering, lane)))
+
+    def busy_load(self, lane: "AskLane | None" = None) -> float:
+        """``1 / (1 - U)``: ``U`` the share of the last ``window_s`` the cores ran units of the
+        asks before ``lane`` (:meth:`_before`; every ask without one), at most
+        :data:`MAX_BUSY`. 1.0: the cores were the asks' after them (or idle)."""
+        now = self._clock()
+        since = now - self.window_s
+        with self._cv:
+            spans = list(self._spans)
+            if self._holder is not None:
+                spans.append((self._held[0], now, *self._held[1:]))
+            busy = sum(max(0.0, min(end, now) - max(start, since))
+                       for start, end, by, answering in spans
+                       if lane is None or self._before(by, answering, lane))
+        return 1.0 / (1.0 - min(busy / self.window_s, MAX_BUSY))
+
+    def _before(self, lane_id: int, answering: bool, me: "AskLane") -> bool:
+        """Whether the units of ask ``lane_id`` (``answering`` or not) go before ``me``'s."""
+        return self.order.before(lane_id, answering, me.id, me.answering)
+
+    def first(self, lane: "AskLane") -> bool:
+        """Whether no open ask's units go before ``lane``'s (:meth:`_before`): a long unit of
+        its own then keeps none waiting that should not wait."""
+        with self._cv:
+            return not any(self._before(x.id, x.answering, lane) for x in self._lanes.values())
+
+    def _in_order(self) -> list[Waiting]:
+        """The waiting units in the order they would be granted (the order's ranks)."""
+        now = self._clock()
+        return sorted(self._queue, key=lambda unit: self.order.rank(unit, now))
 
     def _next(self) -> int:
         """The ticket of the waiting unit to grant next (the queue is not empty)."""
-        if self.order == "oldest":
-            return min(self._queue, key=lambda unit: (unit[1], unit[0]))[0]
-        return self._queue[0][0]
-
-    def _in_order(self) -> list[tuple[int, int]]:
-        """The waiting units in the order they would be granted."""
-        if self.order == "oldest":
-            return sorted(self._queue, key=lambda unit: (unit[1], unit[0]))
-        return list(self._queue)
+        now = self._clock()
+        return min(self._queue, key=lambda unit: self.order.rank(unit, now)).ticket
 
     def held(self) -> tuple[int, int]:
         """``(memories, bytes)``: the asks' KV memories still alive (an ended ask's are freed
@@ -155,13 +191,15 @@ class CoreGate:
     def stats(self) -> dict[str, float | int]:
         """``lanes`` (open), ``waiting`` (units), ``units`` (run so far), ``batched_units`` (of
         them, run in another lane's call), ``batch`` (the most steps a call runs), ``load``,
-        ``held_memories`` and ``held_bytes`` (:meth:`held`)."""
+        ``busy_load`` (every ask's units counted), ``held_memories`` and ``held_bytes``
+        (:meth:`held`)."""
         with self._cv:
             lanes, waiting, units = len(self._lanes), len(self._queue), self.units
             batched = self.batched_units
         memories, nbytes = self.held()
         return {"lanes": lanes, "waiting": waiting, "units": units, "batched_units": batched,
-                "batch": self.batch, "load": self.load(), "held_memories": memories,
+                "batch": self.batch, "load": self.load(), "busy_load": self.busy_load(),
+                "held_memories": memories,
                 "held_bytes": nbytes}
 
     # ---- the lanes' side -------------------------------------------------------------------
@@ -196,7 +234,7 @@ class CoreGate:
         with self._cv:
             lane.check()
             ticket = next(self._tickets)
-            unit = (ticket, lane.id)
+            unit = Waiting(ticket, lane.id, lane.answering, self._clock())
             self._queue.append(unit)
             if ride is not None:
                 self._rides[ticket] = ride
@@ -223,6 +261,7 @@ class CoreGate:
             self._queue.remove(unit)
             self._rides.pop(ticket, None)
             self._holder = ticket
+            self._held = (self._clock(), lane.id, lane.answering)
             lane.holding = True
             self.units += 1
             return self._take_riders(ride) if ride is not None else []
@@ -239,14 +278,14 @@ class CoreGate:
         for unit in self._in_order():
             if len(riders) == self.batch - 1:
                 break
-            other = self._rides.get(unit[0])
+            other = self._rides.get(unit.ticket)
             if (other is None or other.key != ride.key or other.lane is ride.lane
                     or rows + other.rows > self.batch_rows or other.lane.cancelled
                     or any(r.lane is other.lane for r in riders) or not _ready(other)):
                 continue
             rows += other.rows
             self._queue.remove(unit)
-            del self._rides[unit[0]]
+            del self._rides[unit.ticket]
             other.taken = True
             other.lane.holding = True
             riders.append(other)
@@ -259,7 +298,10 @@ class CoreGate:
                  error: BaseException | None = None) -> None:
         with self._cv:
             self._holder = None
-            now = time.monotonic()
+            now = self._clock()
+            self._spans.append((self._held[0], now, *self._held[1:]))
+            while self._spans and self._spans[0][1] < now - self.window_s:
+                self._spans.popleft()
             for i, r in enumerate(riders):
                 r.result = results[i] if results is not None and error is None else None
                 r.error, r.finished = error, True
@@ -285,7 +327,8 @@ class AskLane:
     """One ask's lane to the cores (:class:`sparkv.edge.lane.Lane`): :meth:`hold` for each unit
     of compute, :meth:`cancel` from any thread. Made by :meth:`CoreGate.lane`.
 
-    Its counters (``units``, ``waited_s``, ``waiting``, ``holding``, ``last_used``) change under
+    Its counters (``units``, ``waited_s``, ``waiting``, ``holding``, ``answering``,
+    ``last_used``) change under
     the gate's lock. ``seat``: its seat in the service's link plan
     (:class:`~sparkv.asks.linkplan.LinkSeat`; ``None``: the link is its own to use)."""
 
@@ -296,6 +339,7 @@ class AskLane:
         self.waited_s = 0.0
         self.waiting = 0
         self.holding = False
+        self.answering = False          # its first token came (:meth:`answered`)
         self.last_used = -float("inf")
         self._cancelled = threading.Event()
 
@@ -319,12 +363,25 @@ class AskLane:
     def release(self) -> None:
         self.gate._release(self)
 
+    def answered(self) -> None:
+        """The ask's first token came: its units are an answer's from now on (an order may
+        rank them after the loading asks': :mod:`sparkv.asks.orders`)."""
+        with self.gate._cv:
+            self.answering = True
+
     def check(self) -> None:
         if self._cancelled.is_set():
             raise AskCancelled("the ask was cancelled")
 
     def load(self) -> float:
+        """The cores' load this ask plans its compute with: :meth:`CoreGate.busy_load` when the
+        link plan schedules it (its seat is planned), else :meth:`CoreGate.load`."""
+        if self.seat is not None and self.seat.planned:
+            return self.gate.busy_load(self)
         return self.gate.load(self)
+
+    def first(self) -> bool:
+        return self.gate.first(self)
 
     def link_turn(self, pending_bytes: float) -> LinkTurn:
         """The ask's turn on the link (its seat's; always go without one)."""

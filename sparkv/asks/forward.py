@@ -11,7 +11,8 @@ thread then
   <sparkv.asks.cores.AskLane.acquire>`; a cancelled ask raises there, between two tokens), runs,
   and gives the cores back (also when it fails);
 * reports its next token: the argmax of its last position's logits, the token greedy decoding
-  takes (``on_token``).
+  takes (``on_token``); after the first, the lane is answering (:meth:`AskLane.answered
+  <sparkv.asks.cores.AskLane.answered>`).
 
 A forward pass on any other thread (the layer steps of a load run on the engine's threads, and
 go through the lane themselves: :class:`sparkv.edge.lane.LaneStepper`) is untouched.
@@ -67,6 +68,8 @@ def _after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
         return
     _local.held = False
     lane.release()
+    if not lane.answering:     # the question's pass: the ask's first token
+        lane.answered()
     on_token = _local.on_token
     logits = getattr(output, "logits", None)
     if on_token is not None and logits is not None:

@@ -173,7 +173,8 @@ AskEvent = Annotated[Union[QueuedEvent, TokenEvent, DoneEvent, ErrorEvent],
 class AskStats(BaseModel):
     """``GET /v1/asks``: the admission (slots, queue, running, waiting, refused), the cores
     (lanes, waiting units, units run, ``batched_units``: of them, layer steps run in another
-    ask's call, ``batch``: the most steps a call runs, load, ``held_memories`` and
+    ask's call, ``batch``: the most steps a call runs, ``load``: the asks using them,
+    ``busy_load``: 1 / (1 - the share of the last second they ran), ``held_memories`` and
     ``held_bytes``: the KV memories the asks hold now), the counts since the start, the link's
     estimated rate (bytes/s) and the bytes it carried."""
 

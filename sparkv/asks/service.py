@@ -21,8 +21,10 @@ for an app, on the service's one model, its one link and its kept contexts:
   (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`);
 * **the link's plan across asks** (:mod:`sparkv.asks.linkplan`): a planned ask (SparKV's, under
   the default ``oldest`` policy) sends requests only on its turn, plans with the link's whole
-  rate from then on and with the bytes of the asks ranked before it, and its controller computes
-  what waiting for them would delay (its compute share: the asks older than it);
+  and the device's whole speed (as if alone); its controller then plans with the bytes of the
+  asks ranked before it and with the share of the cores the asks before it measurably took
+  (:meth:`CoreGate.busy_load <sparkv.asks.cores.CoreGate.busy_load>`), and computes what
+  waiting for the link would delay: the device-wide split;
 * **one link**: every server client of the service reads through one
   :class:`~sparkv.edge.shaper.LinkShaper` (an emulated link when the service was given one);
 * **kept contexts** (:mod:`sparkv.asks.kept`): a loaded context is kept for the asking app (by
@@ -287,13 +289,15 @@ class AskService:
     def _plan_priors(self, sharers: int, seat: LinkSeat) -> Any:
         """This ask's starting point: the device's priors, its compute share (the learned
         speed times the asks running now) and its link share (an even one). A planned ask
-        (``seat``) plans with the link's whole rate (the bytes of the asks before it come to
-        its controller as they change) and the cores' share of its rank (the asks before it
-        have them first)."""
+        (``seat``) plans as if alone, with the link's whole rate and the device's speed: the
+        bytes of the asks before it on the link and their share of the cores come to its
+        controller as they change (:meth:`AskLane.load <sparkv.asks.cores.AskLane.load>`: the
+        cores' measured busy time; its estimator's ratio is then the device's speed against
+        an unshared prediction)."""
         from sparkv.edge.session import Priors
 
         p = self.priors
-        share = 1 + seat.rank() if seat.planned else max(1, sharers)
+        share = 1 if seat.planned else max(1, sharers)
         return Priors(bandwidth_Bps=self._link.plan_Bps(1 if seat.planned else sharers)
                       or p.bandwidth_Bps,
                       compute_scale=p.compute_scale * share,

@@ -66,6 +66,12 @@ class Lane(Protocol):
         controller's :attr:`~sparkv.scheduler.estimators.ComputeEstimator.load`."""
         ...
 
+    def first(self) -> bool:
+        """Whether no other ask's units go before this one's now (alone, or the oldest ask):
+        a long unit of its own (a column of layer steps) then keeps none waiting that should
+        not wait."""
+        ...
+
     def link_turn(self, pending_bytes: float) -> LinkTurn:
         """The ask has ``pending_bytes`` still to arrive over the link (queued and in flight):
         its turn on the link now (:class:`LinkTurn`). Called by the compute thread at every
@@ -93,9 +99,10 @@ class LaneStepper:
         return self._lane.run_step(self._stepper, step)
 
     def run_column(self, t: int, l0: int, l1: int) -> list[Any]:  # noqa: E741
-        """The column as one call while the ask is alone; beside other asks, layer by layer
-        (each its own turn: a long column would hold the cores from them)."""
-        if self._lane.load() > 1.0:
+        """The column as one call while no other ask goes before this one
+        (:meth:`Lane.first`); else layer by layer (each its own turn: a long column would hold
+        the cores from them)."""
+        if not self._lane.first():
             return [self.run_step(StepId(t, l)) for l in range(l0, l1)]  # noqa: E741
         with self._lane.hold():
             return self._stepper.run_column(t, l0, l1)

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from sparkv.asks.cores import GRANT_ORDERS
+from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
 from sparkv.asks.linkplan import LINK_PLANS
 from sparkv.cliflags import STRATEGY_NAMES, context_id, positive_int, server_url
 
@@ -50,6 +50,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="run the layer steps several asks wait with at the same layer as one "
                         "call (one set of GEMMs over their rows: up to 4 steps, 256 rows), or "
                         "each alone")
+    g.add_argument("--ask-decode-batch", type=int, default=DECODE_BATCH,
+                   help="the most answer tokens (one per ask) one forward pass runs: the asks' "
+                        "next tokens waiting for the cores together go as one pass (a decode "
+                        "pass reads the weights once for all of them); 1: each its own pass")
     g.add_argument("--ask-link-plan", choices=tuple(LINK_PLANS), default="oldest",
                    help="how the asks share the one link: oldest (the oldest SparKV ask's "
                         "requests first; the others compute while they wait), shortest (the "
@@ -86,14 +90,15 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     from sparkv.asks.service import AskService
     from sparkv.errors import SparkvError
 
-    if args.ask_slots < 1 or args.ask_queue < 0:
-        raise SparkvError(f"--ask-slots must be at least 1 and --ask-queue at least 0 (got "
-                          f"{args.ask_slots} and {args.ask_queue})")
+    if args.ask_slots < 1 or args.ask_queue < 0 or args.ask_decode_batch < 1:
+        raise SparkvError(f"--ask-slots and --ask-decode-batch must be at least 1 and "
+                          f"--ask-queue at least 0 (got {args.ask_slots}, "
+                          f"{args.ask_decode_batch} and {args.ask_queue})")
     asks = AskService(service, app.state.owners, slots=args.ask_slots, queue=args.ask_queue,
                       shaper=_shaper(args), default_server=args.ask_server,
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
                       core_order=args.ask_core_order, link_plan=args.ask_link_plan,
-                      batch=args.ask_batch == "on")
+                      batch=args.ask_batch == "on", decode_batch=args.ask_decode_batch)
     app.state.asks = asks
     app.include_router(asks_router)
     app.include_router(chat_router)

@@ -56,16 +56,14 @@ import itertools
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from sparkv.asks.orders import GRANT_ORDERS, GrantOrder, Waiting
 from sparkv.edge.lane import AskCancelled, LinkTurn
 from sparkv.layout import StepId
 
-if TYPE_CHECKING:   # the runtime (torch) is imported on the first step: the CLI's parsers import
-    from sparkv.runtime.stepper import StepResult   # this module and never torch
-
-__all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "MAX_BUSY", "GRANT_ORDERS", "BATCH_STEPS"]
+__all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "MAX_BUSY", "GRANT_ORDERS", "BATCH_STEPS",
+           "DECODE_BATCH"]
 
 #: an ask that used the cores this recently counts in the load (seconds)
 LOAD_WINDOW_S = 1.0
@@ -76,6 +74,9 @@ MAX_BUSY = 0.95
 WAIT_S = 0.05
 #: the most layer steps one call runs with batching on (the holder's and up to 3 riders')
 BATCH_STEPS = 4
+#: the most answer tokens (one per ask) one forward pass runs: on this CPU a decode pass is
+#: bound by reading the weights, so K rows cost about one (sparkv.runtime.batchdecode)
+DECODE_BATCH = 8
 #: the most token rows one batched call runs: measured on SmolLM2 (bench/batch_layer.py, 2-core
 #: CPU), two steps as one call cost 0.78x two calls of 32 rows, 0.87-0.89x of 64, 0.92-0.95x of
 #: 128, 0.93-0.99x of 256: past 256 rows a rider gains the cores little and delays the holder
@@ -93,20 +94,24 @@ class CoreGate:
             ``first-tokens``), or an order.
         batch: the most layer steps one call runs (module docstring; 1: no batching).
         batch_rows: the most token rows a call with riders runs.
+        decode_batch: the most answer tokens (of as many asks) one forward pass runs (1: each
+            its own pass).
         clock: the seconds the load's window and the units' spans are read on (a test's own).
     """
 
     def __init__(self, window_s: float = LOAD_WINDOW_S, order: str | GrantOrder = "oldest",
                  batch: int = BATCH_STEPS, batch_rows: int = BATCH_ROWS,
+                 decode_batch: int = DECODE_BATCH,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(order, str):
             if order not in GRANT_ORDERS:
                 raise ValueError(f"no grant order {order!r} (one of {', '.join(GRANT_ORDERS)})")
             order = GRANT_ORDERS[order]
-        if batch < 1:
-            raise ValueError(f"a call runs at least one layer step (batch={batch})")
+        if batch < 1 or decode_batch < 1:
+            raise ValueError(f"a call runs at least one unit (batch={batch}, "
+                             f"decode_batch={decode_batch})")
         self.window_s, self.order, self.batch = window_s, order, batch
-        self.batch_rows = batch_rows
+        self.batch_rows, self.decode_batch = batch_rows, decode_batch
         self._clock = clock
         self._cv = threading.Condition()
         self._queue: list[Waiting] = []            # waiting units, arrival order
@@ -205,20 +210,22 @@ class CoreGate:
     # ---- the lanes' side -------------------------------------------------------------------
     def _run_step(self, lane: "AskLane", stepper: Any, step: StepId) -> Any:
         """``stepper.run_step(step)`` on ``lane``'s turn, in one call with the riders it takes
-        along, or as a rider in another lane's call (module docstring)."""
+        along, or as a rider in another lane's call (module docstring). The runtime (torch) is
+        imported on the first step: the CLI's parsers import this module and never torch."""
         from sparkv.runtime.stepper import run_steps_together, together_key
 
         key = together_key(stepper, step) if self.batch > 1 else None
         if key is None:
             with lane.hold():
                 return stepper.run_step(step)
-        ride = _Ride(lane, stepper, StepId(*step), key)
+        ride = _Ride.of_step(lane, stepper, StepId(*step), key)
         riders = self._acquire(lane, ride)
         if ride.taken:
             return ride.outcome()
         try:
             if riders:
-                results = run_steps_together([(r.stepper, r.step) for r in [ride, *riders]])
+                results = run_steps_together([(r.stepper, r.step) for r in [ride, *riders]
+                                              if r.step is not None])
             else:
                 results = [stepper.run_step(step)]
         except BaseException as exc:
@@ -226,6 +233,28 @@ class CoreGate:
             raise
         self._release(lane, riders, results[1:])
         return results[0]
+
+    def _run_decode(self, lane: "AskLane", lm: Any, item: Any) -> Any:
+        """The logits of ``item``'s answer token (a :class:`~sparkv.runtime.batchdecode.
+        DecodeItem`) on ``lane``'s turn: one forward pass with the answer tokens of other asks
+        waiting then (up to ``decode_batch``, in grant order), or as a rider in another lane's
+        pass."""
+        from sparkv.runtime.batchdecode import decode_together
+
+        if self.decode_batch <= 1:
+            with lane.hold():
+                return decode_together(lm, [item])[0]
+        ride = _Ride(lane, ("decode", id(lm.model)), rows=1, item=item)
+        riders = self._acquire(lane, ride)
+        if ride.taken:
+            return ride.outcome()
+        try:
+            logits = decode_together(lm, [item, *(r.item for r in riders)])
+        except BaseException as exc:
+            self._release(lane, riders, error=exc)
+            raise
+        self._release(lane, riders, list(logits[1:]))
+        return logits[0]
 
     def _acquire(self, lane: "AskLane", ride: "_Ride | None" = None) -> list["_Ride"]:
         """Waits for ``lane``'s turn and takes the cores; returns the riders taken along (for a
@@ -271,17 +300,18 @@ class CoreGate:
         :func:`~sparkv.runtime.stepper.together_key`, other lanes not cancelled, steps that can
         run now; at most ``batch - 1``, and ``batch_rows`` rows in all, in grant order. Each
         leaves the queue."""
-        if not _ready(ride):
+        if not ride.ready():
             return []   # the holder's own step raises, alone
         riders: list[_Ride] = []
         rows = ride.rows
+        most = (self.decode_batch if ride.item is not None else self.batch) - 1
         for unit in self._in_order():
-            if len(riders) == self.batch - 1:
+            if len(riders) >= most:
                 break
             other = self._rides.get(unit.ticket)
             if (other is None or other.key != ride.key or other.lane is ride.lane
                     or rows + other.rows > self.batch_rows or other.lane.cancelled
-                    or any(r.lane is other.lane for r in riders) or not _ready(other)):
+                    or any(r.lane is other.lane for r in riders) or not other.ready()):
                 continue
             rows += other.rows
             self._queue.remove(unit)
@@ -294,7 +324,7 @@ class CoreGate:
         return riders
 
     def _release(self, lane: "AskLane", riders: "list[_Ride] | tuple[()]" = (),
-                 results: list[StepResult] | None = None,
+                 results: list[Any] | None = None,
                  error: BaseException | None = None) -> None:
         with self._cv:
             self._holder = None
@@ -356,6 +386,11 @@ class AskLane:
         steps at the same layer (:class:`CoreGate`'s batching)."""
         return self.gate._run_step(self, stepper, step)
 
+    def run_decode(self, lm: Any, item: Any) -> Any:
+        """The logits of an answer token on the lane's turn, perhaps in one forward pass with
+        other asks' (:meth:`CoreGate._run_decode`)."""
+        return self.gate._run_decode(self, lm, item)
+
     def acquire(self) -> None:
         """The cores, for a unit that ends with :meth:`release` (a forward hook's pair)."""
         self.gate._acquire(self)
@@ -405,29 +440,38 @@ class AskLane:
         self.gate._close(self)
 
 
-def _ready(ride: "_Ride") -> bool:
-    """Whether the ride's step can run now (a stepper that cannot say: no; its own call
-    raises, alone)."""
-    try:
-        return bool(ride.stepper.ready(ride.step))
-    except Exception:  # noqa: BLE001 - it runs alone and raises there
-        return False
-
-
 class _Ride:
-    """A layer step a waiting unit carries: it may run in another lane's call (a rider), which
-    hands it its ``result`` or ``error`` and sets ``finished`` (under the gate's lock)."""
+    """A unit a waiting lane carries that may run in another lane's call (a rider): a layer
+    step (``stepper``, ``step``; :meth:`of_step`) or an answer token (``item``). The call hands
+    it its ``result`` or ``error`` and sets ``finished`` (under the gate's lock). ``key``: what
+    may go together; ``rows``: its token rows."""
 
-    def __init__(self, lane: AskLane, stepper: Any, step: StepId, key: Any) -> None:
-        self.lane, self.stepper, self.step, self.key = lane, stepper, step, key
-        g = stepper.geometry       # the step's token rows (a step outside: runs alone, raises)
-        self.rows = g.chunk_len(step.t) if 0 <= step.t < g.num_token_chunks else 1 << 30
+    def __init__(self, lane: AskLane, key: Any, rows: int, stepper: Any = None,
+                 step: StepId | None = None, item: Any = None) -> None:
+        self.lane, self.key, self.rows = lane, key, rows
+        self.stepper, self.step, self.item = stepper, step, item
         self.taken = False
         self.finished = False
-        self.result: StepResult | None = None
+        self.result: Any = None
         self.error: BaseException | None = None
 
-    def outcome(self) -> StepResult:
+    @classmethod
+    def of_step(cls, lane: AskLane, stepper: Any, step: StepId, key: Any) -> "_Ride":
+        g = stepper.geometry       # the step's token rows (a step outside: runs alone, raises)
+        rows = g.chunk_len(step.t) if 0 <= step.t < g.num_token_chunks else 1 << 30
+        return cls(lane, key, rows, stepper=stepper, step=step)
+
+    def ready(self) -> bool:
+        """Whether it can run now (an answer token: always; a step whose stepper cannot say:
+        no, it runs alone and raises there)."""
+        if self.stepper is None:
+            return True
+        try:
+            return bool(self.stepper.ready(self.step))
+        except Exception:  # noqa: BLE001 - it runs alone and raises there
+            return False
+
+    def outcome(self) -> Any:
         """The rider's result in its own thread: the call's error, or ``AskCancelled`` when its
         ask was cancelled meanwhile."""
         if self.error is not None:

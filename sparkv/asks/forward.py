@@ -14,6 +14,12 @@ thread then
   takes (``on_token``); after the first, the lane is answering (:meth:`AskLane.answered
   <sparkv.asks.cores.AskLane.answered>`).
 
+The answer's later tokens do not come here one pass each: a bound thread's greedy decoding is
+routed (:func:`sparkv.runtime.batchdecode.decoding_through`) to :meth:`AskLane.run_decode
+<sparkv.asks.cores.AskLane.run_decode>`, which runs the answer tokens of the asks waiting for
+the cores at once as one forward pass of one row each, and the thread reports its own token.
+That pass runs on the holding lane's thread while it holds the cores: the hooks leave it be.
+
 A forward pass on any other thread (the layer steps of a load run on the engine's threads, and
 go through the lane themselves: :class:`sparkv.edge.lane.LaneStepper`) is untouched.
 
@@ -48,17 +54,26 @@ def install(model: Any) -> None:
 def bound(lane: AskLane, on_token: Callable[[int], None] | None = None) -> Iterator[None]:
     """Binds this thread's forward passes to ``lane`` (and their tokens to ``on_token``) for
     the block."""
+    from sparkv.runtime.batchdecode import decoding_through
+
+    def decode(lm: Any, item: Any) -> Any:
+        logits = lane.run_decode(lm, item)
+        if on_token is not None:
+            on_token(int(logits.argmax()))
+        return logits
+
     _local.lane, _local.on_token, _local.held = lane, on_token, False
     try:
-        yield
+        with decoding_through(decode):
+            yield
     finally:
         _local.lane = _local.on_token = None
 
 
 def _before(module: Any, args: Any, kwargs: Any) -> None:
     lane = getattr(_local, "lane", None)
-    if lane is not None:
-        lane.acquire()
+    if lane is not None and not lane.holding:   # holding: the pass is the lane's own unit
+        lane.acquire()                          # (answer tokens run together, below)
         _local.held = True
 
 

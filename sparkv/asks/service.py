@@ -51,7 +51,7 @@ from typing import Any
 
 from sparkv.asks import forward
 from sparkv.asks.admission import Admission
-from sparkv.asks.cores import BATCH_STEPS, CoreGate
+from sparkv.asks.cores import BATCH_STEPS, DECODE_BATCH, CoreGate
 from sparkv.asks.kept import AppContexts, KeepingTable
 from sparkv.asks.linkplan import LinkPlan, LinkSeat
 from sparkv.asks.tickets import AskRequest, AskTicket
@@ -140,19 +140,23 @@ class AskService:
         link_plan: how the asks share the link (:data:`~sparkv.asks.linkplan.LINK_PLANS`).
         batch: run the layer steps asks wait with at the same layer as one call
             (:class:`~sparkv.asks.cores.CoreGate`, up to :data:`~sparkv.asks.cores.BATCH_STEPS`).
+        decode_batch: the most answer tokens (one per ask) one forward pass runs (1: each its
+            own; :data:`~sparkv.asks.cores.DECODE_BATCH`).
     """
 
     def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
                  queue: int = 16, shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                  engine_config: Any = None, default_server: str | None = None,
                  default_api_key: str | None = None, core_order: str = "oldest",
-                 link_plan: str = "oldest", batch: bool = False) -> None:
+                 link_plan: str = "oldest", batch: bool = False,
+                 decode_batch: int = DECODE_BATCH) -> None:
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners
         self.lm = contexts.lm
         self.admission = Admission(slots, queue)
-        self.gate = CoreGate(order=core_order, batch=BATCH_STEPS if batch else 1)
+        self.gate = CoreGate(order=core_order, batch=BATCH_STEPS if batch else 1,
+                             decode_batch=decode_batch)
         self.link_plan = LinkPlan(link_plan)
         self.shaper = shaper or LinkShaper.unlimited()
         self.timeout_s = timeout_s

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkv.asks.cores import GRANT_ORDERS
+from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
 from sparkv.asks.linkplan import LINK_PLANS
 from sparkv.bench.common import add_run_args, format_table, percentile, write_result
 
@@ -74,6 +74,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="the service's --ask-core-order (docs/asks.md)")
     p.add_argument("--ask-batch", choices=("on", "off"), default="off",
                    help="the service's --ask-batch (docs/asks.md)")
+    p.add_argument("--decode-batch", type=int, default=DECODE_BATCH,
+                   help="the service's --ask-decode-batch (docs/asks.md; 1: each answer token "
+                        "its own pass)")
     p.add_argument("--link-plans", default="oldest",
                    help="the service's --ask-link-plan, comma-separated: one service per plan, "
                         "every strategy under each (e.g. even,oldest: before and after)")
@@ -299,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
                                                      str(args.link_rtt_ms), "--ask-core-order",
                                                      args.core_order, "--ask-link-plan",
                                                      plan, "--ask-batch",
-                                                     args.ask_batch]).start()
+                                                     args.ask_batch, "--ask-decode-batch",
+                                                     str(args.decode_batch)]).start()
 
                 dev = None if fresh else service("all")
                 for strategy in strategies:

@@ -70,6 +70,20 @@ class AttentionView:
         return ragged_attention(q, self.heads, self.q_pos, scale)
 
 
+class BatchView:
+    """Per row of a batch of contexts (:class:`~sparkv.cache.batch.BatchCache`), what that
+    row's attention sees: an :class:`AttentionView` each."""
+
+    def __init__(self, views: list[AttentionView]) -> None:
+        self.views = views
+
+    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """``q [K, Hq, nq, D]`` -> ``[K, Hq, nq, D]``: row ``i`` over view ``i``."""
+        if q.shape[0] != len(self.views):
+            raise ValueError(f"{q.shape[0]} query rows for {len(self.views)} contexts")
+        return torch.cat([v.attend(q[i:i + 1], scale) for i, v in enumerate(self.views)])
+
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                 scale: float | None) -> torch.Tensor:
     """Dense attention with slot = position: query ``i`` sees keys ``0 .. q_offset + i``."""
@@ -115,7 +129,7 @@ def sparkv_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, val
                      scaling: float | None = None, **kwargs: Any
                      ) -> tuple[torch.Tensor, None]:
     """The ``"sparkv"`` attention implementation (see the module docstring)."""
-    if isinstance(key, AttentionView):
+    if isinstance(key, (AttentionView, BatchView)):
         out = key.attend(query, scaling)
         return out.transpose(1, 2).contiguous(), None
     if _masked_gqa_on_cpu(query, key, value, attention_mask, dropout, kwargs):

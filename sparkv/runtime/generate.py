@@ -17,6 +17,7 @@ import torch
 from sparkv.cache import ContextKV, SparkvCache
 from sparkv.generation import base_stats
 from sparkv.layout import ChunkGeometry
+from sparkv.runtime.batchdecode import DecodeItem, decode_step
 from sparkv.runtime.hfcache import model_call, output_cache
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 from sparkv.runtime.model import LoadedModel
@@ -110,12 +111,7 @@ def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[
     eos = eos_ids(lm)
     cur = n + ids.shape[1]
     while len(tokens) < max_new_tokens and not (stop_at_eos and token in eos):
-        step_ids = torch.tensor([[token]], device=device)
-        step_pos = torch.tensor([cur], device=device)
-        out = model_call(lm.model, input_ids=step_ids, cache=output_cache(out),
-                         position_ids=step_pos.unsqueeze(0), cache_position=step_pos,
-                         use_cache=True)
-        token = int(torch.argmax(out.logits[0, -1]))
+        token = int(torch.argmax(decode_step(lm, DecodeItem(cache, token, cur))))
         tokens.append(token)
         cur += 1
     text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""

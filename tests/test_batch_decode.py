@@ -1,0 +1,121 @@
+"""Answer tokens of several contexts as one forward pass (sparkv/runtime/batchdecode.py,
+sparkv/cache/batch.py) and through the device service's compute worker (CoreGate.run_decode):
+each row gets the logits its own pass gives (within float32 rounding) and its own memory takes
+its token, whatever the contexts' lengths and forms (dense, paged int8). Logic tests on a tiny
+random Llama: no timing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sparkv.asks.cores import CoreGate
+from sparkv.cache import SparkvCache
+from sparkv.cache.batch import BatchCache
+from sparkv.runtime.batchdecode import DecodeItem, decode_step, decode_together, decoding_through
+from sparkv.runtime.generate import context_memory, greedy_generate, reference_prefill
+
+GUARD_S = 30.0
+LENGTHS = (37, 64, 50)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _caches(lm, int8: bool = True) -> list[SparkvCache]:
+    """One cache per context of LENGTHS; the second at int8 in pages (when ``int8``)."""
+    caches = []
+    for i, n in enumerate(LENGTHS):
+        mem = context_memory(lm, reference_prefill(lm, _ids(n, i)), n)
+        if int8 and i == 1:
+            for cid in mem.geometry.chunk_ids():
+                mem.set_level(cid, "int8")
+        caches.append(SparkvCache(mem))
+    return caches
+
+
+def test_a_batch_pass_gives_each_context_the_logits_of_its_own_pass(tiny_llama):
+    alone, together = _caches(tiny_llama), _caches(tiny_llama)
+    tokens = [3, 17, 99]
+    for step in range(3):                      # each step reads what the last one appended
+        want = [decode_together(tiny_llama, [DecodeItem(c, t, n + step)])[0]
+                for c, t, n in zip(alone, tokens, LENGTHS)]
+        got = decode_together(tiny_llama, [DecodeItem(c, t, n + step)
+                                           for c, t, n in zip(together, tokens, LENGTHS)])
+        assert got.shape == (3, 128)
+        for i in range(3):
+            torch.testing.assert_close(got[i], want[i], atol=1e-4, rtol=1e-4)
+        tokens = [int(w.argmax()) for w in want]
+        assert tokens == [int(g.argmax()) for g in got]
+    for a, b in zip(alone, together):
+        assert a.layers[0].get_seq_length() == b.layers[0].get_seq_length()
+
+
+def test_a_batch_refuses_what_it_cannot_run(tiny_llama):
+    with pytest.raises(ValueError):
+        BatchCache([])
+    with pytest.raises(ValueError):
+        decode_together(tiny_llama, [])
+    cache = BatchCache(_caches(tiny_llama, int8=False)[:2])
+    with pytest.raises(ValueError):            # two tokens per row: a prefill, not a decode step
+        cache.layers[0].update(torch.zeros(2, 2, 2, 16), torch.zeros(2, 2, 2, 16))
+
+
+def test_a_threads_answer_tokens_follow_its_route(tiny_llama):
+    seen: list[int] = []
+
+    def route(lm, item):
+        seen.append(item.position)
+        return decode_together(lm, [item])[0]
+
+    cache = _caches(tiny_llama, int8=False)[0]
+    with decoding_through(route):
+        decode_step(tiny_llama, DecodeItem(cache, 5, LENGTHS[0]))
+    decode_step(tiny_llama, DecodeItem(cache, 6, LENGTHS[0] + 1))   # the route ended
+    assert seen == [LENGTHS[0]]
+
+
+def test_the_gate_runs_the_answer_tokens_waiting_together_as_one_pass(tiny_llama):
+    gate = CoreGate(order="oldest")
+    holder = gate.lane()
+    lanes = [gate.lane() for _ in LENGTHS]
+    alone, together = _caches(tiny_llama), _caches(tiny_llama)
+    want = [decode_together(tiny_llama, [DecodeItem(c, 7, n)])[0]
+            for c, n in zip(alone, LENGTHS)]
+    got: dict[int, torch.Tensor] = {}
+
+    def answer(i: int) -> None:
+        got[i] = lanes[i].run_decode(tiny_llama, DecodeItem(together[i], 7, LENGTHS[i]))
+
+    with holder.hold():                        # the cores are taken: all three wait
+        threads = [threading.Thread(target=answer, args=(i,)) for i in range(3)]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + GUARD_S
+        while gate.stats()["waiting"] < 3:
+            assert time.monotonic() < deadline, "the answers never waited"
+            time.sleep(0.005)
+    for th in threads:
+        th.join(GUARD_S)
+    assert gate.batched_units == 2 and gate.units == 1 + 3   # the holder's, then one pass of 3
+    for i in range(3):
+        torch.testing.assert_close(got[i], want[i], atol=1e-4, rtol=1e-4)
+
+
+def test_a_bound_asks_answer_is_the_one_it_gets_alone(tiny_llama):
+    from sparkv.asks import forward
+
+    forward.install(tiny_llama.model)
+    n, question = LENGTHS[0], [5, 9, 11]
+    kv = reference_prefill(tiny_llama, _ids(n, 0))
+    want = greedy_generate(tiny_llama, kv, n, question, max_new_tokens=6, stop_at_eos=False)
+    lane = CoreGate().lane()
+    reported: list[int] = []
+    with forward.bound(lane, reported.append):
+        got = greedy_generate(tiny_llama, kv, n, question, max_new_tokens=6, stop_at_eos=False)
+    assert got.tokens == want.tokens == reported
+    assert lane.units == 6 and lane.answering  # the question's pass, then five answer tokens

@@ -18,6 +18,7 @@ import sys
 from typing import Any, Callable
 
 from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
+from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.linkplan import LINK_PLANS
 from sparkv.cliflags import STRATEGY_NAMES, context_id, positive_int, server_url
 
@@ -40,12 +41,12 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="asks running at once (each holds its loaded cache until it answers)")
     g.add_argument("--ask-queue", type=int, default=16,
                    help="asks waiting beyond the slots; past them an ask gets 429 queue_full")
-    g.add_argument("--ask-core-order", choices=GRANT_ORDERS, default="oldest",
-                   help="the order the cores go to the asks' units: turns (round robin: the asks "
-                        "progress together), oldest (the oldest ask's first; the others fill "
-                        "the cores while it waits for its link) or first-tokens (as oldest, "
-                        "the asks still loading before those already answering; an answer "
-                        "token that waited 1 s goes first)")
+    g.add_argument("--ask-core-order", choices=GRANT_ORDERS, default=DEFAULT_ORDER,
+                   help="the order the cores go to the asks' units: first-tokens (the asks "
+                        "still loading before those already answering, oldest first; an answer "
+                        "token that waited 1 s goes first), oldest (the oldest ask's first; "
+                        "its answer streams at full speed, the others' first tokens wait) or "
+                        "turns (round robin: the asks progress together)")
     g.add_argument("--ask-batch", choices=("on", "off"), default="off",
                    help="run the layer steps several asks wait with at the same layer as one "
                         "call (one set of GEMMs over their rows: up to 4 steps, 256 rows), or "

@@ -54,6 +54,7 @@ from sparkv.asks.admission import Admission
 from sparkv.asks.cores import BATCH_STEPS, DECODE_BATCH, CoreGate
 from sparkv.asks.kept import AppContexts, KeepingTable
 from sparkv.asks.linkplan import LinkPlan, LinkSeat
+from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.errors import DeviceError
 from sparkv.device.owners import ContextOwners
@@ -147,7 +148,7 @@ class AskService:
     def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
                  queue: int = 16, shaper: LinkShaper | None = None, timeout_s: float = 10.0,
                  engine_config: Any = None, default_server: str | None = None,
-                 default_api_key: str | None = None, core_order: str = "oldest",
+                 default_api_key: str | None = None, core_order: str = DEFAULT_ORDER,
                  link_plan: str = "oldest", batch: bool = False,
                  decode_batch: int = DECODE_BATCH) -> None:
         from sparkv.edge.session import Priors

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
+from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.linkplan import LINK_PLANS
 from sparkv.bench.common import add_run_args, format_table, percentile, write_result
 
@@ -70,7 +71,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--trace-per-batch", action="store_true",
                    help="with --link-trace: a fresh service per (strategy, N), its warm-up a local "
                         "ask, so every batch sees the trace from its start (paired strategies)")
-    p.add_argument("--core-order", choices=GRANT_ORDERS, default="oldest",
+    p.add_argument("--core-order", choices=GRANT_ORDERS, default=DEFAULT_ORDER,
                    help="the service's --ask-core-order (docs/asks.md)")
     p.add_argument("--ask-batch", choices=("on", "off"), default="off",
                    help="the service's --ask-batch (docs/asks.md)")

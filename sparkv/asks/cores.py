@@ -119,7 +119,7 @@ class CoreGate:
         self._tickets = itertools.count()
         self._lanes: dict[int, AskLane] = {}       # open lanes by id
         self._ids = itertools.count()
-        self._rides: dict[int, _Ride] = {}         # the layer steps waiting units carry
+        self._rides: dict[int, _Ride] = {}         # what waiting units carry (steps, tokens)
         self.units = 0                             # units run since the start
         self.batched_units = 0                     # of them, run in another lane's call
         self._memories: weakref.WeakSet[Any] = weakref.WeakSet()   # the asks' KV memories

@@ -9,6 +9,9 @@ Wall time per round (ms, the median of ``--reps``), and the ratio. On a CPU one 
 bound by reading the weights: K rows cost about one.
 
     python bench/batch_decode.py --k 1,2,4,8 --tokens 1024 --threads 2 --out bench/results/batch_decode.json
+
+``--dtype`` takes a compute configuration (``int4-kernel``: torch's packed int4 matmul reads a
+quarter of float32's weight bytes; decode is where that can pay).
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-
-import torch
 
 from sparkv.cache import SparkvCache
 from sparkv.runtime import load_model, sample_context_ids
@@ -47,10 +48,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="each context's tokens")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32",
+                    help="the model's compute configuration (docs/dtypes.md: float32, int4-kernel, ...)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     use_threads(args.threads)
-    lm = load_model()
+    lm = load_model(dtype=args.dtype)
     ks = [int(k) for k in args.k.split(",")]
     n = args.tokens
     base = sample_context_ids(lm, n + max(ks))
@@ -68,7 +71,8 @@ def main() -> None:
         rows.append(row)
         print(f"K={k}: one by one {row['one_by_one_ms']:.1f} ms, together "
               f"{row['together_ms']:.1f} ms, {row['ratio']:.2f}x", flush=True)
-    out = {"benchmark": "batch_decode", "model": lm.name, "tokens": n, "threads": args.threads,
+    out = {"benchmark": "batch_decode", "model": lm.name, "dtype": args.dtype, "tokens": n,
+           "threads": args.threads,
            "reps": args.reps, "loadavg": os.getloadavg(), "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -9,9 +9,10 @@ ask's plan knows the others exist. Here:
   of the question or of one answer token. The gate grants the cores to one unit at a time, in
   the order a policy ranks the waiting units (:mod:`sparkv.asks.orders`, ``sparkv device serve
   --ask-core-order``): ``turns`` (the order they asked: the asks **interleave their steps**,
-  round robin, and progress together), ``oldest`` (the default: the oldest ask's unit first;
-  work-conserving, the younger asks' units fill the cores while it waits for its link) or
-  ``first-tokens`` (as ``oldest``, the asks still loading before those already answering);
+  round robin, and progress together), ``oldest`` (the gate's default: the oldest ask's unit
+  first; work-conserving, the younger asks' units fill the cores while it waits for its link) or
+  ``first-tokens`` (the service's default: as ``oldest``, the asks still loading before those
+  already answering);
 * **the load**: what each ask's controller plans its remaining compute with
   (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`, fed by the
   engine at every look for a step: :mod:`sparkv.edge.lane`). Two measures (:meth:`AskLane.load`):
@@ -36,6 +37,12 @@ ask's plan knows the others exist. Here:
   <sparkv.runtime.stepper.StepResult>` (seconds: the call's, shared) or the call's error; a
   rider whose ask was cancelled is not taken, and one cancelled during the call raises
   :class:`~sparkv.edge.lane.AskCancelled` in its own thread when the call ends;
+* **answer tokens together** (``decode_batch``, ``sparkv device serve --ask-decode-batch``, on
+  by default): a unit that is one answer token (:meth:`AskLane.run_decode`) takes along the
+  answer tokens other asks are waiting with (at most ``decode_batch``, in grant order) and runs
+  them as one forward pass of one row each
+  (:func:`~sparkv.runtime.batchdecode.decode_together`): a decode pass on a CPU is bound by
+  reading the weights, so K rows cost about one. Each rider's thread gets its own logits;
 * **cancellation**: :meth:`AskLane.cancel` makes the ask's next request for the cores raise
   :class:`~sparkv.edge.lane.AskCancelled` (a waiting request at once): the ask stops within one
   unit.
@@ -43,8 +50,9 @@ ask's plan knows the others exist. Here:
 A unit's own time (what the controller learns the device's speed from) excludes the wait for the
 gate; the wait is counted per lane (``waited_s``).
 
-State: the queue of waiting units (and the layer steps they carry), the holder, the lanes' last
-use; one condition variable guards all of it. A unit runs outside the lock.
+State: the queue of waiting units (and the layer steps or answer tokens they carry), the holder,
+the lanes' last use, the spans the units ran in the last ``window_s``; one condition variable
+guards all of it. A unit runs outside the lock.
 """
 
 from __future__ import annotations

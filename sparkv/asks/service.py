@@ -15,16 +15,16 @@ for an app, on the service's one model, its one link and its kept contexts:
 * **the cores** (:mod:`sparkv.asks.cores`): every unit of an ask's compute (layer steps, the
   question's and each answer token's forward pass) goes through the service's
   :class:`~sparkv.asks.cores.CoreGate`, one at a time, in turn;
-* **the plan knows the others**: an ask plans with the device's learned speed times the asks
-  running now (its compute share) and with the link's estimated rate over the asks on it (its
-  link share); its controller follows the load as asks come and go
+* **the plan knows the others**: an unplanned ask plans with the device's learned speed times
+  the asks running now (its compute share) and with the link's estimated rate over the asks on
+  it (its link share); every ask's controller follows the load as asks come and go
   (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`);
 * **the link's plan across asks** (:mod:`sparkv.asks.linkplan`): a planned ask (SparKV's, under
-  the default ``oldest`` policy) sends requests only on its turn, plans with the link's whole
-  and the device's whole speed (as if alone); its controller then plans with the bytes of the
-  asks ranked before it and with the share of the cores the asks before it measurably took
-  (:meth:`CoreGate.busy_load <sparkv.asks.cores.CoreGate.busy_load>`), and computes what
-  waiting for the link would delay: the device-wide split;
+  the default ``oldest`` policy) sends requests only on its turn, and starts from a plan with
+  the link's whole rate and the device's whole speed (as if alone); its controller then plans
+  with the bytes of the asks ranked before it and with the share of the cores the asks before
+  it measurably took (:meth:`CoreGate.busy_load <sparkv.asks.cores.CoreGate.busy_load>`), and
+  computes what waiting for the link would delay: the device-wide split;
 * **one link**: every server client of the service reads through one
   :class:`~sparkv.edge.shaper.LinkShaper` (an emulated link when the service was given one);
 * **kept contexts** (:mod:`sparkv.asks.kept`): a loaded context is kept for the asking app (by

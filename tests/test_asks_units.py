@@ -339,7 +339,7 @@ def test_the_concurrency_benchmark_summarizes_each_batch_and_its_ratios():
     args = argparse.Namespace(watts_compute=3.0, watts_decode=1.5, watts_radio=1.2, watts_idle=0.3)
 
     def done(ttft: float, mb: float) -> dict:
-        return {"first_token_s": ttft, "queued_s": 0.0,
+        return {"first_token_s": ttft, "total_s": ttft + 0.5, "queued_s": 0.0,
                 "stats": {"bytes_streamed": int(mb * 1e6), "chunks_streamed": 1,
                               "chunks_computed": 2, "fallback": {}, "local_compute_s": 1.0,
                               "ttft_s": ttft}}
@@ -354,6 +354,7 @@ def test_the_concurrency_benchmark_summarizes_each_batch_and_its_ratios():
     two = points[1]
     assert two["ttft_p50_s"] == 1.2 and two["ttft_max_s"] == 1.6        # the nearest rank
     assert two["failed"] == ["RuntimeError: gone"]
+    assert two["answer_s"] == pytest.approx([0.5, 0.5]) and two["answer_max_s"] == pytest.approx(0.5)
     assert two["mb_per_ask"] == 2.0 and two["energy_j_per_ask"] == pytest.approx(3.0 + 0.3 * 1.4)
     r = _ratios(points)
     assert r["n"] == 2 and r["hybrid_over_sparkv_p50"] == 2.0 / 1.2

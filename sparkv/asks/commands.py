@@ -42,11 +42,12 @@ def register(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--ask-queue", type=int, default=16,
                    help="asks waiting beyond the slots; past them an ask gets 429 queue_full")
     g.add_argument("--ask-core-order", choices=GRANT_ORDERS, default=DEFAULT_ORDER,
-                   help="the order the cores go to the asks' units: first-tokens (the asks "
-                        "still loading before those already answering, oldest first; an answer "
-                        "token that waited 1 s goes first), oldest (the oldest ask's first; "
-                        "its answer streams at full speed, the others' first tokens wait) or "
-                        "turns (round robin: the asks progress together)")
+                   help="the order the cores go to the asks' units: oldest (the oldest ask's "
+                        "first; its answer streams at full speed, the others' first tokens "
+                        "wait), first-tokens (the asks still loading before those already "
+                        "answering, oldest first; an answer token that waited 1 s goes first: "
+                        "sooner first tokens, slower answers) or turns (round robin: the asks "
+                        "progress together)")
     g.add_argument("--ask-batch", choices=("on", "off"), default="off",
                    help="run the layer steps several asks wait with at the same layer as one "
                         "call (one set of GEMMs over their rows: up to 4 steps, 256 rows), or "

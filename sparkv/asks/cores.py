@@ -9,10 +9,9 @@ ask's plan knows the others exist. Here:
   of the question or of one answer token. The gate grants the cores to one unit at a time, in
   the order a policy ranks the waiting units (:mod:`sparkv.asks.orders`, ``sparkv device serve
   --ask-core-order``): ``turns`` (the order they asked: the asks **interleave their steps**,
-  round robin, and progress together), ``oldest`` (the gate's default: the oldest ask's unit
-  first; work-conserving, the younger asks' units fill the cores while it waits for its link) or
-  ``first-tokens`` (the service's default: as ``oldest``, the asks still loading before those
-  already answering);
+  round robin, and progress together), ``oldest`` (the default: the oldest ask's unit first;
+  work-conserving, the younger asks' units fill the cores while it waits for its link) or
+  ``first-tokens`` (as ``oldest``, the asks still loading before those already answering);
 * **the load**: what each ask's controller plans its remaining compute with
   (:attr:`ComputeEstimator.load <sparkv.scheduler.estimators.ComputeEstimator.load>`, fed by the
   engine at every look for a step: :mod:`sparkv.edge.lane`). Two measures (:meth:`AskLane.load`):

@@ -7,11 +7,10 @@ a long unit):
 
 * ``turns`` (:class:`Turns`): the order the units asked for the cores. The asks running at once
   interleave their units (round robin) and progress together;
-* ``oldest`` (:class:`Oldest`): the unit of the oldest ask (the first to start)
+* ``oldest`` (:class:`Oldest`, the service's default: :data:`DEFAULT_ORDER`): the unit of the oldest ask (the first to start)
   first. Work-conserving: while it waits for its link, the younger asks' units fill the cores;
   its first token comes first, then the next one's, as serving them one by one would;
-* ``first-tokens`` (:class:`FirstTokens`, the service's default: :data:`DEFAULT_ORDER`): as
-  ``oldest``, except that the units of asks still
+* ``first-tokens`` (:class:`FirstTokens`): as ``oldest``, except that the units of asks still
   before their first token (loading, the question's forward pass) go before those of asks
   already answering (one answer token each). An answering ask's unit that waited
   ``answer_wait_s`` goes first (no answer starves while others load). What the first tokens
@@ -19,7 +18,10 @@ a long unit):
   The answer tokens it defers wait together, and the gate runs them as one forward pass
   (:meth:`CoreGate.run_decode <sparkv.asks.cores.CoreGate._run_decode>`): on this CPU eight
   cost about two. Measured (docs/asks.md, 8 asks over one 80 Mbit/s link): SparKV's p50 TTFT
-  6.30 s against ``oldest``'s 7.88 at 1K, 11.29 against 13.54 at 2K, the makespans alike.
+  6.30 s against ``oldest``'s 7.88 at 1K, 11.29 against 13.54 at 2K, the makespans alike; but
+  the rest of an answer (7 tokens) took 5.32 s at the p50 against 0.86 s, so the median ask's
+  whole answer came later (about 11 s against 8). Hence not the default: an option for apps
+  that want the first token above all.
 
 An ask is *answering* once its first token came (:meth:`AskLane.answered
 <sparkv.asks.cores.AskLane.answered>`).
@@ -34,7 +36,7 @@ __all__ = ["GRANT_ORDERS", "GrantOrder", "Waiting", "Turns", "Oldest", "FirstTok
            "ANSWER_WAIT_S", "DEFAULT_ORDER"]
 
 #: the device service's order (``sparkv device serve --ask-core-order``'s default)
-DEFAULT_ORDER = "first-tokens"
+DEFAULT_ORDER = "oldest"
 #: ``first-tokens``: an answer token's unit that waited this long goes first (seconds)
 ANSWER_WAIT_S = 1.0
 

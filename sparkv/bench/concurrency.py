@@ -10,6 +10,8 @@ loads its context) and wait for its ``done`` event. Per (strategy, N):
 * TTFT p50 / p95 / max: each ask's ``first_token_s`` (from its submission to its first token,
   its wait for the cores and the link included);
 * the batch's makespan (the first submission to the last ``done``);
+* the answer's time after its first token (``total_s - first_token_s``: the later tokens' pace,
+  what the ``first-tokens`` core order trades for first tokens), p50 and max;
 * bytes and energy per request (the energy an ESTIMATE from the model of ``sparkv bench ttft``:
   ``E = P_compute * compute_busy + P_decode * decode_busy + P_radio * link_active + P_idle *
   TTFT``, from each ask's own ``stats``);
@@ -197,10 +199,13 @@ def _point(strategy: str, n: int, batch: dict[str, Any], args: argparse.Namespac
     done = [o for o in batch["outs"] if isinstance(o, dict)]
     failed = [f"{type(o).__name__}: {o}" for o in batch["outs"] if not isinstance(o, dict)]
     ttft = [float(d["first_token_s"]) for d in done]
+    answer = [float(d["total_s"]) - float(d["first_token_s"]) for d in done if "total_s" in d]
     return {"strategy": strategy, "n": n, "asks": n, "failed": failed,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
             "ttft_max_s": max(ttft, default=0.0), "ttft_s": ttft,
             "makespan_s": batch["makespan_s"],
+            "answer_p50_s": percentile(answer, 50), "answer_max_s": max(answer, default=0.0),
+            "answer_s": answer,
             "mb_per_ask": sum(d["stats"]["bytes_streamed"] for d in done) / 1e6 / max(1, len(done)),
             "energy_j_per_ask": sum(_energy(d["stats"], args) for d in done) / max(1, len(done)),
             "queued_s": [float(d["queued_s"]) for d in done],
@@ -333,10 +338,11 @@ def run(args: argparse.Namespace) -> int:
     if len(plans) == 1:
         ratios = ratios[plans[0]]
     print(format_table(
-        ["plan", "strategy", "N", "TTFT p50 s", "p95 s", "max s", "makespan s", "MB/ask", "J/ask (est.)",
-         "RSS MB", "failed"],
+        ["plan", "strategy", "N", "TTFT p50 s", "p95 s", "max s", "makespan s", "answer p50 s",
+         "max s", "MB/ask", "J/ask (est.)", "RSS MB", "failed"],
         [[p["link_plan"], p["strategy"], p["n"], f"{p['ttft_p50_s']:.2f}", f"{p['ttft_p95_s']:.2f}",
-          f"{p['ttft_max_s']:.2f}", f"{p['makespan_s']:.2f}", f"{p['mb_per_ask']:.2f}",
+          f"{p['ttft_max_s']:.2f}", f"{p['makespan_s']:.2f}", f"{p['answer_p50_s']:.2f}",
+          f"{p['answer_max_s']:.2f}", f"{p['mb_per_ask']:.2f}",
           f"{p['energy_j_per_ask']:.2f}", f"{p['rss_peak_mb']:.0f}", len(p["failed"])]
          for p in points]))
     print("ratios:", ratios)

@@ -94,9 +94,11 @@ class FirstTokens:
     answer_wait_s: float = ANSWER_WAIT_S
 
     def rank(self, unit: Waiting, now: float) -> tuple[float, ...]:
-        late = unit.answering and now - unit.since >= self.answer_wait_s
-        later = unit.answering and not late
-        return (0.0 if late else 1.0 if not later else 2.0, float(unit.lane), float(unit.ticket))
+        if not unit.answering:
+            tier = 1.0
+        else:                        # an answer token: after the loading asks' units, unless late
+            tier = 0.0 if now - unit.since >= self.answer_wait_s else 2.0
+        return (tier, float(unit.lane), float(unit.ticket))
 
     def before(self, lane: int, answering: bool, me: int, me_answering: bool) -> bool:
         if lane == me:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparkv.cache import zeroed
 from sparkv.errors import SparkvError
 
 
@@ -52,9 +53,9 @@ class LayerStore:
         self.num_heads, self.head_dim = num_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.ragged = False
-        self.k: torch.Tensor | None = torch.zeros((1, num_heads, capacity, head_dim), dtype=dtype,
-                                                  device=self.device)
-        self.v: torch.Tensor | None = torch.zeros_like(self.k)
+        shape = (1, num_heads, capacity, head_dim)
+        self.k: torch.Tensor | None = zeroed.zeros(shape, dtype, self.device)
+        self.v: torch.Tensor | None = zeroed.zeros(shape, dtype, self.device)
         self.end = 0                    # dense: slots [0, end) may hold data
         # ragged layout
         self.hk: list[torch.Tensor] = []
@@ -89,9 +90,9 @@ class LayerStore:
         if slots <= cap:
             return
         new = _grow(cap, slots)
-        k = torch.zeros((1, self.num_heads, new, self.head_dim), dtype=self.dtype,
-                        device=self.device)
-        v = torch.zeros_like(k)
+        shape = (1, self.num_heads, new, self.head_dim)
+        k = zeroed.zeros(shape, self.dtype, self.device)
+        v = zeroed.zeros(shape, self.dtype, self.device)
         k[:, :, :cap] = self.k
         v[:, :, :cap] = self.v
         self.k, self.v = k, v

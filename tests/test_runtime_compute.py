@@ -268,3 +268,45 @@ def test_a_context_made_under_one_configuration_is_read_under_another(tiny_llama
     doc["model"]["compute"] = "int2-future"
     with pytest.raises(ManifestError, match="int2-future.*does not know"):
         Manifest.parse(json.dumps(doc).encode()).check_compute(CONFIGS)
+
+
+def test_int4_decode_is_float32_for_a_prefill_and_the_int4_kernel_for_answer_tokens():
+    """``int4-decode``: a pass marked as answer tokens is ``int4-kernel``'s, any other pass
+    (a prefill of any length, a ragged last chunk of a few tokens) float32's bit for bit."""
+    from sparkv.runtime.linears import Int4DecodeLinear, Int4KernelLinear, answer_tokens, answering
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96, bias=True)
+    dual, kernel = Int4DecodeLinear(linear), Int4KernelLinear(linear)
+    with torch.no_grad():
+        for rows in (1, 3, 40):
+            x = torch.randn(1, rows, 128)
+            assert torch.equal(dual(x), linear(x))
+            with answer_tokens():
+                assert answering()
+                assert torch.equal(dual(x), kernel(x))
+                assert not torch.equal(dual(x), linear(x))     # the int4 weights differ
+            assert not answering()
+    assert dual.weight_nbytes() == 96 * 128 * 4 + kernel.weight_nbytes()
+
+
+def test_int4_decode_judges_its_answers_as_it_makes_them(tiny_llama):
+    """Under ``int4-decode`` a context's KV and the first token are float32's; the answer tokens
+    after it go through the int4 kernel, and teacher forcing feeds the reference one token a
+    pass the same way, so a greedy answer forced back agrees with itself everywhere."""
+    from sparkv.runtime import greedy_generate
+    from sparkv.runtime.generate import reference_prefill, teacher_forced_agreement
+
+    lm = _converted(tiny_llama, "int4-decode")
+    assert get_compute("int4-decode").answers_differ
+    ids = [int(x) for x in torch.randint(1, 128, (80,), generator=torch.Generator()
+                                         .manual_seed(3))]
+    question = ids[-6:]
+    kv = reference_prefill(lm, ids[:-6])
+    mine = greedy_generate(lm, kv, 74, question, max_new_tokens=12, stop_at_eos=False)
+    fp = reference_prefill(tiny_llama, ids[:-6])
+    for (k1, v1), (k2, v2) in zip(kv, fp):                      # its prefill is float32's
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    dense = greedy_generate(tiny_llama, fp, 74, question, max_new_tokens=12, stop_at_eos=False)
+    assert torch.equal(mine.first_logits, dense.first_logits)
+    assert teacher_forced_agreement(lm, kv, 74, question, mine.tokens) == 1.0

@@ -80,6 +80,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--decode-batch", type=int, default=DECODE_BATCH,
                    help="the service's --ask-decode-batch (docs/asks.md; 1: each answer token "
                         "its own pass)")
+    p.add_argument("--dtype", default="auto",
+                   help="the service's --dtype, its compute configuration (docs/dtypes.md; "
+                        "e.g. int4-decode: answer tokens through the int4 kernel)")
     p.add_argument("--link-plans", default="oldest",
                    help="the service's --ask-link-plan, comma-separated: one service per plan, "
                         "every strategy under each (e.g. even,oldest: before and after)")
@@ -309,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
                                                      args.core_order, "--ask-link-plan",
                                                      plan, "--ask-batch",
                                                      args.ask_batch, "--ask-decode-batch",
-                                                     str(args.decode_batch)]).start()
+                                                     str(args.decode_batch), "--dtype",
+                                                     args.dtype]).start()
 
                 dev = None if fresh else service("all")
                 for strategy in strategies:

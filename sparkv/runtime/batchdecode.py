@@ -24,6 +24,7 @@ import torch
 from sparkv.cache import SparkvCache
 from sparkv.cache.batch import BatchCache
 from sparkv.runtime.hfcache import model_call
+from sparkv.runtime.linears import answer_tokens
 from sparkv.runtime.model import LoadedModel
 
 __all__ = ["DecodeItem", "decode_together", "decode_step", "decoding_through", "Decoder"]
@@ -59,8 +60,9 @@ def decode_together(lm: LoadedModel, items: Sequence[DecodeItem]) -> torch.Tenso
     else:
         cache = BatchCache([it.cache for it in items])
         cache_pos = pos.max().view(1)     # the mask's length only: each row has its own
-    out = model_call(lm.model, input_ids=ids, cache=cache, position_ids=pos,
-                     cache_position=cache_pos, use_cache=True, logits_to_keep=1)
+    with answer_tokens():
+        out = model_call(lm.model, input_ids=ids, cache=cache, position_ids=pos,
+                         cache_position=cache_pos, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
 

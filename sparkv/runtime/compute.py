@@ -26,6 +26,9 @@ name                  activations  the decoder layers' linear layers    norms, R
                                    second rounding), float32 matmul
 ``int4-kernel``       float32      Q4_1 through torch's CPU int4        float32
                                    kernel: bf16 input, scales, output
+``int4-decode``       float32      float32 for a prefill and the first  float32
+                                   token, ``int4-kernel``'s for the
+                                   other answer tokens
 ====================  ===========  ===================================  ==========================
 
 The residual stream (the hidden state between and within layers), the KV memory and the logits
@@ -41,8 +44,9 @@ from typing import Any, Mapping
 import torch
 
 from sparkv.errors import SparkvError
-from sparkv.runtime.linears import (Bf16Linear, Bf16WeightLinear, Int4KernelLinear, Int8Linear,
-                                    Q41Linear, WeightLinear, replace_linears)
+from sparkv.runtime.linears import (Bf16Linear, Bf16WeightLinear, Int4DecodeLinear,
+                                    Int4KernelLinear, Int8Linear, Q41Linear, WeightLinear,
+                                    replace_linears)
 
 
 class ComputeError(SparkvError):
@@ -70,6 +74,9 @@ class ComputeConfig:
             them).
         stepper_tolerance: the largest ``|K/V|`` difference between the layer stepper and the
             same configuration's own full forward that the tests allow.
+        answers_differ: its answer tokens compute another way than its prefill (``int4-decode``),
+            so a judge of its answers feeds them one token a pass, as generation does
+            (:func:`~sparkv.runtime.generate.teacher_forced_agreement`).
     """
 
     name: str
@@ -82,6 +89,7 @@ class ComputeConfig:
     cuda: bool = True
     per_layer: bool = False
     stepper_tolerance: float = 1e-4
+    answers_differ: bool = False
 
     @property
     def plain(self) -> bool:
@@ -116,6 +124,9 @@ CONFIGS: dict[str, ComputeConfig] = {c.name: c for c in (
     ComputeConfig("int4-kernel", "the Q4_1 blocks through torch's CPU int4 kernel (bf16 input, "
                   "scales and output)", torch.float32, "q4_1", "bfloat16", Int4KernelLinear,
                   bf16_matmuls=True, cuda=False, stepper_tolerance=0.03),
+    ComputeConfig("int4-decode", "float32 prefill and first token; the other answer tokens "
+                  "through torch's CPU int4 kernel", torch.float32, "float32+q4_1",
+                  "float32+bfloat16", Int4DecodeLinear, cuda=False, answers_differ=True),
 )}
 
 #: the plain configuration of each dtype

@@ -18,6 +18,7 @@ from sparkv.cache import ContextKV, SparkvCache
 from sparkv.generation import base_stats
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.batchdecode import DecodeItem, decode_step
+from sparkv.runtime.compute import compute_of
 from sparkv.runtime.hfcache import model_call, output_cache
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 from sparkv.runtime.model import LoadedModel
@@ -126,17 +127,37 @@ def teacher_forced_agreement(lm: LoadedModel, kv: LayerKV | ContextKV, context_l
     reference prefix over this cache (no divergence cascade, unlike :func:`greedy_agreement`)."""
     if len(ref) < 2:
         return 1.0
-    ids = list(question_ids) + list(ref[:-1])
-    pos = torch.arange(context_len, context_len + len(ids), device=lm.device)
     memory = context_memory(lm, kv, context_len)
     try:
-        out = model_call(lm.model, input_ids=torch.tensor([ids], device=lm.device),
-                         cache=SparkvCache(memory), position_ids=pos[None],
-                         cache_position=pos, use_cache=True)
+        if compute_of(lm).answers_differ:   # answer tokens compute another way: one a pass
+            pred = _forced_token_by_token(lm, SparkvCache(memory), context_len, question_ids,
+                                          ref)
+        else:
+            ids = list(question_ids) + list(ref[:-1])
+            pos = torch.arange(context_len, context_len + len(ids), device=lm.device)
+            out = model_call(lm.model, input_ids=torch.tensor([ids], device=lm.device),
+                             cache=SparkvCache(memory), position_ids=pos[None],
+                             cache_position=pos, use_cache=True)
+            pred = out.logits[0, len(question_ids) - 1:].argmax(-1).tolist()
     finally:
         memory.truncate()
-    pred = out.logits[0, len(question_ids) - 1:].argmax(-1).tolist()
     return sum(int(a == b) for a, b in zip(pred, ref)) / len(ref)
+
+
+def _forced_token_by_token(lm: LoadedModel, cache: SparkvCache, n: int,
+                           question_ids: Sequence[int], ref: Sequence[int]) -> list[int]:
+    """The argmax after the question and after each reference prefix, fed as generation feeds
+    it: the question in one pass, then one reference token a pass."""
+    ids = torch.tensor([list(question_ids)], dtype=torch.long, device=lm.device)
+    pos = torch.arange(n, n + ids.shape[1], device=lm.device)
+    out = model_call(lm.model, input_ids=ids, cache=cache, position_ids=pos.unsqueeze(0),
+                     cache_position=pos, use_cache=True, logits_to_keep=1)
+    pred = [int(torch.argmax(out.logits[0, -1]))]
+    cur = n + ids.shape[1]
+    for token in ref[:-1]:
+        pred.append(int(torch.argmax(decode_step(lm, DecodeItem(cache, int(token), cur)))))
+        cur += 1
+    return pred
 
 
 def eos_ids(lm: LoadedModel) -> set[int]:

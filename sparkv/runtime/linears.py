@@ -18,12 +18,19 @@ class                  weight stored as            the matmul
                        Q4_1 blocks' scale and      (``_weight_int4pack_mm_for_cpu``): on x86 it is
                        zero in bf16                vectorized for bfloat16 only, so the input,
                                                    the scales and zeros and the output are bf16
+:class:`Int4DecodeLinear`  float32 and the int4     the int4 kernel for answer tokens (passes
+                       pack (both)                 marked by :func:`answer_tokens`), float32 for
+                                                   every other pass (a prefill)
 =====================  ==========================  ===============================================
 
 A bias (Qwen2's projections) stays float32 and is added to the output.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +181,52 @@ class Int4KernelLinear(WeightLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class Int4DecodeLinear(WeightLinear):
+    """float32 for a prefill, torch's int4 kernel for answer tokens (``int4-decode``).
+
+    An answer token's pass (one row, or one per ask when the device service decodes several
+    asks together: :func:`~sparkv.runtime.batchdecode.decode_together` marks it with
+    :func:`answer_tokens`) is bound by reading the weights, not by FLOPs, so it runs through
+    :class:`Int4KernelLinear` (the Q4_1 blocks: 5 bits a weight instead of 32; 1.65x faster a
+    token on SmolLM2 here). Every other pass (a context's chunk, the question) is compute-bound,
+    where that kernel is slower than float32 on this CPU (0.65x), so it runs in float32 with the
+    original weight: the KV a context's prefill makes, and the first token, are float32's, bit
+    for bit. Both forms are kept (SmolLM2: 430 + 60 MB)."""
+
+    weight: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.register_buffer("weight", linear.weight.detach().to(torch.float32))
+        self.kernel = Int4KernelLinear(linear)
+        self.kernel.bias = None                                # added once, by this module
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if answering():
+            return self.kernel.matmul(x)
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+_answer = threading.local()
+
+
+@contextlib.contextmanager
+def answer_tokens() -> Iterator[None]:
+    """Marks this thread's forward passes in the block as answer tokens (what
+    :class:`Int4DecodeLinear` runs through the int4 kernel)."""
+    before = getattr(_answer, "on", False)
+    _answer.on = True
+    try:
+        yield
+    finally:
+        _answer.on = before
+
+
+def answering() -> bool:
+    """Whether this thread runs answer tokens (:func:`answer_tokens`)."""
+    return bool(getattr(_answer, "on", False))
+
+
 #: the children of a decoder layer whose ``nn.Linear`` modules a configuration replaces
 LINEAR_PARENTS = ("self_attn", "mlp")
 
@@ -194,5 +247,6 @@ def replace_linears(layer: nn.Module, cls: type[WeightLinear]) -> list[WeightLin
     return out
 
 
-__all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear", "Int4KernelLinear", "Int8Linear", "Q41Linear",
-           "WeightLinear"]
+__all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear", "Int4DecodeLinear",
+           "Int4KernelLinear", "Int8Linear", "Q41Linear", "WeightLinear", "answer_tokens",
+           "answering"]

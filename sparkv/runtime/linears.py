@@ -43,6 +43,8 @@ class WeightLinear(nn.Module):
     """A linear layer whose weight is stored some other way than ``nn.Linear``'s; subclasses
     implement :meth:`matmul` (``x [..., in] -> [..., out]``, any dtype)."""
 
+    bias: nn.Parameter | None
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = int(linear.in_features)

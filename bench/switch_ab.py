@@ -6,7 +6,10 @@ the parent's word, times the reads alone (4 threads, ``O_DIRECT``) or one flash 
 recomputation). The parent alternates the trees (and their order) round after round, so both
 see the same machine load; each load is set against the reads of the same round.
 
-    python bench/switch_ab.py BEFORE_TREE AFTER_TREE [--tokens 4096] [--rounds 9] [--out F.json]
+    python bench/switch_ab.py BEFORE_TREE AFTER_TREE [--tokens 4096] [--rounds 9] [--with-alloc] [--out F.json]
+
+``--with-alloc`` times the working memory's making (``ContextKV(...)``) with the load, as a
+switch pays it.
 
 Wall clock on whatever machine runs it: the load average is recorded, only the ratios count.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 
-def child(tokens: int) -> None:
+def child(tokens: int, with_alloc: bool = False) -> None:
     """Serves ``read`` / ``load`` lines on stdin with one JSON line each on stdout."""
     import shutil
     import tempfile
@@ -52,8 +55,12 @@ def child(tokens: int) -> None:
                 dt, reads, nbytes = sr.read_only(ctx, 4, 2 << 20)
                 out: dict[str, Any] = {"read_s": dt, "reads": reads, "bytes": nbytes}
             elif what == "load":
-                W = ContextKV(g, torch.float32, "cpu")
-                t0 = time.perf_counter()
+                if with_alloc:                        # the working memory's making timed too
+                    t0 = time.perf_counter()
+                    W = ContextKV(g, torch.float32, "cpu")
+                else:
+                    W = ContextKV(g, torch.float32, "cpu")
+                    t0 = time.perf_counter()
                 s = load(lm, ctx.tokens, C, W, ctx.tier,
                          LoadRequest(read=range(g.num_token_chunks)),
                          LoadOptions(pipeline=False, io_threads=4))
@@ -69,10 +76,11 @@ def child(tokens: int) -> None:
 
 
 class Tree:
-    def __init__(self, path: str, tokens: int) -> None:
+    def __init__(self, path: str, tokens: int, with_alloc: bool = False) -> None:
         self.path = str(Path(path).resolve())
         env = dict(os.environ, PYTHONPATH=self.path)
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", "--tokens", str(tokens)],
+        self.proc = subprocess.Popen([sys.executable, __file__, "--child", "--tokens", str(tokens),
+                                      *(["--with-alloc"] if with_alloc else [])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env, cwd=self.path)
         self.ask_line = lambda: json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
@@ -97,16 +105,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true")
+    ap.add_argument("--with-alloc", action="store_true",
+                    help="time the working memory's making with the load (a switch makes one)")
     a = ap.parse_args()
     if a.child:
-        child(a.tokens)
+        child(a.tokens, a.with_alloc)
         return
     names = ["before", "after"]
     res: dict[str, Any] = {"command": "python bench/switch_ab.py " + " ".join(sys.argv[1:]),
                            "trees": dict(zip(names, a.trees)), "tokens": a.tokens,
                            "load_average_start": os.getloadavg(),
                            "rounds": {n: [] for n in names}}
-    trees = [Tree(p, a.tokens) for p in a.trees]
+    trees = [Tree(p, a.tokens, a.with_alloc) for p in a.trees]
     try:
         for t in trees:
             assert t.ask_line().get("ready")

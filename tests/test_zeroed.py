@@ -70,7 +70,7 @@ def test_a_dense_layer_takes_memory_as_its_chunks_arrive():
     gc.collect()
     before = _rss()
     store = LayerStore(num_heads=4, head_dim=64, capacity=32768, dtype=torch.float32,
-                       device="cpu")                      # K and V: 64 MB together
+                       device="cpu", lazy=True)           # K and V: 64 MB together
     assert store.nbytes == 2 * 4 * 32768 * 64 * 4         # the account counts the capacity
     assert _rss() - before < 16 * MB
     k = torch.ones(4, 4096, 64)
@@ -79,3 +79,21 @@ def test_a_dense_layer_takes_memory_as_its_chunks_arrive():
     assert 6 * MB <= grown < 24 * MB
     assert float(store.k[0, :, :4096].sum()) == 4 * 4096 * 64
     assert not store.k[0, :, 4096:].any() and not store.v[0, :, 4096:].any()
+
+
+@needs_proc
+def test_an_eager_layer_takes_its_memory_at_once_and_an_edge_ask_s_is_lazy(tiny_llama):
+    """Without ``lazy`` (a switch's working memory) the arena is ``torch.zeros``'s, all of it at
+    once; the edge's load memory (``LayerStepper(..., lazy=True)``) is lazy."""
+    from sparkv.runtime.stepper import LayerStepper
+
+    gc.collect()
+    before = _rss()
+    store = LayerStore(num_heads=4, head_dim=64, capacity=32768, dtype=torch.float32,
+                       device="cpu")
+    assert _rss() - before >= 56 * MB
+    del store
+    stepper = LayerStepper(tiny_llama, list(range(1, 200)), 64, lazy=True)
+    assert all(layer.lazy for layer in stepper.kv.layers if layer is not None)
+    assert not any(layer.lazy for layer in LayerStepper(tiny_llama, list(range(1, 200)), 64)
+                   .kv.layers if layer is not None)

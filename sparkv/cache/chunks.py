@@ -75,13 +75,15 @@ class ChunkMemory:
 
     def __init__(self, geometry: ChunkGeometry, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", *, spare_tokens: int = 0,
-                 paged: bool = False, pools: PagePools | None = None) -> None:
+                 paged: bool = False, pools: PagePools | None = None,
+                 lazy: bool = False) -> None:
         self.geometry = geometry
         self.dtype, self.device = dtype, torch.device(device)
         cap = geometry.num_tokens + max(0, int(spare_tokens))
         self.layers: list[LayerStore | None] = [
             None if paged else
-            LayerStore(geometry.num_kv_heads, geometry.head_dim, cap, dtype, self.device)
+            LayerStore(geometry.num_kv_heads, geometry.head_dim, cap, dtype, self.device,
+                       lazy=lazy)
             for _ in range(geometry.num_layers)]
         self.mode = [PAGED if paged else ARENA] * geometry.num_layers
         self.table = ChunkTable(geometry)

@@ -49,19 +49,25 @@ class LayerStore:
     """The fp entries of one layer (see the module docstring)."""
 
     def __init__(self, num_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, lazy: bool = False) -> None:
         self.num_heads, self.head_dim = num_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
+        self.lazy = lazy
         self.ragged = False
         shape = (1, num_heads, capacity, head_dim)
-        self.k: torch.Tensor | None = zeroed.zeros(shape, dtype, self.device)
-        self.v: torch.Tensor | None = zeroed.zeros(shape, dtype, self.device)
+        self.k: torch.Tensor | None = self._zeros(shape)
+        self.v: torch.Tensor | None = self._zeros(shape)
         self.end = 0                    # dense: slots [0, end) may hold data
         # ragged layout
         self.hk: list[torch.Tensor] = []
         self.hv: list[torch.Tensor] = []
         self.hpos: list[torch.Tensor] = []
         self.length: list[int] = []
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.lazy:
+            return zeroed.zeros(shape, self.dtype, self.device)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ---- accounting ------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
@@ -91,8 +97,7 @@ class LayerStore:
             return
         new = _grow(cap, slots)
         shape = (1, self.num_heads, new, self.head_dim)
-        k = zeroed.zeros(shape, self.dtype, self.device)
-        v = zeroed.zeros(shape, self.dtype, self.device)
+        k, v = self._zeros(shape), self._zeros(shape)
         k[:, :, :cap] = self.k
         v[:, :, :cap] = self.v
         self.k, self.v = k, v

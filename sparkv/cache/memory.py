@@ -55,6 +55,10 @@ class ContextKV(ChunkMemory):
         paged: every layer starts paged, with no arena (a context service building a memory
             chunk by chunk, or reopening one from flash).
         pools: page pools shared with other contexts (``None``: the memory's own).
+        lazy: the dense arenas take memory page by page as chunks are written
+            (:mod:`~sparkv.cache.zeroed`; an edge ask's memory, filled over seconds), instead of
+            all at once (``torch.zeros``: a switch's working memory, filled at once by several
+            threads, whose page faults would cost more than the zeroing).
     """
 
     # ---- forms, levels, tiers (sparkv/cache/forms.py, tiers.py) ----------------------------------

@@ -10,6 +10,13 @@ share of the link or the cores then holds the chunks it has, not its whole conte
 memory goes back to the system the moment the tensor is freed (``munmap``, not a heap that may
 keep it).
 
+The page faults are not free: a 4K-token switch's working memory, made and filled at once by
+four reader threads, took 1.55x longer with lazy arenas than with ``torch.zeros`` (217 against
+140 ms: ``python bench/switch_ab.py OLD NEW --with-alloc``,
+bench/results/switch_lazy_arena_all.json), so only a memory filled over seconds takes them
+(``ContextKV(..., lazy=True)``: the edge's ask, whose chunks arrive as the link and the cores
+give them; the switch again 0.97x, switch_lazy_arena_asks_only.json).
+
 Smaller tensors (under :data:`LAZY_MIN_BYTES`), tensors off the CPU and platforms without
 anonymous private mappings get ``torch.zeros``. The result is an ordinary tensor (views, copies,
 in-place writes); its storage cannot be resized.

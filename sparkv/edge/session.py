@@ -338,8 +338,8 @@ class EdgeSession:
 
         def make() -> LayerStepper:
             return on_lane(LayerStepper(lm, tokens, geo.chunk_tokens, backend=attn,
-                                        heads_per_group=geo.heads_per_group, spare_tokens=spare),
-                           lane)
+                                        heads_per_group=geo.heads_per_group, spare_tokens=spare,
+                                        lazy=True), lane)
 
         return Prelude(make, geo, tokens).start()
 
@@ -485,7 +485,7 @@ class EdgeSession:
             pre.join()
         return on_lane(LayerStepper(self.lm, tokens, geometry.chunk_tokens, backend=ask.attention,
                                     heads_per_group=geometry.heads_per_group,
-                                    spare_tokens=ask.spare), ask.lane)
+                                    spare_tokens=ask.spare, lazy=True), ask.lane)
 
     def _answer(self, ask: _Ask, fetched: _Fetched, planned: _Planned,
                 loaded: _Loaded) -> AskResult:

@@ -66,13 +66,16 @@ class LayerStepper:
         full_last_layer: run the last layer's attention too (its hooks fire; nothing else needs
             it), instead of the projection-only step.
         spare_tokens: dense slots a new memory keeps for tokens decoded later.
+        lazy: a new memory's arenas take memory page by page as chunks are written
+            (:mod:`sparkv.cache.zeroed`: an ask waiting for its share of the link holds the chunks
+            it has), instead of all at once.
     """
 
     def __init__(self, lm: LoadedModel, token_ids: Sequence[int],
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  backend: AttentionBackend | None = None, heads_per_group: int = 0,
                  kv: ContextKV | None = None, full_last_layer: bool = False,
-                 spare_tokens: int = 0) -> None:
+                 spare_tokens: int = 0, lazy: bool = False) -> None:
         if len(token_ids) == 0:
             raise ValueError("the context has no tokens")
         if lm.max_positions and len(token_ids) > lm.max_positions:
@@ -87,7 +90,8 @@ class LayerStepper:
         bind_model(self.backend, lm.base_fingerprint)
         self.token_ids = torch.tensor(list(token_ids), dtype=torch.long,
                                       device=lm.device).unsqueeze(0)
-        self.kv = kv or ContextKV(self.geometry, lm.dtype, lm.device, spare_tokens=spare_tokens)
+        self.kv = kv or ContextKV(self.geometry, lm.dtype, lm.device, spare_tokens=spare_tokens,
+                                  lazy=lazy)
         if self.kv.geometry != self.geometry:
             raise ValueError("the KV memory was made for another geometry")
         self.full_last_layer = full_last_layer

@@ -42,7 +42,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype,
           device: torch.device | str = "cpu") -> torch.Tensor:
     """A zero-filled tensor of ``shape``; a large CPU one takes memory only where written
     (module docstring)."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if (torch.device(device).type != "cpu" or nbytes < LAZY_MIN_BYTES
             or not hasattr(mmap, "MAP_ANONYMOUS")):
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -75,6 +75,7 @@ def run_demo(args: argparse.Namespace) -> int:
     require_all((*SERVER_MODULES, "matplotlib"), feature="sparkv demo")   # a server, and plots
     from sparkv.edge.prompts import chat_context
     from sparkv.predictor.dtypes import load_model_in_dtype
+    from sparkv.runtime.heap import settle
     from sparkv.runtime import sample_context_ids
 
     if args.threads:
@@ -89,6 +90,7 @@ def run_demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log.info("sparkv demo: loading the model ...")
     lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
+    settle()             # the model for good: out of full collections (sparkv.runtime.heap)
     context = chat_context(lm, sample_context_ids(lm, args.tokens))
     link = (f"{args.mbps:g} Mbit/s" if args.mbps else
             f"trace {args.trace!r}" if args.trace else "unshaped loopback")

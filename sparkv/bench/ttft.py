@@ -210,6 +210,7 @@ def _sweep_model(args: argparse.Namespace, sizes: list[int]) -> Any:
     becomes its spec, so that the server encodes with the same model."""
     from sparkv.bench.longctx import LongContextError, long_context_model
     from sparkv.predictor.dtypes import load_model_in_dtype
+    from sparkv.runtime.heap import settle
 
     lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     try:
@@ -219,6 +220,7 @@ def _sweep_model(args: argparse.Namespace, sizes: list[int]) -> Any:
     if spec != args.model:
         args.model = spec
         lm = load_model_in_dtype(spec, dtype=args.dtype, device=args.device)
+    settle()             # the sweep's model for good: out of full collections (runtime.heap)
     return lm
 
 
@@ -697,6 +699,7 @@ def run_press(args: argparse.Namespace) -> int:
 
     from sparkv.presses import PressError, canonical_spec
     from sparkv.predictor.dtypes import load_model_in_dtype
+    from sparkv.runtime.heap import settle
 
     try:
         spec = canonical_spec(args.press)
@@ -707,6 +710,7 @@ def run_press(args: argparse.Namespace) -> int:
     sizes = _csv(args.sizes, int)
     mbps = _csv(args.mbps or "10,20,40")
     lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
+    settle()
     t0 = time.perf_counter()
     rows, passkey = _measure_press(args, lm, spec, sizes, mbps)
     points = _press_points(rows)

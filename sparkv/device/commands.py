@@ -265,11 +265,14 @@ def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: lis
     from sparkv.device.identity import app_key
     from sparkv.rest.listen import serve
     from sparkv.rest.limits import BodyLimits
+    from sparkv.runtime.heap import settle
 
     app = create_app(service, token=token, app_key=app_key(service.swap_dir),
                      limits=BodyLimits(args.max_body_bytes, args.body_timeout_s))
     extend = getattr(args, "extend_app", None)
     close = extend(app, service, args) if extend is not None else None
+    frozen = settle()
+    log.debug("sparkv device: %d objects out of the collector's full collections", frozen)
     try:
         serve(app, sockets, header_timeout_s=args.header_timeout_s, log_level="warning")
     finally:

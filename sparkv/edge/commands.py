@@ -169,6 +169,7 @@ def check_ask_args(args: argparse.Namespace) -> str | None:
 def _ask(args: argparse.Namespace) -> int:
     from sparkv.edge.options import AskOptions
     from sparkv.edge.session import EdgeSession
+    from sparkv.runtime.heap import settle
     from sparkv.runtime.model import cache_dir
 
     spec = check_ask_args(args)
@@ -188,6 +189,8 @@ def _ask(args: argparse.Namespace) -> int:
         context = args.context
         if spec is not None:
             context = session.client.pressed_context(args.context, spec, progress=not args.json)
+        if session.lm is not None:   # loaded now, for good: out of full collections
+            settle()                 # (sparkv.runtime.heap)
         if args.keep:
             from sparkv.device import ContextService
             session.context_service = ContextService(

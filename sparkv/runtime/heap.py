@@ -5,6 +5,12 @@ of its own) grows glibc's per-thread malloc arenas; what an ended ask freed stay
 (its RSS), and a later ask on another thread may not reuse it. :func:`trim_heap` asks glibc to
 return the free pages of every arena (``malloc_trim(0)``, which since glibc 2.8 also releases
 free pages inside the heaps, not only at their tops). Elsewhere (musl, macOS) it does nothing.
+
+:func:`freeze_heap` takes what a long-running process holds for good (the model, torch's and
+transformers' modules: ~465,000 objects in the device service) out of Python's full collections,
+which otherwise walk all of it with the interpreter's lock held. Measured in the device service
+(SmolLM2, 1,024-token asks, a loaded 2-core CPU): 19 full collections of 80-905 ms, 11.2 s in
+all, over six asks, each a stall of every other ask's thread.
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 from typing import Any
 
-__all__ = ["trim_heap"]
+__all__ = ["freeze_heap", "settle", "trim_heap"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,3 +40,27 @@ def trim_heap() -> bool:
     (``False`` also where the C library has no ``malloc_trim``)."""
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def freeze_heap() -> int:
+    """Collects once, then moves every object alive now into the collector's permanent
+    generation (``gc.freeze``): later collections walk only what was made after, so they cost
+    what the work since made, not what the process holds for good. Call it once the long-lived
+    state exists (the model loaded, the modules imported); an object frozen stays until the
+    process ends unless its references drop to zero (frozen cycles are never collected).
+    Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def settle() -> int:
+    """What a process that holds one model for its whole life runs once the model is loaded,
+    before its first ask: the codec's compiled kernels once (:func:`sparkv.codec.warm.warm_up`,
+    whose first call imports and compiles), then :func:`freeze_heap`. Returns how many objects
+    are frozen. Not for a process that drops models it loaded (a frozen model in a reference
+    cycle would never be freed)."""
+    from sparkv.codec.warm import warm_up
+
+    warm_up()
+    return freeze_heap()

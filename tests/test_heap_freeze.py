@@ -1,0 +1,62 @@
+"""freeze_heap: what is alive is left out of full collections, what is made after is still
+collected; the codec's warm-up runs every coding path it names (a subprocess each: a freeze is
+for the whole process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_freeze_heap_leaves_out_what_lives_and_collects_what_comes_after():
+    out = _run("""
+        import gc, weakref
+        from sparkv.runtime.heap import freeze_heap
+
+        class Node:
+            pass
+
+        held = [Node() for _ in range(20000)]
+        frozen = freeze_heap()
+        assert frozen >= len(held), frozen
+        assert len(gc.get_objects(generation=2)) < frozen
+        a, b = Node(), Node()                       # a cycle made after the freeze
+        a.other, b.other = b, a
+        dead = weakref.ref(a)
+        del a, b
+        gc.collect()
+        print(dead() is None, len(held))
+    """)
+    assert out == "True 20000", out
+
+
+def test_warm_up_round_trips_every_level_it_names():
+    out = _run("""
+        from sparkv.codec.warm import warm_up
+        from sparkv.codec import huffman
+        import numba
+
+        warm_up(("raw", "q8", "q5"))
+        kernels = [f for f in vars(huffman).values() if isinstance(f, numba.core.registry.CPUDispatcher)]
+        print(sum(bool(f.signatures) for f in kernels) > 0)
+    """)
+    assert out == "True", out
+
+
+def test_warm_up_refuses_an_unknown_level():
+    out = _run("""
+        from sparkv.codec.warm import warm_up
+        try:
+            warm_up(("q99",))
+        except Exception as e:
+            print(type(e).__name__)
+    """)
+    assert out in ("CodecError", "ValueError", "KeyError", "SparkvError"), out

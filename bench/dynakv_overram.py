@@ -66,6 +66,7 @@ def main() -> int:
     from sparkv.bench.common import format_table, write_result
     from sparkv.bench.dynakv import _measure
     from sparkv.runtime import load_model
+    from sparkv.runtime.heap import settle
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:llama-3.2-1b")
@@ -82,6 +83,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     lm = load_model(args.model, device="cpu", dtype="float32")
+    settle()             # the model for good: out of full collections (sparkv.runtime.heap)
     cfg = lm.config
     hkv = int(cfg.num_key_value_heads)
     d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)

@@ -199,7 +199,13 @@ def passive_openmp_waits() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; ``argv`` ``None``: this process's own arguments, and the process is
+    the command's (:func:`sparkv.runtime.heap.own_process`)."""
     passive_openmp_waits()
+    if argv is None:
+        from sparkv.runtime.heap import own_process
+
+        own_process()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:

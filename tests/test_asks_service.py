@@ -411,6 +411,7 @@ def test_clients_that_disconnect_at_random_leave_no_ask_stuck_or_memory_held(wor
     dev = world["dev"]
     with dev.client() as c:
         before = c.ask_stats()
+    rss_before = _rss_mb(dev.proc.pid)
     outcomes: list[str] = []
 
     refused: list[int] = []
@@ -461,7 +462,16 @@ def test_clients_that_disconnect_at_random_leave_no_ask_stuck_or_memory_held(wor
         assert c.ask_stats()["cores"]["held_bytes"] == 0 and c.stats()["budget_violations"] == 0
     print(f"stress: {STRESS_ASKS} asks from 8 clients: " + ", ".join(
         f"{outcomes.count(k)} {k}" for k in ("done", "left", "error"))
-        + f"; {len(refused)} refusals (429) sent again")
+        + f"; {len(refused)} refusals (429) sent again; the service's RSS "
+        f"{rss_before:.0f} MB before, {_rss_mb(dev.proc.pid):.0f} MB after")
+
+
+def _rss_mb(pid: int) -> float:
+    """A process's resident memory (``VmRSS``), MB: reported by the stress, never asserted."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def test_a_client_that_leaves_mid_request_body_leaves_no_traceback_on_the_server(world):

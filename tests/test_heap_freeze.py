@@ -60,3 +60,16 @@ def test_warm_up_refuses_an_unknown_level():
             print(type(e).__name__)
     """)
     assert out in ("CodecError", "ValueError", "KeyError", "SparkvError"), out
+
+
+def test_settle_freezes_only_in_a_commands_own_process():
+    """A test (or a library user) calling the CLI's main inside its own process keeps its
+    collector whole; the command's own process (``main()`` with no arguments) settles."""
+    out = _run("""
+        from sparkv.runtime import heap
+
+        first = heap.settle()
+        heap.own_process()
+        print(first, heap.settle() > 0)
+    """)
+    assert out == "0 True", out

@@ -354,10 +354,12 @@ def run(args: argparse.Namespace) -> int:
     from sparkv.logs import progress_bar
 
     from sparkv.runtime.model import load_model
+    from sparkv.runtime.heap import settle
 
     systems, patterns, sweep, sweep_systems = _settings(args)
     torch.set_num_threads(max(1, args.threads))
     lm = load_model(args.model)
+    settle()             # the model for good: out of full collections (sparkv.runtime.heap)
     work = Path(tempfile.mkdtemp(prefix="sparkv-contexts-"))
     t0 = time.perf_counter()
     tokens = parse_token_range(args.context_tokens)

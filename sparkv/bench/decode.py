@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from sparkv.logs import progress_bar
 
     from sparkv.runtime import load_model
+    from sparkv.runtime.heap import settle
 
     if args.quick:
         args.sizes, args.configs, args.max_new_tokens = "2048,8192", "memory,int8,int4", 16
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    settle()             # the model for good: out of full collections (sparkv.runtime.heap)
     from sparkv.cache.qattend import warm_up
 
     warm_up()   # compile the quantized kernel before any timing

@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from sparkv.runtime import load_model
+    from sparkv.runtime.heap import settle
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     out = result_path("dynakv", args.out, quick=args.quick) if args.json or args.out else None
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    settle()             # the model for good: out of full collections (sparkv.runtime.heap)
     flash_dir = args.flash_dir or tempfile.mkdtemp(prefix="sparkv-dynakv-")
     rows: list[dict[str, Any]] = []
     targets: dict[str, Any] = {}

@@ -21,7 +21,7 @@ import functools
 import gc
 from typing import Any
 
-__all__ = ["freeze_heap", "settle", "trim_heap"]
+__all__ = ["freeze_heap", "own_process", "settle", "trim_heap"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,12 +54,29 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
+#: whether this process is a command's own (:func:`own_process`): only then does
+#: :func:`settle` freeze anything
+_OWN_PROCESS = False
+
+
+def own_process() -> None:
+    """Marks this process as a command's own: the CLI calls it when it is the process's entry
+    point (``sparkv ...``, ``python -m sparkv.cli``), not when a library user or a test calls
+    :func:`sparkv.cli.main` with arguments inside a process of its own."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
+
+
 def settle() -> int:
-    """What a process that holds one model for its whole life runs once the model is loaded,
-    before its first ask: the codec's compiled kernels once (:func:`sparkv.codec.warm.warm_up`,
-    whose first call imports and compiles), then :func:`freeze_heap`. Returns how many objects
-    are frozen. Not for a process that drops models it loaded (a frozen model in a reference
-    cycle would never be freed)."""
+    """What a command that holds one model for the process's whole life runs once the model is
+    loaded, before its first ask: the codec's compiled kernels once
+    (:func:`sparkv.codec.warm.warm_up`, whose first call imports and compiles), then
+    :func:`freeze_heap`. Does nothing (returns 0) unless the process is the command's own
+    (:func:`own_process`): a frozen object in a reference cycle is never freed, which a
+    process that goes on after the command (a test run) cannot afford. Returns how many
+    objects are frozen."""
+    if not _OWN_PROCESS:
+        return 0
     from sparkv.codec.warm import warm_up
 
     warm_up()

@@ -162,4 +162,7 @@ def _targets(rows: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]
 
 
 if __name__ == "__main__":
+    from sparkv.runtime.heap import own_process
+
+    own_process()            # this script's process: settle() may freeze the model's objects
     raise SystemExit(main())

@@ -169,7 +169,7 @@ def check_ask_args(args: argparse.Namespace) -> str | None:
 def _ask(args: argparse.Namespace) -> int:
     from sparkv.edge.options import AskOptions
     from sparkv.edge.session import EdgeSession
-    from sparkv.runtime.heap import settle
+    from sparkv.runtime.heap import owns_process, settle
     from sparkv.runtime.model import cache_dir
 
     spec = check_ask_args(args)
@@ -189,8 +189,8 @@ def _ask(args: argparse.Namespace) -> int:
         context = args.context
         if spec is not None:
             context = session.client.pressed_context(args.context, spec, progress=not args.json)
-        if session.lm is not None:   # loaded now, for good: out of full collections
-            settle()                 # (sparkv.runtime.heap)
+        if owns_process() and session.lm is not None:   # the model loaded now, for good:
+            settle()                 # out of full collections (sparkv.runtime.heap)
         if args.keep:
             from sparkv.device import ContextService
             session.context_service = ContextService(

@@ -21,7 +21,7 @@ import functools
 import gc
 from typing import Any
 
-__all__ = ["freeze_heap", "own_process", "settle", "trim_heap"]
+__all__ = ["freeze_heap", "own_process", "owns_process", "settle", "trim_heap"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,6 +67,11 @@ def own_process() -> None:
     _OWN_PROCESS = True
 
 
+def owns_process() -> bool:
+    """Whether :func:`own_process` marked this process as a command's own."""
+    return _OWN_PROCESS
+
+
 def settle() -> int:
     """What a command that holds one model for the process's whole life runs once the model is
     loaded, before its first ask: the codec's compiled kernels once
@@ -75,7 +80,7 @@ def settle() -> int:
     (:func:`own_process`): a frozen object in a reference cycle is never freed, which a
     process that goes on after the command (a test run) cannot afford. Returns how many
     objects are frozen."""
-    if not _OWN_PROCESS:
+    if not owns_process():
         return 0
     from sparkv.codec.warm import warm_up
 

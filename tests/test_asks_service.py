@@ -468,9 +468,10 @@ def test_clients_that_disconnect_at_random_leave_no_ask_stuck_or_memory_held(wor
 
 def _rss_mb(pid: int) -> float:
     """A process's resident memory (``VmRSS``), MB: reported by the stress, never asserted."""
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
     return float("nan")
 
 

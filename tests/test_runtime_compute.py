@@ -207,6 +207,48 @@ def test_fast_ops_equal_transformers_own_forward_in_every_family():
         assert _max_rel(fast, plain) < 1e-5, cfg_cls.model_type
 
 
+def test_a_few_rows_linear_is_torchs_within_rounding_and_one_row_bit_for_bit():
+    """``fastops.linear``: 2-64 float32 rows as ``W @ x^T`` equal ``F.linear`` within float32
+    rounding (with a bias too); one row, more rows and other dtypes are ``F.linear`` itself."""
+    from torch.nn import functional as F
+
+    from sparkv.runtime.fastops import FEW_ROWS, linear
+
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
+    for rows in (1, 2, 7, FEW_ROWS, FEW_ROWS + 1):
+        x = torch.randn(1, rows, 128, generator=gen)
+        for bias in (None, b):
+            got, want = linear(x, w, bias), F.linear(x, w, bias)
+            assert got.shape == want.shape == (1, rows, 96) and got.is_contiguous()
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+            if rows in (1, FEW_ROWS + 1):
+                assert torch.equal(got, want)
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    assert torch.equal(linear(x, w.bfloat16()), F.linear(x, w.bfloat16()))
+
+
+def test_fast_linear_layers_start_on_64_bytes_and_keep_their_values_and_ties():
+    """A checkpoint's weights lie at any offset of its file, and ``W @ x^T``'s rounding depends
+    on where ``W`` lies: the fast ops move an unaligned float32 weight to aligned memory, so a
+    configuration's copy of it (aligned) computes the same bits."""
+    from sparkv.runtime.fastops import install_fast_ops, linear
+
+    flat = torch.randn(1 + 96 * 128)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 96, bias=False), torch.nn.Linear(128, 96))
+    with torch.no_grad():
+        model[0].weight.data = flat[1:].view(96, 128)          # 4 bytes past an aligned start
+    model[1].weight = model[0].weight                          # tied, as an LM head may be
+    assert model[0].weight.data_ptr() % 64
+    values = model[0].weight.detach().clone()
+    install_fast_ops(model)
+    assert model[0].weight.data_ptr() % 64 == 0
+    assert torch.equal(model[0].weight, values) and model[1].weight is model[0].weight
+    x = torch.randn(1, 5, 128)
+    with torch.no_grad():
+        assert torch.equal(model[0](x), linear(x, values.clone()))
+
+
 def test_rope_and_rms_norm_match_the_plain_formulas():
     from torch.nn import functional as F
 
@@ -273,10 +315,12 @@ def test_a_context_made_under_one_configuration_is_read_under_another(tiny_llama
 def test_int4_decode_is_float32_for_a_prefill_and_the_int4_kernel_for_answer_tokens():
     """``int4-decode``: a pass marked as answer tokens is ``int4-kernel``'s, any other pass
     (a prefill of any length, a ragged last chunk of a few tokens) float32's bit for bit."""
+    from sparkv.runtime.fastops import install_fast_ops
     from sparkv.runtime.linears import Int4DecodeLinear, Int4KernelLinear, answer_tokens, answering
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 96, bias=True)
+    install_fast_ops(linear)                 # a loaded model's float32 linear layers
     dual, kernel = Int4DecodeLinear(linear), Int4KernelLinear(linear)
     with torch.no_grad():
         for rows in (1, 3, 40):

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkv.runtime.fastops import linear as fast_linear
 from sparkv.runtime.q41 import BLOCK, Q41Weight, quantize_q41
 
 
@@ -92,7 +93,7 @@ class Bf16WeightLinear(WeightLinear):
         self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype))
+        return fast_linear(x, self.weight.to(x.dtype))
 
 
 class Int8Linear(WeightLinear):
@@ -112,7 +113,7 @@ class Int8Linear(WeightLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         w = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
-        return F.linear(x, w)
+        return fast_linear(x, w)
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -149,7 +150,7 @@ class Q41Linear(WeightLinear):
         return Q41Weight(_unpack_nibbles(self.codes), self.d, self.m)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.blocks().dequantize(x.dtype))
+        return fast_linear(x, self.blocks().dequantize(x.dtype))
 
 
 class Int4KernelLinear(WeightLinear):
@@ -206,7 +207,7 @@ class Int4DecodeLinear(WeightLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if answering():
             return self.kernel.matmul(x)
-        return F.linear(x, self.weight.to(x.dtype))
+        return fast_linear(x, self.weight.to(x.dtype))
 
 
 _answer = threading.local()

@@ -106,6 +106,39 @@ def test_the_gate_runs_the_answer_tokens_waiting_together_as_one_pass(tiny_llama
         torch.testing.assert_close(got[i], want[i], atol=1e-4, rtol=1e-4)
 
 
+def test_two_asks_answering_at_once_share_their_passes_rather_than_take_turns(tiny_llama):
+    """Each ask asks for its next token only once its last one came back, so the other's
+    token is always the one waiting: granted at once, they would take turns, one pass each.
+    The gate waits for an answering ask between two tokens (``gather_s``), and the two run as
+    one pass from the second token on. Each keeps the tokens' logits it gets alone."""
+    tokens = 5
+    gate = CoreGate(order="oldest", gather_s=GUARD_S)
+    lanes = [gate.lane() for _ in range(2)]
+    alone, together = _caches(tiny_llama, int8=False)[:2], _caches(tiny_llama, int8=False)[:2]
+    want = [[decode_together(tiny_llama, [DecodeItem(c, 7, n + t)])[0] for t in range(tokens)]
+            for c, n in zip(alone, LENGTHS)]
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def answer(i: int) -> None:
+        lanes[i].answered()
+        for t in range(tokens):
+            got[i].append(lanes[i].run_decode(tiny_llama,
+                                              DecodeItem(together[i], 7, LENGTHS[i] + t)))
+        lanes[i].close()                       # the ask ended: no one waits for its token
+
+    threads = [threading.Thread(target=answer, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(GUARD_S * 2)
+        assert not th.is_alive()
+    assert gate.units == 2 * tokens
+    assert gate.batched_units >= tokens - 1    # at most one token ran alone, at the start
+    for i in range(2):
+        for t in range(tokens):
+            torch.testing.assert_close(got[i][t], want[i][t], atol=1e-4, rtol=1e-4)
+
+
 def test_a_bound_asks_answer_is_the_one_it_gets_alone(tiny_llama):
     from sparkv.asks import forward
 

@@ -41,7 +41,10 @@ ask's plan knows the others exist. Here:
   answer tokens other asks are waiting with (at most ``decode_batch``, in grant order) and runs
   them as one forward pass of one row each
   (:func:`~sparkv.runtime.batchdecode.decode_together`): a decode pass on a CPU is bound by
-  reading the weights, so K rows cost about one. Each rider's thread gets its own logits;
+  reading the weights, so K rows cost about one. Each rider's thread gets its own logits.
+  An answer token whose turn came waits up to ``gather_s`` for the answering asks that are
+  between two tokens (:meth:`CoreGate._gathering`): without it, two asks answering at once
+  take turns, one pass each, for as long as both answer;
 * **cancellation**: :meth:`AskLane.cancel` makes the ask's next request for the cores raise
   :class:`~sparkv.edge.lane.AskCancelled` (a waiting request at once): the ask stops within one
   unit.
@@ -70,7 +73,7 @@ from sparkv.edge.lane import AskCancelled, LinkTurn
 from sparkv.layout import StepId
 
 __all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "MAX_BUSY", "GRANT_ORDERS", "BATCH_STEPS",
-           "DECODE_BATCH"]
+           "DECODE_BATCH", "GATHER_S"]
 
 #: an ask that used the cores this recently counts in the load (seconds)
 LOAD_WINDOW_S = 1.0
@@ -81,6 +84,10 @@ MAX_BUSY = 0.95
 WAIT_S = 0.05
 #: the most layer steps one call runs with batching on (the holder's and up to 3 riders')
 BATCH_STEPS = 4
+#: how long an answer token that may run waits for the answer tokens of other answering asks
+#: between two of their tokens (they just gave the cores back), so all run as one pass
+#: (:meth:`CoreGate._gathering`; seconds, real time)
+GATHER_S = 0.03
 #: the most answer tokens (one per ask) one forward pass runs: on this CPU a decode pass is
 #: bound by reading the weights, so K rows cost about one (sparkv.runtime.batchdecode)
 DECODE_BATCH = 8
@@ -103,12 +110,14 @@ class CoreGate:
         batch_rows: the most token rows a call with riders runs.
         decode_batch: the most answer tokens (of as many asks) one forward pass runs (1: each
             its own pass).
+        gather_s: how long an answer token that may run waits for the other answering asks'
+            next tokens (:meth:`_gathering`; 0: never).
         clock: the seconds the load's window and the units' spans are read on (a test's own).
     """
 
     def __init__(self, window_s: float = LOAD_WINDOW_S, order: str | GrantOrder = "oldest",
                  batch: int = BATCH_STEPS, batch_rows: int = BATCH_ROWS,
-                 decode_batch: int = DECODE_BATCH,
+                 decode_batch: int = DECODE_BATCH, gather_s: float = GATHER_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(order, str):
             if order not in GRANT_ORDERS:
@@ -118,7 +127,7 @@ class CoreGate:
             raise ValueError(f"a call runs at least one unit (batch={batch}, "
                              f"decode_batch={decode_batch})")
         self.window_s, self.order, self.batch = window_s, order, batch
-        self.batch_rows, self.decode_batch = batch_rows, decode_batch
+        self.batch_rows, self.decode_batch, self.gather_s = batch_rows, decode_batch, gather_s
         self._clock = clock
         self._cv = threading.Condition()
         self._queue: list[Waiting] = []            # waiting units, arrival order
@@ -188,6 +197,29 @@ class CoreGate:
         """The ticket of the waiting unit to grant next (the queue is not empty)."""
         now = self._clock()
         return min(self._queue, key=lambda unit: self.order.rank(unit, now)).ticket
+
+    def _gathering(self, ride: "_Ride | None") -> bool:
+        """Whether ``ride``, an answer token whose turn it is, waits a moment for other asks'
+        (under the lock). An answering ask that just gave the cores back (within ``gather_s``)
+        and asks for nothing yet is between two tokens: its next one comes within
+        milliseconds. Granting at once would run the two asks' tokens one pass each, in turn,
+        for as long as both answer (each pass ends as the other's token arrives); waiting runs
+        them as one pass, for about one's cost. At most ``gather_s`` (real time) from the moment
+        the turn came, and not once the pass is full."""
+        if ride is None or ride.item is None or self.decode_batch <= 1 or self.gather_s <= 0:
+            return False
+        t = time.monotonic()
+        if ride.turn_at is None:
+            ride.turn_at = t
+        if t - ride.turn_at >= self.gather_s:
+            return False
+        tokens = sum(1 for r in self._rides.values() if r.item is not None)
+        if tokens >= self.decode_batch:
+            return False
+        now = self._clock()
+        return any(x is not ride.lane and x.answering and not x.cancelled and not x.holding
+                   and not x.waiting and now - x.last_used <= self.gather_s
+                   for x in self._lanes.values())
 
     def held(self) -> tuple[int, int]:
         """``(memories, bytes)``: the asks' KV memories still alive (an ended ask's are freed
@@ -274,14 +306,18 @@ class CoreGate:
             self._queue.append(unit)
             if ride is not None:
                 self._rides[ticket] = ride
+                if ride.item is not None:
+                    self._cv.notify_all()          # a token another one gathers for
             lane.waiting += 1
             t0 = time.monotonic()
             try:
                 while not (ride is not None and ride.taken) and (
-                        self._holder is not None or self._next() != ticket):
+                        self._holder is not None or self._next() != ticket
+                        or self._gathering(ride)):
                     if lane.cancelled:
                         raise AskCancelled("the ask was cancelled")
-                    self._cv.wait(WAIT_S)
+                    self._cv.wait(WAIT_S if ride is None or ride.turn_at is None
+                                  else self.gather_s / 3)
             except BaseException:
                 self._queue.remove(unit)
                 self._rides.pop(ticket, None)
@@ -459,6 +495,7 @@ class _Ride:
         self.stepper, self.step, self.item = stepper, step, item
         self.taken = False
         self.finished = False
+        self.turn_at: float | None = None    # when it first could run (an answer token)
         self.result: Any = None
         self.error: BaseException | None = None
 

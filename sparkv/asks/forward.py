@@ -82,9 +82,9 @@ def _after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
     if lane is None or not getattr(_local, "held", False):
         return
     _local.held = False
+    if not lane.answering:     # the question's pass: the ask's first token (answering before
+        lane.answered()        # the cores go: an answer token waiting may gather its next)
     lane.release()
-    if not lane.answering:     # the question's pass: the ask's first token
-        lane.answered()
     on_token = _local.on_token
     logits = getattr(output, "logits", None)
     if on_token is not None and logits is not None:

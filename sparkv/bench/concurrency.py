@@ -51,6 +51,8 @@ from sparkv.bench.common import add_run_args, format_table, percentile, write_re
 
 STRATEGY_ORDER = ("local", "stream", "hybrid", "sparkv")
 QUESTION = "What does this text say about warranty? Answer in one sentence."
+#: each ask's busy times the JSON keeps (``busy_s``: where an ask's seconds went)
+BUSY_KEYS = ("local_compute_s", "decoding_s", "streaming_s")
 #: how often the service's RSS is sampled during a batch (s)
 RSS_EVERY_S = 0.05
 
@@ -215,6 +217,8 @@ def _point(strategy: str, n: int, batch: dict[str, Any], args: argparse.Namespac
             "streamed": [d["stats"]["chunks_streamed"] for d in done],
             "computed": [d["stats"]["chunks_computed"] for d in done],
             "fallback": [d["stats"]["fallback"] for d in done],
+            "busy_s": [{k: round(float(d["stats"].get(k, 0.0)), 3) for k in BUSY_KEYS}
+                       for d in done],
             "rss_peak_mb": batch["rss_peak_bytes"] / 2**20,
             "units": batch.get("units"), "batched_units": batch.get("batched_units")}
 

@@ -11,7 +11,7 @@ that compute the same thing in fewer passes:
 * **RoPE** (:func:`apply_rope`): ``x * cos`` and two in-place ``addcmul_`` on its halves
   (``- x2 * sin1``, ``+ x1 * sin2``): no ``rotate_half`` copy, no negation, no concatenation.
 * **MLP**: SiLU in place on the gate's output, then the up projection multiplied into it.
-* **Linear** (:func:`_linear_forward`; float32 on a CPU, 2 to :data:`FEW_ROWS` rows: answer
+* **Linear** (:func:`linear`; float32 on a CPU, 2 to :data:`FEW_ROWS` rows: answer
   tokens of several asks as one pass, a question's pass): ``W @ x^T``, transposed back, instead
   of ``x @ W^T``. On this 2-core AVX2 CPU torch's ``linear`` with a few rows costs 1.3-2.5x
   what the same product costs with the weight as the left operand (SmolLM2's projections,

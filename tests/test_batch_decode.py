@@ -113,6 +113,7 @@ def test_two_asks_answering_at_once_share_their_passes_rather_than_take_turns(ti
     one pass from the second token on. Each keeps the tokens' logits it gets alone."""
     tokens = 5
     gate = CoreGate(order="oldest", gather_s=GUARD_S)
+    holder = gate.lane()
     lanes = [gate.lane() for _ in range(2)]
     alone, together = _caches(tiny_llama, int8=False)[:2], _caches(tiny_llama, int8=False)[:2]
     want = [[decode_together(tiny_llama, [DecodeItem(c, 7, n + t)])[0] for t in range(tokens)]
@@ -127,13 +128,18 @@ def test_two_asks_answering_at_once_share_their_passes_rather_than_take_turns(ti
         lanes[i].close()                       # the ask ended: no one waits for its token
 
     threads = [threading.Thread(target=answer, args=(i,)) for i in range(2)]
-    for th in threads:
-        th.start()
+    with holder.hold():                        # both asks' first tokens wait: they start together
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + GUARD_S
+        while gate.stats()["waiting"] < 2:
+            assert time.monotonic() < deadline, "the answers never waited"
+            time.sleep(0.005)
     for th in threads:
         th.join(GUARD_S * 2)
         assert not th.is_alive()
-    assert gate.units == 2 * tokens
-    assert gate.batched_units >= tokens - 1    # at most one token ran alone, at the start
+    assert gate.units == 1 + 2 * tokens
+    assert gate.batched_units == tokens        # every pass ran both asks' tokens
     for i in range(2):
         for t in range(tokens):
             torch.testing.assert_close(got[i][t], want[i][t], atol=1e-4, rtol=1e-4)

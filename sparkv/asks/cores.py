@@ -217,8 +217,11 @@ class CoreGate:
         if tokens >= self.decode_batch:
             return False
         now = self._clock()
+        # asking for nothing: no unit in the queue (a rider's lane counts ``waiting`` until its
+        # thread wakes up after the pass, but its unit left the queue when it was taken)
+        queued = {unit.lane for unit in self._queue}
         return any(x is not ride.lane and x.answering and not x.cancelled and not x.holding
-                   and not x.waiting and now - x.last_used <= self.gather_s
+                   and x.id not in queued and now - x.last_used <= self.gather_s
                    for x in self._lanes.values())
 
     def held(self) -> tuple[int, int]:

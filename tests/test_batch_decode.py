@@ -65,6 +65,20 @@ def test_a_batch_refuses_what_it_cannot_run(tiny_llama):
         cache.layers[0].update(torch.zeros(2, 2, 2, 16), torch.zeros(2, 2, 2, 16))
 
 
+def _start_behind(gate: CoreGate, holder, answer, n: int) -> list[threading.Thread]:
+    """Starts ``answer(i)`` for ``i < n`` on threads while ``holder`` holds the cores, and
+    gives them back once all ``n`` wait for them."""
+    threads = [threading.Thread(target=answer, args=(i,)) for i in range(n)]
+    with holder.hold():
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + GUARD_S
+        while gate.stats()["waiting"] < n:
+            assert time.monotonic() < deadline, "the answers never waited"
+            time.sleep(0.005)
+    return threads
+
+
 def test_a_threads_answer_tokens_follow_its_route(tiny_llama):
     seen: list[int] = []
 
@@ -91,14 +105,7 @@ def test_the_gate_runs_the_answer_tokens_waiting_together_as_one_pass(tiny_llama
     def answer(i: int) -> None:
         got[i] = lanes[i].run_decode(tiny_llama, DecodeItem(together[i], 7, LENGTHS[i]))
 
-    with holder.hold():                        # the cores are taken: all three wait
-        threads = [threading.Thread(target=answer, args=(i,)) for i in range(3)]
-        for th in threads:
-            th.start()
-        deadline = time.monotonic() + GUARD_S
-        while gate.stats()["waiting"] < 3:
-            assert time.monotonic() < deadline, "the answers never waited"
-            time.sleep(0.005)
+    threads = _start_behind(gate, holder, answer, 3)    # the cores are taken: all three wait
     for th in threads:
         th.join(GUARD_S)
     assert gate.batched_units == 2 and gate.units == 1 + 3   # the holder's, then one pass of 3
@@ -127,14 +134,7 @@ def test_two_asks_answering_at_once_share_their_passes_rather_than_take_turns(ti
                                               DecodeItem(together[i], 7, LENGTHS[i] + t)))
         lanes[i].close()                       # the ask ended: no one waits for its token
 
-    threads = [threading.Thread(target=answer, args=(i,)) for i in range(2)]
-    with holder.hold():                        # both asks' first tokens wait: they start together
-        for th in threads:
-            th.start()
-        deadline = time.monotonic() + GUARD_S
-        while gate.stats()["waiting"] < 2:
-            assert time.monotonic() < deadline, "the answers never waited"
-            time.sleep(0.005)
+    threads = _start_behind(gate, holder, answer, 2)    # both first tokens wait: together
     for th in threads:
         th.join(GUARD_S * 2)
         assert not th.is_alive()

@@ -20,8 +20,12 @@ a long unit):
   cost about two. Measured (docs/asks.md, 8 asks over one 80 Mbit/s link): SparKV's p50 TTFT
   6.30 s against ``oldest``'s 7.88 at 1K, 11.29 against 13.54 at 2K, the makespans alike; but
   the rest of an answer (7 tokens) took 5.32 s at the p50 against 0.86 s, so the median ask's
-  whole answer came later (about 11 s against 8). Hence not the default: an option for apps
-  that want the first token above all.
+  whole answer came later (about 11 s against 8). Since answering asks share their passes
+  (session 56, docs/asks.md "Run: answer tokens that share their passes"): p50 TTFT 7.85 and
+  8.15 s against ``oldest``'s 8.5-11.6 s over five runs, the whole 8-token answer at about the
+  same time (~14 s), but eight loaded contexts held at once (RSS at N = 8 1.36-1.38x N = 1,
+  against 1.17-1.26x). Hence not the default: an option for apps that want the first token
+  above all.
 
 An ask is *answering* once its first token came (:meth:`AskLane.answered
 <sparkv.asks.cores.AskLane.answered>`).

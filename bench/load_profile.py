@@ -32,7 +32,8 @@ try:
     reads = FileReads(C, W, ctx.tier, refs, threads=1)
     t0 = time.perf_counter()
     for run in reads.runs:
-        ctx.tier.read_range(run.path, run.offset, run.nbytes)
+        with ctx.tier.read_view(run.path, run.offset, run.nbytes):
+            pass
     read_s = time.perf_counter() - t0
     reads._read_run(reads.runs[0])           # numba compiled / loaded from its cache
     C.drop_many(list(C.geometry.chunk_ids()))

@@ -12,6 +12,7 @@ from sparkv.cache import FlashError, FlashTier
 from sparkv.decode.store import PAGE, IOStats, PageFile
 from sparkv.device.flashio import ServiceFlash
 from sparkv.device.journal import Journal
+from sparkv import fileio
 from sparkv.fileio import (ChecksumError, FlashIO, atomic_write, checksum, delete,
                            io_alignment, page_size, verify)
 
@@ -120,6 +121,52 @@ def test_whole_file_reads_at_an_alignment(tmp_path, align, direct):
     assert tier.read(ref) == b"abc" * 7000
     with pytest.raises(FlashError, match="missing"):
         tier.read(tmp_path / "tier" / "nope")
+
+
+@pytest.mark.parametrize("align", ALIGNMENTS)
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_read_view_holds_what_a_read_gives_and_reuses_its_buffer(tmp_path, align, direct):
+    """A loader's run read as a view of the read's own buffer (no copy): the same bytes as
+    ``read_range`` at any offset and length (the end of the file included), read-only, and the
+    buffer kept for the next read, not a new mapping each time."""
+    io = FlashIO(tmp_path, direct=direct, align=align)
+    blob = os.urandom(2 * 2**20 + 12345)
+    atomic_write(tmp_path / "f", blob)
+    for off, n in [(0, len(blob)), (1, 10), (4095, 2 * 2**20), (5000, 20000), (len(blob) - 3, 100),
+                   (len(blob) + 10, 5), (0, 0)]:
+        with io.read_view(tmp_path / "f", off, n) as view:
+            assert bytes(view) == blob[off:off + n] == io.read_range(tmp_path / "f", off, n)
+            assert view.readonly
+    made = []
+    real = fileio.mmap.mmap
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(fileio.mmap, "mmap", lambda *a, **k: made.append(1) or real(*a, **k))
+    try:
+        for _ in range(3):
+            with io.read_view(tmp_path / "f", 7, 2**20) as view:
+                assert bytes(view[:5]) == blob[7:12]
+    finally:
+        monkey.undo()
+    assert not made                                  # the kept buffer, three times over
+
+
+def test_a_read_view_left_by_an_error_does_not_give_back_a_buffer_still_viewed(tmp_path):
+    """An exception inside the block (its frames may still hold an array of the buffer) is the
+    one raised, and that buffer is not handed to the next read: the array keeps its bytes."""
+    import numpy as np
+    io = FlashIO(tmp_path)
+    a, b = os.urandom(100_000), os.urandom(100_000)
+    atomic_write(tmp_path / "a", a)
+    atomic_write(tmp_path / "b", b)
+    held = []
+    with pytest.raises(KeyError, match="mid-read"):
+        with io.read_view(tmp_path / "a", 0, len(a)) as view:
+            held.append(np.frombuffer(view, dtype=np.uint8))
+            raise KeyError("mid-read")
+    for _ in range(fileio._KEEP_COUNT + 1):          # every kept buffer used again
+        with io.read_view(tmp_path / "b", 0, len(b)) as view:
+            assert bytes(view) == b
+    assert held[0].tobytes() == a
 
 
 @pytest.mark.parametrize("align", ALIGNMENTS)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from sparkv.cache.arena import arena_run
+from sparkv.cache.ids import ChunkIds
 from sparkv.cache.layer import KVMemoryError, LayerStore
 from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.cache.pages import PagePools
@@ -121,10 +122,13 @@ class ChunkMemory:
         return not self.missing([cid])
 
     def missing(self, cids: Iterable[KVChunkId]) -> list[KVChunkId]:
-        cids = list(cids)
+        ids = cids if isinstance(cids, ChunkIds) else list(cids)
+        return [c for c, r in zip(ids, self.resident(ids)) if not r]
+
+    def resident(self, cids: Sequence[KVChunkId]) -> np.ndarray:
+        """Whether each of ``cids`` is resident (bool per chunk)."""
         with self._lock:
-            ok = self.table.is_resident(self.table.indices(cids))
-        return [c for c, r in zip(cids, ok) if not r]
+            return self.table.is_resident(self.table.indices(cids))
 
     def is_complete(self) -> bool:
         with self._lock:
@@ -283,7 +287,7 @@ class ChunkMemory:
                 self.table.set_resident(idx, run.level, source, run.counts)
                 if clean:
                     self.table.mark_clean(idx)
-                self.mark_changed(l.tolist())
+                self.mark_changed(np.unique(l).tolist())
 
     def put_step_output(self, t: int, l: int, k: torch.Tensor, v: torch.Tensor,  # noqa: E741
                         source: Source | str = Source.COMPUTED) -> None:

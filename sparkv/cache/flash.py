@@ -23,15 +23,19 @@ aligned offset (its tier reads a segment record as a range, whatever its offset)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from sparkv.fileio import FlashError, FlashIO, atomic_write, atomic_write_parts
 from sparkv.fileio import delete as delete_file
+
+#: what a read gives (bytes, or a view of its own buffer)
+_Data = TypeVar("_Data", bytes, memoryview)
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,17 @@ class FlashTier:
         honest read (:meth:`~sparkv.fileio.FlashIO.read_range`)."""
         return self._timed(Path(path), lambda: self.io.read_range(path, offset, nbytes))
 
-    def _timed(self, path: Path, read: Callable[[], bytes]) -> bytes:
+    @contextlib.contextmanager
+    def read_view(self, path: str | os.PathLike[str], offset: int, nbytes: int
+                  ) -> Iterator[memoryview]:
+        """:meth:`read_range` as a read-only view valid inside the block, without a copy
+        (:meth:`~sparkv.fileio.FlashIO.read_view`: a run of records read at once, checked and
+        written into pages straight from the read's buffer)."""
+        with contextlib.ExitStack() as stack:
+            yield self._timed(Path(path), lambda: stack.enter_context(
+                self.io.read_view(path, offset, nbytes)))
+
+    def _timed(self, path: Path, read: Callable[[], _Data]) -> _Data:
         """``read()``, counted (one read) and timed; an ``OSError`` becomes a
         :class:`FlashError`."""
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ from sparkv.cache.blocks import BlockTable, page_fill, pages_for, row_slots
 from sparkv.cache.levels import LEVELS, QuantizedTensor
 from sparkv.cache.pages import BLOCK_PAGES, PagePool, PagePools
 from sparkv.cache.payload import ChunkRun
-from sparkv.cache.table import chunk_array
+from sparkv.cache.ids import chunk_array
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 Run = tuple[np.ndarray, np.ndarray, np.ndarray]

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
+from sparkv.cache.ids import concat
 from sparkv.cache.levels import (BITS, LEVELS, QuantizedTensor, dequantize, quantize, requantize)
 from sparkv.errors import SparkvError
 from sparkv.layout import KVChunkId
@@ -142,7 +143,7 @@ class ChunkRun:
     ``R = counts.sum()``. What bulk operations of the memory take and give (one array operation
     per run and level); :meth:`payloads` splits it into :class:`ChunkPayload` views."""
 
-    cids: list[KVChunkId]
+    cids: Sequence[KVChunkId]
     level: str
     counts: np.ndarray
     pos: torch.Tensor
@@ -170,7 +171,7 @@ class ChunkRun:
             return r0
         if any(r.level != r0.level for r in runs):
             raise PayloadError("a run holds chunks of one level")
-        return cls([c for r in runs for c in r.cids], r0.level,
+        return cls(concat([r.cids for r in runs]), r0.level,
                    np.concatenate([r.counts for r in runs]), torch.cat([r.pos for r in runs]),
                    _cat([r.k for r in runs]), _cat([r.v for r in runs]), r0.dtype)
 

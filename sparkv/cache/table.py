@@ -19,13 +19,13 @@ thread safe by itself: :class:`~sparkv.cache.memory.ContextKV` calls it under it
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from sparkv.cache.flash import FlashRef
+from sparkv.cache.ids import chunk_array
 from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.layout import ChunkGeometry, KVChunkId
 
@@ -91,11 +91,6 @@ class TokenRows:
 def lower_quality(a: int, b: int) -> int:
     """The lower of two levels (indices in LEVELS)."""
     return max(a, b)
-
-
-def chunk_array(cids: Iterable[KVChunkId]) -> np.ndarray:
-    """``[n, 3]`` int64 ``(t, l, g)`` of chunk ids (one pass, no tuple per chunk)."""
-    return np.fromiter(itertools.chain.from_iterable(cids), dtype=np.int64).reshape(-1, 3)
 
 
 class ChunkTable:

@@ -16,6 +16,7 @@ import torch
 
 from sparkv.cache.chunks import ChunkMemory
 from sparkv.cache.flash import FlashRef, FlashTier
+from sparkv.cache.ids import ChunkIds
 from sparkv.cache.layer import KVMemoryError
 from sparkv.cache.levels import LEVELS, Source
 from sparkv.cache.paged import Fill, run_of
@@ -57,7 +58,7 @@ def set_levels(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str) -> int:
     except PayloadError as e:  # pragma: no cover - REACHABLE refuses these first
         raise KVMemoryError(str(e)) from None
     mem.table.set_level(idx, level)
-    mem.mark_changed(ll.tolist())
+    mem.mark_changed(np.unique(ll).tolist())
     return before - mem.paged.nbytes()
 
 
@@ -127,8 +128,9 @@ def swap_in_placed(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str, coun
     k, v = mem.paged.place(t, l, g, level, counts, pos, fill)
     mem.table.set_resident(idx, level, None, counts)
     mem.table.mark_clean(idx)
-    mem.mark_changed(l.tolist())
-    return ChunkRun(list(cids), level, counts, pos, k, v, mem.dtype)
+    mem.mark_changed(np.unique(l).tolist())
+    return ChunkRun(cids if isinstance(cids, ChunkIds) else list(cids), level, counts, pos, k, v,
+                    mem.dtype)
 
 
 def drop(mem: ChunkMemory, cids: Sequence[KVChunkId]) -> int:
@@ -143,7 +145,7 @@ def drop(mem: ChunkMemory, cids: Sequence[KVChunkId]) -> int:
     t, ll, g = run_of([c for c, r in zip(cids, res) if r])
     freed = mem.paged.free(t, ll, g)
     mem.table.evict(idx[res])
-    mem.mark_changed(ll.tolist())
+    mem.mark_changed(np.unique(ll).tolist())
     return freed
 
 

@@ -75,6 +75,7 @@ import xxhash
 
 from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
                           flash_profile_path, load_flash_profile)
+from sparkv.cache.ids import ChunkIds
 from sparkv.cache.payload import ChunkRun
 from sparkv.device.errors import FlashFull
 from sparkv.device.private import FILE_MODE, private_dir, tighten
@@ -487,7 +488,7 @@ def join_records(data: bytes | bytearray | memoryview, heads: Sequence[RecordHea
 class RunShape(NamedTuple):
     """What a run of records holds, without its values (:func:`record_run`)."""
 
-    cids: list[KVChunkId]
+    cids: ChunkIds
     level: str
     counts: np.ndarray
     pos: torch.Tensor
@@ -502,8 +503,8 @@ def record_run(heads: Sequence[RecordHead]) -> RunShape:
     if any((h.level, h.layers, h.groups, h.heads, h.head_dim, h.dtype) != (
             h0.level, h0.layers, h0.groups, h0.heads, h0.head_dim, h0.dtype) for h in heads):
         raise PayloadError("a run holds chunks of one level, geometry and dtype")
-    m, hg, G = h0.layers * h0.groups, h0.heads, h0.groups
-    cids = [KVChunkId(h.t, i // G, i % G) for h in heads for i in range(m)]
+    m, hg = h0.layers * h0.groups, h0.heads
+    cids = ChunkIds.grid(np.array([h.t for h in heads]), h0.layers, h0.groups)
     tokens = np.array([h.tokens for h in heads], dtype=np.int64)
     counts = np.repeat(tokens, m)[:, None].repeat(hg, axis=1)
     return RunShape(cids, h0.level, counts, _positions(heads, m * hg), int(counts.sum()))

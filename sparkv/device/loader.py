@@ -54,6 +54,7 @@ to arrive is recomputed at the end, once every thread is joined.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -532,11 +533,11 @@ def flash_refs(C: ContextKV, read: Sequence[int],
     rows = C.by_token()
     refs: dict[int, Any] = {}
     absent: set[int] = set()
-    for t in sorted(set(read) - set(recompute)):
-        away = np.flatnonzero(rows.residency[t] != RESIDENT)
-        if not away.size:
-            continue
-        ref = rows.ref(t, int(away[0]))
+    ts = np.array(sorted(set(read) - set(recompute)), dtype=np.int64)
+    away = rows.residency[ts] != RESIDENT                 # [n, L * G]
+    first = away.argmax(axis=1)
+    for t, j in zip(ts[away.any(axis=1)].tolist(), first[away.any(axis=1)].tolist()):
+        ref = rows.ref(t, j)
         if ref is None:
             absent.add(t)
         else:
@@ -549,14 +550,13 @@ def pages_to_read(C: ContextKV, refs: dict[int, Any]) -> dict[str, int]:
     resident, at their stored levels), per level."""
     g = C.geometry
     rows = C.by_token()
-    out: dict[str, int] = {}
-    for t in refs:
-        away = rows.level[t][rows.residency[t] != RESIDENT]
-        per = g.heads_per_group * -(-g.chunk_len(t) // PAGE_TOKENS)
-        for code, k in zip(*np.unique(away[away >= 0], return_counts=True)):
-            lv = LEVELS[int(code)]
-            out[lv] = out.get(lv, 0) + int(k) * per
-    return out
+    ts = np.fromiter(refs, dtype=np.int64, count=len(refs))
+    level = rows.level[ts]                                 # [n, L * G]
+    away = (rows.residency[ts] != RESIDENT) & (level >= 0)
+    per = g.heads_per_group * -(-np.array([g.chunk_len(t) for t in ts.tolist()],
+                                          dtype=np.int64) // PAGE_TOKENS)
+    return {LEVELS[int(code)]: int((((level == code) & away).sum(axis=1) * per).sum())
+            for code in np.unique(level[away])}
 
 
 class FileReads:
@@ -625,28 +625,35 @@ class FileReads:
     def _read_run(self, run: ReadRun) -> None:
         t0 = time.perf_counter()
         try:
-            try:
-                data = self.tier.read_range(run.path, run.offset, run.nbytes)
-            except FlashError:
-                data = b""
-            else:
-                with self._lock:
-                    self.read_s += time.perf_counter() - t0
-                    self.reads += 1
-                    self.files.add(run.path)
-                    self.nbytes += len(data)
-            heads, bad = check_records(data, [(t, ref.offset - run.offset, ref.nbytes)
-                                              for t, ref in run.records])
-            ok = [h for h in heads if self._fits(h)]
-            bad += [h.t for h in heads if not self._fits(h)]
-            if bad:
-                with self._lock:
-                    self.failed.update(bad)
-            self._fill(data, ok)
+            with contextlib.ExitStack() as stack:
+                try:
+                    data: bytes | memoryview = stack.enter_context(
+                        self.tier.read_view(run.path, run.offset, run.nbytes))
+                except FlashError:
+                    data = b""
+                else:
+                    with self._lock:
+                        self.read_s += time.perf_counter() - t0
+                        self.reads += 1
+                        self.files.add(run.path)
+                        self.nbytes += len(data)
+                self._use(run, data)
         finally:
             with self._lock:
                 self._window[0] = min(self._window[0], t0)
                 self._window[1] = max(self._window[1], time.perf_counter())
+
+    def _use(self, run: ReadRun, data: bytes | memoryview) -> None:
+        """Checks the records of ``run`` read into ``data`` and fills the good ones (nothing of
+        ``data`` is kept: it is the read's buffer, reused after)."""
+        heads, bad = check_records(data, [(t, ref.offset - run.offset, ref.nbytes)
+                                          for t, ref in run.records])
+        ok = [h for h in heads if self._fits(h)]
+        bad += [h.t for h in heads if not self._fits(h)]
+        if bad:
+            with self._lock:
+                self.failed.update(bad)
+        self._fill(data, ok)
 
     def _fits(self, h: RecordHead) -> bool:
         """Whether record ``h`` is its token chunk's in ``C``'s geometry and dtype."""
@@ -655,7 +662,7 @@ class FileReads:
             g.num_layers, g.num_groups, g.heads_per_group, g.head_dim, g.chunk_len(h.t),
             g.token_range(h.t)[0]) and h.dtype == self.C.dtype
 
-    def _fill(self, data: bytes, heads: list[RecordHead]) -> None:
+    def _fill(self, data: bytes | memoryview, heads: list[RecordHead]) -> None:
         """Swaps the checked records ``heads`` of ``data`` into ``C`` and writes them into
         ``W``: per level, one run of them written straight from ``data`` into the new pages
         (:meth:`_swap_in_records`: one copy, the chunk table updated once) and one fill of ``W``
@@ -703,7 +710,7 @@ class FileReads:
                 self._targets = dequant.Arena(self.W.layers)
             return self._targets
 
-    def _swap_in_one(self, data: bytes, h: RecordHead) -> bool:
+    def _swap_in_one(self, data: bytes | memoryview, h: RecordHead) -> bool:
         """Record ``h`` swapped in alone; ``False`` (counted failed) when that fails too."""
         try:
             self._swap_in(join_records(data, [h]))
@@ -713,13 +720,13 @@ class FileReads:
                 self.failed.add(h.t)
             return False
 
-    def _swap_in_records(self, data: bytes, hs: list[RecordHead]) -> ChunkRun:
+    def _swap_in_records(self, data: bytes | memoryview, hs: list[RecordHead]) -> ChunkRun:
         """The records ``hs`` (one level) swapped into ``C``: when none of their chunks is
         resident, written straight from ``data`` into the new pages
         (:meth:`~sparkv.cache.memory.ContextKV.swap_in_placed`: one copy); else joined first
         (:meth:`_swap_in`). Returns their run (for ``W``)."""
         shape = record_run(hs)
-        if len(self.C.missing(shape.cids)) < len(shape.cids):
+        if self.C.resident(shape.cids).any():
             run = join_records(data, hs)
             self._swap_in(run)
             return run
@@ -931,7 +938,7 @@ def load(lm: LoadedModel, tokens: Sequence[int], C: ContextKV, W: ContextKV, tie
         C: the context's memory; ``W`` itself for a full prefill (nothing resident, nothing
             read: every chunk recomputed).
         W: the working memory (a dense fp arena of ``C``'s geometry).
-        tier: the context's flash tier (a :class:`~sparkv.cache.FlashTier`: ``read_range``,
+        tier: the context's flash tier (a :class:`~sparkv.cache.FlashTier`: ``read_view``,
             ``io.align``).
         request: which token chunks come from where (:class:`LoadRequest`).
         options: how the load runs (:class:`LoadOptions`; default: pipelined, 4 readers).

@@ -535,8 +535,8 @@ def flash_refs(C: ContextKV, read: Sequence[int],
     absent: set[int] = set()
     ts = np.array(sorted(set(read) - set(recompute)), dtype=np.int64)
     away = rows.residency[ts] != RESIDENT                 # [n, L * G]
-    first = away.argmax(axis=1)
-    for t, j in zip(ts[away.any(axis=1)].tolist(), first[away.any(axis=1)].tolist()):
+    some = away.any(axis=1)
+    for t, j in zip(ts[some].tolist(), away.argmax(axis=1)[some].tolist()):
         ref = rows.ref(t, j)
         if ref is None:
             absent.add(t)

@@ -26,6 +26,13 @@ ROW_KEYS = {"family", "size", "tokens", "context", "probe", "kind", "config", "g
             "answer_s"}
 
 
+def _dense(kv, l: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
+    """Layer ``l``'s first ``n`` tokens of a variant's cache as ``[1, H, n, D]`` K and V (the
+    device variant's is a switch's working memory: dense arenas, no chunk table)."""
+    heads = kv.layer_entries(l, stop=n)
+    return (torch.stack([h.k for h in heads])[None], torch.stack([h.v for h in heads])[None])
+
+
 def _tiny_context(n: int = 70, seed: int = 0, probes: int = 2) -> QualityContext:
     """A context of random tokens for the tokenizer-less tiny Llama, with ``probes`` questions
     given as token ids (retrieval-shaped: a 4-token answer, stop at EOS)."""
@@ -150,11 +157,39 @@ def test_the_device_variant_uses_the_services_levels(tiny_llama, monkeypatch):
     assert set(lv5[1:]) - {"int8"} and full.levels == {"fp": 1, "int8": len(lv1) - 1}
     assert half.bytes_streamed < full.bytes_streamed
     k_ref = ref.layers[0][0][0, :, :16]
-    k_fp = full.kv.layer_kv()[0][0][0, :, :16]
+    k_fp = _dense(full.kv, 0, len(ids))[0][0, :, :16]
     assert torch.equal(k_ref, k_fp)                        # the fp chunk is exact
-    k8 = full.kv.layer_kv()[0][0][0, :, 16:32]
+    k8 = _dense(full.kv, 0, len(ids))[0][0, :, 16:32]
     assert not torch.equal(k8, ref.layers[0][0][0, :, 16:32])
     assert (k8 - ref.layers[0][0][0, :, 16:32]).abs().max() < 0.05 * k_ref.abs().max() + 1e-3
+
+
+def test_the_device_variant_answers_from_the_services_pages(tiny_llama):
+    """The device variant's cache is a working memory filled from a paged memory holding each
+    token chunk at its level, as a switch fills one: bit for bit each chunk's payload quantized
+    to its level and dequantized (int8, and int4 / int2 at 0.5), the fp chunk exact."""
+    from sparkv.cache.payload import ChunkPayload, contiguous_positions
+    from sparkv.layout import KVChunkId
+
+    ids = _tiny_context(n=160).token_ids
+    ref = prefill_reference(tiny_llama, ids, density=True, chunk_tokens=64)
+    for ratio in ("1.0", "0.5"):
+        variant = DeviceVariant(ratio)
+        _, g, levels = variant.levels(ref)
+        got = variant.load(ref)
+        assert got.kv.geometry.num_tokens == len(ids) and got.kv.layers[0] is not None
+        for l, (k, v) in enumerate(ref.layers):  # noqa: E741
+            gk, gv = _dense(got.kv, l, len(ids))
+            for t, lv in enumerate(levels):
+                t0, t1 = g.token_range(t)
+                hh, d = g.num_kv_heads, g.head_dim
+                p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
+                                 contiguous_positions([t1 - t0] * hh, t0),
+                                 k[0, :, t0:t1].reshape(-1, d).clone(),
+                                 v[0, :, t0:t1].reshape(-1, d).clone(), k.dtype)
+                ek, ev = (p if lv == "fp" else p.at_level(lv)).fp()
+                assert torch.equal(gk[0, :, t0:t1], ek.view(hh, t1 - t0, d)), (ratio, l, t, lv)
+                assert torch.equal(gv[0, :, t0:t1], ev.view(hh, t1 - t0, d)), (ratio, l, t, lv)
 
 
 def test_a_run_resumes_and_skips_what_is_done(tiny_llama):

@@ -25,6 +25,8 @@ device     a ratio, ``0.75``             the device service's tolerance compress
                                          :class:`~sparkv.device.levels.LevelPolicy` assigns
                                          each 16-token chunk's level from the densities measured
                                          on the reference prefill; its payloads quantize them
+                                         into a paged memory, filled into a working memory as
+                                         a switch fills one (what the service answers from)
 =========  ============================  ======================================================
 
 ``variant.load(reference)`` returns a :class:`VariantLoad`: the model to answer with, the
@@ -390,29 +392,39 @@ class DeviceVariant(Variant):
         return policy, g, policy.assign(measured, g)
 
     def _load(self, ref: Reference) -> VariantLoad:
-        from sparkv.cache.payload import ChunkPayload, contiguous_positions
-        from sparkv.layout import KVChunkId
-        from sparkv.runtime import memory_from_layers
+        """The context held as the service holds it (each token chunk's payloads at its level in
+        a paged :class:`~sparkv.cache.ContextKV`, as its ``adopt`` puts them) and filled into a
+        working memory as a switch fills one (:func:`~sparkv.device.loader.fill_layers`, from
+        the pages): the cache the service answers from."""
+        from sparkv.cache import ContextKV
+        from sparkv.device.loader import fill_layers
 
         policy, g, levels = self.levels(ref)
-        out = [(k.clone(), v.clone()) for k, v in ref.layers]
-        hh, d = g.num_kv_heads, g.head_dim
-        for t in range(g.num_token_chunks):
-            if levels[t] == "fp":
-                continue
-            t0, t1 = g.token_range(t)
-            for l, (k, v) in enumerate(out):  # noqa: E741 - the service's adopt(), per chunk
-                p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
-                                 contiguous_positions([t1 - t0] * hh, t0),
-                                 k[0, :, t0:t1].reshape(-1, d).clone(),
-                                 v[0, :, t0:t1].reshape(-1, d).clone(), k.dtype)
-                qk, qv = p.at_level(levels[t]).fp()
-                k[0, :, t0:t1] = qk.view(hh, t1 - t0, d)
-                v[0, :, t0:t1] = qv.view(hh, t1 - t0, d)
-        sg = server_geometry(ref.lm, ref.num_tokens, ref.chunk_tokens)
-        kv = memory_from_layers(out, sg, spare_tokens=SPARE_TOKENS)
+        C = ContextKV(g, ref.lm.dtype, ref.lm.device, paged=True)
+        C.put_payloads(list(_service_payloads(ref.layers, g, levels)), "injected")
+        W = ContextKV(g, ref.lm.dtype, ref.lm.device, spare_tokens=SPARE_TOKENS)
+        fill_layers(C, W, range(g.num_layers))
         counts = {lv: levels.count(lv) for lv in dict.fromkeys(levels)}
-        return VariantLoad(ref.lm, kv, policy.chunks_nbytes(g, levels), 0, 0, counts)
+        return VariantLoad(ref.lm, W, policy.chunks_nbytes(g, levels), 0, 0, counts)
+
+
+def _service_payloads(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], g: Any,
+                      levels: Sequence[str]) -> Any:
+    """The device service's payloads of a context's K/V (one per token chunk and layer, at the
+    chunk's level), as :meth:`ChunkKeeper.adopt <sparkv.device.chunked.ChunkKeeper.adopt>`
+    makes them."""
+    from sparkv.cache.payload import ChunkPayload, contiguous_positions
+    from sparkv.layout import KVChunkId
+
+    hh, d = g.num_kv_heads, g.head_dim
+    for t in range(g.num_token_chunks):
+        t0, t1 = g.token_range(t)
+        for l, (k, v) in enumerate(layers):  # noqa: E741
+            p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
+                             contiguous_positions([t1 - t0] * hh, t0),
+                             k[0, :, t0:t1].reshape(-1, d).clone(),
+                             v[0, :, t0:t1].reshape(-1, d).clone(), k.dtype)
+            yield p if levels[t] == "fp" else p.at_level(levels[t])
 
 
 #: the variant classes by group

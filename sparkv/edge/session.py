@@ -9,13 +9,14 @@ steps, and the :class:`Priors` learned from earlier loads (link throughput, comp
 question-prefill time). Each :meth:`EdgeSession.ask`, under its
 :class:`~sparkv.edge.options.AskOptions`, runs these steps (one method each)
 
-    _fetch:  manifest (+ token ids)
+    _fetch:  manifest (+ token ids), checked (fetch.py: ContextFetch)
     _plan:   instance (cost model, priors)  ->  planner
     _load:   Engine (chunk source + compute + controller)  ->  assembled cache
     _answer: question prefill  ->  first token  ->  AskResult (answer.py)
 
 and then folds the controller's own estimates of that load back into the priors: the session has
-no estimator of its own.
+no estimator of its own. An ask about a context kept in the on-device context service is
+answered there (kept.py: KeptAsks).
 
 TTFT is wall clock from the call to the first generated token and includes every stage above
 (the model is resident on the device before the call, as on a phone that runs the app).
@@ -30,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from sparkv.edge.answer import AskResult, Breakdown
-from sparkv.edge.bounds import ClientLimits, out_of_vocabulary
+from sparkv.edge.bounds import ClientLimits
 from sparkv.edge.client import EdgeClient
+from sparkv.edge.fetch import ContextFetch, FetchedContext
+from sparkv.edge.kept import KeptAsks
 from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.lane import Lane, on_lane
 from sparkv.edge.options import AskOptions
@@ -43,16 +46,14 @@ from sparkv.edge.prelude import Prelude, PreludeResult
 from sparkv.edge.prompts import question_suffix
 from sparkv.edge.results import LoadResult, TransferStatus
 from sparkv.edge.shaper import LinkShaper
-from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
+from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, StepId
 from sparkv.protocol import Manifest
-from sparkv.protocol.crypto import FrameCipher
-from sparkv.protocol.errors import ApiError, ServerUnavailable
+from sparkv.protocol.errors import ApiError
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.plan import Plan
 
 if TYPE_CHECKING:
-    from sparkv.cache import ContextKV
     from sparkv.device.contract import KeptContexts
     from sparkv.predictor.cost import StepCostModel
     from sparkv.runtime.model import LoadedModel
@@ -119,16 +120,6 @@ class _Ask:
     def spare(self) -> int:
         """Cache slots past the context (tokens): the question, the answer and 8 more."""
         return len(self.suffix) + self.options.max_new_tokens + 8
-
-
-@dataclass(frozen=True)
-class _Fetched:
-    """The context as the manifest step found it."""
-
-    manifest: Manifest | None      # None: the server is out of reach, or a local ask skipped it
-    tokens: list[int]
-    pressed: Manifest | None       # a compressed context's manifest: its kept positions apply
-    seconds: float                 # from the call to here (``Breakdown.manifest_s``)
 
 
 @dataclass(frozen=True)
@@ -300,7 +291,8 @@ class EdgeSession:
         attn = self._attention(opts.backend)
         ask = _Ask(context_id, opts, suffix, attn, time.perf_counter(), token_ids, lane)
         if opts.keep:
-            kept = self._ask_kept(ask)
+            kept = self._kept().answer(self.lm.fingerprint, ask.context_id, ask.suffix,
+                                         ask.options, ask.t_start)
             if kept is not None:
                 return kept
         if opts.runs_prelude:
@@ -333,7 +325,7 @@ class EdgeSession:
         geo = (known.chunk_geometry if known is not None
                and known.chunk_geometry.num_tokens == len(tokens)
                else _default_geometry(self.lm, len(tokens)))
-        self._check_room(ask, len(tokens))
+        self._contexts().check_room(ask, len(tokens))
         lm, attn, spare, lane = self.lm, ask.attention, ask.spare, ask.lane
 
         def make() -> LayerStepper:
@@ -351,37 +343,14 @@ class EdgeSession:
         return self._answer(ask, fetched, planned, loaded)
 
     # ---- the steps of a load, in order -------------------------------------------------------
-    def _fetch(self, ask: _Ask) -> _Fetched:
+    def _fetch(self, ask: _Ask) -> FetchedContext:
         """The manifest and the token ids, checked against the device's model."""
-        manifest, tokens = self._context(ask)
-        self._check_room(ask, len(tokens))
-        if manifest is not None:
-            self._check_manifest(manifest)
-            manifest.check_tokens(tokens)
-        # a compressed context (docs/presses.md, "On the server"): its kept positions shape the
-        # assembled cache whichever path makes each chunk (a local ask uses a cached manifest)
-        pressed = manifest if manifest is not None else self.client.known_manifest(ask.context_id)
-        if pressed is not None and not pressed.compressed:
-            pressed = None
-        if pressed is not None and manifest is None:
-            self._check_manifest(pressed)
-            pressed.check_tokens(tokens)
-        return _Fetched(manifest, tokens, pressed, time.perf_counter() - ask.t_start)
+        return self._contexts().fetch(ask)
 
-    def _check_room(self, ask: _Ask, context_tokens: int) -> None:
-        """:class:`~sparkv.device.errors.PromptTooLong` when the context, the question and the
-        longest answer asked for would run past the model's positions: the device service's rule
-        (:func:`~sparkv.device.inputs.check_length`), checked before any load or prelude."""
-        from sparkv.device.inputs import check_length
+    def _contexts(self) -> ContextFetch:
+        return ContextFetch(self.client, self.lm)
 
-        if self.lm.max_positions:
-            check_length(context_tokens, len(ask.suffix) + ask.options.max_new_tokens,
-                         self.lm.max_positions,
-                         f"context {ask.context_id} ({context_tokens} tokens), with a "
-                         f"{len(ask.suffix)}-token question and {ask.options.max_new_tokens} "
-                         "new tokens,")
-
-    def _plan(self, ask: _Ask, fetched: _Fetched) -> _Planned:
+    def _plan(self, ask: _Ask, fetched: FetchedContext) -> _Planned:
         """The instance (this device's step costs, the link prior), the strategy's plan and
         its controller's configuration."""
         from sparkv.scheduler.planners import get_planner
@@ -434,7 +403,7 @@ class EdgeSession:
             ask.fallback["quality"] = f"{e} (measured floor {floor}): computed locally"
             return local_instance(geometry, t_comp, t_suffix), "local"
 
-    def _load(self, ask: _Ask, fetched: _Fetched, planned: _Planned) -> _Loaded:
+    def _load(self, ask: _Ask, fetched: FetchedContext, planned: _Planned) -> _Loaded:
         """Runs the engine (the prelude's stepper when its work is usable), folds the load
         into the priors and prunes a compressed context's cache to its kept positions."""
         pre = ask.prelude
@@ -448,7 +417,7 @@ class EdgeSession:
         limit = ask.options.time_limit_s(planned.local_s)
         engine = Engine(stepper, plan, planned.instance, ctl_cfg, source=source,
                         config=ask.options.engine_config or self.engine_config,
-                        open_frame=self._frame_opener(fetched.manifest),
+                        open_frame=self._contexts().frame_opener(fetched.manifest),
                         kept=pressed.kept_positions if pressed is not None else None,
                         prelude=pre if reuse else None,
                         prelude_done=planned.prelude_done if reuse else frozenset(),
@@ -487,7 +456,7 @@ class EdgeSession:
                                     heads_per_group=geometry.heads_per_group,
                                     spare_tokens=ask.spare, lazy=True), ask.lane)
 
-    def _answer(self, ask: _Ask, fetched: _Fetched, planned: _Planned,
+    def _answer(self, ask: _Ask, fetched: FetchedContext, planned: _Planned,
                 loaded: _Loaded) -> AskResult:
         """The question's prefill and the answer over the assembled cache; the result."""
         opts, tokens, kv = ask.options, fetched.tokens, loaded.stepper.kv
@@ -508,100 +477,17 @@ class EdgeSession:
         ttft = (time.perf_counter() - ask.t_start) - (gen.total_s - gen.first_token_s)
         self.priors.question_prefill_s = gen.first_token_s
         ask.fallback.update(loaded.load.fallback)
-        kept_id = self._keep(ask, tokens, kv) if opts.keep else None
+        kept_id = self._kept().keep(ask.context_id, tokens, kv) if opts.keep else None
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
         return AskResult(gen.text, gen.tokens, breakdown, planned.plan, planned.instance,
                          loaded.load, gen.first_logits, len(tokens), kept_id)
 
     # ---- kept contexts (the on-device context service) ---------------------------------------
-    def _kept_label(self, context_id: str) -> str:
-        return f"{self.client.base_url}#{context_id}"
-
-    def _kept_service(self) -> KeptContexts:
-        svc = self.context_service
-        if svc is None:
-            raise AskError("keep=True needs a context service (EdgeSession(context_service=...))")
-        return svc
-
-    def _keep(self, ask: _Ask, tokens: list[int], kv: ContextKV) -> str | None:
-        """Keeps the loaded cache in the context service; returns its id there (``None``: not
-        kept)."""
-        return self._kept_service().import_context(tokens, kv,
-                                                   label=self._kept_label(ask.context_id))
-
-    def _ask_kept(self, ask: _Ask) -> AskResult | None:
-        """The answer from the context service if it holds the context (else ``None``)."""
-        from sparkv.device.remote import server_stream
-
-        svc = self._kept_service()
-        if svc.lm.fingerprint != self.lm.fingerprint:
-            raise AskError("the context service runs another model than this session")
-        sid = svc.find(self._kept_label(ask.context_id))
-        if sid is None:
-            return None
-        # chunks the service evicted entirely may come back from the server (made lazily: a
-        # resident context fetches nothing)
-        remote = server_stream(self.client, ask.context_id)
-        res = svc.call(sid, prompt_ids=list(ask.suffix), max_new_tokens=ask.options.max_new_tokens,
-                       grow=False, stop_at_eos=ask.options.stop_at_eos, remote=remote)
-        ttft = (time.perf_counter() - ask.t_start) - (res.total_s - res.first_token_s)
-        load = res.load
-        streamed = load.streamed_chunks if load is not None else 0
-        bd = Breakdown("kept", ttft, loading_s=res.switch_s,
-                       question_prefill_s=res.first_token_s - res.switch_s,
-                       chunks_computed=load.recomputed_chunks if load is not None else 0,
-                       chunks_streamed=streamed,
-                       bytes_streamed=remote.stats.bytes if streamed else 0)
-        return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
-                         sid)
+    def _kept(self) -> KeptAsks:
+        return KeptAsks(self.client, self.context_service)
 
     # ---- pieces of ask -----------------------------------------------------------------------
-    def _context(self, ask: _Ask) -> tuple[Manifest | None, list[int]]:
-        """The manifest (``None`` when the server is out of reach) and the token ids."""
-        client, context_id = self.client, ask.context_id
-        if ask.token_ids is not None:
-            client.remember_tokens(context_id, ask.token_ids)
-        tokens = client.known_tokens(context_id)
-        manifest: Manifest | None = None
-        if ask.options.strategy != "local" or tokens is None:
-            try:
-                manifest = client.manifest(context_id, use_cache=ask.options.use_cache)
-                self._check_manifest(manifest)   # before its token ids: it sizes their body
-                if tokens is None:
-                    tokens = client.tokens(context_id, vocab_size=self.vocab_size)
-            except (ServerUnavailable, ApiError) as e:
-                if isinstance(e, ApiError) and not e.retryable:
-                    raise
-                manifest = client.known_manifest(context_id)
-                tokens = client.known_tokens(context_id)
-                if tokens is None:
-                    raise AskError(f"{e}; and context {context_id} is not on this device (no "
-                                   "cached token ids), so it cannot be computed locally") from e
-                ask.fallback["server"] = f"unreachable at the start ({type(e).__name__})"
-        if tokens is None:  # pragma: no cover - every branch above sets them or raises
-            raise AskError(f"no token ids for context {context_id}")
-        outside = out_of_vocabulary(tokens, self.vocab_size)
-        if outside is not None:   # given by the caller (the server's are checked on arrival)
-            raise AskError(f"the token ids of context {context_id} are not this model's: "
-                           f"{outside}")
-        return manifest, tokens
-
-    def _check_manifest(self, manifest: Manifest) -> None:
-        """Raises :class:`ManifestError` unless ``manifest`` is of this device's model: its
-        fingerprint, its geometry, at most the model's positions (and the client's bound) in
-        tokens, frames no larger than their chunks could need."""
-        from sparkv.runtime.compute import CONFIGS
-
-        lm = self.lm
-        manifest.check_model(lm.fingerprint, lm.name)
-        manifest.check_compute(CONFIGS)      # a known one is cast once, at the KV memory
-        ref = ChunkGeometry.from_config(lm.config, DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS)
-        bound = self.client.limits.max_context_tokens
-        manifest.check_geometry(num_layers=ref.num_layers, num_kv_heads=ref.num_kv_heads,
-                                head_dim=ref.head_dim,
-                                max_tokens=min(bound, lm.max_positions or bound))
-
     def _bandwidth_prior(self, mbps: float | None) -> float:
         if mbps is not None:
             return float(mbps) * MBPS
@@ -611,20 +497,6 @@ class EdgeSession:
         if d is not None and d.seconds > d.first_byte_s:
             return d.wire_bytes / (d.seconds - d.first_byte_s)
         return DEFAULT_PRIOR_MBPS * MBPS
-
-    def _frame_opener(self, manifest: Manifest | None) -> Any:
-        if manifest is None or not manifest.encrypted:
-            return None
-        key = self.client.encryption_keys.get(manifest.context_id)
-        if key is None:
-            raise AskError(f"context {manifest.context_id} is encrypted: pass its key "
-                           "(EdgeClient.encryption_keys[context_id] or --encryption-key)")
-        cipher = FrameCipher.from_text(key, manifest.context_id)
-
-        def open_frame(data: bytes, cid: KVChunkId, level: str) -> bytes:
-            return cipher.open(data, cid.t, cid.l, cid.g, level)
-
-        return open_frame
 
 
 def apply_kept(kv: Any, manifest: Manifest, spare_tokens: int = 0) -> float:
@@ -639,7 +511,7 @@ def apply_kept(kv: Any, manifest: Manifest, spare_tokens: int = 0) -> float:
     return time.perf_counter() - t0
 
 
-def _breakdown(ask: _Ask, fetched: _Fetched, planned: _Planned, loaded: _Loaded, gen: Any,
+def _breakdown(ask: _Ask, fetched: FetchedContext, planned: _Planned, loaded: _Loaded, gen: Any,
                ttft_s: float) -> Breakdown:
     """The load's :class:`Breakdown` (the prelude's steps the load used counted in; ``decode``
     left to the caller)."""

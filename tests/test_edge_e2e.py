@@ -162,18 +162,49 @@ def _second_server(served, tmp_path, store=None):
                          log_path=tmp_path / "second.log").start()
 
 
+def _count_bytes(shaper: LinkShaper) -> list[int]:
+    """Counts the bytes ``shaper`` lets through (``[n]``, updated as they pass)."""
+    passed = [0]
+    take, atake = shaper.take, shaper.atake
+
+    def counted(nbytes: int, not_before: float | None = None) -> float:
+        passed[0] += nbytes
+        return take(nbytes, not_before)
+
+    async def acounted(nbytes: int, not_before: float | None = None) -> float:
+        passed[0] += nbytes
+        return await atake(nbytes, not_before)
+
+    shaper.take, shaper.atake = counted, acounted   # type: ignore[method-assign]
+    return passed
+
+
 def test_server_killed_mid_stream(served, tmp_path):
     lm = served["lm"]
     key, question = "b", QUESTIONS[1]
     ref = _reference(lm, served["docs"][key], question)
     srv = _second_server(served, tmp_path)
+    shaper = LinkShaper.constant(40.0, 5.0)   # raw stream-only: ~10 s of transfer
+    passed = _count_bytes(shaper)
+    asked = threading.Event()
+
+    def kill_once_streaming() -> None:
+        """Kills the server once 4 MB went through the link (the stream has begun, whatever
+        the planning took on a loaded machine), or when the ask ended first."""
+        while passed[0] < 4 << 20 and not asked.wait(0.01):
+            pass
+        srv.kill()
+
     try:
-        session = _session(srv.url, lm, mbps=40.0)   # raw stream-only: ~10 s of transfer
-        killer = threading.Timer(1.0, srv.kill)
+        session = EdgeSession.connect(srv.url, model=lm, shaper=shaper)
+        killer = threading.Thread(target=kill_once_streaming, daemon=True)
         killer.start()
-        res = session.ask(served["cids"][key], question, strategy="stream", level="raw",
-                         backend="dense", max_new_tokens=NEW)
-        killer.join()
+        try:
+            res = session.ask(served["cids"][key], question, strategy="stream", level="raw",
+                              backend="dense", max_new_tokens=NEW)
+        finally:
+            asked.set()
+            killer.join()
     finally:
         srv.stop()
     assert res.tokens == ref

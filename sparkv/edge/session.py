@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.bounds import ClientLimits
 from sparkv.edge.client import EdgeClient
+from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.fetch import ContextFetch, FetchedContext
 from sparkv.edge.kept import KeptAsks
-from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.lane import Lane, on_lane
 from sparkv.edge.options import AskOptions
 from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,

@@ -397,34 +397,18 @@ class DeviceVariant(Variant):
         working memory as a switch fills one (:func:`~sparkv.device.loader.fill_layers`, from
         the pages): the cache the service answers from."""
         from sparkv.cache import ContextKV
+        from sparkv.device.keeper import adopted_payloads
         from sparkv.device.loader import fill_layers
 
         policy, g, levels = self.levels(ref)
         C = ContextKV(g, ref.lm.dtype, ref.lm.device, paged=True)
-        C.put_payloads(list(_service_payloads(ref.layers, g, levels)), "injected")
+        for t in range(g.num_token_chunks):
+            C.put_payloads(adopted_payloads(ref.layers, g, t, levels[t], ref.lm.dtype),
+                           "injected")
         W = ContextKV(g, ref.lm.dtype, ref.lm.device, spare_tokens=SPARE_TOKENS)
         fill_layers(C, W, range(g.num_layers))
         counts = {lv: levels.count(lv) for lv in dict.fromkeys(levels)}
         return VariantLoad(ref.lm, W, policy.chunks_nbytes(g, levels), 0, 0, counts)
-
-
-def _service_payloads(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], g: Any,
-                      levels: Sequence[str]) -> Any:
-    """The device service's payloads of a context's K/V (one per token chunk and layer, at the
-    chunk's level), as :meth:`ChunkKeeper.adopt <sparkv.device.chunked.ChunkKeeper.adopt>`
-    makes them."""
-    from sparkv.cache.payload import ChunkPayload, contiguous_positions
-    from sparkv.layout import KVChunkId
-
-    hh, d = g.num_kv_heads, g.head_dim
-    for t in range(g.num_token_chunks):
-        t0, t1 = g.token_range(t)
-        for l, (k, v) in enumerate(layers):  # noqa: E741
-            p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
-                             contiguous_positions([t1 - t0] * hh, t0),
-                             k[0, :, t0:t1].reshape(-1, d).clone(),
-                             v[0, :, t0:t1].reshape(-1, d).clone(), k.dtype)
-            yield p if levels[t] == "fp" else p.at_level(levels[t])
 
 
 #: the variant classes by group

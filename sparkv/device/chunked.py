@@ -32,11 +32,10 @@ import numpy as np
 
 from sparkv.cache import ContextKV, FlashRef, Source
 from sparkv.cache.table import FLASH, RESIDENT
-from sparkv.cache.payload import ChunkPayload, contiguous_positions
 from sparkv.device.config import longest_context
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.flashio import IOProfile, run_starts
-from sparkv.device.keeper import Keeper, SwitchIn, layer_kv
+from sparkv.device.keeper import Keeper, SwitchIn, adopted_payloads
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
                                   load, paged_nbytes, token_chunk_run, working_nbytes)
@@ -94,16 +93,9 @@ class ChunkKeeper(Keeper):
         with self.registry.lock:
             ctx.memory = C
         ctx.levels = levels
-        hh, dtype = g.num_kv_heads, self.lm.dtype
         for t in range(g.num_token_chunks):
-            t0, t1 = g.token_range(t)
-            for l in range(g.num_layers):  # noqa: E741
-                k, v = layer_kv(layers, l, t0, t1)
-                p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
-                                 contiguous_positions([t1 - t0] * hh, t0),
-                                 k.reshape(-1, g.head_dim).to(dtype).clone(),
-                                 v.reshape(-1, g.head_dim).to(dtype).clone(), dtype)
-                C.put_payload(p if levels[t] == "fp" else p.at_level(levels[t]), Source.INJECTED)
+            C.put_payloads(adopted_payloads(layers, g, t, levels[t], self.lm.dtype),
+                           Source.INJECTED)
             ctx.modified.add(t)
             self.budget.check()
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from sparkv.cache import ContextKV, LayerKV
+from sparkv.cache.payload import ChunkPayload, contiguous_positions
 from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.config import ServiceConfig
 from sparkv.device.counters import ServiceCounters
@@ -38,7 +39,7 @@ from sparkv.device.loader import LoadOptions, LoadRequest, LoadStats, load
 from sparkv.device.planner import Split
 from sparkv.device.registry import ContextRegistry, DeviceContext
 from sparkv.device.swap import SwapStore
-from sparkv.layout import ChunkGeometry
+from sparkv.layout import ChunkGeometry, KVChunkId
 
 if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
@@ -192,3 +193,21 @@ def layer_kv(layers: ContextKV | LayerKV, l: int, t0: int, t1: int  # noqa: E741
         ks.append(e.k[keep])
         vs.append(e.v[keep])
     return torch.stack(ks), torch.stack(vs)
+
+
+def adopted_payloads(layers: ContextKV | LayerKV, g: ChunkGeometry, t: int, level: str,
+                     dtype: torch.dtype) -> list[ChunkPayload]:
+    """Token chunk ``t`` of a context being adopted, as the service holds it: one payload per
+    layer (every KV head in one group), copied from ``layers`` (:func:`layer_kv`) in ``dtype``
+    and quantized to ``level`` unless it is ``fp``."""
+    t0, t1 = g.token_range(t)
+    hh = g.num_kv_heads
+    out = []
+    for l in range(g.num_layers):  # noqa: E741
+        k, v = layer_kv(layers, l, t0, t1)
+        p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
+                         contiguous_positions([t1 - t0] * hh, t0),
+                         k.reshape(-1, g.head_dim).to(dtype).clone(),
+                         v.reshape(-1, g.head_dim).to(dtype).clone(), dtype)
+        out.append(p if level == "fp" else p.at_level(level))
+    return out

@@ -7,8 +7,9 @@
 #   bash bench/gpu_check.sh [OUTDIR]      # default bench/results; JSON named per GPU
 #
 # Environment:
-#   GPU_CHECK_PHASES   which phases (default "tests attention prefill profile ttft";
-#                      also prefill1k: the launch-bound T=1024 prefill, profiled)
+#   GPU_CHECK_PHASES   which phases (default "tests attention prefill prefill1k profile ttft";
+#                      also prefill1kprof: the T=1024 prefill under the profiler; ttftlong:
+#                      the whole ask at 8K/16K/32K, Llama-3.2-1B shape, 100/500/850 Mbit/s)
 #   GPU_CHECK_WHEELS   a folder of wheels to install first (a machine that cannot reach PyPI)
 #   SPARKV_TOKENIZER   a tokenizer folder for the random SmolLM2-shape model of the TTFT phase
 #                      (default: the bundled SmolLM2's, once converted)
@@ -17,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-bench/results}")
 mkdir -p "$out"
-phases=${GPU_CHECK_PHASES:-"tests attention prefill profile ttft"}
+phases=${GPU_CHECK_PHASES:-"tests attention prefill prefill1k profile ttft"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
@@ -54,9 +55,14 @@ phase attention 100 $BENCH attention --heads 24/8/128,9/3/64 --lengths 8192,3276
 phase prefill 90 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 8192,32768 --chunk-tokens 4096 --repeats 3 --max-new-tokens 4 \
   --variants full,dense,dense+fused,auto --out "$tmp/prefill-$tag.json"
-phase prefill1k 60 $BENCH prefill --device cuda --model random:llama-3.2-3b \
+# issue 46's launch-bound T=1024: the stepper step by step, layer by layer, and the edge
+# engine's local load with its spans (CommitSpans, the GPU's default) and without them
+phase prefill1k 120 $BENCH prefill --device cuda --model random:llama-3.2-3b \
+  --sizes 32768 --chunk-tokens 1024 --repeats 2 --max-new-tokens 4 \
+  --variants full,dense,dense+fused,dense+engine,dense+steps --out "$tmp/prefill-t1024-$tag.json"
+phase prefill1kprof 60 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 32768 --chunk-tokens 1024 --repeats 1 --max-new-tokens 4 \
-  --variants full,dense_mask,dense --profile dense --out "$tmp/prefill-t1024-$tag.json"
+  --variants full,dense --profile dense --out "$tmp/prefill-t1024-profile-$tag.json"
 # the edge's latency model for the TTFT phase's model on this GPU (without it the planners use
 # the roofline alone, which has no per-launch term: GPU steps ran 3-4x slower than it predicted)
 phase profile 120 $PY -m sparkv.cli profile --model random:smollm2-135m --device cuda \
@@ -65,5 +71,9 @@ phase profile 120 $PY -m sparkv.cli profile --model random:smollm2-135m --device
 phase ttft 150 $BENCH ttft --device cuda --model random:smollm2-135m --sizes 4096 \
   --mbps 500 --trace lte --runs 1 --max-new-tokens 8 --levels q8,q5 --json \
   --out "$tmp/ttft-$tag.json"
+# issue 46's whole ask at long contexts (random weights of a real shape, labelled in the JSON)
+phase ttftlong 420 $BENCH ttft --device cuda --model random:llama-3.2-1b \
+  --sizes 8192,16384,32768 --chunk-tokens 1024 --mbps 100,500,850 --trace '' --runs 1 \
+  --max-new-tokens 4 --levels q8,q5 --json --out "$tmp/ttft-long-$tag.json"
 cp "$tmp"/*.json "$out"/ 2>/dev/null
 ls -la "$out"

@@ -698,3 +698,50 @@ def test_a_stop_that_cancels_the_link_while_it_closes_is_not_a_link_error():
 
     assert outcome(finished=True) is None
     assert "CancelledError" in str(outcome(finished=False))
+
+
+class SpanStepper(LayerStepper):
+    """Records the spans the engine runs: ``(t0, t1, l)`` of each :meth:`run_span` call."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.spans: list[tuple[int, int, int]] = []
+
+    def run_span(self, t0, t1, l):  # noqa: E741
+        self.spans.append((t0, t1, l))
+        return super().run_span(t0, t1, l)
+
+
+@pytest.mark.parametrize("planner,mbps", [("local", 50.0), ("sparkv", 20.0)])
+def test_spans_of_a_layers_token_chunks_fill_the_reference_cache(world, planner, mbps):
+    """A launch-bound device's controller (CommitSpans) hands the compute thread a layer's
+    consecutive token chunks; it runs each run of them as one span. The cache is the reference
+    one, streamed chunks inside a span kept, and every step runs exactly once."""
+    inst = _instance(world, mbps=mbps)
+    plan = get_planner(planner).plan(inst)
+    stepper = SpanStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    src = ScriptedSource(world["frames"]) if plan.stream_order else None
+    engine = Engine(stepper, plan, inst, ControllerConfig.static().with_spans(True),
+                    source=src, config=EngineConfig(retry_backoff_s=0.01))
+    load = _run_exact(engine, world)
+    assert any(t1 - t0 > 1 for t0, t1, _ in stepper.spans), stepper.spans
+    ran = [(t, l) for t0, t1, l in stepper.spans for t in range(t0, t1)]
+    assert len(ran) == len(set(ran)) == len(plan.compute_order)
+    assert load.sources.get("computed", 0) > 0
+
+
+def test_the_engine_commits_spans_on_a_launch_bound_device_only(world, monkeypatch):
+    """No controller given: spans where ``fused_spans`` says the device is launch-bound (a GPU,
+    or ``SPARKV_FUSED_SPANS=1``), one step or a column at a time on a CPU."""
+    from sparkv.runtime.device import fused_spans
+
+    assert fused_spans(torch.device("cuda")) and not fused_spans(torch.device("cpu"))
+    inst = _instance(world)
+    plan = get_planner("local").plan(inst)
+    for env, spans in (("1", True), ("0", False)):
+        monkeypatch.setenv("SPARKV_FUSED_SPANS", env)
+        assert fused_spans(torch.device("cuda")) is spans
+        stepper = SpanStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+        engine = Engine(stepper, plan, inst, source=None)
+        _run_exact(engine, world)
+        assert any(t1 - t0 > 1 for t0, t1, _ in stepper.spans) is spans

@@ -121,3 +121,24 @@ def test_prefill_variants_parse():
                                                   ("auto", False)]
     with pytest.raises(SystemExit, match="unknown variant"):
         parse_variants("dense+turbo")
+
+
+def test_prefill_engine_variants_parse_and_fill_the_stepper(tiny_llama):
+    """``+engine`` runs the edge engine's local load with this device's controller, ``+spans``
+    and ``+steps`` force its spans on or off; each fills the stepper's cache with the
+    reference prefill (and ``full`` takes no flag)."""
+    from sparkv.bench.prefill import _engine_load, parse_variants
+
+    vs = parse_variants("dense+engine,dense+spans,block_sparse+steps")
+    assert [(v.backend, v.by_engine, v.engine) for v in vs] == [
+        ("dense", True, None), ("dense", True, True), ("block_sparse", True, False)]
+    with pytest.raises(SystemExit, match="unknown variant"):
+        parse_variants("full+engine")
+    ids = list(range(1, 97))
+    ref = reference_prefill(tiny_llama, ids)
+    for spans in (None, True, False):
+        stepper = LayerStepper(tiny_llama, ids, 16, get_backend("dense"))
+        assert _engine_load(stepper, spans) == []
+        for (k, v), (rk, rv) in zip(stepper.kv.layer_kv(), ref):
+            torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)

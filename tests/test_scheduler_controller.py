@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -445,3 +446,42 @@ def test_bytes_of_other_asks_ahead_on_the_link_hand_work_to_the_compute_path():
     assert b.computed_steps > a.computed_steps and b.bytes_streamed < a.bytes_streamed
     _, link = behind.remaining(b.ready_s)      # the load's own link work is done
     assert link == pytest.approx(ahead / behind.link_estimate(b.ready_s))
+
+
+def test_spans_take_a_layers_next_token_chunks_up_to_their_token_bound():
+    """A launch-bound device's controller (CommitSpans) hands out a layer's consecutive token
+    chunks still queued on the compute path, whose lower layer is computed, at most
+    ``max_tokens`` tokens; a local load then runs layer by layer, every step once."""
+    from sparkv.scheduler import CommitSpans
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = _inst(4096)                                  # 8 token chunks of 512
+    cfg = replace(ControllerConfig.static(), spans=CommitSpans(max_tokens=2048))
+    ctl = Controller(LocalOnly().plan(inst), inst, cfg)
+    ctl.start(0.0)
+    ran: list[StepId] = []
+    now = 0.0
+    while not ctl.done:
+        steps = ctl.next_steps(now)
+        assert steps, "the local load stalled"
+        assert len({s.l for s in steps}) == 1 and len(steps) <= 4
+        assert [s.t for s in steps] == list(range(steps[0].t, steps[0].t + len(steps)))
+        for s in steps:
+            assert s.l == 0 or StepId(s.t, s.l - 1) in ran
+            now += inst.comp_time(s)
+            ctl.step_done(s, now, inst.comp_time(s))
+            ran.append(s)
+    assert sorted(ran) == sorted(inst.geometry.step_ids())
+    assert ran[:4] == [StepId(t, 0) for t in range(4)]          # a row, not a column
+
+
+def test_spans_never_take_a_step_the_plan_streams():
+    from sparkv.scheduler import CommitSpans
+
+    inst = _inst(4096)
+    plan = StrongHybrid().plan(inst)
+    ctl = Controller(plan, inst, ControllerConfig(spans=CommitSpans()))
+    ctl.start(0.0)
+    steps = ctl.next_steps(0.0)
+    assert steps and all(s in plan.compute_order for s in steps)
+    assert ctl.next_steps(0.0) == []                            # committed until reported

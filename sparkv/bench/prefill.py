@@ -1,7 +1,11 @@
 """``sparkv bench prefill``: local prefill, every way sparkv can run it, against the model's own.
 
 Variants (``--variants``, comma-separated; ``+fused`` runs the stepper layer by layer over the
-whole context instead of one token chunk at a time, :meth:`LayerStepper.complete`):
+whole context instead of one token chunk at a time, :meth:`LayerStepper.complete`; ``+engine``
+runs the edge engine's all-local load of the context as the ``local`` strategy does, with the
+controller it gets on this device (spans of a layer's token chunks on a GPU,
+:class:`~sparkv.scheduler.rules.CommitSpans`; step by step on a CPU); ``+spans`` / ``+steps``
+force either):
 
 * ``full``: transformers' own forward over the whole context (``use_cache``, last logits only):
   the baseline the stepper answers to;
@@ -45,7 +49,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--chunk-tokens", type=int, default=1024, help="T, tokens per chunk")
     p.add_argument("--variants", default="dense,block_sparse",
                    help="comma-separated: full, " + ", ".join(BACKENDS)
-                        + "; NAME+fused runs the stepper layer by layer")
+                        + "; NAME+fused runs the stepper layer by layer; NAME+engine the edge "
+                          "engine's local load (spans on a GPU), NAME+spans / NAME+steps with "
+                          "its spans forced on / off")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
     p.add_argument("--profile", default=None, metavar="VARIANT",
                    help="also profile one run of VARIANT at the largest size (torch.profiler): "
@@ -65,20 +71,28 @@ def register(sub: "argparse._SubParsersAction") -> None:
 
 @dataclass
 class PrefillVariant:
-    name: str            # as given: dense, auto+fused, full, ...
+    name: str            # as given: dense, auto+fused, full, dense+engine, ...
     backend: str         # full or a backend name
     fused: bool
+    engine: bool | None = None   # run by the edge engine: None no; True/False spans forced
+    by_engine: bool = False
 
 
 def parse_variants(text: str) -> list[PrefillVariant]:
     out = []
     for spec in (s.strip() for s in text.split(",") if s.strip()):
         base, _, flag = spec.partition("+")
-        if base not in ("full", *BACKENDS) or flag not in ("", "fused"):
+        if base not in ("full", *BACKENDS) or flag not in ("", *ENGINE_FLAGS, "fused") \
+                or (base == "full" and flag):
             raise SystemExit(f"--variants: unknown variant {spec!r} (full, {', '.join(BACKENDS)}"
-                             ", each optionally +fused)")
-        out.append(PrefillVariant(spec, base, flag == "fused"))
+                             ", each optionally +fused, +engine, +spans or +steps)")
+        out.append(PrefillVariant(spec, base, flag == "fused", ENGINE_FLAGS.get(flag),
+                                  flag in ENGINE_FLAGS))
     return out
+
+
+#: ``+flag`` -> the engine's spans: the device's default (None), forced on, forced off
+ENGINE_FLAGS: dict[str, bool | None] = {"engine": None, "spans": True, "steps": False}
 
 
 def _backend(name: str, cfg: Any) -> Any:
@@ -114,9 +128,28 @@ def _run_once(lm: LoadedModel, ids: list[int], v: PrefillVariant, chunk: int, ba
         _sync(lm)
         return time.perf_counter() - start, from_dynamic_cache(output_cache(out)), []
     stepper = LayerStepper(lm, ids, chunk, backend)
-    results = stepper.complete(fused=v.fused)
+    results = _engine_load(stepper, v.engine) if v.by_engine else stepper.complete(fused=v.fused)
     _sync(lm)
     return time.perf_counter() - start, stepper.kv.layer_kv(), results
+
+
+def _engine_load(stepper: Any, spans: bool | None) -> list[Any]:
+    """The edge engine's all-local load of ``stepper``'s context (a local plan, no link), with
+    the controller of this device (``spans`` None) or spans forced on or off; no step results
+    (the engine reports timings, not attention statistics)."""
+    from sparkv.edge.engine import Engine
+    from sparkv.runtime.device import fused_spans
+    from sparkv.scheduler.controller import ControllerConfig
+    from sparkv.scheduler.instance import Instance
+    from sparkv.scheduler.planners import get_planner
+
+    geo = stepper.geometry
+    inst = Instance.from_mappings(geo, {c: {"raw": 1} for c in geo.chunk_ids()},
+                                  {s: 1e-3 for s in geo.step_ids()}, 1.0, name="prefill")
+    on = fused_spans(stepper.lm.device) if spans is None else spans
+    Engine(stepper, get_planner("local").plan(inst), inst,
+           ControllerConfig.static().with_spans(on), source=None).run()
+    return []
 
 
 def _measure(lm: LoadedModel, ids: list[int], v: PrefillVariant, args: argparse.Namespace, cfg: Any
@@ -189,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
             gen = greedy_generate(lm, kv, n, question, args.max_new_tokens, stop_at_eos=False)
             del kv
             row = {"tokens": n, "variant": v.name, "wall_s": statistics.median(walls),
-                   "walls_s": walls, "density": _density(results), "answer": gen.text}
+                   "walls_s": walls, "density": None if v.by_engine else _density(results),
+                   "answer": gen.text}
             tqdm.write(f"  {n} tokens  {v.name:>14}: {row['wall_s']:.4f} s "
                        f"(runs {', '.join(f'{w:.4f}' for w in walls)})")
             if ref is None and v.backend in ("full", "dense"):
@@ -201,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                            greedy_agreement=greedy_agreement(ref[1].tokens, gen.tokens),
                            first_token_kl=first_token_kl(ref[1].first_logits, gen.first_logits))
             rows.append(row)
-            if not v.fused:
+            if not v.fused and not v.by_engine:
                 steps.extend(_step_rows(n, v.name, results))
             if lm.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -309,7 +343,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
                "greedy", "KL"]
     dash = "-"
     table = [[r["tokens"], r["variant"], r.get("wall_s", "FAILED"), r.get("x_full", dash),
-              r.get("x_dense", dash), 1.0 - r.get("density", 1.0),
+              r.get("x_dense", dash),
+              dash if r.get("density") is None else 1.0 - r["density"],
               r.get("max_abs_logit_diff", dash), r.get("greedy_agreement", dash),
               r.get("first_token_kl", dash)] for r in rows]
     return format_table(headers, table)

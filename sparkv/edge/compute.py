@@ -16,7 +16,7 @@ from sparkv.edge.link import Link
 from sparkv.edge.prelude import Prelude
 from sparkv.edge.stats import EngineStats
 from sparkv.layout import StepId
-from sparkv.runtime.stepper import LayerStepper
+from sparkv.runtime.stepper import LayerStepper, StepResult
 from sparkv.runtime.threads import use_threads
 
 WAIT_S = 0.05
@@ -115,13 +115,16 @@ class ComputeWorker:
                 self._hub.progress()
 
     def _run(self, steps: list[StepId]) -> None:
-        """Runs one step, or a column of one token chunk's consecutive layers as one call (the
-        all-local fast path: :meth:`Controller.next_steps
-        <sparkv.scheduler.controller.Controller.next_steps>`), and reports each step."""
+        """Runs one step, a column of one token chunk's consecutive layers as one call (the
+        all-local fast path), or a span of one layer's token chunks (a launch-bound device:
+        :meth:`Controller.next_steps <sparkv.scheduler.controller.Controller.next_steps>`), and
+        reports each step."""
         hub = self._hub
         start = hub.now()
         if len(steps) == 1:
             results = [self._stepper.run_step(steps[0])]
+        elif steps[1].l == steps[0].l:
+            results = self._run_spans(steps)
         else:
             results = self._stepper.run_column(steps[0].t, steps[0].l, steps[-1].l + 1)
         end = hub.now()
@@ -134,6 +137,17 @@ class ComputeWorker:
                 hub.ctl.step_done(res.step, t_end, res.seconds)
                 t = t_end
             hub.progress()
+
+    def _run_spans(self, steps: list[StepId]) -> list[StepResult]:
+        """Steps of one layer in token order, each run of consecutive token chunks as one span
+        (a step a fallback ran meanwhile left the list and splits the run)."""
+        out: list[StepResult] = []
+        l, first = steps[0].l, 0  # noqa: E741
+        for i in range(1, len(steps) + 1):
+            if i == len(steps) or steps[i].t != steps[i - 1].t + 1:
+                out.extend(self._stepper.run_span(steps[first].t, steps[i - 1].t + 1, l))
+                first = i
+        return out
 
     # ---- choosing a step (under the lock) ----------------------------------------------------
     def _pick_steps(self) -> list[StepId]:

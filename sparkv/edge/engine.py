@@ -55,6 +55,7 @@ from sparkv.edge.results import LoadResult
 from sparkv.edge.stats import EngineStats
 from sparkv.edge.transport import ChunkSource
 from sparkv.layout import KVChunkId, StepId
+from sparkv.runtime.device import fused_spans
 from sparkv.runtime.stepper import LayerStepper
 from sparkv.scheduler.controller import Controller, ControllerConfig
 from sparkv.scheduler.instance import Instance
@@ -106,7 +107,7 @@ class Engine:
         self.stepper, self.kv = stepper, stepper.kv
         self.plan, self.inst = plan, inst
         self.cfg = cfg = config or EngineConfig()
-        controller = controller or ControllerConfig()
+        controller = controller or ControllerConfig().with_spans(fused_spans(stepper.lm.device))
         if source is None:   # no link: the controller must never hand it work
             controller = controller.without_link()
         self.ctl = Controller(plan, inst, controller,

@@ -49,6 +49,7 @@ from sparkv.edge.shaper import LinkShaper
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, StepId
 from sparkv.protocol import Manifest
 from sparkv.protocol.errors import ApiError
+from sparkv.runtime.device import fused_spans
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.plan import Plan
@@ -373,7 +374,7 @@ class EdgeSession:
         plan = get_planner(planner_name).plan(inst)
         controller = ask.options.controller
         ctl_cfg = (controller if controller is not None and effective == ask.options.strategy
-                   else ctl_factory())
+                   else ctl_factory().with_spans(fused_spans(self.lm.device)))
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
                         time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix)
 

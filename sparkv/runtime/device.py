@@ -113,3 +113,17 @@ def cpu_has_bf16(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> bool:
 def unified_memory() -> bool:
     """Whether the device shares the CPU's memory (``SPARKV_UNIFIED_MEMORY=1``)."""
     return os.environ.get("SPARKV_UNIFIED_MEMORY", "").strip() in ("1", "true", "yes")
+
+
+def fused_spans(device: torch.device) -> bool:
+    """Whether the edge engine runs a layer's consecutive local steps as one span
+    (:class:`~sparkv.scheduler.rules.CommitSpans`): on a GPU, whose layer steps at T=1024 are
+    bound by kernel launches (docs/gpu.md), not on a CPU, where a span ran as fast as its steps
+    (SmolLM2 4K, T=512: 15.3-16.9 s fused against 16.0-17.6 s step by step). The environment
+    variable ``SPARKV_FUSED_SPANS`` (``1`` / ``0``) overrides it either way."""
+    env = os.environ.get("SPARKV_FUSED_SPANS", "").strip().lower()
+    if env in ("1", "true", "yes"):
+        return True
+    if env in ("0", "false", "no"):
+        return False
+    return device.type == "cuda"

@@ -39,8 +39,8 @@ from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.probe import LinkProbe
 from sparkv.scheduler.queues import Inflight
-from sparkv.scheduler.rules import (CommitColumns, DeadLink, Pace, PlanOrder, Prefetch,
-                                    ProbeIdleLink, ReadyFirst, Rebalance, SloLevels, Watch)
+from sparkv.scheduler.rules import (CommitColumns, CommitSpans, DeadLink, Pace, PlanOrder,
+                                    Prefetch, ProbeIdleLink, ReadyFirst, Rebalance, SloLevels, Watch)
 from sparkv.scheduler.state import LoadState, Migration, stage_length
 
 
@@ -69,6 +69,8 @@ class ControllerConfig:
         probe: the bounded probe of an idle link.
         levels: the level of each fetch (``None``: the plan's).
         columns: committed columns while the link is quiet.
+        spans: committed spans of a layer's next token chunks (a launch-bound device; tried
+            before ``columns``; ``None``: off, the default on a CPU).
         dead_link: the verdict on a link far below the plan's estimate (all work to compute).
         window_s, fast_window_s: the link estimator's windows (s).
     """
@@ -79,6 +81,7 @@ class ControllerConfig:
     probe: ProbeIdleLink | None = ProbeIdleLink()
     levels: SloLevels | None = None
     columns: CommitColumns | None = CommitColumns()
+    spans: CommitSpans | None = None
     dead_link: DeadLink | None = DeadLink()
     window_s: float = 0.5
     fast_window_s: float = 0.15
@@ -95,6 +98,11 @@ class ControllerConfig:
         rebalance = (replace(self.rebalance, to_stream=None) if self.rebalance is not None
                      else None)
         return replace(self, rebalance=rebalance, probe=None)
+
+    def with_spans(self, on: bool) -> "ControllerConfig":
+        """The same controller, committing spans (:class:`CommitSpans`) when ``on`` (a
+        launch-bound device: ``sparkv.runtime.device.fused_spans``); unchanged otherwise."""
+        return replace(self, spans=CommitSpans()) if on and self.spans is None else self
 
     @classmethod
     def static(cls) -> "ControllerConfig":
@@ -175,7 +183,9 @@ class Controller:
         event). One step, or (``column``, and the :class:`~sparkv.scheduler.rules.CommitColumns`
         rule) when the link has nothing but a probe to do, the next step and the layers above
         it of its token chunk queued right after it: the all-local path then runs a token
-        chunk's layers in one call (the engine's fast path). The caller reports every step
+        chunk's layers in one call (the engine's fast path); or (the
+        :class:`~sparkv.scheduler.rules.CommitSpans` rule, a launch-bound device) the next
+        token chunks of its layer, run as one span. The caller reports every step
         with :meth:`step_done`, in order; the first is running, the others are committed to
         the compute path (no migration takes them)."""
         cq = self.state.compute
@@ -186,7 +196,9 @@ class Controller:
         if pick < 0:
             return []
         run = [cq.order.pop(pick)]
-        if column and self.cfg.columns is not None:
+        if column and self.cfg.spans is not None:
+            run += self.cfg.spans.extend(self.state, run[0])
+        if column and len(run) == 1 and self.cfg.columns is not None:
             run += self.cfg.columns.extend(self.state, run[0], pick)
         cq.start(run, now)
         return [self.inst.step_id(s) for s in run]

@@ -71,8 +71,10 @@ phase profile 120 $PY -m sparkv.cli profile --model random:smollm2-135m --device
 phase ttft 150 $BENCH ttft --device cuda --model random:smollm2-135m --sizes 4096 \
   --mbps 500 --trace lte --runs 1 --max-new-tokens 8 --levels q8,q5 --json \
   --out "$tmp/ttft-$tag.json"
-# issue 46's whole ask at long contexts (random weights of a real shape, labelled in the JSON)
-phase ttftlong 420 $BENCH ttft --device cuda --model random:llama-3.2-1b \
+# issue 46's whole ask at long contexts (random weights of a real shape, labelled in the JSON;
+# the Llama shape borrows SmolLM2's tokenizer, whose ids are within its vocabulary)
+tok=${SPARKV_TOKENIZER:-$($PY -c "from sparkv.runtime.model import cache_dir; print(cache_dir() / 'models' / 'SmolLM2-135M-Instruct')" 2>/dev/null)}
+phase ttftlong 420 env SPARKV_TOKENIZER="$tok" $BENCH ttft --device cuda --model random:llama-3.2-1b \
   --sizes 8192,16384,32768 --chunk-tokens 1024 --mbps 100,500,850 --trace '' --runs 1 \
   --max-new-tokens 4 --levels q8,q5 --json --out "$tmp/ttft-long-$tag.json"
 cp "$tmp"/*.json "$out"/ 2>/dev/null

@@ -47,3 +47,26 @@ def test_the_edge_falls_back_to_it_without_a_profile(tiny_llama, tmp_path, monke
     monkeypatch.setenv("SPARKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(planning, "_COST_MODELS", {})
     assert isinstance(planning.device_cost_model(tiny_llama), MeasuredSteps)
+
+
+def test_a_step_inside_a_span_pays_its_share_of_the_fixed_cost():
+    """With spans of up to 8,192 tokens (a GPU's engine), a 1,024-token step pays an eighth of
+    ``c_step`` (the per-call cost the span pays once); the per-token and per-pair terms stay."""
+    model = MeasuredSteps((2.0, 0.001, 0.0), (0.0, 0.0005))
+    f = StepFeatures.single(1024, 4096, sparse=False)
+    alone = model.predict_ms(f)[0]
+    spanned = model.with_spans(8192).predict_ms(f)[0]
+    assert alone - spanned == pytest.approx(2.0 * (1 - 1024 / 8192))
+    big = StepFeatures.single(16384, 16384, sparse=False)
+    assert model.with_spans(8192).predict_ms(big)[0] == pytest.approx(model.predict_ms(big)[0])
+    assert model.with_spans(None) == model
+
+
+def test_the_edge_prices_spans_where_its_engine_runs_them(tiny_llama, tmp_path, monkeypatch):
+    from sparkv.edge import planning
+
+    monkeypatch.setenv("SPARKV_CACHE_DIR", str(tmp_path))
+    for env, span in (("1", 8192), ("0", None)):
+        monkeypatch.setenv("SPARKV_FUSED_SPANS", env)
+        monkeypatch.setattr(planning, "_COST_MODELS", {})
+        assert planning.device_cost_model(tiny_llama).span_tokens == span

@@ -26,6 +26,7 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.protocol import Manifest
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import DEFAULT_LEVELS, MBPS, Instance
+from sparkv.scheduler.rules import CommitSpans
 
 if TYPE_CHECKING:
     import torch
@@ -140,11 +141,13 @@ def _load_cost_model(lm: LoadedModel) -> StepCostModel:
     """This device's latency profile for ``lm``'s configuration and thread count when one
     matches; otherwise the model's own steps measured now (:class:`~sparkv.predictor.measured.
     MeasuredSteps`: a Roofline from a synthetic matmul's peak predicted SmolLM2's local
-    prefill 2.8-3.1x too slow, docs/predictor.md)."""
+    prefill 2.8-3.1x too slow, docs/predictor.md); on a device whose engine runs spans
+    (a GPU) each step pays its share of the span's fixed cost."""
     from sparkv.predictor.commands import default_model_path
     from sparkv.predictor.device import compute_name
     from sparkv.predictor.measured import MeasuredSteps
     from sparkv.predictor.model import LatencyModel, load_predictor
+    from sparkv.runtime.device import fused_spans
 
     path = default_model_path(lm.base_fingerprint, lm.device, compute_name(lm))
     if path.is_file():
@@ -156,7 +159,8 @@ def _load_cost_model(lm: LoadedModel) -> StepCostModel:
                 return model
         except SparkvError:
             pass
-    return MeasuredSteps.measure(lm)
+    spans = CommitSpans().max_tokens if fused_spans(lm.device) else None
+    return MeasuredSteps.measure(lm).with_spans(spans)
 
 
 def decode_seconds(geometry: ChunkGeometry, cid: KVChunkId, level: str) -> float:

@@ -31,7 +31,7 @@ density prior applies: the mean of the model's calibrated per-layer densities wh
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -60,6 +60,10 @@ class MeasuredSteps(StepCostModel):
             ``dense_below`` keys (``None``: all of them).
         dense_below: keys at or under which block-sparse runs dense.
         info: how it was measured (threads, configuration, steps, seconds, fit error).
+        span_tokens: on a device whose engine runs a layer's token chunks as spans of up to
+            this many tokens (:class:`~sparkv.scheduler.rules.CommitSpans`, a GPU), a step pays
+            its share ``n / span_tokens`` of ``c_step``, the per-call cost the span pays once
+            (``None``: every step pays all of it; :meth:`with_spans`).
     """
 
     coef: tuple[float, float, float]
@@ -67,14 +71,21 @@ class MeasuredSteps(StepCostModel):
     density: float | None = None
     dense_below: int = 2048
     info: dict[str, Any] | None = None
+    span_tokens: int | None = None
     name = "measured"
+
+    def with_spans(self, span_tokens: int | None) -> "MeasuredSteps":
+        """The same model for an engine that runs spans of up to ``span_tokens`` tokens."""
+        return replace(self, span_tokens=span_tokens)
 
     def predict_ms(self, f: StepFeatures) -> np.ndarray:
         dense = visible_pairs(f.query_tokens, f.key_tokens)
         pairs = np.where(f.sparse > 0,
                          np.minimum(f.active_blocks * Q_BLOCK * K_BLOCK, dense), dense)
         c0, c1, c2 = self.coef
-        att = c0 + c1 * f.query_tokens + c2 * pairs
+        fixed = (c0 * np.minimum(f.query_tokens / self.span_tokens, 1.0) if self.span_tokens
+                 else c0)
+        att = fixed + c1 * f.query_tokens + c2 * pairs
         proj = self.projection[0] + self.projection[1] * f.query_tokens
         return np.maximum(np.where(f.projection > 0, proj, att), 1e-3)
 

@@ -47,9 +47,9 @@ phase() {   # phase NAME SECONDS CMD...
 }
 BENCH="$PY -m sparkv.cli bench"
 
-phase tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.py \
+phase tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.py \
   tests/test_runtime_split.py tests/test_device_paths.py tests/test_qattend.py \
-  tests/test_dynakv_batched.py tests/test_runtime_sparsecal.py -rs
+  tests/test_dynakv_batched.py tests/test_runtime_sparsecal.py tests/test_flex_pipeline.py -rs
 phase attention 100 $BENCH attention --heads 24/8/128,9/3/64 --lengths 8192,32768 \
   --densities 0.1,0.25,0.5 --repeats 3 --save-profile --out "$tmp/attention-$tag.json"
 phase prefill 90 $BENCH prefill --device cuda --model random:llama-3.2-3b \

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -257,6 +257,7 @@ class BlockSparseAttention:
         self.thresholds = thresholds
         self.calibrated = config is None and thresholds is None
         self._layers: dict[int, BlockSparseAttention] = {}
+        self._threshold_tensors: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- per model and layer -------------------------------------------------------------------
     def bind_model(self, fingerprint: str) -> None:
@@ -291,13 +292,13 @@ class BlockSparseAttention:
         diagonal = visible & (((kj + 1) * bk - 1).unsqueeze(0) > first_q.unsqueeze(1))
         return nqb, nkb, last_q, visible, diagonal
 
-    def _mass_meansim(self, q, k, q_offset, scale, visible):
+    def _mass_meansim(self, q, k, q_offset, scale, visible, sim=None):
         """SpargeAttention's pooled estimate; returns (mass, always_keep) ``[B,Hq,nqb,nkb]``."""
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         group = hq // hkv
         nqb, nkb = visible.shape
-        always = self._not_self_similar(q, k, self.q_block, self.k_block) & visible
+        always = self._not_self_similar(q, k, self.q_block, self.k_block, sim) & visible
         q_mean = _pool(q, self.q_block)
         k_mean = _pool(k, self.k_block)  # smoothing the keys would shift every score equally
         scores = torch.matmul(q_mean.view(b, hkv, group * nqb, d), k_mean.transpose(-1, -2))
@@ -305,12 +306,13 @@ class BlockSparseAttention:
         mass = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         return mass, always
 
-    def _not_self_similar(self, q, k, q_sub, k_sub):
-        """The blocks the self-similarity test says must be computed (``[B,Hq,nqb,nkb]``)."""
-        return not_self_similar(q, k, self.config.sim_threshold, self.q_block, self.k_block,
-                                q_sub, k_sub)
+    def _not_self_similar(self, q, k, q_sub, k_sub, sim=None):
+        """The blocks the self-similarity test says must be computed (``[B,Hq,nqb,nkb]``);
+        ``sim``: the threshold as a tensor (default: the config's)."""
+        return not_self_similar(q, k, self.config.sim_threshold if sim is None else sim,
+                                self.q_block, self.k_block, q_sub, k_sub)
 
-    def _mass_qpool(self, q, k, q_offset, scale, visible):
+    def _mass_qpool(self, q, k, q_offset, scale, visible, sim=None):
         """Pooled query sub-blocks against finely pooled keys; returns (mass, always_keep).
 
         Query sub-blocks of ``q_sub`` tokens and key sub-blocks of ``k_sub`` tokens are mean-pooled;
@@ -346,15 +348,31 @@ class BlockSparseAttention:
         weight = weight.view(nqb, per_q)
         mass = (block_mass.view(b, hq, nqb, per_q, nkb) * weight.view(1, 1, nqb, per_q, 1)
                 ).sum(3) / weight.sum(-1).view(1, 1, nqb, 1)
-        return mass, self._not_self_similar(q, k, qs, ksub) & visible
+        return mass, self._not_self_similar(q, k, qs, ksub, sim) & visible
+
+    def threshold_tensors(self, heads: int, device: torch.device
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cdf, sim)``, this predictor's thresholds as ``[heads]`` fp32 tensors on
+        ``device`` (made once per heads and device): what :meth:`predict_mask` takes so that a
+        compiled caller sees every layer's thresholds as data, not as constants to guard on."""
+        cfg = self.config
+        key = (heads, str(device), repr(cfg.cdf_threshold), repr(cfg.sim_threshold))
+        if key not in self._threshold_tensors:
+            self._threshold_tensors[key] = (
+                per_head(cfg.cdf_threshold, heads, device).contiguous(),
+                per_head(cfg.sim_threshold, heads, device).contiguous())
+        return self._threshold_tensors[key]
 
     def predict_mask(self, q: torch.Tensor, k: torch.Tensor, q_offset: int,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None,
+                     thresholds: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
         """Boolean ``[B, Hq, nqb, nkb]``: True where the (query block, key block) is computed.
 
         Kept: the blocks the estimate ranks into ``cdf_threshold`` of the mass (or ``topk``), and
         always the blocks that are not self-similar, the diagonal (local) blocks, the sink block 0
-        and every block of query blocks with at most ``min_keys`` visible keys."""
+        and every block of query blocks with at most ``min_keys`` visible keys. ``thresholds``:
+        ``(cdf, sim)`` as :meth:`threshold_tensors` makes them (default: the config's)."""
         cfg = self.config
         b, hq, nq, d = q.shape
         nqb, nkb, last_q, visible, diagonal = self._geometry(nq, k.shape[2], q_offset, q.device)
@@ -362,7 +380,8 @@ class BlockSparseAttention:
             return visible.expand(b, hq, nqb, nkb).clone()
         scale = scale if scale is not None else 1.0 / math.sqrt(d)
         estimate = self._mass_qpool if cfg.estimator == "qpool" else self._mass_meansim
-        mass, always = estimate(q, k, q_offset, scale, visible)
+        cdf_t, sim_t = thresholds if thresholds is not None else (None, None)
+        mass, always = estimate(q, k, q_offset, scale, visible, sim_t)
         if cfg.topk is not None:
             n_keep = torch.ceil(visible.sum(-1).float() * cfg.topk).long().view(1, 1, nqb, 1)
             order = torch.argsort(mass, dim=-1, descending=True)
@@ -373,7 +392,8 @@ class BlockSparseAttention:
             sorted_m, order = torch.sort(mass, dim=-1, descending=True)
             before = torch.cumsum(sorted_m, dim=-1) - sorted_m  # mass of the blocks ranked higher
             keep = torch.zeros_like(order, dtype=torch.bool)
-            cdf = per_head(cfg.cdf_threshold, hq, q.device).view(1, hq, 1, 1)
+            cdf = (per_head(cfg.cdf_threshold, hq, q.device) if cdf_t is None
+                   else cdf_t).view(1, hq, 1, 1)
             keep.scatter_(-1, order, before < cdf * sorted_m.sum(-1, keepdim=True))
             keep |= cdf >= 1.0  # a head at cdf 1.0 is dense (whatever the float sums say)
         keep |= always | diagonal

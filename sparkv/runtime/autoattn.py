@@ -157,11 +157,11 @@ class AutoAttention:
         sparse = self._sparse_backend() if limit > 0 else None
         if sparse is None:
             return self.dense.attend(q, k, v, q_offset, scale)
-        mask = self.cpu.predict_mask(q, k[:, :, :keys], q_offset, scale)
+        mask, indices = sparse.predict(q, k, q_offset, scale, predictor=self.cpu)
         if self.cpu.density_of(mask, q.shape[2], keys, q_offset) >= limit:
             return self.dense.attend(q, k, v, q_offset, scale)
         try:
-            return sparse.attend(q, k, v, q_offset, scale, mask=mask)
+            return sparse.attend(q, k, v, q_offset, scale, mask=mask, indices=indices)
         except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile: stay dense
             self._sparse = None
             self.failure = f"flex_sparse failed, dense from now on: {exc!r}"[:500]
@@ -192,8 +192,9 @@ def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, k
     """One layer's attention of ``queries`` queries at the end of ``keys`` keys (random bf16):
     dense (:class:`DenseAttention`: SDPA causal, or the LSE split after a prefix), the mask
     prediction alone, and flex_attention over top-k masks of each density, alone and with the
-    prediction. Milliseconds; ``density`` is the share of visible blocks each mask really keeps
-    (the causal diagonal and the sink are always kept). ``static``: also the kernel compiled for
+    prediction, and the prediction with the ``BlockMask``'s indices as ``flex_sparse`` runs it
+    (``pipeline_ms``: compiled on CUDA). Milliseconds; ``density`` is the share of visible
+    blocks each mask really keeps (the causal diagonal and the sink are always kept). ``static``: also the kernel compiled for
     this one shape (``kernel_static_ms``), which the runtime cannot afford per step."""
     from sparkv.runtime.flex import FlexAttention
 
@@ -211,6 +212,11 @@ def measure_point(device: torch.device, heads: tuple[int, int], head_dim: int, k
     predictor = BlockSparseAttention(base)
     row["predict_ms"] = 1e3 * median_time_s(lambda: predictor.predict_mask(q, k, off), device,
                                             repeats)
+    # the mask pipeline as flex_sparse runs it (compiled on CUDA: prediction and indices)
+    pipeline = FlexAttention(sparse=True, config=base)
+    row["pipeline_ms"] = 1e3 * median_time_s(lambda: pipeline.predict(q, k, off), device,
+                                             repeats)
+    row["pipeline_failure"] = pipeline.failure
     _, _, _, visible, _ = predictor._geometry(queries, keys, off, q.device)
     for d in densities:
         # random data is never self-similar: with the filter on, every mask would be dense;

@@ -75,10 +75,50 @@ def _indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, idx.contiguous()
 
 
+def mask_indices(keep: torch.Tensor, diagonal: torch.Tensor, nk: int, k_block: int = K_BLOCK
+                 ) -> tuple[torch.Tensor, ...]:
+    """``(num, idx, full_num, full_idx)`` of a ``BlockMask``: the kept blocks on the causal
+    ``diagonal [nqb, nkb]`` (and the last key block when it runs past the keys) are partial
+    (masked), the others full. Tensor operations only: no host synchronisation."""
+    nkb = diagonal.shape[-1]
+    if nk % k_block:
+        last = torch.arange(nkb, device=diagonal.device) == nkb - 1
+        diagonal = diagonal | last      # the last key block runs past the keys: keep it masked
+    return (*_indices(keep & diagonal), *_indices(keep & ~diagonal))
+
+
+def predicted_mask(pred: BlockSparseAttention, q: torch.Tensor, k: torch.Tensor, q_offset: int,
+                   scale: float | None, visible: torch.Tensor, diagonal: torch.Tensor,
+                   nk: int, thresholds: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, ...]:
+    """The kept blocks ``keep [B, Hq, nqb, nkb]`` of the predictor's mask and the ``BlockMask``
+    indices of them (:func:`mask_indices`): the whole per-call mask pipeline, one function so
+    that a GPU compiles it as one (:func:`_pipeline`). ``thresholds``: the layer's ``(cdf,
+    sim)`` as tensors (:meth:`BlockSparseAttention.threshold_tensors`), data to the compiled
+    graph, so that every layer and length runs the one graph."""
+    keep = pred.predict_mask(q, k, q_offset, scale, thresholds) & visible
+    return (keep, *mask_indices(keep, diagonal, nk))
+
+
+def _pipeline(device: torch.device) -> Any:
+    """:func:`predicted_mask` as this device runs it: on CUDA compiled once per process
+    (``dynamic=True``: one graph for every length and offset), fusing the prediction's ~80
+    small operations (pooling, the self-similarity filter's sums, block scores, the cdf cut,
+    the indices), each of which paid ~25 us of launch on an H100 (docs/gpu.md); eager
+    elsewhere (on the CPU inductor took 74 s to compile it, and the prediction is a few ms)."""
+    if device.type != "cuda":
+        return predicted_mask
+    if "predict" not in _COMPILED:
+        _COMPILED["predict"] = torch.compile(predicted_mask, dynamic=True)
+    return _COMPILED["predict"]
+
+
 def block_mask(keep: torch.Tensor, diagonal: torch.Tensor, nq: int, nk: int, q_offset: int,
-               q_block: int = Q_BLOCK, k_block: int = K_BLOCK) -> Any:
+               q_block: int = Q_BLOCK, k_block: int = K_BLOCK,
+               indices: tuple[torch.Tensor, ...] | None = None) -> Any:
     """A flex ``BlockMask`` from a kept-block mask ``keep [B, H, nqb, nkb]`` (bool): blocks on the
-    causal ``diagonal [nqb, nkb]`` get the bottom-right causal ``mask_mod``, the others are full."""
+    causal ``diagonal [nqb, nkb]`` get the bottom-right causal ``mask_mod``, the others are full
+    (``indices``: :func:`mask_indices` of them, when already built)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     offset = torch.tensor(q_offset, dtype=torch.int32, device=keep.device)
@@ -96,13 +136,8 @@ def block_mask(keep: torch.Tensor, diagonal: torch.Tensor, nq: int, nk: int, q_o
             return (kv_idx <= q_idx + offset) & (keep_i[b, h, q_idx // q_block,
                                                         kv_idx // k_block] > 0)
 
-    diagonal = diagonal.clone()
-    if nk % k_block:
-        diagonal[:, -1] = True          # the last key block runs past the keys: keep it masked
-    partial = keep & diagonal
-    full = keep & ~diagonal
-    num, idx = _indices(partial)
-    fnum, fidx = _indices(full)
+    num, idx, fnum, fidx = indices if indices is not None else mask_indices(keep, diagonal, nk,
+                                                                             k_block)
     kwargs: dict[str, Any] = {"BLOCK_SIZE": (q_block, k_block), "mask_mod": causal,
                               "seq_lengths": (nq, nk)}
     try:   # forward only: no transposed (query-block) indices, which cost two sorts per call
@@ -132,23 +167,51 @@ class FlexAttention:
         self.name = "flex_sparse" if sparse else "flex_dense"
         self._predictor = BlockSparseAttention(config)
         self.config = self._predictor.config
+        self.failure: str | None = None     # why the compiled mask pipeline was dropped
+
+    def predict(self, q: torch.Tensor, k: torch.Tensor, q_offset: int,
+                scale: float | None = None, predictor: BlockSparseAttention | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(keep, indices)``: the kept blocks ``[B, Hq, nqb, nkb]`` that ``predictor`` (this
+        backend's own by default; :class:`~sparkv.runtime.autoattn.AutoAttention` passes its
+        per-layer one) predicts for ``q`` after ``q_offset`` keys, and their ``BlockMask``
+        indices, through this device's pipeline (:func:`_pipeline`). A compiled pipeline that
+        fails is dropped for this backend (:attr:`failure` says why) and the eager one runs."""
+        pred = predictor or self._predictor
+        nq = q.shape[2]
+        nk = q_offset + nq
+        _, _, _, visible, diagonal = pred._geometry(nq, nk, q_offset, q.device)
+        args = (pred, q, k[:, :, :nk], q_offset, scale, visible, diagonal, nk,
+                pred.threshold_tensors(q.shape[1], q.device))
+        run = _pipeline(q.device) if self.failure is None else predicted_mask
+        try:
+            out = run(*args)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure: eager from now on
+            if run is predicted_mask:
+                raise
+            self.failure = f"compiled mask prediction failed, eager from now on: {exc!r}"[:500]
+            out = predicted_mask(*args)
+        return out[0], tuple(out[1:])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
-               scale: float | None = None, mask: torch.Tensor | None = None
+               scale: float | None = None, mask: torch.Tensor | None = None,
+               indices: tuple[torch.Tensor, ...] | None = None
                ) -> tuple[torch.Tensor, AttentionStats]:
+        """Attention over ``mask``'s blocks (default: the predicted ones when ``sparse``, every
+        visible block otherwise); ``indices``: the ``BlockMask`` indices of ``mask`` when
+        :meth:`predict` built them with it."""
         check_shapes(q, k, v, q_offset)
         b, hq, nq, d = q.shape
         nk = q_offset + nq                      # keys past the last query are never seen
         k, v = k[:, :, :nk], v[:, :, :nk]
         pred = self._predictor
         nqb, nkb, _, visible, diagonal = pred._geometry(nq, nk, q_offset, q.device)
-        if mask is None:
-            if self.sparse:
-                mask = pred.predict_mask(q, k, q_offset, scale)
-            else:
-                mask = visible.expand(b, hq, nqb, nkb)
-        keep = mask & visible
-        bm = block_mask(keep, diagonal, nq, nk, q_offset)
+        if mask is None and self.sparse:
+            keep, indices = self.predict(q, k, q_offset, scale)
+        else:
+            keep = (visible.expand(b, hq, nqb, nkb) if mask is None else mask) & visible
+            indices = indices if mask is not None else None
+        bm = block_mask(keep, diagonal, nq, nk, q_offset, indices=indices)
         scale = scale if scale is not None else 1.0 / math.sqrt(d)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")      # eager-mode notices on a CPU

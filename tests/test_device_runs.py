@@ -302,3 +302,24 @@ def test_a_load_reallocates_each_pool_once_at_most(tmp_path):
         assert p.held == want.get(lv, 0)
     assert C.nbytes == C.recount()
     _expect_working(C, W, list(range(GEO.num_token_chunks)))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dim", [64, 31, 30])
+def test_the_dequantization_kernel_equals_dequantize_at_any_head_dim(bits, dim):
+    """The numba kernel reads a byte at a time (two int4 or four int2 values per byte); a head
+    dimension that does not fill its last byte takes the per-value tail. Bit for bit
+    :func:`dequantize` at every level and width."""
+    from sparkv.cache.levels import quantize
+    from sparkv.device.dequant import dequantize_into
+
+    gen = torch.Generator().manual_seed(dim * bits)
+    hg, n, T, ts = 2, 5, 8, [0, 2, 3]
+    x = quantize(torch.randn(len(ts) * hg * n, dim, generator=gen) * 3, bits)
+    dst = torch.zeros(hg, 4 * T, dim)
+    dequantize_into(dst, x, 0, ts, n, T)
+    want = dequantize(x, torch.float32).view(len(ts), hg, n, dim)
+    for i, t in enumerate(ts):
+        assert torch.equal(dst[:, t * T:t * T + n], want[i]), (i, t)
+    untouched = [p for p in range(4 * T) if not any(t * T <= p < t * T + n for t in ts)]
+    assert not dst[:, untouched].any()

@@ -246,12 +246,45 @@ def test_a_lane_stepper_runs_each_step_on_the_lane_and_counts_its_memory():
             assert lane.holding
             return list(range(l0, l1))
 
+        def run_span(self, t0, t1, l):  # noqa: E741
+            assert lane.holding
+            return list(range(t0, t1))
+
     stepper = LaneStepper(Stepper(), lane)
     assert stepper.run_step((0, 1)) == (0, 1) and stepper.geometry == "g"
     assert stepper.run_column(0, 0, 3) == [0, 1, 2] and lane.units == 2
+    assert stepper.run_span(2, 5, 1) == [2, 3, 4] and lane.units == 3
     assert gate.held() == (1, 1234)
     del stepper
     assert gate.held() == (0, 0)             # no reference kept: freed with its ask
+
+
+def test_a_span_is_one_unit_for_the_first_ask_and_step_by_step_for_the_others():
+    gate = CoreGate(order="oldest")
+    old, young = gate.lane(), gate.lane()
+
+    class Memory:
+        nbytes = 1
+
+    class Stepper:
+        def __init__(self, lane):
+            self.kv, self.lane, self.calls = Memory(), lane, []
+
+        def run_step(self, step):
+            assert self.lane.holding
+            self.calls.append(("step", tuple(step)))
+            return step
+
+        def run_span(self, t0, t1, l):  # noqa: E741
+            assert self.lane.holding
+            self.calls.append(("span", t0, t1, l))
+            return list(range(t0, t1))
+
+    first, second = Stepper(old), Stepper(young)
+    LaneStepper(first, old).run_span(0, 3, 2)
+    LaneStepper(second, young).run_span(0, 3, 2)
+    assert first.calls == [("span", 0, 3, 2)] and old.units == 1
+    assert second.calls == [("step", (t, 2)) for t in range(3)] and young.units == 3
 
 
 # ---- admission: slots, a bounded queue, then 429 -----------------------------------------------

@@ -107,6 +107,14 @@ class LaneStepper:
         with self._lane.hold():
             return self._stepper.run_column(t, l0, l1)
 
+    def run_span(self, t0: int, t1: int, l: int) -> list[Any]:  # noqa: E741
+        """A layer's token chunks as one call (a launch-bound device's span) while no other ask
+        goes before this one; else chunk by chunk, each its own turn (as :meth:`run_column`)."""
+        if not self._lane.first():
+            return [self.run_step(StepId(t, l)) for t in range(t0, t1)]
+        with self._lane.hold():
+            return self._stepper.run_span(t0, t1, l)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stepper, name)
 

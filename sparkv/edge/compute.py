@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from sparkv.edge.frames import FrameDecoder
 from sparkv.edge.hub import EngineError, Hub
 from sparkv.edge.lane import Lane
@@ -127,16 +129,29 @@ class ComputeWorker:
             results = self._run_spans(steps)
         else:
             results = self._stepper.run_column(steps[0].t, steps[0].l, steps[-1].l + 1)
+        waited = self._wait_device()
         end = hub.now()
         scale = (end - start) / max(sum(r.seconds for r in results), 1e-9)
         with hub.cv:
             t = start
             for res in results:
                 t_end = min(end, t + res.seconds * scale)
-                self._stats.step_ran(res.step, t, t_end, res.seconds)
-                hub.ctl.step_done(res.step, t_end, res.seconds)
+                seconds = t_end - t if waited else res.seconds
+                self._stats.step_ran(res.step, t, t_end, seconds)
+                hub.ctl.step_done(res.step, t_end, seconds)
                 t = t_end
             hub.progress()
+
+    def _wait_device(self) -> bool:
+        """On a GPU, waits for the unit's kernels (one synchronisation per unit: a span, a
+        column or a step, not per kernel): the steps' times are then the GPU's, not the host's
+        dispatch time, which is all the stepper's clock sees of asynchronous kernels (the
+        controller's compute speed would learn the dispatch rate). Returns whether it waited."""
+        device = getattr(getattr(self._stepper, "lm", None), "device", None)
+        if device is None or device.type != "cuda":
+            return False
+        torch.cuda.synchronize(device)
+        return True
 
     def _run_spans(self, steps: list[StepId]) -> list[StepResult]:
         """Steps of one layer in token order, each run of consecutive token chunks as one span

@@ -405,7 +405,7 @@ class ToStream:
     gets whole token chunks from the tail, as a Strong Hybrid split would stream them."""
 
     def move(self, st: LoadState, now: float, comp: float, link: float) -> bool:
-        L, cq = st.L, st.compute
+        cq = st.compute
         bw = st.link_estimator.estimate(now)
         ratio = st.compute_estimator.factor()
         in_cq = set(cq.order)

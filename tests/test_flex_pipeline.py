@@ -30,7 +30,7 @@ def _inputs(pred, nq, nk, gen):
     k = torch.randn(1, 2, nk, 64, generator=gen)
     off = nk - nq
     _, _, _, visible, diagonal = pred._geometry(nq, nk, off, q.device)
-    return (pred, q, k, off, None, visible, diagonal, nk, pred.threshold_tensors(4, q.device))
+    return (pred, q, k, off, None, visible, diagonal, pred.threshold_tensors(4, q.device))
 
 
 def test_the_mask_pipeline_is_one_graph_for_every_layer_and_length():

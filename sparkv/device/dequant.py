@@ -34,18 +34,13 @@ def _row_into(row: np.ndarray, codes: np.ndarray, r: int, s: Any, z: Any, bits: 
                 c = codes[r, b]
                 row[2 * b] = np.float32(c & 15) * s + z
                 row[2 * b + 1] = np.float32(c >> 4) * s + z
-        elif bits == 2:
+        else:              # int2 (the levels are 8, 4 and 2 bits)
             for b in range(full):
                 c = codes[r, b]
                 row[4 * b] = np.float32(c & 3) * s + z
                 row[4 * b + 1] = np.float32((c >> 2) & 3) * s + z
                 row[4 * b + 2] = np.float32((c >> 4) & 3) * s + z
                 row[4 * b + 3] = np.float32(c >> 6) * s + z
-        else:
-            for b in range(full):
-                c = codes[r, b]
-                for i in range(per):
-                    row[b * per + i] = np.float32((c >> (i * bits)) & mask) * s + z
         for j in range(full * per, dim):      # a head_dim that is not a multiple
             q = (codes[r, j // per] >> ((j % per) * bits)) & mask
             row[j] = np.float32(q) * s + z

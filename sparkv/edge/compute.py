@@ -147,8 +147,8 @@ class ComputeWorker:
         column or a step, not per kernel): the steps' times are then the GPU's, not the host's
         dispatch time, which is all the stepper's clock sees of asynchronous kernels (the
         controller's compute speed would learn the dispatch rate). Returns whether it waited."""
-        device = getattr(getattr(self._stepper, "lm", None), "device", None)
-        if device is None or device.type != "cuda":
+        device = self._kv.device
+        if device.type != "cuda":
             return False
         torch.cuda.synchronize(device)
         return True

@@ -89,15 +89,14 @@ def mask_indices(keep: torch.Tensor, diagonal: torch.Tensor, nk: int, k_block: i
 
 def predicted_mask(pred: BlockSparseAttention, q: torch.Tensor, k: torch.Tensor, q_offset: int,
                    scale: float | None, visible: torch.Tensor, diagonal: torch.Tensor,
-                   nk: int, thresholds: tuple[torch.Tensor, torch.Tensor]
-                   ) -> tuple[torch.Tensor, ...]:
+                   thresholds: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The kept blocks ``keep [B, Hq, nqb, nkb]`` of the predictor's mask and the ``BlockMask``
-    indices of them (:func:`mask_indices`): the whole per-call mask pipeline, one function so
-    that a GPU compiles it as one (:func:`_pipeline`). ``thresholds``: the layer's ``(cdf,
-    sim)`` as tensors (:meth:`BlockSparseAttention.threshold_tensors`), data to the compiled
+    indices of them (:func:`mask_indices`; ``k`` holds the keys up to the last query): the
+    whole per-call mask pipeline, one function so that a GPU compiles it as one
+    (:func:`_pipeline`). ``thresholds``: the layer's ``(cdf, sim)`` as tensors (:meth:`BlockSparseAttention.threshold_tensors`), data to the compiled
     graph, so that every layer and length runs the one graph."""
     keep = pred.predict_mask(q, k, q_offset, scale, thresholds) & visible
-    return (keep, *mask_indices(keep, diagonal, nk))
+    return (keep, *mask_indices(keep, diagonal, k.shape[2]))
 
 
 def _pipeline(device: torch.device) -> Any:
@@ -181,7 +180,7 @@ class FlexAttention:
         nq = q.shape[2]
         nk = q_offset + nq
         _, _, _, visible, diagonal = pred._geometry(nq, nk, q_offset, q.device)
-        args = (pred, q, k[:, :, :nk], q_offset, scale, visible, diagonal, nk,
+        args = (pred, q, k[:, :, :nk], q_offset, scale, visible, diagonal,
                 pred.threshold_tensors(q.shape[1], q.device))
         run = _pipeline(q.device) if self.failure is None else predicted_mask
         try:

@@ -9,7 +9,9 @@
 # Environment:
 #   GPU_CHECK_PHASES   which phases (default "tests attention prefill prefill1k profile ttft";
 #                      also prefill1kprof: the T=1024 prefill under the profiler; ttftlong:
-#                      the whole ask at 8K/16K/32K, Llama-3.2-1B shape, 100/500/850 Mbit/s)
+#                      the whole ask at 8K/16K/32K, Llama-3.2-1B shape, 100/500/850 Mbit/s;
+#                      devicekv: the LLMS service with its KV memory on the GPU, with and
+#                      without the host-RAM tier)
 #   GPU_CHECK_WHEELS   a folder of wheels to install first (a machine that cannot reach PyPI)
 #   SPARKV_TOKENIZER   a tokenizer folder for the random SmolLM2-shape model of the TTFT phase
 #                      (default: the bundled SmolLM2's, once converted)
@@ -49,7 +51,8 @@ BENCH="$PY -m sparkv.cli bench"
 
 phase tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.py \
   tests/test_runtime_split.py tests/test_device_paths.py tests/test_qattend.py \
-  tests/test_dynakv_batched.py tests/test_runtime_sparsecal.py tests/test_flex_pipeline.py -rs
+  tests/test_dynakv_batched.py tests/test_runtime_sparsecal.py tests/test_flex_pipeline.py \
+  tests/test_device_kv_generic.py -rs
 phase attention 100 $BENCH attention --heads 24/8/128,9/3/64 --lengths 8192,32768 \
   --densities 0.1,0.25,0.5 --repeats 3 --save-profile --out "$tmp/attention-$tag.json"
 phase prefill 90 $BENCH prefill --device cuda --model random:llama-3.2-3b \
@@ -77,5 +80,9 @@ tok=${SPARKV_TOKENIZER:-$($PY -c "from sparkv.runtime.model import cache_dir; pr
 phase ttftlong 420 env SPARKV_TOKENIZER="$tok" $BENCH ttft --device cuda --model random:llama-3.2-1b \
   --sizes 8192,16384,32768 --chunk-tokens 1024 --mbps 100,500,850 --trace '' --runs 1 \
   --max-new-tokens 4 --levels q8,q5 --json --out "$tmp/ttft-long-$tag.json"
+# issue 46's device KV memory on the GPU: the LLMS service with its pages there, without and
+# with the host-RAM tier between them and flash (a short trace of 6 contexts)
+phase devicekv 150 $BENCH contexts --device cuda --quick --systems vllm-sq,llms,llms+host \
+  --sweep '' --ask-tokens 0 --json --out "$tmp/contexts-$tag.json"
 cp "$tmp"/*.json "$out"/ 2>/dev/null
 ls -la "$out"

@@ -23,13 +23,17 @@ SUMMARY = ContextSummary("0123456789abcdef", tokens=40, calls=2, bytes=12345,
 INFO = {"id": "0123456789abcdef", "tokens": 40, "calls": 2, "bytes": 12345,
         "chunks": {"resident": 2, "flash": 1, "absent": 0}, "levels": {"fp": 1, "int8": 2},
         "last_used": 7, "busy": False, "hot": True, "system_prompt": None, "label": "s/c"}
-STATS = {"policy": "llms", "budget_bytes": 40000000, "used_bytes": 123, "peak_bytes": 456,
+STATS = {"policy": "llms", "device": "cpu",
+         "host_tier": {"capacity_bytes": 100, "bytes": 10, "records": 1, "peak_bytes": 20,
+                       "hits": 2, "hit_bytes": 10, "misses": 0, "puts": 3, "evictions": 0,
+                       "dropped": 1},
+         "budget_bytes": 40000000, "used_bytes": 123, "peak_bytes": 456,
          "budget_violations": 0, "contexts": 1, "resident_bytes_by_level": {"int8": 100},
          "io_profile": {"read_Bps": 5e8, "per_file_s": 2e-4, "threads": 4, "source": "default"},
          "recompute_scale": 1.25, "reopened": 0, "damaged": 0, "calls": 3, "evicted_chunks": 4,
          "evicted_bytes": 5, "reclaim_written_bytes": 0, "aot_written_bytes": 6, "read_bytes": 7,
-         "recomputed_chunks": 8, "read_chunks": 9, "faults": 0, "hot_hits": 1, "hot_dropped": 0,
-         "streamed_chunks": 0}
+         "recomputed_chunks": 8, "read_chunks": 9, "host_chunks": 2, "host_bytes": 10,
+         "faults": 0, "hot_hits": 1, "hot_dropped": 0, "streamed_chunks": 0}
 
 
 #: a context as the routes describe it: the service's description and its owner (an app's view)

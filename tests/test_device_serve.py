@@ -101,12 +101,14 @@ def test_tcp_serve_needs_the_token_its_clients_find(lm, tmp_path):
     sock = tmp_path / "run" / "device.sock"
     proc = DeviceProcess(tmp_path / "swap", budget_mb=40, port=_free_port(),
                          token_file=tmp_path / "conf" / "token",
-                         extra_args=["--socket", str(sock)]).start()
+                         extra_args=["--socket", str(sock), "--host-tier-mb", "8"]).start()
     try:
         assert _mode(proc.token_file) == 0o600
         token = proc.token_file.read_text().strip()
         with proc.client() as c:                                # reads the token file
             cid = c.new_context(system_ids=sample_context_ids(lm, 40))
+            st = c.stats()                  # the host tier asked for, on the CPU (auto device)
+            assert st["device"] == "cpu" and st["host_tier"]["capacity_bytes"] == 8_000_000
         with httpx.Client(base_url=proc.url) as h:
             r = h.get("/v1/contexts")
             assert r.status_code == 401 and r.json()["error"]["code"] == "missing_token"

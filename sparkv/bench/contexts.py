@@ -50,7 +50,10 @@ if TYPE_CHECKING:
 
 DEFAULT_SYSTEMS = ("swap", "vllm-sq", "llms")
 SYSTEMS = ("lmk", "swap", "vllm-s", "vllm-sq", "llms", "llms-no-compression",
-           "llms-no-pipeline", "llms-no-lifecycle")
+           "llms-no-pipeline", "llms-no-lifecycle", "llms+host")
+#: a system name's suffix: the service with a host-RAM tier (``--host-tier-mb``) between its
+#: memory and flash (sparkv.device.hosttier)
+HOST_SUFFIX = "+host"
 PATTERNS = ("random", "markov", "gaussian")
 DIALOGUE = [
     "Summarise the text above in one sentence.",
@@ -170,24 +173,27 @@ def make_trace(contexts: list[dict[str, Any]], calls: int, pattern: str, seed: i
 
 
 def make_service(lm: LoadedModel, system: str, budget: int, swap_dir: Path,
-                 ratio: float | None) -> Any:
+                 ratio: float | None, host_bytes: int = 0) -> Any:
+    """The service of ``system`` (a preset; ``NAME+host``: with a host tier of
+    ``host_bytes``)."""
     from sparkv.device.service import ContextService, ServiceConfig
 
     if system == "unlimited":
         return ContextService(lm, 1 << 40, swap_dir, config=ServiceConfig(
             name="unlimited", compression="fp", journal=False))
-    return ContextService(lm, budget, swap_dir,
-                          config=ServiceConfig.preset(system, ratio=ratio, journal=False))
+    preset, host = system.removesuffix(HOST_SUFFIX), system.endswith(HOST_SUFFIX)
+    return ContextService(lm, budget, swap_dir, config=ServiceConfig.preset(
+        preset, ratio=ratio, journal=False, host_tier_bytes=host_bytes if host else 0))
 
 
 def run_system(lm: LoadedModel, system: str, contexts: list[dict[str, Any]],
                trace: list[tuple[float, int]], budget: int, new_tokens: int,
                ratio: float | None, work: Path, protos: Prototypes,
-               bar: Any = None) -> dict[str, Any]:
+               bar: Any = None, host_bytes: int = 0) -> dict[str, Any]:
     """One system over the trace (its contexts adopted from ``protos``); returns its row
     (latencies in ms) and its answers."""
     swap = Path(tempfile.mkdtemp(prefix=f"{system}-", dir=work))
-    svc = make_service(lm, system, budget, swap, ratio)
+    svc = make_service(lm, system, budget, swap, ratio, host_bytes)
     try:
         ids, answers, switch, first, total = [], [], [], [], []
         for c in contexts:
@@ -220,7 +226,7 @@ def run_system(lm: LoadedModel, system: str, contexts: list[dict[str, Any]],
                 "passkey_hits": keys, "stats": {k: st[k] for k in (
                     "peak_bytes", "budget_violations", "evicted_bytes", "reclaim_written_bytes",
                     "aot_written_bytes", "read_bytes", "read_chunks", "recomputed_chunks",
-                    "ratio")}}
+                    "host_chunks", "ratio")}}
     finally:
         del svc
         shutil.rmtree(swap, ignore_errors=True)
@@ -341,6 +347,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--ask-tokens", type=int, default=1024,
                    help="document tokens of the resident-ask measurement (0 to skip)")
     p.add_argument("--seed", type=int, default=0, help="seed of the contexts and the calls")
+    p.add_argument("--device", default="cpu",
+                   help="where the model and the contexts' KV memory live: cpu, cuda[:N], auto")
+    p.add_argument("--host-tier-mb", type=float, default=None,
+                   help="the host-RAM tier of the NAME+host systems, MB (default: 4x the budget)")
     p.add_argument("--quick", action="store_true",
                    help="6 contexts of 256-768 tokens, 12 calls, the markov pattern, sweep 2,4 "
                         "(a smoke run)")
@@ -358,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
 
     systems, patterns, sweep, sweep_systems = _settings(args)
     torch.set_num_threads(max(1, args.threads))
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     settle()             # the model for good: out of full collections (sparkv.runtime.heap)
     work = Path(tempfile.mkdtemp(prefix="sparkv-contexts-"))
     t0 = time.perf_counter()
@@ -373,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
     protos = Prototypes(lm, work)
     run_one = functools.partial(run_system, lm, budget=budget["budget_bytes"],
                                 new_tokens=args.max_new_tokens, ratio=args.ratio, work=work,
-                                protos=protos, bar=bar)
+                                protos=protos, bar=bar,
+                                host_bytes=_host_bytes(args, budget["budget_bytes"]))
     try:
         for pattern in patterns:
             results["patterns"][pattern] = _pattern_runs(run_one, contexts[:args.contexts],
@@ -427,6 +438,11 @@ def _workload(contexts: list[dict[str, Any]], budget: dict[str, int],
             "budget_floor_applied": budget["budget_bytes"] == budget["floor_bytes"],
             "ratio": args.ratio if args.ratio is not None else "the quality table's (else 1.0)",
             "limit_ms": args.limit_ms, "seed": args.seed}
+
+
+def _host_bytes(args: argparse.Namespace, budget: int) -> int:
+    """The ``+host`` systems' host tier: ``--host-tier-mb``, else four times the budget."""
+    return int(args.host_tier_mb * 1e6) if args.host_tier_mb is not None else 4 * budget
 
 
 def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], list[int], list[str]]:

@@ -92,11 +92,14 @@ def layer_heads(runs: Sequence[ChunkRun], geometry: ChunkGeometry, dtype: torch.
     """Per KV head, the runs' entries (dequantized to ``dtype``) in position order, positions
     below ``stop`` (int64 positions)."""
     g = geometry
-    ks, vs, ps, hs = [], [], [], []
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    ps, hs = [], []
     for run in runs:
         fp = run.at_level("fp")
-        ks.append(fp.k.to(dtype))  # type: ignore[union-attr]
-        vs.append(fp.v.to(dtype))  # type: ignore[union-attr]
+        assert isinstance(fp.k, torch.Tensor) and isinstance(fp.v, torch.Tensor)
+        ks.append(fp.k.to(dtype))
+        vs.append(fp.v.to(dtype))
         ps.append(run.pos.to(torch.long))
         hs.append(_head_of_rows(run, g.heads_per_group).to(run.pos.device))
     if not ks:

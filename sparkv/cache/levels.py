@@ -93,6 +93,17 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def to(self, device: torch.device | str) -> "QuantizedTensor":
+        """The same rows on ``device`` (itself when they are there already)."""
+        if self.codes.device == torch.device(device):
+            return self
+        return QuantizedTensor(self.codes.to(device), self.scale.to(device),
+                               self.zero.to(device), self.bits, self.dim)
+
 
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes ``[n, D]`` (values < 2^bits) -> packed ``[n, ceil(D*bits/8)]``."""

@@ -36,6 +36,7 @@ from sparkv.cache.layer import HeadEntries, KVMemoryError
 from sparkv.cache.levels import Source
 from sparkv.cache.paged import Fill
 from sparkv.cache.payload import ChunkPayload, ChunkRun
+from sparkv.cache.hostmem import host_addressable
 from sparkv.cache.qattend import PagedAttention, TorchPagedAttention
 from sparkv.layout import KVChunkId
 
@@ -215,7 +216,7 @@ class ContextKV(ChunkMemory):
         if self.mode[l] != PAGED:
             raise KVMemoryError(f"layer {l} is an arena: attend its tensors directly")
         self._require(forms.layer_cids(self, l), l)
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        if not host_addressable(self.device) or self.dtype != torch.float32:
             return TorchPagedAttention(lambda: [(e.k, e.v, e.pos) for e in self.layer_entries(l)])
         with self._lock:
             return PagedAttention(self.paged.pools, self.paged.layer_pages(l),

@@ -36,6 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from sparkv.cache.hostmem import host_addressable, staging
 from sparkv.cache.layer import KVMemoryError
 from sparkv.cache.levels import BITS, LEVELS, QuantizedTensor
 
@@ -219,9 +220,11 @@ class PagePool:
     def row_views(self, slots: torch.Tensor
                   ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor] | None:
         """Writable views ``(k, v)`` of the rows at ``slots`` in the layout :meth:`write_rows`
-        takes, when the slots are consecutive and ascending (freshly allocated whole pages);
-        else ``None``. Valid until the pool is reallocated (:attr:`generation`)."""
-        a = _first(slots)
+        takes, when the slots are consecutive and ascending (freshly allocated whole pages) and
+        the pool is host memory the host may write in place
+        (:func:`~sparkv.cache.hostmem.host_addressable`); else ``None``. Valid until the pool
+        is reallocated (:attr:`generation`)."""
+        a = _first(slots) if host_addressable(self.device) else None
         if a is None:
             return None
         a1 = a + int(slots.numel())
@@ -235,15 +238,16 @@ class PagePool:
 
     def empty_rows(self, n: int
                    ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor]:
-        """New ``(k, v)`` of ``n`` rows in the layout :meth:`write_rows` takes (unwritten)."""
+        """New ``(k, v)`` of ``n`` rows in the layout :meth:`write_rows` takes (unwritten), in
+        host memory (pinned for a GPU pool: :func:`~sparkv.cache.hostmem.staging`): what the
+        host fills before one :meth:`write_rows`."""
         with torch.inference_mode(False):
             out: list[torch.Tensor | QuantizedTensor] = []
             for _ in ("k", "v"):
-                codes = torch.empty((n, self.width), dtype=self.dtype, device=self.device)
+                codes = staging((n, self.width), self.dtype, self.device)
                 out.append(codes if not self.bits else QuantizedTensor(
-                    codes, torch.empty(n, dtype=torch.float16, device=self.device),
-                    torch.empty(n, dtype=torch.float16, device=self.device), self.bits,
-                    self.head_dim))
+                    codes, staging((n,), torch.float16, self.device),
+                    staging((n,), torch.float16, self.device), self.bits, self.head_dim))
         return out[0], out[1]
 
     def write_pos(self, slots: torch.Tensor, pos: torch.Tensor) -> None:

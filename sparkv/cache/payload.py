@@ -179,6 +179,14 @@ class ChunkRun:
     def rows(self) -> int:
         return int(self.counts.sum())
 
+    def to(self, device: torch.device) -> "ChunkRun":
+        """The same run with its tensors on ``device`` (itself when they are there already):
+        a run read from flash, for a memory on a GPU."""
+        if self.k.device == device and self.pos.device == device:
+            return self
+        return ChunkRun(self.cids, self.level, self.counts, self.pos.to(device),
+                        self.k.to(device), self.v.to(device), self.dtype)
+
     def at_level(self, level: str) -> "ChunkRun":
         """The same entries at ``level`` (:func:`values_at_level`, one conversion for the run)."""
         k, v = values_at_level(self.k, self.v, self.level, level, self.dtype)
@@ -211,8 +219,9 @@ def contiguous_positions(counts: Sequence[int], start: int) -> torch.Tensor:
 # ---- bytes -----------------------------------------------------------------------------------------
 def _values_bytes(x: "torch.Tensor | QuantizedTensor") -> bytes:
     if isinstance(x, QuantizedTensor):
-        return (x.codes.contiguous().numpy().tobytes() + x.scale.contiguous().view(torch.int16)
-                .numpy().tobytes() + x.zero.contiguous().view(torch.int16).numpy().tobytes())
+        return (x.codes.contiguous().cpu().numpy().tobytes()
+                + x.scale.contiguous().view(torch.int16).cpu().numpy().tobytes()
+                + x.zero.contiguous().view(torch.int16).cpu().numpy().tobytes())
     t = x.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().tobytes()
@@ -227,7 +236,7 @@ def to_bytes(p: ChunkPayload) -> bytes:
     head = _HEAD.pack(MAGIC, VERSION, _LEVEL_CODE[p.level], _DTYPES[p.dtype], p.cid.t, p.cid.l,
                       p.cid.g, len(p.counts), d)
     body = (head + struct.pack(f"<{len(p.counts)}I", *p.counts)
-            + p.pos.to(torch.int32).contiguous().numpy().tobytes()
+            + p.pos.to(torch.int32).contiguous().cpu().numpy().tobytes()
             + _values_bytes(p.k) + _values_bytes(p.v))
     return body + struct.pack("<Q", xxhash.xxh64_intdigest(body))
 

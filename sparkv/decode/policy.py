@@ -44,6 +44,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from sparkv.cache.hostmem import host_addressable
 from sparkv.cache.layer import HeadEntries
 from sparkv.decode.cache import ClusterCache, data_bytes
 from sparkv.decode.attend import LayerAttention
@@ -471,7 +472,7 @@ class ClusteredKV:
         #: every clustered entry held in RAM, as runs of rows (float32 on the CPU: the fused
         #: gather-attend reads them where they lie); None: per-cluster tensors, padded attention
         self.arena: RowArena | None = None
-        if cfg.update != "nocluster" and self.dtype == torch.float32 and not first.k.is_cuda:
+        if cfg.update != "nocluster" and self.dtype == torch.float32 and host_addressable(first.k):
             rows = n * self.H * self.L // 4 if self.ram_budget is None else \
                 self.ram_budget // (eb + 8)
             self.arena = RowArena(self.D, self.dtype, capacity=max(4096, int(rows)))

@@ -35,6 +35,7 @@ from sparkv.cache.table import FLASH, RESIDENT
 from sparkv.device.config import longest_context
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.flashio import IOProfile, run_starts
+from sparkv.device.hosttier import tier_holds
 from sparkv.device.keeper import Keeper, SwitchIn, adopted_payloads
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
@@ -320,11 +321,13 @@ def missing_chunks(ctx: DeviceContext, dtype: Any) -> tuple[list[MissingChunk], 
         ref = rows.ref(t, int(away[-1])) if readable else None
         miss = int(away.size)
         lv = ctx.levels[t] if t < len(ctx.levels) else "int8"
-        out.append(MissingChunk(t, lv, 1, ref.nbytes if ref is not None else 0, readable, miss))
+        held = tier_holds(ctx.tier, ref)       # read from host RAM: no flash read
+        out.append(MissingChunk(t, lv, 1, ref.nbytes if ref is not None and not held else 0,
+                                readable, miss, held))
         restore += miss * paged_nbytes(lv, g.chunk_len(t), g.heads_per_group, g.head_dim,
                                        dtype)
-        refs[t] = ref
+        refs[t] = None if held else ref
     starts = run_starts(refs, ctx.tier.align)
     for m in out:
-        m.reads = starts[m.t] if m.readable else 1
+        m.reads = 0 if m.held else starts[m.t] if m.readable else 1
     return out, int(res.sum()), restore

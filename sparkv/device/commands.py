@@ -2,6 +2,7 @@
 
     sparkv device serve --flash-dir DIR --memory-budget-mb 256 [--socket PATH [--socket-group GROUP]]
                         [--port N [--token-file PATH]] [--model PATH] [--policy llms]
+                        [--device auto] [--host-tier-mb MB]
                         [--ratio 0.75]                     # --socket and --port: both at once
     sparkv device create [--system "You are ..." | --system-file FILE] [--label NAME]
                                                            # prints the new context's id
@@ -119,6 +120,10 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                    help="flash tier + journal (default: <sparkv cache>/device/swap)")
     s.add_argument("--memory-budget-mb", type=float, required=True,
                    help="KV memory budget, MB (10^6 bytes)")
+    s.add_argument("--host-tier-mb", type=float, default=None,
+                   help="host RAM kept for copies of flash records, between the device's memory "
+                        "and flash, MB (default: none on the CPU; on a GPU 4x the budget, at most "
+                        "a quarter of the free memory)")
     s.add_argument("--socket", default=None,
                    help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
                         "<sparkv cache>/device/sparkv-device.sock)")
@@ -131,6 +136,10 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                    help="with --port: where the token is kept, made 0600 on the first start "
                         "(default: $SPARKV_DEVICE_TOKEN_FILE, else <sparkv cache>/device/token)")
     s.add_argument("--model", default=None, help="local checkpoint (default: bundled SmolLM2)")
+    s.add_argument("--device", default="auto",
+                   help="cpu, cuda[:N] or auto (CUDA when available): where the model runs and "
+                        "the contexts' KV memory lives (its budget is that device's memory; "
+                        "docs/device-service.md)")
     s.add_argument("--dtype", default="auto",
                    help="the compute configuration (docs/dtypes.md: auto, float32, bfloat16, "
                         "mixed, int8, int4, ...); a context journaled in another has its KV "
@@ -200,16 +209,20 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
     """Loads the model, opens the service over ``swap`` and answers until stopped."""
     import torch
 
+    from sparkv.device.hosttier import default_capacity
     from sparkv.device.service import ContextService, ServiceConfig
     from sparkv.predictor.dtypes import load_model_in_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = int(args.memory_budget_mb * 1e6)
-    lm = load_model_in_dtype(args.model, dtype=args.dtype, device="cpu")
+    lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens)
     ratio = args.ratio if args.ratio is not None else default_ratio(lm.fingerprint, config)
-    config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens, ratio=ratio)
+    host = (int(args.host_tier_mb * 1e6) if args.host_tier_mb is not None
+            else default_capacity(lm.device.type, budget))
+    config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens, ratio=ratio,
+                                  host_tier_bytes=host)
     service = ContextService(lm, budget, swap, config=config)
     try:
         need = service.min_budget()
@@ -217,8 +230,9 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
             raise SparkvError(f"a {args.memory_budget_mb:g} MB budget cannot hold even one small "
                               f"context while it runs (needs at least {need / 1e6:.2f} MB)")
         damaged = f", {len(service.damaged)} damaged" if service.damaged else ""
-        log.info("sparkv device: %s in %s, budget %.1f MB, policy %s (ratio %g), swap %s, "
-                 "%d contexts reopened%s", lm.name, lm.compute.name, budget / 1e6, config.name,
+        log.info("sparkv device: %s in %s on %s, budget %.1f MB, host tier %.1f MB, policy %s "
+                 "(ratio %g), swap %s, %d contexts reopened%s", lm.name, lm.compute.name,
+                 lm.device, budget / 1e6, host / 1e6, config.name,
                  config.ratio, swap, service.reopened, damaged)
         _listen(service, args, sockets)
         return 0
@@ -248,6 +262,8 @@ def _claim(args: argparse.Namespace, swap: Path) -> "FlashDirLock":
 
 def _check_limits(args: argparse.Namespace) -> None:
     """The HTTP limits are positive (:class:`SparkvError` naming the flag otherwise)."""
+    if args.host_tier_mb is not None and not args.host_tier_mb >= 0:
+        raise SparkvError(f"--host-tier-mb must be 0 or more (got {args.host_tier_mb})")
     for flag, value in (("--max-body-bytes", args.max_body_bytes),
                         ("--body-timeout-s", args.body_timeout_s),
                         ("--header-timeout-s", args.header_timeout_s)):

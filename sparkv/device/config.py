@@ -55,6 +55,9 @@ class ServiceConfig:
     max_new_tokens: int = 512
     journal: bool = True
     measure_io: bool = True            # measure the per-file read latency once per swap dir
+    host_tier_bytes: int = 0           # host RAM for copies of flash records, between the
+    #                                    device's memory and flash (sparkv.device.hosttier);
+    #                                    0: none
 
     def __post_init__(self) -> None:
         if self.compression not in ("tolerance", "int8", "fp"):
@@ -75,6 +78,8 @@ class ServiceConfig:
             raise ValueError("fp_fraction must be in [0, 1] and fp_protect >= 0")
         if self.chunk_tokens < 16:
             raise ValueError("chunk_tokens must be >= 16")
+        if self.host_tier_bytes < 0:
+            raise ValueError("host_tier_bytes must be >= 0")
 
     # ---- the systems of the benchmark --------------------------------------------------------
     @classmethod

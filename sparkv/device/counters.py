@@ -31,6 +31,8 @@ class ServiceCounters:
     read_bytes: int = 0              # read from flash by loads
     recomputed_chunks: int = 0
     read_chunks: int = 0
+    host_chunks: int = 0             # of the chunks read back, those the host tier answered
+    host_bytes: int = 0
     faults: int = 0                  # token chunks whose flash copy failed (then recomputed)
     hot_hits: int = 0                # calls that found their working memory kept
     hot_dropped: int = 0             # kept working memories freed
@@ -47,6 +49,8 @@ class ServiceCounters:
         with self._lock:
             self.read_bytes += stats.bytes_read
             self.read_chunks += stats.read_chunks
+            self.host_chunks += stats.host_chunks
+            self.host_bytes += stats.host_bytes
             self.recomputed_chunks += stats.recomputed_chunks
             self.faults += stats.faults
             self.streamed_chunks += stats.streamed_chunks

@@ -70,15 +70,15 @@ class DensityRecorder:
         """Adds one layer's head-averaged column sums and row counts (``[S]`` each)."""
         s = int(colsum.numel())
         self._grow(s)
-        self.mass[:s] += colsum.to(torch.float64)
-        self.rows[:s] += rows.to(torch.float64)
+        self.mass[:s] += colsum.to("cpu", torch.float64)      # a GPU's sums come back once
+        self.rows[:s] += rows.to("cpu", torch.float64)
         self.calls += 1
 
     def add_matrix(self, attn: torch.Tensor, q_pos: torch.Tensor, num_keys: int) -> None:
         """One layer's attention ``[H, q, S]`` (rows sum to 1 over visible keys)."""
         colsum = attn.float().sum(dim=(0, 1)) / attn.shape[0]
-        kpos = torch.arange(num_keys)
-        rows = (kpos.view(1, -1) <= q_pos.view(-1, 1).cpu()).sum(0).to(torch.float64)
+        kpos = torch.arange(num_keys, device=attn.device)
+        rows = (kpos.view(1, -1) <= q_pos.view(-1, 1).to(attn.device)).sum(0)
         self.add(colsum[:num_keys], rows)
 
 
@@ -154,8 +154,9 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
         if hq != hkv:
             k = k.repeat_interleave(hq // hkv, dim=0)
         scale = float(getattr(module, "scaling", d ** -0.5))
-        kpos = torch.arange(s)
-        colsum = torch.zeros(s, dtype=torch.float64)
+        kpos = torch.arange(s, device=q.device)
+        qp = q_pos.to(q.device)
+        colsum = torch.zeros(s, dtype=torch.float64, device=q.device)
         step = 256  # bound the [H, rows, S] matrix
         for a in range(0, n, step):
             qs = q[0, :, a:a + step]
@@ -163,11 +164,11 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
             # computes half the matrix)
             m = min(s, int(q_pos[a:a + step].max()) + 1)
             scores = torch.matmul(qs, k[:, :m].transpose(1, 2)) * scale
-            visible = kpos[:m].view(1, -1) <= q_pos[a:a + step].view(-1, 1)
+            visible = kpos[:m].view(1, -1) <= qp[a:a + step].view(-1, 1)
             scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
             attn = torch.softmax(scores.float(), dim=-1)
             colsum[:m] += attn.sum(dim=(0, 1)).to(torch.float64) / hq
-        rows = (kpos.view(1, -1) <= q_pos.view(-1, 1)).sum(0)
+        rows = (kpos.view(1, -1) <= qp.view(-1, 1)).sum(0)
         rec.add(colsum, rows)
 
 
@@ -195,7 +196,7 @@ def chunk_densities(mass: torch.Tensor, rows: torch.Tensor, chunk_tokens: int,
     n = int(mass.numel()) if num_tokens is None else int(num_tokens)
     m = mass[:n].double()
     r = rows[:n].double()
-    tok = torch.where(r > 0, m / r.clamp_min(1.0), torch.zeros_like(m)).numpy()
+    tok = torch.where(r > 0, m / r.clamp_min(1.0), torch.zeros_like(m)).cpu().numpy()
     nt = -(-n // chunk_tokens)
     out = np.zeros(nt)
     for t in range(nt):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from sparkv.cache import QuantizedTensor
+from sparkv.cache.hostmem import host_addressable
 
 
 @nb.njit(boundscheck=False, error_model="numpy", nogil=True, cache=True, inline="always")
@@ -103,8 +104,9 @@ class Arena:
 
 
 def supported(dst: torch.Tensor) -> bool:
-    """Whether :func:`dequantize_into` can write ``dst`` (float32 on the CPU)."""
-    return dst.dtype == torch.float32 and dst.device.type == "cpu"
+    """Whether :func:`dequantize_into` can write ``dst`` (float32 host memory:
+    :func:`~sparkv.cache.hostmem.host_addressable`)."""
+    return dst.dtype == torch.float32 and host_addressable(dst)
 
 
 def dequantize_into(dst: torch.Tensor, x: QuantizedTensor, r0: int, ts: Sequence[int], n: int,

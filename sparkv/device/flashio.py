@@ -78,6 +78,7 @@ from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadErro
 from sparkv.cache.ids import ChunkIds
 from sparkv.cache.payload import ChunkRun
 from sparkv.device.errors import FlashFull
+from sparkv.device.hosttier import HostTier
 from sparkv.device.private import FILE_MODE, private_dir, tighten
 from sparkv.fileio import FlashError, atomic_write, sync_files
 from sparkv.fileio import delete as delete_file
@@ -629,8 +630,9 @@ class ServiceFlash(FlashTier):
     file_mode = FILE_MODE
 
     def __init__(self, root: str | os.PathLike[str], direct: bool = True,
-                 align: int | None = None) -> None:
+                 align: int | None = None, host: HostTier | None = None) -> None:
         super().__init__(private_dir(root), direct, align)
+        self.host = host
         self._batch: list[Path] | None = None
         self.syncs = 0
         self._live: dict[str, set[int]] = {}
@@ -680,8 +682,12 @@ class ServiceFlash(FlashTier):
     # ---- token chunk records ---------------------------------------------------------------------
     def write_token_chunk(self, run: ChunkRun) -> FlashRef:
         """Writes one token chunk (a run of its chunks, layer-major) as one file
-        (:func:`pack_token_chunk_run`)."""
-        return self.write(token_chunk_name(run.cids[0].t), pack_token_chunk_run(run))
+        (:func:`pack_token_chunk_run`); the host tier's copy of that file is replaced."""
+        rec = pack_token_chunk_run(run)
+        ref = self.write(token_chunk_name(run.cids[0].t), rec)
+        if self.host is not None:
+            self.host.put(ref.path, ref.offset, rec)
+        return ref
 
     def write_segment(self, chunks: Sequence[ChunkRun]) -> dict[int, FlashRef]:
         """Writes token chunks (each a run of its chunks, every ``(l, g)`` layer-major) as one
@@ -692,6 +698,7 @@ class ServiceFlash(FlashTier):
         path = str(self.path_for(name))
         refs: dict[int, FlashRef] = {}
         align = self.align
+        held: list[tuple[int, bytes]] = []      # for the host tier, once the file is written
 
         def records() -> Iterator[bytes]:
             off = 0
@@ -701,6 +708,8 @@ class ServiceFlash(FlashTier):
                 except PayloadError:
                     continue
                 refs[run.cids[0].t] = FlashRef(path, len(rec), off)
+                if self.host is not None:
+                    held.append((off, rec))
                 pad = -len(rec) % align
                 yield rec
                 if pad:
@@ -713,7 +722,19 @@ class ServiceFlash(FlashTier):
                 self._live[path] = {r.offset for r in refs.values()}
         if not refs:
             delete_file(path)
+        for off, rec in held:
+            self.host.put(path, off, rec)  # type: ignore[union-attr]
         return refs
+
+    # ---- the host tier (sparkv.device.hosttier) --------------------------------------------------
+    def from_host(self, ref: FlashRef) -> bytes | None:
+        """The host tier's copy of record ``ref`` (a hit), else ``None``."""
+        return None if self.host is None else self.host.get(ref.path, ref.offset, ref.nbytes)
+
+    def to_host(self, ref: FlashRef, data: bytes | memoryview) -> None:
+        """Keeps a copy of record ``ref`` read back from flash (checked) in the host tier."""
+        if self.host is not None:
+            self.host.put(ref.path, ref.offset, bytes(data))
 
     def _next_segment(self) -> str:
         with self._lock:
@@ -741,6 +762,9 @@ class ServiceFlash(FlashTier):
         deleted with its last live record); a chunk file is deleted. Deleting a dead record
         again, or a record of a segment this tier does not count, does nothing."""
         path = ref.path if isinstance(ref, FlashRef) else str(ref)
+        if self.host is not None:
+            self.host.drop(path, ref.offset if isinstance(ref, FlashRef) and is_segment(path)
+                           else None)
         if not is_segment(path):
             super().delete(ref)
             return
@@ -772,6 +796,8 @@ class ServiceFlash(FlashTier):
         with self._lock:
             dead = [p for p in self.segments() if str(p) not in self._live]
         for p in dead:
+            if self.host is not None:
+                self.host.drop(str(p))
             delete_file(p)
         return len(dead)
 

@@ -74,6 +74,7 @@ from sparkv.cache.table import RESIDENT
 from sparkv.device import dequant
 from sparkv.device.flashio import (RUN_BYTES, ReadRun, RecordHead, check_records,
                                    join_records, plan_runs, record_run, records_into)
+from sparkv.device.hosttier import tier_holds
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime.hfcache import model_call
 
@@ -238,7 +239,7 @@ def _scatter_run(W: ContextKV, run: Any, tt: np.ndarray, ll: np.ndarray, gg: np.
     if fused:
         sides = [(x, x.scale.float().numpy(), x.zero.float().numpy()) for x in (run.k, run.v)]
     else:
-        vals = (_values(run.k, W.dtype), _values(run.v, W.dtype))
+        vals = (_values(run.k.to(W.device), W.dtype), _values(run.v.to(W.device), W.dtype))
     starts = np.concatenate([[0], np.cumsum(n * hg)])
     key = (ll * g.num_groups + gg) * (T + 1) + n
     cuts = np.flatnonzero(np.diff(key)) + 1
@@ -299,6 +300,7 @@ def fill_run(W: ContextKV, run: ChunkRun, ts: Sequence[int], n: int,
         return
     m = len(ts)
     index: dict[tuple[int, ...], torch.Tensor] = {}
+    run = run.to(W.device)          # records read from flash, for a memory on a GPU: one copy
     ks = _values(run.k, W.dtype).view(m, L, G, hg, n, d)
     vs = _values(run.v, W.dtype).view(m, L, G, hg, n, d)
     for l in range(L):  # noqa: E741
@@ -389,7 +391,7 @@ class _LayerCache:
         if self.contiguous:
             view = AttentionView(self.pos, k=k, v=v)
         else:
-            kpos = torch.arange(s)
+            kpos = torch.arange(s, device=k.device)
             view = AttentionView(self.pos, heads=[(k[0, h], v[0, h], kpos)
                                                   for h in range(k.shape[1])])
         return view, view
@@ -453,7 +455,9 @@ class Recompute:
 class LoadStats:
     """What one load did (seconds are wall clock of each part)."""
 
-    read_chunks: int = 0          # token chunks read from flash
+    read_chunks: int = 0          # token chunks read back (from flash, or the host tier's copy)
+    host_chunks: int = 0          # of them, the host tier's copies (no flash read)
+    host_bytes: int = 0           # their bytes
     streamed_chunks: int = 0      # token chunks restored from a remote source (the server)
     bytes_streamed: int = 0       # their decoded bytes
     stream_s: float = 0.0         # the remote fetch thread busy
@@ -559,6 +563,13 @@ def pages_to_read(C: ContextKV, refs: dict[int, Any]) -> dict[str, int]:
             for code in np.unique(level[away])}
 
 
+def _from_host(tier: Any, run: ReadRun) -> bytes | None:
+    """The host tier's copy of a one-record run, else ``None`` (then it is read from flash)."""
+    if len(run.records) != 1 or getattr(tier, "host", None) is None:
+        return None
+    return tier.from_host(run.records[0][1])
+
+
 class FileReads:
     """The reader pool of one load: reads the token chunk records ``refs`` (``threads`` reads at
     a time), swaps them into ``C`` and, when ``W`` is another memory, writes them into ``W``
@@ -587,12 +598,18 @@ class FileReads:
                  threads: int, run_bytes: int = RUN_BYTES) -> None:
         self.C, self.W, self.tier, self.refs = C, W, tier, refs
         self.chunks = sorted(refs)
-        self.runs = plan_runs(refs, tier.io.align, run_bytes) if refs else []
+        held = {t: ref for t, ref in refs.items() if tier_holds(tier, ref)}
+        rest = {t: ref for t, ref in refs.items() if t not in held}
+        self.runs = [ReadRun(ref.path, ref.offset, ref.nbytes, ((t, ref),))  # first: one each
+                     for t, ref in sorted(held.items())]
+        self.runs += plan_runs(rest, tier.io.align, run_bytes) if rest else []
         self._run_of = {t: i for i, run in enumerate(self.runs) for t, _ in run.records}
         self.failed: set[int] = set()
         self.reads = 0
         self.files: set[str] = set()
         self.nbytes = 0
+        self.host_chunks = 0                # records the host tier answered
+        self.host_bytes = 0
         self.read_s = 0.0
         self._window = [math.inf, 0.0]     # first read's start, last read's end
         self._lock = threading.Lock()
@@ -625,6 +642,13 @@ class FileReads:
     def _read_run(self, run: ReadRun) -> None:
         t0 = time.perf_counter()
         try:
+            held = _from_host(self.tier, run)
+            if held is not None:
+                with self._lock:
+                    self.host_chunks += 1
+                    self.host_bytes += len(held)
+                self._use(run, held, flash=False)
+                return
             with contextlib.ExitStack() as stack:
                 try:
                     data: bytes | memoryview = stack.enter_context(
@@ -643,9 +667,10 @@ class FileReads:
                 self._window[0] = min(self._window[0], t0)
                 self._window[1] = max(self._window[1], time.perf_counter())
 
-    def _use(self, run: ReadRun, data: bytes | memoryview) -> None:
+    def _use(self, run: ReadRun, data: bytes | memoryview, flash: bool = True) -> None:
         """Checks the records of ``run`` read into ``data`` and fills the good ones (nothing of
-        ``data`` is kept: it is the read's buffer, reused after)."""
+        ``data`` is kept: it is the read's buffer, reused after, but the good records of a
+        flash read are copied into the host tier when there is one)."""
         heads, bad = check_records(data, [(t, ref.offset - run.offset, ref.nbytes)
                                           for t, ref in run.records])
         ok = [h for h in heads if self._fits(h)]
@@ -653,6 +678,12 @@ class FileReads:
         if bad:
             with self._lock:
                 self.failed.update(bad)
+        if flash and getattr(self.tier, "host", None) is not None:
+            good = {h.t for h in ok}
+            for t, ref in run.records:
+                if t in good:
+                    a = ref.offset - run.offset
+                    self.tier.to_host(ref, data[a:a + ref.nbytes])
         self._fill(data, ok)
 
     def _fits(self, h: RecordHead) -> bool:
@@ -852,6 +883,7 @@ class Load:
         s = self.stats
         s.files_read, s.reads = len(reads.files), reads.reads
         s.bytes_read, s.io_s, s.read_s = reads.nbytes, reads.busy_s, reads.read_s
+        s.host_chunks, s.host_bytes = reads.host_chunks, reads.host_bytes
         s.bytes_streamed, s.stream_s = fetch.nbytes, fetch.busy_s
         s.notes.extend(fetch.notes)
         failed = reads.failed | fetch.failed

@@ -132,6 +132,7 @@ class MissingChunk:
     nbytes: int         # its records' bytes
     readable: bool      # every non-resident layer has a clean flash copy
     chunks: int = 1     # its non-resident (layer, group) chunks (what filling W costs)
+    held: bool = False  # its record is in the host tier (sparkv.device.hosttier): no flash read
 
 
 @dataclass
@@ -155,7 +156,8 @@ def plan_split(missing: Sequence[MissingChunk], context_tokens: int, resident_ch
     fill = re.fill_s_per_chunk * (resident_chunks + sum(m.chunks for m in optional))
     # x recomputed = forced + the first j optional ones, j = 0 .. len(optional)
     js = np.arange(len(optional) + 1) if allow_recompute else np.array([0])
-    rest_reads = _suffix_reads(np.array([m.reads for m in optional], dtype=np.float64), js)
+    rest_reads = _suffix_reads(np.array([m.reads for m in optional], dtype=np.float64), js,
+                               np.array([m.held for m in optional], dtype=bool))
     nbytes = np.array([m.nbytes for m in optional], dtype=np.float64)
     rest_bytes = nbytes.sum() - np.concatenate([[0.0], np.cumsum(nbytes)])[js]
     t_io = np.where(js < len(optional), rest_reads * io.per_file_s / max(1, io.threads)
@@ -173,10 +175,13 @@ def plan_split(missing: Sequence[MissingChunk], context_tokens: int, resident_ch
                  recompute_s=float(t_re[best]), fill_s=float(fill_j[best]))
 
 
-def _suffix_reads(reads: np.ndarray, js: np.ndarray) -> np.ndarray:
+def _suffix_reads(reads: np.ndarray, js: np.ndarray, held: np.ndarray | None = None
+                  ) -> np.ndarray:
     """The reads of the chunks ``j..`` for each ``j`` in ``js``: their own, plus one where the
     first of them extends a read of a chunk before it (recomputed now: its read starts
-    anew)."""
-    pad = np.concatenate([reads, [1.0]])
+    anew). A chunk ``held`` in the host tier reads nothing from flash and extends nothing."""
+    extends = np.concatenate([(reads == 0) & ~(held if held is not None
+                                               else np.zeros(reads.shape, dtype=bool)),
+                              [False]]).astype(np.float64)
     rest = reads.sum() - np.concatenate([[0.0], np.cumsum(reads)])[js]
-    return rest + (1.0 - pad[js]) * (js < len(reads))
+    return rest + extends[js] * (js < len(reads))

@@ -203,10 +203,27 @@ class IOProfileInfo(_Reply):
     source: str
 
 
+class HostTierInfo(_Reply):
+    """The host-RAM tier between the device's memory and flash (docs/device-service.md)."""
+
+    capacity_bytes: int = Field(description="0: no host tier (the default on the CPU)")
+    bytes: int
+    records: int
+    peak_bytes: int
+    hits: int = Field(description="records a load read from it instead of flash")
+    hit_bytes: int
+    misses: int
+    puts: int
+    evictions: int = Field(description="records dropped for room (flash keeps them)")
+    dropped: int = Field(description="records dropped: their flash record died or was rewritten")
+
+
 class ServiceStats(_Reply):
     """``GET /v1/stats``: the budget, the bytes, and the service's counters."""
 
     policy: str
+    device: str = Field(description="where the model runs and the contexts' pages live")
+    host_tier: HostTierInfo
     budget_bytes: int
     used_bytes: int
     peak_bytes: int
@@ -227,7 +244,9 @@ class ServiceStats(_Reply):
     aot_written_bytes: int = Field(description="written ahead of time, after each call")
     read_bytes: int = Field(description="read from flash by loads")
     recomputed_chunks: int = Field(description="token chunks recomputed by loads")
-    read_chunks: int = Field(description="token chunks read from flash by loads")
+    read_chunks: int = Field(description="token chunks read back by loads (flash or host tier)")
+    host_chunks: int = Field(description="of them, read from the host tier's copies")
+    host_bytes: int
     faults: int = Field(description="token chunks whose flash copy failed (then recomputed)")
     hot_hits: int = Field(description="calls that found their working memory kept")
     hot_dropped: int = Field(description="kept working memories freed")

@@ -63,6 +63,7 @@ from sparkv.device.counters import ServiceCounters
 from sparkv.device.density import install_hooks
 from sparkv.device.errors import DeviceError, FlashFull
 from sparkv.device.flashio import IOProfile, ServiceFlash, load_io_profile
+from sparkv.device.hosttier import HostTier, HostTierStats
 from sparkv.device.inputs import check_call, check_length, check_token_ids, vocab_size
 from sparkv.device.flashlock import FlashDirLock
 from sparkv.device.journal import Journal, commit, reopen, revert
@@ -132,7 +133,8 @@ class ContextService:
         check_path(swap_dir, "the flash dir", leaf_mode=False)
         self.swap_dir = private_dir(swap_dir)
         self.flash_lock = FlashDirLock(self.swap_dir)
-        self.swap = SwapStore(self.swap_dir, contiguous=self.config.contiguous)
+        self.host = HostTier(self.config.host_tier_bytes) if self.config.host_tier_bytes else None
+        self.swap = SwapStore(self.swap_dir, contiguous=self.config.contiguous, host=self.host)
         self.journal = (Journal(self.swap_dir / "journal", self.lm.compute.name)
                         if self.config.journal else None)
         install_hooks(self.lm.model)
@@ -349,7 +351,9 @@ class ContextService:
         """The budget's account, the contexts, the profiles and the counters (``GET
         /v1/stats``)."""
         with self.registry.lock:
-            return {"policy": self.config.name, **self.account.stats(),
+            host = self.host.stats() if self.host is not None else HostTierStats()
+            return {"policy": self.config.name, "device": str(self.lm.device),
+                    "host_tier": host.to_dict(), **self.account.stats(),
                     "contexts": len(self.contexts), "damaged": len(self.registry.damaged),
                     "io_profile": self.io.to_dict(), "recompute_scale": self.recompute.scale,
                     "reopened": self.reopened, **self.counters.to_dict()}

@@ -40,6 +40,7 @@ from sparkv.cache.table import RESIDENT, TokenRows
 from sparkv.device.errors import BudgetTooSmall, FlashFull
 from sparkv.device.flashio import (FlashHealth, ServiceFlash, is_segment, max_segment_bytes,
                                    writing)
+from sparkv.device.hosttier import HostTier
 from sparkv.device.loader import LoadStats, token_chunk_ids
 from sparkv.device.private import private_dir
 from sparkv.device.registry import CONTEXT_ID, DeviceContext
@@ -52,9 +53,11 @@ WHOLE_NAME = "context.kv"
 class SwapStore:
     """The flash files of every context under ``swap_dir/contexts`` (module docstring)."""
 
-    def __init__(self, swap_dir: str | Path, contiguous: bool = True) -> None:
+    def __init__(self, swap_dir: str | Path, contiguous: bool = True,
+                 host: HostTier | None = None) -> None:
         self.root = private_dir(Path(swap_dir) / "contexts")
         self.contiguous = contiguous
+        self.host = host
         self.whole: dict[str, FlashRef] = {}
         self.health = FlashHealth(swap_dir)
 
@@ -62,7 +65,7 @@ class SwapStore:
         """The flash tier of context ``ctx_id`` (its directory is made;
         :class:`~sparkv.device.errors.FlashFull` if the flash has no room for it)."""
         with writing(self.root, f"context {ctx_id}'s directory was not made"):
-            return ServiceFlash(self.root / ctx_id)
+            return ServiceFlash(self.root / ctx_id, host=self.host)
 
     def remove(self, ctx: DeviceContext) -> None:
         """Removes every file of a context (deleted, or never made)."""
@@ -73,6 +76,8 @@ class SwapStore:
         if not CONTEXT_ID.fullmatch(ctx_id):
             raise ValueError(f"not a context id: {ctx_id!r}")
         self.whole.pop(ctx_id, None)
+        if self.host is not None:
+            self.host.drop_under(self.root / ctx_id)
         shutil.rmtree(self.root / ctx_id, ignore_errors=True)
 
     def context_ids(self) -> list[str]:
@@ -224,8 +229,8 @@ class SwapStore:
         for l in range(mem.geometry.num_layers):  # noqa: E741
             st = mem.layers[l]
             assert st is not None and st.k is not None and st.v is not None
-            parts.append(st.k[0, :, :n].contiguous().numpy().tobytes())
-            parts.append(st.v[0, :, :n].contiguous().numpy().tobytes())
+            parts.append(st.k[0, :, :n].contiguous().cpu().numpy().tobytes())
+            parts.append(st.v[0, :, :n].contiguous().cpu().numpy().tobytes())
         blob = b"".join(parts)
         old = self.whole.pop(ctx.id, None)
         if old is not None:

@@ -563,11 +563,24 @@ def pages_to_read(C: ContextKV, refs: dict[int, Any]) -> dict[str, int]:
             for code in np.unique(level[away])}
 
 
-def _from_host(tier: Any, run: ReadRun) -> bytes | None:
-    """The host tier's copy of a one-record run, else ``None`` (then it is read from flash)."""
-    if len(run.records) != 1 or getattr(tier, "host", None) is None:
+def _from_host(tier: Any, run: ReadRun) -> bytes | bytearray | None:
+    """The run's bytes assembled from the host tier's copies of its records (each at its offset
+    in the run, as a read of it would give them; one record: the copy itself), else ``None``
+    when one is not held (then the run is read from flash)."""
+    if getattr(tier, "host", None) is None:
         return None
-    return tier.from_host(run.records[0][1])
+    parts = []
+    for _, ref in run.records:
+        data = tier.from_host(ref)
+        if data is None:
+            return None
+        parts.append((ref.offset - run.offset, data))
+    if len(parts) == 1:
+        return parts[0][1]
+    buf = bytearray(run.nbytes)
+    for at, data in parts:
+        buf[at:at + len(data)] = data
+    return buf
 
 
 class FileReads:
@@ -600,8 +613,7 @@ class FileReads:
         self.chunks = sorted(refs)
         held = {t: ref for t, ref in refs.items() if tier_holds(tier, ref)}
         rest = {t: ref for t, ref in refs.items() if t not in held}
-        self.runs = [ReadRun(ref.path, ref.offset, ref.nbytes, ((t, ref),))  # first: one each
-                     for t, ref in sorted(held.items())]
+        self.runs = plan_runs(held, tier.io.align, run_bytes) if held else []  # RAM first
         self.runs += plan_runs(rest, tier.io.align, run_bytes) if rest else []
         self._run_of = {t: i for i, run in enumerate(self.runs) for t, _ in run.records}
         self.failed: set[int] = set()
@@ -645,8 +657,8 @@ class FileReads:
             held = _from_host(self.tier, run)
             if held is not None:
                 with self._lock:
-                    self.host_chunks += 1
-                    self.host_bytes += len(held)
+                    self.host_chunks += len(run.records)
+                    self.host_bytes += sum(ref.nbytes for _, ref in run.records)
                 self._use(run, held, flash=False)
                 return
             with contextlib.ExitStack() as stack:

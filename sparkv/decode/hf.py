@@ -7,6 +7,12 @@ so retrieval happens inside the model's own attention module with the real query
 attention implementation (:func:`sparkv.cache.use_sparkv_attention`, set by
 :func:`sparkv.runtime.load_model`) calls it. Attention then runs over the retrieved entries with
 their explicit positions (:func:`sparkv.cache.ragged_attention`).
+
+**Where it lives.** A clustered memory is host RAM and flash whatever the model's device (the
+paper's device keeps it in DRAM, its clusters on flash): on a GPU the layer's new K/V come down
+in ``update`` and the step's queries in ``attend``, which attends there (the fused kernel in
+float32, :mod:`sparkv.decode.fused`) and returns the output to the queries' device; the full KV
+before the switch and the model stay on the GPU. On the CPU these copies are no-ops.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ class DynaKVView(AttentionView):
     def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         if q.shape[0] != 1:
             raise ValueError("a clustered cache holds one sequence (batch size 1)")
-        return self.state.attend(q, scale, self.q_pos)
+        # the memory is in host RAM (module docstring): on a GPU the queries come down once and
+        # the output goes back up once per layer and step; on the CPU both are no-ops
+        return self.state.attend(q.cpu(), scale, self.q_pos).to(q.device)
 
 
 class DynaKVLayer(CacheLayerMixin):
@@ -65,7 +73,7 @@ class DynaKVLayer(CacheLayerMixin):
                **kwargs: Any) -> tuple[Any, Any]:
         if key_states.shape[0] != 1:
             raise ValueError("a clustered cache holds one sequence (batch size 1)")
-        pos = self.state.update(key_states[0], value_states[0])
+        pos = self.state.update(key_states[0].cpu(), value_states[0].cpu())
         view = DynaKVView(pos, state=self.state)
         return view, view
 

@@ -22,6 +22,7 @@ import torch
 
 from sparkv.cache import AttentionView, ContextKV, SparkvCache
 from sparkv.cache.hf import SparkvLayer
+from sparkv.cache.layer import HeadEntries
 from sparkv.decode.background import BackgroundBuild
 from sparkv.decode.config import DecodeConfig, policy_config
 from sparkv.decode.hf import DynaKVCache
@@ -103,6 +104,13 @@ class _GrowingCache(SparkvCache):
         return torch.cat([k for k, _ in parts], 1), torch.cat([v for _, v in parts], 1)
 
 
+def on_host(entries: Sequence[HeadEntries]) -> list[HeadEntries]:
+    """A layer's entries in host memory: a clustered memory lives in RAM and on flash whatever
+    the model's device (:mod:`sparkv.decode.hf`: on a GPU each step's new entries and queries
+    come down, the attention output goes back up); on the CPU the same tensors."""
+    return [HeadEntries(e.k.cpu(), e.v.cpu(), e.pos.cpu()) for e in entries]
+
+
 class DecodeSession:
     """One decode over a context's KV under a policy.
 
@@ -179,7 +187,8 @@ class DecodeSession:
             try:
                 logits = self._forward(question_ids)
                 layers = self.memory.geometry.num_layers
-                self.kv = StreamedKV([self.memory.layer_entries(l) for l in range(layers)],
+                self.kv = StreamedKV([on_host(self.memory.layer_entries(l))
+                                      for l in range(layers)],
                                      self.cfg, final_tokens=self.final_tokens,
                                      max_positions=int(self.lm.max_positions),
                                      flash_dir=self.flash_dir)
@@ -192,8 +201,9 @@ class DecodeSession:
             try:
                 logits = self._forward(question_ids)
                 layers = self.memory.geometry.num_layers
-                entries = [self.memory.layer_entries(l) for l in range(layers)]
-                queries = [rec.queries.get(l) for l in range(layers)]
+                entries = [on_host(self.memory.layer_entries(l)) for l in range(layers)]
+                queries = [None if (q := rec.queries.get(l)) is None else q.cpu()
+                           for l in range(layers)]
                 kv = ClusteredKV(entries, queries, int(self.lm.config.num_attention_heads),
                                  self.cfg, final_tokens=self.final_tokens,
                                  max_positions=int(self.lm.max_positions),
@@ -226,7 +236,7 @@ class DecodeSession:
             for l, layer in enumerate(kv.layers):  # noqa: E741
                 new = cache.appended(l)
                 if new is not None:
-                    layer.absorb(*new)
+                    layer.absorb(new[0].cpu(), new[1].cpu())
         finally:
             self.memory.truncate()
         if any(layer.end != self.cur for layer in kv.layers):

@@ -679,7 +679,8 @@ class FileReads:
                 self._window[0] = min(self._window[0], t0)
                 self._window[1] = max(self._window[1], time.perf_counter())
 
-    def _use(self, run: ReadRun, data: bytes | memoryview, flash: bool = True) -> None:
+    def _use(self, run: ReadRun, data: bytes | bytearray | memoryview, flash: bool = True
+             ) -> None:
         """Checks the records of ``run`` read into ``data`` and fills the good ones (nothing of
         ``data`` is kept: it is the read's buffer, reused after, but the good records of a
         flash read are copied into the host tier when there is one)."""
@@ -705,7 +706,7 @@ class FileReads:
             g.num_layers, g.num_groups, g.heads_per_group, g.head_dim, g.chunk_len(h.t),
             g.token_range(h.t)[0]) and h.dtype == self.C.dtype
 
-    def _fill(self, data: bytes | memoryview, heads: list[RecordHead]) -> None:
+    def _fill(self, data: bytes | bytearray | memoryview, heads: list[RecordHead]) -> None:
         """Swaps the checked records ``heads`` of ``data`` into ``C`` and writes them into
         ``W``: per level, one run of them written straight from ``data`` into the new pages
         (:meth:`_swap_in_records`: one copy, the chunk table updated once) and one fill of ``W``
@@ -753,7 +754,7 @@ class FileReads:
                 self._targets = dequant.Arena(self.W.layers)
             return self._targets
 
-    def _swap_in_one(self, data: bytes | memoryview, h: RecordHead) -> bool:
+    def _swap_in_one(self, data: bytes | bytearray | memoryview, h: RecordHead) -> bool:
         """Record ``h`` swapped in alone; ``False`` (counted failed) when that fails too."""
         try:
             self._swap_in(join_records(data, [h]))
@@ -763,7 +764,8 @@ class FileReads:
                 self.failed.add(h.t)
             return False
 
-    def _swap_in_records(self, data: bytes | memoryview, hs: list[RecordHead]) -> ChunkRun:
+    def _swap_in_records(self, data: bytes | bytearray | memoryview, hs: list[RecordHead]
+                         ) -> ChunkRun:
         """The records ``hs`` (one level) swapped into ``C``: when none of their chunks is
         resident, written straight from ``data`` into the new pages
         (:meth:`~sparkv.cache.memory.ContextKV.swap_in_placed`: one copy); else joined first

@@ -50,7 +50,7 @@ def _keep_lists(mem: ChunkMemory, l: int, keep: Sequence[torch.Tensor]  # noqa: 
     g = mem.geometry
     if len(keep) != g.num_kv_heads:
         raise KVMemoryError(f"keep lists {len(keep)} heads; the model has {g.num_kv_heads}")
-    keep = [torch.as_tensor(x, dtype=torch.long).sort().values for x in keep]
+    keep = [torch.as_tensor(x, dtype=torch.long).cpu().sort().values for x in keep]  # host lists
     n = mem.positions[l]
     for h, x in enumerate(keep):
         if x.numel() and (int(x[0]) < 0 or int(x[-1]) >= n):

@@ -100,8 +100,9 @@ class ContextService:
         io_profile: ``T_IO`` (default: the flash profile + a per-file latency measured once).
 
     Parts (public, for tests and tools): ``registry``, ``account`` (the
-    :class:`~sparkv.device.budget.MemoryBudget`), ``keeper``, ``swap``, ``journal``,
-    ``counters`` (:class:`~sparkv.device.counters.ServiceCounters`).
+    :class:`~sparkv.device.budget.MemoryBudget`), ``keeper``, ``swap``, ``host`` (the
+    :class:`~sparkv.device.hosttier.HostTier` of ``config.host_tier_bytes``, else ``None``),
+    ``journal``, ``counters`` (:class:`~sparkv.device.counters.ServiceCounters`).
 
     ``swap_dir`` is private to this user (``0700``, its files ``0600``:
     :mod:`sparkv.device.private`); one that another user controls (it, or a directory on its

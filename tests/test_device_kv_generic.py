@@ -18,7 +18,7 @@ from sparkv.cache import LEVELS
 from sparkv.cache.hostmem import GENERIC_ENV, host_addressable
 from sparkv.device import ContextService
 from sparkv.runtime.generate import sample_context_ids
-from helpers import CHAT_TURNS, flash_profile
+from helpers import flash_profile, same_payloads
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
@@ -54,16 +54,36 @@ def _trace(lm, doc, tmp_path, name, swap=True):
     cid = svc.new_context(system_ids=doc)
     levels = set(svc.contexts[cid].levels)
     answers, loads = [], []
-    for turn in CHAT_TURNS[:2]:
+    for turn in (doc[-12:], doc[-30:-20]):        # token ids: a random model has no tokenizer
+        before = _payloads(svc, cid)
         if swap:
             svc.swap_out(cid)
-        r = svc.call(cid, turn, max_new_tokens=8)
+        r = svc.call(cid, prompt_ids=list(turn), max_new_tokens=8)
+        after = _payloads(svc, cid)
+        same_payloads(before, {c: after[c] for c in before})   # read back bit for bit
         answers.append(r.tokens)
         loads.append(r.load.read_chunks)
     C = svc.contexts[cid].memory
     device = C.device
     svc.close()
     return answers, loads, levels, device
+
+
+def _payloads(svc, cid) -> dict:
+    """The full token chunks' payloads (level; codes, scales and zeros, or values) on the host."""
+    from sparkv.device.loader import token_chunk_ids
+
+    C = svc.contexts[cid].memory
+    g = C.geometry
+    out = {}
+    for t in range(g.num_tokens // g.chunk_tokens):
+        for c in token_chunk_ids(g, t):
+            p = C.state(c).payload
+            if p is not None:
+                sides = [x for y in (p.k, p.v) for x in ([y] if p.level == "fp" else
+                                                         [y.codes, y.scale, y.zero])]
+                out[c] = (p.level, [x.cpu() for x in sides])
+    return out
 
 
 def test_host_addressable_is_the_cpu_unless_forced(monkeypatch):
@@ -126,9 +146,11 @@ def test_dynakv_decodes_exactly_on_the_generic_path(tiny_llama, tmp_path, monkey
 # ---- on a GPU ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_cuda():
+    """The SmolLM2 shape on the GPU, random weights (the bundled weights do not travel to the
+    GPU machine; the service's exactness does not need real ones), float32."""
     from sparkv.runtime import load_model
 
-    return load_model(device="cuda", dtype=torch.float32, progress=False)
+    return load_model("random:smollm2-135m", device="cuda", dtype=torch.float32, progress=False)
 
 
 def test_swapped_out_and_read_back_answers_as_never_swapped(smollm2, doc, tmp_path):
@@ -141,9 +163,10 @@ def test_swapped_out_and_read_back_answers_as_never_swapped(smollm2, doc, tmp_pa
 
 @needs_cuda
 def test_cuda_llms_service_keeps_its_memory_on_the_gpu_and_reads_it_back_exactly(
-        smollm2_cuda, doc, tmp_path):
+        smollm2_cuda, tmp_path):
     """The LLMS service with the model on a GPU: the contexts' pages live there at every level,
     and a context swapped out to flash and read back answers exactly as one kept resident."""
+    doc = sample_context_ids(smollm2_cuda, 300)
     want, _, _, _ = _trace(smollm2_cuda, doc, tmp_path, "kept", swap=False)
     got, loads, levels, device = _trace(smollm2_cuda, doc, tmp_path, "swapped")
     assert device.type == "cuda"

@@ -2,7 +2,7 @@
 # Runs a command with its reads of the root file system's block device throttled to a slower
 # flash (cgroup v1 blkio: bytes and requests per second; O_DIRECT reads included), as root:
 #
-#   bash bench/slow_flash.sh 200 python bench/host_tier_ab.py 2048   # an eMMC-class 200 MB/s
+#   bash bench/slow_flash.sh 200 python bench/host_tier_ab.py --tokens 2048   # an eMMC-class 200 MB/s
 #
 # The group is /sys/fs/cgroup/blkio/sparkv-slowflash; its limits are set on each run.
 set -euo pipefail

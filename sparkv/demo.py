@@ -162,15 +162,29 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
     if "sparkv" in strategies and press.lower() not in ("", "none"):
         _ask_variant(session, cid, press, args, ref, runs, rows)
     if "sparkv" in strategies:
-        follow = session.ask(cid, FOLLOW_UP,
-                             AskOptions(max_new_tokens=args.max_new_tokens, keep=True))
-        first = next(r for r in rows if r[0] == "sparkv")
-        print(f"\nfollow-up {FOLLOW_UP!r}, answered from the kept context: "
-              f"TTFT {follow.breakdown.ttft_s:.2f} s (the first sparkv ask: {first[1]:.2f} s),"
-              f" {follow.breakdown.bytes_streamed} bytes streamed\n"
-              f"[kept] {follow.text.strip()}", flush=True)
+        follow = _ask_follow_up(session, cid, lm, context, args, rows)
     session.close()
     return ref, runs, rows, follow
+
+
+def _ask_follow_up(session: Any, cid: str, lm: LoadedModel, context: list[int],
+                   args: argparse.Namespace, rows: list[list[Any]]) -> Any:
+    """The follow-up, answered from the context the sparkv ask kept, beside whether it is what
+    a dense full prefill of it answers."""
+    from sparkv.edge.options import AskOptions
+    from sparkv.edge.prompts import question_suffix
+    from sparkv.runtime.generate import reference_generate
+
+    follow = session.ask(cid, FOLLOW_UP, AskOptions(max_new_tokens=args.max_new_tokens, keep=True))
+    first = next(r for r in rows if r[0] == "sparkv")
+    print(f"\nfollow-up {FOLLOW_UP!r}, answered from the kept context: "
+          f"TTFT {follow.breakdown.ttft_s:.2f} s (the first sparkv ask: {first[1]:.2f} s),"
+          f" {follow.breakdown.bytes_streamed} bytes streamed\n"
+          f"[kept] {follow.text.strip()}", flush=True)
+    ref = reference_generate(lm, context + question_suffix(lm, FOLLOW_UP), args.max_new_tokens)
+    print(f"  {reference_note(ref, follow.tokens)} (a dense full prefill of the follow-up)",
+          flush=True)
+    return follow
 
 
 def _ask(session: Any, cid: str, args: argparse.Namespace, options: Any) -> Any:

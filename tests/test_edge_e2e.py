@@ -352,6 +352,10 @@ def test_demo(smollm2, tmp_path, capsys):
     # the follow-up is answered from the context the sparkv run kept: nothing streamed
     assert "answered from the kept context" in out and "[kept]" in out
     assert doc["follow_up"]["bytes_streamed"] == 0 and doc["follow_up"]["answer"].strip()
+    # ... and it too says whether it is what a dense full prefill of it answers
+    kept = out[out.index("[kept]"):]
+    assert ("the same tokens as the dense reference (a dense full prefill of the follow-up)"
+            in kept or "NOT the dense reference's answer" in kept)
 
 
 def test_encrypted_context(served):

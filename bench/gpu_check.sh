@@ -53,17 +53,20 @@ phase tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.p
   tests/test_runtime_split.py tests/test_device_paths.py tests/test_qattend.py \
   tests/test_dynakv_batched.py tests/test_runtime_sparsecal.py tests/test_flex_pipeline.py \
   "tests/test_device_kv_generic.py::test_cuda_llms_service_keeps_its_memory_on_the_gpu_and_reads_it_back_exactly" \
-  tests/test_device_kv_generic.py::test_cuda_dynakv_decodes_exactly_like_full_kv -rs
+  tests/test_device_kv_generic.py::test_cuda_dynakv_decodes_exactly_like_full_kv \
+  tests/test_layer_graphs.py -rs
 phase attention 100 $BENCH attention --heads 24/8/128,9/3/64 --lengths 8192,32768 \
   --densities 0.1,0.25,0.5 --repeats 3 --save-profile --out "$tmp/attention-$tag.json"
 phase prefill 90 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 8192,32768 --chunk-tokens 4096 --repeats 3 --max-new-tokens 4 \
   --variants full,dense,dense+fused,auto --out "$tmp/prefill-$tag.json"
-# issue 46's launch-bound T=1024: the stepper step by step, layer by layer, and the edge
-# engine's local load with its spans (CommitSpans, the GPU's default) and without them
-phase prefill1k 120 $BENCH prefill --device cuda --model random:llama-3.2-3b \
+# issue 46's launch-bound T=1024: the stepper step by step (with the CUDA graphs a GPU's steps
+# replay, and eager), layer by layer, and the edge engine's local load with its spans
+# (CommitSpans, the GPU's default) and without them
+phase prefill1k 150 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 32768 --chunk-tokens 1024 --repeats 2 --max-new-tokens 4 \
-  --variants full,dense,dense+fused,dense+engine,dense+steps --out "$tmp/prefill-t1024-$tag.json"
+  --variants full,dense,dense+eager,dense+fused,dense+engine,dense+steps \
+  --out "$tmp/prefill-t1024-$tag.json"
 phase prefill1kprof 60 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 32768 --chunk-tokens 1024 --repeats 1 --max-new-tokens 4 \
   --variants full,dense --profile dense --out "$tmp/prefill-t1024-profile-$tag.json"

@@ -5,7 +5,8 @@ whole context instead of one token chunk at a time, :meth:`LayerStepper.complete
 runs the edge engine's all-local load of the context as the ``local`` strategy does, with the
 controller it gets on this device (spans of a layer's token chunks on a GPU,
 :class:`~sparkv.scheduler.rules.CommitSpans`; step by step on a CPU); ``+spans`` / ``+steps``
-force either):
+force either; ``+eager`` runs the stepper step by step without the CUDA graphs a GPU's steps
+replay by default, :mod:`sparkv.runtime.graphs`):
 
 * ``full``: transformers' own forward over the whole context (``use_cache``, last logits only):
   the baseline the stepper answers to;
@@ -51,7 +52,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="comma-separated: full, " + ", ".join(BACKENDS)
                         + "; NAME+fused runs the stepper layer by layer; NAME+engine the edge "
                           "engine's local load (spans on a GPU), NAME+spans / NAME+steps with "
-                          "its spans forced on / off")
+                          "its spans forced on / off, NAME+eager step by step without CUDA "
+                          "graphs")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
     p.add_argument("--profile", default=None, metavar="VARIANT",
                    help="also profile one run of VARIANT at the largest size (torch.profiler): "
@@ -76,18 +78,19 @@ class PrefillVariant:
     fused: bool
     engine: bool | None = None   # run by the edge engine: None no; True/False spans forced
     by_engine: bool = False
+    graphs: bool | None = None   # the stepper's CUDA graphs: None the device's default
 
 
 def parse_variants(text: str) -> list[PrefillVariant]:
     out = []
     for spec in (s.strip() for s in text.split(",") if s.strip()):
         base, _, flag = spec.partition("+")
-        if base not in ("full", *BACKENDS) or flag not in ("", *ENGINE_FLAGS, "fused") \
+        if base not in ("full", *BACKENDS) or flag not in ("", *ENGINE_FLAGS, "fused", "eager") \
                 or (base == "full" and flag):
             raise SystemExit(f"--variants: unknown variant {spec!r} (full, {', '.join(BACKENDS)}"
-                             ", each optionally +fused, +engine, +spans or +steps)")
+                             ", each optionally +fused, +engine, +spans, +steps or +eager)")
         out.append(PrefillVariant(spec, base, flag == "fused", ENGINE_FLAGS.get(flag),
-                                  flag in ENGINE_FLAGS))
+                                  flag in ENGINE_FLAGS, False if flag == "eager" else None))
     return out
 
 
@@ -127,7 +130,7 @@ def _run_once(lm: LoadedModel, ids: list[int], v: PrefillVariant, chunk: int, ba
             out = lm.model(input_ids=x, use_cache=True, logits_to_keep=1)
         _sync(lm)
         return time.perf_counter() - start, from_dynamic_cache(output_cache(out)), []
-    stepper = LayerStepper(lm, ids, chunk, backend)
+    stepper = LayerStepper(lm, ids, chunk, backend, graphs=v.graphs)
     results = _engine_load(stepper, v.engine) if v.by_engine else stepper.complete(fused=v.fused)
     _sync(lm)
     return time.perf_counter() - start, stepper.kv.layer_kv(), results

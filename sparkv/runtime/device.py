@@ -127,3 +127,14 @@ def fused_spans(device: torch.device) -> bool:
     if env in ("0", "false", "no"):
         return False
     return device.type == "cuda"
+
+
+def cuda_graphs(device: torch.device) -> bool:
+    """Whether layer steps whose shapes repeat run as captured CUDA graphs
+    (:mod:`sparkv.runtime.graphs`): on a GPU, whose steps at T=1024 are bound by kernel launches;
+    never on a CPU (no graphs there). The environment variable ``SPARKV_CUDA_GRAPHS`` (``1`` /
+    ``0``) overrides it on a GPU."""
+    if device.type != "cuda":
+        return False
+    env = os.environ.get("SPARKV_CUDA_GRAPHS", "").strip().lower()
+    return env not in ("0", "false", "no")

@@ -104,20 +104,32 @@ def _linear_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
+def project_qkv(attn: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention module's q, k (after Qwen3's ``q_norm``/``k_norm`` and RoPE) and v
+    ``[B, H, n, D]`` of the normed rows ``h`` ``[B, n, hidden]``: the fast attention forward's
+    first half (also the graphed steps', :mod:`sparkv.runtime.graphs`)."""
+    shape = (*h.shape[:-1], -1, attn.head_dim)
+    q = attn.q_proj(h).view(shape)
+    k = attn.k_proj(h).view(shape)
+    if getattr(attn, "q_norm", None) is not None:           # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    v = attn.v_proj(h).view(shape).transpose(1, 2)
+    return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
+
+
+def is_fast_attention(module: nn.Module) -> bool:
+    """Whether ``module`` runs the fast attention forward (:func:`install_fast_ops`)."""
+    return getattr(type(module), "forward", None) is _attention_forward
+
+
 def _attention_forward(self: Any, hidden_states: torch.Tensor,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                        attention_mask: torch.Tensor | None = None, cache: Any = None,
                        past_key_values: Any = None, **kwargs: Any
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(shape)
-    k = self.k_proj(hidden_states).view(shape)
-    if getattr(self, "q_norm", None) is not None:           # Qwen3
-        q, k = self.q_norm(q), self.k_norm(k)
-    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
     cos, sin = position_embeddings                          # type: ignore[misc]
-    q = apply_rope(q.transpose(1, 2), cos, sin)
-    k = apply_rope(k.transpose(1, 2), cos, sin)
+    q, k, v = project_qkv(self, hidden_states, cos, sin)
     store = cache if cache is not None else past_key_values
     if store is not None:
         k, v = _update(store, k, v, self.layer_idx, cos, sin, kwargs)
@@ -226,4 +238,5 @@ def uninstall_fast_ops(model: nn.Module) -> int:
     return n
 
 
-__all__ = ["apply_rope", "linear", "install_fast_ops", "uninstall_fast_ops", "FEW_ROWS"]
+__all__ = ["apply_rope", "project_qkv", "is_fast_attention", "linear", "install_fast_ops",
+           "uninstall_fast_ops", "FEW_ROWS"]

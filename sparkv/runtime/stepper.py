@@ -35,7 +35,9 @@ from sparkv.errors import SparkvError
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
 from sparkv.runtime.attention import (AttentionBackend, AttentionStats, DenseAttention, bind_model,
                                       layer_backend)
+from sparkv.runtime.device import cuda_graphs
 from sparkv.runtime.fastops import apply_rope
+from sparkv.runtime.graphs import LayerGraphs, graphs_of
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.hooks import has_forward_hooks
 from sparkv.runtime.model import LoadedModel
@@ -69,13 +71,17 @@ class LayerStepper:
         lazy: a new memory's arenas take memory page by page as chunks are written
             (:mod:`sparkv.cache.zeroed`: an ask waiting for its share of the link holds the chunks
             it has), instead of all at once.
+        graphs: the piecewise CUDA graphs its steps may replay (:mod:`sparkv.runtime.graphs`),
+            ``False`` for none; default: the model's own where
+            :func:`~sparkv.runtime.device.cuda_graphs` says (a GPU), else none.
     """
 
     def __init__(self, lm: LoadedModel, token_ids: Sequence[int],
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  backend: AttentionBackend | None = None, heads_per_group: int = 0,
                  kv: ContextKV | None = None, full_last_layer: bool = False,
-                 spare_tokens: int = 0, lazy: bool = False) -> None:
+                 spare_tokens: int = 0, lazy: bool = False,
+                 graphs: LayerGraphs | bool | None = None) -> None:
         if len(token_ids) == 0:
             raise ValueError("the context has no tokens")
         if lm.max_positions and len(token_ids) > lm.max_positions:
@@ -95,6 +101,9 @@ class LayerStepper:
         if self.kv.geometry != self.geometry:
             raise ValueError("the KV memory was made for another geometry")
         self.full_last_layer = full_last_layer
+        if graphs is None:
+            graphs = cuda_graphs(lm.device)
+        self.graphs = graphs_of(lm) if graphs is True else graphs or None
         self._hidden: dict[StepId, torch.Tensor] = {}  # Y[l, t] awaiting step (t, l+1)
         self._done: set[StepId] = set()
         self._rope: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -214,8 +223,28 @@ class LayerStepper:
         """Layer ``l`` over token chunks ``t0 .. t1-1`` from its input ``x``: writes their K/V
         into the KV memory; returns the layer's output hidden states (``x`` itself for the
         projection-only last layer) and the attention's statistics."""
+        if self.graphs is not None and l < self.geometry.num_layers - 1:
+            rope = self.rope_for(t0, t1, x)
+            if self.graphs.wants(l, x, rope):
+                return self._graphed_layer(x, t0, t1, l, rope)
         x, stats = _layer_call([_Span(self, t0, t1)], x, l)
         return x, stats[0]
+
+    def _graphed_layer(self, x: torch.Tensor, t0: int, t1: int, l: int,  # noqa: E741
+                       rope: tuple[torch.Tensor, torch.Tensor]
+                       ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """:meth:`_layer` with the parts before and after attention replayed from the model's
+        graphs (:mod:`sparkv.runtime.graphs`) and the attention run as :func:`_layer_call` runs
+        it (the same cache, the same view)."""
+        assert self.graphs is not None
+        cache = _StepCache(self, t0, t1, l)
+        scale = float(self.lm.decoder.layers[l].self_attn.scaling)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            view, _ = cache.update(k, v, l)
+            return view.attend(q, scale)
+
+        return self.graphs.run(l, x, rope, attend), cache.stats
 
     @torch.inference_mode()
     def run_column(self, t: int, l0: int, l1: int) -> list[StepResult]:  # noqa: E741

@@ -174,3 +174,18 @@ def test_copies_never_outlive_or_differ_from_their_records_over_a_random_trace(
         runs.append(out)
         svc.close()
     assert runs[0] == runs[1]
+
+
+def test_a_run_is_answered_whole_or_not_at_all_and_counted_so():
+    """A run whose records are held but one (evicted since the load planned it) is read from
+    flash: the held ones are not counted as hits, nor made the most recently used."""
+    h = HostTier(120)
+    for off in (0, 64, 128):
+        h.put("s", off, bytes([off]) * 40)
+    assert h.get_run([("s", 0, 40), ("s", 64, 40)]) == [b"\x00" * 40, b"\x40" * 40]
+    assert h.stats().hits == 2
+    assert h.get_run([("s", 128, 40), ("s", 192, 40)]) is None   # the second is not held
+    st = h.stats()
+    assert st.hits == 2 and st.misses == 2 and st.hit_bytes == 80
+    h.put("t", 0, b"t" * 40)                   # evicts the least recently used: ("s", 128)
+    assert not h.holds("s", 128, 40) and h.holds("s", 0, 40)

@@ -727,9 +727,12 @@ class ServiceFlash(FlashTier):
         return refs
 
     # ---- the host tier (sparkv.device.hosttier) --------------------------------------------------
-    def from_host(self, ref: FlashRef) -> bytes | None:
-        """The host tier's copy of record ``ref`` (a hit), else ``None``."""
-        return None if self.host is None else self.host.get(ref.path, ref.offset, ref.nbytes)
+    def from_host(self, refs: Sequence[FlashRef]) -> list[bytes] | None:
+        """The host tier's copies of records ``refs`` (one run's), all of them, else ``None``
+        (:meth:`~sparkv.device.hosttier.HostTier.get_run`)."""
+        if self.host is None:
+            return None
+        return self.host.get_run([(ref.path, ref.offset, ref.nbytes) for ref in refs])
 
     def to_host(self, ref: FlashRef, data: bytes | memoryview) -> None:
         """Keeps a copy of record ``ref`` read back from flash (checked) in the host tier."""

@@ -28,7 +28,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 #: a held record: its file and offset
 Key = tuple[str, int]
@@ -94,15 +94,23 @@ class HostTier:
     def get(self, path: str, offset: int, nbytes: int) -> bytes | None:
         """The record held at ``(path, offset)`` when it has ``nbytes`` bytes (now the most
         recently used), else ``None`` (a miss)."""
+        found = self.get_run([(path, offset, nbytes)])
+        return None if found is None else found[0]
+
+    def get_run(self, keys: Sequence[tuple[str, int, int]]) -> list[bytes] | None:
+        """The records ``(path, offset, nbytes)`` of one run, all of them (each now among the
+        most recently used, a hit each), or ``None`` when one is not held (a miss each: the run
+        is read from flash; the held ones are neither used nor counted as hits)."""
         with self._lock:
-            data = self._held.get((path, offset))
-            if data is None or len(data) != nbytes:
-                self._stats.misses += 1
+            found = [self._held.get((path, offset)) for path, offset, _ in keys]
+            if any(d is None or len(d) != n for d, (_, _, n) in zip(found, keys)):
+                self._stats.misses += len(keys)
                 return None
-            self._held.move_to_end((path, offset))
-            self._stats.hits += 1
-            self._stats.hit_bytes += nbytes
-            return data
+            for path, offset, nbytes in keys:
+                self._held.move_to_end((path, offset))
+                self._stats.hit_bytes += nbytes
+            self._stats.hits += len(keys)
+            return found  # type: ignore[return-value]  # none is None here
 
     def holds(self, path: str, offset: int, nbytes: int) -> bool:
         """Whether :meth:`get` would find the record now (no counting, no reordering)."""

@@ -569,16 +569,14 @@ def _from_host(tier: Any, run: ReadRun) -> bytes | bytearray | None:
     when one is not held (then the run is read from flash)."""
     if getattr(tier, "host", None) is None:
         return None
-    parts = []
-    for _, ref in run.records:
-        data = tier.from_host(ref)
-        if data is None:
-            return None
-        parts.append((ref.offset - run.offset, data))
-    if len(parts) == 1:
-        return parts[0][1]
+    copies = tier.from_host([ref for _, ref in run.records])
+    if copies is None:
+        return None
+    if len(copies) == 1:
+        return copies[0]
     buf = bytearray(run.nbytes)
-    for at, data in parts:
+    for (_, ref), data in zip(run.records, copies):
+        at = ref.offset - run.offset
         buf[at:at + len(data)] = data
     return buf
 

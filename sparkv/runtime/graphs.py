@@ -71,12 +71,18 @@ class _Replay:
     def __init__(self, fn: Callable[[], None], device: torch.device, pool: Any) -> None:
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):       # warm-up: lazy initialisation stays out of the graph
-            fn()
-        torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            fn()
+        with torch.cuda.stream(side):
+            fn()                            # warm-up: lazy initialisation stays out of the graph
+            # capture_begin/end, not torch.cuda.graph: that one synchronises the device and
+            # empties the allocator's caches at every capture (two per layer); thread-local, so
+            # the link's and other threads' work goes on meanwhile
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
 
     def replay(self) -> None:
         self.graph.replay()

@@ -24,8 +24,8 @@ torch.set_num_threads(_test_threads())
 
 
 def _file_seconds() -> dict[str, float]:
-    """Each test file's measured seconds (tests/durations.json: a quiet whole-suite run on 2
-    cores, files under 3 s left out)."""
+    """Each test file's measured seconds (tests/durations.json: whole-suite runs on 2 quiet
+    cores with 3 workers, each file's summed test times, files under 3 s left out)."""
     try:
         return json.loads((Path(__file__).parent / "durations.json").read_text())
     except (OSError, ValueError):

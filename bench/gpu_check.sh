@@ -54,7 +54,7 @@ phase tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.p
   tests/test_dynakv_batched.py tests/test_runtime_sparsecal.py tests/test_flex_pipeline.py \
   "tests/test_device_kv_generic.py::test_cuda_llms_service_keeps_its_memory_on_the_gpu_and_reads_it_back_exactly" \
   tests/test_device_kv_generic.py::test_cuda_dynakv_decodes_exactly_like_full_kv \
-  tests/test_layer_graphs.py -rs
+  tests/test_layer_graphs.py::test_cuda_graphs_give_the_eager_steps_kv -rs
 phase attention 100 $BENCH attention --heads 24/8/128,9/3/64 --lengths 8192,32768 \
   --densities 0.1,0.25,0.5 --repeats 3 --save-profile --out "$tmp/attention-$tag.json"
 phase prefill 90 $BENCH prefill --device cuda --model random:llama-3.2-3b \

@@ -123,7 +123,7 @@ class MeasuredSteps(StepCostModel):
             g = stepper.geometry
             for t in range(g.num_token_chunks):
                 for layer in range(min(2, g.num_layers - 1)):
-                    ms = stepper.run_step(StepId(t, layer)).seconds * 1e3
+                    ms = _step_ms(stepper, StepId(t, layer))
                     a, b = g.token_range(t)
                     times.setdefault((b - a, b), []).append(ms)
         rows = [(n, float(np.median(ms)) - c_pair * float(visible_pairs(n, k)))
@@ -136,6 +136,21 @@ class MeasuredSteps(StepCostModel):
                       "chunk_sizes": list(chunk_sizes), "attention_keys": attention_keys,
                       "seconds": time.perf_counter() - start}
         return model
+
+
+def _step_ms(stepper: Any, step: Any) -> float:
+    """Milliseconds of one layer step: its own timing on a CPU; on a GPU the wall time until its
+    kernels are done (a step's own timing there is the host's dispatch, which replayed CUDA
+    graphs make a small part of the step: :mod:`sparkv.runtime.graphs`)."""
+    import torch
+
+    device = stepper.lm.device
+    if device.type != "cuda":
+        return float(stepper.run_step(step).seconds) * 1e3
+    t0 = time.perf_counter()
+    stepper.run_step(step)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:

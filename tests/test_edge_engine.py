@@ -749,3 +749,27 @@ def test_the_engine_commits_spans_on_a_launch_bound_device_only(world, monkeypat
         engine = Engine(stepper, plan, inst, source=None)
         _run_exact(engine, world)
         assert any(t1 - t0 > 1 for t0, t1, _ in stepper.spans) is spans
+
+
+@pytest.mark.parametrize("planner,mbps,spans", [("sparkv", 20.0, False), ("sparkv", 20.0, True),
+                                                 ("local", 50.0, False)])
+def test_the_engine_with_graphed_steps_fills_the_reference_cache(world, planner, mbps, spans):
+    """A GPU's steps replay CUDA graphs (sparkv/runtime/graphs.py; emulated here): through the
+    engine's compute thread, with streamed chunks between computed ones and with spans, the
+    cache is the reference one."""
+    from sparkv.runtime.graphs import LayerGraphs
+
+    inst = _instance(world, mbps=mbps)
+    plan = get_planner(planner).plan(inst)
+    graphs = LayerGraphs(world["lm"], emulate=True)
+    stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"),
+                           graphs=graphs)
+    src = ScriptedSource(world["frames"]) if plan.stream_order else None
+    engine = Engine(stepper, plan, inst, ControllerConfig.static().with_spans(spans),
+                    source=src, config=EngineConfig(retry_backoff_s=0.01))
+    load = _run_exact(engine, world)
+    assert load.sources.get("computed", 0) > 0 and graphs.failure is None
+    # step by step a layer's shape repeats from its second step on; spans of this plan have
+    # lengths of their own (each one-off, so eager)
+    if not spans:
+        assert graphs.replays > 0

@@ -388,3 +388,34 @@ def test_reads_bypass_or_drop_the_page_cache(tmp_path):
     assert len(tier.read(ref)) == 10_000
     assert tier.reads == 1 and tier.bytes_read == 10_000
     assert "direct_io" in tier.stats()
+
+
+def test_a_chunk_written_while_its_layer_moves_into_pages_is_not_lost():
+    """A computed chunk is written into its layer's dense arena outside the lock while the
+    link's thread moves that layer into pages (a compressed chunk streamed into a layer being
+    computed). The move copies only resident chunks, so the write must land in the pages:
+    before, the chunk was marked resident with its entries left in the dropped arena (a loaded
+    whole-suite run failed to prune the layer: "head 0 does not hold every position")."""
+    geo = ChunkGeometry(64, 16, 2, 2, 16)
+    mem = ContextKV(geo)
+    torch.manual_seed(3)
+    k0, v0 = torch.randn(2, 16, 16), torch.randn(2, 16, 16)
+    mem.put(KVChunkId(0, 0, 0), k0, v0, source=Source.COMPUTED)
+    store = mem.layers[0]
+    write = store.write_dense
+    moved = []
+
+    def write_then_move(*args, **kwargs):
+        write(*args, **kwargs)
+        if not moved:                      # the other thread's move, between write and mark
+            moved.append(True)
+            mem.to_pages(0)
+
+    store.write_dense = write_then_move
+    k1, v1 = torch.randn(2, 16, 16), torch.randn(2, 16, 16)
+    assert mem.put(KVChunkId(1, 0, 0), k1, v1, source=Source.COMPUTED)
+    assert moved and mem.layers[0] is None            # the layer is paged now
+    for t, (k, v) in ((0, (k0, v0)), (1, (k1, v1))):
+        got = mem.read(KVChunkId(t, 0, 0))
+        assert torch.equal(got.k.reshape(2, 16, 16), k) and torch.equal(got.v.reshape(2, 16, 16), v)
+    assert mem.nbytes == mem.recount()

@@ -233,25 +233,39 @@ class ChunkMemory:
         an asynchronous host-to-device copy from pinned memory on the current CUDA stream (the
         caller synchronises that stream before anyone reads the chunk)."""
         k, v = _check_chunk(self.geometry, cid, k, v)
-        source, (t0, t1), h0 = Source(source), self.geometry.token_range(cid.t), cid.g * k.shape[0]
-        with self._lock:
-            if not overwrite and self.has(cid):
-                return False
-            store = self.layers[cid.l]
-            if store is None:
-                n = [t1 - t0] * int(k.shape[0])
-                self.hold([ChunkRun([cid], "fp", np.array([n]), contiguous_positions(n, t0),
-                                    k.reshape(-1, k.shape[2]), v.reshape(-1, v.shape[2]),
-                                    self.dtype)], source)
-                return True
-        before = store.nbytes
-        if store.ragged:          # under the lock: a ragged write moves entries
+        source, (t0, t1) = Source(source), self.geometry.token_range(cid.t)
+        while True:       # again when the layer changed form while it was written
             with self._lock:
-                store.write_ragged(h0, t0, k.to(self.dtype), v.to(self.dtype))
-        else:
-            store.write_dense(h0, h0 + k.shape[0], t0, k.to(self.dtype), v.to(self.dtype),
-                              non_blocking)
+                if not overwrite and self.has(cid):
+                    return False
+                store = self.layers[cid.l]
+                if store is None:
+                    n = [t1 - t0] * int(k.shape[0])
+                    self.hold([ChunkRun([cid], "fp", np.array([n]), contiguous_positions(n, t0),
+                                        k.reshape(-1, k.shape[2]), v.reshape(-1, v.shape[2]),
+                                        self.dtype)], source)
+                    return True
+            if self._write_arena(store, cid, k, v, source, non_blocking):
+                return True
+
+    def _write_arena(self, store: LayerStore, cid: KVChunkId, k: torch.Tensor, v: torch.Tensor,
+                     source: Source, non_blocking: bool) -> bool:
+        """Writes a whole chunk into its layer's arena ``store`` and marks it resident; ``False``
+        when the layer left that arena meanwhile (another thread moved it into pages: a
+        compressed chunk streamed into a layer being computed), so that the chunk, not resident
+        when the arena's entries were moved, is written again into the layer's new form. A
+        dense write runs outside the lock (chunks of one layer are written in parallel); a
+        ragged one moves entries, so under it."""
+        (t0, _), h0 = self.geometry.token_range(cid.t), cid.g * k.shape[0]
+        before = store.nbytes
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if not store.ragged:
+            store.write_dense(h0, h0 + k.shape[0], t0, k, v, non_blocking)
         with self._lock:
+            if self.layers[cid.l] is not store:
+                return False
+            if store.ragged:
+                store.write_ragged(h0, t0, k, v)
             self.arena_resized(cid.l, before)
             self.table.set_resident(np.array([self.table.index(cid)]), "fp", source)
         return True

@@ -117,10 +117,7 @@ class LayerGraphs:
         self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._buffers: dict[int, _Buffers] = {}
         self._pool: Any = None
-        cfg = lm.config
-        self.head_dim = int(getattr(cfg, "head_dim", None)
-                            or cfg.hidden_size // cfg.num_attention_heads)
-        self.num_layers = int(cfg.num_hidden_layers)
+        self.num_layers = int(lm.config.num_hidden_layers)
 
     # ---- which steps ---------------------------------------------------------------------------
     def wants(self, l: int, x: torch.Tensor,  # noqa: E741
@@ -151,10 +148,10 @@ class LayerGraphs:
 
     def _capture(self, layer: Any, key: tuple[int, int], x: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        b = self._buffers_for(key[1], x, rope[0])
         maker = _Emulated if self.emulate else _Replay
         try:
             with self.lock:
+                b = self._buffers_for(key[1], x, rope[0])
                 if self._pool is None and not self.emulate:
                     self._pool = torch.cuda.graph_pool_handle()
                 pre = maker(lambda: self._pre(layer, b), x.device, self._pool)
@@ -167,10 +164,13 @@ class LayerGraphs:
         return True
 
     def _buffers_for(self, n: int, x: torch.Tensor, cos: torch.Tensor) -> _Buffers:
+        """The static tensors of ``n`` rows (made on first use; under :attr:`lock`), in the
+        shapes :func:`project_qkv` gives."""
         if n not in self._buffers:
-            hq = int(self.lm.config.num_attention_heads)
-            hkv = int(getattr(self.lm.config, "num_key_value_heads", hq))
-            d = self.head_dim
+            cfg = self.lm.config
+            hq = int(cfg.num_attention_heads)
+            hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
+            d = int(self.lm.decoder.layers[0].self_attn.head_dim)
 
             def zeros(*shape: int) -> torch.Tensor:
                 return torch.zeros(*shape, dtype=x.dtype, device=x.device)
@@ -182,7 +182,8 @@ class LayerGraphs:
         return self._buffers[n]
 
     # ---- the two graphed parts -----------------------------------------------------------------
-    def _pre(self, layer: Any, b: _Buffers) -> None:
+    @staticmethod
+    def _pre(layer: Any, b: _Buffers) -> None:
         h = layer.input_layernorm(b.x)
         q, k, v = project_qkv(layer.self_attn, h, b.cos, b.sin)
         b.q.copy_(q)

@@ -223,7 +223,7 @@ class LayerStepper:
         """Layer ``l`` over token chunks ``t0 .. t1-1`` from its input ``x``: writes their K/V
         into the KV memory; returns the layer's output hidden states (``x`` itself for the
         projection-only last layer) and the attention's statistics."""
-        if self.graphs is not None and l < self.geometry.num_layers - 1:
+        if self.graphs is not None:       # below the last layer, shapes seen before
             rope = self.rope_for(t0, t1, x)
             if self.graphs.wants(l, x, rope):
                 return self._graphed_layer(x, t0, t1, l, rope)

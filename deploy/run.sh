@@ -10,7 +10,10 @@ case "${1:-}" in
   # fixtures built once; the longest files first, tests/conftest.py). The extra worker fills the
   # time tests wait on sockets, processes and emulated links: 2 cores, quiet: 830 s with 2
   # workers, 680 s with 3.
-  test) shift; exec .venv/bin/python -m pytest -q -n "${SPARKV_TEST_WORKERS:-$(( $(nproc) + 1 ))}" \
+  # sparkv's bytecode is written once first (also where PYTHONDONTWRITEBYTECODE is set, as in
+  # some sandboxes: each of the ~120 processes the suite starts would compile sparkv again).
+  test) shift; .venv/bin/python -m compileall -q sparkv tests >/dev/null
+    exec .venv/bin/python -m pytest -q -n "${SPARKV_TEST_WORKERS:-$(( $(nproc) + 1 ))}" \
     --dist loadfile --no-loadscope-reorder "$@" ;;
   *) echo "usage: bash deploy/run.sh demo|test [ARGS...]" >&2; exit 2 ;;
 esac

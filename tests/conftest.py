@@ -23,6 +23,21 @@ def _test_threads() -> int:
 torch.set_num_threads(_test_threads())
 
 
+def _use_the_fork_server() -> None:
+    """The servers and device services the tests start come from a fork server that imported
+    torch and transformers once (tests/forklaunch.py); ``SPARKV_TEST_FORK=0``: each its own
+    interpreter, as ``python -m sparkv.cli`` starts it."""
+    if os.environ.get("SPARKV_TEST_FORK", "1") != "0":
+        from forklaunch import ForkLauncher
+
+        from sparkv.launch import use_launcher
+
+        use_launcher(ForkLauncher())
+
+
+_use_the_fork_server()
+
+
 def _file_seconds() -> dict[str, float]:
     """Each test file's measured seconds (tests/durations.json: whole-suite runs on 2 quiet
     cores with 3 workers, each file's summed test times, files under 3 s left out)."""

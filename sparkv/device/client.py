@@ -29,6 +29,7 @@ from sparkv.device.errors import (BudgetBusy, BudgetTooSmall, ContextBusy, Conte
                                   DeviceError, FlashFull, NotOwner, PromptTooLong, QueueFull,
                                   ShuttingDown, UnknownContext)
 from sparkv.device.schemas import CallReply, DoneEvent
+from sparkv.launch import Proc, launch
 from sparkv.protocol.errors import ApiError
 
 _BY_STATUS = {403: NotOwner, 404: UnknownContext, 409: ContextBusy, 413: PromptTooLong,
@@ -230,7 +231,7 @@ class DeviceProcess:
         self.log_path = Path(log_path) if log_path else self.swap_dir / "serve.log"
         self.extra_args = list(extra_args)
         self.torch_threads = torch_threads
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Proc | None = None
         self._log: Any = None
 
     def start(self, timeout: float = 180.0) -> "DeviceProcess":
@@ -243,8 +244,7 @@ class DeviceProcess:
         if self.model:
             cmd += ["--model", self.model]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = launch(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, log=self._log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

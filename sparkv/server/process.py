@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from sparkv.launch import Proc, launch
 from sparkv.server.config import hash_api_key, new_api_key
 from sparkv.server.errors import ServerError
 
@@ -58,7 +59,7 @@ class ServerProcess:
         self.env = env or {}
         self.torch_threads = torch_threads
         self.scheme = scheme
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Proc | None = None
 
     @property
     def url(self) -> str:
@@ -73,7 +74,7 @@ class ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.torch_threads),
                "PYTHONUNBUFFERED": "1", **self.env}
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = launch(cmd, env=env, log=self._log)
         self.wait_ready(timeout)
         return self
 
@@ -123,7 +124,7 @@ class ServerProcess:
         self.stop()
 
 
-def terminate(proc: "subprocess.Popen[bytes] | None", grace_s: float = 10.0) -> None:
+def terminate(proc: "Proc | None", grace_s: float = 10.0) -> None:
     """SIGTERM a running process, then SIGKILL it if it has not exited after ``grace_s``."""
     if proc is None or proc.poll() is not None:
         return

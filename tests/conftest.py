@@ -39,8 +39,9 @@ _use_the_fork_server()
 
 
 def _file_seconds() -> dict[str, float]:
-    """Each test file's measured seconds (tests/durations.json: whole-suite runs on 2 quiet
-    cores with 3 workers, each file's summed test times, files under 3 s left out)."""
+    """Each test file's measured seconds (tests/durations.json: a whole-suite run from a fresh
+    clone, as CI runs it, on 2 cores with 3 workers: each file's summed test times, files under
+    3 s left out; a fresh clone's caches are cold, so mypy's and numba's first runs count)."""
     try:
         return json.loads((Path(__file__).parent / "durations.json").read_text())
     except (OSError, ValueError):

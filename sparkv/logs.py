@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 LOGGER = "sparkv"
 
@@ -110,6 +110,26 @@ def progress_bar(iterable: Any = None, **kwargs: Any) -> Any:
         kwargs.setdefault("mininterval", PIPED_BAR_INTERVAL_S)
         kwargs.setdefault("maxinterval", max(PIPED_BAR_INTERVAL_S, kwargs["mininterval"]))
     return tqdm(iterable, **kwargs)
+
+
+def phase_progress(bar: Any) -> Callable[[str, int, int], None]:
+    """A ``progress(phase, done, total)`` callback drawing on ``bar`` (one of
+    :func:`progress_bar`): the phase is the bar's description, ``total`` may change between
+    phases. A disabled bar (``--no-progress``) draws nothing and keeps none of tqdm's state."""
+
+    shown = [getattr(bar, "desc", None)]
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if bar.disable:
+            return
+        if bar.total != total:
+            bar.total = total
+        if shown[0] != phase:  # tqdm keeps the description as "phase: "
+            bar.set_description(phase, refresh=False)
+            shown[0] = phase
+        bar.update(done - bar.n)  # tqdm rate-limits the redraws
+
+    return progress
 
 
 def bars_disabled() -> bool:

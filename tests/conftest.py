@@ -56,6 +56,24 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: -seconds.get(item.path.name, 1.0))
 
 
+_BAR_SWITCHES = ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
+@pytest.fixture(autouse=True)
+def _progress_bars_as_they_were():
+    """``--no-progress`` turns the bars off for the whole process through the environment
+    (sparkv.logs.disable_progress_bars): a test that runs ``sparkv.cli.main`` in-process with
+    it would leave every later test of its worker without bars. Each test ends with the
+    switches as it found them."""
+    saved = {name: os.environ.get(name) for name in _BAR_SWITCHES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from sparkv.runtime import load_model

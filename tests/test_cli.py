@@ -363,6 +363,34 @@ def test_progress_bars_into_a_pipe_write_a_few_lines_and_none_after_no_progress(
     assert sink.getvalue() == ""
 
 
+def test_a_phase_progress_callback_draws_phases_and_nothing_when_bars_are_off(monkeypatch):
+    """The encoder reports ``(phase, done, total)``; the callback names the bar after the phase
+    and follows ``total``. With bars off (``--no-progress`` earlier in the process) tqdm's bar
+    keeps no description: the callback still takes every report and draws nothing (it raised
+    ``AttributeError: 'tqdm' object has no attribute 'desc'`` there)."""
+    import io
+
+    from sparkv.logs import phase_progress, progress_bar
+
+    sink = io.StringIO()
+    bar = progress_bar(total=None, unit="frame", desc="prefill", file=sink, mininterval=0)
+    progress = phase_progress(bar)
+    progress("prefill", 0, 4)
+    progress("encode", 3, 4)
+    progress("encode", 4, 4)
+    bar.close()
+    assert (bar.desc, bar.n, bar.total) == ("encode: ", 4, 4)
+    assert "encode" in sink.getvalue() and "4/4" in sink.getvalue()
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    sink = io.StringIO()
+    bar = progress_bar(total=None, desc="prefill", file=sink)
+    progress = phase_progress(bar)
+    for done in range(5):
+        progress("encode", done, 4)
+    bar.close()
+    assert sink.getvalue() == ""
+
+
 def test_loading_the_model_draws_no_loading_weights_bar():
     """transformers' ``Loading weights`` bar is not drawn (it was, on every command that loads
     the model); run in a fresh interpreter, as a command is."""

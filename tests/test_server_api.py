@@ -584,8 +584,11 @@ def test_openapi_lists_every_endpoint(tiny_server):
     assert httpx.get(f"{tiny_server.url}/docs").status_code == 200
 
 
-def test_offline_encoder_writes_what_the_server_serves(tiny_server, alice, tmp_path, capsys):
+def test_offline_encoder_writes_what_the_server_serves(tiny_server, alice, tmp_path, capsys,
+                                                       monkeypatch):
     from sparkv.cli import main
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)  # its bar is checked below
 
     text_file = tmp_path / "ctx.txt"
     text_file.write_text("An offline context. " * 20)

@@ -434,21 +434,14 @@ def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes 
                         ) -> tuple[bytes, Any]:
     """Encodes the context (a progress bar on stderr; frames encrypted with ``key``) and
     publishes its manifest; on any failure removes what was stored. ``(manifest, stats)``."""
-    from sparkv.logs import progress_bar
+    from sparkv.logs import phase_progress, progress_bar
 
     from sparkv.protocol.crypto import FrameCipher
     from sparkv.server.encoder import encode_context
 
     cipher = FrameCipher(key, cid) if key else None
     bar = progress_bar(total=None, unit="frame", desc="prefill", file=sys.stderr)
-
-    def progress(phase: str, done: int, total: int) -> None:
-        if bar.total != total:
-            bar.total = total
-        if bar.desc != phase:
-            bar.set_description(phase, refresh=False)
-        bar.update(done - bar.n)  # tqdm rate-limits the redraws
-
+    progress = phase_progress(bar)
     try:
         manifest, stats = encode_context(entry, spec, cid, store.chunks, cipher=cipher,
                                          progress=progress, reuse_stored=not spec.encrypted)

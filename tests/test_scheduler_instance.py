@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -71,3 +73,33 @@ def test_synthetic_profile_is_smollm2_on_this_cpu():
     assert [lv.name for lv in DEFAULT_LEVELS] == ["raw", "q8", "q6", "q5", "q4", "q3"]
     # the cheapest allowed level is the floor (q5) when nothing cheaper is allowed
     assert {inst.levels[i].name for i in inst.cheapest_level} == {"q5"}
+
+
+def test_seeded_instances_and_traces_are_the_same_bits_on_every_cpu():
+    """A seeded instance, trace and compute noise come out bit for bit the same whether numpy
+    runs its AVX512 code or not (``np.exp`` there is ulps from the scalar ``exp``; the digest
+    of tests/test_scheduler_digest.py then failed on AVX512 machines only)."""
+    import math
+    import subprocess
+    import sys
+
+    from sparkv.scheduler.instance import portable_exp
+
+    x = np.random.default_rng(0).normal(0.0, 3.0, size=(5, 7))
+    assert portable_exp(x).shape == (5, 7)
+    assert portable_exp(x).ravel().tolist() == [math.exp(v) for v in x.ravel().tolist()]
+    code = ("import hashlib\nfrom sparkv.scheduler import synthetic_instance, ComputeNoise\n"
+            "from sparkv.scheduler.trace import adversarial_trace, make_sample_trace\n"
+            "i = synthetic_instance(4096, heterogeneity=0.5, seed=3)\n"
+            "t = make_sample_trace('wifi', seed=3).mbps + adversarial_trace(3).mbps\n"
+            "parts = [i.t_comp, i.chunk_bytes, ComputeNoise(sigma=0.3, seed=3).step_factors(50)]\n"
+            "h = hashlib.sha256(b''.join(p.tobytes() for p in parts) + repr(t).encode())\n"
+            "print(h.hexdigest())")
+    digests = set()
+    for disabled in ("", "X86_V4 AVX512_ICL AVX512_SPR"):
+        env = {**os.environ, "NPY_DISABLE_CPU_FEATURES": disabled}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        digests.add(out.stdout)
+    assert len(digests) == 1

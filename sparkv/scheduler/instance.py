@@ -31,6 +31,16 @@ from sparkv.errors import SparkvError
 from sparkv.layout import ChunkGeometry, KVChunkId, StepId
 
 MBPS = 1e6 / 8  # bytes per second in one Mbit/s
+
+
+def portable_exp(x: np.ndarray) -> np.ndarray:
+    """``exp`` of every element by the C library's scalar ``exp``: the same bits on every CPU.
+    ``np.exp`` takes AVX512 code where the CPU has it, a few ulps from the scalar result, so a
+    seeded instance, trace or compute noise would differ between machines (and with it every
+    timeline simulated from it: tests/test_scheduler_digest.py)."""
+    arr = np.asarray(x, dtype=np.float64)
+    flat = (math.exp(v) for v in arr.ravel().tolist())
+    return np.fromiter(flat, dtype=np.float64, count=arr.size).reshape(arr.shape)
 _T = TypeVar("_T")
 
 
@@ -381,7 +391,7 @@ def synthetic_instance(
     n_t, L, G = geom.num_token_chunks, geom.num_layers, geom.num_groups
     ref = 1024.0
     t_comp = np.empty((n_t, L))
-    attn_noise = np.exp(rng.normal(0.0, heterogeneity, size=(n_t, L))) if heterogeneity else \
+    attn_noise = portable_exp(rng.normal(0.0, heterogeneity, size=(n_t, L))) if heterogeneity else \
         np.ones((n_t, L))
     for t in range(n_t):
         start, end = geom.token_range(t)
@@ -393,7 +403,7 @@ def synthetic_instance(
     levels = tuple(levels)
     nb = np.empty((geom.num_chunks, len(levels)), dtype=np.int64)
     tp = np.empty((geom.num_chunks, len(levels)))
-    ent = np.exp(rng.normal(0.0, heterogeneity / 2, size=geom.num_chunks)) if heterogeneity else \
+    ent = portable_exp(rng.normal(0.0, heterogeneity / 2, size=geom.num_chunks)) if heterogeneity else \
         np.ones(geom.num_chunks)
     ent = np.clip(profile.entropy_fraction * ent, 0.4, 1.0)
     for c, cid in enumerate(geom.chunk_ids()):

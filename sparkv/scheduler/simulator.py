@@ -34,7 +34,7 @@ from sparkv.errors import SparkvError
 from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler.controller import Controller, ControllerConfig
 from sparkv.scheduler.graph import DepState
-from sparkv.scheduler.instance import MBPS, Instance
+from sparkv.scheduler.instance import MBPS, Instance, portable_exp
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.state import Migration
 from sparkv.scheduler.trace import Trace
@@ -60,7 +60,7 @@ class ComputeNoise:
         if self.sigma <= 0:
             return np.ones(n + 1)
         rng = np.random.default_rng(self.seed)
-        return np.exp(rng.normal(-self.sigma ** 2 / 2, self.sigma, n + 1))  # mean 1
+        return portable_exp(rng.normal(-self.sigma ** 2 / 2, self.sigma, n + 1))  # mean 1
 
     def slowdown(self, t: float) -> float:
         f = 1.0

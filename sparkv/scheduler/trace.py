@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from sparkv.errors import SparkvError
-from sparkv.scheduler.instance import MBPS
+from sparkv.scheduler.instance import MBPS, portable_exp
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -274,7 +274,7 @@ def make_sample_trace(kind: str, seed: int = 0, duration_s: float = 120.0) -> Tr
     eps = rng.normal(0.0, sd * math.sqrt(1 - rho * rho), n)
     for i in range(1, n):
         x[i] = rho * x[i - 1] + eps[i]
-    mbps = mean * np.exp(x - sd * sd / 2)
+    mbps = mean * portable_exp(x - sd * sd / 2)
     if kind == "wifi":
         dips = rng.uniform(size=n) < 0.02
         mbps[dips] *= 0.2
@@ -336,7 +336,7 @@ def adversarial_trace(seed: int, duration_s: float = 60.0, dt: float = 0.05) -> 
     eps = rng.normal(0.0, sd * math.sqrt(1 - rho * rho), n)
     for i in range(1, n):
         x[i] = rho * x[i - 1] + eps[i]
-    mbps = level * np.exp(x - sd * sd / 2)
+    mbps = level * portable_exp(x - sd * sd / 2)
     dips = rng.uniform(size=n) < 0.03
     mbps[dips] *= rng.uniform(0.1, 0.3, int(dips.sum()))
     mbps = np.where(fade, fade_rate, np.clip(mbps, 2.0, 900.0))

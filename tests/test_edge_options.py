@@ -66,6 +66,9 @@ def test_ask_checks_its_options_before_anything_else():
         session.ask("0" * 32, "hello?", max_tokens=4)
     with pytest.raises(AskError, match="unknown strategy"):
         session.ask("0" * 32, "hello?", strategy="fastest")
+    # an unknown backend (the device service ran an ask with '4y' into a 500 and a traceback)
+    with pytest.raises(AskError, match="unknown attention backend '4y'"):
+        session.ask("0" * 32, "hello?", backend="4y")
     with pytest.raises(TypeError, match="AskOptions"):
         session.ask("0" * 32, "hello?", "local")               # type: ignore[arg-type]
     session.close()

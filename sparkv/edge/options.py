@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from sparkv.edge.engine import EngineConfig
 from sparkv.edge.planning import AUTO_FLOOR, PRELUDE_STRATEGIES, STRATEGIES, AskError
-from sparkv.runtime.attention import AttentionBackend
+from sparkv.runtime.attention import BACKENDS, AttentionBackend
 from sparkv.scheduler.controller import ControllerConfig
 
 #: the decode-time KV policy that keeps everything in RAM (no :mod:`sparkv.decode` policy)
@@ -112,6 +112,9 @@ class AskOptions:
         if self.strategy not in STRATEGIES:
             raise AskError(f"unknown strategy {self.strategy!r}; "
                            f"choose one of {sorted(STRATEGIES)}")
+        if isinstance(self.backend, str) and self.backend not in BACKENDS:
+            raise AskError(f"unknown attention backend {self.backend!r}; "
+                           f"choose one of {list(BACKENDS)}")
         if self.uses_decode_policy:
             from sparkv.decode import POLICIES
 

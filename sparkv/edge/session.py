@@ -306,12 +306,18 @@ class EdgeSession:
 
     def _attention(self, backend: Any) -> Any:
         """The :class:`AttentionBackend` of ``AskOptions.backend`` (``auto`` resolved for the
-        model)."""
-        from sparkv.runtime.attention import get_backend
+        model); :class:`AskError` for one this machine cannot run (``spas_sage`` without its
+        package or CUDA)."""
+        from sparkv.runtime.attention import BackendUnavailableError, get_backend
 
         if isinstance(backend, str) and backend == "auto":
             backend = default_backend(self.lm.base_fingerprint)
-        return get_backend(backend) if isinstance(backend, str) else backend
+        if not isinstance(backend, str):
+            return backend
+        try:
+            return get_backend(backend)
+        except BackendUnavailableError as exc:
+            raise AskError(str(exc)) from None
 
     def _start_prelude(self, ask: _Ask) -> Prelude | None:
         """A running prelude over the context's tokens when the device holds them (the

@@ -398,8 +398,8 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
             oa.chat.completions.create(model=cid, extra_body={"sparkv": sparkv}, messages=[
                 {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
         with pytest.raises(openai.BadRequestError, match="unknown attention backend"):
-            oa.chat.completions.create(model=cid, extra_body={"sparkv": {**sparkv, "backend": "4y"}},
-                                       messages=[{"role": "user", "content": question}])
+            oa.chat.completions.create(model=cid, messages=[{"role": "user", "content": question}],
+                                       extra_body={"sparkv": {**sparkv, "backend": "4y"}})
         paths = http.get("http://localhost/openapi.json").json()["paths"]   # the schema says it
         assert {"/v1/asks", "/v1/chat/completions", "/v1/contexts/{ctx_id}/share"} <= set(paths)
         assert {"429", "503"} <= set(paths["/v1/asks"]["post"]["responses"])

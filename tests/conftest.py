@@ -23,6 +23,14 @@ def _test_threads() -> int:
 torch.set_num_threads(_test_threads())
 
 
+# the servers the tests start compute in float32 on every machine: tests compare what they
+# stream with in-process float32 references, and `auto` takes a bf16 configuration on a CPU with
+# AVX512-BF16 or AMX where the model's quality table passes one (docs/dtypes.md); a test of
+# `auto` itself passes --dtype or a fake cpuinfo. SPARKV_DTYPE=auto runs the suite's servers as
+# a user's would.
+os.environ.setdefault("SPARKV_DTYPE", "float32")
+
+
 def _use_the_fork_server() -> None:
     """The servers and device services the tests start come from a fork server that imported
     torch and transformers once (tests/forklaunch.py); ``SPARKV_TEST_FORK=0``: each its own

@@ -76,8 +76,12 @@ def machine_info() -> dict[str, Any]:
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
         info["cuda"] = torch.cuda.is_available()
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     except ImportError:  # pragma: no cover
         pass
+    from sparkv.runtime.device import cpu_bf16_flags
+
+    info["cpu_bf16"] = cpu_bf16_flags()   # bf16 in hardware: what `--dtype auto` reads
     return info
 
 

@@ -82,3 +82,29 @@ def test_a_question_over_the_kv_memory_is_unchanged_by_the_fast_path(tiny_llama,
                            question, 4, stop_at_eos=False)
     assert fast.tokens == slow.tokens
     assert torch.equal(fast.first_logits, slow.first_logits)
+
+
+def test_a_module_with_a_products_dtype_attends_a_prefill_in_it_and_a_decode_step_not():
+    """``mixed-attn``: a pass of several queries runs with Q, K and V in bf16 (plain tensors and
+    a dense arena's view alike: the same values), its output cast back to float32; one query (a
+    decode step) and a module without the attribute attend in float32."""
+    from sparkv.cache.attention import PRODUCTS_DTYPE, AttentionView
+
+    q, k, v, mask = _inputs(torch.float32, True)
+    plain = _Layer()
+    layer = _Layer()
+    setattr(layer, PRODUCTS_DTYPE, torch.bfloat16)
+    bf = torch.bfloat16
+    want, _ = sparkv_attention(plain, q.to(bf), k.to(bf), v.to(bf), mask, scaling=0.125)
+    got, _ = sparkv_attention(layer, q, k, v, mask, scaling=0.125)
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
+    n = k.shape[2] - q.shape[2]
+    view = AttentionView(q_pos=torch.arange(n, n + q.shape[2]), k=k, v=v, q_offset=n)
+    got_view, _ = sparkv_attention(layer, q, view, view, None, scaling=0.125)
+    assert got_view.dtype == torch.float32
+    assert (got_view - want.float()).abs().max() < 0.02          # another SDPA call, bf16 inputs
+    fp32_view, _ = sparkv_attention(plain, q, view, view, None, scaling=0.125)
+    assert not torch.equal(got_view, fp32_view)
+    one, _ = sparkv_attention(layer, q[:, :, -1:], k, v, None, scaling=0.125)
+    ref, _ = sparkv_attention(plain, q[:, :, -1:], k, v, None, scaling=0.125)
+    assert torch.equal(one, ref)

@@ -59,7 +59,7 @@ def test_each_configuration_steps_equal_its_own_forward(tiny_llama, name):
         assert _max_rel(vs, vf) <= config.stepper_tolerance
 
 
-@pytest.mark.parametrize("name", ["mixed", "int4"])
+@pytest.mark.parametrize("name", ["mixed", "mixed-attn", "int4"])
 def test_smollm2_steps_equal_its_own_forward(smollm2, name):
     lm = _converted(smollm2, name)
     from sparkv.runtime import sample_context_ids

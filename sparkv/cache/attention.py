@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 
 IMPLEMENTATION = "sparkv"
+#: an attention module's attribute naming the dtype its prefill passes attend in (a compute
+#: configuration's, :func:`sparkv.runtime.compute.apply_compute`); absent: the activations'
+PRODUCTS_DTYPE = "sparkv_attention_dtype"
 
 
 @dataclass
@@ -63,10 +66,14 @@ class AttentionView:
         if self.heads is None:
             assert self.k is not None and self.v is not None
             offset = self.q_offset if self.q_offset is not None else int(self.q_pos[0])
+            k, v = self.k, self.v
+            if k.dtype != q.dtype:   # the products in another dtype: the visible keys cast
+                n = offset + q.shape[2]
+                k, v = k[:, :, :n].to(q.dtype), v[:, :, :n].to(q.dtype)
             if self.backend is not None:
-                out, self.stats = self.backend.attend(q, self.k, self.v, offset, scale)
+                out, self.stats = self.backend.attend(q, k, v, offset, scale)
                 return out
-            return causal_sdpa(q, self.k, self.v, offset, scale)
+            return causal_sdpa(q, k, v, offset, scale)
         return ragged_attention(q, self.heads, self.q_pos, scale)
 
 
@@ -128,7 +135,37 @@ def sparkv_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, val
                      attention_mask: torch.Tensor | None, dropout: float = 0.0,
                      scaling: float | None = None, **kwargs: Any
                      ) -> tuple[torch.Tensor, None]:
-    """The ``"sparkv"`` attention implementation (see the module docstring)."""
+    """The ``"sparkv"`` attention implementation (see the module docstring). A module with
+    :data:`PRODUCTS_DTYPE` set attends a prefill pass (more than one query) over a dense arena
+    or plain tensors in that dtype: Q, K and V cast, the output cast back."""
+    dtype = _products_dtype(module, query, key)
+    if dtype is not None:
+        if isinstance(key, torch.Tensor):
+            key, value = key.to(dtype), value.to(dtype)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.to(dtype)
+        out, weights = _attend(module, query.to(dtype), key, value, attention_mask, dropout,
+                               scaling, **kwargs)
+        return out.to(query.dtype), weights
+    return _attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _products_dtype(module: torch.nn.Module, query: torch.Tensor, key: Any
+                    ) -> torch.dtype | None:
+    """The dtype :func:`sparkv_attention` casts to, or ``None``: the module's
+    :data:`PRODUCTS_DTYPE` for a pass of several queries over plain tensors or a dense arena
+    (one query, a decode step, reads the keys once: casting them would cost more than it saves;
+    the ragged and resident forms keep their own kernels)."""
+    dtype = getattr(module, PRODUCTS_DTYPE, None)
+    if dtype is None or dtype == query.dtype or query.shape[2] < 2:
+        return None
+    dense_view = isinstance(key, AttentionView) and key.heads is None and key.resident is None
+    return dtype if dense_view or isinstance(key, torch.Tensor) else None
+
+
+def _attend(module: torch.nn.Module, query: torch.Tensor, key: Any, value: Any,
+            attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+            **kwargs: Any) -> tuple[torch.Tensor, None]:
     if isinstance(key, (AttentionView, BatchView)):
         out = key.attend(query, scaling)
         return out.transpose(1, 2).contiguous(), None

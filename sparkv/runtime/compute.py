@@ -16,6 +16,8 @@ name                  activations  the decoder layers' linear layers    norms, R
                                                                         upcast internally)
 ``float16``           float16      float16 (CUDA only)                  float16
 ``mixed``             float32      bf16 weights, bf16 matmul            float32
+``mixed-attn``        float32      ``mixed``; a prefill's attention     float32 (softmax
+                                   products in bf16 too                 inside the kernel)
 ``mixed-layers``      float32      ``mixed`` on the layers the model's  float32
                                    measured sensitivity allows, the
                                    others float32
@@ -74,6 +76,9 @@ class ComputeConfig:
             them).
         stepper_tolerance: the largest ``|K/V|`` difference between the layer stepper and the
             same configuration's own full forward that the tests allow.
+        attention: the dtype a prefill pass's attention products run in (Q, K and V cast,
+            the output cast back; :data:`sparkv.cache.attention.PRODUCTS_DTYPE`), ``None``:
+            the activations'.
         answers_differ: its answer tokens compute another way than its prefill (``int4-decode``),
             so a judge of its answers feeds them one token a pass, as generation does
             (:func:`~sparkv.runtime.generate.teacher_forced_agreement`).
@@ -89,6 +94,7 @@ class ComputeConfig:
     cuda: bool = True
     per_layer: bool = False
     stepper_tolerance: float = 1e-4
+    attention: torch.dtype | None = None
     answers_differ: bool = False
 
     @property
@@ -111,6 +117,10 @@ CONFIGS: dict[str, ComputeConfig] = {c.name: c for c in (
     ComputeConfig("mixed", "bf16 matmuls; float32 residual stream, RMSNorm, RoPE, softmax",
                   torch.float32, "bfloat16", "bfloat16", Bf16Linear, bf16_matmuls=True,
                   stepper_tolerance=0.03),
+    ComputeConfig("mixed-attn", "mixed, and a prefill's attention products in bf16 (softmax "
+                  "float32)", torch.float32, "bfloat16", "bfloat16", Bf16Linear,
+                  bf16_matmuls=True, cuda=False, stepper_tolerance=0.0625,
+                  attention=torch.bfloat16),
     ComputeConfig("mixed-layers", "mixed on the layers whose rounding does not move the output "
                   "(measured), float32 on the others", torch.float32, "bfloat16+float32",
                   "bfloat16+float32", Bf16Linear, bf16_matmuls=True, per_layer=True,
@@ -167,9 +177,10 @@ def check_device(config: ComputeConfig, device: torch.device) -> None:
 
 
 #: on a CPU with bf16 hardware, the configurations ``auto`` may take, fastest first (bf16 matmuls
-#: run about 3x faster there; fewer float32 matmuls first); a CPU without it takes float32, every
+#: run about 3x faster there; fewer float32 products first: measured on an AMX CPU, bfloat16
+#: 1.9-2.5x float32, mixed-attn 2.0-2.2x, mixed 1.2-1.3x); a CPU without it takes float32, every
 #: other configuration being slower there (docs/dtypes.md)
-CPU_BF16_ORDER = ("bfloat16", "mixed", "mixed-layers", "int4-kernel")
+CPU_BF16_ORDER = ("bfloat16", "mixed-attn", "mixed", "mixed-layers", "int4-kernel")
 #: on CUDA, when the table fails bfloat16: the configurations ``auto`` may take instead
 CUDA_FALLBACK_ORDER = ("mixed", "mixed-layers")
 
@@ -284,6 +295,12 @@ def apply_compute(lm: Any, config: ComputeConfig | str,
         info["weight_bytes"] = sum(m.weight_nbytes() for m in flat)
         if linear is Q41Linear:
             info["exact"] = all(m.exact for m in flat)
+        if config.attention is not None:
+            from sparkv.cache.attention import PRODUCTS_DTYPE
+
+            for i in chosen:
+                setattr(decoder_layers[i].self_attn, PRODUCTS_DTYPE, config.attention)
+            info["attention"] = str(config.attention).replace("torch.", "")
     lm.extra["compute"] = config.name
     lm.extra["compute_info"] = info
     return info

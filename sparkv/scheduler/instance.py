@@ -41,6 +41,8 @@ def portable_exp(x: np.ndarray) -> np.ndarray:
     arr = np.asarray(x, dtype=np.float64)
     flat = (math.exp(v) for v in arr.ravel().tolist())
     return np.fromiter(flat, dtype=np.float64, count=arr.size).reshape(arr.shape)
+
+
 _T = TypeVar("_T")
 
 
@@ -391,8 +393,8 @@ def synthetic_instance(
     n_t, L, G = geom.num_token_chunks, geom.num_layers, geom.num_groups
     ref = 1024.0
     t_comp = np.empty((n_t, L))
-    attn_noise = portable_exp(rng.normal(0.0, heterogeneity, size=(n_t, L))) if heterogeneity else \
-        np.ones((n_t, L))
+    attn_noise = (portable_exp(rng.normal(0.0, heterogeneity, size=(n_t, L))) if heterogeneity
+                  else np.ones((n_t, L)))
     for t in range(n_t):
         start, end = geom.token_range(t)
         n = end - start
@@ -403,8 +405,8 @@ def synthetic_instance(
     levels = tuple(levels)
     nb = np.empty((geom.num_chunks, len(levels)), dtype=np.int64)
     tp = np.empty((geom.num_chunks, len(levels)))
-    ent = portable_exp(rng.normal(0.0, heterogeneity / 2, size=geom.num_chunks)) if heterogeneity else \
-        np.ones(geom.num_chunks)
+    ent = (portable_exp(rng.normal(0.0, heterogeneity / 2, size=geom.num_chunks))
+           if heterogeneity else np.ones(geom.num_chunks))
     ent = np.clip(profile.entropy_fraction * ent, 0.4, 1.0)
     for c, cid in enumerate(geom.chunk_ids()):
         values = geom.chunk_values(cid)

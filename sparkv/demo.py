@@ -90,6 +90,8 @@ def run_demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log.info("sparkv demo: loading the model ...")
     lm = load_model_in_dtype(args.model, dtype=args.dtype, device=args.device)
+    choice = lm.extra["dtype_choice"]
+    log.info("computing in %s on %s (%s)", choice.compute, lm.device, choice.reason)
     settle()             # the model for good: out of full collections (sparkv.runtime.heap)
     context = chat_context(lm, sample_context_ids(lm, args.tokens))
     link = (f"{args.mbps:g} Mbit/s" if args.mbps else

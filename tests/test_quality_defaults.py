@@ -88,6 +88,12 @@ def test_the_backend_follows_its_verdict(tmp_path):
     assert default_backend("fp123", path=path) == "auto"
     assert verdict_for("fp123", "backends", auto, path) == "pass"
     assert verdict_for("fp123", "backends", "nope", path) is None
+    # a configuration attending in bf16 takes dense where auto is block-sparse (docs/dtypes.md)
+    from sparkv.runtime.compute import get_compute
+
+    want = "dense" if auto == "block_sparse" else "auto"
+    assert default_backend("fp123", path=path, compute=get_compute("mixed-attn")) == want
+    assert default_backend("fp123", path=path, compute=get_compute("mixed")) == "auto"
 
 
 def test_dtype_api_and_bf16_detection(tmp_path):

@@ -232,7 +232,8 @@ def fair_baselines(lm: LoadedModel, backend: str = "auto") -> dict[str, Any]:
     from sparkv.edge.planning import default_backend
     from sparkv.runtime.attention import get_backend
 
-    option = default_backend(lm.base_fingerprint) if backend == "auto" else backend
+    option = (default_backend(lm.base_fingerprint, compute=lm.compute) if backend == "auto"
+              else backend)
     return {"dtype": str(lm.dtype).replace("torch.", ""), "backend": get_backend(option).name,
             "option": option, "requested": backend,
             "applies_to": list(STRATEGY_ORDER) + ["server prefill (its --dtype)"]}

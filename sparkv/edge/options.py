@@ -50,7 +50,9 @@ class AskOptions:
     backend: str | AttentionBackend = "auto"
     """Attention backend of the local layer steps: a name (``auto``: block-sparse on the CPU,
     unless the model's quality table measured it failing the default policy's thresholds while
-    dense passes: then ``dense``) or an :class:`~sparkv.runtime.attention.AttentionBackend`."""
+    dense passes, or the model computes attention's products in bf16 (``mixed-attn``): then
+    ``dense``; :func:`~sparkv.edge.planning.default_backend`) or an
+    :class:`~sparkv.runtime.attention.AttentionBackend`."""
 
     max_new_tokens: int = 32
     """Answer length cap (tokens, the first one included)."""

@@ -80,13 +80,20 @@ def default_quality_floor(model_fingerprint: str, path: Any = None) -> str:
                              **POLICY_THRESHOLDS)
 
 
-def default_backend(model_fingerprint: str, path: Any = None) -> str:
+def default_backend(model_fingerprint: str, path: Any = None, compute: Any = None) -> str:
     """The default policy's attention backend (``backend="auto"``): what ``auto`` resolves to on
     this machine when the model's quality table lets it, else ``dense`` (exact, the reference's
     attention). With the decision rule's verdict for that backend (a version 2 table), only
     ``pass`` lets it (``fail`` and ``undecided`` give ``dense``); without one, the policy's
     thresholds as before: ``dense`` when the backend misses them while ``dense`` meets them.
-    ``auto`` without a table (or without that backend in it)."""
+    ``auto`` without a table (or without that backend in it).
+
+    ``compute`` (the model's :class:`~sparkv.runtime.compute.ComputeConfig`): one whose attention
+    products run in bf16 (``mixed-attn``) gets ``dense`` where ``auto`` is block-sparse: with
+    the products that cheap the block-sparse backend's own work (the prediction, the key
+    gathers, the merge) costs more than it saves (measured on an AMX CPU: 1.06x dense at 4K,
+    1.16x at 8K; float32 0.94x and 0.88x; docs/dtypes.md), and dense is what its verdict
+    measured."""
     from sparkv.predictor.quality import (POLICY_THRESHOLDS, PASS, allowed_backends_for,
                                           verdict_for)
     from sparkv.runtime.attention import get_backend
@@ -94,6 +101,8 @@ def default_backend(model_fingerprint: str, path: Any = None) -> str:
     auto = get_backend("auto").name
     if auto == "dense":
         return "auto"
+    if auto == "block_sparse" and getattr(compute, "attention", None) is not None:
+        return "dense"
     verdict = verdict_for(model_fingerprint, "backends", auto, path)
     if verdict is not None:
         return "auto" if verdict == PASS else "dense"

@@ -311,7 +311,7 @@ class EdgeSession:
         from sparkv.runtime.attention import BackendUnavailableError, get_backend
 
         if isinstance(backend, str) and backend == "auto":
-            backend = default_backend(self.lm.base_fingerprint)
+            backend = default_backend(self.lm.base_fingerprint, compute=self.lm.compute)
         if not isinstance(backend, str):
             return backend
         try:

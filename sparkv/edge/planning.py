@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from sparkv.predictor.cost import StepCostModel
+    from sparkv.runtime.compute import ComputeConfig
     from sparkv.runtime.model import LoadedModel
 
 #: strategy -> (planner registry name, controller configuration factory)
@@ -80,7 +81,8 @@ def default_quality_floor(model_fingerprint: str, path: Any = None) -> str:
                              **POLICY_THRESHOLDS)
 
 
-def default_backend(model_fingerprint: str, path: Any = None, compute: Any = None) -> str:
+def default_backend(model_fingerprint: str, path: Any = None,
+                    compute: ComputeConfig | None = None) -> str:
     """The default policy's attention backend (``backend="auto"``): what ``auto`` resolves to on
     this machine when the model's quality table lets it, else ``dense`` (exact, the reference's
     attention). With the decision rule's verdict for that backend (a version 2 table), only
@@ -101,7 +103,7 @@ def default_backend(model_fingerprint: str, path: Any = None, compute: Any = Non
     auto = get_backend("auto").name
     if auto == "dense":
         return "auto"
-    if auto == "block_sparse" and getattr(compute, "attention", None) is not None:
+    if auto == "block_sparse" and compute is not None and compute.attention is not None:
         return "dense"
     verdict = verdict_for(model_fingerprint, "backends", auto, path)
     if verdict is not None:

@@ -734,17 +734,18 @@ def test_spans_of_a_layers_token_chunks_fill_the_reference_cache(world, planner,
     assert load.sources.get("computed", 0) > 0
 
 
-def test_the_engine_commits_spans_on_a_launch_bound_device_only(world, monkeypatch):
-    """No controller given: spans where ``fused_spans`` says the device is launch-bound (a GPU,
-    or ``SPARKV_FUSED_SPANS=1``), one step or a column at a time on a CPU."""
+def test_the_engine_commits_spans_unless_they_are_turned_off(world, monkeypatch):
+    """No controller given: spans on every device (``fused_spans``), one step or a column at a
+    time with ``SPARKV_FUSED_SPANS=0``."""
     from sparkv.runtime.device import fused_spans
 
-    assert fused_spans(torch.device("cuda")) and not fused_spans(torch.device("cpu"))
+    monkeypatch.delenv("SPARKV_FUSED_SPANS", raising=False)
+    assert fused_spans(torch.device("cuda")) and fused_spans(torch.device("cpu"))
     inst = _instance(world)
     plan = get_planner("local").plan(inst)
     for env, spans in (("1", True), ("0", False)):
         monkeypatch.setenv("SPARKV_FUSED_SPANS", env)
-        assert fused_spans(torch.device("cuda")) is spans
+        assert fused_spans(torch.device("cpu")) is spans
         stepper = SpanStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
         engine = Engine(stepper, plan, inst, source=None)
         _run_exact(engine, world)

@@ -485,3 +485,43 @@ def test_spans_never_take_a_step_the_plan_streams():
     steps = ctl.next_steps(0.0)
     assert steps and all(s in plan.compute_order for s in steps)
     assert ctl.next_steps(0.0) == []                            # committed until reported
+
+
+def _spans_of(ctl: Controller, inst) -> list[list[StepId]]:
+    """Runs an all-local load; returns the runs the compute thread was handed, in order."""
+    runs: list[list[StepId]] = []
+    now = 0.0
+    while True:
+        steps = ctl.next_steps(now)
+        if not steps:
+            break
+        runs.append(steps)
+        for s in steps:
+            now += inst.comp_time(s)
+            ctl.step_done(s, now, inst.comp_time(s))
+    return runs
+
+
+def test_with_spans_a_head_start_on_the_first_token_chunk_still_runs_layers_as_spans():
+    """The prelude computed the first token chunk's lowest layers before the load (sparkv's
+    start-up overlap): with spans the work-conserving order becomes lowest layer first
+    (LayerFirst), so every later layer runs its computed token chunks as one span; the plain
+    work-conserving order ran that chunk's layers on their own (step by step while the link is
+    busy, here as a column): no span can form while the next chunk's layer below is not done."""
+    from sparkv.scheduler import LayerFirst, ReadyFirst
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = _inst(2048)                                  # 4 token chunks of 512
+    L = inst.geometry.num_layers
+    head = [StepId(0, 0), StepId(0, 1)]
+    cfg = ControllerConfig(rebalance=None, probe=None).with_spans(True)
+    assert isinstance(cfg.order, LayerFirst)
+    assert ControllerConfig.static().with_spans(True).order == ControllerConfig.static().order
+    runs = _spans_of(Controller(LocalOnly().plan(inst), inst, cfg, done_steps=head), inst)
+    assert sorted(s for r in runs for s in r) == sorted(set(inst.geometry.step_ids()) - set(head))
+    assert len(runs) == L                               # one span a layer, none alone
+    assert [[s.t for s in r] for r in runs[:3]] == [[1, 2, 3], [1, 2, 3], [0, 1, 2, 3]]
+    plain = replace(cfg, order=ReadyFirst())
+    runs = _spans_of(Controller(LocalOnly().plan(inst), inst, plain, done_steps=head), inst)
+    head_chunk = [r for r in runs if StepId(0, L - 1) in r][0]
+    assert {s.t for s in head_chunk} == {0}                 # its column, no span of the layers

@@ -22,9 +22,9 @@ from sparkv.scheduler.instance import (DEFAULT_LEVELS, MBPS, SMOLLM2_135M_CPU, C
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.planners import (PLANNERS, Greedy, LocalOnly, Milp, Planner, PlannerError,
                                        StreamOnly, StrongHybrid, get_planner)
-from sparkv.scheduler.rules import (CommitColumns, CommitSpans, DeadLink, PlanOrder, Prefetch,
-                                    ProbeIdleLink, ReadyFirst, Rebalance, RecomputeColumns,
-                                    SloLevels, ToCompute, ToStream)
+from sparkv.scheduler.rules import (CommitColumns, CommitSpans, DeadLink, LayerFirst, PlanOrder,
+                                    Prefetch, ProbeIdleLink, ReadyFirst, Rebalance,
+                                    RecomputeColumns, SloLevels, ToCompute, ToStream)
 from sparkv.scheduler.simulator import (ComputeNoise, SimulationError, Timeline, TransferRecord,
                                         estimate_ttft, simulate)
 from sparkv.scheduler.state import LoadState, Migration
@@ -34,7 +34,7 @@ __all__ = [
     "DEFAULT_LEVELS", "MBPS", "PLANNERS", "SAMPLE_TRACES", "SMOLLM2_135M_CPU", "CommitColumns",
     "CommitSpans", "ComputeEstimator", "ComputeNoise", "Controller", "ControllerConfig", "CostProfile", "DeadLink",
     "DepState", "Fetch", "Greedy", "Instance", "InstanceError", "LinkEstimator", "LoadState",
-    "LocalOnly", "Migration", "Milp", "Plan", "PlanError", "PlanOrder", "Planner", "PlannerError", "Prefetch",
+    "LayerFirst", "LocalOnly", "Migration", "Milp", "Plan", "PlanError", "PlanOrder", "Planner", "PlannerError", "Prefetch",
     "ProbeIdleLink", "ReadyFirst", "Rebalance", "RecomputeColumns", "SimulationError", "SloLevels",
     "StreamLevel", "StreamOnly", "StrongHybrid", "Timeline", "ToCompute", "ToStream", "Trace",
     "TraceError", "TransferRecord", "estimate_ttft", "get_planner", "layer_dependency",

@@ -39,8 +39,9 @@ from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.probe import LinkProbe
 from sparkv.scheduler.queues import Inflight
-from sparkv.scheduler.rules import (CommitColumns, CommitSpans, DeadLink, Pace, PlanOrder,
-                                    Prefetch, ProbeIdleLink, ReadyFirst, Rebalance, SloLevels, Watch)
+from sparkv.scheduler.rules import (CommitColumns, CommitSpans, DeadLink, LayerFirst, Pace,
+                                    PlanOrder, Prefetch, ProbeIdleLink, ReadyFirst, Rebalance,
+                                    SloLevels, Watch)
 from sparkv.scheduler.state import LoadState, Migration, stage_length
 
 
@@ -75,7 +76,7 @@ class ControllerConfig:
         window_s, fast_window_s: the link estimator's windows (s).
     """
 
-    order: ReadyFirst | PlanOrder = ReadyFirst()
+    order: ReadyFirst | LayerFirst | PlanOrder = ReadyFirst()
     rebalance: Rebalance | None = Rebalance()
     prefetch: Prefetch | None = Prefetch()
     probe: ProbeIdleLink | None = ProbeIdleLink()
@@ -100,9 +101,14 @@ class ControllerConfig:
         return replace(self, rebalance=rebalance, probe=None)
 
     def with_spans(self, on: bool) -> "ControllerConfig":
-        """The same controller, committing spans (:class:`CommitSpans`) when ``on`` (a
-        launch-bound device: ``sparkv.runtime.device.fused_spans``); unchanged otherwise."""
-        return replace(self, spans=CommitSpans()) if on and self.spans is None else self
+        """The same controller, committing spans (:class:`CommitSpans`) when ``on``
+        (``sparkv.runtime.device.fused_spans``), its work-conserving order lowest layer first
+        (:class:`LayerFirst`: a layer's ready token chunks then run together); unchanged
+        otherwise. A strict order (:class:`PlanOrder`) stays the plan's."""
+        if not on or self.spans is not None:
+            return self
+        order = LayerFirst() if isinstance(self.order, ReadyFirst) else self.order
+        return replace(self, spans=CommitSpans(), order=order)
 
     @classmethod
     def static(cls) -> "ControllerConfig":

@@ -340,3 +340,31 @@ def test_a_redis_url_is_parsed_once_for_the_store_and_the_queue(url, connect, pu
         made = kind(url)
         assert (made.url, made.prefix) == (public, prefix)
         assert "secret" not in repr(made) and "pw" not in made.url
+
+
+def test_a_context_finishing_between_the_two_reads_is_never_reported_not_found():
+    """``require_manifest`` reads the manifest, then the context's job: a job that finished in
+    between (it publishes the manifest, then says ``done``) must give the manifest, not
+    ``context_not_found`` (a watcher of a resumed encode saw one, session 64). A job that is
+    done while its manifest is gone (deleted since) still reads as not found."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from sparkv.server.deps import require_manifest
+
+    class State:
+        def __init__(self, reads: list, job: dict | None) -> None:
+            self.reads, self.jobs = reads, SimpleNamespace(for_context=lambda t, c: job)
+
+        async def manifest(self, tenant: str, context_id: str):
+            return self.reads.pop(0)
+
+    done = {"job_id": "j" * 32, "state": "done"}
+    assert asyncio.run(require_manifest(State([None, "published"], done), "t", "c")) == "published"
+    with pytest.raises(ApiError) as gone:
+        asyncio.run(require_manifest(State([None, None], done), "t", "c"))
+    assert gone.value.code == "context_not_found"
+    running = {"job_id": "j" * 32, "state": "running", "done": 3, "total": 9}
+    with pytest.raises(ApiError) as pending:
+        asyncio.run(require_manifest(State([None], running), "t", "c"))
+    assert pending.value.code == "context_pending"

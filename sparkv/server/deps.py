@@ -50,11 +50,17 @@ IndexPath = Annotated[schemas.PathIndex, Path(
 async def require_manifest(state: ServerState, tenant: str, context_id: str) -> ParsedManifest:
     """The context's manifest, or the 404 that says why there is none: ``context_pending``
     (with the job and its progress) while it is encoded, else ``context_not_found`` (with the
-    last job's outcome when it failed or was cancelled)."""
+    last job's outcome when it failed or was cancelled). A job that finished between the two
+    reads published the manifest before it said ``done``: it is read again then, so a
+    context never reads as not found on its way from pending to complete."""
     parsed = await state.manifest(tenant, context_id)
     if parsed is not None:
         return parsed
     job = await to_thread.run_sync(state.jobs.for_context, tenant, context_id)
+    if job is not None and job.get("state") == "done":
+        parsed = await state.manifest(tenant, context_id)
+        if parsed is not None:
+            return parsed
     if job is not None and job.get("state") in ("queued", "running"):
         raise ApiError(404, "context_pending", f"context {context_id} is still being encoded",
                        job_id=job["job_id"], progress=public_view(job)["progress"])

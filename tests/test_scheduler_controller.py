@@ -487,6 +487,36 @@ def test_spans_never_take_a_step_the_plan_streams():
     assert ctl.next_steps(0.0) == []                            # committed until reported
 
 
+def test_the_next_plans_compute_ratio_counts_only_steps_run_while_the_link_was_quiet():
+    """A step that ran beside streaming and decoding (the same cores, on a small device)
+    measures that load's contention, not the device's speed: the run's ratio sees it, the
+    quiet ratio (what the session learns) only steps handed out and finished with the link
+    idle."""
+    inst = synthetic_instance(2 * 1024, bandwidth_mbps=50)
+    plan = Greedy().plan(inst)
+    assert plan.stream_order and plan.compute_order
+    ctl = Controller(plan, inst, ControllerConfig(rebalance=None, probe=None, columns=None))
+    ctl.start(0.0)
+    now = 0.0
+    busy = ctl.next_steps(now)                          # the link has the plan's work
+    for step in busy:
+        ctl.step_done(step, now, 3.0 * inst.comp_time(step))
+    assert ctl.run_compute_samples == len(busy) and ctl.quiet_compute_samples == 0
+    assert ctl.quiet_compute_ratio() == 1.0
+    while (f := ctl.next_fetch(now)) is not None:       # the link's work arrives
+        ctl.chunk_received(f.cid, now)
+        ctl.chunk_arrived(f.cid, now)
+    quiet = 0
+    while (steps := ctl.next_steps(now)):
+        for step in steps:
+            now += inst.comp_time(step)
+            ctl.step_done(step, now, 1.1 * inst.comp_time(step))
+            quiet += 1
+    assert ctl.done and ctl.quiet_compute_samples == quiet > 0
+    assert ctl.quiet_compute_ratio() == pytest.approx(1.1)
+    assert ctl.run_compute_samples == quiet + len(busy)
+
+
 def _spans_of(ctl: Controller, inst) -> list[list[StepId]]:
     """Runs an all-local load; returns the runs the compute thread was handed, in order."""
     runs: list[list[StepId]] = []

@@ -57,7 +57,10 @@ class LoadResult:
         link_estimate_Bps: the controller's link throughput over the run (silences included),
             ``None`` when too little was streamed to tell: the next plan's prior.
         compute_ratio: the median measured / predicted layer-step time over the load's steps
-            (1.0 when no step ran); ``compute_samples`` steps measured it.
+            that ran while the link was quiet (1.0 when none did): the device's own speed,
+            what the session learns; ``compute_samples`` steps measured it. Steps that ran
+            beside streaming and decoding measure that load's contention for the cores, which
+            the controller's window follows within the load.
     """
 
     ready_s: float

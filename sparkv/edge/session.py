@@ -77,9 +77,9 @@ class Priors:
     Attributes:
         bandwidth_Bps: the controller's link throughput over the last load that streamed enough
             to tell (``None``: plan with the manifest download's rate, else 50 Mbit/s).
-        compute_scale: measured / predicted layer-step time (each load's median ratio,
-            compounded over loads, at most :data:`MAX_COMPUTE_STEP` either way per load; 1.0:
-            the cost model as it is).
+        compute_scale: measured / predicted layer-step time (each load's median ratio over
+            its steps that ran while the link was quiet, compounded over loads, at most
+            :data:`MAX_COMPUTE_STEP` either way per load; 1.0: the cost model as it is).
         question_prefill_s: the last question's prefill + first token (seconds).
     """
 

@@ -174,5 +174,5 @@ class EngineStats:
             bytes_received=self.bytes_received, requests=self.requests,
             migrations=list(ctl.migrations), sources=counts, fallback=fallback,
             link_errors=list(self.link_errors), kv=kv, link_estimate_Bps=estimate,
-            compute_ratio=ctl.run_compute_ratio(), compute_samples=ctl.run_compute_samples,
+            compute_ratio=ctl.quiet_compute_ratio(), compute_samples=ctl.quiet_compute_samples,
             silence_s=self.silence_s)

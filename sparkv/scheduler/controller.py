@@ -207,6 +207,7 @@ class Controller:
         if column and len(run) == 1 and self.cfg.columns is not None:
             run += self.cfg.columns.extend(self.state, run[0], pick)
         cq.start(run, now)
+        cq.run_quiet = self.state.link_quiet()
         return [self.inst.step_id(s) for s in run]
 
     def next_fetch(self, now: float) -> Fetch | None:
@@ -287,7 +288,8 @@ class Controller:
         G = st.G
         for g in range(G):
             st.probe.settle(s * G + g)
-        st.compute_estimator.add(st.compute.t_comp[s], seconds)
+        st.compute.run_quiet = st.compute.run_quiet and st.link_quiet()
+        st.compute_estimator.add(st.compute.t_comp[s], seconds, quiet=st.compute.run_quiet)
         st.mark_computed(s)
         self._adapt(now)
 
@@ -323,8 +325,20 @@ class Controller:
 
     def run_compute_ratio(self) -> float:
         """The median measured / predicted step time over the run's steps (1.0 before any):
-        the load's own speed against the cost model, the next plan's prior."""
+        the load's own speed against the cost model."""
         return self.state.compute_estimator.run_ratio()
+
+    @property
+    def quiet_compute_samples(self) -> int:
+        """Layer steps of the run timed while the link was quiet."""
+        return self.state.compute_estimator.quiet_samples
+
+    def quiet_compute_ratio(self) -> float:
+        """:meth:`run_compute_ratio` over the steps that ran while the link was quiet (1.0
+        before any): the device's own speed against the cost model, the next plan's prior
+        (:meth:`ComputeEstimator.quiet_ratio <sparkv.scheduler.estimators.ComputeEstimator.
+        quiet_ratio>`)."""
+        return self.state.compute_estimator.quiet_ratio()
 
     def remaining(self, now: float) -> tuple[float, float]:
         """``(compute_remaining_s, link_remaining_s)`` from the current estimates."""

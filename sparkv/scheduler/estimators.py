@@ -97,13 +97,17 @@ class ComputeEstimator:
     def __init__(self, window: int = COMPUTE_WINDOW, load: float = 1.0) -> None:
         self._ratios: deque[float] = deque(maxlen=max(1, window))
         self._run: list[float] = []      # every step's ratio of the run
+        self._quiet: list[float] = []    # those of steps that ran while the link was quiet
         self.load = load
 
-    def add(self, predicted_s: float, seconds: float) -> None:
-        """A step predicted to take ``predicted_s`` took ``seconds``."""
+    def add(self, predicted_s: float, seconds: float, quiet: bool = True) -> None:
+        """A step predicted to take ``predicted_s`` took ``seconds``; ``quiet``: nothing was
+        streamed or decoded beside it (the link had at most a probe to do)."""
         if predicted_s > 0 and seconds > 0:
             self._ratios.append(seconds / predicted_s)
             self._run.append(seconds / predicted_s)
+            if quiet:
+                self._quiet.append(seconds / predicted_s)
 
     @property
     def samples(self) -> int:
@@ -126,6 +130,19 @@ class ComputeEstimator:
         a single step at 49x its prediction while another process held a core) must not move
         the next plan's whole compute estimate."""
         return statistics.median(self._run) if self._run else 1.0
+
+    @property
+    def quiet_samples(self) -> int:
+        """Layer steps of the run timed while the link was quiet."""
+        return len(self._quiet)
+
+    def quiet_ratio(self) -> float:
+        """:meth:`run_ratio` over the steps that ran while the link was quiet (1.0 before any):
+        the device's own speed, what the session learns. A step that ran beside the link's
+        decoding on the same cores measures that load's contention (on 2 cores, session 64:
+        1.3-2.9x its quiet time at 100 Mbit/s), which the next load, streaming more or less,
+        does not share."""
+        return statistics.median(self._quiet) if self._quiet else 1.0
 
     def factor(self) -> float:
         """Predicted step seconds x this = seconds of the compute path: :meth:`ratio` x

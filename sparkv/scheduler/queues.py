@@ -26,6 +26,10 @@ class ComputeQueue:
             ``running_since`` (s).
         committed: steps handed out after ``running`` (a column), in order.
         queued_s, committed_s: predicted seconds of ``order`` and of ``committed``.
+        run_quiet: the link has had nothing but a probe to do since the running run (a step,
+            a span or a column) was handed out, as far as the controller saw (set by
+            :meth:`Controller.next_steps <sparkv.scheduler.controller.Controller.next_steps>`,
+            cleared by any step report that finds the link busy).
     """
 
     def __init__(self, t_comp: list[float], order: list[int], num_steps: int,
@@ -44,6 +48,7 @@ class ComputeQueue:
         self.committed: list[int] = []
         self.committed_s = 0.0
         self.queued_s = float(sum(t_comp[s] for s in order))
+        self.run_quiet = True   # the link has been quiet since the running run was handed out
 
     @property
     def idle(self) -> bool:

@@ -491,7 +491,7 @@ def test_the_next_plans_compute_ratio_counts_only_steps_run_while_the_link_was_q
     """A step that ran beside streaming and decoding (the same cores, on a small device)
     measures that load's contention, not the device's speed: the run's ratio sees it, the
     quiet ratio (what the session learns) only steps handed out and finished with the link
-    idle."""
+    idle, the projection-only last layer's left out (its prediction is the least certain)."""
     inst = synthetic_instance(2 * 1024, bandwidth_mbps=50)
     plan = Greedy().plan(inst)
     assert plan.stream_order and plan.compute_order
@@ -506,15 +506,26 @@ def test_the_next_plans_compute_ratio_counts_only_steps_run_while_the_link_was_q
     while (f := ctl.next_fetch(now)) is not None:       # the link's work arrives
         ctl.chunk_received(f.cid, now)
         ctl.chunk_arrived(f.cid, now)
-    quiet = 0
+    quiet = last = 0
+    L = inst.geometry.num_layers
     while (steps := ctl.next_steps(now)):
         for step in steps:
             now += inst.comp_time(step)
-            ctl.step_done(step, now, 1.1 * inst.comp_time(step))
-            quiet += 1
+            slow = step.l == L - 1                      # the projection-only layer never counts
+            ctl.step_done(step, now, (9.0 if slow else 1.1) * inst.comp_time(step))
+            quiet, last = quiet + (not slow), last + slow
     assert ctl.done and ctl.quiet_compute_samples == quiet > 0
     assert ctl.quiet_compute_ratio() == pytest.approx(1.1)
-    assert ctl.run_compute_samples == quiet + len(busy)
+    assert ctl.run_compute_samples == quiet + last + len(busy)
+    # an all-local load: every step quiet but the last layer's
+    from sparkv.scheduler.planners import LocalOnly
+
+    local = Controller(LocalOnly().plan(inst), inst, ControllerConfig.static())
+    for step in inst.geometry.step_ids():
+        slow = step.l == L - 1
+        local.step_done(step, 0.0, (9.0 if slow else 1.1) * inst.comp_time(step))
+    assert local.quiet_compute_samples == inst.num_steps - inst.n_t
+    assert local.quiet_compute_ratio() == pytest.approx(1.1)
 
 
 def _spans_of(ctl: Controller, inst) -> list[list[StepId]]:

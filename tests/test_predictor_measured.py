@@ -27,6 +27,20 @@ def test_it_is_fitted_on_the_models_own_steps(measured, tiny_llama):
     attention = t[:, :-1]
     assert np.all(np.diff(attention[:, 0]) >= 0)          # later chunks see more keys
     assert np.all(t[:, -1] <= attention[:, 0])            # projection-only is the cheapest
+    assert sum(measured.projection) > 0                    # timed, not a FLOP share of c_token
+
+
+def test_calibrating_a_layer_runs_it_without_its_dependencies_and_marks_nothing(tiny_llama):
+    import torch
+
+    from sparkv.runtime import LayerStepper, sample_context_ids
+
+    stepper = LayerStepper(tiny_llama, sample_context_ids(tiny_llama, 64), 32)
+    last = stepper.geometry.num_layers - 1
+    x = torch.randn(1, 32, tiny_llama.config.hidden_size)
+    with torch.inference_mode():
+        stepper.calibrate_layer(x, 0, last)
+    assert not stepper.done and not stepper.kv.is_complete()
 
 
 def test_block_sparse_uses_the_density_prior_past_dense_below():

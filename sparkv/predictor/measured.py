@@ -19,10 +19,11 @@ visible pair for dense, ``s * 128 * 64`` for block-sparse). ``c_pair`` comes fro
 attention kernel of one chunk after a long prefix (4K keys: what grows with the context);
 ``c_step`` and ``c_token`` from real steps, layers 0-1 of a 768-token context cut at 128 and 256
 tokens (the profiler's shortcut: a layer's cost depends on its shapes, not its depth), less
-their attention, by least squares. The projection-only last layer costs ``c_token * n`` scaled
-by its share of a step's matmul work (the K and V projections: 6% for SmolLM2). Each shape is
-timed a few times and the median kept: the model's own cost on this CPU under the load of the
-moment, in about a second (the edge session's online correction, ``compute_scale``, follows
+their attention, by least squares. The projection-only last layer is timed too, from random
+hidden states over the first token chunk of each size (until session 64 it was priced at
+``c_token * n`` times its share of a step's matmul FLOPs, 6% for SmolLM2, while its norm, RoPE
+and cache write, memory work, made it 3-10x that). Each shape is timed a few times and the
+median kept: the model's own cost on this CPU under the load of the moment, in about a second (the edge session's online correction, ``compute_scale``, follows
 later changes of the load). For block-sparse steps whose active blocks are unknown the
 density prior applies: the mean of the model's calibrated per-layer densities when stored
 (:mod:`sparkv.runtime.thresholds`), all causal blocks up to ``dense_below`` keys.
@@ -129,8 +130,10 @@ class MeasuredSteps(StepCostModel):
         rows = [(n, float(np.median(ms)) - c_pair * float(visible_pairs(n, k)))
                 for (n, k), ms in times.items()]
         c_step, c_token = _fit_line(rows)
-        model = cls((c_step, c_token, c_pair), (0.0, c_token * _projection_share(lm)),
-                    *_density(lm))
+        projection = (_fit_line(_projection_rows(lm, ids, chunk_sizes, repeats))
+                      if lm.config.num_hidden_layers > 1
+                      else (0.0, c_token * _projection_share(lm)))
+        model = cls((c_step, c_token, c_pair), projection, *_density(lm))
         model.info = {"threads": torch.get_num_threads(), "compute": _compute_name(lm),
                       "steps": sum(len(v) for v in times.values()), "context_tokens": n_ctx,
                       "chunk_sizes": list(chunk_sizes), "attention_keys": attention_keys,
@@ -153,10 +156,41 @@ def _step_ms(stepper: Any, step: Any) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _projection_rows(lm: Any, ids: Sequence[int], chunk_sizes: Sequence[int], repeats: int
+                     ) -> list[tuple[float, float]]:
+    """``(n, ms)`` of the projection-only last layer over the first token chunk of each size,
+    the median of ``repeats`` (from random hidden states: the layers below are not computed).
+    Priced as a share of a step's matmul FLOPs it was predicted at 0.4-0.8 ms where it took
+    2.4-4.5 (SmolLM2, 512 tokens, session 64): its norm, RoPE and cache write are memory work."""
+    import torch
+
+    from sparkv.runtime import LayerStepper
+
+    last = int(lm.config.num_hidden_layers) - 1
+    rows = []
+    for chunk in chunk_sizes:
+        stepper = LayerStepper(lm, ids[:chunk], chunk)
+        x = torch.randn(1, chunk, int(lm.config.hidden_size),
+                        generator=torch.Generator().manual_seed(0)).to(lm.device, lm.dtype)
+        runs = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):                  # the first call allocates
+                t0 = time.perf_counter()
+                stepper.calibrate_layer(x, 0, last)
+                if lm.device.type == "cuda":
+                    torch.cuda.synchronize(lm.device)
+                runs.append((time.perf_counter() - t0) * 1e3)
+        rows.append((float(chunk), float(np.median(runs[1:]))))
+    return rows
+
+
 def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:
     """Milliseconds per causally visible (query, key) pair of the dense attention of ``n``
-    queries after ``keys - n`` keys, in the model's head shapes and activations' dtype (the
-    median of ``repeats``, after one call that allocates)."""
+    queries after ``keys - n`` keys, in the model's head shapes and activations' dtype, or
+    its attention products' dtype where the configuration has one (``mixed-attn``: Q, K and V
+    cast per call, as its prefill passes do); the median of ``repeats``, after one call that
+    allocates. Timed in float32 for ``mixed-attn``, the pair cost was 2-2.5x the bf16 kernel's
+    and a 2K step's prediction grew 3.9 ms a token chunk where the step grew 1.5 (session 64)."""
     import torch
 
     from sparkv.runtime.attention import DenseAttention
@@ -170,11 +204,16 @@ def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:
     k = torch.randn(1, hkv, keys, d, generator=gen).to(lm.device, lm.dtype)
     v = torch.randn(1, hkv, keys, d, generator=gen).to(lm.device, lm.dtype)
     backend = DenseAttention()
+    products = getattr(getattr(lm, "compute", None), "attention", None)
     runs = []
     with torch.inference_mode():
         for _ in range(repeats + 1):                      # the first call allocates
             t0 = time.perf_counter()
-            backend.attend(q, k, v, keys - n, d ** -0.5)
+            if products is not None:
+                backend.attend(q.to(products), k.to(products), v.to(products), keys - n,
+                               d ** -0.5)
+            else:
+                backend.attend(q, k, v, keys - n, d ** -0.5)
             if lm.device.type == "cuda":
                 torch.cuda.synchronize(lm.device)
             runs.append((time.perf_counter() - t0) * 1e3)

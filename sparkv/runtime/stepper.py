@@ -290,6 +290,13 @@ class LayerStepper:
     def run(self, order: Iterable[StepId]) -> list[StepResult]:
         return [self.run_step(s) for s in order]
 
+    def calibrate_layer(self, x: torch.Tensor, t: int, l: int) -> None:  # noqa: E741
+        """Runs layer ``l`` over token chunk ``t`` from the hidden input ``x`` ``[1, n,
+        hidden]`` whatever its dependencies, for timing (the cost model times the projection-only
+        last layer this way without computing the layers below): its K/V are written, nothing
+        is marked done."""
+        _layer_call([_Span(self, t, t + 1)], x, l)
+
     def steps_needed(self) -> list[StepId]:
         """Steps still needed so that every chunk is available: for each token chunk, layers up to
         the deepest layer with a missing chunk (earlier layers feed it their hidden states)."""

@@ -283,7 +283,9 @@ def test_slow_then_fast_link_uses_both_paths(world):
                  stepper_class=SlowStepper)
     assert not load.fallback
     assert load.sources.get("streamed", 0) > 0 and load.sources.get("computed", 0) > 0
-    assert load.compute_samples > 0 and load.compute_ratio > 0
+    # what the session learns counts only steps run with the link quiet (none, or the few
+    # after the link's last chunk, here)
+    assert load.compute_samples <= load.sources["computed"] and load.compute_ratio > 0
 
 
 def _poisoned(world, where: dict) -> dict:

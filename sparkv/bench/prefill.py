@@ -3,9 +3,9 @@
 Variants (``--variants``, comma-separated; ``+fused`` runs the stepper layer by layer over the
 whole context instead of one token chunk at a time, :meth:`LayerStepper.complete`; ``+engine``
 runs the edge engine's all-local load of the context as the ``local`` strategy does, with the
-controller it gets on this device (spans of a layer's token chunks on a GPU,
-:class:`~sparkv.scheduler.rules.CommitSpans`; step by step on a CPU); ``+spans`` / ``+steps``
-force either; ``+eager`` runs the stepper step by step without the CUDA graphs a GPU's steps
+controller it gets on this device (spans of a layer's token chunks on every device since
+session 64, :class:`~sparkv.scheduler.rules.CommitSpans`; ``SPARKV_FUSED_SPANS=0`` runs it step by
+step); ``+spans`` / ``+steps`` force either; ``+eager`` runs the stepper step by step without the CUDA graphs a GPU's steps
 replay by default, :mod:`sparkv.runtime.graphs`):
 
 * ``full``: transformers' own forward over the whole context (``use_cache``, last logits only):

@@ -121,7 +121,7 @@ def fused_spans(device: torch.device) -> bool:
     T=1024 is bound by kernel launches (docs/gpu.md); on a CPU a span's larger GEMMs and single
     call pay the per-call cost once (SmolLM2 2K, T=512, session 64 on an AMX CPU: the stepper
     step by step 1.73-1.91 s against 1.36-1.51 s layer by layer in ``mixed-attn``, 3.9-5.0 s
-    against 3.1-3.9 s in float32; the whole ask 10-20% sooner for every strategy, docs/
+    against 3.1-3.9 s in float32; the whole ask 7-21% sooner for every strategy, docs/
     scheduler.md). The environment variable ``SPARKV_FUSED_SPANS`` (``1`` / ``0``) overrides
     it either way."""
     env = os.environ.get("SPARKV_FUSED_SPANS", "").strip().lower()

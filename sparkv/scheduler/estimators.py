@@ -140,7 +140,7 @@ class ComputeEstimator:
         """:meth:`run_ratio` over the steps that ran while the link was quiet (1.0 before any):
         the device's own speed, what the session learns. A step that ran beside the link's
         decoding on the same cores measures that load's contention (on 2 cores, session 64:
-        1.3-2.9x its quiet time at 100 Mbit/s), which the next load, streaming more or less,
+        1.3-2.9x its prediction at 100 Mbit/s), which the next load, streaming more or less,
         does not share."""
         return statistics.median(self._quiet) if self._quiet else 1.0
 

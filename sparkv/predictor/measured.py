@@ -172,16 +172,25 @@ def _projection_rows(lm: Any, ids: Sequence[int], chunk_sizes: Sequence[int], re
         stepper = LayerStepper(lm, ids[:chunk], chunk)
         x = torch.randn(1, chunk, int(lm.config.hidden_size),
                         generator=torch.Generator().manual_seed(0)).to(lm.device, lm.dtype)
-        runs = []
-        with torch.inference_mode():
-            for _ in range(repeats + 1):                  # the first call allocates
-                t0 = time.perf_counter()
-                stepper.calibrate_layer(x, 0, last)
-                if lm.device.type == "cuda":
-                    torch.cuda.synchronize(lm.device)
-                runs.append((time.perf_counter() - t0) * 1e3)
-        rows.append((float(chunk), float(np.median(runs[1:]))))
+        ms = _median_ms(lambda: stepper.calibrate_layer(x, 0, last), lm.device, repeats)
+        rows.append((float(chunk), ms))
     return rows
+
+
+def _median_ms(call: Any, device: Any, repeats: int) -> float:
+    """The median milliseconds of ``repeats`` calls of ``call`` (under inference mode, until
+    its kernels are done on a GPU), after one call that allocates."""
+    import torch
+
+    runs = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            call()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            runs.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(runs[1:]))
 
 
 def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:
@@ -204,20 +213,10 @@ def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:
     k = torch.randn(1, hkv, keys, d, generator=gen).to(lm.device, lm.dtype)
     v = torch.randn(1, hkv, keys, d, generator=gen).to(lm.device, lm.dtype)
     backend = DenseAttention()
-    products = getattr(getattr(lm, "compute", None), "attention", None)
-    runs = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):                      # the first call allocates
-            t0 = time.perf_counter()
-            if products is not None:
-                backend.attend(q.to(products), k.to(products), v.to(products), keys - n,
-                               d ** -0.5)
-            else:
-                backend.attend(q, k, v, keys - n, d ** -0.5)
-            if lm.device.type == "cuda":
-                torch.cuda.synchronize(lm.device)
-            runs.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(runs[1:])) / float(visible_pairs(n, keys))
+    dtype = getattr(getattr(lm, "compute", None), "attention", None) or lm.dtype
+    ms = _median_ms(lambda: backend.attend(q.to(dtype), k.to(dtype), v.to(dtype), keys - n,
+                                           d ** -0.5), lm.device, repeats)
+    return ms / float(visible_pairs(n, keys))
 
 
 def _fit_line(rows: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -52,7 +52,8 @@ CAL_KEYS = 4096
 @dataclass
 class MeasuredSteps(StepCostModel):
     """``ms = c_step + c_token * n + c_pair * pairs`` per attention step, ``p_step + p_token * n``
-    per projection-only step (module docstring).
+    per projection-only step, at most ``c_step + c_token * n`` (a part of a step's dense work;
+    module docstring).
 
     Attributes:
         coef: ``(c_step, c_token, c_pair)`` in ms, ms per token, ms per (query, key) pair.
@@ -86,8 +87,11 @@ class MeasuredSteps(StepCostModel):
         c0, c1, c2 = self.coef
         fixed = (c0 * np.minimum(f.query_tokens / self.span_tokens, 1.0) if self.span_tokens
                  else c0)
-        att = fixed + c1 * f.query_tokens + c2 * pairs
-        proj = self.projection[0] + self.projection[1] * f.query_tokens
+        dense_part = fixed + c1 * f.query_tokens
+        att = dense_part + c2 * pairs
+        # the projection-only layer does a part of a full step's dense work: never more than it
+        # (its own timing, a few repeats on a busy machine, can come out above)
+        proj = np.minimum(self.projection[0] + self.projection[1] * f.query_tokens, dense_part)
         return np.maximum(np.where(f.projection > 0, proj, att), 1e-3)
 
     def expected_active_blocks(self, query_tokens: np.ndarray, key_tokens: np.ndarray

@@ -68,6 +68,11 @@ MIN_COMPUTE_SAMPLES = 4
 #: device's speed is followed within a few loads (the running load's controller follows it at
 #: once)
 MAX_COMPUTE_STEP = 2.0
+#: quiet steps at which a load's ratio moves the prior half way (in log terms): a load's ratio
+#: counts ``n / (n + COMPUTE_SAMPLES_HALF)`` of itself, so a load of a few quiet steps (a deep
+#: fade's 4, at 1.2-1.7x: session 65) nudges the prior where a local load's 58 move it most of
+#: the way
+COMPUTE_SAMPLES_HALF = 16
 
 
 @dataclass
@@ -78,7 +83,8 @@ class Priors:
         bandwidth_Bps: the controller's link throughput over the last load that streamed enough
             to tell (``None``: plan with the manifest download's rate, else 50 Mbit/s).
         compute_scale: measured / predicted layer-step time (each load's median ratio over
-            its steps that ran while the link was quiet, compounded over loads, at most
+            its steps that ran while the link was quiet, weighted by how many there were
+            (:data:`COMPUTE_SAMPLES_HALF`), compounded over loads, at most
             :data:`MAX_COMPUTE_STEP` either way per load; 1.0: the cost model as it is).
         question_prefill_s: the last question's prefill + first token (seconds).
     """
@@ -92,7 +98,9 @@ class Priors:
         if load.link_estimate_Bps:
             self.bandwidth_Bps = float(load.link_estimate_Bps)
         r = load.compute_ratio
-        if load.compute_samples >= MIN_COMPUTE_SAMPLES and math.isfinite(r) and r > 0:
+        n = load.compute_samples
+        if n >= MIN_COMPUTE_SAMPLES and math.isfinite(r) and r > 0:
+            r = r ** (n / (n + COMPUTE_SAMPLES_HALF))
             r = min(max(r, 1.0 / MAX_COMPUTE_STEP), MAX_COMPUTE_STEP)
             self.compute_scale = float(min(max(self.compute_scale * r, 0.05), 20.0))
 

@@ -116,6 +116,7 @@ def test_the_label_is_in_the_results_config(tiny_llama):
     assert cfg["model_label"].startswith("tiny [RoPE extended")
     assert cfg["long_context"]["positions"] == 16384 and cfg["native_positions"] == 8192
     assert cfg["fair_baselines"]["dtype"] == "float32" and "func" not in cfg
+    assert cfg["fair_baselines"]["compute"] == tiny_llama.compute.name
     json.dumps(cfg)
 
 

@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"skipping the real shaped path: {why}")
             return 0
         strategies = [s for s in strategies if s != "local"]   # local never touches the link
-    print(f"model: {lm.label}; every strategy computes in {fair['dtype']} with the "
-          f"{fair['backend']} attention backend", flush=True)
+    print(f"model: {lm.label}; every strategy computes in {fair['compute']} (parameters "
+          f"{fair['dtype']}) with the {fair['backend']} attention backend", flush=True)
     runs_raw, timelines = _measure_all(args, lm, sizes, strategies, links, fair)
     points = _aggregate(runs_raw, links, lm.native_positions)
     targets = _targets(points, sizes, links)
@@ -226,15 +226,17 @@ def _sweep_model(args: argparse.Namespace, sizes: list[int]) -> Any:
 
 def fair_baselines(lm: LoadedModel, backend: str = "auto") -> dict[str, Any]:
     """What every strategy computes with, the baselines as sparkv (the paper's fair baselines):
-    the model's dtype and one attention backend, ``auto`` resolved as sparkv resolves it for the
-    model (:func:`sparkv.edge.planning.default_backend`). ``option`` is what each ask passes
+    the model's compute configuration (``compute``: ``mixed-attn``, ``float32``...; ``dtype``:
+    its parameters' dtype) and one attention backend, ``auto`` resolved as sparkv resolves it
+    for the model (:func:`sparkv.edge.planning.default_backend`). ``option`` is what each ask passes
     (``AskOptions.backend``), ``backend`` the class's name it builds."""
     from sparkv.edge.planning import default_backend
     from sparkv.runtime.attention import get_backend
 
     option = (default_backend(lm.base_fingerprint, compute=lm.compute) if backend == "auto"
               else backend)
-    return {"dtype": str(lm.dtype).replace("torch.", ""), "backend": get_backend(option).name,
+    return {"dtype": str(lm.dtype).replace("torch.", ""), "compute": lm.compute.name,
+            "backend": get_backend(option).name,
             "option": option, "requested": backend,
             "applies_to": list(STRATEGY_ORDER) + ["server prefill (its --dtype)"]}
 

@@ -418,7 +418,8 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
     bd = res.breakdown
     sim_ttft = float("nan")
     if res.plan is not None and res.instance is not None:
-        ctl = STRATEGIES[strat][1]()
+        # the load's own controller configuration (spans and their order included)
+        ctl = res.controller if res.controller is not None else STRATEGIES[strat][1]()
         sim_trace = trace if trace is not None else Trace.constant(1e4)
         sim = simulate(res.plan, res.instance.replace(rtt_s=args.rtt_ms / 1e3), sim_trace,
                        controller=ctl)

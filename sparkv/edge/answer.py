@@ -9,6 +9,7 @@ from typing import Any
 
 from sparkv.edge.results import LoadResult
 from sparkv.generation import base_stats
+from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
 
@@ -78,7 +79,8 @@ class Breakdown:
 class AskResult:
     """The answer and everything measured on the way; a :class:`~sparkv.generation.Generation`
     (``text``: the answer, ``tokens``, ``stats``), with the :class:`Breakdown`, the plan and the
-    load beside it."""
+    load beside it (``controller``: the configuration the load's controller ran with, for a
+    simulation of the same load)."""
 
     text: str
     tokens: list[int]
@@ -89,6 +91,7 @@ class AskResult:
     first_logits: Any = None
     context_tokens: int = 0
     kept_id: str | None = None     # the context service's id of the kept context (``keep``)
+    controller: ControllerConfig | None = None
 
     @property
     def ttft_s(self) -> float:

@@ -19,7 +19,8 @@ LEVELS = (StreamLevel("hi", 2, 8), StreamLevel("mid", 1, 5), StreamLevel("lo", 0
 
 
 @st.composite
-def instances(draw, max_t: int = 4, max_l: int = 5, max_g: int = 2) -> Instance:
+def instances(draw, max_t: int = 4, max_l: int = 5, max_g: int = 2,
+              taxes: tuple[float, ...] = (0.0,)) -> Instance:
     n_t = draw(st.integers(1, max_t))
     L = draw(st.integers(1, max_l))
     G = draw(st.integers(1, max_g))
@@ -37,7 +38,8 @@ def instances(draw, max_t: int = 4, max_l: int = 5, max_g: int = 2) -> Instance:
         nb[:, 1] = np.maximum(nb[:, 1], 1)
     return Instance(geom, LEVELS, nb, t_proc, t_comp,
                     bandwidth_Bps=draw(st.floats(1e3, 1e6)), rtt_s=draw(st.floats(0, 0.05)),
-                    t_suffix_s=draw(st.floats(0, 0.2)), quality_floor=floor)
+                    t_suffix_s=draw(st.floats(0, 0.2)), quality_floor=floor,
+                    stream_tax_s=draw(st.sampled_from(taxes)))
 
 
 def _planners():
@@ -47,7 +49,7 @@ def _planners():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(inst=instances())
+@given(inst=instances(taxes=(0.0, 0.003, 0.05)))
 def test_every_plan_from_every_planner_is_valid(inst):
     lb = lp_bound(inst)
     assert lp_dep_bound(inst) >= lb - 1e-9
@@ -198,3 +200,21 @@ def test_portfolio_is_never_worse_than_its_candidates(bw):
     assert est[plan.info["portfolio"]["chosen"]] == min(est.values())
     for other in (Greedy(), StrongHybrid(), LocalOnly()):
         assert estimate_ttft(plan, inst) <= estimate_ttft(other.plan(inst), inst) + 1e-9
+
+
+def test_the_plans_price_the_stream_tax():
+    """Decoding that takes the compute path's cores (``stream_tax_s``): streaming a chunk also
+    slows the step it overlaps. The plan made with the tax is estimated (under the tax) no
+    slower than the plan made without it, and where the tax eats what streaming saves (a slow
+    link) the portfolio computes everything locally."""
+    from sparkv.scheduler.planners import Portfolio
+
+    free = synthetic_instance(2048, chunk_tokens=512, bandwidth_mbps=20, seed=1)
+    for tax in (0.005, 0.02, 0.05):
+        taxed = free.replace(stream_tax_s=tax)
+        p_free, p_taxed = Portfolio().plan(free), Portfolio().plan(taxed)
+        assert estimate_ttft(p_taxed, taxed) <= estimate_ttft(p_free, taxed) + 1e-9
+        assert estimate_ttft(p_free, taxed) > estimate_ttft(p_free, free)
+    assert Portfolio().plan(free).info["portfolio"]["chosen"] == "greedy"
+    heavy = Portfolio().plan(free.replace(stream_tax_s=0.05))
+    assert heavy.info["portfolio"]["chosen"] == "local" and not heavy.stream_order

@@ -108,6 +108,21 @@ def test_estimate_matches_the_event_simulation_exactly():
     assert estimate_ttft(p, inst) == pytest.approx(simulate(p, inst).ttft_s, abs=1e-12)
 
 
+def test_each_chunk_decoded_while_a_step_runs_lengthens_it_by_the_stream_tax():
+    # step (0, 0) takes 2.5 s; chunks stream back to back at 1 s each, decoded 0.2 s later (1.2,
+    # 2.2, 3.2); a tax of 0.5 s: the decodes at 1.2 and 2.2 push its end to 3.5, which takes in
+    # the one at 3.2: it ends at 4.0
+    inst = tiny_instance([[2.5, 1], [1, 1]], t_proc=0.2, suffix=0.5).replace(stream_tax_s=0.5)
+    p = plan([(0, 0)], [(0, 1, 0), (1, 0, 0), (1, 1, 0)])
+    tl = simulate(p, inst)
+    assert tl.steps[S(0, 0)] == pytest.approx((0.0, 4.0))
+    assert tl.compute_busy_s == pytest.approx(4.0)
+    assert tl.ttft_s == pytest.approx(4.5)
+    assert estimate_ttft(p, inst) == pytest.approx(tl.ttft_s, abs=1e-12)
+    untaxed = inst.replace(stream_tax_s=0.0)
+    assert simulate(p, untaxed).ttft_s == pytest.approx(3.7)   # the last decode, 3.2, + 0.5
+
+
 def test_an_unexecutable_plan_is_reported_not_hung():
     inst = tiny_instance([[1, 1], [1, 1]])
     # (1, 0) needs KV(0, 0), which nobody provides

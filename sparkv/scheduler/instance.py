@@ -95,6 +95,12 @@ class Instance:
             question), where it is above ``quality_floor`` (``None``: the same floor for every
             chunk). The chunk next to the question is the most sensitive to quantization
             (docs/quality.md); planners and the controller see it through :attr:`allowed_mask`.
+        stream_tax_s: compute-path seconds each streamed chunk costs when it is decoded while a
+            layer step runs: receiving and decoding it take the cores the step uses (on a
+            2-core CPU whose steps use both, about its decode time and more); 0 where the
+            decoding has hardware of its own (a spare core, a GPU's host). The simulator and
+            :func:`~sparkv.scheduler.simulator.ttft_of` lengthen the running step by it; the
+            session learns it (docs/edge.md, "Priors").
     """
 
     geometry: ChunkGeometry
@@ -109,6 +115,7 @@ class Instance:
     name: str = ""
     decode_overlaps: bool = True
     recent_floor: str | None = None
+    stream_tax_s: float = 0.0
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +146,8 @@ class Instance:
             raise InstanceError(f"bandwidth must be positive bytes/s, got {self.bandwidth_Bps}")
         if self.rtt_s < 0 or self.t_suffix_s < 0:
             raise InstanceError("rtt_s and t_suffix_s must be >= 0")
+        if not (math.isfinite(self.stream_tax_s) and self.stream_tax_s >= 0):
+            raise InstanceError(f"stream_tax_s must be >= 0 seconds, got {self.stream_tax_s}")
         if self.quality_floor is not None and self.quality_floor not in names:
             raise InstanceError(f"quality floor {self.quality_floor!r} is not one of {names}")
         if self.recent_floor is not None and self.recent_floor not in names:
@@ -340,6 +349,7 @@ class Instance:
             "total_stream_bytes": int(nbytes.sum()),
             "total_stream_s": float(self.min_stream_time.sum()),
             "t_suffix_s": self.t_suffix_s,
+            "stream_tax_s": self.stream_tax_s,
         }
 
 

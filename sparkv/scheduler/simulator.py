@@ -11,7 +11,8 @@ The device model (docs/scheduler.md, "Simulator"):
   arrival order, overlapping the next transfer; then the chunk is available.
 * **compute thread**: one layer step at a time, ``t_comp x noise``; a step starts only when its
   inputs are available (the simulator checks; a controller that breaks this raises
-  :class:`SimulationError`).
+  :class:`SimulationError`). Each chunk decoded while a step runs lengthens that step by the
+  instance's ``stream_tax_s`` (receiving and decoding take the cores the step uses).
 * **end**: when every KV chunk is available and the compute thread is free, the question is
   prefilled (``t_suffix_s x noise``): TTFT = that end. Time 0 is the start of loading (planning and
   manifest fetch are not included; the benchmark reports the planning time beside it).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -196,6 +198,7 @@ class Simulation:
         self.decode_busy_s = 0.0
         # compute thread
         self._running: int | None = None
+        self._running_end = math.nan
         self.compute_busy_s = 0.0
         self.steps: dict[StepId, tuple[float, float]] = {}
         # outcome
@@ -286,14 +289,31 @@ class Simulation:
     def _on_decoded(self, now: float, c: int) -> bool:
         """Chunk ``c`` is decoded: available."""
         self._decoding = False
+        self._tax_running_step(now)
         if not self.dep.chunk_avail[c]:
             self.dep.add_chunk(c)
         self._make_available(c, now)
         self.ctl.chunk_arrived(self.inst.chunk_id(c), now)
         return True
 
+    def _tax_running_step(self, now: float) -> None:
+        """A chunk was decoded while a step runs: the step ends ``stream_tax_s`` later (its
+        earlier end event is stale)."""
+        tax = self.inst.stream_tax_s
+        if tax <= 0 or self._running is None or not now < self._running_end:
+            return
+        s = self._running
+        self._running_end += tax
+        self.compute_busy_s += tax
+        step = self.inst.step_id(s)
+        self.steps[step] = (self.steps[step][0], self._running_end)
+        self._push(self._running_end, _STEP_DONE, s)
+
     def _on_step_done(self, now: float, s: int) -> bool:
-        """Step ``s`` is computed: its chunks are available."""
+        """Step ``s`` is computed: its chunks are available; ``False`` for the stale end of a
+        step a decode lengthened."""
+        if self._running != s or now != self._running_end:
+            return False
         self._running = None
         self.dep.mark_computed(s)
         G = self.inst.G
@@ -340,9 +360,10 @@ class Simulation:
                                   + ", ".join(missing[:5]))
         dur = float(self._t_comp[s]) * float(self._factors[s]) * self.noise.slowdown(now)
         self._running = s
+        self._running_end = now + dur
         self.compute_busy_s += dur
-        self.steps[step] = (now, now + dur)
-        self._push(now + dur, _STEP_DONE, s)
+        self.steps[step] = (now, self._running_end)
+        self._push(self._running_end, _STEP_DONE, s)
         return True
 
     def _start_link(self, now: float) -> bool:
@@ -422,7 +443,8 @@ def estimate_ttft(plan: Plan, inst: Instance) -> float:
     the closed form of :func:`simulate` with the static executor, a constant trace and no noise
     (the tests check that the two agree): the link transfers back to back after one RTT, the
     decoder follows in arrival order, and the compute thread runs the compute order strictly,
-    each step starting when the previous one ended and its inputs are available. O(steps x
+    each step starting when the previous one ended and its inputs are available, and lengthened
+    by ``stream_tax_s`` for each decode that ends while it runs. O(steps x
     token chunks); raises :class:`SimulationError` if a step waits for an input no path provides.
     """
     L, G = inst.L, inst.G
@@ -447,6 +469,8 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
         t = t + int(nbytes[c, li]) / rate
         dec = (t if t > dec else dec) + float(tproc[c, li])
         avail[c] = dec
+    tax = inst.stream_tax_s
+    decoded = sorted(avail[c] for c in stream) if tax > 0 else []
     comp_end = 0.0
     step_end = [math.inf] * inst.num_steps
     for s in compute:
@@ -464,6 +488,8 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
         if r == math.inf:
             raise SimulationError(f"{StepId(tt, l)} waits for an input that never comes")
         comp_end = r + float(tcomp[s])
+        if decoded:
+            comp_end = _taxed_end(decoded, r, comp_end, tax)
         step_end[s] = comp_end
         for g in range(G):
             if comp_end < avail[s * G + g]:
@@ -472,3 +498,14 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
     if ready == math.inf:
         raise SimulationError("some chunk is neither streamed nor computed")
     return max(ready, comp_end) + inst.t_suffix_s
+
+
+def _taxed_end(decoded: Sequence[float], start: float, end: float, tax: float) -> float:
+    """The end of a step from ``start`` to ``end`` lengthened by ``tax`` for each decode (sorted
+    ``decoded`` end times) that ends strictly inside it, each lengthening taking in the decodes
+    it reaches (the simulator's rule)."""
+    i = bisect_right(decoded, start)
+    while i < len(decoded) and decoded[i] < end:
+        end += tax
+        i += 1
+    return end

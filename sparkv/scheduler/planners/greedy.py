@@ -338,6 +338,7 @@ class Greedy(Planner):
         c_budget = delta * self.compute_share
         s_budget = delta * self.stream_share
         c_used = s_used = 0.0
+        tax = inst.stream_tax_s
         while uncovered:
             stages += 1
             # --- compute phase (budgets are cumulative: stage k ends at k * Delta_t on both
@@ -375,6 +376,7 @@ class Greedy(Planner):
                 stream.append(c)
                 pending.append(c)
                 s_used += ts[c]
+                c_used += tax                   # decoding it takes the compute path's cores
                 fut.add_chunk(c)
                 _stale(pots, s % L, L)
             for c in pending:

@@ -9,8 +9,10 @@ import pytest
 from sparkv.edge.session import COMPUTE_SAMPLES_HALF, MAX_COMPUTE_STEP, MIN_COMPUTE_SAMPLES, Priors
 
 
-def _load(ratio: float, samples: int = 50) -> SimpleNamespace:
-    return SimpleNamespace(link_estimate_Bps=None, compute_ratio=ratio, compute_samples=samples)
+def _load(ratio: float, samples: int = 50, tax: float = 0.0,
+          tax_chunks: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(link_estimate_Bps=None, compute_ratio=ratio, compute_samples=samples,
+                           stream_tax_s=tax, stream_tax_samples=tax_chunks)
 
 
 def test_one_load_moves_the_compute_prior_by_a_bounded_factor():
@@ -42,3 +44,59 @@ def test_a_load_of_few_quiet_steps_moves_the_prior_less_than_one_of_many():
     half = Priors()
     half.learn(_load(1.44, samples=COMPUTE_SAMPLES_HALF))
     assert half.compute_scale == pytest.approx(1.2)       # half way, in log terms
+
+
+def test_the_stream_tax_is_learned_by_the_share_of_its_chunks_and_bounded():
+    from sparkv.edge.session import MAX_STREAM_TAX_S
+
+    p = Priors()
+    p.learn(_load(1.0, samples=0, tax=0.004, tax_chunks=MIN_COMPUTE_SAMPLES - 1))
+    assert p.stream_tax_s == 0.0                          # too few chunks: nothing
+    p.learn(_load(1.0, samples=0, tax=0.004, tax_chunks=COMPUTE_SAMPLES_HALF))
+    assert p.stream_tax_s == pytest.approx(0.002)         # half way
+    for _ in range(40):
+        p.learn(_load(1.0, samples=0, tax=0.004, tax_chunks=200))
+    assert p.stream_tax_s == pytest.approx(0.004, rel=1e-3)
+    p.learn(_load(1.0, samples=0, tax=5.0, tax_chunks=10_000))  # another process held the cores
+    assert p.stream_tax_s == MAX_STREAM_TAX_S
+    p.learn(_load(1.0, samples=0, tax=float("nan"), tax_chunks=100))
+    assert p.stream_tax_s == MAX_STREAM_TAX_S
+
+
+def test_a_load_reports_its_stream_tax_unless_other_asks_shared_the_cores():
+    """EngineStats.result: the steps below the last layer that ran beside the link lost 3 ms
+    each to the chunk decoded inside them; a load whose lane had other asks says nothing."""
+    from sparkv.edge.stats import EngineStats
+    from sparkv.layout import StepId
+    from sparkv.scheduler import Controller, ControllerConfig, Fetch
+    from sparkv.scheduler.instance import synthetic_instance
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = synthetic_instance(2048, chunk_tokens=512, bandwidth_mbps=50)
+
+    def load(peak: float):
+        ctl = Controller(LocalOnly().plan(inst), inst, ControllerConfig.static())
+        ctl.state.compute_estimator.load = peak
+        ctl.state.compute_estimator.load = 1.0
+        stats = EngineStats()
+        now = 0.0
+        for t in range(inst.n_t):
+            for l in range(inst.L):  # noqa: E741
+                step = StepId(t, l)
+                took = inst.comp_time(step) + 0.003
+                cid = next(iter(inst.geometry.chunks_of_step(StepId(t, 0))))
+                if l == inst.L - 2:   # one chunk streamed from the start, decoded in this step
+                    stats.requested(Fetch(cid, "q5"), 1000, 0.0)
+                    stats.bytes_flowing(cid, 0.0, chunk_start=True)
+                    log = stats.received(cid, now + took / 4)
+                    stats.decoded(log, now + took / 2, 0.001, 1000, None)
+                stats.step_ran(step, now, now + took, took)
+                now += took
+        return stats.result(SimpleNamespace(sources=dict), ctl)
+
+    alone = load(1.0)
+    assert alone.stream_tax_samples == inst.n_t
+    # every step below the last layer lost 3 ms, one chunk per token chunk decoded in them
+    assert alone.stream_tax_s == pytest.approx(0.003 * (inst.L - 1), rel=1e-6)
+    shared = load(2.0)
+    assert (shared.stream_tax_s, shared.stream_tax_samples) == (0.0, 0)

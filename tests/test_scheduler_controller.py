@@ -566,3 +566,26 @@ def test_with_spans_a_head_start_on_the_first_token_chunk_still_runs_layers_as_s
     runs = _spans_of(Controller(LocalOnly().plan(inst), inst, plain, done_steps=head), inst)
     head_chunk = [r for r in runs if StepId(0, L - 1) in r][0]
     assert {s.t for s in head_chunk} == {0}                 # its column, no span of the layers
+
+
+def test_the_stream_tax_a_load_measures_is_the_one_the_simulator_charged():
+    """The simulator lengthens a step by ``stream_tax_s`` for each chunk decoded while it runs;
+    :func:`stream_tax_estimate` over that load's timeline gives the tax back, and nothing where
+    no chunk was decoded beside a step."""
+    from sparkv.scheduler import simulate
+    from sparkv.scheduler.estimators import stream_tax_estimate
+
+    inst = synthetic_instance(2 * 1024, chunk_tokens=512, bandwidth_mbps=50).replace(
+        stream_tax_s=0.004)
+    plan = Greedy().plan(inst)
+    tl = simulate(plan, inst, controller=ControllerConfig.static())
+    steps = [(a, b, inst.comp_time(s)) for s, (a, b) in tl.steps.items()]
+    decoded = [r.decoded_s for r in tl.transfers]
+    window = (min(r.start_s for r in tl.transfers), max(decoded))
+    tax, chunks = stream_tax_estimate(steps, decoded, window)
+    assert chunks > 4 and tax == pytest.approx(0.004)
+    # the same steps 10% slower on their own: the reference takes that out
+    slow = [(a, a + (b - a) * 1.1, p) for a, b, p in steps]
+    assert stream_tax_estimate(slow, decoded, window, ref=1.0)[0] > 0.004
+    assert stream_tax_estimate(steps, [], window) == (0.0, 0)
+    assert stream_tax_estimate(steps, decoded, (1e9, 2e9)) == (0.0, 0)

@@ -43,6 +43,14 @@ class TransferLog:
                 self.first_byte_s, self.end_s, self.decoded_s, str(self.status)]
 
 
+#: layer steps the controller must have timed on their own (the link quiet) before a load's
+#: compute ratio moves the session's prior, or serves as the reference of its stream tax
+MIN_COMPUTE_SAMPLES = 4
+#: the predicted time of a step the prelude ran (the instance wants positive times; such a step
+#: says nothing of the load's speed)
+PRELUDE_STEP_S = 1e-6
+
+
 @dataclass
 class LoadResult:
     """What loading one context did.
@@ -61,6 +69,9 @@ class LoadResult:
             what the session learns; ``compute_samples`` steps measured it. Steps that ran
             beside streaming and decoding measure that load's contention for the cores, which
             the controller's window follows within the load.
+        stream_tax_s: the compute time the load's steps lost while the link streamed, per
+            chunk decoded while a step ran (:func:`~sparkv.scheduler.estimators.
+            stream_tax_estimate`); ``stream_tax_samples`` such chunks (0: nothing to say).
     """
 
     ready_s: float
@@ -81,6 +92,8 @@ class LoadResult:
     compute_ratio: float = 1.0
     compute_samples: int = 0
     silence_s: float = 0.0
+    stream_tax_s: float = 0.0
+    stream_tax_samples: int = 0
 
     @property
     def bytes_wasted(self) -> int:

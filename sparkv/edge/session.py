@@ -44,7 +44,8 @@ from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, As
                                   suffix_estimate)
 from sparkv.edge.prelude import Prelude, PreludeResult
 from sparkv.edge.prompts import question_suffix
-from sparkv.edge.results import LoadResult, TransferStatus
+from sparkv.edge.results import (MIN_COMPUTE_SAMPLES, PRELUDE_STEP_S, LoadResult,
+                                 TransferStatus)
 from sparkv.edge.shaper import LinkShaper
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, StepId
 from sparkv.protocol import Manifest
@@ -61,8 +62,6 @@ if TYPE_CHECKING:
 
 __all__ = ["AskOptions", "AskResult", "Breakdown", "EdgeSession", "Priors", "apply_kept"]
 
-#: layer steps the controller must have timed before its compute ratio moves the prior
-MIN_COMPUTE_SAMPLES = 4
 #: the most one load may move the compute prior (either way): a load that ran beside a burst
 #: of other work moves the next plan by at most this factor, and a lasting change of the
 #: device's speed is followed within a few loads (the running load's controller follows it at
@@ -73,6 +72,9 @@ MAX_COMPUTE_STEP = 2.0
 #: fade's 4, at 1.2-1.7x: session 65) nudges the prior where a local load's 58 move it most of
 #: the way
 COMPUTE_SAMPLES_HALF = 16
+#: the most stream tax the session believes (seconds per chunk): a load whose steps lost time
+#: to something else than its link (another process) must not price streaming out for good
+MAX_STREAM_TAX_S = 0.05
 
 
 @dataclass
@@ -87,11 +89,16 @@ class Priors:
             (:data:`COMPUTE_SAMPLES_HALF`), compounded over loads, at most
             :data:`MAX_COMPUTE_STEP` either way per load; 1.0: the cost model as it is).
         question_prefill_s: the last question's prefill + first token (seconds).
+        stream_tax_s: compute-path seconds a chunk decoded beside a layer step costs it
+            (:attr:`Instance.stream_tax_s <sparkv.scheduler.instance.Instance.stream_tax_s>`):
+            each load's estimate, weighted by its chunks like the compute ratio, at most
+            :data:`MAX_STREAM_TAX_S`; 0 until a load streamed beside its steps.
     """
 
     bandwidth_Bps: float | None = None
     compute_scale: float = 1.0
     question_prefill_s: float | None = None
+    stream_tax_s: float = 0.0
 
     def learn(self, load: LoadResult) -> None:
         """Folds the controller's estimates of one load in."""
@@ -103,10 +110,13 @@ class Priors:
             r = r ** (n / (n + COMPUTE_SAMPLES_HALF))
             r = min(max(r, 1.0 / MAX_COMPUTE_STEP), MAX_COMPUTE_STEP)
             self.compute_scale = float(min(max(self.compute_scale * r, 0.05), 20.0))
+        n = load.stream_tax_samples
+        if n >= MIN_COMPUTE_SAMPLES and math.isfinite(load.stream_tax_s):
+            w = n / (n + COMPUTE_SAMPLES_HALF)
+            tax = self.stream_tax_s + w * (load.stream_tax_s - self.stream_tax_s)
+            self.stream_tax_s = float(min(max(tax, 0.0), MAX_STREAM_TAX_S))
 
 
-#: the predicted time of a step the prelude ran (the instance wants positive times)
-PRELUDE_STEP_S = 1e-6
 
 
 @dataclass
@@ -407,10 +417,10 @@ class EdgeSession:
             raise AskError(f"level {opts.level!r} was not encoded for context {ask.context_id} "
                            f"(it has {list(manifest.levels)})")
         try:
-            return build_instance(manifest, t_comp, self._bandwidth_prior(opts.bandwidth_mbps),
+            inst = build_instance(manifest, t_comp, self._bandwidth_prior(opts.bandwidth_mbps),
                                   levels=levels, quality_floor=floor,
-                                  rtt_s=self.client.last_first_byte_s,
-                                  t_suffix_s=t_suffix), effective
+                                  rtt_s=self.client.last_first_byte_s, t_suffix_s=t_suffix)
+            return inst.replace(stream_tax_s=self.priors.stream_tax_s), effective
         except FloorNotEncoded as e:
             if opts.quality_floor != AUTO_FLOOR:
                 raise
@@ -496,7 +506,7 @@ class EdgeSession:
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
         return AskResult(gen.text, gen.tokens, breakdown, planned.plan, planned.instance,
-                         loaded.load, gen.first_logits, len(tokens), kept_id)
+                         loaded.load, gen.first_logits, len(tokens), kept_id, planned.controller)
 
     # ---- kept contexts (the on-device context service) ---------------------------------------
     def _kept(self) -> KeptAsks:

@@ -10,7 +10,9 @@ events (``rate_sample``, ``step_done``). Times in seconds, rates in bytes per se
 from __future__ import annotations
 
 import statistics
+from bisect import bisect_left, bisect_right
 from collections import deque
+from typing import Sequence
 
 #: layer steps in the compute-speed window
 COMPUTE_WINDOW = 8
@@ -91,14 +93,24 @@ class ComputeEstimator:
         load: an external load factor on the compute path (other asks sharing it: 2.0 = this
             load gets half of it). It scales :meth:`factor`, what the rules plan remaining
             compute time with, and not :meth:`ratio`, this device's own speed (what the session
-            learns). 1.0: no other load.
+            learns). 1.0: no other load. ``peak_load``: the most it has been.
     """
 
     def __init__(self, window: int = COMPUTE_WINDOW, load: float = 1.0) -> None:
         self._ratios: deque[float] = deque(maxlen=max(1, window))
         self._run: list[float] = []      # every step's ratio of the run
         self._quiet: list[float] = []    # those of steps that ran while the link was quiet
+        self.peak_load = 1.0
         self.load = load
+
+    @property
+    def load(self) -> float:
+        return self._load
+
+    @load.setter
+    def load(self, value: float) -> None:
+        self._load = float(value)
+        self.peak_load = max(self.peak_load, self._load)
 
     def add(self, predicted_s: float, seconds: float, quiet: bool = True) -> None:
         """A step predicted to take ``predicted_s`` took ``seconds``; ``quiet``: nothing was
@@ -148,3 +160,29 @@ class ComputeEstimator:
         """Predicted step seconds x this = seconds of the compute path: :meth:`ratio` x
         :attr:`load`."""
         return self.ratio() * self.load
+
+
+def stream_tax_estimate(steps: Sequence[tuple[float, float, float]], decoded: Sequence[float],
+                        window: tuple[float, float], ref: float = 1.0) -> tuple[float, int]:
+    """What one load says of :attr:`Instance.stream_tax_s
+    <sparkv.scheduler.instance.Instance.stream_tax_s>`: the compute time its layer steps lost
+    while the link streamed, per chunk decoded while a step ran. Returns ``(seconds per chunk,
+    chunks)``; ``(0.0, 0)`` when no chunk was decoded inside a step.
+
+    Args:
+        steps: ``(start, end, predicted seconds)`` of the load's computed steps.
+        decoded: when each streamed chunk was decoded.
+        window: ``(first byte, last decode)``: the steps that overlap it ran beside the link;
+            each lost ``end - start - predicted x ref`` (what a step running on its own takes).
+        ref: the load's measured / predicted time of its steps that ran on their own.
+    """
+    ends = sorted(decoded)
+    lost, chunks = 0.0, 0
+    for start, end, predicted in steps:
+        if end <= window[0] or start >= window[1]:
+            continue
+        lost += (end - start) - predicted * ref
+        chunks += bisect_left(ends, end) - bisect_right(ends, start)   # strictly inside
+    if chunks == 0:
+        return 0.0, 0
+    return max(0.0, lost / chunks), chunks

@@ -117,8 +117,6 @@ class Priors:
             self.stream_tax_s = float(min(max(tax, 0.0), MAX_STREAM_TAX_S))
 
 
-
-
 @dataclass
 class _Ask:
     """One ask in flight: its inputs and what its steps share. Made by :meth:`EdgeSession.ask`

@@ -9,12 +9,23 @@ install another launcher with :func:`use_launcher`: the test suite installs a fo
 transformers costs each new Python process. Whatever it does, a launcher returns a handle with
 ``subprocess.Popen``'s process methods (:class:`Proc`), and its process is a real one: its own
 pid, sockets and signals.
+
+Every launched process is told (:data:`EXIT_WITH_PARENT`) to end with the process that started
+it: the commands call :func:`exit_with_parent`, so a benchmark or demo killed outright (SIGKILL,
+or a SIGTERM that runs no cleanup) leaves no server holding a model and a port behind.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import threading
+import time
 from typing import IO, Callable, Protocol
+
+#: set to ``1`` in the environment of every process :func:`launch` starts
+EXIT_WITH_PARENT = "SPARKV_EXIT_WITH_PARENT"
 
 
 class Proc(Protocol):
@@ -51,8 +62,26 @@ _launcher: Launcher = popen
 
 def launch(cmd: list[str], *, env: dict[str, str], log: IO[bytes]) -> Proc:
     """Starts ``cmd`` with the installed launcher (:func:`popen` unless
-    :func:`use_launcher` installed another)."""
-    return _launcher(cmd, env, log)
+    :func:`use_launcher` installed another), :data:`EXIT_WITH_PARENT` set in its
+    environment."""
+    return _launcher(cmd, {**env, EXIT_WITH_PARENT: "1"}, log)
+
+
+def exit_with_parent(interval_s: float = 1.0) -> bool:
+    """In a command :func:`launch` started (:data:`EXIT_WITH_PARENT` set): a daemon thread
+    that sends this process SIGTERM (its graceful shutdown) once the process that started it is
+    gone (its parent pid changes: it was re-parented). Returns whether it watches."""
+    if os.environ.get(EXIT_WITH_PARENT) != "1":
+        return False
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="sparkv-parent-watch", daemon=True).start()
+    return True
 
 
 def use_launcher(launcher: Launcher | None) -> Launcher:

@@ -74,3 +74,40 @@ def test_commands_other_than_sparkvs_cli_are_started_as_before(tmp_path):
         proc = ForkLauncher()([sys.executable, "-c", "print('plain')"], dict(os.environ), log)
         assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
     assert (tmp_path / "log").read_text() == "plain\n"
+
+
+def _ended(pid: int) -> bool:
+    """The process is gone, or a zombie nobody reaped (its parent died: init's to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_server_ends_when_the_process_that_started_it_is_killed(tmp_path):
+    """A benchmark killed outright (SIGKILL: no cleanup runs) must not leave its server behind:
+    the server, re-parented, shuts itself down (gracefully: SIGTERM to itself)."""
+    import textwrap
+    import time
+
+    script = textwrap.dedent(f"""
+        import time
+        from sparkv.server.process import ServerProcess
+        srv = ServerProcess(None, "file://{tmp_path}/store", log_path="{tmp_path}/log")
+        srv.start(timeout=240)
+        print(srv.proc.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert not _ended(pid)
+    finally:
+        parent.kill()
+        parent.wait(60)
+    deadline = time.monotonic() + 120     # a bound on a hang, not a speed: it polls every 1 s
+    while not _ended(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _ended(pid)
+    assert "Application shutdown complete" in (tmp_path / "log").read_text()

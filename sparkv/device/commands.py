@@ -195,8 +195,10 @@ def _serve(args: argparse.Namespace) -> int:
         from sparkv.rest.listen import bind_tcp
 
         sockets = bind_tcp("127.0.0.1", args.port)
+    from sparkv.launch import exit_with_parent
     from sparkv.runtime.model import cache_dir
 
+    exit_with_parent()           # started by a benchmark or a test: ends with it
     swap = Path(args.flash_dir) if args.flash_dir else cache_dir() / "device" / "swap"
     lock = _claim(args, swap)    # before the model loads: a refusal is one line, at once
     try:
@@ -431,8 +433,10 @@ def _stats(args: argparse.Namespace) -> int:
 def _app_token(args: argparse.Namespace) -> int:
     from sparkv.device.identity import app_key, app_token
     from sparkv.device.private import check_path, private_dir
+    from sparkv.launch import exit_with_parent
     from sparkv.runtime.model import cache_dir
 
+    exit_with_parent()           # started by a benchmark or a test: ends with it
     swap = Path(args.flash_dir) if args.flash_dir else cache_dir() / "device" / "swap"
     check_path(swap, "the flash dir", leaf_mode=False)
     print(app_token(app_key(private_dir(swap)), args.name))

@@ -221,9 +221,11 @@ def serve(args: argparse.Namespace) -> int:
     if args.ssl_require_client_cert and not (args.ssl_certfile and args.ssl_ca_certs):
         raise ConfigError("--ssl-require-client-cert needs --ssl-certfile, --ssl-keyfile and "
                           "--ssl-ca-certs")
+    from sparkv.launch import exit_with_parent
     from sparkv.rest.listen import bind_tcp, serve as serve_app
 
     sockets = bind_tcp(args.host, args.port)  # a port in use is one line before anything loads
+    exit_with_parent()      # started by a benchmark or the demo: ends with it
     import ssl
     import torch
 

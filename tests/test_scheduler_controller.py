@@ -584,8 +584,21 @@ def test_the_stream_tax_a_load_measures_is_the_one_the_simulator_charged():
     window = (min(r.start_s for r in tl.transfers), max(decoded))
     tax, chunks = stream_tax_estimate(steps, decoded, window)
     assert chunks > 4 and tax == pytest.approx(0.004)
-    # the same steps 10% slower on their own: the reference takes that out
-    slow = [(a, a + (b - a) * 1.1, p) for a, b, p in steps]
-    assert stream_tax_estimate(slow, decoded, window, ref=1.0)[0] > 0.004
+    def timeline(planned, run):
+        tl = simulate(Greedy().plan(planned), run, controller=ControllerConfig.static())
+        decoded = [r.decoded_s for r in tl.transfers]
+        return ([(a, b, planned.comp_time(s)) for s, (a, b) in tl.steps.items()], decoded,
+                (min(r.start_s for r in tl.transfers), max(decoded)))
+
+    # every step 10% slower on its own: the reference (the load's quiet ratio) takes that out
+    slow = timeline(inst, inst.replace(t_comp=inst.t_comp * 1.1))
+    assert stream_tax_estimate(*slow, ref=1.1)[0] == pytest.approx(0.004)
+    # a slow link (few decodes) and every step 2 ms over its prediction whatever ran beside it
+    # (a speed error the load's quiet steps did not show): the steps without a decode inside
+    # take it out instead of charging it to the few decodes
+    thin = inst.replace(bandwidth_Bps=inst.bandwidth_Bps / 10)
+    late = timeline(thin, thin.replace(t_comp=thin.t_comp + 0.002))
+    tax, chunks = stream_tax_estimate(*late)
+    assert chunks >= 4 and tax == pytest.approx(0.004)
     assert stream_tax_estimate(steps, [], window) == (0.0, 0)
     assert stream_tax_estimate(steps, decoded, (1e9, 2e9)) == (0.0, 0)

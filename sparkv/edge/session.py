@@ -415,10 +415,10 @@ class EdgeSession:
             raise AskError(f"level {opts.level!r} was not encoded for context {ask.context_id} "
                            f"(it has {list(manifest.levels)})")
         try:
-            inst = build_instance(manifest, t_comp, self._bandwidth_prior(opts.bandwidth_mbps),
+            return build_instance(manifest, t_comp, self._bandwidth_prior(opts.bandwidth_mbps),
                                   levels=levels, quality_floor=floor,
-                                  rtt_s=self.client.last_first_byte_s, t_suffix_s=t_suffix)
-            return inst.replace(stream_tax_s=self.priors.stream_tax_s), effective
+                                  rtt_s=self.client.last_first_byte_s, t_suffix_s=t_suffix,
+                                  stream_tax_s=self.priors.stream_tax_s), effective
         except FloorNotEncoded as e:
             if opts.quality_floor != AUTO_FLOOR:
                 raise

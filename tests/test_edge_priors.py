@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparkv.edge.session import COMPUTE_SAMPLES_HALF, MAX_COMPUTE_STEP, MIN_COMPUTE_SAMPLES, Priors
+from sparkv.edge.results import MIN_COMPUTE_SAMPLES
+from sparkv.edge.session import COMPUTE_SAMPLES_HALF, MAX_COMPUTE_STEP, Priors
 
 
 def _load(ratio: float, samples: int = 50, tax: float = 0.0,

@@ -161,6 +161,28 @@ def test_strong_hybrid_computes_a_prefix_and_streams_the_rest_backward():
     assert plan.stream_order[0].t == inst.n_t - 1
 
 
+def test_a_split_streamed_top_down_gives_its_rest_back_to_compute_when_the_link_is_slow():
+    """The same token split, its streamed chunks' layers top down (SparKV's candidate) or bottom
+    up (Cake's order), planned for 80 Mbit/s and run at 40 (2K tokens, this CPU's speed): top
+    down, what the link still holds when it falls behind is the boundary chunk's lowest layers,
+    and the controller moves them to compute; bottom up most steps left on the link have a
+    streamed layer below them (their hidden input never computed) and stay there."""
+    inst = synthetic_instance(2048, chunk_tokens=512, bandwidth_mbps=80, seed=0)
+    inst = inst.replace(t_comp=inst.t_comp * 0.35)
+    cake, ours = StrongHybrid().plan(inst), StrongHybrid(top_down=True).plan(inst)
+    assert cake.info == ours.info and 0 < ours.info["computed_token_chunks"] < inst.n_t
+    assert set(cake.stream_order) == set(ours.stream_order)
+    first = ours.stream_order[: inst.L * inst.G]
+    assert [c.l for c in first] == sorted((c.l for c in first), reverse=True)
+    assert ours.estimated_ttft_s == pytest.approx(cake.estimated_ttft_s, rel=1e-3)
+    runs = {name: simulate(plan, inst, Trace.constant(40), controller=ControllerConfig())
+            for name, plan in (("cake", cake), ("ours", ours))}
+    moved = {name: sum(m.direction == "to_compute" for m in tl.migrations)
+             for name, tl in runs.items()}
+    assert moved["ours"] > moved["cake"]
+    assert runs["ours"].ttft_s < 0.95 * runs["cake"].ttft_s
+
+
 def test_milp_reports_status_gap_and_time_limit():
     inst = synthetic_instance(2 * 1024, num_layers=4, bandwidth_mbps=25)
     plan = Milp(stages=2).plan(inst)

@@ -8,10 +8,17 @@
 * :class:`StrongHybrid`: Cake: compute token chunks forward from ``t = 0`` (all layers of each),
   stream whole token chunks backward from the last one; the split is where the two paths' finish
   times cross (found with the shared estimator). At run time the generic controller moves the
-  meeting point (link behind: the boundary chunk's steps become compute-ready first).
+  meeting point (link behind: the boundary chunk's steps become compute-ready first). Each
+  streamed token chunk's layers go bottom up, as Cake loads them; ``top_down=True`` (SparKV's
+  candidate, :class:`~sparkv.scheduler.planners.portfolio.Portfolio`) streams them top down, so
+  that what the link still holds when it falls behind is the boundary chunk's lowest layers,
+  which the controller can move to compute one by one (bottom up, a step whose layer below was
+  streamed cannot move: its hidden input was never computed).
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import numpy as np
 
@@ -68,10 +75,13 @@ class StrongHybrid(Planner):
 
     name = "hybrid"
 
+    def __init__(self, top_down: bool = False) -> None:
+        self.top_down = top_down
+
     def _plan(self, inst: Instance) -> Plan:
-        L, G, n_t = inst.L, inst.G, inst.n_t
+        n_t = inst.n_t
         comp_col = inst.t_comp.sum(axis=1)
-        stream_col = inst.min_stream_time.reshape(n_t, L * G).sum(axis=1)
+        stream_col = inst.min_stream_time.reshape(n_t, -1).sum(axis=1)
         # analytic first guess of the split m (columns < m computed), then the estimator around it
         best_m, best_v = 0, float("inf")
         for m in range(n_t + 1):
@@ -80,7 +90,7 @@ class StrongHybrid(Planner):
                 best_m, best_v = m, v
         best_plan, best_ttft = None, float("inf")
         for m in sorted({max(0, best_m - 1), best_m, min(n_t, best_m + 1)}):
-            plan = self._split(inst, m)
+            plan = self._split(inst, m, self.top_down)
             ttft = estimate_ttft(plan, inst)
             if ttft < best_ttft:
                 best_plan, best_ttft = plan, ttft
@@ -89,9 +99,18 @@ class StrongHybrid(Planner):
         return best_plan
 
     @staticmethod
-    def _split(inst: Instance, m: int) -> Plan:
-        L, G, n_t = inst.L, inst.G, inst.n_t
+    def _split(inst: Instance, m: int, top_down: bool) -> Plan:
+        L, n_t = inst.L, inst.n_t
         compute = [t * L + l for t in range(m) for l in range(L)]  # noqa: E741
-        stream = [(t * L + l) * G + g for t in range(n_t - 1, m - 1, -1)
-                  for l in range(L) for g in range(G)]  # noqa: E741
+        stream = token_chunks_streamed(inst, range(n_t - 1, m - 1, -1), top_down)
         return make_plan(inst, compute, stream, info={"computed_token_chunks": m})
+
+
+def token_chunks_streamed(inst: Instance, token_chunks: Iterable[int],
+                          top_down: bool = False) -> list[int]:
+    """The dense chunk indices of whole token chunks, in the order given, each token chunk's
+    layers bottom up (``top_down``: top down), its KV groups in order."""
+    L, G = inst.L, inst.G
+    layers = range(L - 1, -1, -1) if top_down else range(L)
+    return [(t * L + l) * G + g for t in token_chunks for l in layers  # noqa: E741
+            for g in range(G)]

@@ -342,6 +342,23 @@ def test_an_all_local_plan_hands_whole_columns_back_to_a_link_that_recovers():
     assert sim.streamed_chunks > inst.L and sim.ttft_s < 0.8 * static.ttft_s
 
 
+def test_migrations_to_the_link_pay_the_stream_tax():
+    """An all-local plan on a link that can take work: the controller hands the link the
+    compute order's tail, but a streamed chunk also costs the compute path its stream tax
+    while steps run; a tax above what computing the step costs hands over nothing, and the
+    load takes no longer than computing everything."""
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = _inst(2048).with_bandwidth(80 * MBPS)
+    plan = LocalOnly().plan(inst)
+    heavy = inst.replace(stream_tax_s=2 * float(inst.t_comp.max()))
+    free = simulate(plan, inst, controller=ControllerConfig(probe=None))
+    taxed = simulate(plan, heavy, controller=ControllerConfig(probe=None))
+    assert any(m.direction == "to_stream" for m in free.migrations)
+    assert not taxed.migrations and taxed.streamed_chunks == 0
+    assert taxed.ttft_s == pytest.approx(simulate(plan, heavy).ttft_s)
+
+
 def test_the_probe_stays_within_its_bound_while_the_link_is_dead():
     """Ten seconds of a dead link under a plan that computes everything: one probe in flight at
     a time, and the probes' bytes within the token bucket (burst + rate x time)."""

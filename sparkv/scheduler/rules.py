@@ -426,8 +426,10 @@ class ToStream:
     Units examined per tail step (the last :data:`TAIL_WINDOW` movable ones): the step itself,
     with the layer below it when it is the cheap last-layer projection, and its whole queued
     column (the step and every queued layer below it of its token chunk); the unit that shortens
-    ``max(comp_rem, link_rem)`` most moves. A link that recovered under a mostly-local plan thus
-    gets whole token chunks from the tail, as a Strong Hybrid split would stream them."""
+    ``max(comp_rem, link_rem)`` most moves, its compute saving net of the stream tax its chunks
+    cost the steps they are decoded beside (:func:`_tax`). A link that recovered under a
+    mostly-local plan thus gets whole token chunks from the tail, as a Strong Hybrid split would
+    stream them."""
 
     def move(self, st: LoadState, now: float, comp: float, link: float) -> bool:
         cq = st.compute
@@ -461,11 +463,25 @@ class ToStream:
             units.append(column)
         best_unit, best_new = None, max(comp, link) - 1e-9
         for unit in units:
-            removed = ratio * sum(t_comp[u] for u in unit)
+            removed = ratio * sum(t_comp[u] for u in unit) - _tax(st, unit)
             new = max(comp - removed, link + st.stream_bytes(unit) / bw)
             if new < best_new:
                 best_unit, best_new = unit, new
         return best_unit
+
+
+def _tax(st: LoadState, unit: list[int]) -> float:
+    """The compute time the chunks of steps ``unit`` not in place yet cost the compute path
+    when streamed (:attr:`Instance.stream_tax_s <sparkv.scheduler.instance.Instance.
+    stream_tax_s>` each), charged in full to a migration to the link: it is made only while
+    the compute path is behind, so the chunks are decoded while steps still run. A migration
+    to compute takes chunks from the tail of a link that is behind, which would have been
+    decoded after the last step: it saves no tax."""
+    tax = st.inst.stream_tax_s
+    if tax <= 0:
+        return 0.0
+    G, avail = st.G, st.dep.chunk_avail
+    return tax * sum(1 for u in unit for g in range(G) if not avail[u * G + g])
 
 
 def _queued_column(L: int, s: int, in_cq: set[int]) -> list[int]:
@@ -543,6 +559,7 @@ class Rebalance:
                 bulk_moves += 1
             else:
                 pace.count += 1
+
 
 
 # ---- a dead link -------------------------------------------------------------------------------

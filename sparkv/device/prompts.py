@@ -1,13 +1,13 @@
 """Chat formatting of the context service's turns: a context's system turn and each call's user
 turn, in ChatML for chat models (a tokenizer with ``<|im_start|>``), as plain text otherwise.
 
-Functions only, no state: the service decides once whether its model speaks ChatML
-(:func:`uses_chatml`) and passes that in.
+Functions only, no state: the service passes in whether its model speaks ChatML
+(:attr:`LoadedModel.chatml <sparkv.runtime.model.LoadedModel.chatml>`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Collection, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 from sparkv.device.errors import DeviceError
 from sparkv.device.inputs import check_text, check_token_ids
@@ -16,12 +16,6 @@ if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-
-
-def uses_chatml(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` (or ``None``) has ChatML's turn markers (``get_vocab()`` costs tens of
-    ms: call it once)."""
-    return tokenizer is not None and "<|im_start|>" in tokenizer.get_vocab()
 
 
 def system_text(system_prompt: str | None, chatml: bool) -> str:

@@ -49,7 +49,6 @@ import threading
 import time
 import uuid
 from dataclasses import replace
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -72,7 +71,7 @@ from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import working_nbytes
 from sparkv.device.planner import RecomputeProfile, recompute_cost_model
 from sparkv.device.private import check_path, private_dir
-from sparkv.device.prompts import system_turn_ids, turn_ids, uses_chatml
+from sparkv.device.prompts import system_turn_ids, turn_ids
 from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedContext, DeviceContext
 from sparkv.device.swap import SwapStore
 from sparkv.device.calls import CallResult, run_turn
@@ -181,9 +180,9 @@ class ContextService:
         flashio.FlashHealth`, degraded since a write found the flash full)."""
         return {"ok": True, "contexts": len(self.contexts), "flash": self.swap.health.to_dict()}
 
-    @cached_property
+    @property
     def _chatml(self) -> bool:
-        return uses_chatml(self.lm.tokenizer)
+        return bool(self.lm.chatml)
 
     # ---- accounting ------------------------------------------------------------------------------
     @property

@@ -247,9 +247,7 @@ def prompt_parts(lm: LoadedModel, document_ids: Sequence[int], question: str
     holding the document, and the suffix closes the user turn with the question and opens the
     assistant's; other models get ``document + "\\n\\nQuestion: ...\\nAnswer:"``.
     """
-    tok = lm.tokenizer
-    chatml = tok is not None and "<|im_start|>" in tok.get_vocab()
-    if chatml:
+    if lm.chatml:
         head = lm.encode_text(f"<|im_start|>system\n{CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n")
         tail = lm.encode_text(f"\n\n{question.strip()}<|im_end|>\n<|im_start|>assistant\n")
         return head + list(document_ids), tail

@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -152,6 +153,14 @@ class LoadedModel:
         own, or for a model with its RoPE extended its base's (same weights and shape; quality
         is only measured within the base's window)."""
         return str(self.extra.get("base_fingerprint") or self.fingerprint)
+
+    @cached_property
+    def chatml(self) -> bool:
+        """Whether the tokenizer has ChatML's turn markers (SmolLM2, Qwen). Looked up once: the
+        tokenizer's ``get_vocab()`` builds a dict of its whole vocabulary (34 ms for SmolLM2's
+        49K tokens here), which every ask's prompt paid before its first token."""
+        tok = self.tokenizer
+        return tok is not None and "<|im_start|>" in tok.get_vocab()
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens."""

@@ -50,3 +50,33 @@ def test_shaper_burst_is_bounded():
 def test_unlimited_shaper_never_waits():
     sh = LinkShaper.unlimited()
     assert sh.take(10 ** 9) == 0.0 and not sh.active and sh.rtt() == 0.0
+
+
+def test_chunk_sources_share_one_tls_context(monkeypatch):
+    """httpx builds a verifying TLS context (the CA bundle loaded: 25-30 ms of CPU) for every
+    client it makes; each load's chunk source makes one, beside the load's first layer steps.
+    The sources share the process's one context instead, still a verifying one."""
+    import ssl
+
+    import httpx
+
+    from sparkv.edge import http_source
+    from sparkv.edge.http_source import HttpChunkSource
+
+    built: list[ssl.SSLContext] = []
+    real = httpx.create_ssl_context
+
+    def counting(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(httpx, "create_ssl_context", counting)
+    http_source._tls_context.cache_clear()
+    try:
+        sources = [HttpChunkSource("https://127.0.0.1:9", "c" * 16) for _ in range(3)]
+        for s in sources:
+            s._http()
+        assert len(built) == 1
+        assert built[0].verify_mode == ssl.CERT_REQUIRED and built[0].check_hostname
+    finally:
+        http_source._tls_context.cache_clear()

@@ -561,7 +561,6 @@ class Rebalance:
                 pace.count += 1
 
 
-
 # ---- a dead link -------------------------------------------------------------------------------
 @dataclass
 class Watch:

@@ -152,6 +152,9 @@ def test_bench_ttft_past_the_window_end_to_end(tmp_path):
     assert {(r["dtype"], r["backend"]) for r in doc["runs"]} == {
         (cfg_out["fair_baselines"]["dtype"], cfg_out["fair_baselines"]["backend"])}
     assert {r["strategy"] for r in doc["runs"]} == set(STRATEGY_ORDER)
+    # the co-located server's CPU per ask (it shares the device's cores here)
+    assert all(isinstance(r["server_cpu_s"], float) and r["server_cpu_s"] >= 0
+               for r in doc["runs"])
     assert all(p["lp_bound_s"] for p in doc["points"])
     assert {p["tokens"]: p["in_window"] for p in doc["points"]} == {256: True, 1024: False}
     growth = doc["targets"]["growth"]
@@ -178,3 +181,20 @@ def test_the_strategies_runs_are_interleaved_and_rotated():
                      (2, "hybrid"), (2, "sparkv")]
     assert _interleaved(["local", "hybrid"], True, 2) == [(0, "local"), (1, "local")]
     assert _interleaved(["hybrid"], True, 2) == []
+
+
+def test_a_process_cpu_time_is_read_from_proc_and_none_for_a_missing_process():
+    import os
+    import time
+
+    from sparkv.bench.ttft import process_cpu_s
+
+    before = process_cpu_s(os.getpid())
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    after = process_cpu_s(os.getpid())
+    if before is None:                       # no /proc here
+        pytest.skip("no /proc on this system")
+    assert after is not None and after > before
+    assert process_cpu_s(2 ** 22 + 12345) is None

@@ -268,6 +268,10 @@ class _Loopback:
             return LinkShaper.unlimited()
         return LinkShaper(trace, rtt_s=self.args.rtt_ms / 1e3)
 
+    def server_pid(self) -> int:
+        assert self.server.proc is not None
+        return int(self.server.proc.pid)
+
     def done(self) -> None:
         pass
 
@@ -295,6 +299,10 @@ class _Netns:
         else:
             self.link.start_trace(trace, interval_s=0.05)
         return LinkShaper.unlimited()
+
+    def server_pid(self) -> int:
+        assert self.server.proc is not None
+        return int(self.server.proc.pid)
 
     def done(self) -> None:
         self.link.stop_trace()
@@ -356,12 +364,14 @@ def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], st
                         # the threshold: adversarial-18, every run)
                         gc.collect()
                         gc.disable()
+                        server_cpu = process_cpu_s(path.server_pid())
                         try:
                             res = session.ask(cid, QUESTION, opts)
                         finally:
                             gc.enable()
                             path.done()
                         row = _row(args, n, link_label, strat, r, res, ref, trace)
+                        row["server_cpu_s"] = _cpu_since(path.server_pid(), server_cpu)
                         row.update(_computed_with(res, fair))
                         row["agreement"] = greedy_agreement(ref.tokens, res.tokens)
                         row["first_token_kl"] = first_token_kl(ref.first_logits,
@@ -394,6 +404,26 @@ def _interleaved(strategies: list[str], local: bool, runs: int) -> list[tuple[in
         k = r % max(1, len(strats))
         out += [(r, s) for s in strats[k:] + strats[:k]]
     return out
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used, from ``/proc`` (``None`` where
+    there is none, or the process is gone)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_since(pid: int, before: float | None) -> float | None:
+    """What the benchmark's server used since ``before`` (``None``: not measured): on one
+    machine it shares the device's cores, which a device whose server is remote does not."""
+    now = process_cpu_s(pid)
+    return None if now is None or before is None else max(0.0, now - before)
 
 
 def _computed_with(res: Any, fair: dict[str, Any]) -> dict[str, str]:
@@ -884,10 +914,12 @@ def _press_targets(points: list[dict[str, Any]], passkey: list[dict[str, Any]],
 
 def _sample_session(lm: LoadedModel, path: Any, n: int) -> tuple[Any, list[int]]:
     """An edge session on the bench's server (through its link) and the ``n``-token sample
-    context as a chat context (40 tokens left for the question)."""
+    context as a chat context: the chat turn's head included, 40 tokens left for the question
+    and the answer (a context of the model's whole window must leave them room)."""
     from sparkv.edge.prompts import chat_context
     from sparkv.edge.session import EdgeSession
     from sparkv.runtime import sample_context_ids
 
-    context = chat_context(lm, sample_context_ids(lm, n - 40))
+    head = len(chat_context(lm, []))
+    context = chat_context(lm, sample_context_ids(lm, n - 40 - head))
     return EdgeSession.connect(path.url, model=lm, shaper=path.shaper(None)), context

@@ -268,10 +268,6 @@ class _Loopback:
             return LinkShaper.unlimited()
         return LinkShaper(trace, rtt_s=self.args.rtt_ms / 1e3)
 
-    def server_pid(self) -> int:
-        assert self.server.proc is not None
-        return int(self.server.proc.pid)
-
     def done(self) -> None:
         pass
 
@@ -299,10 +295,6 @@ class _Netns:
         else:
             self.link.start_trace(trace, interval_s=0.05)
         return LinkShaper.unlimited()
-
-    def server_pid(self) -> int:
-        assert self.server.proc is not None
-        return int(self.server.proc.pid)
 
     def done(self) -> None:
         self.link.stop_trace()
@@ -364,14 +356,14 @@ def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], st
                         # the threshold: adversarial-18, every run)
                         gc.collect()
                         gc.disable()
-                        server_cpu = process_cpu_s(path.server_pid())
+                        server_cpu = process_cpu_s(_server_pid(path))
                         try:
                             res = session.ask(cid, QUESTION, opts)
                         finally:
                             gc.enable()
                             path.done()
                         row = _row(args, n, link_label, strat, r, res, ref, trace)
-                        row["server_cpu_s"] = _cpu_since(path.server_pid(), server_cpu)
+                        row["server_cpu_s"] = _cpu_since(_server_pid(path), server_cpu)
                         row.update(_computed_with(res, fair))
                         row["agreement"] = greedy_agreement(ref.tokens, res.tokens)
                         row["first_token_kl"] = first_token_kl(ref.first_logits,
@@ -417,6 +409,12 @@ def process_cpu_s(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _server_pid(path: Any) -> int:
+    """The pid of a path's (``_Loopback``'s or ``_Netns``'s) running server process."""
+    assert path.server.proc is not None
+    return int(path.server.proc.pid)
 
 
 def _cpu_since(pid: int, before: float | None) -> float | None:

@@ -359,6 +359,23 @@ def test_migrations_to_the_link_pay_the_stream_tax():
     assert taxed.ttft_s == pytest.approx(simulate(plan, heavy).ttft_s)
 
 
+def test_migrations_to_the_link_pay_the_receive_tax():
+    """The same with steps that run slower while the link receives (``receive_tax``): at 10
+    Mbit/s a step's chunks take about twice as long on the link as the step takes to compute,
+    so a compute path three times as slow while they arrive loses more than it hands over:
+    nothing moves, and the load takes no longer than computing everything."""
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = _inst(2048).with_bandwidth(10 * MBPS)
+    plan = LocalOnly().plan(inst)
+    heavy = inst.replace(receive_tax=2.0)
+    free = simulate(plan, inst, controller=ControllerConfig(probe=None))
+    taxed = simulate(plan, heavy, controller=ControllerConfig(probe=None))
+    assert any(m.direction == "to_stream" for m in free.migrations)
+    assert not taxed.migrations and taxed.streamed_chunks == 0
+    assert taxed.ttft_s == pytest.approx(simulate(plan, heavy).ttft_s)
+
+
 def test_the_probe_stays_within_its_bound_while_the_link_is_dead():
     """Ten seconds of a dead link under a plan that computes everything: one probe in flight at
     a time, and the probes' bytes within the token bucket (burst + rate x time)."""
@@ -619,3 +636,28 @@ def test_the_stream_tax_a_load_measures_is_the_one_the_simulator_charged():
     assert chunks >= 4 and tax == pytest.approx(0.004)
     assert stream_tax_estimate(steps, [], window) == (0.0, 0)
     assert stream_tax_estimate(steps, decoded, (1e9, 2e9)) == (0.0, 0)
+
+
+def test_the_receive_tax_a_load_measures_is_the_one_the_simulator_charged():
+    """The simulator runs a step ``1 + receive_tax`` times slower while a transfer's bytes
+    arrive; :func:`receive_tax_estimate` over that load's timeline gives the tax back, and says
+    nothing of a load that streamed nothing beside its steps."""
+    from sparkv.scheduler import simulate
+    from sparkv.scheduler.estimators import receive_tax_estimate
+
+    inst = synthetic_instance(2 * 1024, chunk_tokens=512, bandwidth_mbps=10).replace(
+        receive_tax=0.3)
+    tl = simulate(Greedy().plan(inst), inst, controller=ControllerConfig.static())
+    steps = [(a, b, inst.comp_time(s)) for s, (a, b) in tl.steps.items()]
+    decoded = [r.decoded_s for r in tl.transfers]
+    receiving = [(r.start_s, r.end_s) for r in tl.transfers]
+    tax, n = receive_tax_estimate(steps, decoded, receiving)
+    assert n >= 4 and tax == pytest.approx(0.3)
+    assert receive_tax_estimate(steps, decoded, [(1e9, 2e9)]) == (0.0, 0)
+    # steps 10% slower on their own: the reference (the load's quiet ratio) takes that out
+    slow = simulate(Greedy().plan(inst), inst.replace(t_comp=inst.t_comp * 1.1),
+                    controller=ControllerConfig.static())
+    steps = [(a, b, inst.comp_time(s)) for s, (a, b) in slow.steps.items()]
+    assert receive_tax_estimate(steps, [r.decoded_s for r in slow.transfers],
+                                [(r.start_s, r.end_s) for r in slow.transfers],
+                                ref=1.1)[0] == pytest.approx(0.3)

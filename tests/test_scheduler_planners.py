@@ -20,7 +20,8 @@ LEVELS = (StreamLevel("hi", 2, 8), StreamLevel("mid", 1, 5), StreamLevel("lo", 0
 
 @st.composite
 def instances(draw, max_t: int = 4, max_l: int = 5, max_g: int = 2,
-              taxes: tuple[float, ...] = (0.0,)) -> Instance:
+              taxes: tuple[float, ...] = (0.0,),
+              receive_taxes: tuple[float, ...] = (0.0,)) -> Instance:
     n_t = draw(st.integers(1, max_t))
     L = draw(st.integers(1, max_l))
     G = draw(st.integers(1, max_g))
@@ -39,7 +40,8 @@ def instances(draw, max_t: int = 4, max_l: int = 5, max_g: int = 2,
     return Instance(geom, LEVELS, nb, t_proc, t_comp,
                     bandwidth_Bps=draw(st.floats(1e3, 1e6)), rtt_s=draw(st.floats(0, 0.05)),
                     t_suffix_s=draw(st.floats(0, 0.2)), quality_floor=floor,
-                    stream_tax_s=draw(st.sampled_from(taxes)))
+                    stream_tax_s=draw(st.sampled_from(taxes)),
+                    receive_tax=draw(st.sampled_from(receive_taxes)))
 
 
 def _planners():
@@ -49,7 +51,7 @@ def _planners():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(inst=instances(taxes=(0.0, 0.003, 0.05)))
+@given(inst=instances(taxes=(0.0, 0.003, 0.05), receive_taxes=(0.0, 0.3)))
 def test_every_plan_from_every_planner_is_valid(inst):
     lb = lp_bound(inst)
     assert lp_dep_bound(inst) >= lb - 1e-9
@@ -240,3 +242,22 @@ def test_the_plans_price_the_stream_tax():
     assert Portfolio().plan(free).info["portfolio"]["chosen"] == "greedy"
     heavy = Portfolio().plan(free.replace(stream_tax_s=0.05))
     assert heavy.info["portfolio"]["chosen"] == "local" and not heavy.stream_order
+
+
+def test_the_plans_price_the_receive_tax():
+    """Steps that run slower while the link receives (``receive_tax``): the plan made with it is
+    estimated (under it) no slower than the plan made without it, and where the slowdown eats
+    what streaming saves the portfolio streams nothing."""
+    from sparkv.scheduler.planners import Portfolio
+
+    free = synthetic_instance(2048, chunk_tokens=512, bandwidth_mbps=20, seed=1)
+    p_free = Portfolio().plan(free)
+    for tax in (0.2, 0.5, 1.0):
+        taxed = free.replace(receive_tax=tax)
+        p_taxed = Portfolio().plan(taxed)
+        assert estimate_ttft(p_taxed, taxed) <= estimate_ttft(p_free, taxed) + 1e-9
+        assert estimate_ttft(p_free, taxed) > estimate_ttft(p_free, free)
+    # a slow link: streaming a chunk costs the steps beside it more than computing it would
+    slow = synthetic_instance(2048, chunk_tokens=512, bandwidth_mbps=5, seed=1)
+    assert Portfolio().plan(slow).stream_order
+    assert not Portfolio().plan(slow.replace(receive_tax=1.0)).stream_order

@@ -9,7 +9,7 @@ import pytest
 from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler import (ComputeNoise, Plan, SimulationError, Trace, TraceError,
                               estimate_ttft, make_sample_trace, simulate)
-from sparkv.scheduler.instance import MBPS
+from sparkv.scheduler.instance import MBPS, InstanceError
 from sched_helpers import tiny_instance
 
 C, S = KVChunkId, StepId
@@ -121,6 +121,30 @@ def test_each_chunk_decoded_while_a_step_runs_lengthens_it_by_the_stream_tax():
     assert estimate_ttft(p, inst) == pytest.approx(tl.ttft_s, abs=1e-12)
     untaxed = inst.replace(stream_tax_s=0.0)
     assert simulate(p, untaxed).ttft_s == pytest.approx(3.7)   # the last decode, 3.2, + 0.5
+
+
+def test_a_step_runs_slower_while_the_link_receives_by_the_receive_tax():
+    # step (0, 0): 2.5 s of work; chunks stream back to back at 1 s each from 0 to 3, decoded
+    # 0.2 s later. A receive tax of 0.5: the step does 2 s of work by 3 (1.5x slower), its last
+    # 0.5 s after: it ends at 3.5, TTFT 4.0. With a stream tax of 0.5 too, after its work: the
+    # decodes at 1.2 and 2.2 push its end to 4.5, which takes in the one at 3.2: 5.0
+    inst = tiny_instance([[2.5, 1], [1, 1]], t_proc=0.2, suffix=0.5).replace(receive_tax=0.5)
+    p = plan([(0, 0)], [(0, 1, 0), (1, 0, 0), (1, 1, 0)])
+    tl = simulate(p, inst)
+    assert tl.steps[S(0, 0)] == pytest.approx((0.0, 3.5))
+    assert tl.compute_busy_s == pytest.approx(3.5)
+    assert tl.ttft_s == pytest.approx(4.0)
+    assert estimate_ttft(p, inst) == pytest.approx(tl.ttft_s, abs=1e-12)
+    both = inst.replace(stream_tax_s=0.5)
+    assert simulate(p, both).steps[S(0, 0)] == pytest.approx((0.0, 5.0))
+    assert estimate_ttft(p, both) == pytest.approx(simulate(p, both).ttft_s, abs=1e-12)
+    # the round trip before the first byte is no receiving: a step that ends in it is not slowed
+    late = tiny_instance([[0.4, 1], [1, 1]], rtt=0.5, t_proc=0.2).replace(receive_tax=0.5)
+    tl = simulate(p, late)
+    assert tl.steps[S(0, 0)] == pytest.approx((0.0, 0.4))
+    assert estimate_ttft(p, late) == pytest.approx(tl.ttft_s, abs=1e-12)
+    with pytest.raises(InstanceError, match="receive_tax"):
+        inst.replace(receive_tax=-0.1)
 
 
 def test_an_unexecutable_plan_is_reported_not_hung():

@@ -165,6 +165,10 @@ class ComputeEstimator:
         return self.ratio() * self.load
 
 
+#: the most of a step's time beside the link :func:`receive_tax_estimate` believes was lost
+MAX_RECEIVE_SHARE = 0.5
+
+
 def stream_tax_estimate(steps: Sequence[tuple[float, float, float]], decoded: Sequence[float],
                         window: tuple[float, float], ref: float = 1.0) -> tuple[float, int]:
     """What one load says of :attr:`Instance.stream_tax_s
@@ -197,3 +201,49 @@ def stream_tax_estimate(steps: Sequence[tuple[float, float, float]], decoded: Se
     clear = [e for e, k in zip(excess, inside) if k == 0]
     base = statistics.median(clear) if len(clear) >= MIN_BASE_STEPS else 0.0
     return max(0.0, (sum(excess) - base * len(excess)) / chunks), chunks
+
+
+def receive_tax_estimate(steps: Sequence[tuple[float, float, float]], decoded: Sequence[float],
+                         receiving: Sequence[tuple[float, float]],
+                         ref: float = 1.0) -> tuple[float, int]:
+    """What one load says of :attr:`Instance.receive_tax
+    <sparkv.scheduler.instance.Instance.receive_tax>`, how much slower its steps ran while the
+    link received beside them (with a 512-token chunk 70 ms on a 20 Mbit/s link, receiving is a
+    cost in proportion to that time, which the per-decode :func:`stream_tax_estimate` leaves
+    out as the load's general speed error). Over the load's steps with no decode inside that
+    spent at least half their time beside a transfer, ``r``, the median of ``(end - start -
+    predicted x ref) / seconds beside a transfer``, is the share of the time beside the link
+    lost, so the steps ran ``1 + r / (1 - r)`` times slower there. Returns ``(r / (1 - r),
+    steps)`` (``r`` at most :data:`MAX_RECEIVE_SHARE`); ``(0.0, 0)`` with fewer than
+    :data:`MIN_BASE_STEPS` such steps.
+
+    Args:
+        steps: ``(start, end, predicted seconds)`` of the load's computed steps.
+        decoded: when each streamed chunk was decoded.
+        receiving: ``(first byte, last byte)`` of each transfer.
+        ref: the load's measured / predicted time of its steps that ran on their own.
+    """
+    ends = sorted(decoded)
+    spans = _union(receiving)
+    ratios: list[float] = []
+    for start, end, predicted in steps:
+        if bisect_left(ends, end) - bisect_right(ends, start) > 0:
+            continue
+        beside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+        if beside >= 0.5 * (end - start) > 0:
+            ratios.append(((end - start) - predicted * ref) / beside)
+    if len(ratios) < MIN_BASE_STEPS:
+        return 0.0, 0
+    share = min(max(0.0, statistics.median(ratios)), MAX_RECEIVE_SHARE)
+    return share / (1.0 - share), len(ratios)
+
+
+def _union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``intervals`` as sorted disjoint ones (NaN or empty ones left out)."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(iv for iv in intervals if iv[0] < iv[1]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

@@ -101,6 +101,15 @@ class Instance:
             decoding has hardware of its own (a spare core, a GPU's host). The simulator and
             :func:`~sparkv.scheduler.simulator.ttft_of` lengthen the running step by it; the
             session learns it (docs/edge.md, "Priors").
+        receive_tax: how much slower the layer steps run while a transfer's bytes arrive (its
+            first to its last byte): a step's compute stretches by ``1 + receive_tax`` for that
+            time. Receiving a link's bytes (the socket, the copies, the checks, and on
+            a benchmark's one machine the server's sending) takes the cores the steps use, in
+            proportion to the time the link is busy, where ``stream_tax_s`` is paid once per
+            chunk. 0 where the receive path has hardware of its own. The simulator and
+            :func:`~sparkv.scheduler.simulator.ttft_of` stretch the steps by it, the greedy
+            planner and the controller's moves to the link charge each chunk ``receive_tax x``
+            its time on the link; the session learns it (docs/edge.md, "Priors").
     """
 
     geometry: ChunkGeometry
@@ -116,6 +125,7 @@ class Instance:
     decode_overlaps: bool = True
     recent_floor: str | None = None
     stream_tax_s: float = 0.0
+    receive_tax: float = 0.0
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -148,6 +158,8 @@ class Instance:
             raise InstanceError("rtt_s and t_suffix_s must be >= 0")
         if not (math.isfinite(self.stream_tax_s) and self.stream_tax_s >= 0):
             raise InstanceError(f"stream_tax_s must be >= 0 seconds, got {self.stream_tax_s}")
+        if not (math.isfinite(self.receive_tax) and self.receive_tax >= 0):
+            raise InstanceError(f"receive_tax must be >= 0, got {self.receive_tax}")
         if self.quality_floor is not None and self.quality_floor not in names:
             raise InstanceError(f"quality floor {self.quality_floor!r} is not one of {names}")
         if self.recent_floor is not None and self.recent_floor not in names:
@@ -350,6 +362,7 @@ class Instance:
             "total_stream_s": float(self.min_stream_time.sum()),
             "t_suffix_s": self.t_suffix_s,
             "stream_tax_s": self.stream_tax_s,
+            "receive_tax": self.receive_tax,
         }
 
 

@@ -463,25 +463,28 @@ class ToStream:
             units.append(column)
         best_unit, best_new = None, max(comp, link) - 1e-9
         for unit in units:
-            removed = ratio * sum(t_comp[u] for u in unit) - _tax(st, unit)
+            removed = ratio * sum(t_comp[u] for u in unit) - _tax(st, unit, bw)
             new = max(comp - removed, link + st.stream_bytes(unit) / bw)
             if new < best_new:
                 best_unit, best_new = unit, new
         return best_unit
 
 
-def _tax(st: LoadState, unit: list[int]) -> float:
+def _tax(st: LoadState, unit: list[int], bw: float) -> float:
     """The compute time the chunks of steps ``unit`` not in place yet cost the compute path
-    when streamed (:attr:`Instance.stream_tax_s <sparkv.scheduler.instance.Instance.
-    stream_tax_s>` each), charged in full to a migration to the link: it is made only while
-    the compute path is behind, so the chunks are decoded while steps still run. A migration
-    to compute takes chunks from the tail of a link that is behind, which would have been
-    decoded after the last step: it saves no tax."""
-    tax = st.inst.stream_tax_s
-    if tax <= 0:
+    when streamed at ``bw`` bytes/s: :attr:`Instance.stream_tax_s <sparkv.scheduler.instance.
+    Instance.stream_tax_s>` each, and the steps' slowdown while they are on the link
+    (:attr:`~sparkv.scheduler.instance.Instance.receive_tax`), charged in full to a migration
+    to the link: it is made only while the compute path is behind, so the chunks are received
+    and decoded while steps still run. A migration to compute takes chunks from the tail of a
+    link that is behind, which would have been received after the last step: it saves no tax."""
+    inst = st.inst
+    if inst.stream_tax_s <= 0 and inst.receive_tax <= 0:
         return 0.0
     G, avail = st.G, st.dep.chunk_avail
-    return tax * sum(1 for u in unit for g in range(G) if not avail[u * G + g])
+    todo = sum(1 for u in unit for g in range(G) if not avail[u * G + g])
+    lost = inst.receive_tax / (1.0 + inst.receive_tax)
+    return inst.stream_tax_s * todo + lost * st.stream_bytes(unit) / bw
 
 
 def _queued_column(L: int, s: int, in_cq: set[int]) -> list[int]:

@@ -12,7 +12,8 @@ The device model (docs/scheduler.md, "Simulator"):
 * **compute thread**: one layer step at a time, ``t_comp x noise``; a step starts only when its
   inputs are available (the simulator checks; a controller that breaks this raises
   :class:`SimulationError`). Each chunk decoded while a step runs lengthens that step by the
-  instance's ``stream_tax_s`` (receiving and decoding take the cores the step uses).
+  instance's ``stream_tax_s`` (receiving and decoding take the cores the step uses), and a step
+  runs ``1 + receive_tax`` times slower while a transfer's bytes arrive (first to last byte).
 * **end**: when every KV chunk is available and the compute thread is free, the question is
   prefilled (``t_suffix_s x noise``): TTFT = that end. Time 0 is the start of loading (planning and
   manifest fetch are not included; the benchmark reports the planning time beside it).
@@ -131,7 +132,7 @@ class Timeline:
 _MAX_SAMPLES = 200  # rate samples per transfer at most (long transfers sample more coarsely)
 
 # event kinds, in the order simultaneous events are processed
-_RECV_DONE, _DECODE_DONE, _STEP_DONE, _TICK = 0, 1, 2, 3
+_RECV_DONE, _DECODE_DONE, _STEP_DONE, _TICK, _FIRST_BYTE = 0, 1, 2, 3, 4
 
 
 def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
@@ -184,7 +185,8 @@ class Simulation:
         self._heap: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._handlers = {_RECV_DONE: self._on_received, _DECODE_DONE: self._on_decoded,
-                          _STEP_DONE: self._on_step_done, _TICK: self._on_tick}
+                          _STEP_DONE: self._on_step_done, _TICK: self._on_tick,
+                          _FIRST_BYTE: self._on_first_byte}
         # link
         self._transfer: _Transfer | None = None
         self._link_free_since = 0.0
@@ -199,6 +201,8 @@ class Simulation:
         # compute thread
         self._running: int | None = None
         self._running_end = math.nan
+        self._run_slow = 1.0        # the running step's wall seconds per second of its work
+        self._run_tax = 0.0         # the stream tax added to its end (not stretched)
         self.compute_busy_s = 0.0
         self.steps: dict[StepId, tuple[float, float]] = {}
         # outcome
@@ -271,6 +275,12 @@ class Simulation:
             cur.last = now
         return True
 
+    def _on_first_byte(self, now: float, tid: int) -> bool:
+        """Transfer ``tid``'s bytes start to arrive: the running step slows down. Internal to
+        the device model: the controller hears nothing (``False``)."""
+        self._retime_running_step(now)
+        return False
+
     def _on_received(self, now: float, tid: int) -> bool:
         """Transfer ``tid``'s last byte: to the decoder; ``False`` if it was cancelled."""
         cur = self._transfer
@@ -283,6 +293,7 @@ class Simulation:
         self.bytes_streamed += rec.nbytes
         self._decode_q.append((cur.c, cur.li, rec))
         self._link_idle(now)
+        self._retime_running_step(now)
         self.ctl.chunk_received(rec.cid, now)
         return True
 
@@ -297,17 +308,39 @@ class Simulation:
         return True
 
     def _tax_running_step(self, now: float) -> None:
-        """A chunk was decoded while a step runs: the step ends ``stream_tax_s`` later (its
-        earlier end event is stale)."""
+        """A chunk was decoded while a step runs: the step ends ``stream_tax_s`` later."""
         tax = self.inst.stream_tax_s
         if tax <= 0 or self._running is None or not now < self._running_end:
             return
+        self._run_tax += tax
+        self._move_running_end(self._running_end + tax)
+
+    def _slowness(self, now: float) -> float:
+        """Wall seconds per second of a step's work at ``now``: ``1 + receive_tax`` while a
+        transfer's bytes arrive."""
+        cur = self._transfer
+        return 1.0 + self.inst.receive_tax if cur is not None and now >= cur.start else 1.0
+
+    def _retime_running_step(self, now: float) -> None:
+        """The running step's end after the link started or stopped receiving: the work it has
+        left runs at the new pace, its stream tax after it (as :func:`ttft_of` counts them)."""
+        slow, was = self._slowness(now), self._run_slow
+        if self._running is None or slow == was:
+            return
+        self._run_slow = slow
+        work_end = self._running_end - self._run_tax
+        if now < work_end:
+            self._move_running_end(now + (work_end - now) * slow / was + self._run_tax)
+
+    def _move_running_end(self, end: float) -> None:
+        """The running step ends at ``end`` (its earlier end event is stale)."""
         s = self._running
-        self._running_end += tax
-        self.compute_busy_s += tax
+        assert s is not None
+        self.compute_busy_s += end - self._running_end
+        self._running_end = end
         step = self.inst.step_id(s)
-        self.steps[step] = (self.steps[step][0], self._running_end)
-        self._push(self._running_end, _STEP_DONE, s)
+        self.steps[step] = (self.steps[step][0], end)
+        self._push(end, _STEP_DONE, s)
 
     def _on_step_done(self, now: float, s: int) -> bool:
         """Step ``s`` is computed: its chunks are available; ``False`` for the stale end of a
@@ -360,6 +393,8 @@ class Simulation:
                                   + ", ".join(missing[:5]))
         dur = float(self._t_comp[s]) * float(self._factors[s]) * self.noise.slowdown(now)
         self._running = s
+        self._run_slow, self._run_tax = self._slowness(now), 0.0
+        dur *= self._run_slow
         self._running_end = now + dur
         self.compute_busy_s += dur
         self.steps[step] = (now, self._running_end)
@@ -387,6 +422,9 @@ class Simulation:
         self.transfers.append(TransferRecord(f.cid, f.level, nbytes, now, start, end))
         tid = len(self.transfers) - 1
         self._transfer = _Transfer(tid, c, li, start, end, start)
+        if start > now and self.inst.receive_tax > 0:
+            self._push(start, _FIRST_BYTE, tid)
+        self._retime_running_step(now)
         self._push(end, _RECV_DONE, tid)
         self._schedule_ticks(tid, start, end)
         return True
@@ -413,6 +451,7 @@ class Simulation:
                 self.link_busy_s += max(0.0, now - cur.start)
                 rec.end_s, rec.cancelled = now, True
                 self._link_idle(now)
+                self._retime_running_step(now)
 
     # ------------------------------------------------------------------ outcome
     def _deadlock(self, now: float) -> SimulationError:
@@ -443,8 +482,9 @@ def estimate_ttft(plan: Plan, inst: Instance) -> float:
     the closed form of :func:`simulate` with the static executor, a constant trace and no noise
     (the tests check that the two agree): the link transfers back to back after one RTT, the
     decoder follows in arrival order, and the compute thread runs the compute order strictly,
-    each step starting when the previous one ended and its inputs are available, and lengthened
-    by ``stream_tax_s`` for each decode that ends while it runs. O(steps x
+    each step starting when the previous one ended and its inputs are available, stretched by
+    ``1 + receive_tax`` while the link transfers, and lengthened by ``stream_tax_s`` for each
+    decode that ends while it runs. O(steps x
     token chunks); raises :class:`SimulationError` if a step waits for an input no path provides.
     """
     L, G = inst.L, inst.G
@@ -469,6 +509,9 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
         t = t + int(nbytes[c, li]) / rate
         dec = (t if t > dec else dec) + float(tproc[c, li])
         avail[c] = dec
+    # bytes arrive from one RTT in to the last byte; the steps run slow + 1 times slower then
+    busy = (inst.rtt_s, t) if stream else (0.0, 0.0)
+    slow = 1.0 + inst.receive_tax
     tax = inst.stream_tax_s
     decoded = sorted(avail[c] for c in stream) if tax > 0 else []
     comp_end = 0.0
@@ -488,6 +531,8 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
         if r == math.inf:
             raise SimulationError(f"{StepId(tt, l)} waits for an input that never comes")
         comp_end = r + float(tcomp[s])
+        if r < busy[1] and slow > 1.0:
+            comp_end = _stretched_end(r, float(tcomp[s]), busy, slow)
         if decoded:
             comp_end = _taxed_end(decoded, r, comp_end, tax)
         step_end[s] = comp_end
@@ -498,6 +543,20 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
     if ready == math.inf:
         raise SimulationError("some chunk is neither streamed nor computed")
     return max(ready, comp_end) + inst.t_suffix_s
+
+
+def _stretched_end(start: float, work: float, busy: tuple[float, float], slow: float) -> float:
+    """The end of ``work`` seconds of compute begun at ``start`` that runs ``slow`` times slower
+    inside ``busy`` (the link's first and last byte)."""
+    since, until = busy
+    if start < since:
+        if start + work <= since:
+            return start + work
+        work -= since - start
+        start = since
+    if start + work * slow <= until:
+        return start + work * slow
+    return until + work - (until - start) / slow
 
 
 def _taxed_end(decoded: Sequence[float], start: float, end: float, tax: float) -> float:

@@ -339,6 +339,8 @@ class Greedy(Planner):
         s_budget = delta * self.stream_share
         c_used = s_used = 0.0
         tax = inst.stream_tax_s
+        # the compute path runs 1 + receive_tax times slower while a chunk is on the link
+        lost = inst.receive_tax / (1.0 + inst.receive_tax)
         while uncovered:
             stages += 1
             # --- compute phase (budgets are cumulative: stage k ends at k * Delta_t on both
@@ -376,7 +378,7 @@ class Greedy(Planner):
                 stream.append(c)
                 pending.append(c)
                 s_used += ts[c]
-                c_used += tax                   # decoding it takes the compute path's cores
+                c_used += tax + lost * ts[c]    # receiving and decoding it take the cores
                 fut.add_chunk(c)
                 _stale(pots, s % L, L)
             for c in pending:

@@ -10,10 +10,11 @@ from sparkv.edge.results import MIN_COMPUTE_SAMPLES
 from sparkv.edge.session import COMPUTE_SAMPLES_HALF, MAX_COMPUTE_STEP, Priors
 
 
-def _load(ratio: float, samples: int = 50, tax: float = 0.0,
-          tax_chunks: int = 0) -> SimpleNamespace:
+def _load(ratio: float, samples: int = 50, tax: float = 0.0, tax_chunks: int = 0,
+          recv: float = 0.0, recv_steps: int = 0) -> SimpleNamespace:
     return SimpleNamespace(link_estimate_Bps=None, compute_ratio=ratio, compute_samples=samples,
-                           stream_tax_s=tax, stream_tax_samples=tax_chunks)
+                           stream_tax_s=tax, stream_tax_samples=tax_chunks,
+                           receive_tax=recv, receive_tax_samples=recv_steps)
 
 
 def test_one_load_moves_the_compute_prior_by_a_bounded_factor():
@@ -101,3 +102,54 @@ def test_a_load_reports_its_stream_tax_unless_other_asks_shared_the_cores():
     assert alone.stream_tax_s == pytest.approx(0.002, rel=1e-6)
     shared = load(2.0)
     assert (shared.stream_tax_s, shared.stream_tax_samples) == (0.0, 0)
+
+
+def test_the_receive_tax_is_learned_like_the_stream_tax_and_bounded():
+    from sparkv.edge.session import MAX_RECEIVE_TAX, RECEIVE_SAMPLES_HALF
+
+    p = Priors()
+    p.learn(_load(1.0, samples=0, recv=0.2, recv_steps=MIN_COMPUTE_SAMPLES - 1))
+    assert p.receive_tax == 0.0                           # too few steps: nothing
+    p.learn(_load(1.0, samples=0, recv=0.2, recv_steps=RECEIVE_SAMPLES_HALF))
+    assert p.receive_tax == pytest.approx(0.1)            # half way
+    p.learn(_load(1.0, samples=0, recv=9.0, recv_steps=10_000))
+    assert p.receive_tax == MAX_RECEIVE_TAX
+    assert p.stream_tax_s == 0.0                          # the two are learned apart
+
+
+def test_receive_time_costs_the_compute_path_per_second_on_the_link():
+    """A step that ran beside a transfer for all of its 20 ms and took 4 ms over its 16 ms
+    prediction lost a fifth of its time to the link: it ran 1.25 times slower there (a receive
+    tax of 0.25); steps with a decode inside (the stream tax's) and steps mostly away from the
+    link say nothing, and so do too few."""
+    from sparkv.scheduler.estimators import MIN_BASE_STEPS, receive_tax_estimate
+
+    steps = [(0.02 * i, 0.02 * (i + 1), 0.016) for i in range(10)]
+    receiving = [(0.0, 0.075), (0.075, 0.145)]      # back to back, then the link is quiet
+    decoded = [0.031, 0.111]                         # inside steps 1 and 5
+    alpha, n = receive_tax_estimate(steps, decoded, receiving)
+    assert n == 7 - 2 and alpha == pytest.approx(0.25)  # steps 0-6 beside it (7: a quarter)
+    assert receive_tax_estimate(steps, decoded, receiving, ref=1.25) == (pytest.approx(0.0), n)
+    few = receiving[:1]                              # steps 0, 2 and 3: fewer than the minimum
+    assert receive_tax_estimate(steps, decoded, few) == (0.0, 0)
+    assert MIN_BASE_STEPS == 4
+
+
+def test_a_plan_is_built_with_the_receive_tax_the_session_learned():
+    """:func:`build_instance` hands the session's receive tax to the instance, where the
+    simulator and the planners charge it; a bad one is refused."""
+    import numpy as np
+    from test_quality_recent_floor import _manifest
+
+    from sparkv.edge.planning import build_instance
+    from sparkv.scheduler.instance import InstanceError
+
+    manifest = _manifest(["raw", "q8", "q5"])
+    g = manifest.chunk_geometry
+    t_comp = np.full((g.num_token_chunks, g.num_layers), 0.5)
+    inst = build_instance(manifest, t_comp, 1e5, quality_floor="q5", stream_tax_s=0.003,
+                          receive_tax=0.2)
+    assert (inst.stream_tax_s, inst.receive_tax) == (0.003, 0.2)
+    assert build_instance(manifest, t_comp, 1e5, quality_floor="q5").receive_tax == 0.0
+    with pytest.raises(InstanceError, match="receive_tax"):
+        inst.replace(receive_tax=float("nan"))

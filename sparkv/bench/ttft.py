@@ -476,7 +476,10 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
             "energy_j_estimate": energy,
             "plan": ((res.plan.info or {}).get("portfolio", {}).get("chosen")
                      if res.plan is not None else None),
-            "prelude_steps": getattr(bd, "prelude_steps", 0)}
+            "prelude_steps": getattr(bd, "prelude_steps", 0),
+            # what this load measured streaming cost its steps (docs/edge.md, "Priors")
+            "stream_tax_ms": res.load.stream_tax_s * 1e3 if res.load is not None else None,
+            "receive_tax": res.load.receive_tax if res.load is not None else None}
 
 
 def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]],

@@ -62,6 +62,13 @@ class AskOptions:
     controller's throughput over the last load), else the manifest download's rate, else
     50 Mbit/s. The controller corrects it from measured rates either way."""
 
+    plan_receive_tax: bool = False
+    """Plan with the session's learned receive tax (:attr:`Priors.receive_tax
+    <sparkv.edge.session.Priors.receive_tax>`: how much slower the steps run while the link
+    receives). Off by default: on a 2-core CPU it brought the simulated TTFT closer to the
+    measured one but made the plans no faster in paired runs (session 67, docs/benchmarks.md);
+    the session learns it and every load reports it either way."""
+
     use_cache: bool = True
     """Reuse a manifest the client already holds (no request)."""
 

@@ -196,14 +196,15 @@ def recent_floor_above(present: Any, floor: str | None, steps: int = 1) -> str |
 def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float, *,
                    levels: Sequence[str] | None = None, quality_floor: str | None = DEFAULT_FLOOR,
                    rtt_s: float = 0.0, t_suffix_s: float = 0.0,
-                   recent_boost: int = 0, stream_tax_s: float = 0.0) -> Instance:
+                   recent_boost: int = 0, stream_tax_s: float = 0.0,
+                   receive_tax: float = 0.0) -> Instance:
     """The scheduler's instance for a manifest: exact frame sizes, predicted compute times.
 
     ``recent_boost`` > 0 turns on the recent-chunk rule (docs/quality.md): the last token chunk,
     next to the question, may only be streamed ``recent_boost`` encoded levels above the floor
     (:func:`recent_floor_above`; it may still be computed). Off by default; ignored with an
-    explicit level list. ``stream_tax_s``: :attr:`Instance.stream_tax_s` (what the session
-    learned)."""
+    explicit level list. ``stream_tax_s`` and ``receive_tax``: :attr:`Instance.stream_tax_s`
+    and :attr:`Instance.receive_tax` (what the session learned)."""
     g = manifest.chunk_geometry
     allowed = set(levels) if levels else set(manifest.levels)
     sizes = {cid: {lv: b for lv, b in s.items() if lv in allowed}
@@ -226,7 +227,7 @@ def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float,
     inst = Instance.from_mappings(g, sizes, step_t, bandwidth_Bps, t_proc=t_proc, rtt_s=rtt_s,
                                   t_suffix_s=t_suffix_s, quality_floor=floor,
                                   name=f"{manifest.context_id[:8]}-{g.num_tokens}tok")
-    return inst.replace(recent_floor=recent, stream_tax_s=stream_tax_s)
+    return inst.replace(recent_floor=recent, stream_tax_s=stream_tax_s, receive_tax=receive_tax)
 
 
 def local_instance(geometry: ChunkGeometry, t_comp: np.ndarray, t_suffix: float) -> Instance:

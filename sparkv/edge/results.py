@@ -72,6 +72,10 @@ class LoadResult:
         stream_tax_s: the compute time the load's steps lost while the link streamed, per
             chunk decoded while a step ran (:func:`~sparkv.scheduler.estimators.
             stream_tax_estimate`); ``stream_tax_samples`` such chunks (0: nothing to say).
+        receive_tax: how much slower the load's steps ran while the link received beside them,
+            decodes aside (:attr:`Instance.receive_tax <sparkv.scheduler.instance.Instance.
+            receive_tax>`, :func:`~sparkv.scheduler.estimators.receive_tax_estimate`);
+            ``receive_tax_samples`` steps measured it (0: nothing to say).
     """
 
     ready_s: float
@@ -94,6 +98,8 @@ class LoadResult:
     silence_s: float = 0.0
     stream_tax_s: float = 0.0
     stream_tax_samples: int = 0
+    receive_tax: float = 0.0
+    receive_tax_samples: int = 0
 
     @property
     def bytes_wasted(self) -> int:

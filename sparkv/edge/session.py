@@ -75,6 +75,11 @@ COMPUTE_SAMPLES_HALF = 16
 #: the most stream tax the session believes (seconds per chunk): a load whose steps lost time
 #: to something else than its link (another process) must not price streaming out for good
 MAX_STREAM_TAX_S = 0.05
+#: the most receive tax the session believes (a step twice as slow while the link receives)
+MAX_RECEIVE_TAX = 1.0
+#: the steps a load's receive tax is made of at which it moves the session's half way: one load's
+#: reading swings 0.15-0.6 at one link rate on a 2-core CPU whose speed drifts (session 67)
+RECEIVE_SAMPLES_HALF = 64
 
 
 @dataclass
@@ -93,12 +98,18 @@ class Priors:
             (:attr:`Instance.stream_tax_s <sparkv.scheduler.instance.Instance.stream_tax_s>`):
             each load's estimate, weighted by its chunks like the compute ratio, at most
             :data:`MAX_STREAM_TAX_S`; 0 until a load streamed beside its steps.
+        receive_tax: how much slower the steps run while the link receives beside them,
+            decodes aside (:attr:`Instance.receive_tax
+            <sparkv.scheduler.instance.Instance.receive_tax>`): each load's estimate, weighted by
+            its steps (``n / (n + RECEIVE_SAMPLES_HALF)``), at most :data:`MAX_RECEIVE_TAX`; 0
+            until a load received beside its steps.
     """
 
     bandwidth_Bps: float | None = None
     compute_scale: float = 1.0
     question_prefill_s: float | None = None
     stream_tax_s: float = 0.0
+    receive_tax: float = 0.0
 
     def learn(self, load: LoadResult) -> None:
         """Folds the controller's estimates of one load in."""
@@ -110,11 +121,21 @@ class Priors:
             r = r ** (n / (n + COMPUTE_SAMPLES_HALF))
             r = min(max(r, 1.0 / MAX_COMPUTE_STEP), MAX_COMPUTE_STEP)
             self.compute_scale = float(min(max(self.compute_scale * r, 0.05), 20.0))
-        n = load.stream_tax_samples
-        if n >= MIN_COMPUTE_SAMPLES and math.isfinite(load.stream_tax_s):
-            w = n / (n + COMPUTE_SAMPLES_HALF)
-            tax = self.stream_tax_s + w * (load.stream_tax_s - self.stream_tax_s)
-            self.stream_tax_s = float(min(max(tax, 0.0), MAX_STREAM_TAX_S))
+        self.stream_tax_s = _toward(self.stream_tax_s, load.stream_tax_s,
+                                    load.stream_tax_samples, MAX_STREAM_TAX_S)
+        self.receive_tax = _toward(self.receive_tax, load.receive_tax,
+                                   load.receive_tax_samples, MAX_RECEIVE_TAX,
+                                   half=RECEIVE_SAMPLES_HALF)
+
+
+def _toward(prior: float, measured: float, n: int, most: float,
+            half: int = COMPUTE_SAMPLES_HALF) -> float:
+    """``prior`` moved toward a load's ``measured`` value by ``n / (n + half)`` (``n``: the
+    samples it is made of; none below :data:`MIN_COMPUTE_SAMPLES`), in ``[0, most]``."""
+    if n < MIN_COMPUTE_SAMPLES or not math.isfinite(measured):
+        return prior
+    value = prior + n / (n + half) * (measured - prior)
+    return float(min(max(value, 0.0), most))
 
 
 @dataclass
@@ -418,7 +439,9 @@ class EdgeSession:
             return build_instance(manifest, t_comp, self._bandwidth_prior(opts.bandwidth_mbps),
                                   levels=levels, quality_floor=floor,
                                   rtt_s=self.client.last_first_byte_s, t_suffix_s=t_suffix,
-                                  stream_tax_s=self.priors.stream_tax_s), effective
+                                  stream_tax_s=self.priors.stream_tax_s,
+                                  receive_tax=(self.priors.receive_tax if opts.plan_receive_tax
+                                               else 0.0)), effective
         except FloorNotEncoded as e:
             if opts.quality_floor != AUTO_FLOOR:
                 raise

@@ -16,7 +16,7 @@ from sparkv.edge.results import (MIN_COMPUTE_SAMPLES, PRELUDE_STEP_S, LoadResult
                                  TransferStatus)
 from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler.controller import Controller, Fetch
-from sparkv.scheduler.estimators import stream_tax_estimate
+from sparkv.scheduler.estimators import receive_tax_estimate, stream_tax_estimate
 
 #: streamed bytes below which a run says nothing about the link (the next plan keeps its prior)
 MIN_BYTES_FOR_ESTIMATE = 1 << 20
@@ -169,7 +169,7 @@ class EngineStats:
         fallback = self.fallback()
         if ctl.link_dead is not None:
             fallback["slow_link"] = f"{ctl.link_dead}: its work was computed locally"
-        tax, tax_chunks = self._stream_tax(ctl)
+        (tax, tax_chunks), (recv, recv_steps) = self._stream_taxes(ctl)
         return LoadResult(
             ready_s=self.ready_s, steps=dict(self.steps), transfers=list(self._transfer_list),
             compute_busy_s=self.compute_busy_s, decode_busy_s=self.decode_busy_s,
@@ -178,20 +178,24 @@ class EngineStats:
             migrations=list(ctl.migrations), sources=counts, fallback=fallback,
             link_errors=list(self.link_errors), kv=kv, link_estimate_Bps=estimate,
             compute_ratio=ctl.quiet_compute_ratio(), compute_samples=ctl.quiet_compute_samples,
-            silence_s=self.silence_s, stream_tax_s=tax, stream_tax_samples=tax_chunks)
+            silence_s=self.silence_s, stream_tax_s=tax, stream_tax_samples=tax_chunks,
+            receive_tax=recv, receive_tax_samples=recv_steps)
 
-    def _stream_tax(self, ctl: Controller) -> tuple[float, int]:
-        """The load's stream tax (:func:`stream_tax_estimate`) over its steps below the last
-        layer (the projection-only layer's prediction is no sample of the device's speed), the
-        reference the steps that ran while the link was quiet, when there were enough; nothing
-        from a load that shared the device with other asks (its lane's load above 1)."""
+    def _stream_taxes(self, ctl: Controller) -> tuple[tuple[float, int], tuple[float, int]]:
+        """The load's stream tax (:func:`stream_tax_estimate`) and receive tax
+        (:func:`receive_tax_estimate`) over its steps below the last layer (the projection-only
+        layer's prediction is no sample of the device's speed), the reference the steps that ran
+        while the link was quiet, when there were enough; nothing from a load that shared the
+        device with other asks (its lane's load above 1)."""
         decoded = [x.decoded_s for x in self._transfer_list if x.decoded_s == x.decoded_s]
         if self._first_byte is None or not decoded or ctl.state.compute_estimator.peak_load > 1:
-            return 0.0, 0       # other asks' steps and decodes shared the cores: not this one's
+            return (0.0, 0), (0.0, 0)   # other asks' steps and decodes shared the cores
         last = ctl.inst.L - 1
         predicted = ctl.state.compute.t_comp
         steps = [(a, b, p) for s, (a, b) in self.steps.items()
                  if s.l != last and (p := predicted[ctl.inst.step_index(s)]) > PRELUDE_STEP_S]
         ref = (ctl.quiet_compute_ratio() if ctl.quiet_compute_samples >= MIN_COMPUTE_SAMPLES
                else 1.0)
-        return stream_tax_estimate(steps, decoded, (self._first_byte, max(decoded)), ref)
+        receiving = [(x.first_byte_s, x.end_s) for x in self._transfer_list]
+        return (stream_tax_estimate(steps, decoded, (self._first_byte, max(decoded)), ref),
+                receive_tax_estimate(steps, decoded, receiving, ref))

@@ -499,3 +499,22 @@ def test_a_quiet_ask_is_waited_for_past_the_disconnect_poll():
     event = asyncio.run(chat._outcome(ticket, Request()))      # type: ignore[arg-type]
     assert event == {"type": "done", "text": "x"}
     assert Request.looks >= 2                                  # it looked, and kept waiting
+
+
+def test_the_device_priors_carry_what_streaming_costs_the_compute_path_from_ask_to_ask():
+    """Each ask plans with the device's stream and receive taxes and hands back what its load
+    taught its session (the taxes were never carried: every ask of the device service planned
+    as if streaming cost its steps nothing)."""
+    from types import SimpleNamespace
+
+    from sparkv.asks.linkplan import LinkPlan, LinkSeat
+    from sparkv.asks.service import AskService, _LinkShare
+    from sparkv.edge.session import Priors
+
+    svc = AskService.__new__(AskService)
+    svc.priors, svc._link = Priors(stream_tax_s=0.003, receive_tax=0.25), _LinkShare()
+    start = svc._plan_priors(2, LinkSeat(LinkPlan("oldest"), None))
+    assert (start.stream_tax_s, start.receive_tax) == (0.003, 0.25)
+    learned = SimpleNamespace(priors=Priors(stream_tax_s=0.004, receive_tax=0.3))
+    svc._learn(learned, SimpleNamespace(load=None), 1.0)
+    assert (svc.priors.stream_tax_s, svc.priors.receive_tax) == (0.004, 0.3)

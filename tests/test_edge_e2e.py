@@ -95,6 +95,26 @@ def test_raw_dense_answers_equal_plain_transformers(served):
     assert seen_mixed, "sparkv never split the work between the link and the device"
 
 
+def test_a_plan_priced_with_the_receive_tax_gives_the_same_answer(served):
+    """``plan_receive_tax``: the session's learned receive tax reaches the plan's instance (off:
+    none does), the load measures its own, and the answer is plain transformers'."""
+    lm = served["lm"]
+    ref = _reference(lm, served["docs"]["a"], QUESTIONS[0])
+    session = _session(served["server"].url, lm, mbps=20.0)
+    try:
+        session.priors.receive_tax = 0.4
+        off = session.ask(served["cids"]["a"], QUESTIONS[0], level="raw", backend="dense",
+                          max_new_tokens=NEW)
+        session.priors.receive_tax = 0.4
+        on = session.ask(served["cids"]["a"], QUESTIONS[0], level="raw", backend="dense",
+                         max_new_tokens=NEW, plan_receive_tax=True)
+    finally:
+        session.close()
+    assert off.instance.receive_tax == 0.0 and on.instance.receive_tax == 0.4
+    assert off.tokens == on.tokens == ref
+    assert on.load.receive_tax >= 0.0 and on.load.receive_tax_samples >= 0
+
+
 @pytest.mark.parametrize("strategy", ["stream", "local", "sparkv"])
 def test_q5_sparse_quality(served, strategy):
     """q5 frames and block-sparse local attention against the dense full-precision reference.

@@ -16,7 +16,7 @@ def test_defaults_are_what_ask_did_with_no_arguments():
     assert (o.strategy, o.level, o.quality_floor, o.backend) == ("sparkv", "auto", "auto", "auto")
     assert (o.max_new_tokens, o.bandwidth_mbps, o.use_cache, o.chat) == (32, None, True, True)
     assert (o.engine_config, o.controller, o.stop_at_eos, o.keep) == (None, None, True, False)
-    assert (o.decode, o.ram_budget, o.prelude) == ("full", None, None)
+    assert (o.decode, o.ram_budget, o.prelude, o.plan_receive_tax) == ("full", None, None, False)
     assert o.runs_prelude and not AskOptions(strategy="stream").runs_prelude
     assert not AskOptions(prelude=False).runs_prelude
     assert not o.uses_decode_policy and AskOptions(ram_budget=0.5).uses_decode_policy

@@ -78,7 +78,8 @@ def test_milp_plans_are_valid_and_above_the_bound(inst, stages):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(inst=instances(), mbps=st.lists(st.floats(0.001, 10), min_size=1, max_size=6),
+@given(inst=instances(taxes=(0.0, 0.01), receive_taxes=(0.0, 0.5)),
+       mbps=st.lists(st.floats(0.001, 10), min_size=1, max_size=6),
        sigma=st.floats(0, 0.5), seed=st.integers(0, 100))
 def test_controller_keeps_every_dependency_under_any_trace(inst, mbps, sigma, seed):
     trace = Trace.from_rows([0.1 * i for i in range(len(mbps))], mbps)

@@ -413,7 +413,7 @@ def synthetic_instance(
     geom = ChunkGeometry(num_tokens, chunk_tokens, num_layers, num_kv_heads, head_dim,
                          heads_per_group)
     rng = np.random.default_rng(seed)
-    n_t, L, G = geom.num_token_chunks, geom.num_layers, geom.num_groups
+    n_t, L = geom.num_token_chunks, geom.num_layers
     ref = 1024.0
     t_comp = np.empty((n_t, L))
     attn_noise = (portable_exp(rng.normal(0.0, heterogeneity, size=(n_t, L))) if heterogeneity

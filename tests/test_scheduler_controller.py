@@ -342,21 +342,28 @@ def test_an_all_local_plan_hands_whole_columns_back_to_a_link_that_recovers():
     assert sim.streamed_chunks > inst.L and sim.ttft_s < 0.8 * static.ttft_s
 
 
-def test_migrations_to_the_link_pay_the_stream_tax():
-    """An all-local plan on a link that can take work: the controller hands the link the
-    compute order's tail, but a streamed chunk also costs the compute path its stream tax
-    while steps run; a tax above what computing the step costs hands over nothing, and the
-    load takes no longer than computing everything."""
+def _an_all_local_load_hands_nothing_over(mbps: float, **tax: float) -> None:
+    """An all-local plan at ``mbps``: without ``tax`` the controller hands the link the compute
+    order's tail; with it, nothing moves and the load is the static one's."""
     from sparkv.scheduler.planners import LocalOnly
 
-    inst = _inst(2048).with_bandwidth(80 * MBPS)
+    inst = _inst(2048).with_bandwidth(mbps * MBPS)
     plan = LocalOnly().plan(inst)
-    heavy = inst.replace(stream_tax_s=2 * float(inst.t_comp.max()))
+    heavy = inst.replace(**tax)
     free = simulate(plan, inst, controller=ControllerConfig(probe=None))
     taxed = simulate(plan, heavy, controller=ControllerConfig(probe=None))
     assert any(m.direction == "to_stream" for m in free.migrations)
     assert not taxed.migrations and taxed.streamed_chunks == 0
     assert taxed.ttft_s == pytest.approx(simulate(plan, heavy).ttft_s)
+
+
+def test_migrations_to_the_link_pay_the_stream_tax():
+    """An all-local plan on a link that can take work: the controller hands the link the
+    compute order's tail, but a streamed chunk also costs the compute path its stream tax
+    while steps run; a tax above what computing the step costs hands over nothing, and the
+    load takes no longer than computing everything."""
+    longest = float(_inst(2048).t_comp.max())
+    _an_all_local_load_hands_nothing_over(80, stream_tax_s=2 * longest)
 
 
 def test_migrations_to_the_link_pay_the_receive_tax():
@@ -364,16 +371,7 @@ def test_migrations_to_the_link_pay_the_receive_tax():
     Mbit/s a step's chunks take about twice as long on the link as the step takes to compute,
     so a compute path three times as slow while they arrive loses more than it hands over:
     nothing moves, and the load takes no longer than computing everything."""
-    from sparkv.scheduler.planners import LocalOnly
-
-    inst = _inst(2048).with_bandwidth(10 * MBPS)
-    plan = LocalOnly().plan(inst)
-    heavy = inst.replace(receive_tax=2.0)
-    free = simulate(plan, inst, controller=ControllerConfig(probe=None))
-    taxed = simulate(plan, heavy, controller=ControllerConfig(probe=None))
-    assert any(m.direction == "to_stream" for m in free.migrations)
-    assert not taxed.migrations and taxed.streamed_chunks == 0
-    assert taxed.ttft_s == pytest.approx(simulate(plan, heavy).ttft_s)
+    _an_all_local_load_hands_nothing_over(10, receive_tax=2.0)
 
 
 def test_the_probe_stays_within_its_bound_while_the_link_is_dead():

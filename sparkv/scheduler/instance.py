@@ -209,6 +209,12 @@ class Instance:
         return cls(geometry, levels, nb, tp, tc, float(bandwidth_Bps), rtt_s, t_suffix_s,
                    quality_floor, name, decode_overlaps)
 
+    @property
+    def receive_share(self) -> float:
+        """The share of a chunk's time on the link the compute path loses beside it (its steps
+        run :attr:`receive_tax` + 1 times slower then): ``receive_tax / (1 + receive_tax)``."""
+        return self.receive_tax / (1.0 + self.receive_tax)
+
     def replace(self, **changes: object) -> "Instance":
         """A copy with some fields changed (e.g. ``bandwidth_Bps``, ``quality_floor``)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

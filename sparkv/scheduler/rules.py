@@ -483,8 +483,7 @@ def _tax(st: LoadState, unit: list[int], bw: float) -> float:
         return 0.0
     G, avail = st.G, st.dep.chunk_avail
     todo = sum(1 for u in unit for g in range(G) if not avail[u * G + g])
-    lost = inst.receive_tax / (1.0 + inst.receive_tax)
-    return inst.stream_tax_s * todo + lost * st.stream_bytes(unit) / bw
+    return inst.stream_tax_s * todo + inst.receive_share * st.stream_bytes(unit) / bw
 
 
 def _queued_column(L: int, s: int, in_cq: set[int]) -> list[int]:

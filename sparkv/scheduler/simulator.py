@@ -509,7 +509,7 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
         t = t + int(nbytes[c, li]) / rate
         dec = (t if t > dec else dec) + float(tproc[c, li])
         avail[c] = dec
-    # bytes arrive from one RTT in to the last byte; the steps run slow + 1 times slower then
+    # bytes arrive from one RTT in to the last byte; the steps run `slow` times slower then
     busy = (inst.rtt_s, t) if stream else (0.0, 0.0)
     slow = 1.0 + inst.receive_tax
     tax = inst.stream_tax_s

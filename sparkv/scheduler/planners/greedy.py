@@ -339,8 +339,7 @@ class Greedy(Planner):
         s_budget = delta * self.stream_share
         c_used = s_used = 0.0
         tax = inst.stream_tax_s
-        # the compute path runs 1 + receive_tax times slower while a chunk is on the link
-        lost = inst.receive_tax / (1.0 + inst.receive_tax)
+        lost = inst.receive_share
         while uncovered:
             stages += 1
             # --- compute phase (budgets are cumulative: stage k ends at k * Delta_t on both

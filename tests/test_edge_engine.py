@@ -776,3 +776,66 @@ def test_the_engine_with_graphed_steps_fills_the_reference_cache(world, planner,
     # lengths of their own (each one-off, so eager)
     if not spans:
         assert graphs.replays > 0
+
+
+class EvenSpanStepper(SpanStepper):
+    """A span takes ``span_s`` whatever its steps, shared evenly (as the stepper shares it)."""
+
+    span_s = 0.02
+
+    def run_span(self, t0, t1, l):  # noqa: E741
+        results = super().run_span(t0, t1, l)
+        time.sleep(self.span_s)
+        for r in results:
+            r.seconds = self.span_s / len(results)
+        return results
+
+
+def test_a_spans_time_is_shared_by_its_steps_predictions(world):
+    """Each step of a span is reported with the span's time in proportion to its prediction, so
+    every step of a span reads the same speed. Shared evenly, the last token chunk of a few
+    tokens (here predicted at a fiftieth of the others) was charged a whole chunk's time and the
+    controller's compute speed, a mean over its last steps, read the path as many times slower
+    than it was (session 68: it moved most of a context to the link at once)."""
+    geo = world["geo"]
+    last = geo.num_token_chunks - 1
+    t_comp = {s: (0.0002 if s.t == last else 0.01) for s in geo.step_ids()}
+    sizes = {cid: {"raw": len(world["frames"][(cid, "raw")])} for cid in geo.chunk_ids()}
+    inst = Instance.from_mappings(geo, sizes, t_comp, 1000 * MBPS, t_proc=1e-4, name="tiny")
+    stepper = EvenSpanStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, get_planner("local").plan(inst), inst,
+                    ControllerConfig.static().with_spans(True), source=None)
+    load = _run_exact(engine, world)
+    spans = [(t0, t1, l) for t0, t1, l in stepper.spans if t1 - t0 > 1 and t1 - 1 == last]
+    assert spans, stepper.spans
+    for t0, t1, l in spans:  # noqa: E741
+        took = {t: load.steps[StepId(t, l)][1] - load.steps[StepId(t, l)][0]
+                for t in range(t0, t1)}
+        ratios = [took[t] / t_comp[StepId(t, l)] for t in range(t0, t1)]
+        assert max(ratios) <= 1.01 * min(ratios), (l, took)
+
+
+def test_rate_samples_never_read_faster_than_the_link_delivers(world, monkeypatch):
+    """A response's first piece only starts the rate samples' clock. Counted over no time (the
+    sample's length floored at a microsecond) a probe's one-piece chunk measured the link at 80
+    Gbit/s, and the rules moved three token chunks of layers to a 20 Mbit/s link at once
+    (session 68: 8 s to the first token where local took 2)."""
+    from sparkv.scheduler import estimators
+
+    samples: list[tuple[float, float]] = []
+    add = estimators.LinkEstimator.add
+
+    def record(self, now, nbytes, seconds):
+        samples.append((nbytes, seconds))
+        add(self, now, nbytes, seconds)
+
+    monkeypatch.setattr(estimators.LinkEstimator, "add", record)
+    gap = 0.004                          # each chunk arrives whole, one every 4 ms
+
+    async def pace(sent: int) -> None:
+        await asyncio.sleep(gap)
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=1 << 20))
+    load = _load(world, src)
+    rates = [b / s for b, s in samples if b > 0]
+    assert rates and load.bytes_received > 0
+    assert max(rates) <= 1.5 * max(len(f) for f in world["frames"].values()) / gap, max(rates)

@@ -55,18 +55,20 @@ class _LinkFailure(Exception):
 class _Request:
     batch: list[Fetch]
     task: "asyncio.Future[ChunkStream]"
+    idle: bool = False                # sent while no other request was outstanding
 
 
 class _Reading:
     """Where the reading of one response stands (the link thread's own)."""
 
-    def __init__(self, batch: list[Fetch], nbytes: int) -> None:
-        self.batch = batch
+    def __init__(self, batch: list[Fetch], nbytes: int, idle: bool) -> None:
+        self.batch, self.idle = batch, idle
         self.i = 0                    # the chunk being received
         self.data = bytearray()       # what has arrived of it
         self.remaining = nbytes       # bytes of the batch not yet read
         self.sample_bytes = 0         # bytes since the last rate sample
         self.sample_from: float | None = None
+        self.unreported = 0           # bytes of the chunk being received not yet reported
 
     @property
     def fetch(self) -> Fetch:
@@ -130,6 +132,7 @@ class Link:
         self._outstanding = 0
         self._quiet_since = 0.0
         self._silence = 0.0
+        self._silent_until = 0.0      # the end of the last silence the ticker reported
         self._cancelled: set[KVChunkId] = set()
         self._prestarted: _Request | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -235,7 +238,8 @@ class Link:
                 if self._outstanding and hub.now() - self._quiet_since > grace:
                     self._silence += credit
                     self._stats.silence_s += credit
-                    hub.ctl.rate_sample(hub.now(), 0.0, credit)
+                    self._silent_until = hub.now()
+                    hub.ctl.rate_sample(self._silent_until, 0.0, credit)
                     hub.cv.notify_all()
 
     async def _request_batches(self) -> None:
@@ -344,11 +348,12 @@ class Link:
         hub = self._hub
         with hub.cv:
             self._stats.requests += 1
-            if self._outstanding == 0:
+            idle = self._outstanding == 0
+            if idle:
                 self._quiet_since = hub.now()
             self._outstanding += 1
         task = asyncio.ensure_future(_within(self._source.open(items), self._cfg.open_timeout_s))
-        return _Request(batch, task)
+        return _Request(batch, task, idle)
 
     def _finished_request(self) -> None:
         with self._hub.cv:
@@ -401,7 +406,7 @@ class Link:
         """Reads one response; returns fetches to request again (after a cancellation)."""
         stream = await self._response(req)
         pieces = stream.__aiter__()
-        r = _Reading(req.batch, sum(self._bytes_of(f) for f in req.batch))
+        r = _Reading(req.batch, sum(self._bytes_of(f) for f in req.batch), req.idle)
         try:
             while not r.done:
                 if not r.data:
@@ -459,27 +464,57 @@ class Link:
         return piece
 
     def _took(self, r: _Reading, piece: RecordPiece) -> None:
-        """Bytes of the chunk being received: the silence ends, a rate sample goes to the
-        controller every ``sample_interval_s``, and the next request may open."""
+        """Bytes of the chunk being received: the silence ends, the controller hears of them
+        (:meth:`_report`), and the next request may open."""
         hub, f = self._hub, r.fetch
         now = hub.now()
         with hub.cv:
+            if r.sample_from is None:
+                r.sample_from = self._first_byte_due(r, now)
             self._quiet_since, self._silence = now, 0.0
             self._stats.bytes_flowing(f.cid, now, chunk_start=not r.data)
-        if r.sample_from is None:
-            r.sample_from = now
         r.data += piece.data
         r.remaining -= len(piece.data)
-        r.sample_bytes += len(piece.data)
-        if now - r.sample_from >= self._cfg.sample_interval_s or piece.end:
-            with hub.cv:
-                hub.ctl.rate_sample(now, r.sample_bytes, max(now - r.sample_from, 1e-6), f.cid)
-            r.sample_bytes, r.sample_from = 0, now
+        self._report(r, now, piece)
         # cancelled chunks further on will not be read: the next request opens an RTT before
         # the last byte that will be
         skip = (sum(self._bytes_of(x) for x in r.batch[r.i + 1:] if x.cid in self._cancelled)
                 if self._cancelled else 0)
         self._maybe_prestart(r.remaining - skip)
+
+    def _first_byte_due(self, r: _Reading, now: float) -> float:
+        """Under the lock, at a response's first piece: the earliest its bytes could have begun
+        to arrive, where its first rate sample starts: one RTT after a request sent on an idle
+        link, else the last byte of the response before it, and not before the last silence
+        the ticker reported (that time was counted already)."""
+        due = self._quiet_since + (self._source.rtt_s() if r.idle else 0.0)
+        return min(now, max(due, self._silent_until))
+
+    def _report(self, r: _Reading, now: float, piece: RecordPiece) -> None:
+        """Tells the controller of ``piece``, more of the chunk being received: its progress at
+        the chunk's end and with each rate sample, and a rate sample every ``sample_interval_s``
+        while bytes flow and at a chunk's end.
+
+        A response's first sample starts when its bytes could first arrive
+        (:meth:`_first_byte_due`); it started at its first piece, whose bytes it counted over no
+        time (floored at a microsecond): a probe's one-piece chunk measured the link at 80
+        Gbit/s, and the rules moved three token chunks of layers to a 20 Mbit/s link at once
+        (session 68). No sample ends at a piece that came in one read with the one before it
+        (``together``: it spans no time of its own); its bytes go into the next sample."""
+        assert r.sample_from is not None
+        r.unreported += len(piece.data)
+        r.sample_bytes += len(piece.data)
+        elapsed = now - r.sample_from
+        rate = (elapsed > 0 and not piece.together
+                and (elapsed >= self._cfg.sample_interval_s or piece.end))
+        if not (rate or piece.end):
+            return
+        with self._hub.cv:
+            self._hub.ctl.rate_sample(now, r.sample_bytes if rate else 0,
+                                      elapsed if rate else 0.0, r.fetch.cid, r.unreported)
+        r.unreported = 0
+        if rate:
+            r.sample_bytes, r.sample_from = 0, now
 
     def _chunk_read(self, r: _Reading) -> None:
         """The chunk being received is complete: to a decode worker; the next one is due."""

@@ -61,11 +61,14 @@ def split_records(body: bytes, expected: Sequence[int] | None = None) -> list[by
 
 @dataclass
 class RecordPiece:
-    """Bytes of record ``index``'s frame; ``end`` when they complete it."""
+    """Bytes of record ``index``'s frame; ``end`` when they complete it; ``together``: they came
+    in the same read as the piece before them (:meth:`RecordReader.feed` returned both), so they
+    arrived at the same time (a rate sample must not end at them: it would span no time)."""
 
     index: int
     data: bytes
     end: bool
+    together: bool = False
 
 
 class RecordReader:
@@ -115,14 +118,14 @@ class RecordReader:
                 self._header.clear()
                 self._start(size)
                 if size == 0:
-                    out.append(RecordPiece(self.index, b"", True))
+                    out.append(RecordPiece(self.index, b"", True, bool(out)))
                     self._left = None
                     self.index += 1
                 continue
             take = min(self._left, len(view) - pos)
             self._left -= take
             end = self._left == 0
-            out.append(RecordPiece(self.index, bytes(view[pos:pos + take]), end))
+            out.append(RecordPiece(self.index, bytes(view[pos:pos + take]), end, bool(out)))
             pos += take
             if end:
                 self._left = None

@@ -245,8 +245,10 @@ class Controller:
 
     # ------------------------------------------------------------------ events
     def rate_sample(self, now: float, nbytes: float, seconds: float,
-                    cid: KVChunkId | None = None) -> None:
-        """``nbytes`` were received over the last ``seconds`` (optionally: for chunk ``cid``).
+                    cid: KVChunkId | None = None, received: float | None = None) -> None:
+        """``nbytes`` were received over the last ``seconds`` (optionally: for chunk ``cid``,
+        which has ``received`` more bytes in, default ``nbytes``; ``seconds`` 0: no rate, only
+        ``cid``'s progress).
 
         A driver reports silence too (``nbytes`` 0) when a request is outstanding and nothing
         arrives beyond the expected first-byte delay: the estimate then follows what the link
@@ -256,7 +258,7 @@ class Controller:
         if cid is not None:
             f = st.link.inflight.get(self.inst.chunk_index(cid))
             if f is not None:
-                f.received += nbytes
+                f.received += nbytes if received is None else received
         self._adapt(now)
 
     def chunk_received(self, cid: KVChunkId, now: float) -> None:

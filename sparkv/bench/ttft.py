@@ -84,6 +84,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="off: sparkv waits for the manifest and the plan before computing, as "
                         "the baselines do (the start-up overlap's ablation)")
     p.add_argument("--runs", type=int, default=3, help="questions per size, link and strategy")
+    p.add_argument("--link-prior", choices=("fresh", "learned"), default="fresh",
+                   help="fresh: every ask plans with no link rate learned (the plan's default "
+                        "until its first samples); learned: the session keeps the rate its "
+                        "loads measured on this link, as an app asking again does (forgotten "
+                        "when the link changes)")
     p.add_argument("--max-new-tokens", type=int, default=32,
                    help="answer tokens compared with the dense reference (agreement)")
     add_device_args(p)
@@ -344,11 +349,13 @@ def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], st
                                                           use_cache=False, prelude=_prelude(args),
                                                           backend=fair["option"]))
                 for link_label, trace in [(None, None)] + links:
+                    session.priors.bandwidth_Bps = None       # nothing learned of this link
                     for r, strat in _interleaved(strategies, link_label is None, args.runs):
                         opts = AskOptions(strategy=strat, use_cache=False, prelude=_prelude(args),
                                           max_new_tokens=args.max_new_tokens, stop_at_eos=False,
                                           backend=fair["option"])
-                        session.priors.bandwidth_Bps = None   # every run probes afresh
+                        if args.link_prior == "fresh":
+                            session.priors.bandwidth_Bps = None   # every run probes afresh
                         client.shaper = path.shaper(trace)
                         # no strategy pays for the bench's garbage: a full collection
                         # between runs, none during one (the timelines this loop keeps made

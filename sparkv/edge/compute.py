@@ -170,9 +170,8 @@ class ComputeWorker:
         """One call's steps with its time shared in proportion to their predicted times (the
         stepper shares it evenly). Evenly, a span's last token chunk of a few tokens was charged
         a whole chunk's time, 30-50x its prediction, and the controller's compute speed, a mean
-        over the last steps, read the compute path as 6-19x slower than it was: it moved most
-        of the context to the link at once (session 68: 7.9-8.4 s to the first token where
-        local took 1.9)."""
+        over the last eight steps, read the compute path as 6-19x slower than it was (session
+        68), where the compute-behind rule moves steps to the link in bulk."""
         inst = self._hub.ctl.inst          # immutable: no lock needed
         predicted = [float(inst.step_t_comp[inst.step_index(r.step)]) for r in results]
         total_predicted = sum(predicted)

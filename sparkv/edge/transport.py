@@ -4,9 +4,9 @@ The engine asks a source for a batch of frames and reads them back as
 :class:`~sparkv.protocol.stream.RecordPiece` objects (the bytes of item ``index``'s frame, in the
 requested order, ``end`` on its last piece, ``together`` when it came in one read with the piece
 before it: the link times its rate samples by the pieces). It never sees URLs, sockets or record
-prefixes: the
-HTTP implementation (:class:`~sparkv.edge.http_source.HttpChunkSource`) parses the server's
-``u32 | frame`` records and emulates the link; a scripted source (tests) produces pieces itself.
+prefixes: the HTTP implementation (:class:`~sparkv.edge.http_source.HttpChunkSource`) parses the
+server's ``u32 | frame`` records and emulates the link; a scripted source (tests) produces pieces
+itself.
 
 Failures are :class:`SourceError`. ``fatal`` says that asking again cannot help (a 4xx, a record
 that contradicts the manifest); anything else (a refused or cut connection, a 5xx, a timeout) may

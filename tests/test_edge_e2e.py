@@ -115,6 +115,41 @@ def test_a_plan_priced_with_the_receive_tax_gives_the_same_answer(served):
     assert on.load.receive_tax >= 0.0 and on.load.receive_tax_samples >= 0
 
 
+def test_a_session_that_learned_a_slow_link_never_reads_it_as_fast(served, monkeypatch):
+    """A session that learned a slow link plans to compute nearly everything, and the controller
+    hands the idle link work as the compute path falls behind. The rate it plans the link with
+    must never read the link much faster than it is: each response's first rate sample starts
+    one RTT after its request, and none ends at a record read with the one before it (session
+    67's code, from a response's first piece counted over no time, read this link at 340-400
+    Gbit/s and streamed most of the context: 47-50 chunks, 66-71 migrations). Single samples
+    may still run fast where a starved reader catches up (what a real socket's buffer does too);
+    the estimate sums them with the time before."""
+    from sparkv.scheduler import estimators
+
+    seen: list[float] = []
+    estimate = estimators.LinkEstimator.estimate
+
+    def record(self, now):
+        seen.append(estimate(self, now))
+        return seen[-1]
+
+    monkeypatch.setattr(estimators.LinkEstimator, "estimate", record)
+    lm, mbps = served["lm"], 20.0
+    session = _session(served["server"].url, lm, mbps=mbps)
+    try:
+        session.priors.bandwidth_Bps = 5e6 / 8       # learned: a 5 Mbit/s link
+        # q5: a 256-token chunk's frame (~60 KB) comes in one piece at 20 Mbit/s
+        res = session.ask(served["cids"]["b"], QUESTIONS[1], level="q5", backend="dense",
+                          max_new_tokens=4)
+    finally:
+        session.close()
+    assert res.tokens and not res.breakdown.fallback
+    assert seen and res.breakdown.bytes_streamed > 0
+    link_Bps = mbps * 1e6 / 8
+    assert max(seen) <= 2.5 * link_Bps, max(seen) * 8 / 1e6     # Mbit/s
+    assert res.load.link_estimate_Bps <= 1.5 * link_Bps
+
+
 @pytest.mark.parametrize("strategy", ["stream", "local", "sparkv"])
 def test_q5_sparse_quality(served, strategy):
     """q5 frames and block-sparse local attention against the dense full-precision reference.

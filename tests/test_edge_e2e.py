@@ -9,6 +9,7 @@ import json
 import shutil
 import statistics
 import threading
+import time
 
 import pytest
 
@@ -148,6 +149,39 @@ def test_a_session_that_learned_a_slow_link_never_reads_it_as_fast(served, monke
     link_Bps = mbps * 1e6 / 8
     assert max(seen) <= 2.5 * link_Bps, max(seen) * 8 / 1e6     # Mbit/s
     assert res.load.link_estimate_Bps <= 1.5 * link_Bps
+
+
+def test_an_unshaped_source_measures_its_round_trip(served):
+    """On a real link (no emulation) the HTTP source knows no round trip until a request has
+    waited for its response's head: 0 before, then the shortest wait so far (what the link opens
+    the next request ahead by, and where a response's first rate sample starts)."""
+    import asyncio
+
+    from sparkv.edge.http_source import HttpChunkSource
+    from sparkv.edge.transport import FetchItem
+
+    session = _session(served["server"].url, served["lm"])
+    cid = served["cids"]["a"]
+    sizes = session.client.manifest(cid).sizes
+    items = [FetchItem(c, "q8", n["q8"]) for c, n in list(sizes.items())[:2]]
+    src = HttpChunkSource(served["server"].url, cid, session.client.auth_headers())
+    session.close()
+
+    async def fetch_twice() -> list[float]:
+        waits = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            stream = await src.open(items)
+            waits.append(time.perf_counter() - t0)
+            async for _piece in stream:
+                pass
+            await stream.aclose()
+        await src.aclose()
+        return waits
+
+    assert src.rtt_s() == 0.0
+    waits = asyncio.run(fetch_twice())
+    assert 0.0 < src.rtt_s() <= min(waits)
 
 
 @pytest.mark.parametrize("strategy", ["stream", "local", "sparkv"])

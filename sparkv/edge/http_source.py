@@ -13,7 +13,9 @@ rare large pieces.
 
 from __future__ import annotations
 
+import math
 import ssl
+import time
 from functools import lru_cache
 from typing import AsyncIterator, Sequence
 
@@ -52,12 +54,18 @@ class HttpChunkSource:
         self.timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         self._client: httpx.AsyncClient | None = None
         self.requests = 0
+        self._head_s = math.inf       # the shortest wait of a request for its response's head
 
     def start(self) -> None:
         self.shaper.start()
 
     def rtt_s(self) -> float:
-        return self.shaper.rtt()
+        """The emulated round trip; on a real link (no shaper) the shortest time a request of
+        this source waited for its response's head (0 before the first): what the link opens
+        the next request ahead by, and where a response's first rate sample starts."""
+        if self.shaper.active:
+            return self.shaper.rtt()
+        return self._head_s if math.isfinite(self._head_s) else 0.0
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -72,11 +80,13 @@ class HttpChunkSource:
         not_before = self.shaper.request_started()
         self.requests += 1
         client = self._http()
+        sent = time.perf_counter()
         try:
             resp = await client.send(client.build_request("POST", self.url, json=body),
                                      stream=True)
         except (httpx.TransportError, OSError) as e:
             raise SourceError(f"request failed: {type(e).__name__}: {e}") from e
+        self._head_s = min(self._head_s, time.perf_counter() - sent)
         if resp.status_code != 200:
             err = answer_error(resp.status_code, await _error_body(resp),
                                resp.headers.get("location"), f"POST {self.url}")

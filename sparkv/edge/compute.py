@@ -172,10 +172,12 @@ class ComputeWorker:
         a whole chunk's time, 30-50x its prediction, and the controller's compute speed, a mean
         over the last eight steps, read the compute path as 6-19x slower than it was (session
         68), where the compute-behind rule moves steps to the link in bulk."""
+        if len(results) < 2:
+            return results
         inst = self._hub.ctl.inst          # immutable: no lock needed
         predicted = [float(inst.step_t_comp[inst.step_index(r.step)]) for r in results]
         total_predicted = sum(predicted)
-        if len(results) < 2 or total_predicted <= 0:
+        if total_predicted <= 0:
             return results
         total = sum(r.seconds for r in results)
         return [dataclasses.replace(r, seconds=total * p / total_predicted)

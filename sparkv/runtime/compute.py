@@ -18,6 +18,9 @@ name                  activations  the decoder layers' linear layers    norms, R
 ``mixed``             float32      bf16 weights, bf16 matmul            float32
 ``mixed-attn``        float32      ``mixed``; a prefill's attention     float32 (softmax
                                    products in bf16 too                 inside the kernel)
+``mixed-mlp``         float32      ``mixed-attn``; the MLP's            float32 (softmax
+                                   activations between its matmuls      inside the kernel);
+                                   in bf16 too                          the MLP's SiLU bf16
 ``mixed-layers``      float32      ``mixed`` on the layers the model's  float32
                                    measured sensitivity allows, the
                                    others float32
@@ -79,6 +82,9 @@ class ComputeConfig:
         attention: the dtype a prefill pass's attention products run in (Q, K and V cast,
             the output cast back; :data:`sparkv.cache.attention.PRODUCTS_DTYPE`), ``None``:
             the activations'.
+        mlp: the dtype the MLP's activations between its matmuls are kept in (the gate and up
+            projections' bf16 outputs, their SiLU and product: :data:`sparkv.runtime.fastops.
+            MLP_DTYPE`), ``None``: the activations' (each matmul's output cast back).
         answers_differ: its answer tokens compute another way than its prefill (``int4-decode``),
             so a judge of its answers feeds them one token a pass, as generation does
             (:func:`~sparkv.runtime.generate.teacher_forced_agreement`).
@@ -95,6 +101,7 @@ class ComputeConfig:
     per_layer: bool = False
     stepper_tolerance: float = 1e-4
     attention: torch.dtype | None = None
+    mlp: torch.dtype | None = None
     answers_differ: bool = False
 
     @property
@@ -121,6 +128,10 @@ CONFIGS: dict[str, ComputeConfig] = {c.name: c for c in (
                   "float32)", torch.float32, "bfloat16", "bfloat16", Bf16Linear,
                   bf16_matmuls=True, cuda=False, stepper_tolerance=0.0625,
                   attention=torch.bfloat16),
+    ComputeConfig("mixed-mlp", "mixed-attn, and the MLP's activations between its matmuls in "
+                  "bf16 (gate, up, SiLU, product)", torch.float32, "bfloat16", "bfloat16",
+                  Bf16Linear, bf16_matmuls=True, cuda=False, stepper_tolerance=0.0625,
+                  attention=torch.bfloat16, mlp=torch.bfloat16),
     ComputeConfig("mixed-layers", "mixed on the layers whose rounding does not move the output "
                   "(measured), float32 on the others", torch.float32, "bfloat16+float32",
                   "bfloat16+float32", Bf16Linear, bf16_matmuls=True, per_layer=True,
@@ -178,9 +189,10 @@ def check_device(config: ComputeConfig, device: torch.device) -> None:
 
 #: on a CPU with bf16 hardware, the configurations ``auto`` may take, fastest first (bf16 matmuls
 #: run about 3x faster there; fewer float32 products first: measured on an AMX CPU, bfloat16
-#: 1.9-2.5x float32, mixed-attn 2.0-2.2x, mixed 1.2-1.3x); a CPU without it takes float32, every
-#: other configuration being slower there (docs/dtypes.md)
-CPU_BF16_ORDER = ("bfloat16", "mixed-attn", "mixed", "mixed-layers", "int4-kernel")
+#: 1.9-2.5x float32, mixed-attn 2.0-2.2x, mixed 1.2-1.3x; mixed-mlp takes a float32 cast and
+#: a float32 SiLU and product off each MLP); a CPU without it takes float32, every other
+#: configuration being slower there (docs/dtypes.md)
+CPU_BF16_ORDER = ("bfloat16", "mixed-mlp", "mixed-attn", "mixed", "mixed-layers", "int4-kernel")
 #: on CUDA, when the table fails bfloat16: the configurations ``auto`` may take instead
 CUDA_FALLBACK_ORDER = ("mixed", "mixed-layers")
 
@@ -301,9 +313,28 @@ def apply_compute(lm: Any, config: ComputeConfig | str,
             for i in chosen:
                 setattr(decoder_layers[i].self_attn, PRODUCTS_DTYPE, config.attention)
             info["attention"] = str(config.attention).replace("torch.", "")
+        if config.mlp is not None:
+            info["mlp_layers"] = _low_mlps(decoder_layers, chosen, config.mlp)
     lm.extra["compute"] = config.name
     lm.extra["compute_info"] = info
     return info
+
+
+def _low_mlps(decoder_layers: Any, chosen: list[int], dtype: torch.dtype) -> list[int]:
+    """Marks the MLPs of layers ``chosen`` whose three projections are bias-free bf16
+    :class:`Bf16Linear` layers to keep their activations in ``dtype``
+    (:data:`~sparkv.runtime.fastops.MLP_DTYPE`); returns those layers (an MLP of another shape
+    computes as ``mixed`` does)."""
+    from sparkv.runtime.fastops import MLP_DTYPE
+
+    marked = []
+    for i in chosen:
+        mlp = getattr(decoder_layers[i], "mlp", None)
+        projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if all(isinstance(p, Bf16Linear) and p.bias is None for p in projs):
+            setattr(mlp, MLP_DTYPE, dtype)
+            marked.append(i)
+    return marked
 
 
 __all__ = ["CONFIGS", "CPU_BF16_ORDER", "ComputeConfig", "ComputeError", "apply_compute",

@@ -45,6 +45,10 @@ class WeightLinear(nn.Module):
     implement :meth:`matmul` (``x [..., in] -> [..., out]``, any dtype)."""
 
     bias: nn.Parameter | None
+    #: the dtype :meth:`matmul` rounds its input to before anything else (``None``: none or
+    #: another treatment): callers with several layers of one input round it once
+    #: (:func:`sparkv.runtime.fastops.project_qkv`), exactly as each layer would
+    rounds_input_to: torch.dtype | None = None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -74,6 +78,7 @@ class Bf16Linear(WeightLinear):
     to the input's dtype (``mixed``)."""
 
     weight: torch.Tensor
+    rounds_input_to = torch.bfloat16
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)

@@ -36,7 +36,7 @@ from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
 from sparkv.runtime.attention import (AttentionBackend, AttentionStats, DenseAttention, bind_model,
                                       layer_backend)
 from sparkv.runtime.device import cuda_graphs
-from sparkv.runtime.fastops import apply_rope
+from sparkv.runtime.fastops import apply_rope, project_shared
 from sparkv.runtime.graphs import LayerGraphs, graphs_of
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.hooks import has_forward_hooks
@@ -431,8 +431,8 @@ def _project_kv(layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     projections (and Qwen3's ``k_norm``)."""
     attn = layer.self_attn
     b, n, _ = h.shape
-    k = attn.k_proj(h).view(b, n, -1, head_dim)
-    v = attn.v_proj(h).view(b, n, -1, head_dim).transpose(1, 2)
+    k, v = (p.view(b, n, -1, head_dim) for p in project_shared((attn.k_proj, attn.v_proj), h))
+    v = v.transpose(1, 2)
     if getattr(attn, "k_norm", None) is not None:  # Qwen3
         k = attn.k_norm(k)
     cos, sin = rope

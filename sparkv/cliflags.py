@@ -38,8 +38,8 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
                         help="auto (bf16 on CUDA; on the CPU a bf16 configuration with "
                              "AVX512-BF16/AMX where the model's quality table passes it, else "
                              "fp32), float32 (forces fp32), bfloat16, float16, or a compute "
-                             "configuration: mixed, mixed-attn, mixed-layers, bf16-weights, int8, "
-                             "int4, int4-kernel, int4-decode (docs/dtypes.md)")
+                             "configuration: mixed, mixed-attn, mixed-mlp, mixed-layers, "
+                             "bf16-weights, int8, int4, int4-kernel, int4-decode (docs/dtypes.md)")
 
 
 # ---- argparse types: a bad value is a usage error (one line, exit 2) before anything loads ----

@@ -59,7 +59,7 @@ def test_each_configuration_steps_equal_its_own_forward(tiny_llama, name):
         assert _max_rel(vs, vf) <= config.stepper_tolerance
 
 
-@pytest.mark.parametrize("name", ["mixed", "mixed-attn", "int4"])
+@pytest.mark.parametrize("name", ["mixed", "mixed-attn", "mixed-mlp", "int4"])
 def test_smollm2_steps_equal_its_own_forward(smollm2, name):
     lm = _converted(smollm2, name)
     from sparkv.runtime import sample_context_ids
@@ -109,6 +109,58 @@ def test_smollm2_int4_is_its_own_q41_blocks_bit_for_bit(smollm2):
     b.complete()
     for (k1, v1), (k2, v2) in zip(a.kv.layer_kv(), b.kv.layer_kv()):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_mixed_mlp_keeps_the_mlps_activations_in_bf16_between_its_matmuls(tiny_llama):
+    """``mixed-mlp``'s MLP is the bf16 formula bit for bit (one input rounding, the gate's SiLU
+    and the product in bf16, one cast of the output), not ``mixed-attn``'s (every matmul's
+    output cast to float32 and the SiLU and product computed there), and within bf16 rounding
+    of it; an MLP whose projections carry a bias is left as ``mixed`` computes it."""
+    from torch.nn import functional as F
+
+    from sparkv.runtime.fastops import MLP_DTYPE
+
+    low, attn = _converted(tiny_llama, "mixed-mlp"), _converted(tiny_llama, "mixed-attn")
+    assert low.extra["compute_info"]["mlp_layers"] == [0, 1, 2]
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(3))
+    mlp = low.decoder.layers[1].mlp
+    assert getattr(mlp, MLP_DTYPE) is torch.bfloat16
+    assert getattr(attn.decoder.layers[1].mlp, MLP_DTYPE, None) is None
+    with torch.inference_mode():
+        xb = x.to(torch.bfloat16)
+        g = F.silu(F.linear(xb, mlp.gate_proj.weight)) * F.linear(xb, mlp.up_proj.weight)
+        want = F.linear(g, mlp.down_proj.weight).float()
+        got, other = mlp(x), attn.decoder.layers[1].mlp(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.equal(other, want) and _max_rel(other, want) < 0.03
+
+    from sparkv.runtime import LoadedModel
+
+    biased = LoadedModel.from_model(copy.deepcopy(tiny_llama.model), None, tiny_llama.name)
+    with torch.no_grad():
+        biased.decoder.layers[0].mlp.up_proj.bias = torch.nn.Parameter(torch.ones(128))
+    other = _converted(biased, "mixed-mlp")
+    assert other.extra["compute_info"]["mlp_layers"] == [1, 2]
+    assert getattr(other.decoder.layers[0].mlp, MLP_DTYPE, None) is None
+
+
+def test_layers_of_one_input_round_it_once_bit_for_bit():
+    """``project_shared``: bf16 layers of one input (q/k/v) take it rounded once and compute
+    each layer's own output bit for bit, a bias added after, as each layer does; layers that
+    round differently (or not at all) each take the input as it is."""
+    from sparkv.runtime.fastops import project_shared
+    from sparkv.runtime.linears import Bf16Linear, Int8Linear
+
+    torch.manual_seed(6)
+    plain = [torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 16),
+             torch.nn.Linear(64, 16)]
+    bf16 = tuple(Bf16Linear(m) for m in plain)
+    x = torch.randn(1, 50, 64)
+    with torch.inference_mode():
+        for layers in (bf16, (bf16[0], Int8Linear(plain[1])), tuple(plain)):
+            got, want = project_shared(layers, x), [m(x) for m in layers]
+            assert len(got) == len(layers)
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
 
 
 def test_weights_are_stored_as_each_configuration_says(tiny_llama):

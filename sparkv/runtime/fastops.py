@@ -150,7 +150,8 @@ def project_shared(layers: tuple[nn.Module, ...], h: torch.Tensor) -> list[torch
         return [m(h) for m in layers]
     hl = h.to(low.pop())
     out = []
-    for m in layers:
+    for layer in layers:
+        m: Any = layer                  # a WeightLinear (its rounds_input_to says so)
         y = m.matmul(hl).to(h.dtype)
         out.append(y if m.bias is None else y + m.bias.to(h.dtype))
     return out

@@ -4,21 +4,18 @@ are on their way.
 Before loading can begin, the edge waits for the context's manifest (one round trip, far longer
 when the link starts in a fade: 0.3-0.8 s on the adversarial traces) and then plans. When the
 device already holds the context's tokens, its compute thread need not wait: every plan that
-computes anything computes the lowest layers of the first token chunks first. :class:`Prelude`
-runs them on a background thread from the moment the question is asked until the plan is ready,
-in local-prefill order, layer by layer over a block of token chunks as one span (at most
-:data:`SPAN_TOKENS` tokens a call: one layer of a 2K context is one call, whose GEMMs run 1.5x
-as fast per token as a 512-token step's on a 2-core CPU; a long context's first block of chunks
-goes first, its later ones after), block after block. The steps it finished, and those of the
-span it is finishing, are handed to the planner as free (their predicted time is ~zero) and to
-the engine as done (the :class:`~sparkv.scheduler.controller.Controller` takes them out of both
+computes anything computes the first token chunk, layer after layer, first. :class:`Prelude`
+runs those steps (then the next token chunk's, in local-prefill order) on a background thread
+from the moment the question is asked until the plan is ready. The steps it finished, and the
+one it is finishing, are handed to the planner as free (their predicted time is ~zero) and to the
+engine as done (the :class:`~sparkv.scheduler.controller.Controller` takes them out of both
 queues), so nothing is computed twice and the stepper's buffers carry the work over. The engine's
-link starts at once; its compute thread first waits for the prelude's last span. Steps the plan
-would have streamed instead cost at most the compute thread's idle time.
+link starts at once; its compute thread first waits for the prelude's last step. Steps the plan would have streamed
+instead cost at most the compute thread's idle time.
 
 A prelude whose geometry turns out to differ from the manifest's (a guessed chunk size), or whose
 stepper could not be built, is discarded: the load starts from a fresh stepper, as without it. A
-span that fails inside the prelude is not done: the engine computes what is missing.
+step that fails inside the prelude is not done: the engine computes what is missing.
 """
 
 from __future__ import annotations
@@ -31,25 +28,6 @@ from typing import Callable, Sequence
 from sparkv.layout import ChunkGeometry, StepId
 from sparkv.runtime.stepper import LayerStepper
 from sparkv.runtime.threads import use_threads
-
-#: the most tokens one prelude call spans (one layer over a block of consecutive token chunks)
-SPAN_TOKENS = 2048
-
-
-def prelude_units(g: ChunkGeometry, span_tokens: int = SPAN_TOKENS) -> list[tuple[StepId, ...]]:
-    """The prelude's calls in order: the token chunks cut into blocks of at most
-    ``span_tokens`` tokens (one chunk at least), each block layer by layer, one span a layer."""
-    blocks: list[list[int]] = []
-    size = 0
-    for t in range(g.num_token_chunks):
-        a, b = g.token_range(t)
-        if not blocks or size + (b - a) > span_tokens:
-            blocks.append([])
-            size = 0
-        blocks[-1].append(t)
-        size += b - a
-    return [tuple(StepId(t, l) for t in block)  # noqa: E741
-            for block in blocks for l in range(g.num_layers)]
 
 
 @dataclass
@@ -84,7 +62,7 @@ class Prelude:
         self._built = threading.Event()
         self._stop = False
         self._min_steps = 0         # steps to finish before stopping (request_stop's promise)
-        self._running: tuple[StepId, ...] = ()
+        self._running: StepId | None = None
         self._result = PreludeResult()
         self._thread: threading.Thread | None = None
 
@@ -97,6 +75,10 @@ class Prelude:
         self._thread.start()
         return self
 
+    def _order(self, g: ChunkGeometry) -> list[StepId]:
+        return [StepId(t, l) for t in range(g.num_token_chunks)  # noqa: E741
+                for l in range(g.num_layers)]
+
     def _main(self) -> None:
         use_threads(int(self._threads or 1))
         try:
@@ -104,38 +86,40 @@ class Prelude:
                 self.stepper = self._make()
             finally:
                 self._built.set()
-            for unit in prelude_units(self.stepper.geometry):
+            for step in self._order(self.stepper.geometry):
                 with self._lock:
                     if self._stop and len(self._result.steps) >= self._min_steps:
                         return
-                    self._running = unit
+                    self._running = step
                 t0 = time.perf_counter()
-                self.stepper.run_span(unit[0].t, unit[-1].t + 1, unit[0].l)
+                self.stepper.run_step(step)
                 with self._lock:
                     self._result.busy_s += time.perf_counter() - t0
-                    self._result.steps.extend(unit)
-                    self._running = ()
+                    self._result.steps.append(step)
+                    self._running = None
         except BaseException as e:  # noqa: BLE001 - reported by join()
             with self._lock:
                 self._result.error = e
-                self._running = ()
+                self._running = None
 
     def request_stop(self, promise_first: bool = True) -> frozenset[StepId]:
-        """Stops after the span in progress; returns the steps that will then be done (those
-        completed and the running span's: a span that fails instead is reported by
-        :meth:`join`). Asked before any span began (the stepper still being built), it promises
-        the first span (unless ``promise_first`` is false: a discarded prelude): the plan need
+        """Stops after the step in progress; returns the steps that will then be done (those
+        completed and the one running: the step that fails instead is reported by
+        :meth:`join`). Asked before any step began (the stepper still being built), it promises
+        the first step (unless ``promise_first`` is false: a discarded prelude): the plan need
         not wait for the build, and the compute thread, which waits for the prelude anyway,
         does not lose the start-up overlap."""
         with self._lock:
             if self._stop:
-                return frozenset(self._result.steps) | frozenset(self._running)
+                return frozenset(self._result.steps) | (
+                    {self._running} if self._running is not None else set())
             self._stop = True
-            out = set(self._result.steps) | set(self._running)
-            if not out and promise_first and self._result.error is None:
-                first = prelude_units(self.geometry)[0]
-                self._min_steps = len(first)
-                out.update(first)
+            out = set(self._result.steps)
+            if self._running is not None:
+                out.add(self._running)
+            elif promise_first and not out and self._result.error is None:
+                self._min_steps = 1
+                out.add(self._order(self.geometry)[0])
         return frozenset(out)
 
     def wait_stepper(self) -> LayerStepper | None:

@@ -8,7 +8,6 @@ link failed to deliver, and applies the stall and idle rules and the ask's time 
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import torch
 
@@ -72,18 +71,19 @@ class ComputeWorker:
         self._idle_at: float | None = None
         self._threads = 1
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="sparkv-compute", daemon=True)
 
-    def start(self, threads: int) -> None:
-        """Starts the thread; its kernels use ``threads`` OpenMP threads (sparkv.runtime.threads)."""
+    def run(self, threads: int) -> None:
+        """Computes on the calling thread until every chunk is in place (or the worker failed:
+        :attr:`error`); its kernels use ``threads`` OpenMP threads (sparkv.runtime.threads). The
+        caller's thread, not one of its own: an OpenMP team led by a thread other than the
+        process's initial one ran the same layer calls 1.2-1.3x slower on a 2-core CPU, and a
+        load on a thread of its own 1.2x slower (session 69, docs/benchmarks.md)."""
         self._threads = threads
-        self._thread.start()
+        self._main()
+        if isinstance(self.error, (KeyboardInterrupt, SystemExit)):
+            raise self.error
 
-    def join(self) -> None:
-        """Returns once every chunk is in place (or the worker failed: :attr:`error`)."""
-        self._thread.join()
-
-    # ---- the thread --------------------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------------------
     def _main(self) -> None:
         hub = self._hub
         try:

@@ -135,19 +135,19 @@ class Engine:
             link.connect()
         with hub.cv:
             self.ctl.start(0.0)
-        # OpenMP thread counts are per calling thread: the compute thread gets the caller's, the
-        # decode worker one (its dequantisation must not oversubscribe the cores the layer steps
-        # use: measured, 4 OpenMP threads on 2 cores made decoding 5x slower and stalled steps).
-        # Each thread sets its own with use_threads (a plain set_num_threads is undone by the
-        # thread's lazy initialisation, which reads whatever another thread set last:
-        # sparkv.runtime.threads), and the decode workers start before the compute thread
+        # OpenMP thread counts are per calling thread: the compute loop runs on the caller's
+        # (ComputeWorker.run), the decode worker gets one (its dequantisation must not
+        # oversubscribe the cores the layer steps use: measured, 4 OpenMP threads on 2 cores
+        # made decoding 5x slower and stalled steps). Each thread sets its own with use_threads
+        # (a plain set_num_threads is undone by the thread's lazy initialisation, which reads
+        # whatever another thread set last: sparkv.runtime.threads); the count is read here,
+        # before a decode worker starts
         threads = torch.get_num_threads()      # read before a decode worker sets 1
         self._decoder.start(warm=link is not None)
-        self._compute.start(threads)
-        if link is not None:
-            link.start()
         try:
-            self._compute.join()
+            if link is not None:
+                link.start()
+            self._compute.run(threads)           # on this thread (ComputeWorker.run)
         finally:
             if link is not None:
                 link.stop()

@@ -191,11 +191,21 @@ def passive_openmp_waits() -> None:
     decoding, generation). GNU OpenMP gives every calling thread its own team whose workers
     busy-wait after each parallel region; on a small CPU those spinning teams take the cores from
     whichever thread works next (measured here: the question prefill after a stream-only load
-    took 2.5 s instead of 0.15 s). Passive waiting removes that and costs nothing measurable for
-    our kernels. OpenMP reads the variable once, when torch loads it: :func:`main` sets it before
-    it builds the parsers (the command modules import torch), and the processes a command starts
-    (server, workers, the device service) inherit it."""
+    took 2.5 s instead of 0.15 s). Passive waiting removes that. With it, ``GOMP_SPINCOUNT``
+    (unless the environment sets it) lets a team's workers spin :data:`SPIN_COUNT` rounds (about
+    0.3 ms) before they sleep: the parallel regions of one layer call follow each other within
+    microseconds, and a worker woken from sleep for each of them made a whole load 1.17-1.19x
+    slower on LTE (local 1.05-1.10 s against 0.91-0.93, sparkv 1.25 against 1.03-1.07;
+    session 69, docs/edge.md "Threads and OpenMP"). OpenMP reads both once, when torch loads
+    it: :func:`main` sets them before it builds the parsers (the command modules import torch),
+    and the processes a command starts (server, workers, the device service) inherit them."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+
+
+#: GNU OpenMP's spin rounds before a worker sleeps (:func:`passive_openmp_waits`; its default
+#: without a policy is 300,000, about 3 ms, and 0 with ``PASSIVE``)
+SPIN_COUNT = 30_000
 
 
 def main(argv: Sequence[str] | None = None) -> int:

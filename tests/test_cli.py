@@ -191,19 +191,21 @@ def test_no_old_spelling_is_taken(argv, capsys):
     assert f"unrecognized arguments: {' '.join(argv[-2:])}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+@pytest.mark.parametrize("given, expected", [({}, ["PASSIVE", "30000"]),
+                                             ({"OMP_WAIT_POLICY": "ACTIVE"}, ["ACTIVE", "30000"]),
+                                             ({"GOMP_SPINCOUNT": "0"}, ["PASSIVE", "0"])])
 def test_the_command_sets_passive_openmp_waits_before_torch_loads(given, expected):
-    """docs/edge.md, "Threads and OpenMP": ``sparkv`` sets OMP_WAIT_POLICY=PASSIVE before any
-    command module imports torch (OpenMP reads it once, then); an explicit value wins."""
+    """docs/edge.md, "Threads and OpenMP": ``sparkv`` sets OMP_WAIT_POLICY=PASSIVE and a short
+    GOMP_SPINCOUNT before any command module imports torch (OpenMP reads them once, then); an
+    explicit value wins."""
     code = ("import os, sys; import sparkv.cli as cli; "
             "cli.build_parser = lambda: sys.exit(print(os.environ.get('OMP_WAIT_POLICY'), "
-            "'torch' in sys.modules)); cli.main(['--version'])")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if given:
-        env["OMP_WAIT_POLICY"] = given
+            "os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)); cli.main(['--version'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(given)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=env)
-    assert out.stdout.split() == [expected, "False"], out.stderr
+    assert out.stdout.split() == [*expected, "False"], out.stderr
 
 
 def test_quiet_and_verbose_set_the_one_logging_setup(capsys):

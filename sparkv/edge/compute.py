@@ -26,14 +26,15 @@ WAIT_S = 0.05
 
 
 class ComputeWorker:
-    """The compute thread (``sparkv-compute``) of one load.
+    """The compute path of one load, run on the asking thread (:meth:`run`; "the compute
+    thread" below).
 
     State and lock discipline:
 
     * ``_idle_s``, ``_idle_at`` (the idle rule's credited idle time): the compute thread's own,
       touched only while it holds the engine's lock;
     * ``error``: written by the compute thread under the lock; :class:`Engine
-      <sparkv.edge.engine.Engine>` reads it after :meth:`join`;
+      <sparkv.edge.engine.Engine>` reads it after :meth:`run`;
     * it writes its steps, the stall and ``ready_s`` into :class:`EngineStats`, and reads the
       link's silence and activity (:class:`Link`), the decoder's (:class:`FrameDecoder`) and the
       faults recorded in :class:`EngineStats`, all under the engine's lock, in the critical section

@@ -80,12 +80,15 @@ def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     low = getattr(self, MLP_DTYPE, None)
     if low is not None:
         return _low_mlp(self, x, low)
-    gate = self.gate_proj(x)
-    if isinstance(self.act_fn, nn.SiLU):
-        F.silu(gate, inplace=True)
-    else:
-        gate = self.act_fn(gate)
+    gate = _activate(self, self.gate_proj(x))
     return self.down_proj(gate.mul_(self.up_proj(x)))
+
+
+def _activate(self: Any, gate: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation of ``gate`` (SiLU in place)."""
+    if isinstance(self.act_fn, nn.SiLU):
+        return F.silu(gate, inplace=True)
+    return self.act_fn(gate)
 
 
 def _low_mlp(self: Any, x: torch.Tensor, low: torch.dtype) -> torch.Tensor:
@@ -94,11 +97,7 @@ def _low_mlp(self: Any, x: torch.Tensor, low: torch.dtype) -> torch.Tensor:
     On a 2K-token pass of SmolLM2 (AMX CPU) 7 ms a layer against 15-18 with every matmul's
     output cast to float32 and the activation and product computed there."""
     xl = x.to(low)
-    gate = self.gate_proj.matmul(xl)
-    if isinstance(self.act_fn, nn.SiLU):
-        F.silu(gate, inplace=True)
-    else:
-        gate = self.act_fn(gate)
+    gate = _activate(self, self.gate_proj.matmul(xl))
     return self.down_proj.matmul(gate.mul_(self.up_proj.matmul(xl))).to(x.dtype)
 
 
@@ -149,12 +148,8 @@ def project_shared(layers: tuple[nn.Module, ...], h: torch.Tensor) -> list[torch
     if len(low) != 1 or None in low or h.dtype in low:
         return [m(h) for m in layers]
     hl = h.to(low.pop())
-    out = []
-    for layer in layers:
-        m: Any = layer                  # a WeightLinear (its rounds_input_to says so)
-        y = m.matmul(hl).to(h.dtype)
-        out.append(y if m.bias is None else y + m.bias.to(h.dtype))
-    return out
+    linears: list[Any] = list(layers)      # WeightLinears (their rounds_input_to says so)
+    return [m.project(hl, h.dtype) for m in linears]
 
 
 def is_fast_attention(module: nn.Module) -> bool:

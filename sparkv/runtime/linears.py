@@ -47,7 +47,7 @@ class WeightLinear(nn.Module):
     bias: nn.Parameter | None
     #: the dtype :meth:`matmul` rounds its input to before anything else (``None``: none or
     #: another treatment): callers with several layers of one input round it once
-    #: (:func:`sparkv.runtime.fastops.project_qkv`), exactly as each layer would
+    #: (:func:`sparkv.runtime.fastops.project_shared`), exactly as each layer would
     rounds_input_to: torch.dtype | None = None
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -62,8 +62,14 @@ class WeightLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x).to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return self.project(x, x.dtype)
+
+    def project(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's output in ``dtype`` (:meth:`forward` is ``project(x, x.dtype)``): the
+        matmul's output cast, then the bias added in ``dtype``. ``x`` may already be rounded
+        to :attr:`rounds_input_to`: the same bits as the unrounded input."""
+        y = self.matmul(x).to(dtype)
+        return y if self.bias is None else y + self.bias.to(dtype)
 
     def weight_nbytes(self) -> int:
         """Bytes the stored weight takes (buffers, the bias left out)."""

@@ -25,7 +25,6 @@ from sparkv.runtime.stepper import LayerStepper
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.planners import get_planner
-from sparkv.scheduler.rules import Rebalance, RecomputeColumns, ToCompute, ToStream
 
 N_TOKENS, T = 96, 16
 
@@ -542,8 +541,8 @@ def test_a_prelude_stopped_while_building_promises_its_first_step(world, promise
 def test_a_column_locked_by_streamed_layers_is_recomputed(world):
     """The plan streams everything layer by layer; the bottom two layers arrive at once, then the
     link crawls. No queued step can move to compute the ordinary way (the hidden states below
-    it were never computed: its layer below was streamed), so the controller recomputes a
-    column: the streamed steps below a locked one are computed again. The cache is exact, the
+    it were never computed: its layer below was streamed), so the default controller recomputes
+    a column: the streamed steps below a locked one are computed again. The cache is exact, the
     compute path did the work, and nothing waited for the idle rule."""
     from sparkv.scheduler.planners.base import make_plan
 
@@ -563,8 +562,7 @@ def test_a_column_locked_by_streamed_layers_is_recomputed(world):
 
     src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=512))
     stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
-    recompute = ControllerConfig(rebalance=Rebalance(RecomputeColumns(ToCompute()), ToStream()))
-    engine = Engine(stepper, plan, inst, recompute, source=src,
+    engine = Engine(stepper, plan, inst, ControllerConfig(), source=src,   # recomputes columns
                     config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=600.0))
     load = _run_exact(engine, world)
     columns = [m for m in load.migrations if m.direction == "to_compute" and len(m.steps) > 1]

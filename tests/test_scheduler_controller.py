@@ -15,7 +15,8 @@ from sparkv.scheduler import (ComputeNoise, Controller, ControllerConfig, Greedy
 from sparkv.scheduler.instance import MBPS
 
 #: sparkv's controller with locked columns recomputed
-RECOMPUTE = ControllerConfig(rebalance=Rebalance(RecomputeColumns(ToCompute()), ToStream()))
+#: the composition before RecomputeColumns joined the default (session 70)
+NO_RECOMPUTE = ControllerConfig(rebalance=Rebalance(ToCompute(), ToStream()))
 
 
 @pytest.fixture(scope="module")
@@ -301,17 +302,18 @@ def test_a_slowed_batch_gives_its_tail_back_to_compute():
 def test_locked_columns_are_recomputed():
     """A plan that streams layer by layer locks every column once the bottom layers arrived: no
     step can be computed without the hidden state below it. When the link collapses, the
-    controller recomputes columns (the streamed steps below a locked one run again) instead of
-    leaving the compute thread idle; without :class:`RecomputeColumns` (the default) it can
-    move almost nothing."""
+    default controller recomputes columns (the streamed steps below a locked one run again)
+    instead of leaving the compute thread idle; with :class:`ToCompute` alone it can move
+    almost nothing."""
     from sparkv.scheduler.planners.base import make_plan
 
+    assert isinstance(ControllerConfig().rebalance.to_compute, RecomputeColumns)
     inst = synthetic_instance(4096, chunk_tokens=512, num_layers=8, bandwidth_mbps=100, seed=0)
     order = sorted(range(inst.num_chunks), key=lambda c: (inst.chunk_id(c).l, inst.chunk_id(c).t))
     plan = make_plan(inst, [], order)
     collapse = Trace.from_rows([0.0, 0.3], [100.0, 2.0], loop=False)
-    locked = simulate(plan, inst, collapse, controller=ControllerConfig())
-    free = simulate(plan, inst, collapse, controller=RECOMPUTE)
+    locked = simulate(plan, inst, collapse, controller=NO_RECOMPUTE)
+    free = simulate(plan, inst, collapse, controller=ControllerConfig())
     columns = [m for m in free.migrations if m.direction == "to_compute" and len(m.steps) > 1]
     assert columns and not any(len(m.steps) > 1 for m in locked.migrations)
     for m in columns:   # bottom up, one token chunk, consecutive layers

@@ -59,7 +59,7 @@ class ControllerConfig:
     Each slot holds one rule (:mod:`sparkv.scheduler.rules`) or ``None`` (off); the defaults are
     sparkv's controller. Examples::
 
-        ControllerConfig(rebalance=Rebalance(RecomputeColumns(ToCompute()), ToStream()))
+        ControllerConfig(rebalance=Rebalance(ToCompute(), ToStream()))   # no recompute columns
         ControllerConfig(probe=ProbeIdleLink(rate_Bps=50_000.0, burst_bytes=100_000.0))
         ControllerConfig(rebalance=Rebalance(to_stream=None), probe=None)
 

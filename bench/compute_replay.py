@@ -30,7 +30,8 @@ Calls = list[tuple[StepId, ...]]
 
 
 class Recorder:
-    """Records the compute worker's units and the stepper's call time on non-main threads."""
+    """Records the compute worker's units and the stepper's call time (the prelude's thread
+    apart)."""
 
     def __init__(self) -> None:
         from sparkv.edge import compute
@@ -38,6 +39,7 @@ class Recorder:
 
         self.units: Calls = []
         self.kernel_s = 0.0
+        self.prelude_kernel_s = 0.0
         run, span, column = (compute.ComputeWorker._run, stepper.LayerStepper.run_span,
                              stepper.LayerStepper.run_column)
         rec = self
@@ -50,8 +52,11 @@ class Recorder:
             def call(st: Any, *a: Any) -> Any:
                 start = time.perf_counter()
                 out = fn(st, *a)
-                if threading.current_thread() is not threading.main_thread():
-                    rec.kernel_s += time.perf_counter() - start
+                took = time.perf_counter() - start
+                if threading.current_thread().name == "sparkv-prelude":
+                    rec.prelude_kernel_s += took
+                else:
+                    rec.kernel_s += took
                 return out
             return call
 
@@ -60,7 +65,7 @@ class Recorder:
         stepper.LayerStepper.run_column = _timed(column)        # type: ignore[method-assign]
 
     def clear(self) -> None:
-        self.units, self.kernel_s = [], 0.0
+        self.units, self.kernel_s, self.prelude_kernel_s = [], 0.0, 0.0
 
 
 def run_calls(lm: Any, ids: list[int], ref: Any, calls: Calls, streamed: list[StepId]) -> float:
@@ -125,9 +130,11 @@ def sparkv_row(lm: Any, ids: list[int], ref: Any, res: Any, rec: Recorder) -> di
     streamed = [s for s in order if s not in computed]
     best = lambda c, st: min(run_calls(lm, ids, ref, c, st) for _ in range(2))  # noqa: E731
     return {"strategy": "sparkv", "ttft_s": bd.ttft_s, "loading_s": bd.loading_s,
-            "kernel_s": rec.kernel_s, "prelude_steps": bd.prelude_steps,
+            "kernel_s": rec.kernel_s, "prelude_kernel_s": rec.prelude_kernel_s,
+            "prelude_steps": bd.prelude_steps,
             "computed_steps": len(computed), "streamed_steps": len(streamed),
             "calls": len(calls), "replay_s": best(calls, streamed),
+            "replay_prelude_s": best(calls[:bd.prelude_steps], streamed),
             "replay_spans_s": best(as_spans(computed, g.num_layers), streamed),
             "all_spans_s": best(as_spans(set(order), g.num_layers), [])}
 

@@ -356,7 +356,9 @@ def test_a_chunk_the_schedule_loses_is_computed_not_waited_for(world):
 
 
 class CountingStepper(LayerStepper):
-    """Counts runs per step; ``fail`` (a step) raises once, after ``gate`` is set."""
+    """Counts runs per step (a span or a column counts each of its steps; ``run_step`` is a span
+    of one);
+    a span holding ``fail`` (a step) raises once, after ``gate`` is set."""
 
     fail = None
     gate: Any = None
@@ -365,13 +367,20 @@ class CountingStepper(LayerStepper):
         super().__init__(*a, **kw)
         self.runs: dict = {}
 
-    def run_step(self, step):
-        if step == self.fail:
+    def run_span(self, t0, t1, l):  # noqa: E741
+        steps = [StepId(t, l) for t in range(t0, t1)]
+        if self.fail in steps:
             self.fail = None
             self.gate.wait(30)
             raise RuntimeError("injected prelude failure")
-        self.runs[step] = self.runs.get(step, 0) + 1
-        return super().run_step(step)
+        for step in steps:
+            self.runs[step] = self.runs.get(step, 0) + 1
+        return super().run_span(t0, t1, l)
+
+    def run_column(self, t, l0, l1):  # noqa: E741
+        for l in range(l0, l1):  # noqa: E741
+            self.runs[StepId(t, l)] = self.runs.get(StepId(t, l), 0) + 1
+        return super().run_column(t, l0, l1)
 
 
 def _prelude_load(world, stepper, pre, promised, planner="sparkv"):
@@ -417,7 +426,7 @@ def test_a_prelude_step_that_fails_is_computed_by_the_engine(world):
     stepper = CountingStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
     stepper.fail, stepper.gate = StepId(0, 1), threading.Event()
     pre = Prelude(lambda: stepper, stepper.geometry, world["tokens"]).start()
-    _wait(lambda: pre._running == StepId(0, 1))
+    _wait(lambda: StepId(0, 1) in pre._running)
     promised = pre.request_stop()
     assert StepId(0, 1) in promised
     stepper.gate.set()
@@ -436,14 +445,15 @@ class ThreadCountStepper(LayerStepper):
         super().__init__(*a, **kw)
         self.counts: dict = {}
 
-    def run_step(self, step):
+    def run_span(self, t0, t1, l):  # noqa: E741
         import threading
 
         if threading.current_thread().name == "sparkv-prelude" and self.hold:
             self.hold = False
             _wait(lambda: any(s == "streamed" for s in self.kv.sources().values()))
-        self.counts[step] = torch.get_num_threads()
-        return super().run_step(step)
+        for t in range(t0, t1):
+            self.counts[StepId(t, l)] = torch.get_num_threads()
+        return super().run_span(t0, t1, l)
 
 
 def test_compute_steps_keep_the_callers_thread_count(world):
@@ -457,7 +467,7 @@ def test_compute_steps_keep_the_callers_thread_count(world):
     try:
         stepper = ThreadCountStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
         pre = Prelude(lambda: stepper, stepper.geometry, world["tokens"]).start()
-        _wait(lambda: pre._running is not None)
+        _wait(lambda: bool(pre._running))
         promised = pre.request_stop()
         inst = _instance(world, mbps=50.0)
         plan = get_planner("hybrid").plan(inst)
@@ -514,10 +524,10 @@ def test_a_cancelled_chunk_later_in_a_batch_does_not_stop_the_chunks_before_it(w
 @pytest.mark.parametrize("promise", [True, False])
 def test_a_prelude_stopped_while_building_promises_its_first_step(world, promise):
     """The plan is made while the prelude's stepper is still being built: the prelude promises
-    (and then runs) exactly its first step; a discarded one runs nothing."""
+    (and then runs) exactly its first span; a discarded one runs nothing."""
     import threading
 
-    from sparkv.edge.prelude import Prelude
+    from sparkv.edge.prelude import Prelude, prelude_units
 
     gate = threading.Event()
 
@@ -531,11 +541,14 @@ def test_a_prelude_stopped_while_building_promises_its_first_step(world, promise
     gate.set()
     res = pre.join()
     assert res.ok
-    assert promised == ({StepId(0, 0)} if promise else set())
+    first = set(prelude_units(geo)[0])
+    assert len(first) > 1 and all(s.l == 0 for s in first)
+    assert promised == (first if promise else set())
     assert res.steps == sorted(promised)
     if promise:
         load = _prelude_load(world, pre.stepper, None, promised)
-        assert StepId(0, 0) not in load.steps and pre.stepper.runs[StepId(0, 0)] == 1
+        assert not first & set(load.steps)
+        assert all(pre.stepper.runs[s] == 1 for s in first)
 
 
 def test_a_column_locked_by_streamed_layers_is_recomputed(world):

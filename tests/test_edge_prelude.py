@@ -4,12 +4,14 @@ answer is the dense reference's. A real server process on loopback, the real Smo
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from sparkv.edge import EdgeSession, LinkShaper, chat_context, question_suffix
-from sparkv.edge.prelude import Prelude
+from sparkv.protocol.errors import ApiError
+from sparkv.edge.prelude import Prelude, prelude_units
 from sparkv.layout import StepId
 from sparkv.runtime.attention import get_backend
 from sparkv.runtime.generate import reference_generate, sample_context_ids
@@ -64,10 +66,9 @@ def test_prelude_steps_are_used_once_and_the_answer_is_exact(served):
     # of 0.3 Mbit/s planned at the 50 Mbit/s prior is rightly given up (docs/scheduler.md)
     assert set(bd.fallback) <= {"slow_link"}, bd.fallback
     assert bd.chunks_streamed + bd.chunks_computed == res.instance.num_chunks
-    # the engine ran none of the prelude's steps again: they are the first steps in local-prefill
-    # order, and the engine's own steps are disjoint from them
-    g = res.instance.geometry
-    order = [StepId(t, l) for t in range(g.num_token_chunks) for l in range(g.num_layers)]
+    # the engine ran none of the prelude's steps again: they are its first units' steps, and the
+    # engine's own steps are disjoint from them
+    order = [s for u in prelude_units(res.instance.geometry) for s in u]
     pre = set(order[:bd.prelude_steps])
     assert not pre & set(res.load.steps)
     assert bd.steps_computed == len(res.load.steps) + bd.prelude_steps
@@ -100,21 +101,132 @@ def test_a_prelude_of_another_geometry_is_discarded(served):
 
 
 def test_prelude_runs_in_local_prefill_order_and_stops(smollm2):
+    """Layer by layer over a block of token chunks, one span a layer; stopped, it finishes the
+    span in progress (promised) and nothing after it."""
     ids = sample_context_ids(smollm2, 300)
     stepper = LayerStepper(smollm2, ids, 128, backend=get_backend("dense"))
     pre = Prelude(lambda: stepper, stepper.geometry, ids).start()
     deadline = time.monotonic() + 120
-    while len(stepper.done) < 3 and time.monotonic() < deadline:
+    while len(stepper.done) < 6 and time.monotonic() < deadline:
         time.sleep(0.01)
     promised = pre.request_stop()
     res = pre.join()
-    assert res.ok and len(res.steps) >= 3
-    L = stepper.geometry.num_layers
-    assert res.steps == [StepId(i // L, i % L) for i in range(len(res.steps))]
+    assert res.ok and len(res.steps) >= 6
+    T = stepper.geometry.num_token_chunks                    # 3 chunks of 300 tokens: one block
+    assert res.steps == [StepId(i % T, i // T) for i in range(len(res.steps))]
     assert set(res.steps) == set(stepper.done) == set(promised)
     n = len(res.steps)
     time.sleep(0.05)
     assert len(stepper.done) == n   # stopped for good
+
+
+def test_prelude_runs_on_the_calling_thread_until_another_stops_it(smollm2):
+    """``run`` computes on the caller's thread; a stop asked from another thread ends it after
+    the span in progress, which the stop promised."""
+    ids = sample_context_ids(smollm2, 300)
+    stepper = LayerStepper(smollm2, ids, 128, backend=get_backend("dense"))
+    threads: set = set()
+    span = stepper.run_span
+
+    def recording_span(t0, t1, l):  # noqa: E741
+        threads.add(threading.current_thread())
+        return span(t0, t1, l)
+
+    stepper.run_span = recording_span
+    pre = Prelude(lambda: stepper, stepper.geometry, ids)
+    promised: list = []
+
+    def stop_later() -> None:
+        deadline = time.monotonic() + 120
+        while len(stepper.done) < 6 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        promised.append(pre.request_stop())
+
+    stopper = threading.Thread(target=stop_later)
+    stopper.start()
+    res = pre.run()
+    stopper.join()
+    assert threads == {threading.current_thread()}
+    assert res.ok and len(res.steps) >= 6 and set(res.steps) == set(stepper.done) == promised[0]
+    assert res.steps == [s for u in prelude_units(stepper.geometry) for s in u][:len(res.steps)]
+    assert pre.join() is res
+
+
+def test_an_interrupt_inside_the_prelude_is_raised_on_the_calling_thread(smollm2):
+    ids = sample_context_ids(smollm2, 300)
+    stepper = LayerStepper(smollm2, ids, 128, backend=get_backend("dense"))
+
+    def interrupted(t0, t1, l):  # noqa: E741
+        raise KeyboardInterrupt
+
+    stepper.run_span = interrupted
+    pre = Prelude(lambda: stepper, stepper.geometry, ids)
+    with pytest.raises(KeyboardInterrupt):
+        pre.run()
+    assert isinstance(pre.join().error, KeyboardInterrupt) and not stepper.done
+
+
+def test_the_asks_prelude_runs_on_the_asking_thread(served, monkeypatch):
+    """The ask's prelude computes on the thread that asked (no ``sparkv-prelude`` thread), the
+    manifest is fetched beside it, and the answer is exact."""
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    calls: list = []
+    span = LayerStepper.run_span
+
+    def recording_span(self, t0, t1, l):  # noqa: E741
+        calls.append(threading.current_thread().name)
+        return span(self, t0, t1, l)
+
+    monkeypatch.setattr(LayerStepper, "run_span", recording_span)
+    session.client.shaper = LinkShaper.constant(0.3, 40.0)
+    try:
+        _ask(session, cid)   # the client now holds the manifest: its geometry is known
+        calls.clear()
+        res = _ask(session, cid)
+    finally:
+        session.client.shaper = LinkShaper.unlimited()
+    assert res.tokens == ref and res.breakdown.prelude_steps > 0
+    assert "sparkv-prelude" not in calls
+    me = threading.current_thread().name
+    units = prelude_units(res.instance.geometry)
+    n_units = next(i + 1 for i in range(len(units))
+                   if sum(len(u) for u in units[:i + 1]) >= res.breakdown.prelude_steps)
+    assert calls[:n_units] == [me] * n_units
+
+
+def test_a_failed_manifest_fetch_stops_the_prelude_and_is_raised(served):
+    """A context the server does not know (404): the ask raises the server's error at once; the
+    prelude started on the device's tokens stops after its span in progress."""
+    lm = served["lm"]
+    fresh = EdgeSession.connect(served["server"].url, model=lm)
+    try:
+        with pytest.raises(ApiError):
+            fresh.ask("0" * 32, QUESTION, level="raw", backend="dense", max_new_tokens=NEW,
+                      token_ids=served["doc"])
+    finally:
+        fresh.close()
+
+
+def test_prelude_units_are_blocks_of_chunks_layer_by_layer():
+    """At most ``span_tokens`` tokens a call (one chunk at least), the first block's layers
+    before the next block's: every step once, each call's dependencies done before it."""
+    from sparkv.layout import ChunkGeometry
+
+    g = ChunkGeometry(num_tokens=1000, chunk_tokens=128, num_layers=3, num_kv_heads=2,
+                      head_dim=8)                           # 8 chunks, the last of 104 tokens
+    units = prelude_units(g, span_tokens=300)
+    assert [tuple(s.t for s in u) for u in units[:4]] == [(0, 1), (0, 1), (0, 1), (2, 3)]
+    assert [u[0].l for u in units] == [0, 1, 2] * 4
+    steps = [s for u in units for s in u]
+    assert sorted(steps) == sorted(g.step_ids()) and len(set(steps)) == len(steps)
+    done: set = set()
+    for u in units:
+        assert all(s.l == u[0].l for s in u)
+        assert all(StepId(t, s.l) in done for s in u for t in range(u[0].t))  # earlier blocks
+        assert all(StepId(s.t, s.l - 1) in done for s in u if s.l)  # the hidden input
+        done.update(u)
+    assert [len(u) for u in prelude_units(g, span_tokens=64)] == [1] * 24   # a chunk at least
 
 
 def test_controller_takes_done_steps_out_of_both_queues():

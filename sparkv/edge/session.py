@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -334,8 +336,10 @@ class EdgeSession:
             if kept is not None:
                 return kept
         if opts.runs_prelude:
-            ask.prelude = self._start_prelude(ask)
+            ask.prelude = self._prelude(ask)
         try:
+            if ask.prelude is not None:
+                return self._ask_beside_prelude(ask, ask.prelude)
             return self._ask_loaded(ask)
         finally:
             if ask.prelude is not None:
@@ -356,9 +360,9 @@ class EdgeSession:
         except BackendUnavailableError as exc:
             raise AskError(str(exc)) from None
 
-    def _start_prelude(self, ask: _Ask) -> Prelude | None:
-        """A running prelude over the context's tokens when the device holds them (the
-        geometry of a cached manifest, else the default chunking); ``None`` otherwise."""
+    def _prelude(self, ask: _Ask) -> Prelude | None:
+        """A prelude over the context's tokens when the device holds them (the geometry of a
+        cached manifest, else the default chunking); ``None`` otherwise."""
         from sparkv.runtime.stepper import LayerStepper
 
         tokens = (list(ask.token_ids) if ask.token_ids is not None
@@ -377,12 +381,43 @@ class EdgeSession:
                                         heads_per_group=geo.heads_per_group, spare_tokens=spare,
                                         lazy=True), lane)
 
-        return Prelude(make, geo, tokens).start()
+        return Prelude(make, geo, tokens)
 
     def _ask_loaded(self, ask: _Ask) -> AskResult:
-        """:meth:`ask` from the manifest on (the prelude, if any, is running)."""
+        """:meth:`ask` from the manifest on (no prelude)."""
         fetched = self._fetch(ask)
         planned = self._plan(ask, fetched)
+        loaded = self._load(ask, fetched, planned)
+        return self._answer(ask, fetched, planned, loaded)
+
+    def _ask_beside_prelude(self, ask: _Ask, prelude: Prelude) -> AskResult:
+        """:meth:`ask` with the prelude's steps on the asking thread while a thread of its own
+        (``sparkv-plan``) fetches the manifest and plans: the plan stops the prelude after its
+        span in progress, a failed fetch or plan stops it too (and is raised here). The asking
+        thread computes, not another: the prelude's steps ran 2.2x their time alone on a thread
+        of their own (session 70, docs/edge.md). The cost model is made first, here (on a
+        session's first ask it measures the model's steps: alone, not beside the prelude's)."""
+        import torch
+
+        from sparkv.runtime.threads import use_threads
+
+        _ = self.cost_model   # made (a first ask: measured) before the prelude starts
+        threads = torch.get_num_threads()     # the cost model's key: the plan's thread reads it
+        ahead: Future[tuple[FetchedContext, _Planned]] = Future()
+
+        def fetch_and_plan() -> None:
+            try:
+                use_threads(threads)
+                fetched = self._fetch(ask)
+                ahead.set_result((fetched, self._plan(ask, fetched)))
+            except BaseException as e:  # noqa: BLE001 - raised again on the asking thread
+                ahead.set_exception(e)
+            finally:
+                prelude.request_stop(promise_first=False)
+
+        threading.Thread(target=fetch_and_plan, name="sparkv-plan", daemon=True).start()
+        prelude.run()
+        fetched, planned = ahead.result()
         loaded = self._load(ask, fetched, planned)
         return self._answer(ask, fetched, planned, loaded)
 

@@ -148,7 +148,7 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
     suffix = question_suffix(lm, args.question)
     print(f"question: {args.question!r}; link: {link}\n", flush=True)
     ref = reference_generate(lm, context + suffix, args.max_new_tokens)
-    _warm_up(session, cid, args)
+    _warm_up(session, cid, args, strategies)
     runs: list[tuple[str, Any]] = []
     rows: list[list[Any]] = []
     # the sparkv run keeps what it loaded as a context of the device's context service
@@ -170,16 +170,19 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
     return ref, runs, rows, follow
 
 
-def _warm_up(session: Any, cid: str, args: argparse.Namespace) -> None:
-    """One unshaped local ask before the measured ones, as ``bench ttft`` does: the cost
-    model's calibration and the first use of the steps' kernels are paid here, not by whichever
-    strategy asks first (local's TTFT carried ~0.75 s of them)."""
+def _warm_up(session: Any, cid: str, args: argparse.Namespace, strategies: list[str]) -> None:
+    """One unshaped ask of every strategy (local first) before the measured ones, as ``bench
+    ttft`` does: the cost model's calibration and the first use of each path's kernels, threads
+    and tables are paid here, not by whichever strategy asks first (local's TTFT carried ~0.75 s
+    of them; a session's first sparkv ask after a local one took 3.4-3.7 s on the LTE trace, the
+    next ones 1.8-2.6, session 70)."""
     from sparkv.edge.options import AskOptions
     from sparkv.edge.shaper import LinkShaper
 
     session.client.shaper = LinkShaper.unlimited()
-    session.ask(cid, args.question, AskOptions(strategy="local", max_new_tokens=2,
-                                                use_cache=False))
+    for strat in ["local", *[s for s in strategies if s != "local"]]:
+        session.ask(cid, args.question, AskOptions(strategy=strat, max_new_tokens=2,
+                                                    use_cache=False))
 
 
 def _ask_follow_up(session: Any, cid: str, lm: LoadedModel, context: list[int],

@@ -338,8 +338,6 @@ class EdgeSession:
         if opts.runs_prelude:
             ask.prelude = self._prelude(ask)
         try:
-            if ask.prelude is not None:
-                return self._ask_beside_prelude(ask, ask.prelude)
             return self._ask_loaded(ask)
         finally:
             if ask.prelude is not None:
@@ -384,16 +382,20 @@ class EdgeSession:
         return Prelude(make, geo, tokens)
 
     def _ask_loaded(self, ask: _Ask) -> AskResult:
-        """:meth:`ask` from the manifest on (no prelude)."""
-        fetched = self._fetch(ask)
-        planned = self._plan(ask, fetched)
+        """:meth:`ask` from the manifest on (beside the prelude, if any)."""
+        if ask.prelude is not None:
+            fetched, planned = self._plan_beside_prelude(ask, ask.prelude)
+        else:
+            fetched = self._fetch(ask)
+            planned = self._plan(ask, fetched)
         loaded = self._load(ask, fetched, planned)
         return self._answer(ask, fetched, planned, loaded)
 
-    def _ask_beside_prelude(self, ask: _Ask, prelude: Prelude) -> AskResult:
-        """:meth:`ask` with the prelude's steps on the asking thread while a thread of its own
-        (``sparkv-plan``) fetches the manifest and plans: the plan stops the prelude after its
-        span in progress, a failed fetch or plan stops it too (and is raised here). The asking
+    def _plan_beside_prelude(self, ask: _Ask,
+                             prelude: Prelude) -> tuple[FetchedContext, _Planned]:
+        """The manifest and the plan, made by a thread of their own (``sparkv-plan``) while the
+        prelude's steps run on the asking thread: the plan stops the prelude after its span in
+        progress, a failed fetch or plan stops it too (and is raised here). The asking
         thread computes, not another: the prelude's steps ran 2.2x their time alone on a thread
         of their own (session 70, docs/edge.md). The cost model is made first, here (on a
         session's first ask it measures the model's steps: alone, not beside the prelude's)."""
@@ -417,9 +419,7 @@ class EdgeSession:
 
         threading.Thread(target=fetch_and_plan, name="sparkv-plan", daemon=True).start()
         prelude.run()
-        fetched, planned = ahead.result()
-        loaded = self._load(ask, fetched, planned)
-        return self._answer(ask, fetched, planned, loaded)
+        return ahead.result()
 
     # ---- the steps of a load, in order -------------------------------------------------------
     def _fetch(self, ask: _Ask) -> FetchedContext:

@@ -329,6 +329,11 @@ class EdgeSession:
         opts = AskOptions.resolve(options, overrides)
         suffix = question_suffix(self.lm, question, opts.chat)
         attn = self._attention(opts.backend)
+        if not opts.keep:
+            # the device's step costs, made once per model and thread count (a first ask
+            # measures them: 11 s once on a loaded 2-core machine): set-up, like loading the
+            # model, not the ask's time, whose limit it used to spend before the load began
+            _ = self.cost_model
         ask = _Ask(context_id, opts, suffix, attn, time.perf_counter(), token_ids, lane)
         if opts.keep:
             kept = self._kept().answer(self.lm.fingerprint, ask.context_id, ask.suffix,

@@ -149,6 +149,22 @@ class ChunkGeometry:
     def chunks_of_step(self, step: StepId) -> list[KVChunkId]:
         return [KVChunkId(step.t, step.l, g) for g in range(self.num_groups)]
 
+    def layer_spans(self, span_tokens: int) -> list[tuple[StepId, ...]]:
+        """A layer-by-layer prefill's calls in order: the token chunks cut into blocks of at
+        most ``span_tokens`` tokens (one chunk at least), each block layer by layer, one span
+        (one call over the block's token chunks) a layer."""
+        blocks: list[list[int]] = []
+        size = 0
+        for t in range(self.num_token_chunks):
+            a, b = self.token_range(t)
+            if not blocks or size + (b - a) > span_tokens:
+                blocks.append([])
+                size = 0
+            blocks[-1].append(t)
+            size += b - a
+        return [tuple(StepId(t, l) for t in block)  # noqa: E741
+                for block in blocks for l in range(self.num_layers)]
+
     # --- validation ---------------------------------------------------------------------------
     def _check_t(self, t: int) -> None:
         if not 0 <= t < self.num_token_chunks:

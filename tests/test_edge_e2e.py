@@ -19,6 +19,7 @@ from sparkv.runtime.generate import (greedy_agreement, reference_generate,
                                      sample_context_ids, teacher_forced_agreement)
 from sparkv.server.process import (RedisProcess, ServerProcess, free_port,
                                    redis_server_available)
+from sparkv.scheduler.trace import Trace
 
 QUESTIONS = ["What does the text say about warranty?", "Who may copy the program?"]
 NEW = 24
@@ -114,6 +115,28 @@ def test_a_plan_priced_with_the_receive_tax_gives_the_same_answer(served):
     assert off.instance.receive_tax == 0.0 and on.instance.receive_tax == 0.4
     assert off.tokens == on.tokens == ref
     assert on.load.receive_tax >= 0.0 and on.load.receive_tax_samples >= 0
+
+
+def test_a_manifest_that_came_slowly_caps_the_plans_link_prior(served):
+    """The link is in a fade when the question is asked (1 Mbit/s for 0.6 s, then 100): the
+    manifest step takes over a quarter second, so the plan's link prior is capped at that
+    step's rate, not the 50 Mbit/s default or what the link did before; the link's later
+    recovery is the controller's to find. The answer is plain transformers'."""
+    from sparkv.scheduler.estimators import SLOW_START_S
+
+    lm = served["lm"]
+    ref = _reference(lm, served["docs"]["a"], QUESTIONS[0])
+    fade = Trace.from_rows([0.0, 0.6], [1.0, 100.0], [5.0, 5.0], loop=False)
+    session = EdgeSession.connect(served["server"].url, model=lm, shaper=LinkShaper(fade))
+    try:
+        session.priors.bandwidth_Bps = 100e6 / 8        # learned: a fast link, before the fade
+        res = session.ask(served["cids"]["a"], QUESTIONS[0], level="raw", backend="dense",
+                          max_new_tokens=NEW, use_cache=False)
+    finally:
+        session.close()
+    assert res.breakdown.manifest_s >= SLOW_START_S
+    assert res.instance.bandwidth_Bps * 8 / 1e6 < 2.0       # Mbit/s: the fade's, not 100
+    assert res.tokens == ref
 
 
 def test_a_session_that_learned_a_slow_link_never_reads_it_as_fast(served, monkeypatch):

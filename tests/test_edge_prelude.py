@@ -266,3 +266,14 @@ def test_a_prelude_that_cannot_build_its_stepper_is_dropped(served, monkeypatch)
     res = _ask(session, cid)
     assert res.tokens == ref and res.breakdown.prelude_steps == 0
     assert "MemoryError" in res.breakdown.fallback.get("prelude", "")
+
+
+def test_the_simulators_prelude_mirrors_the_edges():
+    """``sparkv.scheduler.whatif`` simulates the prelude with the edge's constants."""
+    from sparkv.edge import planning, prelude, results
+    from sparkv.scheduler import whatif
+
+    assert whatif.PRELUDE_SPAN_TOKENS == prelude.SPAN_TOKENS
+    assert whatif.PRELUDE_STEP_S == results.PRELUDE_STEP_S
+    assert whatif.PRELUDE_STRATEGIES == planning.PRELUDE_STRATEGIES
+    assert set(whatif.STRATEGIES) == set(planning.STRATEGIES)

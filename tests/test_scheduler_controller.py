@@ -187,6 +187,39 @@ def test_a_link_that_starts_in_a_fade_gets_its_work_back_when_it_recovers():
     assert r["sparkv"].ttft_s < 0.5 * r["local"].ttft_s
 
 
+def test_a_slow_manifest_caps_the_link_prior_and_a_fast_one_does_not():
+    from sparkv.scheduler.estimators import SLOW_START_S, start_prior
+
+    prior = 50 * MBPS
+    assert start_prior(prior, 50_000, 0.05) == prior                 # a round trip: says nothing
+    assert start_prior(prior, 50_000, SLOW_START_S) == pytest.approx(50_000 / SLOW_START_S)
+    assert start_prior(prior, 50_000, 1.0) == pytest.approx(50_000)
+    assert start_prior(1_000.0, 50_000, 1.0) == 1_000.0             # never raised
+    assert start_prior(prior, 0, 1.0) == prior                        # nothing went out
+
+
+def test_the_prelude_and_a_capped_prior_keep_a_fading_start_near_local():
+    """The link is in a fade when the question is asked and stays there for seconds: the
+    manifest takes ~0.9 s, the prelude computes local prefill's first layers meanwhile, and the
+    plan (its prior capped by that slow manifest) computes the rest instead of handing it to a
+    silent link. On the current CPU profile (a call's fixed cost, spans) sparkv then ends
+    within 5% of local prefill; without the prelude it pays the manifest's time on top."""
+    from sparkv.scheduler.instance import DEFAULT_LEVELS, SMOLLM2_135M_CPU_SPANS
+    from sparkv.scheduler.whatif import what_if
+
+    levels = tuple(lv for lv in DEFAULT_LEVELS if lv.name in ("raw", "q8", "q5"))
+    inst = synthetic_instance(2048, chunk_tokens=512, bandwidth_mbps=50, levels=levels, seed=1,
+                              profile=SMOLLM2_135M_CPU_SPANS)
+    trace = Trace.from_rows([0.0, 3.0], [0.5, 50.0], [20.0, 20.0], loop=False)
+    local = what_if("local", inst, trace, manifest_bytes=55_000)
+    sparkv = what_if("sparkv", inst, trace, manifest_bytes=55_000)
+    assert sparkv.manifest_s > 0.8 and sparkv.prelude_steps >= inst.num_steps // 2
+    assert sparkv.prior_mbps < 1.0 and sparkv.bytes_streamed == 0
+    assert sparkv.ttft_s <= 1.05 * local.ttft_s, (sparkv.ttft_s, local.ttft_s)
+    bare = what_if("sparkv", inst, trace, manifest_bytes=55_000, with_prelude=False)
+    assert bare.prelude_steps == 0 and bare.ttft_s > sparkv.ttft_s + 0.5
+
+
 def test_an_idle_link_probes_and_bulk_moves_skip_the_stage_cap():
     from sparkv.scheduler.planners import LocalOnly
 

@@ -74,6 +74,32 @@ def test_the_suffix_waits_for_the_compute_thread():
     assert simulate(p, inst).ttft_s == pytest.approx(6.5)
 
 
+def test_a_call_s_fixed_cost_is_paid_once_per_span_and_once_per_single_step():
+    """A layer's token chunks run as one span (CommitSpans) pay ``call_s`` once; the same steps
+    handed out one at a time pay it each (what makes a fragmented layer slower than local's)."""
+    from sparkv.scheduler import ControllerConfig
+
+    inst = tiny_instance([[1, 2], [3, 4]], suffix=0.5).replace(call_s=0.25)
+    p = plan([(0, 0), (1, 0), (0, 1), (1, 1)], [])
+    spans = simulate(p, inst, controller=ControllerConfig.static().with_spans(True))
+    assert spans.ttft_s == pytest.approx(10.5 + 2 * 0.25)       # one call a layer
+    single = simulate(p, inst, controller=ControllerConfig.static())
+    assert single.ttft_s == pytest.approx(10.5 + 4 * 0.25)      # one call a step
+    free = simulate(p, inst.replace(call_s=0.0), controller=ControllerConfig.static())
+    assert free.ttft_s == pytest.approx(10.5)
+
+
+def test_steps_done_before_the_load_are_in_place_at_time_zero():
+    """The edge's prelude: its steps are neither run again nor waited for."""
+    from sparkv.scheduler import ControllerConfig
+
+    inst = tiny_instance([[1, 2], [3, 4]], suffix=0.5)
+    p = plan([(0, 0), (0, 1), (1, 0), (1, 1)], [])
+    tl = simulate(p, inst, controller=ControllerConfig.static(), done_steps=[S(0, 0), S(0, 1)])
+    assert set(tl.steps) == {S(1, 0), S(1, 1)}
+    assert tl.ttft_s == pytest.approx(7.5)
+
+
 def test_trace_drop_slows_the_transfer():
     # 1000 B/s for 1 s, 500 B/s for 1 s, then 1000 B/s: 2000 B take 2.5 s
     trace = Trace.from_rows([0, 1, 2], [1000 / MBPS, 500 / MBPS, 1000 / MBPS], loop=False)

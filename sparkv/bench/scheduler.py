@@ -446,7 +446,10 @@ def _adversarial(args: argparse.Namespace) -> int:
         path = write_result("scheduler_adversarial", out, {
             "traces": args.adversarial, "fade_start_traces": args.fade_start, "seed": args.seed,
             "chunk_tokens": 512, "levels": "raw,q8,q5",
-            "model": "synthetic SmolLM2-135M instances"}, args.out)
+            "model": "synthetic SmolLM2-135M instances (SMOLLM2_135M_CPU_SPANS: the 2-core "
+                     "CPU, --dtype auto, spans and a call's fixed cost)",
+            "edge": "the prelude during the manifest, the default 50 Mbit/s prior capped by a "
+                    "slow manifest (start_prior), every controller committing spans"}, args.out)
         print(f"wrote {path}")
     return 0
 
@@ -455,13 +458,16 @@ def _family(traces: list[Any], bar: Any) -> list[dict[str, Any]]:
     """Every strategy on ``traces`` at 2K and 4K tokens: per size, sparkv / best baseline per
     trace and its median, 95th percentile and worst."""
     from sparkv.scheduler import synthetic_instance
-    from sparkv.scheduler.instance import DEFAULT_LEVELS
+    from sparkv.scheduler.instance import DEFAULT_LEVELS, SMOLLM2_135M_CPU_SPANS
     from sparkv.scheduler.whatif import compare
 
     levels = tuple(lv for lv in DEFAULT_LEVELS if lv.name in ("raw", "q8", "q5"))
     per_size = []
     for n in (2048, 4096):
-        inst = synthetic_instance(n, chunk_tokens=512, bandwidth_mbps=50, levels=levels, seed=1)
+        # the edge as it runs now on the 2-core CPU: mixed precision, a layer's chunks as spans,
+        # a call's fixed cost (what fragments pay), the prelude, the default prior
+        inst = synthetic_instance(n, chunk_tokens=512, bandwidth_mbps=50, levels=levels, seed=1,
+                                  profile=SMOLLM2_135M_CPU_SPANS)
         # the manifest (about 100 bytes gzip per chunk and level) and the token ids
         manifest_bytes = int(100 * inst.num_chunks * len(levels) + 4 * n)
         rows = []

@@ -112,6 +112,10 @@ class EdgeClient:
         self.last_download: Fetched | None = None
         #: the time to first body byte of the last shaped request (seconds)
         self.last_first_byte_s: float = 0.0
+        #: every shaped request's wire bytes and seconds, summed (what the link did: a caller
+        #: takes the difference over its own requests, sparkv.edge.fetch)
+        self.shaped_bytes = 0
+        self.shaped_seconds = 0.0
         #: context id -> encryption key (base64url), for encrypted contexts
         self.encryption_keys: dict[str, str] = {}
         #: per context id, the server's ``quality_warning`` (a press that fails the model's
@@ -167,6 +171,8 @@ class EdgeClient:
         fetched = Fetched(body.body(), total, first, dict(r.headers), body.wire_bytes)
         if shaped:
             self.last_first_byte_s = first
+            self.shaped_bytes += fetched.wire_bytes
+            self.shaped_seconds += total
             if fetched.wire_bytes >= (64 << 10) and total - first > 0:
                 self.last_download = fetched
         return fetched

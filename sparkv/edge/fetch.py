@@ -46,6 +46,8 @@ class FetchedContext:
     tokens: list[int]
     pressed: Manifest | None       # a compressed context's manifest: its kept positions apply
     seconds: float                 # from the call to here (``Breakdown.manifest_s``)
+    wire_bytes: int = 0            # what this step's shaped requests moved over the link,
+    wire_seconds: float = 0.0      # and their time (0: none went out, a cached manifest)
 
 
 class ContextFetch:
@@ -60,6 +62,8 @@ class ContextFetch:
 
     def fetch(self, ask: AskInputs) -> FetchedContext:
         """The manifest and the token ids, checked against the device's model."""
+        client = self.client
+        wire = (client.shaped_bytes, client.shaped_seconds)
         manifest, tokens = self._context(ask)
         self.check_room(ask, len(tokens))
         if manifest is not None:
@@ -73,7 +77,8 @@ class ContextFetch:
         if pressed is not None and manifest is None:
             self.check_manifest(pressed)
             pressed.check_tokens(tokens)
-        return FetchedContext(manifest, tokens, pressed, time.perf_counter() - ask.t_start)
+        return FetchedContext(manifest, tokens, pressed, time.perf_counter() - ask.t_start,
+                              client.shaped_bytes - wire[0], client.shaped_seconds - wire[1])
 
     def check_room(self, ask: AskInputs, context_tokens: int) -> None:
         """:class:`~sparkv.device.errors.PromptTooLong` when the context, the question and the

@@ -46,18 +46,9 @@ SPAN_TOKENS = 4096
 
 def prelude_units(g: ChunkGeometry, span_tokens: int = SPAN_TOKENS) -> list[tuple[StepId, ...]]:
     """The prelude's calls in order: the token chunks cut into blocks of at most
-    ``span_tokens`` tokens (one chunk at least), each block layer by layer, one span a layer."""
-    blocks: list[list[int]] = []
-    size = 0
-    for t in range(g.num_token_chunks):
-        a, b = g.token_range(t)
-        if not blocks or size + (b - a) > span_tokens:
-            blocks.append([])
-            size = 0
-        blocks[-1].append(t)
-        size += b - a
-    return [tuple(StepId(t, l) for t in block)  # noqa: E741
-            for block in blocks for l in range(g.num_layers)]
+    ``span_tokens`` tokens (one chunk at least), each block layer by layer, one span a layer
+    (:meth:`ChunkGeometry.layer_spans <sparkv.layout.ChunkGeometry.layer_spans>`)."""
+    return g.layer_spans(span_tokens)
 
 
 @dataclass

@@ -54,6 +54,7 @@ from sparkv.protocol import Manifest
 from sparkv.protocol.errors import ApiError
 from sparkv.runtime.device import fused_spans
 from sparkv.scheduler.controller import ControllerConfig
+from sparkv.scheduler.estimators import start_prior
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.plan import Plan
 
@@ -452,7 +453,7 @@ class EdgeSession:
                 t_comp[s.t, s.l] = PRELUDE_STEP_S
         t_suffix = (self.priors.question_prefill_s if self.priors.question_prefill_s is not None
                     else suffix_estimate(t_comp, geometry, len(ask.suffix)))
-        inst, effective = self._instance(ask, manifest, geometry, t_comp, t_suffix)
+        inst, effective = self._instance(ask, fetched, geometry, t_comp, t_suffix)
         planner_name, ctl_factory = STRATEGIES[effective]
         plan = get_planner(planner_name).plan(inst)
         controller = ask.options.controller
@@ -461,11 +462,11 @@ class EdgeSession:
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
                         time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix)
 
-    def _instance(self, ask: _Ask, manifest: Manifest | None, geometry: ChunkGeometry,
+    def _instance(self, ask: _Ask, fetched: FetchedContext, geometry: ChunkGeometry,
                   t_comp: Any, t_suffix: float) -> tuple[Instance, str]:
         """The scheduler's instance and the strategy that plans it (``local`` when the server
         is out of reach or no encoded level meets the measured floor)."""
-        opts = ask.options
+        opts, manifest = ask.options, fetched.manifest
         effective = opts.strategy if (manifest is not None and not ask.fallback) else "local"
         if manifest is None:
             return local_instance(geometry, t_comp, t_suffix), effective
@@ -476,7 +477,8 @@ class EdgeSession:
             raise AskError(f"level {opts.level!r} was not encoded for context {ask.context_id} "
                            f"(it has {list(manifest.levels)})")
         try:
-            return build_instance(manifest, t_comp, self._bandwidth_prior(opts.bandwidth_mbps),
+            return build_instance(manifest, t_comp,
+                                  self._bandwidth_prior(opts.bandwidth_mbps, fetched),
                                   levels=levels, quality_floor=floor,
                                   rtt_s=self.client.last_first_byte_s, t_suffix_s=t_suffix,
                                   stream_tax_s=self.priors.stream_tax_s,
@@ -574,9 +576,15 @@ class EdgeSession:
         return KeptAsks(self.client, self.context_service)
 
     # ---- pieces of ask -----------------------------------------------------------------------
-    def _bandwidth_prior(self, mbps: float | None) -> float:
+    def _bandwidth_prior(self, mbps: float | None, fetched: FetchedContext) -> float:
+        """The plan's link rate: the ask's own (``mbps``); else what the link did last (the
+        last load's estimate, or the last large download's rate, or the default), capped by a
+        manifest step that was slow now (:func:`~sparkv.scheduler.estimators.start_prior`)."""
         if mbps is not None:
             return float(mbps) * MBPS
+        return start_prior(self._last_rate(), fetched.wire_bytes, fetched.wire_seconds)
+
+    def _last_rate(self) -> float:
         if self.priors.bandwidth_Bps:
             return float(self.priors.bandwidth_Bps)
         d = self.client.last_download

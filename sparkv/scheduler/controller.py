@@ -173,6 +173,12 @@ class Controller:
         """Increases whenever the controller changes the plan (drivers re-ask idle workers)."""
         return self.state.revision
 
+    @property
+    def continuing(self) -> bool:
+        """The compute thread's next step is one handed out with the last (a span or a
+        column): :meth:`next_step` returns it without choosing."""
+        return bool(self.state.compute.committed)
+
     # ------------------------------------------------------------------ queries
     def next_step(self, now: float) -> StepId | None:
         """The compute thread is free: the step to run now, or ``None`` (wait for an event).

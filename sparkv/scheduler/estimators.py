@@ -19,6 +19,24 @@ COMPUTE_WINDOW = 8
 #: steps without a decode inside that :func:`stream_tax_estimate` needs to take the load's
 #: general speed error out
 MIN_BASE_STEPS = 4
+#: a manifest step (the ask's requests before the plan) that kept the link this long is a link
+#: in a fade: the plan's prior is capped at its rate (:func:`start_prior`)
+SLOW_START_S = 0.25
+
+
+def start_prior(prior_Bps: float, nbytes: float, seconds: float) -> float:
+    """The link prior a load is planned with, after its manifest step moved ``nbytes`` in
+    ``seconds``: ``prior_Bps`` (the last load's rate, or the default), capped at that step's
+    rate when it took :data:`SLOW_START_S` or more. A small manifest's rate says nothing about
+    a healthy link (a round trip dominates it); one that took a quarter second or more says the
+    link is in a fade now, whatever it did before: planned at the old rate, the load handed a
+    silent link its first steps and waited for them (session 71, adversarial-3 at 2K: the
+    compute path idle 0.2 s of a 1.3 s ask; simulated over 50 adversarial traces at 2K, p95
+    sparkv / local 1.19 -> 1.03; docs/scheduler.md, "A slow start"). The controller's probes and
+    rate samples raise the estimate as soon as the link delivers."""
+    if seconds >= SLOW_START_S and nbytes > 0:
+        return min(prior_Bps, nbytes / seconds)
+    return prior_Bps
 
 
 class LinkEstimator:

@@ -110,6 +110,13 @@ class Instance:
             :func:`~sparkv.scheduler.simulator.ttft_of` stretch the steps by it, the greedy
             planner and the controller's moves to the link charge each chunk ``receive_tax x``
             its time on the link; the session learns it (docs/edge.md, "Priors").
+        call_s: the fixed seconds of one compute call, not in ``t_comp``: the simulator charges
+            it once per call, where a call is a layer over a span of consecutive token chunks
+            (:class:`~sparkv.scheduler.rules.CommitSpans`) or a single step, so a layer's token
+            chunks computed as one span pay it once and as fragments once each (the kernels'
+            dispatch and a small GEMM's lower rate: on the 2-core CPU a 512-token step alone
+            took ~2x its share of a span, docs/scheduler.md, "A call's fixed cost"). 0: ``t_comp``
+            carries every cost (planners never read it).
     """
 
     geometry: ChunkGeometry
@@ -126,6 +133,7 @@ class Instance:
     recent_floor: str | None = None
     stream_tax_s: float = 0.0
     receive_tax: float = 0.0
+    call_s: float = 0.0
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +168,8 @@ class Instance:
             raise InstanceError(f"stream_tax_s must be >= 0 seconds, got {self.stream_tax_s}")
         if not (math.isfinite(self.receive_tax) and self.receive_tax >= 0):
             raise InstanceError(f"receive_tax must be >= 0, got {self.receive_tax}")
+        if not (math.isfinite(self.call_s) and self.call_s >= 0):
+            raise InstanceError(f"call_s must be >= 0 seconds, got {self.call_s}")
         if self.quality_floor is not None and self.quality_floor not in names:
             raise InstanceError(f"quality floor {self.quality_floor!r} is not one of {names}")
         if self.recent_floor is not None and self.recent_floor not in names:
@@ -393,6 +403,7 @@ class CostProfile:
     entropy_fraction: float = 0.8  # coded size / (values * bits / 8), on average
     scale_bytes_per_channel: float = 4.0  # per-channel min/step in fp16 for K and V
     suffix_tokens: int = 64        # the question
+    call_s: float = 0.0            # a compute call's fixed cost (Instance.call_s)
 
 
 #: SmolLM2-135M (30 layers, 3 KV heads, head_dim 64) on this 2-core CPU. Dense prefill measured:
@@ -401,6 +412,15 @@ class CostProfile:
 #: little more per step (smaller matrix products), so a = 0.058: ~70 ms per layer step at t = 0,
 #: rising by 11.7 ms per preceding 1K chunk. The last layer's K/V projection of 1K tokens: ~8 ms.
 SMOLLM2_135M_CPU = CostProfile(step_base_s=0.058, step_attn_s=0.0117, proj_s=0.008)
+
+#: SmolLM2-135M as the edge runs it now on a 2-core AVX512-BF16/AMX CPU (``--dtype auto``, here
+#: ``mixed-mlp``; a layer's token chunks as one span, session 71, ``python bench/call_cost.py``):
+#: a layer of a 2K context as one span of four 512-token chunks 32.9 ms, as four single steps
+#: 41.1 ms (8.4, 9.9, 10.8, 11.7), as two spans 35.9-37.7 ms: a call's fixed cost ~2.7 ms, a
+#: 512-token chunk's work 5.7 ms plus 1.1 ms per 512 tokens before it. A local prefill at 2K
+#: ~1.0 s (the fp32 profile above: 3.8 s).
+SMOLLM2_135M_CPU_SPANS = CostProfile(step_base_s=0.0092, step_attn_s=0.0044, proj_s=0.004,
+                                     call_s=0.0027)
 
 
 def synthetic_instance(
@@ -449,7 +469,8 @@ def synthetic_instance(
                 tp[c, i] = profile.decode_fixed_s + size / profile.decode_Bps
             nb[c, i] = int(size)
     q = profile.suffix_tokens
-    t_suffix = L * (profile.step_base_s * q / ref
+    t_suffix = L * (profile.call_s + profile.step_base_s * q / ref
                     + profile.step_attn_s * (q / ref) * ((num_tokens + q) / ref))
     return Instance(geom, levels, nb, tp, t_comp, bandwidth_mbps * MBPS, rtt_ms / 1e3, t_suffix,
-                    quality_floor, name=f"synthetic-{num_tokens}tok-{bandwidth_mbps:g}mbps-s{seed}")
+                    quality_floor, name=f"synthetic-{num_tokens}tok-{bandwidth_mbps:g}mbps-s{seed}",
+                    call_s=profile.call_s)

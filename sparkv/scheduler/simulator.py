@@ -9,7 +9,9 @@ The device model (docs/scheduler.md, "Simulator"):
   of each transfer.
 * **decoder**: a received chunk is decoded (``t_proc`` of its level) by one decode worker, in
   arrival order, overlapping the next transfer; then the chunk is available.
-* **compute thread**: one layer step at a time, ``t_comp x noise``; a step starts only when its
+* **compute thread**: one layer step at a time, ``t_comp x noise``, and the instance's
+  ``call_s`` once per call (a span of a layer's token chunks handed out together pays it once;
+  each step of a column pays it: every layer is its own kernels); a step starts only when its
   inputs are available (the simulator checks; a controller that breaks this raises
   :class:`SimulationError`). Each chunk decoded while a step runs lengthens that step by the
   instance's ``stream_tax_s`` (receiving and decoding take the cores the step uses), and a step
@@ -138,18 +140,24 @@ _RECV_DONE, _DECODE_DONE, _STEP_DONE, _TICK, _FIRST_BYTE = 0, 1, 2, 3, 4
 def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
              noise: ComputeNoise | None = None,
              controller: Controller | ControllerConfig | None = None, *,
+             done_steps: Sequence[StepId] = (),
              sample_interval_s: float = 0.05, max_time_s: float = 1e7) -> Timeline:
     """Runs ``plan`` on ``inst`` under ``trace`` (default: constant at the instance's bandwidth).
 
     ``controller``: a ready :class:`Controller`, or a :class:`ControllerConfig` to build one, or
-    ``None`` for the static executor (the plan exactly as written).
+    ``None`` for the static executor (the plan exactly as written). ``done_steps``: layer steps
+    computed before loading began (the edge's prelude): in place at time 0, their chunks
+    available (a ready controller must have been built with the same ones).
     """
     if trace is None:
         trace = Trace.constant(inst.bandwidth_Bps / MBPS)
     if not isinstance(controller, Controller):
-        controller = Controller(plan, inst, controller or ControllerConfig.static())
-    return Simulation(inst, trace, noise or ComputeNoise(), controller,
-                      sample_interval_s=sample_interval_s, max_time_s=max_time_s).run()
+        controller = Controller(plan, inst, controller or ControllerConfig.static(),
+                                done_steps=done_steps)
+    sim = Simulation(inst, trace, noise or ComputeNoise(), controller,
+                     sample_interval_s=sample_interval_s, max_time_s=max_time_s)
+    sim.start_with(done_steps)
+    return sim.run()
 
 
 @dataclass
@@ -203,6 +211,7 @@ class Simulation:
         self._running_end = math.nan
         self._run_slow = 1.0        # the running step's wall seconds per second of its work
         self._run_tax = 0.0         # the stream tax added to its end (not stretched)
+        self._last_layer = -1       # the layer of the step that ran last (a span continues it)
         self.compute_busy_s = 0.0
         self.steps: dict[StepId, tuple[float, float]] = {}
         # outcome
@@ -211,6 +220,15 @@ class Simulation:
         self.finished = False
         self.ttft_s = math.nan
         self.suffix_start_s = math.nan
+
+    def start_with(self, done_steps: Sequence[StepId]) -> None:
+        """Steps computed before loading began: in place, their chunks available at time 0
+        (not in :attr:`steps`: this run did not compute them). Call before :meth:`run`."""
+        for step in done_steps:
+            s = self.inst.step_index(step)
+            self.dep.mark_computed(s)
+            for g in range(self.inst.G):
+                self._make_available(s * self.inst.G + g, 0.0)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Timeline:
@@ -382,6 +400,7 @@ class Simulation:
         """The free compute thread runs the controller's next step (its inputs checked)."""
         if self._running is not None or self.finished:
             return False
+        continuing = self.ctl.continuing
         step = self.ctl.next_step(now)
         if step is None:
             return False
@@ -391,7 +410,11 @@ class Simulation:
                        else ["it is already computed"])
             raise SimulationError(f"controller started {step} at t={now:.4f}s but it lacks: "
                                   + ", ".join(missing[:5]))
-        dur = float(self._t_comp[s]) * float(self._factors[s]) * self.noise.slowdown(now)
+        # a call's fixed cost, once per call: a span's later token chunks do not pay it
+        call = 0.0 if continuing and step.l == self._last_layer else self.inst.call_s
+        self._last_layer = step.l
+        dur = ((float(self._t_comp[s]) + call) * float(self._factors[s])
+               * self.noise.slowdown(now))
         self._running = s
         self._run_slow, self._run_tax = self._slowness(now), 0.0
         dur *= self._run_slow

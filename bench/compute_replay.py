@@ -18,7 +18,6 @@ import argparse
 import json
 import pathlib
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -30,8 +29,8 @@ Calls = list[tuple[StepId, ...]]
 
 
 class Recorder:
-    """Records the compute worker's units and the stepper's call time (the prelude's thread
-    apart)."""
+    """Records the compute worker's units and the stepper's call time (the prelude's calls
+    apart: they run on the asking thread, as the engine's units do, outside a unit)."""
 
     def __init__(self) -> None:
         from sparkv.edge import compute
@@ -40,12 +39,17 @@ class Recorder:
         self.units: Calls = []
         self.kernel_s = 0.0
         self.prelude_kernel_s = 0.0
-        run, span, column = (compute.ComputeWorker._run, stepper.LayerStepper.run_span,
-                             stepper.LayerStepper.run_column)
+        self.in_unit = False
+        run = compute.ComputeWorker._run
+        st_cls = stepper.LayerStepper
         rec = self
 
         def _run(worker: Any, steps: list[StepId]) -> None:
-            run(worker, steps)
+            rec.in_unit = True
+            try:
+                run(worker, steps)
+            finally:
+                rec.in_unit = False
             rec.units.append(tuple(steps))
 
         def _timed(fn: Any) -> Any:
@@ -53,18 +57,16 @@ class Recorder:
                 start = time.perf_counter()
                 out = fn(st, *a)
                 took = time.perf_counter() - start
-                # the prelude runs on the asking thread (this script's main thread), the
-                # engine's units on its compute worker's
-                if threading.current_thread() is threading.main_thread():
-                    rec.prelude_kernel_s += took
-                else:
+                if rec.in_unit:
                     rec.kernel_s += took
+                else:
+                    rec.prelude_kernel_s += took
                 return out
             return call
 
         compute.ComputeWorker._run = _run                       # type: ignore[method-assign,assignment]
-        stepper.LayerStepper.run_span = _timed(span)            # type: ignore[method-assign]
-        stepper.LayerStepper.run_column = _timed(column)        # type: ignore[method-assign]
+        for name in ("run_span", "run_column"):     # run_step runs a span of one
+            setattr(st_cls, name, _timed(getattr(st_cls, name)))
 
     def clear(self) -> None:
         self.units, self.kernel_s, self.prelude_kernel_s = [], 0.0, 0.0

@@ -2,8 +2,8 @@
 of a 2K context (four 512-token spans) on the main thread, torch's threads as set, while a
 second thread wakes up every ``period`` and works ``work`` (GIL-free work: SHA-256 of 64 KiB
 blocks, as the link's socket reads and the decoder's numba kernels release the GIL), at the
-normal priority or under ``SCHED_IDLE``. The median of five runs each (docs/edge.md, "The
-2-core CPU's contention").
+normal priority or under ``SCHED_IDLE``. The median of five runs each (docs/edge.md, "Decoding
+in turn").
 
     python bench/contention.py [--out bench/results/contention_s71.json]
 """

@@ -326,6 +326,44 @@ def test_non_finite_frames_anywhere_are_recomputed(world, planner):
         assert any("non-finite" in e for e in load.link_errors if str(cid) in e)
 
 
+@pytest.mark.parametrize("in_turn", [True, False])
+def test_frames_decoded_in_turn_or_aside_fill_the_reference_cache(world, in_turn, monkeypatch):
+    """Where no core is spare the compute thread decodes the received frames between its calls
+    (``decode_in_turn``), else a decode worker does beside it: either way every frame lands,
+    a poisoned one is rejected and its chunk computed, and the cache is the reference one."""
+    import threading
+
+    from sparkv.edge.frames import FrameDecoder
+
+    decoded_on: set[str] = set()
+    decode = FrameDecoder._decode
+
+    def spy(self, f, data, log):
+        decoded_on.add(threading.current_thread().name)
+        return decode(self, f, data, log)
+
+    monkeypatch.setattr(FrameDecoder, "_decode", spy)
+    ids = list(world["geo"].chunk_ids())
+    src = ScriptedSource(_poisoned(world, {ids[1]: ("v", float("nan"))}))
+    load = _load(world, src, config=EngineConfig(retry_backoff_s=0.01, decode_in_turn=in_turn))
+    status = {x.cid: x.status for x in load.transfers}
+    assert status[ids[1]] == TransferStatus.FAILED and load.kv.source(ids[1]) == "computed"
+    assert sum(s == TransferStatus.ARRIVED for s in status.values()) == len(ids) - 1
+    caller = threading.current_thread().name
+    assert decoded_on == ({caller} if in_turn else {"sparkv-decode_0"}), decoded_on
+
+
+def test_frames_are_decoded_in_turn_only_on_a_cpu_without_a_spare_core(monkeypatch):
+    import os
+
+    from sparkv.edge.frames import decode_in_turn
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert decode_in_turn(torch.device("cpu"), 2) and decode_in_turn(torch.device("cpu"), 4)
+    assert not decode_in_turn(torch.device("cpu"), 1)          # a core is spare
+    assert not decode_in_turn(torch.device("cuda"), 2)         # the GPU computes
+
+
 def test_a_chunk_the_schedule_loses_is_computed_not_waited_for(world):
     """The controller hands the link a chunk that is never requested (a scheduling bug): nothing
     runs on either path while it is missing. The idle rule computes it instead of hanging."""

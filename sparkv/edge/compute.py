@@ -91,8 +91,11 @@ class ComputeWorker:
             use_threads(self._threads)
             self._join_prelude()
             while True:
+                self._decoder.decode_queued()     # frames decoded in turn, before a call
                 with hub.cv:
                     steps = self._pick_steps()
+                    if steps is None:
+                        continue                  # frames arrived: decode them first
                     if not steps:
                         self._stats.ready_s = hub.now()
                         return
@@ -185,9 +188,9 @@ class ComputeWorker:
                 for r, p in zip(results, predicted)]
 
     # ---- choosing a step (under the lock) ----------------------------------------------------
-    def _pick_steps(self) -> list[StepId]:
+    def _pick_steps(self) -> list[StepId] | None:
         """The next steps to run (one, or a column), waiting for events; empty when the cache
-        is complete."""
+        is complete; ``None`` when, with nothing to run, frames wait to be decoded in turn."""
         while True:
             if self._stats.refused is not None:   # a configuration error: never a fallback
                 raise self._stats.refused
@@ -202,6 +205,8 @@ class ComputeWorker:
             if step is not None:
                 self._stats.fallback_steps += 1
                 return [step]
+            if self._decoder.queued:
+                return None
             if not self._stall():
                 self._hub.cv.wait(WAIT_S)
 

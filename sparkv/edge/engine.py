@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from sparkv.edge.compute import ComputeWorker
-from sparkv.edge.frames import FrameDecoder, FrameOpener
+from sparkv.edge.frames import FrameDecoder, FrameOpener, decode_in_turn
 from sparkv.edge.hub import EngineConfig, EngineError, Hub
 from sparkv.edge.lane import Lane
 from sparkv.edge.link import Link
@@ -143,7 +143,9 @@ class Engine:
         # whatever another thread set last: sparkv.runtime.threads); the count is read here,
         # before a decode worker starts
         threads = torch.get_num_threads()      # read before a decode worker sets 1
-        self._decoder.start(warm=link is not None)
+        in_turn = (self.cfg.decode_in_turn if self.cfg.decode_in_turn is not None
+                   else decode_in_turn(self.kv.device, threads))
+        self._decoder.start(warm=link is not None, in_turn=in_turn)
         try:
             if link is not None:
                 link.start()

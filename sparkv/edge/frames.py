@@ -1,12 +1,15 @@
 """The engine's decode path: a received frame, decrypted and decoded straight into the KV memory
-on a small worker pool (the codec checks the frame's checksum, and that every value is finite in
-the memory's dtype: a NaN or an infinity is never attended over); a frame that cannot be used is
-reported, and its chunk is computed locally.
+on a small worker pool, or by the compute thread between its calls where no core is spare (the
+codec checks the frame's checksum, and that every value is finite in the memory's dtype: a NaN
+or an infinity is never attended over); a frame that cannot be used is reported, and its chunk
+is computed locally.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -25,9 +28,27 @@ KeptEntries = tuple[Sequence[int], Sequence[Any]]
 """A compressed chunk's kept entries: ``(counts per head, absolute positions per head)``."""
 
 
+def decode_in_turn(device: Any, threads: int) -> bool:
+    """Whether received frames are best decoded by the compute thread between its calls: on a
+    CPU whose every usable core runs the compute's ``threads`` OpenMP threads. A decode worker
+    beside them preempts one, and the team waits for it at every barrier: on the 2-core CPU a
+    background thread using ~29% of one core slowed the layer steps by ~59%
+    (``python bench/contention.py``), and a streaming load's compute calls ran 1.6-1.9x their
+    time alone at 100 Mbit/s (``bench/compute_replay.py``; docs/edge.md, "Decoding in turn").
+    A GPU's steps leave the host's cores to the decoder."""
+    if getattr(device, "type", "cpu") != "cpu":
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return threads >= cores
+
+
 class FrameDecoder:
     """Decodes received frames into the KV memory on a pool of ``workers`` threads
-    (``sparkv-decode``), then tells the controller (``chunk_arrived``).
+    (``sparkv-decode``), or, *in turn*, on the compute thread between its calls
+    (:meth:`decode_queued`), then tells the controller (``chunk_arrived``).
 
     State and lock discipline:
 
@@ -52,14 +73,20 @@ class FrameDecoder:
         self._open_frame = open_frame
         self._kept = dict(kept) if kept else {}
         self._pending = 0
+        self._in_turn = False
+        self._queue: deque[tuple[Fetch, bytes, TransferLog]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self._copier: _DeviceCopier | None = None
         self._copier_known = False
 
-    def start(self, warm: bool) -> None:
+    def start(self, warm: bool, in_turn: bool = False) -> None:
         """Starts the pool, each worker with one OpenMP thread (its dequantisation must not take
         the cores the layer steps use: sparkv.runtime.threads); ``warm``: start the workers now
-        (before the compute thread, whose thread count they must not change)."""
+        (before the compute thread, whose thread count they must not change). ``in_turn``: no
+        pool; the compute thread decodes the frames (:meth:`decode_queued`)."""
+        self._in_turn = in_turn
+        if in_turn:
+            return
         self._pool = ThreadPoolExecutor(max_workers=self._workers,
                                         thread_name_prefix="sparkv-decode",
                                         initializer=use_threads, initargs=(1,))
@@ -71,12 +98,36 @@ class FrameDecoder:
         """Waits for the frame being decoded; frames not started are dropped."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._hub.cv:
+            self._queue.clear()
 
     def submit(self, f: Fetch, data: bytes, log: TransferLog) -> None:
-        """Under the engine's lock: ``data``, ``f``'s whole frame, to a decode worker."""
-        assert self._pool is not None
+        """Under the engine's lock: ``data``, ``f``'s whole frame, to a decode worker, or to the
+        compute thread's queue (woken: it decodes before its next call)."""
         self._pending += 1
+        if self._in_turn:
+            self._queue.append((f, data, log))
+            self._hub.cv.notify_all()
+            return
+        assert self._pool is not None
         self._pool.submit(self._decode, f, data, log)
+
+    @property
+    def queued(self) -> bool:
+        """Under the engine's lock: frames wait for the compute thread (in turn)."""
+        return bool(self._queue)
+
+    def decode_queued(self) -> int:
+        """On the compute thread, outside the engine's lock: decodes the frames waiting for it,
+        oldest first; returns how many."""
+        n = 0
+        while True:
+            with self._hub.cv:
+                if not self._queue:
+                    return n
+                f, data, log = self._queue.popleft()
+            self._decode(f, data, log)
+            n += 1
 
     def busy(self) -> bool:
         """Under the engine's lock: whether a frame is waiting or being decoded."""

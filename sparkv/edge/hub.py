@@ -48,6 +48,10 @@ class EngineConfig:
     silence_grace_s: float = 0.25    # silence counts against the link beyond max(this, 3 RTT)
     stall_fallback_s: float = 1.5    # compute idle + this much credited silence: compute the rest
     decode_workers: int = 1
+    #: received frames decoded by the compute thread between its calls instead of by
+    #: ``decode_workers`` beside it (:class:`~sparkv.edge.frames.FrameDecoder`); ``None``: when
+    #: the compute's OpenMP threads take every usable core of a CPU (``decode_in_turn``)
+    decode_in_turn: bool | None = None
 
 
 class Hub:

@@ -15,13 +15,14 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 from sparkv.layout import StepId
 
 SPLITS = ((0, 4), (0, 1, 4), (0, 2, 4), (0, 3, 4))
 
 
-def _layer_ms(stepper, cuts: tuple[int, ...], layer: int) -> float:
+def _layer_ms(stepper: Any, cuts: tuple[int, ...], layer: int) -> float:
     total = 0.0
     for a, b in zip(cuts, cuts[1:]):
         t = time.perf_counter()

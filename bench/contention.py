@@ -17,9 +17,11 @@ import os
 import statistics
 import threading
 import time
+from typing import Any
 
 #: (period s, work s) of the background thread; None: no background thread
-LOADS = ((None, None), (0.005, 0.0002), (0.001, 0.0001), (0.0005, 0.00005), (0.005, 0.002))
+LOADS: tuple[tuple[float | None, float | None], ...] = (
+    (None, None), (0.005, 0.0002), (0.001, 0.0001), (0.0005, 0.00005), (0.005, 0.002))
 _BUF = os.urandom(1 << 16)
 
 
@@ -52,22 +54,23 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t
 
     layers(), layers()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for idle in (False, True):
         for period, work in LOADS:
             if period is None and idle:
                 continue
             stop = threading.Event()
             th = None
-            if period is not None:
+            share = 0.0
+            if period is not None and work is not None:
                 th = threading.Thread(target=_background, args=(stop, period, work, idle),
                                       daemon=True)
                 th.start()
+                share = work / (period + work)
             ms = statistics.median(layers() for _ in range(5)) * 1e3
             stop.set()
             if th is not None:
                 th.join()
-            share = 0.0 if period is None else work / (period + work)
             rows.append({"period_s": period, "work_s": work, "sched_idle": idle,
                          "background_core_share": share, "layers_ms": ms})
             print(f"{'SCHED_IDLE' if idle else 'normal':10s} background {share:5.1%} of a core: "

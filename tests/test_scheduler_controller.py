@@ -392,6 +392,25 @@ def _an_all_local_load_hands_nothing_over(mbps: float, **tax: float) -> None:
     assert taxed.ttft_s == pytest.approx(simulate(plan, heavy).ttft_s)
 
 
+def test_a_move_to_the_link_must_gain_at_least_a_calls_fixed_cost():
+    """``ToStream`` hands the link work only if that shortens the load by ``min_gain_s`` (a
+    compute call's fixed cost, which a step pays alone if the link gives it back): with the
+    compute path 2 ms behind the link nothing moves, with no minimum the tail moves, and 7 ms
+    behind it moves either way."""
+    from sched_helpers import tiny_instance
+
+    from sparkv.scheduler.planners import LocalOnly
+
+    inst = tiny_instance([[0.05, 0.05, 0.05], [0.05, 0.05, 0.002]], nbytes=10, bw=1e9)
+    for comp, gain, moves in ((0.003, 0.003, False), (0.003, 0.0, True), (0.008, 0.003, True)):
+        ctl = Controller(LocalOnly().plan(inst), inst)
+        st = ctl.state
+        tail = st.compute.order[-1]
+        assert tail == inst.step_index(StepId(1, 2))
+        moved = ToStream(min_gain_s=gain).move(st, 0.0, comp, 0.001)
+        assert moved == moves and (tail not in st.compute.order) == moves, (comp, gain)
+
+
 def test_migrations_to_the_link_pay_the_stream_tax():
     """An all-local plan on a link that can take work: the controller hands the link the
     compute order's tail, but a streamed chunk also costs the compute path its stream tax

@@ -431,7 +431,17 @@ class ToStream:
     ``max(comp_rem, link_rem)`` most moves, its compute saving net of the stream tax its chunks
     cost the steps they are decoded beside (:func:`_tax`). A link that recovered under a
     mostly-local plan thus gets whole token chunks from the tail, as a Strong Hybrid split would
-    stream them."""
+    stream them.
+
+    A move must shorten the load by at least :attr:`min_gain_s`, a compute call's fixed cost
+    (2.4-3.2 ms on the 2-core CPU, ``bench/call_cost.py``): a step handed to the link comes back
+    alone, and pays that cost, if the link falls behind, so a smaller gain is not worth the risk.
+    Without it the rule handed a fading link the last token chunk's top layers (a few tokens,
+    ~0.3 ms each inside their layer's span) at a load's start, and took them back one call each
+    (session 71: paired on 9 and 10 traces at 2K, sparkv / local median 1.046 -> 1.036 and
+    1.035 -> 1.024; docs/scheduler.md, "Rebalancing")."""
+
+    min_gain_s: float = 0.003
 
     def move(self, st: LoadState, now: float, comp: float, link: float) -> bool:
         cq = st.compute
@@ -452,8 +462,7 @@ class ToStream:
             return True
         return False
 
-    @staticmethod
-    def _best_unit(st: LoadState, s: int, in_cq: set[int], bw: float, ratio: float,
+    def _best_unit(self, st: LoadState, s: int, in_cq: set[int], bw: float, ratio: float,
                    comp: float, link: float) -> list[int] | None:
         L, t_comp = st.L, st.compute.t_comp
         l = s % L  # noqa: E741
@@ -463,7 +472,7 @@ class ToStream:
         column = _queued_column(L, s, in_cq)
         if len(column) > 2:
             units.append(column)
-        best_unit, best_new = None, max(comp, link) - 1e-9
+        best_unit, best_new = None, max(comp, link) - max(self.min_gain_s, 1e-9)
         for unit in units:
             removed = ratio * sum(t_comp[u] for u in unit) - _tax(st, unit, bw)
             new = max(comp - removed, link + st.stream_bytes(unit) / bw)

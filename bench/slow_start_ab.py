@@ -50,7 +50,7 @@ with tempfile.TemporaryDirectory() as tmp:
                         gc.enable()
                     b = r.breakdown
                     res[(tr.name, name)].append(b.ttft_s)
-                    ROWS.append(dict(trace=tr.name, round=rnd, variant=name, ttft_s=b.ttft_s, manifest_s=b.manifest_s, loading_s=b.loading_s, local_compute_s=b.local_compute_s, chunks_streamed=b.chunks_streamed, prelude_steps=b.prelude_steps, migrations=b.migrations, prior_mbps=r.plan.info.get("bandwidth_mbps") if hasattr(r.plan, "info") else None))
+                    ROWS.append(dict(trace=tr.name, round=rnd, variant=name, ttft_s=b.ttft_s, manifest_s=b.manifest_s, loading_s=b.loading_s, local_compute_s=b.local_compute_s, chunks_streamed=b.chunks_streamed, prelude_steps=b.prelude_steps, migrations=b.migrations, prior_mbps=r.instance.bandwidth_Bps * 8e-6 if r.instance is not None else None))
                     print(f"{tr.name:15s} {name:6s} ttft {b.ttft_s:.3f} man {b.manifest_s:.3f} load {b.loading_s:.3f} comp {b.local_compute_s:.3f} streamed {b.chunks_streamed} migr {b.migrations} prel {b.prelude_steps}", flush=True)
         s.close()
 ratios = collections.defaultdict(list)

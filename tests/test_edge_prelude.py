@@ -208,14 +208,15 @@ def test_a_failed_manifest_fetch_stops_the_prelude_and_is_raised(served):
         fresh.close()
 
 
-def test_prelude_units_are_blocks_of_chunks_layer_by_layer():
-    """At most ``span_tokens`` tokens a call (one chunk at least), the first block's layers
+def test_layer_spans_are_blocks_of_chunks_layer_by_layer():
+    """The prelude's order (``ChunkGeometry.layer_spans``): at most ``span_tokens`` tokens a call
+    (one chunk at least), the first block's layers
     before the next block's: every step once, each call's dependencies done before it."""
     from sparkv.layout import ChunkGeometry
 
     g = ChunkGeometry(num_tokens=1000, chunk_tokens=128, num_layers=3, num_kv_heads=2,
                       head_dim=8)                           # 8 chunks, the last of 104 tokens
-    units = prelude_units(g, span_tokens=300)
+    units = g.layer_spans(300)
     assert [tuple(s.t for s in u) for u in units[:4]] == [(0, 1), (0, 1), (0, 1), (2, 3)]
     assert [u[0].l for u in units] == [0, 1, 2] * 4
     steps = [s for u in units for s in u]
@@ -226,7 +227,7 @@ def test_prelude_units_are_blocks_of_chunks_layer_by_layer():
         assert all(StepId(t, s.l) in done for s in u for t in range(u[0].t))  # earlier blocks
         assert all(StepId(s.t, s.l - 1) in done for s in u if s.l)  # the hidden input
         done.update(u)
-    assert [len(u) for u in prelude_units(g, span_tokens=64)] == [1] * 24   # a chunk at least
+    assert [len(u) for u in g.layer_spans(64)] == [1] * 24   # a chunk at least
 
 
 def test_controller_takes_done_steps_out_of_both_queues():

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -112,10 +113,8 @@ class EdgeClient:
         self.last_download: Fetched | None = None
         #: the time to first body byte of the last shaped request (seconds)
         self.last_first_byte_s: float = 0.0
-        #: every shaped request's wire bytes and seconds, summed (what the link did: a caller
-        #: takes the difference over its own requests, sparkv.edge.fetch)
-        self.shaped_bytes = 0
-        self.shaped_seconds = 0.0
+        #: per thread, its shaped requests' wire bytes and seconds, summed (:meth:`shaped_totals`)
+        self._shaped = threading.local()
         #: context id -> encryption key (base64url), for encrypted contexts
         self.encryption_keys: dict[str, str] = {}
         #: per context id, the server's ``quality_warning`` (a press that fails the model's
@@ -125,6 +124,12 @@ class EdgeClient:
         self.frame_retries = 0
 
     # ---- plumbing ----------------------------------------------------------------------------
+    def shaped_totals(self) -> tuple[int, float]:
+        """``(wire bytes, seconds)`` of the calling thread's shaped requests so far, summed: a
+        caller takes the difference over its own requests (sparkv.edge.fetch). Per thread: the
+        device service's concurrent asks share one client, each on its own thread."""
+        return getattr(self._shaped, "totals", (0, 0.0))
+
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
@@ -171,8 +176,8 @@ class EdgeClient:
         fetched = Fetched(body.body(), total, first, dict(r.headers), body.wire_bytes)
         if shaped:
             self.last_first_byte_s = first
-            self.shaped_bytes += fetched.wire_bytes
-            self.shaped_seconds += total
+            nbytes, seconds = self.shaped_totals()
+            self._shaped.totals = (nbytes + fetched.wire_bytes, seconds + total)
             if fetched.wire_bytes >= (64 << 10) and total - first > 0:
                 self.last_download = fetched
         return fetched

@@ -62,8 +62,7 @@ class ContextFetch:
 
     def fetch(self, ask: AskInputs) -> FetchedContext:
         """The manifest and the token ids, checked against the device's model."""
-        client = self.client
-        wire = (client.shaped_bytes, client.shaped_seconds)
+        wire = self.client.shaped_totals()
         manifest, tokens = self._context(ask)
         self.check_room(ask, len(tokens))
         if manifest is not None:
@@ -77,8 +76,9 @@ class ContextFetch:
         if pressed is not None and manifest is None:
             self.check_manifest(pressed)
             pressed.check_tokens(tokens)
+        after = self.client.shaped_totals()
         return FetchedContext(manifest, tokens, pressed, time.perf_counter() - ask.t_start,
-                              client.shaped_bytes - wire[0], client.shaped_seconds - wire[1])
+                              after[0] - wire[0], after[1] - wire[1])
 
     def check_room(self, ask: AskInputs, context_tokens: int) -> None:
         """:class:`~sparkv.device.errors.PromptTooLong` when the context, the question and the

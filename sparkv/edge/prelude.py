@@ -44,11 +44,11 @@ from sparkv.runtime.threads import use_threads
 SPAN_TOKENS = 4096
 
 
-def prelude_units(g: ChunkGeometry, span_tokens: int = SPAN_TOKENS) -> list[tuple[StepId, ...]]:
-    """The prelude's calls in order: the token chunks cut into blocks of at most
-    ``span_tokens`` tokens (one chunk at least), each block layer by layer, one span a layer
-    (:meth:`ChunkGeometry.layer_spans <sparkv.layout.ChunkGeometry.layer_spans>`)."""
-    return g.layer_spans(span_tokens)
+def prelude_units(g: ChunkGeometry) -> list[tuple[StepId, ...]]:
+    """The prelude's calls in order: blocks of at most :data:`SPAN_TOKENS` tokens, each layer
+    by layer, one span a layer (:meth:`ChunkGeometry.layer_spans
+    <sparkv.layout.ChunkGeometry.layer_spans>`)."""
+    return g.layer_spans(SPAN_TOKENS)
 
 
 @dataclass

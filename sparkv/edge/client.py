@@ -68,6 +68,11 @@ class Fetched:
     wire_bytes: int = 0
 
 
+#: how long :meth:`EdgeClient.frame` keeps retrying a retryable failure: past nginx's 3 s
+#: ``fail_timeout`` (deploy/nginx.conf), the longest a balancer answers 502 for a dead replica
+FRAME_RETRY_WINDOW_S = 4.0
+
+
 class QualityWarning(UserWarning):
     """The server stored a context compressed by a press that fails the model's quality table
     (``quality_warning`` of ``POST /v1/contexts``): its answers are inferior to the uncompressed
@@ -375,27 +380,33 @@ class EdgeClient:
         return m
 
     def frame(self, context_id: str, t: int, l: int, g: int, level: str, *,  # noqa: E741
-              retries: int = 3, shaped: bool = True) -> bytes:
+              retries: int = 3, retry_window_s: float = FRAME_RETRY_WINDOW_S,
+              shaped: bool = True) -> bytes:
         """One stored frame (``GET .../chunks/{t}/{l}/{g}?level=``), at most the manifest's
         size for it, an idempotent read: a transport error (a replica that died mid-answer) or
-        a retryable 5xx/429 is retried up to ``retries`` times (through a balancer, on another
-        replica); ``frame_corrupt`` is not (every replica reads the same store), nor a body over
-        its size or a request past its deadline. Raises ServerUnavailable or ApiError."""
+        a retryable 5xx/429 is retried at least ``retries`` times and for ``retry_window_s``
+        (through a balancer, on another replica: nginx marks a replica that failed once down
+        for 3 s, deploy/nginx.conf, and answers 502 while every replica is marked down; three
+        quick retries spanned 0.35 s of it, and a loaded run of the suite saw a reader fail
+        after one replica was killed); ``frame_corrupt`` is not (every replica reads the same
+        store), nor a body over its size or a request past its deadline. Raises
+        ServerUnavailable or ApiError."""
         path = f"/v1/contexts/{context_id}/chunks/{int(t)}/{int(l)}/{int(g)}"
-        for attempt in range(max(0, int(retries)) + 1):
+        start, attempt = time.perf_counter(), 0
+        while True:
             try:
                 limit = _frame_limit(self.manifest(context_id), int(t), int(l), int(g), level)
                 return self._request("GET", path, limit=limit, params={"level": level},
                                      shaped=shaped).body
             except (ServerUnavailable, ApiError) as e:
-                last = attempt >= retries
+                last = attempt >= retries and time.perf_counter() - start >= retry_window_s
                 if last or isinstance(e, (ResponseTooLarge, DeadlineExceeded, BadEncoding)) or (
                         isinstance(e, ApiError) and (not e.retryable or
                                                      e.code == "frame_corrupt")):
                     raise
                 self.frame_retries += 1
-                time.sleep(min(1.0, 0.05 * 2 ** attempt))
-        raise AssertionError("unreachable")  # pragma: no cover
+                time.sleep(min(0.5, 0.05 * 2 ** attempt))
+                attempt += 1
 
     def tokens(self, context_id: str, *, use_cache: bool = True,
                vocab_size: int | None = None) -> list[int]:

@@ -55,7 +55,8 @@ def test_unlimited_shaper_never_waits():
 def test_chunk_sources_share_one_tls_context(monkeypatch):
     """httpx builds a verifying TLS context (the CA bundle loaded: 25-30 ms of CPU) for every
     client it makes; each load's chunk source makes one, beside the load's first layer steps.
-    The sources share the process's one context instead, still a verifying one."""
+    The sources share the process's one context instead (the lean client's and httpx's), still
+    a verifying one."""
     import ssl
 
     import httpx
@@ -75,7 +76,8 @@ def test_chunk_sources_share_one_tls_context(monkeypatch):
     try:
         sources = [HttpChunkSource("https://127.0.0.1:9", "c" * 16) for _ in range(3)]
         for s in sources:
-            s._http()
+            s._http()                                  # a proxied link's httpx client
+            assert s._wire().endpoint.tls is built[0]  # the lean client's connections
         assert len(built) == 1
         assert built[0].verify_mode == ssl.CERT_REQUIRED and built[0].check_hostname
     finally:

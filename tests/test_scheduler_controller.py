@@ -198,6 +198,30 @@ def test_a_slow_manifest_caps_the_link_prior_and_a_fast_one_does_not():
     assert start_prior(prior, 0, 1.0) == prior                        # nothing went out
 
 
+def test_the_link_window_keeps_running_sums_equal_to_its_samples():
+    """The sliding window's throughput is read at every piece the link thread reads, so it keeps
+    running sums: after any mix of samples (silences included) and window moves it equals the
+    rate summed afresh over the samples in the window."""
+    import random
+
+    from sparkv.scheduler.estimators import LinkEstimator
+
+    rng = random.Random(3)
+    est = LinkEstimator(prior_Bps=5e6, window_s=0.5)
+    assert est.window(0.0) == 5e6
+    kept: list[tuple[float, float, float]] = []
+    now = 0.0
+    for _ in range(2000):
+        now += rng.choice([0.001, 0.01, 0.05, 0.3, 0.7])
+        nbytes, seconds = rng.choice([0.0, rng.uniform(1, 2e5)]), rng.uniform(1e-4, 0.05)
+        est.add(now, nbytes, seconds)
+        kept.append((now, nbytes, seconds))
+        while len(kept) > 1 and kept[0][0] < now - 0.5:
+            kept.pop(0)
+        b, s = sum(x[1] for x in kept), sum(x[2] for x in kept)
+        assert est.window(now) == pytest.approx(max(b / s, 1.0), rel=1e-9)
+
+
 def test_the_prelude_and_a_capped_prior_keep_a_fading_start_near_local():
     """The link is in a fade when the question is asked and stays there for seconds: the
     manifest takes ~0.9 s, the prelude computes local prefill's first layers meanwhile, and the

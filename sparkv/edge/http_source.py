@@ -1,7 +1,11 @@
 """The HTTP :class:`~sparkv.edge.transport.ChunkSource`: ``POST /v1/contexts/{id}/stream``.
 
-One ``httpx.AsyncClient`` (keep-alive, up to four connections, so the next batch's request can be
-sent while the current one drains) per load. A response is parsed record by record with
+Requests go over :mod:`sparkv.edge.wire`, a lean HTTP/1.1 client with a keep-alive pool per load
+(the next batch's request is sent while the current one drains): the link thread's CPU per
+received chunk is what the layer steps beside it lose on a 2-core device (docs/edge.md "The
+receive path"). Where the environment routes the server's URL through a proxy
+(``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY``, not bypassed by ``NO_PROXY``), ``httpx`` carries
+the requests instead (it speaks to proxies). A response is parsed record by record with
 :class:`~sparkv.protocol.stream.RecordReader`, which checks each record's length against the
 manifest's size for that item (sizes the session bounds by the model:
 :meth:`~sparkv.protocol.Manifest.check_geometry`); of an error response only the first 64 KiB are
@@ -13,11 +17,14 @@ rare large pieces.
 
 from __future__ import annotations
 
+import json
 import math
 import ssl
 import time
+import urllib.request
 from functools import lru_cache
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -25,6 +32,7 @@ from sparkv.edge.bounds import answer_error, refuses_credentials
 from sparkv.edge.shaper import LinkShaper
 from sparkv.edge.transport import ChunkStream, FetchItem, SourceError
 from sparkv.protocol.errors import RecordError
+from sparkv.edge.wire import Endpoint, Pool, Response, WireError
 from sparkv.protocol.stream import RecordPiece, RecordReader
 
 MIN_PIECE = 4 << 10
@@ -51,8 +59,11 @@ class HttpChunkSource:
         self.url = f"{base_url.rstrip('/')}/v1/contexts/{context_id}/stream"
         self.headers = {**(headers or {}), "Accept-Encoding": "identity"}
         self.shaper = shaper or LinkShaper.unlimited()
-        self.timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        #: whether requests go through ``httpx`` (the environment names a proxy for the URL)
+        self.proxied = proxied(self.url)
         self._client: httpx.AsyncClient | None = None
+        self._pool: Pool | None = None
         self.requests = 0
         self._head_s = math.inf       # the shortest wait of a request for its response's head
 
@@ -70,35 +81,80 @@ class HttpChunkSource:
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(
-                headers=self.headers, timeout=self.timeout, verify=_tls_context(),
+                headers=self.headers, verify=_tls_context(),
+                timeout=httpx.Timeout(self.read_timeout_s, connect=self.connect_timeout_s),
                 limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
         return self._client
+
+    def _wire(self) -> Pool:
+        if self._pool is None:
+            self._pool = Pool(Endpoint.of(self.url, _tls_context),
+                              connect_timeout_s=self.connect_timeout_s,
+                              head_timeout_s=self.read_timeout_s)
+        return self._pool
 
     async def open(self, items: Sequence[FetchItem]) -> ChunkStream:
         body = {"chunks": [{"t": it.cid.t, "l": it.cid.l, "g": it.cid.g, "level": it.level}
                            for it in items]}
         not_before = self.shaper.request_started()
         self.requests += 1
-        client = self._http()
+        reader = RecordReader([it.nbytes for it in items])
         sent = time.perf_counter()
+        stream = await (self._open_httpx(body, reader, not_before) if self.proxied
+                        else self._open_wire(body, reader, not_before))
+        self._head_s = min(self._head_s, time.perf_counter() - sent)
+        return stream
+
+    async def _open_wire(self, body: dict[str, object], reader: RecordReader,
+                         not_before: float) -> ChunkStream:
+        try:
+            resp = await self._wire().post(urlsplit(self.url).path, json.dumps(body).encode(),
+                                           self.headers)
+        except WireError as e:
+            raise SourceError(f"request failed: {e.reason}") from e
+        if resp.status != 200:
+            data = await resp.read_capped(ERROR_BYTES, self.read_timeout_s)
+            await resp.aclose()
+            self._refuse(resp.status, data, resp.headers.get("location"))
+        return _WireStream(resp, reader, self.shaper, not_before)
+
+    async def _open_httpx(self, body: dict[str, object], reader: RecordReader,
+                          not_before: float) -> ChunkStream:
+        client = self._http()
         try:
             resp = await client.send(client.build_request("POST", self.url, json=body),
                                      stream=True)
         except (httpx.TransportError, OSError) as e:
             raise SourceError(f"request failed: {type(e).__name__}: {e}") from e
-        self._head_s = min(self._head_s, time.perf_counter() - sent)
         if resp.status_code != 200:
-            err = answer_error(resp.status_code, await _error_body(resp),
-                               resp.headers.get("location"), f"POST {self.url}")
-            raise SourceError(str(err), fatal=not err.retryable,
-                              refused=err if refuses_credentials(err) else None) from err
-        return _HttpStream(resp, RecordReader([it.nbytes for it in items]), self.shaper,
-                           not_before)
+            self._refuse(resp.status_code, await _error_body(resp),
+                         resp.headers.get("location"))
+        return _HttpStream(resp, reader, self.shaper, not_before)
+
+    def _refuse(self, status: int, body: bytes, location: str | None) -> None:
+        """Raises the :class:`SourceError` of an answer that is not 200."""
+        err = answer_error(status, body, location, f"POST {self.url}")
+        raise SourceError(str(err), fatal=not err.retryable,
+                          refused=err if refuses_credentials(err) else None) from err
 
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
+
+
+def proxied(url: str) -> bool:
+    """Whether the environment routes ``url`` through a proxy (``*_PROXY``, not bypassed by
+    ``NO_PROXY``), as ``httpx`` would."""
+    proxies = urllib.request.getproxies_environment()
+    scheme = urlsplit(url).scheme
+    if not (proxies.get(scheme) or proxies.get("all")):
+        return False
+    host = urlsplit(url).netloc
+    return not urllib.request.proxy_bypass_environment(host, proxies)
 
 
 @lru_cache(maxsize=1)
@@ -125,31 +181,66 @@ async def _error_body(resp: httpx.Response, limit: int = ERROR_BYTES) -> bytes:
     return bytes(data[:limit])
 
 
-class _HttpStream:
-    def __init__(self, resp: httpx.Response, reader: RecordReader, shaper: LinkShaper,
+def _piece_bytes(shaper: LinkShaper) -> int:
+    """The bytes handed on at once: about :data:`PIECE_SECONDS` of the emulated rate."""
+    rate = shaper.rate_Bps()
+    if rate == float("inf"):
+        return MAX_PIECE
+    return int(min(MAX_PIECE, max(MIN_PIECE, rate * PIECE_SECONDS)))
+
+
+def _stream_error(e: RecordError) -> SourceError:
+    cut = "ended" in str(e)
+    return SourceError(f"stream {'cut' if cut else 'malformed'}: {e}", fatal=not cut)
+
+
+class _WireStream:
+    """A response read over :mod:`sparkv.edge.wire`: a piece per read, shaped, then parsed."""
+
+    def __init__(self, resp: Response, reader: RecordReader, shaper: LinkShaper,
                  not_before: float) -> None:
         self.resp, self.reader, self.shaper, self.not_before = resp, reader, shaper, not_before
 
-    def _piece_bytes(self) -> int:
-        rate = self.shaper.rate_Bps()
-        if rate == float("inf"):
-            return MAX_PIECE
-        return int(min(MAX_PIECE, max(MIN_PIECE, rate * PIECE_SECONDS)))
+    async def __aiter__(self) -> AsyncIterator[RecordPiece]:
+        read: Callable[[int], Awaitable[bytes]] = self.resp.read
+        try:
+            while True:
+                piece = await read(_piece_bytes(self.shaper))
+                if not piece:
+                    break
+                await self.shaper.atake(len(piece), self.not_before)
+                for rec in self.reader.feed(piece):
+                    yield rec
+            self.reader.finish()
+        except RecordError as e:
+            raise _stream_error(e) from e
+        except WireError as e:
+            raise SourceError(f"stream failed: {e.reason}") from e
+
+    async def aclose(self) -> None:
+        await self.resp.aclose()
+
+
+class _HttpStream:
+    """A response read through ``httpx`` (a proxied link)."""
+
+    def __init__(self, resp: httpx.Response, reader: RecordReader, shaper: LinkShaper,
+                 not_before: float) -> None:
+        self.resp, self.reader, self.shaper, self.not_before = resp, reader, shaper, not_before
 
     async def __aiter__(self) -> AsyncIterator[RecordPiece]:
         try:
             async for raw in self.resp.aiter_raw():
                 pos = 0
                 while pos < len(raw):
-                    piece = raw[pos:pos + self._piece_bytes()]
+                    piece = raw[pos:pos + _piece_bytes(self.shaper)]
                     pos += len(piece)
                     await self.shaper.atake(len(piece), self.not_before)
                     for rec in self.reader.feed(piece):
                         yield rec
             self.reader.finish()
         except RecordError as e:
-            cut = "ended" in str(e)
-            raise SourceError(f"stream {'cut' if cut else 'malformed'}: {e}", fatal=not cut) from e
+            raise _stream_error(e) from e
         except (httpx.TransportError, OSError) as e:
             raise SourceError(f"stream failed: {type(e).__name__}: {e}") from e
 

@@ -60,24 +60,32 @@ class LinkEstimator:
         self.ahead_bytes = 0.0
         self.window_s, self.fast_window_s = window_s, fast_window_s
         self._samples: deque[tuple[float, float, float]] = deque()
+        self._in_window = [0.0, 0.0]      # bytes, seconds of the samples in ``_samples``
         self._total = [0.0, 0.0]          # bytes, seconds of every sample of the run
 
     def add(self, now: float, nbytes: float, seconds: float) -> None:
         """``nbytes`` arrived over the ``seconds`` before ``now`` (0 bytes: a silence)."""
         if seconds > 0:
             self._samples.append((now, float(nbytes), float(seconds)))
-            self._total[0] += float(nbytes)
-            self._total[1] += float(seconds)
+            for acc in (self._in_window, self._total):
+                acc[0] += float(nbytes)
+                acc[1] += float(seconds)
 
     def window(self, now: float) -> float:
         """Throughput over the sliding window (at least the newest sample); the prior before
-        any sample."""
-        while len(self._samples) > 1 and self._samples[0][0] < now - self.window_s:
-            self._samples.popleft()
-        if not self._samples:
+        any sample. Running sums (the link thread asks at every piece it reads), summed afresh only
+        when the window moves."""
+        samples, acc = self._samples, self._in_window
+        if len(samples) > 1 and samples[0][0] < now - self.window_s:
+            while len(samples) > 1 and samples[0][0] < now - self.window_s:
+                samples.popleft()
+            # summed afresh in order when the window moves: the same sums, bit for bit, as
+            # adding every sample anew (appending keeps that order too)
+            acc[0] = sum(x[1] for x in samples)
+            acc[1] = sum(x[2] for x in samples)
+        if not samples:
             return self.prior_Bps
-        b = sum(x[1] for x in self._samples)
-        s = sum(x[2] for x in self._samples)
+        b, s = acc
         return max(b / s, 1.0) if s > 0 else self.prior_Bps
 
     def recent(self, now: float) -> float:

@@ -1,0 +1,370 @@
+"""A lean HTTP/1.1 client for the chunk stream: one POST, a streamed body, keep-alive.
+
+The link thread reads every streamed chunk through this client (:mod:`sparkv.edge.http_source`).
+On a 2-core device the link's own CPU slows the layer steps beside it about twice its time (the
+steps' OpenMP team waits at every barrier for the core the link thread took:
+``bench/contention.py``); through ``httpx`` (httpcore, anyio, h11) a received q8 chunk cost the
+link thread ~1.0 ms, about half of it in those layers. Here a body read is one
+``asyncio.StreamReader.read`` of what is buffered, and the HTTP framing (``Content-Length``,
+``Transfer-Encoding: chunked`` or to the connection's end) is parsed in place.
+
+Scope: ``http://`` and ``https://`` (the process's verifying TLS context), no proxies (the
+chunk source keeps ``httpx`` where the environment names one), no redirects (the caller reports
+a 3xx), no compression (the request asks for ``identity``; a compressed answer is refused).
+
+Bounds (a hostile or broken server): a response head and a chunk-size line of at most
+:data:`LINE_LIMIT` bytes, at most :data:`MAX_HEADERS` header lines; a malformed head or
+chunk framing is a :class:`WireError`; reads carry the caller's timeouts. A connection is reused
+only after its response was read to the end; a reused connection that fails before any byte of
+the answer (the server closed it while idle) is retried once on a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import sys
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
+from urllib.parse import urlsplit
+
+T = TypeVar("T")
+
+#: the most header lines a response may have
+MAX_HEADERS = 100
+#: the stream reader's buffer limit: the most bytes a response's head (status line and
+#: headers) or a chunk-size line may take
+LINE_LIMIT = 64 << 10
+#: idle connections kept per pool
+MAX_IDLE = 4
+#: how long closing a response may wait for the rest of a body it has nearly read
+DRAIN_S = 0.05
+
+
+class WireError(Exception):
+    """A request failed on the wire: refused, reset or cut, or a malformed answer (``malformed``:
+    the server broke HTTP's framing; ``stale``: a reused idle connection failed before any byte
+    of the answer, as one the server closed while idle does)."""
+
+    def __init__(self, reason: str, malformed: bool = False, stale: bool = False) -> None:
+        super().__init__(reason)
+        self.reason, self.malformed, self.stale = reason, malformed, stale
+
+
+async def _within(aw: Awaitable[T], seconds: float) -> T:
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)  # pragma: no cover - Python 3.10
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a pool connects: ``host:port``, over TLS when ``tls`` is set."""
+
+    host: str
+    port: int
+    tls: ssl.SSLContext | None = None
+
+    @classmethod
+    def of(cls, url: str, tls: Callable[[], ssl.SSLContext]) -> "Endpoint":
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        secure = parts.scheme == "https"
+        return cls(parts.hostname, parts.port or (443 if secure else 80),
+                   tls() if secure else None)
+
+    @property
+    def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.tls is not None else 80
+        return host if self.port == default else f"{host}:{self.port}"
+
+
+class _Conn:
+    """One TCP (or TLS) connection."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.reused = False
+
+    def usable(self) -> bool:
+        return not (self.writer.is_closing() or self.reader.at_eof())
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception:  # noqa: BLE001 - closing a broken connection
+            pass
+
+
+@dataclass
+class Response:
+    """A response whose head was read; its body is read with :meth:`read` (``b""`` at its end).
+
+    Attributes:
+        status: the status code.
+        headers: the headers, names lowercased (the last of a repeated name).
+    """
+
+    status: int
+    headers: dict[str, str]
+    _conn: _Conn = field(repr=False)
+    _pool: "Pool" = field(repr=False)
+    _length: int | None = field(default=None, repr=False)   # bytes left; None: chunked or EOF
+    _chunked: bool = field(default=False, repr=False)
+    _chunk_left: int = field(default=0, repr=False)
+    _keep: bool = field(default=True, repr=False)
+    _done: bool = field(default=False, repr=False)
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the body was read to its end."""
+        return self._done
+
+    async def read(self, max_bytes: int) -> bytes:
+        """Up to ``max_bytes`` of the body (at least one unless it ended: then ``b""``)."""
+        if self._done:
+            return b""
+        try:
+            if self._chunked:
+                return await self._read_chunked(max_bytes)
+            return await self._read_plain(max_bytes)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, ssl.SSLError) as e:
+            self._keep = False
+            raise WireError(f"the body was cut: {type(e).__name__}: {e}") from e
+        except asyncio.LimitOverrunError as e:
+            self._keep = False
+            raise WireError("a chunk-size line too long", malformed=True) from e
+
+    async def _read_plain(self, max_bytes: int) -> bytes:
+        reader = self._conn.reader
+        if self._length is None:                       # to the connection's end
+            data = await reader.read(max_bytes)
+            if not data:
+                self._done, self._keep = True, False
+            return data
+        data = await reader.read(min(max_bytes, self._length))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", self._length)
+        self._length -= len(data)
+        if self._length == 0:
+            self._done = True
+        return data
+
+    async def _read_chunked(self, max_bytes: int) -> bytes:
+        reader = self._conn.reader
+        if self._chunk_left == 0:
+            size = await self._chunk_size()
+            if size == 0:
+                await self._trailers()
+                self._done = True
+                return b""
+            self._chunk_left = size
+        data = await reader.read(min(max_bytes, self._chunk_left))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", self._chunk_left)
+        self._chunk_left -= len(data)
+        if self._chunk_left == 0:
+            if await reader.readexactly(2) != b"\r\n":
+                raise self._malformed("a chunk not ended by CRLF")
+        return data
+
+    async def _chunk_size(self) -> int:
+        line = await self._conn.reader.readuntil(b"\r\n")
+        text = line[:-2].split(b";", 1)[0].strip()
+        if not text or len(text) > 16:
+            raise self._malformed(f"a chunk size of {len(text)} digits")
+        try:
+            return int(text, 16)
+        except ValueError:
+            raise self._malformed("a chunk size that is not hexadecimal") from None
+
+    async def _trailers(self) -> None:
+        for _ in range(MAX_HEADERS + 1):
+            if await self._conn.reader.readuntil(b"\r\n") == b"\r\n":
+                return
+        raise self._malformed(f"more than {MAX_HEADERS} trailer lines")
+
+    def _malformed(self, what: str) -> WireError:
+        self._keep = False
+        return WireError(f"malformed response: {what}", malformed=True)
+
+    async def read_capped(self, limit: int, timeout_s: float) -> bytes:
+        """The body's first ``limit`` bytes (the rest is not read), each read within
+        ``timeout_s``; a failure ends the body where it stands."""
+        out = bytearray()
+        try:
+            while len(out) < limit:
+                data = await _within(self.read(limit - len(out)), timeout_s)
+                if not data:
+                    break
+                out += data
+        except (WireError, asyncio.TimeoutError):
+            pass
+        return bytes(out[:limit])
+
+    async def aclose(self) -> None:
+        """Ends the response: its connection goes back to the pool when the body was read to
+        its end, or its rest (a chunked body's last-chunk marker) is already on its way within
+        :data:`DRAIN_S`; else the connection is closed."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._done and self._keep:
+            try:
+                await _within(self._drain(), DRAIN_S)
+            except (WireError, asyncio.TimeoutError):
+                self._keep = False
+        self._pool.release(self._conn, self._done and self._keep)
+
+    async def _drain(self, limit: int = 256) -> None:
+        """Reads the rest of a body known to be short (at most ``limit`` bytes left)."""
+        left = self._chunk_left if self._chunked else (self._length or 0)
+        if left > limit or (not self._chunked and self._length is None):
+            raise WireError("too much of the body left")
+        while not self._done:
+            if not await self.read(limit):
+                return
+
+
+class Pool:
+    """Connections to one :class:`Endpoint`: POSTs with a streamed answer, idle connections
+    kept for the next request (at most :data:`MAX_IDLE`)."""
+
+    def __init__(self, endpoint: Endpoint, *, connect_timeout_s: float,
+                 head_timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.connect_timeout_s, self.head_timeout_s = connect_timeout_s, head_timeout_s
+        self._idle: list[_Conn] = []
+        self.connections = 0          # opened so far
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        """Sends ``POST path`` with ``body``; returns the response once its head is read."""
+        request = self._request(path, body, headers)
+        conn = self._take_idle()
+        if conn is not None:
+            try:
+                return await self._exchange(conn, request)
+            except WireError as e:
+                if not e.stale:
+                    raise
+            # the server closed the idle connection: once more on a fresh one
+        return await self._exchange(await self._connect(), request)
+
+    def _request(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        lines = [f"POST {path} HTTP/1.1", f"Host: {self.endpoint.host_header}",
+                 "Content-Type: application/json", f"Content-Length: {len(body)}",
+                 "Accept-Encoding: identity", "User-Agent: sparkv-edge"]
+        for name, value in headers.items():
+            if name.lower() in ("host", "content-length", "content-type", "accept-encoding"):
+                continue
+            if any(c in name + value for c in "\r\n\0"):
+                raise ValueError(f"header {name!r} has a line break in it")
+            lines.append(f"{name}: {value}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+    def _take_idle(self) -> _Conn | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable():
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self) -> _Conn:
+        ep = self.endpoint
+        try:
+            reader, writer = await _within(asyncio.open_connection(
+                ep.host, ep.port, ssl=ep.tls, limit=LINE_LIMIT,
+                server_hostname=ep.host if ep.tls is not None else None),
+                self.connect_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise WireError(f"no connection within {self.connect_timeout_s:g} s") from e
+        except (OSError, ssl.SSLError) as e:
+            raise WireError(f"connection failed: {type(e).__name__}: {e}") from e
+        self.connections += 1
+        return _Conn(reader, writer)
+
+    async def _exchange(self, conn: _Conn, request: bytes) -> Response:
+        try:
+            conn.writer.write(request)
+            await conn.writer.drain()
+            head = await _within(conn.reader.readuntil(b"\r\n\r\n"), self.head_timeout_s)
+        except asyncio.TimeoutError as e:
+            conn.close()
+            raise WireError(f"no response head within {self.head_timeout_s:g} s") from e
+        except asyncio.LimitOverrunError as e:
+            conn.close()
+            raise WireError(f"a response head over {LINE_LIMIT} bytes", malformed=True) from e
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, ssl.SSLError) as e:
+            conn.close()
+            stale = conn.reused and not getattr(e, "partial", b"")
+            raise WireError(f"request failed: {type(e).__name__}: {e}", stale=stale) from e
+        try:
+            return self._response(conn, head)
+        except WireError:
+            conn.close()
+            raise
+
+    def _response(self, conn: _Conn, head: bytes) -> Response:
+        lines = head[:-4].decode("latin-1").split("\r\n")
+        version, status = _status_line(lines[0])
+        if len(lines) - 1 > MAX_HEADERS:
+            raise WireError(f"more than {MAX_HEADERS} header lines", malformed=True)
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip():
+                raise WireError(f"a malformed header line {line[:40]!r}", malformed=True)
+            headers[name.lower()] = value.strip()
+        resp = Response(status, headers, conn, self)
+        _framing(resp, version)
+        return resp
+
+    def release(self, conn: _Conn, reusable: bool) -> None:
+        if reusable and conn.usable() and len(self._idle) < MAX_IDLE:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _status_line(line: str) -> tuple[str, int]:
+    parts = line.split(" ", 2)
+    if len(parts) < 2 or parts[0] not in ("HTTP/1.1", "HTTP/1.0") or not (
+            len(parts[1]) == 3 and parts[1].isdigit()):
+        raise WireError(f"a malformed status line {line[:40]!r}", malformed=True)
+    return parts[0], int(parts[1])
+
+
+def _framing(resp: Response, version: str) -> None:
+    """Sets how ``resp``'s body ends (chunked, a length, or the connection's end) and whether
+    its connection may be reused."""
+    h = resp.headers
+    token = h.get("connection", "").lower()
+    resp._keep = "close" not in token and (version == "HTTP/1.1" or "keep-alive" in token)
+    if h.get("content-encoding", "identity").lower() not in ("identity", ""):
+        raise WireError(f"a {h['content-encoding']!r}-encoded body (identity was asked)",
+                        malformed=True)
+    te = h.get("transfer-encoding", "").lower()
+    if te:
+        if te.rsplit(",", 1)[-1].strip() != "chunked":
+            raise WireError(f"transfer-encoding {te!r}", malformed=True)
+        resp._chunked = True
+        return
+    if "content-length" in h:
+        value = h["content-length"]
+        if not value.isdigit() or len(value) > 18:
+            raise WireError(f"content-length {value[:20]!r}", malformed=True)
+        resp._length = int(value)
+        resp._done = resp._length == 0
+        return
+    resp._keep = False                                  # the body ends with the connection

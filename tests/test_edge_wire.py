@@ -1,0 +1,248 @@
+"""The lean HTTP/1.1 client of the chunk stream (sparkv.edge.wire), against a real socket server
+that answers each request with scripted bytes: framing, keep-alive, and broken servers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import pytest
+
+from sparkv.edge.wire import LINE_LIMIT, Endpoint, Pool, WireError
+
+Script = Callable[[int, int], bytes]      # (connection number, request number on it) -> answer
+
+
+def _chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+OK_CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(b"ab", b"cdef")
+OK_LENGTH = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nabcdef"
+
+
+class Server:
+    """Answers request ``k`` of connection ``c`` with ``script(c, k)``; ``b""``: closes the
+    connection without answering; ``close_after``: closes it after each answer. Records each
+    request's head and body."""
+
+    def __init__(self, script: Script, close_after: bool = False) -> None:
+        self.script, self.close_after = script, close_after
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn, self.connections = self.connections, self.connections + 1
+        k = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                self.requests.append((head, await reader.readexactly(length)))
+                answer = self.script(conn, k)
+                k += 1
+                if not answer:
+                    break
+                writer.write(answer)
+                await writer.drain()
+                if self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def _with_server(script: Script, body: Callable[[Pool, Server], object],
+                       close_after: bool) -> None:
+    srv = Server(script, close_after)
+    server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool(Endpoint("127.0.0.1", port), connect_timeout_s=2.0, head_timeout_s=2.0)
+    try:
+        await asyncio.wait_for(body(pool, srv), 10.0)   # a hang fails the test, not the suite
+    finally:
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+def run(script: Script, body: Callable[[Pool, Server], object], close_after: bool = False) -> None:
+    asyncio.run(_with_server(script, body, close_after))
+
+
+async def _read_all(resp, piece: int = 3) -> bytes:
+    out = bytearray()
+    while data := await resp.read(piece):
+        out += data
+    return bytes(out)
+
+
+@pytest.mark.parametrize("answer", [OK_CHUNKED, OK_LENGTH], ids=["chunked", "length"])
+def test_a_body_is_read_whole_and_the_connection_reused(answer):
+    async def body(pool, srv):
+        for _ in range(3):
+            resp = await pool.post("/v1/x/stream", b'{"a": 1}', {"Authorization": "Bearer k"})
+            assert resp.status == 200 and await _read_all(resp) == b"abcdef"
+            assert resp.complete
+            await resp.aclose()
+        assert srv.connections == 1 and pool.connections == 1
+        head, sent = srv.requests[0]
+        assert head.startswith(b"POST /v1/x/stream HTTP/1.1\r\n") and sent == b'{"a": 1}'
+        assert b"Authorization: Bearer k\r\n" in head and b"Accept-Encoding: identity" in head
+    run(lambda c, k: answer, body)
+
+
+def test_a_body_to_the_connection_end_is_read_and_not_reused():
+    answer = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nabcdef"
+
+    async def body(pool, srv):
+        for _ in range(2):
+            resp = await pool.post("/", b"{}", {})
+            assert await _read_all(resp, 4) == b"abcdef"
+            await resp.aclose()
+        assert srv.connections == 2
+    run(lambda c, k: answer, body, close_after=True)
+
+
+@pytest.mark.parametrize("close_after", [False, True], ids=["on-next-request", "when-idle"])
+def test_an_idle_connection_the_server_closed_is_replaced(close_after):
+    """The server answers one request per connection and closes it: while it is idle (the pool
+    sees the end and opens a fresh one), or only when the next request comes (that request
+    fails before any byte of its answer and goes once more on a fresh connection)."""
+    async def body(pool, srv):
+        for _ in range(3):
+            resp = await pool.post("/", b"{}", {})
+            assert await _read_all(resp) == b"abcdef"
+            await resp.aclose()
+            await asyncio.sleep(0.05)          # the server's close reaches the client
+        assert srv.connections == 3 and pool.connections == 3
+    run(lambda c, k: OK_LENGTH if k == 0 else b"", body, close_after)
+
+
+def test_closing_a_nearly_read_body_drains_it_and_a_far_one_closes_the_connection():
+    big = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(b"x" * 100_000)
+
+    async def body(pool, srv):
+        resp = await pool.post("/", b"{}", {})
+        assert await resp.read(6) == b"ab" and await resp.read(6) == b"cdef"
+        await resp.aclose()                    # only the last-chunk marker is left: drained
+        assert resp.complete
+        resp = await pool.post("/", b"{}", {})
+        await resp.read(10)
+        await resp.aclose()                    # ~100 kB left: the connection is closed
+        assert not resp.complete
+        resp = await pool.post("/", b"{}", {})
+        assert len(await _read_all(resp, 1 << 16)) == 100_000
+        assert srv.connections == 2
+    run(lambda c, k: OK_CHUNKED if (c, k) == (0, 0) else big, body)
+
+
+@pytest.mark.parametrize("answer,what", [
+    (b"HTTP/1.1 2x0 OK\r\nContent-Length: 0\r\n\r\n", "status line"),
+    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "header line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", "content-length"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "transfer-encoding"),
+    (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabc", "encoded"),
+    (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 200 + b"\r\n", "header lines"),
+    (b"HTTP/1.1 200 OK\r\nX: " + b"y" * (2 * LINE_LIMIT), "head over"),
+], ids=["status", "header", "length", "te", "encoding", "many", "endless-head"])
+def test_a_malformed_head_is_a_malformed_error(answer, what):
+    async def body(pool, srv):
+        with pytest.raises(WireError, match=what) as err:
+            await pool.post("/", b"{}", {})
+        assert err.value.malformed
+    run(lambda c, k: answer, body)
+
+
+@pytest.mark.parametrize("chunks,what", [
+    (b"zz\r\nab\r\n0\r\n\r\n", "hexadecimal"),
+    (b"2\r\nabXY0\r\n\r\n", "CRLF"),
+    (b"1" * 40 + b"\r\n", "digits"),
+    (b"f" * (2 * LINE_LIMIT), "too long"),
+], ids=["hex", "crlf", "digits", "endless-size"])
+def test_malformed_chunk_framing_is_a_malformed_error(chunks, what):
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks
+
+    async def body(pool, srv):
+        resp = await pool.post("/", b"{}", {})
+        with pytest.raises(WireError, match=what) as err:
+            await _read_all(resp, 1 << 16)
+        assert err.value.malformed
+        await resp.aclose()
+    run(lambda c, k: answer, body)
+
+
+def test_a_cut_body_is_an_error_and_not_an_end():
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"
+
+    async def body(pool, srv):
+        resp = await pool.post("/", b"{}", {})
+        with pytest.raises(WireError, match="cut") as err:
+            await _read_all(resp)
+        assert not err.value.malformed
+    run(lambda c, k: answer, body, close_after=True)
+
+
+def test_an_error_body_is_read_only_in_part():
+    answer = b"HTTP/1.1 500 Oops\r\nContent-Length: 1000000\r\n\r\n" + b"e" * 1_000_000
+
+    async def body(pool, srv):
+        resp = await pool.post("/", b"{}", {})
+        assert resp.status == 500
+        assert await resp.read_capped(1000, 2.0) == b"e" * 1000
+        await resp.aclose()
+    run(lambda c, k: answer, body)
+
+
+def test_a_silent_server_times_out_and_a_refused_port_fails():
+    pool_timeout = Pool(Endpoint("127.0.0.1", 1), connect_timeout_s=1.0, head_timeout_s=1.0)
+
+    async def refused():
+        with pytest.raises(WireError, match="connection failed"):
+            await pool_timeout.post("/", b"{}", {})
+
+    async def silent():
+        srv = await asyncio.start_server(lambda r, w: asyncio.sleep(5), "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = Pool(Endpoint("127.0.0.1", port), connect_timeout_s=1.0, head_timeout_s=0.3)
+        try:
+            with pytest.raises(WireError, match="no response head"):
+                await pool.post("/", b"{}", {})
+        finally:
+            srv.close()
+    asyncio.run(refused())
+    asyncio.run(silent())
+
+
+def test_a_header_with_a_line_break_is_refused_before_sending():
+    pool = Pool(Endpoint("127.0.0.1", 1), connect_timeout_s=1.0, head_timeout_s=1.0)
+    with pytest.raises(ValueError, match="line break"):
+        asyncio.run(pool.post("/", b"{}", {"X-Key": "a\r\nInjected: 1"}))
+
+
+def test_endpoints_of_urls():
+    import ssl
+
+    tls = ssl.create_default_context()
+    assert Endpoint.of("http://h:8080/x", lambda: tls) == Endpoint("h", 8080)
+    e = Endpoint.of("https://[::1]/x", lambda: tls)
+    assert (e.host, e.port, e.tls, e.host_header) == ("::1", 443, tls, "[::1]")
+    assert Endpoint("h", 80).host_header == "h" and Endpoint("h", 81).host_header == "h:81"
+    with pytest.raises(ValueError):
+        Endpoint.of("ftp://h/x", lambda: tls)
+
+
+def test_a_proxied_url_goes_through_httpx(monkeypatch):
+    from sparkv.edge.http_source import HttpChunkSource, proxied
+
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy",
+                 "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert not proxied("http://10.0.0.5:8080/v1/x")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy:3128")
+    assert proxied("http://10.0.0.5:8080/v1/x") and not proxied("https://10.0.0.5/v1/x")
+    assert HttpChunkSource("http://10.0.0.5:8080", "c" * 16).proxied
+    monkeypatch.setenv("NO_PROXY", "10.0.0.5")
+    assert not proxied("http://10.0.0.5:8080/v1/x")

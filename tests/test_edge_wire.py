@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from sparkv.edge.wire import LINE_LIMIT, Endpoint, Pool, WireError
+from sparkv.edge.wire import HEAD_LIMIT, LINE_LIMIT, Endpoint, Pool, WireError
 
 Script = Callable[[int, int], bytes]      # (connection number, request number on it) -> answer
 
@@ -146,8 +146,9 @@ def test_closing_a_nearly_read_body_drains_it_and_a_far_one_closes_the_connectio
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "transfer-encoding"),
     (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabc", "encoded"),
     (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 200 + b"\r\n", "header lines"),
+    (b"HTTP/1.1 200 OK\r\nX: " + b"y" * HEAD_LIMIT + b"\r\n\r\n", "head over"),
     (b"HTTP/1.1 200 OK\r\nX: " + b"y" * (2 * LINE_LIMIT), "head over"),
-], ids=["status", "header", "length", "te", "encoding", "many", "endless-head"])
+], ids=["status", "header", "length", "te", "encoding", "many", "long-head", "endless-head"])
 def test_a_malformed_head_is_a_malformed_error(answer, what):
     async def body(pool, srv):
         with pytest.raises(WireError, match=what) as err:

@@ -64,7 +64,8 @@ class _Reading:
     def __init__(self, batch: list[Fetch], nbytes: int, idle: bool) -> None:
         self.batch, self.idle = batch, idle
         self.i = 0                    # the chunk being received
-        self.data = bytearray()       # what has arrived of it
+        self.parts: list[bytes] = []  # what has arrived of it (joined once, at its end)
+        self.got = 0                  # its bytes so far
         self.remaining = nbytes       # bytes of the batch not yet read
         self.sample_bytes = 0         # bytes since the last rate sample
         self.sample_from: float | None = None
@@ -398,7 +399,7 @@ class Link:
     def _abort(self, r: _Reading) -> list[Fetch]:
         """Stops a response at a cancellation (what arrived of the chunk being received is
         wasted): the not-cancelled rest is requested again."""
-        self._count(len(r.data), 0)
+        self._count(r.got, 0)
         return [x for x in r.rest if x.cid not in self._cancelled]
 
     # ---- reading a response ------------------------------------------------------------------
@@ -409,7 +410,7 @@ class Link:
         r = _Reading(req.batch, sum(self._bytes_of(f) for f in req.batch), req.idle)
         try:
             while not r.done:
-                if not r.data:
+                if not r.got:
                     # at a chunk boundary: stop where the next chunk was cancelled (the rest is
                     # requested again); a cancelled chunk further on is reached first (the
                     # chunks before it keep flowing: the controller cancels from the tail)
@@ -449,14 +450,14 @@ class Link:
         try:
             piece = await _within(pieces.__anext__(), self._cfg.read_timeout_s)
         except StopAsyncIteration as e:
-            self._count(len(r.data), 0)
+            self._count(r.got, 0)
             raise _LinkFailure(f"the response ended before {cid}", r.rest) from e
         except asyncio.TimeoutError as e:
-            self._count(len(r.data), 0)
+            self._count(r.got, 0)
             raise _LinkFailure(f"no byte for {self._cfg.read_timeout_s:g} s in {cid}",
                                r.rest) from e
         except SourceError as e:
-            self._count(len(r.data), 0)
+            self._count(r.got, 0)
             raise _LinkFailure(f"{e.reason} (in {cid})", r.rest, e.fatal, e.refused) from e
         if piece.index != r.i:
             raise _LinkFailure(f"the source sent item {piece.index} while {r.i} was due",
@@ -472,8 +473,9 @@ class Link:
             if r.sample_from is None:
                 r.sample_from = self._first_byte_due(r, now)
             self._quiet_since, self._silence = now, 0.0
-            self._stats.bytes_flowing(f.cid, now, chunk_start=not r.data)
-        r.data += piece.data
+            self._stats.bytes_flowing(f.cid, now, chunk_start=not r.got)
+        r.parts.append(piece.data)
+        r.got += len(piece.data)
         r.remaining -= len(piece.data)
         self._report(r, now, piece)
         # cancelled chunks further on will not be read: the next request opens an RTT before
@@ -518,14 +520,15 @@ class Link:
 
     def _chunk_read(self, r: _Reading) -> None:
         """The chunk being received is complete: to a decode worker; the next one is due."""
-        f, data = r.fetch, bytes(r.data)
+        f, parts = r.fetch, r.parts
+        data = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
         self._count(len(data), 0)
         hub = self._hub
         with hub.cv:
             log = self._stats.received(f.cid, hub.now())
             hub.ctl.chunk_received(f.cid, log.end_s)
             self._decoder.submit(f, data, log)
-        r.i, r.data = r.i + 1, bytearray()
+        r.i, r.parts, r.got = r.i + 1, [], 0
 
     def _count(self, received: int, used: int) -> None:
         with self._hub.cv:

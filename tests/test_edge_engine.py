@@ -364,6 +364,36 @@ def test_frames_are_decoded_in_turn_only_on_a_cpu_without_a_spare_core(monkeypat
     assert not decode_in_turn(torch.device("cuda"), 2)         # the GPU computes
 
 
+def test_a_progress_wakes_the_link_loop_only_when_the_link_has_work():
+    """After every compute call the engine signals progress; the link's loop is woken (a
+    wake-up of the link thread beside the steps) only when the controller queued chunks for
+    the link, or under a device service (its turn may have come); else it looks every WAIT_S
+    on its own."""
+    import asyncio
+    import types
+
+    from sparkv.edge.link import Link
+
+    order: list[int] = []
+    link = Link.__new__(Link)
+    link._hub = types.SimpleNamespace(ctl=types.SimpleNamespace(
+        state=types.SimpleNamespace(link=types.SimpleNamespace(order=order))))
+    link._lane = None
+
+    async def woken() -> bool:
+        link._loop, link._wake = asyncio.get_running_loop(), asyncio.Event()
+        link.wake()
+        await asyncio.sleep(0.01)
+        return link._wake.is_set()
+
+    assert not asyncio.run(woken())            # nothing queued: no wake-up
+    order.append(3)
+    assert asyncio.run(woken())                # work for the link: woken
+    order.clear()
+    link._lane = object()
+    assert asyncio.run(woken())                # a device service's ask: woken
+
+
 def test_a_chunk_the_schedule_loses_is_computed_not_waited_for(world):
     """The controller hands the link a chunk that is never requested (a scheduling bug): nothing
     runs on either path while it is missing. The idle rule computes it instead of hanging."""

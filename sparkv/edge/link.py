@@ -162,9 +162,15 @@ class Link:
         self._thread.join(timeout=timeout)
 
     def wake(self) -> None:
-        """From any thread: the loop looks for work now."""
+        """From any thread, holding the engine's lock (:meth:`Hub.progress
+        <sparkv.edge.hub.Hub.progress>`, after every compute call): the loop looks for work
+        now, when the controller queued some for the link (or, under a device service, the
+        ask's turn may have come). An idle link otherwise looks every :data:`WAIT_S` (where
+        the controller may offer it a probe): a wake-up of the link thread per compute call,
+        each a call into the controller under the lock, preempted one of the steps' OpenMP
+        team every time (docs/edge.md, "The receive path")."""
         wake = self._wake
-        if wake is not None:
+        if wake is not None and (self._lane is not None or self._hub.ctl.state.link.order):
             self._in_loop(wake.set)
 
     def _in_loop(self, fn: Callable[[], object]) -> None:

@@ -132,7 +132,13 @@ def test_an_all_local_plan_hands_work_back_to_a_link_that_recovers(world):
     back = [m for m in load.migrations if m.direction == "to_stream"]
     assert back and load.sources.get("streamed", 0) > 1, load.sources
     assert min(m.time_s for m in back) >= DEAD_S - 0.05     # only once the link recovered
-    assert max(s.t for m in back for s in m.steps) == world["geo"].num_token_chunks - 1
+    # from the tail: the last token chunk left the compute path once the link recovered, by
+    # the hand-back or by a probe that took the compute order's last step just before it
+    # (which of the two moves first is a matter of timing)
+    after = [m for m in load.migrations
+             if m.direction in ("to_stream", "probe") and m.time_s >= DEAD_S - 0.05]
+    assert max(s.t for m in after for s in m.steps) == world["geo"].num_token_chunks - 1, [
+        (m.direction, round(m.time_s, 3), [tuple(s) for s in m.steps]) for m in load.migrations]
     assert not load.fallback
 
 

@@ -23,7 +23,7 @@ import ssl
 import time
 import urllib.request
 from functools import lru_cache
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 import httpx
@@ -31,8 +31,8 @@ import httpx
 from sparkv.edge.bounds import answer_error, refuses_credentials
 from sparkv.edge.shaper import LinkShaper
 from sparkv.edge.transport import ChunkStream, FetchItem, SourceError
-from sparkv.protocol.errors import RecordError
 from sparkv.edge.wire import Endpoint, Pool, Response, WireError
+from sparkv.protocol.errors import RecordError
 from sparkv.protocol.stream import RecordPiece, RecordReader
 
 MIN_PIECE = 4 << 10
@@ -94,8 +94,8 @@ class HttpChunkSource:
         return self._pool
 
     async def open(self, items: Sequence[FetchItem]) -> ChunkStream:
-        body = {"chunks": [{"t": it.cid.t, "l": it.cid.l, "g": it.cid.g, "level": it.level}
-                           for it in items]}
+        body: dict[str, Any] = {"chunks": [
+            {"t": it.cid.t, "l": it.cid.l, "g": it.cid.g, "level": it.level} for it in items]}
         not_before = self.shaper.request_started()
         self.requests += 1
         reader = RecordReader([it.nbytes for it in items])
@@ -105,7 +105,7 @@ class HttpChunkSource:
         self._head_s = min(self._head_s, time.perf_counter() - sent)
         return stream
 
-    async def _open_wire(self, body: dict[str, object], reader: RecordReader,
+    async def _open_wire(self, body: dict[str, Any], reader: RecordReader,
                          not_before: float) -> ChunkStream:
         try:
             resp = await self._wire().post(urlsplit(self.url).path, json.dumps(body).encode(),
@@ -118,7 +118,7 @@ class HttpChunkSource:
             self._refuse(resp.status, data, resp.headers.get("location"))
         return _WireStream(resp, reader, self.shaper, not_before)
 
-    async def _open_httpx(self, body: dict[str, object], reader: RecordReader,
+    async def _open_httpx(self, body: dict[str, Any], reader: RecordReader,
                           not_before: float) -> ChunkStream:
         client = self._http()
         try:
@@ -154,7 +154,7 @@ def proxied(url: str) -> bool:
     if not (proxies.get(scheme) or proxies.get("all")):
         return False
     host = urlsplit(url).netloc
-    return not urllib.request.proxy_bypass_environment(host, proxies)
+    return not urllib.request.proxy_bypass(host)
 
 
 @lru_cache(maxsize=1)

@@ -18,10 +18,9 @@ frames piece by piece and hands each whole frame to the decode workers.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from sparkv.cache import ContextKV
 from sparkv.edge.frames import FrameDecoder
@@ -29,12 +28,11 @@ from sparkv.edge.hub import EngineConfig, Hub
 from sparkv.edge.lane import Lane
 from sparkv.edge.stats import EngineStats
 from sparkv.edge.transport import ChunkSource, ChunkStream, FetchItem, SourceError
+from sparkv.edge.wire import within
 from sparkv.layout import KVChunkId
 from sparkv.protocol.stream import RecordPiece
 from sparkv.scheduler.controller import Fetch
 from sparkv.scheduler.instance import Instance
-
-T = TypeVar("T")
 
 WAIT_S = 0.05
 """How long the link loop waits for work (or a wake-up) before it asks the controller again."""
@@ -82,14 +80,6 @@ class _Reading:
     @property
     def done(self) -> bool:
         return self.i >= len(self.batch)
-
-
-async def _within(aw: Awaitable[T], seconds: float) -> T:
-    """``await aw`` with a timeout (``asyncio.TimeoutError``), without a task per call on 3.11+."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await aw
-    return await asyncio.wait_for(aw, seconds)  # pragma: no cover - Python 3.10
 
 
 async def _close(stream: ChunkStream) -> None:
@@ -359,7 +349,7 @@ class Link:
             if idle:
                 self._quiet_since = hub.now()
             self._outstanding += 1
-        task = asyncio.ensure_future(_within(self._source.open(items), self._cfg.open_timeout_s))
+        task = asyncio.ensure_future(within(self._source.open(items), self._cfg.open_timeout_s))
         return _Request(batch, task, idle)
 
     def _finished_request(self) -> None:
@@ -454,7 +444,7 @@ class Link:
         counts the bytes that arrived of that chunk as received (wasted)."""
         cid = r.fetch.cid
         try:
-            piece = await _within(pieces.__anext__(), self._cfg.read_timeout_s)
+            piece = await within(pieces.__anext__(), self._cfg.read_timeout_s)
         except StopAsyncIteration as e:
             self._count(r.got, 0)
             raise _LinkFailure(f"the response ended before {cid}", r.rest) from e

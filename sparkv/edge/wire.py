@@ -54,7 +54,9 @@ class WireError(Exception):
         self.reason, self.malformed, self.stale = reason, malformed, stale
 
 
-async def _within(aw: Awaitable[T], seconds: float) -> T:
+async def within(aw: Awaitable[T], seconds: float) -> T:
+    """``await aw`` with a timeout (``asyncio.TimeoutError``), without a task per call on
+    3.11+."""
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(seconds):
             return await aw
@@ -201,7 +203,7 @@ class Response:
         out = bytearray()
         try:
             while len(out) < limit:
-                data = await _within(self.read(limit - len(out)), timeout_s)
+                data = await within(self.read(limit - len(out)), timeout_s)
                 if not data:
                     break
                 out += data
@@ -218,7 +220,7 @@ class Response:
         self._closed = True
         if not self._done and self._keep:
             try:
-                await _within(self._drain(), DRAIN_S)
+                await within(self._drain(), DRAIN_S)
             except (WireError, asyncio.TimeoutError):
                 self._keep = False
         self._pool.release(self._conn, self._done and self._keep)
@@ -281,7 +283,7 @@ class Pool:
     async def _connect(self) -> _Conn:
         ep = self.endpoint
         try:
-            reader, writer = await _within(asyncio.open_connection(
+            reader, writer = await within(asyncio.open_connection(
                 ep.host, ep.port, ssl=ep.tls, limit=LINE_LIMIT,
                 server_hostname=ep.host if ep.tls is not None else None),
                 self.connect_timeout_s)
@@ -296,7 +298,7 @@ class Pool:
         try:
             conn.writer.write(request)
             await conn.writer.drain()
-            head = await _within(conn.reader.readuntil(b"\r\n\r\n"), self.head_timeout_s)
+            head = await within(conn.reader.readuntil(b"\r\n\r\n"), self.head_timeout_s)
         except asyncio.TimeoutError as e:
             conn.close()
             raise WireError(f"no response head within {self.head_timeout_s:g} s") from e

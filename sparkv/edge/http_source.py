@@ -189,60 +189,60 @@ def _piece_bytes(shaper: LinkShaper) -> int:
     return int(min(MAX_PIECE, max(MIN_PIECE, rate * PIECE_SECONDS)))
 
 
-def _stream_error(e: RecordError) -> SourceError:
-    cut = "ended" in str(e)
-    return SourceError(f"stream {'cut' if cut else 'malformed'}: {e}", fatal=not cut)
+class _ShapedStream:
+    """A response's body handed on in pieces, each through the shaper, then parsed into
+    records; a subclass reads the pieces (:meth:`_pieces`) and names its transport's errors."""
 
+    errors: tuple[type[Exception], ...] = ()
 
-class _WireStream:
-    """A response read over :mod:`sparkv.edge.wire`: a piece per read, shaped, then parsed."""
-
-    def __init__(self, resp: Response, reader: RecordReader, shaper: LinkShaper,
+    def __init__(self, resp: Any, reader: RecordReader, shaper: LinkShaper,
                  not_before: float) -> None:
         self.resp, self.reader, self.shaper, self.not_before = resp, reader, shaper, not_before
 
+    def _pieces(self) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
     async def __aiter__(self) -> AsyncIterator[RecordPiece]:
-        read: Callable[[int], Awaitable[bytes]] = self.resp.read
         try:
-            while True:
-                piece = await read(_piece_bytes(self.shaper))
-                if not piece:
-                    break
+            async for piece in self._pieces():
                 await self.shaper.atake(len(piece), self.not_before)
                 for rec in self.reader.feed(piece):
                     yield rec
             self.reader.finish()
         except RecordError as e:
-            raise _stream_error(e) from e
-        except WireError as e:
-            raise SourceError(f"stream failed: {e.reason}") from e
+            cut = "ended" in str(e)
+            raise SourceError(f"stream {'cut' if cut else 'malformed'}: {e}",
+                              fatal=not cut) from e
+        except self.errors as e:
+            reason = e.reason if isinstance(e, WireError) else f"{type(e).__name__}: {e}"
+            raise SourceError(f"stream failed: {reason}") from e
 
     async def aclose(self) -> None:
         await self.resp.aclose()
 
 
-class _HttpStream:
-    """A response read through ``httpx`` (a proxied link)."""
+class _WireStream(_ShapedStream):
+    """A response read over :mod:`sparkv.edge.wire`: a piece per read."""
 
-    def __init__(self, resp: httpx.Response, reader: RecordReader, shaper: LinkShaper,
-                 not_before: float) -> None:
-        self.resp, self.reader, self.shaper, self.not_before = resp, reader, shaper, not_before
+    errors = (WireError,)
+    resp: Response
 
-    async def __aiter__(self) -> AsyncIterator[RecordPiece]:
-        try:
-            async for raw in self.resp.aiter_raw():
-                pos = 0
-                while pos < len(raw):
-                    piece = raw[pos:pos + _piece_bytes(self.shaper)]
-                    pos += len(piece)
-                    await self.shaper.atake(len(piece), self.not_before)
-                    for rec in self.reader.feed(piece):
-                        yield rec
-            self.reader.finish()
-        except RecordError as e:
-            raise _stream_error(e) from e
-        except (httpx.TransportError, OSError) as e:
-            raise SourceError(f"stream failed: {type(e).__name__}: {e}") from e
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        read: Callable[[int], Awaitable[bytes]] = self.resp.read
+        while piece := await read(_piece_bytes(self.shaper)):
+            yield piece
 
-    async def aclose(self) -> None:
-        await self.resp.aclose()
+
+class _HttpStream(_ShapedStream):
+    """A response read through ``httpx`` (a proxied link): its reads cut into pieces."""
+
+    errors = (httpx.TransportError, OSError)
+    resp: httpx.Response
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        async for raw in self.resp.aiter_raw():
+            pos = 0
+            while pos < len(raw):
+                piece = raw[pos:pos + _piece_bytes(self.shaper)]
+                pos += len(piece)
+                yield piece

@@ -546,6 +546,33 @@ def test_a_link_fault_still_falls_back(hostile, tiny):
     assert "503" in res.breakdown.fallback["link"]
 
 
+def _late(then: Behaviour, seconds: float = 60.0) -> Behaviour:
+    """``then``, after ``seconds`` (or when the server stops)."""
+    def run(out: _Out) -> bool:
+        out.server.stop.wait(seconds)
+        return then(out)
+    return run
+
+
+def test_a_manifest_later_than_the_whole_local_computation_is_not_waited_for(hostile, tiny):
+    """The device holds the context's token ids; the manifest is asked again (``use_cache``
+    off) and comes a minute late (a link in a deep fade at the start): the prelude computes
+    every step meanwhile, and the ask answers from them at once, the same tokens as local
+    prefill, saying why, with nothing requested from the stream."""
+    lm, _ = tiny
+    with _session(hostile, lm) as session:
+        manifest = answer(crafted_manifest(TOKENS, fingerprint=lm.fingerprint))
+        _cached_then(hostile, session.client, lm, _late(manifest))
+        local = session.ask(CID, QUESTION, max_new_tokens=3, stop_at_eos=False,
+                            strategy="local")
+        res = session.ask(CID, QUESTION, max_new_tokens=3, stop_at_eos=False, use_cache=False)
+    assert res.breakdown.strategy == "sparkv" and "manifest" in res.breakdown.fallback
+    assert res.tokens == local.tokens and res.breakdown.prelude_steps > 0
+    assert res.breakdown.steps_computed == res.breakdown.prelude_steps   # nothing after it
+    assert res.breakdown.chunks_streamed == 0
+    assert hostile.hits[MANIFEST_PATH] == 2 and hostile.hits[STREAM_PATH] == 0
+
+
 def test_the_cli_exits_2_on_a_wrong_api_key_with_a_cached_context(hostile, tiny, tmp_path,
                                                                   monkeypatch, capsys):
     """M7 as the probe met it: ``sparkv ask --api-key WRONG`` with the manifest and the token

@@ -68,17 +68,30 @@ class ContextFetch:
         if manifest is not None:
             self.check_manifest(manifest)
             manifest.check_tokens(tokens)
-        # a compressed context (docs/presses.md, "On the server"): its kept positions shape the
-        # assembled cache whichever path makes each chunk (a local ask uses a cached manifest)
-        pressed = manifest if manifest is not None else self.client.known_manifest(ask.context_id)
-        if pressed is not None and not pressed.compressed:
-            pressed = None
-        if pressed is not None and manifest is None:
-            self.check_manifest(pressed)
-            pressed.check_tokens(tokens)
+        pressed = self._pressed(ask.context_id, manifest, tokens)
         after = self.client.shaped_totals()
         return FetchedContext(manifest, tokens, pressed, time.perf_counter() - ask.t_start,
                               after[0] - wire[0], after[1] - wire[1])
+
+    def held(self, ask: AskInputs, tokens: Sequence[int]) -> FetchedContext:
+        """The context as the device holds it, without asking the server: its token ids and a
+        cached compressed manifest's kept positions (no manifest: nothing is streamed)."""
+        self.check_room(ask, len(tokens))
+        pressed = self._pressed(ask.context_id, None, list(tokens))
+        return FetchedContext(None, list(tokens), pressed, time.perf_counter() - ask.t_start)
+
+    def _pressed(self, context_id: str, manifest: Manifest | None,
+                 tokens: list[int]) -> Manifest | None:
+        """A compressed context's manifest (docs/presses.md, "On the server"): its kept
+        positions shape the assembled cache whichever path makes each chunk (without a fresh
+        manifest, the cached one's), checked; ``None`` for an uncompressed context."""
+        pressed = manifest if manifest is not None else self.client.known_manifest(context_id)
+        if pressed is not None and not pressed.compressed:
+            return None
+        if pressed is not None and manifest is None:
+            self.check_manifest(pressed)
+            pressed.check_tokens(tokens)
+        return pressed
 
     def check_room(self, ask: AskInputs, context_tokens: int) -> None:
         """:class:`~sparkv.device.errors.PromptTooLong` when the context, the question and the

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from sparkv.edge.answer import AskResult, Breakdown
@@ -207,6 +207,20 @@ def _time_left(ask: _Ask, limit_s: float) -> float | None:
     if math.isinf(limit_s):
         return None
     return max(0.0, limit_s - (time.perf_counter() - ask.t_start))
+
+
+def _computed_all(prelude: Prelude, done: PreludeResult) -> bool:
+    """Whether the prelude finished every layer step of its context."""
+    g = prelude.geometry
+    return done.ok and len(set(done.steps)) == g.num_token_chunks * g.num_layers
+
+
+def _held_geometry(lm: LoadedModel, prelude: Prelude | None, tokens: list[int]) -> ChunkGeometry:
+    """The chunking of a context planned without a manifest: the prelude's, when it ran on these
+    tokens (its work is kept), else the default chunk size."""
+    if prelude is not None and prelude.tokens == list(tokens):
+        return prelude.geometry
+    return _default_geometry(lm, len(tokens))
 
 
 def _default_geometry(lm: LoadedModel, num_tokens: int) -> ChunkGeometry:
@@ -412,20 +426,35 @@ class EdgeSession:
         _ = self.cost_model   # made (a first ask: measured) before the prelude starts
         threads = torch.get_num_threads()     # the cost model's key: the plan's thread reads it
         ahead: Future[tuple[FetchedContext, _Planned]] = Future()
+        mine = replace(ask, fallback={})      # the plan thread's own record, merged when taken
 
         def fetch_and_plan() -> None:
             try:
                 use_threads(threads)
-                fetched = self._fetch(ask)
-                ahead.set_result((fetched, self._plan(ask, fetched)))
+                fetched = self._fetch(mine)
+                ahead.set_result((fetched, self._plan(mine, fetched)))
             except BaseException as e:  # noqa: BLE001 - raised again on the asking thread
                 ahead.set_exception(e)
             finally:
                 prelude.request_stop(promise_first=False)
 
         threading.Thread(target=fetch_and_plan, name="sparkv-plan", daemon=True).start()
-        prelude.run()
-        return ahead.result()
+        done = prelude.run()
+        if not ahead.done() and _computed_all(prelude, done):
+            return self._held(ask, prelude)
+        fetched, planned = ahead.result()
+        ask.fallback.update(mine.fallback)
+        return fetched, planned
+
+    def _held(self, ask: _Ask, prelude: Prelude) -> tuple[FetchedContext, _Planned]:
+        """The prelude computed every step before the manifest came (a link in a fade at the
+        start, or a slow server): nothing is left that streaming could save, so the ask goes on
+        with the context as the device holds it, planned locally, instead of waiting. The
+        manifest's thread finishes alone; its answer is dropped."""
+        ask.fallback["manifest"] = ("the manifest came after the device had computed the whole "
+                                    "context: answered from its own computation")
+        fetched = self._contexts().held(ask, prelude.tokens)
+        return fetched, self._plan(ask, fetched)
 
     # ---- the steps of a load, in order -------------------------------------------------------
     def _fetch(self, ask: _Ask) -> FetchedContext:
@@ -443,7 +472,7 @@ class EdgeSession:
         t_plan = time.perf_counter()
         manifest, tokens = fetched.manifest, fetched.tokens
         geometry = (manifest.chunk_geometry if manifest is not None
-                    else _default_geometry(self.lm, len(tokens)))
+                    else _held_geometry(self.lm, ask.prelude, tokens))
         t_comp = (self.cost_model.t_comp(geometry, sparse=ask.attention.name != "dense",
                                          utilisation=0.0) * self.priors.compute_scale)
         usable, pre_done = _claim_prelude(ask.prelude, tokens, geometry)

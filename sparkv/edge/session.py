@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -54,7 +55,7 @@ from sparkv.protocol import Manifest
 from sparkv.protocol.errors import ApiError
 from sparkv.runtime.device import fused_spans
 from sparkv.scheduler.controller import ControllerConfig
-from sparkv.scheduler.estimators import start_prior
+from sparkv.scheduler.estimators import SLOW_START_S, start_prior
 from sparkv.scheduler.instance import MBPS, Instance
 from sparkv.scheduler.plan import Plan
 
@@ -213,6 +214,17 @@ def _computed_all(prelude: Prelude, done: PreludeResult) -> bool:
     """Whether the prelude finished every layer step of its context."""
     g = prelude.geometry
     return done.ok and len(set(done.steps)) == g.num_token_chunks * g.num_layers
+
+
+def _within_slow_start(ahead: Future[Any], t_start: float) -> bool:
+    """Whether the manifest and the plan (``ahead``) are done, waiting for them until the ask
+    has run :data:`~sparkv.scheduler.estimators.SLOW_START_S`: a server that answers at once
+    (an error included) is heard; only a slow start is not waited for."""
+    try:
+        ahead.exception(timeout=max(0.0, SLOW_START_S - (time.perf_counter() - t_start)))
+    except FutureTimeout:
+        return False
+    return True
 
 
 def _held_geometry(lm: LoadedModel, prelude: Prelude | None, tokens: list[int]) -> ChunkGeometry:
@@ -440,17 +452,19 @@ class EdgeSession:
 
         threading.Thread(target=fetch_and_plan, name="sparkv-plan", daemon=True).start()
         done = prelude.run()
-        if not ahead.done() and _computed_all(prelude, done):
+        if _computed_all(prelude, done) and not _within_slow_start(ahead, ask.t_start):
             return self._held(ask, prelude)
         fetched, planned = ahead.result()
         ask.fallback.update(mine.fallback)
         return fetched, planned
 
     def _held(self, ask: _Ask, prelude: Prelude) -> tuple[FetchedContext, _Planned]:
-        """The prelude computed every step before the manifest came (a link in a fade at the
-        start, or a slow server): nothing is left that streaming could save, so the ask goes on
-        with the context as the device holds it, planned locally, instead of waiting. The
-        manifest's thread finishes alone; its answer is dropped."""
+        """The prelude computed every step, and the manifest step has taken longer than a slow
+        start (a link in a fade, or a slow server): nothing is left that streaming could save,
+        so the ask goes on with the context as the device holds it, planned locally, instead of
+        waiting. The manifest's thread finishes alone; its answer is dropped (a configuration
+        error it meets, a refused key or a redirect, is reported by the next ask: within the
+        slow start it is waited for and raised here)."""
         ask.fallback["manifest"] = ("the manifest came after the device had computed the whole "
                                     "context: answered from its own computation")
         fetched = self._contexts().held(ask, prelude.tokens)

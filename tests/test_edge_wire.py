@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from sparkv.edge.wire import HEAD_LIMIT, LINE_LIMIT, Endpoint, Pool, WireError
+from sparkv.edge.wire import HEAD_LIMIT, LINE_LIMIT, Endpoint, ConnectionPool, WireError
 
 Script = Callable[[int, int], bytes]      # (connection number, request number on it) -> answer
 
@@ -54,12 +54,12 @@ class Server:
             writer.close()
 
 
-async def _with_server(script: Script, body: Callable[[Pool, Server], object],
+async def _with_server(script: Script, body: Callable[[ConnectionPool, Server], object],
                        close_after: bool) -> None:
     srv = Server(script, close_after)
     server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    pool = Pool(Endpoint("127.0.0.1", port), connect_timeout_s=2.0, head_timeout_s=2.0)
+    pool = ConnectionPool(Endpoint("127.0.0.1", port), connect_timeout_s=2.0, head_timeout_s=2.0)
     try:
         await asyncio.wait_for(body(pool, srv), 10.0)   # a hang fails the test, not the suite
     finally:
@@ -68,7 +68,7 @@ async def _with_server(script: Script, body: Callable[[Pool, Server], object],
         await server.wait_closed()
 
 
-def run(script: Script, body: Callable[[Pool, Server], object], close_after: bool = False) -> None:
+def run(script: Script, body: Callable[[ConnectionPool, Server], object], close_after: bool = False) -> None:
     asyncio.run(_with_server(script, body, close_after))
 
 
@@ -198,7 +198,7 @@ def test_an_error_body_is_read_only_in_part():
 
 
 def test_a_silent_server_times_out_and_a_refused_port_fails():
-    pool_timeout = Pool(Endpoint("127.0.0.1", 1), connect_timeout_s=1.0, head_timeout_s=1.0)
+    pool_timeout = ConnectionPool(Endpoint("127.0.0.1", 1), connect_timeout_s=1.0, head_timeout_s=1.0)
 
     async def refused():
         with pytest.raises(WireError, match="connection failed"):
@@ -207,7 +207,7 @@ def test_a_silent_server_times_out_and_a_refused_port_fails():
     async def silent():
         srv = await asyncio.start_server(lambda r, w: asyncio.sleep(5), "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        pool = Pool(Endpoint("127.0.0.1", port), connect_timeout_s=1.0, head_timeout_s=0.3)
+        pool = ConnectionPool(Endpoint("127.0.0.1", port), connect_timeout_s=1.0, head_timeout_s=0.3)
         try:
             with pytest.raises(WireError, match="no response head"):
                 await pool.post("/", b"{}", {})
@@ -218,7 +218,7 @@ def test_a_silent_server_times_out_and_a_refused_port_fails():
 
 
 def test_a_header_with_a_line_break_is_refused_before_sending():
-    pool = Pool(Endpoint("127.0.0.1", 1), connect_timeout_s=1.0, head_timeout_s=1.0)
+    pool = ConnectionPool(Endpoint("127.0.0.1", 1), connect_timeout_s=1.0, head_timeout_s=1.0)
     with pytest.raises(ValueError, match="line break"):
         asyncio.run(pool.post("/", b"{}", {"X-Key": "a\r\nInjected: 1"}))
 
@@ -300,7 +300,7 @@ def test_a_body_over_tls_is_read_and_an_untrusted_server_refused(cert):
     async def main():
         server, srv, port = await _tls_server(cert, OK_CHUNKED)
         try:
-            trusted = Pool(Endpoint("127.0.0.1", port, ssl.create_default_context(cafile=cert[0])),
+            trusted = ConnectionPool(Endpoint("127.0.0.1", port, ssl.create_default_context(cafile=cert[0])),
                            connect_timeout_s=5.0, head_timeout_s=5.0)
             for _ in range(2):
                 resp = await trusted.post("/s", b"{}", {})
@@ -308,7 +308,7 @@ def test_a_body_over_tls_is_read_and_an_untrusted_server_refused(cert):
                 await resp.aclose()
             assert trusted.connections == 1
             await trusted.aclose()
-            untrusted = Pool(Endpoint("127.0.0.1", port, ssl.create_default_context()),
+            untrusted = ConnectionPool(Endpoint("127.0.0.1", port, ssl.create_default_context()),
                              connect_timeout_s=5.0, head_timeout_s=5.0)
             with pytest.raises(WireError, match="connection failed"):
                 await untrusted.post("/s", b"{}", {})

@@ -31,7 +31,7 @@ import httpx
 from sparkv.edge.bounds import answer_error, refuses_credentials
 from sparkv.edge.shaper import LinkShaper
 from sparkv.edge.transport import ChunkStream, FetchItem, SourceError
-from sparkv.edge.wire import Endpoint, Pool, Response, WireError
+from sparkv.edge.wire import Endpoint, ConnectionPool, Response, WireError
 from sparkv.protocol.errors import RecordError
 from sparkv.protocol.stream import RecordPiece, RecordReader
 
@@ -63,7 +63,7 @@ class HttpChunkSource:
         #: whether requests go through ``httpx`` (the environment names a proxy for the URL)
         self.proxied = proxied(self.url)
         self._client: httpx.AsyncClient | None = None
-        self._pool: Pool | None = None
+        self._pool: ConnectionPool | None = None
         self.requests = 0
         self._head_s = math.inf       # the shortest wait of a request for its response's head
 
@@ -86,9 +86,9 @@ class HttpChunkSource:
                 limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
         return self._client
 
-    def _wire(self) -> Pool:
+    def _wire(self) -> ConnectionPool:
         if self._pool is None:
-            self._pool = Pool(Endpoint.of(self.url, _tls_context),
+            self._pool = ConnectionPool(Endpoint.of(self.url, _tls_context),
                               connect_timeout_s=self.connect_timeout_s,
                               head_timeout_s=self.read_timeout_s)
         return self._pool

@@ -116,7 +116,7 @@ class Response:
     status: int
     headers: dict[str, str]
     _conn: _Conn = field(repr=False)
-    _pool: "Pool" = field(repr=False)
+    _pool: "ConnectionPool" = field(repr=False)
     _length: int | None = field(default=None, repr=False)   # bytes left; None: chunked or EOF
     _chunked: bool = field(default=False, repr=False)
     _chunk_left: int = field(default=0, repr=False)
@@ -235,7 +235,7 @@ class Response:
                 return
 
 
-class Pool:
+class ConnectionPool:
     """Connections to one :class:`Endpoint`: POSTs with a streamed answer, idle connections
     kept for the next request (at most :data:`MAX_IDLE`)."""
 

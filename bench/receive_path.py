@@ -19,12 +19,14 @@ import json
 import statistics as st
 import tempfile
 import time
+from typing import Any
 
 from sparkv.cli import passive_openmp_waits
 
 passive_openmp_waits()          # before torch loads, as the sparkv command does
 
 from sparkv.edge import http_source, link  # noqa: E402
+from sparkv.edge.answer import AskResult  # noqa: E402
 from sparkv.edge.commands import read_trace  # noqa: E402
 from sparkv.edge.options import AskOptions  # noqa: E402
 from sparkv.edge.prompts import chat_context  # noqa: E402
@@ -44,26 +46,26 @@ LINK_CPU: list[float] = []         # each link thread's CPU seconds
 def _patch() -> None:
     init, main = http_source.HttpChunkSource.__init__, link.Link._main
 
-    def source_init(self, *a, **k):
+    def source_init(self: http_source.HttpChunkSource, *a: Any, **k: Any) -> None:
         init(self, *a, **k)
         self.proxied = PATH["httpx"]
 
-    def link_main(self):
+    def link_main(self: link.Link) -> None:
         t0 = time.thread_time()
         try:
             return main(self)
         finally:
             LINK_CPU.append(time.thread_time() - t0)
 
-    http_source.HttpChunkSource.__init__ = source_init
-    link.Link._main = link_main
+    setattr(http_source.HttpChunkSource, "__init__", source_init)   # the path under test
+    setattr(link.Link, "_main", link_main)                           # the link thread's CPU
 
 
 def _trace(name: str) -> Trace:
     return Trace.constant(float(name[:-4])) if name.endswith("mbps") else read_trace(name)
 
 
-def _ask(s: EdgeSession, cid: str, strategy: str, trace: Trace):
+def _ask(s: EdgeSession, cid: str, strategy: str, trace: Trace) -> AskResult:
     s.client.shaper = LinkShaper(trace, rtt_s=0.02)
     s.priors.bandwidth_Bps, s.client.last_download = None, None
     gc.collect()

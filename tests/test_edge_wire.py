@@ -252,33 +252,10 @@ def test_a_proxied_url_goes_through_httpx(monkeypatch):
 # ---- TLS --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1 and localhost: (cert file, key file)."""
-    import datetime
-    import ipaddress
+    """A self-signed certificate for 127.0.0.1: (cert file, key file)."""
+    from helpers import self_signed_cert
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sparkv-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    crt = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-           .public_key(key.public_key()).serial_number(x509.random_serial_number())
-           .not_valid_before(now - datetime.timedelta(minutes=5))
-           .not_valid_after(now + datetime.timedelta(days=1))
-           .add_extension(x509.SubjectAlternativeName([
-               x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-               critical=False)
-           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-           .sign(key, hashes.SHA256()))
-    d = tmp_path_factory.mktemp("tls")
-    (d / "cert.pem").write_bytes(crt.public_bytes(serialization.Encoding.PEM))
-    (d / "key.pem").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
-    return str(d / "cert.pem"), str(d / "key.pem")
+    return tuple(str(p) for p in self_signed_cert(tmp_path_factory.mktemp("tls")))
 
 
 async def _tls_server(cert, answer: bytes):

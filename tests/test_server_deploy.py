@@ -3,8 +3,6 @@ example config, and TLS through uvicorn's certificate options on a real server."
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import re
 import shlex
@@ -24,7 +22,7 @@ from sparkv.server.commands import SERVE_ENV
 from sparkv.server.config import load_settings
 from sparkv.server.stores import SCHEMES
 from sparkv.server.process import ServerProcess, write_config
-from helpers import shared_tiny_checkpoint
+from helpers import self_signed_cert, shared_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -148,33 +146,8 @@ def test_example_config_stores_beside_the_server_and_the_containers_in_their_vol
         assert env["SPARKV_STORE"].startswith("redis://"), (name, env)
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def test_tls_with_uvicorn_certificate_options(tmp_path):
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     keys = write_config(tmp_path / "s.yaml", ["alice"],
                         models={"tiny": str(shared_tiny_checkpoint())}, default_model="tiny")
     server = ServerProcess(tmp_path / "s.yaml", f"file://{tmp_path}/store",

@@ -278,3 +278,99 @@ def test_the_simulators_prelude_mirrors_the_edges():
     assert whatif.PRELUDE_STEP_S == results.PRELUDE_STEP_S
     assert whatif.PRELUDE_STRATEGIES == planning.PRELUDE_STRATEGIES
     assert set(whatif.STRATEGIES) == set(planning.STRATEGIES)
+
+
+def _blocking_span(monkeypatch, started: threading.Event, fail: bool = False) -> list:
+    """``LayerStepper.run_span`` on the asking thread waits (at most 20 s) for the load's link
+    to start before computing (``fail``: then raises); returns ``(thread, link started?)`` per
+    span."""
+    me = threading.current_thread()
+    span = LayerStepper.run_span
+    seen: list = []
+
+    def waiting_span(self, t0, t1, l):  # noqa: E741
+        if threading.current_thread() is me and not seen:
+            seen.append(started.wait(20.0))
+            if fail:
+                raise RuntimeError("injected span failure")
+        return span(self, t0, t1, l)
+
+    monkeypatch.setattr(LayerStepper, "run_span", waiting_span)
+    return seen
+
+
+def _recording_link_start(monkeypatch, started: threading.Event) -> list:
+    from sparkv.edge.link import Link
+
+    start = Link.start
+    threads: list = []
+
+    def recording(self):
+        threads.append(threading.current_thread().name)
+        started.set()
+        return start(self)
+
+    monkeypatch.setattr(Link, "start", recording)
+    return threads
+
+
+def test_the_link_starts_while_the_prelude_finishes_its_span(served, monkeypatch):
+    """The plan is made while the prelude's first span is in progress: the plan's thread starts
+    the load's link at once (the span in progress does not hold it back), the engine takes the
+    prelude's steps as done, and the answer is exact."""
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    _ask(session, cid)   # the client now holds the manifest: its geometry is known
+    started = threading.Event()
+    seen = _blocking_span(monkeypatch, started)
+    threads = _recording_link_start(monkeypatch, started)
+    res = _ask(session, cid)
+    assert seen == [True], "the link waited for the prelude's span"
+    assert threads == ["sparkv-plan"]
+    bd = res.breakdown
+    assert res.tokens == ref and bd.prelude_steps > 0 and bd.chunks_streamed > 0
+    assert bd.chunks_streamed + bd.chunks_computed == res.instance.num_chunks
+    assert not set(bd.fallback) - {"slow_link"}, bd.fallback
+
+
+def test_a_span_that_fails_after_the_link_started_is_computed_by_the_load(served, monkeypatch):
+    """The prelude's span in progress fails once the plan's thread has started the link: the
+    steps it promised are computed by the load (or streamed), the failure is reported and the
+    answer is exact."""
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    _ask(session, cid)
+    started = threading.Event()
+    seen = _blocking_span(monkeypatch, started, fail=True)
+    _recording_link_start(monkeypatch, started)
+    res = _ask(session, cid)
+    assert seen == [True]
+    assert res.tokens == ref and res.breakdown.prelude_steps == 0
+    assert "injected span failure" in res.breakdown.fallback.get("prelude", "")
+    assert (res.breakdown.chunks_streamed + res.breakdown.chunks_computed
+            == res.instance.num_chunks)
+
+
+def test_an_early_link_is_taken_or_never_started():
+    """``_EarlyLink``: a plan dropped by the asking thread never starts its link; one whose link
+    started cannot be dropped (it is taken); an ask that fails stops a started link."""
+    from sparkv.edge.session import _EarlyLink
+
+    class FakeEngine:
+        aborted = 0
+
+        def abort(self):
+            self.aborted += 1
+
+    dropped = _EarlyLink()
+    assert dropped.drop()
+    dropped.begin(lambda: pytest.fail("a dropped plan started its link"))
+    assert dropped.engine is None
+    taken, eng = _EarlyLink(), FakeEngine()
+    taken.begin(lambda: eng)
+    assert not taken.drop() and taken.engine is eng
+    taken.abandon()
+    assert eng.aborted == 1 and taken.engine is None
+    none = _EarlyLink()
+    none.begin(lambda: None)        # the plan streams nothing: no early link, may be dropped
+    assert none.drop()

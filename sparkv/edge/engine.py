@@ -124,11 +124,17 @@ class Engine:
                       if source is not None else None)
         self._compute = ComputeWorker(self._hub, stepper, self._stats, self._link, self._decoder,
                                       prelude, cfg.stall_fallback_s, deadline_s, lane)
+        self._threads: int | None = None    # the compute path's OpenMP threads, once started
 
-    def run(self) -> LoadResult:
-        """Loads every chunk; returns when the KV buffers are complete."""
+    def start(self) -> None:
+        """Starts the load's clock, its link and its decoder, the compute path not yet: a
+        caller whose thread is still finishing the prelude's span starts the link from another
+        thread as soon as the plan is made (sparkv.edge.session); :meth:`run` then computes.
+        Called again (by :meth:`run`), it does nothing."""
         import torch
 
+        if self._threads is not None:
+            return
         hub, link = self._hub, self._link
         hub.start_clock()
         if link is not None:
@@ -142,21 +148,41 @@ class Engine:
         # (a plain set_num_threads is undone by the thread's lazy initialisation, which reads
         # whatever another thread set last: sparkv.runtime.threads); the count is read here,
         # before a decode worker starts
-        threads = torch.get_num_threads()      # read before a decode worker sets 1
+        self._threads = threads = torch.get_num_threads()
         in_turn = (self.cfg.decode_in_turn if self.cfg.decode_in_turn is not None
                    else decode_in_turn(self.kv.device, threads))
         self._decoder.start(warm=link is not None, in_turn=in_turn)
-        try:
-            if link is not None:
+        if link is not None:
+            try:
                 link.start()
-            self._compute.run(threads)           # on this thread (ComputeWorker.run)
+            except BaseException:
+                self._decoder.shutdown()
+                raise
+
+    def run(self) -> LoadResult:
+        """Loads every chunk (:meth:`start` first, unless it was called); returns when the KV
+        buffers are complete."""
+        self.start()
+        assert self._threads is not None
+        try:
+            self._compute.run(self._threads)       # on this thread (ComputeWorker.run)
         finally:
-            if link is not None:
-                link.stop()
-                link.join(LINK_CLOSE_S)
-            self._decoder.shutdown()
+            self._close()
         error = self._compute.error
         if error is not None:
             raise EngineError(f"loading failed: {type(error).__name__}: {error}") from error
-        with hub.cv:
+        with self._hub.cv:
             return self._stats.result(self.kv, self.ctl)
+
+    def abort(self) -> None:
+        """Stops a started load that will not be run: the link's requests closed, the decoder
+        shut down (nothing is computed)."""
+        if self._threads is not None:
+            self._close()
+
+    def _close(self) -> None:
+        link = self._link
+        if link is not None:
+            link.stop()
+            link.join(LINK_CLOSE_S)
+        self._decoder.shutdown()

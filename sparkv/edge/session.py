@@ -31,7 +31,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.bounds import ClientLimits
@@ -187,6 +187,40 @@ class _Loaded:
     load: LoadResult
     prelude: PreludeResult | None  # the prelude's steps the load used (None: none were)
     prune_s: float                 # pruning to a compressed context's kept positions (s)
+
+
+class _EarlyLink:
+    """The plan thread's early start of the load's link (:meth:`EdgeSession._begin`) and the
+    asking thread's choice not to take that plan (:meth:`EdgeSession._held`), ordered by one
+    lock: a plan is either dropped before its link starts, or taken."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dropped = False
+        self.engine: Engine | None = None
+
+    def begin(self, start: Callable[[], Engine | None]) -> None:
+        """On the plan's thread: runs ``start`` unless the plan was dropped."""
+        with self._lock:
+            if not self._dropped:
+                self.engine = start()
+
+    def drop(self) -> bool:
+        """On the asking thread: drops the plan, unless its link has started (``False``: the
+        plan must be taken)."""
+        with self._lock:
+            if self.engine is not None:
+                return False
+            self._dropped = True
+            return True
+
+    def abandon(self) -> None:
+        """The ask failed before its load: no link starts, a started one is stopped."""
+        with self._lock:
+            self._dropped = True
+            engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.abort()
 
 
 def _claim_prelude(pre: Prelude | None, tokens: list[int],
@@ -415,19 +449,21 @@ class EdgeSession:
 
     def _ask_loaded(self, ask: _Ask) -> AskResult:
         """:meth:`ask` from the manifest on (beside the prelude, if any)."""
+        begun = None
         if ask.prelude is not None:
-            fetched, planned = self._plan_beside_prelude(ask, ask.prelude)
+            fetched, planned, begun = self._plan_beside_prelude(ask, ask.prelude)
         else:
             fetched = self._fetch(ask)
             planned = self._plan(ask, fetched)
-        loaded = self._load(ask, fetched, planned)
+        loaded = self._load(ask, fetched, planned, begun)
         return self._answer(ask, fetched, planned, loaded)
 
-    def _plan_beside_prelude(self, ask: _Ask,
-                             prelude: Prelude) -> tuple[FetchedContext, _Planned]:
+    def _plan_beside_prelude(self, ask: _Ask, prelude: Prelude
+                             ) -> tuple[FetchedContext, _Planned, Engine | None]:
         """The manifest and the plan, made by a thread of their own (``sparkv-plan``) while the
         prelude's steps run on the asking thread: the plan stops the prelude after its span in
-        progress, a failed fetch or plan stops it too (and is raised here). The asking
+        progress and starts the load's link at once (:meth:`_begin`: the engine returned), a
+        failed fetch or plan stops it too (and is raised here). The asking
         thread computes, not another: the prelude's steps ran 2.2x their time alone on a thread
         of their own (session 70, docs/edge.md). The cost model is made first, here (on a
         session's first ask it measures the model's steps: alone, not beside the prelude's)."""
@@ -439,24 +475,32 @@ class EdgeSession:
         threads = torch.get_num_threads()     # the cost model's key: the plan's thread reads it
         ahead: Future[tuple[FetchedContext, _Planned]] = Future()
         mine = replace(ask, fallback={})      # the plan thread's own record, merged when taken
+        early = _EarlyLink()
 
         def fetch_and_plan() -> None:
             try:
                 use_threads(threads)
                 fetched = self._fetch(mine)
-                ahead.set_result((fetched, self._plan(mine, fetched)))
+                planned = self._plan(mine, fetched)
+                early.begin(lambda: self._begin(mine, fetched, planned))
+                ahead.set_result((fetched, planned))
             except BaseException as e:  # noqa: BLE001 - raised again on the asking thread
                 ahead.set_exception(e)
             finally:
                 prelude.request_stop(promise_first=False)
 
         threading.Thread(target=fetch_and_plan, name="sparkv-plan", daemon=True).start()
-        done = prelude.run()
-        if _computed_all(prelude, done) and not _within_slow_start(ahead, ask.t_start):
-            return self._held(ask, prelude)
+        try:
+            done = prelude.run()
+        except BaseException:
+            early.abandon()
+            raise
+        if (_computed_all(prelude, done) and not _within_slow_start(ahead, ask.t_start)
+                and early.drop()):
+            return (*self._held(ask, prelude), None)
         fetched, planned = ahead.result()
         ask.fallback.update(mine.fallback)
-        return fetched, planned
+        return fetched, planned, early.engine
 
     def _held(self, ask: _Ask, prelude: Prelude) -> tuple[FetchedContext, _Planned]:
         """The prelude computed every step, and the manifest step has taken longer than a slow
@@ -534,25 +578,17 @@ class EdgeSession:
             ask.fallback["quality"] = f"{e} (measured floor {floor}): computed locally"
             return local_instance(geometry, t_comp, t_suffix), "local"
 
-    def _load(self, ask: _Ask, fetched: FetchedContext, planned: _Planned) -> _Loaded:
-        """Runs the engine (the prelude's stepper when its work is usable), folds the load
-        into the priors and prunes a compressed context's cache to its kept positions."""
+    def _load(self, ask: _Ask, fetched: FetchedContext, planned: _Planned,
+              begun: Engine | None = None) -> _Loaded:
+        """Runs the engine (the prelude's stepper when its work is usable; ``begun``: one whose
+        link the plan's thread started already, :meth:`_begin`), folds the load into the priors
+        and prunes a compressed context's cache to its kept positions."""
         pre = ask.prelude
         # a prelude whose stepper could not be built ran nothing it promised: not reused
         reuse = planned.prelude_usable and pre is not None and pre.wait_stepper() is not None
-        stepper = self._stepper(ask, fetched.tokens, planned.geometry, reuse)
-        plan, ctl_cfg, pressed = planned.plan, planned.controller, fetched.pressed
-        # a link whenever the plan streams or its controller may move work onto the link later
-        linked = bool(plan.stream_order) or (planned.strategy != "local" and ctl_cfg.may_stream)
-        source = self.client.chunk_source(ask.context_id) if linked else None
-        limit = ask.options.time_limit_s(planned.local_s)
-        engine = Engine(stepper, plan, planned.instance, ctl_cfg, source=source,
-                        config=ask.options.engine_config or self.engine_config,
-                        open_frame=self._contexts().frame_opener(fetched.manifest),
-                        kept=pressed.kept_positions if pressed is not None else None,
-                        prelude=pre if reuse else None,
-                        prelude_done=planned.prelude_done if reuse else frozenset(),
-                        deadline_s=_time_left(ask, limit), lane=ask.lane)
+        engine = begun or self._engine(ask, fetched, planned,
+                                       self._stepper(ask, fetched.tokens, planned.geometry, reuse),
+                                       reuse)
         try:
             load = engine.run()
         except EngineError as e:
@@ -560,6 +596,7 @@ class EdgeSession:
                 raise e.__cause__ from None
             raise
         if "deadline" in load.fallback:
+            limit = ask.options.time_limit_s(planned.local_s)
             load.fallback["deadline"] = (f"the ask's {limit:.3g} s time limit passed: the link "
                                          "was stopped and every missing chunk computed locally")
         pre_res = pre.join() if pre is not None else None
@@ -567,8 +604,43 @@ class EdgeSession:
             ask.fallback["prelude"] = (f"{type(pre_res.error).__name__}: {pre_res.error}"
                                        + ("" if reuse else " (discarded)"))
         self.priors.learn(load)
-        prune_s = apply_kept(stepper.kv, pressed, ask.spare) if pressed is not None else 0.0
-        return _Loaded(stepper, load, pre_res if reuse else None, prune_s)
+        pressed = fetched.pressed
+        prune_s = apply_kept(engine.stepper.kv, pressed, ask.spare) if pressed is not None else 0.0
+        return _Loaded(engine.stepper, load, pre_res if reuse else None, prune_s)
+
+    def _engine(self, ask: _Ask, fetched: FetchedContext, planned: _Planned, stepper: Any,
+                reuse: bool) -> Engine:
+        """The load's engine over ``stepper`` (``reuse``: the prelude's, its steps done)."""
+        pre, plan, ctl_cfg, pressed = ask.prelude, planned.plan, planned.controller, fetched.pressed
+        # a link whenever the plan streams or its controller may move work onto the link later
+        linked = bool(plan.stream_order) or (planned.strategy != "local" and ctl_cfg.may_stream)
+        source = self.client.chunk_source(ask.context_id) if linked else None
+        limit = ask.options.time_limit_s(planned.local_s)
+        return Engine(stepper, plan, planned.instance, ctl_cfg, source=source,
+                      config=ask.options.engine_config or self.engine_config,
+                      open_frame=self._contexts().frame_opener(fetched.manifest),
+                      kept=pressed.kept_positions if pressed is not None else None,
+                      prelude=pre if reuse else None,
+                      prelude_done=planned.prelude_done if reuse else frozenset(),
+                      deadline_s=_time_left(ask, limit), lane=ask.lane)
+
+    def _begin(self, ask: _Ask, fetched: FetchedContext, planned: _Planned) -> Engine | None:
+        """On the plan's thread, once the plan is made: the load's engine with its link started,
+        while the asking thread finishes the prelude's span in progress (on a link-bound load
+        the link would otherwise idle for that span: ~80 ms on a 2-core CPU without AMX, where
+        a layer over 2K tokens is one span); ``None`` when the prelude's work is not reused
+        (a fresh stepper waits for the prelude) or the plan streams nothing, and on any error
+        (the asking thread then builds the engine itself and meets it)."""
+        pre = ask.prelude
+        if (pre is None or not planned.prelude_usable or not planned.plan.stream_order
+                or pre.wait_stepper() is None):
+            return None
+        try:
+            engine = self._engine(ask, fetched, planned, pre.stepper, True)
+            engine.start()
+        except Exception:  # noqa: BLE001 - the asking thread builds it again and reports it
+            return None
+        return engine
 
     def _stepper(self, ask: _Ask, tokens: list[int], geometry: ChunkGeometry,
                  reuse: bool) -> Any:

@@ -1,0 +1,124 @@
+"""The link started by the plan's thread (sparkv.edge.session ``EdgeSession._begin``) against
+the link started once the prelude's span in progress is done, paired in one process
+(docs/edge.md, "The start-up overlap").
+
+Each variant (``early``: as shipped; ``late``: ``_begin`` returns ``None``), hybrid and local
+in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
+prior each ask); sparkv / local and sparkv / hybrid per link and over all.
+
+    python bench/early_link_ab.py --links 100mbps,200mbps,wifi,lte,50mbps,20mbps --rounds 3 \\
+        --out bench/results/early_link_ab_s73.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import statistics as st
+import tempfile
+from typing import Any
+
+from sparkv.cli import passive_openmp_waits
+
+passive_openmp_waits()          # before torch loads, as the sparkv command does
+
+from sparkv.edge import session  # noqa: E402
+from sparkv.edge.answer import AskResult  # noqa: E402
+from sparkv.edge.commands import read_trace  # noqa: E402
+from sparkv.edge.options import AskOptions  # noqa: E402
+from sparkv.edge.prompts import chat_context  # noqa: E402
+from sparkv.edge.session import EdgeSession  # noqa: E402
+from sparkv.edge.shaper import LinkShaper  # noqa: E402
+from sparkv.predictor.dtypes import load_model_in_dtype  # noqa: E402
+from sparkv.runtime import sample_context_ids  # noqa: E402
+from sparkv.runtime.heap import settle  # noqa: E402
+from sparkv.scheduler.trace import Trace  # noqa: E402
+from sparkv.server.process import ServerProcess  # noqa: E402
+
+QUESTION = "What does this text say about warranty? Answer in one sentence."
+VARIANTS = ("early", "late", "hybrid", "local")
+EARLY = {"on": True}               # whether the next sparkv ask starts its link early
+
+
+def _patch() -> None:
+    begin = EdgeSession._begin
+
+    def maybe_begin(self: EdgeSession, *a: Any, **k: Any) -> Any:
+        return begin(self, *a, **k) if EARLY["on"] else None
+
+    setattr(session.EdgeSession, "_begin", maybe_begin)
+
+
+def _trace(name: str) -> Trace:
+    return Trace.constant(float(name[:-4])) if name.endswith("mbps") else read_trace(name)
+
+
+def _ask(s: EdgeSession, cid: str, strategy: str, trace: Trace) -> AskResult:
+    s.client.shaper = LinkShaper(trace, rtt_s=0.02)
+    s.priors.bandwidth_Bps, s.client.last_download = None, None
+    gc.collect()
+    gc.disable()
+    try:
+        return s.ask(cid, QUESTION, AskOptions(strategy=strategy, max_new_tokens=4,
+                                               use_cache=False, stop_at_eos=False))
+    finally:
+        gc.enable()
+
+
+def _ratios(res: dict, links: list[str], name: str, ref: str) -> list[float]:
+    return [a / b for ln in links for a, b in zip(res[(ln, name)], res[(ln, ref)])]
+
+
+def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int) -> tuple[list, dict]:
+    rows: list[dict] = []
+    res: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    k = 0
+    for rnd in range(rounds):
+        for ln in links:
+            k += 1
+            for name in (VARIANTS if k % 2 else VARIANTS[::-1]):
+                EARLY["on"] = name == "early"
+                strategy = name if name in ("hybrid", "local") else "sparkv"
+                b = _ask(s, cid, strategy, _trace(ln)).breakdown
+                res[(ln, name)].append(b.ttft_s)
+                rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
+                                 loading_s=b.loading_s, chunks_streamed=b.chunks_streamed))
+                print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}",
+                      flush=True)
+    out: dict[str, Any] = {}
+    for ref in ("local", "hybrid"):
+        per_link = {ln: {nm: st.median(_ratios(res, [ln], nm, ref)) for nm in ("early", "late")}
+                    for ln in links}
+        summary = {nm: {"median": st.median(v), "max": max(v), "mean": st.mean(v)}
+                   for nm in ("early", "late") for v in [_ratios(res, links, nm, ref)]}
+        out[f"over_{ref}"] = {"per_link": per_link, "summary": summary}
+    return rows, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--links", default="100mbps,200mbps,wifi,lte,50mbps,20mbps")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/early_link_ab.json")
+    args = ap.parse_args()
+    _patch()
+    lm = load_model_in_dtype(None, dtype="auto", device="cpu")
+    settle()
+    ctx = chat_context(lm, sample_context_ids(lm, 2048))
+    with tempfile.TemporaryDirectory() as tmp, ServerProcess(
+            None, f"file://{tmp}/store", log_path=f"{tmp}/s.log", torch_threads=2) as srv:
+        s = EdgeSession.connect(srv.url, model=lm, timeout_s=120.0)
+        cid = s.client.create_context(token_ids=ctx, levels=["raw", "q8", "q5"], chunk_tokens=512)
+        s.client.shaper = LinkShaper.unlimited()
+        for strat in ("local", "sparkv", "hybrid"):        # warm-up, unshaped
+            s.ask(cid, QUESTION, AskOptions(strategy=strat, max_new_tokens=2, use_cache=False))
+        rows, ttft = ttft_pairs(s, cid, args.links.split(","), args.rounds)
+        s.close()
+    print(json.dumps(ttft, indent=1))
+    with open(args.out, "w") as f:
+        json.dump({"ttft": ttft, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -269,6 +269,12 @@ class Instance:
         s, g = divmod(c, self.G)
         return KVChunkId(s // self.L, s % self.L, g)
 
+    def dense_ids(self) -> tuple[list[StepId], list[KVChunkId]]:
+        """Every step's and chunk's id by dense index (made once: :func:`make_plan
+        <sparkv.scheduler.planners.base.make_plan>` maps a plan's indices through them)."""
+        return self._cached("ids", lambda: ([self.step_id(s) for s in range(self.num_steps)],
+                                            [self.chunk_id(c) for c in range(self.num_chunks)]))
+
     def level_index(self, name: str) -> int:
         for i, lv in enumerate(self.levels):
             if lv.name == name:
@@ -280,6 +286,13 @@ class Instance:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+    def as_lists(self) -> tuple[list[list[int]], list[list[float]], list[float]]:
+        """``chunk_bytes``, ``t_proc`` and :attr:`step_t_comp` as Python lists (made once: the
+        estimator's inner loops read them element by element, where a NumPy scalar read costs
+        several times a list's)."""
+        return self._cached("lists", lambda: (self.chunk_bytes.tolist(), self.t_proc.tolist(),
+                                              self.step_t_comp.tolist()))
 
     @property
     def floor_rank(self) -> int:

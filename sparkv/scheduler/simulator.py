@@ -521,47 +521,51 @@ def estimate_ttft(plan: Plan, inst: Instance) -> float:
 def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
             levels: Sequence[int]) -> float:
     """:func:`estimate_ttft` on dense ids: step ids in compute order, chunk ids in stream order and
-    the level index of each streamed chunk (parallel to ``stream``)."""
+    the level index of each streamed chunk (parallel to ``stream``). The planners call it tens
+    of times a plan (on the plan's critical path: the link starts once the plan is made), so it
+    reads the instance's arrays as cached lists (:meth:`Instance.as_lists`) and takes each
+    step's token dependency as one strided slice per KV group."""
     L, G = inst.L, inst.G
     rate = (inst.bandwidth_Bps / MBPS) * MBPS  # the same float the trace yields
-    nbytes, tproc, tcomp = inst.chunk_bytes, inst.t_proc, inst.step_t_comp
+    nbytes, tproc, tcomp = inst.as_lists()
     avail = [math.inf] * inst.num_chunks
     t = inst.rtt_s
     dec = 0.0
     for c, li in zip(stream, levels):
-        t = t + int(nbytes[c, li]) / rate
-        dec = (t if t > dec else dec) + float(tproc[c, li])
+        t = t + nbytes[c][li] / rate
+        dec = (t if t > dec else dec) + tproc[c][li]
         avail[c] = dec
     # bytes arrive from one RTT in to the last byte; the steps run `slow` times slower then
     busy = (inst.rtt_s, t) if stream else (0.0, 0.0)
     slow = 1.0 + inst.receive_tax
+    stretch = slow > 1.0
     tax = inst.stream_tax_s
     decoded = sorted(avail[c] for c in stream) if tax > 0 else []
     comp_end = 0.0
     step_end = [math.inf] * inst.num_steps
+    row = L * G                                  # one token chunk's chunks
     for s in compute:
         tt, l = divmod(s, L)
         r = comp_end
-        if l > 0:
-            r = max(r, step_end[s - 1])
-        if l < L - 1:
-            for tp in range(tt):
-                base = (tp * L + l) * G
-                for g in range(G):
-                    a = avail[base + g]
-                    if a > r:
-                        r = a
+        if l > 0 and step_end[s - 1] > r:
+            r = step_end[s - 1]
+        if l < L - 1 and tt:
+            # the chunks (t' < tt, l, g): every row-th entry from (0, l, g)
+            for g in range(l * G, l * G + G):
+                a = max(avail[g:tt * row:row])
+                if a > r:
+                    r = a
         if r == math.inf:
             raise SimulationError(f"{StepId(tt, l)} waits for an input that never comes")
-        comp_end = r + float(tcomp[s])
-        if r < busy[1] and slow > 1.0:
-            comp_end = _stretched_end(r, float(tcomp[s]), busy, slow)
+        comp_end = r + tcomp[s]
+        if stretch and r < busy[1]:
+            comp_end = _stretched_end(r, tcomp[s], busy, slow)
         if decoded:
             comp_end = _taxed_end(decoded, r, comp_end, tax)
         step_end[s] = comp_end
-        for g in range(G):
-            if comp_end < avail[s * G + g]:
-                avail[s * G + g] = comp_end
+        for c in range(s * G, s * G + G):
+            if comp_end < avail[c]:
+                avail[c] = comp_end
     ready = max(avail) if avail else 0.0
     if ready == math.inf:
         raise SimulationError("some chunk is neither streamed nor computed")

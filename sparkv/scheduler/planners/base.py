@@ -49,23 +49,20 @@ def stream_order_for_compute(inst: Instance, compute: Sequence[int],
     L, G, n_t = inst.L, inst.G, inst.n_t
     pos = {s: i for i, s in enumerate(compute)}
     inf = len(compute) + 1
-    # first_need[t][l]: smallest compute position of a step (t'' > t, l) (attends over (t, l))
-    first_need = [[inf] * L for _ in range(n_t)]
-    for l in range(L - 1):  # noqa: E741 - last layer attends over nothing
+    # need[t * L + l]: smallest compute position of a step (t'' > t, l) (attends over (t, l));
+    # the last layer attends over nothing
+    need = [inf] * (n_t * L)
+    for l in range(L - 1):  # noqa: E741
         best = inf
-        for t in range(n_t - 1, -1, -1):
-            first_need[t][l] = best
-            p = pos.get(t * L + l)
+        for s in range((n_t - 1) * L + l, -1, -L):
+            need[s] = best
+            p = pos.get(s)
             if p is not None and p < best:
                 best = p
     stream = list(stream)
-    keyed = []
-    for i, c in enumerate(stream):
-        s = c // G
-        t, l = divmod(s, L)
-        keyed.append((first_need[t][l], i, c))
-    keyed.sort()
-    return [c for _, _, c in keyed]
+    keys = [need[c] for c in stream] if G == 1 else [need[c // G] for c in stream]
+    # a stable sort: chunks that no computed step waits for keep their relative order
+    return [stream[i] for i in sorted(range(len(stream)), key=keys.__getitem__)]
 
 
 def make_plan(inst: Instance, compute: Sequence[int], stream: Sequence[int],
@@ -75,9 +72,11 @@ def make_plan(inst: Instance, compute: Sequence[int], stream: Sequence[int],
     if level_idx is None:
         level_idx = inst.cheapest_level
     names = [lv.name for lv in inst.levels]
+    steps, chunks = inst.dense_ids()
+    stream_order = [chunks[c] for c in stream]
     return Plan(
-        compute_order=[inst.step_id(s) for s in compute],
-        stream_order=[inst.chunk_id(c) for c in stream],
-        levels={inst.chunk_id(c): names[int(level_idx[c])] for c in stream},
+        compute_order=[steps[s] for s in compute],
+        stream_order=stream_order,
+        levels={cid: names[int(level_idx[c])] for c, cid in zip(stream, stream_order)},
         **kw,
     )

@@ -60,9 +60,9 @@ from sparkv.scheduler.planners.base import Planner, make_plan, stream_order_for_
 from sparkv.scheduler.simulator import estimate_ttft, ttft_of
 
 
-def _stale(pots: list[float | None], l: int, L: int) -> None:  # noqa: E741, N803
-    """Layer ``l``'s state changed: its cached potential and that of the layer above (whose
-    steps wait for ``l``'s outputs) are stale."""
+def _stale(pots: list[tuple[float, int] | None], l: int, L: int) -> None:  # noqa: E741, N803
+    """Layer ``l``'s state changed: its cached frontier candidate and that of the layer above
+    (whose steps wait for ``l``'s outputs) are stale."""
     pots[l] = None
     if l + 1 < L:
         pots[l + 1] = None
@@ -263,31 +263,46 @@ class Greedy(Planner):
 
     def _frontier_best(self, fut: DepState, streamed: list[bool], covered: list[bool],
                        inv: list[float], base: list[float], top: int, best_c: int,
-                       best_w: float, pots: list[float | None]) -> tuple[int, float]:
+                       best_w: float, pots: list[tuple[float, int] | None]) -> tuple[int, float]:
         """The best stream candidate among the frontier chunks (they carry potential) against
-        ``(best_c, best_w)``, the heap's top. A chunk's potential is 0 unless its step misses
-        only it (``kv_count == G - 1``); ``pots[l]`` caches layer ``l``'s frontier potential
-        (``None``: stale; :meth:`_run` clears a layer whenever its state changes)."""
-        L, G, n_t = fut.L, fut.G, fut.n_t
-        kv_count, avail, frontier = fut.kv_count, fut.chunk_avail, fut.frontier
-        for l in range(L - 1):  # noqa: E741 - frontier chunks carry potential
-            t = frontier[l]
-            if t >= n_t:
-                continue
-            s = t * L + l
-            has_potential = kv_count[s] == G - 1
-            for c in range(s * G, s * G + G):
-                if streamed[c] or avail[c] or c == top:
-                    continue
-                w = base[c]
-                if has_potential:
-                    pot = pots[l]
-                    if pot is None:
-                        pot = pots[l] = self._ws_potential(c, fut, covered, inv)
-                    w += self.w_potential * pot
-                if w > best_w or (w == best_w and c < best_c):
-                    best_c, best_w = c, w
+        ``(best_c, best_w)``, the heap's top (whose value there is its value here: ``top``
+        needs no exclusion). ``pots[l]`` caches layer ``l``'s best frontier candidate
+        ``(w, c)`` (``c`` -1: none; ``None``: stale, :meth:`_run` clears a layer whenever its
+        state changes): a stream pick reads the layers' cached bests, not every chunk."""
+        for l in range(fut.L - 1):  # noqa: E741 - frontier chunks carry potential
+            e = pots[l]
+            if e is None:
+                e = pots[l] = self._layer_best(l, fut, streamed, covered, inv, base)
+            w, c = e
+            if c >= 0 and (w > best_w or (w == best_w and c < best_c)):
+                best_c, best_w = c, w
         return best_c, best_w
+
+    def _layer_best(self, l: int, fut: DepState, streamed: list[bool],  # noqa: E741
+                    covered: list[bool], inv: list[float],
+                    base: list[float]) -> tuple[float, int]:
+        """Layer ``l``'s best frontier chunk ``(w, c)``: its base weight, plus its potential when
+        its step misses only it (``kv_count == G - 1``); ``(-inf, -1)`` when none is left."""
+        L, G = fut.L, fut.G
+        t = fut.frontier[l]
+        best_w, best_c = -math.inf, -1
+        if t >= fut.n_t:
+            return best_w, best_c
+        s = t * L + l
+        has_potential = fut.kv_count[s] == G - 1
+        pot: float | None = None
+        avail = fut.chunk_avail
+        for c in range(s * G, s * G + G):
+            if streamed[c] or avail[c]:
+                continue
+            w = base[c]
+            if has_potential:
+                if pot is None:
+                    pot = self._ws_potential(c, fut, covered, inv)
+                w += self.w_potential * pot
+            if w > best_w or (w == best_w and c < best_c):
+                best_c, best_w = c, w
+        return best_w, best_c
 
     def _tail(self, inst: Instance) -> np.ndarray:
         """Per chunk: position in [0, 1] of its step in a compute-only dry run of ``w_c``."""
@@ -331,7 +346,7 @@ class Greedy(Planner):
             base = [b + k * float(x) for b, x in zip(base, tail)]
         heap = [(-base[c], c) for c in range(n_c)]
         heapq.heapify(heap)
-        pots: list[float | None] = [None] * L    # per layer: its frontier chunk's potential
+        pots: list[tuple[float, int] | None] = [None] * L   # per layer: its best frontier chunk
         compute: list[int] = []
         stream: list[int] = []
         stages = 0

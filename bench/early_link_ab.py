@@ -2,7 +2,8 @@
 the link started once the prelude's span in progress is done, paired in one process
 (docs/edge.md, "The start-up overlap").
 
-Each variant (``early``: as shipped; ``late``: ``_begin`` returns ``None``), hybrid and local
+Each variant (``early``: as shipped; ``late``: ``_begin`` returns ``None``; ``tax``: early,
+planned with the learned receive tax), hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
 
@@ -38,6 +39,8 @@ from sparkv.server.process import ServerProcess  # noqa: E402
 
 QUESTION = "What does this text say about warranty? Answer in one sentence."
 VARIANTS = ("early", "late", "hybrid", "local")
+#: variants besides those (``--variants``): sparkv asks with these options
+EXTRA: dict[str, dict[str, Any]] = {"tax": {"plan_receive_tax": True}}
 EARLY = {"on": True}               # whether the next sparkv ask starts its link early
 
 
@@ -54,14 +57,14 @@ def _trace(name: str) -> Trace:
     return Trace.constant(float(name[:-4])) if name.endswith("mbps") else read_trace(name)
 
 
-def _ask(s: EdgeSession, cid: str, strategy: str, trace: Trace) -> AskResult:
+def _ask(s: EdgeSession, cid: str, strategy: str, trace: Trace, **kw: Any) -> AskResult:
     s.client.shaper = LinkShaper(trace, rtt_s=0.02)
     s.priors.bandwidth_Bps, s.client.last_download = None, None
     gc.collect()
     gc.disable()
     try:
         return s.ask(cid, QUESTION, AskOptions(strategy=strategy, max_new_tokens=4,
-                                               use_cache=False, stop_at_eos=False))
+                                               use_cache=False, stop_at_eos=False), **kw)
     finally:
         gc.enable()
 
@@ -70,28 +73,30 @@ def _ratios(res: dict, links: list[str], name: str, ref: str) -> list[float]:
     return [a / b for ln in links for a, b in zip(res[(ln, name)], res[(ln, ref)])]
 
 
-def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int) -> tuple[list, dict]:
+def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
+               variants: tuple[str, ...] = VARIANTS) -> tuple[list, dict]:
     rows: list[dict] = []
     res: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     k = 0
     for rnd in range(rounds):
         for ln in links:
             k += 1
-            for name in (VARIANTS if k % 2 else VARIANTS[::-1]):
-                EARLY["on"] = name == "early"
+            for name in (variants if k % 2 else variants[::-1]):
+                EARLY["on"] = name != "late"
                 strategy = name if name in ("hybrid", "local") else "sparkv"
-                b = _ask(s, cid, strategy, _trace(ln)).breakdown
+                b = _ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {})).breakdown
                 res[(ln, name)].append(b.ttft_s)
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
                                  loading_s=b.loading_s, chunks_streamed=b.chunks_streamed))
                 print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}",
                       flush=True)
     out: dict[str, Any] = {}
+    mine = [nm for nm in variants if nm not in ("hybrid", "local")]
     for ref in ("local", "hybrid"):
-        per_link = {ln: {nm: st.median(_ratios(res, [ln], nm, ref)) for nm in ("early", "late")}
+        per_link = {ln: {nm: st.median(_ratios(res, [ln], nm, ref)) for nm in mine}
                     for ln in links}
         summary = {nm: {"median": st.median(v), "max": max(v), "mean": st.mean(v)}
-                   for nm in ("early", "late") for v in [_ratios(res, links, nm, ref)]}
+                   for nm in mine for v in [_ratios(res, links, nm, ref)]}
         out[f"over_{ref}"] = {"per_link": per_link, "summary": summary}
     return rows, out
 
@@ -100,6 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--links", default="100mbps,200mbps,wifi,lte,50mbps,20mbps")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"of {VARIANTS + tuple(EXTRA)}; hybrid and local are the references")
     ap.add_argument("--out", default="bench/results/early_link_ab.json")
     args = ap.parse_args()
     _patch()
@@ -113,7 +120,8 @@ def main() -> None:
         s.client.shaper = LinkShaper.unlimited()
         for strat in ("local", "sparkv", "hybrid"):        # warm-up, unshaped
             s.ask(cid, QUESTION, AskOptions(strategy=strat, max_new_tokens=2, use_cache=False))
-        rows, ttft = ttft_pairs(s, cid, args.links.split(","), args.rounds)
+        rows, ttft = ttft_pairs(s, cid, args.links.split(","), args.rounds,
+                                tuple(args.variants.split(",")))
         s.close()
     print(json.dumps(ttft, indent=1))
     with open(args.out, "w") as f:

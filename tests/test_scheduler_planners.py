@@ -286,3 +286,37 @@ def test_the_plans_price_the_receive_tax():
     slow = synthetic_instance(2048, chunk_tokens=512, bandwidth_mbps=5, seed=1)
     assert Portfolio().plan(slow).stream_order
     assert not Portfolio().plan(slow.replace(receive_tax=1.0)).stream_order
+
+
+class _FullScanGreedy(Greedy):
+    """The greedy as it was before session 73: every stream pick scans every layer's frontier
+    chunks afresh (only a layer's potential cached), the heap's top left out."""
+
+    def _frontier_best(self, fut, streamed, covered, inv, base, top, best_c, best_w, pots):
+        L, G, n_t = fut.L, fut.G, fut.n_t
+        for l in range(L - 1):  # noqa: E741
+            t = fut.frontier[l]
+            if t >= n_t:
+                continue
+            s = t * L + l
+            for c in range(s * G, s * G + G):
+                if streamed[c] or fut.chunk_avail[c] or c == top:
+                    continue
+                w = base[c]
+                if fut.kv_count[s] == G - 1:
+                    w += self.w_potential * self._ws_potential(c, fut, covered, inv)
+                if w > best_w or (w == best_w and c < best_c):
+                    best_c, best_w = c, w
+        return best_c, best_w
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances(max_t=8, max_l=8, max_g=3, taxes=(0.0, 0.003),
+                      receive_taxes=(0.0, 0.3)))
+def test_the_cached_frontier_picks_what_a_full_scan_picks(inst):
+    """The greedy caches each layer's best frontier chunk between the changes to that layer
+    (``_layer_best``): its plans are those of a full scan at every pick, chunk for chunk."""
+    for params in ({}, {"w_tail": 0.0}, {"stream_share": 3.0}):
+        fast, full = Greedy(**params).plan(inst), _FullScanGreedy(**params).plan(inst)
+        assert fast.compute_order == full.compute_order
+        assert fast.stream_order == full.stream_order and fast.levels == full.levels

@@ -198,3 +198,13 @@ def test_a_process_cpu_time_is_read_from_proc_and_none_for_a_missing_process():
         pytest.skip("no /proc on this system")
     assert after is not None and after > before
     assert process_cpu_s(2 ** 22 + 12345) is None
+
+
+def test_local_may_be_measured_beside_every_link():
+    """``bench ttft --local per-link``: local runs in each link's rotation (paired), not alone."""
+    from sparkv.bench.ttft import _interleaved
+
+    order = _interleaved(["local", "hybrid", "sparkv"], False, 2, with_local=True)
+    assert sorted(order) == sorted([(r, s) for r in range(2)
+                                    for s in ("local", "hybrid", "sparkv")])
+    assert order[:3] != order[3:] and {s for _, s in order[:3]} == {"local", "hybrid", "sparkv"}

@@ -6,7 +6,9 @@ answers the same question ``--runs`` times through :class:`~sparkv.edge.shaper.L
 token bucket following the link, restarted at t=0 for every request). Everything on the TTFT path
 is measured: manifest download, planning, streaming + decoding + local compute (overlapped),
 question prefill and the first token. ``local`` does not touch the network, so it is measured once
-per size and reused for every link.
+per size and reused for every link; with ``--local per-link`` it is measured beside every link's
+strategies instead (paired: each link's ratios against its own local, for a machine whose speed
+drifts over a long sweep).
 
 With ``--link netns`` (root only; skipped with the reason elsewhere) the same points run over a
 real shaped path instead: the server in a network namespace behind a veth pair, ``tc`` following
@@ -84,6 +86,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="off: sparkv waits for the manifest and the plan before computing, as "
                         "the baselines do (the start-up overlap's ablation)")
     p.add_argument("--runs", type=int, default=3, help="questions per size, link and strategy")
+    p.add_argument("--local", choices=("once", "per-link"), default="once",
+                   help="once: local prefill (which never touches the link) measured once per "
+                        "size; per-link: measured beside every link's strategies, in their "
+                        "rotation, and each link's ratios taken against its own local (paired: "
+                        "on a machine whose speed drifts during a long sweep)")
     p.add_argument("--link-prior", choices=("fresh", "learned"), default="fresh",
                    help="fresh: every ask plans with no link rate learned (the plan's default "
                         "until its first samples); learned: the session keeps the rate its "
@@ -320,8 +327,10 @@ def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], st
 
     runs_raw: list[dict[str, Any]] = []
     timelines: dict[str, Any] = {}
-    per_size = args.runs * ((1 if "local" in strategies else 0)
-                            + len(links) * len([s for s in strategies if s != "local"]))
+    paired = getattr(args, "local", "once") == "per-link"
+    per_size = args.runs * ((1 if "local" in strategies and not paired else 0)
+                            + len(links) * len([s for s in strategies
+                                                if s != "local" or paired]))
     n_total = len(sizes) * per_size
     done = 0
     t_bench = time.perf_counter()
@@ -348,9 +357,10 @@ def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], st
                     session.ask(cid, QUESTION, AskOptions(strategy=strat, max_new_tokens=2,
                                                           use_cache=False, prelude=_prelude(args),
                                                           backend=fair["option"]))
-                for link_label, trace in [(None, None)] + links:
+                for link_label, trace in ([] if paired else [(None, None)]) + links:
                     session.priors.bandwidth_Bps = None       # nothing learned of this link
-                    for r, strat in _interleaved(strategies, link_label is None, args.runs):
+                    for r, strat in _interleaved(strategies, link_label is None, args.runs,
+                                                 with_local=paired):
                         opts = AskOptions(strategy=strat, use_cache=False, prelude=_prelude(args),
                                           max_new_tokens=args.max_new_tokens, stop_at_eos=False,
                                           backend=fair["option"])
@@ -392,12 +402,14 @@ def _measure_all(args: argparse.Namespace, lm: LoadedModel, sizes: list[int], st
     return runs_raw, timelines
 
 
-def _interleaved(strategies: list[str], local: bool, runs: int) -> list[tuple[int, str]]:
+def _interleaved(strategies: list[str], local: bool, runs: int,
+                 with_local: bool = False) -> list[tuple[int, str]]:
     """``(run, strategy)`` in the order they are asked: run by run, each run every strategy of
-    the link (``local`` alone without one), the order rotated each run. Side by side under a
-    load that drifts (another process, the machine's clock): every strategy's runs spread over
-    the same minutes, and none always follows the same one."""
-    strats = [s for s in strategies if (s == "local") == local]
+    the link (``local`` alone without one; ``with_local``: ``local`` among a link's too), the
+    order rotated each run. Side by side under a load that drifts (another process, the
+    machine's clock): every strategy's runs spread over the same minutes, and none always
+    follows the same one."""
+    strats = [s for s in strategies if (s == "local") == local or (with_local and not local)]
     out = []
     for r in range(runs):
         k = r % max(1, len(strats))
@@ -719,8 +731,8 @@ def _plot_timeline(timelines: dict[str, Any], targets: dict[str, Any], path: Pat
         return
     n, cross = sizes[-1]["tokens"], sizes[-1]["crossover_mbps"]
     runs = [(s, timelines[k]) for s, k in
-            ((s, f"{n}/{cross}/{s}" if s != "local" else f"{n}/None/local")
-             for s in STRATEGY_ORDER) if k in timelines]
+            ((s, f"{n}/{cross}/{s}" if s != "local" or f"{n}/{cross}/local" in timelines
+              else f"{n}/None/local") for s in STRATEGY_ORDER) if k in timelines]
     plot_timelines(runs, path, title=f"{n} tokens at the crossover link ({cross} Mbit/s): "
                                      "both paths")
 

@@ -176,7 +176,10 @@ def _load_cost_model(lm: LoadedModel) -> StepCostModel:
 
 def decode_seconds(geometry: ChunkGeometry, cid: KVChunkId, level: str) -> float:
     """Predicted decode time of one frame on the decode worker."""
-    values = geometry.chunk_values(cid)
+    return _decode_seconds(geometry.chunk_values(cid), level)
+
+
+def _decode_seconds(values: int, level: str) -> float:
     return 2e-4 + values / (DECODE_MVPS.get(level, 250.0) * 1e6)
 
 
@@ -222,7 +225,8 @@ def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float,
         raise AskError(f"recent_boost must be >= 0, got {recent_boost}")
     last = {lv for cid, s in sizes.items() if cid.t == g.num_token_chunks - 1 for lv in s}
     recent = recent_floor_above(last, floor, recent_boost)
-    t_proc = {cid: {lv: decode_seconds(g, cid, lv) for lv in s} for cid, s in sizes.items()}
+    t_proc = {cid: {lv: _decode_seconds(n, lv) for lv in s}
+              for cid, s in sizes.items() for n in (g.chunk_values(cid),)}
     step_t = {s: float(t_comp[s.t, s.l]) for s in g.step_ids()}
     inst = Instance.from_mappings(g, sizes, step_t, bandwidth_Bps, t_proc=t_proc, rtt_s=rtt_s,
                                   t_suffix_s=t_suffix_s, quality_floor=floor,

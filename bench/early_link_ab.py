@@ -3,7 +3,8 @@ the link started once the prelude's span in progress is done, paired in one proc
 (docs/edge.md, "The start-up overlap").
 
 Each variant (``early``: as shipped; ``late``: ``_begin`` returns ``None``; ``tax``: early,
-planned with the learned receive tax), hybrid and local
+planned with the learned receive tax; ``pool``: early, frames decoded by a worker thread, not in
+turn), hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
 
@@ -27,6 +28,7 @@ passive_openmp_waits()          # before torch loads, as the sparkv command does
 from sparkv.edge import session  # noqa: E402
 from sparkv.edge.answer import AskResult  # noqa: E402
 from sparkv.edge.commands import read_trace  # noqa: E402
+from sparkv.edge.engine import EngineConfig  # noqa: E402
 from sparkv.edge.options import AskOptions  # noqa: E402
 from sparkv.edge.prompts import chat_context  # noqa: E402
 from sparkv.edge.session import EdgeSession  # noqa: E402
@@ -40,7 +42,10 @@ from sparkv.server.process import ServerProcess  # noqa: E402
 QUESTION = "What does this text say about warranty? Answer in one sentence."
 VARIANTS = ("early", "late", "hybrid", "local")
 #: variants besides those (``--variants``): sparkv asks with these options
-EXTRA: dict[str, dict[str, Any]] = {"tax": {"plan_receive_tax": True}}
+EXTRA: dict[str, dict[str, Any]] = {
+    "tax": {"plan_receive_tax": True},
+    "pool": {"engine_config": EngineConfig(decode_in_turn=False)},   # a decode worker thread
+}
 EARLY = {"on": True}               # whether the next sparkv ask starts its link early
 
 

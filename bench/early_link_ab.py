@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import statistics as st
-import tempfile
 from typing import Any
 
 from sparkv.cli import passive_openmp_waits
@@ -26,20 +24,14 @@ from sparkv.cli import passive_openmp_waits
 passive_openmp_waits()          # before torch loads, as the sparkv command does
 
 from sparkv.edge import session  # noqa: E402
-from sparkv.edge.answer import AskResult  # noqa: E402
 from sparkv.edge.commands import read_trace  # noqa: E402
 from sparkv.edge.engine import EngineConfig  # noqa: E402
-from sparkv.edge.options import AskOptions  # noqa: E402
-from sparkv.edge.prompts import chat_context  # noqa: E402
 from sparkv.edge.session import EdgeSession  # noqa: E402
-from sparkv.edge.shaper import LinkShaper  # noqa: E402
+from sparkv.bench.served import fresh_ask, served_context  # noqa: E402
 from sparkv.predictor.dtypes import load_model_in_dtype  # noqa: E402
-from sparkv.runtime import sample_context_ids  # noqa: E402
 from sparkv.runtime.heap import settle  # noqa: E402
 from sparkv.scheduler.trace import Trace  # noqa: E402
-from sparkv.server.process import ServerProcess  # noqa: E402
 
-QUESTION = "What does this text say about warranty? Answer in one sentence."
 VARIANTS = ("early", "late", "hybrid", "local")
 #: variants besides those (``--variants``): sparkv asks with these options
 EXTRA: dict[str, dict[str, Any]] = {
@@ -62,18 +54,6 @@ def _trace(name: str) -> Trace:
     return Trace.constant(float(name[:-4])) if name.endswith("mbps") else read_trace(name)
 
 
-def _ask(s: EdgeSession, cid: str, strategy: str, trace: Trace, **kw: Any) -> AskResult:
-    s.client.shaper = LinkShaper(trace, rtt_s=0.02)
-    s.priors.bandwidth_Bps, s.client.last_download = None, None
-    gc.collect()
-    gc.disable()
-    try:
-        return s.ask(cid, QUESTION, AskOptions(strategy=strategy, max_new_tokens=4,
-                                               use_cache=False, stop_at_eos=False), **kw)
-    finally:
-        gc.enable()
-
-
 def _ratios(res: dict, links: list[str], name: str, ref: str) -> list[float]:
     return [a / b for ln in links for a, b in zip(res[(ln, name)], res[(ln, ref)])]
 
@@ -89,7 +69,7 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
             for name in (variants if k % 2 else variants[::-1]):
                 EARLY["on"] = name != "late"
                 strategy = name if name in ("hybrid", "local") else "sparkv"
-                b = _ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {})).breakdown
+                b = fresh_ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {})).breakdown
                 res[(ln, name)].append(b.ttft_s)
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
                                  loading_s=b.loading_s, chunks_streamed=b.chunks_streamed))
@@ -97,7 +77,7 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                       flush=True)
     out: dict[str, Any] = {}
     mine = [nm for nm in variants if nm not in ("hybrid", "local")]
-    for ref in ("local", "hybrid"):
+    for ref in [r for r in ("local", "hybrid") if r in variants]:
         per_link = {ln: {nm: st.median(_ratios(res, [ln], nm, ref)) for nm in mine}
                     for ln in links}
         summary = {nm: {"median": st.median(v), "max": max(v), "mean": st.mean(v)}
@@ -117,17 +97,9 @@ def main() -> None:
     _patch()
     lm = load_model_in_dtype(None, dtype="auto", device="cpu")
     settle()
-    ctx = chat_context(lm, sample_context_ids(lm, 2048))
-    with tempfile.TemporaryDirectory() as tmp, ServerProcess(
-            None, f"file://{tmp}/store", log_path=f"{tmp}/s.log", torch_threads=2) as srv:
-        s = EdgeSession.connect(srv.url, model=lm, timeout_s=120.0)
-        cid = s.client.create_context(token_ids=ctx, levels=["raw", "q8", "q5"], chunk_tokens=512)
-        s.client.shaper = LinkShaper.unlimited()
-        for strat in ("local", "sparkv", "hybrid"):        # warm-up, unshaped
-            s.ask(cid, QUESTION, AskOptions(strategy=strat, max_new_tokens=2, use_cache=False))
+    with served_context(lm) as (s, cid):
         rows, ttft = ttft_pairs(s, cid, args.links.split(","), args.rounds,
                                 tuple(args.variants.split(",")))
-        s.close()
     print(json.dumps(ttft, indent=1))
     with open(args.out, "w") as f:
         json.dump({"ttft": ttft, "rows": rows}, f, indent=1)

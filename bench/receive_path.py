@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import statistics as st
-import tempfile
 import time
 from typing import Any
 
@@ -26,19 +24,13 @@ from sparkv.cli import passive_openmp_waits
 passive_openmp_waits()          # before torch loads, as the sparkv command does
 
 from sparkv.edge import http_source, link  # noqa: E402
-from sparkv.edge.answer import AskResult  # noqa: E402
 from sparkv.edge.commands import read_trace  # noqa: E402
-from sparkv.edge.options import AskOptions  # noqa: E402
-from sparkv.edge.prompts import chat_context  # noqa: E402
 from sparkv.edge.session import EdgeSession  # noqa: E402
-from sparkv.edge.shaper import LinkShaper  # noqa: E402
+from sparkv.bench.served import fresh_ask, served_context  # noqa: E402
 from sparkv.predictor.dtypes import load_model_in_dtype  # noqa: E402
-from sparkv.runtime import sample_context_ids  # noqa: E402
 from sparkv.runtime.heap import settle  # noqa: E402
 from sparkv.scheduler.trace import Trace  # noqa: E402
-from sparkv.server.process import ServerProcess  # noqa: E402
 
-QUESTION = "What does this text say about warranty? Answer in one sentence."
 PATH = {"httpx": False}            # the path the next chunk source takes
 LINK_CPU: list[float] = []         # each link thread's CPU seconds
 
@@ -65,24 +57,12 @@ def _trace(name: str) -> Trace:
     return Trace.constant(float(name[:-4])) if name.endswith("mbps") else read_trace(name)
 
 
-def _ask(s: EdgeSession, cid: str, strategy: str, trace: Trace) -> AskResult:
-    s.client.shaper = LinkShaper(trace, rtt_s=0.02)
-    s.priors.bandwidth_Bps, s.client.last_download = None, None
-    gc.collect()
-    gc.disable()
-    try:
-        return s.ask(cid, QUESTION, AskOptions(strategy=strategy, max_new_tokens=4,
-                                               use_cache=False, stop_at_eos=False))
-    finally:
-        gc.enable()
-
-
 def link_cpu(s: EdgeSession, cid: str, mbps: float, rounds: int) -> dict:
     per: dict[str, list[float]] = collections.defaultdict(list)
     for k in range(rounds):
         for name in (("wire", "httpx") if k % 2 == 0 else ("httpx", "wire")):
             PATH["httpx"] = name == "httpx"
-            r = _ask(s, cid, "stream", Trace.constant(mbps))
+            r = fresh_ask(s, cid, "stream", Trace.constant(mbps))
             per[name].append(LINK_CPU[-1] / r.breakdown.chunks_streamed * 1e3)
             print(f"link cpu {name:5s} {per[name][-1]:.3f} ms/chunk "
                   f"({r.breakdown.chunks_streamed} chunks)", flush=True)
@@ -97,7 +77,8 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int) -> tuple
             k += 1
             for name in (names if k % 2 else names[::-1]):
                 PATH["httpx"] = name == "httpx"
-                b = _ask(s, cid, "local" if name == "local" else "sparkv", _trace(ln)).breakdown
+                strategy = "local" if name == "local" else "sparkv"
+                b = fresh_ask(s, cid, strategy, _trace(ln)).breakdown
                 res[(ln, name)].append(b.ttft_s)
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
                                  loading_s=b.loading_s, chunks_streamed=b.chunks_streamed))
@@ -123,17 +104,9 @@ def main() -> None:
     _patch()
     lm = load_model_in_dtype(None, dtype="auto", device="cpu")
     settle()
-    ctx = chat_context(lm, sample_context_ids(lm, 2048))
-    with tempfile.TemporaryDirectory() as tmp, ServerProcess(
-            None, f"file://{tmp}/store", log_path=f"{tmp}/s.log", torch_threads=2) as srv:
-        s = EdgeSession.connect(srv.url, model=lm, timeout_s=120.0)
-        cid = s.client.create_context(token_ids=ctx, levels=["raw", "q8", "q5"], chunk_tokens=512)
-        s.client.shaper = LinkShaper.unlimited()
-        for strat in ("local", "sparkv", "stream", "hybrid"):        # warm-up, unshaped
-            s.ask(cid, QUESTION, AskOptions(strategy=strat, max_new_tokens=2, use_cache=False))
+    with served_context(lm, warm=("local", "sparkv", "stream", "hybrid")) as (s, cid):
         cpu = link_cpu(s, cid, args.cpu_mbps, args.cpu_rounds)
         rows, ttft = ttft_pairs(s, cid, args.links.split(","), args.rounds)
-        s.close()
     out = {"link_cpu": {"mbps": args.cpu_mbps, **cpu}, "ttft": ttft, "rows": rows}
     print(json.dumps({"link_cpu_median_ms": {k: v["median"] for k, v in cpu.items()},
                       **ttft}, indent=1))

@@ -90,6 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--links", default="100mbps,200mbps,wifi,lte,50mbps,20mbps")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=2048, help="the context's length")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"of {VARIANTS + tuple(EXTRA)}; hybrid and local are the references")
     ap.add_argument("--out", default="bench/results/early_link_ab.json")
@@ -97,7 +98,7 @@ def main() -> None:
     _patch()
     lm = load_model_in_dtype(None, dtype="auto", device="cpu")
     settle()
-    with served_context(lm) as (s, cid):
+    with served_context(lm, tokens=args.tokens) as (s, cid):
         rows, ttft = ttft_pairs(s, cid, args.links.split(","), args.rounds,
                                 tuple(args.variants.split(",")))
     print(json.dumps(ttft, indent=1))

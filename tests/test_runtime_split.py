@@ -75,6 +75,27 @@ def test_spans_mix_with_single_steps_and_check_dependencies(tiny_llama):
         fresh.run_span(3, 9, 0)
 
 
+def test_a_call_names_what_it_misses_past_its_first_step(tiny_llama):
+    """``call_missing``: a span whose first step is ready but whose later token chunks' hidden
+    inputs are missing (a failed prelude span the controller counts as done: the edge engine
+    then falls back instead of failing the load, session 73) is not runnable; a column the same;
+    what can run names nothing."""
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    st = LayerStepper(tiny_llama, ids, 64)
+    st.run_step(StepId(0, 0))
+    span = [StepId(t, 1) for t in range(3)]
+    assert st.ready(span[0])
+    assert st.call_missing(span) == ["Y[l=0, t=1] from step(t=1, l=0)",
+                                     "Y[l=0, t=2] from step(t=2, l=0)"]
+    assert st.call_missing(span[:1]) == []
+    assert st.call_missing([StepId(1, 0), StepId(1, 1)])   # needs (0, 1)'s KV at layer 1
+    st.run_span(1, 3, 0)
+    assert st.call_missing(span) == []
+    st.run_span(0, 3, 1)
+    assert st.call_missing([StepId(1, 2), StepId(1, 3)])    # (0, 2) not run: its KV missing
+    assert "already ran" in " ".join(st.call_missing([StepId(0, 1), StepId(1, 1)]))
+
+
 def test_fused_complete_keeps_streamed_chunks(tiny_llama):
     ids = torch.randint(0, 128, (256,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():

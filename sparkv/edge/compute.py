@@ -223,11 +223,15 @@ class ComputeWorker:
             steps = [s for s in steps if s not in done]
             if steps or not ran:
                 break
-        if steps and not self._stepper.ready(steps[0]):
-            if self._prelude_failed:    # the controller counts the failed step as done
+        missing = self._stepper.call_missing(steps) if steps else []
+        if missing:
+            # a failed prelude span: the controller counts its steps as done, and a call may
+            # need them past its first step (a span's later token chunks' hidden inputs)
+            if self._prelude_failed:
                 return []               # the fallback computes what is missing, bottom up
-            raise EngineError(f"the controller chose {steps[0]} but the stepper is missing "
-                              f"{self._stepper.missing_dependencies(steps[0])[:3]}")
+            raise EngineError(f"the controller chose {steps[0]}"
+                              + (f"..{steps[-1]}" if len(steps) > 1 else "")
+                              + f" but the stepper is missing {missing[:3]}")
         return steps
 
     def _fallback_step(self) -> StepId | None:

@@ -180,18 +180,49 @@ class LayerStepper:
             ta, tb = self.geometry.token_range(t)
             self.kv.put_step_output(t, l, k[:, :, ta - a:tb - a], v[:, :, ta - a:tb - a])
 
-    def _check_span(self, t0: int, t1: int, l: int) -> None:  # noqa: E741
-        """Raises unless steps ``(t0 .. t1-1, l)`` can run together: the first one's
-        dependencies, and each later one's own hidden input (its earlier KV at layer ``l`` is
-        the span's own)."""
+    def span_missing(self, t0: int, t1: int, l: int) -> list[str]:  # noqa: E741
+        """What steps ``(t0 .. t1-1, l)`` still need to run together as one span (empty when
+        they can): the first one's dependencies, and each later one's own hidden input (its
+        earlier KV at layer ``l`` is the span's own)."""
         if not 0 <= t0 < t1 <= self.geometry.num_token_chunks:
-            raise MissingDependencyError(f"span t={t0}..{t1 - 1} is outside the context")
+            return [f"span t={t0}..{t1 - 1} is outside the context"]
         missing = self.missing_dependencies(StepId(t0, l))
         for t in range(t0 + 1, t1):
             if StepId(t, l) in self._done:
                 missing.append(f"{StepId(t, l)} already ran")
             if l > 0 and StepId(t, l - 1) not in self._hidden:
                 missing.append(f"Y[l={l - 1}, t={t}] from step(t={t}, l={l - 1})")
+        return missing
+
+    def column_missing(self, t: int, l0: int, l1: int) -> list[str]:  # noqa: E741
+        """What steps ``(t, l0 .. l1-1)`` still need to run together as one column (empty when
+        they can): the first one's dependencies, and every KV of ``t' < t`` at the later
+        layers (each later layer's hidden input is the column's own)."""
+        g = self.geometry
+        if not 0 <= l0 < l1 <= g.num_layers:
+            return [f"column l={l0}..{l1 - 1} is outside the context"]
+        missing = self.missing_dependencies(StepId(t, l0))
+        for l in range(l0 + 1, l1):  # noqa: E741
+            if StepId(t, l) in self._done:
+                missing.append(f"{StepId(t, l)} already ran")
+            if l < g.num_layers - 1:
+                missing.extend(str(c) for c in self.kv.missing(
+                    [KVChunkId(tp, l, gg) for tp in range(t) for gg in range(g.num_groups)]))
+        return missing
+
+    def call_missing(self, steps: Sequence[StepId]) -> list[str]:
+        """What ``steps`` (one step, a span of one layer's consecutive token chunks, or a
+        column of one token chunk's consecutive layers: the edge engine's calls) still need to
+        run as one call; empty when they can."""
+        if len(steps) == 1:
+            return self.missing_dependencies(steps[0])
+        if steps[1].l == steps[0].l:
+            return self.span_missing(steps[0].t, steps[-1].t + 1, steps[0].l)
+        return self.column_missing(steps[0].t, steps[0].l, steps[-1].l + 1)
+
+    def _check_span(self, t0: int, t1: int, l: int) -> None:  # noqa: E741
+        """Raises :class:`MissingDependencyError` unless :meth:`span_missing` is empty."""
+        missing = self.span_missing(t0, t1, l)
         if missing:
             raise MissingDependencyError(
                 f"step(t={t0}..{t1 - 1}, l={l}) cannot run: missing {', '.join(missing[:5])}"
@@ -254,15 +285,7 @@ class LayerStepper:
         hidden output as running the steps one by one (the all-local fast path of the edge
         engine). Raises :class:`MissingDependencyError` naming what is missing."""
         g = self.geometry
-        if not 0 <= l0 < l1 <= g.num_layers:
-            raise MissingDependencyError(f"column l={l0}..{l1 - 1} is outside the context")
-        missing = self.missing_dependencies(StepId(t, l0))
-        for l in range(l0 + 1, l1):  # noqa: E741
-            if StepId(t, l) in self._done:
-                missing.append(f"{StepId(t, l)} already ran")
-            if l < g.num_layers - 1:
-                missing.extend(str(c) for c in self.kv.missing(
-                    [KVChunkId(tp, l, gg) for tp in range(t) for gg in range(g.num_groups)]))
+        missing = self.column_missing(t, l0, l1)
         if missing:
             raise MissingDependencyError(
                 f"step(t={t}, l={l0}..{l1 - 1}) cannot run: missing {', '.join(missing[:5])}")

@@ -223,15 +223,14 @@ class ComputeWorker:
             steps = [s for s in steps if s not in done]
             if steps or not ran:
                 break
-        missing = self._stepper.call_missing(steps) if steps else []
-        if missing:
-            # a failed prelude span: the controller counts its steps as done, and a call may
-            # need them past its first step (a span's later token chunks' hidden inputs)
-            if self._prelude_failed:
-                return []               # the fallback computes what is missing, bottom up
-            raise EngineError(f"the controller chose {steps[0]}"
-                              + (f"..{steps[-1]}" if len(steps) > 1 else "")
-                              + f" but the stepper is missing {missing[:3]}")
+        if steps and self._prelude_failed and self._stepper.call_missing(steps):
+            # the controller counts a failed prelude span's steps as done, and a call may need
+            # them past its first step (a span's later token chunks' hidden inputs): the
+            # fallback computes what is missing, bottom up
+            return []
+        if steps and not self._stepper.ready(steps[0]):
+            raise EngineError(f"the controller chose {steps[0]} but the stepper is missing "
+                              f"{self._stepper.missing_dependencies(steps[0])[:3]}")
         return steps
 
     def _fallback_step(self) -> StepId | None:

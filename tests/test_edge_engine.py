@@ -785,6 +785,44 @@ def test_a_stop_that_cancels_the_link_while_it_closes_is_not_a_link_error():
     assert "CancelledError" in str(outcome(finished=False))
 
 
+def test_a_stop_that_lands_while_the_link_closes_lets_the_close_finish():
+    """A stop arriving while the loop releases its connections (the load had ended the loop,
+    the engine's close came after) must not cancel that release: it was seen as an unclosed
+    socket's ResourceWarning in a fresh-clone run."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from sparkv.edge.link import Link
+
+    entered, released = threading.Event(), threading.Event()
+
+    class SlowClose:
+        def start(self) -> None:
+            pass
+
+        async def aclose(self) -> None:
+            entered.set()
+            await asyncio.sleep(0.3)
+            released.set()
+
+    hub = SimpleNamespace(cv=threading.Condition(), on_progress=lambda fn: None)
+    cfg = SimpleNamespace(sample_interval_s=0.05)
+    link = Link(hub, SlowClose(), None, None, SimpleNamespace(link_dead=None, link_errors=[]),
+                None, cfg)
+
+    async def ends_at_once() -> None:
+        return None
+
+    link._request_batches = ends_at_once   # type: ignore[method-assign]
+    link.start()
+    assert entered.wait(30)
+    link.stop()
+    link.join(30)
+    assert released.is_set()
+    assert link._stats.link_dead is None
+
+
 class SpanStepper(LayerStepper):
     """Records the spans the engine runs: ``(t0, t1, l)`` of each :meth:`run_span` call."""
 

@@ -129,6 +129,7 @@ class Link:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: "asyncio.Task[Any] | None" = None
+        self._closing = False         # the loop is releasing its requests and connections
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._main, name="sparkv-link", daemon=True)
         hub.on_progress(self.wake)
@@ -142,11 +143,17 @@ class Link:
         self._thread.start()
 
     def stop(self) -> None:
-        """Ends the loop (whatever it is doing); :meth:`join` waits for it."""
+        """Ends the loop (whatever it is doing, unless it is already closing: a close runs to
+        its end, or a connection it was releasing would be left open); :meth:`join` waits for
+        it."""
         self._finished.set()
+        self._in_loop(self._cancel_unless_closing)
+
+    def _cancel_unless_closing(self) -> None:
+        """On the loop: cancels its task, unless the task is in its close."""
         task = self._task
-        if task is not None:
-            self._in_loop(task.cancel)
+        if task is not None and not self._closing:
+            task.cancel()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout=timeout)
@@ -209,6 +216,7 @@ class Link:
         except asyncio.CancelledError:
             pass
         finally:
+            self._closing = True
             ticker.cancel()
             if self._prestarted is not None:
                 await self._discard(self._prestarted)

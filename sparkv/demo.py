@@ -15,10 +15,12 @@ import json
 import logging
 import sys
 import tempfile
+import statistics
 import time
 import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from sparkv.cliflags import PRESS_METAVAR, STRATEGY_NAMES, add_device_args
 from sparkv.edge.commands import add_link_args, shaper_from_args
@@ -43,6 +45,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d.add_argument("--question", default=DEMO_QUESTION, help="the question every strategy answers")
     d.add_argument("--max-new-tokens", type=int, default=40,
                    help="answer length, tokens")
+    d.add_argument("--runs", type=int, default=3,
+                   help="timed asks of every answer, interleaved (the table's TTFT is their "
+                        "median; the first also answers in full, the others stop at the first "
+                        "token): one run on a shared or drifting CPU moves the ratios by 5%%")
     d.add_argument("--strategies", default="local,stream,hybrid,sparkv",
                    help="strategies to answer with, comma-separated")
     d.add_argument("--press", default="auto", metavar=PRESS_METAVAR,
@@ -67,6 +73,36 @@ ROW_KEYS = ["strategy", "ttft_s", "loading_s", "link_s", "compute_s", "question_
 """The same columns as keys of demo.json's rows."""
 
 
+@dataclass
+class Answers:
+    """What the demo answered, one entry per answer: its label, its result (``runs``: the plot's
+    title and the result), its table row (:func:`_row`), an ask that times it again
+    (``again``) and the TTFT of each of its runs."""
+
+    ref: list[int]
+    runs: list[tuple[str, Any]] = field(default_factory=list)
+    rows: list[list[Any]] = field(default_factory=list)
+    again: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
+    ttfts: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, label: str, title: str, res: Any, again: Callable[[], Any]) -> None:
+        self.runs.append((f"{title}: TTFT {res.breakdown.ttft_s:.2f} s", res))
+        self.rows.append(_row(label, res, self.ref))
+        self.again.append((label, again))
+        self.ttfts[label] = [res.breakdown.ttft_s]
+
+    def time_again(self, runs: int) -> None:
+        """``runs - 1`` more rounds of every answer's ask, each round in a rotated order (a
+        drifting CPU's speed is shared out); each row's TTFT becomes the median of its runs."""
+        for r in range(1, runs):
+            log.info("timing every answer again: run %d of %d ...", r + 1, runs)
+            order = self.again[r % len(self.again):] + self.again[:r % len(self.again)]
+            for label, ask in order:
+                self.ttfts[label].append(ask().breakdown.ttft_s)
+        for row in self.rows:
+            row[1] = statistics.median(self.ttfts[row[0]])
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -82,9 +118,11 @@ def run_demo(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in STRATEGY_NAMES]
+    from sparkv.errors import SparkvError
     if bad:
-        from sparkv.errors import SparkvError
         raise SparkvError(f"unknown strategies {bad}; choose from {list(STRATEGY_NAMES)}")
+    if args.runs < 1:
+        raise SparkvError(f"--runs must be at least 1 (got {args.runs})")
     shaper_from_args(args)          # a bad --trace fails now, before the model loads
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,10 +138,10 @@ def run_demo(args: argparse.Namespace) -> int:
         server = _server(args, tmp)
         log.info("starting the server on loopback ...")
         with server:
-            ref, runs, rows, follow = _ask_everything(args, lm, context, server.url, tmp,
-                                                      strategies, link)
-    _print_summary(lm, ref, rows)
-    png = _write_results(out, args, context, link, runs, rows, follow)
+            answers, follow = _ask_everything(args, lm, context, server.url, tmp, strategies,
+                                              link)
+    _print_summary(lm, answers, args.runs)
+    png = _write_results(out, args, context, link, answers, follow)
     log.info("timeline plot: %s", png)
     sys.stdout.flush()
     return 0
@@ -126,11 +164,10 @@ def _server(args: argparse.Namespace, tmp: str) -> Any:
 
 
 def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int], url: str,
-                    tmp: str, strategies: list[str], link: str
-                    ) -> tuple[list[int], list, list, Any]:
+                    tmp: str, strategies: list[str], link: str) -> tuple[Answers, Any]:
     """Has the server encode the context, then asks the question with every strategy (and the
-    pressed variant, and the follow-up, when sparkv is among them): ``(reference tokens,
-    [(label, result)], table rows, follow-up result or None)``."""
+    pressed variant, and the follow-up, when sparkv is among them), then times every answer's
+    ask ``--runs - 1`` more times: ``(the answers, the follow-up's result or None)``."""
     from sparkv.device import ContextService
     from sparkv.edge.options import AskOptions
     from sparkv.edge.prompts import question_suffix
@@ -147,27 +184,25 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
              time.perf_counter() - t0)
     suffix = question_suffix(lm, args.question)
     print(f"question: {args.question!r}; link: {link}\n", flush=True)
-    ref = reference_generate(lm, context + suffix, args.max_new_tokens)
+    answers = Answers(reference_generate(lm, context + suffix, args.max_new_tokens))
     _warm_up(session, cid, args, strategies)
-    runs: list[tuple[str, Any]] = []
-    rows: list[list[Any]] = []
     # the sparkv run keeps what it loaded as a context of the device's context service
     session.context_service = ContextService(lm, 1 << 30, Path(tmp) / "kept", compression="fp")
     follow = None
     for strat in strategies:
-        res = _ask(session, cid, args, AskOptions(
-            strategy=strat, max_new_tokens=args.max_new_tokens, use_cache=False,
-            keep=strat == "sparkv"))
-        runs.append((f"{strat}: TTFT {res.breakdown.ttft_s:.2f} s", res))
-        rows.append(_row(strat, res, ref))
+        options = AskOptions(strategy=strat, max_new_tokens=args.max_new_tokens,
+                             use_cache=False, keep=strat == "sparkv")
+        res = _ask(session, cid, args, options)
+        answers.add(strat, strat, res, _again(session, cid, args, options))
         print(f"[{strat:>6}] {res.text.strip()}", flush=True)
     press = (args.press or "").strip()
     if "sparkv" in strategies and press.lower() not in ("", "none"):
-        _ask_variant(session, cid, press, args, ref, runs, rows)
+        _ask_variant(session, cid, press, args, answers)
     if "sparkv" in strategies:
-        follow = _ask_follow_up(session, cid, lm, context, args, rows)
+        follow = _ask_follow_up(session, cid, lm, context, args, answers.rows)
+    answers.time_again(args.runs)
     session.close()
-    return ref, runs, rows, follow
+    return answers, follow
 
 
 def _warm_up(session: Any, cid: str, args: argparse.Namespace, strategies: list[str]) -> None:
@@ -212,8 +247,15 @@ def _ask(session: Any, cid: str, args: argparse.Namespace, options: Any) -> Any:
     return session.ask(cid, args.question, options)
 
 
-def _ask_variant(session: Any, cid: str, press: str, args: argparse.Namespace, ref: list[int],
-                 runs: list[tuple[str, Any]], rows: list[list[Any]]) -> None:
+def _again(session: Any, cid: str, args: argparse.Namespace, options: Any) -> Callable[[], Any]:
+    """The ask of ``options`` again, to time it: it stops at its first token and keeps
+    nothing."""
+    again = replace(options, max_new_tokens=1, keep=False)
+    return lambda: _ask(session, cid, args, again)
+
+
+def _ask_variant(session: Any, cid: str, press: str, args: argparse.Namespace,
+                 answers: Answers) -> None:
     """The compressed variant: the press ``press`` (:func:`choose_press`); for ``auto`` without
     a passing press, the most compressing codec level that passes (:func:`passing_level`), else
     nothing. Says in one line why a press was not used."""
@@ -221,7 +263,7 @@ def _ask_variant(session: Any, cid: str, press: str, args: argparse.Namespace, r
 
     spec, note = choose_press(session.lm.fingerprint, press)
     if spec is not None:
-        _ask_pressed(session, cid, spec, note, args, ref, runs, rows)
+        _ask_pressed(session, cid, spec, note, args, answers)
         return
     levels = [x for x in args.levels.split(",") if x]
     level = passing_level(session.lm.fingerprint, levels)
@@ -233,21 +275,20 @@ def _ask_variant(session: Any, cid: str, press: str, args: argparse.Namespace, r
     print(f"\n--press auto: {note}; shown instead, the most compressing configuration that "
           f"passes: every streamed chunk at {name} ({entry.bytes_per_token / 1e3:.1f} kB per "
           f"token, quality table: {entry.verdict_summary})", flush=True)
-    res = _ask(session, cid, args, AskOptions(strategy="sparkv", level=name,
-                                              max_new_tokens=args.max_new_tokens,
-                                              use_cache=False))
+    options = AskOptions(strategy="sparkv", level=name, max_new_tokens=args.max_new_tokens,
+                         use_cache=False)
+    res = _ask(session, cid, args, options)
     label = f"sparkv@{name}"
-    runs.append((f"{label}: TTFT {res.breakdown.ttft_s:.2f} s", res))
-    rows.append(_row(label, res, ref))
+    answers.add(label, label, res, _again(session, cid, args, options))
     print(f"[{label}] {res.text.strip()}", flush=True)
-    print(f"  {reference_note(ref, res.tokens)}", flush=True)
+    print(f"  {reference_note(answers.ref, res.tokens)}", flush=True)
 
 
 def _ask_pressed(session: Any, cid: str, spec: str, note: str, args: argparse.Namespace,
-                 ref: list[int], runs: list[tuple[str, Any]], rows: list[list[Any]]) -> None:
+                 answers: Answers) -> None:
     """Has the server compress the context with the press ``spec`` and asks sparkv over the
-    compressed variant (appended to ``runs`` and ``rows`` as ``sparkv+press``); ``note``: the
-    quality table's verdict on it."""
+    compressed variant (added to ``answers`` as ``sparkv+press``); ``note``: the quality
+    table's verdict on it."""
     from sparkv.edge.client import QualityWarning
     from sparkv.edge.options import AskOptions
     from sparkv.presses import canonical_spec
@@ -261,14 +302,12 @@ def _ask_pressed(session: Any, cid: str, spec: str, note: str, args: argparse.Na
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     if session.client.quality_warnings.get(pcid):
         print(f"  the server warns: {session.client.quality_warnings[pcid]}", flush=True)
-    res = _ask(session, pcid, args, AskOptions(strategy="sparkv",
-                                               max_new_tokens=args.max_new_tokens,
-                                               use_cache=False))
+    options = AskOptions(strategy="sparkv", max_new_tokens=args.max_new_tokens, use_cache=False)
+    res = _ask(session, pcid, args, options)
     label = "sparkv+press"
-    runs.append((f"{label} ({spec}): TTFT {res.breakdown.ttft_s:.2f} s", res))
-    rows.append(_row(label, res, ref))
+    answers.add(label, f"{label} ({spec})", res, _again(session, pcid, args, options))
     print(f"[{label}] {res.text.strip()}\n  (quality table, {spec}: {note})", flush=True)
-    print(f"  {reference_note(ref, res.tokens)}", flush=True)
+    print(f"  {reference_note(answers.ref, res.tokens)}", flush=True)
 
 
 def reference_note(ref: list[int], tokens: list[int]) -> str:
@@ -348,11 +387,15 @@ def _row(label: str, res: Any, ref: list[int]) -> list[Any]:
             greedy_agreement(ref, res.tokens)]
 
 
-def _print_summary(lm: LoadedModel, ref: list[int], rows: list[list[Any]]) -> None:
+def _print_summary(lm: LoadedModel, answers: Answers, runs: int) -> None:
     from sparkv.tables import format_table
 
-    print(f"[reference, dense full prefill] {lm.decode_tokens(ref).strip()}\n")
+    rows = answers.rows
+    print(f"[reference, dense full prefill] {lm.decode_tokens(answers.ref).strip()}\n")
     print(format_table(ROW_HEADERS, rows))
+    if runs > 1:
+        print(f"TTFT_s: the median of {runs} runs of each, interleaved (the other columns: the "
+              f"run that answered in full; every run's TTFT in demo.json)")
     base = [r[1] for r in rows if not r[0].startswith("sparkv")]
     best = min(base) if base else None
     sp = [r[1] for r in rows if r[0] == "sparkv"]
@@ -364,16 +407,19 @@ def _print_summary(lm: LoadedModel, ref: list[int], rows: list[list[Any]]) -> No
 
 
 def _write_results(out: Path, args: argparse.Namespace, context: list[int], link: str,
-                   runs: list[tuple[str, Any]], rows: list[list[Any]], follow: Any) -> Any:
+                   answers: Answers, follow: Any) -> Any:
     """Writes ``timeline.png`` and ``demo.json`` into ``out``; returns the plot's path."""
     from sparkv.edge.plots import plot_timelines, timeline_of
 
-    png = plot_timelines([(label, timeline_of(res)) for label, res in runs], out / "timeline.png",
-                         title=f"{len(context)} tokens, {link}: both paths per strategy")
+    png = plot_timelines([(label, timeline_of(res)) for label, res in answers.runs],
+                         out / "timeline.png",
+                         title=f"{len(context)} tokens, {link}: both paths per strategy "
+                               f"(each one's first run)")
     (out / "demo.json").write_text(json.dumps({
         "context_tokens": len(context), "link": link, "question": args.question,
-        "rows": [dict(zip(ROW_KEYS, r)) for r in rows],
-        "answers": {label: res.text for label, res in runs},
+        "rows": [dict(zip(ROW_KEYS, r)) for r in answers.rows],
+        "ttft_runs_s": answers.ttfts,
+        "answers": {label: res.text for label, res in answers.runs},
         "follow_up": None if follow is None else {
             "question": FOLLOW_UP, "answer": follow.text, "ttft_s": follow.breakdown.ttft_s,
             "bytes_streamed": follow.breakdown.bytes_streamed}}, indent=1))

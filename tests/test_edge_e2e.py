@@ -443,7 +443,7 @@ def test_demo(smollm2, tmp_path, capsys):
     from sparkv.cli import main
 
     rc = main(["demo", "--tokens", "300", "--chunk-tokens", "128", "--max-new-tokens", "8",
-               "--out-dir", str(tmp_path), "--mbps", "40"])
+               "--out-dir", str(tmp_path), "--mbps", "40", "--runs", "2"])
     out = capsys.readouterr().out
     assert rc == 0
     for strategy in ("local", "stream", "hybrid", "sparkv"):
@@ -461,6 +461,11 @@ def test_demo(smollm2, tmp_path, capsys):
     assert ("the same tokens as the dense reference" in out
             or "NOT the dense reference's answer" in out)
     assert all(r["ttft_s"] > 0 for r in doc["rows"])
+    # every answer timed twice; the table's TTFT is the median of its runs
+    runs = doc["ttft_runs_s"]
+    assert all(len(runs[r["strategy"]]) == 2 and r["ttft_s"] == pytest.approx(
+        sum(runs[r["strategy"]]) / 2) for r in doc["rows"])
+    assert "the median of 2 runs of each" in out
     # the follow-up is answered from the context the sparkv run kept: nothing streamed
     assert "answered from the kept context" in out and "[kept]" in out
     assert doc["follow_up"]["bytes_streamed"] == 0 and doc["follow_up"]["answer"].strip()
@@ -492,6 +497,31 @@ def test_encrypted_context(served):
     other.client.encryption_keys[cid] = key
     assert other.ask(cid, question, strategy="sparkv", level="raw", backend="dense",
                      max_new_tokens=NEW).tokens == ref
+
+
+def test_the_demo_times_every_answer_again_in_a_rotated_order():
+    from types import SimpleNamespace
+
+    from sparkv.demo import Answers
+
+    order: list[str] = []
+
+    def ask(label: str, ttft: float):
+        def again():
+            order.append(label)
+            return SimpleNamespace(breakdown=SimpleNamespace(ttft_s=ttft))
+        return again
+
+    answers = Answers([1])
+    for label, first, later in (("a", 5.0, 1.0), ("b", 2.0, 2.0), ("c", 1.0, 3.0)):
+        answers.runs.append((label, None))
+        answers.rows.append([label, first])
+        answers.again.append((label, ask(label, later)))
+        answers.ttfts[label] = [first]
+    answers.time_again(3)
+    assert order == ["b", "c", "a", "c", "a", "b"]
+    assert [r[1] for r in answers.rows] == [1.0, 2.0, 3.0]
+    assert answers.ttfts["a"] == [5.0, 1.0, 1.0]
 
 
 def test_demo_says_when_an_answer_is_not_dense():

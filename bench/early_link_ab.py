@@ -4,7 +4,8 @@ the link started once the prelude's span in progress is done, paired in one proc
 
 Each variant (``early``: as shipped; ``late``: ``_begin`` returns ``None``; ``tax``: early,
 planned with the learned receive tax; ``pool``: early, frames decoded by a worker thread, not in
-turn), hybrid and local
+turn; ``nopre``: early, the load's first connection not opened at the ask's start, and
+``hybrid-nopre`` Strong Hybrid so), hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
 
@@ -24,6 +25,7 @@ from sparkv.cli import passive_openmp_waits
 passive_openmp_waits()          # before torch loads, as the sparkv command does
 
 from sparkv.edge import session  # noqa: E402
+from sparkv.edge.client import EdgeClient  # noqa: E402
 from sparkv.edge.commands import read_trace  # noqa: E402
 from sparkv.edge.engine import EngineConfig  # noqa: E402
 from sparkv.edge.session import EdgeSession  # noqa: E402
@@ -39,15 +41,21 @@ EXTRA: dict[str, dict[str, Any]] = {
     "pool": {"engine_config": EngineConfig(decode_in_turn=False)},   # a decode worker thread
 }
 EARLY = {"on": True}               # whether the next sparkv ask starts its link early
+PRECONNECT = {"on": True}          # whether the next ask opens its load's connection ahead
 
 
 def _patch() -> None:
     begin = EdgeSession._begin
+    preconnect = EdgeClient.preconnect
 
     def maybe_begin(self: EdgeSession, *a: Any, **k: Any) -> Any:
         return begin(self, *a, **k) if EARLY["on"] else None
 
+    def maybe_preconnect(self: EdgeClient, *a: Any, **k: Any) -> Any:
+        return preconnect(self, *a, **k) if PRECONNECT["on"] else None
+
     setattr(session.EdgeSession, "_begin", maybe_begin)
+    setattr(EdgeClient, "preconnect", maybe_preconnect)
 
 
 def _trace(name: str) -> Trace:
@@ -68,7 +76,9 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
             k += 1
             for name in (variants if k % 2 else variants[::-1]):
                 EARLY["on"] = name != "late"
-                strategy = name if name in ("hybrid", "local") else "sparkv"
+                PRECONNECT["on"] = not name.endswith("nopre")
+                strategy = (name.split("-")[0] if name.startswith(("hybrid", "local"))
+                            else "sparkv")
                 b = fresh_ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {})).breakdown
                 res[(ln, name)].append(b.ttft_s)
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
@@ -76,7 +86,7 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}",
                       flush=True)
     out: dict[str, Any] = {}
-    mine = [nm for nm in variants if nm not in ("hybrid", "local")]
+    mine = [nm for nm in variants if nm not in ("hybrid", "local")]   # hybrid-nopre too
     for ref in [r for r in ("local", "hybrid") if r in variants]:
         per_link = {ln: {nm: st.median(_ratios(res, [ln], nm, ref)) for nm in mine}
                     for ln in links}

@@ -375,3 +375,25 @@ def test_an_early_link_is_taken_or_never_started():
     none = _EarlyLink()
     none.begin(lambda: None)        # the plan streams nothing: no early link, may be dropped
     assert none.drop()
+
+
+def test_the_loads_first_connection_is_opened_at_the_asks_start(served, monkeypatch):
+    """An ask that may stream opens its load's first connection while it fetches the manifest
+    and plans, and the load's first request adopts it (no TCP handshake on the load's path);
+    a local ask opens none. The answers are exact."""
+    from sparkv.edge.client import EdgeClient
+
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    made: list = []
+    preconnect = EdgeClient.preconnect
+
+    def recording(self, *a, **kw):
+        made.append(preconnect(self, *a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(EdgeClient, "preconnect", recording)
+    res = _ask(session, cid, strategy="stream")
+    assert res.tokens == ref and res.breakdown.chunks_streamed > 0
+    assert len(made) == 1 and made[0] is not None and made[0].taken
+    assert _ask(session, cid, strategy="local").tokens == ref and len(made) == 1

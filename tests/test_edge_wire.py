@@ -8,7 +8,8 @@ from typing import Callable
 
 import pytest
 
-from sparkv.edge.wire import HEAD_LIMIT, LINE_LIMIT, Endpoint, ConnectionPool, WireError
+from sparkv.edge.wire import (HEAD_LIMIT, LINE_LIMIT, ConnectionPool, Endpoint, Preconnect,
+                              WireError)
 
 Script = Callable[[int, int], bytes]      # (connection number, request number on it) -> answer
 
@@ -333,3 +334,149 @@ def test_the_chunk_source_streams_frames_over_https(cert, monkeypatch):
         asyncio.run(asyncio.wait_for(main(), 20.0))
     finally:
         http_source._tls_context.cache_clear()
+
+
+# ---- a connection opened ahead (Preconnect) -----------------------------------------------------
+async def _serving(handle):
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def _pool(port: int, ahead, tls=None) -> ConnectionPool:
+    return ConnectionPool(Endpoint("127.0.0.1", port, tls), connect_timeout_s=2.0,
+                          head_timeout_s=2.0, ahead=ahead)
+
+
+async def _post_twice(pool: ConnectionPool) -> None:
+    for _ in range(2):
+        resp = await pool.post("/", b"{}", {})
+        assert await _read_all(resp) == b"abcdef"
+        await resp.aclose()
+
+
+def test_a_connection_opened_ahead_is_adopted_by_the_first_request():
+    """The first request goes over the connection a thread opened before the pool's loop
+    existed; the second reuses it: one connection in all, seen by the server too."""
+    async def main():
+        srv = Server(lambda c, k: OK_LENGTH)
+        server, port = await _serving(srv.handle)
+        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
+        pool = _pool(port, ahead)
+        try:
+            await _post_twice(pool)
+            assert (pool.adopted, pool.connections, srv.connections) == (1, 1, 1)
+            assert ahead.taken == 1 and ahead.spent
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+
+
+def test_a_connection_opened_ahead_that_the_server_closed_is_replaced():
+    """The server closes the first connection at once (an idle timeout, a restart): the pool
+    sees it closed and connects afresh; the request is answered, nothing adopted."""
+    async def main():
+        srv = Server(lambda c, k: OK_LENGTH)
+        accepted: list[int] = []
+
+        async def handle(reader, writer):
+            accepted.append(1)
+            if len(accepted) == 1:
+                writer.close()
+                return
+            await srv.handle(reader, writer)
+        server, port = await _serving(handle)
+        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
+        while not accepted:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)                 # the close reaches the client
+        pool = _pool(port, ahead)
+        try:
+            await _post_twice(pool)
+            assert (pool.adopted, pool.connections, len(accepted)) == (0, 1, 2)
+            assert not ahead.taken
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+
+
+def test_two_connections_opened_ahead_carry_a_request_and_the_one_opened_beside_it():
+    """The link opens its next request while the first one's body is still being read: both
+    go over connections opened ahead, none is opened on the loop."""
+    async def main():
+        srv = Server(lambda c, k: OK_LENGTH)
+        server, port = await _serving(srv.handle)
+        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0)
+        pool = _pool(port, ahead)
+        try:
+            first = await pool.post("/", b"{}", {})
+            second = await pool.post("/", b"{}", {})      # the first one not read yet
+            for resp in (first, second):
+                assert await _read_all(resp) == b"abcdef"
+                await resp.aclose()
+            await _post_twice(pool)                        # the idle ones are reused
+            assert (pool.adopted, pool.connections, srv.connections) == (2, 2, 2)
+            assert ahead.taken == 2 and ahead.spent
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+
+
+def test_a_connection_that_could_not_open_ahead_fails_as_a_fresh_one_does():
+    async def main():
+        ahead = Preconnect(Endpoint("127.0.0.1", 1), 1.0)
+        pool = _pool(1, ahead)
+        with pytest.raises(WireError, match="connection failed"):
+            await pool.post("/", b"{}", {})
+        assert ahead.taken == 0 and ahead.spent and pool.connections == 0
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["open", "still-opening"])
+def test_a_connection_opened_ahead_and_never_taken_is_closed(wait):
+    """Closed by its maker (the ask ended without a load, or its pool never connected): the
+    server sees the connection end, whether it had opened or was still opening."""
+    async def main():
+        ended = asyncio.Event()
+
+        async def handle(reader, writer):
+            await reader.read()                  # the end of the stream
+            ended.set()
+            writer.close()
+        server, port = await _serving(handle)
+        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
+        if wait:
+            while not ahead._ready:
+                await asyncio.sleep(0.01)
+        ahead.close()
+        try:
+            await asyncio.wait_for(ended.wait(), 10.0)
+            assert not ahead.taken
+        finally:
+            server.close()
+            await server.wait_closed()
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+
+
+def test_a_connection_opened_ahead_carries_tls(cert):
+    """Over TLS the adopted connection's handshake runs on the pool's loop, verifying the
+    server as a fresh connection does."""
+    import ssl
+
+    async def main():
+        server, srv, port = await _tls_server(cert, OK_LENGTH)
+        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
+        pool = _pool(port, ahead, ssl.create_default_context(cafile=cert[0]))
+        try:
+            await _post_twice(pool)
+            assert (pool.adopted, pool.connections, srv.connections) == (1, 1, 1)
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(asyncio.wait_for(main(), 20.0))

@@ -43,7 +43,8 @@ from sparkv.edge.bounds import (BadEncoding, BoundedBody, ClientLimits, Deadline
                                 DeadlineBackend, DeadlineExceeded, ResponseTooLarge,
                                 answer_error, deadline_transport, out_of_vocabulary,
                                 tokens_limit)
-from sparkv.edge.http_source import HttpChunkSource
+from sparkv.edge.http_source import HttpChunkSource, preconnect
+from sparkv.edge.wire import Preconnect
 from sparkv.edge.shaper import LinkShaper
 from sparkv.protocol import Manifest
 from sparkv.protocol.digests import tokens_digest, tokens_from_bytes
@@ -139,11 +140,21 @@ class EdgeClient:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def chunk_source(self, context_id: str, *, connect_timeout_s: float = 3.0,
-                     read_timeout_s: float = 10.0) -> HttpChunkSource:
-        """The HTTP chunk source of ``context_id`` (same URL, key and shaper as this client)."""
+                     read_timeout_s: float = 10.0,
+                     ahead: Preconnect | None = None) -> HttpChunkSource:
+        """The HTTP chunk source of ``context_id`` (same URL, key and shaper as this client;
+        ``ahead``: a connection :meth:`preconnect` opened, which its first request adopts)."""
         return HttpChunkSource(self.base_url, context_id, self.auth_headers(), shaper=self.shaper,
                                connect_timeout_s=connect_timeout_s,
-                               read_timeout_s=read_timeout_s)
+                               read_timeout_s=read_timeout_s, ahead=ahead)
+
+    def preconnect(self, connect_timeout_s: float = 3.0) -> Preconnect | None:
+        """A connection to the server opened now, by a thread of its own, for a chunk source's
+        first request (:meth:`chunk_source` ``ahead``): an ask opens it while it fetches the
+        manifest and plans, so its load's first request pays no TCP handshake (a round trip;
+        docs/edge.md, "The start-up overlap"). ``None`` where the stream goes through a proxy
+        (``httpx`` carries it) or the URL is not http(s)."""
+        return preconnect(self.base_url, connect_timeout_s)
 
     def close(self) -> None:
         self._http.close()

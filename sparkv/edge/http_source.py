@@ -1,7 +1,8 @@
 """The HTTP :class:`~sparkv.edge.transport.ChunkSource`: ``POST /v1/contexts/{id}/stream``.
 
 Requests go over :mod:`sparkv.edge.wire`, a lean HTTP/1.1 client with a keep-alive pool per load
-(the next batch's request is sent while the current one drains): the link thread's CPU per
+(the next batch's request is sent while the current one drains; its first connection may have
+been opened ahead, :class:`~sparkv.edge.wire.Preconnect`): the link thread's CPU per
 received chunk is what the layer steps beside it lose on a 2-core device (docs/edge.md "The
 receive path"). Where the environment routes the server's URL through a proxy
 (``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY``, not bypassed by ``NO_PROXY``), ``httpx`` carries
@@ -31,7 +32,7 @@ import httpx
 from sparkv.edge.bounds import answer_error, refuses_credentials
 from sparkv.edge.shaper import LinkShaper
 from sparkv.edge.transport import ChunkStream, FetchItem, SourceError
-from sparkv.edge.wire import Endpoint, ConnectionPool, Response, WireError
+from sparkv.edge.wire import ConnectionPool, Endpoint, Preconnect, Response, WireError
 from sparkv.protocol.errors import RecordError
 from sparkv.protocol.stream import RecordPiece, RecordReader
 
@@ -55,7 +56,7 @@ class HttpChunkSource:
 
     def __init__(self, base_url: str, context_id: str, headers: dict[str, str] | None = None, *,
                  shaper: LinkShaper | None = None, connect_timeout_s: float = 3.0,
-                 read_timeout_s: float = 10.0) -> None:
+                 read_timeout_s: float = 10.0, ahead: Preconnect | None = None) -> None:
         self.url = f"{base_url.rstrip('/')}/v1/contexts/{context_id}/stream"
         self.headers = {**(headers or {}), "Accept-Encoding": "identity"}
         self.shaper = shaper or LinkShaper.unlimited()
@@ -64,6 +65,7 @@ class HttpChunkSource:
         self.proxied = proxied(self.url)
         self._client: httpx.AsyncClient | None = None
         self._pool: ConnectionPool | None = None
+        self._ahead = ahead           # a connection opened ahead (sparkv.edge.wire.Preconnect)
         self.requests = 0
         self._head_s = math.inf       # the shortest wait of a request for its response's head
 
@@ -89,8 +91,9 @@ class HttpChunkSource:
     def _wire(self) -> ConnectionPool:
         if self._pool is None:
             self._pool = ConnectionPool(Endpoint.of(self.url, _tls_context),
-                              connect_timeout_s=self.connect_timeout_s,
-                              head_timeout_s=self.read_timeout_s)
+                                        connect_timeout_s=self.connect_timeout_s,
+                                        head_timeout_s=self.read_timeout_s, ahead=self._ahead)
+            self._ahead = None
         return self._pool
 
     async def open(self, items: Sequence[FetchItem]) -> ChunkStream:
@@ -101,12 +104,12 @@ class HttpChunkSource:
         reader = RecordReader([it.nbytes for it in items])
         sent = time.perf_counter()
         stream = await (self._open_httpx(body, reader, not_before) if self.proxied
-                        else self._open_wire(body, reader, not_before))
+                        else self._open_wire(body, reader, not_before, sent))
         self._head_s = min(self._head_s, time.perf_counter() - sent)
         return stream
 
     async def _open_wire(self, body: dict[str, Any], reader: RecordReader,
-                         not_before: float) -> ChunkStream:
+                         not_before: float, sent: float) -> ChunkStream:
         try:
             resp = await self._wire().post(urlsplit(self.url).path, json.dumps(body).encode(),
                                            self.headers)
@@ -116,7 +119,16 @@ class HttpChunkSource:
             data = await resp.read_capped(ERROR_BYTES, self.read_timeout_s)
             await resp.aclose()
             self._refuse(resp.status, data, resp.headers.get("location"))
-        return _WireStream(resp, reader, self.shaper, not_before)
+        return _WireStream(resp, reader, self.shaper, not_before + self._handshake_s(resp, sent))
+
+    def _handshake_s(self, resp: Response, sent: float) -> float:
+        """What is left at ``sent`` of the emulated TCP handshake of ``resp``'s connection, on
+        its first request (one round trip from when its connect began: a connection opened
+        ahead has paid it, or part of it, before the request); 0 on a reused connection."""
+        opened_at = resp.opened_at
+        if not self.shaper.active or opened_at is None:
+            return 0.0
+        return max(0.0, opened_at + self.shaper.rtt() - sent)
 
     async def _open_httpx(self, body: dict[str, Any], reader: RecordReader,
                           not_before: float) -> ChunkStream:
@@ -138,12 +150,28 @@ class HttpChunkSource:
                           refused=err if refuses_credentials(err) else None) from err
 
     async def aclose(self) -> None:
+        if self._ahead is not None:   # never requested through the pool (or proxied)
+            self._ahead.close()
+            self._ahead = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
         if self._pool is not None:
             await self._pool.aclose()
             self._pool = None
+
+
+def preconnect(base_url: str, connect_timeout_s: float) -> Preconnect | None:
+    """A connection to the server at ``base_url`` opened now (:class:`Preconnect`), for a
+    source's ``ahead``; ``None`` where the stream goes through a proxy (``httpx`` carries it)
+    or the URL is not http(s)."""
+    if proxied(base_url):
+        return None
+    try:
+        endpoint = Endpoint.of(base_url, _tls_context)
+    except ValueError:
+        return None
+    return Preconnect(endpoint, connect_timeout_s)
 
 
 def proxied(url: str) -> bool:

@@ -50,6 +50,7 @@ from sparkv.edge.prompts import question_suffix
 from sparkv.edge.results import (MIN_COMPUTE_SAMPLES, PRELUDE_STEP_S, LoadResult,
                                  TransferStatus)
 from sparkv.edge.shaper import LinkShaper
+from sparkv.edge.wire import Preconnect
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, StepId
 from sparkv.protocol import Manifest
 from sparkv.protocol.errors import ApiError
@@ -156,6 +157,7 @@ class _Ask:
     token_ids: Sequence[int] | None = None
     lane: Lane | None = None       # its share of a device serving several asks (edge/lane.py)
     prelude: Prelude | None = None
+    ahead: Preconnect | None = None   # the load's first connection, opened at the ask's start
     fallback: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -401,6 +403,8 @@ class EdgeSession:
                                          ask.options, ask.t_start)
             if kept is not None:
                 return kept
+        if opts.strategy != "local":
+            ask.ahead = self.client.preconnect()   # beside the manifest and the plan
         if opts.runs_prelude:
             ask.prelude = self._prelude(ask)
         try:
@@ -408,6 +412,8 @@ class EdgeSession:
         finally:
             if ask.prelude is not None:
                 ask.prelude.join()   # a no-op after a load; stops it when the ask failed early
+            if ask.ahead is not None:
+                ask.ahead.close()    # unless a load's pool took it
 
     def _attention(self, backend: Any) -> Any:
         """The :class:`AttentionBackend` of ``AskOptions.backend`` (``auto`` resolved for the
@@ -614,7 +620,7 @@ class EdgeSession:
         pre, plan, ctl_cfg, pressed = ask.prelude, planned.plan, planned.controller, fetched.pressed
         # a link whenever the plan streams or its controller may move work onto the link later
         linked = bool(plan.stream_order) or (planned.strategy != "local" and ctl_cfg.may_stream)
-        source = self.client.chunk_source(ask.context_id) if linked else None
+        source = self.client.chunk_source(ask.context_id, ahead=ask.ahead) if linked else None
         limit = ask.options.time_limit_s(planned.local_s)
         return Engine(stepper, plan, planned.instance, ctl_cfg, source=source,
                       config=ask.options.engine_config or self.engine_config,

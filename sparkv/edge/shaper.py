@@ -12,7 +12,12 @@ Model (the same as the simulator's link, :mod:`sparkv.scheduler.simulator`):
   bytes is delivered at ``trace.transfer_end(max(v, now - burst_s), n)``: a link idle for a while
   may deliver up to ``burst_s`` worth of rate at once (the bucket's depth), never more;
 * every request pays one round trip before its first byte: :meth:`request_started` returns the
-  earliest time a response byte may be taken (``now + rtt``), which readers pass as ``not_before``.
+  earliest time a response byte may be taken (``now + rtt``), which readers pass as ``not_before``;
+* a new connection pays one round trip more before its first request (TCP's handshake): the HTTP
+  chunk source adds what is left of it when the request is sent (all of it on a connection opened
+  for the request, none on one opened ahead a round trip before:
+  :class:`~sparkv.edge.wire.Preconnect`). TLS's handshake is not emulated; the simulator's link
+  has no handshake.
 
 The shaper is shared by all readers of one client (thread-safe): concurrent responses share the
 link's rate, as on a real link. ``LinkShaper.unlimited()`` shapes nothing (a real shaped path, or

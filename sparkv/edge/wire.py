@@ -17,13 +17,21 @@ Bounds (a hostile or broken server): a response head of at most :data:`HEAD_LIMI
 chunk framing is a :class:`WireError`; reads carry the caller's timeouts. A connection is reused
 only after its response was read to the end; a reused connection that fails before any byte of
 the answer (the server closed it while idle) is retried once on a fresh one.
+
+Connections opened ahead (:class:`Preconnect`: by plain threads, while the ask fetches its
+manifest and plans, before the load's event loop exists) are adopted by the pool's next connects:
+the load's first requests pay no TCP handshake (one round trip each; TLS's own handshake still
+runs on the loop). One the server closed meanwhile is dropped for a fresh connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
 from urllib.parse import urlsplit
@@ -87,11 +95,98 @@ class Endpoint:
         return host if self.port == default else f"{host}:{self.port}"
 
 
-class _Conn:
-    """One TCP (or TLS) connection."""
+class Preconnect:
+    """TCP connections to ``endpoint`` opened ahead, each by a thread of its own: the pool that
+    will use them lives on an event loop that does not exist yet. A pool given them adopts one
+    at each new connection it needs, while any is left (:meth:`take`); whoever made them closes
+    those no pool took (:meth:`close`, idempotent). Two by default: a load's first request, and
+    the next one it opens while the first drains (``sparkv.edge.link``), which would otherwise
+    pay a handshake of its own."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, endpoint: Endpoint, timeout_s: float, count: int = 2) -> None:
+        self.endpoint = endpoint
+        self.started_at = time.perf_counter()    # when the connects began
+        self._lock = threading.Lock()
+        self._ready: list[socket.socket] = []
+        self._pending = count              # connects not finished
+        self._over = False                 # closed: a late connection is closed
+        self.taken = 0                     # connections pools adopted
+        for _ in range(count):
+            threading.Thread(target=self._open, args=(timeout_s,), name="sparkv-preconnect",
+                             daemon=True).start()
+
+    def _open(self, timeout_s: float) -> None:
+        try:
+            sock: socket.socket | None = socket.create_connection(
+                (self.endpoint.host, self.endpoint.port), timeout=timeout_s)
+        except OSError:
+            sock = None
+        with self._lock:
+            self._pending -= 1
+            keep = sock is not None and not self._over
+            if keep:
+                assert sock is not None
+                self._ready.append(sock)
+        if sock is not None and not keep:
+            sock.close()
+
+    async def take(self, timeout_s: float) -> socket.socket | None:
+        """On the pool's loop: a connection, once one is open (polled for at most
+        ``timeout_s``) and the server has not closed it; ``None`` when none is left (or none
+        opened in time, or the one that did was closed)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            with self._lock:
+                sock = self._ready.pop(0) if self._ready else None
+                left = not self._over and self._pending > 0
+            if sock is not None or not left or loop.time() >= deadline:
+                break
+            await asyncio.sleep(POLL_S)
+        if sock is not None and not _still_open(sock):
+            sock.close()
+            return None
+        if sock is not None:
+            self.taken += 1
+        return sock
+
+    @property
+    def spent(self) -> bool:
+        """Whether no connection is left to take."""
+        with self._lock:
+            return self._over or (not self._ready and self._pending == 0)
+
+    def close(self) -> None:
+        with self._lock:
+            socks, self._ready, self._over = self._ready, [], True
+        for sock in socks:
+            sock.close()
+
+
+#: how often a pool looks whether a connection opened ahead is open yet
+POLL_S = 0.005
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """Whether an idle connection is open: nothing to read yet (a server says nothing before
+    a request; an end of stream or an error means it closed)."""
+    try:
+        sock.setblocking(False)
+        sock.recv(1, socket.MSG_PEEK)     # returned: an end of stream, or bytes unasked for
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class _Conn:
+    """One TCP (or TLS) connection; ``opened_at``: when its connect began (``perf_counter``)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 opened_at: float) -> None:
         self.reader, self.writer = reader, writer
+        self.opened_at = opened_at
         self.reused = False
 
     def usable(self) -> bool:
@@ -128,6 +223,12 @@ class Response:
     def complete(self) -> bool:
         """Whether the body was read to its end."""
         return self._done
+
+    @property
+    def opened_at(self) -> float | None:
+        """When the connection of this response began to connect (``perf_counter``), if this
+        is its first request; ``None`` on a reused connection."""
+        return None if self._conn.reused else self._conn.opened_at
 
     async def read(self, max_bytes: int) -> bytes:
         """Up to ``max_bytes`` of the body (at least one unless it ended: then ``b""``)."""
@@ -240,11 +341,13 @@ class ConnectionPool:
     kept for the next request (at most :data:`MAX_IDLE`)."""
 
     def __init__(self, endpoint: Endpoint, *, connect_timeout_s: float,
-                 head_timeout_s: float) -> None:
+                 head_timeout_s: float, ahead: Preconnect | None = None) -> None:
         self.endpoint = endpoint
         self.connect_timeout_s, self.head_timeout_s = connect_timeout_s, head_timeout_s
         self._idle: list[_Conn] = []
-        self.connections = 0          # opened so far
+        self._ahead = ahead           # connections opened ahead, adopted by the next connects
+        self.connections = 0          # opened so far (adopted ones included)
+        self.adopted = 0              # of those, opened ahead
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> Response:
         """Sends ``POST path`` with ``body``; returns the response once its head is read."""
@@ -281,10 +384,30 @@ class ConnectionPool:
         return None
 
     async def _connect(self) -> _Conn:
+        ahead = self._ahead
+        sock = await ahead.take(self.connect_timeout_s) if ahead is not None else None
+        if ahead is not None and (sock is None or ahead.spent):
+            ahead.close()
+            self._ahead = None
+        if sock is not None:
+            assert ahead is not None
+            try:
+                conn = await self._open(ahead.started_at, sock=sock)
+            except WireError:
+                sock.close()      # e.g. TLS refused on it: a fresh connection says so again
+            else:
+                self.adopted += 1
+                return conn
+        ep = self.endpoint
+        return await self._open(time.perf_counter(), host=ep.host, port=ep.port)
+
+    async def _open(self, opened_at: float, **where: object) -> _Conn:
+        """A connection: to ``host`` and ``port``, or over a connected ``sock`` (whose connect
+        began at ``opened_at``)."""
         ep = self.endpoint
         try:
             reader, writer = await within(asyncio.open_connection(
-                ep.host, ep.port, ssl=ep.tls, limit=LINE_LIMIT,
+                **where, ssl=ep.tls, limit=LINE_LIMIT,      # type: ignore[arg-type]
                 server_hostname=ep.host if ep.tls is not None else None),
                 self.connect_timeout_s)
         except asyncio.TimeoutError as e:
@@ -292,7 +415,7 @@ class ConnectionPool:
         except (OSError, ssl.SSLError) as e:
             raise WireError(f"connection failed: {type(e).__name__}: {e}") from e
         self.connections += 1
-        return _Conn(reader, writer)
+        return _Conn(reader, writer, opened_at)
 
     async def _exchange(self, conn: _Conn, request: bytes) -> Response:
         try:
@@ -342,6 +465,9 @@ class ConnectionPool:
         idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
 
 def _status_line(line: str) -> tuple[str, int]:

@@ -136,6 +136,7 @@ def test_closing_a_nearly_read_body_drains_it_and_a_far_one_closes_the_connectio
         assert not resp.complete
         resp = await pool.post("/", b"{}", {})
         assert len(await _read_all(resp, 1 << 16)) == 100_000
+        await resp.aclose()
         assert srv.connections == 2
     run(lambda c, k: OK_CHUNKED if (c, k) == (0, 0) else big, body)
 
@@ -184,6 +185,7 @@ def test_a_cut_body_is_an_error_and_not_an_end():
         with pytest.raises(WireError, match="cut") as err:
             await _read_all(resp)
         assert not err.value.malformed
+        await resp.aclose()
     run(lambda c, k: answer, body, close_after=True)
 
 
@@ -206,7 +208,10 @@ def test_a_silent_server_times_out_and_a_refused_port_fails():
             await pool_timeout.post("/", b"{}", {})
 
     async def silent():
-        srv = await asyncio.start_server(lambda r, w: asyncio.sleep(5), "127.0.0.1", 0)
+        async def silent_until_closed(reader, writer):
+            await reader.read()                  # the client gives up and closes
+            writer.close()
+        srv = await asyncio.start_server(silent_until_closed, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         pool = ConnectionPool(Endpoint("127.0.0.1", port), connect_timeout_s=1.0, head_timeout_s=0.3)
         try:
@@ -214,6 +219,7 @@ def test_a_silent_server_times_out_and_a_refused_port_fails():
                 await pool.post("/", b"{}", {})
         finally:
             srv.close()
+            await srv.wait_closed()
     asyncio.run(refused())
     asyncio.run(silent())
 

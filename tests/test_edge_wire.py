@@ -409,6 +409,25 @@ def test_a_connection_opened_ahead_that_the_server_closed_is_replaced():
     asyncio.run(asyncio.wait_for(main(), 20.0))
 
 
+def test_a_connection_opened_ahead_that_fails_before_its_answer_is_retried_on_a_fresh_one():
+    """Closed by the server as the request arrives (an idle timeout that won the race): as a
+    reused idle connection would be, the request goes once more on a fresh connection."""
+    async def main():
+        srv = Server(lambda c, k: b"" if c == 0 else OK_LENGTH)
+        server, port = await _serving(srv.handle)
+        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
+        pool = _pool(port, ahead)
+        try:
+            await _post_twice(pool)
+            assert (pool.adopted, pool.connections, srv.connections) == (1, 2, 2)
+            assert len(srv.requests) == 3           # the first one twice
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+
+
 def test_two_connections_opened_ahead_carry_a_request_and_the_one_opened_beside_it():
     """The link opens its next request while the first one's body is still being read: both
     go over connections opened ahead, none is opened on the loop."""

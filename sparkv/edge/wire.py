@@ -15,8 +15,8 @@ a 3xx), no compression (the request asks for ``identity``; a compressed answer i
 Bounds (a hostile or broken server): a response head of at most :data:`HEAD_LIMIT` bytes and
 :data:`MAX_HEADERS` lines, a chunk-size line within :data:`LINE_LIMIT`; a malformed head or
 chunk framing is a :class:`WireError`; reads carry the caller's timeouts. A connection is reused
-only after its response was read to the end; a reused connection that fails before any byte of
-the answer (the server closed it while idle) is retried once on a fresh one.
+only after its response was read to the end; a reused (or opened-ahead) connection that fails
+before any byte of the answer (the server closed it while idle) is retried once on a fresh one.
 
 Connections opened ahead (:class:`Preconnect`: by plain threads, while the ask fetches its
 manifest and plans, before the load's event loop exists) are adopted by the pool's next connects:
@@ -187,7 +187,8 @@ class _Conn:
                  opened_at: float) -> None:
         self.reader, self.writer = reader, writer
         self.opened_at = opened_at
-        self.reused = False
+        self.reused = False           # taken from the pool's idle ones
+        self.adopted = False          # opened ahead (Preconnect), idle until its first request
 
     def usable(self) -> bool:
         return not (self.writer.is_closing() or self.reader.at_eof())
@@ -352,15 +353,14 @@ class ConnectionPool:
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> Response:
         """Sends ``POST path`` with ``body``; returns the response once its head is read."""
         request = self._request(path, body, headers)
-        conn = self._take_idle()
-        if conn is not None:
-            try:
-                return await self._exchange(conn, request)
-            except WireError as e:
-                if not e.stale:
-                    raise
-            # the server closed the idle connection: once more on a fresh one
-        return await self._exchange(await self._connect(), request)
+        conn = self._take_idle() or await self._connect()
+        try:
+            return await self._exchange(conn, request)
+        except WireError as e:
+            if not e.stale:
+                raise
+        # the server closed the idle (or opened-ahead) connection: once more on a fresh one
+        return await self._exchange(await self._fresh(), request)
 
     def _request(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         lines = [f"POST {path} HTTP/1.1", f"Host: {self.endpoint.host_header}",
@@ -396,8 +396,12 @@ class ConnectionPool:
             except WireError:
                 sock.close()      # e.g. TLS refused on it: a fresh connection says so again
             else:
+                conn.adopted = True
                 self.adopted += 1
                 return conn
+        return await self._fresh()
+
+    async def _fresh(self) -> _Conn:
         ep = self.endpoint
         return await self._open(time.perf_counter(), host=ep.host, port=ep.port)
 
@@ -430,7 +434,7 @@ class ConnectionPool:
             raise WireError(f"a response head over {HEAD_LIMIT} bytes", malformed=True) from e
         except (ConnectionError, OSError, asyncio.IncompleteReadError, ssl.SSLError) as e:
             conn.close()
-            stale = conn.reused and not getattr(e, "partial", b"")
+            stale = (conn.reused or conn.adopted) and not getattr(e, "partial", b"")
             raise WireError(f"request failed: {type(e).__name__}: {e}", stale=stale) from e
         try:
             return self._response(conn, head)

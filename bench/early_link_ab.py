@@ -4,7 +4,7 @@ the link started once the prelude's span in progress is done, paired in one proc
 
 Each variant (``early``: as shipped; ``late``: ``_begin`` returns ``None``; ``tax``: early,
 planned with the learned receive tax; ``pool``: early, frames decoded by a worker thread, not in
-turn; ``nopre``: early, the load's first connection not opened at the ask's start, and
+turn; ``noprelude``: no prelude; ``nopre``: early, the load's first connection not opened at the ask's start, and
 ``hybrid-nopre`` Strong Hybrid so), hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
@@ -39,6 +39,7 @@ VARIANTS = ("early", "late", "hybrid", "local")
 EXTRA: dict[str, dict[str, Any]] = {
     "tax": {"plan_receive_tax": True},
     "pool": {"engine_config": EngineConfig(decode_in_turn=False)},   # a decode worker thread
+    "noprelude": {"prelude": False},   # the load starts from nothing computed
 }
 EARLY = {"on": True}               # whether the next sparkv ask starts its link early
 PRECONNECT = {"on": True}          # whether the next ask opens its load's connection ahead

@@ -452,6 +452,15 @@ def test_two_connections_opened_ahead_carry_a_request_and_the_one_opened_beside_
     asyncio.run(asyncio.wait_for(main(), 20.0))
 
 
+def test_a_url_that_cannot_be_opened_ahead_opens_nothing():
+    """Opening ahead never fails an ask: a malformed URL (the ask's own requests say what is
+    wrong with it), another scheme, or a proxied one (httpx carries those) opens nothing."""
+    from sparkv.edge.http_source import preconnect
+
+    assert preconnect("http://[::1", 1.0) is None
+    assert preconnect("ftp://127.0.0.1/x", 1.0) is None
+
+
 def test_a_connection_that_could_not_open_ahead_fails_as_a_fresh_one_does():
     async def main():
         ahead = Preconnect(Endpoint("127.0.0.1", 1), 1.0)

@@ -164,14 +164,14 @@ class HttpChunkSource:
 def preconnect(base_url: str, connect_timeout_s: float) -> Preconnect | None:
     """A connection to the server at ``base_url`` opened now (:class:`Preconnect`), for a
     source's ``ahead``; ``None`` where the stream goes through a proxy (``httpx`` carries it)
-    or the URL is not http(s)."""
-    if proxied(base_url):
-        return None
+    or the URL is not a well-formed http(s) one (the ask's own requests say what is wrong with
+    it): opening ahead never fails an ask."""
     try:
-        endpoint = Endpoint.of(base_url, _tls_context)
+        if proxied(base_url):
+            return None
+        return Preconnect(Endpoint.of(base_url, _tls_context), connect_timeout_s)
     except ValueError:
         return None
-    return Preconnect(endpoint, connect_timeout_s)
 
 
 def proxied(url: str) -> bool:

@@ -112,8 +112,12 @@ class Preconnect:
         self._over = False                 # closed: a late connection is closed
         self.taken = 0                     # connections pools adopted
         for _ in range(count):
-            threading.Thread(target=self._open, args=(timeout_s,), name="sparkv-preconnect",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._open, args=(timeout_s,), name="sparkv-preconnect",
+                                 daemon=True).start()
+            except RuntimeError:           # no thread to be had: one connection fewer
+                with self._lock:
+                    self._pending -= 1
 
     def _open(self, timeout_s: float) -> None:
         try:

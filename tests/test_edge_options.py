@@ -127,3 +127,14 @@ def test_an_ask_past_the_models_positions_is_refused_before_any_work(monkeypatch
         with pytest.raises(_Started):   # the prelude starts too
             session.ask("c1", question, token_ids=[5] * room, strategy="local",
                         max_new_tokens=new)
+        # a refused ask that would stream leaves no connection opened ahead behind it
+        made: list = []
+        preconnect = EdgeClient.preconnect
+        monkeypatch.setattr(EdgeClient, "preconnect",
+                            lambda self, *a, **k: made.append(preconnect(self, *a, **k))
+                            or made[-1])
+        for prelude in (None, False):
+            with pytest.raises(PromptTooLong):
+                session.ask("c1", question, token_ids=[5] * (room + 1), strategy="sparkv",
+                            max_new_tokens=new, prelude=prelude)
+        assert all(p is None or p._over for p in made)   # closed, or never opened

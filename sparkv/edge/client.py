@@ -143,17 +143,18 @@ class EdgeClient:
                      read_timeout_s: float = 10.0,
                      ahead: Preconnect | None = None) -> HttpChunkSource:
         """The HTTP chunk source of ``context_id`` (same URL, key and shaper as this client;
-        ``ahead``: a connection :meth:`preconnect` opened, which its first request adopts)."""
+        ``ahead``: connections :meth:`preconnect` opened, which its first requests adopt)."""
         return HttpChunkSource(self.base_url, context_id, self.auth_headers(), shaper=self.shaper,
                                connect_timeout_s=connect_timeout_s,
                                read_timeout_s=read_timeout_s, ahead=ahead)
 
     def preconnect(self, connect_timeout_s: float = 3.0) -> Preconnect | None:
-        """A connection to the server opened now, by a thread of its own, for a chunk source's
-        first request (:meth:`chunk_source` ``ahead``): an ask opens it while it fetches the
-        manifest and plans, so its load's first request pays no TCP handshake (a round trip;
-        docs/edge.md, "The start-up overlap"). ``None`` where the stream goes through a proxy
-        (``httpx`` carries it) or the URL is not http(s)."""
+        """Two connections to the server opened now, by threads of their own, for a chunk
+        source's first requests (:meth:`chunk_source` ``ahead``): an ask opens them while it
+        fetches the manifest and plans, so its load's first request, and the one it sends while
+        the first drains, pay no TCP handshake (a round trip each; docs/edge.md, "The load's
+        connections are opened at the ask's start"). ``None`` where the stream goes through a
+        proxy (``httpx`` carries it) or the URL is not a well-formed http(s) one."""
         return preconnect(self.base_url, connect_timeout_s)
 
     def close(self) -> None:

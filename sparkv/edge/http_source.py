@@ -65,7 +65,7 @@ class HttpChunkSource:
         self.proxied = proxied(self.url)
         self._client: httpx.AsyncClient | None = None
         self._pool: ConnectionPool | None = None
-        self._ahead = ahead           # a connection opened ahead (sparkv.edge.wire.Preconnect)
+        self._ahead = ahead           # connections opened ahead (sparkv.edge.wire.Preconnect)
         self.requests = 0
         self._head_s = math.inf       # the shortest wait of a request for its response's head
 
@@ -162,7 +162,7 @@ class HttpChunkSource:
 
 
 def preconnect(base_url: str, connect_timeout_s: float) -> Preconnect | None:
-    """A connection to the server at ``base_url`` opened now (:class:`Preconnect`), for a
+    """Connections to the server at ``base_url`` opened now (:class:`Preconnect`), for a
     source's ``ahead``; ``None`` where the stream goes through a proxy (``httpx`` carries it)
     or the URL is not a well-formed http(s) one (the ask's own requests say what is wrong with
     it): opening ahead never fails an ask."""

@@ -157,7 +157,7 @@ class _Ask:
     token_ids: Sequence[int] | None = None
     lane: Lane | None = None       # its share of a device serving several asks (edge/lane.py)
     prelude: Prelude | None = None
-    ahead: Preconnect | None = None   # the load's first connection, opened at the ask's start
+    ahead: Preconnect | None = None   # the load's connections, opened at the ask's start
     fallback: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -403,10 +403,10 @@ class EdgeSession:
                                          ask.options, ask.t_start)
             if kept is not None:
                 return kept
+        if opts.runs_prelude:
+            ask.prelude = self._prelude(ask)     # may refuse the ask (PromptTooLong): first
         if opts.strategy != "local":
             ask.ahead = self.client.preconnect()   # beside the manifest and the plan
-        if opts.runs_prelude:
-            ask.prelude = self._prelude(ask)
         try:
             return self._ask_loaded(ask)
         finally:

@@ -4,6 +4,7 @@ that answers each request with scripted bytes: framing, keep-alive, and broken s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Callable
 
 import pytest
@@ -353,6 +354,23 @@ def _pool(port: int, ahead, tls=None) -> ConnectionPool:
                           head_timeout_s=2.0, ahead=ahead)
 
 
+@contextlib.asynccontextmanager
+async def _opened_ahead(server, port: int, count: int = 2, tls=None):
+    """``(Preconnect, pool adopting it)`` to ``server`` on ``port``; closes both and the server."""
+    ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=count)
+    pool = _pool(port, ahead, tls)
+    try:
+        yield ahead, pool
+    finally:
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+def _within_20s(main) -> None:
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+
+
 async def _post_twice(pool: ConnectionPool) -> None:
     for _ in range(2):
         resp = await pool.post("/", b"{}", {})
@@ -365,18 +383,11 @@ def test_a_connection_opened_ahead_is_adopted_by_the_first_request():
     existed; the second reuses it: one connection in all, seen by the server too."""
     async def main():
         srv = Server(lambda c, k: OK_LENGTH)
-        server, port = await _serving(srv.handle)
-        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
-        pool = _pool(port, ahead)
-        try:
+        async with _opened_ahead(*await _serving(srv.handle), count=1) as (ahead, pool):
             await _post_twice(pool)
             assert (pool.adopted, pool.connections, srv.connections) == (1, 1, 1)
             assert ahead.taken == 1 and ahead.spent
-        finally:
-            await pool.aclose()
-            server.close()
-            await server.wait_closed()
-    asyncio.run(asyncio.wait_for(main(), 20.0))
+    _within_20s(main)
 
 
 def test_a_connection_opened_ahead_that_the_server_closed_is_replaced():
@@ -392,21 +403,14 @@ def test_a_connection_opened_ahead_that_the_server_closed_is_replaced():
                 writer.close()
                 return
             await srv.handle(reader, writer)
-        server, port = await _serving(handle)
-        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
-        while not accepted:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)                 # the close reaches the client
-        pool = _pool(port, ahead)
-        try:
+        async with _opened_ahead(*await _serving(handle), count=1) as (ahead, pool):
+            while not accepted:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)                 # the close reaches the client
             await _post_twice(pool)
             assert (pool.adopted, pool.connections, len(accepted)) == (0, 1, 2)
             assert not ahead.taken
-        finally:
-            await pool.aclose()
-            server.close()
-            await server.wait_closed()
-    asyncio.run(asyncio.wait_for(main(), 20.0))
+    _within_20s(main)
 
 
 def test_a_connection_opened_ahead_that_fails_before_its_answer_is_retried_on_a_fresh_one():
@@ -414,18 +418,11 @@ def test_a_connection_opened_ahead_that_fails_before_its_answer_is_retried_on_a_
     reused idle connection would be, the request goes once more on a fresh connection."""
     async def main():
         srv = Server(lambda c, k: b"" if c == 0 else OK_LENGTH)
-        server, port = await _serving(srv.handle)
-        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
-        pool = _pool(port, ahead)
-        try:
+        async with _opened_ahead(*await _serving(srv.handle), count=1) as (ahead, pool):
             await _post_twice(pool)
             assert (pool.adopted, pool.connections, srv.connections) == (1, 2, 2)
             assert len(srv.requests) == 3           # the first one twice
-        finally:
-            await pool.aclose()
-            server.close()
-            await server.wait_closed()
-    asyncio.run(asyncio.wait_for(main(), 20.0))
+    _within_20s(main)
 
 
 def test_two_connections_opened_ahead_carry_a_request_and_the_one_opened_beside_it():
@@ -433,10 +430,7 @@ def test_two_connections_opened_ahead_carry_a_request_and_the_one_opened_beside_
     go over connections opened ahead, none is opened on the loop."""
     async def main():
         srv = Server(lambda c, k: OK_LENGTH)
-        server, port = await _serving(srv.handle)
-        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0)
-        pool = _pool(port, ahead)
-        try:
+        async with _opened_ahead(*await _serving(srv.handle)) as (ahead, pool):
             first = await pool.post("/", b"{}", {})
             second = await pool.post("/", b"{}", {})      # the first one not read yet
             for resp in (first, second):
@@ -445,11 +439,7 @@ def test_two_connections_opened_ahead_carry_a_request_and_the_one_opened_beside_
             await _post_twice(pool)                        # the idle ones are reused
             assert (pool.adopted, pool.connections, srv.connections) == (2, 2, 2)
             assert ahead.taken == 2 and ahead.spent
-        finally:
-            await pool.aclose()
-            server.close()
-            await server.wait_closed()
-    asyncio.run(asyncio.wait_for(main(), 20.0))
+    _within_20s(main)
 
 
 def test_a_url_that_cannot_be_opened_ahead_opens_nothing():
@@ -468,7 +458,7 @@ def test_a_connection_that_could_not_open_ahead_fails_as_a_fresh_one_does():
         with pytest.raises(WireError, match="connection failed"):
             await pool.post("/", b"{}", {})
         assert ahead.taken == 0 and ahead.spent and pool.connections == 0
-    asyncio.run(asyncio.wait_for(main(), 20.0))
+    _within_20s(main)
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["open", "still-opening"])
@@ -504,13 +494,8 @@ def test_a_connection_opened_ahead_carries_tls(cert):
 
     async def main():
         server, srv, port = await _tls_server(cert, OK_LENGTH)
-        ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
-        pool = _pool(port, ahead, ssl.create_default_context(cafile=cert[0]))
-        try:
+        trusted = ssl.create_default_context(cafile=cert[0])
+        async with _opened_ahead(server, port, count=1, tls=trusted) as (ahead, pool):
             await _post_twice(pool)
             assert (pool.adopted, pool.connections, srv.connections) == (1, 1, 1)
-        finally:
-            await pool.aclose()
-            server.close()
-            await server.wait_closed()
-    asyncio.run(asyncio.wait_for(main(), 20.0))
+    _within_20s(main)

@@ -305,6 +305,21 @@ class Controller:
         st.mark_computed(s)
         self._adapt(now)
 
+    def adopt(self, plan: Plan, now: float) -> None:
+        """The load goes on by ``plan`` (a better plan made while it ran, for the same
+        instance): the work under way stays, the rest is ``plan``'s
+        (:mod:`sparkv.scheduler.handover`); the stage clock becomes ``plan``'s. Recorded as a
+        ``handover`` :class:`~sparkv.scheduler.state.Migration`; drivers re-ask idle workers
+        and take the cancellations."""
+        st = self.state
+        comp_s, link_s = st.remaining(now)
+        self.plan = plan
+        st.stage_s = stage_length(plan, self.inst,
+                                  self.cfg.rebalance.stage_s if self.cfg.rebalance else None)
+        st.horizon_s = 2.0 * st.stage_s
+        st.adopt(now, plan, link_s, comp_s)
+        self._adapt(now)
+
     # ------------------------------------------------------------------ estimates
     def bandwidth_estimate(self, now: float) -> float:
         """Link throughput (bytes/s) over the sliding window; the plan's estimate before samples

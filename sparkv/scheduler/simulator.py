@@ -134,20 +134,22 @@ class Timeline:
 _MAX_SAMPLES = 200  # rate samples per transfer at most (long transfers sample more coarsely)
 
 # event kinds, in the order simultaneous events are processed
-_RECV_DONE, _DECODE_DONE, _STEP_DONE, _TICK, _FIRST_BYTE = 0, 1, 2, 3, 4
+_RECV_DONE, _DECODE_DONE, _STEP_DONE, _TICK, _FIRST_BYTE, _HANDOVER = 0, 1, 2, 3, 4, 5
 
 
 def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
              noise: ComputeNoise | None = None,
              controller: Controller | ControllerConfig | None = None, *,
-             done_steps: Sequence[StepId] = (),
+             done_steps: Sequence[StepId] = (), handover: tuple[float, Plan] | None = None,
              sample_interval_s: float = 0.05, max_time_s: float = 1e7) -> Timeline:
     """Runs ``plan`` on ``inst`` under ``trace`` (default: constant at the instance's bandwidth).
 
     ``controller``: a ready :class:`Controller`, or a :class:`ControllerConfig` to build one, or
     ``None`` for the static executor (the plan exactly as written). ``done_steps``: layer steps
     computed before loading began (the edge's prelude): in place at time 0, their chunks
-    available (a ready controller must have been built with the same ones).
+    available (a ready controller must have been built with the same ones). ``handover``:
+    ``(at_s, new_plan)``, the load goes on by ``new_plan`` from ``at_s``
+    (:meth:`Controller.adopt`: the edge's plan handover).
     """
     if trace is None:
         trace = Trace.constant(inst.bandwidth_Bps / MBPS)
@@ -157,6 +159,8 @@ def simulate(plan: Plan, inst: Instance, trace: Trace | None = None,
     sim = Simulation(inst, trace, noise or ComputeNoise(), controller,
                      sample_interval_s=sample_interval_s, max_time_s=max_time_s)
     sim.start_with(done_steps)
+    if handover is not None:
+        sim.hand_over_at(*handover)
     return sim.run()
 
 
@@ -194,7 +198,8 @@ class Simulation:
         self._seq = 0
         self._handlers = {_RECV_DONE: self._on_received, _DECODE_DONE: self._on_decoded,
                           _STEP_DONE: self._on_step_done, _TICK: self._on_tick,
-                          _FIRST_BYTE: self._on_first_byte}
+                          _FIRST_BYTE: self._on_first_byte, _HANDOVER: self._on_handover}
+        self._handovers: list[Plan] = []
         # link
         self._transfer: _Transfer | None = None
         self._link_free_since = 0.0
@@ -229,6 +234,12 @@ class Simulation:
             self.dep.mark_computed(s)
             for g in range(self.inst.G):
                 self._make_available(s * self.inst.G + g, 0.0)
+
+    def hand_over_at(self, at_s: float, plan: Plan) -> None:
+        """From ``at_s`` on the load goes by ``plan`` (:meth:`Controller.adopt`). Call before
+        :meth:`run`."""
+        self._handovers.append(plan)
+        self._push(at_s, _HANDOVER, len(self._handovers) - 1)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Timeline:
@@ -291,6 +302,10 @@ class Simulation:
             got = self.trace.bytes_between(cur.last, now)
             self.ctl.rate_sample(now, got, now - cur.last, self.transfers[tid].cid)
             cur.last = now
+        return True
+
+    def _on_handover(self, now: float, i: int) -> bool:
+        self.ctl.adopt(self._handovers[i], now)
         return True
 
     def _on_first_byte(self, now: float, tid: int) -> bool:

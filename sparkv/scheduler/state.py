@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler.estimators import ComputeEstimator, LinkEstimator
 from sparkv.scheduler.graph import DepState
+from sparkv.scheduler.handover import handover
 from sparkv.scheduler.instance import Instance
 from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.probe import LinkProbe
@@ -29,7 +30,7 @@ class Migration:
     """One decision of the controller, for the timeline and logs."""
 
     time_s: float
-    direction: str  # "to_compute" | "to_stream" | "probe" | "dead_link"
+    direction: str  # "to_compute" | "to_stream" | "probe" | "dead_link" | "handover"
     steps: list[StepId]
     cancelled: list[KVChunkId]
     link_remaining_s: float
@@ -204,6 +205,41 @@ class LoadState:
             if self.dep.chunk_avail[cc]:
                 continue
             self.link.append_cheapest(cc)
+
+    def adopt(self, now: float, plan: Plan, link_s: float, comp_s: float) -> None:
+        """The load goes on by ``plan`` (:mod:`sparkv.scheduler.handover`): the work under way
+        stays, both queues are rebuilt from what ``plan`` leaves, fetches of steps it now
+        computes are cancelled."""
+        inst, cq, link = self.inst, self.compute, self.link
+        queued = set(cq.order)
+        settled = {s for s in range(inst.num_steps) if cq.on[s] and s not in queued}
+        started = link.received | {c for c, f in link.inflight.items() if f.received > 0}
+        rest = handover(inst, plan, settled_steps=settled, requested=set(link.inflight),
+                        started=started, available=self.dep.chunk_avail)
+        for c in rest.cancel:
+            link.inflight.pop(c)
+            link.cancels.append(inst.chunk_id(c))
+            self.probe.settle(c)
+        cq.order = list(rest.compute)
+        cq.on = [s in settled for s in range(inst.num_steps)]
+        for s in cq.order:
+            cq.on[s] = True
+        cq.queued_s = float(sum(cq.t_comp[s] for s in cq.order))
+        for c in link.order:
+            link.on[c] = False
+        link.order = []
+        link.queued_bytes = link.queued_min_bytes = 0.0
+        for c in rest.stream:
+            link.level[c] = rest.levels[c]
+            link.order.append(c)
+            link.on[c] = True
+            link.queued_bytes += link.bytes_at(c, rest.levels[c])
+            link.queued_min_bytes += link.cheapest_bytes(c)
+        for c in rest.cancel:
+            link.on[c] = False
+        moved = [inst.step_id(s) for s in cq.order if s not in queued]
+        self.record(Migration(now, "handover", moved, [inst.chunk_id(c) for c in rest.cancel],
+                              link_s, comp_s))
 
     def record(self, m: Migration) -> None:
         """A decision changed the plan (drivers re-ask their idle workers at a new revision)."""

@@ -22,6 +22,7 @@ token (simulated 1.97; all-local measured 1.70), the same split top down simulat
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 from sparkv.scheduler.instance import Instance
@@ -41,28 +42,49 @@ class Portfolio(Planner):
         self.robust_margin = float(robust_margin)
         self.greedy_params = dict(greedy_params)
 
+    def first(self, inst: Instance) -> Plan:
+        """The best structured candidate: what :meth:`plan` returns unless the greedy wins by
+        the margin, made in about a millisecond (the split and the all-streamed order) where
+        the greedy takes tens. The edge starts its load with it and hands the load the full
+        plan when that one differs (docs/edge.md, "The plan's handover")."""
+        t0 = time.perf_counter()
+        candidates = self._structured(inst)
+        plan = self._chosen(candidates, min(candidates, key=lambda k: candidates[k][1]))
+        plan.plan_time_s = time.perf_counter() - t0
+        plan.planner = self.name
+        return plan
+
     def _plan(self, inst: Instance) -> Plan:
-        candidates: list[tuple[str, Plan]] = [
-            ("greedy", Greedy(**self.greedy_params).plan(inst)),
-            ("hybrid", StrongHybrid(top_down=True).plan(inst)),
-            ("local", LocalOnly().plan(inst)),
-        ]
-        # cheapest allowed levels
-        stream = make_plan(inst, [], token_chunks_streamed(inst, range(inst.n_t), top_down=True))
-        stream.estimated_ttft_s = estimate_ttft(stream, inst)
-        candidates.append(("stream", stream))
-        scores = {name: float(p.estimated_ttft_s if p.estimated_ttft_s is not None
-                              else estimate_ttft(p, inst)) for name, p in candidates}
+        candidates = {"greedy": _scored(Greedy(**self.greedy_params).plan(inst), inst),
+                      **self._structured(inst)}
         # the greedy plan interleaves the two paths (computed steps wait for streamed chunks), so
         # a fade stalls both; the structured plans keep the paths independent. The greedy plan
         # must win by more than the margin to be worth that exposure (simulated on adversarial
         # traces: docs/scheduler.md)
-        structured = min((k for k in scores if k != "greedy"), key=lambda k: scores[k])
-        if scores["greedy"] < scores[structured] * (1.0 - self.robust_margin):
-            best_name = "greedy"
-        else:
-            best_name = structured
-        best = dict(candidates)[best_name]
-        best.info = {**best.info, "portfolio": {"chosen": best_name, "estimates": {
-            k: (v if math.isfinite(v) else None) for k, v in scores.items()}}}
+        structured = min((k for k in candidates if k != "greedy"),
+                         key=lambda k: candidates[k][1])
+        if candidates["greedy"][1] < candidates[structured][1] * (1.0 - self.robust_margin):
+            return self._chosen(candidates, "greedy")
+        return self._chosen(candidates, structured)
+
+    @staticmethod
+    def _structured(inst: Instance) -> dict[str, tuple[Plan, float]]:
+        """The split, all-local and all-streamed (cheapest allowed levels) plans, scored."""
+        stream = make_plan(inst, [], token_chunks_streamed(inst, range(inst.n_t), top_down=True))
+        return {"hybrid": _scored(StrongHybrid(top_down=True).plan(inst), inst),
+                "local": _scored(LocalOnly().plan(inst), inst),
+                "stream": _scored(stream, inst)}
+
+    @staticmethod
+    def _chosen(candidates: dict[str, tuple[Plan, float]], name: str) -> Plan:
+        best = candidates[name][0]
+        best.info = {**best.info, "portfolio": {"chosen": name, "estimates": {
+            k: (v if math.isfinite(v) else None) for k, (_, v) in candidates.items()}}}
         return best
+
+
+def _scored(plan: Plan, inst: Instance) -> tuple[Plan, float]:
+    """``plan`` and its estimated TTFT (the planner's own estimate when it made one)."""
+    if plan.estimated_ttft_s is None:
+        plan.estimated_ttft_s = estimate_ttft(plan, inst)
+    return plan, float(plan.estimated_ttft_s)

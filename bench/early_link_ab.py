@@ -5,7 +5,8 @@ the link started once the prelude's span in progress is done, paired in one proc
 Each variant (``early``: as shipped; ``late``: ``_begin`` returns ``None``; ``tax``: early,
 planned with the learned receive tax; ``pool``: early, frames decoded by a worker thread, not in
 turn; ``noprelude``: no prelude; ``nopre``: early, the load's first connection not opened at the ask's start, and
-``hybrid-nopre`` Strong Hybrid so), hybrid and local
+``hybrid-nopre`` Strong Hybrid so; ``nohandover``: early, the load waits for the portfolio's
+full plan instead of starting by its first and taking the full one when ready), hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
 
@@ -43,6 +44,7 @@ EXTRA: dict[str, dict[str, Any]] = {
 }
 EARLY = {"on": True}               # whether the next sparkv ask starts its link early
 PRECONNECT = {"on": True}          # whether the next ask opens its load's connection ahead
+HANDOVER = {"on": True}            # whether the next load starts by the planner's first plan
 
 
 def _patch() -> None:
@@ -55,6 +57,12 @@ def _patch() -> None:
     def maybe_preconnect(self: EdgeClient, *a: Any, **k: Any) -> Any:
         return preconnect(self, *a, **k) if PRECONNECT["on"] else None
 
+    first_plan = session._first_plan
+
+    def maybe_first(*a: Any, **k: Any) -> Any:
+        return first_plan(*a, **k) if HANDOVER["on"] else None
+
+    setattr(session, "_first_plan", maybe_first)
     setattr(session.EdgeSession, "_begin", maybe_begin)
     setattr(EdgeClient, "preconnect", maybe_preconnect)
 
@@ -78,12 +86,14 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
             for name in (variants if k % 2 else variants[::-1]):
                 EARLY["on"] = name != "late"
                 PRECONNECT["on"] = not name.endswith("nopre")
+                HANDOVER["on"] = name != "nohandover"
                 strategy = (name.split("-")[0] if name.startswith(("hybrid", "local"))
                             else "sparkv")
                 b = fresh_ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {})).breakdown
                 res[(ln, name)].append(b.ttft_s)
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
-                                 loading_s=b.loading_s, chunks_streamed=b.chunks_streamed))
+                                 loading_s=b.loading_s, planning_s=b.planning_s,
+                                 manifest_s=b.manifest_s, chunks_streamed=b.chunks_streamed))
                 print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}",
                       flush=True)
     out: dict[str, Any] = {}

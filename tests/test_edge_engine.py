@@ -953,3 +953,33 @@ def test_rate_samples_never_read_faster_than_the_link_delivers(world, monkeypatc
     rates = [b / s for b, s in samples if b > 0]
     assert rates and load.bytes_received > 0
     assert max(rates) <= 1.5 * max(len(f) for f in world["frames"].values()) / gap, max(rates)
+
+
+def test_a_plan_handed_over_mid_load_is_followed_and_fills_the_reference_cache(world):
+    """The load starts by a plan that streams everything over a slow link; another thread hands
+    it a plan that computes everything (the session's plan thread does this with the greedy's
+    plan): the fetch in flight is cancelled, the rest is computed, nothing is fetched after the
+    handover, and the cache is the reference's. A handover after the load completed is
+    ignored."""
+    import threading
+
+    async def pace(sent: int) -> None:
+        await asyncio.sleep(0.01)
+    src = ScriptedSource(world["frames"], lambda n: Behaviour(pace=pace, piece=256))
+    inst = _instance(world, mbps=1000.0)
+    first, local = get_planner("stream").plan(inst), get_planner("local").plan(inst)
+    stepper = LayerStepper(world["lm"], world["tokens"], T, backend=get_backend("dense"))
+    engine = Engine(stepper, first, inst, ControllerConfig.static(), source=src,
+                    config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=60.0))
+    engine.start()
+    _wait(lambda: src.sent_total > 0)
+    handed = threading.Thread(target=engine.adopt, args=(local,))
+    handed.start()
+    handed.join()
+    load = _run_exact(engine, world)
+    hand = [m for m in load.migrations if m.direction == "handover"]
+    assert len(hand) == 1 and engine.plan is local
+    assert load.sources.get("computed", 0) > 0
+    assert all(x.requested_s <= hand[0].time_s for x in load.transfers)
+    engine.adopt(first)                       # too late: the load is complete
+    assert [m.direction for m in engine.ctl.migrations].count("handover") == 1

@@ -397,3 +397,37 @@ def test_the_loads_first_connection_is_opened_at_the_asks_start(served, monkeypa
     assert res.tokens == ref and res.breakdown.chunks_streamed > 0
     assert len(made) == 1 and made[0] is not None and made[0].taken
     assert _ask(session, cid, strategy="local").tokens == ref and len(made) == 1
+
+
+def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(served,
+                                                                             monkeypatch):
+    """sparkv's load starts by the portfolio's first plan (here made to stream every chunk, so
+    that the full plan differs) while the greedy plans; the full plan is handed to the running
+    load. The ask reports the plan the load ended with, and the answer is exact."""
+    from sparkv.scheduler.planners.base import make_plan
+    from sparkv.scheduler.planners.baselines import token_chunks_streamed
+    from sparkv.scheduler.planners.portfolio import Portfolio
+
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    _ask(session, cid)   # the client now holds the manifest: its geometry is known
+    firsts: list = []
+
+    def stream_all(self, inst):
+        firsts.append(make_plan(inst, [], token_chunks_streamed(inst, range(inst.n_t),
+                                                                top_down=True)))
+        return firsts[-1]
+
+    monkeypatch.setattr(Portfolio, "first", stream_all)
+    session.client.shaper = LinkShaper.constant(20.0, 20.0)
+    try:
+        res = _ask(session, cid)
+    finally:
+        session.client.shaper = LinkShaper.unlimited()
+    assert res.tokens == ref and len(firsts) == 1
+    hand = [m for m in res.load.migrations if m.direction == "handover"]
+    assert len(hand) == 1
+    assert res.plan is not firsts[0] and res.plan.info["portfolio"]["chosen"] != "stream"
+    bd = res.breakdown
+    assert bd.chunks_streamed + bd.chunks_computed == res.instance.num_chunks
+    assert not set(bd.fallback) - {"slow_link"}, bd.fallback

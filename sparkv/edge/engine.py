@@ -125,6 +125,7 @@ class Engine:
         self._compute = ComputeWorker(self._hub, stepper, self._stats, self._link, self._decoder,
                                       prelude, cfg.stall_fallback_s, deadline_s, lane)
         self._threads: int | None = None    # the compute path's OpenMP threads, once started
+        self._closed = False                # guarded by the hub's lock
 
     def start(self) -> None:
         """Starts the load's clock, its link and its decoder, the compute path not yet: a
@@ -174,6 +175,20 @@ class Engine:
         with self._hub.cv:
             return self._stats.result(self.kv, self.ctl)
 
+    def adopt(self, plan: Plan) -> None:
+        """The load goes on by ``plan``, made for the same instance while it ran (the plan's
+        handover, docs/edge.md): the work under way stays, the rest is ``plan``'s
+        (:meth:`Controller.adopt <sparkv.scheduler.controller.Controller.adopt>`), and the
+        idle workers are woken. Callable from any thread once :meth:`start` ran; a load that
+        is complete or closed ignores it."""
+        hub = self._hub
+        with hub.cv:
+            if self._closed or self.ctl.done:
+                return
+            self.ctl.adopt(plan, hub.now())
+            self.plan = plan
+            hub.progress()
+
     def abort(self) -> None:
         """Stops a started load that will not be run: the link's requests closed, the decoder
         shut down (nothing is computed)."""
@@ -181,6 +196,8 @@ class Engine:
             self._close()
 
     def _close(self) -> None:
+        with self._hub.cv:
+            self._closed = True
         link = self._link
         if link is not None:
             link.stop()

@@ -24,6 +24,7 @@ TTFT is wall clock from the call to the first generated token and includes every
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
 
 __all__ = ["AskOptions", "AskResult", "Breakdown", "EdgeSession", "Priors", "apply_kept"]
+
+log = logging.getLogger("sparkv.edge")
 
 #: the most one load may move the compute prior (either way): a load that ran beside a burst
 #: of other work moves the next plan by at most this factor, and a lasting change of the
@@ -179,6 +182,7 @@ class _Planned:
     prelude_done: frozenset[StepId]    # the steps it finished or promised (priced ~0)
     seconds: float                 # ``Breakdown.planning_s``
     local_s: float                 # the local-prefill estimate (every step + the question)
+    first: bool = False            # ``plan`` is the planner's first plan: the full one follows
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class _Loaded:
     load: LoadResult
     prelude: PreludeResult | None  # the prelude's steps the load used (None: none were)
     prune_s: float                 # pruning to a compressed context's kept positions (s)
+    plan: Plan                     # the plan the load ended with (a handover's, if one came)
 
 
 class _EarlyLink:
@@ -223,6 +228,32 @@ class _EarlyLink:
             engine, self.engine = self.engine, None
         if engine is not None:
             engine.abort()
+
+
+def _first_plan(planner: Any, inst: Instance) -> Plan | None:
+    """The planner's first plan (made in a millisecond; its full plan follows), or ``None``
+    when it makes none."""
+    first = getattr(planner, "first", None)
+    return first(inst) if first is not None else None
+
+
+def _full_plan(planned: _Planned) -> Plan:
+    """The full plan of ``planned``'s strategy for its instance."""
+    from sparkv.scheduler.planners import get_planner
+
+    return get_planner(STRATEGIES[planned.strategy][0]).plan(planned.instance)
+
+
+def _in_full(planned: _Planned) -> _Planned:
+    """``planned`` with its strategy's full plan in place of its first."""
+    full = _full_plan(planned)
+    return replace(planned, plan=full, first=False, seconds=planned.seconds + full.plan_time_s)
+
+
+def _same_work(a: Plan, b: Plan) -> bool:
+    """Whether two plans give the paths the same work in the same order at the same levels."""
+    return (a.compute_order == b.compute_order and a.stream_order == b.stream_order
+            and a.levels == b.levels)
 
 
 def _claim_prelude(pre: Prelude | None, tokens: list[int],
@@ -487,13 +518,18 @@ class EdgeSession:
             try:
                 use_threads(threads)
                 fetched = self._fetch(mine)
-                planned = self._plan(mine, fetched)
+                planned = self._plan(mine, fetched, first=True)
                 early.begin(lambda: self._begin(mine, fetched, planned))
-                ahead.set_result((fetched, planned))
+                if planned.first and early.engine is None:
+                    planned = _in_full(planned)     # no load runs yet: the full plan now
             except BaseException as e:  # noqa: BLE001 - raised again on the asking thread
                 ahead.set_exception(e)
+                return
             finally:
                 prelude.request_stop(promise_first=False)
+            ahead.set_result((fetched, planned))
+            if planned.first and early.engine is not None:
+                self._hand_over(planned, early.engine)
 
         threading.Thread(target=fetch_and_plan, name="sparkv-plan", daemon=True).start()
         try:
@@ -528,9 +564,11 @@ class EdgeSession:
     def _contexts(self) -> ContextFetch:
         return ContextFetch(self.client, self.lm)
 
-    def _plan(self, ask: _Ask, fetched: FetchedContext) -> _Planned:
+    def _plan(self, ask: _Ask, fetched: FetchedContext, first: bool = False) -> _Planned:
         """The instance (this device's step costs, the link prior), the strategy's plan and
-        its controller's configuration."""
+        its controller's configuration. ``first``: the planner's first plan when it makes one
+        (:meth:`Portfolio.first <sparkv.scheduler.planners.portfolio.Portfolio.first>`, in a
+        millisecond), its full plan to follow (:meth:`_hand_over`)."""
         from sparkv.scheduler.planners import get_planner
 
         t_plan = time.perf_counter()
@@ -548,12 +586,29 @@ class EdgeSession:
                     else suffix_estimate(t_comp, geometry, len(ask.suffix)))
         inst, effective = self._instance(ask, fetched, geometry, t_comp, t_suffix)
         planner_name, ctl_factory = STRATEGIES[effective]
-        plan = get_planner(planner_name).plan(inst)
+        planner = get_planner(planner_name)
+        quick = _first_plan(planner, inst) if first else None
+        plan = quick if quick is not None else planner.plan(inst)
         controller = ask.options.controller
         ctl_cfg = (controller if controller is not None and effective == ask.options.strategy
                    else ctl_factory().with_spans(fused_spans(self.lm.device)))
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
-                        time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix)
+                        time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix,
+                        first=quick is not None)
+
+    def _hand_over(self, planned: _Planned, engine: Engine) -> None:
+        """On the plan's thread, the load running by the planner's first plan: the full plan,
+        handed to the load when it differs (docs/edge.md, "The plan's handover"). A planner
+        that fails leaves the load to its first plan."""
+        try:
+            full = _full_plan(planned)
+        except Exception as e:  # noqa: BLE001 - the load goes on by the plan it has
+            log.warning("the full plan failed (%s: %s); the load keeps its first plan",
+                        type(e).__name__, e)
+            return
+        if _same_work(full, planned.plan):
+            return
+        engine.adopt(full)
 
     def _instance(self, ask: _Ask, fetched: FetchedContext, geometry: ChunkGeometry,
                   t_comp: Any, t_suffix: float) -> tuple[Instance, str]:
@@ -612,7 +667,7 @@ class EdgeSession:
         self.priors.learn(load)
         pressed = fetched.pressed
         prune_s = apply_kept(engine.stepper.kv, pressed, ask.spare) if pressed is not None else 0.0
-        return _Loaded(engine.stepper, load, pre_res if reuse else None, prune_s)
+        return _Loaded(engine.stepper, load, pre_res if reuse else None, prune_s, engine.plan)
 
     def _engine(self, ask: _Ask, fetched: FetchedContext, planned: _Planned, stepper: Any,
                 reuse: bool) -> Engine:
@@ -689,7 +744,7 @@ class EdgeSession:
         kept_id = self._kept().keep(ask.context_id, tokens, kv) if opts.keep else None
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
-        return AskResult(gen.text, gen.tokens, breakdown, planned.plan, planned.instance,
+        return AskResult(gen.text, gen.tokens, breakdown, loaded.plan, planned.instance,
                          loaded.load, gen.first_logits, len(tokens), kept_id, planned.controller)
 
     # ---- kept contexts (the on-device context service) ---------------------------------------

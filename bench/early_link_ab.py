@@ -6,7 +6,8 @@ Each variant (``early``: as shipped; ``late``: ``_begin`` returns ``None``; ``ta
 planned with the learned receive tax; ``pool``: early, frames decoded by a worker thread, not in
 turn; ``noprelude``: no prelude; ``nopre``: early, the load's first connection not opened at the ask's start, and
 ``hybrid-nopre`` Strong Hybrid so; ``nohandover``: early, the load waits for the portfolio's
-full plan instead of starting by its first and taking the full one when ready), hybrid and local
+full plan instead of starting by its first and taking the full one when ready; ``firstonly``:
+the load keeps the portfolio's first plan, the structured split), hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
 
@@ -45,6 +46,7 @@ EXTRA: dict[str, dict[str, Any]] = {
 EARLY = {"on": True}               # whether the next sparkv ask starts its link early
 PRECONNECT = {"on": True}          # whether the next ask opens its load's connection ahead
 HANDOVER = {"on": True}            # whether the next load starts by the planner's first plan
+FULL = {"on": True}                # whether the full plan is handed over to it
 
 
 def _patch() -> None:
@@ -62,7 +64,13 @@ def _patch() -> None:
     def maybe_first(*a: Any, **k: Any) -> Any:
         return first_plan(*a, **k) if HANDOVER["on"] else None
 
+    hand_over = EdgeSession._hand_over
+
+    def maybe_hand_over(self: EdgeSession, *a: Any, **k: Any) -> Any:
+        return hand_over(self, *a, **k) if FULL["on"] else None
+
     setattr(session, "_first_plan", maybe_first)
+    setattr(session.EdgeSession, "_hand_over", maybe_hand_over)
     setattr(session.EdgeSession, "_begin", maybe_begin)
     setattr(EdgeClient, "preconnect", maybe_preconnect)
 
@@ -87,13 +95,17 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 EARLY["on"] = name != "late"
                 PRECONNECT["on"] = not name.endswith("nopre")
                 HANDOVER["on"] = name != "nohandover"
+                FULL["on"] = name != "firstonly"
                 strategy = (name.split("-")[0] if name.startswith(("hybrid", "local"))
                             else "sparkv")
-                b = fresh_ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {})).breakdown
+                r = fresh_ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {}))
+                b = r.breakdown
+                handover = r.plan.info.get("handover") if r.plan is not None else None
                 res[(ln, name)].append(b.ttft_s)
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
                                  loading_s=b.loading_s, planning_s=b.planning_s,
-                                 manifest_s=b.manifest_s, chunks_streamed=b.chunks_streamed))
+                                 manifest_s=b.manifest_s, chunks_streamed=b.chunks_streamed,
+                                 handover=handover))
                 print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}",
                       flush=True)
     out: dict[str, Any] = {}

@@ -403,7 +403,8 @@ def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(ser
                                                                              monkeypatch):
     """sparkv's load starts by the portfolio's first plan (here made to stream every chunk, so
     that the full plan differs) while the greedy plans; the full plan is handed to the running
-    load. The ask reports the plan the load ended with, and the answer is exact."""
+    load (here whatever the rule says). The ask reports the plan the load ended with, and the
+    answer is exact."""
     from sparkv.scheduler.planners.base import make_plan
     from sparkv.scheduler.planners.baselines import token_chunks_streamed
     from sparkv.scheduler.planners.portfolio import Portfolio
@@ -419,6 +420,7 @@ def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(ser
         return firsts[-1]
 
     monkeypatch.setattr(Portfolio, "first", stream_all)
+    monkeypatch.setattr(Portfolio, "hands_over", lambda self, *a: (True, {}))
     session.client.shaper = LinkShaper.constant(20.0, 20.0)
     try:
         res = _ask(session, cid)
@@ -431,3 +433,30 @@ def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(ser
     bd = res.breakdown
     assert bd.chunks_streamed + bd.chunks_computed == res.instance.num_chunks
     assert not set(bd.fallback) - {"slow_link"}, bd.fallback
+
+
+def test_a_full_plan_the_rule_declines_leaves_the_load_to_its_first_plan(served, monkeypatch):
+    """The full plan differs from the first, but the portfolio's rule (the controller-aware
+    simulation) declines it: no handover, the ask reports the first plan with the decision in
+    its ``info["handover"]``, and the answer is exact."""
+    from sparkv.scheduler.planners.base import make_plan
+    from sparkv.scheduler.planners.baselines import token_chunks_streamed
+    from sparkv.scheduler.planners.portfolio import Portfolio
+
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    _ask(session, cid)
+    firsts: list = []
+
+    def stream_all(self, inst):
+        firsts.append(make_plan(inst, [], token_chunks_streamed(inst, range(inst.n_t),
+                                                                top_down=True)))
+        return firsts[-1]
+
+    monkeypatch.setattr(Portfolio, "first", stream_all)
+    monkeypatch.setattr(Portfolio, "hands_over", lambda self, *a: (False, {"first": 1.0}))
+    res = _ask(session, cid)
+    assert res.tokens == ref and len(firsts) == 1
+    assert not [m for m in res.load.migrations if m.direction == "handover"]
+    assert res.plan is firsts[0]
+    assert res.plan.info["handover"]["taken"] is False

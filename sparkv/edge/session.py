@@ -250,6 +250,18 @@ def _in_full(planned: _Planned) -> _Planned:
     return replace(planned, plan=full, first=False, seconds=planned.seconds + full.plan_time_s)
 
 
+def _hands_over(planned: _Planned, full: Plan) -> tuple[bool, dict[str, float]]:
+    """Whether the load started by ``planned.plan`` takes ``full`` (the planner's rule,
+    :meth:`Portfolio.hands_over <sparkv.scheduler.planners.portfolio.Portfolio.hands_over>`;
+    always, for a planner without one), with what the rule measured."""
+    from sparkv.scheduler.planners import get_planner
+
+    rule = getattr(get_planner(STRATEGIES[planned.strategy][0]), "hands_over", None)
+    if rule is None:
+        return True, {}
+    return rule(planned.plan, full, planned.instance, planned.controller)
+
+
 def _same_work(a: Plan, b: Plan) -> bool:
     """Whether two plans give the paths the same work in the same order at the same levels."""
     return (a.compute_order == b.compute_order and a.stream_order == b.stream_order
@@ -598,8 +610,9 @@ class EdgeSession:
 
     def _hand_over(self, planned: _Planned, engine: Engine) -> None:
         """On the plan's thread, the load running by the planner's first plan: the full plan,
-        handed to the load when it differs (docs/edge.md, "The plan's handover"). A planner
-        that fails leaves the load to its first plan."""
+        handed to the load when it differs and the planner's rule takes it (:func:`_hands_over`;
+        docs/edge.md, "The plan's handover"); the first plan's ``info["handover"]`` says what
+        was decided. A planner that fails leaves the load to its first plan."""
         try:
             full = _full_plan(planned)
         except Exception as e:  # noqa: BLE001 - the load goes on by the plan it has
@@ -608,7 +621,11 @@ class EdgeSession:
             return
         if _same_work(full, planned.plan):
             return
-        engine.adopt(full)
+        take, simulated = _hands_over(planned, full)
+        planned.plan.info["handover"] = {"full": full.info.get("portfolio", {}).get("chosen"),
+                                         "taken": take, "simulated_s": simulated}
+        if take:
+            engine.adopt(full)
 
     def _instance(self, ask: _Ask, fetched: FetchedContext, geometry: ChunkGeometry,
                   t_comp: Any, t_suffix: float) -> tuple[Instance, str]:

@@ -4,10 +4,12 @@ strategies the edge offers (planner + controller per name).
 =========  ===============================  ======================================================
 name       planner                          controller
 =========  ===============================  ======================================================
-sparkv     ``Portfolio``: the greedy        adaptive (migrations both ways, prefetch, cancellation)
-           (dependency- and potential-
-           aware), checked against the
-           structured plans by estimate
+sparkv     ``Portfolio``: the load starts   adaptive (migrations both ways, prefetch, cancellation)
+           by its best structured plan;
+           the greedy's plan (dependency-
+           and potential-aware) is handed
+           over when it wins under the
+           controller (``hands_over``)
 local      ``LocalOnly``                    static; no network at all when the tokens are known
 stream     ``StreamOnly`` (CacheGen)        per-chunk level from the measured rate and the SLO
 hybrid     ``StrongHybrid`` (Cake)          adaptive (the meeting point moves)

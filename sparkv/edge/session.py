@@ -162,6 +162,9 @@ class _Ask:
     prelude: Prelude | None = None
     ahead: Preconnect | None = None   # the load's connections, opened at the ask's start
     fallback: dict[str, Any] = field(default_factory=dict)
+    #: set once the plan's thread is done with the load (its handover decided): the result
+    #: waits for it, so that it reports the plan the load ended with
+    planned_in_full: threading.Event = field(default_factory=threading.Event)
 
     @property
     def spare(self) -> int:
@@ -244,10 +247,39 @@ def _full_plan(planned: _Planned) -> Plan:
     return get_planner(STRATEGIES[planned.strategy][0]).plan(planned.instance)
 
 
-def _in_full(planned: _Planned) -> _Planned:
-    """``planned`` with its strategy's full plan in place of its first."""
+def _judged_full(planned: _Planned) -> Plan | None:
+    """The strategy's full plan when it should replace ``planned``'s first (it gives the paths
+    other work and the planner's rule takes it: :func:`_hands_over`), else ``None``; the first
+    plan's ``info["handover"]`` records the decision."""
     full = _full_plan(planned)
-    return replace(planned, plan=full, first=False, seconds=planned.seconds + full.plan_time_s)
+    if _same_work(full, planned.plan):
+        return None
+    take, simulated = _hands_over(planned, full)
+    planned.plan.info["handover"] = {"full": full.info.get("portfolio", {}).get("chosen"),
+                                     "taken": take, "simulated_s": simulated}
+    return full if take else None
+
+
+def _in_full(planned: _Planned) -> _Planned:
+    """``planned`` decided before any load starts: its first plan, or the full plan that
+    replaces it (:func:`_judged_full`)."""
+    t0 = time.perf_counter()
+    full = _judged_full(planned)
+    return replace(planned, plan=full if full is not None else planned.plan, first=False,
+                   seconds=planned.seconds + time.perf_counter() - t0)
+
+
+def _core_spare(device: Any) -> bool:
+    """Whether the full plan may be made beside the running load: not on a CPU whose every
+    usable core runs the compute's OpenMP threads (:func:`~sparkv.edge.frames.decode_in_turn`:
+    a thread beside them slows every step of the team; there the greedy and the two
+    simulations, ~35 ms of a core at 2K, would take the load's cycles for a handover the rule
+    declined in every ask measured: docs/edge.md, "The plan's handover")."""
+    import torch
+
+    from sparkv.edge.frames import decode_in_turn
+
+    return not decode_in_turn(device, torch.get_num_threads())
 
 
 def _hands_over(planned: _Planned, full: Plan) -> tuple[bool, dict[str, float]]:
@@ -503,7 +535,9 @@ class EdgeSession:
             fetched, planned, begun = self._plan_beside_prelude(ask, ask.prelude)
         else:
             fetched = self._fetch(ask)
-            planned = self._plan(ask, fetched)
+            planned = self._plan(ask, fetched, first=True)
+            if planned.first:
+                planned = _in_full(planned)
         loaded = self._load(ask, fetched, planned, begun)
         return self._answer(ask, fetched, planned, loaded)
 
@@ -536,12 +570,16 @@ class EdgeSession:
                     planned = _in_full(planned)     # no load runs yet: the full plan now
             except BaseException as e:  # noqa: BLE001 - raised again on the asking thread
                 ahead.set_exception(e)
+                ask.planned_in_full.set()
                 return
             finally:
                 prelude.request_stop(promise_first=False)
             ahead.set_result((fetched, planned))
-            if planned.first and early.engine is not None:
-                self._hand_over(planned, early.engine)
+            try:
+                if planned.first and early.engine is not None:
+                    self._hand_over(planned, early.engine)
+            finally:
+                ask.planned_in_full.set()
 
         threading.Thread(target=fetch_and_plan, name="sparkv-plan", daemon=True).start()
         try:
@@ -580,7 +618,8 @@ class EdgeSession:
         """The instance (this device's step costs, the link prior), the strategy's plan and
         its controller's configuration. ``first``: the planner's first plan when it makes one
         (:meth:`Portfolio.first <sparkv.scheduler.planners.portfolio.Portfolio.first>`, in a
-        millisecond), its full plan to follow (:meth:`_hand_over`)."""
+        millisecond), its full plan to follow (:meth:`_hand_over`) where a core is spare for it
+        (:func:`_core_spare`; else the first plan is the plan)."""
         from sparkv.scheduler.planners import get_planner
 
         t_plan = time.perf_counter()
@@ -606,7 +645,7 @@ class EdgeSession:
                    else ctl_factory().with_spans(fused_spans(self.lm.device)))
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
                         time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix,
-                        first=quick is not None)
+                        first=quick is not None and _core_spare(self.lm.device))
 
     def _hand_over(self, planned: _Planned, engine: Engine) -> None:
         """On the plan's thread, the load running by the planner's first plan: the full plan,
@@ -614,17 +653,12 @@ class EdgeSession:
         docs/edge.md, "The plan's handover"); the first plan's ``info["handover"]`` says what
         was decided. A planner that fails leaves the load to its first plan."""
         try:
-            full = _full_plan(planned)
+            full = _judged_full(planned)
         except Exception as e:  # noqa: BLE001 - the load goes on by the plan it has
             log.warning("the full plan failed (%s: %s); the load keeps its first plan",
                         type(e).__name__, e)
             return
-        if _same_work(full, planned.plan):
-            return
-        take, simulated = _hands_over(planned, full)
-        planned.plan.info["handover"] = {"full": full.info.get("portfolio", {}).get("chosen"),
-                                         "taken": take, "simulated_s": simulated}
-        if take:
+        if full is not None:
             engine.adopt(full)
 
     def _instance(self, ask: _Ask, fetched: FetchedContext, geometry: ChunkGeometry,
@@ -756,6 +790,8 @@ class EdgeSession:
                                           stop_at_eos=opts.stop_at_eos)
             decode_stats = dstats.to_dict()
         ttft = (time.perf_counter() - ask.t_start) - (gen.total_s - gen.first_token_s)
+        if ask.prelude is not None and not ask.fallback.get("manifest"):
+            ask.planned_in_full.wait()   # the plan's thread decided its handover
         self.priors.question_prefill_s = gen.first_token_s
         ask.fallback.update(loaded.load.fallback)
         kept_id = self._kept().keep(ask.context_id, tokens, kv) if opts.keep else None

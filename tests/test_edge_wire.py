@@ -53,15 +53,7 @@ class Server:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            await _closed(writer)
-
-
-async def _closed(writer: asyncio.StreamWriter) -> None:
-    """Closes a test server's side of a connection and waits for its transport to go (a close
-    left to the loop's end is reported as an unclosed transport)."""
-    writer.close()
-    with contextlib.suppress(ConnectionError):
-        await writer.wait_closed()
+            writer.close()
 
 
 async def _with_server(script: Script, body: Callable[[ConnectionPool, Server], object],
@@ -219,7 +211,7 @@ def test_a_silent_server_times_out_and_a_refused_port_fails():
     async def silent():
         async def silent_until_closed(reader, writer):
             await reader.read()                  # the client gives up and closes
-            await _closed(writer)
+            writer.close()
         srv = await asyncio.start_server(silent_until_closed, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         pool = ConnectionPool(Endpoint("127.0.0.1", port), connect_timeout_s=1.0, head_timeout_s=0.3)
@@ -408,7 +400,7 @@ def test_a_connection_opened_ahead_that_the_server_closed_is_replaced():
         async def handle(reader, writer):
             accepted.append(1)
             if len(accepted) == 1:
-                await _closed(writer)
+                writer.close()
                 return
             await srv.handle(reader, writer)
         async with _opened_ahead(*await _serving(handle), count=1) as (ahead, pool):
@@ -479,7 +471,7 @@ def test_a_connection_opened_ahead_and_never_taken_is_closed(wait):
         async def handle(reader, writer):
             await reader.read()                  # the end of the stream
             ended.set()
-            await _closed(writer)
+            writer.close()
         server, port = await _serving(handle)
         ahead = Preconnect(Endpoint("127.0.0.1", port), 2.0, count=1)
         if wait:

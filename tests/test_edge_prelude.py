@@ -400,20 +400,15 @@ def test_the_loads_first_connection_is_opened_at_the_asks_start(served, monkeypa
     assert _ask(session, cid, strategy="local").tokens == ref and len(made) == 1
 
 
-def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(served,
-                                                                             monkeypatch):
-    """sparkv's load starts by the portfolio's first plan (here made to stream every chunk bottom
-    up, which no full plan does: on a loaded machine the full plan may stream everything, top
-    down) while the greedy plans; the full plan is handed to the running
-    load (here whatever the rule says). The ask reports the plan the load ended with, and the
-    answer is exact."""
+def _first_plans_stream_all(monkeypatch, rule: tuple) -> list:
+    """The portfolio's first plan streams every chunk bottom up (no full plan does: on a loaded
+    machine the full plan may stream everything, top down), its handover rule answers ``rule``,
+    a core counts as spare, and the prelude's first span waits for the load's link (it cannot
+    compute the whole context first). Returns the first plans made."""
     from sparkv.scheduler.planners.base import make_plan
     from sparkv.scheduler.planners.baselines import token_chunks_streamed
     from sparkv.scheduler.planners.portfolio import Portfolio
 
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
-    _ask(session, cid)   # the client now holds the manifest: its geometry is known
     firsts: list = []
 
     def stream_all(self, inst):
@@ -422,11 +417,24 @@ def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(ser
         return firsts[-1]
 
     monkeypatch.setattr(Portfolio, "first", stream_all)
-    monkeypatch.setattr(Portfolio, "hands_over", lambda self, *a: (True, {}))
+    monkeypatch.setattr(Portfolio, "hands_over", lambda self, *a: rule)
     monkeypatch.setattr(session_module, "_core_spare", lambda device: True)
-    started = threading.Event()        # the prelude's first span waits for the load's link:
-    _blocking_span(monkeypatch, started)     # it cannot compute the whole context first
+    started = threading.Event()
+    _blocking_span(monkeypatch, started)
     _recording_link_start(monkeypatch, started)
+    return firsts
+
+
+def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(served,
+                                                                             monkeypatch):
+    """sparkv's load starts by the portfolio's first plan (here made to stream every chunk bottom
+    up) while the greedy plans; the full plan is handed to the running
+    load (here whatever the rule says). The ask reports the plan the load ended with, and the
+    answer is exact."""
+    lm, session, cid = served["lm"], served["session"], served["cid"]
+    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    _ask(session, cid)   # the client now holds the manifest: its geometry is known
+    firsts = _first_plans_stream_all(monkeypatch, rule=(True, {}))
     session.client.shaper = LinkShaper.constant(20.0, 20.0)
     try:
         res = _ask(session, cid)
@@ -445,26 +453,10 @@ def test_a_full_plan_the_rule_declines_leaves_the_load_to_its_first_plan(served,
     """The full plan differs from the first, but the portfolio's rule (the controller-aware
     simulation) declines it: no handover, the ask reports the first plan with the decision in
     its ``info["handover"]``, and the answer is exact."""
-    from sparkv.scheduler.planners.base import make_plan
-    from sparkv.scheduler.planners.baselines import token_chunks_streamed
-    from sparkv.scheduler.planners.portfolio import Portfolio
-
     lm, session, cid = served["lm"], served["session"], served["cid"]
     ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
     _ask(session, cid)
-    firsts: list = []
-
-    def stream_all(self, inst):
-        firsts.append(make_plan(inst, [], token_chunks_streamed(inst, range(inst.n_t),
-                                                                top_down=False)))
-        return firsts[-1]
-
-    monkeypatch.setattr(Portfolio, "first", stream_all)
-    monkeypatch.setattr(Portfolio, "hands_over", lambda self, *a: (False, {"first": 1.0}))
-    monkeypatch.setattr(session_module, "_core_spare", lambda device: True)
-    started = threading.Event()        # the prelude's first span waits for the load's link:
-    _blocking_span(monkeypatch, started)     # it cannot compute the whole context first
-    _recording_link_start(monkeypatch, started)
+    firsts = _first_plans_stream_all(monkeypatch, rule=(False, {"first": 1.0}))
     res = _ask(session, cid)
     assert res.tokens == ref and len(firsts) == 1
     assert not [m for m in res.load.migrations if m.direction == "handover"]

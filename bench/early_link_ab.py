@@ -49,30 +49,21 @@ HANDOVER = {"on": True}            # whether the next load starts by the planner
 FULL = {"on": True}                # whether the full plan is handed over to it
 
 
+def _toggled(owner: Any, name: str, flag: dict[str, bool]) -> None:
+    """``owner.name`` runs as before while ``flag["on"]``, and returns ``None`` otherwise."""
+    wrapped = getattr(owner, name)
+
+    def maybe(*a: Any, **k: Any) -> Any:
+        return wrapped(*a, **k) if flag["on"] else None
+
+    setattr(owner, name, maybe)
+
+
 def _patch() -> None:
-    begin = EdgeSession._begin
-    preconnect = EdgeClient.preconnect
-
-    def maybe_begin(self: EdgeSession, *a: Any, **k: Any) -> Any:
-        return begin(self, *a, **k) if EARLY["on"] else None
-
-    def maybe_preconnect(self: EdgeClient, *a: Any, **k: Any) -> Any:
-        return preconnect(self, *a, **k) if PRECONNECT["on"] else None
-
-    first_plan = session._first_plan
-
-    def maybe_first(*a: Any, **k: Any) -> Any:
-        return first_plan(*a, **k) if HANDOVER["on"] else None
-
-    hand_over = EdgeSession._hand_over
-
-    def maybe_hand_over(self: EdgeSession, *a: Any, **k: Any) -> Any:
-        return hand_over(self, *a, **k) if FULL["on"] else None
-
-    setattr(session, "_first_plan", maybe_first)
-    setattr(session.EdgeSession, "_hand_over", maybe_hand_over)
-    setattr(session.EdgeSession, "_begin", maybe_begin)
-    setattr(EdgeClient, "preconnect", maybe_preconnect)
+    _toggled(session.EdgeSession, "_begin", EARLY)
+    _toggled(EdgeClient, "preconnect", PRECONNECT)
+    _toggled(session, "_first_plan", HANDOVER)
+    _toggled(session.EdgeSession, "_hand_over", FULL)
 
 
 def _trace(name: str) -> Trace:

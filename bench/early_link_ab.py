@@ -7,7 +7,9 @@ planned with the learned receive tax; ``pool``: early, frames decoded by a worke
 turn; ``noprelude``: no prelude; ``nopre``: early, the load's first connection not opened at the ask's start, and
 ``hybrid-nopre`` Strong Hybrid so; ``nohandover``: early, the load waits for the portfolio's
 full plan instead of starting by its first and taking the full one when ready; ``firstonly``:
-the load keeps the portfolio's first plan, the structured split), hybrid and local
+the load keeps the portfolio's first plan, the structured split; ``nodit``: the plan prices
+the frames' decoding as free, as before session 76, and ``hybrid-nodit`` Strong Hybrid so),
+hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
 
@@ -47,6 +49,7 @@ EARLY = {"on": True}               # whether the next sparkv ask starts its link
 PRECONNECT = {"on": True}          # whether the next ask opens its load's connection ahead
 HANDOVER = {"on": True}            # whether the next load starts by the planner's first plan
 FULL = {"on": True}                # whether the full plan is handed over to it
+IN_TURN = {"on": True}             # whether the plan knows its frames are decoded in turn
 
 
 def _toggled(owner: Any, name: str, flag: dict[str, bool]) -> None:
@@ -64,10 +67,22 @@ def _patch() -> None:
     _toggled(EdgeClient, "preconnect", PRECONNECT)
     _toggled(session, "_first_plan", HANDOVER)
     _toggled(session.EdgeSession, "_hand_over", FULL)
+    _toggled(session.EdgeSession, "_decodes_in_turn", IN_TURN)
 
 
 def _trace(name: str) -> Trace:
     return Trace.constant(float(name[:-4])) if name.endswith("mbps") else read_trace(name)
+
+
+def _simulated(r: Any, b: Any, link: str) -> float | None:
+    """The simulator's TTFT for the plan the ask ran, under its controller and link, with the
+    ask's manifest and planning time (as ``sparkv bench ttft``'s ``sim_ttft_s``)."""
+    from sparkv.scheduler.simulator import simulate
+
+    if r.plan is None or r.instance is None or r.controller is None:
+        return None
+    sim = simulate(r.plan, r.instance.replace(rtt_s=0.02), _trace(link), controller=r.controller)
+    return b.manifest_s + b.planning_s + sim.ttft_s
 
 
 def _ratios(res: dict, links: list[str], name: str, ref: str) -> list[float]:
@@ -87,6 +102,7 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 PRECONNECT["on"] = not name.endswith("nopre")
                 HANDOVER["on"] = name != "nohandover"
                 FULL["on"] = name != "firstonly"
+                IN_TURN["on"] = not name.endswith("nodit")
                 strategy = (name.split("-")[0] if name.startswith(("hybrid", "local"))
                             else "sparkv")
                 r = fresh_ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {}))
@@ -96,7 +112,8 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
                                  loading_s=b.loading_s, planning_s=b.planning_s,
                                  manifest_s=b.manifest_s, chunks_streamed=b.chunks_streamed,
-                                 handover=handover))
+                                 decoding_s=b.decoding_s, compute_s=b.local_compute_s,
+                                 sim_ttft_s=_simulated(r, b, ln), handover=handover))
                 print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}",
                       flush=True)
     out: dict[str, Any] = {}

@@ -117,6 +117,34 @@ def test_a_plan_priced_with_the_receive_tax_gives_the_same_answer(served):
     assert on.load.receive_tax >= 0.0 and on.load.receive_tax_samples >= 0
 
 
+def test_a_plan_counts_the_decoding_where_the_compute_thread_does_it(served):
+    """The plan's instance says whether the load's compute thread decodes its frames (the
+    engine's rule, or the ask's engine configuration), where the simulator and the controller
+    charge the decoding to the compute path; the answer is plain transformers' either way."""
+    import torch
+
+    from sparkv.edge.engine import EngineConfig
+    from sparkv.edge.frames import decode_in_turn
+
+    lm = served["lm"]
+    ref = _reference(lm, served["docs"]["a"], QUESTIONS[0])
+    session = _session(served["server"].url, lm, mbps=20.0)
+    try:
+        auto = session.ask(served["cids"]["a"], QUESTIONS[0], level="raw", backend="dense",
+                           max_new_tokens=NEW)
+        apart = session.ask(served["cids"]["a"], QUESTIONS[0], level="raw", backend="dense",
+                            max_new_tokens=NEW,
+                            engine_config=EngineConfig(decode_in_turn=False))
+        in_turn = session.ask(served["cids"]["a"], QUESTIONS[0], level="raw", backend="dense",
+                              max_new_tokens=NEW,
+                              engine_config=EngineConfig(decode_in_turn=True))
+    finally:
+        session.close()
+    assert auto.instance.decode_in_turn == decode_in_turn(lm.device, torch.get_num_threads())
+    assert not apart.instance.decode_in_turn and in_turn.instance.decode_in_turn
+    assert auto.tokens == apart.tokens == in_turn.tokens == ref
+
+
 def test_a_manifest_that_came_slowly_caps_the_plans_link_prior(served):
     """The link is in a fade when the question is asked (1 Mbit/s for 0.6 s, then 100): the
     manifest step takes over a quarter second, so the plan's link prior is capped at that

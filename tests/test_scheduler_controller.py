@@ -737,3 +737,24 @@ def test_the_receive_tax_a_load_measures_is_the_one_the_simulator_charged():
     assert receive_tax_estimate(steps, [r.decoded_s for r in slow.transfers],
                                 [(r.start_s, r.end_s) for r in slow.transfers],
                                 ref=1.1)[0] == pytest.approx(0.3)
+
+
+def test_decoding_in_turn_counts_every_frame_still_to_come_in_the_compute_paths_work():
+    from sparkv.scheduler import Plan
+    from sched_helpers import tiny_instance
+
+    C, S = KVChunkId, StepId
+    inst = tiny_instance([[1, 1], [1, 1], [1, 1]], t_proc=0.25)
+    p = Plan([S(0, 0), S(0, 1)], [C(1, 0, 0), C(1, 1, 0), C(2, 0, 0), C(2, 1, 0)],
+             {c: "q5" for c in (C(1, 0, 0), C(1, 1, 0), C(2, 0, 0), C(2, 1, 0))})
+    apart = Controller(p, inst, ControllerConfig.static())
+    in_turn = Controller(p, inst.replace(decode_in_turn=True), ControllerConfig.static())
+    (comp, link), (comp_t, link_t) = apart.remaining(0.0), in_turn.remaining(0.0)
+    assert link_t == pytest.approx(link) and comp_t == pytest.approx(comp + 4 * 0.25)
+    # a request, its frame received, then decoded: each stays counted until it is in place
+    f = in_turn.next_fetch(0.0)
+    assert in_turn.remaining(0.0)[0] == pytest.approx(comp + 4 * 0.25)
+    in_turn.chunk_received(f.cid, 1.0)
+    assert in_turn.remaining(1.0)[0] == pytest.approx(comp + 4 * 0.25)
+    in_turn.chunk_arrived(f.cid, 1.25)
+    assert in_turn.remaining(1.25)[0] == pytest.approx(comp + 3 * 0.25)

@@ -220,3 +220,47 @@ def test_sample_traces_ship_and_match_their_generator(name):
     if name == "deep-fade":
         assert tr.rate_Bps(5.0) == 1.0 * MBPS and tr.rate_Bps(0.5) > 70 * MBPS
     assert math.isfinite(tr.mean_mbps())
+
+
+def test_decoding_in_turn_runs_every_decode_on_the_compute_thread_between_steps():
+    # step (0, 0) takes 2.5 s; chunks arrive at 1, 2 and 3 s and take 0.2 s to decode. In
+    # turn, the compute thread decodes the two received during the step after it (2.5-2.9),
+    # then runs nothing (the plan computes no more) and decodes the third at 3.0-3.2
+    inst = tiny_instance([[2.5, 1], [1, 1]], t_proc=0.2, suffix=0.5).replace(decode_in_turn=True)
+    p = plan([(0, 0)], [(0, 1, 0), (1, 0, 0), (1, 1, 0)])
+    tl = simulate(p, inst)
+    assert [r.decoded_s for r in tl.transfers] == pytest.approx([2.7, 2.9, 3.2])
+    assert tl.ttft_s == pytest.approx(3.7)
+    assert estimate_ttft(p, inst) == pytest.approx(tl.ttft_s, abs=1e-12)
+    # a step that needs a streamed chunk waits for it and its decode: (1, 1) attends over
+    # KV(0, 1), received at 1.0 while (0, 0) runs, decoded after it
+    p = plan([(0, 0), (1, 0), (1, 1)], [(0, 1, 0)])
+    tl = simulate(p, inst)
+    assert tl.steps[S(1, 0)] == pytest.approx((2.7, 3.7))
+    assert tl.steps[S(1, 1)] == pytest.approx((3.7, 4.7))
+    assert estimate_ttft(p, inst) == pytest.approx(tl.ttft_s, abs=1e-12)
+
+
+def test_decoding_in_turn_never_overlaps_a_step_and_agrees_with_the_estimate():
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        t_comp = rng.uniform(0.05, 0.4, size=(4, 5))
+        inst = tiny_instance(t_comp, nbytes=int(rng.integers(200, 900)), bw=1000.0, rtt=0.03,
+                             t_proc=float(rng.uniform(0.01, 0.08)),
+                             suffix=0.1).replace(decode_in_turn=True)
+        m = int(rng.integers(1, 4))
+        compute = [(t, l) for t in range(m) for l in range(5)]  # noqa: E741
+        stream = [(t, l, 0) for t in range(3, m - 1, -1) for l in range(4, -1, -1)  # noqa: E741
+                  if t >= m]
+        p = plan(compute, stream)
+        tl = simulate(p, inst)
+        decodes = [(r.decoded_s - 0.0, r) for r in tl.transfers]
+        for (a, b) in tl.steps.values():
+            for end, r in decodes:
+                start = end - float(inst.t_proc[0, 0])
+                assert end <= a + 1e-9 or start >= b - 1e-9, (a, b, start, end)
+        assert estimate_ttft(p, inst) == pytest.approx(tl.ttft_s, rel=1e-9)
+        # decoding costs the compute thread time: never sooner than a decoder of its own
+        assert tl.ttft_s >= simulate(p, inst.replace(decode_in_turn=False)).ttft_s - 1e-9

@@ -38,6 +38,7 @@ from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.bounds import ClientLimits
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig, EngineError
+from sparkv.edge.frames import decode_in_turn
 from sparkv.edge.fetch import ContextFetch, FetchedContext
 from sparkv.edge.kept import KeptAsks
 from sparkv.edge.lane import Lane, on_lane
@@ -636,6 +637,8 @@ class EdgeSession:
         t_suffix = (self.priors.question_prefill_s if self.priors.question_prefill_s is not None
                     else suffix_estimate(t_comp, geometry, len(ask.suffix)))
         inst, effective = self._instance(ask, fetched, geometry, t_comp, t_suffix)
+        if self._decodes_in_turn(ask):
+            inst = inst.replace(decode_in_turn=True)
         planner_name, ctl_factory = STRATEGIES[effective]
         planner = get_planner(planner_name)
         quick = _first_plan(planner, inst) if first else None
@@ -646,6 +649,17 @@ class EdgeSession:
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
                         time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix,
                         first=quick is not None and _core_spare(self.lm.device))
+
+    def _decodes_in_turn(self, ask: _Ask) -> bool:
+        """Whether the load's compute thread will decode its frames itself (the engine's rule,
+        :func:`sparkv.edge.frames.decode_in_turn`, unless the ask's engine configuration
+        says): its plan and controller count the decoding on the compute path."""
+        import torch
+
+        cfg = ask.options.engine_config or self.engine_config
+        if cfg is not None and cfg.decode_in_turn is not None:
+            return bool(cfg.decode_in_turn)
+        return decode_in_turn(self.lm.device, torch.get_num_threads())
 
     def _hand_over(self, planned: _Planned, engine: Engine) -> None:
         """On the plan's thread, the load running by the planner's first plan: the full plan,

@@ -117,6 +117,13 @@ class Instance:
             dispatch and a small GEMM's lower rate: on the 2-core CPU a 512-token step alone
             took ~2x its share of a span, docs/scheduler.md, "A call's fixed cost"). 0: ``t_comp``
             carries every cost (planners never read it).
+        decode_in_turn: the compute thread decodes every received frame itself, between its
+            calls, before its next step (a CPU without a spare core:
+            :func:`sparkv.edge.frames.decode_in_turn`), where without it a decoder of its own
+            does (a GPU host). The simulator and :func:`~sparkv.scheduler.simulator.ttft_of`
+            then run each decode (``t_proc``) on the compute thread, and the controller counts
+            the decoding still to come in the compute path's remaining work
+            (docs/scheduler.md, "Decoding in turn").
     """
 
     geometry: ChunkGeometry
@@ -134,6 +141,7 @@ class Instance:
     stream_tax_s: float = 0.0
     receive_tax: float = 0.0
     call_s: float = 0.0
+    decode_in_turn: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -392,6 +400,7 @@ class Instance:
             "t_suffix_s": self.t_suffix_s,
             "stream_tax_s": self.stream_tax_s,
             "receive_tax": self.receive_tax,
+            "decode_in_turn": self.decode_in_turn,
         }
 
 

@@ -124,13 +124,16 @@ class LinkQueue:
         received: chunks received and being decoded.
         cancels: in-flight fetches the driver is to abort (taken by ``take_cancellations``).
         queued_bytes, queued_min_bytes: bytes of ``order`` at its levels, and at the cheapest.
+        queued_proc: decode seconds of ``order`` at its levels (``t_proc``; 0 without one).
     """
 
     def __init__(self, nbytes: np.ndarray, cheapest: list[int], level: list[int],
-                 order: list[int]) -> None:
+                 order: list[int], t_proc: np.ndarray | None = None) -> None:
         """``nbytes[chunk, level]``; ``cheapest``: each chunk's cheapest allowed level;
-        ``level``: each chunk's planned level."""
+        ``level``: each chunk's planned level; ``t_proc[chunk, level]``: decode seconds (for
+        :meth:`pending_proc`)."""
         self.nbytes, self.cheapest, self.level = nbytes, cheapest, level
+        self.t_proc = t_proc if t_proc is not None else np.zeros(nbytes.shape)
         self.order = order
         self.on = [False] * len(level)
         for c in order:
@@ -140,6 +143,7 @@ class LinkQueue:
         self.cancels: list[KVChunkId] = []
         self.queued_bytes = float(sum(int(nbytes[c, level[c]]) for c in order))
         self.queued_min_bytes = float(sum(int(nbytes[c, cheapest[c]]) for c in order))
+        self.queued_proc = float(sum(float(self.t_proc[c, level[c]]) for c in order))
 
     def bytes_at(self, c: int, li: int) -> int:
         return int(self.nbytes[c, li])
@@ -150,29 +154,43 @@ class LinkQueue:
     def pop(self, i: int) -> int:
         """Takes the ``i``-th queued chunk out of the queue (still on the link)."""
         c = self.order.pop(i)
+        self._left(c)
+        return c
+
+    def _left(self, c: int) -> None:
         self.queued_bytes -= int(self.nbytes[c, self.level[c]])
         self.queued_min_bytes -= int(self.nbytes[c, self.cheapest[c]])
-        return c
+        self.queued_proc -= float(self.t_proc[c, self.level[c]])
 
     def remove(self, c: int) -> None:
         """Queued chunk ``c`` leaves the queue (and the link: the caller clears :attr:`on`)."""
         self.order.remove(c)
-        self.queued_bytes -= int(self.nbytes[c, self.level[c]])
-        self.queued_min_bytes -= int(self.nbytes[c, self.cheapest[c]])
+        self._left(c)
 
     def append_cheapest(self, c: int) -> None:
         """Chunk ``c`` joins the queue at its cheapest level."""
         self.level[c] = self.cheapest[c]
         self.order.append(c)
         self.on[c] = True
-        b = int(self.nbytes[c, self.cheapest[c]])
-        self.queued_bytes += b
-        self.queued_min_bytes += b
+        self.enqueued(c)
+
+    def enqueued(self, c: int) -> None:
+        """Chunk ``c`` was appended to :attr:`order` at its :attr:`level`: the totals."""
+        self.queued_bytes += int(self.nbytes[c, self.level[c]])
+        self.queued_min_bytes += int(self.nbytes[c, self.cheapest[c]])
+        self.queued_proc += float(self.t_proc[c, self.level[c]])
 
     def pending_bytes(self) -> float:
         """Bytes still to arrive: the queue's and the rest of every in-flight fetch."""
         return self.queued_bytes + sum(max(0.0, f.nbytes - f.received)
                                        for f in self.inflight.values())
+
+    def pending_proc(self) -> float:
+        """Decode seconds still ahead: the queue's, every in-flight fetch's and every received
+        chunk's (at the levels they are fetched at)."""
+        tp, level = self.t_proc, self.level
+        return (self.queued_proc + sum(float(tp[c, f.li]) for c, f in self.inflight.items())
+                + sum(float(tp[c, level[c]]) for c in self.received))
 
     def done_after(self) -> dict[int, float]:
         """Per in-flight chunk, the bytes the link delivers until it is complete: its own and

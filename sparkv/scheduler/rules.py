@@ -486,13 +486,20 @@ def _tax(st: LoadState, unit: list[int], bw: float) -> float:
     (:attr:`~sparkv.scheduler.instance.Instance.receive_tax`), charged in full to a migration
     to the link: it is made only while the compute path is behind, so the chunks are received
     and decoded while steps still run. A migration to compute takes chunks from the tail of a
-    link that is behind, which would have been received after the last step: it saves no tax."""
+    link that is behind, which would have been received after the last step: it saves no tax.
+    Where the compute thread decodes in turn (:attr:`Instance.decode_in_turn
+    <sparkv.scheduler.instance.Instance.decode_in_turn>`), each chunk's decoding at its
+    cheapest level is charged too."""
     inst = st.inst
-    if inst.stream_tax_s <= 0 and inst.receive_tax <= 0:
+    if inst.stream_tax_s <= 0 and inst.receive_tax <= 0 and not inst.decode_in_turn:
         return 0.0
     G, avail = st.G, st.dep.chunk_avail
-    todo = sum(1 for u in unit for g in range(G) if not avail[u * G + g])
-    return inst.stream_tax_s * todo + inst.receive_share * st.stream_bytes(unit) / bw
+    todo = [u * G + g for u in unit for g in range(G) if not avail[u * G + g]]
+    tax = inst.stream_tax_s * len(todo) + inst.receive_share * st.stream_bytes(unit) / bw
+    if inst.decode_in_turn:
+        cheap = st.link.cheapest
+        tax += sum(float(inst.t_proc[c, cheap[c]]) for c in todo)
+    return tax
 
 
 def _queued_column(L: int, s: int, in_cq: set[int]) -> list[int]:

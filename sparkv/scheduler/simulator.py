@@ -8,7 +8,9 @@ The device model (docs/scheduler.md, "Simulator"):
   controller every ``sample_interval_s`` while bytes flow (at most 200 per transfer) and at the end
   of each transfer.
 * **decoder**: a received chunk is decoded (``t_proc`` of its level) by one decode worker, in
-  arrival order, overlapping the next transfer; then the chunk is available.
+  arrival order, overlapping the next transfer; then the chunk is available. With the
+  instance's ``decode_in_turn`` the compute thread is the decoder: it decodes every received
+  chunk before its next step, and a step never runs while it decodes.
 * **compute thread**: one layer step at a time, ``t_comp x noise``, and the instance's
   ``call_s`` once per call (a span of a layer's token chunks handed out together pays it once;
   each step of a column pays it: every layer is its own kernels); a step starts only when its
@@ -271,13 +273,16 @@ class Simulation:
         """Starts whatever the controller hands the idle workers. A query can change the
         controller's mind about the other path (a migration inside ``next_fetch`` can give the
         idle compute thread work): repeat until nothing more starts."""
-        ctl = self.ctl
+        ctl, in_turn = self.ctl, self.inst.decode_in_turn
         for _ in range(1000):
             rev = ctl.revision
             self._process_cancellations(now)
-            started = self._start_compute(now)
+            # decoding in turn: the compute thread decodes what was received before a step
+            started = self._start_decode(now) if in_turn else False
+            started = self._start_compute(now) or started
             started = self._start_link(now) or started
-            started = self._start_decode(now) or started
+            if not in_turn:
+                started = self._start_decode(now) or started
             if not started and not ctl.has_cancellations and ctl.revision == rev:
                 break
 
@@ -400,8 +405,11 @@ class Simulation:
 
     # ------------------------------------------------------------------ workers
     def _start_decode(self, now: float) -> bool:
-        """The decoder takes the oldest received chunk, if it is free."""
+        """The decoder takes the oldest received chunk, if it is free (decoding in turn: and
+        the compute thread runs no step)."""
         if self._decoding or not self._decode_q:
+            return False
+        if self.inst.decode_in_turn and self._running is not None:
             return False
         c, li, rec = self._decode_q.pop(0)
         d = float(self.inst.t_proc[c, li])
@@ -415,6 +423,8 @@ class Simulation:
         """The free compute thread runs the controller's next step (its inputs checked)."""
         if self._running is not None or self.finished:
             return False
+        if self.inst.decode_in_turn and (self._decoding or self._decode_q):
+            return False    # it decodes first
         continuing = self.ctl.continuing
         step = self.ctl.next_step(now)
         if step is None:
@@ -540,6 +550,8 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
     of times a plan (on the plan's critical path: the link starts once the plan is made), so it
     reads the instance's arrays as cached lists (:meth:`Instance.as_lists`) and takes each
     step's token dependency as one strided slice per KV group."""
+    if inst.decode_in_turn:
+        return _ttft_in_turn(inst, compute, stream, levels)
     L, G = inst.L, inst.G
     rate = (inst.bandwidth_Bps / MBPS) * MBPS  # the same float the trace yields
     nbytes, tproc, tcomp = inst.as_lists()
@@ -585,6 +597,63 @@ def ttft_of(inst: Instance, compute: Sequence[int], stream: Sequence[int],
     if ready == math.inf:
         raise SimulationError("some chunk is neither streamed nor computed")
     return max(ready, comp_end) + inst.t_suffix_s
+
+
+def _ttft_in_turn(inst: Instance, compute: Sequence[int], stream: Sequence[int],
+                  levels: Sequence[int]) -> float:
+    """:func:`ttft_of` where the compute thread decodes in turn (``Instance.decode_in_turn``):
+    before each step it decodes every chunk received by then, in arrival order; a step whose
+    streamed input has not been received waits for the next chunk to arrive and decodes it;
+    the chunks received after the last step are decoded after it."""
+    L, G = inst.L, inst.G
+    rate = (inst.bandwidth_Bps / MBPS) * MBPS
+    nbytes, tproc, tcomp = inst.as_lists()
+    avail = [math.inf] * inst.num_chunks
+    arrive: list[float] = []
+    cost: list[float] = []
+    t = inst.rtt_s
+    for c, li in zip(stream, levels):
+        t = t + nbytes[c][li] / rate
+        arrive.append(t)
+        cost.append(tproc[c][li])
+    busy, slow = ((inst.rtt_s, t) if stream else (0.0, 0.0)), 1.0 + inst.receive_tax
+    free, k, n = 0.0, 0, len(arrive)
+    step_end = [math.inf] * inst.num_steps
+    row = L * G
+    for s in compute:
+        tt, l = divmod(s, L)
+        while True:
+            while k < n and arrive[k] <= free:      # decode what was received
+                free += cost[k]
+                if free < avail[stream[k]]:
+                    avail[stream[k]] = free
+                k += 1
+            r = step_end[s - 1] if l > 0 else 0.0
+            if l < L - 1 and tt:
+                for g in range(l * G, l * G + G):
+                    a = max(avail[g:tt * row:row])
+                    if a > r:
+                        r = a
+            if r <= free:
+                break
+            if k == n:
+                raise SimulationError(f"{StepId(tt, l)} waits for an input that never comes")
+            free = arrive[k] if arrive[k] > free else free   # wait for the next chunk
+        end = free + tcomp[s]
+        if slow > 1.0 and free < busy[1]:
+            end = _stretched_end(free, tcomp[s], busy, slow)
+        step_end[s] = free = end
+        for c in range(s * G, s * G + G):
+            if end < avail[c]:
+                avail[c] = end
+    for j in range(k, n):                            # the chunks received after the last step
+        free = (arrive[j] if arrive[j] > free else free) + cost[j]
+        if free < avail[stream[j]]:
+            avail[stream[j]] = free
+    ready = max(avail) if avail else 0.0
+    if ready == math.inf:
+        raise SimulationError("some chunk is neither streamed nor computed")
+    return max(ready, free) + inst.t_suffix_s
 
 
 def _stretched_end(start: float, work: float, busy: tuple[float, float], slow: float) -> float:

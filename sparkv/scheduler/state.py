@@ -83,7 +83,7 @@ class LoadState:
         self.compute = ComputeQueue(inst.step_t_comp.tolist(),
                                     [s for s in order if s not in done], inst.num_steps, done)
         self.link = LinkQueue(inst.chunk_bytes, cheap, level,
-                              [c for c in stream if c // G not in done])
+                              [c for c in stream if c // G not in done], inst.t_proc)
         self.dep = DepState.for_instance(inst)
         self.available = 0
         for s in sorted(done):
@@ -100,10 +100,15 @@ class LoadState:
 
     # ---- estimates -----------------------------------------------------------------------
     def remaining(self, now: float) -> tuple[float, float]:
-        """``(compute_remaining_s, link_remaining_s)`` from the current estimates; the link's
-        includes the other loads' bytes it carries first
+        """``(compute_remaining_s, link_remaining_s)`` from the current estimates; the compute
+        path's includes the decoding of every frame still to come where the compute thread
+        decodes them (:attr:`Instance.decode_in_turn
+        <sparkv.scheduler.instance.Instance.decode_in_turn>`), the link's the other loads'
+        bytes it carries first
         (:attr:`LinkEstimator.ahead_bytes <sparkv.scheduler.estimators.LinkEstimator.ahead_bytes>`)."""
         comp = self.compute.remaining(self.compute_estimator.factor(), now)
+        if self.inst.decode_in_turn:
+            comp += self.link.pending_proc()    # every frame still to come is decoded there
         est = self.link_estimator
         pending = self.link.pending_bytes()
         if est.ahead_bytes > 0:
@@ -228,13 +233,12 @@ class LoadState:
         for c in link.order:
             link.on[c] = False
         link.order = []
-        link.queued_bytes = link.queued_min_bytes = 0.0
+        link.queued_bytes = link.queued_min_bytes = link.queued_proc = 0.0
         for c in rest.stream:
             link.level[c] = rest.levels[c]
             link.order.append(c)
             link.on[c] = True
-            link.queued_bytes += link.bytes_at(c, rest.levels[c])
-            link.queued_min_bytes += link.cheapest_bytes(c)
+            link.enqueued(c)
         for c in rest.cancel:
             link.on[c] = False
         moved = [inst.step_id(s) for s in cq.order if s not in queued]

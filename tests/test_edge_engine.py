@@ -527,7 +527,9 @@ class ThreadCountStepper(LayerStepper):
 def test_compute_steps_keep_the_callers_thread_count(world):
     """The decode worker (one thread) starts while the compute thread waits for the prelude: the
     compute thread's steps still run with the caller's thread count (they ran a whole load on one
-    thread before: sparkv.runtime.threads)."""
+    thread before: sparkv.runtime.threads). The load has its decode worker whatever the CPU (in
+    turn, the compute thread, waiting for the prelude, would decode nothing and the prelude's
+    hold would wait out its 60 s)."""
     from sparkv.edge.prelude import Prelude
 
     before = torch.get_num_threads()
@@ -542,11 +544,12 @@ def test_compute_steps_keep_the_callers_thread_count(world):
         assert plan.stream_order and plan.compute_order
         engine = Engine(stepper, plan, inst, ControllerConfig.static(),
                         source=ScriptedSource(world["frames"]),
-                        config=EngineConfig(retry_backoff_s=0.01), prelude=pre,
-                        prelude_done=promised)
+                        config=EngineConfig(retry_backoff_s=0.01, decode_in_turn=False),
+                        prelude=pre, prelude_done=promised)
         load = _run_exact(engine, world)
     finally:
         torch.set_num_threads(before)
+    assert pre.join().ok, "the prelude's hold timed out"
     assert load.steps, "the engine computed nothing"
     assert {stepper.counts[s] for s in load.steps} == {2}, stepper.counts
 

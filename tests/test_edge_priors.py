@@ -11,10 +11,12 @@ from sparkv.edge.session import COMPUTE_SAMPLES_HALF, MAX_COMPUTE_STEP, Priors
 
 
 def _load(ratio: float, samples: int = 50, tax: float = 0.0, tax_chunks: int = 0,
-          recv: float = 0.0, recv_steps: int = 0) -> SimpleNamespace:
+          recv: float = 0.0, recv_steps: int = 0, decode: float = 1.0,
+          frames: int = 0) -> SimpleNamespace:
     return SimpleNamespace(link_estimate_Bps=None, compute_ratio=ratio, compute_samples=samples,
                            stream_tax_s=tax, stream_tax_samples=tax_chunks,
-                           receive_tax=recv, receive_tax_samples=recv_steps)
+                           receive_tax=recv, receive_tax_samples=recv_steps,
+                           decode_ratio=decode, decode_samples=frames)
 
 
 def test_one_load_moves_the_compute_prior_by_a_bounded_factor():
@@ -100,8 +102,41 @@ def test_a_load_reports_its_stream_tax_unless_other_asks_shared_the_cores():
     alone = load(1.0)
     assert alone.stream_tax_samples == inst.n_t
     assert alone.stream_tax_s == pytest.approx(0.002, rel=1e-6)
+    # its decode ratio: the decoders' 1 ms a frame over the instance's t_proc of those frames
+    q5 = inst.level_index("q5")
+    nominal = sum(float(inst.t_proc[inst.chunk_index(next(iter(
+        inst.geometry.chunks_of_step(StepId(t, 0))))), q5]) for t in range(inst.n_t))
+    assert alone.decode_samples == inst.n_t
+    assert alone.decode_ratio == pytest.approx(inst.n_t * 0.001 / nominal, rel=1e-6)
     shared = load(2.0)
     assert (shared.stream_tax_s, shared.stream_tax_samples) == (0.0, 0)
+    assert (shared.decode_ratio, shared.decode_samples) == (1.0, 0)
+
+
+def test_the_decode_scale_is_learned_by_the_share_of_its_frames_and_bounded():
+    """Priors.decode_scale moves toward each load's decode ratio like the stream tax, within
+    its bounds; the plan's decode times are the codec's nominal ones times it."""
+    import numpy as np
+    from test_quality_recent_floor import _manifest
+
+    from sparkv.edge.planning import build_instance
+    from sparkv.edge.session import MAX_DECODE_SCALE, MIN_DECODE_SCALE
+
+    p = Priors()
+    p.learn(_load(1.0, samples=0, decode=3.0, frames=MIN_COMPUTE_SAMPLES - 1))
+    assert p.decode_scale == 1.0                            # too few frames: nothing
+    p.learn(_load(1.0, samples=0, decode=3.0, frames=COMPUTE_SAMPLES_HALF))
+    assert p.decode_scale == pytest.approx(2.0)             # half way
+    p.learn(_load(1.0, samples=0, decode=1e6, frames=10_000))
+    assert p.decode_scale == MAX_DECODE_SCALE
+    p.learn(_load(1.0, samples=0, decode=1e-9, frames=10_000))
+    assert p.decode_scale == MIN_DECODE_SCALE
+    manifest = _manifest(["raw", "q8", "q5"])
+    g = manifest.chunk_geometry
+    t_comp = np.full((g.num_token_chunks, g.num_layers), 0.5)
+    plain = build_instance(manifest, t_comp, 1e5, quality_floor="q5")
+    scaled = build_instance(manifest, t_comp, 1e5, quality_floor="q5", decode_scale=1.9)
+    assert np.allclose(scaled.t_proc, plain.t_proc * 1.9)
 
 
 def test_the_receive_tax_is_learned_like_the_stream_tax_and_bounded():

@@ -307,19 +307,22 @@ class AskService:
                       or p.bandwidth_Bps,
                       compute_scale=p.compute_scale * share,
                       question_prefill_s=p.question_prefill_s,
-                      stream_tax_s=p.stream_tax_s, receive_tax=p.receive_tax)
+                      stream_tax_s=p.stream_tax_s, receive_tax=p.receive_tax,
+                      decode_scale=p.decode_scale)
 
     def _learn(self, session: Any, res: Any, sharers: float) -> None:
         """Folds what the ask measured into the device's priors: the compute speed (its steps'
         own times exclude the waits for the cores, so the session's learned scale is the
         device's), the link's rate over its sharers, the question's prefill, and what
         streaming costs the compute path (the stream and receive taxes: a load that shared
-        the cores with other asks says nothing of them, :class:`~sparkv.edge.session.Priors`)."""
+        the cores with other asks says nothing of them, :class:`~sparkv.edge.session.Priors`;
+        nor of the frames' decoding)."""
         load = res.load
         if load is not None and load.compute_samples >= 4:
             self.priors.compute_scale = session.priors.compute_scale
         self.priors.stream_tax_s = session.priors.stream_tax_s
         self.priors.receive_tax = session.priors.receive_tax
+        self.priors.decode_scale = session.priors.decode_scale
         if load is not None:
             self._link.learn(load.link_estimate_Bps, sharers)
         if session.priors.question_prefill_s is not None:

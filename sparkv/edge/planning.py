@@ -202,14 +202,15 @@ def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float,
                    levels: Sequence[str] | None = None, quality_floor: str | None = DEFAULT_FLOOR,
                    rtt_s: float = 0.0, t_suffix_s: float = 0.0,
                    recent_boost: int = 0, stream_tax_s: float = 0.0,
-                   receive_tax: float = 0.0) -> Instance:
+                   receive_tax: float = 0.0, decode_scale: float = 1.0) -> Instance:
     """The scheduler's instance for a manifest: exact frame sizes, predicted compute times.
 
     ``recent_boost`` > 0 turns on the recent-chunk rule (docs/quality.md): the last token chunk,
     next to the question, may only be streamed ``recent_boost`` encoded levels above the floor
     (:func:`recent_floor_above`; it may still be computed). Off by default; ignored with an
     explicit level list. ``stream_tax_s`` and ``receive_tax``: :attr:`Instance.stream_tax_s`
-    and :attr:`Instance.receive_tax` (what the session learned)."""
+    and :attr:`Instance.receive_tax` (what the session learned); ``decode_scale``: the
+    session's measured over nominal decode time, applied to every ``t_proc``."""
     g = manifest.chunk_geometry
     allowed = set(levels) if levels else set(manifest.levels)
     sizes = {cid: {lv: b for lv, b in s.items() if lv in allowed}
@@ -227,7 +228,7 @@ def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float,
         raise AskError(f"recent_boost must be >= 0, got {recent_boost}")
     last = {lv for cid, s in sizes.items() if cid.t == g.num_token_chunks - 1 for lv in s}
     recent = recent_floor_above(last, floor, recent_boost)
-    t_proc = {cid: {lv: _decode_seconds(n, lv) for lv in s}
+    t_proc = {cid: {lv: _decode_seconds(n, lv) * decode_scale for lv in s}
               for cid, s in sizes.items() for n in (g.chunk_values(cid),)}
     step_t = {s: float(t_comp[s.t, s.l]) for s in g.step_ids()}
     inst = Instance.from_mappings(g, sizes, step_t, bandwidth_Bps, t_proc=t_proc, rtt_s=rtt_s,

@@ -76,6 +76,9 @@ class LoadResult:
             decodes aside (:attr:`Instance.receive_tax <sparkv.scheduler.instance.Instance.
             receive_tax>`, :func:`~sparkv.scheduler.estimators.receive_tax_estimate`);
             ``receive_tax_samples`` steps measured it (0: nothing to say).
+        decode_ratio: the decoders' busy time over the instance's predicted decode time
+            (``t_proc`` at each frame's level) of the frames they decoded: what the session
+            learns as its decode scale; ``decode_samples`` such frames (0: nothing to say).
     """
 
     ready_s: float
@@ -100,6 +103,8 @@ class LoadResult:
     stream_tax_samples: int = 0
     receive_tax: float = 0.0
     receive_tax_samples: int = 0
+    decode_ratio: float = 1.0
+    decode_samples: int = 0
 
     @property
     def bytes_wasted(self) -> int:

@@ -84,6 +84,8 @@ COMPUTE_SAMPLES_HALF = 16
 #: the most stream tax the session believes (seconds per chunk): a load whose steps lost time
 #: to something else than its link (another process) must not price streaming out for good
 MAX_STREAM_TAX_S = 0.05
+#: the decode scale's bounds: measured frame decoding over the codec's nominal rates
+MIN_DECODE_SCALE, MAX_DECODE_SCALE = 0.2, 20.0
 #: the most receive tax the session believes (a step twice as slow while the link receives)
 MAX_RECEIVE_TAX = 1.0
 #: the steps a load's receive tax is made of at which it moves the session's half way: one load's
@@ -112,6 +114,11 @@ class Priors:
             <sparkv.scheduler.instance.Instance.receive_tax>`): each load's estimate, weighted by
             its steps (``n / (n + RECEIVE_SAMPLES_HALF)``), at most :data:`MAX_RECEIVE_TAX`; 0
             until a load received beside its steps.
+        decode_scale: measured / predicted frame decoding time (each load's
+            :attr:`LoadResult.decode_ratio <sparkv.edge.results.LoadResult.decode_ratio>`,
+            weighted by its frames like the compute ratio, within
+            [:data:`MIN_DECODE_SCALE`, :data:`MAX_DECODE_SCALE`]); the plan's ``t_proc`` is the
+            codec's nominal rate times it (1.0 until a load decoded enough frames).
     """
 
     bandwidth_Bps: float | None = None
@@ -119,6 +126,7 @@ class Priors:
     question_prefill_s: float | None = None
     stream_tax_s: float = 0.0
     receive_tax: float = 0.0
+    decode_scale: float = 1.0
 
     def learn(self, load: LoadResult) -> None:
         """Folds the controller's estimates of one load in."""
@@ -135,6 +143,8 @@ class Priors:
         self.receive_tax = _toward(self.receive_tax, load.receive_tax,
                                    load.receive_tax_samples, MAX_RECEIVE_TAX,
                                    half=RECEIVE_SAMPLES_HALF)
+        self.decode_scale = max(MIN_DECODE_SCALE, _toward(
+            self.decode_scale, load.decode_ratio, load.decode_samples, MAX_DECODE_SCALE))
 
 
 def _toward(prior: float, measured: float, n: int, most: float,
@@ -695,6 +705,7 @@ class EdgeSession:
                                   levels=levels, quality_floor=floor,
                                   rtt_s=self.client.last_first_byte_s, t_suffix_s=t_suffix,
                                   stream_tax_s=self.priors.stream_tax_s,
+                                  decode_scale=self.priors.decode_scale,
                                   receive_tax=(self.priors.receive_tax if opts.plan_receive_tax
                                                else 0.0)), effective
         except FloorNotEncoded as e:

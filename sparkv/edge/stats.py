@@ -170,6 +170,7 @@ class EngineStats:
         if ctl.link_dead is not None:
             fallback["slow_link"] = f"{ctl.link_dead}: its work was computed locally"
         (tax, tax_chunks), (recv, recv_steps) = self._stream_taxes(ctl)
+        ratio, frames = self._decode_ratio(ctl)
         return LoadResult(
             ready_s=self.ready_s, steps=dict(self.steps), transfers=list(self._transfer_list),
             compute_busy_s=self.compute_busy_s, decode_busy_s=self.decode_busy_s,
@@ -179,7 +180,21 @@ class EngineStats:
             link_errors=list(self.link_errors), kv=kv, link_estimate_Bps=estimate,
             compute_ratio=ctl.quiet_compute_ratio(), compute_samples=ctl.quiet_compute_samples,
             silence_s=self.silence_s, stream_tax_s=tax, stream_tax_samples=tax_chunks,
-            receive_tax=recv, receive_tax_samples=recv_steps)
+            receive_tax=recv, receive_tax_samples=recv_steps, decode_ratio=ratio,
+            decode_samples=frames)
+
+    def _decode_ratio(self, ctl: Controller) -> tuple[float, int]:
+        """The decoders' busy time over the instance's ``t_proc`` of the frames decoded (and
+        their count); ``(1.0, 0)`` when none was, or other asks shared the cores."""
+        inst = ctl.inst
+        done = [x for x in self._transfer_list if x.decoded_s == x.decoded_s]
+        if not done or ctl.state.compute_estimator.peak_load > 1:
+            return 1.0, 0
+        predicted = sum(float(inst.t_proc[inst.chunk_index(x.cid), inst.level_index(x.level)])
+                        for x in done)
+        if predicted <= 0 or self.decode_busy_s <= 0:
+            return 1.0, 0
+        return self.decode_busy_s / predicted, len(done)
 
     def _stream_taxes(self, ctl: Controller) -> tuple[tuple[float, int], tuple[float, int]]:
         """The load's stream tax (:func:`stream_tax_estimate`) and receive tax

@@ -38,8 +38,8 @@ from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.bounds import ClientLimits
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig, EngineError
-from sparkv.edge.frames import decode_in_turn
 from sparkv.edge.fetch import ContextFetch, FetchedContext
+from sparkv.edge.frames import decode_in_turn
 from sparkv.edge.kept import KeptAsks
 from sparkv.edge.lane import Lane, on_lane
 from sparkv.edge.options import AskOptions

@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from sparkv.edge.compute import ComputeWorker
-from sparkv.edge.frames import FrameDecoder, FrameOpener, decode_in_turn
+from sparkv.edge.frames import FrameDecoder, FrameOpener, decodes_in_turn
 from sparkv.edge.hub import EngineConfig, EngineError, Hub
 from sparkv.edge.lane import Lane
 from sparkv.edge.link import Link
@@ -150,8 +150,7 @@ class Engine:
         # whatever another thread set last: sparkv.runtime.threads); the count is read here,
         # before a decode worker starts
         self._threads = threads = torch.get_num_threads()
-        in_turn = (self.cfg.decode_in_turn if self.cfg.decode_in_turn is not None
-                   else decode_in_turn(self.kv.device, threads))
+        in_turn = decodes_in_turn(self.cfg, self.kv.device, threads)
         self._decoder.start(warm=link is not None, in_turn=in_turn)
         if link is not None:
             try:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 from sparkv.cache import ContextKV
-from sparkv.edge.hub import Hub
+from sparkv.edge.hub import EngineConfig, Hub
 from sparkv.edge.results import TransferLog
 from sparkv.edge.stats import EngineStats
 from sparkv.layout import KVChunkId
@@ -43,6 +43,14 @@ def decode_in_turn(device: Any, threads: int) -> bool:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return threads >= cores
+
+
+def decodes_in_turn(config: EngineConfig | None, device: Any, threads: int) -> bool:
+    """Whether a load decodes in turn: ``config.decode_in_turn`` where it says, else
+    :func:`decode_in_turn` (the engine runs by it, the plan is priced by it)."""
+    if config is not None and config.decode_in_turn is not None:
+        return bool(config.decode_in_turn)
+    return decode_in_turn(device, threads)
 
 
 class FrameDecoder:

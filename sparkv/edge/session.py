@@ -39,7 +39,7 @@ from sparkv.edge.bounds import ClientLimits
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.fetch import ContextFetch, FetchedContext
-from sparkv.edge.frames import decode_in_turn
+from sparkv.edge.frames import decodes_in_turn
 from sparkv.edge.kept import KeptAsks
 from sparkv.edge.lane import Lane, on_lane
 from sparkv.edge.options import AskOptions
@@ -662,14 +662,12 @@ class EdgeSession:
 
     def _decodes_in_turn(self, ask: _Ask) -> bool:
         """Whether the load's compute thread will decode its frames itself (the engine's rule,
-        :func:`sparkv.edge.frames.decode_in_turn`, unless the ask's engine configuration
-        says): its plan and controller count the decoding on the compute path."""
+        :func:`sparkv.edge.frames.decodes_in_turn`): its plan and controller count the
+        decoding on the compute path."""
         import torch
 
-        cfg = ask.options.engine_config or self.engine_config
-        if cfg is not None and cfg.decode_in_turn is not None:
-            return bool(cfg.decode_in_turn)
-        return decode_in_turn(self.lm.device, torch.get_num_threads())
+        return decodes_in_turn(ask.options.engine_config or self.engine_config,
+                               self.lm.device, torch.get_num_threads())
 
     def _hand_over(self, planned: _Planned, engine: Engine) -> None:
         """On the plan's thread, the load running by the planner's first plan: the full plan,

@@ -288,10 +288,11 @@ def test_quality_floor_when_nothing_lossy_passes(tmp_path):
 
 # ---- a tiny real run: JSON shape -----------------------------------------------------------------
 def test_tiny_run_writes_json_plot_and_table(smollm2, tmp_path):
-    """A 300-token pass key and a question about a 300-token license passage: dense, raw and
-    q4 streamed, block-sparse local (in process, sparkv/bench/paired.py), the default policy at
-    20 Mbit/s through a real server. Raw frames are bit-exact, so stream@raw must answer exactly
-    as the dense reference does."""
+    """A 300-token pass key and a question about a 300-token license passage (an 8-token
+    answer, a quarter of the default, to keep the test short): dense, raw and q4 streamed,
+    block-sparse local (in process, sparkv/bench/paired.py), the default policy at 20 Mbit/s
+    through a real server. Raw frames are bit-exact, so stream@raw must answer exactly as the
+    dense reference does."""
     from sparkv.cli import main
 
     src = load_qa_set()
@@ -303,6 +304,7 @@ def test_tiny_run_writes_json_plot_and_table(smollm2, tmp_path):
     out = tmp_path / "quality.json"
     table = tmp_path / "table.json"
     rc = main(["bench", "quality", "--tasks", "passkey,qa", "--sizes", "428", "--trials", "1",
+               "--new-tokens", "qa=8",
                "--qa-file", str(tmp_path / "qa.json"),
                "--levels", "raw,q4", "--backends", "block_sparse", "--dtypes", "",
                "--presses", "", "--device-ratios", "", "--strategies", "default",
@@ -319,6 +321,8 @@ def test_tiny_run_writes_json_plot_and_table(smollm2, tmp_path):
                                                    "local/block_sparse", "default@20mbps"]
     answers = doc["answers"]
     assert len(answers) == 10 and not any(a["error"] for a in answers)
+    assert doc["config"]["new_tokens"]["qa"] == 8            # QA's answers: 8 tokens, not 32
+    assert {a["new_tokens"] for a in answers if a["family"] == "qa"} == {8}
     by = {(r["family"], r["config"]): r for r in doc["results"]}
     assert set(by) == {(f, c["name"]) for f in ("passkey", "qa") for c in doc["configs"]}
     for r in doc["results"]:

@@ -13,7 +13,8 @@ import torch
 
 from sparkv.bench.answers import Config, Probe, QualityContext
 from sparkv.bench.paired import evaluate
-from sparkv.bench.quality import build_matrix, parse_group_trials, parse_shard, resolve_args
+from sparkv.bench.quality import (NEW_TOKENS, build_matrix, done_answers, parse_group_trials,
+                                  parse_new_tokens, parse_shard, resolve_args)
 from sparkv.bench.variants import (VARIANTS, DeviceVariant, PressVariant, make_variant,
                                    make_variants, prefill_reference)
 
@@ -214,6 +215,15 @@ def test_a_run_resumes_and_skips_what_is_done(tiny_llama):
     assert [r["config"] for r in fourth if r["context"] == "tiny-1"] == ["dense", "stream@q8"]
 
 
+def test_a_resumed_run_measures_again_what_had_another_answer_length():
+    rows = [{"probe": "qa/a", "config": "dense", "family": "qa", "new_tokens": 8},
+            {"probe": "qa/b", "config": "dense", "family": "qa"},          # an older row
+            {"probe": "p-1", "config": "dense", "family": "passkey", "new_tokens": 16},
+            {"probe": "p-2", "config": "dense", "family": "passkey", "error": "boom"}]
+    assert done_answers(rows, NEW_TOKENS) == {("qa/b", "dense"), ("p-1", "dense")}
+    assert done_answers(rows, {**NEW_TOKENS, "qa": 8}) == {("qa/a", "dense"), ("p-1", "dense")}
+
+
 def test_matrix_presets_and_shards():
     names = [c.name for c in build_matrix(["q5"], ["block_sparse"], ["default"], ["20"],
                                           ["bfloat16"], ["adakv:0.5@repeat"], ["0.75"])]
@@ -241,6 +251,12 @@ def test_matrix_presets_and_shards():
     assert q["levels"] == ["q8"] and q["strategies"] == [] and q["qa_questions"] == 3
     with pytest.raises(ValueError):
         resolve_args(args(quick=True, table=True))
+    assert q["new_tokens"] == NEW_TOKENS
+    assert resolve_args(args(new_tokens="qa=8"))["new_tokens"] == {**NEW_TOKENS, "qa": 8}
+    assert parse_new_tokens("qa=8, passkey=4") == {**NEW_TOKENS, "qa": 8, "passkey": 4}
+    for bad in ("nope=3", "qa", "qa=0", "qa=x", "qa=-1"):
+        with pytest.raises(ValueError):
+            parse_new_tokens(bad)
     assert parse_group_trials("press=10,device@8192=5") == {"press": 10, ("device", 8192): 5}
     for bad in ("nope=3", "press", "press=x"):
         with pytest.raises(ValueError):

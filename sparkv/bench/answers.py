@@ -204,7 +204,7 @@ def base_row(ctx: QualityContext, probe: Probe, config: Config) -> dict[str, Any
             "config": config.name, "group": config.group, "strategy": config.strategy,
             "level": config.level, "backend": config.backend, "link": config.link,
             "dtype": config.dtype, "press": config.press, "ratio": config.ratio,
-            "codec": _CODEC.get("signature"), "error": None}
+            "codec": _CODEC.get("signature"), "new_tokens": probe.new_tokens, "error": None}
 
 
 #: the codec signature of this process (set by :func:`measure`; recorded in every answer)

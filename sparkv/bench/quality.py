@@ -53,7 +53,7 @@ import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from sparkv.bench.answers import (NEAR_TIE_LOGITS, PINNED_FLOOR, Config, Probe,  # noqa: F401
                                   QualityContext, base_row, context_line, divergence, use_codec,
@@ -111,6 +111,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="retrieval tasks per family and size: N, plus overrides "
                         "FAMILY=N or FAMILY@SIZE=N, e.g. 10,passkey@2048=30,multikey@8192=0 "
                         "(default 10; --quick 3)")
+    p.add_argument("--new-tokens", default=None, metavar="FAMILY=N[,FAMILY=N]",
+                   help="greedy tokens per answer, per family (default "
+                        + ",".join(f"{k}={v}" for k, v in NEW_TOKENS.items())
+                        + "): fewer make a quicker smoke run whose agreement covers fewer "
+                          "tokens")
     p.add_argument("--qa-questions", type=int, default=None,
                    help="ask only the first N QA questions (default: all; --quick 3)")
     p.add_argument("--qa-file", default=None,
@@ -266,12 +271,26 @@ def parse_trials(text: str) -> Callable[[str, int], int]:
     return trials
 
 
+def parse_new_tokens(text: str | None) -> dict[str, int]:
+    """``"qa=8"`` -> :data:`NEW_TOKENS` with QA's answers 8 tokens long; ``ValueError`` for an
+    unknown family, a bad item or fewer than one token."""
+    out = dict(NEW_TOKENS)
+    for part in _csv(text):
+        fam, sep, n = part.partition("=")
+        if not sep or fam.strip() not in FAMILIES or not n.strip().isdigit() or int(n) < 1:
+            raise ValueError(f"--new-tokens takes FAMILY=N (N >= 1) with a family of "
+                             f"{', '.join(FAMILIES)}; got {part!r}")
+        out[fam.strip()] = int(n)
+    return out
+
+
 def build_contexts(lm: LoadedModel, tasks: Sequence[str], sizes: Sequence[int],
                    trials: Callable[[str, int], int], qa_questions: int | None = None,
-                   seed: int = 0, qa_path: str | Path | None = None) -> list[QualityContext]:
+                   seed: int = 0, qa_path: str | Path | None = None,
+                   new_tokens: Mapping[str, int] = NEW_TOKENS) -> list[QualityContext]:
     """Retrieval contexts (``trials(family, size)`` per family and size, depths spread over
     10-90%, seeded) and one context per QA slice with its questions, in the order of
-    ``tasks`` (then sizes)."""
+    ``tasks`` (then sizes); each answer is ``new_tokens[family]`` greedy tokens."""
     from sparkv.bench.qa import load_qa_sets
     from sparkv.bench.tasks import make_task, spread_depths
     from sparkv.edge.prompts import chat_context
@@ -288,7 +307,7 @@ def build_contexts(lm: LoadedModel, tasks: Sequence[str], sizes: Sequence[int],
             for slice_id, items in qa.by_slice().items():
                 ctx = QualityContext(f"qa-{slice_id}", "qa", None,
                               chat_context(lm, lm.encode_text(qa.text(slice_id))))
-                ctx.probes = [Probe(f"qa/{it.id}", "qa", it.question, NEW_TOKENS["qa"], False,
+                ctx.probes = [Probe(f"qa/{it.id}", "qa", it.question, new_tokens["qa"], False,
                                     qa=it) for it in items]
                 out.append(ctx)
             continue
@@ -300,7 +319,7 @@ def build_contexts(lm: LoadedModel, tasks: Sequence[str], sizes: Sequence[int],
                 # without reusing its names (``--rescore`` merges their rows)
                 ctx = QualityContext(f"{fam}-{size}-{seed + i}", fam, size,
                                      chat_context(lm, lm.encode_text(task.document)), trial=i)
-                ctx.probes.append(Probe(ctx.id, fam, task.question, NEW_TOKENS[fam], True,
+                ctx.probes.append(Probe(ctx.id, fam, task.question, new_tokens[fam], True,
                                         task=task))
                 out.append(ctx)
     return out
@@ -844,7 +863,8 @@ def resolve_args(args: argparse.Namespace) -> dict[str, Any]:
             "encode_levels": _csv(args.encode_levels), "chunk_tokens": args.chunk_tokens,
             "rtt_ms": args.rtt_ms, "seed": args.seed, "quick": bool(args.quick),
             "table": bool(getattr(args, "table", False)), "qa_file": args.qa_file,
-            "shard": getattr(args, "shard", None)}
+            "shard": getattr(args, "shard", None),
+            "new_tokens": parse_new_tokens(getattr(args, "new_tokens", None))}
 
 
 def parse_group_trials(text: str | None) -> dict[Any, int]:
@@ -861,6 +881,14 @@ def parse_group_trials(text: str | None) -> dict[Any, int]:
                              f"{', '.join(VARIANTS)}; got {part!r}")
         out[(group, int(size)) if size else group] = int(n)
     return out
+
+
+def done_answers(rows: Iterable[dict[str, Any]],
+                 new_tokens: Mapping[str, int]) -> set[tuple[str, str]]:
+    """The (probe, configuration) pairs an earlier run answered without error and at this
+    run's answer length (a row without one has the default's): a resumed run skips them."""
+    return {(r["probe"], r["config"]) for r in rows if not r.get("error")
+            and r.get("new_tokens", NEW_TOKENS[r["family"]]) == new_tokens[r["family"]]}
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -939,9 +967,10 @@ def _measure_run(args: argparse.Namespace, opts: dict[str, Any], lm: LoadedModel
                *strategy_configs(opts["strategies"], opts["links"], opts["backends"])]
     i, n = parse_shard(opts["shard"])
     contexts = build_contexts(lm, opts["tasks"], opts["sizes"], parse_trials(opts["trials"]),
-                              opts["qa_questions"], opts["seed"], args.qa_file)[i::n]
+                              opts["qa_questions"], opts["seed"], args.qa_file,
+                              opts["new_tokens"])[i::n]
     earlier = load_rows([args.rows]) if args.rows and Path(args.rows).exists() else []
-    done = {(r["probe"], r["config"]) for r in earlier if not r.get("error")}
+    done = done_answers(earlier, opts["new_tokens"])
     resumed = f"; {len(done)} answers already in {args.rows}" if done else ""
     print(f"sparkv bench quality: {len(contexts)} contexts, "
           f"{sum(len(c.probes) for c in contexts)} questions, {len(configs)} configurations "
@@ -1008,7 +1037,7 @@ def report(args: argparse.Namespace, opts: dict[str, Any], lm: LoadedModel,
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update(opts)
     config["torch_threads"] = torch.get_num_threads()
-    config["new_tokens"] = NEW_TOKENS
+    config["new_tokens"] = opts.get("new_tokens", NEW_TOKENS)
     config["context_margin"] = CONTEXT_MARGIN
     config["pinned_floor"] = PINNED_FLOOR
     config["auto_backend"] = auto_backend_name()

@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import numba as nb
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from sparkv.cache.pages import PAGE_TOKENS, PagePools
@@ -52,6 +53,16 @@ P = PAGE_TOKENS
 _LOG2E = np.float32(1.4426950408889634)
 #: LLVM's fast-math flags but "no NaN" and "no infinity": the kernel masks with -inf
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+#: the kernels' array types (numba ignores annotations: they are for the type checker)
+_F32 = npt.NDArray[np.float32]
+_I32 = npt.NDArray[np.int32]
+_I64 = npt.NDArray[np.int64]
+#: an fp pool as the kernel takes it (:func:`_pool_arrays`): k, v, pos, fill
+_FpPool = tuple[_F32, _F32, _I32, _I32]
+#: a quantized pool: k codes, k scales, k zeros (float16 bits), the same for v, pos, fill
+_QPool = tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint16], npt.NDArray[np.uint16],
+               npt.NDArray[np.uint8], npt.NDArray[np.uint16], npt.NDArray[np.uint16], _I32, _I32]
 
 
 @dataclass
@@ -64,7 +75,8 @@ class Partial:
 
 # ---- numba building blocks -----------------------------------------------------------------------
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _exp_from(s, mx, w, ti, n):  # pragma: no cover - numba
+def _exp_from(s: _F32, mx: float, w: _F32, ti: _I32, n: int
+              ) -> None:  # pragma: no cover - numba
     """``w[j] = exp(s[j] - mx)`` (0 where ``s[j]`` is ``-inf``), vectorizable; ``mx`` finite."""
     for j in range(n):
         x = max(s[j] - mx, np.float32(-87.0))
@@ -81,7 +93,7 @@ def _exp_from(s, mx, w, ti, n):  # pragma: no cover - numba
 
 
 @nb.njit(boundscheck=False, error_model="numpy")
-def _halfs(h, out, ti):  # pragma: no cover - numba
+def _halfs(h: npt.NDArray[np.uint16], out: _F32, ti: _I32) -> None:  # pragma: no cover - numba
     """float16 bits ``h`` (uint16 ``[16]``) -> float32 ``out`` (finite values: scales, zeros)."""
     for r in range(h.shape[0]):
         b = np.int32(h[r])
@@ -94,7 +106,8 @@ def _halfs(h, out, ti):  # pragma: no cover - numba
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _softmax(s, w, ti, R, u, pm, pl):  # pragma: no cover - numba
+def _softmax(s: _F32, w: _F32, ti: _I32, R: int, u: int, pm: _F32, pl: _F32
+             ) -> None:  # pragma: no cover - numba
     """Per query row ``m``: ``pm[u, m]`` the max of ``s[m, :R]``, ``w[m]`` the weights, ``pl``
     their sum (a row that sees nothing: ``-inf``, zeros)."""
     for m in range(s.shape[0]):
@@ -114,7 +127,8 @@ def _softmax(s, w, ti, R, u, pm, pl):  # pragma: no cover - numba
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _mask_scores(s, off, sk, zk, qs, pos, n, mpos, scale):  # pragma: no cover - numba
+def _mask_scores(s: _F32, off: int, sk: _F32, zk: _F32, qs: _F32, pos: _I32, n: int,
+                 mpos: _I64, scale: np.float32) -> None:  # pragma: no cover - numba
     """A page's raw dot products ``s[:, off:off+16]`` -> scaled scores, ``-inf`` for rows past
     ``n`` or after the query (branch-free)."""
     for m in range(s.shape[0]):
@@ -124,7 +138,8 @@ def _mask_scores(s, off, sk, zk, qs, pos, n, mpos, scale):  # pragma: no cover -
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _value_weights(w, off, sv, zv, n, ws, wz):  # pragma: no cover - numba
+def _value_weights(w: _F32, off: int, sv: _F32, zv: _F32, n: int, ws: _F32, wz: _F32
+                   ) -> None:  # pragma: no cover - numba
     """A page's softmax weights times the rows' V scales (``ws [M, 16]``, 0 past ``n``), and
     ``wz[m] += sum_r w zero_v``."""
     for m in range(ws.shape[0]):
@@ -141,7 +156,9 @@ def _make_quantized_unit(bits: int) -> Any:
     per = 8 // bits
 
     @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-    def unit(pool, upages, a, npg, qc, qs, mpos, scale, D, u, pm, pl, pacc):  # pragma: no cover
+    def unit(pool: _QPool, upages: _I32, a: int, npg: int, qc: _F32, qs: _F32, mpos: _I64,
+             scale: np.float32, D: int, u: int, pm: _F32, pl: _F32, pacc: _F32
+             ) -> None:  # pragma: no cover - numba
         kc, ks, kz, vc, vs, vz, pos, fill = pool
         M, W = qc.shape[0], kc.shape[2]
         R = npg * P
@@ -212,7 +229,8 @@ _unit2 = _make_quantized_unit(2)
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _fp_scores(kr, pr, n, off, qh, mpos, scale, s):  # pragma: no cover - numba
+def _fp_scores(kr: _F32, pr: npt.NDArray[np.signedinteger], n: int, off: int, qh: _F32,
+               mpos: _I64, scale: np.float32, s: _F32) -> None:  # pragma: no cover - numba
     """Scores of fp rows ``kr [>= n rounded up to 4, D]`` (positions ``pr``) into ``s[:, off:]``."""
     M, D = qh.shape
     for r in range(0, n, 4):
@@ -231,7 +249,8 @@ def _fp_scores(kr, pr, n, off, qh, mpos, scale, s):  # pragma: no cover - numba
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _fp_values(vr, n, off, w, acc):  # pragma: no cover - numba
+def _fp_values(vr: _F32, n: int, off: int, w: _F32, acc: _F32
+               ) -> None:  # pragma: no cover - numba
     """``acc[m] += sum_r w[m, off + r] vr[r]`` over fp rows ``vr [n, D]``."""
     M, D = acc.shape
     for r in range(n):
@@ -243,7 +262,9 @@ def _fp_values(vr, n, off, w, acc):  # pragma: no cover - numba
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _fp_unit(pool, upages, a, npg, qh, mpos, scale, u, pm, pl, pacc):  # pragma: no cover
+def _fp_unit(pool: _FpPool, upages: _I32, a: int, npg: int, qh: _F32, mpos: _I64,
+             scale: np.float32, u: int, pm: _F32, pl: _F32, pacc: _F32
+             ) -> None:  # pragma: no cover - numba
     k, v, pos, fill = pool
     M, D = qh.shape
     R = npg * P
@@ -262,7 +283,9 @@ def _fp_unit(pool, upages, a, npg, qh, mpos, scale, u, pm, pl, pacc):  # pragma:
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _tail_unit(tk, tv, tpos, n, qh, mpos, scale, u, pm, pl, pacc):  # pragma: no cover
+def _tail_unit(tk: _F32, tv: _F32, tpos: _I64, n: int, qh: _F32, mpos: _I64,
+               scale: np.float32, u: int, pm: _F32, pl: _F32, pacc: _F32
+               ) -> None:  # pragma: no cover - numba
     M, D = qh.shape
     s = np.full((M, n), -np.inf, dtype=np.float32)
     w = np.empty((M, n), dtype=np.float32)
@@ -275,7 +298,7 @@ def _tail_unit(tk, tv, tpos, n, qh, mpos, scale, u, pm, pl, pacc):  # pragma: no
 
 
 @nb.njit(boundscheck=False, error_model="numpy")
-def _coefficients(q, bits):  # pragma: no cover - numba
+def _coefficients(q: _F32, bits: int) -> _F32:  # pragma: no cover - numba
     """``a [Hkv, M, per, W]``: the prefix-plane coefficients of ``q [Hkv, M, D]`` (module doc)."""
     H, M, D = q.shape
     per = 8 // bits
@@ -295,8 +318,9 @@ def _coefficients(q, bits):  # pragma: no cover - numba
 
 @nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
          boundscheck=False)
-def _attend(q, qpos, scale, pf, p8, p4, p2, units, upages, tk, tv, tpos, ntail,
-            out):  # pragma: no cover - numba
+def _attend(q: _F32, qpos: _I64, scale: np.float32, pf: _FpPool, p8: _QPool, p4: _QPool,
+            p2: _QPool, units: _I32, upages: _I32, tk: _F32, tv: _F32, tpos: _I64, ntail: int,
+            out: _F32) -> None:  # pragma: no cover - numba
     """Every unit (``units [U, 4]``: level index, head, first of ``upages``, pages), then each
     head's tail rows, then the merge per head into ``out [Hkv, M, D]`` (see the module doc).
     Query row ``m`` of a head is at position ``qpos[m % nq]``."""

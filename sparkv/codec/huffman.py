@@ -27,9 +27,16 @@ import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numba as nb
 import numpy as np
+import numpy.typing as npt
+
+#: the kernels' array types (numba ignores annotations: they are for the type checker)
+_U8 = npt.NDArray[np.uint8]
+_U32 = npt.NDArray[np.uint32]
+_I64 = npt.NDArray[np.int64]
 
 MAX_CODE_LEN = 12
 """Longest code length the encoder produces and the decoder accepts."""
@@ -101,7 +108,7 @@ _LENGTH_PROBLEMS = {
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _lengths_status(lengths, max_len):  # pragma: no cover - numba
+def _lengths_status(lengths: _U8, max_len: int) -> int:  # pragma: no cover - numba
     if lengths.size == 0:
         return 4
     used = 0
@@ -176,7 +183,8 @@ def stream_bounds(n: int, num_streams: int) -> np.ndarray:
 # Encoding
 # ------------------------------------------------------------------------------------------------
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _pack_streams(syms, codes, lengths, bounds, out):  # pragma: no cover - numba
+def _pack_streams(syms: _U8, codes: _U32, lengths: _U8, bounds: _I64, out: _U32
+                  ) -> _I64:  # pragma: no cover - numba
     """Packs each stream of ``syms`` into ``out`` (uint32 words); returns words per stream."""
     num_streams = bounds.size - 1
     nwords = np.zeros(num_streams, dtype=np.int64)
@@ -228,7 +236,7 @@ def encode_streams(syms: np.ndarray, lengths: np.ndarray, num_streams: int
 # Decoding
 # ------------------------------------------------------------------------------------------------
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _fill_table(lengths, table):  # pragma: no cover - numba
+def _fill_table(lengths: _U8, table: _U32) -> None:  # pragma: no cover - numba
     """Writes the multi-symbol decode table of a complete code (``check_lengths`` passed).
 
     Entry for a ``TABLE_BITS``-bit window: bits 0-7 first symbol, 8-15 second, 16-23 third,
@@ -287,7 +295,7 @@ def build_decode_table(lengths: np.ndarray, out: np.ndarray | None = None) -> np
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def streams_fit(stream_bytes, num_symbols):  # pragma: no cover - numba
+def streams_fit(stream_bytes: _I64, num_symbols: int) -> bool:  # pragma: no cover - numba
     """Stream byte lengths are whole words and between 1 and ``MAX_CODE_LEN`` bits per symbol
     of the streams' symbol counts (:func:`stream_bounds`)."""
     num_streams = stream_bytes.size
@@ -302,7 +310,9 @@ def streams_fit(stream_bytes, num_symbols):  # pragma: no cover - numba
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _lane_run(words, i, wend, buf, n, table, lengths, out, o, oend):  # pragma: no cover
+def _lane_run(words: _U32, i: int, wend: int, buf: np.uint64, n: np.int64, table: _U32,
+              lengths: _U8, out: _U8, o: int, oend: int
+              ) -> tuple[int, np.int64]:  # pragma: no cover - numba
     """Finishes one stream from its state; returns ``(i, n)`` (word index, bits left in buf)."""
     while o + 3 <= oend:
         e = table[buf >> _SHIFT]
@@ -335,7 +345,8 @@ def _lane_run(words, i, wend, buf, n, table, lengths, out, o, oend):  # pragma: 
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _lane_init(words, wstart, wend):  # pragma: no cover - numba
+def _lane_init(words: _U32, wstart: int, wend: int
+               ) -> tuple[np.uint64, np.int64, int]:  # pragma: no cover - numba
     buf = np.uint64(0)
     if wstart < wend:
         buf = np.uint64(words[wstart]) << np.uint64(32)
@@ -345,7 +356,8 @@ def _lane_init(words, wstart, wend):  # pragma: no cover - numba
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _lane_ok(i, n, wstart, wend):  # pragma: no cover - numba
+def _lane_ok(i: int, n: np.int64, wstart: int, wend: int
+             ) -> np.bool_:  # pragma: no cover - numba
     """The stream was consumed exactly: its bits fit its words, and no word is left unused."""
     consumed = (i - wstart) * 32 - n
     nwords = wend - wstart
@@ -353,8 +365,9 @@ def _lane_ok(i, n, wstart, wend):  # pragma: no cover - numba
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _decode_group(words, w_start, w_end, table, lengths, out, o_start, o_end, first, count,
-                  errors):  # pragma: no cover - numba
+def _decode_group(words: _U32, w_start: _I64, w_end: _I64, table: _U32, lengths: _U8,
+                  out: _U8, o_start: _I64, o_end: _I64, first: int, count: int,
+                  errors: npt.NDArray[np.bool_]) -> None:  # pragma: no cover - numba
     """Decodes streams ``first .. first+count-1`` (``count <= 4``) with one table.
 
     Stream ``s`` reads ``words[w_start[s]:w_end[s]]`` and writes ``out[o_start[s]:o_end[s]]``.
@@ -450,8 +463,10 @@ def _decode_group(words, w_start, w_end, table, lengths, out, o_start, o_end, fi
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _decode_serial(words, w_start, w_end, tables, lengths, out, o_start, o_end, g_first, g_count,
-                   g_table, errors):  # pragma: no cover - numba
+def _decode_serial(words: _U32, w_start: _I64, w_end: _I64, tables: _U32, lengths: _U8,
+                   out: _U8, o_start: _I64, o_end: _I64, g_first: _I64, g_count: _I64,
+                   g_table: _I64, errors: npt.NDArray[np.bool_]
+                   ) -> None:  # pragma: no cover - numba
     for g in range(g_first.size):
         t = g_table[g]
         _decode_group(words, w_start, w_end, tables[t], lengths[t], out, o_start, o_end,
@@ -471,9 +486,11 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
+# stream_bytes is int64 [S]; Any, since codec/frame.py passes a TensorHeader's optional field
+# (never None for a Huffman-coded tensor)
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def stream_layout(stream_bytes, first_word, first_symbol, num_symbols, bounds,
-                  col):  # pragma: no cover - numba
+def stream_layout(stream_bytes: Any, first_word: int, first_symbol: int, num_symbols: int,
+                  bounds: _I64, col: int) -> None:  # pragma: no cover - numba
     """Fills columns ``col ..`` of ``bounds`` (``int64 [4, S_total]``: word start, word end,
     symbol start, symbol end) for the streams of one tensor laid out back to back from word
     ``first_word``, its symbols from ``first_symbol``."""

@@ -31,6 +31,11 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+import numpy.typing as npt
+
+#: the kernels' array types (numba ignores annotations: they are for the type checker)
+_U8 = npt.NDArray[np.uint8]
+_F32 = npt.NDArray[np.float32]
 
 AXIS_TOKEN = 1
 AXIS_CHANNEL = 2
@@ -95,7 +100,7 @@ def quant_params(x: np.ndarray, bits: int, axis: int, param_dtype: int = PARAM_F
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def params_valid(mins, steps):  # pragma: no cover - numba
+def params_valid(mins: _F32, steps: _F32) -> bool:  # pragma: no cover - numba
     """All parameters finite and every step non-negative (flat float32 arrays)."""
     for i in range(mins.size):
         if not (np.isfinite(mins[i]) and np.isfinite(steps[i]) and steps[i] >= 0):
@@ -107,7 +112,8 @@ def params_valid(mins, steps):  # pragma: no cover - numba
 # Kernels
 # ------------------------------------------------------------------------------------------------
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _quantize(x, mins, steps, levels, per_token, out):  # pragma: no cover - numba
+def _quantize(x: _F32, mins: _F32, steps: _F32, levels: int, per_token: bool, out: _U8
+              ) -> None:  # pragma: no cover - numba
     h_, n_, d_ = x.shape
     for h in range(h_):
         for n in range(n_):
@@ -135,7 +141,8 @@ def quantize(x: np.ndarray, mins: np.ndarray, steps: np.ndarray, bits: int, axis
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _dequantize(q, mins, steps, per_token, out):  # pragma: no cover - numba
+def _dequantize(q: _U8, mins: _F32, steps: _F32, per_token: bool, out: _F32
+                ) -> None:  # pragma: no cover - numba
     h_, n_, d_ = out.shape
     for h in range(h_):
         for n in range(n_):
@@ -161,8 +168,9 @@ def dequantize(q: np.ndarray, mins: np.ndarray, steps: np.ndarray, axis: int, ou
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _reconstruct(syms, bits, per, predict, alpha, center, mins, steps, per_token, limit,
-                 out):  # pragma: no cover - numba
+def _reconstruct(syms: _U8, bits: int, per: int, predict: bool, alpha: _U8, center: _U8,
+                 mins: _F32, steps: _F32, per_token: bool, limit: np.float32,
+                 out: _F32) -> None:  # pragma: no cover - numba
     """Unpacks, undoes the channel prediction and dequantizes, one ``[D]`` row at a time, each
     value clamped to ``[-limit, limit]``.
 
@@ -238,14 +246,15 @@ def reconstruct(syms: np.ndarray, bits: int, mins: np.ndarray, steps: np.ndarray
     chunk's dtype, so that no finite frame decodes to an infinity)."""
     predict = alpha is not None
     _reconstruct(syms, bits, values_per_symbol(bits), predict,
-                 alpha if predict else _NO_PRED, center if predict else _NO_PRED,
+                 alpha if predict else _NO_PRED,  # type: ignore[arg-type]  # set: predict
+                 center if predict else _NO_PRED,  # type: ignore[arg-type]  # given with alpha
                  np.ascontiguousarray(mins, dtype=np.float32),
                  np.ascontiguousarray(steps, dtype=np.float32), axis == AXIS_TOKEN,
                  np.float32(limit), out)
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _pack(q, bits, per, out):  # pragma: no cover - numba
+def _pack(q: _U8, bits: int, per: int, out: _U8) -> None:  # pragma: no cover - numba
     n = q.size
     for s in range(out.size):
         v = np.uint32(0)
@@ -269,7 +278,7 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _unpack(syms, bits, per, out):  # pragma: no cover - numba
+def _unpack(syms: _U8, bits: int, per: int, out: _U8) -> None:  # pragma: no cover - numba
     n = out.size
     mask = np.uint8((1 << bits) - 1)
     full = n // per
@@ -296,7 +305,8 @@ def unpack(syms: np.ndarray, bits: int, n: int) -> np.ndarray:
 # Channel prediction (lossless, on the symbols)
 # ------------------------------------------------------------------------------------------------
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _choose_prediction(q, bits, alpha, center):  # pragma: no cover - numba
+def _choose_prediction(q: _U8, bits: int, alpha: _U8, center: _U8
+                       ) -> None:  # pragma: no cover - numba
     """Per (head, channel): centre = rounded mean symbol, and the ``a`` in 0..4 whose residuals
     have the lowest empirical entropy (ties: the smaller ``a``)."""
     h_, m_, d_ = q.shape
@@ -343,7 +353,8 @@ def choose_prediction(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _predict_walk(src, dst, bits, alpha, center, restore):  # pragma: no cover - numba
+def _predict_walk(src: _U8, dst: _U8, bits: int, alpha: _U8, center: _U8, restore: bool
+                  ) -> None:  # pragma: no cover - numba
     """``dst = (src -/+ p) mod 2**bits`` per symbol, ``p`` the channel prediction from ``src``'s
     previous token (the centre for the first). ``restore`` false: the residuals of ``src`` into
     ``dst``; true, with ``dst is src``: in place, each token restored before it predicts the

@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sparkv.errors import SparkvError
+
+if TYPE_CHECKING:
+    from sparkv.predictor.profiler import ProfileConfig
 
 
 def default_model_path(model_fingerprint: str, device: object = "cpu",
@@ -68,7 +72,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=run)
 
 
-def build_config(args: argparse.Namespace):
+def build_config(args: argparse.Namespace) -> ProfileConfig:
     from sparkv.predictor.profiler import ProfileConfig
 
     cfg = ProfileConfig.quick() if args.quick else ProfileConfig()

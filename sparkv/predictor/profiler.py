@@ -42,11 +42,14 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from sparkv.predictor.device import (UtilisationMonitor, UtilisationWindow, compute_name,
                                      detect_monitor, device_fingerprint)
 from sparkv.predictor.load import LoadGenerator
+
+if TYPE_CHECKING:
+    from sparkv.runtime.attention import BlockSparseAttention, DenseAttention
 
 SAMPLES_FORMAT = "sparkv-step-samples/1"
 
@@ -273,7 +276,8 @@ class Profiler:
             self.elapsed_s = time.perf_counter() - start
         return samples
 
-    def _backend(self, backend: str, cdf: float | None):
+    def _backend(self, backend: str, cdf: float | None
+                 ) -> DenseAttention | BlockSparseAttention:
         from sparkv.runtime import BlockSparseAttention, DenseAttention, SparsityConfig
 
         if backend == "dense":
@@ -301,7 +305,7 @@ class Profiler:
                 stepper.run_step(StepId(t, 0))
 
     def _profile_context(self, T: int, backend: str, cdf: float | None, rep: int, load: float,
-                         bar) -> list[Sample]:
+                         bar: Any) -> list[Sample]:
         from sparkv.layout import StepId
         from sparkv.runtime import LayerStepper
 
@@ -339,7 +343,7 @@ class Profiler:
                 bar.update(1)
         return out
 
-    def _profile_projection(self, T: int, load: float, bar) -> list[Sample]:
+    def _profile_projection(self, T: int, load: float, bar: Any) -> list[Sample]:
         """The last layer's projection-only step on a random hidden state of T tokens."""
         import torch
 

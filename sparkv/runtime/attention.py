@@ -281,7 +281,8 @@ class BlockSparseAttention:
         return self._layers[layer]
 
     # ---- mask prediction ---------------------------------------------------------------------
-    def _geometry(self, nq: int, nk: int, q_offset: int, device: torch.device):
+    def _geometry(self, nq: int, nk: int, q_offset: int, device: torch.device
+                  ) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
         bq, bk = self.q_block, self.k_block
         nqb, nkb = math.ceil(nq / bq), math.ceil(nk / bk)
         qi = torch.arange(nqb, device=device)
@@ -292,7 +293,9 @@ class BlockSparseAttention:
         diagonal = visible & (((kj + 1) * bk - 1).unsqueeze(0) > first_q.unsqueeze(1))
         return nqb, nkb, last_q, visible, diagonal
 
-    def _mass_meansim(self, q, k, q_offset, scale, visible, sim=None):
+    def _mass_meansim(self, q: torch.Tensor, k: torch.Tensor, q_offset: int, scale: float,
+                      visible: torch.Tensor, sim: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """SpargeAttention's pooled estimate; returns (mass, always_keep) ``[B,Hq,nqb,nkb]``."""
         b, hq, _, d = q.shape
         hkv = k.shape[1]
@@ -306,13 +309,16 @@ class BlockSparseAttention:
         mass = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         return mass, always
 
-    def _not_self_similar(self, q, k, q_sub, k_sub, sim=None):
+    def _not_self_similar(self, q: torch.Tensor, k: torch.Tensor, q_sub: int, k_sub: int,
+                          sim: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks the self-similarity test says must be computed (``[B,Hq,nqb,nkb]``);
         ``sim``: the threshold as a tensor (default: the config's)."""
         return not_self_similar(q, k, self.config.sim_threshold if sim is None else sim,
                                 self.q_block, self.k_block, q_sub, k_sub)
 
-    def _mass_qpool(self, q, k, q_offset, scale, visible, sim=None):
+    def _mass_qpool(self, q: torch.Tensor, k: torch.Tensor, q_offset: int, scale: float,
+                    visible: torch.Tensor, sim: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pooled query sub-blocks against finely pooled keys; returns (mass, always_keep).
 
         Query sub-blocks of ``q_sub`` tokens and key sub-blocks of ``k_sub`` tokens are mean-pooled;
@@ -467,8 +473,8 @@ class BlockSparseAttention:
         _off_diagonal_pass(qr, kp, vp, out, lse, off.reshape(rows, nkb), nqb, bk, scale)
         res = out.view(b, hkv, nqb, group, bq, d).permute(0, 1, 3, 2, 4, 5)
         res = res.reshape(b, hq, nqb * bq, d)[:, :, :nq]
-        executed = (off | diagonal).repeat_interleave(group, dim=1)  # what ran, per query head
-        active = executed.sum(dim=(2, 3)).sum(0)
+        ran = (off | diagonal).repeat_interleave(group, dim=1)  # what ran, per query head
+        active = ran.sum(dim=(2, 3)).sum(0)
         stats = AttentionStats(self.name, active, causal_block_count(nq, nk, q_offset, bq, bk))
         return res.contiguous(), stats
 

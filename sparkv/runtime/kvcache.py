@@ -8,12 +8,15 @@ chunks, joining chunks back, and the DynamicCache conversions used by the refere
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
 from sparkv.cache import ContextKV, KVMemoryError, LayerKV, Source
 from sparkv.layout import ChunkGeometry, KVChunkId
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 __all__ = ["LayerKV", "split_chunks", "assemble_layers", "memory_from_layers",
            "to_dynamic_cache", "from_dynamic_cache"]
@@ -54,7 +57,7 @@ def assemble_layers(chunks: Mapping[KVChunkId, tuple[torch.Tensor, torch.Tensor]
     return mem.layer_kv()
 
 
-def to_dynamic_cache(layers: LayerKV):  # -> transformers.DynamicCache
+def to_dynamic_cache(layers: LayerKV) -> DynamicCache:
     """A transformers ``DynamicCache`` holding these K/V (generation appends; inputs stay intact)."""
     from transformers import DynamicCache
 
@@ -64,7 +67,7 @@ def to_dynamic_cache(layers: LayerKV):  # -> transformers.DynamicCache
     return cache
 
 
-def from_dynamic_cache(cache) -> LayerKV:
+def from_dynamic_cache(cache: Any) -> LayerKV:  # any transformers version's cache (duck-typed)
     """Per-layer ``(K, V)`` from a transformers cache (transformers 4.x and 5.x layouts)."""
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]

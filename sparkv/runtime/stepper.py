@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 
-from sparkv.cache import AttentionView, ContextKV, Source
+from sparkv.cache import AttentionView, ContextKV, LayerKV, Source
 from sparkv.errors import SparkvError
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
 from sparkv.runtime.attention import (AttentionBackend, AttentionStats, DenseAttention, bind_model,
@@ -354,7 +354,8 @@ class LayerStepper:
 
 def prefill_layer_kv(lm: LoadedModel, token_ids: Sequence[int],
                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                     backend: AttentionBackend | None = None, fused: bool = False):
+                     backend: AttentionBackend | None = None, fused: bool = False
+                     ) -> tuple[LayerKV, list[StepResult]]:
     """Chunked local prefill of a whole context; returns per-layer ``(K, V)`` and step results
     (``fused``: layer by layer over the whole context, :meth:`LayerStepper.complete`)."""
     stepper = LayerStepper(lm, token_ids, chunk_tokens, backend)
@@ -448,8 +449,8 @@ def _layer_call(spans: Sequence[_Span], x: torch.Tensor, l: int  # noqa: E741
     return x, [c.stats for c in caches]
 
 
-def _project_kv(layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], head_dim: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _project_kv(layer: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K (after RoPE) and V ``[1, H, n, D]`` of the rows ``h``, through the attention module's own
     projections (and Qwen3's ``k_norm``)."""
     attn = layer.self_attn

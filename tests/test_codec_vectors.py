@@ -376,6 +376,13 @@ def test_subnormals_are_kept():
     assert np.array_equal(out, want) and out[0, 0, 0] != 0
 
 
+def test_the_channel_prediction_needs_both_its_arrays():
+    mins, steps = np.zeros((1, 2), np.float32), np.ones((1, 2), np.float32)
+    q, out = np.array([1, 3, 2, 1], np.uint8), np.empty((1, 2, 2), np.float32)
+    with pytest.raises(ValueError, match="alpha and center"):
+        quant.reconstruct(q, 8, mins, steps, AXIS_CHANNEL, out, alpha=np.zeros((1, 2), np.uint8))
+
+
 # ---- NaN and Inf -----------------------------------------------------------------------------
 SPECIALS = {  # NaNs (quiet, negative, signalling, with payload), +Inf, -Inf
     torch.float32: [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA5A5A5, 0x7F800000, 0xFF800000],

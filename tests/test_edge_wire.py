@@ -209,15 +209,21 @@ def test_a_silent_server_times_out_and_a_refused_port_fails():
             await pool_timeout.post("/", b"{}", {})
 
     async def silent():
+        closed = asyncio.Event()
+
         async def silent_until_closed(reader, writer):
-            await reader.read()                  # the client gives up and closes
-            writer.close()
+            try:
+                await reader.read()              # the client gives up and closes
+            finally:
+                writer.close()
+                closed.set()
         srv = await asyncio.start_server(silent_until_closed, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         pool = ConnectionPool(Endpoint("127.0.0.1", port), connect_timeout_s=1.0, head_timeout_s=0.3)
         try:
             with pytest.raises(WireError, match="no response head"):
                 await pool.post("/", b"{}", {})
+            await asyncio.wait_for(closed.wait(), 10)   # the client's close reached the server
         finally:
             srv.close()
             await srv.wait_closed()

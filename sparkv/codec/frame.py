@@ -412,6 +412,7 @@ def _decode_symbols(mv: memoryview, hdr: FrameHeader, parallel: bool
     for j, i in enumerate(coded):
         th = tensors[i]
         _, nsym = _num_symbols(hdr, th)
+        assert th.stream_bytes is not None       # every Huffman tensor has its stream lengths
         exact_bytes = _pad8(hdr.num_heads * th.exact_tokens * hdr.head_dim
                             * _itemsize(hdr.dtype))
         huffman.stream_layout(th.stream_bytes, (th.payload_offset + exact_bytes) // 4, sym_base,

@@ -27,7 +27,6 @@ import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numba as nb
 import numpy as np
@@ -486,10 +485,8 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
-# stream_bytes is int64 [S]; Any, since codec/frame.py passes a TensorHeader's optional field
-# (never None for a Huffman-coded tensor)
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def stream_layout(stream_bytes: Any, first_word: int, first_symbol: int, num_symbols: int,
+def stream_layout(stream_bytes: _I64, first_word: int, first_symbol: int, num_symbols: int,
                   bounds: _I64, col: int) -> None:  # pragma: no cover - numba
     """Fills columns ``col ..`` of ``bounds`` (``int64 [4, S_total]``: word start, word end,
     symbol start, symbol end) for the streams of one tensor laid out back to back from word

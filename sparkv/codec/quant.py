@@ -244,10 +244,12 @@ def reconstruct(syms: np.ndarray, bits: int, mins: np.ndarray, steps: np.ndarray
     ``center`` (``uint8 [H, D]``) are given, then ``min + q * step`` with the group's
     parameters, clamped to ``[-limit, limit]`` (``limit``: the largest finite value of the
     chunk's dtype, so that no finite frame decodes to an infinity)."""
-    predict = alpha is not None
+    if (alpha is None) != (center is None):
+        raise ValueError("the channel prediction needs both alpha and center")
+    predict = alpha is not None and center is not None
     _reconstruct(syms, bits, values_per_symbol(bits), predict,
-                 alpha if predict else _NO_PRED,  # type: ignore[arg-type]  # set: predict
-                 center if predict else _NO_PRED,  # type: ignore[arg-type]  # given with alpha
+                 alpha if alpha is not None else _NO_PRED,
+                 center if center is not None else _NO_PRED,
                  np.ascontiguousarray(mins, dtype=np.float32),
                  np.ascontiguousarray(steps, dtype=np.float32), axis == AXIS_TOKEN,
                  np.float32(limit), out)

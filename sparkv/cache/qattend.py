@@ -261,6 +261,15 @@ def _fp_values(vr: _F32, n: int, off: int, w: _F32, acc: _F32
                 am[i] += ww * vr[r, i]
 
 
+@nb.njit(boundscheck=False, error_model="numpy")
+def _store(pacc: _F32, u: int, acc: _F32) -> None:  # pragma: no cover - numba
+    """``pacc[u] = acc`` element by element (a slice assignment would compile numba's
+    shape-mismatch error path, seconds of compile for a check that cannot fail here)."""
+    for m in range(acc.shape[0]):
+        for i in range(acc.shape[1]):
+            pacc[u, m, i] = acc[m, i]
+
+
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
 def _fp_unit(pool: _FpPool, upages: _I32, a: int, npg: int, qh: _F32, mpos: _I64,
              scale: np.float32, u: int, pm: _F32, pl: _F32, pacc: _F32
@@ -279,7 +288,7 @@ def _fp_unit(pool: _FpPool, upages: _I32, a: int, npg: int, qh: _F32, mpos: _I64
     for pi in range(npg):
         p = upages[a + pi]
         _fp_values(v[p], fill[p], pi * P, w, acc)
-    pacc[u, :M, :D] = acc
+    _store(pacc, u, acc)
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
@@ -294,7 +303,7 @@ def _tail_unit(tk: _F32, tv: _F32, tpos: _I64, n: int, qh: _F32, mpos: _I64,
     _softmax(s, w, ti, n, u, pm, pl)
     acc = np.zeros((M, D), dtype=np.float32)
     _fp_values(tv, n, 0, w, acc)
-    pacc[u, :M, :D] = acc
+    _store(pacc, u, acc)
 
 
 @nb.njit(boundscheck=False, error_model="numpy")
@@ -341,8 +350,9 @@ def _attend(q: _F32, qpos: _I64, scale: np.float32, pf: _FpPool, p8: _QPool, p4:
     pm = np.empty((U + T, M), dtype=np.float32)
     pl = np.empty((U + T, M), dtype=np.float32)
     pacc = np.zeros((U + T, M, D), dtype=np.float32)
-    for u in nb.prange(U + T):
-        if u >= U:
+    for pu in nb.prange(U + T):
+        u = np.int64(pu)     # prange's index is unsigned inside the parallel loop: one type
+        if u >= U:           # for both, so the units compile once, not twice
             h = u - U
             _tail_unit(tk[h], tv[h], tpos, ntail, q[h], mpos, scale, u, pm, pl, pacc)
             continue

@@ -37,7 +37,9 @@ def served(smollm2, tmp_path_factory):
     try:
         session = EdgeSession.connect(srv.url, model=lm)
         cid = session.client.create_context(token_ids=doc, levels=["raw", "q8"], chunk_tokens=256)
-        yield {"server": srv, "lm": lm, "doc": doc, "cid": cid, "session": session}
+        # plain transformers' answer on the full prompt, the one every exact ask must give
+        ref = reference_generate(lm, doc + question_suffix(lm, QUESTION), NEW)
+        yield {"server": srv, "lm": lm, "doc": doc, "cid": cid, "session": session, "ref": ref}
         session.close()
     finally:
         srv.stop()
@@ -52,8 +54,8 @@ def test_prelude_steps_are_used_once_and_the_answer_is_exact(served):
     """A slow link at the start (the manifest takes a while): the steps computed meanwhile count
     for the plan, the engine never runs them again, every chunk is in place once, and the tokens
     equal plain transformers' on the full prompt."""
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     session.client.shaper = LinkShaper.constant(0.3, 40.0)
     try:
         _ask(session, cid)   # the client now holds the manifest: its geometry is known
@@ -88,7 +90,7 @@ def test_a_prelude_of_another_geometry_is_discarded(served):
     """Without a cached manifest the prelude guesses the default chunking (512 tokens); the
     context uses 256: its work is dropped and the load starts afresh, with the exact answer."""
     lm, cid = served["lm"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    ref = served["ref"]
     fresh = EdgeSession.connect(served["server"].url, model=lm,
                                 shaper=LinkShaper.constant(0.3, 40.0))
     try:
@@ -170,8 +172,8 @@ def test_an_interrupt_inside_the_prelude_is_raised_on_the_calling_thread(smollm2
 def test_the_asks_prelude_runs_on_the_asking_thread(served, monkeypatch):
     """The ask's prelude computes on the thread that asked (no ``sparkv-prelude`` thread), the
     manifest is fetched beside it, and the answer is exact."""
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     calls: list = []
     span = LayerStepper.run_span
 
@@ -249,8 +251,8 @@ def test_controller_takes_done_steps_out_of_both_queues():
 def test_a_prelude_that_cannot_build_its_stepper_is_dropped(served, monkeypatch):
     """Building the stepper fails on the prelude's thread (out of memory, say): the load makes
     its own and the answer is exact; the failure is reported."""
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     _ = session.cost_model   # measured once per model (with a stepper): not the one that fails
     calls = {"n": 0}
 
@@ -320,8 +322,8 @@ def test_the_link_starts_while_the_prelude_finishes_its_span(served, monkeypatch
     """The plan is made while the prelude's first span is in progress: the plan's thread starts
     the load's link at once (the span in progress does not hold it back), the engine takes the
     prelude's steps as done, and the answer is exact."""
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     _ask(session, cid)   # the client now holds the manifest: its geometry is known
     started = threading.Event()
     seen = _blocking_span(monkeypatch, started)
@@ -339,8 +341,8 @@ def test_a_span_that_fails_after_the_link_started_is_computed_by_the_load(served
     """The prelude's span in progress fails once the plan's thread has started the link: the
     steps it promised are computed by the load (or streamed), the failure is reported and the
     answer is exact."""
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     _ask(session, cid)
     started = threading.Event()
     seen = _blocking_span(monkeypatch, started, fail=True)
@@ -384,8 +386,8 @@ def test_the_loads_first_connection_is_opened_at_the_asks_start(served, monkeypa
     a local ask opens none. The answers are exact."""
     from sparkv.edge.client import EdgeClient
 
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     made: list = []
     preconnect = EdgeClient.preconnect
 
@@ -431,8 +433,8 @@ def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(ser
     up) while the greedy plans; the full plan is handed to the running
     load (here whatever the rule says). The ask reports the plan the load ended with, and the
     answer is exact."""
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     _ask(session, cid)   # the client now holds the manifest: its geometry is known
     firsts = _first_plans_stream_all(monkeypatch, rule=(True, {}))
     session.client.shaper = LinkShaper.constant(20.0, 20.0)
@@ -453,8 +455,8 @@ def test_a_full_plan_the_rule_declines_leaves_the_load_to_its_first_plan(served,
     """The full plan differs from the first, but the portfolio's rule (the controller-aware
     simulation) declines it: no handover, the ask reports the first plan with the decision in
     its ``info["handover"]``, and the answer is exact."""
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     _ask(session, cid)
     firsts = _first_plans_stream_all(monkeypatch, rule=(False, {"first": 1.0}))
     res = _ask(session, cid)
@@ -470,8 +472,8 @@ def test_without_a_spare_core_the_first_plan_is_the_plan(served, monkeypatch):
     the answer is exact."""
     from sparkv.scheduler.planners.greedy import Greedy
 
-    lm, session, cid = served["lm"], served["session"], served["cid"]
-    ref = reference_generate(lm, served["doc"] + question_suffix(lm, QUESTION), NEW)
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
     _ask(session, cid)
     monkeypatch.setattr(session_module, "_core_spare", lambda device: False)
     monkeypatch.setattr(Greedy, "_plan", lambda self, inst: pytest.fail("the greedy ran"))

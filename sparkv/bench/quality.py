@@ -1037,7 +1037,6 @@ def report(args: argparse.Namespace, opts: dict[str, Any], lm: LoadedModel,
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update(opts)
     config["torch_threads"] = torch.get_num_threads()
-    config["new_tokens"] = opts.get("new_tokens", NEW_TOKENS)
     config["context_margin"] = CONTEXT_MARGIN
     config["pinned_floor"] = PINNED_FLOOR
     config["auto_backend"] = auto_backend_name()

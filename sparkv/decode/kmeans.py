@@ -186,3 +186,9 @@ def stats(x: np.ndarray) -> tuple[int, np.ndarray, float]:
         return 0, np.zeros(x.shape[1]), 0.0
     mu = x.mean(0)
     return n, mu, float(((x - mu) ** 2).sum())
+
+
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) the seeding and centroid kernels: one small
+    clustering (below the memo's size, so nothing is remembered)."""
+    _kmeans(torch.randn(2, 32, 8, generator=torch.Generator().manual_seed(0)), 4, 2, 0)

@@ -122,3 +122,19 @@ def dequantize_into(dst: torch.Tensor, x: QuantizedTensor, r0: int, ts: Sequence
     step = int(dst.shape[0]) * n if stride is None else stride
     _rows_into(x.codes.numpy(), sc, ze, x.bits, x.dim, r0, step, np.asarray(ts, dtype=np.int64),
                n, T, dst.numpy())
+
+
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) both kernels: a few int8 rows into a small
+    arena, chunk by chunk and as whole records (the bit width is a run-time argument, so one
+    call compiles every level)."""
+    from types import SimpleNamespace
+
+    from sparkv.cache.levels import quantize
+
+    hg, n, T, dim = 2, 4, 4, 16
+    gen = torch.Generator().manual_seed(0)
+    layer = SimpleNamespace(k=[torch.zeros(hg, 2 * T, dim)], v=[torch.zeros(hg, 2 * T, dim)])
+    rows = quantize(torch.randn(2 * hg * n, dim, generator=gen), 8)
+    dequantize_into(layer.k[0], rows, 0, [0, 1], n, T)
+    Arena([layer]).records_into(rows, rows, [0, 1], n, T, 1)

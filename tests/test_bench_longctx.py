@@ -156,6 +156,11 @@ def test_bench_ttft_past_the_window_end_to_end(tmp_path):
     assert all(isinstance(r["server_cpu_s"], float) and r["server_cpu_s"] >= 0
                for r in doc["runs"])
     assert all(p["lp_bound_s"] for p in doc["points"])
+    # the simulator's reading with and without the receive tax the session believed
+    planned = [r for r in doc["runs"] if r["strategy"] != "local"]
+    assert planned and all(r["sim_taxed_ttft_s"] > 0 and r["receive_tax_prior"] >= 0
+                           for r in planned)
+    assert all("taxed_median_abs_error" in v for v in doc["targets"]["cost_model"].values())
     assert {p["tokens"]: p["in_window"] for p in doc["points"]} == {256: True, 1024: False}
     growth = doc["targets"]["growth"]
     assert growth["top_tokens"] == 1024 and len(growth["per_link"]) == 2
@@ -208,3 +213,21 @@ def test_local_may_be_measured_beside_every_link():
     assert sorted(order) == sorted([(r, s) for r in range(2)
                                     for s in ("local", "hybrid", "sparkv")])
     assert order[:3] != order[3:] and {s for _, s in order[:3]} == {"local", "hybrid", "sparkv"}
+
+
+def test_the_cost_model_reports_both_simulations_per_strategy():
+    """Median and worst |measured / simulated - 1| per strategy, with the plans' instance and
+    with the receive tax the session believed; a point without a simulation counts in neither."""
+    from sparkv.bench.ttft import _cost_model_accuracy
+
+    points = [{"strategy": "sparkv", "sim_error": 0.1, "sim_taxed_error": -0.02},
+              {"strategy": "sparkv", "sim_error": 0.3, "sim_taxed_error": 0.04},
+              {"strategy": "sparkv", "sim_error": 0.2, "sim_taxed_error": 0.01},
+              {"strategy": "hybrid", "sim_error": -0.5, "sim_taxed_error": None},
+              {"strategy": "local", "sim_error": float("nan"), "sim_taxed_error": None}]
+    cm = _cost_model_accuracy(points)
+    assert set(cm) == {"sparkv", "hybrid"}
+    assert cm["sparkv"]["median_abs_error"] == 0.2 and cm["sparkv"]["max_abs_error"] == 0.3
+    assert cm["sparkv"]["taxed_median_abs_error"] == 0.02
+    assert cm["sparkv"]["taxed_max_abs_error"] == 0.04
+    assert cm["hybrid"] == {"points": 1, "median_abs_error": 0.5, "max_abs_error": 0.5}

@@ -458,7 +458,7 @@ def _prelude(args: argparse.Namespace) -> bool | None:
 
 
 def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: Any, ref: Any,
-         trace: Any, receive_tax: float = 0.0) -> dict[str, Any]:
+         trace: Any, receive_tax: float) -> dict[str, Any]:
     """One run's row. ``sim_ttft_s``: the simulator's TTFT for the plan that ran on the
     instance it was planned on, under the same link and controller; ``sim_taxed_ttft_s``: the
     same with the receive tax the session believed before the ask (plans leave it out unless
@@ -862,11 +862,12 @@ def _measure_press(args: argparse.Namespace, lm: LoadedModel, spec: str, sizes: 
                     for r in range(args.runs):
                         session.priors.bandwidth_Bps = None
                         client.shaper = path.shaper(trace)
+                        tax = session.priors.receive_tax
                         res = session.ask(cids[variant], QUESTION,
                                           AskOptions(strategy=strat, use_cache=False,
                                                      max_new_tokens=args.max_new_tokens,
                                                      stop_at_eos=False))
-                        row = _row(args, n, m, strat, r, res, None, trace)
+                        row = _row(args, n, m, strat, r, res, None, trace, tax)
                         row["context"] = variant
                         rows.append(row)
                 session.close()

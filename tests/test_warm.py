@@ -4,6 +4,7 @@ loaded from numba's cache) by the warm-up, so a kernel added without one fails h
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 
 import sparkv

@@ -477,11 +477,13 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
         inst = res.instance.replace(rtt_s=args.rtt_ms / 1e3)
         sim_ttft = bd.manifest_s + bd.planning_s + simulate(res.plan, inst, sim_trace,
                                                             controller=ctl).ttft_s
-        # the steps pay the tax; the controller decides as the load's did (on the plan's
-        # instance, which left it out)
-        taxed = inst.replace(receive_tax=max(inst.receive_tax, receive_tax))
-        sim_taxed = bd.manifest_s + bd.planning_s + simulate(
-            res.plan, taxed, sim_trace, controller=Controller(res.plan, inst, ctl)).ttft_s
+        sim_taxed = sim_ttft
+        if receive_tax > inst.receive_tax:
+            # the steps pay the tax; the controller decides as the load's did (on the plan's
+            # instance, which left it out)
+            sim_taxed = bd.manifest_s + bd.planning_s + simulate(
+                res.plan, inst.replace(receive_tax=receive_tax), sim_trace,
+                controller=Controller(res.plan, inst, ctl)).ttft_s
     bound = float("nan")
     if (trace is not None and len(trace.mbps) == 1 and res.instance is not None
             and strat != "local"):
@@ -535,8 +537,7 @@ def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]],
                     continue
                 tt = [x["ttft_s"] for x in rs]
                 sims = [x["sim_ttft_s"] for x in rs if x["sim_ttft_s"] == x["sim_ttft_s"]]
-                taxed = [x["sim_taxed_ttft_s"] for x in rs
-                         if x.get("sim_taxed_ttft_s", float("nan")) == x.get("sim_taxed_ttft_s")]
+                taxed = _nanmedian([x.get("sim_taxed_ttft_s", float("nan")) for x in rs])
                 bound = _nanmedian(bounds.get((n, label), []))
                 points.append({
                     "tokens": n, "link": label, "strategy": strat, "runs": len(rs),
@@ -545,8 +546,7 @@ def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]],
                     "sim_ttft_median_s": statistics.median(sims) if sims else None,
                     "sim_error": (statistics.median(tt) / statistics.median(sims) - 1.0
                                   if sims else None),
-                    "sim_taxed_error": (statistics.median(tt) / statistics.median(taxed) - 1.0
-                                        if taxed else None),
+                    "sim_taxed_error": statistics.median(tt) / taxed - 1.0 if taxed else None,
                     "lp_bound_median_s": _nanmedian([x.get("lp_bound_s", float("nan"))
                                                      for x in rs]),
                     "lp_bound_s": bound,

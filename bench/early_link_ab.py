@@ -8,7 +8,9 @@ turn; ``noprelude``: no prelude; ``nopre``: early, the load's first connection n
 ``hybrid-nopre`` Strong Hybrid so; ``nohandover``: early, the load waits for the portfolio's
 full plan instead of starting by its first and taking the full one when ready; ``firstonly``:
 the load keeps the portfolio's first plan, the structured split; ``nodit``: the plan prices
-the frames' decoding as free, as before session 76, and ``hybrid-nodit`` Strong Hybrid so),
+the frames' decoding as free, as before session 76, and ``hybrid-nodit`` Strong Hybrid so;
+``known``: early, planned with the link's true rate, not the first ask's default prior (constant
+links only), and ``hybrid-known`` Strong Hybrid so),
 hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
@@ -89,6 +91,16 @@ def _ratios(res: dict, links: list[str], name: str, ref: str) -> list[float]:
     return [a / b for ln in links for a, b in zip(res[(ln, name)], res[(ln, ref)])]
 
 
+def _options(name: str, link: str) -> dict[str, Any]:
+    """The ask options of variant ``name`` on ``link`` (``known``: the link's rate as the plan's
+    prior, where a fresh ask plans with the default 50 Mbit/s)."""
+    if name.endswith("known"):
+        if not link.endswith("mbps"):
+            raise SystemExit(f"{name}: a constant link only (got {link})")
+        return {"bandwidth_mbps": float(link[:-4])}
+    return EXTRA.get(name, {})
+
+
 def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                variants: tuple[str, ...] = VARIANTS) -> tuple[list, dict]:
     rows: list[dict] = []
@@ -105,7 +117,7 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 IN_TURN["on"] = not name.endswith("nodit")
                 strategy = (name.split("-")[0] if name.startswith(("hybrid", "local"))
                             else "sparkv")
-                r = fresh_ask(s, cid, strategy, _trace(ln), **EXTRA.get(name, {}))
+                r = fresh_ask(s, cid, strategy, _trace(ln), **_options(name, ln))
                 b = r.breakdown
                 handover = r.plan.info.get("handover") if r.plan is not None else None
                 res[(ln, name)].append(b.ttft_s)
@@ -133,7 +145,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048, help="the context's length")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"of {VARIANTS + tuple(EXTRA)}; hybrid and local are the references")
+                    help=f"of {VARIANTS + tuple(EXTRA)}, nopre, nohandover, firstonly, nodit, "
+                         "known (and hybrid-nopre, hybrid-nodit, hybrid-known); hybrid and local "
+                         "are the references")
     ap.add_argument("--out", default="bench/results/early_link_ab.json")
     args = ap.parse_args()
     _patch()

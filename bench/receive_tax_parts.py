@@ -12,7 +12,7 @@ paired in one process on SmolLM2 at 2K tokens (T=512):
    at each rate, and this machine's CPU per timed wait (a thread that sleeps and wakes, as the
    shaper's reader does once per piece).
 
-    python bench/receive_tax_parts.py --mbps 100,300 --rounds 6 \\
+    python bench/receive_tax_parts.py --mbps 100,300 --rounds 8 \\
         --out bench/results/receive_tax_parts_s79.json
 """
 from __future__ import annotations

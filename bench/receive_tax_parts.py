@@ -83,8 +83,9 @@ class Receiver:
         self.client.close()
 
 
-def single_steps(lm: Any, ids: list[int]) -> np.ndarray:
-    """Seconds of every layer step ``[t, l]`` run one at a time, token chunk by token chunk."""
+def single_steps(lm: Any, ids: list[int]) -> tuple[np.ndarray, Any]:
+    """Seconds of every layer step ``[t, l]`` run one at a time, token chunk by token chunk, and
+    the context's geometry."""
     stepper = LayerStepper(lm, ids, 512, lazy=True)
     g = stepper.geometry
     out = np.zeros((g.num_token_chunks, g.num_layers))
@@ -92,7 +93,7 @@ def single_steps(lm: Any, ids: list[int]) -> np.ndarray:
         for t in range(g.num_token_chunks):
             for layer in range(g.num_layers):
                 out[t, layer] = stepper.run_step(StepId(t, layer)).seconds
-    return out
+    return out, g
 
 
 def wait_cpu_us(wait: Callable[[], Any], n: int = 200) -> float:
@@ -139,12 +140,11 @@ def main() -> None:
                 rx = None if mode == "alone" else Receiver(url, cid, float(mode.split()[0]))
                 if rx is not None:
                     rx.start()
-                steps = single_steps(lm, ids)
+                steps, g = single_steps(lm, ids)
                 if rx is not None:
                     rx.stop()
                 totals[mode].append(float(steps.sum()))
                 if mode == "alone":
-                    g = LayerStepper(lm, ids, 512, lazy=True).geometry
                     ratio = steps[:, :-1] / model.t_comp(g, sparse=False, utilisation=0.0)[:, :-1]
                     shape.append([float(np.median(row)) for row in ratio])
                 print(f"round {rnd} {mode:>12s}: every step {steps.sum():.3f} s", flush=True)

@@ -10,7 +10,9 @@ full plan instead of starting by its first and taking the full one when ready; `
 the load keeps the portfolio's first plan, the structured split; ``nodit``: the plan prices
 the frames' decoding as free, as before session 76, and ``hybrid-nodit`` Strong Hybrid so;
 ``known``: early, planned with the link's true rate, not the first ask's default prior (constant
-links only), and ``hybrid-known`` Strong Hybrid so),
+links only), and ``hybrid-known`` Strong Hybrid so; ``noreplan``: early, no re-plan at the
+link's measured rate (docs/scheduler.md, "A re-plan at the measured rate"), and
+``hybrid-noreplan`` Strong Hybrid so),
 hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
@@ -52,6 +54,7 @@ PRECONNECT = {"on": True}          # whether the next ask opens its load's conne
 HANDOVER = {"on": True}            # whether the next load starts by the planner's first plan
 FULL = {"on": True}                # whether the full plan is handed over to it
 IN_TURN = {"on": True}             # whether the plan knows its frames are decoded in turn
+REPLAN = {"on": True}              # whether the load may re-plan at the measured link rate
 
 
 def _toggled(owner: Any, name: str, flag: dict[str, bool]) -> None:
@@ -70,6 +73,7 @@ def _patch() -> None:
     _toggled(session, "_first_plan", HANDOVER)
     _toggled(session.EdgeSession, "_hand_over", FULL)
     _toggled(session.EdgeSession, "_decodes_in_turn", IN_TURN)
+    _toggled(session, "replanner", REPLAN)
 
 
 def _trace(name: str) -> Trace:
@@ -113,19 +117,21 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 HANDOVER["on"] = name != "nohandover"
                 FULL["on"] = name != "firstonly"
                 IN_TURN["on"] = not name.endswith("nodit")
+                REPLAN["on"] = not name.endswith("noreplan")
                 strategy = (name.split("-")[0] if name.startswith(("hybrid", "local"))
                             else "sparkv")
                 r = fresh_ask(s, cid, strategy, _trace(ln), **_options(name, ln))
                 b = r.breakdown
-                handover = r.plan.info.get("handover") if r.plan is not None else None
+                info = r.plan.info if r.plan is not None else {}
                 res[(ln, name)].append(b.ttft_s)
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
                                  loading_s=b.loading_s, planning_s=b.planning_s,
                                  manifest_s=b.manifest_s, chunks_streamed=b.chunks_streamed,
                                  decoding_s=b.decoding_s, compute_s=b.local_compute_s,
-                                 sim_ttft_s=_simulated(r, b, ln), handover=handover))
-                print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}",
-                      flush=True)
+                                 sim_ttft_s=_simulated(r, b, ln), handover=info.get("handover"),
+                                 replan=info.get("replan")))
+                print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}"
+                      + (" replanned" if info.get("replan") else ""), flush=True)
     out: dict[str, Any] = {}
     mine = [nm for nm in variants if nm not in ("hybrid", "local")]   # hybrid-nopre too
     for ref in [r for r in ("local", "hybrid") if r in variants]:
@@ -144,8 +150,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="the context's length")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"of {VARIANTS + tuple(EXTRA)}, nopre, nohandover, firstonly, nodit, "
-                         "known (and hybrid-nopre, hybrid-nodit, hybrid-known); hybrid and local "
-                         "are the references")
+                         "known, noreplan (and hybrid-nopre, hybrid-nodit, hybrid-known, "
+                         "hybrid-noreplan); hybrid and local are the references")
     ap.add_argument("--out", default="bench/results/early_link_ab.json")
     args = ap.parse_args()
     links, variants = args.links.split(","), tuple(args.variants.split(","))

@@ -167,6 +167,26 @@ def test_a_manifest_that_came_slowly_caps_the_plans_link_prior(served):
     assert res.tokens == ref
 
 
+def test_a_first_ask_over_a_slow_link_re_plans_at_its_rate(served):
+    """A first ask has no measured link: it plans with the default 50 Mbit/s prior. Over a
+    5 Mbit/s link the load re-plans once, at the rate it measured (docs/scheduler.md, "A
+    re-plan at the measured rate"): the plan it went by says so, one ``replan`` migration
+    records it, and the answer is plain transformers'."""
+    lm = served["lm"]
+    ref = _reference(lm, served["docs"]["b"], QUESTIONS[1])
+    session = _session(served["server"].url, lm, mbps=5.0)
+    try:
+        res = session.ask(served["cids"]["b"], QUESTIONS[1], level="raw", backend="dense",
+                          max_new_tokens=NEW, use_cache=False)
+    finally:
+        session.close()
+    replan = res.plan.info["replan"]
+    assert replan["planned_mbps"] == pytest.approx(res.instance.bandwidth_Bps * 8e-6)
+    assert replan["taken"] and replan["measured_mbps"] * 1.5 < replan["planned_mbps"]
+    assert [m.direction for m in res.load.migrations].count("replan") == 1
+    assert res.tokens == ref
+
+
 def test_a_session_that_learned_a_slow_link_never_reads_it_as_fast(served, monkeypatch):
     """A session that learned a slow link plans to compute nearly everything, and the controller
     hands the idle link work as the compute path falls behind. The rate it plans the link with

@@ -405,8 +405,10 @@ def test_the_loads_first_connection_is_opened_at_the_asks_start(served, monkeypa
 def _first_plans_stream_all(monkeypatch, rule: tuple) -> list:
     """The portfolio's first plan streams every chunk bottom up (no full plan does: on a loaded
     machine the full plan may stream everything, top down), its handover rule answers ``rule``,
-    a core counts as spare, and the prelude's first span waits for the load's link (it cannot
-    compute the whole context first). Returns the first plans made."""
+    a core counts as spare, the prelude's first span waits for the load's link (it cannot
+    compute the whole context first), and the load does not re-plan at the link's measured
+    rate (a plan it would take instead of the full one: tests/test_scheduler_replan.py).
+    Returns the first plans made."""
     from sparkv.scheduler.planners.base import make_plan
     from sparkv.scheduler.planners.baselines import token_chunks_streamed
     from sparkv.scheduler.planners.portfolio import Portfolio
@@ -421,6 +423,7 @@ def _first_plans_stream_all(monkeypatch, rule: tuple) -> list:
     monkeypatch.setattr(Portfolio, "first", stream_all)
     monkeypatch.setattr(Portfolio, "hands_over", lambda self, *a: rule)
     monkeypatch.setattr(session_module, "_core_spare", lambda device: True)
+    monkeypatch.setattr(session_module, "replanner", lambda strategy: None)
     started = threading.Event()
     _blocking_span(monkeypatch, started)
     _recording_link_start(monkeypatch, started)

@@ -43,7 +43,7 @@ Faults never lose the answer:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sparkv.edge.compute import ComputeWorker
 from sparkv.edge.frames import FrameDecoder, FrameOpener, decodes_in_turn
@@ -92,6 +92,9 @@ class Engine:
             controller plans remaining compute with its load and the link's remaining time
             with the others' bytes ahead, the link sends a request only on the ask's turn, and
             a cancelled ask ends the load at the compute thread's next look (``None``: alone).
+        planner: plans ``inst`` at another link rate: the controller's re-plan at the measured
+            rate, once, when the link is far slower than ``inst`` says
+            (:class:`~sparkv.scheduler.rules.Replan`; ``None``: no re-plan).
     """
 
     def __init__(self, stepper: LayerStepper, plan: Plan, inst: Instance,
@@ -99,19 +102,20 @@ class Engine:
                  config: EngineConfig | None = None, open_frame: FrameOpener | None = None,
                  kept: Mapping[KVChunkId, tuple[Sequence[int], Sequence[Any]]] | None = None,
                  prelude: Prelude | None = None, prelude_done: Iterable[StepId] = (),
-                 deadline_s: float | None = None, lane: Lane | None = None) -> None:
+                 deadline_s: float | None = None, lane: Lane | None = None,
+                 planner: Callable[[Instance], Plan] | None = None) -> None:
         if stepper.geometry != inst.geometry:
             raise EngineError("the stepper and the instance have different geometries")
         if plan.stream_order and source is None:
             raise EngineError("the plan streams chunks but the engine has no chunk source")
         self.stepper, self.kv = stepper, stepper.kv
-        self.plan, self.inst = plan, inst
+        self.inst = inst
         self.cfg = cfg = config or EngineConfig()
         controller = controller or ControllerConfig().with_spans(fused_spans(stepper.lm.device))
         if source is None:   # no link: the controller must never hand it work
             controller = controller.without_link()
         self.ctl = Controller(plan, inst, controller,
-                              done_steps=set(stepper.done) | set(prelude_done))
+                              done_steps=set(stepper.done) | set(prelude_done), planner=planner)
         self._hub = Hub(self.ctl)
         self._stats = EngineStats()
         self._decoder = FrameDecoder(self._hub, self.kv, self._stats, cfg.decode_workers,
@@ -185,8 +189,13 @@ class Engine:
             if self._closed or self.ctl.done:
                 return
             self.ctl.adopt(plan, hub.now())
-            self.plan = plan
             hub.progress()
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the load goes by: the one it started with, or the one it took since (a
+        handover, or a re-plan at the measured link rate)."""
+        return self.ctl.plan
 
     def abort(self) -> None:
         """Stops a started load that will not be run: the link's requests closed, the decoder

@@ -515,9 +515,13 @@ class Link:
                 and (elapsed >= self._cfg.sample_interval_s or piece.end))
         if not (rate or piece.end):
             return
-        with self._hub.cv:
-            self._hub.ctl.rate_sample(now, r.sample_bytes if rate else 0,
-                                      elapsed if rate else 0.0, r.fetch.cid, r.unreported)
+        hub = self._hub
+        with hub.cv:
+            revision = hub.ctl.revision
+            hub.ctl.rate_sample(now, r.sample_bytes if rate else 0,
+                                elapsed if rate else 0.0, r.fetch.cid, r.unreported)
+            if hub.ctl.revision != revision:   # a re-plan (or a migration): wake idle parts
+                hub.progress()
         r.unreported = 0
         if rate:
             r.sample_bytes, r.sample_from = 0, now

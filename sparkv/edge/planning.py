@@ -28,6 +28,7 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.protocol import Manifest
 from sparkv.scheduler.controller import ControllerConfig
 from sparkv.scheduler.instance import DEFAULT_LEVELS, MBPS, Instance
+from sparkv.scheduler.plan import Plan
 from sparkv.scheduler.rules import CommitSpans
 
 if TYPE_CHECKING:
@@ -196,6 +197,17 @@ def recent_floor_above(present: Any, floor: str | None, steps: int = 1) -> str |
     above = sorted((lv for lv in present if rank.get(lv, -1) > rank.get(floor, 1 << 30)),
                    key=lambda lv: rank[lv])
     return above[min(steps, len(above)) - 1] if above else None
+
+
+def replanner(strategy: str) -> Callable[[Instance], Plan]:
+    """``strategy``'s planner as the controller's re-plan at the measured link rate calls it
+    (:class:`~sparkv.scheduler.rules.Replan`): its first plan where it makes one (about a
+    millisecond: the call runs on the link's thread, under the engine's lock), else its plan."""
+    from sparkv.scheduler.planners import get_planner
+
+    planner = get_planner(STRATEGIES[strategy][0])
+    first = getattr(planner, "first", None)
+    return first if first is not None else planner.plan
 
 
 def build_instance(manifest: Manifest, t_comp: np.ndarray, bandwidth_Bps: float, *,

@@ -46,7 +46,7 @@ from sparkv.edge.options import AskOptions
 from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
                                   FloorNotEncoded, build_instance, default_backend,
                                   default_quality_floor, device_cost_model, local_instance,
-                                  suffix_estimate)
+                                  replanner, suffix_estimate)
 from sparkv.edge.prelude import Prelude, PreludeResult
 from sparkv.edge.prompts import question_suffix
 from sparkv.edge.results import (MIN_COMPUTE_SAMPLES, PRELUDE_STEP_S, LoadResult,
@@ -757,7 +757,10 @@ class EdgeSession:
                       kept=pressed.kept_positions if pressed is not None else None,
                       prelude=pre if reuse else None,
                       prelude_done=planned.prelude_done if reuse else frozenset(),
-                      deadline_s=_time_left(ask, limit), lane=ask.lane)
+                      deadline_s=_time_left(ask, limit), lane=ask.lane,
+                      # alone on its link: the re-plan at the measured rate (a lane's link is
+                      # shared, its rate planned by the device's link plan: sparkv.asks)
+                      planner=replanner(planned.strategy) if ask.lane is None else None)
 
     def _begin(self, ask: _Ask, fetched: FetchedContext, planned: _Planned) -> Engine | None:
         """On the plan's thread, once the plan is made: the load's engine with its link started,

@@ -23,6 +23,8 @@ the rules its :class:`ControllerConfig` composes (:mod:`sparkv.scheduler.rules`)
 compute thread takes steps in, committed columns, the dependency prefetch, CacheGen's level
 choice, the rebalancing of work between the paths in both directions (with recompute columns),
 and the link probe. The load's state they share is a :class:`~sparkv.scheduler.state.LoadState`.
+A driver that hands the controller its planner (``planner``) lets it plan the load again, once,
+at the link's measured rate (:class:`~sparkv.scheduler.rules.Replan`).
 
 ``ControllerConfig()`` is sparkv's controller; ``ControllerConfig.static()`` follows the plan
 exactly (the reference executor for "the same plan without a controller");
@@ -32,7 +34,7 @@ exactly (the reference executor for "the same plan without a controller");
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from sparkv.layout import KVChunkId, StepId
 from sparkv.scheduler.instance import Instance
@@ -41,7 +43,7 @@ from sparkv.scheduler.probe import LinkProbe
 from sparkv.scheduler.queues import Inflight
 from sparkv.scheduler.rules import (CommitColumns, CommitSpans, DeadLink, LayerFirst, Pace,
                                     PlanOrder, Prefetch, ProbeIdleLink, ReadyFirst, Rebalance,
-                                    SloLevels, Watch)
+                                    Replan, SloLevels, Watch)
 from sparkv.scheduler.state import LoadState, Migration, stage_length
 
 
@@ -73,6 +75,8 @@ class ControllerConfig:
         spans: committed spans of a layer's next token chunks (a launch-bound device; tried
             before ``columns``; ``None``: off, the default on a CPU).
         dead_link: the verdict on a link far below the plan's estimate (all work to compute).
+        replan: a plan at the link's measured rate, once, when it is far below the plan's (acts
+            only when the driver hands the controller a planner).
         window_s, fast_window_s: the link estimator's windows (s).
     """
 
@@ -84,6 +88,7 @@ class ControllerConfig:
     columns: CommitColumns | None = CommitColumns()
     spans: CommitSpans | None = None
     dead_link: DeadLink | None = DeadLink()
+    replan: Replan | None = Replan()
     window_s: float = 0.5
     fast_window_s: float = 0.15
 
@@ -114,13 +119,14 @@ class ControllerConfig:
     def static(cls) -> "ControllerConfig":
         """Follow the plan exactly: strict order on both paths, no adaptation."""
         return cls(order=PlanOrder(), rebalance=None, prefetch=None, probe=None, columns=None,
-                   dead_link=None)
+                   dead_link=None, replan=None)
 
     @classmethod
     def cachegen(cls, slo_s: float = 2.0) -> "ControllerConfig":
         """Stream-only CacheGen behaviour: no migrations, per-chunk level from throughput + SLO
         (a dead link still gives its work to the compute path: :class:`DeadLink`)."""
-        return cls(rebalance=None, prefetch=None, probe=None, levels=SloLevels(slo_s))
+        return cls(rebalance=None, prefetch=None, probe=None, levels=SloLevels(slo_s),
+                   replan=None)
 
 
 class Controller:
@@ -131,10 +137,13 @@ class Controller:
     """
 
     def __init__(self, plan: Plan, inst: Instance, config: ControllerConfig | None = None,
-                 done_steps: Iterable[StepId] = ()) -> None:
+                 done_steps: Iterable[StepId] = (),
+                 planner: Callable[[Instance], Plan] | None = None) -> None:
         """``done_steps``: layer steps already computed before loading began (the engine's
         prelude computed them while the manifest and the plan were on their way): they leave
-        both queues and their KV chunks count as in place."""
+        both queues and their KV chunks count as in place. ``planner``: plans the instance at
+        another link rate, for the :class:`~sparkv.scheduler.rules.Replan` rule (called at
+        most once, from a rate sample; ``None``: no re-plan)."""
         self.plan, self.inst = plan, inst
         self.cfg = cfg = config if config is not None else ControllerConfig()
         probe = (LinkProbe(cfg.probe.rate_Bps, cfg.probe.burst_bytes) if cfg.probe is not None
@@ -146,6 +155,9 @@ class Controller:
         self._pace = Pace()
         self._watch = Watch()
         self._level_names = [lv.name for lv in inst.levels]
+        self._planner = planner if cfg.replan is not None else None
+        #: what the re-plan decided (``None``: not yet, or never asked): :meth:`_replan`
+        self.replanned: dict[str, float | bool | str] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> None:
@@ -261,6 +273,8 @@ class Controller:
         delivers over time, and a link that went quiet loses its work to the compute path."""
         st = self.state
         st.link_estimator.add(now, nbytes, seconds)
+        if self._planner is not None and seconds > 0:
+            self._replan(now)
         if cid is not None:
             f = st.link.inflight.get(self.inst.chunk_index(cid))
             if f is not None:
@@ -310,15 +324,48 @@ class Controller:
         instance): the work under way stays, the rest is ``plan``'s
         (:mod:`sparkv.scheduler.handover`); the stage clock becomes ``plan``'s. Recorded as a
         ``handover`` :class:`~sparkv.scheduler.state.Migration`; drivers re-ask idle workers
-        and take the cancellations."""
+        and take the cancellations. Ignored after a re-plan at the measured rate (``plan`` was
+        made for the rate the link did not deliver)."""
+        if self.replanned is not None and self.replanned["taken"]:
+            return
+        self._go_on_by(plan, now, "handover")
+
+    def _go_on_by(self, plan: Plan, now: float, why: str) -> None:
         st = self.state
         comp_s, link_s = st.remaining(now)
         self.plan = plan
         st.stage_s = stage_length(plan, self.inst,
                                   self.cfg.rebalance.stage_s if self.cfg.rebalance else None)
         st.horizon_s = 2.0 * st.stage_s
-        st.adopt(now, plan, link_s, comp_s)
+        st.adopt(now, plan, link_s, comp_s, why)
         self._adapt(now)
+
+    def _replan(self, now: float) -> None:
+        """The :class:`~sparkv.scheduler.rules.Replan` rule at a rate sample: once the link has
+        been measured, its verdict (recorded in :attr:`replanned`, and in the new plan's
+        ``info["replan"]``); a planner that fails leaves the load to its plan."""
+        rule, est = self.cfg.replan, self.state.link_estimator
+        assert rule is not None and self._planner is not None
+        rate = rule.measured(est, now)
+        if rate is None:
+            return
+        planner, self._planner = self._planner, None
+        planned = self.inst.bandwidth_Bps
+        take = (rule.wants(rate, planned) and self.state.link_dead is None
+                and est.ahead_bytes == 0 and not self.done)
+        self.replanned = {"time_s": now - self.state.t0, "measured_mbps": rate * 8e-6,
+                          "planned_mbps": planned * 8e-6, "taken": False}
+        if not take:
+            return
+        try:
+            plan = planner(self.inst.replace(bandwidth_Bps=rate))
+        except Exception as e:  # noqa: BLE001 - the load goes on by the plan it has
+            self.replanned["error"] = f"{type(e).__name__}: {e}"
+            return
+        self.replanned["taken"] = True
+        plan.info["replan"] = dict(self.replanned)
+        est.prior_Bps = rate    # the rate the plan is made with (DeadLink's reference)
+        self._go_on_by(plan, now, "replan")
 
     # ------------------------------------------------------------------ estimates
     def bandwidth_estimate(self, now: float) -> float:

@@ -108,6 +108,11 @@ class LinkEstimator:
         same link (no ping-pong)."""
         return min(self.window(now), self.recent(now))
 
+    @property
+    def sampled_s(self) -> float:
+        """Seconds covered by every sample of the run (silences included)."""
+        return self._total[1]
+
     def run_rate(self) -> float | None:
         """Throughput over every sample of the run (silences included), or ``None`` before
         any: the link's goodput, a prior for the next load."""

@@ -17,7 +17,9 @@ reads and changes is the load's :class:`~sparkv.scheduler.state.LoadState`:
   to also take columns locked by streamed layers) and :class:`ToStream` (compute behind);
 * :class:`ProbeIdleLink`: an idle link is handed one bounded probe (:mod:`sparkv.scheduler.probe`);
 * :class:`DeadLink`: a link that delivers far below the plan's estimate, for long enough that
-  computing what it still holds is sooner, is declared dead and everything goes to compute.
+  computing what it still holds is sooner, is declared dead and everything goes to compute;
+* :class:`Replan`: a load whose link delivers far below the rate it was planned for is planned
+  again, once, at the measured rate (by the planner the driver hands the controller).
 
 docs/scheduler.md, "Runtime controller", says what each does and why, with the measurements.
 """
@@ -28,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sparkv.scheduler.estimators import LinkEstimator
 from sparkv.scheduler.graph import DepState
 from sparkv.scheduler.queues import ComputeQueue
 from sparkv.scheduler.state import LoadState, Migration
@@ -648,3 +651,41 @@ def _steps_to_compute(st: LoadState) -> list[int]:
     on = st.compute.on
     return [t * L + l for t in range(n_t) for l in range(deepest[t] + 1)  # noqa: E741
             if not on[t * L + l]]
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A load planned for a link much faster than the one it meets is planned again, once, at
+    the measured rate (docs/scheduler.md, "A re-plan at the measured rate").
+
+    The first time the link's rate samples cover ``sampled_s`` seconds (silences included), its
+    rate (:meth:`measured`) is compared with the rate the plan was made with. Below it by more than ``below`` times, the driver's planner plans the
+    instance at the measured rate and the load hands over to that plan
+    (:mod:`sparkv.scheduler.handover`: the work under way stays). The verdict is given once
+    per load, either way: the rebalancing rules follow the link from then on.
+
+    It answers what :class:`Rebalance` cannot: a first ask with no measured link plans with the
+    session's default prior (50 Mbit/s), and over a 10 Mbit/s link its plan streams ~4x too
+    many chunks; the rebalancing rules move that work back just in time (within a horizon of
+    two stages), 1.0-1.2 s into a 3 s load, where a plan for the real link starts the compute
+    path on it at once (16% of TTFT at 10 Mbit/s, paired: docs/edge.md).
+    """
+
+    below: float = 1.5
+    sampled_s: float = 0.3
+
+    def measured(self, est: LinkEstimator, now: float) -> float | None:
+        """The link's rate (bytes/s) once its samples cover ``sampled_s`` and hold a byte, else
+        ``None`` (not yet judged; a link that stays silent is :class:`DeadLink`'s): the
+        faster of its goodput so far and its recent rate (:meth:`LinkEstimator.recent
+        <sparkv.scheduler.estimators.LinkEstimator.recent>`), so a link still ramping up (a
+        TCP slow start, the end of a fade) is judged by what it delivers now."""
+        if est.sampled_s < self.sampled_s:
+            return None
+        run = est.run_rate()
+        return None if run is None else max(run, est.recent(now))
+
+    def wants(self, rate_Bps: float, planned_Bps: float) -> bool:
+        """Whether a link measured at ``rate_Bps`` calls for a plan other than one made for
+        ``planned_Bps``."""
+        return rate_Bps * self.below < planned_Bps

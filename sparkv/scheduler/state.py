@@ -30,7 +30,7 @@ class Migration:
     """One decision of the controller, for the timeline and logs."""
 
     time_s: float
-    direction: str  # "to_compute" | "to_stream" | "probe" | "dead_link" | "handover"
+    direction: str  # "to_compute" | "to_stream" | "probe" | "dead_link" | "handover" | "replan"
     steps: list[StepId]
     cancelled: list[KVChunkId]
     link_remaining_s: float
@@ -211,10 +211,11 @@ class LoadState:
                 continue
             self.link.append_cheapest(cc)
 
-    def adopt(self, now: float, plan: Plan, link_s: float, comp_s: float) -> None:
+    def adopt(self, now: float, plan: Plan, link_s: float, comp_s: float,
+              why: str = "handover") -> None:
         """The load goes on by ``plan`` (:mod:`sparkv.scheduler.handover`): the work under way
         stays, both queues are rebuilt from what ``plan`` leaves, fetches of steps it now
-        computes are cancelled."""
+        computes are cancelled; recorded as a ``why`` migration (``handover`` or ``replan``)."""
         inst, cq, link = self.inst, self.compute, self.link
         queued = set(cq.order)
         settled = {s for s in range(inst.num_steps) if cq.on[s] and s not in queued}
@@ -242,7 +243,7 @@ class LoadState:
         for c in rest.cancel:
             link.on[c] = False
         moved = [inst.step_id(s) for s in cq.order if s not in queued]
-        self.record(Migration(now, "handover", moved, [inst.chunk_id(c) for c in rest.cancel],
+        self.record(Migration(now, why, moved, [inst.chunk_id(c) for c in rest.cancel],
                               link_s, comp_s))
 
     def record(self, m: Migration) -> None:

@@ -37,7 +37,7 @@ from sparkv.edge.client import EdgeClient  # noqa: E402
 from sparkv.edge.commands import read_trace  # noqa: E402
 from sparkv.edge.engine import EngineConfig  # noqa: E402
 from sparkv.edge.session import EdgeSession  # noqa: E402
-from sparkv.bench.served import fresh_ask, served_context  # noqa: E402
+from sparkv.bench.served import fresh_ask, netns_served_context, served_context  # noqa: E402
 from sparkv.predictor.dtypes import load_model_in_dtype  # noqa: E402
 from sparkv.runtime.heap import settle  # noqa: E402
 from sparkv.scheduler.trace import Trace  # noqa: E402
@@ -104,7 +104,7 @@ def _options(name: str, link: str) -> dict[str, Any]:
 
 
 def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
-               variants: tuple[str, ...] = VARIANTS) -> tuple[list, dict]:
+               variants: tuple[str, ...] = VARIANTS, shaped: Any = None) -> tuple[list, dict]:
     rows: list[dict] = []
     res: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     k = 0
@@ -120,7 +120,7 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 REPLAN["on"] = not name.endswith("noreplan")
                 strategy = (name.split("-")[0] if name.startswith(("hybrid", "local"))
                             else "sparkv")
-                r = fresh_ask(s, cid, strategy, _trace(ln), **_options(name, ln))
+                r = fresh_ask(s, cid, strategy, _trace(ln), link=shaped, **_options(name, ln))
                 b = r.breakdown
                 info = r.plan.info if r.plan is not None else {}
                 res[(ln, name)].append(b.ttft_s)
@@ -152,6 +152,9 @@ def main() -> None:
                     help=f"of {VARIANTS + tuple(EXTRA)}, nopre, nohandover, firstonly, nodit, "
                          "known, noreplan (and hybrid-nopre, hybrid-nodit, hybrid-known, "
                          "hybrid-noreplan); hybrid and local are the references")
+    ap.add_argument("--netns", action="store_true",
+                    help="the server in a network namespace, tc shaping a real veth path (root "
+                         "only, docs/netns.md; no RTT added: this kernel has no netem)")
     ap.add_argument("--out", default="bench/results/early_link_ab.json")
     args = ap.parse_args()
     links, variants = args.links.split(","), tuple(args.variants.split(","))
@@ -160,8 +163,12 @@ def main() -> None:
     _patch()
     lm = load_model_in_dtype(None, dtype="auto", device="cpu")
     settle()
-    with served_context(lm, tokens=args.tokens) as (s, cid):
-        rows, ttft = ttft_pairs(s, cid, links, args.rounds, variants)
+    if args.netns:
+        with netns_served_context(lm, tokens=args.tokens) as (s, cid, link):
+            rows, ttft = ttft_pairs(s, cid, links, args.rounds, variants, link)
+    else:
+        with served_context(lm, tokens=args.tokens) as (s, cid):
+            rows, ttft = ttft_pairs(s, cid, links, args.rounds, variants)
     print(json.dumps(ttft, indent=1))
     with open(args.out, "w") as f:
         json.dump({"ttft": ttft, "rows": rows}, f, indent=1)

@@ -184,6 +184,7 @@ def test_a_first_ask_over_a_slow_link_re_plans_at_its_rate(served):
     assert replan["planned_mbps"] == pytest.approx(res.instance.bandwidth_Bps * 8e-6)
     assert replan["taken"] and replan["measured_mbps"] * 1.5 < replan["planned_mbps"]
     assert [m.direction for m in res.load.migrations].count("replan") == 1
+    assert res.breakdown.replan == replan and "re-planned" in res.breakdown.table()
     assert res.tokens == ref
 
 

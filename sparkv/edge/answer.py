@@ -39,6 +39,9 @@ class Breakdown:
     fallback: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)   # DecodeStats of a decode policy
     prelude_steps: int = 0          # layer steps computed before the plan (sparkv.edge.prelude)
+    #: the load's re-plan at the measured link rate, when it took one (``time_s``,
+    #: ``measured_mbps``, ``planned_mbps``: docs/scheduler.md, "A re-plan at the measured rate")
+    replan: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -59,6 +62,10 @@ class Breakdown:
               f" ({self.steps_computed} layer steps"
               + (f", {self.prelude_steps} before the plan" if self.prelude_steps else "") + ")"),
              ("controller migrations", f"{self.migrations}")]
+        if self.replan:
+            r.append(("re-planned", f"at {self.replan['time_s']:.2f} s for the "
+                      f"{self.replan['measured_mbps']:.3g} Mbit/s measured (planned for "
+                      f"{self.replan['planned_mbps']:.3g})"))
         if self.levels:
             r.append(("levels streamed", ", ".join(f"{k} x{v}" for k, v in self.levels.items())))
         if self.decode:

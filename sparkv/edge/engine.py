@@ -183,7 +183,8 @@ class Engine:
         handover, docs/edge.md): the work under way stays, the rest is ``plan``'s
         (:meth:`Controller.adopt <sparkv.scheduler.controller.Controller.adopt>`), and the
         idle workers are woken. Callable from any thread once :meth:`start` ran; a load that
-        is complete or closed ignores it."""
+        is complete or closed ignores it, and so does one that re-planned at the link's measured
+        rate (``plan`` was made for the rate the link did not deliver)."""
         hub = self._hub
         with hub.cv:
             if self._closed or self.ctl.done:

@@ -80,15 +80,15 @@ def _trace(name: str) -> Trace:
     return Trace.constant(float(name[:-4])) if name.endswith("mbps") else read_trace(name)
 
 
-def _simulated(r: Any, b: Any, link: str) -> float | None:
-    """The simulator's TTFT for the plan the ask ran, under its controller and link, with the
-    ask's manifest and planning time (as ``sparkv bench ttft``'s ``sim_ttft_s``)."""
-    from sparkv.scheduler.simulator import simulate
+def _simulated(r: Any, b: Any, link: str, strategy: str) -> float | None:
+    """The simulator's TTFT for the load the ask ran, under its controller and link, with the
+    ask's manifest and planning time (``sparkv bench ttft``'s ``sim_ttft_s``)."""
+    from sparkv.bench.ttft import simulated_load_s
 
     if r.plan is None or r.instance is None or r.controller is None:
         return None
-    sim = simulate(r.plan, r.instance.replace(rtt_s=0.02), _trace(link), controller=r.controller)
-    return b.manifest_s + b.planning_s + sim.ttft_s
+    return b.manifest_s + b.planning_s + simulated_load_s(
+        r, strategy, r.controller, _trace(link), r.instance.replace(rtt_s=0.02))
 
 
 def _ratios(res: dict, links: list[str], name: str, ref: str) -> list[float]:
@@ -128,8 +128,8 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                                  loading_s=b.loading_s, planning_s=b.planning_s,
                                  manifest_s=b.manifest_s, chunks_streamed=b.chunks_streamed,
                                  decoding_s=b.decoding_s, compute_s=b.local_compute_s,
-                                 sim_ttft_s=_simulated(r, b, ln), handover=info.get("handover"),
-                                 replan=info.get("replan")))
+                                 sim_ttft_s=_simulated(r, b, ln, strategy),
+                                 handover=info.get("handover"), replan=info.get("replan")))
                 print(f"{ln:9s} {name:6s} ttft {b.ttft_s:.3f} streamed {b.chunks_streamed}"
                       + (" replanned" if info.get("replan") else ""), flush=True)
     out: dict[str, Any] = {}

@@ -135,3 +135,24 @@ def test_re_plans_complete_under_every_adversarial_trace(strategy):
         tl, ctl = _run(inst, planner, trace)
         assert len(planner.rates) <= 1, name
         assert tl.ttft_s > 0 and len(tl.available_s) == inst.num_chunks, name
+
+
+def test_the_bench_simulates_a_re_planned_load_from_the_plan_it_started_by(inst):
+    """``sparkv bench ttft``'s ``sim_ttft_s``: a load that re-planned is simulated from the plan
+    it started by, with the same planner (the simulated link re-plans it again); any other
+    from the plan it ended with."""
+    from types import SimpleNamespace
+
+    from sparkv.bench.ttft import simulated_load_s
+
+    first = Counting()._plan(inst)
+    ran, _ = _run(inst, Counting(), Trace.constant(10.0))
+    ended = Counting()._plan(inst.replace(bandwidth_Bps=10 * MBIT))
+    res = SimpleNamespace(plan=ended, started_by=first,
+                          breakdown=SimpleNamespace(replan={"taken": True}))
+    assert simulated_load_s(res, "hybrid", ControllerConfig(), Trace.constant(10.0),
+                            inst) == ran.ttft_s
+    res.breakdown.replan = None
+    assert simulated_load_s(res, "hybrid", ControllerConfig(), Trace.constant(10.0),
+                            inst) == simulate(ended, inst, Trace.constant(10.0),
+                                              controller=ControllerConfig()).ttft_s

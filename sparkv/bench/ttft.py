@@ -457,15 +457,34 @@ def _prelude(args: argparse.Namespace) -> bool | None:
     return False if getattr(args, "prelude", "auto") == "off" else None
 
 
-def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: Any, ref: Any,
-         trace: Any, receive_tax: float) -> dict[str, Any]:
-    """One run's row. ``sim_ttft_s``: the simulator's TTFT for the plan that ran on the
-    instance it was planned on, under the same link and controller; ``sim_taxed_ttft_s``: the
-    same with the receive tax the session believed before the ask (plans leave it out unless
-    ``AskOptions.plan_receive_tax``: the cost model's reading of the device's real speed)."""
-    from sparkv.edge.planning import STRATEGIES
+def simulated_load_s(res: Any, strategy: str, controller: Any, trace: Any, inst: Any,
+                     sim_inst: Any = None) -> float:
+    """The simulator's TTFT (s, from the load's start) of the load ``res`` ran, under
+    ``trace`` and the ``controller`` configuration: the plan it ended with, run from the start
+    (a handover comes within milliseconds); a load that re-planned at the measured link rate
+    (``breakdown.replan``) runs from the plan it started by, its controller handed the
+    strategy's planner, so the simulated link's samples decide the re-plan again.
+    ``sim_inst``: the instance the simulated device runs (default ``inst``, the one the
+    controller plans with)."""
+    from sparkv.edge.planning import replanner
     from sparkv.scheduler.controller import Controller
     from sparkv.scheduler.simulator import simulate
+
+    replanned = bool(res.breakdown.replan) and res.started_by is not None
+    plan = res.started_by if replanned else res.plan
+    ctl = Controller(plan, inst, controller, planner=replanner(strategy) if replanned else None)
+    return simulate(plan, sim_inst if sim_inst is not None else inst, trace,
+                    controller=ctl).ttft_s
+
+
+def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: Any, ref: Any,
+         trace: Any, receive_tax: float) -> dict[str, Any]:
+    """One run's row. ``sim_ttft_s``: the simulator's TTFT for the load that ran
+    (:func:`simulated_load_s`) on the instance it was planned on, under the same link and
+    controller; ``sim_taxed_ttft_s``: the same with the receive tax the session believed before
+    the ask (plans leave it out unless ``AskOptions.plan_receive_tax``: the cost model's reading
+    of the device's real speed)."""
+    from sparkv.edge.planning import STRATEGIES
     from sparkv.scheduler.trace import Trace
 
     bd = res.breakdown
@@ -475,15 +494,14 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
         ctl = res.controller if res.controller is not None else STRATEGIES[strat][1]()
         sim_trace = trace if trace is not None else Trace.constant(1e4)
         inst = res.instance.replace(rtt_s=args.rtt_ms / 1e3)
-        sim_ttft = bd.manifest_s + bd.planning_s + simulate(res.plan, inst, sim_trace,
-                                                            controller=ctl).ttft_s
+        sim_ttft = bd.manifest_s + bd.planning_s + simulated_load_s(res, strat, ctl, sim_trace,
+                                                                    inst)
         sim_taxed = sim_ttft
         if receive_tax > inst.receive_tax:
             # the steps pay the tax; the controller decides as the load's did (on the plan's
             # instance, which left it out)
-            sim_taxed = bd.manifest_s + bd.planning_s + simulate(
-                res.plan, inst.replace(receive_tax=receive_tax), sim_trace,
-                controller=Controller(res.plan, inst, ctl)).ttft_s
+            sim_taxed = bd.manifest_s + bd.planning_s + simulated_load_s(
+                res, strat, ctl, sim_trace, inst, inst.replace(receive_tax=receive_tax))
     bound = float("nan")
     if (trace is not None and len(trace.mbps) == 1 and res.instance is not None
             and strat != "local"):
@@ -510,6 +528,7 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
             "plan": ((res.plan.info or {}).get("portfolio", {}).get("chosen")
                      if res.plan is not None else None),
             "prelude_steps": getattr(bd, "prelude_steps", 0),
+            "replan": getattr(bd, "replan", None),
             # what this load measured streaming cost its steps (docs/edge.md, "Priors")
             "stream_tax_ms": res.load.stream_tax_s * 1e3 if res.load is not None else None,
             "receive_tax": res.load.receive_tax if res.load is not None else None}

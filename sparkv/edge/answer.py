@@ -86,8 +86,9 @@ class Breakdown:
 class AskResult:
     """The answer and everything measured on the way; a :class:`~sparkv.generation.Generation`
     (``text``: the answer, ``tokens``, ``stats``), with the :class:`Breakdown`, the plan and the
-    load beside it (``controller``: the configuration the load's controller ran with, for a
-    simulation of the same load)."""
+    load beside it (``controller``: the configuration the load's controller ran with, and
+    ``started_by``: the plan the load started by, for a simulation of the same load; ``plan``
+    is the one it ended with, a handover's or a re-plan's)."""
 
     text: str
     tokens: list[int]
@@ -99,6 +100,7 @@ class AskResult:
     context_tokens: int = 0
     kept_id: str | None = None     # the context service's id of the kept context (``keep``)
     controller: ControllerConfig | None = None
+    started_by: Plan | None = None
 
     @property
     def ttft_s(self) -> float:

@@ -824,7 +824,8 @@ class EdgeSession:
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
         return AskResult(gen.text, gen.tokens, breakdown, loaded.plan, planned.instance,
-                         loaded.load, gen.first_logits, len(tokens), kept_id, planned.controller)
+                         loaded.load, gen.first_logits, len(tokens), kept_id, planned.controller,
+                         planned.plan)
 
     # ---- kept contexts (the on-device context service) ---------------------------------------
     def _kept(self) -> KeptAsks:

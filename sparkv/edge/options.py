@@ -60,7 +60,9 @@ class AskOptions:
     bandwidth_mbps: float | None = None
     """The link estimate to plan with (Mbit/s). ``None``: the session's priors (the
     controller's throughput over the last load), else the manifest download's rate, else
-    50 Mbit/s. The controller corrects it from measured rates either way."""
+    50 Mbit/s. The controller corrects it from measured rates either way, and a load whose
+    link measures more than 1.5x below it re-plans once at the measured rate
+    (:class:`~sparkv.scheduler.rules.Replan`)."""
 
     plan_receive_tax: bool = False
     """Plan with the session's learned receive tax (:attr:`Priors.receive_tax

@@ -82,3 +82,24 @@ def test_chunk_sources_share_one_tls_context(monkeypatch):
         assert built[0].verify_mode == ssl.CERT_REQUIRED and built[0].check_hostname
     finally:
         http_source._tls_context.cache_clear()
+
+
+def test_a_download_rate_leaves_out_its_first_read():
+    """A body's first read was in by its first-byte time: its bytes have no time of their own.
+    The 4K manifest step (67 kB, 64 KiB of it in the first read through the shaper) read a
+    10 Mbit/s link at 268-427 Mbit/s when they were counted; a tail too short to time gives no
+    rate (the plan keeps its prior)."""
+    from sparkv.edge.client import RATE_TAIL_BYTES, Fetched
+
+    manifest = Fetched(b"", seconds=0.0773, first_byte_s=0.0753, headers={},
+                       wire_bytes=66951, first_piece_bytes=65536)
+    assert manifest.rate_Bps() is None
+    big = Fetched(b"", seconds=0.50, first_byte_s=0.10, headers={},
+                  wire_bytes=65536 + 400_000, first_piece_bytes=65536)
+    assert big.rate_Bps() == pytest.approx(1_000_000)          # 400 kB over 0.4 s
+    short = Fetched(b"", seconds=0.2, first_byte_s=0.1, headers={},
+                    wire_bytes=1000 + RATE_TAIL_BYTES - 1, first_piece_bytes=1000)
+    assert short.rate_Bps() is None
+    instant = Fetched(b"", seconds=0.1, first_byte_s=0.1, headers={},
+                      wire_bytes=200_000, first_piece_bytes=1000)
+    assert instant.rate_Bps() is None

@@ -72,7 +72,8 @@ class RemoteSource(Protocol):
 
 
 class Download(Protocol):
-    """A shaped download's timings (the edge's ``Fetched``): bytes on the wire, seconds."""
+    """A shaped download's timings (the edge's ``Fetched``): bytes on the wire, seconds, and
+    the link's rate while it came (``None``: too short to tell)."""
 
     @property
     def wire_bytes(self) -> int: ...
@@ -82,6 +83,8 @@ class Download(Protocol):
 
     @property
     def first_byte_s(self) -> float: ...
+
+    def rate_Bps(self) -> float | None: ...  # noqa: N802
 
 
 class ServerClient(Protocol):
@@ -154,9 +157,8 @@ class ServerStream:
 
     def _link_estimate(self) -> float:
         d = self.client.last_download
-        if d is not None and d.seconds > d.first_byte_s:
-            return d.wire_bytes / (d.seconds - d.first_byte_s)
-        return DEFAULT_LINK_MBPS * 1e6 / 8
+        rate = d.rate_Bps() if d is not None else None
+        return rate if rate else DEFAULT_LINK_MBPS * 1e6 / 8
 
     def fetch(self, chunks: Sequence[tuple[KVChunkId, str]]
               ) -> Iterator[tuple[KVChunkId, int, torch.Tensor, torch.Tensor]]:

@@ -844,9 +844,8 @@ class EdgeSession:
         if self.priors.bandwidth_Bps:
             return float(self.priors.bandwidth_Bps)
         d = self.client.last_download
-        if d is not None and d.seconds > d.first_byte_s:
-            return d.wire_bytes / (d.seconds - d.first_byte_s)
-        return DEFAULT_PRIOR_MBPS * MBPS
+        rate = d.rate_Bps() if d is not None else None
+        return rate if rate else DEFAULT_PRIOR_MBPS * MBPS
 
 
 def apply_kept(kv: Any, manifest: Manifest, spare_tokens: int = 0) -> float:

@@ -976,13 +976,15 @@ def test_a_plan_handed_over_mid_load_is_followed_and_fills_the_reference_cache(w
                     config=EngineConfig(retry_backoff_s=0.01, stall_fallback_s=60.0))
     engine.start()
     _wait(lambda: src.sent_total > 0)
-    handed = threading.Thread(target=engine.adopt, args=(local,))
+    took: list[bool] = []
+    handed = threading.Thread(target=lambda: took.append(engine.adopt(local)))
     handed.start()
     handed.join()
     load = _run_exact(engine, world)
+    assert took == [True]
     hand = [m for m in load.migrations if m.direction == "handover"]
     assert len(hand) == 1 and engine.plan is local
     assert load.sources.get("computed", 0) > 0
     assert all(x.requested_s <= hand[0].time_s for x in load.transfers)
-    engine.adopt(first)                       # too late: the load is complete
+    assert engine.adopt(first) is False       # too late: the load is complete
     assert [m.direction for m in engine.ctl.migrations].count("handover") == 1

@@ -454,6 +454,26 @@ def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(ser
     assert not set(bd.fallback) - {"slow_link"}, bd.fallback
 
 
+@pytest.mark.parametrize("replanned, why", [({"taken": True}, "re-planned"),
+                                             (None, "load done")])
+def test_a_full_plan_the_load_refuses_is_recorded_as_not_taken(monkeypatch, replanned, why):
+    """The rule takes the full plan, but the running load refuses it (it re-planned at the
+    link's measured rate, or it is done): the first plan's ``info["handover"]`` says so, not
+    ``taken``."""
+    from types import SimpleNamespace
+
+    def judged(planned):
+        planned.plan.info["handover"] = {"full": "greedy", "taken": True, "simulated_s": {}}
+        return "the full plan"
+
+    monkeypatch.setattr(session_module, "_judged_full", judged)
+    planned = SimpleNamespace(plan=SimpleNamespace(info={}))
+    engine = SimpleNamespace(adopt=lambda plan: False, ctl=SimpleNamespace(replanned=replanned))
+    session_module.EdgeSession._hand_over(None, planned, engine)
+    assert planned.plan.info["handover"] == {"full": "greedy", "taken": False,
+                                             "simulated_s": {}, "ignored": why}
+
+
 def test_a_full_plan_the_rule_declines_leaves_the_load_to_its_first_plan(served, monkeypatch):
     """The full plan differs from the first, but the portfolio's rule (the controller-aware
     simulation) declines it: no handover, the ask reports the first plan with the decision in

@@ -121,6 +121,7 @@ def test_a_handover_after_a_re_plan_is_ignored(inst):
     assert ctl.replanned["taken"] and ctl.plan is not full
     assert "handover" not in [m.direction for m in ctl.migrations]
     assert tl.ttft_s > 0
+    assert ctl.adopt(full, 2.0) is False and ctl.plan is not full   # the caller is told so
 
 
 @pytest.mark.parametrize("strategy", ["sparkv", "hybrid"])

@@ -178,19 +178,20 @@ class Engine:
         with self._hub.cv:
             return self._stats.result(self.kv, self.ctl)
 
-    def adopt(self, plan: Plan) -> None:
+    def adopt(self, plan: Plan) -> bool:
         """The load goes on by ``plan``, made for the same instance while it ran (the plan's
         handover, docs/edge.md): the work under way stays, the rest is ``plan``'s
         (:meth:`Controller.adopt <sparkv.scheduler.controller.Controller.adopt>`), and the
         idle workers are woken. Callable from any thread once :meth:`start` ran; a load that
         is complete or closed ignores it, and so does one that re-planned at the link's measured
-        rate (``plan`` was made for the rate the link did not deliver)."""
+        rate (``plan`` was made for the rate the link did not deliver). Returns whether the
+        load took ``plan``."""
         hub = self._hub
         with hub.cv:
-            if self._closed or self.ctl.done:
-                return
-            self.ctl.adopt(plan, hub.now())
+            if self._closed or self.ctl.done or not self.ctl.adopt(plan, hub.now()):
+                return False
             hub.progress()
+            return True
 
     @property
     def plan(self) -> Plan:

@@ -271,6 +271,11 @@ def _judged_full(planned: _Planned) -> Plan | None:
     return full if take else None
 
 
+def _refused_why(engine: Engine) -> str:
+    """Why a load refused a full plan handed over to it (:meth:`Engine.adopt`)."""
+    return "re-planned" if engine.ctl.replanned is not None else "load done"
+
+
 def _in_full(planned: _Planned) -> _Planned:
     """``planned`` decided before any load starts: its first plan, or the full plan that
     replaces it (:func:`_judged_full`)."""
@@ -673,15 +678,17 @@ class EdgeSession:
         """On the plan's thread, the load running by the planner's first plan: the full plan,
         handed to the load when it differs and the planner's rule takes it (:func:`_hands_over`;
         docs/edge.md, "The plan's handover"); the first plan's ``info["handover"]`` says what
-        was decided. A planner that fails leaves the load to its first plan."""
+        was decided (``taken`` false with ``ignored`` when the load refused it: it was done, or
+        it had re-planned at the link's measured rate). A planner that fails leaves the load to
+        its first plan."""
         try:
             full = _judged_full(planned)
         except Exception as e:  # noqa: BLE001 - the load goes on by the plan it has
             log.warning("the full plan failed (%s: %s); the load keeps its first plan",
                         type(e).__name__, e)
             return
-        if full is not None:
-            engine.adopt(full)
+        if full is not None and not engine.adopt(full):
+            planned.plan.info["handover"].update(taken=False, ignored=_refused_why(engine))
 
     def _instance(self, ask: _Ask, fetched: FetchedContext, geometry: ChunkGeometry,
                   t_comp: Any, t_suffix: float) -> tuple[Instance, str]:

@@ -319,16 +319,17 @@ class Controller:
         st.mark_computed(s)
         self._adapt(now)
 
-    def adopt(self, plan: Plan, now: float) -> None:
+    def adopt(self, plan: Plan, now: float) -> bool:
         """The load goes on by ``plan`` (a better plan made while it ran, for the same
         instance): the work under way stays, the rest is ``plan``'s
         (:mod:`sparkv.scheduler.handover`); the stage clock becomes ``plan``'s. Recorded as a
         ``handover`` :class:`~sparkv.scheduler.state.Migration`; drivers re-ask idle workers
         and take the cancellations. Ignored after a re-plan at the measured rate (``plan`` was
-        made for the rate the link did not deliver)."""
+        made for the rate the link did not deliver). Returns whether the load took ``plan``."""
         if self.replanned is not None and self.replanned["taken"]:
-            return
+            return False
         self._go_on_by(plan, now, "handover")
+        return True
 
     def _go_on_by(self, plan: Plan, now: float, why: str) -> None:
         st = self.state

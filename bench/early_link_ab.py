@@ -12,7 +12,9 @@ the frames' decoding as free, as before session 76, and ``hybrid-nodit`` Strong 
 ``known``: early, planned with the link's true rate, not the first ask's default prior (constant
 links only), and ``hybrid-known`` Strong Hybrid so; ``noreplan``: early, no re-plan at the
 link's measured rate (docs/scheduler.md, "A re-plan at the measured rate"), and
-``hybrid-noreplan`` Strong Hybrid so),
+``hybrid-noreplan`` Strong Hybrid so; ``oldrtt``: early, the plan's round trip read when the
+first read's bytes were in, as before session 81, not when its first byte crossed the link
+(docs/edge.md, "Priors: one estimator"), and ``hybrid-oldrtt`` Strong Hybrid so),
 hybrid and local
 in turn per link, the order reversed every other link (SmolLM2 2K, T=512, raw/q8/q5, a fresh
 prior each ask); sparkv / local and sparkv / hybrid per link and over all.
@@ -55,6 +57,7 @@ HANDOVER = {"on": True}            # whether the next load starts by the planner
 FULL = {"on": True}                # whether the full plan is handed over to it
 IN_TURN = {"on": True}             # whether the plan knows its frames are decoded in turn
 REPLAN = {"on": True}              # whether the load may re-plan at the measured link rate
+FIRST_BYTE = {"on": True}          # whether the plan's RTT is the first byte's, not first read's
 
 
 def _toggled(owner: Any, name: str, flag: dict[str, bool]) -> None:
@@ -67,7 +70,22 @@ def _toggled(owner: Any, name: str, flag: dict[str, bool]) -> None:
     setattr(owner, name, maybe)
 
 
+def _first_read_rtt() -> None:
+    """While ``FIRST_BYTE`` is off, the client's round trip is its last shaped request's first
+    read's time (before session 81)."""
+    request = EdgeClient._request
+
+    def timed(self: EdgeClient, *a: Any, **k: Any) -> Any:
+        fetched = request(self, *a, **k)
+        if not FIRST_BYTE["on"] and k.get("shaped", True):
+            self.last_first_byte_s = fetched.first_read_s
+        return fetched
+
+    setattr(EdgeClient, "_request", timed)
+
+
 def _patch() -> None:
+    _first_read_rtt()
     _toggled(session.EdgeSession, "_begin", EARLY)
     _toggled(EdgeClient, "preconnect", PRECONNECT)
     _toggled(session, "_first_plan", HANDOVER)
@@ -118,6 +136,7 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 FULL["on"] = name != "firstonly"
                 IN_TURN["on"] = not name.endswith("nodit")
                 REPLAN["on"] = not name.endswith("noreplan")
+                FIRST_BYTE["on"] = not name.endswith("oldrtt")
                 strategy = (name.split("-")[0] if name.startswith(("hybrid", "local"))
                             else "sparkv")
                 r = fresh_ask(s, cid, strategy, _trace(ln), link=shaped, **_options(name, ln))
@@ -125,6 +144,7 @@ def ttft_pairs(s: EdgeSession, cid: str, links: list[str], rounds: int,
                 info = r.plan.info if r.plan is not None else {}
                 res[(ln, name)].append(b.ttft_s)
                 rows.append(dict(link=ln, round=rnd, variant=name, ttft_s=b.ttft_s,
+                                 rtt_ms=r.instance.rtt_s * 1e3 if r.instance else None,
                                  loading_s=b.loading_s, planning_s=b.planning_s,
                                  manifest_s=b.manifest_s, chunks_streamed=b.chunks_streamed,
                                  decoding_s=b.decoding_s, compute_s=b.local_compute_s,
@@ -150,8 +170,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="the context's length")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"of {VARIANTS + tuple(EXTRA)}, nopre, nohandover, firstonly, nodit, "
-                         "known, noreplan (and hybrid-nopre, hybrid-nodit, hybrid-known, "
-                         "hybrid-noreplan); hybrid and local are the references")
+                         "known, noreplan, oldrtt (and hybrid-nopre, hybrid-nodit, "
+                         "hybrid-known, hybrid-noreplan, hybrid-oldrtt); hybrid and local are "
+                         "the references")
     ap.add_argument("--netns", action="store_true",
                     help="the server in a network namespace, tc shaping a real veth path (root "
                          "only, docs/netns.md; no RTT added: this kernel has no netem)")

@@ -3,6 +3,8 @@ protocol's: tests/test_protocol.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sparkv.edge.shaper import LinkShaper
@@ -21,10 +23,10 @@ def test_shaper_delivers_at_the_trace_rate():
     clock = FakeClock()
     sh = LinkShaper(Trace.constant(8.0), clock=clock, burst_s=0.0)   # 1 MB/s
     sh.start()
-    assert sh._reserve(500_000, None) == pytest.approx(100.5)
-    assert sh._reserve(500_000, None) == pytest.approx(101.0)      # queued behind the first
+    assert sh._reserve(500_000, None) == pytest.approx((100.0, 100.5))
+    assert sh._reserve(500_000, None) == pytest.approx((100.5, 101.0))   # queued behind it
     clock.t = 105.0                                                 # idle link: no credit hoard
-    assert sh._reserve(100_000, None) == pytest.approx(105.1)
+    assert sh._reserve(100_000, None) == pytest.approx((105.0, 105.1))
 
 
 def test_shaper_follows_rate_changes_and_rtt():
@@ -35,7 +37,8 @@ def test_shaper_follows_rate_changes_and_rtt():
     nb = sh.request_started()
     assert nb == pytest.approx(100.05)
     # 0.95 s at 1 MB/s (950 kB), the remaining 1.05 MB at 10 MB/s
-    assert sh._reserve(2_000_000, nb) == pytest.approx(101.0 + 0.105)
+    # its first byte crosses one RTT after the request, not when the piece is in
+    assert sh._reserve(2_000_000, nb) == pytest.approx((100.05, 101.0 + 0.105))
 
 
 def test_shaper_burst_is_bounded():
@@ -44,12 +47,14 @@ def test_shaper_burst_is_bounded():
     sh.start()
     clock.t = 110.0
     # at most 10 ms of credit: 1 MB takes 0.99 s more, not 0
-    assert sh._reserve(1_000_000, None) == pytest.approx(110.99)
+    assert sh._reserve(1_000_000, None) == pytest.approx((110.0, 110.99))   # not 109.99
 
 
 def test_unlimited_shaper_never_waits():
     sh = LinkShaper.unlimited()
-    assert sh.take(10 ** 9) == 0.0 and not sh.active and sh.rtt() == 0.0
+    before = time.perf_counter()
+    assert before <= sh.take(10 ** 9) <= time.perf_counter()     # crossed now: no wait
+    assert sh.waited_s == 0.0 and not sh.active and sh.rtt() == 0.0
 
 
 def test_chunk_sources_share_one_tls_context(monkeypatch):
@@ -91,15 +96,51 @@ def test_a_download_rate_leaves_out_its_first_read():
     rate (the plan keeps its prior)."""
     from sparkv.edge.client import RATE_TAIL_BYTES, Fetched
 
-    manifest = Fetched(b"", seconds=0.0773, first_byte_s=0.0753, headers={},
+    manifest = Fetched(b"", seconds=0.0773, first_read_s=0.0753, headers={},
                        wire_bytes=66951, first_piece_bytes=65536)
     assert manifest.rate_Bps() is None
-    big = Fetched(b"", seconds=0.50, first_byte_s=0.10, headers={},
+    big = Fetched(b"", seconds=0.50, first_read_s=0.10, headers={},
                   wire_bytes=65536 + 400_000, first_piece_bytes=65536)
     assert big.rate_Bps() == pytest.approx(1_000_000)          # 400 kB over 0.4 s
-    short = Fetched(b"", seconds=0.2, first_byte_s=0.1, headers={},
+    short = Fetched(b"", seconds=0.2, first_read_s=0.1, headers={},
                     wire_bytes=1000 + RATE_TAIL_BYTES - 1, first_piece_bytes=1000)
     assert short.rate_Bps() is None
-    instant = Fetched(b"", seconds=0.1, first_byte_s=0.1, headers={},
+    instant = Fetched(b"", seconds=0.1, first_read_s=0.1, headers={},
                       wire_bytes=200_000, first_piece_bytes=1000)
     assert instant.rate_Bps() is None
+
+
+def test_a_shaped_bodys_first_byte_is_timed_when_it_crossed_the_link():
+    """A 200 kB body over an emulated 10 Mbit/s link with 20 ms of RTT, from a real loopback
+    server: its first read (64 KiB) is in one RTT and 52 ms of transfer after the request, but
+    its first byte crossed the link one RTT after it. The client's round trip (what the plan
+    takes as ``rtt_s``) is the first byte's time, not the first read's."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from sparkv.edge.client import EdgeClient
+
+    class Body(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(200_000))
+            self.end_headers()
+            self.wfile.write(bytes(200_000))
+
+        def log_message(self, *a) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Body)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with EdgeClient(f"http://127.0.0.1:{srv.server_address[1]}",
+                        shaper=LinkShaper.constant(10.0, rtt_ms=20.0)) as client:
+            got = client._request("GET", "/body", limit=1 << 20)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert len(got.body) == 200_000 and got.first_piece_bytes > 0
+    assert got.first_read_s >= 0.020 + got.first_piece_bytes / 1.25e6    # emulated: a floor
+    assert 0.020 <= got.first_byte_s < got.first_read_s
+    assert client.last_first_byte_s == got.first_byte_s
+    assert client.last_download is got and got.rate_Bps() is not None

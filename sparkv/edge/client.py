@@ -60,23 +60,26 @@ SILENT_POLL_S = 300.0
 
 @dataclass
 class Fetched:
-    """A body read through the shaper, with its timings (seconds); ``first_piece_bytes``: the
-    wire bytes of its first read, in by ``first_byte_s``."""
+    """A body read through the shaper, with its timings (seconds since the request was sent);
+    ``first_piece_bytes``: the wire bytes of its first read, in by ``first_read_s``, whose
+    first byte crossed the link at ``first_byte_s`` (the request's round trip, and the server's
+    time to answer)."""
 
     body: bytes
     seconds: float
-    first_byte_s: float
+    first_read_s: float
     headers: dict[str, str]
     wire_bytes: int = 0
     first_piece_bytes: int = 0
+    first_byte_s: float = 0.0
 
     def rate_Bps(self) -> float | None:  # noqa: N802
         """The link's rate while the body came: the bytes after its first read over the time
         after it, or ``None`` when fewer than :data:`RATE_TAIL_BYTES` followed it. The first
-        read's bytes were in by ``first_byte_s``: counted over the rest of the time, a 67 kB
+        read's bytes were in by ``first_read_s``: counted over the rest of the time, a 67 kB
         manifest whose first 64 KiB came in one read measured a 10 Mbit/s link at 268-427
         Mbit/s (session 80, 4K contexts), and the next first ask planned for that."""
-        tail, span = self.wire_bytes - self.first_piece_bytes, self.seconds - self.first_byte_s
+        tail, span = self.wire_bytes - self.first_piece_bytes, self.seconds - self.first_read_s
         return tail / span if tail >= RATE_TAIL_BYTES and span > 0 else None
 
 
@@ -132,7 +135,8 @@ class EdgeClient:
         self._tokens: dict[str, list[int]] = {}
         #: the last shaped download of at least 64 KiB (what the link did then; not an estimator)
         self.last_download: Fetched | None = None
-        #: the time to first body byte of the last shaped request (seconds)
+        #: the time to the first body byte of the last shaped request (seconds): when it crossed
+        #: the link (:attr:`Fetched.first_byte_s`), the plan's round trip
         self.last_first_byte_s: float = 0.0
         #: per thread, its shaped requests' wire bytes and seconds, summed (:meth:`shaped_totals`)
         self._shaped = threading.local()
@@ -193,8 +197,7 @@ class EdgeClient:
         with self._backend.within(self.limits.deadline_s) as deadline:
             try:
                 with self._http.stream(method, path, headers=headers, **kw) as r:
-                    body, first, first_bytes = self._read_body(r, what, limit, deadline, start,
-                                                               not_before)
+                    body, first = self._read_body(r, what, limit, deadline, start, not_before)
             except (httpx.TransportError, OSError, EOFError) as e:
                 if deadline.expired() or (isinstance(e, httpx.TimeoutException)
                                           and deadline.binding):
@@ -205,10 +208,11 @@ class EdgeClient:
         if r.status_code >= 300:
             raise answer_error(r.status_code, body.body(), r.headers.get("location"), what)
         total = time.perf_counter() - start
-        first = first if first is not None else total
-        fetched = Fetched(body.body(), total, first, dict(r.headers), body.wire_bytes, first_bytes)
+        read_s, first_bytes, byte_s = first if first is not None else (total, 0, total)
+        fetched = Fetched(body.body(), total, read_s, dict(r.headers), body.wire_bytes,
+                          first_bytes, byte_s)
         if shaped:
-            self.last_first_byte_s = first
+            self.last_first_byte_s = byte_s
             nbytes, seconds = self.shaped_totals()
             self._shaped.totals = (nbytes + fetched.wire_bytes, seconds + total)
             if fetched.rate_Bps() is not None:
@@ -217,9 +221,10 @@ class EdgeClient:
 
     def _read_body(self, r: httpx.Response, what: str, limit: int, deadline: Deadline,
                    start: float, not_before: float | None
-                   ) -> tuple[BoundedBody, float | None, int]:
-        """The body of ``r`` (an error's: its first :attr:`ClientLimits.error_bytes`), the
-        time to its first byte (``None``: an empty body) and its first read's wire bytes."""
+                   ) -> tuple[BoundedBody, tuple[float, int, float] | None]:
+        """The body of ``r`` (an error's: its first :attr:`ClientLimits.error_bytes`) and its
+        first read's timing (``None``: an empty body): the time it was in by, its wire bytes
+        and the time its first byte crossed the link (:meth:`LinkShaper.take`)."""
         encoding = r.headers.get("content-encoding", "identity").lower()
         if encoding not in ("gzip", "identity", ""):
             raise ApiError(r.status_code, "bad_encoding",
@@ -227,18 +232,19 @@ class EdgeClient:
         error = r.status_code >= 300     # an error's or a redirect's body: its start only
         body = BoundedBody(self.limits.error_bytes if error else limit, what,
                            gzip=encoding == "gzip", truncate=error)
-        first, first_bytes = None, 0
+        first: tuple[float, int, float] | None = None
         for piece in r.iter_raw(65536):  # wire bytes: what the link carries
+            crossed = time.perf_counter()
             if not_before is not None:
-                self.shaper.take(len(piece), not_before)
+                crossed = self.shaper.take(len(piece), not_before)
             if first is None:
-                first, first_bytes = time.perf_counter() - start, len(piece)
+                first = (time.perf_counter() - start, len(piece), crossed - start)
             body.feed(piece)
             if body.full:
                 break
             if deadline.expired():
                 raise self._late(what, deadline)
-        return body, first, first_bytes
+        return body, first
 
     def _late(self, what: str, deadline: Deadline) -> DeadlineExceeded:
         return DeadlineExceeded(f"{what}: the server at {self.base_url} did not answer within "

@@ -362,6 +362,36 @@ def test_a_cancelled_ask_stops_within_one_unit_and_frees_its_memory(world, tmp_p
         svc.close()
 
 
+def test_a_warmed_service_makes_no_step_cost_model_inside_its_first_ask(world, tmp_path,
+                                                                        monkeypatch):
+    """``AskService.warm`` (the service's start) makes the edge's step-cost model; the first ask,
+    on its own thread, finds it made and measures nothing inside its time to the first token."""
+    from sparkv.asks import AskRequest, AskService
+    from sparkv.device import ContextService
+    from sparkv.device.owners import ContextOwners
+    from sparkv.edge import planning
+    from sparkv.edge.options import AskOptions
+    from sparkv.runtime.model import load_model
+
+    made: list[str] = []
+    load = planning._load_cost_model
+    monkeypatch.setattr(planning, "_COST_MODELS", {})
+    monkeypatch.setattr(planning, "_load_cost_model",
+                        lambda lm: made.append(threading.current_thread().name) or load(lm))
+    lm = load_model(str(shared_tiny_checkpoint()), progress=False)
+    svc = ContextService(lm, 200_000_000, tmp_path / "svc")
+    asks = AskService(svc, ContextOwners(), slots=1, queue=1)
+    try:
+        assert asks.warm() > 0 and made == [threading.current_thread().name]
+        opts = AskOptions(strategy="sparkv", max_new_tokens=2, keep=False)
+        done = asks.ask("user", AskRequest(world["srv"].url, world["ctx"]["a"], "What is it?",
+                                           world["key"], opts), GUARD_S)
+        assert done["type"] == "done" and len(made) == 1, (done, made)
+    finally:
+        asks.close()
+        svc.close()
+
+
 # ---- OpenAI-compatible: the unchanged openai package against the running service ------------------
 def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world):
     openai = pytest.importorskip("openai")

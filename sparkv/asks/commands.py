@@ -13,6 +13,7 @@ it adds ``device ask``."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any, Callable
@@ -21,6 +22,8 @@ from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
 from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.linkplan import LINK_PLANS
 from sparkv.cliflags import STRATEGY_NAMES, context_id, positive_int, server_url
+
+log = logging.getLogger("sparkv.asks")
 
 __all__ = ["register", "install"]
 
@@ -101,6 +104,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
                       core_order=args.ask_core_order, link_plan=args.ask_link_plan,
                       batch=args.ask_batch == "on", decode_batch=args.ask_decode_batch)
+    log.info("sparkv device: the asks' step-cost model made in %.2f s", asks.warm())
     app.state.asks = asks
     app.include_router(asks_router)
     app.include_router(chat_router)

@@ -178,6 +178,18 @@ class AskService:
         self.eos = eos_ids(self.lm)
         forward.install(self.lm.model)
 
+    def warm(self) -> float:
+        """Makes now, at the service's start, what its first ask would otherwise make inside its
+        time to the first token: the edge's step-cost model of the service's model
+        (:func:`~sparkv.edge.planning.device_cost_model`, made once per process: the model's
+        steps measured when no ``sparkv profile`` matches, ~0.8 s on a 2-core CPU; docs/asks.md,
+        "A fresh service's first ask"). Returns the seconds it took."""
+        from sparkv.edge.planning import device_cost_model
+
+        t0 = time.perf_counter()
+        device_cost_model(self.lm)
+        return time.perf_counter() - t0
+
     # ---- the API ---------------------------------------------------------------------------
     def submit(self, app: str, request: AskRequest) -> AskTicket:
         """Starts an ask for ``app`` (running, or waiting for a slot); raises ``QueueFull`` when

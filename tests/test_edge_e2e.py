@@ -188,6 +188,55 @@ def test_a_first_ask_over_a_slow_link_re_plans_at_its_rate(served):
     assert res.tokens == ref
 
 
+class AloneLane:
+    """A device service's lane (sparkv.edge.lane.Lane) for an ask alone on the device: the
+    cores at once, no other ask's bytes ahead of it on the link."""
+
+    def hold(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def run_step(self, stepper, step):
+        return stepper.run_step(step)
+
+    def check(self) -> None:
+        pass
+
+    def load(self) -> float:
+        return 1.0
+
+    def first(self) -> bool:
+        return True
+
+    def link_turn(self, pending_bytes: float):
+        from sparkv.edge.lane import LinkTurn
+
+        return LinkTurn(0.0, True)
+
+    def attach(self, memory) -> None:
+        pass
+
+
+def test_a_device_services_ask_alone_on_a_slow_link_re_plans_too(served):
+    """An ask on a lane (a device service's, here alone on the device) re-plans at the rate it
+    measured as an app's own ask does: a fresh service plans its first asks with the default
+    prior (measured: a 10 Mbit/s link's N = 1 asks took 3.3-3.7 s with it, 4.0-5.1 s without;
+    docs/asks.md, "A re-plan at the measured rate")."""
+    lm = served["lm"]
+    ref = _reference(lm, served["docs"]["b"], QUESTIONS[1])
+    session = _session(served["server"].url, lm, mbps=5.0)
+    try:
+        res = session.ask(served["cids"]["b"], QUESTIONS[1], level="raw", backend="dense",
+                          max_new_tokens=NEW, use_cache=False, lane=AloneLane())
+    finally:
+        session.close()
+    replan = res.plan.info["replan"]
+    assert replan["taken"] and replan["measured_mbps"] * 1.5 < replan["planned_mbps"]
+    assert [m.direction for m in res.load.migrations].count("replan") == 1
+    assert res.tokens == ref
+
+
 def test_a_session_that_learned_a_slow_link_never_reads_it_as_fast(served, monkeypatch):
     """A session that learned a slow link plans to compute nearly everything, and the controller
     hands the idle link work as the compute path falls behind. The rate it plans the link with

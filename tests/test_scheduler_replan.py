@@ -94,6 +94,20 @@ def test_a_link_that_meets_the_plan_is_judged_and_left_alone(inst, mbps):
     assert tl.ttft_s == without.ttft_s and tl.steps == without.steps
 
 
+def test_a_load_with_other_asks_bytes_ahead_on_its_link_is_left_to_its_plan(inst):
+    """A device service's ask far back on the shared link (``ahead_bytes``: the link plan's
+    bytes of the asks before it) measures the others' share, not the link: its verdict is no,
+    and the planner is never called; the same ask alone on the link re-plans."""
+    planner = Counting()
+    plan = Counting()._plan(inst)
+    ctl = Controller(plan, inst, ControllerConfig(), planner=planner)
+    ctl.state.link_estimator.ahead_bytes = 4e6
+    simulate(plan, inst, Trace.constant(10.0), controller=ctl)
+    assert planner.rates == [] and ctl.replanned is not None and not ctl.replanned["taken"]
+    alone, ctl_alone = _run(inst, Counting(), Trace.constant(10.0))
+    assert ctl_alone.replanned["taken"]
+
+
 def test_a_planner_that_fails_leaves_the_load_to_its_plan(inst):
     planner = Counting(fail=True)
     tl, ctl = _run(inst, planner, Trace.constant(10.0))

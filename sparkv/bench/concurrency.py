@@ -217,6 +217,8 @@ def _point(strategy: str, n: int, batch: dict[str, Any], args: argparse.Namespac
             "streamed": [d["stats"]["chunks_streamed"] for d in done],
             "computed": [d["stats"]["chunks_computed"] for d in done],
             "fallback": [d["stats"]["fallback"] for d in done],
+            # each ask's re-plan at the measured link rate (``None``: none judged; ``taken``)
+            "replan": [d["stats"].get("replan") for d in done],
             "busy_s": [{k: round(float(d["stats"].get(k, 0.0)), 3) for k in BUSY_KEYS}
                        for d in done],
             "rss_peak_mb": batch["rss_peak_bytes"] / 2**20,

@@ -765,9 +765,10 @@ class EdgeSession:
                       prelude=pre if reuse else None,
                       prelude_done=planned.prelude_done if reuse else frozenset(),
                       deadline_s=_time_left(ask, limit), lane=ask.lane,
-                      # alone on its link: the re-plan at the measured rate (a lane's link is
-                      # shared, its rate planned by the device's link plan: sparkv.asks)
-                      planner=replanner(planned.strategy) if ask.lane is None else None)
+                      # the re-plan at the measured rate; on a lane (a device service's ask)
+                      # only while no other ask's bytes are ahead of it on the link
+                      # (``LinkEstimator.ahead_bytes``: the controller's guard)
+                      planner=replanner(planned.strategy))
 
     def _begin(self, ask: _Ask, fetched: FetchedContext, planned: _Planned) -> Engine | None:
         """On the plan's thread, once the plan is made: the load's engine with its link started,

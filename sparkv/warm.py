@@ -11,39 +11,17 @@ test suite's workers) compile the same kernel side by side.
 
 ``deploy/setup.sh`` runs ``sparkv warm`` once after installing, so no ask pays a compile; run it
 yourself after ``pip install`` or an upgrade. Each kernel family's warm-up is a small call with
-the argument types production passes (:data:`FAMILIES`); a kernel already in the cache loads.
+the argument types production passes (:data:`sparkv.kernels.FAMILIES`); a kernel already in
+the cache loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import time
-from typing import Callable
 
-__all__ = ["FAMILIES", "compile_kernels", "register"]
+from sparkv.kernels import warm_kernels
 
-#: kernel family -> the module whose ``warm_up()`` compiles it (the order ``sparkv warm`` runs)
-FAMILIES: dict[str, str] = {
-    "codec (quantize, Huffman)": "sparkv.codec.warm",
-    "paged attention (fp, int8, int4, int2 pages)": "sparkv.cache.qattend",
-    "dense fill (device working memory)": "sparkv.device.dequant",
-    "DynaKV clustering": "sparkv.decode.kmeans",
-    "DynaKV fused attention": "sparkv.decode.fused",
-}
-
-
-def compile_kernels(report: Callable[[str, float], None] | None = None) -> dict[str, float]:
-    """Compiles (or loads from numba's cache) every family of :data:`FAMILIES`, in order;
-    returns each family's seconds and calls ``report(family, seconds)`` after each."""
-    took: dict[str, float] = {}
-    for family, module in FAMILIES.items():
-        t0 = time.perf_counter()
-        importlib.import_module(module).warm_up()
-        took[family] = time.perf_counter() - t0
-        if report is not None:
-            report(family, took[family])
-    return took
+__all__ = ["register"]
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -56,6 +34,6 @@ def _warm(args: argparse.Namespace) -> int:
     def report(family: str, seconds: float) -> None:
         print(f"warm: {family:<46} {seconds:6.1f} s", flush=True)
 
-    took = compile_kernels(report)
+    took = warm_kernels(report=report)
     print(f"warm: every kernel is in numba's cache ({sum(took.values()):.1f} s)")
     return 0

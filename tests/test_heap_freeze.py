@@ -75,6 +75,24 @@ def test_settle_freezes_only_in_a_commands_own_process():
     assert out == "0 True", out
 
 
+def test_settle_runs_the_kernel_families_it_is_given():
+    """An edge command settles with the codec's kernels alone; a device service with every
+    family (its first switch from flash otherwise loaded the dense fill's: 0.47-0.56 s against
+    0.15 s, docs/device-service.md)."""
+    out = _run("""
+        from sparkv.kernels import FAMILIES
+        from sparkv.runtime import heap
+
+        heap.own_process()
+        heap.settle()
+        import sparkv.device.dequant as dq
+        before = len(dq._records_into.signatures)
+        heap.settle(tuple(FAMILIES))
+        print(before, len(dq._records_into.signatures) > 0)
+    """)
+    assert out == "0 True", out
+
+
 def test_a_freed_working_memory_is_reused_not_mapped_again():
     """keep_freed_memory: a working memory's layers (3.2 MB tensors) freed and made again come
     back in pages already faulted in (few new page faults), whatever the process freed before

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parent.parent / "sparkv"
 #: 3 services, 4 entry points); the decimals order the parts within a layer.
 LAYERS = {
     "__init__": 0.0, "lazy": 0.0, "errors": 0.0, "extras": 0.05, "generation": 0.0, "layout": 0.1, "tables": 0.1, "fileio": 0.1, "launch": 0.1,
-    "cliflags": 0.1, "logs": 0.1,
+    "cliflags": 0.1, "logs": 0.1, "kernels": 0.1,
     "protocol": 1.0, "rest": 1.5,
     "codec": 2.0, "cache": 2.1, "runtime": 2.2, "scheduler": 2.3, "predictor": 2.4,
     "presses": 2.5, "decode": 2.6,

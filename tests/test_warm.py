@@ -1,5 +1,6 @@
-"""``sparkv warm`` (sparkv/warm.py): every cached numba kernel sparkv defines is compiled (or
-loaded from numba's cache) by the warm-up, so a kernel added without one fails here."""
+"""``sparkv warm`` (sparkv/warm.py, over sparkv/kernels.py): every cached numba kernel sparkv
+defines is compiled (or loaded from numba's cache) by the warm-up, so a kernel added without one
+fails here."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import importlib
 import importlib.util
 import pkgutil
 
+import pytest
+
 import sparkv
-from sparkv.warm import FAMILIES, compile_kernels
+from sparkv.kernels import FAMILIES, warm_kernels
 
 #: cached kernels only other kernels call (compiled with their caller; loaded from the cache,
 #: their caller's machine code holds them and they list no signature of their own)
@@ -42,9 +45,19 @@ def test_the_warm_up_compiles_every_cached_kernel():
     assert "sparkv.cache.qattend._attend" in kernels and "sparkv.codec.huffman._decode_serial" \
         in kernels, sorted(kernels)
     seen: list[str] = []
-    took = compile_kernels(lambda family, s: seen.append(family))
+    took = warm_kernels(report=lambda family, s: seen.append(family))
     assert seen == list(FAMILIES) == list(took)
     missing = sorted(name for name, k in kernels.items()
                      if not k.signatures and name not in CALLED_BY_KERNELS)
     assert set(CALLED_BY_KERNELS.values()) <= set(kernels) - set(missing)
     assert not missing, f"kernels no warm-up compiles (add a call to a warm_up()): {missing}"
+
+
+def test_a_chosen_family_alone_and_an_unknown_one_refused():
+    """A device service warms every family, an edge command the codec's alone
+    (``sparkv.runtime.heap.settle``); a name that is no family is an error, not a no-op."""
+    from sparkv.kernels import CODEC
+
+    assert list(warm_kernels([CODEC])) == [CODEC]
+    with pytest.raises(KeyError):
+        warm_kernels(["no such family"])

@@ -281,6 +281,7 @@ def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: lis
     its closer runs once the app stopped."""
     from sparkv.device.app import create_app
     from sparkv.device.identity import app_key
+    from sparkv.kernels import FAMILIES
     from sparkv.rest.listen import serve
     from sparkv.rest.limits import BodyLimits
     from sparkv.runtime.heap import settle
@@ -289,7 +290,9 @@ def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: lis
                      limits=BodyLimits(args.max_body_bytes, args.body_timeout_s))
     extend = getattr(args, "extend_app", None)
     close = extend(app, service, args) if extend is not None else None
-    frozen = settle()
+    # every kernel family: the service's first context switch would otherwise load the dense
+    # fill's (0.32 s against 0.03-0.04 s for the next ones, measured here: docs/device-service.md)
+    frozen = settle(tuple(FAMILIES))
     log.debug("sparkv device: %d objects out of the collector's full collections", frozen)
     try:
         serve(app, sockets, header_timeout_s=args.header_timeout_s, log_level="warning")

@@ -19,7 +19,9 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-from typing import Any
+from typing import Any, Sequence
+
+from sparkv.kernels import CODEC, warm_kernels
 
 __all__ = ["freeze_heap", "keep_freed_memory", "own_process", "owns_process", "settle",
            "trim_heap"]
@@ -96,19 +98,18 @@ def owns_process() -> bool:
     return _OWN_PROCESS
 
 
-def settle() -> int:
+def settle(families: Sequence[str] = (CODEC,)) -> int:
     """What a command that holds one model for the process's whole life runs once the model is
-    loaded, before its first ask: the codec's compiled kernels once
-    (:func:`sparkv.codec.warm.warm_up`, whose first call imports and compiles), then
-    :func:`freeze_heap`. Does nothing (returns 0) unless the process is the command's own
-    (:func:`own_process`): a frozen object in a reference cycle is never freed, which a
-    process that goes on after the command (a test run) cannot afford; nor does it change the
-    C heap's thresholds (:func:`keep_freed_memory`), which it does for the command's process.
-    Returns how many objects are frozen."""
+    loaded, before its first ask: the compiled kernels of ``families`` once
+    (:func:`sparkv.kernels.warm_kernels`; default the codec's, whose first call imports and
+    compiles; a device service runs every family, its first context switch otherwise paid the
+    dense fill's), then :func:`freeze_heap`. Does nothing (returns 0) unless the process is the
+    command's own (:func:`own_process`): a frozen object in a reference cycle is never freed,
+    which a process that goes on after the command (a test run) cannot afford; nor does it
+    change the C heap's thresholds (:func:`keep_freed_memory`), which it does for the command's
+    process. Returns how many objects are frozen."""
     if not owns_process():
         return 0
-    from sparkv.codec.warm import warm_up
-
-    warm_up()
+    warm_kernels(families)
     keep_freed_memory()
     return freeze_heap()

@@ -455,6 +455,7 @@ def test_the_load_starts_by_the_first_plan_and_takes_the_full_one_when_ready(ser
 
 
 @pytest.mark.parametrize("replanned, why", [({"taken": True}, "re-planned"),
+                                             ({"taken": False}, "load done"),
                                              (None, "load done")])
 def test_a_full_plan_the_load_refuses_is_recorded_as_not_taken(monkeypatch, replanned, why):
     """The rule takes the full plan, but the running load refuses it (it re-planned at the

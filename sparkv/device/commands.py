@@ -290,8 +290,9 @@ def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: lis
                      limits=BodyLimits(args.max_body_bytes, args.body_timeout_s))
     extend = getattr(args, "extend_app", None)
     close = extend(app, service, args) if extend is not None else None
-    # every kernel family: the service's first context switch would otherwise load the dense
-    # fill's (0.32 s against 0.03-0.04 s for the next ones, measured here: docs/device-service.md)
+    # every kernel family: a restarted service's first switch from flash otherwise loaded the
+    # dense fill's (0.47-0.56 s against 0.15 s; docs/device-service.md, "A restarted service's
+    # first switch")
     frozen = settle(tuple(FAMILIES))
     log.debug("sparkv device: %d objects out of the collector's full collections", frozen)
     try:

@@ -273,7 +273,8 @@ def _judged_full(planned: _Planned) -> Plan | None:
 
 def _refused_why(engine: Engine) -> str:
     """Why a load refused a full plan handed over to it (:meth:`Engine.adopt`)."""
-    return "re-planned" if engine.ctl.replanned is not None else "load done"
+    replanned = engine.ctl.replanned
+    return "re-planned" if replanned is not None and replanned["taken"] else "load done"
 
 
 def _in_full(planned: _Planned) -> _Planned:

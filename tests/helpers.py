@@ -222,3 +222,33 @@ def self_signed_cert(tmp: Path) -> tuple[Path, Path]:
                                            serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
     return cert_path, key_path
+
+
+class AloneLane:
+    """A lane (sparkv.edge.lane.Lane) of an ask alone on a device service: the cores at once, no
+    other ask's bytes ahead of it on the link."""
+
+    def hold(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def run_step(self, stepper: Any, step: Any) -> Any:
+        return stepper.run_step(step)
+
+    def check(self) -> None:
+        pass
+
+    def load(self) -> float:
+        return 1.0
+
+    def first(self) -> bool:
+        return True
+
+    def attach(self, memory: Any) -> None:
+        pass
+
+    def link_turn(self, pending_bytes: float) -> Any:
+        from sparkv.edge.lane import LinkTurn
+
+        return LinkTurn(0.0, True)

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from helpers import AloneLane
 from sparkv.edge import EdgeSession, LinkShaper, chat_context, question_suffix
 from sparkv.runtime.attention import BlockSparseAttention, SparsityConfig
 from sparkv.runtime.generate import (greedy_agreement, reference_generate,
@@ -186,36 +187,6 @@ def test_a_first_ask_over_a_slow_link_re_plans_at_its_rate(served):
     assert [m.direction for m in res.load.migrations].count("replan") == 1
     assert res.breakdown.replan == replan and "re-planned" in res.breakdown.table()
     assert res.tokens == ref
-
-
-class AloneLane:
-    """A device service's lane (sparkv.edge.lane.Lane) for an ask alone on the device: the
-    cores at once, no other ask's bytes ahead of it on the link."""
-
-    def hold(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def run_step(self, stepper, step):
-        return stepper.run_step(step)
-
-    def check(self) -> None:
-        pass
-
-    def load(self) -> float:
-        return 1.0
-
-    def first(self) -> bool:
-        return True
-
-    def link_turn(self, pending_bytes: float):
-        from sparkv.edge.lane import LinkTurn
-
-        return LinkTurn(0.0, True)
-
-    def attach(self, memory) -> None:
-        pass
 
 
 def test_a_device_services_ask_alone_on_a_slow_link_re_plans_too(served):

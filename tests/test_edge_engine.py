@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from helpers import raw_world
+from helpers import AloneLane, raw_world
 
 from sparkv.edge.engine import Engine, EngineConfig
 from sparkv.edge.results import TransferStatus
@@ -681,7 +681,7 @@ def test_an_engine_without_a_link_never_migrates_to_it(world):
     assert all(m.direction != "to_stream" and m.direction != "probe" for m in load.migrations)
 
 
-class TurnLane:
+class TurnLane(AloneLane):
     """A lane (sparkv.edge.lane.Lane) whose link turn stays refused until :attr:`go` is set:
     what a device service's link plan says to an ask far back on the link. It counts the turns
     asked for and the requests the source had opened when the turn came."""
@@ -694,23 +694,6 @@ class TurnLane:
         self.pending: list[float] = []
         self.opened_while_refused: int | None = None
         self._lock = threading.Lock()
-
-    def hold(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def check(self) -> None:
-        pass
-
-    def load(self) -> float:
-        return 1.0
-
-    def first(self) -> bool:
-        return True
-
-    def attach(self, memory) -> None:
-        pass
 
     def link_turn(self, pending_bytes: float):
         from sparkv.edge.lane import LinkTurn

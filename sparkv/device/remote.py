@@ -72,17 +72,8 @@ class RemoteSource(Protocol):
 
 
 class Download(Protocol):
-    """A shaped download's timings (the edge's ``Fetched``): bytes on the wire, seconds, and
-    the link's rate while it came (``None``: too short to tell)."""
-
-    @property
-    def wire_bytes(self) -> int: ...
-
-    @property
-    def seconds(self) -> float: ...
-
-    @property
-    def first_byte_s(self) -> float: ...
+    """What :class:`ServerStream` reads of a shaped download (the edge's ``Fetched``): the
+    link's rate while it came (``None``: too short to tell)."""
 
     def rate_Bps(self) -> float | None: ...  # noqa: N802
 

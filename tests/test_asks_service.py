@@ -361,11 +361,14 @@ def test_a_cancelled_ask_stops_within_one_unit_and_frees_its_memory(world, tmp_p
         svc.close()
 
 
-def test_a_warmed_service_makes_no_step_cost_model_inside_its_first_ask(world, tmp_path,
-                                                                        monkeypatch):
-    """``AskService.warm`` (the service's start) makes the edge's step-cost model; the first ask,
-    on its own thread, finds it made and measures nothing inside its time to the first token."""
+def test_a_warmed_service_makes_no_step_cost_model_or_client_inside_its_first_ask(
+        world, tmp_path, monkeypatch):
+    """``AskService.warm`` (the service's start) makes the edge's step-cost model and the default
+    server's client; the first ask, on its own thread, finds both made and measures nothing
+    inside its time to the first token. A default server no client can address is said then,
+    not in every ask."""
     from sparkv.asks import AskRequest, AskService
+    from sparkv.asks.service import BadServerUrl
     from sparkv.device import ContextService
     from sparkv.device.owners import ContextOwners
     from sparkv.edge import planning
@@ -379,13 +382,22 @@ def test_a_warmed_service_makes_no_step_cost_model_inside_its_first_ask(world, t
                         lambda lm: made.append(threading.current_thread().name) or load(lm))
     lm = load_model(str(shared_tiny_checkpoint()), progress=False)
     svc = ContextService(lm, 200_000_000, tmp_path / "svc")
-    asks = AskService(svc, ContextOwners(), slots=1, queue=1)
+    asks = AskService(svc, ContextOwners(), slots=1, queue=1,
+                      default_server=world["srv"].url + "/", default_api_key=world["key"])
     try:
         assert asks.warm() > 0 and made == [threading.current_thread().name]
+        clients = dict(asks._clients)
+        assert list(clients) == [(world["srv"].url, world["key"])]
         opts = AskOptions(strategy="sparkv", max_new_tokens=2, keep=False)
         done = asks.ask("user", AskRequest(world["srv"].url, world["ctx"]["a"], "What is it?",
                                            world["key"], opts), GUARD_S)
         assert done["type"] == "done" and len(made) == 1, (done, made)
+        assert asks._clients == clients           # the ask took the warmed client
+        bad = AskService(svc, ContextOwners(), slots=1, queue=1,
+                         default_server="http://xn--a.com:80")
+        with pytest.raises(BadServerUrl, match="not a server URL"):
+            bad.warm()
+        bad.close()
     finally:
         asks.close()
         svc.close()

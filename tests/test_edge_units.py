@@ -57,16 +57,18 @@ def test_unlimited_shaper_never_waits():
     assert sh.waited_s == 0.0 and not sh.active and sh.rtt() == 0.0
 
 
-def test_chunk_sources_share_one_tls_context(monkeypatch):
-    """httpx builds a verifying TLS context (the CA bundle loaded: 25-30 ms of CPU) for every
-    client it makes; each load's chunk source makes one, beside the load's first layer steps.
-    The sources share the process's one context instead (the lean client's and httpx's), still
-    a verifying one."""
+def test_chunk_sources_and_server_clients_share_one_tls_context(monkeypatch):
+    """httpx builds a verifying TLS context (the CA bundle loaded: 20-30 ms of CPU) for every
+    client it makes; each load's chunk source makes one, beside the load's first layer steps,
+    and a device service makes a server client inside its first ask to each server. The
+    sources and the clients share the process's one context instead (the lean client's and
+    httpx's), still a verifying one."""
     import ssl
 
     import httpx
 
-    from sparkv.edge import http_source
+    from sparkv.edge import bounds
+    from sparkv.edge.client import EdgeClient
     from sparkv.edge.http_source import HttpChunkSource
 
     built: list[ssl.SSLContext] = []
@@ -77,16 +79,19 @@ def test_chunk_sources_share_one_tls_context(monkeypatch):
         return built[-1]
 
     monkeypatch.setattr(httpx, "create_ssl_context", counting)
-    http_source._tls_context.cache_clear()
+    bounds.tls_context.cache_clear()
     try:
         sources = [HttpChunkSource("https://127.0.0.1:9", "c" * 16) for _ in range(3)]
         for s in sources:
             s._http()                                  # a proxied link's httpx client
             assert s._wire().endpoint.tls is built[0]  # the lean client's connections
+        clients = [EdgeClient(f"https://127.0.0.{i}:9") for i in (1, 2)]
+        for c in clients:
+            c.close()
         assert len(built) == 1
         assert built[0].verify_mode == ssl.CERT_REQUIRED and built[0].check_hostname
     finally:
-        http_source._tls_context.cache_clear()
+        bounds.tls_context.cache_clear()
 
 
 def test_a_download_rate_leaves_out_its_first_read():

@@ -104,7 +104,13 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
                       core_order=args.ask_core_order, link_plan=args.ask_link_plan,
                       batch=args.ask_batch == "on", decode_batch=args.ask_decode_batch)
-    log.info("sparkv device: the asks' step-cost model made in %.2f s", asks.warm())
+    try:
+        took = asks.warm()
+    except SparkvError as e:      # an --ask-server no client can reach: said now, not per ask
+        asks.close()
+        raise SparkvError(f"--ask-server: {e}") from None
+    log.info("sparkv device: the asks warmed (step-cost model, chat template, server client) "
+             "in %.2f s", took)
     app.state.asks = asks
     app.include_router(asks_router)
     app.include_router(chat_router)

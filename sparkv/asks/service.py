@@ -180,14 +180,23 @@ class AskService:
 
     def warm(self) -> float:
         """Makes now, at the service's start, what its first ask would otherwise make inside its
-        time to the first token: the edge's step-cost model of the service's model
-        (:func:`~sparkv.edge.planning.device_cost_model`, made once per process: the model's
-        steps measured when no ``sparkv profile`` matches, ~0.8 s on a 2-core CPU; docs/asks.md,
-        "A fresh service's first ask"). Returns the seconds it took."""
+        time to the first token (docs/asks.md, "A fresh service's first ask"): the edge's
+        step-cost model of the service's model (:func:`~sparkv.edge.planning.device_cost_model`,
+        made once per process: the model's steps measured when no ``sparkv profile`` matches,
+        ~0.8 s on a 2-core CPU), the tokenizer's compiled chat template (~45 ms) and the client
+        of the default server (``--ask-server``; ~35 ms, most of it the process's one TLS
+        context, :func:`~sparkv.edge.bounds.tls_context`, which a client of another server then
+        shares). Returns the seconds it took."""
+        from sparkv.edge.bounds import tls_context
         from sparkv.edge.planning import device_cost_model
+        from sparkv.edge.prompts import question_suffix
 
         t0 = time.perf_counter()
         device_cost_model(self.lm)
+        question_suffix(self.lm, "?")
+        tls_context()
+        if self.default_server is not None:
+            self._client(self.default_server, self.default_api_key)
         return time.perf_counter() - t0
 
     # ---- the API ---------------------------------------------------------------------------

@@ -130,7 +130,11 @@ class EdgeClient:
                 transport=deadline_transport(self._backend))
         except httpx.InvalidURL as e:   # a host IDNA refuses, a port out of range, ...
             raise ValueError(f"not a server URL: {server_url!r} ({e})") from None
-        _check_host(self._http.base_url.host, server_url)
+        try:
+            _check_host(self._http.base_url, server_url)
+        except ValueError:
+            self._http.close()
+            raise
         self._manifests: dict[str, Manifest] = {}
         self._tokens: dict[str, list[int]] = {}
         #: the last shaped download of at least 64 KiB (what the link did then; not an estimator)
@@ -509,12 +513,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def _check_host(host: str, server_url: str) -> None:
-    """A :class:`ValueError` for a host no resolver takes: a label over 63 characters or empty
-    (the IDNA codec refuses it only when the first connection resolves it, mid-ask)."""
-    if host.startswith("[") or not host:
-        return
+def _check_host(url: httpx.URL, server_url: str) -> None:
+    """A :class:`ValueError` for a host no resolver takes: an ``xn--`` label that is no IDNA
+    (``httpx`` raises decoding it), a label over 63 characters or empty (the IDNA codec refuses
+    it only when the first connection resolves it, mid-ask)."""
     try:
+        host = url.host
+        if host.startswith("[") or not host:
+            return
         host.encode("idna")
     except UnicodeError as e:
         raise ValueError(f"not a server URL: {server_url!r} ({e})") from None

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import json
 import math
-import ssl
 import time
 import urllib.request
-from functools import lru_cache
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 import httpx
 
-from sparkv.edge.bounds import answer_error, refuses_credentials
+from sparkv.edge.bounds import answer_error, refuses_credentials, tls_context
 from sparkv.edge.shaper import LinkShaper
 from sparkv.edge.transport import ChunkStream, FetchItem, SourceError
 from sparkv.edge.wire import ConnectionPool, Endpoint, Preconnect, Response, WireError
@@ -83,14 +81,14 @@ class HttpChunkSource:
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(
-                headers=self.headers, verify=_tls_context(),
+                headers=self.headers, verify=tls_context(),
                 timeout=httpx.Timeout(self.read_timeout_s, connect=self.connect_timeout_s),
                 limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
         return self._client
 
     def _wire(self) -> ConnectionPool:
         if self._pool is None:
-            self._pool = ConnectionPool(Endpoint.of(self.url, _tls_context),
+            self._pool = ConnectionPool(Endpoint.of(self.url, tls_context),
                                         connect_timeout_s=self.connect_timeout_s,
                                         head_timeout_s=self.read_timeout_s, ahead=self._ahead)
             self._ahead = None
@@ -169,7 +167,7 @@ def preconnect(base_url: str, connect_timeout_s: float) -> Preconnect | None:
     try:
         if proxied(base_url):
             return None
-        return Preconnect(Endpoint.of(base_url, _tls_context), connect_timeout_s)
+        return Preconnect(Endpoint.of(base_url, tls_context), connect_timeout_s)
     except ValueError:
         return None
 
@@ -183,14 +181,6 @@ def proxied(url: str) -> bool:
         return False
     host = urlsplit(url).netloc
     return not urllib.request.proxy_bypass(host)
-
-
-@lru_cache(maxsize=1)
-def _tls_context() -> ssl.SSLContext:
-    """The default verifying TLS context, made once per process: httpx builds one per client
-    (loading the CA bundle: 25-30 ms of CPU, measured in every load's link thread here, beside
-    the load's first layer steps, even for plain HTTP)."""
-    return httpx.create_ssl_context()
 
 
 async def _error_body(resp: httpx.Response, limit: int = ERROR_BYTES) -> bytes:

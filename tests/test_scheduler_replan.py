@@ -74,7 +74,7 @@ def test_a_link_far_below_the_plan_re_plans_once_at_its_rate(inst):
     known = simulate(Counting()._plan(known_inst), known_inst, Trace.constant(10.0),
                      controller=ControllerConfig())
     assert planner.rates == [pytest.approx(10 * MBIT, rel=0.02)]
-    assert ctl.replanned is not None and ctl.replanned["taken"]
+    assert ctl.replanned is not None and ctl.replanned["taken"] and "kept" not in ctl.replanned
     assert 0.3 <= ctl.replanned["time_s"] < 0.5
     assert [m.direction for m in ctl.migrations].count("replan") == 1
     assert ctl.plan.info["replan"]["measured_mbps"] == pytest.approx(10.0, rel=0.02)
@@ -91,6 +91,7 @@ def test_a_link_that_meets_the_plan_is_judged_and_left_alone(inst, mbps):
     without, _ = _run(inst, None, Trace.constant(mbps))
     assert planner.rates == []
     assert ctl.replanned is not None and not ctl.replanned["taken"]
+    assert ctl.replanned["kept"] == "link not slower"
     assert tl.ttft_s == without.ttft_s and tl.steps == without.steps
 
 
@@ -104,8 +105,25 @@ def test_a_load_with_other_asks_bytes_ahead_on_its_link_is_left_to_its_plan(inst
     ctl.state.link_estimator.ahead_bytes = 4e6
     simulate(plan, inst, Trace.constant(10.0), controller=ctl)
     assert planner.rates == [] and ctl.replanned is not None and not ctl.replanned["taken"]
+    assert ctl.replanned["kept"] == "others' bytes ahead"
     alone, ctl_alone = _run(inst, Counting(), Trace.constant(10.0))
     assert ctl_alone.replanned["taken"]
+
+
+def test_the_breakdown_says_a_re_plan_and_a_refused_one_but_not_a_link_that_kept_up():
+    """The ask's table names the verdict when it matters: a re-plan taken, or one a slow link
+    called for and the load refused (why); a link that met its plan adds no row."""
+    from sparkv.edge.answer import Breakdown
+
+    verdict = {"time_s": 0.32, "measured_mbps": 9.8, "planned_mbps": 50.0}
+    taken = Breakdown("sparkv", 1.0, replan={**verdict, "taken": True}).table()
+    assert "re-planned" in taken and "not re-planned" not in taken and "9.8 Mbit/s" in taken
+    ahead = Breakdown("sparkv", 1.0, replan={**verdict, "taken": False,
+                                              "kept": "others' bytes ahead"}).table()
+    assert "not re-planned" in ahead and "others' bytes ahead" in ahead
+    kept_up = Breakdown("sparkv", 1.0, replan={**verdict, "measured_mbps": 45.0, "taken": False,
+                                                "kept": "link not slower"}).table()
+    assert "re-planned" not in kept_up
 
 
 def test_a_planner_that_fails_leaves_the_load_to_its_plan(inst):

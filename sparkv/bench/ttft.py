@@ -470,7 +470,7 @@ def simulated_load_s(res: Any, strategy: str, controller: Any, trace: Any, inst:
     from sparkv.scheduler.controller import Controller
     from sparkv.scheduler.simulator import simulate
 
-    replanned = bool(res.breakdown.replan) and res.started_by is not None
+    replanned = bool((res.breakdown.replan or {}).get("taken")) and res.started_by is not None
     plan = res.started_by if replanned else res.plan
     ctl = Controller(plan, inst, controller, planner=replanner(strategy) if replanned else None)
     return simulate(plan, sim_inst if sim_inst is not None else inst, trace,

@@ -39,8 +39,9 @@ class Breakdown:
     fallback: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)   # DecodeStats of a decode policy
     prelude_steps: int = 0          # layer steps computed before the plan (sparkv.edge.prelude)
-    #: the load's re-plan at the measured link rate, when it took one (``time_s``,
-    #: ``measured_mbps``, ``planned_mbps``: docs/scheduler.md, "A re-plan at the measured rate")
+    #: the load's verdict on a re-plan at the measured link rate (``time_s``, ``measured_mbps``,
+    #: ``planned_mbps``, ``taken``; not taken: ``kept``, why, or the planner's ``error``;
+    #: ``None``: none was judged; docs/scheduler.md, "A re-plan at the measured rate")
     replan: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -62,10 +63,8 @@ class Breakdown:
               f" ({self.steps_computed} layer steps"
               + (f", {self.prelude_steps} before the plan" if self.prelude_steps else "") + ")"),
              ("controller migrations", f"{self.migrations}")]
-        if self.replan:
-            r.append(("re-planned", f"at {self.replan['time_s']:.2f} s for the "
-                      f"{self.replan['measured_mbps']:.3g} Mbit/s measured (planned for "
-                      f"{self.replan['planned_mbps']:.3g})"))
+        if self.replan and self.replan.get("kept") != "link not slower":
+            r.append(self._replan_row(self.replan))
         if self.levels:
             r.append(("levels streamed", ", ".join(f"{k} x{v}" for k, v in self.levels.items())))
         if self.decode:
@@ -76,6 +75,14 @@ class Breakdown:
             r.append(("FELL BACK to local compute", "; ".join(f"{k}: {v}"
                                                            for k, v in self.fallback.items())))
         return r
+
+    @staticmethod
+    def _replan_row(v: dict[str, Any]) -> tuple[str, str]:
+        rates = (f"at {v['time_s']:.2f} s for the {v['measured_mbps']:.3g} Mbit/s measured "
+                 f"(planned for {v['planned_mbps']:.3g})")
+        if v.get("taken"):
+            return "re-planned", rates
+        return "not re-planned", f"{rates}: {v.get('kept') or v.get('error')}"
 
     def table(self) -> str:
         w = max(len(a) for a, _ in self.rows())

@@ -79,6 +79,9 @@ class LoadResult:
         decode_ratio: the decoders' busy time over the instance's predicted decode time
             (``t_proc`` at each frame's level) of the frames they decoded: what the session
             learns as its decode scale; ``decode_samples`` such frames (0: nothing to say).
+        replan: the controller's verdict on a re-plan at the measured link rate
+            (:attr:`Controller.replanned <sparkv.scheduler.controller.Controller.replanned>`:
+            taken or not, and why not), ``None`` when none was judged.
     """
 
     ready_s: float
@@ -105,6 +108,7 @@ class LoadResult:
     receive_tax_samples: int = 0
     decode_ratio: float = 1.0
     decode_samples: int = 0
+    replan: dict[str, Any] | None = None
 
     @property
     def bytes_wasted(self) -> int:

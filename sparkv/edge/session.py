@@ -887,7 +887,7 @@ def _breakdown(ask: _Ask, fetched: FetchedContext, planned: _Planned, loaded: _L
         chunks_streamed=load.sources.get("streamed", 0),
         chunks_computed=load.sources.get("computed", 0), steps_computed=len(load.steps),
         migrations=len(load.migrations), requests=load.requests, levels=levels_used,
-        fallback=ask.fallback, replan=loaded.plan.info.get("replan"))
+        fallback=ask.fallback, replan=load.replan)
     bd.loading_s += loaded.prune_s
     if pre is not None:
         bd.prelude_steps = len(pre.steps)

@@ -181,7 +181,8 @@ class EngineStats:
             compute_ratio=ctl.quiet_compute_ratio(), compute_samples=ctl.quiet_compute_samples,
             silence_s=self.silence_s, stream_tax_s=tax, stream_tax_samples=tax_chunks,
             receive_tax=recv, receive_tax_samples=recv_steps, decode_ratio=ratio,
-            decode_samples=frames)
+            decode_samples=frames,
+            replan=dict(ctl.replanned) if ctl.replanned is not None else None)
 
     def _decode_ratio(self, ctl: Controller) -> tuple[float, int]:
         """The decoders' busy time over the instance's ``t_proc`` of the frames decoded (and

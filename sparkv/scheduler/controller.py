@@ -156,7 +156,9 @@ class Controller:
         self._watch = Watch()
         self._level_names = [lv.name for lv in inst.levels]
         self._planner = planner if cfg.replan is not None else None
-        #: what the re-plan decided (``None``: not yet, or never asked): :meth:`_replan`
+        #: the re-plan's verdict (``None``: not yet, or never asked; :meth:`_replan`):
+        #: ``time_s``, ``measured_mbps``, ``planned_mbps``, ``taken``, and when not taken
+        #: ``kept`` (why the plan was kept) or ``error`` (the planner's)
         self.replanned: dict[str, float | bool | str] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -352,11 +354,11 @@ class Controller:
             return
         planner, self._planner = self._planner, None
         planned = self.inst.bandwidth_Bps
-        take = (rule.wants(rate, planned) and self.state.link_dead is None
-                and est.ahead_bytes == 0 and not self.done)
         self.replanned = {"time_s": now - self.state.t0, "measured_mbps": rate * 8e-6,
                           "planned_mbps": planned * 8e-6, "taken": False}
-        if not take:
+        kept = self._kept_plan(rule.wants(rate, planned))
+        if kept is not None:
+            self.replanned["kept"] = kept
             return
         try:
             plan = planner(self.inst.replace(bandwidth_Bps=rate))
@@ -367,6 +369,16 @@ class Controller:
         plan.info["replan"] = dict(self.replanned)
         est.prior_Bps = rate    # the rate the plan is made with (DeadLink's reference)
         self._go_on_by(plan, now, "replan")
+
+    def _kept_plan(self, slower: bool) -> str | None:
+        """Why the re-plan's verdict keeps the plan (``None``: it re-plans)."""
+        if not slower:
+            return "link not slower"
+        if self.state.link_dead is not None:
+            return "link dead"
+        if self.state.link_estimator.ahead_bytes > 0:
+            return "others' bytes ahead"
+        return "load done" if self.done else None
 
     # ------------------------------------------------------------------ estimates
     def bandwidth_estimate(self, now: float) -> float:

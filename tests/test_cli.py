@@ -271,6 +271,8 @@ def test_the_parsers_and_help_import_neither_torch_nor_transformers(code):
      "is not a positive integer"),
     (["ask", "--server", NO_SERVER, "--context", CID, "--rtt-ms", "-5", "q"], "number >= 0"),
     (["context", "describe", "abc", "--server", NO_SERVER], "is not a context id"),
+    (["device", "serve", "--flash-dir", "d", "--memory-budget-mb", "64", "--ask-server",
+      "127.0.0.1:8080"], "is not a server URL"),
     (["context", "create", "f.txt", "--name", "a\nb", "--server", NO_SERVER],
      "is not a context name"),
 ])

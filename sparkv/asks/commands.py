@@ -64,7 +64,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "requests first; the others compute while they wait), shortest (the "
                         "fewest bytes left first), even (no plan: every ask fetches freely "
                         "with an even share), oldest-all (oldest, for every strategy's asks)")
-    g.add_argument("--ask-server", default=None,
+    g.add_argument("--ask-server", default=None, type=server_url,
                    help="the server of asks that name none (its key: $SPARKV_API_KEY)")
     link = g.add_mutually_exclusive_group()
     link.add_argument("--link-mbps", type=float, default=None,
@@ -92,7 +92,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     """Adds the asks to the service's ``app``; returns what closes them."""
     from sparkv.asks.chat import chat_router
     from sparkv.asks.routes import asks_router
-    from sparkv.asks.service import AskService
+    from sparkv.asks.service import AskService, BadServerUrl
     from sparkv.errors import SparkvError
 
     if args.ask_slots < 1 or args.ask_queue < 0 or args.ask_decode_batch < 1:
@@ -106,7 +106,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
                       batch=args.ask_batch == "on", decode_batch=args.ask_decode_batch)
     try:
         took = asks.warm()
-    except SparkvError as e:      # an --ask-server no client can reach: said now, not per ask
+    except BadServerUrl as e:     # an --ask-server no client can address: said at the start
         asks.close()
         raise SparkvError(f"--ask-server: {e}") from None
     log.info("sparkv device: the asks warmed (step-cost model, chat template, server client) "

@@ -457,9 +457,9 @@ def test_a_server_url_no_client_can_reach_is_refused_by_the_schema_or_as_a_bad_a
         with pytest.raises(ValidationError):
             AskBody(context_id="a" * 32, question="q", server=url)
     AskBody(context_id="a" * 32, question="q", server="http://xn--bcher-kva.example:8080/api")
-    # pass the schema, not httpx or the resolver (a label over 63 characters, an empty one, an
-    # xn-- label that is no IDNA:
-    # found by the fuzzer again, raised by getaddrinfo mid-ask)
+    # pass the schema, not httpx or the resolver (a label over 63 characters, an empty one:
+    # found by the fuzzer again, raised by getaddrinfo mid-ask; an xn-- label that is no IDNA:
+    # httpx raised a bare IDNA error)
     for url in ("http://[zz]", "http://x:abc", "http://" + "a" * 64 + ".example", "http://a..b",
                 "http://xn--a.example"):
         AskBody(context_id="a" * 32, question="q", server=url)

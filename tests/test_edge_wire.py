@@ -312,7 +312,7 @@ def test_a_body_over_tls_is_read_and_an_untrusted_server_refused(cert):
 def test_the_chunk_source_streams_frames_over_https(cert, monkeypatch):
     """The HTTP chunk source end to end over TLS (its one verifying context, trusting the test
     certificate through ``SSL_CERT_FILE``): two frames requested, both read whole, in order."""
-    from sparkv.edge import http_source
+    from sparkv.edge import bounds, http_source
     from sparkv.edge.transport import FetchItem
     from sparkv.layout import KVChunkId
     from sparkv.protocol.stream import record_header
@@ -324,7 +324,7 @@ def test_the_chunk_source_streams_frames_over_https(cert, monkeypatch):
                  "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SSL_CERT_FILE", cert[0])
-    http_source._tls_context.cache_clear()
+    bounds.tls_context.cache_clear()
 
     async def main():
         server, srv, port = await _tls_server(cert, answer)
@@ -346,7 +346,7 @@ def test_the_chunk_source_streams_frames_over_https(cert, monkeypatch):
     try:
         asyncio.run(asyncio.wait_for(main(), 20.0))
     finally:
-        http_source._tls_context.cache_clear()
+        bounds.tls_context.cache_clear()
 
 
 # ---- a connection opened ahead (Preconnect) -----------------------------------------------------

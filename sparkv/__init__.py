@@ -36,6 +36,8 @@ _EXPORTS: dict[str, str] = {
     "AskResult": "sparkv.edge.answer",
     "EdgeClient": "sparkv.edge.client",
     "LinkShaper": "sparkv.edge.shaper",
+    "Conversation": "sparkv.runtime.turns",
+    "ChatTurn": "sparkv.runtime.turns",
     # the on-device context service
     "ContextService": "sparkv.device.service",
     "ServiceConfig": "sparkv.device.config",

@@ -8,7 +8,8 @@ until they share them; concurrent asks get the tokens each gets alone; a full qu
 with Retry-After; a client that goes away cancels its ask and its memory is freed; admission is
 first come, first served under a steady stream; a server that dies mid-ask fails over only that
 ask; a cancelled ask stops within one unit of compute (in process, counting its units); the
-unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage; 40 asks
+unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage, and a
+conversation (instructions, an earlier turn) as an in-process session answers it; 40 asks
 from 8 clients that go away at random leave none stuck or lost and no memory held."""
 
 from __future__ import annotations
@@ -435,7 +436,7 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         with pytest.raises(openai.NotFoundError):                     # no such context
             oa.chat.completions.create(model="not-a-context", extra_body={"sparkv": sparkv},
                                        messages=[{"role": "user", "content": question}])
-        with pytest.raises(openai.BadRequestError):                   # one user question only
+        with pytest.raises(openai.BadRequestError, match="last message must be the user's"):
             oa.chat.completions.create(model=cid, extra_body={"sparkv": sparkv}, messages=[
                 {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
         with pytest.raises(openai.BadRequestError, match="unknown attention backend"):
@@ -444,6 +445,49 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         paths = http.get("http://localhost/openapi.json").json()["paths"]   # the schema says it
         assert {"/v1/asks", "/v1/chat/completions", "/v1/contexts/{ctx_id}/share"} <= set(paths)
         assert {"429", "503"} <= set(paths["/v1/asks"]["post"]["responses"])
+    finally:
+        oa.close()
+
+
+def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):
+    """Instructions (``developer``), an earlier question and answer, then the question: the
+    service answers the tokens an in-process session gives for the same turns over the same
+    server, and counts them in ``usage``; a tool's message is refused before any work."""
+    openai = pytest.importorskip("openai")
+    from sparkv.edge import EdgeSession
+    from sparkv.runtime.model import load_model
+    from sparkv.runtime.turns import ChatTurn, Conversation, suffix_ids
+
+    dev = world["dev"]
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
+    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("chat"),
+                       http_client=http, max_retries=0)
+    opts = {"strategy": "local", "stop_at_eos": False, "keep": False, "backend": "dense",
+            "level": "raw"}
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], **opts}
+    messages = [{"role": "developer", "content": "Answer in one word."},
+                {"role": "user", "content": "What is it about?"},
+                {"role": "assistant", "content": [{"type": "text", "text": "Freedom."}]},
+                {"role": "user", "content": "Who wrote it?"}]
+    conv = Conversation((ChatTurn("system", "Answer in one word."),
+                         ChatTurn("user", "What is it about?"), ChatTurn("assistant", "Freedom."),
+                         ChatTurn("user", "Who wrote it?")))
+    cid = world["ctx"]["b"]
+    lm = load_model(str(shared_tiny_checkpoint()), progress=False)
+    with EdgeSession.connect(world["srv"].url, world["key"], model=lm) as s:
+        alone = s.ask(cid, conv, max_new_tokens=8, **opts)
+    try:
+        r = oa.chat.completions.create(model=cid, max_tokens=8, messages=messages,
+                                       extra_body={"sparkv": sparkv})
+        assert r.choices[0].message.content == alone.text
+        assert r.usage.prompt_tokens == alone.context_tokens + len(suffix_ids(lm, conv))
+        with pytest.raises(openai.BadRequestError, match="'tool' message"):
+            oa.chat.completions.create(model=cid, extra_body={"sparkv": sparkv}, messages=[
+                *messages[:3], {"role": "tool", "content": "{}", "tool_call_id": "x"},
+                messages[3]])
+        with pytest.raises(openai.BadRequestError, match="'chat' off"):
+            oa.chat.completions.create(model=cid, messages=messages,
+                                       extra_body={"sparkv": {**sparkv, "chat": False}})
     finally:
         oa.close()
 

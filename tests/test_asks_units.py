@@ -520,3 +520,39 @@ def test_the_device_priors_carry_what_streaming_costs_the_compute_path_from_ask_
     learned = SimpleNamespace(priors=Priors(stream_tax_s=0.004, receive_tax=0.3))
     svc._learn(learned, SimpleNamespace(load=None), 1.0)
     assert (svc.priors.stream_tax_s, svc.priors.receive_tax) == (0.004, 0.3)
+
+
+def test_a_question_the_edge_cannot_ask_is_refused_before_it_is_admitted():
+    """A blank question (chat on: before, it was asked and answered as an empty turn) and a
+    conversation with ``chat`` off are 400s from the request's checks, not errors once queued;
+    the chat route's messages map to turns (``developer`` is ``system``), a tool's message or
+    a last message that is not the user's is ``unsupported_messages``."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from sparkv.asks.chat import UnsupportedMessages, _question
+    from sparkv.asks.routes import ask_request
+    from sparkv.asks.schemas import AskFields, ChatBody
+    from sparkv.device.errors import DeviceError
+    from sparkv.runtime.turns import ChatTurn, Conversation
+
+    asks: Any = SimpleNamespace(default_server="http://127.0.0.1:9", default_api_key=None)
+    conv = Conversation.of("Q2?", [ChatTurn("user", "Q1?"), ChatTurn("assistant", "A1.")])
+    with pytest.raises(DeviceError, match="has no text"):
+        ask_request(AskFields(), asks, "a" * 32, " \n", 8)
+    with pytest.raises(DeviceError, match="'chat' off"):
+        ask_request(AskFields(chat=False), asks, "a" * 32, conv, 8)
+    assert ask_request(AskFields(chat=False), asks, "a" * 32, " ", 8).question == " "
+    assert ask_request(AskFields(), asks, "a" * 32, conv, 8).question == conv
+
+    def body(*msgs: tuple[str, str]) -> ChatBody:
+        return ChatBody(model="a" * 32, messages=[{"role": r, "content": c} for r, c in msgs])
+
+    assert _question(body(("user", "Q?"))) == "Q?"
+    assert _question(body(("developer", "Be brief."), ("user", "Q?"))) == Conversation(
+        (ChatTurn("system", "Be brief."), ChatTurn("user", "Q?")))
+    for msgs, match in (((("user", "Q?"), ("tool", "{}"), ("user", "Q?")), "'tool' message"),
+                        ((("user", "Q?"), ("assistant", "A")), "last message must be the user's"),
+                        ((("user", "  "),), "has no text")):
+        with pytest.raises(UnsupportedMessages, match=match):
+            _question(body(*msgs))

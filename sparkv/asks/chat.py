@@ -13,8 +13,11 @@ A stock client asks about a server context unchanged::
   ``sparkv`` extension object (``extra_body``) carries the ask's other fields
   (:class:`~sparkv.asks.schemas.SparkvFields`: the server, its key, the ``AskOptions``, ``share``);
   without a server the service's ``--ask-server`` is used;
-* ``messages``: one user message, the question (the context, its system turn included, is the
-  server's: any other message is 400 ``unsupported_messages``);
+* ``messages``: the conversation, its last message the user's question: ``system`` (or
+  ``developer``) messages first are the app's instructions, ``user`` and ``assistant`` messages
+  the earlier turns (:mod:`sparkv.runtime.turns` renders them after the context, whose own
+  system turn is the server's); a ``tool`` message, one with no text or a last message that is
+  not the user's is 400 ``unsupported_messages``;
 * the answer is greedy (what ``temperature`` 0 gives, whatever ``temperature`` says), at most
   ``max_completion_tokens`` (or ``max_tokens``; default 256) tokens;
 * ``stream``: server-sent ``chat.completion.chunk`` events (the role, then the text as it is
@@ -52,6 +55,7 @@ from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 from sparkv.protocol.errors import error_body
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
+from sparkv.runtime.turns import ChatTurn, Conversation, ConversationError
 
 __all__ = ["chat_router", "DEFAULT_MAX_TOKENS"]
 
@@ -62,20 +66,40 @@ DISCONNECT_POLL_S = 0.25
 
 
 class UnsupportedMessages(DeviceError, status=400, code="unsupported_messages"):
-    """The messages are not one user question."""
+    """The messages are no conversation to answer: a tool's message, one with no text, or a
+    last message that is not the user's."""
 
 
 class UnknownModel(DeviceError, status=404, code="unknown_model"):
     """``model`` names no server context (and ``sparkv.context_id`` none either)."""
 
 
-def _question(body: ChatBody) -> str:
-    msgs = body.messages
-    if len(msgs) != 1 or msgs[0].role != "user" or not msgs[0].text():
-        raise UnsupportedMessages(
-            "send one user message, the question: the context (its system turn included) is "
-            "the server's, named by 'model'")
-    return msgs[0].text()
+#: OpenAI's roles -> a turn's (``developer`` is the newer name of ``system``)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _question(body: ChatBody) -> str | Conversation:
+    """The lone user message's text, or the messages as a conversation (instructions, earlier
+    questions and answers, then the question: :mod:`sparkv.runtime.turns`)."""
+    turns = []
+    for i, m in enumerate(body.messages):
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise UnsupportedMessages(
+                f"message {i}: a {m.role!r} message is not answered here (no tools): send "
+                "system (or developer), user and assistant messages, the last one the user's "
+                "question; the context is the server's, named by 'model'")
+        turns.append(ChatTurn(role, m.text()))
+    try:
+        conv = Conversation(tuple(turns))
+    except ConversationError as e:
+        raise UnsupportedMessages(f"{e}; the context is the server's, named by 'model'"
+                                  ) from None
+    return conv.question if len(turns) == 1 else conv
+
+
+def _max_tokens(body: ChatBody) -> int:
+    return body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
 
 
 def _context_id(body: ChatBody) -> str:
@@ -91,13 +115,13 @@ def _context_id(body: ChatBody) -> str:
 class _Completion:
     """One completion's identity and counts: what every chunk and the answer repeat."""
 
-    def __init__(self, body: ChatBody, asks: AskService, question: str) -> None:
+    def __init__(self, body: ChatBody, asks: AskService, question: str | Conversation) -> None:
         from sparkv.edge.prompts import question_suffix
 
         self.id = f"chatcmpl-{time.time_ns():x}"
         self.created = int(time.time())
         self.model = body.model
-        self.max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+        self.max_tokens = _max_tokens(body)
         chat = body.sparkv.chat if body.sparkv else True
         self.question_tokens = len(question_suffix(asks.lm, question, chat))
 
@@ -198,13 +222,15 @@ chat_router = APIRouter(tags=["openai"])
                                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
 async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
                            caller: CallerDep) -> Any:
-    """OpenAI's chat completion over an ask: ``model`` names the server context, the one user
-    message is the question, ``extra_body={"sparkv": {...}}`` the rest of the ask."""
+    """OpenAI's chat completion over an ask: ``model`` names the server context, the messages
+    are the question (the last user message) and what came before it, ``extra_body={"sparkv":
+    {...}}`` the rest of the ask."""
     question = _question(body)
     cid = _context_id(body)
     fields = body.sparkv or SparkvFields()
+    ask = ask_request(fields, asks, cid, question, _max_tokens(body))
     c = _Completion(body, asks, question)
-    ticket = asks.submit(caller, ask_request(fields, asks, cid, question, c.max_tokens))
+    ticket = asks.submit(caller, ask)
     eos = asks.eos
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)

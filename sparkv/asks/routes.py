@@ -31,6 +31,7 @@ from sparkv.asks.service import AskService
 from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
+from sparkv.runtime.turns import Conversation
 
 __all__ = ["asks_router", "get_asks", "AsksDep", "ask_request", "SERVED_STATUSES"]
 
@@ -48,11 +49,13 @@ def get_asks(request: Request) -> AskService:
 AsksDep = Annotated[AskService, Depends(get_asks)]
 
 
-def ask_request(fields: AskFields, asks: AskService, context_id: str, question: str,
-                max_new_tokens: int) -> AskRequest:
+def ask_request(fields: AskFields, asks: AskService, context_id: str,
+                question: str | Conversation, max_new_tokens: int) -> AskRequest:
     """The :class:`AskRequest` of a body (the service's default server and key filled in);
-    :class:`DeviceError` (400) for options the edge refuses or no server."""
+    :class:`DeviceError` (400) for options the edge refuses, a question it cannot ask (no text,
+    a conversation with ``chat`` off) or no server."""
     from sparkv.edge.planning import AskError
+    from sparkv.edge.prompts import check_question
 
     server = fields.server or asks.default_server
     if server is None:
@@ -60,6 +63,7 @@ def ask_request(fields: AskFields, asks: AskService, context_id: str, question: 
                           "no default (sparkv device serve --ask-server)")
     try:
         options = fields.options(max_new_tokens)
+        check_question(question, options.chat)       # refused here, not once admitted
     except AskError as e:
         raise DeviceError(str(e)) from None
     return AskRequest(server, context_id, question, fields.api_key or asks.default_api_key,

@@ -95,7 +95,7 @@ class _TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message; only a user's is answered (the context is the server's)."""
+    """One message of the conversation (``tool`` messages are refused: no tools here)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: PromptText | list[_TextPart] | None = None
@@ -112,7 +112,8 @@ class _StreamOptions(BaseModel):
 
 class ChatBody(BaseModel):
     """``POST /v1/chat/completions`` (OpenAI's chat completion request, the fields a stock
-    client sends for one question; answers are greedy, as ``temperature`` 0 gives)."""
+    client sends for a conversation about the context; answers are greedy, as ``temperature``
+    0 gives)."""
 
     model_config = ConfigDict(extra="forbid")
 

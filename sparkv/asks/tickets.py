@@ -22,6 +22,7 @@ from sparkv.edge.options import AskOptions
 
 if TYPE_CHECKING:
     from sparkv.asks.admission import Place
+    from sparkv.runtime.turns import Conversation
     from sparkv.asks.cores import AskLane
 
 __all__ = ["AskRequest", "AskTicket"]
@@ -34,7 +35,8 @@ class AskRequest:
     Attributes:
         server: the server's URL (``http://host:port``).
         context_id: the context's id on the server.
-        question: the question (a chat turn unless ``options.chat`` is off).
+        question: the question (a chat turn unless ``options.chat`` is off), or the app's
+            conversation whose last turn is the question (chat turns).
         api_key: the server's API key for this context (``None``: none).
         options: the policy (:class:`~sparkv.edge.options.AskOptions`; the service keeps the
             loaded context unless ``keep`` is off).
@@ -43,7 +45,7 @@ class AskRequest:
 
     server: str
     context_id: str
-    question: str
+    question: str | Conversation
     api_key: str | None = None
     options: AskOptions = field(default_factory=lambda: AskOptions(keep=True))
     share: Sequence[str] = ()

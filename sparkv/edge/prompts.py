@@ -1,5 +1,6 @@
 """Prompt layout on the device: the reusable context (ChatML system turn + document) and a
-question's suffix after it (:func:`sparkv.runtime.generate.prompt_parts`)."""
+question's suffix after it (:func:`sparkv.runtime.generate.prompt_parts`), or a conversation's
+(:mod:`sparkv.runtime.turns`)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,43 @@ from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
+    from sparkv.runtime.turns import Conversation
 
 
-def question_suffix(lm: LoadedModel, question: str, chat: bool = True) -> list[int]:
-    """The question's tokens after a context made by :func:`chat_context` (plain text tokens
-    when ``chat`` is false)."""
-    from sparkv.runtime.generate import prompt_parts
+def question_suffix(lm: LoadedModel, question: str | Conversation, chat: bool = True
+                    ) -> list[int]:
+    """The question's tokens after a context made by :func:`chat_context`: a lone question, or
+    an app's conversation whose last turn is the question (:mod:`sparkv.runtime.turns`); plain
+    text tokens of a lone question when ``chat`` is false.
 
+    Raises:
+        AskError: what :func:`check_question` refuses.
+    """
+    from sparkv.runtime.turns import suffix_ids
+
+    conv = check_question(question, chat)
+    return lm.encode_text(str(question)) if conv is None else suffix_ids(lm, conv)
+
+
+def check_question(question: str | Conversation, chat: bool = True) -> Conversation | None:
+    """The question as a conversation (``None`` for a lone question with ``chat`` off), checked
+    without tokenizing it.
+
+    Raises:
+        AskError: a question with no text (chat on), a conversation with ``chat`` off, or turns
+            that are no conversation (:class:`~sparkv.runtime.turns.ConversationError`).
+    """
+    from sparkv.edge.planning import AskError
+    from sparkv.runtime.turns import Conversation, ConversationError
+
+    if isinstance(question, str) and not chat:
+        return None
     if not chat:
-        return lm.encode_text(question)
-    return prompt_parts(lm, [], question)[1]
+        raise AskError("a conversation is asked as chat turns: 'chat' off takes one question")
+    try:
+        return Conversation.of(question) if isinstance(question, str) else question
+    except ConversationError as e:
+        raise AskError(str(e)) from None
 
 
 def chat_context(lm: LoadedModel, document_ids: Sequence[int]) -> list[int]:

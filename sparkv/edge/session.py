@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from sparkv.device.contract import KeptContexts
     from sparkv.predictor.cost import StepCostModel
     from sparkv.runtime.model import LoadedModel
+    from sparkv.runtime.turns import Conversation
 
 __all__ = ["AskOptions", "AskResult", "Breakdown", "EdgeSession", "Priors", "apply_kept"]
 
@@ -460,12 +461,16 @@ class EdgeSession:
         self.close()
 
     # ---- ask ---------------------------------------------------------------------------------
-    def ask(self, context_id: str, question: str, options: AskOptions | None = None, *,
+    def ask(self, context_id: str, question: str | Conversation,
+            options: AskOptions | None = None, *,
             token_ids: Sequence[int] | None = None, lane: Lane | None = None,
             **overrides: Any) -> AskResult:
         """Answers ``question`` about context ``context_id`` as ``options`` say.
 
         Args:
+            question: the question, or an app's conversation after the context whose last turn
+                is the question (:class:`~sparkv.runtime.turns.Conversation`: instructions,
+                earlier questions and answers).
             options: the policy (default: ``AskOptions()``, the fields' defaults).
             token_ids: the context's tokens when the device holds the document (no request).
             lane: the ask's share of a device serving several asks at once

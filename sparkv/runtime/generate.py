@@ -245,10 +245,14 @@ def prompt_parts(lm: LoadedModel, document_ids: Sequence[int], question: str
 
     For ChatML models (SmolLM2, Qwen) the context is the system turn plus the start of the user turn
     holding the document, and the suffix closes the user turn with the question and opens the
-    assistant's; other models get ``document + "\\n\\nQuestion: ...\\nAnswer:"``.
+    assistant's; other models get ``document + "\\n\\nQuestion: ...\\nAnswer:"``. The suffix is
+    :func:`sparkv.runtime.turns.suffix_ids` of the lone question (empty for an empty question; a
+    conversation of several turns: :class:`~sparkv.runtime.turns.Conversation`).
     """
+    from sparkv.runtime.turns import Conversation, suffix_ids
+
+    head = list(document_ids)
     if lm.chatml:
-        head = lm.encode_text(f"<|im_start|>system\n{CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n")
-        tail = lm.encode_text(f"\n\n{question.strip()}<|im_end|>\n<|im_start|>assistant\n")
-        return head + list(document_ids), tail
-    return list(document_ids), lm.encode_text(f"\n\nQuestion: {question.strip()}\nAnswer:")
+        head = lm.encode_text(f"<|im_start|>system\n{CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n"
+                              ) + head
+    return head, (suffix_ids(lm, Conversation.of(question)) if question.strip() else [])

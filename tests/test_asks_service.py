@@ -433,6 +433,17 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == 8
         assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+        # a stop string (the tiny random model answers newlines): the answer ends at it and
+        # its text before it, streamed or not
+        assert alone.text.startswith("\n\n")
+        kw = dict(model=cid, max_tokens=8, stop=["\n\n", "never"], extra_body={"sparkv": sparkv},
+                  messages=[{"role": "user", "content": question}])
+        cut = oa.chat.completions.create(**kw)
+        assert cut.choices[0].message.content == "" and cut.choices[0].finish_reason == "stop"
+        assert 0 < cut.usage.completion_tokens <= 2
+        chunks = list(oa.chat.completions.create(stream=True, **kw))
+        assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
         with pytest.raises(openai.NotFoundError):                     # no such context
             oa.chat.completions.create(model="not-a-context", extra_body={"sparkv": sparkv},
                                        messages=[{"role": "user", "content": question}])

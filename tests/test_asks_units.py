@@ -556,3 +556,21 @@ def test_a_question_the_edge_cannot_ask_is_refused_before_it_is_admitted():
                         ((("user", "  "),), "has no text")):
         with pytest.raises(UnsupportedMessages, match=match):
             _question(body(*msgs))
+
+
+def test_a_tickets_token_events_hold_back_what_may_begin_a_stop_string():
+    """With ``stop``, the text a token event adds never shows a stop string or a start of one
+    that may still complete (the done event's text is the answer's, cut by the generation)."""
+    from sparkv.asks.tickets import AskRequest, AskTicket
+    from sparkv.edge.options import AskOptions
+
+    letters = "ab\nc\n\nd"
+    req = AskRequest("http://127.0.0.1:9", "a" * 32, "q",
+                     options=AskOptions(keep=True, stop=("\n\n", "zz")))
+    ticket = AskTicket("a1", "app", req, None,                   # type: ignore[arg-type]
+                       lambda ids: "".join(letters[i] for i in ids))
+    for i in range(len(letters)):
+        ticket.token(i)
+    ticket.finish({"type": "done", "text": "ab\nc"})
+    shown = [e["text"] for e in ticket.events(timeout_s=0) if e["type"] == "token"]
+    assert shown == ["a", "b", "", "\nc", "", "", ""]

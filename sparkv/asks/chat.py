@@ -19,7 +19,8 @@ A stock client asks about a server context unchanged::
   system turn is the server's); a ``tool`` message, one with no text or a last message that is
   not the user's is 400 ``unsupported_messages``;
 * the answer is greedy (what ``temperature`` 0 gives, whatever ``temperature`` says), at most
-  ``max_completion_tokens`` (or ``max_tokens``; default 256) tokens;
+  ``max_completion_tokens`` (or ``max_tokens``; default 256) tokens, ending before a ``stop``
+  string (:mod:`sparkv.runtime.stops`; streamed, what may begin one is held back);
 * ``stream``: server-sent ``chat.completion.chunk`` events (the role, then the text as it is
   generated, then the ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
   ``usage``), then ``data: [DONE]``; a failure once streaming is one ``data: {"error": ...}``
@@ -50,11 +51,12 @@ from starlette.types import Receive, Scope, Send
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import ChatBody, SparkvFields
 from sparkv.asks.service import AskService
-from sparkv.asks.tickets import AskTicket
+from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 from sparkv.protocol.errors import error_body
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
+from sparkv.runtime.stops import StopStrings
 from sparkv.runtime.turns import ChatTurn, Conversation, ConversationError
 
 __all__ = ["chat_router", "DEFAULT_MAX_TOKENS"]
@@ -115,15 +117,16 @@ def _context_id(body: ChatBody) -> str:
 class _Completion:
     """One completion's identity and counts: what every chunk and the answer repeat."""
 
-    def __init__(self, body: ChatBody, asks: AskService, question: str | Conversation) -> None:
+    def __init__(self, body: ChatBody, asks: AskService, ask: AskRequest) -> None:
         from sparkv.edge.prompts import question_suffix
 
         self.id = f"chatcmpl-{time.time_ns():x}"
         self.created = int(time.time())
         self.model = body.model
-        self.max_tokens = _max_tokens(body)
-        chat = body.sparkv.chat if body.sparkv else True
-        self.question_tokens = len(question_suffix(asks.lm, question, chat))
+        self.max_tokens = ask.options.max_new_tokens
+        self.question_tokens = len(question_suffix(asks.lm, ask.question, ask.options.chat))
+        self.stops = StopStrings(ask.options.stop)
+        self.lm = asks.lm
 
     def usage(self, done: dict[str, Any]) -> dict[str, int]:
         prompt = int(done["stats"]["context_tokens"]) + self.question_tokens
@@ -132,7 +135,10 @@ class _Completion:
                 "total_tokens": prompt + completion}
 
     def finish_reason(self, done: dict[str, Any], eos: set[int]) -> str:
+        """``stop`` at the end of sequence or a stop string, ``length`` at the cap."""
         tokens = done["tokens"]
+        if self.stops.hit(self.lm, tokens):
+            return "stop"
         return ("length" if len(tokens) >= self.max_tokens and (not tokens or tokens[-1] not in eos)
                 else "stop")
 
@@ -169,10 +175,15 @@ def _sse(data: Any) -> bytes:
 async def _stream(ticket: AskTicket, c: _Completion, eos: set[int],
                   include_usage: bool) -> AsyncIterator[bytes]:
     yield _sse(c.chunk({"role": "assistant", "content": ""}))
+    shown = ""
     async for event in ticket.aevents():
         if event["type"] == "token" and event["text"]:
+            shown += event["text"]
             yield _sse(c.chunk({"content": event["text"]}))
         elif event["type"] == "done":
+            rest = event["text"][len(shown):] if event["text"].startswith(shown) else ""
+            if rest:             # held back as the start of a stop string that never came
+                yield _sse(c.chunk({"content": rest}))
             yield _sse(c.chunk({}, c.finish_reason(event, eos)))
             if include_usage:
                 yield _sse(c.chunk({}, usage=c.usage(event), choices=False))
@@ -228,8 +239,11 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
     question = _question(body)
     cid = _context_id(body)
     fields = body.sparkv or SparkvFields()
+    if body.stop is not None:
+        fields = fields.model_copy(update={"stop": [body.stop] if isinstance(body.stop, str)
+                                           else body.stop})
     ask = ask_request(fields, asks, cid, question, _max_tokens(body))
-    c = _Completion(body, asks, question)
+    c = _Completion(body, asks, ask)
     ticket = asks.submit(caller, ask)
     eos = asks.eos
     if body.stream:

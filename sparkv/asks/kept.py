@@ -105,9 +105,10 @@ class AppContexts:
         return cid
 
     def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,
-             stop_at_eos: bool, remote: RemoteSource | None) -> CallResult:
+             stop_at_eos: bool, remote: RemoteSource | None, stop: Sequence[str] = ()
+             ) -> CallResult:
         return self.service.call(ctx_id, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                 grow=grow, stop_at_eos=stop_at_eos, remote=remote)
+                                 grow=grow, stop_at_eos=stop_at_eos, remote=remote, stop=stop)
 
     # ---- the ask's end ---------------------------------------------------------------------
     def done(self) -> None:

@@ -19,6 +19,7 @@ from sparkv.device.schemas import AppId, DoneEvent, PromptText
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
+from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
 
 __all__ = ["AskFields", "AskBody", "SparkvFields", "ChatMessage", "ChatBody", "QueuedEvent",
            "TokenEvent", "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
@@ -34,6 +35,8 @@ Name = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$")]
 AnswerTokens = Annotated[int, Field(ge=1, le=MAX_ANSWER_TOKENS), JSON_INT]
 Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
 Mbps = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
+#: a stop string
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class AskFields(BaseModel):
@@ -64,6 +67,8 @@ class AskFields(BaseModel):
     ask_deadline_s: Seconds | None = None
     share: list[AppId | Literal["*"]] = Field(default_factory=list, max_length=64, description=(
         "the apps a context this ask keeps is shared with (* : every app)"))
+    stop: list[StopText] = Field(default_factory=list, max_length=MAX_STOPS, description=(
+        "stop strings: the answer ends where one first appears, its text before it"))
 
     def options(self, max_new_tokens: int) -> AskOptions:
         """The :class:`AskOptions` (raises ``AskError`` for a strategy or decode policy the
@@ -124,6 +129,8 @@ class ChatBody(BaseModel):
     stream_options: _StreamOptions | None = None
     max_tokens: AnswerTokens | None = None
     max_completion_tokens: AnswerTokens | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = Field(
+        default=None, description="up to 4 stop strings: the answer ends before the first")
     n: Literal[1] = 1
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Iterator, Sequence
 
 from sparkv.edge.options import AskOptions
+from sparkv.runtime.stops import StopStrings
 
 if TYPE_CHECKING:
     from sparkv.asks.admission import Place
@@ -73,6 +74,7 @@ class AskTicket:
         self._detokenize = detokenize
         self._tokens: list[int] = []
         self._text = ""
+        self._stops = StopStrings(request.options.stop if request is not None else ())
 
     # ---- the runner's side -----------------------------------------------------------------
     def put(self, event: dict[str, Any]) -> None:
@@ -84,11 +86,14 @@ class AskTicket:
 
     def token(self, token_id: int) -> None:
         """An answer token was generated: a ``token`` event with the text it adds (empty while
-        it ends inside a character)."""
+        it ends inside a character, or in what may begin a stop string: the ``done`` event's
+        text is the answer's, cut before its stop string)."""
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.submitted
         self._tokens.append(token_id)
         text = self._detokenize(self._tokens)
+        if self._stops:
+            text = self._stops.shown(text)
         delta = ""
         if text.startswith(self._text) and not text.endswith("\ufffd"):
             delta, self._text = text[len(self._text):], text

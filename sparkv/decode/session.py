@@ -30,10 +30,11 @@ from sparkv.decode.index import ClusterIndex
 from sparkv.decode.policy import ClusteredKV
 from sparkv.decode.stats import DecodeStats
 from sparkv.decode.stream import StreamedKV
-from sparkv.runtime.generate import GenerationResult, context_memory, eos_ids
+from sparkv.runtime.generate import GenerationResult, answer_text, context_memory, eos_ids
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.kvcache import LayerKV
 from sparkv.runtime.model import LoadedModel
+from sparkv.runtime.stops import StopStrings
 
 
 # ---- the question's prefill, recording its queries ---------------------------------------------------
@@ -437,8 +438,9 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
              question_ids: Sequence[int], max_new_tokens: int = 32, *,
              kv_policy: str = "dynakv", ram_budget: float | int | None = None,
              budget: float | int | None = None, stop_at_eos: bool = True,
-             config: DecodeConfig | None = None, flash_dir: str | Path | None = None,
-             probe: bool = False, **overrides: Any) -> DecodeResult:
+             stop: Sequence[str] = (), config: DecodeConfig | None = None,
+             flash_dir: str | Path | None = None, probe: bool = False,
+             **overrides: Any) -> DecodeResult:
     """Greedy decoding after ``question_ids`` over a context's KV under ``kv_policy``.
 
     Args:
@@ -452,6 +454,7 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
             unbounded.
         budget: entries retrieved per KV head per step, or a fraction (<= 1.0) of what the head
             holds; default: the config's (10%).
+        stop: stop strings (:func:`~sparkv.runtime.generate.greedy_generate`'s).
         config, overrides: any :class:`DecodeConfig` field.
         flash_dir: where the clusters go on flash (a temporary directory under it, removed after).
         probe: also measure attention-mass recall and output error against full attention.
@@ -474,7 +477,9 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
         first_s = time.perf_counter() - start
         tokens = [token]
         eos = eos_ids(lm)
-        while len(tokens) < max_new_tokens and not (stop_at_eos and token in eos):
+        stops = StopStrings(stop)
+        while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
+               and not stops.hit(lm, tokens)):
             token = int(torch.argmax(s.feed([token])))
             tokens.append(token)
         last = time.perf_counter()
@@ -482,7 +487,6 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
     stats.teardown_s = time.perf_counter() - last
     # total_s counts the pending page writes (stats) and the flash files' removal (close): an
     # ask's TTFT is its time minus what came after the first token
-    text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""
-    result = GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text,
-                              prefill_s)
+    result = GenerationResult(tokens, logits, first_s, time.perf_counter() - start,
+                              answer_text(lm, tokens, stops), prefill_s)
     return DecodeResult(result, stats)

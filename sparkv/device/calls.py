@@ -12,7 +12,7 @@ its keeper switched in.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -74,14 +74,15 @@ class CallResult:
     @classmethod
     def of(cls, lm: LoadedModel, ctx_id: str, tokens: list[int], sw: SwitchIn,
            context_tokens: int, counted: ServiceCounters, *, switch_s: float, first_token_s: float,
-           total_s: float, aot_s: float, aot_bytes: int) -> "CallResult":
+           total_s: float, aot_s: float, aot_bytes: int, stop: Sequence[str] = ()
+           ) -> "CallResult":
         """The result of a call that decoded ``tokens`` (its text: them decoded by ``lm``, end
-        of sequence tokens left out), switched in by ``sw`` and counted ``counted`` (the
-        service's counters during the call)."""
-        from sparkv.runtime.generate import eos_ids
+        of sequence tokens left out, cut before a stop string of ``stop``), switched in by
+        ``sw`` and counted ``counted`` (the service's counters during the call)."""
+        from sparkv.runtime.generate import answer_text
+        from sparkv.runtime.stops import StopStrings
 
-        eos = eos_ids(lm)
-        text = lm.decode_tokens([t for t in tokens if t not in eos]) if tokens else ""
+        text = answer_text(lm, tokens, StopStrings(stop)) if tokens else ""
         return cls(ctx_id, text, tokens, switch_s, reclaim_s=sw.reclaim_s,
                    load_s=sw.stats.total_s if sw.stats else 0.0, first_token_s=first_token_s,
                    total_s=total_s, aot_s=aot_s, context_tokens=context_tokens,
@@ -102,23 +103,24 @@ class Turn:
 
 
 def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, *, grow: bool,
-             stop_at_eos: bool) -> Turn:
+             stop_at_eos: bool, stop: Sequence[str] = ()) -> Turn:
     """Runs ``ids`` after the ``n`` tokens of working memory ``W`` (which has room for them and
-    ``max_new`` more) and decodes up to ``max_new`` tokens greedily; ``W`` keeps the new tokens
-    if ``grow``, else is left holding its ``n``."""
+    ``max_new`` more) and decodes up to ``max_new`` tokens greedily (until a stop string of
+    ``stop``); ``W`` keeps the new tokens if ``grow``, else is left holding its ``n``."""
     rec = DensityRecorder(n + len(ids) + max_new + 1)
     with recording(rec):
-        tokens, first_s = _generate(lm, W, n, ids, max_new, grow, stop_at_eos)
+        tokens, first_s = _generate(lm, W, n, ids, max_new, grow, stop_at_eos, stop)
     return Turn(tokens, first_s, rec)
 
 
 def _generate(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, grow: bool,
-              stop_at_eos: bool) -> tuple[list[int], float]:
+              stop_at_eos: bool, stop: Sequence[str]) -> tuple[list[int], float]:
     from sparkv.cache import SparkvCache
     from sparkv.runtime.generate import greedy_generate
 
     if max_new > 0:
-        gen = greedy_generate(lm, W, n, ids, max_new, stop_at_eos=stop_at_eos, keep=grow)
+        gen = greedy_generate(lm, W, n, ids, max_new, stop_at_eos=stop_at_eos, keep=grow,
+                              stop=stop)
         return gen.tokens, gen.first_token_s
     with torch.inference_mode():
         cache = SparkvCache(W)

@@ -44,7 +44,8 @@ class KeptContexts(Protocol):
         ...
 
     def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,
-             stop_at_eos: bool, remote: RemoteSource | None) -> CallResult:
+             stop_at_eos: bool, remote: RemoteSource | None, stop: Sequence[str] = ()
+             ) -> CallResult:
         """Answers ``prompt_ids`` in context ``ctx_id`` (restoring its missing chunks from
         flash, by recomputation or from ``remote``)."""
         ...

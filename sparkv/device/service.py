@@ -261,7 +261,8 @@ class ContextService:
 
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
              prompt_ids: Sequence[int] | None = None, grow: bool = True, stop_at_eos: bool = True,
-             timeout_s: float | None = None, remote: RemoteSource | None = None) -> CallResult:
+             timeout_s: float | None = None, remote: RemoteSource | None = None,
+             stop: Sequence[str] = ()) -> CallResult:
         """Runs ``prompt`` in context ``ctx_id`` and returns the answer.
 
         Args:
@@ -271,6 +272,8 @@ class ContextService:
             grow: keep the prompt and the answer in the context (a chat); ``False`` answers over
                 the context and leaves it as it was (a question about a document).
             timeout_s: how long to wait for a busy context (``None``: wait; then 409).
+            stop: stop strings: the answer ends at the token that completes one, its text
+                before it (:class:`~sparkv.runtime.stops.StopStrings`).
             remote: a :class:`~sparkv.device.remote.RemoteSource` holding this context (the
                 server's copy, :class:`~sparkv.device.remote.ServerStream`): missing chunks may
                 then come from it too, the restore planned by
@@ -290,7 +293,7 @@ class ContextService:
                          f"context {ctx_id}, with a {len(ids)}-token prompt and "
                          f"{max_new_tokens} new tokens,")
             with self.registry.running(ctx, self._run):
-                return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote)
+                return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop)
 
     def delete(self, ctx_id: str) -> None:
         """Deletes a context: its memory, its flash files and its journal record (of a damaged
@@ -365,13 +368,15 @@ class ContextService:
 
     # ---- one call --------------------------------------------------------------------------------
     def _call(self, ctx: DeviceContext, ids: builtins.list[int], max_new: int, grow: bool,
-              stop_at_eos: bool, remote: RemoteSource | None = None) -> CallResult:
+              stop_at_eos: bool, remote: RemoteSource | None = None, stop: Sequence[str] = ()
+              ) -> CallResult:
         t0 = time.perf_counter()
         n = len(ctx.tokens)
         before = self.counters.snapshot()
         sw = self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote)
         switch_s = time.perf_counter() - t0
-        turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow, stop_at_eos=stop_at_eos)
+        turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow, stop_at_eos=stop_at_eos,
+                        stop=stop)
         first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
         tokens = turn.tokens
         if grow:
@@ -395,7 +400,7 @@ class ContextService:
         return CallResult.of(self.lm, ctx.id, tokens, sw, len(ctx.tokens),
                              self.counters.since(before), switch_s=switch_s,
                              first_token_s=first_s, total_s=time.perf_counter() - t0,
-                             aot_s=aot_s, aot_bytes=aot_bytes)
+                             aot_s=aot_s, aot_bytes=aot_bytes, stop=stop)
 
     def _after_call(self, ctx: DeviceContext) -> int:
         """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.

@@ -60,7 +60,8 @@ class KeptAsks:
         # resident context fetches nothing)
         remote = server_stream(self.client, context_id)
         res = svc.call(sid, prompt_ids=list(suffix), max_new_tokens=options.max_new_tokens,
-                       grow=False, stop_at_eos=options.stop_at_eos, remote=remote)
+                       grow=False, stop_at_eos=options.stop_at_eos, remote=remote,
+                       stop=options.stop)
         ttft = (time.perf_counter() - t_start) - (res.total_s - res.first_token_s)
         load = res.load
         streamed = load.streamed_chunks if load is not None else 0

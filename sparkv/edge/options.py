@@ -90,6 +90,12 @@ class AskOptions:
     """Stop generating at the model's end-of-sequence token (``False``: always
     :attr:`max_new_tokens` tokens, as the benchmarks compare them)."""
 
+    stop: tuple[str, ...] = ()
+    """Stop strings (OpenAI's ``stop``; one string is one stop string: at most :data:`~sparkv.runtime.stops.MAX_STOPS`, each
+    at most :data:`~sparkv.runtime.stops.MAX_STOP_CHARS` characters): the answer ends at the
+    token that completes one, and its text ends before it
+    (:class:`~sparkv.runtime.stops.StopStrings`)."""
+
     keep: bool = False
     """Keep the loaded cache as a context of the session's ``context_service`` (after the
     answer); if the service already holds this context, answer from it: no manifest, no
@@ -120,6 +126,7 @@ class AskOptions:
         if self.ask_deadline_s is not None and not self.ask_deadline_s > 0:
             raise AskError(f"ask_deadline_s must be a positive number of seconds, "
                            f"not {self.ask_deadline_s!r}")
+        self._check_stop()
         if self.strategy not in STRATEGIES:
             raise AskError(f"unknown strategy {self.strategy!r}; "
                            f"choose one of {sorted(STRATEGIES)}")
@@ -132,6 +139,17 @@ class AskOptions:
             if self.decode not in POLICIES:
                 raise AskError(f"unknown decode policy {self.decode!r}; "
                                f"choose one of {list(POLICIES)}")
+
+    def _check_stop(self) -> None:
+        from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
+
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not all(isinstance(x, str) for x in stop):
+            raise AskError(f"stop must be strings, not {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        if len(self.stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in self.stop):
+            raise AskError(f"stop takes at most {MAX_STOPS} strings of at most "
+                           f"{MAX_STOP_CHARS} characters")
 
     @property
     def uses_decode_policy(self) -> bool:

@@ -820,14 +820,14 @@ class EdgeSession:
             from sparkv.runtime.generate import greedy_generate
 
             gen = greedy_generate(self.lm, kv, len(tokens), ask.suffix, opts.max_new_tokens,
-                                  stop_at_eos=opts.stop_at_eos)
+                                  stop_at_eos=opts.stop_at_eos, stop=opts.stop)
         else:
             from sparkv.decode import generate as policy_generate
 
             gen, dstats = policy_generate(self.lm, kv, len(tokens), ask.suffix,
                                           opts.max_new_tokens, kv_policy=opts.decode,
                                           ram_budget=opts.ram_budget,
-                                          stop_at_eos=opts.stop_at_eos)
+                                          stop_at_eos=opts.stop_at_eos, stop=opts.stop)
             decode_stats = dstats.to_dict()
         ttft = (time.perf_counter() - ask.t_start) - (gen.total_s - gen.first_token_s)
         if ask.prelude is not None and not ask.fallback.get("manifest"):

@@ -22,6 +22,7 @@ from sparkv.runtime.compute import compute_of
 from sparkv.runtime.hfcache import model_call, output_cache
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 from sparkv.runtime.model import LoadedModel
+from sparkv.runtime.stops import StopStrings
 
 SAMPLE_CONTEXT = Path(__file__).resolve().parent.parent / "data" / "sample_context.txt"
 
@@ -67,7 +68,8 @@ def context_memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextK
 @torch.inference_mode()
 def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequence[int],
                     question_ids: Sequence[int], max_new_tokens: int = 32,
-                    stop_at_eos: bool = True, keep: bool = False) -> GenerationResult:
+                    stop_at_eos: bool = True, keep: bool = False,
+                    stop: Sequence[str] = ()) -> GenerationResult:
     """Greedy decoding after ``question_ids`` over a context cache of ``context_len`` tokens.
 
     The cache is a :class:`~sparkv.cache.SparkvCache` over the KV memory: new tokens are appended
@@ -81,6 +83,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
         question_ids: the prompt suffix (at least one token).
         keep: leave the question and the answer in the memory (the context grows, as a chat
             does); by default the memory is left as it was.
+        stop: stop strings: the answer ends at the token that completes one, its text before
+            it (:class:`~sparkv.runtime.stops.StopStrings`).
     """
     n = context_len if isinstance(context_len, int) else len(context_len)
     if not question_ids:
@@ -89,7 +93,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
     memory = context_memory(lm, kv, n)
     cache = SparkvCache(memory)
     try:
-        return _greedy(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start)
+        return _greedy(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start,
+                       StopStrings(stop))
     finally:
         if keep:
             cache.commit()
@@ -98,7 +103,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
 
 
 def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[int],
-            max_new_tokens: int, stop_at_eos: bool, start: float) -> GenerationResult:
+            max_new_tokens: int, stop_at_eos: bool, start: float, stops: StopStrings
+            ) -> GenerationResult:
     device = lm.device
     ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
     pos = torch.arange(n, n + ids.shape[1], device=device)
@@ -111,12 +117,23 @@ def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[
     tokens = [token]
     eos = eos_ids(lm)
     cur = n + ids.shape[1]
-    while len(tokens) < max_new_tokens and not (stop_at_eos and token in eos):
+    while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
+           and not stops.hit(lm, tokens)):
         token = int(torch.argmax(decode_step(lm, DecodeItem(cache, token, cur))))
         tokens.append(token)
         cur += 1
-    text = lm.decode_tokens([t for t in tokens if t not in eos]) if lm.tokenizer else ""
-    return GenerationResult(tokens, logits, first_s, time.perf_counter() - start, text, prefill_s)
+    return GenerationResult(tokens, logits, first_s, time.perf_counter() - start,
+                            answer_text(lm, tokens, stops), prefill_s)
+
+
+def answer_text(lm: LoadedModel, tokens: Sequence[int], stops: StopStrings | None = None) -> str:
+    """An answer's text: its tokens decoded (end-of-sequence tokens left out; none without a
+    tokenizer), cut before its first stop string."""
+    if lm.tokenizer is None:
+        return ""
+    eos = eos_ids(lm)
+    text = lm.decode_tokens([t for t in tokens if t not in eos])
+    return stops.cut(text) if stops else text
 
 
 

@@ -9,7 +9,8 @@ with Retry-After; a client that goes away cancels its ask and its memory is free
 first come, first served under a steady stream; a server that dies mid-ask fails over only that
 ask; a cancelled ask stops within one unit of compute (in process, counting its units); the
 unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage, and a
-conversation (instructions, an earlier turn) as an in-process session answers it; 40 asks
+conversation (instructions, an earlier turn) as an in-process session answers it, stop strings,
+and the model list (an app's kept contexts only, until shared); 40 asks
 from 8 clients that go away at random leave none stuck or lost and no memory held."""
 
 from __future__ import annotations
@@ -501,6 +502,42 @@ def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(wor
                                        extra_body={"sparkv": {**sparkv, "chat": False}})
     finally:
         oa.close()
+
+
+def test_the_openai_client_lists_the_contexts_its_app_may_ask_about_from_memory(world):
+    """``models.list()``: a context an app's ask kept is listed for it (its server context id,
+    the kept id, the server) and for no other app until shared; ``models.retrieve`` finds it,
+    and a name the service does not keep is 404."""
+    openai = pytest.importorskip("openai")
+    dev = world["dev"]
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
+
+    def client(app: str):
+        return openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token(app),
+                             http_client=http, max_retries=0)
+
+    mine, other = client("lister"), client("stranger")
+    cid = world["ctx"]["c"]
+    try:
+        assert [m.id for m in mine.models.list()] == []
+        mine.chat.completions.create(
+            model=cid, max_tokens=2, messages=[{"role": "user", "content": "What is it?"}],
+            extra_body={"sparkv": {"server": world["srv"].url, "api_key": world["key"],
+                                   "strategy": "local", "keep": True}})
+        listed = list(mine.models.list())
+        assert [m.id for m in listed] == [cid] and listed[0].owned_by == "app:lister"
+        kept = listed[0].model_extra["sparkv"]
+        assert kept["server"] == world["srv"].url and kept["tokens"] > 0
+        assert mine.models.retrieve(cid).model_extra["sparkv"]["kept_id"] == kept["kept_id"]
+        assert [m.id for m in other.models.list()] == []               # not shared
+        with pytest.raises(openai.NotFoundError):
+            other.models.retrieve(cid)
+        with dev.client(app="lister") as c:
+            c.share(kept["kept_id"], ["app:stranger"])
+        assert [m.id for m in other.models.list()] == [cid]
+    finally:
+        mine.close()
+        other.close()
 
 
 # ---- clients that go away at random: nothing stuck, lost or leaked ----------------------------------

@@ -22,7 +22,8 @@ SUMMARY = ContextSummary("0123456789abcdef", tokens=40, calls=2, bytes=12345,
                          system_prompt=None, label="s/c")
 INFO = {"id": "0123456789abcdef", "tokens": 40, "calls": 2, "bytes": 12345,
         "chunks": {"resident": 2, "flash": 1, "absent": 0}, "levels": {"fp": 1, "int8": 2},
-        "last_used": 7, "busy": False, "hot": True, "system_prompt": None, "label": "s/c"}
+        "last_used": 7, "busy": False, "hot": True, "system_prompt": None, "label": "s/c",
+        "created_unix": 0.0}
 STATS = {"policy": "llms", "device": "cpu",
          "host_tier": {"capacity_bytes": 100, "bytes": 10, "records": 1, "peak_bytes": 20,
                        "hits": 2, "hit_bytes": 10, "misses": 0, "puts": 3, "evictions": 0,

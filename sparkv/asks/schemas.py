@@ -21,7 +21,8 @@ from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
 from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
 
-__all__ = ["AskFields", "AskBody", "SparkvFields", "ChatMessage", "ChatBody", "QueuedEvent",
+__all__ = ["AskFields", "AskBody", "SparkvFields", "ChatMessage", "ChatBody", "ContextModel",
+           "ContextModelList", "KeptCopy", "QueuedEvent",
            "TokenEvent", "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
 
 #: the longest answer an ask may ask for (tokens)
@@ -137,6 +138,33 @@ class ChatBody(BaseModel):
     seed: int | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     sparkv: SparkvFields | None = None
+
+
+class KeptCopy(BaseModel):
+    """What the service holds of a listed context: its own id, the server, its tokens."""
+
+    kept_id: str
+    server: str
+    tokens: int
+
+
+class ContextModel(BaseModel):
+    """One context an app may ask about, as OpenAI's model object (``id``: the server
+    context's id, what a chat completion's ``model`` takes)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="when the service kept it (Unix seconds)")
+    owned_by: str = Field(description="the app that kept it")
+    sparkv: KeptCopy
+
+
+class ContextModelList(BaseModel):
+    """``GET /v1/models``: the contexts the calling app may ask about from the service's
+    memory (OpenAI's model list)."""
+
+    object: Literal["list"] = "list"
+    data: list[ContextModel]
 
 
 # ---- the events of POST /v1/asks -----------------------------------------------------------------

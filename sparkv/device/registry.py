@@ -75,6 +75,7 @@ class ContextSummary:
         chunks: its token chunks by residency; ``levels``: token chunks per level.
         last_used: the service's clock at its last use; ``busy``: a call holds its lock;
             ``hot``: its working memory from the last call is kept.
+        created_unix: when it was made (seconds since the epoch; kept by the journal).
     """
 
     id: str
@@ -88,6 +89,7 @@ class ContextSummary:
     hot: bool
     system_prompt: str | None
     label: str | None
+    created_unix: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -196,7 +198,7 @@ class DeviceContext:
         return ContextSummary(self.id, len(self.tokens), self.calls,
                               C.nbytes if C is not None else 0, ResidencyCounts(res, fl, ab),
                               mix, self.last_used, self.lock.locked(), self.hot is not None,
-                              self.system_prompt, self.label)
+                              self.system_prompt, self.label, self.created_unix)
 
 
 class ContextRegistry:

@@ -135,6 +135,7 @@ class ContextInfo(_Reply):
     hot: bool = Field(description="its working memory from the last call is kept")
     system_prompt: str | None
     label: str | None
+    created_unix: float = Field(default=0.0, description="when it was made (Unix seconds)")
     owner: str | None = Field(default=None, description="the app that made or kept it")
     shared_with: list[str] = Field(default_factory=list,
                                    description="the apps it is shared with (* : every app)")

@@ -445,6 +445,16 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         chunks = list(oa.chat.completions.create(stream=True, **kw))
         assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+        # what stock clients send at their no-op values is taken; a penalty that would change
+        # the answer is a 422 naming it
+        noop = oa.chat.completions.create(
+            model=cid, max_tokens=8, messages=[{"role": "user", "content": question}],
+            frequency_penalty=0, presence_penalty=0, logprobs=False, temperature=0.7,
+            response_format={"type": "text"}, store=False, extra_body={"sparkv": sparkv})
+        assert noop.choices[0].message.content == alone.text
+        with pytest.raises(openai.UnprocessableEntityError, match="frequency_penalty"):
+            oa.chat.completions.create(model=cid, messages=[{"role": "user", "content": "q"}],
+                                       frequency_penalty=0.5, extra_body={"sparkv": sparkv})
         with pytest.raises(openai.NotFoundError):                     # no such context
             oa.chat.completions.create(model="not-a-context", extra_body={"sparkv": sparkv},
                                        messages=[{"role": "user", "content": question}])

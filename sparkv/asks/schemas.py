@@ -11,7 +11,7 @@ extension: :class:`SparkvFields`) and answers a ``chat.completion`` or, streamed
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
@@ -112,6 +112,16 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+#: a penalty at its no-op value (answers are greedy)
+_Zero = Annotated[float, Field(ge=0, le=0, description="only 0: answers are greedy")]
+
+
+class _TextFormat(BaseModel):
+    """``response_format``: plain text only (no JSON mode)."""
+
+    type: Literal["text"]
+
+
 class _StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -137,6 +147,21 @@ class ChatBody(BaseModel):
     top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     seed: int | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    # what stock clients send at their no-op values: taken at those, any other is a 422 naming
+    # the field (no sampling penalties, logprobs, tools or JSON mode here)
+    frequency_penalty: _Zero | None = None
+    presence_penalty: _Zero | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    logprobs: Literal[False] | None = None
+    top_logprobs: Literal[0] | None = None
+    response_format: _TextFormat | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    store: StrictBool | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    service_tier: Annotated[str, Field(max_length=32)] | None = None
     sparkv: SparkvFields | None = None
 
 

@@ -46,6 +46,7 @@ require_all(("fastapi",), feature="the OpenAI-compatible route of the device ser
 
 from fastapi import APIRouter, Request  # noqa: E402 - after the check
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from sparkv.asks.routes import AsksDep, ask_request
@@ -243,7 +244,7 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
         fields = fields.model_copy(update={"stop": [body.stop] if isinstance(body.stop, str)
                                            else body.stop})
     ask = ask_request(fields, asks, cid, question, _max_tokens(body))
-    c = _Completion(body, asks, ask)
+    c = await run_in_threadpool(_Completion, body, asks, ask)   # tokenizes: off the loop
     ticket = asks.submit(caller, ask)
     eos = asks.eos
     if body.stream:

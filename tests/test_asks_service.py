@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from sparkv.device.client import DeviceProcess
-from sparkv.device.errors import QueueFull, UnknownContext
+from sparkv.device.errors import DeviceError, QueueFull, UnknownContext
 from sparkv.device.schemas import DoneEvent
 from sparkv.edge.client import EdgeClient
 from sparkv.runtime.generate import sample_text
@@ -503,6 +503,14 @@ def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(wor
                                        extra_body={"sparkv": sparkv})
         assert r.choices[0].message.content == alone.text
         assert r.usage.prompt_tokens == alone.context_tokens + len(suffix_ids(lm, conv))
+        with dev.client() as c:                       # POST /v1/asks: the same turns
+            history = [{"role": t.role, "content": t.text} for t in conv.turns[:-1]]
+            done = c.ask(cid, conv.question, server=world["srv"].url, api_key=world["key"],
+                         max_new_tokens=8, history=history, **opts)
+            assert done.text == alone.text
+            with pytest.raises(DeviceError, match="has no text"):
+                c.ask(cid, "Q?", server=world["srv"].url, api_key=world["key"],
+                      history=[{"role": "assistant", "content": " "}], **opts)
         with pytest.raises(openai.BadRequestError, match="'tool' message"):
             oa.chat.completions.create(model=cid, extra_body={"sparkv": sparkv}, messages=[
                 *messages[:3], {"role": "tool", "content": "{}", "tool_call_id": "x"},

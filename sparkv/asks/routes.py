@@ -31,7 +31,7 @@ from sparkv.asks.service import AskService
 from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
-from sparkv.runtime.turns import Conversation
+from sparkv.runtime.turns import Conversation, ConversationError
 
 __all__ = ["asks_router", "get_asks", "AsksDep", "ask_request", "SERVED_STATUSES"]
 
@@ -74,7 +74,11 @@ async def submitted(body: AskBody, asks: AsksDep, caller: CallerDep
                     ) -> AsyncIterator[AskTicket]:
     """The caller's ask, submitted (a refusal is raised before any byte of the answer); when
     the response ends, however it ends, the ask is cancelled unless it finished."""
-    ticket = asks.submit(caller, ask_request(body, asks, body.context_id, body.question,
+    try:
+        question = body.asked()
+    except ConversationError as e:
+        raise DeviceError(str(e)) from None
+    ticket = asks.submit(caller, ask_request(body, asks, body.context_id, question,
                                              body.max_new_tokens))
     try:
         yield ticket

@@ -20,8 +20,9 @@ from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
 from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
+from sparkv.runtime.turns import ChatTurn, Conversation
 
-__all__ = ["AskFields", "AskBody", "SparkvFields", "ChatMessage", "ChatBody", "ContextModel",
+__all__ = ["AskFields", "AskBody", "HistoryTurn", "SparkvFields", "ChatMessage", "ChatBody", "ContextModel",
            "ContextModelList", "KeptCopy", "QueuedEvent",
            "TokenEvent", "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
 
@@ -79,12 +80,32 @@ class AskFields(BaseModel):
         return AskOptions(max_new_tokens=max_new_tokens, **fields)
 
 
+class HistoryTurn(BaseModel):
+    """One earlier turn of a conversation: the app's instructions (``system``), a question or
+    an answer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: PromptText = Field(min_length=1)
+
+
 class AskBody(AskFields):
-    """``POST /v1/asks``: a question about a server context."""
+    """``POST /v1/asks``: a question about a server context (after ``history``, when given)."""
 
     context_id: str = Field(pattern=CONTEXT_ID_PATTERN, description="the context's id on the server")
     question: PromptText = Field(min_length=1)
+    history: list[HistoryTurn] = Field(default_factory=list, max_length=255, description=(
+        "the conversation before the question: instructions first, then questions and answers "
+        "(docs/asks.md, 'A conversation after the context')"))
     max_new_tokens: AnswerTokens = Field(default=64)
+
+    def asked(self) -> "str | Conversation":
+        """The question, or the conversation it ends (:class:`ConversationError` for turns that
+        are none)."""
+        if not self.history:
+            return self.question
+        return Conversation.of(self.question, [ChatTurn(t.role, t.content) for t in self.history])
 
 
 class SparkvFields(AskFields):

@@ -22,9 +22,9 @@ from sparkv.rest.fields import JSON_INT
 from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
 from sparkv.runtime.turns import ChatTurn, Conversation
 
-__all__ = ["AskFields", "AskBody", "HistoryTurn", "SparkvFields", "ChatMessage", "ChatBody", "ContextModel",
-           "ContextModelList", "KeptCopy", "QueuedEvent",
-           "TokenEvent", "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
+__all__ = ["AskFields", "AskBody", "HistoryTurn", "SparkvFields", "ChatMessage", "ChatBody",
+           "ContextModel", "ContextModelList", "KeptCopy", "QueuedEvent", "TokenEvent",
+           "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
 
 #: the longest answer an ask may ask for (tokens)
 MAX_ANSWER_TOKENS = 4096

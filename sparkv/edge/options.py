@@ -91,10 +91,10 @@ class AskOptions:
     :attr:`max_new_tokens` tokens, as the benchmarks compare them)."""
 
     stop: tuple[str, ...] = ()
-    """Stop strings (OpenAI's ``stop``; one string is one stop string: at most :data:`~sparkv.runtime.stops.MAX_STOPS`, each
-    at most :data:`~sparkv.runtime.stops.MAX_STOP_CHARS` characters): the answer ends at the
-    token that completes one, and its text ends before it
-    (:class:`~sparkv.runtime.stops.StopStrings`)."""
+    """Stop strings (OpenAI's ``stop``; a lone string is one stop string): at most
+    :data:`~sparkv.runtime.stops.MAX_STOPS`, each at most
+    :data:`~sparkv.runtime.stops.MAX_STOP_CHARS` characters. The answer ends at the token that
+    completes one, and its text ends before it (:class:`~sparkv.runtime.stops.StopStrings`)."""
 
     keep: bool = False
     """Keep the loaded cache as a context of the session's ``context_service`` (after the

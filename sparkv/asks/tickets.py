@@ -23,8 +23,8 @@ from sparkv.runtime.stops import StopStrings
 
 if TYPE_CHECKING:
     from sparkv.asks.admission import Place
-    from sparkv.runtime.turns import Conversation
     from sparkv.asks.cores import AskLane
+    from sparkv.runtime.turns import Conversation
 
 __all__ = ["AskRequest", "AskTicket"]
 

@@ -41,6 +41,26 @@ def append(mem: ChunkMemory, l: int, k: torch.Tensor, v: torch.Tensor  # noqa: E
     return positions
 
 
+def appended(mem: ChunkMemory, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:meth:`ContextKV.appended <sparkv.cache.memory.ContextKV.appended>` (under the lock)."""
+    n = mem.geometry.num_tokens
+    if count < 0 or any(p < n + count for p in mem.positions):
+        raise KVMemoryError(f"the memory holds fewer than {count} appended tokens")
+    rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for store in mem.layers:
+        if store is None:
+            raise KVMemoryError("appended tokens live in arena layers")
+        if not store.ragged:
+            k, v = store.prefix(n + count)
+            rows.append((k[0, :, n:].clone(), v[0, :, n:].clone()))
+            continue
+        heads = [store.read_range(h, n, n + count) for h in range(store.num_heads)]
+        if any(int(e.pos.numel()) != count for e in heads):
+            raise KVMemoryError("a head does not hold every appended token")
+        rows.append((torch.stack([e.k for e in heads]), torch.stack([e.v for e in heads])))
+    return rows
+
+
 def truncate(mem: ChunkMemory) -> None:
     """:meth:`ContextKV.truncate <sparkv.cache.memory.ContextKV.truncate>` (under the lock)."""
     n = mem.geometry.num_tokens

@@ -229,6 +229,12 @@ class ContextKV(ChunkMemory):
         with self._lock:
             return growth.append(self, l, k, v)
 
+    def appended(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the first ``count`` appended entries (positions ``N .. N+count``, not yet
+        committed), per layer ``(K, V)`` ``[H, count, D]``: what :meth:`append` takes back."""
+        with self._lock:
+            return growth.appended(self, count)
+
     def truncate(self) -> None:
         """Forgets every appended entry not committed (generation over a context that must stay
         as it was: a reference, a benchmark)."""

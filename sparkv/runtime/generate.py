@@ -54,10 +54,12 @@ class GenerationResult:
 
 
 def context_memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextKV:
-    """``kv`` as a KV memory of ``n`` context tokens (a given memory is checked and kept)."""
+    """``kv`` as a KV memory of ``n`` context tokens (a given memory is checked and kept: every
+    layer must have seen ``n`` positions, its tokens and any appended ones)."""
     if isinstance(kv, ContextKV):
-        if kv.geometry.num_tokens != n:
-            raise ValueError(f"the memory holds {kv.geometry.num_tokens} tokens, context has {n}")
+        if set(kv.positions) != {n}:
+            raise ValueError(f"the memory holds {sorted(set(kv.positions))} tokens, context has "
+                             f"{n}")
         return kv
     if kv and kv[0][0].shape[2] != n:
         raise ValueError(f"cache holds {kv[0][0].shape[2]} tokens, context has {n}")
@@ -69,7 +71,7 @@ def context_memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextK
 def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequence[int],
                     question_ids: Sequence[int], max_new_tokens: int = 32,
                     stop_at_eos: bool = True, keep: bool = False,
-                    stop: Sequence[str] = ()) -> GenerationResult:
+                    stop: Sequence[str] = (), truncate: bool = True) -> GenerationResult:
     """Greedy decoding after ``question_ids`` over a context cache of ``context_len`` tokens.
 
     The cache is a :class:`~sparkv.cache.SparkvCache` over the KV memory: new tokens are appended
@@ -83,6 +85,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
         question_ids: the prompt suffix (at least one token).
         keep: leave the question and the answer in the memory (the context grows, as a chat
             does); by default the memory is left as it was.
+        truncate: without ``keep``, forget what the call appended; ``False`` leaves it appended
+            (uncommitted) for the caller to read (:meth:`ContextKV.appended`) and truncate.
         stop: stop strings: the answer ends at the token that completes one, its text before
             it (:class:`~sparkv.runtime.stops.StopStrings`).
     """
@@ -98,7 +102,7 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
     finally:
         if keep:
             cache.commit()
-        else:
+        elif truncate:
             memory.truncate()
 
 

@@ -28,6 +28,8 @@ STATS = {"policy": "llms", "device": "cpu",
          "host_tier": {"capacity_bytes": 100, "bytes": 10, "records": 1, "peak_bytes": 20,
                        "hits": 2, "hit_bytes": 10, "misses": 0, "puts": 3, "evictions": 0,
                        "dropped": 1},
+         "turn_cache": {"capacity": 64, "bytes": 8, "tails": 1, "hits": 1, "misses": 2,
+                        "reused_tokens": 40, "evictions": 0},
          "budget_bytes": 40000000, "used_bytes": 123, "peak_bytes": 456,
          "budget_violations": 0, "contexts": 1, "resident_bytes_by_level": {"int8": 100},
          "io_profile": {"read_Bps": 5e8, "per_file_s": 2e-4, "threads": 4, "source": "default"},
@@ -83,11 +85,12 @@ class ScriptedService:
         self.seen.append(("delete", ctx_id))
 
     def call(self, ctx_id, prompt, max_new_tokens, *, prompt_ids=None, grow=True,
-             timeout_s=None) -> CallResult:
+             timeout_s=None, turn_scope="") -> CallResult:
         self._known(ctx_id)
         if timeout_s == 0:
             raise ContextBusy("the context is busy")
-        self.seen.append(("call", ctx_id, prompt, max_new_tokens, prompt_ids, grow, timeout_s))
+        self.seen.append(("call", ctx_id, prompt, max_new_tokens, prompt_ids, grow, timeout_s,
+                          turn_scope))
         return CallResult(ctx_id, "Paris.", [11, 12], 0.002, reclaim_s=0.0005, load_s=0.0015,
                           first_token_s=0.25, total_s=0.5, aot_s=0.01, context_tokens=60,
                           bytes_evicted=0, bytes_written_at_reclaim=0, bytes_written_aot=64,
@@ -132,7 +135,7 @@ def test_routes_answer_what_the_service_returns(app_client):
     assert want["stats"]["ttft_s"] == 0.25 and want["stats"]["new_tokens"] == 2
     r = c.delete(f"/v1/contexts/{INFO['id']}")
     assert r.status_code == 204 and r.content == b""
-    assert ("call", INFO["id"], "capital?", 5, None, True, None) in svc.seen
+    assert ("call", INFO["id"], "capital?", 5, None, True, None, "user") in svc.seen   # whose turns
 
 
 def _error(r, status: int, code: str) -> dict:

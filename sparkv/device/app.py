@@ -152,7 +152,8 @@ def call_context(ctx_id: ContextId, body: CallBody, service: ServiceDep, caller:
     if (body.prompt is None) == (body.prompt_ids is None):
         raise DeviceError("give exactly one of prompt and prompt_ids")
     res = service.call(ctx_id, body.prompt, body.max_new_tokens,
-                       prompt_ids=body.prompt_ids, grow=body.grow, timeout_s=body.timeout_s)
+                       prompt_ids=body.prompt_ids, grow=body.grow, timeout_s=body.timeout_s,
+                       turn_scope=caller)
     return CallReply.model_validate(res.to_dict())
 
 

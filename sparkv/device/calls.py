@@ -18,6 +18,7 @@ import torch
 
 from sparkv.cache import ContextKV
 from sparkv.device.density import DensityRecorder, recording
+from sparkv.device.tails import Rows, TailHit
 from sparkv.generation import base_stats
 from sparkv.runtime.hfcache import model_call
 
@@ -53,6 +54,7 @@ class CallResult:
     bytes_evicted: int = 0
     bytes_written_at_reclaim: int = 0
     bytes_written_aot: int = 0
+    reused_tokens: int = 0        # the prompt's tokens whose KV a kept tail gave (not run)
     load: LoadStats | None = None
     plan: Split | None = None
 
@@ -74,8 +76,8 @@ class CallResult:
     @classmethod
     def of(cls, lm: LoadedModel, ctx_id: str, tokens: list[int], sw: SwitchIn,
            context_tokens: int, counted: ServiceCounters, *, switch_s: float, first_token_s: float,
-           total_s: float, aot_s: float, aot_bytes: int, stop: Sequence[str] = ()
-           ) -> "CallResult":
+           total_s: float, aot_s: float, aot_bytes: int, stop: Sequence[str] = (),
+           reused_tokens: int = 0) -> "CallResult":
         """The result of a call that decoded ``tokens`` (its text: them decoded by ``lm``, end
         of sequence tokens left out, cut before a stop string of ``stop``), switched in by
         ``sw`` and counted ``counted`` (the service's counters during the call)."""
@@ -88,29 +90,50 @@ class CallResult:
                    total_s=total_s, aot_s=aot_s, context_tokens=context_tokens,
                    bytes_evicted=counted.evicted_bytes,
                    bytes_written_at_reclaim=counted.reclaim_written_bytes,
-                   bytes_written_aot=aot_bytes, load=sw.stats, plan=sw.split)
+                   bytes_written_aot=aot_bytes, reused_tokens=reused_tokens, load=sw.stats,
+                   plan=sw.split)
 
 
 
 @dataclass
 class Turn:
     """What a turn decoded (``tokens``, the seconds to the first one: 0 when nothing was
-    decoded) and the densities it recorded."""
+    decoded), the densities it recorded, the rows it reused (``reused``: tokens of a kept tail
+    appended, not run) and, when asked for, the KV of what it appended (``tail``: the prompt and
+    the answer less its last token)."""
 
     tokens: list[int]
     first_token_s: float
     density: DensityRecorder
+    reused: int = 0
+    tail: Rows | None = None
 
 
 def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, *, grow: bool,
-             stop_at_eos: bool, stop: Sequence[str] = ()) -> Turn:
+             stop_at_eos: bool, stop: Sequence[str] = (), known: TailHit | None = None,
+             keep_tail: bool = False) -> Turn:
     """Runs ``ids`` after the ``n`` tokens of working memory ``W`` (which has room for them and
     ``max_new`` more) and decodes up to ``max_new`` tokens greedily (until a stop string of
-    ``stop``); ``W`` keeps the new tokens if ``grow``, else is left holding its ``n``."""
+    ``stop``); ``W`` keeps the new tokens if ``grow``, else is left holding its ``n``.
+
+    Without ``grow``: ``known`` (rows of a kept tail, ``ids`` beginning with its tokens) is
+    appended first and only the rest of ``ids`` runs; ``keep_tail`` returns the KV of what the
+    call appended (:attr:`Turn.tail`)."""
+    if grow and (known is not None or keep_tail):
+        raise ValueError("a turn that grows its context neither reuses nor returns a tail")
     rec = DensityRecorder(n + len(ids) + max_new + 1)
-    with recording(rec):
-        tokens, first_s = _generate(lm, W, n, ids, max_new, grow, stop_at_eos, stop)
-    return Turn(tokens, first_s, rec)
+    m = known.count if known is not None else 0
+    try:
+        if known is not None:
+            for layer, (k, v) in enumerate(known.take()):
+                W.append(layer, k, v)
+        with recording(rec):
+            tokens, first_s = _generate(lm, W, n + m, ids[m:], max_new, grow, stop_at_eos, stop)
+        tail = W.appended(min(W.positions) - n) if keep_tail and tokens else None
+    finally:
+        if not grow:
+            W.truncate()
+    return Turn(tokens, first_s, rec, m, tail)
 
 
 def _generate(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, grow: bool,
@@ -120,7 +143,7 @@ def _generate(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: in
 
     if max_new > 0:
         gen = greedy_generate(lm, W, n, ids, max_new, stop_at_eos=stop_at_eos, keep=grow,
-                              stop=stop)
+                              stop=stop, truncate=False)
         return gen.tokens, gen.first_token_s
     with torch.inference_mode():
         cache = SparkvCache(W)
@@ -130,6 +153,4 @@ def _generate(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: in
                    cache_position=pos, use_cache=True, logits_to_keep=1)
         if grow:
             cache.commit()
-        else:
-            W.truncate()
     return [], 0.0

@@ -169,7 +169,9 @@ class CallReply(_Reply):
         "what it cost: ttft_s (= first_token_s), new_tokens, switch_s (reclaim + load, until "
         "the context is ready), reclaim_s, load_s, first_token_s, total_s, aot_s (the "
         "ahead-of-time swap-out after the answer), context_tokens (after the call), "
-        "bytes_evicted, bytes_written_at_reclaim, bytes_written_aot, load (what the load did: "
+        "bytes_evicted, bytes_written_at_reclaim, bytes_written_aot, reused_tokens (the "
+        "prompt's tokens whose KV an earlier call's turns gave: sparkv.device.tails), load "
+        "(what the load did: "
         "sparkv.device.loader.LoadStats; empty when nothing was loaded), plan (the "
         "IO/recompute split; empty without one)"))
 
@@ -219,12 +221,26 @@ class HostTierInfo(_Reply):
     dropped: int = Field(description="records dropped: their flash record died or was rewritten")
 
 
+class TurnCacheInfo(_Reply):
+    """The KV of recent turns after the contexts, reused by the next call of the same
+    conversation (:mod:`sparkv.device.tails`, docs/device-service.md)."""
+
+    capacity: int = Field(description="bytes it may hold (--turn-cache-mb); 0: off")
+    bytes: int
+    tails: int = Field(description="conversations' tails held")
+    hits: int = Field(description="calls that reused a tail's rows")
+    misses: int
+    reused_tokens: int = Field(description="prompt tokens not run: their KV came from a tail")
+    evictions: int = Field(description="tails dropped for room")
+
+
 class ServiceStats(_Reply):
     """``GET /v1/stats``: the budget, the bytes, and the service's counters."""
 
     policy: str
     device: str = Field(description="where the model runs and the contexts' pages live")
     host_tier: HostTierInfo
+    turn_cache: TurnCacheInfo
     budget_bytes: int
     used_bytes: int
     peak_bytes: int

@@ -74,6 +74,7 @@ from sparkv.device.private import check_path, private_dir
 from sparkv.device.prompts import system_turn_ids, turn_ids
 from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedContext, DeviceContext
 from sparkv.device.swap import SwapStore
+from sparkv.device.tails import MIN_REUSE, TailKey, TurnTails
 from sparkv.device.calls import CallResult, run_turn
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.generate import eos_ids
@@ -101,7 +102,9 @@ class ContextService:
     Parts (public, for tests and tools): ``registry``, ``account`` (the
     :class:`~sparkv.device.budget.MemoryBudget`), ``keeper``, ``swap``, ``host`` (the
     :class:`~sparkv.device.hosttier.HostTier` of ``config.host_tier_bytes``, else ``None``),
-    ``journal``, ``counters`` (:class:`~sparkv.device.counters.ServiceCounters`).
+    ``journal``, ``counters`` (:class:`~sparkv.device.counters.ServiceCounters`), ``tails``
+    (:class:`~sparkv.device.tails.TurnTails`: recent turns' KV, reused by the next call of the
+    same conversation; ``config.turn_cache_bytes``).
 
     ``swap_dir`` is private to this user (``0700``, its files ``0600``:
     :mod:`sparkv.device.private`); one that another user controls (it, or a directory on its
@@ -134,6 +137,7 @@ class ContextService:
         self.swap_dir = private_dir(swap_dir)
         self.flash_lock = FlashDirLock(self.swap_dir)
         self.host = HostTier(self.config.host_tier_bytes) if self.config.host_tier_bytes else None
+        self.tails = TurnTails(self.config.turn_cache_bytes)
         self.swap = SwapStore(self.swap_dir, contiguous=self.config.contiguous, host=self.host)
         self.journal = (Journal(self.swap_dir / "journal", self.lm.compute.name)
                         if self.config.journal else None)
@@ -262,7 +266,7 @@ class ContextService:
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
              prompt_ids: Sequence[int] | None = None, grow: bool = True, stop_at_eos: bool = True,
              timeout_s: float | None = None, remote: RemoteSource | None = None,
-             stop: Sequence[str] = ()) -> CallResult:
+             stop: Sequence[str] = (), turn_scope: str = "") -> CallResult:
         """Runs ``prompt`` in context ``ctx_id`` and returns the answer.
 
         Args:
@@ -280,6 +284,9 @@ class ContextService:
                 :func:`~sparkv.device.restore.restore_plan` (flash, server or recompute per
                 chunk, by predicted cost). Used only while the context holds exactly the
                 remote's tokens (``grow=False`` calls, as ``ask`` makes).
+            turn_scope: whose turns these are (an app): a ``grow=False`` call reuses the KV of
+                turns that an earlier call of the same scope ran after this context
+                (:mod:`~sparkv.device.tails`), never another scope's.
         """
         ctx = self.registry.get(ctx_id)
         prompt_ids, timeout_s = check_call(prompt, prompt_ids, max_new_tokens, timeout_s,
@@ -293,7 +300,8 @@ class ContextService:
                          f"context {ctx_id}, with a {len(ids)}-token prompt and "
                          f"{max_new_tokens} new tokens,")
             with self.registry.running(ctx, self._run):
-                return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop)
+                return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
+                                  turn_scope)
 
     def delete(self, ctx_id: str) -> None:
         """Deletes a context: its memory, its flash files and its journal record (of a damaged
@@ -305,6 +313,7 @@ class ContextService:
         with ctx.lock:
             self.registry.remove(ctx_id)
             self.keeper.discard(ctx)
+            self.tails.forget(ctx_id)
             self._remove_files(ctx_id)
 
     def _remove_files(self, ctx_id: str) -> None:
@@ -356,8 +365,9 @@ class ContextService:
         with self.registry.lock:
             host = self.host.stats() if self.host is not None else HostTierStats()
             return {"policy": self.config.name, "device": str(self.lm.device),
-                    "host_tier": host.to_dict(), **self.account.stats(),
-                    "contexts": len(self.contexts), "damaged": len(self.registry.damaged),
+                    "host_tier": host.to_dict(), "turn_cache": self.tails.to_dict(),
+                    **self.account.stats(), "contexts": len(self.contexts),
+                    "damaged": len(self.registry.damaged),
                     "io_profile": self.io.to_dict(), "recompute_scale": self.recompute.scale,
                     "reopened": self.reopened, **self.counters.to_dict()}
 
@@ -368,18 +378,24 @@ class ContextService:
 
     # ---- one call --------------------------------------------------------------------------------
     def _call(self, ctx: DeviceContext, ids: builtins.list[int], max_new: int, grow: bool,
-              stop_at_eos: bool, remote: RemoteSource | None = None, stop: Sequence[str] = ()
-              ) -> CallResult:
+              stop_at_eos: bool, remote: RemoteSource | None = None, stop: Sequence[str] = (),
+              turn_scope: str = "") -> CallResult:
         t0 = time.perf_counter()
         n = len(ctx.tokens)
         before = self.counters.snapshot()
+        tails = not grow and max_new > 0 and self.tails.capacity > 0
+        where = TailKey(ctx.id, n, turn_scope)
+        known = self.tails.match(where, ids, MIN_REUSE) if tails else None
         sw = self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote)
         switch_s = time.perf_counter() - t0
         turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow, stop_at_eos=stop_at_eos,
-                        stop=stop)
+                        stop=stop, known=known, keep_tail=tails)
         first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
         tokens = turn.tokens
+        if turn.tail is not None:
+            self.tails.put(where, ids + tokens[:-1], turn.tail)
         if grow:
+            self.tails.forget(ctx.id)
             added = ids + tokens[:-1]
             ctx.add_density(turn.density, n + len(added))
             ctx.grow(added, tokens[-1:])
@@ -400,7 +416,8 @@ class ContextService:
         return CallResult.of(self.lm, ctx.id, tokens, sw, len(ctx.tokens),
                              self.counters.since(before), switch_s=switch_s,
                              first_token_s=first_s, total_s=time.perf_counter() - t0,
-                             aot_s=aot_s, aot_bytes=aot_bytes, stop=stop)
+                             aot_s=aot_s, aot_bytes=aot_bytes, stop=stop,
+                             reused_tokens=turn.reused)
 
     def _after_call(self, ctx: DeviceContext) -> int:
         """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.

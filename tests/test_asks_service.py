@@ -510,7 +510,7 @@ def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(wor
             assert done.text == alone.text
             with pytest.raises(DeviceError, match="has no text"):
                 c.ask(cid, "Q?", server=world["srv"].url, api_key=world["key"],
-                      history=[{"role": "assistant", "content": " "}], **opts)
+                      history=[{"role": "system", "content": " "}], **opts)
         with pytest.raises(openai.BadRequestError, match="'tool' message"):
             oa.chat.completions.create(model=cid, extra_body={"sparkv": sparkv}, messages=[
                 *messages[:3], {"role": "tool", "content": "{}", "tool_call_id": "x"},
@@ -520,6 +520,49 @@ def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(wor
                                        extra_body={"sparkv": {**sparkv, "chat": False}})
     finally:
         oa.close()
+
+
+def test_a_conversation_asked_from_memory_reuses_its_earlier_turns(world):
+    """A chat app sends its whole conversation every time: from the third request on (the first
+    loads and keeps the context, the second is the first answered from memory), the service
+    runs only what the last request did not hold, counts the rest in ``cached_tokens``, and
+    answers the tokens an in-process session gives for the same turns."""
+    openai = pytest.importorskip("openai")
+    from sparkv.edge import EdgeSession
+    from sparkv.runtime.model import load_model
+    from sparkv.runtime.turns import ChatTurn, Conversation
+
+    dev = world["dev"]
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
+    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("talker"),
+                       http_client=http, max_retries=0)
+    opts = {"strategy": "local", "stop_at_eos": False, "backend": "dense", "level": "raw"}
+    cid = world["ctx"]["b"]
+    messages: list[dict] = [{"role": "system", "content": "Answer plainly, in a few words."}]
+    got = []
+    try:
+        for q in ("What is it about?", "Who wrote it?", "When was that?"):
+            messages.append({"role": "user", "content": q})
+            r = oa.chat.completions.create(
+                model=cid, max_tokens=6, messages=messages,
+                extra_body={"sparkv": {"server": world["srv"].url, "api_key": world["key"],
+                                       "keep": True, **opts}})
+            got.append(r)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    finally:
+        oa.close()
+    stats = [r.model_extra["sparkv"]["stats"] for r in got]
+    assert [s["strategy"] for s in stats] == ["local", "kept", "kept"]
+    assert [s["turn_tokens_reused"] for s in stats[:2]] == [0, 0]
+    reused = stats[2]["turn_tokens_reused"]
+    assert reused >= 16
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in got]
+    assert cached == [0, stats[1]["context_tokens"], stats[2]["context_tokens"] + reused]
+    conv = Conversation(tuple(ChatTurn(m["role"], m["content"]) for m in messages[:-1]))
+    lm = load_model(str(shared_tiny_checkpoint()), progress=False)
+    with EdgeSession.connect(world["srv"].url, world["key"], model=lm) as s:
+        alone = s.ask(cid, conv, max_new_tokens=6, keep=False, **opts)
+    assert got[2].choices[0].message.content == alone.text
 
 
 def test_the_openai_client_lists_the_contexts_its_app_may_ask_about_from_memory(world):

@@ -53,6 +53,10 @@ def test_a_conversation_renders_instructions_then_each_turn_then_the_assistants(
     assert smollm2.tokenizer.decode(suffix_ids(smollm2, opener)) == (
         "\n\nHi.<|im_end|>\n<|im_start|>assistant\nAsk me.<|im_end|>\n"
         "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
+    silent = Conversation.of("Q2?", [ChatTurn("user", "Q1?"), ChatTurn("assistant", " ")])
+    assert smollm2.tokenizer.decode(suffix_ids(smollm2, silent)) == (   # a model said nothing
+        "\n\nQ1?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+        "<|im_start|>user\nQ2?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_no_message_text_becomes_a_special_token(smollm2):
@@ -81,7 +85,7 @@ def test_a_model_without_chatml_gets_question_and_answer_lines(smollm2):
     ((), "at least the user's question"),
     ((ChatTurn("user", "Q"), ChatTurn("assistant", "A")), "last message must be the user's"),
     ((ChatTurn("tool", "{}"), ChatTurn("user", "Q")), "role 'tool'"),
-    ((ChatTurn("assistant", " "), ChatTurn("user", "Q")), "message 0 \\(assistant\\) has no text"),
+    ((ChatTurn("system", " "), ChatTurn("user", "Q")), "message 0 \\(system\\) has no text"),
 ])
 def test_turns_that_are_no_conversation_are_refused(turns, match):
     with pytest.raises(ConversationError, match=match):

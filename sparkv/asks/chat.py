@@ -16,8 +16,9 @@ A stock client asks about a server context unchanged::
 * ``messages``: the conversation, its last message the user's question: ``system`` (or
   ``developer``) messages first are the app's instructions, ``user`` and ``assistant`` messages
   the earlier turns (:mod:`sparkv.runtime.turns` renders them after the context, whose own
-  system turn is the server's); a ``tool`` message, one with no text or a last message that is
-  not the user's is 400 ``unsupported_messages``;
+  system turn is the server's); a ``tool`` message, a user's or system message with no text (an
+  assistant's may be empty) or a last message that is not the user's is 400
+  ``unsupported_messages``;
 * the answer is greedy (what ``temperature`` 0 gives, whatever ``temperature`` says), at most
   ``max_completion_tokens`` (or ``max_tokens``; default 256) tokens, ending before a ``stop``
   string (:mod:`sparkv.runtime.stops`; streamed, what may begin one is held back);
@@ -26,7 +27,9 @@ A stock client asks about a server context unchanged::
   ``usage``), then ``data: [DONE]``; a failure once streaming is one ``data: {"error": ...}``
   event (what the ``openai`` client raises as an ``APIError``);
 * ``usage``: ``prompt_tokens`` (the context's tokens plus the question's), ``completion_tokens``
-  (the answer's), ``total_tokens``; ``sparkv`` in the answer: the ask's ``stats`` and kept id.
+  (the answer's), ``total_tokens``, ``prompt_tokens_details.cached_tokens`` (the prompt's tokens
+  whose KV the service's memory held: a kept context's, and earlier turns of the conversation
+  kept by :mod:`sparkv.device.tails`); ``sparkv`` in the answer: the ask's ``stats`` and kept id.
 
 Refusals before the answer starts are the service's errors (429 ``queue_full`` with
 ``Retry-After``, which the ``openai`` client retries; 401; 400; 404 ``unknown_model``; 422).
@@ -129,11 +132,16 @@ class _Completion:
         self.stops = StopStrings(ask.options.stop)
         self.lm = asks.lm
 
-    def usage(self, done: dict[str, Any]) -> dict[str, int]:
-        prompt = int(done["stats"]["context_tokens"]) + self.question_tokens
+    def usage(self, done: dict[str, Any]) -> dict[str, Any]:
+        stats = done["stats"]
+        prompt = int(stats["context_tokens"]) + self.question_tokens
         completion = len(done["tokens"])
+        cached = int(stats.get("turn_tokens_reused", 0))
+        if stats.get("strategy") == "kept":
+            cached += int(stats["context_tokens"])
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def finish_reason(self, done: dict[str, Any], eos: set[int]) -> str:
         """``stop`` at the end of sequence or a stop string, ``length`` at the cap."""
@@ -144,7 +152,7 @@ class _Completion:
                 else "stop")
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None,
-              usage: dict[str, int] | None = None, choices: bool = True) -> dict[str, Any]:
+              usage: dict[str, Any] | None = None, choices: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.model,
                                "choices": ([{"index": 0, "delta": delta,

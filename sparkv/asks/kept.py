@@ -108,7 +108,8 @@ class AppContexts:
              stop_at_eos: bool, remote: RemoteSource | None, stop: Sequence[str] = ()
              ) -> CallResult:
         return self.service.call(ctx_id, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                 grow=grow, stop_at_eos=stop_at_eos, remote=remote, stop=stop)
+                                 grow=grow, stop_at_eos=stop_at_eos, remote=remote, stop=stop,
+                                 turn_scope=self.app)
 
     # ---- the ask's end ---------------------------------------------------------------------
     def done(self) -> None:

@@ -39,6 +39,9 @@ class Breakdown:
     fallback: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)   # DecodeStats of a decode policy
     prelude_steps: int = 0          # layer steps computed before the plan (sparkv.edge.prelude)
+    #: the question's tokens whose KV the context service kept from an earlier ask of the same
+    #: conversation (not run; sparkv.device.tails)
+    turn_tokens_reused: int = 0
     #: the load's verdict on a re-plan at the measured link rate (``time_s``, ``measured_mbps``,
     #: ``planned_mbps``, ``taken``; not taken: ``kept``, why, or the planner's ``error``;
     #: ``None``: none was judged; docs/scheduler.md, "A re-plan at the measured rate")
@@ -55,7 +58,9 @@ class Breakdown:
              ("    streaming (link active)", f"{self.streaming_s:8.3f} s"),
              ("    decoding", f"{self.decoding_s:8.3f} s"),
              ("    local compute", f"{self.local_compute_s:8.3f} s"),
-             ("  question prefill", f"{self.question_prefill_s:8.3f} s"),
+             ("  question prefill", f"{self.question_prefill_s:8.3f} s"
+              + (f"   ({self.turn_tokens_reused} tokens of earlier turns kept)"
+                 if self.turn_tokens_reused else "")),
              ("  first token", f"{self.first_token_s:8.3f} s"),
              ("bytes streamed", f"{self.bytes_streamed / 1e6:8.2f} MB"
               + (f" (+{self.bytes_wasted / 1e6:.2f} MB wasted)" if self.bytes_wasted else "")),

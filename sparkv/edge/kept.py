@@ -69,6 +69,7 @@ class KeptAsks:
                        question_prefill_s=res.first_token_s - res.switch_s,
                        chunks_computed=load.recomputed_chunks if load is not None else 0,
                        chunks_streamed=streamed,
-                       bytes_streamed=remote.stats.bytes if streamed else 0)
+                       bytes_streamed=remote.stats.bytes if streamed else 0,
+                       turn_tokens_reused=res.reused_tokens)
         return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
                          sid)

@@ -39,8 +39,8 @@ _START, _END = "<|im_start|>", "<|im_end|>"
 
 
 class ConversationError(SparkvError, ValueError):
-    """Turns that cannot be asked: none, an unknown role, an empty text, or a last turn that is
-    not the user's question."""
+    """Turns that cannot be asked: none, an unknown role, a user's or system turn with no text,
+    or a last turn that is not the user's question."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Conversation:
             if t.role not in ROLES:
                 raise ConversationError(f"message {i}: role {t.role!r} is not one of "
                                         f"{', '.join(ROLES)}")
-            if not t.text.strip():
+            if not t.text.strip() and t.role != "assistant":   # a model may answer nothing
                 raise ConversationError(f"message {i} ({t.role}) has no text")
         if self.turns[-1].role != "user":
             raise ConversationError("the last message must be the user's question (got "

@@ -174,3 +174,31 @@ def test_a_failed_turn_leaves_the_working_memory_as_it_was(lm, context, monkeypa
     assert set(mem.positions) == {len(head)}
     with pytest.raises(ValueError, match="grows"):
         run_turn(lm, mem, len(head), ids, 4, grow=True, stop_at_eos=False, keep_tail=True)
+
+
+def test_an_asks_turn_kept_with_its_context_is_reused_and_rows_of_another_shape_refused(
+        lm, context, tmp_path):
+    """What the edge hands over with a context it keeps (``keep_turns``): the rows of its
+    question and answer, checked against the model's shape, reused by the next question."""
+    from sparkv.device.errors import DeviceError
+    from sparkv.edge.kept import appended_turn
+    from sparkv.runtime.generate import context_memory, greedy_generate
+
+    head, kv = context
+    mem = context_memory(lm, [(k.clone(), v.clone()) for k, v in kv], len(head))
+    first = Conversation.of(QUESTIONS[0])
+    gen = greedy_generate(lm, mem, len(head), suffix_ids(lm, first), 12, truncate=False)
+    turn = appended_turn(mem, suffix_ids(lm, first), gen.tokens)
+    assert turn is not None and set(mem.positions) == {len(head)}      # truncated
+    svc = ContextService(lm, 256 << 20, tmp_path / "svc", io_profile=flash_profile(fast=True))
+    try:
+        sid = svc.import_context(head, mem)
+        with pytest.raises(DeviceError, match="layers of"):
+            svc.keep_turns(sid, turn[0][:-1], turn[1])
+        assert svc.keep_turns(sid, *turn, turn_scope="app:a")
+        nxt = Conversation.of(QUESTIONS[1], [*first.turns, ChatTurn("assistant", gen.text)])
+        res = svc.call(sid, prompt_ids=suffix_ids(lm, nxt), max_new_tokens=4, grow=False,
+                       turn_scope="app:a")
+        assert res.reused_tokens >= len(suffix_ids(lm, first))
+    finally:
+        svc.close()

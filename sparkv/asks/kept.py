@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from sparkv.cache import ContextKV, LayerKV
     from sparkv.device.calls import CallResult
     from sparkv.device.remote import RemoteSource
+    from sparkv.device.tails import Rows
 
 __all__ = ["AppContexts", "KeepingTable"]
 
@@ -110,6 +111,9 @@ class AppContexts:
         return self.service.call(ctx_id, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                                  grow=grow, stop_at_eos=stop_at_eos, remote=remote, stop=stop,
                                  turn_scope=self.app)
+
+    def keep_turns(self, ctx_id: str, token_ids: Sequence[int], rows: Rows) -> bool:
+        return self.service.keep_turns(ctx_id, token_ids, rows, turn_scope=self.app)
 
     # ---- the ask's end ---------------------------------------------------------------------
     def done(self) -> None:

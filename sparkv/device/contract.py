@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from sparkv.cache import ContextKV, LayerKV
     from sparkv.device.calls import CallResult
     from sparkv.device.remote import RemoteSource
+    from sparkv.device.tails import Rows
     from sparkv.runtime.model import LoadedModel
 
 
@@ -48,6 +49,12 @@ class KeptContexts(Protocol):
              ) -> CallResult:
         """Answers ``prompt_ids`` in context ``ctx_id`` (restoring its missing chunks from
         flash, by recomputation or from ``remote``)."""
+        ...
+
+    def keep_turns(self, ctx_id: str, token_ids: Sequence[int], rows: Rows) -> bool:
+        """Keeps ``rows``, the KV of ``token_ids`` computed after context ``ctx_id`` (the ask
+        that kept it: its question and answer), for the next call of the same conversation
+        (:mod:`sparkv.device.tails`); returns whether they are kept."""
         ...
 
 

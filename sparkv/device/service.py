@@ -74,7 +74,7 @@ from sparkv.device.private import check_path, private_dir
 from sparkv.device.prompts import system_turn_ids, turn_ids
 from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedContext, DeviceContext
 from sparkv.device.swap import SwapStore
-from sparkv.device.tails import MIN_REUSE, TailKey, TurnTails
+from sparkv.device.tails import MIN_REUSE, Rows, TailKey, TurnTails
 from sparkv.device.calls import CallResult, run_turn
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.generate import eos_ids
@@ -302,6 +302,23 @@ class ContextService:
             with self.registry.running(ctx, self._run):
                 return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
                                   turn_scope)
+
+    def keep_turns(self, ctx_id: str, token_ids: Sequence[int], rows: Rows, *,
+                   turn_scope: str = "") -> bool:
+        """Keeps ``rows`` (per layer ``(K, V)`` ``[kv_heads, len(token_ids), head_dim]``), the KV
+        of ``token_ids`` computed after context ``ctx_id`` as it is now (an ask's question and
+        answer over the cache it then imported), as a tail of ``turn_scope``
+        (:mod:`~sparkv.device.tails`); returns whether it is kept (not when larger than the
+        turn cache). :class:`DeviceError` for rows of another shape."""
+        ctx = self.registry.get(ctx_id)
+        ids = check_token_ids(token_ids, self.vocab, "token_ids")
+        g = ChunkGeometry.from_config(self.lm.config, 1, self.config.chunk_tokens)
+        shape = (g.num_kv_heads, len(ids), g.head_dim)
+        if len(rows) != g.num_layers or any(tuple(t.shape) != shape for kv in rows for t in kv):
+            raise DeviceError(f"a turn's rows are {g.num_layers} layers of {shape} (K, V)")
+        dtype, device = self.lm.dtype, self.lm.device
+        rows = [(k.to(device, dtype), v.to(device, dtype)) for k, v in rows]
+        return self.tails.put(TailKey(ctx_id, len(ctx.tokens), turn_scope), ids, rows)
 
     def delete(self, ctx_id: str) -> None:
         """Deletes a context: its memory, its flash files and its journal record (of a damaged

@@ -20,6 +20,24 @@ from sparkv.edge.planning import AskError
 if TYPE_CHECKING:
     from sparkv.cache import ContextKV
     from sparkv.device.contract import KeptContexts
+    from sparkv.device.tails import Rows
+
+
+#: what an ask appended after its context: its ids (the question and the answer less its last
+#: token) and their KV (:data:`sparkv.device.tails.Rows`)
+AppendedTurn = tuple[list[int], "Rows"]
+
+
+def appended_turn(kv: ContextKV, suffix: Sequence[int], answer: Sequence[int]
+                  ) -> AppendedTurn | None:
+    """The KV ``kv`` holds appended after its context (``suffix``, then ``answer`` less its last
+    token), and ``kv`` truncated to its context; ``None`` when it holds anything else."""
+    try:
+        ids = [*suffix, *answer[:-1]]
+        count = min(kv.positions) - kv.geometry.num_tokens
+        return (ids, kv.appended(count)) if answer and count == len(ids) else None
+    finally:
+        kv.truncate()
 
 
 class KeptAsks:
@@ -39,9 +57,15 @@ class KeptAsks:
             raise AskError("keep=True needs a context service (EdgeSession(context_service=...))")
         return self._service
 
-    def keep(self, context_id: str, tokens: list[int], kv: ContextKV) -> str | None:
-        """Keeps a loaded cache in the service; returns its id there (``None``: not kept)."""
-        return self.service().import_context(tokens, kv, label=self.label(context_id))
+    def keep(self, context_id: str, tokens: list[int], kv: ContextKV,
+             turn: AppendedTurn | None = None) -> str | None:
+        """Keeps a loaded cache in the service, and the ask's ``turn`` with it (for the next
+        question of the same conversation); returns its id there (``None``: not kept)."""
+        svc = self.service()
+        sid = svc.import_context(tokens, kv, label=self.label(context_id))
+        if sid is not None and turn is not None:
+            svc.keep_turns(sid, *turn)
+        return sid
 
     def answer(self, fingerprint: str, context_id: str, suffix: Sequence[int],
                options: AskOptions, t_start: float) -> AskResult | None:

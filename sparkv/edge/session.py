@@ -40,7 +40,7 @@ from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.fetch import ContextFetch, FetchedContext
 from sparkv.edge.frames import decodes_in_turn
-from sparkv.edge.kept import KeptAsks
+from sparkv.edge.kept import AppendedTurn, KeptAsks, appended_turn
 from sparkv.edge.lane import Lane, on_lane
 from sparkv.edge.options import AskOptions
 from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
@@ -816,11 +816,15 @@ class EdgeSession:
         """The question's prefill and the answer over the assembled cache; the result."""
         opts, tokens, kv = ask.options, fetched.tokens, loaded.stepper.kv
         decode_stats: dict[str, Any] = {}
+        turn: AppendedTurn | None = None
         if not opts.uses_decode_policy:
             from sparkv.runtime.generate import greedy_generate
 
             gen = greedy_generate(self.lm, kv, len(tokens), ask.suffix, opts.max_new_tokens,
-                                  stop_at_eos=opts.stop_at_eos, stop=opts.stop)
+                                  stop_at_eos=opts.stop_at_eos, stop=opts.stop,
+                                  truncate=not opts.keep)
+            if opts.keep:                # the turn's KV goes to the service with the context
+                turn = appended_turn(kv, ask.suffix, gen.tokens)
         else:
             from sparkv.decode import generate as policy_generate
 
@@ -834,7 +838,7 @@ class EdgeSession:
             ask.planned_in_full.wait()   # the plan's thread decided its handover
         self.priors.question_prefill_s = gen.first_token_s
         ask.fallback.update(loaded.load.fallback)
-        kept_id = self._kept().keep(ask.context_id, tokens, kv) if opts.keep else None
+        kept_id = self._kept().keep(ask.context_id, tokens, kv, turn) if opts.keep else None
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
         return AskResult(gen.text, gen.tokens, breakdown, loaded.plan, planned.instance,

@@ -85,8 +85,9 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
         question_ids: the prompt suffix (at least one token).
         keep: leave the question and the answer in the memory (the context grows, as a chat
             does); by default the memory is left as it was.
-        truncate: without ``keep``, forget what the call appended; ``False`` leaves it appended
-            (uncommitted) for the caller to read (:meth:`ContextKV.appended`) and truncate.
+        truncate: without ``keep``, forget what the call appended; ``False`` leaves what a
+            finished call appended (uncommitted) for the caller to read
+            (:meth:`ContextKV.appended`) and truncate (a call that raises forgets it).
         stop: stop strings: the answer ends at the token that completes one, its text before
             it (:class:`~sparkv.runtime.stops.StopStrings`).
     """
@@ -96,13 +97,16 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
     start = time.perf_counter()
     memory = context_memory(lm, kv, n)
     cache = SparkvCache(memory)
+    done = False
     try:
-        return _greedy(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start,
-                       StopStrings(stop))
+        res = _greedy(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start,
+                      StopStrings(stop))
+        done = True
+        return res
     finally:
         if keep:
             cache.commit()
-        elif truncate:
+        elif truncate or not done:
             memory.truncate()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Sequence
 
+from sparkv.device.tails import Rows
 from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.client import EdgeClient
 from sparkv.edge.options import AskOptions
@@ -20,12 +21,11 @@ from sparkv.edge.planning import AskError
 if TYPE_CHECKING:
     from sparkv.cache import ContextKV
     from sparkv.device.contract import KeptContexts
-    from sparkv.device.tails import Rows
 
 
 #: what an ask appended after its context: its ids (the question and the answer less its last
 #: token) and their KV (:data:`sparkv.device.tails.Rows`)
-AppendedTurn = tuple[list[int], "Rows"]
+AppendedTurn = tuple[list[int], Rows]
 
 
 def appended_turn(kv: ContextKV, suffix: Sequence[int], answer: Sequence[int]

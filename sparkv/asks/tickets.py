@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Iterator, Seque
 
 from sparkv.edge.options import AskOptions
 from sparkv.runtime.stops import StopStrings
+from sparkv.runtime.textstream import TextStream
 
 if TYPE_CHECKING:
     from sparkv.asks.admission import Place
@@ -71,7 +72,7 @@ class AskTicket:
         self._events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._wake: Callable[[], None] | None = None
         self._wake_lock = threading.Lock()
-        self._detokenize = detokenize
+        self._answer = TextStream(detokenize)
         self._tokens: list[int] = []
         self._text = ""
         self._stops = StopStrings(request.options.stop if request is not None else ())
@@ -91,7 +92,8 @@ class AskTicket:
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.submitted
         self._tokens.append(token_id)
-        text = self._detokenize(self._tokens)
+        self._answer.add(token_id)
+        text = self._answer.text
         if self._stops:
             text = self._stops.shown(text)
         delta = ""

@@ -49,7 +49,6 @@ require_all(("fastapi",), feature="the OpenAI-compatible route of the device ser
 
 from fastapi import APIRouter, Request  # noqa: E402 - after the check
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from sparkv.asks.routes import AsksDep, ask_request
@@ -122,19 +121,16 @@ class _Completion:
     """One completion's identity and counts: what every chunk and the answer repeat."""
 
     def __init__(self, body: ChatBody, asks: AskService, ask: AskRequest) -> None:
-        from sparkv.edge.prompts import question_suffix
-
         self.id = f"chatcmpl-{time.time_ns():x}"
         self.created = int(time.time())
         self.model = body.model
         self.max_tokens = ask.options.max_new_tokens
-        self.question_tokens = len(question_suffix(asks.lm, ask.question, ask.options.chat))
         self.stops = StopStrings(ask.options.stop)
         self.lm = asks.lm
 
     def usage(self, done: dict[str, Any]) -> dict[str, Any]:
         stats = done["stats"]
-        prompt = int(stats["context_tokens"]) + self.question_tokens
+        prompt = int(stats["context_tokens"]) + int(stats["question_tokens"])
         completion = len(done["tokens"])
         cached = int(stats.get("turn_tokens_reused", 0))
         if stats.get("strategy") == "kept":
@@ -252,7 +248,7 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
         fields = fields.model_copy(update={"stop": [body.stop] if isinstance(body.stop, str)
                                            else body.stop})
     ask = ask_request(fields, asks, cid, question, _max_tokens(body))
-    c = await run_in_threadpool(_Completion, body, asks, ask)   # tokenizes: off the loop
+    c = _Completion(body, asks, ask)
     ticket = asks.submit(caller, ask)
     eos = asks.eos
     if body.stream:

@@ -113,6 +113,7 @@ class AskResult:
     kept_id: str | None = None     # the context service's id of the kept context (``keep``)
     controller: ControllerConfig | None = None
     started_by: Plan | None = None
+    question_tokens: int = 0       # the prompt's tokens after the context (its turns)
 
     @property
     def ttft_s(self) -> float:
@@ -120,7 +121,9 @@ class AskResult:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """``ttft_s``, ``new_tokens``, ``context_tokens``, then the :class:`Breakdown`'s fields
-        (its ``first_token_s`` is the sampling after the question's forward pass)."""
+        """``ttft_s``, ``new_tokens``, ``context_tokens``, ``question_tokens``, then the
+        :class:`Breakdown`'s fields (its ``first_token_s`` is the sampling after the question's
+        forward pass)."""
         return {**base_stats(self.ttft_s, self.tokens), "context_tokens": self.context_tokens,
+                "question_tokens": self.question_tokens,
                 **self.breakdown.to_dict()}

@@ -96,4 +96,4 @@ class KeptAsks:
                        bytes_streamed=remote.stats.bytes if streamed else 0,
                        turn_tokens_reused=res.reused_tokens)
         return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
-                         sid)
+                         sid, question_tokens=len(suffix))

@@ -843,7 +843,7 @@ class EdgeSession:
         breakdown.decode = decode_stats
         return AskResult(gen.text, gen.tokens, breakdown, loaded.plan, planned.instance,
                          loaded.load, gen.first_logits, len(tokens), kept_id, planned.controller,
-                         planned.plan)
+                         planned.plan, len(ask.suffix))
 
     # ---- kept contexts (the on-device context service) ---------------------------------------
     def _kept(self) -> KeptAsks:

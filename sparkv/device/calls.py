@@ -124,12 +124,13 @@ def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int
     rec = DensityRecorder(n + len(ids) + max_new + 1)
     m = known.count if known is not None else 0
     try:
-        if known is not None:
+        if known is not None:                       # kept in host RAM: to the memory's device
             for layer, (k, v) in enumerate(known.take()):
-                W.append(layer, k, v)
+                W.append(layer, k.to(W.device), v.to(W.device))
         with recording(rec):
             tokens, first_s = _generate(lm, W, n + m, ids[m:], max_new, grow, stop_at_eos, stop)
-        tail = W.appended(min(W.positions) - n) if keep_tail and tokens else None
+        tail = ([(k.cpu(), v.cpu()) for k, v in W.appended(min(W.positions) - n)]
+                if keep_tail and tokens else None)
     finally:
         if not grow:
             W.truncate()

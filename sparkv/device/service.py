@@ -316,8 +316,7 @@ class ContextService:
         shape = (g.num_kv_heads, len(ids), g.head_dim)
         if len(rows) != g.num_layers or any(tuple(t.shape) != shape for kv in rows for t in kv):
             raise DeviceError(f"a turn's rows are {g.num_layers} layers of {shape} (K, V)")
-        dtype, device = self.lm.dtype, self.lm.device
-        rows = [(k.to(device, dtype), v.to(device, dtype)) for k, v in rows]
+        rows = [(k.to("cpu", self.lm.dtype), v.to("cpu", self.lm.dtype)) for k, v in rows]
         return self.tails.put(TailKey(ctx_id, len(ctx.tokens), turn_scope), ids, rows)
 
     def delete(self, ctx_id: str) -> None:

@@ -11,7 +11,9 @@ those rows to the working memory and runs only the rest, at the same positions: 
 position depends only on the tokens up to it, so any common prefix is reusable, not only a whole
 tail.
 
-A tail is computed over the context as it was held then; it stays valid while the context holds
+Tails live in host RAM (on a GPU they are copied back to the device when reused: the device's
+memory holds only contexts and working memories, under the budget). A tail is computed over the
+context as it was held then; it stays valid while the context holds
 the same tokens (a tail is keyed by the context's token count, and a context that grows or is
 deleted forgets its tails). Chunks re-levelled or swapped later do not drop it, as a chat that
 grows its context keeps its turns' KV computed once.

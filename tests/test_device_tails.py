@@ -71,6 +71,8 @@ def test_the_capacity_bounds_the_bytes_least_recently_used_out():
     assert t.nbytes == 0
     with pytest.raises(ValueError):
         TurnTails(-1)
+    with pytest.raises(ValueError, match="as many rows"):
+        t.put(TailKey("e", 0), [1, 2, 3], _rows(2))
 
 
 # ---- the memory's appended rows -----------------------------------------------------------------

@@ -118,7 +118,9 @@ class TurnTails:
     def put(self, where: TailKey, tokens: Sequence[int], rows: Rows) -> bool:
         """Keeps ``rows``, the KV of ``tokens`` after ``where``'s context; a tail of ``where``
         that ``tokens`` begin with is replaced. Returns whether it is kept (not when larger than
-        the capacity)."""
+        the capacity). :class:`ValueError` when ``rows`` do not hold one row per token."""
+        if any(int(t.shape[1]) != len(tokens) for kv in rows for t in kv):
+            raise ValueError(f"a tail of {len(tokens)} tokens needs as many rows a layer")
         nbytes = _nbytes(rows)
         if not tokens or nbytes > self.capacity:
             return False

@@ -20,7 +20,8 @@ level mix), ``flashio`` (grouped durable writes, the I/O profile, a full flash),
 ``commands`` (the local REST service, its bodies, and ``sparkv device``), ``access`` (loopback
 Host names and the TCP bearer token), ``private`` (the modes of the swap dir, its files and the
 socket; the whole path's owners), ``flashlock`` (one service per flash dir), ``inputs`` (token
-id, text and timeout checks), ``contract`` (what the edge uses of the service: ``KeptContexts``).
+id, text and timeout checks), ``contract`` (what the edge uses of the service: ``KeptContexts``),
+``tails`` (the KV of recent turns after a context, reused by the next call of a conversation).
 """
 
 from typing import TYPE_CHECKING

@@ -36,7 +36,7 @@ def conversation(svc: Any, sid: str, lm: Any, questions: list[str], max_new: int
         conv = Conversation.of(q, history)
         ids = suffix_ids(lm, conv)
         r = svc.call(sid, prompt_ids=ids, max_new_tokens=max_new, grow=False)
-        out.append({"prompt_tokens": len(ids), "reused": r.reused_tokens,
+        out.append({"prompt_tokens": len(ids), "reused": r.turn_tokens_reused,
                     "ttft_ms": r.first_token_s * 1e3, "tokens": r.tokens, "text": r.text})
         history = [*conv.turns, ChatTurn("assistant", r.text)]
     return out

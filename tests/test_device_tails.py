@@ -142,16 +142,16 @@ def test_a_conversation_reuses_its_turns_and_answers_as_it_would_without(lm, con
                     QUESTIONS[1], [ChatTurn("user", QUESTIONS[0]),
                                    ChatTurn("assistant", answers[0][0].text)])),
                     max_new_tokens=2, grow=False, turn_scope="app:b")
-                assert again.reused_tokens == 0                   # another app's turns
+                assert again.turn_tokens_reused == 0                   # another app's turns
                 svc.call(sid, prompt_ids=[lm.encode_text("ok")[0]], max_new_tokens=2, grow=True)
                 assert svc.stats()["turn_cache"]["tails"] == 0      # it grew: forgotten
         finally:
             svc.close()
     assert [r.tokens for r in answers[0]] == [r.tokens for r in answers[64 << 20]]
-    reused = [r.reused_tokens for r in answers[64 << 20]]
+    reused = [r.turn_tokens_reused for r in answers[64 << 20]]
     assert reused[0] == 0 and all(r >= MIN_REUSE for r in reused[1:])
     assert reused[2] > reused[1]            # the third ask reuses the first two turns
-    assert all(r.reused_tokens == 0 for r in answers[0])
+    assert all(r.turn_tokens_reused == 0 for r in answers[0])
 
 
 def test_a_failed_turn_leaves_the_working_memory_as_it_was(lm, context, monkeypatch):
@@ -201,6 +201,6 @@ def test_an_asks_turn_kept_with_its_context_is_reused_and_rows_of_another_shape_
         nxt = Conversation.of(QUESTIONS[1], [*first.turns, ChatTurn("assistant", gen.text)])
         res = svc.call(sid, prompt_ids=suffix_ids(lm, nxt), max_new_tokens=4, grow=False,
                        turn_scope="app:a")
-        assert res.reused_tokens >= len(suffix_ids(lm, first))
+        assert res.turn_tokens_reused >= len(suffix_ids(lm, first))
     finally:
         svc.close()

@@ -54,7 +54,7 @@ class CallResult:
     bytes_evicted: int = 0
     bytes_written_at_reclaim: int = 0
     bytes_written_aot: int = 0
-    reused_tokens: int = 0        # the prompt's tokens whose KV a kept tail gave (not run)
+    turn_tokens_reused: int = 0   # the prompt's tokens whose KV a kept tail gave (not run)
     load: LoadStats | None = None
     plan: Split | None = None
 
@@ -77,7 +77,7 @@ class CallResult:
     def of(cls, lm: LoadedModel, ctx_id: str, tokens: list[int], sw: SwitchIn,
            context_tokens: int, counted: ServiceCounters, *, switch_s: float, first_token_s: float,
            total_s: float, aot_s: float, aot_bytes: int, stop: Sequence[str] = (),
-           reused_tokens: int = 0) -> "CallResult":
+           turn_tokens_reused: int = 0) -> "CallResult":
         """The result of a call that decoded ``tokens`` (its text: them decoded by ``lm``, end
         of sequence tokens left out, cut before a stop string of ``stop``), switched in by
         ``sw`` and counted ``counted`` (the service's counters during the call)."""
@@ -90,8 +90,8 @@ class CallResult:
                    total_s=total_s, aot_s=aot_s, context_tokens=context_tokens,
                    bytes_evicted=counted.evicted_bytes,
                    bytes_written_at_reclaim=counted.reclaim_written_bytes,
-                   bytes_written_aot=aot_bytes, reused_tokens=reused_tokens, load=sw.stats,
-                   plan=sw.split)
+                   bytes_written_aot=aot_bytes, turn_tokens_reused=turn_tokens_reused,
+                   load=sw.stats, plan=sw.split)
 
 
 

@@ -169,7 +169,7 @@ class CallReply(_Reply):
         "what it cost: ttft_s (= first_token_s), new_tokens, switch_s (reclaim + load, until "
         "the context is ready), reclaim_s, load_s, first_token_s, total_s, aot_s (the "
         "ahead-of-time swap-out after the answer), context_tokens (after the call), "
-        "bytes_evicted, bytes_written_at_reclaim, bytes_written_aot, reused_tokens (the "
+        "bytes_evicted, bytes_written_at_reclaim, bytes_written_aot, turn_tokens_reused (the "
         "prompt's tokens whose KV an earlier call's turns gave: sparkv.device.tails), load "
         "(what the load did: "
         "sparkv.device.loader.LoadStats; empty when nothing was loaded), plan (the "

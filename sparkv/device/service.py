@@ -433,7 +433,7 @@ class ContextService:
                              self.counters.since(before), switch_s=switch_s,
                              first_token_s=first_s, total_s=time.perf_counter() - t0,
                              aot_s=aot_s, aot_bytes=aot_bytes, stop=stop,
-                             reused_tokens=turn.reused)
+                             turn_tokens_reused=turn.reused)
 
     def _after_call(self, ctx: DeviceContext) -> int:
         """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.

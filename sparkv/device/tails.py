@@ -4,8 +4,8 @@
 A chat app sends its whole conversation with every request (OpenAI's API has no server-side
 history), and a call that answers over a context without growing it (``grow=False``, what every
 ask makes) forgets the turns' KV when it returns. So the tenth question of a chat would prefill
-all nine earlier turns again. The service keeps, per context, the KV of what its recent calls
-appended (the turns and the answer, less its last token, whose KV was never computed) in a
+all nine earlier turns again. The service keeps, per context and app, the KV of what its recent
+calls appended (the turns and the answer, less its last token, whose KV was never computed) in a
 bounded, least-recently-used store. A call whose ids begin with a kept tail's tokens appends
 those rows to the working memory and runs only the rest, at the same positions: the KV of a
 position depends only on the tokens up to it, so any common prefix is reusable, not only a whole
@@ -13,10 +13,10 @@ tail.
 
 Tails live in host RAM (on a GPU they are copied back to the device when reused: the device's
 memory holds only contexts and working memories, under the budget). A tail is computed over the
-context as it was held then; it stays valid while the context holds
-the same tokens (a tail is keyed by the context's token count, and a context that grows or is
-deleted forgets its tails). Chunks re-levelled or swapped later do not drop it, as a chat that
-grows its context keeps its turns' KV computed once.
+context as it was held then; it stays valid while the context holds the same tokens (a tail is
+keyed by the context's token count, and a context that grows or is deleted forgets its tails).
+Chunks re-levelled or swapped later do not drop it, as a chat that grows its context keeps its
+turns' KV computed once.
 """
 
 from __future__ import annotations

@@ -94,6 +94,6 @@ class KeptAsks:
                        chunks_computed=load.recomputed_chunks if load is not None else 0,
                        chunks_streamed=streamed,
                        bytes_streamed=remote.stats.bytes if streamed else 0,
-                       turn_tokens_reused=res.reused_tokens)
+                       turn_tokens_reused=res.turn_tokens_reused)
         return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
                          sid, question_tokens=len(suffix))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import Callable
 
 #: the ``--press`` spec: a press name, a budget (kept fraction ``0.2``, percentage ``20%`` or
 #: tokens per KV head ``256t``) and an optional question-agnostic window (docs/presses.md)
@@ -40,6 +41,22 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
                              "fp32), float32 (forces fp32), bfloat16, float16, or a compute "
                              "configuration: mixed, mixed-attn, mixed-mlp, mixed-layers, "
                              "bf16-weights, int8, int4, int4-kernel, int4-decode (docs/dtypes.md)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k`` and ``--seed`` on a command that answers
+    (:class:`sparkv.runtime.sampling.Sampling`; the defaults are greedy)."""
+    parser.add_argument("--temperature", type=_in_range(0.0, 2.0), default=0.0,
+                        help="0: greedy (each token the most likely, what the quality tables "
+                             "measure); else the answer is sampled at this temperature (<= 2)")
+    parser.add_argument("--top-p", type=_in_range(0.0, 1.0), default=1.0,
+                        help="sampling: draw from the most likely tokens whose probability "
+                             "reaches this")
+    parser.add_argument("--top-k", type=non_negative_int, default=0,
+                        help="sampling: draw from this many most likely tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling: the draws' seed, for a repeatable answer (default: one "
+                             "drawn and reported)")
 
 
 # ---- argparse types: a bad value is a usage error (one line, exit 2) before anything loads ----
@@ -104,3 +121,28 @@ def non_negative_float(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
+def _in_range(lo: float, hi: float) -> Callable[[str], float]:
+    """The type of a number in ``[lo, hi]``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number in [{lo:g}, {hi:g}]")
+        return value
+    parse.__name__ = f"number in [{lo:g}, {hi:g}]"
+    return parse

@@ -10,7 +10,7 @@ first come, first served under a steady stream; a server that dies mid-ask fails
 ask; a cancelled ask stops within one unit of compute (in process, counting its units); the
 unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage, and a
 conversation (instructions, an earlier turn) as an in-process session answers it, stop strings,
-and the model list (an app's kept contexts only, until shared); 40 asks
+sampled answers (a seed repeats one, the token events are the tokens drawn), and the model list (an app's kept contexts only, until shared); 40 asks
 from 8 clients that go away at random leave none stuck or lost and no memory held."""
 
 from __future__ import annotations
@@ -449,7 +449,7 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         # the answer is a 422 naming it
         noop = oa.chat.completions.create(
             model=cid, max_tokens=8, messages=[{"role": "user", "content": question}],
-            frequency_penalty=0, presence_penalty=0, logprobs=False, temperature=0.7,
+            frequency_penalty=0, presence_penalty=0, logprobs=False, temperature=0, top_p=1,
             response_format={"type": "text"}, store=False, extra_body={"sparkv": sparkv})
         assert noop.choices[0].message.content == alone.text
         with pytest.raises(openai.UnprocessableEntityError, match="frequency_penalty"):
@@ -469,6 +469,52 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         assert {"429", "503"} <= set(paths["/v1/asks"]["post"]["responses"])
     finally:
         oa.close()
+
+
+def test_a_sampled_answer_repeats_with_its_seed_and_streams_the_tokens_it_drew(world):
+    """``temperature`` samples: one seed gives one answer (streamed or not, and from the
+    service's memory as from a load), another seed another; without a seed the ask draws one and
+    reports it, and asking again with it gives the same answer; the token events are the tokens
+    drawn."""
+    openai = pytest.importorskip("openai")
+    dev = world["dev"]
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
+    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("sampler"),
+                       http_client=http, max_retries=0)
+    opts = {"strategy": "local", "stop_at_eos": False, "backend": "dense", "level": "raw"}
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "keep": False, **opts}
+    cid, question = world["ctx"]["c"], "What is it about?"
+
+    def chat(**kw):
+        r = oa.chat.completions.create(model=cid, max_tokens=10, extra_body={"sparkv": sparkv},
+                                       messages=[{"role": "user", "content": question}], **kw)
+        return r.choices[0].message.content, r.model_extra["sparkv"]["stats"]
+
+    try:
+        greedy, st = chat()
+        assert "seed" not in st or st["seed"] is None
+        eleven, st = chat(temperature=1.0, seed=11)
+        assert st["seed"] == 11 and eleven != greedy
+        assert chat(temperature=1.0, seed=11)[0] == eleven
+        assert chat(temperature=1.0, seed=12)[0] != eleven
+        chunks = oa.chat.completions.create(model=cid, max_tokens=10, stream=True, seed=11,
+                                            temperature=1.0, extra_body={"sparkv": sparkv},
+                                            messages=[{"role": "user", "content": question}])
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == eleven
+        drawn, st = chat(temperature=1.0)
+        assert isinstance(st["seed"], int) and chat(temperature=1.0, seed=st["seed"])[0] == drawn
+        with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
+            chat(temperature=2.5)
+    finally:
+        oa.close()
+    with dev.client() as c:         # POST /v1/asks, kept: a load, then from memory
+        for strategy in ("local", "kept"):
+            streamed: list[dict] = []
+            done = _ask(world, c, "c", question, max_new_tokens=10, temperature=1.3, top_k=40,
+                        seed=5, on_token=streamed.append, **{**opts, "stop_at_eos": False})
+            assert done.stats["strategy"] == strategy and done.stats["seed"] == 5
+            assert [e["token"] for e in streamed] == done.tokens and len(done.tokens) == 10
+            assert "".join(e["text"] for e in streamed) == done.text
 
 
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):

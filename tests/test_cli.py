@@ -85,6 +85,7 @@ def test_ask_argument_errors_come_before_the_model(no_model, capsys):
     _fails(ask + ["--press", "nope:0.5"], capsys, "unknown press")
     _fails(ask + ["--level", "q9"], capsys, "--level 'q9': choose auto or one of")
     _fails(ask + ["--decode", "nope"], capsys, "unknown decode policy 'nope'")
+    _fails(ask + ["--temperature", "1", "--seed", str(1 << 70)], capsys, "seed must be")
     with pytest.raises(SystemExit) as e:                   # argparse: one link or the other
         main(ask + ["--trace", "lte", "--mbps", "20"])
     assert e.value.code == 2
@@ -270,6 +271,9 @@ def test_the_parsers_and_help_import_neither_torch_nor_transformers(code):
     (["ask", "--server", NO_SERVER, "--context", CID, "--max-new-tokens", "0", "q"],
      "is not a positive integer"),
     (["ask", "--server", NO_SERVER, "--context", CID, "--rtt-ms", "-5", "q"], "number >= 0"),
+    (["ask", "--server", NO_SERVER, "--context", CID, "--temperature", "3", "q"],
+     "is not a number in [0, 2]"),
+    (["device", "ask", "--context", CID, "--top-k", "-1", "q"], "whole number >= 0"),
     (["context", "describe", "abc", "--server", NO_SERVER], "is not a context id"),
     (["device", "serve", "--flash-dir", "d", "--memory-budget-mb", "64", "--ask-server",
       "127.0.0.1:8080"], "is not a server URL"),

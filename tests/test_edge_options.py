@@ -58,6 +58,18 @@ def test_invalid_policies_raise_ask_error():
         AskOptions.resolve(AskOptions(), {"strategy": "fastest"})
 
 
+def test_sampling_options_are_checked_and_a_missing_seed_is_drawn_once():
+    assert AskOptions().sampling.greedy and AskOptions().seeded() == AskOptions()
+    for bad in (dict(temperature=3.0), dict(top_p=-1.0), dict(top_k=-2), dict(seed=1 << 70)):
+        with pytest.raises(AskError, match=next(iter(bad))):
+            AskOptions(**bad)
+    hot = AskOptions(temperature=0.8, top_p=0.9)
+    seeded = hot.seeded()
+    assert hot.seed is None and isinstance(seeded.seed, int) and seeded.seeded() is seeded
+    assert (seeded.sampling.temperature, seeded.sampling.top_p) == (0.8, 0.9)
+    assert AskOptions(temperature=0.8, seed=3).seeded().seed == 3
+
+
 def test_ask_checks_its_options_before_anything_else():
     """An unknown keyword or a bad strategy fails before the model is loaded (the model given
     here does not exist) and before any request (no server listens)."""

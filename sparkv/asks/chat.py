@@ -19,7 +19,9 @@ A stock client asks about a server context unchanged::
   system turn is the server's); a ``tool`` message, a user's or system message with no text (an
   assistant's may be empty) or a last message that is not the user's is 400
   ``unsupported_messages``;
-* the answer is greedy (what ``temperature`` 0 gives, whatever ``temperature`` says), at most
+* the answer is greedy without ``temperature`` (or at 0), else sampled (``top_p``, ``seed``;
+  ``sparkv.top_k`` too: :mod:`sparkv.runtime.sampling`; the seed drawn when none is given is
+  in ``sparkv.stats.seed``), at most
   ``max_completion_tokens`` (or ``max_tokens``; default 256) tokens, ending before a ``stop``
   string (:mod:`sparkv.runtime.stops`; streamed, what may begin one is held back);
 * ``stream``: server-sent ``chat.completion.chunk`` events (the role, then the text as it is
@@ -101,6 +103,16 @@ def _question(body: ChatBody) -> str | Conversation:
         raise UnsupportedMessages(f"{e}; the context is the server's, named by 'model'"
                                   ) from None
     return conv.question if len(turns) == 1 else conv
+
+
+def _openai_fields(body: ChatBody) -> dict[str, Any]:
+    """The ask's fields that OpenAI's request sets (they override the ``sparkv`` extension's):
+    ``stop``, ``temperature``, ``top_p``, ``seed``."""
+    out: dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "seed")
+                           if getattr(body, k) is not None}
+    if body.stop is not None:
+        out["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    return out
 
 
 def _max_tokens(body: ChatBody) -> int:
@@ -244,9 +256,7 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
     question = _question(body)
     cid = _context_id(body)
     fields = body.sparkv or SparkvFields()
-    if body.stop is not None:
-        fields = fields.model_copy(update={"stop": [body.stop] if isinstance(body.stop, str)
-                                           else body.stop})
+    fields = fields.model_copy(update=_openai_fields(body))
     ask = ask_request(fields, asks, cid, question, _max_tokens(body))
     c = _Completion(body, asks, ask)
     ticket = asks.submit(caller, ask)

@@ -21,7 +21,8 @@ from typing import Any, Callable
 from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
 from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.linkplan import LINK_PLANS
-from sparkv.cliflags import STRATEGY_NAMES, context_id, positive_int, server_url
+from sparkv.cliflags import (STRATEGY_NAMES, add_sampling_args, context_id, positive_int,
+                             server_url)
 
 log = logging.getLogger("sparkv.asks")
 
@@ -135,6 +136,7 @@ def _add_ask(dsub: "argparse._SubParsersAction") -> None:
                    help="how the context is loaded (docs/edge.md)")
     a.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="answer length, tokens")
+    add_sampling_args(a)
     a.add_argument("--no-keep", action="store_true",
                    help="do not keep the loaded context in the service")
     a.add_argument("--share", action="append", default=None, metavar="APP",
@@ -159,7 +161,8 @@ def _ask(args: argparse.Namespace) -> int:
         done = c.ask(args.context, args.question, on_token=show, server=args.server,
                      api_key=args.api_key, strategy=args.strategy,
                      max_new_tokens=args.max_new_tokens, keep=not args.no_keep,
-                     share=args.share)
+                     share=args.share, temperature=args.temperature, top_p=args.top_p,
+                     top_k=args.top_k, seed=args.seed)
     if args.json:
         print(done.model_dump_json(indent=1))
         return 0

@@ -1,5 +1,5 @@
 """The model's forward passes on an ask's thread: each one a unit of compute on the ask's lane, and
-each one's next token reported as it is generated.
+the answer's tokens reported as they are chosen.
 
 An ask answers on its own thread: the question's forward pass, then one per answer token
 (:func:`sparkv.runtime.generate.greedy_generate`, and the context service's call for a kept
@@ -9,10 +9,12 @@ thread then
 
 * waits for the ask's turn on the cores (:meth:`AskLane.acquire
   <sparkv.asks.cores.AskLane.acquire>`; a cancelled ask raises there, between two tokens), runs,
-  and gives the cores back (also when it fails);
-* reports its next token: the argmax of its last position's logits, the token greedy decoding
-  takes (``on_token``); after the first, the lane is answering (:meth:`AskLane.answered
-  <sparkv.asks.cores.AskLane.answered>`).
+  and gives the cores back (also when it fails); after the first, the lane is answering
+  (:meth:`AskLane.answered <sparkv.asks.cores.AskLane.answered>`).
+
+Each token the thread's generation chooses, greedy or sampled, goes to ``on_token``
+(:func:`sparkv.runtime.sampling.reporting_to`): the token the answer takes, whichever path
+(the edge's, the context service's, a decode policy's) chose it.
 
 The answer's later tokens do not come here one pass each: a bound thread's greedy decoding is
 routed (:func:`sparkv.runtime.batchdecode.decoding_through`) to :meth:`AskLane.run_decode
@@ -52,22 +54,17 @@ def install(model: Any) -> None:
 
 @contextlib.contextmanager
 def bound(lane: AskLane, on_token: Callable[[int], None] | None = None) -> Iterator[None]:
-    """Binds this thread's forward passes to ``lane`` (and their tokens to ``on_token``) for
-    the block."""
+    """Binds this thread's forward passes to ``lane`` (and the tokens its generation chooses
+    to ``on_token``) for the block."""
     from sparkv.runtime.batchdecode import decoding_through
+    from sparkv.runtime.sampling import reporting_to
 
-    def decode(lm: Any, item: Any) -> Any:
-        logits = lane.run_decode(lm, item)
-        if on_token is not None:
-            on_token(int(logits.argmax()))
-        return logits
-
-    _local.lane, _local.on_token, _local.held = lane, on_token, False
+    _local.lane, _local.held = lane, False
     try:
-        with decoding_through(decode):
+        with decoding_through(lane.run_decode), reporting_to(on_token):
             yield
     finally:
-        _local.lane = _local.on_token = None
+        _local.lane = None
 
 
 def _before(module: Any, args: Any, kwargs: Any) -> None:
@@ -85,7 +82,3 @@ def _after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
     if not lane.answering:     # the question's pass: the ask's first token (answering before
         lane.answered()        # the cores go: an answer token waiting may gather its next)
     lane.release()
-    on_token = _local.on_token
-    logits = getattr(output, "logits", None)
-    if on_token is not None and logits is not None:
-        on_token(int(logits[0, -1].argmax()))

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from sparkv.device.calls import CallResult
     from sparkv.device.remote import RemoteSource
     from sparkv.device.tails import Rows
+    from sparkv.runtime.sampling import Sampling
 
 __all__ = ["AppContexts", "KeepingTable"]
 
@@ -106,11 +107,11 @@ class AppContexts:
         return cid
 
     def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,
-             stop_at_eos: bool, remote: RemoteSource | None, stop: Sequence[str] = ()
-             ) -> CallResult:
+             stop_at_eos: bool, remote: RemoteSource | None, stop: Sequence[str] = (),
+             sampling: Sampling | None = None) -> CallResult:
         return self.service.call(ctx_id, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                                  grow=grow, stop_at_eos=stop_at_eos, remote=remote, stop=stop,
-                                 turn_scope=self.app)
+                                 turn_scope=self.app, sampling=sampling)
 
     def keep_turns(self, ctx_id: str, token_ids: Sequence[int], rows: Rows) -> bool:
         return self.service.keep_turns(ctx_id, token_ids, rows, turn_scope=self.app)

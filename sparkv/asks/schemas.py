@@ -19,6 +19,7 @@ from sparkv.device.schemas import AppId, DoneEvent, PromptText
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
+from sparkv.runtime.sampling import MAX_TEMPERATURE, SEED_RANGE
 from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
 from sparkv.runtime.turns import ChatTurn, Conversation
 
@@ -39,6 +40,12 @@ Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
 Mbps = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
 #: a stop string
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+#: sampling's knobs (:class:`~sparkv.runtime.sampling.Sampling`)
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                                     description="0: greedy (the argmax); else sampled")]
+TopP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=0, le=1 << 20), JSON_INT]
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), JSON_INT]
 
 
 class AskFields(BaseModel):
@@ -71,6 +78,11 @@ class AskFields(BaseModel):
         "the apps a context this ask keeps is shared with (* : every app)"))
     stop: list[StopText] = Field(default_factory=list, max_length=MAX_STOPS, description=(
         "stop strings: the answer ends where one first appears, its text before it"))
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK = Field(default=0, description="sample from this many most likely tokens (0: all)")
+    seed: Seed | None = Field(default=None, description=(
+        "the draws' seed when sampling (none: one drawn, reported in the stats' seed)"))
 
     def options(self, max_new_tokens: int) -> AskOptions:
         """The :class:`AskOptions` (raises ``AskError`` for a strategy or decode policy the
@@ -133,8 +145,8 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-#: a penalty at its no-op value (answers are greedy)
-_Zero = Annotated[float, Field(ge=0, le=0, description="only 0: answers are greedy")]
+#: a penalty at its no-op value (no penalties here)
+_Zero = Annotated[float, Field(ge=0, le=0, description="only 0: no penalties here")]
 
 
 class _TextFormat(BaseModel):
@@ -149,8 +161,8 @@ class _StreamOptions(BaseModel):
 
 class ChatBody(BaseModel):
     """``POST /v1/chat/completions`` (OpenAI's chat completion request, the fields a stock
-    client sends for a conversation about the context; answers are greedy, as ``temperature``
-    0 gives)."""
+    client sends for a conversation about the context; without ``temperature`` answers are
+    greedy, as ``temperature`` 0 gives)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -164,9 +176,10 @@ class ChatBody(BaseModel):
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = Field(
         default=None, description="up to 4 stop strings: the answer ends before the first")
     n: Literal[1] = 1
-    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
-    seed: int | None = None
+    temperature: Temperature | None = Field(default=None, description=(
+        "0 or none: greedy; else the answer is sampled (docs/asks.md, 'Sampling')"))
+    top_p: TopP | None = None
+    seed: Seed | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     # what stock clients send at their no-op values: taken at those, any other is a 422 naming
     # the field (no sampling penalties, logprobs, tools or JSON mode here)

@@ -34,6 +34,7 @@ from sparkv.runtime.generate import GenerationResult, answer_text, context_memor
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.kvcache import LayerKV
 from sparkv.runtime.model import LoadedModel
+from sparkv.runtime.sampling import Sampling, TokenChooser
 from sparkv.runtime.stops import StopStrings
 
 
@@ -440,8 +441,9 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
              budget: float | int | None = None, stop_at_eos: bool = True,
              stop: Sequence[str] = (), config: DecodeConfig | None = None,
              flash_dir: str | Path | None = None, probe: bool = False,
-             **overrides: Any) -> DecodeResult:
-    """Greedy decoding after ``question_ids`` over a context's KV under ``kv_policy``.
+             sampling: Sampling | None = None, **overrides: Any) -> DecodeResult:
+    """Greedy decoding (or sampling) after ``question_ids`` over a context's KV under
+    ``kv_policy``.
 
     Args:
         kv: the context's memory (:class:`~sparkv.cache.ContextKV`, left as it was) or per-layer
@@ -458,6 +460,7 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
         config, overrides: any :class:`DecodeConfig` field.
         flash_dir: where the clusters go on flash (a temporary directory under it, removed after).
         probe: also measure attention-mass recall and output error against full attention.
+        sampling: how each token is chosen (default: greedy).
 
     Returns:
         a :class:`DecodeResult`: ``text``, ``tokens``, ``stats``; unpacks as
@@ -473,14 +476,15 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
                        probe=probe, **overrides) as s:
         logits = s.prefill(question_ids)
         prefill_s = time.perf_counter() - start
-        token = int(torch.argmax(logits))
+        choose = TokenChooser(sampling)
+        token = choose(logits)
         first_s = time.perf_counter() - start
         tokens = [token]
         eos = eos_ids(lm)
         stops = StopStrings(stop)
         while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
                and not stops.hit(lm, tokens)):
-            token = int(torch.argmax(s.feed([token])))
+            token = choose(s.feed([token]))
             tokens.append(token)
         last = time.perf_counter()
         stats = s.stats()
@@ -488,5 +492,5 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
     # total_s counts the pending page writes (stats) and the flash files' removal (close): an
     # ask's TTFT is its time minus what came after the first token
     result = GenerationResult(tokens, logits, first_s, time.perf_counter() - start,
-                              answer_text(lm, tokens, stops), prefill_s)
+                              answer_text(lm, tokens, stops), prefill_s, choose.seed)
     return DecodeResult(result, stats)

@@ -21,6 +21,7 @@ from sparkv.device.density import DensityRecorder, recording
 from sparkv.device.tails import Rows, TailHit
 from sparkv.generation import base_stats
 from sparkv.runtime.hfcache import model_call
+from sparkv.runtime.sampling import Sampling
 
 if TYPE_CHECKING:
     from sparkv.device.counters import ServiceCounters
@@ -111,10 +112,10 @@ class Turn:
 
 def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, *, grow: bool,
              stop_at_eos: bool, stop: Sequence[str] = (), known: TailHit | None = None,
-             keep_tail: bool = False) -> Turn:
+             keep_tail: bool = False, sampling: Sampling | None = None) -> Turn:
     """Runs ``ids`` after the ``n`` tokens of working memory ``W`` (which has room for them and
-    ``max_new`` more) and decodes up to ``max_new`` tokens greedily (until a stop string of
-    ``stop``); ``W`` keeps the new tokens if ``grow``, else is left holding its ``n``.
+    ``max_new`` more) and decodes up to ``max_new`` tokens, greedily unless ``sampling`` says
+    otherwise (until a stop string of ``stop``); ``W`` keeps the new tokens if ``grow``, else is left holding its ``n``.
 
     Without ``grow``: ``known`` (rows of a kept tail, ``ids`` beginning with its tokens) is
     appended first and only the rest of ``ids`` runs; ``keep_tail`` returns the KV of what the
@@ -128,7 +129,8 @@ def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int
             for layer, (k, v) in enumerate(known.take()):
                 W.append(layer, k.to(W.device), v.to(W.device))
         with recording(rec):
-            tokens, first_s = _generate(lm, W, n + m, ids[m:], max_new, grow, stop_at_eos, stop)
+            tokens, first_s = _generate(lm, W, n + m, ids[m:], max_new, grow, stop_at_eos, stop,
+                                        sampling)
         tail = ([(k.cpu(), v.cpu()) for k, v in W.appended(min(W.positions) - n)]
                 if keep_tail and tokens else None)
     finally:
@@ -138,13 +140,14 @@ def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int
 
 
 def _generate(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, grow: bool,
-              stop_at_eos: bool, stop: Sequence[str]) -> tuple[list[int], float]:
+              stop_at_eos: bool, stop: Sequence[str], sampling: Sampling | None
+              ) -> tuple[list[int], float]:
     from sparkv.cache import SparkvCache
     from sparkv.runtime.generate import greedy_generate
 
     if max_new > 0:
         gen = greedy_generate(lm, W, n, ids, max_new, stop_at_eos=stop_at_eos, keep=grow,
-                              stop=stop, truncate=False)
+                              stop=stop, truncate=False, sampling=sampling)
         return gen.tokens, gen.first_token_s
     with torch.inference_mode():
         cache = SparkvCache(W)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
     from sparkv.device.tails import Rows
     from sparkv.runtime.model import LoadedModel
+    from sparkv.runtime.sampling import Sampling
 
 
 class KeptContexts(Protocol):
@@ -45,10 +46,11 @@ class KeptContexts(Protocol):
         ...
 
     def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,
-             stop_at_eos: bool, remote: RemoteSource | None, stop: Sequence[str] = ()
-             ) -> CallResult:
+             stop_at_eos: bool, remote: RemoteSource | None, stop: Sequence[str] = (),
+             sampling: Sampling | None = None) -> CallResult:
         """Answers ``prompt_ids`` in context ``ctx_id`` (restoring its missing chunks from
-        flash, by recomputation or from ``remote``)."""
+        flash, by recomputation or from ``remote``; each answer token chosen as ``sampling``
+        says, default greedy)."""
         ...
 
     def keep_turns(self, ctx_id: str, token_ids: Sequence[int], rows: Rows) -> bool:

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
     from sparkv.predictor.cost import StepCostModel
     from sparkv.runtime.model import LoadedModel
+    from sparkv.runtime.sampling import Sampling
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
 
@@ -266,7 +267,8 @@ class ContextService:
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
              prompt_ids: Sequence[int] | None = None, grow: bool = True, stop_at_eos: bool = True,
              timeout_s: float | None = None, remote: RemoteSource | None = None,
-             stop: Sequence[str] = (), turn_scope: str = "") -> CallResult:
+             stop: Sequence[str] = (), turn_scope: str = "",
+             sampling: Sampling | None = None) -> CallResult:
         """Runs ``prompt`` in context ``ctx_id`` and returns the answer.
 
         Args:
@@ -287,6 +289,7 @@ class ContextService:
             turn_scope: whose turns these are (an app): a ``grow=False`` call reuses the KV of
                 turns that an earlier call of the same scope ran after this context
                 (:mod:`~sparkv.device.tails`), never another scope's.
+            sampling: how each answer token is chosen (default: greedy).
         """
         ctx = self.registry.get(ctx_id)
         prompt_ids, timeout_s = check_call(prompt, prompt_ids, max_new_tokens, timeout_s,
@@ -301,7 +304,7 @@ class ContextService:
                          f"{max_new_tokens} new tokens,")
             with self.registry.running(ctx, self._run):
                 return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
-                                  turn_scope)
+                                  turn_scope, sampling)
 
     def keep_turns(self, ctx_id: str, token_ids: Sequence[int], rows: Rows, *,
                    turn_scope: str = "") -> bool:
@@ -395,7 +398,7 @@ class ContextService:
     # ---- one call --------------------------------------------------------------------------------
     def _call(self, ctx: DeviceContext, ids: builtins.list[int], max_new: int, grow: bool,
               stop_at_eos: bool, remote: RemoteSource | None = None, stop: Sequence[str] = (),
-              turn_scope: str = "") -> CallResult:
+              turn_scope: str = "", sampling: Sampling | None = None) -> CallResult:
         t0 = time.perf_counter()
         n = len(ctx.tokens)
         before = self.counters.snapshot()
@@ -405,7 +408,7 @@ class ContextService:
         sw = self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote)
         switch_s = time.perf_counter() - t0
         turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow, stop_at_eos=stop_at_eos,
-                        stop=stop, known=known, keep_tail=tails)
+                        stop=stop, known=known, keep_tail=tails, sampling=sampling)
         first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
         tokens = turn.tokens
         if turn.tail is not None:

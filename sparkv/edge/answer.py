@@ -42,6 +42,8 @@ class Breakdown:
     #: the question's tokens whose KV the context service kept from an earlier ask of the same
     #: conversation (not run; sparkv.device.tails)
     turn_tokens_reused: int = 0
+    #: a sampled answer's seed (``AskOptions.seed``, or the one the ask drew); ``None``: greedy
+    seed: int | None = None
     #: the load's verdict on a re-plan at the measured link rate (``time_s``, ``measured_mbps``,
     #: ``planned_mbps``, ``taken``; not taken: ``kept``, why, or the planner's ``error``;
     #: ``None``: none was judged; docs/scheduler.md, "A re-plan at the measured rate")
@@ -68,6 +70,8 @@ class Breakdown:
               f" ({self.steps_computed} layer steps"
               + (f", {self.prelude_steps} before the plan" if self.prelude_steps else "") + ")"),
              ("controller migrations", f"{self.migrations}")]
+        if self.seed is not None:
+            r.append(("answer sampled", f"seed {self.seed}"))
         if self.replan and self.replan.get("kept") != "link not slower":
             r.append(self._replan_row(self.replan))
         if self.levels:

@@ -10,8 +10,8 @@ import os
 from typing import Any, Iterator
 
 from sparkv.cliflags import (PRESS_METAVAR, STRATEGY_NAMES, TRACE_NAMES, add_device_args,
-                             context_id, non_negative_float, positive_float, positive_int,
-                             server_url)
+                             add_sampling_args, context_id, non_negative_float, positive_float,
+                             positive_int, server_url)
 from sparkv.errors import SparkvError
 
 
@@ -101,6 +101,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     add_device_args(a)
     a.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="answer length, tokens")
+    add_sampling_args(a)
     a.add_argument("--decode", default="full", metavar="POLICY",
                    help="decode-time KV policy: full, dynakv, static, local, nocluster, "
                         "dynakv-eager, dynakv-packed, dynakv-lru (docs/dynakv.md)")
@@ -180,7 +181,9 @@ def _ask(args: argparse.Namespace) -> int:
                          max_new_tokens=args.max_new_tokens, decode=args.decode,
                          ram_budget=args.decode_budget, keep=args.keep,
                          prelude=False if args.no_prelude else None,
-                         ask_deadline_s=args.ask_deadline_s)   # a bad --decode fails here too
+                         ask_deadline_s=args.ask_deadline_s, temperature=args.temperature,
+                         top_p=args.top_p, top_k=args.top_k,
+                         seed=args.seed)   # a bad --decode or --seed fails here too
     with api_key_hint(), EdgeSession.connect(
             args.server, args.api_key, args.model, shaper=shaper, cache_dir=cache,
             limits=limits, device=args.device, dtype=args.dtype) as session:

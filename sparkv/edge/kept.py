@@ -85,7 +85,7 @@ class KeptAsks:
         remote = server_stream(self.client, context_id)
         res = svc.call(sid, prompt_ids=list(suffix), max_new_tokens=options.max_new_tokens,
                        grow=False, stop_at_eos=options.stop_at_eos, remote=remote,
-                       stop=options.stop)
+                       stop=options.stop, sampling=options.sampling)
         ttft = (time.perf_counter() - t_start) - (res.total_s - res.first_token_s)
         load = res.load
         streamed = load.streamed_chunks if load is not None else 0
@@ -94,6 +94,6 @@ class KeptAsks:
                        chunks_computed=load.recomputed_chunks if load is not None else 0,
                        chunks_streamed=streamed,
                        bytes_streamed=remote.stats.bytes if streamed else 0,
-                       turn_tokens_reused=res.turn_tokens_reused)
+                       turn_tokens_reused=res.turn_tokens_reused, seed=options.seed)
         return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
                          sid, question_tokens=len(suffix))

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from sparkv.edge.engine import EngineConfig
 from sparkv.edge.planning import AUTO_FLOOR, PRELUDE_STRATEGIES, STRATEGIES, AskError
 from sparkv.runtime.attention import BACKENDS, AttentionBackend
+from sparkv.runtime.sampling import Sampling
 from sparkv.scheduler.controller import ControllerConfig
 
 #: the decode-time KV policy that keeps everything in RAM (no :mod:`sparkv.decode` policy)
@@ -90,6 +91,22 @@ class AskOptions:
     """Stop generating at the model's end-of-sequence token (``False``: always
     :attr:`max_new_tokens` tokens, as the benchmarks compare them)."""
 
+    temperature: float = 0.0
+    """How the answer's tokens are chosen: 0, the default, greedy (each token the argmax, what
+    the quality tables measure); else sampled from the logits divided by it (at most 2;
+    :class:`~sparkv.runtime.sampling.Sampling`)."""
+
+    top_p: float = 1.0
+    """Sampling only: draw from the most likely tokens whose probability reaches it (0..1)."""
+
+    top_k: int = 0
+    """Sampling only: draw from the ``top_k`` most likely tokens (0: all)."""
+
+    seed: int | None = None
+    """Sampling only: the seed of the draws (the same seed over the same context and question
+    gives the same answer); ``None``: the ask draws one and reports it
+    (``breakdown.seed``)."""
+
     stop: tuple[str, ...] = ()
     """Stop strings (OpenAI's ``stop``; a lone string is one stop string): at most
     :data:`~sparkv.runtime.stops.MAX_STOPS`, each at most
@@ -127,6 +144,10 @@ class AskOptions:
             raise AskError(f"ask_deadline_s must be a positive number of seconds, "
                            f"not {self.ask_deadline_s!r}")
         self._check_stop()
+        try:
+            self.sampling
+        except ValueError as e:
+            raise AskError(str(e)) from None
         if self.strategy not in STRATEGIES:
             raise AskError(f"unknown strategy {self.strategy!r}; "
                            f"choose one of {sorted(STRATEGIES)}")
@@ -150,6 +171,19 @@ class AskOptions:
         if len(self.stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in self.stop):
             raise AskError(f"stop takes at most {MAX_STOPS} strings of at most "
                            f"{MAX_STOP_CHARS} characters")
+
+    @property
+    def sampling(self) -> Sampling:
+        """How the answer's tokens are chosen (:attr:`temperature`, :attr:`top_p`,
+        :attr:`top_k`, :attr:`seed`)."""
+        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
+
+    def seeded(self) -> AskOptions:
+        """These options with a seed when they sample without one (drawn from the OS, so the
+        ask can report it); else these."""
+        if self.sampling.greedy or self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=self.sampling.with_seed().seed)
 
     @property
     def uses_decode_policy(self) -> bool:

@@ -486,7 +486,7 @@ class EdgeSession:
             PromptTooLong: the context, the question and ``max_new_tokens`` past the model's
                 positions (before any work).
         """
-        opts = AskOptions.resolve(options, overrides)
+        opts = AskOptions.resolve(options, overrides).seeded()
         suffix = question_suffix(self.lm, question, opts.chat)
         attn = self._attention(opts.backend)
         if not opts.keep:
@@ -822,7 +822,7 @@ class EdgeSession:
 
             gen = greedy_generate(self.lm, kv, len(tokens), ask.suffix, opts.max_new_tokens,
                                   stop_at_eos=opts.stop_at_eos, stop=opts.stop,
-                                  truncate=not opts.keep)
+                                  truncate=not opts.keep, sampling=opts.sampling)
             if opts.keep:                # the turn's KV goes to the service with the context
                 turn = appended_turn(kv, ask.suffix, gen.tokens)
         else:
@@ -831,7 +831,8 @@ class EdgeSession:
             gen, dstats = policy_generate(self.lm, kv, len(tokens), ask.suffix,
                                           opts.max_new_tokens, kv_policy=opts.decode,
                                           ram_budget=opts.ram_budget,
-                                          stop_at_eos=opts.stop_at_eos, stop=opts.stop)
+                                          stop_at_eos=opts.stop_at_eos, stop=opts.stop,
+                                          sampling=opts.sampling)
             decode_stats = dstats.to_dict()
         ttft = (time.perf_counter() - ask.t_start) - (gen.total_s - gen.first_token_s)
         if ask.prelude is not None and not ask.fallback.get("manifest"):
@@ -841,6 +842,7 @@ class EdgeSession:
         kept_id = self._kept().keep(ask.context_id, tokens, kv, turn) if opts.keep else None
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
+        breakdown.seed = gen.seed
         return AskResult(gen.text, gen.tokens, breakdown, loaded.plan, planned.instance,
                          loaded.load, gen.first_logits, len(tokens), kept_id, planned.controller,
                          planned.plan, len(ask.suffix))

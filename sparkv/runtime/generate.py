@@ -1,8 +1,9 @@
 """Generation over an assembled KV cache, and the reference (plain transformers) prefill.
 
 :func:`greedy_generate` prefills the question (the prompt suffix) over the context's cache at
-positions ``N .. N+q-1`` and decodes greedily; it gives the same tokens as ``model.generate`` on the
-full prompt (tested). It times the first token, which ends TTFT.
+positions ``N .. N+q-1`` and decodes greedily, or as a :class:`~sparkv.runtime.sampling.Sampling`
+says; greedy, it gives the same tokens as ``model.generate`` on the full prompt (tested). It
+times the first token, which ends TTFT.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sparkv.runtime.compute import compute_of
 from sparkv.runtime.hfcache import model_call, output_cache
 from sparkv.runtime.kvcache import LayerKV, from_dynamic_cache, memory_from_layers
 from sparkv.runtime.model import LoadedModel
+from sparkv.runtime.sampling import Sampling, TokenChooser
 from sparkv.runtime.stops import StopStrings
 
 SAMPLE_CONTEXT = Path(__file__).resolve().parent.parent / "data" / "sample_context.txt"
@@ -33,7 +35,7 @@ class GenerationResult:
     :class:`~sparkv.generation.Generation` (``text``, ``tokens``, ``stats``).
 
     Attributes:
-        tokens: generated token ids (greedy), at most ``max_new_tokens``.
+        tokens: generated token ids (greedy unless sampled), at most ``max_new_tokens``.
         first_logits: ``[vocab]`` float32 logits of the first generated token.
         first_token_s: seconds from the call to the first token (question prefill + sampling).
         total_s: seconds for the whole call.
@@ -45,12 +47,17 @@ class GenerationResult:
     total_s: float
     text: str = field(default="")
     prefill_s: float = 0.0  # the question's forward pass (part of first_token_s)
+    seed: int | None = None  # the sampling's seed (None: greedy)
 
     @property
     def stats(self) -> dict[str, Any]:
-        """``ttft_s`` (= ``first_token_s``), ``new_tokens``, ``prefill_s``, ``total_s``."""
-        return {**base_stats(self.first_token_s, self.tokens), "prefill_s": self.prefill_s,
-                "total_s": self.total_s}
+        """``ttft_s`` (= ``first_token_s``), ``new_tokens``, ``prefill_s``, ``total_s``; a
+        sampled answer's ``seed``."""
+        out = {**base_stats(self.first_token_s, self.tokens), "prefill_s": self.prefill_s,
+               "total_s": self.total_s}
+        if self.seed is not None:
+            out["seed"] = self.seed
+        return out
 
 
 def context_memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextKV:
@@ -71,8 +78,9 @@ def context_memory(lm: LoadedModel, kv: LayerKV | ContextKV, n: int) -> ContextK
 def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequence[int],
                     question_ids: Sequence[int], max_new_tokens: int = 32,
                     stop_at_eos: bool = True, keep: bool = False,
-                    stop: Sequence[str] = (), truncate: bool = True) -> GenerationResult:
-    """Greedy decoding after ``question_ids`` over a context cache of ``context_len`` tokens.
+                    stop: Sequence[str] = (), truncate: bool = True,
+                    sampling: Sampling | None = None) -> GenerationResult:
+    """Greedy decoding (or sampling) after ``question_ids`` over a context cache of ``context_len`` tokens.
 
     The cache is a :class:`~sparkv.cache.SparkvCache` over the KV memory: new tokens are appended
     in place (no per-token copy of a layer); pruned and quantized layers are attended with their
@@ -90,6 +98,7 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
             (:meth:`ContextKV.appended`) and truncate (a call that raises forgets it).
         stop: stop strings: the answer ends at the token that completes one, its text before
             it (:class:`~sparkv.runtime.stops.StopStrings`).
+        sampling: how each token is chosen (default: greedy).
     """
     n = context_len if isinstance(context_len, int) else len(context_len)
     if not question_ids:
@@ -99,8 +108,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
     cache = SparkvCache(memory)
     done = False
     try:
-        res = _greedy(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start,
-                      StopStrings(stop))
+        res = _decode(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start,
+                      StopStrings(stop), TokenChooser(sampling))
         done = True
         return res
     finally:
@@ -110,9 +119,9 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
             memory.truncate()
 
 
-def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[int],
-            max_new_tokens: int, stop_at_eos: bool, start: float, stops: StopStrings
-            ) -> GenerationResult:
+def _decode(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[int],
+            max_new_tokens: int, stop_at_eos: bool, start: float, stops: StopStrings,
+            choose: TokenChooser) -> GenerationResult:
     device = lm.device
     ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
     pos = torch.arange(n, n + ids.shape[1], device=device)
@@ -120,18 +129,18 @@ def _greedy(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[
                      cache_position=pos, use_cache=True, logits_to_keep=1)
     prefill_s = time.perf_counter() - start
     logits = out.logits[0, -1].float()
-    token = int(torch.argmax(logits))
+    token = choose(logits)
     first_s = time.perf_counter() - start
     tokens = [token]
     eos = eos_ids(lm)
     cur = n + ids.shape[1]
     while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
            and not stops.hit(lm, tokens)):
-        token = int(torch.argmax(decode_step(lm, DecodeItem(cache, token, cur))))
+        token = choose(decode_step(lm, DecodeItem(cache, token, cur)))
         tokens.append(token)
         cur += 1
     return GenerationResult(tokens, logits, first_s, time.perf_counter() - start,
-                            answer_text(lm, tokens, stops), prefill_s)
+                            answer_text(lm, tokens, stops), prefill_s, choose.seed)
 
 
 def answer_text(lm: LoadedModel, tokens: Sequence[int], stops: StopStrings | None = None) -> str:

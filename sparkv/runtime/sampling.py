@@ -1,0 +1,146 @@
+"""How an answer's next token is chosen from the model's logits: greedily, or sampled.
+
+* :class:`Sampling`: the rule (OpenAI's ``temperature`` and ``top_p``, vLLM's ``top_k``, a
+  ``seed``); ``temperature`` 0, the default, is greedy (the argmax), what the quality tables
+  measure;
+* :class:`TokenChooser`: one answer's chooser (its random generator, seeded once), called with
+  each position's logits;
+* :func:`reporting_to`: a thread's chosen tokens also go to a callback for a block (an ask's
+  token events, :mod:`sparkv.asks.forward`), whichever generation path chose them.
+
+Sampling draws from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
+tokens (0: all) and then to the smallest set of most likely tokens whose probability reaches
+``top_p`` (the most likely token always stays). A seed makes an answer repeatable: the same
+seed over the same logits draws the same tokens. Without one, a chooser draws its seed from the
+OS (:attr:`TokenChooser.seed` tells which).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = ["Sampling", "TokenChooser", "reporting_to", "GREEDY", "MAX_TEMPERATURE",
+           "SEED_RANGE"]
+
+#: the highest temperature taken (OpenAI's)
+MAX_TEMPERATURE = 2.0
+#: the seeds taken (torch's generator's range; a negative one wraps to 2^64 + seed)
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+_observer = threading.local()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen (checked when made: ``ValueError``)."""
+
+    temperature: float = 0.0
+    """0: greedy (the argmax); else the logits are divided by it, at most
+    :data:`MAX_TEMPERATURE`."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the most likely tokens whose probability reaches it
+    (0..1; 1: all)."""
+    top_k: int = 0
+    """Draw from the ``top_k`` most likely tokens (0: all)."""
+    seed: int | None = None
+    """The random generator's seed (:data:`SEED_RANGE`); ``None``: one from the OS per answer."""
+
+    def __post_init__(self) -> None:
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be 0..{MAX_TEMPERATURE:g}, not {t!r}")
+        if not (isinstance(p, (int, float)) and math.isfinite(p) and 0 <= p <= 1):
+            raise ValueError(f"top_p must be 0..1, not {p!r}")
+        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+            raise ValueError(f"top_k must be a whole number >= 0, not {k!r}")
+        s = self.seed
+        if s is not None and not (isinstance(s, int) and not isinstance(s, bool)
+                                  and SEED_RANGE[0] <= s <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be a whole number in [-2^63, 2^64 - 1], not {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether every token is the argmax (temperature 0)."""
+        return self.temperature == 0
+
+    def chooser(self) -> "TokenChooser":
+        """A chooser for one answer."""
+        return TokenChooser(self)
+
+    def with_seed(self) -> "Sampling":
+        """This rule with a seed: its own, else one drawn from the OS (greedy: unchanged)."""
+        if self.greedy or self.seed is not None:
+            return self
+        return Sampling(self.temperature, self.top_p, self.top_k, secrets.randbits(63))
+
+
+#: the default rule: every token the argmax
+GREEDY = Sampling()
+
+
+class TokenChooser:
+    """Chooses one answer's tokens, each from its position's logits ``[vocab]``, and reports
+    each to the thread's callback (:func:`reporting_to`)."""
+
+    def __init__(self, sampling: Sampling | None = None) -> None:
+        self.sampling = (sampling or GREEDY).with_seed()
+        self._gen: torch.Generator | None = None
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of the draws (``None``: greedy)."""
+        return self.sampling.seed
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        token = self._choose(logits.reshape(-1))
+        report = getattr(_observer, "fn", None)
+        if report is not None:
+            report(token)
+        return token
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        s = self.sampling
+        if s.greedy:
+            return int(torch.argmax(logits))
+        x = logits.float() / s.temperature
+        if 0 < s.top_k < x.numel():
+            x = x.masked_fill(x < torch.topk(x, s.top_k).values[-1], -math.inf)
+        probs = torch.softmax(x, dim=-1)
+        if s.top_p < 1:
+            probs = _nucleus(probs, s.top_p)
+        return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self._gen is None:
+            seed = self.sampling.seed
+            assert seed is not None
+            self._gen = torch.Generator(device=device).manual_seed(seed)
+        return self._gen
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` with every token outside the smallest most-likely set reaching ``top_p`` set
+    to 0 (the most likely token always kept; ties in sorted order)."""
+    p, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(p, 0) - p               # the mass of the tokens more likely than it
+    p = p.masked_fill(before >= top_p, 0.0)
+    p[0] = p[0].clamp_min(torch.finfo(p.dtype).tiny)
+    return torch.zeros_like(probs).scatter_(0, order, p)
+
+
+@contextlib.contextmanager
+def reporting_to(fn: Callable[[int], None] | None) -> Iterator[None]:
+    """Every token a chooser chooses on this thread goes to ``fn`` too, for the block."""
+    before = getattr(_observer, "fn", None)
+    _observer.fn = fn
+    try:
+        yield
+    finally:
+        _observer.fn = before

@@ -1,0 +1,138 @@
+"""How an answer's tokens are chosen (sparkv.runtime.sampling): greedy by default; sampled from
+the tempered softmax, cut to the top k and the nucleus, with draws in the right proportions; a
+seed repeats an answer and another seed changes it; every generation path (the edge's, a decode
+policy's) takes the rule, and a thread's chosen tokens are reported whichever path chose them.
+
+The draws are seeded, so every count below is the same on every run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparkv.runtime.sampling import GREEDY, Sampling, TokenChooser, reporting_to
+
+PROBS = torch.tensor([0.5, 0.3, 0.2])
+LOGITS = PROBS.log()
+
+
+def _draws(sampling: Sampling, logits: torch.Tensor = LOGITS, n: int = 20000) -> torch.Tensor:
+    choose = TokenChooser(sampling)
+    return torch.bincount(torch.tensor([choose(logits) for _ in range(n)]),
+                          minlength=logits.numel()).float() / n
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=2.5),
+                                 dict(temperature=math.nan), dict(top_p=1.5), dict(top_p=-0.1),
+                                 dict(top_k=-1), dict(top_k=1.5), dict(seed=1 << 64),
+                                 dict(seed=True)])
+def test_a_rule_out_of_range_is_refused_with_its_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Sampling(**bad)
+
+
+def test_the_default_is_greedy_and_draws_no_seed():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    choose = TokenChooser()
+    assert choose.seed is None and GREEDY.greedy
+    assert choose(logits) == int(logits.argmax())
+    assert TokenChooser(Sampling(temperature=0, seed=5)).seed == 5      # kept, unused
+
+
+def test_sampling_draws_in_the_softmax_proportions_of_the_tempered_logits():
+    got = _draws(Sampling(temperature=1.0, seed=1))
+    assert torch.allclose(got, PROBS, atol=0.02)          # ~6 standard deviations
+    hot = _draws(Sampling(temperature=2.0, seed=2))
+    assert torch.allclose(hot, torch.softmax(LOGITS / 2, 0), atol=0.02)
+    assert hot[0] < got[0] - 0.05                          # flatter
+
+
+def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
+    k2 = _draws(Sampling(temperature=1.0, top_k=2, seed=3))
+    assert k2[2] == 0 and torch.allclose(k2[:2], torch.tensor([0.625, 0.375]), atol=0.02)
+    # nucleus 0.6: token 0 (0.5) does not reach it, tokens 0 and 1 (0.8) do
+    p6 = _draws(Sampling(temperature=1.0, top_p=0.6, seed=4))
+    assert p6[2] == 0 and torch.allclose(p6[:2], torch.tensor([0.625, 0.375]), atol=0.02)
+    p5 = _draws(Sampling(temperature=1.0, top_p=0.5, seed=4), n=2000)   # 0.5 is reached by one
+    assert p5[0] == 1
+    for one in (Sampling(temperature=1.5, top_k=1, seed=5), Sampling(temperature=1.5, top_p=0,
+                                                                     seed=5)):
+        assert _draws(one, n=500)[0] == 1                  # the argmax only
+
+
+def test_a_seed_repeats_the_draws_and_none_draws_one_that_does():
+    flat = torch.zeros(1000)
+
+    def draws(choose: TokenChooser) -> list[int]:
+        return [choose(flat) for _ in range(50)]
+
+    first = draws(TokenChooser(Sampling(temperature=1.0, seed=7)))
+    assert draws(TokenChooser(Sampling(temperature=1.0, seed=7))) == first
+    assert draws(TokenChooser(Sampling(temperature=1.0, seed=8))) != first
+    drawn = TokenChooser(Sampling(temperature=1.0))
+    assert drawn.seed is not None and drawn.seed != TokenChooser(Sampling(temperature=1.0)).seed
+    assert draws(TokenChooser(Sampling(temperature=1.0, seed=drawn.seed))) == draws(drawn)
+
+
+def test_a_threads_chosen_tokens_are_reported_for_the_block_only():
+    seen: list[int] = []
+    outer: list[int] = []
+    choose = TokenChooser()
+    with reporting_to(outer.append):
+        with reporting_to(seen.append):
+            choose(torch.tensor([0.0, 2.0, 1.0]))
+        choose(torch.tensor([3.0, 2.0, 1.0]))
+    choose(torch.tensor([0.0, 0.0, 1.0]))
+    assert seen == [1] and outer == [0]
+
+
+# ---- through the generation paths ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def context(tiny_llama):
+    from sparkv.runtime import reference_prefill
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (80,)).tolist()
+    with torch.inference_mode():
+        return reference_prefill(tiny_llama, ids)
+
+
+def test_greedy_generate_samples_as_told_and_repeats_with_its_seed(tiny_llama, context):
+    from sparkv.runtime import greedy_generate
+
+    def run(**kw):
+        seen: list[int] = []
+        with reporting_to(seen.append):
+            res = greedy_generate(tiny_llama, context, 80, [3, 9, 27], max_new_tokens=24,
+                                  stop_at_eos=False, sampling=Sampling(**kw) if kw else None)
+        assert seen == res.tokens                  # every token reported as it was chosen
+        return res
+
+    greedy = run()
+    assert greedy.seed is None and "seed" not in greedy.stats
+    assert run(temperature=1.5, top_k=1, seed=3).tokens == greedy.tokens
+    a, b, c = (run(temperature=1.5, seed=s) for s in (3, 3, 4))
+    assert a.tokens == b.tokens and a.seed == 3 and a.stats["seed"] == 3
+    assert c.tokens != a.tokens and a.tokens != greedy.tokens
+    d = run(temperature=1.5)
+    assert d.seed is not None and run(temperature=1.5, seed=d.seed).tokens == d.tokens
+
+
+def test_a_decode_policy_samples_as_full_kv_does_with_the_same_seed(tiny_llama, context,
+                                                                      tmp_path):
+    """DynaKV with a budget holding everything attends exactly as full KV, so with the same
+    seed it draws the same tokens."""
+    from sparkv.decode import generate
+    from sparkv.runtime import greedy_generate
+
+    rule = Sampling(temperature=1.2, top_p=0.95, seed=11)
+    want = greedy_generate(tiny_llama, context, 80, [3, 9, 27], max_new_tokens=20,
+                           stop_at_eos=False, sampling=rule)
+    seen: list[int] = []
+    with reporting_to(seen.append):
+        got, _ = generate(tiny_llama, context, 80, [3, 9, 27], 20, kv_policy="dynakv",
+                          budget=1.0, ram_budget=None, stop_at_eos=False, flash_dir=tmp_path,
+                          avg_cluster=8, max_cluster=16, recent=8, sampling=rule)
+    assert got.tokens == want.tokens and seen == got.tokens and got.seed == 11

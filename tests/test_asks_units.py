@@ -203,8 +203,10 @@ def test_in_first_tokens_order_loading_asks_go_before_answering_ones_until_an_an
     assert loading.first() and not answering.first()
 
 
-def test_an_asks_first_forward_pass_makes_it_answering():
+def test_an_asks_first_forward_pass_makes_it_answering_and_its_chosen_tokens_are_reported():
     import torch
+
+    from sparkv.runtime.sampling import Sampling, TokenChooser
 
     from sparkv.asks import forward
 
@@ -219,10 +221,14 @@ def test_an_asks_first_forward_pass_makes_it_answering():
     lane, tokens = gate.lane(), []
     with forward.bound(lane, tokens.append):
         assert not lane.answering
+        out = model()
+        assert lane.answering and tokens == []      # a pass chooses nothing: its chooser does
+        choose = TokenChooser(Sampling(temperature=1.0, top_k=2, seed=3))
+        drawn = choose(out.logits[0, -1])
         model()
-        assert lane.answering and tokens == [1]
-        model()
-    assert tokens == [1, 1] and lane.units == 2
+        TokenChooser()(out.logits[0, -1])
+    TokenChooser()(out.logits[0, -1])              # unbound: not the ask's
+    assert drawn in (1, 2) and tokens == [drawn, 1] and lane.units == 2
 
 
 def test_a_lane_stepper_runs_each_step_on_the_lane_and_counts_its_memory():

@@ -15,6 +15,7 @@ from sparkv.device.client import response_error
 from sparkv.device.loader import LoadStats
 from sparkv.device.registry import ContextSummary, ResidencyCounts
 from sparkv.device.service import CallResult
+from sparkv.runtime.sampling import Sampling
 
 SUMMARY = ContextSummary("0123456789abcdef", tokens=40, calls=2, bytes=12345,
                          chunks=ResidencyCounts(resident=2, flash=1, absent=0),
@@ -85,12 +86,13 @@ class ScriptedService:
         self.seen.append(("delete", ctx_id))
 
     def call(self, ctx_id, prompt, max_new_tokens, *, prompt_ids=None, grow=True,
-             timeout_s=None, turn_scope="") -> CallResult:
+             timeout_s=None, turn_scope="", sampling=None) -> CallResult:
         self._known(ctx_id)
         if timeout_s == 0:
             raise ContextBusy("the context is busy")
         self.seen.append(("call", ctx_id, prompt, max_new_tokens, prompt_ids, grow, timeout_s,
                           turn_scope))
+        self.sampled = sampling
         return CallResult(ctx_id, "Paris.", [11, 12], 0.002, reclaim_s=0.0005, load_s=0.0015,
                           first_token_s=0.25, total_s=0.5, aot_s=0.01, context_tokens=60,
                           bytes_evicted=0, bytes_written_at_reclaim=0, bytes_written_aot=64,
@@ -133,6 +135,14 @@ def test_routes_answer_what_the_service_returns(app_client):
     _same_json(r.json(), want)
     assert set(want) == {"context_id", "text", "tokens", "stats"}
     assert want["stats"]["ttft_s"] == 0.25 and want["stats"]["new_tokens"] == 2
+    assert svc.sampled == Sampling()                                            # greedy
+    c.post(f"/v1/contexts/{INFO['id']}/call", json={"prompt": "q", "temperature": 0.7,
+                                                     "top_p": 0.9, "top_k": 40, "seed": -3})
+    assert svc.sampled == Sampling(0.7, 0.9, 40, -3)
+    for bad in ({"temperature": 2.5}, {"top_p": 1.1}, {"top_k": -1}, {"seed": 1.5},
+                {"seed": 1 << 64}, {"temperature": "hot"}):
+        r = c.post(f"/v1/contexts/{INFO['id']}/call", json={"prompt": "q", **bad})
+        assert r.status_code == 422 and next(iter(bad)) in r.text
     r = c.delete(f"/v1/contexts/{INFO['id']}")
     assert r.status_code == 204 and r.content == b""
     assert ("call", INFO["id"], "capital?", 5, None, True, None, "user") in svc.seen   # whose turns

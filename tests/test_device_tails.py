@@ -114,12 +114,13 @@ def context(lm):
 QUESTIONS = ("What is this text about?", "Who is in it?", "What happens next?")
 
 
-def _converse(svc: ContextService, sid: str, lm) -> list:
+def _converse(svc: ContextService, sid: str, lm, sampling=None) -> list:
     history: list[ChatTurn] = []
     out = []
     for q in QUESTIONS:
         conv = Conversation.of(q, history)
-        res = svc.call(sid, prompt_ids=suffix_ids(lm, conv), max_new_tokens=12, grow=False)
+        res = svc.call(sid, prompt_ids=suffix_ids(lm, conv), max_new_tokens=12, grow=False,
+                       sampling=sampling)
         out.append(res)
         history = [*conv.turns, ChatTurn("assistant", res.text)]
     return out
@@ -152,6 +153,32 @@ def test_a_conversation_reuses_its_turns_and_answers_as_it_would_without(lm, con
     assert reused[0] == 0 and all(r >= MIN_REUSE for r in reused[1:])
     assert reused[2] > reused[1]            # the third ask reuses the first two turns
     assert all(r.turn_tokens_reused == 0 for r in answers[0])
+
+
+def test_a_sampled_conversation_repeats_with_its_seed_whether_its_turns_are_kept_or_not(
+        lm, context, tmp_path):
+    """The turn cache changes what runs, not what is drawn: a seeded conversation answers the
+    same tokens with and without it; another seed answers others; a call without a seed
+    reports the one it drew."""
+    from sparkv.runtime.sampling import Sampling
+
+    head, kv = context
+    answers = {}
+    for cap, seed in ((0, 5), (64 << 20, 5), (64 << 20, 6)):
+        svc = ContextService(lm, 256 << 20, tmp_path / f"{cap}-{seed}", turn_cache_bytes=cap,
+                             io_profile=flash_profile(fast=True))
+        try:
+            sid = svc.import_context(head, kv)
+            answers[cap, seed] = _converse(svc, sid, lm, Sampling(0.9, 0.95, 0, seed))
+            drawn = svc.call(sid, prompt_ids=suffix_ids(lm, Conversation.of(QUESTIONS[0])),
+                             max_new_tokens=4, grow=False, sampling=Sampling(0.9))
+            assert isinstance(drawn.seed, int) and drawn.stats["seed"] == drawn.seed
+        finally:
+            svc.close()
+    kept, bare, other = answers[64 << 20, 5], answers[0, 5], answers[64 << 20, 6]
+    assert [r.tokens for r in kept] == [r.tokens for r in bare]
+    assert [r.tokens for r in other] != [r.tokens for r in kept]
+    assert all(r.seed == 5 for r in kept) and kept[2].turn_tokens_reused >= MIN_REUSE
 
 
 def test_a_failed_turn_leaves_the_working_memory_as_it_was(lm, context, monkeypatch):

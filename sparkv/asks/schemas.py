@@ -15,11 +15,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from sparkv.device.schemas import AppId, DoneEvent, PromptText
+from sparkv.device.schemas import (AppId, DoneEvent, PromptText, SamplingFields, Seed,
+                                   Temperature, TopP)
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
-from sparkv.runtime.sampling import MAX_TEMPERATURE, SEED_RANGE
 from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
 from sparkv.runtime.turns import ChatTurn, Conversation
 
@@ -40,15 +40,9 @@ Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
 Mbps = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
 #: a stop string
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-#: sampling's knobs (:class:`~sparkv.runtime.sampling.Sampling`)
-Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False,
-                                     description="0: greedy (the argmax); else sampled")]
-TopP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-TopK = Annotated[int, Field(ge=0, le=1 << 20), JSON_INT]
-Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), JSON_INT]
 
 
-class AskFields(BaseModel):
+class AskFields(SamplingFields):
     """How an ask is answered: the server, its key, :class:`~sparkv.edge.options.AskOptions`'s
     fields (their defaults, but ``keep``: on), and whom a kept context is shared with."""
 
@@ -78,11 +72,6 @@ class AskFields(BaseModel):
         "the apps a context this ask keeps is shared with (* : every app)"))
     stop: list[StopText] = Field(default_factory=list, max_length=MAX_STOPS, description=(
         "stop strings: the answer ends where one first appears, its text before it"))
-    temperature: Temperature = 0.0
-    top_p: TopP = 1.0
-    top_k: TopK = Field(default=0, description="sample from this many most likely tokens (0: all)")
-    seed: Seed | None = Field(default=None, description=(
-        "the draws' seed when sampling (none: one drawn, reported in the stats' seed)"))
 
     def options(self, max_new_tokens: int) -> AskOptions:
         """The :class:`AskOptions` (raises ``AskError`` for a strategy or decode policy the

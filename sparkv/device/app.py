@@ -153,7 +153,7 @@ def call_context(ctx_id: ContextId, body: CallBody, service: ServiceDep, caller:
         raise DeviceError("give exactly one of prompt and prompt_ids")
     res = service.call(ctx_id, body.prompt, body.max_new_tokens,
                        prompt_ids=body.prompt_ids, grow=body.grow, timeout_s=body.timeout_s,
-                       turn_scope=caller)
+                       turn_scope=caller, sampling=body.sampling())
     return CallReply.model_validate(res.to_dict())
 
 

@@ -56,6 +56,7 @@ class CallResult:
     bytes_written_at_reclaim: int = 0
     bytes_written_aot: int = 0
     turn_tokens_reused: int = 0   # the prompt's tokens whose KV a kept tail gave (not run)
+    seed: int | None = None       # a sampled answer's seed (None: greedy)
     load: LoadStats | None = None
     plan: Split | None = None
 
@@ -67,7 +68,8 @@ class CallResult:
     def stats(self) -> dict[str, Any]:
         """``ttft_s`` (= ``first_token_s``), ``new_tokens``, then every cost (``switch_s``,
         ``reclaim_s``, ``load_s``, ``first_token_s``, ``total_s``, ``aot_s``,
-        ``context_tokens``, the bytes, and the ``load`` and ``plan`` records as dicts)."""
+        ``context_tokens``, the bytes, ``turn_tokens_reused``, ``seed``, and the ``load`` and
+        ``plan`` records as dicts)."""
         costs = {k: v for k, v in self.__dict__.items()
                  if k not in ("context_id", "text", "tokens")}
         costs.update(load={} if self.load is None else self.load.to_dict(),
@@ -78,7 +80,7 @@ class CallResult:
     def of(cls, lm: LoadedModel, ctx_id: str, tokens: list[int], sw: SwitchIn,
            context_tokens: int, counted: ServiceCounters, *, switch_s: float, first_token_s: float,
            total_s: float, aot_s: float, aot_bytes: int, stop: Sequence[str] = (),
-           turn_tokens_reused: int = 0) -> "CallResult":
+           turn_tokens_reused: int = 0, seed: int | None = None) -> "CallResult":
         """The result of a call that decoded ``tokens`` (its text: them decoded by ``lm``, end
         of sequence tokens left out, cut before a stop string of ``stop``), switched in by
         ``sw`` and counted ``counted`` (the service's counters during the call)."""
@@ -92,7 +94,7 @@ class CallResult:
                    bytes_evicted=counted.evicted_bytes,
                    bytes_written_at_reclaim=counted.reclaim_written_bytes,
                    bytes_written_aot=aot_bytes, turn_tokens_reused=turn_tokens_reused,
-                   load=sw.stats, plan=sw.split)
+                   seed=seed, load=sw.stats, plan=sw.split)
 
 
 

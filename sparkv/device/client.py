@@ -127,10 +127,12 @@ class DeviceClient:
 
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
              prompt_ids: Sequence[int] | None = None, grow: bool = True,
-             timeout_s: float | None = None) -> CallReply:
+             timeout_s: float | None = None, **sampling: Any) -> CallReply:
         """``POST /v1/contexts/{id}/call``: the answer (``text``, ``tokens``, ``stats``: a
-        :class:`~sparkv.generation.Generation`, as ``ContextService.call`` returns)."""
-        body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "grow": grow}
+        :class:`~sparkv.generation.Generation`, as ``ContextService.call`` returns);
+        ``sampling``: ``temperature``, ``top_p``, ``top_k``, ``seed`` (default: greedy)."""
+        body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "grow": grow,
+                                **{k: v for k, v in sampling.items() if v is not None}}
         if prompt is not None:
             body["prompt"] = prompt
         if prompt_ids is not None:

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from sparkv.cliflags import add_sampling_args
 from sparkv.errors import SparkvError
 from sparkv.rest.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                 DEFAULT_MAX_BODY_BYTES)
@@ -79,6 +80,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     k.add_argument("--max-new-tokens", type=int, default=64, help="answer length, tokens")
     k.add_argument("--no-grow", action="store_true",
                    help="answer over the context without keeping the turn in it")
+    add_sampling_args(k)
     k.add_argument("--json", action="store_true",
                    help="print the whole result as JSON (timings included)")
     client_args(k)
@@ -369,7 +371,9 @@ def _read_system_file(path: str) -> str:
 
 def _call(args: argparse.Namespace) -> int:
     with device_client(args) as c:
-        res = c.call(args.context, args.prompt, args.max_new_tokens, grow=not args.no_grow)
+        res = c.call(args.context, args.prompt, args.max_new_tokens, grow=not args.no_grow,
+                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                     seed=args.seed)
     if args.json:
         print(res.model_dump_json(indent=1))
     else:

@@ -17,10 +17,12 @@ from sparkv.device.identity import APP_ID_PATTERN
 from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 from sparkv.rest.fields import JSON_INT, at_most_one_of, one_of
+from sparkv.runtime.sampling import MAX_TEMPERATURE, SEED_RANGE, Sampling
 
 __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "ServiceHealth",
            "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
-           "CallReply", "DoneEvent", "ShareBody", "AppId", "PromptText",
+           "CallReply", "DoneEvent", "ShareBody", "AppId", "PromptText", "SamplingFields",
+           "Temperature", "TopP", "TopK", "Seed",
            "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -52,7 +54,27 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1), JSON_INT]],
 AppId = Annotated[str, Field(pattern=APP_ID_PATTERN, max_length=40)]
 
 
+#: sampling's knobs (:class:`~sparkv.runtime.sampling.Sampling`)
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
+TopP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=0, le=1 << 20), JSON_INT]
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), JSON_INT]
+
+
 # ---- requests ------------------------------------------------------------------------------------
+class SamplingFields(BaseModel):
+    """How an answer's tokens are chosen (defaults: greedy; docs/asks.md, "Sampling")."""
+
+    temperature: Temperature = Field(default=0.0, description="0: greedy; else sampled")
+    top_p: TopP = 1.0
+    top_k: TopK = Field(default=0, description="sample from this many most likely tokens (0: all)")
+    seed: Seed | None = Field(default=None, description=(
+        "the draws' seed when sampling (none: one drawn, reported in the stats' seed)"))
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
+
+
 class NewContext(BaseModel):
     """``POST /v1/contexts``: the system prompt as text or token ids (at most one; neither: the
     service's default system prompt)."""
@@ -66,8 +88,9 @@ class NewContext(BaseModel):
                                 "(`sparkv device create --label`)")
 
 
-class CallBody(BaseModel):
-    """``POST /v1/contexts/{id}/call``: exactly one of ``prompt`` and ``prompt_ids``."""
+class CallBody(SamplingFields):
+    """``POST /v1/contexts/{id}/call``: exactly one of ``prompt`` and ``prompt_ids``; the
+    answer greedy unless ``temperature`` says otherwise."""
 
     model_config = ConfigDict(json_schema_extra=one_of({"prompt": "string",
                                                         "prompt_ids": "array"}))

@@ -289,7 +289,8 @@ class ContextService:
             turn_scope: whose turns these are (an app): a ``grow=False`` call reuses the KV of
                 turns that an earlier call of the same scope ran after this context
                 (:mod:`~sparkv.device.tails`), never another scope's.
-            sampling: how each answer token is chosen (default: greedy).
+            sampling: how each answer token is chosen (default: greedy); a sampled call
+                without a seed draws one (:attr:`CallResult.seed`).
         """
         ctx = self.registry.get(ctx_id)
         prompt_ids, timeout_s = check_call(prompt, prompt_ids, max_new_tokens, timeout_s,
@@ -402,6 +403,7 @@ class ContextService:
         t0 = time.perf_counter()
         n = len(ctx.tokens)
         before = self.counters.snapshot()
+        sampling = sampling.with_seed() if sampling is not None else None   # to report it
         tails = not grow and max_new > 0 and self.tails.capacity > 0
         where = TailKey(ctx.id, n, turn_scope)
         known = self.tails.match(where, ids, MIN_REUSE) if tails else None
@@ -436,7 +438,8 @@ class ContextService:
                              self.counters.since(before), switch_s=switch_s,
                              first_token_s=first_s, total_s=time.perf_counter() - t0,
                              aot_s=aot_s, aot_bytes=aot_bytes, stop=stop,
-                             turn_tokens_reused=turn.reused)
+                             turn_tokens_reused=turn.reused,
+                             seed=sampling.seed if sampling and not sampling.greedy else None)
 
     def _after_call(self, ctx: DeviceContext) -> int:
         """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.

@@ -13,6 +13,9 @@ tokens (0: all) and then to the smallest set of most likely tokens whose probabi
 ``top_p`` (the most likely token always stays). A seed makes an answer repeatable: the same
 seed over the same logits draws the same tokens. Without one, a chooser draws its seed from the
 OS (:attr:`TokenChooser.seed` tells which).
+
+The rule imports nothing heavy (request schemas hold one); torch loads with the first token
+chosen.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import math
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Sampling", "TokenChooser", "reporting_to", "GREEDY", "MAX_TEMPERATURE",
            "SEED_RANGE"]
@@ -106,6 +110,8 @@ class TokenChooser:
         return token
 
     def _choose(self, logits: torch.Tensor) -> int:
+        import torch
+
         s = self.sampling
         if s.greedy:
             return int(torch.argmax(logits))
@@ -118,6 +124,8 @@ class TokenChooser:
         return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)))
 
     def _generator(self, device: torch.device) -> torch.Generator:
+        import torch
+
         if self._gen is None:
             seed = self.sampling.seed
             assert seed is not None
@@ -128,6 +136,8 @@ class TokenChooser:
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs`` with every token outside the smallest most-likely set reaching ``top_p`` set
     to 0 (the most likely token always kept; ties in sorted order)."""
+    import torch
+
     p, order = torch.sort(probs, descending=True)
     before = torch.cumsum(p, 0) - p               # the mass of the tokens more likely than it
     p = p.masked_fill(before >= top_p, 0.0)

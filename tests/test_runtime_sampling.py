@@ -55,11 +55,22 @@ def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
     # nucleus 0.6: token 0 (0.5) does not reach it, tokens 0 and 1 (0.8) do
     p6 = _draws(Sampling(temperature=1.0, top_p=0.6, seed=4))
     assert p6[2] == 0 and torch.allclose(p6[:2], torch.tensor([0.625, 0.375]), atol=0.02)
-    p5 = _draws(Sampling(temperature=1.0, top_p=0.5, seed=4), n=2000)   # 0.5 is reached by one
+    p5 = _draws(Sampling(temperature=1.0, top_p=0.45, seed=4), n=2000)   # reached by one
     assert p5[0] == 1
     for one in (Sampling(temperature=1.5, top_k=1, seed=5), Sampling(temperature=1.5, top_p=0,
                                                                      seed=5)):
         assert _draws(one, n=500)[0] == 1                  # the argmax only
+
+
+def test_a_nucleus_beyond_the_first_candidates_is_found_in_a_larger_set():
+    """A flat tail: the nucleus of 0.9 holds ~900 of 1,000 tokens, past the first 64 looked
+    at; the draws spread over it and never reach the least likely tenth."""
+    x = -torch.arange(1000, dtype=torch.float32) * 1e-4           # nearly flat, ordered
+    got = _draws(Sampling(temperature=1.0, top_p=0.9, seed=9), x, n=20000)
+    kept = int((got > 0).sum())
+    assert 850 <= kept <= 905 and got[905:].sum() == 0
+    k = _draws(Sampling(temperature=1.0, top_k=100, top_p=0.5, seed=9), x, n=5000)
+    assert int((k > 0).sum()) <= 51 and k[51:].sum() == 0         # top_k first, then top_p
 
 
 def test_a_seed_repeats_the_draws_and_none_draws_one_that_does():

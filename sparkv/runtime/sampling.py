@@ -115,13 +115,11 @@ class TokenChooser:
         s = self.sampling
         if s.greedy:
             return int(torch.argmax(logits))
-        x = logits.float() / s.temperature
-        if 0 < s.top_k < x.numel():
-            x = x.masked_fill(x < torch.topk(x, s.top_k).values[-1], -math.inf)
-        probs = torch.softmax(x, dim=-1)
-        if s.top_p < 1:
-            probs = _nucleus(probs, s.top_p)
-        return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)))
+        probs, ids = _candidates(logits.float() / s.temperature, s.top_k, s.top_p)
+        cum = torch.cumsum(probs, 0)
+        u = torch.rand(1, generator=self._generator(cum.device), device=cum.device) * cum[-1]
+        j = min(int(torch.searchsorted(cum, u, right=True)), probs.numel() - 1)
+        return j if ids is None else int(ids[j])
 
     def _generator(self, device: torch.device) -> torch.Generator:
         import torch
@@ -133,16 +131,37 @@ class TokenChooser:
         return self._gen
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``probs`` with every token outside the smallest most-likely set reaching ``top_p`` set
-    to 0 (the most likely token always kept; ties in sorted order)."""
+#: the first candidate set a nucleus is looked for in (grown 8x while it is not reached)
+_FIRST_CANDIDATES = 64
+
+
+def _candidates(x: torch.Tensor, top_k: int, top_p: float
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The probabilities to draw from (unnormalized) and their token ids (``None``: all the
+    vocabulary, in order). ``top_k`` and ``top_p`` cut to the most likely tokens without
+    sorting the vocabulary where they can: a nucleus is looked for among the top 64 tokens,
+    then 512, ..., until they hold it (with a peaked answer, at once)."""
     import torch
 
-    p, order = torch.sort(probs, descending=True)
-    before = torch.cumsum(p, 0) - p               # the mass of the tokens more likely than it
-    p = p.masked_fill(before >= top_p, 0.0)
-    p[0] = p[0].clamp_min(torch.finfo(p.dtype).tiny)
-    return torch.zeros_like(probs).scatter_(0, order, p)
+    vocab = x.numel()
+    if 0 < top_k < vocab:
+        vals, ids = torch.topk(x, top_k)                 # sorted, most likely first
+        probs = torch.softmax(vals, 0)
+    elif top_p < 1:
+        norm, kk = torch.logsumexp(x, 0), min(vocab, _FIRST_CANDIDATES)
+        while True:
+            vals, ids = torch.topk(x, kk)
+            probs = torch.exp(vals - norm)
+            if kk == vocab or float(probs.sum()) >= top_p:
+                break
+            kk = min(vocab, kk * 8)
+    else:
+        return torch.softmax(x, 0), None
+    if top_p < 1:
+        before = torch.cumsum(probs, 0) - probs          # the mass more likely than each
+        probs = probs.masked_fill(before >= top_p, 0.0)
+        probs[0] = probs[0].clamp_min(torch.finfo(probs.dtype).tiny)   # the first always stays
+    return probs, ids
 
 
 @contextlib.contextmanager

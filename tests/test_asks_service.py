@@ -517,6 +517,52 @@ def test_a_sampled_answer_repeats_with_its_seed_and_streams_the_tokens_it_drew(w
             assert "".join(e["text"] for e in streamed) == done.text
 
 
+def test_logprobs_come_with_each_token_streamed_or_not_and_on_the_asks_token_events(world):
+    """``logprobs``/``top_logprobs``: each answer token with its log-probability and the most
+    likely alternatives (greedy: the token is the first of them); the same streamed; POST
+    /v1/asks's token events carry them; ``top_logprobs`` alone is refused."""
+    openai = pytest.importorskip("openai")
+    dev = world["dev"]
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
+    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("prober"),
+                       http_client=http, max_retries=0)
+    opts = {"strategy": "local", "stop_at_eos": False, "backend": "dense", "level": "raw",
+            "keep": False}
+    kw = dict(model=world["ctx"]["c"], max_tokens=6, logprobs=True, top_logprobs=3,
+              messages=[{"role": "user", "content": "What is it about?"}],
+              extra_body={"sparkv": {"server": world["srv"].url, "api_key": world["key"],
+                                     **opts}})
+    try:
+        r = oa.chat.completions.create(**kw)
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens == 6
+        for t in content:
+            alts = [a.logprob for a in t.top_logprobs]
+            assert len(alts) == 3 and alts == sorted(alts, reverse=True) and alts[0] <= 0
+            assert t.token == t.top_logprobs[0].token and t.logprob == alts[0]   # greedy
+            assert bytes(t.bytes).decode() == t.token
+        chunks = list(oa.chat.completions.create(stream=True, **kw))
+        streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+                    for t in ch.choices[0].logprobs.content]
+        assert [t.token for t in streamed] == [t.token for t in content]
+        assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content],
+                                                              abs=1e-4)
+        plain = oa.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+        assert plain.choices[0].logprobs is None
+        with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+            oa.chat.completions.create(**{**kw, "logprobs": None})
+        with pytest.raises(openai.UnprocessableEntityError, match="top_logprobs"):
+            oa.chat.completions.create(**{**kw, "top_logprobs": 21})
+    finally:
+        oa.close()
+    events: list[dict] = []
+    with dev.client() as c:
+        done = _ask(world, c, "c", max_new_tokens=4, logprobs=2, on_token=events.append, **opts)
+    assert [e["token"] for e in events] == done.tokens
+    assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in events)
+    assert [e["token"] for e in events] == [e["top_logprobs"][0]["token"] for e in events]
+
+
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):
     """Instructions (``developer``), an earlier question and answer, then the question: the
     service answers the tokens an in-process session gives for the same turns over the same

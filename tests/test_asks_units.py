@@ -219,7 +219,7 @@ def test_an_asks_first_forward_pass_makes_it_answering_and_its_chosen_tokens_are
     forward.install(model)
     gate = CoreGate(order="first-tokens")
     lane, tokens = gate.lane(), []
-    with forward.bound(lane, tokens.append):
+    with forward.bound(lane, lambda t, lp: tokens.append(t)):
         assert not lane.answering
         out = model()
         assert lane.answering and tokens == []      # a pass chooses nothing: its chooser does
@@ -504,7 +504,7 @@ def test_a_quiet_ask_is_waited_for_past_the_disconnect_poll():
         ticket.finish({"type": "done", "text": "x"})
 
     threading.Thread(target=later, daemon=True).start()
-    event = asyncio.run(chat._outcome(ticket, Request()))      # type: ignore[arg-type]
+    event = asyncio.run(chat._outcome(ticket, Request(), []))  # type: ignore[arg-type]
     assert event == {"type": "done", "text": "x"}
     assert Request.looks >= 2                                  # it looked, and kept waiting
 

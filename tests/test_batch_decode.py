@@ -154,7 +154,7 @@ def test_a_bound_asks_answer_is_the_one_it_gets_alone(tiny_llama):
     want = greedy_generate(tiny_llama, kv, n, question, max_new_tokens=6, stop_at_eos=False)
     lane = CoreGate().lane()
     reported: list[int] = []
-    with forward.bound(lane, reported.append):
+    with forward.bound(lane, lambda t, lp: reported.append(t)):
         got = greedy_generate(tiny_llama, kv, n, question, max_new_tokens=6, stop_at_eos=False)
     assert got.tokens == want.tokens == reported
     assert lane.units == 6 and lane.answering  # the question's pass, then five answer tokens

@@ -91,12 +91,32 @@ def test_a_threads_chosen_tokens_are_reported_for_the_block_only():
     seen: list[int] = []
     outer: list[int] = []
     choose = TokenChooser()
-    with reporting_to(outer.append):
-        with reporting_to(seen.append):
+    with reporting_to(lambda t, lp: outer.append(t)):
+        with reporting_to(lambda t, lp: seen.append(t)):
             choose(torch.tensor([0.0, 2.0, 1.0]))
         choose(torch.tensor([3.0, 2.0, 1.0]))
     choose(torch.tensor([0.0, 0.0, 1.0]))
     assert seen == [1] and outer == [0]
+
+
+def test_asked_for_each_token_is_reported_with_its_log_probability_and_the_likeliest():
+    logits = torch.tensor([2.0, 0.5, 1.0, -1.0])
+    got: list = []
+    with reporting_to(lambda t, lp: got.append((t, lp)), logprobs=2):
+        TokenChooser()(logits)
+        TokenChooser(Sampling(temperature=2.0, seed=1))(logits)
+    with reporting_to(lambda t, lp: got.append((t, lp))):
+        TokenChooser()(logits)
+    want = torch.log_softmax(logits, 0)
+    (t0, lp0), (t1, lp1), (t2, lp2) = got
+    assert t0 == 0 and lp0.logprob == pytest.approx(float(want[0]))
+    assert [i for i, _ in lp0.top] == [0, 2]
+    assert [v for _, v in lp0.top] == pytest.approx([float(want[0]), float(want[2])])
+    assert lp1.logprob == pytest.approx(float(want[t1]))      # the model's, not the tempered
+    assert lp2 is None
+    with pytest.raises(ValueError, match="logprobs"):
+        with reporting_to(lambda t, lp: None, logprobs=21):
+            pass
 
 
 # ---- through the generation paths ----------------------------------------------------------------
@@ -115,7 +135,7 @@ def test_greedy_generate_samples_as_told_and_repeats_with_its_seed(tiny_llama, c
 
     def run(**kw):
         seen: list[int] = []
-        with reporting_to(seen.append):
+        with reporting_to(lambda t, lp: seen.append(t)):
             res = greedy_generate(tiny_llama, context, 80, [3, 9, 27], max_new_tokens=24,
                                   stop_at_eos=False, sampling=Sampling(**kw) if kw else None)
         assert seen == res.tokens                  # every token reported as it was chosen
@@ -142,7 +162,7 @@ def test_a_decode_policy_samples_as_full_kv_does_with_the_same_seed(tiny_llama, 
     want = greedy_generate(tiny_llama, context, 80, [3, 9, 27], max_new_tokens=20,
                            stop_at_eos=False, sampling=rule)
     seen: list[int] = []
-    with reporting_to(seen.append):
+    with reporting_to(lambda t, lp: seen.append(t)):
         got, _ = generate(tiny_llama, context, 80, [3, 9, 27], 20, kv_policy="dynakv",
                           budget=1.0, ram_budget=None, stop_at_eos=False, flash_dir=tmp_path,
                           avg_cluster=8, max_cluster=16, recent=8, sampling=rule)

@@ -28,6 +28,9 @@ A stock client asks about a server context unchanged::
   generated, then the ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
   ``usage``), then ``data: [DONE]``; a failure once streaming is one ``data: {"error": ...}``
   event (what the ``openai`` client raises as an ``APIError``);
+* ``logprobs``: the answer's tokens (``choices[0].logprobs.content``: ``token``, ``logprob``,
+  ``bytes``, and ``top_logprobs`` alternatives, at most 20), each token's log-probability under
+  the model (before temperature), streamed with the chunk of its token;
 * ``usage``: ``prompt_tokens`` (the context's tokens plus the question's), ``completion_tokens``
   (the answer's), ``total_tokens``, ``prompt_tokens_details.cached_tokens`` (the prompt's tokens
   whose KV the service's memory held: a kept context's, and earlier turns of the conversation
@@ -115,6 +118,15 @@ def _openai_fields(body: ChatBody) -> dict[str, Any]:
     return out
 
 
+def _logprobs(body: ChatBody) -> int | None:
+    """How many alternatives each token's log-probabilities list (``None``: no logprobs)."""
+    if not body.logprobs:
+        if body.top_logprobs:
+            raise DeviceError("top_logprobs needs logprobs: true")
+        return None
+    return body.top_logprobs or 0
+
+
 def _max_tokens(body: ChatBody) -> int:
     return body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
 
@@ -139,6 +151,20 @@ class _Completion:
         self.max_tokens = ask.options.max_new_tokens
         self.stops = StopStrings(ask.options.stop)
         self.lm = asks.lm
+        self.logprobs = ask.logprobs is not None
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.lm.decode_tokens([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def logprob_content(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """``choices[0].logprobs`` of ``events`` (token events), ``None`` unless asked for."""
+        if not self.logprobs:
+            return None
+        return {"content": [{**self._token(e["token"], e["logprob"]),
+                             "top_logprobs": [self._token(a["token"], a["logprob"])
+                                              for a in e["top_logprobs"]]} for e in events],
+                "refusal": None}
 
     def usage(self, done: dict[str, Any]) -> dict[str, Any]:
         stats = done["stats"]
@@ -160,10 +186,11 @@ class _Completion:
                 else "stop")
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None,
-              usage: dict[str, Any] | None = None, choices: bool = True) -> dict[str, Any]:
+              usage: dict[str, Any] | None = None, choices: bool = True,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.model,
-                               "choices": ([{"index": 0, "delta": delta,
+                               "choices": ([{"index": 0, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": finish}] if choices else [])}
         if usage is not None:
             out["usage"] = usage
@@ -194,9 +221,10 @@ async def _stream(ticket: AskTicket, c: _Completion, eos: set[int],
     yield _sse(c.chunk({"role": "assistant", "content": ""}))
     shown = ""
     async for event in ticket.aevents():
-        if event["type"] == "token" and event["text"]:
+        if event["type"] == "token" and (event["text"] or c.logprobs):
             shown += event["text"]
-            yield _sse(c.chunk({"content": event["text"]}))
+            yield _sse(c.chunk({"content": event["text"]},
+                               logprobs=c.logprob_content([event])))
         elif event["type"] == "done":
             rest = event["text"][len(shown):] if event["text"].startswith(shown) else ""
             if rest:             # held back as the start of a stop string that never came
@@ -211,8 +239,10 @@ async def _stream(ticket: AskTicket, c: _Completion, eos: set[int],
                                   "code": err["code"], "status": err["status"]}})
 
 
-async def _outcome(ticket: AskTicket, request: Request) -> dict[str, Any]:
-    """The ask's last event; a client that goes away meanwhile cancels it. The wait for the next
+async def _outcome(ticket: AskTicket, request: Request,
+                   tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ask's last event (its token events into ``tokens``); a client that goes away
+    meanwhile cancels it. The wait for the next
     event is looked at every :data:`DISCONNECT_POLL_S` without being cancelled: cancelling it
     (``asyncio.wait_for``) would close the event generator, and the next look would find it
     ended (a 500 for every ask that went quiet that long)."""
@@ -232,6 +262,8 @@ async def _outcome(ticket: AskTicket, request: Request) -> dict[str, Any]:
             event, pending = pending.result(), None
             if event["type"] in ("done", "error"):
                 return event
+            if event["type"] == "token":
+                tokens.append(event)
     finally:
         if pending is not None:
             pending.cancel()
@@ -257,15 +289,16 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
     cid = _context_id(body)
     fields = body.sparkv or SparkvFields()
     fields = fields.model_copy(update=_openai_fields(body))
-    ask = ask_request(fields, asks, cid, question, _max_tokens(body))
+    ask = ask_request(fields, asks, cid, question, _max_tokens(body), _logprobs(body))
     c = _Completion(body, asks, ask)
     ticket = asks.submit(caller, ask)
     eos = asks.eos
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         return _AskStream(_stream(ticket, c, eos, include), ticket)
+    tokens: list[dict[str, Any]] = []
     try:
-        event = await _outcome(ticket, request)
+        event = await _outcome(ticket, request, tokens)
     finally:
         ticket.cancel()
     if event["type"] == "error":
@@ -274,6 +307,7 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
                             status_code=err["status"] if err["status"] != 499 else 400)
     return {"id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": event["text"]},
+                         "logprobs": c.logprob_content(tokens),
                          "finish_reason": c.finish_reason(event, eos)}],
             "usage": c.usage(event),
             "sparkv": {"kept_id": event["kept_id"], "stats": event["stats"],

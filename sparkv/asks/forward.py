@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from sparkv.asks.cores import AskLane
+
+if TYPE_CHECKING:
+    from sparkv.runtime.sampling import Reporter
 
 __all__ = ["install", "bound"]
 
@@ -53,15 +56,17 @@ def install(model: Any) -> None:
 
 
 @contextlib.contextmanager
-def bound(lane: AskLane, on_token: Callable[[int], None] | None = None) -> Iterator[None]:
+def bound(lane: AskLane, on_token: Reporter | None = None,
+          logprobs: int | None = None) -> Iterator[None]:
     """Binds this thread's forward passes to ``lane`` (and the tokens its generation chooses
-    to ``on_token``) for the block."""
+    to ``on_token``, with their log-probabilities and ``logprobs`` alternatives when it is not
+    ``None``) for the block."""
     from sparkv.runtime.batchdecode import decoding_through
     from sparkv.runtime.sampling import reporting_to
 
     _local.lane, _local.held = lane, False
     try:
-        with decoding_through(lane.run_decode), reporting_to(on_token):
+        with decoding_through(lane.run_decode), reporting_to(on_token, logprobs):
             yield
     finally:
         _local.lane = None

@@ -50,8 +50,10 @@ AsksDep = Annotated[AskService, Depends(get_asks)]
 
 
 def ask_request(fields: AskFields, asks: AskService, context_id: str,
-                question: str | Conversation, max_new_tokens: int) -> AskRequest:
-    """The :class:`AskRequest` of a body (the service's default server and key filled in);
+                question: str | Conversation, max_new_tokens: int,
+                logprobs: int | None = None) -> AskRequest:
+    """The :class:`AskRequest` of a body (the service's default server and key filled in;
+    ``logprobs``: :attr:`AskRequest.logprobs`);
     :class:`DeviceError` (400) for options the edge refuses, a question it cannot ask (no text,
     a conversation with ``chat`` off) or no server."""
     from sparkv.edge.planning import AskError
@@ -67,7 +69,7 @@ def ask_request(fields: AskFields, asks: AskService, context_id: str,
     except AskError as e:
         raise DeviceError(str(e)) from None
     return AskRequest(server, context_id, question, fields.api_key or asks.default_api_key,
-                      options, fields.share)
+                      options, fields.share, logprobs)
 
 
 async def submitted(body: AskBody, asks: AsksDep, caller: CallerDep
@@ -79,7 +81,7 @@ async def submitted(body: AskBody, asks: AsksDep, caller: CallerDep
     except ConversationError as e:
         raise DeviceError(str(e)) from None
     ticket = asks.submit(caller, ask_request(body, asks, body.context_id, question,
-                                             body.max_new_tokens))
+                                             body.max_new_tokens, body.logprobs))
     try:
         yield ticket
     finally:

@@ -20,6 +20,7 @@ from sparkv.device.schemas import (AppId, DoneEvent, PromptText, SamplingFields,
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
+from sparkv.runtime.sampling import MAX_TOP_LOGPROBS
 from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
 from sparkv.runtime.turns import ChatTurn, Conversation
 
@@ -38,6 +39,8 @@ Name = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$")]
 AnswerTokens = Annotated[int, Field(ge=1, le=MAX_ANSWER_TOKENS), JSON_INT]
 Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
 Mbps = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
+#: how many alternatives a token's log-probabilities list
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), JSON_INT]
 #: a stop string
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
@@ -100,6 +103,9 @@ class AskBody(AskFields):
         "the conversation before the question: instructions first, then questions and answers "
         "(docs/asks.md, 'A conversation after the context')"))
     max_new_tokens: AnswerTokens = Field(default=64)
+    logprobs: TopLogprobs | None = Field(default=None, description=(
+        "each token event carries its token's log-probability (logprob) and this many most "
+        "likely alternatives (top_logprobs); none: neither"))
 
     def asked(self) -> "str | Conversation":
         """The question, or the conversation it ends (:class:`ConversationError` for turns that
@@ -170,13 +176,15 @@ class ChatBody(BaseModel):
     top_p: TopP | None = None
     seed: Seed | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    logprobs: StrictBool | None = Field(default=None, description=(
+        "the answer's tokens with their log-probabilities (choices[0].logprobs.content)"))
+    top_logprobs: TopLogprobs | None = Field(default=None, description=(
+        "with logprobs: this many most likely alternatives per token"))
     # what stock clients send at their no-op values: taken at those, any other is a 422 naming
-    # the field (no sampling penalties, logprobs, tools or JSON mode here)
+    # the field (no penalties, logit bias, tools or JSON mode here)
     frequency_penalty: _Zero | None = None
     presence_penalty: _Zero | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: Literal[0] | None = None
     response_format: _TextFormat | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
     tool_choice: Literal["none", "auto"] | None = None
@@ -227,13 +235,21 @@ class QueuedEvent(_Event):
     position: int
 
 
+class _Alternative(BaseModel):
+    token: int
+    logprob: float
+
+
 class TokenEvent(_Event):
     """An answer token, as generated: its id and the text it adds to the answer (empty while the
-    answer ends inside a character)."""
+    answer ends inside a character); asked with ``logprobs``, its log-probability under the model
+    and the most likely alternatives'."""
 
     type: Literal["token"]
     token: int
     text: str
+    logprob: float | None = None
+    top_logprobs: list[_Alternative] | None = None
 
 
 class _ErrorInfo(BaseModel):

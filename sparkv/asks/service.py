@@ -297,7 +297,7 @@ class AskService:
                               engine_config=self.engine_config, context_service=kept)
         t0 = time.perf_counter()
         try:
-            with forward.bound(lane, ticket.token):
+            with forward.bound(lane, ticket.token, req.logprobs):
                 res = session.ask(req.context_id, req.question, req.options, lane=lane)
         finally:
             lane.close()

@@ -25,6 +25,7 @@ from sparkv.runtime.textstream import TextStream
 if TYPE_CHECKING:
     from sparkv.asks.admission import Place
     from sparkv.asks.cores import AskLane
+    from sparkv.runtime.sampling import TokenLogprobs
     from sparkv.runtime.turns import Conversation
 
 __all__ = ["AskRequest", "AskTicket"]
@@ -43,6 +44,8 @@ class AskRequest:
         options: the policy (:class:`~sparkv.edge.options.AskOptions`; the service keeps the
             loaded context unless ``keep`` is off).
         share: the apps a context this ask keeps is shared with (``"*"``: every app).
+        logprobs: ``None``: the token events carry no log-probabilities; else each carries its
+            token's (``logprob``) and that many most likely alternatives (``top_logprobs``).
     """
 
     server: str
@@ -51,6 +54,7 @@ class AskRequest:
     api_key: str | None = None
     options: AskOptions = field(default_factory=lambda: AskOptions(keep=True))
     share: Sequence[str] = ()
+    logprobs: int | None = None
 
 
 class AskTicket:
@@ -85,10 +89,11 @@ class AskTicket:
         if wake is not None:
             wake()
 
-    def token(self, token_id: int) -> None:
+    def token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         """An answer token was generated: a ``token`` event with the text it adds (empty while
         it ends inside a character, or in what may begin a stop string: the ``done`` event's
-        text is the answer's, cut before its stop string)."""
+        text is the answer's, cut before its stop string), and its ``logprob`` and
+        ``top_logprobs`` (``[{token, logprob}]``) when given."""
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.submitted
         self._tokens.append(token_id)
@@ -99,7 +104,11 @@ class AskTicket:
         delta = ""
         if text.startswith(self._text) and not text.endswith("\ufffd"):
             delta, self._text = text[len(self._text):], text
-        self.put({"type": "token", "token": token_id, "text": delta})
+        event: dict[str, Any] = {"type": "token", "token": token_id, "text": delta}
+        if logprobs is not None:
+            event["logprob"] = logprobs.logprob
+            event["top_logprobs"] = [{"token": t, "logprob": v} for t, v in logprobs.top]
+        self.put(event)
 
     @property
     def streamed(self) -> list[int]:

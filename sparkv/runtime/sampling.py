@@ -6,7 +6,8 @@
 * :class:`TokenChooser`: one answer's chooser (its random generator, seeded once), called with
   each position's logits;
 * :func:`reporting_to`: a thread's chosen tokens also go to a callback for a block (an ask's
-  token events, :mod:`sparkv.asks.forward`), whichever generation path chose them.
+  token events, :mod:`sparkv.asks.forward`), whichever generation path chose them, each with
+  its :class:`TokenLogprobs` when asked for (OpenAI's ``logprobs``).
 
 Sampling draws from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
 tokens (0: all) and then to the smallest set of most likely tokens whose probability reaches
@@ -30,13 +31,15 @@ from typing import TYPE_CHECKING, Callable, Iterator
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Sampling", "TokenChooser", "reporting_to", "GREEDY", "MAX_TEMPERATURE",
-           "SEED_RANGE"]
+__all__ = ["Sampling", "TokenChooser", "TokenLogprobs", "Reporter", "reporting_to", "GREEDY",
+           "MAX_TEMPERATURE", "SEED_RANGE", "MAX_TOP_LOGPROBS"]
 
 #: the highest temperature taken (OpenAI's)
 MAX_TEMPERATURE = 2.0
 #: the seeds taken (torch's generator's range; a negative one wraps to 2^64 + seed)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+#: the most alternatives a token's log-probabilities list (OpenAI's ``top_logprobs``)
+MAX_TOP_LOGPROBS = 20
 
 _observer = threading.local()
 
@@ -103,10 +106,12 @@ class TokenChooser:
         return self.sampling.seed
 
     def __call__(self, logits: torch.Tensor) -> int:
-        token = self._choose(logits.reshape(-1))
-        report = getattr(_observer, "fn", None)
-        if report is not None:
-            report(token)
+        flat = logits.reshape(-1)
+        token = self._choose(flat)
+        watch: tuple[Reporter, int | None] | None = getattr(_observer, "now", None)
+        if watch is not None:
+            report, top = watch
+            report(token, None if top is None else TokenLogprobs.of(flat, token, top))
         return token
 
     def _choose(self, logits: torch.Tensor) -> int:
@@ -164,12 +169,38 @@ def _candidates(x: torch.Tensor, top_k: int, top_p: float
     return probs, ids
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability under the model (the log-softmax of its raw logits,
+    before temperature and cuts, as OpenAI reports it) and the ``top`` most likely tokens'
+    ``(id, logprob)``, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, token: int, top: int) -> "TokenLogprobs":
+        import torch
+
+        lp = torch.log_softmax(logits.float(), 0)
+        vals, ids = torch.topk(lp, min(top, lp.numel()))
+        return cls(float(lp[token]), tuple(zip(ids.tolist(), vals.tolist())))
+
+
+#: a thread's reporter: each chosen token, with its log-probabilities when they were asked for
+Reporter = Callable[[int, "TokenLogprobs | None"], None]
+
+
 @contextlib.contextmanager
-def reporting_to(fn: Callable[[int], None] | None) -> Iterator[None]:
-    """Every token a chooser chooses on this thread goes to ``fn`` too, for the block."""
-    before = getattr(_observer, "fn", None)
-    _observer.fn = fn
+def reporting_to(fn: Reporter | None, logprobs: int | None = None) -> Iterator[None]:
+    """Every token a chooser chooses on this thread goes to ``fn`` too, for the block: the
+    token and, with ``logprobs`` (0..:data:`MAX_TOP_LOGPROBS` alternatives), its
+    :class:`TokenLogprobs` (else ``None``)."""
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs lists 0..{MAX_TOP_LOGPROBS} alternatives, not {logprobs}")
+    before = getattr(_observer, "now", None)
+    _observer.now = None if fn is None else (fn, logprobs)
     try:
         yield
     finally:
-        _observer.fn = before
+        _observer.now = before

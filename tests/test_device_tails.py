@@ -114,12 +114,13 @@ def context(lm):
 QUESTIONS = ("What is this text about?", "Who is in it?", "What happens next?")
 
 
-def _converse(svc: ContextService, sid: str, lm, sampling=None) -> list:
+def _converse(svc: ContextService, sid: str, lm, sampling=None, questions=QUESTIONS,
+              max_new: int = 12) -> list:
     history: list[ChatTurn] = []
     out = []
-    for q in QUESTIONS:
+    for q in questions:
         conv = Conversation.of(q, history)
-        res = svc.call(sid, prompt_ids=suffix_ids(lm, conv), max_new_tokens=12, grow=False,
+        res = svc.call(sid, prompt_ids=suffix_ids(lm, conv), max_new_tokens=max_new, grow=False,
                        sampling=sampling)
         out.append(res)
         history = [*conv.turns, ChatTurn("assistant", res.text)]
@@ -155,6 +156,20 @@ def test_a_conversation_reuses_its_turns_and_answers_as_it_would_without(lm, con
     assert all(r.turn_tokens_reused == 0 for r in answers[0])
 
 
+def test_the_default_capacity_holds_2048_tokens_of_the_models_kv(lm, tmp_path):
+    from sparkv.device.tails import DEFAULT_FLOOR_BYTES, default_capacity
+
+    assert default_capacity(1000) == DEFAULT_FLOOR_BYTES          # a tiny model: the floor
+    assert default_capacity(114_688) == 2048 * 114_688            # a 3B model at fp16
+    svc = ContextService(lm, 256 << 20, tmp_path, io_profile=flash_profile(fast=True))
+    try:
+        per_token = 2 * 30 * 3 * 64 * 4                           # SmolLM2 at fp32: 46 KB
+        assert svc.tails.capacity == svc.config.turn_cache_bytes == 2048 * per_token
+        assert svc.stats()["turn_cache"]["capacity"] == 2048 * per_token
+    finally:
+        svc.close()
+
+
 def test_a_sampled_conversation_repeats_with_its_seed_whether_its_turns_are_kept_or_not(
         lm, context, tmp_path):
     """The turn cache changes what runs, not what is drawn: a seeded conversation answers the
@@ -164,21 +179,24 @@ def test_a_sampled_conversation_repeats_with_its_seed_whether_its_turns_are_kept
 
     head, kv = context
     answers = {}
-    for cap, seed in ((0, 5), (64 << 20, 5), (64 << 20, 6)):
-        svc = ContextService(lm, 256 << 20, tmp_path / f"{cap}-{seed}", turn_cache_bytes=cap,
+    for cap in (0, 64 << 20):
+        svc = ContextService(lm, 256 << 20, tmp_path / str(cap), turn_cache_bytes=cap,
                              io_profile=flash_profile(fast=True))
         try:
             sid = svc.import_context(head, kv)
-            answers[cap, seed] = _converse(svc, sid, lm, Sampling(0.9, 0.95, 0, seed))
-            drawn = svc.call(sid, prompt_ids=suffix_ids(lm, Conversation.of(QUESTIONS[0])),
-                             max_new_tokens=4, grow=False, sampling=Sampling(0.9))
-            assert isinstance(drawn.seed, int) and drawn.stats["seed"] == drawn.seed
+            answers[cap] = _converse(svc, sid, lm, Sampling(0.9, 0.95, 0, 5), QUESTIONS[:2], 8)
+            if cap:
+                ask = dict(prompt_ids=suffix_ids(lm, Conversation.of(QUESTIONS[0])),
+                           max_new_tokens=8, grow=False)
+                other = svc.call(sid, sampling=Sampling(0.9, 0.95, 0, 6), **ask)
+                drawn = svc.call(sid, sampling=Sampling(0.9), **ask)
         finally:
             svc.close()
-    kept, bare, other = answers[64 << 20, 5], answers[0, 5], answers[64 << 20, 6]
+    kept, bare = answers[64 << 20], answers[0]
     assert [r.tokens for r in kept] == [r.tokens for r in bare]
-    assert [r.tokens for r in other] != [r.tokens for r in kept]
-    assert all(r.seed == 5 for r in kept) and kept[2].turn_tokens_reused >= MIN_REUSE
+    assert other.tokens != kept[0].tokens
+    assert isinstance(drawn.seed, int) and drawn.stats["seed"] == drawn.seed
+    assert all(r.seed == 5 for r in kept) and kept[1].turn_tokens_reused >= MIN_REUSE
 
 
 def test_a_failed_turn_leaves_the_working_memory_as_it_was(lm, context, monkeypatch):

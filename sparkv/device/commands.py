@@ -2,7 +2,7 @@
 
     sparkv device serve --flash-dir DIR --memory-budget-mb 256 [--socket PATH [--socket-group GROUP]]
                         [--port N [--token-file PATH]] [--model PATH] [--policy llms]
-                        [--device auto] [--host-tier-mb MB] [--turn-cache-mb 64]
+                        [--device auto] [--host-tier-mb MB] [--turn-cache-mb MB]
                         [--ratio 0.75]                     # --socket and --port: both at once
     sparkv device create [--system "You are ..." | --system-file FILE] [--label NAME]
                                                            # prints the new context's id
@@ -126,10 +126,10 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                    help="host RAM kept for copies of flash records, between the device's memory "
                         "and flash, MB (default: none on the CPU; on a GPU 4x the budget, at most "
                         "a quarter of the free memory)")
-    s.add_argument("--turn-cache-mb", type=float, default=64.0,
+    s.add_argument("--turn-cache-mb", type=float, default=None,
                    help="host RAM for the KV of recent turns after a context, reused by the next "
                         "ask of the same conversation (its earlier turns are not run again), MB; "
-                        "0: none")
+                        "0: none (default: 2,048 tokens of the model's KV, at least 64 MB)")
     s.add_argument("--socket", default=None,
                    help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
                         "<sparkv cache>/device/sparkv-device.sock)")
@@ -231,7 +231,8 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
             else default_capacity(lm.device.type, budget))
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens, ratio=ratio,
                                   host_tier_bytes=host,
-                                  turn_cache_bytes=int(args.turn_cache_mb * 1e6))
+                                  turn_cache_bytes=None if args.turn_cache_mb is None
+                                  else int(args.turn_cache_mb * 1e6))
     service = ContextService(lm, budget, swap, config=config)
     try:
         need = service.min_budget()
@@ -242,7 +243,7 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
         log.info("sparkv device: %s in %s on %s, budget %.1f MB, host tier %.1f MB, turn cache "
                  "%.1f MB, policy %s (ratio %g), swap %s, %d contexts reopened%s", lm.name,
                  lm.compute.name, lm.device, budget / 1e6, host / 1e6,
-                 config.turn_cache_bytes / 1e6, config.name,
+                 (service.config.turn_cache_bytes or 0) / 1e6, config.name,
                  config.ratio, swap, service.reopened, damaged)
         _listen(service, args, sockets)
         return 0
@@ -274,7 +275,7 @@ def _check_limits(args: argparse.Namespace) -> None:
     """The HTTP limits are positive (:class:`SparkvError` naming the flag otherwise)."""
     if args.host_tier_mb is not None and not args.host_tier_mb >= 0:
         raise SparkvError(f"--host-tier-mb must be 0 or more (got {args.host_tier_mb})")
-    if not args.turn_cache_mb >= 0:
+    if args.turn_cache_mb is not None and not args.turn_cache_mb >= 0:
         raise SparkvError(f"--turn-cache-mb must be 0 or more (got {args.turn_cache_mb})")
     for flag, value in (("--max-body-bytes", args.max_body_bytes),
                         ("--body-timeout-s", args.body_timeout_s),

@@ -58,9 +58,10 @@ class ServiceConfig:
     host_tier_bytes: int = 0           # host RAM for copies of flash records, between the
     #                                    device's memory and flash (sparkv.device.hosttier);
     #                                    0: none
-    turn_cache_bytes: int = 64 << 20   # host RAM for the KV of recent turns after a context,
-    #                                    reused by the next call of the same conversation
-    #                                    (sparkv.device.tails); 0: none
+    turn_cache_bytes: int | None = None  # host RAM for the KV of recent turns after a
+    #                                    context, reused by the next call of the same
+    #                                    conversation (sparkv.device.tails); 0: none; None:
+    #                                    2,048 tokens of the model's KV, at least 64 MB
 
     def __post_init__(self) -> None:
         if self.compression not in ("tolerance", "int8", "fp"):
@@ -81,7 +82,7 @@ class ServiceConfig:
             raise ValueError("fp_fraction must be in [0, 1] and fp_protect >= 0")
         if self.chunk_tokens < 16:
             raise ValueError("chunk_tokens must be >= 16")
-        if self.host_tier_bytes < 0 or self.turn_cache_bytes < 0:
+        if self.host_tier_bytes < 0 or (self.turn_cache_bytes or 0) < 0:
             raise ValueError("host_tier_bytes and turn_cache_bytes must be >= 0")
 
     # ---- the systems of the benchmark --------------------------------------------------------

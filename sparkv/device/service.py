@@ -74,7 +74,7 @@ from sparkv.device.private import check_path, private_dir
 from sparkv.device.prompts import system_turn_ids, turn_ids
 from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedContext, DeviceContext
 from sparkv.device.swap import SwapStore
-from sparkv.device.tails import MIN_REUSE, Rows, TailKey, TurnTails
+from sparkv.device.tails import MIN_REUSE, Rows, TailKey, TurnTails, default_capacity
 from sparkv.device.calls import CallResult, run_turn
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.generate import eos_ids
@@ -129,7 +129,7 @@ class ContextService:
         cfg = config or ServiceConfig()
         cfg = replace(cfg, **overrides) if overrides else cfg
         ratio = resolved_ratio(cfg, self.lm.fingerprint)
-        self.config = replace(cfg, ratio=ratio)
+        self.config = replace(cfg, ratio=ratio, turn_cache_bytes=self._turn_cache_bytes(cfg))
         self.counters = ServiceCounters()
         self.registry = ContextRegistry()
         self.contexts = self.registry.contexts
@@ -138,7 +138,7 @@ class ContextService:
         self.swap_dir = private_dir(swap_dir)
         self.flash_lock = FlashDirLock(self.swap_dir)
         self.host = HostTier(self.config.host_tier_bytes) if self.config.host_tier_bytes else None
-        self.tails = TurnTails(self.config.turn_cache_bytes)
+        self.tails = TurnTails(self.config.turn_cache_bytes or 0)
         self.swap = SwapStore(self.swap_dir, contiguous=self.config.contiguous, host=self.host)
         self.journal = (Journal(self.swap_dir / "journal", self.lm.compute.name)
                         if self.config.journal else None)
@@ -306,6 +306,15 @@ class ContextService:
             with self.registry.running(ctx, self._run):
                 return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
                                   turn_scope, sampling)
+
+    def _turn_cache_bytes(self, cfg: ServiceConfig) -> int:
+        """``cfg.turn_cache_bytes``, its ``None`` resolved for this model
+        (:func:`~sparkv.device.tails.default_capacity`)."""
+        if cfg.turn_cache_bytes is not None:
+            return cfg.turn_cache_bytes
+        g = ChunkGeometry.from_config(self.lm.config, 1, cfg.chunk_tokens)
+        element = torch.empty((), dtype=self.lm.dtype).element_size()
+        return default_capacity(2 * g.num_layers * g.num_kv_heads * g.head_dim * element)
 
     def keep_turns(self, ctx_id: str, token_ids: Sequence[int], rows: Rows, *,
                    turn_scope: str = "") -> bool:

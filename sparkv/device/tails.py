@@ -31,6 +31,18 @@ import torch
 #: the fewest tokens of a tail worth reusing (one chunk): two questions about a document often
 #: begin with the same few tokens, and reusing those would save nothing
 MIN_REUSE = 16
+#: the default capacity holds this many tokens of the model's KV ...
+DEFAULT_TOKENS = 2048
+#: ... and at least this many bytes
+DEFAULT_FLOOR_BYTES = 64 << 20
+
+
+def default_capacity(token_bytes: int) -> int:
+    """The turn cache's default bytes for a model whose KV takes ``token_bytes`` a token (every
+    layer, K and V, at the dtype tails are kept in): :data:`DEFAULT_TOKENS` tokens, at least
+    :data:`DEFAULT_FLOOR_BYTES` (a fixed 64 MB held 560 tokens of a 3B model at fp16, less than
+    one long chat)."""
+    return max(DEFAULT_FLOOR_BYTES, DEFAULT_TOKENS * token_bytes)
 
 #: per layer ``(K, V)`` ``[kv_heads, m, head_dim]``: the rows of ``m`` tokens after a context
 Rows = list[tuple[torch.Tensor, torch.Tensor]]

@@ -517,6 +517,48 @@ def test_a_sampled_answer_repeats_with_its_seed_and_streams_the_tokens_it_drew(w
             assert "".join(e["text"] for e in streamed) == done.text
 
 
+def test_n_choices_are_sampled_each_with_its_own_seed_and_greedy_ones_computed_once(world):
+    """``n``: sampled, choice i is the answer of seed + i (streamed or not, its chunks under its
+    index); greedy, every choice is the one answer, asked once; usage counts every choice."""
+    openai = pytest.importorskip("openai")
+    dev = world["dev"]
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
+    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("chooser"),
+                       http_client=http, max_retries=0)
+    opts = {"strategy": "local", "stop_at_eos": False, "backend": "dense", "level": "raw",
+            "keep": False}
+    kw = dict(model=world["ctx"]["a"], max_tokens=6,
+              messages=[{"role": "user", "content": "What is it about?"}],
+              extra_body={"sparkv": {"server": world["srv"].url, "api_key": world["key"],
+                                     **opts}})
+    try:
+        r = oa.chat.completions.create(n=3, temperature=1.0, seed=40, **kw)
+        texts = [ch.message.content for ch in r.choices]
+        assert [ch.index for ch in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+        assert r.usage.completion_tokens == 18
+        per = r.model_extra["sparkv"]["choices"]
+        assert [p["stats"]["seed"] for p in per] == [40, 41, 42]
+        one = oa.chat.completions.create(temperature=1.0, seed=41, **kw)
+        assert one.choices[0].message.content == texts[1]
+        chunks = list(oa.chat.completions.create(n=3, temperature=1.0, seed=40, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+        got = ["", "", ""]
+        for ch in chunks:
+            for c in ch.choices:
+                got[c.index] += c.delta.content or ""
+        assert got == texts and chunks[-1].usage.completion_tokens == 18
+        finished = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+        assert finished == ["length"] * 3
+        greedy = oa.chat.completions.create(n=2, **kw)
+        assert greedy.choices[0].message.content == greedy.choices[1].message.content
+        assert "choices" not in greedy.model_extra["sparkv"]             # one ask
+        assert greedy.usage.completion_tokens == 12
+        with pytest.raises(openai.UnprocessableEntityError, match="body.n"):
+            oa.chat.completions.create(n=9, **kw)
+    finally:
+        oa.close()
+
+
 def test_logprobs_come_with_each_token_streamed_or_not_and_on_the_asks_token_events(world):
     """``logprobs``/``top_logprobs``: each answer token with its log-probability and the most
     likely alternatives (greedy: the token is the first of them); the same streamed; POST

@@ -484,7 +484,7 @@ def test_a_quiet_ask_is_waited_for_past_the_disconnect_poll():
     import asyncio
     import threading
 
-    from sparkv.asks import chat
+    from sparkv.asks import completion as chat
     from sparkv.asks.tickets import AskTicket
 
     class Request:

@@ -34,7 +34,8 @@ ABSENT = ("fastapi", "starlette", "uvicorn", "redis", "prometheus_client", "pulp
 # plain Python, used by the edge-side commands too)
 NOT_EDGE = ("sparkv.server", "sparkv.bench", "sparkv.demo", "sparkv.device.app",
             "sparkv.rest.handlers", "sparkv.rest.middleware", "sparkv.rest.routing",
-            "sparkv.asks.routes", "sparkv.asks.chat", "sparkv.asks.models")
+            "sparkv.asks.routes", "sparkv.asks.chat", "sparkv.asks.completion",
+            "sparkv.asks.models")
 
 BLOCKED_RUN = r"""
 import contextlib, importlib, importlib.abc, io, json, pkgutil, sys

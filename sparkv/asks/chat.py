@@ -28,6 +28,8 @@ A stock client asks about a server context unchanged::
   generated, then the ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
   ``usage``), then ``data: [DONE]``; a failure once streaming is one ``data: {"error": ...}``
   event (what the ``openai`` client raises as an ``APIError``);
+* ``n``: up to 8 choices (sampled: an ask each, choice i with the request's seed plus i;
+  greedy: one ask, its answer every choice; :mod:`sparkv.asks.completion`);
 * ``logprobs``: the answer's tokens (``choices[0].logprobs.content``: ``token``, ``logprob``,
   ``bytes``, and ``top_logprobs`` alternatives, at most 20), each token's log-probability under
   the model (before temperature), streamed with the chunk of its token;
@@ -43,9 +45,7 @@ A client that goes away cancels the ask.
 
 from __future__ import annotations
 
-import json
-import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 from sparkv.extras import require_all
 
@@ -53,26 +53,19 @@ require_all(("fastapi",), feature="the OpenAI-compatible route of the device ser
                                    "(sparkv.asks.chat)")
 
 from fastapi import APIRouter, Request  # noqa: E402 - after the check
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
+from sparkv.asks.completion import ChoiceStream, Choices, Completion, answer
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import ChatBody, SparkvFields
-from sparkv.asks.service import AskService
-from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
-from sparkv.protocol.errors import error_body
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
-from sparkv.runtime.stops import StopStrings
 from sparkv.runtime.turns import ChatTurn, Conversation, ConversationError
 
 __all__ = ["chat_router", "DEFAULT_MAX_TOKENS"]
 
 #: the answer's cap when the request names none (tokens)
 DEFAULT_MAX_TOKENS = 256
-#: how often a non-streamed completion looks whether its client is still there (s)
-DISCONNECT_POLL_S = 0.25
 
 
 class UnsupportedMessages(DeviceError, status=400, code="unsupported_messages"):
@@ -141,136 +134,6 @@ def _context_id(body: ChatBody) -> str:
     return cid
 
 
-class _Completion:
-    """One completion's identity and counts: what every chunk and the answer repeat."""
-
-    def __init__(self, body: ChatBody, asks: AskService, ask: AskRequest) -> None:
-        self.id = f"chatcmpl-{time.time_ns():x}"
-        self.created = int(time.time())
-        self.model = body.model
-        self.max_tokens = ask.options.max_new_tokens
-        self.stops = StopStrings(ask.options.stop)
-        self.lm = asks.lm
-        self.logprobs = ask.logprobs is not None
-
-    def _token(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.lm.decode_tokens([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def logprob_content(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """``choices[0].logprobs`` of ``events`` (token events), ``None`` unless asked for."""
-        if not self.logprobs:
-            return None
-        return {"content": [{**self._token(e["token"], e["logprob"]),
-                             "top_logprobs": [self._token(a["token"], a["logprob"])
-                                              for a in e["top_logprobs"]]} for e in events],
-                "refusal": None}
-
-    def usage(self, done: dict[str, Any]) -> dict[str, Any]:
-        stats = done["stats"]
-        prompt = int(stats["context_tokens"]) + int(stats["question_tokens"])
-        completion = len(done["tokens"])
-        cached = int(stats.get("turn_tokens_reused", 0))
-        if stats.get("strategy") == "kept":
-            cached += int(stats["context_tokens"])
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def finish_reason(self, done: dict[str, Any], eos: set[int]) -> str:
-        """``stop`` at the end of sequence or a stop string, ``length`` at the cap."""
-        tokens = done["tokens"]
-        if self.stops.hit(self.lm, tokens):
-            return "stop"
-        return ("length" if len(tokens) >= self.max_tokens and (not tokens or tokens[-1] not in eos)
-                else "stop")
-
-    def chunk(self, delta: dict[str, Any], finish: str | None = None,
-              usage: dict[str, Any] | None = None, choices: bool = True,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
-                               "created": self.created, "model": self.model,
-                               "choices": ([{"index": 0, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": finish}] if choices else [])}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-
-class _AskStream(StreamingResponse):
-    """A streamed answer that cancels its ask when the response ends, however it ends."""
-
-    def __init__(self, content: Any, ticket: AskTicket) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.ticket = ticket
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.ticket.cancel()
-
-
-def _sse(data: Any) -> bytes:
-    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
-
-
-async def _stream(ticket: AskTicket, c: _Completion, eos: set[int],
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    yield _sse(c.chunk({"role": "assistant", "content": ""}))
-    shown = ""
-    async for event in ticket.aevents():
-        if event["type"] == "token" and (event["text"] or c.logprobs):
-            shown += event["text"]
-            yield _sse(c.chunk({"content": event["text"]},
-                               logprobs=c.logprob_content([event])))
-        elif event["type"] == "done":
-            rest = event["text"][len(shown):] if event["text"].startswith(shown) else ""
-            if rest:             # held back as the start of a stop string that never came
-                yield _sse(c.chunk({"content": rest}))
-            yield _sse(c.chunk({}, c.finish_reason(event, eos)))
-            if include_usage:
-                yield _sse(c.chunk({}, usage=c.usage(event), choices=False))
-            yield _sse(b"[DONE]")
-        elif event["type"] == "error":
-            err = event["error"]
-            yield _sse({"error": {"message": err["message"], "type": err["code"],
-                                  "code": err["code"], "status": err["status"]}})
-
-
-async def _outcome(ticket: AskTicket, request: Request,
-                   tokens: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ask's last event (its token events into ``tokens``); a client that goes away
-    meanwhile cancels it. The wait for the next
-    event is looked at every :data:`DISCONNECT_POLL_S` without being cancelled: cancelling it
-    (``asyncio.wait_for``) would close the event generator, and the next look would find it
-    ended (a 500 for every ask that went quiet that long)."""
-    import asyncio
-
-    events = ticket.aevents()
-    pending: asyncio.Future[dict[str, Any]] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(events))
-            done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
-            if not done:
-                if await request.is_disconnected():
-                    ticket.cancel()
-                continue
-            event, pending = pending.result(), None
-            if event["type"] in ("done", "error"):
-                return event
-            if event["type"] == "token":
-                tokens.append(event)
-    finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        await events.aclose()
-
-
 chat_router = APIRouter(tags=["openai"])
 
 
@@ -290,25 +153,9 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
     fields = body.sparkv or SparkvFields()
     fields = fields.model_copy(update=_openai_fields(body))
     ask = ask_request(fields, asks, cid, question, _max_tokens(body), _logprobs(body))
-    c = _Completion(body, asks, ask)
-    ticket = asks.submit(caller, ask)
-    eos = asks.eos
+    c = Completion(body.model, asks, ask)
+    choices = Choices.submit(asks, caller, ask, body.n)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return _AskStream(_stream(ticket, c, eos, include), ticket)
-    tokens: list[dict[str, Any]] = []
-    try:
-        event = await _outcome(ticket, request, tokens)
-    finally:
-        ticket.cancel()
-    if event["type"] == "error":
-        err = event["error"]
-        return JSONResponse(error_body(err["status"], err["code"], err["message"]),
-                            status_code=err["status"] if err["status"] != 499 else 400)
-    return {"id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": event["text"]},
-                         "logprobs": c.logprob_content(tokens),
-                         "finish_reason": c.finish_reason(event, eos)}],
-            "usage": c.usage(event),
-            "sparkv": {"kept_id": event["kept_id"], "stats": event["stats"],
-                       "first_token_s": event["first_token_s"]}}
+        return ChoiceStream(choices, c, include)
+    return await answer(choices, c, request, body.n)

@@ -30,6 +30,8 @@ __all__ = ["AskFields", "AskBody", "HistoryTurn", "SparkvFields", "ChatMessage",
 
 #: the longest answer an ask may ask for (tokens)
 MAX_ANSWER_TOKENS = 4096
+#: the most choices a chat completion may ask for (``n``)
+MAX_CHOICES = 8
 #: a server URL: http(s), an ASCII host (an IDN in its punycode form), at most 2 KiB
 _URL = r"^https?://[A-Za-z0-9._~%:@\[\]-]+(/[A-Za-z0-9._~%!$&'()*+,;=:@/-]*)?$"
 ServerUrl = Annotated[str, Field(pattern=_URL, max_length=2048)]
@@ -170,7 +172,8 @@ class ChatBody(BaseModel):
     max_completion_tokens: AnswerTokens | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = Field(
         default=None, description="up to 4 stop strings: the answer ends before the first")
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), JSON_INT] = Field(default=1, description=(
+        "choices: each sampled with its own seed (greedy: the same answer, computed once)"))
     temperature: Temperature | None = Field(default=None, description=(
         "0 or none: greedy; else the answer is sampled (docs/asks.md, 'Sampling')"))
     top_p: TopP | None = None

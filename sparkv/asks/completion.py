@@ -1,0 +1,284 @@
+"""One chat completion's answer (:mod:`sparkv.asks.chat`): its choices' asks, then either the
+``chat.completion`` or its server-sent ``chat.completion.chunk`` events.
+
+* :class:`Completion`: the identity every chunk repeats, a choice's ``finish_reason`` and
+  ``logprobs``, the ``usage``;
+* :class:`Choices`: the tickets answering the request's ``n`` choices: one ask per sampled
+  choice (each its own seed: the request's plus the choice's index, else each draws one), one
+  ask for every choice of a greedy request (its choices are the same answer);
+* :func:`answer` (the whole completion) and :class:`ChoiceStream` (the events: each choice's
+  chunks as its tokens come, interleaved, then ``usage`` and ``[DONE]``). A client that goes
+  away cancels every choice's ask; a choice that fails ends the completion with its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator, Sequence
+
+from sparkv.extras import require_all
+
+require_all(("fastapi",), feature="the OpenAI-compatible route of the device service "
+                                   "(sparkv.asks.completion)")
+
+from fastapi import Request  # noqa: E402 - after the check
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from sparkv.asks.schemas import MAX_CHOICES
+from sparkv.asks.tickets import AskRequest, AskTicket
+from sparkv.protocol.errors import error_body
+from sparkv.runtime.sampling import SEED_RANGE
+from sparkv.runtime.stops import StopStrings
+
+__all__ = ["Completion", "Choices", "ChoiceStream", "answer", "DISCONNECT_POLL_S", "MAX_CHOICES"]
+
+#: how often a non-streamed completion looks whether its client is still there (s)
+DISCONNECT_POLL_S = 0.25
+
+
+class Choices:
+    """The asks answering ``n`` choices: ``tickets[i]`` answers the choices ``indexes[i]``."""
+
+    def __init__(self, tickets: Sequence[AskTicket], indexes: Sequence[Sequence[int]]) -> None:
+        self.tickets, self.indexes = list(tickets), [list(ix) for ix in indexes]
+
+    @classmethod
+    def submit(cls, asks: Any, caller: str, ask: AskRequest, n: int) -> "Choices":
+        """Submits the asks of ``n`` choices of ``ask`` (a refusal cancels those submitted)."""
+        import dataclasses
+
+        opts = ask.options
+        if n == 1 or opts.sampling.greedy:
+            return cls([asks.submit(caller, ask)], [list(range(n))])
+        tickets: list[AskTicket] = []
+        try:
+            for i in range(n):
+                seed = None if opts.seed is None else _nth_seed(opts.seed, i)
+                each = dataclasses.replace(ask, options=dataclasses.replace(opts, seed=seed))
+                tickets.append(asks.submit(caller, each))
+        except BaseException:
+            for t in tickets:
+                t.cancel()
+            raise
+        return cls(tickets, [[i] for i in range(n)])
+
+    def cancel(self) -> None:
+        for t in self.tickets:
+            t.cancel()
+
+
+def _nth_seed(seed: int, i: int) -> int:
+    """Choice ``i``'s seed: the request's plus ``i``, wrapped into :data:`SEED_RANGE`."""
+    lo, hi = SEED_RANGE
+    return lo + (seed - lo + i) % (hi - lo + 1)
+
+
+class Completion:
+    """One completion's identity and counts: what every chunk and the answer repeat."""
+
+    def __init__(self, model: str, asks: Any, ask: AskRequest) -> None:
+        self.id = f"chatcmpl-{time.time_ns():x}"
+        self.created = int(time.time())
+        self.model = model
+        self.max_tokens = ask.options.max_new_tokens
+        self.stops = StopStrings(ask.options.stop)
+        self.lm = asks.lm
+        self.eos: set[int] = asks.eos
+        self.logprobs = ask.logprobs is not None
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.lm.decode_tokens([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def logprob_content(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` of ``events`` (token events), ``None`` unless asked for."""
+        if not self.logprobs:
+            return None
+        return {"content": [{**self._token(e["token"], e["logprob"]),
+                             "top_logprobs": [self._token(a["token"], a["logprob"])
+                                              for a in e["top_logprobs"]]} for e in events],
+                "refusal": None}
+
+    def usage(self, done: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """``usage`` of the choices' ``done`` events (the prompt counted once)."""
+        stats = done[0]["stats"]
+        prompt = int(stats["context_tokens"]) + int(stats["question_tokens"])
+        completion = sum(len(d["tokens"]) for d in done)
+        cached = int(stats.get("turn_tokens_reused", 0))
+        if stats.get("strategy") == "kept":
+            cached += int(stats["context_tokens"])
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def finish_reason(self, done: dict[str, Any]) -> str:
+        """``stop`` at the end of sequence or a stop string, ``length`` at the cap."""
+        tokens = done["tokens"]
+        if self.stops.hit(self.lm, tokens):
+            return "stop"
+        return ("length" if len(tokens) >= self.max_tokens
+                and (not tokens or tokens[-1] not in self.eos) else "stop")
+
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [{"index": index, "delta": delta,
+                                                  "logprobs": logprobs,
+                                                  "finish_reason": finish}]}
+
+    def usage_chunk(self, done: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage(done)}
+
+    def sparkv(self, done: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The ``sparkv`` extension: the first choice's ask (``kept_id``, ``stats``,
+        ``first_token_s``), and with several asks, each one's under ``choices``."""
+        def one(d: dict[str, Any]) -> dict[str, Any]:
+            return {"kept_id": d["kept_id"], "stats": d["stats"],
+                    "first_token_s": d["first_token_s"]}
+        out = one(done[0])
+        if len(done) > 1:
+            out["choices"] = [one(d) for d in done]
+        return out
+
+
+# ---- the whole completion ------------------------------------------------------------------------
+async def answer(choices: Choices, c: Completion, request: Request, n: int) -> Any:
+    """The ``chat.completion`` (or the first failing choice's error response)."""
+    tokens: list[list[dict[str, Any]]] = [[] for _ in choices.tickets]
+    try:
+        done = await asyncio.gather(*(_outcome(t, request, tk)
+                                      for t, tk in zip(choices.tickets, tokens)))
+    finally:
+        choices.cancel()
+    for event in done:
+        if event["type"] == "error":
+            err = event["error"]
+            return JSONResponse(error_body(err["status"], err["code"], err["message"]),
+                                status_code=err["status"] if err["status"] != 499 else 400)
+    out: list[dict[str, Any] | None] = [None] * n
+    for event, tk, indexes in zip(done, tokens, choices.indexes):
+        for i in indexes:
+            out[i] = {"index": i, "message": {"role": "assistant", "content": event["text"]},
+                      "logprobs": c.logprob_content(tk), "finish_reason": c.finish_reason(event)}
+    per_choice = [done[k] for k, ix in enumerate(choices.indexes) for _ in ix]
+    return {"id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
+            "choices": out, "usage": c.usage(per_choice), "sparkv": c.sparkv(done)}
+
+
+async def _outcome(ticket: AskTicket, request: Request,
+                   tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ask's last event (its token events into ``tokens``); a client that goes away
+    meanwhile cancels it. The wait for the next event is looked at every
+    :data:`DISCONNECT_POLL_S` without being cancelled: cancelling it (``asyncio.wait_for``)
+    would close the event generator, and the next look would find it ended (a 500 for every
+    ask that went quiet that long)."""
+    events = ticket.aevents()
+    pending: asyncio.Future[dict[str, Any]] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+            if not done:
+                if await request.is_disconnected():
+                    ticket.cancel()
+                continue
+            event, pending = pending.result(), None
+            if event["type"] in ("done", "error"):
+                return event
+            if event["type"] == "token":
+                tokens.append(event)
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await events.aclose()
+
+
+# ---- streamed ------------------------------------------------------------------------------------
+def _sse(data: Any) -> bytes:
+    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
+
+
+class ChoiceStream(StreamingResponse):
+    """The streamed completion: every choice's role chunk, then each choice's chunks as its
+    tokens come (interleaved), its finish, then ``usage`` when asked for and ``[DONE]``; a
+    choice that fails ends the stream with one ``error`` event. However the response ends,
+    every choice's ask is cancelled."""
+
+    def __init__(self, choices: Choices, c: Completion, include_usage: bool) -> None:
+        super().__init__(self._events(choices, c, include_usage),
+                         media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.choices = choices
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.choices.cancel()
+
+    @staticmethod
+    async def _events(choices: Choices, c: Completion,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        for ix in choices.indexes:
+            for i in ix:
+                yield _sse(c.chunk(i, {"role": "assistant", "content": ""}))
+        merged: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+        pumps = [asyncio.ensure_future(_pump(k, t, merged))
+                 for k, t in enumerate(choices.tickets)]
+        done: list[dict[str, Any] | None] = [None] * len(pumps)
+        shown = [""] * len(pumps)
+        try:
+            while any(d is None for d in done):
+                k, event = await merged.get()
+                if event["type"] == "error":
+                    err = event["error"]
+                    yield _sse({"error": {"message": err["message"], "type": err["code"],
+                                          "code": err["code"], "status": err["status"]}})
+                    return
+                for chunk in _choice_chunks(c, event, choices.indexes[k], shown, k):
+                    yield _sse(chunk)
+                if event["type"] == "done":
+                    done[k] = event
+            if include_usage:
+                finished = [d for d in done if d is not None]
+                yield _sse(c.usage_chunk([finished[k] for k, ix in enumerate(choices.indexes)
+                                          for _ in ix]))
+            yield _sse(b"[DONE]")
+        finally:
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _pump(k: int, ticket: AskTicket, into: asyncio.Queue[tuple[int, dict[str, Any]]]
+                ) -> None:
+    """Ticket ``k``'s token, done and error events into ``into``."""
+    events = ticket.aevents()
+    try:
+        async for event in events:
+            if event["type"] in ("token", "done", "error"):
+                await into.put((k, event))
+    finally:
+        await events.aclose()
+
+
+def _choice_chunks(c: Completion, event: dict[str, Any], indexes: list[int], shown: list[str],
+                   k: int) -> list[dict[str, Any]]:
+    """The chunks of ask ``k``'s ``event`` for its choices ``indexes`` (``shown[k]``: the text
+    its chunks showed so far)."""
+    if event["type"] == "token":
+        if not (event["text"] or c.logprobs):
+            return []
+        shown[k] += event["text"]
+        lp = c.logprob_content([event])
+        return [c.chunk(i, {"content": event["text"]}, logprobs=lp) for i in indexes]
+    text = event["text"]
+    rest = text[len(shown[k]):] if text.startswith(shown[k]) else ""
+    out = [c.chunk(i, {"content": rest}) for i in indexes] if rest else []  # held back: a stop
+    return out + [c.chunk(i, {}, c.finish_reason(event)) for i in indexes]  # string's start

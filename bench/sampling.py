@@ -1,5 +1,5 @@
 """What sampling costs an answer (docs/asks.md, "Sampling"): the chooser alone over the bundled
-SmolLM2's real logits (greedy, temperature, top-p, top-k), and whole answers over the bundled
+SmolLM2's real logits (greedy, temperature, top-p, top-k, penalties and a bias), and whole answers over the bundled
 story's KV, greedy against sampled, alternated in one run.
 
     python bench/sampling.py [--rounds 3] [--tokens 64] [--out bench/results/sampling_cpu.json]
@@ -19,7 +19,9 @@ from typing import Any
 
 RULES = {"greedy": {}, "t0.7": {"temperature": 0.7},
          "t0.7 top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
-         "t0.7 top_k 50": {"temperature": 0.7, "top_k": 50}}
+         "t0.7 top_k 50": {"temperature": 0.7, "top_k": 50},
+         "greedy penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5,
+                              "logit_bias": {0: -100.0}}}
 QUESTION = "Tell me what happens in the story, in detail."
 
 
@@ -76,9 +78,9 @@ def main() -> int:
            for name, rs in runs.items()}
     print(f"context {len(ctx)} tokens, question {len(q)}, {args.tokens} answer tokens, "
           f"vocabulary {logits.numel()}, {args.rounds} rounds alternated")
-    print(f"{'rule':<16} {'chooser us/token':>17} {'decode ms/token':>16} {'x greedy':>9}")
+    print(f"{'rule':<17} {'chooser us/token':>17} {'decode ms/token':>16} {'x greedy':>9}")
     for name in RULES:
-        print(f"{name:<16} {chooser[name]:>17.1f} {med[name]:>16.1f} "
+        print(f"{name:<17} {chooser[name]:>17.1f} {med[name]:>16.1f} "
               f"{med[name] / med['greedy']:>9.3f}")
     for name in RULES:
         print(f"  {name}: {runs[name][0]['text'][:90]!r}")

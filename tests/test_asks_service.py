@@ -445,16 +445,17 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         chunks = list(oa.chat.completions.create(stream=True, **kw))
         assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
-        # what stock clients send at their no-op values is taken; a penalty that would change
-        # the answer is a 422 naming it
+        # what stock clients send at their no-op values is taken; tools or JSON mode that would
+        # change the answer are a 422 naming them
         noop = oa.chat.completions.create(
             model=cid, max_tokens=8, messages=[{"role": "user", "content": question}],
             frequency_penalty=0, presence_penalty=0, logprobs=False, temperature=0, top_p=1,
             response_format={"type": "text"}, store=False, extra_body={"sparkv": sparkv})
         assert noop.choices[0].message.content == alone.text
-        with pytest.raises(openai.UnprocessableEntityError, match="frequency_penalty"):
+        with pytest.raises(openai.UnprocessableEntityError, match="response_format"):
             oa.chat.completions.create(model=cid, messages=[{"role": "user", "content": "q"}],
-                                       frequency_penalty=0.5, extra_body={"sparkv": sparkv})
+                                       response_format={"type": "json_object"},
+                                       extra_body={"sparkv": sparkv})
         with pytest.raises(openai.NotFoundError):                     # no such context
             oa.chat.completions.create(model="not-a-context", extra_body={"sparkv": sparkv},
                                        messages=[{"role": "user", "content": question}])
@@ -505,6 +506,10 @@ def test_a_sampled_answer_repeats_with_its_seed_and_streams_the_tokens_it_drew(w
         assert isinstance(st["seed"], int) and chat(temperature=1.0, seed=st["seed"])[0] == drawn
         with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
             chat(temperature=2.5)
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            chat(logit_bias={"999999999": 5})
+        with pytest.raises(openai.UnprocessableEntityError, match="presence_penalty"):
+            chat(presence_penalty=2.5)
     finally:
         oa.close()
     with dev.client() as c:         # POST /v1/asks, kept: a load, then from memory
@@ -515,6 +520,16 @@ def test_a_sampled_answer_repeats_with_its_seed_and_streams_the_tokens_it_drew(w
             assert done.stats["strategy"] == strategy and done.stats["seed"] == 5
             assert [e["token"] for e in streamed] == done.tokens and len(done.tokens) == 10
             assert "".join(e["text"] for e in streamed) == done.text
+        # a bias and penalties adjust the logits, greedy or not: a bias of 100 makes every
+        # token that one; a penalty stops the greedy answer repeating its first token
+        kw = dict(max_new_tokens=8, keep=False, **{**opts, "stop_at_eos": False})
+        greedy = _ask(world, c, "c", question, **kw)
+        assert _ask(world, c, "c", question, logit_bias={"42": 100}, **kw).tokens == [42] * 8
+        first = greedy.tokens[0]
+        assert greedy.tokens.count(first) > 1           # the tiny model repeats itself
+        fresh = _ask(world, c, "c", question, frequency_penalty=2.0, presence_penalty=2.0,
+                     logit_bias={str(first): 5}, **kw)
+        assert fresh.tokens[0] == first and fresh.tokens.count(first) < greedy.tokens.count(first)
 
 
 def test_n_choices_are_sampled_each_with_its_own_seed_and_greedy_ones_computed_once(world):

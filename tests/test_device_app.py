@@ -136,11 +136,13 @@ def test_routes_answer_what_the_service_returns(app_client):
     assert set(want) == {"context_id", "text", "tokens", "stats"}
     assert want["stats"]["ttft_s"] == 0.25 and want["stats"]["new_tokens"] == 2
     assert svc.sampled == Sampling()                                            # greedy
-    c.post(f"/v1/contexts/{INFO['id']}/call", json={"prompt": "q", "temperature": 0.7,
-                                                     "top_p": 0.9, "top_k": 40, "seed": -3})
-    assert svc.sampled == Sampling(0.7, 0.9, 40, -3)
+    c.post(f"/v1/contexts/{INFO['id']}/call", json={
+        "prompt": "q", "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": -3,
+        "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"7": -100}})
+    assert svc.sampled == Sampling(0.7, 0.9, 40, -3, 0.5, -0.5, ((7, -100.0),))
     for bad in ({"temperature": 2.5}, {"top_p": 1.1}, {"top_k": -1}, {"seed": 1.5},
-                {"seed": 1 << 64}, {"temperature": "hot"}):
+                {"seed": 1 << 64}, {"temperature": "hot"}, {"frequency_penalty": 3},
+                {"logit_bias": {"x": 1}}, {"logit_bias": {"7": 101}}):
         r = c.post(f"/v1/contexts/{INFO['id']}/call", json={"prompt": "q", **bad})
         assert r.status_code == 422 and next(iter(bad)) in r.text
     r = c.delete(f"/v1/contexts/{INFO['id']}")

@@ -27,10 +27,30 @@ def _draws(sampling: Sampling, logits: torch.Tensor = LOGITS, n: int = 20000) ->
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=2.5),
                                  dict(temperature=math.nan), dict(top_p=1.5), dict(top_p=-0.1),
                                  dict(top_k=-1), dict(top_k=1.5), dict(seed=1 << 64),
-                                 dict(seed=True)])
+                                 dict(seed=True), dict(frequency_penalty=2.5),
+                                 dict(presence_penalty=-3), dict(logit_bias={-1: 1.0}),
+                                 dict(logit_bias={3: 101.0}), dict(logit_bias=((3, 1), (3, 2)))])
 def test_a_rule_out_of_range_is_refused_with_its_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Sampling(**bad)
+
+
+def test_a_bias_and_penalties_adjust_the_logits_before_the_choice():
+    logits = torch.tensor([1.0, 0.5, 0.0, -1.2])
+
+    def answer(n: int = 6, **kw) -> list[int]:
+        choose = TokenChooser(Sampling(**kw))
+        return [choose(logits) for _ in range(n)]
+
+    assert answer() == [0] * 6
+    assert answer(logit_bias={3: 100.0}) == [3] * 6 and answer(logit_bias=((0, -100),)) == [1] * 6
+    assert answer(presence_penalty=2.0) == [0, 1, 2, 0, 0, 0]     # once each: then as before
+    assert answer(frequency_penalty=2.0) == [0, 1, 2, 0, 3, 1]    # per time held
+    drawn = answer(200, temperature=1.0, seed=3, logit_bias={0: -100})
+    assert 0 not in drawn and set(drawn) == {1, 2, 3}
+    with pytest.raises(ValueError, match="logit_bias names token 9"):
+        answer(logit_bias={9: 1.0})
+    assert Sampling(logit_bias={2: 1.0}).logit_bias == ((2, 1.0),)
 
 
 def test_the_default_is_greedy_and_draws_no_seed():

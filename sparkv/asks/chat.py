@@ -19,7 +19,8 @@ A stock client asks about a server context unchanged::
   system turn is the server's); a ``tool`` message, a user's or system message with no text (an
   assistant's may be empty) or a last message that is not the user's is 400
   ``unsupported_messages``;
-* the answer is greedy without ``temperature`` (or at 0), else sampled (``top_p``, ``seed``;
+* ``logit_bias``, ``frequency_penalty`` and ``presence_penalty`` adjust the logits; the answer
+  is greedy without ``temperature`` (or at 0), else sampled (``top_p``, ``seed``;
   ``sparkv.top_k`` too: :mod:`sparkv.runtime.sampling`; the seed drawn when none is given is
   in ``sparkv.stats.seed``), at most
   ``max_completion_tokens`` (or ``max_tokens``; default 256) tokens, ending before a ``stop``
@@ -101,10 +102,15 @@ def _question(body: ChatBody) -> str | Conversation:
     return conv.question if len(turns) == 1 else conv
 
 
+#: OpenAI's fields of how the answer's tokens are chosen
+_SAMPLING = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
+             "logit_bias")
+
+
 def _openai_fields(body: ChatBody) -> dict[str, Any]:
     """The ask's fields that OpenAI's request sets (they override the ``sparkv`` extension's):
-    ``stop``, ``temperature``, ``top_p``, ``seed``."""
-    out: dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "seed")
+    ``stop`` and :data:`_SAMPLING`."""
+    out: dict[str, Any] = {k: getattr(body, k) for k in _SAMPLING
                            if getattr(body, k) is not None}
     if body.stop is not None:
         out["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop

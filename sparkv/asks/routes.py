@@ -31,6 +31,7 @@ from sparkv.asks.service import AskService
 from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
+from sparkv.device.inputs import check_token_ids, vocab_size
 from sparkv.runtime.turns import Conversation, ConversationError
 
 __all__ = ["asks_router", "get_asks", "AsksDep", "ask_request", "SERVED_STATUSES"]
@@ -68,6 +69,7 @@ def ask_request(fields: AskFields, asks: AskService, context_id: str,
         check_question(question, options.chat)       # refused here, not once admitted
     except AskError as e:
         raise DeviceError(str(e)) from None
+    check_token_ids([t for t, _ in options.logit_bias], vocab_size(asks.lm), "logit_bias's ids")
     return AskRequest(server, context_id, question, fields.api_key or asks.default_api_key,
                       options, fields.share, logprobs)
 

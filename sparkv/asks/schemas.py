@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from sparkv.device.schemas import (AppId, DoneEvent, PromptText, SamplingFields, Seed,
-                                   Temperature, TopP)
+from sparkv.device.schemas import (AppId, DoneEvent, LogitBias, Penalty, PromptText,
+                                   SamplingFields, Seed, Temperature, TopP)
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
@@ -83,7 +83,7 @@ class AskFields(SamplingFields):
         edge does not know)."""
         fields = self.model_dump(include=set(AskFields.model_fields)
                                  - {"server", "api_key", "share"})
-        return AskOptions(max_new_tokens=max_new_tokens, **fields)
+        return AskOptions(max_new_tokens=max_new_tokens, **{**fields, **self.sampling_fields()})
 
 
 class HistoryTurn(BaseModel):
@@ -142,8 +142,6 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-#: a penalty at its no-op value (no penalties here)
-_Zero = Annotated[float, Field(ge=0, le=0, description="only 0: no penalties here")]
 
 
 class _TextFormat(BaseModel):
@@ -183,11 +181,11 @@ class ChatBody(BaseModel):
         "the answer's tokens with their log-probabilities (choices[0].logprobs.content)"))
     top_logprobs: TopLogprobs | None = Field(default=None, description=(
         "with logprobs: this many most likely alternatives per token"))
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
     # what stock clients send at their no-op values: taken at those, any other is a 422 naming
-    # the field (no penalties, logit bias, tools or JSON mode here)
-    frequency_penalty: _Zero | None = None
-    presence_penalty: _Zero | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    # the field (no tools or JSON mode here)
     response_format: _TextFormat | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
     tool_choice: Literal["none", "auto"] | None = None

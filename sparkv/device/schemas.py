@@ -17,12 +17,13 @@ from sparkv.device.identity import APP_ID_PATTERN
 from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 from sparkv.rest.fields import JSON_INT, at_most_one_of, one_of
-from sparkv.runtime.sampling import MAX_TEMPERATURE, SEED_RANGE, Sampling
+from sparkv.runtime.sampling import (MAX_BIAS, MAX_PENALTY, MAX_TEMPERATURE, SEED_RANGE,
+                                     Sampling)
 
 __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "ServiceHealth",
            "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
            "CallReply", "DoneEvent", "ShareBody", "AppId", "PromptText", "SamplingFields",
-           "Temperature", "TopP", "TopK", "Seed",
+           "Temperature", "TopP", "TopK", "Seed", "Penalty", "LogitBias",
            "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -59,6 +60,12 @@ Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=Fal
 TopP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=1 << 20), JSON_INT]
 Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), JSON_INT]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+#: OpenAI's logit_bias: token ids (as JSON's string keys) to a bias
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                           Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS,
+                                                  allow_inf_nan=False)]],
+                      Field(max_length=1024)]
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -70,9 +77,21 @@ class SamplingFields(BaseModel):
     top_k: TopK = Field(default=0, description="sample from this many most likely tokens (0: all)")
     seed: Seed | None = Field(default=None, description=(
         "the draws' seed when sampling (none: one drawn, reported in the stats' seed)"))
+    frequency_penalty: Penalty = Field(default=0.0, description=(
+        "taken off a token's logit per time the answer holds it"))
+    presence_penalty: Penalty = Field(default=0.0, description=(
+        "taken off a token's logit once the answer holds it"))
+    logit_bias: LogitBias = Field(default_factory=dict, description=(
+        "token id -> bias added to its logit (-100: never)"))
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The :class:`Sampling` fields (``logit_bias`` keyed by token id)."""
+        out = self.model_dump(include=set(SamplingFields.model_fields))
+        out["logit_bias"] = tuple((int(k), v) for k, v in self.logit_bias.items())
+        return out
 
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
+        return Sampling(**self.sampling_fields())
 
 
 class NewContext(BaseModel):

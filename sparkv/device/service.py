@@ -295,6 +295,8 @@ class ContextService:
         ctx = self.registry.get(ctx_id)
         prompt_ids, timeout_s = check_call(prompt, prompt_ids, max_new_tokens, timeout_s,
                                            vocab=self.vocab, most=self.config.max_new_tokens)
+        if sampling is not None:
+            check_token_ids([t for t, _ in sampling.logit_bias], self.vocab, "logit_bias's ids")
         with self.registry.holding(ctx, timeout_s):
             ids = turn_ids(self.lm, ctx.pending, prompt, prompt_ids, chatml=self._chatml,
                            eos=eos_ids(self.lm) if ctx.pending else ())

@@ -107,6 +107,16 @@ class AskOptions:
     gives the same answer); ``None``: the ask draws one and reports it
     (``breakdown.seed``)."""
 
+    frequency_penalty: float = 0.0
+    """Taken off a token's logit once per time the answer so far holds it (-2..2), greedy or
+    sampled."""
+
+    presence_penalty: float = 0.0
+    """Taken off a token's logit once the answer so far holds it (-2..2)."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs (or a dict) added to those tokens' logits (-100..100)."""
+
     stop: tuple[str, ...] = ()
     """Stop strings (OpenAI's ``stop``; a lone string is one stop string): at most
     :data:`~sparkv.runtime.stops.MAX_STOPS`, each at most
@@ -145,8 +155,8 @@ class AskOptions:
                            f"not {self.ask_deadline_s!r}")
         self._check_stop()
         try:
-            self.sampling
-        except ValueError as e:
+            object.__setattr__(self, "logit_bias", self.sampling.logit_bias)   # a dict: pairs
+        except (ValueError, TypeError) as e:
             raise AskError(str(e)) from None
         if self.strategy not in STRATEGIES:
             raise AskError(f"unknown strategy {self.strategy!r}; "
@@ -175,8 +185,9 @@ class AskOptions:
     @property
     def sampling(self) -> Sampling:
         """How the answer's tokens are chosen (:attr:`temperature`, :attr:`top_p`,
-        :attr:`top_k`, :attr:`seed`)."""
-        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
+        :attr:`top_k`, :attr:`seed`, the penalties and :attr:`logit_bias`)."""
+        return Sampling(self.temperature, self.top_p, self.top_k, self.seed,
+                        self.frequency_penalty, self.presence_penalty, self.logit_bias)
 
     def seeded(self) -> AskOptions:
         """These options with a seed when they sample without one (drawn from the OS, so the

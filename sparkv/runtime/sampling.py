@@ -9,7 +9,10 @@
   token events, :mod:`sparkv.asks.forward`), whichever generation path chose them, each with
   its :class:`TokenLogprobs` when asked for (OpenAI's ``logprobs``).
 
-Sampling draws from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
+The logits are adjusted first when the rule says so (OpenAI's ``logit_bias`` added, its
+``frequency_penalty`` taken off once per time the answer so far holds a token and its
+``presence_penalty`` once it holds it), greedy or not. Sampling draws from
+``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
 tokens (0: all) and then to the smallest set of most likely tokens whose probability reaches
 ``top_p`` (the most likely token always stays). A seed makes an answer repeatable: the same
 seed over the same logits draws the same tokens. Without one, a chooser draws its seed from the
@@ -22,6 +25,7 @@ chosen.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import secrets
 import threading
@@ -40,6 +44,9 @@ MAX_TEMPERATURE = 2.0
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 #: the most alternatives a token's log-probabilities list (OpenAI's ``top_logprobs``)
 MAX_TOP_LOGPROBS = 20
+#: the largest frequency or presence penalty (OpenAI's), and logit bias
+MAX_PENALTY = 2.0
+MAX_BIAS = 100.0
 
 _observer = threading.local()
 
@@ -58,24 +65,42 @@ class Sampling:
     """Draw from the ``top_k`` most likely tokens (0: all)."""
     seed: int | None = None
     """The random generator's seed (:data:`SEED_RANGE`); ``None``: one from the OS per answer."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for every time the answer holds it (-2..2)."""
+    presence_penalty: float = 0.0
+    """Subtracted from a token's logit once the answer holds it (-2..2)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)``: added to those tokens' logits (-100..100; -100 bans one)."""
 
     def __post_init__(self) -> None:
-        t, p, k = self.temperature, self.top_p, self.top_k
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
-            raise ValueError(f"temperature must be 0..{MAX_TEMPERATURE:g}, not {t!r}")
-        if not (isinstance(p, (int, float)) and math.isfinite(p) and 0 <= p <= 1):
-            raise ValueError(f"top_p must be 0..1, not {p!r}")
-        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
-            raise ValueError(f"top_k must be a whole number >= 0, not {k!r}")
+        _number("temperature", self.temperature, 0, MAX_TEMPERATURE)
+        _number("top_p", self.top_p, 0, 1)
+        _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        if not (_whole(self.top_k) and self.top_k >= 0):
+            raise ValueError(f"top_k must be a whole number >= 0, not {self.top_k!r}")
         s = self.seed
-        if s is not None and not (isinstance(s, int) and not isinstance(s, bool)
-                                  and SEED_RANGE[0] <= s <= SEED_RANGE[1]):
+        if s is not None and not (_whole(s) and SEED_RANGE[0] <= s <= SEED_RANGE[1]):
             raise ValueError(f"seed must be a whole number in [-2^63, 2^64 - 1], not {s!r}")
+        bias = tuple(self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                     else self.logit_bias)
+        for pair in bias:
+            if not (len(pair) == 2 and _whole(pair[0]) and pair[0] >= 0):
+                raise ValueError(f"logit_bias maps token ids >= 0 to numbers, not {pair!r}")
+            _number("a logit_bias", pair[1], -MAX_BIAS, MAX_BIAS)
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token twice")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
-        """Whether every token is the argmax (temperature 0)."""
+        """Whether every token is the argmax (temperature 0) of the adjusted logits."""
         return self.temperature == 0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are adjusted first (a penalty or a bias)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
     def chooser(self) -> "TokenChooser":
         """A chooser for one answer."""
@@ -85,7 +110,17 @@ class Sampling:
         """This rule with a seed: its own, else one drawn from the OS (greedy: unchanged)."""
         if self.greedy or self.seed is not None:
             return self
-        return Sampling(self.temperature, self.top_p, self.top_k, secrets.randbits(63))
+        return dataclasses.replace(self, seed=secrets.randbits(63))
+
+
+def _whole(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(name: str, v: object, lo: float, hi: float) -> None:
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and lo <= v <= hi):
+        raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}], not {v!r}")
 
 
 #: the default rule: every token the argmax
@@ -99,6 +134,8 @@ class TokenChooser:
     def __init__(self, sampling: Sampling | None = None) -> None:
         self.sampling = (sampling or GREEDY).with_seed()
         self._gen: torch.Generator | None = None
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._counts: torch.Tensor | None = None    # how often each token was chosen
 
     @property
     def seed(self) -> int | None:
@@ -118,13 +155,40 @@ class TokenChooser:
         import torch
 
         s = self.sampling
+        if s.adjusts:
+            logits = self._adjusted(logits.float())
         if s.greedy:
-            return int(torch.argmax(logits))
-        probs, ids = _candidates(logits.float() / s.temperature, s.top_k, s.top_p)
-        cum = torch.cumsum(probs, 0)
-        u = torch.rand(1, generator=self._generator(cum.device), device=cum.device) * cum[-1]
-        j = min(int(torch.searchsorted(cum, u, right=True)), probs.numel() - 1)
-        return j if ids is None else int(ids[j])
+            token = int(torch.argmax(logits))
+        else:
+            probs, ids = _candidates(logits.float() / s.temperature, s.top_k, s.top_p)
+            cum = torch.cumsum(probs, 0)
+            u = torch.rand(1, generator=self._generator(cum.device), device=cum.device) * cum[-1]
+            j = min(int(torch.searchsorted(cum, u, right=True)), probs.numel() - 1)
+            token = j if ids is None else int(ids[j])
+        if self._counts is not None:
+            self._counts[token] += 1
+        return token
+
+    def _adjusted(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with the bias added and the penalties of the tokens chosen so far taken off."""
+        import torch
+
+        s = self.sampling
+        if self._bias is None:
+            ids = [t for t, _ in s.logit_bias]
+            if ids and max(ids) >= x.numel():
+                raise ValueError(f"logit_bias names token {max(ids)}; the vocabulary has "
+                                 f"{x.numel()}")
+            self._bias = (torch.tensor(ids, dtype=torch.long, device=x.device),
+                          torch.tensor([b for _, b in s.logit_bias], dtype=x.dtype,
+                                       device=x.device))
+            if s.frequency_penalty or s.presence_penalty:
+                self._counts = torch.zeros_like(x)
+        x = x.index_add(0, *self._bias) if self._bias[0].numel() else x
+        if self._counts is not None:
+            x = (x - s.frequency_penalty * self._counts
+                 - s.presence_penalty * (self._counts > 0).to(x.dtype))
+        return x
 
     def _generator(self, device: torch.device) -> torch.Generator:
         import torch

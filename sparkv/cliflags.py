@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Callable
+from typing import Any, Callable
 
 #: the ``--press`` spec: a press name, a budget (kept fraction ``0.2``, percentage ``20%`` or
 #: tokens per KV head ``256t``) and an optional question-agnostic window (docs/presses.md)
@@ -92,57 +92,40 @@ def server_url(text: str) -> str:
 
 def positive_int(text: str) -> int:
     """An integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
+    return _checked(text, float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
 def non_negative_float(text: str) -> float:
     """A finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
-    return value
+    return _checked(text, float, lambda v: 0 <= v < float("inf"), "a number >= 0")
 
 
 def non_negative_int(text: str) -> int:
     """A whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return value
+    return _checked(text, int, lambda v: v >= 0, "a whole number >= 0")
 
 
 def _in_range(lo: float, hi: float) -> Callable[[str], float]:
     """The type of a number in ``[lo, hi]``."""
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number in [{lo:g}, {hi:g}]")
-        return value
+        return _checked(text, float, lambda v: lo <= v <= hi, f"a number in [{lo:g}, {hi:g}]")
     parse.__name__ = f"number in [{lo:g}, {hi:g}]"
     return parse
+
+
+def _checked(text: str, cast: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Any:
+    """``cast(text)`` if ``ok`` holds for it; else argparse's error, ``text`` "is not" ``what``
+    (or not a number at all)."""
+    try:
+        value = cast(text)
+    except ValueError:
+        kind = "an integer" if cast is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value

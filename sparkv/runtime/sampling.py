@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Sampling", "TokenChooser", "TokenLogprobs", "Reporter", "reporting_to", "GREEDY",
-           "MAX_TEMPERATURE", "SEED_RANGE", "MAX_TOP_LOGPROBS"]
+           "MAX_TEMPERATURE", "SEED_RANGE", "MAX_TOP_LOGPROBS", "MAX_PENALTY", "MAX_BIAS"]
 
 #: the highest temperature taken (OpenAI's)
 MAX_TEMPERATURE = 2.0
@@ -101,10 +101,6 @@ class Sampling:
     def adjusts(self) -> bool:
         """Whether the logits are adjusted first (a penalty or a bias)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
-
-    def chooser(self) -> "TokenChooser":
-        """A chooser for one answer."""
-        return TokenChooser(self)
 
     def with_seed(self) -> "Sampling":
         """This rule with a seed: its own, else one drawn from the OS (greedy: unchanged)."""

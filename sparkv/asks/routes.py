@@ -69,7 +69,9 @@ def ask_request(fields: AskFields, asks: AskService, context_id: str,
         check_question(question, options.chat)       # refused here, not once admitted
     except AskError as e:
         raise DeviceError(str(e)) from None
-    check_token_ids([t for t, _ in options.logit_bias], vocab_size(asks.lm), "logit_bias's ids")
+    if options.logit_bias:
+        check_token_ids([t for t, _ in options.logit_bias], vocab_size(asks.lm),
+                        "logit_bias's ids")
     return AskRequest(server, context_id, question, fields.api_key or asks.default_api_key,
                       options, fields.share, logprobs)
 

@@ -73,6 +73,14 @@ def _forged(token: str) -> str:
     return token[:-1] + ("1" if token[-1] == "0" else "0")
 
 
+def _openai(openai, dev, app: str):
+    """The unchanged ``openai`` client asking the device service as ``app`` (on its socket),
+    and the HTTP client under it."""
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
+    return openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token(app),
+                         http_client=http, max_retries=0), http
+
+
 def _ask(world, c, name: str, question: str = "What is it about?", **fields):
     return c.ask(world["ctx"][name], question, server=world["srv"].url, api_key=world["key"],
                  **fields)
@@ -409,9 +417,7 @@ def test_a_warmed_service_makes_no_step_cost_model_or_client_inside_its_first_as
 def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world):
     openai = pytest.importorskip("openai")
     dev = world["dev"]
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
-    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("chat"),
-                       http_client=http, max_retries=0)
+    oa, http = _openai(openai, dev, "chat")
     sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
               "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
     cid, question = world["ctx"]["a"], "What is it about?"
@@ -479,9 +485,7 @@ def test_a_sampled_answer_repeats_with_its_seed_and_streams_the_tokens_it_drew(w
     drawn."""
     openai = pytest.importorskip("openai")
     dev = world["dev"]
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
-    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("sampler"),
-                       http_client=http, max_retries=0)
+    oa, http = _openai(openai, dev, "sampler")
     opts = {"strategy": "local", "stop_at_eos": False, "backend": "dense", "level": "raw"}
     sparkv = {"server": world["srv"].url, "api_key": world["key"], "keep": False, **opts}
     cid, question = world["ctx"]["c"], "What is it about?"
@@ -537,9 +541,7 @@ def test_n_choices_are_sampled_each_with_its_own_seed_and_greedy_ones_computed_o
     index); greedy, every choice is the one answer, asked once; usage counts every choice."""
     openai = pytest.importorskip("openai")
     dev = world["dev"]
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
-    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("chooser"),
-                       http_client=http, max_retries=0)
+    oa, http = _openai(openai, dev, "chooser")
     opts = {"strategy": "local", "stop_at_eos": False, "backend": "dense", "level": "raw",
             "keep": False}
     kw = dict(model=world["ctx"]["a"], max_tokens=6,
@@ -580,9 +582,7 @@ def test_logprobs_come_with_each_token_streamed_or_not_and_on_the_asks_token_eve
     /v1/asks's token events carry them; ``top_logprobs`` alone is refused."""
     openai = pytest.importorskip("openai")
     dev = world["dev"]
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
-    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("prober"),
-                       http_client=http, max_retries=0)
+    oa, http = _openai(openai, dev, "prober")
     opts = {"strategy": "local", "stop_at_eos": False, "backend": "dense", "level": "raw",
             "keep": False}
     kw = dict(model=world["ctx"]["c"], max_tokens=6, logprobs=True, top_logprobs=3,
@@ -630,9 +630,7 @@ def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(wor
     from sparkv.runtime.turns import ChatTurn, Conversation, suffix_ids
 
     dev = world["dev"]
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
-    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("chat"),
-                       http_client=http, max_retries=0)
+    oa, http = _openai(openai, dev, "chat")
     opts = {"strategy": "local", "stop_at_eos": False, "keep": False, "backend": "dense",
             "level": "raw"}
     sparkv = {"server": world["srv"].url, "api_key": world["key"], **opts}
@@ -682,9 +680,7 @@ def test_a_conversation_asked_from_memory_reuses_its_earlier_turns(world):
     from sparkv.runtime.turns import ChatTurn, Conversation
 
     dev = world["dev"]
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=GUARD_S)
-    oa = openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token("talker"),
-                       http_client=http, max_retries=0)
+    oa, http = _openai(openai, dev, "talker")
     opts = {"strategy": "local", "stop_at_eos": False, "backend": "dense", "level": "raw"}
     cid = world["ctx"]["b"]
     messages: list[dict] = [{"role": "system", "content": "Answer plainly, in a few words."}]

@@ -69,6 +69,14 @@ class Choices:
         for t in self.tickets:
             t.cancel()
 
+    def per_choice(self, done: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each choice's ``done`` event, in choice order, of the asks' ``done`` events."""
+        out: list[dict[str, Any]] = [{}] * sum(len(ix) for ix in self.indexes)
+        for event, indexes in zip(done, self.indexes):
+            for i in indexes:
+                out[i] = event
+        return out
+
 
 def _nth_seed(seed: int, i: int) -> int:
     """Choice ``i``'s seed: the request's plus ``i``, wrapped into :data:`SEED_RANGE`."""
@@ -164,9 +172,9 @@ async def answer(choices: Choices, c: Completion, request: Request, n: int) -> A
         for i in indexes:
             out[i] = {"index": i, "message": {"role": "assistant", "content": event["text"]},
                       "logprobs": c.logprob_content(tk), "finish_reason": c.finish_reason(event)}
-    per_choice = [done[k] for k, ix in enumerate(choices.indexes) for _ in ix]
     return {"id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
-            "choices": out, "usage": c.usage(per_choice), "sparkv": c.sparkv(done)}
+            "choices": out, "usage": c.usage(choices.per_choice(done)),
+            "sparkv": c.sparkv(done)}
 
 
 async def _outcome(ticket: AskTicket, request: Request,
@@ -246,9 +254,7 @@ class ChoiceStream(StreamingResponse):
                 if event["type"] == "done":
                     done[k] = event
             if include_usage:
-                finished = [d for d in done if d is not None]
-                yield _sse(c.usage_chunk([finished[k] for k, ix in enumerate(choices.indexes)
-                                          for _ in ix]))
+                yield _sse(c.usage_chunk(choices.per_choice([d for d in done if d is not None])))
             yield _sse(b"[DONE]")
         finally:
             for p in pumps:

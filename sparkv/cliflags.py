@@ -57,6 +57,37 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="sampling: the draws' seed, for a repeatable answer (default: one "
                              "drawn and reported)")
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument("--json-object", action="store_true",
+                      help="the answer is a JSON object (OpenAI's json_object response format)")
+    form.add_argument("--json-schema", type=json_schema_file, metavar="FILE", default=None,
+                      help="the answer is JSON following this JSON Schema (a file, - for "
+                           "stdin; its top level an object; docs/asks.md, 'JSON answers')")
+
+
+def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The answer's format the sampling flags give, as OpenAI's ``response_format`` (``None``:
+    any text)."""
+    if getattr(args, "json_schema", None) is not None:
+        return {"type": "json_schema", "json_schema": {"name": "cli", "schema": args.json_schema}}
+    if getattr(args, "json_object", False):
+        return {"type": "json_object"}
+    return None
+
+
+def json_schema_file(path: str) -> dict[str, Any]:
+    """A JSON Schema read from a file (``-``: stdin): a JSON object."""
+    import json
+    import sys
+
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+        schema = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"{path}: a JSON Schema is a JSON object")
+    return schema
 
 
 # ---- argparse types: a bad value is a usage error (one line, exit 2) before anything loads ----

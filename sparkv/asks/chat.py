@@ -104,7 +104,7 @@ def _question(body: ChatBody) -> str | Conversation:
 
 #: OpenAI's fields of how the answer's tokens are chosen
 _SAMPLING = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
-             "logit_bias")
+             "logit_bias", "response_format")
 
 
 def _openai_fields(body: ChatBody) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from sparkv.device.schemas import (AppId, DoneEvent, LogitBias, Penalty, PromptText,
-                                   SamplingFields, Seed, Temperature, TopP)
+                                   ResponseFormat, SamplingFields, Seed, Temperature, TopP)
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
@@ -82,7 +82,7 @@ class AskFields(SamplingFields):
         """The :class:`AskOptions` (raises ``AskError`` for a strategy or decode policy the
         edge does not know)."""
         fields = self.model_dump(include=set(AskFields.model_fields)
-                                 - {"server", "api_key", "share"})
+                                 - {"server", "api_key", "share", "response_format"})
         return AskOptions(max_new_tokens=max_new_tokens, **{**fields, **self.sampling_fields()})
 
 
@@ -144,12 +144,6 @@ class ChatMessage(BaseModel):
 
 
 
-class _TextFormat(BaseModel):
-    """``response_format``: plain text only (no JSON mode)."""
-
-    type: Literal["text"]
-
-
 class _StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -184,9 +178,10 @@ class ChatBody(BaseModel):
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = Field(default=None, description=(
+        "text, json_object or json_schema (docs/asks.md, 'JSON answers')"))
     # what stock clients send at their no-op values: taken at those, any other is a 422 naming
-    # the field (no tools or JSON mode here)
-    response_format: _TextFormat | None = None
+    # the field (no tools here)
     tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: StrictBool | None = None

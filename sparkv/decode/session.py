@@ -476,14 +476,14 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
                        probe=probe, **overrides) as s:
         logits = s.prefill(question_ids)
         prefill_s = time.perf_counter() - start
-        choose = TokenChooser(sampling)
+        choose = TokenChooser.of_model(lm, sampling)
         token = choose(logits)
         first_s = time.perf_counter() - start
         tokens = [token]
         eos = eos_ids(lm)
         stops = StopStrings(stop)
         while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
-               and not stops.hit(lm, tokens)):
+               and not stops.hit(lm, tokens) and not choose.finished):
             token = choose(s.feed([token]))
             tokens.append(token)
         last = time.perf_counter()

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool
 
 from sparkv.device.identity import APP_ID_PATTERN
 from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
 from sparkv.rest.fields import JSON_INT, at_most_one_of, one_of
+from sparkv.runtime.jsonform import FormError, JsonForm
 from sparkv.runtime.sampling import (MAX_BIAS, MAX_PENALTY, MAX_TEMPERATURE, SEED_RANGE,
                                      Sampling)
 
@@ -24,6 +25,7 @@ __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "Serv
            "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
            "CallReply", "DoneEvent", "ShareBody", "AppId", "PromptText", "SamplingFields",
            "Temperature", "TopP", "TopK", "Seed", "Penalty", "LogitBias",
+           "ResponseFormat",
            "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -68,6 +70,60 @@ LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                       Field(max_length=1024)]
 
 
+class TextFormat(BaseModel):
+    """``response_format`` ``{"type": "text"}``: any text (the default)."""
+
+    type: Literal["text"]
+
+    def form(self) -> JsonForm | None:
+        return None
+
+
+class JsonObjectFormat(BaseModel):
+    """``{"type": "json_object"}``: the answer is a JSON object (OpenAI's JSON mode)."""
+
+    type: Literal["json_object"]
+
+    def form(self) -> JsonForm | None:
+        return JsonForm.any_object()
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's ``json_schema``: a name and the schema the answer follows."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str, Field(max_length=4096)] | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description=(
+        "a JSON Schema whose top level is an object (docs/asks.md, 'JSON answers')"))
+    strict: StrictBool | None = Field(default=None, description=(
+        "taken at either value: the answer always follows the schema"))
+
+
+class JsonSchemaFormat(BaseModel):
+    """``{"type": "json_schema", "json_schema": {...}}``: the answer is a JSON value of the
+    schema (OpenAI's structured outputs), checked when the request is read."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+    _form: JsonForm | None = PrivateAttr(default=None)
+
+    def model_post_init(self, context: Any) -> None:
+        try:
+            self._form = JsonForm.from_schema(self.json_schema.schema_, self.json_schema.name)
+        except FormError as e:
+            raise ValueError(str(e)) from None
+
+    def form(self) -> JsonForm | None:
+        return self._form
+
+
+#: OpenAI's ``response_format``: what the answer's text must be
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                           Field(discriminator="type")]
+
+
 # ---- requests ------------------------------------------------------------------------------------
 class SamplingFields(BaseModel):
     """How an answer's tokens are chosen (defaults: greedy; docs/asks.md, "Sampling")."""
@@ -83,11 +139,16 @@ class SamplingFields(BaseModel):
         "taken off a token's logit once the answer holds it"))
     logit_bias: LogitBias = Field(default_factory=dict, description=(
         "token id -> bias added to its logit (-100: never)"))
+    response_format: ResponseFormat | None = Field(default=None, description=(
+        "text (the default), json_object or json_schema: the answer is always that JSON "
+        "(docs/asks.md, 'JSON answers')"))
 
     def sampling_fields(self) -> dict[str, Any]:
-        """The :class:`Sampling` fields (``logit_bias`` keyed by token id)."""
-        out = self.model_dump(include=set(SamplingFields.model_fields))
+        """The :class:`Sampling` fields (``logit_bias`` keyed by token id, ``form`` compiled
+        from ``response_format``)."""
+        out = self.model_dump(include=set(SamplingFields.model_fields) - {"response_format"})
         out["logit_bias"] = tuple((int(k), v) for k, v in self.logit_bias.items())
+        out["form"] = self.response_format.form() if self.response_format else None
         return out
 
     def sampling(self) -> Sampling:

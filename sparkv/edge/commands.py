@@ -168,7 +168,7 @@ def check_ask_args(args: argparse.Namespace) -> str | None:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from sparkv.edge.options import AskOptions
+    from sparkv.edge.options import AskOptions, answer_form
     from sparkv.edge.session import EdgeSession
     from sparkv.runtime.heap import owns_process, settle
     from sparkv.runtime.model import cache_dir
@@ -182,8 +182,8 @@ def _ask(args: argparse.Namespace) -> int:
                          ram_budget=args.decode_budget, keep=args.keep,
                          prelude=False if args.no_prelude else None,
                          ask_deadline_s=args.ask_deadline_s, temperature=args.temperature,
-                         top_p=args.top_p, top_k=args.top_k,
-                         seed=args.seed)   # a bad --decode or --seed fails here too
+                         top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                         form=answer_form(args))   # a bad --decode or --seed fails here too
     with api_key_hint(), EdgeSession.connect(
             args.server, args.api_key, args.model, shaper=shaper, cache_dir=cache,
             limits=limits, device=args.device, dtype=args.dtype) as session:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from sparkv.edge.engine import EngineConfig
 from sparkv.edge.planning import AUTO_FLOOR, PRELUDE_STRATEGIES, STRATEGIES, AskError
 from sparkv.runtime.attention import BACKENDS, AttentionBackend
+from sparkv.runtime.jsonform import JsonForm
 from sparkv.runtime.sampling import Sampling
 from sparkv.scheduler.controller import ControllerConfig
 
@@ -117,6 +118,11 @@ class AskOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """``(token id, bias)`` pairs (or a dict) added to those tokens' logits (-100..100)."""
 
+    form: JsonForm | None = None
+    """The JSON the answer must be (OpenAI's ``response_format``; ``None``: any text): every
+    token is chosen among those that keep the answer a prefix of such a value
+    (:mod:`sparkv.runtime.jsonform`)."""
+
     stop: tuple[str, ...] = ()
     """Stop strings (OpenAI's ``stop``; a lone string is one stop string): at most
     :data:`~sparkv.runtime.stops.MAX_STOPS`, each at most
@@ -187,7 +193,8 @@ class AskOptions:
         """How the answer's tokens are chosen (:attr:`temperature`, :attr:`top_p`,
         :attr:`top_k`, :attr:`seed`, the penalties and :attr:`logit_bias`)."""
         return Sampling(self.temperature, self.top_p, self.top_k, self.seed,
-                        self.frequency_penalty, self.presence_penalty, self.logit_bias)
+                        self.frequency_penalty, self.presence_penalty, self.logit_bias,
+                        self.form)
 
     def seeded(self) -> AskOptions:
         """These options with a seed when they sample without one (drawn from the OS, so the
@@ -230,3 +237,17 @@ class AskOptions:
             raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: "
                             f"not fields of {cls.__name__}")
         return dataclasses.replace(options, **overrides) if overrides else options
+
+
+def answer_form(args: Any) -> JsonForm | None:
+    """The JSON form ``--json-object`` or ``--json-schema`` asks for (``None``: any text);
+    :class:`AskError` for a schema the automaton cannot enforce."""
+    from sparkv.runtime.jsonform import FormError
+
+    if getattr(args, "json_schema", None) is not None:
+        try:
+            return JsonForm.from_schema(args.json_schema, "cli")
+        except FormError as e:
+            raise AskError(f"--json-schema: {e}") from None
+    return JsonForm.any_object() if getattr(args, "json_object", False) else None
+

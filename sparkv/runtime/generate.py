@@ -109,7 +109,7 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
     done = False
     try:
         res = _decode(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start,
-                      StopStrings(stop), TokenChooser(sampling))
+                      StopStrings(stop), TokenChooser.of_model(lm, sampling))
         done = True
         return res
     finally:
@@ -135,7 +135,7 @@ def _decode(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[
     eos = eos_ids(lm)
     cur = n + ids.shape[1]
     while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
-           and not stops.hit(lm, tokens)):
+           and not stops.hit(lm, tokens) and not choose.finished):
         token = choose(decode_step(lm, DecodeItem(cache, token, cur)))
         tokens.append(token)
         cur += 1

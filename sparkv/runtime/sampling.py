@@ -32,8 +32,13 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from sparkv.runtime.jsonform import JsonForm
+
 if TYPE_CHECKING:
     import torch
+
+    from sparkv.runtime.guided import FormGuide, TokenBytes
+    from sparkv.runtime.model import LoadedModel
 
 __all__ = ["Sampling", "TokenChooser", "TokenLogprobs", "Reporter", "reporting_to", "GREEDY",
            "MAX_TEMPERATURE", "SEED_RANGE", "MAX_TOP_LOGPROBS", "MAX_PENALTY", "MAX_BIAS"]
@@ -71,6 +76,9 @@ class Sampling:
     """Subtracted from a token's logit once the answer holds it (-2..2)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """``(token id, bias)``: added to those tokens' logits (-100..100; -100 bans one)."""
+    form: JsonForm | None = None
+    """The JSON the answer must be (OpenAI's ``response_format``: :mod:`sparkv.runtime.jsonform`);
+    ``None``: any text."""
 
     def __post_init__(self) -> None:
         _number("temperature", self.temperature, 0, MAX_TEMPERATURE)
@@ -127,11 +135,31 @@ class TokenChooser:
     """Chooses one answer's tokens, each from its position's logits ``[vocab]``, and reports
     each to the thread's callback (:func:`reporting_to`)."""
 
-    def __init__(self, sampling: Sampling | None = None) -> None:
+    def __init__(self, sampling: Sampling | None = None, vocab: TokenBytes | None = None
+                 ) -> None:
         self.sampling = (sampling or GREEDY).with_seed()
         self._gen: torch.Generator | None = None
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
         self._counts: torch.Tensor | None = None    # how often each token was chosen
+        self._guide: FormGuide | None = None
+        #: whether the answer's form ended it (its value whole, or no token could go on): the
+        #: generation stops, whatever the model's end-of-sequence ids
+        self.finished = False
+        if self.sampling.form is not None:
+            from sparkv.runtime.guided import FormGuide
+
+            if vocab is None:
+                raise ValueError("an answer's JSON form needs the vocabulary's token texts")
+            self._guide = FormGuide(self.sampling.form, vocab)
+
+    @classmethod
+    def of_model(cls, lm: LoadedModel, sampling: Sampling | None = None) -> "TokenChooser":
+        """A chooser for ``lm``'s answers (with its vocabulary when the rule has a form)."""
+        if sampling is not None and sampling.form is not None:
+            from sparkv.runtime.guided import vocabulary
+
+            return cls(sampling, vocabulary(lm))
+        return cls(sampling)
 
     @property
     def seed(self) -> int | None:
@@ -148,22 +176,52 @@ class TokenChooser:
         return token
 
     def _choose(self, logits: torch.Tensor) -> int:
-        import torch
-
-        s = self.sampling
-        if s.adjusts:
+        if self.sampling.adjusts:
             logits = self._adjusted(logits.float())
-        if s.greedy:
-            token = int(torch.argmax(logits))
+        guide = self._guide
+        if guide is None:
+            token = self._pick(logits)
         else:
-            probs, ids = _candidates(logits.float() / s.temperature, s.top_k, s.top_p)
-            cum = torch.cumsum(probs, 0)
-            u = torch.rand(1, generator=self._generator(cum.device), device=cum.device) * cum[-1]
-            j = min(int(torch.searchsorted(cum, u, right=True)), probs.numel() - 1)
-            token = j if ids is None else int(ids[j])
+            token = guide.vocab.eos[0] if guide.whole else self._fitting(guide, logits)
+            guide.advance(token)
+            self.finished = token in guide.vocab.eos
         if self._counts is not None:
             self._counts[token] += 1
         return token
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        """The argmax (greedy), else a draw by the rule."""
+        import torch
+
+        s = self.sampling
+        if s.greedy:
+            return int(torch.argmax(logits))
+        probs, ids = _candidates(logits.float() / s.temperature, s.top_k, s.top_p)
+        cum = torch.cumsum(probs, 0)
+        u = torch.rand(1, generator=self._generator(cum.device), device=cum.device) * cum[-1]
+        j = min(int(torch.searchsorted(cum, u, right=True)), probs.numel() - 1)
+        return j if ids is None else int(ids[j])
+
+    def _fitting(self, guide: FormGuide, logits: torch.Tensor) -> int:
+        """The token the rule chooses among those whose whole text fits the form: chosen from
+        the tokens whose first byte fits, each that does not fit whole ruled out in turn (after
+        :data:`_TRIES`, every candidate is tried at once); end-of-sequence if none fits."""
+        import torch
+
+        x = guide.mask(logits.float())
+        for _ in range(_TRIES):
+            token = self._pick(x)
+            if not math.isfinite(float(x[token])):
+                return guide.vocab.eos[0]          # no token can go on: the form's dead end
+            if guide.fits(token):
+                return token
+            x[token] = float("-inf")
+        fit = [t for t in guide.fitting() if t < x.numel()]
+        if not fit:
+            return guide.vocab.eos[0]
+        keep = torch.full_like(x, float("-inf"))
+        keep[fit] = 0.0
+        return self._pick(x + keep)
 
     def _adjusted(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with the bias added and the penalties of the tokens chosen so far taken off."""
@@ -195,6 +253,9 @@ class TokenChooser:
             self._gen = torch.Generator(device=device).manual_seed(seed)
         return self._gen
 
+
+#: how many chosen tokens may fail a form before every candidate is tried
+_TRIES = 8
 
 #: the first candidate set a nucleus is looked for in (grown 8x while it is not reached)
 _FIRST_CANDIDATES = 64

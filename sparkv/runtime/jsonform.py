@@ -1,0 +1,480 @@
+"""The JSON an answer must be (OpenAI's ``response_format``), as a byte-level automaton.
+
+A :class:`JsonForm` is compiled once per request: :meth:`JsonForm.any_object` (``json_object``:
+any JSON object) or :meth:`JsonForm.from_schema` (``json_schema``: a JSON Schema, the part
+structured outputs use). Its automaton reads an answer's bytes one at a time:
+:meth:`JsonForm.start` is the state before the first, :func:`step` the state after a byte
+(``None``: no text of the form begins so), :func:`complete` whether the text so far is a whole
+value. A state is an immutable tuple, so a chooser tries a token's bytes from one state without
+copying it (:mod:`sparkv.runtime.guided`).
+
+What a schema's text is:
+
+* an object has every property its schema lists, in the schema's order, and no other (what a
+  strict schema asks for; ``required`` names a subset of them, and every property present
+  satisfies it); an object schema with no ``properties`` takes any keys and values;
+* an array's items each match ``items`` (any value without it), between ``minItems`` and
+  ``maxItems``;
+* a string is any JSON string (escapes checked, UTF-8 checked) of ``minLength`` to ``maxLength``
+  characters;
+* ``integer`` has no fraction or exponent; ``number`` is a JSON number of at most
+  :data:`MAX_NUMBER_BYTES` bytes and a two-digit exponent (so every number is a finite double);
+* ``enum`` and ``const`` are their values' compact JSON texts; ``boolean`` and ``null`` theirs;
+* ``type`` as a list, ``anyOf`` and ``oneOf`` choose a branch at the value's first byte, so their
+  branches must begin differently (an object and a string, say; two objects do not).
+
+Keywords that only annotate (``title``, ``description``, ``$schema``, ``default``, ...) are
+ignored; any other (``pattern``, ``format``, ``minimum``, ``$ref``, ...) is a :class:`FormError`
+naming it, never a constraint silently dropped. Whitespace between tokens of the JSON text is
+allowed, at most :data:`MAX_WHITESPACE` bytes in a row (a model may otherwise emit newlines
+until its token cap).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["JsonForm", "FormError", "State", "step", "feed", "complete", "first_bytes",
+           "MAX_WHITESPACE", "MAX_NUMBER_BYTES", "MAX_SCHEMA_NODES", "MAX_SCHEMA_DEPTH"]
+
+#: the most whitespace bytes in a row outside strings
+MAX_WHITESPACE = 16
+#: the longest number's text
+MAX_NUMBER_BYTES = 32
+#: the most subschemas one schema holds, and how deep they nest
+MAX_SCHEMA_NODES = 512
+MAX_SCHEMA_DEPTH = 16
+
+
+class FormError(ValueError):
+    """A schema this automaton cannot enforce (or no schema at all)."""
+
+
+# ---- the compiled schema: one node per subschema -------------------------------------------------
+class _Node:
+    """A subschema; ``first``: the bytes its value's text may begin with."""
+
+    first: frozenset[int] = frozenset()
+
+
+@dataclass(eq=False)
+class _Any(_Node):
+    first = frozenset(b'{["-0123456789tfn')
+
+
+@dataclass(eq=False)
+class _Object(_Node):
+    props: tuple[tuple[bytes, _Node], ...] | None   # None: any keys and values
+    first = frozenset(b"{")
+
+
+@dataclass(eq=False)
+class _Array(_Node):
+    items: _Node
+    min_items: int = 0
+    max_items: Optional[int] = None
+    first = frozenset(b"[")
+
+
+@dataclass(eq=False)
+class _String(_Node):
+    min_len: int = 0
+    max_len: Optional[int] = None
+    first = frozenset(b'"')
+
+
+@dataclass(eq=False)
+class _Number(_Node):
+    integer: bool = False
+    first = frozenset(b"-0123456789")
+
+
+@dataclass(eq=False)
+class _Literal(_Node):
+    texts: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        self.first = frozenset(t[0] for t in self.texts)
+
+
+@dataclass(eq=False)
+class _Union(_Node):
+    branches: tuple[_Node, ...]
+
+    def __post_init__(self) -> None:
+        self.first = frozenset().union(*(b.first for b in self.branches))
+
+    def branch(self, byte: int) -> _Node | None:
+        return next((b for b in self.branches if byte in b.first), None)
+
+
+_ANY = _Any()
+_ANY_STRING = _String()
+_ANY_OBJECT = _Object(None)
+_ANY_ARRAY = _Array(_ANY)
+_ANY_NUMBER = _Number()
+_TRUE_FALSE_NULL = _Literal((b"true", b"false", b"null"))
+#: what a value of any kind is, by its first byte
+_BY_FIRST = {ord("{"): _ANY_OBJECT, ord("["): _ANY_ARRAY, ord('"'): _ANY_STRING,
+             ord("t"): _TRUE_FALSE_NULL, ord("f"): _TRUE_FALSE_NULL, ord("n"): _TRUE_FALSE_NULL}
+
+#: keywords that say nothing of the text
+_ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default",
+                          "examples", "deprecated", "readOnly", "writeOnly"})
+#: the keywords each type takes, besides the annotations
+_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
+             "array": {"items", "minItems", "maxItems"},
+             "string": {"minLength", "maxLength"}, "number": set(), "integer": set(),
+             "boolean": set(), "null": set()}
+
+
+# ---- compiling a schema ---------------------------------------------------------------------------
+class _Compiler:
+    def __init__(self) -> None:
+        self.nodes = 0
+
+    def node(self, schema: Any, where: str, depth: int) -> _Node:
+        self.nodes += 1
+        if self.nodes > MAX_SCHEMA_NODES or depth > MAX_SCHEMA_DEPTH:
+            raise FormError(f"the schema is too large (at most {MAX_SCHEMA_NODES} subschemas, "
+                            f"{MAX_SCHEMA_DEPTH} deep)")
+        if schema is True or schema == {}:
+            return _ANY
+        if not isinstance(schema, dict):
+            raise FormError(f"{where}: a schema is an object, not {type(schema).__name__}")
+        if "const" in schema or "enum" in schema:
+            return self._literals(schema, where)
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return self._union(schema, key, where, depth)
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return self._types(schema, kind, where, depth)
+        if kind is None:
+            self._only(schema, set(), where)
+            return _ANY
+        return self._typed(schema, kind, where, depth)
+
+    def _typed(self, schema: dict, kind: Any, where: str, depth: int) -> _Node:
+        if kind not in _KEYWORDS:
+            raise FormError(f"{where}: type {kind!r} is not a JSON Schema type")
+        self._only(schema, _KEYWORDS[kind] | {"type"}, where)
+        if kind == "object":
+            return self._object(schema, where, depth)
+        if kind == "array":
+            items = self.node(schema.get("items", True), f"{where}.items", depth + 1)
+            lo, hi = _bounds(schema, "minItems", "maxItems", where)
+            return _Array(items, lo, hi)
+        if kind == "string":
+            return _String(*_bounds(schema, "minLength", "maxLength", where))
+        if kind in ("number", "integer"):
+            return _Number(integer=kind == "integer")
+        return _Literal((b"true", b"false") if kind == "boolean" else (b"null",))
+
+    def _types(self, schema: dict, kinds: list, where: str, depth: int) -> _Node:
+        """``type`` as a list: a branch per type, each with its own keywords."""
+        bad = [k for k in kinds if k not in _KEYWORDS]
+        if bad or not kinds:
+            raise FormError(f"{where}: type {bad[0] if bad else kinds!r} is not a JSON Schema "
+                            "type")
+        self._only(schema, set().union(*(_KEYWORDS[k] for k in kinds)) | {"type"}, where)
+        return self._branches([self._typed({k: v for k, v in schema.items()
+                                            if k in _KEYWORDS[t] or k in _ANNOTATIONS},
+                                           t, where, depth) for t in kinds], where)
+
+    def _object(self, schema: dict, where: str, depth: int) -> _Node:
+        props = schema.get("properties")
+        if props is None:
+            return _Object(None)
+        if not isinstance(props, dict):
+            raise FormError(f"{where}.properties: an object of schemas")
+        required = schema.get("required", [])
+        missing = [r for r in required if r not in props] if isinstance(required, list) else [0]
+        if missing:
+            raise FormError(f"{where}.required names {missing[0]!r}, not among its properties")
+        return _Object(tuple((_key_text(k), self.node(v, f"{where}.{k}", depth + 1))
+                             for k, v in props.items()))
+
+    def _literals(self, schema: dict, where: str) -> _Node:
+        self._only(schema, {"const", "enum", "type"}, where)
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise FormError(f"{where}.enum: a non-empty list of values")
+        texts = tuple(dict.fromkeys(json.dumps(v, separators=(",", ":"), ensure_ascii=False)
+                                    .encode() for v in values))
+        return _Literal(texts)
+
+    def _union(self, schema: dict, key: str, where: str, depth: int) -> _Node:
+        self._only(schema, {key}, where)
+        options = schema[key]
+        if not isinstance(options, list) or not options:
+            raise FormError(f"{where}.{key}: a non-empty list of schemas")
+        return self._branches([self.node(s, f"{where}.{key}[{i}]", depth + 1)
+                               for i, s in enumerate(options)], where)
+
+    @staticmethod
+    def _branches(nodes: list[_Node], where: str) -> _Node:
+        for i, a in enumerate(nodes):
+            for b in nodes[i + 1:]:
+                if a.first & b.first:
+                    raise FormError(f"{where}: two branches' values begin with the same byte "
+                                    f"({chr(min(a.first & b.first))!r}); the choice must be "
+                                    "made at the first byte (an object and a string, say)")
+        return nodes[0] if len(nodes) == 1 else _Union(tuple(nodes))
+
+    @staticmethod
+    def _only(schema: dict, allowed: set[str], where: str) -> None:
+        extra = sorted(set(schema) - allowed - _ANNOTATIONS)
+        if extra:
+            raise FormError(f"{where}: {extra[0]!r} is not supported here (a schema may use "
+                            "type, properties, required, additionalProperties, items, "
+                            "minItems, maxItems, minLength, maxLength, enum, const, anyOf, "
+                            "oneOf)")
+
+
+def _count(schema: dict, key: str, where: str) -> int | None:
+    v = schema.get(key)
+    if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31):
+        raise FormError(f"{where}.{key}: a whole number >= 0, not {v!r}")
+    return v
+
+
+def _bounds(schema: dict, low: str, high: str, where: str) -> tuple[int, int | None]:
+    lo, hi = _count(schema, low, where) or 0, _count(schema, high, where)
+    if hi is not None and lo > hi:
+        raise FormError(f"{where}: {low} {lo} is above {high} {hi}: no value has both")
+    return lo, hi
+
+
+def _key_text(key: str) -> bytes:
+    return json.dumps(key, ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True, eq=False)
+class JsonForm:
+    """What an answer's text must be: a JSON value of :attr:`root`'s schema (an object)."""
+
+    root: _Node
+    name: str = "json_object"
+
+    @classmethod
+    def any_object(cls) -> "JsonForm":
+        """OpenAI's ``json_object``: any JSON object."""
+        return cls(_Object(None))
+
+    @classmethod
+    def from_schema(cls, schema: Any, name: str = "schema") -> "JsonForm":
+        """OpenAI's ``json_schema``: a value of ``schema``, whose top level is an object
+        (:class:`FormError` for what the automaton cannot enforce)."""
+        root = _Compiler().node(schema, "schema", 0)
+        if not isinstance(root, _Object):
+            raise FormError("schema: the top level must be an object schema "
+                            "({'type': 'object', ...}), as OpenAI's structured outputs ask")
+        return cls(root, name)
+
+    def start(self) -> "State":
+        """The state before the answer's first byte."""
+        return ((("V", self.root),), 0)
+
+
+# ---- the automaton ---------------------------------------------------------------------------------
+#: ``(stack of frames, whitespace bytes in a row)``; a frame is a tuple, its kind first
+State = tuple[tuple[tuple, ...], int]
+
+_WS = frozenset(b" \t\n\r")
+_DIGITS = frozenset(b"0123456789")
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+#: frames where whitespace may come (before a value, around punctuation)
+_BETWEEN = frozenset({"V", "O0", "OK", "OC", "OA", "PK", "PC", "PA", "PE", "A0", "A1"})
+
+
+def step(state: State, byte: int) -> State | None:
+    """The state after ``byte``; ``None`` if no text of the form goes on with it."""
+    stack, ws = state
+    while stack:
+        top = stack[-1]
+        if byte in _WS and top[0] in _BETWEEN:
+            return (stack, ws + 1) if ws < MAX_WHITESPACE else None
+        out = _HANDLERS[top[0]](top, byte)
+        if out is None:
+            return None
+        frames, consumed = out
+        stack = stack[:-1] + frames
+        if consumed:
+            return stack, 0
+    return None                                   # the value is whole: nothing may follow
+
+
+def feed(state: State | None, data: bytes) -> State | None:
+    """The state after ``data`` (``None`` as soon as a byte does not fit)."""
+    for b in data:
+        if state is None:
+            return None
+        state = step(state, b)
+    return state
+
+
+def complete(state: State) -> bool:
+    """Whether the text so far is a whole value."""
+    return not state[0]
+
+
+def first_bytes(state: State) -> list[bool]:
+    """For each byte value, whether the text may go on with it."""
+    return [step(state, b) is not None for b in range(256)]
+
+
+def _value(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    node = top[1]
+    if isinstance(node, _Union):
+        node = node.branch(byte)
+        if node is None:
+            return None
+    if byte not in node.first:
+        return None
+    if isinstance(node, _Any):
+        node = _BY_FIRST.get(byte, _ANY_NUMBER)
+    if isinstance(node, _Object):
+        if node.props is None:
+            return (("O0", node),), True
+        return ((("PK", node, 0),) if node.props else (("PE", node),)), True
+    if isinstance(node, _Array):
+        return (("A0", node),), True
+    if isinstance(node, _String):
+        return (("S", node, 0, 0, 0),), True
+    if isinstance(node, _Number):
+        return (("N", node, 0, 0),), False
+    return (("L", node.texts, 0),), False
+
+
+def _free_object(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    kind, node = top[0], top[1]
+    if kind == "O0" and byte == ord("}"):
+        return (), True
+    if kind in ("O0", "OK") and byte == ord('"'):
+        return (("OC", node), ("S", _ANY_STRING, 0, 0, 0)), True
+    if kind == "OC" and byte == ord(":"):
+        return (("OA", node), ("V", _ANY)), True
+    if kind == "OA" and byte == ord(","):
+        return (("OK", node),), True
+    if kind == "OA" and byte == ord("}"):
+        return (), True
+    return None
+
+
+def _schema_object(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    kind, node = top[0], top[1]
+    if kind == "PE":
+        return ((), True) if byte == ord("}") else None
+    i = top[2]
+    if kind == "PK":
+        key = node.props[i][0]
+        return ((("PC", node, i), ("L", (key,), 1)), True) if byte == key[0] else None
+    if kind == "PC":
+        return ((("PA", node, i), ("V", node.props[i][1])), True) if byte == ord(":") else None
+    last = i + 1 == len(node.props)
+    if byte == ord(",") and not last:
+        return (("PK", node, i + 1),), True
+    if byte == ord("}") and last:
+        return (), True
+    return None
+
+
+def _array(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    kind, node = top[0], top[1]
+    count = top[2] if kind == "A1" else 0
+    hi = node.max_items
+    if byte == ord("]"):
+        return ((), True) if count >= node.min_items else None
+    if kind == "A1":
+        if byte == ord(",") and (hi is None or count < hi):
+            return (("A1", node, count + 1), ("V", node.items)), True
+        return None
+    if (hi is None or hi > 0) and byte in node.items.first:
+        return (("A1", node, 1), ("V", node.items)), False
+    return None
+
+
+def _string(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    _, node, chars, escape, utf8 = top
+    if utf8:                                      # inside a multi-byte character
+        more, lo, hi = utf8
+        if not lo <= byte <= hi:
+            return None
+        return (("S", node, chars + (more == 1), 0, (more - 1, 0x80, 0xBF) if more > 1 else 0),
+                ), True
+    if escape:                                    # after a backslash, or in \uXXXX
+        if escape == 1:
+            if byte == ord("u"):
+                return (("S", node, chars, 5, 0),), True
+            return ((("S", node, chars + 1, 0, 0),), True) if byte in _ESCAPES else None
+        if byte not in _HEX:
+            return None
+        return (("S", node, chars + (escape == 2), escape - 1 if escape > 2 else 0, 0),), True
+    if byte == ord('"'):
+        return ((), True) if chars >= node.min_len else None
+    if byte < 0x20 or (node.max_len is not None and chars >= node.max_len):
+        return None
+    if byte == ord("\\"):
+        return (("S", node, chars, 1, 0),), True
+    if byte < 0x80:
+        return (("S", node, chars + 1, 0, 0),), True
+    lead = _UTF8_LEADS.get(byte)
+    return ((("S", node, chars, 0, lead),), True) if lead else None
+
+
+def _utf8_leads() -> dict[int, tuple[int, int, int]]:
+    """A UTF-8 lead byte -> (continuation bytes, the first one's range): no overlong form, no
+    surrogate, nothing past U+10FFFF."""
+    leads = {b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}
+    leads.update({b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)})
+    leads.update({b: (3, 0x80, 0xBF) for b in range(0xF1, 0xF4)})
+    leads.update({0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF),
+                  0xF4: (3, 0x80, 0x8F)})
+    return leads
+
+
+_UTF8_LEADS = _utf8_leads()
+
+
+#: a number's phases: what may come next, and whether the text so far is a whole number
+#: (``#``: a digit, and ``0`` at a number's first digit; ``E``: ``e`` or ``E``)
+_NUMBER_NEXT = {0: {"-": 1, "0": 2, "#": 3}, 1: {"0": 2, "#": 3}, 2: {".": 4, "E": 6},
+                3: {"#": 3, ".": 4, "E": 6}, 4: {"#": 5}, 5: {"#": 5, "E": 6},
+                6: {"+": 7, "-": 7, "#": 8, "0": 8}, 7: {"#": 8, "0": 8}, 8: {"#": 9, "0": 9},
+                9: {}}
+_NUMBER_WHOLE = frozenset({2, 3, 5, 8, 9})
+
+
+def _number(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    _, node, phase, length = top
+    c = chr(byte)
+    sym = ("#" if byte in _DIGITS and not (c == "0" and phase in (0, 1, 6, 7, 8))
+           else "E" if c in "eE" else c if c in "-+.0" else "")
+    nxt = _NUMBER_NEXT[phase].get(sym)
+    if nxt is not None and node.integer and sym in (".", "E"):
+        nxt = None
+    if nxt is not None and (length < MAX_NUMBER_BYTES or phase not in _NUMBER_WHOLE):
+        return (("N", node, nxt, length + 1),), True
+    return ((), False) if phase in _NUMBER_WHOLE else None
+
+
+def _literal(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    _, texts, pos = top
+    going = tuple(t for t in texts if len(t) > pos and t[pos] == byte)
+    if going:
+        if all(len(t) == pos + 1 for t in going):
+            return (), True                       # one text matched whole, none goes on
+        return (("L", going, pos + 1),), True
+    if any(len(t) == pos for t in texts):
+        return (), False                          # a text ended here; the byte is the parent's
+    return None
+
+
+_HANDLERS = {"V": _value, "O0": _free_object, "OK": _free_object, "OC": _free_object,
+             "OA": _free_object, "PK": _schema_object, "PC": _schema_object,
+             "PA": _schema_object, "PE": _schema_object, "A0": _array, "A1": _array,
+             "S": _string, "N": _number, "L": _literal}

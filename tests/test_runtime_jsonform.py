@@ -1,0 +1,293 @@
+"""JSON answers (sparkv.runtime.jsonform, sparkv.runtime.guided): the automaton takes every JSON
+text of its form whole and goes on from each of its prefixes; every text it takes whole is a
+value of the schema (a JSON Schema validator says so) and no reachable state is a dead end;
+schemas it cannot enforce are refused by name; the chooser picks, greedy or sampled, only tokens
+whose whole text fits, and end-of-sequence once the value is whole, in every generation path."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparkv.runtime.guided import FormGuide, TokenBytes, bytes_of_pieces
+from sparkv.runtime.jsonform import (MAX_NUMBER_BYTES, MAX_WHITESPACE, FormError, JsonForm,
+                                     complete, feed, first_bytes, step)
+from sparkv.runtime.sampling import Sampling, TokenChooser
+
+_SCALARS = (st.none() | st.booleans() | st.integers(-10**12, 10**12)
+            | st.floats(allow_nan=False, allow_infinity=False).filter(
+                lambda f: f == 0 or 1e-99 < abs(f) < 1e99)      # a two-digit exponent
+            | st.text(max_size=8))
+_VALUES = st.recursive(_SCALARS, lambda c: st.lists(c, max_size=4)
+                       | st.dictionaries(st.text(max_size=5), c, max_size=4), max_leaves=10)
+
+
+def _whole(form: JsonForm, text: bytes) -> bool:
+    """Whether ``text`` is taken byte by byte, never whole before its end, and whole at it."""
+    s = form.start()
+    for b in text:
+        if complete(s):
+            return False
+        s = step(s, b)
+        if s is None:
+            return False
+    return complete(s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=6), _VALUES, max_size=4), st.sampled_from([None, 1]),
+       st.booleans())
+def test_every_json_object_is_taken_whole_and_no_prefix_of_it_ends_early(obj, indent, ascii):
+    assert _whole(JsonForm.any_object(), json.dumps(obj, indent=indent,
+                                                    ensure_ascii=ascii).encode())
+
+
+@pytest.mark.parametrize("text", [
+    b"[]", b"1", b'"a"', b'{"a" 1}', b'{"a":01}', b'{"a":1,}', b'{"a":tru}', b'{"a":"\x01"}',
+    b"{}x", b'{"a":1.}', b'{"a":"\\x"}', b'{"a":"\\u12G4"}', b'{"a":"\xff"}', b'{"a":"\xc3"}',
+    b'{"a":-}', b'{"a":1e}', b'{"a":1e100}', b'{"a":1e-0001}', b"{" + b" " * (MAX_WHITESPACE + 1) + b"}", b"{'a':1}",
+    b'{"a":' + b"1" * (MAX_NUMBER_BYTES + 1) + b"}"])
+def test_what_is_no_json_object_is_never_taken_whole(text):
+    assert not _whole(JsonForm.any_object(), text)
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {
+              "name": {"type": "string", "minLength": 1, "maxLength": 5},
+              "age": {"type": "integer", "description": "years"},
+              "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "minItems": 1,
+                       "maxItems": 2},
+              "nick": {"type": ["string", "null"], "maxLength": 3},
+              "where": {"type": "object", "properties": {"x": {"type": "number"},
+                                                         "ok": {"type": "boolean"}}},
+              "kind": {"const": 'a"b'}, "any": {}, "nothing": {"type": "null"}}}
+UNION = {"type": "object", "properties": {"v": {"anyOf": [
+    {"type": "string", "minLength": 2}, {"type": "array", "items": {"type": "integer"}},
+    {"type": "null"}, {"enum": [1, 10, 100]}]}}}
+EMPTY = {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize("schema", [PERSON, UNION, EMPTY, {"type": "object"}])
+def test_a_random_walk_never_dead_ends_and_every_whole_text_is_a_value_of_the_schema(schema):
+    rs = pytest.importorskip("jsonschema_rs")
+    form, rng, whole = JsonForm.from_schema(schema), random.Random(7), 0
+    for _ in range(150):
+        s, out = form.start(), bytearray()
+        while not complete(s) and len(out) < 3000:
+            ok = [b for b, fits in enumerate(first_bytes(s)) if fits]
+            assert ok, f"a dead end after {bytes(out)!r}"
+            short = [b for b in ok if b in b'}]",:0e.\n']       # steer walks to an end
+            b = rng.choice(short if short and rng.random() < 0.7 else ok)
+            out.append(b)
+            s = step(s, b)
+        if complete(s):
+            whole += 1
+            value = json.loads(out.decode())
+            assert rs.is_valid(schema, value), bytes(out)
+    assert whole >= 100
+
+
+def test_a_schema_text_is_taken_as_written_and_its_breaches_are_not():
+    form = JsonForm.from_schema(PERSON)
+    good = {"name": "Bob", "age": 42, "tags": ["a", 3], "nick": None,
+            "where": {"x": -1.5e3, "ok": True}, "kind": 'a"b', "any": [{}], "nothing": None}
+    assert _whole(form, json.dumps(good).encode())
+    assert _whole(form, json.dumps(good, indent=1).encode())
+    for change in [{"name": "Bobbyy"}, {"name": ""}, {"age": 4.5}, {"tags": []},
+                   {"tags": ["a", "a", "a"]}, {"tags": ["c"]}, {"nick": 3}, {"kind": "ab"},
+                   {"where": {"ok": True, "x": 1}}, {"extra": 1}]:
+        assert not _whole(form, json.dumps({**good, **change}).encode()), change
+    assert not _whole(form, json.dumps({k: v for k, v in good.items() if k != "age"}).encode())
+
+
+@pytest.mark.parametrize("schema, match", [
+    ({"type": "string"}, "top level must be an object"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern'"),
+    ({"type": "object", "properties": {"a": {"type": "number", "minimum": 0}}}, "'minimum'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}}, "'\\$ref'"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"},
+                                                       {"type": "object"}]}}}, "first byte"),
+    ({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}, "first byte"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3,
+                                             "maxLength": 2}}}, "no value has both"),
+    ({"type": "object", "properties": {"a": {"type": "text"}}}, "not a JSON Schema type"),
+    ({"type": "object", "required": ["b"], "properties": {"a": {}}}, "'b'"),
+    ({"type": "object", "properties": {"a": {"enum": []}}}, "non-empty"),
+    ("object", "a schema is an object"),
+])
+def test_a_schema_the_automaton_cannot_enforce_is_refused_by_name(schema, match):
+    with pytest.raises(FormError, match=match):
+        JsonForm.from_schema(schema)
+
+
+def test_a_schema_too_deep_or_too_large_is_refused():
+    deep: dict = {"type": "object"}
+    for _ in range(20):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(FormError, match="too large"):
+        JsonForm.from_schema(deep)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "null"} for i in range(600)}}
+    with pytest.raises(FormError, match="too large"):
+        JsonForm.from_schema(wide)
+
+
+def test_token_pieces_become_the_bytes_they_decode_to():
+    assert bytes_of_pieces(["Ġhello", "Ċ", '{"', "âĢĻ", None, ""]) == [
+        b" hello", b"\n", b'{"', "\u2019".encode(), None, None]
+    assert bytes_of_pieces(["\u2581the", "<0x0A>", "é", "x"]) == [
+        b" the", b"\n", "é".encode(), b"x"]
+
+
+# ---- the chooser over a small vocabulary ----------------------------------------------------------
+EOS = 0
+TEXTS = [None, b"{", b"}", b'"', b"a", b'":', b"1", b" ", b'{"a": 1}', b"x", b"}x", b"{{",
+         b'"a"', b":", b",", b"2"]
+ID = {t: i for i, t in enumerate(TEXTS)}
+
+
+def _vocab(texts=TEXTS) -> TokenBytes:
+    return TokenBytes(list(texts), (EOS,))
+
+
+def _chooser(vocab: TokenBytes | None = None, **kw) -> TokenChooser:
+    return TokenChooser(Sampling(form=JsonForm.any_object(), **kw), vocab or _vocab())
+
+
+def _logits(prefer: dict[bytes | None, float], n: int = len(TEXTS)) -> torch.Tensor:
+    x = torch.zeros(n)
+    for t, v in prefer.items():
+        x[ID[t]] = v
+    return x
+
+
+def test_greedy_takes_the_most_likely_token_whose_whole_text_fits():
+    choose = _chooser()
+    # 'x' is no JSON; '}x' and '{{' begin with a byte that fits but do not fit whole
+    assert choose(_logits({b"x": 9, b"}x": 8, b"{{": 7, b"{": 1})) == ID[b"{"]
+    assert choose(_logits({b"}x": 9, b'"a"': 5, b"}": 1})) == ID[b'"a"']
+    assert choose(_logits({None: 9, b":": 1})) == ID[b":"]        # no end before it is whole
+    assert choose(_logits({b"1": 3})) == ID[b"1"]
+    assert choose(_logits({b"}": 3, b"2": 4})) == ID[b"2"]
+    assert choose(_logits({b"}": 3})) == ID[b"}"]
+    assert choose(_logits({b"{": 9})) == EOS                       # whole: the end, always
+    assert choose(_logits({b"1": 9})) == EOS
+
+
+def test_sampled_tokens_are_drawn_among_those_that_fit_in_their_proportions():
+    choose = _chooser(temperature=1.0, seed=5)
+    assert choose(_logits({b'{"a": 1}': 0.0})) in (ID[b"{"], ID[b'{"a": 1}'], ID[b" "])
+    guide = FormGuide(JsonForm.any_object(), _vocab())
+    guide.advance(ID[b"{"])
+    fits = {t for t in range(len(TEXTS)) if guide.fits(t)}
+    assert fits == {ID[b"}"], ID[b'"'], ID[b'"a"'], ID[b'":'], ID[b" "]}   # '":' opens a key
+    counts = torch.zeros(len(TEXTS))
+    for seed in range(4000):
+        c = _chooser(temperature=1.0, seed=seed)
+        c(_logits({b"{": 50}))
+        counts[c(torch.zeros(len(TEXTS)))] += 1
+    share = counts / counts.sum()
+    assert set(torch.nonzero(counts).flatten().tolist()) == fits
+    assert all(abs(float(share[t]) - 0.2) < 0.03 for t in fits)
+
+
+def test_past_the_tries_every_candidate_is_tried_and_a_dead_end_ends_the_answer():
+    texts = [None, b"{", b"}"] + [b"{x%d" % i for i in range(40)]
+    vocab = _vocab(texts)
+    x = torch.zeros(len(texts))
+    x[3:] = 10.0                           # 40 tokens that begin with '{' and do not fit
+    assert _chooser(vocab)(x) == 1
+    assert _chooser(vocab, temperature=1.0, seed=1)(x) == 1
+    stuck = _chooser(_vocab([None, b"{", b"x"]))
+    assert stuck(torch.tensor([0.0, 5.0, 1.0])) == 1
+    assert stuck(torch.tensor([0.0, 5.0, 1.0])) == EOS   # nothing after '{' fits: the end
+
+
+@pytest.mark.parametrize("schema", [PERSON, UNION, {"type": "object"}])
+def test_the_walk_over_the_sorted_vocabulary_finds_exactly_the_tokens_that_fit(schema):
+    rng = random.Random(3)
+    alphabet = b'{}[]":, \n0123456789.-eEtruefalsn\\abxy\xc3\xa9\xff'
+    texts = sorted({bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+                    for _ in range(3000)} | {bytes([b]) for b in range(256)})
+    rng.shuffle(texts)
+    vocab = TokenBytes([None] + texts, (0,))
+    form = JsonForm.from_schema(schema)
+    guide, seen = FormGuide(form, vocab), 0
+    for _ in range(60):                     # the states of a random answer over this vocabulary
+        want = [t for t in range(1, len(vocab)) if guide.fits(t)]
+        assert sorted(guide.fitting()) == want
+        if guide.whole:
+            break
+        guide.advance(rng.choice(want))
+        seen += 1
+    assert seen >= 20
+
+
+def test_a_form_needs_the_vocabulary_and_its_end_token():
+    with pytest.raises(ValueError, match="vocabulary"):
+        TokenChooser(Sampling(form=JsonForm.any_object()))
+    with pytest.raises(ValueError, match="end-of-sequence"):
+        TokenChooser(Sampling(form=JsonForm.any_object()), TokenBytes([b"{"], ()))
+
+
+# ---- through the generation paths (a random model, a vocabulary of JSON's pieces) ---------------
+SMALL = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"enum": [1, 2, 30]},
+    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    "s": {"type": "string", "maxLength": 4}}}
+
+
+@pytest.fixture
+def json_llama(tiny_llama):
+    """The tiny model with a vocabulary: ASCII's printable bytes and JSON's pieces; id 2 ends."""
+    pieces = [b"true", b"false", b'{"', b'":', b'",', b", ", b'": ', b"[", b"]}", b"null",
+              b'"ok"', b"{}", b"\n  ", b"30"]
+    texts: list[bytes | None] = [None] * 128
+    for i, p in zip([0, 1] + list(range(3, 15)), pieces):
+        texts[i] = p
+    for i in range(32, 127):
+        texts[i] = bytes([i])
+    tiny_llama.extra["token_bytes"] = TokenBytes(texts, (2,))
+    yield tiny_llama
+    del tiny_llama.extra["token_bytes"]
+
+
+@pytest.fixture(scope="module")
+def context(tiny_llama):
+    from sparkv.runtime import reference_prefill
+
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        return reference_prefill(tiny_llama, ids)
+
+
+def _value(lm, tokens: list[int]) -> object:
+    texts = lm.extra["token_bytes"].texts
+    cut = tokens.index(2)
+    assert set(tokens[cut:]) == {2}        # once whole, only the end (this model has no eos id)
+    return json.loads(b"".join(texts[t] for t in tokens[:cut]))
+
+
+@pytest.mark.parametrize("rule", [dict(), dict(temperature=1.5, seed=3),
+                                  dict(temperature=1.0, top_p=0.9, seed=4)])
+def test_every_generation_path_answers_a_value_of_the_schema(json_llama, context, tmp_path,
+                                                            rule):
+    rs = pytest.importorskip("jsonschema_rs")
+    from sparkv.decode import generate
+    from sparkv.runtime import greedy_generate
+
+    sampling = Sampling(form=JsonForm.from_schema(SMALL), **rule)
+    got = greedy_generate(json_llama, context, 64, [3, 9, 27], max_new_tokens=160,
+                          stop_at_eos=False, sampling=sampling)
+    assert rs.is_valid(SMALL, _value(json_llama, got.tokens))
+    dyn, _ = generate(json_llama, context, 64, [3, 9, 27], 160, kv_policy="dynakv", budget=1.0,
+                      ram_budget=None, stop_at_eos=False, flash_dir=tmp_path, avg_cluster=8,
+                      max_cluster=16, recent=8, sampling=sampling)
+    assert dyn.tokens == got.tokens        # a budget holding everything: full KV's tokens
+    free = greedy_generate(json_llama, context, 64, [3, 9, 27], max_new_tokens=40,
+                           stop_at_eos=False, sampling=Sampling(**rule))
+    assert free.tokens != got.tokens       # the form is what made them JSON

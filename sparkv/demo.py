@@ -32,6 +32,11 @@ log = logging.getLogger("sparkv.demo")
 
 DEMO_QUESTION = "What does this text say about warranty? Answer in one sentence."
 FOLLOW_UP = "Who may copy and distribute this text? Answer in one sentence."
+#: the follow-up asked again for a JSON answer of this schema (OpenAI's structured outputs)
+FOLLOW_UP_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer"],
+                    "properties": {"answer": {"type": "string", "maxLength": 200}}}
+#: the JSON answer's token cap (a sentence inside its braces)
+JSON_TOKENS = 64
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -167,7 +172,8 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
                     tmp: str, strategies: list[str], link: str) -> tuple[Answers, Any]:
     """Has the server encode the context, then asks the question with every strategy (and the
     pressed variant, and the follow-up, when sparkv is among them), then times every answer's
-    ask ``--runs - 1`` more times: ``(the answers, the follow-up's result or None)``."""
+    ask ``--runs - 1`` more times: ``(the answers, the follow-ups or None)``: the follow-up's
+    result and its JSON answer's summary."""
     from sparkv.device import ContextService
     from sparkv.edge.options import AskOptions
     from sparkv.edge.prompts import question_suffix
@@ -188,7 +194,7 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
     _warm_up(session, cid, args, strategies)
     # the sparkv run keeps what it loaded as a context of the device's context service
     session.context_service = ContextService(lm, 1 << 30, Path(tmp) / "kept", compression="fp")
-    follow = None
+    follow: tuple[Any, dict[str, Any]] | None = None
     for strat in strategies:
         options = AskOptions(strategy=strat, max_new_tokens=args.max_new_tokens,
                              use_cache=False, keep=strat == "sparkv")
@@ -199,7 +205,8 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
     if "sparkv" in strategies and press.lower() not in ("", "none"):
         _ask_variant(session, cid, press, args, answers)
     if "sparkv" in strategies:
-        follow = _ask_follow_up(session, cid, lm, context, args, answers.rows)
+        follow = (_ask_follow_up(session, cid, lm, context, args, answers.rows),
+                  _ask_json(session, cid, lm, context))
     answers.time_again(args.runs)
     session.close()
     return answers, follow
@@ -238,6 +245,35 @@ def _ask_follow_up(session: Any, cid: str, lm: LoadedModel, context: list[int],
     print(f"  {reference_note(ref, follow.tokens)} (a dense full prefill of the follow-up)",
           flush=True)
     return follow
+
+
+def _ask_json(session: Any, cid: str, lm: LoadedModel, context: list[int]) -> dict[str, Any]:
+    """The follow-up again, its answer JSON of :data:`FOLLOW_UP_SCHEMA` (from the kept
+    context), beside whether a dense prefill answers the same under the same form."""
+    import torch
+
+    from sparkv.edge.options import AskOptions
+    from sparkv.edge.prompts import question_suffix
+    from sparkv.runtime.generate import greedy_generate, reference_prefill
+    from sparkv.runtime.jsonform import JsonForm
+    from sparkv.runtime.sampling import Sampling
+
+    form = JsonForm.from_schema(FOLLOW_UP_SCHEMA, "answer")
+    res = session.ask(cid, FOLLOW_UP, AskOptions(max_new_tokens=JSON_TOKENS, keep=True,
+                                                 form=form))
+    whole = len(res.tokens) < JSON_TOKENS
+    print(f"\nthe follow-up as JSON of {json.dumps(FOLLOW_UP_SCHEMA['properties'])} (OpenAI's "
+          f"response_format json_schema), from the kept context: TTFT "
+          f"{res.breakdown.ttft_s:.2f} s\n[json] {res.text.strip()}"
+          + ("" if whole else f"  (cut at {JSON_TOKENS} tokens: a prefix of the JSON)"),
+          flush=True)
+    with torch.inference_mode():
+        kv = reference_prefill(lm, context)
+    ref = greedy_generate(lm, kv, len(context), question_suffix(lm, FOLLOW_UP), JSON_TOKENS,
+                          sampling=Sampling(form=form)).tokens
+    print(f"  {reference_note(ref, res.tokens)} (a dense prefill, the same form)", flush=True)
+    return {"question": FOLLOW_UP, "schema": FOLLOW_UP_SCHEMA, "answer": res.text,
+            "whole": whole, "dense_tokens_equal": list(ref) == list(res.tokens)}
 
 
 def _ask(session: Any, cid: str, args: argparse.Namespace, options: Any) -> Any:
@@ -407,7 +443,7 @@ def _print_summary(lm: LoadedModel, answers: Answers, runs: int) -> None:
 
 
 def _write_results(out: Path, args: argparse.Namespace, context: list[int], link: str,
-                   answers: Answers, follow: Any) -> Any:
+                   answers: Answers, follow: tuple[Any, dict[str, Any]] | None) -> Any:
     """Writes ``timeline.png`` and ``demo.json`` into ``out``; returns the plot's path."""
     from sparkv.edge.plots import plot_timelines, timeline_of
 
@@ -421,6 +457,8 @@ def _write_results(out: Path, args: argparse.Namespace, context: list[int], link
         "ttft_runs_s": answers.ttfts,
         "answers": {label: res.text for label, res in answers.runs},
         "follow_up": None if follow is None else {
-            "question": FOLLOW_UP, "answer": follow.text, "ttft_s": follow.breakdown.ttft_s,
-            "bytes_streamed": follow.breakdown.bytes_streamed}}, indent=1))
+            "question": FOLLOW_UP, "answer": follow[0].text,
+            "ttft_s": follow[0].breakdown.ttft_s,
+            "bytes_streamed": follow[0].breakdown.bytes_streamed},
+        "json_follow_up": None if follow is None else follow[1]}, indent=1))
     return png

@@ -78,14 +78,18 @@ def no_model(monkeypatch):
     monkeypatch.setattr("sparkv.runtime.load_model", refuse)
 
 
-def test_ask_argument_errors_come_before_the_model(no_model, capsys):
+def test_ask_argument_errors_come_before_the_model(no_model, capsys, tmp_path):
     ask = ["ask", "--server", NO_SERVER, "--context", CID, "q"]
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "string", '
+                      '"pattern": "x"}}}')
     _fails(ask + ["--trace", "3g"], capsys, "'3g' is neither a bundled trace")
     _fails(ask + ["--decode-budget", "0.25"], capsys, "--decode-budget needs --decode")
     _fails(ask + ["--press", "nope:0.5"], capsys, "unknown press")
     _fails(ask + ["--level", "q9"], capsys, "--level 'q9': choose auto or one of")
     _fails(ask + ["--decode", "nope"], capsys, "unknown decode policy 'nope'")
     _fails(ask + ["--temperature", "1", "--seed", str(1 << 70)], capsys, "seed must be")
+    _fails(ask + ["--json-schema", str(schema)], capsys, "'pattern' is not supported")
     with pytest.raises(SystemExit) as e:                   # argparse: one link or the other
         main(ask + ["--trace", "lte", "--mbps", "20"])
     assert e.value.code == 2
@@ -274,6 +278,10 @@ def test_the_parsers_and_help_import_neither_torch_nor_transformers(code):
     (["ask", "--server", NO_SERVER, "--context", CID, "--temperature", "3", "q"],
      "is not a number in [0, 2]"),
     (["device", "ask", "--context", CID, "--top-k", "-1", "q"], "whole number >= 0"),
+    (["device", "ask", "--context", CID, "--json-schema", "no-such.json", "q"],
+     "not a readable JSON file"),
+    (["device", "call", CID, "q", "--json-object", "--json-schema", "no-such.json"],
+     "not a readable JSON file"),
     (["context", "describe", "abc", "--server", NO_SERVER], "is not a context id"),
     (["device", "serve", "--flash-dir", "d", "--memory-budget-mb", "64", "--ask-server",
       "127.0.0.1:8080"], "is not a server URL"),

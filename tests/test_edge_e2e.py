@@ -542,6 +542,15 @@ def test_demo(smollm2, tmp_path, capsys):
     kept = out[out.index("[kept]"):]
     assert ("the same tokens as the dense reference (a dense full prefill of the follow-up)"
             in kept or "NOT the dense reference's answer" in kept)
+    # the follow-up again as JSON of a schema, from the kept context: JSON whenever it ended
+    # by itself, and said beside whether dense answers the same under the same form
+    structured = doc["json_follow_up"]
+    assert "[json] {" in out and structured["answer"].lstrip().startswith("{")
+    if structured["whole"]:
+        assert list(json.loads(structured["answer"])) == ["answer"]
+    said = out[out.index("[json]"):]
+    assert ("the same tokens as the dense reference (a dense prefill, the same form)" in said
+            or "NOT the dense reference's answer" in said)
 
 
 def test_encrypted_context(served):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from sparkv.runtime.guided import FormGuide, TokenBytes, bytes_of_pieces
 from sparkv.runtime.jsonform import (MAX_NUMBER_BYTES, MAX_WHITESPACE, FormError, JsonForm,
-                                     complete, feed, first_bytes, step)
+                                     complete, first_bytes, next_key, step)
 from sparkv.runtime.sampling import Sampling, TokenChooser
 
 _SCALARS = (st.none() | st.booleans() | st.integers(-10**12, 10**12)
@@ -75,11 +75,13 @@ EMPTY = {"type": "object", "properties": {}}
 @pytest.mark.parametrize("schema", [PERSON, UNION, EMPTY, {"type": "object"}])
 def test_a_random_walk_never_dead_ends_and_every_whole_text_is_a_value_of_the_schema(schema):
     rs = pytest.importorskip("jsonschema_rs")
-    form, rng, whole = JsonForm.from_schema(schema), random.Random(7), 0
+    form, rng, whole, by_key = JsonForm.from_schema(schema), random.Random(7), 0, {}
     for _ in range(150):
         s, out = form.start(), bytearray()
         while not complete(s) and len(out) < 3000:
-            ok = [b for b, fits in enumerate(first_bytes(s)) if fits]
+            firsts = first_bytes(s)
+            assert by_key.setdefault(next_key(s), firsts) == firsts   # the mask cache's key
+            ok = [b for b, fits in enumerate(firsts) if fits]
             assert ok, f"a dead end after {bytes(out)!r}"
             short = [b for b in ok if b in b'}]",:0e.\n']       # steer walks to an end
             b = rng.choice(short if short and rng.random() < 0.7 else ok)
@@ -123,6 +125,41 @@ def test_a_schema_text_is_taken_as_written_and_its_breaches_are_not():
 def test_a_schema_the_automaton_cannot_enforce_is_refused_by_name(schema, match):
     with pytest.raises(FormError, match=match):
         JsonForm.from_schema(schema)
+
+
+_KEYS = st.sampled_from(["type", "properties", "required", "items", "enum", "const", "anyOf",
+                         "oneOf", "minItems", "maxItems", "minLength", "maxLength",
+                         "additionalProperties", "title", "pattern", "a"])
+_JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(
+    ["object", "string", "array", "integer", "number", "boolean", "null", "a", ""]),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(_KEYS | st.text(max_size=2), c,
+                                                        max_size=4), max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(_KEYS, _JSONISH, max_size=5))
+def test_any_json_given_as_a_schema_compiles_or_is_a_form_error(schema):
+    """What a client may send (the service's schema check is this): never another exception."""
+    whole = {"type": "object", "properties": {"x": schema}}
+    try:
+        form = JsonForm.from_schema(whole)
+    except FormError:
+        return
+    rng, s, out = random.Random(len(repr(schema))), form.start(), bytearray()
+    while not complete(s) and len(out) < 400:          # no dead end, and a whole text is valid
+        ok = [b for b, fits in enumerate(first_bytes(s)) if fits]
+        assert ok, f"a dead end after {bytes(out)!r}"
+        short = [b for b in ok if b in b'}]",:0en']
+        b = rng.choice(short if short and rng.random() < 0.8 else ok)
+        out.append(b)
+        s = step(s, b)
+    rs = pytest.importorskip("jsonschema_rs")
+    try:
+        rs.validator_for(whole)
+    except rs.ValidationError:
+        return                          # not a JSON Schema (an annotation of the wrong type)
+    if complete(s):
+        assert rs.is_valid(whole, json.loads(out.decode())), (schema, bytes(out))
 
 
 def test_a_schema_too_deep_or_too_large_is_refused():

@@ -196,12 +196,7 @@ def _forced_token_by_token(lm: LoadedModel, cache: SparkvCache, n: int,
 
 def eos_ids(lm: LoadedModel) -> set[int]:
     """The model's end-of-sequence token ids (its generation config's, else its config's)."""
-    eos = getattr(lm.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(lm.config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+    return lm.eos_ids
 
 
 @torch.inference_mode()

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from sparkv.runtime.jsonform import JsonForm, State, complete, feed, first_bytes, step
+from sparkv.runtime.jsonform import (JsonForm, State, complete, feed, first_bytes, next_key,
+                                     step)
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
@@ -34,6 +35,8 @@ __all__ = ["TokenBytes", "FormGuide", "vocabulary", "bytes_of_pieces"]
 
 #: first-byte index of a token that adds no text (special tokens): never allowed in a form
 _NO_TEXT = 256
+#: the refused-token masks one answer keeps (a vocabulary's bools each: 49 KB for SmolLM2's)
+_KEPT_MASKS = 64
 
 
 @dataclass(eq=False)
@@ -108,13 +111,11 @@ def vocabulary(lm: "LoadedModel") -> TokenBytes:
     without a tokenizer)."""
     got = lm.extra.get("token_bytes")
     if got is None:
-        from sparkv.runtime.generate import eos_ids
-
         if lm.tokenizer is None:
             raise ValueError(f"model {lm.name} has no tokenizer: an answer's JSON form needs "
                              "its tokens' texts")
         size = max(len(lm.tokenizer), int(getattr(lm.config, "vocab_size", 0) or 0))
-        eos = eos_ids(lm) or {lm.tokenizer.eos_token_id} - {None}   # a config naming none
+        eos = lm.eos_ids or {lm.tokenizer.eos_token_id} - {None}    # a config naming none
         got = lm.extra["token_bytes"] = TokenBytes(_token_texts(lm.tokenizer, size),
                                                    tuple(sorted(eos)))
     return got
@@ -175,7 +176,7 @@ class FormGuide:
             raise ValueError("an answer's JSON form needs the model's end-of-sequence token")
         self.vocab = vocab
         self.state: State = form.start()
-        self._firsts: dict[State, torch.Tensor] = {}
+        self._refused: dict[tuple, torch.Tensor] = {}
 
     @property
     def whole(self) -> bool:
@@ -183,16 +184,20 @@ class FormGuide:
         return complete(self.state)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` with every token whose first byte may not come next at ``-inf``."""
-        firsts = self._firsts.get(self.state)
-        if firsts is None:
+        """``logits`` with every token whose first byte may not come next at ``-inf`` (the
+        refused tokens' mask made once per :func:`~sparkv.runtime.jsonform.next_key`)."""
+        key = next_key(self.state)
+        refused = self._refused.get(key)
+        if refused is None or refused.numel() != logits.numel():
             firsts = torch.tensor(first_bytes(self.state) + [False], dtype=torch.bool)
-            if len(self._firsts) < 4096:
-                self._firsts[self.state] = firsts
-        n = min(logits.numel(), len(self.vocab))
-        allowed = torch.zeros(logits.numel(), dtype=torch.bool)
-        allowed[:n] = firsts[self.vocab.first[:n]]
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+            n = min(logits.numel(), len(self.vocab))
+            allowed = torch.zeros(logits.numel(), dtype=torch.bool)
+            allowed[:n] = firsts[self.vocab.first[:n]]
+            refused = (~allowed).to(logits.device)
+            if len(self._refused) >= _KEPT_MASKS:
+                self._refused.pop(next(iter(self._refused)))
+            self._refused[key] = refused
+        return logits.masked_fill(refused, float("-inf"))
 
     def fitting(self) -> list[int]:
         """Every token whose whole text may come next (:meth:`TokenBytes.fitting`)."""

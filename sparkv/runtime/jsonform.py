@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["JsonForm", "FormError", "State", "step", "feed", "complete", "first_bytes",
+__all__ = ["JsonForm", "FormError", "State", "step", "feed", "complete", "first_bytes", "next_key",
            "MAX_WHITESPACE", "MAX_NUMBER_BYTES", "MAX_SCHEMA_NODES", "MAX_SCHEMA_DEPTH"]
 
 #: the most whitespace bytes in a row outside strings
@@ -158,7 +158,7 @@ class _Compiler:
         return self._typed(schema, kind, where, depth)
 
     def _typed(self, schema: dict, kind: Any, where: str, depth: int) -> _Node:
-        if kind not in _KEYWORDS:
+        if not isinstance(kind, str) or kind not in _KEYWORDS:
             raise FormError(f"{where}: type {kind!r} is not a JSON Schema type")
         self._only(schema, _KEYWORDS[kind] | {"type"}, where)
         if kind == "object":
@@ -175,7 +175,7 @@ class _Compiler:
 
     def _types(self, schema: dict, kinds: list, where: str, depth: int) -> _Node:
         """``type`` as a list: a branch per type, each with its own keywords."""
-        bad = [k for k in kinds if k not in _KEYWORDS]
+        bad = [k for k in kinds if not isinstance(k, str) or k not in _KEYWORDS]
         if bad or not kinds:
             raise FormError(f"{where}: type {bad[0] if bad else kinds!r} is not a JSON Schema "
                             "type")
@@ -191,7 +191,9 @@ class _Compiler:
         if not isinstance(props, dict):
             raise FormError(f"{where}.properties: an object of schemas")
         required = schema.get("required", [])
-        missing = [r for r in required if r not in props] if isinstance(required, list) else [0]
+        if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise FormError(f"{where}.required: a list of property names")
+        missing = [r for r in required if r not in props]
         if missing:
             raise FormError(f"{where}.required names {missing[0]!r}, not among its properties")
         return _Object(tuple((_key_text(k), self.node(v, f"{where}.{k}", depth + 1))
@@ -199,11 +201,19 @@ class _Compiler:
 
     def _literals(self, schema: dict, where: str) -> _Node:
         self._only(schema, {"const", "enum", "type"}, where)
-        values = [schema["const"]] if "const" in schema else schema["enum"]
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
         if not isinstance(values, list) or not values:
             raise FormError(f"{where}.enum: a non-empty list of values")
-        texts = tuple(dict.fromkeys(json.dumps(v, separators=(",", ":"), ensure_ascii=False)
-                                    .encode() for v in values))
+        if "const" in schema and "enum" in schema:      # both: the const, if the enum has it
+            values = [v for v in values if _canonical(v) == _canonical(schema["const"])]
+            if not values:
+                raise FormError(f"{where}: its const is not among its enum: no value is both")
+        if "type" in schema:
+            kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            values = [v for v in values if any(_is_a(v, k) for k in kinds)]
+            if not values:
+                raise FormError(f"{where}: no value of its enum or const is of its type")
+        texts = tuple(dict.fromkeys(_canonical(v) for v in values))
         return _Literal(texts)
 
     def _union(self, schema: dict, key: str, where: str, depth: int) -> _Node:
@@ -232,6 +242,20 @@ class _Compiler:
                             "type, properties, required, additionalProperties, items, "
                             "minItems, maxItems, minLength, maxLength, enum, const, anyOf, "
                             "oneOf)")
+
+
+def _canonical(value: Any) -> bytes:
+    """A JSON value's compact text (keys in their order)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    """Whether a JSON value is of a JSON Schema type."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {"null": value is None, "boolean": isinstance(value, bool), "number": number,
+            "integer": number and float(value).is_integer(), "string": isinstance(value, str),
+            "array": isinstance(value, list), "object": isinstance(value, dict)
+            }.get(kind, False) if isinstance(kind, str) else False
 
 
 def _count(schema: dict, key: str, where: str) -> int | None:
@@ -325,6 +349,22 @@ def complete(state: State) -> bool:
 def first_bytes(state: State) -> list[bool]:
     """For each byte value, whether the text may go on with it."""
     return [step(state, b) is not None for b in range(256)]
+
+
+def next_key(state: State) -> tuple:
+    """A key equal for any two states after which the same bytes may come (:func:`first_bytes`
+    is the same): a string's length and a number's only as far as their bounds tell, whether
+    more whitespace may come. Inside a string every state has one key, so a chooser works out
+    what may come there once per answer."""
+    stack, ws = state
+    top = stack[-1] if stack else ()
+    if top and top[0] == "S":
+        _, node, chars, escape, utf8 = top
+        top = ("S", node, chars >= node.min_len,
+               node.max_len is None or chars < node.max_len, escape, utf8)
+    elif top and top[0] == "N":
+        top = ("N", top[1], top[2], top[3] < MAX_NUMBER_BYTES)
+    return stack[:-1], top, ws < MAX_WHITESPACE
 
 
 def _value(top: tuple, byte: int) -> tuple[tuple, bool] | None:

@@ -154,6 +154,16 @@ class LoadedModel:
         is only measured within the base's window)."""
         return str(self.extra.get("base_fingerprint") or self.fingerprint)
 
+    @property
+    def eos_ids(self) -> set[int]:
+        """The end-of-sequence token ids (the generation config's, else the config's)."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
     @cached_property
     def chatml(self) -> bool:
         """Whether the tokenizer has ChatML's turn markers (SmolLM2, Qwen). Looked up once: the

@@ -627,6 +627,32 @@ CHOICE = {"type": "object", "additionalProperties": False, "required": ["ok", "p
                          "none": {"type": "null"}}}
 
 
+def _pick_model() -> type:
+    """A pydantic model whose values are short whatever the model: what an app hands the
+    ``openai`` client's ``parse()``."""
+    import enum
+    from typing import Annotated, Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, enum.Enum):
+        red = "red"
+        green = "green"
+
+    class Inner(BaseModel):
+        flag: bool
+        note: Optional[None]
+
+    class Pick(BaseModel):
+        ok: bool
+        color: Color
+        kind: Literal["a", "b"]
+        inner: Inner
+        flags: Annotated[list[Inner], Field(max_length=2)]      # maxItems: a short list
+
+    return Pick
+
+
 def test_the_openai_client_gets_json_of_the_schema_it_asks_for(world):
     """response_format json_schema and json_object: the answer is JSON of the form, streamed or
     not, sampled or greedy, and ends when the value is whole; a schema the service cannot
@@ -660,6 +686,11 @@ def test_the_openai_client_gets_json_of_the_schema_it_asks_for(world):
         assert text.lstrip().startswith("{")
         if obj.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(text), dict)
+        # the client's parse(): a pydantic model's schema ($defs, $refs, an enum, Optional)
+        parsed = oa.chat.completions.parse(response_format=_pick_model(), **kw)
+        assert parsed.choices[0].finish_reason == "stop"
+        pick = parsed.choices[0].message.parsed
+        assert pick.color.value in ("red", "green") and pick.inner.note is None
         for bad, says in [({"type": "string"}, "top level must be an object"),
                           ({"type": "object", "properties": {"a": {"type": "string",
                                                                    "format": "date"}}},

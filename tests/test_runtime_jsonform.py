@@ -70,9 +70,26 @@ UNION = {"type": "object", "properties": {"v": {"anyOf": [
     {"type": "string", "minLength": 2}, {"type": "array", "items": {"type": "integer"}},
     {"type": "null"}, {"enum": [1, 10, 100]}]}}}
 EMPTY = {"type": "object", "properties": {}}
+#: what the openai client's parse() sends for a pydantic model (to_strict_json_schema): $defs
+#: and $refs, anyOf for an Optional, an enum with its type
+PYDANTIC = {
+    "$defs": {"Color": {"enum": ["red", "green"], "title": "Color", "type": "string"},
+              "Inner": {"properties": {"x": {"title": "X", "type": "integer"},
+                                       "tag": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                               "title": "Tag"}},
+                        "required": ["x", "tag"], "title": "Inner", "type": "object",
+                        "additionalProperties": False}},
+    "properties": {"name": {"title": "Name", "type": "string"},
+                   "color": {"$ref": "#/$defs/Color"},
+                   "kind": {"enum": ["a", "b"], "title": "Kind", "type": "string"},
+                   "inner": {"$ref": "#/$defs/Inner"},
+                   "items": {"items": {"$ref": "#/$defs/Inner"}, "title": "Items",
+                             "type": "array"}},
+    "required": ["name", "color", "kind", "inner", "items"], "title": "Outer", "type": "object",
+    "additionalProperties": False}
 
 
-@pytest.mark.parametrize("schema", [PERSON, UNION, EMPTY, {"type": "object"}])
+@pytest.mark.parametrize("schema", [PERSON, UNION, EMPTY, PYDANTIC, {"type": "object"}])
 def test_a_random_walk_never_dead_ends_and_every_whole_text_is_a_value_of_the_schema(schema):
     rs = pytest.importorskip("jsonschema_rs")
     form, rng, whole, by_key = JsonForm.from_schema(schema), random.Random(7), 0, {}
@@ -111,7 +128,13 @@ def test_a_schema_text_is_taken_as_written_and_its_breaches_are_not():
     ({"type": "string"}, "top level must be an object"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern'"),
     ({"type": "object", "properties": {"a": {"type": "number", "minimum": 0}}}, "'minimum'"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}}, "'\\$ref'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}}, "names no subschema"),
+    ({"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}}, "only '#/\\$defs"),
+    ({"type": "object", "$defs": {"T": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}}}},
+      "properties": {"t": {"$ref": "#/$defs/T"}}}, "refers back to itself"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a", "type": "string"}}},
+     "'type' is not supported"),
     ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"},
                                                        {"type": "object"}]}}}, "first byte"),
     ({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}, "first byte"),
@@ -129,7 +152,7 @@ def test_a_schema_the_automaton_cannot_enforce_is_refused_by_name(schema, match)
 
 _KEYS = st.sampled_from(["type", "properties", "required", "items", "enum", "const", "anyOf",
                          "oneOf", "minItems", "maxItems", "minLength", "maxLength",
-                         "additionalProperties", "title", "pattern", "a"])
+                         "additionalProperties", "title", "pattern", "$ref", "$defs", "a"])
 _JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(
     ["object", "string", "array", "integer", "number", "boolean", "null", "a", ""]),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(_KEYS | st.text(max_size=2), c,

@@ -23,9 +23,13 @@ What a schema's text is:
 * ``type`` as a list, ``anyOf`` and ``oneOf`` choose a branch at the value's first byte, so their
   branches must begin differently (an object and a string, say; two objects do not).
 
+* ``$ref`` names a subschema of the root's ``$defs`` (or ``definitions``), as pydantic and the
+  ``openai`` client's ``parse()`` write them; a ``$ref`` that comes back to itself (a recursive
+  schema) is refused.
+
 Keywords that only annotate (``title``, ``description``, ``$schema``, ``default``, ...) are
-ignored; any other (``pattern``, ``format``, ``minimum``, ``$ref``, ...) is a :class:`FormError`
-naming it, never a constraint silently dropped. Whitespace between tokens of the JSON text is
+ignored; any other (``pattern``, ``format``, ``minimum``, ...) is a :class:`FormError` naming
+it, never a constraint silently dropped. Whitespace between tokens of the JSON text is
 allowed, at most :data:`MAX_WHITESPACE` bytes in a row (a model may otherwise emit newlines
 until its token cap).
 """
@@ -33,6 +37,7 @@ until its token cap).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -122,7 +127,10 @@ _BY_FIRST = {ord("{"): _ANY_OBJECT, ord("["): _ANY_ARRAY, ord('"'): _ANY_STRING,
 
 #: keywords that say nothing of the text
 _ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default",
-                          "examples", "deprecated", "readOnly", "writeOnly"})
+                          "examples", "deprecated", "readOnly", "writeOnly",
+                          "$defs", "definitions"})      # subschemas a $ref names, not the text
+#: what a ``$ref`` may name: a subschema of the root's ``$defs`` (or ``definitions``)
+_REF = re.compile(r"^#/(\$defs|definitions)/([^/]+)$")
 #: the keywords each type takes, besides the annotations
 _KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
              "array": {"items", "minItems", "maxItems"},
@@ -132,14 +140,20 @@ _KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
 
 # ---- compiling a schema ---------------------------------------------------------------------------
 class _Compiler:
-    def __init__(self) -> None:
+    def __init__(self, root: Any) -> None:
         self.nodes = 0
+        self.root = root if isinstance(root, dict) else {}
+        self.named: dict[str, _Node] = {}       # each $ref compiled once
+        self.naming: set[str] = set()           # the $refs being compiled (a cycle: refused)
 
     def node(self, schema: Any, where: str, depth: int) -> _Node:
         self.nodes += 1
         if self.nodes > MAX_SCHEMA_NODES or depth > MAX_SCHEMA_DEPTH:
             raise FormError(f"the schema is too large (at most {MAX_SCHEMA_NODES} subschemas, "
                             f"{MAX_SCHEMA_DEPTH} deep)")
+        if isinstance(schema, dict) and "$ref" in schema:
+            self._only(schema, {"$ref"}, where)
+            return self._ref(schema["$ref"], where, depth)
         if schema is True or schema == {}:
             return _ANY
         if not isinstance(schema, dict):
@@ -156,6 +170,28 @@ class _Compiler:
             self._only(schema, set(), where)
             return _ANY
         return self._typed(schema, kind, where, depth)
+
+    def _ref(self, ref: Any, where: str, depth: int) -> _Node:
+        """The subschema ``ref`` names in the root's ``$defs``, compiled once (a ref that comes
+        back to itself is refused: its values could nest without end)."""
+        m = _REF.match(ref) if isinstance(ref, str) else None
+        if m is None:
+            raise FormError(f"{where}: $ref {ref!r}: only '#/$defs/NAME' (or '#/definitions/"
+                            "NAME') of the schema itself")
+        if ref in self.named:
+            return self.named[ref]
+        defs = self.root.get(m.group(1))
+        name = m.group(2).replace("~1", "/").replace("~0", "~")
+        if not isinstance(defs, dict) or name not in defs:
+            raise FormError(f"{where}: $ref {ref!r} names no subschema of the schema")
+        if ref in self.naming:
+            raise FormError(f"{where}: $ref {ref!r} refers back to itself (a recursive schema "
+                            "is not supported)")
+        self.naming.add(ref)
+        node = self.node(defs[name], ref, depth + 1)
+        self.naming.discard(ref)
+        self.named[ref] = node
+        return node
 
     def _typed(self, schema: dict, kind: Any, where: str, depth: int) -> _Node:
         if not isinstance(kind, str) or kind not in _KEYWORDS:
@@ -241,7 +277,7 @@ class _Compiler:
             raise FormError(f"{where}: {extra[0]!r} is not supported here (a schema may use "
                             "type, properties, required, additionalProperties, items, "
                             "minItems, maxItems, minLength, maxLength, enum, const, anyOf, "
-                            "oneOf)")
+                            "oneOf, $ref to $defs)")
 
 
 def _canonical(value: Any) -> bytes:
@@ -292,7 +328,7 @@ class JsonForm:
     def from_schema(cls, schema: Any, name: str = "schema") -> "JsonForm":
         """OpenAI's ``json_schema``: a value of ``schema``, whose top level is an object
         (:class:`FormError` for what the automaton cannot enforce)."""
-        root = _Compiler().node(schema, "schema", 0)
+        root = _Compiler(schema).node(schema, "schema", 0)
         if not isinstance(root, _Object):
             raise FormError("schema: the top level must be an object schema "
                             "({'type': 'object', ...}), as OpenAI's structured outputs ask")

@@ -44,8 +44,9 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """``--temperature``, ``--top-p``, ``--top-k`` and ``--seed`` on a command that answers
-    (:class:`sparkv.runtime.sampling.Sampling`; the defaults are greedy)."""
+    """``--temperature``, ``--top-p``, ``--top-k``, ``--seed``, the penalties, ``--logit-bias``
+    and the answer's JSON form on a command that answers
+    (:class:`sparkv.runtime.sampling.Sampling`; the defaults are greedy, any text)."""
     parser.add_argument("--temperature", type=_in_range(0.0, 2.0), default=0.0,
                         help="0: greedy (each token the most likely, what the quality tables "
                              "measure); else the answer is sampled at this temperature (<= 2)")
@@ -57,12 +58,42 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="sampling: the draws' seed, for a repeatable answer (default: one "
                              "drawn and reported)")
+    parser.add_argument("--frequency-penalty", type=_in_range(-2.0, 2.0), default=0.0,
+                        help="taken off a token's logit once per time the answer holds it")
+    parser.add_argument("--presence-penalty", type=_in_range(-2.0, 2.0), default=0.0,
+                        help="taken off a token's logit once the answer holds it")
+    parser.add_argument("--logit-bias", type=logit_bias_pair, action="append", default=[],
+                        metavar="ID=BIAS",
+                        help="add BIAS (-100..100; -100: never) to token ID's logit; repeat "
+                             "for more tokens")
     form = parser.add_mutually_exclusive_group()
     form.add_argument("--json-object", action="store_true",
                       help="the answer is a JSON object (OpenAI's json_object response format)")
     form.add_argument("--json-schema", type=json_schema_file, metavar="FILE", default=None,
                       help="the answer is JSON following this JSON Schema (a file, - for "
                            "stdin; its top level an object; docs/asks.md, 'JSON answers')")
+
+
+def sampling_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags' values, as the ask's and the call's fields take them (the form
+    apart: :func:`response_format`)."""
+    bias = dict(args.logit_bias)
+    if len(bias) != len(args.logit_bias):
+        from sparkv.errors import SparkvError
+
+        raise SparkvError("--logit-bias names a token twice")
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "seed": args.seed, "frequency_penalty": args.frequency_penalty,
+            "presence_penalty": args.presence_penalty, "logit_bias": bias}
+
+
+def logit_bias_pair(text: str) -> tuple[int, float]:
+    """``ID=BIAS``: a token id and the bias added to its logit (-100..100)."""
+    tid, eq, bias = text.partition("=")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID=BIAS (a token id, = and a bias)")
+    return (_checked(tid, int, lambda v: v >= 0, "a token id (a whole number >= 0)"),
+            _checked(bias, float, lambda v: -100 <= v <= 100, "a bias in [-100, 100]"))
 
 
 def response_format(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -706,6 +706,24 @@ def test_the_openai_client_gets_json_of_the_schema_it_asks_for(world):
         assert rs.is_valid(CHOICE, json.loads(done.text))
         called = c.call(done.kept_id, "And again?", 400, grow=False, response_format=fmt)
         assert rs.is_valid(CHOICE, json.loads(called.text))
+    # the CLI: --json-schema FILE, and --logit-bias banning the greedy answer's first token
+    schema = world["tmp"] / "choice.json"
+    schema.write_text(json.dumps(CHOICE))
+
+    def cli(*flags: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "sparkv.cli", "device", "ask", "--socket",
+                              str(dev.socket), "--server", world["srv"].url, "--context",
+                              world["ctx"]["b"], "--max-new-tokens", "400", "--json", *flags,
+                              "Answer in JSON."], capture_output=True, text=True,
+                             timeout=GUARD_S, env={**os.environ, "SPARKV_API_KEY": world["key"]})
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    got = cli("--json-schema", str(schema))
+    assert rs.is_valid(CHOICE, json.loads(got["text"]))
+    banned = cli("--json-schema", str(schema), "--logit-bias", f"{got['tokens'][0]}=-100")
+    assert banned["tokens"][0] != got["tokens"][0]
+    assert rs.is_valid(CHOICE, json.loads(banned["text"]))
 
 
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):

@@ -90,6 +90,7 @@ def test_ask_argument_errors_come_before_the_model(no_model, capsys, tmp_path):
     _fails(ask + ["--decode", "nope"], capsys, "unknown decode policy 'nope'")
     _fails(ask + ["--temperature", "1", "--seed", str(1 << 70)], capsys, "seed must be")
     _fails(ask + ["--json-schema", str(schema)], capsys, "'pattern' is not supported")
+    _fails(ask + ["--logit-bias", "5=1", "--logit-bias", "5=2"], capsys, "names a token twice")
     with pytest.raises(SystemExit) as e:                   # argparse: one link or the other
         main(ask + ["--trace", "lte", "--mbps", "20"])
     assert e.value.code == 2
@@ -282,6 +283,9 @@ def test_the_parsers_and_help_import_neither_torch_nor_transformers(code):
      "not a readable JSON file"),
     (["device", "call", CID, "q", "--json-object", "--json-schema", "no-such.json"],
      "not a readable JSON file"),
+    (["device", "ask", "--context", CID, "--logit-bias", "5", "q"], "is not ID=BIAS"),
+    (["device", "ask", "--context", CID, "--logit-bias", "5=200", "q"], "a bias in [-100, 100]"),
+    (["device", "call", CID, "q", "--presence-penalty", "3"], "is not a number in [-2, 2]"),
     (["context", "describe", "abc", "--server", NO_SERVER], "is not a context id"),
     (["device", "serve", "--flash-dir", "d", "--memory-budget-mb", "64", "--ask-server",
       "127.0.0.1:8080"], "is not a server URL"),

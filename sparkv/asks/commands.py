@@ -22,7 +22,7 @@ from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
 from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.linkplan import LINK_PLANS
 from sparkv.cliflags import (STRATEGY_NAMES, add_sampling_args, context_id, positive_int,
-                             response_format, server_url)
+                             response_format, sampling_args, server_url)
 
 log = logging.getLogger("sparkv.asks")
 
@@ -161,8 +161,8 @@ def _ask(args: argparse.Namespace) -> int:
         done = c.ask(args.context, args.question, on_token=show, server=args.server,
                      api_key=args.api_key, strategy=args.strategy,
                      max_new_tokens=args.max_new_tokens, keep=not args.no_keep,
-                     share=args.share, temperature=args.temperature, top_p=args.top_p,
-                     top_k=args.top_k, seed=args.seed, response_format=response_format(args))
+                     share=args.share, **sampling_args(args),
+                     response_format=response_format(args))
     if args.json:
         print(done.model_dump_json(indent=1))
         return 0

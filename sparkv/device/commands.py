@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from sparkv.cliflags import add_sampling_args, response_format
+from sparkv.cliflags import add_sampling_args, response_format, sampling_args
 from sparkv.errors import SparkvError
 from sparkv.rest.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                 DEFAULT_MAX_BODY_BYTES)
@@ -373,8 +373,7 @@ def _read_system_file(path: str) -> str:
 def _call(args: argparse.Namespace) -> int:
     with device_client(args) as c:
         res = c.call(args.context, args.prompt, args.max_new_tokens, grow=not args.no_grow,
-                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                     seed=args.seed, response_format=response_format(args))
+                     **sampling_args(args), response_format=response_format(args))
     if args.json:
         print(res.model_dump_json(indent=1))
     else:

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 from sparkv.cliflags import (PRESS_METAVAR, STRATEGY_NAMES, TRACE_NAMES, add_device_args,
                              add_sampling_args, context_id, non_negative_float, positive_float,
-                             positive_int, server_url)
+                             positive_int, sampling_args, server_url)
 from sparkv.errors import SparkvError
 
 
@@ -181,8 +181,7 @@ def _ask(args: argparse.Namespace) -> int:
                          max_new_tokens=args.max_new_tokens, decode=args.decode,
                          ram_budget=args.decode_budget, keep=args.keep,
                          prelude=False if args.no_prelude else None,
-                         ask_deadline_s=args.ask_deadline_s, temperature=args.temperature,
-                         top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                         ask_deadline_s=args.ask_deadline_s, **sampling_args(args),
                          form=answer_form(args))   # a bad --decode or --seed fails here too
     with api_key_hint(), EdgeSession.connect(
             args.server, args.api_key, args.model, shaper=shaper, cache_dir=cache,

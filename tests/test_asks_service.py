@@ -396,6 +396,7 @@ def test_a_warmed_service_makes_no_step_cost_model_or_client_inside_its_first_as
                       default_server=world["srv"].url + "/", default_api_key=world["key"])
     try:
         assert asks.warm() > 0 and made == [threading.current_thread().name]
+        assert "token_bytes" in lm.extra               # a JSON answer's vocabulary, made
         clients = dict(asks._clients)
         assert list(clients) == [(world["srv"].url, world["key"])]
         opts = AskOptions(strategy="sparkv", max_new_tokens=2, keep=False)

@@ -111,8 +111,8 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     except BadServerUrl as e:     # an --ask-server no client can address: said at the start
         asks.close()
         raise SparkvError(f"--ask-server: {e}") from None
-    log.info("sparkv device: the asks warmed (step-cost model, chat template, server client) "
-             "in %.2f s", took)
+    log.info("sparkv device: the asks warmed (step-cost model, chat template, vocabulary, "
+             "server client) in %.2f s", took)
     app.state.asks = asks
     app.include_router(asks_router)
     app.include_router(chat_router)

@@ -152,8 +152,9 @@ _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def bytes_of_pieces(pieces: Sequence[str | None]) -> list[bytes | None]:
-    """Token pieces (``convert_ids_to_tokens``) as the bytes they decode to: byte-level BPE when
-    every piece is in its alphabet, else SentencePiece's (``▁`` a space, ``<0xNN>`` a byte)."""
+    """Token pieces (``convert_ids_to_tokens``) as the bytes they decode to: byte-level BPE's
+    alphabet read back to bytes, unless a piece holds SentencePiece's ``▁`` (then ``▁`` is a
+    space and ``<0xNN>`` a byte); a piece outside the alphabet (an added token) as its UTF-8."""
     byte_level = not any("\u2581" in p for p in pieces if p)   # SentencePiece's space
     out: list[bytes | None] = []
     for p in pieces:

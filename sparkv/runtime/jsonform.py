@@ -319,6 +319,9 @@ class JsonForm:
     root: _Node
     name: str = "json_object"
 
+    def __repr__(self) -> str:                  # a rule's repr names its form, not its nodes
+        return f"JsonForm({self.name!r})"
+
     @classmethod
     def any_object(cls) -> "JsonForm":
         """OpenAI's ``json_object``: any JSON object."""

@@ -216,3 +216,34 @@ def test_cuda_random_shape_is_seeded_bf16():
     b = load_model("random:smollm2-135m", device="cuda", dtype="auto", progress=False)
     assert a.dtype == torch.bfloat16
     assert torch.equal(next(a.model.parameters()), next(b.model.parameters()))
+
+
+@needs_cuda
+def test_cuda_logits_are_chosen_as_on_the_cpu_json_form_and_seeded_draws_included():
+    """The chooser over CUDA logits: greedy with a JSON form, the CPU's tokens; a seeded draw
+    (its generator on the GPU) repeats with its seed and keeps to the form."""
+    from sparkv.runtime.guided import TokenBytes
+    from sparkv.runtime.jsonform import JsonForm
+    from sparkv.runtime.sampling import Sampling, TokenChooser
+
+    texts: list[bytes | None] = [None] + [bytes([b]) for b in range(32, 127)] + [
+        b'{"', b'":', b'",', b"true", b"false", b"null", b"]}", b"\n  "]
+    vocab = TokenBytes(texts, (0,))
+    gen = torch.Generator().manual_seed(5)
+    steps = [torch.randn(len(texts), generator=gen) * 4 for _ in range(120)]
+
+    def answer(device: str, **rule) -> list[int]:
+        choose = TokenChooser(Sampling(form=JsonForm.any_object(), **rule), vocab)
+        out = []
+        for x in steps:
+            out.append(choose(x.to(device)))
+            if choose.finished:
+                break
+        return out
+
+    assert answer("cuda") == answer("cpu")
+    drawn = answer("cuda", temperature=1.0, top_p=0.9, seed=3)
+    assert drawn == answer("cuda", temperature=1.0, top_p=0.9, seed=3)
+    text = b"".join(texts[t] or b"" for t in drawn)
+    assert text.lstrip().startswith(b"{")
+

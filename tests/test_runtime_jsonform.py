@@ -70,6 +70,11 @@ UNION = {"type": "object", "properties": {"v": {"anyOf": [
     {"type": "string", "minLength": 2}, {"type": "array", "items": {"type": "integer"}},
     {"type": "null"}, {"enum": [1, 10, 100]}]}}}
 EMPTY = {"type": "object", "properties": {}}
+DATED = {"type": "object", "properties": {
+    "day": {"type": "string", "format": "date"}, "at": {"type": "string", "format": "date-time"},
+    "id": {"type": "string", "format": "uuid"},
+    "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3,5}(x|yz)?$"},
+    "word": {"type": "string", "pattern": "^ab+c$"}}}
 #: what the openai client's parse() sends for a pydantic model (to_strict_json_schema): $defs
 #: and $refs, anyOf for an Optional, an enum with its type
 PYDANTIC = {
@@ -89,7 +94,7 @@ PYDANTIC = {
     "additionalProperties": False}
 
 
-@pytest.mark.parametrize("schema", [PERSON, UNION, EMPTY, PYDANTIC, {"type": "object"}])
+@pytest.mark.parametrize("schema", [PERSON, UNION, EMPTY, PYDANTIC, DATED, {"type": "object"}])
 def test_a_random_walk_never_dead_ends_and_every_whole_text_is_a_value_of_the_schema(schema):
     rs = pytest.importorskip("jsonschema_rs")
     form, rng, whole, by_key = JsonForm.from_schema(schema), random.Random(7), 0, {}
@@ -124,9 +129,54 @@ def test_a_schema_text_is_taken_as_written_and_its_breaches_are_not():
     assert not _whole(form, json.dumps({k: v for k, v in good.items() if k != "age"}).encode())
 
 
+def test_a_pattern_or_format_string_matches_it_and_nothing_else():
+    import datetime
+    import re
+    import uuid
+
+    form = JsonForm.from_schema(DATED)
+    good = {"day": "2026-12-03", "at": "2026-12-03T06:31:33.5+01:00",
+            "id": "123e4567-e89b-12d3-a456-426614174000", "code": "AB-1234yz", "word": "abbbc"}
+    text = json.dumps(good)
+    assert _whole(form, text.encode())
+    for change in [{"day": "2026-12-3"}, {"day": "2026/12/03"}, {"day": "2026-13-03"},
+                   {"at": "2026-12-03 06:31:33Z"}, {"at": "2026-12-03T24:31:33Z"},
+                   {"at": "2026-12-03T06:31:33"}, {"id": "123e4567e89b12d3a456426614174000"},
+                   {"code": "AB-12"}, {"code": "ab-123"}, {"code": "AB-123x "}, {"word": "ac"},
+                   {"word": "xabc"}]:
+        assert not _whole(form, json.dumps({**good, **change}).encode()), change
+    assert not _whole(form, text.replace("abbbc", "ab\\u0062bc").encode())   # no escapes
+    anywhere = JsonForm.from_schema({"type": "object", "properties": {
+        "w": {"type": "string", "pattern": "ab+c"}}})      # unanchored: a match anywhere
+    assert _whole(anywhere, b'{"w": "x abbc!"}') and not _whole(anywhere, b'{"w": "x ac"}')
+    rng = random.Random(11)
+    for _ in range(20):                                    # random walks: each one parses
+        s, out = form.start(), bytearray()
+        while not complete(s) and len(out) < 1000:
+            ok = [b for b, fits in enumerate(first_bytes(s)) if fits]
+            out.append(rng.choice(ok))
+            s = step(s, out[-1])
+        if complete(s):
+            v = json.loads(out.decode())
+            y, m, d = v["day"].split("-")              # a day past its month's end may come
+            datetime.date(int(y), int(m), min(int(d), 28))
+            assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)",
+                                v["at"])
+            uuid.UUID(v["id"])
+            assert re.search(r"^[A-Z]{2}-\d{3,5}(x|yz)?$", v["code"])
+            assert re.search(r"^ab+c$", v["word"])
+
+
 @pytest.mark.parametrize("schema, match", [
     ({"type": "string"}, "top level must be an object"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}},
+     "lookarounds"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x",
+                                             "maxLength": 3}}}, "with a length bound"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
+     "format 'email' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "string",
+                                             "pattern": "((a{64}){64}){64}"}}}, "too large"),
     ({"type": "object", "properties": {"a": {"type": "number", "minimum": 0}}}, "'minimum'"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}}, "names no subschema"),
     ({"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}}, "only '#/\\$defs"),

@@ -16,7 +16,8 @@ What a schema's text is:
 * an array's items each match ``items`` (any value without it), between ``minItems`` and
   ``maxItems``;
 * a string is any JSON string (escapes checked, UTF-8 checked) of ``minLength`` to ``maxLength``
-  characters;
+  characters, or one of printable ASCII that matches its ``pattern`` or ``format`` (``date``,
+  ``time``, ``date-time``, ``uuid``; :mod:`sparkv.runtime.jsonregex`);
 * ``integer`` has no fraction or exponent; ``number`` is a JSON number of at most
   :data:`MAX_NUMBER_BYTES` bytes and a two-digit exponent (so every number is a finite double);
 * ``enum`` and ``const`` are their values' compact JSON texts; ``boolean`` and ``null`` theirs;
@@ -28,8 +29,8 @@ What a schema's text is:
   schema) is refused.
 
 Keywords that only annotate (``title``, ``description``, ``$schema``, ``default``, ...) are
-ignored; any other (``pattern``, ``format``, ``minimum``, ...) is a :class:`FormError` naming
-it, never a constraint silently dropped. Whitespace between tokens of the JSON text is
+ignored; any other (``minimum``, ``multipleOf``, ``uniqueItems``, ...) is a :class:`FormError`
+naming it, never a constraint silently dropped. Whitespace between tokens of the JSON text is
 allowed, at most :data:`MAX_WHITESPACE` bytes in a row (a model may otherwise emit newlines
 until its token cap).
 """
@@ -40,6 +41,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from sparkv.runtime.jsonregex import FORMATS, Pattern, PatternError
 
 __all__ = ["JsonForm", "FormError", "State", "step", "feed", "complete", "first_bytes", "next_key",
            "MAX_WHITESPACE", "MAX_NUMBER_BYTES", "MAX_SCHEMA_NODES", "MAX_SCHEMA_DEPTH"]
@@ -87,6 +90,7 @@ class _Array(_Node):
 class _String(_Node):
     min_len: int = 0
     max_len: Optional[int] = None
+    pattern: Optional[Pattern] = None           # its text matches it (printable ASCII only)
     first = frozenset(b'"')
 
 
@@ -134,7 +138,8 @@ _REF = re.compile(r"^#/(\$defs|definitions)/([^/]+)$")
 #: the keywords each type takes, besides the annotations
 _KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
              "array": {"items", "minItems", "maxItems"},
-             "string": {"minLength", "maxLength"}, "number": set(), "integer": set(),
+             "string": {"minLength", "maxLength", "pattern", "format"}, "number": set(),
+             "integer": set(),
              "boolean": set(), "null": set()}
 
 
@@ -204,7 +209,7 @@ class _Compiler:
             lo, hi = _bounds(schema, "minItems", "maxItems", where)
             return _Array(items, lo, hi)
         if kind == "string":
-            return _String(*_bounds(schema, "minLength", "maxLength", where))
+            return _string_node(schema, where)
         if kind in ("number", "integer"):
             return _Number(integer=kind == "integer")
         return _Literal((b"true", b"false") if kind == "boolean" else (b"null",))
@@ -276,8 +281,8 @@ class _Compiler:
         if extra:
             raise FormError(f"{where}: {extra[0]!r} is not supported here (a schema may use "
                             "type, properties, required, additionalProperties, items, "
-                            "minItems, maxItems, minLength, maxLength, enum, const, anyOf, "
-                            "oneOf, $ref to $defs)")
+                            "minItems, maxItems, minLength, maxLength, pattern, format, enum, "
+                            "const, anyOf, oneOf, $ref to $defs)")
 
 
 def _canonical(value: Any) -> bytes:
@@ -299,6 +304,28 @@ def _count(schema: dict, key: str, where: str) -> int | None:
     if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31):
         raise FormError(f"{where}.{key}: a whole number >= 0, not {v!r}")
     return v
+
+
+def _string_node(schema: dict, where: str) -> _Node:
+    """A string schema: its length bounds, or its ``pattern`` or ``format`` (not both, and not
+    with a length bound: together they could leave a string no way to end)."""
+    lo, hi = _bounds(schema, "minLength", "maxLength", where)
+    spec = [k for k in ("pattern", "format") if k in schema]
+    if not spec:
+        return _String(lo, hi)
+    if len(spec) > 1 or lo or hi is not None:
+        raise FormError(f"{where}: {spec[0]!r} with {'format' if len(spec) > 1 else 'a length'}"
+                        " bound is not supported")
+    fmt = schema.get("format")
+    text = schema["pattern"] if spec[0] == "pattern" else \
+        FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if text is None:
+        raise FormError(f"{where}: format {schema['format']!r} is not supported (date, time, "
+                        "date-time, uuid)")
+    try:
+        return _String(pattern=Pattern.compile(text))
+    except PatternError as e:
+        raise FormError(f"{where}: pattern {text!r}: {e}") from None
 
 
 def _bounds(schema: dict, low: str, high: str, where: str) -> tuple[int, int | None]:
@@ -423,6 +450,8 @@ def _value(top: tuple, byte: int) -> tuple[tuple, bool] | None:
     if isinstance(node, _Array):
         return (("A0", node),), True
     if isinstance(node, _String):
+        if node.pattern is not None:
+            return (("R", node, node.pattern.start()),), True
         return (("S", node, 0, 0, 0),), True
     if isinstance(node, _Number):
         return (("N", node, 0, 0),), False
@@ -528,6 +557,15 @@ _NUMBER_NEXT = {0: {"-": 1, "0": 2, "#": 3}, 1: {"0": 2, "#": 3}, 2: {".": 4, "E
 _NUMBER_WHOLE = frozenset({2, 3, 5, 8, 9})
 
 
+def _patterned(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    """A string whose text must match its pattern: printable ASCII, no escapes."""
+    _, node, states = top
+    if byte == ord('"'):
+        return ((), True) if node.pattern.accepts(states) else None
+    nxt = node.pattern.step(states, byte) if 0x20 <= byte < 0x7F and byte != 0x5C else None
+    return ((("R", node, nxt),), True) if nxt else None
+
+
 def _number(top: tuple, byte: int) -> tuple[tuple, bool] | None:
     _, node, phase, length = top
     c = chr(byte)
@@ -556,4 +594,4 @@ def _literal(top: tuple, byte: int) -> tuple[tuple, bool] | None:
 _HANDLERS = {"V": _value, "O0": _free_object, "OK": _free_object, "OC": _free_object,
              "OA": _free_object, "PK": _schema_object, "PC": _schema_object,
              "PA": _schema_object, "PE": _schema_object, "A0": _array, "A1": _array,
-             "S": _string, "N": _number, "L": _literal}
+             "S": _string, "R": _patterned, "N": _number, "L": _literal}

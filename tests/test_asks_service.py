@@ -694,8 +694,8 @@ def test_the_openai_client_gets_json_of_the_schema_it_asks_for(world):
         assert pick.color.value in ("red", "green") and pick.inner.note is None
         for bad, says in [({"type": "string"}, "top level must be an object"),
                           ({"type": "object", "properties": {"a": {"type": "string",
-                                                                   "format": "date"}}},
-                           "'format' is not supported")]:
+                                                                   "format": "email"}}},
+                           "format 'email' is not supported")]:
             with pytest.raises(openai.UnprocessableEntityError, match=says):
                 oa.chat.completions.create(response_format={
                     "type": "json_schema", "json_schema": {"name": "x", "schema": bad}}, **kw)

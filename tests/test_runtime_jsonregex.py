@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -48,3 +49,23 @@ def test_the_formats_take_their_rfc_texts(name, good, bad):
 def test_what_is_not_taken_is_refused_by_name(pattern, says):
     with pytest.raises(PatternError, match=re.escape(says)):
         Pattern.compile(pattern)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="ab1^$.|?*+(){}[]-\\,:dws23", max_size=10),
+       st.lists(st.text(alphabet="ab1-2 ,:d", max_size=6), max_size=4))
+def test_any_text_compiles_or_is_refused_and_what_compiles_matches_as_python_does(text, strings):
+    """What a client may send as a pattern: never another exception; where Python's re takes
+    it too, the same strings match."""
+    try:
+        pattern = Pattern.compile(text)
+    except PatternError:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")               # "possible nested set" and such
+            python = re.compile(text)
+    except re.error:
+        return
+    for s in strings:
+        assert _matches(pattern, s) == (python.search(s) is not None), (text, s)

@@ -84,7 +84,7 @@ class ChooserClock:
 def _answer(lm: Any, kv: Any, n: int, item: Any, mode: str, tokens: int,
             clock: ChooserClock) -> dict[str, Any]:
     from sparkv.edge import question_suffix
-    from sparkv.runtime.generate import eos_ids, greedy_generate
+    from sparkv.runtime.generate import greedy_generate
     from sparkv.runtime.sampling import Sampling
 
     question = item.question + ("" if mode == "text" else INSTRUCTION)
@@ -92,7 +92,7 @@ def _answer(lm: Any, kv: Any, n: int, item: Any, mode: str, tokens: int,
     clock.take()
     res = greedy_generate(lm, kv, n, q, tokens, sampling=Sampling(form=_form(mode)))
     chooser_s, calls = clock.take()
-    ended = len(res.tokens) < tokens or res.tokens[-1] in eos_ids(lm)
+    ended = len(res.tokens) < tokens or res.tokens[-1] in lm.eos_ids
     out = _judged(item, res.text, ended)
     decode_s = res.total_s - res.first_token_s
     out.update(tokens=len(res.tokens), chooser_us_per_token=chooser_s / max(1, calls) * 1e6,

@@ -173,9 +173,8 @@ class AskService:
         self._ids = itertools.count(1)
         self._started = itertools.count(1)
         self.counters = {"asks": 0, "done": 0, "failed": 0, "cancelled": 0}
-        from sparkv.runtime.generate import eos_ids
 
-        self.eos = eos_ids(self.lm)
+        self.eos = self.lm.eos_ids
         forward.install(self.lm.model)
 
     def warm(self) -> float:

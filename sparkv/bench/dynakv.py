@@ -82,7 +82,6 @@ def _session_run(lm: LoadedModel, layers: Any, ctx: list[int], q: list[int], ref
                  retrieval: float, flash_dir: str | None) -> dict[str, Any]:
     """One policy over the reference stream; returns its row."""
     from sparkv.decode import DecodeSession
-    from sparkv.runtime.generate import eos_ids
 
     final = len(ctx) + len(q) + len(ref) + len(follow) + 16
     # full_steps=0: every step is the policy's (none over the full KV while the clusters build)
@@ -101,9 +100,9 @@ def _session_run(lm: LoadedModel, layers: Any, ctx: list[int], q: list[int], ref
                 agree += int(tokens[-1] == ref[i + 1])
             logits = s.feed([ref[-1]] + follow)
             answer = [int(logits.argmax())]
-            while len(answer) < 16 and answer[-1] not in eos_ids(lm):
+            while len(answer) < 16 and answer[-1] not in lm.eos_ids:
                 answer.append(int(s.feed([answer[-1]]).argmax()))
-            text = lm.decode_tokens([t for t in answer if t not in eos_ids(lm)])
+            text = lm.decode_tokens([t for t in answer if t not in lm.eos_ids])
             st = s.stats()
     except ValueError as e:
         if "ram_budget" not in str(e):

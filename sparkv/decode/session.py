@@ -30,7 +30,7 @@ from sparkv.decode.index import ClusterIndex
 from sparkv.decode.policy import ClusteredKV
 from sparkv.decode.stats import DecodeStats
 from sparkv.decode.stream import StreamedKV
-from sparkv.runtime.generate import GenerationResult, answer_text, context_memory, eos_ids
+from sparkv.runtime.generate import GenerationResult, answer_text, context_memory
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.kvcache import LayerKV
 from sparkv.runtime.model import LoadedModel
@@ -480,7 +480,7 @@ def generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int | Sequen
         token = choose(logits)
         first_s = time.perf_counter() - start
         tokens = [token]
-        eos = eos_ids(lm)
+        eos = lm.eos_ids
         stops = StopStrings(stop)
         while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
                and not stops.hit(lm, tokens) and not choose.finished):

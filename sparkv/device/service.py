@@ -77,7 +77,6 @@ from sparkv.device.swap import SwapStore
 from sparkv.device.tails import MIN_REUSE, Rows, TailKey, TurnTails, default_capacity
 from sparkv.device.calls import CallResult, run_turn
 from sparkv.layout import ChunkGeometry
-from sparkv.runtime.generate import eos_ids
 
 if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
@@ -299,7 +298,7 @@ class ContextService:
             check_token_ids([t for t, _ in sampling.logit_bias], self.vocab, "logit_bias's ids")
         with self.registry.holding(ctx, timeout_s):
             ids = turn_ids(self.lm, ctx.pending, prompt, prompt_ids, chatml=self._chatml,
-                           eos=eos_ids(self.lm) if ctx.pending else ())
+                           eos=self.lm.eos_ids if ctx.pending else ())
             if not ids:
                 raise DeviceError("the prompt is empty")
             check_length(len(ctx.tokens), len(ids) + max_new_tokens, self.max_tokens,

@@ -132,7 +132,7 @@ def _decode(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[
     token = choose(logits)
     first_s = time.perf_counter() - start
     tokens = [token]
-    eos = eos_ids(lm)
+    eos = lm.eos_ids
     cur = n + ids.shape[1]
     while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
            and not stops.hit(lm, tokens) and not choose.finished):
@@ -148,7 +148,7 @@ def answer_text(lm: LoadedModel, tokens: Sequence[int], stops: StopStrings | Non
     tokenizer), cut before its first stop string."""
     if lm.tokenizer is None:
         return ""
-    eos = eos_ids(lm)
+    eos = lm.eos_ids
     text = lm.decode_tokens([t for t in tokens if t not in eos])
     return stops.cut(text) if stops else text
 
@@ -194,11 +194,6 @@ def _forced_token_by_token(lm: LoadedModel, cache: SparkvCache, n: int,
     return pred
 
 
-def eos_ids(lm: LoadedModel) -> set[int]:
-    """The model's end-of-sequence token ids (its generation config's, else its config's)."""
-    return lm.eos_ids
-
-
 @torch.inference_mode()
 def reference_prefill(lm: LoadedModel, token_ids: Sequence[int]) -> LayerKV:
     """The model's own full prefill (transformers forward); per layer ``(K, V)`` after RoPE."""
@@ -221,7 +216,7 @@ def reference_generate(lm: LoadedModel, prompt_ids: Sequence[int], max_new_token
 def _pad_id(lm: LoadedModel) -> int:
     pad = getattr(lm.config, "pad_token_id", None)
     if pad is None:
-        eos = eos_ids(lm)
+        eos = lm.eos_ids
         pad = min(eos) if eos else 0
     return int(pad)
 

@@ -37,12 +37,13 @@ until its token cap).
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from sparkv.runtime.jsonregex import FORMATS, Pattern, PatternError
+from sparkv.runtime.formparts import (ANY, ANY_NUMBER, ANY_STRING, BY_FIRST, AnyValue, ArrayPart,
+                                     FormError, Node, NumberPart, ObjectPart, StringPart,
+                                     UnionPart)
+from sparkv.runtime.formschema import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, schema_node
 
 __all__ = ["JsonForm", "FormError", "State", "step", "feed", "complete", "first_bytes", "next_key",
            "MAX_WHITESPACE", "MAX_NUMBER_BYTES", "MAX_SCHEMA_NODES", "MAX_SCHEMA_DEPTH"]
@@ -51,299 +52,14 @@ __all__ = ["JsonForm", "FormError", "State", "step", "feed", "complete", "first_
 MAX_WHITESPACE = 16
 #: the longest number's text
 MAX_NUMBER_BYTES = 32
-#: the most subschemas one schema holds, and how deep they nest
-MAX_SCHEMA_NODES = 512
-MAX_SCHEMA_DEPTH = 16
 
-
-class FormError(ValueError):
-    """A schema this automaton cannot enforce (or no schema at all)."""
-
-
-# ---- the compiled schema: one node per subschema -------------------------------------------------
-class _Node:
-    """A subschema; ``first``: the bytes its value's text may begin with."""
-
-    first: frozenset[int] = frozenset()
-
-
-@dataclass(eq=False)
-class _Any(_Node):
-    first = frozenset(b'{["-0123456789tfn')
-
-
-@dataclass(eq=False)
-class _Object(_Node):
-    props: tuple[tuple[bytes, _Node], ...] | None   # None: any keys and values
-    first = frozenset(b"{")
-
-
-@dataclass(eq=False)
-class _Array(_Node):
-    items: _Node
-    min_items: int = 0
-    max_items: Optional[int] = None
-    first = frozenset(b"[")
-
-
-@dataclass(eq=False)
-class _String(_Node):
-    min_len: int = 0
-    max_len: Optional[int] = None
-    pattern: Optional[Pattern] = None           # its text matches it (printable ASCII only)
-    first = frozenset(b'"')
-
-
-@dataclass(eq=False)
-class _Number(_Node):
-    integer: bool = False
-    first = frozenset(b"-0123456789")
-
-
-@dataclass(eq=False)
-class _Literal(_Node):
-    texts: tuple[bytes, ...]
-
-    def __post_init__(self) -> None:
-        self.first = frozenset(t[0] for t in self.texts)
-
-
-@dataclass(eq=False)
-class _Union(_Node):
-    branches: tuple[_Node, ...]
-
-    def __post_init__(self) -> None:
-        self.first = frozenset().union(*(b.first for b in self.branches))
-
-    def branch(self, byte: int) -> _Node | None:
-        return next((b for b in self.branches if byte in b.first), None)
-
-
-_ANY = _Any()
-_ANY_STRING = _String()
-_ANY_OBJECT = _Object(None)
-_ANY_ARRAY = _Array(_ANY)
-_ANY_NUMBER = _Number()
-_TRUE_FALSE_NULL = _Literal((b"true", b"false", b"null"))
-#: what a value of any kind is, by its first byte
-_BY_FIRST = {ord("{"): _ANY_OBJECT, ord("["): _ANY_ARRAY, ord('"'): _ANY_STRING,
-             ord("t"): _TRUE_FALSE_NULL, ord("f"): _TRUE_FALSE_NULL, ord("n"): _TRUE_FALSE_NULL}
-
-#: keywords that say nothing of the text
-_ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default",
-                          "examples", "deprecated", "readOnly", "writeOnly",
-                          "$defs", "definitions"})      # subschemas a $ref names, not the text
-#: what a ``$ref`` may name: a subschema of the root's ``$defs`` (or ``definitions``)
-_REF = re.compile(r"^#/(\$defs|definitions)/([^/]+)$")
-#: the keywords each type takes, besides the annotations
-_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
-             "array": {"items", "minItems", "maxItems"},
-             "string": {"minLength", "maxLength", "pattern", "format"}, "number": set(),
-             "integer": set(),
-             "boolean": set(), "null": set()}
-
-
-# ---- compiling a schema ---------------------------------------------------------------------------
-class _Compiler:
-    def __init__(self, root: Any) -> None:
-        self.nodes = 0
-        self.root = root if isinstance(root, dict) else {}
-        self.named: dict[str, _Node] = {}       # each $ref compiled once
-        self.naming: set[str] = set()           # the $refs being compiled (a cycle: refused)
-
-    def node(self, schema: Any, where: str, depth: int) -> _Node:
-        self.nodes += 1
-        if self.nodes > MAX_SCHEMA_NODES or depth > MAX_SCHEMA_DEPTH:
-            raise FormError(f"the schema is too large (at most {MAX_SCHEMA_NODES} subschemas, "
-                            f"{MAX_SCHEMA_DEPTH} deep)")
-        if isinstance(schema, dict) and "$ref" in schema:
-            self._only(schema, {"$ref"}, where)
-            return self._ref(schema["$ref"], where, depth)
-        if schema is True or schema == {}:
-            return _ANY
-        if not isinstance(schema, dict):
-            raise FormError(f"{where}: a schema is an object, not {type(schema).__name__}")
-        if "const" in schema or "enum" in schema:
-            return self._literals(schema, where)
-        for key in ("anyOf", "oneOf"):
-            if key in schema:
-                return self._union(schema, key, where, depth)
-        kind = schema.get("type")
-        if isinstance(kind, list):
-            return self._types(schema, kind, where, depth)
-        if kind is None:
-            self._only(schema, set(), where)
-            return _ANY
-        return self._typed(schema, kind, where, depth)
-
-    def _ref(self, ref: Any, where: str, depth: int) -> _Node:
-        """The subschema ``ref`` names in the root's ``$defs``, compiled once (a ref that comes
-        back to itself is refused: its values could nest without end)."""
-        m = _REF.match(ref) if isinstance(ref, str) else None
-        if m is None:
-            raise FormError(f"{where}: $ref {ref!r}: only '#/$defs/NAME' (or '#/definitions/"
-                            "NAME') of the schema itself")
-        if ref in self.named:
-            return self.named[ref]
-        defs = self.root.get(m.group(1))
-        name = m.group(2).replace("~1", "/").replace("~0", "~")
-        if not isinstance(defs, dict) or name not in defs:
-            raise FormError(f"{where}: $ref {ref!r} names no subschema of the schema")
-        if ref in self.naming:
-            raise FormError(f"{where}: $ref {ref!r} refers back to itself (a recursive schema "
-                            "is not supported)")
-        self.naming.add(ref)
-        node = self.node(defs[name], ref, depth + 1)
-        self.naming.discard(ref)
-        self.named[ref] = node
-        return node
-
-    def _typed(self, schema: dict, kind: Any, where: str, depth: int) -> _Node:
-        if not isinstance(kind, str) or kind not in _KEYWORDS:
-            raise FormError(f"{where}: type {kind!r} is not a JSON Schema type")
-        self._only(schema, _KEYWORDS[kind] | {"type"}, where)
-        if kind == "object":
-            return self._object(schema, where, depth)
-        if kind == "array":
-            items = self.node(schema.get("items", True), f"{where}.items", depth + 1)
-            lo, hi = _bounds(schema, "minItems", "maxItems", where)
-            return _Array(items, lo, hi)
-        if kind == "string":
-            return _string_node(schema, where)
-        if kind in ("number", "integer"):
-            return _Number(integer=kind == "integer")
-        return _Literal((b"true", b"false") if kind == "boolean" else (b"null",))
-
-    def _types(self, schema: dict, kinds: list, where: str, depth: int) -> _Node:
-        """``type`` as a list: a branch per type, each with its own keywords."""
-        bad = [k for k in kinds if not isinstance(k, str) or k not in _KEYWORDS]
-        if bad or not kinds:
-            raise FormError(f"{where}: type {bad[0] if bad else kinds!r} is not a JSON Schema "
-                            "type")
-        self._only(schema, set().union(*(_KEYWORDS[k] for k in kinds)) | {"type"}, where)
-        return self._branches([self._typed({k: v for k, v in schema.items()
-                                            if k in _KEYWORDS[t] or k in _ANNOTATIONS},
-                                           t, where, depth) for t in kinds], where)
-
-    def _object(self, schema: dict, where: str, depth: int) -> _Node:
-        props = schema.get("properties")
-        if props is None:
-            return _Object(None)
-        if not isinstance(props, dict):
-            raise FormError(f"{where}.properties: an object of schemas")
-        required = schema.get("required", [])
-        if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
-            raise FormError(f"{where}.required: a list of property names")
-        missing = [r for r in required if r not in props]
-        if missing:
-            raise FormError(f"{where}.required names {missing[0]!r}, not among its properties")
-        return _Object(tuple((_key_text(k), self.node(v, f"{where}.{k}", depth + 1))
-                             for k, v in props.items()))
-
-    def _literals(self, schema: dict, where: str) -> _Node:
-        self._only(schema, {"const", "enum", "type"}, where)
-        values = schema["enum"] if "enum" in schema else [schema["const"]]
-        if not isinstance(values, list) or not values:
-            raise FormError(f"{where}.enum: a non-empty list of values")
-        if "const" in schema and "enum" in schema:      # both: the const, if the enum has it
-            values = [v for v in values if _canonical(v) == _canonical(schema["const"])]
-            if not values:
-                raise FormError(f"{where}: its const is not among its enum: no value is both")
-        if "type" in schema:
-            kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-            values = [v for v in values if any(_is_a(v, k) for k in kinds)]
-            if not values:
-                raise FormError(f"{where}: no value of its enum or const is of its type")
-        texts = tuple(dict.fromkeys(_canonical(v) for v in values))
-        return _Literal(texts)
-
-    def _union(self, schema: dict, key: str, where: str, depth: int) -> _Node:
-        self._only(schema, {key}, where)
-        options = schema[key]
-        if not isinstance(options, list) or not options:
-            raise FormError(f"{where}.{key}: a non-empty list of schemas")
-        return self._branches([self.node(s, f"{where}.{key}[{i}]", depth + 1)
-                               for i, s in enumerate(options)], where)
-
-    @staticmethod
-    def _branches(nodes: list[_Node], where: str) -> _Node:
-        for i, a in enumerate(nodes):
-            for b in nodes[i + 1:]:
-                if a.first & b.first:
-                    raise FormError(f"{where}: two branches' values begin with the same byte "
-                                    f"({chr(min(a.first & b.first))!r}); the choice must be "
-                                    "made at the first byte (an object and a string, say)")
-        return nodes[0] if len(nodes) == 1 else _Union(tuple(nodes))
-
-    @staticmethod
-    def _only(schema: dict, allowed: set[str], where: str) -> None:
-        extra = sorted(set(schema) - allowed - _ANNOTATIONS)
-        if extra:
-            raise FormError(f"{where}: {extra[0]!r} is not supported here (a schema may use "
-                            "type, properties, required, additionalProperties, items, "
-                            "minItems, maxItems, minLength, maxLength, pattern, format, enum, "
-                            "const, anyOf, oneOf, $ref to $defs)")
-
-
-def _canonical(value: Any) -> bytes:
-    """A JSON value's compact text (keys in their order)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def _is_a(value: Any, kind: Any) -> bool:
-    """Whether a JSON value is of a JSON Schema type."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return {"null": value is None, "boolean": isinstance(value, bool), "number": number,
-            "integer": number and float(value).is_integer(), "string": isinstance(value, str),
-            "array": isinstance(value, list), "object": isinstance(value, dict)
-            }.get(kind, False) if isinstance(kind, str) else False
-
-
-def _count(schema: dict, key: str, where: str) -> int | None:
-    v = schema.get(key)
-    if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31):
-        raise FormError(f"{where}.{key}: a whole number >= 0, not {v!r}")
-    return v
-
-
-def _string_node(schema: dict, where: str) -> _Node:
-    """A string schema: its length bounds, or its ``pattern`` or ``format`` (not both, and not
-    with a length bound: together they could leave a string no way to end)."""
-    lo, hi = _bounds(schema, "minLength", "maxLength", where)
-    spec = [k for k in ("pattern", "format") if k in schema]
-    if not spec:
-        return _String(lo, hi)
-    if len(spec) > 1 or lo or hi is not None:
-        raise FormError(f"{where}: {spec[0]!r} with {'format' if len(spec) > 1 else 'a length'}"
-                        " bound is not supported")
-    fmt = schema.get("format")
-    text = schema["pattern"] if spec[0] == "pattern" else \
-        FORMATS.get(fmt) if isinstance(fmt, str) else None
-    if text is None:
-        raise FormError(f"{where}: format {schema['format']!r} is not supported (date, time, "
-                        "date-time, uuid)")
-    try:
-        return _String(pattern=Pattern.compile(text))
-    except PatternError as e:
-        raise FormError(f"{where}: pattern {text!r}: {e}") from None
-
-
-def _bounds(schema: dict, low: str, high: str, where: str) -> tuple[int, int | None]:
-    lo, hi = _count(schema, low, where) or 0, _count(schema, high, where)
-    if hi is not None and lo > hi:
-        raise FormError(f"{where}: {low} {lo} is above {high} {hi}: no value has both")
-    return lo, hi
-
-
-def _key_text(key: str) -> bytes:
-    return json.dumps(key, ensure_ascii=False).encode()
 
 
 @dataclass(frozen=True, eq=False)
 class JsonForm:
     """What an answer's text must be: a JSON value of :attr:`root`'s schema (an object)."""
 
-    root: _Node
+    root: Node
     name: str = "json_object"
 
     def __repr__(self) -> str:                  # a rule's repr names its form, not its nodes
@@ -352,14 +68,14 @@ class JsonForm:
     @classmethod
     def any_object(cls) -> "JsonForm":
         """OpenAI's ``json_object``: any JSON object."""
-        return cls(_Object(None))
+        return cls(ObjectPart(None))
 
     @classmethod
     def from_schema(cls, schema: Any, name: str = "schema") -> "JsonForm":
         """OpenAI's ``json_schema``: a value of ``schema``, whose top level is an object
         (:class:`FormError` for what the automaton cannot enforce)."""
-        root = _Compiler(schema).node(schema, "schema", 0)
-        if not isinstance(root, _Object):
+        root = schema_node(schema)
+        if not isinstance(root, ObjectPart):
             raise FormError("schema: the top level must be an object schema "
                             "({'type': 'object', ...}), as OpenAI's structured outputs ask")
         return cls(root, name)
@@ -435,25 +151,25 @@ def next_key(state: State) -> tuple:
 
 def _value(top: tuple, byte: int) -> tuple[tuple, bool] | None:
     node = top[1]
-    if isinstance(node, _Union):
+    if isinstance(node, UnionPart):
         node = node.branch(byte)
         if node is None:
             return None
     if byte not in node.first:
         return None
-    if isinstance(node, _Any):
-        node = _BY_FIRST.get(byte, _ANY_NUMBER)
-    if isinstance(node, _Object):
+    if isinstance(node, AnyValue):
+        node = BY_FIRST.get(byte, ANY_NUMBER)
+    if isinstance(node, ObjectPart):
         if node.props is None:
             return (("O0", node),), True
         return ((("PK", node, 0),) if node.props else (("PE", node),)), True
-    if isinstance(node, _Array):
+    if isinstance(node, ArrayPart):
         return (("A0", node),), True
-    if isinstance(node, _String):
+    if isinstance(node, StringPart):
         if node.pattern is not None:
             return (("R", node, node.pattern.start()),), True
         return (("S", node, 0, 0, 0),), True
-    if isinstance(node, _Number):
+    if isinstance(node, NumberPart):
         return (("N", node, 0, 0),), False
     return (("L", node.texts, 0),), False
 
@@ -463,9 +179,9 @@ def _free_object(top: tuple, byte: int) -> tuple[tuple, bool] | None:
     if kind == "O0" and byte == ord("}"):
         return (), True
     if kind in ("O0", "OK") and byte == ord('"'):
-        return (("OC", node), ("S", _ANY_STRING, 0, 0, 0)), True
+        return (("OC", node), ("S", ANY_STRING, 0, 0, 0)), True
     if kind == "OC" and byte == ord(":"):
-        return (("OA", node), ("V", _ANY)), True
+        return (("OA", node), ("V", ANY)), True
     if kind == "OA" and byte == ord(","):
         return (("OK", node),), True
     if kind == "OA" and byte == ord("}"):

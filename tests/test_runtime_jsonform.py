@@ -94,7 +94,23 @@ PYDANTIC = {
     "additionalProperties": False}
 
 
-@pytest.mark.parametrize("schema", [PERSON, UNION, EMPTY, PYDANTIC, DATED, {"type": "object"}])
+#: unions that only a later byte decides: objects of other properties or consts, a number that
+#: may be an integer, overlapping strings, and a discriminated oneOf
+TWOFOLD = {"type": "object", "properties": {
+    "v": {"anyOf": [
+        {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}}},
+        {"type": "object", "properties": {"kind": {"const": "b"},
+                                          "y": {"type": "string", "maxLength": 3}}},
+        {"type": "object", "properties": {"kind": {"const": "a"}, "z": {"type": "boolean"}}}]},
+    "n": {"type": ["integer", "number"]},
+    "w": {"oneOf": [{"type": "object", "properties": {"t": {"const": 1}, "a": {"type": "null"}}},
+                    {"type": "object", "properties": {"t": {"const": 2}, "a": {"type": "null"}}}],
+          "discriminator": {"propertyName": "t"}},
+    "s": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "string", "minLength": 1}]}}}
+
+
+@pytest.mark.parametrize("schema", [PERSON, UNION, EMPTY, PYDANTIC, DATED, TWOFOLD,
+                                    {"type": "object"}])
 def test_a_random_walk_never_dead_ends_and_every_whole_text_is_a_value_of_the_schema(schema):
     rs = pytest.importorskip("jsonschema_rs")
     form, rng, whole, by_key = JsonForm.from_schema(schema), random.Random(7), 0, {}
@@ -185,9 +201,10 @@ def test_a_pattern_or_format_string_matches_it_and_nothing_else():
       "properties": {"t": {"$ref": "#/$defs/T"}}}, "refers back to itself"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a", "type": "string"}}},
      "'type' is not supported"),
-    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"},
-                                                       {"type": "object"}]}}}, "first byte"),
-    ({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}, "first byte"),
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "object"},
+                                                       {"type": "object"}]}}}, "told apart"),
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"},
+                                                       {"type": "number"}]}}}, "told apart"),
     ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3,
                                              "maxLength": 2}}}, "no value has both"),
     ({"type": "object", "properties": {"a": {"type": "text"}}}, "not a JSON Schema type"),
@@ -328,11 +345,11 @@ def test_the_walk_over_the_sorted_vocabulary_finds_exactly_the_tokens_that_fit(s
     form = JsonForm.from_schema(schema)
     guide, seen = FormGuide(form, vocab), 0
     for _ in range(60):                     # the states of a random answer over this vocabulary
-        want = [t for t in range(1, len(vocab)) if guide.fits(t)]
+        want = [t for t in range(len(vocab)) if guide.fits(t)]   # end-of-sequence (0) too
         assert sorted(guide.fitting()) == want
         if guide.whole:
             break
-        guide.advance(rng.choice(want))
+        guide.advance(rng.choice([t for t in want if t]))
         seen += 1
     assert seen >= 20
 
@@ -401,3 +418,79 @@ def test_every_generation_path_answers_a_value_of_the_schema(json_llama, context
     free = greedy_generate(json_llama, context, 64, [3, 9, 27], max_new_tokens=40,
                            stop_at_eos=False, sampling=Sampling(**rule))
     assert free.tokens != got.tokens       # the form is what made them JSON
+
+
+def test_a_union_decided_only_by_a_later_byte_reads_every_branch_until_one_is_left():
+    form = JsonForm.from_schema(TWOFOLD)
+    good = {"v": {"kind": "a", "z": True}, "n": 2.5, "w": {"t": 2, "a": None}, "s": "abc"}
+    assert _whole(form, json.dumps(good).encode())
+    for v in ({"kind": "a", "x": 3}, {"kind": "b", "y": "ab"}):
+        assert _whole(form, json.dumps({**good, "v": v, "n": 7}).encode())
+    for bad in ({"v": {"kind": "b", "x": 3}}, {"v": {"kind": "a", "y": "ab"}},
+                {"w": {"t": 3, "a": None}}, {"s": 1}, {"n": "1"}):
+        assert not _whole(form, json.dumps({**good, **bad}).encode()), bad
+    s = form.start()
+    for b in b'{"v": {"kind": "a", ':
+        s = step(s, b)
+    assert s[0] == "|" and len(s[1]) == 2        # the two "a" objects, both still going
+    assert step(s, ord('"')) is not None and next_key(s)[0] == "|"
+
+
+def test_parts_around_json_read_exact_text_prose_sequences_and_repeats():
+    from sparkv.runtime.formparts import (object_part, one_of, raw_part, repeated, sequence,
+                                          text_part, ANY_STRING)
+    from sparkv.runtime.jsonform import END, feed, may_end
+
+    call = sequence(raw_part("<a>"), object_part([("q", ANY_STRING)]), raw_part("</a>"))
+    form = JsonForm.of(one_of(text_part(refused=("<a>",)), repeated(call, 1, 2)))
+    one, two = b'<a>{"q": "x"}</a>', b'<a>{"q":"y"}</a><a> {"q": ""}</a>'
+    for text in (one, two):
+        s = feed(form.start(), text)
+        assert s is not None and may_end(s), text
+    assert complete(feed(form.start(), two))             # at most two: nothing may follow
+    assert not complete(feed(form.start(), one))         # another may
+    assert feed(form.start(), b" <a>") is not None       # prose, as it does not begin with <a>
+    assert feed(form.start(), b"<a> {") is not None      # a call: JSON may follow whitespace
+    assert feed(form.start(), b"<a>x") is None           # neither prose nor a call
+    assert feed(form.start(), b'<a>{"q":"x"}</a>x') is None and feed(form.start(), b'<a>{"q":"x"}</a> ') is None
+    prose = feed(form.start(), "a caf\u00e9".encode())
+    assert prose is not None and may_end(prose) and not complete(prose)
+    assert not may_end(feed(form.start(), b"caf\xc3"))    # inside a character
+    assert feed(form.start(), b"caf\xc3(") is None and feed(form.start(), b"\xff") is None
+    assert not may_end(feed(form.start(), b"<a>"))       # a call begun is not an end
+    assert step(form.start(), END) is not None            # empty prose is an answer
+    assert next_key(feed(form.start(), b"xy")) == next_key(feed(form.start(), b"xyz"))
+
+
+def test_parts_that_cannot_be_are_refused_and_so_is_a_form_too_ambiguous():
+    from sparkv.runtime.formparts import (MAX_ALTERNATIVES, FormError as PartError, const_part,
+                                          object_part, one_of, raw_part, repeated, sequence,
+                                          text_part)
+
+    assert PartError is FormError
+    for make in (lambda: raw_part(""), lambda: sequence(text_part(), raw_part("x")),
+                 lambda: repeated(text_part()), lambda: repeated(raw_part("x"), 3, 2),
+                 lambda: one_of(), lambda: object_part([("a", const_part(1)), ("a", const_part(2))]),
+                 lambda: text_part(refused=("",))):
+        with pytest.raises(FormError):
+            make()
+    wide = one_of(*(raw_part("x%d" % i) for i in range(MAX_ALTERNATIVES + 1)))
+    with pytest.raises(FormError, match="ambiguous"):
+        JsonForm.of(wide)
+    strings = {"anyOf": [{"type": "string"}] * 30}          # 30 readings, referred to 20 times
+    with pytest.raises(FormError, match="ambiguous"):
+        JsonForm.from_schema({"type": "object", "$defs": {"s": strings}, "properties": {
+            "a": {"anyOf": [{"$ref": "#/$defs/s"}] * 20}}})
+
+
+def test_the_chooser_ends_prose_where_the_model_would_and_never_inside_a_character():
+    from sparkv.runtime.formparts import text_part
+
+    vocab = _vocab([None, b"hi", b"\xc3", b"\xa9"])
+    chooser = TokenChooser(Sampling(form=JsonForm.of(text_part())), vocab)
+    assert chooser(torch.tensor([9.0, 1.0, 0.0, 0.0])) == EOS and chooser.finished
+    chooser = TokenChooser(Sampling(form=JsonForm.of(text_part())), vocab)
+    assert chooser(torch.tensor([1.0, 0.0, 9.0, 0.0])) == 2      # half a character
+    assert chooser(torch.tensor([9.0, 0.0, 0.0, 1.0])) == 3      # no end inside it
+    assert not chooser.finished
+    assert chooser(torch.tensor([9.0, 0.0, 0.0, 1.0])) == EOS and chooser.finished

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from sparkv.runtime.formparts import (ANY, ArrayPart, FormError, LiteralPart, Node, NumberPart,
-                                      ObjectPart, StringPart, UnionPart)
+                                      ObjectPart, StringPart, UnionPart, json_text)
 from sparkv.runtime.jsonregex import FORMATS, Pattern, PatternError
 
 __all__ = ["schema_node", "MAX_SCHEMA_NODES", "MAX_SCHEMA_DEPTH"]
@@ -134,7 +134,7 @@ class _Compiler:
         if not isinstance(values, list) or not values:
             raise FormError(f"{where}.enum: a non-empty list of values")
         if "const" in schema and "enum" in schema:      # both: the const, if the enum has it
-            values = [v for v in values if _canonical(v) == _canonical(schema["const"])]
+            values = [v for v in values if json_text(v) == json_text(schema["const"])]
             if not values:
                 raise FormError(f"{where}: its const is not among its enum: no value is both")
         if "type" in schema:
@@ -142,25 +142,21 @@ class _Compiler:
             values = [v for v in values if any(_is_a(v, k) for k in kinds)]
             if not values:
                 raise FormError(f"{where}: no value of its enum or const is of its type")
-        texts = tuple(dict.fromkeys(_canonical(v) for v in values))
+        texts = tuple(dict.fromkeys(json_text(v) for v in values))
         return LiteralPart(texts)
 
     def _union(self, schema: dict, key: str, where: str, depth: int) -> Node:
-        self._only(schema, {key}, where)
+        self._only(schema, {key, "discriminator"}, where)
         options = schema[key]
         if not isinstance(options, list) or not options:
             raise FormError(f"{where}.{key}: a non-empty list of schemas")
-        return self._branches([self.node(s, f"{where}.{key}[{i}]", depth + 1)
-                               for i, s in enumerate(options)], where)
+        nodes = [self.node(s, f"{where}.{key}[{i}]", depth + 1) for i, s in enumerate(options)]
+        if key == "oneOf":
+            _exclusive(nodes, where)
+        return self._branches(nodes, where)
 
     @staticmethod
     def _branches(nodes: list[Node], where: str) -> Node:
-        for i, a in enumerate(nodes):
-            for b in nodes[i + 1:]:
-                if a.first & b.first:
-                    raise FormError(f"{where}: two branches' values begin with the same byte "
-                                    f"({chr(min(a.first & b.first))!r}); the choice must be "
-                                    "made at the first byte (an object and a string, say)")
         return nodes[0] if len(nodes) == 1 else UnionPart(tuple(nodes))
 
     @staticmethod
@@ -173,9 +169,31 @@ class _Compiler:
                             "const, anyOf, oneOf, $ref to $defs)")
 
 
-def _canonical(value: Any) -> bytes:
-    """A JSON value's compact text (keys in their order)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+def _exclusive(nodes: list[Node], where: str) -> None:
+    """``oneOf``: no text may be of two branches (:func:`_apart`, each pair)."""
+    for i, a in enumerate(nodes):
+        for j, b in enumerate(nodes[i + 1:], i + 1):
+            if not _apart(a, b):
+                raise FormError(f"{where}.oneOf: branches {i} and {j} may hold the same text "
+                                "(oneOf needs them told apart: by their first byte, or as "
+                                "objects whose properties differ or hold different consts); "
+                                "anyOf takes them")
+
+
+def _apart(a: Node, b: Node) -> bool:
+    """Whether no text is of both ``a`` and ``b``: they begin differently, or they are objects
+    with different property lists (each holds every property it lists), or with a property
+    whose literals differ."""
+    if not a.first & b.first:
+        return True
+    if not (isinstance(a, ObjectPart) and isinstance(b, ObjectPart)
+            and a.props is not None and b.props is not None):
+        return False
+    if [k for k, _ in a.props] != [k for k, _ in b.props]:
+        return True
+    return any(isinstance(x, LiteralPart) and isinstance(y, LiteralPart)
+               and not set(x.texts) & set(y.texts)
+               for (_, x), (_, y) in zip(a.props, b.props))
 
 
 def _is_a(value: Any, kind: Any) -> bool:

@@ -7,7 +7,8 @@
 * :class:`FormGuide`: one answer's place in its form. :meth:`FormGuide.mask` keeps the logits
   of the tokens whose first byte may come next (one gather over the vocabulary);
   :meth:`FormGuide.fits` tries a token's whole text; :meth:`FormGuide.advance` takes the chosen
-  one. Once the value is whole, the only token left is end-of-sequence.
+  one. End-of-sequence fits where the answer may end (:func:`~sparkv.runtime.jsonform.may_end`:
+  a whole value, or prose); once the value is whole, it is the only token left.
 
 The chooser (:class:`~sparkv.runtime.sampling.TokenChooser`) chooses from the masked logits as
 it would from any (greedy, or drawn by the sampling rule) and, while the token it chose does
@@ -25,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from sparkv.runtime.jsonform import (JsonForm, State, complete, feed, first_bytes, next_key,
-                                     step)
+from sparkv.runtime.jsonform import (JsonForm, State, complete, feed, first_bytes, may_end,
+                                     next_key, step)
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
@@ -194,6 +195,8 @@ class FormGuide:
             n = min(logits.numel(), len(self.vocab))
             allowed = torch.zeros(logits.numel(), dtype=torch.bool)
             allowed[:n] = firsts[self.vocab.first[:n]]
+            if may_end(self.state):
+                allowed[[t for t in self.vocab.eos if t < logits.numel()]] = True
             refused = (~allowed).to(logits.device)
             if len(self._refused) >= _KEPT_MASKS:
                 self._refused.pop(next(iter(self._refused)))
@@ -201,11 +204,16 @@ class FormGuide:
         return logits.masked_fill(refused, float("-inf"))
 
     def fitting(self) -> list[int]:
-        """Every token whose whole text may come next (:meth:`TokenBytes.fitting`)."""
-        return self.vocab.fitting(self.state)
+        """Every token whose whole text may come next (:meth:`TokenBytes.fitting`), and
+        end-of-sequence where the answer may end."""
+        ends = list(self.vocab.eos) if may_end(self.state) else []
+        return self.vocab.fitting(self.state) + ends
 
     def fits(self, token: int) -> bool:
-        """Whether ``token``'s whole text may come next."""
+        """Whether ``token``'s whole text may come next (end-of-sequence: whether the answer
+        may end here)."""
+        if token in self.vocab.eos:
+            return may_end(self.state)
         text = self.vocab.text(token)
         return text is not None and feed(self.state, text) is not None
 

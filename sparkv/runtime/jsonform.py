@@ -21,8 +21,11 @@ What a schema's text is:
 * ``integer`` has no fraction or exponent; ``number`` is a JSON number of at most
   :data:`MAX_NUMBER_BYTES` bytes and a two-digit exponent (so every number is a finite double);
 * ``enum`` and ``const`` are their values' compact JSON texts; ``boolean`` and ``null`` theirs;
-* ``type`` as a list, ``anyOf`` and ``oneOf`` choose a branch at the value's first byte, so their
-  branches must begin differently (an object and a string, say; two objects do not).
+* ``type`` as a list and ``anyOf``: a value of any branch. The automaton reads every branch
+  that still fits until one is left (two objects of different properties, say; at most
+  :data:`~sparkv.runtime.formparts.MAX_ALTERNATIVES` alternatives at once). ``oneOf`` also asks
+  that no text be of two branches: they begin differently, or are objects whose properties
+  differ or hold different consts (its ``discriminator`` is read as a hint only).
 
 * ``$ref`` names a subschema of the root's ``$defs`` (or ``definitions``), as pydantic and the
   ``openai`` client's ``parse()`` write them; a ``$ref`` that comes back to itself (a recursive
@@ -33,6 +36,11 @@ ignored; any other (``minimum``, ``multipleOf``, ``uniqueItems``, ...) is a :cla
 naming it, never a constraint silently dropped. Whitespace between tokens of the JSON text is
 allowed, at most :data:`MAX_WHITESPACE` bytes in a row (a model may otherwise emit newlines
 until its token cap).
+
+A form may also be made of parts around JSON (:meth:`JsonForm.of`,
+:mod:`sparkv.runtime.formparts`): exact text, prose, sequences, repeats and unions; a tool call's form is one
+(:mod:`sparkv.runtime.toolform`). Prose has no end of its own: :func:`may_end` tells where the
+answer may end (end-of-sequence may come), :func:`complete` where it must (nothing may follow).
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sparkv.runtime.formparts import (ANY, ANY_NUMBER, ANY_STRING, BY_FIRST, AnyValue, ArrayPart,
-                                     FormError, Node, NumberPart, ObjectPart, StringPart,
-                                     UnionPart)
+from sparkv.runtime.formparts import (ANY, ANY_NUMBER, ANY_STRING, BY_FIRST, MAX_ALTERNATIVES,
+                                     AnyValue, ArrayPart, FormError, Node, NumberPart,
+                                     ObjectPart, RawPart, RepeatPart, SequencePart, StringPart,
+                                     TextPart, UnionPart, form_width)
 from sparkv.runtime.formschema import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, schema_node
 
-__all__ = ["JsonForm", "FormError", "State", "step", "feed", "complete", "first_bytes", "next_key",
+__all__ = ["JsonForm", "FormError", "State", "END", "step", "feed", "complete", "may_end",
+           "first_bytes", "next_key",
            "MAX_WHITESPACE", "MAX_NUMBER_BYTES", "MAX_SCHEMA_NODES", "MAX_SCHEMA_DEPTH"]
 
 #: the most whitespace bytes in a row outside strings
@@ -71,6 +81,17 @@ class JsonForm:
         return cls(ObjectPart(None))
 
     @classmethod
+    def of(cls, root: Node, name: str = "form") -> "JsonForm":
+        """A form of any parts (:class:`FormError` if its automaton could hold more than
+        :data:`~sparkv.runtime.formparts.MAX_ALTERNATIVES` alternatives at once)."""
+        width = form_width(root)
+        if width > MAX_ALTERNATIVES:
+            raise FormError(f"the form is too ambiguous: up to {width} readings at once (at "
+                            f"most {MAX_ALTERNATIVES}); give unions' branches different "
+                            "beginnings")
+        return cls(root, name)
+
+    @classmethod
     def from_schema(cls, schema: Any, name: str = "schema") -> "JsonForm":
         """OpenAI's ``json_schema``: a value of ``schema``, whose top level is an object
         (:class:`FormError` for what the automaton cannot enforce)."""
@@ -78,16 +99,20 @@ class JsonForm:
         if not isinstance(root, ObjectPart):
             raise FormError("schema: the top level must be an object schema "
                             "({'type': 'object', ...}), as OpenAI's structured outputs ask")
-        return cls(root, name)
+        return cls.of(root, name)
 
     def start(self) -> "State":
         """The state before the answer's first byte."""
-        return ((("V", self.root),), 0)
+        return ((_enter(self.root),), 0)
 
 
 # ---- the automaton ---------------------------------------------------------------------------------
-#: ``(stack of frames, whitespace bytes in a row)``; a frame is a tuple, its kind first
-State = tuple[tuple[tuple, ...], int]
+#: ``(stack of frames, whitespace bytes in a row)``, a frame a tuple with its kind first; or
+#: ``("|", states)``: the text so far read several ways, each still going
+State = tuple
+
+#: the end of the answer, as a byte no text holds (:func:`may_end`)
+END = 256
 
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
@@ -97,8 +122,16 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _BETWEEN = frozenset({"V", "O0", "OK", "OC", "OA", "PK", "PC", "PA", "PE", "A0", "A1"})
 
 
+class _Fork(tuple):
+    """A handler's answer when the byte may be read several ways: each a tuple of frames that
+    replaces the top one, and reads the byte anew."""
+
+
 def step(state: State, byte: int) -> State | None:
-    """The state after ``byte``; ``None`` if no text of the form goes on with it."""
+    """The state after ``byte`` (or :data:`END`); ``None`` if no text of the form goes on with
+    it."""
+    if state[0] == "|":
+        return _join([step(s, byte) for s in state[1]])
     stack, ws = state
     while stack:
         top = stack[-1]
@@ -107,11 +140,33 @@ def step(state: State, byte: int) -> State | None:
         out = _HANDLERS[top[0]](top, byte)
         if out is None:
             return None
+        if isinstance(out, _Fork):
+            return _join([step((stack[:-1] + way, ws), byte) for way in out])
         frames, consumed = out
         stack = stack[:-1] + frames
         if consumed:
+            while stack and _done(stack[-1]):
+                stack = stack[:-1]
             return stack, 0
-    return None                                   # the value is whole: nothing may follow
+    return ((), 0) if byte == END else None       # whole: only the answer's end may follow
+
+
+def _done(frame: tuple) -> bool:
+    """Whether a sequence or repeat has read all it may (so :func:`complete` sees its end)."""
+    if frame[0] == "Q":
+        return frame[2] == len(frame[1].parts)
+    return frame[0] == "P" and frame[2] == frame[1].most
+
+
+def _join(states: list[State | None]) -> State | None:
+    """The states still going, as one (a union when more than one differs)."""
+    ways: dict[State, None] = {}
+    for s in states:
+        if s is not None:
+            ways.update(dict.fromkeys(s[1] if s[0] == "|" else (s,)))
+    if len(ways) <= 1:
+        return next(iter(ways), None)
+    return ("|", tuple(ways))
 
 
 def feed(state: State | None, data: bytes) -> State | None:
@@ -124,8 +179,15 @@ def feed(state: State | None, data: bytes) -> State | None:
 
 
 def complete(state: State) -> bool:
-    """Whether the text so far is a whole value."""
+    """Whether the text so far is whole and nothing may follow it (every reading of it)."""
+    if state[0] == "|":
+        return all(complete(s) for s in state[1])
     return not state[0]
+
+
+def may_end(state: State) -> bool:
+    """Whether the answer may end here (a whole value, or prose at a character's end)."""
+    return step(state, END) is not None
 
 
 def first_bytes(state: State) -> list[bool]:
@@ -138,12 +200,16 @@ def next_key(state: State) -> tuple:
     is the same): a string's length and a number's only as far as their bounds tell, whether
     more whitespace may come. Inside a string every state has one key, so a chooser works out
     what may come there once per answer."""
+    if state[0] == "|":
+        return ("|",) + tuple(next_key(s) for s in state[1])
     stack, ws = state
     top = stack[-1] if stack else ()
     if top and top[0] == "S":
         _, node, chars, escape, utf8 = top
         top = ("S", node, chars >= node.min_len,
                node.max_len is None or chars < node.max_len, escape, utf8)
+    elif top and top[0] == "T":
+        top = top[:2] + (top[2] is not None and top[2],) + top[3:]
     elif top and top[0] == "N":
         top = ("N", top[1], top[2], top[3] < MAX_NUMBER_BYTES)
     return stack[:-1], top, ws < MAX_WHITESPACE
@@ -152,9 +218,7 @@ def next_key(state: State) -> tuple:
 def _value(top: tuple, byte: int) -> tuple[tuple, bool] | None:
     node = top[1]
     if isinstance(node, UnionPart):
-        node = node.branch(byte)
-        if node is None:
-            return None
+        return _Fork((("V", b),) for b in node.branches if byte in b.first) or None
     if byte not in node.first:
         return None
     if isinstance(node, AnyValue):
@@ -307,7 +371,67 @@ def _literal(top: tuple, byte: int) -> tuple[tuple, bool] | None:
     return None
 
 
-_HANDLERS = {"V": _value, "O0": _free_object, "OK": _free_object, "OC": _free_object,
+def _enter(node: Node) -> tuple:
+    """The frame that reads ``node``'s text (a JSON value's: whitespace may come first)."""
+    if isinstance(node, RawPart):
+        return ("L", (node.text,), 0)
+    if isinstance(node, TextPart):
+        return ("T", node, b"", 0)
+    if isinstance(node, SequencePart):
+        return ("Q", node, 0)
+    if isinstance(node, RepeatPart):
+        return ("P", node, 0)
+    if isinstance(node, UnionPart):
+        return ("U", node)
+    return ("V", node)
+
+
+def _union(top: tuple, byte: int) -> _Fork:
+    return _Fork((_enter(b),) for b in top[1].branches)
+
+
+def _sequence(top: tuple, byte: int) -> tuple[tuple, bool]:
+    _, node, i = top
+    if i == len(node.parts):
+        return (), False
+    return (("Q", node, i + 1), _enter(node.parts[i])), False
+
+
+def _repeat(top: tuple, byte: int) -> _Fork:
+    _, node, count = top
+    ways: list[tuple] = []
+    if node.most is None or count < node.most:
+        ways.append((("P", node, count + 1), _enter(node.part)))
+    if count >= node.least:
+        ways.append(())
+    return _Fork(ways)
+
+
+def _text(top: tuple, byte: int) -> tuple[tuple, bool] | None:
+    """Prose: UTF-8 (no overlong form, no surrogate), not beginning with a refused text;
+    ``seen``: the text so far while it is a refused one's beginning, else ``None``."""
+    _, node, seen, utf8 = top
+    if byte == END:
+        return ((), False) if not utf8 else None
+    if utf8:
+        more, lo, hi = utf8
+        if not lo <= byte <= hi:
+            return None
+        utf8 = (more - 1, 0x80, 0xBF) if more > 1 else 0
+    elif byte >= 0x80:
+        utf8 = _UTF8_LEADS.get(byte)
+        if utf8 is None:
+            return None
+    if seen is not None:
+        seen += bytes([byte])
+        if seen in node.refused:
+            return None
+        if not any(r.startswith(seen) for r in node.refused):
+            seen = None
+    return (("T", node, seen, utf8),), True
+
+
+_HANDLERS = {"V": _value, "U": _union, "Q": _sequence, "P": _repeat, "T": _text, "O0": _free_object, "OK": _free_object, "OC": _free_object,
              "OA": _free_object, "PK": _schema_object, "PC": _schema_object,
              "PA": _schema_object, "PE": _schema_object, "A0": _array, "A1": _array,
              "S": _string, "R": _patterned, "N": _number, "L": _literal}

@@ -452,17 +452,15 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         chunks = list(oa.chat.completions.create(stream=True, **kw))
         assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
-        # what stock clients send at their no-op values is taken; tools that would change the
-        # answer are a 422 naming them
+        # what stock clients send at their no-op values is taken
         noop = oa.chat.completions.create(
             model=cid, max_tokens=8, messages=[{"role": "user", "content": question}],
             frequency_penalty=0, presence_penalty=0, logprobs=False, temperature=0, top_p=1,
             response_format={"type": "text"}, store=False, extra_body={"sparkv": sparkv})
         assert noop.choices[0].message.content == alone.text
-        with pytest.raises(openai.UnprocessableEntityError, match="tools"):
+        with pytest.raises(openai.UnprocessableEntityError, match="needs tools"):
             oa.chat.completions.create(model=cid, messages=[{"role": "user", "content": "q"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}],
-                                       extra_body={"sparkv": sparkv})
+                                       tool_choice="required", extra_body={"sparkv": sparkv})
         with pytest.raises(openai.NotFoundError):                     # no such context
             oa.chat.completions.create(model="not-a-context", extra_body={"sparkv": sparkv},
                                        messages=[{"role": "user", "content": question}])
@@ -727,6 +725,103 @@ def test_the_openai_client_gets_json_of_the_schema_it_asks_for(world):
     assert rs.is_valid(CHOICE, json.loads(banned["text"]))
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                           "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                           "parameters": WEATHER, "strict": True}},
+         {"type": "function", "function": {"name": "note", "description": "Notes a text",
+                                           "parameters": {"type": "object", "properties": {
+                                               "text": {"type": "string", "maxLength": 8}}}}}]
+
+
+def _weather_model() -> type:
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=16)
+        unit: Literal["C", "F"]
+
+    return Weather
+
+
+def test_the_openai_client_calls_tools_and_is_answered_after_their_results(world):
+    """tools with tool_choice required or named: the answer is whole calls whose arguments
+    their schemas take, streamed or not, greedy or sampled; the calls and the tools' results go
+    back as messages and the next answer is text; what cannot be is a 4xx naming it."""
+    openai = pytest.importorskip("openai")
+    rs = pytest.importorskip("jsonschema_rs")
+    oa, _ = _openai(openai, world["dev"], "tools")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "keep": True, "backend": "dense", "level": "raw"}
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    kw = dict(model=world["ctx"]["b"], max_tokens=200, extra_body={"sparkv": sparkv},
+              tools=TOOLS)
+    schemas = {"get_weather": WEATHER, "note": TOOLS[1]["function"]["parameters"]}
+
+    def valid(calls) -> None:
+        assert calls
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            assert rs.is_valid(schemas[call.function.name], json.loads(call.function.arguments))
+
+    try:
+        r = oa.chat.completions.create(messages=question, tool_choice="required", **kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        valid(choice.message.tool_calls)
+        named = oa.chat.completions.create(messages=question, parallel_tool_calls=False,
+                                           tool_choice={"type": "function",
+                                                        "function": {"name": "get_weather"}},
+                                           **kw)
+        calls = named.choices[0].message.tool_calls
+        valid(calls)
+        assert [c.function.name for c in calls] == ["get_weather"]
+        chunks = list(oa.chat.completions.create(messages=question, stream=True,
+                                                 tool_choice="required", **kw))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert not any(d.content for d in deltas)
+        streamed = [tc for d in deltas for tc in d.tool_calls or []]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == [
+            (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        drawn = oa.chat.completions.create(messages=question, tool_choice="required", n=2,
+                                           temperature=1.0, seed=3, **kw)
+        for ch in drawn.choices:
+            valid(ch.message.tool_calls)
+        # the client's parse() with a pydantic model as a strict tool: parsed arguments
+        tool = openai.pydantic_function_tool(_weather_model(), name="get_weather")
+        parsed = oa.chat.completions.parse(messages=question, tool_choice="required",
+                                           **{**kw, "tools": [tool]})
+        args = parsed.choices[0].message.tool_calls[0].function.parsed_arguments
+        assert args.unit in ("C", "F") and len(args.city) <= 16
+        # the calls and a result back: the next answer (tool_choice none) is text
+        follow = [*question, {"role": "assistant", "content": None,
+                              "tool_calls": [c.model_dump() for c in calls]},
+                  {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 21 C"}]
+        after = oa.chat.completions.create(messages=follow, tool_choice="none",
+                                           **{**kw, "max_tokens": 8})
+        assert after.choices[0].message.tool_calls is None
+        assert after.choices[0].finish_reason in ("stop", "length")
+        auto = oa.chat.completions.create(messages=follow, **{**kw, "max_tokens": 8})
+        if auto.choices[0].message.tool_calls is None:
+            assert not auto.choices[0].message.content.lstrip().startswith("<tool_call>")
+        for bad, error, says in [
+                ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                 openai.UnprocessableEntityError, "not one of the tools"),
+                ({"tools": [*TOOLS, TOOLS[0]]}, openai.UnprocessableEntityError, "one name"),
+                ({"tools": [{"type": "function", "function": {
+                    "name": "t", "strict": True, "parameters": {
+                        "type": "object", "properties": {"n": {"minimum": 1}}}}}]},
+                 openai.UnprocessableEntityError, "minimum")]:
+            with pytest.raises(error, match=says):
+                oa.chat.completions.create(messages=question, **{**kw, **bad})
+    finally:
+        oa.close()
+
+
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):
     """Instructions (``developer``), an earlier question and answer, then the question: the
     service answers the tokens an in-process session gives for the same turns over the same
@@ -765,9 +860,11 @@ def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(wor
             with pytest.raises(DeviceError, match="has no text"):
                 c.ask(cid, "Q?", server=world["srv"].url, api_key=world["key"],
                       history=[{"role": "system", "content": " "}], **opts)
-        with pytest.raises(openai.BadRequestError, match="'tool' message"):
+        with pytest.raises(openai.BadRequestError, match="makes no tool calls"):
             oa.chat.completions.create(model=cid, extra_body={"sparkv": sparkv}, messages=[
-                *messages[:3], {"role": "tool", "content": "{}", "tool_call_id": "x"},
+                *messages[:3], {"role": "user", "content": "{}", "tool_calls": [
+                    {"id": "x", "type": "function", "function": {"name": "f",
+                                                                 "arguments": "{}"}}]},
                 messages[3]])
         with pytest.raises(openai.BadRequestError, match="'chat' off"):
             oa.chat.completions.create(model=cid, messages=messages,

@@ -580,3 +580,37 @@ def test_a_tickets_token_events_hold_back_what_may_begin_a_stop_string():
     ticket.finish({"type": "done", "text": "ab\nc"})
     shown = [e["text"] for e in ticket.events(timeout_s=0) if e["type"] == "token"]
     assert shown == ["a", "b", "", "\nc", "", "", ""]
+
+
+def test_a_streamed_answer_holds_back_text_that_may_begin_a_call_and_shows_prose_whole():
+    from types import SimpleNamespace
+
+    pytest.importorskip("fastapi")
+    from sparkv.asks.completion import Completion, _choice_chunks
+    from sparkv.runtime.toolform import Tool, ToolSet, call_text
+
+    ask = SimpleNamespace(options=SimpleNamespace(max_new_tokens=64, stop=()), logprobs=None)
+    asks = SimpleNamespace(lm=None, eos={0})
+    c = Completion("m", asks, ask, ToolSet([Tool("note")], "auto"))
+    shown, held = [""], [""]
+
+    def stream(pieces: list[str]) -> list[dict]:
+        shown[0], held[0] = "", ""
+        out = []
+        for p in pieces:
+            out += _choice_chunks(c, {"type": "token", "text": p, "token": 1}, [0], shown, held, 0)
+        done = {"type": "done", "text": "".join(pieces), "tokens": [1] * len(pieces)}
+        return out + _choice_chunks(c, done, [0], shown, held, 0)
+
+    prose = stream([" <", "b> is", " bold"])
+    assert [ch["choices"][0]["delta"].get("content") for ch in prose] == [" <b> is", " bold",
+                                                                          None]
+    assert prose[-1]["choices"][0]["finish_reason"] == "stop"
+    call = call_text("note", '{"a": 1}')
+    called = stream([call[:5], call[5:12], call[12:]])
+    assert [ch["choices"][0]["finish_reason"] for ch in called] == [None, "tool_calls"]
+    items = called[0]["choices"][0]["delta"]["tool_calls"]
+    assert [(t["index"], t["function"]["name"], t["function"]["arguments"]) for t in items] == [
+        (0, "note", '{"a": 1}')]
+    cut = stream([call[:20]])                    # a call cut off at the cap: its text, as is
+    assert cut[0]["choices"][0]["delta"]["content"] == call[:20]

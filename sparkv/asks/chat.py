@@ -16,9 +16,15 @@ A stock client asks about a server context unchanged::
 * ``messages``: the conversation, its last message the user's question: ``system`` (or
   ``developer``) messages first are the app's instructions, ``user`` and ``assistant`` messages
   the earlier turns (:mod:`sparkv.runtime.turns` renders them after the context, whose own
-  system turn is the server's); a ``tool`` message, a user's or system message with no text (an
-  assistant's may be empty) or a last message that is not the user's is 400
+  system turn is the server's); a user's or system message with no text (an assistant's may be
+  empty) or a last message that is neither the user's nor a tool's result is 400
   ``unsupported_messages``;
+* ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (:mod:`sparkv.runtime.toolform`): the
+  model is told the tools after the app's instructions; the answer's form holds it to whole
+  calls of them (``auto``: text or calls); calls come back as the message's ``tool_calls``
+  (``finish_reason`` ``tool_calls``; streamed, one ``delta.tool_calls`` chunk once the answer is
+  whole, text that may begin a call held back until it cannot). An assistant's earlier
+  ``tool_calls`` and the ``tool`` messages answering them are turns of the conversation;
 * ``logit_bias``, ``frequency_penalty`` and ``presence_penalty`` adjust the logits; the answer
   is greedy without ``temperature`` (or at 0), else sampled (``top_p``, ``seed``;
   ``sparkv.top_k`` too: :mod:`sparkv.runtime.sampling`; the seed drawn when none is given is
@@ -46,6 +52,7 @@ A client that goes away cancels the ask.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from sparkv.extras import require_all
@@ -57,10 +64,13 @@ from fastapi import APIRouter, Request  # noqa: E402 - after the check
 
 from sparkv.asks.completion import ChoiceStream, Choices, Completion, answer
 from sparkv.asks.routes import AsksDep, ask_request
-from sparkv.asks.schemas import ChatBody, SparkvFields
+from sparkv.asks.schemas import ChatBody, ChatMessage, SparkvFields
+from sparkv.asks.tickets import AskRequest
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
+from sparkv.runtime.formparts import FormError
+from sparkv.runtime.toolform import call_text, response_text
 from sparkv.runtime.turns import ChatTurn, Conversation, ConversationError
 
 __all__ = ["chat_router", "DEFAULT_MAX_TOKENS"]
@@ -70,8 +80,8 @@ DEFAULT_MAX_TOKENS = 256
 
 
 class UnsupportedMessages(DeviceError, status=400, code="unsupported_messages"):
-    """The messages are no conversation to answer: a tool's message, one with no text, or a
-    last message that is not the user's."""
+    """The messages are no conversation to answer: one with no text, calls made by another
+    than the assistant, or a last message that is not the user's (or a tool's result)."""
 
 
 class UnknownModel(DeviceError, status=404, code="unknown_model"):
@@ -83,23 +93,46 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 def _question(body: ChatBody) -> str | Conversation:
-    """The lone user message's text, or the messages as a conversation (instructions, earlier
-    questions and answers, then the question: :mod:`sparkv.runtime.turns`)."""
-    turns = []
-    for i, m in enumerate(body.messages):
-        role = _ROLES.get(m.role)
-        if role is None:
-            raise UnsupportedMessages(
-                f"message {i}: a {m.role!r} message is not answered here (no tools): send "
-                "system (or developer), user and assistant messages, the last one the user's "
-                "question; the context is the server's, named by 'model'")
-        turns.append(ChatTurn(role, m.text()))
+    """The lone user message's text, or the messages as a conversation (instructions, the
+    tools, earlier questions, answers, calls and results, then the question:
+    :mod:`sparkv.runtime.turns`)."""
+    turns = [_turn(i, m) for i, m in enumerate(body.messages)]
+    tools = body.tool_set()
+    if tools is not None:                        # after the app's instructions
+        lead = next((i for i, t in enumerate(turns) if t.role != "system"), len(turns))
+        turns.insert(lead, ChatTurn("system", tools.instructions()))
     try:
         conv = Conversation(tuple(turns))
     except ConversationError as e:
         raise UnsupportedMessages(f"{e}; the context is the server's, named by 'model'"
                                   ) from None
     return conv.question if len(turns) == 1 else conv
+
+
+def _turn(i: int, m: ChatMessage) -> ChatTurn:
+    """Message ``i`` as a turn: a tool's result is the user's turn, an assistant's calls are
+    written as the model writes them."""
+    if m.role == "tool":
+        return ChatTurn("user", response_text(m.text()))
+    if not m.tool_calls:
+        return ChatTurn(_ROLES[m.role], m.text())
+    if m.role != "assistant":
+        raise UnsupportedMessages(f"message {i}: a {m.role!r} message makes no tool calls (an "
+                                  "assistant's does)")
+    calls = [call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+    return ChatTurn("assistant", "\n".join(([m.text()] if m.text().strip() else []) + calls))
+
+
+def _with_tools(body: ChatBody, ask: AskRequest) -> AskRequest:
+    """``ask`` with the answer's form of the request's tools (and its ``response_format``)."""
+    tools = body.tool_set()
+    if tools is None:
+        return ask
+    try:
+        form = tools.form(ask.options.form)
+    except FormError as e:
+        raise DeviceError(f"tools: {e}") from None
+    return dataclasses.replace(ask, options=dataclasses.replace(ask.options, form=form))
 
 
 #: OpenAI's fields of how the answer's tokens are chosen
@@ -158,8 +191,9 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
     cid = _context_id(body)
     fields = body.sparkv or SparkvFields()
     fields = fields.model_copy(update=_openai_fields(body))
-    ask = ask_request(fields, asks, cid, question, _max_tokens(body), _logprobs(body))
-    c = Completion(body.model, asks, ask)
+    ask = _with_tools(body, ask_request(fields, asks, cid, question, _max_tokens(body),
+                                        _logprobs(body)))
+    c = Completion(body.model, asks, ask, body.tool_set())
     choices = Choices.submit(asks, caller, ask, body.n)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)

@@ -32,6 +32,7 @@ from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.protocol.errors import error_body
 from sparkv.runtime.sampling import SEED_RANGE
 from sparkv.runtime.stops import StopStrings
+from sparkv.runtime.toolform import ToolCall, ToolSet
 
 __all__ = ["Completion", "Choices", "ChoiceStream", "answer", "DISCONNECT_POLL_S", "MAX_CHOICES"]
 
@@ -87,7 +88,8 @@ def _nth_seed(seed: int, i: int) -> int:
 class Completion:
     """One completion's identity and counts: what every chunk and the answer repeat."""
 
-    def __init__(self, model: str, asks: Any, ask: AskRequest) -> None:
+    def __init__(self, model: str, asks: Any, ask: AskRequest,
+                 tools: ToolSet | None = None) -> None:
         self.id = f"chatcmpl-{time.time_ns():x}"
         self.created = int(time.time())
         self.model = model
@@ -96,6 +98,26 @@ class Completion:
         self.lm = asks.lm
         self.eos: set[int] = asks.eos
         self.logprobs = ask.logprobs is not None
+        self.tools = tools
+
+    def calls(self, done: dict[str, Any]) -> list[ToolCall]:
+        """The tool calls a choice's answer makes (none: its text is the answer)."""
+        if self.tools is None:
+            return []
+        if "_tool_calls" not in done:                # read once: each call keeps its id
+            done["_tool_calls"] = self.tools.read(done["text"])
+        return done["_tool_calls"]
+
+    def message(self, done: dict[str, Any]) -> dict[str, Any]:
+        """A choice's ``message``: its text, or its tool calls."""
+        calls = self.calls(done)
+        if not calls:
+            return {"role": "assistant", "content": done["text"]}
+        return {"role": "assistant", "content": None, "tool_calls": _call_items(calls)}
+
+    def may_call(self, shown: str) -> bool:
+        """Whether a streamed answer that begins with ``shown`` may still be tool calls."""
+        return self.tools is not None and self.tools.may_call(shown)
 
     def _token(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.lm.decode_tokens([token])
@@ -123,7 +145,10 @@ class Completion:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def finish_reason(self, done: dict[str, Any]) -> str:
-        """``stop`` at the end of sequence or a stop string, ``length`` at the cap."""
+        """``tool_calls`` for calls, ``stop`` at the end of sequence or a stop string,
+        ``length`` at the cap."""
+        if self.calls(done):
+            return "tool_calls"
         tokens = done["tokens"]
         if self.stops.hit(self.lm, tokens):
             return "stop"
@@ -170,7 +195,7 @@ async def answer(choices: Choices, c: Completion, request: Request, n: int) -> A
     out: list[dict[str, Any] | None] = [None] * n
     for event, tk, indexes in zip(done, tokens, choices.indexes):
         for i in indexes:
-            out[i] = {"index": i, "message": {"role": "assistant", "content": event["text"]},
+            out[i] = {"index": i, "message": c.message(event),
                       "logprobs": c.logprob_content(tk), "finish_reason": c.finish_reason(event)}
     return {"id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
             "choices": out, "usage": c.usage(choices.per_choice(done)),
@@ -240,7 +265,8 @@ class ChoiceStream(StreamingResponse):
         pumps = [asyncio.ensure_future(_pump(k, t, merged))
                  for k, t in enumerate(choices.tickets)]
         done: list[dict[str, Any] | None] = [None] * len(pumps)
-        shown = [""] * len(pumps)
+        shown = [""] * len(pumps)                # the text each ask's chunks showed
+        held = [""] * len(pumps)                 # and after it, what may begin a call
         try:
             while any(d is None for d in done):
                 k, event = await merged.get()
@@ -249,7 +275,7 @@ class ChoiceStream(StreamingResponse):
                     yield _sse({"error": {"message": err["message"], "type": err["code"],
                                           "code": err["code"], "status": err["status"]}})
                     return
-                for chunk in _choice_chunks(c, event, choices.indexes[k], shown, k):
+                for chunk in _choice_chunks(c, event, choices.indexes[k], shown, held, k):
                     yield _sse(chunk)
                 if event["type"] == "done":
                     done[k] = event
@@ -275,16 +301,32 @@ async def _pump(k: int, ticket: AskTicket, into: asyncio.Queue[tuple[int, dict[s
 
 
 def _choice_chunks(c: Completion, event: dict[str, Any], indexes: list[int], shown: list[str],
-                   k: int) -> list[dict[str, Any]]:
+                   held: list[str], k: int) -> list[dict[str, Any]]:
     """The chunks of ask ``k``'s ``event`` for its choices ``indexes`` (``shown[k]``: the text
-    its chunks showed so far)."""
+    its chunks showed so far; ``held[k]``: the text after it held back, as it may begin a tool
+    call)."""
     if event["type"] == "token":
-        if not (event["text"] or c.logprobs):
+        if c.may_call(shown[k] + held[k] + event["text"]):
+            held[k] += event["text"]
             return []
-        shown[k] += event["text"]
+        if not (held[k] or event["text"] or c.logprobs):
+            return []
+        text, held[k] = held[k] + event["text"], ""
+        shown[k] += text
         lp = c.logprob_content([event])
-        return [c.chunk(i, {"content": event["text"]}, logprobs=lp) for i in indexes]
-    text = event["text"]
-    rest = text[len(shown[k]):] if text.startswith(shown[k]) else ""
-    out = [c.chunk(i, {"content": rest}) for i in indexes] if rest else []  # held back: a stop
-    return out + [c.chunk(i, {}, c.finish_reason(event)) for i in indexes]  # string's start
+        return [c.chunk(i, {"content": text}, logprobs=lp) for i in indexes]
+    calls = c.calls(event)
+    if calls:
+        out = [c.chunk(i, {"tool_calls": _call_items(calls, indexed=True)}) for i in indexes]
+    else:
+        text = event["text"]
+        rest = text[len(shown[k]):] if text.startswith(shown[k]) else ""
+        out = [c.chunk(i, {"content": rest}) for i in indexes] if rest else []  # held back
+    return out + [c.chunk(i, {}, c.finish_reason(event)) for i in indexes]
+
+
+def _call_items(calls: list[ToolCall], indexed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` items (a stream's chunk numbers them: ``index``)."""
+    return [{**({"index": j} if indexed else {}), "id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for j, call in enumerate(calls)]

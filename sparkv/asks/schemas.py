@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from sparkv.device.schemas import (AppId, DoneEvent, LogitBias, Penalty, PromptText,
                                    ResponseFormat, SamplingFields, Seed, Temperature, TopP)
@@ -22,9 +22,11 @@ from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.rest.fields import JSON_INT
 from sparkv.runtime.sampling import MAX_TOP_LOGPROBS
 from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
+from sparkv.runtime.toolform import MAX_CALLS, MAX_TOOLS, TOOL_NAME, Tool, ToolError, ToolSet
 from sparkv.runtime.turns import ChatTurn, Conversation
 
 __all__ = ["AskFields", "AskBody", "HistoryTurn", "SparkvFields", "ChatMessage", "ChatBody",
+           "ToolSpec", "FunctionSpec", "NamedToolChoice", "ToolCallItem",
            "ContextModel", "ContextModelList", "KeptCopy", "QueuedEvent", "TokenEvent",
            "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
 
@@ -43,6 +45,9 @@ Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
 Mbps = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
 #: how many alternatives a token's log-probabilities list
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), JSON_INT]
+#: a tool's name, and the longest arguments text an earlier call carries
+ToolName = Annotated[str, Field(pattern=TOOL_NAME.pattern)]
+MAX_ARGUMENT_CHARS = 1 << 16
 #: a stop string
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
@@ -130,11 +135,28 @@ class _TextPart(BaseModel):
     text: str
 
 
+class _CalledFunction(BaseModel):
+    name: ToolName
+    arguments: Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)]
+
+
+class ToolCallItem(BaseModel):
+    """A call an assistant's message made (OpenAI's ``tool_calls`` item)."""
+
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: _CalledFunction
+
+
 class ChatMessage(BaseModel):
-    """One message of the conversation (``tool`` messages are refused: no tools here)."""
+    """One message of the conversation: an assistant's may hold the calls it made, a ``tool``
+    message a call's result (``tool_call_id``: the call's)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: PromptText | list[_TextPart] | None = None
+    tool_calls: Annotated[list[ToolCallItem], Field(max_length=MAX_CALLS)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -142,6 +164,38 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+
+
+class FunctionSpec(BaseModel):
+    """A tool's function: its name, what it does, its arguments' JSON Schema; ``strict``: the
+    schema must be enforced whole (else a schema the form cannot enforce takes any object)."""
+
+    name: ToolName
+    description: Annotated[str, Field(max_length=4096)] = ""
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(BaseModel):
+    """One of ``tools`` (OpenAI's function tool)."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def tool(self) -> Tool:
+        f = self.function
+        return Tool(f.name, f.description, f.parameters, bool(f.strict))
+
+
+class _NamedFunction(BaseModel):
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the one tool the answer calls."""
+
+    type: Literal["function"]
+    function: _NamedFunction
 
 
 class _StreamOptions(BaseModel):
@@ -180,16 +234,37 @@ class ChatBody(BaseModel):
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = Field(default=None, description=(
         "text, json_object or json_schema (docs/asks.md, 'JSON answers')"))
-    # what stock clients send at their no-op values: taken at those, any other is a 422 naming
-    # the field (no tools here)
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: StrictBool | None = None
+    tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = Field(
+        default=None, description="functions the model may call (docs/asks.md, 'Tool calls')")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description=("none, auto (the default with tools), required, or the "
+                                   "one function to call"))
+    parallel_tool_calls: StrictBool | None = Field(default=None, description=(
+        "whether an answer may make several calls (default: true)"))
     store: StrictBool | None = None
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     service_tier: Annotated[str, Field(max_length=32)] | None = None
     sparkv: SparkvFields | None = None
+    _tools: ToolSet | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _tool_set(self) -> "ChatBody":
+        """The tools and the choice, checked when the request is read."""
+        choice = self.tool_choice
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+        if not self.tools and name in (None, "none", "auto"):
+            return self
+        try:
+            self._tools = ToolSet([t.tool() for t in self.tools or []], name or "auto",
+                                  self.parallel_tool_calls is not False)
+        except ToolError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    def tool_set(self) -> ToolSet | None:
+        """The request's tools and how the answer may use them (``None``: no tools)."""
+        return self._tools
 
 
 class KeptCopy(BaseModel):

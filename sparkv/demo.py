@@ -37,6 +37,12 @@ FOLLOW_UP_SCHEMA = {"type": "object", "additionalProperties": False, "required":
                     "properties": {"answer": {"type": "string", "maxLength": 200}}}
 #: the JSON answer's token cap (a sentence inside its braces)
 JSON_TOKENS = 64
+#: the follow-up asked a third time with a tool the answer must call (OpenAI's tools)
+FOLLOW_UP_TOOL: dict[str, Any] = {"name": "record_answer",
+                                  "description": "Records the answer to the question",
+                                  "parameters": FOLLOW_UP_SCHEMA}
+#: the tool call's token cap (its tags, its name, a sentence)
+TOOL_TOKENS = 96
 
 
 def register(sub: "argparse._SubParsersAction") -> None:
@@ -206,7 +212,7 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
         _ask_variant(session, cid, press, args, answers)
     if "sparkv" in strategies:
         follow = (_ask_follow_up(session, cid, lm, context, args, answers.rows),
-                  _ask_json(session, cid, lm, context))
+                  _ask_structured(session, cid, lm, context))
     answers.time_again(args.runs)
     session.close()
     return answers, follow
@@ -247,16 +253,42 @@ def _ask_follow_up(session: Any, cid: str, lm: LoadedModel, context: list[int],
     return follow
 
 
-def _ask_json(session: Any, cid: str, lm: LoadedModel, context: list[int]) -> dict[str, Any]:
-    """The follow-up again, its answer JSON of :data:`FOLLOW_UP_SCHEMA` (from the kept
-    context), beside whether a dense prefill answers the same under the same form."""
+def _ask_structured(session: Any, cid: str, lm: LoadedModel, context: list[int]
+                    ) -> dict[str, Any]:
+    """The follow-up as JSON of a schema, then as a tool call (both from the kept context),
+    each beside what a dense prefill answers under the same form: ``demo.json``'s
+    ``json_follow_up`` with the call under ``tool_call``."""
     import torch
 
-    from sparkv.edge.options import AskOptions
+    from sparkv.runtime.generate import reference_prefill
+
+    with torch.inference_mode():
+        kv = reference_prefill(lm, context)
+    out = _ask_json(session, cid, lm, (kv, len(context)))
+    out["tool_call"] = _ask_tool(session, cid, lm, (kv, len(context)))
+    return out
+
+
+def _dense_note(lm: LoadedModel, dense: tuple[Any, int], question: Any, form: Any,
+                tokens: list[int], cap: int) -> bool:
+    """Prints whether ``tokens`` are what a dense prefill answers under ``form``; returns it."""
     from sparkv.edge.prompts import question_suffix
-    from sparkv.runtime.generate import greedy_generate, reference_prefill
-    from sparkv.runtime.jsonform import JsonForm
+    from sparkv.runtime.generate import greedy_generate
     from sparkv.runtime.sampling import Sampling
+
+    kv, n = dense
+    ref = greedy_generate(lm, kv, n, question_suffix(lm, question), cap,
+                          sampling=Sampling(form=form)).tokens
+    print(f"  {reference_note(ref, tokens)} (a dense prefill, the same form)", flush=True)
+    return list(ref) == list(tokens)
+
+
+def _ask_json(session: Any, cid: str, lm: LoadedModel, dense: tuple[Any, int]
+              ) -> dict[str, Any]:
+    """The follow-up again, its answer JSON of :data:`FOLLOW_UP_SCHEMA` (from the kept
+    context)."""
+    from sparkv.edge.options import AskOptions
+    from sparkv.runtime.jsonform import JsonForm
 
     form = JsonForm.from_schema(FOLLOW_UP_SCHEMA, "answer")
     res = session.ask(cid, FOLLOW_UP, AskOptions(max_new_tokens=JSON_TOKENS, keep=True,
@@ -267,13 +299,34 @@ def _ask_json(session: Any, cid: str, lm: LoadedModel, context: list[int]) -> di
           f"{res.breakdown.ttft_s:.2f} s\n[json] {res.text.strip()}"
           + ("" if whole else f"  (cut at {JSON_TOKENS} tokens: a prefix of the JSON)"),
           flush=True)
-    with torch.inference_mode():
-        kv = reference_prefill(lm, context)
-    ref = greedy_generate(lm, kv, len(context), question_suffix(lm, FOLLOW_UP), JSON_TOKENS,
-                          sampling=Sampling(form=form)).tokens
-    print(f"  {reference_note(ref, res.tokens)} (a dense prefill, the same form)", flush=True)
+    same = _dense_note(lm, dense, FOLLOW_UP, form, res.tokens, JSON_TOKENS)
     return {"question": FOLLOW_UP, "schema": FOLLOW_UP_SCHEMA, "answer": res.text,
-            "whole": whole, "dense_tokens_equal": list(ref) == list(res.tokens)}
+            "whole": whole, "dense_tokens_equal": same}
+
+
+def _ask_tool(session: Any, cid: str, lm: LoadedModel, dense: tuple[Any, int]
+              ) -> dict[str, Any]:
+    """The follow-up a third time with :data:`FOLLOW_UP_TOOL`, which the answer must call
+    (``tool_choice`` required, one call), from the kept context."""
+    from sparkv.edge.options import AskOptions
+    from sparkv.runtime.toolform import Tool, ToolSet
+    from sparkv.runtime.turns import ChatTurn, Conversation
+
+    tools = ToolSet([Tool(**FOLLOW_UP_TOOL, strict=True)], "required", parallel=False)
+    form = tools.form()
+    asked = Conversation((ChatTurn("system", tools.instructions()), ChatTurn("user", FOLLOW_UP)))
+    res = session.ask(cid, asked, AskOptions(max_new_tokens=TOOL_TOKENS, keep=True, form=form))
+    calls = tools.read(res.text)
+    shown = (f"[call] {calls[0].name}({calls[0].arguments})" if calls else
+             f"[call] {res.text.strip()}  (cut at {TOOL_TOKENS} tokens: a call's beginning)")
+    print(f"\nthe follow-up with a tool to call, {FOLLOW_UP_TOOL['name']}"
+          f"{json.dumps(FOLLOW_UP_SCHEMA['properties'])} (OpenAI's tools, tool_choice "
+          f"required), from the kept context: TTFT {res.breakdown.ttft_s:.2f} s\n{shown}",
+          flush=True)
+    same = _dense_note(lm, dense, asked, form, res.tokens, TOOL_TOKENS)
+    return {"tool": FOLLOW_UP_TOOL, "text": res.text,
+            "calls": [{"name": c.name, "arguments": c.arguments} for c in calls],
+            "dense_tokens_equal": same}
 
 
 def _ask(session: Any, cid: str, args: argparse.Namespace, options: Any) -> Any:

@@ -551,6 +551,17 @@ def test_demo(smollm2, tmp_path, capsys):
     said = out[out.index("[json]"):]
     assert ("the same tokens as the dense reference (a dense prefill, the same form)" in said
             or "NOT the dense reference's answer" in said)
+    # and a third time with a tool it must call: a whole call of it whenever it ended by
+    # itself, its arguments JSON of the schema, said beside dense under the same form
+    call = structured["tool_call"]
+    assert "[call] " in out and call["text"].startswith("<tool_call>\n")
+    if call["calls"]:
+        assert [c["name"] for c in call["calls"]] == ["record_answer"]
+        assert list(json.loads(call["calls"][0]["arguments"])) == ["answer"]
+        assert "[call] record_answer({" in out
+    called = out[out.index("[call]"):]
+    assert ("the same tokens as the dense reference (a dense prefill, the same form)" in called
+            or "NOT the dense reference's answer" in called)
 
 
 def test_encrypted_context(served):

@@ -172,7 +172,8 @@ class ToolSet:
     def read(self, text: str) -> list[ToolCall]:
         """The calls an answer's text makes (none: it is text, or a call in it was cut off
         or names no tool)."""
-        if self._calls is None or not text.lstrip().startswith(_OPEN.strip()):
+        if self._calls is None or not text.lstrip().startswith(_OPEN.strip()) \
+                or _CALL.sub("", text).strip():         # text beside them: a call cut off
             return []
         calls = []
         for body in _CALL.findall(text):

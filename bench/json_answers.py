@@ -101,12 +101,19 @@ def _answer(lm: Any, kv: Any, n: int, item: Any, mode: str, tokens: int,
 
 
 def _summary(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    return summary_of(rows, base, json=lambda r: r["json"], schema=lambda r: r["schema"])
+
+
+def summary_of(rows: list[dict[str, Any]], base: list[dict[str, Any]],
+               **shares: Any) -> dict[str, Any]:
+    """A mode's summary: each of ``shares`` (name -> whether a row counts), the share that
+    ended by itself, the hit rate and its paired difference against ``base``, the median
+    decode and chooser times."""
     from sparkv.bench.verdict import bootstrap_mean_interval
 
     diffs = [float(r["hit"]) - float(b["hit"]) for r, b in zip(rows, base)]
     n = len(rows)
-    return {"questions": n, "json": sum(r["json"] for r in rows) / n,
-            "schema": sum(r["schema"] for r in rows) / n,
+    return {"questions": n, **{k: sum(bool(f(r)) for r in rows) / n for k, f in shares.items()},
             "ended": sum(r["ended"] for r in rows) / n,
             "hit": sum(r["hit"] for r in rows) / n,
             "hit_minus_text": sum(diffs) / n,
@@ -115,14 +122,11 @@ def _summary(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str
             "chooser_us_per_token": statistics.median(r["chooser_us_per_token"] for r in rows)}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--per-set", type=int, default=6, help="questions per QA set")
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--out", default="bench/results/json_answers_cpu.json")
-    args = p.parse_args()
-    from sparkv.cli import passive_openmp_waits
-    passive_openmp_waits()
+def answer_all(per_set: int, modes: tuple[str, ...], answer: Any
+               ) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
+    """Every mode's answer to ``per_set`` questions of each QA set, each over its own context
+    (prefilled dense once), the modes' order alternating per question: ``(the model, each
+    mode's rows)``; ``answer(lm, kv, context_len, item, mode, clock)`` gives one row."""
     import torch
     from tqdm import tqdm
 
@@ -135,47 +139,75 @@ def main() -> int:
     lm = load_model(progress=False)
     vocabulary(lm)                              # made once, outside the timings
     clock = ChooserClock()
-    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     work = []
     for name in SETS:
         qa = load_qa_set(pathlib.Path("sparkv/data") / f"qa_{name}.json")
         for sid, items in qa.by_slice().items():
-            work.append((qa.text(sid), items[:args.per_set]))
+            work.append((qa.text(sid), items[:per_set]))
     bar = tqdm(total=sum(len(items) for _, items in work), desc="questions")
     for text, items in work:
         ctx = chat_context(lm, lm.encode_text(text))
         with torch.inference_mode():
             kv = reference_prefill(lm, ctx)
         for i, item in enumerate(items):
-            for mode in (MODES if (len(rows["text"]) + i) % 2 == 0 else reversed(MODES)):
-                rows[mode].append({"id": item.id, **_answer(lm, kv, len(ctx), item, mode,
-                                                            args.tokens, clock)})
+            for mode in (modes if (len(rows[modes[0]]) + i) % 2 == 0 else reversed(modes)):
+                rows[mode].append({"id": item.id, **answer(lm, kv, len(ctx), item, mode, clock)})
             bar.update(1)
     bar.close()
-    summary = {m: _summary(rows[m], rows["text"]) for m in MODES}
-    _print(summary, rows, args)
-    out = {"model": lm.name, "answer_tokens": args.tokens, "instruction": INSTRUCTION,
-           "schema": SCHEMA, "summary": summary, "answers": rows}
+    return lm, rows
+
+
+def run_modes(args: argparse.Namespace, modes: tuple[str, ...], answer: Any, summarize: Any,
+              show: Any, **extra: Any) -> int:
+    """Answers every question every mode (:func:`answer_all`; ``answer(lm, kv, n, item, mode,
+    tokens, clock)``), summarizes each mode against the first (``summarize(rows, base)``),
+    prints it (``show(summary, rows, args)``) and writes ``args.out`` (``extra`` beside)."""
+    from sparkv.cli import passive_openmp_waits
+    passive_openmp_waits()
+
+    lm, rows = answer_all(args.per_set, modes, lambda lm, kv, n, item, mode, clock: answer(
+        lm, kv, n, item, mode, args.tokens, clock))
+    summary = {m: summarize(rows[m], rows[modes[0]]) for m in modes}
+    show(summary, rows, args)
+    out = {"model": lm.name, "answer_tokens": args.tokens, **extra, "summary": summary,
+           "answers": rows}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
     return 0
 
 
-def _print(summary: dict[str, Any], rows: dict[str, list[dict[str, Any]]],
-           args: argparse.Namespace) -> None:
-    n = summary["text"]["questions"]
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--per-set", type=int, default=6, help="questions per QA set")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--out", default="bench/results/json_answers_cpu.json")
+    return run_modes(p.parse_args(), MODES, _answer, _summary, _print,
+                     instruction=INSTRUCTION, schema=SCHEMA)
+
+
+def print_table(summary: dict[str, Any], rows: dict[str, list[dict[str, Any]]],
+                args: argparse.Namespace, shares: list[tuple[str, str]]) -> None:
+    """Each mode's ``shares`` (``(header, key)``), hit rate and its difference against the first
+    mode, decode and chooser times; then each mode's first answer."""
+    n = next(iter(summary.values()))["questions"]
     print(f"{n} questions ({args.per_set} per set of {', '.join(SETS)}), at most {args.tokens} "
           "answer tokens, greedy")
-    print(f"{'mode':<7} {'JSON':>6} {'schema':>7} {'ended':>6} {'hit':>6} {'hit-text [90% interval]':>26} "
-          f"{'ms/token':>9} {'chooser us':>11}")
+    print(f"{'mode':<9} " + " ".join(f"{h:>7}" for h, _ in shares)
+          + f" {'hit':>6} {'hit-text [90% interval]':>26} {'ms/token':>9} {'chooser us':>11}")
     for m, s in summary.items():
         lo, hi = s["hit_minus_text_interval"]
-        print(f"{m:<7} {s['json']:>6.2f} {s['schema']:>7.2f} {s['ended']:>6.2f} {s['hit']:>6.2f} "
-              f"{s['hit_minus_text']:>+9.2f} [{lo:+.2f}, {hi:+.2f}]{'':>5} "
+        print(f"{m:<9} " + " ".join(f"{s[k]:>7.2f}" for _, k in shares)
+              + f" {s['hit']:>6.2f} {s['hit_minus_text']:>+9.2f} [{lo:+.2f}, {hi:+.2f}]{'':>5} "
               f"{s['decode_ms_per_token']:>9.1f} {s['chooser_us_per_token']:>11.0f}")
-    for m in MODES:
-        print(f"  {m}: {rows[m][0]['text'][:100]!r}")
+    for m in summary:
+        print(f"  {m}: {rows[m][0]['text'][:120]!r}")
+
+
+def _print(summary: dict[str, Any], rows: dict[str, list[dict[str, Any]]],
+           args: argparse.Namespace) -> None:
+    print_table(summary, rows, args, [("JSON", "json"), ("schema", "schema"), ("ended", "ended")])
 
 
 if __name__ == "__main__":

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
-import statistics
 from typing import Any
 
-from json_answers import SETS, ChooserClock
+from json_answers import ChooserClock, print_table, run_modes, summary_of
 
 TOOL = {"name": "record_answer", "description": "Records the answer to the question",
         "parameters": {"type": "object", "additionalProperties": False, "required": ["answer"],
@@ -76,18 +74,8 @@ def _answer(lm: Any, kv: Any, n: int, item: Any, mode: str, tokens: int,
 
 
 def _summary(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
-    from sparkv.bench.verdict import bootstrap_mean_interval
-
-    diffs = [float(r["hit"]) - float(b["hit"]) for r, b in zip(rows, base)]
-    n = len(rows)
-    return {"questions": n, "calls": sum(r["calls"] > 0 for r in rows) / n,
-            "one_call": sum(r["calls"] == 1 for r in rows) / n,
-            "ended": sum(r["ended"] for r in rows) / n,
-            "hit": sum(r["hit"] for r in rows) / n,
-            "hit_minus_text": sum(diffs) / n,
-            "hit_minus_text_interval": bootstrap_mean_interval(diffs),
-            "decode_ms_per_token": statistics.median(r["decode_ms_per_token"] for r in rows),
-            "chooser_us_per_token": statistics.median(r["chooser_us_per_token"] for r in rows)}
+    return summary_of(rows, base, calls=lambda r: r["calls"] > 0,
+                      one_call=lambda r: r["calls"] == 1)
 
 
 def main() -> int:
@@ -95,62 +83,13 @@ def main() -> int:
     p.add_argument("--per-set", type=int, default=6, help="questions per QA set")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--out", default="bench/results/tool_calls_cpu.json")
-    args = p.parse_args()
-    from sparkv.cli import passive_openmp_waits
-    passive_openmp_waits()
-    import torch
-    from tqdm import tqdm
-
-    from sparkv.bench.qa import load_qa_set
-    from sparkv.edge import chat_context
-    from sparkv.runtime.generate import reference_prefill
-    from sparkv.runtime.guided import vocabulary
-    from sparkv.runtime.model import load_model
-
-    lm = load_model(progress=False)
-    vocabulary(lm)                              # made once, outside the timings
-    clock = ChooserClock()
-    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    work = []
-    for name in SETS:
-        qa = load_qa_set(pathlib.Path("sparkv/data") / f"qa_{name}.json")
-        for sid, items in qa.by_slice().items():
-            work.append((qa.text(sid), items[:args.per_set]))
-    bar = tqdm(total=sum(len(items) for _, items in work), desc="questions")
-    for text, items in work:
-        ctx = chat_context(lm, lm.encode_text(text))
-        with torch.inference_mode():
-            kv = reference_prefill(lm, ctx)
-        for i, item in enumerate(items):
-            for mode in (MODES if (len(rows["text"]) + i) % 2 == 0 else reversed(MODES)):
-                rows[mode].append({"id": item.id, **_answer(lm, kv, len(ctx), item, mode,
-                                                            args.tokens, clock)})
-            bar.update(1)
-    bar.close()
-    summary = {m: _summary(rows[m], rows["text"]) for m in MODES}
-    _print(summary, rows, args)
-    out = {"model": lm.name, "answer_tokens": args.tokens, "tool": TOOL, "summary": summary,
-           "answers": rows}
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
-    return 0
+    return run_modes(p.parse_args(), MODES, _answer, _summary, _print, tool=TOOL)
 
 
 def _print(summary: dict[str, Any], rows: dict[str, list[dict[str, Any]]],
            args: argparse.Namespace) -> None:
-    n = summary["text"]["questions"]
-    print(f"{n} questions ({args.per_set} per set of {', '.join(SETS)}), at most {args.tokens} "
-          "answer tokens, greedy")
-    print(f"{'mode':<9} {'calls':>6} {'1 call':>7} {'ended':>6} {'hit':>6} "
-          f"{'hit-text [90% interval]':>26} {'ms/token':>9} {'chooser us':>11}")
-    for m, s in summary.items():
-        lo, hi = s["hit_minus_text_interval"]
-        print(f"{m:<9} {s['calls']:>6.2f} {s['one_call']:>7.2f} {s['ended']:>6.2f} "
-              f"{s['hit']:>6.2f} {s['hit_minus_text']:>+9.2f} [{lo:+.2f}, {hi:+.2f}]{'':>5} "
-              f"{s['decode_ms_per_token']:>9.1f} {s['chooser_us_per_token']:>11.0f}")
-    for m in MODES:
-        print(f"  {m}: {rows[m][0]['text'][:120]!r}")
+    print_table(summary, rows, args, [("calls", "calls"), ("1 call", "one_call"),
+                                      ("ended", "ended")])
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ allowed, at most :data:`MAX_WHITESPACE` bytes in a row (a model may otherwise em
 until its token cap).
 
 A form may also be made of parts around JSON (:meth:`JsonForm.of`,
-:mod:`sparkv.runtime.formparts`): exact text, prose, sequences, repeats and unions; a tool call's form is one
-(:mod:`sparkv.runtime.toolform`). Prose has no end of its own: :func:`may_end` tells where the
+:mod:`sparkv.runtime.formparts`): exact text, prose, sequences, repeats and unions; a tool
+call's form is one (:mod:`sparkv.runtime.toolform`). Prose has no end of its own: :func:`may_end` tells where the
 answer may end (end-of-sequence may come), :func:`complete` where it must (nothing may follow).
 """
 
@@ -431,7 +431,8 @@ def _text(top: tuple, byte: int) -> tuple[tuple, bool] | None:
     return (("T", node, seen, utf8),), True
 
 
-_HANDLERS = {"V": _value, "U": _union, "Q": _sequence, "P": _repeat, "T": _text, "O0": _free_object, "OK": _free_object, "OC": _free_object,
+_HANDLERS = {"V": _value, "U": _union, "Q": _sequence, "P": _repeat, "T": _text,
+             "O0": _free_object, "OK": _free_object, "OC": _free_object,
              "OA": _free_object, "PK": _schema_object, "PC": _schema_object,
              "PA": _schema_object, "PE": _schema_object, "A0": _array, "A1": _array,
              "S": _string, "R": _patterned, "N": _number, "L": _literal}

@@ -9,7 +9,10 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from test_runtime_jsonform import _JSONISH, _KEYS
 from sparkv.runtime.jsonform import complete, feed, first_bytes, may_end, step
 from sparkv.runtime.toolform import (MAX_CALLS, Tool, ToolError, ToolSet, call_text,
                                      response_text)
@@ -143,3 +146,33 @@ def test_random_walks_end_in_calls_whose_arguments_their_schemas_take(choice):
             assert rs.is_valid(schemas[c.name], json.loads(c.arguments)), c
             read += 1
     assert read >= (15 if choice == "auto" else 30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c d", "note", ""]),
+                          st.none() | st.dictionaries(_KEYS, _JSONISH, max_size=4),
+                          st.booleans()), max_size=4),
+       st.sampled_from(["none", "auto", "required", "a", "zz"]), st.booleans())
+def test_any_tools_given_make_a_tool_set_or_are_a_tool_error(specs, choice, parallel):
+    """What a client may send as tools: a form whose random walks read back calls of the
+    allowed tools, or a ToolError; never another exception."""
+    try:
+        tools = ToolSet([Tool(n, "", p, strict) for n, p, strict in specs], choice, parallel)
+    except ToolError:
+        return
+    form = tools.form()
+    if form is None:
+        return
+    rng, s, out = random.Random(len(repr(specs))), form.start(), bytearray(b"<tool_call>")
+    s = feed(s, bytes(out))
+    while s is not None and not complete(s) and len(out) < 400:
+        if may_end(s) and rng.random() < 0.2:
+            break
+        ok = [b for b, fits in enumerate(first_bytes(s)) if fits]
+        assert ok, bytes(out)
+        short = [b for b in ok if b in b'}]",:0<\n']
+        out.append(rng.choice(short if short and rng.random() < 0.8 else ok))
+        s = step(s, out[-1])
+    if s is not None and may_end(s):
+        allowed = {n for n, _, _ in specs} if choice in ("auto", "required") else {choice}
+        assert {c.name for c in tools.read(out.decode())} <= allowed

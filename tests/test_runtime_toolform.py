@@ -43,6 +43,11 @@ def _ends(form, text: bytes) -> bool:
     (lambda: ToolSet([], "required"), "needs tools"),
     (lambda: ToolSet([Tool("t", parameters={"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 1}}}, strict=True)], "required"), "minimum"),
+    (lambda: ToolSet([Tool("t", parameters={"type": "object", "$defs": {"s": {
+        "anyOf": [{"type": "string"}] * 30}}, "properties": {"a": {
+            "anyOf": [{"$ref": "#/$defs/s"}] * 20}}}, strict=True)], "required"), "ambiguous"),
+    (lambda: ToolSet([Tool(f"t{i}", parameters={"type": "object", "properties": {"a": {
+        "anyOf": [{"type": "string"}] * 200}}}) for i in range(3)]), "ambiguous"),
 ])
 def test_tools_that_cannot_be_are_refused_by_name(make, match):
     with pytest.raises(ToolError, match=match):

@@ -29,9 +29,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sparkv.runtime.formparts import (ANY_OBJECT, FormError, Node, ObjectPart, const_part,
-                                      object_part, one_of, raw_part, repeated, sequence,
-                                      text_part)
+from sparkv.runtime.formparts import (ANY_OBJECT, MAX_ALTERNATIVES, FormError, Node,
+                                      ObjectPart, const_part, form_width, object_part, one_of,
+                                      raw_part, repeated, sequence, text_part)
 from sparkv.runtime.formschema import schema_node
 from sparkv.runtime.jsonform import JsonForm
 
@@ -73,6 +73,8 @@ class Tool:
             node = schema_node(self.parameters)
             if not isinstance(node, ObjectPart):
                 raise FormError("the top level must be an object schema")
+            if form_width(node) > MAX_ALTERNATIVES:
+                raise FormError(f"too ambiguous: more than {MAX_ALTERNATIVES} readings at once")
         except FormError as e:
             if self.strict:
                 raise ToolError(f"tool {self.name!r}: its parameters cannot be enforced: {e}"
@@ -131,6 +133,10 @@ class ToolSet:
         self.tools, self.choice, self.parallel = tuple(tools), choice, parallel
         self._callable = [t for t in self.tools if choice in ("auto", "required", t.name)]
         self._calls = self._calls_part() if choice != "none" else None
+        try:
+            self.form()                          # too ambiguous: refused with the tools
+        except FormError as e:
+            raise ToolError(str(e)) from None
 
     def _calls_part(self) -> Node:
         call = sequence(raw_part(_OPEN), one_of(*(object_part([

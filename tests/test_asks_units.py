@@ -592,10 +592,10 @@ def test_a_streamed_answer_holds_back_text_that_may_begin_a_call_and_shows_prose
     ask = SimpleNamespace(options=SimpleNamespace(max_new_tokens=64, stop=()), logprobs=None)
     asks = SimpleNamespace(lm=None, eos={0})
     c = Completion("m", asks, ask, ToolSet([Tool("note")], "auto"))
-    shown, held = [""], [""]
+    shown, held = [""], [[]]
 
     def stream(pieces: list[str]) -> list[dict]:
-        shown[0], held[0] = "", ""
+        shown[0], held[0] = "", []
         out = []
         for p in pieces:
             out += _choice_chunks(c, {"type": "token", "text": p, "token": 1}, [0], shown, held, 0)
@@ -614,3 +614,10 @@ def test_a_streamed_answer_holds_back_text_that_may_begin_a_call_and_shows_prose
         (0, "note", '{"a": 1}')]
     cut = stream([call[:20]])                    # a call cut off at the cap: its text, as is
     assert cut[0]["choices"][0]["delta"]["content"] == call[:20]
+    c.logprobs, c.lm = True, SimpleNamespace(decode_tokens=lambda ids: "t")
+    held[0], shown[0] = [], ""
+    out = []
+    for p in (" <", "b>"):                       # the held token's logprob comes with the next
+        out += _choice_chunks(c, {"type": "token", "text": p, "token": 1, "logprob": -0.5,
+                                  "top_logprobs": []}, [0], shown, held, 0)
+    assert len(out) == 1 and len(out[0]["choices"][0]["logprobs"]["content"]) == 2

@@ -266,7 +266,7 @@ class ChoiceStream(StreamingResponse):
                  for k, t in enumerate(choices.tickets)]
         done: list[dict[str, Any] | None] = [None] * len(pumps)
         shown = [""] * len(pumps)                # the text each ask's chunks showed
-        held = [""] * len(pumps)                 # and after it, what may begin a call
+        held: list[list[dict[str, Any]]] = [[] for _ in pumps]   # then what may begin a call
         try:
             while any(d is None for d in done):
                 k, event = await merged.get()
@@ -301,19 +301,21 @@ async def _pump(k: int, ticket: AskTicket, into: asyncio.Queue[tuple[int, dict[s
 
 
 def _choice_chunks(c: Completion, event: dict[str, Any], indexes: list[int], shown: list[str],
-                   held: list[str], k: int) -> list[dict[str, Any]]:
+                   held: list[list[dict[str, Any]]], k: int) -> list[dict[str, Any]]:
     """The chunks of ask ``k``'s ``event`` for its choices ``indexes`` (``shown[k]``: the text
-    its chunks showed so far; ``held[k]``: the text after it held back, as it may begin a tool
-    call)."""
+    its chunks showed so far; ``held[k]``: the token events after it held back, as their text
+    may begin a tool call)."""
     if event["type"] == "token":
-        if c.may_call(shown[k] + held[k] + event["text"]):
-            held[k] += event["text"]
+        events = held[k] + [event]
+        text = "".join(e["text"] for e in events)
+        if c.may_call(shown[k] + text):
+            held[k] = events
             return []
-        if not (held[k] or event["text"] or c.logprobs):
+        held[k] = []
+        if not (text or c.logprobs):
             return []
-        text, held[k] = held[k] + event["text"], ""
         shown[k] += text
-        lp = c.logprob_content([event])
+        lp = c.logprob_content(events)
         return [c.chunk(i, {"content": text}, logprobs=lp) for i in indexes]
     calls = c.calls(event)
     if calls:

@@ -101,9 +101,11 @@ def test_auto_takes_prose_or_calls_and_prose_never_begins_a_call():
         and not tools.may_call("It")
     assert tools.read("<tool_call>\n{\"name\": \"note\", \"argu") == []   # cut off at the cap
     assert tools.read(_call("nope", {}).decode()) == []
-    whole = _call("note", {}).decode()
-    assert len(tools.read(whole + "\n" + whole)) == 2
-    assert tools.read(whole + "\n<tool_call>\n{\"na") == []      # the second cut off
+    whole, other = _call("note", {}).decode(), _call("note", {"a": 1}).decode()
+    assert len(tools.read(whole + "\n" + other)) == 2
+    assert len(tools.read(whole + "\n" + whole)) == 1               # a repeat: once
+    assert len(tools.read(whole + "\n" + whole[:20])) == 1          # a repeat cut off
+    assert tools.read(whole + "\n" + other[:-14]) == []             # a new call cut off
 
 
 def test_auto_with_a_response_format_takes_its_json_or_calls():

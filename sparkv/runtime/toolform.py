@@ -176,12 +176,16 @@ class ToolSet:
         return JsonForm.of(one_of(other, self._calls), "text_or_tool_calls")
 
     def read(self, text: str) -> list[ToolCall]:
-        """The calls an answer's text makes (none: it is text, or a call in it was cut off
-        or names no tool)."""
-        if self._calls is None or not text.lstrip().startswith(_OPEN.strip()) \
-                or _CALL.sub("", text).strip():         # text beside them: a call cut off
+        """The calls an answer's text makes, each once (none: it is text, or a call in it was
+        cut off or names no tool). A model that repeats its calls until its token cap (small
+        ones do) made them all: a cut-off repeat of a call it made whole is dropped."""
+        if self._calls is None or not text.lstrip().startswith(_OPEN.strip()):
             return []
-        calls = []
+        blocks = [m.group(0) for m in _CALL.finditer(text)]
+        rest = _CALL.sub("", text).strip()
+        if rest and not any(b.startswith(rest) for b in blocks):
+            return []                            # text beside them: a new call cut off
+        calls: dict[tuple[str, str], ToolCall] = {}
         for body in _CALL.findall(text):
             try:
                 value = json.loads(body)
@@ -190,9 +194,10 @@ class ToolSet:
             if not (isinstance(value, dict) and isinstance(value.get("arguments"), dict)
                     and value.get("name") in {t.name for t in self._callable}):
                 return []
-            calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"],
-                                  json.dumps(value["arguments"], ensure_ascii=False)))
-        return calls
+            args = json.dumps(value["arguments"], ensure_ascii=False)
+            calls.setdefault((value["name"], args), ToolCall(
+                f"call_{uuid.uuid4().hex[:24]}", value["name"], args))
+        return list(calls.values())
 
     def may_call(self, shown: str) -> bool:
         """Whether an answer that begins with ``shown`` may be calls (streamed text is held

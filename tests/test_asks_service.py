@@ -757,8 +757,8 @@ def test_the_openai_client_calls_tools_and_is_answered_after_their_results(world
     sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
               "keep": True, "backend": "dense", "level": "raw"}
     question = [{"role": "user", "content": "What is the weather in Oslo?"}]
-    kw = dict(model=world["ctx"]["b"], max_tokens=200, extra_body={"sparkv": sparkv},
-              tools=TOOLS)
+    kw = dict(model=world["ctx"]["b"], max_tokens=400, extra_body={"sparkv": sparkv},
+              tools=TOOLS, parallel_tool_calls=False)     # one call: its length is bounded
     schemas = {"get_weather": WEATHER, "note": TOOLS[1]["function"]["parameters"]}
 
     def valid(calls) -> None:
@@ -772,7 +772,7 @@ def test_the_openai_client_calls_tools_and_is_answered_after_their_results(world
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         valid(choice.message.tool_calls)
-        named = oa.chat.completions.create(messages=question, parallel_tool_calls=False,
+        named = oa.chat.completions.create(messages=question,
                                            tool_choice={"type": "function",
                                                         "function": {"name": "get_weather"}},
                                            **kw)
@@ -791,6 +791,13 @@ def test_the_openai_client_calls_tools_and_is_answered_after_their_results(world
                                            temperature=1.0, seed=3, **kw)
         for ch in drawn.choices:
             valid(ch.message.tool_calls)
+        # parallel calls allowed: the random model may write calls until the cap (then the
+        # answer is text, finish_reason length); any it made whole are valid
+        several = oa.chat.completions.create(messages=question, tool_choice="required",
+                                             **{**kw, "parallel_tool_calls": True})
+        assert several.choices[0].finish_reason in ("tool_calls", "length")
+        if several.choices[0].finish_reason == "tool_calls":
+            valid(several.choices[0].message.tool_calls)
         # the client's parse() with a pydantic model as a strict tool: parsed arguments
         tool = openai.pydantic_function_tool(_weather_model(), name="get_weather")
         parsed = oa.chat.completions.parse(messages=question, tool_choice="required",

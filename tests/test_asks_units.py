@@ -531,8 +531,8 @@ def test_the_device_priors_carry_what_streaming_costs_the_compute_path_from_ask_
 def test_a_question_the_edge_cannot_ask_is_refused_before_it_is_admitted():
     """A blank question (chat on: before, it was asked and answered as an empty turn) and a
     conversation with ``chat`` off are 400s from the request's checks, not errors once queued;
-    the chat route's messages map to turns (``developer`` is ``system``), a tool's message or
-    a last message that is not the user's is ``unsupported_messages``."""
+    the chat route's messages map to turns (``developer`` is ``system``, a tool's result the
+    user's), a last message that is not the user's is ``unsupported_messages``."""
     from types import SimpleNamespace
     from typing import Any
 
@@ -557,8 +557,9 @@ def test_a_question_the_edge_cannot_ask_is_refused_before_it_is_admitted():
     assert _question(body(("user", "Q?"))) == "Q?"
     assert _question(body(("developer", "Be brief."), ("user", "Q?"))) == Conversation(
         (ChatTurn("system", "Be brief."), ChatTurn("user", "Q?")))
-    for msgs, match in (((("user", "Q?"), ("tool", "{}"), ("user", "Q?")), "'tool' message"),
-                        ((("user", "Q?"), ("assistant", "A")), "last message must be the user's"),
+    assert _question(body(("user", "Q?"), ("tool", "{}"))).turns[-1] == ChatTurn(
+        "user", "<tool_response>\n{}\n</tool_response>")     # a tool's result: the user's turn
+    for msgs, match in (((("user", "Q?"), ("assistant", "A")), "last message must be the user's"),
                         ((("user", "  "),), "has no text")):
         with pytest.raises(UnsupportedMessages, match=match):
             _question(body(*msgs))

@@ -164,8 +164,6 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-
-
 class FunctionSpec(BaseModel):
     """A tool's function: its name, what it does, its arguments' JSON Schema; ``strict``: the
     schema must be enforced whole (else a schema the form cannot enforce takes any object)."""

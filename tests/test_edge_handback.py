@@ -1,7 +1,7 @@
 """The engine leaves a dead plan: a link that starts dead and recovers, emulated by a scripted
 source paced by a bandwidth trace (:class:`~sparkv.edge.shaper.LinkShaper`), under an all-local
 plan. The probe stays within its bound while the link is dead; once the rate recovers the
-controller hands whole columns from the tail back to the link (docs/scheduler.md, "Probe and
+controller hands work from the tail back to the link (whole columns, or step by step by probes) (docs/scheduler.md, "Probe and
 hand-back"). A tiny random Llama whose steps are slowed to 40 ms keeps each load to a second."""
 
 from __future__ import annotations
@@ -129,16 +129,20 @@ def _run(world, trace: Trace, controller: ControllerConfig):
 
 def test_an_all_local_plan_hands_work_back_to_a_link_that_recovers(world):
     load, src = _run(world, _dead_then_fast(), ControllerConfig())
+    seen = [(m.direction, round(m.time_s, 3), [tuple(s) for s in m.steps])
+            for m in load.migrations]
+    # the hand-back (whole columns) moves only once the link recovered
     back = [m for m in load.migrations if m.direction == "to_stream"]
-    assert back and load.sources.get("streamed", 0) > 1, load.sources
-    assert min(m.time_s for m in back) >= DEAD_S - 0.05     # only once the link recovered
-    # from the tail: the last token chunk left the compute path once the link recovered, by
-    # the hand-back or by a probe that took the compute order's last step just before it
-    # (which of the two moves first is a matter of timing)
+    assert all(m.time_s >= DEAD_S - 0.05 for m in back), seen
+    # once it recovered, work left the compute path for the link: by the hand-back, or by
+    # probes that took step after step first (which of the two wins is timing: a 2-core CI
+    # run saw seven probes and no hand-back; tests/test_scheduler_controller.py decides the
+    # hand-back itself on a simulated clock)
     after = [m for m in load.migrations
              if m.direction in ("to_stream", "probe") and m.time_s >= DEAD_S - 0.05]
-    assert max(s.t for m in after for s in m.steps) == world["geo"].num_token_chunks - 1, [
-        (m.direction, round(m.time_s, 3), [tuple(s) for s in m.steps]) for m in load.migrations]
+    assert after and load.sources.get("streamed", 0) > 1, (load.sources, seen)
+    # from the tail: the last token chunk left the compute path
+    assert max(s.t for m in after for s in m.steps) == world["geo"].num_token_chunks - 1, seen
     assert not load.fallback
 
 

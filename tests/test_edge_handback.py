@@ -1,8 +1,9 @@
 """The engine leaves a dead plan: a link that starts dead and recovers, emulated by a scripted
 source paced by a bandwidth trace (:class:`~sparkv.edge.shaper.LinkShaper`), under an all-local
 plan. The probe stays within its bound while the link is dead; once the rate recovers the
-controller hands work from the tail back to the link (whole columns, or step by step by probes) (docs/scheduler.md, "Probe and
-hand-back"). A tiny random Llama whose steps are slowed to 40 ms keeps each load to a second."""
+controller hands work from the tail back to the link, whole columns or step by step by probes
+(docs/scheduler.md, "Probe and hand-back"). A tiny random Llama whose steps are slowed to 40 ms
+keeps each load to a second."""
 
 from __future__ import annotations
 

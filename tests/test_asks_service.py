@@ -10,7 +10,9 @@ first come, first served under a steady stream; a server that dies mid-ask fails
 ask; a cancelled ask stops within one unit of compute (in process, counting its units); the
 unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage, and a
 conversation (instructions, an earlier turn) as an in-process session answers it, stop strings,
-sampled answers (a seed repeats one, the token events are the tokens drawn), and the model list (an app's kept contexts only, until shared); 40 asks
+sampled answers (a seed repeats one, the token events are the tokens drawn), the Responses API
+(the chat's answer, its events, JSON, function calls), and the model list (an app's kept
+contexts only, until shared); 40 asks
 from 8 clients that go away at random leave none stuck or lost and no memory held."""
 
 from __future__ import annotations
@@ -827,6 +829,103 @@ def test_the_openai_client_calls_tools_and_is_answered_after_their_results(world
                 oa.chat.completions.create(messages=question, **{**kw, **bad})
     finally:
         oa.close()
+
+
+def test_the_openai_client_asks_through_the_responses_api_as_through_chat(world):
+    """POST /v1/responses: the same answer as the chat completion of the same conversation
+    (instructions as a system message), streamed as the API's numbered events whose deltas
+    are the text; the cap makes it incomplete; logprobs, a JSON schema (the client's
+    parse()), and function calls sent back with their results as input; what it does not do
+    is a 422 naming it."""
+    openai = pytest.importorskip("openai")
+    rs = pytest.importorskip("jsonschema_rs")
+    oa, http = _openai(openai, world["dev"], "responses")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    cid, question, rule = world["ctx"]["a"], "What is it about?", "Answer in one sentence."
+    kw = dict(model=cid, extra_body={"sparkv": sparkv})
+    try:
+        chat = oa.chat.completions.create(max_tokens=8, messages=[
+            {"role": "system", "content": rule}, {"role": "user", "content": question}], **kw)
+        r = oa.responses.create(input=question, instructions=rule, max_output_tokens=8, **kw)
+        assert r.object == "response" and r.id.startswith("resp_")
+        assert r.output_text == chat.choices[0].message.content
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.output[0].type == "message" and r.output[0].status == "incomplete"
+        assert (r.usage.input_tokens, r.usage.output_tokens) == (
+            chat.usage.prompt_tokens, chat.usage.completion_tokens)
+        assert r.instructions == rule and r.max_output_tokens == 8
+        as_items = oa.responses.create(max_output_tokens=8, input=[
+            {"role": "developer", "content": rule},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": question}]}], **kw)
+        assert as_items.output_text == r.output_text
+        events = list(oa.responses.create(input=question, instructions=rule,
+                                          max_output_tokens=8, stream=True, **kw))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+        assert events[-1].type == "response.incomplete"
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        assert "".join(deltas) == r.output_text == events[-1].response.output_text
+        done = [e for e in events if e.type == "response.output_text.done"]
+        assert [e.text for e in done] == [r.output_text]
+        lp = oa.responses.create(input=question, max_output_tokens=4, top_logprobs=2,
+                                 include=["message.output_text.logprobs"], **kw)
+        tokens = lp.output[0].content[0].logprobs
+        assert len(tokens) == 4 and all(len(t.top_logprobs) == 2 for t in tokens)
+        assert all(t.logprob <= 0 for t in tokens)
+        parsed = oa.responses.parse(input=question, text_format=_pick_model(),
+                                    max_output_tokens=200, **kw)
+        if parsed.status == "completed":
+            assert parsed.output_parsed.kind in ("a", "b")
+        js = oa.responses.create(input=question, max_output_tokens=200, text={"format": {
+            "type": "json_schema", "name": "choice", "schema": CHOICE, "strict": True}}, **kw)
+        assert js.status == "completed" and rs.is_valid(CHOICE, json.loads(js.output_text))
+        with oa.responses.stream(input=question, max_output_tokens=200, text={"format": {
+                "type": "json_schema", "name": "choice", "schema": CHOICE, "strict": True}},
+                **kw) as stream:       # the client's own reader (it reads completed ones)
+            assert stream.get_final_response().output_text == js.output_text
+        _responses_call_tools(oa, kw, question, rs)
+        for bad, says in [({"previous_response_id": "resp_1"}, "not stored"),
+                          ({"input": [{"role": "user", "content": [
+                              {"type": "input_image", "image_url": "http://x/y.png"}]}]},
+                           "'input_image' content is not taken"),
+                          ({"tools": [{"type": "web_search"}]}, "functions only"),
+                          ({"tool_choice": "required"}, "needs tools")]:
+            with pytest.raises(openai.UnprocessableEntityError, match=says):
+                oa.responses.create(**{"input": question, **kw, **bad})
+        with pytest.raises(openai.NotFoundError):
+            oa.responses.create(input=question, **{**kw, "model": "not-a-context"})
+        paths = http.get("http://localhost/openapi.json").json()["paths"]
+        assert "/v1/responses" in paths
+    finally:
+        oa.close()
+
+
+def _responses_call_tools(oa, kw, question: str, rs) -> None:
+    """tool_choice required: the output is function_call items whose arguments the schema
+    takes, streamed the same; sent back as input with their outputs, the next answer is a
+    message."""
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather",
+              "parameters": WEATHER, "strict": True}]
+    kw = {**kw, "tools": tools, "parallel_tool_calls": False, "max_output_tokens": 400}
+    r = oa.responses.create(input=question, tool_choice="required", **kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls == r.output and r.status == "completed"
+    for call in calls:
+        assert call.name == "get_weather" and call.call_id.startswith("call_")
+        assert rs.is_valid(WEATHER, json.loads(call.arguments))
+    events = list(oa.responses.create(input=question, tool_choice="required", stream=True,
+                                      **kw))
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    back = [{"role": "user", "content": question}, *[c.model_dump() for c in r.output],
+            *[{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C"}
+              for c in calls]]
+    after = oa.responses.create(input=back, tool_choice="none",
+                                **{**kw, "max_output_tokens": 8})
+    assert [o.type for o in after.output] == ["message"]
 
 
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):

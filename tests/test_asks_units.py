@@ -504,7 +504,7 @@ def test_a_quiet_ask_is_waited_for_past_the_disconnect_poll():
         ticket.finish({"type": "done", "text": "x"})
 
     threading.Thread(target=later, daemon=True).start()
-    event = asyncio.run(chat._outcome(ticket, Request(), []))  # type: ignore[arg-type]
+    event = asyncio.run(chat.outcome(ticket, Request(), []))  # type: ignore[arg-type]
     assert event == {"type": "done", "text": "x"}
     assert Request.looks >= 2                                  # it looked, and kept waiting
 

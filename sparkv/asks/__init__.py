@@ -11,7 +11,9 @@ one KV memory answer them (docs/device-service.md, "Asks").
 * :mod:`~sparkv.asks.forward`: an ask's forward passes on its lane, their tokens streamed;
 * :mod:`~sparkv.asks.kept`: one app's view of the kept contexts;
 * :mod:`~sparkv.asks.routes` (``/v1/asks``), :mod:`~sparkv.asks.chat`
-  (``/v1/chat/completions``, OpenAI-compatible), :mod:`~sparkv.asks.schemas`;
+  (``/v1/chat/completions``, OpenAI-compatible; :mod:`~sparkv.asks.completion` its answers),
+  :mod:`~sparkv.asks.responses` (``/v1/responses``, OpenAI's Responses API;
+  :mod:`~sparkv.asks.respschemas` its request), :mod:`~sparkv.asks.schemas`;
 * :mod:`~sparkv.asks.commands`: what ``sparkv device serve`` gains.
 
 Layering: above the edge (an ask is an :class:`~sparkv.edge.session.EdgeSession` ask) and the

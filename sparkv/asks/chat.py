@@ -70,10 +70,11 @@ from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
 from sparkv.runtime.formparts import FormError
-from sparkv.runtime.toolform import call_text, response_text
+from sparkv.runtime.toolform import ToolSet, call_text, response_text
 from sparkv.runtime.turns import ChatTurn, Conversation, ConversationError
 
-__all__ = ["chat_router", "DEFAULT_MAX_TOKENS"]
+__all__ = ["chat_router", "DEFAULT_MAX_TOKENS", "UnknownModel", "UnsupportedMessages",
+           "asked", "context_id_of", "with_tools"]
 
 #: the answer's cap when the request names none (tokens)
 DEFAULT_MAX_TOKENS = 256
@@ -93,11 +94,15 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 def _question(body: ChatBody) -> str | Conversation:
-    """The lone user message's text, or the messages as a conversation (instructions, the
-    tools, earlier questions, answers, calls and results, then the question:
-    :mod:`sparkv.runtime.turns`)."""
-    turns = [_turn(i, m) for i, m in enumerate(body.messages)]
-    tools = body.tool_set()
+    """The lone user message's text, or the messages as a conversation."""
+    return asked([_turn(i, m) for i, m in enumerate(body.messages)], body.tool_set())
+
+
+def asked(turns: list[ChatTurn], tools: ToolSet | None) -> str | Conversation:
+    """The lone user turn's text, or the turns as a conversation (instructions, the tools,
+    earlier questions, answers, calls and results, then the question:
+    :mod:`sparkv.runtime.turns`); :class:`UnsupportedMessages` for turns that are none."""
+    turns = list(turns)
     if tools is not None:                        # after the app's instructions
         lead = next((i for i, t in enumerate(turns) if t.role != "system"), len(turns))
         turns.insert(lead, ChatTurn("system", tools.instructions()))
@@ -121,18 +126,6 @@ def _turn(i: int, m: ChatMessage) -> ChatTurn:
                                   "assistant's does)")
     calls = [call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
     return ChatTurn("assistant", "\n".join(([m.text()] if m.text().strip() else []) + calls))
-
-
-def _with_tools(body: ChatBody, ask: AskRequest) -> AskRequest:
-    """``ask`` with the answer's form of the request's tools (and its ``response_format``)."""
-    tools = body.tool_set()
-    if tools is None:
-        return ask
-    try:
-        form = tools.form(ask.options.form)
-    except FormError as e:
-        raise DeviceError(f"tools: {e}") from None
-    return dataclasses.replace(ask, options=dataclasses.replace(ask.options, form=form))
 
 
 #: OpenAI's fields of how the answer's tokens are chosen
@@ -163,14 +156,27 @@ def _max_tokens(body: ChatBody) -> int:
     return body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
 
 
-def _context_id(body: ChatBody) -> str:
+def context_id_of(model: str, fields: SparkvFields | None) -> str:
+    """The server context asked about: ``sparkv.context_id``, else ``model``
+    (:class:`UnknownModel` unless it is a context's id)."""
     import re
 
-    cid = body.sparkv.context_id if body.sparkv and body.sparkv.context_id else body.model
+    cid = fields.context_id if fields and fields.context_id else model
     if not re.fullmatch(CONTEXT_ID_PATTERN.strip("^$"), cid):
-        raise UnknownModel(f"model {body.model!r} is not a server context's id (32 hex digits); "
+        raise UnknownModel(f"model {model!r} is not a server context's id (32 hex digits); "
                            "name the context in 'model' or in sparkv.context_id")
     return cid
+
+
+def with_tools(tools: ToolSet | None, ask: AskRequest) -> AskRequest:
+    """``ask`` with the answer's form of ``tools`` (and its ``response_format``)."""
+    if tools is None:
+        return ask
+    try:
+        form = tools.form(ask.options.form)
+    except FormError as e:
+        raise DeviceError(f"tools: {e}") from None
+    return dataclasses.replace(ask, options=dataclasses.replace(ask.options, form=form))
 
 
 chat_router = APIRouter(tags=["openai"])
@@ -188,11 +194,11 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
     are the question (the last user message) and what came before it, ``extra_body={"sparkv":
     {...}}`` the rest of the ask."""
     question = _question(body)
-    cid = _context_id(body)
+    cid = context_id_of(body.model, body.sparkv)
     fields = body.sparkv or SparkvFields()
     fields = fields.model_copy(update=_openai_fields(body))
-    ask = _with_tools(body, ask_request(fields, asks, cid, question, _max_tokens(body),
-                                        _logprobs(body)))
+    ask = with_tools(body.tool_set(), ask_request(fields, asks, cid, question,
+                                                  _max_tokens(body), _logprobs(body)))
     c = Completion(body.model, asks, ask, body.tool_set())
     choices = Choices.submit(asks, caller, ask, body.n)
     if body.stream:

@@ -93,6 +93,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     """Adds the asks to the service's ``app``; returns what closes them."""
     from sparkv.asks.chat import chat_router
     from sparkv.asks.models import models_router
+    from sparkv.asks.responses import responses_router
     from sparkv.asks.routes import asks_router
     from sparkv.asks.service import AskService, BadServerUrl
     from sparkv.errors import SparkvError
@@ -116,6 +117,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     app.state.asks = asks
     app.include_router(asks_router)
     app.include_router(chat_router)
+    app.include_router(responses_router)
     app.include_router(models_router)
     return asks.close
 

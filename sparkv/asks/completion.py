@@ -34,7 +34,8 @@ from sparkv.runtime.sampling import SEED_RANGE
 from sparkv.runtime.stops import StopStrings
 from sparkv.runtime.toolform import ToolCall, ToolSet
 
-__all__ = ["Completion", "Choices", "ChoiceStream", "answer", "DISCONNECT_POLL_S", "MAX_CHOICES"]
+__all__ = ["Completion", "Choices", "ChoiceStream", "answer", "outcome", "DISCONNECT_POLL_S",
+           "MAX_CHOICES"]
 
 #: how often a non-streamed completion looks whether its client is still there (s)
 DISCONNECT_POLL_S = 0.25
@@ -183,7 +184,7 @@ async def answer(choices: Choices, c: Completion, request: Request, n: int) -> A
     """The ``chat.completion`` (or the first failing choice's error response)."""
     tokens: list[list[dict[str, Any]]] = [[] for _ in choices.tickets]
     try:
-        done = await asyncio.gather(*(_outcome(t, request, tk)
+        done = await asyncio.gather(*(outcome(t, request, tk)
                                       for t, tk in zip(choices.tickets, tokens)))
     finally:
         choices.cancel()
@@ -202,7 +203,7 @@ async def answer(choices: Choices, c: Completion, request: Request, n: int) -> A
             "sparkv": c.sparkv(done)}
 
 
-async def _outcome(ticket: AskTicket, request: Request,
+async def outcome(ticket: AskTicket, request: Request,
                    tokens: list[dict[str, Any]]) -> dict[str, Any]:
     """The ask's last event (its token events into ``tokens``); a client that goes away
     meanwhile cancels it. The wait for the next event is looked at every

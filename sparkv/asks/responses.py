@@ -1,0 +1,310 @@
+"""``POST /v1/responses``: the asks through OpenAI's Responses API, the newer interface the
+``openai`` client (``client.responses.create``) and agent frameworks speak (docs/asks.md,
+"OpenAI's Responses API").
+
+A stock client asks about a server context unchanged::
+
+    r = client.responses.create(model=CONTEXT_ID, input="What is it about?",
+                                instructions="Answer in one sentence.",
+                                extra_body={"sparkv": {"server": SERVER}})
+    r.output_text
+
+The request is read into a chat completion's parts (:mod:`sparkv.asks.respschemas`): the same
+conversation after the context, tools, answer format and sampling, answered by one ask. The
+answer is a ``response``: its ``output`` one ``message`` item (its ``output_text``) or the
+``function_call`` items the model made; ``status`` ``incomplete`` (``incomplete_details.reason``
+``max_output_tokens``) when it stopped at the cap; ``usage`` in the API's names. Streamed, the
+API's semantic events (``response.created``, ``response.output_text.delta``, ...,
+``response.completed``), each numbered by ``sequence_number``; a failure once streaming is one
+``response.failed`` event.
+
+Responses are not stored (``store`` is taken and changes nothing; ``previous_response_id`` is a
+422): an app sends the conversation as ``input``, its earlier ``output`` items included.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from sparkv.extras import require_all
+
+require_all(("fastapi",), feature="the Responses route of the device service "
+                                   "(sparkv.asks.responses)")
+
+from fastapi import APIRouter, Request  # noqa: E402 - after the check
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from sparkv.asks.chat import DEFAULT_MAX_TOKENS, asked, context_id_of, with_tools
+from sparkv.asks.completion import Completion, outcome
+from sparkv.asks.respschemas import ResponsesBody
+from sparkv.asks.routes import AsksDep, ask_request
+from sparkv.asks.schemas import SparkvFields
+from sparkv.asks.tickets import AskTicket
+from sparkv.device.app import CallerDep, error_responses
+from sparkv.protocol.errors import error_body
+from sparkv.runtime.toolform import ToolCall
+
+__all__ = ["responses_router", "ResponseOf", "ResponseEvents", "StreamEvents", "respond"]
+
+#: OpenAI's fields of how the answer's tokens are chosen, as the ask's fields
+_SAMPLING = ("temperature", "top_p")
+
+
+class ResponseOf:
+    """One response's identity, what it echoes of its request, and its output items."""
+
+    def __init__(self, body: ResponsesBody, c: Completion) -> None:
+        self.body, self.c = body, c
+        stamp = f"{time.time_ns():x}"
+        self.id, self.msg_id = f"resp_{stamp}", f"msg_{stamp}"
+        self.created_at = int(time.time())
+
+    def shell(self, status: str, output: list[dict[str, Any]] | None = None,
+              done: dict[str, Any] | None = None, error: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+        """The ``response`` object at ``status`` (with the answer's ``usage`` once done)."""
+        b = self.body
+        fmt = b.text.format.model_dump(by_alias=True) if b.text and b.text.format else None
+        choice = b.tool_choice
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "error": error,
+            "incomplete_details": ({"reason": "max_output_tokens"}
+                                   if status == "incomplete" else None),
+            "instructions": b.instructions, "max_output_tokens": self.c.max_tokens,
+            "model": b.model, "output": output or [],
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
+            "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
+            "tool_choice": (choice.model_dump() if choice is not None and
+                            not isinstance(choice, str) else choice or "auto"),
+            "tools": [{"strict": None, "description": None, "parameters": None,
+                       **t.model_dump(exclude_none=True)} for t in b.tools or []],
+            "metadata": b.metadata or {}, "user": b.user,
+            "usage": self.usage(done) if done is not None else None,
+            **({"sparkv": self.c.sparkv([done])} if done is not None else {}),
+        }
+
+    def status(self, done: dict[str, Any]) -> str:
+        """``incomplete`` at the cap, else ``completed``."""
+        return "incomplete" if self.c.finish_reason(done) == "length" else "completed"
+
+    def usage(self, done: dict[str, Any]) -> dict[str, Any]:
+        u = self.c.usage([done])
+        return {"input_tokens": u["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens":
+                                         u["prompt_tokens_details"]["cached_tokens"],
+                                         "cache_write_tokens": 0},
+                "output_tokens": u["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u["total_tokens"]}
+
+    def logprobs(self, tokens: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        lp = self.c.logprob_content(tokens)
+        return lp["content"] if lp else []
+
+    def text_part(self, text: str, tokens: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": self.logprobs(tokens)}
+
+    def message(self, status: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": parts}
+
+    @staticmethod
+    def call_item(j: int, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}_{j}",
+                "call_id": call.id, "name": call.name,
+                "arguments": call.arguments if status == "completed" else "",
+                "status": status}
+
+    def output(self, done: dict[str, Any], tokens: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The answer's output items: its calls, else one message of its text."""
+        calls = self.c.calls(done)
+        if calls:
+            return [self.call_item(j, call) for j, call in enumerate(calls)]
+        return [self.message(self.status(done), [self.text_part(done["text"], tokens)])]
+
+
+# ---- the whole response ------------------------------------------------------------------------
+async def respond(ticket: AskTicket, r: ResponseOf, request: Request) -> Any:
+    """The ``response`` (or the ask's error response)."""
+    tokens: list[dict[str, Any]] = []
+    try:
+        done = await outcome(ticket, request, tokens)
+    finally:
+        ticket.cancel()
+    if done["type"] == "error":
+        err = done["error"]
+        return JSONResponse(error_body(err["status"], err["code"], err["message"]),
+                            status_code=err["status"] if err["status"] != 499 else 400)
+    return r.shell(r.status(done), r.output(done, tokens), done)
+
+
+# ---- streamed ----------------------------------------------------------------------------------
+class ResponseEvents(StreamingResponse):
+    """The streamed response: ``response.created`` and ``response.in_progress``; the message's
+    item and text part opened at its first shown text, a delta per token (text that may begin a
+    tool call held back until it cannot), then its ``done`` events, or each call's item once the
+    answer is calls; ``response.completed`` (or ``response.incomplete``, or on a failure
+    ``response.failed``). However the response ends, the ask is cancelled."""
+
+    def __init__(self, ticket: AskTicket, r: ResponseOf) -> None:
+        super().__init__(StreamEvents(r).of(ticket), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.cancel()
+
+
+class StreamEvents:
+    """One response's events, numbered, as its ask's events come."""
+
+    def __init__(self, r: ResponseOf) -> None:
+        self.r, self.seq = r, 0
+        self.shown, self.opened = "", False
+        self.held: list[dict[str, Any]] = []      # token events whose text may begin a call
+        self.tokens: list[dict[str, Any]] = []    # every token event
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def _item(self) -> dict[str, Any]:
+        return {"item_id": self.r.msg_id, "output_index": 0}
+
+    async def of(self, ticket: AskTicket) -> AsyncIterator[bytes]:
+        r = self.r
+        yield self.event("response.created", response=r.shell("in_progress"))
+        yield self.event("response.in_progress", response=r.shell("in_progress"))
+        events = ticket.aevents()
+        try:
+            async for ev in events:
+                if ev["type"] == "token":
+                    for out in self._token(ev):
+                        yield out
+                elif ev["type"] == "error":
+                    err = ev["error"]
+                    failed = r.shell("failed", error={"code": err["code"],
+                                                      "message": err["message"]})
+                    yield self.event("response.failed", response=failed)
+                    return
+                elif ev["type"] == "done":
+                    for out in self._done(ev):
+                        yield out
+                    return
+        finally:
+            await events.aclose()
+
+    def _opening(self) -> list[bytes]:
+        if self.opened:
+            return []
+        self.opened = True
+        r = self.r
+        return [self.event("response.output_item.added", output_index=0,
+                           item=r.message("in_progress", [])),
+                self.event("response.content_part.added", **self._item(), content_index=0,
+                           part=r.text_part("", []))]
+
+    def _delta(self, text: str, tokens: list[dict[str, Any]]) -> list[bytes]:
+        self.shown += text
+        return self._opening() + [self.event("response.output_text.delta", **self._item(),
+                                             content_index=0, delta=text,
+                                             logprobs=self.r.logprobs(tokens))]
+
+    def _token(self, ev: dict[str, Any]) -> list[bytes]:
+        self.tokens.append(ev)
+        events = self.held + [ev]
+        text = "".join(e["text"] for e in events)
+        if self.r.c.may_call(self.shown + text):
+            self.held = events
+            return []
+        self.held = []
+        if not (text or self.r.c.logprobs):
+            return []
+        return self._delta(text, events)
+
+    def _done(self, done: dict[str, Any]) -> list[bytes]:
+        r = self.r
+        calls = r.c.calls(done)
+        out: list[bytes] = []
+        items: list[dict[str, Any]] = []
+        if calls and not self.opened:
+            for j, call in enumerate(calls):
+                out += self._call(j, call)
+                items.append(r.call_item(j, call))
+        else:
+            text = done["text"]
+            rest = text[len(self.shown):] if text.startswith(self.shown) else ""
+            out += self._delta(rest, self.held) if rest else self._opening()
+            part = r.text_part(self.shown, self.tokens)
+            item = r.message(r.status(done), [part])
+            out += [self.event("response.output_text.done", **self._item(), content_index=0,
+                               text=self.shown, logprobs=part["logprobs"]),
+                    self.event("response.content_part.done", **self._item(), content_index=0,
+                               part=part),
+                    self.event("response.output_item.done", output_index=0, item=item)]
+            items.append(item)
+        status = r.status(done)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return out + [self.event(kind, response=r.shell(status, items, done))]
+
+    def _call(self, j: int, call: ToolCall) -> list[bytes]:
+        r, item = self.r, self.r.call_item(j, call)
+        where = {"item_id": item["id"], "output_index": j}
+        return [self.event("response.output_item.added", output_index=j,
+                           item=r.call_item(j, call, "in_progress")),
+                self.event("response.function_call_arguments.delta", **where,
+                           delta=call.arguments),
+                self.event("response.function_call_arguments.done", **where,
+                           name=call.name, arguments=call.arguments),
+                self.event("response.output_item.done", output_index=j, item=item)]
+
+
+# ---- the route ---------------------------------------------------------------------------------
+responses_router = APIRouter(tags=["openai"])
+
+
+@responses_router.post("/v1/responses",
+                       responses={**error_responses(400, 404, 422, 429, 502, 503),
+                                  200: {"description": (
+                                      "a response (JSON), or with stream: server-sent "
+                                      "response.* events"),
+                                      "content": {"text/event-stream": {
+                                          "schema": {"type": "string"}}}}})
+async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
+                          caller: CallerDep) -> Any:
+    """OpenAI's response over an ask: ``model`` names the server context, ``instructions``
+    and ``input`` are the conversation ending in the question, ``extra_body={"sparkv":
+    {...}}`` the rest of the ask."""
+    tools = body.tool_set()
+    question = asked(body.turns(), tools)
+    cid = context_id_of(body.model, body.sparkv)
+    fields = (body.sparkv or SparkvFields()).model_copy(update=_openai_fields(body))
+    ask = with_tools(tools, ask_request(fields, asks, cid, question,
+                                        body.max_output_tokens or DEFAULT_MAX_TOKENS,
+                                        body.logprobs()))
+    r = ResponseOf(body, Completion(body.model, asks, ask, tools))
+    ticket = asks.submit(caller, ask)
+    if body.stream:
+        return ResponseEvents(ticket, r)
+    return await respond(ticket, r, request)
+
+
+def _openai_fields(body: ResponsesBody) -> dict[str, Any]:
+    """The ask's fields the request sets (they override the ``sparkv`` extension's)."""
+    out: dict[str, Any] = {k: getattr(body, k) for k in _SAMPLING
+                           if getattr(body, k) is not None}
+    fmt = body.text.response_format() if body.text else None
+    if fmt is not None:
+        out["response_format"] = fmt
+    return out

@@ -1,0 +1,165 @@
+"""The Responses API's request read into a chat's parts, and its event stream, without a
+service (tests/test_asks_service.py asks the running one with the ``openai`` client).
+
+What is asserted: the input becomes the same turns a chat's messages do (instructions first,
+an assistant's message and its calls one turn, a call's output the user's turn, output items
+sent back as input); what the service does not do is refused by name; ``text.format`` is a
+chat's ``response_format``; the stream's events are numbered, its deltas add up to the text,
+an answer at the cap ends ``response.incomplete`` and an ask that fails ``response.failed``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from sparkv.asks.completion import Completion
+from sparkv.asks.respschemas import ResponsesBody
+from sparkv.asks.responses import ResponseOf, StreamEvents
+from sparkv.device.schemas import JsonSchemaFormat
+from sparkv.runtime.turns import ChatTurn
+
+CID = "0" * 32
+
+
+def _body(**fields) -> ResponsesBody:
+    return ResponsesBody.model_validate({"model": CID, "input": "What is it?", **fields})
+
+
+def test_the_input_becomes_the_turns_a_chats_messages_do():
+    body = _body(instructions="Be brief.", input=[
+        {"role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Oslo"}', "id": "fc_1", "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+         "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "Rain"}]},
+        {"role": "developer", "content": "Now answer."},
+        {"role": "user", "content": [{"type": "input_text", "text": "So?"}]}])
+    turns = body.turns()
+    assert [t.role for t in turns] == ["system", "user", "assistant", "user", "user",
+                                       "system", "user"]
+    assert turns[0] == ChatTurn("system", "Be brief.")
+    said = turns[2].text
+    assert said.startswith("Let me look.\n<tool_call>") and said.count("<tool_call>") == 2
+    assert '"Oslo"' in said and '"Rome"' in said
+    assert turns[3].text == "<tool_response>\nSunny\n</tool_response>"
+    assert turns[4].text == "<tool_response>\nRain\n</tool_response>"
+    assert turns[-1] == ChatTurn("user", "So?")
+    assert _body().turns() == [ChatTurn("user", "What is it?")]
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"previous_response_id": "resp_1"}, "not stored"),
+    ({"conversation": "conv_1"}, "conversation is not taken"),
+    ({"background": True}, "background is not taken"),
+    ({"truncation": "auto"}, "never cut"),
+    ({"reasoning": {"effort": "low"}}, "does not reason"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "functions only"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "'reasoning' items are not taken"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "'input_file' content"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tool_choice": {"type": "function", "name": "nope"},
+      "tools": [{"type": "function", "name": "f"}]}, "not one of the tools"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "properties": {"n": {"minimum": 1}}}}}}, "minimum"),
+    ({"unknown_field": 1}, "unknown_field"),
+    ({"include": ["file_search_call.results"]}, "include"),
+])
+def test_what_the_service_does_not_do_is_refused_by_name(fields, says):
+    with pytest.raises(ValidationError, match=says):
+        _body(**fields)
+
+
+def test_what_stock_clients_send_at_no_op_values_is_taken():
+    body = _body(store=False, background=False, truncation="disabled", reasoning=None,
+                 metadata={"a": "b"}, user="u", safety_identifier="s", prompt_cache_key="k",
+                 text={"format": {"type": "text"}, "verbosity": "low"}, temperature=0)
+    assert body.text is not None and body.text.response_format().form() is None
+    assert body.logprobs() is None
+    assert _body(include=["message.output_text.logprobs"]).logprobs() == 0
+    assert _body(top_logprobs=3).logprobs() == 3
+
+
+def test_a_json_schema_format_is_a_chats_response_format():
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body = _body(text={"format": {"type": "json_schema", "name": "thing", "schema": schema,
+                                  "strict": True}})
+    fmt = body.text.response_format()
+    assert isinstance(fmt, JsonSchemaFormat) and fmt.json_schema.schema_ == schema
+    assert fmt.form() is not None
+
+
+# ---- the event stream --------------------------------------------------------------------------
+class _Ticket:
+    def __init__(self, events: list[dict]) -> None:
+        self.events = events
+
+    async def aevents(self):
+        for e in self.events:
+            yield e
+
+
+def _events(body: ResponsesBody, events: list[dict], max_tokens: int = 3) -> list[dict]:
+    asks = SimpleNamespace(lm=SimpleNamespace(decode_tokens=lambda ids: f"<{ids[0]}>"),
+                           eos={0})
+    ask = SimpleNamespace(options=SimpleNamespace(max_new_tokens=max_tokens, stop=[]),
+                          logprobs=None)
+    r = ResponseOf(body, Completion(body.model, asks, ask, None))
+
+    async def read() -> list[bytes]:
+        return [b async for b in StreamEvents(r).of(_Ticket(events))]
+
+    out = []
+    for raw in asyncio.run(read()):
+        head, data = raw.decode().rstrip("\n").split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+def _done(text: str, tokens: list[int]) -> dict:
+    return {"type": "done", "text": text, "tokens": tokens, "kept_id": None,
+            "first_token_s": 0.1, "stats": {"context_tokens": 10, "question_tokens": 4}}
+
+
+def test_the_stream_is_numbered_and_its_deltas_are_the_text():
+    tokens = [{"type": "token", "token": t, "text": s} for t, s in [(5, "Hel"), (6, "lo")]]
+    out = _events(_body(), [{"type": "queued", "position": 0}, *tokens,
+                            _done("Hello", [5, 6, 0])])
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    kinds = [e["type"] for e in out]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert "".join(e["delta"] for e in out if "delta" in e) == "Hello"
+    final = out[-1]["response"]
+    assert final["status"] == "completed" and final["output"][0]["content"][0]["text"] == "Hello"
+    assert final["usage"]["input_tokens"] == 14 and final["usage"]["output_tokens"] == 3
+
+
+def test_an_answer_at_the_cap_is_incomplete_and_a_failed_ask_fails_the_response():
+    tokens = [{"type": "token", "token": t, "text": "x"} for t in (5, 6, 7)]
+    out = _events(_body(max_output_tokens=3), [*tokens, _done("xxx", [5, 6, 7])])
+    assert out[-1]["type"] == "response.incomplete"
+    assert out[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert out[-1]["response"]["output"][0]["status"] == "incomplete"
+    error = {"type": "error", "error": {"status": 502, "code": "server_unavailable",
+                                        "message": "gone"}}
+    out = _events(_body(), [tokens[0], error])
+    assert out[-1]["type"] == "response.failed"
+    assert out[-1]["response"]["error"] == {"code": "server_unavailable", "message": "gone"}
+    assert out[-1]["response"]["status"] == "failed"
+    empty = _events(_body(), [_done("", [0])])     # no text: the message is still there
+    assert empty[-1]["response"]["output"][0]["content"][0]["text"] == ""

@@ -216,6 +216,10 @@ def _item_problem(items: list[Any]) -> str | None:
     return None
 
 
+class _StreamOptions(BaseModel):
+    include_obfuscation: StrictBool = False
+
+
 class ResponsesBody(BaseModel):
     """``POST /v1/responses``: OpenAI's response request about a server context (``model``),
     the fields a stock client sends for text, JSON and function calls; without ``temperature``
@@ -229,6 +233,8 @@ class ResponsesBody(BaseModel):
     instructions: PromptText | None = Field(default=None, description=(
         "the app's instructions: a system message before the input"))
     stream: StrictBool = False
+    stream_options: _StreamOptions | None = Field(default=None, description=(
+        "taken; events carry no obfuscation padding"))
     max_output_tokens: AnswerTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None

@@ -74,7 +74,7 @@ from sparkv.runtime.toolform import ToolSet, call_text, response_text
 from sparkv.runtime.turns import ChatTurn, Conversation, ConversationError
 
 __all__ = ["chat_router", "DEFAULT_MAX_TOKENS", "UnknownModel", "UnsupportedMessages",
-           "asked", "context_id_of", "with_tools"]
+           "asked", "context_id_of", "with_tools", "openai_responses"]
 
 #: the answer's cap when the request names none (tokens)
 DEFAULT_MAX_TOKENS = 256
@@ -182,12 +182,17 @@ def with_tools(tools: ToolSet | None, ask: AskRequest) -> AskRequest:
 chat_router = APIRouter(tags=["openai"])
 
 
-@chat_router.post("/v1/chat/completions",
-                  responses={**error_responses(400, 404, 422, 429, 502, 503),
-                             200: {"description": (
-                                 "a chat.completion (JSON), or with stream: server-sent "
-                                 "chat.completion.chunk events, then [DONE]"),
-                                 "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
+def openai_responses(answer: str) -> dict[int | str, dict[str, Any]]:
+    """An OpenAI route's OpenAPI ``responses``: its errors, and 200 as ``answer`` (JSON, or
+    server-sent events with ``stream``)."""
+    return {**error_responses(400, 404, 422, 429, 502, 503),
+            200: {"description": answer,
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+@chat_router.post("/v1/chat/completions", responses=openai_responses(
+    "a chat.completion (JSON), or with stream: server-sent chat.completion.chunk events, "
+    "then [DONE]"))
 async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
                            caller: CallerDep) -> Any:
     """OpenAI's chat completion over an ask: ``model`` names the server context, the messages

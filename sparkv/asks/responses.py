@@ -37,13 +37,14 @@ from fastapi import APIRouter, Request  # noqa: E402 - after the check
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from sparkv.asks.chat import DEFAULT_MAX_TOKENS, asked, context_id_of, with_tools
+from sparkv.asks.chat import (DEFAULT_MAX_TOKENS, asked, context_id_of, openai_responses,
+                              with_tools)
 from sparkv.asks.completion import Completion, outcome
 from sparkv.asks.respschemas import ResponsesBody
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import SparkvFields
 from sparkv.asks.tickets import AskTicket
-from sparkv.device.app import CallerDep, error_responses
+from sparkv.device.app import CallerDep
 from sparkv.protocol.errors import error_body
 from sparkv.runtime.toolform import ToolCall
 
@@ -274,13 +275,8 @@ class StreamEvents:
 responses_router = APIRouter(tags=["openai"])
 
 
-@responses_router.post("/v1/responses",
-                       responses={**error_responses(400, 404, 422, 429, 502, 503),
-                                  200: {"description": (
-                                      "a response (JSON), or with stream: server-sent "
-                                      "response.* events"),
-                                      "content": {"text/event-stream": {
-                                          "schema": {"type": "string"}}}}})
+@responses_router.post("/v1/responses", responses=openai_responses(
+    "a response (JSON), or with stream: server-sent response.* events"))
 async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
                           caller: CallerDep) -> Any:
     """OpenAI's response over an ask: ``model`` names the server context, ``instructions``

@@ -24,10 +24,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       TypeAdapter, model_validator)
 
 from sparkv.asks.schemas import (MAX_ARGUMENT_CHARS, AnswerTokens, SparkvFields, ToolName,
-                                 TopLogprobs)
+                                 TopLogprobs, tool_set_of)
 from sparkv.device.schemas import (PromptText, ResponseFormat, Temperature, TopP)
-from sparkv.runtime.toolform import (MAX_TOOLS, Tool, ToolError, ToolSet, call_text,
-                                     response_text)
+from sparkv.runtime.toolform import MAX_TOOLS, Tool, ToolSet, call_text, response_text
 from sparkv.runtime.turns import ChatTurn
 
 __all__ = ["ResponsesBody", "InputMessage", "FunctionCallItem", "FunctionCallOutputItem",
@@ -279,13 +278,8 @@ class ResponsesBody(BaseModel):
         """The tools and the choice, checked when the request is read."""
         choice = self.tool_choice
         name = choice.name if isinstance(choice, NamedFunction) else choice
-        if not self.tools and name in (None, "none", "auto"):
-            return self
-        try:
-            self._tools = ToolSet([t.tool() for t in self.tools or []], name or "auto",
-                                  self.parallel_tool_calls is not False)
-        except ToolError as e:
-            raise ValueError(str(e)) from None
+        self._tools = tool_set_of([t.tool() for t in self.tools or []], name,
+                                  self.parallel_tool_calls)
         return self
 
     def tool_set(self) -> ToolSet | None:

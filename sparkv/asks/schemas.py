@@ -26,7 +26,7 @@ from sparkv.runtime.toolform import MAX_CALLS, MAX_TOOLS, TOOL_NAME, Tool, ToolE
 from sparkv.runtime.turns import ChatTurn, Conversation
 
 __all__ = ["AskFields", "AskBody", "HistoryTurn", "SparkvFields", "ChatMessage", "ChatBody",
-           "ToolSpec", "FunctionSpec", "NamedToolChoice", "ToolCallItem",
+           "ToolSpec", "FunctionSpec", "NamedToolChoice", "ToolCallItem", "tool_set_of",
            "ContextModel", "ContextModelList", "KeptCopy", "QueuedEvent", "TokenEvent",
            "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
 
@@ -174,6 +174,19 @@ class FunctionSpec(BaseModel):
     strict: StrictBool | None = None
 
 
+def tool_set_of(tools: list[Tool], choice: str | None, parallel: bool | None
+                ) -> ToolSet | None:
+    """A request's tools and ``tool_choice`` (``None``: no tools asked for; a choice of none,
+    auto or nothing without tools); ``ValueError`` naming what cannot be (a validator's
+    refusal, a 422)."""
+    if not tools and choice in (None, "none", "auto"):
+        return None
+    try:
+        return ToolSet(tools, choice or "auto", parallel is not False)
+    except ToolError as e:
+        raise ValueError(str(e)) from None
+
+
 class ToolSpec(BaseModel):
     """One of ``tools`` (OpenAI's function tool)."""
 
@@ -251,13 +264,8 @@ class ChatBody(BaseModel):
         """The tools and the choice, checked when the request is read."""
         choice = self.tool_choice
         name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
-        if not self.tools and name in (None, "none", "auto"):
-            return self
-        try:
-            self._tools = ToolSet([t.tool() for t in self.tools or []], name or "auto",
-                                  self.parallel_tool_calls is not False)
-        except ToolError as e:
-            raise ValueError(str(e)) from None
+        self._tools = tool_set_of([t.tool() for t in self.tools or []], name,
+                                  self.parallel_tool_calls)
         return self
 
     def tool_set(self) -> ToolSet | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from sparkv.extras import require_all
 
@@ -34,7 +34,7 @@ from sparkv.runtime.sampling import SEED_RANGE
 from sparkv.runtime.stops import StopStrings
 from sparkv.runtime.toolform import ToolCall, ToolSet
 
-__all__ = ["Completion", "Choices", "ChoiceStream", "answer", "outcome", "DISCONNECT_POLL_S",
+__all__ = ["Completion", "Choices", "ChoiceStream", "EventStream", "answer", "outcome", "DISCONNECT_POLL_S",
            "MAX_CHOICES"]
 
 #: how often a non-streamed completion looks whether its client is still there (s)
@@ -238,23 +238,31 @@ def _sse(data: Any) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
 
 
-class ChoiceStream(StreamingResponse):
+class EventStream(StreamingResponse):
+    """Server-sent events that call ``cancel`` however the response ends (answered, failed,
+    or its client gone): the asks behind them stop within one unit of compute."""
+
+    def __init__(self, events: AsyncIterator[bytes], cancel: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.cancel = cancel
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cancel()
+
+
+class ChoiceStream(EventStream):
     """The streamed completion: every choice's role chunk, then each choice's chunks as its
     tokens come (interleaved), its finish, then ``usage`` when asked for and ``[DONE]``; a
     choice that fails ends the stream with one ``error`` event. However the response ends,
     every choice's ask is cancelled."""
 
     def __init__(self, choices: Choices, c: Completion, include_usage: bool) -> None:
-        super().__init__(self._events(choices, c, include_usage),
-                         media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(self._events(choices, c, include_usage), choices.cancel)
         self.choices = choices
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.choices.cancel()
 
     @staticmethod
     async def _events(choices: Choices, c: Completion,

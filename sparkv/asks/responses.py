@@ -34,12 +34,11 @@ require_all(("fastapi",), feature="the Responses route of the device service "
                                    "(sparkv.asks.responses)")
 
 from fastapi import APIRouter, Request  # noqa: E402 - after the check
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse
 
 from sparkv.asks.chat import (DEFAULT_MAX_TOKENS, asked, context_id_of, openai_responses,
                               with_tools)
-from sparkv.asks.completion import Completion, outcome
+from sparkv.asks.completion import Completion, EventStream, outcome
 from sparkv.asks.respschemas import ResponsesBody
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import SparkvFields
@@ -147,7 +146,7 @@ async def respond(ticket: AskTicket, r: ResponseOf, request: Request) -> Any:
 
 
 # ---- streamed ----------------------------------------------------------------------------------
-class ResponseEvents(StreamingResponse):
+class ResponseEvents(EventStream):
     """The streamed response: ``response.created`` and ``response.in_progress``; the message's
     item and text part opened at its first shown text, a delta per token (text that may begin a
     tool call held back until it cannot), then its ``done`` events, or each call's item once the
@@ -155,15 +154,8 @@ class ResponseEvents(StreamingResponse):
     ``response.failed``). However the response ends, the ask is cancelled."""
 
     def __init__(self, ticket: AskTicket, r: ResponseOf) -> None:
-        super().__init__(StreamEvents(r).of(ticket), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(StreamEvents(r).of(ticket), ticket.cancel)
         self.ticket = ticket
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.ticket.cancel()
 
 
 class StreamEvents:

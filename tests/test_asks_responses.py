@@ -57,7 +57,7 @@ def test_the_input_becomes_the_turns_a_chats_messages_do():
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"previous_response_id": "resp_1"}, "not stored"),
+    ({"previous_response_id": ""}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation is not taken"),
     ({"background": True}, "background is not taken"),
     ({"truncation": "auto"}, "never cut"),

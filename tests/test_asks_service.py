@@ -886,8 +886,7 @@ def test_the_openai_client_asks_through_the_responses_api_as_through_chat(world)
                 **kw) as stream:       # the client's own reader (it reads completed ones)
             assert stream.get_final_response().output_text == js.output_text
         _responses_call_tools(oa, kw, question, rs)
-        for bad, says in [({"previous_response_id": "resp_1"}, "not stored"),
-                          ({"input": [{"role": "user", "content": [
+        for bad, says in [({"input": [{"role": "user", "content": [
                               {"type": "input_image", "image_url": "http://x/y.png"}]}]},
                            "'input_image' content is not taken"),
                           ({"tools": [{"type": "web_search"}]}, "functions only"),
@@ -926,6 +925,68 @@ def _responses_call_tools(oa, kw, question: str, rs) -> None:
     after = oa.responses.create(input=back, tool_choice="none",
                                 **{**kw, "max_output_tokens": 8})
     assert [o.type for o in after.output] == ["message"]
+    chained = oa.responses.create(input=back[1 + len(r.output):], previous_response_id=r.id,
+                                  tool_choice="none", **{**kw, "max_output_tokens": 8})
+    assert chained.output_text == after.output_text
+    assert chained.usage.input_tokens == after.usage.input_tokens
+
+
+def test_a_kept_response_is_continued_read_and_deleted_by_its_app_alone(world):
+    """A response is kept for its app: the next names it as previous_response_id and gets
+    the answer of the whole conversation sent as input; GET gives it back (a streamed one
+    too), its input items are listed in pages; another app cannot read or continue it; a
+    deleted one is gone while the response continuing it still goes on; store=False keeps
+    none."""
+    openai = pytest.importorskip("openai")
+    oa, _ = _openai(openai, world["dev"], "keeper")
+    other, _ = _openai(openai, world["dev"], "other")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv}, max_output_tokens=6,
+              instructions="Answer in a few words.")
+    try:
+        r1 = oa.responses.create(input="What is it about?", **kw)
+        assert r1.store is True
+        r2 = oa.responses.create(input="Who wrote it?", previous_response_id=r1.id, **kw)
+        assert r2.previous_response_id == r1.id
+        whole = oa.responses.create(store=False, input=[
+            {"role": "user", "content": "What is it about?"},
+            *[o.model_dump() for o in r1.output], {"role": "user", "content": "Who wrote it?"}],
+            **kw)
+        assert r2.output_text == whole.output_text
+        assert r2.usage.input_tokens == whole.usage.input_tokens
+        got = oa.responses.retrieve(r1.id)
+        assert (got.id, got.output_text, got.usage.output_tokens) == (
+            r1.id, r1.output_text, r1.usage.output_tokens)
+        items = oa.responses.input_items.list(r2.id)
+        texts = [i.content[0].text for i in items.data]
+        assert texts == ["Who wrote it?", r1.output_text, "What is it about?"]
+        page = oa.responses.input_items.list(r2.id, limit=1, order="asc")
+        assert page.has_more and [i.id for i in page.data] == [items.data[-1].id]
+        rest = oa.responses.input_items.list(r2.id, order="asc", after=page.data[0].id)
+        assert [i.id for i in rest.data] == [i.id for i in items.data[-2::-1]]
+        for call in (lambda: other.responses.retrieve(r1.id),
+                     lambda: other.responses.delete(r1.id)):
+            with pytest.raises(openai.NotFoundError, match="not found"):
+                call()
+        with pytest.raises(openai.BadRequestError, match="not found"):
+            other.responses.create(input="And?", previous_response_id=r1.id, **kw)
+        oa.responses.delete(r1.id)
+        with pytest.raises(openai.NotFoundError):
+            oa.responses.retrieve(r1.id)
+        r3 = oa.responses.create(input="When?", previous_response_id=r2.id, **kw)
+        assert len(oa.responses.input_items.list(r3.id).data) == 5
+        with pytest.raises(openai.NotFoundError):
+            oa.responses.retrieve(whole.id)
+        streamed = list(oa.responses.create(input="What is it about?", stream=True, **kw))
+        final = streamed[-1].response
+        assert oa.responses.retrieve(final.id).output_text == final.output_text
+        with world["dev"].client() as c:
+            kept = c.ask_stats()["kept_responses"]
+        assert kept["responses"] >= 3 and kept["bytes"] > 0 and kept["apps"] >= 1
+    finally:
+        oa.close()
+        other.close()
 
 
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):

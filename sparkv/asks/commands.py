@@ -21,6 +21,7 @@ from typing import Any, Callable
 from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
 from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.linkplan import LINK_PLANS
+from sparkv.asks.respstore import DEFAULT_MAX_MB, DEFAULT_MAX_RESPONSES
 from sparkv.cliflags import (STRATEGY_NAMES, add_sampling_args, context_id, positive_int,
                              response_format, sampling_args, server_url)
 
@@ -65,6 +66,13 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "requests first; the others compute while they wait), shortest (the "
                         "fewest bytes left first), even (no plan: every ask fetches freely "
                         "with an even share), oldest-all (oldest, for every strategy's asks)")
+    g.add_argument("--responses-kept", type=int, default=DEFAULT_MAX_RESPONSES,
+                   help="the Responses API's responses kept for GET /v1/responses/{id} and a "
+                        "later previous_response_id (the least recently used of the app "
+                        "holding the most go first); 0: none kept")
+    g.add_argument("--responses-kept-mb", type=float, default=DEFAULT_MAX_MB,
+                   help="the memory the kept responses hold at most (MB; each counted with "
+                        "the whole conversation it continues)")
     g.add_argument("--ask-server", default=None, type=server_url,
                    help="the server of asks that name none (its key: $SPARKV_API_KEY)")
     link = g.add_mutually_exclusive_group()
@@ -93,7 +101,9 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     """Adds the asks to the service's ``app``; returns what closes them."""
     from sparkv.asks.chat import chat_router
     from sparkv.asks.models import models_router
+    from sparkv.asks.respkept import kept_router
     from sparkv.asks.responses import responses_router
+    from sparkv.asks.respstore import ResponseStore
     from sparkv.asks.routes import asks_router
     from sparkv.asks.service import AskService, BadServerUrl
     from sparkv.errors import SparkvError
@@ -102,6 +112,9 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
         raise SparkvError(f"--ask-slots and --ask-decode-batch must be at least 1 and "
                           f"--ask-queue at least 0 (got {args.ask_slots}, "
                           f"{args.ask_decode_batch} and {args.ask_queue})")
+    if args.responses_kept < 0 or not args.responses_kept_mb >= 0:
+        raise SparkvError(f"--responses-kept and --responses-kept-mb must be at least 0 (got "
+                          f"{args.responses_kept} and {args.responses_kept_mb})")
     asks = AskService(service, app.state.owners, slots=args.ask_slots, queue=args.ask_queue,
                       shaper=_shaper(args), default_server=args.ask_server,
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
@@ -115,9 +128,11 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     log.info("sparkv device: the asks warmed (step-cost model, chat template, vocabulary, "
              "server client) in %.2f s", took)
     app.state.asks = asks
+    app.state.responses = ResponseStore(args.responses_kept, int(args.responses_kept_mb * 1e6))
     app.include_router(asks_router)
     app.include_router(chat_router)
     app.include_router(responses_router)
+    app.include_router(kept_router)
     app.include_router(models_router)
     return asks.close
 

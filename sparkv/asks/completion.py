@@ -34,8 +34,8 @@ from sparkv.runtime.sampling import SEED_RANGE
 from sparkv.runtime.stops import StopStrings
 from sparkv.runtime.toolform import ToolCall, ToolSet
 
-__all__ = ["Completion", "Choices", "ChoiceStream", "EventStream", "answer", "outcome", "DISCONNECT_POLL_S",
-           "MAX_CHOICES"]
+__all__ = ["Completion", "Choices", "ChoiceStream", "EventStream", "answer", "outcome",
+           "DISCONNECT_POLL_S", "MAX_CHOICES"]
 
 #: how often a non-streamed completion looks whether its client is still there (s)
 DISCONNECT_POLL_S = 0.25

@@ -18,15 +18,19 @@ API's semantic events (``response.created``, ``response.output_text.delta``, ...
 ``response.completed``), each numbered by ``sequence_number``; a failure once streaming is one
 ``response.failed`` event.
 
-Responses are not stored (``store`` is taken and changes nothing; ``previous_response_id`` is a
-422): an app sends the conversation as ``input``, its earlier ``output`` items included.
+A response is kept for its app unless ``store`` is false (:mod:`sparkv.asks.respkept`: ``GET``
+and ``DELETE /v1/responses/{id}``, its input items), so the next request may name it as its
+``previous_response_id`` instead of sending the conversation again (its instructions are not
+carried over, as in OpenAI's API); an app may as well send the conversation as ``input``, its
+earlier ``output`` items included.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from sparkv.extras import require_all
 
@@ -39,6 +43,7 @@ from fastapi.responses import JSONResponse
 from sparkv.asks.chat import (DEFAULT_MAX_TOKENS, asked, context_id_of, openai_responses,
                               with_tools)
 from sparkv.asks.completion import Completion, EventStream, outcome
+from sparkv.asks.respkept import ResponseKeeper, StoreDep, previous
 from sparkv.asks.respschemas import ResponsesBody
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import SparkvFields
@@ -54,13 +59,21 @@ _SAMPLING = ("temperature", "top_p")
 
 
 class ResponseOf:
-    """One response's identity, what it echoes of its request, and its output items."""
+    """One response's identity, what it echoes of its request, and its output items;
+    ``keeper`` keeps it once answered (``None``: it is not kept)."""
 
-    def __init__(self, body: ResponsesBody, c: Completion) -> None:
-        self.body, self.c = body, c
-        stamp = f"{time.time_ns():x}"
+    def __init__(self, body: ResponsesBody, c: Completion,
+                 keeper: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.body, self.c, self.keeper = body, c, keeper
+        stamp = secrets.token_hex(16)
         self.id, self.msg_id = f"resp_{stamp}", f"msg_{stamp}"
         self.created_at = int(time.time())
+
+    def answered(self, response: dict[str, Any]) -> dict[str, Any]:
+        """``response`` (completed or incomplete), kept when it is to be."""
+        if self.keeper is not None:
+            self.keeper(response)
+        return response
 
     def shell(self, status: str, output: list[dict[str, Any]] | None = None,
               done: dict[str, Any] | None = None, error: dict[str, Any] | None = None
@@ -77,7 +90,8 @@ class ResponseOf:
             "instructions": b.instructions, "max_output_tokens": self.c.max_tokens,
             "model": b.model, "output": output or [],
             "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": b.previous_response_id, "reasoning": None,
+            "store": self.keeper is not None,
             "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
             "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
             "tool_choice": (choice.model_dump() if choice is not None and
@@ -142,7 +156,7 @@ async def respond(ticket: AskTicket, r: ResponseOf, request: Request) -> Any:
         err = done["error"]
         return JSONResponse(error_body(err["status"], err["code"], err["message"]),
                             status_code=err["status"] if err["status"] != 499 else 400)
-    return r.shell(r.status(done), r.output(done, tokens), done)
+    return r.answered(r.shell(r.status(done), r.output(done, tokens), done))
 
 
 # ---- streamed ----------------------------------------------------------------------------------
@@ -249,7 +263,7 @@ class StreamEvents:
             items.append(item)
         status = r.status(done)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return out + [self.event(kind, response=r.shell(status, items, done))]
+        return out + [self.event(kind, response=r.answered(r.shell(status, items, done)))]
 
     def _call(self, j: int, call: ToolCall) -> list[bytes]:
         r, item = self.r, self.r.call_item(j, call)
@@ -270,18 +284,21 @@ responses_router = APIRouter(tags=["openai"])
 @responses_router.post("/v1/responses", responses=openai_responses(
     "a response (JSON), or with stream: server-sent response.* events"))
 async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
-                          caller: CallerDep) -> Any:
+                          caller: CallerDep, store: StoreDep) -> Any:
     """OpenAI's response over an ask: ``model`` names the server context, ``instructions``
-    and ``input`` are the conversation ending in the question, ``extra_body={"sparkv":
-    {...}}`` the rest of the ask."""
+    and ``input`` are the conversation ending in the question (after the conversation of the
+    ``previous_response_id``), ``extra_body={"sparkv": {...}}`` the rest of the ask."""
     tools = body.tool_set()
-    question = asked(body.turns(), tools)
+    earlier = previous(store, caller, body.previous_response_id)
+    question = asked(body.turns(earlier.conversation() if earlier else ()), tools)
     cid = context_id_of(body.model, body.sparkv)
     fields = (body.sparkv or SparkvFields()).model_copy(update=_openai_fields(body))
     ask = with_tools(tools, ask_request(fields, asks, cid, question,
                                         body.max_output_tokens or DEFAULT_MAX_TOKENS,
                                         body.logprobs()))
-    r = ResponseOf(body, Completion(body.model, asks, ask, tools))
+    keeper = (ResponseKeeper(store, caller, earlier, body.items())
+              if body.store is not False and store.enabled else None)
+    r = ResponseOf(body, Completion(body.model, asks, ask, tools), keeper)
     ticket = asks.submit(caller, ask)
     if body.stream:
         return ResponseEvents(ticket, r)

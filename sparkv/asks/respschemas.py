@@ -3,22 +3,25 @@
 Responses API") has the prose.
 
 A request is read into what a chat completion is made of: the turns (:class:`ResponsesBody.turns`,
-the ``instructions`` first, each ``input`` item a turn: messages, the model's earlier
-``function_call`` items and the ``function_call_output`` items answering them), the tools (a
+the ``instructions`` first, then a previous response's conversation when one is named, then each
+``input`` item a turn: messages, the model's earlier ``function_call`` items and the
+``function_call_output`` items answering them), the tools (a
 :class:`~sparkv.runtime.toolform.ToolSet`) and the answer's format (``text.format`` as a chat's
 ``response_format``). What the service cannot do is refused when the request is read (a 422
-naming it): input images and files, a ``previous_response_id`` (responses are not stored),
-``background``, ``truncation: auto``, reasoning effort.
+naming it): input images and files, a ``conversation`` object, ``background``,
+``truncation: auto``, reasoning effort.
 
-Input items are read leniently about the fields a response's own output items carry (``id``,
-``status``, ``annotations``, ``logprobs``, ...), so an app may send ``response.output`` back as
-input, as OpenAI's examples do; the request's own fields are checked strictly (an unknown one is
-a 422).
+Input items are read leniently about the fields a response's own output items carry (``status``,
+``annotations``, ``logprobs``, ...), so an app may send ``response.output`` back as input, as
+OpenAI's examples do; the request's own fields are checked strictly (an unknown one is a 422).
+An item's ``id`` is kept: a stored response lists its input items by it (:func:`listed`, new
+ones given one by :func:`identified`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import secrets
+from typing import Annotated, Any, Literal, Sequence, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, StrictBool, Tag,
                       TypeAdapter, model_validator)
@@ -29,19 +32,24 @@ from sparkv.device.schemas import (PromptText, ResponseFormat, Temperature, TopP
 from sparkv.runtime.toolform import MAX_TOOLS, Tool, ToolSet, call_text, response_text
 from sparkv.runtime.turns import ChatTurn
 
-__all__ = ["ResponsesBody", "InputMessage", "FunctionCallItem", "FunctionCallOutputItem",
-           "FunctionTool", "NamedFunction", "TextConfig", "LOGPROBS_INCLUDE"]
+__all__ = ["ResponsesBody", "InputItem", "InputMessage", "FunctionCallItem",
+           "FunctionCallOutputItem", "FunctionTool", "NamedFunction", "TextConfig",
+           "LOGPROBS_INCLUDE", "as_input", "identified", "listed"]
 
 #: the ``include`` entry that asks for the answer's log-probabilities
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
+ItemId = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class _Item(BaseModel):
-    """An input item: fields an output item adds (``id``, ``status``, ...) are let through."""
+    """An input item: fields an output item adds (``status``, ``annotations``, ...) are let
+    through; its ``id`` is kept (a stored response's input items are listed by it)."""
 
     model_config = ConfigDict(extra="ignore")
+
+    id: ItemId | None = None
 
 
 class InputTextPart(_Item):
@@ -173,9 +181,8 @@ class _Reasoning(BaseModel):
 
 #: request fields whose use is refused, and why
 _REFUSED = {
-    "previous_response_id": "responses are not stored here: send the earlier turns (and "
-                            "output items) as input",
-    "conversation": "conversations are not stored here: send the earlier turns as input",
+    "conversation": "conversations are not stored here: send the earlier turns as input, "
+                    "or the previous_response_id",
     "background": "a response is answered while its request waits",
     "prompt": "stored prompts are not kept here: send the instructions and input",
 }
@@ -246,9 +253,11 @@ class ResponsesBody(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None
     store: StrictBool | None = Field(default=None, description=(
-        "taken; responses are never stored here (no previous_response_id)"))
-    previous_response_id: None = Field(default=None, description=(
-        "not taken: responses are not stored; send the conversation as input"))
+        "keep the response (default true) for GET /v1/responses/{id} and a later "
+        "previous_response_id, in the service's memory until it stops or evicts it"))
+    previous_response_id: ItemId | None = Field(default=None, description=(
+        "a stored response of this app: its input and output come before this input "
+        "(its instructions do not)"))
     background: Literal[False] | None = None
     conversation: None = None
     prompt: None = None
@@ -293,14 +302,18 @@ class ResponsesBody(BaseModel):
             return None
         return self.top_logprobs or 0
 
-    def turns(self) -> list[ChatTurn]:
-        """The instructions and the input as turns: an assistant's message and the calls
-        after it are one turn (the calls written as the model writes them), a call's result
-        is the user's turn."""
+    def items(self) -> list[InputItem]:
+        """The input as items (a text is one user message)."""
+        if isinstance(self.input, str):
+            return [InputMessage(role="user", content=self.input)]
+        return list(self.input)
+
+    def turns(self, earlier: Sequence[InputItem] = ()) -> list[ChatTurn]:
+        """The instructions, the ``earlier`` items (a previous response's conversation) and
+        the input as turns: an assistant's message and the calls after it are one turn (the
+        calls written as the model writes them), a call's result is the user's turn."""
         out = [ChatTurn("system", self.instructions)] if self.instructions else []
-        items = [InputMessage(role="user", content=self.input)] if isinstance(
-            self.input, str) else self.input
-        for item in items:
+        for item in [*earlier, *self.items()]:
             if isinstance(item, FunctionCallOutputItem):
                 out.append(ChatTurn("user", response_text(item.text())))
             elif isinstance(item, FunctionCallItem):
@@ -312,3 +325,35 @@ class ResponsesBody(BaseModel):
             else:
                 out.append(ChatTurn(_ROLES[item.role], item.text()))
         return out
+
+
+_INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+#: an item's id's prefix, by its type
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def as_input(output: list[dict[str, Any]]) -> list[InputItem]:
+    """A response's ``output`` items as input items (what an app sends back)."""
+    return _INPUT_ITEMS.validate_python(output)
+
+
+def identified(item: InputItem) -> InputItem:
+    """``item`` with an id (a new one, by its type, if it had none)."""
+    if item.id is not None:
+        return item
+    return item.model_copy(update={"id": f"{_ID_PREFIX[item.type]}_{secrets.token_hex(12)}"})
+
+
+def listed(item: InputItem) -> dict[str, Any]:
+    """``item`` as the API lists a response's input items (text as parts, a status)."""
+    if isinstance(item, InputMessage):
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        part: dict[str, Any] = {"type": kind, "text": item.text()}
+        if kind == "output_text":
+            part["annotations"] = []
+        return {"id": item.id, "type": "message", "role": item.role, "status": "completed",
+                "content": [part]}
+    out = item.model_dump(exclude_none=True)
+    if isinstance(item, FunctionCallOutputItem):
+        out["output"] = item.text()
+    return {**out, "status": "completed"}

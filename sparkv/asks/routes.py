@@ -105,6 +105,9 @@ async def post_ask(ticket: Annotated[AskTicket, Depends(submitted)]) -> AsyncIte
 
 
 @asks_router.get("/v1/asks", response_model=AskStats)
-def get_ask_stats(asks: AsksDep) -> AskStats:
-    """The asks running and waiting, the cores' load, the counts since the start."""
-    return AskStats.model_validate(asks.stats())
+def get_ask_stats(asks: AsksDep, request: Request) -> AskStats:
+    """The asks running and waiting, the cores' load, the counts since the start, the kept
+    responses."""
+    store = getattr(request.app.state, "responses", None)
+    kept = store.stats() if store is not None else None
+    return AskStats.model_validate({**asks.stats(), "kept_responses": kept})

@@ -369,3 +369,5 @@ class AskStats(BaseModel):
     cancelled: int
     link_Bps: float | None
     link_bytes: int = Field(description="bytes the service's link carried")
+    kept_responses: dict[str, int] | None = Field(default=None, description=(
+        "the Responses API's kept responses: responses, bytes, apps, evicted, too_big"))

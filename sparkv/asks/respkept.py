@@ -1,0 +1,152 @@
+"""The kept responses' routes of OpenAI's Responses API (docs/asks.md, "Kept responses and
+previous_response_id"), over the service's :class:`~sparkv.asks.respstore.ResponseStore`:
+
+=======  ======================================  =============================================
+method   path                                    answer
+=======  ======================================  =============================================
+GET      ``/v1/responses/{id}``                  the ``response``, as it was answered
+DELETE   ``/v1/responses/{id}``                  ``{"id", "object": "response", "deleted"}``
+GET      ``/v1/responses/{id}/input_items``      the input items it answered (a ``list``:
+                                                 ``limit``, ``order``, ``after``, ``before``)
+=======  ======================================  =============================================
+
+An id the app did not make (another app's, one deleted or evicted, or one never made) is a 404
+``response_not_found``; as a ``previous_response_id`` it is a 400
+``previous_response_not_found``. :class:`ResponseKeeper` keeps a response of ``POST
+/v1/responses`` once answered, and :func:`previous` finds the one a request continues.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Sequence
+
+from sparkv.extras import require_all
+
+require_all(("fastapi",), feature="the kept responses' routes of the device service "
+                                   "(sparkv.asks.respkept)")
+
+from fastapi import APIRouter, Depends, Path, Query, Request  # noqa: E402 - after the check
+
+from sparkv.asks.respschemas import InputItem, as_input, identified, listed
+from sparkv.asks.respstore import ResponseStore, StoredResponse
+from sparkv.device.app import CallerDep, error_responses
+from sparkv.device.errors import DeviceError
+
+__all__ = ["kept_router", "ResponseKeeper", "previous", "get_store", "StoreDep",
+           "UnknownResponse", "UnknownPrevious", "NoResponsesKept"]
+
+ResponseId = Annotated[str, Path(min_length=1, max_length=256)]
+
+
+class UnknownResponse(DeviceError, status=404, code="response_not_found"):
+    """No response of this app with this id (never made, not kept, deleted or evicted)."""
+
+
+class UnknownPrevious(DeviceError, status=400, code="previous_response_not_found"):
+    """``previous_response_id`` names no response this app kept."""
+
+
+class NoResponsesKept(DeviceError, status=400, code="responses_not_kept"):
+    """The service keeps no responses (``--responses-kept 0``): a ``previous_response_id``
+    cannot be taken."""
+
+
+def get_store(request: Request) -> ResponseStore:
+    """The app's kept responses (``app.state.responses``)."""
+    return request.app.state.responses
+
+
+StoreDep = Annotated[ResponseStore, Depends(get_store)]
+
+
+def previous(store: ResponseStore, caller: str, rid: str | None) -> StoredResponse | None:
+    """The kept response ``rid`` of ``caller`` a request continues (``None``: it names none);
+    :class:`UnknownPrevious` when there is none such."""
+    if rid is None:
+        return None
+    if not store.enabled:
+        raise NoResponsesKept("previous_response_id is not taken: this service keeps no "
+                              "responses (--responses-kept 0); send the conversation as input")
+    kept = store.get(caller, rid)
+    if kept is None:
+        raise UnknownPrevious(f"Previous response with id {rid!r} not found.")
+    return kept
+
+
+class ResponseKeeper:
+    """Keeps a response of ``caller`` once answered: the ``items`` it answered after the
+    ``earlier`` response's conversation, and its output."""
+
+    def __init__(self, store: ResponseStore, caller: str, earlier: StoredResponse | None,
+                 items: Sequence[InputItem]) -> None:
+        self.store, self.caller, self.earlier = store, caller, earlier
+        self.items = tuple(identified(i) for i in items)
+
+    def __call__(self, response: dict[str, Any]) -> None:
+        output = tuple(as_input(response["output"]))
+        before = self.earlier.conversation() if self.earlier else ()
+        size = (self.earlier.conversation_bytes if self.earlier else 0) + sum(
+            len(i.model_dump_json()) for i in self.items + output)
+        kept = StoredResponse(response, before + self.items, output, size,
+                              size + len(json.dumps(response)))
+        self.store.put(self.caller, response["id"], kept)
+
+
+kept_router = APIRouter(tags=["openai"])
+
+
+def _kept(store: ResponseStore, caller: str, rid: str) -> StoredResponse:
+    kept = store.get(caller, rid)
+    if kept is None:
+        raise UnknownResponse(f"Response with id {rid!r} not found.")
+    return kept
+
+
+@kept_router.get("/v1/responses/{response_id}", responses=error_responses(404))
+def get_response(response_id: ResponseId, store: StoreDep, caller: CallerDep) -> Any:
+    """A kept response of this app, as it was answered."""
+    return _kept(store, caller, response_id).response
+
+
+@kept_router.delete("/v1/responses/{response_id}", responses=error_responses(404))
+def delete_response(response_id: ResponseId, store: StoreDep,
+                    caller: CallerDep) -> dict[str, Any]:
+    """Forgets a kept response of this app (the responses continuing it keep their own
+    conversation)."""
+    if not store.delete(caller, response_id):
+        raise UnknownResponse(f"Response with id {response_id!r} not found.")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@kept_router.get("/v1/responses/{response_id}/input_items", responses=error_responses(404))
+def list_input_items(response_id: ResponseId, store: StoreDep, caller: CallerDep,
+                     limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                     order: Literal["asc", "desc"] = "desc",
+                     after: Annotated[str | None, Query(max_length=256)] = None,
+                     before: Annotated[str | None, Query(max_length=256)] = None
+                     ) -> dict[str, Any]:
+    """The input items a kept response answered (a previous response's conversation first),
+    newest first unless ``order`` is ``asc``; a page of ``limit`` after the item ``after``
+    (before the item ``before``)."""
+    items = [listed(i) for i in _kept(store, caller, response_id).items]
+    if order == "desc":
+        items.reverse()
+    items = _between(items, after, before)
+    page = items[:limit]
+    return {"object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}
+
+
+def _between(items: list[dict[str, Any]], after: str | None,
+             before: str | None) -> list[dict[str, Any]]:
+    """The items after the one ``after`` names and before the one ``before`` names (an id
+    not among them is a 400)."""
+    ids = [i["id"] for i in items]
+    for name, rid in (("after", after), ("before", before)):
+        if rid is not None and rid not in ids:
+            raise DeviceError(f"{name}: no input item {rid!r} in this response")
+    lo = ids.index(after) + 1 if after is not None else 0
+    hi = ids.index(before) if before is not None else len(items)
+    return items[lo:hi]

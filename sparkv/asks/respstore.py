@@ -1,0 +1,128 @@
+"""The responses the device service keeps, for OpenAI's Responses API
+(:mod:`sparkv.asks.responses`): ``GET /v1/responses/{id}``, its input items, and a later
+request's ``previous_response_id``, which continues its conversation.
+
+A response is kept for the app that asked it (another app's id is as unknown as one never
+made), in the service's memory until the service stops, the app deletes it, or room is made:
+the store holds at most ``max_responses`` responses and ``max_bytes`` bytes (each response
+counted with the whole conversation it continues, a safe bound: a conversation's items are
+shared by the responses along it). Room is made by evicting the least recently used response of
+the app that holds the most (bytes when bytes overflow, responses when the count does), so one
+busy app cannot push out a quiet app's conversation. A response bigger than the whole store is
+not kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ResponseStore", "StoredResponse", "DEFAULT_MAX_RESPONSES", "DEFAULT_MAX_MB"]
+
+#: the responses kept by default (``sparkv device serve --responses-kept``)
+DEFAULT_MAX_RESPONSES = 256
+#: the megabytes they hold at most by default (``--responses-kept-mb``)
+DEFAULT_MAX_MB = 16.0
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """One kept response: the ``response`` object as it was answered, the input ``items`` it
+    answered (a previous response's conversation first), each with an id, and its ``output``
+    as input items; ``conversation_bytes``: the items' size, ``nbytes``: with the response."""
+
+    response: dict[str, Any]
+    items: tuple[Any, ...]
+    output: tuple[Any, ...]
+    conversation_bytes: int
+    nbytes: int
+
+    def conversation(self) -> tuple[Any, ...]:
+        """What a response continuing this one comes after: its input, then its output."""
+        return self.items + self.output
+
+
+@dataclass
+class _Shelf:
+    """One app's kept responses, least recently used first."""
+
+    responses: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict)
+    nbytes: int = 0
+
+
+class ResponseStore:
+    """The kept responses of every app, bounded in count and bytes (module docstring)."""
+
+    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES,
+                 max_bytes: int = int(DEFAULT_MAX_MB * 1e6)) -> None:
+        if max_responses < 0 or max_bytes < 0:
+            raise ValueError(f"a store of {max_responses} responses and {max_bytes} bytes")
+        self.max_responses, self.max_bytes = max_responses, max_bytes
+        self._shelves: dict[str, _Shelf] = {}
+        self._count = self._bytes = self.evicted = self.too_big = 0
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any response can be kept."""
+        return self.max_responses > 0 and self.max_bytes > 0
+
+    def put(self, caller: str, rid: str, kept: StoredResponse) -> bool:
+        """Keeps ``kept`` as ``caller``'s response ``rid``; ``False`` when it cannot fit."""
+        if not self.enabled:
+            return False
+        with self._lock:
+            if kept.nbytes > self.max_bytes:
+                self.too_big += 1
+                return False
+            self._remove(caller, rid)
+            shelf = self._shelves.setdefault(caller, _Shelf())
+            shelf.responses[rid] = kept
+            shelf.nbytes += kept.nbytes
+            self._count += 1
+            self._bytes += kept.nbytes
+            self._make_room()
+        return True
+
+    def get(self, caller: str, rid: str) -> StoredResponse | None:
+        """``caller``'s response ``rid`` (``None``: none such, or another app's)."""
+        with self._lock:
+            shelf = self._shelves.get(caller)
+            kept = shelf.responses.get(rid) if shelf else None
+            if shelf is not None and kept is not None:
+                shelf.responses.move_to_end(rid)
+            return kept
+
+    def delete(self, caller: str, rid: str) -> bool:
+        """Forgets ``caller``'s response ``rid``; ``False`` when there was none."""
+        with self._lock:
+            return self._remove(caller, rid)
+
+    def stats(self) -> dict[str, int]:
+        """How many responses are kept, their bytes, and how many were evicted or too big."""
+        with self._lock:
+            return {"responses": self._count, "bytes": self._bytes, "evicted": self.evicted,
+                    "too_big": self.too_big, "apps": len(self._shelves)}
+
+    def _remove(self, caller: str, rid: str) -> bool:
+        shelf = self._shelves.get(caller)
+        kept = shelf.responses.pop(rid, None) if shelf else None
+        if shelf is None or kept is None:
+            return False
+        shelf.nbytes -= kept.nbytes
+        self._count -= 1
+        self._bytes -= kept.nbytes
+        if not shelf.responses:
+            del self._shelves[caller]
+        return True
+
+    def _make_room(self) -> None:
+        while self._bytes > self.max_bytes or self._count > self.max_responses:
+            by_bytes = self._bytes > self.max_bytes
+            caller = max(self._shelves, key=lambda c: (self._shelves[c].nbytes if by_bytes
+                                                      else len(self._shelves[c].responses)))
+            oldest = next(iter(self._shelves[caller].responses))
+            self._remove(caller, oldest)
+            self.evicted += 1

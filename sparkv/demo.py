@@ -3,7 +3,8 @@ encodes the bundled sample context; the device answers one question about it wit
 strategy under an emulated link; the answers, the dense reference and a TTFT table are printed,
 and a timeline plot and JSON are written. The sparkv run keeps its loaded cache in the device's
 context service (``sparkv.device``), and a follow-up question is answered from it: no stream, only
-its own prefill.
+its own prefill. Last, the device's system service is asked by two apps at once through the
+``openai`` client (:mod:`sparkv.demoapps`).
 
 This module sits above both sides (it starts the server and drives the edge), beside the CLI.
 """
@@ -71,6 +72,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     d.add_argument("--out-dir", default="sparkv-demo",
                    help="directory for the plot and JSON")
     d.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    d.add_argument("--no-apps", action="store_true",
+                   help="skip the last part: the device service (sparkv device serve) asked by "
+                        "two apps at once through the openai client")
     add_device_args(d)
     add_link_args(d, default="lte")
     d.set_defaults(func=run_demo, trace="lte")
@@ -88,13 +92,15 @@ ROW_KEYS = ["strategy", "ttft_s", "loading_s", "link_s", "compute_s", "question_
 class Answers:
     """What the demo answered, one entry per answer: its label, its result (``runs``: the plot's
     title and the result), its table row (:func:`_row`), an ask that times it again
-    (``again``) and the TTFT of each of its runs."""
+    (``again``) and the TTFT of each of its runs; ``apps``: the device service's part
+    (:mod:`sparkv.demoapps`)."""
 
     ref: list[int]
     runs: list[tuple[str, Any]] = field(default_factory=list)
     rows: list[list[Any]] = field(default_factory=list)
     again: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
     ttfts: dict[str, list[float]] = field(default_factory=dict)
+    apps: dict[str, Any] | None = None
 
     def add(self, label: str, title: str, res: Any, again: Callable[[], Any]) -> None:
         self.runs.append((f"{title}: TTFT {res.breakdown.ttft_s:.2f} s", res))
@@ -215,6 +221,10 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
                   _ask_structured(session, cid, lm, context))
     answers.time_again(args.runs)
     session.close()
+    if not args.no_apps:
+        from sparkv.demoapps import ask_as_apps
+
+        answers.apps = ask_as_apps(args, lm, context, cid, url, tmp)
     return answers, follow
 
 
@@ -513,5 +523,6 @@ def _write_results(out: Path, args: argparse.Namespace, context: list[int], link
             "question": FOLLOW_UP, "answer": follow[0].text,
             "ttft_s": follow[0].breakdown.ttft_s,
             "bytes_streamed": follow[0].breakdown.bytes_streamed},
-        "json_follow_up": None if follow is None else follow[1]}, indent=1))
+        "json_follow_up": None if follow is None else follow[1],
+        "apps": answers.apps}, indent=1))
     return png

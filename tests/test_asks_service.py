@@ -443,6 +443,7 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == 8
         assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+        assert chunks[-1].model_extra["sparkv"]["stats"]["strategy"] == "local"
         # a stop string (the tiny random model answers newlines): the answer ends at it and
         # its text before it, streamed or not
         assert alone.text.startswith("\n\n")

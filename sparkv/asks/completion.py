@@ -164,8 +164,11 @@ class Completion:
                                                   "finish_reason": finish}]}
 
     def usage_chunk(self, done: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The stream's last chunk (``stream_options.include_usage``): ``usage``, and the
+        ``sparkv`` extension as a whole completion carries it."""
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage(done)}
+                "model": self.model, "choices": [], "usage": self.usage(done),
+                "sparkv": self.sparkv(done)}
 
     def sparkv(self, done: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The ``sparkv`` extension: the first choice's ask (``kept_id``, ``stats``,

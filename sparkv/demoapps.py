@@ -1,0 +1,207 @@
+"""The main job's last part (``sparkv demo``): the device's system service. ``sparkv device
+serve`` runs as its own process (the same model, dtype and emulated link as the rest of the
+demo, the demo's server behind it); two apps ask it at once through the stock ``openai``
+client, each with its own app token: one with chat completions, one with the Responses API,
+both streamed, both SparKV over the one link. The Responses app then asks a follow-up naming
+its first response (``previous_response_id``): the service continues the conversation from
+the KV it kept, streaming nothing. Each answer is printed with the TTFT its app saw, what was
+streamed and computed, and whether it is the dense reference's answer (docs/asks.md,
+"OpenAI's Responses API"; docs/device-service.md).
+
+This module sits beside :mod:`sparkv.demo`, above both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparkv.device.client import DeviceProcess
+    from sparkv.runtime.model import LoadedModel
+
+log = logging.getLogger("sparkv.demo")
+
+__all__ = ["ask_as_apps", "AppAnswer", "service_of"]
+
+#: the device service's memory budget in the demo (MB: both apps' kept contexts fit)
+SERVICE_BUDGET_MB = 1024
+
+
+@dataclass
+class AppAnswer:
+    """What one app got: its text, the TTFT it saw (its request to its first text), the
+    ask's stats (strategy, bytes streamed, chunks ...), the prompt tokens the service's memory
+    held, the Responses API's id, and whether the text is a dense full prefill's (``dense``:
+    the line that says so)."""
+
+    app: str
+    api: str
+    text: str = ""
+    ttft_s: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+    cached_tokens: int = 0
+    response_id: str | None = None
+    same_as_dense: bool = False
+    dense: str = ""
+
+    def line(self) -> str:
+        st = self.stats
+        what = (f"{st.get('bytes_streamed', 0) / 1e6:.2f} MB streamed, "
+                f"{st.get('chunks_streamed', 0)}/{st.get('chunks_computed', 0)} chunks "
+                "streamed/computed" if st.get("bytes_streamed") else "nothing streamed")
+        held = (f", {self.cached_tokens} prompt tokens from the service's memory"
+                if self.cached_tokens else "")
+        return (f"[{self.app}, {self.api}] {self.text.strip()}\n"
+                f"  TTFT {self.ttft_s:.2f} s as the app saw it; {st.get('strategy', '?')}: "
+                f"{what}{held}; {self.dense}")
+
+
+def service_of(args: argparse.Namespace, server_url: str, tmp: str) -> "DeviceProcess":
+    """``sparkv device serve`` (not started): the demo's model, dtype, device and link, its
+    asks sent to ``server_url``, two asks at once."""
+    import torch
+
+    from sparkv.device.client import DeviceProcess
+
+    link = (["--link-mbps", f"{args.mbps:g}"] if args.mbps else
+            ["--link-trace", args.trace] if args.trace else [])
+    return DeviceProcess(Path(tmp) / "device", SERVICE_BUDGET_MB, model=args.model,
+                         torch_threads=max(1, torch.get_num_threads()),
+                         extra_args=["--ask-server", server_url, "--ask-slots", "2",
+                                     "--device", str(args.device), "--dtype", str(args.dtype),
+                                     *link])
+
+
+def ask_as_apps(args: argparse.Namespace, lm: "LoadedModel", context: list[int], cid: str,
+                server_url: str, tmp: str) -> dict[str, Any] | None:
+    """The demo's device-service part (module docstring): prints it, returns ``demo.json``'s
+    ``apps`` (``None``, said in one line, without the ``openai`` client)."""
+    try:
+        import openai
+    except ImportError:
+        print("\nthe device service part is skipped: the openai client is not installed "
+              "(pip install openai)", flush=True)
+        return None
+    log.info("starting the device service (sparkv device serve) ...")
+    with service_of(args, server_url, tmp) as dev:
+        print("\nthe device's system service (sparkv device serve, its own process, the same "
+              "model and link): two apps ask it at once through the stock openai client",
+              flush=True)
+        clients = {app: _client(openai, dev, app) for app in ("reader", "notes")}
+        try:
+            _warm_up(clients["reader"], cid)
+            got = _two_apps(clients, cid, args)
+            got.append(_follow_up(clients["notes"], cid, args, got[1]))
+        finally:
+            for c in clients.values():
+                c.close()
+    _say_dense(lm, context, args, got)
+    print(f"{got[0].line()}\n{got[1].line()}\n  (both asked at once: they share the "
+          "service's one link and its cores, which go to the oldest ask's work first: device "
+          f"serve --ask-core-order)\n{got[2].line()}", flush=True)
+    return {"question": args.question, "answers": [asdict(a) for a in got]}
+
+
+def _client(openai: Any, dev: "DeviceProcess", app: str) -> Any:
+    """The stock client, asking the service on its socket as ``app``."""
+    import httpx
+
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(dev.socket)), timeout=600.0)
+    return openai.OpenAI(base_url="http://localhost/v1", api_key=dev.app_token(app),
+                         http_client=http, max_retries=0)
+
+
+#: the ``sparkv`` extension of both apps' requests: SparKV, what it loaded kept for a follow-up
+SPARKV_FIELDS = {"sparkv": {"strategy": "sparkv", "keep": True}}
+
+
+def _warm_up(oa: Any, cid: str) -> None:
+    """One short ask, kept by nobody, before the measured ones: the service's first use of
+    each path's kernels and tables is paid here, as the in-process part's warm-up asks pay
+    it."""
+    log.info("warming the device service up: one short sparkv ask ...")
+    oa.chat.completions.create(model=cid, max_tokens=1, messages=[
+        {"role": "user", "content": "Warm up."}],
+        extra_body={"sparkv": {"strategy": "sparkv", "keep": False}})
+
+
+def _two_apps(clients: dict[str, Any], cid: str, args: argparse.Namespace) -> list[AppAnswer]:
+    """Both apps' first question, asked at once."""
+    with ThreadPoolExecutor(2) as pool:
+        chat = pool.submit(_chat, clients["reader"], cid, args)
+        resp = pool.submit(_respond, clients["notes"], cid, args, args.question, None)
+        return [chat.result(), resp.result()]
+
+
+def _chat(oa: Any, cid: str, args: argparse.Namespace) -> AppAnswer:
+    """The reader app: a streamed chat completion."""
+    out = AppAnswer("reader", "chat.completions")
+    t0 = time.perf_counter()
+    stream = oa.chat.completions.create(
+        model=cid, messages=[{"role": "user", "content": args.question}], stream=True,
+        max_tokens=args.max_new_tokens, stream_options={"include_usage": True},
+        extra_body=SPARKV_FIELDS)
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content and not out.text:
+                out.ttft_s = time.perf_counter() - t0
+            out.text += choice.delta.content or ""
+        if chunk.usage is not None:
+            out.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
+            out.stats = (chunk.model_extra or {}).get("sparkv", {}).get("stats", {})
+    return out
+
+
+def _respond(oa: Any, cid: str, args: argparse.Namespace, question: str,
+             previous: str | None) -> AppAnswer:
+    """The notes app: a streamed response (after ``previous``, when it names one)."""
+    out = AppAnswer("notes", "responses" + (", previous_response_id" if previous else ""))
+    t0 = time.perf_counter()
+    for ev in oa.responses.create(model=cid, input=question, previous_response_id=previous,
+                                  stream=True, max_output_tokens=args.max_new_tokens,
+                                  extra_body=SPARKV_FIELDS):
+        if ev.type == "response.output_text.delta" and not out.text:
+            out.ttft_s = time.perf_counter() - t0
+        if ev.type == "response.output_text.delta":
+            out.text += ev.delta
+        elif ev.type in ("response.completed", "response.incomplete"):
+            r = ev.response
+            out.response_id = r.id
+            out.cached_tokens = r.usage.input_tokens_details.cached_tokens
+            out.stats = (r.model_extra or {}).get("sparkv", {}).get("stats", {})
+    return out
+
+
+def _follow_up(oa: Any, cid: str, args: argparse.Namespace, first: AppAnswer) -> AppAnswer:
+    """The notes app's follow-up, naming its first response."""
+    from sparkv.demo import FOLLOW_UP
+
+    return _respond(oa, cid, args, FOLLOW_UP, first.response_id)
+
+
+def _say_dense(lm: "LoadedModel", context: list[int], args: argparse.Namespace,
+               got: list[AppAnswer]) -> None:
+    """Sets each answer's ``dense``: whether it is what a dense full prefill of the same
+    conversation answers (the demo never shows an answer worse than dense without saying so)."""
+    from sparkv.demo import FOLLOW_UP
+    from sparkv.edge.prompts import question_suffix
+    from sparkv.runtime.generate import reference_generate
+    from sparkv.runtime.turns import ChatTurn, Conversation
+
+    first = reference_generate(lm, context + question_suffix(lm, args.question),
+                               args.max_new_tokens)
+    conv = Conversation((ChatTurn("user", args.question), ChatTurn("assistant", got[1].text),
+                         ChatTurn("user", FOLLOW_UP)))
+    then = reference_generate(lm, context + question_suffix(lm, conv), args.max_new_tokens)
+    for a, ref in zip(got, (first, first, then)):
+        same = a.same_as_dense = lm.decode_tokens(ref).strip() == a.text.strip()
+        a.dense = ("the same answer as a dense full prefill of the conversation" if same else
+                   "NOT the dense reference's answer (a dense full prefill of the "
+                   f"conversation answers {lm.decode_tokens(ref).strip()!r}; docs/quality.md)")
+

@@ -224,7 +224,7 @@ def _ask_everything(args: argparse.Namespace, lm: LoadedModel, context: list[int
     if not args.no_apps:
         from sparkv.demoapps import ask_as_apps
 
-        answers.apps = ask_as_apps(args, lm, context, cid, url, tmp)
+        answers.apps = ask_as_apps(args, lm, context, cid, url, tmp, FOLLOW_UP)
     return answers, follow
 
 

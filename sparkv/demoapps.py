@@ -79,9 +79,10 @@ def service_of(args: argparse.Namespace, server_url: str, tmp: str) -> "DevicePr
 
 
 def ask_as_apps(args: argparse.Namespace, lm: "LoadedModel", context: list[int], cid: str,
-                server_url: str, tmp: str) -> dict[str, Any] | None:
-    """The demo's device-service part (module docstring): prints it, returns ``demo.json``'s
-    ``apps`` (``None``, said in one line, without the ``openai`` client)."""
+                server_url: str, tmp: str, follow_up: str) -> dict[str, Any] | None:
+    """The demo's device-service part (module docstring; ``follow_up``: the follow-up
+    question): prints it, returns ``demo.json``'s ``apps`` (``None``, said in one line,
+    without the ``openai`` client)."""
     try:
         import openai
     except ImportError:
@@ -97,11 +98,11 @@ def ask_as_apps(args: argparse.Namespace, lm: "LoadedModel", context: list[int],
         try:
             _warm_up(clients["reader"], cid)
             got = _two_apps(clients, cid, args)
-            got.append(_follow_up(clients["notes"], cid, args, got[1]))
+            got.append(_respond(clients["notes"], cid, args, follow_up, got[1].response_id))
         finally:
             for c in clients.values():
                 c.close()
-    _say_dense(lm, context, args, got)
+    _say_dense(lm, context, args, follow_up, got)
     print(f"{got[0].line()}\n{got[1].line()}\n  (both asked at once: they share the "
           "service's one link and its cores, which go to the oldest ask's work first: device "
           f"serve --ask-core-order)\n{got[2].line()}", flush=True)
@@ -178,18 +179,10 @@ def _respond(oa: Any, cid: str, args: argparse.Namespace, question: str,
     return out
 
 
-def _follow_up(oa: Any, cid: str, args: argparse.Namespace, first: AppAnswer) -> AppAnswer:
-    """The notes app's follow-up, naming its first response."""
-    from sparkv.demo import FOLLOW_UP
-
-    return _respond(oa, cid, args, FOLLOW_UP, first.response_id)
-
-
 def _say_dense(lm: "LoadedModel", context: list[int], args: argparse.Namespace,
-               got: list[AppAnswer]) -> None:
+               follow_up: str, got: list[AppAnswer]) -> None:
     """Sets each answer's ``dense``: whether it is what a dense full prefill of the same
     conversation answers (the demo never shows an answer worse than dense without saying so)."""
-    from sparkv.demo import FOLLOW_UP
     from sparkv.edge.prompts import question_suffix
     from sparkv.runtime.generate import reference_generate
     from sparkv.runtime.turns import ChatTurn, Conversation
@@ -197,7 +190,7 @@ def _say_dense(lm: "LoadedModel", context: list[int], args: argparse.Namespace,
     first = reference_generate(lm, context + question_suffix(lm, args.question),
                                args.max_new_tokens)
     conv = Conversation((ChatTurn("user", args.question), ChatTurn("assistant", got[1].text),
-                         ChatTurn("user", FOLLOW_UP)))
+                         ChatTurn("user", follow_up)))
     then = reference_generate(lm, context + question_suffix(lm, conv), args.max_new_tokens)
     for a, ref in zip(got, (first, first, then)):
         same = a.same_as_dense = lm.decode_tokens(ref).strip() == a.text.strip()

@@ -2,13 +2,19 @@
 continues and reads them through the ``openai`` client): a response is its app's alone; one
 continuing another comes after its whole conversation, which outlives the response it came
 from; the store stays within its count and bytes by evicting the least recently used response
-of the app holding the most, so a busy app cannot push out a quiet one's."""
+of the app holding the most, so a busy app cannot push out a quiet one's; on flash, a restarted
+store reads back what it kept (its bounds kept, damaged files removed, no others touched)."""
 
 from __future__ import annotations
+
+import asyncio
+import json
+import os
 
 import pytest
 
 from sparkv.asks.respschemas import InputMessage, ResponsesBody, as_input
+from sparkv.asks.respfiles import ResponseFiles
 from sparkv.asks.respstore import ResponseStore, StoredResponse
 
 pytest.importorskip("fastapi")
@@ -64,14 +70,14 @@ def test_bytes_are_bounded_and_a_response_bigger_than_the_store_is_not_kept():
 def test_a_response_continuing_another_comes_after_its_whole_conversation():
     store = ResponseStore()
     first = ResponsesBody(model="m", input="What is it?", instructions="Be brief.")
-    ResponseKeeper(store, "app:a", None, first.items())(_response("r1", "A poem."))
+    asyncio.run(ResponseKeeper(store, "app:a", None, first.items())(_response("r1", "A poem.")))
     r1 = previous(store, "app:a", "r1")
     assert r1 is not None and [i.id is not None for i in r1.items] == [True]
     second = ResponsesBody(model="m", input="Who wrote it?", previous_response_id="r1")
     turns = second.turns(r1.conversation())
     assert [(t.role, t.text) for t in turns] == [
         ("user", "What is it?"), ("assistant", "A poem."), ("user", "Who wrote it?")]
-    ResponseKeeper(store, "app:a", r1, second.items())(_response("r2", "Keats."))
+    asyncio.run(ResponseKeeper(store, "app:a", r1, second.items())(_response("r2", "Keats.")))
     r2 = store.get("app:a", "r2")
     assert r2 is not None and r2.items[:2] == r1.conversation()
     assert r2.conversation_bytes > r1.conversation_bytes and r2.nbytes > r2.conversation_bytes
@@ -94,3 +100,65 @@ def test_output_items_are_input_items_and_a_page_of_them_is_cut_by_id():
     assert _between(rows, None, None) == rows
     with pytest.raises(Exception, match="no input item 'x'"):
         _between(rows, "x", None)
+
+
+def _rid(k: int) -> str:
+    return f"resp_{k:032x}"
+
+
+def _keep(store: ResponseStore, app: str, k: int, earlier=None, text: str = "Hi.") -> str:
+    body = ResponsesBody(model="m", input=f"Question {k}?")
+    response = {**_response(_rid(k), text), "id": _rid(k)}
+    asyncio.run(ResponseKeeper(store, app, earlier, body.items())(response))
+    return _rid(k)
+
+
+def test_kept_responses_are_read_back_from_flash_after_a_restart(tmp_path):
+    store = ResponseStore(10, 100_000, files=ResponseFiles(tmp_path / "responses"))
+    first = _keep(store, "app:a", 1)
+    second = _keep(store, "app:a", 2, earlier=store.get("app:a", first))
+    _keep(store, "app:b", 3)
+    assert oct(os.stat(tmp_path / "responses").st_mode & 0o777) == "0o700"
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600"
+               for p in (tmp_path / "responses").glob("*.json"))
+    assert store.delete("app:b", _rid(3))
+    assert sorted(p.stem for p in (tmp_path / "responses").glob("*.json")) == [first, second]
+    again = ResponseStore(10, 100_000, files=ResponseFiles(tmp_path / "responses"))
+    assert again.load() == 2
+    before, after = store.get("app:a", second), again.get("app:a", second)
+    assert after is not None and after.response == before.response
+    assert after.conversation() == before.conversation()       # ids and all
+    assert after.nbytes == before.nbytes
+    assert again.get("app:b", second) is None
+
+
+def test_a_restart_keeps_the_bounds_and_removes_what_it_cannot_read(tmp_path, caplog):
+    folder = tmp_path / "responses"
+    store = ResponseStore(10, 100_000, files=ResponseFiles(folder))
+    kept = [_keep(store, "app:a", k) for k in range(4)]
+    for k, rid in enumerate(kept):          # the order they were kept in, whatever the clock
+        os.utime(folder / f"{rid}.json", (1_000 + k, 1_000 + k))
+    (folder / f"{_rid(90)}.json").write_text("{not json")
+    (folder / f"{_rid(91)}.json").write_text(json.dumps({"format": "other/9"}))
+    doc = json.loads((folder / f"{kept[0]}.json").read_text())
+    (folder / f"{_rid(92)}.json").write_text(json.dumps(doc))        # another id inside
+    (folder / ".x.json.1.ab.tmp").write_text("half a write")
+    (folder / "notes.txt").write_text("not ours")
+    small = ResponseStore(2, 100_000, files=ResponseFiles(folder))
+    assert small.load() == 2
+    assert [small.get("app:a", r) is not None for r in kept] == [False, False, True, True]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [f"{kept[2]}.json", f"{kept[3]}.json", "notes.txt"])
+    assert "cannot be read" in caplog.text
+
+
+def test_a_disk_that_fails_leaves_the_response_in_memory(tmp_path, caplog):
+    store = ResponseStore(10, 100_000, files=ResponseFiles(tmp_path / "responses"))
+    (tmp_path / "responses").chmod(0o500)      # no writes: as a full or read-only flash
+    try:
+        rid = _keep(store, "app:a", 1)
+    finally:
+        (tmp_path / "responses").chmod(0o700)
+    if os.geteuid() != 0:                       # root writes anyway
+        assert "in memory only" in caplog.text
+    assert store.get("app:a", rid) is not None

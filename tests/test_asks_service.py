@@ -990,6 +990,50 @@ def test_a_kept_response_is_continued_read_and_deleted_by_its_app_alone(world):
         other.close()
 
 
+def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
+    """The kept responses are files in the flash dir: a restarted service gives one back,
+    lists its input items and continues it as previous_response_id, as before the restart;
+    --responses-kept 0 keeps none and refuses a previous_response_id by name."""
+    openai = pytest.importorskip("openai")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    kw = dict(model=world["ctx"]["c"], extra_body={"sparkv": sparkv}, max_output_tokens=4)
+    dev = DeviceProcess(tmp_path / "dev", 200, model=str(shared_tiny_checkpoint()),
+                        extra_args=["--ask-slots", "1"]).start()
+    try:
+        oa, _ = _openai(openai, dev, "diary")
+        r1 = oa.responses.create(input="What is it about?", **kw)
+        r2 = oa.responses.create(input="Who wrote it?", previous_response_id=r1.id, **kw)
+        oa.close()
+        dev.stop()
+        assert len(list((tmp_path / "dev" / "responses").glob("resp_*.json"))) == 2
+        dev.start()
+        oa, _ = _openai(openai, dev, "diary")
+        assert oa.responses.retrieve(r2.id).output_text == r2.output_text
+        assert [i.id for i in oa.responses.input_items.list(r2.id).data] == [
+            i.id for i in reversed(oa.responses.input_items.list(r2.id, order="asc").data)]
+        r3 = oa.responses.create(input="When?", previous_response_id=r2.id, **kw)
+        assert len(oa.responses.input_items.list(r3.id).data) == 5
+        oa.close()
+    finally:
+        dev.stop()
+    assert "Traceback" not in dev.log()
+    off = DeviceProcess(tmp_path / "off", 200, model=str(shared_tiny_checkpoint()),
+                        extra_args=["--ask-slots", "1", "--responses-kept", "0"]).start()
+    try:
+        oa, _ = _openai(openai, off, "diary")
+        r = oa.responses.create(input="What is it about?", **kw)
+        assert r.store is False
+        with pytest.raises(openai.NotFoundError):
+            oa.responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError, match="keeps no responses"):
+            oa.responses.create(input="And?", previous_response_id=r.id, **kw)
+        oa.close()
+    finally:
+        off.stop()
+    assert not (tmp_path / "off" / "responses").exists()
+
+
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):
     """Instructions (``developer``), an earlier question and answer, then the question: the
     service answers the tokens an in-process session gives for the same turns over the same

@@ -21,7 +21,7 @@ LAYERS = {
     "codec": 2.0, "cache": 2.1, "runtime": 2.2, "scheduler": 2.3, "predictor": 2.4,
     "presses": 2.5, "decode": 2.6,
     "server": 3.0, "device": 3.1, "edge": 3.2, "asks": 3.3,
-    "bench": 4.0, "demo": 4.1, "warm": 4.15, "cli": 4.2, "clidoc": 4.3,
+    "bench": 4.0, "demoapps": 4.05, "demo": 4.1, "warm": 4.15, "cli": 4.2, "clidoc": 4.3,
 }
 
 

@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
@@ -67,7 +68,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "fewest bytes left first), even (no plan: every ask fetches freely "
                         "with an even share), oldest-all (oldest, for every strategy's asks)")
     g.add_argument("--responses-kept", type=int, default=DEFAULT_MAX_RESPONSES,
-                   help="the Responses API's responses kept for GET /v1/responses/{id} and a "
+                   help="the Responses API's responses kept (in memory and in the flash dir's "
+                        "responses/, so a restart keeps them) for GET /v1/responses/{id} and a "
                         "later previous_response_id (the least recently used of the app "
                         "holding the most go first); 0: none kept")
     g.add_argument("--responses-kept-mb", type=float, default=DEFAULT_MAX_MB,
@@ -103,7 +105,6 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     from sparkv.asks.models import models_router
     from sparkv.asks.respkept import kept_router
     from sparkv.asks.responses import responses_router
-    from sparkv.asks.respstore import ResponseStore
     from sparkv.asks.routes import asks_router
     from sparkv.asks.service import AskService, BadServerUrl
     from sparkv.errors import SparkvError
@@ -128,13 +129,29 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     log.info("sparkv device: the asks warmed (step-cost model, chat template, vocabulary, "
              "server client) in %.2f s", took)
     app.state.asks = asks
-    app.state.responses = ResponseStore(args.responses_kept, int(args.responses_kept_mb * 1e6))
+    app.state.responses = _response_store(service, args)
     app.include_router(asks_router)
     app.include_router(chat_router)
     app.include_router(responses_router)
     app.include_router(kept_router)
     app.include_router(models_router)
     return asks.close
+
+
+def _response_store(service: Any, args: argparse.Namespace) -> Any:
+    """The kept responses, their files in the flash dir read back."""
+    from sparkv.asks.respfiles import RESPONSES_DIR, ResponseFiles
+    from sparkv.asks.respstore import ResponseStore
+
+    swap_dir = getattr(service, "swap_dir", None)        # none: a scripted service (tests)
+    on = args.responses_kept > 0 and args.responses_kept_mb > 0 and swap_dir is not None
+    folder = Path(swap_dir or ".") / RESPONSES_DIR
+    store = ResponseStore(args.responses_kept, int(args.responses_kept_mb * 1e6),
+                          files=ResponseFiles(folder) if on else None)
+    if store.load():
+        log.info("sparkv device: %d kept responses read back from %s",
+                 store.stats()["responses"], folder)
+    return store
 
 
 def _add_ask(dsub: "argparse._SubParsersAction") -> None:

@@ -18,7 +18,7 @@ An id the app did not make (another app's, one deleted or evicted, or one never 
 
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import Annotated, Any, Literal, Sequence
 
 from sparkv.extras import require_all
@@ -29,7 +29,7 @@ require_all(("fastapi",), feature="the kept responses' routes of the device serv
 from fastapi import APIRouter, Depends, Path, Query, Request  # noqa: E402 - after the check
 
 from sparkv.asks.respschemas import InputItem, as_input, identified, listed
-from sparkv.asks.respstore import ResponseStore, StoredResponse
+from sparkv.asks.respstore import ResponseStore, StoredResponse, stored_response
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 
@@ -76,21 +76,23 @@ def previous(store: ResponseStore, caller: str, rid: str | None) -> StoredRespon
 
 class ResponseKeeper:
     """Keeps a response of ``caller`` once answered: the ``items`` it answered after the
-    ``earlier`` response's conversation, and its output."""
+    ``earlier`` response's conversation, and its output; its file (when the store has files)
+    is written before the answer is sent."""
 
     def __init__(self, store: ResponseStore, caller: str, earlier: StoredResponse | None,
                  items: Sequence[InputItem]) -> None:
         self.store, self.caller, self.earlier = store, caller, earlier
         self.items = tuple(identified(i) for i in items)
 
-    def __call__(self, response: dict[str, Any]) -> None:
-        output = tuple(as_input(response["output"]))
+    def kept(self, response: dict[str, Any]) -> StoredResponse:
         before = self.earlier.conversation() if self.earlier else ()
-        size = (self.earlier.conversation_bytes if self.earlier else 0) + sum(
-            len(i.model_dump_json()) for i in self.items + output)
-        kept = StoredResponse(response, before + self.items, output, size,
-                              size + len(json.dumps(response)))
-        self.store.put(self.caller, response["id"], kept)
+        return stored_response(response, before + self.items, tuple(as_input(response["output"])))
+
+    async def __call__(self, response: dict[str, Any]) -> None:
+        kept, rid = self.kept(response), response["id"]
+        if self.store.files is not None:
+            await asyncio.to_thread(self.store.persist, self.caller, rid, kept)
+        self.store.put(self.caller, rid, kept)
 
 
 kept_router = APIRouter(tags=["openai"])

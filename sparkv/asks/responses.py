@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from sparkv.extras import require_all
 
@@ -63,16 +63,16 @@ class ResponseOf:
     ``keeper`` keeps it once answered (``None``: it is not kept)."""
 
     def __init__(self, body: ResponsesBody, c: Completion,
-                 keeper: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 keeper: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> None:
         self.body, self.c, self.keeper = body, c, keeper
         stamp = secrets.token_hex(16)
         self.id, self.msg_id = f"resp_{stamp}", f"msg_{stamp}"
         self.created_at = int(time.time())
 
-    def answered(self, response: dict[str, Any]) -> dict[str, Any]:
+    async def answered(self, response: dict[str, Any]) -> dict[str, Any]:
         """``response`` (completed or incomplete), kept when it is to be."""
         if self.keeper is not None:
-            self.keeper(response)
+            await self.keeper(response)
         return response
 
     def shell(self, status: str, output: list[dict[str, Any]] | None = None,
@@ -156,7 +156,7 @@ async def respond(ticket: AskTicket, r: ResponseOf, request: Request) -> Any:
         err = done["error"]
         return JSONResponse(error_body(err["status"], err["code"], err["message"]),
                             status_code=err["status"] if err["status"] != 499 else 400)
-    return r.answered(r.shell(r.status(done), r.output(done, tokens), done))
+    return await r.answered(r.shell(r.status(done), r.output(done, tokens), done))
 
 
 # ---- streamed ----------------------------------------------------------------------------------
@@ -206,11 +206,21 @@ class StreamEvents:
                     yield self.event("response.failed", response=failed)
                     return
                 elif ev["type"] == "done":
-                    for out in self._done(ev):
+                    async for out in self._finish(ev):
                         yield out
                     return
         finally:
             await events.aclose()
+
+    async def _finish(self, done: dict[str, Any]) -> AsyncIterator[bytes]:
+        """The output items' closing events, then (the response kept first, when it is to be)
+        ``response.completed`` or ``response.incomplete``."""
+        r, items = self.r, list[dict[str, Any]]()
+        for out in self._done(done, items):
+            yield out
+        status = r.status(done)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        yield self.event(kind, response=await r.answered(r.shell(status, items, done)))
 
     def _opening(self) -> list[bytes]:
         if self.opened:
@@ -240,11 +250,11 @@ class StreamEvents:
             return []
         return self._delta(text, events)
 
-    def _done(self, done: dict[str, Any]) -> list[bytes]:
+    def _done(self, done: dict[str, Any], items: list[dict[str, Any]]) -> list[bytes]:
+        """The events that close the answer's output items (gathered into ``items``)."""
         r = self.r
         calls = r.c.calls(done)
         out: list[bytes] = []
-        items: list[dict[str, Any]] = []
         if calls and not self.opened:
             for j, call in enumerate(calls):
                 out += self._call(j, call)
@@ -261,9 +271,7 @@ class StreamEvents:
                                part=part),
                     self.event("response.output_item.done", output_index=0, item=item)]
             items.append(item)
-        status = r.status(done)
-        kind = "response.completed" if status == "completed" else "response.incomplete"
-        return out + [self.event(kind, response=r.answered(r.shell(status, items, done)))]
+        return out
 
     def _call(self, j: int, call: ToolCall) -> list[bytes]:
         r, item = self.r, self.r.call_item(j, call)

@@ -254,7 +254,7 @@ class ResponsesBody(BaseModel):
     parallel_tool_calls: StrictBool | None = None
     store: StrictBool | None = Field(default=None, description=(
         "keep the response (default true) for GET /v1/responses/{id} and a later "
-        "previous_response_id, in the service's memory until it stops or evicts it"))
+        "previous_response_id, in the service's memory and flash until deleted or evicted"))
     previous_response_id: ItemId | None = Field(default=None, description=(
         "a stored response of this app: its input and output come before this input "
         "(its instructions do not)"))

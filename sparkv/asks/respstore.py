@@ -3,23 +3,30 @@
 request's ``previous_response_id``, which continues its conversation.
 
 A response is kept for the app that asked it (another app's id is as unknown as one never
-made), in the service's memory until the service stops, the app deletes it, or room is made:
+made), in the service's memory (and on its flash, below) until the app deletes it or room is
+made:
 the store holds at most ``max_responses`` responses and ``max_bytes`` bytes (each response
 counted with the whole conversation it continues, a safe bound: a conversation's items are
 shared by the responses along it). Room is made by evicting the least recently used response of
 the app that holds the most (bytes when bytes overflow, responses when the count does), so one
 busy app cannot push out a quiet app's conversation. A response bigger than the whole store is
 not kept.
+
+With ``files`` (:class:`~sparkv.asks.respfiles.ResponseFiles`: the service's flash), each kept
+response is also a file, written before it is answered (:meth:`ResponseStore.persist`, from a
+thread) and removed with it, and :meth:`ResponseStore.load` reads them back at the start.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, Protocol
 
-__all__ = ["ResponseStore", "StoredResponse", "DEFAULT_MAX_RESPONSES", "DEFAULT_MAX_MB"]
+__all__ = ["ResponseStore", "StoredResponse", "ResponseFilesLike", "stored_response",
+           "DEFAULT_MAX_RESPONSES", "DEFAULT_MAX_MB"]
 
 #: the responses kept by default (``sparkv device serve --responses-kept``)
 DEFAULT_MAX_RESPONSES = 256
@@ -44,6 +51,24 @@ class StoredResponse:
         return self.items + self.output
 
 
+def stored_response(response: dict[str, Any], items: tuple[Any, ...],
+                    output: tuple[Any, ...]) -> StoredResponse:
+    """The :class:`StoredResponse` of ``response``, its input ``items`` and its ``output``
+    (pydantic items), its bytes counted as their JSON."""
+    size = sum(len(i.model_dump_json()) for i in items + output)
+    return StoredResponse(response, items, output, size, size + len(json.dumps(response)))
+
+
+class ResponseFilesLike(Protocol):
+    """Where a store's responses are files (:class:`~sparkv.asks.respfiles.ResponseFiles`)."""
+
+    def write(self, app: str, rid: str, kept: StoredResponse) -> bool: ...
+
+    def remove(self, rid: str) -> None: ...
+
+    def read_all(self, max_bytes: int) -> Iterator[tuple[str, str, StoredResponse]]: ...
+
+
 @dataclass
 class _Shelf:
     """One app's kept responses, least recently used first."""
@@ -56,10 +81,12 @@ class ResponseStore:
     """The kept responses of every app, bounded in count and bytes (module docstring)."""
 
     def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES,
-                 max_bytes: int = int(DEFAULT_MAX_MB * 1e6)) -> None:
+                 max_bytes: int = int(DEFAULT_MAX_MB * 1e6),
+                 files: ResponseFilesLike | None = None) -> None:
         if max_responses < 0 or max_bytes < 0:
             raise ValueError(f"a store of {max_responses} responses and {max_bytes} bytes")
         self.max_responses, self.max_bytes = max_responses, max_bytes
+        self.files = files if max_responses > 0 and max_bytes > 0 else None
         self._shelves: dict[str, _Shelf] = {}
         self._count = self._bytes = self.evicted = self.too_big = 0
         self._lock = threading.Lock()
@@ -69,6 +96,22 @@ class ResponseStore:
         """Whether any response can be kept."""
         return self.max_responses > 0 and self.max_bytes > 0
 
+    def persist(self, caller: str, rid: str, kept: StoredResponse) -> bool:
+        """Writes ``kept``'s file (blocking: call it from a thread before :meth:`put`);
+        ``False`` when there are no files, it cannot fit, or the write failed."""
+        if self.files is None or kept.nbytes > self.max_bytes:
+            return False
+        return self.files.write(caller, rid, kept)
+
+    def load(self) -> int:
+        """Reads the files back (oldest first, within the bounds); returns how many were
+        kept."""
+        if self.files is None:
+            return 0
+        for caller, rid, kept in self.files.read_all(self.max_bytes):
+            self.put(caller, rid, kept)
+        return self.stats()["responses"]
+
     def put(self, caller: str, rid: str, kept: StoredResponse) -> bool:
         """Keeps ``kept`` as ``caller``'s response ``rid``; ``False`` when it cannot fit."""
         if not self.enabled:
@@ -76,8 +119,9 @@ class ResponseStore:
         with self._lock:
             if kept.nbytes > self.max_bytes:
                 self.too_big += 1
+                self._unlink(rid)
                 return False
-            self._remove(caller, rid)
+            self._drop(caller, rid)
             shelf = self._shelves.setdefault(caller, _Shelf())
             shelf.responses[rid] = kept
             shelf.nbytes += kept.nbytes
@@ -98,7 +142,10 @@ class ResponseStore:
     def delete(self, caller: str, rid: str) -> bool:
         """Forgets ``caller``'s response ``rid``; ``False`` when there was none."""
         with self._lock:
-            return self._remove(caller, rid)
+            if self._drop(caller, rid) is None:
+                return False
+            self._unlink(rid)
+            return True
 
     def stats(self) -> dict[str, int]:
         """How many responses are kept, their bytes, and how many were evicted or too big."""
@@ -106,17 +153,22 @@ class ResponseStore:
             return {"responses": self._count, "bytes": self._bytes, "evicted": self.evicted,
                     "too_big": self.too_big, "apps": len(self._shelves)}
 
-    def _remove(self, caller: str, rid: str) -> bool:
+    def _drop(self, caller: str, rid: str) -> StoredResponse | None:
+        """Takes ``caller``'s response ``rid`` out of memory (its file stays)."""
         shelf = self._shelves.get(caller)
         kept = shelf.responses.pop(rid, None) if shelf else None
         if shelf is None or kept is None:
-            return False
+            return None
         shelf.nbytes -= kept.nbytes
         self._count -= 1
         self._bytes -= kept.nbytes
         if not shelf.responses:
             del self._shelves[caller]
-        return True
+        return kept
+
+    def _unlink(self, rid: str) -> None:
+        if self.files is not None:
+            self.files.remove(rid)
 
     def _make_room(self) -> None:
         while self._bytes > self.max_bytes or self._count > self.max_responses:
@@ -124,5 +176,6 @@ class ResponseStore:
             caller = max(self._shelves, key=lambda c: (self._shelves[c].nbytes if by_bytes
                                                       else len(self._shelves[c].responses)))
             oldest = next(iter(self._shelves[caller].responses))
-            self._remove(caller, oldest)
+            self._drop(caller, oldest)
+            self._unlink(oldest)
             self.evicted += 1

@@ -1,0 +1,132 @@
+"""The kept responses on the device's flash (:mod:`sparkv.asks.respstore`): one file each, so a
+restarted service still gives back, lists and continues the responses it kept.
+
+``<flash dir>/responses/<id>.json`` (the directory ``0700``, the files ``0600``, as the service's
+other files: :mod:`sparkv.device.private`), written atomically and synced before the response's
+last event or its JSON is sent, removed when the response is deleted or evicted::
+
+    {"format": "sparkv-kept-response/1", "app": "app:notes", "id": "resp_...",
+     "response": {...}, "items": [...], "output": [...]}
+
+Each file holds its response's whole conversation (its ``items`` begin with the conversation of
+the response it continued), so deleting or evicting one never breaks another. At the start the
+files are read oldest first (by modification time) into the store, within its bounds (the
+oldest beyond them removed); a file that cannot be read as one (damaged, another format, a name
+that is no response id, bigger than the store) is removed, with a warning, as are the temporary
+files of a write a crash cut short.
+
+No state beyond the folder's path; the store calls it under its lock or from one thread per
+response.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+from pydantic import ValidationError
+
+from sparkv.asks.respschemas import as_input
+from sparkv.asks.respstore import StoredResponse, stored_response
+from sparkv.device.private import FILE_MODE, private_dir
+from sparkv.fileio import atomic_write
+
+log = logging.getLogger("sparkv.asks")
+
+__all__ = ["ResponseFiles", "RESPONSES_DIR", "FORMAT"]
+
+#: the folder of the flash dir the kept responses are written in
+RESPONSES_DIR = "responses"
+FORMAT = "sparkv-kept-response/1"
+#: the ids a file may be named by (the service makes them: ``resp_`` and 32 hex digits)
+_ID = re.compile(r"resp_[0-9a-f]{32}")
+
+
+class ResponseFiles:
+    """The kept responses' files in ``folder`` (module docstring)."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = private_dir(folder)
+
+    def _path(self, rid: str) -> Path | None:
+        return self.folder / f"{rid}.json" if _ID.fullmatch(rid) else None
+
+    def write(self, app: str, rid: str, kept: StoredResponse) -> bool:
+        """Writes ``app``'s response ``rid``; ``False`` (said in the log) when it cannot be
+        (an id the service did not make, a full or failing disk)."""
+        path = self._path(rid)
+        if path is None:
+            return False
+        doc = {"format": FORMAT, "app": app, "id": rid, "response": kept.response,
+               "items": [_dumped(i) for i in kept.items],
+               "output": [_dumped(i) for i in kept.output]}
+        try:
+            atomic_write(path, json.dumps(doc).encode(), mode=FILE_MODE)
+        except OSError as e:
+            log.warning("kept response %s is in memory only: its file could not be written "
+                        "(%s)", rid, e)
+            return False
+        return True
+
+    def remove(self, rid: str) -> None:
+        """Removes the file of response ``rid`` (none is fine)."""
+        path = self._path(rid)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    def read_all(self, max_bytes: int) -> Iterator[tuple[str, str, StoredResponse]]:
+        """``(app, id, response)`` of every readable file, oldest first; the unreadable ones
+        (and those over ``max_bytes``) removed."""
+        for tmp in self.folder.glob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        for path in sorted(self.folder.glob("*.json"), key=_mtime):
+            got = self._read(path, max_bytes)
+            if got is None:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            else:
+                yield got
+
+    def _read(self, path: Path, max_bytes: int) -> tuple[str, str, StoredResponse] | None:
+        rid = path.stem
+        try:
+            if not _ID.fullmatch(rid) or path.stat().st_size > 2 * max_bytes + 4096:
+                raise ValueError("no response id, or bigger than the store")
+            doc = json.loads(path.read_bytes())
+            if doc.get("format") != FORMAT or doc.get("id") != rid:
+                raise ValueError(f"not {FORMAT} of {rid}")
+            kept = stored_response(_response(doc), tuple(as_input(doc["items"])),
+                                   tuple(as_input(doc["output"])))
+            app = doc["app"]
+            if not isinstance(app, str):
+                raise ValueError("no app")
+        except (OSError, ValueError, ValidationError, KeyError, TypeError,
+                AttributeError) as e:
+            log.warning("kept response file %s is removed: it cannot be read (%s)", path, e)
+            return None
+        return app, rid, kept
+
+
+def _dumped(item: Any) -> dict[str, Any]:
+    return item.model_dump(mode="json", exclude_none=True)
+
+
+def _response(doc: dict[str, Any]) -> dict[str, Any]:
+    response = doc["response"]
+    if not isinstance(response, dict) or response.get("id") != doc["id"]:
+        raise ValueError("no response object of its id")
+    return response
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

@@ -162,3 +162,25 @@ def test_a_disk_that_fails_leaves_the_response_in_memory(tmp_path, caplog):
     if os.geteuid() != 0:                       # root writes anyway
         assert "in memory only" in caplog.text
     assert store.get("app:a", rid) is not None
+
+
+def test_input_items_are_listed_as_the_api_lists_them():
+    from sparkv.asks.respschemas import identified, listed
+
+    body = ResponsesBody.model_validate({"model": "m", "input": [
+        {"role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "id": "msg_7",
+         "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1",
+         "output": [{"type": "input_text", "text": "Sunny"}]}]})
+    rows = [listed(identified(i)) for i in body.items()]
+    assert [r["id"].split("_")[0] for r in rows] == ["msg", "msg", "fc", "fco"]
+    assert rows[1]["id"] == "msg_7"                       # its own id kept
+    assert rows[0]["content"] == [{"type": "input_text", "text": "Weather?"}]
+    assert rows[1]["content"][0]["type"] == "output_text"
+    assert rows[2] == {"id": rows[2]["id"], "type": "function_call", "call_id": "call_1",
+                       "name": "get_weather", "arguments": "{}", "status": "completed"}
+    assert rows[3]["output"] == "Sunny" and rows[3]["status"] == "completed"
+    assert len({r["id"] for r in rows}) == 4

@@ -18,8 +18,8 @@ from sparkv.asks.respfiles import ResponseFiles
 from sparkv.asks.respstore import ResponseStore, StoredResponse
 
 pytest.importorskip("fastapi")
-from sparkv.asks.respkept import (NoResponsesKept, ResponseKeeper,  # noqa: E402
-                                  UnknownPrevious, _between, previous)
+from sparkv.asks.respkept import (NoResponsesKept, PreviousNotDone,  # noqa: E402
+                                  ResponseKeeper, UnknownPrevious, _between, previous)
 
 
 def _kept(nbytes: int = 100) -> StoredResponse:
@@ -27,7 +27,7 @@ def _kept(nbytes: int = 100) -> StoredResponse:
 
 
 def _response(rid: str, text: str) -> dict:
-    return {"id": rid, "object": "response", "output": [
+    return {"id": rid, "object": "response", "status": "completed", "output": [
         {"type": "message", "id": f"msg_{rid}", "status": "completed", "role": "assistant",
          "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
 
@@ -87,6 +87,10 @@ def test_a_response_continuing_another_comes_after_its_whole_conversation():
         previous(store, "app:a", "r1")
     with pytest.raises(UnknownPrevious):
         previous(store, "app:b", "r2")
+    running = ResponseKeeper(store, "app:a", r2, second.items())
+    running.pending({**_response("r3", ""), "status": "in_progress", "output": []})
+    with pytest.raises(PreviousNotDone, match="'r3' is in_progress"):
+        previous(store, "app:a", "r3")
     with pytest.raises(NoResponsesKept, match="--responses-kept 0"):
         previous(ResponseStore(0), "app:a", "r2")
     assert previous(store, "app:a", None) is None

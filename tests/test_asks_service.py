@@ -990,6 +990,57 @@ def test_a_kept_response_is_continued_read_and_deleted_by_its_app_alone(world):
         other.close()
 
 
+def _settled(oa, rid: str):
+    """The background response ``rid`` once it stopped running."""
+    out = []
+    _until(lambda: out.append(oa.responses.retrieve(rid)) or out[-1].status not in (
+        "queued", "in_progress"), f"background response {rid} ended")
+    return out[-1]
+
+
+def test_a_background_response_runs_on_and_is_polled_cancelled_or_deleted(world):
+    """background: the request is answered at once, queued; polled, the response becomes the
+    answer the same request gets in the foreground; a long one is in_progress, cannot be
+    continued yet, and cancelled it is cancelled (a second cancel a 400); one deleted while it
+    runs stops and is gone; with stream it is a 422."""
+    openai = pytest.importorskip("openai")
+    oa, _ = _openai(openai, world["dev"], "poller")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv})
+    try:
+        fore = oa.responses.create(input="What is it about?", max_output_tokens=6, **kw)
+        back = oa.responses.create(input="What is it about?", max_output_tokens=6,
+                                   background=True, **kw)
+        assert back.status == "queued" and back.background is True
+        done = _settled(oa, back.id)
+        assert done.status == "incomplete" and done.output_text == fore.output_text
+        long = oa.responses.create(input="Tell it all.", max_output_tokens=3000,
+                                   background=True, **kw)
+        _until(lambda: oa.responses.retrieve(long.id).status == "in_progress",
+               "the long one answering")
+        with pytest.raises(openai.BadRequestError, match="in_progress"):
+            oa.responses.create(input="And?", previous_response_id=long.id, **kw)
+        stopped = oa.responses.cancel(long.id)
+        assert stopped.status == "cancelled"
+        assert oa.responses.retrieve(long.id).status == "cancelled"
+        with pytest.raises(openai.BadRequestError, match="not a running background"):
+            oa.responses.cancel(long.id)
+        with pytest.raises(openai.BadRequestError, match="not a running background"):
+            oa.responses.cancel(fore.id)
+        gone = oa.responses.create(input="Tell it all.", max_output_tokens=3000,
+                                   background=True, **kw)
+        oa.responses.delete(gone.id)
+        with world["dev"].client() as c:
+            _until(lambda: c.ask_stats()["running"] == 0, "the deleted one stopped")
+        with pytest.raises(openai.NotFoundError):
+            oa.responses.retrieve(gone.id)
+        with pytest.raises(openai.UnprocessableEntityError, match="with stream"):
+            oa.responses.create(input="Q?", background=True, stream=True, **kw)
+    finally:
+        oa.close()
+
+
 def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
     """The kept responses are files in the flash dir: a restarted service gives one back,
     lists its input items and continues it as previous_response_id, as before the restart;

@@ -103,6 +103,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     """Adds the asks to the service's ``app``; returns what closes them."""
     from sparkv.asks.chat import chat_router
     from sparkv.asks.models import models_router
+    from sparkv.asks.respbackground import BackgroundResponses
     from sparkv.asks.respkept import kept_router
     from sparkv.asks.responses import responses_router
     from sparkv.asks.routes import asks_router
@@ -130,12 +131,17 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
              "server client) in %.2f s", took)
     app.state.asks = asks
     app.state.responses = _response_store(service, args)
+    app.state.background = background = BackgroundResponses()
     app.include_router(asks_router)
     app.include_router(chat_router)
     app.include_router(responses_router)
     app.include_router(kept_router)
     app.include_router(models_router)
-    return asks.close
+
+    def close() -> None:
+        background.close()
+        asks.close()
+    return close
 
 
 def _response_store(service: Any, args: argparse.Namespace) -> Any:

@@ -4,8 +4,10 @@ previous_response_id"), over the service's :class:`~sparkv.asks.respstore.Respon
 =======  ======================================  =============================================
 method   path                                    answer
 =======  ======================================  =============================================
-GET      ``/v1/responses/{id}``                  the ``response``, as it was answered
+GET      ``/v1/responses/{id}``                  the ``response``, as it was answered (or as
+                                                 it stands: a background one still running)
 DELETE   ``/v1/responses/{id}``                  ``{"id", "object": "response", "deleted"}``
+POST     ``/v1/responses/{id}/cancel``           the background response, ``cancelled``
 GET      ``/v1/responses/{id}/input_items``      the input items it answered (a ``list``:
                                                  ``limit``, ``order``, ``after``, ``before``)
 =======  ======================================  =============================================
@@ -28,15 +30,19 @@ require_all(("fastapi",), feature="the kept responses' routes of the device serv
 
 from fastapi import APIRouter, Depends, Path, Query, Request  # noqa: E402 - after the check
 
+from sparkv.asks.respbackground import BackgroundResponses
 from sparkv.asks.respschemas import InputItem, as_input, identified, listed
 from sparkv.asks.respstore import ResponseStore, StoredResponse, stored_response
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 
 __all__ = ["kept_router", "ResponseKeeper", "previous", "get_store", "StoreDep",
-           "UnknownResponse", "UnknownPrevious", "NoResponsesKept"]
+           "get_background", "BackgroundDep", "UnknownResponse", "UnknownPrevious",
+           "PreviousNotDone", "NotRunning", "NoResponsesKept", "CANCEL_WAIT_S"]
 
 ResponseId = Annotated[str, Path(min_length=1, max_length=256)]
+#: how long a cancel waits for the response to stop before answering it as it stands (s)
+CANCEL_WAIT_S = 30.0
 
 
 class UnknownResponse(DeviceError, status=404, code="response_not_found"):
@@ -45,6 +51,18 @@ class UnknownResponse(DeviceError, status=404, code="response_not_found"):
 
 class UnknownPrevious(DeviceError, status=400, code="previous_response_not_found"):
     """``previous_response_id`` names no response this app kept."""
+
+
+class PreviousNotDone(DeviceError, status=400, code="previous_response_not_done"):
+    """``previous_response_id`` names a response still running, failed or cancelled."""
+
+
+class NotRunning(DeviceError, status=400, code="response_not_running"):
+    """A cancel of a response that is not a running background response."""
+
+
+#: the statuses of a response another may continue
+_CONTINUED = ("completed", "incomplete")
 
 
 class NoResponsesKept(DeviceError, status=400, code="responses_not_kept"):
@@ -60,6 +78,14 @@ def get_store(request: Request) -> ResponseStore:
 StoreDep = Annotated[ResponseStore, Depends(get_store)]
 
 
+def get_background(request: Request) -> BackgroundResponses:
+    """The app's running background responses (``app.state.background``)."""
+    return request.app.state.background
+
+
+BackgroundDep = Annotated[BackgroundResponses, Depends(get_background)]
+
+
 def previous(store: ResponseStore, caller: str, rid: str | None) -> StoredResponse | None:
     """The kept response ``rid`` of ``caller`` a request continues (``None``: it names none);
     :class:`UnknownPrevious` when there is none such."""
@@ -71,6 +97,10 @@ def previous(store: ResponseStore, caller: str, rid: str | None) -> StoredRespon
     kept = store.get(caller, rid)
     if kept is None:
         raise UnknownPrevious(f"Previous response with id {rid!r} not found.")
+    status = kept.response.get("status")
+    if status not in _CONTINUED:
+        raise PreviousNotDone(f"Previous response with id {rid!r} is {status}: only a "
+                              "completed or incomplete response is continued")
     return kept
 
 
@@ -94,6 +124,15 @@ class ResponseKeeper:
             await asyncio.to_thread(self.store.persist, self.caller, rid, kept)
         self.store.put(self.caller, rid, kept)
 
+    def forget(self, rid: str) -> None:
+        """Forgets the response ``rid`` (its file too)."""
+        self.store.delete(self.caller, rid)
+
+    def pending(self, response: dict[str, Any]) -> None:
+        """Keeps ``response`` as it stands while it runs (in memory: a background response's
+        ``queued`` or ``in_progress``)."""
+        self.store.put(self.caller, response["id"], self.kept(response))
+
 
 kept_router = APIRouter(tags=["openai"])
 
@@ -112,13 +151,28 @@ def get_response(response_id: ResponseId, store: StoreDep, caller: CallerDep) ->
 
 
 @kept_router.delete("/v1/responses/{response_id}", responses=error_responses(404))
-def delete_response(response_id: ResponseId, store: StoreDep,
-                    caller: CallerDep) -> dict[str, Any]:
+def delete_response(response_id: ResponseId, store: StoreDep, caller: CallerDep,
+                    background: BackgroundDep) -> dict[str, Any]:
     """Forgets a kept response of this app (the responses continuing it keep their own
-    conversation)."""
+    conversation; a background one still running is cancelled)."""
+    background.forget(caller, response_id)
     if not store.delete(caller, response_id):
         raise UnknownResponse(f"Response with id {response_id!r} not found.")
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@kept_router.post("/v1/responses/{response_id}/cancel", responses=error_responses(400, 404))
+async def cancel_response(response_id: ResponseId, store: StoreDep, caller: CallerDep,
+                          background: BackgroundDep) -> Any:
+    """Cancels a background response of this app still running: the response, ``cancelled``
+    (400 ``response_not_running`` once it ended, or for one that was not in the background)."""
+    kept = _kept(store, caller, response_id)
+    task = background.task(response_id)
+    if not background.cancel(caller, response_id) or task is None:
+        raise NotRunning(f"Response with id {response_id!r} is not a running background "
+                         f"response (status: {kept.response.get('status')})")
+    await asyncio.wait({task}, timeout=CANCEL_WAIT_S)   # it stops within a unit of compute
+    return _kept(store, caller, response_id).response
 
 
 @kept_router.get("/v1/responses/{response_id}/input_items", responses=error_responses(404))

@@ -22,7 +22,8 @@ A response is kept for its app unless ``store`` is false (:mod:`sparkv.asks.resp
 and ``DELETE /v1/responses/{id}``, its input items), so the next request may name it as its
 ``previous_response_id`` instead of sending the conversation again (its instructions are not
 carried over, as in OpenAI's API); an app may as well send the conversation as ``input``, its
-earlier ``output`` items included.
+earlier ``output`` items included. With ``background``, the request is answered at once with
+the response ``queued`` and the ask runs on, polled by ``GET`` (:mod:`sparkv.asks.respbackground`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 from sparkv.extras import require_all
 
@@ -43,7 +44,8 @@ from fastapi.responses import JSONResponse
 from sparkv.asks.chat import (DEFAULT_MAX_TOKENS, asked, context_id_of, openai_responses,
                               with_tools)
 from sparkv.asks.completion import Completion, EventStream, outcome
-from sparkv.asks.respkept import ResponseKeeper, StoreDep, previous
+from sparkv.asks.respkept import (BackgroundDep, NoResponsesKept, ResponseKeeper, StoreDep,
+                                  previous)
 from sparkv.asks.respschemas import ResponsesBody
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import SparkvFields
@@ -63,11 +65,21 @@ class ResponseOf:
     ``keeper`` keeps it once answered (``None``: it is not kept)."""
 
     def __init__(self, body: ResponsesBody, c: Completion,
-                 keeper: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> None:
+                 keeper: ResponseKeeper | None = None) -> None:
         self.body, self.c, self.keeper = body, c, keeper
         stamp = secrets.token_hex(16)
         self.id, self.msg_id = f"resp_{stamp}", f"msg_{stamp}"
         self.created_at = int(time.time())
+
+    def pending(self, response: dict[str, Any]) -> None:
+        """Keeps ``response`` as it stands (a background one, while it runs)."""
+        if self.keeper is not None:
+            self.keeper.pending(response)
+
+    def forget(self) -> None:
+        """Forgets this response if it was kept (a background one deleted while it ran)."""
+        if self.keeper is not None:
+            self.keeper.forget(self.id)
 
     async def answered(self, response: dict[str, Any]) -> dict[str, Any]:
         """``response`` (completed or incomplete), kept when it is to be."""
@@ -91,6 +103,7 @@ class ResponseOf:
             "model": b.model, "output": output or [],
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": b.previous_response_id, "reasoning": None,
+            "background": bool(b.background),
             "store": self.keeper is not None,
             "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
             "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
@@ -292,7 +305,8 @@ responses_router = APIRouter(tags=["openai"])
 @responses_router.post("/v1/responses", responses=openai_responses(
     "a response (JSON), or with stream: server-sent response.* events"))
 async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
-                          caller: CallerDep, store: StoreDep) -> Any:
+                          caller: CallerDep, store: StoreDep,
+                          background: BackgroundDep) -> Any:
     """OpenAI's response over an ask: ``model`` names the server context, ``instructions``
     and ``input`` are the conversation ending in the question (after the conversation of the
     ``previous_response_id``), ``extra_body={"sparkv": {...}}`` the rest of the ask."""
@@ -307,7 +321,12 @@ async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
     keeper = (ResponseKeeper(store, caller, earlier, body.items())
               if body.store is not False and store.enabled else None)
     r = ResponseOf(body, Completion(body.model, asks, ask, tools), keeper)
+    if body.background and keeper is None:
+        raise NoResponsesKept("background is not taken: this service keeps no responses "
+                              "(--responses-kept 0)")
     ticket = asks.submit(caller, ask)
+    if body.background:
+        return background.start(caller, ticket, r)
     if body.stream:
         return ResponseEvents(ticket, r)
     return await respond(ticket, r, request)

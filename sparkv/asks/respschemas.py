@@ -8,8 +8,8 @@ the ``instructions`` first, then a previous response's conversation when one is 
 ``function_call_output`` items answering them), the tools (a
 :class:`~sparkv.runtime.toolform.ToolSet`) and the answer's format (``text.format`` as a chat's
 ``response_format``). What the service cannot do is refused when the request is read (a 422
-naming it): input images and files, a ``conversation`` object, ``background``,
-``truncation: auto``, reasoning effort.
+naming it): input images and files, a ``conversation`` object, ``background`` with ``stream``
+or without ``store``, ``truncation: auto``, reasoning effort.
 
 Input items are read leniently about the fields a response's own output items carry (``status``,
 ``annotations``, ``logprobs``, ...), so an app may send ``response.output`` back as input, as
@@ -183,7 +183,6 @@ class _Reasoning(BaseModel):
 _REFUSED = {
     "conversation": "conversations are not stored here: send the earlier turns as input, "
                     "or the previous_response_id",
-    "background": "a response is answered while its request waits",
     "prompt": "stored prompts are not kept here: send the instructions and input",
 }
 _TEXT_PARTS = ("input_text", "output_text")
@@ -195,6 +194,11 @@ def _not_taken(data: dict[str, Any]) -> str | None:
     for key, why in _REFUSED.items():
         if data.get(key):
             return f"{key} is not taken: {why}"
+    if data.get("background") is True and data.get("stream") is True:
+        return ("background is not taken with stream: poll GET /v1/responses/{id} for a "
+                "background response")
+    if data.get("background") is True and data.get("store") is False:
+        return "background is not taken with store false: a background response is kept"
     if data.get("truncation") == "auto":
         return "truncation 'auto' is not taken: the input is never cut (use 'disabled')"
     reasoning = data.get("reasoning")
@@ -258,7 +262,9 @@ class ResponsesBody(BaseModel):
     previous_response_id: ItemId | None = Field(default=None, description=(
         "a stored response of this app: its input and output come before this input "
         "(its instructions do not)"))
-    background: Literal[False] | None = None
+    background: StrictBool | None = Field(default=None, description=(
+        "answer at once with the response queued; the ask runs on whether or not the app "
+        "stays connected, and GET /v1/responses/{id} gives it when done"))
     conversation: None = None
     prompt: None = None
     truncation: Literal["disabled"] | None = None

@@ -1,0 +1,142 @@
+"""What a kept response saves and costs (docs/asks.md, "Kept responses and
+previous_response_id"): one conversation of ``--turns`` turns asked two ways through the
+Responses route's own work (no model, no socket):
+
+* ``whole``: each request sends the whole conversation so far as ``input`` (the earlier
+  questions and the earlier responses' output items), as an app does without kept responses;
+* ``chained``: each request sends only its question and names the previous response
+  (``previous_response_id``); the service finds it and builds the same turns.
+
+Per turn: the request's JSON bytes, the route's work before the ask (reading the body, finding
+the previous response, building the turns; best of 5), and for ``chained`` the keeping of the
+answer (its :class:`~sparkv.asks.respstore.StoredResponse` and its file, written atomically and
+synced on this machine's disk in ``--dir``), then the store's bytes and the time to read every
+file back as a restarted service does. Answers are scripted text of ``--answer-chars``.
+
+    python bench/kept_responses.py [--turns 32] [--out bench/results/kept_responses_cpu.json]
+
+Wall clock on whatever machine runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+from sparkv.asks.respfiles import ResponseFiles
+from sparkv.asks.respkept import ResponseKeeper, previous
+from sparkv.asks.respschemas import ResponsesBody
+from sparkv.asks.respstore import ResponseStore
+
+RUNS = 5
+APP = "app:bench"
+
+
+def _answer(turn: int, chars: int) -> dict[str, Any]:
+    text = (f"Answer {turn}: " + "the licence lets anyone copy it " * chars)[:chars]
+    rid = f"resp_{turn:032x}"
+    return {"id": rid, "object": "response", "status": "completed", "output": [
+        {"type": "message", "id": f"msg_{turn:032x}", "status": "completed",
+         "role": "assistant", "content": [{"type": "output_text", "text": text,
+                                           "annotations": [], "logprobs": []}]}]}
+
+
+def _question(turn: int) -> dict[str, Any]:
+    return {"role": "user", "content": f"Question {turn}: what does part {turn} of the text say "
+                                       f"about who may copy it, and on what terms?"}
+
+
+def _best(f: Callable[[], Any]) -> float:
+    best = float("inf")
+    for _ in range(RUNS):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run(turns: int, chars: int, folder: pathlib.Path) -> dict[str, Any]:
+    store = ResponseStore(max(256, turns), 256_000_000, files=ResponseFiles(folder))
+    whole_items: list[dict[str, Any]] = []
+    rows, last = [], None
+    for t in range(turns):
+        whole_items.append(_question(t))
+        whole = {"model": "0" * 32, "input": list(whole_items), "instructions": "Be brief."}
+        chained = {"model": "0" * 32, "input": [_question(t)], "instructions": "Be brief.",
+                   "previous_response_id": last}
+        read_whole = _best(lambda: ResponsesBody.model_validate(whole).turns())
+        body = ResponsesBody.model_validate(chained)
+
+        def read_chained() -> Any:
+            b = ResponsesBody.model_validate(chained)
+            earlier = previous(store, APP, b.previous_response_id)
+            return b.turns(earlier.conversation() if earlier else ())
+
+        read_chain = _best(read_chained)
+        earlier = previous(store, APP, last)
+        assert read_chained() == ResponsesBody.model_validate(whole).turns()   # the same turns
+        answer = _answer(t, chars)
+        t0 = time.perf_counter()
+        asyncio.run(ResponseKeeper(store, APP, earlier, body.items())(answer))
+        keep_s = time.perf_counter() - t0
+        whole_items += answer["output"]
+        last = answer["id"]
+        rows.append({"turn": t + 1, "whole_bytes": len(json.dumps(whole)),
+                     "chained_bytes": len(json.dumps(chained)),
+                     "whole_read_us": read_whole * 1e6, "chained_read_us": read_chain * 1e6,
+                     "keep_ms": keep_s * 1e3,
+                     "store_bytes": store.stats()["bytes"]})
+    t0 = time.perf_counter()
+    again = ResponseStore(max(256, turns), 256_000_000, files=ResponseFiles(folder))
+    loaded = again.load()
+    return {"rows": rows, "read_back_s": time.perf_counter() - t0, "read_back": loaded,
+            "files_bytes": sum(p.stat().st_size for p in folder.glob("*.json"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--turns", type=int, default=32)
+    ap.add_argument("--answer-chars", type=int, default=400)
+    ap.add_argument("--dir", type=pathlib.Path, default=None,
+                    help="where the files are written (default: a new folder in the working "
+                         "directory's disk, removed after)")
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    folder = args.dir or pathlib.Path(tempfile.mkdtemp(prefix=".kept-bench-", dir="."))
+    try:
+        got = run(args.turns, args.answer_chars, folder / "responses")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    rows = got["rows"]
+    print(f"{'turn':>4} {'whole B':>9} {'chained B':>9} {'whole us':>9} {'chained us':>10} "
+          f"{'keep ms':>8} {'store B':>9}")
+    for r in rows:
+        if r["turn"] in (1, 2, 4, 8, 16, 32, 64, 128) or r is rows[-1]:
+            print(f"{r['turn']:>4} {r['whole_bytes']:>9} {r['chained_bytes']:>9} "
+                  f"{r['whole_read_us']:>9.0f} {r['chained_read_us']:>10.0f} "
+                  f"{r['keep_ms']:>8.2f} {r['store_bytes']:>9}")
+    sent = (sum(r["whole_bytes"] for r in rows), sum(r["chained_bytes"] for r in rows))
+    keep = statistics.median(r["keep_ms"] for r in rows)
+    summary = {"turns": len(rows), "answer_chars": args.answer_chars,
+               "sent_bytes_whole": sent[0], "sent_bytes_chained": sent[1],
+               "keep_ms_median": keep, "read_back_s": got["read_back_s"],
+               "read_back": got["read_back"], "files_bytes": got["files_bytes"]}
+    print(f"\nsent over {len(rows)} turns: whole {sent[0]:,} B, chained {sent[1]:,} B "
+          f"({sent[0] / sent[1]:.1f}x less); keeping a response: {keep:.2f} ms median "
+          f"(file synced); {got['read_back']} files ({got['files_bytes']:,} B) read back in "
+          f"{got['read_back_s'] * 1e3:.0f} ms")
+    if args.out:
+        args.out.write_text(json.dumps({**summary, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

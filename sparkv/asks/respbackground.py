@@ -1,0 +1,146 @@
+"""Background responses of OpenAI's Responses API (``background: true``; docs/asks.md,
+"Background responses"): the request is answered at once with the response ``queued``; the ask
+runs on in the service whether or not the app stays connected (a phone's app may be suspended
+meanwhile), and the app polls ``GET /v1/responses/{id}`` until its status is ``completed``,
+``incomplete``, ``failed`` or ``cancelled``; ``POST /v1/responses/{id}/cancel`` stops it.
+
+:class:`BackgroundResponses` runs them: the kept entry says ``queued``, then ``in_progress`` at
+the answer's first token, then the final response, kept as any response is (its file written:
+:mod:`sparkv.asks.respfiles`). Only final responses are written: one the service stopped before
+it ended is gone after a restart. How many run at once is bounded by the asks' slots and queue
+(a full queue is a 429 before anything starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sparkv.asks.tickets import AskTicket
+
+log = logging.getLogger("sparkv.asks")
+
+__all__ = ["BackgroundResponses", "Answering"]
+
+
+class Answering(Protocol):
+    """What a background response is made of (:class:`~sparkv.asks.responses.ResponseOf`)."""
+
+    id: str
+
+    def shell(self, status: str, output: list[dict[str, Any]] | None = None,
+              done: dict[str, Any] | None = None, error: dict[str, Any] | None = None
+              ) -> dict[str, Any]: ...
+
+    def status(self, done: dict[str, Any]) -> str: ...
+
+    def output(self, done: dict[str, Any],
+               tokens: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
+
+    def pending(self, response: dict[str, Any]) -> None: ...
+
+    async def answered(self, response: dict[str, Any]) -> dict[str, Any]: ...
+
+    def forget(self) -> None: ...
+
+
+@dataclass
+class _Running:
+    caller: str
+    ticket: AskTicket
+    cancelled: bool = False
+    forgotten: bool = False
+    task: "asyncio.Task[None] | None" = field(default=None, repr=False)
+
+
+class BackgroundResponses:
+    """The background responses running now, by id (module docstring)."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, _Running] = {}
+
+    def start(self, caller: str, ticket: AskTicket, r: Answering) -> dict[str, Any]:
+        """Starts ``r`` (asked by ``ticket``) in the background; returns it ``queued`` (kept
+        so from now on)."""
+        shell = r.shell("queued")
+        r.pending(shell)
+        run = _Running(caller, ticket)
+        self._running[r.id] = run
+        run.task = asyncio.ensure_future(self._run(r, run))
+        return shell
+
+    def cancel(self, caller: str, rid: str) -> bool:
+        """Cancels ``caller``'s running response ``rid``; ``False`` when none runs."""
+        run = self._running.get(rid)
+        if run is None or run.caller != caller:
+            return False
+        run.cancelled = True
+        run.ticket.cancel()
+        return True
+
+    def forget(self, caller: str, rid: str) -> None:
+        """Cancels ``caller``'s running response ``rid`` (if it runs) and keeps nothing of it
+        (it was deleted)."""
+        run = self._running.get(rid)
+        if run is not None and run.caller == caller:
+            run.forgotten = True
+            self.cancel(caller, rid)
+
+    def task(self, rid: str) -> "asyncio.Task[None] | None":
+        """The task running response ``rid`` (``None``: none runs)."""
+        run = self._running.get(rid)
+        return run.task if run is not None else None
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        """Cancels every running response (the service is stopping)."""
+        for run in list(self._running.values()):
+            run.cancelled = True
+            run.ticket.cancel()
+            if run.task is not None:
+                run.task.cancel()
+
+    async def _run(self, r: Answering, run: _Running) -> None:
+        tokens: list[dict[str, Any]] = []
+        try:
+            last = await self._answer(r, run.ticket, tokens)
+            if not run.forgotten:
+                await r.answered(self._final(r, run, last, tokens))
+            if run.forgotten:                   # deleted meanwhile, even while it was written
+                r.forget()
+        except asyncio.CancelledError:
+            raise
+        except Exception:                   # a bug must not leave the response queued forever
+            log.exception("background response %s failed", r.id)
+            r.pending(r.shell("failed", error={"code": "server_error",
+                                               "message": "the service failed to answer"}))
+        finally:
+            run.ticket.cancel()
+            self._running.pop(r.id, None)
+
+    @staticmethod
+    async def _answer(r: Answering, ticket: AskTicket,
+                      tokens: list[dict[str, Any]]) -> dict[str, Any]:
+        """The ask's last event (its tokens into ``tokens``; ``in_progress`` at the first)."""
+        async for ev in ticket.aevents():
+            if ev["type"] == "token":
+                if not tokens:
+                    r.pending(r.shell("in_progress"))
+                tokens.append(ev)
+            elif ev["type"] in ("done", "error"):
+                return ev
+        return {"type": "error", "error": {"code": "cancelled", "message": "ended"}}
+
+    @staticmethod
+    def _final(r: Answering, run: _Running, last: dict[str, Any],
+               tokens: list[dict[str, Any]]) -> dict[str, Any]:
+        if last["type"] == "done":
+            return r.shell(r.status(last), r.output(last, tokens), last)
+        if run.cancelled:
+            return r.shell("cancelled")
+        err = last["error"]
+        return r.shell("failed", error={"code": err["code"], "message": err["message"]})

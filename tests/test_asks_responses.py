@@ -61,7 +61,6 @@ def test_the_input_becomes_the_turns_a_chats_messages_do():
     ({"conversation": "conv_1"}, "conversation is not taken"),
     ({"background": True, "stream": True}, "background is not taken with stream"),
     ({"background": True, "store": False}, "background is not taken with store false"),
-    ({"truncation": "auto"}, "never cut"),
     ({"reasoning": {"effort": "low"}}, "does not reason"),
     ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "functions only"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "'reasoning' items are not taken"),
@@ -164,3 +163,25 @@ def test_an_answer_at_the_cap_is_incomplete_and_a_failed_ask_fails_the_response(
     assert out[-1]["response"]["status"] == "failed"
     empty = _events(_body(), [_done("", [0])])     # no text: the message is still there
     assert empty[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
+def test_truncation_drops_the_oldest_turns_until_the_conversation_fits(monkeypatch):
+    """By bisection over the user turns: the instructions stay, what is left begins with a
+    user's turn and ends with the question; a question too long alone is left whole."""
+    import sparkv.edge.prompts as prompts
+    from sparkv.asks.truncation import fitted
+    from sparkv.runtime.turns import Conversation
+
+    monkeypatch.setattr(prompts, "question_suffix",       # a token a character
+                        lambda lm, conv, chat=True: list("".join(t.text for t in conv.turns)))
+    pairs = [t for k in range(5) for t in (ChatTurn("user", f"q{k}" * 50),
+                                             ChatTurn("assistant", f"a{k}" * 50))]
+    conv = Conversation((ChatTurn("system", "rules"), *pairs, ChatTurn("user", "last?")))
+    assert fitted(None, conv, 10_000) == (conv, 0)
+    kept, dropped = fitted(None, conv, 5 + 4 * 100 + 5)   # the last two pairs and the question
+    assert dropped == 6 and kept.turns[0] == ChatTurn("system", "rules")
+    assert kept.turns[1:] == conv.turns[7:]
+    kept, dropped = fitted(None, conv, 5 + 4 * 100 + 4)   # one short: a pair less
+    assert dropped == 8 and kept.turns[1].text == "q4" * 50
+    kept, dropped = fitted(None, conv, 3)                 # not even the question
+    assert dropped == 10 and kept.turns[1:] == (ChatTurn("user", "last?"),)

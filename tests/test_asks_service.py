@@ -1041,6 +1041,36 @@ def test_a_background_response_runs_on_and_is_polled_cancelled_or_deleted(world)
         oa.close()
 
 
+def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_past_the_window(world):
+    """A conversation past the model's 4,096 positions is a 413 as it stands; with truncation
+    auto its oldest turns go until it fits, and the answer is the one the fitting turns get
+    sent alone (the instructions kept)."""
+    openai = pytest.importorskip("openai")
+    oa, _ = _openai(openai, world["dev"], "talker")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv}, max_output_tokens=6,
+              instructions="Answer plainly.")
+    filler = sample_text()[9000:11400]
+    items = [m for k in range(10) for m in (
+        {"role": "user", "content": f"Part {k}: {filler}"},
+        {"role": "assistant", "content": f"Noted part {k}."})]
+    items.append({"role": "user", "content": "What is it about?"})
+    try:
+        with pytest.raises(openai.APIStatusError, match="prompt_too_long|at most") as e:
+            oa.responses.create(input=items, **kw)
+        assert e.value.status_code == 413
+        r = oa.responses.create(input=items, truncation="auto", **kw)
+        dropped = r.model_extra["sparkv"]["dropped_turns"]
+        assert 0 < dropped < len(items) - 1 and dropped % 2 == 0 and r.truncation == "auto"
+        alone = oa.responses.create(input=items[dropped:], **kw)
+        assert (r.output_text, r.usage.input_tokens) == (alone.output_text,
+                                                          alone.usage.input_tokens)
+        assert r.usage.input_tokens + 6 <= 4096
+    finally:
+        oa.close()
+
+
 def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
     """The kept responses are files in the flash dir: a restarted service gives one back,
     lists its input items and continues it as previous_response_id, as before the restart;

@@ -28,6 +28,7 @@ the response ``queued`` and the ask runs on, polled by ``GET`` (:mod:`sparkv.ask
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -50,6 +51,7 @@ from sparkv.asks.respschemas import ResponsesBody
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import SparkvFields
 from sparkv.asks.tickets import AskTicket
+from sparkv.asks.truncation import truncated
 from sparkv.device.app import CallerDep
 from sparkv.protocol.errors import error_body
 from sparkv.runtime.toolform import ToolCall
@@ -67,6 +69,7 @@ class ResponseOf:
     def __init__(self, body: ResponsesBody, c: Completion,
                  keeper: ResponseKeeper | None = None) -> None:
         self.body, self.c, self.keeper = body, c, keeper
+        self.dropped_turns = 0          # by truncation auto (sparkv.asks.truncation)
         stamp = secrets.token_hex(16)
         self.id, self.msg_id = f"resp_{stamp}", f"msg_{stamp}"
         self.created_at = int(time.time())
@@ -106,15 +109,24 @@ class ResponseOf:
             "background": bool(b.background),
             "store": self.keeper is not None,
             "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
-            "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
+            "text": {"format": fmt or {"type": "text"}},
+            "truncation": b.truncation or "disabled",
             "tool_choice": (choice.model_dump() if choice is not None and
                             not isinstance(choice, str) else choice or "auto"),
             "tools": [{"strict": None, "description": None, "parameters": None,
                        **t.model_dump(exclude_none=True)} for t in b.tools or []],
             "metadata": b.metadata or {}, "user": b.user,
             "usage": self.usage(done) if done is not None else None,
-            **({"sparkv": self.c.sparkv([done])} if done is not None else {}),
+            **({"sparkv": self.sparkv(done)} if done is not None else {}),
         }
+
+    def sparkv(self, done: dict[str, Any]) -> dict[str, Any]:
+        """The ``sparkv`` extension: the ask's, and with truncation auto the turns it
+        dropped."""
+        out = self.c.sparkv([done])
+        if self.body.truncation == "auto":
+            out["dropped_turns"] = self.dropped_turns
+        return out
 
     def status(self, done: dict[str, Any]) -> str:
         """``incomplete`` at the cap, else ``completed``."""
@@ -320,7 +332,11 @@ async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
                                         body.logprobs()))
     keeper = (ResponseKeeper(store, caller, earlier, body.items())
               if body.store is not False and store.enabled else None)
+    dropped = 0
+    if body.truncation == "auto":
+        ask, dropped = await asyncio.to_thread(truncated, asks, caller, ask)
     r = ResponseOf(body, Completion(body.model, asks, ask, tools), keeper)
+    r.dropped_turns = dropped
     if body.background and keeper is None:
         raise NoResponsesKept("background is not taken: this service keeps no responses "
                               "(--responses-kept 0)")

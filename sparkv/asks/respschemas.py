@@ -9,7 +9,7 @@ the ``instructions`` first, then a previous response's conversation when one is 
 :class:`~sparkv.runtime.toolform.ToolSet`) and the answer's format (``text.format`` as a chat's
 ``response_format``). What the service cannot do is refused when the request is read (a 422
 naming it): input images and files, a ``conversation`` object, ``background`` with ``stream``
-or without ``store``, ``truncation: auto``, reasoning effort.
+or without ``store``, reasoning effort.
 
 Input items are read leniently about the fields a response's own output items carry (``status``,
 ``annotations``, ``logprobs``, ...), so an app may send ``response.output`` back as input, as
@@ -199,8 +199,6 @@ def _not_taken(data: dict[str, Any]) -> str | None:
                 "background response")
     if data.get("background") is True and data.get("store") is False:
         return "background is not taken with store false: a background response is kept"
-    if data.get("truncation") == "auto":
-        return "truncation 'auto' is not taken: the input is never cut (use 'disabled')"
     reasoning = data.get("reasoning")
     if isinstance(reasoning, dict) and any(v is not None for v in reasoning.values()):
         return "reasoning is not taken: the model does not reason apart from its answer"
@@ -267,7 +265,9 @@ class ResponsesBody(BaseModel):
         "stays connected, and GET /v1/responses/{id} gives it when done"))
     conversation: None = None
     prompt: None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["auto", "disabled"] | None = Field(default=None, description=(
+        "auto: a conversation past the model's positions loses its oldest turns until it "
+        "fits (the instructions stay); disabled (the default): it is refused, 413"))
     reasoning: _Reasoning | None = None
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None

@@ -353,6 +353,26 @@ class AskService:
         if session.priors.question_prefill_s is not None:
             self.priors.question_prefill_s = session.priors.question_prefill_s
 
+    def context_tokens(self, app: str, ask: AskRequest) -> int | None:
+        """The tokens of the context ``ask`` is about: its kept copy's that ``app`` may use,
+        else its manifest's (fetched unless this service's client has it); ``None`` when it
+        cannot be known now (the ask will say why when it runs). Blocking."""
+        client = self._client(ask.server, ask.api_key)
+        label = f"{client.base_url}#{ask.context_id}"
+        kept = [c for c in self.contexts.list()
+                if c.label == label and self.owners.visible(c.id, app)]
+        if kept:
+            return kept[0].tokens
+        manifest = client.known_manifest(ask.context_id)
+        if manifest is None:
+            try:
+                manifest = client.manifest(ask.context_id)
+            except Exception as e:        # any failure: the ask meets it and says it
+                log.info("the tokens of context %s are not known now (%s)",
+                         ask.context_id, e)
+                return None
+        return manifest.num_tokens
+
     def _client(self, server: str, api_key: str | None) -> Any:
         """The server's client for ``api_key`` (one per server and key; every one reads through
         the service's link)."""

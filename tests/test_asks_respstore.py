@@ -188,3 +188,31 @@ def test_input_items_are_listed_as_the_api_lists_them():
                        "name": "get_weather", "arguments": "{}", "status": "completed"}
     assert rows[3]["output"] == "Sunny" and rows[3]["status"] == "completed"
     assert len({r["id"] for r in rows}) == 4
+
+
+def test_a_response_past_its_time_to_live_is_forgotten_with_its_file(tmp_path):
+    now = [1_000.0]
+    folder = tmp_path / "responses"
+
+    def store() -> ResponseStore:
+        return ResponseStore(10, 100_000, files=ResponseFiles(folder), ttl_s=100,
+                             clock=lambda: now[0])
+
+    s = store()
+    for k, made in ((1, 950), (2, 1_000), (3, 1_040)):
+        body = ResponsesBody(model="m", input="Q?")
+        response = {**_response(_rid(k), "A."), "id": _rid(k), "created_at": made}
+        asyncio.run(ResponseKeeper(s, "app:a", None, body.items())(response))
+    now[0] = 1_060.0                               # the first is 110 s old
+    assert s.get("app:a", _rid(1)) is None and not (folder / f"{_rid(1)}.json").exists()
+    assert s.get("app:a", _rid(2)) is not None and s.stats()["expired"] == 1
+    now[0] = 1_120.0                               # the second, never asked for: swept
+    s.put("app:b", "r9", _kept())
+    assert s.stats()["expired"] == 2 and not (folder / f"{_rid(2)}.json").exists()
+    assert s.get("app:a", _rid(3)) is not None
+    now[0] = 1_200.0                               # read back: the third is past too
+    again = store()
+    assert again.load() == 0 and list(folder.glob("*.json")) == []
+    forever = ResponseStore(10, 100_000, ttl_s=None, clock=lambda: now[0])
+    forever.put("app:a", "old", StoredResponse({"id": "old", "created_at": 0}, (), (), 0, 10))
+    assert forever.get("app:a", "old") is not None

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
 from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.linkplan import LINK_PLANS
-from sparkv.asks.respstore import DEFAULT_MAX_MB, DEFAULT_MAX_RESPONSES
+from sparkv.asks.respstore import DEFAULT_MAX_MB, DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S
 from sparkv.cliflags import (STRATEGY_NAMES, add_sampling_args, context_id, positive_int,
                              response_format, sampling_args, server_url)
 
@@ -75,6 +75,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--responses-kept-mb", type=float, default=DEFAULT_MAX_MB,
                    help="the memory the kept responses hold at most (MB; each counted with "
                         "the whole conversation it continues)")
+    g.add_argument("--responses-ttl-hours", type=float, default=DEFAULT_TTL_S / 3600,
+                   help="how long a kept response is kept at most, from when it was made "
+                        "(hours; default 720, 30 days, as OpenAI keeps them; 0: until evicted "
+                        "or deleted)")
     g.add_argument("--ask-server", default=None, type=server_url,
                    help="the server of asks that name none (its key: $SPARKV_API_KEY)")
     link = g.add_mutually_exclusive_group()
@@ -114,9 +118,11 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
         raise SparkvError(f"--ask-slots and --ask-decode-batch must be at least 1 and "
                           f"--ask-queue at least 0 (got {args.ask_slots}, "
                           f"{args.ask_decode_batch} and {args.ask_queue})")
-    if args.responses_kept < 0 or not args.responses_kept_mb >= 0:
-        raise SparkvError(f"--responses-kept and --responses-kept-mb must be at least 0 (got "
-                          f"{args.responses_kept} and {args.responses_kept_mb})")
+    if (args.responses_kept < 0 or not args.responses_kept_mb >= 0
+            or not args.responses_ttl_hours >= 0):
+        raise SparkvError(f"--responses-kept, --responses-kept-mb and --responses-ttl-hours "
+                          f"must be at least 0 (got {args.responses_kept}, "
+                          f"{args.responses_kept_mb} and {args.responses_ttl_hours})")
     asks = AskService(service, app.state.owners, slots=args.ask_slots, queue=args.ask_queue,
                       shaper=_shaper(args), default_server=args.ask_server,
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
@@ -153,7 +159,8 @@ def _response_store(service: Any, args: argparse.Namespace) -> Any:
     on = args.responses_kept > 0 and args.responses_kept_mb > 0 and swap_dir is not None
     folder = Path(swap_dir or ".") / RESPONSES_DIR
     store = ResponseStore(args.responses_kept, int(args.responses_kept_mb * 1e6),
-                          files=ResponseFiles(folder) if on else None)
+                          files=ResponseFiles(folder) if on else None,
+                          ttl_s=args.responses_ttl_hours * 3600 or None)
     if store.load():
         log.info("sparkv device: %d kept responses read back from %s",
                  store.stats()["responses"], folder)

@@ -10,7 +10,9 @@ counted with the whole conversation it continues, a safe bound: a conversation's
 shared by the responses along it). Room is made by evicting the least recently used response of
 the app that holds the most (bytes when bytes overflow, responses when the count does), so one
 busy app cannot push out a quiet app's conversation. A response bigger than the whole store is
-not kept.
+not kept. A response made more than ``ttl_s`` ago (default 30 days, as OpenAI keeps them) is
+forgotten: when asked for, when read back, and in a sweep at most once a minute as responses
+are kept, so a conversation left on the flash does not stay there for good.
 
 With ``files`` (:class:`~sparkv.asks.respfiles.ResponseFiles`: the service's flash), each kept
 response is also a file, written before it is answered (:meth:`ResponseStore.persist`, from a
@@ -21,17 +23,23 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 __all__ = ["ResponseStore", "StoredResponse", "ResponseFilesLike", "stored_response",
-           "DEFAULT_MAX_RESPONSES", "DEFAULT_MAX_MB"]
+           "DEFAULT_MAX_RESPONSES", "DEFAULT_MAX_MB", "DEFAULT_TTL_S", "SWEEP_S"]
 
 #: the responses kept by default (``sparkv device serve --responses-kept``)
 DEFAULT_MAX_RESPONSES = 256
 #: the megabytes they hold at most by default (``--responses-kept-mb``)
 DEFAULT_MAX_MB = 16.0
+#: how long a response is kept at most by default (``--responses-ttl-hours``: 30 days, as
+#: OpenAI keeps them)
+DEFAULT_TTL_S = 30 * 24 * 3600.0
+#: how often a store looks for expired responses when one is kept (s)
+SWEEP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -82,13 +90,16 @@ class ResponseStore:
 
     def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES,
                  max_bytes: int = int(DEFAULT_MAX_MB * 1e6),
-                 files: ResponseFilesLike | None = None) -> None:
+                 files: ResponseFilesLike | None = None, ttl_s: float | None = DEFAULT_TTL_S,
+                 clock: Callable[[], float] = time.time) -> None:
         if max_responses < 0 or max_bytes < 0:
             raise ValueError(f"a store of {max_responses} responses and {max_bytes} bytes")
         self.max_responses, self.max_bytes = max_responses, max_bytes
         self.files = files if max_responses > 0 and max_bytes > 0 else None
+        self.ttl_s, self.clock = (ttl_s or None), clock
         self._shelves: dict[str, _Shelf] = {}
-        self._count = self._bytes = self.evicted = self.too_big = 0
+        self._count = self._bytes = self.evicted = self.too_big = self.expired = 0
+        self._swept = float("-inf")
         self._lock = threading.Lock()
 
     @property
@@ -117,6 +128,11 @@ class ResponseStore:
         if not self.enabled:
             return False
         with self._lock:
+            self._sweep()
+            if self._expired(kept):                 # read back past its time
+                self.expired += 1
+                self._unlink(rid)
+                return False
             if kept.nbytes > self.max_bytes:
                 self.too_big += 1
                 self._unlink(rid)
@@ -135,8 +151,12 @@ class ResponseStore:
         with self._lock:
             shelf = self._shelves.get(caller)
             kept = shelf.responses.get(rid) if shelf else None
-            if shelf is not None and kept is not None:
-                shelf.responses.move_to_end(rid)
+            if shelf is None or kept is None:
+                return None
+            if self._expired(kept):
+                self._forget(caller, rid)
+                return None
+            shelf.responses.move_to_end(rid)
             return kept
 
     def delete(self, caller: str, rid: str) -> bool:
@@ -151,7 +171,8 @@ class ResponseStore:
         """How many responses are kept, their bytes, and how many were evicted or too big."""
         with self._lock:
             return {"responses": self._count, "bytes": self._bytes, "evicted": self.evicted,
-                    "too_big": self.too_big, "apps": len(self._shelves)}
+                    "too_big": self.too_big, "expired": self.expired,
+                    "apps": len(self._shelves)}
 
     def _drop(self, caller: str, rid: str) -> StoredResponse | None:
         """Takes ``caller``'s response ``rid`` out of memory (its file stays)."""
@@ -165,6 +186,28 @@ class ResponseStore:
         if not shelf.responses:
             del self._shelves[caller]
         return kept
+
+    def _expired(self, kept: StoredResponse) -> bool:
+        """Whether ``kept`` was made more than the time to live ago."""
+        made = kept.response.get("created_at")
+        return (self.ttl_s is not None and isinstance(made, (int, float))
+                and self.clock() - made > self.ttl_s)
+
+    def _forget(self, caller: str, rid: str) -> None:
+        """Drops an expired response, its file too."""
+        self._drop(caller, rid)
+        self._unlink(rid)
+        self.expired += 1
+
+    def _sweep(self) -> None:
+        """Forgets the expired responses, at most once every :data:`SWEEP_S`."""
+        now = self.clock()
+        if self.ttl_s is None or now - self._swept < SWEEP_S:
+            return
+        self._swept = now
+        for caller, shelf in list(self._shelves.items()):
+            for rid in [r for r, kept in shelf.responses.items() if self._expired(kept)]:
+                self._forget(caller, rid)
 
     def _unlink(self, rid: str) -> None:
         if self.files is not None:

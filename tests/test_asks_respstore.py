@@ -216,3 +216,12 @@ def test_a_response_past_its_time_to_live_is_forgotten_with_its_file(tmp_path):
     forever = ResponseStore(10, 100_000, ttl_s=None, clock=lambda: now[0])
     forever.put("app:a", "old", StoredResponse({"id": "old", "created_at": 0}, (), (), 0, 10))
     assert forever.get("app:a", "old") is not None
+
+
+def test_a_response_whose_output_is_no_input_is_answered_unkept(caplog):
+    store = ResponseStore()
+    body = ResponsesBody(model="m", input="Q?")
+    odd = {"id": _rid(5), "status": "completed", "output": [
+        {"type": "function_call", "call_id": "c", "name": "not a name", "arguments": "{}"}]}
+    asyncio.run(ResponseKeeper(store, "app:a", None, body.items())(odd))
+    assert store.get("app:a", _rid(5)) is None and "is not kept" in caplog.text

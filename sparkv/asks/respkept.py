@@ -21,6 +21,7 @@ An id the app did not make (another app's, one deleted or evicted, or one never 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Annotated, Any, Literal, Sequence
 
 from sparkv.extras import require_all
@@ -29,12 +30,15 @@ require_all(("fastapi",), feature="the kept responses' routes of the device serv
                                    "(sparkv.asks.respkept)")
 
 from fastapi import APIRouter, Depends, Path, Query, Request  # noqa: E402 - after the check
+from pydantic import ValidationError
 
 from sparkv.asks.respbackground import BackgroundResponses
 from sparkv.asks.respschemas import InputItem, as_input, identified, listed
 from sparkv.asks.respstore import ResponseStore, StoredResponse, stored_response
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
+
+log = logging.getLogger("sparkv.asks")
 
 __all__ = ["kept_router", "ResponseKeeper", "previous", "get_store", "StoreDep",
            "get_background", "BackgroundDep", "UnknownResponse", "UnknownPrevious",
@@ -114,12 +118,22 @@ class ResponseKeeper:
         self.store, self.caller, self.earlier = store, caller, earlier
         self.items = tuple(identified(i) for i in items)
 
-    def kept(self, response: dict[str, Any]) -> StoredResponse:
+    def kept(self, response: dict[str, Any]) -> StoredResponse | None:
+        """What the store keeps of ``response`` (``None``, said in the log, when its output
+        cannot be read back as input: the answer stands, unkept)."""
         before = self.earlier.conversation() if self.earlier else ()
-        return stored_response(response, before + self.items, tuple(as_input(response["output"])))
+        try:
+            output = tuple(as_input(response["output"]))
+        except ValidationError as e:
+            log.warning("response %s is not kept: its output is no input (%s)",
+                        response["id"], e)
+            return None
+        return stored_response(response, before + self.items, output)
 
     async def __call__(self, response: dict[str, Any]) -> None:
         kept, rid = self.kept(response), response["id"]
+        if kept is None:
+            return
         if self.store.files is not None:
             await asyncio.to_thread(self.store.persist, self.caller, rid, kept)
         self.store.put(self.caller, rid, kept)
@@ -131,7 +145,9 @@ class ResponseKeeper:
     def pending(self, response: dict[str, Any]) -> None:
         """Keeps ``response`` as it stands while it runs (in memory: a background response's
         ``queued`` or ``in_progress``)."""
-        self.store.put(self.caller, response["id"], self.kept(response))
+        kept = self.kept(response)
+        if kept is not None:
+            self.store.put(self.caller, response["id"], kept)
 
 
 kept_router = APIRouter(tags=["openai"])

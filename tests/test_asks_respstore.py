@@ -225,3 +225,15 @@ def test_a_response_whose_output_is_no_input_is_answered_unkept(caplog):
         {"type": "function_call", "call_id": "c", "name": "not a name", "arguments": "{}"}]}
     asyncio.run(ResponseKeeper(store, "app:a", None, body.items())(odd))
     assert store.get("app:a", _rid(5)) is None and "is not kept" in caplog.text
+
+
+def test_a_background_response_the_service_stopped_is_read_back_failed(tmp_path):
+    store = ResponseStore(10, 100_000, files=ResponseFiles(tmp_path / "responses"))
+    body = ResponsesBody(model="m", input="Q?")
+    queued = {"id": _rid(7), "object": "response", "status": "queued", "output": []}
+    asyncio.run(ResponseKeeper(store, "app:a", None, body.items())(queued))
+    again = ResponseStore(10, 100_000, files=ResponseFiles(tmp_path / "responses"))
+    assert again.load() == 1
+    kept = again.get("app:a", _rid(7))
+    assert kept is not None and kept.response["status"] == "failed"
+    assert kept.response["error"]["code"] == "service_stopped"

@@ -1073,8 +1073,9 @@ def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_past_the_windo
 
 def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
     """The kept responses are files in the flash dir: a restarted service gives one back,
-    lists its input items and continues it as previous_response_id, as before the restart;
-    --responses-kept 0 keeps none and refuses a previous_response_id by name."""
+    lists its input items and continues it as previous_response_id, as before the restart, and
+    says a background one it stopped failed; --responses-kept 0 keeps none and refuses a
+    previous_response_id by name."""
     openai = pytest.importorskip("openai")
     sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
               "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
@@ -1085,11 +1086,15 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
         oa, _ = _openai(openai, dev, "diary")
         r1 = oa.responses.create(input="What is it about?", **kw)
         r2 = oa.responses.create(input="Who wrote it?", previous_response_id=r1.id, **kw)
+        bg = oa.responses.create(input="Tell it all.", background=True,
+                                 **{**kw, "max_output_tokens": 3000})
         oa.close()
-        dev.stop()
-        assert len(list((tmp_path / "dev" / "responses").glob("resp_*.json"))) == 2
+        dev.stop()                              # the background one stops unanswered
+        assert len(list((tmp_path / "dev" / "responses").glob("resp_*.json"))) == 3
         dev.start()
         oa, _ = _openai(openai, dev, "diary")
+        stopped = oa.responses.retrieve(bg.id)
+        assert stopped.status == "failed" and stopped.error.code == "service_stopped"
         assert oa.responses.retrieve(r2.id).output_text == r2.output_text
         assert [i.id for i in oa.responses.input_items.list(r2.id).data] == [
             i.id for i in reversed(oa.responses.input_items.list(r2.id, order="asc").data)]

@@ -4,10 +4,10 @@ runs on in the service whether or not the app stays connected (a phone's app may
 meanwhile), and the app polls ``GET /v1/responses/{id}`` until its status is ``completed``,
 ``incomplete``, ``failed`` or ``cancelled``; ``POST /v1/responses/{id}/cancel`` stops it.
 
-:class:`BackgroundResponses` runs them: the kept entry says ``queued``, then ``in_progress`` at
-the answer's first token, then the final response, kept as any response is (its file written:
-:mod:`sparkv.asks.respfiles`). Only final responses are written: one the service stopped before
-it ended is gone after a restart. How many run at once is bounded by the asks' slots and queue
+:class:`BackgroundResponses` runs them: the kept entry says ``queued`` (its file written:
+:mod:`sparkv.asks.respfiles`), then ``in_progress`` at the answer's first token (in memory),
+then the final response, kept as any response is. One the service stopped before it ended is
+read back after a restart as ``failed`` (``error.code`` ``service_stopped``), not lost. How many run at once is bounded by the asks' slots and queue
 (a full queue is a 429 before anything starts).
 """
 
@@ -61,11 +61,10 @@ class BackgroundResponses:
     def __init__(self) -> None:
         self._running: dict[str, _Running] = {}
 
-    def start(self, caller: str, ticket: AskTicket, r: Answering) -> dict[str, Any]:
+    async def start(self, caller: str, ticket: AskTicket, r: Answering) -> dict[str, Any]:
         """Starts ``r`` (asked by ``ticket``) in the background; returns it ``queued`` (kept
-        so from now on)."""
-        shell = r.shell("queued")
-        r.pending(shell)
+        so from now on, its file written: a restart before it ends reads it back failed)."""
+        shell = await r.answered(r.shell("queued"))
         run = _Running(caller, ticket)
         self._running[r.id] = run
         run.task = asyncio.ensure_future(self._run(r, run))
@@ -97,12 +96,12 @@ class BackgroundResponses:
         return len(self._running)
 
     def close(self) -> None:
-        """Cancels every running response (the service is stopping)."""
+        """Stops every running response (the service is stopping): its task first, so its
+        file stays ``queued`` and is read back ``failed`` (:mod:`sparkv.asks.respfiles`)."""
         for run in list(self._running.values()):
-            run.cancelled = True
-            run.ticket.cancel()
             if run.task is not None:
                 run.task.cancel()
+            run.ticket.cancel()
 
     async def _run(self, r: Answering, run: _Running) -> None:
         tokens: list[dict[str, Any]] = []

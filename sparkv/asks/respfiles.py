@@ -11,9 +11,10 @@ last event or its JSON is sent, removed when the response is deleted or evicted:
 Each file holds its response's whole conversation (its ``items`` begin with the conversation of
 the response it continued), so deleting or evicting one never breaks another. At the start the
 files are read oldest first (by modification time) into the store, within its bounds (the
-oldest beyond them removed); a file that cannot be read as one (damaged, another format, a name
-that is no response id, bigger than the store) is removed, with a warning, as are the temporary
-files of a write a crash cut short.
+oldest beyond them removed). A background response written ``queued`` that never ended is read
+back ``failed`` (``error.code`` ``service_stopped``). A file that cannot be read as one
+(damaged, another format, a name that is no response id, bigger than the store) is removed,
+with a warning, as are the temporary files of a write a crash cut short.
 
 No state beyond the folder's path; the store calls it under its lock or from one thread per
 response.
@@ -38,11 +39,16 @@ from sparkv.fileio import atomic_write
 
 log = logging.getLogger("sparkv.asks")
 
-__all__ = ["ResponseFiles", "RESPONSES_DIR", "FORMAT"]
+__all__ = ["ResponseFiles", "RESPONSES_DIR", "FORMAT", "STOPPED"]
 
 #: the folder of the flash dir the kept responses are written in
 RESPONSES_DIR = "responses"
 FORMAT = "sparkv-kept-response/1"
+#: the statuses of a background response that has not ended
+_UNFINISHED = ("queued", "in_progress")
+#: the error of a background response the service stopped before it ended
+STOPPED = {"code": "service_stopped",
+           "message": "the service stopped before this background response was answered"}
 #: the ids a file may be named by (the service makes them: ``resp_`` and 32 hex digits)
 _ID = re.compile(r"resp_[0-9a-f]{32}")
 
@@ -119,9 +125,12 @@ def _dumped(item: Any) -> dict[str, Any]:
 
 
 def _response(doc: dict[str, Any]) -> dict[str, Any]:
+    """The file's response; a background one the service stopped before it ended, failed."""
     response = doc["response"]
     if not isinstance(response, dict) or response.get("id") != doc["id"]:
         raise ValueError("no response object of its id")
+    if response.get("status") in _UNFINISHED:
+        response = {**response, "status": "failed", "error": STOPPED}
     return response
 
 

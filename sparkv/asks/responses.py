@@ -342,7 +342,7 @@ async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
                               "(--responses-kept 0)")
     ticket = asks.submit(caller, ask)
     if body.background:
-        return background.start(caller, ticket, r)
+        return await background.start(caller, ticket, r)
     if body.stream:
         return ResponseEvents(ticket, r)
     return await respond(ticket, r, request)

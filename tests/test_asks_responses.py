@@ -82,6 +82,8 @@ def test_what_the_service_does_not_do_is_refused_by_name(fields, says):
 def test_what_stock_clients_send_at_no_op_values_is_taken():
     body = _body(store=False, background=False, truncation="disabled", reasoning=None,
                  metadata={"a": "b"}, user="u", safety_identifier="s", prompt_cache_key="k",
+                 prompt_cache_retention="24h", prompt_cache_options={"ttl": "1h"},
+                 max_tool_calls=3,
                  text={"format": {"type": "text"}, "verbosity": "low"}, temperature=0)
     assert body.text is not None and body.text.response_format().form() is None
     assert body.logprobs() is None

@@ -274,6 +274,11 @@ class ResponsesBody(BaseModel):
     user: Annotated[str, Field(max_length=256)] | None = None
     safety_identifier: Annotated[str, Field(max_length=256)] | None = None
     prompt_cache_key: Annotated[str, Field(max_length=256)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(default=None, description=(
+        "taken; the service's memory keeps the KV it holds as its own rules say"))
+    prompt_cache_options: Annotated[dict[str, Any], Field(max_length=8)] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = Field(default=None, description=(
+        "taken: it bounds calls to built-in tools, and there are none here"))
     service_tier: Annotated[str, Field(max_length=32)] | None = None
     sparkv: SparkvFields | None = None
     _tools: ToolSet | None = PrivateAttr(default=None)

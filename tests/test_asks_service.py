@@ -1033,6 +1033,8 @@ def test_a_background_response_runs_on_and_is_polled_cancelled_or_deleted(world)
         oa.responses.delete(gone.id)
         with world["dev"].client() as c:
             _until(lambda: c.ask_stats()["running"] == 0, "the deleted one stopped")
+            _until(lambda: c.ask_stats()["kept_responses"]["background_running"] == 0,
+                   "no background response running")
         with pytest.raises(openai.NotFoundError):
             oa.responses.retrieve(gone.id)
         with pytest.raises(openai.UnprocessableEntityError, match="with stream"):

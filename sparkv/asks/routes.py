@@ -109,5 +109,8 @@ def get_ask_stats(asks: AsksDep, request: Request) -> AskStats:
     """The asks running and waiting, the cores' load, the counts since the start, the kept
     responses."""
     store = getattr(request.app.state, "responses", None)
+    background = getattr(request.app.state, "background", None)
     kept = store.stats() if store is not None else None
+    if kept is not None and background is not None:
+        kept["background_running"] = background.running()
     return AskStats.model_validate({**asks.stats(), "kept_responses": kept})

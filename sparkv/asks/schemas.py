@@ -370,4 +370,5 @@ class AskStats(BaseModel):
     link_Bps: float | None
     link_bytes: int = Field(description="bytes the service's link carried")
     kept_responses: dict[str, int] | None = Field(default=None, description=(
-        "the Responses API's kept responses: responses, bytes, apps, evicted, too_big"))
+        "the Responses API's kept responses: responses, bytes, apps, evicted, too_big, "
+        "expired, background_running"))

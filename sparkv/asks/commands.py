@@ -42,7 +42,7 @@ def register(sub: "argparse._SubParsersAction") -> None:
     device = sub.choices["device"]
     _add_ask(next(a for a in device._actions if isinstance(a, argparse._SubParsersAction)))
     serve = _subcommand(device, "serve")
-    g = serve.add_argument_group("asks (POST /v1/asks, /v1/chat/completions)")
+    g = serve.add_argument_group("asks (POST /v1/asks, /v1/chat/completions, /v1/responses)")
     g.add_argument("--ask-slots", type=int, default=2,
                    help="asks running at once (each holds its loaded cache until it answers)")
     g.add_argument("--ask-queue", type=int, default=16,

@@ -11,7 +11,8 @@ Per turn: the request's JSON bytes, the route's work before the ask (reading the
 the previous response, building the turns; best of 5), and for ``chained`` the keeping of the
 answer (its :class:`~sparkv.asks.respstore.StoredResponse` and its file, written atomically and
 synced on this machine's disk in ``--dir``), then the store's bytes and the time a new process
-takes to read every file back, as a restarted service does (median of 5). Answers are scripted text of ``--answer-chars``.
+takes to read every file back, as a restarted service does (median of 5). Answers are scripted
+text of ``--answer-chars``.
 
     python bench/kept_responses.py [--turns 32] [--out bench/results/kept_responses_cpu.json]
 

@@ -7,8 +7,9 @@ meanwhile), and the app polls ``GET /v1/responses/{id}`` until its status is ``c
 :class:`BackgroundResponses` runs them: the kept entry says ``queued`` (its file written:
 :mod:`sparkv.asks.respfiles`), then ``in_progress`` at the answer's first token (in memory),
 then the final response, kept as any response is. One the service stopped before it ended is
-read back after a restart as ``failed`` (``error.code`` ``service_stopped``), not lost. How many run at once is bounded by the asks' slots and queue
-(a full queue is a 429 before anything starts).
+read back after a restart as ``failed`` (``error.code`` ``service_stopped``), not lost. How many
+run at once is bounded by the asks' slots and queue (a full queue is a 429 before anything
+starts).
 """
 
 from __future__ import annotations

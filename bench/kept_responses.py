@@ -10,9 +10,11 @@ Responses route's own work (no model, no socket):
 Per turn: the request's JSON bytes, the route's work before the ask (reading the body, finding
 the previous response, building the turns; best of 5), and for ``chained`` the keeping of the
 answer (its :class:`~sparkv.asks.respstore.StoredResponse` and its file, written atomically and
-synced on this machine's disk in ``--dir``), then the store's bytes and the time a new process
-takes to read every file back, as a restarted service does (median of 5). Answers are scripted
-text of ``--answer-chars``.
+synced on this machine's disk in ``--dir``), then the store's bytes (each response holding its
+own turn and a link to the one before), beside what the first design held (each response
+holding its whole conversation: ``store_bytes_whole``, the same responses flattened), and the
+time a new process takes to read every file back and link them, as a restarted service does
+(median of 5). Answers are scripted text of ``--answer-chars``.
 
     python bench/kept_responses.py [--turns 32] [--out bench/results/kept_responses_cpu.json]
 
@@ -68,7 +70,7 @@ def _best(f: Callable[[], Any]) -> float:
 def run(turns: int, chars: int, folder: pathlib.Path) -> dict[str, Any]:
     store = ResponseStore(max(256, turns), 256_000_000, files=ResponseFiles(folder))
     whole_items: list[dict[str, Any]] = []
-    rows, last = [], None
+    rows, last, whole_bytes = [], None, 0
     for t in range(turns):
         whole_items.append(_question(t))
         whole = {"model": "0" * 32, "input": list(whole_items), "instructions": "Be brief."}
@@ -91,11 +93,14 @@ def run(turns: int, chars: int, folder: pathlib.Path) -> dict[str, Any]:
         keep_s = time.perf_counter() - t0
         whole_items += answer["output"]
         last = answer["id"]
+        kept = store.get(APP, last)
+        assert kept is not None and len(kept.conversation()) == len(whole_items)
+        whole_bytes += kept.flattened().nbytes
         rows.append({"turn": t + 1, "whole_bytes": len(json.dumps(whole)),
                      "chained_bytes": len(json.dumps(chained)),
                      "whole_read_us": read_whole * 1e6, "chained_read_us": read_chain * 1e6,
                      "keep_ms": keep_s * 1e3,
-                     "store_bytes": store.stats()["bytes"]})
+                     "store_bytes": store.stats()["bytes"], "store_bytes_whole": whole_bytes})
     took, loaded = zip(*(_read_back(folder, max(256, turns)) for _ in range(RUNS)))
     return {"rows": rows, "read_back_s": statistics.median(took), "read_back": loaded[0],
             "files_bytes": sum(p.stat().st_size for p in folder.glob("*.json"))}
@@ -135,22 +140,27 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
     rows = got["rows"]
     print(f"{'turn':>4} {'whole B':>9} {'chained B':>9} {'whole us':>9} {'chained us':>10} "
-          f"{'keep ms':>8} {'store B':>9}")
+          f"{'keep ms':>8} {'store B':>9} {'whole B':>10}")
     for r in rows:
         if r["turn"] in (1, 2, 4, 8, 16, 32, 64, 128) or r is rows[-1]:
             print(f"{r['turn']:>4} {r['whole_bytes']:>9} {r['chained_bytes']:>9} "
                   f"{r['whole_read_us']:>9.0f} {r['chained_read_us']:>10.0f} "
-                  f"{r['keep_ms']:>8.2f} {r['store_bytes']:>9}")
+                  f"{r['keep_ms']:>8.2f} {r['store_bytes']:>9} {r['store_bytes_whole']:>10}")
     sent = (sum(r["whole_bytes"] for r in rows), sum(r["chained_bytes"] for r in rows))
     keep = statistics.median(r["keep_ms"] for r in rows)
     summary = {"turns": len(rows), "answer_chars": args.answer_chars,
                "sent_bytes_whole": sent[0], "sent_bytes_chained": sent[1],
                "keep_ms_median": keep, "read_back_s": got["read_back_s"],
-               "read_back": got["read_back"], "files_bytes": got["files_bytes"]}
+               "read_back": got["read_back"], "files_bytes": got["files_bytes"],
+               "store_bytes": rows[-1]["store_bytes"],
+               "store_bytes_whole": rows[-1]["store_bytes_whole"]}
     print(f"\nsent over {len(rows)} turns: whole {sent[0]:,} B, chained {sent[1]:,} B "
           f"({sent[0] / sent[1]:.1f}x less); keeping a response: {keep:.2f} ms median "
           f"(file synced); {got['read_back']} files ({got['files_bytes']:,} B) read back by a "
-          f"new process in {got['read_back_s'] * 1e3:.0f} ms (median of {RUNS})")
+          f"new process in {got['read_back_s'] * 1e3:.0f} ms (median of {RUNS}); the store "
+          f"holds {summary['store_bytes']:,} B, each response holding its whole conversation "
+          f"{summary['store_bytes_whole']:,} B "
+          f"({summary['store_bytes_whole'] / summary['store_bytes']:.1f}x)")
     if args.out:
         args.out.write_text(json.dumps({**summary, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")

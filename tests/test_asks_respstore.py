@@ -23,7 +23,7 @@ from sparkv.asks.respkept import (NoResponsesKept, PreviousNotDone,  # noqa: E40
 
 
 def _kept(nbytes: int = 100) -> StoredResponse:
-    return StoredResponse({"id": "r"}, (), (), 0, nbytes)
+    return StoredResponse({"id": "r"}, (), (), nbytes)
 
 
 def _response(rid: str, text: str) -> dict:
@@ -79,10 +79,10 @@ def test_a_response_continuing_another_comes_after_its_whole_conversation():
         ("user", "What is it?"), ("assistant", "A poem."), ("user", "Who wrote it?")]
     asyncio.run(ResponseKeeper(store, "app:a", r1, second.items())(_response("r2", "Keats.")))
     r2 = store.get("app:a", "r2")
-    assert r2 is not None and r2.items[:2] == r1.conversation()
-    assert r2.conversation_bytes > r1.conversation_bytes and r2.nbytes > r2.conversation_bytes
-    store.delete("app:a", "r1")                  # r2 keeps its conversation
-    assert len(r2.conversation()) == 4
+    assert r2 is not None and r2.input_items()[:2] == r1.conversation()
+    assert r2.earlier is r1 and len(r2.items) == 1      # it holds only its own turn
+    store.delete("app:a", "r1")                  # held: r2 keeps its conversation
+    assert len(r2.conversation()) == 4 and store.stats()["held"] == 1
     with pytest.raises(UnknownPrevious, match="'r1' not found"):
         previous(store, "app:a", "r1")
     with pytest.raises(UnknownPrevious):
@@ -214,7 +214,7 @@ def test_a_response_past_its_time_to_live_is_forgotten_with_its_file(tmp_path):
     again = store()
     assert again.load() == 0 and list(folder.glob("*.json")) == []
     forever = ResponseStore(10, 100_000, ttl_s=None, clock=lambda: now[0])
-    forever.put("app:a", "old", StoredResponse({"id": "old", "created_at": 0}, (), (), 0, 10))
+    forever.put("app:a", "old", StoredResponse({"id": "old", "created_at": 0}, (), (), 10))
     assert forever.get("app:a", "old") is not None
 
 
@@ -237,3 +237,109 @@ def test_a_background_response_the_service_stopped_is_read_back_failed(tmp_path)
     kept = again.get("app:a", _rid(7))
     assert kept is not None and kept.response["status"] == "failed"
     assert kept.response["error"]["code"] == "service_stopped"
+
+
+def _turns(store: ResponseStore, app: str, n: int, start: int = 0) -> list[str]:
+    """A conversation of ``n`` turns, each continuing the one before."""
+    rids: list[str] = []
+    for k in range(start, start + n):
+        earlier = store.get(app, rids[-1]) if rids else None
+        rids.append(_keep(store, app, k, earlier=earlier, text=f"Answer {k}."))
+    return rids
+
+
+def test_a_conversation_is_held_once_each_response_holding_only_its_own_turn():
+    store = ResponseStore(100, 10_000_000)
+    rids = _turns(store, "app:a", 24)
+    sizes = [store.get("app:a", r).nbytes for r in rids]
+    assert max(sizes) - min(sizes) < 16              # the 24th as small as the 1st
+    assert store.stats()["bytes"] == sum(sizes)      # linear in the turns, not quadratic
+    last = store.get("app:a", rids[-1])
+    assert len(last.conversation()) == 48 and last.input_items()[0].id is not None
+    assert [r.response["id"] for r in last.chain()] == rids
+    flat = last.flattened()
+    assert flat.conversation() == last.conversation() and flat.earlier is None
+
+
+def test_a_deleted_response_is_held_for_those_continuing_it_then_goes(tmp_path):
+    folder = tmp_path / "responses"
+    store = ResponseStore(100, 10_000_000, files=ResponseFiles(folder))
+    rids = _turns(store, "app:a", 4)
+    whole = store.get("app:a", rids[-1]).conversation()
+    assert store.delete("app:a", rids[1]) and store.delete("app:a", rids[0])
+    assert store.get("app:a", rids[1]) is None and not store.delete("app:a", rids[1])
+    assert store.stats()["held"] == 2 and store.stats()["responses"] == 2
+    assert (folder / f"{rids[1]}.held.json").exists()
+    assert not (folder / f"{rids[1]}.json").exists()
+    assert store.get("app:a", rids[-1]).conversation() == whole      # still whole
+    again = ResponseStore(100, 10_000_000, files=ResponseFiles(folder))
+    assert again.load() == 2 and again.get("app:a", rids[1]) is None  # held after a restart
+    assert again.get("app:a", rids[-1]).conversation() == whole
+    assert again.delete("app:a", rids[3]) and again.delete("app:a", rids[2])
+    assert again.stats() | {"expired": 0} == {**again.stats(), "responses": 0, "held": 0,
+                                              "bytes": 0}
+    assert list(folder.iterdir()) == []              # the held ones went with the last
+
+
+def test_room_is_made_from_a_conversations_end_and_a_long_one_goes_on_kept_whole():
+    store = ResponseStore(6, 10_000_000)
+    other = _turns(store, "app:a", 3)
+    rids = _turns(store, "app:a", 9, start=10)
+    st = store.stats()
+    assert st["responses"] + st["held"] <= 6 and st["kept_whole"] >= 1
+    last = store.get("app:a", rids[-1])
+    assert len(last.conversation()) == 18            # every turn, though most were evicted
+    assert store.get("app:a", other[-1]) is None     # the older conversation went first,
+    assert store.stats()["evicted"] >= 3             # from its end
+    one = store.get("app:a", rids[-2]).nbytes     # a turn's bytes
+    small = ResponseStore(100, 10 * one)
+    long = _turns(small, "app:b", 12)
+    assert len(small.get("app:b", long[-1]).conversation()) == 24
+    assert small.stats()["bytes"] <= small.max_bytes and small.stats()["kept_whole"] >= 1
+
+
+def test_a_response_whose_previous_went_meanwhile_is_kept_whole(tmp_path):
+    store = ResponseStore(100, 10_000_000, files=ResponseFiles(tmp_path / "responses"))
+    first = _keep(store, "app:a", 1)
+    earlier = previous(store, "app:a", first)
+    store.delete("app:a", first)                  # while the next one was being answered
+    second = _keep(store, "app:a", 2, earlier=earlier)
+    kept = store.get("app:a", second)
+    assert kept.earlier is None and len(kept.items) == 3 and store.stats()["kept_whole"] == 1
+    doc = json.loads((tmp_path / "responses" / f"{second}.json").read_text())
+    assert doc["previous"] is None and len(doc["items"]) == 3
+
+
+def test_a_file_continuing_one_that_cannot_be_read_is_removed(tmp_path, caplog):
+    folder = tmp_path / "responses"
+    store = ResponseStore(100, 10_000_000, files=ResponseFiles(folder))
+    rids = _turns(store, "app:a", 3)
+    lone = _keep(store, "app:b", 9)
+    (folder / f"{rids[0]}.json").write_text("{damaged")
+    old = {"format": "sparkv-kept-response/1", "app": "app:c", "id": _rid(50),
+           "response": {**_response(_rid(50), "Old."), "id": _rid(50)},
+           "items": [{"role": "user", "content": "Q?", "id": "msg_1"}],
+           "output": _response(_rid(50), "Old.")["output"]}
+    (folder / f"{_rid(50)}.json").write_text(json.dumps(old))         # the first format
+    again = ResponseStore(100, 10_000_000, files=ResponseFiles(folder))
+    assert again.load() == 2
+    assert [again.get("app:a", r) for r in rids] == [None] * 3
+    assert again.get("app:b", lone) is not None
+    assert len(again.get("app:c", _rid(50)).conversation()) == 2
+    assert sorted(p.name for p in folder.iterdir()) == sorted([f"{_rid(50)}.json",
+                                                            f"{lone}.json"])
+    assert "which cannot be read back" in caplog.text
+
+
+def test_a_file_written_after_its_response_went_is_removed(tmp_path):
+    folder = tmp_path / "responses"
+    store = ResponseStore(100, 10_000_000, files=ResponseFiles(folder))
+    rids = _turns(store, "app:a", 2)
+    kept = store.get("app:a", rids[0])
+    store.delete("app:a", rids[0])                  # held: rids[1] continues it
+    assert store.persist("app:a", rids[0], kept)    # a write that was under way
+    assert sorted(p.name for p in folder.iterdir()) == [f"{rids[0]}.held.json",
+                                                        f"{rids[1]}.json"]
+    store.delete("app:a", rids[1])
+    assert store.persist("app:a", rids[1], store.get("app:a", rids[1]) or kept)
+    assert list(folder.iterdir()) == []

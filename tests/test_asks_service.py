@@ -1075,9 +1075,9 @@ def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_past_the_windo
 
 def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
     """The kept responses are files in the flash dir: a restarted service gives one back,
-    lists its input items and continues it as previous_response_id, as before the restart, and
-    says a background one it stopped failed; --responses-kept 0 keeps none and refuses a
-    previous_response_id by name."""
+    lists its input items and continues it as previous_response_id, as before the restart (the
+    response it continued deleted: held for it alone), and says a background one it stopped
+    failed; --responses-kept 0 keeps none and refuses a previous_response_id by name."""
     openai = pytest.importorskip("openai")
     sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
               "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
@@ -1090,11 +1090,15 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
         r2 = oa.responses.create(input="Who wrote it?", previous_response_id=r1.id, **kw)
         bg = oa.responses.create(input="Tell it all.", background=True,
                                  **{**kw, "max_output_tokens": 3000})
+        oa.responses.delete(r1.id)              # held: r2 continues it
         oa.close()
         dev.stop()                              # the background one stops unanswered
-        assert len(list((tmp_path / "dev" / "responses").glob("resp_*.json"))) == 3
+        files = sorted(p.name for p in (tmp_path / "dev" / "responses").glob("resp_*.json"))
+        assert len(files) == 3 and f"{r1.id}.held.json" in files
         dev.start()
         oa, _ = _openai(openai, dev, "diary")
+        with pytest.raises(openai.NotFoundError):
+            oa.responses.retrieve(r1.id)
         stopped = oa.responses.retrieve(bg.id)
         assert stopped.status == "failed" and stopped.error.code == "service_stopped"
         assert oa.responses.retrieve(r2.id).output_text == r2.output_text

@@ -70,11 +70,11 @@ def register(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--responses-kept", type=int, default=DEFAULT_MAX_RESPONSES,
                    help="the Responses API's responses kept (in memory and in the flash dir's "
                         "responses/, so a restart keeps them) for GET /v1/responses/{id} and a "
-                        "later previous_response_id (the least recently used of the app "
-                        "holding the most go first); 0: none kept")
+                        "later previous_response_id (the least recently used that none "
+                        "continues, of the app holding the most, go first); 0: none kept")
     g.add_argument("--responses-kept-mb", type=float, default=DEFAULT_MAX_MB,
-                   help="the memory the kept responses hold at most (MB; each counted with "
-                        "the whole conversation it continues)")
+                   help="the memory the kept responses hold at most (MB; each holds its own "
+                        "turn, a conversation is held once)")
     g.add_argument("--responses-ttl-hours", type=float, default=DEFAULT_TTL_S / 3600,
                    help="how long a kept response is kept at most, from when it was made "
                         "(hours; default 720, 30 days, as OpenAI keeps them; 0: until evicted "

@@ -109,9 +109,9 @@ def previous(store: ResponseStore, caller: str, rid: str | None) -> StoredRespon
 
 
 class ResponseKeeper:
-    """Keeps a response of ``caller`` once answered: the ``items`` it answered after the
-    ``earlier`` response's conversation, and its output; its file (when the store has files)
-    is written before the answer is sent."""
+    """Keeps a response of ``caller`` once answered: the ``items`` its request added, its
+    output, and the ``earlier`` response it continued; its file (when the store has files) is
+    written before the answer is sent."""
 
     def __init__(self, store: ResponseStore, caller: str, earlier: StoredResponse | None,
                  items: Sequence[InputItem]) -> None:
@@ -121,22 +121,20 @@ class ResponseKeeper:
     def kept(self, response: dict[str, Any]) -> StoredResponse | None:
         """What the store keeps of ``response`` (``None``, said in the log, when its output
         cannot be read back as input: the answer stands, unkept)."""
-        before = self.earlier.conversation() if self.earlier else ()
         try:
             output = tuple(as_input(response["output"]))
         except ValidationError as e:
             log.warning("response %s is not kept: its output is no input (%s)",
                         response["id"], e)
             return None
-        return stored_response(response, before + self.items, output)
+        return stored_response(response, self.items, output, self.earlier)
 
     async def __call__(self, response: dict[str, Any]) -> None:
         kept, rid = self.kept(response), response["id"]
-        if kept is None:
-            return
-        if self.store.files is not None:
+        if kept is not None:
+            kept = self.store.put(self.caller, rid, kept)
+        if kept is not None and self.store.files is not None:
             await asyncio.to_thread(self.store.persist, self.caller, rid, kept)
-        self.store.put(self.caller, rid, kept)
 
     def forget(self, rid: str) -> None:
         """Forgets the response ``rid`` (its file too)."""
@@ -169,8 +167,8 @@ def get_response(response_id: ResponseId, store: StoreDep, caller: CallerDep) ->
 @kept_router.delete("/v1/responses/{response_id}", responses=error_responses(404))
 def delete_response(response_id: ResponseId, store: StoreDep, caller: CallerDep,
                     background: BackgroundDep) -> dict[str, Any]:
-    """Forgets a kept response of this app (the responses continuing it keep their own
-    conversation; a background one still running is cancelled)."""
+    """Forgets a kept response of this app (held, found by no id, while kept responses
+    continue it; a background one still running is cancelled)."""
     background.forget(caller, response_id)
     if not store.delete(caller, response_id):
         raise UnknownResponse(f"Response with id {response_id!r} not found.")
@@ -201,7 +199,7 @@ def list_input_items(response_id: ResponseId, store: StoreDep, caller: CallerDep
     """The input items a kept response answered (a previous response's conversation first),
     newest first unless ``order`` is ``asc``; a page of ``limit`` after the item ``after``
     (before the item ``before``)."""
-    items = [listed(i) for i in _kept(store, caller, response_id).items]
+    items = [listed(i) for i in _kept(store, caller, response_id).input_items()]
     if order == "desc":
         items.reverse()
     items = _between(items, after, before)

@@ -370,5 +370,6 @@ class AskStats(BaseModel):
     link_Bps: float | None
     link_bytes: int = Field(description="bytes the service's link carried")
     kept_responses: dict[str, int] | None = Field(default=None, description=(
-        "the Responses API's kept responses: responses, bytes, apps, evicted, too_big, "
-        "expired, background_running"))
+        "the Responses API's kept responses: responses, held (deleted or expired, kept for "
+        "those continuing them), bytes, apps, evicted, too_big, expired, kept_whole, "
+        "background_running"))

@@ -1002,7 +1002,7 @@ def test_a_background_response_runs_on_and_is_polled_cancelled_or_deleted(world)
     """background: the request is answered at once, queued; polled, the response becomes the
     answer the same request gets in the foreground; a long one is in_progress, cannot be
     continued yet, and cancelled it is cancelled (a second cancel a 400); one deleted while it
-    runs stops and is gone; with stream it is a 422."""
+    runs stops and is gone."""
     openai = pytest.importorskip("openai")
     oa, _ = _openai(openai, world["dev"], "poller")
     sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
@@ -1037,8 +1037,59 @@ def test_a_background_response_runs_on_and_is_polled_cancelled_or_deleted(world)
                    "no background response running")
         with pytest.raises(openai.NotFoundError):
             oa.responses.retrieve(gone.id)
-        with pytest.raises(openai.UnprocessableEntityError, match="with stream"):
-            oa.responses.create(input="Q?", background=True, stream=True, **kw)
+    finally:
+        oa.close()
+
+
+def _events(stream, leave_after: int | None = None) -> list:
+    out = []
+    for ev in stream:
+        out.append(ev)
+        if leave_after is not None and len(out) >= leave_after:
+            break
+    stream.close()
+    return out
+
+
+def test_a_streamed_background_response_is_read_on_from_where_the_app_left(world):
+    """background with stream: the events come as a foreground stream's (queued first); the
+    app leaves after a few and the response runs on; retrieve(stream=True, starting_after=N)
+    gives the rest, numbered on, to the foreground's text; after it ended, all of them again.
+    Cancelled while streamed, its stream ends and it is cancelled; a foreground response has
+    no events to stream again (a 400)."""
+    openai = pytest.importorskip("openai")
+    oa, _ = _openai(openai, world["dev"], "streamer")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv})
+    try:
+        fore = oa.responses.create(input="What is it about?", max_output_tokens=6, **kw)
+        first = _events(oa.responses.create(input="What is it about?", max_output_tokens=6,
+                                            background=True, stream=True, **kw), 3)
+        assert [e.type for e in first] == ["response.created", "response.queued",
+                                           "response.in_progress"]
+        rid = first[0].response.id
+        assert first[0].response.status == "queued" and first[0].response.background
+        rest = _events(oa.responses.retrieve(rid, stream=True, starting_after=2))
+        seen = first + rest
+        assert [e.sequence_number for e in seen] == list(range(len(seen)))
+        assert seen[-1].type == "response.incomplete"
+        text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+        assert text == fore.output_text == seen[-1].response.output_text
+        assert _settled(oa, rid).output_text == fore.output_text
+        again = _events(oa.responses.retrieve(rid, stream=True))
+        assert [e.type for e in again] == [e.type for e in seen]
+        long = _events(oa.responses.create(input="Tell it all.", max_output_tokens=3000,
+                                           background=True, stream=True, **kw), 4)
+        lid = long[0].response.id
+        later = oa.responses.retrieve(lid, stream=True, starting_after=3)
+        assert oa.responses.cancel(lid).status == "cancelled"
+        tail = _events(later)                       # it ends, with no answer's end
+        assert not {e.type for e in tail} & {"response.completed", "response.incomplete",
+                                             "response.failed"}
+        assert oa.responses.retrieve(lid).status == "cancelled"
+        with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+            oa.responses.retrieve(fore.id, stream=True)
     finally:
         oa.close()
 

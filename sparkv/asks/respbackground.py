@@ -3,6 +3,9 @@
 runs on in the service whether or not the app stays connected (a phone's app may be suspended
 meanwhile), and the app polls ``GET /v1/responses/{id}`` until its status is ``completed``,
 ``incomplete``, ``failed`` or ``cancelled``; ``POST /v1/responses/{id}/cancel`` stops it.
+With ``stream`` too, the request is answered by the response's events as they come, kept in
+an :class:`~sparkv.asks.resplog.EventLog` so the app may leave and read on from where it left
+(``GET /v1/responses/{id}?stream=true&starting_after=N``).
 
 :class:`BackgroundResponses` runs them: the kept entry says ``queued`` (its file written:
 :mod:`sparkv.asks.respfiles`), then ``in_progress`` at the answer's first token (in memory),
@@ -17,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, AsyncIterator, Protocol
 
+from sparkv.asks.resplog import EventLog, EventLogs
 from sparkv.asks.tickets import AskTicket
 
 log = logging.getLogger("sparkv.asks")
@@ -30,6 +34,10 @@ class Answering(Protocol):
     """What a background response is made of (:class:`~sparkv.asks.responses.ResponseOf`)."""
 
     id: str
+    #: the status it was last kept with (``None``: not yet)
+    final: str | None
+
+    def events(self, ticket: AskTicket) -> AsyncIterator[bytes]: ...
 
     def shell(self, status: str, output: list[dict[str, Any]] | None = None,
               done: dict[str, Any] | None = None, error: dict[str, Any] | None = None
@@ -53,20 +61,25 @@ class _Running:
     ticket: AskTicket
     cancelled: bool = False
     forgotten: bool = False
+    log: EventLog | None = None
     task: "asyncio.Task[None] | None" = field(default=None, repr=False)
 
 
 class BackgroundResponses:
-    """The background responses running now, by id (module docstring)."""
+    """The background responses running now, by id, and the events of the streamed ones
+    (``logs``: module docstring)."""
 
     def __init__(self) -> None:
         self._running: dict[str, _Running] = {}
+        self.logs = EventLogs()
 
-    async def start(self, caller: str, ticket: AskTicket, r: Answering) -> dict[str, Any]:
+    async def start(self, caller: str, ticket: AskTicket, r: Answering,
+                    stream: bool = False) -> dict[str, Any]:
         """Starts ``r`` (asked by ``ticket``) in the background; returns it ``queued`` (kept
-        so from now on, its file written: a restart before it ends reads it back failed)."""
+        so from now on, its file written: a restart before it ends reads it back failed).
+        With ``stream``, its events are kept in ``logs`` as they come."""
         shell = await r.answered(r.shell("queued"))
-        run = _Running(caller, ticket)
+        run = _Running(caller, ticket, log=self.logs.open(caller, r.id) if stream else None)
         self._running[r.id] = run
         run.task = asyncio.ensure_future(self._run(r, run))
         return shell
@@ -87,6 +100,7 @@ class BackgroundResponses:
         if run is not None and run.caller == caller:
             run.forgotten = True
             self.cancel(caller, rid)
+        self.logs.forget(caller, rid)
 
     def task(self, rid: str) -> "asyncio.Task[None] | None":
         """The task running response ``rid`` (``None``: none runs)."""
@@ -103,13 +117,17 @@ class BackgroundResponses:
             if run.task is not None:
                 run.task.cancel()
             run.ticket.cancel()
+        self.logs.close()
 
     async def _run(self, r: Answering, run: _Running) -> None:
         tokens: list[dict[str, Any]] = []
         try:
-            last = await self._answer(r, run.ticket, tokens)
-            if not run.forgotten:
-                await r.answered(self._final(r, run, last, tokens))
+            if run.log is not None:
+                await self._streamed(r, run, run.log)
+            else:
+                last = await self._answer(r, run.ticket, tokens)
+                if not run.forgotten:
+                    await r.answered(self._final(r, run, last, tokens))
             if run.forgotten:                   # deleted meanwhile, even while it was written
                 r.forget()
         except asyncio.CancelledError:
@@ -121,6 +139,17 @@ class BackgroundResponses:
         finally:
             run.ticket.cancel()
             self._running.pop(r.id, None)
+            self.logs.end(r.id, keep=not run.forgotten)
+
+    @staticmethod
+    async def _streamed(r: Answering, run: _Running, log: EventLog) -> None:
+        """Keeps the response's events in ``log`` as they come (it keeps its own states);
+        cancelled, the log ends there and the response is kept ``cancelled``."""
+        async for event in r.events(run.ticket):
+            if not (run.cancelled or run.forgotten):
+                log.add(event)
+        if run.cancelled and not run.forgotten and r.final not in ("completed", "incomplete"):
+            await r.answered(r.shell("cancelled"))
 
     @staticmethod
     async def _answer(r: Answering, ticket: AskTicket,

@@ -5,7 +5,9 @@ previous_response_id"), over the service's :class:`~sparkv.asks.respstore.Respon
 method   path                                    answer
 =======  ======================================  =============================================
 GET      ``/v1/responses/{id}``                  the ``response``, as it was answered (or as
-                                                 it stands: a background one still running)
+                                                 it stands: a background one still running);
+                                                 with ``stream=true``, a streamed background
+                                                 response's events after ``starting_after``
 DELETE   ``/v1/responses/{id}``                  ``{"id", "object": "response", "deleted"}``
 POST     ``/v1/responses/{id}/cancel``           the background response, ``cancelled``
 GET      ``/v1/responses/{id}/input_items``      the input items it answered (a ``list``:
@@ -30,9 +32,11 @@ require_all(("fastapi",), feature="the kept responses' routes of the device serv
                                    "(sparkv.asks.respkept)")
 
 from fastapi import APIRouter, Depends, Path, Query, Request  # noqa: E402 - after the check
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from sparkv.asks.respbackground import BackgroundResponses
+from sparkv.asks.resplog import EventLog
 from sparkv.asks.respschemas import InputItem, as_input, identified, listed
 from sparkv.asks.respstore import ResponseStore, StoredResponse, stored_response
 from sparkv.device.app import CallerDep, error_responses
@@ -42,7 +46,8 @@ log = logging.getLogger("sparkv.asks")
 
 __all__ = ["kept_router", "ResponseKeeper", "previous", "get_store", "StoreDep",
            "get_background", "BackgroundDep", "UnknownResponse", "UnknownPrevious",
-           "PreviousNotDone", "NotRunning", "NoResponsesKept", "CANCEL_WAIT_S"]
+           "PreviousNotDone", "NotRunning", "NoResponsesKept", "EventsNotKept", "followed",
+           "CANCEL_WAIT_S"]
 
 ResponseId = Annotated[str, Path(min_length=1, max_length=256)]
 #: how long a cancel waits for the response to stop before answering it as it stands (s)
@@ -63,6 +68,11 @@ class PreviousNotDone(DeviceError, status=400, code="previous_response_not_done"
 
 class NotRunning(DeviceError, status=400, code="response_not_running"):
     """A cancel of a response that is not a running background response."""
+
+
+class EventsNotKept(DeviceError, status=400, code="response_events_not_kept"):
+    """A stream of a response whose events are not kept (not a streamed background one, or
+    one that ended too long ago)."""
 
 
 #: the statuses of a response another may continue
@@ -158,10 +168,30 @@ def _kept(store: ResponseStore, caller: str, rid: str) -> StoredResponse:
     return kept
 
 
-@kept_router.get("/v1/responses/{response_id}", responses=error_responses(404))
-def get_response(response_id: ResponseId, store: StoreDep, caller: CallerDep) -> Any:
-    """A kept response of this app, as it was answered."""
-    return _kept(store, caller, response_id).response
+def followed(log: EventLog, after: int = -1) -> StreamingResponse:
+    """The events of ``log`` after the one numbered ``after``, as server-sent events (a
+    reader that leaves does not stop the response)."""
+    return StreamingResponse(log.follow(after), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@kept_router.get("/v1/responses/{response_id}", responses=error_responses(400, 404))
+def get_response(response_id: ResponseId, store: StoreDep, caller: CallerDep,
+                 background: BackgroundDep, stream: bool = False,
+                 starting_after: Annotated[int | None, Query(ge=0)] = None,
+                 include_obfuscation: bool | None = None) -> Any:
+    """A kept response of this app, as it was answered; with ``stream``, a streamed background
+    response's events after the one numbered ``starting_after`` (all without it), as they
+    come until it ends (``include_obfuscation``: taken, no padding is added)."""
+    kept = _kept(store, caller, response_id)
+    if not stream:
+        return kept.response
+    log = background.logs.get(caller, response_id)
+    if log is None:
+        raise EventsNotKept(f"Response with id {response_id!r} cannot be streamed: only a "
+                            "background response asked with stream is, while it runs and for "
+                            "a while after it ends; retrieve it without stream")
+    return followed(log, -1 if starting_after is None else starting_after)
 
 
 @kept_router.delete("/v1/responses/{response_id}", responses=error_responses(404))

@@ -46,7 +46,7 @@ from sparkv.asks.chat import (DEFAULT_MAX_TOKENS, asked, context_id_of, openai_r
                               with_tools)
 from sparkv.asks.completion import Completion, EventStream, outcome
 from sparkv.asks.respkept import (BackgroundDep, NoResponsesKept, ResponseKeeper, StoreDep,
-                                  previous)
+                                  followed, previous)
 from sparkv.asks.respschemas import ResponsesBody
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import SparkvFields
@@ -70,6 +70,7 @@ class ResponseOf:
                  keeper: ResponseKeeper | None = None) -> None:
         self.body, self.c, self.keeper = body, c, keeper
         self.dropped_turns = 0          # by truncation auto (sparkv.asks.truncation)
+        self.final: str | None = None   # the status it was last kept with
         stamp = secrets.token_hex(16)
         self.id, self.msg_id = f"resp_{stamp}", f"msg_{stamp}"
         self.created_at = int(time.time())
@@ -86,9 +87,14 @@ class ResponseOf:
 
     async def answered(self, response: dict[str, Any]) -> dict[str, Any]:
         """``response`` (completed or incomplete), kept when it is to be."""
+        self.final = response["status"]
         if self.keeper is not None:
             await self.keeper(response)
         return response
+
+    def events(self, ticket: AskTicket) -> AsyncIterator[bytes]:
+        """The response's server-sent events as its ask's events come."""
+        return StreamEvents(self).of(ticket)
 
     def shell(self, status: str, output: list[dict[str, Any]] | None = None,
               done: dict[str, Any] | None = None, error: dict[str, Any] | None = None
@@ -215,12 +221,19 @@ class StreamEvents:
         return {"item_id": self.r.msg_id, "output_index": 0}
 
     async def of(self, ticket: AskTicket) -> AsyncIterator[bytes]:
-        r = self.r
-        yield self.event("response.created", response=r.shell("in_progress"))
-        yield self.event("response.in_progress", response=r.shell("in_progress"))
+        """The events; a background response's begin ``queued`` (``response.queued``) and go
+        ``in_progress`` (kept so) at the ask's first token or end, and its failure is kept."""
+        r, waiting = self.r, bool(self.r.body.background)
+        first = "queued" if waiting else "in_progress"
+        yield self.event("response.created", response=r.shell(first))
+        yield self.event(f"response.{first}", response=r.shell(first))
         events = ticket.aevents()
         try:
             async for ev in events:
+                if waiting and ev["type"] != "queued":
+                    waiting = False
+                    r.pending(r.shell("in_progress"))
+                    yield self.event("response.in_progress", response=r.shell("in_progress"))
                 if ev["type"] == "token":
                     for out in self._token(ev):
                         yield out
@@ -228,6 +241,8 @@ class StreamEvents:
                     err = ev["error"]
                     failed = r.shell("failed", error={"code": err["code"],
                                                       "message": err["message"]})
+                    if r.body.background:
+                        await r.answered(failed)
                     yield self.event("response.failed", response=failed)
                     return
                 elif ev["type"] == "done":
@@ -342,7 +357,9 @@ async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
                               "(--responses-kept 0)")
     ticket = asks.submit(caller, ask)
     if body.background:
-        return await background.start(caller, ticket, r)
+        queued = await background.start(caller, ticket, r, stream=bool(body.stream))
+        log = background.logs.get(caller, r.id)
+        return followed(log) if body.stream and log is not None else queued
     if body.stream:
         return ResponseEvents(ticket, r)
     return await respond(ticket, r, request)

@@ -8,8 +8,8 @@ the ``instructions`` first, then a previous response's conversation when one is 
 ``function_call_output`` items answering them), the tools (a
 :class:`~sparkv.runtime.toolform.ToolSet`) and the answer's format (``text.format`` as a chat's
 ``response_format``). What the service cannot do is refused when the request is read (a 422
-naming it): input images and files, a ``conversation`` object, ``background`` with ``stream``
-or without ``store``, reasoning effort.
+naming it): input images and files, a ``conversation`` object, ``background`` without
+``store``, reasoning effort.
 
 Input items are read leniently about the fields a response's own output items carry (``status``,
 ``annotations``, ``logprobs``, ...), so an app may send ``response.output`` back as input, as
@@ -194,9 +194,6 @@ def _not_taken(data: dict[str, Any]) -> str | None:
     for key, why in _REFUSED.items():
         if data.get(key):
             return f"{key} is not taken: {why}"
-    if data.get("background") is True and data.get("stream") is True:
-        return ("background is not taken with stream: poll GET /v1/responses/{id} for a "
-                "background response")
     if data.get("background") is True and data.get("store") is False:
         return "background is not taken with store false: a background response is kept"
     reasoning = data.get("reasoning")
@@ -261,8 +258,9 @@ class ResponsesBody(BaseModel):
         "a stored response of this app: its input and output come before this input "
         "(its instructions do not)"))
     background: StrictBool | None = Field(default=None, description=(
-        "answer at once with the response queued; the ask runs on whether or not the app "
-        "stays connected, and GET /v1/responses/{id} gives it when done"))
+        "answer at once with the response queued (with stream: its events); the ask runs on "
+        "whether or not the app stays connected, and GET /v1/responses/{id} gives it when "
+        "done (with stream=true: its events again, after starting_after)"))
     conversation: None = None
     prompt: None = None
     truncation: Literal["auto", "disabled"] | None = Field(default=None, description=(

@@ -58,7 +58,8 @@ def test_the_input_becomes_the_turns_a_chats_messages_do():
 
 @pytest.mark.parametrize("fields, says", [
     ({"previous_response_id": ""}, "previous_response_id"),
-    ({"conversation": "conv_1"}, "conversation is not taken"),
+    ({"conversation": "conv_1", "previous_response_id": "resp_1"},
+     "conversation is not taken with previous_response_id"),
     ({"background": True, "store": False}, "background is not taken with store false"),
     ({"reasoning": {"effort": "low"}}, "does not reason"),
     ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "functions only"),

@@ -19,7 +19,7 @@ from sparkv.asks.respstore import ResponseStore, StoredResponse
 
 pytest.importorskip("fastapi")
 from sparkv.asks.respkept import (NoResponsesKept, PreviousNotDone,  # noqa: E402
-                                  ResponseKeeper, UnknownPrevious, _between, previous)
+                                  ResponseKeeper, UnknownPrevious, between, previous)
 
 
 def _kept(nbytes: int = 100) -> StoredResponse:
@@ -100,10 +100,10 @@ def test_output_items_are_input_items_and_a_page_of_them_is_cut_by_id():
     items = as_input(_response("r", "Hi.")["output"])
     assert isinstance(items[0], InputMessage) and items[0].id == "msg_r"
     rows = [{"id": f"i{k}"} for k in range(5)]
-    assert [r["id"] for r in _between(rows, "i1", "i4")] == ["i2", "i3"]
-    assert _between(rows, None, None) == rows
-    with pytest.raises(Exception, match="no input item 'x'"):
-        _between(rows, "x", None)
+    assert [r["id"] for r in between(rows, "i1", "i4")] == ["i2", "i3"]
+    assert between(rows, None, None) == rows
+    with pytest.raises(Exception, match="no item .x."):
+        between(rows, "x", None)
 
 
 def _rid(k: int) -> str:

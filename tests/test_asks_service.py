@@ -1094,6 +1094,59 @@ def test_a_streamed_background_response_is_read_on_from_where_the_app_left(world
         oa.close()
 
 
+def test_a_conversation_holds_its_responses_turns_as_the_api_keeps_them(world):
+    """The Conversations API through the ``openai`` client: a response naming a conversation
+    comes after its items, and its input and output are added to it; the second answer is the
+    one the same turns sent whole get; items are listed, fetched, added and removed; the
+    conversation is its app's alone, and conversation with previous_response_id is a 422."""
+    openai = pytest.importorskip("openai")
+    oa, _ = _openai(openai, world["dev"], "chatter")
+    other, _ = _openai(openai, world["dev"], "stranger")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv}, max_output_tokens=5)
+    first = {"role": "user", "content": "Read it closely."}
+    try:
+        conv = oa.conversations.create(items=[first], metadata={"topic": "the text"})
+        assert conv.id.startswith("conv_") and conv.metadata == {"topic": "the text"}
+        r1 = oa.responses.create(input="What is it about?", conversation=conv.id, **kw)
+        assert r1.conversation.id == conv.id
+        r2 = oa.responses.create(input="Who wrote it?", conversation={"id": conv.id}, **kw)
+        items = oa.conversations.items.list(conv.id, order="asc").data
+        assert [i.role for i in items] == ["user"] + ["user", "assistant"] * 2
+        assert items[2].id == r1.output[0].id and items[4].content[0].text == r2.output_text
+        whole = oa.responses.create(input=[first, {"role": "user", "content":
+                                                   "What is it about?"}, *r1.output,
+                                           {"role": "user", "content": "Who wrote it?"}], **kw)
+        assert whole.output_text == r2.output_text
+        assert whole.usage.input_tokens == r2.usage.input_tokens
+        got = oa.conversations.items.retrieve(items[1].id, conversation_id=conv.id)
+        assert got.content[0].text == "What is it about?"
+        added = oa.conversations.items.create(conv.id, items=[{"role": "user",
+                                                               "content": "A note."}])
+        assert added.data[0].id and added.first_id == added.last_id == added.data[0].id
+        assert oa.conversations.items.delete(items[0].id, conversation_id=conv.id).id == conv.id
+        page = oa.conversations.items.list(conv.id, limit=2)
+        assert [i.id for i in page.data] == [added.data[0].id, items[4].id]   # newest first
+        assert oa.conversations.update(conv.id, metadata={"topic": "u"}).metadata == {
+            "topic": "u"}
+        with pytest.raises(openai.NotFoundError):
+            other.conversations.retrieve(conv.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.create(input="And?", conversation=conv.id, **kw)
+        with pytest.raises(openai.NotFoundError):
+            oa.conversations.items.retrieve("msg_none", conversation_id=conv.id)
+        with pytest.raises(openai.UnprocessableEntityError, match="previous_response_id"):
+            oa.responses.create(input="And?", conversation=conv.id,
+                                previous_response_id=r2.id, **kw)
+        assert oa.conversations.delete(conv.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            oa.responses.create(input="And?", conversation=conv.id, **kw)
+    finally:
+        oa.close()
+        other.close()
+
+
 def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_past_the_window(world):
     """A conversation past the model's 4,096 positions is a 413 as it stands; with truncation
     auto its oldest turns go until it fits, and the answer is the one the fitting turns get
@@ -1127,8 +1180,9 @@ def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_past_the_windo
 def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
     """The kept responses are files in the flash dir: a restarted service gives one back,
     lists its input items and continues it as previous_response_id, as before the restart (the
-    response it continued deleted: held for it alone), and says a background one it stopped
-    failed; --responses-kept 0 keeps none and refuses a previous_response_id by name."""
+    response it continued deleted: held for it alone), has its conversations, and says a
+    background one it stopped failed; --responses-kept 0 keeps none and refuses a
+    previous_response_id by name."""
     openai = pytest.importorskip("openai")
     sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
               "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
@@ -1139,13 +1193,15 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
         oa, _ = _openai(openai, dev, "diary")
         r1 = oa.responses.create(input="What is it about?", **kw)
         r2 = oa.responses.create(input="Who wrote it?", previous_response_id=r1.id, **kw)
+        conv = oa.conversations.create(metadata={"k": "v"})
+        oa.responses.create(input="What is it about?", conversation=conv.id, **kw)
         bg = oa.responses.create(input="Tell it all.", background=True,
                                  **{**kw, "max_output_tokens": 3000})
         oa.responses.delete(r1.id)              # held: r2 continues it
         oa.close()
         dev.stop()                              # the background one stops unanswered
         files = sorted(p.name for p in (tmp_path / "dev" / "responses").glob("resp_*.json"))
-        assert len(files) == 3 and f"{r1.id}.held.json" in files
+        assert len(files) == 4 and f"{r1.id}.held.json" in files
         dev.start()
         oa, _ = _openai(openai, dev, "diary")
         with pytest.raises(openai.NotFoundError):
@@ -1157,6 +1213,9 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
             i.id for i in reversed(oa.responses.input_items.list(r2.id, order="asc").data)]
         r3 = oa.responses.create(input="When?", previous_response_id=r2.id, **kw)
         assert len(oa.responses.input_items.list(r3.id).data) == 5
+        assert oa.conversations.retrieve(conv.id).metadata == {"k": "v"}
+        assert [i.role for i in oa.conversations.items.list(conv.id).data] == [
+            "assistant", "user"]
         oa.close()
     finally:
         dev.stop()

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from sparkv.asks.cores import DECODE_BATCH, GRANT_ORDERS
 from sparkv.asks.orders import DEFAULT_ORDER
 from sparkv.asks.linkplan import LINK_PLANS
+from sparkv.asks.convstore import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_MB as DEFAULT_CONV_MB
 from sparkv.asks.respstore import DEFAULT_MAX_MB, DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S
 from sparkv.cliflags import (STRATEGY_NAMES, add_sampling_args, context_id, positive_int,
                              response_format, sampling_args, server_url)
@@ -79,6 +80,12 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="how long a kept response is kept at most, from when it was made "
                         "(hours; default 720, 30 days, as OpenAI keeps them; 0: until evicted "
                         "or deleted)")
+    g.add_argument("--conversations-kept", type=int, default=DEFAULT_MAX_CONVERSATIONS,
+                   help="the Conversations API's conversations kept (in memory and in the "
+                        "flash dir's conversations/, so a restart keeps them; the least "
+                        "recently used of the app holding the most go first); 0: none")
+    g.add_argument("--conversations-kept-mb", type=float, default=DEFAULT_CONV_MB,
+                   help="the memory the conversations' items hold at most (MB)")
     g.add_argument("--ask-server", default=None, type=server_url,
                    help="the server of asks that name none (its key: $SPARKV_API_KEY)")
     link = g.add_mutually_exclusive_group()
@@ -108,6 +115,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     from sparkv.asks.chat import chat_router
     from sparkv.asks.models import models_router
     from sparkv.asks.respbackground import BackgroundResponses
+    from sparkv.asks.convroutes import conversations_router
     from sparkv.asks.respkept import kept_router
     from sparkv.asks.responses import responses_router
     from sparkv.asks.routes import asks_router
@@ -119,10 +127,13 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
                           f"--ask-queue at least 0 (got {args.ask_slots}, "
                           f"{args.ask_decode_batch} and {args.ask_queue})")
     if (args.responses_kept < 0 or not args.responses_kept_mb >= 0
-            or not args.responses_ttl_hours >= 0):
-        raise SparkvError(f"--responses-kept, --responses-kept-mb and --responses-ttl-hours "
-                          f"must be at least 0 (got {args.responses_kept}, "
-                          f"{args.responses_kept_mb} and {args.responses_ttl_hours})")
+            or not args.responses_ttl_hours >= 0 or args.conversations_kept < 0
+            or not args.conversations_kept_mb >= 0):
+        raise SparkvError(f"--responses-kept, --responses-kept-mb, --responses-ttl-hours, "
+                          f"--conversations-kept and --conversations-kept-mb must be at least "
+                          f"0 (got {args.responses_kept}, {args.responses_kept_mb}, "
+                          f"{args.responses_ttl_hours}, {args.conversations_kept} and "
+                          f"{args.conversations_kept_mb})")
     asks = AskService(service, app.state.owners, slots=args.ask_slots, queue=args.ask_queue,
                       shaper=_shaper(args), default_server=args.ask_server,
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
@@ -138,10 +149,12 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     app.state.asks = asks
     app.state.responses = _response_store(service, args)
     app.state.background = background = BackgroundResponses()
+    app.state.conversations = _conversation_store(service, args)
     app.include_router(asks_router)
     app.include_router(chat_router)
     app.include_router(responses_router)
     app.include_router(kept_router)
+    app.include_router(conversations_router)
     app.include_router(models_router)
 
     def close() -> None:
@@ -164,6 +177,22 @@ def _response_store(service: Any, args: argparse.Namespace) -> Any:
     if store.load():
         log.info("sparkv device: %d kept responses read back from %s",
                  store.stats()["responses"], folder)
+    return store
+
+
+def _conversation_store(service: Any, args: argparse.Namespace) -> Any:
+    """The conversations, their files in the flash dir read back."""
+    from sparkv.asks.convfiles import CONVERSATIONS_DIR, ConversationFiles
+    from sparkv.asks.convstore import ConversationStore
+
+    swap_dir = getattr(service, "swap_dir", None)        # none: a scripted service (tests)
+    on = args.conversations_kept > 0 and args.conversations_kept_mb > 0 and swap_dir is not None
+    folder = Path(swap_dir or ".") / CONVERSATIONS_DIR
+    store = ConversationStore(args.conversations_kept, int(args.conversations_kept_mb * 1e6),
+                              files=ConversationFiles(folder) if on else None)
+    if store.load():
+        log.info("sparkv device: %d conversations read back from %s",
+                 store.stats()["conversations"], folder)
     return store
 
 

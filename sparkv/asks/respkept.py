@@ -47,7 +47,7 @@ log = logging.getLogger("sparkv.asks")
 __all__ = ["kept_router", "ResponseKeeper", "previous", "get_store", "StoreDep",
            "get_background", "BackgroundDep", "UnknownResponse", "UnknownPrevious",
            "PreviousNotDone", "NotRunning", "NoResponsesKept", "EventsNotKept", "followed",
-           "CANCEL_WAIT_S"]
+           "between", "page_of", "CANCEL_WAIT_S"]
 
 ResponseId = Annotated[str, Path(min_length=1, max_length=256)]
 #: how long a cancel waits for the response to stop before answering it as it stands (s)
@@ -230,23 +230,30 @@ def list_input_items(response_id: ResponseId, store: StoreDep, caller: CallerDep
     newest first unless ``order`` is ``asc``; a page of ``limit`` after the item ``after``
     (before the item ``before``)."""
     items = [listed(i) for i in _kept(store, caller, response_id).input_items()]
+    return page_of(items, limit, order, after, before)
+
+
+def page_of(items: list[dict[str, Any]], limit: int, order: str, after: str | None = None,
+            before: str | None = None) -> dict[str, Any]:
+    """A ``list`` page of ``items`` (listed, oldest first): newest first unless ``order`` is
+    ``asc``, ``limit`` of them after the item ``after`` (before the item ``before``)."""
     if order == "desc":
-        items.reverse()
-    items = _between(items, after, before)
+        items = items[::-1]
+    items = between(items, after, before)
     page = items[:limit]
     return {"object": "list", "data": page, "has_more": len(items) > limit,
             "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None}
 
 
-def _between(items: list[dict[str, Any]], after: str | None,
-             before: str | None) -> list[dict[str, Any]]:
+def between(items: list[dict[str, Any]], after: str | None,
+            before: str | None) -> list[dict[str, Any]]:
     """The items after the one ``after`` names and before the one ``before`` names (an id
     not among them is a 400)."""
     ids = [i["id"] for i in items]
     for name, rid in (("after", after), ("before", before)):
         if rid is not None and rid not in ids:
-            raise DeviceError(f"{name}: no input item {rid!r} in this response")
+            raise DeviceError(f"{name}: no item {rid!r} among these")
     lo = ids.index(after) + 1 if after is not None else 0
     hi = ids.index(before) if before is not None else len(items)
     return items[lo:hi]

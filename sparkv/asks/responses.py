@@ -45,9 +45,10 @@ from fastapi.responses import JSONResponse
 from sparkv.asks.chat import (DEFAULT_MAX_TOKENS, asked, context_id_of, openai_responses,
                               with_tools)
 from sparkv.asks.completion import Completion, EventStream, outcome
+from sparkv.asks.convroutes import ConversationsDep, ConversationTurn, conversation_of
 from sparkv.asks.respkept import (BackgroundDep, NoResponsesKept, ResponseKeeper, StoreDep,
                                   followed, previous)
-from sparkv.asks.respschemas import ResponsesBody
+from sparkv.asks.respschemas import ResponsesBody, identified
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import SparkvFields
 from sparkv.asks.tickets import AskTicket
@@ -67,8 +68,9 @@ class ResponseOf:
     ``keeper`` keeps it once answered (``None``: it is not kept)."""
 
     def __init__(self, body: ResponsesBody, c: Completion,
-                 keeper: ResponseKeeper | None = None) -> None:
-        self.body, self.c, self.keeper = body, c, keeper
+                 keeper: ResponseKeeper | None = None,
+                 turn: ConversationTurn | None = None) -> None:
+        self.body, self.c, self.keeper, self.turn = body, c, keeper, turn
         self.dropped_turns = 0          # by truncation auto (sparkv.asks.truncation)
         self.final: str | None = None   # the status it was last kept with
         stamp = secrets.token_hex(16)
@@ -90,6 +92,8 @@ class ResponseOf:
         self.final = response["status"]
         if self.keeper is not None:
             await self.keeper(response)
+        if self.turn is not None:
+            await self.turn(response)
         return response
 
     def events(self, ticket: AskTicket) -> AsyncIterator[bytes]:
@@ -112,6 +116,8 @@ class ResponseOf:
             "model": b.model, "output": output or [],
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": b.previous_response_id, "reasoning": None,
+            "conversation": ({"id": b.conversation_id()} if b.conversation is not None
+                             else None),
             "background": bool(b.background),
             "store": self.keeper is not None,
             "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
@@ -332,25 +338,29 @@ responses_router = APIRouter(tags=["openai"])
 @responses_router.post("/v1/responses", responses=openai_responses(
     "a response (JSON), or with stream: server-sent response.* events"))
 async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
-                          caller: CallerDep, store: StoreDep,
-                          background: BackgroundDep) -> Any:
+                          caller: CallerDep, store: StoreDep, background: BackgroundDep,
+                          conversations: ConversationsDep) -> Any:
     """OpenAI's response over an ask: ``model`` names the server context, ``instructions``
     and ``input`` are the conversation ending in the question (after the conversation of the
-    ``previous_response_id``), ``extra_body={"sparkv": {...}}`` the rest of the ask."""
-    tools = body.tool_set()
+    ``previous_response_id``, or the items of the ``conversation``), ``extra_body={"sparkv":
+    {...}}`` the rest of the ask."""
+    tools, cid = body.tool_set(), body.conversation_id()
     earlier = previous(store, caller, body.previous_response_id)
-    question = asked(body.turns(earlier.conversation() if earlier else ()), tools)
-    cid = context_id_of(body.model, body.sparkv)
+    before = (conversation_of(conversations, caller, cid).items if cid is not None
+              else earlier.conversation() if earlier else ())
+    question = asked(body.turns(before), tools)
     fields = (body.sparkv or SparkvFields()).model_copy(update=_openai_fields(body))
-    ask = with_tools(tools, ask_request(fields, asks, cid, question,
-                                        body.max_output_tokens or DEFAULT_MAX_TOKENS,
+    ask = with_tools(tools, ask_request(fields, asks, context_id_of(body.model, body.sparkv),
+                                        question, body.max_output_tokens or DEFAULT_MAX_TOKENS,
                                         body.logprobs()))
-    keeper = (ResponseKeeper(store, caller, earlier, body.items())
+    items = [identified(i) for i in body.items()]
+    keeper = (ResponseKeeper(store, caller, earlier, items)
               if body.store is not False and store.enabled else None)
+    turn = ConversationTurn(conversations, caller, cid, items) if cid is not None else None
     dropped = 0
     if body.truncation == "auto":
         ask, dropped = await asyncio.to_thread(truncated, asks, caller, ask)
-    r = ResponseOf(body, Completion(body.model, asks, ask, tools), keeper)
+    r = ResponseOf(body, Completion(body.model, asks, ask, tools), keeper, turn)
     r.dropped_turns = dropped
     if body.background and keeper is None:
         raise NoResponsesKept("background is not taken: this service keeps no responses "

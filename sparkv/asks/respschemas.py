@@ -8,8 +8,8 @@ the ``instructions`` first, then a previous response's conversation when one is 
 ``function_call_output`` items answering them), the tools (a
 :class:`~sparkv.runtime.toolform.ToolSet`) and the answer's format (``text.format`` as a chat's
 ``response_format``). What the service cannot do is refused when the request is read (a 422
-naming it): input images and files, a ``conversation`` object, ``background`` without
-``store``, reasoning effort.
+naming it): input images and files, ``conversation`` with ``previous_response_id``,
+``background`` without ``store``, reasoning effort.
 
 Input items are read leniently about the fields a response's own output items carry (``status``,
 ``annotations``, ``logprobs``, ...), so an app may send ``response.output`` back as input, as
@@ -174,6 +174,12 @@ class TextConfig(BaseModel):
 _FORMAT: TypeAdapter[ResponseFormat] = TypeAdapter(ResponseFormat)
 
 
+class ConversationRef(BaseModel):
+    """``conversation`` as an object: its ``id``."""
+
+    id: ItemId
+
+
 class _Reasoning(BaseModel):
     effort: None = None
     summary: None = None
@@ -181,8 +187,6 @@ class _Reasoning(BaseModel):
 
 #: request fields whose use is refused, and why
 _REFUSED = {
-    "conversation": "conversations are not stored here: send the earlier turns as input, "
-                    "or the previous_response_id",
     "prompt": "stored prompts are not kept here: send the instructions and input",
 }
 _TEXT_PARTS = ("input_text", "output_text")
@@ -196,6 +200,9 @@ def _not_taken(data: dict[str, Any]) -> str | None:
             return f"{key} is not taken: {why}"
     if data.get("background") is True and data.get("store") is False:
         return "background is not taken with store false: a background response is kept"
+    if data.get("conversation") and data.get("previous_response_id"):
+        return ("conversation is not taken with previous_response_id: a response continues "
+                "one or the other")
     reasoning = data.get("reasoning")
     if isinstance(reasoning, dict) and any(v is not None for v in reasoning.values()):
         return "reasoning is not taken: the model does not reason apart from its answer"
@@ -261,7 +268,9 @@ class ResponsesBody(BaseModel):
         "answer at once with the response queued (with stream: its events); the ask runs on "
         "whether or not the app stays connected, and GET /v1/responses/{id} gives it when "
         "done (with stream=true: its events again, after starting_after)"))
-    conversation: None = None
+    conversation: ItemId | ConversationRef | None = Field(default=None, description=(
+        "a conversation of this app (POST /v1/conversations): the response comes after its "
+        "items, and its input and output are added to it once answered"))
     prompt: None = None
     truncation: Literal["auto", "disabled"] | None = Field(default=None, description=(
         "auto: a conversation past the model's positions loses its oldest turns until it "
@@ -310,6 +319,11 @@ class ResponsesBody(BaseModel):
         if not self.include and self.top_logprobs is None:
             return None
         return self.top_logprobs or 0
+
+    def conversation_id(self) -> str | None:
+        """The id of the conversation the response belongs to (``None``: none)."""
+        c = self.conversation
+        return c.id if isinstance(c, ConversationRef) else c
 
     def items(self) -> list[InputItem]:
         """The input as items (a text is one user message)."""

@@ -107,10 +107,13 @@ async def post_ask(ticket: Annotated[AskTicket, Depends(submitted)]) -> AsyncIte
 @asks_router.get("/v1/asks", response_model=AskStats)
 def get_ask_stats(asks: AsksDep, request: Request) -> AskStats:
     """The asks running and waiting, the cores' load, the counts since the start, the kept
-    responses."""
+    responses and conversations."""
     store = getattr(request.app.state, "responses", None)
     background = getattr(request.app.state, "background", None)
+    conversations = getattr(request.app.state, "conversations", None)
     kept = store.stats() if store is not None else None
     if kept is not None and background is not None:
         kept["background_running"] = background.running()
-    return AskStats.model_validate({**asks.stats(), "kept_responses": kept})
+    return AskStats.model_validate({
+        **asks.stats(), "kept_responses": kept,
+        "conversations": conversations.stats() if conversations is not None else None})

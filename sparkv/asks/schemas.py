@@ -373,3 +373,6 @@ class AskStats(BaseModel):
         "the Responses API's kept responses: responses, held (deleted or expired, kept for "
         "those continuing them), bytes, apps, evicted, too_big, expired, kept_whole, "
         "background_running"))
+    conversations: dict[str, int] | None = Field(default=None, description=(
+        "the Conversations API's conversations: conversations, bytes, apps, evicted, "
+        "items_dropped"))

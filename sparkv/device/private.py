@@ -4,11 +4,12 @@ The contexts hold people's conversations (their token ids are in the journal and
 records are their KV), so by default only the service's own user can reach any of it:
 
 * directories (the swap dir, ``journal/``, ``contexts/``, each context's directory,
-  ``responses/``): ``0700``, owned by this user (:func:`private_dir` makes them so, tightens an
-  existing one, and refuses a directory another user owns: it could have been planted to read
-  what the service writes);
+  ``responses/``, ``conversations/``): ``0700``, owned by this user (:func:`private_dir`
+  makes them so, tightens an existing one, and refuses a directory another user owns: it
+  could have been planted to read what the service writes);
 * files (journal records, token chunk segments and files, ``io-profile.json``, the token, the
-  kept responses of :mod:`sparkv.asks.respfiles`): created ``0600`` (:data:`FILE_MODE`, given to
+  kept responses of :mod:`sparkv.asks.respfiles`, the conversations of
+  :mod:`sparkv.asks.convfiles`): created ``0600`` (:data:`FILE_MODE`, given to
   the atomic write, so no file is ever readable by others, not even between its creation and a
   ``chmod``); :func:`tighten` narrows a file an older version left wider;
 * the Unix socket: ``0600`` (:func:`bind_unix_socket`: bound under a ``umask`` that makes it so,

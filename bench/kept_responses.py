@@ -5,7 +5,10 @@ Responses route's own work (no model, no socket):
 * ``whole``: each request sends the whole conversation so far as ``input`` (the earlier
   questions and the earlier responses' output items), as an app does without kept responses;
 * ``chained``: each request sends only its question and names the previous response
-  (``previous_response_id``); the service finds it and builds the same turns.
+  (``previous_response_id``); the service finds it and builds the same turns;
+* ``conv``: each request sends only its question and names its conversation (the
+  Conversations API); the service builds the same turns from the conversation's items and
+  appends the turn to it (its file appended and synced).
 
 Per turn: the request's JSON bytes, the route's work before the ask (reading the body, finding
 the previous response, building the turns; best of 5), and for ``chained`` the keeping of the
@@ -35,6 +38,9 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from sparkv.asks.convfiles import ConversationFiles
+from sparkv.asks.convroutes import ConversationTurn, conversation_of
+from sparkv.asks.convstore import ConversationStore
 from sparkv.asks.respfiles import ResponseFiles
 from sparkv.asks.respkept import ResponseKeeper, previous
 from sparkv.asks.respschemas import ResponsesBody
@@ -106,6 +112,47 @@ def run(turns: int, chars: int, folder: pathlib.Path) -> dict[str, Any]:
             "files_bytes": sum(p.stat().st_size for p in folder.glob("*.json"))}
 
 
+def run_conversation(turns: int, chars: int, folder: pathlib.Path) -> dict[str, Any]:
+    """The same conversation through the Conversations API: each request names the
+    conversation; its turn is appended to the conversation's file (synced)."""
+    convs = ConversationStore(16, 256_000_000, files=ConversationFiles(folder))
+    cid = convs.create(APP, [], None).info["id"]
+    whole_items: list[dict[str, Any]] = []
+    rows = []
+    for t in range(turns):
+        whole_items.append(_question(t))
+        named = {"model": "0" * 32, "input": [_question(t)], "instructions": "Be brief.",
+                 "conversation": cid}
+
+        def read_named() -> Any:
+            b = ResponsesBody.model_validate(named)
+            return b.turns(conversation_of(convs, APP, cid).items)
+
+        read_s = _best(read_named)
+        whole = {"model": "0" * 32, "input": list(whole_items), "instructions": "Be brief."}
+        assert read_named() == ResponsesBody.model_validate(whole).turns()    # the same turns
+        answer = _answer(t, chars)
+        body = ResponsesBody.model_validate(named)
+        t0 = time.perf_counter()
+        asyncio.run(ConversationTurn(convs, APP, cid, body.items())(answer))
+        rows.append({"conv_read_us": read_s * 1e6, "conv_add_ms": (time.perf_counter() - t0)
+                     * 1e3, "conv_file_bytes": (folder / f"{cid}.jsonl").stat().st_size})
+        whole_items += answer["output"]
+    took, loaded = zip(*(_read_back(folder, 16, _CONV_READ_BACK) for _ in range(RUNS)))
+    return {"rows": rows, "read_back_s": statistics.median(took), "read_back": loaded[0]}
+
+
+#: a restarted service's reading of the conversations' files, in a new process
+_CONV_READ_BACK = """
+import sys, time
+from sparkv.asks.convfiles import ConversationFiles
+from sparkv.asks.convstore import ConversationStore
+t0 = time.perf_counter()
+n = ConversationStore(int(sys.argv[2]), 256_000_000, files=ConversationFiles(sys.argv[1])).load()
+print(time.perf_counter() - t0, n)
+"""
+
+
 #: a restarted service's reading of the files, in a new process (its imports not counted)
 _READ_BACK = """
 import sys, time
@@ -117,8 +164,8 @@ print(time.perf_counter() - t0, n)
 """
 
 
-def _read_back(folder: pathlib.Path, max_responses: int) -> tuple[float, int]:
-    out = subprocess.run([sys.executable, "-c", _READ_BACK, str(folder), str(max_responses)],
+def _read_back(folder: pathlib.Path, most: int, script: str = _READ_BACK) -> tuple[float, int]:
+    out = subprocess.run([sys.executable, "-c", script, str(folder), str(most)],
                          capture_output=True, text=True, check=True).stdout.split()
     return float(out[0]), int(out[1])
 
@@ -135,17 +182,21 @@ def main() -> None:
     folder = args.dir or pathlib.Path(tempfile.mkdtemp(prefix=".kept-bench-", dir="."))
     try:
         got = run(args.turns, args.answer_chars, folder / "responses")
+        conv = run_conversation(args.turns, args.answer_chars, folder / "conversations")
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
-    rows = got["rows"]
+    rows = [{**r, **c} for r, c in zip(got["rows"], conv["rows"])]
     print(f"{'turn':>4} {'whole B':>9} {'chained B':>9} {'whole us':>9} {'chained us':>10} "
-          f"{'keep ms':>8} {'store B':>9} {'whole B':>10}")
+          f"{'keep ms':>8} {'store B':>9} {'whole B':>10} {'conv us':>8} {'conv ms':>8} "
+          f"{'conv file B':>11}")
     for r in rows:
         if r["turn"] in (1, 2, 4, 8, 16, 32, 64, 128) or r is rows[-1]:
             print(f"{r['turn']:>4} {r['whole_bytes']:>9} {r['chained_bytes']:>9} "
                   f"{r['whole_read_us']:>9.0f} {r['chained_read_us']:>10.0f} "
-                  f"{r['keep_ms']:>8.2f} {r['store_bytes']:>9} {r['store_bytes_whole']:>10}")
+                  f"{r['keep_ms']:>8.2f} {r['store_bytes']:>9} {r['store_bytes_whole']:>10} "
+                  f"{r['conv_read_us']:>8.0f} {r['conv_add_ms']:>8.2f} "
+                  f"{r['conv_file_bytes']:>11}")
     sent = (sum(r["whole_bytes"] for r in rows), sum(r["chained_bytes"] for r in rows))
     keep = statistics.median(r["keep_ms"] for r in rows)
     summary = {"turns": len(rows), "answer_chars": args.answer_chars,
@@ -153,7 +204,10 @@ def main() -> None:
                "keep_ms_median": keep, "read_back_s": got["read_back_s"],
                "read_back": got["read_back"], "files_bytes": got["files_bytes"],
                "store_bytes": rows[-1]["store_bytes"],
-               "store_bytes_whole": rows[-1]["store_bytes_whole"]}
+               "store_bytes_whole": rows[-1]["store_bytes_whole"],
+               "conv_add_ms_median": statistics.median(r["conv_add_ms"] for r in rows),
+               "conv_file_bytes": rows[-1]["conv_file_bytes"],
+               "conv_read_back_s": conv["read_back_s"]}
     print(f"\nsent over {len(rows)} turns: whole {sent[0]:,} B, chained {sent[1]:,} B "
           f"({sent[0] / sent[1]:.1f}x less); keeping a response: {keep:.2f} ms median "
           f"(file synced); {got['read_back']} files ({got['files_bytes']:,} B) read back by a "
@@ -161,6 +215,10 @@ def main() -> None:
           f"holds {summary['store_bytes']:,} B, each response holding its whole conversation "
           f"{summary['store_bytes_whole']:,} B "
           f"({summary['store_bytes_whole'] / summary['store_bytes']:.1f}x)")
+    print(f"as a conversation: a turn added (appended, synced) in "
+          f"{summary['conv_add_ms_median']:.2f} ms median; its file "
+          f"{rows[-1]['conv_file_bytes']:,} B, read back by a new process in "
+          f"{conv['read_back_s'] * 1e3:.0f} ms")
     if args.out:
         args.out.write_text(json.dumps({**summary, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")

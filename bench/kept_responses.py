@@ -1,5 +1,5 @@
 """What a kept response saves and costs (docs/asks.md, "Kept responses and
-previous_response_id"): one conversation of ``--turns`` turns asked two ways through the
+previous_response_id"): one conversation of ``--turns`` turns asked three ways through the
 Responses route's own work (no model, no socket):
 
 * ``whole``: each request sends the whole conversation so far as ``input`` (the earlier
@@ -14,10 +14,10 @@ Per turn: the request's JSON bytes, the route's work before the ask (reading the
 the previous response, building the turns; best of 5), and for ``chained`` the keeping of the
 answer (its :class:`~sparkv.asks.respstore.StoredResponse` and its file, written atomically and
 synced on this machine's disk in ``--dir``), then the store's bytes (each response holding its
-own turn and a link to the one before), beside what the first design held (each response
-holding its whole conversation: ``store_bytes_whole``, the same responses flattened), and the
-time a new process takes to read every file back and link them, as a restarted service does
-(median of 5). Answers are scripted text of ``--answer-chars``.
+own turn and a link to the one before), beside what the first design held (each response holding
+its whole conversation: ``store_bytes_whole``, the same responses flattened), and the time a new
+process takes to read every file back (past the page cache) and link them, as a restarted
+service does (median of 5). Answers are scripted text of ``--answer-chars``.
 
     python bench/kept_responses.py [--turns 32] [--out bench/results/kept_responses_cpu.json]
 

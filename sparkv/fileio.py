@@ -289,6 +289,23 @@ def sync_files(directory: str | os.PathLike[str],
     fsync_dir(directory)
 
 
+def oldest_first(folder: str | os.PathLike[str], pattern: str) -> list[Path]:
+    """The files of ``folder`` matching ``pattern``, least recently modified first, after
+    removing the temp files of atomic writes a crash cut short (``.*.tmp``)."""
+    folder = Path(folder)
+    for tmp in folder.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return sorted(folder.glob(pattern), key=_mtime)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def delete(path: str | os.PathLike[str], sync_dir: bool = False) -> bool:
     """Removes a file; False when it was not there. ``sync_dir``: the removal is made durable."""
     try:

@@ -13,11 +13,11 @@ is answered, so a turn costs its own items, not the whole conversation::
     {"metadata": {"topic": "..."}}
     {"drop_oldest": 2}
 
-At the start each file is read back by replaying its records, then written again as its header
-and one ``add`` (atomically), so the deleted items leave the flash. A last line a crash cut short
-is left out; a file whose header cannot be read (damaged, another format, a name that is no
-conversation id, bigger than the store) is removed, with a warning; a damaged record further on
-keeps the conversation as it stood before it, with a warning.
+At the start each file is read back (past the page cache) by replaying its records, then written
+again as its header and one ``add`` (atomically), so the deleted items leave the flash. A last
+line a crash cut short is left out; a file whose header cannot be read (damaged, another format,
+a name that is no conversation id, bigger than the store) is removed, with a warning; a damaged
+record further on keeps the conversation as it stood before it, with a warning.
 
 No state beyond the folder's path; the store calls it under its lock.
 """
@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from sparkv.asks.convstore import Conversation, dumped
 from sparkv.asks.respschemas import as_input
 from sparkv.device.private import FILE_MODE, private_dir
-from sparkv.fileio import atomic_write
+from sparkv.fileio import FlashIO, atomic_write, oldest_first
 
 log = logging.getLogger("sparkv.asks")
 
@@ -57,6 +57,7 @@ class ConversationFiles:
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = private_dir(folder)
+        self.io = FlashIO(self.folder)          # reads past the page cache
 
     def _path(self, cid: str) -> Path | None:
         return self.folder / f"{cid}.jsonl" if _ID.fullmatch(cid) else None
@@ -109,10 +110,7 @@ class ConversationFiles:
     def read_all(self, max_bytes: int) -> Iterator[Conversation]:
         """Every readable conversation, oldest first (each written again compacted); the
         unreadable files removed."""
-        for tmp in self.folder.glob(".*.tmp"):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        for path in sorted(self.folder.glob("*.jsonl"), key=_mtime):
+        for path in oldest_first(self.folder, "*.jsonl"):
             conv = self._read(path, max_bytes)
             if conv is None:
                 with contextlib.suppress(OSError):
@@ -125,7 +123,7 @@ class ConversationFiles:
         try:
             if not _ID.fullmatch(path.stem) or path.stat().st_size > 4 * max_bytes + 4096:
                 raise ValueError("no conversation id, or bigger than the store")
-            lines = path.read_bytes().split(b"\n")
+            lines = self.io.read_file(path).split(b"\n")
             conv = _header(json.loads(lines[0]), path.stem)
         except (OSError, *_BAD) as e:
             log.warning("conversation file %s is removed: it cannot be read (%s)", path, e)
@@ -164,10 +162,3 @@ def _replay(conv: Conversation, record: dict[str, Any]) -> None:
         conv.drop(int(record["drop_oldest"]))
     else:
         raise ValueError(f"no change: {sorted(record)}")
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0

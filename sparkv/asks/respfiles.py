@@ -15,9 +15,9 @@ response deleted (or past its time) while later ones continue it is *held*: its 
 the first format (``sparkv-kept-response/1``: each holding its whole conversation) are read as
 responses continuing none.
 
-At the start every file is read, and the store links each to the one it continues (a file
-continuing one that cannot be read is removed), within its bounds. A background response
-written ``queued`` that never ended is read back ``failed`` (``error.code``
+At the start every file is read (past the page cache), and the store links each to the one it
+continues (a file continuing one that cannot be read is removed), within its bounds. A
+background response written ``queued`` that never ended is read back ``failed`` (``error.code``
 ``service_stopped``). A file that cannot be read as one (damaged, another format, a name that is
 no response id, bigger than the store) is removed, with a warning, as are the temporary files of
 a write a crash cut short.
@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from sparkv.asks.respschemas import as_input
 from sparkv.asks.respstore import KeptFile, StoredResponse, stored_response
 from sparkv.device.private import FILE_MODE, private_dir
-from sparkv.fileio import atomic_write
+from sparkv.fileio import FlashIO, atomic_write, oldest_first
 
 log = logging.getLogger("sparkv.asks")
 
@@ -68,6 +68,7 @@ class ResponseFiles:
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = private_dir(folder)
+        self.io = FlashIO(self.folder)          # reads past the page cache
 
     def _path(self, rid: str, held: bool = False) -> Path | None:
         if not _ID.fullmatch(rid):
@@ -110,10 +111,7 @@ class ResponseFiles:
     def read_all(self, max_bytes: int) -> Iterator[KeptFile]:
         """Every readable file, oldest first; the unreadable ones (and those over
         ``max_bytes``) removed."""
-        for tmp in self.folder.glob(".*.tmp"):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        for path in sorted(self.folder.glob("*.json"), key=_mtime):
+        for path in oldest_first(self.folder, "*.json"):
             got = self._read(path, max_bytes)
             if got is None:
                 with contextlib.suppress(OSError):
@@ -127,7 +125,7 @@ class ResponseFiles:
             if name is None or path.stat().st_size > 2 * max_bytes + 4096:
                 raise ValueError("no response id, or bigger than the store")
             rid = name.group(1)
-            doc = json.loads(path.read_bytes())
+            doc = json.loads(self.io.read_file(path))
             if doc.get("format") not in (FORMAT, FORMAT_WHOLE) or doc.get("id") != rid:
                 raise ValueError(f"not {FORMAT} of {rid}")
             kept = stored_response(_response(doc), tuple(as_input(doc["items"])),
@@ -154,10 +152,3 @@ def _response(doc: dict[str, Any]) -> dict[str, Any]:
     if response.get("status") in _UNFINISHED:
         response = {**response, "status": "failed", "error": STOPPED}
     return response
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 from pydantic import ValidationError
 
-from sparkv.asks.convstore import Conversation, dumped
+from sparkv.asks.convstore import KeptConversation, dumped
 from sparkv.asks.respschemas import as_input
 from sparkv.device.private import FILE_MODE, private_dir
 from sparkv.fileio import FlashIO, atomic_write, oldest_first
@@ -62,7 +62,7 @@ class ConversationFiles:
     def _path(self, cid: str) -> Path | None:
         return self.folder / f"{cid}.jsonl" if _ID.fullmatch(cid) else None
 
-    def create(self, conv: Conversation) -> bool:
+    def create(self, conv: KeptConversation) -> bool:
         """Writes ``conv`` whole (its header and its items); ``False`` (said in the log) when
         it cannot be."""
         path = self._path(conv.id)
@@ -107,7 +107,7 @@ class ConversationFiles:
             with contextlib.suppress(OSError):
                 path.unlink()
 
-    def read_all(self, max_bytes: int) -> Iterator[Conversation]:
+    def read_all(self, max_bytes: int) -> Iterator[KeptConversation]:
         """Every readable conversation, oldest first (each written again compacted); the
         unreadable files removed."""
         for path in oldest_first(self.folder, "*.jsonl"):
@@ -119,7 +119,7 @@ class ConversationFiles:
             self.create(conv)
             yield conv
 
-    def _read(self, path: Path, max_bytes: int) -> Conversation | None:
+    def _read(self, path: Path, max_bytes: int) -> KeptConversation | None:
         try:
             if not _ID.fullmatch(path.stem) or path.stat().st_size > 4 * max_bytes + 4096:
                 raise ValueError("no conversation id, or bigger than the store")
@@ -141,16 +141,16 @@ class ConversationFiles:
         return conv
 
 
-def _header(doc: Any, cid: str) -> Conversation:
+def _header(doc: Any, cid: str) -> KeptConversation:
     if doc.get("format") != FORMAT or doc.get("id") != cid:
         raise ValueError(f"not {FORMAT} of {cid}")
     app, made, meta = doc["app"], doc["created_at"], doc.get("metadata") or {}
     if not (isinstance(app, str) and isinstance(made, int) and isinstance(meta, dict)):
         raise ValueError("no app, time or metadata")
-    return Conversation(cid, app, made, {str(k): str(v) for k, v in meta.items()})
+    return KeptConversation(cid, app, made, {str(k): str(v) for k, v in meta.items()})
 
 
-def _replay(conv: Conversation, record: dict[str, Any]) -> None:
+def _replay(conv: KeptConversation, record: dict[str, Any]) -> None:
     """Makes the change ``record`` says to ``conv``."""
     if "add" in record:
         conv.extend(list(as_input(record["add"])))

@@ -28,7 +28,7 @@ from typing import Any, Iterator, NamedTuple, Protocol
 
 log = logging.getLogger("sparkv.asks")
 
-__all__ = ["ConversationStore", "Conversation", "Snapshot", "ConversationFilesLike",
+__all__ = ["ConversationStore", "KeptConversation", "Snapshot", "ConversationFilesLike",
            "DEFAULT_MAX_CONVERSATIONS", "DEFAULT_MAX_MB", "MAX_ITEMS_ADDED", "new_id", "dumped"]
 
 #: the conversations kept by default (``sparkv device serve --conversations-kept``)
@@ -45,7 +45,7 @@ def new_id() -> str:
 
 
 @dataclass
-class Conversation:
+class KeptConversation:
     """One conversation: whose, when made, its ``metadata`` and its ``items`` (pydantic input
     items, each with an id), ``nbytes`` their JSON's size."""
 
@@ -95,13 +95,13 @@ class ConversationFilesLike(Protocol):
     """Where a store's conversations are files
     (:class:`~sparkv.asks.convfiles.ConversationFiles`)."""
 
-    def create(self, conv: Conversation) -> bool: ...
+    def create(self, conv: KeptConversation) -> bool: ...
 
     def append(self, cid: str, record: dict[str, Any]) -> bool: ...
 
     def remove(self, cid: str) -> None: ...
 
-    def read_all(self, max_bytes: int) -> Iterator[Conversation]: ...
+    def read_all(self, max_bytes: int) -> Iterator[KeptConversation]: ...
 
 
 class ConversationStore:
@@ -115,7 +115,7 @@ class ConversationStore:
                              "bytes")
         self.max_conversations, self.max_bytes = max_conversations, max_bytes
         self.files = files if self.enabled else None
-        self._convs: OrderedDict[str, Conversation] = OrderedDict()   # least recent first
+        self._convs: OrderedDict[str, KeptConversation] = OrderedDict()   # least recent first
         self._bytes = self.evicted = self.items_dropped = 0
         self._lock = threading.Lock()
 
@@ -126,7 +126,7 @@ class ConversationStore:
 
     def create(self, app: str, items: list[Any], metadata: dict[str, str] | None) -> Snapshot:
         """A new conversation of ``app`` with its first ``items`` (each with an id)."""
-        conv = Conversation(new_id(), app, int(time.time()), dict(metadata or {}))
+        conv = KeptConversation(new_id(), app, int(time.time()), dict(metadata or {}))
         with self._lock:
             self._convs[conv.id] = conv
             self._grow(conv, items)
@@ -208,7 +208,7 @@ class ConversationStore:
                     "evicted": self.evicted, "items_dropped": self.items_dropped}
 
     # ---- under the lock ------------------------------------------------------------------
-    def _touch(self, app: str, cid: str) -> Conversation | None:
+    def _touch(self, app: str, cid: str) -> KeptConversation | None:
         conv = self._convs.get(cid)
         if conv is None or conv.app != app:
             return None
@@ -216,10 +216,10 @@ class ConversationStore:
         return conv
 
     @staticmethod
-    def _snapshot(conv: Conversation) -> Snapshot:
+    def _snapshot(conv: KeptConversation) -> Snapshot:
         return Snapshot(conv.info(), tuple(conv.items))
 
-    def _grow(self, conv: Conversation, items: list[Any]) -> int:
+    def _grow(self, conv: KeptConversation, items: list[Any]) -> int:
         """Adds ``items`` to ``conv``; returns how many of its oldest items went for room."""
         before = conv.nbytes
         conv.extend(items)

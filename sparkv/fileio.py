@@ -2,9 +2,9 @@
 
 Its users: the flash tier's chunk files (:class:`~sparkv.cache.flash.FlashTier`), the device
 service's token chunk files and journal (``sparkv.device.flashio``, ``sparkv.device.journal``),
-DynaKV's page files (``sparkv.decode.store.PageFile``), the server's file store, the
-predictor's saved models and quality tables, and the device service's kept responses and
-conversations (``sparkv.asks.respfiles``, ``sparkv.asks.convfiles``). It sits in the vocabulary layer (beside
+DynaKV's page files (``sparkv.decode.store.PageFile``), the server's file store, the predictor's
+saved models and quality tables, and the device service's kept responses and conversations
+(``sparkv.asks.respfiles``, ``sparkv.asks.convfiles``). It sits in the vocabulary layer (beside
 :mod:`sparkv.layout` and :mod:`sparkv.errors`) and imports nothing heavier than the standard
 library, ``xxhash`` and :mod:`sparkv.errors`, so any layer may import it at module level (importing
 ``sparkv.cache`` would load transformers). What it guarantees:

@@ -86,3 +86,37 @@ def test_conversations_are_read_back_from_flash_after_a_restart(tmp_path, caplog
     third = ConversationStore(10, 100_000, files=ConversationFiles(folder))
     assert third.load() == 1
     assert [i.text() for i in third.get("app:a", cid).items] == ["two", "three", "four"]
+
+
+class _FailingDisk:
+    """Files whose appends fail while ``full`` (a full flash): what the store writes."""
+
+    def __init__(self) -> None:
+        self.full, self.writes = False, []
+
+    def create(self, conv) -> bool:
+        self.writes.append(("whole", len(conv.items)))
+        return not self.full
+
+    def append(self, cid, record) -> bool:
+        self.writes.append(("append", sorted(record)))
+        return not self.full
+
+    def remove(self, cid) -> None:
+        pass
+
+    def read_all(self, max_bytes):
+        return iter(())
+
+
+def test_after_a_failed_append_the_whole_conversation_is_written_again():
+    disk = _FailingDisk()
+    store = ConversationStore(10, 100_000, files=disk)
+    cid = store.create("app:a", _msgs("one"), None).info["id"]
+    disk.full = True
+    store.add("app:a", cid, _msgs("two"))            # fails: the file may end torn
+    disk.full = False
+    store.add("app:a", cid, _msgs("three"))          # so it is written whole, once
+    store.add("app:a", cid, _msgs("four"))
+    assert disk.writes == [("whole", 1), ("append", ["add"]), ("whole", 2), ("whole", 3),
+                           ("append", ["add"])]

@@ -87,17 +87,15 @@ class ConversationFiles:
         if path is None:
             return False
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        except OSError:
-            return False
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
-            os.fsync(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)   # no file: it stays in memory only
+            try:
+                os.write(fd, (json.dumps(record) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         except OSError as e:
             log.warning("conversation %s: a change is in memory only (%s)", cid, e)
             return False
-        finally:
-            os.close(fd)
         return True
 
     def remove(self, cid: str) -> None:

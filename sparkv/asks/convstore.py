@@ -12,8 +12,10 @@ that alone would outgrow the store loses its oldest items until it fits (counted
 ``items_dropped`` and said in the log), as ``truncation: "auto"`` drops the oldest turns.
 
 With ``files`` (:class:`~sparkv.asks.convfiles.ConversationFiles`), each conversation is also a
-file on the flash, written as it changes (appended and synced, from the caller's thread) and
-read back by :meth:`ConversationStore.load` at the start.
+file on the flash, written as it changes (appended and synced, from the caller's thread; after
+a failed write, such as a full flash, the whole conversation is written again atomically at its
+next change, so a torn line is never followed) and read back by :meth:`ConversationStore.load`
+at the start.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class ConversationStore:
         self.files = files if self.enabled else None
         self._convs: OrderedDict[str, KeptConversation] = OrderedDict()   # least recent first
         self._bytes = self.evicted = self.items_dropped = 0
+        self._unsaved: set[str] = set()      # conversations whose file must be written whole
         self._lock = threading.Lock()
 
     @property
@@ -130,8 +133,8 @@ class ConversationStore:
         with self._lock:
             self._convs[conv.id] = conv
             self._grow(conv, items)
-            if self.files is not None:
-                self.files.create(conv)
+            if self.files is not None and not self.files.create(conv):
+                self._unsaved.add(conv.id)
             self._make_room(conv.id)
             return self._snapshot(conv)
 
@@ -235,11 +238,19 @@ class ConversationStore:
         return dropped
 
     def _write(self, cid: str, record: dict[str, Any]) -> None:
-        if self.files is not None:
-            self.files.append(cid, record)
+        """Appends the change ``record`` to the file of ``cid``; after a failed write (its
+        file may end in a torn line), the whole conversation is written again instead."""
+        if self.files is None:
+            return
+        if cid in self._unsaved or not self.files.append(cid, record):
+            if self.files.create(self._convs[cid]):
+                self._unsaved.discard(cid)
+            else:
+                self._unsaved.add(cid)
 
     def _drop(self, cid: str) -> None:
         conv = self._convs.pop(cid)
+        self._unsaved.discard(cid)
         self._bytes -= conv.nbytes
         if self.files is not None:
             self.files.remove(cid)

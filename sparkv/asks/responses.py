@@ -22,8 +22,10 @@ A response is kept for its app unless ``store`` is false (:mod:`sparkv.asks.resp
 and ``DELETE /v1/responses/{id}``, its input items), so the next request may name it as its
 ``previous_response_id`` instead of sending the conversation again (its instructions are not
 carried over, as in OpenAI's API); an app may as well send the conversation as ``input``, its
-earlier ``output`` items included. With ``background``, the request is answered at once with
-the response ``queued`` and the ask runs on, polled by ``GET`` (:mod:`sparkv.asks.respbackground`).
+earlier ``output`` items included, or name a ``conversation`` of the Conversations API
+(:mod:`sparkv.asks.convroutes`). With ``background``, the request is answered at once with the
+response ``queued`` (with ``stream``, its events) and the ask runs on, polled by ``GET``
+(:mod:`sparkv.asks.respbackground`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ _SAMPLING = ("temperature", "top_p")
 
 class ResponseOf:
     """One response's identity, what it echoes of its request, and its output items;
-    ``keeper`` keeps it once answered (``None``: it is not kept)."""
+    ``keeper`` keeps it once answered (``None``: it is not kept), ``turn`` adds it to its
+    conversation (``None``: it names none)."""
 
     def __init__(self, body: ResponsesBody, c: Completion,
                  keeper: ResponseKeeper | None = None,

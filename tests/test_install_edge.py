@@ -35,7 +35,8 @@ ABSENT = ("fastapi", "starlette", "uvicorn", "redis", "prometheus_client", "pulp
 NOT_EDGE = ("sparkv.server", "sparkv.bench", "sparkv.demo", "sparkv.device.app",
             "sparkv.rest.handlers", "sparkv.rest.middleware", "sparkv.rest.routing",
             "sparkv.asks.routes", "sparkv.asks.chat", "sparkv.asks.completion",
-            "sparkv.asks.models", "sparkv.asks.responses", "sparkv.asks.respkept")
+            "sparkv.asks.models", "sparkv.asks.responses", "sparkv.asks.respkept",
+            "sparkv.asks.convroutes")
 
 BLOCKED_RUN = r"""
 import contextlib, importlib, importlib.abc, io, json, pkgutil, sys

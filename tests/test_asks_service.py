@@ -1147,6 +1147,42 @@ def test_a_conversation_holds_its_responses_turns_as_the_api_keeps_them(world):
         other.close()
 
 
+def test_input_tokens_are_counted_as_the_response_would_count_them(world):
+    """responses.input_tokens.count: before a response is asked, the input tokens its usage
+    then says, for a lone question, instructions and earlier turns, a previous response, and
+    a conversation; a context its server does not know is the 404 the ask would get."""
+    openai = pytest.importorskip("openai")
+    oa, _ = _openai(openai, world["dev"], "counter")
+    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    kw = dict(model=world["ctx"]["b"], extra_body={"sparkv": sparkv})
+    turns = [{"role": "user", "content": "What is it about?"},
+             {"role": "assistant", "content": "A licence."},
+             {"role": "user", "content": "Who wrote it?"}]
+    try:
+        conv = oa.conversations.create(items=turns[:2])
+        asked = [dict(input="What is it about?"),
+                 dict(input=turns, instructions="Answer in one word."),
+                 dict(input="And when?", conversation=conv.id)]
+        counts = [oa.responses.input_tokens.count(**a, **kw) for a in asked]
+        made = [oa.responses.create(**a, max_output_tokens=3, **kw) for a in asked]
+        assert counts[0].object == "response.input_tokens"
+        assert [c.input_tokens for c in counts] == [r.usage.input_tokens for r in made]
+        assert counts[1].input_tokens > counts[0].input_tokens
+        later = dict(input="Why?", previous_response_id=made[1].id)
+        count = oa.responses.input_tokens.count(**later, **kw).input_tokens
+        assert count == oa.responses.create(**later, max_output_tokens=3,
+                                             **kw).usage.input_tokens
+        with pytest.raises(openai.BadRequestError):
+            oa.responses.input_tokens.count(input="Q?", previous_response_id="resp_none", **kw)
+        with pytest.raises(openai.APIStatusError) as e:
+            oa.responses.input_tokens.count(input="Q?", model="f" * 32,
+                                            extra_body={"sparkv": sparkv})
+        assert e.value.status_code == 404            # as the ask itself would be
+    finally:
+        oa.close()
+
+
 def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_past_the_window(world):
     """A conversation past the model's 4,096 positions is a 413 as it stands; with truncation
     auto its oldest turns go until it fits, and the answer is the one the fitting turns get

@@ -117,6 +117,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     from sparkv.asks.respbackground import BackgroundResponses
     from sparkv.asks.convroutes import conversations_router
     from sparkv.asks.respkept import kept_router
+    from sparkv.asks.resptokens import tokens_router
     from sparkv.asks.responses import responses_router
     from sparkv.asks.routes import asks_router
     from sparkv.asks.service import AskService, BadServerUrl
@@ -152,6 +153,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     app.state.conversations = _conversation_store(service, args)
     app.include_router(asks_router)
     app.include_router(chat_router)
+    app.include_router(tokens_router)          # before /v1/responses/{id}'s routes
     app.include_router(responses_router)
     app.include_router(kept_router)
     app.include_router(conversations_router)

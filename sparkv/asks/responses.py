@@ -48,18 +48,22 @@ from sparkv.asks.chat import (DEFAULT_MAX_TOKENS, asked, context_id_of, openai_r
                               with_tools)
 from sparkv.asks.completion import Completion, EventStream, outcome
 from sparkv.asks.convroutes import ConversationsDep, ConversationTurn, conversation_of
+from sparkv.asks.convstore import ConversationStore
 from sparkv.asks.respkept import (BackgroundDep, NoResponsesKept, ResponseKeeper, StoreDep,
                                   followed, previous)
 from sparkv.asks.respschemas import ResponsesBody, identified
+from sparkv.asks.respstore import ResponseStore, StoredResponse
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import SparkvFields
-from sparkv.asks.tickets import AskTicket
+from sparkv.asks.service import AskService
+from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.asks.truncation import truncated
 from sparkv.device.app import CallerDep
 from sparkv.protocol.errors import error_body
-from sparkv.runtime.toolform import ToolCall
+from sparkv.runtime.toolform import ToolCall, ToolSet
 
-__all__ = ["responses_router", "ResponseOf", "ResponseEvents", "StreamEvents", "respond"]
+__all__ = ["responses_router", "ResponseOf", "ResponseEvents", "StreamEvents", "respond",
+           "request_ask"]
 
 #: OpenAI's fields of how the answer's tokens are chosen, as the ask's fields
 _SAMPLING = ("temperature", "top_p")
@@ -347,15 +351,8 @@ async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
     and ``input`` are the conversation ending in the question (after the conversation of the
     ``previous_response_id``, or the items of the ``conversation``), ``extra_body={"sparkv":
     {...}}`` the rest of the ask."""
-    tools, cid = body.tool_set(), body.conversation_id()
-    earlier = previous(store, caller, body.previous_response_id)
-    before = (conversation_of(conversations, caller, cid).items if cid is not None
-              else earlier.conversation() if earlier else ())
-    question = asked(body.turns(before), tools)
-    fields = (body.sparkv or SparkvFields()).model_copy(update=_openai_fields(body))
-    ask = with_tools(tools, ask_request(fields, asks, context_id_of(body.model, body.sparkv),
-                                        question, body.max_output_tokens or DEFAULT_MAX_TOKENS,
-                                        body.logprobs()))
+    ask, earlier, tools = request_ask(body, asks, caller, store, conversations)
+    cid = body.conversation_id()
     items = [identified(i) for i in body.items()]
     keeper = (ResponseKeeper(store, caller, earlier, items)
               if body.store is not False and store.enabled else None)
@@ -376,6 +373,23 @@ async def create_response(body: ResponsesBody, request: Request, asks: AsksDep,
     if body.stream:
         return ResponseEvents(ticket, r)
     return await respond(ticket, r, request)
+
+
+def request_ask(body: ResponsesBody, asks: AskService, caller: str, store: ResponseStore,
+                conversations: ConversationStore
+                ) -> tuple[AskRequest, StoredResponse | None, ToolSet | None]:
+    """The ask a request makes (its turns after the ``previous_response_id``'s conversation
+    or the ``conversation``'s items), the kept response it continues and its tools."""
+    tools, cid = body.tool_set(), body.conversation_id()
+    earlier = previous(store, caller, body.previous_response_id)
+    before = (conversation_of(conversations, caller, cid).items if cid is not None
+              else earlier.conversation() if earlier else ())
+    question = asked(body.turns(before), tools)
+    fields = (body.sparkv or SparkvFields()).model_copy(update=_openai_fields(body))
+    ask = with_tools(tools, ask_request(fields, asks, context_id_of(body.model, body.sparkv),
+                                        question, body.max_output_tokens or DEFAULT_MAX_TOKENS,
+                                        body.logprobs()))
+    return ask, earlier, tools
 
 
 def _openai_fields(body: ResponsesBody) -> dict[str, Any]:

@@ -353,10 +353,11 @@ class AskService:
         if session.priors.question_prefill_s is not None:
             self.priors.question_prefill_s = session.priors.question_prefill_s
 
-    def context_tokens(self, app: str, ask: AskRequest) -> int | None:
+    def context_tokens(self, app: str, ask: AskRequest, strict: bool = False) -> int | None:
         """The tokens of the context ``ask`` is about: its kept copy's that ``app`` may use,
         else its manifest's (fetched unless this service's client has it); ``None`` when it
-        cannot be known now (the ask will say why when it runs). Blocking."""
+        cannot be known now (the ask will say why when it runs), or with ``strict`` the
+        fetch's error raised. Blocking."""
         client = self._client(ask.server, ask.api_key)
         label = f"{client.base_url}#{ask.context_id}"
         kept = [c for c in self.contexts.list()
@@ -368,6 +369,8 @@ class AskService:
             try:
                 manifest = client.manifest(ask.context_id)
             except Exception as e:        # any failure: the ask meets it and says it
+                if strict:
+                    raise
                 log.info("the tokens of context %s are not known now (%s)",
                          ask.context_id, e)
                 return None

@@ -343,3 +343,23 @@ def test_a_file_written_after_its_response_went_is_removed(tmp_path):
     store.delete("app:a", rids[1])
     assert store.persist("app:a", rids[1], store.get("app:a", rids[1]) or kept)
     assert list(folder.iterdir()) == []
+
+
+def test_a_response_past_its_time_is_held_while_a_newer_one_continues_it(tmp_path):
+    now = [1_000.0]
+    folder = tmp_path / "responses"
+    store = ResponseStore(10, 100_000, files=ResponseFiles(folder), ttl_s=100,
+                          clock=lambda: now[0])
+    body = ResponsesBody(model="m", input="Q?")
+    first = {**_response(_rid(1), "A."), "id": _rid(1), "created_at": 1_000}
+    asyncio.run(ResponseKeeper(store, "app:a", None, body.items())(first))
+    second = {**_response(_rid(2), "B."), "id": _rid(2), "created_at": 1_080}
+    asyncio.run(ResponseKeeper(store, "app:a", store.get("app:a", _rid(1)),
+                               body.items())(second))
+    now[0] = 1_150.0                               # the first is past its time
+    assert store.get("app:a", _rid(1)) is None and store.stats()["held"] == 1
+    assert len(store.get("app:a", _rid(2)).conversation()) == 4
+    assert (folder / f"{_rid(1)}.held.json").exists()
+    now[0] = 1_200.0                               # the second too: both go
+    assert store.get("app:a", _rid(2)) is None
+    assert store.stats()["bytes"] == 0 and list(folder.iterdir()) == []

@@ -1218,7 +1218,7 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
     lists its input items and continues it as previous_response_id, as before the restart (the
     response it continued deleted: held for it alone), has its conversations, and says a
     background one it stopped failed; --responses-kept 0 keeps none and refuses a
-    previous_response_id by name."""
+    previous_response_id by name, --conversations-kept 0 makes no conversation."""
     openai = pytest.importorskip("openai")
     sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
               "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
@@ -1257,7 +1257,8 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
         dev.stop()
     assert "Traceback" not in dev.log()
     off = DeviceProcess(tmp_path / "off", 200, model=str(shared_tiny_checkpoint()),
-                        extra_args=["--ask-slots", "1", "--responses-kept", "0"]).start()
+                        extra_args=["--ask-slots", "1", "--responses-kept", "0",
+                                    "--conversations-kept", "0"]).start()
     try:
         oa, _ = _openai(openai, off, "diary")
         r = oa.responses.create(input="What is it about?", **kw)
@@ -1266,10 +1267,13 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
             oa.responses.retrieve(r.id)
         with pytest.raises(openai.BadRequestError, match="keeps no responses"):
             oa.responses.create(input="And?", previous_response_id=r.id, **kw)
+        with pytest.raises(openai.BadRequestError, match="conversations-kept 0"):
+            oa.conversations.create()
         oa.close()
     finally:
         off.stop()
     assert not (tmp_path / "off" / "responses").exists()
+    assert not (tmp_path / "off" / "conversations").exists()
 
 
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):

@@ -103,12 +103,17 @@ def get_conversations(request: Request) -> ConversationStore:
 ConversationsDep = Annotated[ConversationStore, Depends(get_conversations)]
 
 
-def conversation_of(store: ConversationStore, caller: str, cid: str) -> Snapshot:
-    """``caller``'s conversation ``cid`` as it stands (:class:`UnknownConversation` when it
-    has none such)."""
+def _kept_here(store: ConversationStore) -> None:
+    """:class:`NoConversationsKept` when the service keeps none."""
     if not store.enabled:
         raise NoConversationsKept("conversations are not kept by this service "
                                   "(--conversations-kept 0): send the conversation as input")
+
+
+def conversation_of(store: ConversationStore, caller: str, cid: str) -> Snapshot:
+    """``caller``'s conversation ``cid`` as it stands (:class:`UnknownConversation` when it
+    has none such)."""
+    _kept_here(store)
     snap = store.get(caller, cid)
     if snap is None:
         raise UnknownConversation(f"Conversation with id {cid!r} not found.")
@@ -155,8 +160,7 @@ def _item(snap: Snapshot, item_id: str) -> InputItem:
 def create_conversation(body: NewConversation, store: ConversationsDep,
                         caller: CallerDep) -> dict[str, Any]:
     """A new conversation of this app, with its first items."""
-    if not store.enabled:
-        conversation_of(store, caller, "")
+    _kept_here(store)
     items = [identified(i) for i in body.items or []]
     return store.create(caller, items, body.metadata).info
 

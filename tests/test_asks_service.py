@@ -83,6 +83,12 @@ def _openai(openai, dev, app: str):
                          http_client=http, max_retries=0), http
 
 
+def _local(world) -> dict:
+    """The ``sparkv`` fields of an exact, local, dense ask about the world's server."""
+    return {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
+            "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+
+
 def _ask(world, c, name: str, question: str = "What is it about?", **fields):
     return c.ask(world["ctx"][name], question, server=world["srv"].url, api_key=world["key"],
                  **fields)
@@ -421,8 +427,7 @@ def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world)
     openai = pytest.importorskip("openai")
     dev = world["dev"]
     oa, http = _openai(openai, dev, "chat")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     cid, question = world["ctx"]["a"], "What is it about?"
     with dev.client() as c:
         alone = _ask(world, c, "a", question, max_new_tokens=8, **{k: v for k, v in sparkv.items()
@@ -841,8 +846,7 @@ def test_the_openai_client_asks_through_the_responses_api_as_through_chat(world)
     openai = pytest.importorskip("openai")
     rs = pytest.importorskip("jsonschema_rs")
     oa, http = _openai(openai, world["dev"], "responses")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     cid, question, rule = world["ctx"]["a"], "What is it about?", "Answer in one sentence."
     kw = dict(model=cid, extra_body={"sparkv": sparkv})
     try:
@@ -941,8 +945,7 @@ def test_a_kept_response_is_continued_read_and_deleted_by_its_app_alone(world):
     openai = pytest.importorskip("openai")
     oa, _ = _openai(openai, world["dev"], "keeper")
     other, _ = _openai(openai, world["dev"], "other")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv}, max_output_tokens=6,
               instructions="Answer in a few words.")
     try:
@@ -1005,8 +1008,7 @@ def test_a_background_response_runs_on_and_is_polled_cancelled_or_deleted(world)
     runs stops and is gone."""
     openai = pytest.importorskip("openai")
     oa, _ = _openai(openai, world["dev"], "poller")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv})
     try:
         fore = oa.responses.create(input="What is it about?", max_output_tokens=6, **kw)
@@ -1059,8 +1061,7 @@ def test_a_streamed_background_response_is_read_on_from_where_the_app_left(world
     no events to stream again (a 400)."""
     openai = pytest.importorskip("openai")
     oa, _ = _openai(openai, world["dev"], "streamer")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv})
     try:
         fore = oa.responses.create(input="What is it about?", max_output_tokens=6, **kw)
@@ -1102,8 +1103,7 @@ def test_a_conversation_holds_its_responses_turns_as_the_api_keeps_them(world):
     openai = pytest.importorskip("openai")
     oa, _ = _openai(openai, world["dev"], "chatter")
     other, _ = _openai(openai, world["dev"], "stranger")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv}, max_output_tokens=5)
     first = {"role": "user", "content": "Read it closely."}
     try:
@@ -1153,8 +1153,7 @@ def test_input_tokens_are_counted_as_the_response_would_count_them(world):
     a conversation; a context its server does not know is the 404 the ask would get."""
     openai = pytest.importorskip("openai")
     oa, _ = _openai(openai, world["dev"], "counter")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     kw = dict(model=world["ctx"]["b"], extra_body={"sparkv": sparkv})
     turns = [{"role": "user", "content": "What is it about?"},
              {"role": "assistant", "content": "A licence."},
@@ -1189,8 +1188,7 @@ def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_past_the_windo
     sent alone (the instructions kept)."""
     openai = pytest.importorskip("openai")
     oa, _ = _openai(openai, world["dev"], "talker")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     kw = dict(model=world["ctx"]["a"], extra_body={"sparkv": sparkv}, max_output_tokens=6,
               instructions="Answer plainly.")
     filler = sample_text()[9000:11400]
@@ -1220,8 +1218,7 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
     background one it stopped failed; --responses-kept 0 keeps none and refuses a
     previous_response_id by name, --conversations-kept 0 makes no conversation."""
     openai = pytest.importorskip("openai")
-    sparkv = {"server": world["srv"].url, "api_key": world["key"], "strategy": "local",
-              "stop_at_eos": False, "keep": False, "backend": "dense", "level": "raw"}
+    sparkv = _local(world)
     kw = dict(model=world["ctx"]["c"], extra_body={"sparkv": sparkv}, max_output_tokens=4)
     dev = DeviceProcess(tmp_path / "dev", 200, model=str(shared_tiny_checkpoint()),
                         extra_args=["--ask-slots", "1"]).start()

@@ -1091,6 +1091,8 @@ def test_a_streamed_background_response_is_read_on_from_where_the_app_left(world
         assert oa.responses.retrieve(lid).status == "cancelled"
         with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
             oa.responses.retrieve(fore.id, stream=True)
+        with pytest.raises(openai.UnprocessableEntityError):
+            oa.responses.retrieve(rid, stream=True, starting_after=-1)
     finally:
         oa.close()
 
@@ -1139,6 +1141,10 @@ def test_a_conversation_holds_its_responses_turns_as_the_api_keeps_them(world):
         with pytest.raises(openai.UnprocessableEntityError, match="previous_response_id"):
             oa.responses.create(input="And?", conversation=conv.id,
                                 previous_response_id=r2.id, **kw)
+        for bad in (dict(items=[first] * 21), dict(metadata={f"k{i}": "v" for i in range(17)}),
+                    dict(metadata={"k": "v" * 513})):
+            with pytest.raises(openai.UnprocessableEntityError):
+                oa.conversations.create(**bad)
         assert oa.conversations.delete(conv.id).deleted
         with pytest.raises(openai.NotFoundError):
             oa.responses.create(input="And?", conversation=conv.id, **kw)

@@ -13,11 +13,12 @@ is answered, so a turn costs its own items, not the whole conversation::
     {"metadata": {"topic": "..."}}
     {"drop_oldest": 2}
 
-At the start each file is read back (past the page cache) by replaying its records, then written
-again as its header and one ``add`` (atomically), so the deleted items leave the flash. A last
-line a crash cut short is left out; a file whose header cannot be read (damaged, another format,
-a name that is no conversation id, bigger than the store) is removed, with a warning; a damaged
-record further on keeps the conversation as it stood before it, with a warning.
+At the start each file is read back (past the page cache) by replaying its records, then, unless
+it already is its header and one ``add``, written again so (atomically, its time kept), so the
+deleted items leave the flash. A last line a crash cut short is left out; a file whose header
+cannot be read (damaged, another format, a name that is no conversation id, bigger than the
+store) is removed, with a warning; a damaged record further on keeps the conversation as it
+stood before it, with a warning.
 
 No state beyond the folder's path; the store calls it under its lock.
 """
@@ -106,18 +107,30 @@ class ConversationFiles:
                 path.unlink()
 
     def read_all(self, max_bytes: int) -> Iterator[KeptConversation]:
-        """Every readable conversation, oldest first (each written again compacted); the
-        unreadable files removed."""
+        """Every readable conversation, oldest first (one holding more than its header and one
+        ``add`` written again compacted, its time kept); the unreadable files removed."""
         for path in oldest_first(self.folder, "*.jsonl"):
-            conv = self._read(path, max_bytes)
-            if conv is None:
+            got = self._read(path, max_bytes)
+            if got is None:
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
-            self.create(conv)
+            conv, compact = got
+            if not compact:
+                self._compact(path, conv)
             yield conv
 
-    def _read(self, path: Path, max_bytes: int) -> KeptConversation | None:
+    def _compact(self, path: Path, conv: KeptConversation) -> None:
+        """Writes ``conv`` whole in place of its records, with the file's time (the order
+        the conversations are read in)."""
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            if self.create(conv):
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    def _read(self, path: Path, max_bytes: int) -> tuple[KeptConversation, bool] | None:
+        """The conversation ``path`` holds, and whether it is compact (its header and at most
+        one ``add``, every line read)."""
         try:
             if not _ID.fullmatch(path.stem) or path.stat().st_size > 4 * max_bytes + 4096:
                 raise ValueError("no conversation id, or bigger than the store")
@@ -126,17 +139,19 @@ class ConversationFiles:
         except (OSError, *_BAD) as e:
             log.warning("conversation file %s is removed: it cannot be read (%s)", path, e)
             return None
+        records: list[bytes] = []
         for k, line in enumerate(lines[1:], start=2):
             if not line.strip():
                 continue
+            records.append(line)
             try:
                 _replay(conv, json.loads(line))
             except _BAD as e:
                 if k < len(lines):                 # not a last line a crash cut short
                     log.warning("conversation file %s: line %d cannot be read (%s); the "
                                 "conversation is kept as it stood before it", path, k, e)
-                break
-        return conv
+                return conv, False
+        return conv, not records or (len(records) == 1 and records[0].startswith(b'{"add"'))
 
 
 def _header(doc: Any, cid: str) -> KeptConversation:

@@ -6,6 +6,7 @@ responses are kept for their app alone, the last few, within their bytes."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 from sparkv.asks.resplog import EventLog, EventLogs
 
@@ -67,3 +68,107 @@ def test_ended_logs_are_kept_for_their_app_the_last_few_within_their_bytes():
         assert await reader == [] and logs.get("app:a", "run") is None
 
     asyncio.run(go())
+
+
+# ---- on the flash (sparkv/asks/resplogfiles.py) ------------------------------------------------
+def _ev(k: int, kind: str = "response.output_text.delta") -> bytes:
+    return f'event: {kind}\ndata: {{"type": "{kind}", "sequence_number": {k}}}\n\n'.encode()
+
+
+def _rid(k: int) -> str:
+    return f"resp_{k:032x}"
+
+
+def _ran(logs: EventLogs, rid: str, n: int, end: bool = True) -> None:
+    log = logs.open("app:a", rid)
+    for k in range(n):
+        log.add(_ev(k))
+    if end:
+        logs.end(rid)
+
+
+def test_a_restarted_service_streams_the_ended_logs_again_and_a_stopped_one_to_its_failure(
+        tmp_path):
+    """Each log is a file as it comes: the next service reads the ended ones back, event for
+    event, for the responses still kept (the others' files removed); one the service stopped
+    while it ran reads on to a response.failed numbered on, added once; one a crash cut short
+    of a response that ended is removed; ended logs past the bounds, or forgotten, lose their
+    files."""
+    import json
+
+    from sparkv.asks.respfiles import STOPPED
+    from sparkv.asks.resplogfiles import EventFiles
+
+    async def before():
+        logs = EventLogs(files=EventFiles(tmp_path))
+        _ran(logs, _rid(1), 3)
+        _ran(logs, _rid(2), 2)
+        _ran(logs, _rid(3), 4, end=False)           # running when the service stops
+        _ran(logs, _rid(4), 1, end=False)
+        _ran(logs, _rid(5), 1)
+        logs.forget("app:a", _rid(5))               # deleted: its file goes
+        assert (tmp_path / f"{_rid(3)}.events").stat().st_mode & 0o777 == 0o600
+        logs.close()
+
+    asyncio.run(before())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{_rid(k)}.events" for k in (1, 2, 3, 4)]
+    for k in (1, 2, 3, 4):                          # their order (the clock's steps are coarse)
+        os.utime(tmp_path / f"{_rid(k)}.events", (1e9 + k, 1e9 + k))
+    stopped = {"id": _rid(3), "status": "failed", "error": STOPPED}
+    kept = {_rid(1): {"status": "completed"}, _rid(3): stopped, _rid(4): {"status": "completed"}}
+
+    async def after():
+        logs = EventLogs(files=EventFiles(tmp_path))
+        assert logs.load(lambda app, rid: kept.get(rid) if app == "app:a" else None) == 2
+        assert await _read(logs.get("app:a", _rid(1))) == [_ev(k) for k in range(3)]
+        assert logs.get("app:b", _rid(1)) is None and logs.get("app:a", _rid(2)) is None
+        got = await _read(logs.get("app:a", _rid(3)), after=2)
+        assert got[0] == _ev(3)
+        last = json.loads(got[1].split(b"data: ", 1)[1])
+        assert last == {"type": "response.failed", "sequence_number": 4, "response": stopped}
+        assert logs.get("app:a", _rid(4)) is None          # cut short, yet it ended
+        return got
+
+    got = asyncio.run(after())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{_rid(k)}.events" for k in (1, 3)]
+
+    async def again():                              # the failure was added once, the log ended
+        logs = EventLogs(finished=1, files=EventFiles(tmp_path))
+        assert logs.load(lambda app, rid: kept.get(rid)) == 1
+        assert (await _read(logs.get("app:a", _rid(3))))[3:] == got
+        assert logs.get("app:a", _rid(1)) is None      # past the bounds: its file too
+
+    asyncio.run(again())
+    assert [p.name for p in tmp_path.iterdir()] == [f"{_rid(3)}.events"]
+
+
+def test_a_damaged_events_file_is_removed_and_a_torn_last_event_left_out(tmp_path):
+    """A file read back that is not a log of its id (another format, id or name, an event out
+    of order or no event, text after the end mark) is removed; a last event a crash cut short
+    is left out of a stopped response's log."""
+    from sparkv.asks.respfiles import STOPPED
+    from sparkv.asks.resplogfiles import END, EventFiles, FORMAT
+
+    def head(rid: str, fmt: str = FORMAT) -> bytes:
+        return f'{{"format": "{fmt}", "app": "app:a", "id": "{rid}"}}\n'.encode()
+
+    bad = {_rid(1): head(_rid(1), "other/1") + END,
+           _rid(2): head(_rid(9)) + END,
+           _rid(3): head(_rid(3)) + _ev(1) + END,
+           _rid(4): head(_rid(4)) + b"data: {}\n\n" + END,
+           _rid(5): head(_rid(5)) + _ev(0) + END + b"x",
+           _rid(6): b"not json\n"}
+    for rid, data in bad.items():
+        (tmp_path / f"{rid}.events").write_bytes(data)
+    (tmp_path / "resp_x.events").write_bytes(head("resp_x") + END)
+    torn = _rid(7)
+    (tmp_path / f"{torn}.events").write_bytes(head(torn) + _ev(0) + _ev(1)[:20])
+    logs = EventLogs(files=EventFiles(tmp_path))
+    failed = {"status": "failed", "error": STOPPED}
+    assert logs.load(lambda app, rid: failed) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [f"{torn}.events"]
+    events = asyncio.run(_read(logs.get("app:a", torn)))
+    assert events[0] == _ev(0) and b'"sequence_number": 1' in events[1] and len(events) == 2
+    again = EventLogs(files=EventFiles(tmp_path))       # written again whole: read the same
+    assert again.load(lambda app, rid: {"status": "completed"}) == 1
+    assert asyncio.run(_read(again.get("app:a", torn))) == events

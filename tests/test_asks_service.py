@@ -1220,8 +1220,9 @@ def test_truncation_auto_drops_the_oldest_turns_of_a_conversation_past_the_windo
 def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
     """The kept responses are files in the flash dir: a restarted service gives one back,
     lists its input items and continues it as previous_response_id, as before the restart (the
-    response it continued deleted: held for it alone), has its conversations, and says a
-    background one it stopped failed; --responses-kept 0 keeps none and refuses a
+    response it continued deleted: held for it alone), has its conversations, says a
+    background one it stopped failed, streams a streamed background one's events again and
+    one it stopped on to its failure; --responses-kept 0 keeps none and refuses a
     previous_response_id by name, --conversations-kept 0 makes no conversation."""
     openai = pytest.importorskip("openai")
     sparkv = _local(world)
@@ -1234,19 +1235,29 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
         r2 = oa.responses.create(input="Who wrote it?", previous_response_id=r1.id, **kw)
         conv = oa.conversations.create(metadata={"k": "v"})
         oa.responses.create(input="What is it about?", conversation=conv.id, **kw)
-        bg = oa.responses.create(input="Tell it all.", background=True,
-                                 **{**kw, "max_output_tokens": 3000})
+        streamed = _events(oa.responses.create(input="Who?", background=True, stream=True,
+                                               **kw))
+        first = _events(oa.responses.create(input="Tell it all.", background=True,
+                                            stream=True, **{**kw, "max_output_tokens": 3000}),
+                        3)                      # the app leaves; it runs on
+        bg = first[0].response
         oa.responses.delete(r1.id)              # held: r2 continues it
         oa.close()
         dev.stop()                              # the background one stops unanswered
         files = sorted(p.name for p in (tmp_path / "dev" / "responses").glob("resp_*.json"))
-        assert len(files) == 4 and f"{r1.id}.held.json" in files
+        assert len(files) == 5 and f"{r1.id}.held.json" in files
         dev.start()
         oa, _ = _openai(openai, dev, "diary")
         with pytest.raises(openai.NotFoundError):
             oa.responses.retrieve(r1.id)
         stopped = oa.responses.retrieve(bg.id)
         assert stopped.status == "failed" and stopped.error.code == "service_stopped"
+        again = _events(oa.responses.retrieve(streamed[0].response.id, stream=True))
+        assert [e.model_dump() for e in again] == [e.model_dump() for e in streamed]
+        rest = _events(oa.responses.retrieve(bg.id, stream=True, starting_after=2))
+        assert [e.sequence_number for e in rest] == list(range(3, 3 + len(rest)))
+        assert rest[-1].type == "response.failed"
+        assert rest[-1].response.error.code == "service_stopped"
         assert oa.responses.retrieve(r2.id).output_text == r2.output_text
         assert [i.id for i in oa.responses.input_items.list(r2.id).data] == [
             i.id for i in reversed(oa.responses.input_items.list(r2.id, order="asc").data)]
@@ -1277,6 +1288,7 @@ def test_kept_responses_outlive_a_restart_of_the_service(world, tmp_path):
         off.stop()
     assert not (tmp_path / "off" / "responses").exists()
     assert not (tmp_path / "off" / "conversations").exists()
+    assert not (tmp_path / "off" / "response_events").exists()
 
 
 def test_the_openai_client_asks_a_conversation_as_an_in_process_session_does(world):

@@ -114,7 +114,6 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     """Adds the asks to the service's ``app``; returns what closes them."""
     from sparkv.asks.chat import chat_router
     from sparkv.asks.models import models_router
-    from sparkv.asks.respbackground import BackgroundResponses
     from sparkv.asks.convroutes import conversations_router
     from sparkv.asks.respkept import kept_router
     from sparkv.asks.resptokens import tokens_router
@@ -148,8 +147,8 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     log.info("sparkv device: the asks warmed (step-cost model, chat template, vocabulary, "
              "server client) in %.2f s", took)
     app.state.asks = asks
-    app.state.responses = _response_store(service, args)
-    app.state.background = background = BackgroundResponses()
+    app.state.responses = store = _response_store(service, args)
+    app.state.background = background = _background(service, store)
     app.state.conversations = _conversation_store(service, args)
     app.include_router(asks_router)
     app.include_router(chat_router)
@@ -180,6 +179,27 @@ def _response_store(service: Any, args: argparse.Namespace) -> Any:
         log.info("sparkv device: %d kept responses read back from %s",
                  store.stats()["responses"], folder)
     return store
+
+
+def _background(service: Any, store: Any) -> Any:
+    """The background responses, the events of the streamed ones read back from the flash dir
+    (for the responses still kept)."""
+    from sparkv.asks.respbackground import BackgroundResponses
+    from sparkv.asks.resplogfiles import RESPONSE_EVENTS_DIR, EventFiles
+
+    swap_dir = getattr(service, "swap_dir", None)        # none: a scripted service (tests)
+    on = store.files is not None and swap_dir is not None
+    folder = Path(swap_dir or ".") / RESPONSE_EVENTS_DIR
+    background = BackgroundResponses(files=EventFiles(folder) if on else None)
+
+    def kept(app: str, rid: str) -> dict[str, Any] | None:
+        got = store.get(app, rid)
+        return got.response if got is not None else None
+    n = background.logs.load(kept)
+    if n:
+        log.info("sparkv device: the events of %d streamed background responses read back "
+                 "from %s", n, folder)
+    return background
 
 
 def _conversation_store(service: Any, args: argparse.Namespace) -> Any:

@@ -5,7 +5,8 @@ meanwhile), and the app polls ``GET /v1/responses/{id}`` until its status is ``c
 ``incomplete``, ``failed`` or ``cancelled``; ``POST /v1/responses/{id}/cancel`` stops it.
 With ``stream`` too, the request is answered by the response's events as they come, kept in
 an :class:`~sparkv.asks.resplog.EventLog` so the app may leave and read on from where it left
-(``GET /v1/responses/{id}?stream=true&starting_after=N``).
+(``GET /v1/responses/{id}?stream=true&starting_after=N``), and written to the device's flash
+(:mod:`sparkv.asks.resplogfiles`), so a restarted service streams them again.
 
 :class:`BackgroundResponses` runs them: the kept entry says ``queued`` (its file written:
 :mod:`sparkv.asks.respfiles`), then ``in_progress`` at the answer's first token (in memory),
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
 from sparkv.asks.resplog import EventLog, EventLogs
+from sparkv.asks.resplogfiles import EventFiles
 from sparkv.asks.tickets import AskTicket
 
 log = logging.getLogger("sparkv.asks")
@@ -69,9 +71,9 @@ class BackgroundResponses:
     """The background responses running now, by id, and the events of the streamed ones
     (``logs``: module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, files: EventFiles | None = None) -> None:
         self._running: dict[str, _Running] = {}
-        self.logs = EventLogs()
+        self.logs = EventLogs(files=files)
 
     async def start(self, caller: str, ticket: AskTicket, r: Answering,
                     stream: bool = False) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from sparkv.fileio import FlashIO, atomic_write, oldest_first
 
 log = logging.getLogger("sparkv.asks")
 
-__all__ = ["ResponseFiles", "RESPONSES_DIR", "FORMAT", "STOPPED"]
+__all__ = ["ResponseFiles", "RESPONSES_DIR", "RESPONSE_ID", "FORMAT", "STOPPED"]
 
 #: the folder of the flash dir the kept responses are written in
 RESPONSES_DIR = "responses"
@@ -58,7 +58,7 @@ _UNFINISHED = ("queued", "in_progress")
 STOPPED = {"code": "service_stopped",
            "message": "the service stopped before this background response was answered"}
 #: the ids a file may be named by (the service makes them: ``resp_`` and 32 hex digits)
-_ID = re.compile(r"resp_[0-9a-f]{32}")
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 #: a kept response's file name: its id, ``.held`` when it is held, ``.json``
 _NAME = re.compile(r"(resp_[0-9a-f]{32})(\.held)?\.json")
 
@@ -71,7 +71,7 @@ class ResponseFiles:
         self.io = FlashIO(self.folder)          # reads past the page cache
 
     def _path(self, rid: str, held: bool = False) -> Path | None:
-        if not _ID.fullmatch(rid):
+        if not RESPONSE_ID.fullmatch(rid):
             return None
         return self.folder / (f"{rid}.held.json" if held else f"{rid}.json")
 

@@ -25,7 +25,6 @@ import tempfile
 import time
 from typing import Any
 
-from sparkv.asks.respfiles import STOPPED
 from sparkv.asks.resplog import EventLogs
 from sparkv.asks.resplogfiles import EventFiles
 
@@ -64,7 +63,6 @@ def write(logs: EventLogs, n_logs: int, n_events: int) -> float:
 #: a restarted service's reading of the logs, in a new process (its imports not counted)
 _READ_BACK = """
 import sys, time
-from sparkv.asks.respfiles import STOPPED
 from sparkv.asks.resplog import EventLogs
 from sparkv.asks.resplogfiles import EventFiles
 t0 = time.perf_counter()

@@ -10,8 +10,9 @@ An :class:`EventLog` holds one response's server-sent events in order (an event'
 leaves does not stop the response. :class:`EventLogs` holds the logs of the responses running
 now and of the last :data:`FINISHED_LOGS` that ended (at most :data:`FINISHED_LOG_BYTES` of
 them), each its app's alone. With :class:`~sparkv.asks.resplogfiles.EventFiles`, each log is
-also a file on the device's flash, so a restarted service streams them again (:meth:`EventLogs.load`):
-the logs of the responses it stopped before they ended read on to their failure.
+also a file on the device's flash, so a restarted service streams them again
+(:meth:`EventLogs.load`): the logs of the responses it stopped before they ended read on to
+their failure.
 
 One event loop: the logs are written and read by the service's loop only.
 """

@@ -105,7 +105,9 @@ def test_auto_takes_prose_or_calls_and_prose_never_begins_a_call():
     assert len(tools.read(whole + "\n" + other)) == 2
     assert len(tools.read(whole + "\n" + whole)) == 1               # a repeat: once
     assert len(tools.read(whole + "\n" + whole[:20])) == 1          # a repeat cut off
-    assert tools.read(whole + "\n" + other[:-14]) == []             # a new call cut off
+    assert [c.complete for c in tools.read(whole + "\n" + other[:-14])] == [True, True]
+    cut = tools.read(whole + "\n" + other[:-15])                   # cut off in its arguments
+    assert [(c.arguments, c.complete) for c in cut] == [("{}", True), ('{"a": 1', False)]
 
 
 def test_auto_with_a_response_format_takes_its_json_or_calls():

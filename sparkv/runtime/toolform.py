@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -34,6 +33,7 @@ from sparkv.runtime.formparts import (ANY_OBJECT, MAX_ALTERNATIVES, FormError, N
                                       raw_part, repeated, sequence, text_part)
 from sparkv.runtime.formschema import schema_node
 from sparkv.runtime.jsonform import JsonForm
+from sparkv.runtime.toolstream import CLOSE, OPEN, CallReader, ToolCall
 
 __all__ = ["Tool", "ToolCall", "ToolSet", "ToolError", "TOOL_NAME", "MAX_TOOLS", "MAX_CALLS",
            "CHOICES", "call_text", "response_text"]
@@ -46,8 +46,6 @@ MAX_CALLS = 8
 #: ``tool_choice``'s words (else a tool's name)
 CHOICES = ("none", "auto", "required")
 
-_OPEN, _CLOSE = "<tool_call>\n", "\n</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 class ToolError(ValueError):
@@ -89,22 +87,13 @@ class Tool:
             "parameters": self.parameters or {"type": "object"}}}, ensure_ascii=False)
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """A call read from an answer: its id, the tool's name, the arguments' JSON text."""
-
-    id: str
-    name: str
-    arguments: str
-
-
 def call_text(name: str, arguments: str) -> str:
     """A call as the model writes it (``arguments``: JSON text; kept as text if not JSON)."""
     try:
         args: Any = json.loads(arguments)
     except ValueError:
         args = arguments
-    return _OPEN + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + _CLOSE
+    return OPEN + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + CLOSE
 
 
 def response_text(content: str) -> str:
@@ -139,9 +128,9 @@ class ToolSet:
             raise ToolError(str(e)) from None
 
     def _calls_part(self) -> Node:
-        call = sequence(raw_part(_OPEN), one_of(*(object_part([
+        call = sequence(raw_part(OPEN), one_of(*(object_part([
             ("name", const_part(t.name)), ("arguments", t.arguments_part())])
-            for t in self._callable)), raw_part(_CLOSE))
+            for t in self._callable)), raw_part(CLOSE))
         if not self.parallel or self.choice not in ("auto", "required"):
             return call
         return sequence(call, repeated(sequence(raw_part("\n"), call), 0, MAX_CALLS - 1))
@@ -172,37 +161,27 @@ class ToolSet:
             return answer
         if self.choice != "auto":
             return JsonForm.of(self._calls, "tool_calls")
-        other = answer.root if answer is not None else text_part(refused=(_OPEN.strip(),))
+        other = answer.root if answer is not None else text_part(refused=(OPEN.strip(),))
         return JsonForm.of(one_of(other, self._calls), "text_or_tool_calls")
 
+    def reader(self) -> CallReader:
+        """A reader of an answer's calls as its text comes (:mod:`sparkv.runtime.toolstream`)."""
+        return CallReader([t.name for t in self._callable])
+
     def read(self, text: str) -> list[ToolCall]:
-        """The calls an answer's text makes, each once (none: it is text, or a call in it was
-        cut off or names no tool). A model that repeats its calls until its token cap (small
-        ones do) made them all: a cut-off repeat of a call it made whole is dropped."""
-        if self._calls is None or not text.lstrip().startswith(_OPEN.strip()):
+        """The calls a whole answer's text makes, as a stream of it shows them (none: it is
+        text): a repeat of a call made before is dropped, a call cut off by the end of the
+        text is not complete (:mod:`sparkv.runtime.toolstream`)."""
+        if self._calls is None:
             return []
-        blocks = [m.group(0) for m in _CALL.finditer(text)]
-        rest = _CALL.sub("", text).strip()
-        if rest and not any(b.startswith(rest) for b in blocks):
-            return []                            # text beside them: a new call cut off
-        calls: dict[tuple[str, str], ToolCall] = {}
-        for body in _CALL.findall(text):
-            try:
-                value = json.loads(body)
-            except ValueError:
-                return []
-            if not (isinstance(value, dict) and isinstance(value.get("arguments"), dict)
-                    and value.get("name") in {t.name for t in self._callable}):
-                return []
-            args = json.dumps(value["arguments"], ensure_ascii=False)
-            calls.setdefault((value["name"], args), ToolCall(
-                f"call_{uuid.uuid4().hex[:24]}", value["name"], args))
-        return list(calls.values())
+        reader = self.reader()
+        reader.feed(text)
+        return reader.calls()
 
     def may_call(self, shown: str) -> bool:
         """Whether an answer that begins with ``shown`` may be calls (streamed text is held
         back while it may)."""
         if self._calls is None:
             return False
-        head, opener = shown.lstrip(), _OPEN.strip()
+        head, opener = shown.lstrip(), OPEN.strip()
         return head.startswith(opener) or opener.startswith(head)

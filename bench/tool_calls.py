@@ -62,7 +62,7 @@ def _answer(lm: Any, kv: Any, n: int, item: Any, mode: str, tokens: int,
     clock.take()
     res = greedy_generate(lm, kv, n, _asked(lm, item, mode), tokens, sampling=Sampling(form=form))
     chooser_s, calls_made = clock.take()
-    calls = _tools("auto").read(res.text)            # what an app reads back, in any mode
+    calls = [c for c in _tools("auto").read(res.text) if c.complete]  # what an app can use
     first = json.loads(calls[0].arguments) if calls else {}
     said = first.get("answer") if isinstance(first.get("answer"), str) else res.text
     decode_s = res.total_s - res.first_token_s

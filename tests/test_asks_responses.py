@@ -110,12 +110,13 @@ class _Ticket:
             yield e
 
 
-def _events(body: ResponsesBody, events: list[dict], max_tokens: int = 3) -> list[dict]:
+def _events(body: ResponsesBody, events: list[dict], max_tokens: int = 3,
+            tools=None) -> list[dict]:
     asks = SimpleNamespace(lm=SimpleNamespace(decode_tokens=lambda ids: f"<{ids[0]}>"),
                            eos={0})
     ask = SimpleNamespace(options=SimpleNamespace(max_new_tokens=max_tokens, stop=[]),
                           logprobs=None)
-    r = ResponseOf(body, Completion(body.model, asks, ask, None))
+    r = ResponseOf(body, Completion(body.model, asks, ask, tools))
 
     async def read() -> list[bytes]:
         return [b async for b in StreamEvents(r).of(_Ticket(events))]
@@ -187,3 +188,39 @@ def test_truncation_drops_the_oldest_turns_until_the_conversation_fits(monkeypat
     assert dropped == 8 and kept.turns[1].text == "q4" * 50
     kept, dropped = fitted(None, conv, 3)                 # not even the question
     assert dropped == 10 and kept.turns[1:] == (ChatTurn("user", "last?"),)
+
+
+def test_streamed_calls_come_as_the_model_writes_them_a_repeat_never_and_a_cut_one_incomplete():
+    """A call's item is added once its name is written, its arguments' deltas come as the
+    tokens write them and add up to the arguments, then their done and the item's; a repeat
+    of a call shows no event; the final response names the calls with the streamed ids. Cut
+    off in its arguments at the cap, the call's item ends incomplete, as the response."""
+    from sparkv.runtime.toolform import Tool, ToolSet, call_text
+
+    tools = ToolSet([Tool("note")], "required")
+    one, two = call_text("note", '{"a": 1}'), call_text("note", '{"a": 2}')
+    text = one + "\n" + one + "\n" + two
+    pieces = [text[k:k + 7] for k in range(0, len(text), 7)]
+    tokens = [{"type": "token", "token": 5, "text": p} for p in pieces]
+    out = _events(_body(), [*tokens, _done(text, [5] * len(pieces) + [0])], 99, tools)
+    kinds = [e["type"] for e in out]
+    assert kinds.count("response.output_item.added") == 2
+    assert kinds.count("response.function_call_arguments.done") == 2
+    added = [e for e in out if e["type"] == "response.output_item.added"]
+    assert [a["item"]["status"] for a in added] == ["in_progress"] * 2
+    for j, args in enumerate(['{"a": 1}', '{"a": 2}']):
+        deltas = [e["delta"] for e in out
+                  if e["type"] == "response.function_call_arguments.delta"
+                  and e["output_index"] == j]
+        assert len(deltas) >= (2 if j == 0 else 1) and "".join(deltas) == args  # 2: held
+    final = out[-1]["response"]
+    assert out[-1]["type"] == "response.completed"
+    assert [(i["call_id"], i["arguments"], i["status"]) for i in final["output"]] == [
+        (a["item"]["call_id"], args, "completed")
+        for a, args in zip(added, ['{"a": 1}', '{"a": 2}'])]
+    cut = one[:48]
+    out = _events(_body(), [{"type": "token", "token": 5, "text": cut}, _done(cut, [5])], 1,
+                  tools)
+    assert out[-2]["type"] == "response.output_item.done"
+    assert out[-2]["item"]["status"] == "incomplete" and out[-2]["item"]["arguments"] == '{"a": '
+    assert out[-1]["type"] == "response.incomplete"

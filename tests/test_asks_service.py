@@ -757,7 +757,8 @@ def _weather_model() -> type:
 
 def test_the_openai_client_calls_tools_and_is_answered_after_their_results(world):
     """tools with tool_choice required or named: the answer is whole calls whose arguments
-    their schemas take, streamed or not, greedy or sampled; the calls and the tools' results go
+    their schemas take, streamed or not (streamed: named first, then the arguments as the
+    model writes them), greedy or sampled; the calls and the tools' results go
     back as messages and the next answer is text; what cannot be is a 4xx naming it."""
     openai = pytest.importorskip("openai")
     rs = pytest.importorskip("jsonschema_rs")
@@ -791,21 +792,32 @@ def test_the_openai_client_calls_tools_and_is_answered_after_their_results(world
                                                  tool_choice="required", **kw))
         deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
         assert not any(d.content for d in deltas)
-        streamed = [tc for d in deltas for tc in d.tool_calls or []]
-        assert [(t.function.name, t.function.arguments) for t in streamed] == [
+        pieces = [tc for d in deltas for tc in d.tool_calls or []]
+        streamed: dict[int, list[str]] = {}         # the client's accumulation, by index
+        for tc in pieces:
+            if tc.id is not None:
+                assert tc.index not in streamed and tc.type == "function"
+                streamed[tc.index] = [tc.id, tc.function.name, ""]
+            streamed[tc.index][2] += tc.function.arguments or ""
+        assert [tuple(streamed[k][1:]) for k in sorted(streamed)] == [
             (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+        assert len(pieces) > len(streamed)          # the arguments came as the model wrote
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
         drawn = oa.chat.completions.create(messages=question, tool_choice="required", n=2,
                                            temperature=1.0, seed=3, **kw)
         for ch in drawn.choices:
             valid(ch.message.tool_calls)
         # parallel calls allowed: the random model may write calls until the cap (then the
-        # answer is text, finish_reason length); any it made whole are valid
+        # last is cut off, finish_reason length); those it made whole are valid, none twice
         several = oa.chat.completions.create(messages=question, tool_choice="required",
                                              **{**kw, "parallel_tool_calls": True})
-        assert several.choices[0].finish_reason in ("tool_calls", "length")
-        if several.choices[0].finish_reason == "tool_calls":
-            valid(several.choices[0].message.tool_calls)
+        finish, made = several.choices[0].finish_reason, several.choices[0].message.tool_calls
+        assert finish in ("tool_calls", "length")
+        if made:
+            for call in made[:-1] if finish == "length" else made:
+                valid([call])
+            whole = [(c.function.name, c.function.arguments) for c in made]
+            assert len(set(whole)) == len(whole)
         # the client's parse() with a pydantic model as a strict tool: parsed arguments
         tool = openai.pydantic_function_tool(_weather_model(), name="get_weather")
         parsed = oa.chat.completions.parse(messages=question, tool_choice="required",
@@ -924,6 +936,11 @@ def _responses_call_tools(oa, kw, question: str, rs) -> None:
     assert not [e for e in events if e.type == "response.output_text.delta"]
     streamed = [e.item for e in events if e.type == "response.output_item.done"]
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == calls[0].arguments   # as the model wrote
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(a.id, a.call_id, a.status) for a in added] == [(c.id, c.call_id, "in_progress")
+                                                           for c in streamed]
     back = [{"role": "user", "content": question}, *[c.model_dump() for c in r.output],
             *[{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C"}
               for c in calls]]

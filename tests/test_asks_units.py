@@ -584,41 +584,55 @@ def test_a_tickets_token_events_hold_back_what_may_begin_a_stop_string():
 
 
 def test_a_streamed_answer_holds_back_text_that_may_begin_a_call_and_shows_prose_whole():
+    """Prose that may begin a call is held back, then shown whole; a call is named as soon as
+    its arguments begin and its arguments come as written (OpenAI's chunks: the first names
+    the call, the next add to its arguments); one cut off before it is named is text, one cut
+    off in its arguments stays a call, finish length."""
     from types import SimpleNamespace
 
     pytest.importorskip("fastapi")
+    from sparkv.asks.answertext import AnswerText
     from sparkv.asks.completion import Completion, _choice_chunks
     from sparkv.runtime.toolform import Tool, ToolSet, call_text
 
     ask = SimpleNamespace(options=SimpleNamespace(max_new_tokens=64, stop=()), logprobs=None)
     asks = SimpleNamespace(lm=None, eos={0})
     c = Completion("m", asks, ask, ToolSet([Tool("note")], "auto"))
-    shown, held = [""], [[]]
+    text = [AnswerText(c)]
 
     def stream(pieces: list[str]) -> list[dict]:
-        shown[0], held[0] = "", []
+        text[0] = AnswerText(c)
         out = []
         for p in pieces:
-            out += _choice_chunks(c, {"type": "token", "text": p, "token": 1}, [0], shown, held, 0)
+            out += _choice_chunks(c, {"type": "token", "text": p, "token": 1}, [0], text[0])
         done = {"type": "done", "text": "".join(pieces), "tokens": [1] * len(pieces)}
-        return out + _choice_chunks(c, done, [0], shown, held, 0)
+        return out + _choice_chunks(c, done, [0], text[0])
+
+    def calls(chunks: list[dict]) -> list[tuple]:
+        items = [t for ch in chunks for t in ch["choices"][0]["delta"].get("tool_calls", [])]
+        return [(t["index"], t.get("id"), t["function"].get("name"),
+                 t["function"]["arguments"]) for t in items]
 
     prose = stream([" <", "b> is", " bold"])
     assert [ch["choices"][0]["delta"].get("content") for ch in prose] == [" <b> is", " bold",
                                                                           None]
     assert prose[-1]["choices"][0]["finish_reason"] == "stop"
     call = call_text("note", '{"a": 1}')
-    called = stream([call[:5], call[5:12], call[12:]])
-    assert [ch["choices"][0]["finish_reason"] for ch in called] == [None, "tool_calls"]
-    items = called[0]["choices"][0]["delta"]["tool_calls"]
-    assert [(t["index"], t["function"]["name"], t["function"]["arguments"]) for t in items] == [
-        (0, "note", '{"a": 1}')]
-    cut = stream([call[:20]])                    # a call cut off at the cap: its text, as is
+    called = stream([call[:5], call[5:12], call[12:44], call[44:47], call[47:]])
+    assert [ch["choices"][0]["finish_reason"] for ch in called] == [None] * 3 + ["tool_calls"]
+    first, *more = calls(called)                 # as the three token pieces wrote them
+    assert first[:3:2] == (0, "note") and first[1].startswith("call_") and len(more) == 2
+    assert all(m[:3] == (0, None, None) for m in more)
+    assert [a for *_, a in calls(called)] == ['{"', 'a":', ' 1}']
+    cut = stream([call[:20]])                    # cut off before it is named: its text, as is
     assert cut[0]["choices"][0]["delta"]["content"] == call[:20]
+    cut = stream([call[:44], call[44:46]])       # cut off in its arguments: a call, length
+    assert [a for *_, a in calls(cut)] == ['{"', 'a"']
+    assert cut[-1]["choices"][0]["finish_reason"] == "length"
     c.logprobs, c.lm = True, SimpleNamespace(decode_tokens=lambda ids: "t")
-    held[0], shown[0] = [], ""
+    text[0] = AnswerText(c)
     out = []
     for p in (" <", "b>"):                       # the held token's logprob comes with the next
         out += _choice_chunks(c, {"type": "token", "text": p, "token": 1, "logprob": -0.5,
-                                  "top_logprobs": []}, [0], shown, held, 0)
+                                  "top_logprobs": []}, [0], text[0])
     assert len(out) == 1 and len(out[0]["choices"][0]["logprobs"]["content"]) == 2

@@ -27,12 +27,14 @@ from fastapi import Request  # noqa: E402 - after the check
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from sparkv.asks.answertext import AnswerText
 from sparkv.asks.schemas import MAX_CHOICES
 from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.protocol.errors import error_body
 from sparkv.runtime.sampling import SEED_RANGE
 from sparkv.runtime.stops import StopStrings
 from sparkv.runtime.toolform import ToolCall, ToolSet
+from sparkv.runtime.toolstream import CallPiece, CallReader
 
 __all__ = ["Completion", "Choices", "ChoiceStream", "EventStream", "answer", "outcome",
            "DISCONNECT_POLL_S", "MAX_CHOICES"]
@@ -120,6 +122,15 @@ class Completion:
         """Whether a streamed answer that begins with ``shown`` may still be tool calls."""
         return self.tools is not None and self.tools.may_call(shown)
 
+    def begins_calls(self, text: str) -> bool:
+        """Whether a streamed answer that begins with ``text`` is tool calls."""
+        return self.tools is not None and self.tools.begins_calls(text)
+
+    def call_reader(self) -> CallReader:
+        """A reader of a streamed answer's calls (:meth:`begins_calls` first)."""
+        assert self.tools is not None
+        return self.tools.reader()
+
     def _token(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.lm.decode_tokens([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -146,10 +157,11 @@ class Completion:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def finish_reason(self, done: dict[str, Any]) -> str:
-        """``tool_calls`` for calls, ``stop`` at the end of sequence or a stop string,
-        ``length`` at the cap."""
-        if self.calls(done):
-            return "tool_calls"
+        """``tool_calls`` for calls (``length`` when the cap cut the last off), ``stop`` at
+        the end of sequence or a stop string, ``length`` at the cap."""
+        calls = self.calls(done)
+        if calls:
+            return "tool_calls" if calls[-1].complete else "length"
         tokens = done["tokens"]
         if self.stops.hit(self.lm, tokens):
             return "stop"
@@ -277,8 +289,7 @@ class ChoiceStream(EventStream):
         pumps = [asyncio.ensure_future(_pump(k, t, merged))
                  for k, t in enumerate(choices.tickets)]
         done: list[dict[str, Any] | None] = [None] * len(pumps)
-        shown = [""] * len(pumps)                # the text each ask's chunks showed
-        held: list[list[dict[str, Any]]] = [[] for _ in pumps]   # then what may begin a call
+        texts = [AnswerText(c) for _ in pumps]   # each ask's text, or calls, as they come
         try:
             while any(d is None for d in done):
                 k, event = await merged.get()
@@ -287,7 +298,7 @@ class ChoiceStream(EventStream):
                     yield _sse({"error": {"message": err["message"], "type": err["code"],
                                           "code": err["code"], "status": err["status"]}})
                     return
-                for chunk in _choice_chunks(c, event, choices.indexes[k], shown, held, k):
+                for chunk in _choice_chunks(c, event, choices.indexes[k], texts[k]):
                     yield _sse(chunk)
                 if event["type"] == "done":
                     done[k] = event
@@ -312,35 +323,46 @@ async def _pump(k: int, ticket: AskTicket, into: asyncio.Queue[tuple[int, dict[s
         await events.aclose()
 
 
-def _choice_chunks(c: Completion, event: dict[str, Any], indexes: list[int], shown: list[str],
-                   held: list[list[dict[str, Any]]], k: int) -> list[dict[str, Any]]:
-    """The chunks of ask ``k``'s ``event`` for its choices ``indexes`` (``shown[k]``: the text
-    its chunks showed so far; ``held[k]``: the token events after it held back, as their text
-    may begin a tool call)."""
+def _choice_chunks(c: Completion, event: dict[str, Any], indexes: list[int],
+                   text: AnswerText) -> list[dict[str, Any]]:
+    """The chunks of an ask's ``event`` for its choices ``indexes`` (``text``: the ask's
+    answer so far)."""
     if event["type"] == "token":
-        events = held[k] + [event]
-        text = "".join(e["text"] for e in events)
-        if c.may_call(shown[k] + text):
-            held[k] = events
-            return []
-        held[k] = []
-        if not (text or c.logprobs):
-            return []
-        shown[k] += text
-        lp = c.logprob_content(events)
-        return [c.chunk(i, {"content": text}, logprobs=lp) for i in indexes]
-    calls = c.calls(event)
-    if calls:
-        out = [c.chunk(i, {"tool_calls": _call_items(calls, indexed=True)}) for i in indexes]
+        events, pieces = text.token(event)
+        out = _piece_chunks(c, pieces, indexes)
+        if events:
+            lp = c.logprob_content(events)
+            out += [c.chunk(i, {"content": "".join(e["text"] for e in events)}, logprobs=lp)
+                    for i in indexes]
+        return out
+    pieces = text.finish(event)
+    if c.calls(event):
+        out = _piece_chunks(c, pieces, indexes)
     else:
-        text = event["text"]
-        rest = text[len(shown[k]):] if text.startswith(shown[k]) else ""
+        whole = event["text"]
+        rest = whole[len(text.shown):] if whole.startswith(text.shown) else ""
         out = [c.chunk(i, {"content": rest}) for i in indexes] if rest else []  # held back
     return out + [c.chunk(i, {}, c.finish_reason(event)) for i in indexes]
 
 
-def _call_items(calls: list[ToolCall], indexed: bool = False) -> list[dict[str, Any]]:
-    """OpenAI's ``tool_calls`` items (a stream's chunk numbers them: ``index``)."""
-    return [{**({"index": j} if indexed else {}), "id": call.id, "type": "function",
-             "function": {"name": call.name, "arguments": call.arguments}}
-            for j, call in enumerate(calls)]
+def _piece_chunks(c: Completion, pieces: list[CallPiece],
+                  indexes: list[int]) -> list[dict[str, Any]]:
+    """A chunk for each call piece that shows something: a call's first names it (its
+    ``id``, ``type`` and ``function.name``), the next add to its ``function.arguments``."""
+    out = []
+    for p in pieces:
+        if p.name is not None:
+            item = {"index": p.place, "id": p.id, "type": "function",
+                    "function": {"name": p.name, "arguments": p.arguments}}
+        elif p.arguments:
+            item = {"index": p.place, "function": {"arguments": p.arguments}}
+        else:
+            continue
+        out += [c.chunk(i, {"tool_calls": [item]}) for i in indexes]
+    return out
+
+
+def _call_items(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` items."""
+    return [{"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]

@@ -44,6 +44,7 @@ require_all(("fastapi",), feature="the Responses route of the device service "
 from fastapi import APIRouter, Request  # noqa: E402 - after the check
 from fastapi.responses import JSONResponse
 
+from sparkv.asks.answertext import AnswerText
 from sparkv.asks.chat import (DEFAULT_MAX_TOKENS, asked, context_id_of, openai_responses,
                               with_tools)
 from sparkv.asks.completion import Completion, EventStream, outcome
@@ -61,6 +62,7 @@ from sparkv.asks.truncation import truncated
 from sparkv.device.app import CallerDep
 from sparkv.protocol.errors import error_body
 from sparkv.runtime.toolform import ToolCall, ToolSet
+from sparkv.runtime.toolstream import CallPiece
 
 __all__ = ["responses_router", "ResponseOf", "ResponseEvents", "StreamEvents", "respond",
            "request_ask"]
@@ -174,10 +176,13 @@ class ResponseOf:
                 "content": parts}
 
     @staticmethod
-    def call_item(j: int, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    def call_item(j: int, call: ToolCall, status: str | None = None) -> dict[str, Any]:
+        """The ``function_call`` item of ``call`` (the ``j``-th), ``completed`` or (cut off
+        at the cap) ``incomplete`` unless ``status`` says (``in_progress``: no arguments)."""
+        status = status or ("completed" if call.complete else "incomplete")
         return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}_{j}",
                 "call_id": call.id, "name": call.name,
-                "arguments": call.arguments if status == "completed" else "",
+                "arguments": call.arguments if status != "in_progress" else "",
                 "status": status}
 
     def output(self, done: dict[str, Any], tokens: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -221,9 +226,10 @@ class StreamEvents:
 
     def __init__(self, r: ResponseOf) -> None:
         self.r, self.seq = r, 0
-        self.shown, self.opened = "", False
-        self.held: list[dict[str, Any]] = []      # token events whose text may begin a call
+        self.text = AnswerText(r.c)               # the text shown, or the calls
+        self.opened = False
         self.tokens: list[dict[str, Any]] = []    # every token event
+        self.calls: dict[int, ToolCall] = {}      # the calls shown, by place (no arguments)
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -286,56 +292,71 @@ class StreamEvents:
                            part=r.text_part("", []))]
 
     def _delta(self, text: str, tokens: list[dict[str, Any]]) -> list[bytes]:
-        self.shown += text
         return self._opening() + [self.event("response.output_text.delta", **self._item(),
                                              content_index=0, delta=text,
                                              logprobs=self.r.logprobs(tokens))]
 
     def _token(self, ev: dict[str, Any]) -> list[bytes]:
         self.tokens.append(ev)
-        events = self.held + [ev]
-        text = "".join(e["text"] for e in events)
-        if self.r.c.may_call(self.shown + text):
-            self.held = events
-            return []
-        self.held = []
-        if not (text or self.r.c.logprobs):
-            return []
-        return self._delta(text, events)
+        events, pieces = self.text.token(ev)
+        out = self._pieces(pieces)
+        if events:
+            out += self._delta("".join(e["text"] for e in events), events)
+        return out
+
+    def _pieces(self, pieces: list[CallPiece]) -> list[bytes]:
+        """The events of the calls' pieces: a call's item added when it is named, its
+        arguments' deltas as they come, their end and the item's when it closes."""
+        r, out = self.r, []
+        for p in pieces:
+            where = {"output_index": p.place}
+            if p.name is not None:
+                self.calls[p.place] = call = ToolCall(p.id, p.name, "")
+                out.append(self.event("response.output_item.added", **where,
+                                      item=r.call_item(p.place, call, "in_progress")))
+            call = self.calls[p.place]
+            where["item_id"] = r.call_item(p.place, call)["id"]
+            if p.arguments:
+                out.append(self.event("response.function_call_arguments.delta", **where,
+                                      delta=p.arguments))
+            if p.done:
+                out += self._call_done(p.place, where)
+        return out
+
+    def _call_done(self, j: int, where: dict[str, Any]) -> list[bytes]:
+        """The closing events of the ``j``-th call (whole: its arguments' text kept by the
+        reader)."""
+        call = self.text.reader.calls()[j] if self.text.reader is not None else self.calls[j]
+        return [self.event("response.function_call_arguments.done", **where, name=call.name,
+                           arguments=call.arguments),
+                self.event("response.output_item.done", output_index=j,
+                           item=self.r.call_item(j, call))]
 
     def _done(self, done: dict[str, Any], items: list[dict[str, Any]]) -> list[bytes]:
         """The events that close the answer's output items (gathered into ``items``)."""
         r = self.r
+        out = self._pieces(self.text.finish(done))
         calls = r.c.calls(done)
-        out: list[bytes] = []
         if calls and not self.opened:
             for j, call in enumerate(calls):
-                out += self._call(j, call)
+                if not call.complete:               # cut off at the cap: its item ends so
+                    out.append(self.event("response.output_item.done", output_index=j,
+                                          item=r.call_item(j, call)))
                 items.append(r.call_item(j, call))
         else:
-            text = done["text"]
-            rest = text[len(self.shown):] if text.startswith(self.shown) else ""
-            out += self._delta(rest, self.held) if rest else self._opening()
-            part = r.text_part(self.shown, self.tokens)
+            text, shown = done["text"], self.text.shown
+            rest = text[len(shown):] if text.startswith(shown) else ""
+            self.text.shown += rest
+            out += self._delta(rest, self.text.held) if rest else self._opening()
+            part = r.text_part(self.text.shown, self.tokens)
             item = r.message(r.status(done), [part])
             out += [self.event("response.output_text.done", **self._item(), content_index=0,
-                               text=self.shown, logprobs=part["logprobs"]),
+                               text=self.text.shown, logprobs=part["logprobs"]),
                     self.event("response.content_part.done", **self._item(), content_index=0,
                                part=part),
                     self.event("response.output_item.done", output_index=0, item=item)]
             items.append(item)
         return out
-
-    def _call(self, j: int, call: ToolCall) -> list[bytes]:
-        r, item = self.r, self.r.call_item(j, call)
-        where = {"item_id": item["id"], "output_index": j}
-        return [self.event("response.output_item.added", output_index=j,
-                           item=r.call_item(j, call, "in_progress")),
-                self.event("response.function_call_arguments.delta", **where,
-                           delta=call.arguments),
-                self.event("response.function_call_arguments.done", **where,
-                           name=call.name, arguments=call.arguments),
-                self.event("response.output_item.done", output_index=j, item=item)]
 
 
 # ---- the route ---------------------------------------------------------------------------------

@@ -178,6 +178,11 @@ class ToolSet:
         reader.feed(text)
         return reader.calls()
 
+    def begins_calls(self, text: str) -> bool:
+        """Whether an answer that begins with ``text`` is calls (the form makes one that
+        begins a call whole calls)."""
+        return self._calls is not None and text.lstrip().startswith(OPEN.strip())
+
     def may_call(self, shown: str) -> bool:
         """Whether an answer that begins with ``shown`` may be calls (streamed text is held
         back while it may)."""

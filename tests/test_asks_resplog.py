@@ -172,3 +172,31 @@ def test_a_damaged_events_file_is_removed_and_a_torn_last_event_left_out(tmp_pat
     again = EventLogs(files=EventFiles(tmp_path))       # written again whole: read the same
     assert again.load(lambda app, rid: {"status": "completed"}) == 1
     assert asyncio.run(_read(again.get("app:a", torn))) == events
+
+
+def test_a_disk_that_fails_a_write_leaves_the_log_in_memory_only(tmp_path, monkeypatch, caplog):
+    """An event whose write fails (a full disk): the log goes on in memory, whole for its
+    readers, its file removed (said in the log) and never read back half."""
+    import errno
+
+    from sparkv.asks import resplogfiles
+    from sparkv.asks.resplogfiles import EventFiles
+
+    real, calls = os.write, []
+
+    def failing(fd: int, data: bytes) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):    # its file only
+            calls.append(data)
+            if len(calls) == 3:                   # the header, an event, then a full disk
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    async def go():
+        logs = EventLogs(files=EventFiles(tmp_path))
+        monkeypatch.setattr(resplogfiles.os, "write", failing)
+        _ran(logs, _rid(1), 4)
+        assert await _read(logs.get("app:a", _rid(1))) == [_ev(k) for k in range(4)]
+
+    asyncio.run(go())
+    assert "in memory only" in caplog.text and list(tmp_path.iterdir()) == []
+    assert EventLogs(files=EventFiles(tmp_path)).load(lambda app, rid: {}) == 0

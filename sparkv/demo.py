@@ -327,15 +327,17 @@ def _ask_tool(session: Any, cid: str, lm: LoadedModel, dense: tuple[Any, int]
     asked = Conversation((ChatTurn("system", tools.instructions()), ChatTurn("user", FOLLOW_UP)))
     res = session.ask(cid, asked, AskOptions(max_new_tokens=TOOL_TOKENS, keep=True, form=form))
     calls = tools.read(res.text)
-    shown = (f"[call] {calls[0].name}({calls[0].arguments})" if calls else
-             f"[call] {res.text.strip()}  (cut at {TOOL_TOKENS} tokens: a call's beginning)")
+    cut = f"  (cut at {TOOL_TOKENS} tokens: a call's beginning)"
+    shown = (f"[call] {calls[0].name}({calls[0].arguments})"
+             + ("" if calls[0].complete else cut) if calls else f"[call] {res.text.strip()}{cut}")
     print(f"\nthe follow-up with a tool to call, {FOLLOW_UP_TOOL['name']}"
           f"{json.dumps(FOLLOW_UP_SCHEMA['properties'])} (OpenAI's tools, tool_choice "
           f"required), from the kept context: TTFT {res.breakdown.ttft_s:.2f} s\n{shown}",
           flush=True)
     same = _dense_note(lm, dense, asked, form, res.tokens, TOOL_TOKENS)
     return {"tool": FOLLOW_UP_TOOL, "text": res.text,
-            "calls": [{"name": c.name, "arguments": c.arguments} for c in calls],
+            "calls": [{"name": c.name, "arguments": c.arguments, "complete": c.complete}
+                      for c in calls],
             "dense_tokens_equal": same}
 
 

@@ -557,8 +557,9 @@ def test_demo(smollm2, tmp_path, capsys):
     assert "[call] " in out and call["text"].startswith("<tool_call>\n")
     if call["calls"]:
         assert [c["name"] for c in call["calls"]] == ["record_answer"]
-        assert list(json.loads(call["calls"][0]["arguments"])) == ["answer"]
         assert "[call] record_answer({" in out
+    if call["calls"] and call["calls"][0]["complete"]:
+        assert list(json.loads(call["calls"][0]["arguments"])) == ["answer"]
     called = out[out.index("[call]"):]
     assert ("the same tokens as the dense reference (a dense prefill, the same form)" in called
             or "NOT the dense reference's answer" in called)

@@ -185,3 +185,30 @@ def test_any_tools_given_make_a_tool_set_or_are_a_tool_error(specs, choice, para
     if s is not None and may_end(s):
         allowed = {n for n, _, _ in specs} if choice in ("auto", "required") else {choice}
         assert {c.name for c in tools.read(out.decode())} <= allowed
+
+
+def test_an_answer_that_repeats_a_call_ends_there():
+    """Where parallel calls may come, the form ends the answer once its last call repeats one
+    it made (only end-of-sequence fits then), not before and not for a new call; one call
+    alone, or a named choice, ends with its call anyway."""
+    from sparkv.runtime.guided import FormGuide, TokenBytes
+
+    one, two = _call("note", {"a": 1}), _call("note", {"a": 2})
+    vocab = TokenBytes([bytes([b]) for b in range(256)] + [None], (256,))
+
+    def guide_after(tools: ToolSet, text: bytes) -> FormGuide:
+        g = FormGuide(tools.form(), vocab)
+        for b in text:
+            g.advance(b)
+        return g
+
+    for choice in ("auto", "required"):
+        tools = ToolSet(TOOLS, choice)
+        assert not guide_after(tools, one).whole                  # another call may come
+        assert not guide_after(tools, one + b"\n" + two).whole
+        assert not guide_after(tools, one + b"\n" + one[:-1]).whole
+        assert guide_after(tools, one + b"\n" + one).whole        # a repeat: it ends
+        assert guide_after(tools, one + b"\n" + two + b"\n" + one).whole
+        assert tools.read((one + b"\n" + one).decode())[0].arguments == '{"a": 1}'
+    assert ToolSet(TOOLS, "required", parallel=False).form().ends is None
+    assert ToolSet(TOOLS, "note").form().ends is None

@@ -178,12 +178,16 @@ class FormGuide:
             raise ValueError("an answer's JSON form needs the model's end-of-sequence token")
         self.vocab = vocab
         self.state: State = form.start()
+        self._ends = form.ends
+        self._text = bytearray()                # the answer so far (for ``form.ends``)
         self._refused: dict[tuple, torch.Tensor] = {}
 
     @property
     def whole(self) -> bool:
-        """Whether the answer so far is a whole value (only end-of-sequence may follow)."""
-        return complete(self.state)
+        """Whether the answer so far is a whole value, or ends early where its form's
+        ``ends`` says (only end-of-sequence may follow)."""
+        return complete(self.state) or (self._ends is not None and may_end(self.state)
+                                        and self._ends(bytes(self._text)))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with every token whose first byte may not come next at ``-inf`` (the
@@ -221,7 +225,10 @@ class FormGuide:
         """Takes the chosen ``token`` (end-of-sequence, or one that :meth:`fits`)."""
         if token in self.vocab.eos:
             return
-        state = feed(self.state, self.vocab.text(token) or b"")
+        text = self.vocab.text(token) or b""
+        state = feed(self.state, text)
         if state is None:
             raise ValueError(f"token {token} does not fit the answer's JSON form")
         self.state = state
+        if self._ends is not None:
+            self._text += text

@@ -46,7 +46,7 @@ answer may end (end-of-sequence may come), :func:`complete` where it must (nothi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from sparkv.runtime.formparts import (ANY, ANY_NUMBER, ANY_STRING, BY_FIRST, MAX_ALTERNATIVES,
                                      AnyValue, ArrayPart, FormError, Node, NumberPart,
@@ -71,6 +71,9 @@ class JsonForm:
 
     root: Node
     name: str = "json_object"
+    #: where the answer ends before its value is whole: given the text so far wherever it may
+    #: end, ``True`` ends it there (a tool form's: its last call repeats one it made)
+    ends: Callable[[bytes], bool] | None = None
 
     def __repr__(self) -> str:                  # a rule's repr names its form, not its nodes
         return f"JsonForm({self.name!r})"
@@ -81,15 +84,17 @@ class JsonForm:
         return cls(ObjectPart(None))
 
     @classmethod
-    def of(cls, root: Node, name: str = "form") -> "JsonForm":
+    def of(cls, root: Node, name: str = "form",
+           ends: Callable[[bytes], bool] | None = None) -> "JsonForm":
         """A form of any parts (:class:`FormError` if its automaton could hold more than
-        :data:`~sparkv.runtime.formparts.MAX_ALTERNATIVES` alternatives at once)."""
+        :data:`~sparkv.runtime.formparts.MAX_ALTERNATIVES` alternatives at once), ending early
+        where ``ends`` says (:attr:`ends`)."""
         width = form_width(root)
         if width > MAX_ALTERNATIVES:
             raise FormError(f"the form is too ambiguous: up to {width} readings at once (at "
                             f"most {MAX_ALTERNATIVES}); give unions' branches different "
                             "beginnings")
-        return cls(root, name)
+        return cls(root, name, ends)
 
     @classmethod
     def from_schema(cls, schema: Any, name: str = "schema") -> "JsonForm":

@@ -159,10 +159,21 @@ class ToolSet:
         ambiguous)."""
         if self._calls is None:
             return answer
+        ends = self._repeats if self.parallel and self.choice in ("auto", "required") else None
         if self.choice != "auto":
-            return JsonForm.of(self._calls, "tool_calls")
+            return JsonForm.of(self._calls, "tool_calls", ends)
         other = answer.root if answer is not None else text_part(refused=(OPEN.strip(),))
-        return JsonForm.of(one_of(other, self._calls), "text_or_tool_calls")
+        return JsonForm.of(one_of(other, self._calls), "text_or_tool_calls", ends)
+
+    def _repeats(self, text: bytes) -> bool:
+        """Whether the answer so far ends with a call that repeats one it made (the reader
+        drops it: :mod:`sparkv.runtime.toolstream`): a model that repeats its calls is done
+        calling (small ones otherwise repeat them until their token cap)."""
+        if not text.endswith(CLOSE.strip().encode()):
+            return False
+        reader = self.reader()
+        reader.feed(text.decode(errors="replace"))
+        return reader.repeats > 0
 
     def reader(self) -> CallReader:
         """A reader of an answer's calls as its text comes (:mod:`sparkv.runtime.toolstream`)."""

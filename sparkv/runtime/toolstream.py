@@ -86,6 +86,7 @@ class CallReader:
         self._shown: list[_Call] = []
         self._depth, self._in_string, self._escaped = 0, False, False
         self.ended = False              # text that is no call came
+        self.repeats = 0                # the calls dropped as repeats
 
     def feed(self, text: str) -> list[CallPiece]:
         """The pieces ``text`` (the answer's next text) shows."""
@@ -169,7 +170,8 @@ class CallReader:
             return
         call.complete = True
         if call.place < 0 and self._repeats(call):
-            return                                  # a repeat: never shown
+            self.repeats += 1                       # a repeat: never shown
+            return
         self._show(call, out)
 
     def _repeats(self, call: _Call) -> bool:

@@ -13,10 +13,10 @@ SmolLM2 makes of tools, over the bundled QA sets' questions, five ways in one ru
 For each: the share of answers that are whole calls (read back by ``ToolSet.read``), that ended
 by themselves before the token cap; where a stream of the answer shows its first call (the
 answer tokens when it is named and when it is whole, against the answer's end, until which a
-stream showed nothing before calls streamed); the keyword hit rate (the QA sets' rule, on the first call's
-``answer`` argument when there is one, else on the whole text) with the paired difference
-against ``text`` and its bootstrap interval; the decode time per token and the chooser's time per
-token. The modes' order alternates per question. Wall clock on whatever machine runs it.
+stream showed nothing before calls streamed); the keyword hit rate (the QA sets' rule, on the
+first call's ``answer`` argument when there is one, else on the whole text) with the paired
+difference against ``text`` and its bootstrap interval; the decode time per token and the
+chooser's time per token. The modes' order alternates per question. Wall clock on whatever machine runs it.
 """
 
 from __future__ import annotations

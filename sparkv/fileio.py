@@ -46,7 +46,9 @@ import os
 import secrets
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
+
+_T = TypeVar("_T")
 
 import xxhash
 
@@ -298,6 +300,19 @@ def oldest_first(folder: str | os.PathLike[str], pattern: str) -> list[Path]:
         with contextlib.suppress(OSError):
             tmp.unlink()
     return sorted(folder.glob(pattern), key=_mtime)
+
+
+def read_back(folder: str | os.PathLike[str], pattern: str,
+              read: Callable[[Path], _T | None]) -> Iterator[_T]:
+    """What ``read`` makes of each file of ``folder`` matching ``pattern``, least recently
+    modified first (:func:`oldest_first`); a file it cannot read (``None``) is removed."""
+    for path in oldest_first(folder, pattern):
+        got = read(path)
+        if got is None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        else:
+            yield got
 
 
 def _mtime(path: Path) -> float:

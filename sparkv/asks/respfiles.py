@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from sparkv.asks.respschemas import as_input
 from sparkv.asks.respstore import KeptFile, StoredResponse, stored_response
 from sparkv.device.private import FILE_MODE, private_dir
-from sparkv.fileio import FlashIO, atomic_write, oldest_first
+from sparkv.fileio import FlashIO, atomic_write, read_back
 
 log = logging.getLogger("sparkv.asks")
 
@@ -111,13 +111,7 @@ class ResponseFiles:
     def read_all(self, max_bytes: int) -> Iterator[KeptFile]:
         """Every readable file, oldest first; the unreadable ones (and those over
         ``max_bytes``) removed."""
-        for path in oldest_first(self.folder, "*.json"):
-            got = self._read(path, max_bytes)
-            if got is None:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            else:
-                yield got
+        return read_back(self.folder, "*.json", lambda path: self._read(path, max_bytes))
 
     def _read(self, path: Path, max_bytes: int) -> KeptFile | None:
         name = _NAME.fullmatch(path.name)

@@ -38,7 +38,7 @@ from typing import Any, Iterator, NamedTuple
 
 from sparkv.asks.respfiles import RESPONSE_ID
 from sparkv.device.private import FILE_MODE, private_dir
-from sparkv.fileio import FlashIO, atomic_write_parts, oldest_first
+from sparkv.fileio import FlashIO, atomic_write_parts, read_back
 
 log = logging.getLogger("sparkv.asks")
 
@@ -154,13 +154,7 @@ class EventFiles:
     def read_all(self, max_bytes: int) -> Iterator[ReadLog]:
         """Every readable log, oldest first; the unreadable files (and those over
         ``max_bytes``) removed."""
-        for path in oldest_first(self.folder, f"*{_SUFFIX}"):
-            got = self._read(path, max_bytes)
-            if got is None:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            else:
-                yield got
+        return read_back(self.folder, f"*{_SUFFIX}", lambda path: self._read(path, max_bytes))
 
     def _read(self, path: Path, max_bytes: int) -> ReadLog | None:
         try:

@@ -164,16 +164,22 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     return close
 
 
+def _flash_folder(service: Any, name: str, on: bool) -> Path | None:
+    """``<flash dir>/<name>`` when ``on`` and the service has a flash dir (a scripted service
+    in the tests has none); else ``None``: nothing written."""
+    swap_dir = getattr(service, "swap_dir", None)
+    return Path(swap_dir) / name if on and swap_dir is not None else None
+
+
 def _response_store(service: Any, args: argparse.Namespace) -> Any:
     """The kept responses, their files in the flash dir read back."""
     from sparkv.asks.respfiles import RESPONSES_DIR, ResponseFiles
     from sparkv.asks.respstore import ResponseStore
 
-    swap_dir = getattr(service, "swap_dir", None)        # none: a scripted service (tests)
-    on = args.responses_kept > 0 and args.responses_kept_mb > 0 and swap_dir is not None
-    folder = Path(swap_dir or ".") / RESPONSES_DIR
+    folder = _flash_folder(service, RESPONSES_DIR,
+                           args.responses_kept > 0 and args.responses_kept_mb > 0)
     store = ResponseStore(args.responses_kept, int(args.responses_kept_mb * 1e6),
-                          files=ResponseFiles(folder) if on else None,
+                          files=ResponseFiles(folder) if folder else None,
                           ttl_s=args.responses_ttl_hours * 3600 or None)
     if store.load():
         log.info("sparkv device: %d kept responses read back from %s",
@@ -187,10 +193,8 @@ def _background(service: Any, store: Any) -> Any:
     from sparkv.asks.respbackground import BackgroundResponses
     from sparkv.asks.resplogfiles import RESPONSE_EVENTS_DIR, EventFiles
 
-    swap_dir = getattr(service, "swap_dir", None)        # none: a scripted service (tests)
-    on = store.files is not None and swap_dir is not None
-    folder = Path(swap_dir or ".") / RESPONSE_EVENTS_DIR
-    background = BackgroundResponses(files=EventFiles(folder) if on else None)
+    folder = _flash_folder(service, RESPONSE_EVENTS_DIR, store.files is not None)
+    background = BackgroundResponses(files=EventFiles(folder) if folder else None)
 
     def kept(app: str, rid: str) -> dict[str, Any] | None:
         got = store.get(app, rid)
@@ -207,11 +211,10 @@ def _conversation_store(service: Any, args: argparse.Namespace) -> Any:
     from sparkv.asks.convfiles import CONVERSATIONS_DIR, ConversationFiles
     from sparkv.asks.convstore import ConversationStore
 
-    swap_dir = getattr(service, "swap_dir", None)        # none: a scripted service (tests)
-    on = args.conversations_kept > 0 and args.conversations_kept_mb > 0 and swap_dir is not None
-    folder = Path(swap_dir or ".") / CONVERSATIONS_DIR
+    folder = _flash_folder(service, CONVERSATIONS_DIR,
+                           args.conversations_kept > 0 and args.conversations_kept_mb > 0)
     store = ConversationStore(args.conversations_kept, int(args.conversations_kept_mb * 1e6),
-                              files=ConversationFiles(folder) if on else None)
+                              files=ConversationFiles(folder) if folder else None)
     if store.load():
         log.info("sparkv device: %d conversations read back from %s",
                  store.stats()["conversations"], folder)

@@ -41,18 +41,19 @@ class AnswerText:
         self.c = c
         self.shown = ""                          # the text shown
         self.held: list[dict[str, Any]] = []     # token events not shown as text (yet)
+        self._held_text = ""                     # and their text
         self.reader: CallReader | None = None    # once the answer begins a call
         self._fed = ""                           # the text the reader was given
 
     def token(self, event: dict[str, Any]) -> tuple[list[dict[str, Any]], list[CallPiece]]:
         """The token events to show as text now (none while held back) and the calls'
         pieces shown now, after the token ``event``."""
-        events = self.held + [event]
-        text = "".join(e["text"] for e in events)
+        self.held.append(event)
+        self._held_text += event["text"]
+        text = self._held_text
         if self.reader is not None or self.c.may_call(self.shown + text):
-            self.held = events
             return [], self._calls(text)
-        self.held = []
+        events, self.held, self._held_text = self.held, [], ""
         if not (text or self.c.logprobs):
             return [], []
         self.shown += text

@@ -87,13 +87,13 @@ def _ran(logs: EventLogs, rid: str, n: int, end: bool = True) -> None:
         logs.end(rid)
 
 
-def test_a_restarted_service_streams_the_ended_logs_again_and_a_stopped_one_to_its_failure(
+def test_a_restarted_service_streams_the_ended_logs_again_and_one_cut_short_to_its_end(
         tmp_path):
     """Each log is a file as it comes: the next service reads the ended ones back, event for
-    event, for the responses still kept (the others' files removed); one the service stopped
-    while it ran reads on to a response.failed numbered on, added once; one a crash cut short
-    of a response that ended is removed; ended logs past the bounds, or forgotten, lose their
-    files."""
+    event, for the responses still kept (the others' files removed); one cut short (the service
+    stopped it, or a power cut took its tail) reads on to the event its response ended with,
+    numbered on, added once (a stopped one's response.failed); ended logs past the bounds, or
+    forgotten, lose their files."""
     import json
 
     from sparkv.asks.respfiles import STOPPED
@@ -104,7 +104,7 @@ def test_a_restarted_service_streams_the_ended_logs_again_and_a_stopped_one_to_i
         _ran(logs, _rid(1), 3)
         _ran(logs, _rid(2), 2)
         _ran(logs, _rid(3), 4, end=False)           # running when the service stops
-        _ran(logs, _rid(4), 1, end=False)
+        _ran(logs, _rid(4), 1, end=False)           # (as a power cut leaves a completed one)
         _ran(logs, _rid(5), 1)
         logs.forget("app:a", _rid(5))               # deleted: its file goes
         assert (tmp_path / f"{_rid(3)}.events").stat().st_mode & 0o777 == 0o600
@@ -115,31 +115,118 @@ def test_a_restarted_service_streams_the_ended_logs_again_and_a_stopped_one_to_i
     for k in (1, 2, 3, 4):                          # their order (the clock's steps are coarse)
         os.utime(tmp_path / f"{_rid(k)}.events", (1e9 + k, 1e9 + k))
     stopped = {"id": _rid(3), "status": "failed", "error": STOPPED}
-    kept = {_rid(1): {"status": "completed"}, _rid(3): stopped, _rid(4): {"status": "completed"}}
+    completed = {"id": _rid(4), "status": "completed", "output": [{"type": "message"}]}
+    kept = {_rid(1): {"status": "completed"}, _rid(3): stopped, _rid(4): completed}
 
     async def after():
         logs = EventLogs(files=EventFiles(tmp_path))
-        assert logs.load(lambda app, rid: kept.get(rid) if app == "app:a" else None) == 2
+        assert logs.load(lambda app, rid: kept.get(rid) if app == "app:a" else None) == 3
         assert await _read(logs.get("app:a", _rid(1))) == [_ev(k) for k in range(3)]
         assert logs.get("app:b", _rid(1)) is None and logs.get("app:a", _rid(2)) is None
         got = await _read(logs.get("app:a", _rid(3)), after=2)
         assert got[0] == _ev(3)
         last = json.loads(got[1].split(b"data: ", 1)[1])
         assert last == {"type": "response.failed", "sequence_number": 4, "response": stopped}
-        assert logs.get("app:a", _rid(4)) is None          # cut short, yet it ended
+        cut = await _read(logs.get("app:a", _rid(4)))
+        assert cut[0] == _ev(0) and json.loads(cut[1].split(b"data: ", 1)[1]) == {
+            "type": "response.completed", "sequence_number": 1, "response": completed}
         return got
 
     got = asyncio.run(after())
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{_rid(k)}.events" for k in (1, 3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{_rid(k)}.events" for k in (1, 3, 4)]
 
-    async def again():                              # the failure was added once, the log ended
-        logs = EventLogs(finished=1, files=EventFiles(tmp_path))
-        assert logs.load(lambda app, rid: kept.get(rid)) == 1
+    async def again():                              # the ends were added once, the logs ended
+        logs = EventLogs(finished=2, files=EventFiles(tmp_path))
+        assert logs.load(lambda app, rid: kept.get(rid)) == 2
         assert (await _read(logs.get("app:a", _rid(3))))[3:] == got
+        assert len(await _read(logs.get("app:a", _rid(4)))) == 2
         assert logs.get("app:a", _rid(1)) is None      # past the bounds: its file too
 
     asyncio.run(again())
-    assert [p.name for p in tmp_path.iterdir()] == [f"{_rid(3)}.events"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{_rid(k)}.events" for k in (3, 4)]
+
+
+def test_a_reader_after_the_last_event_learns_how_the_response_ended():
+    """A reader that asks after the last event of an ended log, or after events it does not
+    hold (a power cut took them), is given the event its stream ended with; a log that ended
+    otherwise (cancelled) gives it nothing; a reader that read on to the end is given no
+    event twice."""
+    from sparkv.asks.resplogfiles import end_event
+
+    async def go():
+        logs = EventLogs()
+        log = logs.open("app:a", _rid(1))
+        reader = asyncio.ensure_future(_read(log))
+        past = asyncio.ensure_future(_read(log, after=5))       # waits: the log runs on
+        await asyncio.sleep(0)
+        log.add(_ev(0))
+        log.add(end_event(1, {"status": "incomplete"}))
+        logs.end(_rid(1))
+        ending = log.events[1]
+        assert await reader == [_ev(0), ending] and await past == [ending]
+        assert await _read(log, after=1) == [ending] == await _read(log, after=40)
+        assert await _read(log, after=0) == [ending]
+        _ran(logs, _rid(2), 2)                      # cancelled: it just ends
+        assert await _read(logs.get("app:a", _rid(2)), after=1) == []
+
+    asyncio.run(go())
+
+
+def test_files_are_synced_in_groups_off_the_event_loop(tmp_path, monkeypatch, caplog):
+    """A running log's file is synced once SYNC_S passed since it last was (its folder with the
+    first), an ended or stopped one's at once; each in the syncing thread, of a duplicate
+    descriptor, so the file closes without waiting; a failing sync is said in the log."""
+    import errno
+    import logging
+    import threading
+
+    from sparkv.asks import resplogfiles
+    from sparkv.asks.resplogfiles import SYNC_S, EventFiles
+
+    now, synced = [0.0], []
+    real = os.fdatasync
+
+    def recording(fd: int) -> None:
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), threading.current_thread().name))
+        real(fd)
+
+    monkeypatch.setattr(resplogfiles.os, "fdatasync", recording)
+    files = EventFiles(tmp_path / "ev", clock=lambda: now[0])
+
+    async def go():
+        logs = EventLogs(files=files)
+        log = logs.open("app:a", _rid(1))
+        for k in range(3):
+            log.add(_ev(k))
+        files.syncs.wait()
+        assert synced == []                         # within SYNC_S: the page cache only
+        now[0] += SYNC_S
+        log.add(_ev(3))
+        log.add(_ev(4))
+        files.syncs.wait()
+        assert len(synced) == 1 and synced[0][0].endswith(f"{_rid(1)}.events")
+        assert synced[0][1].startswith("sparkv-events-sync")
+        logs.end(_rid(1))                           # its end mark synced at once
+        _ran(logs, _rid(2), 1, end=False)
+        logs.close()                                # stopped: synced, the thread ended
+        assert [s[0].rsplit("/", 1)[1] for s in synced[1:]] == [
+            f"{_rid(1)}.events", f"{_rid(2)}.events"]
+
+    asyncio.run(go())
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(resplogfiles.os, "fdatasync", failing)
+    with caplog.at_level(logging.WARNING, "sparkv.asks"):
+        asyncio.run(_end_one(EventLogs(files=files)))
+    files.syncs.wait()
+    assert f"the events of {_rid(3)} may not all reach the disk" in caplog.text
+    assert (tmp_path / "ev" / f"{_rid(3)}.events").read_bytes().endswith(b": end\n\n")
+
+
+async def _end_one(logs: EventLogs) -> None:
+    _ran(logs, _rid(3), 1)
 
 
 def test_a_damaged_events_file_is_removed_and_a_torn_last_event_left_out(tmp_path):

@@ -11,8 +11,9 @@ leaves does not stop the response. :class:`EventLogs` holds the logs of the resp
 now and of the last :data:`FINISHED_LOGS` that ended (at most :data:`FINISHED_LOG_BYTES` of
 them), each its app's alone. With :class:`~sparkv.asks.resplogfiles.EventFiles`, each log is
 also a file on the device's flash, so a restarted service streams them again
-(:meth:`EventLogs.load`): the logs of the responses it stopped before they ended read on to
-their failure.
+(:meth:`EventLogs.load`): a log cut short (the service stopped before its response ended, or
+a power cut took its tail) reads on to the response as it was answered (a stopped one's
+failure).
 
 One event loop: the logs are written and read by the service's loop only.
 """
@@ -24,8 +25,9 @@ import logging
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
 
-from sparkv.asks.resplogfiles import EventFile, EventFiles, ReadLog, failed_event
 from sparkv.asks.respfiles import STOPPED
+from sparkv.asks.resplogfiles import (EventFile, EventFiles, ReadLog, end_event,
+                                      ends_stream)
 
 _logger = logging.getLogger("sparkv.asks")
 
@@ -66,13 +68,17 @@ class EventLog:
 
     async def follow(self, after: int = -1) -> AsyncIterator[bytes]:
         """The events after the one numbered ``after`` (``-1``: all), as they come, until the
-        response ends."""
-        i = max(after + 1, 0)
+        response ends. A reader given none by then (it asked after the last event, or after
+        events a power cut took: :mod:`sparkv.asks.resplogfiles`) is given the last, when that
+        is the event the stream ends with: every reader learns how the response ended."""
+        start = i = max(after + 1, 0)
         while True:
             while i < len(self.events):
                 yield self.events[i]
                 i += 1
             if self.ended:
+                if i == start and self.events and ends_stream(self.events[-1]):
+                    yield self.events[-1]
                 return
             await self._grown.wait()
 
@@ -135,12 +141,15 @@ class EventLogs:
                 log.file = None
             log.end()
         self._running.clear()
+        if self.files is not None:
+            self.files.close()
 
     def load(self, kept: Callable[[str, str], dict[str, Any] | None]) -> int:
         """Reads the files back (oldest first, within the bounds): the log of each response
-        still kept (``kept(app, id)``: its response object, ``None`` when it is not), one the
-        service stopped before it ended with its ``response.failed`` event added; the others'
-        files removed. Returns how many."""
+        still kept (``kept(app, id)``: its response object, ``None`` when it is not), one cut
+        short ended as its response ended (:func:`~sparkv.asks.resplogfiles.end_event`: one the
+        service stopped with its ``response.failed``); the others' files removed. Returns how
+        many."""
         if self.files is None:
             return 0
         for got in self.files.read_all(self.max_finished_bytes):
@@ -174,13 +183,14 @@ class EventLogs:
 
 
 def _read_back(got: ReadLog, response: dict[str, Any] | None) -> list[bytes] | None:
-    """The events of a log read back (a stopped response's failure added), or ``None`` when it
-    is not kept: its response is not, or a crash cut short the log of one that ended."""
+    """The events of a log read back (one cut short ended as its response ended), or ``None``
+    when its response is no longer kept."""
     if response is None:
         return None
     if got.ended:
         return got.events
-    if response.get("status") == "failed" and response.get("error") == STOPPED:
-        return [*got.events, failed_event(len(got.events), response)]
-    _logger.warning("the events of %s are removed: a crash cut them short", got.rid)
-    return None
+    last = end_event(len(got.events), response)
+    if response.get("error") != STOPPED:
+        _logger.warning("the events of %s were cut short (a power cut?): they end with the "
+                        "response as it was answered", got.rid)
+    return got.events if last is None else [*got.events, last]

@@ -15,16 +15,23 @@ in the service, an end mark (a comment of the event stream, never sent)::
     : end
 
 The events are written through the page cache, not synced one by one (a token's event would
-cost a flush): the response's own file (:mod:`sparkv.asks.respfiles`) is what is synced, and the
-end mark says a log is whole. At the start each file is read back (past the page cache), its
-events numbered in order; a log cut short (no end mark) is kept only for a response the service
-stopped before it ended (read back ``failed``, ``service_stopped``): its ``response.failed`` event
-is then added, with the end mark, so a reader coming back reads on to the failure. Any other file
-(damaged, another format, a name that is no response id, an event out of order, a log a crash cut
-short of a response that ended) is removed, with a warning.
+cost a flush). They reach the disk in groups, off the event loop (a thread syncs a duplicate of
+the file's descriptor): a running log's at least every :data:`SYNC_S` seconds, an ended log's
+(its end mark) and a stopped one's at once, the folder's entry with the first. A power cut so
+loses at most the last :data:`SYNC_S` seconds of a running log, and of an ended one only what the
+next sync would have kept.
 
-No state beyond the folder's path and each running log's open file; the service's event loop
-calls it.
+At the start each file is read back (past the page cache), its events numbered in order. A log
+cut short (no end mark: the service stopped, or a power cut took its tail) is kept for a response
+still kept, and ends as its response ended: the event its status ends a stream with
+(``response.completed``, ``response.incomplete`` or ``response.failed``: :func:`end_event`,
+numbered after the last kept) is added with the end mark, so a reader coming back reads on to
+the response as it was answered (a stopped one's ``failed``, ``service_stopped``). Any other file
+(damaged, another format, a name that is no response id, an event out of order) is removed, with
+a warning.
+
+No state beyond the folder's path, each running log's open file and the syncing thread; the
+service's event loop calls it.
 """
 
 from __future__ import annotations
@@ -33,23 +40,31 @@ import contextlib
 import json
 import logging
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from sparkv.asks.respfiles import RESPONSE_ID
 from sparkv.device.private import FILE_MODE, private_dir
-from sparkv.fileio import FlashIO, atomic_write_parts, read_back
+from sparkv.fileio import FlashIO, atomic_write_parts, fsync_dir, read_back
 
 log = logging.getLogger("sparkv.asks")
 
-__all__ = ["EventFile", "EventFiles", "ReadLog", "RESPONSE_EVENTS_DIR", "FORMAT", "failed_event"]
+__all__ = ["EventFile", "EventFiles", "ReadLog", "RESPONSE_EVENTS_DIR", "FORMAT", "SYNC_S",
+           "end_event", "ends_stream"]
 
 #: the folder of the flash dir the events are written in
 RESPONSE_EVENTS_DIR = "response_events"
 FORMAT = "sparkv-response-events/1"
 #: the end mark: a comment of the event stream, in the file only
 END = b": end\n\n"
+#: a running log's events reach the disk at least this often (seconds)
+SYNC_S = 1.0
 _SUFFIX = ".events"
+#: the status a response ended with: the event a stream ends with for it
+_END_KINDS = {"completed": "response.completed", "incomplete": "response.incomplete",
+              "failed": "response.failed"}
 
 
 class ReadLog(NamedTuple):
@@ -62,30 +77,45 @@ class ReadLog(NamedTuple):
 
 
 class EventFile:
-    """One running log's file: its events appended as they come (module docstring)."""
+    """One running log's file: its events appended as they come, synced by ``syncs`` in groups
+    (module docstring)."""
 
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path, self._fd = path, fd
+    def __init__(self, path: Path, fd: int, syncs: "_Syncs") -> None:
+        self.path, self._fd, self._syncs = path, fd, syncs
+        self._synced = syncs.clock()
+        self._named = False                 # its folder's entry synced
 
     def add(self, event: bytes) -> bool:
-        """Appends ``event``; ``False`` (said in the log, the file removed) when it cannot."""
-        return self._write(event)
+        """Appends ``event`` (the file synced when :data:`SYNC_S` passed since it last was);
+        ``False`` (said in the log, the file removed) when it cannot."""
+        if not self._write(event):
+            return False
+        if self._syncs.clock() - self._synced >= SYNC_S:
+            self._sync()
+        return True
 
     def end(self) -> bool:
-        """The log ended in the service: the end mark, and the file closed."""
+        """The log ended in the service: the end mark, the file synced and closed."""
         whole = self._write(END)
-        self._close()
+        self.stop()
         return whole
 
     def stop(self) -> None:
-        """The service stops while the response runs: the file closed as it stands (read back
-        as a log cut short)."""
+        """The service stops while the response runs: the file synced and closed as it stands
+        (read back as a log cut short)."""
+        if self._fd >= 0:
+            self._sync()
         self._close()
 
     def remove(self) -> None:
         self._close()
         with contextlib.suppress(OSError):
             self.path.unlink()
+
+    def _sync(self) -> None:
+        self._synced = self._syncs.clock()
+        self._syncs.sync(self._fd, None if self._named else self.path.parent, self.path.stem)
+        self._named = True
 
     def _write(self, data: bytes) -> bool:
         if self._fd < 0:
@@ -106,12 +136,57 @@ class EventFile:
             self._fd = -1
 
 
+class _Syncs:
+    """The thread the logs' files are synced in, off the event loop: each sync is of a duplicate
+    of a file's descriptor (closed there), so the file may be closed meanwhile."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._pool: ThreadPoolExecutor | None = None
+
+    def sync(self, fd: int, folder: Path | None, rid: str) -> None:
+        """Syncs the file ``fd`` is open on (and ``folder``'s entries), soon."""
+        try:
+            dup = os.dup(fd)
+        except OSError as e:
+            log.warning("the events of %s may not all reach the disk (%s)", rid, e)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparkv-events-sync")
+        self._pool.submit(_sync, dup, folder, rid)
+
+    def wait(self) -> None:
+        """Returns once every sync asked before has ended."""
+        if self._pool is not None:
+            done: Future[None] = self._pool.submit(lambda: None)
+            done.result()
+
+    def close(self) -> None:
+        """Ends the thread once every sync asked has ended."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _sync(fd: int, folder: Path | None, rid: str) -> None:
+    try:
+        os.fdatasync(fd)
+        if folder is not None:
+            fsync_dir(folder, strict=True)
+    except OSError as e:
+        log.warning("the events of %s may not all reach the disk (%s)", rid, e)
+    finally:
+        os.close(fd)
+
+
 class EventFiles:
     """The logs' files in ``folder`` (module docstring)."""
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.folder = private_dir(folder)
         self.io = FlashIO(self.folder)          # reads past the page cache
+        self.syncs = _Syncs(clock)
 
     def _path(self, rid: str) -> Path | None:
         return self.folder / f"{rid}{_SUFFIX}" if RESPONSE_ID.fullmatch(rid) else None
@@ -127,11 +202,15 @@ class EventFiles:
         except OSError as e:
             log.warning("the events of %s are in memory only (%s)", rid, e)
             return None
-        file = EventFile(path, fd)
+        file = EventFile(path, fd, self.syncs)
         return file if file.add(_head(app, rid)) else None
 
+    def close(self) -> None:
+        """The service stops: returns once every sync asked has ended."""
+        self.syncs.close()
+
     def rewrite(self, app: str, rid: str, events: list[bytes]) -> None:
-        """Writes the log of a file read back cut short again whole: ``events`` (its failure
+        """Writes the log of a file read back cut short again whole: ``events`` (its end
         added, a torn last event left out) and the end mark, atomically, its time kept (the
         order the logs are read in)."""
         path = self._path(rid)
@@ -203,8 +282,20 @@ def _number(event: bytes) -> int:
     return n if isinstance(n, int) else -1
 
 
-def failed_event(number: int, response: dict[str, Any]) -> bytes:
-    """The ``response.failed`` event numbered ``number`` for ``response`` (read back
-    ``failed``)."""
-    data = {"type": "response.failed", "sequence_number": number, "response": response}
-    return f"event: response.failed\ndata: {json.dumps(data)}\n\n".encode()
+def end_event(number: int, response: dict[str, Any]) -> bytes | None:
+    """The event numbered ``number`` a stream of ``response`` ends with, as it was answered
+    (``response.completed``, ``response.incomplete`` or ``response.failed``); ``None`` for a
+    response that ended otherwise (``cancelled``: its stream just ends)."""
+    kind = _END_KINDS.get(response.get("status", ""))
+    if kind is None:
+        return None
+    data = {"type": kind, "sequence_number": number, "response": response}
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def ends_stream(event: bytes) -> bool:
+    """Whether ``event`` is one a stream ends with (:func:`end_event`)."""
+    return event.startswith(_END_PREFIXES)
+
+
+_END_PREFIXES = tuple(f"event: {kind}\n".encode() for kind in _END_KINDS.values())

@@ -63,6 +63,23 @@ def test_a_repeat_is_never_shown_and_a_held_call_shows_once_it_differs():
     assert len(held.calls()) == 1
 
 
+def test_a_repeat_spaced_otherwise_is_a_repeat_but_a_string_spaced_otherwise_is_not():
+    """Repeats are told by the arguments without the whitespace between JSON tokens: a call
+    spaced otherwise is held back and dropped, a byte at a time or whole; whitespace inside a
+    string makes another call, shown once it differs."""
+    first = _call("note", '{"a": 1, "b": "x y"}')
+    spaced = _call("note", '{ "a":1,\n  "b" :  "x y" }')
+    other = _call("note", '{"a":1,"b":"x  y"}')
+    text = first + "\n" + spaced + "\n" + other
+    pieces, args, reader = _shown(text, list(range(len(text))))
+    assert args == {0: '{"a": 1, "b": "x y"}', 1: '{"a":1,"b":"x  y"}'} and reader.repeats == 1
+    second = [p for p in pieces if p.place == 1]
+    assert second[0].arguments == '{"a":1,"b":"x  '                # held until the 2nd space
+    whole = CallReader(NAMES)
+    whole.feed(text)
+    assert [c.arguments for c in whole.calls()] == [args[0], args[1]]
+
+
 def test_a_call_cut_off_stays_as_far_as_shown_and_prose_or_unknown_tools_show_nothing():
     text = _call("note", "{}") + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CE'
     pieces, args, reader = _shown(text, [10, 40, 70])

@@ -13,7 +13,8 @@ What is shown is decided as the text comes, never after:
 
 * **A repeat is never shown.** Small models repeat their calls until their token cap: a call is
   held back while its arguments so far begin those of a call of its tool made before in the
-  answer, shown as soon as they differ, and dropped when they end the same.
+  answer, shown as soon as they differ, and dropped when they end the same (compared without
+  the whitespace between JSON tokens: a repeat spaced otherwise is a repeat).
 * **A call cut off** (the answer ended inside it: its token cap) stays as far as it was shown,
   not complete (:attr:`ToolCall.complete` false; the answer's finish is ``length``). One cut
   off before its arguments began, or while held back, is dropped.
@@ -39,6 +40,8 @@ _HEAD = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"argum
                    r'(?=\{)')
 #: what closes a call after its arguments
 _TAIL = re.compile(r"\s*\}\s*</tool_call>")
+#: JSON's whitespace between tokens
+_SPACE = frozenset(" \t\n\r")
 #: the most text a head or tail may take before it is no call (whitespace runs are bounded)
 _MOST_FRAME = 512
 
@@ -73,6 +76,7 @@ class _Call:
     place: int = -1                 # its place among the calls shown (-1: not shown yet)
     id: str = ""
     shown: int = 0                  # how much of ``args`` is shown
+    bare: str = ""                  # ``args`` without the whitespace between JSON tokens
 
 
 class CallReader:
@@ -137,7 +141,10 @@ class CallReader:
 
     def _arguments(self, call: _Call, out: list[CallPiece]) -> bool:
         """Takes the arguments' text up to their end (then closes the call)."""
+        bare: list[str] = []                    # whitespace between tokens says nothing
         for k, ch in enumerate(self._text):
+            if self._in_string or ch not in _SPACE:
+                bare.append(ch)
             if self._in_string:
                 if self._escaped:
                     self._escaped = False
@@ -152,10 +159,12 @@ class CallReader:
             elif ch in "}]":
                 self._depth -= 1
                 if self._depth == 0:
+                    call.bare += "".join(bare)
                     call.args += self._text[:k + 1]
                     self._text = self._text[k + 1:]
                     self._close(call, out)
                     return not self.ended
+        call.bare += "".join(bare)
         call.args += self._text
         self._text = ""
         return False
@@ -175,9 +184,10 @@ class CallReader:
         self._show(call, out)
 
     def _repeats(self, call: _Call) -> bool:
-        """Whether ``call`` so far may still be a repeat of one made before."""
+        """Whether ``call`` so far may still be a repeat of one made before (their arguments
+        compared without the whitespace between JSON tokens)."""
         return any(c.complete and c.name == call.name and (
-            c.args == call.args if call.complete else c.args.startswith(call.args))
+            c.bare == call.bare if call.complete else c.bare.startswith(call.bare))
             for c in self._shown)
 
     def _show(self, call: _Call, out: list[CallPiece]) -> None:

@@ -249,6 +249,73 @@ def test_calls_on_different_contexts_do_not_corrupt_each_other(lm, doc, tmp_path
     assert svc.stats()["budget_violations"] == 0
 
 
+@pytest.mark.parametrize("budget_mb", [16, 9])
+def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_holds(
+        lm, doc, tmp_path, monkeypatch, budget_mb):
+    """A call gives the model lock back for its turn: a call on another context switches in,
+    answers and folds back meanwhile (16 MB: room for both); where the memory it needs is held
+    by the turn (9 MB), it waits for the turn to end, then answers, rather than failing busy.
+    Either way its answer is the one it gives alone, and the budget holds."""
+    import threading
+
+    from sparkv.device import service as service_module
+
+    svc = _svc(lm, tmp_path, compression="fp", budget=budget_mb << 20)
+    a, b = svc.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[60:120])
+    want = svc.call(b, TURNS[1], max_new_tokens=4, grow=False).tokens
+    real, in_turn, b_done, b_waits = service_module.run_turn, threading.Event(), \
+        threading.Event(), threading.Event()
+
+    class Waits(threading.Condition):           # a reservation waiting for a turn to end
+        def wait(self, timeout=None):
+            b_waits.set()
+            return super().wait(timeout)
+
+    svc._turn_ended = Waits(svc._run)
+    seen: dict[str, object] = {}
+
+    def turn(*args, **kw):
+        if threading.current_thread().name == "a":
+            seen["locked"] = svc._run.locked()      # the model lock given back
+            in_turn.set()
+            seen["overlap"] = (b_done if budget_mb == 16 else b_waits).wait(60)
+        return real(*args, **kw)
+
+    def call_b() -> None:
+        assert in_turn.wait(60)
+        seen["b"] = svc.call(b, TURNS[1], max_new_tokens=4, grow=False).tokens
+        b_done.set()
+
+    monkeypatch.setattr(service_module, "run_turn", turn)
+    ths = [threading.Thread(target=lambda: svc.call(a, TURNS[0], max_new_tokens=4), name="a"),
+           threading.Thread(target=call_b, name="b")]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    assert seen == {"locked": False, "overlap": True, "b": want}
+    assert b_waits.is_set() == (budget_mb == 9)
+    assert svc._turns == 0 and svc.stats()["budget_violations"] == 0
+
+
+def test_serial_turns_keep_the_model_lock_for_the_whole_call(lm, doc, tmp_path, monkeypatch):
+    """``overlap_turns=False`` (``--serial-turns``, the comparison): a call's turn holds the
+    model lock, as every call did before."""
+    from sparkv.device import service as service_module
+
+    svc = _svc(lm, tmp_path, compression="fp", overlap_turns=False)
+    a = svc.new_context(system_ids=doc[:40])
+    real, locked = service_module.run_turn, []
+
+    def turn(*args, **kw):
+        locked.append(svc._run.locked())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(service_module, "run_turn", turn)
+    svc.call(a, TURNS[0], max_new_tokens=2)
+    assert locked == [True] and svc._turns == 0
+
+
 def test_a_restarted_service_reopens_its_contexts(lm, doc, tmp_path):
     svc = _svc(lm, tmp_path, name="j")
     cid = svc.new_context(system_ids=doc[:70])

@@ -3,7 +3,7 @@
     sparkv device serve --flash-dir DIR --memory-budget-mb 256 [--socket PATH [--socket-group GROUP]]
                         [--port N [--token-file PATH]] [--model PATH] [--policy llms]
                         [--device auto] [--host-tier-mb MB] [--turn-cache-mb MB]
-                        [--ratio 0.75]                     # --socket and --port: both at once
+                        [--ratio 0.75] [--serial-turns]      # --socket and --port: both at once
     sparkv device create [--system "You are ..." | --system-file FILE] [--label NAME]
                                                            # prints the new context's id
     sparkv device call ID "prompt" [--max-new-tokens 32] [--no-grow] [--json]
@@ -130,6 +130,10 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                    help="host RAM for the KV of recent turns after a context, reused by the next "
                         "ask of the same conversation (its earlier turns are not run again), MB; "
                         "0: none (default: 2,048 tokens of the model's KV, at least 64 MB)")
+    s.add_argument("--serial-turns", action="store_true",
+                   help="run calls on kept contexts one at a time, whole (by default a call's "
+                        "turn gives the model lock back: calls on other contexts switch in and "
+                        "answer meanwhile); for comparison")
     s.add_argument("--socket", default=None,
                    help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
                         "<sparkv cache>/device/sparkv-device.sock)")
@@ -232,7 +236,8 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
     config = ServiceConfig.preset(args.policy, chunk_tokens=args.chunk_tokens, ratio=ratio,
                                   host_tier_bytes=host,
                                   turn_cache_bytes=None if args.turn_cache_mb is None
-                                  else int(args.turn_cache_mb * 1e6))
+                                  else int(args.turn_cache_mb * 1e6),
+                                  overlap_turns=not args.serial_turns)
     service = ContextService(lm, budget, swap, config=config)
     try:
         need = service.min_budget()

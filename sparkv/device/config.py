@@ -62,6 +62,9 @@ class ServiceConfig:
     #                                    context, reused by the next call of the same
     #                                    conversation (sparkv.device.tails); 0: none; None:
     #                                    2,048 tokens of the model's KV, at least 64 MB
+    overlap_turns: bool = True         # a call's turn runs without the model lock (calls on
+    #                                    other contexts switch in and answer meanwhile); False:
+    #                                    one call at a time, whole (for comparison)
 
     def __post_init__(self) -> None:
         if self.compression not in ("tolerance", "int8", "fp"):

@@ -272,7 +272,9 @@ class ContextRegistry:
         """Holds ``run`` (the service's model) for the block, for a call :meth:`holding`
         ``ctx``. Until it has ``run``, and once it gives it back, the call is ``waiting``: it
         reads its context's tokens but not its memory, so the reservation of the call that runs
-        meanwhile (every reservation runs under ``run``) may reclaim it (:meth:`evictable`)."""
+        meanwhile (every reservation runs under ``run``) may reclaim it (:meth:`evictable`).
+        Within the block the call may give ``run`` back for its turn (the model over its own
+        working memory): ``ctx`` stays in use then, never reclaimed."""
         run.acquire()
         self._waiting(ctx, False)
         try:
@@ -280,6 +282,19 @@ class ContextRegistry:
         finally:
             self._waiting(ctx, True)
             run.release()
+
+    @contextlib.contextmanager
+    def waiting_for(self, ctx: DeviceContext | None) -> Iterator[None]:
+        """``ctx``, held by a call that has the model (:meth:`running`), waits for the block (the
+        model given back): reclaimable meanwhile, as a call waiting for the model. ``None``:
+        nothing to mark."""
+        if ctx is not None:
+            self._waiting(ctx, True)
+        try:
+            yield
+        finally:
+            if ctx is not None:
+                self._waiting(ctx, False)
 
     def _waiting(self, ctx: DeviceContext, waiting: bool) -> None:
         with self.lock:

@@ -17,7 +17,10 @@ absent. A call:
    with spare slots) from resident chunks, flash reads and recomputation
    (:mod:`sparkv.device.loader`, the split from :mod:`sparkv.device.planner`);
 3. **runs** the prompt and decodes the answer over the working memory, recording the density of
-   every key the new rows attend (:mod:`sparkv.device.calls`);
+   every key the new rows attend (:mod:`sparkv.device.calls`): its *turn*, during which the
+   model lock is given back (the context stays in use), so calls on other contexts switch in,
+   run and fold meanwhile, and their answer tokens ride one pass where the asks' cores batch
+   them;
 4. **folds** the new tokens back: its new chunks enter ``C`` at the levels their densities earn;
 5. **swaps out ahead of time** every chunk it modified (token chunk records, one grouped durable
    write: one segment file, or one file per token chunk for the chunk-swapping baselines;
@@ -50,7 +53,7 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -60,7 +63,7 @@ from sparkv.device.chunked import ChunkKeeper
 from sparkv.device.config import ServiceConfig, longest_context, resolved_ratio
 from sparkv.device.counters import ServiceCounters
 from sparkv.device.density import install_hooks
-from sparkv.device.errors import DeviceError, FlashFull
+from sparkv.device.errors import BudgetBusy, DeviceError, FlashFull
 from sparkv.device.flashio import IOProfile, ServiceFlash, load_io_profile
 from sparkv.device.hosttier import HostTier, HostTierStats
 from sparkv.device.inputs import check_call, check_length, check_token_ids, vocab_size
@@ -85,6 +88,8 @@ if TYPE_CHECKING:
     from sparkv.runtime.sampling import Sampling
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
+
+_T = TypeVar("_T")
 
 
 class ContextService:
@@ -114,8 +119,10 @@ class ContextService:
     :meth:`describe` (:class:`~sparkv.device.errors.ContextDamaged`), removed by :meth:`delete`.
 
     Locks: each context's lock for a call on it (:mod:`sparkv.device.registry`); ``_run`` makes
-    calls and new contexts run the model one at a time (their locking and argument checks run
-    concurrently).
+    what touches the memory one at a time: new contexts, and a call's switch-in and fold-back
+    (their locking and argument checks run concurrently). A call's turn runs without it
+    (:meth:`_turn`); a reservation that finds the memory it needs held by calls in their turn
+    waits for one to end (:meth:`_reserving`) rather than failing busy.
     """
 
     def __init__(self, model: LoadedModel | str | None, memory_budget_bytes: int,
@@ -155,6 +162,8 @@ class ContextService:
         self.keeper = self._keeper(memory_budget_bytes)
         self.account = self.keeper.budget
         self._run = threading.Lock()
+        self._turn_ended = threading.Condition(self._run)
+        self._turns = 0             # calls running their turn, the model lock given back
         self.reopened = self._reopen()
 
     def _keeper(self, budget_bytes: int) -> Keeper:
@@ -220,7 +229,7 @@ class ContextService:
         ctx = self._new(ids, system_prompt)
         ctx.label = label
         with ctx.lock, self._run, self._adding(ctx):
-            self.keeper.create(ctx)
+            self._reserving(lambda: self.keeper.create(ctx))
         return ctx.id
 
     def _new(self, ids: list[int], system_prompt: str | None) -> DeviceContext:
@@ -260,7 +269,7 @@ class ContextService:
         with ctx.lock, self._run, self._adding(ctx):
             if density is not None:
                 ctx.set_density(*density)
-            self.keeper.adopt(ctx, layers)
+            self._reserving(lambda: self.keeper.adopt(ctx, layers))
         return ctx.id
 
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
@@ -417,10 +426,14 @@ class ContextService:
         tails = not grow and max_new > 0 and self.tails.capacity > 0
         where = TailKey(ctx.id, n, turn_scope)
         known = self.tails.match(where, ids, MIN_REUSE) if tails else None
-        sw = self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote)
+        sw = self._reserving(lambda: self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote),
+                             ctx)
+        counted = self.counters.since(before)   # the switch's: other calls count meanwhile
         switch_s = time.perf_counter() - t0
-        turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow, stop_at_eos=stop_at_eos,
-                        stop=stop, known=known, keep_tail=tails, sampling=sampling)
+        with self._turn() if self.config.overlap_turns else contextlib.nullcontext():
+            turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
+                            stop_at_eos=stop_at_eos, stop=stop, known=known, keep_tail=tails,
+                            sampling=sampling)
         first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
         tokens = turn.tokens
         if turn.tail is not None:
@@ -445,11 +458,40 @@ class ContextService:
         aot_s = time.perf_counter() - t_aot
         self.counters.called()
         return CallResult.of(self.lm, ctx.id, tokens, sw, len(ctx.tokens),
-                             self.counters.since(before), switch_s=switch_s,
+                             counted, switch_s=switch_s,
                              first_token_s=first_s, total_s=time.perf_counter() - t0,
                              aot_s=aot_s, aot_bytes=aot_bytes, stop=stop,
                              turn_tokens_reused=turn.reused,
                              seed=sampling.seed if sampling and not sampling.greedy else None)
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """A call's turn (the model over its own working memory; its context stays in use, so
+        nothing of it is reclaimed): the model lock is given back for the block, so other calls
+        switch in, run their turns (their answer tokens batched with this one's where the asks'
+        cores batch them) and fold back meanwhile."""
+        self._turns += 1
+        self._run.release()
+        try:
+            yield
+        finally:
+            self._run.acquire()
+            self._turns -= 1
+            self._turn_ended.notify_all()
+
+    def _reserving(self, take: Callable[[], _T], ctx: DeviceContext | None = None) -> _T:
+        """``take()`` (the model lock held), waiting while calls running their turn hold the
+        memory it needs (:class:`BudgetBusy` while any runs): then it waits for one to end and
+        takes again, ``ctx`` (a call's context) reclaimable meanwhile, as a call waiting for the
+        model. With no turn running, :class:`BudgetBusy` is raised as it comes."""
+        while True:
+            try:
+                return take()
+            except BudgetBusy:
+                if self._turns == 0:
+                    raise
+            with self.registry.waiting_for(ctx):
+                self._turn_ended.wait()
 
     def _after_call(self, ctx: DeviceContext) -> int:
         """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.

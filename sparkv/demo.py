@@ -4,7 +4,7 @@ strategy under an emulated link; the answers, the dense reference and a TTFT tab
 and a timeline plot and JSON are written. The sparkv run keeps its loaded cache in the device's
 context service (``sparkv.device``), and a follow-up question is answered from it: no stream, only
 its own prefill. Last, the device's system service is asked by two apps at once through the
-``openai`` client (:mod:`sparkv.demoapps`).
+``openai`` client, then asked their follow-ups at once (:mod:`sparkv.demoapps`).
 
 This module sits above both sides (it starts the server and drives the edge), beside the CLI.
 """

@@ -2,9 +2,11 @@
 serve`` runs as its own process (the same model, dtype and emulated link as the rest of the
 demo, the demo's server behind it); two apps ask it at once through the stock ``openai``
 client, each with its own app token: one with chat completions, one with the Responses API,
-both streamed, both SparKV over the one link. The Responses app then asks a follow-up naming
-its first response (``previous_response_id``): the service continues the conversation from
-the KV it kept, streaming nothing. Each answer is printed with the TTFT its app saw, what was
+both streamed, both SparKV over the one link. Then both ask a follow-up at once, the reader
+app sending its conversation, the Responses app naming its first response
+(``previous_response_id``): the service continues each conversation from the KV that app kept,
+streaming nothing, one answering while the other switches in, their tokens in one pass
+(docs/device-service.md, "Calls at once"). Each answer is printed with the TTFT its app saw, what was
 streamed and computed, and whether it is the dense reference's answer (docs/asks.md,
 "OpenAI's Responses API"; docs/device-service.md).
 
@@ -98,14 +100,16 @@ def ask_as_apps(args: argparse.Namespace, lm: "LoadedModel", context: list[int],
         try:
             _warm_up(clients["reader"], cid)
             got = _two_apps(clients, cid, args)
-            got.append(_respond(clients["notes"], cid, args, follow_up, got[1].response_id))
+            got += _follow_ups(clients, cid, args, follow_up, got)
         finally:
             for c in clients.values():
                 c.close()
     _say_dense(lm, context, args, follow_up, got)
     print(f"{got[0].line()}\n{got[1].line()}\n  (both asked at once: they share the "
           "service's one link and its cores, which go to the oldest ask's work first: device "
-          f"serve --ask-core-order)\n{got[2].line()}", flush=True)
+          f"serve --ask-core-order)\n{got[2].line()}\n{got[3].line()}\n  (both follow-ups "
+          "asked at once, each from its app's kept context: one answers while the other "
+          "switches in, their tokens in one pass)", flush=True)
     return {"question": args.question, "answers": [asdict(a) for a in got]}
 
 
@@ -140,12 +144,29 @@ def _two_apps(clients: dict[str, Any], cid: str, args: argparse.Namespace) -> li
         return [chat.result(), resp.result()]
 
 
-def _chat(oa: Any, cid: str, args: argparse.Namespace) -> AppAnswer:
-    """The reader app: a streamed chat completion."""
-    out = AppAnswer("reader", "chat.completions")
+def _follow_ups(clients: dict[str, Any], cid: str, args: argparse.Namespace, follow_up: str,
+                first: list[AppAnswer]) -> list[AppAnswer]:
+    """Both apps' follow-up, asked at once: the reader's conversation, the notes app's
+    response after its first."""
+    talk = [{"role": "user", "content": args.question},
+            {"role": "assistant", "content": first[0].text},
+            {"role": "user", "content": follow_up}]
+    with ThreadPoolExecutor(2) as pool:
+        chat = pool.submit(_chat, clients["reader"], cid, args, talk)
+        resp = pool.submit(_respond, clients["notes"], cid, args, follow_up,
+                           first[1].response_id)
+        return [chat.result(), resp.result()]
+
+
+def _chat(oa: Any, cid: str, args: argparse.Namespace,
+          messages: list[dict[str, str]] | None = None) -> AppAnswer:
+    """The reader app: a streamed chat completion (of ``messages``, a conversation; else the
+    question)."""
+    out = AppAnswer("reader", "chat.completions" + (", the conversation" if messages else ""))
     t0 = time.perf_counter()
     stream = oa.chat.completions.create(
-        model=cid, messages=[{"role": "user", "content": args.question}], stream=True,
+        model=cid, messages=messages or [{"role": "user", "content": args.question}],
+        stream=True,
         max_tokens=args.max_new_tokens, stream_options={"include_usage": True},
         extra_body=SPARKV_FIELDS)
     for chunk in stream:
@@ -189,10 +210,13 @@ def _say_dense(lm: "LoadedModel", context: list[int], args: argparse.Namespace,
 
     first = reference_generate(lm, context + question_suffix(lm, args.question),
                                args.max_new_tokens)
-    conv = Conversation((ChatTurn("user", args.question), ChatTurn("assistant", got[1].text),
-                         ChatTurn("user", follow_up)))
-    then = reference_generate(lm, context + question_suffix(lm, conv), args.max_new_tokens)
-    for a, ref in zip(got, (first, first, then)):
+    then: dict[str, list[int]] = {}
+    for answer in {a.text for a in got[:2]}:
+        conv = Conversation((ChatTurn("user", args.question), ChatTurn("assistant", answer),
+                             ChatTurn("user", follow_up)))
+        then[answer] = reference_generate(lm, context + question_suffix(lm, conv),
+                                          args.max_new_tokens)
+    for a, ref in zip(got, (first, first, then[got[0].text], then[got[1].text])):
         same = a.same_as_dense = lm.decode_tokens(ref).strip() == a.text.strip()
         a.dense = ("the same answer as a dense full prefill of the conversation" if same else
                    "NOT the dense reference's answer (a dense full prefill of the "

@@ -564,16 +564,19 @@ def test_demo(smollm2, tmp_path, capsys):
     assert ("the same tokens as the dense reference (a dense prefill, the same form)" in called
             or "NOT the dense reference's answer" in called)
     # last, the device service: two apps at once through the openai client (chat completions
-    # and the Responses API, both SparKV over its one link), then the Responses app's
-    # follow-up naming its first response, answered from what the service kept
+    # and the Responses API, both SparKV over its one link), then both apps' follow-ups at
+    # once (the reader's conversation, the Responses app naming its first response), each
+    # answered from what the service kept for that app
     pytest.importorskip("openai")
     apps = doc["apps"]["answers"]
     assert [(a["app"], a["api"]) for a in apps] == [
         ("reader", "chat.completions"), ("notes", "responses"),
+        ("reader", "chat.completions, the conversation"),
         ("notes", "responses, previous_response_id")]
     assert all(a["text"].strip() and a["ttft_s"] > 0 for a in apps)
-    assert [a["stats"]["strategy"] for a in apps] == ["sparkv", "sparkv", "kept"]
-    assert apps[2]["stats"]["bytes_streamed"] == 0 and apps[2]["cached_tokens"] > 0
+    assert [a["stats"]["strategy"] for a in apps] == ["sparkv", "sparkv", "kept", "kept"]
+    assert all(a["stats"]["bytes_streamed"] == 0 and a["cached_tokens"] > 0
+               for a in apps[2:])
     for a in apps:
         line = out[out.index(f"[{a['app']}, {a['api']}]"):]
         line = line[:line.index("\n", line.index("\n") + 1)]

@@ -298,6 +298,38 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
     assert svc._turns == 0 and svc.stats()["budget_violations"] == 0
 
 
+@pytest.mark.parametrize("grow", [False, True])
+def test_a_turn_that_fails_gives_its_working_memory_back(lm, doc, tmp_path, monkeypatch, grow):
+    """A call whose turn fails (a cancelled ask raises there) leaves nothing counted that no
+    reservation may reclaim: its working memory is kept hot while it holds exactly the
+    context's tokens (reclaimable, reused by the next call), else freed; the next call
+    answers as a service that never failed."""
+    from sparkv.device import service as service_module
+
+    ref = _svc(lm, tmp_path, name="ref", compression="fp")
+    svc = _svc(lm, tmp_path, compression="fp")
+    r, a = ref.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[:60])
+    real = service_module.run_turn
+    calls = []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        out = real(*args, **kw)                     # it ran (W grew, or was truncated)
+        if len(calls) == 1:
+            raise RuntimeError("the ask was cancelled")
+        return out
+
+    monkeypatch.setattr(service_module, "run_turn", failing)
+    with pytest.raises(RuntimeError):
+        svc.call(a, TURNS[0], max_new_tokens=4, grow=grow)
+    ctx = svc.contexts[a]
+    assert svc.account.working.get(a) in (None, ctx.hot)     # hot or freed, never pinned
+    assert (ctx.hot is None) == grow                          # a grown W is not the context's
+    want = ref.call(r, TURNS[1], max_new_tokens=6, grow=grow).tokens
+    assert svc.call(a, TURNS[1], max_new_tokens=6, grow=grow).tokens == want
+    assert svc.stats()["budget_violations"] == 0
+
+
 def test_serial_turns_keep_the_model_lock_for_the_whole_call(lm, doc, tmp_path, monkeypatch):
     """``overlap_turns=False`` (``--serial-turns``, the comparison): a call's turn holds the
     model lock, as every call did before."""

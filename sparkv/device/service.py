@@ -430,10 +430,14 @@ class ContextService:
                              ctx)
         counted = self.counters.since(before)   # the switch's: other calls count meanwhile
         switch_s = time.perf_counter() - t0
-        with self._turn() if self.config.overlap_turns else contextlib.nullcontext():
-            turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
-                            stop_at_eos=stop_at_eos, stop=stop, known=known, keep_tail=tails,
-                            sampling=sampling)
+        try:
+            with self._turn() if self.config.overlap_turns else contextlib.nullcontext():
+                turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
+                                stop_at_eos=stop_at_eos, stop=stop, known=known,
+                                keep_tail=tails, sampling=sampling)
+        except BaseException:        # failed or cancelled: its working memory is given back
+            self.keeper.release(ctx, sw.working)
+            raise
         first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
         tokens = turn.tokens
         if turn.tail is not None:

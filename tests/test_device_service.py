@@ -298,16 +298,21 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
     assert svc._turns == 0 and svc.stats()["budget_violations"] == 0
 
 
+@pytest.mark.parametrize("policy", ["llms", "swap"])
 @pytest.mark.parametrize("grow", [False, True])
-def test_a_turn_that_fails_gives_its_working_memory_back(lm, doc, tmp_path, monkeypatch, grow):
+def test_a_turn_that_fails_gives_its_working_memory_back(lm, doc, tmp_path, monkeypatch, grow,
+                                                         policy):
     """A call whose turn fails (a cancelled ask raises there) leaves nothing counted that no
-    reservation may reclaim: its working memory is kept hot while it holds exactly the
-    context's tokens (reclaimable, reused by the next call), else freed; the next call
-    answers as a service that never failed."""
+    reservation may reclaim: its working memory is kept (LLMS: hot; a whole-context keeper: its
+    arena) while it holds exactly the context's tokens, else freed; the next call answers as a
+    service that never failed."""
     from sparkv.device import service as service_module
 
-    ref = _svc(lm, tmp_path, name="ref", compression="fp")
-    svc = _svc(lm, tmp_path, compression="fp")
+    def config() -> ServiceConfig:
+        return ServiceConfig.preset(policy, compression="fp")
+
+    ref = _svc(lm, tmp_path, name="ref", config=config())
+    svc = _svc(lm, tmp_path, config=config())
     r, a = ref.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[:60])
     real = service_module.run_turn
     calls = []
@@ -323,11 +328,35 @@ def test_a_turn_that_fails_gives_its_working_memory_back(lm, doc, tmp_path, monk
     with pytest.raises(RuntimeError):
         svc.call(a, TURNS[0], max_new_tokens=4, grow=grow)
     ctx = svc.contexts[a]
-    assert svc.account.working.get(a) in (None, ctx.hot)     # hot or freed, never pinned
-    assert (ctx.hot is None) == grow                          # a grown W is not the context's
+    assert svc.account.working.get(a) in (None, ctx.hot)     # kept or freed, never pinned
+    kept = ctx.hot if policy == "llms" else ctx.memory
+    assert (kept is None) == grow                             # a grown W is not the context's
     want = ref.call(r, TURNS[1], max_new_tokens=6, grow=grow).tokens
     assert svc.call(a, TURNS[1], max_new_tokens=6, grow=grow).tokens == want
     assert svc.stats()["budget_violations"] == 0
+
+
+def test_a_switch_in_that_fails_leaves_nothing_counted(lm, doc, tmp_path, monkeypatch):
+    """A load that fails midway (a cancelled ask's recomputation, a flash error) frees the
+    working memory it was filling; the next call loads again and answers."""
+    from sparkv.device import chunked
+
+    ref = _svc(lm, tmp_path, name="ref", compression="fp")
+    svc = _svc(lm, tmp_path, compression="fp")
+    r, a = ref.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[:60])
+    svc.swap_out(a)
+    real = chunked.load
+
+    def failing(*args, **kw):
+        raise RuntimeError("the ask was cancelled")
+
+    monkeypatch.setattr(chunked, "load", failing)
+    with pytest.raises(RuntimeError):
+        svc.call(a, TURNS[0], max_new_tokens=4, grow=False)
+    assert a not in svc.account.working
+    monkeypatch.setattr(chunked, "load", real)
+    want = ref.call(r, TURNS[0], max_new_tokens=4, grow=False).tokens
+    assert svc.call(a, TURNS[0], max_new_tokens=4, grow=False).tokens == want
 
 
 def test_serial_turns_keep_the_model_lock_for_the_whole_call(lm, doc, tmp_path, monkeypatch):

@@ -179,7 +179,11 @@ class WholeKeeper(Keeper):
         W = ContextKV(g, self.lm.dtype, self.lm.device, spare_tokens=extra)
         self.budget.hold(ctx.id, W)
         self.budget.check()
-        return W, self.bring_back.bring_back(self.lm, ctx, W, self.budget.check), reclaim_s
+        try:
+            return W, self.bring_back.bring_back(self.lm, ctx, W, self.budget.check), reclaim_s
+        except BaseException:               # failed or cancelled: nothing of it stays counted
+            self.budget.release(ctx.id, W)
+            raise
 
     def fold_back(self, ctx: DeviceContext, W: ContextKV, n_old: int) -> None:
         """The working memory becomes the context's arena again."""
@@ -190,6 +194,16 @@ class WholeKeeper(Keeper):
 
     def release(self, ctx: DeviceContext, W: ContextKV) -> None:
         self.fold_back(ctx, W, len(ctx.tokens))
+
+    def abandon(self, ctx: DeviceContext, W: ContextKV) -> None:
+        """The arena back while it holds exactly the context's tokens; else freed (the next call
+        brings the context back)."""
+        n = len(ctx.tokens)
+        if W.geometry.num_tokens == n and max(W.positions) == n:
+            self.fold_back(ctx, W, n)
+            return
+        self.budget.release(ctx.id, W)
+        self.budget.check()
 
     def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> int:
         """Evicts the whole context (``ts`` aside): put away, then freed."""

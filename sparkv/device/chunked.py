@@ -131,7 +131,11 @@ class ChunkKeeper(Keeper):
                               remote_chunks=rp.server if rp else ())
         options = LoadOptions(pipeline=self.config.pipeline, io_threads=self.config.io_threads,
                               on_layer=self.budget.check, level_of=lambda t: levels[t])
-        stats = load(self.lm, ctx.tokens, C, W, ctx.tier, request, options)
+        try:
+            stats = load(self.lm, ctx.tokens, C, W, ctx.tier, request, options)
+        except BaseException:               # failed or cancelled: nothing of it stays counted
+            self.budget.release(ctx.id, W)
+            raise
         stats.predicted_s = split.predicted_s
         if rp is not None:
             stats.notes.append(f"restore plan: {rp.counts()}")

@@ -139,6 +139,11 @@ class Keeper(ABC):
     def release(self, ctx: DeviceContext, W: ContextKV) -> None:
         """After a call that left ``ctx`` as it was: releases the working memory."""
 
+    def abandon(self, ctx: DeviceContext, W: ContextKV) -> None:
+        """After a call whose turn failed (a cancelled ask): releases ``W``, kept only while it
+        holds exactly ``ctx``'s tokens (a failed turn may have appended to it), else freed."""
+        self.release(ctx, W)
+
     @abstractmethod
     def evict(self, ctx: DeviceContext, ts: Sequence[int]) -> int:
         """Reclaims token chunks ``ts`` of ``ctx`` (or all of it); returns the bytes written."""

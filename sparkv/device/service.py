@@ -436,7 +436,7 @@ class ContextService:
                                 stop_at_eos=stop_at_eos, stop=stop, known=known,
                                 keep_tail=tails, sampling=sampling)
         except BaseException:        # failed or cancelled: its working memory is given back
-            self.keeper.release(ctx, sw.working)
+            self.keeper.abandon(ctx, sw.working)
             raise
         first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
         tokens = turn.tokens

@@ -249,13 +249,14 @@ def test_calls_on_different_contexts_do_not_corrupt_each_other(lm, doc, tmp_path
     assert svc.stats()["budget_violations"] == 0
 
 
-@pytest.mark.parametrize("budget_mb", [16, 9])
+@pytest.mark.parametrize("budget_mb", [32, 9])
 def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_holds(
         lm, doc, tmp_path, monkeypatch, budget_mb):
-    """A call gives the model lock back for its turn: a call on another context switches in,
-    answers and folds back meanwhile (16 MB: room for both); where the memory it needs is held
-    by the turn (9 MB), it waits for the turn to end, then answers, rather than failing busy.
-    Either way its answer is the one it gives alone, and the budget holds."""
+    """A call gives the model lock back for its turn (the bytes its fold-back may add claimed
+    meanwhile): a call on another context switches in, answers and folds back meanwhile (32 MB:
+    room for both); where the memory it needs is held by the turn (9 MB), it waits for the turn
+    to end, then answers, rather than failing busy. Either way its answer is the one it gives
+    alone, and the budget holds."""
     import threading
 
     from sparkv.device import service as service_module
@@ -277,8 +278,9 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
     def turn(*args, **kw):
         if threading.current_thread().name == "a":
             seen["locked"] = svc._run.locked()      # the model lock given back
+            seen["claimed"] = svc.account.claims.get(a, 0) > 0   # its fold-back's bytes
             in_turn.set()
-            seen["overlap"] = (b_done if budget_mb == 16 else b_waits).wait(60)
+            seen["overlap"] = (b_done if budget_mb == 32 else b_waits).wait(60)
         return real(*args, **kw)
 
     def call_b() -> None:
@@ -293,9 +295,10 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
         t.start()
     for t in ths:
         t.join(120)
-    assert seen == {"locked": False, "overlap": True, "b": want}
+    assert seen == {"locked": False, "claimed": True, "overlap": True, "b": want}
     assert b_waits.is_set() == (budget_mb == 9)
-    assert svc._turns == 0 and svc.stats()["budget_violations"] == 0
+    assert svc._turns == 0 and svc.account.claims == {}
+    assert svc.stats()["budget_violations"] == 0
 
 
 @pytest.mark.parametrize("policy", ["llms", "swap"])

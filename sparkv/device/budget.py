@@ -154,16 +154,31 @@ class MemoryBudget:
         self.policy = policy
         self.evictor = evictor
         self.working: dict[str, ContextKV] = {}
+        self.claims: dict[str, int] = {}      # bytes a running turn's fold-back may add
         self.peak_bytes = 0
         self.violations = 0
 
     # ---- the account -----------------------------------------------------------------------------
     def used(self) -> int:
-        """Bytes every context's KV memory and every working memory hold now."""
+        """Bytes every context's KV memory and every working memory hold now, and those the
+        calls in their turn claim for their fold-back (:meth:`claim`)."""
         with self.registry.lock:
             total = sum(c.memory.nbytes for c in self.registry.contexts.values()
                         if c.memory is not None)
-            return total + sum(w.nbytes for w in self.working.values())
+            return (total + sum(w.nbytes for w in self.working.values())
+                    + sum(self.claims.values()))
+
+    def claim(self, key: str, nbytes: int) -> None:
+        """Counts ``nbytes`` under ``key`` (a context id) until :meth:`unclaim`: what a call's
+        fold-back may add, reserved at its switch-in, kept from the reservations other calls
+        make while its turn runs without the model lock."""
+        if nbytes > 0:
+            with self.registry.lock:
+                self.claims[key] = nbytes
+
+    def unclaim(self, key: str) -> None:
+        with self.registry.lock:
+            self.claims.pop(key, None)
 
     def check(self) -> int:
         """The account now; keeps the high-water mark and counts a violation if over."""

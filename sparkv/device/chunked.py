@@ -110,8 +110,8 @@ class ChunkKeeper(Keeper):
         assert C is not None
         g = C.geometry
         missing, resident, restore = missing_chunks(ctx, self.lm.dtype)
-        need = (restore + working_nbytes(g, spare, self.lm.dtype)
-                + self.levels.new_chunk_bytes(g, spare))
+        fold = self.levels.new_chunk_bytes(g, spare)
+        need = restore + working_nbytes(g, spare, self.lm.dtype) + fold
         spare, need = self._with_margin(g, spare, need)
         reclaim_s = self.budget.reserve(need, ctx)
         rp = None
@@ -144,7 +144,7 @@ class ChunkKeeper(Keeper):
         if stats.faults:
             ctx.modified.update(range(g.num_token_chunks))
         self._learn(g, resident, stats)
-        return SwitchIn(W, stats, split, reclaim_s)
+        return SwitchIn(W, stats, split, reclaim_s, fold)
 
     def _learn(self, g: ChunkGeometry, resident: int, stats: LoadStats) -> None:
         """Counts what a load did and folds its timings into the recompute profile."""
@@ -203,7 +203,7 @@ class ChunkKeeper(Keeper):
             stats.notes.append("grown")
         self.counters.hot_hit()
         stats.total_s = time.perf_counter() - t0
-        return SwitchIn(W, stats, None, reclaim_s)
+        return SwitchIn(W, stats, None, reclaim_s, self.levels.new_chunk_bytes(g, spare))
 
     def _grow(self, ctx: DeviceContext, old: ContextKV, extra: int) -> ContextKV:
         """``old`` (held by the budget) grown to ``extra`` spare slots, layer by layer: the

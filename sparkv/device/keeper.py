@@ -49,12 +49,14 @@ if TYPE_CHECKING:
 @dataclass
 class SwitchIn:
     """A context switched in: the working memory a call runs over, what loading it did, the
-    IO/recompute split (chunked contexts that loaded) and the seconds reclaiming took."""
+    IO/recompute split (chunked contexts that loaded), the seconds reclaiming took and the
+    bytes its fold-back may add (reserved with it: claimed while its turn runs)."""
 
     working: ContextKV
     stats: LoadStats | None
     split: Split | None
     reclaim_s: float
+    fold_bytes: int = 0     # what folding the call's new tokens back may add (reserved with it)
 
 
 @dataclass(eq=False)

@@ -431,7 +431,8 @@ class ContextService:
         counted = self.counters.since(before)   # the switch's: other calls count meanwhile
         switch_s = time.perf_counter() - t0
         try:
-            with self._turn() if self.config.overlap_turns else contextlib.nullcontext():
+            with (self._turn(ctx.id, sw.fold_bytes if grow else 0) if self.config.overlap_turns
+                  else contextlib.nullcontext()):
                 turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
                                 stop_at_eos=stop_at_eos, stop=stop, known=known,
                                 keep_tail=tails, sampling=sampling)
@@ -469,17 +470,20 @@ class ContextService:
                              seed=sampling.seed if sampling and not sampling.greedy else None)
 
     @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
+    def _turn(self, ctx_id: str, fold_bytes: int) -> Iterator[None]:
         """A call's turn (the model over its own working memory; its context stays in use, so
         nothing of it is reclaimed): the model lock is given back for the block, so other calls
         switch in, run their turns (their answer tokens batched with this one's where the asks'
-        cores batch them) and fold back meanwhile."""
+        cores batch them) and fold back meanwhile. ``fold_bytes`` (what its fold-back may add,
+        reserved at its switch-in) stay claimed meanwhile, so no other reservation takes them."""
         self._turns += 1
+        self.account.claim(ctx_id, fold_bytes)
         self._run.release()
         try:
             yield
         finally:
             self._run.acquire()
+            self.account.unclaim(ctx_id)
             self._turns -= 1
             self._turn_ended.notify_all()
 

@@ -298,7 +298,9 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
     assert seen == {"locked": False, "claimed": True, "overlap": True, "b": want}
     assert b_waits.is_set() == (budget_mb == 9)
     assert svc._turns == 0 and svc.account.claims == {}
-    assert svc.stats()["budget_violations"] == 0
+    st = svc.stats()
+    assert st["budget_violations"] == 0 and st["turns_running"] == 0
+    assert (st["turn_waits"] > 0) == (budget_mb == 9)
 
 
 @pytest.mark.parametrize("policy", ["llms", "swap"])

@@ -37,6 +37,7 @@ class ServiceCounters:
     hot_hits: int = 0                # calls that found their working memory kept
     hot_dropped: int = 0             # kept working memories freed
     streamed_chunks: int = 0         # token chunks restored from the server
+    turn_waits: int = 0              # reservations that waited for a call's turn to end
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def called(self) -> None:
@@ -79,6 +80,11 @@ class ServiceCounters:
         """A kept working memory was freed."""
         with self._lock:
             self.hot_dropped += 1
+
+    def waited_for_turn(self) -> None:
+        """A reservation found its memory held by calls in their turn and waited for one."""
+        with self._lock:
+            self.turn_waits += 1
 
     def wrote_ahead(self, nbytes: int) -> None:
         """A call's ahead-of-time swap-out wrote ``nbytes``."""

@@ -371,3 +371,7 @@ class ServiceStats(_Reply):
     hot_hits: int = Field(description="calls that found their working memory kept")
     hot_dropped: int = Field(description="kept working memories freed")
     streamed_chunks: int = Field(description="token chunks restored from the server")
+    turns_running: int = Field(description=(
+        "calls answering now without the model lock (docs/device-service.md, 'Calls at once')"))
+    turn_waits: int = Field(description=(
+        "reservations that found their memory held by calls answering and waited for one"))

@@ -408,7 +408,8 @@ class ContextService:
                     **self.account.stats(), "contexts": len(self.contexts),
                     "damaged": len(self.registry.damaged),
                     "io_profile": self.io.to_dict(), "recompute_scale": self.recompute.scale,
-                    "reopened": self.reopened, **self.counters.to_dict()}
+                    "reopened": self.reopened, "turns_running": self._turns,
+                    **self.counters.to_dict()}
 
     def text(self, ctx_id: str) -> str:
         """The context's text so far (its token ids decoded)."""
@@ -498,6 +499,7 @@ class ContextService:
             except BudgetBusy:
                 if self._turns == 0:
                     raise
+            self.counters.waited_for_turn()
             with self.registry.waiting_for(ctx):
                 self._turn_ended.wait()
 

@@ -18,12 +18,13 @@ process, wall clock on whatever machine runs it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 CACHES_MB = (0, 64)
 
@@ -63,41 +64,51 @@ def _request(oa: Any, cid: str, url: str, messages: list[dict[str, str]], max_to
             "cached_tokens": r.usage.prompt_tokens_details.cached_tokens}
 
 
-def run(turns: int, rounds: int, max_tokens: int, strategy: str, pause_s: float = 0.0
-        ) -> dict[str, Any]:
-    """``rounds`` conversations of ``turns`` requests on each service, alternated."""
+@contextlib.contextmanager
+def served(prefix: str, services: dict[Any, list[str]]
+           ) -> Iterator[tuple[Any, str, list[str], dict[Any, Any]]]:
+    """A real ``sparkv serve`` holding the bundled story and a started ``sparkv device serve``
+    (400 MB, 2 torch threads) per entry of ``services`` (its extra arguments), all stopped
+    after: the server, the context's id, its questions and the devices by key."""
     from sparkv.device.client import DeviceProcess
     from sparkv.server.process import ServerProcess, write_config
 
-    out: dict[str, Any] = {str(mb): [] for mb in CACHES_MB}
-    with tempfile.TemporaryDirectory(prefix="sparkv-chat-e2e-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         write_config(f"{tmp}/server.yaml", None, allow_anonymous=True)
         with ServerProcess(f"{tmp}/server.yaml", f"file://{tmp}/store",
                            log_path=f"{tmp}/server.log", torch_threads=2) as srv:
             cid, questions = _context(srv.url)
-            devs = {mb: DeviceProcess(pathlib.Path(tmp) / f"dev{mb}", 400, torch_threads=2,
-                                      extra_args=["--turn-cache-mb", str(mb)]).start()
-                    for mb in CACHES_MB}
+            devs = {key: DeviceProcess(pathlib.Path(tmp) / f"dev{key}", 400, torch_threads=2,
+                                       extra_args=args).start()
+                    for key, args in services.items()}
             try:
-                for r in range(rounds):
-                    clients = {mb: _client(d, f"chat{r}") for mb, d in devs.items()}
-                    msgs: dict[int, list[dict[str, str]]] = {mb: [] for mb in CACHES_MB}
-                    convs: dict[int, list[dict[str, Any]]] = {mb: [] for mb in CACHES_MB}
-                    for q in questions[:turns]:
-                        for mb in (CACHES_MB if r % 2 == 0 else CACHES_MB[::-1]):
-                            time.sleep(pause_s)          # what the last answer left running
-                            msgs[mb].append({"role": "user", "content": q})
-                            got = _request(clients[mb], cid, srv.url, msgs[mb], max_tokens,
-                                           strategy)
-                            msgs[mb].append({"role": "assistant", "content": got["text"]})
-                            convs[mb].append(got)
-                    for mb in CACHES_MB:
-                        out[str(mb)].append(convs[mb])
-                        clients[mb].close()
-                    print(f"round {r + 1}/{rounds} done", flush=True)
+                yield srv, cid, questions, devs
             finally:
                 for d in devs.values():
                     d.stop()
+
+
+def run(turns: int, rounds: int, max_tokens: int, strategy: str, pause_s: float = 0.0
+        ) -> dict[str, Any]:
+    """``rounds`` conversations of ``turns`` requests on each service, alternated."""
+    out: dict[str, Any] = {str(mb): [] for mb in CACHES_MB}
+    with served("sparkv-chat-e2e-", {mb: ["--turn-cache-mb", str(mb)] for mb in CACHES_MB}
+                ) as (srv, cid, questions, devs):
+        for r in range(rounds):
+            clients = {mb: _client(d, f"chat{r}") for mb, d in devs.items()}
+            msgs: dict[int, list[dict[str, str]]] = {mb: [] for mb in CACHES_MB}
+            convs: dict[int, list[dict[str, Any]]] = {mb: [] for mb in CACHES_MB}
+            for q in questions[:turns]:
+                for mb in (CACHES_MB if r % 2 == 0 else CACHES_MB[::-1]):
+                    time.sleep(pause_s)          # what the last answer left running
+                    msgs[mb].append({"role": "user", "content": q})
+                    got = _request(clients[mb], cid, srv.url, msgs[mb], max_tokens, strategy)
+                    msgs[mb].append({"role": "assistant", "content": got["text"]})
+                    convs[mb].append(got)
+            for mb in CACHES_MB:
+                out[str(mb)].append(convs[mb])
+                clients[mb].close()
+            print(f"round {r + 1}/{rounds} done", flush=True)
     return {"context_id": cid, "strategy": strategy, "runs": out}
 
 

@@ -23,14 +23,13 @@ import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from chat_e2e import _client, _context  # noqa: E402
+from chat_e2e import _client, served  # noqa: E402
 
 MODES = {"overlap": [], "serial": ["--serial-turns"]}
 
@@ -66,33 +65,19 @@ def batch(clients: list[Any], cid: str, url: str, question: str, max_tokens: int
 
 
 def run(apps: list[int], rounds: int, max_tokens: int) -> dict[str, Any]:
-    from sparkv.device.client import DeviceProcess
-    from sparkv.server.process import ServerProcess, write_config
-
     res: dict[str, Any] = {m: {str(n): [] for n in apps} for m in MODES}
-    with tempfile.TemporaryDirectory(prefix="sparkv-kept-together-") as tmp:
-        write_config(f"{tmp}/server.yaml", None, allow_anonymous=True)
-        with ServerProcess(f"{tmp}/server.yaml", f"file://{tmp}/store",
-                           log_path=f"{tmp}/server.log", torch_threads=2) as srv:
-            cid, questions = _context(srv.url)
-            devs = {m: DeviceProcess(pathlib.Path(tmp) / m, 400, torch_threads=2,
-                                     extra_args=args).start() for m, args in MODES.items()}
-            try:
-                clients = {m: [_client(d, f"app{i}") for i in range(max(apps))]
-                           for m, d in devs.items()}
-                for m in MODES:                      # each app keeps its copy
-                    for oa in clients[m]:
-                        _ask(oa, cid, srv.url, questions[0], 4)
-                for r in range(rounds):
-                    for n in apps:
-                        q = questions[1 + (r % (len(questions) - 1))]
-                        for m in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-                            res[m][str(n)].append(batch(clients[m][:n], cid, srv.url, q,
-                                                        max_tokens))
-                    print(f"round {r + 1}/{rounds} done", flush=True)
-            finally:
-                for d in devs.values():
-                    d.stop()
+    with served("sparkv-kept-together-", MODES) as (srv, cid, questions, devs):
+        clients = {m: [_client(d, f"app{i}") for i in range(max(apps))]
+                   for m, d in devs.items()}
+        for m in MODES:                      # each app keeps its copy
+            for oa in clients[m]:
+                _ask(oa, cid, srv.url, questions[0], 4)
+        for r in range(rounds):
+            for n in apps:
+                q = questions[1 + (r % (len(questions) - 1))]
+                for m in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
+                    res[m][str(n)].append(batch(clients[m][:n], cid, srv.url, q, max_tokens))
+            print(f"round {r + 1}/{rounds} done", flush=True)
     return {"context_id": cid, "max_tokens": max_tokens, "runs": res}
 
 

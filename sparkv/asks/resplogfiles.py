@@ -65,6 +65,7 @@ _SUFFIX = ".events"
 #: the status a response ended with: the event a stream ends with for it
 _END_KINDS = {"completed": "response.completed", "incomplete": "response.incomplete",
               "failed": "response.failed"}
+_END_PREFIXES = tuple(f"event: {kind}\n".encode() for kind in _END_KINDS.values())
 
 
 class ReadLog(NamedTuple):
@@ -296,6 +297,3 @@ def end_event(number: int, response: dict[str, Any]) -> bytes | None:
 def ends_stream(event: bytes) -> bool:
     """Whether ``event`` is one a stream ends with (:func:`end_event`)."""
     return event.startswith(_END_PREFIXES)
-
-
-_END_PREFIXES = tuple(f"event: {kind}\n".encode() for kind in _END_KINDS.values())

@@ -90,6 +90,25 @@ def test_each_phases_command_parses(name):
         assert set(args.systems.split(",")) <= set(SYSTEMS)
     if hasattr(args, "device"):
         assert args.device == "cuda", name
+    if argv[1:3] == ["bench", "ttft"]:
+        _fits_the_servers_frames(args)
+
+
+def _fits_the_servers_frames(args):
+    """The context a TTFT phase creates is accepted by a default server: its largest chunk's
+    raw frame within ``max_frame_bytes`` (the H200's run 3 was refused at 1,024-token chunks
+    of the Llama-3.2-1B shape: 72 bytes over)."""
+    from sparkv.layout import ChunkGeometry
+    from sparkv.runtime.shapes import SHAPES, parse_random_spec
+    from sparkv.server.config import Settings
+    from sparkv.server.encoder import frame_cap_error
+
+    shape = SHAPES[parse_random_spec(args.model)[0]]
+    for n in args.sizes.split(","):
+        geometry = ChunkGeometry(int(n), args.chunk_tokens, shape["num_hidden_layers"],
+                                 shape["num_key_value_heads"], shape["head_dim"])
+        limit = Settings().max_frame_bytes
+        assert frame_cap_error(geometry, 2, encrypted=True, limit=limit) is None, (n, limit)
 
 
 def _functions(path: Path) -> set[str]:
@@ -107,3 +126,18 @@ def test_the_tests_phase_names_existing_tests():
         assert (ROOT / file).is_file(), target
         if func:
             assert func in _functions(ROOT / file), target
+
+
+def test_the_prepare_script_pins_packages_this_venv_has():
+    """bench/gpu_prepare.sh downloads each package at the version this venv runs: every name
+    it lists is installed here (else its pin lookup fails), among them opentelemetry-api, which
+    fastapi imports and the device image lacked (the H200's run 3)."""
+    import importlib.metadata as metadata
+
+    script = ROOT / "bench" / "gpu_prepare.sh"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    listed = script.read_text().split('PACKAGES="', 1)[1].split('"', 1)[0].split()
+    assert "opentelemetry-api" in listed and "fastapi" in listed
+    for name in listed:
+        assert metadata.version(name), name

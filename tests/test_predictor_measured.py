@@ -84,3 +84,30 @@ def test_the_edge_prices_spans_where_its_engine_runs_them(tiny_llama, tmp_path, 
         monkeypatch.setenv("SPARKV_FUSED_SPANS", env)
         monkeypatch.setattr(planning, "_COST_MODELS", {})
         assert planning.device_cost_model(tiny_llama).span_tokens == span
+
+
+def test_the_pair_cost_is_the_kernels_slope_not_its_fixed_cost(tiny_llama, monkeypatch):
+    """A kernel whose call costs a fixed 0.1 ms besides 1e-6 ms a pair (a GPU's launch-bound
+    small calls): ``c_pair`` is the 1e-6 and the 0.1 ms is reported, not spread over the pairs
+    (per pair at 4K keys it priced the H200's 32K local prefill 2.3x too dear, run 3)."""
+    from sparkv.predictor import measured as m
+    from sparkv.predictor.features import visible_pairs
+
+    monkeypatch.setitem(m.PAIR_KEYS_FACTOR, "cpu", 2)     # the GPU's rule, on this CPU
+    monkeypatch.setattr(m, "_pair_ms", lambda lm, n, keys, r: 0.1 + 1e-6 * visible_pairs(n, keys))
+    c_pair, fixed = m._pair_slope(tiny_llama, 256, 4096, 1)
+    assert c_pair == pytest.approx(1e-6) and fixed == pytest.approx(0.1)
+    # noise that inverts the two timings falls back to the long call's mean per pair
+    monkeypatch.setattr(m, "_pair_ms", lambda lm, n, keys, r: 5.0 if keys == 4096 else 4.0)
+    c_pair, fixed = m._pair_slope(tiny_llama, 256, 4096, 1)
+    assert c_pair == pytest.approx(4.0 / float(visible_pairs(256, 8192))) and fixed == 0.0
+
+
+def test_a_cpu_keeps_the_one_call_mean_and_a_gpu_times_two(tiny_llama, monkeypatch):
+    from sparkv.predictor import measured as m
+    from sparkv.predictor.features import visible_pairs
+
+    seen = []
+    monkeypatch.setattr(m, "_pair_ms", lambda lm, n, keys, r: seen.append(keys) or 3.0)
+    assert m._pair_slope(tiny_llama, 256, 4096, 1) == (3.0 / visible_pairs(256, 4096), 0.0)
+    assert seen == [4096] and m.PAIR_KEYS_FACTOR["cuda"] == 8

@@ -16,7 +16,8 @@ device and thread count, and predicts
 
 per step (``n`` query tokens, ``pairs`` the (query, key) pairs attention computes: every causally
 visible pair for dense, ``s * 128 * 64`` for block-sparse). ``c_pair`` comes from the dense
-attention kernel of one chunk after a long prefix (4K keys: what grows with the context);
+attention kernel of one chunk after a long prefix (4K keys: what grows with the context; on a
+GPU the slope between 4K and 32K keys, the call's fixed cost left in the steps' ``c_step``);
 ``c_step`` and ``c_token`` from real steps, layers 0-1 of a 768-token context cut at 128 and 256
 tokens (the profiler's shortcut: a layer's cost depends on its shapes, not its depth), less
 their attention, by least squares. The projection-only last layer is timed too, from random
@@ -47,6 +48,16 @@ CAL_TOKENS = 768
 CAL_CHUNKS = (128, 256)
 CAL_REPEATS = 3
 CAL_KEYS = 4096
+#: the attention kernel is timed again over this many times CAL_KEYS keys, and ``c_pair`` is the
+#: slope between the two: a call's fixed cost (the dispatch; on a GPU the launches, most of a
+#: 256-query call at 4K keys) is a per-step cost, which the steps' fit keeps in ``c_step``. Per
+#: pair it made a GPU's long steps look dear: the H200 predicted a 32K local prefill (Llama-3.2-1B
+#: shape) at 1.45 s against 0.63 s measured, the miss growing with the keys (run 3, docs/gpu.md)
+PAIR_KEYS_FACTOR = {"cuda": 8}
+#: elsewhere one call, its mean per pair: on this CPU a call's fixed cost is ~5% of a 4K call
+#: (1.2 of 22 ms, SmolLM2) and the per-pair cost grows with the keys (caches); the slope between
+#: 4K and 8K predicted the 4K local prefill at 10.9 s, the mean at 11.8, against 12.4 measured
+PAIR_KEYS_FACTOR_DEFAULT = 1
 
 
 @dataclass
@@ -119,7 +130,7 @@ class MeasuredSteps(StepCostModel):
         from sparkv.layout import StepId
 
         start = time.perf_counter()
-        c_pair = _pair_ms(lm, max(chunk_sizes), attention_keys, repeats)
+        c_pair, pair_call_ms = _pair_slope(lm, max(chunk_sizes), attention_keys, repeats)
         n_ctx = min(tokens, lm.max_positions or tokens)
         ids = sample_context_ids(lm, n_ctx)
         times: dict[tuple[int, int], list[float]] = {}     # (n, keys) -> ms of each run
@@ -141,6 +152,7 @@ class MeasuredSteps(StepCostModel):
         model.info = {"threads": torch.get_num_threads(), "compute": _compute_name(lm),
                       "steps": sum(len(v) for v in times.values()), "context_tokens": n_ctx,
                       "chunk_sizes": list(chunk_sizes), "attention_keys": attention_keys,
+                      "attention_call_ms": pair_call_ms,
                       "seconds": time.perf_counter() - start}
         return model
 
@@ -197,9 +209,25 @@ def _median_ms(call: Any, device: Any, repeats: int) -> float:
     return float(np.median(runs[1:]))
 
 
+def _pair_slope(lm: Any, n: int, keys: int, repeats: int) -> tuple[float, float]:
+    """``(c_pair, fixed_ms)``: the attention kernel's milliseconds per causally visible pair
+    between ``keys`` and ``PAIR_KEYS_FACTOR`` times as many (its marginal cost), and what a
+    call costs besides (the line's intercept). Noise that makes the slope negative or steeper
+    than the long call's mean cost per pair gives that mean (the one-point measure); a device
+    without a factor gets the one-point measure at ``keys`` (fixed cost 0)."""
+    factor = PAIR_KEYS_FACTOR.get(lm.device.type, PAIR_KEYS_FACTOR_DEFAULT)
+    if factor <= 1:
+        return _pair_ms(lm, n, keys, repeats) / float(visible_pairs(n, keys)), 0.0
+    short, long_ = (_pair_ms(lm, n, k, repeats) for k in (keys, keys * factor))
+    p_short, p_long = float(visible_pairs(n, keys)), float(visible_pairs(n, keys * factor))
+    mean = long_ / p_long
+    slope = (long_ - short) / (p_long - p_short)
+    c_pair = slope if 0.0 < slope <= mean else mean
+    return c_pair, max(0.0, long_ - c_pair * p_long)
+
+
 def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:
-    """Milliseconds per causally visible (query, key) pair of the dense attention of ``n``
-    queries after ``keys - n`` keys, in the model's head shapes and activations' dtype, or
+    """Milliseconds of the dense attention of ``n`` queries after ``keys - n`` keys, in the model's head shapes and activations' dtype, or
     its attention products' dtype where the configuration has one (``mixed-attn``: Q, K and V
     cast per call, as its prefill passes do); the median of ``repeats``, after one call that
     allocates. Timed in float32 for ``mixed-attn``, the pair cost was 2-2.5x the bf16 kernel's
@@ -218,9 +246,8 @@ def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:
     v = torch.randn(1, hkv, keys, d, generator=gen).to(lm.device, lm.dtype)
     backend = DenseAttention()
     dtype = getattr(getattr(lm, "compute", None), "attention", None) or lm.dtype
-    ms = _median_ms(lambda: backend.attend(q.to(dtype), k.to(dtype), v.to(dtype), keys - n,
-                                           d ** -0.5), lm.device, repeats)
-    return ms / float(visible_pairs(n, keys))
+    return _median_ms(lambda: backend.attend(q.to(dtype), k.to(dtype), v.to(dtype), keys - n,
+                                             d ** -0.5), lm.device, repeats)
 
 
 def _fit_line(rows: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -505,3 +505,39 @@ def test_without_a_spare_core_the_first_plan_is_the_plan(served, monkeypatch):
     assert res.tokens == ref and "handover" not in res.plan.info
     assert res.plan.info["portfolio"]["chosen"] != "greedy"
     assert not [m for m in res.load.migrations if m.direction == "handover"]
+
+
+def test_on_a_host_bound_device_a_first_plan_streaming_nothing_is_the_plan(served, monkeypatch):
+    """On a GPU (forced here: ``SPARKV_HOST_BOUND=1``) whose first plan is all-local, the full
+    plan is not made before the load (its Python would starve the prelude's launches: the
+    H200's run 3): the greedy never runs, the load keeps the local plan, the answer is exact."""
+    from sparkv.scheduler.planners.baselines import LocalOnly
+    from sparkv.scheduler.planners.greedy import Greedy
+    from sparkv.scheduler.planners.portfolio import Portfolio
+
+    session, cid = served["session"], served["cid"]
+    ref = served["ref"]
+    _ask(session, cid)
+    monkeypatch.setenv("SPARKV_HOST_BOUND", "1")
+    monkeypatch.setattr(session_module, "_core_spare", lambda device: True)
+    monkeypatch.setattr(Portfolio, "first", lambda self, inst: LocalOnly().plan(inst))
+    monkeypatch.setattr(Greedy, "_plan", lambda self, inst: pytest.fail("the greedy ran"))
+    res = _ask(session, cid)
+    assert res.tokens == ref and "handover" not in res.plan.info
+    assert not res.plan.stream_order
+
+
+def test_which_first_plans_a_full_plan_follows(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    streams, local = SimpleNamespace(stream_order=[1]), SimpleNamespace(stream_order=[])
+    monkeypatch.setattr(session_module, "_core_spare", lambda device: True)
+    for bound, want in (("1", (True, False)), ("0", (True, True))):
+        monkeypatch.setenv("SPARKV_HOST_BOUND", bound)
+        got = tuple(session_module._full_plan_follows(p, torch.device("cpu"))
+                    for p in (streams, local))
+        assert got == want, bound
+    monkeypatch.setattr(session_module, "_core_spare", lambda device: False)
+    assert not session_module._full_plan_follows(streams, torch.device("cpu"))

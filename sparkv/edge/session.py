@@ -300,6 +300,21 @@ def _core_spare(device: Any) -> bool:
     return not decode_in_turn(device, torch.get_num_threads())
 
 
+def _full_plan_follows(first: Plan, device: Any) -> bool:
+    """Whether the planner's full plan follows its first plan: where a core is spare for it
+    (:func:`_core_spare`), except on a host-bound device (a GPU, :func:`~sparkv.runtime.device.
+    host_bound`) when the first plan streams nothing. No link would start there, so the full
+    plan was made before the load, its Python starving the prelude's launches (the H200's run
+    3, 16K-32K tokens: 0.07-0.30 s of planning, 8 prelude steps in 0.35 s at 32K; its plan was
+    local or a split, every one slower than local). The load keeps the first plan there, and
+    the controller still moves work to the link when the compute falls behind."""
+    from sparkv.runtime.device import host_bound
+
+    if not _core_spare(device):
+        return False
+    return bool(first.stream_order) or not host_bound(device)
+
+
 def _hands_over(planned: _Planned, full: Plan) -> tuple[bool, dict[str, float]]:
     """Whether the load started by ``planned.plan`` takes ``full`` (the planner's rule,
     :meth:`Portfolio.hands_over <sparkv.scheduler.planners.portfolio.Portfolio.hands_over>`;
@@ -669,7 +684,7 @@ class EdgeSession:
                    else ctl_factory().with_spans(fused_spans(self.lm.device)))
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
                         time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix,
-                        first=quick is not None and _core_spare(self.lm.device))
+                        first=quick is not None and _full_plan_follows(quick, self.lm.device))
 
     def _decodes_in_turn(self, ask: _Ask) -> bool:
         """Whether the load's compute thread will decode its frames itself (the engine's rule,

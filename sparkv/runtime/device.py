@@ -115,6 +115,20 @@ def unified_memory() -> bool:
     return os.environ.get("SPARKV_UNIFIED_MEMORY", "").strip() in ("1", "true", "yes")
 
 
+def host_bound(device: torch.device) -> bool:
+    """Whether the model's steps on ``device`` are bound by the host issuing their kernels (a
+    GPU): there a busy Python thread beside the compute thread stalls it, since each kernel
+    launch gives up the GIL and waits up to the switch interval to take it back (the H200's run
+    3: a 0.3 s plan made beside the prelude let it compute 8 layer steps; docs/gpu.md). The
+    environment variable ``SPARKV_HOST_BOUND`` (``1`` / ``0``) overrides it either way."""
+    env = os.environ.get("SPARKV_HOST_BOUND", "").strip().lower()
+    if env in ("1", "true", "yes"):
+        return True
+    if env in ("0", "false", "no"):
+        return False
+    return device.type == "cuda"
+
+
 def fused_spans(device: torch.device) -> bool:
     """Whether the edge engine runs a layer's consecutive local steps as one span
     (:class:`~sparkv.scheduler.rules.CommitSpans`): on every device. On a GPU a layer step at

@@ -11,7 +11,8 @@
 #                      also prefill1kprof: the T=1024 prefill under the profiler; ttftlong:
 #                      the whole ask at 8K/16K/32K, Llama-3.2-1B shape, 100/500/850 Mbit/s;
 #                      devicekv: the LLMS service with its KV memory on the GPU, with and
-#                      without the host-RAM tier)
+#                      without the host-RAM tier; ttftswitch: ttftlong's 32K points with a
+#                      200 us GIL switch interval, SPARKV_SWITCH_INTERVAL_US)
 #   GPU_CHECK_WHEELS   a folder of wheels to install first (a machine that cannot reach PyPI)
 #   SPARKV_TOKENIZER   a tokenizer folder for the random SmolLM2-shape model of the TTFT phase
 #                      (default: the bundled SmolLM2's, once converted)
@@ -90,6 +91,11 @@ tok=${SPARKV_TOKENIZER:-$($PY -c "from sparkv.runtime.model import cache_dir; pr
 phase ttftlong 420 env SPARKV_TOKENIZER="$tok" $BENCH ttft --device cuda --model random:llama-3.2-1b \
   --sizes 32768,8192,16384 --chunk-tokens 512 --mbps 500,850,100 --trace '' --runs 1 \
   --max-new-tokens 4 --levels q8,q5 --json --out "$tmp/ttft-long-$tag.json"
+# ttftlong's 32K points with a 200 us GIL switch interval (CPython's is 5 ms): in run 3 the
+# launches starved beside the plan's and the frames' Python (docs/gpu.md), compare with ttftlong
+phase ttftswitch 200 env SPARKV_TOKENIZER="$tok" SPARKV_SWITCH_INTERVAL_US=200 $BENCH ttft \
+  --device cuda --model random:llama-3.2-1b --sizes 32768 --chunk-tokens 512 --mbps 500,850 \
+  --trace '' --runs 1 --max-new-tokens 4 --levels q8,q5 --json --out "$tmp/ttft-switch-$tag.json"
 # issue 46's device KV memory on the GPU: the LLMS service with its pages there, without and
 # with the host-RAM tier between them and flash (a short trace of 6 contexts; the SmolLM2 shape
 # with random weights: the bundled weights do not travel, its tokenizer does)

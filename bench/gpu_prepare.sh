@@ -52,5 +52,5 @@ echo "gpu_prepare: $(ls .whl | wc -l) wheels ($(du -sm .whl | cut -f1) MiB), tok
 cat <<'EOF'
 then, one device call per line (docs/gpu.md):
   export SPARKV_TOKENIZER=$PWD/.gpu/tok GPU_CHECK_WHEELS=$PWD/.whl GPU_CHECK_PHASES="tests attention prefill1k devicekv"; bash bench/gpu_check.sh $OUT 2>&1 | tee $OUT/gpu_check.log
-  export SPARKV_TOKENIZER=$PWD/.gpu/tok GPU_CHECK_WHEELS=$PWD/.whl GPU_CHECK_PHASES=ttftlong; bash bench/gpu_check.sh $OUT 2>&1 | tee $OUT/gpu_check-ttftlong.log
+  export SPARKV_TOKENIZER=$PWD/.gpu/tok GPU_CHECK_WHEELS=$PWD/.whl GPU_CHECK_PHASES="ttftlong ttftswitch"; bash bench/gpu_check.sh $OUT 2>&1 | tee $OUT/gpu_check-ttftlong.log
 EOF

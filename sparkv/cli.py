@@ -209,10 +209,36 @@ def passive_openmp_waits() -> None:
 SPIN_COUNT = 30_000
 
 
+def gil_switch_interval() -> None:
+    """``SPARKV_SWITCH_INTERVAL_US``: the GIL's switch interval in microseconds (CPython's
+    default is 5,000), inherited by the processes a command starts; unset, CPython's default.
+    On a host-bound GPU each kernel launch gives up the GIL and, beside a busy Python thread
+    (the plan, the frames' receiving), waits up to this interval to take it back (the H200's
+    run 3, docs/gpu.md; ``bench/gil_convoy.py``): the GPU check's ``ttftswitch`` phase measures
+    the whole ask with a shorter one. Raises :class:`SparkvError` for a value that is not a
+    positive number."""
+    value = os.environ.get("SPARKV_SWITCH_INTERVAL_US", "").strip()
+    if not value:
+        return
+    try:
+        us = float(value)
+    except ValueError:
+        us = float("nan")
+    if not 0 < us < 1e7:
+        raise SparkvError(f"SPARKV_SWITCH_INTERVAL_US={value!r}: give microseconds, a "
+                          "positive number (CPython's default is 5000)")
+    sys.setswitchinterval(us / 1e6)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; ``argv`` ``None``: this process's own arguments, and the process is
     the command's (:func:`sparkv.runtime.heap.own_process`)."""
     passive_openmp_waits()
+    try:
+        gil_switch_interval()
+    except SparkvError as exc:
+        print(f"sparkv: error: {exc}", file=sys.stderr)
+        return 2
     if argv is None:
         from sparkv.runtime.heap import own_process
 

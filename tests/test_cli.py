@@ -422,3 +422,23 @@ def test_loading_the_model_draws_no_loading_weights_bar():
                          timeout=300)
     assert out.returncode == 0 and out.stdout == "loaded\n", out.stderr
     assert "Loading weights" not in out.stderr, out.stderr
+
+
+def test_the_gil_switch_interval_comes_from_the_environment(monkeypatch, capsys):
+    """``SPARKV_SWITCH_INTERVAL_US`` sets CPython's switch interval for the command (the GPU
+    check's ``ttftswitch`` phase); a value that is not a positive number is refused, named."""
+    import sys
+
+    default = sys.getswitchinterval()
+    try:
+        monkeypatch.setenv("SPARKV_SWITCH_INTERVAL_US", "200")
+        assert main(["--version"]) == 0
+        assert sys.getswitchinterval() == pytest.approx(200e-6)
+        for bad in ("fast", "0", "-5", "nan"):
+            sys.setswitchinterval(default)
+            monkeypatch.setenv("SPARKV_SWITCH_INTERVAL_US", bad)
+            assert main(["--version"]) == 2
+            assert "SPARKV_SWITCH_INTERVAL_US" in capsys.readouterr().err
+            assert sys.getswitchinterval() == default
+    finally:
+        sys.setswitchinterval(default)

@@ -231,3 +231,32 @@ def test_the_cost_model_reports_both_simulations_per_strategy():
     assert cm["sparkv"]["taxed_median_abs_error"] == 0.02
     assert cm["sparkv"]["taxed_max_abs_error"] == 0.04
     assert cm["hybrid"] == {"points": 1, "median_abs_error": 0.5, "max_abs_error": 0.5}
+
+
+def test_each_point_says_its_compute_speed_against_locals():
+    """``compute_vs_local``: a point's compute time per token-layer over local's at its size
+    (the H200's streaming points computed 2.5-3.9x slower than local); ``None`` where either
+    computed nothing."""
+    runs = [dict(_run(4096, "any", "local", float("nan")), compute_us_per_token_layer=10.0)]
+    runs += [dict(_run(4096, 20.0, s, 0.5), compute_us_per_token_layer=us)
+             for s, us in (("stream", None), ("hybrid", 12.0), ("sparkv", 30.0))]
+    got = {p["strategy"]: p["compute_vs_local"] for p in _aggregate(runs, [(20.0, None)])}
+    assert got == {"local": pytest.approx(1.0), "stream": None, "hybrid": pytest.approx(1.2),
+                   "sparkv": pytest.approx(3.0)}
+
+
+def test_the_compute_rate_counts_the_steps_tokens():
+    from types import SimpleNamespace
+
+    from sparkv.bench.ttft import compute_rate_us
+    from sparkv.layout import ChunkGeometry, StepId
+
+    g = ChunkGeometry(1000, 512, 2, 1, 8)      # token chunks of 512 and 488 tokens
+    steps = {StepId(0, 0): (0, 1), StepId(1, 0): (1, 2), StepId(1, 1): (2, 3)}
+    res = SimpleNamespace(load=SimpleNamespace(steps=steps), instance=SimpleNamespace(geometry=g),
+                          breakdown=SimpleNamespace(local_compute_s=0.1488, prelude_steps=0))
+    assert compute_rate_us(res) == pytest.approx(0.1488e6 / (512 + 488 + 488))
+    res.breakdown.prelude_steps = 2            # the prelude's, a full chunk each
+    assert compute_rate_us(res) == pytest.approx(0.1488e6 / (512 + 488 + 488 + 1024))
+    res.breakdown.local_compute_s = 0.0
+    assert compute_rate_us(res) is None

@@ -531,7 +531,23 @@ def _row(args: argparse.Namespace, n: int, link: Any, strat: str, r: int, res: A
             "replan": getattr(bd, "replan", None),
             # what this load measured streaming cost its steps (docs/edge.md, "Priors")
             "stream_tax_ms": res.load.stream_tax_s * 1e3 if res.load is not None else None,
-            "receive_tax": res.load.receive_tax if res.load is not None else None}
+            "receive_tax": res.load.receive_tax if res.load is not None else None,
+            "compute_us_per_token_layer": compute_rate_us(res)}
+
+
+def compute_rate_us(res: Any) -> float | None:
+    """Microseconds of the load's compute busy time per token-layer it computed (its steps'
+    tokens summed): beside a link it shows what the streaming cost the compute, against
+    ``local``'s at the same size (the H200's run 3: up to 4x, the launches starved by the
+    receiving threads' Python: docs/gpu.md). The prelude's steps, which the breakdown's compute
+    time counts, count at a full chunk each. ``None`` when nothing was computed."""
+    load, inst, bd = res.load, res.instance, res.breakdown
+    if load is None or inst is None or not bd.local_compute_s:
+        return None
+    g = inst.geometry
+    tokens = sum(b - a for a, b in (g.token_range(s.t) for s in load.steps))
+    tokens += int(getattr(bd, "prelude_steps", 0) or 0) * g.chunk_tokens
+    return bd.local_compute_s * 1e6 / tokens if tokens else None
 
 
 def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]],
@@ -579,8 +595,21 @@ def _aggregate(runs: list[dict[str, Any]], links: list[tuple[Any, Any]],
                     "energy_j_estimate_median": statistics.median(x["energy_j_estimate"]
                                                                   for x in rs),
                     "fallbacks": sum(1 for x in rs if x["fallback"]),
+                    "compute_us_per_token_layer": _nanmedian(
+                        [x.get("compute_us_per_token_layer") or float("nan") for x in rs]),
                 })
+    _compute_vs_local(points)
     return points
+
+
+def _compute_vs_local(points: list[dict[str, Any]]) -> None:
+    """Each point's ``compute_vs_local``: its compute time per token-layer over ``local``'s at
+    the same size and link (``None`` where either computed nothing)."""
+    local = {(p["tokens"], p["link"]): p["compute_us_per_token_layer"] for p in points
+             if p["strategy"] == "local"}
+    for p in points:
+        mine, base = p["compute_us_per_token_layer"], local.get((p["tokens"], p["link"]))
+        p["compute_vs_local"] = mine / base if mine and base else None
 
 
 def _nanmedian(xs: list[float]) -> float | None:
@@ -704,6 +733,10 @@ def _print(points: list[dict[str, Any]], targets: dict[str, Any], label: str = "
                   f"{e['worst']:.3f} (target 1.15) on {worst['trace']}")
     for line in growth_lines(targets.get("growth") or {"per_link": []}):
         print(line)
+    beside = [f"{p['tokens']}/{p['link']}/{p['strategy']} {p['compute_vs_local']:.2f}x"
+              for p in points if p["strategy"] != "local" and p.get("compute_vs_local")]
+    if beside:
+        print("compute per token-layer against local's: " + ", ".join(beside))
     cm = targets.get("cost_model") or {}
     if cm:
         print("cost model (measured vs simulated TTFT, same plan/link/controller), median |error|: "

@@ -507,10 +507,11 @@ def test_without_a_spare_core_the_first_plan_is_the_plan(served, monkeypatch):
     assert not [m for m in res.load.migrations if m.direction == "handover"]
 
 
-def test_on_a_host_bound_device_a_first_plan_streaming_nothing_is_the_plan(served, monkeypatch):
-    """On a GPU (forced here: ``SPARKV_HOST_BOUND=1``) whose first plan is all-local, the full
-    plan is not made before the load (its Python would starve the prelude's launches: the
-    H200's run 3): the greedy never runs, the load keeps the local plan, the answer is exact."""
+def test_on_a_host_bound_device_the_first_plan_is_the_plan(served, monkeypatch):
+    """On a GPU (forced here: ``SPARKV_HOST_BOUND=1``) the full plan is never made (its Python
+    would starve the prelude's or the load's launches: the H200's run 3), even with a core
+    spare: the greedy never runs, the load keeps its first plan (here all-local), the answer is
+    exact."""
     from sparkv.scheduler.planners.baselines import LocalOnly
     from sparkv.scheduler.planners.greedy import Greedy
     from sparkv.scheduler.planners.portfolio import Portfolio
@@ -527,17 +528,15 @@ def test_on_a_host_bound_device_a_first_plan_streaming_nothing_is_the_plan(serve
     assert not res.plan.stream_order
 
 
-def test_which_first_plans_a_full_plan_follows(monkeypatch):
-    from types import SimpleNamespace
-
+def test_where_a_full_plan_follows(monkeypatch):
     import torch
 
-    streams, local = SimpleNamespace(stream_order=[1]), SimpleNamespace(stream_order=[])
-    monkeypatch.setattr(session_module, "_core_spare", lambda device: True)
-    for bound, want in (("1", (True, False)), ("0", (True, True))):
+    cpu = torch.device("cpu")
+    for spare, bound, want in ((True, "0", True), (True, "1", False), (False, "0", False)):
+        monkeypatch.setattr(session_module, "_core_spare", lambda device, s=spare: s)
         monkeypatch.setenv("SPARKV_HOST_BOUND", bound)
-        got = tuple(session_module._full_plan_follows(p, torch.device("cpu"))
-                    for p in (streams, local))
-        assert got == want, bound
-    monkeypatch.setattr(session_module, "_core_spare", lambda device: False)
-    assert not session_module._full_plan_follows(streams, torch.device("cpu"))
+        assert session_module._full_plan_follows(cpu) is want, (spare, bound)
+    monkeypatch.delenv("SPARKV_HOST_BOUND")
+    from sparkv.runtime.device import host_bound
+
+    assert not host_bound(cpu) and host_bound(torch.device("cuda"))

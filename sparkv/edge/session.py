@@ -300,19 +300,19 @@ def _core_spare(device: Any) -> bool:
     return not decode_in_turn(device, torch.get_num_threads())
 
 
-def _full_plan_follows(first: Plan, device: Any) -> bool:
+def _full_plan_follows(device: Any) -> bool:
     """Whether the planner's full plan follows its first plan: where a core is spare for it
-    (:func:`_core_spare`), except on a host-bound device (a GPU, :func:`~sparkv.runtime.device.
-    host_bound`) when the first plan streams nothing. No link would start there, so the full
-    plan was made before the load, its Python starving the prelude's launches (the H200's run
-    3, 16K-32K tokens: 0.07-0.30 s of planning, 8 prelude steps in 0.35 s at 32K; its plan was
-    local or a split, every one slower than local). The load keeps the first plan there, and
-    the controller still moves work to the link when the compute falls behind."""
+    (:func:`_core_spare`) and the device is not host-bound (a GPU, :func:`~sparkv.runtime.
+    device.host_bound`). There the full plan's Python, made beside the prelude or the load,
+    starves their kernel launches of the GIL: on the H200 (run 3, 16K-32K tokens) a first plan
+    that streamed nothing had the full plan made before the load, 0.07-0.30 s, the prelude
+    computing 8 layer steps in 0.35 s at 32K; and in none of the 9 asks did the greedy win: the
+    plan each load ended with was the local or split candidate, which the first plan already
+    is. The load keeps the first plan there, and the controller still moves work between the
+    paths at run time."""
     from sparkv.runtime.device import host_bound
 
-    if not _core_spare(device):
-        return False
-    return bool(first.stream_order) or not host_bound(device)
+    return _core_spare(device) and not host_bound(device)
 
 
 def _hands_over(planned: _Planned, full: Plan) -> tuple[bool, dict[str, float]]:
@@ -684,7 +684,7 @@ class EdgeSession:
                    else ctl_factory().with_spans(fused_spans(self.lm.device)))
         return _Planned(geometry, inst, plan, ctl_cfg, effective, usable, pre_done,
                         time.perf_counter() - t_plan, float(t_comp.sum()) + t_suffix,
-                        first=quick is not None and _full_plan_follows(quick, self.lm.device))
+                        first=quick is not None and _full_plan_follows(self.lm.device))
 
     def _decodes_in_turn(self, ask: _Ask) -> bool:
         """Whether the load's compute thread will decode its frames itself (the engine's rule,

@@ -43,14 +43,20 @@ done
 rm -rf .whl && mkdir .whl
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d .whl "${pins[@]}"
-tok=$($PY -c "from sparkv.runtime.model import cache_dir; print(cache_dir() / 'models' / 'SmolLM2-135M-Instruct')")
+tok=$($PY -c "from sparkv.runtime.model import cache_dir
+print(cache_dir() / 'models' / 'SmolLM2-135M-Instruct')")
 rm -rf .gpu/tok && mkdir -p .gpu/tok
 cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$tok"/chat_template.jinja .gpu/tok/
 tracked=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {printf "%d", s / 1048576}')
-echo "gpu_prepare: $(ls .whl | wc -l) wheels ($(du -sm .whl | cut -f1) MiB), tokenizer in .gpu/tok;" \
-  "tracked files ${tracked} MiB (the device tool takes 64 MiB in all: 'hide' if over)"
+echo "gpu_prepare: $(ls .whl | wc -l) wheels ($(du -sm .whl | cut -f1) MiB)," \
+  "tokenizer in .gpu/tok; tracked files ${tracked} MiB (the device tool takes 64 MiB in all:" \
+  "'hide' if over)"
 cat <<'EOF'
-then, one device call per line (docs/gpu.md):
-  export SPARKV_TOKENIZER=$PWD/.gpu/tok GPU_CHECK_WHEELS=$PWD/.whl GPU_CHECK_PHASES="tests attention prefill1k devicekv"; bash bench/gpu_check.sh $OUT 2>&1 | tee $OUT/gpu_check.log
-  export SPARKV_TOKENIZER=$PWD/.gpu/tok GPU_CHECK_WHEELS=$PWD/.whl GPU_CHECK_PHASES="ttftlong ttftswitch"; bash bench/gpu_check.sh $OUT 2>&1 | tee $OUT/gpu_check-ttftlong.log
+then two device calls, carry [".whl", ".gpu"] (docs/gpu.md), each one command line:
+  export SPARKV_TOKENIZER=$PWD/.gpu/tok GPU_CHECK_WHEELS=$PWD/.whl \
+    GPU_CHECK_PHASES="tests attention prefill1k devicekv"; \
+    bash bench/gpu_check.sh $OUT 2>&1 | tee $OUT/gpu_check.log
+  export SPARKV_TOKENIZER=$PWD/.gpu/tok GPU_CHECK_WHEELS=$PWD/.whl \
+    GPU_CHECK_PHASES="ttftlong ttftswitch"; \
+    bash bench/gpu_check.sh $OUT 2>&1 | tee $OUT/gpu_check-ttftlong.log
 EOF

@@ -227,11 +227,12 @@ def _pair_slope(lm: Any, n: int, keys: int, repeats: int) -> tuple[float, float]
 
 
 def _pair_ms(lm: Any, n: int, keys: int, repeats: int) -> float:
-    """Milliseconds of the dense attention of ``n`` queries after ``keys - n`` keys, in the model's head shapes and activations' dtype, or
-    its attention products' dtype where the configuration has one (``mixed-attn``: Q, K and V
-    cast per call, as its prefill passes do); the median of ``repeats``, after one call that
-    allocates. Timed in float32 for ``mixed-attn``, the pair cost was 2-2.5x the bf16 kernel's
-    and a 2K step's prediction grew 3.9 ms a token chunk where the step grew 1.5 (session 64)."""
+    """Milliseconds of the dense attention of ``n`` queries after ``keys - n`` keys, in the
+    model's head shapes and activations' dtype, or its attention products' dtype where the
+    configuration has one (``mixed-attn``: Q, K and V cast per call, as its prefill passes do);
+    the median of ``repeats``, after one call that allocates. Timed in float32 for
+    ``mixed-attn``, the pair cost was 2-2.5x the bf16 kernel's and a 2K step's prediction grew
+    3.9 ms a token chunk where the step grew 1.5 (session 64)."""
     import torch
 
     from sparkv.runtime.attention import DenseAttention

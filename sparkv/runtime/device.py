@@ -121,12 +121,7 @@ def host_bound(device: torch.device) -> bool:
     launch gives up the GIL and waits up to the switch interval to take it back (the H200's run
     3: a 0.3 s plan made beside the prelude let it compute 8 layer steps; docs/gpu.md). The
     environment variable ``SPARKV_HOST_BOUND`` (``1`` / ``0``) overrides it either way."""
-    env = os.environ.get("SPARKV_HOST_BOUND", "").strip().lower()
-    if env in ("1", "true", "yes"):
-        return True
-    if env in ("0", "false", "no"):
-        return False
-    return device.type == "cuda"
+    return _switch("SPARKV_HOST_BOUND", device.type == "cuda")
 
 
 def fused_spans(device: torch.device) -> bool:
@@ -138,12 +133,7 @@ def fused_spans(device: torch.device) -> bool:
     against 3.1-3.9 s in float32; the whole ask 7-21% sooner for every strategy, docs/
     scheduler.md). The environment variable ``SPARKV_FUSED_SPANS`` (``1`` / ``0``) overrides
     it either way."""
-    env = os.environ.get("SPARKV_FUSED_SPANS", "").strip().lower()
-    if env in ("1", "true", "yes"):
-        return True
-    if env in ("0", "false", "no"):
-        return False
-    return True
+    return _switch("SPARKV_FUSED_SPANS", True)
 
 
 def cuda_graphs(device: torch.device) -> bool:
@@ -151,7 +141,15 @@ def cuda_graphs(device: torch.device) -> bool:
     (:mod:`sparkv.runtime.graphs`): on a GPU, whose steps at T=1024 are bound by kernel launches;
     never on a CPU (no graphs there). The environment variable ``SPARKV_CUDA_GRAPHS`` (``1`` /
     ``0``) overrides it on a GPU."""
-    if device.type != "cuda":
+    return device.type == "cuda" and _switch("SPARKV_CUDA_GRAPHS", True)
+
+
+def _switch(name: str, default: bool) -> bool:
+    """The environment variable ``name`` as an on/off switch (``1``/``true``/``yes``,
+    ``0``/``false``/``no``), ``default`` when it is unset or says neither."""
+    env = os.environ.get(name, "").strip().lower()
+    if env in ("1", "true", "yes"):
+        return True
+    if env in ("0", "false", "no"):
         return False
-    env = os.environ.get("SPARKV_CUDA_GRAPHS", "").strip().lower()
-    return env not in ("0", "false", "no")
+    return default

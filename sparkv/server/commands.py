@@ -287,6 +287,7 @@ def encode(args: argparse.Namespace) -> int:
     """``sparkv encode``: encodes a file's context into a store (nothing when it is there)."""
     from sparkv.protocol.crypto import key_to_text, new_key
     from sparkv.server.encoder import backfill_tokens, derive_context_id
+    from sparkv.server.ordered_pool import auto_threads
     from sparkv.server.stores import open_store
 
     settings = _encode_settings(args)
@@ -306,7 +307,8 @@ def encode(args: argparse.Namespace) -> int:
                 f"{'its token ids were added' if added else 'nothing to do'})")
         return 0
     key = new_key() if args.encrypt else None
-    manifest, stats = _encode_and_publish(store, entry, spec, cid, key)
+    manifest, stats = _encode_and_publish(store, entry, spec, cid, key,
+                                          auto_threads(settings.encode_threads))
     result.update(status="encoded", frames=stats.frames_encoded + stats.frames_reused,
                   prefill_s=round(stats.prefill_s, 3), codec_s=round(stats.codec_s, 3),
                   store_s=round(stats.store_s, 3), total_s=round(stats.total_s, 3),
@@ -432,10 +434,11 @@ def _check_frame_cap(settings: Any, entry: Any, spec: Any) -> None:
         raise ConfigError(f"{too_large[0]} (max_frame_bytes in the config)")
 
 
-def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes | None
-                        ) -> tuple[bytes, Any]:
-    """Encodes the context (a progress bar on stderr; frames encrypted with ``key``) and
-    publishes its manifest; on any failure removes what was stored. ``(manifest, stats)``."""
+def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes | None,
+                        threads: int = 1) -> tuple[bytes, Any]:
+    """Encodes the context on ``threads`` threads (a progress bar on stderr; frames encrypted
+    with ``key``) and publishes its manifest; on any failure removes what was stored.
+    ``(manifest, stats)``."""
     from sparkv.logs import phase_progress, progress_bar
 
     from sparkv.protocol.crypto import FrameCipher
@@ -446,7 +449,8 @@ def _encode_and_publish(store: Any, entry: Any, spec: Any, cid: str, key: bytes 
     progress = phase_progress(bar)
     try:
         manifest, stats = encode_context(entry, spec, cid, store.chunks, cipher=cipher,
-                                         progress=progress, reuse_stored=not spec.encrypted)
+                                         progress=progress, reuse_stored=not spec.encrypted,
+                                         threads=threads)
         store.manifests.put(spec.tenant, cid, manifest)
     except BaseException:
         bar.close()

@@ -103,6 +103,9 @@ class Settings(BaseModel):
     ``header_timeout`` when part of a request arrived). ``sparkv serve`` only (the HTTP layer)."""
     max_queued_jobs: int = Field(64, ge=1)
     encode_workers: int = Field(1, ge=1, le=16)
+    encode_threads: int = Field(0, ge=0, le=64)
+    """Threads each encode job codes its frames on (0: auto, the cores shared among
+    ``encode_workers``, at most 8). The codec releases the GIL, so frames code in parallel."""
     torch_threads: int = Field(0, ge=0)
     """Threads PyTorch uses for prefill (0: its default, every core)."""
     device: str = "auto"

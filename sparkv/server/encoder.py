@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -35,6 +36,7 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.protocol import ChunkEntry, FrameCipher, Manifest, ModelInfo, kept_entry
 from sparkv.protocol.digests import checksum, tokens_bytes, tokens_digest
 from sparkv.server.errors import StoreError
+from sparkv.server.ordered_pool import ordered_map
 from sparkv.server.stores.base import ChunkKey, ChunkStore, Store
 
 if TYPE_CHECKING:
@@ -384,6 +386,8 @@ class _ContextEncoder:
         self.pieces: dict[KVChunkId, tuple[Any, Any]] = {}
         self.pressed: PressedContext | None = None
         self.entries: dict[KVChunkId, dict[str, Any]] = {}
+        self._lock = threading.Lock()  # frames are coded on several threads: the stats and
+        # the late prefill (a reused frame found damaged) go under it
 
     def todo(self, reuse_stored: bool) -> list[tuple[KVChunkId, str, bool]]:
         """Every ``(chunk, level, needed)`` in encoding order: ``needed`` is false for a frame
@@ -426,26 +430,29 @@ class _ContextEncoder:
         if reused is not None:
             return reused
         if not self.pieces:  # a reused frame turned out damaged: prefill after all
-            self._prefill_plain()
+            with self._lock:
+                if not self.pieces:
+                    self._prefill_plain()
         return self._encode(cid, level, key)
 
     def _reuse(self, key: ChunkKey) -> tuple[bytes, dict[str, Any]] | None:
         from sparkv.codec import CodecError
 
-        stats = self.stats
         t0 = time.perf_counter()
         stored = self.chunks.get(self.spec.tenant, self.context_id, key)
-        stats.store_s += time.perf_counter() - t0
-        if stored is None:
-            return None
-        try:
-            t0 = time.perf_counter()
-            info = describe_frame(stored)
-        except CodecError:  # damaged leftover: encode it again
-            return None
-        stats.describe_s += time.perf_counter() - t0
-        stats.frames_reused += 1
-        return stored, info
+        t1 = time.perf_counter()
+        info = None
+        if stored is not None:
+            try:
+                info = describe_frame(stored)
+            except CodecError:  # damaged leftover: encode it again
+                pass
+        with self._lock:
+            self.stats.store_s += t1 - t0
+            if info is not None:
+                self.stats.describe_s += time.perf_counter() - t1
+                self.stats.frames_reused += 1
+        return None if stored is None or info is None else (stored, info)
 
     def _encode(self, cid: KVChunkId, level: str, key: ChunkKey) -> tuple[bytes, dict[str, Any]]:
         """Quantizes and codes one chunk at one level, seals it (``cipher``) and stores it."""
@@ -463,14 +470,16 @@ class _ContextEncoder:
         info = describe_frame(frame)
         t2 = time.perf_counter()
         stored = self.cipher.seal(frame, cid.t, cid.l, cid.g, level) if self.cipher else frame
-        stats.codec_s += t1 - t0
-        stats.describe_s += t2 - t1
-        stats.encrypt_s += time.perf_counter() - t2
-        t0 = time.perf_counter()
+        t3 = time.perf_counter()
         self.chunks.put(self.spec.tenant, self.context_id, key, stored)
-        stats.store_s += time.perf_counter() - t0
-        stats.frames_encoded += 1
-        stats.frames_by_level[level] = stats.frames_by_level.get(level, 0) + 1
+        t4 = time.perf_counter()
+        with self._lock:
+            stats.codec_s += t1 - t0
+            stats.describe_s += t2 - t1
+            stats.encrypt_s += t3 - t2
+            stats.store_s += t4 - t3
+            stats.frames_encoded += 1
+            stats.frames_by_level[level] = stats.frames_by_level.get(level, 0) + 1
         return stored, info
 
     # --- the manifest -------------------------------------------------------------------------
@@ -503,7 +512,7 @@ class _ContextEncoder:
 def encode_context(entry: Any, spec: ContextSpec, context_id: str, chunks: ChunkStore, *,
                    cipher: FrameCipher | None = None, progress: ProgressFn | None = None,
                    should_stop: Callable[[], bool] | None = None, pause_s: float = 0.0,
-                   reuse_stored: bool = True) -> tuple[bytes, EncodeStats]:
+                   reuse_stored: bool = True, threads: int = 1) -> tuple[bytes, EncodeStats]:
     """Encodes every chunk of a context at every level into ``chunks`` (a store's
     :class:`~sparkv.server.stores.base.ChunkStore`), stores its token ids (``put_tokens``, after
     the last frame) and returns the manifest.
@@ -520,6 +529,10 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, chunks: Chunk
         pause_s: sleep after each frame (gives CPU back to serving).
         reuse_stored: frames already in the store (a resumed job) are read and described instead
             of encoded again (never with ``cipher``: their key is gone).
+        threads: code this many frames at once (:func:`~sparkv.server.ordered_pool.ordered_map`:
+            the manifest and the progress keep the frames' order; ``should_stop`` and
+            ``pause_s`` act between recorded frames, and a stop waits for the frames in flight
+            before it raises, so nothing is stored after it).
 
     Returns:
         ``(manifest JSON bytes, stats)``.
@@ -535,13 +548,17 @@ def encode_context(entry: Any, spec: ContextSpec, context_id: str, chunks: Chunk
     if stop():
         raise JobCancelled()
     report("encoding", 0, total)
-    for done, (cid, level, needed) in enumerate(todo, 1):
-        run.record(cid, level, *run.frame(cid, level, needed))
-        report("encoding", done, total)
-        if pause_s:
-            time.sleep(pause_s)
-        if stop():
-            raise JobCancelled()
+    frames = ordered_map(lambda job: run.frame(*job), todo, threads)
+    try:
+        for done, ((cid, level, _), (stored, info)) in enumerate(zip(todo, frames), 1):
+            run.record(cid, level, stored, info)
+            report("encoding", done, total)
+            if pause_s:
+                time.sleep(pause_s)
+            if stop():
+                raise JobCancelled()
+    finally:
+        frames.close()  # an early stop: waits for the frames in flight
     report("publishing", total, total)
     data = run.finish()
     run.stats.total_s = time.perf_counter() - t_start

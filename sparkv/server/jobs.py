@@ -35,6 +35,7 @@ from sparkv.server.encoder import (ContextSpec, JobCancelled, backfill_tokens,
 from sparkv.server.errors import ApiError, StoreError
 from sparkv.server.metrics import ServerMetrics
 from sparkv.server.models import ModelRegistry
+from sparkv.server.ordered_pool import auto_threads
 from sparkv.server.stores.base import Store
 
 log = logging.getLogger("sparkv.server.jobs")
@@ -324,7 +325,8 @@ class JobManager:
                 progress=lambda phase, d, t: self._progress(job, phase, d, t),
                 should_stop=lambda: job.cancel.is_set() or self._stopping.is_set(),
                 pause_s=self.settings.encode_pause_s,
-                reuse_stored=bool(rec.get("resumed")))
+                reuse_stored=bool(rec.get("resumed")),
+                threads=auto_threads(self.settings.encode_threads, self.settings.encode_workers))
             rec["timings"] = {"prefill_s": stats.prefill_s, "codec_s": stats.codec_s,
                               "describe_s": stats.describe_s, "encrypt_s": stats.encrypt_s,
                               "store_s": stats.store_s, "encode_total_s": stats.total_s,

@@ -52,6 +52,7 @@ from sparkv.server.encoder import (ContextSpec, JobCancelled, ProgressFn,
 from sparkv.server.errors import ApiError, StoreError
 from sparkv.server.jobs import FINAL_STATES
 from sparkv.server.models import ModelRegistry
+from sparkv.server.ordered_pool import auto_threads
 from sparkv.server.queue import (ENCRYPTED_REFUSED, LOST_IN_QUEUE, PERSIST_EVERY_S, WORKER_TTL_S,
                                  QueueEntry, QueueError, QueueReset, RedisJobQueue, queue_url)
 from sparkv.server.stores.base import Store
@@ -261,7 +262,8 @@ class EncodeWorker:
         manifest, stats = encode_context(entry, spec, cid, self.store.chunks,
                                          progress=self._progress_writer(rec),
                                          should_stop=watch.should_stop,
-                                         pause_s=self.settings.encode_pause_s, reuse_stored=True)
+                                         pause_s=self.settings.encode_pause_s, reuse_stored=True,
+                                         threads=auto_threads(self.settings.encode_threads))
         if watch.lost.is_set():
             raise _TakenOver()
         if watch.reset.is_set() or not self._same_epoch(rec):

@@ -79,6 +79,7 @@ from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedConte
 from sparkv.device.swap import SwapStore
 from sparkv.device.tails import MIN_REUSE, Rows, TailKey, TurnTails, default_capacity
 from sparkv.device.calls import CallResult, run_turn
+from sparkv.device.waitline import WaitLine
 from sparkv.layout import ChunkGeometry
 
 if TYPE_CHECKING:
@@ -164,6 +165,7 @@ class ContextService:
         self._run = threading.Lock()
         self._turn_ended = threading.Condition(self._run)
         self._turns = 0             # calls running their turn, the model lock given back
+        self._line = WaitLine(self._turn_ended)   # reservations waiting for a turn's end
         self.reopened = self._reopen()
 
     def _keeper(self, budget_bytes: int) -> Keeper:
@@ -489,19 +491,17 @@ class ContextService:
             self._turn_ended.notify_all()
 
     def _reserving(self, take: Callable[[], _T], ctx: DeviceContext | None = None) -> _T:
-        """``take()`` (the model lock held), waiting while calls running their turn hold the
-        memory it needs (:class:`BudgetBusy` while any runs): then it waits for one to end and
-        takes again, ``ctx`` (a call's context) reclaimable meanwhile, as a call waiting for the
-        model. With no turn running, :class:`BudgetBusy` is raised as it comes."""
-        while True:
-            try:
-                return take()
-            except BudgetBusy:
-                if self._turns == 0:
-                    raise
+        """``take()`` (the model lock held) in its turn of the :class:`WaitLine`: while calls
+        running their turn hold the memory it needs (:class:`BudgetBusy` while any runs), or
+        while earlier reservations wait for theirs, it waits for a turn to end, ``ctx`` (a
+        call's context) reclaimable meanwhile, as a call waiting for the model. With no turn
+        running, :class:`BudgetBusy` is raised as it comes."""
+        def wait() -> None:
             self.counters.waited_for_turn()
             with self.registry.waiting_for(ctx):
                 self._turn_ended.wait()
+
+        return self._line.take(take, BudgetBusy, lambda: self._turns, wait)
 
     def _after_call(self, ctx: DeviceContext) -> int:
         """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.

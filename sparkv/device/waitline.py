@@ -1,0 +1,70 @@
+"""First come, first served for reservations that wait for a turn to end.
+
+A call's reservation (a switch-in, a new or adopted context) that finds its memory held by
+calls running their turn waits for one to end (:meth:`DeviceService._reserving`). Before this
+line, a call arriving meanwhile whose own reservation fitted took the memory at once, and the
+waiting one retried at the next turn's end: a stream of small calls could keep a large one
+waiting for ever. Here, once a reservation waits, later ones queue behind it and try only when
+everything ahead of them has gone (taken its memory, or failed): the order of vLLM's
+first-come-first-served scheduler, which schedules no later request while an earlier one does
+not fit.
+
+Every method is called with the condition's lock held (the service's model lock); each change
+of the line notifies every waiter, so no wake-up is lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+
+class WaitLine:
+    """The queue of reservations waiting for the memory running turns hold.
+
+    Args:
+        turn_ended: the condition notified when a turn ends (its lock is the model lock).
+    """
+
+    def __init__(self, turn_ended: threading.Condition) -> None:
+        self._cond = turn_ended
+        self._line: deque[object] = deque()
+
+    def __len__(self) -> int:
+        return len(self._line)
+
+    def take(self, take: Callable[[], _T], busy: type[Exception], turns_running: Callable[[], int],
+             wait: Callable[[], None]) -> _T:
+        """``take()`` in its turn of the line.
+
+        With nobody waiting, ``take()`` runs at once. When it raises ``busy`` while turns run, or
+        when others already wait, the caller joins the line and ``wait()`` (which waits on the
+        condition) until it is first; then ``take()`` again at each turn's end. ``busy`` is
+        raised as it comes when no turn runs (nothing will free the memory)."""
+        ticket: object | None = None
+        try:
+            while True:
+                if ticket is None and self._line:   # others wait already: behind them
+                    ticket = self._join()
+                if ticket is None or self._line[0] is ticket:
+                    try:
+                        return take()
+                    except busy:
+                        if turns_running() == 0:
+                            raise
+                    if ticket is None:
+                        ticket = self._join()
+                wait()
+        finally:
+            if ticket is not None:
+                self._line.remove(ticket)
+                self._cond.notify_all()    # the next in line tries now
+
+    def _join(self) -> object:
+        ticket = object()
+        self._line.append(ticket)
+        return ticket

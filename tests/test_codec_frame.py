@@ -389,6 +389,37 @@ def test_auto_predictor_never_worse_and_used_on_correlated_data():
     assert sizes["channel"] < sizes["none"]
 
 
+def _entropy_bits(values: np.ndarray) -> float:
+    counts = np.bincount(values).astype(np.float64)
+    counts = counts[counts > 0]
+    return float(-(counts * np.log2(counts / values.size)).sum())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 8])
+def test_each_channel_gets_the_predictor_of_lowest_entropy(bits):
+    """The chosen ``a`` is the one whose residuals have the lowest empirical entropy (the
+    smaller ``a`` on a tie), as a plain reference measures it, and the centre the rounded
+    mean symbol."""
+    rng = np.random.default_rng(bits)
+    x = np.cumsum(rng.standard_normal((2, 97, 12)), axis=1) * rng.uniform(0.05, 1.0, (2, 1, 12))
+    x = x.astype(np.float32)
+    mins, steps, _ = quant.quant_params(x, bits, quant.AXIS_CHANNEL)
+    q = quant.quantize(x, mins, steps, bits, quant.AXIS_CHANNEL)
+    alpha, center = quant.choose_prediction(q, bits)
+    mask = (1 << bits) - 1
+    for h in range(2):
+        for d in range(12):
+            col = q[h, :, d].astype(np.int64)
+            c = (int(col.sum()) + col.size // 2) // col.size
+            prev = np.concatenate([[c], col[:-1]])
+            costs = []
+            for a in range(5):
+                pred = np.where(np.arange(col.size) == 0, c, (a * prev + (4 - a) * c + 2) >> 2)
+                costs.append(_entropy_bits((col - pred) & mask))
+            best = min(range(5), key=lambda a: (round(costs[a], 6), a))
+            assert (alpha[h, d], center[h, d]) == (best, c)
+
+
 @pytest.mark.parametrize("predictor", ["none", "channel"])
 def test_quantized_values_are_the_quantizer_output(predictor):
     from sparkv.codec.frame import quantized_values

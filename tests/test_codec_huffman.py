@@ -95,6 +95,48 @@ def test_lengths_optimal_when_limit_not_binding(counts):
         assert int(np.dot(counts, lengths)) >= cost
 
 
+def reference_lengths(counts: np.ndarray, max_len: int) -> np.ndarray:
+    """Package-merge in plain Python: leaves by (count, symbol), at each level a stable sort of
+    leaves then packages (a leaf first on a tie), pairs packaged; the lengths read back."""
+    used = [s for s in range(len(counts)) if counts[s] > 0]
+    order = sorted(used, key=lambda s: (int(counts[s]), s))
+    leaves = [float(counts[s]) for s in order]
+    packages: list[float] = []
+    levels = []
+    for _ in range(max_len):
+        items = sorted([(w, 0) for w in leaves] + [(w, 1) for w in packages],
+                       key=lambda it: it[0])          # stable: leaves before packages on ties
+        levels.append([kind == 0 for _, kind in items])
+        packages = [items[i][0] + items[i + 1][0] for i in range(0, len(items) - 1, 2)]
+    sorted_lengths = [0] * len(order)
+    take = 2 * len(order) - 2
+    for flags in reversed(levels):
+        chosen = sum(flags[:take])
+        for i in range(chosen):
+            sorted_lengths[i] += 1
+        take = 2 * (take - chosen)
+    out = np.zeros(len(counts), dtype=np.uint8)
+    for s, n in zip(order, sorted_lengths):
+        out[s] = n
+    return out
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 10**6), min_size=2, max_size=256), st.sampled_from([9, 12, 15]),
+       st.booleans())
+def test_lengths_are_the_reference_package_merges(counts, max_len, ties):
+    """The compiled package-merge gives the same lengths as a plain one, ties included (so
+    frames stay byte-identical to those coded before it)."""
+    counts = np.array(counts, dtype=np.int64)
+    if ties:
+        counts = counts % 4
+    if np.count_nonzero(counts) < 2:
+        counts[:2] += 1
+    if np.count_nonzero(counts) > (1 << max_len):
+        max_len = 12
+    assert np.array_equal(H.code_lengths(counts, max_len), reference_lengths(counts, max_len))
+
+
 def test_length_limit_costs_little_on_fibonacci():
     # Fibonacci counts give a plain Huffman code of depth n-1: the limit must bind.
     fib = [1, 1]

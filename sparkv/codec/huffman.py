@@ -36,6 +36,7 @@ import numpy.typing as npt
 _U8 = npt.NDArray[np.uint8]
 _U32 = npt.NDArray[np.uint32]
 _I64 = npt.NDArray[np.int64]
+_F64 = npt.NDArray[np.float64]
 
 MAX_CODE_LEN = 12
 """Longest code length the encoder produces and the decoder accepts."""
@@ -76,25 +77,48 @@ def code_lengths(counts: np.ndarray, max_len: int = MAX_CODE_LEN) -> np.ndarray:
     # Leaves sorted by weight (ties by symbol: deterministic output).
     order = used[np.lexsort((used, counts[used]))]
     leaves = counts[order].astype(np.float64)  # exact: counts < 2**53
-    leaf_flags = np.ones(n, dtype=np.bool_)
-    packages = np.empty(0, dtype=np.float64)
-    levels: list[np.ndarray] = []
-    for _ in range(max_len):
-        weights = np.concatenate([leaves, packages])
-        flags = np.concatenate([leaf_flags, np.zeros(packages.size, dtype=np.bool_)])
-        srt = np.argsort(weights, kind="stable")  # leaves before packages on ties
-        weights, flags = weights[srt], flags[srt]
-        levels.append(flags)
-        pairs = weights.size // 2
-        packages = weights[0:2 * pairs:2] + weights[1:2 * pairs:2]
-    sorted_lengths = np.zeros(n, dtype=np.int64)
+    lengths[order] = _package_merge(leaves, max_len).astype(np.uint8)
+    return lengths
+
+
+@nb.njit(nogil=True, cache=True, boundscheck=False)
+def _package_merge(leaves: _F64, max_len: int) -> _I64:  # pragma: no cover - numba
+    """The code lengths of ``leaves`` (weights in ascending order, at least two) by
+    package-merge: at each of ``max_len`` levels the leaves and the previous level's packages
+    are merged by weight (a leaf before a package of equal weight: the order a stable sort of
+    leaves-then-packages gives), and adjacent pairs become the next level's packages; walking the
+    levels back, each level's first ``take`` items hold the leaves whose code gets one bit
+    longer."""
+    n = leaves.size
+    is_leaf = np.zeros((max_len, 2 * n), dtype=np.bool_)
+    sizes = np.zeros(max_len, dtype=np.int64)
+    weights = np.empty(2 * n, dtype=np.float64)
+    packages = np.empty(2 * n, dtype=np.float64)
+    num_packages = 0
+    for level in range(max_len):
+        i = j = w = 0
+        while i < n or j < num_packages:
+            if j >= num_packages or (i < n and leaves[i] <= packages[j]):
+                weights[w] = leaves[i]
+                is_leaf[level, w] = True
+                i += 1
+            else:
+                weights[w] = packages[j]
+                j += 1
+            w += 1
+        sizes[level] = w
+        num_packages = w // 2
+        for p in range(num_packages):
+            packages[p] = weights[2 * p] + weights[2 * p + 1]
+    lengths = np.zeros(n, dtype=np.int64)
     take = 2 * n - 2
-    for flags in reversed(levels):
-        chosen = flags[:take]
-        n_leaves = int(chosen.sum())
-        sorted_lengths[:n_leaves] += 1  # leaves appear in weight order: the lightest ones
-        take = 2 * (take - n_leaves)
-    lengths[order] = sorted_lengths.astype(np.uint8)
+    for level in range(max_len - 1, -1, -1):
+        chosen = 0
+        for w in range(min(take, sizes[level])):
+            if is_leaf[level, w]:
+                chosen += 1
+        lengths[:chosen] += 1  # leaves appear in weight order: the lightest ones
+        take = 2 * (take - chosen)
     return lengths
 
 

@@ -306,6 +306,68 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
     assert (st["turn_waits"] > 0) == (budget_mb == 9)
 
 
+def test_a_call_whose_memory_fits_waits_behind_one_already_waiting(lm, doc, tmp_path,
+                                                                    monkeypatch):
+    """First come, first served (``WaitLine``): while call ``a`` runs its turn, call ``b`` waits
+    for the memory the turn holds; call ``c``, on a small context whose switch-in fits, arrives
+    after ``b`` and waits behind it rather than overtaking it. When ``a``'s turn ends, ``b``
+    switches in first, then ``c``; each answers as it does alone."""
+    import threading
+
+    from sparkv.device import service as service_module
+
+    # 12 MB: b's switch-in does not fit beside a's turn, c's does (before the line, c answered
+    # during a's turn and b after it)
+    svc = _svc(lm, tmp_path, compression="fp", budget=12 << 20)
+    a, b = svc.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[60:120])
+    c = svc.new_context(system_ids=doc[:4])
+    want = {x: svc.call(x, TURNS[1], max_new_tokens=4, grow=False).tokens for x in (b, c)}
+    waits = {name: threading.Event() for name in ("b", "c")}
+    real_wait, real_turn = svc._turn_ended.wait, service_module.run_turn
+    real_switch = svc.keeper.switch_in
+    in_turn, release = threading.Event(), threading.Event()
+    order: list[str] = []               # switch-ins in the order they took their memory
+
+    def wait(timeout=None):
+        waits.get(threading.current_thread().name, threading.Event()).set()
+        return real_wait(timeout)
+
+    def switch_in(*args, **kw):
+        out = real_switch(*args, **kw)   # under the model lock: the order is the line's
+        order.append(threading.current_thread().name)
+        return out
+
+    def turn(*args, **kw):
+        if threading.current_thread().name == "a":
+            in_turn.set()
+            assert release.wait(WAIT_S)
+        return real_turn(*args, **kw)
+
+    monkeypatch.setattr(svc._turn_ended, "wait", wait)
+    monkeypatch.setattr(service_module, "run_turn", turn)
+    monkeypatch.setattr(svc.keeper, "switch_in", switch_in)
+    got: dict[str, list[int]] = {}
+
+    def call(name: str, ctx: str) -> None:
+        got[name] = svc.call(ctx, TURNS[1], max_new_tokens=4, grow=False).tokens
+
+    ths = {"a": threading.Thread(target=call, args=("a", a), name="a")}
+    ths["a"].start()
+    assert in_turn.wait(WAIT_S)
+    for name, ctx in (("b", b), ("c", c)):
+        ths[name] = threading.Thread(target=call, args=(name, ctx), name=name)
+        ths[name].start()
+        assert waits[name].wait(WAIT_S)      # b: the memory is held; c: b waits ahead of it
+    assert order == ["a"]
+    release.set()
+    for th in ths.values():
+        th.join(2 * WAIT_S)
+    assert order == ["a", "b", "c"]
+    assert got["b"] == want[b] and got["c"] == want[c]
+    st = svc.stats()
+    assert st["budget_violations"] == 0 and svc._turns == 0 and len(svc._line) == 0
+
+
 @pytest.mark.parametrize("policy", ["llms", "swap"])
 @pytest.mark.parametrize("grow", [False, True])
 def test_a_turn_that_fails_gives_its_working_memory_back(lm, doc, tmp_path, monkeypatch, grow,

@@ -358,14 +358,15 @@ def test_a_call_whose_memory_fits_waits_behind_one_already_waiting(lm, doc, tmp_
         ths[name] = threading.Thread(target=call, args=(name, ctx), name=name)
         ths[name].start()
         assert waits[name].wait(WAIT_S)      # b: the memory is held; c: b waits ahead of it
-    assert order == ["a"]
+    assert order == ["a"] and svc.stats()["reservations_waiting"] == 2
     release.set()
     for th in ths.values():
         th.join(2 * WAIT_S)
     assert order == ["a", "b", "c"]
     assert got["b"] == want[b] and got["c"] == want[c]
     st = svc.stats()
-    assert st["budget_violations"] == 0 and svc._turns == 0 and len(svc._line) == 0
+    assert st["budget_violations"] == 0 and st["turns_running"] == 0
+    assert st["reservations_waiting"] == 0
 
 
 @pytest.mark.parametrize("policy", ["llms", "swap"])

@@ -373,5 +373,8 @@ class ServiceStats(_Reply):
     streamed_chunks: int = Field(description="token chunks restored from the server")
     turns_running: int = Field(description=(
         "calls answering now without the model lock (docs/device-service.md, 'Calls at once')"))
+    reservations_waiting: int = Field(description=(
+        "calls waiting now, in arrival order, for memory held by calls answering "
+        "(docs/device-service.md, 'Calls at once')"))
     turn_waits: int = Field(description=(
         "reservations that found their memory held by calls answering and waited for one"))

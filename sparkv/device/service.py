@@ -411,6 +411,7 @@ class ContextService:
                     "damaged": len(self.registry.damaged),
                     "io_profile": self.io.to_dict(), "recompute_scale": self.recompute.scale,
                     "reopened": self.reopened, "turns_running": self._turns,
+                    "reservations_waiting": len(self._line),
                     **self.counters.to_dict()}
 
     def text(self, ctx_id: str) -> str:

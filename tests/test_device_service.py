@@ -306,19 +306,21 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
     assert (st["turn_waits"] > 0) == (budget_mb == 9)
 
 
+@pytest.mark.parametrize("order_name", ["fcfs", "retry"])
 def test_a_call_whose_memory_fits_waits_behind_one_already_waiting(lm, doc, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, order_name):
     """First come, first served (``WaitLine``): while call ``a`` runs its turn, call ``b`` waits
     for the memory the turn holds; call ``c``, on a small context whose switch-in fits, arrives
     after ``b`` and waits behind it rather than overtaking it. When ``a``'s turn ends, ``b``
-    switches in first, then ``c``; each answers as it does alone."""
+    switches in first, then ``c``; each answers as it does alone. The old order (``retry``,
+    kept for comparison) lets ``c`` switch in and answer during ``a``'s turn, before ``b``."""
     import threading
 
     from sparkv.device import service as service_module
 
     # 12 MB: b's switch-in does not fit beside a's turn, c's does (before the line, c answered
     # during a's turn and b after it)
-    svc = _svc(lm, tmp_path, compression="fp", budget=12 << 20)
+    svc = _svc(lm, tmp_path, compression="fp", budget=12 << 20, reservation_order=order_name)
     a, b = svc.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[60:120])
     c = svc.new_context(system_ids=doc[:4])
     want = {x: svc.call(x, TURNS[1], max_new_tokens=4, grow=False).tokens for x in (b, c)}
@@ -357,12 +359,16 @@ def test_a_call_whose_memory_fits_waits_behind_one_already_waiting(lm, doc, tmp_
     for name, ctx in (("b", b), ("c", c)):
         ths[name] = threading.Thread(target=call, args=(name, ctx), name=name)
         ths[name].start()
-        assert waits[name].wait(WAIT_S)      # b: the memory is held; c: b waits ahead of it
-    assert order == ["a"] and svc.stats()["reservations_waiting"] == 2
+        if name == "c" and order_name == "retry":
+            ths[name].join(WAIT_S)           # c fits: it answers during a's turn
+        else:
+            assert waits[name].wait(WAIT_S)  # b: the memory is held; c: b waits ahead of it
+    if order_name == "fcfs":
+        assert order == ["a"] and svc.stats()["reservations_waiting"] == 2
     release.set()
     for th in ths.values():
         th.join(2 * WAIT_S)
-    assert order == ["a", "b", "c"]
+    assert order == (["a", "b", "c"] if order_name == "fcfs" else ["a", "c", "b"])
     assert got["b"] == want[b] and got["c"] == want[c]
     st = svc.stats()
     assert st["budget_violations"] == 0 and st["turns_running"] == 0

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from sparkv.device.errors import BudgetBusy
-from sparkv.device.waitline import WaitLine
+from sparkv.device.waitline import RESERVATION_ORDERS, RetryLine, WaitLine
 
 WAIT_S = 30.0
 
@@ -16,10 +16,10 @@ WAIT_S = 30.0
 class _Device:
     """A model lock, a turn count and a free-memory count, as the service has them."""
 
-    def __init__(self, free: int, turns: int) -> None:
+    def __init__(self, free: int, turns: int, line: type[WaitLine] = WaitLine) -> None:
         self.lock = threading.Lock()
         self.turn_ended = threading.Condition(self.lock)
-        self.line = WaitLine(self.turn_ended)
+        self.line = line(self.turn_ended)
         self.free, self.turns = free, turns
         self.order: list[str] = []
         self.waiting: dict[str, threading.Event] = {}
@@ -113,3 +113,19 @@ def test_many_waiters_are_served_in_arrival_order():
     for th in threads:
         th.join(WAIT_S)
     assert not errors and dev.order == [f"c{i}" for i in range(5)]
+
+
+def test_the_retry_order_lets_a_later_reservation_that_fits_go_first():
+    """The order before the line (kept for comparison): the small reservation takes the free
+    memory at once, ahead of the big one that waits."""
+    assert RESERVATION_ORDERS == {"fcfs": WaitLine, "retry": RetryLine}
+    dev = _Device(free=3, turns=1, line=RetryLine)
+    errors: list[BaseException] = []
+    big = _start(dev, "big", 8, errors)
+    assert dev.waiting.setdefault("big", threading.Event()).wait(WAIT_S)
+    small = _start(dev, "small", 2, errors)
+    small.join(WAIT_S)
+    assert dev.order == ["small"]
+    dev.end_turn(frees=7)
+    big.join(WAIT_S)
+    assert not errors and dev.order == ["small", "big"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkv.device.budget import EVICTION_POLICIES, WholeContextLRU
+from sparkv.device.waitline import RESERVATION_ORDERS
 
 PUT_AWAY = ("chunks", "kill", "file")
 #: the ratio without a quality verdict: every unprotected chunk at int8 (docs/device-service.md)
@@ -65,6 +66,10 @@ class ServiceConfig:
     overlap_turns: bool = True         # a call's turn runs without the model lock (calls on
     #                                    other contexts switch in and answer meanwhile); False:
     #                                    one call at a time, whole (for comparison)
+    reservation_order: str = "fcfs"    # calls waiting for memory running turns hold:
+    #                                    first come first served (sparkv.device.waitline), or
+    #                                    "retry" (whoever fits first at a turn's end: for
+    #                                    comparison)
 
     def __post_init__(self) -> None:
         if self.compression not in ("tolerance", "int8", "fp"):
@@ -83,6 +88,9 @@ class ServiceConfig:
             raise ValueError("ratio must be in [0.25, 4] (bytes relative to int8)")
         if not 0.0 <= self.fp_fraction <= 1.0 or self.fp_protect < 0:
             raise ValueError("fp_fraction must be in [0, 1] and fp_protect >= 0")
+        if self.reservation_order not in RESERVATION_ORDERS:
+            raise ValueError(f"reservation_order must be one of {sorted(RESERVATION_ORDERS)}, "
+                             f"not {self.reservation_order!r}")
         if self.chunk_tokens < 16:
             raise ValueError("chunk_tokens must be >= 16")
         if self.host_tier_bytes < 0 or (self.turn_cache_bytes or 0) < 0:

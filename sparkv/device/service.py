@@ -79,7 +79,7 @@ from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedConte
 from sparkv.device.swap import SwapStore
 from sparkv.device.tails import MIN_REUSE, Rows, TailKey, TurnTails, default_capacity
 from sparkv.device.calls import CallResult, run_turn
-from sparkv.device.waitline import WaitLine
+from sparkv.device.waitline import RESERVATION_ORDERS
 from sparkv.layout import ChunkGeometry
 
 if TYPE_CHECKING:
@@ -165,7 +165,8 @@ class ContextService:
         self._run = threading.Lock()
         self._turn_ended = threading.Condition(self._run)
         self._turns = 0             # calls running their turn, the model lock given back
-        self._line = WaitLine(self._turn_ended)   # reservations waiting for a turn's end
+        # reservations waiting for a turn's end, in the configured order
+        self._line = RESERVATION_ORDERS[self.config.reservation_order](self._turn_ended)
         self.reopened = self._reopen()
 
     def _keeper(self, budget_bytes: int) -> Keeper:
@@ -492,7 +493,8 @@ class ContextService:
             self._turn_ended.notify_all()
 
     def _reserving(self, take: Callable[[], _T], ctx: DeviceContext | None = None) -> _T:
-        """``take()`` (the model lock held) in its turn of the :class:`WaitLine`: while calls
+        """``take()`` (the model lock held) in its turn of the line (:mod:`~sparkv.device.
+        waitline`, ``config.reservation_order``): while calls
         running their turn hold the memory it needs (:class:`BudgetBusy` while any runs), or
         while earlier reservations wait for theirs, it waits for a turn to end, ``ctx`` (a
         call's context) reclaimable meanwhile, as a call waiting for the model. With no turn

@@ -11,6 +11,10 @@ not fit.
 
 Every method is called with the condition's lock held (the service's model lock); each change
 of the line notifies every waiter, so no wake-up is lost.
+
+:class:`RetryLine` is the order before the line, kept for comparison (``ServiceConfig.
+reservation_order = "retry"``, ``bench/reservation_order.py``): no queue, each waiting
+reservation retries at every turn's end and whoever fits first takes the memory.
 """
 
 from __future__ import annotations
@@ -68,3 +72,22 @@ class WaitLine:
         ticket = object()
         self._line.append(ticket)
         return ticket
+
+
+class RetryLine(WaitLine):
+    """No line: a reservation that waits retries at every turn's end, and a later call whose
+    memory fits meanwhile takes it first (the order before :class:`WaitLine`)."""
+
+    def take(self, take: Callable[[], _T], busy: type[Exception], turns_running: Callable[[], int],
+             wait: Callable[[], None]) -> _T:
+        while True:
+            try:
+                return take()
+            except busy:
+                if turns_running() == 0:
+                    raise
+            wait()
+
+
+#: ``ServiceConfig.reservation_order``: the lines by name
+RESERVATION_ORDERS: dict[str, type[WaitLine]] = {"fcfs": WaitLine, "retry": RetryLine}

@@ -593,7 +593,10 @@ def test_offline_encoder_writes_what_the_server_serves(tiny_server, alice, tmp_p
     text_file = tmp_path / "ctx.txt"
     text_file.write_text("An offline context. " * 20)
     argv = ["encode", str(text_file), "--config", str(tiny_server.config_path), "--store",
-            f"file://{tiny_server.store_dir}", "--tenant", "alice", "--levels", "q5,raw", "--json"]
+            f"file://{tiny_server.store_dir}", "--tenant", "alice", "--levels", "q5,raw", "--json",
+            "--encode-threads", "3"]
+    assert main(argv[:-1] + ["-1"]) == 2     # a bad thread count: the config's error
+    capsys.readouterr()
     assert main(argv) == 0  # in this process: the same code as the `sparkv encode` command
     captured = capsys.readouterr()
     out = json.loads(captured.out)

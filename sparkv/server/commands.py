@@ -140,6 +140,9 @@ def _add_encode(sub: "argparse._SubParsersAction") -> None:
                    help="encrypt frames; prints the key once (it is stored nowhere)")
     e.add_argument("--threads", type=int, default=None,
                    help="PyTorch threads for prefill (default: config, else all cores)")
+    e.add_argument("--encode-threads", type=int, default=None, metavar="N",
+                   help="threads coding the frames (0: auto, the cores up to 8; default: config's "
+                        "encode_threads)")
     e.add_argument("--device", default=None, help="cpu, cuda[:N] or auto (default: config)")
     e.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: config)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -348,7 +351,8 @@ def _encode_settings(args: argparse.Namespace) -> Any:
     """The settings of ``sparkv encode`` (its options over the config), the device checked and
     PyTorch's threads set."""
     settings = _settings(args.config, args.store, torch_threads=args.threads,
-                         device=args.device, dtype=args.dtype)
+                         device=args.device, dtype=args.dtype,
+                         encode_threads=args.encode_threads)
     _check_device(settings)
     if args.threads or settings.torch_threads:
         import torch

@@ -493,12 +493,11 @@ class ContextService:
             self._turn_ended.notify_all()
 
     def _reserving(self, take: Callable[[], _T], ctx: DeviceContext | None = None) -> _T:
-        """``take()`` (the model lock held) in its turn of the line (:mod:`~sparkv.device.
-        waitline`, ``config.reservation_order``): while calls
-        running their turn hold the memory it needs (:class:`BudgetBusy` while any runs), or
-        while earlier reservations wait for theirs, it waits for a turn to end, ``ctx`` (a
-        call's context) reclaimable meanwhile, as a call waiting for the model. With no turn
-        running, :class:`BudgetBusy` is raised as it comes."""
+        """``take()`` (the model lock held) in its turn of the line (``config.reservation_order``,
+        :mod:`sparkv.device.waitline`): while calls running their turn hold the memory it needs
+        (:class:`BudgetBusy` while any runs), or while earlier reservations wait for theirs, it
+        waits for a turn to end, ``ctx`` (a call's context) reclaimable meanwhile, as a call
+        waiting for the model. With no turn running, :class:`BudgetBusy` is raised as it comes."""
         def wait() -> None:
             self.counters.waited_for_turn()
             with self.registry.waiting_for(ctx):

@@ -58,9 +58,11 @@ phase tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_device.p
   tests/test_device_kv_generic.py::test_cuda_dynakv_decodes_exactly_like_full_kv \
   tests/test_layer_graphs.py::test_cuda_graphs_give_the_eager_steps_kv -rs
 # 32K only (the target's length; sparse never won at 8K on the H100 or H200): flex compiles
-# for each shape, 30-40 s each on the H200 in run 3, where 8 shapes did not fit 100 s
+# for each shape, 30-40 s each on the H200 in run 3, where 8 shapes did not fit 100 s.
+# --profile-predict: where the prediction's 4-5 ms at 32K go (40% of dense in run 3)
 phase attention 200 $BENCH attention --heads 24/8/128,9/3/64 --lengths 32768 \
-  --densities 0.1,0.25,0.5 --repeats 3 --save-profile --out "$tmp/attention-$tag.json"
+  --densities 0.1,0.25,0.5 --repeats 3 --save-profile --profile-predict \
+  --out "$tmp/attention-$tag.json"
 phase prefill 90 $BENCH prefill --device cuda --model random:llama-3.2-3b \
   --sizes 8192,32768 --chunk-tokens 4096 --repeats 3 --max-new-tokens 4 \
   --variants full,dense,dense+fused,auto --out "$tmp/prefill-$tag.json"

@@ -34,6 +34,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--shapes", default="square,chunk", help="square, chunk or both")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per point (median)")
     p.add_argument("--device", default="cuda", help="a CUDA device")
+    p.add_argument("--profile-predict", action="store_true",
+                   help="also profile the mask prediction (eager and the compiled pipeline) at "
+                        "the longest length, square, first head geometry: where its time goes")
     p.add_argument("--save-profile", action="store_true",
                    help="save the chunk rows of the first head geometry as this GPU's profile")
     add_output_args(p, "attention")
@@ -109,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1)
     bar.close()
     print(_table(rows))
+    predict_profile = (predict_profiles(device, heads[0], max(lengths))
+                       if args.profile_predict else None)
     target = _target(rows)
     print(f"target (square, 32K, 25% of blocks, prediction included, >= 2x dense): {target}")
     name = torch.cuda.get_device_name(device)
@@ -123,10 +128,38 @@ def run(args: argparse.Namespace) -> int:
         config = {k: v for k, v in vars(args).items() if k != "func"}
         config["gpu"] = name
         path = write_result("attention", {"results": rows, "target": target,
-                                          "profile": vars(profile) if profile else None},
+                                          "profile": vars(profile) if profile else None,
+                                          "predict_profile": predict_profile},
                             config, args.out)
         print(f"wrote {path}")
     return 0
+
+
+def predict_profiles(device: Any, heads: tuple[int, int, int], keys: int) -> dict[str, Any]:
+    """The mask prediction of a square call (``keys`` queries over ``keys`` keys, random bf16)
+    under the profiler, eager (``predict_mask``) and as ``flex_sparse`` runs it (the pipeline:
+    compiled on CUDA), each :func:`~sparkv.bench.profiling.profile_kernels`; printed as tables.
+    """
+    import torch
+
+    from sparkv.bench.profiling import kernel_table, profile_kernels
+    from sparkv.runtime import BlockSparseAttention
+    from sparkv.runtime.flex import FlexAttention
+
+    hq, hkv, d = heads
+    gen = torch.Generator(device=device).manual_seed(keys)
+    q = torch.randn(1, hq, keys, d, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, hkv, keys, d, device=device, dtype=torch.bfloat16, generator=gen)
+    eager, pipeline = BlockSparseAttention(), FlexAttention(sparse=True)
+    profs = {"eager": profile_kernels(lambda: eager.predict_mask(q, k, 0), device),
+             "pipeline": profile_kernels(lambda: pipeline.predict(q, k, 0), device)}
+    out: dict[str, Any] = {"heads": "%d/%d/%d" % heads, "keys": keys, **profs}
+    for name, prof in profs.items():
+        print(f"mask prediction ({name}) at {keys} keys, {out['heads']}: wall "
+              f"{1e3 * prof['wall_s']:.2f} ms, kernels busy {1e3 * prof['kernel_busy_s']:.2f} ms "
+              f"({prof['kernel_launches']} launches)")
+        print(format_table(["kernel", "calls", "ms"], kernel_table(prof)))
+    return out
 
 
 def _target(rows: list[dict[str, Any]]) -> dict[str, Any]:

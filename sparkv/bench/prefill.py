@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from operator import attrgetter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -269,32 +268,16 @@ def run(args: argparse.Namespace) -> int:
 def _profile(lm: LoadedModel, ids: list[int], args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
     """One profiled run of ``args.profile``: wall time, summed kernel time (the GPU's busy time,
     at most; on the CPU the operators' self CPU time), and the kernels (operators) that took
-    most of it."""
-    from torch.profiler import ProfilerActivity, profile
+    most of it (:func:`~sparkv.bench.profiling.profile_kernels`)."""
+    from sparkv.bench.profiling import kernel_table, profile_kernels
 
     v = parse_variants(args.profile)[0]
     backend = None if v.backend == "full" else _backend(v.backend, cfg)
-    _run_once(lm, ids, v, args.chunk_tokens, backend)
-    activities = [ProfilerActivity.CPU]
-    if lm.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        wall, _, _ = _run_once(lm, ids, v, args.chunk_tokens, backend)
-    # the GPU's kernels by device time; on the CPU the operators by self CPU time
-    cuda = lm.device.type == "cuda"
-    spent = attrgetter("device_time_total" if cuda else "self_cpu_time_total")
-    events = [e for e in prof.key_averages() if not cuda or (
-        e.device_time_total > 0 and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")))]
-    kernels = sorted(events, key=spent, reverse=True)
-    busy = sum(spent(e) for e in kernels) / 1e6
-    top = [{"kernel": e.key[:120], "calls": e.count, "ms": spent(e) / 1e3}
-           for e in kernels[:15]]
-    out = {"variant": v.name, "tokens": len(ids), "wall_s": wall, "kernel_busy_s": busy,
-           "kernel_launches": sum(e.count for e in kernels), "top_kernels": top}
-    print(f"profile of {v.name} at {len(ids)} tokens: wall {wall:.3f} s, kernels busy "
-          f"{busy:.3f} s ({out['kernel_launches']} launches)")
-    print(format_table(["kernel", "calls", "ms"], [[t["kernel"][:70], t["calls"], t["ms"]]
-                                                  for t in top]))
+    prof = profile_kernels(lambda: _run_once(lm, ids, v, args.chunk_tokens, backend), lm.device)
+    out = {"variant": v.name, "tokens": len(ids), **prof}
+    print(f"profile of {v.name} at {len(ids)} tokens: wall {prof['wall_s']:.3f} s, kernels busy "
+          f"{prof['kernel_busy_s']:.3f} s ({prof['kernel_launches']} launches)")
+    print(format_table(["kernel", "calls", "ms"], kernel_table(prof)))
     return out
 
 

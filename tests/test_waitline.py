@@ -19,7 +19,7 @@ class _Device:
     def __init__(self, free: int, turns: int, line: type[WaitLine] = WaitLine) -> None:
         self.lock = threading.Lock()
         self.turn_ended = threading.Condition(self.lock)
-        self.line = line(self.turn_ended)
+        self.line = line(self.turn_ended, BudgetBusy, lambda: self.turns)
         self.free, self.turns = free, turns
         self.order: list[str] = []
         self.waiting: dict[str, threading.Event] = {}
@@ -38,7 +38,7 @@ class _Device:
             self.turn_ended.wait()
 
         with self.lock:
-            self.line.take(take, BudgetBusy, lambda: self.turns, wait)
+            self.line.take(take, wait)
 
     def end_turn(self, frees: int) -> None:
         with self.lock:

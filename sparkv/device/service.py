@@ -166,7 +166,8 @@ class ContextService:
         self._turn_ended = threading.Condition(self._run)
         self._turns = 0             # calls running their turn, the model lock given back
         # reservations waiting for a turn's end, in the configured order
-        self._line = RESERVATION_ORDERS[self.config.reservation_order](self._turn_ended)
+        self._line = RESERVATION_ORDERS[self.config.reservation_order](
+            self._turn_ended, BudgetBusy, lambda: self._turns)
         self.reopened = self._reopen()
 
     def _keeper(self, budget_bytes: int) -> Keeper:
@@ -503,7 +504,7 @@ class ContextService:
             with self.registry.waiting_for(ctx):
                 self._turn_ended.wait()
 
-        return self._line.take(take, BudgetBusy, lambda: self._turns, wait)
+        return self._line.take(take, wait)
 
     def _after_call(self, ctx: DeviceContext) -> int:
         """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.

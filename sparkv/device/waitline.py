@@ -32,17 +32,21 @@ class WaitLine:
 
     Args:
         turn_ended: the condition notified when a turn ends (its lock is the model lock).
+        busy: what a reservation raises when running turns hold the memory it needs (the
+            service's :class:`~sparkv.device.errors.BudgetBusy`).
+        turns_running: how many turns run now.
     """
 
-    def __init__(self, turn_ended: threading.Condition) -> None:
+    def __init__(self, turn_ended: threading.Condition, busy: type[Exception],
+                 turns_running: Callable[[], int]) -> None:
         self._cond = turn_ended
+        self._busy, self._turns_running = busy, turns_running
         self._line: deque[object] = deque()
 
     def __len__(self) -> int:
         return len(self._line)
 
-    def take(self, take: Callable[[], _T], busy: type[Exception], turns_running: Callable[[], int],
-             wait: Callable[[], None]) -> _T:
+    def take(self, take: Callable[[], _T], wait: Callable[[], None]) -> _T:
         """``take()`` in its turn of the line.
 
         With nobody waiting, ``take()`` runs at once. When it raises ``busy`` while turns run, or
@@ -55,11 +59,9 @@ class WaitLine:
                 if ticket is None and self._line:   # others wait already: behind them
                     ticket = self._join()
                 if ticket is None or self._line[0] is ticket:
-                    try:
-                        return take()
-                    except busy:
-                        if turns_running() == 0:
-                            raise
+                    got = self._attempt(take)
+                    if got is not _BUSY:
+                        return got  # type: ignore[return-value]
                     if ticket is None:
                         ticket = self._join()
                 wait()
@@ -67,6 +69,16 @@ class WaitLine:
             if ticket is not None:
                 self._line.remove(ticket)
                 self._cond.notify_all()    # the next in line tries now
+
+    def _attempt(self, take: Callable[[], _T]) -> _T | object:
+        """``take()``, or :data:`_BUSY` when it found its memory held by running turns; with
+        no turn running, ``busy`` is raised."""
+        try:
+            return take()
+        except self._busy:
+            if self._turns_running() == 0:
+                raise
+        return _BUSY
 
     def _join(self) -> object:
         ticket = object()
@@ -78,16 +90,14 @@ class RetryLine(WaitLine):
     """No line: a reservation that waits retries at every turn's end, and a later call whose
     memory fits meanwhile takes it first (the order before :class:`WaitLine`)."""
 
-    def take(self, take: Callable[[], _T], busy: type[Exception], turns_running: Callable[[], int],
-             wait: Callable[[], None]) -> _T:
-        while True:
-            try:
-                return take()
-            except busy:
-                if turns_running() == 0:
-                    raise
+    def take(self, take: Callable[[], _T], wait: Callable[[], None]) -> _T:
+        while (got := self._attempt(take)) is _BUSY:
             wait()
+        return got  # type: ignore[return-value]
 
+
+#: what :meth:`WaitLine._attempt` returns when the memory is held by running turns
+_BUSY = object()
 
 #: ``ServiceConfig.reservation_order``: the lines by name
 RESERVATION_ORDERS: dict[str, type[WaitLine]] = {"fcfs": WaitLine, "retry": RetryLine}

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparkv.cache.attention import AttentionView, BatchView
+from sparkv.cache.fork import ForkCache
 from sparkv.cache.hf import SparkvCache
 
 __all__ = ["BatchCache", "BatchLayer"]
@@ -78,7 +79,7 @@ class BatchCache(Cache):
     """K :class:`SparkvCache` s as one cache of batch size K (module docstring); each row's
     new token goes into its own memory, exactly as that cache alone would take it."""
 
-    def __init__(self, caches: Sequence[SparkvCache]) -> None:
+    def __init__(self, caches: Sequence[SparkvCache | ForkCache]) -> None:
         if not caches:
             raise ValueError("a batch needs at least one cache")
         num_layers = {len(c.layers) for c in caches}

@@ -505,6 +505,38 @@ class TorchPagedAttention:
         return merge_partials(parts).out.unsqueeze(0).to(q.dtype)
 
 
+class PrefixAttention:
+    """:class:`PagedAttention`'s contract over a dense prefix (slot = position): ``k``, ``v``
+    ``[Hkv, P, D]`` (views, not copied), every query at a position past them, and a tail. What
+    a fork of a dense arena attends (:class:`~sparkv.cache.fork.ForkCache`): the arena as it
+    was, the fork's own tokens in its tail. One softmax over the prefix's scores and the
+    tail's (causal within the tail): a few batched ops per call."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
+               tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        _, hq, nq, d = q.shape
+        hkv, p = int(self.k.shape[0]), int(self.k.shape[1])
+        group = hq // hkv
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        qs = q[0].float().reshape(hkv, group * nq, d) * scale
+        scores = [torch.bmm(qs, self.k.float().transpose(1, 2))]          # [Hkv, G*nq, P]
+        if tail is not None and tail[0].shape[1]:
+            tk, tv, tpos = tail
+            st = torch.bmm(qs, tk.float().transpose(1, 2))
+            rows = q_pos.to(torch.long).repeat(group).view(1, -1, 1)
+            scores.append(st.masked_fill(tpos.to(torch.long).view(1, 1, -1) > rows,
+                                         float("-inf")))
+        w = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        out = torch.bmm(w[..., :p], self.v.float())
+        if len(scores) > 1:
+            out += torch.bmm(w[..., p:], tail[1].float())                # type: ignore[index]
+        return out.view(1, hq, nq, d).to(q.dtype)
+
+
 # ---- torch partials ------------------------------------------------------------------------------
 def attend_entries(q: torch.Tensor, heads: Sequence[tuple[torch.Tensor, torch.Tensor,
                                                             torch.Tensor]],

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from sparkv.cache import ContextKV
+from sparkv.cache import ContextKV, SparkvCache
+from sparkv.cache.fork import ForkCache
 from sparkv.device.density import DensityRecorder, recording
 from sparkv.device.tails import Rows, TailHit
 from sparkv.generation import base_stats
@@ -57,6 +58,7 @@ class CallResult:
     bytes_written_aot: int = 0
     turn_tokens_reused: int = 0   # the prompt's tokens whose KV a kept tail gave (not run)
     seed: int | None = None       # a sampled answer's seed (None: greedy)
+    joined: bool = False          # it read the working memory another call switched in
     load: LoadStats | None = None
     plan: Split | None = None
 
@@ -80,7 +82,8 @@ class CallResult:
     def of(cls, lm: LoadedModel, ctx_id: str, tokens: list[int], sw: SwitchIn,
            context_tokens: int, counted: ServiceCounters, *, switch_s: float, first_token_s: float,
            total_s: float, aot_s: float, aot_bytes: int, stop: Sequence[str] = (),
-           turn_tokens_reused: int = 0, seed: int | None = None) -> "CallResult":
+           turn_tokens_reused: int = 0, seed: int | None = None, joined: bool = False
+           ) -> "CallResult":
         """The result of a call that decoded ``tokens`` (its text: them decoded by ``lm``, end
         of sequence tokens left out, cut before a stop string of ``stop``), switched in by
         ``sw`` and counted ``counted`` (the service's counters during the call)."""
@@ -94,7 +97,7 @@ class CallResult:
                    bytes_evicted=counted.evicted_bytes,
                    bytes_written_at_reclaim=counted.reclaim_written_bytes,
                    bytes_written_aot=aot_bytes, turn_tokens_reused=turn_tokens_reused,
-                   seed=seed, load=sw.stats, plan=sw.split)
+                   seed=seed, joined=joined, load=sw.stats, plan=sw.split)
 
 
 
@@ -114,49 +117,68 @@ class Turn:
 
 def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, *, grow: bool,
              stop_at_eos: bool, stop: Sequence[str] = (), known: TailHit | None = None,
-             keep_tail: bool = False, sampling: Sampling | None = None) -> Turn:
-    """Runs ``ids`` after the ``n`` tokens of working memory ``W`` (which has room for them and
-    ``max_new`` more) and decodes up to ``max_new`` tokens, greedily unless ``sampling`` says
-    otherwise (until a stop string of ``stop``); ``W`` keeps the new tokens if ``grow``, else is left holding its ``n``.
+             keep_tail: bool = False, sampling: Sampling | None = None, reserve: int = 0
+             ) -> Turn:
+    """Runs ``ids`` after the ``n`` tokens of working memory ``W`` and decodes up to
+    ``max_new`` tokens, greedily unless ``sampling`` says otherwise (until a stop string of
+    ``stop``).
 
-    Without ``grow``: ``known`` (rows of a kept tail, ``ids`` beginning with its tokens) is
-    appended first and only the rest of ``ids`` runs; ``keep_tail`` returns the KV of what the
-    call appended (:attr:`Turn.tail`)."""
+    With ``grow`` the turn runs in ``W`` (which has room for ``ids`` and ``max_new`` more) and
+    ``W`` keeps the new tokens. Without it the turn only reads ``W``: its tokens stay in a fork
+    (:class:`~sparkv.cache.fork.ForkCache`), so turns of several calls may read one ``W`` at
+    once; ``known`` (rows of a kept tail, ``ids`` beginning with its tokens) is appended to the
+    fork first and only the rest of ``ids`` runs; ``keep_tail`` returns the KV of what the call
+    appended (:attr:`Turn.tail`); ``reserve``: the tokens its fork makes room for at once (its
+    bytes then known ahead)."""
     if grow and (known is not None or keep_tail):
         raise ValueError("a turn that grows its context neither reuses nor returns a tail")
     rec = DensityRecorder(n + len(ids) + max_new + 1)
-    m = known.count if known is not None else 0
+    if not grow:
+        return _read_turn(lm, ForkCache(W, reserve), n, ids, max_new, rec, stop_at_eos, stop,
+                          known, keep_tail, sampling)
     try:
-        if known is not None:                       # kept in host RAM: to the memory's device
-            for layer, (k, v) in enumerate(known.take()):
-                W.append(layer, k.to(W.device), v.to(W.device))
         with recording(rec):
-            tokens, first_s = _generate(lm, W, n + m, ids[m:], max_new, grow, stop_at_eos, stop,
+            tokens, first_s = _generate(lm, SparkvCache(W), n, ids, max_new, stop_at_eos, stop,
                                         sampling)
-        tail = ([(k.cpu(), v.cpu()) for k, v in W.appended(min(W.positions) - n)]
-                if keep_tail and tokens else None)
-    finally:
-        if not grow:
-            W.truncate()
+    except BaseException:
+        W.truncate()
+        raise
+    return Turn(tokens, first_s, rec)
+
+
+def _read_turn(lm: LoadedModel, fork: ForkCache, n: int, ids: list[int], max_new: int,
+               rec: DensityRecorder, stop_at_eos: bool, stop: Sequence[str],
+               known: TailHit | None, keep_tail: bool, sampling: Sampling | None) -> Turn:
+    """A turn that only reads the memory ``fork`` forks (:func:`run_turn` without ``grow``)."""
+    held = set(fork.memory.positions)
+    if held != {n}:
+        raise ValueError(f"the working memory holds {sorted(held)} tokens, not {n}")
+    m = fork.append_rows(known.take()) if known is not None else 0
+    with recording(rec):
+        tokens, first_s = _generate(lm, fork, n + m, ids[m:], max_new, stop_at_eos, stop,
+                                    sampling)
+    tail = fork.rows() if keep_tail and tokens else None
     return Turn(tokens, first_s, rec, m, tail)
 
 
-def _generate(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, grow: bool,
-              stop_at_eos: bool, stop: Sequence[str], sampling: Sampling | None
+def _generate(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int, ids: list[int],
+              max_new: int, stop_at_eos: bool, stop: Sequence[str], sampling: Sampling | None
               ) -> tuple[list[int], float]:
-    from sparkv.cache import SparkvCache
-    from sparkv.runtime.generate import greedy_generate
+    """The answer's tokens over ``cache`` and the seconds to the first; a :class:`SparkvCache`
+    keeps what ran (committed to its memory), a fork keeps it itself."""
+    from sparkv.runtime.generate import generate_over
 
     if max_new > 0:
-        gen = greedy_generate(lm, W, n, ids, max_new, stop_at_eos=stop_at_eos, keep=grow,
-                              stop=stop, truncate=False, sampling=sampling)
-        return gen.tokens, gen.first_token_s
-    with torch.inference_mode():
-        cache = SparkvCache(W)
-        x = torch.tensor([ids], dtype=torch.long, device=lm.device)
-        pos = torch.arange(n, n + len(ids), device=lm.device)
-        model_call(lm.model, input_ids=x, cache=cache, position_ids=pos[None],
-                   cache_position=pos, use_cache=True, logits_to_keep=1)
-        if grow:
-            cache.commit()
-    return [], 0.0
+        gen = generate_over(lm, cache, n, ids, max_new, stop_at_eos=stop_at_eos, stop=stop,
+                            sampling=sampling)
+        tokens, first_s = gen.tokens, gen.first_token_s
+    else:
+        with torch.inference_mode():
+            x = torch.tensor([ids], dtype=torch.long, device=lm.device)
+            pos = torch.arange(n, n + len(ids), device=lm.device)
+            model_call(lm.model, input_ids=x, cache=cache, position_ids=pos[None],
+                       cache_position=pos, use_cache=True, logits_to_keep=1)
+        tokens, first_s = [], 0.0
+    if isinstance(cache, SparkvCache):
+        cache.commit()
+    return tokens, first_s

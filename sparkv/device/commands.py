@@ -3,7 +3,8 @@
     sparkv device serve --flash-dir DIR --memory-budget-mb 256 [--socket PATH [--socket-group GROUP]]
                         [--port N [--token-file PATH]] [--model PATH] [--policy llms]
                         [--device auto] [--host-tier-mb MB] [--turn-cache-mb MB]
-                        [--ratio 0.75] [--serial-turns]      # --socket and --port: both at once
+                        [--ratio 0.75] [--serial-turns] [--no-shared-reads]
+                        # --socket and --port: both at once
     sparkv device create [--system "You are ..." | --system-file FILE] [--label NAME]
                                                            # prints the new context's id
     sparkv device call ID "prompt" [--max-new-tokens 32] [--no-grow] [--json]
@@ -134,6 +135,10 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                    help="run calls on kept contexts one at a time, whole (by default a call's "
                         "turn gives the model lock back: calls on other contexts switch in and "
                         "answer meanwhile); for comparison")
+    s.add_argument("--no-shared-reads", action="store_true",
+                   help="make asks about one kept context take turns (by default those running "
+                        "at once, as the n sampled choices of a request, read one working memory "
+                        "together, their answer tokens batched); for comparison")
     s.add_argument("--socket", default=None,
                    help="Unix socket path, mode 0600 (default: $SPARKV_DEVICE_SOCKET, else "
                         "<sparkv cache>/device/sparkv-device.sock)")
@@ -237,7 +242,8 @@ def _run_service(args: argparse.Namespace, swap: Path, sockets: list | None) -> 
                                   host_tier_bytes=host,
                                   turn_cache_bytes=None if args.turn_cache_mb is None
                                   else int(args.turn_cache_mb * 1e6),
-                                  overlap_turns=not args.serial_turns)
+                                  overlap_turns=not args.serial_turns,
+                                  shared_reads=not args.no_shared_reads)
     service = ContextService(lm, budget, swap, config=config)
     try:
         need = service.min_budget()

@@ -66,6 +66,9 @@ class ServiceConfig:
     overlap_turns: bool = True         # a call's turn runs without the model lock (calls on
     #                                    other contexts switch in and answer meanwhile); False:
     #                                    one call at a time, whole (for comparison)
+    shared_reads: bool = True          # calls that leave their context as it was read one
+    #                                    working memory at once (sparkv.device.readturns; with
+    #                                    overlap_turns); False: they take turns (for comparison)
     reservation_order: str = "fcfs"    # calls waiting for memory running turns hold:
     #                                    first come first served (sparkv.device.waitline), or
     #                                    "retry" (whoever fits first at a turn's end: for

@@ -38,6 +38,7 @@ class ServiceCounters:
     hot_dropped: int = 0             # kept working memories freed
     streamed_chunks: int = 0         # token chunks restored from the server
     turn_waits: int = 0              # reservations that waited for a call's turn to end
+    joined_reads: int = 0            # calls that read the working memory another switched in
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def called(self) -> None:
@@ -85,6 +86,12 @@ class ServiceCounters:
         """A reservation found its memory held by calls in their turn and waited for one."""
         with self._lock:
             self.turn_waits += 1
+
+    def joined_read(self) -> None:
+        """A call joined the read turn another call on its context opened
+        (:mod:`~sparkv.device.readturns`)."""
+        with self._lock:
+            self.joined_reads += 1
 
     def wrote_ahead(self, nbytes: int) -> None:
         """A call's ahead-of-time swap-out wrote ``nbytes``."""

@@ -252,11 +252,12 @@ class ContextRegistry:
             return list(self.damaged.values())
 
     @contextlib.contextmanager
-    def holding(self, ctx: DeviceContext, timeout_s: float | None) -> Iterator[DeviceContext]:
+    def holding(self, ctx: DeviceContext, timeout_s: float | None, held: bool = False
+                ) -> Iterator[DeviceContext]:
         """Holds ``ctx``'s lock for the block (waiting at most ``timeout_s``, ``None``: for
-        ever): :class:`ContextBusy` if it could not be had, :class:`UnknownContext` if ``ctx``
-        was deleted meanwhile."""
-        if not ctx.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+        ever; ``held``: the caller took it already): :class:`ContextBusy` if it could not be
+        had, :class:`UnknownContext` if ``ctx`` was deleted meanwhile."""
+        if not held and not ctx.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             raise ContextBusy(f"context {ctx.id} is running another call")
         try:
             if ctx.deleted:

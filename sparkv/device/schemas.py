@@ -378,3 +378,6 @@ class ServiceStats(_Reply):
         "(docs/device-service.md, 'Calls at once')"))
     turn_waits: int = Field(description=(
         "reservations that found their memory held by calls answering and waited for one"))
+    joined_reads: int = Field(description=(
+        "calls that left their context as it was and read the working memory another call on "
+        "it had switched in, at once (docs/device-service.md, 'Calls at once')"))

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import itertools
 import threading
 import time
 import uuid
@@ -63,17 +64,18 @@ from sparkv.device.chunked import ChunkKeeper
 from sparkv.device.config import ServiceConfig, longest_context, resolved_ratio
 from sparkv.device.counters import ServiceCounters
 from sparkv.device.density import install_hooks
-from sparkv.device.errors import BudgetBusy, DeviceError, FlashFull
+from sparkv.device.errors import BudgetBusy, ContextBusy, DeviceError, FlashFull
 from sparkv.device.flashio import IOProfile, ServiceFlash, load_io_profile
 from sparkv.device.hosttier import HostTier, HostTierStats
 from sparkv.device.inputs import check_call, check_length, check_token_ids, vocab_size
 from sparkv.device.flashlock import FlashDirLock
 from sparkv.device.journal import Journal, commit, reopen, revert
-from sparkv.device.keeper import Keeper
+from sparkv.device.keeper import Keeper, SwitchIn
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import working_nbytes
 from sparkv.device.planner import RecomputeProfile, recompute_cost_model
 from sparkv.device.private import check_path, private_dir
+from sparkv.device.readturns import ReadTurn, ReadTurns
 from sparkv.device.prompts import system_turn_ids, turn_ids
 from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedContext, DeviceContext
 from sparkv.device.swap import SwapStore
@@ -168,6 +170,11 @@ class ContextService:
         # reservations waiting for a turn's end, in the configured order
         self._line = RESERVATION_ORDERS[self.config.reservation_order](
             self._turn_ended, BudgetBusy, lambda: self._turns)
+        self.reads = ReadTurns()     # calls reading one working memory at once
+        self._readers = itertools.count()
+        g = ChunkGeometry.from_config(self.lm.config, 1, self.config.chunk_tokens)
+        self._per_token_bytes = (2 * g.num_layers * g.num_kv_heads * g.head_dim
+                                 * torch.empty((), dtype=self.lm.dtype).element_size())
         self.reopened = self._reopen()
 
     def _keeper(self, budget_bytes: int) -> Keeper:
@@ -309,17 +316,39 @@ class ContextService:
                                            vocab=self.vocab, most=self.config.max_new_tokens)
         if sampling is not None:
             check_token_ids([t for t, _ in sampling.logit_bias], self.vocab, "logit_bias's ids")
-        with self.registry.holding(ctx, timeout_s):
-            ids = turn_ids(self.lm, ctx.pending, prompt, prompt_ids, chatml=self._chatml,
-                           eos=self.lm.eos_ids if ctx.pending else ())
-            if not ids:
-                raise DeviceError("the prompt is empty")
-            check_length(len(ctx.tokens), len(ids) + max_new_tokens, self.max_tokens,
-                         f"context {ctx_id}, with a {len(ids)}-token prompt and "
-                         f"{max_new_tokens} new tokens,")
+        held = False
+        if self._reads_shared(grow, max_new_tokens):
+            got = self.reads.hold_or_join(ctx.lock, ctx.id, timeout_s)
+            if got is False:
+                raise ContextBusy(f"context {ctx.id} is running another call")
+            if isinstance(got, ReadTurn):
+                return self._joined(got, ctx, prompt, prompt_ids, max_new_tokens, stop_at_eos,
+                                    stop, turn_scope, sampling)
+            held = True
+        with self.registry.holding(ctx, timeout_s, held=held):
+            ids = self._turn_ids(ctx, prompt, prompt_ids, max_new_tokens)
             with self.registry.running(ctx, self._run):
                 return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
                                   turn_scope, sampling)
+
+    def _turn_ids(self, ctx: DeviceContext, prompt: str | None,
+                  prompt_ids: Sequence[int] | None, max_new: int) -> builtins.list[int]:
+        """The ids a call on ``ctx`` runs (its pending tokens first), checked."""
+        ids = turn_ids(self.lm, ctx.pending, prompt, prompt_ids, chatml=self._chatml,
+                       eos=self.lm.eos_ids if ctx.pending else ())
+        if not ids:
+            raise DeviceError("the prompt is empty")
+        check_length(len(ctx.tokens), len(ids) + max_new, self.max_tokens,
+                     f"context {ctx.id}, with a {len(ids)}-token prompt and "
+                     f"{max_new} new tokens,")
+        return ids
+
+    def _reads_shared(self, grow: bool, max_new: int) -> bool:
+        """Whether a call reads a working memory with others (:mod:`~sparkv.device.readturns`):
+        it leaves its context as it was and answers, turns run without the model lock, and
+        ``config.shared_reads``."""
+        cfg = self.config
+        return not grow and max_new > 0 and cfg.overlap_turns and cfg.shared_reads
 
     def _turn_cache_bytes(self, cfg: ServiceConfig) -> int:
         """``cfg.turn_cache_bytes``, its ``None`` resolved for this model
@@ -436,12 +465,15 @@ class ContextService:
                              ctx)
         counted = self.counters.since(before)   # the switch's: other calls count meanwhile
         switch_s = time.perf_counter() - t0
+        reads = (self.reads.opened(ctx.id, sw.working, n) if self._reads_shared(grow, max_new)
+                 else contextlib.nullcontext())
         try:
             with (self._turn(ctx.id, sw.fold_bytes if grow else 0) if self.config.overlap_turns
-                  else contextlib.nullcontext()):
+                  else contextlib.nullcontext()), reads as read:
                 turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
                                 stop_at_eos=stop_at_eos, stop=stop, known=known,
-                                keep_tail=tails, sampling=sampling)
+                                keep_tail=tails, sampling=sampling,
+                                reserve=len(ids) + max_new)
         except BaseException:        # failed or cancelled: its working memory is given back
             self.keeper.abandon(ctx, sw.working)
             raise
@@ -456,7 +488,8 @@ class ContextService:
             ctx.grow(added, tokens[-1:])
             self.keeper.fold_back(ctx, sw.working, n)
         else:
-            ctx.add_density(turn.density, n)
+            for density in [turn.density, *(read.densities if read is not None else ())]:
+                ctx.add_density(density, n)
             self.keeper.release(ctx, sw.working)
         self.registry.touch(ctx)
         t_aot = time.perf_counter()
@@ -474,6 +507,42 @@ class ContextService:
                              aot_s=aot_s, aot_bytes=aot_bytes, stop=stop,
                              turn_tokens_reused=turn.reused,
                              seed=sampling.seed if sampling and not sampling.greedy else None)
+
+    def _joined(self, read: ReadTurn, ctx: DeviceContext, prompt: str | None,
+                prompt_ids: Sequence[int] | None, max_new: int, stop_at_eos: bool,
+                stop: Sequence[str], turn_scope: str, sampling: Sampling | None) -> CallResult:
+        """A call that joined ``read`` (:mod:`~sparkv.device.readturns`): its own turn over the
+        working memory another call on its context switched in; its fork's bytes claimed in
+        the account meanwhile."""
+        t0 = time.perf_counter()
+        density = None
+        try:
+            ids = self._turn_ids(ctx, prompt, prompt_ids, max_new)
+            sampling = sampling.with_seed() if sampling is not None else None
+            where = TailKey(ctx.id, read.n, turn_scope)
+            tails = self.tails.capacity > 0
+            known = self.tails.match(where, ids, MIN_REUSE) if tails else None
+            key = f"{ctx.id}/read/{next(self._readers)}"
+            self.account.claim(key, self._per_token_bytes * (len(ids) + max_new))
+            try:
+                turn = run_turn(self.lm, read.working, read.n, ids, max_new, grow=False,
+                                stop_at_eos=stop_at_eos, stop=stop, known=known,
+                                keep_tail=tails, sampling=sampling, reserve=len(ids) + max_new)
+            finally:
+                self.account.unclaim(key)
+            density = turn.density
+        finally:
+            self.reads.leave(read, density)
+        if turn.tail is not None:
+            self.tails.put(where, ids + turn.tokens[:-1], turn.tail)
+        self.counters.joined_read()
+        self.counters.called()
+        return CallResult.of(self.lm, ctx.id, turn.tokens, SwitchIn(read.working, None, None, 0.0),
+                             read.n, ServiceCounters(), switch_s=0.0,
+                             first_token_s=turn.first_token_s, total_s=time.perf_counter() - t0,
+                             aot_s=0.0, aot_bytes=0, stop=stop, turn_tokens_reused=turn.reused,
+                             seed=sampling.seed if sampling and not sampling.greedy else None,
+                             joined=True)
 
     @contextlib.contextmanager
     def _turn(self, ctx_id: str, fold_bytes: int) -> Iterator[None]:

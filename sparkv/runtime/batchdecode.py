@@ -23,6 +23,7 @@ import torch
 
 from sparkv.cache import SparkvCache
 from sparkv.cache.batch import BatchCache
+from sparkv.cache.fork import ForkCache
 from sparkv.runtime.hfcache import model_call
 from sparkv.runtime.linears import answer_tokens
 from sparkv.runtime.model import LoadedModel
@@ -31,9 +32,10 @@ __all__ = ["DecodeItem", "decode_together", "decode_step", "decoding_through", "
 
 
 class DecodeItem(NamedTuple):
-    """One context's next answer token to run: its cache, the token and its position."""
+    """One context's next answer token to run: its cache (the context's memory, or a fork of
+    it), the token and its position."""
 
-    cache: SparkvCache
+    cache: SparkvCache | ForkCache
     token: int
     position: int
 

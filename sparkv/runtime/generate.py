@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from sparkv.cache import ContextKV, SparkvCache
+from sparkv.cache.fork import ForkCache
 from sparkv.generation import base_stats
 from sparkv.layout import ChunkGeometry
 from sparkv.runtime.batchdecode import DecodeItem, decode_step
@@ -119,9 +120,23 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
             memory.truncate()
 
 
-def _decode(lm: LoadedModel, cache: SparkvCache, n: int, question_ids: Sequence[int],
-            max_new_tokens: int, stop_at_eos: bool, start: float, stops: StopStrings,
-            choose: TokenChooser) -> GenerationResult:
+@torch.inference_mode()
+def generate_over(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
+                  question_ids: Sequence[int], max_new_tokens: int, *, stop_at_eos: bool = True,
+                  stop: Sequence[str] = (), sampling: Sampling | None = None
+                  ) -> GenerationResult:
+    """:func:`greedy_generate` over a cache the caller made (a fork of a memory,
+    :class:`~sparkv.cache.fork.ForkCache`, reads it and keeps the new tokens itself): the
+    question at positions ``n ..``, then the answer."""
+    if not question_ids:
+        raise ValueError("the question needs at least one token")
+    return _decode(lm, cache, n, question_ids, max_new_tokens, stop_at_eos,
+                   time.perf_counter(), StopStrings(stop), TokenChooser.of_model(lm, sampling))
+
+
+def _decode(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
+            question_ids: Sequence[int], max_new_tokens: int, stop_at_eos: bool, start: float,
+            stops: StopStrings, choose: TokenChooser) -> GenerationResult:
     device = lm.device
     ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
     pos = torch.arange(n, n + ids.shape[1], device=device)

@@ -1,0 +1,195 @@
+"""A transformers ``Cache`` that reads a KV memory and never writes it: :class:`ForkCache`.
+
+Every layer attends the memory as it was when the fork was made (its first ``N`` positions) and
+keeps its own new tokens in a small fp tail: a question's prefill and its answer. The memory is
+not touched, so several forks of one memory run at once, each over the same context and its own
+turn: the context service's calls that leave their context as it was share one working memory
+(docs/device-service.md, "Calls at once"), and their answer tokens ride one forward pass
+(:func:`~sparkv.runtime.batchdecode.decode_together`).
+
+Per layer the memory's form decides the attention (each one a resident attention with a tail,
+:class:`~sparkv.cache.attention.AttentionView`):
+
+* a dense arena: :class:`~sparkv.cache.qattend.PrefixAttention` over views of its first ``N``
+  slots (no copy), merged with the tail by log-sum-exp;
+* a ragged arena: its entries below ``N`` (:class:`~sparkv.cache.qattend.TorchPagedAttention`);
+* a paged layer: its pages as held (:meth:`ContextKV.resident_attention
+  <sparkv.cache.memory.ContextKV.resident_attention>`), the tail in the same kernel call.
+
+The density hook of the context service (:mod:`sparkv.device.density`) reads a dense layer's
+keys (:attr:`ForkLayer.keys`: the prefix and the tail, made when read); other forms record
+nothing, as a :class:`~sparkv.cache.hf.SparkvCache` over them does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sparkv.cache.attention import AttentionView
+from sparkv.cache.chunks import ARENA
+from sparkv.cache.memory import ContextKV
+
+__all__ = ["ForkCache", "ForkLayer"]
+
+
+class ForkLayer(CacheLayerMixin):
+    """Layer ``layer`` of a :class:`ForkCache`: the memory's first ``base`` positions, read,
+    and the fork's own tail."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, memory: ContextKV, layer: int, reserve: int = 0) -> None:
+        super().__init__()
+        self.memory, self.layer, self.reserve = memory, layer, reserve
+        self.is_initialized = True
+        self.base = int(memory.positions[layer])
+        self._k: torch.Tensor | None = None      # [Hkv, capacity, D]
+        self._v: torch.Tensor | None = None
+        self.count = 0                           # tokens in the tail
+        self._frozen: Any = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.base + self.count
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ---- what attention sees ------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[Any, Any]:
+        if key_states.shape[0] != 1:
+            raise ValueError("a fork holds one sequence (batch size 1)")
+        start = self.get_seq_length()
+        q = int(key_states.shape[2])
+        self.append(key_states[0], value_states[0])
+        view = AttentionView(torch.arange(start, start + q, device=self.memory.device),
+                             resident=self.frozen(), tail=self.tail())
+        return view, view
+
+    def frozen(self) -> Any:
+        """The attention over the memory's first :attr:`base` positions (made once)."""
+        if self._frozen is None:
+            self._frozen = frozen_attention(self.memory, self.layer, self.base)
+        return self._frozen
+
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tail as ``(k [Hkv, n, D], v, pos [n])`` (views)."""
+        if self._k is None or self._v is None:
+            g, mem = self.memory.geometry, self.memory
+            self._reserve(1, torch.empty(g.num_kv_heads, 0, g.head_dim, device=mem.device))
+        assert self._k is not None and self._v is not None
+        pos = torch.arange(self.base, self.base + self.count, device=self.memory.device)
+        return self._k[:, :self.count], self._v[:, :self.count], pos
+
+    @property   # made from the prefix when read
+    def keys(self) -> torch.Tensor | None:
+        """The dense keys ``[1, Hkv, base + n, D]`` (slot = position) over a dense arena (what
+        the density hook reads), else ``None``."""
+        mem, l = self.memory, self.layer  # noqa: E741
+        if self._k is None or not mem.is_dense(l):
+            return None
+        store = mem.layers[l]
+        assert store is not None
+        prefix, _ = store.prefix(self.base)
+        return torch.cat([prefix, self._k[None, :, :self.count].to(prefix.dtype)], dim=2)
+
+    @keys.setter
+    def keys(self, value: Any) -> None:   # the mixin's constructor sets it; a fork makes it
+        pass
+
+    # ---- the tail -----------------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends ``[Hkv, q, D]`` entries at the next positions."""
+        q = int(k.shape[1])
+        self._reserve(self.count + q, k)
+        assert self._k is not None and self._v is not None
+        self._k[:, self.count:self.count + q] = k
+        self._v[:, self.count:self.count + q] = v
+        self.count += q
+
+    def _reserve(self, need: int, like: torch.Tensor) -> None:
+        cap = 0 if self._k is None else int(self._k.shape[1])
+        if need <= cap:
+            return
+        mem = self.memory
+        shape = (int(like.shape[0]), max(need, 2 * cap, 16, self.reserve), int(like.shape[2]))
+        k = torch.zeros(shape, dtype=mem.dtype, device=mem.device)
+        v = torch.zeros_like(k)
+        if self._k is not None and self._v is not None:
+            k[:, :self.count] = self._k[:, :self.count]
+            v[:, :self.count] = self._v[:, :self.count]
+        self._k, self._v = k, v
+
+    def nbytes(self) -> int:
+        if self._k is None:
+            return 0
+        return 2 * self._k.numel() * self._k.element_size()
+
+    # ---- what transformers may ask of a layer -------------------------------------------------
+    def reset(self) -> None:  # pragma: no cover - generation never resets a given cache
+        raise NotImplementedError("a ForkCache cannot be reset; make a new one")
+
+    def crop(self, max_length: int) -> None:  # pragma: no cover - assisted decoding only
+        raise NotImplementedError("a ForkCache cannot be cropped")
+
+
+def frozen_attention(memory: ContextKV, layer: int, stop: int) -> Any:
+    """Attention over ``memory``'s layer ``layer`` below position ``stop``, with a tail (module
+    docstring)."""
+    from sparkv.cache.qattend import PrefixAttention, TorchPagedAttention
+
+    if memory.mode[layer] != ARENA:
+        return memory.resident_attention(layer)
+    store = memory.layers[layer]
+    assert store is not None
+    if not store.ragged:
+        k, v = store.prefix(stop)
+        return PrefixAttention(k[0], v[0])
+    heads = [(e.k, e.v, e.pos) for e in memory.layer_entries(layer, stop)]
+    return TorchPagedAttention(lambda: heads)
+
+
+class ForkCache(Cache):
+    """transformers' ``cache`` over a :class:`ContextKV` it only reads (module docstring)."""
+
+    def __init__(self, memory: ContextKV, reserve: int = 0) -> None:
+        """A fork of ``memory``; each layer's tail makes room for ``reserve`` tokens at its first
+        (then it doubles as needed)."""
+        self.memory = memory
+        super().__init__(layers=[ForkLayer(memory, l, reserve)
+                                 for l in range(memory.geometry.num_layers)])
+
+    def _forks(self) -> list[ForkLayer]:
+        return self.layers   # type: ignore[return-value]   # ForkLayers, as built in __init__
+
+    def append_rows(self, rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Appends known rows (per layer ``(K, V)`` ``[Hkv, n, D]``, on any device) to every
+        layer's tail; returns ``n``."""
+        if len(rows) != len(self.layers):
+            raise ValueError(f"rows of {len(rows)} layers for a fork of {len(self.layers)}")
+        for layer, (k, v) in zip(self._forks(), rows):
+            layer.append(k.to(self.memory.device, self.memory.dtype),
+                         v.to(self.memory.device, self.memory.dtype))
+        return int(rows[0][0].shape[1]) if rows else 0
+
+    def rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of every layer's tail on the CPU: ``(K, V)`` ``[Hkv, n, D]``."""
+        out = []
+        for layer in self._forks():
+            k, v, _ = layer.tail()
+            out.append((k.cpu().clone(), v.cpu().clone()))
+        return out
+
+    def extra_nbytes(self) -> int:
+        """Bytes the tails hold (outside the memory's account)."""
+        return sum(layer.nbytes() for layer in self._forks())

@@ -1,0 +1,113 @@
+"""Calls that leave their context as it was read one working memory at once: :class:`ReadTurns`.
+
+A call with ``grow=False`` (a question about a document: the asks' calls, ``n`` sampled
+choices of one question) only reads its working memory: its own tokens stay in a fork
+(:class:`~sparkv.cache.fork.ForkCache`). So while one such call runs its turn over a working
+memory it switched in (it *opens* a read turn), another such call on the same context *joins*
+it: it takes no context lock, switches nothing in, and runs its own turn over the same memory
+at once; the answer tokens of both ride one forward pass where the asks' cores batch them.
+
+* :meth:`ReadTurns.opened`: a call holding the context's lock opens its read turn for a block;
+  at the block's end nobody joins any more, and it waits until every joiner has left (the
+  working memory is released only then);
+* :meth:`ReadTurns.hold_or_join`: a call waiting for the context's lock joins the read turn
+  opened meanwhile, or gets the lock;
+* each joiner hands its turn's densities to the read turn (:meth:`ReadTurn.leave`); the opener
+  adds them to the context with its own, as it holds the context.
+
+A call that grows its context waits for the lock as before: at most until the read turn open
+then and its joiners end (a read turn is open only during its opener's turn), never for a
+stream of later readers.
+
+State: the open read turns, by context id; one condition guards them and their joiners.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from sparkv.cache import ContextKV
+
+__all__ = ["ReadTurn", "ReadTurns", "JOIN_POLL_S"]
+
+#: how often a call waiting for its context's lock looks for a read turn to join (s)
+JOIN_POLL_S = 0.02
+
+
+@dataclass(eq=False)
+class ReadTurn:
+    """An open read turn: the working memory (``n`` tokens) its calls read, how many read it
+    now (the opener included), and the densities the joiners that left recorded."""
+
+    working: ContextKV
+    n: int
+    readers: int = 1
+    joined: int = 0                                 # joiners so far
+    densities: list[Any] = field(default_factory=list)
+
+
+class ReadTurns:
+    """The service's open read turns (module docstring)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._open: dict[str, ReadTurn] = {}
+
+    @contextlib.contextmanager
+    def opened(self, ctx_id: str, working: ContextKV, n: int) -> Iterator[ReadTurn]:
+        """Opens a read turn of ``ctx_id`` over ``working`` for the block (the caller holds the
+        context's lock); on leaving, closes it and waits for its joiners to leave."""
+        turn = ReadTurn(working, n)
+        with self._cv:
+            if ctx_id in self._open:
+                raise RuntimeError(f"context {ctx_id} already has a read turn open")
+            self._open[ctx_id] = turn
+        try:
+            yield turn
+        finally:
+            with self._cv:
+                del self._open[ctx_id]
+                while turn.readers > 1:
+                    self._cv.wait()
+
+    def hold_or_join(self, lock: threading.Lock, ctx_id: str, timeout_s: float | None
+                     ) -> ReadTurn | bool:
+        """Joins ``ctx_id``'s read turn, or takes ``lock`` (the context's), whichever comes
+        first within ``timeout_s`` (``None``: for ever): the joined turn (leave it with
+        :meth:`leave`), ``True`` with the lock held, ``False`` if neither came in time."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            turn = self._join(ctx_id)
+            if turn is not None:
+                return turn
+            wait = JOIN_POLL_S if deadline is None else min(JOIN_POLL_S,
+                                                            deadline - time.monotonic())
+            if lock.acquire(timeout=max(wait, 0.0)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def _join(self, ctx_id: str) -> ReadTurn | None:
+        with self._cv:
+            turn = self._open.get(ctx_id)
+            if turn is not None:
+                turn.readers += 1
+                turn.joined += 1
+            return turn
+
+    def leave(self, turn: ReadTurn, density: Any = None) -> None:
+        """A joiner is done with ``turn``; ``density`` (its turn's, if it ran) goes to the
+        opener."""
+        with self._cv:
+            if density is not None:
+                turn.densities.append(density)
+            turn.readers -= 1
+            self._cv.notify_all()
+
+    def open_count(self) -> int:
+        with self._cv:
+            return len(self._open)

@@ -1,0 +1,231 @@
+"""Calls that leave their context as it was read one working memory at once
+(sparkv/cache/fork.py, sparkv/device/readturns.py): a fork answers exactly as the memory's own
+cache does and never writes the memory, in every form (dense, ragged, paged int8), forks of one
+memory decode together row by row, and the context service's non-growing calls on one context
+join the read turn open: one switch-in, each call's own answer, the account and the context as
+they were. Logic tests on a tiny random Llama and the real SmolLM2; no timing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sparkv.cache import SparkvCache
+from sparkv.cache.fork import ForkCache
+from sparkv.device.readturns import ReadTurn, ReadTurns
+from sparkv.runtime.batchdecode import DecodeItem, decode_together
+from sparkv.runtime.generate import (context_memory, generate_over, greedy_generate,
+                                     reference_prefill, sample_context_ids)
+from sparkv.runtime.sampling import Sampling
+
+GUARD_S = 300.0
+N = 70
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _memory(lm, form: str):
+    mem = context_memory(lm, reference_prefill(lm, _ids(N, 1)), N)
+    if form == "int8":
+        for cid in mem.geometry.chunk_ids():
+            mem.set_level(cid, "int8")
+    elif form == "ragged":
+        keep = [torch.arange(0, N, 2 if h else 3) for h in range(mem.geometry.num_kv_heads)]
+        mem.prune_layer(1, keep)
+    return mem
+
+
+def _snapshot(mem) -> list[torch.Tensor]:
+    return [e.k.clone() for layer in range(mem.geometry.num_layers)
+            for e in mem.layer_entries(layer)]
+
+
+# ---- the fork ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["dense", "ragged", "int8"])
+def test_a_fork_answers_as_the_memory_does_and_leaves_it_as_it_was(tiny_llama, form):
+    lm, question = tiny_llama, _ids(9, 2)
+    want = greedy_generate(lm, _memory(lm, form), N, question, 12, stop_at_eos=False)
+    mem = _memory(lm, form)
+    before, positions = _snapshot(mem), list(mem.positions)
+    fork = ForkCache(mem)
+    got = generate_over(lm, fork, N, question, 12, stop_at_eos=False)
+    assert got.tokens == want.tokens
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=1e-4, rtol=1e-4)
+    assert list(mem.positions) == positions
+    for a, b in zip(before, _snapshot(mem)):
+        assert torch.equal(a, b)
+    rows = fork.rows()          # the question and the answer less its last token, every layer
+    assert len(rows) == mem.geometry.num_layers
+    assert {k.shape[1] for k, _ in rows} == {len(question) + 11}
+    assert fork.extra_nbytes() > 0
+
+
+def test_a_fork_takes_known_rows_as_if_it_had_run_them(tiny_llama):
+    lm, question = tiny_llama, _ids(10, 3)
+    mem = _memory(lm, "dense")
+    first = ForkCache(mem)
+    want = generate_over(lm, first, N, question, 6, stop_at_eos=False)
+    known = [(k[:, :4], v[:, :4]) for k, v in first.rows()]
+    again = ForkCache(mem, reserve=16)
+    assert again.append_rows(known) == 4
+    got = generate_over(lm, again, N + 4, question[4:], 6, stop_at_eos=False)
+    assert got.tokens == want.tokens
+    with pytest.raises(ValueError):
+        again.append_rows(known[:1])
+
+
+def test_forks_of_one_memory_decode_together_each_as_alone(tiny_llama):
+    lm = tiny_llama
+    mem = _memory(lm, "int8")
+    alone, together = [ForkCache(mem) for _ in range(3)], [ForkCache(mem) for _ in range(3)]
+    for forks in (alone, together):      # each fork its own question
+        for i, f in enumerate(forks):
+            generate_over(lm, f, N, _ids(5 + i, 10 + i), 1)
+    tokens = [5, 6, 7]
+    starts = [N + 5 + i for i in range(3)]
+    for step in range(3):
+        want = [decode_together(lm, [DecodeItem(f, t, s + step)])[0]
+                for f, t, s in zip(alone, tokens, starts)]
+        got = decode_together(lm, [DecodeItem(f, t, s + step)
+                                   for f, t, s in zip(together, tokens, starts)])
+        for i in range(3):
+            torch.testing.assert_close(got[i], want[i], atol=1e-4, rtol=1e-4)
+        tokens = [int(w.argmax()) for w in want]
+    assert [f.layers[0].get_seq_length() for f in together] == [N + 5 + i + 3 for i in range(3)]
+
+
+def test_a_fork_of_a_dense_memory_gives_the_density_hook_its_keys(tiny_llama):
+    mem = _memory(tiny_llama, "dense")
+    fork = ForkCache(mem)
+    assert fork.layers[0].keys is None                 # nothing run yet
+    generate_over(tiny_llama, fork, N, _ids(4, 5), 1)
+    keys = fork.layers[0].keys
+    assert keys is not None and keys.shape[2] == N + 4
+    assert torch.equal(keys[:, :, :N], SparkvCache(mem).memory.layers[0].prefix(N)[0])
+    assert ForkCache(_memory(tiny_llama, "int8")).layers[0].keys is None
+
+
+# ---- read turns ----------------------------------------------------------------------------------
+def test_a_waiting_call_joins_the_read_turn_open_or_gets_the_lock():
+    reads, lock = ReadTurns(), threading.Lock()
+    assert reads.hold_or_join(lock, "c", 1.0) is True         # nothing open: the lock
+    assert reads.hold_or_join(lock, "c", 0.05) is False       # held, nothing open: too late
+    with reads.opened("c", object(), 5) as turn:               # type: ignore[arg-type]
+        got = reads.hold_or_join(lock, "c", None)
+        assert got is turn and turn.readers == 2 and turn.joined == 1
+        assert isinstance(turn, ReadTurn)
+        reads.leave(turn)
+        assert turn.readers == 1
+        assert reads.hold_or_join(threading.Lock(), "other", 0.05) is True   # its own lock
+        assert reads.hold_or_join(lock, "c", None) is turn
+        left = threading.Event()
+
+        def leave_later() -> None:
+            time.sleep(0.05)
+            reads.leave(turn, "density")
+            left.set()
+
+        threading.Thread(target=leave_later).start()
+    assert left.is_set()                      # the opener waited for its joiner
+    assert turn.readers == 1 and turn.densities == ["density"]
+    assert reads.open_count() == 0
+    with pytest.raises(RuntimeError):
+        with reads.opened("c", object(), 5):                  # type: ignore[arg-type]
+            with reads.opened("c", object(), 5):              # type: ignore[arg-type]
+                pass
+
+
+def _service(lm, tmp_path, **kw):
+    from helpers import flash_profile
+
+    from sparkv.device import ContextService
+
+    return ContextService(lm, 256 << 20, tmp_path / "svc", io_profile=flash_profile(fast=True),
+                          **kw)
+
+
+def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tmp_path,
+                                                                     monkeypatch):
+    """Four sampled calls at once: the first switches in and holds its turn until the other
+    three joined; each answers what it answers alone with its seed, the joiners switched
+    nothing in, and the account, the context and its densities are whole afterwards."""
+    from sparkv.device import service as service_module
+
+    lm = smollm2
+    svc = _service(lm, tmp_path)
+    cid = svc.new_context(system_ids=sample_context_ids(lm, 100))
+    q = "What is the text about?"
+    sampling = [Sampling(temperature=0.9, seed=11 + i) for i in range(4)]
+    alone = [svc.call(cid, q, max_new_tokens=6, grow=False, sampling=s) for s in sampling]
+    tokens = svc.describe(cid).tokens
+    real = service_module.run_turn
+
+    def opener_waits(*args, **kw):
+        if threading.current_thread().name == "c0":
+            deadline = time.monotonic() + GUARD_S
+            while svc.reads._open[cid].joined < 3:
+                assert time.monotonic() < deadline, "the other calls never joined"
+                time.sleep(0.01)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(service_module, "run_turn", opener_waits)
+    out: dict[int, object] = {}
+
+    def call(i: int) -> None:
+        out[i] = svc.call(cid, q, max_new_tokens=6, grow=False, sampling=sampling[i])
+
+    threads = [threading.Thread(target=call, args=(0,), name="c0")]
+    threads[0].start()
+    while svc.reads.open_count() == 0 and threads[0].is_alive():
+        time.sleep(0.005)
+    threads += [threading.Thread(target=call, args=(i,), name=f"c{i}") for i in (1, 2, 3)]
+    for th in threads[1:]:
+        th.start()
+    for th in threads:
+        th.join(GUARD_S)
+    assert sorted(out) == [0, 1, 2, 3]
+    for i in range(4):
+        assert out[i].tokens == alone[i].tokens and out[i].seed == 11 + i
+    assert [out[i].joined for i in range(4)] == [False, True, True, True]
+    assert all(out[i].switch_s == 0.0 and out[i].load is None for i in (1, 2, 3))
+    assert svc.account.claims == {} and svc.reads.open_count() == 0
+    assert svc.describe(cid).tokens == tokens
+    st = svc.stats()
+    assert st["budget_violations"] == 0 and st["joined_reads"] == 3
+    grown = svc.call(cid, "Thanks.", max_new_tokens=3)           # the context still grows
+    assert grown.context_tokens > tokens
+
+
+def test_a_growing_call_waits_for_the_read_turn_and_does_not_join(smollm2, tmp_path,
+                                                                  monkeypatch):
+    from sparkv.device import service as service_module
+
+    lm = smollm2
+    svc = _service(lm, tmp_path)
+    cid = svc.new_context(system_ids=sample_context_ids(lm, 80))
+    real, in_turn, release = service_module.run_turn, threading.Event(), threading.Event()
+
+    def held(*args, **kw):
+        if threading.current_thread().name == "reader":
+            in_turn.set()
+            assert release.wait(GUARD_S)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(service_module, "run_turn", held)
+    out: dict[str, object] = {}
+    reader = threading.Thread(target=lambda: out.update(
+        r=svc.call(cid, "Why?", max_new_tokens=3, grow=False)), name="reader")
+    reader.start()
+    assert in_turn.wait(GUARD_S)
+    with pytest.raises(Exception) as busy:                     # a growing call: the lock
+        svc.call(cid, "Go on.", max_new_tokens=3, timeout_s=0.1)
+    assert getattr(busy.value, "code", "") == "context_busy"
+    release.set()
+    reader.join(GUARD_S)
+    assert not out["r"].joined
+    assert svc.call(cid, "Go on.", max_new_tokens=3).context_tokens > 80

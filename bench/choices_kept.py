@@ -3,7 +3,8 @@ device"): a real ``sparkv serve`` holding the bundled story and two ``sparkv dev
 processes, one as it runs by default (asks about one kept context read one working memory at
 once: ``sparkv/device/readturns.py``) and one with ``--no-shared-reads`` (they take turns, as
 before), each asked ``n`` = 1, 2, 4 sampled choices of one question through the ``openai``
-client (temperature 0.8, a seed per request, so both services draw the same choices). The
+client (temperature 0.8, a seed per request, so both services draw the same choices), each with
+4 ask slots (a choice is an ask: the default 2 slots would run 4 choices two at a time). The
 services alternate request by request.
 
     python bench/choices_kept.py [--n 1,2,4] [--rounds 3] [--max-tokens 24]
@@ -30,7 +31,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from chat_e2e import _client, served  # noqa: E402
 
-MODES = {"shared": [], "turns": ["--no-shared-reads"]}
+#: both with a slot per choice (the default 2 slots run 4 choices two at a time)
+MODES = {"shared": ["--ask-slots", "4"], "turns": ["--ask-slots", "4", "--no-shared-reads"]}
 
 
 def ask(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int, seed: int
@@ -49,9 +51,10 @@ def ask(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int, see
             "strategies": [c["stats"]["strategy"] for c in each]}
 
 
-def run(ns: list[int], rounds: int, max_tokens: int) -> dict[str, Any]:
+def run(ns: list[int], rounds: int, max_tokens: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     res: dict[str, Any] = {m: {str(n): [] for n in ns} for m in MODES}
-    with served("sparkv-choices-kept-", MODES) as (srv, cid, questions, devs):
+    modes = {m: [*args, *extra] for m, args in MODES.items()}
+    with served("sparkv-choices-kept-", modes) as (srv, cid, questions, devs):
         clients = {m: _client(d, "app") for m, d in devs.items()}
         for m in MODES:                                  # the app keeps its copy
             ask(clients[m], cid, srv.url, questions[0], 1, 4, 0)
@@ -62,7 +65,7 @@ def run(ns: list[int], rounds: int, max_tokens: int) -> dict[str, Any]:
                     res[m][str(n)].append(ask(clients[m], cid, srv.url, q, n, max_tokens,
                                               100 + r))
             print(f"round {r + 1}/{rounds} done", flush=True)
-    return {"context_id": cid, "max_tokens": max_tokens, "runs": res}
+    return {"context_id": cid, "max_tokens": max_tokens, "device_args": list(extra), "runs": res}
 
 
 def summary(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,9 +98,11 @@ def main() -> int:
     p.add_argument("--n", default="1,2,4", help="choices per request")
     p.add_argument("--rounds", type=int, default=3, help="requests of each n on each service")
     p.add_argument("--max-tokens", type=int, default=24, help="each choice's most tokens")
+    p.add_argument("--dtype", default="auto",
+                   help="both services' compute configuration (sparkv device serve --dtype)")
     p.add_argument("--out", default=None, help="write every request's figures here (JSON)")
     a = p.parse_args()
-    res = run([int(x) for x in a.n.split(",")], a.rounds, a.max_tokens)
+    res = run([int(x) for x in a.n.split(",")], a.rounds, a.max_tokens, ("--dtype", a.dtype))
     rows = summary(res)
     print(f"{'n':>3} {'wall shared/turns':>22} {'tokens/s shared/turns':>24} "
           f"{'first token':>16} {'joined':>7} {'same':>6}")

@@ -273,7 +273,9 @@ class CallReply(_Reply):
         "the context is ready), reclaim_s, load_s, first_token_s, total_s, aot_s (the "
         "ahead-of-time swap-out after the answer), context_tokens (after the call), "
         "bytes_evicted, bytes_written_at_reclaim, bytes_written_aot, turn_tokens_reused (the "
-        "prompt's tokens whose KV an earlier call's turns gave: sparkv.device.tails), load "
+        "prompt's tokens whose KV an earlier call's turns gave: sparkv.device.tails), seed "
+        "(a sampled answer's), joined (it read the working memory another call on the "
+        "context had switched in, at once: sparkv.device.readturns), load "
         "(what the load did: "
         "sparkv.device.loader.LoadStats; empty when nothing was loaded), plan (the "
         "IO/recompute split; empty without one)"))

@@ -44,6 +44,9 @@ class Breakdown:
     turn_tokens_reused: int = 0
     #: a sampled answer's seed (``AskOptions.seed``, or the one the ask drew); ``None``: greedy
     seed: int | None = None
+    #: a kept context's ask that read the working memory another ask about it had switched in,
+    #: at once (sparkv.device.readturns)
+    joined: bool = False
     #: the load's verdict on a re-plan at the measured link rate (``time_s``, ``measured_mbps``,
     #: ``planned_mbps``, ``taken``; not taken: ``kept``, why, or the planner's ``error``;
     #: ``None``: none was judged; docs/scheduler.md, "A re-plan at the measured rate")

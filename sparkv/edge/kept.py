@@ -94,6 +94,7 @@ class KeptAsks:
                        chunks_computed=load.recomputed_chunks if load is not None else 0,
                        chunks_streamed=streamed,
                        bytes_streamed=remote.stats.bytes if streamed else 0,
-                       turn_tokens_reused=res.turn_tokens_reused, seed=options.seed)
+                       turn_tokens_reused=res.turn_tokens_reused, seed=options.seed,
+                       joined=res.joined)
         return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
                          sid, question_tokens=len(suffix))

@@ -140,6 +140,34 @@ def test_a_waiting_call_joins_the_read_turn_open_or_gets_the_lock():
                 pass
 
 
+def test_a_joiner_takes_the_openers_question_rows_once_shared():
+    reads = ReadTurns()
+    ids = list(range(40))
+    rows = [(torch.zeros(2, 40, 4), torch.zeros(2, 40, 4))]
+    with reads.opened("c", object(), 5, ids, "app:a") as turn:    # type: ignore[arg-type]
+        assert reads.question_rows(turn, ids, "app:b", 16) is None       # another app's
+        assert reads.question_rows(turn, ids[:10] + [99] * 30, "app:a", 16) is None  # too short
+        assert reads.question_rows(turn, ids, "app:a", 16, beyond=39) is None   # has them
+        got: dict[str, object] = {}
+        waiter = threading.Thread(target=lambda: got.update(
+            hit=reads.question_rows(turn, ids + [7], "app:a", 16)))
+        waiter.start()
+        time.sleep(0.05)
+        assert waiter.is_alive()                  # it waits for the opener's question
+        reads.share(turn, rows)
+        waiter.join(GUARD_S)
+        hit = got["hit"]
+        assert hit.count == 40 and hit.take()[0][0].shape == (2, 40, 4)
+        assert reads.question_rows(turn, ids, "app:a", 16).count == 39  # its last one runs
+        assert reads.question_rows(turn, ids[:6], "app:a", 16).count == 5   # the whole prompt
+    with reads.opened("c", object(), 5, ids, "app:a") as turn:    # type: ignore[arg-type]
+        waiter = threading.Thread(target=lambda: got.update(
+            none=reads.question_rows(turn, ids, "app:a", 16)))
+        waiter.start()
+    waiter.join(GUARD_S)                          # closed without sharing: it stops waiting
+    assert not waiter.is_alive() and got["none"] is None
+
+
 def _service(lm, tmp_path, **kw):
     from helpers import flash_profile
 
@@ -149,15 +177,18 @@ def _service(lm, tmp_path, **kw):
                           **kw)
 
 
+@pytest.mark.parametrize("turn_cache", [None, 0])
 def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tmp_path,
-                                                                     monkeypatch):
+                                                                     monkeypatch, turn_cache):
     """Four sampled calls at once: the first switches in and holds its turn until the other
     three joined; each answers what it answers alone with its seed, the joiners switched
-    nothing in, and the account, the context and its densities are whole afterwards."""
+    nothing in (and, with no kept turns, ran only the last token of their question: the
+    opener's rows gave the rest), and the account, the context and its densities are whole
+    afterwards."""
     from sparkv.device import service as service_module
 
     lm = smollm2
-    svc = _service(lm, tmp_path)
+    svc = _service(lm, tmp_path, turn_cache_bytes=turn_cache)
     cid = svc.new_context(system_ids=sample_context_ids(lm, 100))
     q = "What is the text about?"
     sampling = [Sampling(temperature=0.9, seed=11 + i) for i in range(4)]
@@ -193,6 +224,10 @@ def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tm
         assert out[i].tokens == alone[i].tokens and out[i].seed == 11 + i
     assert [out[i].joined for i in range(4)] == [False, True, True, True]
     assert all(out[i].switch_s == 0.0 and out[i].load is None for i in (1, 2, 3))
+    if turn_cache == 0:
+        assert out[0].turn_tokens_reused == 0
+        reused = {out[i].turn_tokens_reused for i in (1, 2, 3)}
+        assert len(reused) == 1 and reused.pop() > 4      # the question but its last token
     assert svc.account.claims == {} and svc.reads.open_count() == 0
     assert svc.describe(cid).tokens == tokens
     st = svc.stats()

@@ -12,7 +12,7 @@ its keeper switched in.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -117,8 +117,8 @@ class Turn:
 
 def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int, *, grow: bool,
              stop_at_eos: bool, stop: Sequence[str] = (), known: TailHit | None = None,
-             keep_tail: bool = False, sampling: Sampling | None = None, reserve: int = 0
-             ) -> Turn:
+             keep_tail: bool = False, sampling: Sampling | None = None, reserve: int = 0,
+             share: Callable[[Rows], None] | None = None) -> Turn:
     """Runs ``ids`` after the ``n`` tokens of working memory ``W`` and decodes up to
     ``max_new`` tokens, greedily unless ``sampling`` says otherwise (until a stop string of
     ``stop``).
@@ -129,13 +129,14 @@ def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int
     once; ``known`` (rows of a kept tail, ``ids`` beginning with its tokens) is appended to the
     fork first and only the rest of ``ids`` runs; ``keep_tail`` returns the KV of what the call
     appended (:attr:`Turn.tail`); ``reserve``: the tokens its fork makes room for at once (its
-    bytes then known ahead)."""
+    bytes then known ahead); ``share`` is handed the KV of ``ids`` (copies, per layer) once
+    they ran (:meth:`ReadTurns.share <sparkv.device.readturns.ReadTurns.share>`)."""
     if grow and (known is not None or keep_tail):
         raise ValueError("a turn that grows its context neither reuses nor returns a tail")
     rec = DensityRecorder(n + len(ids) + max_new + 1)
     if not grow:
         return _read_turn(lm, ForkCache(W, reserve), n, ids, max_new, rec, stop_at_eos, stop,
-                          known, keep_tail, sampling)
+                          known, keep_tail, sampling, share)
     try:
         with recording(rec):
             tokens, first_s = _generate(lm, SparkvCache(W), n, ids, max_new, stop_at_eos, stop,
@@ -148,29 +149,31 @@ def run_turn(lm: LoadedModel, W: ContextKV, n: int, ids: list[int], max_new: int
 
 def _read_turn(lm: LoadedModel, fork: ForkCache, n: int, ids: list[int], max_new: int,
                rec: DensityRecorder, stop_at_eos: bool, stop: Sequence[str],
-               known: TailHit | None, keep_tail: bool, sampling: Sampling | None) -> Turn:
+               known: TailHit | None, keep_tail: bool, sampling: Sampling | None,
+               share: Callable[[Rows], None] | None = None) -> Turn:
     """A turn that only reads the memory ``fork`` forks (:func:`run_turn` without ``grow``)."""
     held = set(fork.memory.positions)
     if held != {n}:
         raise ValueError(f"the working memory holds {sorted(held)} tokens, not {n}")
     m = fork.append_rows(known.take()) if known is not None else 0
+    after = None if share is None else (lambda: share(fork.rows()))
     with recording(rec):
         tokens, first_s = _generate(lm, fork, n + m, ids[m:], max_new, stop_at_eos, stop,
-                                    sampling)
+                                    sampling, after)
     tail = fork.rows() if keep_tail and tokens else None
     return Turn(tokens, first_s, rec, m, tail)
 
 
 def _generate(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int, ids: list[int],
-              max_new: int, stop_at_eos: bool, stop: Sequence[str], sampling: Sampling | None
-              ) -> tuple[list[int], float]:
+              max_new: int, stop_at_eos: bool, stop: Sequence[str], sampling: Sampling | None,
+              after_question: Callable[[], None] | None = None) -> tuple[list[int], float]:
     """The answer's tokens over ``cache`` and the seconds to the first; a :class:`SparkvCache`
     keeps what ran (committed to its memory), a fork keeps it itself."""
     from sparkv.runtime.generate import generate_over
 
     if max_new > 0:
         gen = generate_over(lm, cache, n, ids, max_new, stop_at_eos=stop_at_eos, stop=stop,
-                            sampling=sampling)
+                            sampling=sampling, after_question=after_question)
         tokens, first_s = gen.tokens, gen.first_token_s
     else:
         with torch.inference_mode():

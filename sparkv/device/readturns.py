@@ -12,7 +12,12 @@ at once; the answer tokens of both ride one forward pass where the asks' cores b
   working memory is released only then);
 * :meth:`ReadTurns.hold_or_join`: a call waiting for the context's lock joins the read turn
   opened meanwhile, or gets the lock;
-* each joiner hands its turn's densities to the read turn (:meth:`ReadTurn.leave`); the opener
+* the opener **shares its question's KV** once its question's forward pass ran
+  (:meth:`ReadTurns.share`): a joiner of the same scope (an app) whose prompt begins with the
+  opener's waits for it and appends those rows instead of running them
+  (:meth:`ReadTurns.question_rows`): the ``n`` sampled choices of one request run their
+  question once;
+* each joiner hands its turn's densities to the read turn (:meth:`ReadTurns.leave`); the opener
   adds them to the context with its own, as it holds the context.
 
 A call that grows its context waits for the lock as before: at most until the read turn open
@@ -28,9 +33,10 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from sparkv.cache import ContextKV
+from sparkv.device.tails import TailHit, common_prefix
 
 __all__ = ["ReadTurn", "ReadTurns", "JOIN_POLL_S"]
 
@@ -40,14 +46,19 @@ JOIN_POLL_S = 0.02
 
 @dataclass(eq=False)
 class ReadTurn:
-    """An open read turn: the working memory (``n`` tokens) its calls read, how many read it
-    now (the opener included), and the densities the joiners that left recorded."""
+    """An open read turn: the working memory (``n`` tokens) its calls read, the opener's prompt
+    and scope, how many read it now (the opener included), the densities the joiners that left
+    recorded, and the opener's question rows once shared."""
 
     working: ContextKV
     n: int
+    ids: tuple[int, ...] = ()
+    scope: str = ""
     readers: int = 1
     joined: int = 0                                 # joiners so far
     densities: list[Any] = field(default_factory=list)
+    rows: Any = None                                # the opener's question KV, per layer
+    closed: bool = False
 
 
 class ReadTurns:
@@ -58,10 +69,12 @@ class ReadTurns:
         self._open: dict[str, ReadTurn] = {}
 
     @contextlib.contextmanager
-    def opened(self, ctx_id: str, working: ContextKV, n: int) -> Iterator[ReadTurn]:
+    def opened(self, ctx_id: str, working: ContextKV, n: int, ids: Sequence[int] = (),
+               scope: str = "") -> Iterator[ReadTurn]:
         """Opens a read turn of ``ctx_id`` over ``working`` for the block (the caller holds the
-        context's lock); on leaving, closes it and waits for its joiners to leave."""
-        turn = ReadTurn(working, n)
+        context's lock; ``ids``: its prompt, ``scope``: whose turns these are); on leaving,
+        closes it and waits for its joiners to leave."""
+        turn = ReadTurn(working, n, tuple(ids), scope)
         with self._cv:
             if ctx_id in self._open:
                 raise RuntimeError(f"context {ctx_id} already has a read turn open")
@@ -71,6 +84,8 @@ class ReadTurns:
         finally:
             with self._cv:
                 del self._open[ctx_id]
+                turn.closed = True
+                self._cv.notify_all()             # joiners waiting for rows it never shared
                 while turn.readers > 1:
                     self._cv.wait()
 
@@ -98,6 +113,29 @@ class ReadTurns:
                 turn.readers += 1
                 turn.joined += 1
             return turn
+
+    def share(self, turn: ReadTurn, rows: Any) -> None:
+        """The opener's question ran: ``rows`` (per layer ``(K, V)`` ``[Hkv, len(ids), D]``)
+        are its KV, for joiners to append."""
+        with self._cv:
+            turn.rows = rows
+            self._cv.notify_all()
+
+    def question_rows(self, turn: ReadTurn, ids: Sequence[int], scope: str, least: int,
+                      beyond: int = 0) -> TailHit | None:
+        """The opener's question rows a joiner of ``scope`` with prompt ``ids`` appends: the
+        common prefix, short of ``ids``' last (which runs for the first token's logits), once
+        the opener shared them. ``None`` (without waiting) for another scope, a prefix of at
+        most ``beyond`` tokens (what the joiner has already), or one shorter than ``least``
+        that is not the whole prompt but its last; ``None`` too when the turn closed without
+        sharing."""
+        m = min(common_prefix(turn.ids, ids), len(ids) - 1)
+        if scope != turn.scope or m <= max(beyond, 0) or (m < least and m < len(ids) - 1):
+            return None
+        with self._cv:
+            while turn.rows is None and not turn.closed:
+                self._cv.wait()
+            return None if turn.rows is None else TailHit(turn.rows, m)
 
     def leave(self, turn: ReadTurn, density: Any = None) -> None:
         """A joiner is done with ``turn``; ``density`` (its turn's, if it ran) goes to the

@@ -465,15 +465,15 @@ class ContextService:
                              ctx)
         counted = self.counters.since(before)   # the switch's: other calls count meanwhile
         switch_s = time.perf_counter() - t0
-        reads = (self.reads.opened(ctx.id, sw.working, n) if self._reads_shared(grow, max_new)
-                 else contextlib.nullcontext())
+        reads = (self.reads.opened(ctx.id, sw.working, n, ids, turn_scope)
+                 if self._reads_shared(grow, max_new) else contextlib.nullcontext())
         try:
             with (self._turn(ctx.id, sw.fold_bytes if grow else 0) if self.config.overlap_turns
                   else contextlib.nullcontext()), reads as read:
                 turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
                                 stop_at_eos=stop_at_eos, stop=stop, known=known,
                                 keep_tail=tails, sampling=sampling,
-                                reserve=len(ids) + max_new)
+                                reserve=len(ids) + max_new, share=self._sharer(read))
         except BaseException:        # failed or cancelled: its working memory is given back
             self.keeper.abandon(ctx, sw.working)
             raise
@@ -512,8 +512,9 @@ class ContextService:
                 prompt_ids: Sequence[int] | None, max_new: int, stop_at_eos: bool,
                 stop: Sequence[str], turn_scope: str, sampling: Sampling | None) -> CallResult:
         """A call that joined ``read`` (:mod:`~sparkv.device.readturns`): its own turn over the
-        working memory another call on its context switched in; its fork's bytes claimed in
-        the account meanwhile."""
+        working memory another call on its context switched in, its question's KV the opener's
+        where their prompts begin alike (and a kept tail's where longer); its fork's bytes
+        claimed in the account meanwhile."""
         t0 = time.perf_counter()
         density = None
         try:
@@ -522,6 +523,8 @@ class ContextService:
             where = TailKey(ctx.id, read.n, turn_scope)
             tails = self.tails.capacity > 0
             known = self.tails.match(where, ids, MIN_REUSE) if tails else None
+            known = self.reads.question_rows(read, ids, turn_scope, MIN_REUSE,
+                                             known.count if known else 0) or known
             key = f"{ctx.id}/read/{next(self._readers)}"
             self.account.claim(key, self._per_token_bytes * (len(ids) + max_new))
             try:
@@ -543,6 +546,12 @@ class ContextService:
                              aot_s=0.0, aot_bytes=0, stop=stop, turn_tokens_reused=turn.reused,
                              seed=sampling.seed if sampling and not sampling.greedy else None,
                              joined=True)
+
+    def _sharer(self, read: ReadTurn | None) -> Callable[[Rows], None] | None:
+        """What a read turn's opener hands its question's KV to (its joiners wait for it)."""
+        if read is None:
+            return None
+        return lambda rows: self.reads.share(read, rows)
 
     @contextlib.contextmanager
     def _turn(self, ctx_id: str, fold_bytes: int) -> Iterator[None]:

@@ -77,7 +77,8 @@ class _Tail:
     nbytes: int
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -116,7 +117,7 @@ class TurnTails:
             best, key_of = max(least, 1) - 1, None
             for key, tail in self._tails.items():
                 if key[0] == where:
-                    m = min(_common(tail.tokens, ids), len(ids) - 1)
+                    m = min(common_prefix(tail.tokens, ids), len(ids) - 1)
                     if m > best:
                         best, key_of = m, key
             if key_of is None:
@@ -139,7 +140,7 @@ class TurnTails:
         tail = _Tail(tuple(tokens), rows, nbytes)
         with self._lock:
             for key in [k for k, t in self._tails.items() if k[0] == where
-                        and _common(t.tokens, tail.tokens) == len(t.tokens)]:
+                        and common_prefix(t.tokens, tail.tokens) == len(t.tokens)]:
                 self._drop(key)
             self._serial += 1
             self._tails[(where, self._serial)] = tail

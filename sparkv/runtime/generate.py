@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -123,25 +123,30 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
 @torch.inference_mode()
 def generate_over(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
                   question_ids: Sequence[int], max_new_tokens: int, *, stop_at_eos: bool = True,
-                  stop: Sequence[str] = (), sampling: Sampling | None = None
-                  ) -> GenerationResult:
+                  stop: Sequence[str] = (), sampling: Sampling | None = None,
+                  after_question: Callable[[], None] | None = None) -> GenerationResult:
     """:func:`greedy_generate` over a cache the caller made (a fork of a memory,
     :class:`~sparkv.cache.fork.ForkCache`, reads it and keeps the new tokens itself): the
-    question at positions ``n ..``, then the answer."""
+    question at positions ``n ..``, then the answer; ``after_question`` is called once the
+    question's forward pass ran (the cache holds its KV)."""
     if not question_ids:
         raise ValueError("the question needs at least one token")
     return _decode(lm, cache, n, question_ids, max_new_tokens, stop_at_eos,
-                   time.perf_counter(), StopStrings(stop), TokenChooser.of_model(lm, sampling))
+                   time.perf_counter(), StopStrings(stop), TokenChooser.of_model(lm, sampling),
+                   after_question)
 
 
 def _decode(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
             question_ids: Sequence[int], max_new_tokens: int, stop_at_eos: bool, start: float,
-            stops: StopStrings, choose: TokenChooser) -> GenerationResult:
+            stops: StopStrings, choose: TokenChooser,
+            after_question: Callable[[], None] | None = None) -> GenerationResult:
     device = lm.device
     ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
     pos = torch.arange(n, n + ids.shape[1], device=device)
     out = model_call(lm.model, input_ids=ids, cache=cache, position_ids=pos.unsqueeze(0),
                      cache_position=pos, use_cache=True, logits_to_keep=1)
+    if after_question is not None:
+        after_question()
     prefill_s = time.perf_counter() - start
     logits = out.logits[0, -1].float()
     token = choose(logits)

@@ -264,3 +264,53 @@ def test_a_growing_call_waits_for_the_read_turn_and_does_not_join(smollm2, tmp_p
     reader.join(GUARD_S)
     assert not out["r"].joined
     assert svc.call(cid, "Go on.", max_new_tokens=3).context_tokens > 80
+
+
+@pytest.mark.parametrize("failing", ["opener", "joiner"])
+def test_a_read_turn_whose_opener_or_joiner_fails_leaves_the_other_whole(smollm2, tmp_path,
+                                                                        monkeypatch, failing):
+    """The opener's turn fails after a joiner joined: the working memory is given back only
+    once the joiner answered (as alone). Or the joiner's turn fails: the opener answers as
+    alone. Either way no claim is left and the context answers again."""
+    from sparkv.device import service as service_module
+
+    lm = smollm2
+    svc = _service(lm, tmp_path)
+    cid = svc.new_context(system_ids=sample_context_ids(lm, 90))
+    want = svc.call(cid, "What happens?", max_new_tokens=4, grow=False).tokens
+    real = service_module.run_turn
+
+    def turn(*args, **kw):
+        name = threading.current_thread().name
+        if name == "opener":
+            deadline = time.monotonic() + GUARD_S
+            while svc.reads._open[cid].joined < 1:
+                assert time.monotonic() < deadline, "the joiner never joined"
+                time.sleep(0.01)
+        if name == failing:
+            raise RuntimeError(f"the {name}'s turn failed")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(service_module, "run_turn", turn)
+    out: dict[str, object] = {}
+
+    def call(name: str) -> None:
+        try:
+            out[name] = svc.call(cid, "What happens?", max_new_tokens=4, grow=False).tokens
+        except RuntimeError as e:
+            out[name] = str(e)
+
+    opener = threading.Thread(target=call, args=("opener",), name="opener")
+    opener.start()
+    while svc.reads.open_count() == 0 and opener.is_alive():
+        time.sleep(0.005)
+    joiner = threading.Thread(target=call, args=("joiner",), name="joiner")
+    joiner.start()
+    for th in (opener, joiner):
+        th.join(GUARD_S)
+    survivor = "joiner" if failing == "opener" else "opener"
+    assert out[failing] == f"the {failing}'s turn failed" and out[survivor] == want
+    assert svc.account.claims == {} and svc.reads.open_count() == 0
+    monkeypatch.setattr(service_module, "run_turn", real)
+    assert svc.call(cid, "What happens?", max_new_tokens=4, grow=False).tokens == want
+    assert svc.stats()["budget_violations"] == 0

@@ -3,9 +3,9 @@ device"): a real ``sparkv serve`` holding the bundled story and two ``sparkv dev
 processes, one as it runs by default (asks about one kept context read one working memory at
 once: ``sparkv/device/readturns.py``) and one with ``--no-shared-reads`` (they take turns, as
 before), each asked ``n`` = 1, 2, 4 sampled choices of one question through the ``openai``
-client (temperature 0.8, a seed per request, so both services draw the same choices), each with
-4 ask slots (a choice is an ask: the default 2 slots would run 4 choices two at a time). The
-services alternate request by request.
+client (temperature 0.8, a seed per request, so both services draw the same choices; a
+request's choices share one ask slot and start together). The services alternate request by
+request.
 
     python bench/choices_kept.py [--n 1,2,4] [--rounds 3] [--max-tokens 24]
                                  [--out bench/results/choices_kept_cpu.json]
@@ -31,8 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from chat_e2e import _client, served  # noqa: E402
 
-#: both with a slot per choice (the default 2 slots run 4 choices two at a time)
-MODES = {"shared": ["--ask-slots", "4"], "turns": ["--ask-slots", "4", "--no-shared-reads"]}
+MODES = {"shared": [], "turns": ["--no-shared-reads"]}
 
 
 def ask(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int, seed: int

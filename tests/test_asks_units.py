@@ -317,6 +317,32 @@ def test_admission_queues_in_order_then_refuses_with_retry_after():
         adm.enter()
 
 
+def test_a_group_of_asks_shares_one_slot_until_its_last_leaves():
+    """A request's choices (``enter_group``) take one slot together, or one queue place, and
+    give it back with the last of them; one cancelled while waiting leaves the group."""
+    adm = Admission(slots=1, queue=1)
+    group = adm.enter_group(3)
+    assert all(p.running for p in group) and adm.stats()["running"] == 1
+    later = adm.enter_group(2)                 # one queue place for both
+    assert [p.position() for p in later] == [1, 1] and adm.stats()["waiting"] == 1
+    with pytest.raises(QueueFull):
+        adm.enter()
+    gone = threading.Event()
+    gone.set()
+    assert later[0].wait(gone) is False        # cancelled: the other still waits
+    assert adm.stats()["waiting"] == 1
+    group[0].leave()
+    group[1].leave()
+    group[1].leave()                           # once
+    assert not later[1].running                # one of the group still runs
+    group[2].leave()
+    assert later[1].running and later[1].wait(threading.Event())
+    later[1].leave()
+    assert adm.stats() == {"slots": 1, "queue": 1, "running": 0, "waiting": 0, "refused": 1}
+    with pytest.raises(ValueError):
+        adm.enter_group(0)
+
+
 # ---- owners, app tokens, peer credentials --------------------------------------------------------
 def test_owners_are_kept_on_disk_and_say_who_sees_what(tmp_path):
     path = tmp_path / "owners.json"

@@ -4,8 +4,9 @@
 * :class:`Completion`: the identity every chunk repeats, a choice's ``finish_reason`` and
   ``logprobs``, the ``usage``;
 * :class:`Choices`: the tickets answering the request's ``n`` choices: one ask per sampled
-  choice (each its own seed: the request's plus the choice's index, else each draws one), one
-  ask for every choice of a greedy request (its choices are the same answer);
+  choice (each its own seed: the request's plus the choice's index, else each draws one; the
+  asks share one admission slot and start together), one ask for every choice of a greedy
+  request (its choices are the same answer);
 * :func:`answer` (the whole completion) and :class:`ChoiceStream` (the events: each choice's
   chunks as its tokens come, interleaved, then ``usage`` and ``[DONE]``). A client that goes
   away cancels every choice's ask; a choice that fails ends the completion with its error.
@@ -51,23 +52,17 @@ class Choices:
 
     @classmethod
     def submit(cls, asks: Any, caller: str, ask: AskRequest, n: int) -> "Choices":
-        """Submits the asks of ``n`` choices of ``ask`` (a refusal cancels those submitted)."""
+        """Submits the asks of ``n`` choices of ``ask``: one, greedy; else one each, sharing
+        one slot (refused together)."""
         import dataclasses
 
         opts = ask.options
         if n == 1 or opts.sampling.greedy:
             return cls([asks.submit(caller, ask)], [list(range(n))])
-        tickets: list[AskTicket] = []
-        try:
-            for i in range(n):
-                seed = None if opts.seed is None else _nth_seed(opts.seed, i)
-                each = dataclasses.replace(ask, options=dataclasses.replace(opts, seed=seed))
-                tickets.append(asks.submit(caller, each))
-        except BaseException:
-            for t in tickets:
-                t.cancel()
-            raise
-        return cls(tickets, [[i] for i in range(n)])
+        each = [dataclasses.replace(ask, options=dataclasses.replace(
+            opts, seed=None if opts.seed is None else _nth_seed(opts.seed, i)))
+            for i in range(n)]
+        return cls(asks.submit_group(caller, each), [[i] for i in range(n)])
 
     def cancel(self) -> None:
         for t in self.tickets:

@@ -47,10 +47,10 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from sparkv.asks import forward
-from sparkv.asks.admission import Admission
+from sparkv.asks.admission import Admission, Place
 from sparkv.asks.cores import BATCH_STEPS, DECODE_BATCH, CoreGate
 from sparkv.asks.kept import AppContexts, KeepingTable
 from sparkv.asks.linkplan import LinkPlan, LinkSeat
@@ -207,7 +207,16 @@ class AskService:
     def submit(self, app: str, request: AskRequest) -> AskTicket:
         """Starts an ask for ``app`` (running, or waiting for a slot); raises ``QueueFull`` when
         the queue is full, ``ShuttingDown`` once closing."""
-        place = self.admission.enter()
+        return self._start(app, request, self.admission.enter())
+
+    def submit_group(self, app: str, requests: Sequence[AskRequest]) -> list[AskTicket]:
+        """Starts the asks of one request's choices for ``app``: they share one slot (or one
+        place in the queue: :meth:`Admission.enter_group
+        <sparkv.asks.admission.Admission.enter_group>`) and start together."""
+        places = self.admission.enter_group(len(requests))
+        return [self._start(app, r, p) for r, p in zip(requests, places)]
+
+    def _start(self, app: str, request: AskRequest, place: Place) -> AskTicket:
         with self._lock:
             ask_id = f"ask-{next(self._ids)}"
             ticket = AskTicket(ask_id, app, request, place, self._detokenize)

@@ -3,9 +3,10 @@ device"): a real ``sparkv serve`` holding the bundled story and two ``sparkv dev
 processes, one as it runs by default (asks about one kept context read one working memory at
 once: ``sparkv/device/readturns.py``) and one with ``--no-shared-reads`` (they take turns, as
 before), each asked ``n`` = 1, 2, 4 sampled choices of one question through the ``openai``
-client (temperature 0.8, a seed per request, so both services draw the same choices; a
-request's choices share one ask slot and start together). The services alternate request by
-request.
+client (temperature 0.8, a seed per request, so both services draw the same choices; every
+choice runs to ``--max-tokens``, past an end of sequence, so that the two services decode the
+same number of tokens; a request's choices share one ask slot and start together). The
+services alternate request by request.
 
     python bench/choices_kept.py [--n 1,2,4] [--rounds 3] [--max-tokens 24]
                                  [--out bench/results/choices_kept_cpu.json]
@@ -40,7 +41,8 @@ def ask(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int, see
     t0 = time.perf_counter()
     r = oa.chat.completions.create(model=cid, max_tokens=max_tokens, n=n, temperature=0.8,
                                    seed=seed, messages=[{"role": "user", "content": question}],
-                                   extra_body={"sparkv": {"server": url, "keep": True}})
+                                   extra_body={"sparkv": {"server": url, "keep": True,
+                                                          "stop_at_eos": False}})
     sp = r.model_extra["sparkv"]
     each = sp.get("choices", [sp])
     return {"wall_s": time.perf_counter() - t0, "first_token_s": sp["first_token_s"],

@@ -6,9 +6,12 @@ both streamed, both SparKV over the one link. Then both ask a follow-up at once,
 app sending its conversation, the Responses app naming its first response
 (``previous_response_id``): the service continues each conversation from the KV that app kept,
 streaming nothing, one answering while the other switches in, their tokens in one pass
-(docs/device-service.md, "Calls at once"). Each answer is printed with the TTFT its app saw, what was
-streamed and computed, and whether it is the dense reference's answer (docs/asks.md,
-"OpenAI's Responses API"; docs/device-service.md).
+(docs/device-service.md, "Calls at once"). Each answer is printed with the TTFT its app saw,
+what was streamed and computed, and whether it is the dense reference's answer (docs/asks.md,
+"OpenAI's Responses API"; docs/device-service.md). Last, the reader app asks for three sampled
+titles at once (``n=3``): the choices read the app's kept context together, their tokens in
+the same passes (docs/device-service.md, "Calls that read one working memory"); sampled, they
+are draws, not the greedy answer, and the demo says so.
 
 This module sits beside :mod:`sparkv.demo`, above both sides.
 """
@@ -101,6 +104,7 @@ def ask_as_apps(args: argparse.Namespace, lm: "LoadedModel", context: list[int],
             _warm_up(clients["reader"], cid)
             got = _two_apps(clients, cid, args)
             got += _follow_ups(clients, cid, args, follow_up, got)
+            drawn = _choices(clients["reader"], cid, args)
         finally:
             for c in clients.values():
                 c.close()
@@ -110,7 +114,9 @@ def ask_as_apps(args: argparse.Namespace, lm: "LoadedModel", context: list[int],
           f"serve --ask-core-order)\n{got[2].line()}\n{got[3].line()}\n  (both follow-ups "
           "asked at once, each from its app's kept context: one answers while the other "
           "switches in, their tokens in one pass)", flush=True)
-    return {"question": args.question, "answers": [asdict(a) for a in got]}
+    print(drawn.lines(), flush=True)
+    return {"question": args.question, "answers": [asdict(a) for a in got],
+            "choices": asdict(drawn)}
 
 
 def _client(openai: Any, dev: "DeviceProcess", app: str) -> Any:
@@ -156,6 +162,45 @@ def _follow_ups(clients: dict[str, Any], cid: str, args: argparse.Namespace, fol
         resp = pool.submit(_respond, clients["notes"], cid, args, follow_up,
                            first[1].response_id)
         return [chat.result(), resp.result()]
+
+
+#: the sampled request's question, its choices and temperature
+CHOICES_QUESTION, CHOICES_N, CHOICES_TEMPERATURE = "Suggest a title for this text.", 3, 0.8
+
+
+@dataclass
+class DrawnChoices:
+    """The reader app's sampled request: its choices' texts, the request's time, and how many
+    choices read the working memory another had switched in (``joined``)."""
+
+    texts: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    joined: int = 0
+    seed: int = 7
+
+    def lines(self) -> str:
+        shown = "\n".join(f"  {i + 1}. {t.strip()}" for i, t in enumerate(self.texts))
+        return (f"[reader, chat.completions, n={len(self.texts)} sampled at temperature "
+                f"{CHOICES_TEMPERATURE}, seed {self.seed}] {CHOICES_QUESTION}\n{shown}\n"
+                f"  {self.wall_s:.2f} s for all {len(self.texts)}: they read the app's kept "
+                f"context together ({self.joined} joined the first's turn), their tokens in "
+                "the same passes; sampled, each is a draw of the model, not the greedy answer "
+                "(no dense reference to compare)")
+
+
+def _choices(oa: Any, cid: str, args: argparse.Namespace) -> DrawnChoices:
+    """The reader app's three sampled titles, asked in one request over its kept context."""
+    out = DrawnChoices()
+    t0 = time.perf_counter()
+    r = oa.chat.completions.create(
+        model=cid, messages=[{"role": "user", "content": CHOICES_QUESTION}],
+        n=CHOICES_N, temperature=CHOICES_TEMPERATURE, seed=out.seed,
+        max_tokens=min(args.max_new_tokens, 16), extra_body=SPARKV_FIELDS)
+    out.wall_s = time.perf_counter() - t0
+    out.texts = [c.message.content or "" for c in r.choices]
+    each = (r.model_extra or {}).get("sparkv", {}).get("choices", [])
+    out.joined = sum(bool(c.get("stats", {}).get("joined")) for c in each)
+    return out
 
 
 def _chat(oa: Any, cid: str, args: argparse.Namespace,

@@ -582,6 +582,12 @@ def test_demo(smollm2, tmp_path, capsys):
         line = line[:line.index("\n", line.index("\n") + 1)]
         assert ("the same answer as a dense full prefill" in line) == a["same_as_dense"]
         assert a["same_as_dense"] or "NOT the dense reference's answer" in line
+    # then three sampled titles in one request over the reader's kept context, said to be
+    # draws with no dense reference (whether a choice joined another's turn is timing's)
+    drawn = doc["apps"]["choices"]
+    assert len(drawn["texts"]) == 3 and 0 <= drawn["joined"] <= 2 and drawn["wall_s"] > 0
+    assert "[reader, chat.completions, n=3 sampled" in out
+    assert "not the greedy answer (no dense reference to compare)" in out
 
 
 def test_encrypted_context(served):

@@ -314,3 +314,54 @@ def test_a_read_turn_whose_opener_or_joiner_fails_leaves_the_other_whole(smollm2
     monkeypatch.setattr(service_module, "run_turn", real)
     assert svc.call(cid, "What happens?", max_new_tokens=4, grow=False).tokens == want
     assert svc.stats()["budget_violations"] == 0
+
+
+def test_a_joiner_whose_fork_does_not_fit_the_budget_waits_for_the_lock(smollm2, tmp_path,
+                                                                       monkeypatch):
+    """When a joiner's fork bytes do not fit in the budget now (``try_claim`` says no), it
+    leaves the read turn and waits for the context's lock: it answers after the opener, as
+    alone, switched in itself, and nothing is over the budget."""
+    from sparkv.device import service as service_module
+
+    lm = smollm2
+    svc = _service(lm, tmp_path)
+    cid = svc.new_context(system_ids=sample_context_ids(lm, 90))
+    want = svc.call(cid, "Who is it about?", max_new_tokens=4, grow=False).tokens
+    monkeypatch.setattr(svc.account, "try_claim", lambda key, nbytes: False)
+    real = service_module.run_turn
+
+    def turn(*args, **kw):
+        if threading.current_thread().name == "opener":
+            deadline = time.monotonic() + GUARD_S
+            while svc.reads._open[cid].joined < 1:
+                assert time.monotonic() < deadline, "the second call never tried to join"
+                time.sleep(0.01)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(service_module, "run_turn", turn)
+    out: dict[str, object] = {}
+
+    def call(name: str) -> None:
+        out[name] = svc.call(cid, "Who is it about?", max_new_tokens=4, grow=False)
+
+    opener = threading.Thread(target=call, args=("opener",), name="opener")
+    opener.start()
+    while svc.reads.open_count() == 0 and opener.is_alive():
+        time.sleep(0.005)
+    second = threading.Thread(target=call, args=("second",), name="second")
+    second.start()
+    for th in (opener, second):
+        th.join(GUARD_S)
+    assert [out[k].tokens for k in ("opener", "second")] == [want, want]
+    assert not out["second"].joined and svc.stats()["joined_reads"] == 0
+    assert svc.account.claims == {} and svc.stats()["budget_violations"] == 0
+
+
+def test_a_claim_that_does_not_fit_is_refused_and_one_that_fits_is_counted(smollm2, tmp_path):
+    svc = _service(smollm2, tmp_path)
+    acc = svc.account
+    used = acc.used()
+    assert acc.try_claim("big", acc.limit - used + 1) is False and acc.claims == {}
+    assert acc.try_claim("fits", 1000) is True and acc.used() == used + 1000
+    acc.unclaim("fits")
+    assert acc.claims == {} and acc.used() == used

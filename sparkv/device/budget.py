@@ -176,6 +176,16 @@ class MemoryBudget:
             with self.registry.lock:
                 self.claims[key] = nbytes
 
+    def try_claim(self, key: str, nbytes: int) -> bool:
+        """Claims ``nbytes`` under ``key`` (as :meth:`claim`) if they fit in the budget now,
+        reclaiming nothing: whether they did (a call joining a read turn,
+        :mod:`~sparkv.device.readturns`, waits for its context's lock instead)."""
+        with self.registry.lock:
+            if self.used() + nbytes > self.limit:
+                return False
+            self.claims[key] = nbytes
+            return True
+
     def unclaim(self, key: str) -> None:
         with self.registry.lock:
             self.claims.pop(key, None)

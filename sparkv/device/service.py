@@ -322,9 +322,11 @@ class ContextService:
             if got is False:
                 raise ContextBusy(f"context {ctx.id} is running another call")
             if isinstance(got, ReadTurn):
-                return self._joined(got, ctx, prompt, prompt_ids, max_new_tokens, stop_at_eos,
-                                    stop, turn_scope, sampling)
-            held = True
+                res = self._joined(got, ctx, prompt, prompt_ids, max_new_tokens, stop_at_eos,
+                                   stop, turn_scope, sampling)
+                if res is not None:
+                    return res
+            held = got is True
         with self.registry.holding(ctx, timeout_s, held=held):
             ids = self._turn_ids(ctx, prompt, prompt_ids, max_new_tokens)
             with self.registry.running(ctx, self._run):
@@ -510,31 +512,32 @@ class ContextService:
 
     def _joined(self, read: ReadTurn, ctx: DeviceContext, prompt: str | None,
                 prompt_ids: Sequence[int] | None, max_new: int, stop_at_eos: bool,
-                stop: Sequence[str], turn_scope: str, sampling: Sampling | None) -> CallResult:
+                stop: Sequence[str], turn_scope: str, sampling: Sampling | None
+                ) -> CallResult | None:
         """A call that joined ``read`` (:mod:`~sparkv.device.readturns`): its own turn over the
         working memory another call on its context switched in, its question's KV the opener's
         where their prompts begin alike (and a kept tail's where longer); its fork's bytes
-        claimed in the account meanwhile."""
+        claimed in the account meanwhile. ``None`` (it left the turn) when they do not fit in
+        the budget now: it waits for the context's lock instead."""
         t0 = time.perf_counter()
         density = None
+        key = f"{ctx.id}/read/{next(self._readers)}"
         try:
             ids = self._turn_ids(ctx, prompt, prompt_ids, max_new)
+            if not self.account.try_claim(key, self._per_token_bytes * (len(ids) + max_new)):
+                return None
             sampling = sampling.with_seed() if sampling is not None else None
             where = TailKey(ctx.id, read.n, turn_scope)
             tails = self.tails.capacity > 0
             known = self.tails.match(where, ids, MIN_REUSE) if tails else None
             known = self.reads.question_rows(read, ids, turn_scope, MIN_REUSE,
                                              known.count if known else 0) or known
-            key = f"{ctx.id}/read/{next(self._readers)}"
-            self.account.claim(key, self._per_token_bytes * (len(ids) + max_new))
-            try:
-                turn = run_turn(self.lm, read.working, read.n, ids, max_new, grow=False,
-                                stop_at_eos=stop_at_eos, stop=stop, known=known,
-                                keep_tail=tails, sampling=sampling, reserve=len(ids) + max_new)
-            finally:
-                self.account.unclaim(key)
+            turn = run_turn(self.lm, read.working, read.n, ids, max_new, grow=False,
+                            stop_at_eos=stop_at_eos, stop=stop, known=known, keep_tail=tails,
+                            sampling=sampling, reserve=len(ids) + max_new)
             density = turn.density
         finally:
+            self.account.unclaim(key)
             self.reads.leave(read, density)
         if turn.tail is not None:
             self.tails.put(where, ids + turn.tokens[:-1], turn.tail)

@@ -177,6 +177,41 @@ def _service(lm, tmp_path, **kw):
                           **kw)
 
 
+def _opener_waits(svc, cid: str, joiners: int, monkeypatch, failing: str = "") -> None:
+    """The service's turns: on the thread named ``opener``, waiting until ``joiners`` calls
+    joined its read turn; on the thread named ``failing``, raising."""
+    from sparkv.device import service as service_module
+
+    real = service_module.run_turn
+
+    def turn(*args, **kw):
+        name = threading.current_thread().name
+        if name == "opener":
+            deadline = time.monotonic() + GUARD_S
+            while svc.reads._open[cid].joined < joiners:
+                assert time.monotonic() < deadline, "the other calls never joined"
+                time.sleep(0.01)
+        if name == failing:
+            raise RuntimeError(f"the {name}'s turn failed")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(service_module, "run_turn", turn)
+
+
+def _opener_first(svc, call, others: list[str]) -> None:
+    """Runs ``call(name)`` on a thread named ``opener``, then (once its read turn is open) on
+    one thread per name of ``others``; waits for all."""
+    opener = threading.Thread(target=call, args=("opener",), name="opener")
+    opener.start()
+    while svc.reads.open_count() == 0 and opener.is_alive():
+        time.sleep(0.005)
+    threads = [threading.Thread(target=call, args=(n,), name=n) for n in others]
+    for th in threads:
+        th.start()
+    for th in [opener, *threads]:
+        th.join(GUARD_S)
+
+
 @pytest.mark.parametrize("turn_cache", [None, 0])
 def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tmp_path,
                                                                      monkeypatch, turn_cache):
@@ -185,48 +220,30 @@ def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tm
     nothing in (and, with no kept turns, ran only the last token of their question: the
     opener's rows gave the rest), and the account, the context and its densities are whole
     afterwards."""
-    from sparkv.device import service as service_module
-
     lm = smollm2
     svc = _service(lm, tmp_path, turn_cache_bytes=turn_cache)
     cid = svc.new_context(system_ids=sample_context_ids(lm, 100))
     q = "What is the text about?"
-    sampling = [Sampling(temperature=0.9, seed=11 + i) for i in range(4)]
-    alone = [svc.call(cid, q, max_new_tokens=6, grow=False, sampling=s) for s in sampling]
+    names = ["opener", "c1", "c2", "c3"]
+    sampling = {n: Sampling(temperature=0.9, seed=11 + i) for i, n in enumerate(names)}
+    alone = {n: svc.call(cid, q, max_new_tokens=6, grow=False, sampling=sampling[n])
+             for n in names}
     tokens = svc.describe(cid).tokens
-    real = service_module.run_turn
+    _opener_waits(svc, cid, 3, monkeypatch)
+    out: dict[str, object] = {}
 
-    def opener_waits(*args, **kw):
-        if threading.current_thread().name == "c0":
-            deadline = time.monotonic() + GUARD_S
-            while svc.reads._open[cid].joined < 3:
-                assert time.monotonic() < deadline, "the other calls never joined"
-                time.sleep(0.01)
-        return real(*args, **kw)
+    def call(name: str) -> None:
+        out[name] = svc.call(cid, q, max_new_tokens=6, grow=False, sampling=sampling[name])
 
-    monkeypatch.setattr(service_module, "run_turn", opener_waits)
-    out: dict[int, object] = {}
-
-    def call(i: int) -> None:
-        out[i] = svc.call(cid, q, max_new_tokens=6, grow=False, sampling=sampling[i])
-
-    threads = [threading.Thread(target=call, args=(0,), name="c0")]
-    threads[0].start()
-    while svc.reads.open_count() == 0 and threads[0].is_alive():
-        time.sleep(0.005)
-    threads += [threading.Thread(target=call, args=(i,), name=f"c{i}") for i in (1, 2, 3)]
-    for th in threads[1:]:
-        th.start()
-    for th in threads:
-        th.join(GUARD_S)
-    assert sorted(out) == [0, 1, 2, 3]
-    for i in range(4):
-        assert out[i].tokens == alone[i].tokens and out[i].seed == 11 + i
-    assert [out[i].joined for i in range(4)] == [False, True, True, True]
-    assert all(out[i].switch_s == 0.0 and out[i].load is None for i in (1, 2, 3))
+    _opener_first(svc, call, names[1:])
+    assert sorted(out) == sorted(names)
+    for i, n in enumerate(names):
+        assert out[n].tokens == alone[n].tokens and out[n].seed == 11 + i
+    assert [out[n].joined for n in names] == [False, True, True, True]
+    assert all(out[n].switch_s == 0.0 and out[n].load is None for n in names[1:])
     if turn_cache == 0:
-        assert out[0].turn_tokens_reused == 0
-        reused = {out[i].turn_tokens_reused for i in (1, 2, 3)}
+        assert out["opener"].turn_tokens_reused == 0
+        reused = {out[n].turn_tokens_reused for n in names[1:]}
         assert len(reused) == 1 and reused.pop() > 4      # the question but its last token
     assert svc.account.claims == {} and svc.reads.open_count() == 0
     assert svc.describe(cid).tokens == tokens
@@ -272,26 +289,10 @@ def test_a_read_turn_whose_opener_or_joiner_fails_leaves_the_other_whole(smollm2
     """The opener's turn fails after a joiner joined: the working memory is given back only
     once the joiner answered (as alone). Or the joiner's turn fails: the opener answers as
     alone. Either way no claim is left and the context answers again."""
-    from sparkv.device import service as service_module
-
-    lm = smollm2
-    svc = _service(lm, tmp_path)
-    cid = svc.new_context(system_ids=sample_context_ids(lm, 90))
+    svc = _service(smollm2, tmp_path)
+    cid = svc.new_context(system_ids=sample_context_ids(smollm2, 90))
     want = svc.call(cid, "What happens?", max_new_tokens=4, grow=False).tokens
-    real = service_module.run_turn
-
-    def turn(*args, **kw):
-        name = threading.current_thread().name
-        if name == "opener":
-            deadline = time.monotonic() + GUARD_S
-            while svc.reads._open[cid].joined < 1:
-                assert time.monotonic() < deadline, "the joiner never joined"
-                time.sleep(0.01)
-        if name == failing:
-            raise RuntimeError(f"the {name}'s turn failed")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(service_module, "run_turn", turn)
+    _opener_waits(svc, cid, 1, monkeypatch, failing)
     out: dict[str, object] = {}
 
     def call(name: str) -> None:
@@ -300,18 +301,11 @@ def test_a_read_turn_whose_opener_or_joiner_fails_leaves_the_other_whole(smollm2
         except RuntimeError as e:
             out[name] = str(e)
 
-    opener = threading.Thread(target=call, args=("opener",), name="opener")
-    opener.start()
-    while svc.reads.open_count() == 0 and opener.is_alive():
-        time.sleep(0.005)
-    joiner = threading.Thread(target=call, args=("joiner",), name="joiner")
-    joiner.start()
-    for th in (opener, joiner):
-        th.join(GUARD_S)
+    _opener_first(svc, call, ["joiner"])
     survivor = "joiner" if failing == "opener" else "opener"
     assert out[failing] == f"the {failing}'s turn failed" and out[survivor] == want
     assert svc.account.claims == {} and svc.reads.open_count() == 0
-    monkeypatch.setattr(service_module, "run_turn", real)
+    monkeypatch.undo()
     assert svc.call(cid, "What happens?", max_new_tokens=4, grow=False).tokens == want
     assert svc.stats()["budget_violations"] == 0
 
@@ -321,37 +315,17 @@ def test_a_joiner_whose_fork_does_not_fit_the_budget_waits_for_the_lock(smollm2,
     """When a joiner's fork bytes do not fit in the budget now (``try_claim`` says no), it
     leaves the read turn and waits for the context's lock: it answers after the opener, as
     alone, switched in itself, and nothing is over the budget."""
-    from sparkv.device import service as service_module
-
-    lm = smollm2
-    svc = _service(lm, tmp_path)
-    cid = svc.new_context(system_ids=sample_context_ids(lm, 90))
+    svc = _service(smollm2, tmp_path)
+    cid = svc.new_context(system_ids=sample_context_ids(smollm2, 90))
     want = svc.call(cid, "Who is it about?", max_new_tokens=4, grow=False).tokens
     monkeypatch.setattr(svc.account, "try_claim", lambda key, nbytes: False)
-    real = service_module.run_turn
-
-    def turn(*args, **kw):
-        if threading.current_thread().name == "opener":
-            deadline = time.monotonic() + GUARD_S
-            while svc.reads._open[cid].joined < 1:
-                assert time.monotonic() < deadline, "the second call never tried to join"
-                time.sleep(0.01)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(service_module, "run_turn", turn)
+    _opener_waits(svc, cid, 1, monkeypatch)
     out: dict[str, object] = {}
 
     def call(name: str) -> None:
         out[name] = svc.call(cid, "Who is it about?", max_new_tokens=4, grow=False)
 
-    opener = threading.Thread(target=call, args=("opener",), name="opener")
-    opener.start()
-    while svc.reads.open_count() == 0 and opener.is_alive():
-        time.sleep(0.005)
-    second = threading.Thread(target=call, args=("second",), name="second")
-    second.start()
-    for th in (opener, second):
-        th.join(GUARD_S)
+    _opener_first(svc, call, ["second"])
     assert [out[k].tokens for k in ("opener", "second")] == [want, want]
     assert not out["second"].joined and svc.stats()["joined_reads"] == 0
     assert svc.account.claims == {} and svc.stats()["budget_violations"] == 0

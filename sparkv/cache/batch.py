@@ -19,20 +19,20 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from sparkv.cache.attention import AttentionView, BatchView
 from sparkv.cache.fork import ForkCache
+from sparkv.cache.layerbase import PositionsLayer
 from sparkv.cache.hf import SparkvCache
 
 __all__ = ["BatchCache", "BatchLayer"]
 
 
-class BatchLayer(CacheLayerMixin):
+class BatchLayer(PositionsLayer):
     """Layer ``l`` of K caches: row ``i``'s new K/V go to cache ``i``'s layer."""
 
-    is_sliding = False
-    is_compileable = False
+    cache_name = "BatchCache"
 
     def __init__(self, layers: Sequence[Any]) -> None:
         super().__init__()
@@ -41,17 +41,8 @@ class BatchLayer(CacheLayerMixin):
         self.keys = torch.zeros(0)
         self.values = torch.zeros(0)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.is_initialized = True
-
     def get_seq_length(self) -> int:
         return max(layer.get_seq_length() for layer in self.layers)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[Any, Any]:
@@ -67,12 +58,6 @@ class BatchLayer(CacheLayerMixin):
             views.append(k)
         view = BatchView(views)
         return view, view
-
-    def reset(self) -> None:  # pragma: no cover - a batch cache lives for one pass
-        raise NotImplementedError("a BatchCache cannot be reset")
-
-    def crop(self, max_length: int) -> None:  # pragma: no cover - assisted decoding only
-        raise NotImplementedError("a BatchCache cannot be cropped")
 
 
 class BatchCache(Cache):

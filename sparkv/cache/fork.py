@@ -26,21 +26,21 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from sparkv.cache.attention import AttentionView
 from sparkv.cache.chunks import ARENA
+from sparkv.cache.layerbase import PositionsLayer
 from sparkv.cache.memory import ContextKV
 
 __all__ = ["ForkCache", "ForkLayer"]
 
 
-class ForkLayer(CacheLayerMixin):
+class ForkLayer(PositionsLayer):
     """Layer ``layer`` of a :class:`ForkCache`: the memory's first ``base`` positions, read,
     and the fork's own tail."""
 
-    is_sliding = False
-    is_compileable = False
+    cache_name = "ForkCache"
 
     def __init__(self, memory: ContextKV, layer: int, reserve: int = 0) -> None:
         super().__init__()
@@ -52,17 +52,8 @@ class ForkLayer(CacheLayerMixin):
         self.count = 0                           # tokens in the tail
         self._frozen: Any = None
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.is_initialized = True
-
     def get_seq_length(self) -> int:
         return self.base + self.count
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     # ---- what attention sees ------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -134,13 +125,6 @@ class ForkLayer(CacheLayerMixin):
         if self._k is None:
             return 0
         return 2 * self._k.numel() * self._k.element_size()
-
-    # ---- what transformers may ask of a layer -------------------------------------------------
-    def reset(self) -> None:  # pragma: no cover - generation never resets a given cache
-        raise NotImplementedError("a ForkCache cannot be reset; make a new one")
-
-    def crop(self, max_length: int) -> None:  # pragma: no cover - assisted decoding only
-        raise NotImplementedError("a ForkCache cannot be cropped")
 
 
 def frozen_attention(memory: ContextKV, layer: int, stop: int) -> Any:

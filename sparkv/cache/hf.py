@@ -27,18 +27,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from sparkv.cache.attention import AttentionView
 from sparkv.cache.chunks import ARENA
+from sparkv.cache.layerbase import PositionsLayer
 from sparkv.cache.memory import ContextKV
 
 
-class SparkvLayer(CacheLayerMixin):
+class SparkvLayer(PositionsLayer):
     """Layer ``layer`` of a :class:`ContextKV` as a transformers cache layer."""
 
-    is_sliding = False
-    is_compileable = False
+    cache_name = "SparkvCache"
 
     def __init__(self, memory: ContextKV, layer: int) -> None:
         super().__init__()
@@ -52,18 +52,9 @@ class SparkvLayer(CacheLayerMixin):
         self.keys = torch.zeros(0, dtype=memory.dtype)
         self.values = torch.zeros(0, dtype=memory.dtype)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.is_initialized = True
-
     # ---- positions -------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
         return self.memory.positions[self.layer] + self._tail_n
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     # ---- update ----------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -131,13 +122,6 @@ class SparkvLayer(CacheLayerMixin):
         self._tail_k = self._tail_v = None
         self._resident = None
         self._tail_n = 0
-
-    # ---- what transformers may ask of a layer ----------------------------------------------------
-    def reset(self) -> None:  # pragma: no cover - generation never resets a given cache
-        raise NotImplementedError("a SparkvCache cannot be reset; make a new one")
-
-    def crop(self, max_length: int) -> None:  # pragma: no cover - assisted decoding only
-        raise NotImplementedError("a SparkvCache cannot be cropped")
 
 
 class SparkvCache(Cache):

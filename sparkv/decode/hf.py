@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from sparkv.cache import AttentionView
+from sparkv.cache.layerbase import PositionsLayer
 from sparkv.decode.policy import ClusteredKV, LayerState
 
 if TYPE_CHECKING:
@@ -44,11 +45,10 @@ class DynaKVView(AttentionView):
         return self.state.attend(q.cpu(), scale, self.q_pos).to(q.device)
 
 
-class DynaKVLayer(CacheLayerMixin):
+class DynaKVLayer(PositionsLayer):
     """Layer ``l`` of a :class:`ClusteredKV` as a transformers cache layer."""
 
-    is_sliding = False
-    is_compileable = False
+    cache_name = "DynaKVCache"
 
     def __init__(self, state: LayerState) -> None:
         super().__init__()
@@ -57,17 +57,8 @@ class DynaKVLayer(CacheLayerMixin):
         self.keys = torch.zeros(0, dtype=state.eng.dtype)
         self.values = torch.zeros(0, dtype=state.eng.dtype)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.is_initialized = True
-
     def get_seq_length(self) -> int:
         return self.state.end
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.state.end + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[Any, Any]:
@@ -76,12 +67,6 @@ class DynaKVLayer(CacheLayerMixin):
         pos = self.state.update(key_states[0].cpu(), value_states[0].cpu())
         view = DynaKVView(pos, state=self.state)
         return view, view
-
-    def reset(self) -> None:  # pragma: no cover - generation never resets a given cache
-        raise NotImplementedError("a DynaKVCache cannot be reset; make a new one")
-
-    def crop(self, max_length: int) -> None:  # pragma: no cover - assisted decoding only
-        raise NotImplementedError("a DynaKVCache cannot be cropped")
 
 
 class DynaKVCache(Cache):

@@ -246,7 +246,7 @@ def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tm
         reused = {out[n].turn_tokens_reused for n in names[1:]}
         assert len(reused) == 1 and reused.pop() > 4      # the question but its last token
     assert svc.account.claims == {} and svc.reads.open_count() == 0
-    assert svc.describe(cid).tokens == tokens
+    assert svc.describe(cid).tokens == tokens and svc.describe(cid).calls == 4 + 4   # joiners too
     st = svc.stats()
     assert st["budget_violations"] == 0 and st["joined_reads"] == 3
     grown = svc.call(cid, "Thanks.", max_new_tokens=3)           # the context still grows

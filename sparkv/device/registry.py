@@ -308,10 +308,12 @@ class ContextRegistry:
             return self.clock
 
     def touch(self, ctx: DeviceContext, called: bool = True) -> None:
-        """``ctx`` was just used: the most recently used (and one more call, if ``called``)."""
-        if called:
-            ctx.calls += 1
-        ctx.last_used = self.tick()
+        """``ctx`` was just used: the most recently used (and one more call, if ``called``;
+        calls reading one working memory count at once: :mod:`~sparkv.device.readturns`)."""
+        with self.lock:
+            if called:
+                ctx.calls += 1
+            ctx.last_used = self.tick()
 
     def live(self) -> list[DeviceContext]:
         with self.lock:

@@ -541,6 +541,7 @@ class ContextService:
             self.reads.leave(read, density)
         if turn.tail is not None:
             self.tails.put(where, ids + turn.tokens[:-1], turn.tail)
+        self.registry.touch(ctx)
         self.counters.joined_read()
         self.counters.called()
         return CallResult.of(self.lm, ctx.id, turn.tokens, SwitchIn(read.working, None, None, 0.0),

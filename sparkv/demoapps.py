@@ -179,7 +179,8 @@ class DrawnChoices:
     seed: int = 7
 
     def lines(self) -> str:
-        shown = "\n".join(f"  {i + 1}. {t.strip()}" for i, t in enumerate(self.texts))
+        shown = "\n".join(f"  {i + 1}. {' '.join(t.split())}"      # each on one line
+                           for i, t in enumerate(self.texts))
         return (f"[reader, chat.completions, n={len(self.texts)} sampled at temperature "
                 f"{CHOICES_TEMPERATURE}, seed {self.seed}] {CHOICES_QUESTION}\n{shown}\n"
                 f"  {self.wall_s:.2f} s for all {len(self.texts)}: they read the app's kept "

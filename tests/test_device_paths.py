@@ -91,7 +91,7 @@ def test_quantized_resident_decode_on_every_device(device, level):
         kn, vn = (torch.randn(1, 2, 1, d, generator=g).to(device) for _ in range(2))
         view, _ = cache.layers[0].update(kn, vn)
         got = view.attend(q, None)
-        tk, tv = cache.layers[0]._tail_k, cache.layers[0]._tail_v
+        tk, tv = cache.layers[0].tail.kv()
         heads = [(torch.cat([e.k, tk[h, :step + 1]]), torch.cat([e.v, tv[h, :step + 1]]),
                   torch.cat([e.pos.to(device), torch.arange(300, 301 + step, device=device)]))
                  for h, e in enumerate(ref)]

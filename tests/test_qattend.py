@@ -120,7 +120,7 @@ def test_cache_decodes_quantized_memory_within_bound(tiny_memory, level, bound):
         k, v = torch.randn(1, 2, 1, D), torch.randn(1, 2, 1, D)
         view, _ = cache.layers[0].update(k, v)
         got = view.attend(q, None)
-        tail = cache.layers[0]._tail_k, cache.layers[0]._tail_v
+        tail = cache.layers[0].tail.kv()
         heads = [(torch.cat([e.k, tail[0][h, :step + 1]]), torch.cat([e.v, tail[1][h, :step + 1]]),
                   torch.cat([e.pos, torch.arange(300, 301 + step)])) for h, e in enumerate(ref[0])]
         want = ragged_attention(q, heads, torch.tensor([300 + step]), None)

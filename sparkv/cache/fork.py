@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 
 from sparkv.cache.attention import AttentionView
 from sparkv.cache.chunks import ARENA
-from sparkv.cache.layerbase import PositionsLayer
+from sparkv.cache.layerbase import FpTail, PositionsLayer
 from sparkv.cache.memory import ContextKV
 
 __all__ = ["ForkCache", "ForkLayer"]
@@ -44,16 +44,15 @@ class ForkLayer(PositionsLayer):
 
     def __init__(self, memory: ContextKV, layer: int, reserve: int = 0) -> None:
         super().__init__()
-        self.memory, self.layer, self.reserve = memory, layer, reserve
+        self.memory, self.layer = memory, layer
         self.is_initialized = True
         self.base = int(memory.positions[layer])
-        self._k: torch.Tensor | None = None      # [Hkv, capacity, D]
-        self._v: torch.Tensor | None = None
-        self.count = 0                           # tokens in the tail
+        g = memory.geometry
+        self.own = FpTail(g.num_kv_heads, g.head_dim, memory.dtype, memory.device, reserve)
         self._frozen: Any = None
 
     def get_seq_length(self) -> int:
-        return self.base + self.count
+        return self.base + self.own.count
 
     # ---- what attention sees ------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -62,7 +61,7 @@ class ForkLayer(PositionsLayer):
             raise ValueError("a fork holds one sequence (batch size 1)")
         start = self.get_seq_length()
         q = int(key_states.shape[2])
-        self.append(key_states[0], value_states[0])
+        self.own.append(key_states[0], value_states[0])
         view = AttentionView(torch.arange(start, start + q, device=self.memory.device),
                              resident=self.frozen(), tail=self.tail())
         return view, view
@@ -75,57 +74,24 @@ class ForkLayer(PositionsLayer):
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tail as ``(k [Hkv, n, D], v, pos [n])`` (views)."""
-        if self._k is None or self._v is None:
-            g, mem = self.memory.geometry, self.memory
-            self._reserve(1, torch.empty(g.num_kv_heads, 0, g.head_dim, device=mem.device))
-        assert self._k is not None and self._v is not None
-        pos = torch.arange(self.base, self.base + self.count, device=self.memory.device)
-        return self._k[:, :self.count], self._v[:, :self.count], pos
+        pos = torch.arange(self.base, self.base + self.own.count, device=self.memory.device)
+        return (*self.own.kv(), pos)
 
     @property   # made from the prefix when read
     def keys(self) -> torch.Tensor | None:
         """The dense keys ``[1, Hkv, base + n, D]`` (slot = position) over a dense arena (what
         the density hook reads), else ``None``."""
         mem, l = self.memory, self.layer  # noqa: E741
-        if self._k is None or not mem.is_dense(l):
+        if not self.own.count or not mem.is_dense(l):
             return None
         store = mem.layers[l]
         assert store is not None
         prefix, _ = store.prefix(self.base)
-        return torch.cat([prefix, self._k[None, :, :self.count].to(prefix.dtype)], dim=2)
+        return torch.cat([prefix, self.own.kv()[0][None].to(prefix.dtype)], dim=2)
 
     @keys.setter
     def keys(self, value: Any) -> None:   # the mixin's constructor sets it; a fork makes it
         pass
-
-    # ---- the tail -----------------------------------------------------------------------------
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Appends ``[Hkv, q, D]`` entries at the next positions."""
-        q = int(k.shape[1])
-        self._reserve(self.count + q, k)
-        assert self._k is not None and self._v is not None
-        self._k[:, self.count:self.count + q] = k
-        self._v[:, self.count:self.count + q] = v
-        self.count += q
-
-    def _reserve(self, need: int, like: torch.Tensor) -> None:
-        cap = 0 if self._k is None else int(self._k.shape[1])
-        if need <= cap:
-            return
-        mem = self.memory
-        shape = (int(like.shape[0]), max(need, 2 * cap, 16, self.reserve), int(like.shape[2]))
-        k = torch.zeros(shape, dtype=mem.dtype, device=mem.device)
-        v = torch.zeros_like(k)
-        if self._k is not None and self._v is not None:
-            k[:, :self.count] = self._k[:, :self.count]
-            v[:, :self.count] = self._v[:, :self.count]
-        self._k, self._v = k, v
-
-    def nbytes(self) -> int:
-        if self._k is None:
-            return 0
-        return 2 * self._k.numel() * self._k.element_size()
-
 
 def frozen_attention(memory: ContextKV, layer: int, stop: int) -> Any:
     """Attention over ``memory``'s layer ``layer`` below position ``stop``, with a tail (module
@@ -162,8 +128,7 @@ class ForkCache(Cache):
         if len(rows) != len(self.layers):
             raise ValueError(f"rows of {len(rows)} layers for a fork of {len(self.layers)}")
         for layer, (k, v) in zip(self._forks(), rows):
-            layer.append(k.to(self.memory.device, self.memory.dtype),
-                         v.to(self.memory.device, self.memory.dtype))
+            layer.own.append(k.to(self.memory.device), v.to(self.memory.device))
         return int(rows[0][0].shape[1]) if rows else 0
 
     def rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,4 +141,4 @@ class ForkCache(Cache):
 
     def extra_nbytes(self) -> int:
         """Bytes the tails hold (outside the memory's account)."""
-        return sum(layer.nbytes() for layer in self._forks())
+        return sum(layer.own.nbytes() for layer in self._forks())

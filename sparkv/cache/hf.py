@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 
 from sparkv.cache.attention import AttentionView
 from sparkv.cache.chunks import ARENA
-from sparkv.cache.layerbase import PositionsLayer
+from sparkv.cache.layerbase import FpTail, PositionsLayer
 from sparkv.cache.memory import ContextKV
 
 
@@ -45,16 +45,14 @@ class SparkvLayer(PositionsLayer):
         self.memory, self.layer = memory, layer
         self.is_initialized = True
         self.dtype, self.device = memory.dtype, memory.device
-        self._tail_k: torch.Tensor | None = None   # [H, n, D], paged layers only
-        self._tail_v: torch.Tensor | None = None
-        self._tail_n = 0
+        self.tail = self._new_tail()                # paged layers only
         self._resident: Any = None                  # (layer version, PagedAttention)
         self.keys = torch.zeros(0, dtype=memory.dtype)
         self.values = torch.zeros(0, dtype=memory.dtype)
 
     # ---- positions -------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
-        return self.memory.positions[self.layer] + self._tail_n
+        return self.memory.positions[self.layer] + self.tail.count
 
     # ---- update ----------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -75,17 +73,13 @@ class SparkvLayer(PositionsLayer):
                                                    for e in mem.layer_entries(l)])
             return view, view
         # paged: attended as held, new tokens in the tail
-        start = mem.positions[l] + self._tail_n
+        start = mem.positions[l] + self.tail.count
         q = int(k.shape[1])
-        self._grow_tail(q)
-        assert self._tail_k is not None and self._tail_v is not None
-        self._tail_k[:, self._tail_n:self._tail_n + q] = k.to(mem.dtype)
-        self._tail_v[:, self._tail_n:self._tail_n + q] = v.to(mem.dtype)
-        self._tail_n += q
+        self.tail.append(k, v)
         tail_pos = torch.arange(mem.positions[l], start + q, device=mem.device)
-        tail = (self._tail_k[:, :self._tail_n], self._tail_v[:, :self._tail_n], tail_pos)
         view = AttentionView(torch.arange(start, start + q, device=mem.device),
-                             resident=self._resident_attention(), tail=tail)
+                             resident=self._resident_attention(),
+                             tail=(*self.tail.kv(), tail_pos))
         return view, view
 
     def _resident_attention(self) -> Any:
@@ -95,33 +89,19 @@ class SparkvLayer(PositionsLayer):
             self._resident = (version, self.memory.resident_attention(self.layer))
         return self._resident[1]
 
-    def _grow_tail(self, q: int) -> None:
-        mem = self.memory
-        g = mem.geometry
-        cap = 0 if self._tail_k is None else int(self._tail_k.shape[1])
-        if self._tail_n + q <= cap:
-            return
-        new = max(self._tail_n + q, 2 * cap, 16)
-        k = torch.zeros((g.num_kv_heads, new, g.head_dim), dtype=mem.dtype, device=mem.device)
-        v = torch.zeros_like(k)
-        if self._tail_k is not None and self._tail_v is not None:
-            k[:, :self._tail_n] = self._tail_k[:, :self._tail_n]
-            v[:, :self._tail_n] = self._tail_v[:, :self._tail_n]
-        self._tail_k, self._tail_v = k, v
+    def _new_tail(self) -> FpTail:
+        g, mem = self.memory.geometry, self.memory
+        return FpTail(g.num_kv_heads, g.head_dim, mem.dtype, mem.device)
 
     def tail_nbytes(self) -> int:
-        if self._tail_k is None or self._tail_v is None:
-            return 0
-        return 2 * self._tail_k.numel() * self._tail_k.element_size()
+        return self.tail.nbytes()
 
     def commit(self) -> None:
         """Moves the tail of a paged layer into the memory."""
-        if self._tail_n and self._tail_k is not None and self._tail_v is not None:
-            self.memory.append(self.layer, self._tail_k[:, :self._tail_n],
-                               self._tail_v[:, :self._tail_n])
-        self._tail_k = self._tail_v = None
+        if self.tail.count:
+            self.memory.append(self.layer, *self.tail.kv())
+        self.tail = self._new_tail()
         self._resident = None
-        self._tail_n = 0
 
 
 class SparkvCache(Cache):

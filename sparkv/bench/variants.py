@@ -397,14 +397,13 @@ class DeviceVariant(Variant):
         working memory as a switch fills one (:func:`~sparkv.device.loader.fill_layers`, from
         the pages): the cache the service answers from."""
         from sparkv.cache import ContextKV
-        from sparkv.device.keeper import adopted_payloads
+        from sparkv.device.keeper import adopted_chunks
         from sparkv.device.loader import fill_layers
 
         policy, g, levels = self.levels(ref)
         C = ContextKV(g, ref.lm.dtype, ref.lm.device, paged=True)
-        for t in range(g.num_token_chunks):
-            C.put_payloads(adopted_payloads(ref.layers, g, t, levels[t], ref.lm.dtype),
-                           "injected")
+        for payloads in adopted_chunks(ref.layers, g, levels, ref.lm.dtype):
+            C.put_payloads(payloads, "injected")
         W = ContextKV(g, ref.lm.dtype, ref.lm.device, spare_tokens=SPARE_TOKENS)
         fill_layers(C, W, range(g.num_layers))
         counts = {lv: levels.count(lv) for lv in dict.fromkeys(levels)}

@@ -97,6 +97,11 @@ class QuantizedTensor:
     def device(self) -> torch.device:
         return self.codes.device
 
+    def taken(self, a: int, b: int) -> "QuantizedTensor":
+        """Rows ``a..b``, copied (holding none of this tensor's storage)."""
+        return QuantizedTensor(self.codes[a:b].clone(), self.scale[a:b].clone(),
+                               self.zero[a:b].clone(), self.bits, self.dim)
+
     def to(self, device: torch.device | str) -> "QuantizedTensor":
         """The same rows on ``device`` (itself when they are there already)."""
         if self.codes.device == torch.device(device):

@@ -36,7 +36,7 @@ from sparkv.device.config import longest_context
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.hosttier import tier_holds
-from sparkv.device.keeper import Keeper, SwitchIn, adopted_payloads
+from sparkv.device.keeper import Keeper, SwitchIn, adopted_chunks
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
                                   load, paged_nbytes, token_chunk_run, working_nbytes)
@@ -94,9 +94,8 @@ class ChunkKeeper(Keeper):
         with self.registry.lock:
             ctx.memory = C
         ctx.levels = levels
-        for t in range(g.num_token_chunks):
-            C.put_payloads(adopted_payloads(layers, g, t, levels[t], self.lm.dtype),
-                           Source.INJECTED)
+        for t, payloads in enumerate(adopted_chunks(layers, g, levels, self.lm.dtype)):
+            C.put_payloads(payloads, Source.INJECTED)
             ctx.modified.add(t)
             self.budget.check()
 

@@ -1,0 +1,57 @@
+"""A context adopted by the service (``import_context``: an ask's loaded cache, a benchmark's
+prefill) is converted a layer at a time (sparkv.device.keeper.adopted_chunks): every chunk's
+payloads are those of converting that chunk alone, bit for bit, at every level, a last chunk
+shorter than the others included, and each payload holds its own storage (a chunk evicted later
+frees its bytes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkv.cache.levels import QuantizedTensor
+from sparkv.cache.payload import ChunkPayload, contiguous_positions
+from sparkv.device.keeper import adopted_chunks
+from sparkv.layout import ChunkGeometry, KVChunkId
+
+
+class _Config:
+    num_hidden_layers, num_attention_heads, num_key_value_heads = 3, 6, 2
+    hidden_size, head_dim = 6 * 16, 16
+
+
+def _alone(layers, g: ChunkGeometry, t: int, level: str, dtype) -> list[ChunkPayload]:
+    """Chunk ``t`` converted alone (the reference)."""
+    t0, t1 = g.token_range(t)
+    hh, out = g.num_kv_heads, []
+    for l, (k, v) in enumerate(layers):  # noqa: E741
+        p = ChunkPayload(KVChunkId(t, l, 0), "fp", [t1 - t0] * hh,
+                         contiguous_positions([t1 - t0] * hh, t0),
+                         k[0, :, t0:t1].reshape(-1, g.head_dim).to(dtype).clone(),
+                         v[0, :, t0:t1].reshape(-1, g.head_dim).to(dtype).clone(), dtype)
+        out.append(p.at_level(level))
+    return out
+
+
+def _tensors(x):
+    return [x.codes, x.scale, x.zero] if isinstance(x, QuantizedTensor) else [x]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_at_a_time_gives_each_chunks_own_payloads(dtype):
+    g = ChunkGeometry.from_config(_Config(), 16 * 5 + 3, 16)     # 6 chunks, the last of 3
+    assert g.num_token_chunks == 6
+    gen = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(1, 2, g.num_tokens, 16, generator=gen) * 3,
+               torch.randn(1, 2, g.num_tokens, 16, generator=gen)) for _ in range(3)]
+    levels = ["fp", "int8", "int4", "int2", "int8", "int4"]
+    got = adopted_chunks(layers, g, levels, dtype)
+    assert len(got) == 6 and all(len(c) == 3 for c in got)
+    for t, chunk in enumerate(got):
+        for p, q in zip(chunk, _alone(layers, g, t, levels[t], dtype)):
+            assert (p.cid, p.level, p.counts) == (q.cid, q.level, q.counts)
+            assert torch.equal(p.pos, q.pos)
+            for a, b in zip(_tensors(p.k) + _tensors(p.v), _tensors(q.k) + _tensors(q.v)):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+                # its own storage: nothing of the layer's converted rows is held
+                assert a.untyped_storage().nbytes() == a.numel() * a.element_size()

@@ -63,6 +63,10 @@ def register(sub: "argparse._SubParsersAction") -> None:
                    help="the most answer tokens (one per ask) one forward pass runs: the asks' "
                         "next tokens waiting for the cores together go as one pass (a decode "
                         "pass reads the weights once for all of them); 1: each its own pass")
+    g.add_argument("--ask-early-keep", choices=("on", "off"), default="on",
+                   help="when other asks of an app wait for a context one of its asks loads "
+                        "(a request's other choices), keep it before answering, so that they "
+                        "read it while that ask answers (on), or after its answer (off)")
     g.add_argument("--ask-link-plan", choices=tuple(LINK_PLANS), default="oldest",
                    help="how the asks share the one link: oldest (the oldest SparKV ask's "
                         "requests first; the others compute while they wait), shortest (the "
@@ -138,7 +142,8 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
                       shaper=_shaper(args), default_server=args.ask_server,
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
                       core_order=args.ask_core_order, link_plan=args.ask_link_plan,
-                      batch=args.ask_batch == "on", decode_batch=args.ask_decode_batch)
+                      batch=args.ask_batch == "on", decode_batch=args.ask_decode_batch,
+                      early_keep=args.ask_early_keep == "on")
     try:
         took = asks.warm()
     except BadServerUrl as e:     # an --ask-server no client can address: said at the start

@@ -1,5 +1,5 @@
-"""One app's view of the service's kept contexts: what an ask's :class:`~sparkv.edge.session.EdgeSession`
-is given as its ``context_service``.
+"""One app's view of the service's kept contexts: what an ask's
+:class:`~sparkv.edge.session.EdgeSession` is given as its ``context_service``.
 
 An ask keeps the context it loaded (``keep``, the default through the service) as a context of
 the service's :class:`~sparkv.device.service.ContextService`, under the LLMS budget, so that the
@@ -12,6 +12,10 @@ next question about it is answered from memory. Through :class:`AppContexts`:
 * **one load per context at a time**: while one ask of an app loads a context, another ask of the
   same app about it waits for that load (:class:`KeepingTable`), then is answered from the kept
   copy; if the first ask fails or is cancelled, one of the waiting asks loads it instead;
+* **kept before answering when awaited**: when other asks of the app wait for the context the
+  ask loaded (the other choices of its request, say), it keeps it before answering rather than
+  after (:meth:`AppContexts.awaited`), so they read the kept copy while it answers from its own
+  cache: they start one answer sooner (``KeepingTable(early=False)``: always after);
 * a context that cannot be kept (the budget, the flash) does not fail the ask that loaded it: the
   answer stands, ``kept_id`` is ``None`` and :attr:`AppContexts.not_kept` says why.
 """
@@ -19,6 +23,7 @@ next question about it is answered from memory. Through :class:`AppContexts`:
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
 from sparkv.device.errors import DeviceError
@@ -39,12 +44,16 @@ WAIT_S = 0.05
 
 
 class KeepingTable:
-    """Which kept contexts are being loaded now, by which ask: ``(app, label) -> AppContexts``.
-    One condition variable; a waiting ask looks at its cancellation every :data:`WAIT_S`."""
+    """Which kept contexts are being loaded now, by which ask: ``(app, label) -> AppContexts``,
+    and how many asks wait for each. One condition variable; a waiting ask looks at its
+    cancellation every :data:`WAIT_S`. ``early``: a loader that others wait for keeps the
+    context before answering (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, early: bool = True) -> None:
         self.cv = threading.Condition()
+        self.early = early
         self.loading: dict[tuple[str, str], AppContexts] = {}
+        self.waiting: Counter[tuple[str, str]] = Counter()
 
 
 class AppContexts:
@@ -74,24 +83,40 @@ class AppContexts:
         there is none, after waiting for another ask of the app that is loading it now. A
         ``None`` makes this ask the one loading it (until it keeps it, or ends)."""
         key = (self.app, label)
+        table = self._table
+        with table.cv:
+            counted = False
+            try:
+                while True:
+                    found = self._visible(label)
+                    if found is not None:
+                        return found
+                    leader = table.loading.get(key)
+                    if leader is None or leader is self:
+                        table.loading[key] = self
+                        self._leading = key
+                        return None
+                    if self._cancelled.is_set():
+                        raise AskCancelled("the ask was cancelled")
+                    if not counted:
+                        table.waiting[key] += 1
+                        counted = True
+                    table.cv.wait(WAIT_S)
+            finally:
+                if counted:
+                    table.waiting -= Counter({key: 1})
+
+    def awaited(self, label: str) -> bool:
+        """Whether other asks of the app wait for the context labelled ``label`` that this ask
+        loads (then it keeps it before answering, unless the table says ``early=False``)."""
         with self._table.cv:
-            while True:
-                found = self._visible(label)
-                if found is not None:
-                    return found
-                leader = self._table.loading.get(key)
-                if leader is None or leader is self:
-                    self._table.loading[key] = self
-                    self._leading = key
-                    return None
-                if self._cancelled.is_set():
-                    raise AskCancelled("the ask was cancelled")
-                self._table.cv.wait(WAIT_S)
+            return self._table.early and self._table.waiting[(self.app, label)] > 0
 
     def _visible(self, label: str) -> str | None:
-        found = [c for c in self.service.list()
-                 if c.label == label and self.owners.visible(c.id, self.app)]
-        return max(found, key=lambda c: c.last_used).id if found else None
+        # the ids only (a waiting ask looks every WAIT_S: describing every context, as
+        # ``list`` does, starved the loader of the lock and the cores with three asks waiting)
+        return next((c for c in self.service.labelled(label)
+                     if self.owners.visible(c, self.app)), None)
 
     def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
                        label: str | None = None) -> str | None:

@@ -143,6 +143,9 @@ class AskService:
             (:class:`~sparkv.asks.cores.CoreGate`, up to :data:`~sparkv.asks.cores.BATCH_STEPS`).
         decode_batch: the most answer tokens (one per ask) one forward pass runs (1: each its
             own; :data:`~sparkv.asks.cores.DECODE_BATCH`).
+        early_keep: an ask that loaded a context other asks of its app wait for keeps it before
+            answering, so that they start one answer sooner (:mod:`sparkv.asks.kept`);
+            ``False``: after.
     """
 
     def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
@@ -150,7 +153,7 @@ class AskService:
                  engine_config: Any = None, default_server: str | None = None,
                  default_api_key: str | None = None, core_order: str = DEFAULT_ORDER,
                  link_plan: str = "oldest", batch: bool = False,
-                 decode_batch: int = DECODE_BATCH) -> None:
+                 decode_batch: int = DECODE_BATCH, early_keep: bool = True) -> None:
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners
@@ -165,7 +168,7 @@ class AskService:
         self.default_server, self.default_api_key = default_server, default_api_key
         self.priors = Priors()
         self._link = _LinkShare()
-        self._keeping = KeepingTable()
+        self._keeping = KeepingTable(early=early_keep)
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, str | None], Any] = {}
         self._tickets: dict[str, AskTicket] = {}

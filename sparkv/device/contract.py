@@ -45,6 +45,12 @@ class KeptContexts(Protocol):
         """The id of the context imported with ``label``, or ``None``."""
         ...
 
+    def awaited(self, label: str) -> bool:
+        """Whether other asks wait for the context labelled ``label`` that this one loads: then
+        the session imports it before answering rather than after, so that they read it while
+        this ask answers from its own cache."""
+        ...
+
     def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,
              stop_at_eos: bool, remote: RemoteSource | None, stop: Sequence[str] = (),
              sampling: Sampling | None = None) -> CallResult:

@@ -395,10 +395,21 @@ class ContextService:
         if self.journal is not None:
             self.journal.remove(ctx_id)
 
+    def awaited(self, label: str) -> bool:
+        """Whether callers wait for a context labelled ``label`` to be imported: never here (the
+        asks' loads are awaited in :class:`~sparkv.asks.kept.AppContexts`)."""
+        return False
+
     def find(self, label: str) -> str | None:
         """The id of the (most recently used) context imported with ``label``, or ``None``."""
         ctx = self.registry.find(label)
         return ctx.id if ctx is not None else None
+
+    def labelled(self, label: str) -> builtins.list[str]:
+        """The ids of the live contexts imported with ``label``, the most recently used first
+        (cheap: no context is described, as :meth:`list` does)."""
+        found = [c for c in self.registry.live() if c.label == label]
+        return [c.id for c in sorted(found, key=lambda c: -c.last_used)]
 
     def swap_out(self, ctx_id: str) -> int:
         """Reclaims every resident chunk of a context now (an app sent to the background, a

@@ -10,6 +10,7 @@ joins").
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from sparkv.device.tails import Rows
@@ -57,15 +58,24 @@ class KeptAsks:
             raise AskError("keep=True needs a context service (EdgeSession(context_service=...))")
         return self._service
 
+    def awaited(self, context_id: str) -> bool:
+        """Whether other asks wait for the server's context ``context_id`` that this ask loads
+        (then it is kept before the answer: :meth:`KeptContexts.awaited
+        <sparkv.device.contract.KeptContexts.awaited>`)."""
+        return self.service().awaited(self.label(context_id))
+
     def keep(self, context_id: str, tokens: list[int], kv: ContextKV,
              turn: AppendedTurn | None = None) -> str | None:
         """Keeps a loaded cache in the service, and the ask's ``turn`` with it (for the next
         question of the same conversation); returns its id there (``None``: not kept)."""
-        svc = self.service()
-        sid = svc.import_context(tokens, kv, label=self.label(context_id))
+        sid = self.service().import_context(tokens, kv, label=self.label(context_id))
         if sid is not None and turn is not None:
-            svc.keep_turns(sid, *turn)
+            self.keep_turn(sid, turn)
         return sid
+
+    def keep_turn(self, kept_id: str, turn: AppendedTurn) -> None:
+        """Keeps the ask's ``turn`` after the context it kept as ``kept_id``."""
+        self.service().keep_turns(kept_id, *turn)
 
     def answer(self, fingerprint: str, context_id: str, suffix: Sequence[int],
                options: AskOptions, t_start: float) -> AskResult | None:
@@ -98,3 +108,35 @@ class KeptAsks:
                        joined=res.joined)
         return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
                          sid, question_tokens=len(suffix))
+
+
+@dataclass
+class AskKeeping:
+    """One ask's keeping of the cache it loaded: before its answer when other asks wait for the
+    context (:meth:`KeptAsks.awaited`: they then read the kept copy while this ask answers from
+    its own cache), else after it, with the answer's turn."""
+
+    kept: KeptAsks
+    context_id: str
+    kept_id: str | None = None
+    #: the seconds the keeping before the answer took; ``None``: kept after it
+    before_s: float | None = None
+
+    @classmethod
+    def begin(cls, kept: KeptAsks, context_id: str, tokens: list[int], kv: ContextKV
+              ) -> "AskKeeping":
+        """Before the answer: keeps ``kv`` (the context only) now if the context is awaited."""
+        if not kept.awaited(context_id):
+            return cls(kept, context_id)
+        t0 = time.perf_counter()
+        kept_id = kept.keep(context_id, tokens, kv)
+        return cls(kept, context_id, kept_id, time.perf_counter() - t0)
+
+    def end(self, tokens: list[int], kv: ContextKV, turn: AppendedTurn | None) -> str | None:
+        """After the answer: keeps the context (unless kept before) and the answer's ``turn``;
+        the kept id (``None``: not kept)."""
+        if self.before_s is None:
+            self.kept_id = self.kept.keep(self.context_id, tokens, kv, turn)
+        elif self.kept_id is not None and turn is not None:
+            self.kept.keep_turn(self.kept_id, turn)
+        return self.kept_id

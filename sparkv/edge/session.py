@@ -40,7 +40,7 @@ from sparkv.edge.client import EdgeClient
 from sparkv.edge.engine import Engine, EngineConfig, EngineError
 from sparkv.edge.fetch import ContextFetch, FetchedContext
 from sparkv.edge.frames import decodes_in_turn
-from sparkv.edge.kept import AppendedTurn, KeptAsks, appended_turn
+from sparkv.edge.kept import AppendedTurn, AskKeeping, KeptAsks, appended_turn
 from sparkv.edge.lane import Lane, on_lane
 from sparkv.edge.options import AskOptions
 from sparkv.edge.planning import (AUTO_FLOOR, DEFAULT_PRIOR_MBPS, STRATEGIES, AskError,
@@ -828,8 +828,11 @@ class EdgeSession:
 
     def _answer(self, ask: _Ask, fetched: FetchedContext, planned: _Planned,
                 loaded: _Loaded) -> AskResult:
-        """The question's prefill and the answer over the assembled cache; the result."""
+        """The question's prefill and the answer over the assembled cache; the result. A cache
+        that other asks wait for is kept before the answer (:meth:`KeptAsks.awaited`), else
+        after it, with the answer's turn."""
         opts, tokens, kv = ask.options, fetched.tokens, loaded.stepper.kv
+        keeping = AskKeeping.begin(self._kept(), ask.context_id, tokens, kv) if opts.keep else None
         decode_stats: dict[str, Any] = {}
         turn: AppendedTurn | None = None
         if not opts.uses_decode_policy:
@@ -854,9 +857,10 @@ class EdgeSession:
             ask.planned_in_full.wait()   # the plan's thread decided its handover
         self.priors.question_prefill_s = gen.first_token_s
         ask.fallback.update(loaded.load.fallback)
-        kept_id = self._kept().keep(ask.context_id, tokens, kv, turn) if opts.keep else None
+        kept_id = keeping.end(tokens, kv, turn) if keeping is not None else None
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
+        breakdown.kept_before_s = keeping.before_s if keeping is not None else None
         breakdown.seed = gen.seed
         return AskResult(gen.text, gen.tokens, breakdown, loaded.plan, planned.instance,
                          loaded.load, gen.first_logits, len(tokens), kept_id, planned.controller,

@@ -1,0 +1,164 @@
+"""An ask that loaded a context other asks of its app wait for keeps it before answering
+(sparkv.asks.kept, "kept before answering when awaited"): the waiting asks read the kept copy while
+it answers from its own cache.
+
+What is asserted: the table counts the asks waiting for a load, and only while they wait (found,
+or cancelled); ``early=False`` never says awaited; through a real in-process ask service over a
+real tiny server, three sampled choices about a context their app has not kept: the loader keeps
+it before its answer (``kept_before_s``), the two others are answered from the kept copy, its
+answer's turn is kept after it, and the context is kept once; with ``early_keep=False`` the same
+choices keep it after the answer and draw the same tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from helpers import shared_tiny_checkpoint, start_tiny_server, stop_checked
+
+GUARD_S = 300.0          # hang guards only (never a timing assertion)
+
+
+def _until(cond, what: str, guard_s: float = GUARD_S) -> None:
+    deadline = time.monotonic() + guard_s
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.02)
+
+
+class _Service:
+    """What :class:`~sparkv.asks.kept.AppContexts` reads of the context service: its list."""
+
+    lm = None
+
+    def __init__(self) -> None:
+        self.contexts: list = []
+
+    def labelled(self, label: str) -> list[str]:
+        return [c.id for c in self.contexts if c.label == label]
+
+
+def _views(table, n: int):
+    from sparkv.asks.kept import AppContexts
+    from sparkv.device.owners import ContextOwners
+
+    svc, cancels = _Service(), [threading.Event() for _ in range(n)]
+    return svc, cancels, [AppContexts(svc, ContextOwners(), "app", (), table, c)
+                          for c in cancels]
+
+
+def test_the_table_counts_the_asks_waiting_for_a_load_while_they_wait():
+    from types import SimpleNamespace
+
+    from sparkv.asks.kept import KeepingTable
+    from sparkv.edge.lane import AskCancelled
+
+    table = KeepingTable()
+    svc, cancels, (lead, a, b) = _views(table, 3)
+    assert lead.find("ctx") is None and not lead.awaited("ctx")       # the loader, alone
+    out: dict[str, object] = {}
+
+    def wait(name, view):
+        try:
+            out[name] = view.find("ctx")
+        except AskCancelled as e:
+            out[name] = e
+
+    threads = [threading.Thread(target=wait, args=(n, v)) for n, v in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    _until(lambda: table.waiting[("app", "ctx")] == 2, "two waiting")
+    assert lead.awaited("ctx") and not lead.awaited("other")
+    cancels[1].set()                                   # one leaves: the count follows
+    _until(lambda: "a" in out, "the cancelled one leaves")
+    assert isinstance(out["a"], AskCancelled) and table.waiting[("app", "ctx")] == 1
+    svc.contexts.append(SimpleNamespace(id="c1", label="ctx", last_used=1.0))
+    lead.owners.claim("c1", "app", ())
+    b.owners.claim("c1", "app", ())
+    _until(lambda: "b" in out, "the other finds the kept copy")
+    for t in threads:
+        t.join(GUARD_S)
+    assert out["b"] == "c1" and not table.waiting and not lead.awaited("ctx")
+    off = KeepingTable(early=False)
+    _, _, (lead2, c) = _views(off, 2)
+    assert lead2.find("ctx") is None
+    waiter = threading.Thread(target=c.find, args=("ctx",), daemon=True)
+    waiter.start()
+    _until(lambda: off.waiting[("app", "ctx")] == 1, "one waiting")
+    assert not lead2.awaited("ctx")                     # early=False: never before the answer
+    lead2.done()
+    _until(lambda: not waiter.is_alive() or off.loading, "the waiter leads")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny server with one context, and the tiny model."""
+    from sparkv.edge.client import EdgeClient
+    from sparkv.runtime.generate import sample_text
+    from sparkv.runtime.model import load_model
+
+    tmp = tmp_path_factory.mktemp("early")
+    srv = start_tiny_server(tmp)
+    key = srv.keys["alice"]
+    client = EdgeClient(srv.url, key, timeout_s=120)
+    cid = client.create_context(text=sample_text()[:3000], levels=["raw", "q5"], chunk_tokens=32)
+    client.close()
+    lm = load_model(str(shared_tiny_checkpoint()), progress=False)
+    yield {"srv": srv, "key": key, "cid": cid, "lm": lm, "tmp": tmp}
+    stop_checked(srv)
+
+
+def _choices(world, monkeypatch, early: bool, name: str) -> list[dict]:
+    """Three sampled choices of one request (one admission group) about the world's context,
+    not yet kept, through an in-process ask service: their done events and its kept contexts.
+    The loader looks at the table only once both others wait (so that the run does not depend
+    on how fast their threads start)."""
+    from sparkv.asks import AskRequest, AskService
+    from sparkv.device import ContextService
+    from sparkv.device.owners import ContextOwners
+    from sparkv.edge.kept import KeptAsks
+    from sparkv.edge.options import AskOptions
+
+    svc = ContextService(world["lm"], 200_000_000, world["tmp"] / name)
+    asks = AskService(svc, ContextOwners(), slots=2, queue=2, early_keep=early)
+    looked = KeptAsks.awaited
+
+    def awaited(self, context_id):
+        _until(lambda: sum(asks._keeping.waiting.values()) == 2, "two choices waiting")
+        return looked(self, context_id)
+
+    monkeypatch.setattr(KeptAsks, "awaited", awaited)
+    try:
+        reqs = [AskRequest(world["srv"].url, world["cid"], "What is it about?", world["key"],
+                           AskOptions(strategy="local", backend="dense", level="raw",
+                                      max_new_tokens=6, stop_at_eos=False, keep=True,
+                                      temperature=1.0, seed=40 + i)) for i in range(3)]
+        done = [t.wait(GUARD_S) for t in asks.submit_group("app", reqs)]
+        kept = svc.list()
+        tails = [t.tokens for t in svc.tails._tails.values()]
+    finally:
+        monkeypatch.setattr(KeptAsks, "awaited", looked)
+        asks.close()
+        svc.close()
+    assert all(d["type"] == "done" for d in done), done
+    return [*done, {"kept": kept, "tails": tails}]
+
+
+def test_a_loader_others_wait_for_keeps_the_context_before_answering(world, monkeypatch):
+    *early, got = _choices(world, monkeypatch, True, "on")
+    loader = [d for d in early if d["stats"]["strategy"] == "local"]
+    readers = [d for d in early if d["stats"]["strategy"] == "kept"]
+    assert len(loader) == 1 and len(readers) == 2, [d["stats"]["strategy"] for d in early]
+    assert loader[0]["stats"]["kept_before_s"] is not None
+    assert len(got["kept"]) == 1                                    # kept once, by the loader
+    assert {d["kept_id"] for d in early} == {got["kept"][0].id}
+    ends = {tokens[-5:] for tokens in got["tails"]}        # the loader's turn, kept after it
+    assert tuple(loader[0]["tokens"][:-1]) in ends
+    *after, got_after = _choices(world, monkeypatch, False, "off")
+    assert all(d["stats"].get("kept_before_s") is None for d in after)
+    assert sorted(d["stats"]["strategy"] for d in after) == ["kept", "kept", "local"]
+    # the same seeds draw the same tokens, kept before or after the answer
+    assert [d["tokens"] for d in early] == [d["tokens"] for d in after]
+    assert len(got_after["kept"]) == 1

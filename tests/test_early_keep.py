@@ -1,13 +1,13 @@
-"""An ask that loaded a context other asks of its app wait for keeps it before answering
-(sparkv.asks.kept, "kept before answering when awaited"): the waiting asks read the kept copy while
-it answers from its own cache.
+"""An ask that loaded a context other asks of its app wait for keeps it at its answer's first
+token (sparkv.asks.kept, "kept early when awaited"): the waiting asks read the kept copy while it
+answers from its own cache.
 
 What is asserted: the table counts the asks waiting for a load, and only while they wait (found,
 or cancelled); ``early=False`` never says awaited; through a real in-process ask service over a
 real tiny server, three sampled choices about a context their app has not kept: the loader keeps
-it before its answer (``kept_before_s``), the two others are answered from the kept copy, its
-answer's turn is kept after it, and the context is kept once; with ``early_keep=False`` the same
-choices keep it after the answer and draw the same tokens."""
+it at its first token (``kept_early_s``; that token streamed already), the two others are
+answered from the kept copy, its answer's turn is kept after it, and the context is kept once;
+with ``early_keep=False`` the same choices keep it after the answer and draw the same tokens."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_the_table_counts_the_asks_waiting_for_a_load_while_they_wait():
     waiter = threading.Thread(target=c.find, args=("ctx",), daemon=True)
     waiter.start()
     _until(lambda: off.waiting[("app", "ctx")] == 1, "one waiting")
-    assert not lead2.awaited("ctx")                     # early=False: never before the answer
+    assert not lead2.awaited("ctx")                     # early=False: only after the answer
     lead2.done()
     _until(lambda: not waiter.is_alive() or off.loading, "the waiter leads")
 
@@ -124,9 +124,12 @@ def _choices(world, monkeypatch, early: bool, name: str) -> list[dict]:
     svc = ContextService(world["lm"], 200_000_000, world["tmp"] / name)
     asks = AskService(svc, ContextOwners(), slots=2, queue=2, early_keep=early)
     looked = KeptAsks.awaited
+    streamed: list[int] = []          # the loader's tokens out when it looked
 
     def awaited(self, context_id):
         _until(lambda: sum(asks._keeping.waiting.values()) == 2, "two choices waiting")
+        ticket = asks._tickets[threading.current_thread().name.removeprefix("sparkv-")]
+        streamed.append(len(ticket.streamed))
         return looked(self, context_id)
 
     monkeypatch.setattr(KeptAsks, "awaited", awaited)
@@ -143,22 +146,23 @@ def _choices(world, monkeypatch, early: bool, name: str) -> list[dict]:
         asks.close()
         svc.close()
     assert all(d["type"] == "done" for d in done), done
-    return [*done, {"kept": kept, "tails": tails}]
+    return [*done, {"kept": kept, "tails": tails, "streamed": streamed}]
 
 
-def test_a_loader_others_wait_for_keeps_the_context_before_answering(world, monkeypatch):
+def test_a_loader_others_wait_for_keeps_the_context_at_its_first_token(world, monkeypatch):
     *early, got = _choices(world, monkeypatch, True, "on")
     loader = [d for d in early if d["stats"]["strategy"] == "local"]
     readers = [d for d in early if d["stats"]["strategy"] == "kept"]
     assert len(loader) == 1 and len(readers) == 2, [d["stats"]["strategy"] for d in early]
-    assert loader[0]["stats"]["kept_before_s"] is not None
+    assert loader[0]["stats"]["kept_early_s"] is not None
+    assert got["streamed"] == [1]        # looked once, its first token out: its TTFT unchanged
     assert len(got["kept"]) == 1                                    # kept once, by the loader
     assert {d["kept_id"] for d in early} == {got["kept"][0].id}
     ends = {tokens[-5:] for tokens in got["tails"]}        # the loader's turn, kept after it
     assert tuple(loader[0]["tokens"][:-1]) in ends
     *after, got_after = _choices(world, monkeypatch, False, "off")
-    assert all(d["stats"].get("kept_before_s") is None for d in after)
+    assert all(d["stats"].get("kept_early_s") is None for d in after)
     assert sorted(d["stats"]["strategy"] for d in after) == ["kept", "kept", "local"]
-    # the same seeds draw the same tokens, kept before or after the answer
+    # the same seeds draw the same tokens, kept early or after the answer
     assert [d["tokens"] for d in early] == [d["tokens"] for d in after]
     assert len(got_after["kept"]) == 1

@@ -65,8 +65,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                         "pass reads the weights once for all of them); 1: each its own pass")
     g.add_argument("--ask-early-keep", choices=("on", "off"), default="on",
                    help="when other asks of an app wait for a context one of its asks loads "
-                        "(a request's other choices), keep it before answering, so that they "
-                        "read it while that ask answers (on), or after its answer (off)")
+                        "(a request's other choices), keep it at that ask's first answer token, "
+                        "so that they read it while it answers (on), or after its answer (off)")
     g.add_argument("--ask-link-plan", choices=tuple(LINK_PLANS), default="oldest",
                    help="how the asks share the one link: oldest (the oldest SparKV ask's "
                         "requests first; the others compute while they wait), shortest (the "

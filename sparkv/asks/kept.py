@@ -12,10 +12,11 @@ next question about it is answered from memory. Through :class:`AppContexts`:
 * **one load per context at a time**: while one ask of an app loads a context, another ask of the
   same app about it waits for that load (:class:`KeepingTable`), then is answered from the kept
   copy; if the first ask fails or is cancelled, one of the waiting asks loads it instead;
-* **kept before answering when awaited**: when other asks of the app wait for the context the
-  ask loaded (the other choices of its request, say), it keeps it before answering rather than
-  after (:meth:`AppContexts.awaited`), so they read the kept copy while it answers from its own
-  cache: they start one answer sooner (``KeepingTable(early=False)``: always after);
+* **kept early when awaited**: when other asks of the app wait for the context the ask loaded
+  (the other choices of its request, say), it keeps it at its answer's first token rather than
+  after the answer (:meth:`AppContexts.awaited`), so they read the kept copy while it answers
+  from its own cache: they start one answer sooner (``KeepingTable(early=False)``: always
+  after);
 * a context that cannot be kept (the budget, the flash) does not fail the ask that loaded it: the
   answer stands, ``kept_id`` is ``None`` and :attr:`AppContexts.not_kept` says why.
 """
@@ -47,7 +48,7 @@ class KeepingTable:
     """Which kept contexts are being loaded now, by which ask: ``(app, label) -> AppContexts``,
     and how many asks wait for each. One condition variable; a waiting ask looks at its
     cancellation every :data:`WAIT_S`. ``early``: a loader that others wait for keeps the
-    context before answering (module docstring)."""
+    context at its answer's first token (module docstring)."""
 
     def __init__(self, early: bool = True) -> None:
         self.cv = threading.Condition()
@@ -108,7 +109,7 @@ class AppContexts:
 
     def awaited(self, label: str) -> bool:
         """Whether other asks of the app wait for the context labelled ``label`` that this ask
-        loads (then it keeps it before answering, unless the table says ``early=False``)."""
+        loads (then it keeps it at its first token, unless the table says ``early=False``)."""
         with self._table.cv:
             return self._table.early and self._table.waiting[(self.app, label)] > 0
 

@@ -143,8 +143,8 @@ class AskService:
             (:class:`~sparkv.asks.cores.CoreGate`, up to :data:`~sparkv.asks.cores.BATCH_STEPS`).
         decode_batch: the most answer tokens (one per ask) one forward pass runs (1: each its
             own; :data:`~sparkv.asks.cores.DECODE_BATCH`).
-        early_keep: an ask that loaded a context other asks of its app wait for keeps it before
-            answering, so that they start one answer sooner (:mod:`sparkv.asks.kept`);
+        early_keep: an ask that loaded a context other asks of its app wait for keeps it at its
+            answer's first token, so that they start one answer sooner (:mod:`sparkv.asks.kept`);
             ``False``: after.
     """
 

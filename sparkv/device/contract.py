@@ -47,8 +47,8 @@ class KeptContexts(Protocol):
 
     def awaited(self, label: str) -> bool:
         """Whether other asks wait for the context labelled ``label`` that this one loads: then
-        the session imports it before answering rather than after, so that they read it while
-        this ask answers from its own cache."""
+        the session imports it at the answer's first token rather than after the answer, so
+        that they read it while this ask answers from its own cache."""
         ...
 
     def call(self, ctx_id: str, *, prompt_ids: Sequence[int], max_new_tokens: int, grow: bool,

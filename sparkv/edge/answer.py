@@ -47,9 +47,10 @@ class Breakdown:
     #: a kept context's ask that read the working memory another ask about it had switched in,
     #: at once (sparkv.device.readturns)
     joined: bool = False
-    #: the seconds keeping the loaded context took before the answer, other asks waiting for it
-    #: (inside ``ttft_s``; sparkv.asks.kept); ``None``: kept after the answer, or not kept
-    kept_before_s: float | None = None
+    #: the seconds keeping the loaded context took at the answer's first token, other asks
+    #: waiting for it (after the first token, before the second; sparkv.asks.kept); ``None``:
+    #: kept after the answer, or not kept
+    kept_early_s: float | None = None
     #: the load's verdict on a re-plan at the measured link rate (``time_s``, ``measured_mbps``,
     #: ``planned_mbps``, ``taken``; not taken: ``kept``, why, or the planner's ``error``;
     #: ``None``: none was judged; docs/scheduler.md, "A re-plan at the measured rate")

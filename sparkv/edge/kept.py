@@ -112,30 +112,30 @@ class KeptAsks:
 
 @dataclass
 class AskKeeping:
-    """One ask's keeping of the cache it loaded: before its answer when other asks wait for the
-    context (:meth:`KeptAsks.awaited`: they then read the kept copy while this ask answers from
-    its own cache), else after it, with the answer's turn."""
+    """One ask's keeping of the cache it loaded: at its answer's first token when other asks
+    wait for the context (:meth:`early`, :meth:`KeptAsks.awaited`: they then read the kept copy
+    while this ask answers from its own cache), else after the answer, with its turn
+    (:meth:`end`)."""
 
     kept: KeptAsks
     context_id: str
     kept_id: str | None = None
-    #: the seconds the keeping before the answer took; ``None``: kept after it
-    before_s: float | None = None
+    #: the seconds the keeping took at the first token; ``None``: kept after the answer
+    early_s: float | None = None
 
-    @classmethod
-    def begin(cls, kept: KeptAsks, context_id: str, tokens: list[int], kv: ContextKV
-              ) -> "AskKeeping":
-        """Before the answer: keeps ``kv`` (the context only) now if the context is awaited."""
-        if not kept.awaited(context_id):
-            return cls(kept, context_id)
+    def early(self, tokens: list[int], kv: ContextKV) -> None:
+        """At the answer's first token (``kv`` holds the context, then the question): keeps
+        the context now if other asks wait for it."""
+        if self.early_s is not None or not self.kept.awaited(self.context_id):
+            return
         t0 = time.perf_counter()
-        kept_id = kept.keep(context_id, tokens, kv)
-        return cls(kept, context_id, kept_id, time.perf_counter() - t0)
+        self.kept_id = self.kept.keep(self.context_id, tokens, kv)
+        self.early_s = time.perf_counter() - t0
 
     def end(self, tokens: list[int], kv: ContextKV, turn: AppendedTurn | None) -> str | None:
-        """After the answer: keeps the context (unless kept before) and the answer's ``turn``;
+        """After the answer: keeps the context (unless kept early) and the answer's ``turn``;
         the kept id (``None``: not kept)."""
-        if self.before_s is None:
+        if self.early_s is None:
             self.kept_id = self.kept.keep(self.context_id, tokens, kv, turn)
         elif self.kept_id is not None and turn is not None:
             self.kept.keep_turn(self.kept_id, turn)

@@ -829,10 +829,11 @@ class EdgeSession:
     def _answer(self, ask: _Ask, fetched: FetchedContext, planned: _Planned,
                 loaded: _Loaded) -> AskResult:
         """The question's prefill and the answer over the assembled cache; the result. A cache
-        that other asks wait for is kept before the answer (:meth:`KeptAsks.awaited`), else
-        after it, with the answer's turn."""
+        that other asks wait for is kept at the answer's first token (:class:`AskKeeping`),
+        else after the answer, with its turn."""
         opts, tokens, kv = ask.options, fetched.tokens, loaded.stepper.kv
-        keeping = AskKeeping.begin(self._kept(), ask.context_id, tokens, kv) if opts.keep else None
+        keeping = AskKeeping(self._kept(), ask.context_id) if opts.keep else None
+        keep_early = (lambda: keeping.early(tokens, kv)) if keeping is not None else None
         decode_stats: dict[str, Any] = {}
         turn: AppendedTurn | None = None
         if not opts.uses_decode_policy:
@@ -840,12 +841,15 @@ class EdgeSession:
 
             gen = greedy_generate(self.lm, kv, len(tokens), ask.suffix, opts.max_new_tokens,
                                   stop_at_eos=opts.stop_at_eos, stop=opts.stop,
-                                  truncate=not opts.keep, sampling=opts.sampling)
+                                  truncate=not opts.keep, sampling=opts.sampling,
+                                  after_first=keep_early)
             if opts.keep:                # the turn's KV goes to the service with the context
                 turn = appended_turn(kv, ask.suffix, gen.tokens)
         else:
             from sparkv.decode import generate as policy_generate
 
+            if keep_early is not None:  # a decode policy may drop the context's entries
+                keep_early()
             gen, dstats = policy_generate(self.lm, kv, len(tokens), ask.suffix,
                                           opts.max_new_tokens, kv_policy=opts.decode,
                                           ram_budget=opts.ram_budget,
@@ -860,7 +864,7 @@ class EdgeSession:
         kept_id = keeping.end(tokens, kv, turn) if keeping is not None else None
         breakdown = _breakdown(ask, fetched, planned, loaded, gen, ttft)
         breakdown.decode = decode_stats
-        breakdown.kept_before_s = keeping.before_s if keeping is not None else None
+        breakdown.kept_early_s = keeping.early_s if keeping is not None else None
         breakdown.seed = gen.seed
         return AskResult(gen.text, gen.tokens, breakdown, loaded.plan, planned.instance,
                          loaded.load, gen.first_logits, len(tokens), kept_id, planned.controller,

@@ -80,7 +80,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
                     question_ids: Sequence[int], max_new_tokens: int = 32,
                     stop_at_eos: bool = True, keep: bool = False,
                     stop: Sequence[str] = (), truncate: bool = True,
-                    sampling: Sampling | None = None) -> GenerationResult:
+                    sampling: Sampling | None = None,
+                    after_first: Callable[[], None] | None = None) -> GenerationResult:
     """Greedy decoding (or sampling) after ``question_ids`` over a context cache of ``context_len`` tokens.
 
     The cache is a :class:`~sparkv.cache.SparkvCache` over the KV memory: new tokens are appended
@@ -100,6 +101,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
         stop: stop strings: the answer ends at the token that completes one, its text before
             it (:class:`~sparkv.runtime.stops.StopStrings`).
         sampling: how each token is chosen (default: greedy).
+        after_first: called once the first answer token is chosen (and reported), before the
+            second is computed; the memory then holds the context and the question.
     """
     n = context_len if isinstance(context_len, int) else len(context_len)
     if not question_ids:
@@ -110,7 +113,8 @@ def greedy_generate(lm: LoadedModel, kv: LayerKV | ContextKV, context_len: int |
     done = False
     try:
         res = _decode(lm, cache, n, question_ids, max_new_tokens, stop_at_eos, start,
-                      StopStrings(stop), TokenChooser.of_model(lm, sampling))
+                      StopStrings(stop), TokenChooser.of_model(lm, sampling),
+                      after_first=after_first)
         done = True
         return res
     finally:
@@ -139,7 +143,8 @@ def generate_over(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
 def _decode(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
             question_ids: Sequence[int], max_new_tokens: int, stop_at_eos: bool, start: float,
             stops: StopStrings, choose: TokenChooser,
-            after_question: Callable[[], None] | None = None) -> GenerationResult:
+            after_question: Callable[[], None] | None = None,
+            after_first: Callable[[], None] | None = None) -> GenerationResult:
     device = lm.device
     ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
     pos = torch.arange(n, n + ids.shape[1], device=device)
@@ -151,6 +156,8 @@ def _decode(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
     logits = out.logits[0, -1].float()
     token = choose(logits)
     first_s = time.perf_counter() - start
+    if after_first is not None:
+        after_first()
     tokens = [token]
     eos = lm.eos_ids
     cur = n + ids.shape[1]

@@ -308,6 +308,37 @@ def test_swap_out_and_back_is_bit_exact_at_fp(tmp_path):
         assert torch.equal(k, rk) and torch.equal(v, rv)
 
 
+def test_token_residency_counts_each_token_chunk_by_its_chunks(tmp_path):
+    """Token chunks resident (every chunk), absent (any chunk), else on flash: counted from the
+    table's column at once as chunk by chunk (what ``GET /v1/contexts`` reports)."""
+    mem, _ = _random_memory(GEO)
+    tier = FlashTier(tmp_path)
+    rng = random.Random(3)
+    cids = list(GEO.chunk_ids())
+    for cid in rng.sample(cids, len(cids) // 2):
+        mem.swap_out(cid, tier)                            # on flash
+    for cid in rng.sample(cids, 3):
+        mem.drop(cid)                                      # absent unless a flash copy is kept
+        mem.forget_flash(cid, tier)
+
+    def by_chunk() -> tuple[int, int, int]:
+        res = fl = ab = 0
+        for t in range(GEO.num_token_chunks):
+            r = [mem.residency(c) for c in cids if c.t == t]
+            res += all(x == Residency.RESIDENT for x in r)
+            ab += not all(x == Residency.RESIDENT for x in r) and Residency.ABSENT in r
+            fl += not all(x == Residency.RESIDENT for x in r) and Residency.ABSENT not in r
+        return res, fl, ab
+
+    got = mem.token_residency()
+    assert got == by_chunk() and sum(got) == GEO.num_token_chunks
+    assert got[1] > 0 and got[2] > 0                      # every kind is there
+    for cid in cids:
+        if mem.residency(cid) == Residency.FLASH:
+            mem.swap_in(cid, tier)
+    assert mem.token_residency() == by_chunk()
+
+
 @pytest.mark.parametrize("level", ["int8", "int4", "int2"])
 def test_quantized_levels_round_trip_within_their_error(tmp_path, level):
     mem, layers = _random_memory(GEO)

@@ -36,7 +36,7 @@ from sparkv.cache.levels import LEVELS, Residency, Source
 from sparkv.cache.pages import PagePools
 from sparkv.cache.paged import PagedChunks, run_of
 from sparkv.cache.payload import ChunkPayload, ChunkRun, contiguous_positions
-from sparkv.cache.table import RESIDENT, ChunkState, ChunkTable, TokenRows
+from sparkv.cache.table import ABSENT, RESIDENT, ChunkState, ChunkTable, TokenRows
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -109,6 +109,17 @@ class ChunkMemory:
 
     def residency(self, cid: KVChunkId) -> Residency:
         return self.state(cid).residency
+
+    def token_residency(self) -> tuple[int, int, int]:
+        """Token chunks ``(resident, flash, absent)``, from the table's column at once: a token
+        chunk is resident when every chunk of it (each layer and group) is, absent when any is,
+        else on flash."""
+        g = self.geometry
+        with self._lock:
+            rows = self.table.residency.reshape(g.num_token_chunks, -1)
+            resident = int((rows == RESIDENT).all(axis=1).sum())
+            absent = int((rows == ABSENT).any(axis=1).sum())
+        return resident, g.num_token_chunks - resident - absent, absent
 
     def level(self, cid: KVChunkId) -> str:
         return self.state(cid).level

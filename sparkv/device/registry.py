@@ -34,11 +34,10 @@ from typing import Any, Iterator
 
 import torch
 
-from sparkv.cache import ContextKV, Residency
+from sparkv.cache import ContextKV
 from sparkv.device.density import DensityRecorder
 from sparkv.device.errors import ContextBusy, ContextDamaged, UnknownContext
 from sparkv.device.flashio import ServiceFlash
-from sparkv.device.loader import token_chunk_ids
 
 #: a context id: the service makes 16 hex digits; a name outside this pattern (``.``, ``..``, a
 #: path) is never taken for a context's directory or journal record
@@ -180,18 +179,9 @@ class DeviceContext:
 
     def describe(self) -> ContextSummary:
         """What the context holds now (``GET /v1/contexts/{id}``)."""
-        res = fl = ab = 0
         C = self.memory
-        if C is not None:
-            g = C.geometry
-            for t in range(g.num_token_chunks):
-                r = [C.residency(cid) for cid in token_chunk_ids(g, t)]
-                if all(x == Residency.RESIDENT for x in r):
-                    res += 1
-                elif any(x == Residency.ABSENT for x in r):
-                    ab += 1
-                else:
-                    fl += 1
+        # the table's column at once (per chunk it took ~190 ms a 2,048-token context)
+        res, fl, ab = C.token_residency() if C is not None else (0, 0, 0)
         mix: dict[str, int] = {}
         for lv in self.levels:
             mix[lv] = mix.get(lv, 0) + 1

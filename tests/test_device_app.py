@@ -38,7 +38,8 @@ STATS = {"policy": "llms", "device": "cpu",
          "evicted_bytes": 5, "reclaim_written_bytes": 0, "aot_written_bytes": 6, "read_bytes": 7,
          "recomputed_chunks": 8, "read_chunks": 9, "host_chunks": 2, "host_bytes": 10,
          "faults": 0, "hot_hits": 1, "hot_dropped": 0, "streamed_chunks": 0,
-         "turns_running": 0, "reservations_waiting": 0, "turn_waits": 0, "joined_reads": 0}
+         "turns_running": 0, "reservations_waiting": 0, "turn_waits": 0, "joined_reads": 0,
+         "read_handoffs": 0}
 
 
 #: a context as the routes describe it: the service's description and its owner (an app's view)

@@ -210,6 +210,9 @@ def _opener_first(svc, call, others: list[str]) -> None:
         th.start()
     for th in [opener, *threads]:
         th.join(GUARD_S)
+    for ctx in svc.registry.live():     # a handed-off read turn's end gives the lock back last
+        assert ctx.lock.acquire(timeout=GUARD_S)
+        ctx.lock.release()
 
 
 @pytest.mark.parametrize("turn_cache", [None, 0])
@@ -307,6 +310,51 @@ def test_a_read_turn_whose_opener_or_joiner_fails_leaves_the_other_whole(smollm2
     assert svc.account.claims == {} and svc.reads.open_count() == 0
     monkeypatch.undo()
     assert svc.call(cid, "What happens?", max_new_tokens=4, grow=False).tokens == want
+    assert svc.stats()["budget_violations"] == 0
+
+
+def test_an_opener_answers_without_waiting_for_its_joiner(smollm2, tmp_path, monkeypatch):
+    """The opener's turn ends while a joiner still reads (held until the opener returned, a
+    longer answer): the opener returns at once, and the service ends the read turn once the
+    joiner left: its densities and the opener's in the context, the working memory released,
+    no claim left, the lock free, the context answers and grows."""
+    from sparkv.device import service as service_module
+
+    svc = _service(smollm2, tmp_path)
+    cid = svc.new_context(system_ids=sample_context_ids(smollm2, 90))
+    lengths = {"opener": 3, "joiner": 8}
+    want = {n: svc.call(cid, "What happens?", max_new_tokens=m, grow=False).tokens
+            for n, m in lengths.items()}
+    ctx = svc.registry.get(cid)
+    calls, mass = svc.describe(cid).calls, ctx.mass.clone()
+    real, returned = service_module.run_turn, threading.Event()
+
+    def turn(*args, **kw):
+        name = threading.current_thread().name
+        while name == "opener" and svc.reads._open[cid].joined < 1:
+            time.sleep(0.01)
+        if name == "joiner":
+            assert returned.wait(GUARD_S), "the opener waited for its joiner"
+        return real(*args, **kw)
+
+    monkeypatch.setattr(service_module, "run_turn", turn)
+    out: dict[str, object] = {}
+
+    def call(name: str) -> None:
+        out[name] = svc.call(cid, "What happens?", max_new_tokens=lengths[name], grow=False)
+        if name == "opener":
+            returned.set()
+
+    _opener_first(svc, call, ["joiner"])
+    assert {n: out[n].tokens for n in lengths} == want and out["joiner"].joined
+    st = svc.stats()
+    assert st["read_handoffs"] == 1 and st["joined_reads"] == 1
+    assert svc.account.claims == {} and svc.reads.open_count() == 0 and not ctx.lock.locked()
+    assert svc.describe(cid).calls == calls + 2
+    assert float((ctx.mass - mass).sum()) > 0             # the turn's densities reached it
+    monkeypatch.undo()
+    assert svc.call(cid, "What happens?", max_new_tokens=3, grow=False).tokens == want["opener"]
+    assert svc.call(cid, "Thanks.", max_new_tokens=3).context_tokens > 90
     assert svc.stats()["budget_violations"] == 0
 
 

@@ -39,6 +39,7 @@ class ServiceCounters:
     streamed_chunks: int = 0         # token chunks restored from the server
     turn_waits: int = 0              # reservations that waited for a call's turn to end
     joined_reads: int = 0            # calls that read the working memory another switched in
+    read_handoffs: int = 0           # openers that returned before their joiners
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def called(self) -> None:
@@ -92,6 +93,12 @@ class ServiceCounters:
         (:mod:`~sparkv.device.readturns`)."""
         with self._lock:
             self.joined_reads += 1
+
+    def handed_off(self) -> None:
+        """A read turn's opener returned while joiners still read; the turn's end was left to
+        a thread of the service (:mod:`~sparkv.device.readturns`)."""
+        with self._lock:
+            self.read_handoffs += 1
 
     def wrote_ahead(self, nbytes: int) -> None:
         """A call's ahead-of-time swap-out wrote ``nbytes``."""

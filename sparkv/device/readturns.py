@@ -9,7 +9,11 @@ at once; the answer tokens of both ride one forward pass where the asks' cores b
 
 * :meth:`ReadTurns.opened`: a call holding the context's lock opens its read turn for a block;
   at the block's end nobody joins any more, and it waits until every joiner has left (the
-  working memory is released only then);
+  working memory is released only then). The service's opener closes it first
+  (:meth:`ReadTurns.close`): when joiners still read, it returns its answer at once and a
+  thread of the service ends the block once they left (releases the working memory, writes
+  ahead, journals, gives the context's lock back), so an opener never waits for a joiner's
+  answer;
 * :meth:`ReadTurns.hold_or_join`: a call waiting for the context's lock joins the read turn
   opened meanwhile, or gets the lock;
 * the opener **shares its question's KV** once its question's forward pass ran
@@ -50,6 +54,7 @@ class ReadTurn:
     and scope, how many read it now (the opener included), the densities the joiners that left
     recorded, and the opener's question rows once shared."""
 
+    ctx_id: str
     working: ContextKV
     n: int
     ids: tuple[int, ...] = ()
@@ -74,7 +79,7 @@ class ReadTurns:
         """Opens a read turn of ``ctx_id`` over ``working`` for the block (the caller holds the
         context's lock; ``ids``: its prompt, ``scope``: whose turns these are); on leaving,
         closes it and waits for its joiners to leave."""
-        turn = ReadTurn(working, n, tuple(ids), scope)
+        turn = ReadTurn(ctx_id, working, n, tuple(ids), scope)
         with self._cv:
             if ctx_id in self._open:
                 raise RuntimeError(f"context {ctx_id} already has a read turn open")
@@ -82,12 +87,22 @@ class ReadTurns:
         try:
             yield turn
         finally:
+            self.close(turn)
             with self._cv:
-                del self._open[ctx_id]
-                turn.closed = True
-                self._cv.notify_all()             # joiners waiting for rows it never shared
                 while turn.readers > 1:
                     self._cv.wait()
+
+    def close(self, turn: ReadTurn) -> bool:
+        """Nobody joins ``turn`` any more (its opener's turn ended); whether joiners still read
+        it (its opener may then hand the turn's end to the last of them: the service's
+        ``_finish_read``). Closing twice is a no-op."""
+        with self._cv:
+            if not turn.closed:
+                turn.closed = True
+                if self._open.get(turn.ctx_id) is turn:
+                    del self._open[turn.ctx_id]
+                self._cv.notify_all()             # joiners waiting for rows it never shared
+            return turn.readers > 1
 
     def hold_or_join(self, lock: threading.Lock, ctx_id: str, timeout_s: float | None
                      ) -> ReadTurn | bool:

@@ -383,3 +383,7 @@ class ServiceStats(_Reply):
     joined_reads: int = Field(description=(
         "calls that left their context as it was and read the working memory another call on "
         "it had switched in, at once (docs/device-service.md, 'Calls at once')"))
+    read_handoffs: int = Field(description=(
+        "read turns whose opener answered while calls that joined it still read: it returned "
+        "at once, and the service released the working memory once they left "
+        "(docs/device-service.md, 'Calls that read one working memory')"))

@@ -49,6 +49,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -91,6 +92,8 @@ if TYPE_CHECKING:
     from sparkv.runtime.sampling import Sampling
 
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
+
+log = logging.getLogger("sparkv.device")
 
 _T = TypeVar("_T")
 
@@ -327,11 +330,12 @@ class ContextService:
                 if res is not None:
                     return res
             held = got is True
-        with self.registry.holding(ctx, timeout_s, held=held):
+        with contextlib.ExitStack() as holds:      # a read turn's opener may hand them off
+            holds.enter_context(self.registry.holding(ctx, timeout_s, held=held))
             ids = self._turn_ids(ctx, prompt, prompt_ids, max_new_tokens)
-            with self.registry.running(ctx, self._run):
-                return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
-                                  turn_scope, sampling)
+            holds.enter_context(self.registry.running(ctx, self._run))
+            return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
+                              turn_scope, sampling, holds)
 
     def _turn_ids(self, ctx: DeviceContext, prompt: str | None,
                   prompt_ids: Sequence[int] | None, max_new: int) -> builtins.list[int]:
@@ -466,7 +470,10 @@ class ContextService:
     # ---- one call --------------------------------------------------------------------------------
     def _call(self, ctx: DeviceContext, ids: builtins.list[int], max_new: int, grow: bool,
               stop_at_eos: bool, remote: RemoteSource | None = None, stop: Sequence[str] = (),
-              turn_scope: str = "", sampling: Sampling | None = None) -> CallResult:
+              turn_scope: str = "", sampling: Sampling | None = None,
+              holds: contextlib.ExitStack | None = None) -> CallResult:
+        """One call holding ``ctx``'s lock and the model (``holds``: what holds them; a read
+        turn's opener whose joiners still read hands them to :meth:`_finish_read`)."""
         t0 = time.perf_counter()
         n = len(ctx.tokens)
         before = self.counters.snapshot()
@@ -478,22 +485,35 @@ class ContextService:
                              ctx)
         counted = self.counters.since(before)   # the switch's: other calls count meanwhile
         switch_s = time.perf_counter() - t0
-        reads = (self.reads.opened(ctx.id, sw.working, n, ids, turn_scope)
-                 if self._reads_shared(grow, max_new) else contextlib.nullcontext())
+        in_turn = contextlib.ExitStack()     # the turn (the model given back), the read turn
+        read: ReadTurn | None = None
         try:
-            with (self._turn(ctx.id, sw.fold_bytes if grow else 0) if self.config.overlap_turns
-                  else contextlib.nullcontext()), reads as read:
-                turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
-                                stop_at_eos=stop_at_eos, stop=stop, known=known,
-                                keep_tail=tails, sampling=sampling,
-                                reserve=len(ids) + max_new, share=self._sharer(read))
+            if self.config.overlap_turns:
+                in_turn.enter_context(self._turn(ctx.id, sw.fold_bytes if grow else 0))
+            if self._reads_shared(grow, max_new):
+                read = in_turn.enter_context(self.reads.opened(ctx.id, sw.working, n, ids,
+                                                               turn_scope))
+            turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
+                            stop_at_eos=stop_at_eos, stop=stop, known=known,
+                            keep_tail=tails, sampling=sampling,
+                            reserve=len(ids) + max_new, share=self._sharer(read))
         except BaseException:        # failed or cancelled: its working memory is given back
+            in_turn.close()          # (once the joiners left)
             self.keeper.abandon(ctx, sw.working)
             raise
         first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
         tokens = turn.tokens
         if turn.tail is not None:
             self.tails.put(where, ids + tokens[:-1], turn.tail)
+        if read is not None and holds is not None and self.reads.close(read):
+            threading.Thread(target=self._finish_read, daemon=True,
+                             name=f"sparkv-read-end-{ctx.id}",
+                             args=(ctx, sw.working, turn.density, read, in_turn,
+                                   holds.pop_all())).start()
+            self.counters.handed_off()
+            self.counters.called()
+            return self._result(ctx, turn, sw, counted, t0, switch_s, first_s, stop, sampling)
+        in_turn.close()
         if grow:
             self.tails.forget(ctx.id)
             added = ids + tokens[:-1]
@@ -514,12 +534,44 @@ class ContextService:
             raise
         aot_s = time.perf_counter() - t_aot
         self.counters.called()
-        return CallResult.of(self.lm, ctx.id, tokens, sw, len(ctx.tokens),
+        return self._result(ctx, turn, sw, counted, t0, switch_s, first_s, stop, sampling,
+                            aot_s, aot_bytes)
+
+    def _result(self, ctx: DeviceContext, turn: Any, sw: SwitchIn, counted: ServiceCounters,
+                t0: float, switch_s: float, first_s: float, stop: Sequence[str],
+                sampling: Sampling | None, aot_s: float = 0.0, aot_bytes: int = 0
+                ) -> CallResult:
+        """A switched-in call's result (``turn``: what :func:`run_turn` returned)."""
+        return CallResult.of(self.lm, ctx.id, turn.tokens, sw, len(ctx.tokens),
                              counted, switch_s=switch_s,
                              first_token_s=first_s, total_s=time.perf_counter() - t0,
                              aot_s=aot_s, aot_bytes=aot_bytes, stop=stop,
                              turn_tokens_reused=turn.reused,
                              seed=sampling.seed if sampling and not sampling.greedy else None)
+
+    def _finish_read(self, ctx: DeviceContext, working: ContextKV, density: Any,
+                     read: ReadTurn, in_turn: contextlib.ExitStack,
+                     holds: contextlib.ExitStack) -> None:
+        """The end of a read turn whose opener returned while joiners still read (on a thread
+        of its own): once they left, the densities go to the context, the working memory is
+        released, the context written ahead and journaled, and its lock and the model given
+        back (``holds``). Errors are logged: the answers are out already."""
+        try:
+            in_turn.close()                   # waits for the joiners; the model again
+            for d in [density, *read.densities]:
+                ctx.add_density(d, read.n)
+            self.keeper.release(ctx, working)
+            self.registry.touch(ctx)
+            try:
+                self._after_call(ctx)
+            except FlashFull:
+                assert self.journal is not None
+                revert(ctx, self.journal, self.registry, self.keeper, self.swap, self.vocab)
+                raise
+        except BaseException:  # noqa: BLE001 - nobody to raise to: the calls have returned
+            log.exception("the end of a read turn of context %s failed", ctx.id)
+        finally:
+            holds.close()
 
     def _joined(self, read: ReadTurn, ctx: DeviceContext, prompt: str | None,
                 prompt_ids: Sequence[int] | None, max_new: int, stop_at_eos: bool,

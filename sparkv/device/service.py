@@ -506,11 +506,7 @@ class ContextService:
         if turn.tail is not None:
             self.tails.put(where, ids + tokens[:-1], turn.tail)
         if read is not None and holds is not None and self.reads.close(read):
-            threading.Thread(target=self._finish_read, daemon=True,
-                             name=f"sparkv-read-end-{ctx.id}",
-                             args=(ctx, sw.working, turn.density, read, in_turn,
-                                   holds.pop_all())).start()
-            self.counters.handed_off()
+            self._hand_off(ctx, sw.working, turn.density, read, in_turn, holds)
             self.counters.called()
             return self._result(ctx, turn, sw, counted, t0, switch_s, first_s, stop, sampling)
         in_turn.close()
@@ -548,6 +544,20 @@ class ContextService:
                              aot_s=aot_s, aot_bytes=aot_bytes, stop=stop,
                              turn_tokens_reused=turn.reused,
                              seed=sampling.seed if sampling and not sampling.greedy else None)
+
+    def _hand_off(self, ctx: DeviceContext, working: ContextKV, density: Any, read: ReadTurn,
+                  in_turn: contextlib.ExitStack, holds: contextlib.ExitStack) -> None:
+        """A read turn's opener, joiners still reading: its turn's end (:meth:`_finish_read`)
+        goes to a thread of its own, with what holds the context and the model; with no
+        thread to be had, the opener ends it itself (it then waits for them, as before)."""
+        args = (ctx, working, density, read, in_turn, holds.pop_all())
+        try:
+            threading.Thread(target=self._finish_read, args=args, daemon=True,
+                             name=f"sparkv-read-end-{ctx.id}").start()
+        except RuntimeError:            # "can't start new thread"
+            self._finish_read(*args)
+            return
+        self.counters.handed_off()
 
     def _finish_read(self, ctx: DeviceContext, working: ContextKV, density: Any,
                      read: ReadTurn, in_turn: contextlib.ExitStack,

@@ -110,7 +110,7 @@ def world(tmp_path_factory):
     stop_checked(srv)
 
 
-def _choices(world, monkeypatch, early: bool, name: str) -> list[dict]:
+def _choices(world, monkeypatch, early: bool, name: str, **options) -> list[dict]:
     """Three sampled choices of one request (one admission group) about the world's context,
     not yet kept, through an in-process ask service: their done events and its kept contexts.
     The loader looks at the table only once both others wait (so that the run does not depend
@@ -137,7 +137,8 @@ def _choices(world, monkeypatch, early: bool, name: str) -> list[dict]:
         reqs = [AskRequest(world["srv"].url, world["cid"], "What is it about?", world["key"],
                            AskOptions(strategy="local", backend="dense", level="raw",
                                       max_new_tokens=6, stop_at_eos=False, keep=True,
-                                      temperature=1.0, seed=40 + i)) for i in range(3)]
+                                      temperature=1.0, seed=40 + i, **options))
+                for i in range(3)]
         done = [t.wait(GUARD_S) for t in asks.submit_group("app", reqs)]
         kept = svc.list()
         tails = [t.tokens for t in svc.tails._tails.values()]
@@ -166,3 +167,14 @@ def test_a_loader_others_wait_for_keeps_the_context_at_its_first_token(world, mo
     # the same seeds draw the same tokens, kept early or after the answer
     assert [d["tokens"] for d in early] == [d["tokens"] for d in after]
     assert len(got_after["kept"]) == 1
+
+
+def test_a_loader_with_a_decode_policy_keeps_the_context_before_its_answer(world, monkeypatch):
+    """Under a decode policy (DynaKV may drop the loaded cache's entries as it decodes) the
+    loader keeps the context before its answer: whole, the others answer from it."""
+    *done, got = _choices(world, monkeypatch, True, "policy", decode="dynakv")
+    loader = [d for d in done if d["stats"]["strategy"] == "local"]
+    assert len(loader) == 1 and loader[0]["stats"]["kept_early_s"] is not None
+    assert got["streamed"] == [0]                   # looked before its first token
+    assert sorted(d["stats"]["strategy"] for d in done) == ["kept", "kept", "local"]
+    assert len(got["kept"]) == 1

@@ -2,7 +2,8 @@
 prefill) is converted a layer at a time (sparkv.device.keeper.adopted_chunks): every chunk's
 payloads are those of converting that chunk alone, bit for bit, at every level, a last chunk
 shorter than the others included, and each payload holds its own storage (a chunk evicted later
-frees its bytes)."""
+frees its bytes); a context imported inside inference mode (an ask keeping its cache at its
+first answer token) holds no inference tensor."""
 
 from __future__ import annotations
 
@@ -55,3 +56,28 @@ def test_a_layer_at_a_time_gives_each_chunks_own_payloads(dtype):
                 assert a.dtype == b.dtype and torch.equal(a, b)
                 # its own storage: nothing of the layer's converted rows is held
                 assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+
+
+@pytest.mark.parametrize("put_away", ["chunks", "kill"])
+def test_a_context_imported_in_inference_mode_holds_no_inference_tensor(tiny_llama, tmp_path,
+                                                                         put_away):
+    """An ask keeps its cache at its first answer token, inside its generation's inference
+    mode: what the service holds of it is still written in place later, outside it."""
+    from sparkv.device import ContextService
+
+    lm = tiny_llama
+    n = 40
+    g = ChunkGeometry.from_config(lm.config, n, 16)
+    with torch.inference_mode():
+        layers = [(torch.randn(1, g.num_kv_heads, n, g.head_dim),
+                   torch.randn(1, g.num_kv_heads, n, g.head_dim)) for _ in range(g.num_layers)]
+        kw = ({} if put_away == "chunks"
+              else dict(eviction="whole", compression="fp", journal=False))
+        svc = ContextService(lm, 64 << 20, tmp_path / "svc", put_away=put_away, **kw)
+        cid = svc.import_context(list(range(5, 5 + n)), layers)
+    C = svc.registry.get(cid).memory
+    held = [t for s in C.layers if s is not None for t in (s.k, s.v) if t is not None]
+    held += [t for pool in C.paged.pools.pools.values() for t in pool.tensors()]
+    assert held and not any(t.is_inference() for t in held)
+    assert svc.call(cid, prompt_ids=[7, 8, 9], max_new_tokens=2).context_tokens == n + 4
+    svc.close()

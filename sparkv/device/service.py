@@ -242,7 +242,9 @@ class ContextService:
                      f"a context of this {len(ids)}-token system prompt")
         ctx = self._new(ids, system_prompt)
         ctx.label = label
-        with ctx.lock, self._run, self._adding(ctx):
+        # never inference tensors in the memory (an ask keeps its cache at its first answer
+        # token, inside its generation's inference mode): they are written in place outside it
+        with ctx.lock, self._run, self._adding(ctx), torch.inference_mode(False):
             self._reserving(lambda: self.keeper.create(ctx))
         return ctx.id
 
@@ -280,7 +282,9 @@ class ContextService:
                               f"the context has {len(ids)}")
         ctx = self._new(ids, system_prompt)
         ctx.label = label
-        with ctx.lock, self._run, self._adding(ctx):
+        # never inference tensors in the memory (an ask keeps its cache at its first answer
+        # token, inside its generation's inference mode): they are written in place outside it
+        with ctx.lock, self._run, self._adding(ctx), torch.inference_mode(False):
             if density is not None:
                 ctx.set_density(*density)
             self._reserving(lambda: self.keeper.adopt(ctx, layers))

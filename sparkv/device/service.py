@@ -242,9 +242,7 @@ class ContextService:
                      f"a context of this {len(ids)}-token system prompt")
         ctx = self._new(ids, system_prompt)
         ctx.label = label
-        # never inference tensors in the memory (an ask keeps its cache at its first answer
-        # token, inside its generation's inference mode): they are written in place outside it
-        with ctx.lock, self._run, self._adding(ctx), torch.inference_mode(False):
+        with ctx.lock, self._run, self._adding(ctx):
             self._reserving(lambda: self.keeper.create(ctx))
         return ctx.id
 

@@ -60,7 +60,7 @@ class KeptAsks:
 
     def awaited(self, context_id: str) -> bool:
         """Whether other asks wait for the server's context ``context_id`` that this ask loads
-        (then it is kept before the answer: :meth:`KeptContexts.awaited
+        (then it is kept at the answer's first token: :meth:`KeptContexts.awaited
         <sparkv.device.contract.KeptContexts.awaited>`)."""
         return self.service().awaited(self.label(context_id))
 

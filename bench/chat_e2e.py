@@ -88,6 +88,39 @@ def served(prefix: str, services: dict[Any, list[str]]
                     d.stop()
 
 
+def choices_request(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int,
+                    seed: int) -> tuple[Any, list[dict[str, Any]], float]:
+    """One request of ``n`` sampled choices (temperature 0.8, ``seed``, kept, every choice
+    ``max_tokens`` long): the response, each choice's ``sparkv`` extension, the wall time."""
+    t0 = time.perf_counter()
+    r = oa.chat.completions.create(model=cid, max_tokens=max_tokens, n=n, temperature=0.8,
+                                   seed=seed, messages=[{"role": "user", "content": question}],
+                                   extra_body={"sparkv": {"server": url, "keep": True,
+                                                          "stop_at_eos": False}})
+    sp = r.model_extra["sparkv"]
+    return r, sp.get("choices", [sp]), time.perf_counter() - t0
+
+
+def choices_args(n_default: str, description: str) -> argparse.Namespace:
+    """The flags of the benches that send requests of ``n`` choices (``choices_kept.py``,
+    ``choices_fresh.py``), parsed."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--n", default=n_default, help="choices per request")
+    p.add_argument("--rounds", type=int, default=3, help="requests of each n on each service")
+    p.add_argument("--max-tokens", type=int, default=24, help="each choice's most tokens")
+    p.add_argument("--dtype", default="auto",
+                   help="both services' compute configuration (sparkv device serve --dtype)")
+    p.add_argument("--out", default=None, help="write every request's figures here (JSON)")
+    return p.parse_args()
+
+
+def write_out(path: str | None, res: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Every request's figures and the summary ``rows``, as JSON at ``path`` (if any)."""
+    if path:
+        pathlib.Path(path).write_text(json.dumps({**res, "summary": rows}, indent=1) + "\n")
+        print(f"wrote {path}")
+
+
 def run(turns: int, rounds: int, max_tokens: int, strategy: str, pause_s: float = 0.0
         ) -> dict[str, Any]:
     """``rounds`` conversations of ``turns`` requests on each service, alternated."""

@@ -23,17 +23,14 @@ figure: the many-apps issue's "many asks at once", for the asks about a context 
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import statistics
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from chat_e2e import _client, served  # noqa: E402
+from chat_e2e import _client, choices_args, choices_request, served, write_out  # noqa: E402
 
 MODES = {"early": ["--ask-early-keep", "on"], "after": ["--ask-early-keep", "off"]}
 
@@ -41,17 +38,11 @@ MODES = {"early": ["--ask-early-keep", "on"], "after": ["--ask-early-keep", "off
 def ask(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int, seed: int
         ) -> dict[str, Any]:
     """One request of ``n`` choices; its figures."""
-    t0 = time.perf_counter()
-    r = oa.chat.completions.create(model=cid, max_tokens=max_tokens, n=n, temperature=0.8,
-                                   seed=seed, messages=[{"role": "user", "content": question}],
-                                   extra_body={"sparkv": {"server": url, "keep": True,
-                                                          "stop_at_eos": False}})
-    sp = r.model_extra["sparkv"]
-    each = sp.get("choices", [sp])
+    r, each, wall_s = choices_request(oa, cid, url, question, n, max_tokens, seed)
     early = [c["stats"].get("kept_early_s") for c in each]
     loader = [c["first_token_s"] for c in each if c["stats"]["strategy"] != "kept"]
     readers = [c["first_token_s"] for c in each if c["stats"]["strategy"] == "kept"]
-    return {"wall_s": time.perf_counter() - t0,
+    return {"wall_s": wall_s,
             "loader_first_s": loader[0] if loader else None,
             "readers_first_s": max(readers) if readers else None,
             "texts": [c.message.content for c in r.choices],
@@ -107,14 +98,7 @@ def _pair(row: dict[str, Any], key: str) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", default="2,4", help="choices per request")
-    p.add_argument("--rounds", type=int, default=3, help="requests of each n on each service")
-    p.add_argument("--max-tokens", type=int, default=24, help="each choice's most tokens")
-    p.add_argument("--dtype", default="auto",
-                   help="both services' compute configuration (sparkv device serve --dtype)")
-    p.add_argument("--out", default=None, help="write every request's figures here (JSON)")
-    a = p.parse_args()
+    a = choices_args("2,4", __doc__.split("\n\n")[0])
     res = run([int(x) for x in a.n.split(",")], a.rounds, a.max_tokens, ("--dtype", a.dtype))
     rows = summary(res)
     print(f"{'n':>3} {'wall early/after':>22} {'loader 1st token':>17} "
@@ -125,9 +109,7 @@ def main() -> int:
               f"({r['wall_ratio']:.2f}x) {_pair(r, 'loader_first_s'):>17} "
               f"{_pair(r, 'readers_first_s'):>18} {kb:>11} {r['kept_early']:>6} "
               f"{r['same_answers']:>6}")
-    if a.out:
-        pathlib.Path(a.out).write_text(json.dumps({**res, "summary": rows}, indent=1) + "\n")
-        print(f"wrote {a.out}")
+    write_out(a.out, res, rows)
     return 0
 
 

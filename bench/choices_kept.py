@@ -20,17 +20,14 @@ one after another; the ratio answers the many-apps issue's "many asks at once" o
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import statistics
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from chat_e2e import _client, served  # noqa: E402
+from chat_e2e import _client, choices_args, choices_request, served, write_out  # noqa: E402
 
 MODES = {"shared": [], "turns": ["--no-shared-reads"]}
 
@@ -38,14 +35,8 @@ MODES = {"shared": [], "turns": ["--no-shared-reads"]}
 def ask(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int, seed: int
         ) -> dict[str, Any]:
     """One request of ``n`` choices; its figures."""
-    t0 = time.perf_counter()
-    r = oa.chat.completions.create(model=cid, max_tokens=max_tokens, n=n, temperature=0.8,
-                                   seed=seed, messages=[{"role": "user", "content": question}],
-                                   extra_body={"sparkv": {"server": url, "keep": True,
-                                                          "stop_at_eos": False}})
-    sp = r.model_extra["sparkv"]
-    each = sp.get("choices", [sp])
-    return {"wall_s": time.perf_counter() - t0, "first_token_s": sp["first_token_s"],
+    r, each, wall_s = choices_request(oa, cid, url, question, n, max_tokens, seed)
+    return {"wall_s": wall_s, "first_token_s": each[0]["first_token_s"],
             "texts": [c.message.content for c in r.choices],
             "tokens": r.usage.completion_tokens,
             "joined": sum(bool(c["stats"].get("joined")) for c in each),
@@ -95,14 +86,7 @@ def summary(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", default="1,2,4", help="choices per request")
-    p.add_argument("--rounds", type=int, default=3, help="requests of each n on each service")
-    p.add_argument("--max-tokens", type=int, default=24, help="each choice's most tokens")
-    p.add_argument("--dtype", default="auto",
-                   help="both services' compute configuration (sparkv device serve --dtype)")
-    p.add_argument("--out", default=None, help="write every request's figures here (JSON)")
-    a = p.parse_args()
+    a = choices_args("1,2,4", __doc__.split("\n\n")[0])
     res = run([int(x) for x in a.n.split(",")], a.rounds, a.max_tokens, ("--dtype", a.dtype))
     rows = summary(res)
     print(f"{'n':>3} {'wall shared/turns':>22} {'tokens/s shared/turns':>24} "
@@ -113,9 +97,7 @@ def main() -> int:
               f"{r['tokens_per_s_turns']:<6.2f}({r['tokens_per_s_ratio']:.2f}x) "
               f"{r['first_token_s_shared']:>6.2f}/{r['first_token_s_turns']:<6.2f} "
               f"{r['joined_shared']:>7} {r['same_answers']:>6}")
-    if a.out:
-        pathlib.Path(a.out).write_text(json.dumps({**res, "summary": rows}, indent=1) + "\n")
-        print(f"wrote {a.out}")
+    write_out(a.out, res, rows)
     return 0
 
 

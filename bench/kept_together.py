@@ -19,7 +19,6 @@ bundled model), greedy, 2 torch threads per process, wall clock on whatever mach
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from chat_e2e import _client, served  # noqa: E402
+from chat_e2e import _client, served, write_out  # noqa: E402
 
 MODES = {"overlap": [], "serial": ["--serial-turns"]}
 
@@ -120,9 +119,7 @@ def main() -> int:
               f"{r['first_token_s_serial']:<5.2f}({r['first_token_s_ratio']:.2f}x) "
               f"{r['last_first_token_s_overlap']:>6.2f}/{r['last_first_token_s_serial']:<5.2f}"
               f"({r['last_first_token_s_ratio']:.2f}x) {r['same_answers']:>6}")
-    if a.out:
-        pathlib.Path(a.out).write_text(json.dumps({**res, "summary": rows}, indent=1) + "\n")
-        print(f"wrote {a.out}")
+    write_out(a.out, res, rows)
     return 0
 
 

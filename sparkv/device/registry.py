@@ -309,10 +309,9 @@ class ContextRegistry:
         with self.lock:
             return [c for c in self.contexts.values() if not c.deleted]
 
-    def find(self, label: str) -> DeviceContext | None:
-        """The most recently used live context labelled ``label``."""
-        found = [c for c in self.live() if c.label == label]
-        return max(found, key=lambda c: c.last_used) if found else None
+    def labelled(self, label: str) -> list[DeviceContext]:
+        """The live contexts labelled ``label``, the most recently used first."""
+        return sorted((c for c in self.live() if c.label == label), key=lambda c: -c.last_used)
 
     def evictable(self, active: DeviceContext) -> list[DeviceContext]:
         """Contexts whose memory may be reclaimed for ``active``: live, holding memory, and not

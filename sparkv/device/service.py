@@ -408,14 +408,12 @@ class ContextService:
 
     def find(self, label: str) -> str | None:
         """The id of the (most recently used) context imported with ``label``, or ``None``."""
-        ctx = self.registry.find(label)
-        return ctx.id if ctx is not None else None
+        return next(iter(self.labelled(label)), None)
 
     def labelled(self, label: str) -> builtins.list[str]:
         """The ids of the live contexts imported with ``label``, the most recently used first
         (cheap: no context is described, as :meth:`list` does)."""
-        found = [c for c in self.registry.live() if c.label == label]
-        return [c.id for c in sorted(found, key=lambda c: -c.last_used)]
+        return [c.id for c in self.registry.labelled(label)]
 
     def swap_out(self, ctx_id: str) -> int:
         """Reclaims every resident chunk of a context now (an app sent to the background, a

@@ -17,7 +17,7 @@ Per layer the memory's form decides the attention (each one a resident attention
   <sparkv.cache.memory.ContextKV.resident_attention>`), the tail in the same kernel call.
 
 The density hook of the context service (:mod:`sparkv.device.density`) reads a dense layer's
-keys (:attr:`ForkLayer.keys`: the prefix and the tail, made when read); other forms record
+keys (:meth:`ForkLayer.key_parts`: views of the prefix and the tail); other forms record
 nothing, as a :class:`~sparkv.cache.hf.SparkvCache` over them does.
 """
 
@@ -77,17 +77,25 @@ class ForkLayer(PositionsLayer):
         pos = torch.arange(self.base, self.base + self.own.count, device=self.memory.device)
         return (*self.own.kv(), pos)
 
-    @property   # made from the prefix when read
-    def keys(self) -> torch.Tensor | None:
-        """The dense keys ``[1, Hkv, base + n, D]`` (slot = position) over a dense arena (what
-        the density hook reads), else ``None``."""
+    def key_parts(self) -> list[torch.Tensor] | None:
+        """The dense keys as views ``[Hkv, s_i, D]``, the prefix's then the tail's, that make
+        :attr:`keys` when joined (what the density hook reads, no copy), else ``None``."""
         mem, l = self.memory, self.layer  # noqa: E741
         if not self.own.count or not mem.is_dense(l):
             return None
         store = mem.layers[l]
         assert store is not None
         prefix, _ = store.prefix(self.base)
-        return torch.cat([prefix, self.own.kv()[0][None].to(prefix.dtype)], dim=2)
+        return [prefix[0], self.own.kv()[0]]
+
+    @property   # made from the prefix when read
+    def keys(self) -> torch.Tensor | None:
+        """The dense keys ``[1, Hkv, base + n, D]`` (slot = position) over a dense arena, else
+        ``None`` (:meth:`key_parts` joined)."""
+        parts = self.key_parts()
+        if parts is None:
+            return None
+        return torch.cat([parts[0], parts[1].to(parts[0].dtype)], dim=1)[None]
 
     @keys.setter
     def keys(self, value: Any) -> None:   # the mixin's constructor sets it; a fork makes it

@@ -8,11 +8,20 @@ averaged over heads and layers; a chunk's density is the mean over its tokens::
 
 The service measures it on the forward passes that make the chunks (the system prompt's prefill,
 each call's prompt prefill and every decoded token): a forward hook on every attention module
-recomputes the queries from the module's own input (``q_proj``, Qwen3's ``q_norm``, RoPE with the
-module's ``position_embeddings``), takes the keys the layer attended over from its cache, and
-adds the head-averaged column sums and the number of rows that saw each column to a
-:class:`DensityRecorder`. Rows keep arriving with later calls (a chunk is attended by every later
-prompt), so a token's density is the column average over every row that has seen it so far.
+takes the queries the module attended with (the fast attention forward offers them,
+:data:`~sparkv.runtime.hooks.QUERY_SINK`; else it projects the module's own input again:
+``q_proj``, Qwen3's ``q_norm``, RoPE with the module's ``position_embeddings``), the keys the layer
+attended over from its cache (a fork's prefix and tail as two views), and adds the head-averaged
+column sums and the number of rows that saw each column to a :class:`DensityRecorder`. Rows keep
+arriving with later calls (a chunk is attended by every later prompt), so a token's density is
+the column average over every row that has seen it so far.
+
+**What it costs a call.** A pass of at most :attr:`DensityRecorder.DEFER_ROWS` rows (a
+question's, a decoded token's) only keeps its queries; the recording's end (after the answer)
+sums every layer's kept rows over the keys the cache then holds, as many layers and rows in one
+softmax as fit a cache-sized block. A decoded token then costs a copy of its queries, not a
+product over the whole context per layer, and the answer's first token waits for none of it:
+``bench/density_tax.py``, docs/device-service.md ("Measuring the densities").
 
 **Levels** (LLMS eq. 2-3). Chunks are ranked by density and cut by thresholds into ``int8`` /
 ``int4`` / ``int2`` (ratios 1, 1/2, 1/4 of the int8 base) so that the mix meets the global ratio
@@ -38,7 +47,7 @@ import numpy as np
 import torch
 
 from sparkv.runtime.hfcache import hook_cache
-from sparkv.runtime.hooks import rows_safe
+from sparkv.runtime.hooks import QUERY_SINK, rows_safe
 
 #: ratio of each level's bytes to the int8 base (the paper's {8/8, 4/8, 2/8})
 LEVEL_RATIO = {"int8": 1.0, "int4": 0.5, "int2": 0.25}  # fp: its real bytes, plan_levels
@@ -52,13 +61,22 @@ class DensityRecorder:
     Attributes:
         mass: ``float64[positions]``: per key position, the sum over rows and layers of the
             head-averaged attention it received.
-        rows: ``float64[positions]``: per key position, the number of (row, layer) pairs that saw it.
+        rows: ``float64[positions]``: per key position, the number of (row, layer) pairs that
+            saw it.
     """
+
+    #: a hook call of at most this many rows (a question's, a decoded token's) waits for
+    #: :meth:`flush` (the end of the recording: after the answer's first token)
+    DEFER_ROWS = 256
+    #: a layer's waiting queries are summed once they hold this many bytes (bounded memory:
+    #: SmolLM2's 900 rows, an 8B model's 128)
+    FLUSH_BYTES = 1 << 21
 
     def __init__(self, positions: int = 0) -> None:
         self.mass = torch.zeros(positions, dtype=torch.float64)
         self.rows = torch.zeros(positions, dtype=torch.float64)
         self.calls = 0
+        self._waiting: dict[int, _Rows] = {}
 
     def _grow(self, n: int) -> None:
         if n > self.mass.numel():
@@ -74,12 +92,73 @@ class DensityRecorder:
         self.rows[:s] += rows.to("cpu", torch.float64)
         self.calls += 1
 
+    def defer(self, layer: int, cache: Any, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+        """Keeps layer ``layer``'s rows (queries ``[Hq, n, D]``, scaled, at positions
+        ``q_pos``) to be summed with the layer's later rows over the keys ``cache`` then holds:
+        a decoded token's column sums cost one key product per layer and answer, not one per
+        token."""
+        w = self._waiting.get(layer)
+        if w is not None and w.cache is not cache:
+            self._flush_layer(layer)
+            w = None
+        if w is None:
+            w = self._waiting[layer] = _Rows(cache)
+        w.q.append(q)
+        w.pos.append(q_pos)
+        w.nbytes += q.numel() * q.element_size()
+        if w.nbytes >= self.FLUSH_BYTES:
+            self._flush_layer(layer)
+
+    def flush(self) -> None:
+        """Sums every waiting row (:meth:`defer`) into :attr:`mass` and :attr:`rows`: the
+        layers whose rows sit at the same positions over as many keys in one softmax."""
+        groups: dict[tuple[int, ...], list[tuple[_Rows, list[torch.Tensor]]]] = {}
+        for layer, w in self._waiting.items():
+            parts = _key_parts(w.cache, layer)
+            if parts:
+                s = sum(int(p.shape[1]) for p in parts)
+                groups.setdefault((s, *torch.cat(w.pos).tolist()), []).append((w, parts))
+        self._waiting.clear()
+        with torch.no_grad():
+            for (s, *at), layers in groups.items():
+                pos = torch.tensor(at, dtype=torch.long)
+                q = torch.stack([w.queries() for w, _ in layers])
+                mass = _column_mass(q, [parts for _, parts in layers], pos, s)
+                self.add(mass, _seen_by(pos, s) * len(layers))
+
+    def drop_waiting(self) -> None:
+        """Forgets the waiting rows (their pass failed)."""
+        self._waiting.clear()
+
+    def _flush_layer(self, layer: int) -> None:
+        rows = self._waiting.pop(layer)
+        self._waiting, others = {layer: rows}, self._waiting
+        try:
+            self.flush()
+        finally:
+            self._waiting = others
+
     def add_matrix(self, attn: torch.Tensor, q_pos: torch.Tensor, num_keys: int) -> None:
         """One layer's attention ``[H, q, S]`` (rows sum to 1 over visible keys)."""
         colsum = attn.float().sum(dim=(0, 1)) / attn.shape[0]
         kpos = torch.arange(num_keys, device=attn.device)
         rows = (kpos.view(1, -1) <= q_pos.view(-1, 1).to(attn.device)).sum(0)
         self.add(colsum[:num_keys], rows)
+
+
+class _Rows:
+    """A layer's rows waiting to be summed (:meth:`DensityRecorder.defer`): their queries and
+    positions, over ``cache``'s keys."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.q: list[torch.Tensor] = []
+        self.pos: list[torch.Tensor] = []
+        self.nbytes = 0
+
+    def queries(self) -> torch.Tensor:
+        """The rows' queries ``[Hq, n, D]``."""
+        return self.q[0] if len(self.q) == 1 else torch.cat(self.q, dim=1)
 
 
 _active = threading.local()
@@ -98,8 +177,13 @@ class recording:
         _active.recorder = self.recorder
         return self.recorder
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
         _active.recorder = self._prev
+        if self.recorder is not None:   # the caches the rows read are still alive here
+            if kind is None:
+                self.recorder.flush()
+            else:
+                self.recorder.drop_waiting()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -107,19 +191,113 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _keys_of(cache: Any, layer_idx: int) -> torch.Tensor | None:
-    """The dense keys ``[1, H, S, D]`` the layer just attended over (slot = position)."""
+def _key_parts(cache: Any, layer_idx: int) -> list[torch.Tensor] | None:
+    """The dense keys the layer just attended over, as pieces ``[Hkv, s_i, D]`` that make the
+    keys by slot (= position) when joined: a fork's prefix and tail stay two views."""
     if cache is None:
         return None
     keys = getattr(cache, "density_keys", None)
     if keys is not None:
-        return keys
+        return [keys[0]]
     layers = getattr(cache, "layers", None)
-    if layers is not None and layer_idx < len(layers):
-        k = getattr(layers[layer_idx], "keys", None)
-        if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] > 0:
-            return k
+    if layers is None or layer_idx >= len(layers):
+        return None
+    parts = getattr(layers[layer_idx], "key_parts", None)
+    if callable(parts):
+        got: list[torch.Tensor] | None = parts()
+        return got
+    k = getattr(layers[layer_idx], "keys", None)
+    if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] > 0:
+        return [k[0]]
     return None
+
+
+def _offered(module: torch.nn.Module, q: torch.Tensor) -> None:
+    """The attention modules' :data:`~sparkv.runtime.hooks.QUERY_SINK`: on a recording thread,
+    keeps the queries the module attends with for its density hook."""
+    if getattr(_active, "recorder", None) is not None:
+        _active.offered = (module, q)
+
+
+def _queries(module: torch.nn.Module, hidden: torch.Tensor, pe: Any, d: int,
+             offered: Any) -> torch.Tensor:
+    """The layer's queries ``[Hq, n, D]`` of ``hidden [1, n, d_model]``, times its scale: those
+    its forward ``offered`` (:func:`_offered`), else projected, normed and rotated again as the
+    module does. A new tensor."""
+    if offered is not None and offered[0] is module and offered[1].shape[0] == 1 \
+            and offered[1].shape[2] == hidden.shape[1]:
+        q = offered[1][0]
+    else:
+        n = int(hidden.shape[1])
+        q = module.get_submodule("q_proj")(hidden[0]).view(n, -1, d)
+        q_norm = getattr(module, "q_norm", None)
+        if q_norm is not None:  # Qwen3
+            q = q_norm(q)
+        cos, sin = pe
+        q = q.transpose(0, 1)
+        q = q * cos[0] + _rotate_half(q) * sin[0]
+    return q * float(getattr(module, "scaling", d ** -0.5))
+
+
+#: elements of the largest ``[layers, H, rows, keys]`` score block (4 MB in fp32: it stays in
+#: the caches; a decoded token's rows of every layer of a 2K context fit in one)
+_BLOCK_ELEMENTS = 1 << 20
+
+
+def _column_mass(q: torch.Tensor, parts: list[list[torch.Tensor]], q_pos: torch.Tensor,
+                 s: int) -> torch.Tensor:
+    """The column sums ``float64[s]``, head-averaged and summed over layers, of the causal
+    softmax of each layer's queries ``q[l]`` (``[L, Hq, n, D]``, scaled) over its keys
+    ``parts[l]``; the rows at positions ``q_pos`` (CPU). A query head reads its group's key head
+    (no repeated keys); keys no row of a block sees are left out; as many layers and rows at
+    once as :data:`_BLOCK_ELEMENTS` allows."""
+    nl, hq, n, _ = q.shape
+    parts = [[p.to(q.dtype) for p in ps] for ps in parts]
+    colsum = torch.zeros(s, dtype=torch.float64, device=q.device)
+    step = max(1, min(256, _BLOCK_ELEMENTS // (hq * max(s, 1))))
+    for a in range(0, n, step):
+        rows = q_pos[a:a + step]
+        m = min(s, int(rows.max()) + 1)
+        group = max(1, _BLOCK_ELEMENTS // (hq * int(rows.numel()) * m))
+        for i in range(0, nl, group):
+            colsum[:m] += _block_mass(q[i:i + group, :, a:a + step], parts[i:i + group], rows, m)
+    return colsum / hq
+
+
+def _block_mass(q: torch.Tensor, parts: list[list[torch.Tensor]], rows: torch.Tensor,
+                m: int) -> torch.Tensor:
+    """The column sums ``float64[m]`` over layers and heads of the softmax of queries ``q``
+    (``[L, Hq, r, D]``, the rows at positions ``rows``) over the first ``m`` keys of each
+    layer's ``parts``."""
+    nl, hq, r, d = q.shape
+    hkv = int(parts[0][0].shape[0])
+    g = hq // hkv
+    scores = torch.stack([_scores(q[i].reshape(hkv, g * r, d), parts[i], m) for i in range(nl)])
+    if int(rows.min()) < m - 1:     # some row does not see every key below m
+        kpos = torch.arange(m, device=q.device)
+        hidden = kpos.view(1, -1) > rows.to(q.device).view(-1, 1)
+        scores.view(nl, hkv, g, r, m).masked_fill_(hidden, float("-inf"))
+    attn = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return attn.reshape(-1, m).sum(0).to(torch.float64)
+
+
+def _scores(q: torch.Tensor, parts: list[torch.Tensor], m: int) -> torch.Tensor:
+    """``q @ K^T`` ``[Hkv, rows, m]`` over the first ``m`` keys of ``parts``."""
+    out, start = [], 0
+    for p in parts:
+        take = min(int(p.shape[1]), m - start)
+        if take <= 0:
+            break
+        out.append(torch.matmul(q, p[:, :take].transpose(1, 2)))
+        start += take
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+
+
+def _seen_by(q_pos: torch.Tensor, s: int) -> torch.Tensor:
+    """Per key position below ``s``, how many of the rows at ``q_pos`` see it (``pos >=
+    key``)."""
+    ordered = q_pos.sort().values
+    return int(q_pos.numel()) - torch.searchsorted(ordered, torch.arange(s))
 
 
 @rows_safe   # a no-op on every thread but a recording one (batched steps never record)
@@ -127,49 +305,25 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
     rec = getattr(_active, "recorder", None)
     if rec is None:
         return
+    offered, _active.offered = getattr(_active, "offered", None), None
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     pe = kwargs.get("position_embeddings")
     cache = hook_cache(kwargs)
-    layer_idx = int(getattr(module, "layer_idx", 0) or 0)
-    keys = _keys_of(cache, layer_idx)
-    if hidden is None or pe is None or keys is None:
+    layer = int(getattr(module, "layer_idx", 0) or 0)
+    parts = _key_parts(cache, layer)
+    if hidden is None or pe is None or not parts:
         return
     with torch.no_grad():
-        b, n, _ = hidden.shape
-        d = int(getattr(module, "head_dim", keys.shape[-1]))
-        q = module.get_submodule("q_proj")(hidden).view(b, n, -1, d)
-        q_norm = getattr(module, "q_norm", None)
-        if q_norm is not None:  # Qwen3
-            q = q_norm(q)
-        q = q.transpose(1, 2)
-        cos, sin = pe
-        q = q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+        n = int(hidden.shape[1])
+        s = sum(int(p.shape[1]) for p in parts)
         q_pos = getattr(cache, "density_q_pos", None)
-        s = int(keys.shape[2])
-        if q_pos is None:
-            q_pos = torch.arange(s - n, s)
-        q_pos = q_pos.to(torch.long).cpu()
-        hq, hkv = int(q.shape[1]), int(keys.shape[1])
-        k = keys[0].to(q.dtype)
-        if hq != hkv:
-            k = k.repeat_interleave(hq // hkv, dim=0)
-        scale = float(getattr(module, "scaling", d ** -0.5))
-        kpos = torch.arange(s, device=q.device)
-        qp = q_pos.to(q.device)
-        colsum = torch.zeros(s, dtype=torch.float64, device=q.device)
-        step = 256  # bound the [H, rows, S] matrix
-        for a in range(0, n, step):
-            qs = q[0, :, a:a + step]
-            # keys no row of the block sees get no attention: leave them out (a causal prefill
-            # computes half the matrix)
-            m = min(s, int(q_pos[a:a + step].max()) + 1)
-            scores = torch.matmul(qs, k[:, :m].transpose(1, 2)) * scale
-            visible = kpos[:m].view(1, -1) <= qp[a:a + step].view(-1, 1)
-            scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
-            attn = torch.softmax(scores.float(), dim=-1)
-            colsum[:m] += attn.sum(dim=(0, 1)).to(torch.float64) / hq
-        rows = (kpos.view(1, -1) <= qp.view(-1, 1)).sum(0)
-        rec.add(colsum, rows)
+        q_pos = torch.arange(s - n, s) if q_pos is None else q_pos.to(torch.long).cpu()
+        q = _queries(module, hidden, pe, int(getattr(module, "head_dim", parts[0].shape[-1])),
+                     offered)
+        if n <= rec.DEFER_ROWS and getattr(cache, "density_keys", None) is None:
+            rec.defer(layer, cache, q, q_pos)
+        else:
+            rec.add(_column_mass(q[None], [parts], q_pos, s), _seen_by(q_pos, s))
 
 
 _HOOKED: dict[int, list[Any]] = {}
@@ -186,6 +340,7 @@ def install_hooks(model: torch.nn.Module) -> int:
     for name, mod in model.named_modules():
         if name.endswith("self_attn") and hasattr(mod, "q_proj"):
             handles.append(mod.register_forward_hook(_attention_hook, with_kwargs=True))
+            setattr(mod, QUERY_SINK, _offered)
     _HOOKED[key] = handles
     return len(handles)
 

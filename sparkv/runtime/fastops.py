@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkv.runtime.hooks import offer_queries
+
 #: the modules of the supported families (``sparkv.runtime.model.SUPPORTED_MODEL_TYPES``) whose
 #: forward is replaced, by class-name suffix
 RMSNORM_SUFFIX = "RMSNorm"
@@ -164,6 +166,7 @@ def _attention_forward(self: Any, hidden_states: torch.Tensor,
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     cos, sin = position_embeddings                          # type: ignore[misc]
     q, k, v = project_qkv(self, hidden_states, cos, sin)
+    offer_queries(self, q)
     store = cache if cache is not None else past_key_values
     if store is not None:
         k, v = _update(store, k, v, self.layer_idx, cos, sin, kwargs)

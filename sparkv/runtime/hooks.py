@@ -27,3 +27,17 @@ def has_forward_hooks(module: torch.nn.Module) -> bool:
     for m in module.modules():
         groups += [m._forward_hooks, m._forward_pre_hooks]
     return any(not getattr(h, ROWS_SAFE, False) for g in groups for h in g.values())
+
+
+#: the attribute of an attention module holding a callable ``sink(module, q)`` that the fast
+#: attention forward (:mod:`sparkv.runtime.fastops`) hands its queries ``[B, H, n, D]`` (normed,
+#: rotated, not scaled) before attending: the device service's density hook then reads them
+#: instead of projecting the layer's input again
+QUERY_SINK = "sparkv_query_sink"
+
+
+def offer_queries(module: torch.nn.Module, q: torch.Tensor) -> None:
+    """Hands ``q`` to ``module``'s :data:`QUERY_SINK`, if it has one."""
+    sink = getattr(module, QUERY_SINK, None)
+    if sink is not None:
+        sink(module, q)

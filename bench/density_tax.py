@@ -1,0 +1,129 @@
+"""What recording LLMS's density costs a call (sparkv/device/density.py): one ``ContextService``
+in process with SmolLM2 and a kept context of the bundled story's first tokens; each call made
+twice, density recorded (``on``, the service as it runs) and not (``off``: the hook left idle,
+what a call would cost without LLMS's levels), alternating, each in its own turn scope (no call
+reuses the other's turn). Three kinds of call:
+
+* ``kept``: a question asked again in its scope (its turn's KV reused: one row runs), 1 token;
+* ``question``: a new question, 1 token (the question's rows run);
+* ``answer``: a new question and a ``--answer``-token answer (every token's rows).
+
+    python bench/density_tax.py [--rounds 5] [--tokens 2048] [--answer 32]
+                                [--out bench/results/density_tax_cpu.json]
+
+Per kind the median call time and first token, on and off, and the ratio on / off: the tax.
+Run it on two checkouts to compare. SmolLM2 (the bundled model), greedy, answers run to their
+length, 2 torch threads; wall clock on whatever machine runs it. No paper figure (LLMS does not
+report what measuring its densities costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import pathlib
+import statistics
+import tempfile
+from typing import Any, Iterator
+
+KINDS = ("kept", "question", "answer")
+
+
+@contextlib.contextmanager
+def density_off(off: bool) -> Iterator[None]:
+    """The service's calls record no density while ``off``."""
+    from sparkv.device import calls, density
+
+    if not off:
+        yield
+        return
+    calls.recording = lambda rec: density.recording(None)       # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        calls.recording = density.recording                     # type: ignore[misc]
+
+
+def one_call(svc: Any, cid: str, question: str, tokens: int, scope: str,
+             off: bool) -> dict[str, float]:
+    with density_off(off):
+        res = svc.call(cid, question, max_new_tokens=tokens, grow=False, stop_at_eos=False,
+                       turn_scope=scope)
+    return {"total_s": res.total_s, "first_token_s": res.first_token_s}
+
+
+def one_round(svc: Any, cid: str, r: int, questions: list[str],
+              answer: int) -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {k: {} for k in KINDS}
+    order = ("on", "off") if r % 2 == 0 else ("off", "on")
+    q_new, q_answer = questions[(2 * r) % len(questions)], questions[(2 * r + 1) % len(questions)]
+    for mode in order:
+        scope = f"{mode}-{r}"
+        off = mode == "off"
+        out["question"][mode] = one_call(svc, cid, q_new, 1, scope, off)
+        out["kept"][mode] = one_call(svc, cid, q_new, 1, scope, off)
+        out["answer"][mode] = one_call(svc, cid, q_answer, answer, scope, off)
+    return out
+
+
+def summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    table: dict[str, dict[str, float]] = {}
+    for kind in KINDS:
+        row: dict[str, float] = {}
+        for mode in ("on", "off"):
+            for key in ("total_s", "first_token_s"):
+                row[f"{key}_{mode}"] = round(statistics.median(
+                    r[kind][mode][key] for r in rounds), 4)
+        row["tax"] = round(row["total_s_on"] / row["total_s_off"], 3)
+        row["first_token_tax"] = round(row["first_token_s_on"] / row["first_token_s_off"], 3)
+        table[kind] = row
+    return table
+
+
+def main() -> int:
+    import torch
+
+    from sparkv.bench.qa import DATA_DIR, load_qa_set
+    from sparkv.device import ContextService
+    from sparkv.runtime.model import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=2048, help="the context's tokens")
+    p.add_argument("--answer", type=int, default=32, help="an answer's tokens")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(2)
+    lm = load_model(None, progress=False)
+    qa = load_qa_set(DATA_DIR / "qa_story.json")
+    ids = lm.encode_text(qa.text(qa.items[0].slice))[:a.tokens]
+    questions = [item.question for item in qa.items]
+    rounds = []
+    with tempfile.TemporaryDirectory() as d:
+        svc = ContextService(lm, 1 << 31, d)
+        cid = svc.new_context(system_ids=ids)
+        svc.call(cid, "Hi.", max_new_tokens=2, grow=False)          # warm
+        for r in range(a.rounds):
+            rounds.append(one_round(svc, cid, r, questions, a.answer))
+            print(f"round {r + 1}/{a.rounds}: " + ", ".join(
+                f"{k} {rounds[-1][k]['on']['total_s']:.3f}/{rounds[-1][k]['off']['total_s']:.3f}"
+                " s" for k in KINDS), flush=True)
+        svc.close()
+    table = summary(rounds)
+    print(f"\n{len(ids)}-token context, medians of {a.rounds} (on / off)")
+    print("| call | call time | tax | first token | tax |\n|---|---|---|---|---|")
+    for kind, row in table.items():
+        print(f"| {kind} | {row['total_s_on']:.3f} / {row['total_s_off']:.3f} s | "
+              f"{row['tax']:.2f}x | {row['first_token_s_on']:.3f} / "
+              f"{row['first_token_s_off']:.3f} s | {row['first_token_tax']:.2f}x |")
+    if a.out:
+        pathlib.Path(a.out).write_text(json.dumps(
+            {"args": vars(a), "context_tokens": len(ids), "rounds": rounds, "median": table},
+            indent=1) + "\n")
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

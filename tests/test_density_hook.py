@@ -1,0 +1,92 @@
+"""The device service's density hook (sparkv/device/density.py) records the same column sums
+whichever way it computes them: a decoded token's rows kept for one product per layer at the
+end of the pass (or when a layer's rows fill up), the queries the fast attention forward offers
+or projected again, over a fork's prefix and tail as two views or over one cache's keys. The
+reference is the hook computing every pass at once (``DEFER_ROWS = 0``), itself checked against
+``output_attentions`` in tests/test_bench_quality_variants.py. A tiny random Llama with GQA,
+fp32; no timing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkv.cache import SparkvCache
+from sparkv.cache.fork import ForkCache
+from sparkv.device import density
+from sparkv.device.density import DensityRecorder, install_hooks, recording
+from sparkv.runtime.generate import context_memory, generate_over, reference_prefill
+from sparkv.runtime.hooks import QUERY_SINK
+
+N = 40
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _record(lm, *, fork: bool, defer: int = DensityRecorder.DEFER_ROWS,
+            flush: int = DensityRecorder.FLUSH_BYTES, question: int = 5,
+            tokens: int = 9) -> DensityRecorder:
+    """A question and its answer over a fresh memory of ``N`` tokens, recorded."""
+    install_hooks(lm.model)
+    mem = context_memory(lm, reference_prefill(lm, _ids(N, 1)), N)
+    rec = DensityRecorder(N + question + tokens + 1)
+    cache = ForkCache(mem) if fork else SparkvCache(mem)
+    old = DensityRecorder.DEFER_ROWS, DensityRecorder.FLUSH_BYTES
+    DensityRecorder.DEFER_ROWS, DensityRecorder.FLUSH_BYTES = defer, flush
+    try:
+        with recording(rec):
+            generate_over(lm, cache, N, _ids(question, 2), tokens, stop_at_eos=False)
+    finally:
+        DensityRecorder.DEFER_ROWS, DensityRecorder.FLUSH_BYTES = old
+    return rec
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_kept_rows_sum_to_what_each_pass_adds_at_once(tiny_llama, fork):
+    want = _record(tiny_llama, fork=fork, defer=0)
+    row = 4 * 16 * 4                                     # a row's queries: 4 heads of 16, fp32
+    for flush in (DensityRecorder.FLUSH_BYTES, 3 * row):  # a layer's rows summed mid-answer
+        got = _record(tiny_llama, fork=fork, flush=flush)
+        assert got.calls < want.calls                    # fewer products: it did wait
+        torch.testing.assert_close(got.mass, want.mass, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.rows, want.rows)
+    # every row seen: the question's 5 and 8 decoded tokens' (the last one never runs), per layer
+    layers = tiny_llama.config.num_hidden_layers
+    assert float(want.rows[0]) == (5 + 8) * layers
+    assert float(want.rows[N + 5 + 7]) == 1 * layers    # the last token run sees itself only
+
+
+def test_offered_queries_are_the_ones_projected_again(tiny_llama, monkeypatch):
+    install_hooks(tiny_llama.model)
+    attention = [m for n, m in tiny_llama.model.named_modules() if n.endswith("self_attn")]
+    assert all(getattr(m, QUERY_SINK) is density._offered for m in attention)
+    seen = []
+
+    def counted(module, q):
+        seen.append(q.shape)
+        density._offered(module, q)
+
+    for m in attention:
+        monkeypatch.setattr(m, QUERY_SINK, counted)
+    offered = _record(tiny_llama, fork=True, defer=0)
+    # the context's prefill (not recorded), then the question's pass and 8 tokens' per layer
+    assert [q[2] for q in seen] == [N] * 3 + [5] * 3 + [1] * 24
+    for m in attention:
+        monkeypatch.setattr(m, QUERY_SINK, None)
+    projected = _record(tiny_llama, fork=True, defer=0)
+    torch.testing.assert_close(offered.mass, projected.mass, atol=1e-5, rtol=1e-5)
+    assert torch.equal(offered.rows, projected.rows)
+
+
+def test_a_failed_pass_adds_none_of_its_waiting_rows(tiny_llama):
+    install_hooks(tiny_llama.model)
+    mem = context_memory(tiny_llama, reference_prefill(tiny_llama, _ids(N, 1)), N)
+    rec = DensityRecorder(N + 8)
+    with pytest.raises(RuntimeError, match="stop"):
+        with recording(rec):
+            generate_over(tiny_llama, ForkCache(mem), N, _ids(1, 3), 1, stop_at_eos=False)
+            assert rec._waiting                           # the 1-row pass waits
+            raise RuntimeError("stop")
+    assert not rec._waiting and float(rec.mass.sum()) == 0.0

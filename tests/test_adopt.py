@@ -12,7 +12,7 @@ import torch
 
 from sparkv.cache.levels import QuantizedTensor
 from sparkv.cache.payload import ChunkPayload, contiguous_positions
-from sparkv.device.keeper import adopted_chunks
+from sparkv.device.keeper import adopted_chunks, adopted_pages
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 
@@ -39,23 +39,28 @@ def _tensors(x):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_layer_at_a_time_gives_each_chunks_own_payloads(dtype):
-    g = ChunkGeometry.from_config(_Config(), 16 * 5 + 3, 16)     # 6 chunks, the last of 3
-    assert g.num_token_chunks == 6
+@pytest.mark.parametrize("tokens", [16 * 5 + 3, 16 * 4, 7])   # the last chunk of 3; whole; short
+@pytest.mark.parametrize("owned", [True, False])
+def test_a_layer_at_a_time_gives_each_chunks_own_payloads(dtype, tokens, owned):
+    g = ChunkGeometry.from_config(_Config(), tokens, 16)
     gen = torch.Generator().manual_seed(0)
     layers = [(torch.randn(1, 2, g.num_tokens, 16, generator=gen) * 3,
                torch.randn(1, 2, g.num_tokens, 16, generator=gen)) for _ in range(3)]
-    levels = ["fp", "int8", "int4", "int2", "int8", "int4"]
-    got = adopted_chunks(layers, g, levels, dtype)
-    assert len(got) == 6 and all(len(c) == 3 for c in got)
+    levels = ["fp", "int8", "int4", "int2", "int8", "int4"][:g.num_token_chunks]
+    got = adopted_chunks(layers, g, levels, dtype, owned=owned)
+    assert len(got) == -(-tokens // 16) and all(len(c) == 3 for c in got)
+    assert adopted_pages(g, levels) == {lv: 3 * 2 * levels.count(lv) for lv in set(levels)}
     for t, chunk in enumerate(got):
         for p, q in zip(chunk, _alone(layers, g, t, levels[t], dtype)):
             assert (p.cid, p.level, p.counts) == (q.cid, q.level, q.counts)
             assert torch.equal(p.pos, q.pos)
             for a, b in zip(_tensors(p.k) + _tensors(p.v), _tensors(q.k) + _tensors(q.v)):
                 assert a.dtype == b.dtype and torch.equal(a, b)
-                # its own storage: nothing of the layer's converted rows is held
-                assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+                # owned: its own storage, nothing of the layer's converted rows is held
+                own = a.untyped_storage().nbytes() == a.numel() * a.element_size()
+                assert own if owned else not any(a.untyped_storage().data_ptr() ==
+                                                 x.untyped_storage().data_ptr()
+                                                 for kv in layers for x in kv)
 
 
 @pytest.mark.parametrize("put_away", ["chunks", "kill"])

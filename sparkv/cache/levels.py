@@ -97,6 +97,11 @@ class QuantizedTensor:
     def device(self) -> torch.device:
         return self.codes.device
 
+    def sliced(self, a: int, b: int) -> "QuantizedTensor":
+        """Rows ``a..b``, views of this tensor's."""
+        return QuantizedTensor(self.codes[a:b], self.scale[a:b], self.zero[a:b], self.bits,
+                               self.dim)
+
     def taken(self, a: int, b: int) -> "QuantizedTensor":
         """Rows ``a..b``, copied (holding none of this tensor's storage)."""
         return QuantizedTensor(self.codes[a:b].clone(), self.scale[a:b].clone(),

@@ -121,9 +121,7 @@ def values_at_level(k: "torch.Tensor | QuantizedTensor", v: "torch.Tensor | Quan
 
 
 def _rows(x: "torch.Tensor | QuantizedTensor", a: int, b: int) -> "torch.Tensor | QuantizedTensor":
-    if isinstance(x, QuantizedTensor):
-        return QuantizedTensor(x.codes[a:b], x.scale[a:b], x.zero[a:b], x.bits, x.dim)
-    return x[a:b]
+    return x.sliced(a, b) if isinstance(x, QuantizedTensor) else x[a:b]
 
 
 def _cat(parts: Sequence["torch.Tensor | QuantizedTensor"]) -> "torch.Tensor | QuantizedTensor":

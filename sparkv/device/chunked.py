@@ -36,7 +36,7 @@ from sparkv.device.config import longest_context
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.hosttier import tier_holds
-from sparkv.device.keeper import Keeper, SwitchIn, adopted_chunks
+from sparkv.device.keeper import Keeper, SwitchIn, adopted_chunks, adopted_pages
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
                                   load, paged_nbytes, token_chunk_run, working_nbytes)
@@ -94,10 +94,15 @@ class ChunkKeeper(Keeper):
         with self.registry.lock:
             ctx.memory = C
         ctx.levels = levels
-        for t, payloads in enumerate(adopted_chunks(layers, g, levels, self.lm.dtype)):
-            C.put_payloads(payloads, Source.INJECTED)
-            ctx.modified.add(t)
-            self.budget.check()
+        C.reserve_pages(adopted_pages(g, levels))        # the pools grow once
+        try:
+            for t, payloads in enumerate(adopted_chunks(layers, g, levels, self.lm.dtype,
+                                                        owned=False)):   # copied into pages
+                C.put_payloads(payloads, Source.INJECTED)
+                ctx.modified.add(t)
+                self.budget.check()
+        finally:
+            C.reserve_pages(None)
 
     # ---- switching in ----------------------------------------------------------------------------
     def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:

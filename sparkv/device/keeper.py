@@ -30,6 +30,7 @@ import torch
 
 from sparkv.cache import ContextKV, LayerKV
 from sparkv.cache.levels import QuantizedTensor
+from sparkv.cache.pages import PAGE_TOKENS
 from sparkv.cache.payload import ChunkPayload, contiguous_positions, values_at_level
 from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.config import ServiceConfig
@@ -204,10 +205,12 @@ def layer_kv(layers: ContextKV | LayerKV, l: int, t0: int, t1: int  # noqa: E741
 
 
 def adopted_chunks(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequence[str],
-                   dtype: torch.dtype) -> list[list[ChunkPayload]]:
+                   dtype: torch.dtype, *, owned: bool = True) -> list[list[ChunkPayload]]:
     """Every token chunk of a context being adopted, as the service holds it: per chunk ``t``,
     one payload per layer (every KV head in one group), copied from ``layers``
     (:func:`layer_kv`) in ``dtype`` and quantized to ``levels[t]`` unless it is ``fp``.
+    ``owned``: each payload holds its own storage; else its tensors are views of its layer's
+    converted rows (none of ``layers``'), for a memory that copies them into its pages at once.
 
     A layer's chunks are converted at once, one quantization per level (rows are quantized one
     by one, so the values are those of each chunk alone; per chunk and layer it was ~20 small
@@ -215,25 +218,48 @@ def adopted_chunks(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequen
     bounds = [g.token_range(t) for t in range(g.num_token_chunks)]
     out: list[list[ChunkPayload]] = [[] for _ in bounds]
     hh = g.num_kv_heads
+    # a chunk's positions are every layer's (payloads never write them)
+    positions = [contiguous_positions([t1 - t0] * hh, t0) for t0, t1 in bounds]
     for l in range(g.num_layers):  # noqa: E741
         k, v = layer_kv(layers, l, 0, g.num_tokens)
-        k_rows, v_rows = _chunk_rows(k, bounds, dtype), _chunk_rows(v, bounds, dtype)
+        k_rows = _chunk_rows(k, g.chunk_tokens, dtype)
+        v_rows = _chunk_rows(v, g.chunk_tokens, dtype)
         at = {lv: values_at_level(k_rows, v_rows, "fp", lv, dtype) for lv in set(levels)}
         for t, (t0, t1) in enumerate(bounds):
             kl, vl = at[levels[t]]
             a, b = hh * t0, hh * t1
             out[t].append(ChunkPayload(KVChunkId(t, l, 0), levels[t], [t1 - t0] * hh,
-                                       contiguous_positions([t1 - t0] * hh, t0),
-                                       _taken(kl, a, b), _taken(vl, a, b), dtype))
+                                       positions[t], _rows(kl, a, b, owned),
+                                       _rows(vl, a, b, owned), dtype))
     return out
 
 
-def _chunk_rows(x: torch.Tensor, bounds: Sequence[tuple[int, int]], dtype: torch.dtype
-                ) -> torch.Tensor:
+def adopted_pages(g: ChunkGeometry, levels: Sequence[str]) -> dict[str, int]:
+    """Pages, per level, the chunks of :func:`adopted_chunks` take (every layer, every KV head
+    in one group)."""
+    pages: dict[str, int] = {}
+    for t, level in enumerate(levels):
+        per = g.num_layers * g.num_kv_heads * -(-g.chunk_len(t) // PAGE_TOKENS)
+        pages[level] = pages.get(level, 0) + per
+    return pages
+
+
+def _chunk_rows(x: torch.Tensor, chunk_tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """``[H, N, D]`` as ``[H * N, D]`` rows in ``dtype``, chunk after chunk (each chunk's heads
-    one after another: the payloads' order), so chunk ``t``'s rows begin at ``H * t0``."""
-    return torch.cat([x[:, t0:t1].reshape(-1, x.shape[-1]) for t0, t1 in bounds]).to(dtype)
+    one after another: the payloads' order), so chunk ``t``'s rows begin at ``H * t0``: one
+    copy of the whole chunks and one of the last, shorter one."""
+    h, n, d = x.shape
+    full = n // chunk_tokens * chunk_tokens
+    out = torch.empty(h * n, d, dtype=dtype, device=x.device)
+    out[:h * full].view(full // chunk_tokens, h, chunk_tokens, d).copy_(
+        x[:, :full].reshape(h, full // chunk_tokens, chunk_tokens, d).transpose(0, 1))
+    out[h * full:].view(h, n - full, d).copy_(x[:, full:])
+    return out
 
 
-def _taken(x: torch.Tensor | QuantizedTensor, a: int, b: int) -> torch.Tensor | QuantizedTensor:
-    return x.taken(a, b) if isinstance(x, QuantizedTensor) else x[a:b].clone()
+def _rows(x: torch.Tensor | QuantizedTensor, a: int, b: int,
+          owned: bool) -> torch.Tensor | QuantizedTensor:
+    """Rows ``a..b`` of ``x``: copied when ``owned``, else views."""
+    if isinstance(x, QuantizedTensor):
+        return x.taken(a, b) if owned else x.sliced(a, b)
+    return x[a:b].clone() if owned else x[a:b]

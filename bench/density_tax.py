@@ -86,6 +86,7 @@ def main() -> int:
 
     from sparkv.bench.qa import DATA_DIR, load_qa_set
     from sparkv.device import ContextService
+    from sparkv.runtime.heap import freeze_heap
     from sparkv.runtime.model import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -104,6 +105,7 @@ def main() -> int:
         svc = ContextService(lm, 1 << 31, d)
         cid = svc.new_context(system_ids=ids)
         svc.call(cid, "Hi.", max_new_tokens=2, grow=False)          # warm
+        freeze_heap()                     # as the service's process does: no full collection
         for r in range(a.rounds):
             rounds.append(one_round(svc, cid, r, questions, a.answer))
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(

@@ -89,22 +89,27 @@ def served(prefix: str, services: dict[Any, list[str]]
 
 
 def choices_request(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int,
-                    seed: int) -> tuple[Any, list[dict[str, Any]], float]:
-    """One request of ``n`` sampled choices (temperature 0.8, ``seed``, kept, every choice
-    ``max_tokens`` long): the response, each choice's ``sparkv`` extension, the wall time."""
+                    seed: int, keep: bool = True) -> tuple[Any, list[dict[str, Any]], float]:
+    """One request of ``n`` sampled choices (temperature 0.8, ``seed``, kept unless ``keep`` is
+    off, every choice ``max_tokens`` long): the response, each choice's ``sparkv`` extension,
+    the wall time."""
     t0 = time.perf_counter()
     r = oa.chat.completions.create(model=cid, max_tokens=max_tokens, n=n, temperature=0.8,
                                    seed=seed, messages=[{"role": "user", "content": question}],
-                                   extra_body={"sparkv": {"server": url, "keep": True,
+                                   extra_body={"sparkv": {"server": url, "keep": keep,
                                                           "stop_at_eos": False}})
     sp = r.model_extra["sparkv"]
     return r, sp.get("choices", [sp]), time.perf_counter() - t0
 
 
-def choices_args(n_default: str, description: str) -> argparse.Namespace:
+def choices_args(n_default: str, description: str, link: bool = False) -> argparse.Namespace:
     """The flags of the benches that send requests of ``n`` choices (``choices_kept.py``,
-    ``choices_fresh.py``), parsed."""
+    ``choices_fresh.py``, ``choices_unkept.py``), parsed; ``link``: ``--link-mbps`` too."""
     p = argparse.ArgumentParser(description=description)
+    if link:
+        p.add_argument("--link-mbps", type=float, default=None,
+                       help="the device service's emulated link (sparkv device serve "
+                            "--link-mbps; default: unshaped)")
     p.add_argument("--n", default=n_default, help="choices per request")
     p.add_argument("--rounds", type=int, default=3, help="requests of each n on each service")
     p.add_argument("--max-tokens", type=int, default=24, help="each choice's most tokens")

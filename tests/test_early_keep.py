@@ -7,7 +7,9 @@ or cancelled); ``early=False`` never says awaited; through a real in-process ask
 real tiny server, three sampled choices about a context their app has not kept: the loader keeps
 it at its first token (``kept_early_s``; that token streamed already), the two others are
 answered from the kept copy, its answer's turn is kept after it, and the context is kept once;
-with ``early_keep=False`` the same choices keep it after the answer and draw the same tokens."""
+with ``early_keep=False`` the same choices keep it after the answer and draw the same tokens;
+with ``keep`` off (sparkv.asks.choicecopy) the choices still load it once, through a copy of
+their own that is gone at the request's end (and one a crash left, at the next start)."""
 
 from __future__ import annotations
 
@@ -136,10 +138,13 @@ def _choices(world, monkeypatch, early: bool, name: str, **options) -> list[dict
     try:
         reqs = [AskRequest(world["srv"].url, world["cid"], "What is it about?", world["key"],
                            AskOptions(strategy="local", backend="dense", level="raw",
-                                      max_new_tokens=6, stop_at_eos=False, keep=True,
-                                      temperature=1.0, seed=40 + i, **options))
+                                      max_new_tokens=6, stop_at_eos=False,
+                                      keep=options.get("keep", True), temperature=1.0,
+                                      seed=40 + i, **{k: v for k, v in options.items()
+                                                      if k != "keep"}))
                 for i in range(3)]
         done = [t.wait(GUARD_S) for t in asks.submit_group("app", reqs)]
+        assert asks.wait_idle(GUARD_S)                  # every runner's end done
         kept = svc.list()
         tails = [t.tokens for t in svc.tails._tails.values()]
     finally:
@@ -178,3 +183,37 @@ def test_a_loader_with_a_decode_policy_keeps_the_context_before_its_answer(world
     assert got["streamed"] == [0]                   # looked before its first token
     assert sorted(d["stats"]["strategy"] for d in done) == ["kept", "kept", "local"]
     assert len(got["kept"]) == 1
+
+
+def test_choices_that_keep_nothing_load_the_context_once_and_keep_nothing(world, monkeypatch):
+    """A request of sampled choices with ``keep`` off (sparkv.asks.choicecopy): one choice
+    loads, the others read its copy, which is gone at the request's end; the same tokens as the
+    same request keeping the context."""
+    *kept, got_kept = _choices(world, monkeypatch, True, "keep-on")
+    *done, got = _choices(world, monkeypatch, True, "keep-off", keep=False)
+    assert sorted(d["stats"]["strategy"] for d in done) == ["kept", "kept", "local"]
+    assert all(d["kept_id"] is None for d in done) and got["kept"] == []
+    assert got["tails"] == []                                   # its turn went with it
+    assert [d["tokens"] for d in done] == [d["tokens"] for d in kept]
+    assert len(got_kept["kept"]) == 1
+
+
+def test_a_choices_copy_a_crash_left_is_deleted_at_the_next_start(world, tmp_path):
+    from sparkv.asks import AskService
+    from sparkv.asks.choicecopy import MARK, ChoicesCopy
+    from sparkv.device import ContextService
+    from sparkv.device.owners import ContextOwners
+
+    lm, ids = world["lm"], list(range(5, 45))
+    svc = ContextService(lm, 200_000_000, tmp_path / "flash")
+    owners = ContextOwners()
+    try:
+        left = svc.new_context(system_ids=ids, label=ChoicesCopy(2).label("srv#ctx"))
+        mine = svc.new_context(system_ids=ids, label="srv#ctx")
+        owners.claim(left, "app")
+        assert MARK in svc.describe(left).label
+        AskService(svc, owners, slots=1, queue=1).close()
+        assert [c.id for c in svc.list()] == [mine]        # the app's own kept context stays
+        assert not owners.visible(left, "app")
+    finally:
+        svc.close()

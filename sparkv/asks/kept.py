@@ -33,6 +33,7 @@ from sparkv.device.service import ContextService
 from sparkv.edge.lane import AskCancelled
 
 if TYPE_CHECKING:
+    from sparkv.asks.choicecopy import ChoicesCopy
     from sparkv.cache import ContextKV, LayerKV
     from sparkv.device.calls import CallResult
     from sparkv.device.remote import RemoteSource
@@ -67,12 +68,17 @@ class AppContexts:
         share: the apps a context this ask keeps is shared with.
         table: the loads under way (shared by every ask of the service).
         cancelled: the ask's cancellation (a wait for another ask's load ends with it).
+        copy: the ask is a choice of a request that keeps nothing: it keeps and finds under
+            its group's own label, never shared, and the group deletes what it kept at its
+            end (:mod:`sparkv.asks.choicecopy`).
     """
 
     def __init__(self, service: ContextService, owners: ContextOwners, app: str,
-                 share: Sequence[str], table: KeepingTable, cancelled: threading.Event) -> None:
+                 share: Sequence[str], table: KeepingTable, cancelled: threading.Event, *,
+                 copy: ChoicesCopy | None = None) -> None:
         self.service, self.owners, self.app = service, owners, app
-        self.share = list(share)
+        self.share = list(share) if copy is None else []
+        self.copy = copy
         self._table, self._cancelled = table, cancelled
         self._leading: tuple[str, str] | None = None
         self.not_kept: str | None = None
@@ -83,6 +89,7 @@ class AppContexts:
         """The id of the app's (most recently used) context labelled ``label``; ``None`` when
         there is none, after waiting for another ask of the app that is loading it now. A
         ``None`` makes this ask the one loading it (until it keeps it, or ends)."""
+        label = self._label(label)
         key = (self.app, label)
         table = self._table
         with table.cv:
@@ -111,7 +118,10 @@ class AppContexts:
         """Whether other asks of the app wait for the context labelled ``label`` that this ask
         loads (then it keeps it at its first token, unless the table says ``early=False``)."""
         with self._table.cv:
-            return self._table.early and self._table.waiting[(self.app, label)] > 0
+            return self._table.early and self._table.waiting[(self.app, self._label(label))] > 0
+
+    def _label(self, label: str) -> str:
+        return label if self.copy is None else self.copy.label(label)
 
     def _visible(self, label: str) -> str | None:
         # the ids only (a waiting ask looks every WAIT_S: describing every context, as
@@ -124,11 +134,14 @@ class AppContexts:
         """Keeps the loaded cache as the app's context (shared as the ask said); ``None`` when
         the service cannot keep it now (:attr:`not_kept` says why)."""
         try:
-            cid = self.service.import_context(token_ids, layers, label=label)
+            cid = self.service.import_context(
+                token_ids, layers, label=None if label is None else self._label(label))
         except DeviceError as e:
             self.not_kept = f"{e.code}: {e}"
             return None
         self.owners.claim(cid, self.app, self.share)
+        if self.copy is not None:
+            self.copy.kept(cid)
         self.done()
         return cid
 

@@ -41,6 +41,7 @@ and key), the shared priors; one lock guards the tables.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -51,6 +52,7 @@ from typing import Any, Sequence
 
 from sparkv.asks import forward
 from sparkv.asks.admission import Admission, Place
+from sparkv.asks.choicecopy import ChoicesCopy, drop_leftovers
 from sparkv.asks.cores import BATCH_STEPS, DECODE_BATCH, CoreGate
 from sparkv.asks.kept import AppContexts, KeepingTable
 from sparkv.asks.linkplan import LinkPlan, LinkSeat
@@ -179,6 +181,7 @@ class AskService:
 
         self.eos = self.lm.eos_ids
         forward.install(self.lm.model)
+        drop_leftovers(contexts, owners)             # choices' copies a crash left
 
     def warm(self) -> float:
         """Makes now, at the service's start, what its first ask would otherwise make inside its
@@ -215,14 +218,23 @@ class AskService:
     def submit_group(self, app: str, requests: Sequence[AskRequest]) -> list[AskTicket]:
         """Starts the asks of one request's choices for ``app``: they share one slot (or one
         place in the queue: :meth:`Admission.enter_group
-        <sparkv.asks.admission.Admission.enter_group>`) and start together."""
+        <sparkv.asks.admission.Admission.enter_group>`) and start together. A group that keeps
+        nothing (``keep`` off) still loads the context once: its choices share a copy deleted
+        at the group's end (:mod:`sparkv.asks.choicecopy`)."""
         places = self.admission.enter_group(len(requests))
-        return [self._start(app, r, p) for r, p in zip(requests, places)]
+        copy = None
+        if len(requests) > 1 and not any(r.options.keep for r in requests):
+            copy = ChoicesCopy(len(requests))
+            requests = [dataclasses.replace(r, options=dataclasses.replace(r.options, keep=True),
+                                            share=()) for r in requests]
+        return [self._start(app, r, p, copy) for r, p in zip(requests, places)]
 
-    def _start(self, app: str, request: AskRequest, place: Place) -> AskTicket:
+    def _start(self, app: str, request: AskRequest, place: Place,
+               copy: ChoicesCopy | None = None) -> AskTicket:
         with self._lock:
             ask_id = f"ask-{next(self._ids)}"
             ticket = AskTicket(ask_id, app, request, place, self._detokenize)
+            ticket.copy = copy
             thread = threading.Thread(target=self._run, args=(ticket,), daemon=True,
                                       name=f"sparkv-{ask_id}")
             self._tickets[ask_id] = ticket
@@ -275,10 +287,13 @@ class AskService:
                 raise AskCancelled("cancelled while queued")
             ticket.started = next(self._started)
             kept = AppContexts(self.contexts, self.owners, ticket.app, ticket.request.share,
-                               self._keeping, ticket.cancelled)
-            ticket.finish(self._answer(ticket, kept))
+                               self._keeping, ticket.cancelled, copy=ticket.copy)
+            done = self._answer(ticket, kept)
+            self._leave_copy(ticket)        # gone before the request's last answer is out
+            ticket.finish(done)
             self._count("done")
         except BaseException as e:  # noqa: BLE001 - every failure is the ask's error event
+            self._leave_copy(ticket)
             status, code, message = ask_error(AskCancelled() if ticket.cancelled.is_set() else e)
             if status == 500:
                 log.error("ask %s failed", ticket.id, exc_info=True)
@@ -288,11 +303,22 @@ class AskService:
         finally:
             if kept is not None:
                 kept.done()
+            self._leave_copy(ticket)
             ticket.place.leave()
             with self._lock:
                 self._tickets.pop(ticket.id, None)
                 self._threads.pop(ticket.id, None)
             _free_now()
+
+    def _leave_copy(self, ticket: AskTicket) -> None:
+        """The ask leaves its group's copy (once): the last to leave deletes it."""
+        copy, ticket.copy = ticket.copy, None
+        if copy is not None:
+            try:
+                copy.leave(self.contexts, self.owners)
+            except Exception:  # noqa: BLE001 - the answer stands; the next start drops it
+                log.error("the choices' copy of ask %s was not deleted", ticket.id,
+                          exc_info=True)
 
     def _answer(self, ticket: AskTicket, kept: AppContexts) -> dict[str, Any]:
         """Runs the ask on a lane; the ``done`` event."""
@@ -322,7 +348,8 @@ class AskService:
         self._learn(session, res, 1.0 if seat.planned
                     else (sharers + self.admission.stats()["running"]) / 2)
         return {"type": "done", "id": ticket.id, "text": res.text, "tokens": res.tokens,
-                "stats": res.stats, "kept_id": res.kept_id, "not_kept": kept.not_kept,
+                "stats": res.stats, "not_kept": kept.not_kept,
+                "kept_id": res.kept_id if ticket.copy is None else None,   # deleted at the end
                 "started": ticket.started,
                 "queued_s": t0 - ticket.submitted, "first_token_s": ticket.first_token_s,
                 "total_s": time.perf_counter() - ticket.submitted,

@@ -24,6 +24,7 @@ from sparkv.runtime.textstream import TextStream
 
 if TYPE_CHECKING:
     from sparkv.asks.admission import Place
+    from sparkv.asks.choicecopy import ChoicesCopy
     from sparkv.asks.cores import AskLane
     from sparkv.runtime.sampling import TokenLogprobs
     from sparkv.runtime.turns import Conversation
@@ -73,6 +74,7 @@ class AskTicket:
         self.outcome: dict[str, Any] | None = None  # the done or error event
         self.lane: AskLane | None = None
         self.started: int | None = None              # its rank among the asks that ran
+        self.copy: ChoicesCopy | None = None         # its group's shared copy (keep off)
         self._events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._wake: Callable[[], None] | None = None
         self._wake_lock = threading.Lock()

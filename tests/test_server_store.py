@@ -30,6 +30,8 @@ def test_chunk_roundtrip_and_absent(store):
     assert store.chunks.get("alice", CID, k) == frame(1)
     store.chunks.put("alice", CID, k, frame(2, 10))  # replace
     assert store.chunks.get("alice", CID, k) == frame(2, 10)
+    store.chunks.put("alice", CID, k, frame(3), later=True)   # durable with the token ids
+    assert store.chunks.get("alice", CID, k) == frame(3)
     assert store.chunks.get("alice", CID, ChunkKey(0, 1, 0, "raw")) is None
 
 
@@ -196,6 +198,35 @@ def test_file_store_leaves_no_temp_files_and_layout(tmp_path):
     cdir = tmp_path / "st" / "tenants" / "alice" / "contexts" / CID
     assert sorted(os.listdir(cdir)) == ["chunks", "manifest.json"]
     assert os.listdir(cdir / "chunks") == ["1.2.0.q5"]
+
+
+def test_frames_put_later_are_made_durable_together_by_the_token_ids(tmp_path, monkeypatch):
+    """An encode's frames go without an fsync each; the context's put_tokens syncs them in one
+    call (then its directory) before the token ids, so before the manifest."""
+    from sparkv.server.stores import file_store
+
+    synced: list[tuple[str, set[str]]] = []
+    monkeypatch.setattr(file_store, "sync_files",
+                        lambda d, paths: synced.append((str(d), {str(p) for p in paths})))
+    store = FileStore(tmp_path / "s")
+    keys = [ChunkKey(t, 0, 0, "q5") for t in range(3)]
+    for i, k in enumerate(keys):
+        store.chunks.put("alice", CID, k, frame(i), later=True)
+    store.chunks.put("alice", CID2, keys[0], frame(9), later=True)
+    store.chunks.put("alice", CID, ChunkKey(9, 0, 0, "q5"), frame(8))      # durable at once
+    assert synced == [] and store.chunks.get("alice", CID, keys[2]) == frame(2)
+    store.chunks.put_tokens("alice", CID, b"\x01\x00\x00\x00")
+    chunks = tmp_path / "s" / "tenants" / "alice" / "contexts" / CID / "chunks"
+    assert synced == [(str(chunks), {str(chunks / k.name()) for k in keys})]
+    store.chunks.put_tokens("alice", CID, b"\x01\x00\x00\x00")             # nothing left
+    assert len(synced) == 1
+    store.chunks.delete("alice", CID2)                     # a discarded encode: forgotten
+    store.chunks.put_tokens("alice", CID2, b"\x01\x00\x00\x00")
+    assert len(synced) == 1
+    unsynced = FileStore(tmp_path / "t", fsync=False)      # a throwaway store syncs nothing
+    unsynced.chunks.put("alice", CID, keys[0], frame(1), later=True)
+    unsynced.chunks.put_tokens("alice", CID, b"\x01\x00\x00\x00")
+    assert len(synced) == 1
 
 
 def test_file_store_ignores_leftover_temp_files(tmp_path):

@@ -464,7 +464,7 @@ class _ContextEncoder:
         t2 = time.perf_counter()
         stored = self.cipher.seal(frame, cid.t, cid.l, cid.g, level) if self.cipher else frame
         t3 = time.perf_counter()
-        self.chunks.put(self.spec.tenant, self.context_id, key, stored)
+        self.chunks.put(self.spec.tenant, self.context_id, key, stored, later=True)
         t4 = time.perf_counter()
         with self._lock:
             stats.codec_s += t1 - t0

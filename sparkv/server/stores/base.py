@@ -81,7 +81,9 @@ class ChunkStore(ABC):
     ``u32`` each), with or without a manifest.
 
     * ``put`` and ``put_tokens`` are atomic and replace; both are durable before they return
-      (the manifest is written after them).
+      (the manifest is written after them), except a ``put(..., later=True)``: that frame is
+      durable once the context's ``put_tokens`` returns (an encode's frames made durable
+      together: one file-system sync instead of one per frame).
     * A read with ``max_bytes`` never reads more: a larger frame raises :class:`ValueTooLarge`
       (a reader that knows a frame's size from its manifest cannot be made to hold gigabytes by
       what is in the store). A file store reads only regular files inside its root: a symlink,
@@ -93,8 +95,10 @@ class ChunkStore(ABC):
     """
 
     @abstractmethod
-    def put(self, tenant: str, context_id: str, key: ChunkKey, data: bytes) -> None:
-        """Stores one frame atomically (replacing an existing one)."""
+    def put(self, tenant: str, context_id: str, key: ChunkKey, data: bytes, *,
+            later: bool = False) -> None:
+        """Stores one frame atomically (replacing an existing one); ``later``: durable once
+        the context's :meth:`put_tokens` returns, not before this returns."""
 
     @abstractmethod
     def get(self, tenant: str, context_id: str, key: ChunkKey,
@@ -119,7 +123,8 @@ class ChunkStore(ABC):
 
     @abstractmethod
     def put_tokens(self, tenant: str, context_id: str, data: bytes) -> None:
-        """Stores the context's token ids atomically, replacing them, durable on return."""
+        """Stores the context's token ids atomically, replacing them, durable on return, and
+        the frames put ``later`` before them."""
 
     @abstractmethod
     def get_tokens(self, tenant: str, context_id: str) -> bytes | None:

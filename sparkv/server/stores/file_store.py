@@ -35,11 +35,12 @@ import os
 import secrets
 import shutil
 import stat
+import threading
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from sparkv.fileio import atomic_write as write_atomically
-from sparkv.fileio import fsync_dir
+from sparkv.fileio import fsync_dir, sync_files
 from sparkv.server.errors import StoreError
 from sparkv.server.stores.base import (ChunkKey, ChunkStore, JobStore, ManifestStore, Store,
                                        ValueTooLarge, check_names)
@@ -176,21 +177,37 @@ class FileLayout:
 
 
 class FileChunks(ChunkStore):
-    """Frames and token ids as files (module docstring)."""
+    """Frames and token ids as files (module docstring). Frames put ``later`` are written
+    without ``fsync``; the context's ``put_tokens`` makes them durable together
+    (:func:`~sparkv.fileio.sync_files`: one ``syncfs``, then the frames' directory)."""
 
     def __init__(self, layout: FileLayout) -> None:
         self.layout = layout
+        self._later: dict[tuple[str, str], set[Path]] = {}
+        self._lock = threading.Lock()
 
     def _frame(self, tenant: str, context_id: str, key: ChunkKey) -> list[str]:
         return self.layout.context_parts(tenant, context_id) + ["chunks", key.name()]
 
-    def put(self, tenant: str, context_id: str, key: ChunkKey, data: bytes) -> None:
+    def put(self, tenant: str, context_id: str, key: ChunkKey, data: bytes, *,
+            later: bool = False) -> None:
         check_names(tenant, context_id, key)
+        path = self.layout.path(self._frame(tenant, context_id, key))
+        later = later and self.layout.fsync
         try:
-            atomic_write(self.layout.path(self._frame(tenant, context_id, key)), data,
-                         self.layout.fsync)
+            atomic_write(path, data, self.layout.fsync and not later)
         except OSError as exc:
             raise StoreError(f"cannot write chunk {key.name()} of {context_id}: {exc}") from exc
+        if later:
+            with self._lock:
+                self._later.setdefault((tenant, context_id), set()).add(path)
+
+    def _sync_later(self, tenant: str, context_id: str) -> None:
+        """Makes the frames put ``later`` durable (their directory's entries too)."""
+        with self._lock:
+            paths = self._later.pop((tenant, context_id), set())
+        if paths:
+            sync_files(next(iter(paths)).parent, paths)
 
     def get(self, tenant: str, context_id: str, key: ChunkKey,
             max_bytes: int | None = None) -> bytes | None:
@@ -231,6 +248,7 @@ class FileChunks(ChunkStore):
         check_names(tenant, context_id)
         cdir = self.layout.context_parts(tenant, context_id)
         try:
+            self._sync_later(tenant, context_id)
             atomic_write(self.layout.path(cdir + [TOKENS]), data, self.layout.fsync)
             self.layout.sync(cdir)  # the rename is durable before the manifest is written
         except OSError as exc:
@@ -248,6 +266,8 @@ class FileChunks(ChunkStore):
 
     def delete(self, tenant: str, context_id: str) -> bool:
         check_names(tenant, context_id)
+        with self._lock:
+            self._later.pop((tenant, context_id), None)
         cdir = self.layout.path(self.layout.context_parts(tenant, context_id))
         trash = cdir.parent / f".deleted-{context_id}-{secrets.token_hex(4)}"
         try:

@@ -86,7 +86,9 @@ class RedisChunks(ChunkStore):
     def __init__(self, keys: RedisKeys) -> None:
         self.k = keys
 
-    def put(self, tenant: str, context_id: str, key: ChunkKey, data: bytes) -> None:
+    def put(self, tenant: str, context_id: str, key: ChunkKey, data: bytes, *,
+            later: bool = False) -> None:
+        # ``later`` changes nothing: a frame is as durable as Redis makes it once SET returns
         check_names(tenant, context_id, key)
         base = self.k.context(tenant, context_id)
 

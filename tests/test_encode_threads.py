@@ -129,7 +129,7 @@ class _CountingChunks:
         self.inner, self.fail_at, self.puts = inner, fail_at, 0
         self.lock = threading.Lock()
 
-    def put(self, *args):
+    def put(self, *args, **kwargs):
         from sparkv.server.errors import StoreError
 
         with self.lock:
@@ -137,7 +137,7 @@ class _CountingChunks:
             n = self.puts
         if n == self.fail_at:
             raise StoreError("disk full")
-        self.inner.put(*args)
+        self.inner.put(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

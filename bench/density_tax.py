@@ -24,8 +24,13 @@ import contextlib
 import json
 import pathlib
 import statistics
+import sys
 import tempfile
 from typing import Any, Iterator
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from story_model import story_model  # noqa: E402
 
 KINDS = ("kept", "question", "answer")
 
@@ -82,12 +87,8 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def main() -> int:
-    import torch
-
-    from sparkv.bench.qa import DATA_DIR, load_qa_set
     from sparkv.device import ContextService
     from sparkv.runtime.heap import freeze_heap
-    from sparkv.runtime.model import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -95,10 +96,7 @@ def main() -> int:
     p.add_argument("--answer", type=int, default=32, help="an answer's tokens")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    torch.set_num_threads(2)
-    lm = load_model(None, progress=False)
-    qa = load_qa_set(DATA_DIR / "qa_story.json")
-    ids = lm.encode_text(qa.text(qa.items[0].slice))[:a.tokens]
+    lm, qa, ids = story_model(a.tokens)
     questions = [item.question for item in qa.items]
     rounds = []
     with tempfile.TemporaryDirectory() as d:

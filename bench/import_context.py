@@ -19,9 +19,14 @@ import argparse
 import json
 import pathlib
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Callable
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from story_model import story_model  # noqa: E402
 
 
 def timed(into: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -35,23 +40,16 @@ def timed(into: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> Ca
 
 
 def main() -> int:
-    import torch
-
-    from sparkv.bench.qa import DATA_DIR, load_qa_set
     from sparkv.device import ContextService, chunked
     from sparkv.runtime.generate import reference_prefill
     from sparkv.runtime.heap import freeze_heap
-    from sparkv.runtime.model import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    torch.set_num_threads(2)
-    lm = load_model(None, progress=False)
-    qa = load_qa_set(DATA_DIR / "qa_story.json")
-    ids = lm.encode_text(qa.text(qa.items[0].slice))[:a.tokens]
+    lm, _, ids = story_model(a.tokens)
     layers = list(reference_prefill(lm, ids))
     parts: dict[str, list[float]] = {}
     keeper = chunked.ChunkKeeper

@@ -19,10 +19,15 @@ import argparse
 import json
 import pathlib
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from story_model import story_model  # noqa: E402
 
 
 def one_round(svc: Any, cid: str, short: int, long: int) -> dict[str, float]:
@@ -57,11 +62,7 @@ def one_round(svc: Any, cid: str, short: int, long: int) -> dict[str, float]:
 
 
 def main() -> int:
-    import torch
-
-    from sparkv.bench.qa import DATA_DIR, load_qa_set
     from sparkv.device import ContextService
-    from sparkv.runtime.model import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -70,10 +71,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=1024, help="the context's tokens")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    torch.set_num_threads(2)
-    lm = load_model(None, progress=False)
-    qa = load_qa_set(DATA_DIR / "qa_story.json")
-    ids = lm.encode_text(qa.text(qa.items[0].slice))[:a.tokens]
+    lm, _, ids = story_model(a.tokens)
     rounds = []
     with tempfile.TemporaryDirectory() as d:
         svc = ContextService(lm, 1 << 30, d)

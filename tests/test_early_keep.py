@@ -192,7 +192,8 @@ def test_choices_that_keep_nothing_load_the_context_once_and_keep_nothing(world,
     *kept, got_kept = _choices(world, monkeypatch, True, "keep-on")
     *done, got = _choices(world, monkeypatch, True, "keep-off", keep=False)
     assert sorted(d["stats"]["strategy"] for d in done) == ["kept", "kept", "local"]
-    assert all(d["kept_id"] is None for d in done) and got["kept"] == []
+    assert all(d["kept_id"] is None and d["not_kept"] is None for d in done)
+    assert got["kept"] == []
     assert got["tails"] == []                                   # its turn went with it
     assert [d["tokens"] for d in done] == [d["tokens"] for d in kept]
     assert len(got_kept["kept"]) == 1

@@ -348,8 +348,10 @@ class AskService:
         self._learn(session, res, 1.0 if seat.planned
                     else (sharers + self.admission.stats()["running"]) / 2)
         return {"type": "done", "id": ticket.id, "text": res.text, "tokens": res.tokens,
-                "stats": res.stats, "not_kept": kept.not_kept,
-                "kept_id": res.kept_id if ticket.copy is None else None,   # deleted at the end
+                "stats": res.stats,
+                # a group's copy is no keeping of the app's: deleted at the end, never reported
+                "kept_id": res.kept_id if ticket.copy is None else None,
+                "not_kept": kept.not_kept if ticket.copy is None else None,
                 "started": ticket.started,
                 "queued_s": t0 - ticket.submitted, "first_token_s": ticket.first_token_s,
                 "total_s": time.perf_counter() - ticket.submitted,

@@ -46,6 +46,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from sparkv.runtime.fastops import apply_rope
 from sparkv.runtime.hfcache import hook_cache
 from sparkv.runtime.hooks import QUERY_SINK, rows_safe
 
@@ -186,11 +187,6 @@ class recording:
                 self.recorder.drop_waiting()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _key_parts(cache: Any, layer_idx: int) -> list[torch.Tensor] | None:
     """The dense keys the layer just attended over, as pieces ``[Hkv, s_i, D]`` that make the
     keys by slot (= position) when joined: a fork's prefix and tail stay two views."""
@@ -228,14 +224,11 @@ def _queries(module: torch.nn.Module, hidden: torch.Tensor, pe: Any, d: int,
             and offered[1].shape[2] == hidden.shape[1]:
         q = offered[1][0]
     else:
-        n = int(hidden.shape[1])
-        q = module.get_submodule("q_proj")(hidden[0]).view(n, -1, d)
+        q = module.get_submodule("q_proj")(hidden).view(*hidden.shape[:2], -1, d)
         q_norm = getattr(module, "q_norm", None)
         if q_norm is not None:  # Qwen3
             q = q_norm(q)
-        cos, sin = pe
-        q = q.transpose(0, 1)
-        q = q * cos[0] + _rotate_half(q) * sin[0]
+        q = apply_rope(q.transpose(1, 2), *pe)[0]
     return q * float(getattr(module, "scaling", d ** -0.5))
 
 

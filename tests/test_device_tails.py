@@ -249,3 +249,36 @@ def test_an_asks_turn_kept_with_its_context_is_reused_and_rows_of_another_shape_
         assert res.turn_tokens_reused >= len(suffix_ids(lm, first))
     finally:
         svc.close()
+
+
+def test_a_question_kept_with_its_context_at_the_first_token_is_reused_by_the_same_question(
+        lm, context, tmp_path):
+    """An ask kept at its answer's first token hands its question's KV over with the context
+    (``import_context(turn=...)``, :func:`sparkv.edge.kept.question_turn`): the same question in
+    the same app then runs only its last token and answers what it answers without them; the
+    loaded cache stays as it was (its question's rows are copied, not truncated)."""
+    from sparkv.edge.kept import question_turn
+    from sparkv.runtime.generate import context_memory, greedy_generate
+
+    head, kv = context
+    mem = context_memory(lm, [(k.clone(), v.clone()) for k, v in kv], len(head))
+    q = suffix_ids(lm, Conversation.of("Which names does this text give, and what does it "
+                                       "say about each of them in the end?"))
+    assert len(q) > MIN_REUSE and question_turn(mem, q) is None                        # nothing appended yet
+    turns = []
+    greedy_generate(lm, mem, len(head), q, 3, truncate=False,
+                    after_first=lambda: turns.append(question_turn(mem, q)))
+    assert turns[0] is not None and turns[0][0] == q and set(mem.positions) != {len(head)}
+    mem.truncate()
+    answers = {}
+    for scope in ("app:a", "app:b"):
+        svc = ContextService(lm, 256 << 20, tmp_path / scope, io_profile=flash_profile(fast=True))
+        try:
+            sid = svc.import_context(head, mem, turn=turns[0], turn_scope="app:a")
+            answers[scope] = svc.call(sid, prompt_ids=q, max_new_tokens=6, grow=False,
+                                      turn_scope=scope)
+        finally:
+            svc.close()
+    assert answers["app:a"].turn_tokens_reused == len(q) - 1
+    assert answers["app:b"].turn_tokens_reused == 0                 # another app's question
+    assert answers["app:a"].tokens == answers["app:b"].tokens

@@ -112,7 +112,8 @@ def world(tmp_path_factory):
     stop_checked(srv)
 
 
-def _choices(world, monkeypatch, early: bool, name: str, **options) -> list[dict]:
+def _choices(world, monkeypatch, early: bool, name: str, question: str = "What is it about?",
+             **options) -> list[dict]:
     """Three sampled choices of one request (one admission group) about the world's context,
     not yet kept, through an in-process ask service: their done events and its kept contexts.
     The loader looks at the table only once both others wait (so that the run does not depend
@@ -136,7 +137,7 @@ def _choices(world, monkeypatch, early: bool, name: str, **options) -> list[dict
 
     monkeypatch.setattr(KeptAsks, "awaited", awaited)
     try:
-        reqs = [AskRequest(world["srv"].url, world["cid"], "What is it about?", world["key"],
+        reqs = [AskRequest(world["srv"].url, world["cid"], question, world["key"],
                            AskOptions(strategy="local", backend="dense", level="raw",
                                       max_new_tokens=6, stop_at_eos=False,
                                       keep=options.get("keep", True), temperature=1.0,
@@ -172,6 +173,25 @@ def test_a_loader_others_wait_for_keeps_the_context_at_its_first_token(world, mo
     # the same seeds draw the same tokens, kept early or after the answer
     assert [d["tokens"] for d in early] == [d["tokens"] for d in after]
     assert len(got_after["kept"]) == 1
+
+
+LONG_QUESTION = ("Which of the people named in this text does the most, and what does each of "
+                 "them do in the end?")
+
+
+def test_the_other_choices_take_the_loaders_question_rows(world, monkeypatch):
+    """Kept at the loader's first token, the context comes with the question's KV as the app's
+    turn: the other choices run only their question's last token (as they do when the context
+    is kept after the answer, with the loader's whole turn), and draw the same tokens."""
+    from sparkv.edge.prompts import question_suffix
+
+    n = len(question_suffix(world["lm"], LONG_QUESTION))
+    assert n > 17
+    *early, _ = _choices(world, monkeypatch, True, "rows-on", LONG_QUESTION)
+    readers = [d for d in early if d["stats"]["strategy"] == "kept"]
+    assert [d["stats"]["turn_tokens_reused"] for d in readers] == [n - 1, n - 1]
+    *after, _ = _choices(world, monkeypatch, False, "rows-off", LONG_QUESTION)
+    assert [d["tokens"] for d in early] == [d["tokens"] for d in after]
 
 
 def test_a_loader_with_a_decode_policy_keeps_the_context_before_its_answer(world, monkeypatch):

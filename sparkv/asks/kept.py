@@ -130,12 +130,15 @@ class AppContexts:
                      if self.owners.visible(c, self.app)), None)
 
     def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
-                       label: str | None = None) -> str | None:
-        """Keeps the loaded cache as the app's context (shared as the ask said); ``None`` when
-        the service cannot keep it now (:attr:`not_kept` says why)."""
+                       label: str | None = None,
+                       turn: tuple[Sequence[int], Rows] | None = None) -> str | None:
+        """Keeps the loaded cache as the app's context (shared as the ask said), and ``turn``
+        as the app's; ``None`` when the service cannot keep it now (:attr:`not_kept` says
+        why)."""
         try:
             cid = self.service.import_context(
-                token_ids, layers, label=None if label is None else self._label(label))
+                token_ids, layers, label=None if label is None else self._label(label),
+                turn=turn, turn_scope=self.app)
         except DeviceError as e:
             self.not_kept = f"{e.code}: {e}"
             return None

@@ -35,10 +35,14 @@ class KeptContexts(Protocol):
         ...
 
     def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
-                       label: str | None = None) -> str | None:
+                       label: str | None = None,
+                       turn: tuple[Sequence[int], Rows] | None = None) -> str | None:
         """Adopts a context whose KV was loaded elsewhere; returns its id (``None``: a view
         that cannot keep it now, as an app's view in :mod:`sparkv.asks` under a full budget:
-        the answer stands, ``AskResult.kept_id`` is ``None``)."""
+        the answer stands, ``AskResult.kept_id`` is ``None``). ``turn``: ids and their KV
+        computed after it, kept as :meth:`keep_turns` keeps them before any call can find
+        the context (the question of the ask that loaded it, for the other choices of its
+        request)."""
         ...
 
     def find(self, label: str) -> str | None:

@@ -268,12 +268,16 @@ class ContextService:
 
     def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
                        density: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       system_prompt: str | None = None, label: str | None = None) -> str:
+                       system_prompt: str | None = None, label: str | None = None,
+                       turn: tuple[Sequence[int], Rows] | None = None,
+                       turn_scope: str = "") -> str:
         """Adopts a context whose KV was made elsewhere (the edge's loaded cache, a benchmark's
         prefill): ``layers`` is a :class:`ContextKV` holding every chunk (any chunk size) or per
         layer ``(K, V)`` ``[1, H, N, D]``. ``density``: per-token ``(mass, rows)`` if known (else
         the levels assume equal densities until calls measure them). ``label``: a name to find it
-        by later (:meth:`find`; journaled, so it survives a restart)."""
+        by later (:meth:`find`; journaled, so it survives a restart). ``turn``: ids and their
+        KV computed after the context, kept as a tail of ``turn_scope`` (:meth:`keep_turns`)
+        before the context can be found by its label."""
         ids = check_token_ids(token_ids, self.vocab, "token_ids")
         if isinstance(layers, ContextKV) and layers.geometry.num_tokens != len(ids):
             raise DeviceError(f"the memory holds {layers.geometry.num_tokens} tokens, "
@@ -286,6 +290,8 @@ class ContextService:
             if density is not None:
                 ctx.set_density(*density)
             self._reserving(lambda: self.keeper.adopt(ctx, layers))
+            if turn is not None:
+                self.keep_turns(ctx.id, *turn, turn_scope=turn_scope)
         return ctx.id
 
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,

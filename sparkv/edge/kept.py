@@ -41,6 +41,15 @@ def appended_turn(kv: ContextKV, suffix: Sequence[int], answer: Sequence[int]
         kv.truncate()
 
 
+def question_turn(kv: ContextKV, suffix: Sequence[int]) -> AppendedTurn | None:
+    """The KV of ``suffix`` (a question) that ``kv`` holds appended after its context, copied
+    (``kv`` stays as it is); ``None`` when it holds anything else or ``suffix`` is empty."""
+    count = min(kv.positions) - kv.geometry.num_tokens
+    if not suffix or count != len(suffix):
+        return None
+    return list(suffix), kv.appended(count)
+
+
 class KeptAsks:
     """The kept contexts of one server (``client``) in ``service`` (``None``: no service; then
     every use raises :class:`AskError`)."""
@@ -68,10 +77,8 @@ class KeptAsks:
              turn: AppendedTurn | None = None) -> str | None:
         """Keeps a loaded cache in the service, and the ask's ``turn`` with it (for the next
         question of the same conversation); returns its id there (``None``: not kept)."""
-        sid = self.service().import_context(tokens, kv, label=self.label(context_id))
-        if sid is not None and turn is not None:
-            self.keep_turn(sid, turn)
-        return sid
+        return self.service().import_context(tokens, kv, label=self.label(context_id),
+                                             turn=turn)
 
     def keep_turn(self, kept_id: str, turn: AppendedTurn) -> None:
         """Keeps the ask's ``turn`` after the context it kept as ``kept_id``."""
@@ -123,13 +130,15 @@ class AskKeeping:
     #: the seconds the keeping took at the first token; ``None``: kept after the answer
     early_s: float | None = None
 
-    def early(self, tokens: list[int], kv: ContextKV) -> None:
-        """At the answer's first token (``kv`` holds the context, then the question): keeps
-        the context now if other asks wait for it."""
+    def early(self, tokens: list[int], kv: ContextKV, suffix: Sequence[int] = ()) -> None:
+        """At the answer's first token (``kv`` holds the context, then ``suffix``, the
+        question): keeps the context now if other asks wait for it, and the question's KV as
+        the app's turn after it (:func:`question_turn`): a waiting ask of the same question
+        (another choice of the request) runs only its last token."""
         if self.early_s is not None or not self.kept.awaited(self.context_id):
             return
         t0 = time.perf_counter()
-        self.kept_id = self.kept.keep(self.context_id, tokens, kv)
+        self.kept_id = self.kept.keep(self.context_id, tokens, kv, question_turn(kv, suffix))
         self.early_s = time.perf_counter() - t0
 
     def end(self, tokens: list[int], kv: ContextKV, turn: AppendedTurn | None) -> str | None:

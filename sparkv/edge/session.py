@@ -833,7 +833,8 @@ class EdgeSession:
         else after the answer, with its turn."""
         opts, tokens, kv = ask.options, fetched.tokens, loaded.stepper.kv
         keeping = AskKeeping(self._kept(), ask.context_id) if opts.keep else None
-        keep_early = (lambda: keeping.early(tokens, kv)) if keeping is not None else None
+        keep_early = ((lambda: keeping.early(tokens, kv, ask.suffix)) if keeping is not None
+                      else None)
         decode_stats: dict[str, Any] = {}
         turn: AppendedTurn | None = None
         if not opts.uses_decode_policy:

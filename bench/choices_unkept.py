@@ -7,9 +7,10 @@ one ``sparkv device serve`` as it runs by default; requests of ``n`` choices thr
     python bench/choices_unkept.py [--n 2,4] [--rounds 3] [--max-tokens 24] [--dtype auto]
                                    [--link-mbps 200] [--out bench/results/choices_unkept_cpu.json]
 
-Per request: its wall time, how many of its choices loaded the context (streamed or computed it
-rather than reading a copy), the bytes they streamed, and how many contexts the service still
-holds after it (``keep: false``: none). Run it on two checkouts to compare (before, every choice
+Per request: its wall time, each choice's first token (``ttft_s``) and the question rows it
+took from a kept turn (``reused``), how many of its choices loaded the context (streamed or
+computed it rather than reading a copy), the bytes they streamed, and how many contexts the
+service still holds after it (``keep: false``: none). Run it on two checkouts to compare (before, every choice
 loaded the context for itself). ``--link-mbps``: the device service's one emulated link, which
 every choice's stream shares (unshaped, a loopback link is free: loading apart costs only the
 cores). SmolLM2 (the bundled model), 2 torch threads per process, wall
@@ -36,6 +37,8 @@ def ask(oa: Any, cid: str, url: str, question: str, n: int, max_tokens: int, see
     return {"wall_s": wall_s, "loads": len(loads),
             "bytes_streamed": sum(int(c["stats"].get("bytes_streamed") or 0) for c in each),
             "strategies": [c["stats"]["strategy"] for c in each],
+            "ttft_s": [c["stats"].get("ttft_s") for c in each],
+            "reused": [int(c["stats"].get("turn_tokens_reused") or 0) for c in each],
             "kept_ids": [c.get("kept_id") for c in each],
             "texts": [c.message.content for c in r.choices]}
 
@@ -63,6 +66,8 @@ def summary(res: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"n": int(n),
                      "wall_s": round(statistics.median(r["wall_s"] for r in reqs), 3),
                      "loads": statistics.median(r["loads"] for r in reqs),
+                     "last_first_token_s": round(statistics.median(
+                         max(r["ttft_s"]) for r in reqs), 3),
                      "mb_streamed": round(statistics.median(r["bytes_streamed"]
                                                             for r in reqs) / 1e6, 3),
                      "contexts_after": max(r["contexts_after"] for r in reqs)})
@@ -75,10 +80,11 @@ def main() -> int:
     res = run([int(x) for x in a.n.split(",")], a.rounds, a.max_tokens,
               ("--dtype", a.dtype, *link))
     rows = summary(res)
-    print(f"{'n':>3} {'wall':>8} {'loads':>6} {'MB streamed':>12} {'kept after':>11}")
+    print(f"{'n':>3} {'wall':>8} {'last first token':>17} {'loads':>6} {'MB streamed':>12} "
+          f"{'kept after':>11}")
     for r in rows:
-        print(f"{r['n']:>3} {r['wall_s']:>6.2f} s {r['loads']:>6} {r['mb_streamed']:>12.2f} "
-              f"{r['contexts_after']:>11}")
+        print(f"{r['n']:>3} {r['wall_s']:>6.2f} s {r['last_first_token_s']:>15.2f} s "
+              f"{r['loads']:>6} {r['mb_streamed']:>12.2f} {r['contexts_after']:>11}")
     write_out(a.out, res, rows)
     return 0
 

@@ -86,3 +86,33 @@ def test_a_context_imported_in_inference_mode_holds_no_inference_tensor(tiny_lla
     assert held and not any(t.is_inference() for t in held)
     assert svc.call(cid, prompt_ids=[7, 8, 9], max_new_tokens=2).context_tokens == n + 4
     svc.close()
+
+
+@pytest.mark.parametrize("levels", [["int8"] * 6, ["fp", "int8", "int4", "int2", "int8", "int4"],
+                                    ["int4", "int4", "fp", "fp", "int4", "int8"]])
+def test_a_layers_runs_hold_what_its_chunks_put_one_by_one_hold(levels):
+    """``adopt`` holds a layer's runs, one per level (its chunks consecutive or not): the
+    memory then holds every chunk at its level, bit for bit as putting each chunk's payloads."""
+    from sparkv.cache import ContextKV
+    from sparkv.cache.chunks import Source
+    from sparkv.device.keeper import adopted_runs
+
+    tokens = 16 * 5 + 3
+    g = ChunkGeometry.from_config(_Config(), tokens, 16)
+    gen = torch.Generator().manual_seed(1)
+    layers = [(torch.randn(1, 2, tokens, 16, generator=gen),
+               torch.randn(1, 2, tokens, 16, generator=gen)) for _ in range(3)]
+    by_runs, by_chunks = (ContextKV(g, torch.float32, "cpu", paged=True) for _ in range(2))
+    runs = list(adopted_runs(layers, g, levels, torch.float32))
+    assert [len(r) for r in runs] == [len(set(levels))] * 3          # a run per level a layer
+    for r in runs:
+        by_runs.hold(r, Source.INJECTED)
+    for payloads in adopted_chunks(layers, g, levels, torch.float32):
+        by_chunks.put_payloads(payloads, Source.INJECTED)
+    for t in range(g.num_token_chunks):
+        for l in range(3):  # noqa: E741
+            a, b = by_runs.read(KVChunkId(t, l, 0)), by_chunks.read(KVChunkId(t, l, 0))
+            assert (a.level, a.counts) == (b.level, b.counts) == (levels[t], a.counts)
+            assert torch.equal(a.pos, b.pos)
+            for x, y in zip(_tensors(a.k) + _tensors(a.v), _tensors(b.k) + _tensors(b.v)):
+                assert torch.equal(x, y)

@@ -36,7 +36,7 @@ from sparkv.device.config import longest_context
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.hosttier import tier_holds
-from sparkv.device.keeper import Keeper, SwitchIn, adopted_chunks, adopted_pages
+from sparkv.device.keeper import Keeper, SwitchIn, adopted_pages, adopted_runs
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, chunk_payload, grow_arena,
                                   load, paged_nbytes, token_chunk_run, working_nbytes)
@@ -96,11 +96,10 @@ class ChunkKeeper(Keeper):
         ctx.levels = levels
         C.reserve_pages(adopted_pages(g, levels))        # the pools grow once
         try:
-            for t, payloads in enumerate(adopted_chunks(layers, g, levels, self.lm.dtype,
-                                                        owned=False)):   # copied into pages
-                C.put_payloads(payloads, Source.INJECTED)
-                ctx.modified.add(t)
+            for runs in adopted_runs(layers, g, levels, self.lm.dtype):  # copied into pages
+                C.hold(runs, Source.INJECTED)
                 self.budget.check()
+            ctx.modified.update(range(g.num_token_chunks))
         finally:
             C.reserve_pages(None)
 

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from sparkv.cache import ContextKV, LayerKV
 from sparkv.cache.levels import QuantizedTensor
 from sparkv.cache.pages import PAGE_TOKENS
-from sparkv.cache.payload import ChunkPayload, contiguous_positions, values_at_level
+from sparkv.cache.payload import ChunkPayload, ChunkRun, contiguous_positions, values_at_level
 from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.config import ServiceConfig
 from sparkv.device.counters import ServiceCounters
@@ -204,34 +205,89 @@ def layer_kv(layers: ContextKV | LayerKV, l: int, t0: int, t1: int  # noqa: E741
     return torch.stack(ks), torch.stack(vs)
 
 
-def adopted_chunks(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequence[str],
-                   dtype: torch.dtype, *, owned: bool = True) -> list[list[ChunkPayload]]:
-    """Every token chunk of a context being adopted, as the service holds it: per chunk ``t``,
-    one payload per layer (every KV head in one group), copied from ``layers``
-    (:func:`layer_kv`) in ``dtype`` and quantized to ``levels[t]`` unless it is ``fp``.
-    ``owned``: each payload holds its own storage; else its tensors are views of its layer's
-    converted rows (none of ``layers``'), for a memory that copies them into its pages at once.
+def adopted_runs(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequence[str],
+                 dtype: torch.dtype) -> Iterator[list[ChunkRun]]:
+    """Every token chunk of a context being adopted, as the service holds it, a layer at a
+    time: per layer, one :class:`ChunkRun` per level (its chunks in order, every KV head in one
+    group), copied from ``layers`` (:func:`layer_kv`) in ``dtype`` and quantized to
+    ``levels[t]`` unless it is ``fp``. A run's tensors are views of its layer's converted rows
+    where its chunks are consecutive (else one copy of them), for a memory that copies them
+    into its pages at once (:meth:`ChunkMemory.hold <sparkv.cache.chunks.ChunkMemory.hold>`: one
+    page write per layer and level).
 
     A layer's chunks are converted at once, one quantization per level (rows are quantized one
     by one, so the values are those of each chunk alone; per chunk and layer it was ~20 small
-    tensor operations each, 1.2 s for a 2,048-token SmolLM2 context on a 2-core CPU)."""
+    tensor operations each, 1.2 s for a 2,048-token SmolLM2 context on a 2-core CPU); then put
+    a chunk at a time, its layers' payloads joined, it took 1,600 payloads and 53 page writes
+    for the same context."""
     bounds = [g.token_range(t) for t in range(g.num_token_chunks)]
-    out: list[list[ChunkPayload]] = [[] for _ in bounds]
     hh = g.num_kv_heads
-    # a chunk's positions are every layer's (payloads never write them)
-    positions = [contiguous_positions([t1 - t0] * hh, t0) for t0, t1 in bounds]
+    by_level: dict[str, list[int]] = {}
+    for t, level in enumerate(levels):
+        by_level.setdefault(level, []).append(t)
+    # a level's chunks' positions and counts are every layer's (runs never write them)
+    shared = {lv: (torch.cat([contiguous_positions([t1 - t0] * hh, t0)
+                              for t0, t1 in (bounds[t] for t in ts)]),
+                   np.array([[bounds[t][1] - bounds[t][0]] * hh for t in ts], dtype=np.int64))
+              for lv, ts in by_level.items()}
     for l in range(g.num_layers):  # noqa: E741
         k, v = layer_kv(layers, l, 0, g.num_tokens)
         k_rows = _chunk_rows(k, g.chunk_tokens, dtype)
         v_rows = _chunk_rows(v, g.chunk_tokens, dtype)
-        at = {lv: values_at_level(k_rows, v_rows, "fp", lv, dtype) for lv in set(levels)}
-        for t, (t0, t1) in enumerate(bounds):
-            kl, vl = at[levels[t]]
-            a, b = hh * t0, hh * t1
-            out[t].append(ChunkPayload(KVChunkId(t, l, 0), levels[t], [t1 - t0] * hh,
-                                       positions[t], _rows(kl, a, b, owned),
-                                       _rows(vl, a, b, owned), dtype))
+        runs = []
+        for lv, ts in by_level.items():
+            kl, vl = values_at_level(k_rows, v_rows, "fp", lv, dtype)
+            spans = [(hh * bounds[a][0], hh * bounds[b - 1][1]) for a, b in _spans(ts)]
+            pos, counts = shared[lv]
+            runs.append(ChunkRun([KVChunkId(t, l, 0) for t in ts], lv, counts, pos,
+                                 _joined(kl, spans), _joined(vl, spans), dtype))
+        yield runs
+
+
+def adopted_chunks(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequence[str],
+                   dtype: torch.dtype, *, owned: bool = True) -> list[list[ChunkPayload]]:
+    """:func:`adopted_runs` as payloads: per chunk ``t``, one payload per layer. ``owned``:
+    each payload holds its own storage; else its tensors are views of its layer's converted
+    rows (none of ``layers``')."""
+    out: list[list[ChunkPayload]] = [[] for _ in range(g.num_token_chunks)]
+    for runs in adopted_runs(layers, g, levels, dtype):
+        for run in runs:
+            for p in run.payloads():
+                out[p.cid.t].append(_owned(p) if owned else p)   # layer after layer
     return out
+
+
+def _owned(p: ChunkPayload) -> ChunkPayload:
+    """``p`` holding its own storage (a chunk evicted later frees its bytes)."""
+    def own(x: torch.Tensor | QuantizedTensor) -> torch.Tensor | QuantizedTensor:
+        return x.taken(0, x.rows) if isinstance(x, QuantizedTensor) else x.clone()
+    return ChunkPayload(p.cid, p.level, p.counts, p.pos.clone(), own(p.k), own(p.v), p.dtype)
+
+
+def _spans(ts: Sequence[int]) -> list[tuple[int, int]]:
+    """``ts`` (increasing) as ranges ``[a, b)`` of consecutive values."""
+    spans: list[tuple[int, int]] = []
+    for t in ts:
+        if spans and spans[-1][1] == t:
+            spans[-1] = (spans[-1][0], t + 1)
+        else:
+            spans.append((t, t + 1))
+    return spans
+
+
+def _joined(x: torch.Tensor | QuantizedTensor, spans: Sequence[tuple[int, int]]
+            ) -> torch.Tensor | QuantizedTensor:
+    """Rows ``a..b`` of ``x`` for each span, one after another: a view for one span."""
+    if isinstance(x, QuantizedTensor):
+        if len(spans) == 1:
+            return x.sliced(*spans[0])
+        parts = [x.sliced(a, b) for a, b in spans]
+        return QuantizedTensor(torch.cat([p.codes for p in parts]),
+                               torch.cat([p.scale for p in parts]),
+                               torch.cat([p.zero for p in parts]), x.bits, x.dim)
+    if len(spans) == 1:
+        return x[spans[0][0]:spans[0][1]]
+    return torch.cat([x[a:b] for a, b in spans])
 
 
 def adopted_pages(g: ChunkGeometry, levels: Sequence[str]) -> dict[str, int]:
@@ -257,9 +313,3 @@ def _chunk_rows(x: torch.Tensor, chunk_tokens: int, dtype: torch.dtype) -> torch
     return out
 
 
-def _rows(x: torch.Tensor | QuantizedTensor, a: int, b: int,
-          owned: bool) -> torch.Tensor | QuantizedTensor:
-    """Rows ``a..b`` of ``x``: copied when ``owned``, else views."""
-    if isinstance(x, QuantizedTensor):
-        return x.taken(a, b) if owned else x.sliced(a, b)
-    return x[a:b].clone() if owned else x[a:b]

@@ -93,32 +93,6 @@ def test_a_threads_answer_tokens_follow_its_route(tiny_llama):
     assert seen == [LENGTHS[0]]
 
 
-def test_a_question_of_one_token_takes_the_route_too_and_answers_the_same(tiny_llama):
-    """A question whose other rows were reused (a kept turn's) runs one token: its pass is an
-    answer token's, through the thread's route (batched there with other asks'), and the
-    answer is the one a pass of its own gives; a longer question's pass is not routed."""
-    from sparkv.runtime.generate import generate_over
-
-    seen: list[int] = []
-
-    def route(lm, item):
-        seen.append(item.position)
-        return decode_together(lm, [item])[0]
-
-    n = LENGTHS[0]
-    routed, alone = (_caches(tiny_llama, int8=False)[0] for _ in range(2))
-    with decoding_through(route):
-        got = generate_over(tiny_llama, routed, n, [7], 4, stop_at_eos=False)
-    want = generate_over(tiny_llama, alone, n, [7], 4, stop_at_eos=False)
-    assert seen == [n, n + 1, n + 2, n + 3]                  # the first token's pass included
-    assert got.tokens == want.tokens
-    seen.clear()
-    with decoding_through(route):
-        generate_over(tiny_llama, _caches(tiny_llama, int8=False)[0], n, [7, 8], 2,
-                      stop_at_eos=False)
-    assert seen == [n + 2]                                   # a question of two: its own pass
-
-
 def test_the_gate_runs_the_answer_tokens_waiting_together_as_one_pass(tiny_llama):
     gate = CoreGate(order="oldest")
     holder = gate.lane()

@@ -140,38 +140,27 @@ def generate_over(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
                    after_question)
 
 
-def _question_pass(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
-                   question_ids: Sequence[int]) -> torch.Tensor:
-    """The question's forward pass at positions ``n ..``: the float32 logits ``[vocab]`` after
-    its last token. A question of one token (the rest of it reused: a kept turn's rows, another
-    choice's question) is an answer token's pass (:func:`decode_step`), which the thread's route
-    may run with other asks' answer tokens in one pass (the choices of a request reading one
-    kept copy: their first tokens together)."""
-    if len(question_ids) == 1:
-        return decode_step(lm, DecodeItem(cache, int(question_ids[0]), n)).float()
-    ids = torch.tensor([list(question_ids)], dtype=torch.long, device=lm.device)
-    pos = torch.arange(n, n + ids.shape[1], device=lm.device)
-    out = model_call(lm.model, input_ids=ids, cache=cache, position_ids=pos.unsqueeze(0),
-                     cache_position=pos, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1].float()
-
-
 def _decode(lm: LoadedModel, cache: SparkvCache | ForkCache, n: int,
             question_ids: Sequence[int], max_new_tokens: int, stop_at_eos: bool, start: float,
             stops: StopStrings, choose: TokenChooser,
             after_question: Callable[[], None] | None = None,
             after_first: Callable[[], None] | None = None) -> GenerationResult:
-    logits = _question_pass(lm, cache, n, question_ids)
+    device = lm.device
+    ids = torch.tensor([list(question_ids)], dtype=torch.long, device=device)
+    pos = torch.arange(n, n + ids.shape[1], device=device)
+    out = model_call(lm.model, input_ids=ids, cache=cache, position_ids=pos.unsqueeze(0),
+                     cache_position=pos, use_cache=True, logits_to_keep=1)
     if after_question is not None:
         after_question()
     prefill_s = time.perf_counter() - start
+    logits = out.logits[0, -1].float()
     token = choose(logits)
     first_s = time.perf_counter() - start
     if after_first is not None:
         after_first()
     tokens = [token]
     eos = lm.eos_ids
-    cur = n + len(question_ids)
+    cur = n + ids.shape[1]
     while (len(tokens) < max_new_tokens and not (stop_at_eos and token in eos)
            and not stops.hit(lm, tokens) and not choose.finished):
         token = choose(decode_step(lm, DecodeItem(cache, token, cur)))

@@ -264,7 +264,7 @@ def test_a_question_kept_with_its_context_at_the_first_token_is_reused_by_the_sa
     mem = context_memory(lm, [(k.clone(), v.clone()) for k, v in kv], len(head))
     q = suffix_ids(lm, Conversation.of("Which names does this text give, and what does it "
                                        "say about each of them in the end?"))
-    assert len(q) > MIN_REUSE and question_turn(mem, q) is None                        # nothing appended yet
+    assert len(q) > MIN_REUSE and question_turn(mem, q) is None      # nothing appended yet
     turns = []
     greedy_generate(lm, mem, len(head), q, 3, truncate=False,
                     after_first=lambda: turns.append(question_turn(mem, q)))

@@ -311,5 +311,3 @@ def _chunk_rows(x: torch.Tensor, chunk_tokens: int, dtype: torch.dtype) -> torch
         x[:, :full].reshape(h, full // chunk_tokens, chunk_tokens, d).transpose(0, 1))
     out[h * full:].view(h, n - full, d).copy_(x[:, full:])
     return out
-
-

@@ -11,10 +11,10 @@ Per request: its wall time, each choice's first token (``ttft_s``) and the quest
 took from a kept turn (``reused``), how many of its choices loaded the context (streamed or
 computed it rather than reading a copy), the bytes they streamed, and how many contexts the
 service still holds after it (``keep: false``: none). Run it on two checkouts to compare
-(before, every choice loaded the context for itself). ``--link-mbps``: the device service's one emulated link, which
-every choice's stream shares (unshaped, a loopback link is free: loading apart costs only the
-cores). SmolLM2 (the bundled model), 2 torch threads per process, wall
-clock on whatever machine runs it. No paper figure: the many-apps issue's "many asks at once".
+(before, every choice loaded the context for itself). ``--link-mbps``: the device service's
+one emulated link, which every choice's stream shares (unshaped, a loopback link is free:
+loading apart costs only the cores). SmolLM2 (the bundled model), 2 torch threads per process,
+wall clock on whatever machine runs it. No paper figure: the many-apps issue's "many asks at once".
 """
 
 from __future__ import annotations

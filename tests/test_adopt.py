@@ -116,3 +116,34 @@ def test_a_layers_runs_hold_what_its_chunks_put_one_by_one_hold(levels):
             assert torch.equal(a.pos, b.pos)
             for x, y in zip(_tensors(a.k) + _tensors(a.v), _tensors(b.k) + _tensors(b.v)):
                 assert torch.equal(x, y)
+
+
+def test_a_context_imported_without_writing_ahead_is_written_only_when_reclaimed(tiny_llama,
+                                                                                  tmp_path):
+    """``import_context(ahead=False)`` (a request's choices' copy, deleted within seconds):
+    nothing is written to flash after the import or its calls; a reclaim still writes what it
+    frees, and the context then answers as before."""
+    from sparkv.device import ContextService
+
+    lm, n = tiny_llama, 64
+    g = ChunkGeometry.from_config(lm.config, n, 16)
+    gen = torch.Generator().manual_seed(3)
+    layers = [(torch.randn(1, g.num_kv_heads, n, g.head_dim, generator=gen),
+               torch.randn(1, g.num_kv_heads, n, g.head_dim, generator=gen))
+              for _ in range(g.num_layers)]
+    ids = list(range(5, 5 + n))
+    svc = ContextService(lm, 64 << 20, tmp_path / "svc", keep_working=False)
+    try:
+        copy = svc.import_context(ids, layers, ahead=False)
+        want = svc.call(copy, prompt_ids=[7, 8, 9], max_new_tokens=3, grow=False).tokens
+        assert svc.counters.aot_written_bytes == 0
+        kept = svc.import_context(ids, layers)                  # the default: written ahead
+        assert svc.counters.aot_written_bytes > 0
+        C = svc.contexts[copy].memory
+        svc.budget = svc.used_bytes() - C.nbytes // 2           # half of the copy must go
+        svc.account.reserve(0, svc.contexts[kept])
+        assert svc.counters.reclaim_written_bytes > 0           # written as it was reclaimed
+        svc.budget = 64 << 20
+        assert svc.call(copy, prompt_ids=[7, 8, 9], max_new_tokens=3, grow=False).tokens == want
+    finally:
+        svc.close()

@@ -148,12 +148,13 @@ def _choices(world, monkeypatch, early: bool, name: str, question: str = "What i
         assert asks.wait_idle(GUARD_S)                  # every runner's end done
         kept = svc.list()
         tails = [t.tokens for t in svc.tails._tails.values()]
+        aot = svc.counters.aot_written_bytes
     finally:
         monkeypatch.setattr(KeptAsks, "awaited", looked)
         asks.close()
         svc.close()
     assert all(d["type"] == "done" for d in done), done
-    return [*done, {"kept": kept, "tails": tails, "streamed": streamed}]
+    return [*done, {"kept": kept, "tails": tails, "streamed": streamed, "aot": aot}]
 
 
 def test_a_loader_others_wait_for_keeps_the_context_at_its_first_token(world, monkeypatch):
@@ -215,6 +216,7 @@ def test_choices_that_keep_nothing_load_the_context_once_and_keep_nothing(world,
     assert all(d["kept_id"] is None and d["not_kept"] is None for d in done)
     assert got["kept"] == []
     assert got["tails"] == []                                   # its turn went with it
+    assert got["aot"] == 0 < got_kept["aot"]           # the copy was never written to flash
     assert [d["tokens"] for d in done] == [d["tokens"] for d in kept]
     assert len(got_kept["kept"]) == 1
 

@@ -10,7 +10,8 @@ group the same single load without keeping anything past the request:
   request, not even the app's next one, finds the copy, and it is the app's alone (never
   shared);
 * the loader keeps it as a kept ask does (at its first token when the others wait), the others
-  read it;
+  read it; it is never written to flash ahead of time (``import_context(ahead=False)``: only
+  if memory runs short), since it is deleted within seconds;
 * when the group's last ask ends (done, failed or cancelled), the copy is deleted
   (:meth:`ChoicesCopy.leave`): memory, flash files, journal record, owner;
 * a copy a crash left behind is deleted when the next ask service starts

@@ -138,7 +138,7 @@ class AppContexts:
         try:
             cid = self.service.import_context(
                 token_ids, layers, label=None if label is None else self._label(label),
-                turn=turn, turn_scope=self.app)
+                turn=turn, turn_scope=self.app, ahead=self.copy is None)
         except DeviceError as e:
             self.not_kept = f"{e.code}: {e}"
             return None

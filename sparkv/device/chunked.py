@@ -270,7 +270,7 @@ class ChunkKeeper(Keeper):
         return written
 
     def write_ahead(self, ctx: DeviceContext) -> int:
-        if not self.config.aot or ctx.memory is None or not ctx.modified:
+        if not self.config.aot or not ctx.ahead or ctx.memory is None or not ctx.modified:
             return 0
         written = self.swap.write_ahead(ctx)
         ctx.modified.clear()

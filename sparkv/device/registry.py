@@ -123,6 +123,9 @@ class DeviceContext:
         self.label: str | None = None     # a caller's name for it (the edge: server + context id)
         self.hot: ContextKV | None = None  # its last working memory, kept while it fits
         self.waiting = False              # a call holds its lock, not running the model now
+        # its modified chunks written ahead of time after each call; False: only when reclaimed
+        # (a copy that lives for one request: sparkv.asks.choicecopy)
+        self.ahead = True
 
     def grow(self, added: list[int], pending: list[int]) -> None:
         """A call kept its prompt and answer: ``added`` ids now hold KV, ``pending`` are decoded

@@ -270,20 +270,22 @@ class ContextService:
                        density: tuple[torch.Tensor, torch.Tensor] | None = None,
                        system_prompt: str | None = None, label: str | None = None,
                        turn: tuple[Sequence[int], Rows] | None = None,
-                       turn_scope: str = "") -> str:
+                       turn_scope: str = "", ahead: bool = True) -> str:
         """Adopts a context whose KV was made elsewhere (the edge's loaded cache, a benchmark's
         prefill): ``layers`` is a :class:`ContextKV` holding every chunk (any chunk size) or per
         layer ``(K, V)`` ``[1, H, N, D]``. ``density``: per-token ``(mass, rows)`` if known (else
         the levels assume equal densities until calls measure them). ``label``: a name to find it
         by later (:meth:`find`; journaled, so it survives a restart). ``turn``: ids and their
         KV computed after the context, kept as a tail of ``turn_scope`` (:meth:`keep_turns`)
-        before the context can be found by its label."""
+        before the context can be found by its label. ``ahead``: written to flash ahead of
+        time (after the import and each call) as every context is; ``False``: only when its
+        chunks are reclaimed (a copy deleted within seconds: the writes would be wasted)."""
         ids = check_token_ids(token_ids, self.vocab, "token_ids")
         if isinstance(layers, ContextKV) and layers.geometry.num_tokens != len(ids):
             raise DeviceError(f"the memory holds {layers.geometry.num_tokens} tokens, "
                               f"the context has {len(ids)}")
         ctx = self._new(ids, system_prompt)
-        ctx.label = label
+        ctx.label, ctx.ahead = label, ahead
         # never inference tensors in the memory (an ask keeps its cache at its first answer
         # token, inside its generation's inference mode): they are written in place outside it
         with ctx.lock, self._run, self._adding(ctx), torch.inference_mode(False):

@@ -282,3 +282,20 @@ def test_a_question_kept_with_its_context_at_the_first_token_is_reused_by_the_sa
     assert answers["app:a"].turn_tokens_reused == len(q) - 1
     assert answers["app:b"].turn_tokens_reused == 0                 # another app's question
     assert answers["app:a"].tokens == answers["app:b"].tokens
+
+
+def test_a_question_a_head_does_not_hold_whole_is_not_handed_over():
+    """``question_turn`` of a cache whose heads do not all hold the question (or that holds
+    something else) is ``None``: the context is kept without it, the ask does not fail."""
+    from types import SimpleNamespace
+
+    from sparkv.edge.kept import question_turn
+
+    def refuse(count):
+        raise KVMemoryError("a head does not hold every appended token")
+
+    kv = SimpleNamespace(positions=[13, 13], geometry=SimpleNamespace(num_tokens=10),
+                         appended=refuse)
+    assert question_turn(kv, [1, 2, 3]) is None
+    assert question_turn(kv, [1, 2]) is None                      # 3 appended, not 2
+    assert question_turn(kv, []) is None

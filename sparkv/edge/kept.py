@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from sparkv.cache import KVMemoryError
 from sparkv.device.tails import Rows
 from sparkv.edge.answer import AskResult, Breakdown
 from sparkv.edge.client import EdgeClient
@@ -43,11 +44,15 @@ def appended_turn(kv: ContextKV, suffix: Sequence[int], answer: Sequence[int]
 
 def question_turn(kv: ContextKV, suffix: Sequence[int]) -> AppendedTurn | None:
     """The KV of ``suffix`` (a question) that ``kv`` holds appended after its context, copied
-    (``kv`` stays as it is); ``None`` when it holds anything else or ``suffix`` is empty."""
+    (``kv`` stays as it is); ``None`` when it holds anything else or ``suffix`` is empty (the
+    context is then kept without it: no failure of the ask)."""
     count = min(kv.positions) - kv.geometry.num_tokens
     if not suffix or count != len(suffix):
         return None
-    return list(suffix), kv.appended(count)
+    try:
+        return list(suffix), kv.appended(count)
+    except KVMemoryError:                 # a head that does not hold every appended token
+        return None
 
 
 class KeptAsks:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -190,10 +191,15 @@ class ChunkRun:
         k, v = values_at_level(self.k, self.v, self.level, level, self.dtype)
         return ChunkRun(self.cids, level, self.counts, self.pos, k, v, self.dtype)
 
+    @cached_property
+    def starts(self) -> np.ndarray:
+        """``[m + 1]``: the row each chunk begins at, then the rows (computed once: cutting a
+        run of ``m`` chunks into pieces took ``m`` cumulative sums of ``m``)."""
+        return np.concatenate([[0], np.cumsum(self.counts.sum(axis=1))])
+
     def piece(self, i: int, j: int) -> "ChunkRun":
         """Chunks ``i .. j - 1`` of the run (views of its tensors)."""
-        starts = np.concatenate([[0], np.cumsum(self.counts.sum(axis=1))])
-        a, b = int(starts[i]), int(starts[j])
+        a, b = int(self.starts[i]), int(self.starts[j])
         return ChunkRun(self.cids[i:j], self.level, self.counts[i:j], self.pos[a:b],
                         _rows(self.k, a, b), _rows(self.v, a, b), self.dtype)
 

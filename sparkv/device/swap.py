@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from sparkv.cache import LEVELS, ContextKV, FlashRef, PayloadError
+from sparkv.cache.ids import chunk_array
 from sparkv.cache.payload import ChunkRun
 from sparkv.cache.table import RESIDENT, TokenRows
 from sparkv.device.errors import BudgetTooSmall, FlashFull
@@ -294,7 +295,7 @@ def token_chunk_runs(C: ContextKV, ts: Sequence[int]) -> list[ChunkRun]:
     g = C.geometry
     pieces: dict[int, list[ChunkRun]] = {}
     for run in C.read_runs([cid for t in ts for cid in token_chunk_ids(g, t)]):
-        tt = np.array([c.t for c in run.cids])
+        tt = chunk_array(run.cids)[:, 0]
         cuts = np.flatnonzero(np.diff(tt)) + 1
         for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(tt)]):
             pieces.setdefault(int(tt[a]), []).append(run.piece(a, b))

@@ -125,6 +125,14 @@ def _rows(x: "torch.Tensor | QuantizedTensor", a: int, b: int) -> "torch.Tensor 
     return x.sliced(a, b) if isinstance(x, QuantizedTensor) else x[a:b]
 
 
+def joined_rows(x: "torch.Tensor | QuantizedTensor", spans: Sequence[tuple[int, int]]
+                ) -> "torch.Tensor | QuantizedTensor":
+    """Rows ``a..b`` of ``x`` for each span, one after another: a view for one span."""
+    if len(spans) == 1:
+        return _rows(x, *spans[0])
+    return _cat([_rows(x, a, b) for a, b in spans])
+
+
 def _cat(parts: Sequence["torch.Tensor | QuantizedTensor"]) -> "torch.Tensor | QuantizedTensor":
     q = parts[0]
     if isinstance(q, QuantizedTensor):

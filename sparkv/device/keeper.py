@@ -32,7 +32,8 @@ import torch
 from sparkv.cache import ContextKV, LayerKV
 from sparkv.cache.levels import QuantizedTensor
 from sparkv.cache.pages import PAGE_TOKENS
-from sparkv.cache.payload import ChunkPayload, ChunkRun, contiguous_positions, values_at_level
+from sparkv.cache.payload import (ChunkPayload, ChunkRun, contiguous_positions, joined_rows,
+                                  values_at_level)
 from sparkv.device.budget import MemoryBudget, eviction_policy
 from sparkv.device.config import ServiceConfig
 from sparkv.device.counters import ServiceCounters
@@ -240,7 +241,7 @@ def adopted_runs(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequence
             spans = [(hh * bounds[a][0], hh * bounds[b - 1][1]) for a, b in _spans(ts)]
             pos, counts = shared[lv]
             runs.append(ChunkRun([KVChunkId(t, l, 0) for t in ts], lv, counts, pos,
-                                 _joined(kl, spans), _joined(vl, spans), dtype))
+                                 joined_rows(kl, spans), joined_rows(vl, spans), dtype))
         yield runs
 
 
@@ -273,21 +274,6 @@ def _spans(ts: Sequence[int]) -> list[tuple[int, int]]:
         else:
             spans.append((t, t + 1))
     return spans
-
-
-def _joined(x: torch.Tensor | QuantizedTensor, spans: Sequence[tuple[int, int]]
-            ) -> torch.Tensor | QuantizedTensor:
-    """Rows ``a..b`` of ``x`` for each span, one after another: a view for one span."""
-    if isinstance(x, QuantizedTensor):
-        if len(spans) == 1:
-            return x.sliced(*spans[0])
-        parts = [x.sliced(a, b) for a, b in spans]
-        return QuantizedTensor(torch.cat([p.codes for p in parts]),
-                               torch.cat([p.scale for p in parts]),
-                               torch.cat([p.zero for p in parts]), x.bits, x.dim)
-    if len(spans) == 1:
-        return x[spans[0][0]:spans[0][1]]
-    return torch.cat([x[a:b] for a, b in spans])
 
 
 def adopted_pages(g: ChunkGeometry, levels: Sequence[str]) -> dict[str, int]:

@@ -11,7 +11,10 @@ reuses the other's turn). Three kinds of call:
     python bench/density_tax.py [--rounds 5] [--tokens 2048] [--answer 32]
                                 [--out bench/results/density_tax_cpu.json]
 
-Per kind the median call time and first token, on and off, and the ratio on / off: the tax.
+Per kind the median call time and first token, on and off, and the ratio on / off: the tax;
+and the seconds the recording's end spent summing its waiting rows (``DensityRecorder.flush``,
+timed inside the ``on`` calls: the part of the tax paid after the last token, and any
+early sums of a long answer).
 Run it on two checkouts to compare. SmolLM2 (the bundled model), greedy, answers run to their
 length, 2 torch threads; wall clock on whatever machine runs it. No paper figure (LLMS does not
 report what measuring its densities costs).
@@ -26,6 +29,7 @@ import pathlib
 import statistics
 import sys
 import tempfile
+import time
 from typing import Any, Iterator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -50,12 +54,34 @@ def density_off(off: bool) -> Iterator[None]:
         calls.recording = density.recording                     # type: ignore[misc]
 
 
+@contextlib.contextmanager
+def timed_flush() -> Iterator[list[float]]:
+    """The seconds each ``DensityRecorder.flush`` takes meanwhile (appended to the list)."""
+    from sparkv.device.density import DensityRecorder
+
+    spent: list[float] = []
+    plain = DensityRecorder.flush
+
+    def flush(self: Any) -> None:
+        t = time.perf_counter()
+        try:
+            plain(self)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    DensityRecorder.flush = flush                                 # type: ignore[method-assign]
+    try:
+        yield spent
+    finally:
+        DensityRecorder.flush = plain                             # type: ignore[method-assign]
+
+
 def one_call(svc: Any, cid: str, question: str, tokens: int, scope: str,
              off: bool) -> dict[str, float]:
-    with density_off(off):
+    with density_off(off), timed_flush() as spent:
         res = svc.call(cid, question, max_new_tokens=tokens, grow=False, stop_at_eos=False,
                        turn_scope=scope)
-    return {"total_s": res.total_s, "first_token_s": res.first_token_s}
+    return {"total_s": res.total_s, "first_token_s": res.first_token_s, "flush_s": sum(spent)}
 
 
 def one_round(svc: Any, cid: str, r: int, questions: list[str],
@@ -80,6 +106,7 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             for key in ("total_s", "first_token_s"):
                 row[f"{key}_{mode}"] = round(statistics.median(
                     r[kind][mode][key] for r in rounds), 4)
+        row["flush_s_on"] = round(statistics.median(r[kind]["on"]["flush_s"] for r in rounds), 4)
         row["tax"] = round(row["total_s_on"] / row["total_s_off"], 3)
         row["first_token_tax"] = round(row["first_token_s_on"] / row["first_token_s_off"], 3)
         table[kind] = row
@@ -88,7 +115,7 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     from sparkv.device import ContextService
-    from sparkv.runtime.heap import freeze_heap
+    from sparkv.runtime.heap import freeze_heap, keep_freed_memory
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -103,7 +130,8 @@ def main() -> int:
         svc = ContextService(lm, 1 << 31, d)
         cid = svc.new_context(system_ids=ids)
         svc.call(cid, "Hi.", max_new_tokens=2, grow=False)          # warm
-        freeze_heap()                     # as the service's process does: no full collection
+        keep_freed_memory()               # as the service's process does: the C heap's
+        freeze_heap()                     # thresholds fixed, no full collection
         for r in range(a.rounds):
             rounds.append(one_round(svc, cid, r, questions, a.answer))
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(
@@ -112,11 +140,12 @@ def main() -> int:
         svc.close()
     table = summary(rounds)
     print(f"\n{len(ids)}-token context, medians of {a.rounds} (on / off)")
-    print("| call | call time | tax | first token | tax |\n|---|---|---|---|---|")
+    print("| call | call time | tax | first token | tax | flush |\n|---|---|---|---|---|---|")
     for kind, row in table.items():
         print(f"| {kind} | {row['total_s_on']:.3f} / {row['total_s_off']:.3f} s | "
               f"{row['tax']:.2f}x | {row['first_token_s_on']:.3f} / "
-              f"{row['first_token_s_off']:.3f} s | {row['first_token_tax']:.2f}x |")
+              f"{row['first_token_s_off']:.3f} s | {row['first_token_tax']:.2f}x | "
+              f"{row['flush_s_on']:.3f} s |")
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(
             {"args": vars(a), "context_tokens": len(ids), "rounds": rounds, "median": table},

@@ -261,29 +261,40 @@ def _block_mass(q: torch.Tensor, parts: list[list[torch.Tensor]], rows: torch.Te
                 m: int) -> torch.Tensor:
     """The column sums ``float64[m]`` over layers and heads of the softmax of queries ``q``
     (``[L, Hq, r, D]``, the rows at positions ``rows``) over the first ``m`` keys of each
-    layer's ``parts``."""
+    layer's ``parts``. Each layer's scores are joined straight into one block (one copy, not a
+    join and a stack), and only the columns past the lowest row are masked: every row sees the
+    keys below it."""
     nl, hq, r, d = q.shape
     hkv = int(parts[0][0].shape[0])
     g = hq // hkv
-    scores = torch.stack([_scores(q[i].reshape(hkv, g * r, d), parts[i], m) for i in range(nl)])
-    if int(rows.min()) < m - 1:     # some row does not see every key below m
-        kpos = torch.arange(m, device=q.device)
+    scores = torch.empty(nl, hkv, g * r, m, dtype=q.dtype, device=q.device)
+    for i in range(nl):
+        _scores_into(scores[i], q[i].reshape(hkv, g * r, d), parts[i])
+    lo = int(rows.min()) + 1
+    if lo < m:                      # some row does not see every key below m
+        kpos = torch.arange(lo, m, device=q.device)
         hidden = kpos.view(1, -1) > rows.to(q.device).view(-1, 1)
-        scores.view(nl, hkv, g, r, m).masked_fill_(hidden, float("-inf"))
+        scores.view(nl, hkv, g, r, m)[..., lo:].masked_fill_(hidden, float("-inf"))
     attn = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    return attn.reshape(-1, m).sum(0).to(torch.float64)
+    return attn.view(-1, m).sum(0).to(torch.float64)
 
 
-def _scores(q: torch.Tensor, parts: list[torch.Tensor], m: int) -> torch.Tensor:
-    """``q @ K^T`` ``[Hkv, rows, m]`` over the first ``m`` keys of ``parts``."""
-    out, start = [], 0
+def _scores_into(out: torch.Tensor, q: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """Writes ``q @ K^T`` (``[Hkv, rows, m]``, contiguous) into ``out`` over the first ``m``
+    keys of ``parts``: one piece's product straight into it, several pieces' products joined
+    into it (a product written into a column slice of ``out`` went through a copy of its own
+    and ran slower)."""
+    keys, start, m = [], 0, int(out.shape[-1])
     for p in parts:
         take = min(int(p.shape[1]), m - start)
         if take <= 0:
             break
-        out.append(torch.matmul(q, p[:, :take].transpose(1, 2)))
+        keys.append(p[:, :take].transpose(1, 2))
         start += take
-    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+    if len(keys) == 1:
+        torch.matmul(q, keys[0], out=out)
+    else:
+        torch.cat([torch.matmul(q, k) for k in keys], dim=-1, out=out)
 
 
 def _seen_by(q_pos: torch.Tensor, s: int) -> torch.Tensor:

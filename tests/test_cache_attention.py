@@ -108,3 +108,39 @@ def test_a_module_with_a_products_dtype_attends_a_prefill_in_it_and_a_decode_ste
     one, _ = sparkv_attention(layer, q[:, :, -1:], k, v, None, scaling=0.125)
     ref, _ = sparkv_attention(plain, q[:, :, -1:], k, v, None, scaling=0.125)
     assert torch.equal(one, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2, 37, 300, 1030])
+def test_a_prefill_from_position_0_is_the_masked_result_bit_for_bit(n, dtype):
+    """causal_sdpa takes the kernel's own causal form for a pass from position 0 (it skips the
+    key blocks no query sees): the same values as the explicit mask, spare slots past the pass
+    left out; a pass after an offset keeps the mask and is still causal from its offset."""
+    torch.manual_seed(n)
+    q = torch.randn(1, 9, n, 64, dtype=dtype)
+    k = torch.randn(1, 3, n + 40, 64, dtype=dtype)       # spare room past the pass
+    v = torch.randn(1, 3, n + 40, 64, dtype=dtype)
+    visible = torch.arange(n).view(1, -1) <= torch.arange(n).view(-1, 1)
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, :n], v[:, :, :n], attn_mask=visible, scale=0.125, enable_gqa=True)
+    assert torch.equal(attention.causal_sdpa(q, k, v, 0, 0.125), masked)
+    if n > 2:    # the pass's second half after its first: the same rows as the whole pass's
+        half = n // 2
+        later = attention.causal_sdpa(q[:, :, half:], k, v, half, 0.125)
+        torch.testing.assert_close(later, masked[:, :, half:], atol=2e-2 if dtype ==
+                                   torch.bfloat16 else 1e-5, rtol=0)
+
+
+def test_a_prefill_from_position_0_takes_the_causal_form_and_a_later_pass_the_mask(monkeypatch):
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((bool(kwargs.get("is_causal")), kwargs.get("attn_mask") is not None))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    attention.causal_sdpa(q, k, v, 0, None)
+    attention.causal_sdpa(q, k, v, 5, None)
+    assert calls == [(True, False), (False, True)]

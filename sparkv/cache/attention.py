@@ -95,18 +95,18 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int
                 scale: float | None) -> torch.Tensor:
     """Dense attention with slot = position: query ``i`` sees keys ``0 .. q_offset + i``.
 
-    A pass from position 0 on the CPU (a whole prompt's prefill) takes the kernel's own causal
-    form, which skips the key blocks no query of a block sees: 1.9x faster at 1,678 tokens
+    A pass from position 0 (a whole prompt's prefill) takes the kernel's own causal form, which
+    skips the key blocks no query of a block sees: on the CPU 1.9x faster at 1,678 tokens
     (SmolLM2's heads) and bit for bit the mask's result (the skipped blocks only ever added
-    zeros; ``tests/test_cache_attention.py``). Elsewhere the mask is explicit (PyTorch's
-    causal form aligns the first query with the first key, not with ``q_offset``; on CUDA its
-    kernel is another one, not checked to round alike)."""
+    zeros; ``tests/test_cache_attention.py``). After a prefix the mask is explicit (PyTorch's
+    causal form aligns the first query with the first key, not with ``q_offset``); the
+    runtime's dense backend splits such a pass instead (:mod:`sparkv.runtime.split`)."""
     nq = q.shape[2]
     k, v = k[:, :, :q_offset + nq], v[:, :, :q_offset + nq]
     gqa = q.shape[1] != k.shape[1]
     if nq == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
-    if q_offset == 0 and q.device.type == "cpu":
+    if q_offset == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
     qpos = torch.arange(nq, device=q.device).unsqueeze(1) + q_offset

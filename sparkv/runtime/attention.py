@@ -28,6 +28,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from sparkv.cache.attention import causal_sdpa
 from sparkv.errors import SparkvError
 from sparkv.runtime.selfsim import not_self_similar, per_head
 from sparkv.runtime.thresholds import SparseThresholds, load_thresholds
@@ -102,24 +103,15 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: in
                  scale: float | None, split: bool = True) -> torch.Tensor:
     """Causal SDPA with bottom-right alignment. A chunk after a prefix runs as two fast-kernel
     calls merged by LSE (:mod:`sparkv.runtime.split`; CUDA's kernels, the CPU's flash kernel)
-    unless ``split`` is False; where no LSE kernel passes its check SDPA gets a boolean mask."""
-    nq, nk = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    if q_offset == 0 and nk == nq:
-        if gqa and q.device.type == "cpu":   # SDPA would copy K/V to every query head first;
-            # the CPU flash kernel reads the group's KV head itself (the same result, bit for bit)
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, True, scale=scale)[0]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if split and q_offset > 0 and nq > 1:
+    unless ``split`` is False; else :func:`~sparkv.cache.attention.causal_sdpa` (the kernel's
+    own causal form from position 0, a boolean mask after a prefix)."""
+    if split and q_offset > 0 and q.shape[2] > 1:
         from sparkv.runtime.split import lse_kernel, split_attention
 
         chosen = lse_kernel(q.device, q.dtype)
         if chosen is not None:
             return split_attention(q, k, v, q_offset, scale, kernel=chosen[1])
-    k, v = k[:, :, : q_offset + nq], v[:, :, : q_offset + nq]
-    mask = causal_mask(nq, q_offset + nq, q_offset, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return causal_sdpa(q, k, v, q_offset, scale)
 
 
 class DenseAttention:

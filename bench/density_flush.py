@@ -72,7 +72,7 @@ def captured_rows(tokens: int, answer: int) -> list[tuple[str, list[Rows]]]:
                 out.append((kind, list(got)))
             svc.close()
     finally:
-        density._column_mass = plain                              # type: ignore[assignment]
+        density._column_mass = plain
     return out
 
 
@@ -138,9 +138,11 @@ def main() -> int:
         same = all(torch.equal(*[mod._column_mass(*rows) for mod in (density, other)])
                    for rows in sums for other in mods.values())
         reps = a.reps if len(sums) == 1 else max(3, a.reps // 8)
-        row = {"call": kind, "layers": sum(int(x[0].shape[0]) for x in sums),
-               "rows": int(pos.numel()), "keys": s, "same_sums": same,
-               **{f"{k}_s": round(v, 5) for k, v in fastest(mods, sums, reps).items()}}
+        row: dict[str, Any] = {"call": kind,
+                               "layers": sum(int(x[0].shape[0]) for x in sums),
+                               "rows": int(pos.numel()), "keys": s, "same_sums": same,
+                               **{f"{k}_s": round(v, 5)
+                                  for k, v in fastest(mods, sums, reps).items()}}
         if a.against:
             row["speedup"] = round(row["against_s"] / row["this_s"], 3)
         table.append(row)

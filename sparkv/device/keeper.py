@@ -209,9 +209,10 @@ def layer_kv(layers: ContextKV | LayerKV, l: int, t0: int, t1: int  # noqa: E741
 def adopted_runs(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequence[str],
                  dtype: torch.dtype) -> Iterator[list[ChunkRun]]:
     """Every token chunk of a context being adopted (or of a new context's working memory,
-    ``ChunkKeeper._fold_new``), as the service holds it, a layer at a time: per layer, one :class:`ChunkRun` per level (its chunks in order, every KV head in one
-    group), copied from ``layers`` (:func:`layer_kv`) in ``dtype`` and quantized to
-    ``levels[t]`` unless it is ``fp``. A run's tensors are views of its layer's converted rows
+    ``ChunkKeeper._fold_new``), as the service holds it, a layer at a time: per layer, one
+    :class:`ChunkRun` per level (its chunks in order, every KV head in one group), copied
+    from ``layers`` (:func:`layer_kv`) in ``dtype`` and quantized to ``levels[t]`` unless it is
+    ``fp``. A run's tensors are views of its layer's converted rows
     where its chunks are consecutive (else one copy of them), for a memory that copies them
     into its pages at once (:meth:`ChunkMemory.hold <sparkv.cache.chunks.ChunkMemory.hold>`: one
     page write per layer and level).

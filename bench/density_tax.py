@@ -12,9 +12,10 @@ reuses the other's turn). Three kinds of call:
                                 [--out bench/results/density_tax_cpu.json]
 
 Per kind the median call time and first token, on and off, and the ratio on / off: the tax;
-and the seconds the recording's end spent summing its waiting rows (``DensityRecorder.flush``,
+the seconds the recording's end spent summing its waiting rows (``DensityRecorder.flush``,
 timed inside the ``on`` calls: the part of the tax paid after the last token, and any
-early sums of a long answer).
+early sums of a long answer); and the seconds the density's hook took in them (every
+attention module's, every pass: what a decoded token pays while it runs, the flush aside).
 Run it on two checkouts to compare. SmolLM2 (the bundled model), greedy, answers run to their
 length, 2 torch threads; wall clock on whatever machine runs it. No paper figure (LLMS does not
 report what measuring its densities costs).
@@ -37,6 +38,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from story_model import story_model  # noqa: E402
 
 KINDS = ("kept", "question", "answer")
+#: the seconds each call of the density's attention hook took, its flushes left out
+#: (:func:`timed_hooks`)
+HOOK_SPENT: list[float] = []
+#: the seconds each flush took (:func:`timed_flush`)
+FLUSH_SPENT: list[float] = []
 
 
 @contextlib.contextmanager
@@ -47,7 +53,7 @@ def density_off(off: bool) -> Iterator[None]:
     if not off:
         yield
         return
-    calls.recording = lambda rec: density.recording(None)       # type: ignore[assignment]
+    calls.recording = lambda rec: density.recording(None)  # type: ignore[assignment,misc]
     try:
         yield
     finally:
@@ -59,7 +65,8 @@ def timed_flush() -> Iterator[list[float]]:
     """The seconds each ``DensityRecorder.flush`` takes meanwhile (appended to the list)."""
     from sparkv.device.density import DensityRecorder
 
-    spent: list[float] = []
+    spent = FLUSH_SPENT
+    spent.clear()
     plain = DensityRecorder.flush
 
     def flush(self: Any) -> None:
@@ -76,12 +83,33 @@ def timed_flush() -> Iterator[list[float]]:
         DensityRecorder.flush = plain                             # type: ignore[method-assign]
 
 
+def timed_hooks() -> None:
+    """Times every call of the density's attention hook into :data:`HOOK_SPENT` (before the
+    service installs it)."""
+    from sparkv.device import density
+    from sparkv.runtime.hooks import rows_safe
+
+    plain = density._attention_hook
+
+    @rows_safe
+    def hook(*args: Any, **kwargs: Any) -> None:
+        t, flushes = time.perf_counter(), len(FLUSH_SPENT)
+        try:
+            plain(*args, **kwargs)
+        finally:
+            HOOK_SPENT.append(time.perf_counter() - t - sum(FLUSH_SPENT[flushes:]))
+
+    density._attention_hook = hook
+
+
 def one_call(svc: Any, cid: str, question: str, tokens: int, scope: str,
              off: bool) -> dict[str, float]:
+    HOOK_SPENT.clear()
     with density_off(off), timed_flush() as spent:
         res = svc.call(cid, question, max_new_tokens=tokens, grow=False, stop_at_eos=False,
                        turn_scope=scope)
-    return {"total_s": res.total_s, "first_token_s": res.first_token_s, "flush_s": sum(spent)}
+    return {"total_s": res.total_s, "first_token_s": res.first_token_s, "flush_s": sum(spent),
+            "hook_s": sum(HOOK_SPENT)}
 
 
 def one_round(svc: Any, cid: str, r: int, questions: list[str],
@@ -106,7 +134,8 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             for key in ("total_s", "first_token_s"):
                 row[f"{key}_{mode}"] = round(statistics.median(
                     r[kind][mode][key] for r in rounds), 4)
-        row["flush_s_on"] = round(statistics.median(r[kind]["on"]["flush_s"] for r in rounds), 4)
+        for key in ("flush_s", "hook_s"):
+            row[f"{key}_on"] = round(statistics.median(r[kind]["on"][key] for r in rounds), 4)
         row["tax"] = round(row["total_s_on"] / row["total_s_off"], 3)
         row["first_token_tax"] = round(row["first_token_s_on"] / row["first_token_s_off"], 3)
         table[kind] = row
@@ -123,6 +152,7 @@ def main() -> int:
     p.add_argument("--answer", type=int, default=32, help="an answer's tokens")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    timed_hooks()
     lm, qa, ids = story_model(a.tokens)
     questions = [item.question for item in qa.items]
     rounds = []
@@ -140,12 +170,13 @@ def main() -> int:
         svc.close()
     table = summary(rounds)
     print(f"\n{len(ids)}-token context, medians of {a.rounds} (on / off)")
-    print("| call | call time | tax | first token | tax | flush |\n|---|---|---|---|---|---|")
+    print("| call | call time | tax | first token | tax | flush | hooks |\n"
+          "|---|---|---|---|---|---|---|")
     for kind, row in table.items():
         print(f"| {kind} | {row['total_s_on']:.3f} / {row['total_s_off']:.3f} s | "
               f"{row['tax']:.2f}x | {row['first_token_s_on']:.3f} / "
               f"{row['first_token_s_off']:.3f} s | {row['first_token_tax']:.2f}x | "
-              f"{row['flush_s_on']:.3f} s |")
+              f"{row['flush_s_on']:.3f} s | {row['hook_s_on']:.3f} s |")
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(
             {"args": vars(a), "context_tokens": len(ids), "rounds": rounds, "median": table},

@@ -90,3 +90,34 @@ def test_a_failed_pass_adds_none_of_its_waiting_rows(tiny_llama):
             assert rec._waiting                           # the 1-row pass waits
             raise RuntimeError("stop")
     assert not rec._waiting and float(rec.mass.sum()) == 0.0
+
+
+def test_a_forks_key_count_is_what_its_key_parts_make(tiny_llama):
+    """The hook counts a fork's keys for a decoded token without making their views."""
+    mem = context_memory(tiny_llama, reference_prefill(tiny_llama, _ids(N, 1)), N)
+    fork = ForkCache(mem)
+    assert all(layer.key_count() is None and layer.key_parts() is None
+               for layer in fork.layers)                 # nothing of its own yet
+    generate_over(tiny_llama, fork, N, _ids(3, 2), 4, stop_at_eos=False)
+    for layer in fork.layers:
+        parts = layer.key_parts()
+        assert parts is not None
+        assert layer.key_count() == sum(int(p.shape[1]) for p in parts) == N + 3 + 3
+    grown = SparkvCache(context_memory(tiny_llama, reference_prefill(tiny_llama, _ids(N, 1)), N))
+    generate_over(tiny_llama, grown, N, _ids(3, 2), 4, stop_at_eos=False)
+    for cache in (fork, grown):                          # what the hook counts: the same
+        for i in range(len(cache.layers)):
+            parts = density._key_parts(cache, i)
+            assert parts and density._key_count(cache, i) == sum(int(p.shape[1]) for p in parts)
+
+
+def test_kept_rows_join_their_positions_into_spans_and_are_scaled_once():
+    rows = density._Rows(cache=None, scale=0.25)
+    qs = [torch.randn(1, 4, n, 8, generator=torch.Generator().manual_seed(n))
+          for n in (5, 1, 1, 2)]
+    for q, first in zip(qs, (10, 15, 16, 30)):          # a question, two tokens, then a gap
+        rows.keep(q, first)
+    assert rows.spans == [(10, 7), (30, 2)]
+    assert rows.nbytes == 9 * 4 * 8 * 4
+    assert torch.equal(rows.queries(), torch.cat(qs, dim=2)[0] * 0.25)
+    assert all(a is b for a, b in zip(rows.q, qs))       # kept as offered: no copy per token

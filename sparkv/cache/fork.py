@@ -88,6 +88,13 @@ class ForkLayer(PositionsLayer):
         prefix, _ = store.prefix(self.base)
         return [prefix[0], self.own.kv()[0]]
 
+    def key_count(self) -> int | None:
+        """How many keys :meth:`key_parts` gives, without making them (``None`` where it gives
+        none): the density hook's count for a decoded token."""
+        if not self.own.count or not self.memory.is_dense(self.layer):
+            return None
+        return self.base + self.own.count
+
     @property   # made from the prefix when read
     def keys(self) -> torch.Tensor | None:
         """The dense keys ``[1, Hkv, base + n, D]`` (slot = position) over a dense arena, else

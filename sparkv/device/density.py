@@ -19,8 +19,9 @@ the column average over every row that has seen it so far.
 **What it costs a call.** A pass of at most :attr:`DensityRecorder.DEFER_ROWS` rows (a
 question's, a decoded token's) only keeps its queries; the recording's end (after the answer)
 sums every layer's kept rows over the keys the cache then holds, as many layers and rows in one
-softmax as fit a cache-sized block. A decoded token then costs a copy of its queries, not a
-product over the whole context per layer, and the answer's first token waits for none of it:
+softmax as fit a cache-sized block. A decoded token then costs a reference to its queries
+(scaled once at the end), its keys counted and not viewed, not a product over the whole
+context per layer, and the answer's first token waits for none of it:
 ``bench/density_tax.py``, docs/device-service.md ("Measuring the densities").
 
 **Levels** (LLMS eq. 2-3). Chunks are ranked by density and cut by thresholds into ``int8`` /
@@ -93,36 +94,36 @@ class DensityRecorder:
         self.rows[:s] += rows.to("cpu", torch.float64)
         self.calls += 1
 
-    def defer(self, layer: int, cache: Any, q: torch.Tensor, q_pos: torch.Tensor) -> None:
-        """Keeps layer ``layer``'s rows (queries ``[Hq, n, D]``, scaled, at positions
-        ``q_pos``) to be summed with the layer's later rows over the keys ``cache`` then holds:
-        a decoded token's column sums cost one key product per layer and answer, not one per
-        token."""
+    def defer(self, layer: int, cache: Any, q: torch.Tensor, scale: float, first: int) -> None:
+        """Keeps layer ``layer``'s rows (queries ``[1, Hq, n, D]``, to be multiplied by ``scale``,
+        at positions ``first`` to ``first + n - 1``) to be summed with the layer's later rows
+        over the keys ``cache`` then holds: a decoded token's column sums cost one key product
+        per layer and answer, not one per token, and its hook call keeps a reference and two
+        numbers (no tensor made)."""
         w = self._waiting.get(layer)
-        if w is not None and w.cache is not cache:
+        if w is not None and (w.cache is not cache or w.scale != scale):
             self._flush_layer(layer)
             w = None
         if w is None:
-            w = self._waiting[layer] = _Rows(cache)
-        w.q.append(q)
-        w.pos.append(q_pos)
-        w.nbytes += q.numel() * q.element_size()
+            w = self._waiting[layer] = _Rows(cache, scale)
+        w.keep(q, first)
         if w.nbytes >= self.FLUSH_BYTES:
             self._flush_layer(layer)
 
     def flush(self) -> None:
         """Sums every waiting row (:meth:`defer`) into :attr:`mass` and :attr:`rows`: the
         layers whose rows sit at the same positions over as many keys in one softmax."""
-        groups: dict[tuple[int, ...], list[tuple[_Rows, list[torch.Tensor]]]] = {}
+        groups: dict[tuple[int, tuple[tuple[int, int], ...]],
+                     list[tuple[_Rows, list[torch.Tensor]]]] = {}
         for layer, w in self._waiting.items():
             parts = _key_parts(w.cache, layer)
             if parts:
                 s = sum(int(p.shape[1]) for p in parts)
-                groups.setdefault((s, *torch.cat(w.pos).tolist()), []).append((w, parts))
+                groups.setdefault((s, tuple(w.spans)), []).append((w, parts))
         self._waiting.clear()
         with torch.no_grad():
-            for (s, *at), layers in groups.items():
-                pos = torch.tensor(at, dtype=torch.long)
+            for (s, spans), layers in groups.items():
+                pos = torch.cat([torch.arange(a, a + k) for a, k in spans])
                 q = torch.stack([w.queries() for w, _ in layers])
                 mass = _column_mass(q, [parts for _, parts in layers], pos, s)
                 self.add(mass, _seen_by(pos, s) * len(layers))
@@ -148,18 +149,30 @@ class DensityRecorder:
 
 
 class _Rows:
-    """A layer's rows waiting to be summed (:meth:`DensityRecorder.defer`): their queries and
-    positions, over ``cache``'s keys."""
+    """A layer's rows waiting to be summed (:meth:`DensityRecorder.defer`): their queries (not
+    yet scaled) and their positions as spans ``(first, rows)`` (a decoded token's joins the
+    span before it), over ``cache``'s keys."""
 
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
+    def __init__(self, cache: Any, scale: float) -> None:
+        self.cache, self.scale = cache, scale
         self.q: list[torch.Tensor] = []
-        self.pos: list[torch.Tensor] = []
+        self.spans: list[tuple[int, int]] = []
         self.nbytes = 0
 
+    def keep(self, q: torch.Tensor, first: int) -> None:
+        """Adds the rows ``q`` (``[1, Hq, n, D]``) at positions ``first`` on."""
+        n = int(q.shape[2])
+        self.q.append(q)
+        if self.spans and sum(self.spans[-1]) == first:
+            self.spans[-1] = (self.spans[-1][0], self.spans[-1][1] + n)
+        else:
+            self.spans.append((first, n))
+        self.nbytes += q.numel() * q.element_size()
+
     def queries(self) -> torch.Tensor:
-        """The rows' queries ``[Hq, n, D]``."""
-        return self.q[0] if len(self.q) == 1 else torch.cat(self.q, dim=1)
+        """The rows' queries ``[Hq, n, D]``, scaled (a new tensor)."""
+        q = self.q[0] if len(self.q) == 1 else torch.cat(self.q, dim=2)
+        return q[0] * self.scale
 
 
 _active = threading.local()
@@ -217,19 +230,19 @@ def _offered(module: torch.nn.Module, q: torch.Tensor) -> None:
 
 def _queries(module: torch.nn.Module, hidden: torch.Tensor, pe: Any, d: int,
              offered: Any) -> torch.Tensor:
-    """The layer's queries ``[Hq, n, D]`` of ``hidden [1, n, d_model]``, times its scale: those
-    its forward ``offered`` (:func:`_offered`), else projected, normed and rotated again as the
-    module does. A new tensor."""
+    """The layer's queries ``[1, Hq, n, D]`` of ``hidden [1, n, d_model]``, not scaled: those its
+    forward ``offered`` (:func:`_offered`: a tensor of that forward's own, which nothing
+    writes to later), else projected, normed and rotated again as the module does."""
     if offered is not None and offered[0] is module and offered[1].shape[0] == 1 \
             and offered[1].shape[2] == hidden.shape[1]:
-        q = offered[1][0]
-    else:
+        kept: torch.Tensor = offered[1]
+        return kept
+    with torch.no_grad():
         q = module.get_submodule("q_proj")(hidden).view(*hidden.shape[:2], -1, d)
         q_norm = getattr(module, "q_norm", None)
         if q_norm is not None:  # Qwen3
             q = q_norm(q)
-        q = apply_rope(q.transpose(1, 2), *pe)[0]
-    return q * float(getattr(module, "scaling", d ** -0.5))
+        return apply_rope(q.transpose(1, 2), *pe)
 
 
 #: elements of the largest ``[layers, H, rows, keys]`` score block (4 MB in fp32: it stays in
@@ -314,20 +327,58 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
     pe = kwargs.get("position_embeddings")
     cache = hook_cache(kwargs)
     layer = int(getattr(module, "layer_idx", 0) or 0)
+    if hidden is None or pe is None:
+        return
+    n = int(hidden.shape[1])
+    if n <= rec.DEFER_ROWS and getattr(cache, "density_keys", None) is None:
+        s = _key_count(cache, layer)        # no tensor made, so no grad mode to enter (~30 us)
+        if s:
+            q = _queries(module, hidden, pe, _head_dim(module, cache, layer), offered)
+            rec.defer(layer, cache, q, _scale(module, q), s - n)
+        return
     parts = _key_parts(cache, layer)
-    if hidden is None or pe is None or not parts:
+    if not parts:
         return
     with torch.no_grad():
-        n = int(hidden.shape[1])
         s = sum(int(p.shape[1]) for p in parts)
         q_pos = getattr(cache, "density_q_pos", None)
         q_pos = torch.arange(s - n, s) if q_pos is None else q_pos.to(torch.long).cpu()
-        q = _queries(module, hidden, pe, int(getattr(module, "head_dim", parts[0].shape[-1])),
-                     offered)
-        if n <= rec.DEFER_ROWS and getattr(cache, "density_keys", None) is None:
-            rec.defer(layer, cache, q, q_pos)
-        else:
-            rec.add(_column_mass(q[None], [parts], q_pos, s), _seen_by(q_pos, s))
+        q = _queries(module, hidden, pe, int(parts[0].shape[-1]), offered)
+        rec.add(_column_mass(q * _scale(module, q), [parts], q_pos, s), _seen_by(q_pos, s))
+
+
+def _key_count(cache: Any, layer_idx: int) -> int | None:
+    """How many keys :func:`_key_parts` gives (``None`` where it gives none), without making
+    them where the layer tells (a fork's ``key_count``, a cache layer's ``keys`` tensor)."""
+    layers = getattr(cache, "layers", None)
+    if getattr(cache, "density_keys", None) is None and layers is not None \
+            and 0 <= layer_idx < len(layers):
+        layer = layers[layer_idx]
+        count = getattr(layer, "key_count", None)
+        if callable(count):
+            got: int | None = count()
+            return got
+        k = getattr(layer, "keys", None)
+        if not callable(getattr(layer, "key_parts", None)) and isinstance(k, torch.Tensor) \
+                and k.dim() == 4:
+            return int(k.shape[2]) or None
+    parts = _key_parts(cache, layer_idx)
+    return None if not parts else sum(int(p.shape[1]) for p in parts)
+
+
+def _head_dim(module: torch.nn.Module, cache: Any, layer_idx: int) -> int:
+    """The module's head dimension (else its keys')."""
+    d = getattr(module, "head_dim", None)
+    if d is not None:
+        return int(d)
+    parts = _key_parts(cache, layer_idx)
+    assert parts
+    return int(parts[0].shape[-1])
+
+
+def _scale(module: torch.nn.Module, q: torch.Tensor) -> float:
+    """The module's score scale (``1 / sqrt(D)`` unless it names its own)."""
+    return float(getattr(module, "scaling", int(q.shape[-1]) ** -0.5))
 
 
 _HOOKED: dict[int, list[Any]] = {}

@@ -1,8 +1,10 @@
 """The device service's density hook (sparkv/device/density.py) records the same column sums
-whichever way it computes them: a decoded token's rows kept for one product per layer at the
+whichever way it computes them: a fork's passes adding the column sums of the weights its
+attention made (``TAKE_WEIGHTS``), a decoded token's rows kept for one product per layer at the
 end of the pass (or when a layer's rows fill up), the queries the fast attention forward offers
 or projected again, over a fork's prefix and tail as two views or over one cache's keys. The
-reference is the hook computing every pass at once (``DEFER_ROWS = 0``), itself checked against
+reference is the hook computing every pass at once (``DEFER_ROWS = 0``, no weights taken),
+itself checked against
 ``output_attentions`` in tests/test_bench_quality_variants.py. A tiny random Llama with GQA,
 fp32; no timing."""
 
@@ -27,19 +29,21 @@ def _ids(n: int, seed: int) -> list[int]:
 
 def _record(lm, *, fork: bool, defer: int = DensityRecorder.DEFER_ROWS,
             flush: int = DensityRecorder.FLUSH_BYTES, question: int = 5,
-            tokens: int = 9) -> DensityRecorder:
+            tokens: int = 9, take: bool = False) -> DensityRecorder:
     """A question and its answer over a fresh memory of ``N`` tokens, recorded."""
     install_hooks(lm.model)
     mem = context_memory(lm, reference_prefill(lm, _ids(N, 1)), N)
     rec = DensityRecorder(N + question + tokens + 1)
     cache = ForkCache(mem) if fork else SparkvCache(mem)
-    old = DensityRecorder.DEFER_ROWS, DensityRecorder.FLUSH_BYTES
+    old = DensityRecorder.DEFER_ROWS, DensityRecorder.FLUSH_BYTES, DensityRecorder.TAKE_WEIGHTS
     DensityRecorder.DEFER_ROWS, DensityRecorder.FLUSH_BYTES = defer, flush
+    DensityRecorder.TAKE_WEIGHTS = take
     try:
         with recording(rec):
             generate_over(lm, cache, N, _ids(question, 2), tokens, stop_at_eos=False)
     finally:
-        DensityRecorder.DEFER_ROWS, DensityRecorder.FLUSH_BYTES = old
+        (DensityRecorder.DEFER_ROWS, DensityRecorder.FLUSH_BYTES,
+         DensityRecorder.TAKE_WEIGHTS) = old
     return rec
 
 
@@ -56,6 +60,24 @@ def test_kept_rows_sum_to_what_each_pass_adds_at_once(tiny_llama, fork):
     layers = tiny_llama.config.num_hidden_layers
     assert float(want.rows[0]) == (5 + 8) * layers
     assert float(want.rows[N + 5 + 7]) == 1 * layers    # the last token run sees itself only
+
+
+@pytest.mark.parametrize("defer", [0, DensityRecorder.DEFER_ROWS])
+def test_a_forks_taken_weights_sum_to_what_the_hook_computes(tiny_llama, defer, monkeypatch):
+    """A fork's attention hands its weights over: every pass's column sums are taken from
+    them (no product of the hook's own), the same sums and the same row counts."""
+    want = _record(tiny_llama, fork=True, defer=0)
+    taken = []
+    monkeypatch.setattr(DensityRecorder, "take", lambda self, *a: taken.append(a)
+                        or self._columns.add(a[0], 1.0 / a[1], *a[2:]))
+    got = _record(tiny_llama, fork=True, defer=defer, take=True)
+    layers = tiny_llama.config.num_hidden_layers
+    assert [(t[1], t[3]) for t in taken] == [(4, 5)] * layers + [(4, 1)] * 8 * layers
+    assert not got._waiting and got.calls == 1          # one sum at the end, no product
+    torch.testing.assert_close(got.mass, want.mass, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.rows, want.rows)
+    assert torch.equal(_record(tiny_llama, fork=False, take=True).rows,   # no weights offered:
+                       _record(tiny_llama, fork=False, defer=0).rows)     # it sums them itself
 
 
 def test_offered_queries_are_the_ones_projected_again(tiny_llama, monkeypatch):
@@ -80,16 +102,18 @@ def test_offered_queries_are_the_ones_projected_again(tiny_llama, monkeypatch):
     assert torch.equal(offered.rows, projected.rows)
 
 
-def test_a_failed_pass_adds_none_of_its_waiting_rows(tiny_llama):
+@pytest.mark.parametrize("take", [False, True])
+def test_a_failed_pass_adds_none_of_its_waiting_rows(tiny_llama, take, monkeypatch):
     install_hooks(tiny_llama.model)
+    monkeypatch.setattr(DensityRecorder, "TAKE_WEIGHTS", take)
     mem = context_memory(tiny_llama, reference_prefill(tiny_llama, _ids(N, 1)), N)
     rec = DensityRecorder(N + 8)
     with pytest.raises(RuntimeError, match="stop"):
         with recording(rec):
             generate_over(tiny_llama, ForkCache(mem), N, _ids(1, 3), 1, stop_at_eos=False)
-            assert rec._waiting                           # the 1-row pass waits
+            assert rec._columns.spans if take else rec._waiting   # the 1-row pass waits
             raise RuntimeError("stop")
-    assert not rec._waiting and float(rec.mass.sum()) == 0.0
+    assert not rec._waiting and not rec._columns.spans and float(rec.mass.sum()) == 0.0
 
 
 def test_a_forks_key_count_is_what_its_key_parts_make(tiny_llama):

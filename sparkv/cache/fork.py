@@ -16,7 +16,8 @@ Per layer the memory's form decides the attention (each one a resident attention
 * a paged layer: its pages as held (:meth:`ContextKV.resident_attention
   <sparkv.cache.memory.ContextKV.resident_attention>`), the tail in the same kernel call.
 
-The density hook of the context service (:mod:`sparkv.device.density`) reads a dense layer's
+The density hook of the context service (:mod:`sparkv.device.density`) takes a dense layer's
+attention weights (handed to its thread's :mod:`~sparkv.cache.colmass` sink), else reads its
 keys (:meth:`ForkLayer.key_parts`: views of the prefix and the tail); other forms record
 nothing, as a :class:`~sparkv.cache.hf.SparkvCache` over them does.
 """

@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from sparkv.cache.colmass import offer_weights
 from sparkv.cache.pages import PAGE_TOKENS, PagePools
 
 #: most pages of one head in one parallel work unit
@@ -510,7 +511,8 @@ class PrefixAttention:
     ``[Hkv, P, D]`` (views, not copied), every query at a position past them, and a tail. What
     a fork of a dense arena attends (:class:`~sparkv.cache.fork.ForkCache`): the arena as it
     was, the fork's own tokens in its tail. One softmax over the prefix's scores and the
-    tail's (causal within the tail): a few batched ops per call."""
+    tail's (causal within the tail): a few batched ops per call; its weights go to the
+    thread's column sink (:mod:`~sparkv.cache.colmass`: the density recording's)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
@@ -531,6 +533,7 @@ class PrefixAttention:
             scores.append(st.masked_fill(tpos.to(torch.long).view(1, 1, -1) > rows,
                                          float("-inf")))
         w = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        offer_weights(w)                                                    # [Hkv, G*nq, P+T]
         out = torch.bmm(w[..., :p], self.v.float())
         if len(scores) > 1:
             out += torch.bmm(w[..., p:], tail[1].float())                # type: ignore[index]

@@ -21,7 +21,10 @@ question's, a decoded token's) only keeps its queries; the recording's end (afte
 sums every layer's kept rows over the keys the cache then holds, as many layers and rows in one
 softmax as fit a cache-sized block. A decoded token then costs a reference to its queries
 (scaled once at the end), its keys counted and not viewed, not a product over the whole
-context per layer, and the answer's first token waits for none of it:
+context per layer, and the answer's first token waits for none of it. A pass over a fork whose
+attention makes its softmax weights (:class:`~sparkv.cache.qattend.PrefixAttention`) hands them
+to the recording thread's column sink (:mod:`sparkv.cache.colmass`): its column sums are added
+at once (:meth:`DensityRecorder.take`) and nothing is multiplied again:
 ``bench/density_tax.py``, docs/device-service.md ("Measuring the densities").
 
 **Levels** (LLMS eq. 2-3). Chunks are ranked by density and cut by thresholds into ``int8`` /
@@ -41,12 +44,14 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from sparkv.cache.colmass import set_sink
 from sparkv.runtime.fastops import apply_rope
 from sparkv.runtime.hfcache import hook_cache
 from sparkv.runtime.hooks import QUERY_SINK, rows_safe
@@ -73,12 +78,16 @@ class DensityRecorder:
     #: a layer's waiting queries are summed once they hold this many bytes (bounded memory:
     #: SmolLM2's 900 rows, an 8B model's 128)
     FLUSH_BYTES = 1 << 21
+    #: a pass whose attention hands over its weights (:mod:`~sparkv.cache.colmass`: a fork over
+    #: a dense arena) adds their column sums (:meth:`take`), no second product of its queries
+    TAKE_WEIGHTS = True
 
     def __init__(self, positions: int = 0) -> None:
         self.mass = torch.zeros(positions, dtype=torch.float64)
         self.rows = torch.zeros(positions, dtype=torch.float64)
         self.calls = 0
         self._waiting: dict[int, _Rows] = {}
+        self._columns = _Columns()
 
     def _grow(self, n: int) -> None:
         if n > self.mass.numel():
@@ -110,9 +119,16 @@ class DensityRecorder:
         if w.nbytes >= self.FLUSH_BYTES:
             self._flush_layer(layer)
 
+    def take(self, colsum: torch.Tensor, heads: int, first: int, n: int) -> None:
+        """Adds a pass's column sums of its attention weights over ``heads`` query heads
+        (``[s]``, what the layer's attention computed anyway) for its ``n`` rows at positions
+        ``first`` on: one in-place sum now, their row counts at :meth:`flush`."""
+        self._columns.add(colsum, 1.0 / heads, first, n)
+
     def flush(self) -> None:
         """Sums every waiting row (:meth:`defer`) into :attr:`mass` and :attr:`rows`: the
-        layers whose rows sit at the same positions over as many keys in one softmax."""
+        layers whose rows sit at the same positions over as many keys in one softmax; then the
+        taken column sums (:meth:`take`)."""
         groups: dict[tuple[int, tuple[tuple[int, int], ...]],
                      list[tuple[_Rows, list[torch.Tensor]]]] = {}
         for layer, w in self._waiting.items():
@@ -127,10 +143,13 @@ class DensityRecorder:
                 q = torch.stack([w.queries() for w, _ in layers])
                 mass = _column_mass(q, [parts for _, parts in layers], pos, s)
                 self.add(mass, _seen_by(pos, s) * len(layers))
+        if self._columns.spans:
+            self.add(*self._columns.pop())
 
     def drop_waiting(self) -> None:
-        """Forgets the waiting rows (their pass failed)."""
+        """Forgets the waiting rows and taken column sums (their pass failed)."""
         self._waiting.clear()
+        self._columns = _Columns()
 
     def _flush_layer(self, layer: int) -> None:
         rows = self._waiting.pop(layer)
@@ -175,6 +194,43 @@ class _Rows:
         return q[0] * self.scale
 
 
+class _Columns:
+    """Column sums taken from the attention (:meth:`DensityRecorder.take`), summed in place in
+    one float64 vector on their device (grown by doubling: bounded by twice the keys), and the
+    row spans ``(first, rows, keys)`` that made them, counted."""
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None
+        self.size = 0
+        self.spans: Counter[tuple[int, int, int]] = Counter()
+
+    def add(self, colsum: torch.Tensor, weight: float, first: int, n: int) -> None:
+        """Adds ``weight * colsum`` (``[s]``) for ``n`` rows at positions ``first`` on."""
+        s = int(colsum.numel())
+        if self.sums is None or self.sums.numel() < s:
+            have = 0 if self.sums is None else int(self.sums.numel())
+            grown = torch.zeros(max(s, 2 * have), dtype=torch.float64, device=colsum.device)
+            if self.sums is not None:
+                grown[:have] = self.sums
+            self.sums = grown
+        self.sums[:s].add_(colsum, alpha=weight)
+        self.size = max(self.size, s)
+        self.spans[(first, n, s)] += 1
+
+    def pop(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed mass and the rows that saw each key (``[size]`` each); then empty."""
+        assert self.sums is not None
+        rows = torch.zeros(self.size, dtype=torch.float64)
+        for (first, n, s), count in self.spans.items():
+            if n == 1:                          # a decoded token sees every key up to itself
+                rows[:min(s, first + 1)] += count
+            else:
+                rows[:s] += _seen_by(torch.arange(first, first + n), s) * count
+        mass = self.sums[:self.size]
+        self.sums, self.size, self.spans = None, 0, Counter()
+        return mass, rows
+
+
 _active = threading.local()
 
 
@@ -185,14 +241,20 @@ class recording:
     def __init__(self, recorder: DensityRecorder | None) -> None:
         self.recorder = recorder
         self._prev: DensityRecorder | None = None
+        self._prev_sink: Any = None
 
     def __enter__(self) -> DensityRecorder | None:
         self._prev = getattr(_active, "recorder", None)
         _active.recorder = self.recorder
+        _active.columns = None
+        takes = self.recorder is not None and self.recorder.TAKE_WEIGHTS
+        self._prev_sink = set_sink(_offered_weights if takes else None)
         return self.recorder
 
     def __exit__(self, kind: object, *exc: object) -> None:
         _active.recorder = self._prev
+        _active.columns = None
+        set_sink(self._prev_sink)
         if self.recorder is not None:   # the caches the rows read are still alive here
             if kind is None:
                 self.recorder.flush()
@@ -226,6 +288,14 @@ def _offered(module: torch.nn.Module, q: torch.Tensor) -> None:
     keeps the queries the module attends with for its density hook."""
     if getattr(_active, "recorder", None) is not None:
         _active.offered = (module, q)
+
+
+def _offered_weights(weights: torch.Tensor) -> None:
+    """A recording thread's column sink (:mod:`~sparkv.cache.colmass`): keeps the column sums
+    of the weights ``[..., rows, keys]`` a layer's attention just made, and how many (head,
+    row) pairs they sum, for the layer's density hook."""
+    keys = int(weights.shape[-1])
+    _active.columns = (weights.reshape(-1, keys).sum(0), int(weights.numel()) // max(keys, 1))
 
 
 def _queries(module: torch.nn.Module, hidden: torch.Tensor, pe: Any, d: int,
@@ -323,6 +393,7 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
     if rec is None:
         return
     offered, _active.offered = getattr(_active, "offered", None), None
+    columns, _active.columns = getattr(_active, "columns", None), None
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     pe = kwargs.get("position_embeddings")
     cache = hook_cache(kwargs)
@@ -330,6 +401,8 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
     if hidden is None or pe is None:
         return
     n = int(hidden.shape[1])
+    if columns is not None and hidden.shape[0] == 1 and _take(rec, columns, cache, layer, n):
+        return
     if n <= rec.DEFER_ROWS and getattr(cache, "density_keys", None) is None:
         s = _key_count(cache, layer)        # no tensor made, so no grad mode to enter (~30 us)
         if s:
@@ -345,6 +418,21 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
         q_pos = torch.arange(s - n, s) if q_pos is None else q_pos.to(torch.long).cpu()
         q = _queries(module, hidden, pe, int(parts[0].shape[-1]), offered)
         rec.add(_column_mass(q * _scale(module, q), [parts], q_pos, s), _seen_by(q_pos, s))
+
+
+def _take(rec: DensityRecorder, columns: tuple[torch.Tensor, int], cache: Any, layer: int,
+          n: int) -> bool:
+    """Adds the column sums the layer's attention offered (:func:`_offered_weights`) for its
+    ``n`` rows, the last ones of the keys the layer holds, where they are the whole pass's over
+    those keys; returns whether it did (else the hook sums the pass itself)."""
+    colsum, pairs = columns
+    if getattr(cache, "density_keys", None) is not None or pairs % n:
+        return False
+    s = _key_count(cache, layer)
+    if not s or int(colsum.numel()) != s:
+        return False
+    rec.take(colsum, pairs // n, s - n, n)
+    return True
 
 
 def _key_count(cache: Any, layer_idx: int) -> int | None:

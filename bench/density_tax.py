@@ -8,14 +8,19 @@ reuses the other's turn). Three kinds of call:
 * ``question``: a new question, 1 token (the question's rows run);
 * ``answer``: a new question and a ``--answer``-token answer (every token's rows).
 
-    python bench/density_tax.py [--rounds 5] [--tokens 2048] [--answer 32]
+    python bench/density_tax.py [--rounds 5] [--tokens 2048] [--answer 32] [--defer]
                                 [--out bench/results/density_tax_cpu.json]
 
-Per kind the median call time and first token, on and off, and the ratio on / off: the tax;
-the seconds the recording's end spent summing its waiting rows (``DensityRecorder.flush``,
-timed inside the ``on`` calls: the part of the tax paid after the last token, and any
-early sums of a long answer); and the seconds the density's hook took in them (every
-attention module's, every pass: what a decoded token pays while it runs, the flush aside).
+Per kind the median call time and first token, on and off, and the ratio on / off: the tax.
+Timed inside the ``on`` calls: the seconds the recording's end spent summing its waiting rows
+(``DensityRecorder.flush``: the part of the tax paid after the last token, and any early sums
+of a long answer); the seconds the density's hook took (every attention module's, every pass:
+what a decoded token pays while it runs, the flush aside); the seconds the column sums of a
+fork's attention weights took (inside the attention, before the hook: what a pass pays for
+taking them); and the call's write-ahead (``aot_s``: once the densities move a context's
+levels, the chunks that changed are written after the answer). ``--defer`` adds a third mode
+in the same run: density on, no weights taken (every pass summed by the hook, as before the
+column sink).
 Run it on two checkouts to compare. SmolLM2 (the bundled model), greedy, answers run to their
 length, 2 torch threads; wall clock on whatever machine runs it. No paper figure (LLMS does not
 report what measuring its densities costs).
@@ -43,14 +48,26 @@ KINDS = ("kept", "question", "answer")
 HOOK_SPENT: list[float] = []
 #: the seconds each flush took (:func:`timed_flush`)
 FLUSH_SPENT: list[float] = []
+#: the seconds each column sum of a fork's attention weights took, inside the attention
+#: (:func:`timed_weights`; none on a checkout without the column sink)
+WEIGHTS_SPENT: list[float] = []
 
 
 @contextlib.contextmanager
-def density_off(off: bool) -> Iterator[None]:
-    """The service's calls record no density while ``off``."""
+def density_mode(mode: str) -> Iterator[None]:
+    """The service's calls record no density in mode ``off``, and take no attention weights in
+    mode ``defer`` (``DensityRecorder.TAKE_WEIGHTS`` off: every pass summed by the hook)."""
     from sparkv.device import calls, density
 
-    if not off:
+    if mode == "defer":
+        take = getattr(density.DensityRecorder, "TAKE_WEIGHTS", False)
+        density.DensityRecorder.TAKE_WEIGHTS = False
+        try:
+            yield
+        finally:
+            density.DensityRecorder.TAKE_WEIGHTS = take
+        return
+    if mode != "off":
         yield
         return
     calls.recording = lambda rec: density.recording(None)  # type: ignore[assignment,misc]
@@ -102,27 +119,46 @@ def timed_hooks() -> None:
     density._attention_hook = hook
 
 
+def timed_weights() -> None:
+    """Times every column sum the recording thread's sink makes of a fork's attention weights
+    into :data:`WEIGHTS_SPENT` (the sink is looked up when a recording starts)."""
+    from sparkv.device import density
+
+    plain = getattr(density, "_offered_weights", None)
+    if plain is None:
+        return
+
+    def sink(weights: Any) -> None:
+        t = time.perf_counter()
+        try:
+            plain(weights)
+        finally:
+            WEIGHTS_SPENT.append(time.perf_counter() - t)
+
+    density._offered_weights = sink
+
+
 def one_call(svc: Any, cid: str, question: str, tokens: int, scope: str,
-             off: bool) -> dict[str, float]:
+             mode: str) -> dict[str, float]:
     HOOK_SPENT.clear()
-    with density_off(off), timed_flush() as spent:
+    WEIGHTS_SPENT.clear()
+    with density_mode(mode), timed_flush() as spent:
         res = svc.call(cid, question, max_new_tokens=tokens, grow=False, stop_at_eos=False,
                        turn_scope=scope)
     return {"total_s": res.total_s, "first_token_s": res.first_token_s, "flush_s": sum(spent),
-            "hook_s": sum(HOOK_SPENT)}
+            "hook_s": sum(HOOK_SPENT), "weights_s": sum(WEIGHTS_SPENT), "aot_s": res.aot_s}
 
 
-def one_round(svc: Any, cid: str, r: int, questions: list[str],
-              answer: int) -> dict[str, dict[str, dict[str, float]]]:
+def one_round(svc: Any, cid: str, r: int, questions: list[str], answer: int,
+              modes: tuple[str, ...]) -> dict[str, dict[str, dict[str, float]]]:
     out: dict[str, dict[str, dict[str, float]]] = {k: {} for k in KINDS}
-    order = ("on", "off") if r % 2 == 0 else ("off", "on")
+    order = modes[r % len(modes):] + modes[:r % len(modes)]
     q_new, q_answer = questions[(2 * r) % len(questions)], questions[(2 * r + 1) % len(questions)]
     for mode in order:
         scope = f"{mode}-{r}"
-        off = mode == "off"
-        out["question"][mode] = one_call(svc, cid, q_new, 1, scope, off)
-        out["kept"][mode] = one_call(svc, cid, q_new, 1, scope, off)
-        out["answer"][mode] = one_call(svc, cid, q_answer, answer, scope, off)
+        out["question"][mode] = one_call(svc, cid, q_new, 1, scope, mode)
+        out["kept"][mode] = one_call(svc, cid, q_new, 1, scope, mode)
+        out["answer"][mode] = one_call(svc, cid, q_answer, answer, scope, mode)
     return out
 
 
@@ -130,14 +166,18 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     table: dict[str, dict[str, float]] = {}
     for kind in KINDS:
         row: dict[str, float] = {}
-        for mode in ("on", "off"):
+        for mode in rounds[0][kind]:
             for key in ("total_s", "first_token_s"):
                 row[f"{key}_{mode}"] = round(statistics.median(
                     r[kind][mode][key] for r in rounds), 4)
-        for key in ("flush_s", "hook_s"):
+        for key in ("flush_s", "hook_s", "weights_s", "aot_s"):
             row[f"{key}_on"] = round(statistics.median(r[kind]["on"][key] for r in rounds), 4)
         row["tax"] = round(row["total_s_on"] / row["total_s_off"], 3)
         row["first_token_tax"] = round(row["first_token_s_on"] / row["first_token_s_off"], 3)
+        if "total_s_defer" in row:            # the weights taken against every pass summed
+            row["on_vs_defer"] = round(row["total_s_on"] / row["total_s_defer"], 3)
+            row["first_token_on_vs_defer"] = round(
+                row["first_token_s_on"] / row["first_token_s_defer"], 3)
         table[kind] = row
     return table
 
@@ -151,8 +191,11 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2048, help="the context's tokens")
     p.add_argument("--answer", type=int, default=32, help="an answer's tokens")
     p.add_argument("--out", default=None)
+    p.add_argument("--defer", action="store_true",
+                   help="also a third mode: density on, no attention weights taken")
     a = p.parse_args()
     timed_hooks()
+    timed_weights()
     lm, qa, ids = story_model(a.tokens)
     questions = [item.question for item in qa.items]
     rounds = []
@@ -163,20 +206,29 @@ def main() -> int:
         keep_freed_memory()               # as the service's process does: the C heap's
         freeze_heap()                     # thresholds fixed, no full collection
         for r in range(a.rounds):
-            rounds.append(one_round(svc, cid, r, questions, a.answer))
+            modes = ("on", "off", "defer") if a.defer else ("on", "off")
+            rounds.append(one_round(svc, cid, r, questions, a.answer, modes))
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(
                 f"{k} {rounds[-1][k]['on']['total_s']:.3f}/{rounds[-1][k]['off']['total_s']:.3f}"
                 " s" for k in KINDS), flush=True)
         svc.close()
     table = summary(rounds)
     print(f"\n{len(ids)}-token context, medians of {a.rounds} (on / off)")
-    print("| call | call time | tax | first token | tax | flush | hooks |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| call | call time | tax | first token | tax | flush | hooks | weights | write-ahead |"
+          "\n|---|---|---|---|---|---|---|---|---|")
     for kind, row in table.items():
         print(f"| {kind} | {row['total_s_on']:.3f} / {row['total_s_off']:.3f} s | "
               f"{row['tax']:.2f}x | {row['first_token_s_on']:.3f} / "
               f"{row['first_token_s_off']:.3f} s | {row['first_token_tax']:.2f}x | "
-              f"{row['flush_s_on']:.3f} s | {row['hook_s_on']:.3f} s |")
+              f"{row['flush_s_on']:.3f} s | {row['hook_s_on']:.3f} s | "
+              f"{row['weights_s_on']:.4f} s | {row['aot_s_on']:.3f} s |")
+    if a.defer:
+        print("\ndensity on, weights taken / every pass summed by the hook (defer)\n"
+              "| call | call time | ratio | first token | ratio |\n|---|---|---|---|---|")
+        for kind, row in table.items():
+            print(f"| {kind} | {row['total_s_on']:.3f} / {row['total_s_defer']:.3f} s | "
+                  f"{row['on_vs_defer']:.2f}x | {row['first_token_s_on']:.3f} / "
+                  f"{row['first_token_s_defer']:.3f} s | {row['first_token_on_vs_defer']:.2f}x |")
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(
             {"args": vars(a), "context_tokens": len(ids), "rounds": rounds, "median": table},

@@ -67,15 +67,21 @@ def test_a_forks_taken_weights_sum_to_what_the_hook_computes(tiny_llama, defer, 
     """A fork's attention hands its weights over: every pass's column sums are taken from
     them (no product of the hook's own), the same sums and the same row counts."""
     want = _record(tiny_llama, fork=True, defer=0)
-    taken = []
+    taken, plain = [], DensityRecorder.take
     monkeypatch.setattr(DensityRecorder, "take", lambda self, *a: taken.append(a)
-                        or self._columns.add(a[0], 1.0 / a[1], *a[2:]))
-    got = _record(tiny_llama, fork=True, defer=defer, take=True)
+                        or plain(self, *a))
+    folds, fold = [], density._Columns._fold
+    monkeypatch.setattr(density._Columns, "_fold", lambda self: folds.append(len(self.kept))
+                        or fold(self))
     layers = tiny_llama.config.num_hidden_layers
-    assert [(t[1], t[3]) for t in taken] == [(4, 5)] * layers + [(4, 1)] * 8 * layers
-    assert not got._waiting and got.calls == 1          # one sum at the end, no product
-    torch.testing.assert_close(got.mass, want.mass, atol=1e-5, rtol=1e-5)
-    assert torch.equal(got.rows, want.rows)
+    for flush in (DensityRecorder.FLUSH_BYTES, 200):    # kept to the end, or summed mid-answer
+        taken.clear(), folds.clear()
+        got = _record(tiny_llama, fork=True, defer=defer, take=True, flush=flush)
+        assert [(t[1], t[3]) for t in taken] == [(4, 5)] * layers + [(4, 1)] * 8 * layers
+        assert (folds == [len(taken)]) == (flush > 200)  # one sum, or several on the way
+        assert not got._waiting and got.calls == 1      # one sum at the end, no product
+        torch.testing.assert_close(got.mass, want.mass, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.rows, want.rows)
     assert torch.equal(_record(tiny_llama, fork=False, take=True).rows,   # no weights offered:
                        _record(tiny_llama, fork=False, defer=0).rows)     # it sums them itself
 

@@ -23,8 +23,8 @@ softmax as fit a cache-sized block. A decoded token then costs a reference to it
 (scaled once at the end), its keys counted and not viewed, not a product over the whole
 context per layer, and the answer's first token waits for none of it. A pass over a fork whose
 attention makes its softmax weights (:class:`~sparkv.cache.qattend.PrefixAttention`) hands them
-to the recording thread's column sink (:mod:`sparkv.cache.colmass`): its column sums are added
-at once (:meth:`DensityRecorder.take`) and nothing is multiplied again:
+to the recording thread's column sink (:mod:`sparkv.cache.colmass`): their column sums are
+kept and summed at the end (:meth:`DensityRecorder.take`), and nothing is multiplied again:
 ``bench/density_tax.py``, docs/device-service.md ("Measuring the densities").
 
 **Levels** (LLMS eq. 2-3). Chunks are ranked by density and cut by thresholds into ``int8`` /
@@ -197,7 +197,7 @@ class _Rows:
 
 class _Columns:
     """Column sums taken from the attention (:meth:`DensityRecorder.take`): kept by reference
-    (a hook call appends one: ~1 us, where an add of its own took ~50 us in a forward) and
+    (a hook call appends one; an add of its own took ~45 us more a call in a forward) and
     summed in groups of one length and head count (a stack and a sum each) into one float64
     vector on their device at :meth:`pop`, or once they hold ``limit`` bytes; and the row spans
     ``(first, rows, keys)`` that made them, counted."""
@@ -444,7 +444,7 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
 
 def _take(rec: DensityRecorder, columns: tuple[torch.Tensor, int], cache: Any, layer: int,
           n: int) -> bool:
-    """Adds the column sums the layer's attention offered (:func:`_offered_weights`) for its
+    """Takes the column sums the layer's attention offered (:func:`_offered_weights`) for its
     ``n`` rows, the last ones of the keys the layer holds, where they are the whole pass's over
     those keys; returns whether it did (else the hook sums the pass itself)."""
     colsum, pairs = columns

@@ -124,18 +124,19 @@ def timed_weights() -> None:
     into :data:`WEIGHTS_SPENT` (the sink is looked up when a recording starts)."""
     from sparkv.device import density
 
-    plain = getattr(density, "_offered_weights", None)
-    if plain is None:
+    name = next((n for n in ("_offered_sums", "_offered_weights") if hasattr(density, n)), None)
+    if name is None:
         return
+    plain = getattr(density, name)
 
-    def sink(weights: Any) -> None:
+    def sink(*args: Any) -> None:
         t = time.perf_counter()
         try:
-            plain(weights)
+            plain(*args)
         finally:
             WEIGHTS_SPENT.append(time.perf_counter() - t)
 
-    density._offered_weights = sink
+    setattr(density, name, sink)
 
 
 def one_call(svc: Any, cid: str, question: str, tokens: int, scope: str,

@@ -1,7 +1,8 @@
 """The paged attention (sparkv/cache/qattend.py: one numba call per layer over fp, int8, int4 and
 int2 pages) equals dequantize-then-attend within float32 rounding, with ragged and partly filled
 pages, empty heads, mixed levels, masks and a fp tail; the torch path (a GPU's) too; SparkvCache
-decodes a quantized memory with it; the memory stays within its bound."""
+decodes a quantized memory with it; the memory stays within its bound. The dense prefix's kernel
+(a fork's attention) equals a plain softmax, its column sums included."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 
 from sparkv.cache import ContextKV, ragged_attention
-from sparkv.cache.levels import quantize
 from sparkv.cache.payload import ChunkPayload
 from sparkv.cache.qattend import TorchPagedAttention, attend_entries, attend_stacked
 from sparkv.layout import ChunkGeometry, KVChunkId
@@ -151,3 +151,69 @@ def test_cache_rebuilds_after_a_level_change(tiny_memory):
               torch.cat([e.pos, torch.arange(300, 302)])) for h, e in enumerate(ref)]
     want = ragged_attention(q, heads, torch.tensor([301]), None)
     torch.testing.assert_close(view.attend(q, None), want, atol=2e-5, rtol=1e-4)
+
+
+def _explicit(q, k, v, q_pos, tail, scale):
+    """A dense prefix and a causal tail by hand: ``(out [1, Hq, nq, D], weights' column sums)``."""
+    _, hq, nq, d = q.shape
+    hkv = k.shape[0]
+    tk, tv, tpos = tail
+    kk, vv = torch.cat([k, tk], dim=1), torch.cat([v, tv], dim=1)
+    pos = torch.cat([torch.arange(k.shape[1]), tpos])
+    qs = q[0].reshape(hkv, hq // hkv * nq, d)
+    s = (qs @ kk.transpose(1, 2)) * scale
+    rows = q_pos.repeat(hq // hkv).view(1, -1, 1)
+    w = torch.softmax(s.masked_fill(pos.view(1, 1, -1) > rows, float("-inf")), dim=-1)
+    return (w @ vv).reshape(1, hq, nq, d), w.sum(dim=(0, 1))
+
+
+@pytest.mark.parametrize("prefix,nq,tail", [(1678, 1, 1), (600, 1, 0), (513, 4, 20), (3, 2, 5),
+                                            (256, 1, 300)])
+def test_dense_prefix_kernel_equals_explicit_softmax(prefix, nq, tail):
+    """The numba kernel over a dense arena's prefix (a fork's attention: ``PrefixAttention``)
+    gives a plain softmax's output and column sums, the prefix read in place from the arena."""
+    from sparkv.cache import colmass
+    from sparkv.cache.qattend import PrefixAttention, _rows_array
+
+    g = torch.Generator().manual_seed(prefix + nq)
+    arena_k, arena_v = torch.randn(1, 3, 2048, D, generator=g), torch.randn(1, 3, 2048, D,
+                                                                            generator=g)
+    k, v = arena_k[0, :, :prefix], arena_v[0, :, :prefix]
+    t = (torch.randn(3, tail, D, generator=g), torch.randn(3, tail, D, generator=g),
+         torch.arange(prefix, prefix + tail))
+    q = torch.randn(1, 9, nq, D, generator=g)
+    q_pos = torch.arange(prefix + tail - nq, prefix + tail).clamp_min(prefix)
+    att = PrefixAttention(k, v)
+    assert att._kernel_takes(q)
+    assert _rows_array(k).ctypes.data == arena_k.data_ptr()        # no copy of the arena
+    offered = []
+    previous = colmass.set_sink(lambda sums, rows: offered.append((sums, rows)))
+    try:
+        out = att.attend(q, q_pos, 0.125, t)
+    finally:
+        colmass.set_sink(previous)
+    want, sums = _explicit(q, k, v, q_pos, t, 0.125)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    (got, rows), = offered
+    assert rows == 9 * nq and got.shape == (prefix + tail,)
+    torch.testing.assert_close(got, sums, atol=2e-5, rtol=1e-4)
+    assert att.attend(q, q_pos, 0.125, t).equal(out)                # no sink: the same output
+
+
+def test_dense_prefix_takes_torch_beyond_the_kernel(monkeypatch):
+    """Many queries, or a dtype other than float32, take the torch ops (same contract)."""
+    from sparkv.cache import qattend
+    from sparkv.cache.qattend import PrefixAttention
+
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(3, 100, D, generator=g), torch.randn(3, 100, D, generator=g)
+    t = (torch.randn(3, 8, D, generator=g), torch.randn(3, 8, D, generator=g),
+         torch.arange(100, 108))
+    monkeypatch.setattr(qattend, "_attend_dense", None)              # a call would fail
+    q = torch.randn(1, 9, 8, D, generator=g)
+    q_pos = torch.arange(100, 108)
+    torch.testing.assert_close(PrefixAttention(k, v).attend(q, q_pos, None, t),
+                               _explicit(q, k, v, q_pos, t, D ** -0.5)[0], atol=2e-5, rtol=1e-4)
+    half = PrefixAttention(k.bfloat16(), v.bfloat16())
+    assert not half._kernel_takes(q[:, :, :1].bfloat16())
+    assert half.attend(q[:, :, :1].bfloat16(), q_pos[:1], None, None).dtype == torch.bfloat16

@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from sparkv.cache.colmass import offer_weights
+from sparkv.cache.colmass import offer_sums, offer_weights, wants_sums
 from sparkv.cache.pages import PAGE_TOKENS, PagePools
 
 #: most pages of one head in one parallel work unit
@@ -292,21 +292,6 @@ def _fp_unit(pool: _FpPool, upages: _I32, a: int, npg: int, qh: _F32, mpos: _I64
     _store(pacc, u, acc)
 
 
-@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _tail_unit(tk: _F32, tv: _F32, tpos: _I64, n: int, qh: _F32, mpos: _I64,
-               scale: np.float32, u: int, pm: _F32, pl: _F32, pacc: _F32
-               ) -> None:  # pragma: no cover - numba
-    M, D = qh.shape
-    s = np.full((M, n), -np.inf, dtype=np.float32)
-    w = np.empty((M, n), dtype=np.float32)
-    ti = np.empty(n, dtype=np.int32)
-    _fp_scores(tk, tpos, n, 0, qh, mpos, scale, s)
-    _softmax(s, w, ti, n, u, pm, pl)
-    acc = np.zeros((M, D), dtype=np.float32)
-    _fp_values(tv, n, 0, w, acc)
-    _store(pacc, u, acc)
-
-
 @nb.njit(boundscheck=False, error_model="numpy")
 def _coefficients(q: _F32, bits: int) -> _F32:  # pragma: no cover - numba
     """``a [Hkv, M, per, W]``: the prefix-plane coefficients of ``q [Hkv, M, D]`` (module doc)."""
@@ -351,11 +336,13 @@ def _attend(q: _F32, qpos: _I64, scale: np.float32, pf: _FpPool, p8: _QPool, p4:
     pm = np.empty((U + T, M), dtype=np.float32)
     pl = np.empty((U + T, M), dtype=np.float32)
     pacc = np.zeros((U + T, M, D), dtype=np.float32)
+    nowl = np.empty((M, 0), dtype=np.float32)
     for pu in nb.prange(U + T):
         u = np.int64(pu)     # prange's index is unsigned inside the parallel loop: one type
         if u >= U:           # for both, so the units compile once, not twice
             h = u - U
-            _tail_unit(tk[h], tv[h], tpos, ntail, q[h], mpos, scale, u, pm, pl, pacc)
+            _tail_unit(tk[h], tv[h], tpos, ntail, 0, q[h], mpos, scale, u, pm, pl, pacc,
+                       nowl)
             continue
         lv, h, a, npg = units[u, 0], units[u, 1], units[u, 2], units[u, 3]
         if lv == 1:
@@ -387,6 +374,158 @@ def _attend(q: _F32, qpos: _I64, scale: np.float32, pf: _FpPool, p8: _QPool, p4:
                         out[h, m, i] += e * pacc[u, m, i]
             for i in range(D):
                 out[h, m, i] /= tot
+
+
+# ---- a dense prefix (slot = position) ---------------------------------------------------------
+#: rows of one head in one work unit of the dense kernel
+DENSE_ROWS = 256
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _dense_scores(kh: _F32, a: int, n: int, qh: _F32, scale: np.float32, s: _F32
+                  ) -> None:  # pragma: no cover - numba
+    """Scaled scores of rows ``kh[a:a+n]`` (every one visible) into ``s[:, :n]``."""
+    M, D = qh.shape
+    for r in range(0, n, 4):
+        r1, r2, r3 = a + min(r + 1, n - 1), a + min(r + 2, n - 1), a + min(r + 3, n - 1)
+        for m in range(M):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for i in range(D):
+                qv = qh[m, i]
+                a0 += qv * kh[a + r, i]
+                a1 += qv * kh[r1, i]
+                a2 += qv * kh[r2, i]
+                a3 += qv * kh[r3, i]
+            for x, val in enumerate((a0, a1, a2, a3)):
+                if r + x < n:
+                    s[m, r + x] = scale * val
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _dense_values(vh: _F32, a: int, n: int, w: _F32, acc: _F32
+                  ) -> None:  # pragma: no cover - numba
+    """``acc[m] += sum_r w[m, r] vh[a + r]`` over ``n`` rows, four rows per pass over ``acc``."""
+    M, D = acc.shape
+    for r in range(0, n, 4):
+        r1, r2, r3 = a + min(r + 1, n - 1), a + min(r + 2, n - 1), a + min(r + 3, n - 1)
+        for m in range(M):
+            w0 = w[m, r]
+            w1 = w[m, r + 1] if r + 1 < n else np.float32(0.0)
+            w2 = w[m, r + 2] if r + 2 < n else np.float32(0.0)
+            w3 = w[m, r + 3] if r + 3 < n else np.float32(0.0)
+            am = acc[m]
+            for i in range(D):
+                am[i] += (w0 * vh[a + r, i] + w1 * vh[r1, i]) + (w2 * vh[r2, i] + w3 * vh[r3, i])
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _dense_unit(kh: _F32, vh: _F32, a: int, n: int, qh: _F32, scale: np.float32, u: int,
+                pm: _F32, pl: _F32, pacc: _F32, wl: _F32) -> None:  # pragma: no cover - numba
+    """One unit of prefix rows ``[a, a+n)`` of a head: partial softmax into ``pm``, ``pl``,
+    ``pacc[u]``; its weights into ``wl[:, a:a+n]`` when ``wl`` has columns."""
+    M, D = qh.shape
+    s = np.empty((M, n), dtype=np.float32)
+    w = np.empty((M, n), dtype=np.float32)
+    ti = np.empty(n, dtype=np.int32)
+    _dense_scores(kh, a, n, qh, scale, s)
+    _softmax(s, w, ti, n, u, pm, pl)
+    acc = np.zeros((M, D), dtype=np.float32)
+    _dense_values(vh, a, n, w, acc)
+    _store(pacc, u, acc)
+    if wl.shape[1]:
+        for m in range(M):
+            for j in range(n):
+                wl[m, a + j] = w[m, j]
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _tail_unit(tk: _F32, tv: _F32, tpos: _I64, n: int, off: int, qh: _F32, mpos: _I64,
+                  scale: np.float32, u: int, pm: _F32, pl: _F32, pacc: _F32, wl: _F32
+                  ) -> None:  # pragma: no cover - numba
+    """The tail's rows of a head (``tpos`` masked against ``mpos``): partial softmax into
+    ``pm``, ``pl``, ``pacc[u]``; its weights into ``wl[:, off:off+n]`` when ``wl`` has columns."""
+    M, D = qh.shape
+    s = np.full((M, n), -np.inf, dtype=np.float32)
+    w = np.empty((M, n), dtype=np.float32)
+    ti = np.empty(n, dtype=np.int32)
+    _fp_scores(tk, tpos, n, 0, qh, mpos, scale, s)
+    _softmax(s, w, ti, n, u, pm, pl)
+    acc = np.zeros((M, D), dtype=np.float32)
+    _fp_values(tv, n, 0, w, acc)
+    _store(pacc, u, acc)
+    if wl.shape[1]:
+        for m in range(M):
+            for j in range(n):
+                wl[m, off + j] = w[m, j]
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _unit_span(u: int, U: int, per: int, n: int, ntail: int) -> tuple[int, int, int]:
+    """Unit ``u``'s head, first column and column count (prefix units, then one per head)."""
+    if u >= U:
+        return u - U, n, ntail
+    a = (u % per) * DENSE_ROWS
+    return u // per, a, min(DENSE_ROWS, n - a)
+
+
+@nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
+         boundscheck=False)
+def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: _F32, v: _F32, n: int, tk: _F32,
+                  tv: _F32, tpos: _I64, ntail: int, out: _F32, cols: _F32
+                  ) -> None:  # pragma: no cover - numba
+    """``q [H, M, D]`` over each head's rows ``k[h, :n]``, ``v`` (all visible) and its tail rows
+    (``tpos`` masked against ``qpos[m % nq]``) into ``out [H, M, D]``; with ``cols [H, n +
+    ntail]`` (not ``[H, 0]``) the column sums of each head's softmax weights over its rows."""
+    H, M, D = q.shape
+    mpos = np.empty(M, dtype=np.int64)
+    for m in range(M):
+        mpos[m] = qpos[m % qpos.shape[0]]
+    per = (n + DENSE_ROWS - 1) // DENSE_ROWS
+    U = H * per
+    T = H if ntail > 0 else 0
+    keep = cols.shape[1] > 0
+    wl = np.empty((H, M, n + ntail if keep else 0), dtype=np.float32)
+    pm = np.empty((U + T, M), dtype=np.float32)
+    pl = np.empty((U + T, M), dtype=np.float32)
+    pacc = np.zeros((U + T, M, D), dtype=np.float32)
+    for pu in nb.prange(U + T):
+        u = np.int64(pu)
+        h, a, cnt = _unit_span(u, U, per, n, ntail)
+        if u >= U:
+            _tail_unit(tk[h], tv[h], tpos, ntail, n, q[h], mpos, scale, u, pm, pl, pacc, wl[h])
+        else:
+            _dense_unit(k[h], v[h], a, cnt, q[h], scale, u, pm, pl, pacc, wl[h])
+    f = np.zeros((U + T, M), dtype=np.float32)
+    for h in range(H):
+        for m in range(M):
+            mx = np.float32(-np.inf)
+            for u in range(U + T):
+                if _unit_span(u, U, per, n, ntail)[0] == h:
+                    mx = max(mx, pm[u, m])
+            for i in range(D):
+                out[h, m, i] = 0.0
+            if mx == -np.inf:
+                continue
+            tot = np.float32(0.0)
+            for u in range(U + T):
+                if _unit_span(u, U, per, n, ntail)[0] == h and pm[u, m] > -np.inf:
+                    f[u, m] = np.exp(pm[u, m] - mx)
+                    tot += f[u, m] * pl[u, m]
+                    for i in range(D):
+                        out[h, m, i] += f[u, m] * pacc[u, m, i]
+            for i in range(D):
+                out[h, m, i] /= tot
+            for u in range(U + T):
+                f[u, m] = f[u, m] / tot if _unit_span(u, U, per, n, ntail)[0] == h else f[u, m]
+    if keep:
+        for pu in nb.prange(U + T):
+            u = np.int64(pu)
+            h, a, cnt = _unit_span(u, U, per, n, ntail)
+            for j in range(a, a + cnt):
+                c = np.float32(0.0)
+                for m in range(M):
+                    c += wl[h, m, j] * f[u, m]
+                cols[h, j] = c
 
 
 # ---- the layer's attention -----------------------------------------------------------------------
@@ -511,19 +650,61 @@ class PrefixAttention:
     ``[Hkv, P, D]`` (views, not copied), every query at a position past them, and a tail. What
     a fork of a dense arena attends (:class:`~sparkv.cache.fork.ForkCache`): the arena as it
     was, the fork's own tokens in its tail. One softmax over the prefix's scores and the
-    tail's (causal within the tail): a few batched ops per call; its weights go to the
-    thread's column sink (:mod:`~sparkv.cache.colmass`: the density recording's)."""
+    tail's (causal within the tail); its weights' column sums go to the thread's column sink
+    (:mod:`~sparkv.cache.colmass`: the density recording's).
+
+    A few queries (at most :data:`KERNEL_QUERIES` per head: a decoded token, a short question)
+    over float32 on the CPU take one numba call (:func:`_attend_dense`: units of
+    :data:`DENSE_ROWS` rows of a head, K and V read once for all the head's queries, the
+    column sums made in the same call); more queries, or another dtype or device, take a few
+    batched torch ops (the matrix products' own kernels)."""
+
+    #: most query rows per KV head (``G * nq``) the numba kernel takes
+    KERNEL_QUERIES = 12
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float | None,
                tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                ) -> torch.Tensor:
         _, hq, nq, d = q.shape
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        if self._kernel_takes(q):
+            return self._attend_kernel(q, q_pos, scale, tail)
+        return self._attend_torch(q, q_pos, scale, tail)
+
+    def _kernel_takes(self, q: torch.Tensor) -> bool:
+        _, hq, nq, _ = q.shape
+        return (hq // int(self.k.shape[0]) * nq <= self.KERNEL_QUERIES
+                and self.k.device.type == "cpu" and self.k.dtype == torch.float32
+                and self.v.dtype == torch.float32 and q.device.type == "cpu")
+
+    def _attend_kernel(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                       tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                       ) -> torch.Tensor:
+        _, hq, nq, d = q.shape
+        hkv, p = int(self.k.shape[0]), int(self.k.shape[1])
+        if self._arrays is None:
+            self._arrays = (_rows_array(self.k), _rows_array(self.v))
+        qn = _f32(q[0].reshape(hkv, hq // hkv * nq, d))
+        tk, tv, tpos, n = _tail_arrays(tail, hkv, d)
+        sums = wants_sums()
+        cols = np.empty((hkv, p + n if sums else 0), dtype=np.float32)
+        out = np.empty(qn.shape, dtype=np.float32)
+        _attend_dense(qn, q_pos.to(torch.int64).numpy(), np.float32(scale), *self._arrays, p,
+                      tk, tv, tpos, n, out, cols)
+        if sums:
+            offer_sums(torch.from_numpy(cols.sum(axis=0)), hq * nq)
+        return torch.from_numpy(out).view(1, hq, nq, d).to(q.dtype)
+
+    def _attend_torch(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                      tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                      ) -> torch.Tensor:
+        _, hq, nq, d = q.shape
         hkv, p = int(self.k.shape[0]), int(self.k.shape[1])
         group = hq // hkv
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
         qs = q[0].float().reshape(hkv, group * nq, d) * scale
         scores = [torch.bmm(qs, self.k.float().transpose(1, 2))]          # [Hkv, G*nq, P]
         if tail is not None and tail[0].shape[1]:
@@ -538,6 +719,19 @@ class PrefixAttention:
         if len(scores) > 1:
             out += torch.bmm(w[..., p:], tail[1].float())                # type: ignore[index]
         return out.view(1, hq, nq, d).to(q.dtype)
+
+
+def _rows_array(t: torch.Tensor) -> np.ndarray:
+    """``t [H, P, D]`` (float32, CPU) as a C-contiguous array ``[H, R >= P, D]`` without a
+    copy where ``t`` is a view of the first ``P`` rows of a larger ``[H, R, D]`` tensor (an
+    arena's prefix), else a contiguous copy."""
+    h, p, d = t.shape
+    rows = t.stride(0) // max(d, 1)
+    end = t.storage_offset() + h * t.stride(0)
+    if (t.stride(2) == 1 and t.stride(1) == d and t.stride(0) == rows * d and rows >= p
+            and end * t.element_size() <= t.untyped_storage().nbytes()):
+        t = t.as_strided((h, rows, d), (rows * d, d, 1))
+    return t.contiguous().numpy()
 
 
 # ---- torch partials ------------------------------------------------------------------------------
@@ -600,7 +794,8 @@ def merge_partials(parts: Sequence[Partial]) -> Partial:
 
 
 def warm_up() -> None:
-    """Compiles (or loads from numba's cache) the kernel: a benchmark calls it before timing."""
+    """Compiles (or loads from numba's cache) the kernels (paged, dense prefix): a benchmark
+    calls it before timing."""
     from sparkv.cache.paged import PagedChunks
     from sparkv.cache.payload import ChunkRun
     from sparkv.layout import ChunkGeometry, KVChunkId
@@ -614,3 +809,5 @@ def warm_up() -> None:
     tail = (torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.tensor([64, 65]))
     att = PagedAttention(paged.pools, paged.layer_pages(0), 64)
     att.attend(torch.randn(1, 1, 1, 64), torch.tensor([65]), None, tail)
+    PrefixAttention(torch.randn(1, 64, 64), torch.randn(1, 64, 64)).attend(
+        torch.randn(1, 1, 1, 64), torch.tensor([65]), None, tail)

@@ -270,7 +270,7 @@ class recording:
         _active.recorder = self.recorder
         _active.columns = None
         takes = self.recorder is not None and self.recorder.TAKE_WEIGHTS
-        self._prev_sink = set_sink(_offered_weights if takes else None)
+        self._prev_sink = set_sink(_offered_sums if takes else None)
         return self.recorder
 
     def __exit__(self, kind: object, *exc: object) -> None:
@@ -312,12 +312,11 @@ def _offered(module: torch.nn.Module, q: torch.Tensor) -> None:
         _active.offered = (module, q)
 
 
-def _offered_weights(weights: torch.Tensor) -> None:
+def _offered_sums(colsum: torch.Tensor, pairs: int) -> None:
     """A recording thread's column sink (:mod:`~sparkv.cache.colmass`): keeps the column sums
-    of the weights ``[..., rows, keys]`` a layer's attention just made, and how many (head,
-    row) pairs they sum, for the layer's density hook."""
-    keys = int(weights.shape[-1])
-    _active.columns = (weights.reshape(-1, keys).sum(0), int(weights.numel()) // max(keys, 1))
+    ``[keys]`` of the weights a layer's attention just made, and how many (head, row) pairs
+    they sum, for the layer's density hook."""
+    _active.columns = (colsum, pairs)
 
 
 def _queries(module: torch.nn.Module, hidden: torch.Tensor, pe: Any, d: int,
@@ -444,7 +443,7 @@ def _attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: 
 
 def _take(rec: DensityRecorder, columns: tuple[torch.Tensor, int], cache: Any, layer: int,
           n: int) -> bool:
-    """Takes the column sums the layer's attention offered (:func:`_offered_weights`) for its
+    """Takes the column sums the layer's attention offered (:func:`_offered_sums`) for its
     ``n`` rows, the last ones of the keys the layer holds, where they are the whole pass's over
     those keys; returns whether it did (else the hook sums the pass itself)."""
     colsum, pairs = columns

@@ -9,13 +9,17 @@ process:
 
     python bench/fork_decode.py [--rounds 7] [--tokens 2048] [--answer 32] [--no-record]
                                 [--out bench/results/fork_decode_cpu.json]
+    python bench/fork_decode.py --layer [--out bench/results/fork_decode_layer_cpu.json]
 
 The calls run under the device service's density recording (its column sink set: what a fork's
 call pays in the service) unless ``--no-record``. Per way the median first token (the question's
 pass: many queries, the torch ops both ways), the median seconds per decoded token after it, the
-answer's seconds, and whether both ways gave the same tokens. Greedy, 2 torch threads, wall
-clock on whatever machine runs it. No paper figure (LLMS and SparKV do not time the decode
-attention over a shared prefix).
+answer's seconds, and whether both ways gave the same tokens. ``--layer``: one layer's attention
+alone, random K and V of SmolLM2's shape (3 KV heads, 9 query heads, D 64; labelled random),
+float32 and bfloat16 prefixes of 1,024 to 8,192 rows and a 1-token tail, 1 to 4 queries, the
+kernel's and the torch ops' median microseconds (the sink set, as under the recording).
+Greedy, 2 torch threads, wall clock on whatever machine runs it. No paper figure (LLMS and
+SparKV do not time the decode attention over a shared prefix).
 """
 
 from __future__ import annotations
@@ -58,6 +62,51 @@ def one_answer(lm: Any, mem: Any, n: int, question: list[int], answer: int, way:
             "tokens": res.tokens}
 
 
+def layer_table(repeat: int = 300) -> list[dict[str, Any]]:
+    """One layer's attention, kernel against torch ops, over random prefixes (module doc)."""
+    import torch
+
+    from sparkv.cache import colmass
+    from sparkv.cache.qattend import PrefixAttention, warm_up
+
+    torch.set_num_threads(2)
+    warm_up()
+    previous = colmass.set_sink(lambda sums, rows: None)
+    rows = []
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for prefix in (1024, 2048, 4096, 8192):
+                arena = [torch.randn(3, prefix + 256, 64).to(dtype) for _ in range(2)]
+                att = PrefixAttention(arena[0][:, :prefix], arena[1][:, :prefix])
+                tail = (torch.randn(3, 1, 64), torch.randn(3, 1, 64), torch.tensor([prefix]))
+                for nq in (1, 2, 4):
+                    q = torch.randn(1, 9, nq, 64).to(dtype)
+                    q_pos = torch.full((nq,), prefix)
+                    us = {w: _median_us(lambda: f(q, q_pos, 0.125, tail), repeat)
+                          for w, f in (("kernel", att._attend_kernel),
+                                       ("torch", att._attend_torch))}
+                    rows.append({"dtype": str(dtype).split(".")[-1], "prefix": prefix,
+                                 "queries": nq, **us, "ratio": round(us["kernel"] / us["torch"],
+                                                                     3)})
+                    print(f"| {rows[-1]['dtype']} | {prefix} | {nq} | {us['kernel']:.0f} us | "
+                          f"{us['torch']:.0f} us | {rows[-1]['ratio']:.2f}x |", flush=True)
+    finally:
+        colmass.set_sink(previous)
+    return rows
+
+
+def _median_us(call: Any, repeat: int) -> float:
+    """The median microseconds of ``call()`` over ``repeat`` calls (after 20 unmeasured)."""
+    for _ in range(20):
+        call()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e6, 1)
+
+
 def main() -> int:
     from sparkv.cache.qattend import warm_up
     from sparkv.device.density import install_hooks
@@ -69,8 +118,18 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2048, help="the context's tokens")
     p.add_argument("--answer", type=int, default=32, help="tokens per answer")
     p.add_argument("--no-record", action="store_true", help="no density recording")
+    p.add_argument("--layer", action="store_true", help="one layer's attention alone")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.layer:
+        print("one layer, random K and V of SmolLM2's shape, medians\n| dtype | prefix | "
+              "queries | kernel | torch ops | ratio |\n|---|---|---|---|---|---|")
+        layer = layer_table()
+        if a.out:
+            pathlib.Path(a.out).write_text(json.dumps(
+                {"args": vars(a), "random_weights": True, "rows": layer}, indent=1) + "\n")
+            print(f"wrote {a.out}")
+        return 0
     lm, qa, ids = story_model(a.tokens)
     install_hooks(lm.model)
     warm_up()

@@ -167,17 +167,18 @@ def _explicit(q, k, v, q_pos, tail, scale):
     return (w @ vv).reshape(1, hq, nq, d), w.sum(dim=(0, 1))
 
 
-@pytest.mark.parametrize("prefix,nq,tail", [(1678, 1, 1), (600, 1, 0), (513, 4, 20), (3, 2, 5),
-                                            (256, 1, 300)])
-def test_dense_prefix_kernel_equals_explicit_softmax(prefix, nq, tail):
-    """The numba kernel over a dense arena's prefix (a fork's attention: ``PrefixAttention``)
-    gives a plain softmax's output and column sums, the prefix read in place from the arena."""
+@pytest.mark.parametrize("prefix,nq,tail,dtype", [
+    (1678, 1, 1, torch.float32), (600, 1, 0, torch.float32), (513, 4, 20, torch.float32),
+    (3, 2, 5, torch.float32), (256, 1, 300, torch.float32), (700, 1, 9, torch.bfloat16)])
+def test_dense_prefix_kernel_equals_explicit_softmax(prefix, nq, tail, dtype):
+    """The numba kernel over a dense arena's prefix (a fork's attention: ``PrefixAttention``),
+    float32 or bfloat16, gives a plain softmax's output and column sums (over the prefix
+    widened to float32), the prefix read in place from the arena."""
     from sparkv.cache import colmass
     from sparkv.cache.qattend import PrefixAttention, _rows_array
 
     g = torch.Generator().manual_seed(prefix + nq)
-    arena_k, arena_v = torch.randn(1, 3, 2048, D, generator=g), torch.randn(1, 3, 2048, D,
-                                                                            generator=g)
+    arena_k, arena_v = (torch.randn(1, 3, 2048, D, generator=g).to(dtype) for _ in range(2))
     k, v = arena_k[0, :, :prefix], arena_v[0, :, :prefix]
     t = (torch.randn(3, tail, D, generator=g), torch.randn(3, tail, D, generator=g),
          torch.arange(prefix, prefix + tail))
@@ -192,16 +193,18 @@ def test_dense_prefix_kernel_equals_explicit_softmax(prefix, nq, tail):
         out = att.attend(q, q_pos, 0.125, t)
     finally:
         colmass.set_sink(previous)
-    want, sums = _explicit(q, k, v, q_pos, t, 0.125)
+    want, sums = _explicit(q, k.float(), v.float(), q_pos, t, 0.125)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
     (got, rows), = offered
     assert rows == 9 * nq and got.shape == (prefix + tail,)
     torch.testing.assert_close(got, sums, atol=2e-5, rtol=1e-4)
     assert att.attend(q, q_pos, 0.125, t).equal(out)                # no sink: the same output
+    assert att.attend(q.to(dtype), q_pos, 0.125, t).dtype == dtype
 
 
 def test_dense_prefix_takes_torch_beyond_the_kernel(monkeypatch):
-    """Many queries, or a dtype other than float32, take the torch ops (same contract)."""
+    """Many queries, or a dtype other than float32 and bfloat16, take the torch ops (same
+    contract)."""
     from sparkv.cache import qattend
     from sparkv.cache.qattend import PrefixAttention
 
@@ -214,6 +217,6 @@ def test_dense_prefix_takes_torch_beyond_the_kernel(monkeypatch):
     q_pos = torch.arange(100, 108)
     torch.testing.assert_close(PrefixAttention(k, v).attend(q, q_pos, None, t),
                                _explicit(q, k, v, q_pos, t, D ** -0.5)[0], atol=2e-5, rtol=1e-4)
-    half = PrefixAttention(k.bfloat16(), v.bfloat16())
-    assert not half._kernel_takes(q[:, :, :1].bfloat16())
-    assert half.attend(q[:, :, :1].bfloat16(), q_pos[:1], None, None).dtype == torch.bfloat16
+    half = PrefixAttention(k.half(), v.half())
+    assert not half._kernel_takes(q[:, :, :1].half())
+    assert half.attend(q[:, :, :1].half(), q_pos[:1], None, None).dtype == torch.float16

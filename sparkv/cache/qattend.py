@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numba as nb
+from numba.extending import overload
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -112,7 +113,7 @@ def _softmax(s: _F32, w: _F32, ti: _I32, R: int, u: int, pm: _F32, pl: _F32
     """Per query row ``m``: ``pm[u, m]`` the max of ``s[m, :R]``, ``w[m]`` the weights, ``pl``
     their sum (a row that sees nothing: ``-inf``, zeros)."""
     for m in range(s.shape[0]):
-        mx = -np.inf
+        mx = np.float32(-np.inf)
         for j in range(R):
             mx = max(mx, s[m, j])
         pm[u, m] = mx
@@ -418,19 +419,48 @@ def _dense_values(vh: _F32, a: int, n: int, w: _F32, acc: _F32
                 am[i] += (w0 * vh[a + r, i] + w1 * vh[r1, i]) + (w2 * vh[r2, i] + w3 * vh[r3, i])
 
 
+def _widened(rows: Any, a: int, n: int, buf: _F32) -> tuple[_F32, int]:
+    """Rows ``[a, a+n)`` of ``rows`` as float32: ``(rows, a)`` itself when it is float32,
+    else (bfloat16 bits, uint16) ``(buf, 0)`` with them widened into ``buf`` (numba picks the
+    overload below by the array's type; never called from Python)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_widened)
+def _widened_overload(rows: Any, a: Any, n: Any, buf: Any) -> Any:  # pragma: no cover - numba
+    # numba wants the implementations' parameters annotated as the overload's
+    if rows.dtype == nb.types.float32:
+        def same(rows: Any, a: Any, n: Any, buf: Any) -> Any:
+            return rows, a
+        return same
+
+    def widen(rows: Any, a: Any, n: Any, buf: Any) -> Any:
+        bits = buf.view(np.uint32)
+        for r in range(n):
+            for i in range(rows.shape[1]):
+                bits[r, i] = np.uint32(rows[a + r, i]) << np.uint32(16)
+        return buf, 0
+
+    return widen
+
+
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _dense_unit(kh: _F32, vh: _F32, a: int, n: int, qh: _F32, scale: np.float32, u: int,
+def _dense_unit(kh: Any, vh: Any, a: int, n: int, qh: _F32, scale: np.float32, u: int,
                 pm: _F32, pl: _F32, pacc: _F32, wl: _F32) -> None:  # pragma: no cover - numba
-    """One unit of prefix rows ``[a, a+n)`` of a head: partial softmax into ``pm``, ``pl``,
-    ``pacc[u]``; its weights into ``wl[:, a:a+n]`` when ``wl`` has columns."""
+    """One unit of prefix rows ``[a, a+n)`` of a head (float32, or bfloat16 bits widened a
+    unit at a time): partial softmax into ``pm``, ``pl``, ``pacc[u]``; its weights into
+    ``wl[:, a:a+n]`` when ``wl`` has columns."""
     M, D = qh.shape
     s = np.empty((M, n), dtype=np.float32)
     w = np.empty((M, n), dtype=np.float32)
     ti = np.empty(n, dtype=np.int32)
-    _dense_scores(kh, a, n, qh, scale, s)
+    buf = np.empty((DENSE_ROWS, D), dtype=np.float32)
+    kr, ka = _widened(kh, a, n, buf)
+    _dense_scores(kr, ka, n, qh, scale, s)
     _softmax(s, w, ti, n, u, pm, pl)
     acc = np.zeros((M, D), dtype=np.float32)
-    _dense_values(vh, a, n, w, acc)
+    vr, va = _widened(vh, a, n, buf)
+    _dense_values(vr, va, n, w, acc)
     _store(pacc, u, acc)
     if wl.shape[1]:
         for m in range(M):
@@ -470,10 +500,11 @@ def _unit_span(u: int, U: int, per: int, n: int, ntail: int) -> tuple[int, int, 
 
 @nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
          boundscheck=False)
-def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: _F32, v: _F32, n: int, tk: _F32,
+def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: Any, v: Any, n: int, tk: _F32,
                   tv: _F32, tpos: _I64, ntail: int, out: _F32, cols: _F32
                   ) -> None:  # pragma: no cover - numba
-    """``q [H, M, D]`` over each head's rows ``k[h, :n]``, ``v`` (all visible) and its tail rows
+    """``q [H, M, D]`` over each head's rows ``k[h, :n]``, ``v`` (all visible; float32, or
+    bfloat16 as uint16 bits) and its tail rows
     (``tpos`` masked against ``qpos[m % nq]``) into ``out [H, M, D]``; with ``cols [H, n +
     ntail]`` (not ``[H, 0]``) the column sums of each head's softmax weights over its rows."""
     H, M, D = q.shape
@@ -654,7 +685,7 @@ class PrefixAttention:
     (:mod:`~sparkv.cache.colmass`: the density recording's).
 
     A few queries (at most :data:`KERNEL_QUERIES` per head: a decoded token, a short question)
-    over float32 on the CPU take one numba call (:func:`_attend_dense`: units of
+    over float32 or bfloat16 on the CPU take one numba call (:func:`_attend_dense`: units of
     :data:`DENSE_ROWS` rows of a head, K and V read once for all the head's queries, the
     column sums made in the same call); more queries, or another dtype or device, take a few
     batched torch ops (the matrix products' own kernels)."""
@@ -678,8 +709,8 @@ class PrefixAttention:
     def _kernel_takes(self, q: torch.Tensor) -> bool:
         _, hq, nq, _ = q.shape
         return (hq // int(self.k.shape[0]) * nq <= self.KERNEL_QUERIES
-                and self.k.device.type == "cpu" and self.k.dtype == torch.float32
-                and self.v.dtype == torch.float32 and q.device.type == "cpu")
+                and self.k.device.type == "cpu" and self.k.dtype in _DENSE_DTYPES
+                and self.v.dtype == self.k.dtype and q.device.type == "cpu")
 
     def _attend_kernel(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
                        tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -721,17 +752,22 @@ class PrefixAttention:
         return out.view(1, hq, nq, d).to(q.dtype)
 
 
+#: the prefix dtypes the dense kernel reads
+_DENSE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _rows_array(t: torch.Tensor) -> np.ndarray:
-    """``t [H, P, D]`` (float32, CPU) as a C-contiguous array ``[H, R >= P, D]`` without a
-    copy where ``t`` is a view of the first ``P`` rows of a larger ``[H, R, D]`` tensor (an
-    arena's prefix), else a contiguous copy."""
+    """``t [H, P, D]`` (float32, or bfloat16 as uint16 bits; CPU) as a C-contiguous array
+    ``[H, R >= P, D]``: without a copy where ``t`` is a view of the first ``P`` rows of a larger
+    ``[H, R, D]`` tensor (an arena's prefix), else a contiguous copy."""
     h, p, d = t.shape
     rows = t.stride(0) // max(d, 1)
     end = t.storage_offset() + h * t.stride(0)
     if (t.stride(2) == 1 and t.stride(1) == d and t.stride(0) == rows * d and rows >= p
             and end * t.element_size() <= t.untyped_storage().nbytes()):
         t = t.as_strided((h, rows, d), (rows * d, d, 1))
-    return t.contiguous().numpy()
+    t = t.contiguous()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 # ---- torch partials ------------------------------------------------------------------------------

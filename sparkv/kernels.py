@@ -26,6 +26,7 @@ FAMILIES: dict[str, str] = {
     "dense fill (device working memory)": "sparkv.device.dequant",
     "DynaKV clustering": "sparkv.decode.kmeans",
     "DynaKV fused attention": "sparkv.decode.fused",
+    "Q4_1 product (int4's answer tokens)": "sparkv.runtime.q41kernel",
 }
 
 

@@ -73,7 +73,8 @@ def test_smollm2_steps_equal_its_own_forward(smollm2, name):
 
 def test_smollm2_int4_is_its_own_q41_blocks_bit_for_bit(smollm2):
     """The int4 configuration's blocks are the GGUF's (codes, scales and minima, with
-    llama.cpp's query/key row order undone) and compute exactly what float32 computes."""
+    llama.cpp's query/key row order undone) and compute exactly what float32 computes (a pass
+    of a few rows, within float32's rounding)."""
     import numpy as np
     from gguf import GGUFReader
 
@@ -108,7 +109,12 @@ def test_smollm2_int4_is_its_own_q41_blocks_bit_for_bit(smollm2):
     a.complete()
     b.complete()
     for (k1, v1), (k2, v2) in zip(a.kv.layer_kv(), b.kv.layer_kv()):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        # chunks of 64 rows: float32's product bit for bit; the last chunk's 2 rows take the
+        # blocks' kernel (Q41Linear.KERNEL_ROWS): the same weights, sums in another order
+        assert torch.equal(k1[:, :, :128], k2[:, :, :128])
+        assert torch.equal(v1[:, :, :128], v2[:, :, :128])
+        torch.testing.assert_close(k2[:, :, 128:], k1[:, :, 128:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v2[:, :, 128:], v1[:, :, 128:], atol=1e-4, rtol=1e-4)
 
 
 def test_mixed_mlp_keeps_the_mlps_activations_in_bf16_between_its_matmuls(tiny_llama):

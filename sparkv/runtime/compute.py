@@ -85,7 +85,8 @@ class ComputeConfig:
         mlp: the dtype the MLP's activations between its matmuls are kept in (the gate and up
             projections' bf16 outputs, their SiLU and product: :data:`sparkv.runtime.fastops.
             MLP_DTYPE`), ``None``: the activations' (each matmul's output cast back).
-        answers_differ: its answer tokens compute another way than its prefill (``int4-decode``),
+        answers_differ: its answer tokens compute another way than its prefill (``int4-decode``;
+            ``int4``: the same weights, float32 sums in another order),
             so a judge of its answers feeds them one token a pass, as generation does
             (:func:`~sparkv.runtime.generate.teacher_forced_agreement`).
     """
@@ -140,8 +141,9 @@ CONFIGS: dict[str, ComputeConfig] = {c.name: c for c in (
                   torch.float32, "bfloat16", "float32", Bf16WeightLinear),
     ComputeConfig("int8", "int8 weights (per output channel), float32 matmuls and activations",
                   torch.float32, "int8", "float32", Int8Linear),
-    ComputeConfig("int4", "the Q4_1 blocks (no second rounding on SmolLM2), float32 matmuls",
-                  torch.float32, "q4_1", "float32", Q41Linear),
+    ComputeConfig("int4", "the Q4_1 blocks (no second rounding on SmolLM2), float32 matmuls "
+                  "(a pass of <= 4 rows: a kernel reading the blocks)", torch.float32, "q4_1",
+                  "float32", Q41Linear, answers_differ=True),
     ComputeConfig("int4-kernel", "the Q4_1 blocks through torch's CPU int4 kernel (bf16 input, "
                   "scales and output)", torch.float32, "q4_1", "bfloat16", Int4KernelLinear,
                   bf16_matmuls=True, cuda=False, stepper_tolerance=0.03),

@@ -13,7 +13,9 @@ class                  weight stored as            the matmul
 :class:`Int8Linear`    int8, one fp32 scale per    float32 (the weight dequantized at each call)
                        output channel (symmetric)
 :class:`Q41Linear`     Q4_1 blocks (4-bit codes,   float32 (dequantized at each call, bit for bit
-                       fp16 scale and min per 32)  the converted checkpoint's weight)
+                       fp16 scale and min per 32)  the converted checkpoint's weight); a pass of
+                                                   <= 4 rows on the CPU: a numba product reading
+                                                   the blocks (the same weights, float32 sums)
 :class:`Int4KernelLinear`  torch's int4 pack, the  torch's CPU int4 kernel
                        Q4_1 blocks' scale and      (``_weight_int4pack_mm_for_cpu``): on x86 it is
                        zero in bf16                vectorized for bfloat16 only, so the input,
@@ -38,6 +40,7 @@ from torch import nn
 
 from sparkv.runtime.fastops import linear as fast_linear
 from sparkv.runtime.q41 import BLOCK, Q41Weight, quantize_q41
+from sparkv.runtime.q41kernel import pack_blocks, q41_matmul, unpack_blocks
 
 
 class WeightLinear(nn.Module):
@@ -127,24 +130,20 @@ class Int8Linear(WeightLinear):
         return fast_linear(x, w)
 
 
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """``uint8 [out, in]`` codes 0..15 -> ``uint8 [out, in / 2]``, two per byte (even index in
-    the low nibble)."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(packed.shape[0], -1)
-
-
 class Q41Linear(WeightLinear):
-    """Q4_1 blocks (:mod:`sparkv.runtime.q41`), dequantized to float32 at each call: on SmolLM2
-    exactly the weights float32 computes with, at 5 bits a weight instead of 32 (``int4``).
+    """Q4_1 blocks (:mod:`sparkv.runtime.q41`): on SmolLM2 exactly the weights float32 computes
+    with, at 5 bits a weight instead of 32 (``int4``). A pass of many rows (a prefill)
+    dequantizes them to float32 and multiplies (float32's product bit for bit); a pass of at
+    most :attr:`KERNEL_ROWS` rows on the CPU (an answer token: bound by reading the weights)
+    multiplies with the blocks in one numba call (:mod:`sparkv.runtime.q41kernel`: the same
+    weights, float32 sums in another order).
 
     Attributes:
         exact: whether the blocks are the original weight bit for bit (SmolLM2's are).
     """
 
+    #: most rows a pass may have to take the blocks' kernel
+    KERNEL_ROWS = 4
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
@@ -153,14 +152,18 @@ class Q41Linear(WeightLinear):
         super().__init__(linear)
         q = quantize_q41(linear.weight)
         self.exact = q.exact(linear.weight.detach().to(torch.float32))
-        self.register_buffer("codes", _pack_nibbles(q.codes))
-        self.register_buffer("d", q.d)
-        self.register_buffer("m", q.m)
+        codes, d, m = pack_blocks(q)
+        self.register_buffer("codes", codes)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
 
     def blocks(self) -> Q41Weight:
-        return Q41Weight(_unpack_nibbles(self.codes), self.d, self.m)
+        return unpack_blocks(self.codes, self.d, self.m)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.numel() <= self.KERNEL_ROWS * self.in_features and x.device.type == "cpu"
+                and x.dtype == torch.float32 and self.codes.device.type == "cpu"):
+            return q41_matmul(x, self.codes, self.d, self.m)
         return fast_linear(x, self.blocks().dequantize(x.dtype))
 
 
@@ -261,6 +264,6 @@ def replace_linears(layer: nn.Module, cls: type[WeightLinear]) -> list[WeightLin
     return out
 
 
-__all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear", "Int4DecodeLinear",
-           "Int4KernelLinear", "Int8Linear", "Q41Linear", "WeightLinear", "answer_tokens",
-           "answering"]
+__all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear",
+           "Int4DecodeLinear", "Int4KernelLinear", "Int8Linear", "Q41Linear", "WeightLinear",
+           "answer_tokens", "answering"]

@@ -1,0 +1,105 @@
+"""A product with Q4_1 weight blocks that reads the blocks, for a few rows (an answer token).
+
+An answer token's pass is bound by reading the weights: float32 reads 32 bits a weight, the Q4_1
+blocks (:mod:`sparkv.runtime.q41`) 5. :func:`q41_matmul` multiplies ``x [R, in]`` (float32, a
+few rows) by the blocks' weights in **one numba call**, parallel over output rows, without
+making the float32 weight: per block it makes its 32 weights as the checkpoint holds them
+(``q * d + m``, two float32 roundings, ``d`` and ``m`` widened exactly from float16: the
+weights :meth:`Q41Weight.dequantize <sparkv.runtime.q41.Q41Weight.dequantize>` gives bit for
+bit) and adds their products with the rows. The result is float32's product with the same
+weights up to the order of the sums (tested at ``1e-5``).
+
+Layout (:func:`pack_blocks`): ``packed [out, in / 2]`` uint8, byte ``j`` of block ``b`` holding
+code ``j`` (low nibble) and code ``j + 16`` (high nibble), so a block's two halves meet
+contiguous inputs; ``d``, ``m`` ``[out, in / 32]`` as float16 bits (uint16).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from sparkv.runtime.q41 import BLOCK, Q41Weight
+
+#: no "contract": ``q * d + m`` rounds twice, as the checkpoint's weights were made
+_FAST = {"nsz", "arcp", "afn", "reassoc"}
+#: ``2 ** (e - 25)`` for a float16 exponent field ``e`` (``2 ** -24`` for a subnormal, e = 0)
+_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
+
+_U8 = npt.NDArray[np.uint8]
+_U16 = npt.NDArray[np.uint16]
+_F32 = npt.NDArray[np.float32]
+
+
+def pack_blocks(q: Q41Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed, d, m)`` of ``q`` in this module's layout (module docstring)."""
+    rows, cols = q.shape
+    codes = q.codes.view(rows, cols // BLOCK, BLOCK)
+    packed = codes[:, :, :BLOCK // 2] | (codes[:, :, BLOCK // 2:] << 4)
+    return (packed.reshape(rows, cols // 2).contiguous(), q.d.view(torch.int16).contiguous(),
+            q.m.view(torch.int16).contiguous())
+
+
+def unpack_blocks(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q41Weight:
+    """The :class:`~sparkv.runtime.q41.Q41Weight` :func:`pack_blocks` was given."""
+    rows, half = packed.shape
+    p = packed.view(rows, -1, BLOCK // 2)
+    codes = torch.cat([p & 0x0F, p >> 4], dim=-1).reshape(rows, 2 * half)
+    return Q41Weight(codes, d.view(torch.float16), m.view(torch.float16))
+
+
+@nb.njit(boundscheck=False, error_model="numpy")
+def _half(h: np.uint16) -> np.float32:  # pragma: no cover - numba
+    """float16 bits -> float32, exactly (finite values: an 11-bit integer times a power of 2)."""
+    b = np.int32(h)
+    e = (b >> 10) & 31
+    f = b & 1023
+    mag = np.float32(f + 1024 if e else f) * _POW2[e]
+    return -mag if b >> 15 else mag
+
+
+@nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
+         boundscheck=False)
+def _matmul(x: _F32, packed: _U8, d: _U16, m: _U16, y: _F32) -> None:  # pragma: no cover
+    """``y [R, out] = x [R, in] @ W.T`` with ``W`` the blocks' weights (module docstring):
+    per output row and input row, 16 partial sums (a block's halves side by side), added at
+    the end."""
+    R, K = x.shape
+    half = 16                      # BLOCK // 2 (a literal: numba unrolls the loops over it)
+    for o in nb.prange(packed.shape[0]):
+        for r in range(R):
+            acc = np.zeros(half, dtype=np.float32)
+            for b in range(K // 32):
+                db, mb = _half(d[o, b]), _half(m[o, b])
+                for j in range(half):
+                    c = packed[o, b * half + j]
+                    w0 = np.float32(c & 15) * db + mb
+                    w1 = np.float32(c >> 4) * db + mb
+                    acc[j] += x[r, b * 32 + j] * w0 + x[r, b * 32 + half + j] * w1
+            t = np.float32(0.0)
+            for j in range(half):
+                t += acc[j]
+            y[r, o] = t
+
+
+def q41_matmul(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+               ) -> torch.Tensor:
+    """``x [..., in]`` (float32, CPU) times the weights of blocks packed by
+    :func:`pack_blocks` -> ``[..., out]`` float32."""
+    lead = x.shape[:-1]
+    xs = x.reshape(-1, x.shape[-1]).contiguous()
+    y = np.empty((xs.shape[0], packed.shape[0]), dtype=np.float32)
+    _matmul(xs.numpy(), packed.numpy(), d.numpy().view(np.uint16), m.numpy().view(np.uint16), y)
+    return torch.from_numpy(y).view(*lead, packed.shape[0])
+
+
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) the kernel."""
+    from sparkv.runtime.q41 import quantize_q41
+
+    q41_matmul(torch.randn(1, 64), *pack_blocks(quantize_q41(torch.randn(8, 64))))
+
+
+__all__ = ["pack_blocks", "q41_matmul", "unpack_blocks", "warm_up"]

@@ -1,0 +1,72 @@
+"""The Q4_1 product for a few rows (sparkv/runtime/q41kernel.py, the ``int4`` configuration's
+answer tokens): the blocks' own weights bit for bit (one-hot rows give the dequantized weight's
+columns exactly), float32's product up to the order of its sums for any row, float16 scales
+and minima widened exactly (subnormals, zeros and negatives included); ``Q41Linear`` takes it
+for passes of at most ``KERNEL_ROWS`` rows and dequantizes for longer ones (float32's product
+bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sparkv.runtime.linears import Q41Linear
+from sparkv.runtime.q41 import Q41Weight, quantize_q41
+from sparkv.runtime.q41kernel import pack_blocks, q41_matmul, unpack_blocks
+
+
+def _blocks(rows: int, cols: int, seed: int) -> Q41Weight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.05
+    w[0, :32] = 0                                        # a zero block: d = 0
+    w[1, :32] = torch.linspace(-3e-6, 3e-6, 32)          # subnormal float16 scale and minimum
+    w[2, 32:64] = -7.0 + torch.rand(32, generator=g)     # negative minimum
+    return quantize_q41(w)
+
+
+@pytest.mark.parametrize("rows,cols", [(48, 64), (96, 576), (40, 1536)])
+def test_one_hot_rows_give_the_blocks_weights_bit_for_bit(rows, cols):
+    q = _blocks(rows, cols, rows)
+    packed = pack_blocks(q)
+    back = unpack_blocks(*packed)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.d, q.d)
+    assert torch.equal(back.m, q.m)
+    w = q.dequantize()
+    eye = torch.eye(cols)
+    for a in range(0, cols, 8):
+        assert torch.equal(q41_matmul(eye[a:a + 8], *packed), w[:, a:a + 8].T)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_rows_equal_float32s_product_up_to_its_sums(n):
+    q = _blocks(200, 576, n)
+    x = torch.randn(2, n, 576)
+    got = q41_matmul(x, *pack_blocks(q))
+    assert got.shape == (2, n, 200)
+    torch.testing.assert_close(got, x @ q.dequantize().T, atol=1e-5, rtol=1e-5)
+
+
+def test_q41_linear_takes_the_kernel_for_few_rows_only(monkeypatch):
+    from sparkv.runtime import linears
+
+    lin = nn.Linear(576, 96, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(quantize_q41(lin.weight).dequantize())
+    layer = Q41Linear(lin)
+    assert layer.exact
+    calls = []
+    monkeypatch.setattr(linears, "q41_matmul",
+                        lambda x, *a: calls.append(x.shape) or q41_matmul(x, *a))
+    few = torch.randn(1, Q41Linear.KERNEL_ROWS, 576)
+    torch.testing.assert_close(layer(few), lin(few), atol=1e-5, rtol=1e-5)
+    assert calls == [few.shape]
+    many = torch.randn(1, Q41Linear.KERNEL_ROWS + 1, 576)
+    assert torch.equal(layer(many), linears.fast_linear(many, lin.weight))
+    assert calls == [few.shape]                                   # dequantized, not the kernel
+
+
+def test_int4_answers_are_judged_a_token_a_pass():
+    from sparkv.runtime.compute import get_compute
+
+    assert get_compute("int4").answers_differ

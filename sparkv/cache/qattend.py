@@ -498,15 +498,16 @@ def _unit_span(u: int, U: int, per: int, n: int, ntail: int) -> tuple[int, int, 
     return u // per, a, min(DENSE_ROWS, n - a)
 
 
-@nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
-         boundscheck=False)
+@nb.njit(fastmath=_FAST, error_model="numpy", nogil=True, cache=True, boundscheck=False)
 def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: Any, v: Any, n: int, tk: _F32,
                   tv: _F32, tpos: _I64, ntail: int, out: _F32, cols: _F32
                   ) -> None:  # pragma: no cover - numba
     """``q [H, M, D]`` over each head's rows ``k[h, :n]``, ``v`` (all visible; float32, or
     bfloat16 as uint16 bits) and its tail rows
     (``tpos`` masked against ``qpos[m % nq]``) into ``out [H, M, D]``; with ``cols [H, n +
-    ntail]`` (not ``[H, 0]``) the column sums of each head's softmax weights over its rows."""
+    ntail]`` (not ``[H, 0]``) the column sums of each head's softmax weights over its rows.
+    One thread (the caller's): a parallel loop's barrier waits for a thread the OS has not
+    scheduled, and beside two busy processes on two cores a call took 24 ms instead of 0.3."""
     H, M, D = q.shape
     mpos = np.empty(M, dtype=np.int64)
     for m in range(M):
@@ -519,7 +520,7 @@ def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: Any, v: Any, n: int
     pm = np.empty((U + T, M), dtype=np.float32)
     pl = np.empty((U + T, M), dtype=np.float32)
     pacc = np.zeros((U + T, M, D), dtype=np.float32)
-    for pu in nb.prange(U + T):
+    for pu in range(U + T):
         u = np.int64(pu)
         h, a, cnt = _unit_span(u, U, per, n, ntail)
         if u >= U:
@@ -549,7 +550,7 @@ def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: Any, v: Any, n: int
             for u in range(U + T):
                 f[u, m] = f[u, m] / tot if _unit_span(u, U, per, n, ntail)[0] == h else f[u, m]
     if keep:
-        for pu in nb.prange(U + T):
+        for pu in range(U + T):
             u = np.int64(pu)
             h, a, cnt = _unit_span(u, U, per, n, ntail)
             for j in range(a, a + cnt):
@@ -684,14 +685,15 @@ class PrefixAttention:
     tail's (causal within the tail); its weights' column sums go to the thread's column sink
     (:mod:`~sparkv.cache.colmass`: the density recording's).
 
-    A few queries (at most :data:`KERNEL_QUERIES` per head: a decoded token, a short question)
+    A few queries (at most :data:`KERNEL_QUERIES` rows per KV head: a decoded token; two on
+    SmolLM2)
     over float32 or bfloat16 on the CPU take one numba call (:func:`_attend_dense`: units of
     :data:`DENSE_ROWS` rows of a head, K and V read once for all the head's queries, the
     column sums made in the same call); more queries, or another dtype or device, take a few
     batched torch ops (the matrix products' own kernels)."""
 
     #: most query rows per KV head (``G * nq``) the numba kernel takes
-    KERNEL_QUERIES = 12
+    KERNEL_QUERIES = 6
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v

@@ -28,6 +28,9 @@ _FAST = {"nsz", "arcp", "afn", "reassoc"}
 #: ``2 ** (e - 25)`` for a float16 exponent field ``e`` (``2 ** -24`` for a subnormal, e = 0)
 _POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
 
+#: numba's thread pool size (``set_num_threads`` takes at most this)
+_NUMBA_THREADS: int = getattr(nb.config, "NUMBA_NUM_THREADS", 1)
+
 _U8 = npt.NDArray[np.uint8]
 _U16 = npt.NDArray[np.uint16]
 _F32 = npt.NDArray[np.float32]
@@ -91,6 +94,9 @@ def q41_matmul(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.
     lead = x.shape[:-1]
     xs = x.reshape(-1, x.shape[-1]).contiguous()
     y = np.empty((xs.shape[0], packed.shape[0]), dtype=np.float32)
+    # as many threads as torch's (a test process or a shared machine sets fewer): a parallel
+    # loop's barrier waits for every thread, and an oversubscribed one is not scheduled
+    nb.set_num_threads(max(1, min(torch.get_num_threads(), _NUMBA_THREADS)))
     _matmul(xs.numpy(), packed.numpy(), d.numpy().view(np.uint16), m.numpy().view(np.uint16), y)
     return torch.from_numpy(y).view(*lead, packed.shape[0])
 

@@ -354,27 +354,41 @@ def _attend(q: _F32, qpos: _I64, scale: np.float32, pf: _FpPool, p8: _QPool, p4:
             _unit2(p2, upages, a, npg, a2[h], qs[h], mpos, scale, D, u, pm, pl, pacc)
         else:
             _fp_unit(pf, upages, a, npg, q[h], mpos, scale, u, pm, pl, pacc)
+    uh = np.empty(U + T, dtype=np.int64)
+    for u in range(U + T):
+        uh[u] = units[u, 1] if u < U else u - U
+    _merge(uh, pm, pl, pacc, out, np.zeros((U + T, M), dtype=np.float32))
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _merge(uh: _I64, pm: _F32, pl: _F32, pacc: _F32, out: _F32, f: _F32
+           ) -> None:  # pragma: no cover - numba
+    """Per head ``h`` and query row ``m``, the partials of the units of ``h`` (``uh[u] == h``)
+    merged by their maxima into ``out[h, m]`` (zeros where none sees an entry); ``f[u, m]``:
+    the share of its softmax each unit's weights had (``exp(pm - max) / total``)."""
+    H, M, D = out.shape
     for h in range(H):
         for m in range(M):
-            mx = -np.inf
-            for u in range(U + T):
-                uh = units[u, 1] if u < U else u - U
-                if uh == h:
+            mx = np.float32(-np.inf)
+            for u in range(uh.shape[0]):
+                if uh[u] == h:
                     mx = max(mx, pm[u, m])
             for i in range(D):
                 out[h, m, i] = 0.0
             if mx == -np.inf:
                 continue
             tot = np.float32(0.0)
-            for u in range(U + T):
-                uh = units[u, 1] if u < U else u - U
-                if uh == h and pm[u, m] > -np.inf:
-                    e = np.exp(pm[u, m] - mx)
-                    tot += e * pl[u, m]
+            for u in range(uh.shape[0]):
+                if uh[u] == h and pm[u, m] > -np.inf:
+                    f[u, m] = np.exp(pm[u, m] - mx)
+                    tot += f[u, m] * pl[u, m]
                     for i in range(D):
-                        out[h, m, i] += e * pacc[u, m, i]
+                        out[h, m, i] += f[u, m] * pacc[u, m, i]
             for i in range(D):
                 out[h, m, i] /= tot
+            for u in range(uh.shape[0]):
+                if uh[u] == h:
+                    f[u, m] /= tot
 
 
 # ---- a dense prefix (slot = position) ---------------------------------------------------------
@@ -461,17 +475,13 @@ def _dense_unit(kh: Any, vh: Any, a: int, n: int, qh: _F32, scale: np.float32, u
     acc = np.zeros((M, D), dtype=np.float32)
     vr, va = _widened(vh, a, n, buf)
     _dense_values(vr, va, n, w, acc)
-    _store(pacc, u, acc)
-    if wl.shape[1]:
-        for m in range(M):
-            for j in range(n):
-                wl[m, a + j] = w[m, j]
+    _keep_unit(u, acc, pacc, w, n, a, wl)
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
 def _tail_unit(tk: _F32, tv: _F32, tpos: _I64, n: int, off: int, qh: _F32, mpos: _I64,
-                  scale: np.float32, u: int, pm: _F32, pl: _F32, pacc: _F32, wl: _F32
-                  ) -> None:  # pragma: no cover - numba
+               scale: np.float32, u: int, pm: _F32, pl: _F32, pacc: _F32, wl: _F32
+               ) -> None:  # pragma: no cover - numba
     """The tail's rows of a head (``tpos`` masked against ``mpos``): partial softmax into
     ``pm``, ``pl``, ``pacc[u]``; its weights into ``wl[:, off:off+n]`` when ``wl`` has columns."""
     M, D = qh.shape
@@ -482,9 +492,17 @@ def _tail_unit(tk: _F32, tv: _F32, tpos: _I64, n: int, off: int, qh: _F32, mpos:
     _softmax(s, w, ti, n, u, pm, pl)
     acc = np.zeros((M, D), dtype=np.float32)
     _fp_values(tv, n, 0, w, acc)
+    _keep_unit(u, acc, pacc, w, n, off, wl)
+
+
+@nb.njit(boundscheck=False, error_model="numpy")
+def _keep_unit(u: int, acc: _F32, pacc: _F32, w: _F32, n: int, off: int, wl: _F32
+               ) -> None:  # pragma: no cover - numba
+    """A unit's weighted values into ``pacc[u]``; its weights ``w [M, n]`` into ``wl[:,
+    off:off+n]`` when ``wl`` has columns (the column sums are wanted)."""
     _store(pacc, u, acc)
     if wl.shape[1]:
-        for m in range(M):
+        for m in range(w.shape[0]):
             for j in range(n):
                 wl[m, off + j] = w[m, j]
 
@@ -528,27 +546,10 @@ def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: Any, v: Any, n: int
         else:
             _dense_unit(k[h], v[h], a, cnt, q[h], scale, u, pm, pl, pacc, wl[h])
     f = np.zeros((U + T, M), dtype=np.float32)
-    for h in range(H):
-        for m in range(M):
-            mx = np.float32(-np.inf)
-            for u in range(U + T):
-                if _unit_span(u, U, per, n, ntail)[0] == h:
-                    mx = max(mx, pm[u, m])
-            for i in range(D):
-                out[h, m, i] = 0.0
-            if mx == -np.inf:
-                continue
-            tot = np.float32(0.0)
-            for u in range(U + T):
-                if _unit_span(u, U, per, n, ntail)[0] == h and pm[u, m] > -np.inf:
-                    f[u, m] = np.exp(pm[u, m] - mx)
-                    tot += f[u, m] * pl[u, m]
-                    for i in range(D):
-                        out[h, m, i] += f[u, m] * pacc[u, m, i]
-            for i in range(D):
-                out[h, m, i] /= tot
-            for u in range(U + T):
-                f[u, m] = f[u, m] / tot if _unit_span(u, U, per, n, ntail)[0] == h else f[u, m]
+    uh = np.empty(U + T, dtype=np.int64)
+    for u in range(U + T):
+        uh[u] = _unit_span(u, U, per, n, ntail)[0]
+    _merge(uh, pm, pl, pacc, out, f)
     if keep:
         for pu in range(U + T):
             u = np.int64(pu)

@@ -538,8 +538,7 @@ def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: Any, v: Any, n: int
     pm = np.empty((U + T, M), dtype=np.float32)
     pl = np.empty((U + T, M), dtype=np.float32)
     pacc = np.zeros((U + T, M, D), dtype=np.float32)
-    for pu in range(U + T):
-        u = np.int64(pu)
+    for u in range(U + T):
         h, a, cnt = _unit_span(u, U, per, n, ntail)
         if u >= U:
             _tail_unit(tk[h], tv[h], tpos, ntail, n, q[h], mpos, scale, u, pm, pl, pacc, wl[h])
@@ -551,8 +550,7 @@ def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: Any, v: Any, n: int
         uh[u] = _unit_span(u, U, per, n, ntail)[0]
     _merge(uh, pm, pl, pacc, out, f)
     if keep:
-        for pu in range(U + T):
-            u = np.int64(pu)
+        for u in range(U + T):
             h, a, cnt = _unit_span(u, U, per, n, ntail)
             for j in range(a, a + cnt):
                 c = np.float32(0.0)

@@ -7,7 +7,7 @@ making the float32 weight: per block it makes its 32 weights as the checkpoint h
 (``q * d + m``, two float32 roundings, ``d`` and ``m`` widened exactly from float16: the
 weights :meth:`Q41Weight.dequantize <sparkv.runtime.q41.Q41Weight.dequantize>` gives bit for
 bit) and adds their products with the rows. The result is float32's product with the same
-weights up to the order of the sums (tested at ``1e-5``).
+weights up to the order of the sums (tested at ``1e-4``).
 
 Layout (:func:`pack_blocks`): ``packed [out, in / 2]`` uint8, byte ``j`` of block ``b`` holding
 code ``j`` (low nibble) and code ``j + 16`` (high nibble), so a block's two halves meet

@@ -1,9 +1,10 @@
 """The Q4_1 product for a few rows (sparkv/runtime/q41kernel.py, the ``int4`` configuration's
 answer tokens): the blocks' own weights bit for bit (one-hot rows give the dequantized weight's
-columns exactly), float32's product up to the order of its sums (1e-4) for any row, float16 scales
-and minima widened exactly (subnormals, zeros and negatives included); ``Q41Linear`` takes it
-for passes of at most ``KERNEL_ROWS`` rows and dequantizes for longer ones (float32's product
-bit for bit)."""
+columns exactly, through each row count's kernel), float32's product up to the order of its
+sums (1e-4) for any row and any number of rows (more than ``MAX_ROWS`` take several calls),
+float16 scales and minima widened exactly (subnormals, zeros and negatives included);
+``Q41Linear`` takes it for passes of at most ``KERNEL_ROWS`` rows and dequantizes for longer
+ones (float32's product bit for bit)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn
 
 from sparkv.runtime.linears import Q41Linear
 from sparkv.runtime.q41 import Q41Weight, quantize_q41
-from sparkv.runtime.q41kernel import pack_blocks, q41_matmul, unpack_blocks
+from sparkv.runtime.q41kernel import (MAX_ROWS, blocks_matmul, pack_blocks, q41_matmul,
+                                       unpack_blocks)
 
 
 def _blocks(rows: int, cols: int, seed: int) -> Q41Weight:
@@ -34,14 +36,16 @@ def test_one_hot_rows_give_the_blocks_weights_bit_for_bit(rows, cols):
     assert torch.equal(back.m, q.m)
     w = q.dequantize()
     eye = torch.eye(cols)
-    for a in range(0, cols, 8):
-        assert torch.equal(q41_matmul(eye[a:a + 8], *packed), w[:, a:a + 8].T)
+    a, k = 0, 1
+    while a < cols:                               # every kernel (1 to MAX_ROWS rows a call)
+        assert torch.equal(q41_matmul(eye[a:a + k], *packed), w[:, a:a + k].T)
+        a, k = a + k, k % MAX_ROWS + 1
 
 
-@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 8])
 def test_rows_equal_float32s_product_up_to_its_sums(n):
     q = _blocks(200, 576, n)
-    x = torch.randn(2, n, 576, generator=torch.Generator().manual_seed(n))
+    x = torch.randn(2, n, 576, generator=torch.Generator().manual_seed(n))  # 2 to 16 rows
     got = q41_matmul(x, *pack_blocks(q))
     assert got.shape == (2, n, 200)
     torch.testing.assert_close(got, x @ q.dequantize().T, atol=1e-4, rtol=1e-4)
@@ -56,14 +60,30 @@ def test_q41_linear_takes_the_kernel_for_few_rows_only(monkeypatch):
     layer = Q41Linear(lin)
     assert layer.exact
     calls = []
-    monkeypatch.setattr(linears, "q41_matmul",
-                        lambda x, *a: calls.append(x.shape) or q41_matmul(x, *a))
+    monkeypatch.setattr(linears, "blocks_matmul",
+                        lambda x, b: calls.append(x.shape) or blocks_matmul(x, b))
     few = torch.randn(1, Q41Linear.KERNEL_ROWS, 576, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(layer(few), lin(few), atol=1e-4, rtol=1e-4)
     assert calls == [few.shape]
     many = torch.randn(1, Q41Linear.KERNEL_ROWS + 1, 576)
     assert torch.equal(layer(many), linears.fast_linear(many, lin.weight))
     assert calls == [few.shape]                                   # dequantized, not the kernel
+
+
+def test_q41_linear_reads_the_buffers_it_holds_now():
+    """The kernel's views follow the buffers: weights loaded in place and buffers replaced."""
+    g = torch.Generator().manual_seed(5)
+    a, b = nn.Linear(64, 40, bias=False), nn.Linear(64, 40, bias=False)
+    layer = Q41Linear(a)
+    x = torch.randn(1, 2, 64, generator=g)
+    want_a = x @ quantize_q41(a.weight).dequantize().T
+    want_b = x @ quantize_q41(b.weight).dequantize().T
+    torch.testing.assert_close(layer(x), want_a, atol=1e-4, rtol=1e-4)
+    layer.load_state_dict(Q41Linear(b).state_dict())              # copied into the buffers
+    torch.testing.assert_close(layer(x), want_b, atol=1e-4, rtol=1e-4)
+    other = Q41Linear(a)
+    layer.codes, layer.d, layer.m = other.codes, other.d, other.m  # buffers replaced
+    torch.testing.assert_close(layer(x), want_a, atol=1e-4, rtol=1e-4)
 
 
 def test_int4_answers_are_judged_a_token_a_pass():

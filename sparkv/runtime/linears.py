@@ -40,7 +40,8 @@ from torch import nn
 
 from sparkv.runtime.fastops import linear as fast_linear
 from sparkv.runtime.q41 import BLOCK, Q41Weight, quantize_q41
-from sparkv.runtime.q41kernel import pack_blocks, q41_matmul, unpack_blocks
+from sparkv.runtime.q41kernel import (MAX_ROWS, KernelBlocks, blocks_matmul, pack_blocks,
+                                       unpack_blocks)
 
 
 class WeightLinear(nn.Module):
@@ -142,8 +143,9 @@ class Q41Linear(WeightLinear):
         exact: whether the blocks are the original weight bit for bit (SmolLM2's are).
     """
 
-    #: most rows a pass may have to take the blocks' kernel
-    KERNEL_ROWS = 4
+    #: most rows a pass may have to take the blocks' kernel (an answer token, or those of up to
+    #: 8 asks decoded as one pass)
+    KERNEL_ROWS = MAX_ROWS
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
@@ -156,14 +158,26 @@ class Q41Linear(WeightLinear):
         self.register_buffer("codes", codes)
         self.register_buffer("d", d)
         self.register_buffer("m", m)
+        self._views: tuple[tuple[torch.Tensor, ...], KernelBlocks] | None = None
 
     def blocks(self) -> Q41Weight:
         return unpack_blocks(self.codes, self.d, self.m)
 
+    def kernel_blocks(self) -> KernelBlocks:
+        """The kernel's views of the buffers, made again only when the buffers were replaced
+        (``to()``, assigned; ``load_state_dict`` copies into them)."""
+        bufs, views = self._buffers, self._views
+        codes, d, m = bufs["codes"], bufs["d"], bufs["m"]
+        if (views is None or views[0][0] is not codes or views[0][1] is not d
+                or views[0][2] is not m):
+            assert codes is not None and d is not None and m is not None
+            views = self._views = ((codes, d, m), KernelBlocks.of(codes, d, m))
+        return views[1]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.numel() <= self.KERNEL_ROWS * self.in_features and x.device.type == "cpu"
-                and x.dtype == torch.float32 and self.codes.device.type == "cpu"):
-            return q41_matmul(x, self.codes, self.d, self.m)
+        if (x.numel() <= self.KERNEL_ROWS * self.in_features and x.is_cpu
+                and x.dtype == torch.float32 and self._buffers["codes"].is_cpu):  # type: ignore
+            return blocks_matmul(x, self.kernel_blocks())
         return fast_linear(x, self.blocks().dequantize(x.dtype))
 
 

@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "DynaKV clustering": "sparkv.decode.kmeans",
     "DynaKV fused attention": "sparkv.decode.fused",
     "Q4_1 product (int4's answer tokens)": "sparkv.runtime.q41kernel",
+    "Q8_0 product (int4's LM head)": "sparkv.runtime.q80",
 }
 
 

@@ -85,6 +85,9 @@ def test_smollm2_int4_is_its_own_q41_blocks_bit_for_bit(smollm2):
 
     lm = _converted(smollm2, "int4")
     assert lm.extra["compute_info"]["exact"] is True
+    assert lm.extra["compute_info"]["head"] == "Q80Linear"            # its Q8_0 embedding
+    head = lm.model.get_output_embeddings()
+    assert head.weight is lm.model.get_input_embeddings().weight      # still tied
     layer0 = lm.decoder.layers[0]
     assert isinstance(layer0.self_attn.q_proj, Q41Linear)
     tensors = {t.name: t for t in GGUFReader(str(_smollm2_gguf_dir() / SMOLLM2_GGUF)).tensors}

@@ -50,8 +50,8 @@ import torch
 
 from sparkv.errors import SparkvError
 from sparkv.runtime.linears import (Bf16Linear, Bf16WeightLinear, Int4DecodeLinear,
-                                    Int4KernelLinear, Int8Linear, Q41Linear, WeightLinear,
-                                    replace_linears)
+                                    Int4KernelLinear, Int8Linear, Q41Linear, Q80Linear,
+                                    WeightLinear, replace_linears)
 
 
 class ComputeError(SparkvError):
@@ -89,6 +89,9 @@ class ComputeConfig:
             ``int4``: the same weights, float32 sums in another order),
             so a judge of its answers feeds them one token a pass, as generation does
             (:func:`~sparkv.runtime.generate.teacher_forced_agreement`).
+        head: the module replacing the LM head when its weight is that module's format
+            exactly (``int4``: :class:`~sparkv.runtime.linears.Q80Linear`, SmolLM2's Q8_0
+            embedding), ``None``: kept.
     """
 
     name: str
@@ -104,6 +107,7 @@ class ComputeConfig:
     attention: torch.dtype | None = None
     mlp: torch.dtype | None = None
     answers_differ: bool = False
+    head: type[WeightLinear] | None = None
 
     @property
     def plain(self) -> bool:
@@ -142,8 +146,9 @@ CONFIGS: dict[str, ComputeConfig] = {c.name: c for c in (
     ComputeConfig("int8", "int8 weights (per output channel), float32 matmuls and activations",
                   torch.float32, "int8", "float32", Int8Linear),
     ComputeConfig("int4", "the Q4_1 blocks (no second rounding on SmolLM2), float32 matmuls "
-                  "(a pass of <= 4 rows: a kernel reading the blocks)", torch.float32, "q4_1",
-                  "float32", Q41Linear, answers_differ=True),
+                  "(a pass of <= 8 rows: kernels reading the blocks, the LM head's Q8_0 ones)",
+                  torch.float32, "q4_1", "float32", Q41Linear, answers_differ=True,
+                  head=Q80Linear),
     ComputeConfig("int4-kernel", "the Q4_1 blocks through torch's CPU int4 kernel (bf16 input, "
                   "scales and output)", torch.float32, "q4_1", "bfloat16", Int4KernelLinear,
                   bf16_matmuls=True, cuda=False, stepper_tolerance=0.03),
@@ -317,9 +322,24 @@ def apply_compute(lm: Any, config: ComputeConfig | str,
             info["attention"] = str(config.attention).replace("torch.", "")
         if config.mlp is not None:
             info["mlp_layers"] = _low_mlps(decoder_layers, chosen, config.mlp)
+        if config.head is not None:
+            info["head"] = _replace_head(lm.model, config.head)
     lm.extra["compute"] = config.name
     lm.extra["compute_info"] = info
     return info
+
+
+def _replace_head(model: Any, head: type[WeightLinear]) -> str:
+    """Replaces ``model``'s LM head by ``head`` made from it when that holds its weight exactly
+    (``head``'s ``exact``); returns what the head is now (for the record)."""
+    old = model.get_output_embeddings()
+    if not isinstance(old, torch.nn.Linear) or old.in_features % 32:
+        return "kept (not a linear layer of whole 32-weight blocks)"
+    new = head(old)
+    if not getattr(new, "exact", False):
+        return f"kept (its weight is not {head.__name__}'s format exactly)"
+    model.set_output_embeddings(new.to(old.weight.device))
+    return head.__name__
 
 
 def _low_mlps(decoder_layers: Any, chosen: list[int], dtype: torch.dtype) -> list[int]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from sparkv.runtime.fastops import linear as fast_linear
 from sparkv.runtime.q41 import BLOCK, Q41Weight, quantize_q41
 from sparkv.runtime.q41kernel import (MAX_ROWS, KernelBlocks, blocks_matmul, pack_blocks,
                                        unpack_blocks)
+from sparkv.runtime.q80 import kernel_arrays, q80_matmul, quantize_q80, Q80Weight
 
 
 class WeightLinear(nn.Module):
@@ -181,6 +182,53 @@ class Q41Linear(WeightLinear):
         return fast_linear(x, self.blocks().dequantize(x.dtype))
 
 
+class Q80Linear(WeightLinear):
+    """A layer whose weight is Q8_0 values (:mod:`sparkv.runtime.q80`): SmolLM2's LM head, tied
+    to its token embedding (``int4``). A pass of at most :attr:`KERNEL_ROWS` rows on the CPU (an
+    answer token's logits) multiplies with the Q8_0 blocks, reading 8.5 bits a weight instead of
+    32 (the same weights, float32 sums in another order); a longer pass multiplies with the
+    float32 weight it keeps (the embedding's own tensor when tied: no copy), float32's product
+    bit for bit.
+
+    Attributes:
+        exact: whether the blocks are the weight bit for bit (SmolLM2's are).
+    """
+
+    #: most rows a pass may have to take the blocks' kernel
+    KERNEL_ROWS = MAX_ROWS
+    weight: torch.Tensor
+    codes: torch.Tensor
+    d: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.weight = linear.weight
+        q = quantize_q80(linear.weight)
+        self.exact = q.exact(linear.weight.detach().to(torch.float32))
+        self.register_buffer("codes", q.codes)
+        self.register_buffer("d", q.d.view(torch.int16))
+        self._views: tuple[tuple[torch.Tensor, ...], tuple[Any, Any]] | None = None
+
+    def blocks(self) -> Q80Weight:
+        return Q80Weight(self.codes, self.d.view(torch.float16))
+
+    def _arrays(self) -> tuple[Any, Any]:
+        """The kernel's views of the buffers, made again only when the buffers were replaced."""
+        bufs, views = self._buffers, self._views
+        codes, d = bufs["codes"], bufs["d"]
+        if views is None or views[0][0] is not codes or views[0][1] is not d:
+            assert codes is not None and d is not None
+            views = self._views = ((codes, d), kernel_arrays(Q80Weight(codes, d.view(
+                torch.float16))))
+        return views[1]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.numel() <= self.KERNEL_ROWS * self.in_features and x.is_cpu
+                and x.dtype == torch.float32 and self._buffers["codes"].is_cpu):  # type: ignore
+            return q80_matmul(x, self._arrays())
+        return fast_linear(x, self.weight.to(x.dtype))
+
+
 class Int4KernelLinear(WeightLinear):
     """The Q4_1 blocks through torch's CPU int4 kernel (``int4-kernel``). The kernel computes
     ``w = (q - 8) * scale + zero``, so a block's ``d`` is the scale and ``m + 8 d`` the zero; on
@@ -279,5 +327,6 @@ def replace_linears(layer: nn.Module, cls: type[WeightLinear]) -> list[WeightLin
 
 
 __all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear",
-           "Int4DecodeLinear", "Int4KernelLinear", "Int8Linear", "Q41Linear", "WeightLinear",
+           "Int4DecodeLinear", "Int4KernelLinear", "Int8Linear", "Q41Linear", "Q80Linear",
+           "WeightLinear",
            "answer_tokens", "answering"]

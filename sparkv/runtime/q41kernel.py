@@ -33,18 +33,10 @@ import numpy.typing as npt
 import torch
 
 from sparkv.runtime.q41 import BLOCK, Q41Weight
+from sparkv.runtime.rowkernels import MAX_ROWS, half_float, run_rows
 
 #: no "contract": ``q * d + m`` rounds twice, as the checkpoint's weights were made
 _FAST = {"nsz", "arcp", "afn", "reassoc"}
-#: ``2 ** (e - 25)`` for a float16 exponent field ``e`` (``2 ** -24`` for a subnormal, e = 0)
-_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
-
-#: numba's thread pool size (``set_num_threads`` takes at most this)
-_NUMBA_THREADS: int = getattr(nb.config, "NUMBA_NUM_THREADS", 1)
-
-#: most rows one kernel call takes (one kernel per row count, up to it: each weight made once
-#: serves all the call's rows); a longer ``x`` takes several calls
-MAX_ROWS = 8
 
 _U8 = npt.NDArray[np.uint8]
 _U16 = npt.NDArray[np.uint16]
@@ -68,16 +60,6 @@ def unpack_blocks(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q41
     return Q41Weight(codes, d.view(torch.float16), m.view(torch.float16))
 
 
-@nb.njit(boundscheck=False, error_model="numpy")
-def _half(h: np.uint16) -> np.float32:  # pragma: no cover - numba
-    """float16 bits -> float32, exactly (finite values: an 11-bit integer times a power of 2)."""
-    b = np.int32(h)
-    e = (b >> 10) & 31
-    f = b & 1023
-    mag = np.float32(f + 1024 if e else f) * _POW2[e]
-    return -mag if b >> 15 else mag
-
-
 def _make_kernel(rows: int) -> Callable[..., None]:
     """The kernel for passes of exactly ``rows`` rows (a literal: its loops over rows unroll, and
     each weight made once serves every row)."""
@@ -92,7 +74,7 @@ def _make_kernel(rows: int) -> Callable[..., None]:
         for o in nb.prange(packed.shape[0]):
             acc = np.zeros((rows, half), dtype=np.float32)
             for b in range(K // 32):
-                db, mb = _half(d[o, b]), _half(m[o, b])
+                db, mb = half_float(d[o, b]), half_float(m[o, b])
                 dh = db * np.float32(0.0625)
                 for j in range(half):
                     c = packed[o, b * half + j]
@@ -137,18 +119,8 @@ def q41_matmul(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.
 
 def blocks_matmul(x: torch.Tensor, blocks: KernelBlocks) -> torch.Tensor:
     """``x [..., in]`` (float32, CPU) times the blocks' weights -> ``[..., out]`` float32; up
-    to :data:`MAX_ROWS` rows a call of the kernel."""
-    xs = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1, x.shape[-1])
-    y = np.empty((xs.shape[0], blocks.packed.shape[0]), dtype=np.float32)
-    # as many threads as torch's (a test process or a shared machine sets fewer): a parallel
-    # loop's barrier waits for every thread, and an oversubscribed one is not scheduled
-    threads = max(1, min(torch.get_num_threads(), _NUMBA_THREADS))
-    if nb.get_num_threads() != threads:
-        nb.set_num_threads(threads)
-    for a in range(0, xs.shape[0], MAX_ROWS):
-        b = min(a + MAX_ROWS, xs.shape[0])
-        _kernel(b - a)(xs[a:b], *blocks, y[a:b])
-    return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
+    to :data:`~sparkv.runtime.rowkernels.MAX_ROWS` rows a call of the kernel."""
+    return run_rows(x, blocks, blocks.packed.shape[0], _kernel)
 
 
 def warm_up() -> None:

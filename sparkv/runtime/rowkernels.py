@@ -1,0 +1,53 @@
+"""Running a few-rows weight kernel (an answer token's projections) from torch: the thread
+count, the row groups and the output, shared by the block formats' kernels
+(:mod:`sparkv.runtime.q41kernel`, :mod:`sparkv.runtime.q80`).
+
+A block kernel is made per row count (a literal in its loops, so that the loop over rows unrolls
+inside the loop over a block's weights and each weight made once serves every row): a kernel
+family gives :func:`run_rows` ``kernel_for(rows)``, for 1 to :data:`MAX_ROWS` rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numba as nb
+import numpy as np
+import torch
+
+#: most rows one kernel call takes; a longer input takes several calls
+MAX_ROWS = 8
+#: numba's thread pool size (``set_num_threads`` takes at most this)
+_NUMBA_THREADS: int = getattr(nb.config, "NUMBA_NUM_THREADS", 1)
+#: ``2 ** (e - 25)`` for a float16 exponent field ``e`` (``2 ** -24`` for a subnormal, e = 0)
+_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
+
+
+@nb.njit(boundscheck=False, error_model="numpy")
+def half_float(h: np.uint16) -> np.float32:  # pragma: no cover - numba
+    """float16 bits -> float32, exactly (finite values: an 11-bit integer times a power of 2)."""
+    b = np.int32(h)
+    e = (b >> 10) & 31
+    f = b & 1023
+    mag = np.float32(f + 1024 if e else f) * _POW2[e]
+    return -mag if b >> 15 else mag
+
+
+def run_rows(x: torch.Tensor, arrays: tuple[Any, ...], out_features: int,
+             kernel_for: Callable[[int], Callable[..., None]]) -> torch.Tensor:
+    """``kernel_for(rows)(x_rows, *arrays, y_rows)`` over ``x [..., in]`` (float32, CPU) in
+    groups of at most :data:`MAX_ROWS` rows -> ``y [..., out_features]`` float32."""
+    xs = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1, x.shape[-1])
+    y = np.empty((xs.shape[0], out_features), dtype=np.float32)
+    # as many threads as torch's (a test process or a shared machine sets fewer): a parallel
+    # loop's barrier waits for every thread, and an oversubscribed one is not scheduled
+    threads = max(1, min(torch.get_num_threads(), _NUMBA_THREADS))
+    if nb.get_num_threads() != threads:
+        nb.set_num_threads(threads)
+    for a in range(0, xs.shape[0], MAX_ROWS):
+        b = min(a + MAX_ROWS, xs.shape[0])
+        kernel_for(b - a)(xs[a:b], *arrays, y[a:b])
+    return torch.from_numpy(y).view(*x.shape[:-1], out_features)
+
+
+__all__ = ["MAX_ROWS", "half_float", "run_rows"]

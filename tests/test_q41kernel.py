@@ -90,3 +90,57 @@ def test_int4_answers_are_judged_a_token_a_pass():
     from sparkv.runtime.compute import get_compute
 
     assert get_compute("int4").answers_differ
+
+
+def _int4(tiny_llama):
+    import copy
+
+    from sparkv.runtime import LoadedModel
+    from sparkv.runtime.compute import apply_compute
+
+    lm = LoadedModel.from_model(copy.deepcopy(tiny_llama.model), None, "tiny")
+    info = apply_compute(lm, "int4")
+    assert info["shared_products"] == 2 * 3                   # attention and MLP, 3 layers
+    return lm
+
+
+def test_shared_input_layers_make_their_outputs_in_one_call_bit_for_bit(tiny_llama):
+    from sparkv.runtime.fastops import SHARED_PRODUCT
+
+    lm = _int4(tiny_llama)
+    attn, mlp = lm.decoder.layers[1].self_attn, lm.decoder.layers[1].mlp
+    g = torch.Generator().manual_seed(6)
+    for parent, layers in ((attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                           (mlp, (mlp.gate_proj, mlp.up_proj))):
+        shared = getattr(parent, SHARED_PRODUCT)
+        whole = shared._whole[0].untyped_storage().data_ptr()
+        assert all(m.codes.untyped_storage().data_ptr() == whole for m in layers)   # views
+        for n in (1, 3, MAX_ROWS):
+            x = torch.randn(1, n, layers[0].in_features, generator=g)
+            got = shared(x)
+            assert got is not None and len(got) == len(layers)
+            for y, m in zip(got, layers):
+                assert torch.equal(y, m(x))
+        assert shared(torch.randn(1, MAX_ROWS + 1, layers[0].in_features)) is None
+
+
+def test_shared_product_follows_loaded_weights_and_steps_aside_for_replaced_ones(tiny_llama):
+    import copy
+
+    from sparkv.runtime.fastops import SHARED_PRODUCT
+
+    lm = _int4(tiny_llama)
+    attn = lm.decoder.layers[0].self_attn
+    shared = getattr(attn, SHARED_PRODUCT)
+    x = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(7))
+    before = shared(x)
+    other = Q41Linear(nn.Linear(64, attn.q_proj.out_features, bias=False))
+    attn.q_proj.load_state_dict(other.state_dict())          # copied into the shared blocks
+    after = shared(x)
+    assert torch.equal(after[0], other(x)) and not torch.equal(after[0], before[0])
+    assert torch.equal(after[1], before[1])
+    attn.k_proj.codes = attn.k_proj.codes.clone()            # replaced: layer by layer
+    assert shared(x) is None
+    copied = copy.deepcopy(lm.decoder.layers[1].self_attn)  # a deep copy reads its own blocks
+    got = getattr(copied, SHARED_PRODUCT)(x)
+    assert got is not None and torch.equal(got[2], copied.v_proj(x))

@@ -51,7 +51,7 @@ import torch
 from sparkv.errors import SparkvError
 from sparkv.runtime.linears import (Bf16Linear, Bf16WeightLinear, Int4DecodeLinear,
                                     Int4KernelLinear, Int8Linear, Q41Linear, Q80Linear,
-                                    WeightLinear, replace_linears)
+                                    WeightLinear, replace_linears, share_inputs)
 
 
 class ComputeError(SparkvError):
@@ -314,6 +314,7 @@ def apply_compute(lm: Any, config: ComputeConfig | str,
         info["weight_bytes"] = sum(m.weight_nbytes() for m in flat)
         if linear is Q41Linear:
             info["exact"] = all(m.exact for m in flat)
+            info["shared_products"] = sum(share_inputs(decoder_layers[i]) for i in chosen)
         if config.attention is not None:
             from sparkv.cache.attention import PRODUCTS_DTYPE
 

@@ -78,12 +78,25 @@ def _rms_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
 MLP_DTYPE = "sparkv_mlp_dtype"
 
 
+#: the attribute of an attention or MLP module holding one product for its layers that take
+#: one input (q, k, v; gate, up): called with the input, it returns their outputs, or ``None``
+#: for a pass it does not take (``int4``: :class:`~sparkv.runtime.linears.SharedQ41`)
+SHARED_PRODUCT = "sparkv_shared_product"
+
+
+def _shared(module: Any, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """``module``'s :data:`SHARED_PRODUCT` of ``x``, or ``None``."""
+    shared = getattr(module, SHARED_PRODUCT, None)
+    return None if shared is None else shared(x)
+
+
 def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     low = getattr(self, MLP_DTYPE, None)
     if low is not None:
         return _low_mlp(self, x, low)
-    gate = _activate(self, self.gate_proj(x))
-    return self.down_proj(gate.mul_(self.up_proj(x)))
+    shared = _shared(self, x)
+    gate, up = (self.gate_proj(x), self.up_proj(x)) if shared is None else shared
+    return self.down_proj(_activate(self, gate).mul_(up))
 
 
 def _activate(self: Any, gate: torch.Tensor) -> torch.Tensor:
@@ -135,7 +148,10 @@ def project_qkv(attn: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ``[B, H, n, D]`` of the normed rows ``h`` ``[B, n, hidden]``: the fast attention forward's
     first half (also the graphed steps', :mod:`sparkv.runtime.graphs`)."""
     shape = (*h.shape[:-1], -1, attn.head_dim)
-    q, k, v = (p.view(shape) for p in project_shared((attn.q_proj, attn.k_proj, attn.v_proj), h))
+    shared = _shared(attn, h)
+    if shared is None:
+        shared = project_shared((attn.q_proj, attn.k_proj, attn.v_proj), h)
+    q, k, v = (p.view(shape) for p in shared)
     if getattr(attn, "q_norm", None) is not None:           # Qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     v = v.transpose(1, 2)

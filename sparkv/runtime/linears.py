@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkv.runtime.fastops import linear as fast_linear
+from sparkv.runtime.fastops import SHARED_PRODUCT, linear as fast_linear
 from sparkv.runtime.q41 import BLOCK, Q41Weight, quantize_q41
 from sparkv.runtime.q41kernel import (MAX_ROWS, KernelBlocks, blocks_matmul, pack_blocks,
                                        unpack_blocks)
@@ -132,6 +132,22 @@ class Int8Linear(WeightLinear):
         return fast_linear(x, w)
 
 
+_Views = tuple[tuple[int, ...], Any]
+
+
+def kernel_views(views: _Views | None, make: Callable[..., Any], *held: torch.Tensor | None
+                 ) -> _Views:
+    """``views`` if they still view the tensors ``held``, else ``(pointers, make(*held))``:
+    keyed by the tensors' data pointers, so weights loaded in place keep them and replaced
+    buffers (``to()``, assigned, a deep copy) make them again (the views hold their tensors,
+    so a pointer cannot be reused while they live)."""
+    ptrs = tuple(0 if t is None else t.data_ptr() for t in held)
+    if views is None or views[0] != ptrs:
+        assert all(t is not None for t in held)
+        views = (ptrs, make(*held))
+    return views
+
+
 class Q41Linear(WeightLinear):
     """Q4_1 blocks (:mod:`sparkv.runtime.q41`): on SmolLM2 exactly the weights float32 computes
     with, at 5 bits a weight instead of 32 (``int4``). A pass of many rows (a prefill)
@@ -159,20 +175,17 @@ class Q41Linear(WeightLinear):
         self.register_buffer("codes", codes)
         self.register_buffer("d", d)
         self.register_buffer("m", m)
-        self._views: tuple[tuple[torch.Tensor, ...], KernelBlocks] | None = None
+        self._views: _Views | None = None
 
     def blocks(self) -> Q41Weight:
         return unpack_blocks(self.codes, self.d, self.m)
 
     def kernel_blocks(self) -> KernelBlocks:
-        """The kernel's views of the buffers, made again only when the buffers were replaced
-        (``to()``, assigned; ``load_state_dict`` copies into them)."""
-        bufs, views = self._buffers, self._views
-        codes, d, m = bufs["codes"], bufs["d"], bufs["m"]
-        if (views is None or views[0][0] is not codes or views[0][1] is not d
-                or views[0][2] is not m):
-            assert codes is not None and d is not None and m is not None
-            views = self._views = ((codes, d, m), KernelBlocks.of(codes, d, m))
+        """The kernel's views of the buffers (:func:`kernel_views`)."""
+        bufs = self._buffers
+        views = kernel_views(self._views, KernelBlocks.of, bufs["codes"], bufs["d"], bufs["m"])
+        if views is not self._views:
+            self._views = views
         return views[1]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,6 +193,64 @@ class Q41Linear(WeightLinear):
                 and x.dtype == torch.float32 and self._buffers["codes"].is_cpu):  # type: ignore
             return blocks_matmul(x, self.kernel_blocks())
         return fast_linear(x, self.blocks().dequantize(x.dtype))
+
+
+class SharedQ41:
+    """Q4_1 layers that take one input (an attention's q, k and v; an MLP's gate and up) as one
+    product: their blocks concatenated along the output rows, each layer's buffers made views
+    of the concatenation (no second copy), so that one kernel call makes all their outputs for
+    a pass of few rows (each output row computed as the layer's own kernel computes it: bit
+    for bit). Installed on the layers' parent as :data:`~sparkv.runtime.fastops.SHARED_PRODUCT`
+    by :func:`share_inputs`; a pass it does not take, or layers whose buffers were replaced
+    since (``to()``, assigned), go layer by layer."""
+
+    def __init__(self, layers: Sequence[Q41Linear]) -> None:
+        self.splits = [m.out_features for m in layers]
+        self.rows = Q41Linear.KERNEL_ROWS * layers[0].in_features
+        whole = [torch.cat([getattr(m, n) for m in layers]) for n in ("codes", "d", "m")]
+        a = 0
+        for m, n in zip(layers, self.splits):
+            for name, t in zip(("codes", "d", "m"), whole):
+                setattr(m, name, t[a:a + n])
+            a += n
+        self._layers = list(layers)
+        self._whole = whole
+        self._offsets = self._layer_offsets()
+        self._views: _Views | None = None
+
+    def _layer_offsets(self) -> list[int]:
+        """Where each layer's buffers lie from the concatenations' starts (the same in a deep
+        copy, whose buffers are views of its own concatenations; not for replaced buffers)."""
+        return [m._buffers[n].data_ptr() - w.data_ptr()   # type: ignore[union-attr]
+                for m in self._layers for n, w in zip(("codes", "d", "m"), self._whole)]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The layers' outputs for ``x``, or ``None`` when the pass is not one it takes."""
+        if not (x.numel() <= self.rows and x.is_cpu and x.dtype == torch.float32):
+            return None
+        if self._layer_offsets() != self._offsets or not self._whole[0].is_cpu:
+            return None
+        self._views = kernel_views(self._views, KernelBlocks.of, *self._whole)
+        return list(blocks_matmul(x, self._views[1]).split(self.splits, dim=-1))
+
+
+#: per parent module of :func:`share_inputs`, the layers that take one input
+SHARED_INPUTS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def share_inputs(layer: nn.Module) -> int:
+    """Installs a :class:`SharedQ41` on ``layer``'s attention and MLP where the layers of
+    :data:`SHARED_INPUTS` are bias-free :class:`Q41Linear` layers of one input width; returns
+    how many it installed."""
+    done = 0
+    for parent_name, names in SHARED_INPUTS:
+        parent = getattr(layer, parent_name, None)
+        mods = [getattr(parent, n, None) for n in names]
+        if all(isinstance(m, Q41Linear) and m.bias is None for m in mods) and len(
+                {m.in_features for m in mods if m is not None}) == 1:
+            setattr(parent, SHARED_PRODUCT, SharedQ41(mods))   # type: ignore[arg-type]
+            done += 1
+    return done
 
 
 class Q80Linear(WeightLinear):
@@ -207,19 +278,17 @@ class Q80Linear(WeightLinear):
         self.exact = q.exact(linear.weight.detach().to(torch.float32))
         self.register_buffer("codes", q.codes)
         self.register_buffer("d", q.d.view(torch.int16))
-        self._views: tuple[tuple[torch.Tensor, ...], tuple[Any, Any]] | None = None
+        self._views: _Views | None = None
 
     def blocks(self) -> Q80Weight:
         return Q80Weight(self.codes, self.d.view(torch.float16))
 
     def _arrays(self) -> tuple[Any, Any]:
-        """The kernel's views of the buffers, made again only when the buffers were replaced."""
-        bufs, views = self._buffers, self._views
-        codes, d = bufs["codes"], bufs["d"]
-        if views is None or views[0][0] is not codes or views[0][1] is not d:
-            assert codes is not None and d is not None
-            views = self._views = ((codes, d), kernel_arrays(Q80Weight(codes, d.view(
-                torch.float16))))
+        """The kernel's views of the buffers (:func:`kernel_views`)."""
+        bufs = self._buffers
+        views = kernel_views(self._views, _q80_arrays, bufs["codes"], bufs["d"])
+        if views is not self._views:
+            self._views = views
         return views[1]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,6 +296,10 @@ class Q80Linear(WeightLinear):
                 and x.dtype == torch.float32 and self._buffers["codes"].is_cpu):  # type: ignore
             return q80_matmul(x, self._arrays())
         return fast_linear(x, self.weight.to(x.dtype))
+
+
+def _q80_arrays(codes: torch.Tensor, d: torch.Tensor) -> tuple[Any, Any]:
+    return kernel_arrays(Q80Weight(codes, d.view(torch.float16)))
 
 
 class Int4KernelLinear(WeightLinear):
@@ -328,5 +401,5 @@ def replace_linears(layer: nn.Module, cls: type[WeightLinear]) -> list[WeightLin
 
 __all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear",
            "Int4DecodeLinear", "Int4KernelLinear", "Int8Linear", "Q41Linear", "Q80Linear",
-           "WeightLinear",
+           "SHARED_INPUTS", "SharedQ41", "WeightLinear", "kernel_views", "share_inputs",
            "answer_tokens", "answering"]

@@ -28,7 +28,8 @@ name                  activations  the decoder layers' linear layers    norms, R
 ``int8``              float32      int8 per output channel, float32     float32
                                    matmul
 ``int4``              float32      Q4_1 blocks (SmolLM2's own, no       float32
-                                   second rounding), float32 matmul
+                                   second rounding), float32 matmul;
+                                   a few rows: kernels reading them
 ``int4-kernel``       float32      Q4_1 through torch's CPU int4        float32
                                    kernel: bf16 input, scales, output
 ``int4-decode``       float32      float32 for a prefill and the first  float32
@@ -37,7 +38,9 @@ name                  activations  the decoder layers' linear layers    norms, R
 ====================  ===========  ===================================  ==========================
 
 The residual stream (the hidden state between and within layers), the KV memory and the logits
-are in the activations' dtype; the embeddings and the LM head keep the checkpoint's weights.
+are in the activations' dtype; the embeddings and the LM head keep the checkpoint's weights
+(``int4`` multiplies a pass of few rows by SmolLM2's LM head through its Q8_0 blocks: the same
+weights, :class:`~sparkv.runtime.linears.Q80Linear`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ columns exactly, through each row count's kernel), float32's product up to the o
 sums (1e-4) for any row and any number of rows (more than ``MAX_ROWS`` take several calls),
 float16 scales and minima widened exactly (subnormals, zeros and negatives included);
 ``Q41Linear`` takes it for passes of at most ``KERNEL_ROWS`` rows and dequantizes for longer
-ones (float32's product bit for bit)."""
+ones (the kernel's dequantization: the blocks' weight bit for bit, so float32's product)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torch import nn
 
 from sparkv.runtime.linears import Q41Linear
 from sparkv.runtime.q41 import Q41Weight, quantize_q41
-from sparkv.runtime.q41kernel import (MAX_ROWS, blocks_matmul, pack_blocks, q41_matmul,
-                                       unpack_blocks)
+from sparkv.runtime.q41kernel import (MAX_ROWS, KernelBlocks, blocks_dequantize, blocks_matmul,
+                                       pack_blocks, q41_matmul, unpack_blocks)
 
 
 def _blocks(rows: int, cols: int, seed: int) -> Q41Weight:
@@ -40,6 +40,13 @@ def test_one_hot_rows_give_the_blocks_weights_bit_for_bit(rows, cols):
     while a < cols:                               # every kernel (1 to MAX_ROWS rows a call)
         assert torch.equal(q41_matmul(eye[a:a + k], *packed), w[:, a:a + k].T)
         a, k = a + k, k % MAX_ROWS + 1
+
+
+@pytest.mark.parametrize("rows,cols", [(48, 64), (96, 576), (40, 1536)])
+def test_the_kernels_dequantize_is_the_blocks_weight_bit_for_bit(rows, cols):
+    q = _blocks(rows, cols, rows + 1)
+    got = blocks_dequantize(KernelBlocks.of(*pack_blocks(q)))
+    assert got.dtype == torch.float32 and torch.equal(got, q.dequantize())
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 8])

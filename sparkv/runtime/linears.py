@@ -40,8 +40,8 @@ from torch import nn
 
 from sparkv.runtime.fastops import SHARED_PRODUCT, linear as fast_linear
 from sparkv.runtime.q41 import BLOCK, Q41Weight, quantize_q41
-from sparkv.runtime.q41kernel import (MAX_ROWS, KernelBlocks, blocks_matmul, pack_blocks,
-                                       unpack_blocks)
+from sparkv.runtime.q41kernel import (MAX_ROWS, KernelBlocks, blocks_dequantize, blocks_matmul,
+                                       pack_blocks, unpack_blocks)
 from sparkv.runtime.q80 import kernel_arrays, q80_matmul, quantize_q80, Q80Weight
 
 
@@ -151,7 +151,8 @@ def kernel_views(views: _Views | None, make: Callable[..., Any], *held: torch.Te
 class Q41Linear(WeightLinear):
     """Q4_1 blocks (:mod:`sparkv.runtime.q41`): on SmolLM2 exactly the weights float32 computes
     with, at 5 bits a weight instead of 32 (``int4``). A pass of many rows (a prefill)
-    dequantizes them to float32 and multiplies (float32's product bit for bit); a pass of at
+    dequantizes them to float32 (on the CPU in one numba call) and multiplies (float32's
+    product bit for bit); a pass of at
     most :attr:`KERNEL_ROWS` rows on the CPU (an answer token: bound by reading the weights)
     multiplies with the blocks in one numba call (:mod:`sparkv.runtime.q41kernel`: the same
     weights, float32 sums in another order).
@@ -189,9 +190,10 @@ class Q41Linear(WeightLinear):
         return views[1]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.numel() <= self.KERNEL_ROWS * self.in_features and x.is_cpu
-                and x.dtype == torch.float32 and self._buffers["codes"].is_cpu):  # type: ignore
-            return blocks_matmul(x, self.kernel_blocks())
+        if x.is_cpu and x.dtype == torch.float32 and self._buffers["codes"].is_cpu:  # type: ignore
+            if x.numel() <= self.KERNEL_ROWS * self.in_features:
+                return blocks_matmul(x, self.kernel_blocks())
+            return fast_linear(x, blocks_dequantize(self.kernel_blocks()))
         return fast_linear(x, self.blocks().dequantize(x.dtype))
 
 

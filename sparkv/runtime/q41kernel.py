@@ -33,7 +33,7 @@ import numpy.typing as npt
 import torch
 
 from sparkv.runtime.q41 import BLOCK, Q41Weight
-from sparkv.runtime.rowkernels import MAX_ROWS, half_float, run_rows
+from sparkv.runtime.rowkernels import MAX_ROWS, half_float, run_rows, use_torch_threads
 
 #: no "contract": ``q * d + m`` rounds twice, as the checkpoint's weights were made
 _FAST = {"nsz", "arcp", "afn", "reassoc"}
@@ -123,6 +123,33 @@ def blocks_matmul(x: torch.Tensor, blocks: KernelBlocks) -> torch.Tensor:
     return run_rows(x, blocks, blocks.packed.shape[0], _kernel)
 
 
+@nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
+         boundscheck=False)
+def _dequantize(packed: _U8, d: _U16, m: _U16, w: _F32) -> None:  # pragma: no cover - numba
+    """``w [out, in]`` = the blocks' weights, made as the product kernels make them."""
+    half = 16
+    for o in nb.prange(packed.shape[0]):
+        for b in range(d.shape[1]):
+            db, mb = half_float(d[o, b]), half_float(m[o, b])
+            dh = db * np.float32(0.0625)
+            for j in range(half):
+                c = packed[o, b * half + j]
+                w[o, b * 32 + j] = np.float32(c & 15) * db + mb
+                w[o, b * 32 + half + j] = np.float32(c & 240) * dh + mb
+
+
+def blocks_dequantize(blocks: KernelBlocks) -> torch.Tensor:
+    """The blocks' float32 weight ``[out, in]``, bit for bit :meth:`Q41Weight.dequantize
+    <sparkv.runtime.q41.Q41Weight.dequantize>`'s, in one numba call (a pass of many rows
+    multiplies with it: 5-10x faster than torch's unpacking, which made a prefill of ``int4``
+    pay ~2-3 ms a projection per pass)."""
+    rows, half_cols = blocks.packed.shape
+    w = np.empty((rows, 2 * half_cols), dtype=np.float32)
+    use_torch_threads()
+    _dequantize(*blocks, w)
+    return torch.from_numpy(w)
+
+
 def warm_up() -> None:
     """Compiles (or loads from numba's cache) the kernel."""
     from sparkv.runtime.q41 import quantize_q41
@@ -130,7 +157,8 @@ def warm_up() -> None:
     blocks = pack_blocks(quantize_q41(torch.randn(8, 64)))
     for rows in range(1, MAX_ROWS + 1):
         q41_matmul(torch.randn(rows, 64), *blocks)
+    blocks_dequantize(KernelBlocks.of(*blocks))
 
 
-__all__ = ["KernelBlocks", "MAX_ROWS", "blocks_matmul", "pack_blocks", "q41_matmul",
+__all__ = ["KernelBlocks", "MAX_ROWS", "blocks_dequantize", "blocks_matmul", "pack_blocks", "q41_matmul",
            "unpack_blocks", "warm_up"]

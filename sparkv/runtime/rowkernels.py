@@ -33,21 +33,26 @@ def half_float(h: np.uint16) -> np.float32:  # pragma: no cover - numba
     return -mag if b >> 15 else mag
 
 
+def use_torch_threads() -> None:
+    """Sets numba's thread count for this thread to torch's (a test process or a shared machine
+    sets fewer): a parallel loop's barrier waits for every thread, and an oversubscribed one is
+    not scheduled."""
+    threads = max(1, min(torch.get_num_threads(), _NUMBA_THREADS))
+    if nb.get_num_threads() != threads:
+        nb.set_num_threads(threads)
+
+
 def run_rows(x: torch.Tensor, arrays: tuple[Any, ...], out_features: int,
              kernel_for: Callable[[int], Callable[..., None]]) -> torch.Tensor:
     """``kernel_for(rows)(x_rows, *arrays, y_rows)`` over ``x [..., in]`` (float32, CPU) in
     groups of at most :data:`MAX_ROWS` rows -> ``y [..., out_features]`` float32."""
     xs = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1, x.shape[-1])
     y = np.empty((xs.shape[0], out_features), dtype=np.float32)
-    # as many threads as torch's (a test process or a shared machine sets fewer): a parallel
-    # loop's barrier waits for every thread, and an oversubscribed one is not scheduled
-    threads = max(1, min(torch.get_num_threads(), _NUMBA_THREADS))
-    if nb.get_num_threads() != threads:
-        nb.set_num_threads(threads)
+    use_torch_threads()
     for a in range(0, xs.shape[0], MAX_ROWS):
         b = min(a + MAX_ROWS, xs.shape[0])
         kernel_for(b - a)(xs[a:b], *arrays, y[a:b])
     return torch.from_numpy(y).view(*x.shape[:-1], out_features)
 
 
-__all__ = ["MAX_ROWS", "half_float", "run_rows"]
+__all__ = ["MAX_ROWS", "half_float", "run_rows", "use_torch_threads"]

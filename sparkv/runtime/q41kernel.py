@@ -33,7 +33,8 @@ import numpy.typing as npt
 import torch
 
 from sparkv.runtime.q41 import BLOCK, Q41Weight
-from sparkv.runtime.rowkernels import MAX_ROWS, half_float, run_rows, use_torch_threads
+from sparkv.runtime.rowkernels import (MAX_ROWS, half_float, run_rows, store_sums,
+                                       use_torch_threads)
 
 #: no "contract": ``q * d + m`` rounds twice, as the checkpoint's weights were made
 _FAST = {"nsz", "arcp", "afn", "reassoc"}
@@ -82,11 +83,7 @@ def _make_kernel(rows: int) -> Callable[..., None]:
                     w1 = np.float32(c & 240) * dh + mb
                     for r in range(rows):
                         acc[r, j] += x[r, b * 32 + j] * w0 + x[r, b * 32 + half + j] * w1
-            for r in range(rows):
-                t = np.float32(0.0)
-                for j in range(half):
-                    t += acc[r, j]
-                y[r, o] = t
+            store_sums(acc, y, o)
 
     return matmul
 

@@ -29,7 +29,7 @@ import numpy.typing as npt
 import torch
 
 from sparkv.runtime.q41 import BLOCK
-from sparkv.runtime.rowkernels import MAX_ROWS, half_float, run_rows
+from sparkv.runtime.rowkernels import MAX_ROWS, half_float, run_rows, store_sums
 
 #: the weights are exact products, so contracting a product into its sum changes no weight
 _FAST = {"nsz", "arcp", "afn", "reassoc", "contract"}
@@ -99,11 +99,7 @@ def _make_kernel(rows: int) -> Callable[..., None]:
                     w1 = np.float32(codes[o, b * 32 + half + j]) * db
                     for r in range(rows):
                         acc[r, j] += x[r, b * 32 + j] * w0 + x[r, b * 32 + half + j] * w1
-            for r in range(rows):
-                t = np.float32(0.0)
-                for j in range(half):
-                    t += acc[r, j]
-                y[r, o] = t
+            store_sums(acc, y, o)
 
     return matmul
 

@@ -33,6 +33,16 @@ def half_float(h: np.uint16) -> np.float32:  # pragma: no cover - numba
     return -mag if b >> 15 else mag
 
 
+@nb.njit(fastmath={"nsz", "arcp", "afn", "reassoc"}, boundscheck=False, error_model="numpy")
+def store_sums(acc: Any, y: Any, o: int) -> None:  # pragma: no cover - numba
+    """``y[r, o]`` = the sum of row ``r``'s partial sums ``acc [rows, lanes]``, every row."""
+    for r in range(acc.shape[0]):
+        t = np.float32(0.0)
+        for j in range(acc.shape[1]):
+            t += acc[r, j]
+        y[r, o] = t
+
+
 def use_torch_threads() -> None:
     """Sets numba's thread count for this thread to torch's (a test process or a shared machine
     sets fewer): a parallel loop's barrier waits for every thread, and an oversubscribed one is
@@ -55,4 +65,4 @@ def run_rows(x: torch.Tensor, arrays: tuple[Any, ...], out_features: int,
     return torch.from_numpy(y).view(*x.shape[:-1], out_features)
 
 
-__all__ = ["MAX_ROWS", "half_float", "run_rows", "use_torch_threads"]
+__all__ = ["MAX_ROWS", "half_float", "run_rows", "store_sums", "use_torch_threads"]

@@ -204,6 +204,21 @@ def test_milp_reports_status_gap_and_time_limit():
     assert limited.info["gap"] is None or limited.info["gap"] >= 0
 
 
+def test_a_failing_milp_solver_is_a_planner_error(monkeypatch):
+    """CBC that exits with an error (it did once on a loaded machine, at its time limit) is
+    the planner's clear error, not PuLP's."""
+    import pulp
+
+    from sparkv.scheduler import PlannerError
+
+    def crash(self, lp, **kwargs):
+        raise pulp.PulpSolverError("Pulp: Error while trying to execute /path/to/cbc")
+
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "actualSolve", crash)
+    with pytest.raises(PlannerError, match="no solution within 1 s .CBC failed: Pulp: Error"):
+        Milp(stages=2, time_limit_s=1).plan(synthetic_instance(1024, num_layers=2))
+
+
 def test_greedy_plans_free_steps_over_a_crawling_link_without_walking_empty_stages():
     """A prelude computed every step (each priced ~0) and the link crawls (the prior capped by a
     slow manifest): the balanced stage length is then microseconds against a chunk's seconds on

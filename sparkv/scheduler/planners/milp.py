@@ -84,7 +84,8 @@ class Milp(Planner):
         return plan
 
     def _solve(self, model: _StageModel) -> tuple[float, str]:
-        """Runs CBC on ``model``: ``(solve seconds, CBC's log)``."""
+        """Runs CBC on ``model``: ``(solve seconds, CBC's log)``; raises :class:`PlannerError`
+        when CBC itself fails."""
         from sparkv.extras import require
 
         pulp = require("pulp", feature="the MILP planner")
@@ -98,7 +99,12 @@ class Milp(Planner):
                                        gapRel=self.gap_rel, threads=self.threads,
                                        warmStart=self.warm_start != "none", logPath=log_path)
             t0 = time.perf_counter()
-            model.prob.solve(solver)
+            try:
+                model.prob.solve(solver)
+            except pulp.PulpSolverError as e:   # CBC exited with an error (seen on a loaded
+                raise PlannerError(                # machine at its time limit)
+                    f"MILP found no solution within {self.time_limit_s} s (CBC failed: "
+                    f"{str(e).split('/')[0].strip()})") from e
             solve_time = time.perf_counter() - t0
             log = Path(log_path).read_text() if os.path.exists(log_path) else ""
         return solve_time, log

@@ -148,6 +148,16 @@ def kernel_views(views: _Views | None, make: Callable[..., Any], *held: torch.Te
     return views
 
 
+def _layer_views(layer: Any, make: Callable[..., Any], names: tuple[str, ...]) -> Any:
+    """``layer``'s kernel views of its buffers ``names``, kept in its ``_views``
+    (:func:`kernel_views`)."""
+    old = layer._views
+    views = kernel_views(old, make, *(layer._buffers[n] for n in names))
+    if views is not old:
+        layer._views = views
+    return views[1]
+
+
 class Q41Linear(WeightLinear):
     """Q4_1 blocks (:mod:`sparkv.runtime.q41`): on SmolLM2 exactly the weights float32 computes
     with, at 5 bits a weight instead of 32 (``int4``). A pass of many rows (a prefill)
@@ -183,11 +193,7 @@ class Q41Linear(WeightLinear):
 
     def kernel_blocks(self) -> KernelBlocks:
         """The kernel's views of the buffers (:func:`kernel_views`)."""
-        bufs = self._buffers
-        views = kernel_views(self._views, KernelBlocks.of, bufs["codes"], bufs["d"], bufs["m"])
-        if views is not self._views:
-            self._views = views
-        return views[1]
+        return _layer_views(self, KernelBlocks.of, ("codes", "d", "m"))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and x.dtype == torch.float32 and self._buffers["codes"].is_cpu:  # type: ignore
@@ -287,11 +293,7 @@ class Q80Linear(WeightLinear):
 
     def _arrays(self) -> tuple[Any, Any]:
         """The kernel's views of the buffers (:func:`kernel_views`)."""
-        bufs = self._buffers
-        views = kernel_views(self._views, _q80_arrays, bufs["codes"], bufs["d"])
-        if views is not self._views:
-            self._views = views
-        return views[1]
+        return _layer_views(self, _q80_arrays, ("codes", "d"))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if (x.numel() <= self.KERNEL_ROWS * self.in_features and x.is_cpu

@@ -61,6 +61,7 @@ def unpack_blocks(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q41
     return Q41Weight(codes, d.view(torch.float16), m.view(torch.float16))
 
 
+@functools.cache
 def _make_kernel(rows: int) -> Callable[..., None]:
     """The kernel for passes of exactly ``rows`` rows (a literal: its loops over rows unroll, and
     each weight made once serves every row)."""
@@ -88,11 +89,6 @@ def _make_kernel(rows: int) -> Callable[..., None]:
     return matmul
 
 
-@functools.cache
-def _kernel(rows: int) -> Callable[..., None]:
-    return _make_kernel(rows)
-
-
 class KernelBlocks(NamedTuple):
     """numpy views (no copy) of blocks packed by :func:`pack_blocks`, as the kernel reads them:
     made once per weight (:meth:`of`), since making them costs about as much as a small
@@ -117,7 +113,7 @@ def q41_matmul(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.
 def blocks_matmul(x: torch.Tensor, blocks: KernelBlocks) -> torch.Tensor:
     """``x [..., in]`` (float32, CPU) times the blocks' weights -> ``[..., out]`` float32; up
     to :data:`~sparkv.runtime.rowkernels.MAX_ROWS` rows a call of the kernel."""
-    return run_rows(x, blocks, blocks.packed.shape[0], _kernel)
+    return run_rows(x, blocks, blocks.packed.shape[0], _make_kernel)
 
 
 @nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
@@ -157,5 +153,5 @@ def warm_up() -> None:
     blocks_dequantize(KernelBlocks.of(*blocks))
 
 
-__all__ = ["KernelBlocks", "MAX_ROWS", "blocks_dequantize", "blocks_matmul", "pack_blocks", "q41_matmul",
-           "unpack_blocks", "warm_up"]
+__all__ = ["KernelBlocks", "MAX_ROWS", "blocks_dequantize", "blocks_matmul", "pack_blocks",
+           "q41_matmul", "unpack_blocks", "warm_up"]

@@ -77,6 +77,7 @@ def quantize_q80(weight: torch.Tensor) -> Q80Weight:
     return Q80Weight(q.clamp(-127, 127).to(torch.int8).reshape(rows, cols), d)
 
 
+@functools.cache
 def _make_kernel(rows: int) -> Callable[..., None]:
     """The kernel for passes of exactly ``rows`` rows (:mod:`sparkv.runtime.rowkernels`): a
     block's halves side by side (16 partial sums a row) for two rows or more; one row keeps 32
@@ -121,11 +122,6 @@ def _one_row(x: _F32, codes: _I8, d: _U16, y: _F32) -> None:  # pragma: no cover
         y[0, o] = t
 
 
-@functools.cache
-def _kernel(rows: int) -> Callable[..., None]:
-    return _make_kernel(rows)
-
-
 def kernel_arrays(q: Q80Weight) -> tuple[_I8, _U16]:
     """The numpy views (no copy) :func:`q80_matmul` reads: make them once per weight."""
     return q.codes.numpy(), q.d.view(torch.int16).numpy().view(np.uint16)
@@ -134,7 +130,7 @@ def kernel_arrays(q: Q80Weight) -> tuple[_I8, _U16]:
 def q80_matmul(x: torch.Tensor, arrays: tuple[_I8, _U16]) -> torch.Tensor:
     """``x [..., in]`` (float32, CPU) times the weights of the blocks ``arrays``
     (:func:`kernel_arrays`) -> ``[..., out]`` float32."""
-    return run_rows(x, arrays, arrays[0].shape[0], _kernel)
+    return run_rows(x, arrays, arrays[0].shape[0], _make_kernel)
 
 
 def warm_up() -> None:

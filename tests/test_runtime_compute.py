@@ -268,6 +268,41 @@ def test_fast_ops_equal_transformers_own_forward_in_every_family():
         assert _max_rel(fast, plain) < 1e-5, cfg_cls.model_type
 
 
+def test_the_fast_decoder_layer_is_the_layers_own_forward_and_keeps_its_childrens_hooks(
+        tiny_llama):
+    """The decoder layer's fast forward calls its children's forwards directly (no
+    ``Module.__call__``) only where nothing could tell: bit for bit the layer's own forward, and
+    a hook on a child, or autograd, takes the modules' calls again (the hook fires)."""
+    from sparkv.runtime.fastops import DECODER_SUFFIX, direct_calls
+
+    model = tiny_llama.model.model
+    layer = model.layers[1]
+    assert type(layer).__name__ == "Fast" + "Llama" + DECODER_SUFFIX
+    own = type(layer).__mro__[1].forward
+    x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(7)[None]
+    emb = model.rotary_emb(x, position_ids=pos)
+    children = [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
+                layer.mlp]
+    with torch.inference_mode():
+        assert direct_calls(children)
+        want = own(layer, x, position_ids=pos, position_embeddings=emb)
+        assert torch.equal(layer(x, position_ids=pos, position_embeddings=emb), want)
+    seen = []
+    handle = layer.self_attn.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        with torch.inference_mode():
+            assert not direct_calls(children)
+            assert torch.equal(layer(x, position_ids=pos, position_embeddings=emb), want)
+        assert seen == [1]
+    finally:
+        handle.remove()
+    with torch.enable_grad():
+        assert not direct_calls(children)
+    with torch.inference_mode():
+        assert direct_calls(children)
+
+
 def test_a_few_rows_linear_is_torchs_within_rounding_and_one_row_bit_for_bit():
     """``fastops.linear``: 2-64 float32 rows as ``W @ x^T`` equal ``F.linear`` within float32
     rounding (with a bias too); one row, more rows and other dtypes are ``F.linear`` itself."""

@@ -1,0 +1,103 @@
+"""RoPE of an answer token's q and k in one numba call (sparkv/runtime/ropekernel.py): bit for
+bit torch's operations for every row count it takes, strided (a projection's views) or not,
+at any scale and position; passes it does not take keep torch's; SmolLM2's answer tokens run it
+and their logits stay those of torch's RoPE bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkv.runtime import ropekernel
+from sparkv.runtime.fastops import apply_rope, rope_pair
+from sparkv.runtime.ropekernel import MAX_ROWS, matches_torch, rope_qk, takes, torch_rope
+
+
+def _emb(rows: int, dim: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[1, rows, dim]`` of RoPE's angles at random positions up to 32K."""
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    pos = torch.randint(0, 32768, (rows,), generator=gen).float()
+    ang = pos[:, None] * inv[None]
+    emb = torch.cat((ang, ang), dim=-1)[None]
+    return emb.cos(), emb.sin()
+
+
+def _projected(rows: int, gen: torch.Generator, scale: float) -> tuple[torch.Tensor, ...]:
+    """q ``[1, 9, rows, 64]`` and k ``[1, 3, rows, 64]`` as views of one projection's output
+    (strided, as the attention forward has them)."""
+    qkv = torch.randn(1, rows, 960, generator=gen) * scale
+    q, k = qkv[..., :576], qkv[..., 576:768]
+    return (q.view(1, rows, 9, 64).transpose(1, 2), k.view(1, rows, 3, 64).transpose(1, 2))
+
+
+def test_the_kernel_is_torchs_rope_bit_for_bit():
+    assert matches_torch()
+    gen = torch.Generator().manual_seed(0)
+    for case in range(64):
+        rows = 1 + case % MAX_ROWS
+        q, k = _projected(rows, gen, 10.0 ** (case % 7 - 3))
+        cos, sin = _emb(rows, 64, gen)
+        assert takes(q, cos) and takes(k, cos)
+        got_q, got_k = rope_qk(q, k, cos, sin)
+        assert torch.equal(got_q, torch_rope(q, cos, sin))
+        assert torch.equal(got_k, torch_rope(k, cos, sin))
+        assert got_q.is_contiguous() and not got_q.isnan().any()
+
+
+def test_passes_it_does_not_take_keep_torchs_rope():
+    gen = torch.Generator().manual_seed(1)
+    q, k = _projected(MAX_ROWS + 1, gen, 1.0)
+    cos, sin = _emb(MAX_ROWS + 1, 64, gen)
+    assert not takes(q, cos)                                     # too many rows
+    assert not takes(q.double(), cos.double())                   # not float32
+    half_cos, _ = _emb(1, 32, gen)
+    assert not takes(q[:, :, :1], half_cos)                     # a partial rotary dimension
+    got_q, got_k = rope_pair(q, k, cos, sin)
+    assert torch.equal(got_q, apply_rope(q, cos, sin))
+    assert torch.equal(got_k, apply_rope(k, cos, sin))
+
+
+def test_a_machine_whose_torch_rounds_otherwise_keeps_torchs_rope(monkeypatch):
+    """Where the check fails (another torch build, another CPU), the kernel is not used."""
+    gen = torch.Generator().manual_seed(2)
+    q, k = _projected(1, gen, 1.0)
+    cos, sin = _emb(1, 64, gen)
+    monkeypatch.setattr(ropekernel, "matches_torch", lambda: False)
+    assert not takes(q, cos)
+    calls = []
+    monkeypatch.setattr(ropekernel, "rope_qk", lambda *a: calls.append(a))
+    got_q, _ = rope_pair(q, k, cos, sin)
+    assert not calls and torch.equal(got_q, torch_rope(q, cos, sin))
+
+
+def _answer_logits(lm, ids: list[int]) -> list[torch.Tensor]:
+    """The logits of three answer tokens (fixed ones) after a context of ``ids``."""
+    from sparkv.cache import SparkvCache
+    from sparkv.runtime.batchdecode import DecodeItem, decode_together
+    from sparkv.runtime.generate import context_memory, reference_prefill
+
+    cache = SparkvCache(context_memory(lm, reference_prefill(lm, ids), len(ids)))
+    return [decode_together(lm, [DecodeItem(cache, tok, len(ids) + i)])
+            for i, tok in enumerate((5, 17, 42))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_smollm2_answer_tokens_are_those_of_torchs_rope(smollm2, dtype, monkeypatch):
+    """Answer tokens over a context with the kernel and with torch's RoPE: equal logits."""
+    from sparkv.runtime import load_model
+
+    lm = smollm2 if dtype == "float32" else load_model(dtype=dtype)
+    ids = lm.tokenizer("The kernel rotates queries and keys; the answer stays.")["input_ids"]
+    used = []
+    real = ropekernel.rope_qk
+
+    def counted(*args):
+        used.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(ropekernel, "rope_qk", counted)
+    fast = _answer_logits(lm, ids)
+    assert len(used) == 3 * lm.model.config.num_hidden_layers
+    monkeypatch.setattr(ropekernel, "matches_torch", lambda: False)
+    plain = _answer_logits(lm, ids)
+    assert all(torch.equal(a, b) for a, b in zip(fast, plain))

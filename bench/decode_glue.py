@@ -6,7 +6,8 @@ one pass each; the four variants (neither, each alone, both) alternate in blocks
 ``--block`` tokens in one process (the order reversed every other round), so that a slow spell
 of a shared machine falls on all of them. Per variant, the median of its blocks' ms a token.
 
-    python bench/decode_glue.py --dtype int4 --rounds 16 --out bench/results/decode_glue_int4_cpu.json
+    python bench/decode_glue.py --dtype int4 --rounds 16 \
+        --out bench/results/decode_glue_int4_cpu.json
 """
 
 from __future__ import annotations

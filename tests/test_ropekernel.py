@@ -68,7 +68,7 @@ def test_the_kernel_is_torchs_rope_bit_for_bit():
         rows = 1 + case % MAX_ROWS
         q, k = _projected(rows, gen, 10.0 ** (case % 7 - 3))
         cos, sin = _emb(rows, 64, gen)
-        assert takes(q, cos) and takes(k, cos)
+        assert takes(q, cos, sin) and takes(k, cos, sin)
         got_q, got_k = rope_qk(q, k, cos, sin)
         assert torch.equal(got_q, torch_rope(q, cos, sin))
         assert torch.equal(got_k, torch_rope(k, cos, sin))
@@ -79,10 +79,15 @@ def test_passes_it_does_not_take_keep_torchs_rope():
     gen = torch.Generator().manual_seed(1)
     q, k = _projected(MAX_ROWS + 1, gen, 1.0)
     cos, sin = _emb(MAX_ROWS + 1, 64, gen)
-    assert not takes(q, cos)                                     # too many rows
-    assert not takes(q.double(), cos.double())                   # not float32
-    half_cos, _ = _emb(1, 32, gen)
-    assert not takes(q[:, :, :1], half_cos)                     # a partial rotary dimension
+    assert not takes(q, cos, sin)                                # too many rows
+    one, cos1, sin1 = q[:, :, :1], cos[:, :1], sin[:, :1]
+    assert takes(one, cos1, sin1)
+    assert not takes(one.double(), cos1.double(), sin1.double())  # not float32
+    half_cos, half_sin = _emb(1, 32, gen)
+    assert not takes(one, half_cos, half_sin)                   # a partial rotary dimension
+    assert not takes(one.expand(2, -1, -1, -1), cos1, sin1)     # cos/sin broadcast over a batch
+    assert not takes(one, cos1, sin[:, :2])                     # sin of another shape
+    assert not takes(one[0], cos1[0], sin1[0])                  # not [B, H, n, D]
     got_q, got_k = rope_pair(q, k, cos, sin)
     assert torch.equal(got_q, apply_rope(q, cos, sin))
     assert torch.equal(got_k, apply_rope(k, cos, sin))
@@ -94,7 +99,7 @@ def test_a_machine_whose_torch_rounds_otherwise_keeps_torchs_rope(monkeypatch):
     q, k = _projected(1, gen, 1.0)
     cos, sin = _emb(1, 64, gen)
     monkeypatch.setattr(ropekernel, "matches_torch", lambda: False)
-    assert not takes(q, cos)
+    assert not takes(q, cos, sin)
     calls = []
     monkeypatch.setattr(ropekernel, "rope_qk", lambda *a: calls.append(a))
     got_q, _ = rope_pair(q, k, cos, sin)

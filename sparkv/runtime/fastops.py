@@ -70,7 +70,7 @@ def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rope` of ``q`` and ``k``: a pass of a few float32 rows on a CPU (an answer
     token) in one numba call (:mod:`sparkv.runtime.ropekernel`, bit for bit the same)."""
-    if ropekernel.takes(q, cos) and ropekernel.takes(k, cos):
+    if ropekernel.takes(q, cos, sin) and ropekernel.takes(k, cos, sin):
         return ropekernel.rope_qk(q, k, cos, sin)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 

@@ -75,19 +75,24 @@ def _kernel() -> Any:
                    cache=True)(_rotate_qk)
 
 
-def takes(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether :func:`rope_qk` takes ``x [B, H, n, D]`` with ``cos [B, n, D]``: float32 on a
-    CPU, at most :data:`MAX_ROWS` rows, the whole head dimension rotated, and this machine's
-    torch computing RoPE as the kernel does (:func:`matches_torch`)."""
-    return (x.dtype == torch.float32 and cos.dtype == torch.float32 and x.device.type == "cpu"
-            and cos.device.type == "cpu" and x.shape[0] * x.shape[2] <= MAX_ROWS
-            and cos.shape[-1] == x.shape[-1] and x.shape[-1] % 2 == 0 and matches_torch())
+def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether :func:`rope_qk` takes ``x [B, H, n, D]`` with ``cos, sin [B, n, D]`` (exactly
+    those shapes: no broadcasting): float32 on a CPU, at most :data:`MAX_ROWS` rows, the whole
+    head dimension rotated, and this machine's torch computing RoPE as the kernel does
+    (:func:`matches_torch`)."""
+    if x.dim() != 4 or x.shape[-1] % 2:
+        return False
+    shape = (x.shape[0], x.shape[2], x.shape[3])
+    return (cos.shape == shape and sin.shape == shape and x.shape[0] * x.shape[2] <= MAX_ROWS
+            and x.dtype == cos.dtype == sin.dtype == torch.float32
+            and x.device.type == cos.device.type == sin.device.type == "cpu"
+            and matches_torch())
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of ``q`` and ``k`` ``[B, H, n, D]`` (new contiguous tensors) with ``cos/sin [B, n,
-    D]``, in one call; both must pass :func:`takes`."""
+    D]``, in one call; both must pass :func:`takes` (the kernel does not check bounds)."""
     qo = torch.empty(q.shape, dtype=torch.float32)
     ko = torch.empty(k.shape, dtype=torch.float32)
     _kernel()(q.numpy(), k.numpy(), cos.numpy(), sin.numpy(), qo.numpy(), ko.numpy())

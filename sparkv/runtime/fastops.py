@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from sparkv.runtime import ropekernel
 from sparkv.runtime.hooks import offer_queries
@@ -250,8 +251,6 @@ def _children(layer: nn.Module) -> list[Any]:
 def direct_calls(modules: list[nn.Module]) -> bool:
     """Whether calling ``modules``' forwards directly computes what calling the modules does:
     no forward or backward hook on them or global, autograd off, not traced or compiled."""
-    from torch.nn.modules import module as nn_module
-
     if torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
     if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks

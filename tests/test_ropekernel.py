@@ -88,9 +88,22 @@ def test_passes_it_does_not_take_keep_torchs_rope():
     assert not takes(one.expand(2, -1, -1, -1), cos1, sin1)     # cos/sin broadcast over a batch
     assert not takes(one, cos1, sin[:, :2])                     # sin of another shape
     assert not takes(one[0], cos1[0], sin1[0])                  # not [B, H, n, D]
+    assert not takes(one.clone().requires_grad_(), cos1, sin1)  # autograd follows it
     got_q, got_k = rope_pair(q, k, cos, sin)
     assert torch.equal(got_q, apply_rope(q, cos, sin))
     assert torch.equal(got_k, apply_rope(k, cos, sin))
+
+
+def test_a_pass_autograd_follows_keeps_torchs_rope_and_its_gradient(tiny_llama):
+    """A forward with gradients (the model's parameters require them): torch's RoPE, and the
+    gradient reaches the query projection."""
+    model = tiny_llama.model
+    with torch.enable_grad():
+        out = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+        out.sum().backward()
+    grad = model.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
 
 
 def test_a_machine_whose_torch_rounds_otherwise_keeps_torchs_rope(monkeypatch):

@@ -78,9 +78,10 @@ def _kernel() -> Any:
 def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether :func:`rope_qk` takes ``x [B, H, n, D]`` with ``cos, sin [B, n, D]`` (exactly
     those shapes: no broadcasting): float32 on a CPU, at most :data:`MAX_ROWS` rows, the whole
-    head dimension rotated, and this machine's torch computing RoPE as the kernel does
-    (:func:`matches_torch`)."""
-    if x.dim() != 4 or x.shape[-1] % 2:
+    head dimension rotated, no tensor that autograd follows (the kernel is not differentiable),
+    and this machine's torch computing RoPE as the kernel does (:func:`matches_torch`)."""
+    if x.dim() != 4 or x.shape[-1] % 2 or x.requires_grad or cos.requires_grad \
+            or sin.requires_grad:
         return False
     shape = (x.shape[0], x.shape[2], x.shape[3])
     return (cos.shape == shape and sin.shape == shape and x.shape[0] * x.shape[2] <= MAX_ROWS

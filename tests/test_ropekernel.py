@@ -7,6 +7,8 @@ used."""
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 
@@ -49,12 +51,16 @@ def _fma_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((first, second), dim=-1).float()
 
 
-def test_the_kernel_rounds_as_it_says():
+def _cases() -> Iterator[tuple[torch.Tensor, ...]]:
+    """64 cases ``(q, k, cos, sin)``: every row count the kernel takes, scales 1e-3 to 1e3."""
     gen = torch.Generator().manual_seed(0)
     for case in range(64):
         rows = 1 + case % MAX_ROWS
-        q, k = _projected(rows, gen, 10.0 ** (case % 7 - 3))
-        cos, sin = _emb(rows, 64, gen)
+        yield (*_projected(rows, gen, 10.0 ** (case % 7 - 3)), *_emb(rows, 64, gen))
+
+
+def test_the_kernel_rounds_as_it_says():
+    for q, k, cos, sin in _cases():
         got_q, got_k = rope_qk(q, k, cos, sin)
         assert torch.equal(got_q, _fma_rope(q, cos, sin))
         assert torch.equal(got_k, _fma_rope(k, cos, sin))
@@ -63,11 +69,7 @@ def test_the_kernel_rounds_as_it_says():
 
 @_TORCH_AS_KERNEL
 def test_the_kernel_is_torchs_rope_bit_for_bit():
-    gen = torch.Generator().manual_seed(0)
-    for case in range(64):
-        rows = 1 + case % MAX_ROWS
-        q, k = _projected(rows, gen, 10.0 ** (case % 7 - 3))
-        cos, sin = _emb(rows, 64, gen)
+    for q, k, cos, sin in _cases():
         assert takes(q, cos, sin) and takes(k, cos, sin)
         got_q, got_k = rope_qk(q, k, cos, sin)
         assert torch.equal(got_q, torch_rope(q, cos, sin))

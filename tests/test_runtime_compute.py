@@ -268,37 +268,55 @@ def test_fast_ops_equal_transformers_own_forward_in_every_family():
         assert _max_rel(fast, plain) < 1e-5, cfg_cls.model_type
 
 
-def test_the_fast_decoder_layer_is_the_layers_own_forward_and_keeps_its_childrens_hooks(
-        tiny_llama):
-    """The decoder layer's fast forward calls its children's forwards directly (no
-    ``Module.__call__``) only where nothing could tell: bit for bit the layer's own forward, and
-    a hook on a child, or autograd, takes the modules' calls again (the hook fires)."""
-    from sparkv.runtime.fastops import DECODER_SUFFIX, direct_calls
+def _fresh_tiny_llama():
+    """A 2-layer random Llama of its own: the session's ``tiny_llama`` may carry hooks other
+    tests left on purpose (transformers' output capture stays once asked for)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = tiny_llama.model.model
+    from sparkv.runtime import LoadedModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+                      pad_token_id=0)
+    return LoadedModel.from_model(LlamaForCausalLM(cfg).to(torch.float32), None, "fresh")
+
+
+def test_the_fast_decoder_layer_is_the_layers_own_forward_and_keeps_its_childrens_hooks():
+    """The decoder layer's fast forward calls its children's forwards directly (no
+    ``Module.__call__``) only where nothing could tell: bit for bit the layer's own forward; a
+    hook on one child takes that child's module call again (the hook fires) and leaves the
+    others direct; autograd takes every module call again."""
+    from sparkv.runtime.fastops import DECODER_SUFFIX, _children, direct_calls
+
+    model = _fresh_tiny_llama().model.model
     layer = model.layers[1]
     assert type(layer).__name__ == "Fast" + "Llama" + DECODER_SUFFIX
     own = type(layer).__mro__[1].forward
     x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(5))
     pos = torch.arange(7)[None]
     emb = model.rotary_emb(x, position_ids=pos)
-    children = [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
-                layer.mlp]
+    norm1, attn, norm2, mlp = children = [layer.input_layernorm, layer.self_attn,
+                                          layer.post_attention_layernorm, layer.mlp]
     with torch.inference_mode():
         assert direct_calls(children)
+        assert _children(layer) == [m.forward for m in children]
         want = own(layer, x, position_ids=pos, position_embeddings=emb)
         assert torch.equal(layer(x, position_ids=pos, position_embeddings=emb), want)
     seen = []
-    handle = layer.self_attn.register_forward_hook(lambda *a: seen.append(1))
+    handle = attn.register_forward_hook(lambda *a: seen.append(1))
     try:
         with torch.inference_mode():
             assert not direct_calls(children)
+            assert _children(layer) == [norm1.forward, attn, norm2.forward, mlp.forward]
             assert torch.equal(layer(x, position_ids=pos, position_embeddings=emb), want)
         assert seen == [1]
     finally:
         handle.remove()
     with torch.enable_grad():
         assert not direct_calls(children)
+        assert _children(layer) == children
     with torch.inference_mode():
         assert direct_calls(children)
 

@@ -240,12 +240,13 @@ def _decoder_forward(self: Any, hidden_states: torch.Tensor,
 
 
 def _children(layer: nn.Module) -> list[Any]:
-    """The :data:`LAYER_CHILDREN` of ``layer`` as its fast forward calls them: their forwards
-    when :func:`direct_calls` allows it, else the modules."""
+    """The :data:`LAYER_CHILDREN` of ``layer`` as its fast forward calls them: each one's
+    forward where :func:`direct_calls` allows it, else the module (so a hook on the attention
+    alone, the density recorder's or transformers' output capture, leaves the others direct)."""
     mods = [getattr(layer, name) for name in LAYER_CHILDREN]
-    if direct_calls(mods):
-        return [m.forward for m in mods]
-    return mods
+    if not direct_calls([]):
+        return mods
+    return [m.forward if not _hooked(m) else m for m in mods]
 
 
 def direct_calls(modules: list[nn.Module]) -> bool:
@@ -256,8 +257,12 @@ def direct_calls(modules: list[nn.Module]) -> bool:
     if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
             or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
         return False
-    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                   or m._backward_pre_hooks for m in modules)
+    return not any(_hooked(m) for m in modules)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 def _attention_function(module: nn.Module) -> Any:

@@ -1,8 +1,10 @@
-"""What the work around an answer token's matmuls costs, with and without two of its shortcuts:
-the decoder layer calling its children's forwards directly
-(:func:`sparkv.runtime.fastops._decoder_forward`) and q/k RoPE in one numba call
-(:mod:`sparkv.runtime.ropekernel`). SmolLM2, one context of ``--tokens`` tokens, answer tokens
-one pass each; the four variants (neither, each alone, both) alternate in blocks of
+"""What the work around an answer token's matmuls costs, with and without three of its
+shortcuts: the decoder layer calling its children's forwards directly
+(:func:`sparkv.runtime.fastops._decoder_forward`), q/k RoPE in one numba call
+(:mod:`sparkv.runtime.ropekernel`) and the lean wrapper around the few-rows weight kernels
+(:func:`sparkv.runtime.rowkernels.run_rows`; the variants without it run the wrapper it
+replaced, :func:`_plain_run_rows`). SmolLM2, one context of ``--tokens`` tokens, answer tokens
+one pass each; the five variants (none, each alone, all) alternate in blocks of
 ``--block`` tokens in one process (the order reversed every other round), so that a slow spell
 of a shared machine falls on all of them. Per variant, the median of its blocks' ms a token.
 
@@ -20,22 +22,43 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numba as nb
+import numpy as np
+import torch
+
 from sparkv.cache import SparkvCache
-from sparkv.runtime import load_model, ropekernel, sample_context_ids
+from sparkv.runtime import load_model, q41kernel, q80, ropekernel, rowkernels, sample_context_ids
 from sparkv.runtime.batchdecode import DecodeItem, decode_together
 from sparkv.runtime.generate import context_memory, reference_prefill
 from sparkv.runtime.threads import use_threads
 
-#: variant -> (the fast decoder layer, the RoPE kernel)
-VARIANTS = {"neither": (False, False), "layer": (True, False), "rope": (False, True),
-            "both": (True, True)}
+#: variant -> (the fast decoder layer, the RoPE kernel, the lean kernel wrapper)
+VARIANTS = {"none": (False, False, False), "layer": (True, False, False),
+            "rope": (False, True, False), "rows": (False, False, True), "all": (True, True, True)}
+
+
+def _plain_run_rows(x: torch.Tensor, arrays: tuple[Any, ...], out_features: int,
+                    kernel_for: Callable[[int], Callable[..., None]]) -> torch.Tensor:
+    """The kernel wrapper before the lean one: numba asked for its thread count every call,
+    the output shaped by torch's ``view``."""
+    xs = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1, x.shape[-1])
+    y = np.empty((xs.shape[0], out_features), dtype=np.float32)
+    threads = max(1, min(torch.get_num_threads(), rowkernels._NUMBA_THREADS))
+    if nb.get_num_threads() != threads:
+        nb.set_num_threads(threads)
+    for a in range(0, xs.shape[0], rowkernels.MAX_ROWS):
+        b = min(a + rowkernels.MAX_ROWS, xs.shape[0])
+        kernel_for(b - a)(xs[a:b], *arrays, y[a:b])
+    return torch.from_numpy(y).view(*x.shape[:-1], out_features)
 
 
 def _switch(layer_cls: type, own: Callable[..., Any], fast: Callable[..., Any],
             matches: Callable[[], bool], variant: str) -> None:
-    lean, rope = VARIANTS[variant]
+    lean, rope, rows = VARIANTS[variant]
     layer_cls.forward = fast if lean else own                       # type: ignore[attr-defined]
     ropekernel.matches_torch = matches if rope else (lambda: False)  # type: ignore[assignment]
+    wrapper = rowkernels.run_rows if rows else _plain_run_rows
+    q41kernel.run_rows = q80.run_rows = wrapper
 
 
 def main() -> None:
@@ -70,10 +93,10 @@ def main() -> None:
                     times[variant].append(1e3 * (time.perf_counter() - t0) / args.block)
             memory.truncate()
     finally:
-        _switch(layer_cls, own, fast, matches, "both")
+        _switch(layer_cls, own, fast, matches, "all")
     med = {v: statistics.median(t) for v, t in times.items()}
     for v in VARIANTS:
-        print(f"{v:8s} {med[v]:7.1f} ms a token  ({med['neither'] / med[v]:.3f}x neither)")
+        print(f"{v:8s} {med[v]:7.1f} ms a token  ({med['none'] / med[v]:.3f}x none)")
     out = {"benchmark": "decode_glue", "model": lm.name, "dtype": args.dtype, "tokens": n,
            "threads": args.threads, "rounds": args.rounds, "block": args.block,
            "loadavg": os.getloadavg(), "median_ms": med, "ms": times}

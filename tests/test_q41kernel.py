@@ -151,3 +151,34 @@ def test_shared_product_follows_loaded_weights_and_steps_aside_for_replaced_ones
     copied = copy.deepcopy(lm.decoder.layers[1].self_attn)  # a deep copy reads its own blocks
     got = getattr(copied, SHARED_PRODUCT)(x)
     assert got is not None and torch.equal(got[2], copied.v_proj(x))
+
+
+@pytest.mark.parametrize("shape", [(576,), (0, 576), (1, 576), (1, 1, 576), (2, 9, 576),
+                                   (576, 3)])
+def test_every_input_shape_comes_back_with_its_leading_dims(shape):
+    """One row, none, a few, more than a call takes (18: three calls) and a transposed,
+    non-contiguous input: ``[..., out]``, float32's product up to its sums."""
+    q = _blocks(40, 576, 7)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    if shape == (576, 3):
+        x = x.T
+    got = q41_matmul(x, *pack_blocks(q))
+    assert got.shape == (*x.shape[:-1], 40) and got.dtype == torch.float32
+    torch.testing.assert_close(got, x @ q.dequantize().T, atol=1e-4, rtol=1e-4)
+
+
+def test_the_kernels_follow_torchs_thread_count_as_it_changes():
+    """numba's thread count is remembered per thread but follows a new torch count."""
+    import numba as nb
+
+    from sparkv.runtime.rowkernels import use_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            use_torch_threads()
+            assert nb.get_num_threads() == min(n, nb.config.NUMBA_NUM_THREADS)
+    finally:
+        torch.set_num_threads(before)
+        use_torch_threads()

@@ -6,7 +6,8 @@ shortcuts: the decoder layer calling its children's forwards directly
 replaced, :func:`_plain_run_rows`). SmolLM2, one context of ``--tokens`` tokens, answer tokens
 one pass each; the five variants (none, each alone, all) alternate in blocks of
 ``--block`` tokens in one process (the order reversed every other round), so that a slow spell
-of a shared machine falls on all of them. Per variant, the median of its blocks' ms a token.
+of a shared machine falls on all of them. Per variant, the median of its blocks' ms a token, and
+the median over rounds of none's block time over the variant's (paired: the steadier ratio).
 
     python bench/decode_glue.py --dtype int4 --rounds 16 \
         --out bench/results/decode_glue_int4_cpu.json
@@ -95,11 +96,16 @@ def main() -> None:
     finally:
         _switch(layer_cls, own, fast, matches, "all")
     med = {v: statistics.median(t) for v, t in times.items()}
+    # per round, none's block over the variant's (the round's blocks ran back to back)
+    paired = {v: statistics.median(a / b for a, b in zip(times["none"], t))
+              for v, t in times.items()}
     for v in VARIANTS:
-        print(f"{v:8s} {med[v]:7.1f} ms a token  ({med['none'] / med[v]:.3f}x none)")
+        print(f"{v:8s} {med[v]:7.1f} ms a token  ({med['none'] / med[v]:.3f}x none; "
+              f"paired by round {paired[v]:.3f}x)")
     out = {"benchmark": "decode_glue", "model": lm.name, "dtype": args.dtype, "tokens": n,
            "threads": args.threads, "rounds": args.rounds, "block": args.block,
-           "loadavg": os.getloadavg(), "median_ms": med, "ms": times}
+           "loadavg": os.getloadavg(), "median_ms": med, "paired_speedup": paired,
+           "ms": times}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.out}")

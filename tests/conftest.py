@@ -92,17 +92,9 @@ def smollm2():
 @pytest.fixture(scope="session")
 def tiny_llama():
     """A 3-layer random Llama with GQA (4 query heads, 2 KV heads), fp32, seeded."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers import tiny_llama_model
 
-    from sparkv.runtime import LoadedModel
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                      max_position_embeddings=2048, rope_theta=10000.0, eos_token_id=None,
-                      bos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    return LoadedModel.from_model(model, None, "tiny-llama")
+    return tiny_llama_model(3)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,22 @@ if TYPE_CHECKING:
     import httpx
 
 
+def tiny_llama_model(layers: int = 3, name: str = "tiny-llama") -> Any:
+    """A random Llama of ``layers`` layers (GQA: 4 query heads, 2 KV heads, hidden 64), fp32,
+    seeded, loaded as sparkv loads a model (a :class:`~sparkv.runtime.LoadedModel`)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparkv.runtime import LoadedModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      max_position_embeddings=2048, rope_theta=10000.0, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=0)
+    return LoadedModel.from_model(LlamaForCausalLM(cfg).to(torch.float32), None, name)
+
+
 def tiny_checkpoint(path: str | os.PathLike[str], tokenizer_from: str | None = None,
                     layers: int = 2, seed: int = 0) -> Path:
     """Saves a small random Llama (GQA: 4 query heads, 2 KV heads, head_dim 16) to ``path``.

@@ -16,16 +16,9 @@ from sparkv.runtime.attention import causal_block_count
 @pytest.fixture(scope="module")
 def tiny2():
     """The brief's 2-layer random Llama (GQA 4/2 heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers import tiny_llama_model
 
-    from sparkv.runtime import LoadedModel
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, vocab_size=128,
-                      max_position_embeddings=2048, eos_token_id=None, bos_token_id=None,
-                      pad_token_id=0)
-    return LoadedModel.from_model(LlamaForCausalLM(cfg).to(torch.float32), None, "tiny2")
+    return tiny_llama_model(2, "tiny2")
 
 
 CONFIG = ProfileConfig(context_tokens=640, chunk_sizes=(128, 256), cdf_thresholds=(0.5, 0.9),

@@ -268,21 +268,6 @@ def test_fast_ops_equal_transformers_own_forward_in_every_family():
         assert _max_rel(fast, plain) < 1e-5, cfg_cls.model_type
 
 
-def _fresh_tiny_llama():
-    """A 2-layer random Llama of its own: the session's ``tiny_llama`` may carry hooks other
-    tests left on purpose (transformers' output capture stays once asked for)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from sparkv.runtime import LoadedModel
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                      max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-                      pad_token_id=0)
-    return LoadedModel.from_model(LlamaForCausalLM(cfg).to(torch.float32), None, "fresh")
-
-
 def test_the_fast_decoder_layer_is_the_layers_own_forward_and_keeps_its_childrens_hooks():
     """The decoder layer's fast forward calls its children's forwards directly (no
     ``Module.__call__``) only where nothing could tell: bit for bit the layer's own forward; a
@@ -290,7 +275,11 @@ def test_the_fast_decoder_layer_is_the_layers_own_forward_and_keeps_its_children
     others direct; autograd takes every module call again."""
     from sparkv.runtime.fastops import DECODER_SUFFIX, _children, direct_calls
 
-    model = _fresh_tiny_llama().model.model
+    from helpers import tiny_llama_model
+
+    # a model of its own: the session's ``tiny_llama`` may carry hooks other tests left on
+    # purpose (the device service's density recorder; transformers' output capture)
+    model = tiny_llama_model(2, "fresh").model.model
     layer = model.layers[1]
     assert type(layer).__name__ == "Fast" + "Llama" + DECODER_SUFFIX
     own = type(layer).__mro__[1].forward

@@ -244,20 +244,23 @@ def _children(layer: nn.Module) -> list[Any]:
     forward where :func:`direct_calls` allows it, else the module (so a hook on the attention
     alone, the density recorder's or transformers' output capture, leaves the others direct)."""
     mods = [getattr(layer, name) for name in LAYER_CHILDREN]
-    if not direct_calls([]):
+    if not _nothing_global_could_tell():
         return mods
-    return [m.forward if not _hooked(m) else m for m in mods]
+    return [m if _hooked(m) else m.forward for m in mods]
 
 
 def direct_calls(modules: list[nn.Module]) -> bool:
     """Whether calling ``modules``' forwards directly computes what calling the modules does:
     no forward or backward hook on them or global, autograd off, not traced or compiled."""
+    return _nothing_global_could_tell() and not any(_hooked(m) for m in modules)
+
+
+def _nothing_global_could_tell() -> bool:
+    """Autograd off, not traced or compiled, and no global module hook."""
     if torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
-    if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-            or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
-        return False
-    return not any(_hooked(m) for m in modules)
+    return not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
 
 
 def _hooked(module: nn.Module) -> bool:

@@ -70,12 +70,9 @@ def run_rows(x: torch.Tensor, arrays: tuple[Any, ...], out_features: int,
     rows = xs.shape[0]
     y = np.empty((rows, out_features), dtype=np.float32)
     use_torch_threads()
-    if 0 < rows <= MAX_ROWS:
-        kernel_for(rows)(xs, *arrays, y)
-    else:
-        for a in range(0, rows, MAX_ROWS):
-            b = min(a + MAX_ROWS, rows)
-            kernel_for(b - a)(xs[a:b], *arrays, y[a:b])
+    for a in range(0, rows, MAX_ROWS):
+        b = min(a + MAX_ROWS, rows)
+        kernel_for(b - a)(xs[a:b], *arrays, y[a:b])
     return torch.from_numpy(y if len(shape) == 2 else y.reshape(*shape[:-1], out_features))
 
 

@@ -29,6 +29,7 @@ FAMILIES: dict[str, str] = {
     "Q4_1 product (int4's answer tokens)": "sparkv.runtime.q41kernel",
     "Q8_0 product (int4's LM head)": "sparkv.runtime.q80",
     "RoPE of an answer token's q and k": "sparkv.runtime.ropekernel",
+    "one-query attention (int4's answer tokens)": "sparkv.runtime.decodeattn",
 }
 
 

@@ -46,16 +46,18 @@ def store_sums(acc: Any, y: Any, o: int) -> None:  # pragma: no cover - numba
         y[r, o] = t
 
 
-def use_torch_threads() -> None:
+def use_torch_threads() -> int:
     """Sets numba's thread count for this thread to torch's (a test process or a shared machine
-    sets fewer): a parallel loop's barrier waits for every thread, and an oversubscribed one is
-    not scheduled. The count this thread last set is remembered (this function is the only place
-    that sets numba's count): asking numba costs ~3.5 us, and an answer token asks ~120 times."""
+    sets fewer) and returns it: a parallel loop's barrier waits for every thread, and an
+    oversubscribed one is not scheduled. The count this thread last set is remembered (this
+    function is the only place that sets numba's count): asking numba costs ~3.5 us, and an
+    answer token asks ~120 times."""
     threads = max(1, min(torch.get_num_threads(), _NUMBA_THREADS))
     if getattr(_set_here, "threads", None) != threads:
         if nb.get_num_threads() != threads:
             nb.set_num_threads(threads)
         _set_here.threads = threads
+    return threads
 
 
 def run_rows(x: torch.Tensor, arrays: tuple[Any, ...], out_features: int,

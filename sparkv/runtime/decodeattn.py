@@ -1,0 +1,239 @@
+"""One query's attention over a dense prefix in one numba call: an answer token of a compute
+configuration that takes it (``int4``: :attr:`~sparkv.runtime.compute.ComputeConfig.
+decode_attention`; docs/runtime.md, "An answer token's attention").
+
+SDPA on the CPU reads each KV head once per query head of its group (``enable_gqa``: SmolLM2's 3
+KV heads serve 9 query heads, so K and V are read 3 times) and splits its work by query head: at
+16K tokens one query's attention took ~6 ms a layer on a 2-core AVX2 EPYC. Here each KV head's
+rows are read once for all the queries of its group (four rows at a time, each query's score a
+vectorized dot product), with an online softmax over blocks of :data:`BLOCK` rows, and the rows of
+a head are split into units run in parallel (numba's threads, as many as torch's) whose partial
+softmaxes are merged as flash decoding does.
+
+The result is SDPA's up to the order of float32 sums (~1e-7 on SmolLM2's heads, tested); a
+non-finite score or value makes the call decline (``None``: the caller runs SDPA, whose result is
+then the reference's, NaN included). The keys must be float32 rows on the CPU, each row
+contiguous and the rows of a head evenly spaced (a dense arena's prefix, a ``DynamicCache``'s
+tensors); anything else declines too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from sparkv.runtime.rowkernels import use_torch_threads
+
+#: rows of one head scored, weighted and summed together (the online softmax's block)
+BLOCK = 128
+#: fewest keys the kernel takes (SDPA is as fast below: the parallel call's own cost)
+MIN_ROWS = 1024
+#: fewest rows of a head worth a unit of their own (below, one unit per head)
+MIN_UNIT_ROWS = 512
+#: LLVM's fast-math flags but "no NaN" and "no infinity" (a non-finite input is detected)
+_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+_LOG2E = np.float32(1.4426950408889634)
+
+_F32 = npt.NDArray[np.float32]
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _exp_rows(s: _F32, mx: np.float32, w: _F32, ti: npt.NDArray[np.int32], n: int
+              ) -> np.float32:  # pragma: no cover - numba
+    """``w[j] = exp(s[j] - mx)`` for ``j < n`` (Cephes' ``expf`` as a vectorizable polynomial,
+    within 2 ulp; ``s[j] - mx`` below -87 gives 0); returns their sum. ``mx`` finite."""
+    for j in range(n):
+        x = max(s[j] - mx, np.float32(-87.0))
+        t = np.floor(x * _LOG2E + np.float32(0.5))
+        y = x - t * np.float32(0.693359375) + t * np.float32(2.12194440e-4)
+        p = ((((np.float32(1.9875691500e-4) * y + np.float32(1.3981999507e-3)) * y
+               + np.float32(8.3334519073e-3)) * y + np.float32(4.1665795894e-2)) * y
+             + np.float32(1.6666665459e-1)) * y + np.float32(5.0000001201e-1)
+        w[j] = p * (y * y) + y + np.float32(1.0)
+        ti[j] = (np.int32(t) + np.int32(127)) << np.int32(23)
+    f = ti.view(np.float32)
+    tot = np.float32(0.0)
+    for j in range(n):
+        w[j] = w[j] * f[j] if s[j] - mx > np.float32(-87.0) else np.float32(0.0)
+        tot += w[j]
+    return tot
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _scores(q: _F32, k: _F32, c: int, n: int, scale: np.float32, s: _F32
+            ) -> np.float32:  # pragma: no cover - numba
+    """``s[m, r] = scale * q[m] . k[c + r]`` for ``r < n``, four rows a pass; returns the sum
+    of the scores (non-finite when one is)."""
+    M, D = q.shape
+    chk = np.float32(0.0)
+    for r in range(0, n, 4):
+        r1, r2, r3 = c + min(r + 1, n - 1), c + min(r + 2, n - 1), c + min(r + 3, n - 1)
+        k0, k1, k2, k3 = k[c + r], k[r1], k[r2], k[r3]
+        for m in range(M):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for i in range(D):
+                qi = q[m, i]
+                a0 += qi * k0[i]
+                a1 += qi * k1[i]
+                a2 += qi * k2[i]
+                a3 += qi * k3[i]
+            for x, val in enumerate((a0, a1, a2, a3)):
+                if r + x < n:
+                    s[m, r + x] = scale * val
+                    chk += val
+    return chk
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _weigh(v: _F32, c: int, n: int, w: _F32, acc: _F32) -> None:  # pragma: no cover - numba
+    """``acc[m] += sum_r w[m, r] v[c + r]`` over ``n`` rows, four rows a pass over ``acc``."""
+    M, D = acc.shape
+    for r in range(0, n, 4):
+        r1, r2, r3 = c + min(r + 1, n - 1), c + min(r + 2, n - 1), c + min(r + 3, n - 1)
+        v0, v1, v2, v3 = v[c + r], v[r1], v[r2], v[r3]
+        for m in range(M):
+            w0 = w[m, r]
+            w1 = w[m, r + 1] if r + 1 < n else np.float32(0.0)
+            w2 = w[m, r + 2] if r + 2 < n else np.float32(0.0)
+            w3 = w[m, r + 3] if r + 3 < n else np.float32(0.0)
+            am = acc[m]
+            for i in range(D):
+                am[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
+
+
+@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _unit(q: _F32, k: _F32, v: _F32, a: int, b: int, scale: np.float32, mx: _F32, tot: _F32,
+          acc: _F32) -> bool:  # pragma: no cover - numba
+    """Rows ``[a, b)`` of one head for the queries ``q [M, D]``: the softmax's running max
+    ``mx [M]``, its sum ``tot [M]`` and the weighted values ``acc [M, D]`` relative to that
+    max. Returns whether every score was finite."""
+    M, D = q.shape
+    s = np.empty((M, BLOCK), dtype=np.float32)
+    w = np.empty((M, BLOCK), dtype=np.float32)
+    ti = np.empty(BLOCK, dtype=np.int32)
+    mx[:] = -np.inf
+    tot[:] = 0.0
+    acc[:] = 0.0
+    for c in range(a, b, BLOCK):
+        n = min(BLOCK, b - c)
+        if not np.isfinite(_scores(q, k, c, n, scale, s)):
+            return False
+        for m in range(M):
+            top = mx[m]
+            for r in range(n):
+                top = max(top, s[m, r])
+            if top > mx[m]:
+                shrink = np.exp(mx[m] - top) if mx[m] > -np.inf else np.float32(0.0)
+                tot[m] *= shrink
+                for i in range(D):
+                    acc[m, i] *= shrink
+                mx[m] = top
+            tot[m] += _exp_rows(s[m], top, w[m], ti, n)
+        _weigh(v, c, n, w, acc)
+    return True
+
+
+@nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", boundscheck=False, nogil=True,
+         cache=True)
+def _attend(q: _F32, k: _F32, v: _F32, n: int, scale: np.float32, splits: int, out: _F32
+            ) -> bool:  # pragma: no cover - numba
+    """``q [H, M, D]`` (KV head ``h``'s ``M`` queries) over rows ``k[h, :n]``, ``v[h, :n]``
+    into ``out [H, M, D]``: ``splits`` units per head in parallel, merged by their maxima.
+    Returns ``False`` (``out`` undefined) when a score or an output is not finite."""
+    H, M, D = q.shape
+    U = H * splits
+    per = (n + splits - 1) // splits
+    pm = np.empty((U, M), dtype=np.float32)
+    pl = np.empty((U, M), dtype=np.float32)
+    pacc = np.empty((U, M, D), dtype=np.float32)
+    fine = np.zeros(U, dtype=np.bool_)
+    for u in nb.prange(U):
+        h = u // splits
+        a = (u % splits) * per
+        fine[u] = _unit(q[h], k[h], v[h], a, min(n, a + per), scale, pm[u], pl[u], pacc[u])
+    ok = True
+    for u in range(U):
+        ok = ok and fine[u]
+    if not ok:
+        return False
+    for h in range(H):
+        for m in range(M):
+            top = np.float32(-np.inf)
+            for j in range(splits):
+                top = max(top, pm[h * splits + j, m])
+            tot = np.float32(0.0)
+            out[h, m, :] = 0.0
+            for j in range(splits):
+                u = h * splits + j
+                if pm[u, m] > -np.inf:
+                    f = np.exp(pm[u, m] - top)
+                    tot += f * pl[u, m]
+                    for i in range(D):
+                        out[h, m, i] += f * pacc[u, m, i]
+            for i in range(D):
+                out[h, m, i] /= tot
+                ok = ok and np.isfinite(out[h, m, i])
+    return ok
+
+
+def _rows(t: torch.Tensor) -> np.ndarray | None:
+    """A C-contiguous float32 array ``[H', cap, D]`` (``H' >= H``, ``cap >= n``) whose first
+    ``n`` rows of its first ``H`` heads are ``t [1, H, n, D]``: ``t`` itself when contiguous,
+    else the buffer it is the leading rows of (a dense arena's prefix: ``t._base``, ``[1, H',
+    cap, D]``, same strides and start); ``None`` otherwise."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 or t.shape[0] != 1:
+        return None
+    if t.is_contiguous():
+        return t.numpy()[0]
+    base = t._base
+    if (base is None or not base.is_contiguous() or base.stride() != t.stride()
+            or base.storage_offset() != t.storage_offset() or base.shape[3] != t.shape[3]):
+        return None
+    return base.numpy()[0]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+           ) -> torch.Tensor | None:
+    """One query ``q [1, Hq, 1, D]`` over every row of ``k``, ``v [1, Hkv, n, D]`` (GQA:
+    query head ``j`` reads KV head ``j // (Hq / Hkv)``) -> ``[1, Hq, 1, D]``, or ``None`` when
+    the call is not this kernel's (module docstring): the caller runs SDPA."""
+    if (q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != 1 or q.dtype != torch.float32
+            or q.device.type != "cpu" or q.requires_grad or k.requires_grad or v.requires_grad
+            or k.shape != v.shape or k.dim() != 4 or k.shape[-1] != q.shape[-1]
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]):
+        return None
+    _, hq, _, d = q.shape
+    hkv, n = int(k.shape[1]), int(k.shape[2])
+    if n < MIN_ROWS:
+        return None
+    kr, vr = _rows(k), _rows(v)
+    if kr is None or vr is None:
+        return None
+    qn = q.reshape(hkv, hq // hkv, d).contiguous().numpy()
+    out = np.empty(qn.shape, dtype=np.float32)
+    threads = use_torch_threads()
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not _attend(qn, kr, vr, n, np.float32(scale), _splits(hkv, n, threads), out):
+        return None
+    return torch.from_numpy(out).view(1, hq, 1, d)
+
+
+def _splits(heads: int, n: int, threads: int) -> int:
+    """Units per head: one per thread (every thread gets as many units, whatever the head count),
+    none of fewer than :data:`MIN_UNIT_ROWS` rows."""
+    return max(1, min(threads, n // MIN_UNIT_ROWS))
+
+
+def warm_up() -> None:
+    """Compiles the kernel (or loads it from numba's cache): ``sparkv warm``."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 2, 8), dtype=np.float32)
+    k = rng.standard_normal((2, 9, 8), dtype=np.float32)
+    _attend(q, k, k, 9, np.float32(0.35), 2, np.empty_like(q))
+
+
+__all__ = ["BLOCK", "MIN_ROWS", "MIN_UNIT_ROWS", "attend", "warm_up"]

@@ -16,12 +16,18 @@ every level: :class:`~sparkv.cache.qattend.PagedAttention`) and an fp ``tail``
 
 A view may also carry a ``backend`` (the layer stepper's dense or block-sparse attention) for
 dense arenas, called as ``backend.attend(q, k, v, q_offset, scale)``.
+
+An attention module may carry a one-query kernel (:data:`ONE_QUERY`: a compute configuration's,
+``int4``'s :mod:`sparkv.runtime.decodeattn`): a pass of one query that sees every key (plain
+tensors without a mask, or a dense view without a backend) goes to it first; where it declines
+(``None``), SDPA runs. Such a module's answer tokens are SDPA's up to the order of float32 sums,
+not bit for bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,14 @@ IMPLEMENTATION = "sparkv"
 #: an attention module's attribute naming the dtype its prefill passes attend in (a compute
 #: configuration's, :func:`sparkv.runtime.compute.apply_compute`); absent: the activations'
 PRODUCTS_DTYPE = "sparkv_attention_dtype"
+#: an attention module's attribute: a callable ``(q, k, v, scale) -> out | None`` that attends
+#: one query over every key of dense ``k``, ``v`` (a compute configuration's kernel,
+#: :mod:`sparkv.runtime.decodeattn`), ``None`` when it declines; absent: SDPA
+ONE_QUERY = "sparkv_one_query_attention"
+
+#: what :data:`ONE_QUERY` holds
+OneQuery = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"],
+                    "torch.Tensor | None"]
 
 
 @dataclass
@@ -59,8 +73,10 @@ class AttentionView:
     resident: Any = None
     tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """``q [B, Hq, nq, D]`` -> ``[B, Hq, nq, D]``."""
+    def attend(self, q: torch.Tensor, scale: float | None, one_query: OneQuery | None = None
+               ) -> torch.Tensor:
+        """``q [B, Hq, nq, D]`` -> ``[B, Hq, nq, D]``; ``one_query``: the module's kernel for
+        one query over the dense form without a backend (:data:`ONE_QUERY`)."""
         if self.resident is not None:
             return self.resident.attend(q, self.q_pos, scale, self.tail)
         if self.heads is None:
@@ -73,6 +89,10 @@ class AttentionView:
             if self.backend is not None:
                 out, self.stats = self.backend.attend(q, k, v, offset, scale)
                 return out
+            if one_query is not None and q.shape[2] == 1:
+                out = one_query(q, k[:, :, :offset + 1], v[:, :, :offset + 1], scale)
+                if out is not None:
+                    return out
             return causal_sdpa(q, k, v, offset, scale)
         return ragged_attention(q, self.heads, self.q_pos, scale)
 
@@ -84,11 +104,13 @@ class BatchView:
     def __init__(self, views: list[AttentionView]) -> None:
         self.views = views
 
-    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, scale: float | None, one_query: OneQuery | None = None
+               ) -> torch.Tensor:
         """``q [K, Hq, nq, D]`` -> ``[K, Hq, nq, D]``: row ``i`` over view ``i``."""
         if q.shape[0] != len(self.views):
             raise ValueError(f"{q.shape[0]} query rows for {len(self.views)} contexts")
-        return torch.cat([v.attend(q[i:i + 1], scale) for i, v in enumerate(self.views)])
+        return torch.cat([v.attend(q[i:i + 1], scale, one_query)
+                          for i, v in enumerate(self.views)])
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
@@ -176,9 +198,14 @@ def _products_dtype(module: torch.nn.Module, query: torch.Tensor, key: Any
 def _attend(module: torch.nn.Module, query: torch.Tensor, key: Any, value: Any,
             attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    one_query = getattr(module, ONE_QUERY, None)
     if isinstance(key, (AttentionView, BatchView)):
-        out = key.attend(query, scaling)
+        out = key.attend(query, scaling, one_query)
         return out.transpose(1, 2).contiguous(), None
+    if one_query is not None and _plain_one_query(query, key, attention_mask, dropout, kwargs):
+        out = one_query(query, key, value, scaling)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     if _masked_gqa_on_cpu(query, key, value, attention_mask, dropout, kwargs):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                              scale=scaling, enable_gqa=True)
@@ -187,6 +214,16 @@ def _attend(module: torch.nn.Module, query: torch.Tensor, key: Any, value: Any,
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
+
+
+def _plain_one_query(query: torch.Tensor, key: Any, attention_mask: torch.Tensor | None,
+                     dropout: float, kwargs: dict[str, Any]) -> bool:
+    """Whether a call over plain tensors is one query that sees every key (no mask: a decode
+    step over a ``DynamicCache`` or a dense arena), with nothing transformers' path handles
+    specially (dropout, a position bias, a softcap, the weights asked for)."""
+    return (query.shape[2] == 1 and attention_mask is None and isinstance(key, torch.Tensor)
+            and not dropout and kwargs.get("position_bias") is None
+            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
 
 
 def _masked_gqa_on_cpu(query: torch.Tensor, key: Any, value: Any,

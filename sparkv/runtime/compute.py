@@ -27,9 +27,10 @@ name                  activations  the decoder layers' linear layers    norms, R
 ``bf16-weights``      float32      bf16 weights, float32 matmul         float32
 ``int8``              float32      int8 per output channel, float32     float32
                                    matmul
-``int4``              float32      Q4_1 blocks (SmolLM2's own, no       float32
-                                   second rounding), float32 matmul;
-                                   a few rows: kernels reading them
+``int4``              float32      Q4_1 blocks (SmolLM2's own, no       float32; an
+                                   second rounding), float32 matmul;    answer token's
+                                   a few rows: kernels reading them     attention from 1K
+                                                                        keys: a kernel
 ``int4-kernel``       float32      Q4_1 through torch's CPU int4        float32
                                    kernel: bf16 input, scales, output
 ``int4-decode``       float32      float32 for a prefill and the first  float32
@@ -95,6 +96,10 @@ class ComputeConfig:
         head: the module replacing the LM head when its weight is that module's format
             exactly (``int4``: :class:`~sparkv.runtime.linears.Q80Linear`, SmolLM2's Q8_0
             embedding), ``None``: kept.
+        one_query: an answer token's attention over a dense prefix of at least
+            :data:`~sparkv.runtime.decodeattn.MIN_ROWS` keys on the CPU runs the numba kernel
+            of :mod:`sparkv.runtime.decodeattn` (each KV head read once for its query group;
+            SDPA's result up to the order of sums) instead of SDPA.
     """
 
     name: str
@@ -111,6 +116,7 @@ class ComputeConfig:
     mlp: torch.dtype | None = None
     answers_differ: bool = False
     head: type[WeightLinear] | None = None
+    one_query: bool = False
 
     @property
     def plain(self) -> bool:
@@ -149,9 +155,11 @@ CONFIGS: dict[str, ComputeConfig] = {c.name: c for c in (
     ComputeConfig("int8", "int8 weights (per output channel), float32 matmuls and activations",
                   torch.float32, "int8", "float32", Int8Linear),
     ComputeConfig("int4", "the Q4_1 blocks (no second rounding on SmolLM2), float32 matmuls "
-                  "(a pass of <= 8 rows: kernels reading the blocks, the LM head's Q8_0 ones)",
+                  "(a pass of <= 8 rows: kernels reading the blocks, the LM head's Q8_0 ones; an "
+                  "answer token's attention over >= 1K keys: a kernel reading each KV head "
+                  "once)",
                   torch.float32, "q4_1", "float32", Q41Linear, answers_differ=True,
-                  head=Q80Linear),
+                  head=Q80Linear, one_query=True),
     ComputeConfig("int4-kernel", "the Q4_1 blocks through torch's CPU int4 kernel (bf16 input, "
                   "scales and output)", torch.float32, "q4_1", "bfloat16", Int4KernelLinear,
                   bf16_matmuls=True, cuda=False, stepper_tolerance=0.03),
@@ -328,6 +336,8 @@ def apply_compute(lm: Any, config: ComputeConfig | str,
             info["mlp_layers"] = _low_mlps(decoder_layers, chosen, config.mlp)
         if config.head is not None:
             info["head"] = _replace_head(lm.model, config.head)
+        if config.one_query and lm.device.type == "cpu":
+            info["one_query"] = _one_query_kernel(decoder_layers, chosen)
     lm.extra["compute"] = config.name
     lm.extra["compute_info"] = info
     return info
@@ -344,6 +354,17 @@ def _replace_head(model: Any, head: type[WeightLinear]) -> str:
         return f"kept (its weight is not {head.__name__}'s format exactly)"
     model.set_output_embeddings(new.to(old.weight.device))
     return head.__name__
+
+
+def _one_query_kernel(decoder_layers: Any, chosen: list[int]) -> str:
+    """Gives the attention of layers ``chosen`` the one-query kernel
+    (:data:`~sparkv.cache.attention.ONE_QUERY`); returns what it is, for the record."""
+    from sparkv.cache.attention import ONE_QUERY
+    from sparkv.runtime import decodeattn
+
+    for i in chosen:
+        setattr(decoder_layers[i].self_attn, ONE_QUERY, decodeattn.attend)
+    return f"numba kernel from {decodeattn.MIN_ROWS} keys"
 
 
 def _low_mlps(decoder_layers: Any, chosen: list[int], dtype: torch.dtype) -> list[int]:

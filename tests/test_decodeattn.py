@@ -166,3 +166,21 @@ def test_int4_gives_every_layer_the_kernel_on_the_cpu(tiny_llama):
     plain = LoadedModel.from_model(copy.deepcopy(tiny_llama.model), None, "tiny")
     assert "one_query" not in apply_compute(plain, "int8")
     assert not any(hasattr(layer.self_attn, ONE_QUERY) for layer in plain.decoder.layers)
+
+
+def test_every_attention_view_takes_the_one_query_kernel():
+    import importlib
+    import inspect
+
+    from sparkv.cache.attention import AttentionView, BatchView
+
+    for module in ("sparkv.runtime.stepper", "sparkv.decode.session", "sparkv.decode.hf"):
+        importlib.import_module(module)                # their views subclass AttentionView
+    views, todo = [BatchView], [AttentionView]
+    while todo:
+        cls = todo.pop()
+        views.append(cls)
+        todo.extend(cls.__subclasses__())
+    assert len(views) >= 5
+    for cls in views:
+        assert "one_query" in inspect.signature(cls.attend).parameters, cls

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from sparkv.cache import AttentionView
+from sparkv.cache.attention import OneQuery
 from sparkv.cache.layerbase import PositionsLayer
 from sparkv.decode.policy import ClusteredKV, LayerState
 
@@ -37,7 +38,9 @@ class DynaKVView(AttentionView):
 
     state: Any = None
 
-    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, scale: float | None, one_query: OneQuery | None = None
+               ) -> torch.Tensor:
+        """The clusters' retrieval (``one_query`` is not used: the view is not dense)."""
         if q.shape[0] != 1:
             raise ValueError("a clustered cache holds one sequence (batch size 1)")
         # the memory is in host RAM (module docstring): on a GPU the queries come down once and

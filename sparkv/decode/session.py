@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from sparkv.cache import AttentionView, ContextKV, SparkvCache
+from sparkv.cache.attention import OneQuery
 from sparkv.cache.hf import SparkvLayer
 from sparkv.cache.layer import HeadEntries
 from sparkv.decode.background import BackgroundBuild
@@ -44,9 +45,10 @@ class _RecordingView(AttentionView):
     sink: Any = None
     layer: int = 0
 
-    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, scale: float | None, one_query: OneQuery | None = None
+               ) -> torch.Tensor:
         self.sink[self.layer] = q[0].detach().clone()
-        return super().attend(q, scale)
+        return super().attend(q, scale, one_query)
 
 
 class _RecordingLayer(SparkvLayer):

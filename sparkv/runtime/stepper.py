@@ -31,6 +31,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import torch
 
 from sparkv.cache import AttentionView, ContextKV, LayerKV, Source
+from sparkv.cache.attention import OneQuery
 from sparkv.errors import SparkvError
 from sparkv.layout import DEFAULT_CHUNK_TOKENS, ChunkGeometry, KVChunkId, StepId
 from sparkv.runtime.attention import (AttentionBackend, AttentionStats, DenseAttention, bind_model,
@@ -487,8 +488,9 @@ class _SplitView(AttentionView):
     parts: list[AttentionView] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
 
-    def attend(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
-        return torch.cat([view.attend(qs, scale)
+    def attend(self, q: torch.Tensor, scale: float | None, one_query: OneQuery | None = None
+               ) -> torch.Tensor:
+        return torch.cat([view.attend(qs, scale, one_query)
                           for view, qs in zip(self.parts, q.split(self.rows, dim=2))], dim=2)
 
 

@@ -77,8 +77,8 @@ class Partial:
 
 # ---- numba building blocks -----------------------------------------------------------------------
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _exp_from(s: _F32, mx: float, w: _F32, ti: _I32, n: int
-              ) -> None:  # pragma: no cover - numba
+def exp_from(s: _F32, mx: float, w: _F32, ti: _I32, n: int
+             ) -> None:  # pragma: no cover - numba
     """``w[j] = exp(s[j] - mx)`` (0 where ``s[j]`` is ``-inf``), vectorizable; ``mx`` finite."""
     for j in range(n):
         x = max(s[j] - mx, np.float32(-87.0))
@@ -122,7 +122,7 @@ def _softmax(s: _F32, w: _F32, ti: _I32, R: int, u: int, pm: _F32, pl: _F32
             for j in range(R):
                 w[m, j] = 0.0
         else:
-            _exp_from(s[m], mx, w[m], ti, R)
+            exp_from(s[m], mx, w[m], ti, R)
             for j in range(R):
                 tot += w[m, j]
         pl[u, m] = tot

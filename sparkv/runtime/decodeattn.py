@@ -6,8 +6,9 @@ SDPA on the CPU reads each KV head once per query head of its group (``enable_gq
 KV heads serve 9 query heads, so K and V are read 3 times) and splits its work by query head: at
 16K tokens one query's attention took ~6 ms a layer on a 2-core AVX2 EPYC. Here each KV head's
 rows are read once for all the queries of its group (four rows at a time, each query's score a
-vectorized dot product), with an online softmax over blocks of :data:`BLOCK` rows, and the rows of
-a head are split into units run in parallel (numba's threads, as many as torch's) whose partial
+vectorized dot product), with an online softmax over blocks of :data:`BLOCK` rows (``exp`` the
+paged kernel's vectorizable polynomial, :func:`sparkv.cache.qattend.exp_from`), and the rows of a
+head are split into units run in parallel (numba's threads, as many as torch's) whose partial
 softmaxes are merged as flash decoding does.
 
 The result is SDPA's up to the order of float32 sums (~1e-7 on SmolLM2's heads, tested); a
@@ -26,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from sparkv.cache.qattend import exp_from
 from sparkv.runtime.rowkernels import use_torch_threads
 
 #: rows of one head scored, weighted and summed together (the online softmax's block)
@@ -36,31 +38,8 @@ MIN_ROWS = 1024
 MIN_UNIT_ROWS = 512
 #: LLVM's fast-math flags but "no NaN" and "no infinity" (a non-finite input is detected)
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
-_LOG2E = np.float32(1.4426950408889634)
 
 _F32 = npt.NDArray[np.float32]
-
-
-@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _exp_rows(s: _F32, mx: np.float32, w: _F32, ti: npt.NDArray[np.int32], n: int
-              ) -> np.float32:  # pragma: no cover - numba
-    """``w[j] = exp(s[j] - mx)`` for ``j < n`` (Cephes' ``expf`` as a vectorizable polynomial,
-    within 2 ulp; ``s[j] - mx`` below -87 gives 0); returns their sum. ``mx`` finite."""
-    for j in range(n):
-        x = max(s[j] - mx, np.float32(-87.0))
-        t = np.floor(x * _LOG2E + np.float32(0.5))
-        y = x - t * np.float32(0.693359375) + t * np.float32(2.12194440e-4)
-        p = ((((np.float32(1.9875691500e-4) * y + np.float32(1.3981999507e-3)) * y
-               + np.float32(8.3334519073e-3)) * y + np.float32(4.1665795894e-2)) * y
-             + np.float32(1.6666665459e-1)) * y + np.float32(5.0000001201e-1)
-        w[j] = p * (y * y) + y + np.float32(1.0)
-        ti[j] = (np.int32(t) + np.int32(127)) << np.int32(23)
-    f = ti.view(np.float32)
-    tot = np.float32(0.0)
-    for j in range(n):
-        w[j] = w[j] * f[j] if s[j] - mx > np.float32(-87.0) else np.float32(0.0)
-        tot += w[j]
-    return tot
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
@@ -132,7 +111,9 @@ def _unit(q: _F32, k: _F32, v: _F32, a: int, b: int, scale: np.float32, mx: _F32
                 for i in range(D):
                     acc[m, i] *= shrink
                 mx[m] = top
-            tot[m] += _exp_rows(s[m], top, w[m], ti, n)
+            exp_from(s[m], top, w[m], ti, n)
+            for r in range(n):
+                tot[m] += w[m, r]
         _weigh(v, c, n, w, acc)
     return True
 

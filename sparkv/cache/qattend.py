@@ -397,10 +397,12 @@ DENSE_ROWS = 256
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _dense_scores(kh: _F32, a: int, n: int, qh: _F32, scale: np.float32, s: _F32
-                  ) -> None:  # pragma: no cover - numba
-    """Scaled scores of rows ``kh[a:a+n]`` (every one visible) into ``s[:, :n]``."""
+def dense_scores(kh: _F32, a: int, n: int, qh: _F32, scale: np.float32, s: _F32
+                 ) -> np.float32:  # pragma: no cover - numba
+    """Scaled scores of rows ``kh[a:a+n]`` (every one visible) into ``s[:, :n]``, four rows a
+    pass; returns the sum of the unscaled scores (not finite when one is not)."""
     M, D = qh.shape
+    chk = np.float32(0.0)
     for r in range(0, n, 4):
         r1, r2, r3 = a + min(r + 1, n - 1), a + min(r + 2, n - 1), a + min(r + 3, n - 1)
         for m in range(M):
@@ -414,11 +416,13 @@ def _dense_scores(kh: _F32, a: int, n: int, qh: _F32, scale: np.float32, s: _F32
             for x, val in enumerate((a0, a1, a2, a3)):
                 if r + x < n:
                     s[m, r + x] = scale * val
+                    chk += val
+    return chk
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _dense_values(vh: _F32, a: int, n: int, w: _F32, acc: _F32
-                  ) -> None:  # pragma: no cover - numba
+def dense_values(vh: _F32, a: int, n: int, w: _F32, acc: _F32
+                 ) -> None:  # pragma: no cover - numba
     """``acc[m] += sum_r w[m, r] vh[a + r]`` over ``n`` rows, four rows per pass over ``acc``."""
     M, D = acc.shape
     for r in range(0, n, 4):
@@ -470,11 +474,11 @@ def _dense_unit(kh: Any, vh: Any, a: int, n: int, qh: _F32, scale: np.float32, u
     ti = np.empty(n, dtype=np.int32)
     buf = np.empty((DENSE_ROWS, D), dtype=np.float32)
     kr, ka = _widened(kh, a, n, buf)
-    _dense_scores(kr, ka, n, qh, scale, s)
+    dense_scores(kr, ka, n, qh, scale, s)
     _softmax(s, w, ti, n, u, pm, pl)
     acc = np.zeros((M, D), dtype=np.float32)
     vr, va = _widened(vh, a, n, buf)
-    _dense_values(vr, va, n, w, acc)
+    dense_values(vr, va, n, w, acc)
     _keep_unit(u, acc, pacc, w, n, a, wl)
 
 

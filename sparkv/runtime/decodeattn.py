@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from sparkv.cache.qattend import exp_from
+from sparkv.cache.qattend import dense_scores, dense_values, exp_from
 from sparkv.runtime.rowkernels import use_torch_threads
 
 #: rows of one head scored, weighted and summed together (the online softmax's block)
@@ -40,48 +40,6 @@ MIN_UNIT_ROWS = 512
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 _F32 = npt.NDArray[np.float32]
-
-
-@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _scores(q: _F32, k: _F32, c: int, n: int, scale: np.float32, s: _F32
-            ) -> np.float32:  # pragma: no cover - numba
-    """``s[m, r] = scale * q[m] . k[c + r]`` for ``r < n``, four rows a pass; returns the sum
-    of the scores (non-finite when one is)."""
-    M, D = q.shape
-    chk = np.float32(0.0)
-    for r in range(0, n, 4):
-        r1, r2, r3 = c + min(r + 1, n - 1), c + min(r + 2, n - 1), c + min(r + 3, n - 1)
-        k0, k1, k2, k3 = k[c + r], k[r1], k[r2], k[r3]
-        for m in range(M):
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for i in range(D):
-                qi = q[m, i]
-                a0 += qi * k0[i]
-                a1 += qi * k1[i]
-                a2 += qi * k2[i]
-                a3 += qi * k3[i]
-            for x, val in enumerate((a0, a1, a2, a3)):
-                if r + x < n:
-                    s[m, r + x] = scale * val
-                    chk += val
-    return chk
-
-
-@nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _weigh(v: _F32, c: int, n: int, w: _F32, acc: _F32) -> None:  # pragma: no cover - numba
-    """``acc[m] += sum_r w[m, r] v[c + r]`` over ``n`` rows, four rows a pass over ``acc``."""
-    M, D = acc.shape
-    for r in range(0, n, 4):
-        r1, r2, r3 = c + min(r + 1, n - 1), c + min(r + 2, n - 1), c + min(r + 3, n - 1)
-        v0, v1, v2, v3 = v[c + r], v[r1], v[r2], v[r3]
-        for m in range(M):
-            w0 = w[m, r]
-            w1 = w[m, r + 1] if r + 1 < n else np.float32(0.0)
-            w2 = w[m, r + 2] if r + 2 < n else np.float32(0.0)
-            w3 = w[m, r + 3] if r + 3 < n else np.float32(0.0)
-            am = acc[m]
-            for i in range(D):
-                am[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
@@ -99,7 +57,7 @@ def _unit(q: _F32, k: _F32, v: _F32, a: int, b: int, scale: np.float32, mx: _F32
     acc[:] = 0.0
     for c in range(a, b, BLOCK):
         n = min(BLOCK, b - c)
-        if not np.isfinite(_scores(q, k, c, n, scale, s)):
+        if not np.isfinite(dense_scores(k, c, n, q, scale, s)):
             return False
         for m in range(M):
             top = mx[m]
@@ -114,7 +72,7 @@ def _unit(q: _F32, k: _F32, v: _F32, a: int, b: int, scale: np.float32, mx: _F32
             exp_from(s[m], top, w[m], ti, n)
             for r in range(n):
                 tot[m] += w[m, r]
-        _weigh(v, c, n, w, acc)
+        dense_values(v, c, n, w, acc)
     return True
 
 

@@ -222,7 +222,13 @@ def _plain_one_query(query: torch.Tensor, key: Any, attention_mask: torch.Tensor
     step over a ``DynamicCache`` or a dense arena), with nothing transformers' path handles
     specially (dropout, a position bias, a softcap, the weights asked for)."""
     return (query.shape[2] == 1 and attention_mask is None and isinstance(key, torch.Tensor)
-            and not dropout and kwargs.get("position_bias") is None
+            and _nothing_special(dropout, kwargs))
+
+
+def _nothing_special(dropout: float, kwargs: dict[str, Any]) -> bool:
+    """No dropout, position bias, softcap or weights asked for: what transformers' SDPA path
+    handles specially."""
+    return (not dropout and kwargs.get("position_bias") is None
             and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
 
 
@@ -240,8 +246,7 @@ def _masked_gqa_on_cpu(query: torch.Tensor, key: Any, value: Any,
             and isinstance(value, torch.Tensor) and query.device.type == "cpu"
             and query.shape[2] > 1 and query.shape[1] != key.shape[1]
             and query.shape[1] % key.shape[1] == 0 and key.shape[-1] == value.shape[-1]
-            and not dropout and kwargs.get("position_bias") is None
-            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
+            and _nothing_special(dropout, kwargs))
 
 
 _REGISTERED = False

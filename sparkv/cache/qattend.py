@@ -357,12 +357,12 @@ def _attend(q: _F32, qpos: _I64, scale: np.float32, pf: _FpPool, p8: _QPool, p4:
     uh = np.empty(U + T, dtype=np.int64)
     for u in range(U + T):
         uh[u] = units[u, 1] if u < U else u - U
-    _merge(uh, pm, pl, pacc, out, np.zeros((U + T, M), dtype=np.float32))
+    merge_units(uh, pm, pl, pacc, out, np.zeros((U + T, M), dtype=np.float32))
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _merge(uh: _I64, pm: _F32, pl: _F32, pacc: _F32, out: _F32, f: _F32
-           ) -> None:  # pragma: no cover - numba
+def merge_units(uh: _I64, pm: _F32, pl: _F32, pacc: _F32, out: _F32, f: _F32
+                ) -> None:  # pragma: no cover - numba
     """Per head ``h`` and query row ``m``, the partials of the units of ``h`` (``uh[u] == h``)
     merged by their maxima into ``out[h, m]`` (zeros where none sees an entry); ``f[u, m]``:
     the share of its softmax each unit's weights had (``exp(pm - max) / total``)."""
@@ -552,7 +552,7 @@ def _attend_dense(q: _F32, qpos: _I64, scale: np.float32, k: Any, v: Any, n: int
     uh = np.empty(U + T, dtype=np.int64)
     for u in range(U + T):
         uh[u] = _unit_span(u, U, per, n, ntail)[0]
-    _merge(uh, pm, pl, pacc, out, f)
+    merge_units(uh, pm, pl, pacc, out, f)
     if keep:
         for u in range(U + T):
             h, a, cnt = _unit_span(u, U, per, n, ntail)

@@ -1,6 +1,6 @@
 """One query's attention over a dense prefix in one numba call: an answer token of a compute
 configuration that takes it (``int4``: :attr:`~sparkv.runtime.compute.ComputeConfig.
-decode_attention`; docs/runtime.md, "An answer token's attention").
+one_query`; docs/runtime.md, "An answer token's attention").
 
 SDPA on the CPU reads each KV head once per query head of its group (``enable_gqa``: SmolLM2's 3
 KV heads serve 9 query heads, so K and V are read 3 times) and splits its work by query head: at
@@ -9,7 +9,8 @@ rows are read once for all the queries of its group (four rows at a time, each q
 vectorized dot product), with an online softmax over blocks of :data:`BLOCK` rows (``exp`` the
 paged kernel's vectorizable polynomial, :func:`sparkv.cache.qattend.exp_from`), and the rows of a
 head are split into units run in parallel (numba's threads, as many as torch's) whose partial
-softmaxes are merged as flash decoding does.
+softmaxes are merged as flash decoding does (the paged kernel's :func:`~sparkv.cache.qattend.
+merge_units`).
 
 The result is SDPA's up to the order of float32 sums (~1e-7 on SmolLM2's heads, tested); a
 non-finite score or value makes the call decline (``None``: the caller runs SDPA, whose result is
@@ -27,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from sparkv.cache.qattend import dense_scores, dense_values, exp_from
+from sparkv.cache.qattend import dense_scores, dense_values, exp_from, merge_units
 from sparkv.runtime.rowkernels import use_torch_threads
 
 #: rows of one head scored, weighted and summed together (the online softmax's block)
@@ -94,29 +95,10 @@ def _attend(q: _F32, k: _F32, v: _F32, n: int, scale: np.float32, splits: int, o
         h = u // splits
         a = (u % splits) * per
         fine[u] = _unit(q[h], k[h], v[h], a, min(n, a + per), scale, pm[u], pl[u], pacc[u])
-    ok = True
-    for u in range(U):
-        ok = ok and fine[u]
-    if not ok:
+    if not fine.all():
         return False
-    for h in range(H):
-        for m in range(M):
-            top = np.float32(-np.inf)
-            for j in range(splits):
-                top = max(top, pm[h * splits + j, m])
-            tot = np.float32(0.0)
-            out[h, m, :] = 0.0
-            for j in range(splits):
-                u = h * splits + j
-                if pm[u, m] > -np.inf:
-                    f = np.exp(pm[u, m] - top)
-                    tot += f * pl[u, m]
-                    for i in range(D):
-                        out[h, m, i] += f * pacc[u, m, i]
-            for i in range(D):
-                out[h, m, i] /= tot
-                ok = ok and np.isfinite(out[h, m, i])
-    return ok
+    merge_units(np.arange(U) // splits, pm, pl, pacc, out, np.zeros((U, M), dtype=np.float32))
+    return bool(np.isfinite(out).all())
 
 
 def _rows(t: torch.Tensor) -> np.ndarray | None:

@@ -47,9 +47,10 @@ _use_the_fork_server()
 
 
 def _file_seconds() -> dict[str, float]:
-    """Each test file's measured seconds (tests/durations.json: a whole-suite run from a fresh
-    clone, as CI runs it, on 2 cores with 3 workers: each file's summed test times, files under
-    3 s left out; a fresh clone's caches are cold, so mypy's and numba's first runs count)."""
+    """Each test file's measured seconds (tests/durations.json: a whole-suite run on 2 cores
+    with 3 workers, as CI runs it: each file's summed test times from ``--junitxml``, files
+    under 3 s left out; test_types.py at a fresh clone's time, where mypy's cache is cold).
+    A file it lacks counts as 1 s, so it goes last: re-measure it when a file grows."""
     try:
         return json.loads((Path(__file__).parent / "durations.json").read_text())
     except (OSError, ValueError):

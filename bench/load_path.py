@@ -2,7 +2,7 @@
 in the source tree on PYTHONPATH (so that a checkout before a change runs it too): the reads alone,
 the loader's flash path (read, check, swap into pages, fill the working memory), the resident
 fill (fill_layers), each the median of REPEAT, then a cProfile of one flash load (the calling
-thread only: the readers' threads are not in it).
+thread only: the readers' threads are not in it; the swap-out after it left out).
 
     PYTHONPATH=$PWD python bench/load_path.py TOKENS REPEAT OUT.json
 """
@@ -44,7 +44,8 @@ try:
         W = ContextKV(g, torch.float32, "cpu")
         t0 = time.perf_counter(); fill_layers(C, W, range(g.num_layers)); fills.append(time.perf_counter() - t0)
     C.drop_many([c for t in range(g.num_token_chunks) for c in token_chunk_ids(g, t)])
-    prof = cProfile.Profile(); prof.enable(); dt, _ = sr.full_load(ctx, 4); prof.disable()
+    prof = cProfile.Profile(); prof.enable(); dt, _ = sr.load_all(ctx, 4); prof.disable()
+    sr.swap_out(ctx)
     s = io.StringIO(); st = pstats.Stats(prof, stream=s); st.sort_stats("tottime").print_stats(18)
     res.update(read_ms=statistics.median(reads) * 1e3, flash_load_ms=statistics.median(loads) * 1e3,
                resident_fill_ms=statistics.median(fills) * 1e3, bytes=nbytes, reads=nreads,

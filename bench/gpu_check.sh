@@ -12,7 +12,9 @@
 #                      the whole ask at 8K/16K/32K, Llama-3.2-1B shape, 100/500/850 Mbit/s;
 #                      devicekv: the LLMS service with its KV memory on the GPU, with and
 #                      without the host-RAM tier; ttftswitch: ttftlong's 32K points with a
-#                      200 us GIL switch interval, SPARKV_SWITCH_INTERVAL_US)
+#                      200 us GIL switch interval, SPARKV_SWITCH_INTERVAL_US; ttftnetns:
+#                      ttftlong's 32K points over a veth that tc shapes, the client not
+#                      shaping: root and iproute2, else it says why and stops)
 #   GPU_CHECK_WHEELS   a folder of wheels to install first (a machine that cannot reach PyPI)
 #   SPARKV_TOKENIZER   a tokenizer folder for the random SmolLM2-shape model of the TTFT phase
 #                      (default: the bundled SmolLM2's, once converted)
@@ -98,6 +100,14 @@ phase ttftlong 420 env SPARKV_TOKENIZER="$tok" $BENCH ttft --device cuda --model
 phase ttftswitch 200 env SPARKV_TOKENIZER="$tok" SPARKV_SWITCH_INTERVAL_US=200 $BENCH ttft \
   --device cuda --model random:llama-3.2-1b --sizes 32768 --chunk-tokens 512 --mbps 500,850 \
   --trace '' --runs 1 --max-new-tokens 4 --levels q8,q5 --json --out "$tmp/ttft-switch-$tag.json"
+# ttftlong's 32K points over a real shaped path (the server in a network namespace, tc on its
+# veth; docs/netns.md): the client's shaper paces every piece of every chunk in Python beside the
+# launches, so this separates the emulation's share of run 3's slower compute beside the link
+# (compute_vs_local) from the receive path's own; without root or iproute2 it says why and stops
+phase ttftnetns 200 env SPARKV_TOKENIZER="$tok" $BENCH ttft --device cuda \
+  --model random:llama-3.2-1b --sizes 32768 --chunk-tokens 512 --mbps 500,850 --trace '' \
+  --runs 1 --max-new-tokens 4 --levels q8,q5 --link netns --json \
+  --out "$tmp/ttft-netns-$tag.json"
 # issue 46's device KV memory on the GPU: the LLMS service with its pages there, without and
 # with the host-RAM tier between them and flash (a short trace of 6 contexts; the SmolLM2 shape
 # with random weights: the bundled weights do not travel, its tokenizer does)

@@ -52,7 +52,7 @@ PHASES = _phases()
 def test_the_script_has_every_phase_its_header_names():
     header = SCRIPT.read_text().split("set -uo pipefail")[0]
     named = set(re.findall(r"\b(tests|attention|prefill1kprof|prefill1k|prefill|profile|"
-                           r"ttftlong|ttftswitch|ttft|devicekv)\b", header))
+                           r"ttftlong|ttftswitch|ttftnetns|ttft|devicekv)\b", header))
     assert named <= set(PHASES) and set(FIRST_RUN) <= set(PHASES), (named, set(PHASES))
     assert all(limit <= COMMAND_LIMIT_S for limit, _ in PHASES.values())
     assert sum(PHASES[p][0] for p in FIRST_RUN) <= 13 * 60

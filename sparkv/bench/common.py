@@ -14,7 +14,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from sparkv.errors import SparkvError
 from sparkv.tables import format_table
@@ -188,10 +188,12 @@ def run_event_loop(main: Any) -> Any:
 class NetnsServer:
     """``sparkv serve`` inside a :class:`~sparkv.edge.netns.ShapedLink`'s namespace (docs/netns.md),
     its link at ``setup_mbps`` until the caller shapes it; ``model``: the model the server encodes
-    with (``None``: its default). :class:`SparkvError` when it does not answer /healthz in 2 min."""
+    with (``None``: its default); ``extra_args``: more of ``sparkv serve``'s options (the edge's
+    ``--device`` and ``--dtype``). :class:`SparkvError` when it does not answer /healthz in 2
+    min."""
 
     def __init__(self, tmp: str, model: str | None = None, *, port: int = 18080,
-                 setup_mbps: float = 1000.0) -> None:
+                 setup_mbps: float = 1000.0, extra_args: Sequence[str] = ()) -> None:
         import subprocess
         import sys
 
@@ -207,7 +209,8 @@ class NetnsServer:
         self.log = open(f"{tmp}/server.log", "ab")
         self.proc = self.link.popen(
             [sys.executable, "-m", "sparkv.cli", "serve", "--host", self.link.ns_ip, "--port",
-             str(port), "--store", f"file://{tmp}/store", "--threads", "1", "--config", cfg],
+             str(port), "--store", f"file://{tmp}/store", "--threads", "1", "--config", cfg,
+             *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://{self.link.ns_ip}:{port}"
         self.link.set_rate(setup_mbps)

@@ -296,7 +296,10 @@ class _Netns:
         from sparkv.bench.common import NetnsServer
 
         self.args = args
-        self.server = NetnsServer(tmp, args.model)   # the server encodes with the edge's model
+        # the server encodes with the edge's model, on its device and in its dtype (a GPU's
+        # 32K context on the server's one CPU thread would take minutes)
+        self.server = NetnsServer(tmp, args.model, extra_args=["--device", str(args.device),
+                                                               "--dtype", str(args.dtype)])
         self.link, self.url = self.server.link, self.server.url
 
     def shaper(self, trace: Any) -> Any:

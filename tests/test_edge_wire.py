@@ -505,3 +505,112 @@ def test_a_connection_opened_ahead_carries_tls(cert):
             await _post_twice(pool)
             assert (pool.adopted, pool.connections, srv.connections) == (1, 1, 1)
     _within_20s(main)
+
+
+def _paced(*parts: bytes, pause_s: float = 0.2):
+    """A handler that answers each request with ``parts``, ``pause_s`` apart."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                for i, part in enumerate(parts):
+                    if i:
+                        await asyncio.sleep(pause_s)
+                    writer.write(part)
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+    return handle
+
+
+def _low_water(resp) -> int:
+    import socket
+
+    sock = resp._conn.writer.get_extra_info("socket")
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
+def test_a_read_waits_in_the_kernel_for_its_bytes_but_never_past_the_body(chunked):
+    """``read(n, wait_for)`` has the kernel report the socket once ``wait_for`` bytes are there
+    (SO_RCVLOWAT, probed while the read waits; a shaped path's packets otherwise woke the link
+    thread a few at a time), never more than the body still owes (50,000 bytes here); the body
+    comes whole, and the next answer's head on the same connection is read at once (a hang
+    fails within 10 s)."""
+    from sparkv.edge.wire import LOW_WATER_MAX
+
+    body = bytes(range(250)) * 200                        # 50,000 bytes
+    if chunked:
+        answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(body)
+    else:
+        answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    start = answer.index(body)                       # the head (and the chunk's size line)
+
+    async def main():
+        server, port = await _serving(_paced(answer[:start], answer[start:start + 30_000],
+                                             answer[start + 30_000:]))
+        pool = ConnectionPool(Endpoint("127.0.0.1", port), connect_timeout_s=2.0,
+                              head_timeout_s=2.0)
+        try:
+            for _ in range(2):                       # the second on the same connection
+                resp = await pool.post("/", b"{}", {})
+                probed: list[int] = []
+                # before the read's own wait ends (LOW_WATER_WAIT_S), whatever the load
+                asyncio.get_running_loop().call_later(0.01, lambda: probed.append(
+                    _low_water(resp)))
+                got = await resp.read(LOW_WATER_MAX, LOW_WATER_MAX)
+                assert probed == [len(body)]
+                got += await _read_all(resp, LOW_WATER_MAX)
+                assert got == body and resp.complete
+                await resp.aclose()
+            assert pool.connections == 1
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(asyncio.wait_for(main(), 10.0))
+
+
+def test_a_connection_without_a_settable_low_water_reads_as_before():
+    from sparkv.edge.wire import _Conn
+
+    class Writer:
+        def get_extra_info(self, name):
+            return None                              # no socket (a transport without one)
+
+    conn = _Conn(None, Writer(), 0.0)                # type: ignore[arg-type]
+    conn.low_water(1000)
+    conn.low_water(2000)                             # asked once, then not again
+    assert conn._low_water == 0
+
+
+def test_a_read_that_waits_for_its_bytes_takes_what_came_after_a_short_wait():
+    """A slow link's bytes are not held back until a low water mark fills: after
+    ``LOW_WATER_WAIT_S`` the read takes what is there (here 100 bytes that came 1 s before the
+    rest; the link's rate samples and silence rule see them as they come)."""
+    from sparkv.edge.wire import LOW_WATER_MAX
+
+    body = b"x" * 100_000
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    start = answer.index(body)
+
+    async def main():
+        server, port = await _serving(_paced(answer[:start], answer[start:start + 100],
+                                             answer[start + 100:], pause_s=1.0))
+        pool = ConnectionPool(Endpoint("127.0.0.1", port), connect_timeout_s=2.0,
+                              head_timeout_s=3.0)
+        try:
+            resp = await pool.post("/", b"{}", {})
+            assert await resp.read(LOW_WATER_MAX, LOW_WATER_MAX) == b"x" * 100
+            assert await _read_all(resp, LOW_WATER_MAX) == body[100:]
+            await resp.aclose()
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(asyncio.wait_for(main(), 10.0))

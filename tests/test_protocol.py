@@ -251,6 +251,25 @@ def test_cut_streams_are_detected(cut):
         split_records(body)
 
 
+def test_a_reader_says_how_many_bytes_finish_its_current_record():
+    """``due()``: the bytes until the reader can hand on a record's last piece (what a body
+    read waits for, sparkv.edge.wire): the rest of the frame, or between records the rest of the
+    length prefix and, when the sizes are expected, the next frame."""
+    body = encode_records([b"abc", b"", b"defg"])
+    expected = RecordReader([3, 0, 4])
+    blind = RecordReader()
+    dues = []
+    for i in range(len(body)):
+        dues.append((expected.due(), blind.due()))
+        expected.feed(body[i:i + 1])
+        blind.feed(body[i:i + 1])
+    # header of "abc" (4 + 3 bytes), its frame, the empty record's header, "defg"'s header
+    # and frame: each due counts down to the byte that ends its piece
+    assert [d for d, _ in dues] == [7, 6, 5, 4, 3, 2, 1, 4, 3, 2, 1, 8, 7, 6, 5, 4, 3, 2, 1]
+    assert [d for _, d in dues] == [4, 3, 2, 1, 3, 2, 1, 4, 3, 2, 1, 4, 3, 2, 1, 4, 3, 2, 1]
+    assert expected.due() == 4 and blind.due() == 4     # past the last record: a prefix's 4
+
+
 # ---- crypto and digests --------------------------------------------------------------------------
 def test_frame_cipher_binds_chunk_and_context():
     key = new_key()

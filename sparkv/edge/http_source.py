@@ -246,8 +246,11 @@ class _WireStream(_ShapedStream):
     resp: Response
 
     async def _pieces(self) -> AsyncIterator[bytes]:
-        read: Callable[[int], Awaitable[bytes]] = self.resp.read
-        while piece := await read(_piece_bytes(self.shaper)):
+        # a read wakes once a piece's bytes are there, or the current frame's last ones (so
+        # that a frame is handed on as soon as it is whole): a few wake-ups a frame instead of
+        # one per few packets of a shaped path
+        read: Callable[[int, int], Awaitable[bytes]] = self.resp.read
+        while piece := await read(_piece_bytes(self.shaper), self.reader.due()):
             yield piece
 
 

@@ -48,6 +48,13 @@ HEAD_LIMIT = 64 << 10
 LINE_LIMIT = 1 << 20
 #: idle connections kept per pool
 MAX_IDLE = 4
+#: the most bytes a body read asks the kernel to gather before it reports the socket readable
+#: (``SO_RCVLOWAT``): over a shaped path the bytes come a few packets at a time, and each
+#: report cost the link thread a read, a ``data_received`` and a waiter's wake-up
+LOW_WATER_MAX = 64 << 10
+#: the longest a read waits for its low water: then it takes what is there (a slow link's bytes
+#: stay visible to the link's rate samples and silence rules as they come)
+LOW_WATER_WAIT_S = 0.05
 #: how long closing a response may wait for the rest of a body it has nearly read
 DRAIN_S = 0.05
 
@@ -193,6 +200,25 @@ class _Conn:
         self.opened_at = opened_at
         self.reused = False           # taken from the pool's idle ones
         self.adopted = False          # opened ahead (Preconnect), idle until its first request
+        self._low_water = 1           # the socket's SO_RCVLOWAT (0: not settable here)
+
+    def low_water(self, n: int) -> None:
+        """Has the kernel report the socket readable once ``n`` bytes (1 to
+        :data:`LOW_WATER_MAX`) are queued, or at its end or an error (``SO_RCVLOWAT``; Linux
+        reports it at once when what is queued already meets a lowered mark). A caller never
+        asks for more than is due, or the last bytes would wait for a timeout, and lowers it
+        again after :data:`LOW_WATER_WAIT_S` (:meth:`Response._gathered`). Nothing where the
+        option cannot be set."""
+        n = max(1, min(int(n), LOW_WATER_MAX))
+        if n == self._low_water or not self._low_water:
+            return
+        sock = self.writer.get_extra_info("socket")
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+        except (AttributeError, OSError):     # no socket, no such option, refused: as before
+            self._low_water = 0
+            return
+        self._low_water = n
 
     def usable(self) -> bool:
         return not (self.writer.is_closing() or self.reader.at_eof())
@@ -235,14 +261,18 @@ class Response:
         is its first request; ``None`` on a reused connection."""
         return None if self._conn.reused else self._conn.opened_at
 
-    async def read(self, max_bytes: int) -> bytes:
-        """Up to ``max_bytes`` of the body (at least one unless it ended: then ``b""``)."""
+    async def read(self, max_bytes: int, wait_for: int | None = None) -> bytes:
+        """Up to ``max_bytes`` of the body (at least one unless it ended: then ``b""``).
+        ``wait_for``: when nothing is buffered, wake for the socket once that many bytes (at
+        most ``max_bytes``; default ``max_bytes``) are there, or all that is still due of the
+        body (:meth:`_Conn.low_water`)."""
         if self._done:
             return b""
+        want = max_bytes if wait_for is None else min(wait_for, max_bytes)
         try:
             if self._chunked:
-                return await self._read_chunked(max_bytes)
-            return await self._read_plain(max_bytes)
+                return await self._read_chunked(max_bytes, want)
+            return await self._read_plain(max_bytes, want)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, ssl.SSLError) as e:
             self._keep = False
             raise WireError(f"the body was cut: {type(e).__name__}: {e}") from e
@@ -250,14 +280,28 @@ class Response:
             self._keep = False
             raise WireError("a chunk-size line too long", malformed=True) from e
 
-    async def _read_plain(self, max_bytes: int) -> bytes:
+    async def _gathered(self, max_bytes: int, want: int) -> bytes:
+        """``reader.read(max_bytes)`` woken once ``want`` bytes are there
+        (:meth:`_Conn.low_water`), or after :data:`LOW_WATER_WAIT_S` with what is there."""
+        conn = self._conn
+        conn.low_water(want)
+        if conn._low_water <= 1:
+            return await conn.reader.read(max_bytes)
+        timer = asyncio.get_running_loop().call_later(LOW_WATER_WAIT_S, conn.low_water, 1)
+        try:
+            return await conn.reader.read(max_bytes)
+        finally:
+            timer.cancel()
+
+    async def _read_plain(self, max_bytes: int, want: int) -> bytes:
         reader = self._conn.reader
         if self._length is None:                       # to the connection's end
+            self._conn.low_water(1)
             data = await reader.read(max_bytes)
             if not data:
                 self._done, self._keep = True, False
             return data
-        data = await reader.read(min(max_bytes, self._length))
+        data = await self._gathered(min(max_bytes, self._length), min(want, self._length))
         if not data:
             raise asyncio.IncompleteReadError(b"", self._length)
         self._length -= len(data)
@@ -265,20 +309,23 @@ class Response:
             self._done = True
         return data
 
-    async def _read_chunked(self, max_bytes: int) -> bytes:
+    async def _read_chunked(self, max_bytes: int, want: int) -> bytes:
         reader = self._conn.reader
         if self._chunk_left == 0:
+            self._conn.low_water(1)                    # a size line, trailers: a few bytes
             size = await self._chunk_size()
             if size == 0:
                 await self._trailers()
                 self._done = True
                 return b""
             self._chunk_left = size
-        data = await reader.read(min(max_bytes, self._chunk_left))
+        data = await self._gathered(min(max_bytes, self._chunk_left),
+                                    min(want, self._chunk_left))
         if not data:
             raise asyncio.IncompleteReadError(b"", self._chunk_left)
         self._chunk_left -= len(data)
         if self._chunk_left == 0:
+            self._conn.low_water(1)
             if await reader.readexactly(2) != b"\r\n":
                 raise self._malformed("a chunk not ended by CRLF")
         return data
@@ -427,6 +474,7 @@ class ConnectionPool:
 
     async def _exchange(self, conn: _Conn, request: bytes) -> Response:
         try:
+            conn.low_water(1)                          # a head of unknown length
             conn.writer.write(request)
             await conn.writer.drain()
             head = await within(conn.reader.readuntil(b"\r\n\r\n"), self.head_timeout_s)

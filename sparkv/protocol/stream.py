@@ -92,6 +92,17 @@ class RecordReader:
     def records_done(self) -> int:
         return self.index
 
+    def due(self) -> int:
+        """Bytes still to come before this reader can hand on the current record's last piece:
+        the rest of its frame; between records, the rest of the next length prefix and, with
+        ``expected``, the next frame's size (at least 1)."""
+        if self._left is not None:
+            return max(1, self._left)
+        head = HEADER_BYTES - len(self._header)
+        if self.expected is not None and self.index < len(self.expected):
+            return head + self.expected[self.index]
+        return head
+
     def _start(self, size: int) -> None:
         if self.expected is not None:
             if self.index >= len(self.expected):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import statistics as st
 import sys
-import time
 from typing import Any
 
 from sparkv.cli import passive_openmp_waits
@@ -21,12 +21,14 @@ passive_openmp_waits()          # before torch loads, as the sparkv command does
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from receive_path import LINK_CPU, count_link_cpu  # noqa: E402  (the link thread's CPU)
+
 from sparkv.bench.served import fresh_ask, netns_served_context  # noqa: E402
-from sparkv.edge import link, wire  # noqa: E402
+from sparkv.edge import wire  # noqa: E402
 from sparkv.predictor.dtypes import load_model_in_dtype  # noqa: E402
 from sparkv.scheduler.trace import Trace  # noqa: E402
 
-LINK_CPU: list[float] = []      # each link thread's CPU seconds
 GATHERED = wire.Response._gathered
 
 
@@ -34,19 +36,6 @@ async def _byte_at_a_time(self: wire.Response, max_bytes: int, want: int) -> byt
     """The read before the low water mark: woken for any byte."""
     self._conn.low_water(1)
     return await self._conn.reader.read(max_bytes)
-
-
-def _count_link_cpu() -> None:
-    main = link.Link._main
-
-    def link_main(self: link.Link) -> None:
-        t0 = time.thread_time()
-        try:
-            return main(self)
-        finally:
-            LINK_CPU.append(time.thread_time() - t0)
-
-    setattr(link.Link, "_main", link_main)
 
 
 def run(links: list[float], rounds: int) -> dict[tuple[float, str], list[tuple[float, float]]]:
@@ -71,7 +60,7 @@ def run(links: list[float], rounds: int) -> dict[tuple[float, str], list[tuple[f
 def main() -> None:
     links = [float(x) for x in sys.argv[1].split(",")]
     torch.set_num_threads(1)
-    _count_link_cpu()
+    count_link_cpu()
     res = run(links, int(sys.argv[2]))
     out: dict[str, Any] = {}
     for (mbps, name), v in res.items():

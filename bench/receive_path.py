@@ -35,12 +35,10 @@ PATH = {"httpx": False}            # the path the next chunk source takes
 LINK_CPU: list[float] = []         # each link thread's CPU seconds
 
 
-def _patch() -> None:
-    init, main = http_source.HttpChunkSource.__init__, link.Link._main
-
-    def source_init(self: http_source.HttpChunkSource, *a: Any, **k: Any) -> None:
-        init(self, *a, **k)
-        self.proxied = PATH["httpx"]
+def count_link_cpu() -> None:
+    """Each link thread's CPU seconds (``time.thread_time`` over its life) into
+    :data:`LINK_CPU`."""
+    main = link.Link._main
 
     def link_main(self: link.Link) -> None:
         t0 = time.thread_time()
@@ -49,8 +47,18 @@ def _patch() -> None:
         finally:
             LINK_CPU.append(time.thread_time() - t0)
 
+    setattr(link.Link, "_main", link_main)
+
+
+def _patch() -> None:
+    init = http_source.HttpChunkSource.__init__
+
+    def source_init(self: http_source.HttpChunkSource, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        self.proxied = PATH["httpx"]
+
     setattr(http_source.HttpChunkSource, "__init__", source_init)   # the path under test
-    setattr(link.Link, "_main", link_main)                           # the link thread's CPU
+    count_link_cpu()
 
 
 def _trace(name: str) -> Trace:

@@ -2,9 +2,10 @@
 path the kernel shapes: the server in a network namespace, tc on its veth (root only,
 docs/netns.md). Per link and round, in turn (the order reversed every other round): sparkv with
 the low water mark, sparkv without it (every read wakes for a byte, as before), and local; the
-link thread's CPU per streamed chunk and each TTFT. SmolLM2 2K, T=512, one torch thread.
+link thread's CPU per streamed chunk and each TTFT. SmolLM2 2K, T=512, THREADS torch threads
+(default 1; with 2 the steps share both cores with the link thread, as in the main job).
 
-    python bench/receive_lowat.py MBPS[,MBPS...] ROUNDS OUT.json
+    python bench/receive_lowat.py MBPS[,MBPS...] ROUNDS OUT.json [THREADS]
 """
 from __future__ import annotations
 
@@ -59,10 +60,11 @@ def run(links: list[float], rounds: int) -> dict[tuple[float, str], list[tuple[f
 
 def main() -> None:
     links = [float(x) for x in sys.argv[1].split(",")]
-    torch.set_num_threads(1)
+    threads = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    torch.set_num_threads(threads)
     count_link_cpu()
     res = run(links, int(sys.argv[2]))
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"torch_threads": threads}
     for (mbps, name), v in res.items():
         local = [t for _, t in res[(mbps, "local")]]
         over = [t / lt for (_, t), lt in zip(v, local)]

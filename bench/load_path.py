@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.environ["PYTHONPATH"] + "/bench")
 import segments_read as sr
 from sparkv.cache import ContextKV
+from sparkv.device.flashio import RUN_BYTES
 from sparkv.device.loader import fill_layers, LoadOptions, LoadRequest, load, token_chunk_ids
 
 tokens = int(sys.argv[1]); repeat = int(sys.argv[2]); out = sys.argv[3]
@@ -34,7 +35,7 @@ try:
     C = ctx.memory; g = C.geometry
     reads, loads, fills = [], [], []
     for i in range(repeat):
-        dt, nreads, nbytes = sr.read_only(ctx, 4, 2 << 20); reads.append(dt)
+        dt, nreads, nbytes = sr.read_only(ctx, 4, RUN_BYTES); reads.append(dt)
         dt, _ = sr.full_load(ctx, 4); loads.append(dt)
     # resident fill: everything resident at int8
     W = ContextKV(g, torch.float32, "cpu")

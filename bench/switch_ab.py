@@ -1,7 +1,8 @@
 """The 4K switch's load path, two source trees side by side (issue 43): one child process per
 tree (``PYTHONPATH`` = the tree) holds bench/segments_read.py's context (SmolLM2-135M's
-geometry at int8, 4,096 tokens, one segment on flash, 50 MB of records in 2 MiB runs) and, on
-the parent's word, times the reads alone (4 threads, ``O_DIRECT``) or one flash load
+geometry at int8, 4,096 tokens, one segment on flash, 50 MB of records) and, on the parent's
+word, times the reads alone (4 threads, ``O_DIRECT``, in the tree's own runs: its
+``RUN_BYTES``) or one flash load
 (``loader.load``: read, check, swap into the pages, fill the working memory; 4 readers, no
 recomputation). The parent alternates the trees (and their order) round after round, so both
 see the same machine load; each load is set against the reads of the same round.
@@ -38,6 +39,7 @@ def child(tokens: int, with_alloc: bool = False) -> None:
     import segments_read as sr
 
     from sparkv.cache import ContextKV
+    from sparkv.device.flashio import RUN_BYTES
     from sparkv.device.loader import LoadOptions, LoadRequest, load, token_chunk_ids
 
     torch.set_num_threads(1)
@@ -52,7 +54,7 @@ def child(tokens: int, with_alloc: bool = False) -> None:
         for line in sys.stdin:
             what = line.strip()
             if what == "read":
-                dt, reads, nbytes = sr.read_only(ctx, 4, 2 << 20)
+                dt, reads, nbytes = sr.read_only(ctx, 4, RUN_BYTES)  # the tree's own runs
                 out: dict[str, Any] = {"read_s": dt, "reads": reads, "bytes": nbytes}
             elif what == "load":
                 if with_alloc:                        # the working memory's making timed too

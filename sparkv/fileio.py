@@ -58,8 +58,9 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: errors with which a file system refuses ``O_DIRECT`` (at open, or for an unaligned request)
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
 #: aligned buffers up to this size are kept for the next request (larger ones are unmapped
-#: after use, so a big read does not pin its memory): a loader's runs of records (2 MiB) fit
-_KEEP_BUFFER = 3 << 20
+#: after use, so a big read does not pin its memory): a loader's runs of records (4 MiB,
+#: ``sparkv.device.flashio.RUN_BYTES``) fit
+_KEEP_BUFFER = 5 << 20
 #: at most this many buffers are kept (one per reader of a switch's fill)
 _KEEP_COUNT = 4
 #: ``$SPARKV_IO_ALIGN``: the ``O_DIRECT`` alignment of every :class:`FlashIO` made without
@@ -370,7 +371,7 @@ class FlashIO:
     @contextlib.contextmanager
     def buffer(self, nbytes: int) -> Iterator[memoryview]:
         """A writable view of ``nbytes`` whose address is a multiple of :attr:`align`
-        (``O_DIRECT`` needs one): in a kept buffer when it fits (3 MiB plus the largest
+        (``O_DIRECT`` needs one): in a kept buffer when it fits (5 MiB plus the largest
         alignment; up to four are kept, so reads reuse pages already faulted in: a new 2 MiB
         mapping cost ~3 ms of the kernel's time per read), else in a mapping of its own,
         unmapped after use. The view is released when the block ends: nothing may keep a view

@@ -172,9 +172,11 @@ SEGMENT_SUFFIX = ".skvs"
 _SEGMENT = re.compile(r"seg-(\d{1,12})\.skvs")
 _CHUNK_FILE = re.compile(r"(\d{1,9})\.skvt")
 #: the most bytes one read of adjacent records takes: big enough for the flash's bandwidth (1 MiB
-#: reads run at ~2x 64 KiB ones here), small enough that a load's first chunks arrive before its
-#: last are read and that the reader threads share a context's reads
-RUN_BYTES = 2 << 20
+#: reads run at ~2x 64 KiB ones here) and for a run's fixed work (its check, its page writes, its
+#: fills: ~1-2 ms a run beside 4 readers, docs/device-service.md), small enough that a load's first
+#: chunks arrive before its last are read and that the reader threads share a context's reads (a
+#: 4K context's 50 MB is 13 runs)
+RUN_BYTES = 4 << 20
 
 
 def token_chunk_name(t: int) -> str:

@@ -128,6 +128,25 @@ def test_arena_pages_and_back_are_exact():
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
+def test_paging_a_paged_layer_changes_nothing():
+    """to_pages moves an arena into pages once (the layer's version moves); on a layer already
+    paged it is a no-op: the version stays, so nothing built over the layer is rebuilt."""
+    g = torch.Generator().manual_seed(4)
+    mem = ContextKV(GEO)
+    for cid in GEO.chunk_ids():
+        n = GEO.chunk_len(cid.t)
+        mem.put(cid, torch.randn(2, n, D, generator=g), torch.randn(2, n, D, generator=g))
+    v0 = mem.layer_version(0)
+    mem.to_pages(0)
+    v1 = mem.layer_version(0)
+    assert v1 != v0 and mem.layers[0] is None
+    before = [(e.k.clone(), e.v.clone()) for e in mem.layer_entries(0)]
+    mem.to_pages(0)
+    assert mem.layer_version(0) == v1
+    for e, (k, v) in zip(mem.layer_entries(0), before):
+        assert torch.equal(e.k, k) and torch.equal(e.v, v)
+
+
 def test_the_page_budget_is_never_exceeded(tmp_path):
     """Two contexts share pools under a byte budget: every operation either fits or raises
     PagePoolFull and changes nothing; the pages held never pass the budget."""

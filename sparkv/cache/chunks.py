@@ -363,16 +363,17 @@ class ChunkMemory:
 
     def to_pages(self, l: int) -> None:  # noqa: E741
         """Moves layer ``l``'s resident entries into fp pages (one gather, one page write) and
-        frees its arena."""
+        frees its arena. A layer already paged is left as it is (its version unchanged)."""
         with self._lock:
             store = self.layers[l]
-            if store is not None:
-                rows = self.table.layer_rows(l)
-                held = rows[self.table.is_resident(rows)]
-                if held.size:
-                    t, _, g = self.table.chunk_of(held)
-                    run = arena_run(store, self.geometry, l, list(zip(t.tolist(), g.tolist())))
-                    self.paged.write(t, np.full_like(t, l), g, run)   # counts as the table's
+            if store is None:
+                return
+            rows = self.table.layer_rows(l)
+            held = rows[self.table.is_resident(rows)]
+            if held.size:
+                t, _, g = self.table.chunk_of(held)
+                run = arena_run(store, self.geometry, l, list(zip(t.tolist(), g.tolist())))
+                self.paged.write(t, np.full_like(t, l), g, run)   # counts as the table's
             self.set_arena(l, None)
 
 

@@ -202,23 +202,24 @@ class _Conn:
         self.adopted = False          # opened ahead (Preconnect), idle until its first request
         self._low_water = 1           # the socket's SO_RCVLOWAT (0: not settable here)
 
-    def low_water(self, n: int) -> None:
+    def low_water(self, n: int) -> int:
         """Has the kernel report the socket readable once ``n`` bytes (1 to
         :data:`LOW_WATER_MAX`) are queued, or at its end or an error (``SO_RCVLOWAT``; Linux
         reports it at once when what is queued already meets a lowered mark). A caller never
         asks for more than is due, or the last bytes would wait for a timeout, and lowers it
         again after :data:`LOW_WATER_WAIT_S` (:meth:`Response._gathered`). Nothing where the
-        option cannot be set."""
+        option cannot be set. Returns the mark now in effect (0: none can be set)."""
         n = max(1, min(int(n), LOW_WATER_MAX))
         if n == self._low_water or not self._low_water:
-            return
+            return self._low_water
         sock = self.writer.get_extra_info("socket")
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
         except (AttributeError, OSError):     # no socket, no such option, refused: as before
             self._low_water = 0
-            return
+            return 0
         self._low_water = n
+        return n
 
     def usable(self) -> bool:
         return not (self.writer.is_closing() or self.reader.at_eof())
@@ -284,8 +285,7 @@ class Response:
         """``reader.read(max_bytes)`` woken once ``want`` bytes are there
         (:meth:`_Conn.low_water`), or after :data:`LOW_WATER_WAIT_S` with what is there."""
         conn = self._conn
-        conn.low_water(want)
-        if conn._low_water <= 1:
+        if conn.low_water(want) <= 1:
             return await conn.reader.read(max_bytes)
         timer = asyncio.get_running_loop().call_later(LOW_WATER_WAIT_S, conn.low_water, 1)
         try:

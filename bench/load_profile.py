@@ -6,6 +6,7 @@ against the same runs' reads alone.
     PYTHONPATH=$PWD python bench/load_profile.py [TOKENS]
 """
 import cProfile
+import os
 import pstats
 import shutil
 import sys
@@ -48,6 +49,6 @@ try:
     print(f"{len(reads.runs)} runs, reads alone {read_s * 1e3:.0f} ms, read + check + swap in + "
           f"fill on one thread {load_s * 1e3:.0f} ms ({load_s / read_s:.1f}x), failed "
           f"{len(reads.failed)}")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "15")))
 finally:
     shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,8 @@
 """Where a context switch's time goes (issue 43): ``sparkv bench contexts``' workload (the same
 contexts, budget and trace), one system, with cProfile enabled only while the service switches
 a context in (``keeper.switch_in``: reclaim + load), and each switch's own breakdown (reclaim,
-the loader's fill, pure flash reads, the readers' busy window, waits, recomputation).
+the loader's fill, pure flash reads, the readers' busy window, waits, recomputation, the
+process's minor page faults: memory touched for the first time, every thread's).
 
     PYTHONPATH=. .venv/bin/python bench/switch_profile.py --contexts 8 --fraction 0.25 \
         --calls 12 --pattern random --system llms [--top 30] [--out F.json]
@@ -17,6 +18,7 @@ import io
 import json
 import os
 import pstats
+import resource
 import shutil
 import statistics
 import tempfile
@@ -61,6 +63,7 @@ def one_system(lm: Any, system: str, contexts: list[dict[str, Any]], trace: Any,
 
     def switch_in(ctx: Any, spare: int, remote: Any = None) -> Any:
         t0 = time.perf_counter()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         prof.enable()
         try:
             sw = inner(ctx, spare, remote)
@@ -69,6 +72,7 @@ def one_system(lm: Any, system: str, contexts: list[dict[str, Any]], trace: Any,
         s = sw.stats
         rows.append({"switch_ms": (time.perf_counter() - t0) * 1e3,
                      "reclaim_ms": sw.reclaim_s * 1e3,
+                     "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0,
                      **({k: (v * 1e3 if k.endswith("_s") else v)
                          for k, v in s.to_dict().items() if k != "notes"} if s else {})})
         return sw

@@ -36,7 +36,7 @@ NOT_EDGE = ("sparkv.server", "sparkv.bench", "sparkv.demo", "sparkv.device.app",
             "sparkv.rest.handlers", "sparkv.rest.middleware", "sparkv.rest.routing",
             "sparkv.asks.routes", "sparkv.asks.chat", "sparkv.asks.completion",
             "sparkv.asks.models", "sparkv.asks.responses", "sparkv.asks.respkept",
-            "sparkv.asks.convroutes", "sparkv.asks.resptokens")
+            "sparkv.asks.convroutes", "sparkv.asks.resptokens", "sparkv.asks.textcompletion")
 
 BLOCKED_RUN = r"""
 import contextlib, importlib, importlib.abc, io, json, pkgutil, sys

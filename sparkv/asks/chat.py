@@ -64,7 +64,7 @@ from fastapi import APIRouter, Request  # noqa: E402 - after the check
 
 from sparkv.asks.completion import ChoiceStream, Choices, Completion, answer
 from sparkv.asks.routes import AsksDep, ask_request
-from sparkv.asks.schemas import ChatBody, ChatMessage, SparkvFields
+from sparkv.asks.schemas import ChatBody, ChatMessage, CompletionBody, SparkvFields
 from sparkv.asks.tickets import AskRequest
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
@@ -74,7 +74,7 @@ from sparkv.runtime.toolform import ToolSet, call_text, response_text
 from sparkv.runtime.turns import ChatTurn, Conversation, ConversationError
 
 __all__ = ["chat_router", "DEFAULT_MAX_TOKENS", "UnknownModel", "UnsupportedMessages",
-           "asked", "context_id_of", "with_tools", "openai_responses"]
+           "asked", "context_id_of", "with_tools", "openai_fields", "openai_responses"]
 
 #: the answer's cap when the request names none (tokens)
 DEFAULT_MAX_TOKENS = 256
@@ -133,11 +133,11 @@ _SAMPLING = ("temperature", "top_p", "seed", "frequency_penalty", "presence_pena
              "logit_bias", "response_format")
 
 
-def _openai_fields(body: ChatBody) -> dict[str, Any]:
+def openai_fields(body: ChatBody | CompletionBody) -> dict[str, Any]:
     """The ask's fields that OpenAI's request sets (they override the ``sparkv`` extension's):
     ``stop`` and :data:`_SAMPLING`."""
-    out: dict[str, Any] = {k: getattr(body, k) for k in _SAMPLING
-                           if getattr(body, k) is not None}
+    out: dict[str, Any] = {k: getattr(body, k, None) for k in _SAMPLING
+                           if getattr(body, k, None) is not None}
     if body.stop is not None:
         out["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     return out
@@ -201,7 +201,7 @@ async def chat_completions(body: ChatBody, request: Request, asks: AsksDep,
     question = _question(body)
     cid = context_id_of(body.model, body.sparkv)
     fields = body.sparkv or SparkvFields()
-    fields = fields.model_copy(update=_openai_fields(body))
+    fields = fields.model_copy(update=openai_fields(body))
     ask = with_tools(body.tool_set(), ask_request(fields, asks, cid, question,
                                                   _max_tokens(body), _logprobs(body)))
     c = Completion(body.model, asks, ask, body.tool_set())

@@ -124,6 +124,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     from sparkv.asks.responses import responses_router
     from sparkv.asks.routes import asks_router
     from sparkv.asks.service import AskService, BadServerUrl
+    from sparkv.asks.textcompletion import completions_router
     from sparkv.errors import SparkvError
 
     if args.ask_slots < 1 or args.ask_queue < 0 or args.ask_decode_batch < 1:
@@ -157,6 +158,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
     app.state.conversations = _conversation_store(service, args)
     app.include_router(asks_router)
     app.include_router(chat_router)
+    app.include_router(completions_router)
     app.include_router(tokens_router)          # before /v1/responses/{id}'s routes
     app.include_router(responses_router)
     app.include_router(kept_router)

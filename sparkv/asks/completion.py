@@ -38,6 +38,7 @@ from sparkv.runtime.toolform import ToolCall, ToolSet
 from sparkv.runtime.toolstream import CallPiece, CallReader
 
 __all__ = ["Completion", "Choices", "ChoiceStream", "EventStream", "answer", "outcome",
+           "prompt_counts",
            "DISCONNECT_POLL_S", "MAX_CHOICES"]
 
 #: how often a non-streamed completion looks whether its client is still there (s)
@@ -54,15 +55,24 @@ class Choices:
     def submit(cls, asks: Any, caller: str, ask: AskRequest, n: int) -> "Choices":
         """Submits the asks of ``n`` choices of ``ask``: one, greedy; else one each, sharing
         one slot (refused together)."""
-        import dataclasses
-
-        opts = ask.options
-        if n == 1 or opts.sampling.greedy:
+        if n == 1 or ask.options.sampling.greedy:
             return cls([asks.submit(caller, ask)], [list(range(n))])
-        each = [dataclasses.replace(ask, options=dataclasses.replace(
-            opts, seed=None if opts.seed is None else _nth_seed(opts.seed, i)))
-            for i in range(n)]
-        return cls(asks.submit_group(caller, each), [[i] for i in range(n)])
+        return cls(asks.submit_group(caller, [_nth_choice(ask, i) for i in range(n)]),
+                   [[i] for i in range(n)])
+
+    @classmethod
+    def submit_each(cls, asks: Any, caller: str, each: Sequence[AskRequest], n: int
+                    ) -> "Choices":
+        """Submits the asks of ``n`` choices of each of ``each`` (choice ``p * n + i`` is the
+        ``i``-th of ``each[p]``): one ask for every choice of one, greedy, else one a choice;
+        several share one slot (refused together)."""
+        if len(each) == 1:
+            return cls.submit(asks, caller, each[0], n)
+        if n == 1 or each[0].options.sampling.greedy:
+            return cls(asks.submit_group(caller, each),
+                       [[p * n + i for i in range(n)] for p in range(len(each))])
+        return cls(asks.submit_group(caller, [_nth_choice(a, i) for a in each for i in range(n)]),
+                   [[j] for j in range(len(each) * n)])
 
     def cancel(self) -> None:
         for t in self.tickets:
@@ -77,6 +87,15 @@ class Choices:
         return out
 
 
+def _nth_choice(ask: AskRequest, i: int) -> AskRequest:
+    """The ask of a sampled request's choice ``i``: its seed the request's plus ``i``."""
+    import dataclasses
+
+    opts = ask.options
+    return dataclasses.replace(ask, options=dataclasses.replace(
+        opts, seed=None if opts.seed is None else _nth_seed(opts.seed, i)))
+
+
 def _nth_seed(seed: int, i: int) -> int:
     """Choice ``i``'s seed: the request's plus ``i``, wrapped into :data:`SEED_RANGE`."""
     lo, hi = SEED_RANGE
@@ -84,11 +103,18 @@ def _nth_seed(seed: int, i: int) -> int:
 
 
 class Completion:
-    """One completion's identity and counts: what every chunk and the answer repeat."""
+    """One chat completion's identity and counts, what every chunk and the answer repeat, and
+    their shapes (a text completion's: :class:`sparkv.asks.textcompletion.TextCompletion`)."""
+
+    #: the whole answer's ``object``, and a streamed chunk's
+    OBJECT = "chat.completion"
+    CHUNK = "chat.completion.chunk"
+    #: the ids' prefix
+    PREFIX = "chatcmpl"
 
     def __init__(self, model: str, asks: Any, ask: AskRequest,
                  tools: ToolSet | None = None) -> None:
-        self.id = f"chatcmpl-{time.time_ns():x}"
+        self.id = f"{self.PREFIX}-{time.time_ns():x}"
         self.created = int(time.time())
         self.model = model
         self.max_tokens = ask.options.max_new_tokens
@@ -130,6 +156,31 @@ class Completion:
         text = self.lm.decode_tokens([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
+    def choice(self, i: int, done: dict[str, Any], events: list[dict[str, Any]]
+               ) -> dict[str, Any]:
+        """Choice ``i`` of the whole completion: its ask's ``done`` event and token
+        ``events``."""
+        return {"index": i, "message": self.message(done),
+                "logprobs": self.logprob_content(events), "finish_reason": self.finish_reason(done)}
+
+    def whole(self, choices: list[dict[str, Any] | None], done: Sequence[dict[str, Any]],
+              per_choice: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The whole completion of its ``choices`` (``done``: each ask's event;
+        ``per_choice``: each choice's)."""
+        return {"id": self.id, "object": self.OBJECT, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage(per_choice),
+                "sparkv": self.sparkv(done)}
+
+    def opening(self, i: int) -> list[dict[str, Any]]:
+        """The chunks a stream starts choice ``i`` with: its role."""
+        return [self.chunk(i, {"role": "assistant", "content": ""})]
+
+    def shown_logprobs(self, i: int, events: list[dict[str, Any]], before: str
+                       ) -> dict[str, Any] | None:
+        """Choice ``i``'s streamed ``logprobs`` of token ``events`` shown after the text
+        ``before``."""
+        return self.logprob_content(events)
+
     def logprob_content(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
         """A choice's ``logprobs`` of ``events`` (token events), ``None`` unless asked for."""
         if not self.logprobs:
@@ -141,15 +192,16 @@ class Completion:
 
     def usage(self, done: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """``usage`` of the choices' ``done`` events (the prompt counted once)."""
-        stats = done[0]["stats"]
-        prompt = int(stats["context_tokens"]) + int(stats["question_tokens"])
+        prompt, cached = self.prompt_tokens(done)
         completion = sum(len(d["tokens"]) for d in done)
-        cached = int(stats.get("turn_tokens_reused", 0))
-        if stats.get("strategy") == "kept":
-            cached += int(stats["context_tokens"])
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def prompt_tokens(self, done: Sequence[dict[str, Any]]) -> tuple[int, int]:
+        """The prompt's tokens, counted once, and those of them the service's memory held, of
+        the choices' ``done`` events."""
+        return prompt_counts(done[0]["stats"])
 
     def finish_reason(self, done: dict[str, Any]) -> str:
         """``tool_calls`` for calls (``length`` when the cap cut the last off), ``stop`` at
@@ -165,7 +217,7 @@ class Completion:
 
     def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None,
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+        return {"id": self.id, "object": self.CHUNK, "created": self.created,
                 "model": self.model, "choices": [{"index": index, "delta": delta,
                                                   "logprobs": logprobs,
                                                   "finish_reason": finish}]}
@@ -173,7 +225,7 @@ class Completion:
     def usage_chunk(self, done: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The stream's last chunk (``stream_options.include_usage``): ``usage``, and the
         ``sparkv`` extension as a whole completion carries it."""
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+        return {"id": self.id, "object": self.CHUNK, "created": self.created,
                 "model": self.model, "choices": [], "usage": self.usage(done),
                 "sparkv": self.sparkv(done)}
 
@@ -189,9 +241,20 @@ class Completion:
         return out
 
 
+def prompt_counts(stats: dict[str, Any]) -> tuple[int, int]:
+    """An ask's prompt tokens (the context's and the question's) and those of them whose KV the
+    service's memory held (a kept context's, a conversation's earlier turns), of its
+    ``stats``."""
+    cached = int(stats.get("turn_tokens_reused", 0))
+    if stats.get("strategy") == "kept":
+        cached += int(stats["context_tokens"])
+    return int(stats["context_tokens"]) + int(stats["question_tokens"]), cached
+
+
 # ---- the whole completion ------------------------------------------------------------------------
 async def answer(choices: Choices, c: Completion, request: Request, n: int) -> Any:
-    """The ``chat.completion`` (or the first failing choice's error response)."""
+    """The whole completion (:meth:`Completion.whole`), or the first failing choice's error
+    response."""
     tokens: list[list[dict[str, Any]]] = [[] for _ in choices.tickets]
     try:
         done = await asyncio.gather(*(outcome(t, request, tk)
@@ -206,11 +269,8 @@ async def answer(choices: Choices, c: Completion, request: Request, n: int) -> A
     out: list[dict[str, Any] | None] = [None] * n
     for event, tk, indexes in zip(done, tokens, choices.indexes):
         for i in indexes:
-            out[i] = {"index": i, "message": c.message(event),
-                      "logprobs": c.logprob_content(tk), "finish_reason": c.finish_reason(event)}
-    return {"id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
-            "choices": out, "usage": c.usage(choices.per_choice(done)),
-            "sparkv": c.sparkv(done)}
+            out[i] = c.choice(i, event, tk)
+    return c.whole(out, done, choices.per_choice(done))
 
 
 async def outcome(ticket: AskTicket, request: Request,
@@ -279,7 +339,8 @@ class ChoiceStream(EventStream):
                       include_usage: bool) -> AsyncIterator[bytes]:
         for ix in choices.indexes:
             for i in ix:
-                yield _sse(c.chunk(i, {"role": "assistant", "content": ""}))
+                for chunk in c.opening(i):
+                    yield _sse(chunk)
         merged: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
         pumps = [asyncio.ensure_future(_pump(k, t, merged))
                  for k, t in enumerate(choices.tickets)]
@@ -326,8 +387,9 @@ def _choice_chunks(c: Completion, event: dict[str, Any], indexes: list[int],
         events, pieces = text.token(event)
         out = _piece_chunks(c, pieces, indexes)
         if events:
-            lp = c.logprob_content(events)
-            out += [c.chunk(i, {"content": "".join(e["text"] for e in events)}, logprobs=lp)
+            shown = "".join(e["text"] for e in events)
+            before = text.shown[:len(text.shown) - len(shown)]
+            out += [c.chunk(i, {"content": shown}, logprobs=c.shown_logprobs(i, events, before))
                     for i in indexes]
         return out
     pieces = text.finish(event)

@@ -6,7 +6,8 @@ prose.
 ``queued``, ``token`` ..., then ``done`` or ``error``). ``POST /v1/chat/completions`` takes an
 OpenAI chat completion request (:class:`ChatBody`, the SparKV fields under its ``sparkv``
 extension: :class:`SparkvFields`) and answers a ``chat.completion`` or, streamed, server-sent
-``chat.completion.chunk`` events then ``[DONE]``.
+``chat.completion.chunk`` events then ``[DONE]``; ``POST /v1/completions`` takes OpenAI's text
+completion request (:class:`CompletionBody`) and answers a ``text_completion``, or its events.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from sparkv.runtime.toolform import MAX_CALLS, MAX_TOOLS, TOOL_NAME, Tool, ToolE
 from sparkv.runtime.turns import ChatTurn, Conversation
 
 __all__ = ["AskFields", "AskBody", "HistoryTurn", "SparkvFields", "ChatMessage", "ChatBody",
+           "CompletionBody",
            "ToolSpec", "FunctionSpec", "NamedToolChoice", "ToolCallItem", "tool_set_of",
            "ContextModel", "ContextModelList", "KeptCopy", "QueuedEvent", "TokenEvent",
            "DoneEvent", "ErrorEvent", "AskEvent", "AskStats", "MAX_ANSWER_TOKENS"]
 
 #: the longest answer an ask may ask for (tokens)
 MAX_ANSWER_TOKENS = 4096
-#: the most choices a chat completion may ask for (``n``)
+#: the most choices a chat completion may ask for (``n``; a text completion: in all its prompts)
 MAX_CHOICES = 8
 #: a server URL: http(s), an ASCII host (an IDN in its punycode form), at most 2 KiB
 _URL = r"^https?://[A-Za-z0-9._~%:@\[\]-]+(/[A-Za-z0-9._~%!$&'()*+,;=:@/-]*)?$"
@@ -271,6 +273,69 @@ class ChatBody(BaseModel):
     def tool_set(self) -> ToolSet | None:
         """The request's tools and how the answer may use them (``None``: no tools)."""
         return self._tools
+
+
+class CompletionBody(BaseModel):
+    """``POST /v1/completions`` (OpenAI's text completion request, the "legacy" completions of
+    llama.cpp's server, vLLM and lm-evaluation-harness): each ``prompt``'s text continues the
+    context as it is, with no chat template; ``n`` choices of each."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, Field(min_length=1, max_length=256)] = Field(description=(
+        "the server context's id (or any name when sparkv.context_id gives it)"))
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_CHOICES)
+                                   ] = Field(description=(
+        "the text after the context, or several (their choices in prompt order); token ids "
+        "are not taken"))
+    suffix: PromptText | None = Field(default=None, description=(
+        "not supported (the answer continues the prompt): none or empty"))
+    max_tokens: AnswerTokens = Field(default=16, description="the answer's cap (tokens)")
+    stream: StrictBool = False
+    stream_options: _StreamOptions | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = Field(
+        default=None, description="up to 4 stop strings: the answer ends before the first")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), JSON_INT] = Field(default=1, description=(
+        "choices of each prompt: each sampled with its own seed (greedy: the same answer)"))
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES), JSON_INT] | None = Field(
+        default=None, description="none, or n (every choice computed is returned)")
+    echo: StrictBool = Field(default=False, description="each choice's text begins with its prompt")
+    logprobs: TopLogprobs | None = Field(default=None, description=(
+        "each answer token's log-probability and this many most likely alternatives "
+        "(choices[i].logprobs: tokens, token_logprobs, top_logprobs, text_offset)"))
+    temperature: Temperature | None = Field(default=None, description=(
+        "0 or none: greedy; else the answer is sampled (docs/asks.md, 'Sampling')"))
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    sparkv: SparkvFields | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> "CompletionBody":
+        """What this service cannot answer, refused when the request is read."""
+        if not all(self.prompts()):
+            raise ValueError("an empty prompt: the answer continues a prompt's text after the "
+                             "context")
+        if self.suffix:
+            raise ValueError("suffix (text after the insertion) is not supported: the answer "
+                             "continues the prompt")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported: every choice computed is "
+                             "returned")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs asks for the prompt's log-probabilities, "
+                             "which are not computed")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts())} prompts of n = {self.n} choices each: at "
+                             f"most {MAX_CHOICES} choices in all")
+        return self
+
+    def prompts(self) -> list[str]:
+        """The prompts, in order."""
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
 class KeptCopy(BaseModel):

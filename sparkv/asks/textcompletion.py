@@ -1,0 +1,134 @@
+"""``POST /v1/completions``: the asks through OpenAI's text completion API (the "legacy"
+completions that llama.cpp's server, vLLM and lm-evaluation-harness's ``local-completions``
+speak; docs/asks.md, "Text completions").
+
+A stock client continues a server context's text unchanged::
+
+    client = OpenAI(base_url="http://127.0.0.1:8079/v1", api_key=APP_TOKEN)
+    r = client.completions.create(model=CONTEXT_ID, prompt="The license says", max_tokens=32)
+
+* ``model`` names the server context as a chat completion's does (``sparkv.context_id`` too);
+  the ``sparkv`` extension carries the ask's other fields, as there;
+* ``prompt``: the text after the context, **as it is** (no chat template: the ask's ``chat`` is
+  off, whatever the extension says), or a list of them (each its own ask, its choices in prompt
+  order: choice ``p * n + i`` is prompt ``p``'s ``i``-th; at most 8 choices in all). Token id
+  prompts are refused (422): the service tokenizes text;
+* ``max_tokens`` (default 16, as OpenAI's), ``stop``, ``n``, ``temperature``, ``top_p``,
+  ``seed``, ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` as in a chat
+  completion; ``best_of`` only equal to ``n``, ``suffix`` only empty (no fill in the middle);
+* ``echo``: each choice's text begins with its prompt (streamed: a first event with it);
+  with ``logprobs`` it is refused (the prompt's log-probabilities are not computed);
+* ``logprobs`` (0-20): ``choices[i].logprobs`` is ``tokens``, ``token_logprobs``,
+  ``top_logprobs`` (per token ``{text: logprob}`` of that many alternatives) and
+  ``text_offset`` (each token's first character in the choice's ``text``);
+* ``stream``: server-sent ``text_completion`` events, each choice's text as it is generated,
+  then its ``finish_reason`` (``usage`` last with ``stream_options.include_usage``), then
+  ``data: [DONE]``; a failure once streaming is one ``data: {"error": ...}`` event;
+* ``usage``: ``prompt_tokens`` (every prompt's, each with the context's), ``completion_tokens``,
+  ``total_tokens``, ``prompt_tokens_details.cached_tokens``.
+
+Refusals and cancellation are a chat completion's (:mod:`sparkv.asks.chat`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from sparkv.extras import require_all
+
+require_all(("fastapi",), feature="the OpenAI-compatible route of the device service "
+                                   "(sparkv.asks.textcompletion)")
+
+from fastapi import APIRouter, Request  # noqa: E402 - after the check
+
+from sparkv.asks.chat import context_id_of, openai_fields, openai_responses
+from sparkv.asks.completion import ChoiceStream, Choices, Completion, answer, prompt_counts
+from sparkv.asks.routes import AsksDep, ask_request
+from sparkv.asks.schemas import CompletionBody, SparkvFields
+from sparkv.asks.tickets import AskRequest
+from sparkv.device.app import CallerDep
+
+__all__ = ["TextCompletion", "completions_router"]
+
+
+class TextCompletion(Completion):
+    """A text completion's identity, counts and shapes: a choice is ``text`` (after its prompt
+    with ``echo``), its ``logprobs`` OpenAI's legacy lists."""
+
+    OBJECT = CHUNK = "text_completion"
+    PREFIX = "cmpl"
+
+    def __init__(self, model: str, asks: Any, ask: AskRequest, prompts: Sequence[str], n: int,
+                 echo: bool) -> None:
+        super().__init__(model, asks, ask)
+        self.prompts, self.n, self.echo = list(prompts), n, echo
+
+    def lead(self, i: int) -> str:
+        """What choice ``i``'s text begins with: its prompt with ``echo``, else nothing."""
+        return self.prompts[i // self.n] if self.echo else ""
+
+    def choice(self, i: int, done: dict[str, Any], events: list[dict[str, Any]]
+               ) -> dict[str, Any]:
+        lead = self.lead(i)
+        return {"index": i, "text": lead + done["text"],
+                "logprobs": self.text_logprobs(events, len(lead)),
+                "finish_reason": self.finish_reason(done)}
+
+    def opening(self, i: int) -> list[dict[str, Any]]:
+        return [self.chunk(i, {"content": self.lead(i)})] if self.echo else []
+
+    def shown_logprobs(self, i: int, events: list[dict[str, Any]], before: str
+                       ) -> dict[str, Any] | None:
+        return self.text_logprobs(events, len(self.lead(i)) + len(before))
+
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": self.CHUNK, "created": self.created,
+                "model": self.model, "choices": [{"index": index,
+                                                  "text": delta.get("content", ""),
+                                                  "logprobs": logprobs,
+                                                  "finish_reason": finish}]}
+
+    def prompt_tokens(self, done: Sequence[dict[str, Any]]) -> tuple[int, int]:
+        """Every prompt's tokens, each with the context's (its first choice's ask counts it)."""
+        counts = [prompt_counts(done[p * self.n]["stats"]) for p in range(len(self.prompts))]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+    def text_logprobs(self, events: list[dict[str, Any]], start: int) -> dict[str, Any] | None:
+        """OpenAI's legacy ``logprobs`` of token ``events`` whose text begins at character
+        ``start`` of the choice's text (``None`` unless asked for)."""
+        if not self.logprobs:
+            return None
+        offsets, at = [], start
+        for e in events:
+            offsets.append(at)
+            at += len(e["text"])
+        word = self.lm.decode_tokens
+        return {"tokens": [word([e["token"]]) for e in events],
+                "token_logprobs": [e["logprob"] for e in events],
+                "top_logprobs": [{word([a["token"]]): a["logprob"] for a in e["top_logprobs"]}
+                                 for e in events],
+                "text_offset": offsets}
+
+
+completions_router = APIRouter(tags=["openai"])
+
+
+@completions_router.post("/v1/completions", responses=openai_responses(
+    "a text_completion (JSON), or with stream: server-sent text_completion events, then "
+    "[DONE]"))
+async def completions(body: CompletionBody, request: Request, asks: AsksDep,
+                      caller: CallerDep) -> Any:
+    """OpenAI's text completion over asks: ``model`` names the server context, each prompt is
+    text after it (no chat template), ``extra_body={"sparkv": {...}}`` the rest of the ask."""
+    cid = context_id_of(body.model, body.sparkv)
+    fields = (body.sparkv or SparkvFields()).model_copy(
+        update={**openai_fields(body), "chat": False})
+    each = [ask_request(fields, asks, cid, prompt, body.max_tokens, body.logprobs)
+            for prompt in body.prompts()]
+    c = TextCompletion(body.model, asks, each[0], body.prompts(), body.n, body.echo)
+    choices = Choices.submit_each(asks, caller, each, body.n)
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return ChoiceStream(choices, c, include)
+    return await answer(choices, c, request, len(each) * body.n)

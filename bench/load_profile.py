@@ -4,6 +4,7 @@ other by the calling thread (``FileReads._read_run``, what each reader thread do
 against the same runs' reads alone.
 
     PYTHONPATH=$PWD python bench/load_profile.py [TOKENS]
+    SORT=cumulative TOP=40 PYTHONPATH=$PWD python bench/load_profile.py 4096   # another cut
 """
 import cProfile
 import os

@@ -11,8 +11,9 @@ ask; a cancelled ask stops within one unit of compute (in process, counting its 
 unchanged `openai` client asks through /v1/chat/completions, streamed and not, with usage, and a
 conversation (instructions, an earlier turn) as an in-process session answers it, stop strings,
 sampled answers (a seed repeats one, the token events are the tokens drawn), the Responses API
-(the chat's answer, its events, JSON, function calls), and the model list (an app's kept
-contexts only, until shared); 40 asks
+(the chat's answer, its events, JSON, function calls), the model list (an app's kept
+contexts only, until shared), and text completions (the ask with chat off, echo, several prompts,
+legacy logprobs, refusals); 40 asks
 from 8 clients that go away at random leave none stuck or lost and no memory held."""
 
 from __future__ import annotations
@@ -1520,3 +1521,107 @@ def test_a_client_that_leaves_mid_request_body_leaves_no_traceback_on_the_server
                    "\r\nContent-Length: 1000\r\n\r\n{\"items\": [").encode())
     _until(lambda: "the client went away during POST" in world["srv"].log(), "the server saw it")
     assert "Traceback" not in world["srv"].log()
+
+
+# ---- text completions (POST /v1/completions: sparkv/asks/textcompletion.py) ------------------------
+@pytest.fixture(scope="module")
+def texts(world):
+    """The ``openai`` client of an app asking for text completions about context ``a``."""
+    openai = pytest.importorskip("openai")
+    oa, http = _openai(openai, world["dev"], "texts")
+    yield {"oa": oa, "openai": openai, "http": http, "cid": world["ctx"]["a"],
+           "fields": {**_local(world), "dev": world["dev"]}}
+    http.close()
+
+
+def _complete(texts, **kw):
+    fields = {k: v for k, v in texts["fields"].items() if k != "dev"}
+    return texts["oa"].completions.create(model=texts["cid"], extra_body={"sparkv": fields},
+                                          **kw)
+
+
+def _ask_raw(texts, question: str, n: int) -> dict:
+    """The ``done`` event of the same question through ``POST /v1/asks`` with ``chat`` off."""
+    fields = {k: v for k, v in texts["fields"].items() if k != "dev"}
+    with texts["fields"]["dev"].client() as c:
+        events = list(c.ask_events(texts["cid"], question, max_new_tokens=n, chat=False,
+                                   **fields))
+    return events[-1]
+
+
+def test_a_text_completion_is_the_ask_with_chat_off(texts):
+    r = _complete(texts, prompt=" The story", max_tokens=6)
+    done = _ask_raw(texts, " The story", 6)
+    assert done["type"] == "done"
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.model == texts["cid"]
+    [choice] = r.choices
+    assert choice.text == done["text"] and choice.index == 0
+    assert choice.finish_reason == "length" and choice.logprobs is None
+    stats = done["stats"]
+    assert r.usage.prompt_tokens == stats["context_tokens"] + stats["question_tokens"]
+    assert r.usage.completion_tokens == 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+
+
+def test_echo_and_the_stream_add_up_to_the_whole_answer(texts):
+    whole = _complete(texts, prompt=" Once", max_tokens=5, echo=True)
+    assert whole.choices[0].text.startswith(" Once")
+    assert whole.choices[0].text == " Once" + _ask_raw(texts, " Once", 5)["text"]
+    chunks = list(_complete(texts, prompt=" Once", max_tokens=5, echo=True, stream=True,
+                            stream_options={"include_usage": True}))
+    *events, last = chunks
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    assert events[0].choices[0].text == " Once"              # the echo comes first
+    assert "".join(c.choices[0].text for c in events) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in events][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in events[:-1])
+    assert last.choices == [] and last.usage.completion_tokens == 5
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_several_prompts_answer_in_prompt_order_n_choices_each(texts):
+    r = _complete(texts, prompt=[" Alpha", " Beta went"], n=2, max_tokens=4)
+    a, b = (_complete(texts, prompt=p, max_tokens=4) for p in (" Alpha", " Beta went"))
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [a.choices[0].text] * 2 + [b.choices[0].text] * 2
+    assert r.usage.prompt_tokens == a.usage.prompt_tokens + b.usage.prompt_tokens
+    assert r.usage.completion_tokens == 4 * 4
+    sampled = _complete(texts, prompt=[" Alpha", " Beta went"], n=2, max_tokens=4,
+                        temperature=1.0, seed=11)
+    again = _complete(texts, prompt=[" Alpha", " Beta went"], n=2, max_tokens=4,
+                      temperature=1.0, seed=11)
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]   # seeded
+
+
+def test_logprobs_are_the_legacy_lists_with_offsets_into_the_text(texts):
+    r = _complete(texts, prompt=" The end", max_tokens=5, logprobs=2)
+    [choice] = r.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert len(lp.text_offset) == 5 and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(choice.text)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob)     # greedy: the likeliest token
+        assert top[token] == pytest.approx(logprob)
+    streamed = [c.choices[0].logprobs for c in _complete(texts, prompt=" The end", max_tokens=5,
+                                                         logprobs=2, stream=True)
+                if c.choices[0].logprobs is not None]
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"prompt": "a", "suffix": "b"}, "suffix"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo with logprobs"),
+    ({"prompt": ["a", "b", "c"], "n": 3}, "at most 8 choices"),
+    ({"prompt": ""}, "empty prompt"),
+    ({"prompt": [1, 2, 3]}, "valid string"),
+])
+def test_what_it_cannot_answer_is_refused_clearly(texts, kw, says):
+    with pytest.raises(texts["openai"].UnprocessableEntityError) as e:
+        _complete(texts, max_tokens=3, **kw)
+    assert says in str(e.value)
+    assert _complete(texts, prompt=" Still", max_tokens=2).choices[0].text   # still answers

@@ -50,6 +50,7 @@ try:
     print(f"{len(reads.runs)} runs, reads alone {read_s * 1e3:.0f} ms, read + check + swap in + "
           f"fill on one thread {load_s * 1e3:.0f} ms ({load_s / read_s:.1f}x), failed "
           f"{len(reads.failed)}")
-    pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "15")))
+    stats = pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime"))
+    stats.print_stats(int(os.environ.get("TOP", "15")))
 finally:
     shutil.rmtree(root, ignore_errors=True)

@@ -1523,7 +1523,7 @@ def test_a_client_that_leaves_mid_request_body_leaves_no_traceback_on_the_server
     assert "Traceback" not in world["srv"].log()
 
 
-# ---- text completions (POST /v1/completions: sparkv/asks/textcompletion.py) ------------------------
+# ---- text completions (POST /v1/completions: sparkv/asks/textcompletion.py) -------------------
 @pytest.fixture(scope="module")
 def texts(world):
     """The ``openai`` client of an app asking for text completions about context ``a``."""

@@ -389,8 +389,8 @@ def _choice_chunks(c: Completion, event: dict[str, Any], indexes: list[int],
         if events:
             shown = "".join(e["text"] for e in events)
             before = text.shown[:len(text.shown) - len(shown)]
-            out += [c.chunk(i, {"content": shown}, logprobs=c.shown_logprobs(i, events, before))
-                    for i in indexes]
+            lp = c.shown_logprobs(indexes[0], events, before)   # one ask's choices: one prompt
+            out += [c.chunk(i, {"content": shown}, logprobs=lp) for i in indexes]
         return out
     pieces = text.finish(event)
     if c.calls(event):

@@ -18,6 +18,7 @@ from 8 clients that go away at random leave none stuck or lost and no memory hel
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ import pytest
 from sparkv.device.client import DeviceProcess
 from sparkv.device.errors import DeviceError, QueueFull, UnknownContext
 from sparkv.device.schemas import DoneEvent
+from sparkv.device.tails import MIN_REUSE
 from sparkv.edge.client import EdgeClient
 from sparkv.runtime.generate import sample_text
 from helpers import shared_tiny_checkpoint, start_tiny_server, stop_checked
@@ -1615,13 +1617,118 @@ def test_logprobs_are_the_legacy_lists_with_offsets_into_the_text(texts):
 @pytest.mark.parametrize("kw, says", [
     ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo with logprobs"),
+    ({"prompt": "a", "echo": True, "logprobs": 1, "stream": True}, "not streamed"),
+    ({"prompt": "a", "max_tokens": 0}, "needs echo"),
     ({"prompt": ["a", "b", "c"], "n": 3}, "at most 8 choices"),
     ({"prompt": ""}, "empty prompt"),
-    ({"prompt": [1, 2, 3]}, "valid string"),
+    ({"prompt": []}, "empty prompt"),
+    ({"prompt": [[5, 6], []]}, "empty prompt"),
 ])
 def test_what_it_cannot_answer_is_refused_clearly(texts, kw, says):
     with pytest.raises(texts["openai"].UnprocessableEntityError) as e:
-        _complete(texts, max_tokens=3, **kw)
+        _complete(texts, **{"max_tokens": 3, **kw})
     assert says in str(e.value)
     assert _complete(texts, prompt=" Still", max_tokens=2).choices[0].text   # still answers
+
+
+def _scored(texts, prompt, **kw):
+    """The prompt's scored ``logprobs`` (echo, one answer token shown unless ``max_tokens``)."""
+    return _complete(texts, prompt=prompt, echo=True, logprobs=kw.pop("logprobs", 1),
+                     max_tokens=kw.pop("max_tokens", 1), **kw)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(shared_tiny_checkpoint()))
+
+
+def _ids(text: str) -> list[int]:
+    """``text``'s token ids as the service tokenizes a prompt."""
+    return list(_tokenizer().encode(text, add_special_tokens=False))
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_answer_was_scored(texts):
+    """The prompt's tokens are scored in its own pass over the context: an answer's greedy
+    tokens, asked again as the prompt's end (token ids), score as they were generated."""
+    first = _complete(texts, prompt=" The story", max_tokens=6, logprobs=2)
+    answer = _ask_raw(texts, " The story", 6)["tokens"]
+    head = _ids(" The story")
+    r = _scored(texts, [head + answer[:5]], logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(head) + 5 + 1             # the prompt, one answer
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    scored = lp.token_logprobs[len(head):len(head) + 5]
+    assert scored == pytest.approx(first.choices[0].logprobs.token_logprobs[:5], abs=2e-3)
+    for v, top in zip(scored, lp.top_logprobs[len(head):len(head) + 5]):
+        assert max(top.values()) == pytest.approx(v, abs=1e-5)     # greedy tokens
+    assert lp.tokens[:len(head) + 5] == [_tokenizer().decode([t]) for t in head + answer[:5]]
+    text = r.choices[0].text
+    assert text.startswith(" The story") and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    alone = _complete(texts, prompt=" The story", max_tokens=0, echo=True, logprobs=0)
+    [c] = alone.choices
+    assert c.text == " The story" and c.finish_reason == "length"
+    assert alone.usage.completion_tokens == 0 and len(c.logprobs.tokens) == len(head)
+    assert c.logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:len(head)], abs=1e-4)
+
+
+def test_an_lm_eval_loglikelihood_request_reads_its_continuation(texts):
+    """lm-evaluation-harness's request (token ids, echo, max_tokens 1, logprobs 1): the
+    continuation's log-likelihood sums the scores after the context's tokens; the greedy
+    continuation is greedy and likelier than another; the same request again and the prompt
+    extended (a kept tail's KV not reused: every token runs) score the tokens they share
+    alike."""
+    ctx = _ids(" Once upon a time")
+    greedy = _ask_raw(texts, " Once upon a time", 4)["tokens"]
+    other = [greedy[0] + 7, greedy[1] + 11, greedy[2] + 13, greedy[3]]
+
+    def loglikelihood(cont):
+        r = _complete(texts, prompt=[ctx + cont], echo=True, max_tokens=1, logprobs=1,
+                      temperature=0, seed=1234)
+        lp = r.choices[0].logprobs
+        got, tops = lp.token_logprobs[len(ctx):-1], lp.top_logprobs[len(ctx):-1]
+        return sum(got), all(v == max(t.values()) for v, t in zip(got, tops)), lp
+    best, is_greedy, lp = loglikelihood(greedy)
+    worse, not_greedy, _ = loglikelihood(other)
+    assert is_greedy and not not_greedy and best > worse
+    again, _, _ = loglikelihood(greedy)
+    assert again == pytest.approx(best, abs=1e-4)
+    longer = _scored(texts, [ctx + greedy + other]).choices[0].logprobs
+    n = len(ctx) + len(greedy)
+    assert longer.token_logprobs[1:n] == pytest.approx(lp.token_logprobs[1:n], abs=1e-4)
+
+
+def test_token_prompts_run_as_they_are_and_out_of_the_vocabulary_are_refused(texts):
+    with pytest.raises(texts["openai"].BadRequestError) as e:
+        _complete(texts, prompt=[[1, 2, 10 ** 9]], max_tokens=2)
+    assert "not a token id" in str(e.value)
+    odd = _ids(" went") + _ids(" home")          # not how " went home" tokenizes, maybe
+    r = _complete(texts, prompt=[_ids(" The story"), odd], max_tokens=3, echo=True)
+    assert r.choices[0].text == " The story" + _ask_raw(texts, " The story", 3)["text"]
+    assert r.choices[1].text.startswith(" went home")
+
+
+def test_a_prompt_asked_from_memory_is_scored_whole_as_it_was_over_the_stream(texts):
+    """A kept context answers from the service's memory: there a prompt that begins with an
+    earlier turn's (its KV kept as a tail) still runs whole, and scores as the ask that
+    loaded the context scored it."""
+    ctx = _ids(" It was late in the evening when the old sailor came back to the harbour, "
+               "tired and cold, with a story that nobody in the village believed")
+    assert len(ctx) > MIN_REUSE                  # long enough for a kept tail's reuse
+    kept = {**texts["fields"], "keep": True}
+    fields = {k: v for k, v in kept.items() if k != "dev"}
+
+    def scored(prompt):
+        r = texts["oa"].completions.create(model=texts["cid"], prompt=[prompt], echo=True,
+                                           max_tokens=3, logprobs=1,
+                                           extra_body={"sparkv": fields})
+        return r.choices[0].logprobs.token_logprobs, r.sparkv["stats"]["strategy"]
+    loaded, how = scored(ctx)
+    again, how2 = scored(ctx)
+    longer, how3 = scored(ctx + _ids(" that night"))
+    assert how != "kept" and how2 == how3 == "kept"
+    assert again[:len(ctx)] == pytest.approx(loaded[:len(ctx)], abs=2e-3)   # float32, another
+    assert longer[:len(ctx)] == pytest.approx(again[:len(ctx)], abs=1e-4)   # kernel's order

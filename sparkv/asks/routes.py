@@ -32,7 +32,7 @@ from sparkv.asks.tickets import AskRequest, AskTicket
 from sparkv.device.app import CallerDep, error_responses
 from sparkv.device.errors import DeviceError
 from sparkv.device.inputs import check_token_ids, vocab_size
-from sparkv.runtime.turns import Conversation, ConversationError
+from sparkv.runtime.turns import Conversation, ConversationError, TokenPrompt
 
 __all__ = ["asks_router", "get_asks", "AsksDep", "ask_request", "SERVED_STATUSES"]
 
@@ -51,10 +51,11 @@ AsksDep = Annotated[AskService, Depends(get_asks)]
 
 
 def ask_request(fields: AskFields, asks: AskService, context_id: str,
-                question: str | Conversation, max_new_tokens: int,
-                logprobs: int | None = None) -> AskRequest:
+                question: str | Conversation | TokenPrompt, max_new_tokens: int,
+                logprobs: int | None = None, prompt_logprobs: int | None = None
+                ) -> AskRequest:
     """The :class:`AskRequest` of a body (the service's default server and key filled in;
-    ``logprobs``: :attr:`AskRequest.logprobs`);
+    ``logprobs``, ``prompt_logprobs``: :attr:`AskRequest.logprobs`, its ``prompt_logprobs``);
     :class:`DeviceError` (400) for options the edge refuses, a question it cannot ask (no text,
     a conversation with ``chat`` off) or no server."""
     from sparkv.edge.planning import AskError
@@ -72,8 +73,10 @@ def ask_request(fields: AskFields, asks: AskService, context_id: str,
     if options.logit_bias:
         check_token_ids([t for t, _ in options.logit_bias], vocab_size(asks.lm),
                         "logit_bias's ids")
+    if isinstance(question, TokenPrompt):
+        check_token_ids(question.ids, vocab_size(asks.lm), "the prompt's token ids")
     return AskRequest(server, context_id, question, fields.api_key or asks.default_api_key,
-                      options, fields.share, logprobs)
+                      options, fields.share, logprobs, prompt_logprobs)
 
 
 async def submitted(body: AskBody, asks: AsksDep, caller: CallerDep
@@ -85,7 +88,8 @@ async def submitted(body: AskBody, asks: AsksDep, caller: CallerDep
     except ConversationError as e:
         raise DeviceError(str(e)) from None
     ticket = asks.submit(caller, ask_request(body, asks, body.context_id, question,
-                                             body.max_new_tokens, body.logprobs))
+                                             body.max_new_tokens, body.logprobs,
+                                             body.prompt_logprobs))
     try:
         yield ticket
     finally:

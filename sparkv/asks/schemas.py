@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from sparkv.device.schemas import (AppId, DoneEvent, LogitBias, Penalty, PromptText,
+                                   TokenIds,
                                    ResponseFormat, SamplingFields, Seed, Temperature, TopP)
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
@@ -115,6 +116,9 @@ class AskBody(AskFields):
     logprobs: TopLogprobs | None = Field(default=None, description=(
         "each token event carries its token's log-probability (logprob) and this many most "
         "likely alternatives (top_logprobs); none: neither"))
+    prompt_logprobs: TopLogprobs | None = Field(default=None, description=(
+        "the done event's prompt lists each question token with its log-probability after "
+        "what comes before it and this many most likely alternatives; none: no prompt"))
 
     def asked(self) -> "str | Conversation":
         """The question, or the conversation it ends (:class:`ConversationError` for turns that
@@ -284,13 +288,15 @@ class CompletionBody(BaseModel):
 
     model: Annotated[str, Field(min_length=1, max_length=256)] = Field(description=(
         "the server context's id (or any name when sparkv.context_id gives it)"))
-    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_CHOICES)
-                                   ] = Field(description=(
-        "the text after the context, or several (their choices in prompt order); token ids "
-        "are not taken"))
+    prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_CHOICES)]
+             | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
+             ) = Field(description=(
+        "the text after the context, or several (their choices in prompt order); or the "
+        "model's token ids, run as they are (a list of them, or several lists)"))
     suffix: PromptText | None = Field(default=None, description=(
         "not supported (the answer continues the prompt): none or empty"))
-    max_tokens: AnswerTokens = Field(default=16, description="the answer's cap (tokens)")
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_ANSWER_TOKENS), JSON_INT] = Field(
+        default=16, description="the answer's cap (tokens); 0 with echo: the prompt alone")
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = Field(
@@ -299,10 +305,12 @@ class CompletionBody(BaseModel):
         "choices of each prompt: each sampled with its own seed (greedy: the same answer)"))
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES), JSON_INT] | None = Field(
         default=None, description="none, or n (every choice computed is returned)")
-    echo: StrictBool = Field(default=False, description="each choice's text begins with its prompt")
+    echo: StrictBool = Field(default=False, description=(
+        "each choice's text begins with its prompt (with logprobs: so do its logprobs)"))
     logprobs: TopLogprobs | None = Field(default=None, description=(
         "each answer token's log-probability and this many most likely alternatives "
-        "(choices[i].logprobs: tokens, token_logprobs, top_logprobs, text_offset)"))
+        "(choices[i].logprobs: tokens, token_logprobs, top_logprobs, text_offset); with echo "
+        "the prompt's tokens first (the first one's null)"))
     temperature: Temperature | None = Field(default=None, description=(
         "0 or none: greedy; else the answer is sampled (docs/asks.md, 'Sampling')"))
     top_p: TopP | None = None
@@ -325,17 +333,23 @@ class CompletionBody(BaseModel):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported: every choice computed is "
                              "returned")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs asks for the prompt's log-probabilities, "
-                             "which are not computed")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs (the prompt's log-probabilities) is not "
+                             "streamed: ask without stream")
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            raise ValueError("max_tokens 0 answers the prompt alone: it needs echo, without "
+                             "stream")
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise ValueError(f"{len(self.prompts())} prompts of n = {self.n} choices each: at "
                              f"most {MAX_CHOICES} choices in all")
         return self
 
-    def prompts(self) -> list[str]:
-        """The prompts, in order."""
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: texts, or token id lists."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)
 
 
 class KeptCopy(BaseModel):

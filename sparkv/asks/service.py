@@ -64,7 +64,9 @@ from sparkv.device.service import ContextService
 from sparkv.edge.lane import AskCancelled
 from sparkv.edge.shaper import LinkShaper
 from sparkv.protocol.errors import ApiError, ManifestError, ServerUnavailable
+from sparkv.runtime import promptscore
 from sparkv.runtime.heap import trim_heap
+from sparkv.runtime.promptscore import PromptScorer
 
 __all__ = ["AskService", "BadServerUrl", "ask_error"]
 
@@ -108,6 +110,22 @@ def ask_error(exc: BaseException) -> tuple[int, str, str]:
             return 502, "server_unavailable", str(exc)
         return 400, "bad_ask", str(exc)
     return 500, "internal_error", f"{type(exc).__name__}: {exc}"
+
+
+class PromptNotScored(DeviceError, status=500, code="prompt_not_scored"):
+    """The ask's answer path ran its question without the pass that scores it."""
+
+
+def _prompt_entries(scorer: PromptScorer) -> list[dict[str, Any]]:
+    """The ``done`` event's ``prompt``: each question token, its log-probability (``None``
+    for the first, after a context whose last position did not run here) and alternatives."""
+    if scorer.scores is None:
+        raise PromptNotScored("the question's log-probabilities were not computed on this "
+                              "ask's path")
+    return [{"token": t, "logprob": None if s is None else s.logprob,
+             "top_logprobs": None if s is None else [{"token": a, "logprob": v}
+                                                     for a, v in s.top]}
+            for t, s in zip(scorer.prompt, scorer.scores)]
 
 
 class _LinkShare:
@@ -181,6 +199,8 @@ class AskService:
 
         self.eos = self.lm.eos_ids
         forward.install(self.lm.model)
+        if self.lm.tokenizer is not None:
+            promptscore.install(self.lm.model)
         drop_leftovers(contexts, owners)             # choices' copies a crash left
 
     def warm(self) -> float:
@@ -337,9 +357,10 @@ class AskService:
         session = EdgeSession(self._client(req.server, req.api_key), self.lm,
                               priors=self._plan_priors(sharers, seat),
                               engine_config=self.engine_config, context_service=kept)
+        scorer = self._scorer(req)
         t0 = time.perf_counter()
         try:
-            with forward.bound(lane, ticket.token, req.logprobs):
+            with forward.bound(lane, ticket.token, req.logprobs), promptscore.scoring(scorer):
                 res = session.ask(req.context_id, req.question, req.options, lane=lane)
         finally:
             lane.close()
@@ -355,7 +376,17 @@ class AskService:
                 "started": ticket.started,
                 "queued_s": t0 - ticket.submitted, "first_token_s": ticket.first_token_s,
                 "total_s": time.perf_counter() - ticket.submitted,
-                "lane": {"units": lane.units, "waited_s": lane.waited_s}}
+                "lane": {"units": lane.units, "waited_s": lane.waited_s},
+                "prompt": None if scorer is None else _prompt_entries(scorer)}
+
+    def _scorer(self, req: AskRequest) -> PromptScorer | None:
+        """The scorer of the ask's question tokens, when it asks for them."""
+        from sparkv.edge.prompts import question_suffix
+
+        if req.prompt_logprobs is None:
+            return None
+        ids = question_suffix(self.lm, req.question, req.options.chat)
+        return PromptScorer(tuple(ids), req.prompt_logprobs)
 
     def _plan_priors(self, sharers: int, seat: LinkSeat) -> Any:
         """This ask's starting point: the device's priors, its compute share (the learned

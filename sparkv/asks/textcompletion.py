@@ -11,13 +11,18 @@ A stock client continues a server context's text unchanged::
   the ``sparkv`` extension carries the ask's other fields, as there;
 * ``prompt``: the text after the context, **as it is** (no chat template: the ask's ``chat`` is
   off, whatever the extension says), or a list of them (each its own ask, its choices in prompt
-  order: choice ``p * n + i`` is prompt ``p``'s ``i``-th; at most 8 choices in all). Token id
-  prompts are refused (422): the service tokenizes text;
-* ``max_tokens`` (default 16, as OpenAI's), ``stop``, ``n``, ``temperature``, ``top_p``,
-  ``seed``, ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` as in a chat
-  completion; ``best_of`` only equal to ``n``, ``suffix`` only empty (no fill in the middle);
+  order: choice ``p * n + i`` is prompt ``p``'s ``i``-th; at most 8 choices in all); or the
+  model's token ids (a list, or several), run as they are (their text is their decoding);
+* ``max_tokens`` (default 16, as OpenAI's; 0 with ``echo``: the prompt alone), ``stop``,
+  ``n``, ``temperature``, ``top_p``, ``seed``, ``frequency_penalty``, ``presence_penalty`` and
+  ``logit_bias`` as in a chat completion; ``best_of`` only equal to ``n``, ``suffix`` only
+  empty (no fill in the middle);
 * ``echo``: each choice's text begins with its prompt (streamed: a first event with it);
-  with ``logprobs`` it is refused (the prompt's log-probabilities are not computed);
+  with ``logprobs`` (not streamed) its ``logprobs`` begin with the prompt's tokens, each
+  scored after the context and the prompt before it in the question's own pass
+  (:mod:`sparkv.runtime.promptscore`; the first token's ``null``, as OpenAI's): what
+  lm-evaluation-harness's loglikelihood requests read (``echo``, ``max_tokens`` 1,
+  ``logprobs`` 1);
 * ``logprobs`` (0-20): ``choices[i].logprobs`` is ``tokens``, ``token_logprobs``,
   ``top_logprobs`` (per token ``{text: logprob}`` of that many alternatives) and
   ``text_offset`` (each token's first character in the choice's ``text``);
@@ -46,9 +51,10 @@ from sparkv.asks.completion import ChoiceStream, Choices, Completion, answer, pr
 from sparkv.asks.routes import AsksDep, ask_request
 from sparkv.asks.schemas import CompletionBody, SparkvFields
 from sparkv.asks.tickets import AskRequest
+from sparkv.runtime.turns import TokenPrompt
 from sparkv.device.app import CallerDep
 
-__all__ = ["TextCompletion", "completions_router"]
+__all__ = ["TextCompletion", "completions_router", "text_offsets"]
 
 
 class TextCompletion(Completion):
@@ -59,9 +65,10 @@ class TextCompletion(Completion):
     PREFIX = "cmpl"
 
     def __init__(self, model: str, asks: Any, ask: AskRequest, prompts: Sequence[str], n: int,
-                 echo: bool) -> None:
+                 echo: bool, shown: int | None = None) -> None:
         super().__init__(model, asks, ask)
         self.prompts, self.n, self.echo = list(prompts), n, echo
+        self.shown = self.max_tokens if shown is None else shown   # 0: the prompt alone
 
     def lead(self, i: int) -> str:
         """What choice ``i``'s text begins with: its prompt with ``echo``, else nothing."""
@@ -70,9 +77,34 @@ class TextCompletion(Completion):
     def choice(self, i: int, done: dict[str, Any], events: list[dict[str, Any]]
                ) -> dict[str, Any]:
         lead = self.lead(i)
+        if self.shown == 0:
+            return {"index": i, "text": lead, "finish_reason": "length",
+                    "logprobs": self.with_prompt(done, self.text_logprobs([], len(lead)))}
         return {"index": i, "text": lead + done["text"],
-                "logprobs": self.text_logprobs(events, len(lead)),
+                "logprobs": self.with_prompt(done, self.text_logprobs(events, len(lead))),
                 "finish_reason": self.finish_reason(done)}
+
+    def usage(self, done: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if self.shown == 0:                       # the answer's token was not shown
+            done = [{**d, "tokens": []} for d in done]
+        return super().usage(done)
+
+    def with_prompt(self, done: dict[str, Any], answer: dict[str, Any] | None
+                    ) -> dict[str, Any] | None:
+        """A choice's ``logprobs``: the prompt's scored tokens (echoed: ``done["prompt"]``),
+        then the ``answer``'s."""
+        scored = done.get("prompt")
+        if answer is None or not self.echo or scored is None:
+            return answer
+        word = self.lm.decode_tokens
+        ids = [e["token"] for e in scored]
+        return {"tokens": [word([t]) for t in ids] + answer["tokens"],
+                "token_logprobs": [e["logprob"] for e in scored] + answer["token_logprobs"],
+                "top_logprobs": [None if e["top_logprobs"] is None
+                                 else {word([a["token"]]): a["logprob"]
+                                       for a in e["top_logprobs"]} for e in scored]
+                + answer["top_logprobs"],
+                "text_offset": text_offsets(self.lm, ids) + answer["text_offset"]}
 
     def opening(self, i: int) -> list[dict[str, Any]]:
         return [self.chunk(i, {"content": self.lead(i)})] if self.echo else []
@@ -111,6 +143,18 @@ class TextCompletion(Completion):
                 "text_offset": offsets}
 
 
+def text_offsets(lm: Any, ids: Sequence[int], window: int = 8) -> list[int]:
+    """Each token's first character in the text ``ids`` decode to: the characters a token
+    adds after the ``window`` tokens before it (a character split across tokens counts at the
+    token that completes it)."""
+    out, at = [], 0
+    for k, t in enumerate(ids):
+        out.append(at)
+        before = list(ids[max(0, k - window):k])
+        at += len(lm.decode_tokens(before + [t])) - len(lm.decode_tokens(before))
+    return out
+
+
 completions_router = APIRouter(tags=["openai"])
 
 
@@ -124,9 +168,13 @@ async def completions(body: CompletionBody, request: Request, asks: AsksDep,
     cid = context_id_of(body.model, body.sparkv)
     fields = (body.sparkv or SparkvFields()).model_copy(
         update={**openai_fields(body), "chat": False})
-    each = [ask_request(fields, asks, cid, prompt, body.max_tokens, body.logprobs)
-            for prompt in body.prompts()]
-    c = TextCompletion(body.model, asks, each[0], body.prompts(), body.n, body.echo)
+    scored = body.logprobs if body.echo else None
+    questions = [p if isinstance(p, str) else TokenPrompt(tuple(p)) for p in body.prompts()]
+    each = [ask_request(fields, asks, cid, q, max(1, body.max_tokens), body.logprobs, scored)
+            for q in questions]
+    texts = [q if isinstance(q, str) else asks.lm.decode_tokens(list(q.ids))
+             for q in questions]
+    c = TextCompletion(body.model, asks, each[0], texts, body.n, body.echo, body.max_tokens)
     choices = Choices.submit_each(asks, caller, each, body.n)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)

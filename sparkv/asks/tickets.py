@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from sparkv.asks.choicecopy import ChoicesCopy
     from sparkv.asks.cores import AskLane
     from sparkv.runtime.sampling import TokenLogprobs
-    from sparkv.runtime.turns import Conversation
+    from sparkv.runtime.turns import Conversation, TokenPrompt
 
 __all__ = ["AskRequest", "AskTicket"]
 
@@ -47,15 +47,19 @@ class AskRequest:
         share: the apps a context this ask keeps is shared with (``"*"``: every app).
         logprobs: ``None``: the token events carry no log-probabilities; else each carries its
             token's (``logprob``) and that many most likely alternatives (``top_logprobs``).
+        prompt_logprobs: ``None``: the question is not scored; else the ``done`` event's
+            ``prompt`` lists each question token with its log-probability after what comes
+            before it and that many alternatives (:mod:`sparkv.runtime.promptscore`).
     """
 
     server: str
     context_id: str
-    question: str | Conversation
+    question: str | Conversation | TokenPrompt
     api_key: str | None = None
     options: AskOptions = field(default_factory=lambda: AskOptions(keep=True))
     share: Sequence[str] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class AskTicket:

@@ -25,7 +25,7 @@ __all__ = ["MAX_PROMPT_CHARS", "MAX_PROMPT_IDS", "NewContext", "CallBody", "Serv
            "ChunkCounts", "FlashInfo", "ContextInfo", "DamagedContextInfo", "DeviceContextList",
            "CallReply", "DoneEvent", "ShareBody", "AppId", "PromptText", "SamplingFields",
            "Temperature", "TopP", "TopK", "Seed", "Penalty", "LogitBias",
-           "ResponseFormat",
+           "ResponseFormat", "PromptToken", "ScoredToken",
            "IOProfileInfo", "ServiceStats", "ErrorDetail", "ErrorResponse"]
 
 #: the longest prompt text a request may carry (characters; token limits are the service's)
@@ -281,6 +281,22 @@ class CallReply(_Reply):
         "IO/recompute split; empty without one)"))
 
 
+class ScoredToken(BaseModel):
+    """A token and its log-probability under the model, after what comes before it."""
+
+    token: int
+    logprob: float
+
+
+class PromptToken(BaseModel):
+    """A question token, scored (``logprob`` ``None``: the first, after a context whose last
+    position did not run on the device) with its most likely alternatives."""
+
+    token: int
+    logprob: float | None
+    top_logprobs: list[ScoredToken] | None
+
+
 class DoneEvent(_Reply):
     """The end of an ask (``POST /v1/asks``, docs/asks.md): the answer in the one result shape
     (a :class:`~sparkv.generation.Generation`: ``text``, ``tokens``, ``stats``: the edge's
@@ -300,6 +316,8 @@ class DoneEvent(_Reply):
     queued_s: float = Field(description="waiting for a slot")
     first_token_s: float | None = Field(description="from the submission to the first token")
     total_s: float
+    prompt: list[PromptToken] | None = Field(default=None, description=(
+        "asked with prompt_logprobs: each question token's log-probability and alternatives"))
 
 
 class IOProfileInfo(_Reply):

@@ -84,6 +84,7 @@ from sparkv.device.tails import MIN_REUSE, Rows, TailKey, TurnTails, default_cap
 from sparkv.device.calls import CallResult, run_turn
 from sparkv.device.waitline import RESERVATION_ORDERS
 from sparkv.layout import ChunkGeometry
+from sparkv.runtime import promptscore
 
 if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
@@ -359,6 +360,12 @@ class ContextService:
                      f"{max_new} new tokens,")
         return ids
 
+    def _reuses_prompts(self) -> bool:
+        """Whether a call may reuse a prompt's KV (a kept tail's, a read turn's question rows):
+        the tails have room, and the calling thread scores no prompt (its every token runs:
+        :mod:`sparkv.runtime.promptscore`)."""
+        return self.tails.capacity > 0 and promptscore.active() is None
+
     def _reads_shared(self, grow: bool, max_new: int) -> bool:
         """Whether a call reads a working memory with others (:mod:`~sparkv.device.readturns`):
         it leaves its context as it was and answers, turns run without the model lock, and
@@ -486,7 +493,7 @@ class ContextService:
         n = len(ctx.tokens)
         before = self.counters.snapshot()
         sampling = sampling.with_seed() if sampling is not None else None   # to report it
-        tails = not grow and max_new > 0 and self.tails.capacity > 0
+        tails = not grow and max_new > 0 and self._reuses_prompts()
         where = TailKey(ctx.id, n, turn_scope)
         known = self.tails.match(where, ids, MIN_REUSE) if tails else None
         sw = self._reserving(lambda: self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote),
@@ -609,10 +616,11 @@ class ContextService:
                 return None
             sampling = sampling.with_seed() if sampling is not None else None
             where = TailKey(ctx.id, read.n, turn_scope)
-            tails = self.tails.capacity > 0
+            tails = self._reuses_prompts()
             known = self.tails.match(where, ids, MIN_REUSE) if tails else None
-            known = self.reads.question_rows(read, ids, turn_scope, MIN_REUSE,
-                                             known.count if known else 0) or known
+            if tails:
+                known = self.reads.question_rows(read, ids, turn_scope, MIN_REUSE,
+                                                 known.count if known else 0) or known
             turn = run_turn(self.lm, read.working, read.n, ids, max_new, grow=False,
                             stop_at_eos=stop_at_eos, stop=stop, known=known, keep_tail=tails,
                             sampling=sampling, reserve=len(ids) + max_new)

@@ -8,35 +8,43 @@ from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
-    from sparkv.runtime.turns import Conversation
+    from sparkv.runtime.turns import Conversation, TokenPrompt
 
 
-def question_suffix(lm: LoadedModel, question: str | Conversation, chat: bool = True
-                    ) -> list[int]:
+def question_suffix(lm: LoadedModel, question: str | Conversation | TokenPrompt,
+                    chat: bool = True) -> list[int]:
     """The question's tokens after a context made by :func:`chat_context`: a lone question, or
     an app's conversation whose last turn is the question (:mod:`sparkv.runtime.turns`); plain
-    text tokens of a lone question when ``chat`` is false.
+    text tokens of a lone question when ``chat`` is false, a token prompt's ids as they are.
 
     Raises:
         AskError: what :func:`check_question` refuses.
     """
-    from sparkv.runtime.turns import suffix_ids
+    from sparkv.runtime.turns import TokenPrompt, suffix_ids
 
     conv = check_question(question, chat)
+    if isinstance(question, TokenPrompt):
+        return list(question.ids)
     return lm.encode_text(str(question)) if conv is None else suffix_ids(lm, conv)
 
 
-def check_question(question: str | Conversation, chat: bool = True) -> Conversation | None:
-    """The question as a conversation (``None`` for a lone question with ``chat`` off), checked
-    without tokenizing it.
+def check_question(question: str | Conversation | TokenPrompt, chat: bool = True
+                   ) -> Conversation | None:
+    """The question as a conversation (``None`` for a lone question or a token prompt with
+    ``chat`` off), checked without tokenizing it.
 
     Raises:
-        AskError: a question with no text (chat on), a conversation with ``chat`` off, or turns
-            that are no conversation (:class:`~sparkv.runtime.turns.ConversationError`).
+        AskError: a question with no text (chat on), a conversation or a token prompt with
+            ``chat`` on the other way, or turns that are no conversation
+            (:class:`~sparkv.runtime.turns.ConversationError`).
     """
     from sparkv.edge.planning import AskError
-    from sparkv.runtime.turns import Conversation, ConversationError
+    from sparkv.runtime.turns import Conversation, ConversationError, TokenPrompt
 
+    if isinstance(question, TokenPrompt):
+        if chat:
+            raise AskError("a token prompt runs as it is: it is asked with 'chat' off")
+        return None
     if isinstance(question, str) and not chat:
         return None
     if not chat:

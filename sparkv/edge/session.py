@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from sparkv.device.contract import KeptContexts
     from sparkv.predictor.cost import StepCostModel
     from sparkv.runtime.model import LoadedModel
-    from sparkv.runtime.turns import Conversation
+    from sparkv.runtime.turns import Conversation, TokenPrompt
 
 __all__ = ["AskOptions", "AskResult", "Breakdown", "EdgeSession", "Priors", "apply_kept"]
 
@@ -476,7 +476,7 @@ class EdgeSession:
         self.close()
 
     # ---- ask ---------------------------------------------------------------------------------
-    def ask(self, context_id: str, question: str | Conversation,
+    def ask(self, context_id: str, question: str | Conversation | TokenPrompt,
             options: AskOptions | None = None, *,
             token_ids: Sequence[int] | None = None, lane: Lane | None = None,
             **overrides: Any) -> AskResult:

@@ -31,7 +31,7 @@ from sparkv.errors import SparkvError
 if TYPE_CHECKING:
     from sparkv.runtime.model import LoadedModel
 
-__all__ = ["ROLES", "ChatTurn", "Conversation", "ConversationError", "suffix_ids"]
+__all__ = ["ROLES", "ChatTurn", "Conversation", "ConversationError", "TokenPrompt", "suffix_ids"]
 
 #: the roles a turn may have
 ROLES = ("system", "user", "assistant")
@@ -80,6 +80,18 @@ class Conversation:
     def question(self) -> str:
         """The last turn's text."""
         return self.turns[-1].text
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A question given as the model's token ids (a text completion's token prompt), run as
+    they are after the context: no chat template, no tokenizing."""
+
+    ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ids:
+            raise ConversationError("a token prompt needs at least one token")
 
 
 #: a rendered piece: (is a special token of the template, text)

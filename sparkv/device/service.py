@@ -361,8 +361,8 @@ class ContextService:
         return ids
 
     def _reuses_prompts(self) -> bool:
-        """Whether a call may reuse a prompt's KV (a kept tail's, a read turn's question rows):
-        the tails have room, and the calling thread scores no prompt (its every token runs:
+        """Whether a call may reuse (and keep) a kept tail's KV for its prompt: the tails have
+        room, and the calling thread scores no prompt (its every token runs:
         :mod:`sparkv.runtime.promptscore`)."""
         return self.tails.capacity > 0 and promptscore.active() is None
 
@@ -618,7 +618,7 @@ class ContextService:
             where = TailKey(ctx.id, read.n, turn_scope)
             tails = self._reuses_prompts()
             known = self.tails.match(where, ids, MIN_REUSE) if tails else None
-            if tails:
+            if promptscore.active() is None:     # a scored prompt runs whole
                 known = self.reads.question_rows(read, ids, turn_scope, MIN_REUSE,
                                                  known.count if known else 0) or known
             turn = run_turn(self.lm, read.working, read.n, ids, max_new, grow=False,

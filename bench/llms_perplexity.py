@@ -9,15 +9,20 @@ returns). Policies:
 * ``fp`` (no compression: the reference), ``int8`` (every chunk: LMDeploy's 8-bit),
   ``int4 uniform`` (every chunk but the attention sink's at int4: LMD-4bits; the bench sets
   the levels, no service policy is uniform int4);
-* ``tolerance`` at global ratios 1.0, 0.5 (the paper's 50%) and 0.25 of int8's bytes: chunks
-  at fp / int8 / int4 / int2 by their measured information density (docs/device-service.md).
+* ``tolerance`` at global ratios 1.0, 0.75, 0.5 (the paper's 50%) and 0.25 of int8's bytes:
+  chunks at fp / int8 / int4 / int2 by their measured information density
+  (docs/device-service.md);
+* ``squared`` 0.75 and 0.5: the same planner with each level's error taken as its step squared
+  (a bench-only variant, :func:`~sparkv.device.density.plan_levels`' ``steps``), which puts
+  fewer chunks at int2.
 
 Per policy: the continuation's perplexity (exp of the mean negative log-likelihood per token,
 the first token left out), its difference from ``fp``'s in nats a token, the levels' chunk
 counts and the context's KV bytes relative to int8's. The bundled SmolLM2 (float32), 2 torch
-threads. Writes bench/results/llms_perplexity.json.
+threads.
 
     PYTHONPATH=$PWD python bench/llms_perplexity.py [--tokens 2048] [--continuation 512]
+        [--only "fp,int8"] [--out bench/results/llms_perplexity.json]
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--continuation", type=int, default=512)
     p.add_argument("--only", default=None, help="comma-separated policies (default: all)")
+    p.add_argument("--out", default=None, help="write the rows here (JSON)")
     a = p.parse_args()
     torch.set_num_threads(2)
     lm = load_model(progress=False)
@@ -116,7 +122,9 @@ def main() -> None:
         r["dnll_vs_fp"] = r["nll"] - base
         print(f"{r['policy']:16s} {r['ppl']:8.3f} {r['dnll_vs_fp']:+8.4f} "
               f"{r['bytes_vs_int8']:10.3f}  {r['levels']}")
-    path = pathlib.Path(__file__).parent / "results" / "llms_perplexity.json"
+    if not a.out:
+        return
+    path = pathlib.Path(a.out)
     path.write_text(json.dumps({"model": lm.name, "context_tokens": len(doc),
                                 "continuation_tokens": len(cont), "paper": "llms.md Figure 6b",
                                 "rows": out}, indent=1) + "\n")

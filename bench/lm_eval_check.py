@@ -9,10 +9,11 @@ A real ``sparkv serve`` holds the story, a real ``sparkv device serve`` (on a TC
 default server the story's, default ask options: the service's plan, its memory keeping the
 context) answers lm-eval's HTTP requests; the same prompts through the ``openai`` client with a
 ``local``, ``dense``, ``raw`` ask are the reference. Prints each question's choice under both and
-the largest log-likelihood difference; writes bench/results/lm_eval_check.json.
+the largest log-likelihood difference (``--out``: every row, as JSON).
 
     pip install --target .lmeval --no-deps lm-eval==0.4.13     # lm-eval itself, no extras
-    PYTHONPATH=$PWD:$PWD/.lmeval python bench/lm_eval_check.py
+    pip install --target .lmeval tenacity aiohttp sqlitedict more_itertools   # its API model's
+    PYTHONPATH=$PWD:$PWD/.lmeval python bench/lm_eval_check.py [--out F.json]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 import socket
 import tempfile
 import time
@@ -120,7 +122,9 @@ def main() -> None:
                "max_abs_diff": max(r["max_abs_diff"] for r in rows),
                "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))
-    out = pathlib.Path(__file__).parent / "results" / "lm_eval_check.json"
+    if "--out" not in sys.argv:
+        return
+    out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1])
     out.write_text(json.dumps({**summary, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 

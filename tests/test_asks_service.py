@@ -1732,3 +1732,44 @@ def test_a_prompt_asked_from_memory_is_scored_whole_as_it_was_over_the_stream(te
     assert how != "kept" and how2 == how3 == "kept"
     assert again[:len(ctx)] == pytest.approx(loaded[:len(ctx)], abs=2e-3)   # float32, another
     assert longer[:len(ctx)] == pytest.approx(again[:len(ctx)], abs=1e-4)   # kernel's order
+
+
+def test_an_ask_scores_its_question_with_prompt_logprobs(texts):
+    """``POST /v1/asks`` with ``prompt_logprobs``: the done event's ``prompt`` is the question's
+    tokens, scored as the text completion scores them (the same pass), chat off or on."""
+    fields = {k: v for k, v in texts["fields"].items() if k != "dev"}
+    with texts["fields"]["dev"].client() as c:
+        done = c.ask(texts["cid"], " The story", max_new_tokens=1, chat=False,
+                     prompt_logprobs=2, **fields)
+        chat = c.ask(texts["cid"], "What happens?", max_new_tokens=1, prompt_logprobs=0,
+                     **fields)
+        plain = c.ask(texts["cid"], " The story", max_new_tokens=1, chat=False, **fields)
+    prompt = done.prompt
+    assert [p.token for p in prompt] == _ids(" The story")
+    assert prompt[0].logprob is None and prompt[0].top_logprobs is None
+    assert all(len(p.top_logprobs) == 2 and p.logprob <= 0 for p in prompt[1:])
+    same = _complete(texts, prompt=" The story", max_tokens=0, echo=True, logprobs=2)
+    assert [p.logprob for p in prompt] == pytest.approx(
+        same.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert len(chat.prompt) == chat.stats["question_tokens"] > len(_ids("What happens?"))
+    assert plain.prompt is None and plain.tokens == done.tokens
+
+
+def test_text_offsets_point_at_each_tokens_text_with_characters_split_across_tokens():
+    from sparkv.asks.textcompletion import text_offsets
+
+    class Words:                                  # the tokenizer's decode, by bytes
+        texts = {1: b"ab", 2: "\u00e9".encode()[:1], 3: "\u00e9".encode()[1:] + b"c",
+                 4: " \u65e5".encode(), 5: b"!"}
+
+        def decode_tokens(self, ids):
+            return b"".join(self.texts[t] for t in ids).decode("utf-8", "replace")
+
+    lm = Words()
+    ids = [1, 2, 3, 4, 5, 1]
+    offsets = text_offsets(lm, ids)
+    text = lm.decode_tokens(ids)
+    assert text == "ab\u00e9c \u65e5!ab"
+    assert offsets == [0, 2, 3, 4, 6, 7]          # the split character counts at its start
+    assert all(text[o:].startswith(lm.decode_tokens([t]).lstrip("\ufffd"))
+               for o, t in zip(offsets, ids) if t != 3)

@@ -146,7 +146,7 @@ class TextCompletion(Completion):
 def text_offsets(lm: Any, ids: Sequence[int], window: int = 8) -> list[int]:
     """Each token's first character in the text ``ids`` decode to: the characters a token
     adds after the ``window`` tokens before it (a character split across tokens counts at the
-    token that completes it)."""
+    first of them, the rest add nothing)."""
     out, at = [], 0
     for k, t in enumerate(ids):
         out.append(at)

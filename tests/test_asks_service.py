@@ -1773,3 +1773,16 @@ def test_text_offsets_point_at_each_tokens_text_with_characters_split_across_tok
     assert offsets == [0, 2, 3, 4, 6, 7]          # the split character counts at its start
     assert all(text[o:].startswith(lm.decode_tokens([t]).lstrip("\ufffd"))
                for o, t in zip(offsets, ids) if t != 3)
+
+
+@pytest.mark.parametrize("decode", ["dynakv", "stream"])
+def test_a_prompt_is_scored_under_a_decode_policy_as_under_full_decode(texts, decode):
+    """A decode policy's prefill runs the question (sparkv.decode): its pass scores the prompt
+    as the full decode's does."""
+    ids = _ids(" The story went on and on")
+    full = _scored(texts, [ids]).choices[0].logprobs.token_logprobs
+    fields = {k: v for k, v in texts["fields"].items() if k != "dev"}
+    r = texts["oa"].completions.create(model=texts["cid"], prompt=[ids], echo=True,
+                                       max_tokens=1, logprobs=1,
+                                       extra_body={"sparkv": {**fields, "decode": decode}})
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx(full, abs=1e-4)

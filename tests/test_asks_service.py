@@ -1617,7 +1617,7 @@ def test_logprobs_are_the_legacy_lists_with_offsets_into_the_text(texts):
 @pytest.mark.parametrize("kw, says", [
     ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "echo": True, "logprobs": 1, "stream": True}, "not streamed"),
+    ({"prompt": "a", "echo": True, "max_tokens": 0, "stream": True}, "without stream"),
     ({"prompt": "a", "max_tokens": 0}, "needs echo"),
     ({"prompt": ["a", "b", "c"], "n": 3}, "at most 8 choices"),
     ({"prompt": ""}, "empty prompt"),
@@ -1786,3 +1786,18 @@ def test_a_prompt_is_scored_under_a_decode_policy_as_under_full_decode(texts, de
                                        max_tokens=1, logprobs=1,
                                        extra_body={"sparkv": {**fields, "decode": decode}})
     assert r.choices[0].logprobs.token_logprobs == pytest.approx(full, abs=1e-4)
+
+
+def test_a_streamed_echo_carries_the_prompts_scores_then_the_answers(texts):
+    whole = _scored(texts, " The story", max_tokens=4, logprobs=2)
+    chunks = [c for c in _scored(texts, " The story", max_tokens=4, logprobs=2, stream=True)]
+    first = chunks[0].choices[0]
+    assert first.text == " The story"                    # the echo opens, with its scores
+    head = len(_ids(" The story"))
+    assert first.logprobs.token_logprobs == pytest.approx(
+        whole.choices[0].logprobs.token_logprobs[:head], abs=1e-5)
+    assert first.logprobs.text_offset == whole.choices[0].logprobs.text_offset[:head]
+    lp = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [o for x in lp for o in x.text_offset] == whole.choices[0].logprobs.text_offset
+    assert [t for x in lp for t in x.tokens] == whole.choices[0].logprobs.tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text

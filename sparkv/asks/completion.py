@@ -181,6 +181,11 @@ class Completion:
         ``before``."""
         return self.logprob_content(events)
 
+    def prompt_chunks(self, event: dict[str, Any], indexes: list[int]) -> list[dict[str, Any]]:
+        """The chunks an ask's first token ``event`` (with its question's scores) opens its
+        choices ``indexes`` with: none here (a chat completion opens at the start)."""
+        return []
+
     def logprob_content(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
         """A choice's ``logprobs`` of ``events`` (token events), ``None`` unless asked for."""
         if not self.logprobs:
@@ -385,7 +390,7 @@ def _choice_chunks(c: Completion, event: dict[str, Any], indexes: list[int],
     answer so far)."""
     if event["type"] == "token":
         events, pieces = text.token(event)
-        out = _piece_chunks(c, pieces, indexes)
+        out = c.prompt_chunks(event, indexes) + _piece_chunks(c, pieces, indexes)
         if events:
             shown = "".join(e["text"] for e in events)
             before = text.shown[:len(text.shown) - len(shown)]

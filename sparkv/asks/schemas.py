@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from sparkv.device.schemas import (AppId, DoneEvent, LogitBias, Penalty, PromptText,
-                                   TokenIds,
+                                   PromptToken, TokenIds,
                                    ResponseFormat, SamplingFields, Seed, Temperature, TopP)
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
@@ -333,9 +333,6 @@ class CompletionBody(BaseModel):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported: every choice computed is "
                              "returned")
-        if self.echo and self.logprobs is not None and self.stream:
-            raise ValueError("echo with logprobs (the prompt's log-probabilities) is not "
-                             "streamed: ask without stream")
         if self.max_tokens == 0 and (not self.echo or self.stream):
             raise ValueError("max_tokens 0 answers the prompt alone: it needs echo, without "
                              "stream")
@@ -406,6 +403,8 @@ class TokenEvent(_Event):
     text: str
     logprob: float | None = None
     top_logprobs: list[_Alternative] | None = None
+    prompt: list[PromptToken] | None = Field(default=None, description=(
+        "the first token's, asked with prompt_logprobs: the question's scored tokens"))
 
 
 class _ErrorInfo(BaseModel):

@@ -57,7 +57,7 @@ from sparkv.asks.cores import BATCH_STEPS, DECODE_BATCH, CoreGate
 from sparkv.asks.kept import AppContexts, KeepingTable
 from sparkv.asks.linkplan import LinkPlan, LinkSeat
 from sparkv.asks.orders import DEFAULT_ORDER
-from sparkv.asks.tickets import AskRequest, AskTicket
+from sparkv.asks.tickets import AskRequest, AskTicket, prompt_entries
 from sparkv.device.errors import DeviceError
 from sparkv.device.owners import ContextOwners
 from sparkv.device.service import ContextService
@@ -117,15 +117,13 @@ class PromptNotScored(DeviceError, status=500, code="prompt_not_scored"):
 
 
 def _prompt_entries(scorer: PromptScorer) -> list[dict[str, Any]]:
-    """The ``done`` event's ``prompt``: each question token, its log-probability (``None``
-    for the first, after a context whose last position did not run here) and alternatives."""
-    if scorer.scores is None:
+    """The ``done`` event's ``prompt`` (:func:`~sparkv.asks.tickets.prompt_entries`);
+    :class:`PromptNotScored` when the ask's path did not score it."""
+    entries = prompt_entries(scorer)
+    if entries is None:
         raise PromptNotScored("the question's log-probabilities were not computed on this "
                               "ask's path")
-    return [{"token": t, "logprob": None if s is None else s.logprob,
-             "top_logprobs": None if s is None else [{"token": a, "logprob": v}
-                                                     for a, v in s.top]}
-            for t, s in zip(scorer.prompt, scorer.scores)]
+    return entries
 
 
 class _LinkShare:
@@ -357,7 +355,7 @@ class AskService:
         session = EdgeSession(self._client(req.server, req.api_key), self.lm,
                               priors=self._plan_priors(sharers, seat),
                               engine_config=self.engine_config, context_service=kept)
-        scorer = self._scorer(req)
+        scorer = ticket.scorer = self._scorer(req)
         t0 = time.perf_counter()
         try:
             with forward.bound(lane, ticket.token, req.logprobs), promptscore.scoring(scorer):

@@ -17,10 +17,10 @@ A stock client continues a server context's text unchanged::
   ``n``, ``temperature``, ``top_p``, ``seed``, ``frequency_penalty``, ``presence_penalty`` and
   ``logit_bias`` as in a chat completion; ``best_of`` only equal to ``n``, ``suffix`` only
   empty (no fill in the middle);
-* ``echo``: each choice's text begins with its prompt (streamed: a first event with it);
-  with ``logprobs`` (not streamed) its ``logprobs`` begin with the prompt's tokens, each
-  scored after the context and the prompt before it in the question's own pass
-  (:mod:`sparkv.runtime.promptscore`; the first token's ``null``, as OpenAI's): what
+* ``echo``: each choice's text begins with its prompt (streamed: a first event with it, with
+  ``logprobs`` once the prompt ran); with ``logprobs`` its ``logprobs`` begin with the
+  prompt's tokens, each scored after the context and the prompt before it in the question's
+  own pass (:mod:`sparkv.runtime.promptscore`; the first token's ``null``, as OpenAI's): what
   lm-evaluation-harness's loglikelihood requests read (``echo``, ``max_tokens`` 1,
   ``logprobs`` 1);
 * ``logprobs`` (0-20): ``choices[i].logprobs`` is ``tokens``, ``token_logprobs``,
@@ -107,7 +107,18 @@ class TextCompletion(Completion):
                 "text_offset": text_offsets(self.lm, ids) + answer["text_offset"]}
 
     def opening(self, i: int) -> list[dict[str, Any]]:
+        if self.echo and self.logprobs:      # the echo comes with its scores: the first token's
+            return []
         return [self.chunk(i, {"content": self.lead(i)})] if self.echo else []
+
+    def prompt_chunks(self, event: dict[str, Any], indexes: list[int]) -> list[dict[str, Any]]:
+        """Each choice's echo with its prompt's scores (``logprobs`` with ``echo``), out of the
+        ask's first token ``event``."""
+        if event.get("prompt") is None or not (self.echo and self.logprobs):
+            return []
+        return [self.chunk(i, {"content": self.lead(i)},
+                           logprobs=self.with_prompt(event, self.text_logprobs([], 0)))
+                for i in indexes]
 
     def shown_logprobs(self, i: int, events: list[dict[str, Any]], before: str
                        ) -> dict[str, Any] | None:

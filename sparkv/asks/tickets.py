@@ -26,10 +26,11 @@ if TYPE_CHECKING:
     from sparkv.asks.admission import Place
     from sparkv.asks.choicecopy import ChoicesCopy
     from sparkv.asks.cores import AskLane
+    from sparkv.runtime.promptscore import PromptScorer
     from sparkv.runtime.sampling import TokenLogprobs
     from sparkv.runtime.turns import Conversation, TokenPrompt
 
-__all__ = ["AskRequest", "AskTicket"]
+__all__ = ["AskRequest", "AskTicket", "prompt_entries"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class AskTicket:
         self._wake: Callable[[], None] | None = None
         self._wake_lock = threading.Lock()
         self._answer = TextStream(detokenize)
+        self.scorer: PromptScorer | None = None      # its question's, when it asks for them
         self._tokens: list[int] = []
         self._text = ""
         self._stops = StopStrings(request.options.stop if request is not None else ())
@@ -99,7 +101,8 @@ class AskTicket:
         """An answer token was generated: a ``token`` event with the text it adds (empty while
         it ends inside a character, or in what may begin a stop string: the ``done`` event's
         text is the answer's, cut before its stop string), and its ``logprob`` and
-        ``top_logprobs`` (``[{token, logprob}]``) when given."""
+        ``top_logprobs`` (``[{token, logprob}]``) when given; the first token's carries the
+        question's scores (``prompt``: :func:`prompt_entries`) when the ask has them."""
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.submitted
         self._tokens.append(token_id)
@@ -114,6 +117,8 @@ class AskTicket:
         if logprobs is not None:
             event["logprob"] = logprobs.logprob
             event["top_logprobs"] = [{"token": t, "logprob": v} for t, v in logprobs.top]
+        if len(self._tokens) == 1 and self.scorer is not None:
+            event["prompt"] = prompt_entries(self.scorer)
         self.put(event)
 
     @property
@@ -178,3 +183,15 @@ class AskTicket:
             raise TimeoutError(f"ask {self.id} did not finish in {timeout_s} s")
         assert self.outcome is not None
         return self.outcome
+
+
+def prompt_entries(scorer: PromptScorer) -> list[dict[str, Any]] | None:
+    """A scored question as events carry it: each token, its log-probability (``None`` for the
+    first, after a context whose last position did not run here) and its alternatives; ``None``
+    while it is not scored."""
+    if scorer.scores is None:
+        return None
+    return [{"token": t, "logprob": None if s is None else s.logprob,
+             "top_logprobs": None if s is None else [{"token": a, "logprob": v}
+                                                     for a, v in s.top]}
+            for t, s in zip(scorer.prompt, scorer.scores)]

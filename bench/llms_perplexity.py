@@ -12,9 +12,9 @@ returns). Policies:
 * ``tolerance`` at global ratios 1.0, 0.75, 0.5 (the paper's 50%) and 0.25 of int8's bytes:
   chunks at fp / int8 / int4 / int2 by their measured information density
   (docs/device-service.md);
-* ``squared`` 0.75 and 0.5: the same planner with each level's error taken as its step squared
-  (a bench-only variant, :func:`~sparkv.device.density.plan_levels`' ``steps``), which puts
-  fewer chunks at int2.
+* ``linear`` 0.75 and 0.5: the planner as it was before session 111, each level's error taken
+  as its step (not squared: :func:`~sparkv.device.density.plan_levels`' ``weights``), which
+  puts more chunks at int2.
 
 Per policy: the continuation's perplexity (exp of the mean negative log-likelihood per token,
 the first token left out), its difference from ``fp``'s in nats a token, the levels' chunk
@@ -22,7 +22,7 @@ counts and the context's KV bytes relative to int8's. The bundled SmolLM2 (float
 threads.
 
     PYTHONPATH=$PWD python bench/llms_perplexity.py [--tokens 2048] [--continuation 512]
-        [--only "fp,int8"] [--out bench/results/llms_perplexity.json]
+        [--only "fp,int8"] [--text F.txt] [--out bench/results/llms_perplexity.json]
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ POLICIES: dict[str, dict[str, Any]] = {
     "tolerance 0.5": {"compression": "tolerance", "ratio": 0.5},
     "tolerance 0.25": {"compression": "tolerance", "ratio": 0.25},
     "tolerance 0.75": {"compression": "tolerance", "ratio": 0.75},
-    "squared 0.75": {"compression": "tolerance", "ratio": 0.75, "steps": "squared"},
-    "squared 0.5": {"compression": "tolerance", "ratio": 0.5, "steps": "squared"},
+    "linear 0.75": {"compression": "tolerance", "ratio": 0.75, "weights": "linear"},
+    "linear 0.5": {"compression": "tolerance", "ratio": 0.5, "weights": "linear"},
 }
 
 
@@ -60,10 +60,9 @@ def score(lm: Any, doc: list[int], cont: list[int], root: pathlib.Path, name: st
 
     policy = dict(policy)
     uniform = policy.pop("uniform", None)
-    squared = policy.pop("steps", None) == "squared"
+    linear = policy.pop("weights", None) == "linear"
     levels_mod.plan_levels = (  # type: ignore[assignment]
-        (lambda *a, **k: plan_levels(*a, steps={lv: s * s for lv, s in LEVEL_STEP.items()},
-                                     **k)) if squared else plan_levels)
+        (lambda *a, **k: plan_levels(*a, weights=LEVEL_STEP, **k)) if linear else plan_levels)
     svc = ContextService(lm, 512 << 20, root / name.replace(" ", "-"), journal=False,
                          pipeline=False, keep_working=False, aot=False, **policy)
     try:
@@ -94,12 +93,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--continuation", type=int, default=512)
     p.add_argument("--only", default=None, help="comma-separated policies (default: all)")
+    p.add_argument("--text", default=None, help="a UTF-8 text file (default: the bundled "
+                   "licences, sparkv/data/sample_context.txt)")
     p.add_argument("--out", default=None, help="write the rows here (JSON)")
     a = p.parse_args()
     torch.set_num_threads(2)
     lm = load_model(progress=False)
     promptscore.install(lm.model)
-    ids = lm.encode_text(sample_text())
+    ids = lm.encode_text(pathlib.Path(a.text).read_text(encoding="utf-8") if a.text
+                         else sample_text())
+    if len(ids) < a.tokens + a.continuation:
+        raise SystemExit(f"the text has {len(ids)} tokens: fewer than --tokens + --continuation")
     doc, cont = ids[:a.tokens], ids[a.tokens:a.tokens + a.continuation]
     cfg = lm.config
     rows = cfg.num_key_value_heads * 16
@@ -125,7 +129,8 @@ def main() -> None:
     if not a.out:
         return
     path = pathlib.Path(a.out)
-    path.write_text(json.dumps({"model": lm.name, "context_tokens": len(doc),
+    path.write_text(json.dumps({"model": lm.name, "text": a.text or "sample_context.txt",
+                                "context_tokens": len(doc),
                                 "continuation_tokens": len(cont), "paper": "llms.md Figure 6b",
                                 "rows": out}, indent=1) + "\n")
     print(f"wrote {path}")

@@ -33,11 +33,17 @@ kept and summed at the end (:meth:`DensityRecorder.take`), and nothing is multip
 read literally gives the *densest* chunks the *fewest* bits, and maximising ``sum bits * D`` under
 the ratio constraint always ends at the two extreme levels (1/3 at int8 and 2/3 at int2 for 50%,
 whatever the densities). [inferred] We minimise the density-weighted quantization error instead,
-``sum_i D_i * step(level_i)`` with ``step = 1 / (2^bits - 1)`` (the relative quantization step of
-:mod:`sparkv.cache.levels`), subject to ``sum_i ratio(level_i) <= ratio_global * n``: the densest
-chunks keep the most bits, a chunk drops to int2 only when its density is far below the int8
-chunks' (the exchange rate of the steps), and the mix follows the densities. The optimum over the
-sorted densities is found exactly by enumerating the int8 count (``O(n)`` with prefix sums).
+``sum_i D_i * step(level_i)^2`` with ``step = 1 / (2^bits - 1)`` (the relative quantization step
+of :mod:`sparkv.cache.levels`; squared: the power of the rounding noise), subject to
+``sum_i ratio(level_i) <= ratio_global * n``: the densest chunks keep the most bits, a chunk
+drops to int2 only when its density is far below the int8 chunks' (the exchange rate of the
+squared steps: one int8 and two int2 chunks for three int4 ones pays when the int8 chunk is
+about 50 times denser), and the mix follows the densities. The step itself (unsquared) priced
+int2 about 5x int4 and put 10-16 of 96-128 chunks at int2 at ratio 0.5: a continuation's
+perplexity after the context rose 17-26% where every chunk at int4 (the same bytes) left it
+within 1%; squared, 2 chunks go to int2 and it rises 1-3% (``bench/llms_perplexity.py``, three
+texts, docs/device-service.md). The optimum over the sorted densities is found exactly by
+enumerating the int8 count (``O(n)`` with prefix sums).
 """
 
 from __future__ import annotations
@@ -58,8 +64,11 @@ from sparkv.runtime.hooks import QUERY_SINK, rows_safe
 
 #: ratio of each level's bytes to the int8 base (the paper's {8/8, 4/8, 2/8})
 LEVEL_RATIO = {"int8": 1.0, "int4": 0.5, "int2": 0.25}  # fp: its real bytes, plan_levels
-#: relative quantization step of each level (what a density is weighted by)
+#: relative quantization step of each level
 LEVEL_STEP = {"fp": 0.0, "int8": 1 / 255, "int4": 1 / 15, "int2": 1 / 3}
+#: each level's error weight in the planner (what a density is weighted by): its step squared,
+#: the power of its rounding noise (module docstring, "Levels")
+LEVEL_ERROR = {lv: step * step for lv, step in LEVEL_STEP.items()}
 
 
 class DensityRecorder:
@@ -529,7 +538,7 @@ class LevelMix:
 
     levels: tuple[str, ...]
     ratio: float              # achieved bytes / int8 bytes
-    error: float              # sum of density * step
+    error: float              # sum of density * error weight (LEVEL_ERROR)
 
     def counts(self) -> dict[str, int]:
         return {lv: sum(1 for x in self.levels if x == lv)
@@ -562,7 +571,7 @@ def _int_mix(ds: np.ndarray, budget: float, st: dict[str, float]) -> tuple[float
 
 
 def plan_levels(densities: Sequence[float] | np.ndarray, ratio_global: float = 0.5,
-                steps: dict[str, float] | None = None, *, fp_fraction: float = 0.0,
+                weights: dict[str, float] | None = None, *, fp_fraction: float = 0.0,
                 protect: Sequence[int] = (), fp_ratio: float = 4.0) -> LevelMix:
     """Levels for chunks of the given densities meeting ``ratio_global`` (module docstring).
 
@@ -584,7 +593,7 @@ def plan_levels(densities: Sequence[float] | np.ndarray, ratio_global: float = 0
     if n == 0:
         return LevelMix((), 0.0, 0.0)
     r = float(max(ratio_global, 0.25))
-    st = steps or LEVEL_STEP
+    st = weights or LEVEL_ERROR
     prot = [int(i) for i in dict.fromkeys(protect) if 0 <= int(i) < n]
     m = n - len(prot)
     budget = r * m + 1e-9

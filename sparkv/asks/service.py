@@ -197,8 +197,10 @@ class AskService:
 
         self.eos = self.lm.eos_ids
         forward.install(self.lm.model)
-        if self.lm.tokenizer is not None:
+        try:
             promptscore.install(self.lm.model)
+        except TypeError as e:           # an ask with prompt_logprobs then fails, saying why
+            log.warning("prompts cannot be scored: %s", e)
         drop_leftovers(contexts, owners)             # choices' copies a crash left
 
     def warm(self) -> float:

@@ -116,9 +116,8 @@ class TextCompletion(Completion):
         ask's first token ``event``."""
         if event.get("prompt") is None or not (self.echo and self.logprobs):
             return []
-        return [self.chunk(i, {"content": self.lead(i)},
-                           logprobs=self.with_prompt(event, self.text_logprobs([], 0)))
-                for i in indexes]
+        lp = self.with_prompt(event, self.text_logprobs([], 0))     # one prompt: the ask's
+        return [self.chunk(i, {"content": self.lead(i)}, logprobs=lp) for i in indexes]
 
     def shown_logprobs(self, i: int, events: list[dict[str, Any]], before: str
                        ) -> dict[str, Any] | None:

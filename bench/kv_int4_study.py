@@ -56,30 +56,28 @@ def per_token(x: torch.Tensor, bits: int) -> torch.Tensor:
     return dequantize(t).reshape(h, n, d)
 
 
+def by_chunk(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` applied to each chunk of :data:`CHUNK` tokens of ``x [h, n, d]``."""
+    out = torch.empty_like(x)
+    for a in range(0, x.shape[1], CHUNK):
+        out[:, a:a + CHUNK] = fn(x[:, a:a + CHUNK])
+    return out
+
+
 def per_channel(x: torch.Tensor, bits: int) -> torch.Tensor:
     """``x [h, n, d]`` quantized per channel over each chunk of :data:`CHUNK` tokens (the same
     quantizer, on the transposed chunk)."""
-    h, n, d = x.shape
-    out = torch.empty_like(x)
-    for a in range(0, n, CHUNK):
-        c = x[:, a:a + CHUNK]
-        t = per_token(c.transpose(1, 2).contiguous(), bits)
-        out[:, a:a + CHUNK] = t.transpose(1, 2)
-    return out
+    return by_chunk(x, lambda c: per_token(c.transpose(1, 2).contiguous(), bits).transpose(1, 2))
 
 
-def centred(x: torch.Tensor, bits: int, chunked: bool) -> torch.Tensor:
-    """``x`` less its per-channel mean (over the whole span, or per chunk) quantized per token,
-    the mean added back."""
-    if not chunked:
-        mu = x.mean(dim=1, keepdim=True).half().float()
-        return per_token(x - mu, bits) + mu
-    out = torch.empty_like(x)
-    for a in range(0, x.shape[1], CHUNK):
-        c = x[:, a:a + CHUNK]
-        mu = c.mean(dim=1, keepdim=True).half().float()
-        out[:, a:a + CHUNK] = per_token(c - mu, bits) + mu
-    return out
+def centred(x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor],
+            fp16_mean: bool = True) -> torch.Tensor:
+    """``x`` less its per-channel mean over its tokens through ``quant``, the mean added back;
+    ``fp16_mean``: the mean rounded as a stored fp16 one would be."""
+    mu = x.mean(dim=1, keepdim=True)
+    if fp16_mean:
+        mu = mu.half().float()
+    return quant(x - mu) + mu
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -103,17 +101,18 @@ SCHEMES: dict[str, tuple[Side, Side]] = {
     "int4": (lambda k: per_token(k, 4), lambda v: per_token(v, 4)),
     "k8 v4": (lambda k: per_token(k, 8), lambda v: per_token(v, 4)),
     "k4 v8": (lambda k: per_token(k, 4), lambda v: per_token(v, 8)),
-    "int4 kc-ctx": (lambda k: centred(k, 4, False), lambda v: per_token(v, 4)),
-    "int4 kc-chunk": (lambda k: centred(k, 4, True), lambda v: per_token(v, 4)),
+    "int4 kc-ctx": (lambda k: centred(k, lambda y: per_token(y, 4)), lambda v: per_token(v, 4)),
+    "int4 kc-chunk": (lambda k: by_chunk(k, lambda c: centred(c, lambda y: per_token(y, 4))),
+                      lambda v: per_token(v, 4)),
     "int4 kivi": (lambda k: per_channel(k, 4), lambda v: per_token(v, 4)),
     "k8 v2": (lambda k: per_token(k, 8), lambda v: per_token(v, 2)),
     "k8 v4-had": (lambda k: per_token(k, 8), lambda v: rotated(v, 4)),
-    "k8 v4-c": (lambda k: per_token(k, 8), lambda v: centred(v, 4, False)),
+    "k8 v4-c": (lambda k: per_token(k, 8), lambda v: centred(v, lambda y: per_token(y, 4))),
     "k8 v4-c-had": (lambda k: per_token(k, 8),
-                    lambda v: rotated(v - (mu := v.mean(1, keepdim=True)), 4) + mu),
+                    lambda v: centred(v, lambda y: rotated(y, 4), fp16_mean=False)),
     "int4 had-k": (lambda k: rotated(k, 4), lambda v: per_token(v, 4)),
     "int4 had-kv": (lambda k: rotated(k, 4), lambda v: rotated(v, 4)),
-    "int4 kc-ctx had": (lambda k: rotated(k - (mu := k.mean(1, keepdim=True)), 4) + mu,
+    "int4 kc-ctx had": (lambda k: centred(k, lambda y: rotated(y, 4), fp16_mean=False),
                         lambda v: rotated(v, 4)),
 }
 
@@ -152,20 +151,9 @@ def variant_cache(ref: Any, scheme: str) -> Any:
     return apply(ref.layers, scheme)
 
 
-def contexts(lm: Any, questions: int) -> list[tuple[list[int], list[Any]]]:
-    """The quality table's QA slices as its contexts (``chat_context``), with their questions,
-    ``questions`` in all."""
-    from sparkv.bench.qa import load_qa_sets
-    from sparkv.edge.prompts import chat_context
-
-    qa = load_qa_sets(None).limit(questions)
-    return [(chat_context(lm, lm.encode_text(qa.text(s))), items)
-            for s, items in qa.by_slice().items()]
-
-
 def measure(lm: Any, questions: int, schemes: list[str]) -> dict[str, list[dict[str, float]]]:
     """Per scheme, one row per question: teacher-forced agreement and first-token KL."""
-    from sparkv.bench.quality import NEW_TOKENS
+    from sparkv.bench.quality import build_contexts
     from sparkv.edge.prompts import question_suffix
     from sparkv.bench.variants import prefill_reference
     from sparkv.runtime.generate import (first_token_kl, greedy_generate,
@@ -173,17 +161,19 @@ def measure(lm: Any, questions: int, schemes: list[str]) -> dict[str, list[dict[
     from sparkv.logs import progress_bar
 
     rows: dict[str, list[dict[str, float]]] = {s: [] for s in schemes}
-    ctxs = contexts(lm, questions)
-    bar = progress_bar(total=sum(len(q) for _, q in ctxs) * len(schemes), desc="answers")
-    for ids, items in ctxs:
+    # the table's QA contexts and questions (no retrieval task: no sizes)
+    ctxs = build_contexts(lm, ["qa"], [], lambda family, size: 0, qa_questions=questions)
+    bar = progress_bar(total=sum(len(c.probes) for c in ctxs) * len(schemes), desc="answers")
+    for ctx in ctxs:
+        ids = ctx.token_ids
         with torch.inference_mode():
             ref = prefill_reference(lm, ids, density=any(s.startswith("device@")
                                                          for s in schemes))
             layers = ref.layers
             variants = {s: variant_cache(ref, s) for s in schemes}
-            for it in items:
-                suffix = question_suffix(lm, it.question)
-                dense = greedy_generate(lm, layers, len(ids), suffix, NEW_TOKENS["qa"])
+            for probe in ctx.probes:
+                suffix = question_suffix(lm, probe.question)
+                dense = greedy_generate(lm, layers, len(ids), suffix, probe.new_tokens)
                 for s, kv in variants.items():
                     gen = greedy_generate(lm, kv, len(ids), suffix, 1)
                     rows[s].append({

@@ -83,6 +83,17 @@ def _progress_bars_as_they_were():
             os.environ[name] = value
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_as_they_were():
+    """A test that runs a command in-process with ``--threads`` sets torch's count for its
+    worker's main thread: each test ends with the count it found, so a worker's later tests run
+    on the count this file set (more threads than the worker's share of the cores only spin)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from sparkv.runtime import load_model

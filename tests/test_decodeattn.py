@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkv.runtime import decodeattn
-from sparkv.runtime.rowkernels import use_torch_threads
+from sparkv.kernels import use_torch_threads
 
 N = decodeattn.MIN_ROWS
 

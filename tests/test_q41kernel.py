@@ -171,7 +171,7 @@ def test_the_kernels_follow_torchs_thread_count_as_it_changes():
     """numba's thread count is remembered per thread but follows a new torch count."""
     import numba as nb
 
-    from sparkv.runtime.rowkernels import use_torch_threads
+    from sparkv.kernels import use_torch_threads
 
     before = torch.get_num_threads()
     try:

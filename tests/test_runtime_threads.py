@@ -82,3 +82,37 @@ def test_trim_heap_returns_what_ended_threads_freed():
     before = rss_mb()
     trim_heap()
     assert before - rss_mb() > 100, (before, rss_mb())
+
+
+_POOL_SCRIPT = r"""
+import json, numba, torch
+torch.set_num_threads(1)
+from sparkv.decode.kmeans import kmeans
+from sparkv.runtime.q41 import quantize_q41
+from sparkv.runtime.q41kernel import pack_blocks, q41_matmul
+seen = {}
+q41_matmul(torch.randn(1, 64), *pack_blocks(quantize_q41(torch.randn(8, 64))))
+seen["int4 row kernel"] = (torch.get_num_threads(), numba.get_num_threads())
+kmeans(torch.randn(2, 40, 8), 4)
+seen["kmeans"] = (torch.get_num_threads(), numba.get_num_threads())
+torch.set_num_threads(2)
+kmeans(torch.randn(2, 40, 8), 4, seed=1)
+seen["kmeans at 2"] = (torch.get_num_threads(), numba.get_num_threads())
+print(json.dumps({"cores": numba.config.NUMBA_NUM_THREADS, "seen": seen}))
+"""
+
+
+def test_numbas_thread_pool_leaves_torchs_count_and_follows_it():
+    """Starting numba's OpenMP pool (the first parallel kernel of a process) set the starting
+    thread's torch count to every core: a process set to one thread computed on all of them
+    after its first int4 answer token. Now torch's count stays, and the kernels follow it."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    doc = json.loads(out.strip().splitlines()[-1])
+    two = min(2, doc["cores"])
+    assert doc["seen"] == {"int4 row kernel": [1, 1], "kmeans": [1, 1],
+                           "kmeans at 2": [2, two]}

@@ -48,6 +48,7 @@ import torch
 
 from sparkv.cache.colmass import offer_sums, offer_weights, wants_sums
 from sparkv.cache.pages import PAGE_TOKENS, PagePools
+from sparkv.kernels import use_torch_threads
 
 #: most pages of one head in one parallel work unit
 UNIT_PAGES = 16
@@ -636,6 +637,7 @@ class PagedAttention:
         qn = _f32(q[0].reshape(hkv, hq // hkv * nq, d))
         tk, tv, tpos, n = _tail_arrays(tail, hkv, d)
         out = np.empty(qn.shape, dtype=np.float32)
+        use_torch_threads()
         _attend(qn, q_pos.to(torch.int64).numpy(), np.float32(scale), *self._pools,  # type: ignore
                 self.units, self.pages, tk, tv, tpos, n, out)
         res = torch.from_numpy(out).view(1, hq, nq, d)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from sparkv.fileio import checksum
+from sparkv.kernels import use_torch_threads
 
 
 def _sqdist(x: torch.Tensor, c: torch.Tensor, xx: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,6 +122,7 @@ def _kmeans(x: torch.Tensor, k: int, iters: int, seed: int) -> torch.Tensor:
     b, n, d = x.shape
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(b, k, generator=g, dtype=torch.float64).numpy()
+    use_torch_threads()
     cent = torch.from_numpy(_seed_kpp(x.numpy(), u))
     xx = (x * x).sum(-1, keepdim=True)
     xn = x.numpy()

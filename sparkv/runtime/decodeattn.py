@@ -29,7 +29,7 @@ import numpy.typing as npt
 import torch
 
 from sparkv.cache.qattend import dense_scores, dense_values, exp_from, merge_units
-from sparkv.runtime.rowkernels import use_torch_threads
+from sparkv.kernels import use_torch_threads
 
 #: rows of one head scored, weighted and summed together (the online softmax's block)
 BLOCK = 128

@@ -32,9 +32,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from sparkv.kernels import use_torch_threads
 from sparkv.runtime.q41 import BLOCK, Q41Weight
-from sparkv.runtime.rowkernels import (MAX_ROWS, half_float, run_rows, store_sums,
-                                       use_torch_threads)
+from sparkv.runtime.rowkernels import MAX_ROWS, half_float, run_rows, store_sums
 
 #: no "contract": ``q * d + m`` rounds twice, as the checkpoint's weights were made
 _FAST = {"nsz", "arcp", "afn", "reassoc"}

@@ -9,19 +9,16 @@ family gives :func:`run_rows` ``kernel_for(rows)``, for 1 to :data:`MAX_ROWS` ro
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import numba as nb
 import numpy as np
 import torch
 
+from sparkv.kernels import use_torch_threads
+
 #: most rows one kernel call takes; a longer input takes several calls
 MAX_ROWS = 8
-#: numba's thread pool size (``set_num_threads`` takes at most this)
-_NUMBA_THREADS: int = getattr(nb.config, "NUMBA_NUM_THREADS", 1)
-#: per Python thread, the numba thread count :func:`use_torch_threads` last made sure of
-_set_here = threading.local()
 #: ``2 ** (e - 25)`` for a float16 exponent field ``e`` (``2 ** -24`` for a subnormal, e = 0)
 _POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
 
@@ -46,20 +43,6 @@ def store_sums(acc: Any, y: Any, o: int) -> None:  # pragma: no cover - numba
         y[r, o] = t
 
 
-def use_torch_threads() -> int:
-    """Sets numba's thread count for this thread to torch's (a test process or a shared machine
-    sets fewer) and returns it: a parallel loop's barrier waits for every thread, and an
-    oversubscribed one is not scheduled. The count this thread last set is remembered (this
-    function is the only place that sets numba's count): asking numba costs ~3.5 us, and an
-    answer token asks ~120 times."""
-    threads = max(1, min(torch.get_num_threads(), _NUMBA_THREADS))
-    if getattr(_set_here, "threads", None) != threads:
-        if nb.get_num_threads() != threads:
-            nb.set_num_threads(threads)
-        _set_here.threads = threads
-    return threads
-
-
 def run_rows(x: torch.Tensor, arrays: tuple[Any, ...], out_features: int,
              kernel_for: Callable[[int], Callable[..., None]]) -> torch.Tensor:
     """``kernel_for(rows)(x_rows, *arrays, y_rows)`` over ``x [..., in]`` (float32, CPU) in
@@ -78,4 +61,4 @@ def run_rows(x: torch.Tensor, arrays: tuple[Any, ...], out_features: int,
     return torch.from_numpy(y if len(shape) == 2 else y.reshape(*shape[:-1], out_features))
 
 
-__all__ = ["MAX_ROWS", "half_float", "run_rows", "store_sums", "use_torch_threads"]
+__all__ = ["MAX_ROWS", "half_float", "run_rows", "store_sums"]

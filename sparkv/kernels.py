@@ -64,6 +64,8 @@ def warm_kernels(families: Iterable[str] | None = None,
 #: whether numba's thread pool has been started (by :func:`start_pool`, once per process)
 _started = False
 _start_lock = threading.Lock()
+#: numba's thread pool size (``set_num_threads`` takes at most this), known once it started
+_pool_threads = 1
 #: per Python thread, the numba thread count :func:`use_torch_threads` last made sure of
 _set_here = threading.local()
 
@@ -73,7 +75,7 @@ def start_pool() -> None:
     kernel) and gives the calling thread back its torch intra-op count, which starting an OpenMP
     pool sets to the pool's size. Only the starting thread's count changes, so starting it here
     covers every thread."""
-    global _started
+    global _started, _pool_threads
     if _started:
         return
     with _start_lock:
@@ -86,14 +88,8 @@ def start_pool() -> None:
         numba.get_num_threads()         # starts the pool
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        _pool_threads = int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
         _started = True
-
-
-def _pool_size() -> int:
-    """numba's thread pool size (``set_num_threads`` takes at most this)."""
-    import numba
-
-    return int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
 
 
 def use_torch_threads() -> int:
@@ -102,12 +98,14 @@ def use_torch_threads() -> int:
     not scheduled. The count this thread last set is remembered (this function is the only
     place that sets numba's count): asking numba costs ~3.5 us, and an answer token asks ~120
     times."""
-    import numba
     import torch
 
-    start_pool()
-    threads = max(1, min(torch.get_num_threads(), _pool_size()))
+    if not _started:
+        start_pool()
+    threads = max(1, min(torch.get_num_threads(), _pool_threads))
     if getattr(_set_here, "threads", None) != threads:
+        import numba
+
         if numba.get_num_threads() != threads:
             numba.set_num_threads(threads)
         _set_here.threads = threads

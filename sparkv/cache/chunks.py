@@ -58,11 +58,12 @@ class MemoryAccount:
         return self.arena + sum(self.resident.values())
 
 
-class ChunkMemory:
+class HeldChunks:
     """What one context holds and where: the chunk table (:attr:`table`), the paged chunks
-    over the page pools (:attr:`paged`), the arenas (:attr:`layers`, :attr:`mode`), the account,
-    and chunk reads and writes. :class:`~sparkv.cache.memory.ContextKV` adds the operations
-    (forms, levels, tiers, attention, growth).
+    over the page pools (:attr:`paged`), the arenas (:attr:`layers`, :attr:`mode`) and the
+    account, and chunk reads. :class:`ChunkMemory` adds chunk writes;
+    :class:`~sparkv.cache.memory.ContextKV` the operations (forms, levels, tiers, attention,
+    growth).
 
     Args:
         geometry: how the context is cut into chunks.
@@ -235,6 +236,50 @@ class ChunkMemory:
             self.paged.grow(geometry.num_token_chunks)
             self.positions = [geometry.num_tokens] * geometry.num_layers
 
+    # ---- reads -----------------------------------------------------------------------------------
+    def read(self, cid: KVChunkId) -> ChunkPayload:
+        """A copy of the chunk's entries as held (its level, its kept subset). Raises when the
+        chunk is not resident."""
+        return self.read_runs([cid])[0].payloads()[0]
+
+    def read_runs(self, cids: Sequence[KVChunkId]) -> list[ChunkRun]:
+        """Copies of resident chunks' entries: one run per level of the paged ones (a gather
+        per pool tensor), one per arena layer of the others (a gather per arena tensor)."""
+        with self._lock:
+            missing = self.missing(cids)
+            if missing:
+                raise KVMemoryError(f"{missing[0]} is not resident ({self.residency(missing[0])})")
+            runs, paged = [], [c for c in cids if self.layers[c.l] is None]
+            for l in sorted({c.l for c in cids if self.layers[c.l] is not None}):  # noqa: E741
+                store = self.layers[l]
+                assert store is not None
+                runs.append(arena_run(store, self.geometry, l,
+                                      [(c.t, c.g) for c in cids if c.l == l]))
+            return runs + [run for _, run in self.paged.read(*run_of(paged))] if paged else runs
+
+    def read_paged(self, t: np.ndarray, l: np.ndarray, g: np.ndarray  # noqa: E741
+                   ) -> list[tuple[np.ndarray, ChunkRun]]:
+        """Copies of paged chunks' entries, given as ``t, l, g`` arrays: per level held,
+        ``(which, run)`` with ``which`` the positions in ``t, l, g`` of the run's chunks (one
+        gather per pool tensor; chunks without pages - not resident, or in an arena - left
+        out)."""
+        with self._lock:
+            return self.paged.read(np.asarray(t), np.asarray(l), np.asarray(g))
+
+    def resident_payloads(self) -> dict[KVChunkId, ChunkPayload]:
+        """Copies of every resident paged chunk's entries (one gather per level)."""
+        with self._lock:
+            idx = np.flatnonzero(self.table.residency == RESIDENT)
+            t, l, g = self.table.chunk_of(idx)  # noqa: E741
+            keep = np.array([self.layers[x] is None for x in l.tolist()], dtype=bool)
+            runs = self.paged.read(t[keep], l[keep], g[keep]) if keep.any() else []
+        return {p.cid: p for _, run in runs for p in run.payloads()}
+
+
+class ChunkMemory(HeldChunks):
+    """:class:`HeldChunks` with chunk writes: whole fp chunks into their layer's arena or pages,
+    payloads and runs at any level into pages, a layer's arena moved into pages."""
+
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, cid: KVChunkId, k: torch.Tensor, v: torch.Tensor,
             source: Source | str = Source.INJECTED, overwrite: bool = True,
@@ -321,45 +366,6 @@ class ChunkMemory:
         for g in range(self.geometry.num_groups):
             h0, h1 = self.geometry.head_range(g)
             self.put(KVChunkId(t, l, g), k[0, h0:h1], v[0, h0:h1], source, overwrite=False)
-
-    # ---- reads -----------------------------------------------------------------------------------
-    def read(self, cid: KVChunkId) -> ChunkPayload:
-        """A copy of the chunk's entries as held (its level, its kept subset). Raises when the
-        chunk is not resident."""
-        return self.read_runs([cid])[0].payloads()[0]
-
-    def read_runs(self, cids: Sequence[KVChunkId]) -> list[ChunkRun]:
-        """Copies of resident chunks' entries: one run per level of the paged ones (a gather
-        per pool tensor), one per arena layer of the others (a gather per arena tensor)."""
-        with self._lock:
-            missing = self.missing(cids)
-            if missing:
-                raise KVMemoryError(f"{missing[0]} is not resident ({self.residency(missing[0])})")
-            runs, paged = [], [c for c in cids if self.layers[c.l] is None]
-            for l in sorted({c.l for c in cids if self.layers[c.l] is not None}):  # noqa: E741
-                store = self.layers[l]
-                assert store is not None
-                runs.append(arena_run(store, self.geometry, l,
-                                      [(c.t, c.g) for c in cids if c.l == l]))
-            return runs + [run for _, run in self.paged.read(*run_of(paged))] if paged else runs
-
-    def read_paged(self, t: np.ndarray, l: np.ndarray, g: np.ndarray  # noqa: E741
-                   ) -> list[tuple[np.ndarray, ChunkRun]]:
-        """Copies of paged chunks' entries, given as ``t, l, g`` arrays: per level held,
-        ``(which, run)`` with ``which`` the positions in ``t, l, g`` of the run's chunks (one
-        gather per pool tensor; chunks without pages - not resident, or in an arena - left
-        out)."""
-        with self._lock:
-            return self.paged.read(np.asarray(t), np.asarray(l), np.asarray(g))
-
-    def resident_payloads(self) -> dict[KVChunkId, ChunkPayload]:
-        """Copies of every resident paged chunk's entries (one gather per level)."""
-        with self._lock:
-            idx = np.flatnonzero(self.table.residency == RESIDENT)
-            t, l, g = self.table.chunk_of(idx)  # noqa: E741
-            keep = np.array([self.layers[x] is None for x in l.tolist()], dtype=bool)
-            runs = self.paged.read(t[keep], l[keep], g[keep]) if keep.any() else []
-        return {p.cid: p for _, run in runs for p in run.payloads()}
 
     def to_pages(self, l: int) -> None:  # noqa: E741
         """Moves layer ``l``'s resident entries into fp pages (one gather, one page write) and

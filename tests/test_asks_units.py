@@ -662,3 +662,20 @@ def test_a_streamed_answer_holds_back_text_that_may_begin_a_call_and_shows_prose
         out += _choice_chunks(c, {"type": "token", "text": p, "token": 1, "logprob": -0.5,
                                   "top_logprobs": []}, [0], text[0])
     assert len(out) == 1 and len(out[0]["choices"][0]["logprobs"]["content"]) == 2
+
+
+def test_an_asks_numbers_are_json_numbers():
+    """The fuzzer found it: ``logit_bias: {"0": false}`` was read as a bias of 0 (pydantic's lax
+    floats take booleans and numeric strings). Every float an ask takes is a JSON number: an int
+    or a float, nothing else."""
+    from pydantic import ValidationError
+
+    from sparkv.asks.schemas import AskBody
+
+    ask = AskBody(context_id="a" * 32, question="q", bandwidth_mbps=5, ask_deadline_s=1.5,
+                  ram_budget=0.25, temperature=1, logit_bias={"7": -3})
+    assert ask.bandwidth_mbps == 5.0 and ask.logit_bias == {"7": -3.0}
+    for bad in ({"bandwidth_mbps": True}, {"ask_deadline_s": "2"}, {"ram_budget": False},
+                {"temperature": True}, {"top_p": "1"}, {"logit_bias": {"7": False}}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            AskBody(context_id="a" * 32, question="q", **bad)

@@ -144,7 +144,10 @@ def test_routes_answer_what_the_service_returns(app_client):
     assert svc.sampled == Sampling(0.7, 0.9, 40, -3, 0.5, -0.5, ((7, -100.0),))
     for bad in ({"temperature": 2.5}, {"top_p": 1.1}, {"top_k": -1}, {"seed": 1.5},
                 {"seed": 1 << 64}, {"temperature": "hot"}, {"frequency_penalty": 3},
-                {"logit_bias": {"x": 1}}, {"logit_bias": {"7": 101}}):
+                {"logit_bias": {"x": 1}}, {"logit_bias": {"7": 101}},
+                {"logit_bias": {"7": False}}, {"logit_bias": {"7": "5"}},    # JSON numbers only
+                {"temperature": True}, {"top_p": "0.5"}, {"presence_penalty": False},
+                {"timeout_s": True}):
         r = c.post(f"/v1/contexts/{INFO['id']}/call", json={"prompt": "q", **bad})
         assert r.status_code == 422 and next(iter(bad)) in r.text
     r = c.delete(f"/v1/contexts/{INFO['id']}")

@@ -21,7 +21,7 @@ from sparkv.device.schemas import (AppId, DoneEvent, LogitBias, Penalty, PromptT
                                    ResponseFormat, SamplingFields, Seed, Temperature, TopP)
 from sparkv.edge.options import AskOptions
 from sparkv.protocol.manifest import CONTEXT_ID_PATTERN
-from sparkv.rest.fields import JSON_INT
+from sparkv.rest.fields import JSON_INT, JSON_NUMBER
 from sparkv.runtime.sampling import MAX_TOP_LOGPROBS
 from sparkv.runtime.stops import MAX_STOP_CHARS, MAX_STOPS
 from sparkv.runtime.toolform import MAX_CALLS, MAX_TOOLS, TOOL_NAME, Tool, ToolError, ToolSet
@@ -44,8 +44,8 @@ ServerUrl = Annotated[str, Field(pattern=_URL, max_length=2048)]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$")]
 #: an answer's length (tokens)
 AnswerTokens = Annotated[int, Field(ge=1, le=MAX_ANSWER_TOKENS), JSON_INT]
-Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]
-Mbps = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
+Seconds = Annotated[float, JSON_NUMBER, Field(gt=0, le=86400, allow_inf_nan=False)]
+Mbps = Annotated[float, JSON_NUMBER, Field(gt=0, le=1e6, allow_inf_nan=False)]
 #: how many alternatives a token's log-probabilities list
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), JSON_INT]
 #: a tool's name, and the longest arguments text an earlier call carries
@@ -78,7 +78,7 @@ class AskFields(SamplingFields):
     keep: StrictBool = Field(default=True, description=(
         "keep the loaded context in the service (the asking app's), answer from it next time"))
     decode: Name = "full"
-    ram_budget: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    ram_budget: Annotated[float, JSON_NUMBER, Field(gt=0, allow_inf_nan=False)] | None = None
     prelude: StrictBool | None = None
     ask_deadline_s: Seconds | None = None
     share: list[AppId | Literal["*"]] = Field(default_factory=list, max_length=64, description=(

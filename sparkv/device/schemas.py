@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from sparkv.device.identity import APP_ID_PATTERN
 from sparkv.device.inputs import MAX_TIMEOUT_S, text_problem
 from sparkv.protocol.errors import ErrorDetail, ErrorResponse
-from sparkv.rest.fields import JSON_INT, at_most_one_of, one_of
+from sparkv.rest.fields import JSON_INT, JSON_NUMBER, at_most_one_of, one_of
 from sparkv.runtime.jsonform import FormError, JsonForm
 from sparkv.runtime.sampling import (MAX_BIAS, MAX_PENALTY, MAX_TEMPERATURE, SEED_RANGE,
                                      Sampling)
@@ -58,15 +58,16 @@ AppId = Annotated[str, Field(pattern=APP_ID_PATTERN, max_length=40)]
 
 
 #: sampling's knobs (:class:`~sparkv.runtime.sampling.Sampling`)
-Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
-TopP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Temperature = Annotated[float, JSON_NUMBER, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
+TopP = Annotated[float, JSON_NUMBER, Field(ge=0, le=1, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=1 << 20), JSON_INT]
 Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), JSON_INT]
-Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
-#: OpenAI's logit_bias: token ids (as JSON's string keys) to a bias
+Penalty = Annotated[float, JSON_NUMBER, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+#: OpenAI's logit_bias: token ids (as JSON's string keys) to a bias (a JSON number: ``false``
+#: is refused, not read as 0)
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
-                           Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS,
-                                                  allow_inf_nan=False)]],
+                           Annotated[float, JSON_NUMBER, Field(ge=-MAX_BIAS, le=MAX_BIAS,
+                                                               allow_inf_nan=False)]],
                       Field(max_length=1024)]
 
 
@@ -180,9 +181,9 @@ class CallBody(SamplingFields):
     max_new_tokens: Annotated[int, Field(ge=0, le=2**31 - 1), JSON_INT] = Field(default=32)
     grow: StrictBool = Field(default=True,
                              description="keep the prompt and the answer in the context")
-    timeout_s: float | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
-                                    description=("wait at most this long for the context's lock "
-                                                 "(else 409 context_busy); none: wait"))
+    timeout_s: Annotated[float, JSON_NUMBER] | None = Field(
+        default=None, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+        description="wait at most this long for the context's lock (else 409 context_busy); none: wait")
 
 
 class ShareBody(BaseModel):

@@ -3,6 +3,8 @@ extra), so the same value gets the same answer from the server and the device se
 
 * :data:`JsonInt`, :data:`JSON_INT`: JSON Schema's integer, an int or a float with no fraction
   (``3.0``), never a bool or a string (``true`` and ``"3"`` are 422, not coerced);
+* :data:`JSON_NUMBER`: JSON Schema's number, an int or a float, never a bool or a string
+  (pydantic's lax mode would read ``true`` as 1.0 and ``"0.5"`` as 0.5);
 * :func:`one_of`, :func:`at_most_one_of`: the JSON Schema of "exactly one of these fields" and
   "not both", stated in the schema as the route enforces it (a field that is ``null`` counts as
   absent, as the routes read it).
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, Strict
 
 
 def _json_int(value: Any) -> int:
@@ -34,6 +36,10 @@ keywords."""
 
 JsonInt = Annotated[int, JSON_INT]
 """JSON Schema's integer (module docstring)."""
+
+JSON_NUMBER = Strict()
+"""The marker of JSON Schema's number on a float: ``Annotated[float, JSON_NUMBER, Field(...)]``
+(module docstring; strict pydantic still takes an int for a float)."""
 
 
 def _given(fields: dict[str, str]) -> dict[str, Any]:

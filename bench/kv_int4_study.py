@@ -22,7 +22,11 @@ quantizes every other token chunk of 16 tokens. Schemes (``--only`` picks some):
   a zero per channel: 64 of each per chunk and head where per token has 16, K's bytes +33%), V
   per token;
 * ``k8 v4-had``, ``k8 v4-c``, ``k8 v4-c-had``: V at int4 rotated, centred by its context mean
-  (exact: attention weights sum to 1), or both.
+  (exact: attention weights sum to 1), or both;
+* ``int4 k-out4`` / ``int4 k-out8``: K's 4 or 8 largest channels per layer and head kept fp16,
+  the others per token (KVQuant's dense-and-sparse split); ``int4 k-smooth``: K's channels
+  divided by their magnitude's square root before the quantizer (SmoothQuant's migration),
+  ``int4 k-smooth-had``: then rotated.
 
 Bytes are given per token and head against int8's (68 + 68 at ``head_dim`` 64: codes, an fp16
 scale and zero per row), the sink chunk aside.
@@ -95,6 +99,31 @@ def rotated(x: torch.Tensor, bits: int) -> torch.Tensor:
     return per_token(x @ r, bits) @ r.T
 
 
+def outliers_apart(x: torch.Tensor, bits: int, m: int) -> torch.Tensor:
+    """``x [h, n, d]`` with each head's ``m`` largest channels (by their largest magnitude over
+    the tokens: ``m`` indices per layer and head, chosen from the context) kept in fp16 and the
+    other ``d - m`` quantized per token (one group of ``d - m`` values): KVQuant's dense-and-
+    sparse split with a fixed set of outlier channels."""
+    h, n, d = x.shape
+    top = x.abs().amax(dim=1).topk(m, dim=1).indices                       # [h, m]
+    rest = torch.ones(h, d, dtype=torch.bool)
+    rest[torch.arange(h)[:, None], top] = False
+    idx = torch.stack([torch.nonzero(r).flatten() for r in rest])          # [h, d - m]
+    gather = idx[:, None, :].expand(h, n, d - m)
+    out = x.half().float()
+    out.scatter_(2, gather, per_token(torch.gather(x, 2, gather).contiguous(), bits))
+    return out
+
+
+def smoothed(x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor],
+             alpha: float = 0.5) -> torch.Tensor:
+    """``x`` divided per channel by ``s = amax^alpha`` (each layer's and head's channel
+    magnitudes over the context, in fp16: free) through ``quant``, multiplied back
+    (SmoothQuant's migration, here within K: the query would carry ``s`` at no cost)."""
+    s = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-6).pow(alpha).half().float()
+    return quant(x / s) * s
+
+
 Side = Callable[[torch.Tensor], torch.Tensor]
 SCHEMES: dict[str, tuple[Side, Side]] = {
     "int8": (lambda k: per_token(k, 8), lambda v: per_token(v, 8)),
@@ -114,6 +143,12 @@ SCHEMES: dict[str, tuple[Side, Side]] = {
     "int4 had-kv": (lambda k: rotated(k, 4), lambda v: rotated(v, 4)),
     "int4 kc-ctx had": (lambda k: centred(k, lambda y: rotated(y, 4), fp16_mean=False),
                         lambda v: rotated(v, 4)),
+    "int4 k-out4": (lambda k: outliers_apart(k, 4, 4), lambda v: per_token(v, 4)),
+    "int4 k-out8": (lambda k: outliers_apart(k, 4, 8), lambda v: per_token(v, 4)),
+    "int4 k-smooth": (lambda k: smoothed(k, lambda y: per_token(y, 4)),
+                      lambda v: per_token(v, 4)),
+    "int4 k-smooth-had": (lambda k: smoothed(k, lambda y: rotated(y, 4)),
+                          lambda v: per_token(v, 4)),
 }
 
 
@@ -121,7 +156,9 @@ SCHEMES: dict[str, tuple[Side, Side]] = {
 BYTES = {"int8": 1.0, "int4": 72 / 136, "k8 v4": 104 / 136, "k4 v8": 104 / 136,
          "int4 kc-ctx": 72 / 136, "int4 kc-chunk": 80 / 136, "int4 kivi": 84 / 136,
          "k8 v2": 88 / 136, "k8 v4-had": 104 / 136, "k8 v4-c": 104 / 136, "k8 v4-c-had": 104 / 136,
-         "int4 had-k": 72 / 136, "int4 had-kv": 72 / 136, "int4 kc-ctx had": 72 / 136}
+         "int4 had-k": 72 / 136, "int4 had-kv": 72 / 136, "int4 kc-ctx had": 72 / 136,
+         "int4 k-out4": 78 / 136, "int4 k-out8": 84 / 136, "int4 k-smooth": 72 / 136,
+         "int4 k-smooth-had": 72 / 136}
 
 #: what ``--only`` runs by default (the run behind docs/device-service.md's table)
 DEFAULT = ("int8,k8 v4,k8 v4-c-had,device@0.75,k8 v2,int4 kc-chunk,int4 kivi,int4,"

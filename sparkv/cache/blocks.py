@@ -117,10 +117,14 @@ class BlockTable:
 
     def release(self, t: np.ndarray, l: np.ndarray, g: np.ndarray  # noqa: E741
                 ) -> dict[str, np.ndarray]:
-        """Forgets the run's pages; returns them per level (the caller frees them)."""
+        """Forgets the run's pages; returns them per level (the caller frees them). A run that
+        holds none (a swap-in's chunks) is left as it is: its spans are already empty."""
         out: dict[str, np.ndarray] = {}
         lv = self.level[t, l, g]
-        for code in np.unique(lv[lv >= 0]):
+        held = lv >= 0
+        if not held.any():
+            return out
+        for code in np.unique(lv[held]):
             sel = lv == code
             _, ids = self.page_ids(t[sel], l[sel], g[sel])
             out[LEVELS[int(code)]] = ids

@@ -98,6 +98,10 @@ seen["kmeans"] = (torch.get_num_threads(), numba.get_num_threads())
 torch.set_num_threads(2)
 kmeans(torch.randn(2, 40, 8), 4, seed=1)
 seen["kmeans at 2"] = (torch.get_num_threads(), numba.get_num_threads())
+from sparkv.cache.qattend import warm_up    # the paged attention's kernel, after kmeans's 2
+torch.set_num_threads(1)
+warm_up()
+seen["paged attention"] = (torch.get_num_threads(), numba.get_num_threads())
 print(json.dumps({"cores": numba.config.NUMBA_NUM_THREADS, "seen": seen}))
 """
 
@@ -105,7 +109,8 @@ print(json.dumps({"cores": numba.config.NUMBA_NUM_THREADS, "seen": seen}))
 def test_numbas_thread_pool_leaves_torchs_count_and_follows_it():
     """Starting numba's OpenMP pool (the first parallel kernel of a process) set the starting
     thread's torch count to every core: a process set to one thread computed on all of them
-    after its first int4 answer token. Now torch's count stays, and the kernels follow it."""
+    after its first int4 answer token. Now torch's count stays, and the kernels follow it (the
+    int4 rows, DynaKV's clustering, the paged attention)."""
     import json
     import subprocess
     import sys
@@ -115,4 +120,4 @@ def test_numbas_thread_pool_leaves_torchs_count_and_follows_it():
     doc = json.loads(out.strip().splitlines()[-1])
     two = min(2, doc["cores"])
     assert doc["seen"] == {"int4 row kernel": [1, 1], "kmeans": [1, 1],
-                           "kmeans at 2": [2, two]}
+                           "kmeans at 2": [2, two], "paged attention": [1, 1]}

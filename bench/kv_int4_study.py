@@ -26,7 +26,10 @@ quantizes every other token chunk of 16 tokens. Schemes (``--only`` picks some):
 * ``int4 k-out4`` / ``int4 k-out8``: K's 4 or 8 largest channels per layer and head kept fp16,
   the others per token (KVQuant's dense-and-sparse split); ``int4 k-smooth``: K's channels
   divided by their magnitude's square root before the quantizer (SmoothQuant's migration),
-  ``int4 k-smooth-had``: then rotated.
+  ``int4 k-smooth-had``: then rotated;
+* ``k8v4@R``: the service's own levels at ratio R (its density planner's choice of the token
+  chunks that go low, as ``device@R``) with every chunk's K at int8: an int4 chunk held as K int8
+  / V int4, an int2 one as K int8 / V int2 (bytes measured per context).
 
 Bytes are given per token and head against int8's (68 + 68 at ``head_dim`` 64: codes, an fp16
 scale and zero per row), the sink chunk aside.
@@ -177,15 +180,48 @@ def apply(layers: list[Layer], scheme: str) -> list[Layer]:
     return out
 
 
-def variant_cache(ref: Any, scheme: str) -> Any:
-    """``scheme``'s cache of the reference's context: ``device@R`` is the quality table's own
-    device variant (the service's levels at ratio R, its pages, its fill), any other a
+#: ``k8v4@R``: a level of the service's mix at ratio R -> (K bits, V bits); fp stays fp
+K8_MIX = {"int8": (8, 8), "int4": (8, 4), "int2": (8, 2)}
+#: bytes per token and head against int8's, by (K bits, V bits) (``head_dim`` 64)
+PAIR_BYTES = {(8, 8): 1.0, (8, 4): 104 / 136, (8, 2): 88 / 136}
+
+
+def k8_mix(ref: Any, ratio: str) -> tuple[list[Layer], float]:
+    """The service's levels at ``ratio`` (its density planner's choice of which token chunks go
+    low) with every chunk's K kept at int8: an int4 chunk held as K int8 / V int4, an int2 one as
+    K int8 / V int2. Returns the layers and the bytes against every chunk at int8 (fp chunks at
+    the service's own fp ratio)."""
+    from sparkv.bench.variants import DeviceVariant
+
+    policy, g, levels = DeviceVariant(ratio).levels(ref)
+    out = []
+    for k, v in ref.layers:
+        k2, v2 = k.clone(), v.clone()
+        for t, level in enumerate(levels):
+            if level == "fp":
+                continue
+            a, b = g.token_range(t)
+            kb, vb = K8_MIX[level]
+            k2[0, :, a:b] = per_token(k[0, :, a:b].float(), kb).to(k.dtype)
+            v2[0, :, a:b] = per_token(v[0, :, a:b].float(), vb).to(v.dtype)
+        out.append((k2, v2))
+    fp = policy.fp_ratio(g)
+    nbytes = [fp if lv == "fp" else PAIR_BYTES[K8_MIX[lv]] for lv in levels]
+    return out, float(np.mean(nbytes))
+
+
+def variant_cache(ref: Any, scheme: str) -> tuple[Any, float | None]:
+    """``scheme``'s cache of the reference's context and its bytes against int8 (``None``:
+    :data:`BYTES`'): ``device@R`` is the quality table's own device variant (the service's
+    levels at ratio R, its pages, its fill), ``k8v4@R`` :func:`k8_mix`, any other a
     :data:`SCHEMES` entry applied to the reference's layers."""
     from sparkv.bench.variants import DeviceVariant
 
     if scheme.startswith("device@"):
-        return DeviceVariant(scheme.split("@", 1)[1]).load(ref).kv
-    return apply(ref.layers, scheme)
+        return DeviceVariant(scheme.split("@", 1)[1]).load(ref).kv, None
+    if scheme.startswith("k8v4@"):
+        return k8_mix(ref, scheme.split("@", 1)[1])
+    return apply(ref.layers, scheme), None
 
 
 def measure(lm: Any, questions: int, schemes: list[str]) -> dict[str, list[dict[str, float]]]:
@@ -204,16 +240,16 @@ def measure(lm: Any, questions: int, schemes: list[str]) -> dict[str, list[dict[
     for ctx in ctxs:
         ids = ctx.token_ids
         with torch.inference_mode():
-            ref = prefill_reference(lm, ids, density=any(s.startswith("device@")
+            ref = prefill_reference(lm, ids, density=any(s.startswith(("device@", "k8v4@"))
                                                          for s in schemes))
             layers = ref.layers
             variants = {s: variant_cache(ref, s) for s in schemes}
             for probe in ctx.probes:
                 suffix = question_suffix(lm, probe.question)
                 dense = greedy_generate(lm, layers, len(ids), suffix, probe.new_tokens)
-                for s, kv in variants.items():
+                for s, (kv, nbytes) in variants.items():
                     gen = greedy_generate(lm, kv, len(ids), suffix, 1)
-                    rows[s].append({
+                    rows[s].append({"bytes_vs_int8": nbytes,
                         "teacher_forced": teacher_forced_agreement(lm, kv, len(ids), suffix,
                                                                    dense.tokens),
                         "first_token_kl": max(0.0, first_token_kl(dense.first_logits,
@@ -252,14 +288,17 @@ def paired_gain(rows: dict[str, list[dict[str, float]]], a: str, b: str) -> dict
 
 #: the paired comparisons :func:`report` makes when both ran: (better, against)
 PAIRS = (("k8 v4", "device@0.75"), ("k8 v4-c-had", "device@0.75"), ("k8 v4-c-had", "k8 v4"),
-         ("int4 kivi", "int4"), ("int4 kc-chunk", "int4"))
+         ("int4 kivi", "int4"), ("int4 kc-chunk", "int4"), ("k8v4@0.75", "device@0.875"),
+         ("k8v4@0.5", "device@0.75"))
 
 
 def report(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     """The table (printed) and the paired gains of :data:`PAIRS`."""
     table = {s: summary(r) for s, r in rows.items()}
     for s, t in table.items():
-        t["bytes_vs_int8"] = BYTES.get(s, float(s.split("@")[1]) if "@" in s else None)
+        measured = [r["bytes_vs_int8"] for r in rows[s] if r.get("bytes_vs_int8") is not None]
+        t["bytes_vs_int8"] = statistics.mean(measured) if measured else \
+            BYTES.get(s, float(s.split("@")[1]) if "@" in s else None)
     print(f"{'scheme':<16}{'n':>4}{'bytes':>7}  {'teacher-forced drop (<= 0.015)':<36}"
           f"{'first-token KL (<= 0.01)':<36}")
     for s, t in table.items():

@@ -183,7 +183,8 @@ class CallBody(SamplingFields):
                              description="keep the prompt and the answer in the context")
     timeout_s: Annotated[float, JSON_NUMBER] | None = Field(
         default=None, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
-        description="wait at most this long for the context's lock (else 409 context_busy); none: wait")
+        description=("wait at most this long for the context's lock (else 409 context_busy); "
+                     "none: wait"))
 
 
 class ShareBody(BaseModel):

@@ -180,10 +180,9 @@ def apply(layers: list[Layer], scheme: str) -> list[Layer]:
     return out
 
 
-#: ``k8v4@R``: a level of the service's mix at ratio R -> (K bits, V bits); fp stays fp
-K8_MIX = {"int8": (8, 8), "int4": (8, 4), "int2": (8, 2)}
-#: bytes per token and head against int8's, by (K bits, V bits) (``head_dim`` 64)
-PAIR_BYTES = {(8, 8): 1.0, (8, 4): 104 / 136, (8, 2): 88 / 136}
+#: ``k8v4@R``: a level of the service's mix at ratio R -> the scheme its chunks are held in
+#: (:data:`SCHEMES`, :data:`BYTES`); fp stays fp
+K8_MIX = {"int8": "int8", "int4": "k8 v4", "int2": "k8 v2"}
 
 
 def k8_mix(ref: Any, ratio: str) -> tuple[list[Layer], float]:
@@ -201,18 +200,18 @@ def k8_mix(ref: Any, ratio: str) -> tuple[list[Layer], float]:
             if level == "fp":
                 continue
             a, b = g.token_range(t)
-            kb, vb = K8_MIX[level]
-            k2[0, :, a:b] = per_token(k[0, :, a:b].float(), kb).to(k.dtype)
-            v2[0, :, a:b] = per_token(v[0, :, a:b].float(), vb).to(v.dtype)
+            fk, fv = SCHEMES[K8_MIX[level]]
+            k2[0, :, a:b] = fk(k[0, :, a:b].float()).to(k.dtype)
+            v2[0, :, a:b] = fv(v[0, :, a:b].float()).to(v.dtype)
         out.append((k2, v2))
     fp = policy.fp_ratio(g)
-    nbytes = [fp if lv == "fp" else PAIR_BYTES[K8_MIX[lv]] for lv in levels]
+    nbytes = [fp if lv == "fp" else BYTES[K8_MIX[lv]] for lv in levels]
     return out, float(np.mean(nbytes))
 
 
 def variant_cache(ref: Any, scheme: str) -> tuple[Any, float | None]:
-    """``scheme``'s cache of the reference's context and its bytes against int8 (``None``:
-    :data:`BYTES`'): ``device@R`` is the quality table's own device variant (the service's
+    """``scheme``'s cache of the reference's context and its bytes against int8 (``None``: as
+    :data:`BYTES` gives them): ``device@R`` is the quality table's own device variant (the service's
     levels at ratio R, its pages, its fill), ``k8v4@R`` :func:`k8_mix`, any other a
     :data:`SCHEMES` entry applied to the reference's layers."""
     from sparkv.bench.variants import DeviceVariant

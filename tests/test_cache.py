@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from sparkv.cache import (ChunkPayload, ContextKV, FlashTier, KVMemoryError, PayloadError,
                           Residency, Source, SparkvCache, dequantize, error_bound, from_bytes,
                           quantize, ragged_attention, requantize, to_bytes)
+from sparkv.cache.levels import reachable
 from sparkv.cache.payload import contiguous_positions
 from sparkv.layout import ChunkGeometry, KVChunkId
 from sparkv.runtime import reference_prefill, split_chunks
@@ -44,6 +45,27 @@ def test_quantization_stays_within_its_documented_bound(bits):
         assert t.codes.shape == (300, 64 * bits // 8)
 
 
+def test_k8v4_holds_k_at_int8_and_v_at_int4_the_values_int8_and_int4_hold():
+    """k8v4 is made side by side from the int8 base: its K is int8's, its V int4's, and going
+    on to int4 gives the values int8 -> int4 gives (bit for bit); it cannot reach int2 (V would
+    come from int4) and int4 cannot reach it (K would come from int4)."""
+    p = ChunkPayload(KVChunkId(0, 0, 0), "fp", [5, 3], contiguous_positions([5, 3], 0),
+                     torch.randn(8, 64), torch.randn(8, 64))
+    p8, p4, mix = p.at_level("int8"), p.at_level("int4"), p.at_level("k8v4")
+    assert (mix.k.bits, mix.v.bits) == (8, 4)
+    for got, want in ((mix.k, p8.k), (mix.v, p4.v)):
+        assert all(torch.equal(x, y) for x, y in zip(got.tensors(), want.tensors()))
+    assert to_bytes(p8.at_level("k8v4")) == to_bytes(mix)
+    assert to_bytes(mix.at_level("int4")) == to_bytes(p4)
+    assert from_bytes(to_bytes(mix)).v.codes.shape == (8, 32)
+    for src, level in (("k8v4", "int2"), ("int4", "k8v4"), ("int2", "k8v4")):
+        assert not reachable(src, level)
+        with pytest.raises(PayloadError, match="int8 base"):
+            p.at_level(src).at_level(level)
+    assert all(reachable(a, b) for a, b in (("fp", "k8v4"), ("int8", "k8v4"), ("k8v4", "int4"),
+                                            ("k8v4", "fp"), ("int8", "int2")))
+
+
 def test_levels_only_go_down_from_fp_or_the_int8_base():
     p = ChunkPayload(KVChunkId(0, 0, 0), "fp", [4], contiguous_positions([4], 0),
                      torch.randn(4, 8), torch.randn(4, 8))
@@ -64,7 +86,7 @@ def test_account_equals_the_pages_held_through_random_operations(tmp_path):
         op = rng.choice(["level", "swap", "swap_keep", "in", "drop", "materialize", "put"])
         try:
             if op == "level":
-                mem.set_level(cid, rng.choice(["int8", "int4", "int2", "fp"]))
+                mem.set_level(cid, rng.choice(["int8", "int4", "int2", "k8v4", "fp"]))
             elif op == "swap":
                 mem.swap_out(cid, tier)
             elif op == "swap_keep":
@@ -92,7 +114,8 @@ def test_quantizing_really_frees_memory():
         mem.set_level(cid, "int4")
     # fp32 -> 4 bits + an fp16 scale and zero per 16 values (+ int32 positions)
     assert mem.nbytes < 0.25 * full
-    assert mem.account().resident == {"fp": 0, "int8": 0, "int4": mem.nbytes, "int2": 0}
+    assert mem.account().resident == {"fp": 0, "int8": 0, "int4": mem.nbytes, "int2": 0,
+                                      "k8v4": 0}
 
 
 def test_an_arena_set_layer_by_layer_keeps_the_account():
@@ -339,7 +362,7 @@ def test_token_residency_counts_each_token_chunk_by_its_chunks(tmp_path):
     assert mem.token_residency() == by_chunk()
 
 
-@pytest.mark.parametrize("level", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("level", ["int8", "int4", "int2", "k8v4"])
 def test_quantized_levels_round_trip_within_their_error(tmp_path, level):
     mem, layers = _random_memory(GEO)
     tier = FlashTier(tmp_path)
@@ -350,9 +373,9 @@ def test_quantized_levels_round_trip_within_their_error(tmp_path, level):
         mem.swap_in(cid, tier)
         p = mem.read(cid)
         assert p.level == level
-        k, _ = p.fp()
-        x = chunks[cid][0].reshape(-1, GEO.head_dim)
-        assert bool(((k - x).abs().amax(1) <= error_bound(x, p.k)).all())
+        for got, x, q in zip(p.fp(), chunks[cid], (p.k, p.v)):
+            x = x.reshape(-1, GEO.head_dim)
+            assert bool(((got - x).abs().amax(1) <= error_bound(x, q)).all())
 
 
 def test_clean_chunks_are_not_written_twice(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 
 from sparkv.device import ContextService
 from sparkv.device.config import FALLBACK_RATIO, ServiceConfig, resolved_ratio
+from sparkv.device.density import LADDER
 from sparkv.device.flashio import ServiceFlash, read_token_chunk_record
 from sparkv.device.loader import token_chunk_ids, working_nbytes
 from sparkv.layout import ChunkGeometry
@@ -17,8 +18,8 @@ from sparkv.runtime.generate import sample_context_ids
 from helpers import flash_profile, same_payloads
 
 FAST_FLASH = flash_profile(fast=True)
-LEVELS = {"fp", "int8", "int4", "int2"}
-RATIO = 0.6          # low enough that the mix holds int2 and int4 beside int8 (and the fp sink)
+LEVELS = {"fp", "int8", "k8v4", "int4", "int2"}
+RATIO = 0.6          # low enough that the mix holds int4 (and int2) beside k8v4 (and the fp sink)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,11 @@ def doc(lm):
     return sample_context_ids(lm, 400)
 
 
-def _entry(ratio: float, verdict: str) -> QualityEntry:
+def _entry(ratio: float, verdict: str, ladder: str | None = ",".join(LADDER)) -> QualityEntry:
+    params: dict = {"ratio": ratio} if ladder is None else {"ratio": ratio, "ladder": ladder}
     return QualityEntry(f"device@{ratio:g}", {"passkey": RetrievalScore(10, 10, 10, 10)}, 20, 0.9,
                         0.995, 1e-4, 1000.0, {"verdict": verdict, "summary": verdict,
-                                              "metrics": {}}, {"ratio": ratio})
+                                              "metrics": {}}, params)
 
 
 def _payloads(svc: ContextService, cid: str) -> dict:
@@ -66,13 +68,26 @@ def test_default_ratio_comes_from_the_quality_table(tmp_path):
     assert resolved_ratio(ServiceConfig.preset("vllm-sq"), "fp123", str(path)) == 1.0
 
 
+def test_a_table_measured_with_another_ladder_does_not_set_the_ratio(tmp_path):
+    """Entries without k8v4 in their ladder judged other mixes at the same ratios: only the
+    entries of the planner's own ladder count (none here: the fallback)."""
+    path = tmp_path / "t.json"
+    QualityTable("fp123", "tiny", 1.0, [], [], {}, sections={"device": [
+        _entry(1.0, "pass", None), _entry(0.75, "pass", None),
+        _entry(0.9, "pass", "int8,int4,int2"), _entry(0.8, "fail")]}).save(path)
+    assert resolved_ratio(ServiceConfig(), "fp123", str(path)) == FALLBACK_RATIO
+    QualityTable("fp123", "tiny", 1.0, [], [], {}, sections={"device": [
+        _entry(1.0, "pass"), _entry(0.85, "pass"), _entry(0.75, "pass", None)]}).save(path)
+    assert resolved_ratio(ServiceConfig(), "fp123", str(path)) == 0.85
+
+
 def test_budget_is_never_exceeded_with_compression_on(lm, doc, tmp_path):
     svc = ContextService(lm, 1 << 30, tmp_path / "s", io_profile=FAST_FLASH, journal=False,
                          ratio=RATIO)
     assert svc.config.ratio == RATIO
     ids = [svc.new_context(system_ids=doc[i * 110:i * 110 + 100]) for i in range(3)]
     levels = {lv for c in ids for lv in svc.contexts[c].levels}
-    assert {"int4", "int8"} <= levels, levels                # compression is on
+    assert {"int4", "k8v4"} <= levels, levels                # compression is on
     # room for one call's working memory and about half of the contexts' chunks
     g = ChunkGeometry.from_config(lm.config, 140, svc.config.chunk_tokens)
     svc.budget = svc.used_bytes() // 2 + working_nbytes(g, 60, lm.dtype)
@@ -90,14 +105,14 @@ def seen_levels():
     return set()
 
 
-@pytest.mark.parametrize("ratio", [0.4, 0.6])   # int4 + int2, then int8 + int4 (and fp)
+@pytest.mark.parametrize("ratio", [0.4, 0.6, 0.9])   # int4 + int2, k8v4 + int4, int8 + k8v4
 def test_swap_out_and_back_is_exact_at_every_level(lm, doc, tmp_path, ratio, seen_levels):
     svc = ContextService(lm, 256 << 20, tmp_path / "s", io_profile=FAST_FLASH, journal=False,
                          ratio=ratio)
     cid = svc.new_context(system_ids=doc[:300])
     seen_levels.update(svc.contexts[cid].levels)
-    if ratio == 0.6:
-        assert seen_levels == LEVELS, seen_levels      # both runs: every level
+    if ratio == 0.9:
+        assert seen_levels == LEVELS, seen_levels      # the three runs: every level
     before = _payloads(svc, cid)
     # every token chunk file read back holds its payloads bit for bit, at its level
     C = svc.contexts[cid].memory

@@ -283,7 +283,7 @@ def test_ratio_one_is_all_int8_whatever_the_densities():
         mix = plan_levels(dens, 1.0, protect=[0], fp_ratio=3.7)
         assert mix.levels[0] == "fp" and set(mix.levels[1:]) == {"int8"}
     # below 1.0 the densest still keep the most bits
-    assert plan_levels([3.0, 2.0, 1.0, 0.0], 0.75).levels[0] == "int8"
+    assert plan_levels([3.0, 2.0, 1.0, 0.0], 0.85).levels[0] == "int8"
 
 
 def test_service_chunks_at_ratio_one_are_fp_or_int8(tiny_llama, tmp_path):

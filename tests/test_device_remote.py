@@ -11,7 +11,7 @@ import torch
 from sparkv.cache import ChunkPayload, PayloadError
 from sparkv.cache.payload import contiguous_positions
 from sparkv.device import ContextService
-from sparkv.device.density import plan_levels
+from sparkv.device.density import OLD_LADDER, plan_levels
 from sparkv.device.flashio import pack_token_chunk, read_token_chunk_record
 from sparkv.device.loader import dequantize_fast
 from sparkv.device.registry import ResidencyCounts
@@ -57,7 +57,8 @@ def test_levels_keep_sinks_and_the_densest_at_fp_within_the_ratio():
     d = [0.9, 0.1, 0.5, 0.05, 0.8, 0.3, 0.2, 0.6, 0.02, 0.4]
     # ratio 1: every unprotected chunk at int8, the sink chunk (0) at fp outside the ratio
     m = plan_levels(d, 1.0, protect=[0], fp_ratio=3.7)
-    assert m.levels[0] == "fp" and m.counts() == {"fp": 1, "int8": 9, "int4": 0, "int2": 0}
+    assert m.levels[0] == "fp" and m.counts() == {"fp": 1, "int8": 9, "k8v4": 0, "int4": 0,
+                                                "int2": 0}
     # the densest fp chunks are paid inside the ratio: the sparsest drop to int4 / int2
     m = plan_levels(d, 1.0, protect=[0], fp_fraction=0.12, fp_ratio=3.7)
     assert m.levels[4] == "fp" and m.counts()["fp"] == 2          # 0.8: the densest unprotected
@@ -68,9 +69,11 @@ def test_levels_keep_sinks_and_the_densest_at_fp_within_the_ratio():
     # above 1: what is left once all are int8 sends the densest to fp
     m = plan_levels(d, 1.6, fp_ratio=3.7)
     assert m.counts()["fp"] == 2 and m.levels[0] == m.levels[4] == "fp" and m.ratio <= 1.6
-    # without fp options: the old mix (the densest keep the most bits)
-    m = plan_levels(d, 0.75)
-    assert m.counts()["fp"] == 0 and m.levels[0] == "int8" and m.levels[8] != "int8"
+    # without fp options: the densest keep the most bits
+    m = plan_levels(d, 0.85)
+    assert m.counts()["fp"] == 0 and m.levels[0] == "int8" and m.levels[8] == "k8v4"
+    m = plan_levels(d, 0.75, ladder=OLD_LADDER)
+    assert m.levels[0] == "int8" and m.levels[8] == "int4"
 
 
 def _dense_from_server(remote: ServerStream, n: int):

@@ -28,7 +28,7 @@ from sparkv.layout import ChunkGeometry, KVChunkId
 
 #: 10 token chunks (the last partial) of 3 layers, 4 KV heads of 32 dims in 2 groups
 GEO = ChunkGeometry(16 * 9 + 7, 16, 3, 4, 32, 2)
-LEVELS = ["fp", "int8", "int4", "int2"]
+LEVELS = ["fp", "int8", "int4", "int2", "k8v4"]
 NO_MODEL = types.SimpleNamespace(device=torch.device("cpu"))   # loads that recompute nothing
 
 
@@ -42,12 +42,12 @@ def _payload(cid: KVChunkId, gen: torch.Generator, level: str) -> ChunkPayload:
 
 
 def _context(root: Path) -> tuple[SwapStore, DeviceContext]:
-    """A context of :data:`GEO`, token chunk ``t`` at ``LEVELS[t % 4]``, all modified."""
+    """A context of :data:`GEO`, token chunk ``t`` at ``LEVELS[t % 5]``, all modified."""
     swap = SwapStore(root, contiguous=True)
     ctx = DeviceContext("c0ffee", list(range(GEO.num_tokens)), None, swap.tier("c0ffee"))
     C = ContextKV(GEO, torch.float32, "cpu", paged=True)
     gen = torch.Generator().manual_seed(0)
-    C.put_payloads([_payload(cid, gen, LEVELS[t % 4]) for t in range(GEO.num_token_chunks)
+    C.put_payloads([_payload(cid, gen, LEVELS[t % 5]) for t in range(GEO.num_token_chunks)
                     for cid in token_chunk_ids(GEO, t)], Source.COMPUTED)
     ctx.memory = C
     ctx.modified.update(range(GEO.num_token_chunks))
@@ -173,11 +173,11 @@ def test_a_run_of_records_is_one_page_write_per_level(tmp_path, monkeypatch):
     reads.close()
     assert not reads.failed and reads.reads == 1
     per_chunk = GEO.num_layers * GEO.num_groups
-    # one page write per level present (4), not one per chunk (60), each straight from the
+    # one page write per level present (5), not one per chunk (60), each straight from the
     # read buffer into the pages
     assert sorted(writes.calls) == sorted(
-        per_chunk * sum(1 for t in range(GEO.num_token_chunks) if t % 4 == i) for i in range(4))
-    assert writes.placed == 4
+        per_chunk * sum(1 for t in range(GEO.num_token_chunks) if t % 5 == i) for i in range(5))
+    assert writes.placed == 5
     for cid, p in before.items():
         st = C.state(cid)
         assert st.residency == Residency.RESIDENT and not st.dirty and st.level == p.level
@@ -211,10 +211,10 @@ def test_a_partly_resident_token_chunk_keeps_its_resident_chunks(tmp_path, monke
     swap, ctx = _context(tmp_path)
     C = ctx.memory
     swap.write_ahead(ctx)
-    ids = token_chunk_ids(GEO, 4)
+    ids = token_chunk_ids(GEO, 5)
     keep = C.read(ids[0])
-    C.drop_many(ids[1:])                                # chunk (4, 0, 0) stays resident
-    refs, _ = flash_refs(C, [4], [])
+    C.drop_many(ids[1:])                                # chunk (5, 0, 0) (fp) stays resident
+    refs, _ = flash_refs(C, [5], [])
     W = ContextKV(GEO, torch.float32, "cpu")
     writes = _Writes(C, monkeypatch)
     reads = FileReads(C, W, ctx.tier, refs, threads=1)
@@ -223,7 +223,7 @@ def test_a_partly_resident_token_chunk_keeps_its_resident_chunks(tmp_path, monke
     assert not reads.failed and writes.calls == [len(ids) - 1]
     assert all(C.residency(c) == Residency.RESIDENT for c in ids)
     assert torch.equal(C.read(ids[0]).k, keep.k)
-    _expect_working(C, W, [4])
+    _expect_working(C, W, [5])
 
 
 def test_a_record_without_a_recorded_copy_fails_alone(tmp_path):
@@ -255,7 +255,7 @@ def test_ahead_of_time_writes_pack_from_pages_and_skip_mixed_levels(tmp_path):
         (ref,) = {st.flash for st in states}            # one record per token chunk
         assert not any(st.dirty for st in states)
         f = read_token_chunk_record(ctx.tier.read(ref), t)
-        assert f.level == LEVELS[t % 4]
+        assert f.level == LEVELS[t % 5]
         for cid, got in zip(f.cids(), f.run().payloads()):
             assert all(torch.equal(a, b) for a, b in zip(_fp(got), _fp(C.read(cid))))
     # writing again writes nothing (every written chunk clean)

@@ -32,7 +32,7 @@ FAST_FLASH = flash_profile(fast=True)
 DOC = [(7 * i + 3) % 120 + 1 for i in range(150)]
 #: 10 token chunks of 3 layers, 2 KV heads of 32 dims (one group), the last one partial
 GEO = ChunkGeometry(16 * 9 + 7, 16, 3, 2, 32, 2)
-LEVELS = ["fp", "int8", "int4", "int2"]
+LEVELS = ["fp", "int8", "int4", "int2", "k8v4"]
 NO_MODEL = types.SimpleNamespace(device=torch.device("cpu"))   # loads that recompute nothing
 
 
@@ -48,7 +48,7 @@ def _context(root: Path, contiguous: bool, seed: int = 0) -> tuple[SwapStore, De
             k, v = (torch.randn(2 * n, 32, generator=gen) for _ in range(2))
             p = ChunkPayload(cid, "fp", [n] * 2, contiguous_positions([n] * 2, t * 16), k, v,
                              torch.float32)
-            lv = LEVELS[t % 4]
+            lv = LEVELS[t % 5]
             C.put_payload(p if lv == "fp" else p.at_level(lv), Source.COMPUTED)
     ctx.memory = C
     ctx.modified.update(range(GEO.num_token_chunks))
@@ -309,7 +309,7 @@ def test_reopen_walks_past_a_damaged_header(tmp_path):
     assert swap.attach(fresh, C) == GEO.num_token_chunks - 2    # 3 and the partial last
     assert C.residency(token_chunk_ids(GEO, 3)[0]) == Residency.ABSENT
     f = read_token_chunk_record(tier.read(C.state(token_chunk_ids(GEO, 5)[0]).flash), 5)
-    assert f.level == LEVELS[5 % 4]
+    assert f.level == LEVELS[5 % 5]
 
 
 def test_the_baselines_keep_one_file_per_chunk(tiny_llama, tmp_path):

@@ -14,6 +14,7 @@ import torch
 from sparkv.cache import (ChunkPayload, ContextKV, FlashTier, KVMemoryError, PagePool,
                           PagePoolFull, PagePools, Source, to_bytes)
 from sparkv.cache.blocks import page_fill, row_slots
+from sparkv.cache.levels import reachable
 from sparkv.cache.pages import BLOCK_PAGES, PAGE_TOKENS
 from sparkv.layout import ChunkGeometry, KVChunkId
 
@@ -48,7 +49,8 @@ def _same(a: ChunkPayload, b: ChunkPayload) -> None:
 
 @pytest.mark.parametrize("level,dtype", [("fp", torch.float32), ("fp", torch.float16),
                                          ("fp", torch.bfloat16), ("int8", torch.float32),
-                                         ("int4", torch.float32), ("int2", torch.float32)])
+                                         ("int4", torch.float32), ("int2", torch.float32),
+                                         ("k8v4", torch.float32)])
 def test_pages_round_trip_bit_for_bit(level, dtype):
     mem = ContextKV(GEO, dtype, paged=True)
     payloads = [_payload(cid, level, seed=i, dtype=dtype) for i, cid in enumerate(GEO.chunk_ids())]
@@ -71,9 +73,10 @@ def test_mixed_levels_and_relevel_runs_equal_chunk_by_chunk():
     one.put_payloads(payloads)
     bulk.put_payloads(payloads)
     cids = list(GEO.chunk_ids())
-    for step, (level, sel) in enumerate([("int8", cids[::2]), ("int4", cids[::3]),
-                                         ("int2", cids[1::4]), ("fp", cids[::5])]):
-        sel = [c for c in sel if level == "fp" or one.level(c) in ("fp", "int8")]
+    for step, (level, sel) in enumerate([("int8", cids[::2]), ("k8v4", cids[1::3]),
+                                         ("int4", cids[::3]), ("int2", cids[1::4]),
+                                         ("fp", cids[::5])]):
+        sel = [c for c in sel if reachable(one.level(c), level)]
         for c in sel:
             one.set_level(c, level)
         bulk.set_levels(sel, level)
@@ -202,7 +205,7 @@ def test_compaction_keeps_every_chunk(tmp_path):
             mem.put_payload(p)
             want[cid] = p
         elif op == "level" and cid in want and want[cid].level in ("fp", "int8"):
-            level = rng.choice(["int8", "int4", "int2"])
+            level = rng.choice(["int8", "int4", "int2", "k8v4"])
             mem.set_level(cid, level)
             want[cid] = want[cid].at_level(level)
         elif op == "drop":

@@ -59,7 +59,8 @@ def _torch_path(mem: ContextKV) -> TorchPagedAttention:
 
 
 @pytest.mark.parametrize("levels", [["int8"] * 3, ["int4"] * 3, ["int2"] * 3, ["fp"] * 3,
-                                    ["int8", "int4", "fp"], ["int2", "fp", "int8"]])
+                                    ["k8v4"] * 3, ["int8", "int4", "fp"], ["int2", "fp", "int8"],
+                                    ["k8v4", "int4", "int8"]])
 def test_paged_equals_dequantize_then_attend(levels):
     # ragged heads: partly filled pages, an empty head, a head of 300 (19 pages, two units)
     payloads = _payloads(levels, [[30, 17], [0, 40], [300, 5]], seed=1)

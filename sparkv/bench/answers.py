@@ -38,6 +38,7 @@ class Config:
         dtype: the compute dtype of the ``dtype`` group (``None``: the model's, fp32).
         press: the press spec of the ``press`` group (``adakv:0.5@repeat``), or ``None``.
         ratio: a press's kept ratio, or the device service's global ratio, or ``None``.
+        ladder: the device service's quantized levels (``int8,k8v4,int4,int2``), or ``None``.
     """
 
     name: str
@@ -49,6 +50,7 @@ class Config:
     dtype: str | None = None
     press: str | None = None
     ratio: float | None = None
+    ladder: str | None = None
 
     def ask_kwargs(self) -> dict[str, Any]:
         """The policy fields of this configuration's :class:`~sparkv.edge.options.AskOptions`
@@ -204,7 +206,7 @@ def base_row(ctx: QualityContext, probe: Probe, config: Config) -> dict[str, Any
             "config": config.name, "group": config.group, "strategy": config.strategy,
             "level": config.level, "backend": config.backend, "link": config.link,
             "dtype": config.dtype, "press": config.press, "ratio": config.ratio,
-            "codec": _CODEC.get("signature"), "new_tokens": probe.new_tokens, "error": None}
+            "ladder": config.ladder, "codec": _CODEC.get("signature"), "new_tokens": probe.new_tokens, "error": None}
 
 
 #: the codec signature of this process (set by :func:`measure`; recorded in every answer)

@@ -668,7 +668,7 @@ def group_verdicts(verdict: dict[str, dict[str, Any]]) -> dict[str, dict[str, li
 #: split between the paths depends on timing), left out of the quality table
 NOT_IN_TABLE = ("dense", "strategy")
 #: the row keys that say what a configuration set (a table entry's ``params``)
-PARAM_KEYS = ("level", "backend", "dtype", "press", "ratio")
+PARAM_KEYS = ("level", "backend", "dtype", "press", "ratio", "ladder")
 
 
 def quality_table(rows: Sequence[dict[str, Any]], configs: Sequence[Config], lm: LoadedModel,

@@ -370,7 +370,10 @@ class DeviceVariant(Variant):
         return f"device@{self.ratio:g}"
 
     def config(self) -> Config:
-        return Config(self.name, self.group, "device", None, "dense", ratio=self.ratio)
+        from sparkv.device.density import LADDER
+
+        return Config(self.name, self.group, "device", None, "dense", ratio=self.ratio,
+                      ladder=",".join(LADDER))
 
     def needs_density(self) -> bool:
         return True

@@ -3,17 +3,23 @@
 A chunk's **residency** says where its entries are (:class:`Residency`): in RAM at a level, on the
 flash tier, or nowhere (recompute it from its tokens, or fetch it from the server).
 
-Resident **levels** (:data:`LEVELS`): ``fp`` (the model's dtype, exact) and ``int8`` / ``int4`` /
-``int2``. Quantization is asymmetric per entry (one group = one token of one head, ``head_dim``
-values) with a float16 ``scale`` and ``zero`` per group, K and V alike::
+Resident **levels** (:data:`LEVELS`): ``fp`` (the model's dtype, exact), ``int8`` / ``int4`` /
+``int2``, and ``k8v4`` (K at int8, V at int4: the keys carry the loss of a low level, so a level
+that keeps them at int8 holds 0.75 of int8's bytes for a fraction of int4's loss;
+docs/device-service.md). :data:`SIDE_BITS` gives each quantized level's bits of K and of V; the
+levels ordered from the best to the lowest are :data:`QUALITY_ORDER`. Quantization is
+asymmetric per entry (one group = one token of one head, ``head_dim`` values) with a float16
+``scale`` and ``zero`` per group, K and V alike::
 
     q = clamp(round((x - zero) / scale), 0, 2^b - 1)        x^ = zero + q * scale
 
 with ``zero = min`` rounded down to float16 and ``scale = (max - zero) / (2^b - 1)`` rounded up
 to float16 (so every value of the group stays in range), hence ``|x - x^| <= scale / 2`` (plus
-float32 arithmetic slack): :func:`error_bound` gives the bound a test can check. Lower levels are made **from the int8 base**
-(as LLMS does): ``q_b = round(q_8 * (2^b - 1) / 255)``, ``scale_b = scale_8 * 255 / (2^b - 1)``, so
-a chunk can be pushed down 8 -> 4 -> 2 bits without its float values. Codes are packed (two int4 or
+float32 arithmetic slack): :func:`error_bound` gives the bound a test can check. Lower levels
+are made **from the int8 base** (as LLMS does): ``q_b = round(q_8 * (2^b - 1) / 255)``,
+``scale_b = scale_8 * 255 / (2^b - 1)``, so a chunk can be pushed down 8 -> 4 -> 2 bits without
+its float values, side by side (``int8`` -> ``k8v4`` requantizes V alone, ``k8v4`` -> ``int4`` K
+alone: the same values as ``int8`` -> ``int4``; :func:`reachable`). Codes are packed (two int4 or
 four int2 codes per byte).
 """
 
@@ -55,14 +61,29 @@ class LevelError(SparkvError):
     """An unknown level, or a conversion a level cannot make."""
 
 
-LEVELS = ("fp", "int8", "int4", "int2")
-BITS = {"int8": 8, "int4": 4, "int2": 2}
+#: every resident level; a level's index is its code in tables, pages and the flash records
+#: (new levels go at the end: the codes are on disk)
+LEVELS = ("fp", "int8", "int4", "int2", "k8v4")
+#: bits of K and of V per quantized level
+SIDE_BITS = {"int8": (8, 8), "int4": (4, 4), "int2": (2, 2), "k8v4": (8, 4)}
+#: the levels from the best (exact) to the lowest: a chunk's quality is the lowest it went through
+QUALITY_ORDER = ("fp", "int8", "k8v4", "int4", "int2")
 
 
-def bits_of(level: str) -> int:
-    if level not in BITS:
-        raise LevelError(f"unknown quantized level {level!r}; known: {', '.join(BITS)}")
-    return BITS[level]
+def side_bits(level: str) -> tuple[int, int]:
+    """Bits of K and of V at a quantized ``level``."""
+    if level not in SIDE_BITS:
+        raise LevelError(f"unknown quantized level {level!r}; known: {', '.join(SIDE_BITS)}")
+    return SIDE_BITS[level]
+
+
+def reachable(src: str, level: str) -> bool:
+    """Whether entries held at ``src`` can be held at ``level``: back to ``fp`` always, else each
+    side keeps its bits or comes down from fp or the int8 base."""
+    if level == "fp" or src == level:
+        return True
+    was = (16, 16) if src == "fp" else side_bits(src)
+    return all(b == a or a >= 8 for a, b in zip(was, side_bits(level)))
 
 
 @dataclass

@@ -7,7 +7,8 @@ chunk ``(t, l, g)`` and one head of its group (:mod:`sparkv.cache.blocks` says w
 every page of its level in a few large tensors, indexed by page id::
 
     fp    k, v     [capacity, 16, D]  model dtype
-    intB  k, v     [capacity, 16, W]  uint8 codes (W = ceil(D * B / 8), packed as levels.py packs)
+    intB  k, v     [capacity, 16, W]  uint8 codes (W = ceil(D * B / 8), packed as levels.py packs;
+                                      k8v4: K's W at 8 bits, V's at 4)
           k_scale, k_zero, v_scale, v_zero  [capacity, 16]  float16
     all   pos      [capacity, 16]     int32 (the rows' positions; ascending within a page)
           fill     [capacity]         int32 (rows used: 16 but in a head's last page)
@@ -38,7 +39,7 @@ import torch
 
 from sparkv.cache.hostmem import host_addressable, staging
 from sparkv.cache.layer import KVMemoryError
-from sparkv.cache.levels import BITS, LEVELS, QuantizedTensor
+from sparkv.cache.levels import LEVELS, SIDE_BITS, QuantizedTensor
 
 #: rows (tokens of one KV head) per page
 PAGE_TOKENS = 16
@@ -61,7 +62,7 @@ class PagePool:
     """The pages of one resident level (see the module docstring).
 
     Args:
-        level: ``fp``, ``int8``, ``int4`` or ``int2``.
+        level: one of :data:`~sparkv.cache.levels.LEVELS`.
         head_dim: D.
         dtype: of fp values (``level == "fp"``); quantized pools hold uint8 codes.
         device: where the tensors live.
@@ -75,8 +76,11 @@ class PagePool:
         self.level, self.head_dim = level, int(head_dim)
         self.dtype = dtype if level == "fp" else torch.uint8
         self.device = torch.device(device)
-        self.bits = BITS.get(level, 0)
-        self.width = self.head_dim if level == "fp" else -(-self.head_dim * self.bits // 8)
+        #: bits of K and of V (0: fp) and the row width of each side's tensor
+        self.bits = dict(zip(("k", "v"), SIDE_BITS.get(level, (0, 0))))
+        self.width = {side: self.head_dim if not b else -(-self.head_dim * b // 8)
+                      for side, b in self.bits.items()}
+        self.quantized = level != "fp"
         self.limit_pages = limit_pages
         self.capacity = 0
         self.held = 0
@@ -92,7 +96,7 @@ class PagePool:
     # ---- the tensors -----------------------------------------------------------------------------
     def _empty(self, field: str, cap: int, zero: bool = True) -> torch.Tensor:
         P = PAGE_TOKENS
-        shape: tuple[int, ...] = {"k": (cap, P, self.width), "v": (cap, P, self.width),
+        shape: tuple[int, ...] = {"k": (cap, P, self.width["k"]), "v": (cap, P, self.width["v"]),
                                   "fill": (cap,)}.get(field, (cap, P))
         dtype = {"pos": torch.int32, "fill": torch.int32, "k": self.dtype,
                  "v": self.dtype}.get(field, torch.float16)
@@ -207,15 +211,16 @@ class PagePool:
         put(a["pos"].view(-1), pos.to(self.device, torch.int32))
         for side, x in (("k", k), ("v", v)):
             if isinstance(x, QuantizedTensor):
-                if x.bits != self.bits:
-                    raise KVMemoryError(f"int{x.bits} rows do not go into the {self.level} pool")
-                put(a[side].view(-1, self.width), x.codes.to(self.device))
+                if x.bits != self.bits[side]:
+                    raise KVMemoryError(f"int{x.bits} {side.upper()} rows do not go into the "
+                                        f"{self.level} pool")
+                put(a[side].view(-1, self.width[side]), x.codes.to(self.device))
                 put(a[f"{side}_scale"].view(-1), x.scale.to(self.device))
                 put(a[f"{side}_zero"].view(-1), x.zero.to(self.device))
-            elif self.bits:
+            elif self.quantized:
                 raise KVMemoryError(f"fp rows do not go into the {self.level} pool")
             else:
-                put(a[side].view(-1, self.width), x.to(self.device, self.dtype))
+                put(a[side].view(-1, self.width[side]), x.to(self.device, self.dtype))
 
     def row_views(self, slots: torch.Tensor
                   ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor] | None:
@@ -230,10 +235,10 @@ class PagePool:
         a1 = a + int(slots.numel())
         out: list[torch.Tensor | QuantizedTensor] = []
         for side in ("k", "v"):
-            codes = self._arrays[side].view(-1, self.width)[a:a1]
-            out.append(codes if not self.bits else QuantizedTensor(
+            codes = self._arrays[side].view(-1, self.width[side])[a:a1]
+            out.append(codes if not self.quantized else QuantizedTensor(
                 codes, self._arrays[f"{side}_scale"].view(-1)[a:a1],
-                self._arrays[f"{side}_zero"].view(-1)[a:a1], self.bits, self.head_dim))
+                self._arrays[f"{side}_zero"].view(-1)[a:a1], self.bits[side], self.head_dim))
         return out[0], out[1]
 
     def empty_rows(self, n: int
@@ -243,11 +248,11 @@ class PagePool:
         host fills before one :meth:`write_rows`."""
         with torch.inference_mode(False):
             out: list[torch.Tensor | QuantizedTensor] = []
-            for _ in ("k", "v"):
-                codes = staging((n, self.width), self.dtype, self.device)
-                out.append(codes if not self.bits else QuantizedTensor(
+            for side in ("k", "v"):
+                codes = staging((n, self.width[side]), self.dtype, self.device)
+                out.append(codes if not self.quantized else QuantizedTensor(
                     codes, staging((n,), torch.float16, self.device),
-                    staging((n,), torch.float16, self.device), self.bits, self.head_dim))
+                    staging((n,), torch.float16, self.device), self.bits[side], self.head_dim))
         return out[0], out[1]
 
     def write_pos(self, slots: torch.Tensor, pos: torch.Tensor) -> None:
@@ -266,13 +271,13 @@ class PagePool:
         pos = a["pos"].view(-1).index_select(0, slots)
         out: list[torch.Tensor | QuantizedTensor] = []
         for side in ("k", "v"):
-            codes = a[side].view(-1, self.width).index_select(0, slots)
-            if not self.bits:
+            codes = a[side].view(-1, self.width[side]).index_select(0, slots)
+            if not self.quantized:
                 out.append(codes)
                 continue
             out.append(QuantizedTensor(codes, a[f"{side}_scale"].view(-1).index_select(0, slots),
                                        a[f"{side}_zero"].view(-1).index_select(0, slots),
-                                       self.bits, self.head_dim))
+                                       self.bits[side], self.head_dim))
         return out[0], out[1], pos
 
     def set_fill(self, ids: np.ndarray, fill: np.ndarray) -> None:

@@ -27,7 +27,8 @@ import torch
 import xxhash
 
 from sparkv.cache.ids import concat
-from sparkv.cache.levels import (BITS, LEVELS, QuantizedTensor, dequantize, quantize, requantize)
+from sparkv.cache.levels import (LEVELS, SIDE_BITS, QuantizedTensor, dequantize, quantize,
+                                 requantize)
 from sparkv.errors import SparkvError
 from sparkv.layout import KVChunkId
 
@@ -108,17 +109,24 @@ def values_at_level(k: "torch.Tensor | QuantizedTensor", v: "torch.Tensor | Quan
         if src == "fp":
             return k, v
         return dequantize(k, dtype), dequantize(v, dtype)  # type: ignore[arg-type]
-    bits = BITS.get(level)
-    if bits is None:
+    if level not in SIDE_BITS:
         raise PayloadError(f"unknown level {level!r}")
-    if src == "fp":
-        k8, v8 = quantize(k, 8), quantize(v, 8)  # type: ignore[arg-type]
-    elif src == "int8":
-        k8, v8 = k, v  # type: ignore[assignment]
-    else:
+    kb, vb = SIDE_BITS[level]
+    return _side_at(k, src, kb, level), _side_at(v, src, vb, level)
+
+
+def _side_at(x: "torch.Tensor | QuantizedTensor", src: str, bits: int, level: str
+             ) -> QuantizedTensor:
+    """One side's rows at ``bits``: kept when they are at ``bits`` already, else made from fp
+    or the int8 base."""
+    if isinstance(x, torch.Tensor):
+        return requantize(quantize(x, 8), bits)
+    if x.bits == bits:
+        return x
+    if x.bits != 8:
         raise PayloadError(f"cannot go from {src} to {level}: lower levels come from fp or the "
                            "int8 base")
-    return requantize(k8, bits), requantize(v8, bits)
+    return requantize(x, bits)
 
 
 def _rows(x: "torch.Tensor | QuantizedTensor", a: int, b: int) -> "torch.Tensor | QuantizedTensor":
@@ -261,6 +269,7 @@ def _take(buf: memoryview, pos: int, n: int, what: str) -> tuple[memoryview, int
 
 def _read_values(buf: memoryview, pos: int, level: str, dtype: torch.dtype, n: int, d: int,
                  what: str) -> tuple["torch.Tensor | QuantizedTensor", int]:
+    """One side's values (``what``: ``K`` or ``V``) at ``level`` from ``buf[pos:]``."""
     if level == "fp":
         size = torch.tensor([], dtype=dtype).element_size()
         raw, pos = _take(buf, pos, n * d * size, what)
@@ -270,7 +279,7 @@ def _read_values(buf: memoryview, pos: int, level: str, dtype: torch.dtype, n: i
             npd = {torch.float32: np.float32, torch.float16: np.float16}[dtype]
             t = torch.from_numpy(np.frombuffer(raw, dtype=npd).copy())
         return t.view(n, d), pos
-    bits = BITS[level]
+    bits = SIDE_BITS[level][what == "V"]
     width = (d * bits + 7) // 8
     codes, pos = _take(buf, pos, n * width, what)
     scale, pos = _take(buf, pos, 2 * n, what)

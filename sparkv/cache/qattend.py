@@ -1,7 +1,8 @@
 """Attention that reads a layer's pages where they lie, at every level (docs/kv-memory.md).
 
-:class:`PagedAttention` attends over a paged layer - its fp, int8, int4 and int2 pages
-(:mod:`sparkv.cache.pages`), listed per KV head by the block table - and an optional fp tail
+:class:`PagedAttention` attends over a paged layer - its pages (:mod:`sparkv.cache.pages`) at
+every level: fp, int8, int4, int2 and k8v4 (K and V of their own widths), listed per KV head by
+the block table - and an optional fp tail
 (the decode's new tokens), for every head, in **one numba call per layer** (``parallel=True``).
 Work is split into units of at most :data:`UNIT_PAGES` pages of one head at one level (and one
 unit per head for the tail); each unit returns a partial softmax (max, sum, weighted values); the
@@ -47,6 +48,7 @@ import numpy.typing as npt
 import torch
 
 from sparkv.cache.colmass import offer_sums, offer_weights, wants_sums
+from sparkv.cache.levels import LEVELS
 from sparkv.cache.pages import PAGE_TOKENS, PagePools
 from sparkv.kernels import use_torch_threads
 
@@ -154,9 +156,10 @@ def _value_weights(w: _F32, off: int, sv: _F32, zv: _F32, n: int, ws: _F32, wz: 
         wz[m] += z
 
 
-def _make_quantized_unit(bits: int) -> Any:
-    """The unit function of one quantized level (``bits`` and the plane count are constants)."""
-    per = 8 // bits
+def _make_quantized_unit(kbits: int, vbits: int) -> Any:
+    """The unit function of one quantized level (its bits of K and of V, and their plane
+    counts, are constants)."""
+    per, vper = 8 // kbits, 8 // vbits
 
     @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
     def unit(pool: _QPool, upages: _I32, a: int, npg: int, qc: _F32, qs: _F32, mpos: _I64,
@@ -180,7 +183,7 @@ def _make_quantized_unit(bits: int) -> Any:
                         c0, c1 = np.int32(pg[r, b]), np.int32(pg[r + 1, b])
                         c2, c3 = np.int32(pg[r + 2, b]), np.int32(pg[r + 3, b])
                         for j in range(per):
-                            mk = np.int32((1 << (bits * (j + 1))) - 1)
+                            mk = np.int32((1 << (kbits * (j + 1))) - 1)
                             qv = qc[m, j, b]
                             a0 += qv * np.float32(c0 & mk)
                             a1 += qv * np.float32(c1 & mk)
@@ -192,7 +195,8 @@ def _make_quantized_unit(bits: int) -> Any:
             _halfs(kz[p], f2, ti)
             _mask_scores(s, pi * P, f1, f2, qs, pos[p], fill[p], mpos, scale)
         _softmax(s, w, ti, R, u, pm, pl)
-        acc = np.zeros((M, per, W), dtype=np.float32)
+        W = vc.shape[2]
+        acc = np.zeros((M, vper, W), dtype=np.float32)
         wz = np.zeros(M, dtype=np.float32)
         ws = np.empty((M, P), dtype=np.float32)
         for pi in range(npg):
@@ -205,8 +209,8 @@ def _make_quantized_unit(bits: int) -> Any:
             for r in range(0, P, 4):
                 for m in range(M):
                     w0, w1, w2, w3 = ws[m, r], ws[m, r + 1], ws[m, r + 2], ws[m, r + 3]
-                    for j in range(per):
-                        mk = np.int32((1 << (bits * (j + 1))) - 1)
+                    for j in range(vper):
+                        mk = np.int32((1 << (vbits * (j + 1))) - 1)
                         am = acc[m, j]
                         for b in range(W):
                             am[b] += ((w0 * np.float32(np.int32(pg[r, b]) & mk)
@@ -216,19 +220,20 @@ def _make_quantized_unit(bits: int) -> Any:
         for m in range(M):
             for b in range(W):
                 prev = np.float32(0.0)
-                for j in range(per):
-                    d = b * per + j
+                for j in range(vper):
+                    d = b * vper + j
                     if d < D:
-                        pacc[u, m, d] = (acc[m, j, b] - prev) / np.float32(1 << (bits * j)) \
+                        pacc[u, m, d] = (acc[m, j, b] - prev) / np.float32(1 << (vbits * j)) \
                             + wz[m]
                     prev = acc[m, j, b]
 
     return unit
 
 
-_unit8 = _make_quantized_unit(8)
-_unit4 = _make_quantized_unit(4)
-_unit2 = _make_quantized_unit(2)
+_unit8 = _make_quantized_unit(8, 8)
+_unit4 = _make_quantized_unit(4, 4)
+_unit2 = _make_quantized_unit(2, 2)
+_unit84 = _make_quantized_unit(8, 4)
 
 
 @nb.njit(fastmath=_FAST, error_model="numpy", boundscheck=False)
@@ -316,8 +321,8 @@ def _coefficients(q: _F32, bits: int) -> _F32:  # pragma: no cover - numba
 @nb.njit(parallel=True, fastmath=_FAST, error_model="numpy", nogil=True, cache=True,
          boundscheck=False)
 def _attend(q: _F32, qpos: _I64, scale: np.float32, pf: _FpPool, p8: _QPool, p4: _QPool,
-            p2: _QPool, units: _I32, upages: _I32, tk: _F32, tv: _F32, tpos: _I64, ntail: int,
-            out: _F32) -> None:  # pragma: no cover - numba
+            p2: _QPool, p84: _QPool, units: _I32, upages: _I32, tk: _F32, tv: _F32, tpos: _I64,
+            ntail: int, out: _F32) -> None:  # pragma: no cover - numba
     """Every unit (``units [U, 4]``: level index, head, first of ``upages``, pages), then each
     head's tail rows, then the merge per head into ``out [Hkv, M, D]`` (see the module doc).
     Query row ``m`` of a head is at position ``qpos[m % nq]``."""
@@ -353,6 +358,8 @@ def _attend(q: _F32, qpos: _I64, scale: np.float32, pf: _FpPool, p8: _QPool, p4:
             _unit4(p4, upages, a, npg, a4[h], qs[h], mpos, scale, D, u, pm, pl, pacc)
         elif lv == 3:
             _unit2(p2, upages, a, npg, a2[h], qs[h], mpos, scale, D, u, pm, pl, pacc)
+        elif lv == 4:
+            _unit84(p84, upages, a, npg, a8[h], qs[h], mpos, scale, D, u, pm, pl, pacc)
         else:
             _fp_unit(pf, upages, a, npg, q[h], mpos, scale, u, pm, pl, pacc)
     uh = np.empty(U + T, dtype=np.int64)
@@ -575,9 +582,10 @@ def _f16(t: torch.Tensor) -> np.ndarray:
 
 
 def _pool_arrays(pools: PagePools) -> tuple[Any, ...]:
-    """The pools' arrays as the kernel takes them: ``(fp, int8, int4, int2)`` tuples."""
+    """The pools' arrays as the kernel takes them: one tuple per level, in LEVELS' order (the
+    kernel's level codes)."""
     out: list[Any] = []
-    for level in ("fp", "int8", "int4", "int2"):
+    for level in LEVELS:
         pool = pools[level]
         a = pool.array
         if level == "fp":
@@ -844,7 +852,7 @@ def warm_up() -> None:
     from sparkv.layout import ChunkGeometry, KVChunkId
 
     paged = PagedChunks(ChunkGeometry(64, 16, 1, 1, 64))
-    for t, level in enumerate(("fp", "int8", "int4", "int2")):
+    for t, level in enumerate(LEVELS):
         run = ChunkRun([KVChunkId(t, 0, 0)], "fp", np.array([[16]]),
                        torch.arange(16 * t, 16 * t + 16, dtype=torch.int32), torch.randn(16, 64),
                        torch.randn(16, 64))

@@ -7,7 +7,7 @@ One row per chunk ``(t, l, g)`` (index ``(t * L + l) * G + g``: the order of
     residency  int8   [n]       0 absent, 1 resident, 2 flash (Residency, in that order)
     level      int8   [n]       index in LEVELS of the level held (resident) or stored (flash); -1
     source     int8   [n]       index in Source; -1 none
-    quality    int8   [n]       the lowest level the entries went through (index in LEVELS)
+    quality    int8   [n]       the lowest level the entries went through (index in QUALITY_ORDER)
     dirty      bool   [n]       changed since its flash copy was written
     counts     int32  [n, Hg]   entries kept per head of the group (the chunk's length: all)
     flash      int32  [n]       index of the flash copy's file in ``files`` (-1: none)
@@ -26,7 +26,7 @@ import numpy as np
 
 from sparkv.cache.flash import FlashRef
 from sparkv.cache.ids import chunk_array
-from sparkv.cache.levels import LEVELS, Residency, Source
+from sparkv.cache.levels import LEVELS, QUALITY_ORDER, Residency, Source
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 RESIDENCY = (Residency.ABSENT, Residency.RESIDENT, Residency.FLASH)
@@ -88,9 +88,9 @@ class TokenRows:
                                            int(self.offset[t, j]))
 
 
-def lower_quality(a: int, b: int) -> int:
-    """The lower of two levels (indices in LEVELS)."""
-    return max(a, b)
+def _rank(level: str) -> int:
+    """A level's quality (index in QUALITY_ORDER)."""
+    return QUALITY_ORDER.index(level)
 
 
 class ChunkTable:
@@ -172,7 +172,8 @@ class ChunkTable:
         return ChunkState(RESIDENCY[int(self.residency[i])], LEVELS[lv] if lv >= 0 else "",
                           SOURCES[src] if src >= 0 else None,
                           None if counts == tuple(int(c) for c in full) else counts,
-                          self.ref(i), bool(self.dirty[i]), LEVELS[int(self.quality[i])], read)
+                          self.ref(i), bool(self.dirty[i]), QUALITY_ORDER[int(self.quality[i])],
+                          read)
 
     def ref(self, i: int) -> FlashRef | None:
         f = int(self.flash[i])
@@ -219,7 +220,7 @@ class ChunkTable:
         else:
             none = idx[self.source[idx] < 0]
             self.source[none] = SOURCES.index(Source.RESTORED)
-        self.quality[idx] = np.maximum(self.quality[idx], lv)
+        self.quality[idx] = np.maximum(self.quality[idx], _rank(level))
         self.dirty[idx] = True
         self.counts[idx] = self._counts_at(self.geometry, idx) if counts is None else counts
 
@@ -230,7 +231,7 @@ class ChunkTable:
     def set_level(self, idx: np.ndarray, level: str) -> None:
         lv = LEVELS.index(level)
         self.level[idx] = lv
-        self.quality[idx] = np.maximum(self.quality[idx], lv)
+        self.quality[idx] = np.maximum(self.quality[idx], _rank(level))
         self.dirty[idx] = True
 
     def mark_clean(self, idx: np.ndarray) -> None:
@@ -258,7 +259,7 @@ class ChunkTable:
         self.residency[idx] = FLASH
         self.level[idx] = lv
         self.source[idx] = SOURCES.index(source)
-        self.quality[idx] = lv
+        self.quality[idx] = _rank(level)
         self.counts[idx] = self._counts_at(self.geometry, idx)
 
     def evict(self, idx: np.ndarray) -> None:

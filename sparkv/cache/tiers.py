@@ -18,16 +18,11 @@ from sparkv.cache.chunks import ChunkMemory
 from sparkv.cache.flash import FlashRef, FlashTier
 from sparkv.cache.ids import ChunkIds
 from sparkv.cache.layer import KVMemoryError
-from sparkv.cache.levels import LEVELS, Source
+from sparkv.cache.levels import LEVELS, Source, reachable
 from sparkv.cache.paged import Fill, run_of
 from sparkv.cache.payload import ChunkRun, PayloadError, from_bytes, to_bytes
 from sparkv.cache.table import RESIDENT
 from sparkv.layout import KVChunkId
-
-
-#: the levels each level may be re-held at (down from fp or the int8 base, or back to fp)
-REACHABLE = {"fp": set(LEVELS), "int8": set(LEVELS), "int4": {"fp", "int4"},
-             "int2": {"fp", "int2"}}
 
 
 def set_levels(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str) -> int:
@@ -42,7 +37,7 @@ def set_levels(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str) -> int:
     idx = mem.table.indices(cids)
     held = mem.table.level[idx]
     for code in np.unique(held):
-        if level not in REACHABLE[LEVELS[int(code)]]:
+        if not reachable(LEVELS[int(code)], level):
             bad = cids[int(np.flatnonzero(held == code)[0])]
             raise KVMemoryError(f"{bad}: cannot go from {LEVELS[int(code)]} to {level}: lower "
                                 "levels come from fp or the int8 base")
@@ -55,7 +50,7 @@ def set_levels(mem: ChunkMemory, cids: Sequence[KVChunkId], level: str) -> int:
     t, ll, g = run_of(cids)
     try:
         mem.paged.relevel(t, ll, g, level)
-    except PayloadError as e:  # pragma: no cover - REACHABLE refuses these first
+    except PayloadError as e:  # pragma: no cover - reachable() refuses these first
         raise KVMemoryError(str(e)) from None
     mem.table.set_level(idx, level)
     mem.mark_changed(np.unique(ll).tolist())

@@ -16,7 +16,7 @@ context's chunks hold everything), then what the :class:`EvictionPolicy` lists, 
 allocation fits. The policies (one class each, by name in
 :data:`EVICTION_POLICIES`):
 
-* ``lctru`` (:class:`LCTRU`, LLMS): resident token chunks, fp and int8 first, then int4, then
+* ``lctru`` (:class:`LCTRU`, LLMS): resident token chunks, fp and int8 first, then k8v4, int4,
   int2, least recently used context first in each, then by position;
 * ``lru`` (:class:`LRU`): resident token chunks, least recently used context first;
 * ``whole`` (:class:`WholeContextLRU`, the LMK and whole-swap baselines): whole contexts, least
@@ -37,8 +37,8 @@ from sparkv.cache import ContextKV
 from sparkv.device.errors import BudgetBusy, BudgetTooSmall
 from sparkv.device.registry import ContextRegistry, DeviceContext
 
-#: the LCTRU sub-queue of each level (fp and int8 chunks first)
-LEVEL_RANK = {"fp": 0, "int8": 0, "int4": 1, "int2": 2}
+#: the LCTRU sub-queue of each level (fp and int8 chunks first, the fewest bits last)
+LEVEL_RANK = {"fp": 0, "int8": 0, "k8v4": 1, "int4": 2, "int2": 3}
 #: a victim's ``t`` when the whole context goes
 WHOLE = -1
 

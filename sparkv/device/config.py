@@ -1,8 +1,8 @@
 """The context service's policies (:class:`ServiceConfig`): one set of fields makes LLMS, its
 ablations and every baseline of the context-switching benchmark with the same code.
 
-* ``compression`` (:mod:`sparkv.device.levels`): ``tolerance`` (int8 / int4 / int2 by density,
-  ``ratio``, ``fp_fraction``, ``fp_protect``), ``int8`` or ``fp``;
+* ``compression`` (:mod:`sparkv.device.levels`): ``tolerance`` (int8 / k8v4 / int4 / int2 by
+  density, ``ratio``, ``fp_fraction``, ``fp_protect``), ``int8`` or ``fp``;
 * ``eviction`` (:mod:`sparkv.device.budget`): ``lctru``, ``lru`` (chunks) or ``whole``
   (whole contexts);
 * ``put_away``: how evicted KV leaves memory and comes back: ``chunks`` (token chunk records,
@@ -137,13 +137,17 @@ def resolved_ratio(config: ServiceConfig, model_fingerprint: str,
     default) the smallest ratio whose verdict passes in the model's quality table (its
     ``device`` section, every larger measured ratio passing too:
     :func:`sparkv.predictor.quality.device_ratio_for`, judged by task accuracy and
-    teacher-forced agreement against unlimited memory, docs/quality.md), else
+    teacher-forced agreement against unlimited memory, docs/quality.md; only entries measured
+    with the planner's :data:`~sparkv.device.density.LADDER`), else
     :data:`FALLBACK_RATIO` (1.0: every chunk at int8). ``table``: a table path (default: the
     model's usable table). Only ``tolerance`` compression has a ratio; the others get 1.0."""
     if config.ratio is not None:
         return float(config.ratio)
     if config.compression != "tolerance":
         return FALLBACK_RATIO
+    from sparkv.device.density import LADDER, OLD_LADDER
     from sparkv.predictor.quality import device_ratio_for
 
-    return float(device_ratio_for(model_fingerprint, fallback=FALLBACK_RATIO, path=table))
+    # entries measured with another ladder judged other mixes: they do not count
+    return float(device_ratio_for(model_fingerprint, fallback=FALLBACK_RATIO, path=table,
+                                  ladder=",".join(LADDER), old_ladder=",".join(OLD_LADDER)))

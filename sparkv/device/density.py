@@ -62,13 +62,25 @@ from sparkv.runtime.fastops import apply_rope
 from sparkv.runtime.hfcache import hook_cache
 from sparkv.runtime.hooks import QUERY_SINK, rows_safe
 
-#: ratio of each level's bytes to the int8 base (the paper's {8/8, 4/8, 2/8})
-LEVEL_RATIO = {"int8": 1.0, "int4": 0.5, "int2": 0.25}  # fp: its real bytes, plan_levels
-#: relative quantization step of each level
-LEVEL_STEP = {"fp": 0.0, "int8": 1 / 255, "int4": 1 / 15, "int2": 1 / 3}
-#: each level's error weight in the planner (what a density is weighted by): its step squared,
-#: the power of its rounding noise (module docstring, "Levels")
-LEVEL_ERROR = {lv: step * step for lv, step in LEVEL_STEP.items()}
+#: the quantized levels the planner mixes, from the most bits down
+LADDER = ("int8", "k8v4", "int4", "int2")
+#: the ladder before k8v4 (quality table entries without a ``ladder`` were measured with it)
+OLD_LADDER = ("int8", "int4", "int2")
+#: ratio of each level's bits to the int8 base (the paper's {8/8, 4/8, 2/8}; k8v4: (8 + 4) / 16)
+LEVEL_RATIO = {"int8": 1.0, "k8v4": 0.75, "int4": 0.5, "int2": 0.25}  # fp: its real bytes
+#: relative quantization step of each level (of K and of V)
+SIDE_STEP = {"fp": (0.0, 0.0), "int8": (1 / 255, 1 / 255), "k8v4": (1 / 255, 1 / 15),
+             "int4": (1 / 15, 1 / 15), "int2": (1 / 3, 1 / 3)}
+#: relative quantization step of each level (the larger side's)
+LEVEL_STEP = {lv: max(st) for lv, st in SIDE_STEP.items()}
+#: the share of the keys in a level's error: a screen of the quality table's QA questions
+#: (``bench/kv_int4_study.py``, SmolLM2) lost 0.055 over int8 with K alone at int4 and 0.011
+#: with V alone at int4 (0.058 with both): the keys carry 5/6 of it
+K_SHARE = 0.83
+#: each level's error weight in the planner (what a density is weighted by): its steps squared,
+#: the power of its rounding noise, K's and V's by their shares (module docstring, "Levels");
+#: a uniform level's is its step squared
+LEVEL_ERROR = {lv: K_SHARE * k * k + (1 - K_SHARE) * v * v for lv, (k, v) in SIDE_STEP.items()}
 
 
 class DensityRecorder:
@@ -541,50 +553,71 @@ class LevelMix:
     error: float              # sum of density * error weight (LEVEL_ERROR)
 
     def counts(self) -> dict[str, int]:
-        return {lv: sum(1 for x in self.levels if x == lv)
-                for lv in ("fp", "int8", "int4", "int2")}
+        return {lv: sum(1 for x in self.levels if x == lv) for lv in ("fp",) + LADDER}
 
 
-def _int_mix(ds: np.ndarray, budget: float, st: dict[str, float]) -> tuple[float, int, int]:
-    """The best ``(error, n8, n4)`` for densities ``ds`` sorted descending within ``budget``
-    int8 units (the rest at int2)."""
-    n = len(ds)
+def _ladder_mix(ds: np.ndarray, budget: float, st: dict[str, float],
+                ladder: Sequence[str] = LADDER) -> tuple[float, list[int]]:
+    """The best ``(error, chunks per level of ladder)`` for densities ``ds`` sorted descending
+    within ``budget`` int8 units: the densest chunks on the ladder's top level, the next on its
+    middle one (if any), then its last two (as many on the upper of them as the budget allows:
+    with densities sorted, fewer never helps). With a middle level, the last two are used only
+    when the top and middle ones cannot meet the budget. Exact: every count of the top and
+    middle levels is tried (``O(n^2)`` array work with a middle level)."""
+    if len(ladder) not in (3, 4):
+        raise ValueError(f"a ladder of 3 or 4 levels, not {ladder}")
+    top, low, last = ladder[0], ladder[-2], ladder[-1]
+    mid = ladder[1] if len(ladder) == 4 else None
+    r, n = LEVEL_RATIO, len(ds)
     pre = np.concatenate([[0.0], np.cumsum(ds)])
-    best: tuple[float, int, int] | None = None
+    if mid and budget >= n * r[mid] - 1e-9:
+        # the top and middle levels meet it: nothing lower (K's int4 fails the QA rule in any
+        # chunk the densities pick; K at int8 passes in 3 chunks of 4: docs/device-service.md)
+        n8 = int(min(n, np.floor((budget - n * r[mid]) / (r[top] - r[mid]) + 1e-9)))
+        return float(pre[n8] * st[top] + (pre[n] - pre[n8]) * st[mid]), [n8, n - n8, 0, 0]
+    best: tuple[float, list[int]] | None = None
     for n8 in range(n + 1):
-        # the rest at int4 as far as the budget allows, the remainder at int2:
-        # n8 + 0.5 n4 + 0.25 n2 <= budget, n4 + n2 = n - n8  ->  n4 <= 4 (budget - n8) - (n - n8)
         rest = n - n8
-        room = 4.0 * (budget - n8) - rest
-        if room < -1e-9:
+        if n8 * r[top] + rest * r[last] > budget + 1e-9:
             break
-        n4 = int(min(rest, max(0.0, np.floor(room + 1e-9))))
-        # with densities sorted, fewer int4 (more int2) never helps: take the largest n4
-        err = ((pre[n8] - pre[0]) * st["int8"] + (pre[n8 + n4] - pre[n8]) * st["int4"]
-               + (pre[n] - pre[n8 + n4]) * st["int2"])
-        # a tie goes to more int8 chunks: chunks of density 0 (never attended yet) cost no
-        # error at any level, and the budget they leave unused would otherwise put them at
-        # int4 even at ratio 1.0, which promises every chunk at int8
-        if best is None or err <= best[0] + 1e-15:
-            best = (err, n8, n4)
-    return best if best is not None else (float((pre[n]) * st["int2"]), 0, 0)
+        nm = np.arange(rest + 1) if mid else np.zeros(1, dtype=np.int64)
+        left = rest - nm
+        room = (budget - n8 * r[top] - nm * (r[mid] if mid else 0.0) - left * r[last]) \
+            / (r[low] - r[last])
+        n4 = np.minimum(left, np.floor(np.maximum(room, 0.0) + 1e-9)).astype(np.int64)
+        b, c = n8 + nm, n8 + nm + n4
+        err = (pre[n8] * st[top] + (pre[b] - pre[n8]) * (st[mid] if mid else 0.0)
+               + (pre[c] - pre[b]) * st[low] + (pre[n] - pre[c]) * st[last])
+        err = np.where(room >= -1e-9, err, np.inf)
+        # a tie goes to more of the upper levels: chunks of density 0 (never attended yet)
+        # cost no error at any level, and the budget they leave unused would otherwise put
+        # them lower even at ratio 1.0, which promises every chunk at int8
+        j = int(np.flatnonzero(err <= err.min() + 1e-15)[-1])
+        if best is None or err[j] <= best[0] + 1e-15:
+            counts = [n8] + ([int(nm[j])] if mid else []) + [int(n4[j]), rest - int(nm[j] + n4[j])]
+            best = (float(err[j]), counts)
+    if best is None:
+        return float(pre[n] * st[last]), [0] * (len(ladder) - 1) + [n]
+    return best
 
 
 def plan_levels(densities: Sequence[float] | np.ndarray, ratio_global: float = 0.5,
                 weights: dict[str, float] | None = None, *, fp_fraction: float = 0.0,
-                protect: Sequence[int] = (), fp_ratio: float = 4.0) -> LevelMix:
+                protect: Sequence[int] = (), fp_ratio: float = 4.0,
+                ladder: Sequence[str] = LADDER) -> LevelMix:
     """Levels for chunks of the given densities meeting ``ratio_global`` (module docstring).
 
     ``ratio_global`` is the target bytes relative to holding every chunk at int8: 1.0 keeps
     every chunk at int8 (whatever the densities, zeros included), 0.25 puts every chunk at
     int2. The densest chunks keep the most bits; among mixes of equal error, the one with the
-    most bits.
+    most bits. ``ladder``: the quantized levels mixed, from the most bits down
+    (:data:`LADDER`; :data:`OLD_LADDER` without k8v4).
 
     **fp** (raw) chunks: the ``protect``-ed chunks (indices: the service protects the first
     chunk, whose keys are the attention sinks) and the densest ``fp_fraction`` of the others are
     kept unquantized; each costs ``fp_ratio`` int8 units (its real bytes relative to int8: about
     4 for fp32, 2 for fp16/bf16) out of the same budget ``ratio_global * n``, and the remaining
-    chunks share what is left by the error-minimising int8/int4/int2 mix. When the budget cannot
+    chunks share what is left by the error-minimising mix of the ladder. When the budget cannot
     pay for them (every other chunk at int2 still over it), fp chunks are given up, least dense
     first, protected ones last.
     """
@@ -592,7 +625,7 @@ def plan_levels(densities: Sequence[float] | np.ndarray, ratio_global: float = 0
     n = len(d)
     if n == 0:
         return LevelMix((), 0.0, 0.0)
-    r = float(max(ratio_global, 0.25))
+    r = float(max(ratio_global, LEVEL_RATIO[ladder[-1]]))
     st = weights or LEVEL_ERROR
     prot = [int(i) for i in dict.fromkeys(protect) if 0 <= int(i) < n]
     m = n - len(prot)
@@ -600,23 +633,25 @@ def plan_levels(densities: Sequence[float] | np.ndarray, ratio_global: float = 0
     order_all = [int(i) for i in np.argsort(-d, kind="stable")]
     extra = int(math.ceil(max(0.0, fp_fraction) * m - 1e-9))
     fp = [i for i in order_all if i not in prot][:extra]
-    while fp and len(fp) * fp_ratio + 0.25 * (m - len(fp)) > budget:
+    while fp and len(fp) * fp_ratio + LEVEL_RATIO[ladder[-1]] * (m - len(fp)) > budget:
         fp.pop()                     # the least dense first
     fp_set = set(fp) | set(prot)
     rest = np.array([i for i in order_all if i not in fp_set], dtype=np.int64)
     ds = d[rest] if len(rest) else np.zeros(0)
-    err, n8, n4 = _int_mix(ds, min(budget - len(fp) * fp_ratio, float(len(rest))) + 1e-9, st)
-    if n8 == len(rest) and len(rest):
+    err, counts = _ladder_mix(ds, min(budget - len(fp) * fp_ratio, float(len(rest))) + 1e-9, st,
+                              ladder)
+    if counts[0] == len(rest) and len(rest):
         # a budget beyond int8 for everything (ratio > 1): the densest int8 chunks go to fp
         left = budget - len(fp) * fp_ratio - len(rest)
         k = int(min(len(rest), max(0.0, np.floor(left / max(fp_ratio - 1.0, 1e-9) + 1e-9))))
         if k:
             rest = rest[k:]
-            n8 = len(rest)
-            err = float(d[rest].sum() * st["int8"]) if len(rest) else 0.0
+            counts[0] = len(rest)
+            err = float(d[rest].sum() * st[ladder[0]]) if len(rest) else 0.0
     levels = ["fp"] * n
+    rank_level = np.repeat(np.arange(len(ladder)), counts)
     for rank, i in enumerate(rest):
-        levels[int(i)] = "int8" if rank < n8 else ("int4" if rank < n8 + n4 else "int2")
+        levels[int(i)] = ladder[int(rank_level[rank])]
     nfp = n - len(rest)
-    ratio = (nfp * fp_ratio + n8 + 0.5 * n4 + 0.25 * (len(rest) - n8 - n4)) / n
+    ratio = (nfp * fp_ratio + sum(c * LEVEL_RATIO[lv] for c, lv in zip(counts, ladder))) / n
     return LevelMix(tuple(levels), ratio, float(err))

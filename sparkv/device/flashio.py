@@ -76,6 +76,7 @@ import xxhash
 from sparkv.cache import (LEVELS, ChunkPayload, FlashRef, FlashTier, PayloadError, QuantizedTensor,
                           flash_profile_path, load_flash_profile)
 from sparkv.cache.ids import ChunkIds
+from sparkv.cache.levels import SIDE_BITS
 from sparkv.cache.payload import ChunkRun
 from sparkv.device.errors import FlashFull
 from sparkv.device.hosttier import HostTier
@@ -164,7 +165,6 @@ TC_VERSION = 1
 _TC_HEAD = struct.Struct("<4sHBBIIIHHHH")
 _DTYPE_CODE = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _DTYPE_OF = {v: k for k, v in _DTYPE_CODE.items()}
-_BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
 #: a segment file: ``seg-<seq>.skvs``, ``seq`` growing with each segment a context writes
@@ -285,10 +285,10 @@ def token_chunk_record_bytes(h: Mapping[str, int | str]) -> int:
     rows = int(h["layers"]) * int(h["groups"]) * int(h["heads"]) * int(h["tokens"])
     d = int(h["head_dim"])
     if h["level"] == "fp":
-        side = rows * d * torch.tensor([], dtype=_DTYPE_OF[int(h["dtype"])]).element_size()
+        sides = 2 * rows * d * torch.tensor([], dtype=_DTYPE_OF[int(h["dtype"])]).element_size()
     else:
-        side = rows * ((d * _BITS[str(h["level"])] + 7) // 8 + 4)
-    return _TC_HEAD.size + 2 * side + 8
+        sides = sum(rows * ((d * b + 7) // 8 + 4) for b in SIDE_BITS[str(h["level"])])
+    return _TC_HEAD.size + sides + 8
 
 
 def max_segment_bytes(layers: int, groups: int, heads: int, head_dim: int, chunk_tokens: int,
@@ -483,7 +483,7 @@ def join_records(data: bytes | bytearray | memoryview, heads: Sequence[RecordHea
     with one gather of the buffer's bytes per tensor (copies: ``data`` may be read-only) and no
     object per record."""
     shape = record_run(heads)
-    k, v = (_empty_rows(shape.level, shape.rows, heads[0]) for _ in range(2))
+    k, v = (_empty_rows(shape.level, shape.rows, heads[0], side) for side in range(2))
     records_into(data, heads, k, v)
     return ChunkRun(shape.cids, shape.level, shape.counts, shape.pos, k, v, heads[0].dtype)
 
@@ -513,13 +513,16 @@ def record_run(heads: Sequence[RecordHead]) -> RunShape:
     return RunShape(cids, h0.level, counts, _positions(heads, m * hg), int(counts.sum()))
 
 
-def _empty_rows(level: str, rows: int, h: RecordHead) -> torch.Tensor | QuantizedTensor:
+def _empty_rows(level: str, rows: int, h: RecordHead, side: int
+                ) -> torch.Tensor | QuantizedTensor:
+    """New rows of one side (0: K, 1: V) of a run at ``level``."""
     if level == "fp":
         return torch.empty((rows, h.head_dim), dtype=h.dtype)
-    w = (h.head_dim * _BITS[level] + 7) // 8
+    bits = SIDE_BITS[level][side]
+    w = (h.head_dim * bits + 7) // 8
     return QuantizedTensor(torch.empty((rows, w), dtype=torch.uint8),
                            torch.empty(rows, dtype=torch.float16),
-                           torch.empty(rows, dtype=torch.float16), _BITS[level], h.head_dim)
+                           torch.empty(rows, dtype=torch.float16), bits, h.head_dim)
 
 
 def records_into(data: bytes | bytearray | memoryview, heads: Sequence[RecordHead],
@@ -598,15 +601,16 @@ def read_token_chunk_record(data: bytes | memoryview | bytearray, t: int | None 
         return x.view(tdtype).view(shape)
 
     sides: list[torch.Tensor | QuantizedTensor] = []
-    for _ in ("k", "v"):
+    for side in range(2):
         if level == "fp":
             el = torch.tensor([], dtype=dtype).element_size()
             sides.append(take(rows * d * el, dtype, (rows, d)))
         else:
-            width = (d * _BITS[level] + 7) // 8
+            bits = SIDE_BITS[level][side]
+            width = (d * bits + 7) // 8
             sides.append(QuantizedTensor(take(rows * width, torch.uint8, (rows, width)),
                                          take(rows * 2, torch.float16, (rows,)),
-                                         take(rows * 2, torch.float16, (rows,)), _BITS[level], d))
+                                         take(rows * 2, torch.float16, (rows,)), bits, d))
     return TokenChunkRecord(int(h["t"]), level, int(h["layers"]), int(h["groups"]),
                             int(h["heads"]), int(h["tokens"]), int(h["start"]), dtype,
                             sides[0], sides[1])

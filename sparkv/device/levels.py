@@ -2,10 +2,10 @@
 its chunks cost at those levels.
 
 ``tolerance`` (LLMS): ``fp_protect`` first chunks (the attention sinks) at fp outside the global
-``ratio``, the densest ``fp_fraction`` at fp inside it, the rest int8 / int4 / int2 by their
-measured information density (:func:`sparkv.device.density.plan_levels`); ``int8`` / ``fp``: every
-chunk at that level. A chunk's level is chosen when it is folded into the context and never goes
-up (its flash copy stays valid).
+``ratio``, the densest ``fp_fraction`` at fp inside it, the rest int8 / k8v4 / int4 / int2 by
+their measured information density (:func:`sparkv.device.density.plan_levels`); ``int8`` /
+``fp``: every chunk at that level. A chunk's level is chosen when it is folded into the context
+and never goes up (its flash copy stays valid).
 
 No state beyond the policy's fields; no locks.
 """

@@ -67,7 +67,7 @@ import torch
 
 from sparkv.cache import (AttentionView, ChunkPayload, ContextKV, FlashError, KVMemoryError,
                           PayloadError, QuantizedTensor, Source)
-from sparkv.cache.levels import LEVELS
+from sparkv.cache.levels import LEVELS, SIDE_BITS
 from sparkv.cache.pages import PAGE_TOKENS
 from sparkv.cache.payload import ChunkRun, contiguous_positions
 from sparkv.cache.table import RESIDENT
@@ -91,9 +91,7 @@ def payload_nbytes(level: str, entries: int, head_dim: int, dtype: torch.dtype) 
     pos = 4 * entries
     if level == "fp":
         return pos + 2 * entries * head_dim * _ELEM.get(dtype, 4)
-    bits = {"int8": 8, "int4": 4, "int2": 2}[level]
-    width = (head_dim * bits + 7) // 8
-    return pos + 2 * entries * (width + 4)
+    return pos + sum(entries * ((head_dim * b + 7) // 8 + 4) for b in SIDE_BITS[level])
 
 
 def paged_nbytes(level: str, tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:

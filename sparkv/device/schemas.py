@@ -234,7 +234,8 @@ class ContextInfo(_Reply):
     calls: int
     bytes: int = Field(description="bytes of its memory in RAM")
     chunks: ChunkCounts
-    levels: dict[str, int] = Field(description="token chunks per level (fp, int8, int4, int2)")
+    levels: dict[str, int] = Field(
+        description="token chunks per level (fp, int8, k8v4, int4, int2)")
     last_used: int = Field(description="the service's clock at its last use")
     busy: bool = Field(description="a call holds its lock")
     hot: bool = Field(description="its working memory from the last call is kept")

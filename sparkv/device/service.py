@@ -8,7 +8,7 @@
 
 A **context** is its token ids (kept resident: recomputation needs them) and its KV memory ``C``,
 a paged :class:`~sparkv.cache.ContextKV` cut into token chunks of 16 tokens across all layers,
-each at its own level (int8 / int4 / int2 from an int8 base, or fp), resident, on flash, or
+each at its own level (int8 / k8v4 / int4 / int2 from an int8 base, or fp), resident, on flash, or
 absent. A call:
 
 1. **locks** the context (a second call on it waits; the eviction never touches a locked context);

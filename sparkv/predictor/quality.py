@@ -528,16 +528,20 @@ def table_verdicts(model_fingerprint: str, table_path: str | os.PathLike[str] | 
 
 
 def device_ratio_for(model_fingerprint: str, fallback: float = 1.0,
-                     path: str | os.PathLike[str] | None = None) -> float:
+                     path: str | os.PathLike[str] | None = None, ladder: str | None = None,
+                     old_ladder: str | None = None) -> float:
     """The device service's default tolerance ratio: the smallest (most compressing) ratio of
     the ``device`` section whose verdict passes, every larger measured ratio passing too (the
     walk from the largest ratio down stops at the first that does not pass, as levels do);
-    ``fallback`` (1.0, every chunk at int8) without a verdict or when none passes."""
+    ``fallback`` (1.0, every chunk at int8) without a verdict or when none passes. ``ladder``:
+    only entries measured with the service's level ladder count (an entry without one was
+    measured with ``old_ladder``); ``None``: every entry."""
     table = usable_table(model_fingerprint, path, check_codec=False)
     if table is None:
         return fallback
     ratios = sorted(((float(e.params["ratio"]), e) for e in table.section("device")
-                     if e.verdict and e.params.get("ratio") is not None),
+                     if e.verdict and e.params.get("ratio") is not None
+                     and (ladder is None or e.params.get("ladder", old_ladder) == ladder)),
                     key=lambda x: -x[0])
     best = None
     for ratio, entry in ratios:

@@ -851,14 +851,15 @@ def warm_up() -> None:
     from sparkv.cache.payload import ChunkRun
     from sparkv.layout import ChunkGeometry, KVChunkId
 
-    paged = PagedChunks(ChunkGeometry(64, 16, 1, 1, 64))
+    n = 16 * len(LEVELS)                    # a 16-token chunk per level
+    paged = PagedChunks(ChunkGeometry(n, 16, 1, 1, 64))
     for t, level in enumerate(LEVELS):
         run = ChunkRun([KVChunkId(t, 0, 0)], "fp", np.array([[16]]),
                        torch.arange(16 * t, 16 * t + 16, dtype=torch.int32), torch.randn(16, 64),
                        torch.randn(16, 64))
         paged.write(np.array([t]), np.array([0]), np.array([0]), run.at_level(level))
-    tail = (torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.tensor([64, 65]))
+    tail = (torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.tensor([n, n + 1]))
     att = PagedAttention(paged.pools, paged.layer_pages(0), 64)
-    att.attend(torch.randn(1, 1, 1, 64), torch.tensor([65]), None, tail)
-    PrefixAttention(torch.randn(1, 64, 64), torch.randn(1, 64, 64)).attend(
-        torch.randn(1, 1, 1, 64), torch.tensor([65]), None, tail)
+    att.attend(torch.randn(1, 1, 1, 64), torch.tensor([n + 1]), None, tail)
+    PrefixAttention(torch.randn(1, n, 64), torch.randn(1, n, 64)).attend(
+        torch.randn(1, 1, 1, 64), torch.tensor([n + 1]), None, tail)

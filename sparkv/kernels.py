@@ -32,7 +32,7 @@ CODEC = "codec (quantize, Huffman)"
 #: kernel family -> the module whose ``warm_up()`` runs it (the order ``sparkv warm`` runs)
 FAMILIES: dict[str, str] = {
     CODEC: "sparkv.codec.warm",
-    "paged attention (fp, int8, int4, int2 pages; a dense prefix)": "sparkv.cache.qattend",
+    "paged attention (fp, int8, int4, int2, k8v4 pages; a dense prefix)": "sparkv.cache.qattend",
     "dense fill (device working memory)": "sparkv.device.dequant",
     "DynaKV clustering": "sparkv.decode.kmeans",
     "DynaKV fused attention": "sparkv.decode.fused",

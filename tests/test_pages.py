@@ -15,6 +15,7 @@ from sparkv.cache import (ChunkPayload, ContextKV, FlashTier, KVMemoryError, Pag
                           PagePoolFull, PagePools, Source, to_bytes)
 from sparkv.cache.blocks import page_fill, row_slots
 from sparkv.cache.levels import reachable
+from sparkv.cache.payload import contiguous_positions
 from sparkv.cache.pages import BLOCK_PAGES, PAGE_TOKENS
 from sparkv.layout import ChunkGeometry, KVChunkId
 
@@ -342,3 +343,18 @@ def test_a_run_placed_straight_into_the_pages_equals_its_write(tmp_path, monkeyp
     views.clear()
     place(2)
     assert not any(views)
+
+
+@pytest.mark.parametrize("head_dim", [64, 30])
+def test_the_byte_counts_per_level_are_the_pages_and_payloads_held(head_dim):
+    """The service's budget arithmetic (``paged_nbytes``, ``payload_nbytes``) counts what a page
+    and a payload of each level hold, k8v4's K and V at their own widths included."""
+    from sparkv.cache.levels import LEVELS
+    from sparkv.device.loader import paged_nbytes, payload_nbytes
+
+    for level in LEVELS:
+        pool = PagePool(level, head_dim)
+        assert paged_nbytes(level, PAGE_TOKENS, 1, head_dim, torch.float32) == pool.page_bytes
+        p = ChunkPayload(KVChunkId(0, 0, 0), "fp", [5, 4], contiguous_positions([5, 4], 0),
+                         torch.randn(9, head_dim), torch.randn(9, head_dim)).at_level(level)
+        assert payload_nbytes(level, 9, head_dim, torch.float32) == p.nbytes

@@ -15,8 +15,8 @@ from sparkv.cache import (ChunkPayload, ContextKV, FlashTier, KVMemoryError, Pag
                           PagePoolFull, PagePools, Source, to_bytes)
 from sparkv.cache.blocks import page_fill, row_slots
 from sparkv.cache.levels import reachable
-from sparkv.cache.payload import contiguous_positions
 from sparkv.cache.pages import BLOCK_PAGES, PAGE_TOKENS
+from sparkv.cache.payload import contiguous_positions
 from sparkv.layout import ChunkGeometry, KVChunkId
 
 D = 64

@@ -110,7 +110,7 @@ def main() -> None:
     hd = cfg.hidden_size // cfg.num_attention_heads
     bytes_of = {lv: payload_nbytes(lv, rows, hd, lm.dtype) / payload_nbytes("int8", rows, hd,
                                                                             lm.dtype)
-                for lv in ("fp", "int8", "int4", "int2")}
+                for lv in ("fp", "int8", "k8v4", "int4", "int2")}
     out = []
     with tempfile.TemporaryDirectory(prefix="llms-ppl-") as tmp:
         names = a.only.split(",") if a.only else list(POLICIES)

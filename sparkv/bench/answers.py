@@ -206,7 +206,8 @@ def base_row(ctx: QualityContext, probe: Probe, config: Config) -> dict[str, Any
             "config": config.name, "group": config.group, "strategy": config.strategy,
             "level": config.level, "backend": config.backend, "link": config.link,
             "dtype": config.dtype, "press": config.press, "ratio": config.ratio,
-            "ladder": config.ladder, "codec": _CODEC.get("signature"), "new_tokens": probe.new_tokens, "error": None}
+            "ladder": config.ladder, "codec": _CODEC.get("signature"),
+            "new_tokens": probe.new_tokens, "error": None}
 
 
 #: the codec signature of this process (set by :func:`measure`; recorded in every answer)

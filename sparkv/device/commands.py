@@ -164,7 +164,9 @@ def _add_serve(dsub: "argparse._SubParsersAction") -> None:
                         "swapping baseline (docs/device-service.md)")
     s.add_argument("--ratio", type=float, default=None,
                    help="global compression ratio, bytes relative to int8 (0.25-4; the first "
-                        "chunk, the attention sinks, is kept at fp outside it)")
+                        "chunk, the attention sinks, is kept at fp outside it): 1 keeps every "
+                        "chunk at int8, 0.75-1 the sparsest at k8v4 (K int8, V int4), lower "
+                        "ones int4 and int2 too; default: the quality table's")
     s.add_argument("--chunk-tokens", type=int, default=16,
                    help="tokens per chunk of a context, across all layers: the unit of "
                         "compression, swapping and eviction (LLMS's 16; docs/device-service.md)")

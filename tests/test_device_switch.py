@@ -76,8 +76,10 @@ def test_eviction_is_chunk_granular(lm, doc, tmp_path):
     """Reclaiming half a context's bytes leaves it partially resident (not evicted whole), its
     first (least recently used, then lowest t) token chunks gone; the next call on it reads only
     its missing token chunks."""
+    # ratio 1.0: every chunk but the sink's at int8, so LCTRU's order is the chunks' (with
+    # k8v4 chunks beside them the int8 ones go first, whatever their place)
     svc = ContextService(lm, 256 << 20, tmp_path / "s", io_profile=FAST_FLASH, journal=False,
-                         keep_working=False, hot_margin_tokens=0)
+                         keep_working=False, hot_margin_tokens=0, ratio=1.0)
     a = svc.new_context(system_ids=doc[:96])
     b = svc.new_context(system_ids=doc[100:196])
     Ca = svc.contexts[a].memory

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from sparkv.cache.colmass import set_sink
+from sparkv.cache.levels import SIDE_BITS
 from sparkv.runtime.fastops import apply_rope
 from sparkv.runtime.hfcache import hook_cache
 from sparkv.runtime.hooks import QUERY_SINK, rows_safe
@@ -68,9 +69,9 @@ LADDER = ("int8", "k8v4", "int4", "int2")
 OLD_LADDER = ("int8", "int4", "int2")
 #: ratio of each level's bits to the int8 base (the paper's {8/8, 4/8, 2/8}; k8v4: (8 + 4) / 16)
 LEVEL_RATIO = {"int8": 1.0, "k8v4": 0.75, "int4": 0.5, "int2": 0.25}  # fp: its real bytes
-#: relative quantization step of each level (of K and of V)
-SIDE_STEP = {"fp": (0.0, 0.0), "int8": (1 / 255, 1 / 255), "k8v4": (1 / 255, 1 / 15),
-             "int4": (1 / 15, 1 / 15), "int2": (1 / 3, 1 / 3)}
+#: relative quantization step of each level, of K and of V (``1 / (2^bits - 1)``; fp: 0)
+SIDE_STEP = {"fp": (0.0, 0.0), **{lv: (1 / ((1 << kb) - 1), 1 / ((1 << vb) - 1))
+                                  for lv, (kb, vb) in SIDE_BITS.items()}}
 #: relative quantization step of each level (the larger side's)
 LEVEL_STEP = {lv: max(st) for lv, st in SIDE_STEP.items()}
 #: the share of the keys in a level's error: a screen of the quality table's QA questions

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sparkv.demo")
 
-__all__ = ["ask_as_apps", "AppAnswer", "service_of"]
+__all__ = ["ask_as_apps", "AppAnswer", "memory_said", "service_of"]
 
 #: the device service's memory budget in the demo (MB: both apps' kept contexts fit)
 SERVICE_BUDGET_MB = 1024
@@ -61,10 +61,21 @@ class AppAnswer:
                 f"{st.get('chunks_streamed', 0)}/{st.get('chunks_computed', 0)} chunks "
                 "streamed/computed" if st.get("bytes_streamed") else "nothing streamed")
         held = (f", {self.cached_tokens} prompt tokens from the service's memory"
-                if self.cached_tokens else "")
+                f"{memory_said(st.get('memory_sources') or {})}" if self.cached_tokens else "")
         return (f"[{self.app}, {self.api}] {self.text.strip()}\n"
                 f"  TTFT {self.ttft_s:.2f} s as the app saw it; {st.get('strategy', '?')}: "
                 f"{what}{held}; {self.dense}")
+
+
+def memory_said(sources: dict[str, int]) -> str:
+    """What a kept ask's working memory was filled from, said in a parenthesis (``sources``:
+    its stats' ``memory_sources``; "" when unknown)."""
+    if not sources:
+        return ""
+    if set(sources) == {"working memory"}:
+        return " (the last call's fp working memory, still kept)"
+    parts = ", ".join(f"{n} {src}" for src, n in sorted(sources.items(), key=lambda x: -x[1]))
+    return f" (its token chunks: {parts})"
 
 
 def service_of(args: argparse.Namespace, server_url: str, tmp: str) -> "DeviceProcess":

@@ -44,6 +44,9 @@ def test_second_ask_about_a_kept_context_streams_nothing(lm, tmp_path):
         assert lost.breakdown.strategy == "kept"
         assert lost.breakdown.chunks_streamed + lost.breakdown.chunks_computed > 0
         assert (lost.breakdown.chunks_streamed > 0) == (lost.breakdown.bytes_streamed > 0)
+        src = lost.breakdown.memory_sources            # what filled the kept ask's memory
+        assert src.get("streamed", 0) == lost.breakdown.chunks_streamed
+        assert src.get("recomputed", 0) == lost.breakdown.chunks_computed
         taken = shaper.bytes_taken
     finally:
         srv.stop()                            # the server is gone: the next ask cannot stream
@@ -53,6 +56,7 @@ def test_second_ask_about_a_kept_context_streams_nothing(lm, tmp_path):
     assert second.breakdown.bytes_streamed == 0 and second.kept_id == first.kept_id
     assert second.tokens == first.tokens      # kept at fp: the same answer
     assert second.breakdown.strategy == "kept" and second.breakdown.chunks_computed == 0
+    assert "working memory" in second.breakdown.memory_sources      # the last call's, kept
     # swapped out, then asked again: restored from flash, still nothing streamed
     service.swap_out(first.kept_id)
     third = session.ask(cid, q, strategy="stream", level="raw", backend="dense",

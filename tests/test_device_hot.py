@@ -128,3 +128,23 @@ def test_whole_swap_reads_back_what_it_wrote(lm, doc, tmp_path):
     assert st["recomputed_chunks"] == 0 and st["budget_violations"] == 0
     svc.call(b, TURNS[1], max_new_tokens=2, grow=False)
     assert svc.contexts[b].memory is not None and not svc.account.working
+
+
+def test_a_call_says_what_filled_its_working_memory(lm, doc, tmp_path):
+    """``LoadStats.sources``: after a swap-out the chunks at their levels (or recomputed);
+    the next call, the kept fp working memory."""
+    from collections import Counter
+
+    svc = ContextService(lm, 256 << 20, tmp_path / "src", io_profile=FAST_FLASH, ratio=0.5,
+                         journal=False)
+    cid = svc.new_context(system_ids=doc[:90])
+    levels = Counter(svc.contexts[cid].levels)
+    svc.swap_out(cid)
+    loaded = svc.call(cid, TURNS[0], max_new_tokens=2).load
+    assert loaded is not None and sum(loaded.sources.values()) == sum(levels.values())
+    assert loaded.sources.get("recomputed", 0) == loaded.recomputed_chunks
+    for lv, n in loaded.sources.items():
+        assert lv == "recomputed" or n <= levels[lv], (lv, loaded.sources, levels)
+    n = len(svc.contexts[cid].levels)
+    again = svc.call(cid, TURNS[1], max_new_tokens=2).load
+    assert again is not None and again.sources == {"working memory": n}

@@ -645,3 +645,12 @@ def test_demo_says_when_an_answer_is_not_dense():
     assert reference_note([1, 2, 3], [1, 2, 3]) == "the same tokens as the dense reference"
     note = reference_note([1, 2, 3, 4], [1, 2, 9, 9])
     assert note.startswith("NOT the dense reference's answer") and "0.50" in note
+
+
+def test_demo_says_what_a_kept_ask_read():
+    from sparkv.demoapps import memory_said
+
+    assert memory_said({}) == ""
+    assert "fp working memory" in memory_said({"working memory": 9})
+    said = memory_said({"fp": 1, "k8v4": 36, "int8": 2})
+    assert said == " (its token chunks: 36 k8v4, 2 int8, 1 fp)"

@@ -25,6 +25,7 @@ recompute profile is updated only under the service's run lock.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -140,6 +141,7 @@ class ChunkKeeper(Keeper):
             self.budget.release(ctx.id, W)
             raise
         stats.predicted_s = split.predicted_s
+        stats.sources = _sources(levels, split.recompute, rp.stream if rp else ())
         if rp is not None:
             stats.notes.append(f"restore plan: {rp.counts()}")
         ctx.modified.update(split.recompute)
@@ -188,7 +190,8 @@ class ChunkKeeper(Keeper):
         t0 = time.perf_counter()
         ctx.hot = None                    # in use: the working memory of this call
         cap = min(st.capacity for st in W.layers if st is not None)
-        stats = LoadStats(resident_chunks=g.num_token_chunks, notes=["hot working memory"])
+        stats = LoadStats(resident_chunks=g.num_token_chunks, notes=["hot working memory"],
+                          sources={"working memory": g.num_token_chunks})
         if cap >= n + spare:
             reclaim_s = self.budget.reserve(self.levels.new_chunk_bytes(g, spare), ctx)
         else:
@@ -300,6 +303,14 @@ class ChunkKeeper(Keeper):
         self.swap.attach(ctx, C, longest_context(self.config, self.lm.max_positions))
         with self.registry.lock:
             ctx.memory = C
+
+
+def _sources(levels: Sequence[str], recompute: Sequence[int],
+             streamed: Sequence[int]) -> dict[str, int]:
+    """A load's token chunks by where their KV came from (:attr:`LoadStats.sources`): the
+    ``recompute`` and ``streamed`` chunks, the others at their ``levels``."""
+    made = {int(t): "recomputed" for t in recompute} | {int(t): "streamed" for t in streamed}
+    return dict(Counter(made.get(t, lv) for t, lv in enumerate(levels)))
 
 
 def _whole_working(W: ContextKV, n: int) -> bool:

@@ -474,6 +474,9 @@ class LoadStats:
     predicted_s: float = 0.0
     pipelined: bool = True
     notes: list[str] = field(default_factory=list)
+    #: the token chunks by where their KV came from: a level's name (read or resident at that
+    #: level), ``recomputed``, ``streamed``, or ``working memory`` (a kept fp working memory)
+    sources: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -47,6 +47,10 @@ class Breakdown:
     #: a kept context's ask that read the working memory another ask about it had switched in,
     #: at once (sparkv.device.readturns)
     joined: bool = False
+    #: a kept context's ask: its working memory's token chunks by where their KV came from
+    #: (the context service's :attr:`~sparkv.device.loader.LoadStats.sources`: a level's name,
+    #: ``recomputed``, ``streamed``, or ``working memory``: the last call's fp one, still kept)
+    memory_sources: dict[str, int] = field(default_factory=dict)
     #: the seconds keeping the loaded context took at the answer's first token, other asks
     #: waiting for it (after the first token, before the second; sparkv.asks.kept); ``None``:
     #: kept after the answer, or not kept

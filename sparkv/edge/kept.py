@@ -117,7 +117,8 @@ class KeptAsks:
                        chunks_streamed=streamed,
                        bytes_streamed=remote.stats.bytes if streamed else 0,
                        turn_tokens_reused=res.turn_tokens_reused, seed=options.seed,
-                       joined=res.joined)
+                       joined=res.joined,
+                       memory_sources=dict(load.sources) if load is not None else {})
         return AskResult(res.text, res.tokens, bd, None, None, None, None, res.context_tokens,
                          sid, question_tokens=len(suffix))
 

@@ -262,12 +262,12 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
     alone, and the budget holds."""
     import threading
 
-    from sparkv.device import service as service_module
+    from sparkv.device import callflow as flow_module
 
     svc = _svc(lm, tmp_path, compression="fp", budget=budget_mb << 20)
     a, b = svc.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[60:120])
     want = svc.call(b, TURNS[1], max_new_tokens=4, grow=False).tokens
-    real, in_turn, b_done, b_waits = service_module.run_turn, threading.Event(), \
+    real, in_turn, b_done, b_waits = flow_module.run_turn, threading.Event(), \
         threading.Event(), threading.Event()
 
     class Waits(threading.Condition):           # a reservation waiting for a turn to end
@@ -275,12 +275,12 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
             b_waits.set()
             return super().wait(timeout)
 
-    svc._turn_ended = Waits(svc._run)
+    svc.flow._turn_ended = Waits(svc.flow.run)
     seen: dict[str, object] = {}
 
     def turn(*args, **kw):
         if threading.current_thread().name == "a":
-            seen["locked"] = svc._run.locked()      # the model lock given back
+            seen["locked"] = svc.flow.run.locked()      # the model lock given back
             seen["claimed"] = svc.account.claims.get(a, 0) > 0   # its fold-back's bytes
             in_turn.set()
             seen["overlap"] = (b_done if budget_mb == 32 else b_waits).wait(WAIT_S)
@@ -291,7 +291,7 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
         seen["b"] = svc.call(b, TURNS[1], max_new_tokens=4, grow=False).tokens
         b_done.set()
 
-    monkeypatch.setattr(service_module, "run_turn", turn)
+    monkeypatch.setattr(flow_module, "run_turn", turn)
     ths = [threading.Thread(target=lambda: svc.call(a, TURNS[0], max_new_tokens=4), name="a"),
            threading.Thread(target=call_b, name="b")]
     for t in ths:
@@ -300,7 +300,7 @@ def test_a_call_runs_while_another_is_in_its_turn_or_waits_for_the_memory_it_hol
         t.join(2 * WAIT_S)
     assert seen == {"locked": False, "claimed": True, "overlap": True, "b": want}
     assert b_waits.is_set() == (budget_mb == 9)
-    assert svc._turns == 0 and svc.account.claims == {}
+    assert svc.flow.turns == 0 and svc.account.claims == {}
     st = svc.stats()
     assert st["budget_violations"] == 0 and st["turns_running"] == 0
     assert (st["turn_waits"] > 0) == (budget_mb == 9)
@@ -316,7 +316,7 @@ def test_a_call_whose_memory_fits_waits_behind_one_already_waiting(lm, doc, tmp_
     kept for comparison) lets ``c`` switch in and answer during ``a``'s turn, before ``b``."""
     import threading
 
-    from sparkv.device import service as service_module
+    from sparkv.device import callflow as flow_module
 
     # 12 MB: b's switch-in does not fit beside a's turn, c's does (before the line, c answered
     # during a's turn and b after it)
@@ -325,7 +325,7 @@ def test_a_call_whose_memory_fits_waits_behind_one_already_waiting(lm, doc, tmp_
     c = svc.new_context(system_ids=doc[:4])
     want = {x: svc.call(x, TURNS[1], max_new_tokens=4, grow=False).tokens for x in (b, c)}
     waits = {name: threading.Event() for name in ("b", "c")}
-    real_wait, real_turn = svc._turn_ended.wait, service_module.run_turn
+    real_wait, real_turn = svc.flow._turn_ended.wait, flow_module.run_turn
     real_switch = svc.keeper.switch_in
     in_turn, release = threading.Event(), threading.Event()
     order: list[str] = []               # switch-ins in the order they took their memory
@@ -345,8 +345,8 @@ def test_a_call_whose_memory_fits_waits_behind_one_already_waiting(lm, doc, tmp_
             assert release.wait(WAIT_S)
         return real_turn(*args, **kw)
 
-    monkeypatch.setattr(svc._turn_ended, "wait", wait)
-    monkeypatch.setattr(service_module, "run_turn", turn)
+    monkeypatch.setattr(svc.flow._turn_ended, "wait", wait)
+    monkeypatch.setattr(flow_module, "run_turn", turn)
     monkeypatch.setattr(svc.keeper, "switch_in", switch_in)
     got: dict[str, list[int]] = {}
 
@@ -383,7 +383,7 @@ def test_a_turn_that_fails_gives_its_working_memory_back(lm, doc, tmp_path, monk
     reservation may reclaim: its working memory is kept (LLMS: hot; a whole-context keeper: its
     arena) while it holds exactly the context's tokens, else freed; the next call answers as a
     service that never failed."""
-    from sparkv.device import service as service_module
+    from sparkv.device import callflow as flow_module
 
     def config() -> ServiceConfig:
         return ServiceConfig.preset(policy, compression="fp")
@@ -391,7 +391,7 @@ def test_a_turn_that_fails_gives_its_working_memory_back(lm, doc, tmp_path, monk
     ref = _svc(lm, tmp_path, name="ref", config=config())
     svc = _svc(lm, tmp_path, config=config())
     r, a = ref.new_context(system_ids=doc[:60]), svc.new_context(system_ids=doc[:60])
-    real = service_module.run_turn
+    real = flow_module.run_turn
     calls = []
 
     def failing(*args, **kw):
@@ -401,7 +401,7 @@ def test_a_turn_that_fails_gives_its_working_memory_back(lm, doc, tmp_path, monk
             raise RuntimeError("the ask was cancelled")
         return out
 
-    monkeypatch.setattr(service_module, "run_turn", failing)
+    monkeypatch.setattr(flow_module, "run_turn", failing)
     with pytest.raises(RuntimeError):
         svc.call(a, TURNS[0], max_new_tokens=4, grow=grow)
     ctx = svc.contexts[a]
@@ -439,19 +439,19 @@ def test_a_switch_in_that_fails_leaves_nothing_counted(lm, doc, tmp_path, monkey
 def test_serial_turns_keep_the_model_lock_for_the_whole_call(lm, doc, tmp_path, monkeypatch):
     """``overlap_turns=False`` (``--serial-turns``, the comparison): a call's turn holds the
     model lock, as every call did before."""
-    from sparkv.device import service as service_module
+    from sparkv.device import callflow as flow_module
 
     svc = _svc(lm, tmp_path, compression="fp", overlap_turns=False)
     a = svc.new_context(system_ids=doc[:40])
-    real, locked = service_module.run_turn, []
+    real, locked = flow_module.run_turn, []
 
     def turn(*args, **kw):
-        locked.append(svc._run.locked())
+        locked.append(svc.flow.run.locked())
         return real(*args, **kw)
 
-    monkeypatch.setattr(service_module, "run_turn", turn)
+    monkeypatch.setattr(flow_module, "run_turn", turn)
     svc.call(a, TURNS[0], max_new_tokens=2)
-    assert locked == [True] and svc._turns == 0
+    assert locked == [True] and svc.flow.turns == 0
 
 
 def test_a_restarted_service_reopens_its_contexts(lm, doc, tmp_path):

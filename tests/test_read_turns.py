@@ -180,22 +180,22 @@ def _service(lm, tmp_path, **kw):
 def _opener_waits(svc, cid: str, joiners: int, monkeypatch, failing: str = "") -> None:
     """The service's turns: on the thread named ``opener``, waiting until ``joiners`` calls
     joined its read turn; on the thread named ``failing``, raising."""
-    from sparkv.device import service as service_module
+    from sparkv.device import callflow as flow_module
 
-    real = service_module.run_turn
+    real = flow_module.run_turn
 
     def turn(*args, **kw):
         name = threading.current_thread().name
         if name == "opener":
             deadline = time.monotonic() + GUARD_S
-            while svc.reads._open[cid].joined < joiners:
+            while svc.flow.reads._open[cid].joined < joiners:
                 assert time.monotonic() < deadline, "the other calls never joined"
                 time.sleep(0.01)
         if name == failing:
             raise RuntimeError(f"the {name}'s turn failed")
         return real(*args, **kw)
 
-    monkeypatch.setattr(service_module, "run_turn", turn)
+    monkeypatch.setattr(flow_module, "run_turn", turn)
 
 
 def _opener_first(svc, call, others: list[str]) -> None:
@@ -203,7 +203,7 @@ def _opener_first(svc, call, others: list[str]) -> None:
     one thread per name of ``others``; waits for all."""
     opener = threading.Thread(target=call, args=("opener",), name="opener")
     opener.start()
-    while svc.reads.open_count() == 0 and opener.is_alive():
+    while svc.flow.reads.open_count() == 0 and opener.is_alive():
         time.sleep(0.005)
     threads = [threading.Thread(target=call, args=(n,), name=n) for n in others]
     for th in threads:
@@ -248,7 +248,7 @@ def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tm
         assert out["opener"].turn_tokens_reused == 0
         reused = {out[n].turn_tokens_reused for n in names[1:]}
         assert len(reused) == 1 and reused.pop() > 4      # the question but its last token
-    assert svc.account.claims == {} and svc.reads.open_count() == 0
+    assert svc.account.claims == {} and svc.flow.reads.open_count() == 0
     assert svc.describe(cid).tokens == tokens and svc.describe(cid).calls == 4 + 4   # joiners too
     st = svc.stats()
     assert st["budget_violations"] == 0 and st["joined_reads"] == 3
@@ -258,12 +258,12 @@ def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tm
 
 def test_a_growing_call_waits_for_the_read_turn_and_does_not_join(smollm2, tmp_path,
                                                                   monkeypatch):
-    from sparkv.device import service as service_module
+    from sparkv.device import callflow as flow_module
 
     lm = smollm2
     svc = _service(lm, tmp_path)
     cid = svc.new_context(system_ids=sample_context_ids(lm, 80))
-    real, in_turn, release = service_module.run_turn, threading.Event(), threading.Event()
+    real, in_turn, release = flow_module.run_turn, threading.Event(), threading.Event()
 
     def held(*args, **kw):
         if threading.current_thread().name == "reader":
@@ -271,7 +271,7 @@ def test_a_growing_call_waits_for_the_read_turn_and_does_not_join(smollm2, tmp_p
             assert release.wait(GUARD_S)
         return real(*args, **kw)
 
-    monkeypatch.setattr(service_module, "run_turn", held)
+    monkeypatch.setattr(flow_module, "run_turn", held)
     out: dict[str, object] = {}
     reader = threading.Thread(target=lambda: out.update(
         r=svc.call(cid, "Why?", max_new_tokens=3, grow=False)), name="reader")
@@ -307,7 +307,7 @@ def test_a_read_turn_whose_opener_or_joiner_fails_leaves_the_other_whole(smollm2
     _opener_first(svc, call, ["joiner"])
     survivor = "joiner" if failing == "opener" else "opener"
     assert out[failing] == f"the {failing}'s turn failed" and out[survivor] == want
-    assert svc.account.claims == {} and svc.reads.open_count() == 0
+    assert svc.account.claims == {} and svc.flow.reads.open_count() == 0
     monkeypatch.undo()
     assert svc.call(cid, "What happens?", max_new_tokens=4, grow=False).tokens == want
     assert svc.stats()["budget_violations"] == 0
@@ -318,7 +318,7 @@ def test_an_opener_answers_without_waiting_for_its_joiner(smollm2, tmp_path, mon
     longer answer): the opener returns at once, and the service ends the read turn once the
     joiner left: its densities and the opener's in the context, the working memory released,
     no claim left, the lock free, the context answers and grows."""
-    from sparkv.device import service as service_module
+    from sparkv.device import callflow as flow_module
 
     svc = _service(smollm2, tmp_path)
     cid = svc.new_context(system_ids=sample_context_ids(smollm2, 90))
@@ -327,17 +327,17 @@ def test_an_opener_answers_without_waiting_for_its_joiner(smollm2, tmp_path, mon
             for n, m in lengths.items()}
     ctx = svc.registry.get(cid)
     calls, mass = svc.describe(cid).calls, ctx.mass.clone()
-    real, returned = service_module.run_turn, threading.Event()
+    real, returned = flow_module.run_turn, threading.Event()
 
     def turn(*args, **kw):
         name = threading.current_thread().name
-        while name == "opener" and svc.reads._open[cid].joined < 1:
+        while name == "opener" and svc.flow.reads._open[cid].joined < 1:
             time.sleep(0.01)
         if name == "joiner":
             assert returned.wait(GUARD_S), "the opener waited for its joiner"
         return real(*args, **kw)
 
-    monkeypatch.setattr(service_module, "run_turn", turn)
+    monkeypatch.setattr(flow_module, "run_turn", turn)
     out: dict[str, object] = {}
 
     def call(name: str) -> None:
@@ -349,7 +349,7 @@ def test_an_opener_answers_without_waiting_for_its_joiner(smollm2, tmp_path, mon
     assert {n: out[n].tokens for n in lengths} == want and out["joiner"].joined
     st = svc.stats()
     assert st["read_handoffs"] == 1 and st["joined_reads"] == 1
-    assert svc.account.claims == {} and svc.reads.open_count() == 0 and not ctx.lock.locked()
+    assert svc.account.claims == {} and svc.flow.reads.open_count() == 0 and not ctx.lock.locked()
     assert svc.describe(cid).calls == calls + 2
     assert float((ctx.mass - mass).sum()) > 0             # the turn's densities reached it
     monkeypatch.undo()

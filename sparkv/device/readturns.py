@@ -94,7 +94,7 @@ class ReadTurns:
 
     def close(self, turn: ReadTurn) -> bool:
         """Nobody joins ``turn`` any more (its opener's turn ended); whether joiners still read
-        it (its opener may then hand the turn's end to the last of them: the service's
+        it (its opener may then hand the turn's end to the last of them: the call flow's
         ``_finish_read``). Closing twice is a no-op."""
         with self._cv:
             if not turn.closed:

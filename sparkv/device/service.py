@@ -31,7 +31,9 @@ With ``keep_working`` the call's working memory is kept after it returns while t
 room: a later call on the same context uses it as it is. Kept working memories are reclaimed
 before any chunk; dropping one writes nothing.
 
-This module is the service's public API and the order of a call; the work is done by its parts:
+This module is the service's public API; the order of a call (steps 2-5, the model lock, the
+calls that read one working memory) is :mod:`~sparkv.device.callflow`'s. The work is done by
+the parts:
 :mod:`~sparkv.device.registry` (contexts, ids, locks, clock, damaged ones),
 :mod:`~sparkv.device.budget` (the account, reservations, eviction policies),
 :mod:`~sparkv.device.keeper` (the only owner of a context's memory: :mod:`~sparkv.device.chunked`
@@ -48,43 +50,39 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import itertools
 import logging
-import threading
-import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
 from sparkv.cache import ContextKV, LayerKV
 from sparkv.device.baselines import BRING_BACK, WholeKeeper
+from sparkv.device.callflow import CallFlow
 from sparkv.device.chunked import ChunkKeeper
 from sparkv.device.config import ServiceConfig, longest_context, resolved_ratio
 from sparkv.device.counters import ServiceCounters
 from sparkv.device.density import install_hooks
-from sparkv.device.errors import BudgetBusy, ContextBusy, DeviceError, FlashFull
+from sparkv.device.errors import ContextBusy, DeviceError
 from sparkv.device.flashio import IOProfile, ServiceFlash, load_io_profile
 from sparkv.device.hosttier import HostTier, HostTierStats
 from sparkv.device.inputs import check_call, check_length, check_token_ids, vocab_size
 from sparkv.device.flashlock import FlashDirLock
-from sparkv.device.journal import Journal, commit, reopen, revert
-from sparkv.device.keeper import Keeper, SwitchIn
+from sparkv.device.journal import Journal, reopen
+from sparkv.device.keeper import Keeper
 from sparkv.device.levels import LevelPolicy
 from sparkv.device.loader import working_nbytes
 from sparkv.device.planner import RecomputeProfile, recompute_cost_model
 from sparkv.device.private import check_path, private_dir
-from sparkv.device.readturns import ReadTurn, ReadTurns
-from sparkv.device.prompts import system_turn_ids, turn_ids
+from sparkv.device.readturns import ReadTurn
+from sparkv.device.prompts import system_turn_ids
 from sparkv.device.registry import ContextRegistry, ContextSummary, DamagedContext, DeviceContext
 from sparkv.device.swap import SwapStore
-from sparkv.device.tails import MIN_REUSE, Rows, TailKey, TurnTails, default_capacity
-from sparkv.device.calls import CallResult, run_turn
-from sparkv.device.waitline import RESERVATION_ORDERS
+from sparkv.device.tails import Rows, TailKey, TurnTails, default_capacity
+from sparkv.device.calls import CallResult
 from sparkv.layout import ChunkGeometry
-from sparkv.runtime import promptscore
 
 if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
@@ -95,9 +93,6 @@ if TYPE_CHECKING:
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
 
 log = logging.getLogger("sparkv.device")
-
-_T = TypeVar("_T")
-
 
 class ContextService:
     """Many contexts of one model under one KV-memory budget (module docstring).
@@ -125,11 +120,13 @@ class ContextService:
     reopened from it are listed by :meth:`damaged_list`, refused by :meth:`call` and
     :meth:`describe` (:class:`~sparkv.device.errors.ContextDamaged`), removed by :meth:`delete`.
 
-    Locks: each context's lock for a call on it (:mod:`sparkv.device.registry`); ``_run`` makes
-    what touches the memory one at a time: new contexts, and a call's switch-in and fold-back
-    (their locking and argument checks run concurrently). A call's turn runs without it
-    (:meth:`_turn`); a reservation that finds the memory it needs held by calls in their turn
-    waits for one to end (:meth:`_reserving`) rather than failing busy.
+    Locks: each context's lock for a call on it (:mod:`sparkv.device.registry`); the model lock
+    (``flow.run``, :class:`~sparkv.device.callflow.CallFlow`) makes what touches the memory one
+    at a time: new contexts, and a call's switch-in and fold-back (their locking and argument
+    checks run concurrently). A call's turn runs without it; a reservation that finds the
+    memory it needs held by calls in their turn waits for one to end
+    (:meth:`CallFlow.reserving <sparkv.device.callflow.CallFlow.reserving>`) rather than failing
+    busy.
     """
 
     def __init__(self, model: LoadedModel | str | None, memory_budget_bytes: int,
@@ -168,17 +165,8 @@ class ContextService:
                                   self.config.fp_fraction, self.config.fp_protect, self.lm.dtype)
         self.keeper = self._keeper(memory_budget_bytes)
         self.account = self.keeper.budget
-        self._run = threading.Lock()
-        self._turn_ended = threading.Condition(self._run)
-        self._turns = 0             # calls running their turn, the model lock given back
-        # reservations waiting for a turn's end, in the configured order
-        self._line = RESERVATION_ORDERS[self.config.reservation_order](
-            self._turn_ended, BudgetBusy, lambda: self._turns)
-        self.reads = ReadTurns()     # calls reading one working memory at once
-        self._readers = itertools.count()
-        g = ChunkGeometry.from_config(self.lm.config, 1, self.config.chunk_tokens)
-        self._per_token_bytes = (2 * g.num_layers * g.num_kv_heads * g.head_dim
-                                 * torch.empty((), dtype=self.lm.dtype).element_size())
+        self.flow = CallFlow(self.lm, self.config, self.registry, self.keeper, self.counters,
+                             self.tails, self.journal, self.swap, self.vocab, self.max_tokens)
         self.reopened = self._reopen()
 
     def _keeper(self, budget_bytes: int) -> Keeper:
@@ -243,8 +231,8 @@ class ContextService:
                      f"a context of this {len(ids)}-token system prompt")
         ctx = self._new(ids, system_prompt)
         ctx.label = label
-        with ctx.lock, self._run, self._adding(ctx):
-            self._reserving(lambda: self.keeper.create(ctx))
+        with ctx.lock, self.flow.run, self._adding(ctx):
+            self.flow.reserving(lambda: self.keeper.create(ctx))
         return ctx.id
 
     def _new(self, ids: list[int], system_prompt: str | None) -> DeviceContext:
@@ -260,7 +248,7 @@ class ContextService:
         try:
             yield
             self.registry.touch(ctx, called=False)
-            self._after_call(ctx)
+            self.flow.after_call(ctx)
         except BaseException:
             self.registry.remove(ctx.id)
             self.keeper.discard(ctx)
@@ -289,10 +277,10 @@ class ContextService:
         ctx.label, ctx.ahead = label, ahead
         # never inference tensors in the memory (an ask keeps its cache at its first answer
         # token, inside its generation's inference mode): they are written in place outside it
-        with ctx.lock, self._run, self._adding(ctx), torch.inference_mode(False):
+        with ctx.lock, self.flow.run, self._adding(ctx), torch.inference_mode(False):
             if density is not None:
                 ctx.set_density(*density)
-            self._reserving(lambda: self.keeper.adopt(ctx, layers))
+            self.flow.reserving(lambda: self.keeper.adopt(ctx, layers))
             if turn is not None:
                 self.keep_turns(ctx.id, *turn, turn_scope=turn_scope)
         return ctx.id
@@ -330,48 +318,24 @@ class ContextService:
                                            vocab=self.vocab, most=self.config.max_new_tokens)
         if sampling is not None:
             check_token_ids([t for t, _ in sampling.logit_bias], self.vocab, "logit_bias's ids")
+        flow = self.flow
         held = False
-        if self._reads_shared(grow, max_new_tokens):
-            got = self.reads.hold_or_join(ctx.lock, ctx.id, timeout_s)
+        if flow.reads_shared(grow, max_new_tokens):
+            got = flow.reads.hold_or_join(ctx.lock, ctx.id, timeout_s)
             if got is False:
                 raise ContextBusy(f"context {ctx.id} is running another call")
             if isinstance(got, ReadTurn):
-                res = self._joined(got, ctx, prompt, prompt_ids, max_new_tokens, stop_at_eos,
-                                   stop, turn_scope, sampling)
+                res = flow.joined(got, ctx, prompt, prompt_ids, max_new_tokens, stop_at_eos,
+                                  stop, turn_scope, sampling)
                 if res is not None:
                     return res
             held = got is True
         with contextlib.ExitStack() as holds:      # a read turn's opener may hand them off
             holds.enter_context(self.registry.holding(ctx, timeout_s, held=held))
-            ids = self._turn_ids(ctx, prompt, prompt_ids, max_new_tokens)
-            holds.enter_context(self.registry.running(ctx, self._run))
-            return self._call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
-                              turn_scope, sampling, holds)
-
-    def _turn_ids(self, ctx: DeviceContext, prompt: str | None,
-                  prompt_ids: Sequence[int] | None, max_new: int) -> builtins.list[int]:
-        """The ids a call on ``ctx`` runs (its pending tokens first), checked."""
-        ids = turn_ids(self.lm, ctx.pending, prompt, prompt_ids, chatml=self._chatml,
-                       eos=self.lm.eos_ids if ctx.pending else ())
-        if not ids:
-            raise DeviceError("the prompt is empty")
-        check_length(len(ctx.tokens), len(ids) + max_new, self.max_tokens,
-                     f"context {ctx.id}, with a {len(ids)}-token prompt and "
-                     f"{max_new} new tokens,")
-        return ids
-
-    def _reuses_prompts(self) -> bool:
-        """Whether a call may reuse (and keep) a kept tail's KV for its prompt: the tails have
-        room, and the calling thread scores no prompt (its every token runs:
-        :mod:`sparkv.runtime.promptscore`)."""
-        return self.tails.capacity > 0 and promptscore.active() is None
-
-    def _reads_shared(self, grow: bool, max_new: int) -> bool:
-        """Whether a call reads a working memory with others (:mod:`~sparkv.device.readturns`):
-        it leaves its context as it was and answers, turns run without the model lock, and
-        ``config.shared_reads``."""
-        cfg = self.config
-        return not grow and max_new > 0 and cfg.overlap_turns and cfg.shared_reads
+            ids = flow.turn_ids(ctx, prompt, prompt_ids, max_new_tokens)
+            holds.enter_context(self.registry.running(ctx, flow.run))
+            return flow.call(ctx, ids, max_new_tokens, grow, stop_at_eos, remote, stop,
+                             turn_scope, sampling, holds)
 
     def _turn_cache_bytes(self, cfg: ServiceConfig) -> int:
         """``cfg.turn_cache_bytes``, its ``None`` resolved for this model
@@ -473,213 +437,11 @@ class ContextService:
                     **self.account.stats(), "contexts": len(self.contexts),
                     "damaged": len(self.registry.damaged),
                     "io_profile": self.io.to_dict(), "recompute_scale": self.recompute.scale,
-                    "reopened": self.reopened, "turns_running": self._turns,
-                    "reservations_waiting": len(self._line),
+                    "reopened": self.reopened, "turns_running": self.flow.turns,
+                    "reservations_waiting": self.flow.waiting(),
                     **self.counters.to_dict()}
 
     def text(self, ctx_id: str) -> str:
         """The context's text so far (its token ids decoded)."""
         ctx = self.registry.get(ctx_id)
         return self.lm.decode_tokens(ctx.tokens + ctx.pending)
-
-    # ---- one call --------------------------------------------------------------------------------
-    def _call(self, ctx: DeviceContext, ids: builtins.list[int], max_new: int, grow: bool,
-              stop_at_eos: bool, remote: RemoteSource | None = None, stop: Sequence[str] = (),
-              turn_scope: str = "", sampling: Sampling | None = None,
-              holds: contextlib.ExitStack | None = None) -> CallResult:
-        """One call holding ``ctx``'s lock and the model (``holds``: what holds them; a read
-        turn's opener whose joiners still read hands them to :meth:`_finish_read`)."""
-        t0 = time.perf_counter()
-        n = len(ctx.tokens)
-        before = self.counters.snapshot()
-        sampling = sampling.with_seed() if sampling is not None else None   # to report it
-        tails = not grow and max_new > 0 and self._reuses_prompts()
-        where = TailKey(ctx.id, n, turn_scope)
-        known = self.tails.match(where, ids, MIN_REUSE) if tails else None
-        sw = self._reserving(lambda: self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote),
-                             ctx)
-        counted = self.counters.since(before)   # the switch's: other calls count meanwhile
-        switch_s = time.perf_counter() - t0
-        in_turn = contextlib.ExitStack()     # the turn (the model given back), the read turn
-        read: ReadTurn | None = None
-        try:
-            if self.config.overlap_turns:
-                in_turn.enter_context(self._turn(ctx.id, sw.fold_bytes if grow else 0))
-            if self._reads_shared(grow, max_new):
-                read = in_turn.enter_context(self.reads.opened(ctx.id, sw.working, n, ids,
-                                                               turn_scope))
-            turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
-                            stop_at_eos=stop_at_eos, stop=stop, known=known,
-                            keep_tail=tails, sampling=sampling,
-                            reserve=len(ids) + max_new, share=self._sharer(read))
-        except BaseException:        # failed or cancelled: its working memory is given back
-            in_turn.close()          # (once the joiners left)
-            self.keeper.abandon(ctx, sw.working)
-            raise
-        first_s = switch_s + turn.first_token_s if max_new > 0 else time.perf_counter() - t0
-        tokens = turn.tokens
-        if turn.tail is not None:
-            self.tails.put(where, ids + tokens[:-1], turn.tail)
-        if read is not None and holds is not None and self.reads.close(read):
-            self._hand_off(ctx, sw.working, turn.density, read, in_turn, holds)
-            self.counters.called()
-            return self._result(ctx, turn, sw, counted, t0, switch_s, first_s, stop, sampling)
-        in_turn.close()
-        if grow:
-            self.tails.forget(ctx.id)
-            added = ids + tokens[:-1]
-            ctx.add_density(turn.density, n + len(added))
-            ctx.grow(added, tokens[-1:])
-            self.keeper.fold_back(ctx, sw.working, n)
-        else:
-            for density in [turn.density, *(read.densities if read is not None else ())]:
-                ctx.add_density(density, n)
-            self.keeper.release(ctx, sw.working)
-        self.registry.touch(ctx)
-        t_aot = time.perf_counter()
-        try:
-            aot_bytes = self._after_call(ctx)
-        except FlashFull:
-            assert self.journal is not None          # commit() raises only with a journal
-            revert(ctx, self.journal, self.registry, self.keeper, self.swap, self.vocab)
-            raise
-        aot_s = time.perf_counter() - t_aot
-        self.counters.called()
-        return self._result(ctx, turn, sw, counted, t0, switch_s, first_s, stop, sampling,
-                            aot_s, aot_bytes)
-
-    def _result(self, ctx: DeviceContext, turn: Any, sw: SwitchIn, counted: ServiceCounters,
-                t0: float, switch_s: float, first_s: float, stop: Sequence[str],
-                sampling: Sampling | None, aot_s: float = 0.0, aot_bytes: int = 0
-                ) -> CallResult:
-        """A switched-in call's result (``turn``: what :func:`run_turn` returned)."""
-        return CallResult.of(self.lm, ctx.id, turn.tokens, sw, len(ctx.tokens),
-                             counted, switch_s=switch_s,
-                             first_token_s=first_s, total_s=time.perf_counter() - t0,
-                             aot_s=aot_s, aot_bytes=aot_bytes, stop=stop,
-                             turn_tokens_reused=turn.reused,
-                             seed=sampling.seed if sampling and not sampling.greedy else None)
-
-    def _hand_off(self, ctx: DeviceContext, working: ContextKV, density: Any, read: ReadTurn,
-                  in_turn: contextlib.ExitStack, holds: contextlib.ExitStack) -> None:
-        """A read turn's opener, joiners still reading: its turn's end (:meth:`_finish_read`)
-        goes to a thread of its own, with what holds the context and the model; with no
-        thread to be had, the opener ends it itself (it then waits for them, as before)."""
-        args = (ctx, working, density, read, in_turn, holds.pop_all())
-        try:
-            threading.Thread(target=self._finish_read, args=args, daemon=True,
-                             name=f"sparkv-read-end-{ctx.id}").start()
-        except RuntimeError:            # "can't start new thread"
-            self._finish_read(*args)
-            return
-        self.counters.handed_off()
-
-    def _finish_read(self, ctx: DeviceContext, working: ContextKV, density: Any,
-                     read: ReadTurn, in_turn: contextlib.ExitStack,
-                     holds: contextlib.ExitStack) -> None:
-        """The end of a read turn whose opener returned while joiners still read (on a thread
-        of its own): once they left, the densities go to the context, the working memory is
-        released, the context written ahead and journaled, and its lock and the model given
-        back (``holds``). Errors are logged: the answers are out already."""
-        try:
-            in_turn.close()                   # waits for the joiners; the model again
-            for d in [density, *read.densities]:
-                ctx.add_density(d, read.n)
-            self.keeper.release(ctx, working)
-            self.registry.touch(ctx)
-            try:
-                self._after_call(ctx)
-            except FlashFull:
-                assert self.journal is not None
-                revert(ctx, self.journal, self.registry, self.keeper, self.swap, self.vocab)
-                raise
-        except BaseException:  # noqa: BLE001 - nobody to raise to: the calls have returned
-            log.exception("the end of a read turn of context %s failed", ctx.id)
-        finally:
-            holds.close()
-
-    def _joined(self, read: ReadTurn, ctx: DeviceContext, prompt: str | None,
-                prompt_ids: Sequence[int] | None, max_new: int, stop_at_eos: bool,
-                stop: Sequence[str], turn_scope: str, sampling: Sampling | None
-                ) -> CallResult | None:
-        """A call that joined ``read`` (:mod:`~sparkv.device.readturns`): its own turn over the
-        working memory another call on its context switched in, its question's KV the opener's
-        where their prompts begin alike (and a kept tail's where longer); its fork's bytes
-        claimed in the account meanwhile. ``None`` (it left the turn) when they do not fit in
-        the budget now: it waits for the context's lock instead."""
-        t0 = time.perf_counter()
-        density = None
-        key = f"{ctx.id}/read/{next(self._readers)}"
-        try:
-            ids = self._turn_ids(ctx, prompt, prompt_ids, max_new)
-            if not self.account.try_claim(key, self._per_token_bytes * (len(ids) + max_new)):
-                return None
-            sampling = sampling.with_seed() if sampling is not None else None
-            where = TailKey(ctx.id, read.n, turn_scope)
-            tails = self._reuses_prompts()
-            known = self.tails.match(where, ids, MIN_REUSE) if tails else None
-            if promptscore.active() is None:     # a scored prompt runs whole
-                known = self.reads.question_rows(read, ids, turn_scope, MIN_REUSE,
-                                                 known.count if known else 0) or known
-            turn = run_turn(self.lm, read.working, read.n, ids, max_new, grow=False,
-                            stop_at_eos=stop_at_eos, stop=stop, known=known, keep_tail=tails,
-                            sampling=sampling, reserve=len(ids) + max_new)
-            density = turn.density
-        finally:
-            self.account.unclaim(key)
-            self.reads.leave(read, density)
-        if turn.tail is not None:
-            self.tails.put(where, ids + turn.tokens[:-1], turn.tail)
-        self.registry.touch(ctx)
-        self.counters.joined_read()
-        self.counters.called()
-        return CallResult.of(self.lm, ctx.id, turn.tokens, SwitchIn(read.working, None, None, 0.0),
-                             read.n, ServiceCounters(), switch_s=0.0,
-                             first_token_s=turn.first_token_s, total_s=time.perf_counter() - t0,
-                             aot_s=0.0, aot_bytes=0, stop=stop, turn_tokens_reused=turn.reused,
-                             seed=sampling.seed if sampling and not sampling.greedy else None,
-                             joined=True)
-
-    def _sharer(self, read: ReadTurn | None) -> Callable[[Rows], None] | None:
-        """What a read turn's opener hands its question's KV to (its joiners wait for it)."""
-        if read is None:
-            return None
-        return lambda rows: self.reads.share(read, rows)
-
-    @contextlib.contextmanager
-    def _turn(self, ctx_id: str, fold_bytes: int) -> Iterator[None]:
-        """A call's turn (the model over its own working memory; its context stays in use, so
-        nothing of it is reclaimed): the model lock is given back for the block, so other calls
-        switch in, run their turns (their answer tokens batched with this one's where the asks'
-        cores batch them) and fold back meanwhile. ``fold_bytes`` (what its fold-back may add,
-        reserved at its switch-in) stay claimed meanwhile, so no other reservation takes them."""
-        self._turns += 1
-        self.account.claim(ctx_id, fold_bytes)
-        self._run.release()
-        try:
-            yield
-        finally:
-            self._run.acquire()
-            self.account.unclaim(ctx_id)
-            self._turns -= 1
-            self._turn_ended.notify_all()
-
-    def _reserving(self, take: Callable[[], _T], ctx: DeviceContext | None = None) -> _T:
-        """``take()`` (the model lock held) in its turn of the line (``config.reservation_order``,
-        :mod:`sparkv.device.waitline`): while calls running their turn hold the memory it needs
-        (:class:`BudgetBusy` while any runs), or while earlier reservations wait for theirs, it
-        waits for a turn to end, ``ctx`` (a call's context) reclaimable meanwhile, as a call
-        waiting for the model. With no turn running, :class:`BudgetBusy` is raised as it comes."""
-        def wait() -> None:
-            self.counters.waited_for_turn()
-            with self.registry.waiting_for(ctx):
-                self._turn_ended.wait()
-
-        return self._line.take(take, wait)
-
-    def _after_call(self, ctx: DeviceContext) -> int:
-        """Swaps the context out ahead of time and journals it (:func:`~sparkv.device.journal.
-        commit`); returns the bytes written ahead of time."""
-        written = commit(ctx, self.keeper, self.journal, self.swap.health, self.lm.fingerprint)
-        self.counters.wrote_ahead(written)
-        return written

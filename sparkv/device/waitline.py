@@ -1,8 +1,9 @@
 """First come, first served for reservations that wait for a turn to end.
 
 A call's reservation (a switch-in, a new or adopted context) that finds its memory held by
-calls running their turn waits for one to end (:meth:`DeviceService._reserving`). Before this
-line, a call arriving meanwhile whose own reservation fitted took the memory at once, and the
+calls running their turn waits for one to end
+(:meth:`~sparkv.device.callflow.CallFlow.reserving`). Before this line, a call arriving
+meanwhile whose own reservation fitted took the memory at once, and the
 waiting one retried at the next turn's end: a stream of small calls could keep a large one
 waiting for ever. Here, once a reservation waits, later ones queue behind it and try only when
 everything ahead of them has gone (taken its memory, or failed): the order of vLLM's

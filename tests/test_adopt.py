@@ -147,3 +147,44 @@ def test_a_context_imported_without_writing_ahead_is_written_only_when_reclaimed
         assert svc.call(copy, prompt_ids=[7, 8, 9], max_new_tokens=3, grow=False).tokens == want
     finally:
         svc.close()
+
+
+def test_an_import_keeps_a_working_memory_that_answers_as_a_load(tiny_llama, tmp_path):
+    """An imported context's working memory is filled from its chunks (at their levels) and
+    kept when it fits the budget as it is: its first call switches in without a load and
+    answers as a load would; one that does not fit reclaims nothing, nor does a copy
+    imported without writing ahead."""
+    from collections import Counter
+
+    from sparkv.device import ContextService
+    from sparkv.device.loader import working_nbytes
+
+    lm, n = tiny_llama, 70
+    g = ChunkGeometry.from_config(lm.config, n, 16)
+    gen = torch.Generator().manual_seed(4)
+    layers = [(torch.randn(1, g.num_kv_heads, n, g.head_dim, generator=gen),
+               torch.randn(1, g.num_kv_heads, n, g.head_dim, generator=gen))
+              for _ in range(g.num_layers)]
+    ids, q = list(range(5, 5 + n)), [7, 8, 9]
+    svc = ContextService(lm, 64 << 20, tmp_path / "svc", ratio=0.6, journal=False)
+    try:
+        a = svc.import_context(ids, layers)
+        assert svc.contexts[a].hot is not None and {"k8v4", "int4"} & set(svc.contexts[a].levels)
+        hot = svc.call(a, prompt_ids=q, max_new_tokens=4, grow=False)
+        assert hot.load.sources == {"working memory": g.num_token_chunks}
+        with svc.registry.lock:                 # its chunks stay: a load fills from them
+            svc.keeper.drop_hot(svc.contexts[a])
+        assert svc.contexts[a].hot is None
+        b = svc.import_context(ids, layers, ahead=False)       # a copy: keeps none
+        assert svc.contexts[b].hot is None
+        loaded = svc.call(a, prompt_ids=q, max_new_tokens=4, grow=False)
+        assert loaded.load.sources == dict(Counter(svc.contexts[a].levels))
+        assert loaded.tokens == hot.tokens
+        # no room for a working memory beside what is held: nothing is reclaimed for one
+        svc.budget = svc.used_bytes() + svc.levels.chunks_nbytes(g, svc.contexts[a].levels) \
+            + working_nbytes(g, 0, lm.dtype) // 2
+        evicted = svc.counters.evicted_bytes
+        c = svc.import_context(ids, layers)
+        assert svc.contexts[c].hot is None and svc.counters.evicted_bytes == evicted
+    finally:
+        svc.close()

@@ -4,7 +4,9 @@ absent.
 
 * **create / adopt**: a new context's KV (its first prefill, or a KV made elsewhere) is folded into
   its memory layer by layer, each chunk at the level :class:`~sparkv.device.levels.LevelPolicy`
-  gives it, and marked modified (written ahead of time when the call returns);
+  gives it, and marked modified (written ahead of time when the call returns); an adopted KV
+  also fills a working memory kept for the first call (``keep_working``) when that fits the
+  budget as it is;
 * **switch in**: a call runs over a dense fp working memory with spare slots. The context's kept
   working memory (``keep_working``), if still valid, is used as it is or grown layer by layer;
   else the missing chunks, the working memory and the new chunks are reserved, and the loader
@@ -39,8 +41,9 @@ from sparkv.device.flashio import IOProfile, run_starts
 from sparkv.device.hosttier import tier_holds
 from sparkv.device.keeper import Keeper, SwitchIn, adopted_pages, adopted_runs
 from sparkv.device.levels import LevelPolicy
-from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, grow_arena,
-                                  load, paged_nbytes, token_chunk_run, working_nbytes)
+from sparkv.device.loader import (LoadOptions, LoadRequest, LoadStats, fill_layers,
+                                  grow_arena, load, paged_nbytes, token_chunk_run,
+                                  working_nbytes)
 from sparkv.device.planner import MissingChunk, RecomputeProfile, Split, plan_split
 from sparkv.device.registry import DeviceContext
 from sparkv.layout import ChunkGeometry
@@ -103,6 +106,32 @@ class ChunkKeeper(Keeper):
             ctx.modified.update(range(g.num_token_chunks))
         finally:
             C.reserve_pages(None)
+        if ctx.ahead:                 # a copy deleted within seconds keeps none
+            self._keep_adopted(ctx, C)
+
+    def _keep_adopted(self, ctx: DeviceContext, C: ContextKV) -> None:
+        """An adopted context's working memory, filled from its memory ``C`` as a load fills
+        one (the same values: an answer does not depend on whether it was kept), kept
+        (``keep_working``) as a call's is when it returns, only when it fits the budget as it
+        is (nothing is reclaimed for it): its first call then switches in without a fill."""
+        g = C.geometry
+        spare = self.config.hot_margin_tokens
+        key = ctx.id + "#adopted"
+        if not self.config.keep_working or not self.budget.try_claim(
+                key, working_nbytes(g, spare, self.lm.dtype)):
+            return
+        W = ContextKV(g, self.lm.dtype, self.lm.device, spare_tokens=spare)
+        with self.registry.lock:      # the claim becomes the memory's own count
+            self.budget.hold(ctx.id, W)
+            self.budget.unclaim(key)
+        try:
+            fill_layers(C, W, range(g.num_layers))
+            self.budget.check()
+        except BaseException:
+            self.budget.release(ctx.id, W)
+            raise
+        with self.registry.lock:
+            ctx.hot = W
 
     # ---- switching in ----------------------------------------------------------------------------
     def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:

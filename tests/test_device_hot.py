@@ -148,3 +148,30 @@ def test_a_call_says_what_filled_its_working_memory(lm, doc, tmp_path):
     n = len(svc.contexts[cid].levels)
     again = svc.call(cid, TURNS[1], max_new_tokens=2).load
     assert again is not None and again.sources == {"working memory": n}
+
+
+def test_a_call_that_leaves_its_context_never_grows_a_kept_working_memory(lm, doc, tmp_path,
+                                                                           monkeypatch):
+    """A ``grow=False`` call keeps its prompt and answer in its fork: a kept working memory
+    with fewer spare slots than they take is used as it is (no copy), the fork's bytes claimed
+    in the account during its turn and given back after it."""
+    from sparkv.device import callflow
+
+    svc = ContextService(lm, 256 << 20, tmp_path / "fork", io_profile=FAST_FLASH,
+                         journal=False)
+    cid = svc.new_context(system_ids=doc[:60])
+    svc.call(cid, TURNS[0], max_new_tokens=2, grow=False)
+    kept = svc.contexts[cid].hot
+    assert kept is not None
+    slots = min(st.capacity for st in kept.layers) - len(svc.contexts[cid].tokens)
+    claims, real = [], callflow.run_turn
+
+    def turn(*a, **kw):
+        claims.append(dict(svc.account.claims))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(callflow, "run_turn", turn)
+    r = svc.call(cid, TURNS[1], max_new_tokens=slots + 8, grow=False, stop_at_eos=False)
+    assert r.load.sources == {"working memory": r.load.resident_chunks}
+    assert "grown" not in r.load.notes and svc.contexts[cid].hot is kept
+    assert claims[0].get(cid + "#fork", 0) > 0 and svc.account.claims == {}

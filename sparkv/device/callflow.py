@@ -128,11 +128,13 @@ class CallFlow:
         tails = not grow and max_new > 0 and self.reuses_prompts()
         where = TailKey(ctx.id, n, turn_scope)
         known = self.tails.match(where, ids, MIN_REUSE) if tails else None
-        sw = self.reserving(lambda: self.keeper.switch_in(ctx, len(ids) + max_new + 1, remote),
+        fork = 0 if grow else self._per_token_bytes * (len(ids) + max_new)
+        sw = self.reserving(lambda: self._switch_in(ctx, len(ids) + max_new + 1, remote, fork),
                             ctx)
         counted = self.counters.since(before)   # the switch's: other calls count meanwhile
         switch_s = time.perf_counter() - t0
         in_turn = contextlib.ExitStack()     # the turn (the model given back), the read turn
+        in_turn.callback(self.account.unclaim, _fork_key(ctx))
         read: ReadTurn | None = None
         try:
             if self.config.overlap_turns:
@@ -163,6 +165,23 @@ class CallFlow:
         aot_s = time.perf_counter() - t_aot
         self.counters.called()
         return self._result(ctx, turn, sw, counted, timing, stop, sampling, aot_s, aot_bytes)
+
+    def _switch_in(self, ctx: DeviceContext, spare: int, remote: RemoteSource | None,
+                   fork: int) -> SwitchIn:
+        """``ctx`` switched in for a call whose prompt and answer take ``spare`` slots. A call
+        that grows its context takes them in its working memory; one that leaves it as it was
+        (``fork``: its fork's bytes, :func:`run_turn` without ``grow``) keeps them in its fork,
+        so its working memory needs none (a kept one is used as it is, never grown for it):
+        the fork's bytes are reserved and claimed until its turn ends."""
+        if not fork:
+            return self.keeper.switch_in(ctx, spare, remote)
+        self.account.reserve(fork, ctx)
+        self.account.claim(_fork_key(ctx), fork)
+        try:
+            return self.keeper.switch_in(ctx, 0, remote)
+        except BaseException:
+            self.account.unclaim(_fork_key(ctx))
+            raise
 
     def _fold(self, ctx: DeviceContext, working: ContextKV, turn: Any, n: int, ids: list[int],
               grow: bool, read: ReadTurn | None) -> None:
@@ -325,3 +344,9 @@ class CallFlow:
             assert self.journal is not None          # commit() raises only with a journal
             revert(ctx, self.journal, self.registry, self.keeper, self.swap, self.vocab)
             raise
+
+
+def _fork_key(ctx: DeviceContext) -> str:
+    """The account's key of the fork bytes a call on ``ctx`` claims
+    (:meth:`CallFlow._switch_in`)."""
+    return ctx.id + "#fork"

@@ -212,15 +212,17 @@ def adopted_runs(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequence
     ``ChunkKeeper._fold_new``), as the service holds it, a layer at a time: per layer, one
     :class:`ChunkRun` per level (its chunks in order, every KV head in one group), copied
     from ``layers`` (:func:`layer_kv`) in ``dtype`` and quantized to ``levels[t]`` unless it is
-    ``fp``. A run's tensors are views of its layer's converted rows
-    where its chunks are consecutive (else one copy of them), for a memory that copies them
-    into its pages at once (:meth:`ChunkMemory.hold <sparkv.cache.chunks.ChunkMemory.hold>`: one
-    page write per layer and level).
+    ``fp``. A run's tensors are its chunks' rows converted (an ``fp`` run's: views of its
+    layer's rows where its chunks are consecutive, else one copy of them), for a memory that
+    copies them into its pages at once (:meth:`ChunkMemory.hold
+    <sparkv.cache.chunks.ChunkMemory.hold>`: one page write per layer and level).
 
-    A layer's chunks are converted at once, one quantization per level (rows are quantized one
-    by one, so the values are those of each chunk alone; per chunk and layer it was ~20 small
-    tensor operations each, 1.2 s for a 2,048-token SmolLM2 context on a 2-core CPU); then put
-    a chunk at a time, its layers' payloads joined, it took 1,600 payloads and 53 page writes
+    A layer's chunks are converted at once, one quantization per level of that level's rows
+    only (each level quantizing the whole layer, then cut: 0.22 s against 0.12 s for 1,678
+    tokens with int8 and k8v4 chunks, ``bench/adopt_convert.py``). Rows are quantized one
+    by one, so the values are those of each chunk alone (per chunk and layer it was ~20 small
+    tensor operations each, 1.2 s for a 2,048-token SmolLM2 context on a 2-core CPU); put a
+    chunk at a time, its layers' payloads joined, it took 1,600 payloads and 53 page writes
     for the same context."""
     bounds = [g.token_range(t) for t in range(g.num_token_chunks)]
     hh = g.num_kv_heads
@@ -238,11 +240,12 @@ def adopted_runs(layers: ContextKV | LayerKV, g: ChunkGeometry, levels: Sequence
         v_rows = _chunk_rows(v, g.chunk_tokens, dtype)
         runs = []
         for lv, ts in by_level.items():
-            kl, vl = values_at_level(k_rows, v_rows, "fp", lv, dtype)
             spans = [(hh * bounds[a][0], hh * bounds[b - 1][1]) for a, b in _spans(ts)]
+            kl, vl = values_at_level(joined_rows(k_rows, spans), joined_rows(v_rows, spans),
+                                     "fp", lv, dtype)         # only this level's rows
             pos, counts = shared[lv]
-            runs.append(ChunkRun([KVChunkId(t, l, 0) for t in ts], lv, counts, pos,
-                                 joined_rows(kl, spans), joined_rows(vl, spans), dtype))
+            runs.append(ChunkRun([KVChunkId(t, l, 0) for t in ts], lv, counts, pos, kl, vl,
+                                 dtype))
         yield runs
 
 

@@ -73,7 +73,7 @@ def memory_said(sources: dict[str, int]) -> str:
     if not sources:
         return ""
     if set(sources) == {"working memory"}:
-        return " (the last call's fp working memory, still kept)"
+        return " (the working memory its last call or its import left, kept)"
     parts = ", ".join(f"{n} {src}" for src, n in sorted(sources.items(), key=lambda x: -x[1]))
     return f" (its token chunks: {parts})"
 

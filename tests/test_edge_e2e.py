@@ -651,6 +651,7 @@ def test_demo_says_what_a_kept_ask_read():
     from sparkv.demoapps import memory_said
 
     assert memory_said({}) == ""
-    assert "fp working memory" in memory_said({"working memory": 9})
+    assert "working memory its last call or its import left" in memory_said(
+        {"working memory": 9})
     said = memory_said({"fp": 1, "k8v4": 36, "int8": 2})
     assert said == " (its token chunks: 36 k8v4, 2 int8, 1 fp)"

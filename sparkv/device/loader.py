@@ -475,7 +475,8 @@ class LoadStats:
     pipelined: bool = True
     notes: list[str] = field(default_factory=list)
     #: the token chunks by where their KV came from: a level's name (read or resident at that
-    #: level), ``recomputed``, ``streamed``, or ``working memory`` (a kept fp working memory)
+    #: level), ``recomputed``, ``streamed``, or ``working memory`` (the one the context's last
+    #: call or its import left, kept)
     sources: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

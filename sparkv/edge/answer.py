@@ -49,7 +49,8 @@ class Breakdown:
     joined: bool = False
     #: a kept context's ask: its working memory's token chunks by where their KV came from
     #: (the context service's :attr:`~sparkv.device.loader.LoadStats.sources`: a level's name,
-    #: ``recomputed``, ``streamed``, or ``working memory``: the last call's fp one, still kept)
+    #: ``recomputed``, ``streamed``, or ``working memory``: the one its last call or its
+    #: import left, kept)
     memory_sources: dict[str, int] = field(default_factory=dict)
     #: the seconds keeping the loaded context took at the answer's first token, other asks
     #: waiting for it (after the first token, before the second; sparkv.asks.kept); ``None``:

@@ -5,7 +5,7 @@ client, each with its own app token: one with chat completions, one with the Res
 both streamed, both SparKV over the one link. Then both ask a follow-up at once, the reader
 app sending its conversation, the Responses app naming its first response
 (``previous_response_id``): the service continues each conversation from the KV that app kept,
-streaming nothing, one answering while the other switches in, their tokens in one pass
+streaming nothing, both answering at once, their tokens in one pass
 (docs/device-service.md, "Calls at once"). Each answer is printed with the TTFT its app saw,
 what was streamed and computed, and whether it is the dense reference's answer (docs/asks.md,
 "OpenAI's Responses API"; docs/device-service.md). Last, the reader app asks for three sampled
@@ -123,8 +123,8 @@ def ask_as_apps(args: argparse.Namespace, lm: "LoadedModel", context: list[int],
     print(f"{got[0].line()}\n{got[1].line()}\n  (both asked at once: they share the "
           "service's one link and its cores, which go to the oldest ask's work first: device "
           f"serve --ask-core-order)\n{got[2].line()}\n{got[3].line()}\n  (both follow-ups "
-          "asked at once, each from its app's kept context: one answers while the other "
-          "switches in, their tokens in one pass)", flush=True)
+          "asked at once, each from its app's kept context: both answer at once, their "
+          "tokens in one pass)", flush=True)
     print(drawn.lines(), flush=True)
     return {"question": args.question, "answers": [asdict(a) for a in got],
             "choices": asdict(drawn)}

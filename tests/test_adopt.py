@@ -34,6 +34,14 @@ def _alone(layers, g: ChunkGeometry, t: int, level: str, dtype) -> list[ChunkPay
     return out
 
 
+def _random_layers(g: ChunkGeometry, seed: int) -> list:
+    """Per layer ``(K, V)`` ``[1, H, N, D]`` of ``g``, random (a KV made elsewhere)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, g.num_kv_heads, g.num_tokens, g.head_dim)
+    return [(torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen))
+            for _ in range(g.num_layers)]
+
+
 def _tensors(x):
     return [x.codes, x.scale, x.zero] if isinstance(x, QuantizedTensor) else [x]
 
@@ -127,10 +135,7 @@ def test_a_context_imported_without_writing_ahead_is_written_only_when_reclaimed
 
     lm, n = tiny_llama, 64
     g = ChunkGeometry.from_config(lm.config, n, 16)
-    gen = torch.Generator().manual_seed(3)
-    layers = [(torch.randn(1, g.num_kv_heads, n, g.head_dim, generator=gen),
-               torch.randn(1, g.num_kv_heads, n, g.head_dim, generator=gen))
-              for _ in range(g.num_layers)]
+    layers = _random_layers(g, seed=3)
     ids = list(range(5, 5 + n))
     svc = ContextService(lm, 64 << 20, tmp_path / "svc", keep_working=False)
     try:
@@ -161,10 +166,7 @@ def test_an_import_keeps_a_working_memory_that_answers_as_a_load(tiny_llama, tmp
 
     lm, n = tiny_llama, 70
     g = ChunkGeometry.from_config(lm.config, n, 16)
-    gen = torch.Generator().manual_seed(4)
-    layers = [(torch.randn(1, g.num_kv_heads, n, g.head_dim, generator=gen),
-               torch.randn(1, g.num_kv_heads, n, g.head_dim, generator=gen))
-              for _ in range(g.num_layers)]
+    layers = _random_layers(g, seed=4)
     ids, q = list(range(5, 5 + n)), [7, 8, 9]
     svc = ContextService(lm, 64 << 20, tmp_path / "svc", ratio=0.6, journal=False)
     try:

@@ -370,10 +370,10 @@ class DeviceVariant(Variant):
         return f"device@{self.ratio:g}"
 
     def config(self) -> Config:
-        from sparkv.device.density import LADDER
+        from sparkv.device.density import ladder_key
 
         return Config(self.name, self.group, "device", None, "dense", ratio=self.ratio,
-                      ladder=",".join(LADDER))
+                      ladder=ladder_key())
 
     def needs_density(self) -> bool:
         return True

@@ -145,9 +145,9 @@ def resolved_ratio(config: ServiceConfig, model_fingerprint: str,
         return float(config.ratio)
     if config.compression != "tolerance":
         return FALLBACK_RATIO
-    from sparkv.device.density import LADDER, OLD_LADDER
+    from sparkv.device.density import OLD_LADDER, ladder_key
     from sparkv.predictor.quality import device_ratio_for
 
     # entries measured with another ladder judged other mixes: they do not count
     return float(device_ratio_for(model_fingerprint, fallback=FALLBACK_RATIO, path=table,
-                                  ladder=",".join(LADDER), old_ladder=",".join(OLD_LADDER)))
+                                  ladder=ladder_key(), old_ladder=ladder_key(OLD_LADDER)))

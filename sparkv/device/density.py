@@ -67,6 +67,8 @@ from sparkv.runtime.hooks import QUERY_SINK, rows_safe
 LADDER = ("int8", "k8v4", "int4", "int2")
 #: the ladder before k8v4 (quality table entries without a ``ladder`` were measured with it)
 OLD_LADDER = ("int8", "int4", "int2")
+
+
 #: ratio of each level's bits to the int8 base (the paper's {8/8, 4/8, 2/8}; k8v4: (8 + 4) / 16)
 LEVEL_RATIO = {"int8": 1.0, "k8v4": 0.75, "int4": 0.5, "int2": 0.25}  # fp: its real bytes
 #: relative quantization step of each level, of K and of V (``1 / (2^bits - 1)``; fp: 0)
@@ -82,6 +84,11 @@ K_SHARE = 0.83
 #: the power of its rounding noise, K's and V's by their shares (module docstring, "Levels");
 #: a uniform level's is its step squared
 LEVEL_ERROR = {lv: K_SHARE * k * k + (1 - K_SHARE) * v * v for lv, (k, v) in SIDE_STEP.items()}
+
+
+def ladder_key(ladder: Sequence[str] = LADDER) -> str:
+    """``ladder`` as the quality table records it (a device entry's ``params["ladder"]``)."""
+    return ",".join(ladder)
 
 
 class DensityRecorder:

@@ -126,12 +126,10 @@ class ChunkKeeper(Keeper):
             self.budget.unclaim(key)
         try:
             fill_layers(C, W, range(g.num_layers))
-            self.budget.check()
         except BaseException:
             self.budget.release(ctx.id, W)
             raise
-        with self.registry.lock:
-            ctx.hot = W
+        self.release(ctx, W)          # kept, as a call's working memory is
 
     # ---- switching in ----------------------------------------------------------------------------
     def switch_in(self, ctx: DeviceContext, spare: int, remote: Any = None) -> SwitchIn:

@@ -243,7 +243,10 @@ def test_calls_on_one_context_join_one_read_turn_and_answer_as_alone(smollm2, tm
     for i, n in enumerate(names):
         assert out[n].tokens == alone[n].tokens and out[n].seed == 11 + i
     assert [out[n].joined for n in names] == [False, True, True, True]
-    assert all(out[n].switch_s == 0.0 and out[n].load is None for n in names[1:])
+    assert all(out[n].switch_s == 0.0 and out[n].load_s == 0.0 for n in names[1:])
+    opened = out["opener"].load.sources                    # what the joiners read came from
+    assert opened and all(v > 0 for v in opened.values())
+    assert all(out[n].load.sources == opened and out[n].load.reads == 0 for n in names[1:])
     if turn_cache == 0:
         assert out["opener"].turn_tokens_reused == 0
         reused = {out[n].turn_tokens_reused for n in names[1:]}

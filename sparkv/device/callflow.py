@@ -37,6 +37,7 @@ from sparkv.device.errors import BudgetBusy, DeviceError, FlashFull
 from sparkv.device.inputs import check_length
 from sparkv.device.journal import Journal, commit, revert
 from sparkv.device.keeper import Keeper, SwitchIn
+from sparkv.device.loader import LoadStats
 from sparkv.device.prompts import turn_ids
 from sparkv.device.readturns import ReadTurn, ReadTurns
 from sparkv.device.registry import ContextRegistry, DeviceContext
@@ -140,8 +141,8 @@ class CallFlow:
             if self.config.overlap_turns:
                 in_turn.enter_context(self.turn(ctx.id, sw.fold_bytes if grow else 0))
             if self.reads_shared(grow, max_new):
-                read = in_turn.enter_context(self.reads.opened(ctx.id, sw.working, n, ids,
-                                                               turn_scope))
+                read = in_turn.enter_context(self.reads.opened(
+                    ctx.id, sw.working, n, ids, turn_scope, sw.stats.sources if sw.stats else None))
             turn = run_turn(self.lm, sw.working, n, ids, max_new, grow=grow,
                             stop_at_eos=stop_at_eos, stop=stop, known=known,
                             keep_tail=tails, sampling=sampling,
@@ -282,7 +283,8 @@ class CallFlow:
         self.registry.touch(ctx)
         self.counters.joined_read()
         self.counters.called()
-        return CallResult.of(self.lm, ctx.id, turn.tokens, SwitchIn(read.working, None, None, 0.0),
+        loaded = LoadStats(sources=dict(read.sources))     # what the opener's load read
+        return CallResult.of(self.lm, ctx.id, turn.tokens, SwitchIn(read.working, loaded, None, 0.0),
                              read.n, ServiceCounters(), switch_s=0.0,
                              first_token_s=turn.first_token_s, total_s=time.perf_counter() - t0,
                              aot_s=0.0, aot_bytes=0, stop=stop, turn_tokens_reused=turn.reused,

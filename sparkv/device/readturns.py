@@ -51,14 +51,16 @@ JOIN_POLL_S = 0.02
 @dataclass(eq=False)
 class ReadTurn:
     """An open read turn: the working memory (``n`` tokens) its calls read, the opener's prompt
-    and scope, how many read it now (the opener included), the densities the joiners that left
-    recorded, and the opener's question rows once shared."""
+    and scope, where the working memory's token chunks came from (the opener's load's
+    ``sources``: a joiner reports them as its own), how many read it now (the opener included),
+    the densities the joiners that left recorded, and the opener's question rows once shared."""
 
     ctx_id: str
     working: ContextKV
     n: int
     ids: tuple[int, ...] = ()
     scope: str = ""
+    sources: dict[str, int] = field(default_factory=dict)
     readers: int = 1
     joined: int = 0                                 # joiners so far
     densities: list[Any] = field(default_factory=list)
@@ -75,11 +77,11 @@ class ReadTurns:
 
     @contextlib.contextmanager
     def opened(self, ctx_id: str, working: ContextKV, n: int, ids: Sequence[int] = (),
-               scope: str = "") -> Iterator[ReadTurn]:
+               scope: str = "", sources: dict[str, int] | None = None) -> Iterator[ReadTurn]:
         """Opens a read turn of ``ctx_id`` over ``working`` for the block (the caller holds the
         context's lock; ``ids``: its prompt, ``scope``: whose turns these are); on leaving,
-        closes it and waits for its joiners to leave."""
-        turn = ReadTurn(ctx_id, working, n, tuple(ids), scope)
+        closes it and waits for its joiners to leave (``sources``: :attr:`ReadTurn.sources`)."""
+        turn = ReadTurn(ctx_id, working, n, tuple(ids), scope, dict(sources or {}))
         with self._cv:
             if ctx_id in self._open:
                 raise RuntimeError(f"context {ctx_id} already has a read turn open")

@@ -284,7 +284,8 @@ class CallFlow:
         self.counters.joined_read()
         self.counters.called()
         loaded = LoadStats(sources=dict(read.sources))     # what the opener's load read
-        return CallResult.of(self.lm, ctx.id, turn.tokens, SwitchIn(read.working, loaded, None, 0.0),
+        return CallResult.of(self.lm, ctx.id, turn.tokens,
+                             SwitchIn(read.working, loaded, None, 0.0),
                              read.n, ServiceCounters(), switch_s=0.0,
                              first_token_s=turn.first_token_s, total_s=time.perf_counter() - t0,
                              aot_s=0.0, aot_bytes=0, stop=stop, turn_tokens_reused=turn.reused,

@@ -40,9 +40,9 @@ class CallResult:
     ``load``: what loading the context did (``None`` when nothing was loaded: a whole-context
     keeper; a kept working memory's and a joiner's hold only ``sources``, where the working
     memory they read came from: for a joiner, the opener's load's); ``plan``: the IO/recompute
-    split of that load (``None`` without one). :attr:`stats` gives both as dicts (empty for ``None``); :meth:`to_dict` is
-    what ``POST /v1/contexts/{id}/call`` returns: ``context_id``, ``text``, ``tokens``,
-    ``stats``."""
+    split of that load (``None`` without one). :attr:`stats` gives both as dicts (empty for
+    ``None``); :meth:`to_dict` is what ``POST /v1/contexts/{id}/call`` returns:
+    ``context_id``, ``text``, ``tokens``, ``stats``."""
 
     context_id: str
     text: str

@@ -8,6 +8,10 @@ recomputation). The parent alternates the trees (and their order) round after ro
 see the same machine load; each load is set against the reads of the same round.
 
     python bench/switch_ab.py BEFORE_TREE AFTER_TREE [--tokens 4096] [--rounds 9] [--with-alloc] [--out F.json]
+    python bench/switch_ab.py TREE TREE --after-env THP_MEM_ALLOC_ENABLE=1 --with-alloc
+
+``--after-env NAME=VALUE`` (repeatable) sets a variable in the second tree's process only (and
+``NAME=0`` in the first's): one tree twice then compares an environment setting.
 
 ``--with-alloc`` times the working memory's making (``ContextKV(...)``) with the load, as a
 switch pays it.
@@ -78,9 +82,10 @@ def child(tokens: int, with_alloc: bool = False) -> None:
 
 
 class Tree:
-    def __init__(self, path: str, tokens: int, with_alloc: bool = False) -> None:
+    def __init__(self, path: str, tokens: int, with_alloc: bool = False,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.path = str(Path(path).resolve())
-        env = dict(os.environ, PYTHONPATH=self.path)
+        env = dict(os.environ, PYTHONPATH=self.path, **(extra_env or {}))
         self.proc = subprocess.Popen([sys.executable, __file__, "--child", "--tokens", str(tokens),
                                       *(["--with-alloc"] if with_alloc else [])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -109,6 +114,8 @@ def main() -> None:
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--with-alloc", action="store_true",
                     help="time the working memory's making with the load (a switch makes one)")
+    ap.add_argument("--after-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in the second tree's process only (NAME=0 in the first's)")
     a = ap.parse_args()
     if a.child:
         child(a.tokens, a.with_alloc)
@@ -118,7 +125,10 @@ def main() -> None:
                            "trees": dict(zip(names, a.trees)), "tokens": a.tokens,
                            "load_average_start": os.getloadavg(),
                            "rounds": {n: [] for n in names}}
-    trees = [Tree(p, a.tokens, a.with_alloc) for p in a.trees]
+    after = dict(kv.split("=", 1) for kv in a.after_env)
+    res["after_env"] = after
+    envs = [{k: "0" for k in after}, after]
+    trees = [Tree(p, a.tokens, a.with_alloc, e) for p, e in zip(a.trees, envs)]
     try:
         for t in trees:
             assert t.ask_line().get("ready")

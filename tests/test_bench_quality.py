@@ -354,6 +354,8 @@ def test_tiny_run_writes_json_plot_and_table(smollm2, tmp_path):
     assert t.level("raw").qa_teacher_forced == 1.0
     assert t.num_layers == 30 and t.matches_codec()
     assert {a["codec"] for a in answers} == {t.codec_signature}
+    from sparkv.runtime.device import cpu_bf16_flags      # the machine's bf16 kind, every row
+    assert all(a["cpu_bf16"] == cpu_bf16_flags() for a in answers)
     assert doc["quality_table"] == t.to_dict()
 
 

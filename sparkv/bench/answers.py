@@ -6,6 +6,7 @@ the paired in-process evaluator (:mod:`sparkv.bench.paired`); docs/quality.md.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -197,9 +198,10 @@ def reference_margins(lm: LoadedModel, kv: Any, context_len: int, question_ids: 
     return (top[:, 0] - top[:, 1]).tolist()
 
 def base_row(ctx: QualityContext, probe: Probe, config: Config) -> dict[str, Any]:
-    """The keys every answer row starts with: the task, the configuration, the codec; ``kind``
-    is the QA question's kind of text (``license`` for a QA set without kinds; ``None`` for
-    retrieval)."""
+    """The keys every answer row starts with: the task, the configuration, the codec, the bf16
+    instructions of the CPU that computed it (``cpu_bf16``: a bf16 configuration's answers
+    depend on them, docs/quality.md); ``kind`` is the QA question's kind of text (``license``
+    for a QA set without kinds; ``None`` for retrieval)."""
     kind = getattr(probe.qa, "kind", "license") if probe.qa is not None else None
     return {"family": ctx.family, "size": ctx.size, "tokens": len(ctx.token_ids),
             "context": ctx.id, "probe": probe.id, **probe.info(), "kind": kind,
@@ -207,7 +209,14 @@ def base_row(ctx: QualityContext, probe: Probe, config: Config) -> dict[str, Any
             "level": config.level, "backend": config.backend, "link": config.link,
             "dtype": config.dtype, "press": config.press, "ratio": config.ratio,
             "ladder": config.ladder, "codec": _CODEC.get("signature"),
-            "new_tokens": probe.new_tokens, "error": None}
+            "cpu_bf16": list(_cpu_bf16()), "new_tokens": probe.new_tokens, "error": None}
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_bf16() -> tuple[str, ...]:
+    from sparkv.runtime.device import cpu_bf16_flags
+
+    return tuple(cpu_bf16_flags())
 
 
 #: the codec signature of this process (set by :func:`measure`; recorded in every answer)

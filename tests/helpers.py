@@ -10,6 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from sparkv.server.process import ServerProcess, write_config
 
+#: the environment of a server whose KV or answers a test compares with an in-process float32
+#: reference bit for bit: float32 is the suite's default (tests/conftest.py), pinned here so that
+#: a run with ``SPARKV_DTYPE=auto`` on a bf16 CPU leaves those comparisons meaningful
+FLOAT32_SERVER = {"SPARKV_DTYPE": "float32"}
+
 if TYPE_CHECKING:
     import httpx
 

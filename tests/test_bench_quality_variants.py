@@ -11,6 +11,7 @@ import argparse
 import pytest
 import torch
 
+from helpers import FLOAT32_SERVER
 from sparkv.bench.answers import Config, Probe, QualityContext
 from sparkv.bench.paired import evaluate
 from sparkv.bench.quality import (NEW_TOKENS, build_matrix, done_answers, parse_group_trials,
@@ -278,7 +279,8 @@ def test_a_level_variant_is_what_streaming_that_level_delivers(smollm2, tmp_path
 
     lm = smollm2
     context = chat_context(lm, sample_context_ids(lm, 300))
-    srv = ServerProcess(None, f"file://{tmp_path}/store", log_path=tmp_path / "server.log").start()
+    srv = ServerProcess(None, f"file://{tmp_path}/store", log_path=tmp_path / "server.log",
+                        env=FLOAT32_SERVER).start()
     try:
         session = EdgeSession.connect(srv.url, model=lm, timeout_s=120.0)   # a loaded machine
         cid = session.client.create_context(token_ids=context, levels=["q5"], chunk_tokens=128)

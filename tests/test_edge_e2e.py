@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import AloneLane
+from helpers import FLOAT32_SERVER, AloneLane
 from sparkv.edge import EdgeSession, LinkShaper, chat_context, question_suffix
 from sparkv.runtime.attention import BlockSparseAttention, SparsityConfig
 from sparkv.runtime.generate import (greedy_agreement, reference_generate,
@@ -33,7 +33,8 @@ def served(smollm2, tmp_path_factory):
     lm = smollm2
     ids = sample_context_ids(lm, 2600)
     docs = {"a": chat_context(lm, ids[:560]), "b": chat_context(lm, ids[1500:2500])}
-    srv = ServerProcess(None, f"file://{d}/store", log_path=d / "server.log").start()
+    srv = ServerProcess(None, f"file://{d}/store", log_path=d / "server.log",
+                        env=FLOAT32_SERVER).start()
     try:
         session = EdgeSession.connect(srv.url, model=lm)
         cids = {k: session.client.create_context(token_ids=v, levels=["raw", "q8", "q5"],

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import FLOAT32_SERVER
 from sparkv.edge import EdgeSession, LinkShaper, chat_context
 from sparkv.edge.session import apply_kept
 from sparkv.layout import KVChunkId
@@ -36,7 +37,8 @@ def served(smollm2, tmp_path_factory):
     d = tmp_path_factory.mktemp("press-wire")
     lm = smollm2
     ids = chat_context(lm, sample_context_ids(lm, 1000))
-    srv = ServerProcess(None, f"file://{d}/store", log_path=d / "server.log").start()
+    srv = ServerProcess(None, f"file://{d}/store", log_path=d / "server.log",
+                        env=FLOAT32_SERVER).start()
     try:
         session = EdgeSession.connect(srv.url, model=lm)
         full = session.client.create_context(token_ids=ids, levels=["raw", "q8"], chunk_tokens=T)

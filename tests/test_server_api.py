@@ -21,8 +21,9 @@ from sparkv.codec import CodecError, decode, get_level
 from sparkv.protocol.crypto import FrameCipher, key_from_text
 from sparkv.server.process import (HOST, RedisProcess, ServerProcess, redis_server_available,
                                    write_config)
-from helpers import (api_client, assert_error, create_context, shared_tiny_checkpoint,
-                     start_tiny_server, stop_checked, tenant_fixture, wait_job)
+from helpers import (FLOAT32_SERVER, api_client, assert_error, create_context,
+                     shared_tiny_checkpoint, start_tiny_server, stop_checked, tenant_fixture,
+                     wait_job)
 from sparkv.protocol import split_records as parse_frame_stream
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 12).strip()
@@ -72,7 +73,7 @@ def test_end_to_end_smollm2_raw_equals_the_servers_prefill(smollm2, tmp_path):
     keys = write_config(tmp_path / "s.yaml", ["alice"], default_levels=["raw", "q5"],
                         default_chunk_tokens=64)
     with ServerProcess(tmp_path / "s.yaml", f"file://{tmp_path}/store",
-                       log_path=tmp_path / "server.log") as server, \
+                       log_path=tmp_path / "server.log", env=FLOAT32_SERVER) as server, \
             client(server, keys["alice"]) as c:
         r = c.post("/v1/contexts", json={"text": text})
         assert r.status_code == 202, r.text

@@ -67,8 +67,6 @@ from sparkv.runtime.hooks import QUERY_SINK, rows_safe
 LADDER = ("int8", "k8v4", "int4", "int2")
 #: the ladder before k8v4 (quality table entries without a ``ladder`` were measured with it)
 OLD_LADDER = ("int8", "int4", "int2")
-
-
 #: ratio of each level's bits to the int8 base (the paper's {8/8, 4/8, 2/8}; k8v4: (8 + 4) / 16)
 LEVEL_RATIO = {"int8": 1.0, "k8v4": 0.75, "int4": 0.5, "int2": 0.25}  # fp: its real bytes
 #: relative quantization step of each level, of K and of V (``1 / (2^bits - 1)``; fp: 0)

@@ -475,6 +475,74 @@ def test_in_oldest_order_the_oldest_asks_unit_goes_first_and_its_load_ignores_yo
         CoreGate(order="random")
 
 
+def _waiting_unit(gate: CoreGate, lane, order: list[str], name: str) -> threading.Thread:
+    """A thread whose unit waits for ``lane``'s turn (started; waiting once this returns)."""
+    waiting = gate.stats()["waiting"]
+
+    def unit() -> None:
+        with lane.hold():
+            order.append(name)
+
+    th = threading.Thread(target=unit)
+    th.start()
+    _until(lambda: gate.stats()["waiting"] == waiting + 1, f"{name} waits")
+    return th
+
+
+def test_the_cores_are_kept_for_the_older_ask_between_its_units():
+    # its next unit comes a few milliseconds after its last: the younger ask's waiting unit
+    # does not take the cores in that gap (with a long regrant_s the only way it could run
+    # first is that bug, whatever the machine's speed)
+    gate = CoreGate(order="oldest", regrant_s=3600.0)
+    old, young = gate.lane(), gate.lane()
+    order: list[str] = []
+    with old.hold():
+        th = _waiting_unit(gate, young, order, "young")
+    time.sleep(0.2)                          # its thread picks its next unit (the young one's
+    with old.hold():                         # chance to take the cores, were they not kept)
+        order.append("old")
+    assert order == ["old"] and th.is_alive()
+    old.close()                              # an ended ask keeps nothing
+    th.join(GUARD_S)
+    assert order == ["old", "young"]
+
+
+def test_kept_cores_go_to_the_others_when_the_ask_asks_for_nothing():
+    gate = CoreGate(order="oldest", regrant_s=0.05)
+    old, young = gate.lane(), gate.lane()
+    order: list[str] = []
+    with old.hold():
+        th = _waiting_unit(gate, young, order, "young")
+    th.join(GUARD_S)                         # the old ask waits for its link: nothing asked
+    assert order == ["young"]
+    # a cancelled ask keeps nothing either
+    gate = CoreGate(order="oldest", regrant_s=3600.0)
+    old, young = gate.lane(), gate.lane()
+    with old.hold():
+        th = _waiting_unit(gate, young, order, "young again")
+        old.cancel()
+    th.join(GUARD_S)
+    assert order == ["young", "young again"]
+
+
+@pytest.mark.parametrize("order_name, keeper, answering", [
+    ("turns", 0, ()),         # no ask ranks strictly first
+    ("oldest", 1, ()),        # a young ask's units keep nothing from an older one's
+    ("oldest", 0, (0,)),      # an answering ask keeps nothing: the others' first tokens go on
+    ("oldest", 0, (1,)),      # and an answering ask's tokens are not held
+])
+def test_the_cores_are_kept_only_between_two_loading_asks_in_rank(order_name, keeper, answering):
+    gate = CoreGate(order=order_name, regrant_s=3600.0)
+    lanes = [gate.lane(), gate.lane()]
+    for i in answering:
+        lanes[i].answered()
+    order: list[str] = []
+    with lanes[keeper].hold():
+        th = _waiting_unit(gate, lanes[1 - keeper], order, "other")
+    th.join(GUARD_S)
+    assert order == ["other"]
+
+
 def test_a_server_url_no_client_can_reach_is_refused_by_the_schema_or_as_a_bad_ask():
     """The fuzzer found it: a host IDNA refuses made the ask's client constructor raise deep in
     httpx (a 500 and a traceback). The schema takes ASCII hosts only; what passes it and httpx

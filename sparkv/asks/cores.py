@@ -45,6 +45,19 @@ ask's plan knows the others exist. Here:
   An answer token whose turn came waits up to ``gather_s`` for the answering asks that are
   between two tokens (:meth:`CoreGate._gathering`): without it, two asks answering at once
   take turns, one pass each, for as long as both answer;
+* **the cores kept a moment for the loading ask that just ran** (``regrant_s``): between two
+  units an ask's thread picks its next step (its controller's look, a few milliseconds).
+  Granted at once, a waiting unit of an ask ranked after it would take the cores in that gap
+  every time, and the ask that goes first would wait for a whole unit of the other's after
+  each of its own: in ``oldest`` order two loading asks interleaved one for one, round robin,
+  and the oldest ask's first token came 0.8 s later than alone (docs/asks.md). So for
+  ``regrant_s`` after a loading ask's unit ends, the units of the loading asks that rank
+  strictly after it (:meth:`CoreGate._reserved`) are not granted: its next unit, asked for
+  within that time, runs first. An ask that has nothing to run (waiting for its link) leaves
+  the cores to the others after ``regrant_s``. Answer tokens are not concerned (an answering
+  ask keeps nothing, and an answering ask's tokens are not held): an answer's passes are short
+  and the others' tokens ride in them. Under ``turns``, where no ask ranks strictly first,
+  nothing is kept;
 * **cancellation**: :meth:`AskLane.cancel` makes the ask's next request for the cores raise
   :class:`~sparkv.edge.lane.AskCancelled` (a waiting request at once): the ask stops within one
   unit.
@@ -73,7 +86,7 @@ from sparkv.edge.lane import AskCancelled, LinkTurn
 from sparkv.layout import StepId
 
 __all__ = ["CoreGate", "AskLane", "LOAD_WINDOW_S", "MAX_BUSY", "GRANT_ORDERS", "BATCH_STEPS",
-           "DECODE_BATCH", "GATHER_S"]
+           "DECODE_BATCH", "GATHER_S", "REGRANT_S"]
 
 #: an ask that used the cores this recently counts in the load (seconds)
 LOAD_WINDOW_S = 1.0
@@ -88,6 +101,10 @@ BATCH_STEPS = 4
 #: between two of their tokens (they just gave the cores back), so all run as one pass
 #: (:meth:`CoreGate._gathering`; seconds, real time)
 GATHER_S = 0.03
+#: how long the cores are kept for the ask whose unit just ended, against the units of asks
+#: ranked after it (:meth:`CoreGate._reserved`; seconds, real time): its thread asks for its
+#: next unit within 0.5-7 ms on this 2-core CPU (traced with two asks at once)
+REGRANT_S = 0.01
 #: the most answer tokens (one per ask) one forward pass runs: on this CPU a decode pass is
 #: bound by reading the weights, so K rows cost about one (sparkv.runtime.batchdecode)
 DECODE_BATCH = 8
@@ -112,12 +129,15 @@ class CoreGate:
             its own pass).
         gather_s: how long an answer token that may run waits for the other answering asks'
             next tokens (:meth:`_gathering`; 0: never).
+        regrant_s: how long the cores are kept for the ask whose unit just ended, against the
+            units of the asks ranked after it (:meth:`_reserved`; 0: never).
         clock: the seconds the load's window and the units' spans are read on (a test's own).
     """
 
     def __init__(self, window_s: float = LOAD_WINDOW_S, order: str | GrantOrder = "oldest",
                  batch: int = BATCH_STEPS, batch_rows: int = BATCH_ROWS,
                  decode_batch: int = DECODE_BATCH, gather_s: float = GATHER_S,
+                 regrant_s: float = REGRANT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(order, str):
             if order not in GRANT_ORDERS:
@@ -128,6 +148,7 @@ class CoreGate:
                              f"decode_batch={decode_batch})")
         self.window_s, self.order, self.batch = window_s, order, batch
         self.batch_rows, self.decode_batch, self.gather_s = batch_rows, decode_batch, gather_s
+        self.regrant_s = regrant_s
         self._clock = clock
         self._cv = threading.Condition()
         self._queue: list[Waiting] = []            # waiting units, arrival order
@@ -142,6 +163,7 @@ class CoreGate:
         # the units run in the last window: (start, end, the lane holding, whether answering)
         self._spans: collections.deque[tuple[float, float, int, bool]] = collections.deque()
         self._held: tuple[float, int, bool] = (0.0, -1, False)   # the running unit's, alike
+        self._kept_for: tuple[int, float] = (-1, 0.0)   # the lane the cores are kept for, until
 
     def lane(self) -> "AskLane":
         """A new ask's lane (close it when the ask ends)."""
@@ -223,6 +245,23 @@ class CoreGate:
         return any(x is not ride.lane and x.answering and not x.cancelled and not x.holding
                    and x.id not in queued and now - x.last_used <= self.gather_s
                    for x in self._lanes.values())
+
+    def _reserved(self, lane: "AskLane") -> float:
+        """How long ``lane``'s unit must still wait (under the lock; 0.0: not at all) because
+        the cores are kept for the ask whose unit just ended (``regrant_s``, real time): an
+        open, uncancelled ask ranked strictly before ``lane``'s, whose next unit is not queued
+        yet (a queued one is granted by the order anyway), both asks still loading (an
+        answering ask's tokens interleave with the others' units as before: kept for, it would
+        hold a younger ask's first token behind its whole answer)."""
+        by, until = self._kept_for
+        left = until - time.monotonic()
+        other = self._lanes.get(by)
+        if (left <= 0 or other is None or other is lane or other.cancelled or other.waiting
+                or other.answering or lane.answering
+                or not self._before(other.id, other.answering, lane)
+                or self.order.before(lane.id, lane.answering, other.id, other.answering)):
+            return 0.0
+        return left
 
     def held(self) -> tuple[int, int]:
         """``(memories, bytes)``: the asks' KV memories still alive (an ended ask's are freed
@@ -316,11 +355,11 @@ class CoreGate:
             try:
                 while not (ride is not None and ride.taken) and (
                         self._holder is not None or self._next() != ticket
-                        or self._gathering(ride)):
+                        or self._gathering(ride) or self._reserved(lane) > 0):
                     if lane.cancelled:
                         raise AskCancelled("the ask was cancelled")
-                    self._cv.wait(WAIT_S if ride is None or ride.turn_at is None
-                                  else self.gather_s / 3)
+                    wait = WAIT_S if ride is None or ride.turn_at is None else self.gather_s / 3
+                    self._cv.wait(min(wait, self._reserved(lane) or wait))
             except BaseException:
                 self._queue.remove(unit)
                 self._rides.pop(ticket, None)
@@ -387,6 +426,7 @@ class CoreGate:
             lane.holding = False
             lane.units += 1
             lane.last_used = now
+            self._kept_for = (lane.id, time.monotonic() + self.regrant_s)
             self._cv.notify_all()
 
     def _close(self, lane: "AskLane") -> None:

@@ -81,3 +81,29 @@ def test_an_asks_lane_answers_with_its_seats_turn():
     second.seat = plan.seat(second.id, "sparkv")
     first.link_turn(2 * MB)
     assert second.link_turn(1 * MB) == LinkTurn(2 * MB, False)
+
+
+def test_an_ask_not_heard_from_yet_keeps_the_later_asks_off_the_link_for_a_while():
+    now = [0.0]
+    plan = LinkPlan("oldest", lead_bytes=0.0, report_grace_s=0.5, clock=lambda: now[0])
+    old, young = plan.seat(0, "sparkv"), plan.seat(1, "sparkv")
+    # the young ask planned first: it may not stream before the old one said its bytes
+    assert young.turn(1 * MB) == LinkTurn(0.0, False)
+    assert old.turn(0.0) == LinkTurn(0.0, True)       # the old one streams nothing
+    assert young.turn(1 * MB) == LinkTurn(0.0, True)
+    # an ask never heard from (answered from memory, say) holds nobody past the grace
+    late = plan.seat(2, "sparkv")
+    latest = plan.seat(3, "sparkv")
+    assert not latest.turn(1 * MB).go
+    now[0] = 0.6
+    young.turn(0.0)
+    assert latest.turn(1 * MB) == LinkTurn(0.0, True)
+    assert late.planned
+
+
+def test_under_shortest_first_only_older_asks_not_heard_from_hold_the_link():
+    plan = LinkPlan(ShortestFirst(), lead_bytes=0.0, report_grace_s=3600.0)
+    old, young = plan.seat(0, "sparkv"), plan.seat(1, "sparkv")
+    assert old.turn(6 * MB).go                # the young one, not heard from yet, holds nothing
+    assert young.turn(1 * MB) == LinkTurn(0.0, True)
+    assert old.turn(6 * MB) == LinkTurn(1 * MB, False)

@@ -240,3 +240,40 @@ def test_a_choices_copy_a_crash_left_is_deleted_at_the_next_start(world, tmp_pat
         assert not owners.visible(left, "app")
     finally:
         svc.close()
+
+
+def test_an_ask_answered_from_its_kept_context_tells_the_link_plan_it_streams_nothing(
+        world, monkeypatch):
+    """Its seat is heard from at once (0 bytes), so it holds no later ask off the link
+    (sparkv.asks.linkplan: an ask not heard from keeps the later ones off for a while)."""
+    from sparkv.asks import AskRequest, AskService
+    from sparkv.asks.linkplan import LinkPlan
+    from sparkv.device import ContextService
+    from sparkv.device.owners import ContextOwners
+    from sparkv.edge.options import AskOptions
+
+    heard: list[tuple[int, float]] = []
+    turn = LinkPlan.turn
+
+    def spy(self, seat_id, pending_bytes):
+        heard.append((seat_id, float(pending_bytes)))
+        return turn(self, seat_id, pending_bytes)
+
+    monkeypatch.setattr(LinkPlan, "turn", spy)
+    svc = ContextService(world["lm"], 200_000_000, world["tmp"] / "kept-heard")
+    asks = AskService(svc, ContextOwners(), slots=2, queue=2)
+    try:
+        req = AskRequest(world["srv"].url, world["cid"], "What is it about?", world["key"],
+                         AskOptions(strategy="sparkv", backend="dense", level="raw",
+                                    max_new_tokens=2, keep=True))
+        first = asks.submit("app", req).wait(GUARD_S)
+        assert first["type"] == "done" and first["kept_id"], first
+        loads = {seat for seat, _ in heard}
+        again = asks.submit("app", req).wait(GUARD_S)
+        assert asks.wait_idle(GUARD_S)
+    finally:
+        asks.close()
+        svc.close()
+    assert again["type"] == "done" and again["stats"]["strategy"] == "kept", again["stats"]
+    kept_calls = [(seat, b) for seat, b in heard if seat not in loads]
+    assert kept_calls and all(b == 0.0 for _, b in kept_calls)

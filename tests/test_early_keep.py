@@ -59,6 +59,8 @@ def test_the_table_counts_the_asks_waiting_for_a_load_while_they_wait():
 
     table = KeepingTable()
     svc, cancels, (lead, a, b) = _views(table, 3)
+    waits: list[str] = []
+    a.on_wait = lambda: waits.append("a")      # the service tells its link plan
     assert lead.find("ctx") is None and not lead.awaited("ctx")       # the loader, alone
     out: dict[str, object] = {}
 
@@ -73,6 +75,7 @@ def test_the_table_counts_the_asks_waiting_for_a_load_while_they_wait():
         t.start()
     _until(lambda: table.waiting[("app", "ctx")] == 2, "two waiting")
     assert lead.awaited("ctx") and not lead.awaited("other")
+    assert waits == ["a"]                      # once, as it began to wait
     cancels[1].set()                                   # one leaves: the count follows
     _until(lambda: "a" in out, "the cancelled one leaves")
     assert isinstance(out["a"], AskCancelled) and table.waiting[("app", "ctx")] == 1

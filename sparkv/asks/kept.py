@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from sparkv.device.errors import DeviceError
 from sparkv.device.owners import ContextOwners
@@ -71,6 +71,11 @@ class AppContexts:
         copy: the ask is a choice of a request that keeps nothing: it keeps and finds under
             its group's own label, never shared, and the group deletes what it kept at its
             end (:mod:`sparkv.asks.choicecopy`).
+
+    ``on_wait`` (set by the service, ``None`` by default) is called once when :meth:`find`
+    begins to wait for another ask's load: the service's link plan then hears that this ask
+    streams nothing meanwhile (sparkv.asks.linkplan: an ask not heard from holds the later
+    asks off the link for a while).
     """
 
     def __init__(self, service: ContextService, owners: ContextOwners, app: str,
@@ -83,6 +88,7 @@ class AppContexts:
         self._leading: tuple[str, str] | None = None
         self.not_kept: str | None = None
         self.lm = service.lm
+        self.on_wait: Callable[[], object] | None = None
 
     # ---- what EdgeSession uses -------------------------------------------------------------
     def find(self, label: str) -> str | None:
@@ -109,6 +115,8 @@ class AppContexts:
                     if not counted:
                         table.waiting[key] += 1
                         counted = True
+                        if self.on_wait is not None:
+                            self.on_wait()
                     table.cv.wait(WAIT_S)
             finally:
                 if counted:

@@ -19,8 +19,8 @@ The plan is one owner of what each ask still has to stream; a **policy** (one sm
   opened, the asks that arrived after it do not get the link: two asks started together would
   otherwise both stream, whichever planned first, the older one measuring half the link and
   planning for it (traced: the younger's first request, 1.1 MB, went out 40 ms before the
-  older's first turn). An ask answered from its kept context says at once that it streams
-  nothing;
+  older's first turn). An ask answered from its kept context, or waiting for another ask's
+  load of it, says at once that it streams nothing;
 * **the bytes ahead**: each ask's controller plans its remaining link time with the bytes of the
   asks ranked before it (:attr:`LinkEstimator.ahead_bytes
   <sparkv.scheduler.estimators.LinkEstimator.ahead_bytes>`): an ask far back on the link finds

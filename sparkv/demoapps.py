@@ -121,8 +121,10 @@ def ask_as_apps(args: argparse.Namespace, lm: "LoadedModel", context: list[int],
                 c.close()
     _say_dense(lm, context, args, follow_up, got)
     print(f"{got[0].line()}\n{got[1].line()}\n  (both asked at once: they share the "
-          "service's one link and its cores, which go to the oldest ask's work first: device "
-          f"serve --ask-core-order)\n{got[2].line()}\n{got[3].line()}\n  (both follow-ups "
+          "service's one link and its cores, which go to the oldest ask's work first, its "
+          "answer's tokens included, so the second app's load shares the cores with the first "
+          "app's answer; device serve --ask-core-order first-tokens puts first tokens first)"
+          f"\n{got[2].line()}\n{got[3].line()}\n  (both follow-ups "
           "asked at once, each from its app's kept context: both answer at once, their "
           "tokens in one pass)", flush=True)
     print(drawn.lines(), flush=True)

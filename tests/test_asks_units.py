@@ -489,13 +489,17 @@ def _waiting_unit(gate: CoreGate, lane, order: list[str], name: str) -> threadin
     return th
 
 
+def _old_and_young(regrant_s: float):
+    """An ``oldest`` gate keeping the cores ``regrant_s``, its two lanes, and a grant record."""
+    gate = CoreGate(order="oldest", regrant_s=regrant_s)
+    return gate, gate.lane(), gate.lane(), []
+
+
 def test_the_cores_are_kept_for_the_older_ask_between_its_units():
     # its next unit comes a few milliseconds after its last: the younger ask's waiting unit
     # does not take the cores in that gap (with a long regrant_s the only way it could run
     # first is that bug, whatever the machine's speed)
-    gate = CoreGate(order="oldest", regrant_s=3600.0)
-    old, young = gate.lane(), gate.lane()
-    order: list[str] = []
+    gate, old, young, order = _old_and_young(3600.0)
     with old.hold():
         th = _waiting_unit(gate, young, order, "young")
     time.sleep(0.2)                          # its thread picks its next unit (the young one's
@@ -508,16 +512,13 @@ def test_the_cores_are_kept_for_the_older_ask_between_its_units():
 
 
 def test_kept_cores_go_to_the_others_when_the_ask_asks_for_nothing():
-    gate = CoreGate(order="oldest", regrant_s=0.05)
-    old, young = gate.lane(), gate.lane()
-    order: list[str] = []
+    gate, old, young, order = _old_and_young(0.05)
     with old.hold():
         th = _waiting_unit(gate, young, order, "young")
     th.join(GUARD_S)                         # the old ask waits for its link: nothing asked
     assert order == ["young"]
     # a cancelled ask keeps nothing either
-    gate = CoreGate(order="oldest", regrant_s=3600.0)
-    old, young = gate.lane(), gate.lane()
+    gate, old, young, _ = _old_and_young(3600.0)
     with old.hold():
         th = _waiting_unit(gate, young, order, "young again")
         old.cancel()

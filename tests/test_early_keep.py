@@ -60,7 +60,7 @@ def test_the_table_counts_the_asks_waiting_for_a_load_while_they_wait():
     table = KeepingTable()
     svc, cancels, (lead, a, b) = _views(table, 3)
     waits: list[str] = []
-    a.on_wait = lambda: waits.append("a")      # the service tells its link plan
+    a.streams_nothing = lambda: waits.append("a")   # the service tells its link plan
     assert lead.find("ctx") is None and not lead.awaited("ctx")       # the loader, alone
     out: dict[str, object] = {}
 

@@ -72,10 +72,10 @@ class AppContexts:
             its group's own label, never shared, and the group deletes what it kept at its
             end (:mod:`sparkv.asks.choicecopy`).
 
-    ``on_wait`` (set by the service, ``None`` by default) is called once when :meth:`find`
-    begins to wait for another ask's load: the service's link plan then hears that this ask
-    streams nothing meanwhile (sparkv.asks.linkplan: an ask not heard from holds the later
-    asks off the link for a while).
+    ``streams_nothing`` (set by the service, ``None`` by default) is called when :meth:`find`
+    begins to wait for another ask's load and when it finds the context kept: the service's
+    link plan then hears that this ask streams nothing (sparkv.asks.linkplan: an ask not heard
+    from holds the later asks off the link for a while).
     """
 
     def __init__(self, service: ContextService, owners: ContextOwners, app: str,
@@ -88,7 +88,7 @@ class AppContexts:
         self._leading: tuple[str, str] | None = None
         self.not_kept: str | None = None
         self.lm = service.lm
-        self.on_wait: Callable[[], object] | None = None
+        self.streams_nothing: Callable[[], object] | None = None
 
     # ---- what EdgeSession uses -------------------------------------------------------------
     def find(self, label: str) -> str | None:
@@ -104,6 +104,7 @@ class AppContexts:
                 while True:
                     found = self._visible(label)
                     if found is not None:
+                        self._say_streams_nothing()
                         return found
                     leader = table.loading.get(key)
                     if leader is None or leader is self:
@@ -115,12 +116,15 @@ class AppContexts:
                     if not counted:
                         table.waiting[key] += 1
                         counted = True
-                        if self.on_wait is not None:
-                            self.on_wait()
+                        self._say_streams_nothing()
                     table.cv.wait(WAIT_S)
             finally:
                 if counted:
                     table.waiting -= Counter({key: 1})
+
+    def _say_streams_nothing(self) -> None:
+        if self.streams_nothing is not None:
+            self.streams_nothing()
 
     def awaited(self, label: str) -> bool:
         """Whether other asks of the app wait for the context labelled ``label`` that this ask

@@ -351,7 +351,7 @@ class AskService:
         use_threads(torch.get_num_threads())
         lane = ticket.lane = self.gate.lane()
         seat = lane.seat = self.link_plan.seat(lane.id, req.options.strategy)
-        kept.on_wait = lambda: seat.turn(0.0)    # waiting for another's load: streams nothing
+        kept.streams_nothing = lambda: seat.turn(0.0)   # it waits for a load, or reads a kept one
         if ticket.cancelled.is_set():
             lane.cancel()
         sharers = self.admission.stats()["running"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from sparkv.cache import KVMemoryError
 from sparkv.device.tails import Rows
@@ -90,12 +90,10 @@ class KeptAsks:
         self.service().keep_turns(kept_id, *turn)
 
     def answer(self, fingerprint: str, context_id: str, suffix: Sequence[int],
-               options: AskOptions, t_start: float,
-               found: Callable[[], object] | None = None) -> AskResult | None:
+               options: AskOptions, t_start: float) -> AskResult | None:
         """The answer from the service if it holds the context (else ``None``); TTFT counts
-        from ``t_start`` (``perf_counter()`` at the ask). ``found`` is called once the context
-        is found, before the answer. Raises :class:`AskError` when the service runs another
-        model (``fingerprint``: the session's)."""
+        from ``t_start`` (``perf_counter()`` at the ask). Raises :class:`AskError` when the
+        service runs another model (``fingerprint``: the session's)."""
         from sparkv.device.remote import server_stream
 
         svc = self.service()
@@ -104,8 +102,6 @@ class KeptAsks:
         sid = svc.find(self.label(context_id))
         if sid is None:
             return None
-        if found is not None:
-            found()
         # chunks the service evicted entirely may come back from the server (made lazily: a
         # resident context fetches nothing)
         remote = server_stream(self.client, context_id)

@@ -511,10 +511,8 @@ class EdgeSession:
             _ = self.cost_model
         ask = _Ask(context_id, opts, suffix, attn, time.perf_counter(), token_ids, lane)
         if opts.keep:
-            # on a device service's lane: the link plan hears at once that it streams nothing
-            found = None if lane is None else (lambda: lane.link_turn(0.0))
             kept = self._kept().answer(self.lm.fingerprint, ask.context_id, ask.suffix,
-                                         ask.options, ask.t_start, found=found)
+                                         ask.options, ask.t_start)
             if kept is not None:
                 return kept
         if opts.runs_prelude:

@@ -70,21 +70,27 @@ def test_the_table_counts_the_asks_waiting_for_a_load_while_they_wait():
         except AskCancelled as e:
             out[name] = e
 
-    threads = [threading.Thread(target=wait, args=(n, v)) for n, v in (("a", a), ("b", b))]
+    # daemon threads, cancelled on the way out: a failed assertion never leaves one waiting
+    threads = [threading.Thread(target=wait, args=(n, v), daemon=True)
+               for n, v in (("a", a), ("b", b))]
     for t in threads:
         t.start()
-    _until(lambda: table.waiting[("app", "ctx")] == 2, "two waiting")
-    assert lead.awaited("ctx") and not lead.awaited("other")
-    assert waits == ["a"]                      # once, as it began to wait
-    cancels[1].set()                                   # one leaves: the count follows
-    _until(lambda: "a" in out, "the cancelled one leaves")
-    assert isinstance(out["a"], AskCancelled) and table.waiting[("app", "ctx")] == 1
-    svc.contexts.append(SimpleNamespace(id="c1", label="ctx", last_used=1.0))
-    lead.owners.claim("c1", "app", ())
-    b.owners.claim("c1", "app", ())
-    _until(lambda: "b" in out, "the other finds the kept copy")
-    for t in threads:
-        t.join(GUARD_S)
+    try:
+        _until(lambda: table.waiting[("app", "ctx")] == 2, "two waiting")
+        assert lead.awaited("ctx") and not lead.awaited("other")
+        assert waits == ["a"]                      # once, as it began to wait
+        cancels[1].set()                                   # one leaves: the count follows
+        _until(lambda: "a" in out, "the cancelled one leaves")
+        assert isinstance(out["a"], AskCancelled) and table.waiting[("app", "ctx")] == 1
+        svc.contexts.append(SimpleNamespace(id="c1", label="ctx", last_used=1.0))
+        lead.owners.claim("c1", "app", ())
+        b.owners.claim("c1", "app", ())
+        _until(lambda: "b" in out, "the other finds the kept copy")
+    finally:
+        for c in cancels:
+            c.set()
+        for t in threads:
+            t.join(GUARD_S)
     assert out["b"] == "c1" and not table.waiting and not lead.awaited("ctx")
     off = KeepingTable(early=False)
     _, _, (lead2, c) = _views(off, 2)

@@ -40,7 +40,8 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
                              "AVX512-BF16/AMX where the model's quality table passes it, else "
                              "fp32), float32 (forces fp32), bfloat16, float16, or a compute "
                              "configuration: mixed, mixed-attn, mixed-mlp, mixed-layers, "
-                             "bf16-weights, int8, int4, int4-kernel, int4-decode (docs/dtypes.md)")
+                             "bf16-weights, int8, int4, int4-kernel, int4-decode, "
+                             "mixed-mlp-int4-decode (docs/dtypes.md)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

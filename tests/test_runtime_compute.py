@@ -457,3 +457,64 @@ def test_int4_decode_judges_its_answers_as_it_makes_them(tiny_llama):
     dense = greedy_generate(tiny_llama, fp, 74, question, max_new_tokens=12, stop_at_eos=False)
     assert torch.equal(mine.first_logits, dense.first_logits)
     assert teacher_forced_agreement(lm, kv, 74, question, mine.tokens) == 1.0
+
+
+def test_mixed_mlp_int4_decode_is_bf16_for_a_prefill_and_the_int4_kernel_for_answer_tokens():
+    """``mixed-mlp-int4-decode``'s linear layer: a pass marked as answer tokens is
+    ``int4-kernel``'s, any other pass ``mixed``'s bf16 matmul bit for bit; both in bf16."""
+    from sparkv.runtime.linears import (Bf16Linear, Int4KernelLinear, MixedInt4DecodeLinear,
+                                        answer_tokens)
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96, bias=True)
+    dual, bf16, kernel = (MixedInt4DecodeLinear(linear), Bf16Linear(linear),
+                          Int4KernelLinear(linear))
+    with torch.no_grad():
+        for rows in (1, 3, 40):
+            x = torch.randn(1, rows, 128)
+            assert torch.equal(dual(x), bf16(x)) and dual.matmul(x).dtype == torch.bfloat16
+            with answer_tokens():
+                assert torch.equal(dual(x), kernel(x))
+                assert dual.matmul(x).dtype == torch.bfloat16
+                assert not torch.equal(dual(x), bf16(x))        # the int4 weights differ
+    assert dual.weight_nbytes() == 96 * 128 * 2 + kernel.weight_nbytes()
+
+
+def test_mixed_mlp_int4_decode_prefills_as_mixed_mlp_and_judges_answers_as_it_makes_them(
+        tiny_llama):
+    """Under ``mixed-mlp-int4-decode`` a context's KV and the first token are ``mixed-mlp``'s
+    bit for bit (its MLPs keep bf16 activations); the later answer tokens go through the int4
+    kernel, and teacher forcing feeds them one a pass the same way."""
+    from sparkv.runtime import greedy_generate
+    from sparkv.runtime.generate import reference_prefill, teacher_forced_agreement
+
+    name = "mixed-mlp-int4-decode"
+    lm, ref = _converted(tiny_llama, name), _converted(tiny_llama, "mixed-mlp")
+    assert get_compute(name).answers_differ and get_compute(name).bf16_matmuls
+    info = lm.extra["compute_info"]
+    assert info["mlp_layers"] == ref.extra["compute_info"]["mlp_layers"] == info["layers"]
+    ids = [int(x) for x in torch.randint(1, 128, (80,), generator=torch.Generator()
+                                         .manual_seed(3))]
+    question = ids[-6:]
+    kv, kv_ref = reference_prefill(lm, ids[:-6]), reference_prefill(ref, ids[:-6])
+    for (k1, v1), (k2, v2) in zip(kv, kv_ref):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    mine = greedy_generate(lm, kv, 74, question, max_new_tokens=12, stop_at_eos=False)
+    theirs = greedy_generate(ref, kv_ref, 74, question, max_new_tokens=12, stop_at_eos=False)
+    assert torch.equal(mine.first_logits, theirs.first_logits)
+    assert teacher_forced_agreement(lm, kv, 74, question, mine.tokens) == 1.0
+
+
+def test_a_configuration_that_differs_only_in_its_answers_keeps_its_prefill_twins_profile(
+        tiny_llama):
+    """The latency profile of the layer steps is matched by ``compute_name``: the twin whose
+    prefill passes a configuration's are (``prefill_as``), which exists and is not itself a
+    twin."""
+    from sparkv.predictor.device import compute_name
+
+    twins = {n: c.prefill_as for n, c in CONFIGS.items() if c.prefill_as}
+    assert twins == {"int4-decode": "float32", "mixed-mlp-int4-decode": "mixed-mlp"}
+    assert all(CONFIGS[t].prefill_as is None for t in twins.values())
+    assert compute_name(_converted(tiny_llama, "mixed-mlp-int4-decode")) == "mixed-mlp"
+    assert compute_name(_converted(tiny_llama, "int4")) == "int4"
+    assert compute_name(tiny_llama) == "float32"

@@ -130,7 +130,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--dtypes", default=None,
                    help="dtype group: local dense compute in each compute configuration "
                         "(docs/dtypes.md: bfloat16, mixed, mixed-layers, bf16-weights, int8, "
-                        "int4, int4-kernel; default bfloat16; float32 is local/dense)")
+                        "int4, int4-kernel, int4-decode, mixed-mlp-int4-decode, ...; default "
+                        "bfloat16; float32 is local/dense)")
     p.add_argument("--presses", default=None,
                    help="press group: question-agnostic press specs (default adakv:0.75,"
                         "adakv:0.5,adakv:0.25,adakv:0.5@repeat; --quick adakv:0.5@repeat,"

@@ -91,9 +91,12 @@ def device_fingerprint(device: str = "cpu", threads: int | None = None,
 def compute_name(lm: Any) -> str:
     """What a profile of ``lm``'s steps is kept and matched by: its compute configuration
     (``float32``, ``bfloat16``, ``mixed``, ...: :mod:`sparkv.runtime.compute`; the plain ones
-    are named as their dtypes, so profiles made before configurations existed still match)."""
+    are named as their dtypes, so profiles made before configurations existed still match), or
+    the one its prefill passes are bit for bit (``prefill_as``: ``int4-decode``'s steps are
+    ``float32``'s, ``mixed-mlp-int4-decode``'s ``mixed-mlp``'s)."""
     compute = getattr(lm, "compute", None)
-    return str(getattr(compute, "name", None) or dtype_name(getattr(lm, "dtype", None)))
+    name = getattr(compute, "prefill_as", None) or getattr(compute, "name", None)
+    return str(name or dtype_name(getattr(lm, "dtype", None)))
 
 
 def dtype_name(dtype: Any) -> str:

@@ -36,6 +36,9 @@ name                  activations  the decoder layers' linear layers    norms, R
 ``int4-decode``       float32      float32 for a prefill and the first  float32
                                    token, ``int4-kernel``'s for the
                                    other answer tokens
+``mixed-mlp-int4-      float32      ``mixed-mlp`` for a prefill and the  as ``mixed-mlp``
+decode``                           first token, ``int4-kernel``'s for
+                                   the other answer tokens
 ====================  ===========  ===================================  ==========================
 
 The residual stream (the hidden state between and within layers), the KV memory and the logits
@@ -54,8 +57,9 @@ import torch
 
 from sparkv.errors import SparkvError
 from sparkv.runtime.linears import (Bf16Linear, Bf16WeightLinear, Int4DecodeLinear,
-                                    Int4KernelLinear, Int8Linear, Q41Linear, Q80Linear,
-                                    WeightLinear, replace_linears, share_inputs)
+                                    Int4KernelLinear, Int8Linear, MixedInt4DecodeLinear,
+                                    Q41Linear, Q80Linear, WeightLinear, replace_linears,
+                                    share_inputs)
 
 
 class ComputeError(SparkvError):
@@ -100,6 +104,10 @@ class ComputeConfig:
             :data:`~sparkv.runtime.decodeattn.MIN_ROWS` keys on the CPU runs the numba kernel
             of :mod:`sparkv.runtime.decodeattn` (each KV head read once for its query group;
             SDPA's result up to the order of sums) instead of SDPA.
+        prefill_as: the configuration whose passes its prefill passes are, bit for bit (a
+            configuration that differs only in its answer tokens): its layer steps' latency
+            profile is that one's (:func:`sparkv.predictor.device.compute_name`); ``None``:
+            its own.
     """
 
     name: str
@@ -117,6 +125,7 @@ class ComputeConfig:
     answers_differ: bool = False
     head: type[WeightLinear] | None = None
     one_query: bool = False
+    prefill_as: str | None = None
 
     @property
     def plain(self) -> bool:
@@ -165,7 +174,13 @@ CONFIGS: dict[str, ComputeConfig] = {c.name: c for c in (
                   bf16_matmuls=True, cuda=False, stepper_tolerance=0.03),
     ComputeConfig("int4-decode", "float32 prefill and first token; the other answer tokens "
                   "through torch's CPU int4 kernel", torch.float32, "float32+q4_1",
-                  "float32+bfloat16", Int4DecodeLinear, cuda=False, answers_differ=True),
+                  "float32+bfloat16", Int4DecodeLinear, cuda=False, answers_differ=True,
+                  prefill_as="float32"),
+    ComputeConfig("mixed-mlp-int4-decode", "mixed-mlp prefill and first token; the other answer "
+                  "tokens through torch's CPU int4 kernel", torch.float32, "bfloat16+q4_1",
+                  "bfloat16", MixedInt4DecodeLinear, bf16_matmuls=True, cuda=False,
+                  stepper_tolerance=0.0625, attention=torch.bfloat16, mlp=torch.bfloat16,
+                  answers_differ=True, prefill_as="mixed-mlp"),
 )}
 
 #: the plain configuration of each dtype

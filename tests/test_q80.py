@@ -94,6 +94,26 @@ def test_q80_linear_takes_the_kernel_for_few_rows_and_float32_otherwise(monkeypa
     assert layer.weight_nbytes() == 96 * 576 + 96 * 18 * 2           # codes + fp16 scales
 
 
+def test_q80_answer_linear_takes_the_kernel_for_answer_tokens_only(monkeypatch):
+    """``mixed-mlp-int4-decode``'s head: a pass marked as answer tokens is ``Q80Linear``'s,
+    any other (the first token's logits: one row) float32's product bit for bit."""
+    from sparkv.runtime import linears
+    from sparkv.runtime.linears import Q80AnswerLinear, answer_tokens
+
+    lin = nn.Linear(576, 96, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(_q80_values(96, 576, 5))
+    layer, plain = Q80AnswerLinear(lin), Q80Linear(lin)
+    calls = []
+    monkeypatch.setattr(linears, "q80_matmul",
+                        lambda x, a: calls.append(x.shape) or q80_matmul(x, a))
+    one = torch.randn(1, 1, 576, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(layer(one), fast_linear(one, lin.weight)) and not calls
+    with answer_tokens():
+        assert torch.equal(layer(one), plain(one))
+    assert len(calls) == 2                             # the answer token's and plain's own
+
+
 def test_int4_keeps_a_head_that_is_not_q80_values(tiny_llama):
     import copy
 

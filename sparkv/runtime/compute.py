@@ -36,9 +36,10 @@ name                  activations  the decoder layers' linear layers    norms, R
 ``int4-decode``       float32      float32 for a prefill and the first  float32
                                    token, ``int4-kernel``'s for the
                                    other answer tokens
-``mixed-mlp-int4-      float32      ``mixed-mlp`` for a prefill and the  as ``mixed-mlp``
-decode``                           first token, ``int4-kernel``'s for
-                                   the other answer tokens
+``mixed-mlp-int4-      float32      ``mixed-mlp`` for a prefill and the  as ``mixed-mlp``; an
+decode``                           first token, ``int4-kernel``'s for   answer token's
+                                   the other answer tokens (their LM    attention as
+                                   head: ``int4``'s Q8_0 blocks)        ``int4``'s
 ====================  ===========  ===================================  ==========================
 
 The residual stream (the hidden state between and within layers), the KV memory and the logits
@@ -58,8 +59,8 @@ import torch
 from sparkv.errors import SparkvError
 from sparkv.runtime.linears import (Bf16Linear, Bf16WeightLinear, Int4DecodeLinear,
                                     Int4KernelLinear, Int8Linear, MixedInt4DecodeLinear,
-                                    Q41Linear, Q80Linear, WeightLinear, replace_linears,
-                                    share_inputs)
+                                    Q41Linear, Q80AnswerLinear, Q80Linear, WeightLinear,
+                                    replace_linears, share_inputs)
 
 
 class ComputeError(SparkvError):
@@ -99,7 +100,8 @@ class ComputeConfig:
             (:func:`~sparkv.runtime.generate.teacher_forced_agreement`).
         head: the module replacing the LM head when its weight is that module's format
             exactly (``int4``: :class:`~sparkv.runtime.linears.Q80Linear`, SmolLM2's Q8_0
-            embedding), ``None``: kept.
+            embedding; ``mixed-mlp-int4-decode``: :class:`~sparkv.runtime.linears.
+            Q80AnswerLinear`, the same for answer tokens only), ``None``: kept.
         one_query: an answer token's attention over a dense prefix of at least
             :data:`~sparkv.runtime.decodeattn.MIN_ROWS` keys on the CPU runs the numba kernel
             of :mod:`sparkv.runtime.decodeattn` (each KV head read once for its query group;
@@ -177,10 +179,13 @@ CONFIGS: dict[str, ComputeConfig] = {c.name: c for c in (
                   "float32+bfloat16", Int4DecodeLinear, cuda=False, answers_differ=True,
                   prefill_as="float32"),
     ComputeConfig("mixed-mlp-int4-decode", "mixed-mlp prefill and first token; the other answer "
-                  "tokens through torch's CPU int4 kernel", torch.float32, "bfloat16+q4_1",
+                  "tokens through torch's CPU int4 kernel (the LM head's Q8_0 blocks, an "
+                  "answer token's attention over >= 1K keys: the kernels int4 takes)",
+                  torch.float32, "bfloat16+q4_1",
                   "bfloat16", MixedInt4DecodeLinear, bf16_matmuls=True, cuda=False,
                   stepper_tolerance=0.0625, attention=torch.bfloat16, mlp=torch.bfloat16,
-                  answers_differ=True, prefill_as="mixed-mlp"),
+                  answers_differ=True, head=Q80AnswerLinear, one_query=True,
+                  prefill_as="mixed-mlp"),
 )}
 
 #: the plain configuration of each dtype

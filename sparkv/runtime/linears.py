@@ -25,6 +25,8 @@ class                  weight stored as            the matmul
                                                    every other pass (a prefill)
 :class:`MixedInt4DecodeLinear`  bfloat16 and the   the int4 kernel for answer tokens, bf16 (as
                        int4 pack (both)            :class:`Bf16Linear`) for every other pass
+:class:`Q80AnswerLinear`  Q8_0 blocks and float32  as :class:`Q80Linear` for answer tokens,
+                       (an LM head)                float32 for every other pass
 =====================  ==========================  ===============================================
 
 A bias (Qwen2's projections) stays float32 and is added to the output.
@@ -304,6 +306,17 @@ class Q80Linear(WeightLinear):
         return fast_linear(x, self.weight.to(x.dtype))
 
 
+class Q80AnswerLinear(Q80Linear):
+    """:class:`Q80Linear` for answer tokens only (passes marked by :func:`answer_tokens`); any
+    other pass, the first token's logits included, multiplies with the float32 weight, float32's
+    product bit for bit (``mixed-mlp-int4-decode``: its first token stays ``mixed-mlp``'s)."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if answering():
+            return super().matmul(x)
+        return fast_linear(x, self.weight.to(x.dtype))
+
+
 def _q80_arrays(codes: torch.Tensor, d: torch.Tensor) -> tuple[Any, Any]:
     return kernel_arrays(Q80Weight(codes, d.view(torch.float16)))
 
@@ -427,6 +440,6 @@ def replace_linears(layer: nn.Module, cls: type[WeightLinear]) -> list[WeightLin
 
 __all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear",
            "Int4DecodeLinear", "Int4KernelLinear", "MixedInt4DecodeLinear", "Int8Linear",
-           "Q41Linear", "Q80Linear",
+           "Q41Linear", "Q80AnswerLinear", "Q80Linear",
            "SHARED_INPUTS", "SharedQ41", "WeightLinear", "kernel_views", "share_inputs",
            "answer_tokens", "answering"]

@@ -505,6 +505,17 @@ def test_mixed_mlp_int4_decode_prefills_as_mixed_mlp_and_judges_answers_as_it_ma
     assert teacher_forced_agreement(lm, kv, 74, question, mine.tokens) == 1.0
 
 
+def test_a_manifest_names_the_configuration_that_made_the_kv(tiny_llama, tmp_path):
+    """A ``mixed-mlp-int4-decode`` server's KV is ``mixed-mlp``'s bit for bit: its manifest
+    says ``mixed-mlp``, which a device without the newer name reads too."""
+    from sparkv.protocol.manifest import Manifest
+
+    data, *_ = _encoded(_converted(tiny_llama, "mixed-mlp-int4-decode"), tmp_path)
+    assert Manifest.parse(data).model.compute == "mixed-mlp"
+    assert get_compute("mixed-mlp-int4-decode").prefill_name == "mixed-mlp"
+    assert get_compute("mixed-mlp").prefill_name == "mixed-mlp"
+
+
 def test_a_configuration_that_differs_only_in_its_answers_keeps_its_prefill_twins_profile(
         tiny_llama):
     """The latency profile of the layer steps is matched by ``compute_name``: the twin whose

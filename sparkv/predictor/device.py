@@ -95,7 +95,7 @@ def compute_name(lm: Any) -> str:
     the one its prefill passes are bit for bit (``prefill_as``: ``int4-decode``'s steps are
     ``float32``'s, ``mixed-mlp-int4-decode``'s ``mixed-mlp``'s)."""
     compute = getattr(lm, "compute", None)
-    name = getattr(compute, "prefill_as", None) or getattr(compute, "name", None)
+    name = getattr(compute, "prefill_name", None)
     return str(name or dtype_name(getattr(lm, "dtype", None)))
 
 

@@ -135,6 +135,12 @@ class ComputeConfig:
         return self.linear is None
 
     @property
+    def prefill_name(self) -> str:
+        """The configuration its prefill passes are, bit for bit: :attr:`prefill_as`, else its
+        own name (what a profile of its steps and a manifest of the KV it makes name)."""
+        return self.prefill_as or self.name
+
+    @property
     def dtype_name(self) -> str:
         return str(self.dtype).replace("torch.", "")
 
@@ -228,9 +234,11 @@ def check_device(config: ComputeConfig, device: torch.device) -> None:
 #: on a CPU with bf16 hardware, the configurations ``auto`` may take, fastest first (bf16 matmuls
 #: run about 3x faster there; fewer float32 products first: measured on an AMX CPU, bfloat16
 #: 1.9-2.5x float32, mixed-attn 2.0-2.2x, mixed 1.2-1.3x; mixed-mlp takes a float32 cast and
-#: a float32 SiLU and product off each MLP); a CPU without it takes float32, every other
-#: configuration being slower there (docs/dtypes.md)
-CPU_BF16_ORDER = ("bfloat16", "mixed-mlp", "mixed-attn", "mixed", "mixed-layers", "int4-kernel")
+#: a float32 SiLU and product off each MLP; mixed-mlp-int4-decode is mixed-mlp's prefill with
+#: answer tokens ~2x faster); a CPU without it takes float32, every other configuration being
+#: slower there (docs/dtypes.md)
+CPU_BF16_ORDER = ("bfloat16", "mixed-mlp-int4-decode", "mixed-mlp", "mixed-attn", "mixed",
+                  "mixed-layers", "int4-kernel")
 #: on CUDA, when the table fails bfloat16: the configurations ``auto`` may take instead
 CUDA_FALLBACK_ORDER = ("mixed", "mixed-layers")
 

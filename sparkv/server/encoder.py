@@ -263,7 +263,7 @@ def _manifest(spec: ContextSpec, context_id: str, entry: Any, geometry: ChunkGeo
     model = ModelInfo(name=spec.model, fingerprint=entry.fingerprint,
                       tokenizer=entry.tokenizer_id,
                       dtype=str(entry.lm.dtype).replace("torch.", ""),
-                      compute=entry.lm.compute.name)
+                      compute=entry.lm.compute.prefill_name)    # what made the KV
     return Manifest.build(context_id=context_id, model=model, token_ids=spec.token_ids,
                           geometry=geometry, levels=spec.levels, frame_version=FRAME_VERSION,
                           chunks=[ChunkEntry.model_validate(c) for c in chunks],

@@ -425,6 +425,45 @@ def test_a_warmed_service_makes_no_step_cost_model_or_client_inside_its_first_as
         svc.close()
 
 
+def test_every_ask_computes_on_the_services_threads_whatever_a_decoder_set_last(
+        world, tmp_path, monkeypatch):
+    """An ask's thread computes with the service's thread count, even after another thread set
+    the process-wide count to 1 (an engine's frame decoders do, at their start): a new thread's
+    count is that value at its first kernel, and every ask after the first streaming one ran on
+    one thread."""
+    import torch
+
+    from sparkv.asks import AskRequest, AskService
+    from sparkv.device import ContextService
+    from sparkv.device.owners import ContextOwners
+    from sparkv.edge.options import AskOptions
+    from sparkv.runtime import batchdecode
+    from sparkv.runtime.model import load_model
+    from sparkv.runtime.threads import use_threads
+
+    seen: list[int] = []
+    together = batchdecode.decode_together
+    monkeypatch.setattr(batchdecode, "decode_together",
+                        lambda lm, items: seen.append(torch.get_num_threads())
+                        or together(lm, items))
+    lm = load_model(str(shared_tiny_checkpoint()), progress=False)
+    svc = ContextService(lm, 200_000_000, tmp_path / "svc")
+    before = torch.get_num_threads()
+    asks = AskService(svc, ContextOwners(), slots=1, queue=1, threads=2)
+    try:
+        decoder = threading.Thread(target=use_threads, args=(1,))    # as a frame decoder does
+        decoder.start()
+        decoder.join()
+        opts = AskOptions(strategy="local", max_new_tokens=3, stop_at_eos=False, keep=False)
+        done = asks.ask("user", AskRequest(world["srv"].url, world["ctx"]["a"], "What is it?",
+                                           world["key"], opts), GUARD_S)
+        assert done["type"] == "done" and seen and set(seen) == {2}, (done, seen)
+    finally:
+        asks.close()
+        svc.close()
+        torch.set_num_threads(before)
+
+
 # ---- OpenAI-compatible: the unchanged openai package against the running service ------------------
 def test_the_openai_client_asks_through_chat_completions_streamed_and_not(world):
     openai = pytest.importorskip("openai")

@@ -482,3 +482,34 @@ def test_an_imported_context_takes_no_more_than_its_reservation(lm, tmp_path):
         svc.import_context(ids, layers)
         st = svc.stats()
         assert st["budget_violations"] == 0 and st["peak_bytes"] <= need, (n, st["peak_bytes"], need)
+
+
+def test_a_call_on_a_new_thread_computes_on_the_services_threads(lm, tmp_path):
+    """A request's worker thread computes with the service's thread count even after another
+    thread set the process-wide count to 1 (an ask's frame decoders do): a new thread's count
+    is that value at its first kernel."""
+    import threading
+
+    from sparkv.runtime.threads import use_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    svc = _svc(lm, tmp_path)
+    seen: dict[str, int] = {}
+
+    def on_new_thread(what, fn):
+        fn()
+        seen[what] = torch.get_num_threads()
+
+    try:
+        assert svc.threads == 2
+        for what, fn in (("decoder", lambda: use_threads(1)),
+                         ("new", lambda: seen.setdefault("cid", svc.new_context("Be brief."))),
+                         ("call", lambda: svc.call(seen["cid"], "Hi.", max_new_tokens=2))):
+            t = threading.Thread(target=on_new_thread, args=(what, fn))
+            t.start()
+            t.join(WAIT_S)
+        assert seen["decoder"] == 1 and seen["new"] == 2 and seen["call"] == 2, seen
+    finally:
+        svc.close()
+        torch.set_num_threads(before)

@@ -164,8 +164,8 @@ class AskService:
         early_keep: an ask that loaded a context other asks of its app wait for keeps it at its
             answer's first token, so that they start one answer sooner (:mod:`sparkv.asks.kept`);
             ``False``: after.
-        threads: the torch intra-op threads every ask computes with (``None``: the count of
-            the thread making the service, read now). Fixed here, not read by each ask's
+        threads: the torch intra-op threads every ask computes with (``None``: the context
+            service's, :attr:`ContextService.threads`). Fixed here, not read by each ask's
             thread: a new thread's count is the process-wide value at its first kernel, which
             an engine's frame decoders set to 1 (:mod:`sparkv.runtime.threads`), so every ask
             after the first streaming one computed on one thread.
@@ -178,13 +178,11 @@ class AskService:
                  link_plan: str = "oldest", batch: bool = False,
                  decode_batch: int = DECODE_BATCH, early_keep: bool = True,
                  threads: int | None = None) -> None:
-        import torch
-
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners
         self.lm = contexts.lm
-        self.torch_threads = max(1, int(threads or torch.get_num_threads()))
+        self.torch_threads = max(1, int(threads or contexts.threads))
         self.admission = Admission(slots, queue)
         self.gate = CoreGate(order=core_order, batch=BATCH_STEPS if batch else 1,
                              decode_batch=decode_batch)

@@ -83,6 +83,7 @@ from sparkv.device.swap import SwapStore
 from sparkv.device.tails import Rows, TailKey, TurnTails, default_capacity
 from sparkv.device.calls import CallResult
 from sparkv.layout import ChunkGeometry
+from sparkv.runtime.threads import use_threads
 
 if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
@@ -136,6 +137,10 @@ class ContextService:
         from sparkv.runtime.model import LoadedModel, load_model
 
         self.lm = model if isinstance(model, LoadedModel) else load_model(model)
+        #: the torch threads its calls compute with, set on the calling thread by each: a
+        #: request's worker thread would otherwise take the process-wide count at its first
+        #: kernel, which an ask's frame decoders set to 1 (:mod:`sparkv.runtime.threads`)
+        self.threads = max(1, torch.get_num_threads())
         cfg = config or ServiceConfig()
         cfg = replace(cfg, **overrides) if overrides else cfg
         ratio = resolved_ratio(cfg, self.lm.fingerprint)
@@ -225,6 +230,7 @@ class ContextService:
                     system_ids: Sequence[int] | None = None, label: str | None = None) -> str:
         """Makes a context holding the system prompt (its KV computed now); returns its id.
         ``label``: a name listed with it (journaled, so it survives a restart)."""
+        use_threads(self.threads)
         ids = system_turn_ids(self.lm, system_prompt, system_ids, vocab=self.vocab,
                               chatml=self._chatml)
         check_length(0, len(ids) + 1, self.max_tokens,
@@ -269,6 +275,7 @@ class ContextService:
         before the context can be found by its label. ``ahead``: written to flash ahead of
         time (after the import and each call) as every context is; ``False``: only when its
         chunks are reclaimed (a copy deleted within seconds: the writes would be wasted)."""
+        use_threads(self.threads)
         ids = check_token_ids(token_ids, self.vocab, "token_ids")
         if isinstance(layers, ContextKV) and layers.geometry.num_tokens != len(ids):
             raise DeviceError(f"the memory holds {layers.geometry.num_tokens} tokens, "
@@ -313,6 +320,7 @@ class ContextService:
             sampling: how each answer token is chosen (default: greedy); a sampled call
                 without a seed draws one (:attr:`CallResult.seed`).
         """
+        use_threads(self.threads)
         ctx = self.registry.get(ctx_id)
         prompt_ids, timeout_s = check_call(prompt, prompt_ids, max_new_tokens, timeout_s,
                                            vocab=self.vocab, most=self.config.max_new_tokens)

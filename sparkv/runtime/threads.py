@@ -11,7 +11,12 @@ a whole 4K load on one thread (TTFT 9.5 s instead of 7.0 s) whenever the decode 
 sets 1) started while the compute thread was waiting for the prelude's last step.
 
 :func:`use_threads` initialises the calling thread first, then sets its count: later calls in
-other threads no longer change it.
+other threads no longer change it. It also writes the process-wide value, so a thread that sets
+1 (the edge's frame decoders) leaves 1 for every thread started after it: a long-lived service
+therefore fixes its count once, when it is made, and sets it on every thread it computes on
+(:class:`~sparkv.device.service.ContextService`'s calls, each ask of
+:class:`~sparkv.asks.service.AskService`), never ``use_threads(torch.get_num_threads())`` on a
+new thread (session 119: every ask after the first streaming one computed on one thread).
 """
 
 from __future__ import annotations

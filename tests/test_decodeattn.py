@@ -58,6 +58,20 @@ def test_a_dense_arenas_prefix_is_read_in_place_and_a_given_scale_is_used():
     assert again is not None and torch.equal(again, out)
 
 
+def test_a_prefix_made_in_inference_mode_is_read_in_place_too():
+    """A decode pass's views of the arena are made in inference mode and record no base: the
+    rows are found from the strides."""
+    with torch.inference_mode():
+        q, k, v = _qkv(9, 3, N + 5, 64, seed=7, cap=N + 300)
+        assert not k.is_contiguous() and k._base is None
+        out = decodeattn.attend(q, k, v, None)
+        assert out is not None
+        torch.testing.assert_close(out, _sdpa(q, k, v), atol=2e-6, rtol=1e-5)
+        whole = torch.randn(1, 3, N + 300, 64)
+        assert decodeattn.attend(q, whole[:, :2, :N], whole[:, :2, :N], None) is None  # 9 / 2
+        assert decodeattn.attend(q[:, :6], whole[:, 1:, :N], whole[:, 1:, :N], None) is not None
+
+
 def test_sharp_scores_stay_exact_across_blocks_and_units():
     # one key far above the others in a late block and unit: the online softmax rescales
     q, k, v = _qkv(9, 3, 2 * N, 64, seed=2, spread=4.0)
@@ -113,8 +127,14 @@ def test_an_answer_token_over_the_kv_memory_takes_the_kernel_and_matches_sdpa(mo
     monkeypatch.setattr(decodeattn, "MIN_ROWS", 64)
     calls: list[int] = []
     real = decodeattn.attend
-    monkeypatch.setattr(decodeattn, "attend", lambda q, k, v, s: calls.append(k.shape[2])
-                        or real(q, k, v, s))
+
+    def taken(q, k, v, s):                  # the keys of each call the kernel computed
+        out = real(q, k, v, s)
+        if out is not None:
+            calls.append(k.shape[2])
+        return out
+
+    monkeypatch.setattr(decodeattn, "attend", taken)
     logits = {}
     for one_query in (False, True):
         lm = _tiny_lm(one_query)
@@ -127,7 +147,9 @@ def test_an_answer_token_over_the_kv_memory_takes_the_kernel_and_matches_sdpa(mo
         two = decode_together(lm, [DecodeItem(first, 7, 200),
                                    DecodeItem(SparkvCache(memories[1]), 9, 200)])
         logits[one_query] = (one, two)
-    assert calls == [201, 201] + [201] * 4           # 2 layers: one row, then a batch of two
+    # 2 layers: one row, then a batch of two; computed by the kernel, not declined (the arena's
+    # prefix is a view made in inference mode: no ``_base`` to read the rows from)
+    assert calls == [201, 201] + [201] * 4
     for a, b in zip(logits[False], logits[True]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 

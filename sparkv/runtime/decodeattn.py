@@ -102,19 +102,23 @@ def _attend(q: _F32, k: _F32, v: _F32, n: int, scale: np.float32, splits: int, o
 
 
 def _rows(t: torch.Tensor) -> np.ndarray | None:
-    """A C-contiguous float32 array ``[H', cap, D]`` (``H' >= H``, ``cap >= n``) whose first
-    ``n`` rows of its first ``H`` heads are ``t [1, H, n, D]``: ``t`` itself when contiguous,
-    else the buffer it is the leading rows of (a dense arena's prefix: ``t._base``, ``[1, H',
-    cap, D]``, same strides and start); ``None`` otherwise."""
+    """A C-contiguous float32 array ``[H, cap, D]`` (``cap >= n``) whose first ``n`` rows of
+    each head are ``t [1, H, n, D]``: ``t`` itself when contiguous, else, for a dense arena's
+    prefix (rows ``D`` apart, heads a whole number of rows apart), the arena's rows read in
+    place from ``t``'s storage. Built from the strides, not from ``t._base``: a view made in
+    inference mode (every decode pass) records no base. ``None`` otherwise."""
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 or t.shape[0] != 1:
         return None
     if t.is_contiguous():
         return t.numpy()[0]
-    base = t._base
-    if (base is None or not base.is_contiguous() or base.stride() != t.stride()
-            or base.storage_offset() != t.storage_offset() or base.shape[3] != t.shape[3]):
+    h, n, d = (int(x) for x in t.shape[1:])
+    s1, s2, s3 = t.stride()[1:]
+    if s3 != 1 or s2 != d or s1 % d or s1 < n * d:
         return None
-    return base.numpy()[0]
+    cap = s1 // d
+    if t.storage_offset() + h * s1 > t.untyped_storage().nbytes() // t.element_size():
+        return None
+    return torch.as_strided(t, (h, cap, d), (s1, d, 1)).numpy()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None

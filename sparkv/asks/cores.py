@@ -411,6 +411,9 @@ class CoreGate:
     def _release(self, lane: "AskLane", riders: "list[_Ride] | tuple[()]" = (),
                  results: list[Any] | None = None,
                  error: BaseException | None = None) -> None:
+        from sparkv.runtime.threads import release_pool
+
+        release_pool()        # the next unit may run on another ask's thread (threads.py)
         with self._cv:
             self._holder = None
             now = self._clock()

@@ -309,6 +309,7 @@ def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: lis
     from sparkv.rest.listen import serve
     from sparkv.rest.limits import BodyLimits
     from sparkv.runtime.heap import settle
+    from sparkv.runtime.threads import release_pool
 
     app = create_app(service, token=token, app_key=app_key(service.swap_dir),
                      limits=BodyLimits(args.max_body_bytes, args.body_timeout_s))
@@ -319,6 +320,8 @@ def _serve_app(service: "ContextService", args: argparse.Namespace, sockets: lis
     # first switch")
     frozen = settle(tuple(FAMILIES))
     log.debug("sparkv device: %d objects out of the collector's full collections", frozen)
+    release_pool()   # the main thread's compute is done (loading, warming): its idle OpenMP
+    #                  workers would slow every ask's compute on another thread (threads.py)
     try:
         serve(app, sockets, header_timeout_s=args.header_timeout_s, log_level="warning")
     finally:

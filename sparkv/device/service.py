@@ -50,11 +50,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import logging
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar, cast
 
 import torch
 
@@ -83,7 +84,7 @@ from sparkv.device.swap import SwapStore
 from sparkv.device.tails import Rows, TailKey, TurnTails, default_capacity
 from sparkv.device.calls import CallResult
 from sparkv.layout import ChunkGeometry
-from sparkv.runtime.threads import use_threads
+from sparkv.runtime.threads import release_pool, use_threads
 
 if TYPE_CHECKING:
     from sparkv.device.remote import RemoteSource
@@ -94,6 +95,23 @@ if TYPE_CHECKING:
 __all__ = ["ContextService", "ServiceConfig", "CallResult"]
 
 log = logging.getLogger("sparkv.device")
+
+_T = TypeVar("_T", bound=Callable[..., Any])
+
+
+def _on_own_threads(method: _T) -> _T:
+    """A method that computes does it on the service's thread count (:attr:`ContextService.
+    threads`: a request's worker thread would otherwise take the process-wide count, which an
+    ask's frame decoders set to 1) and frees the thread's idle OpenMP workers after (they would
+    slow the next computation on another thread: :mod:`sparkv.runtime.threads`)."""
+    @functools.wraps(method)
+    def run(self: "ContextService", *args: Any, **kwargs: Any) -> Any:
+        use_threads(self.threads)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            release_pool()
+    return cast(_T, run)
 
 class ContextService:
     """Many contexts of one model under one KV-memory budget (module docstring).
@@ -137,9 +155,8 @@ class ContextService:
         from sparkv.runtime.model import LoadedModel, load_model
 
         self.lm = model if isinstance(model, LoadedModel) else load_model(model)
-        #: the torch threads its calls compute with, set on the calling thread by each: a
-        #: request's worker thread would otherwise take the process-wide count at its first
-        #: kernel, which an ask's frame decoders set to 1 (:mod:`sparkv.runtime.threads`)
+        #: the torch threads its calls compute with, set on the calling thread by each
+        #: (:func:`_on_own_threads`)
         self.threads = max(1, torch.get_num_threads())
         cfg = config or ServiceConfig()
         cfg = replace(cfg, **overrides) if overrides else cfg
@@ -226,11 +243,11 @@ class ContextService:
         return 2 * working_nbytes(g, tokens, self.lm.dtype)
 
     # ---- the API ---------------------------------------------------------------------------------
+    @_on_own_threads
     def new_context(self, system_prompt: str | None = None, *,
                     system_ids: Sequence[int] | None = None, label: str | None = None) -> str:
         """Makes a context holding the system prompt (its KV computed now); returns its id.
         ``label``: a name listed with it (journaled, so it survives a restart)."""
-        use_threads(self.threads)
         ids = system_turn_ids(self.lm, system_prompt, system_ids, vocab=self.vocab,
                               chatml=self._chatml)
         check_length(0, len(ids) + 1, self.max_tokens,
@@ -261,6 +278,7 @@ class ContextService:
             self.swap.remove(ctx)
             raise
 
+    @_on_own_threads
     def import_context(self, token_ids: Sequence[int], layers: ContextKV | LayerKV, *,
                        density: tuple[torch.Tensor, torch.Tensor] | None = None,
                        system_prompt: str | None = None, label: str | None = None,
@@ -275,7 +293,6 @@ class ContextService:
         before the context can be found by its label. ``ahead``: written to flash ahead of
         time (after the import and each call) as every context is; ``False``: only when its
         chunks are reclaimed (a copy deleted within seconds: the writes would be wasted)."""
-        use_threads(self.threads)
         ids = check_token_ids(token_ids, self.vocab, "token_ids")
         if isinstance(layers, ContextKV) and layers.geometry.num_tokens != len(ids):
             raise DeviceError(f"the memory holds {layers.geometry.num_tokens} tokens, "
@@ -292,6 +309,7 @@ class ContextService:
                 self.keep_turns(ctx.id, *turn, turn_scope=turn_scope)
         return ctx.id
 
+    @_on_own_threads
     def call(self, ctx_id: str, prompt: str | None = None, max_new_tokens: int = 32, *,
              prompt_ids: Sequence[int] | None = None, grow: bool = True, stop_at_eos: bool = True,
              timeout_s: float | None = None, remote: RemoteSource | None = None,
@@ -320,7 +338,6 @@ class ContextService:
             sampling: how each answer token is chosen (default: greedy); a sampled call
                 without a seed draws one (:attr:`CallResult.seed`).
         """
-        use_threads(self.threads)
         ctx = self.registry.get(ctx_id)
         prompt_ids, timeout_s = check_call(prompt, prompt_ids, max_new_tokens, timeout_s,
                                            vocab=self.vocab, most=self.config.max_new_tokens)

@@ -121,3 +121,48 @@ def test_numbas_thread_pool_leaves_torchs_count_and_follows_it():
     two = min(2, doc["cores"])
     assert doc["seen"] == {"int4 row kernel": [1, 1], "kmeans": [1, 1],
                            "kmeans at 2": [2, two], "paged attention": [1, 1]}
+
+
+def test_release_pool_ends_the_calling_threads_idle_openmp_workers():
+    """A thread that ran a parallel region on 2 threads keeps an idle OpenMP worker (libgomp
+    counts it, and stops spinning while such workers outnumber the CPUs); ``release_pool``
+    ends it, and the next region makes it again."""
+    import os
+    import time
+
+    import pytest
+
+    from sparkv.runtime.threads import _openmp_libs, release_pool
+
+    x = torch.ones(1 << 22)
+    x.mul_(2.0)                                   # torch's OpenMP runtime is loaded now
+    if not _openmp_libs():
+        pytest.skip("no libgomp with omp_pause_resource_all in this process")
+
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    def settled(want, guard_s: float = 30.0) -> int:      # a guard, not a timing
+        end = time.monotonic() + guard_s
+        while not want(tasks()) and time.monotonic() < end:
+            time.sleep(0.01)
+        return tasks()
+
+    seen: dict[str, int] = {}
+
+    def work() -> None:
+        use_threads(2)
+        seen["alone"] = tasks()
+        x.mul_(1.0)                               # a parallel region: one worker made
+        seen["ran"] = tasks()
+        assert release_pool() >= 1
+        seen["released"] = settled(lambda n: n < seen["ran"])
+        x.mul_(1.0)
+        seen["again"] = tasks()
+        release_pool()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(60)
+    assert seen["ran"] > seen["alone"] and seen["released"] < seen["ran"], seen
+    assert seen["again"] > seen["released"], seen

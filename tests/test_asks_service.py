@@ -449,7 +449,8 @@ def test_every_ask_computes_on_the_services_threads_whatever_a_decoder_set_last(
     lm = load_model(str(shared_tiny_checkpoint()), progress=False)
     svc = ContextService(lm, 200_000_000, tmp_path / "svc")
     before = torch.get_num_threads()
-    asks = AskService(svc, ContextOwners(), slots=1, queue=1, threads=2)
+    svc.threads = 2                                  # the service's count
+    asks = AskService(svc, ContextOwners(), slots=1, queue=1)
     try:
         decoder = threading.Thread(target=use_threads, args=(1,))    # as a frame decoder does
         decoder.start()

@@ -144,7 +144,7 @@ def install(app: Any, service: Any, args: argparse.Namespace) -> Callable[[], No
                       default_api_key=os.environ.get("SPARKV_API_KEY"),
                       core_order=args.ask_core_order, link_plan=args.ask_link_plan,
                       batch=args.ask_batch == "on", decode_batch=args.ask_decode_batch,
-                      early_keep=args.ask_early_keep == "on", threads=args.threads)
+                      early_keep=args.ask_early_keep == "on")
     try:
         took = asks.warm()
     except BadServerUrl as e:     # an --ask-server no client can address: said at the start

@@ -164,11 +164,6 @@ class AskService:
         early_keep: an ask that loaded a context other asks of its app wait for keeps it at its
             answer's first token, so that they start one answer sooner (:mod:`sparkv.asks.kept`);
             ``False``: after.
-        threads: the torch intra-op threads every ask computes with (``None``: the context
-            service's, :attr:`ContextService.threads`). Fixed here, not read by each ask's
-            thread: a new thread's count is the process-wide value at its first kernel, which
-            an engine's frame decoders set to 1 (:mod:`sparkv.runtime.threads`), so every ask
-            after the first streaming one computed on one thread.
     """
 
     def __init__(self, contexts: ContextService, owners: ContextOwners, *, slots: int = 2,
@@ -176,13 +171,11 @@ class AskService:
                  engine_config: Any = None, default_server: str | None = None,
                  default_api_key: str | None = None, core_order: str = DEFAULT_ORDER,
                  link_plan: str = "oldest", batch: bool = False,
-                 decode_batch: int = DECODE_BATCH, early_keep: bool = True,
-                 threads: int | None = None) -> None:
+                 decode_batch: int = DECODE_BATCH, early_keep: bool = True) -> None:
         from sparkv.edge.session import Priors
 
         self.contexts, self.owners = contexts, owners
         self.lm = contexts.lm
-        self.torch_threads = max(1, int(threads or contexts.threads))
         self.admission = Admission(slots, queue)
         self.gate = CoreGate(order=core_order, batch=BATCH_STEPS if batch else 1,
                              decode_batch=decode_batch)
@@ -353,7 +346,9 @@ class AskService:
         from sparkv.runtime.threads import use_threads
 
         req = ticket.request
-        use_threads(self.torch_threads)
+        # the service's count, not this new thread's: frame decoders leave the process-wide
+        # count at 1 (sparkv.runtime.threads)
+        use_threads(self.contexts.threads)
         lane = ticket.lane = self.gate.lane()
         seat = lane.seat = self.link_plan.seat(lane.id, req.options.strategy)
         kept.streams_nothing = lambda: seat.turn(0.0)   # it waits for a load, or reads a kept one

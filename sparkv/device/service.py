@@ -113,6 +113,7 @@ def _on_own_threads(method: _T) -> _T:
             release_pool()
     return cast(_T, run)
 
+
 class ContextService:
     """Many contexts of one model under one KV-memory budget (module docstring).
 

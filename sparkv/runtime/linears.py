@@ -352,40 +352,28 @@ class Int4KernelLinear(WeightLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Int4DecodeLinear(WeightLinear):
-    """float32 for a prefill, torch's int4 kernel for answer tokens (``int4-decode``).
-
-    An answer token's pass (one row, or one per ask when the device service decodes several
-    asks together: :func:`~sparkv.runtime.batchdecode.decode_together` marks it with
-    :func:`answer_tokens`) is bound by reading the weights, not by FLOPs, so it runs through
-    :class:`Int4KernelLinear` (the Q4_1 blocks: 5 bits a weight instead of 32; 1.65x faster a
-    token on SmolLM2 here). Every other pass (a context's chunk, the question) is compute-bound,
-    where that kernel is slower than float32 on this CPU (0.65x), so it runs in float32 with the
-    original weight: the KV a context's prefill makes, and the first token, are float32's, bit
-    for bit. Both forms are kept (SmolLM2: 430 + 60 MB)."""
+class Float32Linear(WeightLinear):
+    """The float32 weight and matmul (float32's product bit for bit): the prefill side of
+    :class:`Int4DecodeLinear`."""
 
     weight: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         self.register_buffer("weight", linear.weight.detach().to(torch.float32))
-        self.kernel = Int4KernelLinear(linear)
-        self.kernel.bias = None                                # added once, by this module
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if answering():
-            return self.kernel.matmul(x)
         return fast_linear(x, self.weight.to(x.dtype))
 
 
-class MixedInt4DecodeLinear(Bf16Linear):
-    """``mixed-mlp``'s bf16 weight and matmul for a prefill, torch's int4 kernel for answer
-    tokens (``mixed-mlp-int4-decode``): :class:`Int4DecodeLinear`'s split on a CPU with bf16
-    hardware, where a prefill's bf16 matmuls run ~1.5x float32's and an answer token, bound by
-    reading the weights, ~2x faster from the Q4_1 blocks (5 bits a weight) than from bf16 (16).
-    Both paths round the input to bf16 and return bf16, so the MLP keeps its activations in bf16
-    (``mixed-mlp``) either way. The KV a prefill makes, and the first token, are ``mixed-mlp``'s
-    bit for bit. Both forms are kept (SmolLM2: 215 + 60 MB)."""
+class Int4Answers(WeightLinear):
+    """Answer tokens (passes marked by :func:`answer_tokens`) through :class:`Int4KernelLinear`
+    (the Q4_1 blocks), every other pass through the next class's :meth:`matmul`: mixed in
+    before the prefill's linear layer. An answer token's pass (one row, or one per ask when
+    the device service decodes several asks together:
+    :func:`~sparkv.runtime.batchdecode.decode_together` marks it) is bound by reading the
+    weights, not by FLOPs (5 bits a weight instead of 16 or 32); a prefill is compute-bound,
+    where that kernel is slower (0.65x float32 on the CPU). Both forms are kept."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -396,6 +384,21 @@ class MixedInt4DecodeLinear(Bf16Linear):
         if answering():
             return self.kernel.matmul(x)
         return super().matmul(x)
+
+
+class Int4DecodeLinear(Int4Answers, Float32Linear):
+    """float32 for a prefill, torch's int4 kernel for answer tokens (``int4-decode``; 1.65x
+    faster a token on SmolLM2 here): the KV a context's prefill makes, and the first token, are
+    float32's, bit for bit. SmolLM2: 430 + 60 MB."""
+
+
+class MixedInt4DecodeLinear(Int4Answers, Bf16Linear):
+    """``mixed-mlp``'s bf16 weight and matmul for a prefill, torch's int4 kernel for answer
+    tokens (``mixed-mlp-int4-decode``): on a CPU with bf16 hardware a prefill's bf16 matmuls
+    run ~1.5x float32's, and an answer token ~2x faster from the Q4_1 blocks than from bf16.
+    Both paths round the input to bf16 and return bf16, so the MLP keeps its activations in bf16
+    (``mixed-mlp``) either way. The KV a prefill makes, and the first token, are ``mixed-mlp``'s
+    bit for bit. SmolLM2: 215 + 60 MB."""
 
 
 _answer = threading.local()
@@ -439,7 +442,8 @@ def replace_linears(layer: nn.Module, cls: type[WeightLinear]) -> list[WeightLin
 
 
 __all__ = ["LINEAR_PARENTS", "replace_linears", "Bf16Linear", "Bf16WeightLinear",
-           "Int4DecodeLinear", "Int4KernelLinear", "MixedInt4DecodeLinear", "Int8Linear",
+           "Float32Linear", "Int4Answers", "Int4DecodeLinear", "Int4KernelLinear",
+           "MixedInt4DecodeLinear", "Int8Linear",
            "Q41Linear", "Q80AnswerLinear", "Q80Linear",
            "SHARED_INPUTS", "SharedQ41", "WeightLinear", "kernel_views", "share_inputs",
            "answer_tokens", "answering"]

@@ -27,7 +27,7 @@ main thread's 2-thread pool sat idle took 1.35x (``mixed-mlp``) to 1.8x
 (``mixed-mlp-int4-decode``) its time on the main thread, and as fast once that pool was freed.
 A service whose compute moves between threads (each ask on its own; the main thread loaded the
 model) therefore frees a thread's pool when it is done computing for now (the core gate after
-each unit, the service after loading the model).
+each unit, device serve's main thread before it serves, the context service after each call).
 """
 
 from __future__ import annotations
